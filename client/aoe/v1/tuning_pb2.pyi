@@ -1,0 +1,383 @@
+import datetime
+
+from aoe.v1 import bank_pb2 as _bank_pb2
+from google.protobuf import timestamp_pb2 as _timestamp_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class JobType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    JOB_TYPE_UNSPECIFIED: _ClassVar[JobType]
+    JOB_TYPE_SGAT: _ClassVar[JobType]
+    JOB_TYPE_OPAT: _ClassVar[JobType]
+
+class JobState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    JOB_STATE_UNSPECIFIED: _ClassVar[JobState]
+    JOB_STATE_QUEUED: _ClassVar[JobState]
+    JOB_STATE_PREPARING: _ClassVar[JobState]
+    JOB_STATE_TUNING: _ClassVar[JobState]
+    JOB_STATE_VERIFYING: _ClassVar[JobState]
+    JOB_STATE_SUCCEEDED: _ClassVar[JobState]
+    JOB_STATE_FAILED: _ClassVar[JobState]
+    JOB_STATE_CANCELLED: _ClassVar[JobState]
+
+class LogLevel(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    LOG_LEVEL_UNSPECIFIED: _ClassVar[LogLevel]
+    LOG_LEVEL_DEBUG: _ClassVar[LogLevel]
+    LOG_LEVEL_INFO: _ClassVar[LogLevel]
+    LOG_LEVEL_WARNING: _ClassVar[LogLevel]
+    LOG_LEVEL_ERROR: _ClassVar[LogLevel]
+
+class ResultArtifact(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    RESULT_ARTIFACT_UNSPECIFIED: _ClassVar[ResultArtifact]
+    RESULT_ARTIFACT_TUNED_MODEL: _ClassVar[ResultArtifact]
+    RESULT_ARTIFACT_RESULT_JSON: _ClassVar[ResultArtifact]
+JOB_TYPE_UNSPECIFIED: JobType
+JOB_TYPE_SGAT: JobType
+JOB_TYPE_OPAT: JobType
+JOB_STATE_UNSPECIFIED: JobState
+JOB_STATE_QUEUED: JobState
+JOB_STATE_PREPARING: JobState
+JOB_STATE_TUNING: JobState
+JOB_STATE_VERIFYING: JobState
+JOB_STATE_SUCCEEDED: JobState
+JOB_STATE_FAILED: JobState
+JOB_STATE_CANCELLED: JobState
+LOG_LEVEL_UNSPECIFIED: LogLevel
+LOG_LEVEL_DEBUG: LogLevel
+LOG_LEVEL_INFO: LogLevel
+LOG_LEVEL_WARNING: LogLevel
+LOG_LEVEL_ERROR: LogLevel
+RESULT_ARTIFACT_UNSPECIFIED: ResultArtifact
+RESULT_ARTIFACT_TUNED_MODEL: ResultArtifact
+RESULT_ARTIFACT_RESULT_JSON: ResultArtifact
+
+class InputShape(_message.Message):
+    __slots__ = ("name", "dims")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DIMS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dims: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., dims: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class AccuracyBudget(_message.Message):
+    __slots__ = ("min_cosine", "max_rel_error")
+    MIN_COSINE_FIELD_NUMBER: _ClassVar[int]
+    MAX_REL_ERROR_FIELD_NUMBER: _ClassVar[int]
+    min_cosine: float
+    max_rel_error: float
+    def __init__(self, min_cosine: _Optional[float] = ..., max_rel_error: _Optional[float] = ...) -> None: ...
+
+class JobOptions(_message.Message):
+    __slots__ = ("job_type", "precision", "input_shapes", "repeat_tune", "parallel", "device", "accuracy_budget", "calibration_dir", "labels", "output_dir")
+    class LabelsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    JOB_TYPE_FIELD_NUMBER: _ClassVar[int]
+    PRECISION_FIELD_NUMBER: _ClassVar[int]
+    INPUT_SHAPES_FIELD_NUMBER: _ClassVar[int]
+    REPEAT_TUNE_FIELD_NUMBER: _ClassVar[int]
+    PARALLEL_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    ACCURACY_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    CALIBRATION_DIR_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_DIR_FIELD_NUMBER: _ClassVar[int]
+    job_type: JobType
+    precision: _bank_pb2.Precision
+    input_shapes: _containers.RepeatedCompositeFieldContainer[InputShape]
+    repeat_tune: bool
+    parallel: int
+    device: str
+    accuracy_budget: AccuracyBudget
+    calibration_dir: str
+    labels: _containers.ScalarMap[str, str]
+    output_dir: str
+    def __init__(self, job_type: _Optional[_Union[JobType, str]] = ..., precision: _Optional[_Union[_bank_pb2.Precision, str]] = ..., input_shapes: _Optional[_Iterable[_Union[InputShape, _Mapping]]] = ..., repeat_tune: _Optional[bool] = ..., parallel: _Optional[int] = ..., device: _Optional[str] = ..., accuracy_budget: _Optional[_Union[AccuracyBudget, _Mapping]] = ..., calibration_dir: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., output_dir: _Optional[str] = ...) -> None: ...
+
+class SubmitJobRequest(_message.Message):
+    __slots__ = ("model_path", "model_id", "options")
+    MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    model_path: str
+    model_id: str
+    options: JobOptions
+    def __init__(self, model_path: _Optional[str] = ..., model_id: _Optional[str] = ..., options: _Optional[_Union[JobOptions, _Mapping]] = ...) -> None: ...
+
+class SubmitJobResponse(_message.Message):
+    __slots__ = ("job_id", "job")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    job: Job
+    def __init__(self, job_id: _Optional[str] = ..., job: _Optional[_Union[Job, _Mapping]] = ...) -> None: ...
+
+class JobProgress(_message.Message):
+    __slots__ = ("tasks_done", "tasks_total", "trials", "current_task", "current_op_type")
+    TASKS_DONE_FIELD_NUMBER: _ClassVar[int]
+    TASKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    TRIALS_FIELD_NUMBER: _ClassVar[int]
+    CURRENT_TASK_FIELD_NUMBER: _ClassVar[int]
+    CURRENT_OP_TYPE_FIELD_NUMBER: _ClassVar[int]
+    tasks_done: int
+    tasks_total: int
+    trials: int
+    current_task: str
+    current_op_type: str
+    def __init__(self, tasks_done: _Optional[int] = ..., tasks_total: _Optional[int] = ..., trials: _Optional[int] = ..., current_task: _Optional[str] = ..., current_op_type: _Optional[str] = ...) -> None: ...
+
+class RepoSummary(_message.Message):
+    __slots__ = ("repo_add_num", "repo_hit_num", "repo_reserved_num", "repo_unsatisfied_num", "repo_update_num", "total_num")
+    REPO_ADD_NUM_FIELD_NUMBER: _ClassVar[int]
+    REPO_HIT_NUM_FIELD_NUMBER: _ClassVar[int]
+    REPO_RESERVED_NUM_FIELD_NUMBER: _ClassVar[int]
+    REPO_UNSATISFIED_NUM_FIELD_NUMBER: _ClassVar[int]
+    REPO_UPDATE_NUM_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_NUM_FIELD_NUMBER: _ClassVar[int]
+    repo_add_num: int
+    repo_hit_num: int
+    repo_reserved_num: int
+    repo_unsatisfied_num: int
+    repo_update_num: int
+    total_num: int
+    def __init__(self, repo_add_num: _Optional[int] = ..., repo_hit_num: _Optional[int] = ..., repo_reserved_num: _Optional[int] = ..., repo_unsatisfied_num: _Optional[int] = ..., repo_update_num: _Optional[int] = ..., total_num: _Optional[int] = ...) -> None: ...
+
+class TaskResult(_message.Message):
+    __slots__ = ("task_id", "op_type", "node_names", "strategy", "before_us", "after_us", "improvement", "update_mode", "bank_layer", "accuracy", "error", "signature")
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    OP_TYPE_FIELD_NUMBER: _ClassVar[int]
+    NODE_NAMES_FIELD_NUMBER: _ClassVar[int]
+    STRATEGY_FIELD_NUMBER: _ClassVar[int]
+    BEFORE_US_FIELD_NUMBER: _ClassVar[int]
+    AFTER_US_FIELD_NUMBER: _ClassVar[int]
+    IMPROVEMENT_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_MODE_FIELD_NUMBER: _ClassVar[int]
+    BANK_LAYER_FIELD_NUMBER: _ClassVar[int]
+    ACCURACY_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    task_id: str
+    op_type: str
+    node_names: _containers.RepeatedScalarFieldContainer[str]
+    strategy: _bank_pb2.Strategy
+    before_us: float
+    after_us: float
+    improvement: float
+    update_mode: str
+    bank_layer: str
+    accuracy: _bank_pb2.Accuracy
+    error: str
+    signature: _bank_pb2.TaskSignature
+    def __init__(self, task_id: _Optional[str] = ..., op_type: _Optional[str] = ..., node_names: _Optional[_Iterable[str]] = ..., strategy: _Optional[_Union[_bank_pb2.Strategy, _Mapping]] = ..., before_us: _Optional[float] = ..., after_us: _Optional[float] = ..., improvement: _Optional[float] = ..., update_mode: _Optional[str] = ..., bank_layer: _Optional[str] = ..., accuracy: _Optional[_Union[_bank_pb2.Accuracy, _Mapping]] = ..., error: _Optional[str] = ..., signature: _Optional[_Union[_bank_pb2.TaskSignature, _Mapping]] = ...) -> None: ...
+
+class JobResult(_message.Message):
+    __slots__ = ("baseline_ms", "tuned_ms", "improvement", "tuned_model_path", "result_json_path", "repo_summary", "tasks")
+    BASELINE_MS_FIELD_NUMBER: _ClassVar[int]
+    TUNED_MS_FIELD_NUMBER: _ClassVar[int]
+    IMPROVEMENT_FIELD_NUMBER: _ClassVar[int]
+    TUNED_MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
+    RESULT_JSON_PATH_FIELD_NUMBER: _ClassVar[int]
+    REPO_SUMMARY_FIELD_NUMBER: _ClassVar[int]
+    TASKS_FIELD_NUMBER: _ClassVar[int]
+    baseline_ms: float
+    tuned_ms: float
+    improvement: float
+    tuned_model_path: str
+    result_json_path: str
+    repo_summary: RepoSummary
+    tasks: _containers.RepeatedCompositeFieldContainer[TaskResult]
+    def __init__(self, baseline_ms: _Optional[float] = ..., tuned_ms: _Optional[float] = ..., improvement: _Optional[float] = ..., tuned_model_path: _Optional[str] = ..., result_json_path: _Optional[str] = ..., repo_summary: _Optional[_Union[RepoSummary, _Mapping]] = ..., tasks: _Optional[_Iterable[_Union[TaskResult, _Mapping]]] = ...) -> None: ...
+
+class Job(_message.Message):
+    __slots__ = ("job_id", "state", "model_name", "model_path", "options", "created", "started", "finished", "progress", "result", "error", "queue_position")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
+    OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    CREATED_FIELD_NUMBER: _ClassVar[int]
+    STARTED_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_POSITION_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    state: JobState
+    model_name: str
+    model_path: str
+    options: JobOptions
+    created: _timestamp_pb2.Timestamp
+    started: _timestamp_pb2.Timestamp
+    finished: _timestamp_pb2.Timestamp
+    progress: JobProgress
+    result: JobResult
+    error: str
+    queue_position: int
+    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., model_name: _Optional[str] = ..., model_path: _Optional[str] = ..., options: _Optional[_Union[JobOptions, _Mapping]] = ..., created: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., started: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., finished: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., progress: _Optional[_Union[JobProgress, _Mapping]] = ..., result: _Optional[_Union[JobResult, _Mapping]] = ..., error: _Optional[str] = ..., queue_position: _Optional[int] = ...) -> None: ...
+
+class JobStateChange(_message.Message):
+    __slots__ = ("previous", "state", "message")
+    PREVIOUS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    previous: JobState
+    state: JobState
+    message: str
+    def __init__(self, previous: _Optional[_Union[JobState, str]] = ..., state: _Optional[_Union[JobState, str]] = ..., message: _Optional[str] = ...) -> None: ...
+
+class LogLine(_message.Message):
+    __slots__ = ("level", "logger", "message")
+    LEVEL_FIELD_NUMBER: _ClassVar[int]
+    LOGGER_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    level: LogLevel
+    logger: str
+    message: str
+    def __init__(self, level: _Optional[_Union[LogLevel, str]] = ..., logger: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+
+class JobEvent(_message.Message):
+    __slots__ = ("sequence", "time", "job_id", "state_change", "progress", "task_result", "log", "result")
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    TIME_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_CHANGE_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    TASK_RESULT_FIELD_NUMBER: _ClassVar[int]
+    LOG_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    sequence: int
+    time: _timestamp_pb2.Timestamp
+    job_id: str
+    state_change: JobStateChange
+    progress: JobProgress
+    task_result: TaskResult
+    log: LogLine
+    result: JobResult
+    def __init__(self, sequence: _Optional[int] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., job_id: _Optional[str] = ..., state_change: _Optional[_Union[JobStateChange, _Mapping]] = ..., progress: _Optional[_Union[JobProgress, _Mapping]] = ..., task_result: _Optional[_Union[TaskResult, _Mapping]] = ..., log: _Optional[_Union[LogLine, _Mapping]] = ..., result: _Optional[_Union[JobResult, _Mapping]] = ...) -> None: ...
+
+class WatchJobRequest(_message.Message):
+    __slots__ = ("job_id", "include_logs", "after_sequence")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_LOGS_FIELD_NUMBER: _ClassVar[int]
+    AFTER_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    include_logs: bool
+    after_sequence: int
+    def __init__(self, job_id: _Optional[str] = ..., include_logs: _Optional[bool] = ..., after_sequence: _Optional[int] = ...) -> None: ...
+
+class WatchJobResponse(_message.Message):
+    __slots__ = ("event",)
+    EVENT_FIELD_NUMBER: _ClassVar[int]
+    event: JobEvent
+    def __init__(self, event: _Optional[_Union[JobEvent, _Mapping]] = ...) -> None: ...
+
+class GetJobRequest(_message.Message):
+    __slots__ = ("job_id",)
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+
+class GetJobResponse(_message.Message):
+    __slots__ = ("job",)
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    job: Job
+    def __init__(self, job: _Optional[_Union[Job, _Mapping]] = ...) -> None: ...
+
+class ListJobsRequest(_message.Message):
+    __slots__ = ("states", "page_size", "page_token")
+    STATES_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    states: _containers.RepeatedScalarFieldContainer[JobState]
+    page_size: int
+    page_token: str
+    def __init__(self, states: _Optional[_Iterable[_Union[JobState, str]]] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
+
+class ListJobsResponse(_message.Message):
+    __slots__ = ("jobs", "next_page_token")
+    JOBS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    jobs: _containers.RepeatedCompositeFieldContainer[Job]
+    next_page_token: str
+    def __init__(self, jobs: _Optional[_Iterable[_Union[Job, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
+
+class CancelJobRequest(_message.Message):
+    __slots__ = ("job_id",)
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+
+class CancelJobResponse(_message.Message):
+    __slots__ = ("job",)
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    job: Job
+    def __init__(self, job: _Optional[_Union[Job, _Mapping]] = ...) -> None: ...
+
+class ModelUploadHeader(_message.Message):
+    __slots__ = ("file_name", "sha256", "size_bytes")
+    FILE_NAME_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    file_name: str
+    sha256: str
+    size_bytes: int
+    def __init__(self, file_name: _Optional[str] = ..., sha256: _Optional[str] = ..., size_bytes: _Optional[int] = ...) -> None: ...
+
+class UploadModelRequest(_message.Message):
+    __slots__ = ("header", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: ModelUploadHeader
+    chunk: bytes
+    def __init__(self, header: _Optional[_Union[ModelUploadHeader, _Mapping]] = ..., chunk: _Optional[bytes] = ...) -> None: ...
+
+class UploadModelResponse(_message.Message):
+    __slots__ = ("model_id", "sha256", "size_bytes")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    sha256: str
+    size_bytes: int
+    def __init__(self, model_id: _Optional[str] = ..., sha256: _Optional[str] = ..., size_bytes: _Optional[int] = ...) -> None: ...
+
+class DownloadResultRequest(_message.Message):
+    __slots__ = ("job_id", "artifact")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    ARTIFACT_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    artifact: ResultArtifact
+    def __init__(self, job_id: _Optional[str] = ..., artifact: _Optional[_Union[ResultArtifact, str]] = ...) -> None: ...
+
+class DownloadHeader(_message.Message):
+    __slots__ = ("file_name", "sha256", "size_bytes")
+    FILE_NAME_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    file_name: str
+    sha256: str
+    size_bytes: int
+    def __init__(self, file_name: _Optional[str] = ..., sha256: _Optional[str] = ..., size_bytes: _Optional[int] = ...) -> None: ...
+
+class DownloadResultResponse(_message.Message):
+    __slots__ = ("header", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: DownloadHeader
+    chunk: bytes
+    def __init__(self, header: _Optional[_Union[DownloadHeader, _Mapping]] = ..., chunk: _Optional[bytes] = ...) -> None: ...
