@@ -1,0 +1,510 @@
+"""Small, deterministic ONNX sample models built in code.
+
+Every model here is produced with ``onnx.helper`` and numpy alone, from a fixed
+random seed, so building the same sample twice yields byte-identical
+protobufs. The samples cover the shapes of graph the tuner meets in practice:
+
+* ``mlp``: MatMul + Add + Relu layers (optionally with a dynamic batch).
+* ``cnn``: a small residual CNN with BatchNormalization and a 1x1 conv.
+* ``transformer``: one encoder block (attention, LayerNormalization, an
+  Erf-decomposed Gelu FFN).
+* ``legacy_mlp``: an opset 9 / IR 3 model that lists its initializers among
+  the graph inputs, as older exporters did.
+* ``legacy_cnn``: an opset 11 / IR 6 conv net whose first conv weight is
+  computed by nodes, so constant folding has something to do.
+
+Usage from the command line::
+
+    python -m aoed.samples mlp cnn -o models/
+    python -m aoed.samples --list
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+__all__ = [
+    "SAMPLES",
+    "build",
+    "cnn",
+    "legacy_cnn",
+    "legacy_mlp",
+    "main",
+    "mlp",
+    "save",
+    "transformer",
+]
+
+DEFAULT_OPSET = 17
+DEFAULT_IR_VERSION = 8
+PRODUCER = "aoed.samples"
+
+
+class _GraphBuilder:
+    """Collects nodes and initializers, keeping node and tensor names unique."""
+
+    def __init__(self, seed: int) -> None:
+        self.rng = np.random.default_rng(seed)
+        self.nodes: list[onnx.NodeProto] = []
+        self.initializers: list[onnx.TensorProto] = []
+        self._node_names: set[str] = set()
+        self._tensor_names: set[str] = set()
+
+    def _claim_tensor(self, name: str) -> str:
+        if name in self._tensor_names:
+            raise ValueError(f"duplicate tensor name {name!r}")
+        self._tensor_names.add(name)
+        return name
+
+    def claim_input(self, name: str) -> str:
+        return self._claim_tensor(name)
+
+    def const(self, name: str, array: np.ndarray) -> str:
+        """Adds an initializer and returns its name."""
+        self._claim_tensor(name)
+        self.initializers.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
+        return name
+
+    def scalar(self, name: str, value: float) -> str:
+        return self.const(name, np.array(value, dtype=np.float32))
+
+    def shape(self, name: str, dims: Sequence[int]) -> str:
+        return self.const(name, np.array(list(dims), dtype=np.int64))
+
+    def normal(self, name: str, shape: Sequence[int], std: float) -> str:
+        data = self.rng.standard_normal(tuple(shape)).astype(np.float32) * np.float32(std)
+        return self.const(name, data.astype(np.float32))
+
+    def uniform(self, name: str, shape: Sequence[int], low: float, high: float) -> str:
+        data = self.rng.uniform(low, high, size=tuple(shape)).astype(np.float32)
+        return self.const(name, data)
+
+    def node(
+        self,
+        op_type: str,
+        inputs: Sequence[str],
+        name: str,
+        output: str | None = None,
+        **attrs: Any,
+    ) -> str:
+        """Adds a single-output node and returns the name of its output."""
+        if name in self._node_names:
+            raise ValueError(f"duplicate node name {name!r}")
+        self._node_names.add(name)
+        out = self._claim_tensor(output if output is not None else f"{name}_out")
+        self.nodes.append(helper.make_node(op_type, list(inputs), [out], name=name, **attrs))
+        return out
+
+    def model(
+        self,
+        graph_name: str,
+        inputs: Sequence[onnx.ValueInfoProto],
+        outputs: Sequence[onnx.ValueInfoProto],
+        *,
+        doc: str,
+        opset: int = DEFAULT_OPSET,
+        ir_version: int = DEFAULT_IR_VERSION,
+        initializers_as_inputs: bool = False,
+    ) -> onnx.ModelProto:
+        graph_inputs = list(inputs)
+        if initializers_as_inputs:
+            graph_inputs += [
+                helper.make_tensor_value_info(t.name, t.data_type, list(t.dims))
+                for t in self.initializers
+            ]
+        graph = helper.make_graph(
+            self.nodes,
+            graph_name,
+            graph_inputs,
+            list(outputs),
+            initializer=self.initializers,
+        )
+        model = helper.make_model(
+            graph,
+            opset_imports=[helper.make_opsetid("", opset)],
+            producer_name=PRODUCER,
+            doc_string=doc,
+        )
+        model.ir_version = ir_version
+        return model
+
+
+def _positive(**values: int) -> None:
+    for key, value in values.items():
+        if int(value) != value or value < 1:
+            raise ValueError(f"{key} must be a positive integer, got {value!r}")
+
+
+def _batch_norm(
+    g: _GraphBuilder, x: str, prefix: str, channels: int, gamma: tuple[float, float] = (0.8, 1.2)
+) -> str:
+    """Inference-mode BatchNormalization with plausible running statistics."""
+    scale = g.uniform(f"{prefix}.weight", [channels], *gamma)
+    bias = g.normal(f"{prefix}.bias", [channels], 0.05)
+    mean = g.normal(f"{prefix}.running_mean", [channels], 0.05)
+    var = g.uniform(f"{prefix}.running_var", [channels], 0.8, 1.2)
+    return g.node("BatchNormalization", [x, scale, bias, mean, var], prefix, epsilon=1e-5)
+
+
+def _conv(
+    g: _GraphBuilder,
+    x: str,
+    name: str,
+    c_in: int,
+    c_out: int,
+    kernel: int,
+    *,
+    stride: int = 1,
+    bias: bool = False,
+) -> str:
+    """Conv with He-initialised weights and 'same' padding for odd kernels."""
+    std = math.sqrt(2.0 / (c_in * kernel * kernel))
+    w = g.normal(f"{name}.weight", [c_out, c_in, kernel, kernel], std)
+    inputs = [x, w]
+    if bias:
+        inputs.append(g.normal(f"{name}.bias", [c_out], 0.01))
+    pad = kernel // 2
+    return g.node(
+        "Conv",
+        inputs,
+        name,
+        kernel_shape=[kernel, kernel],
+        strides=[stride, stride],
+        pads=[pad, pad, pad, pad],
+    )
+
+
+def mlp(
+    batch: int = 1,
+    features: int = 256,
+    hidden: int = 512,
+    classes: int = 16,
+    layers: int = 3,
+    dynamic_batch: bool = False,
+) -> onnx.ModelProto:
+    """A multi-layer perceptron: ``layers`` x (MatMul + Add [+ Relu]).
+
+    Input ``input`` is float32 [batch, features] (the batch dimension is the
+    symbolic ``batch`` when ``dynamic_batch``); output ``logits`` is
+    [batch, classes]. The last layer has no Relu.
+    """
+    _positive(batch=batch, features=features, hidden=hidden, classes=classes, layers=layers)
+    g = _GraphBuilder(seed=1001)
+    x = g.claim_input("input")
+    widths = [features] + [hidden] * (layers - 1) + [classes]
+    for i in range(layers):
+        prefix = f"fc{i + 1}"
+        last = i == layers - 1
+        fan_in, fan_out = widths[i], widths[i + 1]
+        std = math.sqrt((1.0 if last else 2.0) / fan_in)
+        w = g.normal(f"{prefix}.weight", [fan_in, fan_out], std)
+        b = g.normal(f"{prefix}.bias", [fan_out], 0.01)
+        x = g.node("MatMul", [x, w], f"{prefix}/MatMul")
+        x = g.node("Add", [x, b], f"{prefix}/Add", output="logits" if last else None)
+        if not last:
+            x = g.node("Relu", [x], f"{prefix}/Relu")
+    batch_dim: int | str = "batch" if dynamic_batch else batch
+    return g.model(
+        "mlp",
+        [helper.make_tensor_value_info("input", TensorProto.FLOAT, [batch_dim, features])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [batch_dim, classes])],
+        doc=f"MLP {features}->{hidden}x{layers - 1}->{classes}",
+    )
+
+
+def cnn(batch: int = 1, size: int = 32, width: int = 32, blocks: int = 2) -> onnx.ModelProto:
+    """A small residual CNN classifying 3-channel images into 10 classes.
+
+    Stem Conv3x3-BN-Relu, ``blocks`` residual blocks (Conv3x3-BN-Relu-Conv3x3-BN
+    + skip Add + Relu), a 1x1 transition conv doubling the width, then
+    GlobalAveragePool, Flatten and Gemm. Input ``image`` is float32
+    [batch, 3, size, size]; output ``logits`` is [batch, 10].
+    """
+    _positive(batch=batch, size=size, width=width, blocks=blocks)
+    classes = 10
+    g = _GraphBuilder(seed=2002)
+    x = g.claim_input("image")
+
+    x = _conv(g, x, "stem/conv", 3, width, 3)
+    x = _batch_norm(g, x, "stem/bn", width)
+    x = g.node("Relu", [x], "stem/relu")
+
+    for i in range(blocks):
+        p = f"block{i + 1}"
+        skip = x
+        y = _conv(g, x, f"{p}/conv1", width, width, 3)
+        y = _batch_norm(g, y, f"{p}/bn1", width)
+        y = g.node("Relu", [y], f"{p}/relu1")
+        y = _conv(g, y, f"{p}/conv2", width, width, 3)
+        y = _batch_norm(g, y, f"{p}/bn2", width, gamma=(0.3, 0.6))
+        y = g.node("Add", [y, skip], f"{p}/add")
+        x = g.node("Relu", [y], f"{p}/relu2")
+
+    x = _conv(g, x, "transition/conv", width, 2 * width, 1)
+    x = _batch_norm(g, x, "transition/bn", 2 * width)
+    x = g.node("Relu", [x], "transition/relu")
+
+    x = g.node("GlobalAveragePool", [x], "head/pool")
+    x = g.node("Flatten", [x], "head/flatten", axis=1)
+    w = g.normal("head/fc.weight", [classes, 2 * width], math.sqrt(1.0 / (2 * width)))
+    b = g.normal("head/fc.bias", [classes], 0.01)
+    g.node("Gemm", [x, w, b], "head/fc", output="logits", transB=1)
+
+    return g.model(
+        "cnn",
+        [helper.make_tensor_value_info("image", TensorProto.FLOAT, [batch, 3, size, size])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [batch, classes])],
+        doc=f"residual CNN, width {width}, {blocks} blocks, {size}x{size} input",
+    )
+
+
+def _linear(g: _GraphBuilder, x: str, prefix: str, fan_in: int, fan_out: int) -> str:
+    w = g.normal(f"{prefix}.weight", [fan_in, fan_out], math.sqrt(1.0 / fan_in))
+    b = g.normal(f"{prefix}.bias", [fan_out], 0.01)
+    x = g.node("MatMul", [x, w], f"{prefix}/MatMul")
+    return g.node("Add", [x, b], f"{prefix}/Add")
+
+
+def _layer_norm(g: _GraphBuilder, x: str, prefix: str, hidden: int, output: str | None) -> str:
+    scale = g.uniform(f"{prefix}.weight", [hidden], 0.9, 1.1)
+    bias = g.normal(f"{prefix}.bias", [hidden], 0.02)
+    return g.node(
+        "LayerNormalization",
+        [x, scale, bias],
+        f"{prefix}/LayerNormalization",
+        output=output,
+        axis=-1,
+        epsilon=1e-5,
+    )
+
+
+def transformer(
+    batch: int = 1, seq: int = 32, hidden: int = 64, heads: int = 4, ffn: int = 256
+) -> onnx.ModelProto:
+    """One post-norm transformer encoder block.
+
+    Multi-head self-attention (Q/K/V MatMul + Add, scaled dot product,
+    Softmax), output projection, residual Add and LayerNormalization, then an
+    FFN with Gelu written out as ``x * 0.5 * (1 + Erf(x / sqrt(2)))``, another
+    residual Add and LayerNormalization. Input ``hidden_states`` and output
+    ``output`` are float32 [batch, seq, hidden].
+    """
+    _positive(batch=batch, seq=seq, hidden=hidden, heads=heads, ffn=ffn)
+    if hidden % heads:
+        raise ValueError(f"hidden ({hidden}) must be divisible by heads ({heads})")
+    head_dim = hidden // heads
+    g = _GraphBuilder(seed=3003)
+    x = g.claim_input("hidden_states")
+
+    split_shape = g.shape("attn/split_heads_shape", [batch, seq, heads, head_dim])
+    merge_shape = g.shape("attn/merge_heads_shape", [batch, seq, hidden])
+
+    def heads_of(name: str, perm: list[int]) -> str:
+        y = _linear(g, x, f"attn/{name}", hidden, hidden)
+        y = g.node("Reshape", [y, split_shape], f"attn/{name}/Reshape")
+        return g.node("Transpose", [y], f"attn/{name}/Transpose", perm=perm)
+
+    q = heads_of("q", [0, 2, 1, 3])  # [batch, heads, seq, head_dim]
+    k_t = heads_of("k", [0, 2, 3, 1])  # [batch, heads, head_dim, seq]
+    v = heads_of("v", [0, 2, 1, 3])  # [batch, heads, seq, head_dim]
+
+    scores = g.node("MatMul", [q, k_t], "attn/scores/MatMul")
+    scale = g.scalar("attn/scale", 1.0 / math.sqrt(head_dim))
+    scores = g.node("Mul", [scores, scale], "attn/scores/Mul")
+    probs = g.node("Softmax", [scores], "attn/Softmax", axis=-1)
+    ctx = g.node("MatMul", [probs, v], "attn/context/MatMul")
+    ctx = g.node("Transpose", [ctx], "attn/context/Transpose", perm=[0, 2, 1, 3])
+    ctx = g.node("Reshape", [ctx, merge_shape], "attn/context/Reshape")
+    attn = _linear(g, ctx, "attn/out", hidden, hidden)
+
+    h = g.node("Add", [attn, x], "attn/residual/Add")
+    h = _layer_norm(g, h, "attn/norm", hidden, None)
+
+    f = _linear(g, h, "ffn/fc1", hidden, ffn)
+    sqrt2 = g.scalar("ffn/gelu/sqrt2", math.sqrt(2.0))
+    one = g.scalar("ffn/gelu/one", 1.0)
+    half = g.scalar("ffn/gelu/half", 0.5)
+    e = g.node("Div", [f, sqrt2], "ffn/gelu/Div")
+    e = g.node("Erf", [e], "ffn/gelu/Erf")
+    e = g.node("Add", [e, one], "ffn/gelu/Add")
+    e = g.node("Mul", [f, e], "ffn/gelu/Mul")
+    f = g.node("Mul", [e, half], "ffn/gelu/Mul_half")
+    f = _linear(g, f, "ffn/fc2", ffn, hidden)
+
+    y = g.node("Add", [f, h], "ffn/residual/Add")
+    _layer_norm(g, y, "ffn/norm", hidden, "output")
+
+    shape = [batch, seq, hidden]
+    return g.model(
+        "transformer",
+        [helper.make_tensor_value_info("hidden_states", TensorProto.FLOAT, shape)],
+        [helper.make_tensor_value_info("output", TensorProto.FLOAT, shape)],
+        doc=f"encoder block, hidden {hidden}, {heads} heads, ffn {ffn}, seq {seq}",
+    )
+
+
+def legacy_mlp() -> onnx.ModelProto:
+    """An MLP as an older exporter wrote it: opset 9, IR version 3.
+
+    Gemm (transB=1) + Relu layers, with every initializer also listed in
+    ``graph.input``. Input ``input`` is float32 [1, 128]; output ``logits`` is
+    [1, 10].
+    """
+    batch, features, hidden, classes = 1, 128, 256, 10
+    g = _GraphBuilder(seed=4004)
+    x = g.claim_input("input")
+    widths = [features, hidden, hidden, classes]
+    for i in range(len(widths) - 1):
+        prefix = f"fc{i + 1}"
+        last = i == len(widths) - 2
+        fan_in, fan_out = widths[i], widths[i + 1]
+        std = math.sqrt((1.0 if last else 2.0) / fan_in)
+        w = g.normal(f"{prefix}.weight", [fan_out, fan_in], std)
+        b = g.normal(f"{prefix}.bias", [fan_out], 0.01)
+        x = g.node("Gemm", [x, w, b], f"{prefix}/Gemm", output="logits" if last else None, transB=1)
+        if not last:
+            x = g.node("Relu", [x], f"{prefix}/Relu")
+    return g.model(
+        "legacy_mlp",
+        [helper.make_tensor_value_info("input", TensorProto.FLOAT, [batch, features])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [batch, classes])],
+        doc="MLP in the style of an older exporter (opset 9, initializers as inputs)",
+        opset=9,
+        ir_version=3,
+        initializers_as_inputs=True,
+    )
+
+
+def legacy_cnn() -> onnx.ModelProto:
+    """A conv net at opset 11 / IR version 6 that needs constant folding.
+
+    The first Conv's weight is not an initializer: it is a Constant node's
+    flat tensor, Reshaped and scaled per output channel by Mul; its bias comes
+    from ConstantOfShape plus an initializer. Then BatchNormalization, Relu,
+    a strided conv, GlobalAveragePool, Flatten and Gemm. Input ``image`` is
+    float32 [1, 3, 32, 32]; output ``logits`` is [1, 10].
+    """
+    batch, size, c1, c2, classes = 1, 32, 16, 32, 10
+    g = _GraphBuilder(seed=5005)
+    x = g.claim_input("image")
+
+    # conv1 weight = Reshape(Constant(flat), shape) * per-channel scale
+    fan_in = 3 * 3 * 3
+    flat = g.rng.standard_normal(c1 * fan_in).astype(np.float32)
+    flat *= np.float32(math.sqrt(2.0 / fan_in))
+    raw = g.node(
+        "Constant",
+        [],
+        "conv1/weight/Constant",
+        value=numpy_helper.from_array(flat.astype(np.float32), "conv1/weight/Constant_value"),
+    )
+    w_shape = g.shape("conv1/weight/shape", [c1, 3, 3, 3])
+    w = g.node("Reshape", [raw, w_shape], "conv1/weight/Reshape")
+    w_scale = g.uniform("conv1/weight/scale", [c1, 1, 1, 1], 0.8, 1.2)
+    w = g.node("Mul", [w, w_scale], "conv1/weight/Mul")
+
+    # conv1 bias = ConstantOfShape([c1], 0.01) + initializer
+    b_shape = g.shape("conv1/bias/shape", [c1])
+    b = g.node(
+        "ConstantOfShape",
+        [b_shape],
+        "conv1/bias/ConstantOfShape",
+        value=numpy_helper.from_array(np.array([0.01], dtype=np.float32), "value"),
+    )
+    b_delta = g.normal("conv1/bias/delta", [c1], 0.01)
+    b = g.node("Add", [b, b_delta], "conv1/bias/Add")
+
+    x = g.node("Conv", [x, w, b], "conv1", kernel_shape=[3, 3], strides=[1, 1], pads=[1, 1, 1, 1])
+    x = _batch_norm(g, x, "bn1", c1)
+    x = g.node("Relu", [x], "relu1")
+    x = _conv(g, x, "conv2", c1, c2, 3, stride=2, bias=True)
+    x = g.node("Relu", [x], "relu2")
+    x = g.node("GlobalAveragePool", [x], "pool")
+    x = g.node("Flatten", [x], "flatten", axis=1)
+    fc_w = g.normal("fc.weight", [classes, c2], math.sqrt(1.0 / c2))
+    fc_b = g.normal("fc.bias", [classes], 0.01)
+    g.node("Gemm", [x, fc_w, fc_b], "fc", output="logits", transB=1)
+
+    return g.model(
+        "legacy_cnn",
+        [helper.make_tensor_value_info("image", TensorProto.FLOAT, [batch, 3, size, size])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [batch, classes])],
+        doc="conv net with a computed conv weight (opset 11)",
+        opset=11,
+        ir_version=6,
+    )
+
+
+SAMPLES: dict[str, Callable[..., onnx.ModelProto]] = {
+    "mlp": mlp,
+    "cnn": cnn,
+    "transformer": transformer,
+    "legacy_mlp": legacy_mlp,
+    "legacy_cnn": legacy_cnn,
+}
+
+
+def _unknown(name: str) -> str:
+    return f"unknown sample {name!r} (choose from: {', '.join(SAMPLES)})"
+
+
+def build(name: str, **kw: Any) -> onnx.ModelProto:
+    """Builds the sample called ``name``, passing ``kw`` to its builder."""
+    try:
+        builder = SAMPLES[name]
+    except KeyError:
+        raise ValueError(_unknown(name)) from None
+    return builder(**kw)
+
+
+def save(model: onnx.ModelProto, path: str | Path) -> Path:
+    """Writes ``model`` to ``path`` (creating parent folders) and returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(model.SerializeToString())
+    return path
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m aoed.samples",
+        description="Write deterministic sample ONNX models to DIR/NAME.onnx.",
+    )
+    parser.add_argument("names", nargs="*", metavar="NAME", help="samples to write")
+    parser.add_argument(
+        "-o", "--output-dir", default=".", metavar="DIR", help="output folder (default: .)"
+    )
+    parser.add_argument("--list", action="store_true", help="print the sample names and exit")
+    args = parser.parse_args(argv)
+
+    if args.list:
+        for name in SAMPLES:
+            print(name)
+        return 0
+    if not args.names:
+        print(
+            f"{parser.prog}: error: no sample named (choose from: {', '.join(SAMPLES)})",
+            file=sys.stderr,
+        )
+        return 2
+    for name in args.names:
+        if name not in SAMPLES:
+            print(f"{parser.prog}: error: {_unknown(name)}", file=sys.stderr)
+            return 2
+    out_dir = Path(args.output_dir)
+    for name in args.names:
+        print(save(build(name), out_dir / f"{name}.onnx"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
