@@ -1,0 +1,65 @@
+"""The one error hierarchy of aoe and aoed.
+
+Every error a user can cause or meet derives from `AoedError`. Each class maps to one
+process exit code (`exit_code`) and one gRPC status name (`grpc_status`), so the CLI,
+the daemon and the API report the same failure the same way. Foreign errors (onnx,
+onnxruntime, lmdb, OSError) are translated into these at the edge where they occur;
+the message names the file, node or option at fault and says what to do.
+
+    AoedError
+    ├── OptionError        a command-line option, config key or request field is wrong
+    ├── ModelError         a model cannot be read, checked or prepared
+    ├── BankError          the knowledge bank cannot be opened, read or written
+    ├── DeviceError        the measuring device or its runner failed
+    ├── CandidateError     one candidate failed to compile or measure (costs that candidate)
+    └── JobCancelledError  the job was cancelled
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AoedError",
+    "BankError",
+    "CandidateError",
+    "DeviceError",
+    "JobCancelledError",
+    "ModelError",
+    "OptionError",
+]
+
+
+class AoedError(Exception):
+    """Base of every aoe/aoed error; `str(err)` is a complete one-line message."""
+
+    exit_code = 1
+    grpc_status = "INTERNAL"
+
+
+class OptionError(AoedError):
+    exit_code = 2
+    grpc_status = "INVALID_ARGUMENT"
+
+
+class ModelError(AoedError):
+    exit_code = 3
+    grpc_status = "INVALID_ARGUMENT"
+
+
+class BankError(AoedError):
+    exit_code = 4
+    grpc_status = "FAILED_PRECONDITION"
+
+
+class DeviceError(AoedError):
+    exit_code = 5
+    grpc_status = "UNAVAILABLE"
+
+
+class CandidateError(AoedError):
+    exit_code = 6
+    grpc_status = "ABORTED"
+
+
+class JobCancelledError(AoedError):
+    exit_code = 130
+    grpc_status = "CANCELLED"
