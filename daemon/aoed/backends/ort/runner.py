@@ -1,0 +1,258 @@
+"""Measurement runner: `python -m aoed.backends.ort.runner`, one per device.
+
+The device agent owns exactly one runner and sends it one request at a time, so
+measurements on a device are serialized by construction.
+
+Ops:
+  measure  {"candidates": [{"id", "model", "options"}], "inputs": npz, "reference": id,
+            "min_rounds", "max_rounds", "samples", "budget_s", "rel_tol"}
+     -> {"results": {id: {"ok", "median_us", "spread", "repeats", "min_us",
+                          "max_abs_error", "max_rel_error", "cosine", "dropped", "error"}}}
+  profile  {"model", "inputs", "runs", "options", "workdir"} -> {"nodes": {name: us}, "total_us"}
+
+Method: every candidate gets the same inputs; one run gives its outputs, compared with
+the reference candidate's; then warm-up, then rounds in which every surviving candidate
+takes a few samples in turn (interleaved, with the order rotated each round, so slow drift
+of the machine hits all alike). After `min_rounds`, a candidate whose lower quartile is
+above the best's upper quartile by a clear margin is dropped (racing). Rounds end when
+every survivor's median moved less than `rel_tol` over the last round, or at
+`max_rounds` / `budget_s`. A sample times a batch of runs long enough (~2 ms) that
+clock resolution does not matter.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+_SAMPLE_S = 0.002
+_SETTLE_S = 0.005
+_DROP_MARGIN = 0.05
+
+
+def _load_inputs(path: str) -> dict[str, np.ndarray]:
+    with np.load(path, allow_pickle=False) as data:
+        return {k: data[k] for k in data.files}
+
+
+def _session(model: str, options: dict[str, Any] | None):
+    import onnxruntime as ort
+
+    from aoe._session import make_session_options
+
+    return ort.InferenceSession(model, make_session_options(options), providers=["CPUExecutionProvider"])
+
+
+def accuracy(ref: list[np.ndarray], out: list[np.ndarray]) -> dict[str, float]:
+    """max abs error, max error relative to the reference's largest magnitude, cosine."""
+    if len(ref) != len(out):
+        raise ValueError("candidate has a different number of outputs")
+    max_abs = 0.0
+    scale = 0.0
+    dot = nr = no = 0.0
+    for r, o in zip(ref, out):
+        r = np.asarray(r)
+        o = np.asarray(o)
+        if r.shape != o.shape:
+            raise ValueError(f"output shape {o.shape} differs from the reference {r.shape}")
+        if r.dtype.kind not in "fc":
+            if not np.array_equal(r, o):
+                max_abs = math.inf
+            continue
+        r64 = r.astype(np.float64).ravel()
+        o64 = o.astype(np.float64).ravel()
+        if not np.all(np.isfinite(o64)):
+            return {"max_abs_error": math.inf, "max_rel_error": math.inf, "cosine": 0.0}
+        if r64.size:
+            max_abs = max(max_abs, float(np.max(np.abs(r64 - o64))))
+            scale = max(scale, float(np.max(np.abs(r64))))
+        dot += float(r64 @ o64)
+        nr += float(r64 @ r64)
+        no += float(o64 @ o64)
+    rel = max_abs / scale if scale > 0 else (0.0 if max_abs == 0 else math.inf)
+    if nr == 0 and no == 0:
+        cos = 1.0
+    elif nr == 0 or no == 0:
+        cos = 0.0
+    else:
+        cos = dot / math.sqrt(nr * no)
+    return {"max_abs_error": max_abs, "max_rel_error": rel, "cosine": cos}
+
+
+def _stats(samples: list[float], inner: int) -> dict[str, float]:
+    a = np.asarray(samples) * 1e6
+    q25, med, q75 = np.percentile(a, [25, 50, 75])
+    return {
+        "median_us": float(med),
+        "spread": float((q75 - q25) / med) if med > 0 else 0.0,
+        "repeats": int(len(samples) * inner),
+        "min_us": float(a.min()),
+        "q25_us": float(q25),
+        "q75_us": float(q75),
+    }
+
+
+def measure(req: dict[str, Any]) -> dict[str, Any]:
+    feeds = _load_inputs(req["inputs"])
+    results: dict[str, dict[str, Any]] = {}
+    sessions = {}
+    for c in req["candidates"]:
+        try:
+            sess = _session(c["model"], c.get("options"))
+            names = {i.name for i in sess.get_inputs()}
+            sessions[c["id"]] = (sess, {k: v for k, v in feeds.items() if k in names})
+        except Exception as exc:
+            results[c["id"]] = {"ok": False, "error": f"load: {exc}".splitlines()[0]}
+    ref_id = req.get("reference")
+    outputs = {}
+    for cid, (sess, f) in list(sessions.items()):
+        try:
+            outputs[cid] = sess.run(None, f)
+        except Exception as exc:
+            results[cid] = {"ok": False, "error": f"run: {exc}".splitlines()[0]}
+            del sessions[cid]
+    if ref_id is not None and ref_id not in outputs:
+        err = results.get(ref_id, {}).get("error", "reference missing")
+        return {"ok": False, "error": f"reference candidate failed: {err}", "results": results}
+    acc = {}
+    for cid in list(sessions):
+        if ref_id is None:
+            acc[cid] = {}
+            continue
+        try:
+            acc[cid] = accuracy(outputs[ref_id], outputs[cid])
+        except ValueError as exc:
+            results[cid] = {"ok": False, "error": str(exc)}
+            del sessions[cid]
+
+    # Warm-up and batch sizing: each sample times `inner` runs of about _SAMPLE_S.
+    inner: dict[str, int] = {}
+    for cid, (sess, f) in sessions.items():
+        t0 = time.perf_counter()
+        n = 0
+        while n < 3 or (time.perf_counter() - t0 < req.get("warmup_s", 0.02) and n < 200):
+            sess.run(None, f)
+            n += 1
+        per_run = (time.perf_counter() - t0) / n
+        inner[cid] = max(1, min(1000, math.ceil(_SAMPLE_S / max(per_run, 1e-7))))
+
+    samples: dict[str, list[float]] = {cid: [] for cid in sessions}
+    # Per-round medians, None where the candidate was not measured (dropped): the engine
+    # compares candidates round by round, which cancels the machine's slow drift.
+    rounds: dict[str, list[float | None]] = {cid: [] for cid in sessions}
+    alive = list(sessions)
+    dropped: set[str] = set()
+    min_rounds = int(req.get("min_rounds", 5))
+    max_rounds = int(req.get("max_rounds", 20))
+    per_round = int(req.get("samples", 5))
+    rel_tol = float(req.get("rel_tol", 0.01))
+    deadline = time.perf_counter() + float(req.get("budget_s", 5.0))
+    perf = time.perf_counter
+    for rnd in range(max_rounds):
+        prev = {cid: float(np.median(samples[cid])) for cid in alive if samples[cid]}
+        order = alive[rnd % len(alive):] + alive[: rnd % len(alive)] if alive else []
+        for cid in order:
+            sess, f = sessions[cid]
+            k = inner[cid]
+            # Let the previous candidate's intra-op threads stop spinning, then re-enter
+            # this session once untimed: neither may leak into this candidate's samples.
+            time.sleep(_SETTLE_S)
+            sess.run(None, f)
+            turn = []
+            for _ in range(per_round):
+                t0 = perf()
+                for _ in range(k):
+                    sess.run(None, f)
+                turn.append((perf() - t0) / k)
+            samples[cid].extend(turn)
+        for cid in sessions:
+            rounds[cid].append(float(np.median(samples[cid][-per_round:])) * 1e6 if cid in order else None)
+        if rnd + 1 < min_rounds:
+            continue
+        stats = {cid: _stats(samples[cid], inner[cid]) for cid in alive}
+        best = min(alive, key=lambda c: stats[c]["median_us"])
+        for cid in list(alive):
+            if cid == best or cid == ref_id:
+                continue
+            if stats[cid]["q25_us"] > stats[best]["q75_us"] * (1 + _DROP_MARGIN):
+                alive.remove(cid)
+                dropped.add(cid)
+        stable = all(
+            cid in prev and abs(stats[cid]["median_us"] - prev[cid] * 1e6) <= rel_tol * stats[cid]["median_us"]
+            for cid in alive
+        )
+        if stable or perf() > deadline:
+            break
+    for cid in sessions:
+        r = {
+            "ok": True,
+            "dropped": cid in dropped,
+            **_stats(samples[cid], inner[cid]),
+            **acc[cid],
+            "rounds_us": rounds[cid],
+        }
+        results[cid] = r
+    return {"ok": True, "results": results}
+
+
+def profile(req: dict[str, Any]) -> dict[str, Any]:
+    import onnxruntime as ort
+
+    from aoe._session import make_session_options
+
+    feeds = _load_inputs(req["inputs"])
+    so = make_session_options(req.get("options"))
+    so.enable_profiling = True
+    so.profile_file_prefix = str(Path(req["workdir"]) / "profile")
+    sess = ort.InferenceSession(req["model"], so, providers=["CPUExecutionProvider"])
+    names = {i.name for i in sess.get_inputs()}
+    f = {k: v for k, v in feeds.items() if k in names}
+    for _ in range(3):
+        sess.run(None, f)
+    runs = int(req.get("runs", 10))
+    t0 = time.perf_counter()
+    for _ in range(runs):
+        sess.run(None, f)
+    total = (time.perf_counter() - t0) / runs * 1e6
+    path = sess.end_profiling()
+    try:
+        with open(path, encoding="utf-8") as fh:
+            events = json.load(fh)
+    finally:
+        os.unlink(path)
+    nodes: dict[str, float] = {}
+    for ev in events:
+        name = ev.get("name", "")
+        if ev.get("cat") == "Node" and name.endswith("_kernel_time"):
+            node = name[: -len("_kernel_time")]
+            nodes[node] = nodes.get(node, 0.0) + float(ev.get("dur", 0))
+    n = runs + 3
+    return {"ok": True, "nodes": {k: v / n for k, v in nodes.items()}, "total_us": total}
+
+
+def _handle(req: dict[str, Any]) -> dict[str, Any]:
+    op = req.get("op")
+    if op == "measure":
+        return measure(req)
+    if op == "profile":
+        return profile(req)
+    if op == "ping":
+        return {"ok": True, "pid": os.getpid()}
+    return {"ok": False, "error": f"unknown op {op!r}"}
+
+
+def main() -> int:
+    from aoed.backends.ort._wire import serve
+
+    return serve(_handle)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
