@@ -1,0 +1,114 @@
+"""A child process spoken to in JSON lines, owned by one trio task at a time.
+
+`call()` sends one request and waits for its reply. Anything that breaks the exchange
+(the child exits, the caller is cancelled, a deadline passes) kills the child, and the
+next `call()` starts a fresh one: a crashed or hung child costs the request in flight,
+never the caller.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from aoe.errors import CandidateError
+
+__all__ = ["Child", "ChildDiedError"]
+
+
+class ChildDiedError(CandidateError):
+    """The child process exited or broke the protocol during a request."""
+
+
+class Child:
+    def __init__(self, module: str, name: str, log_path: Path, env: dict[str, str] | None = None):
+        self._argv = [sys.executable, "-m", module]
+        self.name = name
+        self._log_path = log_path
+        self._env = env
+        self._proc: trio.Process | None = None
+        self._buf = b""
+        self._seq = 0
+        self.restarts = -1
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    async def _start(self) -> trio.Process:
+        self._log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self._log_path, "ab") as log:
+            self._proc = await trio.lowlevel.open_process(
+                self._argv,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                env={**os.environ, **(self._env or {})},
+                start_new_session=True,  # a terminal's ^C reaches the engine, which stops us
+            )
+        self._buf = b""
+        self.restarts += 1
+        return self._proc
+
+    async def _readline(self, proc: trio.Process) -> bytes:
+        assert proc.stdout is not None
+        while b"\n" not in self._buf:
+            chunk = await proc.stdout.receive_some(1 << 16)
+            if not chunk:
+                status = await proc.wait()
+                raise ChildDiedError(f"{self.name} exited with status {status} (log: {self._log_path})")
+            self._buf += chunk
+        line, _, self._buf = self._buf.partition(b"\n")
+        return line
+
+    async def call(self, request: dict[str, Any]) -> dict[str, Any]:
+        """Send `request`, return the reply dict. Raises ChildDiedError; kills the child
+        when cancelled mid-request."""
+        proc = self._proc if self._proc is not None and self._proc.returncode is None else await self._start()
+        self._seq += 1
+        request = {**request, "id": self._seq}
+        try:
+            assert proc.stdin is not None
+            await proc.stdin.send_all(json.dumps(request).encode() + b"\n")
+            while True:
+                reply = json.loads(await self._readline(proc))
+                if reply.get("id") == self._seq:
+                    return reply
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            await self.aclose()
+            raise ChildDiedError(f"{self.name} closed its pipe (log: {self._log_path})") from None
+        except BaseException:
+            await self.aclose()
+            raise
+
+    def pause(self) -> None:
+        if self._proc is not None and self._proc.returncode is None:
+            os.kill(self._proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self._proc is not None and self._proc.returncode is None:
+            os.kill(self._proc.pid, signal.SIGCONT)
+
+    async def aclose(self) -> None:
+        """Kill and reap the child (shielded, bounded)."""
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        with trio.CancelScope(shield=True), trio.move_on_after(5):
+            if proc.returncode is None:
+                proc.kill()
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(proc.pid, signal.SIGCONT)
+            await proc.wait()
+            for stream in (proc.stdin, proc.stdout):
+                if stream is not None:
+                    await stream.aclose()
+

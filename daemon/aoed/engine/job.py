@@ -1,0 +1,742 @@
+"""The job supervisor: one job's pipeline from model file to tuned model and report.
+
+    prep -> partition -> bank lookups -> profile -> task agents (compile pool, device)
+         -> session options (in context) -> assemble -> verify -> outputs
+
+Task agents run concurrently, most expensive task first; they share the compile pool
+and queue on the device agent, which measures one request at a time. Decisions follow
+AOE's bank semantics (see `_decide`). The supervisor never measures or compiles itself.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import trio
+from onnx import helper
+
+from aoe._session import METADATA_KEY
+from aoe.errors import AoedError, BankError, DeviceError
+from aoe.signature import (
+    DeviceFingerprint,
+    TaskSignature,
+    bank_key,
+    canonical_json,
+    device_fingerprint,
+    normalized_attributes,
+)
+from aoed import __version__
+from aoed.backends.ort import strategies
+from aoed.bank._codec import BankRecord, Measured
+from aoed.bank.writer import BankWrite, BankWriter
+from aoed.engine.device import DeviceAgent
+from aoed.engine.partition import partition
+from aoed.engine.policy import PrecisionPolicy, policy
+from aoed.engine.pool import CompilePool
+from aoed.engine.prep import Prepared, make_inputs, prepare
+from aoed.engine.tasks import Rewrite, Task, TaskView, apply_rewrites, constant_values, task_model
+
+__all__ = ["JobEvent", "JobOptions", "JobResult", "TaskResult", "run_job"]
+
+#: A gain below this fraction is never called a gain, whatever the measured spread.
+MIN_GAIN = 0.02
+
+# Model-wide session options searched one dimension at a time (coordinate descent),
+# each value measured in context on the assembled model.
+def _session_dimensions(cores: int) -> list[tuple[str, list[dict[str, Any]]]]:
+    threads = sorted({1, max(1, cores // 2), cores})
+    return [
+        ("intra_op_num_threads", [{"intra_op_num_threads": t} for t in threads]),
+        ("allow_spinning", [{"config": {"session.intra_op.allow_spinning": "0"}}]),
+        ("graph_optimization_level", [{"graph_optimization_level": lv} for lv in ("basic", "extended")]),
+        ("execution_mode", [{"execution_mode": "parallel"}]),
+    ]
+
+
+@dataclass(frozen=True)
+class JobOptions:
+    model: Path
+    output: Path
+    precision: str = "exact"
+    job_type: str = "opat"
+    input_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    repeat_tune: bool = False
+    keep_initializer_inputs: bool = False
+    device: str = "cpu"
+    #: device seconds spent on per-task measurement, split by share of latency
+    budget_s: float = 20.0
+    job_id: str = ""
+
+
+@dataclass
+class TaskResult:
+    task_id: str
+    op_name: str
+    op_type: str
+    instances: int
+    share: float
+    strategy: str = strategies.DEFAULT
+    before_us: float = 0.0
+    after_us: float = 0.0
+    update_mode: str = ""  # add | update | reserved | hit | unsatisfied | failed
+    bank_layer: str = ""
+    accuracy: dict[str, float] = field(default_factory=dict)
+    candidates: list[dict[str, Any]] = field(default_factory=list)
+    error: str = ""
+    applied: bool = True  # False when end-to-end verification reverted the choice
+
+    @property
+    def improvement(self) -> float:
+        return (self.before_us / self.after_us - 1.0) if self.after_us > 0 and self.before_us > 0 else 0.0
+
+
+@dataclass
+class JobResult:
+    job_id: str
+    model: str
+    tuned_model: str
+    result_json: str
+    workspace: str
+    baseline_ms: float
+    tuned_ms: float
+    tuning_time_s: float
+    precision: str
+    session_options: dict[str, Any]
+    tasks: list[TaskResult]
+    repo: dict[str, int]
+    accuracy: dict[str, float]
+    duty_cycle: float
+    trials: int
+    failed_candidates: int
+    verified: str
+    notes: list[str]
+
+    @property
+    def improvement(self) -> float:
+        return self.baseline_ms / self.tuned_ms - 1.0 if self.tuned_ms > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class JobEvent:
+    kind: str  # stage | progress | task | log
+    message: str = ""
+    done: int = 0
+    total: int = 0
+
+
+class _Job:
+    def __init__(
+        self,
+        opts: JobOptions,
+        pool: CompilePool,
+        device: DeviceAgent,
+        bank: BankWriter,
+        emit: Callable[[JobEvent], None],
+    ):
+        self.opts = opts
+        self.pool = pool
+        self.device = device
+        self.bank = bank
+        self.emit = emit
+        self.policy: PrecisionPolicy = policy(opts.precision)
+        self.fp: DeviceFingerprint = device_fingerprint("CPUExecutionProvider")
+        self.trials: list[tuple[bytes, dict[str, Any]]] = []
+        self.failed = 0
+        self.notes: list[str] = []
+
+    # ------------------------------------------------------------------ helpers
+
+    def key(self, sig: TaskSignature) -> bytes:
+        return bank_key(sig.digest, self.fp.digest, self.opts.precision)
+
+    async def measure(
+        self, candidates: list[dict[str, Any]], reference: str, budget_s: float, inputs: Path | None = None
+    ) -> dict[str, dict]:
+        reply = await self.device.submit(
+            {
+                "op": "measure",
+                "candidates": candidates,
+                "inputs": str(inputs or self.inputs_path),
+                "reference": reference,
+                "budget_s": budget_s,
+                "min_rounds": 8,
+                "max_rounds": 25,
+                "samples": 5,
+            }
+        )
+        return reply["results"]
+
+    def _record_trials(self, key: bytes, task_id: str, results: dict[str, dict]) -> None:
+        for name, r in results.items():
+            self.trials.append((key, {"task": task_id, "strategy": name, "job": self.opts.job_id, **r}))
+
+    def _best(self, results: dict[str, dict], default: str, gate: Callable[[dict], bool]) -> str:
+        """The fastest candidate that clearly beats `default` (see `clearly_faster`)."""
+        base = results.get(default)
+        if not base or not base.get("ok"):
+            raise DeviceError("the default candidate could not be measured")
+        valid = {
+            k: r for k, r in results.items()
+            if k != default and r.get("ok") and not r.get("dropped") and gate(r)
+        }  # fmt: skip
+        winners = [k for k, r in valid.items() if clearly_faster(r, base)]
+        if not winners:
+            return default
+        return min(winners, key=lambda k: paired_ratio(valid[k], base)[0])
+
+    def view(self, task: Task) -> TaskView:
+        by = self.nodes_by_name
+        return TaskView(
+            nodes=[by[n] for n in task.node_names],
+            consts=self.consts,
+            infos=self.prep.ctx.tensors,
+            opset=self.prep.ctx.opset(""),
+            prefix=f"aoe/{task.id}",
+        )
+
+    def rewrites_for(self, task: Task, strategy_name: str) -> dict[tuple[str, ...], Rewrite]:
+        """The rewrite of `task` and of each of its twins under one strategy."""
+        if strategy_name == strategies.DEFAULT:
+            return {}
+        strat = strategies.get(task.family, strategy_name)
+        out = {}
+        for t in (task, *task.twins):
+            view = self.view(t)
+            view.prefix = f"aoe/{t.id}"
+            rw = strat.apply(view)
+            if rw is None:
+                raise AoedError(f"strategy {strategy_name} does not apply to {t.id}")
+            out[t.node_names] = rw
+        return out
+
+    def record(self, task: Task, strategy: str, res: dict, base: dict, mode: str) -> BankRecord:
+        return BankRecord(
+            key=self.key(task.signature),
+            signature=task.signature,
+            device=self.fp,
+            strategy=strategy,
+            family=task.family,
+            precision=self.opts.precision,
+            winner=Measured(res["median_us"], res["spread"], res["repeats"], res["min_us"]),
+            baseline=Measured(base["median_us"], base["spread"], base["repeats"], base["min_us"]),
+            max_abs_error=res.get("max_abs_error", 0.0),
+            max_rel_error=res.get("max_rel_error", 0.0),
+            cosine=res.get("cosine", 1.0),
+            host=socket.gethostname(),
+            aoed_version=__version__,
+            created_unix=time.time(),
+            job_id=self.opts.job_id,
+            model=self.prep.source.name,
+        )
+
+    # ------------------------------------------------------------------ stages
+
+    async def run(self) -> JobResult:
+        opts = self.opts
+        t_start = time.monotonic()
+        busy0 = self.device.busy_s
+        ts = time.strftime("%Y%m%d%H%M%S")
+        stem = opts.model.stem
+        self.workspace = opts.output / "aoe_workspace" / f"{stem}_{ts}"
+        tunespace = self.workspace / "tunespace"
+        self.emit(JobEvent("stage", f"preparing {opts.model.name}"))
+        self.prep: Prepared = await trio.to_thread.run_sync(
+            prepare, opts.model, tunespace, opts.input_shapes, opts.keep_initializer_inputs
+        )
+        self.notes.extend(self.prep.notes)
+        self.nodes_by_name = {n.name: n for n in self.prep.model.graph.node}
+        self.consts = constant_values(self.prep.model.graph)
+        tasks = partition(self.prep.model, self.prep.ctx)
+        self.inputs_path = tunespace / "inputs.npz"
+        feeds = make_inputs(self.prep.inputs)
+        np.savez(self.inputs_path, **feeds)
+
+        # Bank lookups first: what the bank answers costs no measurement.
+        results: dict[str, TaskResult] = {}
+        chosen: dict[str, str] = {}
+        to_tune: list[Task] = []
+        hits: dict[str, BankRecord] = {}
+        for t in tasks:
+            anchor = t.node_names[0]
+            results[t.id] = TaskResult(t.id, anchor, t.op_type, 1 + len(t.twins), 0.0)
+            rec = await self.bank.lookup(self.key(t.signature))
+            known_default = None if rec else await self.bank.known_default(self.key(t.signature))
+            if rec is not None and rec.device.digest == self.fp.digest:
+                try:
+                    self.rewrites_for(t, rec.strategy)
+                except (KeyError, AoedError) as exc:
+                    self.notes.append(f"bank entry for {t.id} ignored: {exc}")
+                    rec = None
+                else:
+                    hits[t.id] = rec
+            if rec is not None and not opts.repeat_tune:
+                r = results[t.id]
+                r.strategy, r.update_mode, r.bank_layer = rec.strategy, "hit", "custom"
+                r.before_us, r.after_us = rec.baseline.median_us, rec.winner.median_us
+                r.accuracy = {"max_abs_error": rec.max_abs_error, "max_rel_error": rec.max_rel_error, "cosine": rec.cosine}
+                chosen[t.id] = rec.strategy
+            elif known_default is not None and not opts.repeat_tune:
+                r = results[t.id]
+                r.update_mode, r.bank_layer = "hit", "custom (default stays best)"
+                r.before_us = r.after_us = float(known_default.get("default_us", 0.0))
+                chosen[t.id] = strategies.DEFAULT
+            else:
+                to_tune.append(t)
+
+        # Profile only when something is to be measured: it ranks the tasks by share.
+        total = len(tasks) + 1
+        self.emit(JobEvent("progress", "bank", total - len(to_tune) - 1, total))
+        if to_tune:
+            self.emit(JobEvent("stage", "profiling baseline"))
+            prof = await self.device.submit(
+                {
+                    "op": "profile",
+                    "model": str(self.prep.path),
+                    "inputs": str(self.inputs_path),
+                    "options": {"graph_optimization_level": "basic"},
+                    "workdir": str(tunespace),
+                    "runs": 10,
+                }
+            )
+            node_us = prof["nodes"]
+            model_us = sum(node_us.values()) or 1.0
+            for t in tasks:
+                t.time_us = sum(node_us.get(n, 0.0) for tt in (t, *t.twins) for n in tt.node_names)
+                t.share = t.time_us / model_us
+                results[t.id].share = t.share
+            to_tune.sort(key=lambda t: -t.share)
+            await trio.to_thread.run_sync(self.capture_task_inputs, to_tune, feeds)
+            self.emit(JobEvent("stage", f"tuning {len(to_tune)} tasks"))
+            done = total - len(to_tune) - 1
+            share_sum = sum(t.share for t in to_tune) or 1.0
+            async with trio.open_nursery() as nursery:
+                for t in to_tune:
+                    budget = min(5.0, max(0.5, opts.budget_s * t.share / share_sum))
+                    nursery.start_soon(self.tune_task, t, results[t.id], hits.get(t.id), chosen, budget)
+            self.emit(JobEvent("progress", "tasks", total - 1, total))
+
+        rewrites: dict[tuple[str, ...], Rewrite] = {}
+        for t in tasks:
+            rewrites.update(self.rewrites_for(t, chosen.get(t.id, strategies.DEFAULT)))
+        rewritten = apply_rewrites(self.prep.model, rewrites)
+        rewritten_path = tunespace / "assembled.onnx"
+        onnx.save(rewritten, str(rewritten_path))
+
+        session_opts, session_mode = await self.tune_session(rewritten_path)
+        self.emit(JobEvent("progress", "session options", total, total))
+
+        # Verify end to end, interleaved against the untouched input model.
+        self.emit(JobEvent("stage", "verifying end to end"))
+        final_model, final_opts, verified, e2e = await self.verify(rewritten, rewritten_path, session_opts)
+        if verified != "tuned":
+            for r in results.values():
+                if r.strategy != strategies.DEFAULT:
+                    r.applied = False
+                    r.error = r.error or f"not applied: end-to-end verification kept {verified}"
+        out = await self.write_outputs(final_model, final_opts, ts)
+
+        elapsed = time.monotonic() - t_start
+        repo = _repo_summary(results.values(), session_mode)
+        busy = self.device.busy_s - busy0
+        result = JobResult(
+            job_id=opts.job_id,
+            model=str(opts.model),
+            tuned_model=str(out),
+            result_json="",
+            workspace=str(self.workspace),
+            baseline_ms=e2e["baseline"]["median_us"] / 1000.0,
+            tuned_ms=e2e["final"]["median_us"] / 1000.0,
+            tuning_time_s=elapsed,
+            precision=opts.precision,
+            session_options=final_opts,
+            tasks=sorted(results.values(), key=lambda r: -r.share),
+            repo=repo,
+            accuracy={k: e2e["final"].get(k, 0.0) for k in ("max_abs_error", "max_rel_error", "cosine")},
+            duty_cycle=busy / elapsed if elapsed > 0 else 0.0,
+            trials=len(self.trials),
+            failed_candidates=self.failed,
+            verified=verified,
+            notes=self.notes,
+        )
+        await self.bank.write(BankWrite(trials=tuple(self.trials)))
+        json_path = opts.output / f"aoe_result_{opts.job_type}_{ts}_{os.getpid()}.json"
+        result.result_json = str(json_path)
+        doc = json.dumps(_json_safe(result_json(result)), indent=2, allow_nan=False)
+        await trio.to_thread.run_sync(json_path.write_text, doc + "\n")
+        return result
+
+    def task_dir(self, task: Task) -> Path:
+        return self.workspace / "tunespace" / "tasks" / task.id
+
+    def capture_task_inputs(self, tasks: list[Task], feeds: dict[str, np.ndarray]) -> None:
+        """Save each task's real input activations (one run of the prepared model), so
+        candidates are measured and compared on the data they will see in the model."""
+        import onnxruntime as ort
+
+        from aoe._session import make_session_options
+
+        wanted = {n for t in tasks for n in t.inputs if n not in self.consts}
+        model = onnx.ModelProto()
+        model.CopyFrom(self.prep.model)
+        have = {o.name for o in model.graph.output}
+        extra = sorted(wanted - have - set(feeds))
+        for name in extra:
+            info = self.prep.ctx.tensors[name]
+            elem = helper.np_dtype_to_tensor_dtype(np.dtype(info.dtype))
+            model.graph.output.append(helper.make_tensor_value_info(name, elem, list(info.shape)))
+        so = make_session_options({"graph_optimization_level": "disable"})
+        sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+        names = [o.name for o in sess.get_outputs()]
+        values = dict(zip(names, sess.run(None, feeds)))
+        values.update(feeds)
+        for t in tasks:
+            d = self.task_dir(t)
+            d.mkdir(parents=True, exist_ok=True)
+            np.savez(d / "inputs.npz", **{n: values[n] for n in t.inputs if n not in self.consts})
+
+    async def tune_task(
+        self, task: Task, res: TaskResult, hit: BankRecord | None, chosen: dict[str, str], budget_s: float
+    ) -> None:
+        """Compile every strategy of the task's family, measure them, decide, record."""
+        taskdir = self.task_dir(task)
+        tm_path = taskdir / "task.onnx"
+        tm = task_model(self.prep.model, task, self.consts, self.prep.ctx.tensors)
+        await trio.to_thread.run_sync(onnx.save, tm, str(tm_path))
+        names = [s.name for s in strategies.strategies_for(task.family, self.opts.precision)]
+        compiled: dict[str, dict] = {}
+
+        async def compile_one(name: str) -> None:
+            compiled[name] = await self.pool.compile(
+                {
+                    "task_model": str(tm_path),
+                    "family": task.family,
+                    "strategy": name,
+                    "prefix": f"aoe/{task.id}",
+                    "out": str(taskdir / f"{name}.onnx"),
+                }
+            )
+
+        async with trio.open_nursery() as nursery:
+            for name in names:
+                nursery.start_soon(compile_one, name)
+        cands = []
+        for name in names:
+            c = compiled[name]
+            if c.get("ok"):
+                cands.append({"id": name, "model": str(taskdir / f"{name}.onnx")})
+            elif c.get("applicable", True):
+                self.failed += 1
+                res.candidates.append({"strategy": name, "ok": False, "error": c.get("error", "")})
+        key = self.key(task.signature)
+        if strategies.DEFAULT not in compiled or not compiled[strategies.DEFAULT].get("ok"):
+            res.update_mode, res.error = "failed", f"default form did not compile: {compiled.get(strategies.DEFAULT, {}).get('error')}"
+            chosen[task.id] = hit.strategy if hit else strategies.DEFAULT
+            return
+        try:
+            measured = await self.measure(cands, strategies.DEFAULT, budget_s, taskdir / "inputs.npz")
+        except DeviceError as exc:
+            res.update_mode, res.error = "failed", str(exc)
+            chosen[task.id] = hit.strategy if hit else strategies.DEFAULT
+            return
+        self._record_trials(key, task.id, measured)
+        for name, r in measured.items():
+            if not r.get("ok"):
+                self.failed += 1
+            res.candidates.append({"strategy": name, **r})
+        gate = self.policy.task_ok
+        best = self._best(measured, strategies.DEFAULT, gate)
+        base = measured[strategies.DEFAULT]
+        res.before_us = base["median_us"]
+        win = measured[best]
+        # AOE's bank semantics, per task.
+        if hit is None:
+            if best != strategies.DEFAULT:
+                await self.bank.write(BankWrite(entries=(self.record(task, best, win, base, "add"),)))
+                res.update_mode = "add"
+            else:
+                await self.bank.write(
+                    BankWrite(defaults=((key, {"default_us": base["median_us"], "job": self.opts.job_id}),))
+                )
+                res.update_mode = "unsatisfied"
+        else:
+            res.bank_layer = "custom"
+            old = measured.get(hit.strategy)
+            better = (
+                best != hit.strategy and old is not None and old.get("ok") and clearly_faster(win, old)
+            ) or (old is None or not old.get("ok") or not gate(old))
+            if better and best != strategies.DEFAULT:
+                await self.bank.write(BankWrite(entries=(self.record(task, best, win, base, "update"),)))
+                res.update_mode = "update"
+            else:
+                res.update_mode = "reserved"
+                if old is not None and old.get("ok") and gate(old):
+                    best, win = hit.strategy, old
+        res.strategy = best
+        res.after_us = win["median_us"]
+        res.accuracy = {k: win.get(k, 0.0) for k in ("max_abs_error", "max_rel_error", "cosine")}
+        chosen[task.id] = best
+        self.emit(JobEvent("task", f"{task.id}: {best} ({res.update_mode})"))
+
+    async def tune_session(self, model_path: Path) -> tuple[dict[str, Any], str]:
+        """Choose model-wide session options in context; returns (options, update mode)."""
+        sig = _model_signature(self.prep.model)
+        key = self.key(sig)
+        rec = await self.bank.lookup(key)
+        known_default = None if rec else await self.bank.known_default(key)
+        if rec is not None and not self.opts.repeat_tune:
+            return json.loads(rec.strategy), "hit"
+        if known_default is not None and not self.opts.repeat_tune:
+            return {}, "hit"
+        self.emit(JobEvent("stage", "tuning session options"))
+        current: dict[str, Any] = {}
+        base_res: dict | None = None
+        cur_res: dict | None = None
+        cores = os.cpu_count() or 1
+        for _dim, values in _session_dimensions(cores):
+            cands = {"current": current}
+            for v in values:
+                cands[canonical_json(v)] = _merge(current, v)
+            measured = await self.measure(
+                [{"id": k, "model": str(model_path), "options": o} for k, o in cands.items()],
+                "current",
+                budget_s=2.0,
+            )
+            self._record_trials(key, "session", measured)
+            if base_res is None:
+                base_res = measured["current"]
+            best = self._best(measured, "current", self.policy.task_ok)
+            if best != "current":
+                current = cands[best]
+            cur_res = measured[best]
+        assert base_res is not None and cur_res is not None
+        # Gains compound across dimensions; only keep them if they beat the start.
+        strategy = canonical_json(current)
+        if rec is None:
+            if current:
+                r = self._session_record(sig, strategy, cur_res, base_res)
+                await self.bank.write(BankWrite(entries=(r,)))
+                return current, "add"
+            await self.bank.write(BankWrite(defaults=((key, {"default_us": base_res["median_us"]}),)))
+            return {}, "unsatisfied"
+        if strategy != rec.strategy and current:
+            await self.bank.write(BankWrite(entries=(self._session_record(sig, strategy, cur_res, base_res),)))
+            return current, "update"
+        return json.loads(rec.strategy), "reserved"
+
+    def _session_record(self, sig: TaskSignature, strategy: str, win: dict, base: dict) -> BankRecord:
+        task = Task("session", "session", (), sig, (), ())
+        return self.record(task, strategy, win, base, "")
+
+    async def verify(
+        self, rewritten: onnx.ModelProto, rewritten_path: Path, options: dict[str, Any]
+    ) -> tuple[onnx.ModelProto, dict[str, Any], str, dict[str, dict]]:
+        """A/B the tuned model against the input model; fall back until nothing is slower.
+
+        Returns (model, session options, which candidate survived, measurements)."""
+        original = str(self.opts.model)
+        ladder = [("tuned", rewritten, rewritten_path, options)]
+        if options:
+            ladder.append(("options only", self.prep.model, self.prep.path, options))
+        for label, model, path, opts in ladder:
+            measured = await self.measure(
+                [
+                    {"id": "baseline", "model": original, "options": {}},
+                    {"id": "final", "model": str(path), "options": opts},
+                ],
+                "baseline",
+                budget_s=3.0,
+            )
+            base, fin = measured["baseline"], measured["final"]
+            if (
+                fin.get("ok")
+                and self.policy.e2e_ok(fin)
+                and not clearly_slower(fin, base)
+                and fin["median_us"] <= base["median_us"] * (1.0 + MIN_GAIN)
+            ):
+                return model, opts, label, measured
+            self.notes.append(
+                f"verification: {label} model measured {fin.get('median_us', 0):.1f} us against "
+                f"baseline {base['median_us']:.1f} us (accuracy {fin.get('max_rel_error')}); falling back"
+            )
+        original_model = onnx.load(original)
+        same = {"baseline": base, "final": dict(base)}
+        return original_model, {}, "reverted to input", same
+
+    async def write_outputs(self, model: onnx.ModelProto, options: dict[str, Any], ts: str) -> Path:
+        stem = self.opts.model.stem
+        out_dir = self.workspace / "tunespace" / "result"
+        out_dir.mkdir(parents=True, exist_ok=True)
+        path = out_dir / f"{stem}_{ts}_tune.onnx"
+        tuned = onnx.ModelProto()
+        tuned.CopyFrom(model)
+        meta = {p.key: p.value for p in tuned.metadata_props}
+        meta.update(
+            {
+                METADATA_KEY: canonical_json(options),
+                "aoe.precision": self.opts.precision,
+                "aoe.device": self.fp.digest[:32],
+                "aoe.version": __version__,
+            }
+        )
+        del tuned.metadata_props[:]
+        helper.set_model_props(tuned, meta)
+        await trio.to_thread.run_sync(onnx.save, tuned, str(path))
+        return path
+
+
+def paired_ratio(a: dict, b: dict) -> tuple[float, float, float]:
+    """Round-by-round ratios of a's to b's medians: (median, lower quartile, upper quartile).
+
+    Candidates are measured interleaved, so a ratio within one round is free of the
+    machine's drift; the quartiles over rounds say how sure the median ratio is."""
+    pairs = [x / y for x, y in zip(a.get("rounds_us", []), b.get("rounds_us", [])) if x and y]
+    if not pairs:
+        r = a["median_us"] / b["median_us"]
+        return r, r, r
+    q25, med, q75 = np.percentile(pairs, [25, 50, 75])
+    return float(med), float(q25), float(q75)
+
+
+def clearly_faster(a: dict, b: dict) -> bool:
+    """a beats b by more than MIN_GAIN in the median round, and in at least 3 of 4 rounds."""
+    med, _q25, q75 = paired_ratio(a, b)
+    return med < 1.0 - MIN_GAIN and q75 < 1.0
+
+
+def clearly_slower(a: dict, b: dict) -> bool:
+    """a is slower than b by more than MIN_GAIN in the median round and in 3 of 4 rounds."""
+    med, q25, _q75 = paired_ratio(a, b)
+    return med > 1.0 + MIN_GAIN and q25 > 1.0
+
+
+def _json_safe(obj: object) -> object:
+    """`obj` with non-finite floats as None (JSON has no inf/nan)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_json_safe(v) for v in obj]
+    return obj
+
+
+def _merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    out = {**a, **b}
+    if "config" in a or "config" in b:
+        out["config"] = {**a.get("config", {}), **b.get("config", {})}
+    return out
+
+
+def _model_signature(model: onnx.ModelProto) -> TaskSignature:
+    """A signature for model-wide choices: the graph's structure, shapes and dtypes."""
+    from aoe.signature import ModelContext
+
+    ctx = ModelContext(model)
+    nodes = []
+    for n in model.graph.node:
+        domain = n.domain if n.domain != "ai.onnx" else ""
+        nodes.append(
+            {
+                "op": n.op_type,
+                "domain": domain,
+                "attrs": normalized_attributes(n, ctx.opset(domain)),
+                "in": [asdict(ctx.tensors[i]) if i in ctx.tensors else None for i in n.input],
+                "out": [asdict(ctx.tensors[o]) if o in ctx.tensors else None for o in n.output],
+            }
+        )
+    text = canonical_json({"v": 1, "model": nodes, "opsets": ctx.opsets})
+    import hashlib
+
+    return TaskSignature("SessionOptions", "", ctx.opset(""), text, hashlib.sha256(text.encode()).hexdigest())
+
+
+def _repo_summary(results, session_mode: str) -> dict[str, int]:
+    modes = [r.update_mode for r in results] + [session_mode]
+    hit = sum(m in ("hit", "reserved", "update") for m in modes)
+    return {
+        "repo_add_num": modes.count("add"),
+        "repo_hit_num": hit,
+        "repo_reserved_num": modes.count("reserved"),
+        "repo_unsatisfied_num": modes.count("unsatisfied"),
+        "repo_update_num": modes.count("update"),
+        "total_num": len(modes),
+    }
+
+
+async def run_job(
+    opts: JobOptions,
+    pool: CompilePool,
+    device: DeviceAgent,
+    bank: BankWriter,
+    emit: Callable[[JobEvent], None] = lambda e: None,
+) -> JobResult:
+    """Run one job to completion; raises AoedError subclasses (ModelError, OptionError,
+    BankError, DeviceError) with a one-line message. Cancellation stops it where it is."""
+    job = _Job(opts, pool, device, bank, emit)
+    try:
+        return await job.run()
+    except BankError:
+        raise
+    except OSError as exc:
+        raise AoedError(f"{exc.filename or opts.output}: {exc.strerror or exc}") from None
+
+
+def result_json(result: JobResult) -> dict[str, Any]:
+    """The AOE-shaped result document (`aoe_result_opat_{ts}_{pid}.json`)."""
+    tasks = []
+    for t in result.tasks:
+        tasks.append(
+            {
+                "task_id": t.task_id,
+                "op_name": t.op_name,
+                "op_type": t.op_type,
+                "instances": t.instances,
+                "latency_share": round(t.share, 4),
+                "strategy": t.strategy,
+                "applied": t.applied,
+                "performance_before_tune(us)": round(t.before_us, 3),
+                "performance_after_tune(us)": round(t.after_us, 3),
+                "performance_improvement": round(t.improvement, 4),
+                "update_mode": t.update_mode,
+                "bank_layer": t.bank_layer,
+                "accuracy": t.accuracy,
+                "candidates": t.candidates,
+                "error": t.error,
+            }
+        )
+    added = [{"op_name": t.op_name, "op_type": t.op_type} for t in result.tasks if t.update_mode == "add"]
+    updated = [{"op_name": t.op_name, "op_type": t.op_type} for t in result.tasks if t.update_mode == "update"]
+    return {
+        "basic": {
+            "tuning_name": Path(result.model).stem,
+            "tuning_time(s)": round(result.tuning_time_s, 3),
+            "job_id": result.job_id,
+            "precision": result.precision,
+        },
+        "OPAT": {
+            "model_baseline_performance(ms)": round(result.baseline_ms, 6),
+            "model_result_performance(ms)": round(result.tuned_ms, 6),
+            "model_performance_improvement": round(result.improvement, 4),
+            "opat_tuning_result": "tuning successful",
+            "repo_modified_operators": {"add_repo_operators": added, "update_repo_operators": updated},
+            "repo_summary": result.repo,
+        },
+        "tuned_model": result.tuned_model,
+        "session_options": result.session_options,
+        "verification": result.verified,
+        "accuracy": result.accuracy,
+        "device": {"duty_cycle": round(result.duty_cycle, 4), "trials": result.trials,
+                   "failed_candidates": result.failed_candidates},
+        "notes": result.notes,
+        "tasks": tasks,
+    }
