@@ -208,7 +208,9 @@ def profile(req: dict[str, Any]) -> dict[str, Any]:
     from aoe._session import make_session_options
 
     feeds = _load_inputs(req["inputs"])
-    so = make_session_options(req.get("options"))
+    # Basic level by default: the prepared model is already at that level, so node names
+    # in the profile are the prepared model's and map onto tasks one to one.
+    so = make_session_options(req.get("options") or {"graph_optimization_level": "basic"})
     so.enable_profiling = True
     so.profile_file_prefix = str(Path(req["workdir"]) / "profile")
     sess = ort.InferenceSession(req["model"], so, providers=["CPUExecutionProvider"])
@@ -239,13 +241,16 @@ def profile(req: dict[str, Any]) -> dict[str, Any]:
 
 def _handle(req: dict[str, Any]) -> dict[str, Any]:
     op = req.get("op")
+    started = time.monotonic()  # CLOCK_MONOTONIC: comparable across processes
     if op == "measure":
-        return measure(req)
-    if op == "profile":
-        return profile(req)
-    if op == "ping":
-        return {"ok": True, "pid": os.getpid()}
-    return {"ok": False, "error": f"unknown op {op!r}"}
+        reply = measure(req)
+    elif op == "profile":
+        reply = profile(req)
+    elif op == "ping":
+        reply = {"ok": True}
+    else:
+        return {"ok": False, "error": f"unknown op {op!r}"}
+    return {**reply, "pid": os.getpid(), "started": started, "finished": time.monotonic()}
 
 
 def main() -> int:

@@ -1,0 +1,36 @@
+"""Shared fixtures: sample models on disk and a way to run the real `aoe` command."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from aoed import samples
+
+
+@pytest.fixture(scope="session")
+def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A directory with every sample model saved as NAME.onnx."""
+    d = tmp_path_factory.mktemp("models")
+    for name in samples.SAMPLES:
+        samples.save(samples.build(name), d / f"{name}.onnx")
+    samples.save(samples.mlp(dynamic_batch=True), d / "mlp_dynamic.onnx")
+    return d
+
+
+def run_aoe(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None, timeout: float = 300):
+    """Run the installed `aoe` command line in a fresh process; returns CompletedProcess."""
+    full_env = {k: v for k, v in os.environ.items() if k not in ("TUNE_BANK_PATH", "REPEAT_TUNE")}
+    full_env.update(env or {})
+    return subprocess.run(
+        [sys.executable, "-m", "aoe.cli", *args],
+        capture_output=True,
+        text=True,
+        env=full_env,
+        cwd=cwd,
+        timeout=timeout,
+    )

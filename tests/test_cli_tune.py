@@ -1,0 +1,203 @@
+"""`aoe tune` end to end: the real command, real workers, real LMDB, real onnxruntime."""
+
+from __future__ import annotations
+
+import json
+import re
+import textwrap
+from pathlib import Path
+
+import lmdb
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+
+import aoe
+from aoed.engine.prep import make_inputs, prepare
+
+from .conftest import run_aoe
+
+pytestmark = pytest.mark.slow
+
+FAST = ("--budget", "2", "--parallel", "1", "--no-progress")
+
+
+def _result(out: Path) -> dict:
+    files = sorted(out.glob("aoe_result_opat_*_*.json"))
+    assert len(files) == 1, files
+    return json.loads(files[0].read_text())
+
+
+def _summary_adds_up(doc: dict) -> dict:
+    s = doc["OPAT"]["repo_summary"]
+    assert s["repo_hit_num"] + s["repo_add_num"] + s["repo_unsatisfied_num"] == s["total_num"]
+    assert s["repo_reserved_num"] + s["repo_update_num"] <= s["repo_hit_num"]
+    assert s["total_num"] == len(doc["tasks"]) + 1  # + the model-wide session options
+    return s
+
+
+def _bank_entries(bank: Path) -> int:
+    env = lmdb.open(str(bank), readonly=True, lock=False, max_dbs=8)
+    try:
+        db = env.open_db(b"entries", create=False)
+        with env.begin() as txn:
+            return txn.stat(db)["entries"]
+    finally:
+        env.close()
+
+
+def _outputs(path: Path, feeds: dict, tuned: bool) -> list[np.ndarray]:
+    sess = aoe.session(path) if tuned else ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    names = {i.name for i in sess.get_inputs()}
+    return sess.run(None, {k: v for k, v in feeds.items() if k in names})
+
+
+def _assert_exact(src: Path, tuned: Path, tmp: Path) -> None:
+    feeds = make_inputs(prepare(src, tmp / "check").inputs, seed=7)
+    for ref, out in zip(_outputs(src, feeds, False), _outputs(tuned, feeds, True)):
+        assert out.shape == ref.shape
+        assert np.max(np.abs(out - ref)) <= 1e-3 * np.max(np.abs(ref))
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn", "transformer"])
+def test_exact_never_slower_nor_less_accurate(models: Path, tmp_path: Path, name: str):
+    out = tmp_path / "out"
+    r = run_aoe("tune", str(models / f"{name}.onnx"), "--bank", str(tmp_path / "bank"), "--output", str(out), *FAST)
+    assert r.returncode == 0, r.stderr
+    assert "Aoe process finished" in r.stdout
+    doc = _result(out)
+    opat = doc["OPAT"]
+    assert opat["opat_tuning_result"] == "tuning successful"
+    assert opat["model_result_performance(ms)"] <= opat["model_baseline_performance(ms)"] * 1.02
+    assert doc["accuracy"]["max_rel_error"] <= 1e-3 and doc["accuracy"]["cosine"] >= 0.9999
+    tuned = Path(doc["tuned_model"])
+    ts = re.fullmatch(rf"{name}_(\d{{14}})_tune\.onnx", tuned.name).group(1)
+    assert tuned == out / "aoe_workspace" / f"{name}_{ts}" / "tunespace" / "result" / f"{name}_{ts}_tune.onnx"
+    _assert_exact(models / f"{name}.onnx", tuned, tmp_path)
+    assert aoe.session_options_of(tuned) == doc["session_options"]
+    for task in doc["tasks"]:
+        if task["strategy"] != "default":
+            assert task["accuracy"]["max_rel_error"] <= 1e-4, task
+            assert task["performance_after_tune(us)"] < task["performance_before_tune(us)"]
+    s = _summary_adds_up(doc)
+    assert s["repo_hit_num"] == 0
+    assert _bank_entries(tmp_path / "bank") == s["repo_add_num"]
+
+
+def test_bank_answers_the_second_run_and_repeat_tune_retunes(models: Path, tmp_path: Path):
+    bank = tmp_path / "bank"
+    args = ("tune", str(models / "mlp.onnx"), "--bank", str(bank), *FAST)
+    first = run_aoe(*args, "--output", str(tmp_path / "o1"))
+    assert first.returncode == 0, first.stderr
+    d1 = _result(tmp_path / "o1")
+    assert d1["device"]["trials"] > 0
+
+    second = run_aoe(*args, "--output", str(tmp_path / "o2"))
+    assert second.returncode == 0, second.stderr
+    d2 = _result(tmp_path / "o2")
+    s2 = _summary_adds_up(d2)
+    assert s2["repo_hit_num"] == s2["total_num"]
+    assert d2["device"]["trials"] == 0  # no per-task measurement, only the end-to-end check
+    assert all(t["update_mode"] == "hit" for t in d2["tasks"])
+    chosen1 = {t["op_name"]: t["strategy"] for t in d1["tasks"]}
+    chosen2 = {t["op_name"]: t["strategy"] for t in d2["tasks"]}
+    assert chosen1 == chosen2
+    if d1["verification"] == d2["verification"] == "tuned":
+        assert d1["session_options"] == d2["session_options"]
+        g1 = onnx.load(d1["tuned_model"]).graph
+        g2 = onnx.load(d2["tuned_model"]).graph
+        assert g1.SerializeToString(deterministic=True) == g2.SerializeToString(deterministic=True)
+
+    third = run_aoe("tune", str(models / "mlp.onnx"), *FAST, "--output", str(tmp_path / "o3"),
+                    env={"TUNE_BANK_PATH": str(bank), "REPEAT_TUNE": "True"})
+    assert third.returncode == 0, third.stderr
+    d3 = _result(tmp_path / "o3")
+    s3 = _summary_adds_up(d3)
+    assert d3["device"]["trials"] > 0
+    modes = {t["update_mode"] for t in d3["tasks"]}
+    assert modes <= {"reserved", "update", "add", "unsatisfied"}
+    assert s3["repo_reserved_num"] + s3["repo_update_num"] + s3["repo_add_num"] + s3["repo_unsatisfied_num"] == s3["total_num"]
+
+
+def test_crashing_candidate_is_recorded_and_job_succeeds(models: Path, tmp_path: Path):
+    (tmp_path / "aoed_abort_plugin.py").write_text(
+        textwrap.dedent(
+            """
+            import os
+            from aoed.backends.ort.strategies import Strategy, register
+            register(Strategy("abort_worker", "matmul", "exact", lambda view: os.abort()))
+            """
+        )
+    )
+    import sys
+
+    env = {"AOED_PLUGINS": "aoed_abort_plugin", "PYTHONPATH": ":".join([str(tmp_path), *filter(None, sys.path)])}
+    r = run_aoe("tune", str(models / "mlp.onnx"), "--bank", str(tmp_path / "bank"), "--output", str(tmp_path / "o"),
+                *FAST, env=env)
+    assert r.returncode == 0, r.stderr
+    doc = _result(tmp_path / "o")
+    failed = [c for t in doc["tasks"] for c in t["candidates"] if c["strategy"] == "abort_worker"]
+    assert failed and all(not c["ok"] and "crashed" in c["error"] for c in failed)
+    assert doc["device"]["failed_candidates"] >= len(failed)
+    assert all(t["strategy"] != "abort_worker" for t in doc["tasks"])
+
+
+def test_aoe_spelling_runs_the_same_job_on_an_old_export(models: Path, tmp_path: Path):
+    r = run_aoe("--framework", "5", "--model", str(models / "legacy_mlp.onnx"), "--job_type", "2",
+                "--output", str(tmp_path / "o"), "--progress_bar", "off",
+                env={"TUNE_BANK_PATH": str(tmp_path / "bank"), "TE_PARALLEL_COMPILER": "1"})
+    assert r.returncode == 0, r.stderr
+    doc = _result(tmp_path / "o")
+    assert any("initializers listed as graph inputs" in n for n in doc["notes"])
+    assert any("opset 9 converted" in n for n in doc["notes"])
+    assert len(doc["tasks"]) == 3
+    _assert_exact(models / "legacy_mlp.onnx", Path(doc["tuned_model"]), tmp_path)
+
+
+def test_dynamic_input_needs_and_takes_a_shape(models: Path, tmp_path: Path):
+    bad = run_aoe("tune", str(models / "mlp_dynamic.onnx"), "--bank", str(tmp_path / "bank"),
+                  "--output", str(tmp_path / "o"), *FAST)
+    assert bad.returncode == 3
+    assert "'input'" in bad.stderr and "--input-shape" in bad.stderr
+    assert not (tmp_path / "bank").exists()  # nothing written to the bank
+    good = run_aoe("tune", str(models / "mlp_dynamic.onnx"), "--input-shape", "input:4,256",
+                   "--bank", str(tmp_path / "bank"), "--output", str(tmp_path / "o"), *FAST)
+    assert good.returncode == 0, good.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "code", "needle"),
+    [
+        (["--precision", "fp3"], {}, 2, "--precision fp3"),
+        (["--parallel", "0"], {}, 2, "--parallel"),
+        ([], {"TE_PARALLEL_COMPILER": "99"}, 2, "TE_PARALLEL_COMPILER"),
+        ([], {"REPEAT_TUNE": "maybe"}, 2, "REPEAT_TUNE"),
+        (["--job-type", "sgat"], {}, 2, "sgat"),
+        (["--input-shape", "nosuch:1,2"], {}, 2, "nosuch"),
+    ],
+)
+def test_bad_options_fail_cleanly(models: Path, tmp_path: Path, args, env, code, needle):
+    r = run_aoe("tune", str(models / "mlp.onnx"), "--bank", str(tmp_path / "bank"),
+                "--output", str(tmp_path / "o"), *args, env=env)
+    assert r.returncode == code, (r.stdout, r.stderr)
+    assert needle in r.stderr and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "bank").exists()
+
+
+@pytest.mark.parametrize("content", [b"", b"garbage that is not protobuf \x00\xff", None])
+def test_bad_models_fail_cleanly(tmp_path: Path, content: bytes | None):
+    model = tmp_path / "bad.onnx"
+    if content is not None:
+        model.write_bytes(content)
+    r = run_aoe("tune", str(model), "--bank", str(tmp_path / "bank"), "--output", str(tmp_path / "o"))
+    assert r.returncode == 3, (r.stdout, r.stderr)
+    assert "bad.onnx" in r.stderr and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "bank").exists()
+
+
+def test_framework_other_than_onnx_is_refused(models: Path, tmp_path: Path):
+    r = run_aoe("--framework", "3", "--model", str(models / "mlp.onnx"), "--output", str(tmp_path))
+    assert r.returncode == 2 and "only ONNX" in r.stderr
