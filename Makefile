@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed-stamp
 SAMPLE ?= cnn
 OUT    ?= out
 
-.PHONY: run test protos bench bench-quick clean
+.PHONY: run test protos clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)

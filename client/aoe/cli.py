@@ -23,7 +23,7 @@ from aoe.errors import AoedError, OptionError
 __all__ = ["main"]
 
 _JOB_TYPES = {"1": "sgat", "2": "opat", "sgat": "sgat", "opat": "opat"}
-_SUBCOMMANDS = ("tune",)
+_SUBCOMMANDS = ("tune", "compile", "bank")
 
 
 def _env_bool(name: str) -> bool | None:
@@ -204,6 +204,10 @@ def _summary(r) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
+        if argv and argv[0] in ("bank", "compile"):
+            from aoe import bankcli
+
+            return bankcli.main(argv)
         if argv and argv[0] == "tune":
             args = _tune_parser().parse_args(argv[1:])
         elif argv and argv[0].startswith("-") and argv[0] not in ("-h", "--help"):

@@ -211,21 +211,20 @@ class _Job:
         strat = strategies.get(task.family, strategy_name)
         out = {}
         for t in (task, *task.twins):
-            view = self.view(t)
-            view.prefix = f"aoe/{t.id}"
-            rw = strat.apply(view)
+            rw = strat.apply(self.view(t))
             if rw is None:
                 raise AoedError(f"strategy {strategy_name} does not apply to {t.id}")
             out[t.node_names] = rw
         return out
 
-    def record(self, task: Task, strategy: str, res: dict, base: dict, mode: str) -> BankRecord:
+    def record(self, sig: TaskSignature, family: str, strategy: str, res: dict, base: dict) -> BankRecord:
+        """The bank entry for `strategy` winning on task `sig` (res: its measurement)."""
         return BankRecord(
-            key=self.key(task.signature),
-            signature=task.signature,
+            key=self.key(sig),
+            signature=sig,
             device=self.fp,
             strategy=strategy,
-            family=task.family,
+            family=family,
             precision=self.opts.precision,
             winner=Measured(res["median_us"], res["spread"], res["repeats"], res["min_us"]),
             baseline=Measured(base["median_us"], base["spread"], base["repeats"], base["min_us"]),
@@ -461,7 +460,7 @@ class _Job:
         # AOE's bank semantics, per task.
         if hit is None:
             if best != strategies.DEFAULT:
-                await self.bank.write(BankWrite(entries=(self.record(task, best, win, base, "add"),)))
+                await self.bank.write(BankWrite(entries=(self.record(task.signature, task.family, best, win, base),)))
                 res.update_mode = "add"
             else:
                 await self.bank.write(
@@ -475,7 +474,7 @@ class _Job:
                 best != hit.strategy and old is not None and old.get("ok") and clearly_faster(win, old)
             ) or (old is None or not old.get("ok") or not gate(old))
             if better and best != strategies.DEFAULT:
-                await self.bank.write(BankWrite(entries=(self.record(task, best, win, base, "update"),)))
+                await self.bank.write(BankWrite(entries=(self.record(task.signature, task.family, best, win, base),)))
                 res.update_mode = "update"
             else:
                 res.update_mode = "reserved"
@@ -523,19 +522,15 @@ class _Job:
         strategy = canonical_json(current)
         if rec is None:
             if current:
-                r = self._session_record(sig, strategy, cur_res, base_res)
+                r = self.record(sig, "session", strategy, cur_res, base_res)
                 await self.bank.write(BankWrite(entries=(r,)))
                 return current, "add"
             await self.bank.write(BankWrite(defaults=((key, {"default_us": base_res["median_us"]}),)))
             return {}, "unsatisfied"
         if strategy != rec.strategy and current:
-            await self.bank.write(BankWrite(entries=(self._session_record(sig, strategy, cur_res, base_res),)))
+            await self.bank.write(BankWrite(entries=(self.record(sig, "session", strategy, cur_res, base_res),)))
             return current, "update"
         return json.loads(rec.strategy), "reserved"
-
-    def _session_record(self, sig: TaskSignature, strategy: str, win: dict, base: dict) -> BankRecord:
-        task = Task("session", "session", (), sig, (), ())
-        return self.record(task, strategy, win, base, "")
 
     async def verify(
         self, rewritten: onnx.ModelProto, rewritten_path: Path, options: dict[str, Any]
