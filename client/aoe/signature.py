@@ -139,10 +139,14 @@ class ModelContext:
             info = _value_info(vi)
             if info is not None:
                 self.tensors[vi.name] = info
+        # An initializer also listed as a graph input is only a default value: callers
+        # may feed it, so it is not a constant.
+        inputs = {i.name for i in g.input}
         self.constants: set[str] = set()
         for init in g.initializer:
-            self.constants.add(init.name)
-            self.tensors[init.name] = TensorInfo(_dtype_name(init.data_type), tuple(init.dims))
+            if init.name not in inputs:
+                self.constants.add(init.name)
+            self.tensors.setdefault(init.name, TensorInfo(_dtype_name(init.data_type), tuple(init.dims)))
         for node in g.node:
             if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
                 self.constants.add(node.output[0])

@@ -4,10 +4,11 @@ Steps, each failing with a `ModelError` or `OptionError` that names the file, in
 node at fault:
   load (external data only from the model's own directory) -> initializers listed as
   graph inputs become constants (old exporters) -> opset conversion to 13 where older ->
-  user shape overrides (a dynamic dimension without one is an error) -> check -> shape
-  inference -> onnxruntime's basic-level optimizer (constant folding, redundant node
-  elimination and its semantics-preserving fusions; standard ONNX ops only) -> shape
-  inference again so every tensor a task touches has a static shape.
+  every node gets a unique name (tasks name their nodes) -> user shape overrides (a
+  dynamic dimension without one is an error) -> check -> shape inference ->
+  onnxruntime's basic-level optimizer (constant folding, redundant node elimination and
+  its semantics-preserving fusions; standard ONNX ops only) -> shape inference again so
+  every tensor a task touches has a static shape.
 """
 
 from __future__ import annotations
@@ -163,6 +164,31 @@ def _apply_shapes(model: onnx.ModelProto, shapes: Mapping[str, tuple[int, ...]],
                 )
 
 
+def _name_nodes(model: onnx.ModelProto, notes: list[str] | None = None) -> None:
+    """Give every node without a name, or with a name an earlier node has, a unique one.
+
+    Tasks refer to nodes by name, and onnxruntime refuses two nodes of one name.
+    """
+    taken = {n.name for n in model.graph.node if n.name}
+    seen: set[str] = set()
+    renamed = 0
+    for i, node in enumerate(model.graph.node):
+        if node.name and node.name not in seen:
+            seen.add(node.name)
+            continue
+        base = f"{node.name or node.op_type}_{i}"
+        name, k = base, 0
+        while name in taken:
+            k += 1
+            name = f"{base}_{k}"
+        node.name = name
+        taken.add(name)
+        seen.add(name)
+        renamed += 1
+    if renamed and notes is not None:
+        notes.append(f"{renamed} nodes without a unique name were named")
+
+
 def _infer(model: onnx.ModelProto, source: Path) -> onnx.ModelProto:
     try:
         return shape_inference.infer_shapes(model, check_type=True, strict_mode=True, data_prop=True)
@@ -199,6 +225,7 @@ def prepare(
     notes: list[str] = []
     model = _load(src)
     model = _fix_legacy(model, keep_initializer_inputs, notes)
+    _name_nodes(model, notes)
     _apply_shapes(model, dict(input_shapes or {}), src)
     try:
         onnx.checker.check_model(model)
@@ -208,6 +235,7 @@ def prepare(
     out = Path(workdir) / "prepared.onnx"
     out.parent.mkdir(parents=True, exist_ok=True)
     model = _infer(_ort_basic(model, out, src), src)
+    _name_nodes(model)
     onnx.save(model, str(out))
     inits = {t.name for t in model.graph.initializer}
     ctx = ModelContext(model)

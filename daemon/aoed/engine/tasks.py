@@ -93,7 +93,8 @@ class TaskView:
 
 def constant_values(graph: onnx.GraphProto) -> dict[str, np.ndarray]:
     """Return every constant tensor of `graph` (initializers and Constant nodes) by name."""
-    values = {init.name: numpy_helper.to_array(init) for init in graph.initializer}
+    inputs = {i.name for i in graph.input}  # an initializer that is also an input is a default
+    values = {t.name: numpy_helper.to_array(t) for t in graph.initializer if t.name not in inputs}
     for node in graph.node:
         if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
             for a in node.attribute:
@@ -137,6 +138,17 @@ def task_model(
     return out
 
 
+def _read_names(nodes: Sequence[onnx.NodeProto]) -> set[str]:
+    """Names `nodes` read, including those their subgraphs (If, Loop, Scan) read."""
+    names: set[str] = set()
+    for node in nodes:
+        names.update(node.input)
+        for a in node.attribute:
+            for g in (*([a.g] if a.HasField("g") else []), *a.graphs):
+                names |= _read_names(g.node) | {o.name for o in g.output}
+    return names
+
+
 def apply_rewrites(model: onnx.ModelProto, rewrites: Mapping[tuple[str, ...], Rewrite]) -> onnx.ModelProto:
     """Return a copy of `model` with each task (keyed by its node names) replaced.
 
@@ -162,7 +174,7 @@ def apply_rewrites(model: onnx.ModelProto, rewrites: Mapping[tuple[str, ...], Re
     del out.graph.node[:]
     out.graph.node.extend(nodes)
     out.graph.initializer.extend(new_inits)
-    used = {i for n in out.graph.node for i in n.input} | {o.name for o in out.graph.output}
+    used = _read_names(out.graph.node) | {o.name for o in out.graph.output}
     keep = [t for t in out.graph.initializer if t.name in used]
     del out.graph.initializer[:]
     out.graph.initializer.extend(keep)

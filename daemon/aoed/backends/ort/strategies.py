@@ -39,7 +39,7 @@ __all__ = [
 ]
 
 #: Elementwise activations partition fuses into a task, with the contrib fused ops'
-#: spelling of each (FusedConv and FusedGemm take `activation` + `activation_params`).
+#: spelling of each (FusedConv and FusedGemm take `activation` plus their own parameters).
 ACTIVATIONS = ("Relu", "Sigmoid", "Tanh", "LeakyRelu")
 DEFAULT = "default"
 _PRECISIONS = ("exact",)
@@ -114,12 +114,19 @@ def _strategy(name: str, family: str, precision: str = "exact"):
 # --------------------------------------------------------------------------- helpers
 
 
-def _act_attrs(act) -> dict:
-    """FusedConv/FusedGemm attributes reproducing activation node `act`."""
+def _act_attrs(act, gemm: bool = False) -> dict:
+    """FusedConv (or, with `gemm`, FusedGemm) attributes reproducing activation node `act`.
+
+    FusedConv takes LeakyRelu's alpha in `activation_params`, FusedGemm in
+    `activation_alpha`.
+    """
     attrs = {"activation": act.op_type}
     if act.op_type == "LeakyRelu":
         alpha = next((a.f for a in act.attribute if a.name == "alpha"), 0.01)
-        attrs["activation_params"] = [alpha]
+        if gemm:
+            attrs["activation_alpha"] = alpha
+        else:
+            attrs["activation_params"] = [alpha]
     return attrs
 
 
@@ -135,10 +142,19 @@ def _bias(view: TaskView, n: int) -> tuple[object | None, np.ndarray | None]:
     if add is None:
         return None, None
     other = add.input[1] if add.input[0] == view.anchor.output[0] else add.input[0]
-    b = view.const(other)
-    if b is None or b.size != n:
-        return add, None
-    return add, b.reshape(n)
+    y = view.info(view.anchor.output[0])
+    return add, _row_vector(view.const(other), n, len(y.shape) if y is not None else 0)
+
+
+def _row_vector(b: np.ndarray | None, n: int, out_rank: int) -> np.ndarray | None:
+    """`b` as a length-n vector when adding it broadcasts one value per output column.
+
+    A column bias ([n, 1] on an [n, n] product) or one that raises the output's rank is
+    no such vector, even with n elements.
+    """
+    if b is None or b.size != n or b.ndim > out_rank or (b.ndim and b.shape[-1] != n):
+        return None
+    return b.reshape(n)
 
 
 def _matmul_parts(view: TaskView):
@@ -170,10 +186,9 @@ def _matmul_parts(view: TaskView):
         w = w.T if attrs.get("transB", 0) else w
         bias = None
         if len(anchor.input) > 2 and anchor.input[2]:
-            bias = view.const(anchor.input[2])
-            if bias is None or bias.size != w.shape[1]:
+            bias = _row_vector(view.const(anchor.input[2]), w.shape[1], 2)
+            if bias is None:
                 return None
-            bias = bias.reshape(w.shape[1])
         return anchor.input[0], w, bias, act, 2
     return None
 
@@ -211,7 +226,7 @@ def _gemm_rewrite(view: TaskView, fused: bool) -> Rewrite | None:
     if fused:
         gemm = helper.make_node(
             "FusedGemm", ins, [gemm_out], name=view.name("FusedGemm"), domain=CONTRIB_DOMAIN,
-            transB=1, **_act_attrs(act),
+            transB=1, **_act_attrs(act, gemm=True),
         )
     else:
         gemm = helper.make_node("Gemm", ins, [gemm_out], name=view.name("Gemm"), transB=1)

@@ -1,0 +1,228 @@
+"""Tests for the writable LMDB bank (aoed.bank.store) and its entry codec (aoed.bank._codec)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import lmdb
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper, shape_inference
+
+from aoe.errors import BankError
+from aoe.signature import (
+    SCHEMA_VERSION,
+    ModelContext,
+    TaskSignature,
+    bank_key,
+    device_fingerprint,
+    task_signature,
+)
+from aoe.v1 import bank_pb2
+from aoed.bank._codec import BankRecord, Measured, decode, encode
+from aoed.bank.store import BankStore, default_bank_path
+
+
+def _signature() -> TaskSignature:
+    w = numpy_helper.from_array(np.ones((8, 4), np.float32), "w")
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])],
+        initializer=[w],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    model = shape_inference.infer_shapes(model)
+    onnx.checker.check_model(model)
+    return task_signature([model.graph.node[0]], ModelContext(model))
+
+
+def _record(precision: str = "exact", **kw: object) -> BankRecord:
+    sig = _signature()
+    dev = device_fingerprint("CPUExecutionProvider", {"threads": "4"})
+    fields = dict(
+        key=bank_key(sig.digest, dev.digest, precision),
+        signature=sig,
+        device=dev,
+        strategy="gemm_pretransposed",
+        family="matmul",
+        precision=precision,
+        winner=Measured(median_us=12.5, spread=0.03, repeats=40, min_us=11.75),
+        baseline=Measured(median_us=20.25, spread=0.05, repeats=40, min_us=19.5),
+        max_abs_error=1.5e-6,
+        max_rel_error=2.5e-7,
+        cosine=0.999999,
+        params={"threads": "4", "layout": "nt"},
+        host="bench-01",
+        aoed_version="0.1.0",
+        created_unix=1_700_000_000.5,
+        job_id="job-42",
+        model="mlp.onnx",
+    )
+    fields.update(kw)
+    return BankRecord(**fields)  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------- codec
+
+
+@pytest.mark.parametrize("precision", ["exact", "int8", "fp16"])
+def test_codec_round_trip_keeps_every_field(precision: str) -> None:
+    record = _record(precision)
+    data = encode(record)
+    back = decode(data)
+    for f in dataclasses.fields(BankRecord):
+        assert getattr(back, f.name) == getattr(record, f.name), f.name
+    assert back == record
+    assert encode(back) == data  # deterministic serialization
+    msg = bank_pb2.BankEntry.FromString(data)
+    assert msg.schema_version == SCHEMA_VERSION
+    assert msg.key == record.key.decode()
+    assert msg.provenance.onnxruntime_version == record.device.runtime_version
+
+
+def test_codec_distinguishes_records() -> None:
+    a, b = _record(), _record(strategy="fused_gemm")
+    assert encode(a) != encode(b)
+    assert decode(encode(b)).strategy == "fused_gemm"
+
+
+# --------------------------------------------------------------------------- store
+
+
+@pytest.fixture
+def store(tmp_path: Path):
+    s = BankStore(tmp_path / "bank")
+    yield s
+    s.close()
+
+
+def test_entries_round_trip(store: BankStore) -> None:
+    record = _record()
+    other = _record(precision="int8")
+    store.commit(entries=[(record.key, encode(record)), (other.key, encode(other))])
+    assert decode(store.get(record.key)) == record
+    assert decode(store.get(other.key)) == other
+    assert store.get(b"v1/none/none/exact") is None
+    assert store.counts() == {"entries": 2, "defaults": 0, "history": 0}
+    # A second commit for a key replaces the entry.
+    better = _record(strategy="fused_gemm")
+    store.commit(entries=[(record.key, encode(better))])
+    assert decode(store.get(record.key)).strategy == "fused_gemm"
+    assert store.counts()["entries"] == 2
+
+
+def test_entries_survive_reopening(tmp_path: Path) -> None:
+    record = _record()
+    s = BankStore(tmp_path / "bank")
+    s.commit(entries=[(record.key, encode(record))])
+    s.close()
+    s = BankStore(tmp_path / "bank")
+    try:
+        assert decode(s.get(record.key)) == record
+    finally:
+        s.close()
+
+
+def test_defaults_round_trip(store: BankStore) -> None:
+    key = _record().key
+    doc = {"strategy": "default", "median_us": 10.5, "candidates": 4}
+    store.commit(defaults=[(key, doc)])
+    assert store.get_default(key) == doc
+    assert store.get(key) is None
+    assert store.get_default(b"v1/other/other/exact") is None
+    assert store.counts()["defaults"] == 1
+
+
+def test_entry_commit_removes_the_default_record(store: BankStore) -> None:
+    record = _record()
+    keep = _record(precision="int8").key
+    store.commit(defaults=[(record.key, {"strategy": "default"}), (keep, {"strategy": "default"})])
+    assert store.counts()["defaults"] == 2
+    store.commit(entries=[(record.key, encode(record))])
+    assert store.get_default(record.key) is None
+    assert store.get_default(keep) == {"strategy": "default"}
+    assert store.counts() == {"entries": 1, "defaults": 1, "history": 0}
+
+
+def test_history_trials_are_counted(store: BankStore) -> None:
+    key = _record().key
+    store.commit(trials=[(key, {"strategy": s, "median_us": 1.0 + i}) for i, s in enumerate("abc")])
+    store.commit(trials=[(key, {"strategy": "d", "median_us": 9.0})])
+    assert store.counts() == {"entries": 0, "defaults": 0, "history": 4}
+    with store.env.begin(db=store._history) as txn:
+        rows = [(k, json.loads(v)) for k, v in txn.cursor()]
+    assert all(k.startswith(key + b"/") for k, _ in rows)
+    assert sorted(doc["strategy"] for _, doc in rows) == ["a", "b", "c", "d"]
+
+
+def test_tiny_map_grows_and_keeps_everything(tmp_path: Path) -> None:
+    s = BankStore(tmp_path / "bank", map_size=64 << 10)
+    try:
+        start = s.env.info()["map_size"]
+        items = [
+            (f"v1/{i:032x}/{'0' * 32}/exact".encode(), bytes([i % 251]) * 300) for i in range(3000)
+        ]
+        s.commit(entries=items[:1500])
+        for key, value in items[1500:]:
+            if int(key[3:35], 16) % 100 == 0:
+                s.commit(entries=[(key, value)], trials=[(key, {"n": 1})])
+        s.commit(entries=items[1500:])
+        assert s.env.info()["map_size"] > start
+        assert s.counts()["entries"] == 3000
+        assert s.counts()["history"] == 15
+        for key, value in items:
+            assert s.get(key) == value
+    finally:
+        s.close()
+    # The grown file opens again with the small requested map.
+    s = BankStore(tmp_path / "bank", map_size=64 << 10)
+    try:
+        assert s.counts()["entries"] == 3000
+        assert s.get(items[-1][0]) == items[-1][1]
+    finally:
+        s.close()
+
+
+def test_newer_schema_version_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "bank"
+    path.mkdir()
+    env = lmdb.open(str(path), max_dbs=8)
+    meta = env.open_db(b"meta")
+    with env.begin(write=True, db=meta) as txn:
+        txn.put(b"schema_version", str(SCHEMA_VERSION + 1).encode())
+    env.close()
+    with pytest.raises(BankError) as err:
+        BankStore(path)
+    msg = str(err.value)
+    assert str(path) in msg
+    assert f"schema version {SCHEMA_VERSION + 1}" in msg
+    assert "upgrade aoed" in msg
+
+
+def test_new_bank_records_its_schema_version(store: BankStore) -> None:
+    with store.env.begin(db=store._meta) as txn:
+        assert txn.get(b"schema_version") == str(SCHEMA_VERSION).encode()
+
+
+def test_path_that_is_a_file_is_a_bank_error(tmp_path: Path) -> None:
+    path = tmp_path / "not_a_dir"
+    path.write_text("hello")
+    with pytest.raises(BankError, match="not_a_dir"):
+        BankStore(path)
+    assert path.read_text() == "hello"
+
+
+def test_bank_path_from_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TUNE_BANK_PATH", str(tmp_path / "custom"))
+    assert default_bank_path() == tmp_path / "custom"
+    monkeypatch.delenv("TUNE_BANK_PATH")
+    fallback = default_bank_path()
+    assert fallback != tmp_path / "custom"
+    assert fallback.name == "bank"
+    assert fallback.parent.name == "aoed"
