@@ -321,7 +321,7 @@ def test_each_node_is_in_at_most_one_task(prepared: dict[str, Prepared], name: s
     graph_nodes = {n.name for n in prep.model.graph.node}
     assert set(counts) <= graph_nodes
     for t in tasks:
-        assert t.family in ("matmul", "conv")
+        assert t.family in ("matmul", "conv", "matmul_act")
         ops = {n.name: n.op_type for n in prep.model.graph.node}
         assert t.signature.op_type == "+".join(ops[n] for n in t.node_names)
 

@@ -53,7 +53,11 @@ def _parallel(value: str | None, source: str) -> int | None:
 def _tune_parser(prog: str = "aoe tune") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description="Tune an ONNX model by measurement, embedded (no daemon).")
     p.add_argument("model", type=Path, help="the .onnx model to tune")
-    p.add_argument("--precision", default="exact", help="precision policy (default: exact)")
+    p.add_argument("--precision", default="exact", help="precision policy: exact (default) or int8")
+    p.add_argument("--calibration", type=Path, help="calibration samples: a folder of .npz/.npy (int8)")
+    p.add_argument("--min-cosine", type=float, help="end-to-end accuracy budget: lowest output cosine (int8: 0.999)")
+    p.add_argument("--max-rel-error", type=float,
+                   help="end-to-end accuracy budget: largest error relative to the output range (int8: 0.25)")
     p.add_argument(
         "--input-shape", action="append", default=[], metavar="NAME:D1,D2,...",
         help="static shape for an input with dynamic dimensions; repeat or join with ';'",
@@ -83,6 +87,7 @@ def _aoe_parser() -> argparse.ArgumentParser:
     p.add_argument("--input_shape", "--input-shape", dest="input_shape", action="append", default=[])
     p.add_argument("--device", default=None)
     p.add_argument("--precision", default="exact")
+    p.add_argument("--calibration", type=Path)
     p.add_argument("--bank", type=Path)
     p.add_argument("--progress_bar", default="on", choices=["on", "off"])
     return p
@@ -94,6 +99,7 @@ def _from_aoe(argv: Sequence[str]) -> argparse.Namespace:
         raise OptionError(f"--framework {a.framework}: only ONNX (5) models can be tuned here")
     return argparse.Namespace(
         model=a.model, precision=a.precision, input_shape=a.input_shape, bank=a.bank,
+        calibration=a.calibration, min_cosine=None, max_rel_error=None,
         repeat_tune=None, parallel=None, output=a.output, job_type=a.job_type, device=a.device,
         keep_initializer_inputs=False, budget=20.0, no_progress=a.progress_bar == "off",
     )
@@ -113,7 +119,9 @@ def _tune(args: argparse.Namespace) -> int:
         raise OptionError(f"--job-type {args.job_type}: expected opat (2) or sgat (1)")
     if job_type == "sgat":
         raise OptionError("--job-type sgat (1): subgraph tuning is not available yet; use opat (2)")
-    policy(args.precision)  # validates the name before any work starts
+    policy(args.precision, args.min_cosine, args.max_rel_error)  # validates before any work starts
+    if args.calibration is not None and not args.calibration.is_dir():
+        raise OptionError(f"--calibration {args.calibration}: not a directory")
     device = args.device or "cpu"
     if os.environ.get("ASCEND_DEVICE_ID") and args.device is None:
         device = "cpu"  # no NPU here; the id is kept for the report
@@ -142,6 +150,9 @@ def _tune(args: argparse.Namespace) -> int:
         keep_initializer_inputs=args.keep_initializer_inputs,
         device=device,
         budget_s=args.budget,
+        calibration=args.calibration,
+        min_cosine=args.min_cosine,
+        max_rel_error=args.max_rel_error,
         job_id=f"local-{os.getpid()}",
     )
 
@@ -190,6 +201,14 @@ def _summary(r) -> None:
         print(f"    {t.op_name:<40} {t.op_type:<14} {t.strategy:<22} {t.improvement:+.1%}", file=out)
     if r.session_options:
         print(f"  session      {r.session_options}", file=out)
+    if r.precision != "exact":
+        acc = r.accuracy
+        print(f"  accuracy     cosine {acc.get('cosine', 0):.5f}, max rel error {acc.get('max_rel_error', 0):.3g} "
+              f"(budget {r.budget.get('min_cosine')} / {r.budget.get('max_rel_error')}); calibration: {r.calibration}",
+              file=out)
+        kept = [t for t in r.tasks if t.rejected and not any(t.strategy.startswith(p) for p in ("int8",))]
+        for t in kept:
+            print(f"    {t.op_name:<40} kept {t.strategy}: {t.rejected[0]}", file=out)
     s = r.repo
     print(
         f"  bank         add {s['repo_add_num']}, hit {s['repo_hit_num']}, reserved {s['repo_reserved_num']}, "

@@ -40,6 +40,7 @@ __all__ = [
     "legacy_mlp",
     "main",
     "mlp",
+    "outlier_mlp",
     "save",
     "transformer",
 ]
@@ -444,12 +445,41 @@ def legacy_cnn() -> onnx.ModelProto:
     )
 
 
+def outlier_mlp(features: int = 128, hidden: int = 512, classes: int = 16, outliers: int = 4) -> onnx.ModelProto:
+    """An MLP built to collapse under per-tensor int8 quantization of its activations.
+
+    A few hidden channels carry values about 1e4 times larger than the rest, and the
+    next layer weighs them down by the same factor, so in fp32 they barely matter. A
+    quantizer that spreads 256 levels over the whole range rounds every ordinary channel
+    to zero, and the output loses what carried it. Layer 1 itself quantizes fine.
+    """
+    _positive(features=features, hidden=hidden, classes=classes, outliers=outliers)
+    g = _GraphBuilder(seed=1006)
+    x = g.claim_input("input")
+    w1 = g.rng.standard_normal((features, hidden)).astype(np.float32) * math.sqrt(2.0 / features)
+    w1[:, :outliers] *= 1e4
+    w2 = g.rng.standard_normal((hidden, classes)).astype(np.float32) * math.sqrt(1.0 / hidden)
+    w2[:outliers, :] *= 1e-4
+    x = g.node("MatMul", [x, g.const("fc1.weight", w1)], "fc1/MatMul")
+    x = g.node("Add", [x, g.normal("fc1.bias", [hidden], 0.01)], "fc1/Add")
+    x = g.node("Relu", [x], "fc1/Relu")
+    x = g.node("MatMul", [x, g.const("fc2.weight", w2)], "fc2/MatMul")
+    x = g.node("Add", [x, g.normal("fc2.bias", [classes], 0.01)], "fc2/Add", output="logits")
+    return g.model(
+        "outlier_mlp",
+        [helper.make_tensor_value_info("input", TensorProto.FLOAT, [1, features])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, classes])],
+        doc="MLP whose hidden activations have a few channels 1e4 times larger than the rest",
+    )
+
+
 SAMPLES: dict[str, Callable[..., onnx.ModelProto]] = {
     "mlp": mlp,
     "cnn": cnn,
     "transformer": transformer,
     "legacy_mlp": legacy_mlp,
     "legacy_cnn": legacy_cnn,
+    "outlier_mlp": outlier_mlp,
 }
 
 

@@ -1,7 +1,7 @@
 """Partition a prepared model into tasks (OPAT: fused operators).
 
-An anchor (MatMul or Gemm with a constant weight, Conv with a constant weight) takes
-along its epilogue while the chain stays private: a constant bias Add (MatMul only),
+An anchor (MatMul or Gemm with a constant weight, Conv with a constant weight, or a
+MatMul of two activations, which stands alone) takes along its epilogue while the chain stays private: a constant bias Add (MatMul only),
 then one activation. Only the last node's outputs may escape the task, so a rewrite can
 replace the chain without any other node noticing. Tasks with the same signature are
 tuned once: the first is the representative, the rest are its `twins`.
@@ -28,6 +28,8 @@ def _family(node: onnx.NodeProto, ctx: ModelContext) -> str | None:
         return "matmul"
     if node.op_type == "Conv" and node.input[1] in ctx.constants:
         return "conv"
+    if node.op_type == "MatMul" and not ({node.input[0], node.input[1]} & ctx.constants):
+        return "matmul_act"
     return None
 
 
@@ -63,7 +65,7 @@ def partition(model: onnx.ModelProto, ctx: ModelContext) -> list[Task]:
         if family is None or node.name in taken:
             continue
         chain = [node]
-        nxt = private_successor(node)
+        nxt = private_successor(node) if family != "matmul_act" else None
         if family == "matmul" and node.op_type == "MatMul" and nxt is not None and nxt.op_type == "Add":
             other = nxt.input[1] if nxt.input[0] == node.output[0] else nxt.input[0]
             if other in ctx.constants:

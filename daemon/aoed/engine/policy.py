@@ -2,7 +2,9 @@
 
 Every candidate's outputs are compared with the fp32 reference on the same inputs, per
 task and end to end. `exact` allows float-rounding differences only (reassociation in a
-different kernel); lossy policies (int8 and later) come with their own budgets.
+different kernel); `int8` accepts the error of 8-bit quantization within a budget
+(default: cosine >= 0.999 and max error <= 25% of the output range, end to end; max
+error is a worst case over every element, cosine the overall agreement).
 """
 
 from __future__ import annotations
@@ -35,15 +37,38 @@ class PrecisionPolicy:
         )
 
 
+    @property
+    def lossy(self) -> bool:
+        return self.name != "exact"
+
+
 POLICIES = {
     "exact": PrecisionPolicy("exact", 1e-4, 0.99999, 1e-3, 0.9999),
+    # Per task a little tighter than end to end: errors of several tasks add up.
+    "int8": PrecisionPolicy("int8", 0.25, 0.9995, 0.25, 0.999),
 }
 
 
-def policy(name: str) -> PrecisionPolicy:
+def policy(name: str, min_cosine: float | None = None, max_rel_error: float | None = None) -> PrecisionPolicy:
+    """The policy `name`, with the end-to-end budget overridden where given.
+
+    A per-task limit is never looser than the end-to-end one. Raises OptionError."""
     try:
-        return POLICIES[name]
+        p = POLICIES[name]
     except KeyError:
         raise OptionError(
             f"--precision {name}: not supported (choose from: {', '.join(POLICIES)})"
         ) from None
+    if min_cosine is not None and not 0.0 < min_cosine <= 1.0:
+        raise OptionError(f"--min-cosine {min_cosine}: must be in (0, 1]")
+    if max_rel_error is not None and not max_rel_error > 0.0:
+        raise OptionError(f"--max-rel-error {max_rel_error}: must be positive")
+    e2e_cos = p.e2e_min_cosine if min_cosine is None else min_cosine
+    e2e_rel = p.e2e_max_rel_error if max_rel_error is None else max_rel_error
+    return PrecisionPolicy(
+        p.name,
+        min(p.task_max_rel_error, e2e_rel),
+        max(p.task_min_cosine, e2e_cos),
+        e2e_rel,
+        e2e_cos,
+    )

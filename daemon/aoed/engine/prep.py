@@ -251,8 +251,11 @@ def prepare(
     )
 
 
-def make_inputs(inputs: Mapping[str, TensorInfo], seed: int = 0) -> dict[str, np.ndarray]:
-    """Deterministic inputs for every model input: normal floats, small non-negative ints."""
+def make_inputs(
+    inputs: Mapping[str, TensorInfo], seed: int = 0, int_high: Mapping[str, int] | None = None
+) -> dict[str, np.ndarray]:
+    """Deterministic inputs for every model input: normal floats, non-negative ints below
+    `int_high[name]` (default 8)."""
     rng = np.random.default_rng(seed)
     feeds = {}
     for name, info in inputs.items():
@@ -260,7 +263,8 @@ def make_inputs(inputs: Mapping[str, TensorInfo], seed: int = 0) -> dict[str, np
         if dt.kind == "f":
             feeds[name] = rng.standard_normal(info.shape).astype(dt)
         elif dt.kind in "iu":
-            feeds[name] = rng.integers(0, 8, size=info.shape).astype(dt)
+            high = (int_high or {}).get(name, 8)
+            feeds[name] = rng.integers(0, high, size=info.shape).astype(dt)
         elif dt.kind == "b":
             feeds[name] = rng.integers(0, 2, size=info.shape).astype(bool)
         else:

@@ -66,6 +66,8 @@ class TaskView:
     infos: Mapping[str, TensorInfo]
     opset: int
     prefix: str
+    #: calibrated (min, max) of activation tensors, for static quantization
+    ranges: Mapping[str, tuple[float, float]] = field(default_factory=dict)
 
     @property
     def anchor(self) -> onnx.NodeProto:

@@ -9,6 +9,8 @@ Ops:
      -> {"results": {id: {"ok", "median_us", "spread", "repeats", "min_us",
                           "max_abs_error", "max_rel_error", "cosine", "dropped", "error"}}}
   profile  {"model", "inputs", "runs", "options", "workdir"} -> {"nodes": {name: us}, "total_us"}
+  compare  {"reference", "candidate", "options", "inputs": [npz...]}
+     -> {"max_abs_error", "max_rel_error", "cosine"} (worst over the inputs)
 
 Method: every candidate gets the same inputs; one run gives its outputs, compared with
 the reference candidate's; then warm-up, then rounds in which every surviving candidate
@@ -239,6 +241,23 @@ def profile(req: dict[str, Any]) -> dict[str, Any]:
     return {"ok": True, "nodes": {k: v / n for k, v in nodes.items()}, "total_us": total}
 
 
+def compare(req: dict[str, Any]) -> dict[str, Any]:
+    """Accuracy of `candidate` against `reference` over several input files: the worst
+    max error and the lowest cosine over them."""
+    ref = _session(req["reference"], None)
+    cand = _session(req["candidate"], req.get("options"))
+    worst = {"max_abs_error": 0.0, "max_rel_error": 0.0, "cosine": 1.0}
+    for path in req["inputs"]:
+        feeds = _load_inputs(path)
+        r_out = ref.run(None, {i.name: feeds[i.name] for i in ref.get_inputs()})
+        c_out = cand.run(None, {i.name: feeds[i.name] for i in cand.get_inputs()})
+        acc = accuracy(r_out, c_out)
+        worst["max_abs_error"] = max(worst["max_abs_error"], acc["max_abs_error"])
+        worst["max_rel_error"] = max(worst["max_rel_error"], acc["max_rel_error"])
+        worst["cosine"] = min(worst["cosine"], acc["cosine"])
+    return {"ok": True, **worst, "samples": len(req["inputs"])}
+
+
 def _handle(req: dict[str, Any]) -> dict[str, Any]:
     op = req.get("op")
     started = time.monotonic()  # CLOCK_MONOTONIC: comparable across processes
@@ -246,6 +265,8 @@ def _handle(req: dict[str, Any]) -> dict[str, Any]:
         reply = measure(req)
     elif op == "profile":
         reply = profile(req)
+    elif op == "compare":
+        reply = compare(req)
     elif op == "ping":
         reply = {"ok": True}
     else:

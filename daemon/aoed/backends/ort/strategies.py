@@ -13,6 +13,10 @@ Families:
 - ``matmul``: MatMul with a constant 2-D weight (or Gemm with constant B), with an
   optional constant bias Add and an optional activation.
 - ``conv``: Conv with a constant weight, with an optional activation.
+- ``matmul_act``: MatMul of two activations (attention's Q·Kᵀ and P·V); only lossy
+  strategies apply, so exact jobs leave it alone.
+
+The int8 strategies live in `quant.py`.
 """
 
 from __future__ import annotations
@@ -253,7 +257,7 @@ def _unchanged(view: TaskView) -> Rewrite:
 
 
 # Every family's first strategy is the task unchanged: the incumbent to beat.
-for _family in ("matmul", "conv"):
+for _family in ("matmul", "conv", "matmul_act"):
     register(Strategy(DEFAULT, _family, "exact", _unchanged, "the task as the model has it"))
 
 
@@ -375,3 +379,6 @@ def _conv1x1_matmul(view: TaskView) -> Rewrite | None:
         nodes.append(_copy_act(view, act, pre_act))
     return Rewrite(tuple(nodes), tuple(inits))
 
+
+# Registered last: the int8 strategies build on the helpers above.
+from aoed.backends.ort import quant as _quant  # noqa: E402,F401

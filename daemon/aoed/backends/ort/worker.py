@@ -5,7 +5,7 @@ strategy's rewrite, checks the candidate model, saves it, and loads it into an
 onnxruntime session (single-threaded) so that a candidate the runtime rejects fails
 here, not on the device. It never measures and never touches the bank.
 
-Request:  {"id", "task_model", "family", "strategy", "prefix", "out"}
+Request:  {"id", "task_model", "family", "strategy", "prefix", "out", "ranges"}
 Reply:    {"id", "ok", "applicable", "error", "compile_s"}
 """
 
@@ -34,6 +34,7 @@ def _compile(req: dict[str, Any]) -> dict[str, Any]:
         infos=ModelContext(model).tensors,
         opset=ModelContext(model).opset(""),
         prefix=req.get("prefix", req["strategy"]),
+        ranges={k: (float(v[0]), float(v[1])) for k, v in req.get("ranges", {}).items()},
     )
     rewrite = strategy.apply(view)
     if rewrite is None:

@@ -1,0 +1,237 @@
+"""Lossy int8 strategies for ONNX Runtime's CPU provider (precision policy ``int8``).
+
+Each is a real alternative stock onnxruntime runs, and each carries its own quantize /
+dequantize boundary inside the task, so the boundary's cost is part of what is measured:
+
+- matmul (constant weight): dynamic int8 quantization of the activation at run time with
+  the weight stored int8, as the fused contrib op (DynamicQuantizeMatMul, per tensor or
+  per output channel) or as the standard-op form (DynamicQuantizeLinear + MatMulInteger).
+- conv (constant weight): static int8 with activation scales from calibration ranges, as
+  QDQ around the Conv (onnxruntime fuses it into QLinearConv) or as an explicit
+  QLinearConv. Two adjacent quantized tasks see the same range for the tensor between
+  them, so their boundaries carry identical scales and onnxruntime drops the redundant
+  DequantizeLinear -> QuantizeLinear pair: they share the boundary.
+- matmul_act (both inputs activations, e.g. attention's Q·Kᵀ and P·V): both sides
+  quantized dynamically, MatMulInteger in int32, rescaled to float.
+
+Weights are quantized symmetrically (int8, zero point 0); activations asymmetrically
+(uint8) over a range that always includes zero.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from onnx import TensorProto, helper, numpy_helper
+
+from aoed.backends.ort.strategies import (
+    _copy_act,
+    _matmul_parts,
+    _strategy,
+)
+from aoed.engine.tasks import CONTRIB_DOMAIN, Rewrite, TaskView
+
+__all__: list[str] = []
+
+
+def _sym_int8(w: np.ndarray, axis: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric int8 quantization of `w`, per tensor (axis None) or along `axis`."""
+    if axis is None:
+        amax = np.asarray(np.abs(w).max(), dtype=np.float32)
+    else:
+        other = tuple(i for i in range(w.ndim) if i != axis)
+        amax = np.abs(w).max(axis=other).astype(np.float32)
+    scale = np.where(amax > 0, amax / 127.0, 1.0).astype(np.float32)
+    shape = [1] * w.ndim
+    if axis is not None:
+        shape[axis] = -1
+    q = np.clip(np.round(w / scale.reshape(shape)), -127, 127).astype(np.int8)
+    return q, scale
+
+
+def _uint8_params(lo: float, hi: float) -> tuple[np.ndarray, np.ndarray]:
+    """Asymmetric uint8 scale and zero point covering [lo, hi] and zero."""
+    lo, hi = min(float(lo), 0.0), max(float(hi), 0.0)
+    scale = (hi - lo) / 255.0 if hi > lo else 1.0
+    zp = int(np.clip(round(-lo / scale), 0, 255))
+    return np.array(scale, dtype=np.float32), np.array(zp, dtype=np.uint8)
+
+
+def _init(view: TaskView, name: str, value: np.ndarray) -> TensorProto:
+    return numpy_helper.from_array(np.asarray(value), view.name(name))
+
+
+def _dynamic_matmul(view: TaskView, per_channel: bool, fused: bool) -> Rewrite | None:
+    parts = _matmul_parts(view)
+    if parts is None:
+        return None
+    a, w, bias, act, _rank = parts
+    wq, ws = _sym_int8(w, 1 if per_channel else None)
+    inits = [_init(view, "weight_q", wq), _init(view, "weight_scale", ws),
+             _init(view, "weight_zp", np.zeros(ws.shape, dtype=np.int8))]
+    out = view.output if act is None else view.name("pre_act")
+    nodes = []
+    if fused:
+        ins = [a, inits[0].name, inits[1].name, inits[2].name]
+        if bias is not None:
+            inits.append(_init(view, "bias", bias.astype(np.float32)))
+            ins.append(inits[-1].name)
+        nodes.append(helper.make_node(
+            "DynamicQuantizeMatMul", ins, [out], name=view.name("DynamicQuantizeMatMul"), domain=CONTRIB_DOMAIN))
+    else:
+        aq, a_s, a_z = view.name("a_q"), view.name("a_scale"), view.name("a_zp")
+        nodes += [
+            helper.make_node("DynamicQuantizeLinear", [a], [aq, a_s, a_z], name=view.name("QuantizeA")),
+            helper.make_node("MatMulInteger", [aq, inits[0].name, a_z, inits[2].name], [view.name("acc")],
+                             name=view.name("MatMulInteger")),
+            helper.make_node("Cast", [view.name("acc")], [view.name("acc_f")], name=view.name("Cast"),
+                             to=TensorProto.FLOAT),
+            helper.make_node("Mul", [a_s, inits[1].name], [view.name("scale")], name=view.name("Scale")),
+        ]
+        last = out if bias is None else view.name("scaled")
+        nodes.append(helper.make_node("Mul", [view.name("acc_f"), view.name("scale")], [last],
+                                      name=view.name("Rescale")))
+        if bias is not None:
+            inits.append(_init(view, "bias", bias.astype(np.float32)))
+            nodes.append(helper.make_node("Add", [last, inits[-1].name], [out], name=view.name("Bias")))
+    if act is not None:
+        nodes.append(_copy_act(view, act, out))
+    return Rewrite(tuple(nodes), tuple(inits))
+
+
+@_strategy("int8_dynamic", "matmul", "int8")
+def _int8_dynamic(view: TaskView) -> Rewrite | None:
+    """DynamicQuantizeMatMul, weight int8 per tensor."""
+    return _dynamic_matmul(view, per_channel=False, fused=True)
+
+
+@_strategy("int8_dynamic_per_channel", "matmul", "int8")
+def _int8_dynamic_pc(view: TaskView) -> Rewrite | None:
+    """DynamicQuantizeMatMul, weight int8 per output channel."""
+    return _dynamic_matmul(view, per_channel=True, fused=True)
+
+
+@_strategy("int8_matmulinteger", "matmul", "int8")
+def _int8_matmulinteger(view: TaskView) -> Rewrite | None:
+    """DynamicQuantizeLinear + MatMulInteger + rescale, weight int8 per tensor."""
+    return _dynamic_matmul(view, per_channel=False, fused=False)
+
+
+# --------------------------------------------------------------------------- conv
+
+
+def _conv_int8_parts(view: TaskView):
+    conv = view.anchor
+    if conv.op_type != "Conv":
+        return None
+    w = view.const(conv.input[1])
+    x_range = view.ranges.get(conv.input[0])
+    act = view.epilogue("Relu", "Sigmoid", "Tanh", "LeakyRelu")
+    y_range = view.ranges.get(view.output)
+    if w is None or w.ndim != 4 or x_range is None or y_range is None:
+        return None
+    bias = None
+    if len(conv.input) > 2 and conv.input[2]:
+        bias = view.const(conv.input[2])
+        if bias is None:
+            return None
+    return conv, w, bias, act, x_range, y_range
+
+
+@_strategy("int8_qdq", "conv", "int8")
+def _int8_qdq(view: TaskView) -> Rewrite | None:
+    """Static int8: QDQ around the Conv (per-channel weights), scales from calibration."""
+    parts = _conv_int8_parts(view)
+    if parts is None:
+        return None
+    conv, w, bias, act, x_range, y_range = parts
+    xs, xz = _uint8_params(*x_range)
+    ys, yz = _uint8_params(*y_range)
+    wq, ws = _sym_int8(w, 0)
+    inits = [
+        _init(view, "x_scale", xs), _init(view, "x_zp", xz),
+        _init(view, "w_q", wq), _init(view, "w_scale", ws), _init(view, "w_zp", np.zeros(ws.shape, np.int8)),
+        _init(view, "y_scale", ys), _init(view, "y_zp", yz),
+    ]
+    n = {t.name.rsplit("/", 1)[1]: t.name for t in inits}
+    nodes = [
+        helper.make_node("QuantizeLinear", [conv.input[0], n["x_scale"], n["x_zp"]], [view.name("xq")], name=view.name("QX")),
+        helper.make_node("DequantizeLinear", [view.name("xq"), n["x_scale"], n["x_zp"]], [view.name("xdq")], name=view.name("DQX")),
+        helper.make_node("DequantizeLinear", [n["w_q"], n["w_scale"], n["w_zp"]], [view.name("wdq")], name=view.name("DQW"), axis=0),
+    ]
+    conv_ins = [view.name("xdq"), view.name("wdq")]
+    if bias is not None:
+        bscale = (xs * ws).astype(np.float32)
+        bq = np.round(bias / bscale).astype(np.int32)
+        inits += [_init(view, "b_q", bq), _init(view, "b_scale", bscale), _init(view, "b_zp", np.zeros(bq.shape, np.int32))]
+        nodes.append(helper.make_node("DequantizeLinear", [inits[-3].name, inits[-2].name, inits[-1].name],
+                                      [view.name("bdq")], name=view.name("DQB"), axis=0))
+        conv_ins.append(view.name("bdq"))
+    conv_out = view.name("conv")
+    new_conv = helper.make_node("Conv", conv_ins, [conv_out], name=view.name("Conv"))
+    new_conv.attribute.extend(conv.attribute)
+    nodes.append(new_conv)
+    cur = conv_out
+    if act is not None:
+        act_node = helper.make_node(act.op_type, [cur], [view.name("act")], name=view.name(act.op_type))
+        act_node.attribute.extend(act.attribute)
+        nodes.append(act_node)
+        cur = view.name("act")
+    nodes += [
+        helper.make_node("QuantizeLinear", [cur, n["y_scale"], n["y_zp"]], [view.name("yq")], name=view.name("QY")),
+        helper.make_node("DequantizeLinear", [view.name("yq"), n["y_scale"], n["y_zp"]], [view.output], name=view.name("DQY")),
+    ]
+    return Rewrite(tuple(nodes), tuple(inits))
+
+
+@_strategy("int8_qlinearconv", "conv", "int8")
+def _int8_qlinearconv(view: TaskView) -> Rewrite | None:
+    """Static int8 as an explicit QLinearConv; a Relu epilogue folds into the output range."""
+    parts = _conv_int8_parts(view)
+    if parts is None:
+        return None
+    conv, w, bias, act, x_range, y_range = parts
+    if act is not None and act.op_type != "Relu":
+        return None
+    xs, xz = _uint8_params(*x_range)
+    lo, hi = y_range
+    ys, yz = _uint8_params(0.0 if act is not None else lo, hi)  # zp 0 clamps at 0: Relu
+    wq, ws = _sym_int8(w, 0)
+    inits = [
+        _init(view, "x_scale", xs), _init(view, "x_zp", xz), _init(view, "w_q", wq), _init(view, "w_scale", ws),
+        _init(view, "w_zp", np.zeros(ws.shape, np.int8)), _init(view, "y_scale", ys), _init(view, "y_zp", yz),
+    ]
+    names = [t.name for t in inits]
+    ins = [view.name("xq"), names[0], names[1], names[2], names[3], names[4], names[5], names[6]]
+    if bias is not None:
+        inits.append(_init(view, "b_q", np.round(bias / (xs * ws)).astype(np.int32)))
+        ins.append(inits[-1].name)
+    qconv = helper.make_node("QLinearConv", ins, [view.name("yq")], name=view.name("QLinearConv"))
+    qconv.attribute.extend(conv.attribute)
+    nodes = [
+        helper.make_node("QuantizeLinear", [conv.input[0], names[0], names[1]], [view.name("xq")], name=view.name("QX")),
+        qconv,
+        helper.make_node("DequantizeLinear", [view.name("yq"), names[5], names[6]], [view.output], name=view.name("DQY")),
+    ]
+    return Rewrite(tuple(nodes), tuple(inits))
+
+
+# --------------------------------------------------------------------------- matmul_act
+
+
+@_strategy("int8_dynamic_actact", "matmul_act", "int8")
+def _int8_actact(view: TaskView) -> Rewrite | None:
+    """Both activations quantized at run time, MatMulInteger, rescaled to float."""
+    mm = view.anchor
+    if mm.op_type != "MatMul" or len(view.nodes) != 1:
+        return None
+    a, b = mm.input[0], mm.input[1]
+    n = view.name
+    nodes = (
+        helper.make_node("DynamicQuantizeLinear", [a], [n("a_q"), n("a_s"), n("a_z")], name=n("QuantizeA")),
+        helper.make_node("DynamicQuantizeLinear", [b], [n("b_q"), n("b_s"), n("b_z")], name=n("QuantizeB")),
+        helper.make_node("MatMulInteger", [n("a_q"), n("b_q"), n("a_z"), n("b_z")], [n("acc")], name=n("MatMulInteger")),
+        helper.make_node("Cast", [n("acc")], [n("acc_f")], name=n("Cast"), to=TensorProto.FLOAT),
+        helper.make_node("Mul", [n("a_s"), n("b_s")], [n("scale")], name=n("Scale")),
+        helper.make_node("Mul", [n("acc_f"), n("scale")], [view.output], name=n("Rescale")),
+    )
+    return Rewrite(nodes)

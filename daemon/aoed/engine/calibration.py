@@ -1,0 +1,172 @@
+"""Calibration samples: the inputs lossy strategies are calibrated and judged on.
+
+From the user (`--calibration DIR`):
+  - DIR/*.npz: one sample per file, arrays keyed by input name;
+  - DIR/*.npy: one sample per file, for a model with a single input;
+  - DIR/<input name>/*.npy: one folder per input, files paired in sorted order.
+A leading batch axis of 1 is added where a sample lacks it.
+
+Otherwise synthetic: floats drawn from N(0, 1); integers in a plausible range, which for
+an input that indexes a constant table (Gather over an embedding, as token ids do) is
+the table's size along the gathered axis, else [0, 8).
+
+Samples are split: all but the last `HELD_BACK` calibrate ranges; the last ones are held
+back to judge accuracy, so the gate never grades on the data it calibrated on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from aoe.errors import OptionError
+from aoe.signature import TensorInfo
+from aoed.engine.prep import Prepared, make_inputs
+
+__all__ = [
+    "HELD_BACK",
+    "SYNTHETIC_SAMPLES",
+    "Samples",
+    "activation_ranges",
+    "capture",
+    "integer_ranges",
+    "load_samples",
+]
+
+HELD_BACK = 2
+SYNTHETIC_SAMPLES = 8
+
+
+class Samples:
+    """A job's samples, split into those that calibrate and those held back to judge."""
+
+    @classmethod
+    def single(cls, sample: dict[str, np.ndarray], source: str) -> Samples:
+        """One sample that serves as both (exact jobs calibrate nothing)."""
+        out = cls.__new__(cls)
+        out.source, out.calibrate, out.held_back = source, [], [sample]
+        return out
+
+    def __init__(self, samples: list[dict[str, np.ndarray]], source: str):
+        self.source = source
+        if len(samples) > HELD_BACK:
+            self.calibrate, self.held_back = samples[:-HELD_BACK], samples[-HELD_BACK:]
+        else:  # too few to split: calibrate and judge on the same data, and say so
+            self.calibrate = self.held_back = samples
+            self.source += " (too few samples to hold any back)"
+
+
+def integer_ranges(model: onnx.ModelProto, inputs: Mapping[str, TensorInfo]) -> dict[str, int]:
+    """Upper bounds for integer inputs that index a constant table via Gather."""
+    consts = {t.name: tuple(t.dims) for t in model.graph.initializer}
+    out: dict[str, int] = {}
+    for node in model.graph.node:
+        if node.op_type == "Gather" and len(node.input) > 1 and node.input[1] in inputs:
+            table = consts.get(node.input[0])
+            if table:
+                axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
+                out[node.input[1]] = min(out.get(node.input[1], 1 << 62), table[axis])
+    return out
+
+
+def _synthetic(model: onnx.ModelProto, inputs: Mapping[str, TensorInfo], n: int) -> list[dict[str, np.ndarray]]:
+    highs = integer_ranges(model, inputs)
+    return [make_inputs(inputs, seed=1000 + i, int_high=highs) for i in range(n)]
+
+
+def _fit(name: str, arr: np.ndarray, info: TensorInfo, where: Path) -> np.ndarray:
+    if tuple(arr.shape) != info.shape and tuple((1, *arr.shape)) == info.shape:
+        arr = arr[None]
+    if tuple(arr.shape) != info.shape:
+        raise OptionError(f"--calibration {where}: {name!r} has shape {list(arr.shape)}, the model wants {list(info.shape)}")
+    return arr.astype(np.dtype(info.dtype), copy=False)
+
+
+def _load_dir(d: Path, inputs: Mapping[str, TensorInfo]) -> list[dict[str, np.ndarray]]:
+    samples: list[dict[str, np.ndarray]] = []
+    for f in sorted(d.glob("*.npz")):
+        with np.load(f, allow_pickle=False) as data:
+            missing = set(inputs) - set(data.files)
+            if missing:
+                raise OptionError(f"--calibration {f}: no array for input(s) {', '.join(sorted(missing))}")
+            samples.append({k: _fit(k, data[k], inputs[k], f) for k in inputs})
+    npys = sorted(d.glob("*.npy"))
+    if npys:
+        if len(inputs) != 1:
+            raise OptionError(f"--calibration {d}: .npy files need a single-input model; use .npz or one folder per input")
+        (name,) = inputs
+        samples += [{name: _fit(name, np.load(f, allow_pickle=False), inputs[name], f)} for f in npys]
+    folders = [d / name for name in inputs if (d / name).is_dir()]
+    if folders:
+        if len(folders) != len(inputs):
+            raise OptionError(f"--calibration {d}: needs one folder per input ({', '.join(inputs)})")
+        files = {name: sorted((d / name).glob("*.npy")) for name in inputs}
+        count = min(len(v) for v in files.values())
+        for i in range(count):
+            samples.append({k: _fit(k, np.load(files[k][i], allow_pickle=False), inputs[k], files[k][i]) for k in inputs})
+    return samples
+
+
+def load_samples(
+    model: onnx.ModelProto, inputs: Mapping[str, TensorInfo], calibration: Path | None
+) -> Samples:
+    """The calibration samples for a job; raises OptionError on an unusable directory."""
+    if calibration is None:
+        return Samples(_synthetic(model, inputs, SYNTHETIC_SAMPLES), f"synthetic ({SYNTHETIC_SAMPLES} samples)")
+    if not calibration.is_dir():
+        raise OptionError(f"--calibration {calibration}: not a directory")
+    try:
+        samples = _load_dir(calibration, inputs)
+    except (OSError, ValueError) as exc:
+        raise OptionError(f"--calibration {calibration}: {exc}") from None
+    if not samples:
+        raise OptionError(f"--calibration {calibration}: no .npz or .npy samples found")
+    return Samples(samples, f"user ({len(samples)} samples from {calibration})")
+
+
+def _probe(prep: Prepared, names: set[str]):
+    """An onnxruntime session over the prepared model that also outputs `names`."""
+    import onnxruntime as ort
+
+    from aoe._session import make_session_options
+
+    model = onnx.ModelProto()
+    model.CopyFrom(prep.model)
+    have = {o.name for o in model.graph.output} | set(prep.inputs)
+    for name in sorted(names - have):
+        info = prep.ctx.tensors[name]
+        elem = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(info.dtype))
+        model.graph.output.append(onnx.helper.make_tensor_value_info(name, elem, list(info.shape)))
+    so = make_session_options({"graph_optimization_level": "disable"})
+    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+
+def capture(prep: Prepared, names: set[str], sample: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The values of `names` (and of the inputs) when the prepared model runs `sample`."""
+    sess = _probe(prep, names)
+    values = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, dict(sample))))
+    values.update(sample)
+    return values
+
+
+def activation_ranges(prep: Prepared, samples: list[dict[str, np.ndarray]]) -> dict[str, tuple[float, float]]:
+    """(min, max) of every float activation of the prepared model over `samples`."""
+    names = {
+        o for n in prep.model.graph.node for o in n.output
+        if o in prep.ctx.tensors and np.dtype(prep.ctx.tensors[o].dtype).kind == "f"
+    }  # fmt: skip
+    sess = _probe(prep, names)
+    outs = [o.name for o in sess.get_outputs()]
+    ranges: dict[str, tuple[float, float]] = {}
+    for sample in samples:
+        values = dict(zip(outs, sess.run(None, sample)))
+        values.update(sample)
+        for k, v in values.items():
+            if v.dtype.kind == "f" and v.size:
+                lo, hi = float(v.min()), float(v.max())
+                old = ranges.get(k)
+                ranges[k] = (min(lo, old[0]), max(hi, old[1])) if old else (lo, hi)
+    return ranges
