@@ -127,6 +127,7 @@ class JobResult:
     notes: list[str]
     calibration: str = ""
     budget: dict[str, float] = field(default_factory=dict)
+    timeline: list[tuple[float, float]] = field(default_factory=list)
 
     @property
     def improvement(self) -> float:
@@ -165,6 +166,11 @@ class _Job:
         # (gain in us, error as 1 - cosine), which orders the end-to-end back-off.
         self.fallback: dict[str, str] = {}
         self.lossy_cost: dict[str, tuple[float, float]] = {}
+        # (seconds since the job started, estimated model gain in us) after each task
+        # decision: how fast the tuning converges.
+        self.timeline: list[tuple[float, float]] = []
+        self._gain_us = 0.0
+        self.t_start = time.monotonic()
 
     # ------------------------------------------------------------------ helpers
 
@@ -255,7 +261,7 @@ class _Job:
 
     async def run(self) -> JobResult:
         opts = self.opts
-        t_start = time.monotonic()
+        t_start = self.t_start = time.monotonic()
         busy0 = self.device.busy_s
         ts = time.strftime("%Y%m%d%H%M%S")
         stem = opts.model.stem
@@ -404,6 +410,7 @@ class _Job:
             verified=verified,
             notes=self.notes,
             calibration=self.samples.source,
+            timeline=[(round(t, 3), round(g, 3)) for t, g in self.timeline],
             budget={
                 "task_min_cosine": self.policy.task_min_cosine,
                 "task_max_rel_error": self.policy.task_max_rel_error,
@@ -568,6 +575,8 @@ class _Job:
         res.after_us = win["median_us"]
         res.accuracy = {k: win.get(k, 0.0) for k in ("max_abs_error", "max_rel_error", "cosine")}
         chosen[task.id] = best
+        self._gain_us += max(0.0, res.before_us - res.after_us) * res.instances
+        self.timeline.append((time.monotonic() - self.t_start, self._gain_us))
         self.emit(JobEvent("task", f"{task.id}: {best} ({res.update_mode})"))
 
     def _best_lossy(self, measured: dict[str, dict], best_exact: str, precision_of: dict[str, str],
@@ -891,7 +900,9 @@ def result_json(result: JobResult) -> dict[str, Any]:
         "accuracy_budget": result.budget,
         "calibration": result.calibration,
         "device": {"duty_cycle": round(result.duty_cycle, 4), "trials": result.trials,
-                   "failed_candidates": result.failed_candidates},
+                   "failed_candidates": result.failed_candidates,
+                   # [seconds into the job, estimated gain in us] after each task decision
+                   "gain_timeline": result.timeline},
         "notes": result.notes,
         "tasks": tasks,
     }
