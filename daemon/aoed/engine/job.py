@@ -355,7 +355,6 @@ class _Job:
             to_tune.sort(key=lambda t: -t.share)
             await trio.to_thread.run_sync(self.capture_task_inputs, to_tune, feeds)
             self.emit(JobEvent("stage", f"tuning {len(to_tune)} tasks"))
-            done = total - len(to_tune) - 1
             share_sum = sum(t.share for t in to_tune) or 1.0
             async with trio.open_nursery() as nursery:
                 for t in to_tune:
