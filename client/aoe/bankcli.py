@@ -1,13 +1,319 @@
-"""`aoe compile` and `aoe bank ...`: the bank's command line (not available yet)."""
+"""`aoe compile` and `aoe bank ...`: the bank's command line.
+
+    aoe compile MODEL -o OUT [--bank DIR] [--bank-layer DIR] [--input-shape x:1,3,224,224]
+                             [--precision exact|int8] [--calibration DIR] [--json]
+    aoe bank stats   [--bank DIR] [--bank-layer DIR] [--json]
+    aoe bank lookup  (--key KEY | --signature-digest HEX [--device-digest HEX]
+                      [--precision exact]) [--bank DIR] [--bank-layer DIR] [--json]
+    aoe bank export  [--bank DIR] [--layer NAME] [--output FILE.jsonl]
+    aoe bank import  FILE.jsonl [--bank DIR] [--policy keep-faster|overwrite|keep-existing]
+                     [--allow-foreign]
+    aoe bank prune   [--bank DIR] [--dry-run]
+    aoe bank verify  [--bank DIR] [--sample N] [--op-type T] [--seed S] [--budget SECONDS]
+                     [--layer NAME|all] [--no-record] [--json]
+
+The custom bank is --bank, else TUNE_BANK_PATH, else the user data dir; read-only layers
+come from --bank-layer (repeatable) and AOED_BANK_LAYERS (os.pathsep separated), in that
+order. Reads never need the daemon; import, prune and verify write the custom bank
+directly (LMDB serializes them with a running daemon's writes). `verify` exits 1 when an
+entry regressed, is inaccurate or could not be measured.
+"""
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import json
 import sys
 from collections.abc import Sequence
+from pathlib import Path
+
+from aoe.errors import AoedError, OptionError
 
 __all__ = ["main"]
 
+_POLICIES = ("keep-faster", "overwrite", "keep-existing")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse's exit code for usage errors, our prefix
+        self.print_usage(sys.stderr)
+        raise OptionError(f"{self.prog}: {message}")
+
+
+def _bank_args(p: argparse.ArgumentParser, layers: bool = True) -> None:
+    p.add_argument("--bank", type=Path, help="custom bank directory (default: TUNE_BANK_PATH or the user data dir)")
+    if layers:
+        p.add_argument("--bank-layer", type=Path, action="append", default=[], metavar="DIR",
+                       help="read-only bank layered under the custom bank (repeatable)")  # fmt: skip
+
+
+def _reader(args: argparse.Namespace):
+    from aoe.bank import default_bank_path, open_bank
+
+    return open_bank(args.bank or default_bank_path(), layers=args.bank_layer)
+
+
+# --------------------------------------------------------------------------- compile
+
+
+def _compile_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="aoe compile", description="Build the tuned model from the bank alone (no measurement).")
+    p.add_argument("model", type=Path)
+    p.add_argument("-o", "--output", type=Path, required=True, help="where to write the tuned .onnx")
+    _bank_args(p)
+    p.add_argument("--input-shape", action="append", help="NAME:D1,D2,... for dynamic inputs (as for aoe tune)")
+    p.add_argument("--precision", default="exact", help="precision policy the bank entries were tuned under")
+    p.add_argument("--keep-initializer-inputs", action="store_true",
+                   help="keep initializers listed as graph inputs overridable (as for aoe tune)")  # fmt: skip
+    p.add_argument("--calibration", type=Path,
+                   help="calibration samples the tuning run used (lossy precisions; as for aoe tune)")  # fmt: skip
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    return p
+
+
+def _compile(argv: Sequence[str]) -> int:
+    args = _compile_parser().parse_args(argv)
+    from aoed.engine.assemble import compile_model
+    from aoed.engine.policy import policy
+    from aoed.engine.prep import parse_input_shapes
+
+    policy(args.precision)  # validates the name before any work starts
+    shapes = parse_input_shapes(args.input_shape)
+    with _reader(args) as reader:
+        asm = compile_model(
+            args.model, args.output, reader, shapes, args.precision, args.keep_initializer_inputs, args.calibration
+        )
+        layers = [name for name, _ in reader.layers]
+    rows = [*asm.tasks, asm.session]
+    if args.json:
+        doc = {
+            "model": str(args.model),
+            "tuned_model": str(args.output),
+            "precision": args.precision,
+            "layers": layers,
+            "hits": asm.hits,
+            "misses": asm.misses,
+            "session_options": asm.session_options,
+            "tasks": [vars(t) for t in rows],
+            "notes": asm.notes,
+        }
+        print(json.dumps(doc, indent=2))
+        return 0
+    out = sys.stdout
+    print(f"aoe: compiled {args.model.name} from the bank: {asm.hits} hits, {asm.misses} misses "
+          f"of {len(rows)} ({args.precision}; layers: {', '.join(layers)})", file=out)  # fmt: skip
+    for t in rows:
+        timing = f"{t.before_us:.1f} -> {t.after_us:.1f} us" if t.status == "hit" and t.before_us else ""
+        print(f"  {t.task_id:<32} {t.op_type:<18} x{t.instances:<3} {t.status:<8} "
+              f"{t.strategy if t.status == 'hit' else '-':<24} {t.layer or '-':<10} {timing}", file=out)  # fmt: skip
+        if t.reason:
+            print(f"      {t.reason}", file=out)
+    if asm.session_options:
+        print(f"  session options  {asm.session_options}", file=out)
+    print(f"  tuned model  {args.output}", file=out)
+    return 0
+
+
+# --------------------------------------------------------------------------- bank
+
+
+def _bank_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="aoe bank", description="Inspect, exchange and maintain the knowledge bank.")
+    sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
+
+    s = sub.add_parser("stats", help="entries, history, defaults, sizes per layer")
+    _bank_args(s)
+    s.add_argument("--json", action="store_true")
+
+    s = sub.add_parser("lookup", help="print the entry for a key, or why nothing matched")
+    _bank_args(s)
+    q = s.add_mutually_exclusive_group(required=True)
+    q.add_argument("--key", help="bank key v1/<signature>/<device>/<precision>")
+    q.add_argument("--signature-digest", help="task signature digest (hex)")
+    s.add_argument("--device-digest", help="device digest (default: this machine's CPU)")
+    s.add_argument("--precision", default="exact")
+    s.add_argument("--json", action="store_true", help="print the entry as one JSON line")
+
+    s = sub.add_parser("export", help="write entries as JSON Lines")
+    _bank_args(s)
+    s.add_argument("--layer", default="custom", help="layer to export: custom (default), a layer path, or all")
+    s.add_argument("--output", "-o", type=Path, help="file to write (default: standard output)")
+
+    s = sub.add_parser("import", help="merge JSON Lines entries into the custom bank")
+    _bank_args(s, layers=False)
+    s.add_argument("file", type=Path, help="JSON Lines file ('-' for standard input)")
+    s.add_argument("--policy", default="keep-faster", choices=_POLICIES)
+    s.add_argument("--allow-foreign", action="store_true", help="accept entries measured on other devices")
+
+    s = sub.add_parser("prune", help="drop the measurement history, keep winners")
+    _bank_args(s, layers=False)
+    s.add_argument("--dry-run", action="store_true")
+
+    s = sub.add_parser("verify", help="re-measure a sample of entries on this device")
+    _bank_args(s)
+    s.add_argument("--layer", default="custom", help="layer to verify: custom (default), a layer path, or all")
+    s.add_argument("--sample", type=int, default=10, help="entries to re-measure, chosen at random (0 = all)")
+    s.add_argument("--op-type", default="", help="only tasks anchored by this op type, e.g. Conv")
+    s.add_argument("--seed", type=int, default=0, help="seed of the sample (0 = pick one)")
+    s.add_argument("--budget", type=float, default=1.0, help="device seconds per entry (default 1)")
+    s.add_argument("--no-record", action="store_true", help="do not append the measurements to the history")
+    s.add_argument("--json", action="store_true")
+    return p
+
+
+def _stats(args: argparse.Namespace) -> int:
+    with _reader(args) as reader:
+        layers = reader.stats()
+    if args.json:
+        print(json.dumps({"layers": [vars(s) for s in layers],
+                          "entries": sum(s.entries for s in layers)}, indent=2))  # fmt: skip
+        return 0
+    for s in layers:
+        print(f"{s.name}: {s.path}")
+        print(f"  entries {s.entries}, defaults {s.defaults}, history {s.history} trials")
+        print(f"  map {s.map_size / 2**20:.1f} MiB, used {s.used_bytes / 2**20:.2f} MiB, schema {s.schema_version}")
+    return 0
+
+
+def _lookup(args: argparse.Namespace) -> int:
+    from aoe.bank import entry_to_json
+
+    with _reader(args) as reader:
+        ex = reader.lookup_explain(
+            args.key, signature_digest=args.signature_digest,
+            device_digest=args.device_digest, precision=args.precision,
+        )  # fmt: skip
+        entry = reader.lookup(ex.key)[0] if ex.found else None
+    if entry is None:
+        print(f"no match for {ex.key}: {ex.reason}")
+        return 1
+    line = entry_to_json(entry)
+    if args.json:
+        print(json.dumps({"layer": ex.layer, "entry": json.loads(line)}, sort_keys=True))
+    else:
+        print(f"layer: {ex.layer}")
+        print(json.dumps(json.loads(line), indent=2, sort_keys=True))
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from aoe.bank import entry_to_json
+
+    with _reader(args) as reader, contextlib.ExitStack() as stack:
+        names = [n for n, _ in reader.layers]
+        if args.layer != "all" and args.layer not in names:
+            raise OptionError(f"--layer {args.layer}: no such layer (layers: {', '.join(names)}, or all)")
+        out = sys.stdout
+        if args.output is not None:
+            try:
+                out = stack.enter_context(open(args.output, "w", encoding="utf-8"))
+            except OSError as exc:
+                raise OptionError(f"--output {args.output}: {exc.strerror or exc}") from None
+        n = 0
+        for _layer, entry in reader.entries(None if args.layer == "all" else args.layer):
+            out.write(entry_to_json(entry) + "\n")
+            n += 1
+    print(f"aoe: exported {n} entries", file=sys.stderr)
+    return 0
+
+
+def _import(args: argparse.Namespace) -> int:
+    from aoe.bank import default_bank_path
+    from aoed.bank.exchange import import_lines
+    from aoed.bank.store import BankStore
+
+    if str(args.file) == "-":
+        lines = sys.stdin
+        ctx: contextlib.AbstractContextManager = contextlib.nullcontext()
+    else:
+        try:
+            lines = ctx = open(args.file, encoding="utf-8")
+        except OSError as exc:
+            raise OptionError(f"{args.file}: {exc.strerror or exc}") from None
+    store = BankStore(args.bank or default_bank_path())
+    try:
+        with ctx:
+            report = import_lines(store, lines, args.policy, args.allow_foreign)
+    finally:
+        store.close()
+    print(f"aoe: imported into {store.path}: {report.added} added, {report.updated} updated, "
+          f"{report.kept} kept, {len(report.refused)} refused ({args.policy})")  # fmt: skip
+    for key, reason in report.refused:
+        print(f"  refused {key}: {reason}")
+    return 0
+
+
+def _prune(args: argparse.Namespace) -> int:
+    from aoe.bank import default_bank_path
+    from aoed.bank.store import BankStore
+
+    path = args.bank or default_bank_path()
+    if not (path / "data.mdb").is_file():
+        raise OptionError(f"--bank {path}: no bank here")
+    store = BankStore(path)
+    try:
+        r = store.prune(dry_run=args.dry_run)
+    finally:
+        store.close()
+    verb = "would remove" if args.dry_run else "removed"
+    print(f"aoe: {verb} {r.trials_removed} history trials, kept {r.entries_kept} entries; "
+          f"used {r.used_bytes_before / 2**20:.2f} MiB -> {r.used_bytes_after / 2**20:.2f} MiB")  # fmt: skip
+    return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    import random
+    import tempfile
+
+    import trio
+
+    from aoed.bank.store import BankStore
+    from aoed.bank.verify import sample_entries, verify_entries
+
+    if args.sample < 0 or args.budget <= 0:
+        raise OptionError("--sample must be >= 0 and --budget > 0")
+    seed = args.seed or random.SystemRandom().randrange(1, 1 << 31)
+    with _reader(args) as reader:
+        names = [n for n, _ in reader.layers]
+        if args.layer != "all" and args.layer not in names:
+            raise OptionError(f"--layer {args.layer}: no such layer (layers: {', '.join(names)}, or all)")
+        entries = [e for _, e in reader.entries(None if args.layer == "all" else args.layer)]
+        custom = reader.layers[0][1]
+    chosen = sample_entries(entries, args.sample, seed, args.op_type)
+    with tempfile.TemporaryDirectory(prefix="aoe-verify-logs-") as logs:
+        verdicts, trials = trio.run(verify_entries, chosen, args.budget, Path(logs))
+    if trials and not args.no_record:
+        store = BankStore(custom)
+        try:
+            store.commit(trials=trials)
+        finally:
+            store.close()
+    bad = [v for v in verdicts if v.verdict in ("regressed", "inaccurate", "error")]
+    if args.json:
+        print(json.dumps({"seed": seed, "sampled": len(chosen), "of": len(entries),
+                          "verdicts": [vars(v) for v in verdicts]}, indent=2, default=str))  # fmt: skip
+    else:
+        print(f"aoe: verified {len(chosen)} of {len(entries)} entries (seed {seed}, {args.budget:g} s each)")
+        for v in verdicts:
+            print(f"  {v.verdict:<10} {v.op_type:<18} {v.strategy:<24} {v.key}")
+            if v.detail:
+                print(f"      {v.detail}")
+        counts = {k: sum(v.verdict == k for v in verdicts) for k in
+                  ("confirmed", "regressed", "inaccurate", "skipped", "error")}  # fmt: skip
+        print("  " + ", ".join(f"{k} {n}" for k, n in counts.items()))
+    return 1 if bad else 0
+
 
 def main(argv: Sequence[str]) -> int:
-    print(f"aoe: error: 'aoe {argv[0]}' is not available in this version", file=sys.stderr)
-    return 2
+    """Run `aoe compile ...` or `aoe bank ...` (argv[0] names which); returns the exit code."""
+    try:
+        if argv[0] == "compile":
+            return _compile(argv[1:])
+        args = _bank_parser().parse_args(argv[1:])
+        commands = {"stats": _stats, "lookup": _lookup, "export": _export, "import": _import,
+                    "prune": _prune, "verify": _verify}  # fmt: skip
+        return commands[args.cmd](args)
+    except AoedError as exc:
+        print(f"aoe: error: {exc}", file=sys.stderr)
+        return exc.exit_code

@@ -5,13 +5,15 @@ The only module (with api/) where protobuf types appear on the daemon side.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass, field
 
-from aoe.signature import SCHEMA_VERSION, DeviceFingerprint, TaskSignature
+from aoe.bank import entry_from_json
+from aoe.signature import SCHEMA_VERSION, DeviceFingerprint, TaskSignature, bank_key
 from aoe.v1 import bank_pb2
 
-__all__ = ["BankRecord", "Measured", "decode", "encode"]
+__all__ = ["BankRecord", "Incoming", "Measured", "decode", "encode", "parse_line", "winner_us"]
 
 _PRECISION = {
     "exact": bank_pb2.PRECISION_EXACT,
@@ -122,3 +124,69 @@ def decode(data: bytes) -> BankRecord:
         job_id=e.provenance.job_id,
         model=e.provenance.model,
     )
+
+
+# --------------------------------------------------------------------------- exchange
+
+
+@dataclass(frozen=True)
+class Incoming:
+    """One exchange line, checked: what a merge needs, or why it is refused."""
+
+    key: bytes
+    data: bytes  # deterministic serialization of the entry, provenance untouched
+    device_digest: str
+    execution_provider: str
+    device_options: dict[str, str]
+    hardware: str
+    runtime_version: str
+    problem: str = ""
+
+
+def _sha256(text: str) -> str:
+    return hashlib.sha256(text.encode("ascii", "replace")).hexdigest()
+
+
+def parse_line(line: str) -> Incoming:
+    """Parse and check one JSON Lines entry; `problem` says why it cannot be imported."""
+    try:
+        e = entry_from_json(line)
+    except ValueError as exc:
+        return Incoming(b"", b"", "", "", {}, "", "", f"not a BankEntry ({exc})")
+    key = e.key.encode()
+    problem = ""
+    precision = _PRECISION_NAME.get(e.strategy.precision)
+    if e.schema_version != SCHEMA_VERSION:
+        problem = f"schema version {e.schema_version}, this bank uses {SCHEMA_VERSION}"
+    elif precision is None:
+        problem = "no precision"
+    elif not e.strategy.name:
+        problem = "no strategy"
+    elif not e.winner.median_us > 0:
+        problem = "no winner timing"
+    elif _sha256(e.signature.canonical_json) != e.signature.digest:
+        problem = "signature digest does not match its canonical JSON"
+    elif _sha256(e.device.canonical_json) != e.device.digest:
+        problem = "device digest does not match its canonical JSON"
+    elif key != bank_key(e.signature.digest, e.device.digest, precision):
+        problem = "key does not match the entry's signature, device and precision"
+    try:
+        options = json.loads(e.device.canonical_json).get("options", {}) if e.device.canonical_json else {}
+    except ValueError:
+        options = {}
+    return Incoming(
+        key=key,
+        data=e.SerializeToString(deterministic=True),
+        device_digest=e.device.digest,
+        execution_provider=e.device.execution_provider,
+        device_options=options,
+        hardware=e.device.hardware,
+        runtime_version=e.device.runtime_version,
+        problem=problem,
+    )
+
+
+def winner_us(data: bytes) -> float:
+    """Median time of the winner of a serialized entry."""
+    return bank_pb2.BankEntry.FromString(data).winner.median_us
+

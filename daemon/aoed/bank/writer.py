@@ -4,17 +4,24 @@ Writes arrive on a bounded channel and are committed one transaction at a time i
 worker thread; each carries a one-shot reply channel, so the sender knows its entry is
 durable. Reads (`lookup`, `known_default`) go straight to a read transaction in a worker
 thread; LMDB readers never block the writer.
+
+Read-only layers (a system bank, team banks) sit under the custom bank: `lookup_layered`
+consults the custom bank first, then each layer in order, and says which one answered.
+Layers are opened on first use, read-only, and never written.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import trio
 
+from aoe.bank import CUSTOM, BankReader, layer_paths_from_env, open_bank
 from aoed.bank._codec import BankRecord, decode, encode
 from aoed.bank.store import BankStore
 
@@ -32,9 +39,17 @@ class BankWriter:
     """Owns the bank at `path`. The store opens on first use, so a job that fails before
     it reaches the bank (a bad model, a wrong option) leaves no trace there."""
 
-    def __init__(self, path: os.PathLike[str] | str):
+    def __init__(
+        self,
+        path: os.PathLike[str] | str,
+        layers: Sequence[os.PathLike[str] | str] | None = None,
+    ):
+        """`layers`: read-only banks under this one, in lookup order; None means those
+        named in AOED_BANK_LAYERS. A layer that is the custom bank itself is skipped."""
         self.path = path
+        self.layer_paths = [Path(p) for p in (layer_paths_from_env() if layers is None else layers)]
         self._store: BankStore | None = None
+        self._layers: BankReader | None = None
         self._open_lock = trio.Lock()
         self._send, self._recv = trio.open_memory_channel[tuple[BankWrite, trio.MemorySendChannel]](16)
 
@@ -81,8 +96,46 @@ class BankWriter:
     async def known_default(self, key: bytes) -> dict[str, Any] | None:
         return await trio.to_thread.run_sync((await self.store()).get_default, key)
 
+    async def layers(self) -> BankReader | None:
+        """The read-only layers as one reader (None when there are none)."""
+        async with self._open_lock:
+            if self._layers is None and self.layer_paths:
+                own = Path(self.path).resolve()
+                paths = [p for p in self.layer_paths if p.resolve() != own]
+                if paths:
+                    self._layers = await trio.to_thread.run_sync(
+                        lambda: open_bank(paths, use_env=False, custom=False)
+                    )
+            return self._layers
+
+    async def lookup_layered(self, key: bytes) -> tuple[BankRecord | None, str]:
+        """The record for `key` from the custom bank, else from the first read-only layer
+        that has it, with the answering layer's name ("custom" or the layer's path);
+        (None, "") when none has it."""
+        rec = await self.lookup(key)
+        if rec is not None:
+            return rec, CUSTOM
+        reader = await self.layers()
+        if reader is None:
+            return None, ""
+        raw, layer = await trio.to_thread.run_sync(reader.lookup_raw, key)
+        return (decode(raw), layer) if raw is not None else (None, "")
+
+    async def known_default_layered(self, key: bytes) -> tuple[dict[str, Any] | None, str]:
+        """Like `known_default`, consulting the read-only layers after the custom bank."""
+        doc = await self.known_default(key)
+        if doc is not None:
+            return doc, CUSTOM
+        reader = await self.layers()
+        if reader is None:
+            return None, ""
+        return await trio.to_thread.run_sync(reader.lookup_default, key)
+
     def close(self) -> None:
-        """Close the LMDB environment (after run() has returned)."""
+        """Close the LMDB environments (after run() has returned)."""
         if self._store is not None:
             self._store.close()
             self._store = None
+        if self._layers is not None:
+            self._layers.close()
+            self._layers = None

@@ -16,16 +16,14 @@ import os
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import onnx
 import trio
-from onnx import helper
 
-from aoe._session import METADATA_KEY
 from aoe.errors import AoedError, BankError, DeviceError
 from aoe.signature import (
     DeviceFingerprint,
@@ -33,19 +31,18 @@ from aoe.signature import (
     bank_key,
     canonical_json,
     device_fingerprint,
-    normalized_attributes,
 )
 from aoed import __version__
 from aoed.backends.ort import strategies
 from aoed.bank._codec import BankRecord, Measured
 from aoed.bank.writer import BankWrite, BankWriter
+from aoed.engine.assemble import model_signature, task_rewrites, tunable_tasks, tuned_metadata
 from aoed.engine.calibration import Samples, activation_ranges, capture, load_samples
 from aoed.engine.device import DeviceAgent
-from aoed.engine.partition import partition
 from aoed.engine.policy import PrecisionPolicy, policy
 from aoed.engine.pool import CompilePool
 from aoed.engine.prep import Prepared, make_inputs, prepare
-from aoed.engine.tasks import Rewrite, Task, TaskView, apply_rewrites, constant_values, task_model
+from aoed.engine.tasks import Rewrite, Task, apply_rewrites, constant_values, task_model
 
 __all__ = ["JobEvent", "JobOptions", "JobResult", "TaskResult", "run_job"]
 
@@ -212,29 +209,9 @@ class _Job:
             return default
         return min(winners, key=lambda k: paired_ratio(valid[k], base)[0])
 
-    def view(self, task: Task) -> TaskView:
-        by = self.nodes_by_name
-        return TaskView(
-            nodes=[by[n] for n in task.node_names],
-            consts=self.consts,
-            infos=self.prep.ctx.tensors,
-            opset=self.prep.ctx.opset(""),
-            prefix=f"aoe/{task.id}",
-            ranges=self.ranges,
-        )
-
     def rewrites_for(self, task: Task, strategy_name: str) -> dict[tuple[str, ...], Rewrite]:
         """The rewrite of `task` and of each of its twins under one strategy."""
-        if strategy_name == strategies.DEFAULT:
-            return {}
-        strat = strategies.get(task.family, strategy_name)
-        out = {}
-        for t in (task, *task.twins):
-            rw = strat.apply(self.view(t))
-            if rw is None:
-                raise AoedError(f"strategy {strategy_name} does not apply to {t.id}")
-            out[t.node_names] = rw
-        return out
+        return task_rewrites(self.prep, self.consts, task, strategy_name, self.ranges)
 
     def record(self, sig: TaskSignature, family: str, strategy: str, res: dict, base: dict) -> BankRecord:
         """The bank entry for `strategy` winning on task `sig` (res: its measurement)."""
@@ -275,10 +252,7 @@ class _Job:
         self.nodes_by_name = {n.name: n for n in self.prep.model.graph.node}
         self.consts = constant_values(self.prep.model.graph)
         # Only tasks with a choice under this policy (exact jobs leave matmul_act alone).
-        tasks = [
-            t for t in partition(self.prep.model, self.prep.ctx)
-            if sum(1 for _ in strategies.strategies_for(t.family, opts.precision)) > 1
-        ]  # fmt: skip
+        tasks = tunable_tasks(self.prep, opts.precision)
         if self.policy.lossy:
             self.samples = await trio.to_thread.run_sync(
                 load_samples, self.prep.model, self.prep.inputs, opts.calibration
@@ -300,11 +274,12 @@ class _Job:
         chosen: dict[str, str] = {}
         to_tune: list[Task] = []
         hits: dict[str, BankRecord] = {}
+        layers: dict[str, str] = {}
         for t in tasks:
             anchor = t.node_names[0]
             results[t.id] = TaskResult(t.id, anchor, t.op_type, 1 + len(t.twins), 0.0)
-            rec = await self.bank.lookup(self.key(t.signature))
-            known_default = None if rec else await self.bank.known_default(self.key(t.signature))
+            rec, layer = await self.bank.lookup_layered(self.key(t.signature))
+            known_default, dlayer = (None, "") if rec else await self.bank.known_default_layered(self.key(t.signature))
             if rec is not None and rec.device.digest == self.fp.digest:
                 try:
                     self.rewrites_for(t, rec.strategy)
@@ -313,9 +288,10 @@ class _Job:
                     rec = None
                 else:
                     hits[t.id] = rec
+                    layers[t.id] = layer
             if rec is not None and not opts.repeat_tune:
                 r = results[t.id]
-                r.strategy, r.update_mode, r.bank_layer = rec.strategy, "hit", "custom"
+                r.strategy, r.update_mode, r.bank_layer = rec.strategy, "hit", layer
                 r.before_us, r.after_us = rec.baseline.median_us, rec.winner.median_us
                 r.accuracy = {"max_abs_error": rec.max_abs_error, "max_rel_error": rec.max_rel_error, "cosine": rec.cosine}
                 chosen[t.id] = rec.strategy
@@ -325,7 +301,7 @@ class _Job:
                     )
             elif known_default is not None and not opts.repeat_tune:
                 r = results[t.id]
-                r.update_mode, r.bank_layer = "hit", "custom (default stays best)"
+                r.update_mode, r.bank_layer = "hit", f"{dlayer} (default stays best)"
                 r.before_us = r.after_us = float(known_default.get("default_us", 0.0))
                 chosen[t.id] = strategies.DEFAULT
             else:
@@ -359,6 +335,7 @@ class _Job:
             async with trio.open_nursery() as nursery:
                 for t in to_tune:
                     budget = min(5.0, max(0.5, opts.budget_s * t.share / share_sum))
+                    results[t.id].bank_layer = layers.get(t.id, "")
                     nursery.start_soon(self.tune_task, t, results[t.id], hits.get(t.id), chosen, budget)
             self.emit(JobEvent("progress", "tasks", total - 1, total))
 
@@ -558,7 +535,6 @@ class _Job:
                 )
                 res.update_mode = "unsatisfied"
         else:
-            res.bank_layer = "custom"
             old = measured.get(hit.strategy)
             better = (
                 best != hit.strategy and old is not None and old.get("ok") and clearly_faster(win, old)
@@ -608,10 +584,10 @@ class _Job:
 
     async def tune_session(self, model_path: Path) -> tuple[dict[str, Any], str]:
         """Choose model-wide session options in context; returns (options, update mode)."""
-        sig = _model_signature(self.prep.model)
+        sig = model_signature(self.prep.model)
         key = self.key(sig)
-        rec = await self.bank.lookup(key)
-        known_default = None if rec else await self.bank.known_default(key)
+        rec, _layer = await self.bank.lookup_layered(key)
+        known_default, _ = (None, "") if rec else await self.bank.known_default_layered(key)
         if rec is not None and not self.opts.repeat_tune:
             return json.loads(rec.strategy), "hit"
         if known_default is not None and not self.opts.repeat_tune:
@@ -739,17 +715,7 @@ class _Job:
         path = out_dir / f"{stem}_{ts}_tune.onnx"
         tuned = onnx.ModelProto()
         tuned.CopyFrom(model)
-        meta = {p.key: p.value for p in tuned.metadata_props}
-        meta.update(
-            {
-                METADATA_KEY: canonical_json(options),
-                "aoe.precision": self.opts.precision,
-                "aoe.device": self.fp.digest[:32],
-                "aoe.version": __version__,
-            }
-        )
-        del tuned.metadata_props[:]
-        helper.set_model_props(tuned, meta)
+        tuned_metadata(tuned, options, self.opts.precision, self.fp.digest)
         await trio.to_thread.run_sync(onnx.save, tuned, str(path))
         return path
 
@@ -795,29 +761,6 @@ def _merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     if "config" in a or "config" in b:
         out["config"] = {**a.get("config", {}), **b.get("config", {})}
     return out
-
-
-def _model_signature(model: onnx.ModelProto) -> TaskSignature:
-    """A signature for model-wide choices: the graph's structure, shapes and dtypes."""
-    from aoe.signature import ModelContext
-
-    ctx = ModelContext(model)
-    nodes = []
-    for n in model.graph.node:
-        domain = n.domain if n.domain != "ai.onnx" else ""
-        nodes.append(
-            {
-                "op": n.op_type,
-                "domain": domain,
-                "attrs": normalized_attributes(n, ctx.opset(domain)),
-                "in": [asdict(ctx.tensors[i]) if i in ctx.tensors else None for i in n.input],
-                "out": [asdict(ctx.tensors[o]) if o in ctx.tensors else None for o in n.output],
-            }
-        )
-    text = canonical_json({"v": 1, "model": nodes, "opsets": ctx.opsets})
-    import hashlib
-
-    return TaskSignature("SessionOptions", "", ctx.opset(""), text, hashlib.sha256(text.encode()).hexdigest())
 
 
 def _repo_summary(results, session_mode: str) -> dict[str, int]:

@@ -1,0 +1,618 @@
+"""Read the knowledge bank without the daemon: what compilers and serving processes import.
+
+    bank = aoe.bank.open_bank("/var/lib/aoed/bank")          # once per process
+    entry, layer = bank.lookup(key)                           # microseconds
+    tasks = aoe.bank.ModelTasks(model)                        # once per model
+    entry, layer = bank.lookup_node(node, tasks)              # the node's task, this device
+
+A bank is a stack of layers: the custom bank first (the one aoed writes), then read-only
+layers in order (a system bank, team banks: `layers=`, the AOED_BANK_LAYERS environment
+variable, `--bank-layer DIR`). The first layer that holds a key answers, and every
+result names it. Each layer's LMDB environment is opened once, read-only but with
+LMDB's reader lock, so a reader sees a consistent snapshot per call while aoed commits
+in another process; nothing a reader does can block or corrupt the writer.
+
+Entries are keyed by schema version, signature digest and device digest (see
+`aoe.signature.bank_key`), so an entry measured on another device never answers a
+lookup made for this one; `lookup_explain()` says why a lookup found nothing.
+
+`apply_bank(model, output, bank)` writes the tuned model the bank describes (what
+`aoe compile` does).
+
+Importing this module pulls in lmdb, protobuf, onnx and numpy only: no trio, no
+onnxruntime, no daemon. `ModelTasks` borrows the tuner's partition code on first use
+(no onnxruntime either); `apply_bank` prepares the model as tuning does, which needs
+onnxruntime. A `BankReader` may be shared by threads, but must not cross a fork: open
+it in the process that uses it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import lmdb
+import onnx
+from google.protobuf import json_format
+
+from aoe.errors import BankError
+from aoe.signature import (
+    SCHEMA_VERSION,
+    DeviceFingerprint,
+    ModelContext,
+    TaskSignature,
+    bank_key,
+    device_fingerprint,
+)
+from aoe.v1 import bank_pb2
+
+__all__ = [
+    "CUSTOM",
+    "LAYERS_ENV",
+    "BankReader",
+    "Explanation",
+    "LayerStats",
+    "ModelTasks",
+    "apply_bank",
+    "SeenEntry",
+    "default_bank_path",
+    "entry_from_json",
+    "entry_to_json",
+    "layer_paths_from_env",
+    "open_bank",
+    "parse_key",
+]
+
+#: Environment variable naming read-only layers, separated by os.pathsep.
+LAYERS_ENV = "AOED_BANK_LAYERS"
+#: Name of the writable (first) layer in results.
+CUSTOM = "custom"
+
+#: Named databases of a bank environment (written by aoed.bank.store).
+DB_NAMES = (b"meta", b"entries", b"defaults", b"history")
+MAX_DBS = 8
+#: The largest map a writer grows a bank to (aoed.bank.store) and readers map up front.
+READER_MAP = 1 << 40
+
+_PRECISIONS = {"exact", "int8", "int4", "fp16", "bf16"}
+
+
+def default_bank_path() -> Path:
+    """TUNE_BANK_PATH if set, else the user's data dir (e.g. ~/.local/share/aoed/bank)."""
+    env = os.environ.get("TUNE_BANK_PATH")
+    if env:
+        return Path(env)
+    import platformdirs
+
+    return Path(platformdirs.user_data_dir("aoed")) / "bank"
+
+
+def layer_paths_from_env() -> list[Path]:
+    """The read-only layers named in AOED_BANK_LAYERS, in order (empty items skipped)."""
+    raw = os.environ.get(LAYERS_ENV, "")
+    return [Path(p) for p in raw.split(os.pathsep) if p.strip()]
+
+
+def parse_key(key: str | bytes) -> tuple[int, str, str, str]:
+    """Split a bank key into (schema version, signature digest[:32], device digest[:32],
+    precision). Raises ValueError when `key` is not shaped like one."""
+    text = key.decode("ascii", "replace") if isinstance(key, bytes) else key
+    parts = text.split("/")
+    if len(parts) != 4 or not parts[0].startswith("v") or not parts[0][1:].isdigit():
+        raise ValueError(f"{text!r} is not a bank key (expected v{SCHEMA_VERSION}/<signature>/<device>/<precision>)")
+    return int(parts[0][1:]), parts[1], parts[2], parts[3]
+
+
+def check_schema(path: Path, raw: bytes | None) -> int:
+    """The schema version stored in a bank's meta db; BankError unless it is ours."""
+    if raw is None:
+        raise BankError(f"bank {path}: no schema version recorded; not a bank written by aoed")
+    try:
+        version = int(raw)
+    except ValueError:
+        raise BankError(f"bank {path}: unreadable schema version {raw!r}") from None
+    if version > SCHEMA_VERSION:
+        raise BankError(
+            f"bank {path}: schema version {version} is newer than this aoe understands "
+            f"({SCHEMA_VERSION}); upgrade aoe/aoed or use another bank"
+        )
+    if version < SCHEMA_VERSION:
+        raise BankError(
+            f"bank {path}: schema version {version} is older than this aoe's ({SCHEMA_VERSION}); "
+            f"open it once with the aoed that writes it (aoe tune --bank {path}) to migrate it"
+        )
+    return version
+
+
+# --------------------------------------------------------------------------- JSON Lines
+
+
+def entry_to_json(entry: bank_pb2.BankEntry) -> str:
+    """One line of JSON for `entry` (proto field names, sorted keys): the exchange format."""
+    doc = json_format.MessageToDict(entry, preserving_proto_field_name=True)
+    return json.dumps(doc, sort_keys=True, separators=(",", ":"))
+
+
+def entry_from_json(line: str) -> bank_pb2.BankEntry:
+    """Parse one exchange line; raises ValueError with the parser's reason."""
+    try:
+        return json_format.Parse(line, bank_pb2.BankEntry())
+    except json_format.ParseError as exc:
+        raise ValueError(str(exc)) from None
+
+
+# --------------------------------------------------------------------------- layers
+
+
+class _Layer:
+    """One read-only LMDB environment and its named databases."""
+
+    __slots__ = ("defaults", "entries", "env", "history", "meta", "name", "path", "schema")
+
+    def __init__(self, name: str, path: Path):
+        self.name = name
+        self.path = path
+        if not (path / "data.mdb").is_file():
+            raise BankError(
+                f"bank {path}: no bank here (no data.mdb); tune a model into it first "
+                f"(aoe tune MODEL --bank {path}) or check the path"
+            )
+        try:
+            self.env = self._open(lock=True)
+        except lmdb.Error as exc:
+            # No write access to lock.mdb: LMDB's reader lock is out of reach. Readers
+            # without it are only safe while nobody writes, which is what a shared team
+            # or system layer is; a bank a daemon writes needs lock.mdb writable by its
+            # readers (e.g. group-writable).
+            if "ermission" not in str(exc) and "ead-only" not in str(exc):
+                raise BankError(f"bank {path}: cannot open ({exc})") from None
+            try:
+                self.env = self._open(lock=False)
+            except lmdb.Error as exc2:
+                raise BankError(f"bank {path}: cannot open ({exc2})") from None
+        try:
+            self.meta = self.env.open_db(b"meta", create=False)
+            self.entries = self.env.open_db(b"entries", create=False)
+            self.defaults = self.env.open_db(b"defaults", create=False)
+            self.history = self.env.open_db(b"history", create=False)
+        except lmdb.NotFoundError:
+            self.env.close()
+            raise BankError(f"bank {path}: not a bank written by aoed (named databases missing)") from None
+        with self.env.begin(db=self.meta) as txn:
+            raw = txn.get(b"schema_version")
+        try:
+            self.schema = check_schema(path, raw)
+        except BankError:
+            self.env.close()
+            raise
+
+    def _open(self, lock: bool) -> lmdb.Environment:
+        # Map as much as the writer may ever grow to (address space only, read-only), so
+        # that a growing bank never needs a remap under a lookup in another thread.
+        for size in (READER_MAP, 0):
+            try:
+                return lmdb.open(
+                    str(self.path), readonly=True, lock=lock, max_dbs=MAX_DBS, subdir=True,
+                    create=False, readahead=False, map_size=size,
+                )  # fmt: skip
+            except lmdb.MemoryError:
+                continue  # address space limited (ulimit -v): map what the file needs
+        raise BankError(f"bank {self.path}: cannot map the bank into memory")
+
+    def begin(self, db: Any) -> lmdb.Transaction:
+        try:
+            return self.env.begin(db=db)
+        except lmdb.MapResizedError:
+            # Only where the full map could not be reserved: the writer grew the bank past
+            # our mapping; adopt its size (LMDB allows this between transactions).
+            self.env.set_mapsize(0)
+            return self.env.begin(db=db)
+
+    def get(self, key: bytes, db: Any = None) -> bytes | None:
+        txn = self.begin(self.entries if db is None else db)
+        try:
+            return txn.get(key)
+        finally:
+            txn.abort()
+
+    def close(self) -> None:
+        self.env.close()
+
+
+@dataclass(frozen=True)
+class SeenEntry:
+    """An entry found for a signature while explaining a miss."""
+
+    layer: str
+    key: str
+    device_digest: str
+    hardware: str
+    runtime_version: str
+    precision: str
+    strategy: str
+    differs: tuple[str, ...]  # fingerprint fields that differ from the asked device
+
+
+@dataclass(frozen=True)
+class Explanation:
+    """Why a lookup found what it found: `reason` is empty when `found`."""
+
+    key: str
+    found: bool
+    layer: str
+    reason: str
+    seen: tuple[SeenEntry, ...] = ()
+    default_layer: str = ""  # a layer recording that the default strategy stayed best
+
+
+@dataclass(frozen=True)
+class LayerStats:
+    name: str
+    path: str
+    entries: int
+    defaults: int
+    history: int
+    map_size: int
+    used_bytes: int
+    schema_version: int
+
+
+def _precision_name(p: int) -> str:
+    return bank_pb2.Precision.Name(p).removeprefix("PRECISION_").lower() if p else "unspecified"
+
+
+def _fingerprint_diff(a_json: str, b_json: str) -> tuple[str, ...]:
+    try:
+        a, b = json.loads(a_json), json.loads(b_json)
+    except ValueError:
+        return ("fingerprint",)
+    out = []
+    for k in sorted(set(a) | set(b)):
+        if a.get(k) != b.get(k):
+            if isinstance(a.get(k), str) and isinstance(b.get(k), str):
+                out.append(f"{k} ({a[k]} here, {b[k]} there)")
+            else:
+                out.append(k)
+    return tuple(out)
+
+
+class ModelTasks:
+    """The tasks of one model as the tuner forms them, for lookups by node.
+
+    Built once per model: the model's tasks are found by the same partition code the
+    tuner runs (an anchor such as MatMul/Gemm/Conv with a constant weight plus its fused
+    epilogue), and each task's signature is computed then. Signatures match the bank's
+    when the model is the one the tuner prepared (`aoe compile` prepares it for you);
+    shapes are inferred here when the model lacks them.
+    """
+
+    def __init__(self, model: onnx.ModelProto):
+        from aoed.engine.partition import partition  # the one code path that forms tasks
+
+        m = onnx.ModelProto()
+        m.CopyFrom(model)
+        if not m.graph.value_info:
+            m = onnx.shape_inference.infer_shapes(m)
+        # partition refers to nodes by name; unnamed nodes get a name on our copy, and
+        # lookups go by a node's first output, which is unique in any valid graph.
+        seen: set[str] = set()
+        for i, node in enumerate(m.graph.node):
+            if not node.name or node.name in seen:
+                node.name = f"{node.op_type}__aoe{i}"
+            seen.add(node.name)
+        self.ctx = ModelContext(m)
+        by_name = {n.name: n for n in m.graph.node}
+        self._by_output: dict[str, TaskSignature] = {}
+        self.tasks = partition(m, self.ctx)
+        for task in self.tasks:
+            for t in (task, *task.twins):
+                anchor = by_name[t.node_names[0]]
+                if anchor.output:
+                    self._by_output[anchor.output[0]] = task.signature
+
+    def signature(self, node: onnx.NodeProto) -> TaskSignature | None:
+        """The signature of the task `node` anchors; None when it anchors none."""
+        if not node.output:
+            return None
+        return self._by_output.get(node.output[0])
+
+    def __len__(self) -> int:
+        return len(self.tasks)
+
+
+class BankReader:
+    """Layered, read-only view of one or more banks; see the module docstring."""
+
+    def __init__(self, layers: Sequence[_Layer], device: DeviceFingerprint | None = None):
+        self._layers = tuple(layers)
+        self.device = device or device_fingerprint("CPUExecutionProvider")
+        self._dev32 = self.device.digest[:32]
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def __enter__(self) -> BankReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close every layer's environment; the reader is unusable afterwards."""
+        for layer in self._layers:
+            layer.close()
+        self._layers = ()
+
+    @property
+    def layers(self) -> list[tuple[str, Path]]:
+        """(name, path) of every layer in lookup order."""
+        return [(layer.name, layer.path) for layer in self._layers]
+
+    # ------------------------------------------------------------------ lookups
+
+    def lookup(self, key: bytes | str) -> tuple[bank_pb2.BankEntry | None, str]:
+        """The entry stored under `key` in the first layer that has one, and that layer's
+        name; (None, "") when no layer has it. One read transaction per layer visited."""
+        if type(key) is str:
+            key = key.encode()
+        for layer in self._layers:
+            txn = layer.begin(layer.entries)
+            try:
+                raw = txn.get(key)
+            finally:
+                txn.abort()
+            if raw is not None:
+                return bank_pb2.BankEntry.FromString(raw), layer.name
+        return None, ""
+
+    def lookup_raw(self, key: bytes) -> tuple[bytes | None, str]:
+        """Like `lookup` but returns the serialized entry (no decoding)."""
+        for layer in self._layers:
+            raw = layer.get(key)
+            if raw is not None:
+                return raw, layer.name
+        return None, ""
+
+    def key_for(self, signature_digest: str, precision: str = "exact", device_digest: str | None = None) -> bytes:
+        """The bank key of a task on this reader's device (or `device_digest`)."""
+        return bank_key(signature_digest, device_digest or self.device.digest, precision)
+
+    def lookup_signature(
+        self, signature: TaskSignature | str, precision: str = "exact"
+    ) -> tuple[bank_pb2.BankEntry | None, str]:
+        """Lookup of a task signature (or its digest) on this reader's device."""
+        digest = signature if isinstance(signature, str) else signature.digest
+        return self.lookup(bank_key(digest, self.device.digest, precision))
+
+    def lookup_node(
+        self, node: onnx.NodeProto, tasks: ModelTasks, precision: str = "exact"
+    ) -> tuple[bank_pb2.BankEntry | None, str]:
+        """The entry for the task `node` anchors in its model (`tasks`), on this device;
+        (None, "") when the node anchors no task or nothing is stored for it."""
+        sig = tasks.signature(node)
+        if sig is None:
+            return None, ""
+        return self.lookup(bank_key(sig.digest, self.device.digest, precision))
+
+    def lookup_default(self, key: bytes | str) -> tuple[dict[str, Any] | None, str]:
+        """The "tuned, the default stayed best" record for `key` and its layer."""
+        if isinstance(key, str):
+            key = key.encode()
+        for layer in self._layers:
+            raw = layer.get(key, layer.defaults)
+            if raw is not None:
+                return json.loads(raw), layer.name
+        return None, ""
+
+    def lookup_explain(
+        self,
+        key: bytes | str | None = None,
+        *,
+        signature_digest: str | None = None,
+        device_digest: str | None = None,
+        precision: str = "exact",
+    ) -> Explanation:
+        """Look up `key` (or the key of the digests, this device by default) and say why
+        it matched or did not: entries for the same signature on other devices or under
+        other precisions, a recorded "default stays best", or nothing at all."""
+        if key is None:
+            if not signature_digest:
+                raise ValueError("lookup_explain() needs a key or a signature digest")
+            key = bank_key(signature_digest, device_digest or self.device.digest, precision)
+        text = key.decode() if isinstance(key, bytes) else key
+        try:
+            schema, sig32, dev32, prec = parse_key(text)
+        except ValueError as exc:
+            return Explanation(text, False, "", str(exc))
+        entry, layer = self.lookup(text)
+        if entry is not None:
+            if entry.device.digest[:32] != dev32:
+                return Explanation(text, False, layer, f"entry in layer {layer} was measured on device "
+                                   f"{entry.device.digest[:32]}, not {dev32}: never applied")
+            return Explanation(text, True, layer, "")
+        names = ", ".join(layer.name for layer in self._layers) or "none"
+        if schema != SCHEMA_VERSION:
+            return Explanation(text, False, "", f"key has schema version {schema}; these banks use {SCHEMA_VERSION}")
+        if prec not in _PRECISIONS:
+            return Explanation(text, False, "", f"unknown precision {prec!r} (one of {', '.join(sorted(_PRECISIONS))})")
+        ask_json = self.device.canonical_json if dev32 == self._dev32 else ""
+        seen = tuple(self._entries_for_signature(sig32, ask_json))
+        default, default_layer = self.lookup_default(text)
+        reasons = []
+        if default is not None:
+            reasons.append(
+                f"tuned on this device (layer {default_layer}) and the default strategy stayed "
+                "fastest: nothing to apply, no need to tune again"
+            )
+        same_dev = [s for s in seen if s.device_digest == dev32]
+        other_dev = [s for s in seen if s.device_digest != dev32]
+        if same_dev:
+            precs = sorted({s.precision for s in same_dev})
+            reasons.append(f"entries for this device exist under precision {', '.join(precs)}, not {prec}")
+        if other_dev:
+            devs = []
+            for s in other_dev:
+                diff = f"; differs in {', '.join(s.differs)}" if s.differs else ""
+                devs.append(f"{s.device_digest} ({s.hardware}, onnxruntime {s.runtime_version}, "
+                            f"{s.precision}, layer {s.layer}{diff})")
+            reasons.append(
+                f"signature {sig32} was tuned on {len(other_dev)} other device fingerprint(s), "
+                f"never applied here (this device is {dev32}): " + "; ".join(devs)
+            )
+        if not reasons:
+            reasons.append(f"no entry for signature {sig32} in any layer ({names}); tune a model with this task")
+        return Explanation(text, False, "", "; ".join(reasons), seen, default_layer)
+
+    def _entries_for_signature(self, sig32: str, ask_json: str) -> Iterator[SeenEntry]:
+        # Keys sort by signature first, so one range scan finds every device and precision.
+        prefix = f"v{SCHEMA_VERSION}/{sig32}/".encode()
+        for layer in self._layers:
+            txn = layer.begin(layer.entries)
+            try:
+                cur = txn.cursor()
+                if not cur.set_range(prefix):
+                    continue
+                for k, v in cur:
+                    if not k.startswith(prefix):
+                        break
+                    e = bank_pb2.BankEntry.FromString(v)
+                    yield SeenEntry(
+                        layer=layer.name,
+                        key=k.decode(),
+                        device_digest=e.device.digest[:32],
+                        hardware=e.device.hardware,
+                        runtime_version=e.device.runtime_version,
+                        precision=k.decode().rsplit("/", 1)[-1],
+                        strategy=e.strategy.name,
+                        differs=_fingerprint_diff(ask_json, e.device.canonical_json) if ask_json else (),
+                    )
+            finally:
+                txn.abort()
+
+    # ------------------------------------------------------------------ whole-bank reads
+
+    def entries(self, layer: str | None = None) -> Iterator[tuple[str, bank_pb2.BankEntry]]:
+        """(layer name, entry) for every entry of one layer (default: all, in order), in
+        key order; one read snapshot per layer."""
+        for lay in self._layers:
+            if layer is not None and lay.name != layer:
+                continue
+            txn = lay.begin(lay.entries)
+            try:
+                for _k, v in txn.cursor():
+                    yield lay.name, bank_pb2.BankEntry.FromString(v)
+            finally:
+                txn.abort()
+
+    def stats(self) -> list[LayerStats]:
+        """Counts and sizes of every layer, in lookup order."""
+        out = []
+        for lay in self._layers:
+            txn = lay.begin(lay.entries)
+            try:
+                counts = {n: txn.stat(db)["entries"] for n, db in
+                          (("entries", lay.entries), ("defaults", lay.defaults), ("history", lay.history))}
+                used = used_bytes(lay.env, txn, (lay.meta, lay.entries, lay.defaults, lay.history))
+            finally:
+                txn.abort()
+            out.append(LayerStats(
+                lay.name, str(lay.path), counts["entries"], counts["defaults"], counts["history"],
+                _stored_map_size(lay), used, lay.schema,
+            ))  # fmt: skip
+        return out
+
+
+def _stored_map_size(layer: _Layer) -> int:
+    """The map size the writer set, from the newer of LMDB's two meta pages (our own
+    mapping is larger on purpose, and the file only grows as pages are used)."""
+    data = layer.path / "data.mdb"
+    try:
+        with open(data, "rb") as f:
+            head = f.read(256)
+            magic, _ver = struct.unpack_from("<II", head, 16)
+            psize = struct.unpack_from("<I", head, 40)[0]
+            if magic != 0xBEEFC0DE or not 512 <= psize <= 1 << 16:
+                raise ValueError("unknown layout")
+            f.seek(psize)
+            other = f.read(256)
+        metas = [(struct.unpack_from("<Q", m, 144)[0], struct.unpack_from("<Q", m, 32)[0]) for m in (head, other)]
+        return max(metas)[1]
+    except (OSError, ValueError, struct.error):
+        return data.stat().st_size
+
+
+def used_bytes(env: lmdb.Environment, txn: lmdb.Transaction, dbs: Sequence[Any]) -> int:
+    """Bytes the pages of `dbs` (and the main db) occupy in `txn`'s snapshot."""
+    total = 0
+    for st in [env.stat(), *(txn.stat(db) for db in dbs)]:
+        total += (st["branch_pages"] + st["leaf_pages"] + st["overflow_pages"]) * st["psize"]
+    return total
+
+
+def open_bank(
+    paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | None = None,
+    *,
+    layers: Sequence[str | os.PathLike[str]] = (),
+    use_env: bool = True,
+    device: DeviceFingerprint | None = None,
+    custom: bool = True,
+) -> BankReader:
+    """Open a layered bank reader.
+
+    `paths`: the custom bank (named "custom"), or a sequence whose first item is the
+    custom bank and the rest read-only layers; None means `default_bank_path()`. Then
+    come `layers`, then (with `use_env`) those in AOED_BANK_LAYERS; a path listed twice
+    is opened once. Read-only layers are named by their path. `device` is the device
+    lookups are made for (default: this machine's CPU provider). With `custom=False`
+    every path is a read-only layer named by its path (how aoed opens its layers).
+
+    Raises BankError when a path holds no bank, cannot be opened, or has another schema.
+    """
+    if paths is None:
+        items: list[Path] = [default_bank_path()]
+    elif isinstance(paths, (str, os.PathLike)):
+        items = [Path(paths)]
+    else:
+        items = [Path(p) for p in paths]
+    items += [Path(p) for p in layers]
+    if use_env:
+        items += layer_paths_from_env()
+    opened: list[_Layer] = []
+    seen: set[Path] = set()
+    try:
+        for i, p in enumerate(items):
+            real = p.resolve()
+            if real in seen:
+                continue
+            seen.add(real)
+            opened.append(_Layer(CUSTOM if i == 0 and custom else str(p), p))
+    except BaseException:
+        for lay in opened:
+            lay.close()
+        raise
+    return BankReader(opened, device)
+
+
+def apply_bank(
+    model: str | os.PathLike[str],
+    output: str | os.PathLike[str],
+    bank: BankReader,
+    *,
+    input_shapes: dict[str, tuple[int, ...]] | None = None,
+    precision: str = "exact",
+    calibration: str | os.PathLike[str] | None = None,
+):
+    """Write at `output` the tuned model `bank` describes for `model` on this device:
+    prepared as tuning prepares it, every task's banked strategy applied, the banked
+    session options in its metadata. No measurement. Returns the per-task report
+    (`aoed.engine.assemble.Assembly`). Raises ModelError/OptionError/AoedError."""
+    from aoed.engine.assemble import compile_model
+
+    return compile_model(
+        model, output, bank, input_shapes, precision,
+        calibration=Path(calibration) if calibration is not None else None,
+    )  # fmt: skip

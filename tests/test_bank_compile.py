@@ -1,0 +1,115 @@
+"""`aoe compile`: the tuned model from the bank alone, without measuring anything."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+
+import aoe
+from aoe._session import METADATA_KEY
+from aoe.bank import CUSTOM, apply_bank, open_bank
+from aoe.signature import canonical_json
+from aoed.bank._codec import Measured
+from aoed.engine.assemble import compile_model, model_signature, tunable_tasks
+from aoed.engine.prep import make_inputs, prepare
+
+from .conftest import run_aoe
+from .test_bank_reader import foreign, make_bank, rec
+
+FAST = ("--budget", "2", "--parallel", "1", "--no-progress")
+
+
+def _meta(model: onnx.ModelProto) -> dict[str, str]:
+    return {p.key: p.value for p in model.metadata_props}
+
+
+@pytest.mark.slow
+def test_compile_reproduces_the_tuning_run(models: Path, tmp_path: Path) -> None:
+    bank, out = tmp_path / "bank", tmp_path / "out"
+    r = run_aoe("tune", str(models / "mlp.onnx"), "--bank", str(bank), "--output", str(out), *FAST)
+    assert r.returncode == 0, r.stderr
+    [result] = out.glob("aoe_result_opat_*.json")
+    doc = json.loads(result.read_text())
+    tuned = onnx.load(doc["tuned_model"])
+
+    compiled_path = tmp_path / "compiled.onnx"
+    r = run_aoe("compile", str(models / "mlp.onnx"), "-o", str(compiled_path), "--bank", str(bank), "--json")
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    compiled = onnx.load(str(compiled_path))
+
+    # Every task and the session options came from the bank; nothing was measured.
+    assert report["misses"] == 0 and report["hits"] == len(doc["tasks"]) + 1
+    assert {t["status"] for t in report["tasks"]} <= {"hit", "default"}
+    assert all(t["layer"] == CUSTOM for t in report["tasks"])
+    chosen = {t["task_id"]: t["strategy"] for t in doc["tasks"]}
+    got = {t["task_id"]: t["strategy"] for t in report["tasks"] if t["task_id"] != "session"}
+    assert got == chosen
+    assert _meta(compiled).keys() == _meta(tuned).keys()
+    assert _meta(compiled)["aoe.device"] == _meta(tuned)["aoe.device"]
+    # The bank holds per-task winners; a task the run reverted in context (applied: false)
+    # keeps its entry, so only a run that kept every choice has the compiled graph.
+    if doc["verification"] == "tuned" and all(t["applied"] for t in doc["tasks"]):
+        assert compiled.graph == tuned.graph
+        assert report["session_options"] == doc["session_options"]
+        assert _meta(compiled)[METADATA_KEY] == _meta(tuned)[METADATA_KEY]
+    assert aoe.session_options_of(compiled_path) == report["session_options"]
+
+
+def test_compile_applies_bank_strategies_and_skips_what_it_must(models: Path, tmp_path: Path) -> None:
+    src = models / "mlp.onnx"
+    prep = prepare(src, tmp_path / "prep")
+    tasks = tunable_tasks(prep, "exact")
+    assert len(tasks) >= 3
+    first, second, third = tasks[:3]
+    m = Measured(8.0, 0.01, 30, 7.5)
+    b = Measured(10.0, 0.01, 30, 9.5)
+    session_sig = model_signature(prep.model)
+    options = {"intra_op_num_threads": 1}
+    records = [
+        rec(sig=first.signature, strategy="fused_gemm", family=first.family, winner=m, baseline=b),
+        rec(sig=second.signature, strategy="no_such_strategy", family=second.family),
+        rec(sig=third.signature, dev=foreign(), strategy="fused_gemm", family=third.family),
+        rec(sig=session_sig, strategy=canonical_json(options), family="session"),
+    ]
+    bank = make_bank(tmp_path / "bank", records)
+    out = tmp_path / "compiled.onnx"
+    with open_bank(bank, use_env=False) as reader:
+        asm = compile_model(src, out, reader)
+    by_id = {t.task_id: t for t in asm.tasks}
+    assert (by_id[first.id].status, by_id[first.id].strategy, by_id[first.id].layer) == ("hit", "fused_gemm", CUSTOM)
+    assert (by_id[first.id].before_us, by_id[first.id].after_us) == (10.0, 8.0)
+    assert by_id[second.id].status == "ignored" and "no_such_strategy" in by_id[second.id].reason
+    assert by_id[third.id].status == "miss" and "other device" in by_id[third.id].reason
+    assert asm.session.status == "hit" and asm.session_options == options
+    assert asm.hits == 2 and asm.misses == len(tasks) - 1
+
+    model = onnx.load(str(out))
+    ops = [n.op_type for n in model.graph.node]
+    assert "FusedGemm" in ops and any(n.name.startswith(f"aoe/{first.id}/") for n in model.graph.node)
+    assert not any(n.name.startswith((f"aoe/{second.id}/", f"aoe/{third.id}/")) for n in model.graph.node)
+    assert _meta(model)[METADATA_KEY] == canonical_json(options)
+    assert _meta(model)["aoe.precision"] == "exact"
+    # The compiled model computes what the source model computes.
+    feeds = make_inputs(prep.inputs, seed=3)
+    ref = ort.InferenceSession(str(src), providers=["CPUExecutionProvider"]).run(None, feeds)
+    got = aoe.session(out).run(None, feeds)
+    for x, y in zip(ref, got):
+        np.testing.assert_allclose(y, x, rtol=1e-4, atol=1e-5)
+
+
+def test_compile_against_an_empty_bank_changes_nothing(models: Path, tmp_path: Path) -> None:
+    src = models / "cnn.onnx"
+    bank = make_bank(tmp_path / "bank")
+    out = tmp_path / "compiled.onnx"
+    with open_bank(bank, use_env=False) as reader:
+        asm = apply_bank(src, out, reader)
+    assert asm.hits == 0 and asm.misses == len(asm.tasks) + 1
+    assert all("no entry for signature" in t.reason for t in asm.tasks)
+    prep = prepare(src, tmp_path / "prep")
+    assert onnx.load(str(out)).graph == prep.model.graph
