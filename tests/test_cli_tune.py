@@ -201,3 +201,17 @@ def test_bad_models_fail_cleanly(tmp_path: Path, content: bytes | None):
 def test_framework_other_than_onnx_is_refused(models: Path, tmp_path: Path):
     r = run_aoe("--framework", "3", "--model", str(models / "mlp.onnx"), "--output", str(tmp_path))
     assert r.returncode == 2 and "only ONNX" in r.stderr
+
+
+def test_read_only_layer_answers_under_an_empty_custom_bank(models: Path, tmp_path: Path):
+    team = tmp_path / "team"
+    first = run_aoe("tune", str(models / "mlp.onnx"), "--bank", str(team), "--output", str(tmp_path / "o1"), *FAST)
+    assert first.returncode == 0, first.stderr
+    mine = tmp_path / "mine"
+    second = run_aoe("tune", str(models / "mlp.onnx"), "--bank", str(mine), "--bank-layer", str(team),
+                     "--output", str(tmp_path / "o2"), *FAST)
+    assert second.returncode == 0, second.stderr
+    doc = _result(tmp_path / "o2")
+    assert doc["device"]["trials"] == 0
+    assert all(t["update_mode"] == "hit" and str(team) in t["bank_layer"] for t in doc["tasks"])
+    assert _bank_entries(mine) == 0  # a read-only layer is never written

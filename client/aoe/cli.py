@@ -63,6 +63,10 @@ def _tune_parser(prog: str = "aoe tune") -> argparse.ArgumentParser:
         help="static shape for an input with dynamic dimensions; repeat or join with ';'",
     )
     p.add_argument("--bank", type=Path, help="custom bank directory (default: TUNE_BANK_PATH or the user data dir)")
+    p.add_argument(
+        "--bank-layer", action="append", type=Path, default=[], metavar="DIR",
+        help="read-only bank consulted after the custom one (repeatable; also AOED_BANK_LAYERS)",
+    )
     p.add_argument("--repeat-tune", action="store_true", default=None, help="re-tune tasks the bank already knows")
     p.add_argument("--parallel", help="compile processes (default: TE_PARALLEL_COMPILER or cores-1)")
     p.add_argument("--output", type=Path, default=Path("."), help="where aoe_workspace/ and the result JSON go")
@@ -99,7 +103,7 @@ def _from_aoe(argv: Sequence[str]) -> argparse.Namespace:
         raise OptionError(f"--framework {a.framework}: only ONNX (5) models can be tuned here")
     return argparse.Namespace(
         model=a.model, precision=a.precision, input_shape=a.input_shape, bank=a.bank,
-        calibration=a.calibration, min_cosine=None, max_rel_error=None,
+        calibration=a.calibration, min_cosine=None, max_rel_error=None, bank_layer=[],
         repeat_tune=None, parallel=None, output=a.output, job_type=a.job_type, device=a.device,
         keep_initializer_inputs=False, budget=20.0, no_progress=a.progress_bar == "off",
     )
@@ -161,7 +165,10 @@ def _tune(args: argparse.Namespace) -> int:
     progress = Progress(enabled=not args.no_progress)
 
     async def run():
-        async with open_engine(bank, output / "aoe_workspace" / "logs", parallel) as engine:
+        from aoe.bank import layer_paths_from_env
+
+        layers = [*args.bank_layer, *layer_paths_from_env()]
+        async with open_engine(bank, output / "aoe_workspace" / "logs", parallel, bank_layers=layers) as engine:
             with progress:
                 return await engine.run_job(opts, progress.emit)
 

@@ -45,10 +45,14 @@ async def open_engine(
     logdir: str | os.PathLike[str],
     parallel: int | None = None,
     device: str = "cpu",
+    bank_layers: list[Path] | None = None,
 ) -> AsyncIterator[Engine]:
-    """Start the engine's agents; yields the Engine; stops and reaps everything on exit."""
+    """Start the engine's agents; yields the Engine; stops and reaps everything on exit.
+
+    `bank_layers`: read-only banks under the custom one, in lookup order (None: those
+    named in AOED_BANK_LAYERS)."""
     logs = Path(logdir)
-    bank = BankWriter(bank_path)
+    bank = BankWriter(bank_path, layers=bank_layers)
     try:
         async with trio.open_nursery() as nursery:
             await nursery.start(bank.run)
