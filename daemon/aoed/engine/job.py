@@ -352,7 +352,8 @@ class _Job:
         # Verify end to end, interleaved against the untouched input model.
         self.emit(JobEvent("stage", "verifying end to end"))
         final_model, final_opts, verified, e2e = await self.verify(
-            tasks, chosen, results, rewritten, rewritten_path, session_opts
+            tasks, chosen, results, rewritten, rewritten_path, session_opts,
+            from_bank=not to_tune and session_mode == "hit",
         )
         if verified != "tuned":
             for r in results.values():
@@ -635,6 +636,7 @@ class _Job:
     async def verify(
         self, tasks: list[Task], chosen: dict[str, str], results: dict[str, TaskResult],
         rewritten: onnx.ModelProto, rewritten_path: Path, options: dict[str, Any],
+        from_bank: bool = False,
     ) -> tuple[onnx.ModelProto, dict[str, Any], str, dict[str, dict]]:
         """A/B the tuned model against the input model, in context; revert what does not pay.
 
@@ -644,6 +646,9 @@ class _Job:
         input) is reverted, and the round repeats. When nothing is left to revert and the
         model is still slower, session options alone and then the input model itself are
         the fallbacks, so the result is never slower than the input.
+
+        With `from_bank` (every choice came from the bank) the first round is a plain A/B,
+        the one end-to-end check of a bank-hit run; reversals are measured only if it fails.
 
         Returns (model, session options, what survived, the last measurements)."""
         original = str(self.opts.model)
@@ -658,8 +663,9 @@ class _Job:
                 and fin["median_us"] <= base["median_us"] * (1.0 + MIN_GAIN)
             )
 
+        explore = not from_bank
         while True:
-            changed = [tid for tid, name in chosen.items() if name != strategies.DEFAULT]
+            changed = [tid for tid, name in chosen.items() if name != strategies.DEFAULT] if explore else []
             cands = [
                 {"id": "baseline", "model": original, "options": {}},
                 {"id": "final", "model": str(path), "options": options},
@@ -671,8 +677,11 @@ class _Job:
                 await self.assemble(tasks, alt, alt_path)
                 variants[f"without:{tid}"] = alt
                 cands.append({"id": f"without:{tid}", "model": str(alt_path), "options": options})
-            measured = await self.measure(cands, "baseline", budget_s=3.0)
+            measured = await self.measure(cands, "baseline", budget_s=3.0 if explore else 1.5)
             base, fin = measured["baseline"], measured["final"]
+            if not explore and not acceptable(fin, base):
+                explore = True  # the bank's choices do not hold here: find which
+                continue
             better = [
                 k for k in variants
                 if measured[k].get("ok") and self.policy.e2e_ok(measured[k])
