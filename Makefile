@@ -3,10 +3,11 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
+BENCH_STAMP := $(VENV)/.bench-stamp
 SAMPLE ?= cnn
 OUT    ?= out
 
-.PHONY: run test protos clean
+.PHONY: run test protos bench bench-quick clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -21,6 +22,19 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+# Side-by-side benchmarks; they write bench/RESULTS.md and PNG plots beside it.
+$(BENCH_STAMP): $(STAMP) pyproject.toml
+	$(BIN)/python -m pip install --quiet -e '.[bench]'
+	touch $(BENCH_STAMP)
+
+bench: $(BENCH_STAMP)
+	$(BIN)/python bench/run.py
+	if [ -f bench/bench_bank.py ]; then $(BIN)/python bench/bench_bank.py; fi
+
+bench-quick: $(BENCH_STAMP)
+	$(BIN)/python bench/run.py --quick
+	if [ -f bench/bench_bank.py ]; then $(BIN)/python bench/bench_bank.py --quick; fi
 
 protos: $(STAMP)
 	$(BIN)/python -m grpc_tools.protoc -I protos \

@@ -152,12 +152,16 @@ def _writer_proc(path: str, ready, start, stop, results) -> None:
     results.put(("writer", commits))
 
 
-def aggregate(path: Path, keys: list[bytes], readers: int, seconds: float) -> tuple[float, int, int]:
+def aggregate(
+    path: Path, keys: list[bytes], readers: int, seconds: float
+) -> tuple[float, int, int]:
     """Lookups/s summed over `readers` processes while a writer commits; (rate, commits, misses)."""
     ctx = mp.get_context("spawn")
     ready, start, stop, results = ctx.Queue(), ctx.Event(), ctx.Event(), ctx.Queue()
     common = (ready, start, stop, results)
-    procs = [ctx.Process(target=_reader_proc, args=(str(path), keys, *common)) for _ in range(readers)]
+    procs = [
+        ctx.Process(target=_reader_proc, args=(str(path), keys, *common)) for _ in range(readers)
+    ]
     procs.append(ctx.Process(target=_writer_proc, args=(str(path), *common)))
     for p in procs:
         p.start()

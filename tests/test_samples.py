@@ -17,7 +17,8 @@ NAMES = sorted(samples.SAMPLES)
 
 
 def _feeds(model: onnx.ModelProto, batch: int = 1, seed: int = 0) -> dict[str, np.ndarray]:
-    """Random float32 inputs for the model's real (non-initializer) graph inputs."""
+    """Random inputs for the model's real (non-initializer) graph inputs: float32 normals,
+    and token ids below 100 for int64 inputs (every sample's vocabulary is larger)."""
     rng = np.random.default_rng(seed)
     inits = {t.name for t in model.graph.initializer}
     feeds = {}
@@ -27,7 +28,10 @@ def _feeds(model: onnx.ModelProto, batch: int = 1, seed: int = 0) -> dict[str, n
         dims = [
             d.dim_value if d.HasField("dim_value") else batch for d in vi.type.tensor_type.shape.dim
         ]
-        feeds[vi.name] = rng.standard_normal(dims).astype(np.float32)
+        if vi.type.tensor_type.elem_type == onnx.TensorProto.INT64:
+            feeds[vi.name] = rng.integers(0, 100, size=dims).astype(np.int64)
+        else:
+            feeds[vi.name] = rng.standard_normal(dims).astype(np.float32)
     return feeds
 
 

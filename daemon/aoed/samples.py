@@ -12,6 +12,14 @@ protobufs. The samples cover the shapes of graph the tuner meets in practice:
   the graph inputs, as older exporters did.
 * ``legacy_cnn``: an opset 11 / IR 6 conv net whose first conv weight is
   computed by nodes, so constant folding has something to do.
+* ``outlier_mlp``: an MLP whose activations defeat per-tensor int8 quantization.
+
+Larger, realistic models for benchmarks:
+
+* ``resnet``: a ResNet-18-style CNN (basic blocks, BN, 1x1 downsample convs) at
+  224x224.
+* ``bert``: a BERT-style post-norm encoder over int64 token ids, sequence 128.
+* ``gpt``: a GPT-style pre-norm decoder block stack with a constant causal mask.
 
 Usage from the command line::
 
@@ -34,13 +42,16 @@ from onnx import TensorProto, helper, numpy_helper
 
 __all__ = [
     "SAMPLES",
+    "bert",
     "build",
     "cnn",
+    "gpt",
     "legacy_cnn",
     "legacy_mlp",
     "main",
     "mlp",
     "outlier_mlp",
+    "resnet",
     "save",
     "transformer",
 ]
@@ -473,6 +484,234 @@ def outlier_mlp(features: int = 128, hidden: int = 512, classes: int = 16, outli
     )
 
 
+def _basic_block(g: _GraphBuilder, x: str, prefix: str, c_in: int, c_out: int, stride: int) -> str:
+    """ResNet basic block: 3x3-BN-Relu-3x3-BN + (identity or 1x1 stride-s conv + BN), Relu."""
+    y = _conv(g, x, f"{prefix}/conv1", c_in, c_out, 3, stride=stride)
+    y = _batch_norm(g, y, f"{prefix}/bn1", c_out)
+    y = g.node("Relu", [y], f"{prefix}/relu1")
+    y = _conv(g, y, f"{prefix}/conv2", c_out, c_out, 3)
+    # A small last-BN gamma keeps the residual stream from growing block after block.
+    y = _batch_norm(g, y, f"{prefix}/bn2", c_out, gamma=(0.2, 0.4))
+    skip = x
+    if stride != 1 or c_in != c_out:
+        skip = _conv(g, x, f"{prefix}/downsample/conv", c_in, c_out, 1, stride=stride)
+        skip = _batch_norm(g, skip, f"{prefix}/downsample/bn", c_out)
+    y = g.node("Add", [y, skip], f"{prefix}/add")
+    return g.node("Relu", [y], f"{prefix}/relu2")
+
+
+def resnet(
+    batch: int = 1,
+    size: int = 224,
+    width: int = 64,
+    stages: Sequence[int] = (2, 2, 2, 2),
+    classes: int = 1000,
+) -> onnx.ModelProto:
+    """A ResNet-18-style image classifier (basic blocks) at ``size`` x ``size``.
+
+    Stem Conv7x7/2-BN-Relu and MaxPool3x3/2, then four stages of ``stages[i]`` basic
+    blocks with widths ``width * (1, 2, 4, 8)``; the first block of stages 2-4 halves
+    the resolution and projects its skip with a 1x1 stride-2 conv + BN. Head:
+    GlobalAveragePool, Flatten, Gemm. The defaults are ResNet-18's own layout (about
+    1.8 GFLOPs at 224x224).
+    Input ``image`` is float32 [batch, 3, size, size]; output ``logits`` is
+    [batch, classes].
+    """
+    _positive(batch=batch, size=size, width=width, classes=classes, stages=len(stages))
+    g = _GraphBuilder(seed=6006)
+    x = g.claim_input("image")
+    x = _conv(g, x, "stem/conv", 3, width, 7, stride=2)
+    x = _batch_norm(g, x, "stem/bn", width)
+    x = g.node("Relu", [x], "stem/relu")
+    x = g.node(
+        "MaxPool", [x], "stem/maxpool", kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1]
+    )
+    c_in = width
+    for s, blocks in enumerate(stages):
+        _positive(blocks=blocks)
+        c_out = width * 2**s
+        for b in range(blocks):
+            stride = 2 if s > 0 and b == 0 else 1
+            x = _basic_block(g, x, f"layer{s + 1}/block{b + 1}", c_in, c_out, stride)
+            c_in = c_out
+    x = g.node("GlobalAveragePool", [x], "head/pool")
+    x = g.node("Flatten", [x], "head/flatten", axis=1)
+    w = g.normal("head/fc.weight", [classes, c_in], math.sqrt(1.0 / c_in))
+    b = g.normal("head/fc.bias", [classes], 0.01)
+    g.node("Gemm", [x, w, b], "head/fc", output="logits", transB=1)
+    return g.model(
+        "resnet",
+        [helper.make_tensor_value_info("image", TensorProto.FLOAT, [batch, 3, size, size])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [batch, classes])],
+        doc=f"ResNet-style CNN, width {width}, stages {list(stages)}, {size}x{size} input",
+    )
+
+
+def _token_embedding(
+    g: _GraphBuilder, ids: str, prefix: str, vocab: int, seq: int, hidden: int
+) -> str:
+    """Gather over a token table plus a learned position table for positions 0..seq-1."""
+    table = g.normal(f"{prefix}/word_embeddings.weight", [vocab, hidden], 0.5)
+    x = g.node("Gather", [table, ids], f"{prefix}/word_embeddings/Gather", axis=0)
+    pos = g.normal(f"{prefix}/position_embeddings.weight", [1, seq, hidden], 0.2)
+    return g.node("Add", [x, pos], f"{prefix}/position_embeddings/Add")
+
+
+def _gelu_erf(g: _GraphBuilder, x: str, prefix: str) -> str:
+    """Exact Gelu as exporters write it: ``x * 0.5 * (1 + Erf(x / sqrt(2)))``."""
+    sqrt2 = g.scalar(f"{prefix}/sqrt2", math.sqrt(2.0))
+    one = g.scalar(f"{prefix}/one", 1.0)
+    half = g.scalar(f"{prefix}/half", 0.5)
+    e = g.node("Div", [x, sqrt2], f"{prefix}/Div")
+    e = g.node("Erf", [e], f"{prefix}/Erf")
+    e = g.node("Add", [e, one], f"{prefix}/Add")
+    e = g.node("Mul", [x, e], f"{prefix}/Mul")
+    return g.node("Mul", [e, half], f"{prefix}/Mul_half")
+
+
+def _self_attention(
+    g: _GraphBuilder,
+    x: str,
+    prefix: str,
+    *,
+    batch: int,
+    seq: int,
+    hidden: int,
+    heads: int,
+    mask: str | None = None,
+    out_std: float | None = None,
+) -> str:
+    """Multi-head self-attention; ``mask`` is an additive [1, 1, seq, seq] constant."""
+    head_dim = hidden // heads
+    split = g.shape(f"{prefix}/split_heads_shape", [batch, seq, heads, head_dim])
+    merge = g.shape(f"{prefix}/merge_heads_shape", [batch, seq, hidden])
+
+    def heads_of(name: str, perm: list[int]) -> str:
+        y = _linear(g, x, f"{prefix}/{name}", hidden, hidden)
+        y = g.node("Reshape", [y, split], f"{prefix}/{name}/Reshape")
+        return g.node("Transpose", [y], f"{prefix}/{name}/Transpose", perm=perm)
+
+    q = heads_of("q", [0, 2, 1, 3])
+    k_t = heads_of("k", [0, 2, 3, 1])
+    v = heads_of("v", [0, 2, 1, 3])
+    scores = g.node("MatMul", [q, k_t], f"{prefix}/scores/MatMul")
+    scale = g.scalar(f"{prefix}/scale", 1.0 / math.sqrt(head_dim))
+    scores = g.node("Mul", [scores, scale], f"{prefix}/scores/Mul")
+    if mask is not None:
+        scores = g.node("Add", [scores, mask], f"{prefix}/scores/mask/Add")
+    probs = g.node("Softmax", [scores], f"{prefix}/Softmax", axis=-1)
+    ctx = g.node("MatMul", [probs, v], f"{prefix}/context/MatMul")
+    ctx = g.node("Transpose", [ctx], f"{prefix}/context/Transpose", perm=[0, 2, 1, 3])
+    ctx = g.node("Reshape", [ctx, merge], f"{prefix}/context/Reshape")
+    if out_std is None:
+        return _linear(g, ctx, f"{prefix}/out", hidden, hidden)
+    w = g.normal(f"{prefix}/out.weight", [hidden, hidden], out_std)
+    b = g.normal(f"{prefix}/out.bias", [hidden], 0.01)
+    y = g.node("MatMul", [ctx, w], f"{prefix}/out/MatMul")
+    return g.node("Add", [y, b], f"{prefix}/out/Add")
+
+
+def _check_text_model(
+    batch: int, seq: int, hidden: int, heads: int, ffn: int, layers: int, vocab: int
+) -> None:
+    _positive(batch=batch, seq=seq, hidden=hidden, heads=heads, ffn=ffn, layers=layers, vocab=vocab)
+    if hidden % heads:
+        raise ValueError(f"hidden ({hidden}) must be divisible by heads ({heads})")
+
+
+def bert(
+    batch: int = 1,
+    seq: int = 128,
+    hidden: int = 256,
+    heads: int = 4,
+    ffn: int = 1024,
+    layers: int = 4,
+    vocab: int = 8192,
+) -> onnx.ModelProto:
+    """A BERT-style post-norm encoder over token ids.
+
+    Token Gather + position embedding + LayerNormalization, then ``layers`` encoder
+    layers (self-attention, residual Add, LayerNormalization, FFN with Erf Gelu,
+    residual Add, LayerNormalization). Input ``input_ids`` is int64 [batch, seq]
+    (values below ``vocab``); output ``last_hidden_state`` is float32
+    [batch, seq, hidden].
+    """
+    _check_text_model(batch, seq, hidden, heads, ffn, layers, vocab)
+    g = _GraphBuilder(seed=7007)
+    ids = g.claim_input("input_ids")
+    x = _token_embedding(g, ids, "embeddings", vocab, seq, hidden)
+    x = _layer_norm(g, x, "embeddings/norm", hidden, None)
+    for i in range(layers):
+        p = f"layer{i}"
+        last = i == layers - 1
+        a = _self_attention(g, x, f"{p}/attn", batch=batch, seq=seq, hidden=hidden, heads=heads)
+        h = g.node("Add", [a, x], f"{p}/attn/residual/Add")
+        h = _layer_norm(g, h, f"{p}/attn/norm", hidden, None)
+        f = _linear(g, h, f"{p}/ffn/fc1", hidden, ffn)
+        f = _gelu_erf(g, f, f"{p}/ffn/gelu")
+        f = _linear(g, f, f"{p}/ffn/fc2", ffn, hidden)
+        y = g.node("Add", [f, h], f"{p}/ffn/residual/Add")
+        x = _layer_norm(g, y, f"{p}/ffn/norm", hidden, "last_hidden_state" if last else None)
+    shape = [batch, seq, hidden]
+    return g.model(
+        "bert",
+        [helper.make_tensor_value_info("input_ids", TensorProto.INT64, [batch, seq])],
+        [helper.make_tensor_value_info("last_hidden_state", TensorProto.FLOAT, shape)],
+        doc=f"BERT-style encoder, {layers} layers, hidden {hidden}, {heads} heads, "
+        f"ffn {ffn}, seq {seq}",
+    )
+
+
+def gpt(
+    batch: int = 1,
+    seq: int = 128,
+    hidden: int = 256,
+    heads: int = 4,
+    ffn: int = 1024,
+    layers: int = 4,
+    vocab: int = 8192,
+) -> onnx.ModelProto:
+    """A GPT-style pre-norm decoder block stack with a causal mask.
+
+    Token Gather + position embedding, then ``layers`` blocks of
+    ``x + attn(LN(x))`` and ``x + mlp(LN(x))`` (Erf Gelu); the causal mask is a
+    constant additive [1, 1, seq, seq] tensor (0 on and below the diagonal, -1e4
+    above), and residual projections are scaled by 1/sqrt(2 * layers) as GPT-2 does.
+    A final LayerNormalization gives output ``hidden_states``, float32
+    [batch, seq, hidden], from input ``input_ids``, int64 [batch, seq].
+    """
+    _check_text_model(batch, seq, hidden, heads, ffn, layers, vocab)
+    g = _GraphBuilder(seed=8008)
+    ids = g.claim_input("input_ids")
+    x = _token_embedding(g, ids, "wte", vocab, seq, hidden)
+    causal = np.triu(np.full((seq, seq), -1e4, dtype=np.float32), k=1)[None, None]
+    mask = g.const("attn/causal_mask", causal)
+    proj_scale = 1.0 / math.sqrt(2 * layers)
+    for i in range(layers):
+        p = f"h{i}"
+        a = _layer_norm(g, x, f"{p}/ln_1", hidden, None)
+        a = _self_attention(
+            g, a, f"{p}/attn", batch=batch, seq=seq, hidden=hidden, heads=heads, mask=mask,
+            out_std=proj_scale * math.sqrt(1.0 / hidden),
+        )
+        x = g.node("Add", [x, a], f"{p}/attn/residual/Add")
+        m = _layer_norm(g, x, f"{p}/ln_2", hidden, None)
+        m = _linear(g, m, f"{p}/mlp/fc", hidden, ffn)
+        m = _gelu_erf(g, m, f"{p}/mlp/gelu")
+        w = g.normal(f"{p}/mlp/proj.weight", [ffn, hidden], proj_scale * math.sqrt(1.0 / ffn))
+        b = g.normal(f"{p}/mlp/proj.bias", [hidden], 0.01)
+        m = g.node("MatMul", [m, w], f"{p}/mlp/proj/MatMul")
+        m = g.node("Add", [m, b], f"{p}/mlp/proj/Add")
+        x = g.node("Add", [x, m], f"{p}/mlp/residual/Add")
+    _layer_norm(g, x, "ln_f", hidden, "hidden_states")
+    return g.model(
+        "gpt",
+        [helper.make_tensor_value_info("input_ids", TensorProto.INT64, [batch, seq])],
+        [helper.make_tensor_value_info("hidden_states", TensorProto.FLOAT, [batch, seq, hidden])],
+        doc=f"GPT-style decoder stack, {layers} blocks, hidden {hidden}, {heads} heads, seq {seq}",
+    )
+
+
 SAMPLES: dict[str, Callable[..., onnx.ModelProto]] = {
     "mlp": mlp,
     "cnn": cnn,
@@ -480,6 +719,9 @@ SAMPLES: dict[str, Callable[..., onnx.ModelProto]] = {
     "legacy_mlp": legacy_mlp,
     "legacy_cnn": legacy_cnn,
     "outlier_mlp": outlier_mlp,
+    "resnet": resnet,
+    "bert": bert,
+    "gpt": gpt,
 }
 
 
