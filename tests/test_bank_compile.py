@@ -13,7 +13,7 @@ import pytest
 import aoe
 from aoe._session import METADATA_KEY
 from aoe.bank import CUSTOM, apply_bank, open_bank
-from aoe.signature import canonical_json
+from aoe.signature import bank_key, canonical_json
 from aoed.bank._codec import Measured
 from aoed.engine.assemble import compile_model, model_signature, tunable_tasks
 from aoed.engine.prep import make_inputs, prepare
@@ -45,16 +45,15 @@ def test_compile_reproduces_the_tuning_run(models: Path, tmp_path: Path) -> None
 
     # Every task and the session options came from the bank; nothing was measured.
     assert report["misses"] == 0 and report["hits"] == len(doc["tasks"]) + 1
-    assert {t["status"] for t in report["tasks"]} <= {"hit", "default"}
+    assert {t["status"] for t in report["tasks"]} <= {"hit", "default", "reverted"}
     assert all(t["layer"] == CUSTOM for t in report["tasks"])
-    chosen = {t["task_id"]: t["strategy"] for t in doc["tasks"]}
+    # A task the run reverted in context is remembered as such and left unchanged.
+    chosen = {t["task_id"]: t["strategy"] if t["applied"] else "default" for t in doc["tasks"]}
     got = {t["task_id"]: t["strategy"] for t in report["tasks"] if t["task_id"] != "session"}
     assert got == chosen
     assert _meta(compiled).keys() == _meta(tuned).keys()
     assert _meta(compiled)["aoe.device"] == _meta(tuned)["aoe.device"]
-    # The bank holds per-task winners; a task the run reverted in context (applied: false)
-    # keeps its entry, so only a run that kept every choice has the compiled graph.
-    if doc["verification"] == "tuned" and all(t["applied"] for t in doc["tasks"]):
+    if doc["verification"] == "tuned":
         assert compiled.graph == tuned.graph
         assert report["session_options"] == doc["session_options"]
         assert _meta(compiled)[METADATA_KEY] == _meta(tuned)[METADATA_KEY]
@@ -113,3 +112,40 @@ def test_compile_against_an_empty_bank_changes_nothing(models: Path, tmp_path: P
     assert all("no entry for signature" in t.reason for t in asm.tasks)
     prep = prepare(src, tmp_path / "prep")
     assert onnx.load(str(out)).graph == prep.model.graph
+
+
+@pytest.mark.slow
+def test_a_reversal_in_context_is_remembered(models: Path, tmp_path: Path) -> None:
+    """A model-level record naming a task as reverted in context keeps both `aoe compile`
+    and a bank-hit `aoe tune` from applying that task's (otherwise valid) entry."""
+    src = models / "mlp.onnx"
+    prep = prepare(src, tmp_path / "prep")
+    first, second, *rest = tunable_tasks(prep, "exact")
+    records = [
+        rec(sig=first.signature, strategy="fused_gemm", family=first.family),
+        rec(sig=second.signature, strategy="gemm_pretransposed", family=second.family),
+        rec(sig=model_signature(prep.model), strategy=canonical_json({}), family="session",
+            params={"reverted": first.signature.digest}),
+    ]
+    here_digest = records[0].device.digest
+    known = [(bank_key(t.signature.digest, here_digest, "exact"), {"default_us": 1.0}) for t in rest]
+    bank = make_bank(tmp_path / "bank", records, defaults=known)
+    out = tmp_path / "compiled.onnx"
+    with open_bank(bank, use_env=False) as reader:
+        asm = compile_model(src, out, reader)
+    by_id = {t.task_id: t for t in asm.tasks}
+    assert by_id[first.id].status == "reverted" and by_id[first.id].strategy == "default"
+    assert by_id[second.id].status == "hit"
+    names = [n.name for n in onnx.load(str(out)).graph.node]
+    assert not any(n.startswith(f"aoe/{first.id}/") for n in names)
+    assert any(n.startswith(f"aoe/{second.id}/") for n in names)
+
+    r = run_aoe("tune", str(src), "--bank", str(bank), "--output", str(tmp_path / "o"), *FAST)
+    assert r.returncode == 0, r.stderr
+    [result] = (tmp_path / "o").glob("aoe_result_opat_*.json")
+    doc = json.loads(result.read_text())
+    tasks = {t["task_id"]: t for t in doc["tasks"]}
+    assert doc["device"]["trials"] == 0
+    assert tasks[first.id]["applied"] is False and "reverted in context" in tasks[first.id]["error"]
+    tuned_names = [n.name for n in onnx.load(doc["tuned_model"]).graph.node]
+    assert not any(n.startswith(f"aoe/{first.id}/") for n in tuned_names)

@@ -58,7 +58,7 @@ class TaskOutcome:
     op_name: str
     op_type: str
     instances: int
-    status: str  # hit | default | miss | ignored
+    status: str  # hit | default | miss | ignored | reverted
     strategy: str = strategies.DEFAULT
     layer: str = ""
     reason: str = ""
@@ -78,7 +78,7 @@ class Assembly:
     @property
     def hits(self) -> int:
         """Tasks (and session options) the bank answered, with a strategy or the default."""
-        return sum(t.status in ("hit", "default") for t in (*self.tasks, self.session))
+        return sum(t.status in ("hit", "default", "reverted") for t in (*self.tasks, self.session))
 
     @property
     def misses(self) -> int:
@@ -188,6 +188,26 @@ def assemble(
     measurement, no writes. `ranges`: calibrated activation ranges (lossy policies)."""
     digest = reader.device.digest
     consts = constant_values(prep.model.graph)
+
+    # The model-level record first: its session options, and the tasks a verification
+    # of this model reverted in context (the tuner left them unchanged; so do we).
+    sig = model_signature(prep.model)
+    key = bank_key(sig.digest, digest, precision)
+    session, entry = _outcome(reader, key, TaskOutcome("session", "", "SessionOptions", 1, "miss", key=key.decode()), digest)
+    options: dict[str, Any] = {}
+    reverted: set[str] = set()
+    if entry is not None:
+        reverted = {d for d in entry.strategy.params.get("reverted", "").split(",") if d}
+        try:
+            options = json.loads(entry.strategy.name)
+            if not isinstance(options, dict):
+                raise ValueError("not an object")
+        except ValueError as exc:
+            session.status, session.reason, options = "ignored", f"unreadable session options ({exc})", {}
+    elif session.status == "default":
+        doc, _layer = reader.lookup_default(key)
+        reverted = set((doc or {}).get("reverted", []))
+
     tasks = tunable_tasks(prep, precision)
     outcomes: list[TaskOutcome] = []
     rewrites: dict[tuple[str, ...], Rewrite] = {}
@@ -195,7 +215,10 @@ def assemble(
         key = bank_key(t.signature.digest, digest, precision)
         base = TaskOutcome(t.id, t.node_names[0], t.op_type, 1 + len(t.twins), "miss", key=key.decode())
         out, entry = _outcome(reader, key, base, digest)
-        if entry is not None:
+        if entry is not None and t.signature.digest in reverted:
+            out.status, out.strategy = "reverted", strategies.DEFAULT
+            out.reason = "reverted in this model's context by the tuning run's verification"
+        elif entry is not None:
             try:
                 rewrites.update(task_rewrites(prep, consts, t, entry.strategy.name, ranges))
             except (KeyError, AoedError) as exc:
@@ -203,18 +226,6 @@ def assemble(
                 out.strategy = strategies.DEFAULT
         outcomes.append(out)
     model = apply_rewrites(prep.model, rewrites)
-
-    sig = model_signature(prep.model)
-    key = bank_key(sig.digest, digest, precision)
-    session, entry = _outcome(reader, key, TaskOutcome("session", "", "SessionOptions", 1, "miss", key=key.decode()), digest)
-    options: dict[str, Any] = {}
-    if entry is not None:
-        try:
-            options = json.loads(entry.strategy.name)
-            if not isinstance(options, dict):
-                raise ValueError("not an object")
-        except ValueError as exc:
-            session.status, session.reason, options = "ignored", f"unreadable session options ({exc})", {}
     return Assembly(model, options, outcomes, session, list(prep.notes))
 
 

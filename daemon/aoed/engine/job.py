@@ -10,6 +10,7 @@ AOE's bank semantics (see `_decide`). The supervisor never measures or compiles 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -48,6 +49,8 @@ __all__ = ["JobEvent", "JobOptions", "JobResult", "TaskResult", "run_job"]
 
 #: A gain below this fraction is never called a gain, whatever the measured spread.
 MIN_GAIN = 0.02
+#: How a task result's error starts when verification reverted it in the model's context.
+REVERTED = "reverted in context"
 
 # Model-wide session options searched one dimension at a time (coordinate descent),
 # each value measured in context on the assembled model.
@@ -166,6 +169,7 @@ class _Job:
         # (seconds since the job started, estimated model gain in us) after each task
         # decision: how fast the tuning converges.
         self.timeline: list[tuple[float, float]] = []
+        self.model_write: BankRecord | dict[str, Any] | None = None
         self._gain_us = 0.0
         self.t_start = time.monotonic()
 
@@ -269,6 +273,7 @@ class _Job:
             self.emit(JobEvent("stage", "calibrating"))
             self.ranges = await trio.to_thread.run_sync(activation_ranges, self.prep, self.samples.calibrate)
 
+        await self.load_context()
         # Bank lookups first: what the bank answers costs no measurement.
         results: dict[str, TaskResult] = {}
         chosen: dict[str, str] = {}
@@ -295,6 +300,10 @@ class _Job:
                 r.before_us, r.after_us = rec.baseline.median_us, rec.winner.median_us
                 r.accuracy = {"max_abs_error": rec.max_abs_error, "max_rel_error": rec.max_rel_error, "cosine": rec.cosine}
                 chosen[t.id] = rec.strategy
+                if t.signature.digest in self.context_reverted:
+                    chosen[t.id] = strategies.DEFAULT
+                    r.applied = False
+                    r.error = f"{REVERTED} (a verification of this model, remembered in the bank)"
                 if rec.precision != "exact":
                     self.lossy_cost[t.id] = (
                         (rec.baseline.median_us - rec.winner.median_us) * r.instances, 1.0 - rec.cosine
@@ -355,6 +364,7 @@ class _Job:
             tasks, chosen, results, rewritten, rewritten_path, session_opts,
             from_bank=not to_tune and session_mode == "hit",
         )
+        await self.remember_context(tasks, results)
         if verified != "tuned":
             for r in results.values():
                 if r.strategy != strategies.DEFAULT and r.applied:
@@ -586,9 +596,8 @@ class _Job:
     async def tune_session(self, model_path: Path) -> tuple[dict[str, Any], str]:
         """Choose model-wide session options in context; returns (options, update mode)."""
         sig = model_signature(self.prep.model)
-        key = self.key(sig)
-        rec, _layer = await self.bank.lookup_layered(key)
-        known_default, _ = (None, "") if rec else await self.bank.known_default_layered(key)
+        key = self.model_key
+        rec, known_default = self.model_rec, self.model_default
         if rec is not None and not self.opts.repeat_tune:
             return json.loads(rec.strategy), "hit"
         if known_default is not None and not self.opts.repeat_tune:
@@ -617,17 +626,47 @@ class _Job:
         assert base_res is not None and cur_res is not None
         # Gains compound across dimensions; only keep them if they beat the start.
         strategy = canonical_json(current)
+        # Written after verification, together with what it reverted in context.
         if rec is None:
             if current:
-                r = self.record(sig, "session", strategy, cur_res, base_res)
-                await self.bank.write(BankWrite(entries=(r,)))
+                self.model_write = self.record(sig, "session", strategy, cur_res, base_res)
                 return current, "add"
-            await self.bank.write(BankWrite(defaults=((key, {"default_us": base_res["median_us"]}),)))
+            self.model_write = {"default_us": base_res["median_us"]}
             return {}, "unsatisfied"
         if strategy != rec.strategy and current:
-            await self.bank.write(BankWrite(entries=(self.record(sig, "session", strategy, cur_res, base_res),)))
+            self.model_write = self.record(sig, "session", strategy, cur_res, base_res)
             return current, "update"
         return json.loads(rec.strategy), "reserved"
+
+    async def load_context(self) -> None:
+        """What the bank remembers of this model as a whole: its session-options entry
+        (or "defaults stay best" record) and the tasks a verification reverted in this
+        model's context, which a bank-hit run then leaves unchanged."""
+        self.model_key = self.key(model_signature(self.prep.model))
+        self.model_rec, _ = await self.bank.lookup_layered(self.model_key)
+        self.model_default = None
+        if self.model_rec is None:
+            self.model_default, _ = await self.bank.known_default_layered(self.model_key)
+        self.context_reverted = set() if self.opts.repeat_tune else stored_reverted(self.model_rec, self.model_default)
+
+    async def remember_context(self, tasks: list[Task], results: dict[str, TaskResult]) -> None:
+        """Store the model-level record with the set of tasks reverted in context."""
+        by_id = {t.id: t for t in tasks}
+        reverted = sorted(
+            by_id[tid].signature.digest for tid, r in results.items() if r.error.startswith(REVERTED)
+        )
+        write = self.model_write
+        if write is None:  # nothing newly measured: rewrite only if the set changed
+            if reverted == sorted(stored_reverted(self.model_rec, self.model_default)):
+                return
+            write = self.model_rec if self.model_rec is not None else dict(self.model_default or {})
+        if isinstance(write, BankRecord):
+            params = {k: v for k, v in write.params.items() if k != "reverted"}
+            if reverted:
+                params["reverted"] = ",".join(reverted)
+            await self.bank.write(BankWrite(entries=(dataclasses.replace(write, params=params),)))
+        else:
+            await self.bank.write(BankWrite(defaults=((self.model_key, {**write, "reverted": reverted}),)))
 
     def _revert_target(self, tid: str, current: str) -> str:
         fallback = self.fallback.get(tid, strategies.DEFAULT)
@@ -696,7 +735,7 @@ class _Job:
             r = results[tid]
             r.applied = False
             r.error = (
-                f"reverted in context: model {measured[pick]['median_us']:.1f} us without {chosen[tid]}, "
+                f"{REVERTED}: model {measured[pick]['median_us']:.1f} us without {chosen[tid]}, "
                 f"{fin['median_us']:.1f} us with it"
             )
             chosen.update(variants[pick])
@@ -727,6 +766,13 @@ class _Job:
         tuned_metadata(tuned, options, self.opts.precision, self.fp.digest)
         await trio.to_thread.run_sync(onnx.save, tuned, str(path))
         return path
+
+
+def stored_reverted(rec: BankRecord | None, default: dict[str, Any] | None) -> set[str]:
+    """Signature digests a model-level bank record says were reverted in context."""
+    if rec is not None:
+        return {d for d in rec.params.get("reverted", "").split(",") if d}
+    return set((default or {}).get("reverted", []))
 
 
 def paired_ratio(a: dict, b: dict) -> tuple[float, float, float]:
