@@ -5,6 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 BENCH_STAMP := $(VENV)/.bench-stamp
 SAMPLE ?= cnn
+PRECISION ?= exact
 OUT    ?= out
 
 .PHONY: run test protos bench bench-quick clean
@@ -18,7 +19,7 @@ $(STAMP): pyproject.toml
 # Tune a sample model embedded (no daemon) and print baseline, tuned and where outputs are.
 run: $(STAMP)
 	$(BIN)/python -m aoed.samples $(SAMPLE) -o $(OUT)/models
-	$(BIN)/aoe tune $(OUT)/models/$(SAMPLE).onnx --output $(OUT)
+	$(BIN)/aoe tune $(OUT)/models/$(SAMPLE).onnx --precision $(PRECISION) --output $(OUT)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
