@@ -108,10 +108,9 @@ def parse_key(key: str | bytes) -> tuple[int, str, str, str]:
     return int(parts[0][1:]), parts[1], parts[2], parts[3]
 
 
-def check_schema(path: Path, raw: bytes | None) -> int:
-    """The schema version stored in a bank's meta db; BankError unless it is ours."""
-    if raw is None:
-        raise BankError(f"bank {path}: no schema version recorded; not a bank written by aoed")
+def parse_schema(path: Path, raw: bytes) -> int:
+    """The schema version in a bank's meta db; BankError when unreadable or newer than
+    this code understands (readers and the writer share this check)."""
     try:
         version = int(raw)
     except ValueError:
@@ -119,8 +118,16 @@ def check_schema(path: Path, raw: bytes | None) -> int:
     if version > SCHEMA_VERSION:
         raise BankError(
             f"bank {path}: schema version {version} is newer than this aoe understands "
-            f"({SCHEMA_VERSION}); upgrade aoe/aoed or use another bank"
+            f"({SCHEMA_VERSION}); upgrade aoed (which brings aoe) or use another bank"
         )
+    return version
+
+
+def check_schema(path: Path, raw: bytes | None) -> int:
+    """The schema version stored in a bank's meta db; BankError unless it is ours."""
+    if raw is None:
+        raise BankError(f"bank {path}: no schema version recorded; not a bank written by aoed")
+    version = parse_schema(path, raw)
     if version < SCHEMA_VERSION:
         raise BankError(
             f"bank {path}: schema version {version} is older than this aoe's ({SCHEMA_VERSION}); "

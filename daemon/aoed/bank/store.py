@@ -28,7 +28,7 @@ from typing import Any
 
 import lmdb
 
-from aoe.bank import MAX_DBS, READER_MAP, default_bank_path, used_bytes
+from aoe.bank import MAX_DBS, READER_MAP, default_bank_path, parse_schema, used_bytes
 from aoe.errors import BankError
 from aoe.signature import SCHEMA_VERSION
 
@@ -102,15 +102,7 @@ class BankStore:
                     raise BankError(f"bank {self.path}: holds data but no schema version; not a bank aoed wrote")
                 txn.put(b"schema_version", str(SCHEMA_VERSION).encode())
                 return
-            try:
-                version = int(raw)
-            except ValueError:
-                raise BankError(f"bank {self.path}: unreadable schema version {raw!r}") from None
-            if version > SCHEMA_VERSION:
-                raise BankError(
-                    f"bank {self.path}: schema version {version} is newer than this aoed "
-                    f"understands ({SCHEMA_VERSION}); upgrade aoed or use another bank"
-                )
+            version = parse_schema(self.path, raw)
             dbs = {"meta": self._meta, "entries": self._entries, "defaults": self._defaults, "history": self._history}
             while version < SCHEMA_VERSION:
                 step = _MIGRATIONS.get(version)
