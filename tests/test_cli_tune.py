@@ -207,6 +207,7 @@ def test_read_only_layer_answers_under_an_empty_custom_bank(models: Path, tmp_pa
     team = tmp_path / "team"
     first = run_aoe("tune", str(models / "mlp.onnx"), "--bank", str(team), "--output", str(tmp_path / "o1"), *FAST)
     assert first.returncode == 0, first.stderr
+    team_data = (team / "data.mdb").read_bytes()
     mine = tmp_path / "mine"
     second = run_aoe("tune", str(models / "mlp.onnx"), "--bank", str(mine), "--bank-layer", str(team),
                      "--output", str(tmp_path / "o2"), *FAST)
@@ -214,4 +215,4 @@ def test_read_only_layer_answers_under_an_empty_custom_bank(models: Path, tmp_pa
     doc = _result(tmp_path / "o2")
     assert doc["device"]["trials"] == 0
     assert all(t["update_mode"] == "hit" and str(team) in t["bank_layer"] for t in doc["tasks"])
-    assert _bank_entries(mine) == 0  # a read-only layer is never written
+    assert (team / "data.mdb").read_bytes() == team_data  # a read-only layer is never written
