@@ -28,11 +28,11 @@ from typing import Any
 
 import lmdb
 
-from aoe.bank import MAX_DBS, READER_MAP, default_bank_path, parse_schema, used_bytes
+from aoe.bank import CUSTOM, MAX_DBS, READER_MAP, LayerStats, default_bank_path, parse_schema, used_bytes
 from aoe.errors import BankError
 from aoe.signature import SCHEMA_VERSION
 
-__all__ = ["BankStats", "BankStore", "MergeCounts", "PruneCounts", "default_bank_path"]
+__all__ = ["BankStore", "MergeCounts", "PruneCounts", "default_bank_path"]
 
 _INITIAL_MAP = 64 << 20
 _MAX_MAP = READER_MAP
@@ -42,17 +42,6 @@ _BATCH = 2000
 #: Schema migrations: version -> function upgrading a write transaction's bank from that
 #: version to the next. Versions absent here are refused with a message.
 _MIGRATIONS: dict[int, Callable[[lmdb.Transaction, dict[str, Any]], None]] = {}
-
-
-@dataclass(frozen=True)
-class BankStats:
-    path: str
-    entries: int
-    defaults: int
-    history: int
-    map_size: int
-    used_bytes: int
-    schema_version: int
 
 
 @dataclass(frozen=True)
@@ -218,23 +207,20 @@ class BankStore:
         after = self.stats() if not dry_run else before
         return PruneCounts(before.history, before.entries, before.used_bytes, after.used_bytes)
 
-    def stats(self) -> BankStats:
+    def stats(self) -> LayerStats:
+        """Counts and sizes of this bank, as the reader reports a layer's."""
         with self.env.begin() as txn:
             dbs = (self._meta, self._entries, self._defaults, self._history)
             counts = [txn.stat(db)["entries"] for db in dbs[1:]]
             used = used_bytes(self.env, txn, dbs)
             raw = txn.get(b"schema_version", db=self._meta)
-        return BankStats(
-            str(self.path), *counts, self.env.info()["map_size"], used, int(raw or SCHEMA_VERSION)
+        return LayerStats(
+            CUSTOM, str(self.path), *counts, self.env.info()["map_size"], used, int(raw or SCHEMA_VERSION)
         )
 
     def counts(self) -> dict[str, int]:
-        with self.env.begin() as txn:
-            return {
-                "entries": txn.stat(self._entries)["entries"],
-                "defaults": txn.stat(self._defaults)["entries"],
-                "history": txn.stat(self._history)["entries"],
-            }
+        st = self.stats()
+        return {"entries": st.entries, "defaults": st.defaults, "history": st.history}
 
     def close(self) -> None:
         self.env.close()

@@ -595,8 +595,7 @@ class _Job:
 
     async def tune_session(self, model_path: Path) -> tuple[dict[str, Any], str]:
         """Choose model-wide session options in context; returns (options, update mode)."""
-        sig = model_signature(self.prep.model)
-        key = self.model_key
+        sig, key = self.model_sig, self.model_key
         rec, known_default = self.model_rec, self.model_default
         if rec is not None and not self.opts.repeat_tune:
             return json.loads(rec.strategy), "hit"
@@ -642,7 +641,8 @@ class _Job:
         """What the bank remembers of this model as a whole: its session-options entry
         (or "defaults stay best" record) and the tasks a verification reverted in this
         model's context, which a bank-hit run then leaves unchanged."""
-        self.model_key = self.key(model_signature(self.prep.model))
+        self.model_sig = model_signature(self.prep.model)
+        self.model_key = self.key(self.model_sig)
         self.model_rec, _ = await self.bank.lookup_layered(self.model_key)
         self.model_default = None
         if self.model_rec is None:
