@@ -1,4 +1,4 @@
-"""Tests for graph preparation (aoed.engine.prep)."""
+"""Tests for graph preparation (aoed.engine.prep, over aoe.graph's normalization)."""
 
 from __future__ import annotations
 
@@ -106,24 +106,37 @@ def test_legacy_mlp_keep_initializer_inputs(tmp_path: Path) -> None:
     assert not any("initializers listed" in n for n in prep.notes)
     # Weights the user may feed are not constants: nothing may bake them into a rewrite.
     assert not inits & prep.ctx.constants
-    from aoed.engine.partition import partition
+    from aoe.partition import partition
 
     assert partition(prep.model, prep.ctx) == []
 
 
-def test_legacy_cnn_conv_weights_are_folded(tmp_path: Path) -> None:
+def test_legacy_cnn_computed_weights_are_constants_and_stay_computed(tmp_path: Path) -> None:
     original = samples.legacy_cnn()
     orig_inits = {t.name for t in original.graph.initializer}
     orig_convs = [n for n in original.graph.node if n.op_type == "Conv"]
-    assert any(n.input[1] not in orig_inits for n in orig_convs)  # something to fold
+    computed = [n.input[1] for n in orig_convs if n.input[1] not in orig_inits]
+    assert computed  # the sample computes a conv weight with nodes
     prep = prepare(_save(tmp_path, "legacy_cnn", original), tmp_path / "work")
-    inits = {t.name for t in prep.model.graph.initializer}
     convs = [n for n in prep.model.graph.node if n.op_type == "Conv"]
     assert len(convs) == len(orig_convs)
+    inits = {t.name for t in prep.model.graph.initializer}
     for conv in convs:
-        assert conv.input[1] in inits, conv.name
-        assert conv.input[1] in prep.ctx.constants
+        # Known constant for partition and signatures, yet not materialised: the prepared
+        # model keeps the nodes that compute it, as the input had them.
+        assert conv.input[1] in prep.ctx.constants, conv.name
+    assert set(computed) <= {n.input[1] for n in convs} and not set(computed) & inits
+    assert {n.op_type for n in prep.model.graph.node} >= {"Reshape", "Mul", "ConstantOfShape"}
     assert any("opset 11" in n for n in prep.notes)
+
+
+def test_input_shape_that_fixes_a_dynamic_dimension_says_so(tmp_path: Path) -> None:
+    src = _save(tmp_path, "mlp_dynamic", samples.mlp(dynamic_batch=True))
+    prep = prepare(src, tmp_path / "work", {"input": (4, 256)})
+    (note,) = [n for n in prep.notes if "--input-shape" in n]
+    assert "'input'" in note and "'batch'" in note and "= 4" in note
+    static = prepare(_save(tmp_path, "mlp"), tmp_path / "work2", {"input": (1, 256)})
+    assert not [n for n in static.notes if "--input-shape" in n]  # nothing was dynamic
 
 
 # --------------------------------------------------------------------------- unreadable files

@@ -16,14 +16,13 @@ Entries are keyed by schema version, signature digest and device digest (see
 `aoe.signature.bank_key`), so an entry measured on another device never answers a
 lookup made for this one; `lookup_explain()` says why a lookup found nothing.
 
-`apply_bank(model, output, bank)` writes the tuned model the bank describes (what
-`aoe compile` does).
+`aoe.compile.apply_bank(model, output, bank)` writes the tuned model the bank describes
+(what `aoe compile` does).
 
 Importing this module pulls in lmdb, protobuf, onnx and numpy only: no trio, no
-onnxruntime, no daemon. `ModelTasks` borrows the tuner's partition code on first use
-(no onnxruntime either); `apply_bank` prepares the model as tuning does, which needs
-onnxruntime. A `BankReader` may be shared by threads, but must not cross a fork: open
-it in the process that uses it.
+onnxruntime, no daemon. `ModelTasks` (from `aoe.partition`) normalizes and splits a
+model as the tuner does, in pure onnx. A `BankReader` may be shared by threads, but must
+not cross a fork: open it in the process that uses it.
 """
 
 from __future__ import annotations
@@ -41,10 +40,10 @@ import onnx
 from google.protobuf import json_format
 
 from aoe.errors import BankError
+from aoe.partition import ModelTasks
 from aoe.signature import (
     SCHEMA_VERSION,
     DeviceFingerprint,
-    ModelContext,
     TaskSignature,
     bank_key,
     device_fingerprint,
@@ -58,7 +57,6 @@ __all__ = [
     "Explanation",
     "LayerStats",
     "ModelTasks",
-    "apply_bank",
     "SeenEntry",
     "default_bank_path",
     "entry_from_json",
@@ -288,56 +286,12 @@ def _fingerprint_diff(a_json: str, b_json: str) -> tuple[str, ...]:
     return tuple(out)
 
 
-class ModelTasks:
-    """The tasks of one model as the tuner forms them, for lookups by node.
-
-    Built once per model: the model's tasks are found by the same partition code the
-    tuner runs (an anchor such as MatMul/Gemm/Conv with a constant weight plus its fused
-    epilogue), and each task's signature is computed then. Signatures match the bank's
-    when the model is the one the tuner prepared (`aoe compile` prepares it for you);
-    shapes are inferred here when the model lacks them.
-    """
-
-    def __init__(self, model: onnx.ModelProto):
-        from aoed.engine.partition import partition  # the one code path that forms tasks
-
-        m = onnx.ModelProto()
-        m.CopyFrom(model)
-        if not m.graph.value_info:
-            m = onnx.shape_inference.infer_shapes(m)
-        # partition refers to nodes by name; unnamed nodes get a name on our copy, and
-        # lookups go by a node's first output, which is unique in any valid graph.
-        seen: set[str] = set()
-        for i, node in enumerate(m.graph.node):
-            if not node.name or node.name in seen:
-                node.name = f"{node.op_type}__aoe{i}"
-            seen.add(node.name)
-        self.ctx = ModelContext(m)
-        by_name = {n.name: n for n in m.graph.node}
-        self._by_output: dict[str, TaskSignature] = {}
-        self.tasks = partition(m, self.ctx)
-        for task in self.tasks:
-            for t in (task, *task.twins):
-                anchor = by_name[t.node_names[0]]
-                if anchor.output:
-                    self._by_output[anchor.output[0]] = task.signature
-
-    def signature(self, node: onnx.NodeProto) -> TaskSignature | None:
-        """The signature of the task `node` anchors; None when it anchors none."""
-        if not node.output:
-            return None
-        return self._by_output.get(node.output[0])
-
-    def __len__(self) -> int:
-        return len(self.tasks)
-
-
 class BankReader:
     """Layered, read-only view of one or more banks; see the module docstring."""
 
     def __init__(self, layers: Sequence[_Layer], device: DeviceFingerprint | None = None):
         self._layers = tuple(layers)
-        self.device = device or device_fingerprint("CPUExecutionProvider")
+        self.device = device or device_fingerprint()
         self._dev32 = self.device.digest[:32]
 
     # ------------------------------------------------------------------ lifecycle
@@ -602,24 +556,3 @@ def open_bank(
             lay.close()
         raise
     return BankReader(opened, device)
-
-
-def apply_bank(
-    model: str | os.PathLike[str],
-    output: str | os.PathLike[str],
-    bank: BankReader,
-    *,
-    input_shapes: dict[str, tuple[int, ...]] | None = None,
-    precision: str = "exact",
-    calibration: str | os.PathLike[str] | None = None,
-):
-    """Write at `output` the tuned model `bank` describes for `model` on this device:
-    prepared as tuning prepares it, every task's banked strategy applied, the banked
-    session options in its metadata. No measurement. Returns the per-task report
-    (`aoed.engine.assemble.Assembly`). Raises ModelError/OptionError/AoedError."""
-    from aoed.engine.assemble import compile_model
-
-    return compile_model(
-        model, output, bank, input_shapes, precision,
-        calibration=Path(calibration) if calibration is not None else None,
-    )  # fmt: skip

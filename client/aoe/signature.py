@@ -36,6 +36,7 @@ __all__ = [
     "TensorInfo",
     "bank_key",
     "canonical_json",
+    "computes_constant",
     "device_fingerprint",
     "task_signature",
 ]
@@ -121,12 +122,30 @@ def _value_info(vi: onnx.ValueInfoProto) -> TensorInfo | None:
     return TensorInfo(_dtype_name(t.elem_type), tuple(dims))
 
 
+#: Standard ops whose outputs differ between runs with the same inputs.
+_RANDOM_OPS = frozenset(
+    {"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Multinomial", "Bernoulli"}
+)
+
+
+def computes_constant(node: onnx.NodeProto, constants: set[str] | frozenset[str]) -> bool:
+    """True when every output of `node` is a function of `constants` alone: a standard,
+    deterministic op without subgraphs whose (non-empty) inputs are all constant."""
+    if node.domain not in ("", "ai.onnx") or node.op_type in _RANDOM_OPS:
+        return False
+    if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute):
+        return False
+    ins = [i for i in node.input if i]
+    return bool(ins) and all(i in constants for i in ins)
+
+
 class ModelContext:
     """What a signature needs to know about a node's surroundings in its model.
 
     Built once per model: static tensor infos (graph inputs, outputs, value_info,
-    initializers, Constant node outputs), the set of constant tensor names and the
-    model's opset imports.
+    initializers, Constant node outputs), the set of constant tensor names (stored, or
+    computed by nodes from constants; see `computes_constant`) and the model's opset
+    imports.
     """
 
     def __init__(self, model: onnx.ModelProto):
@@ -155,6 +174,11 @@ class ModelContext:
                         self.tensors[node.output[0]] = TensorInfo(
                             _dtype_name(a.t.data_type), tuple(a.t.dims)
                         )
+            elif computes_constant(node, self.constants):
+                # A weight a node computes from constants (a Transpose, Reshape, Cast or
+                # DequantizeLinear of an initializer) is as constant as a stored one; the
+                # graph is not folded (see aoe.graph), so this is how tasks see it.
+                self.constants.update(o for o in node.output if o)
 
     def opset(self, domain: str) -> int:
         return self.opsets.get(domain or "", 1)
@@ -333,11 +357,16 @@ def _fingerprint(execution_provider: str, options_json: str) -> DeviceFingerprin
 
 
 def device_fingerprint(
-    execution_provider: str = "CPUExecutionProvider", options: Mapping[str, str] | None = None
+    execution_provider: str | None = None, options: Mapping[str, str] | None = None
 ) -> DeviceFingerprint:
-    """Return the fingerprint of this machine's `execution_provider` (cached per process).
+    """Return the fingerprint of this machine's `execution_provider` (default: the CPU's;
+    cached per process).
 
     `options` are the provider options that change which implementation runs (for CPU:
     none; for CUDA e.g. the device model), so a change to them changes the digest.
     """
+    if execution_provider is None:
+        from aoe.device import CPU  # aoe.device maps device kinds to providers; it imports us
+
+        execution_provider = CPU.provider
     return _fingerprint(execution_provider, canonical_json(dict(options or {})))

@@ -1,0 +1,196 @@
+"""Graph normalization in pure onnx: the preparation task signatures depend on.
+
+The tuner and every compiler that looks tasks up must see the same graph, or the
+signatures they compute differ and no bank entry ever matches. So the one preparation
+both run lives here, in the light client, and uses onnx alone (no onnxruntime):
+
+    initializers listed as graph inputs become constants (old exporters; unless kept)
+    -> IR version raised to one the opsets need (at least 4)
+    -> default-domain opset converted to 13 where older (best effort)
+    -> every node gets a unique name (tasks name their nodes)
+    -> user shape overrides; a dynamic dimension without one is an error (strict)
+       or left dynamic (a compiler's lookup: those tasks simply get no signature)
+    -> shape inference with data propagation
+
+Nothing is folded or fused: weights that nodes compute (a Transpose of an initializer,
+a DequantizeLinear, a Reshape) stay as the input has them, and `ModelContext` knows
+them as constants by propagation. A tuned model therefore keeps every weight that no
+chosen strategy touched exactly as the input had it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import onnx
+from onnx import helper, shape_inference, version_converter
+
+from aoe.errors import ModelError, OptionError
+
+__all__ = ["TARGET_OPSET", "Normalized", "default_opset", "name_nodes", "normalize"]
+
+#: Oldest default-domain opset the strategies rely on (per-axis attributes, ReduceSum axes).
+TARGET_OPSET = 13
+
+
+@dataclass
+class Normalized:
+    model: onnx.ModelProto
+    notes: list[str] = field(default_factory=list)
+
+
+def default_opset(model: onnx.ModelProto) -> int:
+    """The model's default-domain opset; 0 when it imports none."""
+    for o in model.opset_import:
+        if o.domain in ("", "ai.onnx"):
+            return o.version
+    return 0
+
+
+def _fix_legacy(model: onnx.ModelProto, keep_initializer_inputs: bool, notes: list[str]) -> onnx.ModelProto:
+    inits = {t.name for t in model.graph.initializer}
+    listed = [i for i in model.graph.input if i.name in inits]
+    if listed and not keep_initializer_inputs:
+        keep = [i for i in model.graph.input if i.name not in inits]
+        del model.graph.input[:]
+        model.graph.input.extend(keep)
+        notes.append(f"{len(listed)} initializers listed as graph inputs are treated as constants")
+    min_ir = helper.find_min_ir_version_for(list(model.opset_import), ignore_unknown=True)
+    if model.ir_version < max(min_ir, 4):
+        notes.append(f"IR version {model.ir_version} raised to {max(min_ir, 4)}")
+        model.ir_version = max(min_ir, 4)
+    opset = default_opset(model)
+    if 0 < opset < TARGET_OPSET:
+        try:
+            converted = version_converter.convert_version(model, TARGET_OPSET)
+            notes.append(f"opset {opset} converted to {TARGET_OPSET}")
+            model = converted
+        except Exception as exc:  # conversion is best effort; strategies check opsets
+            notes.append(f"opset {opset} kept: conversion to {TARGET_OPSET} failed ({exc})".splitlines()[0])
+    return model
+
+
+def name_nodes(model: onnx.ModelProto, notes: list[str] | None = None) -> None:
+    """Give every node without a name, or with a name an earlier node has, a unique one.
+
+    Tasks refer to nodes by name, and onnxruntime refuses two nodes of one name.
+    Deterministic: the same graph always gets the same names.
+    """
+    taken = {n.name for n in model.graph.node if n.name}
+    seen: set[str] = set()
+    renamed = 0
+    for i, node in enumerate(model.graph.node):
+        if node.name and node.name not in seen:
+            seen.add(node.name)
+            continue
+        base = f"{node.name or node.op_type}_{i}"
+        name, k = base, 0
+        while name in taken:
+            k += 1
+            name = f"{base}_{k}"
+        node.name = name
+        taken.add(name)
+        seen.add(name)
+        renamed += 1
+    if renamed and notes is not None:
+        notes.append(f"{renamed} nodes without a unique name were named")
+
+
+def _dims_text(dims) -> str:
+    return ",".join(str(x.dim_value) if x.HasField("dim_value") and x.dim_value > 0 else "N" for x in dims)
+
+
+def _apply_shapes(
+    model: onnx.ModelProto, shapes: Mapping[str, tuple[int, ...]], source: str, strict: bool, notes: list[str]
+) -> None:
+    inits = {t.name for t in model.graph.initializer}
+    names = [i.name for i in model.graph.input if i.name not in inits]
+    for name in shapes:
+        if name not in names:
+            raise OptionError(f"--input-shape: {source} has no input {name!r} (inputs: {', '.join(names)})")
+    for vi in model.graph.input:
+        if vi.name in inits:
+            continue
+        if not vi.type.HasField("tensor_type"):
+            if strict:
+                raise ModelError(f"{source}: input {vi.name!r} is not a tensor; only tensor inputs are supported")
+            continue
+        t = vi.type.tensor_type
+        dims = t.shape.dim
+        want = shapes.get(vi.name)
+        if want is not None:
+            if t.HasField("shape") and len(dims) != len(want):
+                raise OptionError(
+                    f"--input-shape {vi.name}: rank {len(want)} given, the model's input has rank {len(dims)}"
+                )
+            fixed = []
+            for i, d in enumerate(dims):
+                if d.HasField("dim_value") and d.dim_value > 0:
+                    if d.dim_value != want[i]:
+                        raise OptionError(
+                            f"--input-shape {vi.name}: dimension {i} is fixed at {d.dim_value} in the model, "
+                            f"not {want[i]}"
+                        )
+                else:
+                    fixed.append(f"{i} ({d.dim_param or '?'!r}) = {want[i]}")
+            if not t.HasField("shape"):
+                fixed.append(f"all (no shape in the model) = {list(want)}")
+            if fixed:
+                notes.append(f"input {vi.name!r}: dynamic dimension {', '.join(fixed)} fixed by --input-shape")
+            t.ClearField("shape")
+            for d in want:
+                t.shape.dim.add().dim_value = d
+            continue
+        if not strict:
+            continue
+        if not t.HasField("shape"):
+            raise ModelError(f"{source}: input {vi.name!r} has no shape; pass --input-shape {vi.name}:D1,D2,...")
+        for i, d in enumerate(dims):
+            if not d.HasField("dim_value") or d.dim_value <= 0:
+                label = d.dim_param or "?"
+                raise ModelError(
+                    f"{source}: input {vi.name!r} has dynamic dimension {i} ({label!r}); "
+                    f"pass --input-shape {vi.name}:{_dims_text(dims)}"
+                )
+
+
+def _infer(model: onnx.ModelProto, source: str, strict: bool) -> onnx.ModelProto:
+    try:
+        return shape_inference.infer_shapes(model, check_type=strict, strict_mode=strict, data_prop=True)
+    except Exception as exc:
+        if not strict:
+            return model  # tasks without static shapes get no signature; nothing else breaks
+        raise ModelError(f"{source}: shape inference failed: {exc}".splitlines()[0]) from None
+
+
+def normalize(
+    model: onnx.ModelProto,
+    input_shapes: Mapping[str, tuple[int, ...]] | None = None,
+    *,
+    keep_initializer_inputs: bool = False,
+    strict: bool = True,
+    source: str = "model",
+) -> Normalized:
+    """Return a normalized copy of `model` and notes on what changed (see module doc).
+
+    `strict` (the tuner) checks the model and makes every dimension static or raises
+    ModelError/OptionError naming `source`, the input and what to pass; without it (a
+    compiler's lookup) problems leave tensors without static shapes instead. The
+    transformations are the same either way, so signatures agree. Blocking, CPU-bound.
+    """
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    notes: list[str] = []
+    if strict and not m.graph.node:
+        raise ModelError(f"{source}: the model's graph has no nodes")
+    m = _fix_legacy(m, keep_initializer_inputs, notes)
+    name_nodes(m, notes)
+    _apply_shapes(m, dict(input_shapes or {}), source, strict, notes)
+    if strict:
+        try:
+            onnx.checker.check_model(m)
+        except Exception as exc:
+            raise ModelError(f"{source}: invalid model: {exc}".splitlines()[0]) from None
+    m = _infer(m, source, strict)
+    return Normalized(m, notes)
