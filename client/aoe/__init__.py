@@ -34,10 +34,11 @@ def session(path: str | os.PathLike[str], providers: list[str] | None = None, **
     import onnxruntime as ort
 
     from aoe._session import make_session_options
+    from aoe.device import CPU
 
     options = {**session_options_of(path), **overrides}
     return ort.InferenceSession(
         os.fspath(path),
         make_session_options(options),
-        providers=providers or ["CPUExecutionProvider"],
+        providers=providers or [CPU.provider],
     )

@@ -1,0 +1,231 @@
+"""Configuration: one frozen `Config` from defaults, a TOML file and the environment.
+
+Precedence, lowest first: built-in defaults, the TOML file (`--config FILE` or
+AOED_CONFIG), the environment, then what the caller overrides (command-line options).
+Every environment variable the project honours is read here and nowhere else:
+
+  TUNE_BANK_PATH         custom bank directory (AOE)
+  REPEAT_TUNE            True/False: tune tasks the bank already knows again (AOE)
+  TE_PARALLEL_COMPILER   compile processes, 1-32 (AOE)
+  ASCEND_DEVICE_ID       selects Ascend NPU N (the cann provider) (AOE)
+  AOED_BANK_LAYERS       read-only bank layers under the custom one (os.pathsep list)
+  AOED_PLUGINS           strategy plugin modules (comma separated)
+  AOED_RUNTIME_DIR       where per-device measurement locks live
+  AOED_CONFIG            the TOML file, when --config is not given
+
+The TOML file:
+
+  [bank]
+  path = "/var/lib/aoed/bank"           # TUNE_BANK_PATH wins over this
+  layers = ["/usr/share/aoed/bank"]
+  [tuning]
+  repeat_tune = false
+  parallel = 4
+  device = "cpu"                         # cpu, cuda:0, cann:0, tensorrt:0
+  plugins = ["my_strategies"]
+  [engine]
+  runtime_dir = "/run/aoed"
+  dedicated_cores = "auto"               # auto (4+ cores), true, false
+  worker_memory_mb = 8192                # address-space limit per child process; 0: none
+  [log]
+  level = "warning"
+
+Errors are `OptionError`s that name the key and where it came from.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from aoe.device import CPU, Device
+from aoe.errors import OptionError
+
+__all__ = ["Config", "default_parallel", "load_config", "parse_parallel"]
+
+_LEVELS = ("debug", "info", "warning", "error")
+
+
+def default_parallel() -> int:
+    """Compile workers by default: cores - 1, at least 1."""
+    return max(1, len(os.sched_getaffinity(0)) - 1)
+
+
+def _default_memory_mb() -> int:
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // (1 << 20)
+    except (ValueError, OSError):
+        return 0
+    return max(2048, total * 3 // 4)
+
+
+def _default_runtime_dir() -> Path:
+    if os.geteuid() == 0 or os.access("/run/aoed", os.W_OK):
+        return Path("/run/aoed")
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    if xdg and os.path.isdir(xdg):
+        return Path(xdg) / "aoed"
+    return Path(tempfile.gettempdir()) / f"aoed-{os.getuid()}"
+
+
+def _default_bank() -> Path:
+    if os.geteuid() == 0:
+        return Path("/var/lib/aoed/bank")
+    import platformdirs
+
+    return Path(platformdirs.user_data_dir("aoed")) / "bank"
+
+
+@dataclass(frozen=True)
+class Config:
+    bank: Path = field(default_factory=_default_bank)
+    bank_layers: tuple[Path, ...] = ()
+    repeat_tune: bool = False
+    parallel: int = field(default_factory=default_parallel)
+    device: Device = CPU
+    plugins: tuple[str, ...] = ()
+    runtime_dir: Path = field(default_factory=_default_runtime_dir)
+    #: None: dedicated measurement cores when there are 4 or more
+    dedicated_cores: bool | None = None
+    worker_memory_mb: int = field(default_factory=_default_memory_mb)
+    log_level: str = "warning"
+    #: where each value came from, for messages ("TUNE_BANK_PATH", "aoed.toml [bank] path")
+    sources: Mapping[str, str] = field(default_factory=dict)
+
+    def replace(self, **changes: Any) -> Config:
+        """A copy with `changes` (None values ignored), recorded as given on the command line."""
+        given = {k: v for k, v in changes.items() if v is not None}
+        sources = {**self.sources, **{k: "command line" for k in given}}
+        return _checked(replace(self, **given, sources=sources))
+
+
+def _bool(raw: object, where: str) -> bool:
+    if isinstance(raw, bool):
+        return raw
+    low = str(raw).strip().lower()
+    if low in ("true", "1", "yes", "on"):
+        return True
+    if low in ("false", "0", "no", "off"):
+        return False
+    raise OptionError(f"{where}={raw!r}: expected True or False")
+
+
+def parse_parallel(raw: object, where: str) -> int:
+    try:
+        n = int(str(raw))
+    except ValueError:
+        raise OptionError(f"{where}={raw!r}: expected a number of compile processes (1-32)") from None
+    if not 1 <= n <= 32:
+        raise OptionError(f"{where}={n}: compile processes must be between 1 and 32")
+    return n
+
+
+def _checked(cfg: Config) -> Config:
+    if not 1 <= cfg.parallel <= 32:
+        raise OptionError(f"parallel={cfg.parallel} ({cfg.sources.get('parallel', 'default')}): must be 1-32")
+    if cfg.log_level not in _LEVELS:
+        raise OptionError(f"log level {cfg.log_level!r}: expected one of {', '.join(_LEVELS)}")
+    if cfg.worker_memory_mb < 0:
+        raise OptionError(f"worker_memory_mb={cfg.worker_memory_mb}: must be >= 0 (0: no limit)")
+    return cfg
+
+
+def _from_toml(path: Path) -> tuple[dict[str, Any], dict[str, str]]:
+    try:
+        with open(path, "rb") as f:
+            doc = tomllib.load(f)
+    except OSError as exc:
+        raise OptionError(f"--config {path}: {exc.strerror or exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise OptionError(f"--config {path}: not valid TOML ({exc})") from None
+    known = {
+        ("bank", "path"): "bank", ("bank", "layers"): "bank_layers",
+        ("tuning", "repeat_tune"): "repeat_tune", ("tuning", "parallel"): "parallel",
+        ("tuning", "device"): "device", ("tuning", "plugins"): "plugins",
+        ("engine", "runtime_dir"): "runtime_dir", ("engine", "dedicated_cores"): "dedicated_cores",
+        ("engine", "worker_memory_mb"): "worker_memory_mb", ("log", "level"): "log_level",
+    }  # fmt: skip
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for section, table in doc.items():
+        if not isinstance(table, dict):
+            raise OptionError(f"{path}: {section!r} must be a [section]")
+        for key, raw in table.items():
+            name = known.get((section, key))
+            where = f"{path} [{section}] {key}"
+            if name is None:
+                raise OptionError(f"{where}: unknown setting")
+            values[name] = _convert(name, raw, where)
+            sources[name] = where
+    return values, sources
+
+
+def _convert(name: str, raw: Any, where: str) -> Any:
+    if name in ("bank", "runtime_dir"):
+        return Path(str(raw)).expanduser()
+    if name == "bank_layers":
+        items = raw if isinstance(raw, list) else str(raw).split(os.pathsep)
+        return tuple(Path(str(p)).expanduser() for p in items if str(p).strip())
+    if name == "repeat_tune":
+        return _bool(raw, where)
+    if name == "parallel":
+        return parse_parallel(raw, where)
+    if name == "device":
+        return Device.parse(str(raw))
+    if name == "plugins":
+        items = raw if isinstance(raw, list) else str(raw).split(",")
+        return tuple(s.strip() for s in map(str, items) if s.strip())
+    if name == "dedicated_cores":
+        return None if str(raw).lower() == "auto" else _bool(raw, where)
+    if name == "worker_memory_mb":
+        try:
+            return int(raw)
+        except (TypeError, ValueError):
+            raise OptionError(f"{where}={raw!r}: expected a number of MiB") from None
+    if name == "log_level":
+        return str(raw).lower()
+    raise AssertionError(name)
+
+
+def _from_env(env: Mapping[str, str]) -> tuple[dict[str, Any], dict[str, str]]:
+    names = {
+        "TUNE_BANK_PATH": "bank", "AOED_BANK_LAYERS": "bank_layers", "REPEAT_TUNE": "repeat_tune",
+        "TE_PARALLEL_COMPILER": "parallel", "AOED_PLUGINS": "plugins", "AOED_RUNTIME_DIR": "runtime_dir",
+    }  # fmt: skip
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for var, name in names.items():
+        raw = env.get(var, "")
+        if raw.strip():
+            values[name] = _convert(name, raw, var)
+            sources[name] = var
+    ascend = env.get("ASCEND_DEVICE_ID", "").strip()
+    if ascend:
+        if not ascend.isdigit():
+            raise OptionError(f"ASCEND_DEVICE_ID={ascend!r}: expected a device number")
+        values["device"] = Device("cann", int(ascend))
+        sources["device"] = f"ASCEND_DEVICE_ID={ascend}"
+    return values, sources
+
+
+def load_config(path: str | os.PathLike[str] | None = None, env: Mapping[str, str] | None = None) -> Config:
+    """The configuration from defaults, the TOML file at `path` (else AOED_CONFIG, else
+    none), then the environment `env` (default: os.environ). Raises OptionError."""
+    env = os.environ if env is None else env
+    if path is None and env.get("AOED_CONFIG", "").strip():
+        path = env["AOED_CONFIG"]
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    if path is not None:
+        v, s = _from_toml(Path(path))
+        values.update(v)
+        sources.update(s)
+    v, s = _from_env(env)
+    values.update(v)
+    sources.update(s)
+    return _checked(Config(**values, sources=sources))
