@@ -4,6 +4,12 @@
 (the child exits, the caller is cancelled, a deadline passes) kills the child, and the
 next `call()` starts a fresh one: a crashed or hung child costs the request in flight,
 never the caller.
+
+Children start through exec (`python -m MODULE`), never by forking the engine, so a
+process that has started gRPC can spawn them safely. Each is told its parent's pid (it
+dies with it: PR_SET_PDEATHSIG, so a killed engine never leaves workers behind, stopped
+or not), the cores it may run on and its address-space limit, and does not inherit the
+service manager's notification or watchdog variables.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,20 +30,37 @@ from aoe.errors import CandidateError
 
 __all__ = ["Child", "ChildDiedError"]
 
+#: Variables that address the service manager; only the daemon itself may use them.
+_PRIVATE_ENV = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS", "LISTEN_PID", "LISTEN_FDNAMES")
+
 
 class ChildDiedError(CandidateError):
     """The child process exited or broke the protocol during a request."""
 
 
 class Child:
-    def __init__(self, module: str, name: str, log_path: Path, env: dict[str, str] | None = None):
-        self._argv = [sys.executable, "-m", module]
+    def __init__(
+        self,
+        module: str,
+        name: str,
+        log_path: Path,
+        *,
+        cpus: Sequence[int] = (),
+        memory_mb: int = 0,
+        args: Sequence[str] = (),
+    ):
+        self._argv = [sys.executable, "-m", module, "--parent", str(os.getpid())]
+        if cpus:
+            self._argv += ["--cpus", ",".join(map(str, cpus))]
+        if memory_mb:
+            self._argv += ["--memory-mb", str(memory_mb)]
+        self._argv += list(args)
         self.name = name
-        self._log_path = log_path
-        self._env = env
+        self.log_path = log_path
         self._proc: trio.Process | None = None
         self._buf = b""
         self._seq = 0
+        self._paused = False
         self.restarts = -1
 
     @property
@@ -44,18 +68,21 @@ class Child:
         return self._proc.pid if self._proc is not None else None
 
     async def _start(self) -> trio.Process:
-        self._log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self._log_path, "ab") as log:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        env = {k: v for k, v in os.environ.items() if k not in _PRIVATE_ENV}
+        with open(self.log_path, "ab") as log:
             self._proc = await trio.lowlevel.open_process(
                 self._argv,
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=log,
-                env={**os.environ, **(self._env or {})},
+                env=env,
                 start_new_session=True,  # a terminal's ^C reaches the engine, which stops us
             )
         self._buf = b""
         self.restarts += 1
+        if self._paused:  # started while its pool is paused: it must not run either
+            os.kill(self._proc.pid, signal.SIGSTOP)
         return self._proc
 
     async def _readline(self, proc: trio.Process) -> bytes:
@@ -64,14 +91,14 @@ class Child:
             chunk = await proc.stdout.receive_some(1 << 16)
             if not chunk:
                 status = await proc.wait()
-                raise ChildDiedError(f"{self.name} exited with status {status} (log: {self._log_path})")
+                raise ChildDiedError(f"{self.name} exited with status {status} (log: {self.log_path})")
             self._buf += chunk
         line, _, self._buf = self._buf.partition(b"\n")
         return line
 
     async def call(self, request: dict[str, Any]) -> dict[str, Any]:
         """Send `request`, return the reply dict. Raises ChildDiedError; kills the child
-        when cancelled mid-request."""
+        when cancelled mid-request (the next call starts a fresh one)."""
         proc = self._proc if self._proc is not None and self._proc.returncode is None else await self._start()
         self._seq += 1
         request = {**request, "id": self._seq}
@@ -79,21 +106,27 @@ class Child:
             assert proc.stdin is not None
             await proc.stdin.send_all(json.dumps(request).encode() + b"\n")
             while True:
-                reply = json.loads(await self._readline(proc))
+                try:
+                    reply = json.loads(await self._readline(proc))
+                except ValueError:
+                    raise ChildDiedError(f"{self.name} broke the protocol (log: {self.log_path})") from None
                 if reply.get("id") == self._seq:
                     return reply
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             await self.aclose()
-            raise ChildDiedError(f"{self.name} closed its pipe (log: {self._log_path})") from None
+            raise ChildDiedError(f"{self.name} closed its pipe (log: {self.log_path})") from None
         except BaseException:
             await self.aclose()
             raise
 
     def pause(self) -> None:
+        """Stop the child (SIGSTOP) until `resume()`; one started meanwhile starts stopped."""
+        self._paused = True
         if self._proc is not None and self._proc.returncode is None:
             os.kill(self._proc.pid, signal.SIGSTOP)
 
     def resume(self) -> None:
+        self._paused = False
         if self._proc is not None and self._proc.returncode is None:
             os.kill(self._proc.pid, signal.SIGCONT)
 
@@ -111,4 +144,3 @@ class Child:
             for stream in (proc.stdin, proc.stdout):
                 if stream is not None:
                     await stream.aclose()
-

@@ -1,47 +1,38 @@
-"""Assemble a tuned model from the bank alone: what `aoe compile` does, with no measurement.
+"""Assembly: a model with chosen strategies applied, and the bank read for a whole model.
 
-    prepare (as tuning does) -> partition -> for every task: bank lookup on this device
-    -> rewrites of the strategies found -> model-wide session options from the bank
-    -> the tuned model, with the metadata the tuner writes
-
-A task's entry is applied only when it was measured on this device fingerprint and its
-strategy still applies to the task (and to each of its twins); anything else is a miss,
-and the report says why. The result equals the tuning run's model when the bank holds
-what that run chose.
+`apply_choices` is how every tuned model is built, by the tuner (in a worker) and by
+`aoe compile`: the prepared model with each task's chosen strategy applied to it and to
+each of its twins. `from_bank` reads what the bank knows for a prepared model (through
+`bankrules`, as tuning does) and turns it into choices and session options. Pure: no
+measurement, no writes, no onnxruntime.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
-import os
-import tempfile
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import onnx
 from onnx import helper
 
 from aoe._session import METADATA_KEY
-from aoe.bank import BankReader
 from aoe.errors import AoedError
-from aoe.signature import ModelContext, TaskSignature, bank_key, canonical_json, normalized_attributes
+from aoe.partition import Task, partition
+from aoe.signature import DeviceFingerprint, ModelContext, TaskSignature, canonical_json, normalized_attributes
 from aoed import __version__
-from aoed.backends.ort import strategies
-from aoed.engine.calibration import activation_ranges, load_samples
-from aoed.engine.partition import partition
-from aoed.engine.policy import policy
-from aoed.engine.prep import Prepared, prepare
-from aoed.engine.tasks import Rewrite, Task, TaskView, apply_rewrites, constant_values
+from aoed.bank._codec import BankRecord
+from aoed.engine import bankrules
+from aoed.engine.registry import DEFAULT, StrategyRegistry
+from aoed.engine.tasks import Rewrite, TaskView, apply_rewrites
 
 __all__ = [
     "Assembly",
     "TaskOutcome",
-    "assemble",
-    "compile_model",
+    "apply_choices",
+    "from_bank",
     "model_signature",
     "task_rewrites",
     "tunable_tasks",
@@ -50,39 +41,6 @@ __all__ = [
 
 #: The family of the model-wide session-options entry.
 SESSION_FAMILY = "session"
-
-
-@dataclass
-class TaskOutcome:
-    task_id: str
-    op_name: str
-    op_type: str
-    instances: int
-    status: str  # hit | default | miss | ignored | reverted
-    strategy: str = strategies.DEFAULT
-    layer: str = ""
-    reason: str = ""
-    before_us: float = 0.0
-    after_us: float = 0.0
-    key: str = ""
-
-
-@dataclass
-class Assembly:
-    model: onnx.ModelProto
-    session_options: dict[str, Any]
-    tasks: list[TaskOutcome]
-    session: TaskOutcome
-    notes: list[str] = field(default_factory=list)
-
-    @property
-    def hits(self) -> int:
-        """Tasks (and session options) the bank answered, with a strategy or the default."""
-        return sum(t.status in ("hit", "default", "reverted") for t in (*self.tasks, self.session))
-
-    @property
-    def misses(self) -> int:
-        return sum(t.status in ("miss", "ignored") for t in (*self.tasks, self.session))
 
 
 def model_signature(model: onnx.ModelProto) -> TaskSignature:
@@ -105,43 +63,52 @@ def model_signature(model: onnx.ModelProto) -> TaskSignature:
     return TaskSignature("SessionOptions", "", ctx.opset(""), text, hashlib.sha256(text.encode()).hexdigest())
 
 
-def tuned_metadata(model: onnx.ModelProto, options: Mapping[str, Any], precision: str, device_digest: str) -> None:
-    """Set the metadata a tuned model carries (session options, precision, device,
-    version) on `model`, keeping its other metadata."""
-    meta = {p.key: p.value for p in model.metadata_props}
-    meta.update(
-        {
-            METADATA_KEY: canonical_json(dict(options)),
-            "aoe.precision": precision,
-            "aoe.device": device_digest[:32],
-            "aoe.version": __version__,
-        }
-    )
+def tuned_metadata(options: Mapping[str, Any], precision: str, device_digest: str) -> dict[str, str]:
+    """The metadata a tuned model carries: session options, precision, device, version."""
+    return {
+        METADATA_KEY: canonical_json(dict(options)),
+        "aoe.precision": precision,
+        "aoe.device": device_digest[:32],
+        "aoe.version": __version__,
+    }
+
+
+def set_metadata(model: onnx.ModelProto, meta: Mapping[str, str]) -> None:
+    """Set `meta` in `model`'s metadata_props, keeping its other entries."""
+    props = {p.key: p.value for p in model.metadata_props}
+    props.update(meta)
     del model.metadata_props[:]
-    helper.set_model_props(model, meta)
+    helper.set_model_props(model, props)
+
+
+def tunable_tasks(model: onnx.ModelProto, ctx: ModelContext, registry: StrategyRegistry, precision: str) -> list[Task]:
+    """The tasks a job tunes: those with a choice of strategy under `precision`."""
+    return [t for t in partition(model, ctx) if registry.has_choice(t.family, precision)]
 
 
 def task_rewrites(
-    prep: Prepared,
+    model: onnx.ModelProto,
+    ctx: ModelContext,
     consts: Mapping[str, np.ndarray],
     task: Task,
     strategy_name: str,
+    registry: StrategyRegistry,
     ranges: Mapping[str, tuple[float, float]] | None = None,
 ) -> dict[tuple[str, ...], Rewrite]:
     """The rewrite of `task` and of each of its twins under one strategy ({} for the
     default); `ranges` are calibrated activation ranges (static quantization needs them).
     Raises KeyError (unknown strategy) or AoedError (it does not apply)."""
-    if strategy_name == strategies.DEFAULT:
+    if strategy_name == DEFAULT:
         return {}
-    strat = strategies.get(task.family, strategy_name)
-    by_name = {n.name: n for n in prep.model.graph.node}
+    strat = registry.get(task.family, strategy_name)
+    by_name = {n.name: n for n in model.graph.node}
     out = {}
     for t in (task, *task.twins):
         view = TaskView(
             nodes=[by_name[n] for n in t.node_names],
             consts=consts,
-            infos=prep.ctx.tensors,
-            opset=prep.ctx.opset(""),
+            infos=ctx.tensors,
+            opset=ctx.opset(""),
             prefix=f"aoe/{t.id}",
             ranges=ranges or {},
         )
@@ -152,112 +119,130 @@ def task_rewrites(
     return out
 
 
-def _outcome(reader: BankReader, key: bytes, base: TaskOutcome, digest: str) -> tuple[TaskOutcome, Any]:
-    entry, layer = reader.lookup(key)
-    if entry is not None:
-        if entry.device.digest != digest:
-            base.status, base.reason = "ignored", f"entry in {layer} was measured on another device"
-            return base, None
-        base.status, base.layer, base.strategy = "hit", layer, entry.strategy.name
-        base.before_us, base.after_us = entry.baseline.median_us, entry.winner.median_us
-        return base, entry
-    default, layer = reader.lookup_default(key)
-    if default is not None:
-        base.status, base.layer = "default", layer
-        base.before_us = base.after_us = float(default.get("default_us", 0.0))
-        return base, None
-    base.status, base.reason = "miss", reader.lookup_explain(key).reason
-    return base, None
+def apply_choices(
+    model: onnx.ModelProto,
+    ctx: ModelContext,
+    consts: Mapping[str, np.ndarray],
+    tasks: Sequence[Task],
+    choices: Mapping[str, str],
+    registry: StrategyRegistry,
+    ranges: Mapping[str, tuple[float, float]] | None = None,
+) -> onnx.ModelProto:
+    """`model` with each task's chosen strategy (task id -> name; absent: default)."""
+    rewrites: dict[tuple[str, ...], Rewrite] = {}
+    for t in tasks:
+        rewrites.update(task_rewrites(model, ctx, consts, t, choices.get(t.id, DEFAULT), registry, ranges))
+    return apply_rewrites(model, rewrites)
 
 
-def tunable_tasks(prep: Prepared, precision: str) -> list[Task]:
-    """The tasks a job tunes: those with a choice of strategy under `precision`."""
-    return [
-        t for t in partition(prep.model, prep.ctx)
-        if sum(1 for _ in strategies.strategies_for(t.family, precision)) > 1
-    ]  # fmt: skip
+# --------------------------------------------------------------------------- from the bank
 
 
-def assemble(
-    prep: Prepared,
-    reader: BankReader,
+class Lookup(Protocol):
+    """Where `from_bank` reads: the custom bank and its layers, one key at a time."""
+
+    def record(self, key: bytes) -> tuple[BankRecord | None, str]: ...
+
+    def default(self, key: bytes) -> tuple[dict[str, Any] | None, str]: ...
+
+    def explain(self, key: bytes) -> str: ...
+
+
+@dataclass
+class TaskOutcome:
+    task_id: str
+    op_name: str
+    op_type: str
+    instances: int
+    status: str  # hit | default | miss | ignored | reverted
+    strategy: str = DEFAULT
+    layer: str = ""
+    reason: str = ""
+    before_us: float = 0.0
+    after_us: float = 0.0
+    key: str = ""
+
+
+@dataclass
+class Assembly:
+    choices: dict[str, str]
+    session_options: dict[str, Any]
+    tasks: list[TaskOutcome]
+    session: TaskOutcome
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def hits(self) -> int:
+        """Tasks (and session options) the bank answered, with a strategy or the default."""
+        return sum(t.status in ("hit", "default", "reverted") for t in (*self.tasks, self.session))
+
+    @property
+    def misses(self) -> int:
+        return sum(t.status in ("miss", "ignored") for t in (*self.tasks, self.session))
+
+
+def _outcome(bank: Lookup, key: bytes, base: TaskOutcome, device: DeviceFingerprint) -> bankrules.BankAnswer:
+    rec, layer = bank.record(key)
+    default, dlayer = bank.default(key) if rec is None else (None, "")
+    ans = bankrules.answer(rec, layer, default, dlayer, device)
+    base.status, base.layer, base.reason = ans.kind, ans.layer, ans.reason
+    if ans.kind == "hit":
+        assert ans.record is not None
+        base.strategy = ans.record.strategy
+        base.before_us, base.after_us = ans.record.baseline.median_us, ans.record.winner.median_us
+    elif ans.kind == "default":
+        base.before_us = base.after_us = ans.default_us
+    elif ans.kind == "miss":
+        base.reason = bank.explain(key)
+    return ans
+
+
+def from_bank(
+    model: onnx.ModelProto,
+    ctx: ModelContext,
+    consts: Mapping[str, np.ndarray],
+    bank: Lookup,
+    device: DeviceFingerprint,
+    registry: StrategyRegistry,
     precision: str = "exact",
     ranges: Mapping[str, tuple[float, float]] | None = None,
-) -> Assembly:
-    """Apply what `reader` knows for this device to the prepared model. Pure: no
-    measurement, no writes. `ranges`: calibrated activation ranges (lossy policies)."""
-    digest = reader.device.digest
-    consts = constant_values(prep.model.graph)
+) -> tuple[Assembly, list[Task]]:
+    """What `bank` knows for the prepared `model` on `device`: the choices to apply (each
+    checked to apply to its task and twins), the session options, and a report per task.
+    Returns (assembly, the tunable tasks)."""
+    import json
 
-    # The model-level record first: its session options, and the tasks a verification
-    # of this model reverted in context (the tuner left them unchanged; so do we).
-    sig = model_signature(prep.model)
-    key = bank_key(sig.digest, digest, precision)
-    session, entry = _outcome(reader, key, TaskOutcome("session", "", "SessionOptions", 1, "miss", key=key.decode()), digest)
+    sig = model_signature(model)
+    key = bankrules.key_for(sig, device, precision)
+    session = TaskOutcome("session", "", "SessionOptions", 1, "miss", key=key.decode())
+    ans = _outcome(bank, key, session, device)
     options: dict[str, Any] = {}
-    reverted: set[str] = set()
-    if entry is not None:
-        reverted = {d for d in entry.strategy.params.get("reverted", "").split(",") if d}
+    reverted = bankrules.reverted_digests(ans)
+    if ans.kind == "hit":
+        assert ans.record is not None
         try:
-            options = json.loads(entry.strategy.name)
+            options = json.loads(ans.record.strategy)
             if not isinstance(options, dict):
                 raise ValueError("not an object")
         except ValueError as exc:
             session.status, session.reason, options = "ignored", f"unreadable session options ({exc})", {}
-    elif session.status == "default":
-        doc, _layer = reader.lookup_default(key)
-        reverted = set((doc or {}).get("reverted", []))
 
-    tasks = tunable_tasks(prep, precision)
+    tasks = tunable_tasks(model, ctx, registry, precision)
     outcomes: list[TaskOutcome] = []
-    rewrites: dict[tuple[str, ...], Rewrite] = {}
+    choices: dict[str, str] = {}
     for t in tasks:
-        key = bank_key(t.signature.digest, digest, precision)
-        base = TaskOutcome(t.id, t.node_names[0], t.op_type, 1 + len(t.twins), "miss", key=key.decode())
-        out, entry = _outcome(reader, key, base, digest)
-        if entry is not None and t.signature.digest in reverted:
-            out.status, out.strategy = "reverted", strategies.DEFAULT
-            out.reason = "reverted in this model's context by the tuning run's verification"
-        elif entry is not None:
+        key = bankrules.key_for(t.signature, device, precision)
+        base = TaskOutcome(t.id, t.anchor, t.op_type, t.instances, "miss", key=key.decode())
+        ans = _outcome(bank, key, base, device)
+        if ans.kind == "hit" and t.signature.digest in reverted:
+            base.status, base.strategy = "reverted", DEFAULT
+            base.reason = "reverted in this model's context by the tuning run's verification"
+        elif ans.kind == "hit":
             try:
-                rewrites.update(task_rewrites(prep, consts, t, entry.strategy.name, ranges))
+                task_rewrites(model, ctx, consts, t, base.strategy, registry, ranges)
+                choices[t.id] = base.strategy
             except (KeyError, AoedError) as exc:
-                out.status, out.reason = "ignored", f"bank entry not applied: {exc}"
-                out.strategy = strategies.DEFAULT
-        outcomes.append(out)
-    model = apply_rewrites(prep.model, rewrites)
-    return Assembly(model, options, outcomes, session, list(prep.notes))
-
-
-def compile_model(
-    model_path: str | os.PathLike[str],
-    output: str | os.PathLike[str],
-    reader: BankReader,
-    input_shapes: Mapping[str, tuple[int, ...]] | None = None,
-    precision: str = "exact",
-    keep_initializer_inputs: bool = False,
-    calibration: Path | None = None,
-) -> Assembly:
-    """Prepare `model_path` as tuning does, apply the bank, save the tuned model at
-    `output` (with the tuner's metadata); returns the assembly with its per-task report.
-    Under a lossy policy the activations are calibrated as tuning does (`calibration`:
-    the same sample folder the tuning run used; None: the same synthetic samples).
-
-    Raises ModelError/OptionError from preparation, AoedError when `output` cannot be
-    written. Blocking.
-    """
-    out = Path(output)
-    with tempfile.TemporaryDirectory(prefix="aoe-compile-") as work:
-        prep = prepare(model_path, work, dict(input_shapes or {}), keep_initializer_inputs)
-        ranges = None
-        if policy(precision).lossy:
-            samples = load_samples(prep.model, prep.inputs, calibration)
-            ranges = activation_ranges(prep, samples.calibrate)
-        asm = assemble(prep, reader, precision, ranges)
-    tuned_metadata(asm.model, asm.session_options, precision, reader.device.digest)
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        onnx.save(asm.model, str(out))
-    except OSError as exc:
-        raise AoedError(f"{out}: cannot write the tuned model ({exc.strerror or exc})") from None
-    return asm
+                base.status, base.reason = "ignored", f"bank entry not applied: {exc}".strip()
+                base.strategy = DEFAULT
+        outcomes.append(base)
+    return Assembly(choices, options, outcomes, session), tasks

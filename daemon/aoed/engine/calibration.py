@@ -11,7 +11,8 @@ an input that indexes a constant table (Gather over an embedding, as token ids d
 the table's size along the gathered axis, else [0, 8).
 
 Samples are split: all but the last `HELD_BACK` calibrate ranges; the last ones are held
-back to judge accuracy, so the gate never grades on the data it calibrated on.
+back to judge accuracy, so the gate never grades on the data it calibrated on. Ranges
+themselves are computed by onnxruntime in a worker (backends/ort/probe.py).
 """
 
 from __future__ import annotations
@@ -24,14 +25,12 @@ import onnx
 
 from aoe.errors import OptionError
 from aoe.signature import TensorInfo
-from aoed.engine.prep import Prepared, make_inputs
+from aoed.engine.prep import make_inputs
 
 __all__ = [
     "HELD_BACK",
     "SYNTHETIC_SAMPLES",
     "Samples",
-    "activation_ranges",
-    "capture",
     "integer_ranges",
     "load_samples",
 ]
@@ -72,8 +71,7 @@ def integer_ranges(model: onnx.ModelProto, inputs: Mapping[str, TensorInfo]) -> 
     return out
 
 
-def _synthetic(model: onnx.ModelProto, inputs: Mapping[str, TensorInfo], n: int) -> list[dict[str, np.ndarray]]:
-    highs = integer_ranges(model, inputs)
+def _synthetic(inputs: Mapping[str, TensorInfo], highs: Mapping[str, int], n: int) -> list[dict[str, np.ndarray]]:
     return [make_inputs(inputs, seed=1000 + i, int_high=highs) for i in range(n)]
 
 
@@ -111,11 +109,12 @@ def _load_dir(d: Path, inputs: Mapping[str, TensorInfo]) -> list[dict[str, np.nd
 
 
 def load_samples(
-    model: onnx.ModelProto, inputs: Mapping[str, TensorInfo], calibration: Path | None
+    inputs: Mapping[str, TensorInfo], calibration: Path | None, int_high: Mapping[str, int] | None = None
 ) -> Samples:
-    """The calibration samples for a job; raises OptionError on an unusable directory."""
+    """The calibration samples for a job (`int_high`: bounds of token-id inputs, see
+    `integer_ranges`); raises OptionError on an unusable directory."""
     if calibration is None:
-        return Samples(_synthetic(model, inputs, SYNTHETIC_SAMPLES), f"synthetic ({SYNTHETIC_SAMPLES} samples)")
+        return Samples(_synthetic(inputs, int_high or {}, SYNTHETIC_SAMPLES), f"synthetic ({SYNTHETIC_SAMPLES} samples)")
     if not calibration.is_dir():
         raise OptionError(f"--calibration {calibration}: not a directory")
     try:
@@ -125,48 +124,3 @@ def load_samples(
     if not samples:
         raise OptionError(f"--calibration {calibration}: no .npz or .npy samples found")
     return Samples(samples, f"user ({len(samples)} samples from {calibration})")
-
-
-def _probe(prep: Prepared, names: set[str]):
-    """An onnxruntime session over the prepared model that also outputs `names`."""
-    import onnxruntime as ort
-
-    from aoe._session import make_session_options
-
-    model = onnx.ModelProto()
-    model.CopyFrom(prep.model)
-    have = {o.name for o in model.graph.output} | set(prep.inputs)
-    for name in sorted(names - have):
-        info = prep.ctx.tensors[name]
-        elem = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(info.dtype))
-        model.graph.output.append(onnx.helper.make_tensor_value_info(name, elem, list(info.shape)))
-    so = make_session_options({"graph_optimization_level": "disable"})
-    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
-
-
-def capture(prep: Prepared, names: set[str], sample: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """The values of `names` (and of the inputs) when the prepared model runs `sample`."""
-    sess = _probe(prep, names)
-    values = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, dict(sample))))
-    values.update(sample)
-    return values
-
-
-def activation_ranges(prep: Prepared, samples: list[dict[str, np.ndarray]]) -> dict[str, tuple[float, float]]:
-    """(min, max) of every float activation of the prepared model over `samples`."""
-    names = {
-        o for n in prep.model.graph.node for o in n.output
-        if o in prep.ctx.tensors and np.dtype(prep.ctx.tensors[o].dtype).kind == "f"
-    }  # fmt: skip
-    sess = _probe(prep, names)
-    outs = [o.name for o in sess.get_outputs()]
-    ranges: dict[str, tuple[float, float]] = {}
-    for sample in samples:
-        values = dict(zip(outs, sess.run(None, sample)))
-        values.update(sample)
-        for k, v in values.items():
-            if v.dtype.kind == "f" and v.size:
-                lo, hi = float(v.min()), float(v.max())
-                old = ranges.get(k)
-                ranges[k] = (min(lo, old[0]), max(hi, old[1])) if old else (lo, hi)
-    return ranges

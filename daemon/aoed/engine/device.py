@@ -1,71 +1,127 @@
-"""Device agent: owns one measurement runner process and drains its queue one at a time.
+"""Device agent: owns one device's measurement runner and serves it one request at a time.
 
-Serialization is by construction: only this agent's task talks to the runner, and it
-takes the next request only when the previous one is answered. On a CPU device it pauses
-the compile pool around each measurement. It keeps the time spent measuring, so the
-engine can report the device's duty cycle.
+Serialization inside this process is by construction: only this agent's task talks to
+the runner, and it takes the next request only when the previous one is answered.
+Across processes the device lock (`devlock.py`) does the same. On a CPU device without
+dedicated cores the agent pauses the compile pool around each measurement; with
+dedicated cores (`cpus`), the runner runs on its own cores and nothing is paused.
+
+Each request is charged to its job (`JobLedger`): device seconds and the runner's peak
+memory. A request whose job was cancelled is dropped from the queue, and one in flight
+is abandoned: the runner is killed and restarted for the next request.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
+import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import trio
 
+from aoe.device import Device
 from aoe.errors import DeviceError
+from aoed.engine import _pending
 from aoed.engine._child import Child, ChildDiedError
+from aoed.engine.devlock import DeviceLock
+from aoed.engine.ledger import JobLedger
+from aoed.engine.messages import PingReply, PingRequest, error_from_wire, from_wire, to_wire
 from aoed.engine.pool import CompilePool
 
 __all__ = ["DeviceAgent"]
 
+log = logging.getLogger(__name__)
+
 
 class DeviceAgent:
-    def __init__(self, device_id: str, pool: CompilePool | None, logdir: Path):
-        self.device_id = device_id
-        self._pool = pool
-        self._runner = Child("aoed.backends.ort.runner", f"runner for {device_id}", logdir / "runner.log")
-        self._send, self._recv = trio.open_memory_channel[tuple[dict, trio.MemorySendChannel]](4)
+    def __init__(
+        self,
+        device: Device,
+        pool: CompilePool | None,
+        logdir: Path,
+        runtime_dir: Path,
+        *,
+        cpus: Sequence[int] = (),
+        memory_mb: int = 0,
+        pause_pool: bool = True,
+    ):
+        self.device = device
+        self._pool = pool if pause_pool and device.is_cpu else None
+        self._runner = Child(
+            "aoed.backends.ort.runner", f"runner for {device}", logdir / f"runner-{device.name.replace(':', '-')}.log",
+            cpus=cpus, memory_mb=memory_mb if device.is_cpu else 0,  # GPU runtimes reserve huge address ranges
+        )  # fmt: skip
+        self.lock = DeviceLock(runtime_dir, device.name)
+        self._queue: _pending.RequestQueue[dict[str, Any]] = _pending.RequestQueue(4)
+        self.cores = 1
+        self.providers: tuple[str, ...] = ()
         self.busy_s = 0.0
         self.requests = 0
 
+    @property
+    def pausing(self) -> bool:
+        """True when the compile pool is stopped during each measurement."""
+        return self._pool is not None
+
+    @property
+    def runner_pid(self) -> int | None:
+        return self._runner.pid
+
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Start the runner, check the device answers, then serve requests until cancelled.
+        Raises DeviceError (before reporting started) when the device is unusable."""
         try:
-            await self._runner.call({"op": "ping"})
+            try:
+                reply = await self._runner.call(to_wire(PingRequest(self.device)))
+            except ChildDiedError as exc:
+                raise DeviceError(f"{self.device}: the measurement runner did not start ({exc})") from None
+            if not reply.get("ok"):
+                raise error_from_wire(reply, DeviceError)
+            ping = from_wire(PingReply, reply)
+            self.cores, self.providers = ping.cores, ping.providers
             task_status.started()
-            async with self._recv:
-                async for request, reply in self._recv:
-                    result = await self._serve(request)
-                    with contextlib.suppress(trio.BrokenResourceError):
-                        reply.send_nowait(result)
+            async with self._queue.receiver() as requests:
+                async for pending in requests:
+                    await _pending.serve(pending, self._serve)
         finally:
             await self._runner.aclose()
+            self.lock.close()
 
-    async def _serve(self, request: dict[str, Any]) -> dict[str, Any]:
-        limit = float(request.get("budget_s", 10.0)) * 3 + 60
+    async def _serve(self, request: dict[str, Any], job: JobLedger | None) -> dict[str, Any]:
+        limit = float(request.pop("limit_s", 0) or float(request.get("budget_s", 10.0)) * 3 + 60)
         pause = self._pool.paused() if self._pool is not None else contextlib.nullcontext()
-        t0 = trio.current_time()
-        try:
-            async with pause:
-                with trio.fail_after(limit):
-                    return await self._runner.call(request)
-        except trio.TooSlowError:
-            return {"ok": False, "error": f"measurement on {self.device_id} timed out after {limit:g}s"}
-        except ChildDiedError as exc:
-            return {"ok": False, "error": f"measurement runner crashed: {exc}"}
-        finally:
-            self.busy_s += trio.current_time() - t0
-            self.requests += 1
+        async with self.lock.hold(job.waiting if job is not None else None):
+            t0, wall0 = trio.current_time(), time.monotonic()
+            try:
+                async with pause:
+                    with trio.fail_after(limit):
+                        reply = await self._runner.call(request)
+            except trio.TooSlowError:
+                reply = {"ok": False, "error": f"{request.get('op')} on {self.device} timed out after {limit:g}s"}
+            except ChildDiedError as exc:
+                reply = {"ok": False, "error": f"measurement runner crashed: {exc}"}
+            finally:
+                busy = trio.current_time() - t0
+                self.busy_s += busy
+                self.requests += 1
+                if job is not None:
+                    job.charge_device(wall0, busy)
+        if job is not None:
+            job.note_rss(reply.get("maxrss_kb"))
+        reply["device_s"] = busy
+        return reply
 
-    async def submit(self, request: dict[str, Any]) -> dict[str, Any]:
-        """Queue `request` for the device and return the runner's reply.
-
-        Raises DeviceError when the runner could not answer it."""
-        reply_send, reply_recv = trio.open_memory_channel[dict](1)
-        await self._send.send((request, reply_send))
-        async with reply_recv:
-            result = await reply_recv.receive()
-        if not result.get("ok"):
-            raise DeviceError(f"{self.device_id}: {result.get('error', 'measurement failed')}")
-        return result
+    async def call(self, request: Any, job: JobLedger | None = None, limit_s: float | None = None) -> dict[str, Any]:
+        """Queue `request` (a messages.*Request) for the device and return the runner's
+        reply. Raises DeviceError when the runner could not answer it. Cancellation drops
+        the request, or abandons it in flight (the runner is killed and restarted)."""
+        wire = to_wire(request)
+        if limit_s is not None:
+            wire["limit_s"] = limit_s
+        reply = await self._queue.submit(wire, job)
+        if not reply.get("ok"):
+            raise error_from_wire({**reply, "error": f"{self.device}: {reply.get('error', 'failed')}"}, DeviceError)
+        return reply

@@ -1,67 +1,180 @@
-"""The engine: the long-lived agents one or many jobs share.
+"""The engine: the long-lived agents many jobs share, and how a job runs on them.
 
-`open_engine()` starts them in dependency order (bank writer, compile pool, device
+`open_engine()` starts the agents in dependency order (bank writer, compile pool, device
 agent), each reporting ready through `nursery.start()`, and stops them all when the
 block exits. The daemon keeps one engine for its lifetime; `aoe tune` opens one for a
-single job.
+single job. `Engine.run_job()` gives each job its own id, workspace, log and ledger, so
+jobs sharing the engine never collide, and makes cancellation reach the hardware.
+
+Cores: on a CPU device with dedicated cores (4 or more, or as configured) the runner is
+pinned to half of them and the compile workers to the rest, and nothing is paused;
+otherwise the compile workers are stopped while the device measures.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import logging
 import os
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import trio
 
+from aoe.config import Config
+from aoe.errors import AoedError, JobCancelledError, OptionError
 from aoed.bank.writer import BankWriter
+from aoed.engine.context import JobContext
 from aoed.engine.device import DeviceAgent
-from aoed.engine.job import JobEvent, JobOptions, JobResult, run_job
+from aoed.engine.job import JobHandle, JobOptions, JobResult
+from aoed.engine.ledger import JobLedger, new_job_id
+from aoed.engine.messages import JobEvent
+from aoed.engine.policy import policy
 from aoed.engine.pool import CompilePool
+from aoed.engine.registry import StrategyRegistry
+from aoed.engine.supervisor import run_stages
+from aoed.engine.workspace import Workspace
 
-__all__ = ["Engine", "default_parallel", "open_engine"]
+__all__ = ["Engine", "open_engine", "split_cores"]
+
+log = logging.getLogger(__name__)
+
+#: The job whose task is running: log records from it go to that job's log.
+_current_job: contextvars.ContextVar[str] = contextvars.ContextVar("aoed_job", default="")
 
 
-def default_parallel() -> int:
-    """Compile workers by default: cores - 1, at least 1."""
-    return max(1, (os.cpu_count() or 1) - 1)
+class _JobFilter(logging.Filter):
+    def __init__(self, job_id: str):
+        super().__init__()
+        self.job_id = job_id
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return _current_job.get() == self.job_id
+
+
+@contextlib.contextmanager
+def _job_log(path: Path, job_id: str) -> Iterator[None]:
+    """Send the engine's log records made on behalf of `job_id` to `path`."""
+    handler = logging.FileHandler(path, encoding="utf-8", delay=True)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.addFilter(_JobFilter(job_id))
+    handler.setLevel(logging.INFO)
+    root = logging.getLogger("aoed")
+    if root.level == logging.NOTSET or root.level > logging.INFO:
+        root.setLevel(logging.INFO)  # the job log wants INFO; the console handler filters its own
+    root.addHandler(handler)
+    token = _current_job.set(job_id)
+    try:
+        yield
+    finally:
+        _current_job.reset(token)
+        root.removeHandler(handler)
+        handler.close()
+
+
+def split_cores(cpus: list[int], dedicated: bool | None) -> tuple[list[int], list[int]]:
+    """(runner cores, worker cores) for a CPU device; two empty lists when the machine is
+    too small to dedicate cores (4 by default) or `dedicated` is False."""
+    if dedicated is None:
+        dedicated = len(cpus) >= 4
+    if not dedicated or len(cpus) < 2:
+        return [], []
+    half = (len(cpus) + 1) // 2
+    return cpus[:half], cpus[half:]
 
 
 @dataclass
 class Engine:
+    config: Config
+    registry: StrategyRegistry
     bank: BankWriter
     pool: CompilePool
     device: DeviceAgent
+    logdir: Path
 
-    async def run_job(self, opts: JobOptions, emit: Callable[[JobEvent], None] = lambda e: None) -> JobResult:
-        return await run_job(opts, self.pool, self.device, self.bank, emit)
+    async def run_job(
+        self,
+        opts: JobOptions,
+        emit: Callable[[JobEvent], None] = lambda event: None,
+        handle: JobHandle | None = None,
+    ) -> JobResult:
+        """Run one job to completion and return its result.
+
+        Raises AoedError subclasses with one-line messages (OptionError, ModelError,
+        BankError, DeviceError), and JobCancelledError when `handle` cancelled it; a
+        cancelled job stops at once, its queued requests dropped and those in flight
+        abandoned. The workspace's scratch is removed unless the job failed or
+        `opts.keep_workspace`."""
+        if opts.device != self.device.device:
+            raise OptionError(f"--device {opts.device}: this engine measures on {self.device.device}")
+        job_id = opts.job_id or new_job_id()
+        prec = policy(opts.precision, opts.min_cosine, opts.max_rel_error)
+        try:
+            ws = await trio.to_thread.run_sync(Workspace.create, opts.output, opts.model.stem)
+        except AoedError:
+            raise
+        handle = handle or JobHandle()
+        ledger = JobLedger(job_id, emit)
+        ctx = JobContext(
+            opts=opts, job_id=job_id, pool=self.pool, device=self.device, bank=self.bank,
+            registry=self.registry, policy=prec, fingerprint=opts.device.fingerprint(),
+            ledger=ledger, workspace=ws,
+        )  # fmt: skip
+        failed = True
+        with _job_log(ws.log_path, job_id):
+            log.info("job %s: %s (%s, %s, device %s)", job_id, opts.model, opts.job_type, opts.precision, opts.device)
+            try:
+                with trio.CancelScope() as scope:
+                    handle.attach(scope)
+                    result = await run_stages(ctx)
+                    failed = False
+                    log.info("job %s: done in %.1f s, %s", job_id, ledger.elapsed_s, result.verified)
+                    return result
+                failed = False  # cancelled: nothing to debug, the scratch goes
+                log.info("job %s: cancelled%s", job_id, f" ({handle.reason})" if handle.reason else "")
+                raise JobCancelledError(f"job {job_id} cancelled" + (f": {handle.reason}" if handle.reason else ""))
+            except OSError as exc:
+                raise AoedError(f"{exc.filename or opts.output}: {exc.strerror or exc}") from None
+            except AoedError as exc:
+                log.info("job %s: failed: %s", job_id, exc)
+                raise
+            finally:
+                if not failed and not opts.keep_workspace:
+                    ws.clean()
+                elif failed:
+                    log.info("job %s: workspace kept for inspection at %s", job_id, ws.root)
 
 
 @contextlib.asynccontextmanager
-async def open_engine(
-    bank_path: str | os.PathLike[str],
-    logdir: str | os.PathLike[str],
-    parallel: int | None = None,
-    device: str = "cpu",
-    bank_layers: list[Path] | None = None,
-) -> AsyncIterator[Engine]:
-    """Start the engine's agents; yields the Engine; stops and reaps everything on exit.
+async def open_engine(config: Config, registry: StrategyRegistry, logdir: Path) -> AsyncIterator[Engine]:
+    """Start the engine's agents for `config`'s device, bank and limits; yields the
+    Engine; stops and reaps everything on exit.
 
-    `bank_layers`: read-only banks under the custom one, in lookup order (None: those
-    named in AOED_BANK_LAYERS)."""
-    logs = Path(logdir)
-    bank = BankWriter(bank_path, layers=bank_layers)
+    `registry` is the strategy registry (aoed.backends.ort.catalog.build_registry with
+    the config's plugins; workers build the same one). Raises DeviceError when the
+    device is unusable (e.g. its onnxruntime provider is not installed).
+    """
+    bank = BankWriter(config.bank, layers=list(config.bank_layers))
+    device = config.device
+    runner_cpus, worker_cpus = split_cores(sorted(os.sched_getaffinity(0)), config.dedicated_cores)
+    if not device.is_cpu:
+        runner_cpus, worker_cpus = [], []
     try:
         async with trio.open_nursery() as nursery:
             await nursery.start(bank.run)
-            pool = CompilePool(parallel or default_parallel(), logs)
+            pool = CompilePool(config.parallel, logdir, cpus=worker_cpus, memory_mb=config.worker_memory_mb,
+                               plugins=config.plugins)  # fmt: skip
             await nursery.start(pool.run)
-            agent = DeviceAgent(device, pool, logs)
+            agent = DeviceAgent(device, pool, logdir, config.runtime_dir, cpus=runner_cpus,
+                                memory_mb=config.worker_memory_mb, pause_pool=not runner_cpus)  # fmt: skip
             await nursery.start(agent.run)
+            log.info("engine: %d compile workers%s, device %s%s", pool.size,
+                     f" on cores {worker_cpus}" if worker_cpus else "", device,
+                     f" on cores {runner_cpus}" if runner_cpus else " (workers paused while it measures)")  # fmt: skip
             try:
-                yield Engine(bank, pool, agent)
+                yield Engine(config, registry, bank, pool, agent, logdir)
             finally:
                 nursery.cancel_scope.cancel()
     finally:

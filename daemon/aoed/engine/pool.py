@@ -1,47 +1,101 @@
-"""Compile pool agent: N worker processes building candidate artifacts concurrently.
+"""Compile pool agent: N worker processes doing a job's graph work concurrently.
 
-Requests arrive on one bounded channel; each worker slot takes the next request when
-it is free, so a slow compile never holds up the others. A worker that crashes or hangs
-costs the candidate it was compiling: the slot answers with a failure and starts a fresh
-worker for the next request. While the device measures on a CPU, `paused()` stops the
-workers (SIGSTOP) so compile work never runs on the measuring cores.
+Workers build candidates (compile), and do every other piece of graph work a job needs
+(prepare a model, write samples, calibrate, extract task models, assemble models, rebuild
+bank entries), so the engine's own process never loads onnxruntime and its event loop
+never runs anything heavy. Requests wait in one bounded queue; each worker slot takes
+the next when it is free, so a slow request never holds up the others.
+
+A worker that crashes or overruns its time costs the request it was serving: the slot
+answers with a failure and starts a fresh worker for the next one. A request whose job
+was cancelled is dropped from the queue, and the worker serving one is killed.
+
+On a CPU device without dedicated cores, `paused()` stops every worker (SIGSTOP) while
+the device measures, so compile work never runs on the measuring cores; the time a
+request spends paused does not count against its time limit.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+import logging
+import math
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import trio
 
+from aoed.engine import _pending
 from aoed.engine._child import Child, ChildDiedError
+from aoed.engine.ledger import JobLedger
+from aoed.engine.messages import to_wire
 
 __all__ = ["CompilePool"]
 
+log = logging.getLogger(__name__)
+
+#: Default time limits per request kind, seconds (paused time excluded).
+TIMEOUTS = {"compile": 120.0, "rebuild": 120.0}
+DEFAULT_TIMEOUT = 900.0
+
+
+class _Deadline:
+    """A cancel scope's deadline that stands still while the pool is paused."""
+
+    def __init__(self, scope: trio.CancelScope, seconds: float, paused: bool):
+        self.scope = scope
+        self.remaining = seconds
+        if not paused:
+            scope.deadline = trio.current_time() + seconds
+
+    def pause(self) -> None:
+        if self.scope.deadline != math.inf:
+            self.remaining = max(0.0, self.scope.deadline - trio.current_time())
+            self.scope.deadline = math.inf
+
+    def resume(self) -> None:
+        self.scope.deadline = trio.current_time() + self.remaining
+
 
 class CompilePool:
-    def __init__(self, workers: int, logdir: Path, timeout_s: float = 120.0):
+    def __init__(
+        self,
+        workers: int,
+        logdir: Path,
+        *,
+        cpus: Sequence[int] = (),
+        memory_mb: int = 0,
+        plugins: Sequence[str] = (),
+        timeouts: dict[str, float] | None = None,
+    ):
         if workers < 1:
             raise ValueError("a compile pool needs at least one worker")
-        self.timeout_s = timeout_s
+        args = ["--plugins", ",".join(plugins)] if plugins else []
         self._children = [
-            Child("aoed.backends.ort.worker", f"compile worker {i}", logdir / f"worker-{i}.log")
+            Child("aoed.backends.ort.worker", f"compile worker {i}", logdir / f"worker-{i}.log",
+                  cpus=cpus, memory_mb=memory_mb, args=args)
             for i in range(workers)
-        ]
-        self._send, self._recv = trio.open_memory_channel[tuple[dict, trio.MemorySendChannel]](workers)
+        ]  # fmt: skip
+        self._queue: _pending.RequestQueue[dict[str, Any]] = _pending.RequestQueue(workers)
+        self._timeouts = {**TIMEOUTS, **(timeouts or {})}
+        self._deadlines: set[_Deadline] = set()
+        self._pauses = 0
         self.crashes = 0
 
     @property
     def size(self) -> int:
         return len(self._children)
 
+    @property
+    def pids(self) -> list[int]:
+        return [c.pid for c in self._children if c.pid is not None]
+
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         try:
             async with trio.open_nursery() as nursery:
                 for child in self._children:
-                    nursery.start_soon(self._slot, child, self._recv.clone())
+                    nursery.start_soon(self._slot, child, self._queue.receiver())
                 task_status.started()
         finally:
             with trio.CancelScope(shield=True):
@@ -49,35 +103,60 @@ class CompilePool:
                     await child.aclose()
 
     async def _slot(self, child: Child, requests: trio.MemoryReceiveChannel) -> None:
-        async with requests:
-            async for request, reply in requests:
+        async def handle(request: dict[str, Any], job: JobLedger | None) -> dict[str, Any]:
+            op = str(request.get("op"))
+            seconds = float(request.pop("timeout_s", None) or self._timeouts.get(op, DEFAULT_TIMEOUT))
+            t0 = trio.current_time()
+            with trio.CancelScope() as limit:
+                deadline = _Deadline(limit, seconds, self._pauses > 0)
+                self._deadlines.add(deadline)
                 try:
-                    with trio.fail_after(self.timeout_s):
-                        result = await child.call(request)
-                except trio.TooSlowError:
-                    self.crashes += 1
-                    result = {"ok": False, "applicable": True, "error": f"compile timed out after {self.timeout_s:g}s"}
+                    reply = await child.call(request)
                 except ChildDiedError as exc:
                     self.crashes += 1
-                    result = {"ok": False, "applicable": True, "error": f"worker crashed: {exc}"}
-                with contextlib.suppress(trio.BrokenResourceError):
-                    reply.send_nowait(result)
+                    log.warning("%s: %s", op, exc)
+                    return {"ok": False, "applicable": True, "error": f"worker crashed: {exc}",
+                            "error_class": "CandidateError"}  # fmt: skip
+                finally:
+                    self._deadlines.discard(deadline)
+                    if job is not None:
+                        job.charge_compile(trio.current_time() - t0)
+                if job is not None:
+                    job.note_rss(reply.get("maxrss_kb"))
+                return reply
+            self.crashes += 1
+            log.warning("%s: timed out after %gs; worker restarted", op, seconds)
+            return {"ok": False, "applicable": True, "error": f"{op} timed out after {seconds:g}s",
+                    "error_class": "CandidateError"}  # fmt: skip
 
-    async def compile(self, request: dict[str, Any]) -> dict[str, Any]:
-        """Compile one candidate; returns the worker's reply (never raises for a failed
-        candidate). Cancellation abandons the reply; the worker finishes or is killed."""
-        reply_send, reply_recv = trio.open_memory_channel[dict](1)
-        await self._send.send((request, reply_send))
-        async with reply_recv:
-            return await reply_recv.receive()
+        async with requests:
+            async for pending in requests:
+                await _pending.serve(pending, handle)
+
+    async def call(self, request: Any, job: JobLedger | None = None, timeout_s: float | None = None) -> dict[str, Any]:
+        """Run one request (a messages.*Request) on a worker; returns the reply dict (a
+        failed request is a reply with ok false, never an exception). Cancellation drops
+        the request, or kills the worker serving it."""
+        wire = to_wire(request)
+        if timeout_s is not None:
+            wire["timeout_s"] = timeout_s
+        return await self._queue.submit(wire, job)
 
     @contextlib.asynccontextmanager
     async def paused(self) -> AsyncIterator[None]:
-        """Stop every worker process for the duration of the block."""
-        for child in self._children:
-            child.pause()
+        """Stop every worker process for the duration of the block (nestable)."""
+        self._pauses += 1
+        if self._pauses == 1:
+            for d in self._deadlines:
+                d.pause()
+            for child in self._children:
+                child.pause()
         try:
             yield
         finally:
-            for child in self._children:
-                child.resume()
+            self._pauses -= 1
+            if self._pauses == 0:
+                for child in self._children:
+                    child.resume()
+                for d in self._deadlines:
+                    d.resume()

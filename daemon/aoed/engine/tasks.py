@@ -1,32 +1,36 @@
-"""Tasks: the units the tuner measures, and the graph surgery that moves them around.
+"""Graph surgery on tasks: what a strategy sees, and how its rewrite replaces a task.
 
-A `Task` is a connected run of nodes in a prepared model (an anchor such as MatMul or
-Conv plus its fused epilogue) whose only escaping tensors are the last node's outputs.
-A `TaskView` is what a strategy sees of a task: its nodes, the values of its constant
-inputs and the static infos of every tensor it touches. A strategy turns a view into a
-`Rewrite`: replacement nodes and initializers that read the same task inputs and write
-the same task outputs, so one rewrite serves both the isolated task model (compile and
-measure) and the whole model (assemble).
+A `TaskView` is what a strategy sees of a task (`aoe.partition.Task`): its nodes, the
+values of its constant inputs and the static infos of every tensor it touches. A
+strategy turns a view into a `Rewrite`: replacement nodes and initializers that read
+the same task inputs and write the same task outputs, so one rewrite serves both the
+isolated task model (compile and measure) and the whole model (assemble).
+
+Constant values come from a `Constants` resolver: stored initializers as they are, and
+weights that nodes compute from constants (the graph is not folded, see `aoe.graph`)
+evaluated on demand with onnx's reference evaluator, so only what a strategy reads is
+ever materialised.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from aoe.signature import TaskSignature, TensorInfo
+from aoe.partition import Task
+from aoe.signature import TensorInfo, computes_constant
 
 __all__ = [
     "CONTRIB_DOMAIN",
+    "Constants",
     "Rewrite",
-    "Task",
     "TaskView",
     "apply_rewrites",
-    "constant_values",
+    "read_names",
     "task_model",
 ]
 
@@ -39,24 +43,79 @@ class Rewrite:
     initializers: tuple[onnx.TensorProto, ...] = ()
 
 
-@dataclass
-class Task:
-    """One tunable group of nodes in the prepared model."""
+class Constants(Mapping[str, np.ndarray]):
+    """The constant tensors of one graph by name, evaluated lazily and cached.
 
-    id: str
-    family: str
-    node_names: tuple[str, ...]
-    signature: TaskSignature
-    inputs: tuple[str, ...]  # task inputs in signature order (constants included)
-    outputs: tuple[str, ...]
-    share: float = 0.0  # fraction of baseline latency (from the profile)
-    time_us: float = 0.0
-    # Other tasks with the same signature: tuned once, applied to all.
-    twins: list[Task] = field(default_factory=list)
+    Initializers (not listed as graph inputs) and Constant node outputs are read as
+    stored; a tensor a standard deterministic node computes from constants is evaluated
+    with `onnx.reference` over just the nodes that produce it.
+    """
 
-    @property
-    def op_type(self) -> str:
-        return self.signature.op_type
+    def __init__(self, graph: onnx.GraphProto, opsets: Sequence[onnx.OperatorSetIdProto] = ()):
+        inputs = {i.name for i in graph.input}  # an initializer that is also an input is a default
+        self._stored = {t.name: t for t in graph.initializer if t.name not in inputs}
+        self._producer: dict[str, onnx.NodeProto] = {}
+        self._opsets = list(opsets)
+        known = set(self._stored)
+        for node in graph.node:
+            if node.op_type == "Constant" and node.domain in ("", "ai.onnx") or computes_constant(node, known):
+                for o in node.output:
+                    if o:
+                        self._producer[o] = node
+                        known.add(o)
+        self._names = known
+        self._cache: dict[str, np.ndarray] = {}
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._names
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        if name not in self._names:
+            raise KeyError(name)
+        value = self._cache.get(name)
+        if value is None:
+            value = self._cache[name] = self._evaluate(name)
+        return value
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def stored(self, name: str) -> bool:
+        """True when `name` is an initializer (not computed by a node)."""
+        return name in self._stored
+
+    def _evaluate(self, name: str) -> np.ndarray:
+        if name in self._stored:
+            return numpy_helper.to_array(self._stored[name])
+        nodes: list[onnx.NodeProto] = []
+        inits: dict[str, onnx.TensorProto] = {}
+        seen: set[str] = set()
+
+        def visit(tensor: str) -> None:
+            if tensor in seen or not tensor:
+                return
+            seen.add(tensor)
+            if tensor in self._stored:
+                inits[tensor] = self._stored[tensor]
+                return
+            node = self._producer[tensor]
+            for i in node.input:
+                visit(i)
+            if node not in nodes:
+                nodes.append(node)
+
+        visit(name)
+        from onnx.reference import ReferenceEvaluator
+
+        graph = helper.make_graph(
+            nodes, "constant", [], [helper.make_empty_tensor_value_info(name)], initializer=list(inits.values())
+        )
+        model = helper.make_model(graph, opset_imports=self._opsets or [helper.make_opsetid("", 13)])
+        (value,) = ReferenceEvaluator(model).run([name], {})
+        return np.asarray(value)
 
 
 @dataclass
@@ -78,7 +137,7 @@ class TaskView:
         return self.nodes[-1].output[0]
 
     def const(self, name: str) -> np.ndarray | None:
-        return self.consts.get(name)
+        return self.consts[name] if name in self.consts else None
 
     def info(self, name: str) -> TensorInfo | None:
         return self.infos.get(name)
@@ -91,18 +150,6 @@ class TaskView:
             if node.op_type in op_types:
                 return node
         return None
-
-
-def constant_values(graph: onnx.GraphProto) -> dict[str, np.ndarray]:
-    """Return every constant tensor of `graph` (initializers and Constant nodes) by name."""
-    inputs = {i.name for i in graph.input}  # an initializer that is also an input is a default
-    values = {t.name: numpy_helper.to_array(t) for t in graph.initializer if t.name not in inputs}
-    for node in graph.node:
-        if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
-            for a in node.attribute:
-                if a.name == "value":
-                    values[node.output[0]] = numpy_helper.to_array(a.t)
-    return values
 
 
 def _value_info(name: str, info: TensorInfo) -> onnx.ValueInfoProto:
@@ -140,14 +187,14 @@ def task_model(
     return out
 
 
-def _read_names(nodes: Sequence[onnx.NodeProto]) -> set[str]:
+def read_names(nodes: Sequence[onnx.NodeProto]) -> set[str]:
     """Names `nodes` read, including those their subgraphs (If, Loop, Scan) read."""
     names: set[str] = set()
     for node in nodes:
         names.update(node.input)
         for a in node.attribute:
             for g in (*([a.g] if a.HasField("g") else []), *a.graphs):
-                names |= _read_names(g.node) | {o.name for o in g.output}
+                names |= read_names(g.node) | {o.name for o in g.output}
     return names
 
 
@@ -156,7 +203,8 @@ def apply_rewrites(model: onnx.ModelProto, rewrites: Mapping[tuple[str, ...], Re
 
     Replacement nodes take the position of the task's first node, which keeps the
     graph topologically sorted because task inputs are produced before the anchor and
-    only the last node's outputs escape. Initializers nobody reads any more are dropped.
+    only the last node's outputs escape. What the replaced tasks alone read (nodes that
+    computed a weight, initializers) goes too; everything else is left as it was.
     """
     out = onnx.ModelProto()
     out.CopyFrom(model)
@@ -173,11 +221,27 @@ def apply_rewrites(model: onnx.ModelProto, rewrites: Mapping[tuple[str, ...], Re
             new_inits.extend(rw.initializers)
         elif node.name not in dropped:
             nodes.append(node)
+    outputs = {o.name for o in model.graph.output}
+    was_read = read_names(model.graph.node) | outputs
+    # Nodes whose outputs were read before and are read by nobody now only fed the
+    # replaced tasks (e.g. a Transpose computing a weight): drop them, repeatedly.
+    while True:
+        now_read = read_names(nodes) | outputs
+        dead = [
+            n for n in nodes
+            if not any(o in now_read for o in n.output if o) and any(o in was_read for o in n.output if o)
+        ]  # fmt: skip
+        if not dead:
+            break
+        nodes = [n for n in nodes if n not in dead]
     del out.graph.node[:]
     out.graph.node.extend(nodes)
-    out.graph.initializer.extend(new_inits)
-    used = _read_names(out.graph.node) | {o.name for o in out.graph.output}
-    keep = [t for t in out.graph.initializer if t.name in used]
+    now_read = read_names(nodes) | outputs
+    new_names = {t.name for t in new_inits}
+    keep = [
+        t for t in [*out.graph.initializer, *new_inits]
+        if t.name in now_read or (t.name not in was_read and t.name not in new_names)
+    ]  # fmt: skip
     del out.graph.initializer[:]
     out.graph.initializer.extend(keep)
     if any(n.domain == CONTRIB_DOMAIN for n in nodes) and not any(

@@ -15,22 +15,20 @@ dequantize boundary inside the task, so the boundary's cost is part of what is m
   quantized dynamically, MatMulInteger in int32, rescaled to float.
 
 Weights are quantized symmetrically (int8, zero point 0); activations asymmetrically
-(uint8) over a range that always includes zero.
+(uint8) over a range that always includes zero. A conv task's BatchNormalization is
+folded into the weights before they are quantized. `register(registry)` adds them.
 """
 
 from __future__ import annotations
 
 import numpy as np
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto, helper
 
-from aoed.backends.ort.strategies import (
-    _copy_act,
-    _matmul_parts,
-    _strategy,
-)
+from aoed.backends.ort._rewrite import conv_parts, copy_act, init, matmul_parts
+from aoed.engine.registry import StrategyRegistry
 from aoed.engine.tasks import CONTRIB_DOMAIN, Rewrite, TaskView
 
-__all__: list[str] = []
+__all__ = ["register"]
 
 
 def _sym_int8(w: np.ndarray, axis: int | None) -> tuple[np.ndarray, np.ndarray]:
@@ -56,24 +54,20 @@ def _uint8_params(lo: float, hi: float) -> tuple[np.ndarray, np.ndarray]:
     return np.array(scale, dtype=np.float32), np.array(zp, dtype=np.uint8)
 
 
-def _init(view: TaskView, name: str, value: np.ndarray) -> TensorProto:
-    return numpy_helper.from_array(np.asarray(value), view.name(name))
-
-
 def _dynamic_matmul(view: TaskView, per_channel: bool, fused: bool) -> Rewrite | None:
-    parts = _matmul_parts(view)
+    parts = matmul_parts(view)
     if parts is None:
         return None
     a, w, bias, act, _rank = parts
     wq, ws = _sym_int8(w, 1 if per_channel else None)
-    inits = [_init(view, "weight_q", wq), _init(view, "weight_scale", ws),
-             _init(view, "weight_zp", np.zeros(ws.shape, dtype=np.int8))]
+    inits = [init(view, "weight_q", wq), init(view, "weight_scale", ws),
+             init(view, "weight_zp", np.zeros(ws.shape, dtype=np.int8))]
     out = view.output if act is None else view.name("pre_act")
     nodes = []
     if fused:
         ins = [a, inits[0].name, inits[1].name, inits[2].name]
         if bias is not None:
-            inits.append(_init(view, "bias", bias.astype(np.float32)))
+            inits.append(init(view, "bias", bias.astype(np.float32)))
             ins.append(inits[-1].name)
         nodes.append(helper.make_node(
             "DynamicQuantizeMatMul", ins, [out], name=view.name("DynamicQuantizeMatMul"), domain=CONTRIB_DOMAIN))
@@ -91,26 +85,23 @@ def _dynamic_matmul(view: TaskView, per_channel: bool, fused: bool) -> Rewrite |
         nodes.append(helper.make_node("Mul", [view.name("acc_f"), view.name("scale")], [last],
                                       name=view.name("Rescale")))
         if bias is not None:
-            inits.append(_init(view, "bias", bias.astype(np.float32)))
+            inits.append(init(view, "bias", bias.astype(np.float32)))
             nodes.append(helper.make_node("Add", [last, inits[-1].name], [out], name=view.name("Bias")))
     if act is not None:
-        nodes.append(_copy_act(view, act, out))
+        nodes.append(copy_act(view, act, out))
     return Rewrite(tuple(nodes), tuple(inits))
 
 
-@_strategy("int8_dynamic", "matmul", "int8")
 def _int8_dynamic(view: TaskView) -> Rewrite | None:
     """DynamicQuantizeMatMul, weight int8 per tensor."""
     return _dynamic_matmul(view, per_channel=False, fused=True)
 
 
-@_strategy("int8_dynamic_per_channel", "matmul", "int8")
 def _int8_dynamic_pc(view: TaskView) -> Rewrite | None:
     """DynamicQuantizeMatMul, weight int8 per output channel."""
     return _dynamic_matmul(view, per_channel=True, fused=True)
 
 
-@_strategy("int8_matmulinteger", "matmul", "int8")
 def _int8_matmulinteger(view: TaskView) -> Rewrite | None:
     """DynamicQuantizeLinear + MatMulInteger + rescale, weight int8 per tensor."""
     return _dynamic_matmul(view, per_channel=False, fused=False)
@@ -120,24 +111,17 @@ def _int8_matmulinteger(view: TaskView) -> Rewrite | None:
 
 
 def _conv_int8_parts(view: TaskView):
-    conv = view.anchor
-    if conv.op_type != "Conv":
+    parts = conv_parts(view)
+    if parts is None:
         return None
-    w = view.const(conv.input[1])
+    conv, w, bias, act = parts
     x_range = view.ranges.get(conv.input[0])
-    act = view.epilogue("Relu", "Sigmoid", "Tanh", "LeakyRelu")
     y_range = view.ranges.get(view.output)
-    if w is None or w.ndim != 4 or x_range is None or y_range is None:
+    if w.ndim != 4 or x_range is None or y_range is None:
         return None
-    bias = None
-    if len(conv.input) > 2 and conv.input[2]:
-        bias = view.const(conv.input[2])
-        if bias is None:
-            return None
     return conv, w, bias, act, x_range, y_range
 
 
-@_strategy("int8_qdq", "conv", "int8")
 def _int8_qdq(view: TaskView) -> Rewrite | None:
     """Static int8: QDQ around the Conv (per-channel weights), scales from calibration."""
     parts = _conv_int8_parts(view)
@@ -148,9 +132,9 @@ def _int8_qdq(view: TaskView) -> Rewrite | None:
     ys, yz = _uint8_params(*y_range)
     wq, ws = _sym_int8(w, 0)
     inits = [
-        _init(view, "x_scale", xs), _init(view, "x_zp", xz),
-        _init(view, "w_q", wq), _init(view, "w_scale", ws), _init(view, "w_zp", np.zeros(ws.shape, np.int8)),
-        _init(view, "y_scale", ys), _init(view, "y_zp", yz),
+        init(view, "x_scale", xs), init(view, "x_zp", xz),
+        init(view, "w_q", wq), init(view, "w_scale", ws), init(view, "w_zp", np.zeros(ws.shape, np.int8)),
+        init(view, "y_scale", ys), init(view, "y_zp", yz),
     ]
     n = {t.name.rsplit("/", 1)[1]: t.name for t in inits}
     nodes = [
@@ -162,7 +146,7 @@ def _int8_qdq(view: TaskView) -> Rewrite | None:
     if bias is not None:
         bscale = (xs * ws).astype(np.float32)
         bq = np.round(bias / bscale).astype(np.int32)
-        inits += [_init(view, "b_q", bq), _init(view, "b_scale", bscale), _init(view, "b_zp", np.zeros(bq.shape, np.int32))]
+        inits += [init(view, "b_q", bq), init(view, "b_scale", bscale), init(view, "b_zp", np.zeros(bq.shape, np.int32))]
         nodes.append(helper.make_node("DequantizeLinear", [inits[-3].name, inits[-2].name, inits[-1].name],
                                       [view.name("bdq")], name=view.name("DQB"), axis=0))
         conv_ins.append(view.name("bdq"))
@@ -183,7 +167,6 @@ def _int8_qdq(view: TaskView) -> Rewrite | None:
     return Rewrite(tuple(nodes), tuple(inits))
 
 
-@_strategy("int8_qlinearconv", "conv", "int8")
 def _int8_qlinearconv(view: TaskView) -> Rewrite | None:
     """Static int8 as an explicit QLinearConv; a Relu epilogue folds into the output range."""
     parts = _conv_int8_parts(view)
@@ -197,13 +180,13 @@ def _int8_qlinearconv(view: TaskView) -> Rewrite | None:
     ys, yz = _uint8_params(0.0 if act is not None else lo, hi)  # zp 0 clamps at 0: Relu
     wq, ws = _sym_int8(w, 0)
     inits = [
-        _init(view, "x_scale", xs), _init(view, "x_zp", xz), _init(view, "w_q", wq), _init(view, "w_scale", ws),
-        _init(view, "w_zp", np.zeros(ws.shape, np.int8)), _init(view, "y_scale", ys), _init(view, "y_zp", yz),
+        init(view, "x_scale", xs), init(view, "x_zp", xz), init(view, "w_q", wq), init(view, "w_scale", ws),
+        init(view, "w_zp", np.zeros(ws.shape, np.int8)), init(view, "y_scale", ys), init(view, "y_zp", yz),
     ]
     names = [t.name for t in inits]
     ins = [view.name("xq"), names[0], names[1], names[2], names[3], names[4], names[5], names[6]]
     if bias is not None:
-        inits.append(_init(view, "b_q", np.round(bias / (xs * ws)).astype(np.int32)))
+        inits.append(init(view, "b_q", np.round(bias / (xs * ws)).astype(np.int32)))
         ins.append(inits[-1].name)
     qconv = helper.make_node("QLinearConv", ins, [view.name("yq")], name=view.name("QLinearConv"))
     qconv.attribute.extend(conv.attribute)
@@ -218,7 +201,6 @@ def _int8_qlinearconv(view: TaskView) -> Rewrite | None:
 # --------------------------------------------------------------------------- matmul_act
 
 
-@_strategy("int8_dynamic_actact", "matmul_act", "int8")
 def _int8_actact(view: TaskView) -> Rewrite | None:
     """Both activations quantized at run time, MatMulInteger, rescaled to float."""
     mm = view.anchor
@@ -235,3 +217,14 @@ def _int8_actact(view: TaskView) -> Rewrite | None:
         helper.make_node("Mul", [n("acc_f"), n("scale")], [view.output], name=n("Rescale")),
     )
     return Rewrite(nodes)
+
+
+def register(registry: StrategyRegistry) -> None:
+    """Add the int8 CPU strategies to `registry`."""
+    s = registry.strategy
+    s("int8_dynamic", "matmul", "int8")(_int8_dynamic)
+    s("int8_dynamic_per_channel", "matmul", "int8")(_int8_dynamic_pc)
+    s("int8_matmulinteger", "matmul", "int8")(_int8_matmulinteger)
+    s("int8_qdq", "conv", "int8")(_int8_qdq)
+    s("int8_qlinearconv", "conv", "int8")(_int8_qlinearconv)
+    s("int8_dynamic_actact", "matmul_act", "int8")(_int8_actact)

@@ -3,12 +3,14 @@
 The device agent owns exactly one runner and sends it one request at a time, so
 measurements on a device are serialized by construction.
 
-Ops:
+Ops (messages in aoed.engine.messages; every request names its `device`):
+  ping     {"device"} -> {"cores", "providers"}; fails when the device's provider is missing
   measure  {"candidates": [{"id", "model", "options"}], "inputs": npz, "reference": id,
             "min_rounds", "max_rounds", "samples", "budget_s", "rel_tol"}
      -> {"results": {id: {"ok", "median_us", "spread", "repeats", "min_us",
                           "max_abs_error", "max_rel_error", "cosine", "dropped", "error"}}}
   profile  {"model", "inputs", "runs", "options", "workdir"} -> {"nodes": {name: us}, "total_us"}
+           (unoptimized unless options say otherwise, so node names are the model's)
   compare  {"reference", "candidate", "options", "inputs": [npz...]}
      -> {"max_abs_error", "max_rel_error", "cosine"} (worst over the inputs)
 
@@ -34,6 +36,9 @@ from typing import Any
 
 import numpy as np
 
+from aoe.device import CPU, Device
+from aoed.backends.ort.sessions import check_device, session
+
 _SAMPLE_S = 0.002
 _SETTLE_S = 0.005
 _DROP_MARGIN = 0.05
@@ -44,12 +49,12 @@ def _load_inputs(path: str) -> dict[str, np.ndarray]:
         return {k: data[k] for k in data.files}
 
 
-def _session(model: str, options: dict[str, Any] | None):
-    import onnxruntime as ort
+def _device(req: dict[str, Any]) -> Device:
+    return Device.from_wire(req["device"]) if req.get("device") else CPU
 
-    from aoe._session import make_session_options
 
-    return ort.InferenceSession(model, make_session_options(options), providers=["CPUExecutionProvider"])
+def _session(model: str, options: dict[str, Any] | None, device: Device = CPU):
+    return session(model, options, device)
 
 
 def accuracy(ref: list[np.ndarray], out: list[np.ndarray]) -> dict[str, float]:
@@ -103,11 +108,12 @@ def _stats(samples: list[float], inner: int) -> dict[str, float]:
 
 def measure(req: dict[str, Any]) -> dict[str, Any]:
     feeds = _load_inputs(req["inputs"])
+    device = _device(req)
     results: dict[str, dict[str, Any]] = {}
     sessions = {}
     for c in req["candidates"]:
         try:
-            sess = _session(c["model"], c.get("options"))
+            sess = _session(c["model"], c.get("options"), device)
             names = {i.name for i in sess.get_inputs()}
             sessions[c["id"]] = (sess, {k: v for k, v in feeds.items() if k in names})
         except Exception as exc:
@@ -205,17 +211,20 @@ def measure(req: dict[str, Any]) -> dict[str, Any]:
 
 
 def profile(req: dict[str, Any]) -> dict[str, Any]:
-    import onnxruntime as ort
-
     from aoe._session import make_session_options
 
     feeds = _load_inputs(req["inputs"])
-    # Basic level by default: the prepared model is already at that level, so node names
-    # in the profile are the prepared model's and map onto tasks one to one.
-    so = make_session_options(req.get("options") or {"graph_optimization_level": "basic"})
+    device = _device(req)
+    # No optimization by default: the runtime's fusions rename the nodes they fuse, and
+    # the profile must name the prepared model's nodes to map onto tasks one to one.
+    options = req.get("options") or {"graph_optimization_level": "disable"}
+    so = make_session_options(options)
     so.enable_profiling = True
     so.profile_file_prefix = str(Path(req["workdir"]) / "profile")
-    sess = ort.InferenceSession(req["model"], so, providers=["CPUExecutionProvider"])
+    import onnxruntime as ort
+
+    providers: list[Any] = [(device.provider, device.provider_options())] if not device.is_cpu else []
+    sess = ort.InferenceSession(req["model"], so, providers=[*providers, CPU.provider])
     names = {i.name for i in sess.get_inputs()}
     f = {k: v for k, v in feeds.items() if k in names}
     for _ in range(3):
@@ -244,8 +253,9 @@ def profile(req: dict[str, Any]) -> dict[str, Any]:
 def compare(req: dict[str, Any]) -> dict[str, Any]:
     """Accuracy of `candidate` against `reference` over several input files: the worst
     max error and the lowest cosine over them."""
-    ref = _session(req["reference"], None)
-    cand = _session(req["candidate"], req.get("options"))
+    device = _device(req)
+    ref = _session(req["reference"], None, device)
+    cand = _session(req["candidate"], req.get("options"), device)
     worst = {"max_abs_error": 0.0, "max_rel_error": 0.0, "cosine": 1.0}
     for path in req["inputs"]:
         feeds = _load_inputs(path)
@@ -268,15 +278,17 @@ def _handle(req: dict[str, Any]) -> dict[str, Any]:
     elif op == "compare":
         reply = compare(req)
     elif op == "ping":
-        reply = {"ok": True}
+        providers = check_device(_device(req))
+        reply = {"ok": True, "cores": len(os.sched_getaffinity(0)), "providers": list(providers)}
     else:
         return {"ok": False, "error": f"unknown op {op!r}"}
     return {**reply, "pid": os.getpid(), "started": started, "finished": time.monotonic()}
 
 
 def main() -> int:
-    from aoed.backends.ort._wire import serve
+    from aoed.backends.ort._wire import child_main, serve
 
+    child_main()
     return serve(_handle)
 
 

@@ -1,60 +1,273 @@
 """Compile worker: `python -m aoed.backends.ort.worker`, one of N in the compile pool.
 
-A compile request names a task model, a family and a strategy. The worker applies the
-strategy's rewrite, checks the candidate model, saves it, and loads it into an
-onnxruntime session (single-threaded) so that a candidate the runtime rejects fails
-here, not on the device. It never measures and never touches the bank.
+It does a job's graph work, one request at a time (messages in aoed.engine.messages):
 
-Request:  {"id", "task_model", "family", "strategy", "prefix", "out", "ranges"}
-Reply:    {"id", "ok", "applicable", "error", "compile_s"}
+  prepare    load, check and normalize a model (engine/prep.py); find its tunable tasks;
+             load it into onnxruntime once, so a model the runtime refuses fails here
+  samples    write the job's input samples (held back, and for calibration)
+  calibrate  activation ranges over the calibration samples (probe.py)
+  extract    each task as a standalone model, with its real input activations
+  compile    one candidate: a strategy applied to a task model, checked, saved and
+             loaded into a single-threaded session so a candidate the runtime rejects
+             fails here, not on the device
+  assemble   whole models with chosen strategies applied (and their metadata)
+  check      whether strategies the bank names still apply to their tasks
+  rebuild    a bank entry's task rebuilt from its signature, default and strategy forms
+
+It never measures and never touches the bank. The last model it loaded stays cached,
+since a job sends several requests about the same prepared model.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import onnx
 
+from aoe.errors import ModelError
+from aoe.signature import ModelContext
+from aoed.engine import messages as m
+from aoed.engine.registry import DEFAULT, StrategyRegistry
+from aoed.engine.tasks import Constants
 
-def _compile(req: dict[str, Any]) -> dict[str, Any]:
-    from aoe._session import make_session_options
-    from aoe.signature import ModelContext
-    from aoed.backends.ort import strategies
-    from aoed.engine.tasks import TaskView, apply_rewrites, constant_values
+_registry: StrategyRegistry | None = None
+_cached: tuple[tuple[str, int], onnx.ModelProto, ModelContext, Constants] | None = None
+
+
+def _loaded(path: Path) -> tuple[onnx.ModelProto, ModelContext, Constants]:
+    """The model at `path` (with its context and constants), cached by path and mtime."""
+    global _cached
+    stamp = (str(path), path.stat().st_mtime_ns)
+    if _cached is None or _cached[0] != stamp:
+        model = onnx.load(str(path))
+        _cached = (stamp, model, ModelContext(model), Constants(model.graph, list(model.opset_import)))
+    return _cached[1], _cached[2], _cached[3]
+
+
+_ranges_cache: tuple[str, dict[str, tuple[float, float]]] | None = None
+
+
+def _ranges(path: Path | None) -> dict[str, tuple[float, float]]:
+    """Calibrated activation ranges from `path` (cached: every compile of a job reads them)."""
+    global _ranges_cache
+    if path is None:
+        return {}
+    if _ranges_cache is None or _ranges_cache[0] != str(path):
+        data = json.loads(path.read_text())
+        _ranges_cache = (str(path), {k: (float(v[0]), float(v[1])) for k, v in data.items()})
+    return _ranges_cache[1]
+
+
+def _load_npz(path: Path) -> dict[str, np.ndarray]:
+    with np.load(path, allow_pickle=False) as data:
+        return {k: data[k] for k in data.files}
+
+
+def _prepare(req: m.PrepareRequest) -> m.PrepareReply:
+    from aoed.backends.ort.sessions import session
+    from aoed.engine.assemble import model_signature, tunable_tasks
+    from aoed.engine.calibration import integer_ranges
+    from aoed.engine.modelio import tensor_bytes
+    from aoed.engine.prep import prepare
+
+    prep = prepare(req.source, req.workdir, req.input_shapes, req.keep_initializer_inputs)
+    try:
+        session(prep.path, {"intra_op_num_threads": 1})
+    except Exception as exc:
+        raise ModelError(f"{req.source}: onnxruntime cannot load the model: {exc}".splitlines()[0]) from None
+    assert _registry is not None
+    tasks = tunable_tasks(prep.model, prep.ctx, _registry, req.precision)
+    return m.PrepareReply(
+        prepared=prep.path,
+        inputs=prep.inputs,
+        outputs=tuple(prep.outputs),
+        tasks=tuple(tasks),
+        model_signature=model_signature(prep.model),
+        int_high=integer_ranges(prep.model, prep.inputs),
+        notes=tuple(prep.notes),
+        nodes=len(prep.model.graph.node),
+        model_bytes=tensor_bytes(prep.model),
+    )
+
+
+def _samples(req: m.SamplesRequest) -> m.SamplesReply:
+    from aoed.engine.calibration import Samples, load_samples
+    from aoed.engine.prep import make_inputs
+
+    if req.lossy:
+        samples = load_samples(req.inputs, req.calibration, req.int_high)
+    else:
+        samples = Samples.single(make_inputs(req.inputs, int_high=req.int_high), "synthetic (1 sample)")
+    req.workdir.mkdir(parents=True, exist_ok=True)
+    held, calib = [], []
+    for i, sample in enumerate(samples.held_back):
+        held.append(req.workdir / f"held_back_{i}.npz")
+        np.savez(held[-1], **sample)
+    for i, sample in enumerate(samples.calibrate):
+        calib.append(req.workdir / f"calibrate_{i}.npz")
+        np.savez(calib[-1], **sample)
+    return m.SamplesReply(tuple(held), tuple(calib), samples.source)
+
+
+def _calibrate(req: m.CalibrateRequest) -> m.CalibrateReply:
+    from aoed.backends.ort.probe import activation_ranges
+
+    model, ctx, _ = _loaded(req.prepared)
+    ranges = activation_ranges(model, ctx.tensors, (_load_npz(p) for p in req.samples))
+    req.out.write_text(json.dumps(ranges))
+    return m.CalibrateReply(req.out, len(ranges))
+
+
+def _extract(req: m.ExtractRequest) -> m.ExtractReply:
+    from aoed.backends.ort.probe import capture
+    from aoed.engine.tasks import task_model
+
+    model, ctx, consts = _loaded(req.prepared)
+    wanted = {n for t in req.tasks for n in t.inputs if n not in consts}
+    values = capture(model, ctx.tensors, wanted, _load_npz(req.sample))
+    dirs = {}
+    for t in req.tasks:
+        d = req.root / t.id
+        d.mkdir(parents=True, exist_ok=True)
+        onnx.save(task_model(model, t, consts, ctx.tensors), str(d / "task.onnx"))
+        np.savez(d / "inputs.npz", **{n: values[n] for n in t.inputs if n not in consts})
+        dirs[t.id] = d
+    return m.ExtractReply(dirs)
+
+
+def _compile(req: m.CompileRequest) -> m.CompileReply:
+    from aoed.backends.ort.sessions import session
+    from aoed.engine.tasks import TaskView, apply_rewrites
 
     t0 = time.perf_counter()
-    model = onnx.load(req["task_model"])
-    strategy = strategies.get(req["family"], req["strategy"])
+    model = onnx.load(str(req.task_model))
+    assert _registry is not None
+    strategy = _registry.get(req.family, req.strategy)
     nodes = list(model.graph.node)
+    ctx = ModelContext(model)
     view = TaskView(
         nodes=nodes,
-        consts=constant_values(model.graph),
-        infos=ModelContext(model).tensors,
-        opset=ModelContext(model).opset(""),
-        prefix=req.get("prefix", req["strategy"]),
-        ranges={k: (float(v[0]), float(v[1])) for k, v in req.get("ranges", {}).items()},
+        consts=Constants(model.graph, list(model.opset_import)),
+        infos=ctx.tensors,
+        opset=ctx.opset(""),
+        prefix=req.prefix,
+        ranges=_ranges(req.ranges),
     )
     rewrite = strategy.apply(view)
     if rewrite is None:
-        return {"ok": False, "applicable": False, "error": "not applicable"}
+        return m.CompileReply(ok=False, applicable=False, error="not applicable")
     candidate = apply_rewrites(model, {tuple(n.name for n in nodes): rewrite})
     onnx.checker.check_model(candidate)
-    onnx.save(candidate, req["out"])
-    import onnxruntime as ort
+    onnx.save(candidate, str(req.out))
+    session(req.out, {"intra_op_num_threads": 1})
+    return m.CompileReply(ok=True, compile_s=time.perf_counter() - t0)
 
-    so = make_session_options({"intra_op_num_threads": 1})
-    ort.InferenceSession(req["out"], so, providers=["CPUExecutionProvider"])
-    return {"ok": True, "applicable": True, "compile_s": time.perf_counter() - t0}
+
+def _assemble(req: m.AssembleRequest) -> m.AssembleReply:
+    from aoed.engine.assemble import apply_choices, set_metadata
+    from aoed.engine.modelio import save_model
+
+    model, ctx, consts = _loaded(req.source)
+    ranges = _ranges(req.ranges)
+    assert _registry is not None
+    sizes = {}
+    for build in req.builds:
+        out = apply_choices(model, ctx, consts, req.tasks, build.choices, _registry, ranges)
+        if build.metadata:
+            set_metadata(out, build.metadata)
+        sizes[str(build.out)] = save_model(out, build.out)
+    return m.AssembleReply(sizes)
+
+
+def _check(req: m.CheckRequest) -> m.CheckReply:
+    from aoe.errors import AoedError
+    from aoed.engine.assemble import task_rewrites
+
+    model, ctx, consts = _loaded(req.source)
+    ranges = _ranges(req.ranges)
+    assert _registry is not None
+    failures = {}
+    for t in req.tasks:
+        if t.id in req.choices:
+            try:
+                task_rewrites(model, ctx, consts, t, req.choices[t.id], _registry, ranges)
+            except (KeyError, AoedError) as exc:
+                failures[t.id] = str(exc).strip("'\"")
+    return m.CheckReply(failures)
+
+
+def _rebuild(req: m.RebuildRequest) -> m.RebuildReply:
+    from aoed.backends.ort.probe import activation_ranges
+    from aoed.engine.bankverify import RebuildError, rebuild_task
+    from aoed.engine.policy import policy
+    from aoed.engine.tasks import TaskView, apply_rewrites
+
+    try:
+        model, consts = rebuild_task(req.canonical_json, req.digest)
+    except RebuildError as exc:
+        return m.RebuildReply(ok=False, verdict="skipped", detail=f"cannot rebuild the task: {exc}")
+    ctx = ModelContext(model)
+    rng = np.random.default_rng(7)
+    feeds = {}
+    for vi in model.graph.input:
+        info = ctx.tensors[vi.name]
+        dt = np.dtype(info.dtype)
+        feeds[vi.name] = (rng.standard_normal(info.shape).astype(dt) if dt.kind == "f"
+                          else rng.integers(0, 8, size=info.shape).astype(dt))  # fmt: skip
+    ranges = activation_ranges(model, ctx.tensors, [feeds]) if policy(req.precision).lossy else {}
+    view = TaskView(nodes=list(model.graph.node), consts=consts, infos=ctx.tensors, opset=ctx.opset(""),
+                    prefix="aoe/verify", ranges=ranges)  # fmt: skip
+    assert _registry is not None
+    try:
+        rewrite = _registry.get(req.family, req.strategy).apply(view) if req.strategy != DEFAULT else None
+    except KeyError as exc:
+        return m.RebuildReply(ok=False, verdict="error", detail=str(exc).strip("'\""))
+    if rewrite is None:
+        return m.RebuildReply(ok=False, verdict="error", detail=f"strategy {req.strategy} no longer applies to this task")
+    tuned = apply_rewrites(model, {tuple(n.name for n in model.graph.node): rewrite})
+    req.workdir.mkdir(parents=True, exist_ok=True)
+    paths = req.workdir / "default.onnx", req.workdir / "strategy.onnx", req.workdir / "inputs.npz"
+    onnx.save(model, str(paths[0]))
+    onnx.save(tuned, str(paths[1]))
+    np.savez(paths[2], **feeds)
+    return m.RebuildReply(ok=True, default=paths[0], candidate=paths[1], inputs=paths[2])
+
+
+_OPS: dict[str, tuple[type, Any]] = {
+    "prepare": (m.PrepareRequest, _prepare),
+    "samples": (m.SamplesRequest, _samples),
+    "calibrate": (m.CalibrateRequest, _calibrate),
+    "extract": (m.ExtractRequest, _extract),
+    "compile": (m.CompileRequest, _compile),
+    "assemble": (m.AssembleRequest, _assemble),
+    "check": (m.CheckRequest, _check),
+    "rebuild": (m.RebuildRequest, _rebuild),
+}
+
+
+def _handle(req: dict[str, Any]) -> dict[str, Any]:
+    entry = _OPS.get(str(req.get("op")))
+    if entry is None:
+        return {"ok": False, "error": f"unknown op {req.get('op')!r}"}
+    cls, fn = entry
+    reply = m.to_wire(fn(m.from_wire(cls, req)))
+    reply.setdefault("ok", True)
+    return reply
 
 
 def main() -> int:
-    from aoed.backends.ort._wire import serve
-    from aoed.backends.ort.strategies import load_plugins
+    global _registry
+    from aoed.backends.ort._wire import child_main, serve
+    from aoed.backends.ort.catalog import build_registry
 
-    load_plugins()
-    return serve(_compile)
+    args = child_main()
+    _registry = build_registry(args.plugins)
+    return serve(_handle)
 
 
 if __name__ == "__main__":

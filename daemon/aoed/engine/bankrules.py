@@ -1,0 +1,170 @@
+"""AOE's bank rules, written once: what a lookup answers, and what tuning writes back.
+
+Reading (`answer`): an entry measured on this device answers ("hit"); a record that the
+task was tuned and the default stayed fastest answers too ("default": nothing to apply,
+nothing to measure); an entry from another device is never applied ("ignored");
+otherwise it is a "miss". Without REPEAT_TUNE a hit or default is used as-is.
+
+Writing, after a task was tuned (`after_tuning`), per AOE:
+  no entry, better than the default  -> add          (entry written)
+  no entry, the default stays best   -> unsatisfied  (default record written)
+  entry, something clearly better    -> update       (entry replaced)
+  entry, nothing clearly better      -> reserved     (entry kept)
+A model-level record (session options and the tasks a verification reverted in this
+model's context) follows the same rules under the model's signature.
+
+Used by the tuner, `aoe compile` and `aoe bank verify`, so they never disagree.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from aoe.signature import DeviceFingerprint, TaskSignature, bank_key
+from aoed import __version__
+from aoed.bank._codec import BankRecord, Measured
+from aoed.engine.decisions import clearly_faster
+from aoed.engine.messages import Measurement
+from aoed.engine.registry import DEFAULT
+
+__all__ = [
+    "MODES",
+    "BankAnswer",
+    "Outcome",
+    "after_tuning",
+    "answer",
+    "key_for",
+    "make_record",
+    "repo_summary",
+    "reverted_digests",
+]
+
+#: Per-task update modes as AOE reports them (plus failed: not measurable here).
+MODES = ("add", "update", "reserved", "hit", "unsatisfied", "failed")
+
+
+@dataclass(frozen=True)
+class BankAnswer:
+    kind: str  # hit | default | ignored | miss
+    record: BankRecord | None = None
+    layer: str = ""
+    default: Mapping[str, Any] | None = None
+    reason: str = ""
+
+    def usable(self, repeat_tune: bool) -> bool:
+        """True when the bank settles the task without measuring (AOE: no REPEAT_TUNE)."""
+        return self.kind in ("hit", "default") and not repeat_tune
+
+    @property
+    def default_us(self) -> float:
+        return float((self.default or {}).get("default_us", 0.0))
+
+
+def answer(
+    record: BankRecord | None,
+    layer: str,
+    default: Mapping[str, Any] | None,
+    default_layer: str,
+    device: DeviceFingerprint,
+) -> BankAnswer:
+    """What the bank says about one key (its entry and "default stays best" record)."""
+    if record is not None:
+        if record.device.digest != device.digest:
+            return BankAnswer("ignored", None, layer, None, f"entry in {layer} was measured on another device")
+        return BankAnswer("hit", record, layer)
+    if default is not None:
+        return BankAnswer("default", None, default_layer, default)
+    return BankAnswer("miss")
+
+
+def reverted_digests(ans: BankAnswer) -> set[str]:
+    """Signature digests a model-level record says were reverted in this model's context."""
+    if ans.record is not None:
+        return {d for d in ans.record.params.get("reverted", "").split(",") if d}
+    return set((ans.default or {}).get("reverted", []))
+
+
+@dataclass(frozen=True)
+class Outcome:
+    mode: str  # add | update | reserved | unsatisfied
+    strategy: str  # what the task runs now
+    write_entry: bool  # an entry for `strategy` is to be written
+    write_default: bool  # a "default stays best" record is to be written
+
+
+def after_tuning(
+    hit: BankRecord | None,
+    best: str,
+    measured: Mapping[str, Measurement],
+    gate: Callable[[Measurement], bool],
+) -> Outcome:
+    """AOE's decision for a task just measured: `best` won this run; `hit` is the bank's
+    entry when there was one (REPEAT_TUNE)."""
+    if hit is None:
+        if best != DEFAULT:
+            return Outcome("add", best, True, False)
+        return Outcome("unsatisfied", DEFAULT, False, True)
+    old = measured.get(hit.strategy)
+    old_ok = old is not None and old.ok and gate(old)
+    better = (best != hit.strategy and old_ok and clearly_faster(measured[best], old)) or not old_ok
+    if better and best != DEFAULT:
+        return Outcome("update", best, True, False)
+    return Outcome("reserved", hit.strategy if old_ok else best, False, False)
+
+
+def make_record(
+    key: bytes,
+    signature: TaskSignature,
+    device: DeviceFingerprint,
+    strategy: str,
+    family: str,
+    precision: str,
+    winner: Measurement,
+    baseline: Measurement,
+    job_id: str,
+    model: str,
+    params: Mapping[str, str] | None = None,
+) -> BankRecord:
+    """The bank entry for `strategy` winning on a task, with its evidence and provenance."""
+    return BankRecord(
+        key=key,
+        signature=signature,
+        device=device,
+        strategy=strategy,
+        family=family,
+        precision=precision,
+        winner=Measured(winner.median_us, winner.spread, winner.repeats, winner.min_us),
+        baseline=Measured(baseline.median_us, baseline.spread, baseline.repeats, baseline.min_us),
+        max_abs_error=winner.max_abs_error,
+        max_rel_error=winner.max_rel_error,
+        cosine=winner.cosine,
+        params=dict(params or {}),
+        host=socket.gethostname(),
+        aoed_version=__version__,
+        created_unix=time.time(),
+        job_id=job_id,
+        model=model,
+    )
+
+
+def key_for(signature: TaskSignature, device: DeviceFingerprint, precision: str) -> bytes:
+    """The bank key of a task (or a model's record) on `device` under `precision`."""
+    return bank_key(signature.digest, device.digest, precision)
+
+
+def repo_summary(modes: Iterable[str]) -> dict[str, int]:
+    """AOE's repo_summary counts: hit counts every task the bank knew (hit, reserved,
+    update), so hit + add + unsatisfied (+ failed) = total."""
+    modes = list(modes)
+    return {
+        "repo_add_num": modes.count("add"),
+        "repo_hit_num": sum(m in ("hit", "reserved", "update") for m in modes),
+        "repo_reserved_num": modes.count("reserved"),
+        "repo_unsatisfied_num": modes.count("unsatisfied"),
+        "repo_update_num": modes.count("update"),
+        "total_num": len(modes),
+    }

@@ -1,0 +1,93 @@
+"""What every stage of one job shares: the engine's agents, the job's options, policy,
+device, ledger and workspace, and the prepared model's description. Read-only once the
+job is prepared; stages return their results instead of writing into shared state.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from aoe.errors import AoedError
+from aoe.signature import DeviceFingerprint, TaskSignature
+from aoed.bank.writer import BankWrite, BankWriter
+from aoed.engine import bankrules
+from aoed.engine.device import DeviceAgent
+from aoed.engine.job import JobOptions
+from aoed.engine.ledger import JobLedger
+from aoed.engine.messages import (
+    AssembleRequest,
+    Build,
+    Candidate,
+    JobEvent,
+    MeasureReply,
+    MeasureRequest,
+    Measurement,
+    PrepareReply,
+    error_from_wire,
+    from_wire,
+)
+from aoed.engine.policy import PrecisionPolicy
+from aoed.engine.pool import CompilePool
+from aoed.engine.registry import StrategyRegistry
+from aoed.engine.workspace import Workspace
+
+__all__ = ["JobContext"]
+
+
+@dataclass
+class JobContext:
+    opts: JobOptions
+    job_id: str
+    pool: CompilePool
+    device: DeviceAgent
+    bank: BankWriter
+    registry: StrategyRegistry
+    policy: PrecisionPolicy
+    fingerprint: DeviceFingerprint
+    ledger: JobLedger
+    workspace: Workspace
+    prep: PrepareReply | None = None
+    held_back: tuple[Path, ...] = ()
+    ranges: Path | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def emit(self, kind: str, message: str = "", done: int = 0, total: int = 0) -> None:
+        self.ledger.emit(JobEvent(kind, message, done, total))
+
+    def key(self, sig: TaskSignature) -> bytes:
+        return bankrules.key_for(sig, self.fingerprint, self.opts.precision)
+
+    async def lookup(self, sig: TaskSignature) -> bankrules.BankAnswer:
+        """What the bank (custom, then layers) says about `sig` on this device."""
+        key = self.key(sig)
+        rec, layer = await self.bank.lookup_layered(key)
+        default, dlayer = (None, "") if rec is not None else await self.bank.known_default_layered(key)
+        return bankrules.answer(rec, layer, default, dlayer, self.fingerprint)
+
+    async def measure(
+        self, candidates: list[Candidate], reference: str | None, budget_s: float, inputs: Path | None = None
+    ) -> dict[str, Measurement]:
+        """Measure `candidates` interleaved on the device (DeviceError if it cannot)."""
+        req = MeasureRequest(tuple(candidates), inputs or self.held_back[0], reference, budget_s, self.opts.device)
+        reply = await self.device.call(req, self.ledger)
+        return from_wire(MeasureReply, reply).results
+
+    async def assemble(self, builds: list[Build], source: Path | None = None) -> None:
+        """Write whole models with the builds' choices applied (in a worker)."""
+        assert self.prep is not None
+        req = AssembleRequest(source or self.prep.prepared, self.prep.tasks, tuple(builds), self.ranges)
+        reply = await self.pool.call(req, self.ledger)
+        if not reply.get("ok"):
+            raise error_from_wire(reply, AoedError)
+
+    async def write_bank(self, write: BankWrite) -> None:
+        await self.bank.write(write)
+
+    async def write_text(self, path: Path, data: Mapping[str, Any]) -> None:
+        await trio.to_thread.run_sync(path.write_text, json.dumps(data))

@@ -1,0 +1,107 @@
+"""The result document: AOE's `aoe_result_opat_{ts}_{pid}.json` fields plus our own.
+
+    basic{tuning_name, tuning_time(s), job_id, precision, device}
+    OPAT{model_baseline_performance(ms), model_result_performance(ms),
+         model_performance_improvement, opat_tuning_result, repo_modified_operators,
+         repo_summary{repo_add_num, repo_hit_num, repo_reserved_num,
+                      repo_unsatisfied_num, repo_update_num, total_num}}
+    tuned_model, session_options, verification, accuracy, accuracy_budget, calibration,
+    resources{device_s, duty_cycle, trials, failed_candidates, compile_s, memory ...},
+    notes, tasks[...] (per task: strategy, update_mode, before/after, candidates, why)
+
+Written atomically (temp file + rename), so a reader never sees half a document.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+from aoe.errors import AoedError
+from aoed.engine.job import JobResult
+
+__all__ = ["result_json", "write_json"]
+
+
+def _json_safe(obj: object) -> object:
+    """`obj` with non-finite floats as None (JSON has no inf/nan)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_json_safe(v) for v in obj]
+    return obj
+
+
+def result_json(result: JobResult, job_type: str = "opat") -> dict[str, Any]:
+    """The AOE-shaped result document of a finished job."""
+    tasks = []
+    for t in result.tasks:
+        tasks.append(
+            {
+                "task_id": t.task_id,
+                "op_name": t.op_name,
+                "op_type": t.op_type,
+                "instances": t.instances,
+                "latency_share": round(t.share, 4),
+                "strategy": t.strategy,
+                "applied": t.applied,
+                "performance_before_tune(us)": round(t.before_us, 3),
+                "performance_after_tune(us)": round(t.after_us, 3),
+                "performance_improvement": round(t.improvement, 4),
+                "update_mode": t.update_mode,
+                "bank_layer": t.bank_layer,
+                "accuracy": t.accuracy,
+                "candidates": t.candidates,
+                "error": t.error,
+                "rejected": t.rejected,
+            }
+        )
+    added = [{"op_name": t.op_name, "op_type": t.op_type} for t in result.tasks if t.update_mode == "add"]
+    updated = [{"op_name": t.op_name, "op_type": t.op_type} for t in result.tasks if t.update_mode == "update"]
+    section = job_type.upper()
+    return {
+        "basic": {
+            "tuning_name": Path(result.model).stem,
+            "tuning_time(s)": round(result.tuning_time_s, 3),
+            "job_id": result.job_id,
+            "precision": result.precision,
+            "device": result.device,
+        },
+        section: {
+            "model_baseline_performance(ms)": round(result.baseline_ms, 6),
+            "model_result_performance(ms)": round(result.tuned_ms, 6),
+            "model_performance_improvement": round(result.improvement, 4),
+            f"{job_type}_tuning_result": "tuning successful",
+            "repo_modified_operators": {"add_repo_operators": added, "update_repo_operators": updated},
+            "repo_summary": result.repo,
+        },
+        "tuned_model": result.tuned_model,
+        "workspace": result.workspace,
+        "session_options": result.session_options,
+        "verification": result.verified,
+        "accuracy": result.accuracy,
+        "accuracy_budget": result.budget,
+        "calibration": result.calibration,
+        "resources": result.resources,
+        # [seconds into the job, estimated gain in us] after each task decision
+        "gain_timeline": result.timeline,
+        "notes": result.notes,
+        "tasks": tasks,
+    }
+
+
+def write_json(path: Path, doc: dict[str, Any]) -> None:
+    """Write `doc` at `path` atomically. AoedError naming the file when it cannot."""
+    text = json.dumps(_json_safe(doc), indent=2, allow_nan=False) + "\n"
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise AoedError(f"{path}: cannot write the result ({exc.strerror or exc})") from None

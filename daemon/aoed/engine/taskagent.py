@@ -1,0 +1,150 @@
+"""The task agent: one task's search, from candidates to a decision in the bank.
+
+    compile every strategy of the task's family (concurrently, in the compile pool)
+    -> measure the ones that built, interleaved on the task's real input activations
+    -> decide: the best exact candidate that clearly beats the default; under a lossy
+       policy, a lossy one that passes the task's accuracy gate and clearly beats that
+    -> AOE's bank rules (add, update, reserved, unsatisfied), committed with the trials
+       as soon as the task is decided, so a killed job resumes from the bank
+
+An agent owns its task's search state and returns a `TaskDecision`; it writes nothing
+that other agents read. A failed candidate costs that candidate; a task whose default
+cannot be built or measured keeps what the model (or the bank) has, marked failed.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import trio
+
+from aoe.errors import DeviceError
+from aoe.partition import Task
+from aoed.bank._codec import BankRecord
+from aoed.bank.writer import BankWrite
+from aoed.engine import bankrules, decisions
+from aoed.engine.context import JobContext
+from aoed.engine.job import TaskResult
+from aoed.engine.messages import Candidate, CompileReply, CompileRequest, Measurement, from_wire
+from aoed.engine.registry import DEFAULT
+
+__all__ = ["TaskAgent", "TaskDecision"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TaskDecision:
+    task: Task
+    result: TaskResult
+    strategy: str  # what the task runs now
+    fallback: str = DEFAULT  # the best exact strategy, where a lossy one was chosen
+    #: (gain in us over the fallback, error as 1 - cosine) of a lossy choice
+    lossy_cost: tuple[float, float] | None = None
+    failed_candidates: int = 0
+    trials: int = 0
+    decided_at: float = 0.0  # seconds into the job
+
+
+class TaskAgent:
+    def __init__(self, ctx: JobContext, task: Task, result: TaskResult, hit: BankRecord | None, budget_s: float):
+        self.ctx = ctx
+        self.task = task
+        self.result = result
+        self.hit = hit  # the bank's entry (REPEAT_TUNE), if any
+        self.budget_s = budget_s
+
+    async def run(self) -> TaskDecision:
+        ctx, task, res = self.ctx, self.task, self.result
+        taskdir = ctx.workspace.task_dir(task.id)
+        strategies = list(ctx.registry.strategies_for(task.family, ctx.opts.precision))
+        precision_of = {s.name: s.precision for s in strategies}
+        compiled: dict[str, CompileReply] = {}
+
+        async def compile_one(name: str) -> None:
+            req = CompileRequest(taskdir / "task.onnx", task.family, name, f"aoe/{task.id}",
+                                 taskdir / f"{name}.onnx", ctx.ranges)  # fmt: skip
+            reply = await ctx.pool.call(req, ctx.ledger)
+            # A worker that failed (crashed, raised) answers without `applicable`: it did apply.
+            compiled[name] = from_wire(CompileReply, {"applicable": True, **reply})
+
+        async with trio.open_nursery() as nursery:
+            for name in precision_of:
+                nursery.start_soon(compile_one, name)
+        cands, failed = [], 0
+        for name in precision_of:
+            c = compiled[name]
+            if c.ok:
+                cands.append(Candidate(name, taskdir / f"{name}.onnx"))
+            elif c.applicable:
+                failed += 1
+                res.candidates.append({"strategy": name, "ok": False, "error": c.error})
+        fallback = self.hit.strategy if self.hit else DEFAULT
+        if not compiled[DEFAULT].ok:
+            res.update_mode, res.error = "failed", f"default form did not compile: {compiled[DEFAULT].error}"
+            return TaskDecision(task, res, fallback, failed_candidates=failed)
+        try:
+            measured = await ctx.measure(cands, DEFAULT, self.budget_s, taskdir / "inputs.npz")
+        except DeviceError as exc:
+            res.update_mode, res.error = "failed", str(exc)
+            return TaskDecision(task, res, fallback, failed_candidates=failed)
+        finally:
+            await trio.to_thread.run_sync(_remove, [c.model for c in cands])
+        failed += sum(not r.ok for r in measured.values())
+        for name, r in measured.items():
+            res.candidates.append({"strategy": name, **r.summary()})
+
+        def gate(m: Measurement) -> bool:
+            return ctx.policy.task_ok(m.accuracy())
+
+        exact = {k: r for k, r in measured.items() if precision_of.get(k) == "exact"}
+        try:
+            best = best_exact = decisions.best(exact, DEFAULT, gate)
+        except ValueError as exc:
+            res.update_mode, res.error = "failed", str(exc)
+            return TaskDecision(task, res, fallback, failed_candidates=failed)
+        lossy_cost = None
+        if ctx.policy.lossy:
+            lossy = {k for k in measured if precision_of.get(k) != "exact"}
+            best, reasons = decisions.best_lossy(measured, best_exact, lossy, gate)
+            res.rejected.extend(reasons)
+            if best != best_exact:
+                gain = (measured[best_exact].median_us - measured[best].median_us) * task.instances
+                lossy_cost = (gain, 1.0 - measured[best].cosine)
+
+        outcome = bankrules.after_tuning(self.hit, best, measured, gate)
+        base = measured[DEFAULT]
+        win = measured[outcome.strategy] if outcome.strategy in measured else base
+        key = ctx.key(task.signature)
+        trials = tuple(
+            (key, {"task": task.id, "strategy": name, "job": ctx.job_id, **r.summary()}) for name, r in measured.items()
+        )
+        write = BankWrite(trials=trials)
+        if outcome.write_entry:
+            rec = bankrules.make_record(key, task.signature, ctx.fingerprint, outcome.strategy, task.family,
+                                        ctx.opts.precision, win, base, ctx.job_id, ctx.opts.model.name)  # fmt: skip
+            write = BankWrite(entries=(rec,), trials=trials)
+        elif outcome.write_default:
+            write = BankWrite(defaults=((key, {"default_us": base.median_us, "job": ctx.job_id}),), trials=trials)
+        await ctx.write_bank(write)
+        res.update_mode = outcome.mode
+        res.strategy = outcome.strategy
+        res.before_us = base.median_us
+        res.after_us = win.median_us
+        res.accuracy = win.accuracy()
+        ctx.emit("task", f"{task.id}: {outcome.strategy} ({outcome.mode})")
+        log.info("%s: %s (%s), %.1f -> %.1f us", task.id, outcome.strategy, outcome.mode, res.before_us, res.after_us)
+        lossy_choice = ctx.policy.lossy and outcome.strategy != best_exact
+        return TaskDecision(
+            task, res, outcome.strategy, fallback=best_exact if lossy_choice else DEFAULT,
+            lossy_cost=lossy_cost if outcome.strategy == best else None, failed_candidates=failed,
+            trials=len(trials),
+        )  # fmt: skip
+
+
+def _remove(paths: list) -> None:
+    """Candidate files are only needed while measured; the winner is rebuilt on assembly."""
+    for p in paths:
+        if p.name != "task.onnx":
+            p.unlink(missing_ok=True)

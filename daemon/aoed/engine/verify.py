@@ -1,0 +1,162 @@
+"""End-to-end checks of an assembled model: the accuracy budget, then never slower.
+
+`hold_to_budget` (lossy policies): the assembled model is compared with the input model
+on the held-back samples; while it misses the end-to-end budget, the lossy choice with
+the least gain per unit of error goes back to its best exact strategy.
+
+`verify`: the tuned model is measured against the input model, interleaved with
+variants that each revert one changed task. A task whose reversal is clearly faster
+than keeping it (or the best reversal, while the tuned model is slower than the input)
+is reverted, and the round repeats. When nothing is left to revert and the model is
+still slower, session options alone and then the input model itself are the fallbacks,
+so the result is never slower than the input.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from aoe.errors import AoedError
+from aoed.engine import decisions
+from aoed.engine.context import JobContext
+from aoed.engine.job import TaskResult
+from aoed.engine.messages import Accuracy, Build, Candidate, CompareRequest, Measurement, from_wire
+from aoed.engine.registry import DEFAULT
+
+__all__ = ["REVERTED", "Verified", "hold_to_budget", "verify"]
+
+#: How a task result's error starts when verification reverted it in the model's context.
+REVERTED = "reverted in context"
+
+
+@dataclass
+class Verified:
+    choices: dict[str, str]
+    options: dict[str, Any]
+    outcome: str  # tuned | options only | reverted to input
+    #: which model the outcome ships: the assembled one, the prepared one (options only)
+    #: or the input itself
+    source: str
+    baseline: Measurement
+    final: Measurement
+    notes: list[str] = field(default_factory=list)
+
+
+async def hold_to_budget(
+    ctx: JobContext,
+    choices: dict[str, str],
+    fallback: Mapping[str, str],
+    lossy_cost: dict[str, tuple[float, float]],
+    results: Mapping[str, TaskResult],
+    path: Path,
+) -> dict[str, float]:
+    """Back lossy choices off (in `choices`, in place) until the model at `path` meets
+    the end-to-end budget on the held-back samples; returns its accuracy."""
+    families = {t.id: t.family for t in ctx.prep.tasks} if ctx.prep else {}
+    while True:
+        req = CompareRequest(ctx.opts.model, path, ctx.held_back, ctx.opts.device)
+        acc = from_wire(Accuracy, await ctx.device.call(req, ctx.ledger)).as_dict()
+        lossy = {
+            tid: lossy_cost.get(tid, (0.0, 1.0)) for tid, name in choices.items()
+            if ctx.registry.get(families[tid], name).precision != "exact"
+        }  # fmt: skip
+        if ctx.policy.e2e_ok(acc) or not lossy:
+            return acc
+        victim = decisions.least_gain_per_error(lossy)
+        r = results[victim]
+        r.rejected.append(
+            f"{choices[victim]}: backed off, the model together reached cosine {acc['cosine']:.5f} and "
+            f"max rel error {acc['max_rel_error']:.3g}, outside the budget of cosine >= "
+            f"{ctx.policy.e2e_min_cosine} and max rel error <= {ctx.policy.e2e_max_rel_error}"
+        )
+        choices[victim] = r.strategy = fallback.get(victim, DEFAULT)
+        await ctx.assemble([Build(path, dict(choices))])
+
+
+def _revert_target(fallback: Mapping[str, str], tid: str, current: str) -> str:
+    target = fallback.get(tid, DEFAULT)
+    return target if target != current else DEFAULT
+
+
+async def verify(
+    ctx: JobContext,
+    choices: dict[str, str],
+    fallback: Mapping[str, str],
+    results: Mapping[str, TaskResult],
+    path: Path,
+    options: dict[str, Any],
+    from_bank: bool = False,
+) -> Verified:
+    """A/B the tuned model at `path` against the input model; revert what does not pay.
+
+    With `from_bank` (every choice came from the bank) the first round is a plain A/B,
+    the one end-to-end check of a bank-hit run; reversals are measured only if it fails.
+    `choices` is updated in place as tasks are reverted."""
+    original = ctx.opts.model
+    scratch = ctx.workspace.scratch
+    assert ctx.prep is not None
+
+    def acceptable(fin: Measurement, base: Measurement) -> bool:
+        return (
+            fin.ok
+            and ctx.policy.e2e_ok(fin.accuracy())
+            and not decisions.clearly_slower(fin, base)
+            and fin.median_us <= base.median_us * (1.0 + decisions.MIN_GAIN)
+        )
+
+    explore = not from_bank
+    while True:
+        changed = [tid for tid, name in choices.items() if name != DEFAULT] if explore else []
+        cands = [Candidate("baseline", original), Candidate("final", path, options)]
+        variants: dict[str, dict[str, str]] = {}
+        builds = []
+        for tid in changed:
+            alt = {**choices, tid: _revert_target(fallback, tid, choices[tid])}
+            alt_path = scratch / f"verify_without_{tid}.onnx"
+            builds.append(Build(alt_path, alt))
+            variants[f"without:{tid}"] = alt
+            cands.append(Candidate(f"without:{tid}", alt_path, options))
+        if builds:
+            await ctx.assemble(builds)
+        measured = await ctx.measure(cands, "baseline", budget_s=3.0 if explore else 1.5)
+        base, fin = measured["baseline"], measured["final"]
+        if not base.ok:
+            raise AoedError(f"{original}: the input model could not be measured: {base.error}")
+        if not explore and not acceptable(fin, base):
+            explore = True  # the bank's choices do not hold here: find which
+            continue
+        better = [
+            k for k in variants
+            if measured[k].ok and ctx.policy.e2e_ok(measured[k].accuracy())
+            and (decisions.clearly_faster(measured[k], fin) or not acceptable(fin, base))
+        ]  # fmt: skip
+        if acceptable(fin, base) and not better:
+            return Verified(dict(choices), options, "tuned", "assembled", base, fin)
+        if not better:
+            break
+        pick = min(better, key=lambda k: measured[k].median_us)
+        tid = pick.split(":", 1)[1]
+        r = results[tid]
+        r.applied = False
+        without, with_ = measured[pick].median_us, fin.median_us
+        r.error = (
+            f"{REVERTED}: the model measured {without:.1f} us without {choices[tid]} and {with_:.1f} us with it"
+            + ("" if without < with_ else " (the tuned model was slower than the input, and this reversal helped most)")
+        )
+        choices.update(variants[pick])
+        await ctx.assemble([Build(path, dict(choices))])
+    notes = [
+        f"verification: the tuned model measured {fin.median_us:.1f} us against the input's {base.median_us:.1f} us "
+        f"(max rel error {fin.max_rel_error:.3g}); falling back"
+    ]
+    if options:
+        measured = await ctx.measure(
+            [Candidate("baseline", original), Candidate("final", ctx.prep.prepared, options)], "baseline", budget_s=3.0
+        )
+        if acceptable(measured["final"], measured["baseline"]):
+            return Verified({}, options, "options only", "prepared", measured["baseline"], measured["final"], notes)
+        base = measured["baseline"]
+    return Verified({}, {}, "reverted to input", "input", base, base, notes)

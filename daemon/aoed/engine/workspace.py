@@ -1,0 +1,90 @@
+"""A job's place on disk, in AOE's layout, with names no other job can take.
+
+    {output}/aoe_workspace/{model}_{ts}/                   the job's workspace
+        tunespace/result/{model}_{ts}_tune.onnx            the tuned model (kept)
+        job.log                                            the job's log (kept)
+        tunespace/work/                                    scratch: prepared model, samples,
+                                                           task models, candidates, variants
+    {output}/aoe_result_{job type}_{ts}_{pid}.json         the result document
+
+Two jobs of one model started in the same second, in one process or several, must not
+share a directory or a result file: both are created exclusively (mkdir, O_EXCL), and a
+taken name gets a `_2`, `_3` ... suffix. Scratch is removed once the outputs are written,
+unless the job failed (it is what one debugs) or `keep_workspace` was asked for.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from pathlib import Path
+
+from aoe.errors import AoedError
+
+__all__ = ["Workspace"]
+
+
+class Workspace:
+    def __init__(self, output: Path, root: Path, tag: str):
+        self.output = output
+        self.root = root
+        self.tag = tag  # "{model}_{ts}" (+ suffix): the stem of every name the job writes
+        self.scratch = root / "tunespace" / "work"
+        self.result_dir = root / "tunespace" / "result"
+        self.log_path = root / "job.log"
+
+    @classmethod
+    def create(cls, output: Path, model_stem: str) -> Workspace:
+        """Make a fresh workspace under `output`. AoedError naming the directory when it
+        cannot be created (missing permission, full disk, a file in the way)."""
+        ts = time.strftime("%Y%m%d%H%M%S")
+        base = output / "aoe_workspace"
+        try:
+            base.mkdir(parents=True, exist_ok=True)
+            for n in range(1, 10_000):
+                tag = f"{model_stem}_{ts}" + (f"_{n}" if n > 1 else "")
+                try:
+                    (base / tag).mkdir()
+                except FileExistsError:
+                    continue
+                ws = cls(output, base / tag, tag)
+                ws.scratch.mkdir(parents=True)
+                ws.result_dir.mkdir(parents=True)
+                return ws
+        except OSError as exc:
+            raise AoedError(f"{exc.filename or base}: cannot create the job's workspace ({exc.strerror or exc})") from None
+        raise AoedError(f"{base}: no free workspace name for {model_stem}_{ts}")
+
+    @property
+    def timestamp(self) -> str:
+        """The tag's time stamp (the tag is "{stem}_{ts}" or "{stem}_{ts}_{n}")."""
+        for part in reversed(self.tag.split("_")):
+            if len(part) == 14 and part.isdigit():
+                return part
+        return time.strftime("%Y%m%d%H%M%S")
+
+    def task_dir(self, task_id: str) -> Path:
+        return self.scratch / "tasks" / task_id
+
+    def tuned_model_path(self) -> Path:
+        return self.result_dir / f"{self.tag}_tune.onnx"
+
+    def reserve_result(self, job_type: str) -> Path:
+        """Claim `aoe_result_{job_type}_{ts}_{pid}.json` (suffixed when taken) in the
+        output directory; returns its path (an empty file until written)."""
+        stem = f"aoe_result_{job_type}_{self.timestamp}_{os.getpid()}"
+        for n in range(1, 10_000):
+            path = self.output / (f"{stem}.json" if n == 1 else f"{stem}_{n}.json")
+            try:
+                os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+            except FileExistsError:
+                continue
+            except OSError as exc:
+                raise AoedError(f"{path}: cannot write the result ({exc.strerror or exc})") from None
+            return path
+        raise AoedError(f"{self.output}: no free result file name for {stem}")
+
+    def clean(self) -> None:
+        """Remove the scratch files (best effort)."""
+        shutil.rmtree(self.scratch, ignore_errors=True)
