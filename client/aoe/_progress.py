@@ -9,7 +9,8 @@ __all__ = ["Progress"]
 
 
 class Progress:
-    """Renders JobEvents with rich on stderr; a no-op when disabled or not a terminal."""
+    """Renders JobEvents with rich on stderr (a no-op when disabled or not a terminal);
+    "wait" events are always printed."""
 
     def __init__(self, enabled: bool = True):
         self.enabled = enabled and sys.stderr.isatty()
@@ -41,6 +42,12 @@ class Progress:
             self._bar = None
 
     def emit(self, event: Any) -> None:
+        if event.kind == "wait":  # said even without a terminal: the user must know why nothing moves
+            if self._bar is not None:
+                self._bar.console.print(f"aoe: {event.message}")
+            else:
+                print(f"aoe: {event.message}", file=sys.stderr, flush=True)
+            return
         if self._bar is None:
             return
         if event.kind == "stage":

@@ -1,4 +1,4 @@
-"""`aoe compile` and `aoe bank ...`: the bank's command line.
+"""`aoe compile` and `aoe bank ...`: the bank's part of the `aoe` command line.
 
     aoe compile MODEL -o OUT [--bank DIR] [--bank-layer DIR] [--input-shape x:1,3,224,224]
                              [--precision exact|int8] [--calibration DIR] [--json]
@@ -12,9 +12,9 @@
     aoe bank verify  [--bank DIR] [--sample N] [--op-type T] [--seed S] [--budget SECONDS]
                      [--layer NAME|all] [--no-record] [--json]
 
-The custom bank is --bank, else TUNE_BANK_PATH, else the user data dir; read-only layers
-come from --bank-layer (repeatable) and AOED_BANK_LAYERS (os.pathsep separated), in that
-order. Reads never need the daemon; import, prune and verify write the custom bank
+The custom bank is --bank, else the configured one (TUNE_BANK_PATH, the config file, the
+user data dir); read-only layers come from --bank-layer (repeatable), then the configured
+ones (AOED_BANK_LAYERS, os.pathsep separated). Reads never need the daemon; import, prune and verify write the custom bank
 directly (LMDB serializes them with a running daemon's writes). `verify` exits 1 when an
 entry regressed, is inaccurate or could not be measured.
 """
@@ -25,20 +25,13 @@ import argparse
 import contextlib
 import json
 import sys
-from collections.abc import Sequence
 from pathlib import Path
 
-from aoe.errors import AoedError, OptionError
+from aoe.errors import OptionError
 
-__all__ = ["main"]
+__all__ = ["add_parsers"]
 
 _POLICIES = ("keep-faster", "overwrite", "keep-existing")
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # argparse's exit code for usage errors, our prefix
-        self.print_usage(sys.stderr)
-        raise OptionError(f"{self.prog}: {message}")
 
 
 def _bank_args(p: argparse.ArgumentParser, layers: bool = True) -> None:
@@ -48,17 +41,29 @@ def _bank_args(p: argparse.ArgumentParser, layers: bool = True) -> None:
                        help="read-only bank layered under the custom bank (repeatable)")  # fmt: skip
 
 
-def _reader(args: argparse.Namespace):
-    from aoe.bank import default_bank_path, open_bank
+def _config(args: argparse.Namespace):
+    from aoe.config import load_config
 
-    return open_bank(args.bank or default_bank_path(), layers=args.bank_layer)
+    return load_config(getattr(args, "config", None))
+
+
+def _bank_path(args: argparse.Namespace) -> Path:
+    return args.bank or _config(args).bank
+
+
+def _reader(args: argparse.Namespace):
+    from aoe.bank import open_bank
+
+    config = _config(args)
+    return open_bank(args.bank or config.bank, layers=[*args.bank_layer, *config.bank_layers], use_env=False)
 
 
 # --------------------------------------------------------------------------- compile
 
 
-def _compile_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="aoe compile", description="Build the tuned model from the bank alone (no measurement).")
+def _add_compile(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("compile", help="build the tuned model from the bank alone (no measurement)",
+                       description="Build the tuned model from the bank alone (no measurement).")  # fmt: skip
     p.add_argument("model", type=Path)
     p.add_argument("-o", "--output", type=Path, required=True, help="where to write the tuned .onnx")
     _bank_args(p)
@@ -69,20 +74,21 @@ def _compile_parser() -> argparse.ArgumentParser:
     p.add_argument("--calibration", type=Path,
                    help="calibration samples the tuning run used (lossy precisions; as for aoe tune)")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print the report as JSON")
-    return p
+    p.set_defaults(run=_compile)
 
 
-def _compile(argv: Sequence[str]) -> int:
-    args = _compile_parser().parse_args(argv)
-    from aoed.engine.assemble import compile_model
+def _compile(args: argparse.Namespace) -> int:
+    from aoed.compile import compile_model
     from aoed.engine.policy import policy
     from aoed.engine.prep import parse_input_shapes
 
     policy(args.precision)  # validates the name before any work starts
     shapes = parse_input_shapes(args.input_shape)
+    config = _config(args)
     with _reader(args) as reader:
         asm = compile_model(
-            args.model, args.output, reader, shapes, args.precision, args.keep_initializer_inputs, args.calibration
+            args.model, args.output, reader, shapes, args.precision, args.keep_initializer_inputs, args.calibration,
+            plugins=config.plugins,
         )
         layers = [name for name, _ in reader.layers]
     rows = [*asm.tasks, asm.session]
@@ -118,15 +124,18 @@ def _compile(argv: Sequence[str]) -> int:
 # --------------------------------------------------------------------------- bank
 
 
-def _bank_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="aoe bank", description="Inspect, exchange and maintain the knowledge bank.")
-    sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
+def _add_bank(top: argparse._SubParsersAction) -> None:
+    p = top.add_parser("bank", help="inspect, exchange and maintain the knowledge bank",
+                       description="Inspect, exchange and maintain the knowledge bank.")  # fmt: skip
+    sub = p.add_subparsers(dest="cmd", metavar="SUBCOMMAND", required=True, parser_class=type(p))
 
     s = sub.add_parser("stats", help="entries, history, defaults, sizes per layer")
+    s.set_defaults(run=_stats)
     _bank_args(s)
     s.add_argument("--json", action="store_true")
 
     s = sub.add_parser("lookup", help="print the entry for a key, or why nothing matched")
+    s.set_defaults(run=_lookup)
     _bank_args(s)
     q = s.add_mutually_exclusive_group(required=True)
     q.add_argument("--key", help="bank key v1/<signature>/<device>/<precision>")
@@ -136,21 +145,25 @@ def _bank_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="print the entry as one JSON line")
 
     s = sub.add_parser("export", help="write entries as JSON Lines")
+    s.set_defaults(run=_export)
     _bank_args(s)
     s.add_argument("--layer", default="custom", help="layer to export: custom (default), a layer path, or all")
     s.add_argument("--output", "-o", type=Path, help="file to write (default: standard output)")
 
     s = sub.add_parser("import", help="merge JSON Lines entries into the custom bank")
+    s.set_defaults(run=_import)
     _bank_args(s, layers=False)
     s.add_argument("file", type=Path, help="JSON Lines file ('-' for standard input)")
     s.add_argument("--policy", default="keep-faster", choices=_POLICIES)
     s.add_argument("--allow-foreign", action="store_true", help="accept entries measured on other devices")
 
     s = sub.add_parser("prune", help="drop the measurement history, keep winners")
+    s.set_defaults(run=_prune)
     _bank_args(s, layers=False)
     s.add_argument("--dry-run", action="store_true")
 
     s = sub.add_parser("verify", help="re-measure a sample of entries on this device")
+    s.set_defaults(run=_verify)
     _bank_args(s)
     s.add_argument("--layer", default="custom", help="layer to verify: custom (default), a layer path, or all")
     s.add_argument("--sample", type=int, default=10, help="entries to re-measure, chosen at random (0 = all)")
@@ -159,7 +172,12 @@ def _bank_parser() -> argparse.ArgumentParser:
     s.add_argument("--budget", type=float, default=1.0, help="device seconds per entry (default 1)")
     s.add_argument("--no-record", action="store_true", help="do not append the measurements to the history")
     s.add_argument("--json", action="store_true")
-    return p
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:
+    """Add `compile` and `bank` (with its subcommands) to the `aoe` parser."""
+    _add_compile(sub)
+    _add_bank(sub)
 
 
 def _stats(args: argparse.Namespace) -> int:
@@ -219,7 +237,6 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _import(args: argparse.Namespace) -> int:
-    from aoe.bank import default_bank_path
     from aoed.bank.exchange import import_lines
     from aoed.bank.store import BankStore
 
@@ -231,7 +248,7 @@ def _import(args: argparse.Namespace) -> int:
             lines = ctx = open(args.file, encoding="utf-8")
         except OSError as exc:
             raise OptionError(f"{args.file}: {exc.strerror or exc}") from None
-    store = BankStore(args.bank or default_bank_path())
+    store = BankStore(_bank_path(args))
     try:
         with ctx:
             report = import_lines(store, lines, args.policy, args.allow_foreign)
@@ -245,10 +262,9 @@ def _import(args: argparse.Namespace) -> int:
 
 
 def _prune(args: argparse.Namespace) -> int:
-    from aoe.bank import default_bank_path
     from aoed.bank.store import BankStore
 
-    path = args.bank or default_bank_path()
+    path = _bank_path(args)
     if not (path / "data.mdb").is_file():
         raise OptionError(f"--bank {path}: no bank here")
     store = BankStore(path)
@@ -268,21 +284,35 @@ def _verify(args: argparse.Namespace) -> int:
 
     import trio
 
+    from aoed.backends.ort.catalog import build_registry
+    from aoed.bank._codec import decode
     from aoed.bank.store import BankStore
-    from aoed.bank.verify import sample_entries, verify_entries
+    from aoed.engine.bankverify import sample_entries, verify_entries
+    from aoed.engine.engine import open_engine
 
     if args.sample < 0 or args.budget <= 0:
         raise OptionError("--sample must be >= 0 and --budget > 0")
     seed = args.seed or random.SystemRandom().randrange(1, 1 << 31)
+    config = _config(args)
     with _reader(args) as reader:
         names = [n for n, _ in reader.layers]
         if args.layer != "all" and args.layer not in names:
             raise OptionError(f"--layer {args.layer}: no such layer (layers: {', '.join(names)}, or all)")
-        entries = [e for _, e in reader.entries(None if args.layer == "all" else args.layer)]
+        entries = [decode(e.SerializeToString()) for _, e in reader.entries(None if args.layer == "all" else args.layer)]
         custom = reader.layers[0][1]
     chosen = sample_entries(entries, args.sample, seed, args.op_type)
-    with tempfile.TemporaryDirectory(prefix="aoe-verify-logs-") as logs:
-        verdicts, trials = trio.run(verify_entries, chosen, args.budget, Path(logs))
+
+    async def run():
+        with tempfile.TemporaryDirectory(prefix="aoe-verify-logs-") as logs:
+            async with open_engine(config.replace(parallel=1), build_registry(config.plugins), Path(logs)) as engine:
+                return await verify_entries(engine, chosen, args.budget)
+
+    try:
+        verdicts, trials = trio.run(run)
+    except BaseExceptionGroup as group:
+        from aoe.cli import _single
+
+        raise _single(group) from None
     if trials and not args.no_record:
         store = BankStore(custom)
         try:
@@ -303,17 +333,3 @@ def _verify(args: argparse.Namespace) -> int:
                   ("confirmed", "regressed", "inaccurate", "skipped", "error")}  # fmt: skip
         print("  " + ", ".join(f"{k} {n}" for k, n in counts.items()))
     return 1 if bad else 0
-
-
-def main(argv: Sequence[str]) -> int:
-    """Run `aoe compile ...` or `aoe bank ...` (argv[0] names which); returns the exit code."""
-    try:
-        if argv[0] == "compile":
-            return _compile(argv[1:])
-        args = _bank_parser().parse_args(argv[1:])
-        commands = {"stats": _stats, "lookup": _lookup, "export": _export, "import": _import,
-                    "prune": _prune, "verify": _verify}  # fmt: skip
-        return commands[args.cmd](args)
-    except AoedError as exc:
-        print(f"aoe: error: {exc}", file=sys.stderr)
-        return exc.exit_code

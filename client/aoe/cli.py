@@ -1,89 +1,90 @@
-"""The `aoe` command.
+"""The `aoe` command: one parser, one subcommand per thing to do, one error style.
 
-    aoe tune MODEL [--precision exact] [--input-shape x:1,3,224,224] [--bank DIR]
+    aoe tune MODEL [--precision exact|int8] [--input-shape x:1,3,224,224] [--bank DIR]
                    [--repeat-tune] [--parallel N] [--output DIR] [--job-type opat]
-    aoe --framework 5 --model MODEL --job_type 2        (AOE's spelling, same job)
+    aoe compile MODEL -o OUT [--bank DIR] ...
+    aoe bank stats|lookup|export|import|prune|verify ...
+    aoe --framework 5 --model MODEL --job_type 2        (AOE's spelling of aoe tune)
 
-`aoe tune` runs the engine embedded: no daemon needed. Environment variables honoured as
-in AOE: TUNE_BANK_PATH (custom bank), REPEAT_TUNE (True/False), TE_PARALLEL_COMPILER
-(compile processes, 1-32), ASCEND_DEVICE_ID (device id). Errors end with a one-line
-message on stderr and the error's exit status, never a traceback.
+`aoe tune` runs the engine embedded: no daemon needed. Settings come from the
+environment as in AOE (TUNE_BANK_PATH, REPEAT_TUNE, TE_PARALLEL_COMPILER,
+ASCEND_DEVICE_ID) and from an optional TOML file (`--config`), all read by `aoe.config`;
+options on the command line win. Every error ends with one line on stderr,
+`aoe: error: ...`, and the exit status of its class (2 options, 3 model, 4 bank,
+5 device), never a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
+import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any, NoReturn
 
 from aoe.errors import AoedError, OptionError
 
 __all__ = ["main"]
 
 _JOB_TYPES = {"1": "sgat", "2": "opat", "sgat": "sgat", "opat": "opat"}
-_SUBCOMMANDS = ("tune", "compile", "bank")
+#: Options only AOE's spelling uses: their presence without a command means `tune`.
+_AOE_FLAGS = ("-f", "--framework", "-m", "--model", "-j", "--job_type", "--job-type")
 
 
-def _env_bool(name: str) -> bool | None:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return None
-    low = raw.strip().lower()
-    if low in ("true", "1", "yes", "on"):
-        return True
-    if low in ("false", "0", "no", "off"):
-        return False
-    raise OptionError(f"{name}={raw!r}: expected True or False")
+def _version() -> str:
+    import importlib.metadata
 
-
-def _parallel(value: str | None, source: str) -> int | None:
-    if value is None or value == "":
-        return None
     try:
-        n = int(value)
-    except ValueError:
-        raise OptionError(f"{source}={value!r}: expected a number of compile processes (1-32)") from None
-    if not 1 <= n <= 32:
-        raise OptionError(f"{source}={n}: compile processes must be between 1 and 32")
-    return n
+        return importlib.metadata.version("aoed")
+    except importlib.metadata.PackageNotFoundError:
+        return "0.0.0+local"
 
 
-def _tune_parser(prog: str = "aoe tune") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description="Tune an ONNX model by measurement, embedded (no daemon).")
+class Parser(argparse.ArgumentParser):
+    """argparse with the project's error style: an OptionError, not an exit."""
+
+    def error(self, message: str) -> NoReturn:
+        if "invalid choice" in message and ("argument COMMAND" in message or "argument SUBCOMMAND" in message):
+            bad = message.split("invalid choice: ", 1)[1].split(" (", 1)[0]
+            choices = message.split("(choose from ", 1)[1].rstrip(")").replace("'", "")
+            message = f"unknown command {bad} (commands: {choices}; see {self.prog} --help)"
+        where = self.prog.removeprefix("aoe").strip()
+        raise OptionError(f"{where}: {message}" if where else message)
+
+
+def _add_tune(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("tune", help="tune a model by measurement, embedded (no daemon)",
+                       description="Tune an ONNX model by measurement on this machine, embedded (no daemon).")  # fmt: skip
     p.add_argument("model", type=Path, help="the .onnx model to tune")
     p.add_argument("--precision", default="exact", help="precision policy: exact (default) or int8")
     p.add_argument("--calibration", type=Path, help="calibration samples: a folder of .npz/.npy (int8)")
     p.add_argument("--min-cosine", type=float, help="end-to-end accuracy budget: lowest output cosine (int8: 0.999)")
     p.add_argument("--max-rel-error", type=float,
-                   help="end-to-end accuracy budget: largest error relative to the output range (int8: 0.25)")
-    p.add_argument(
-        "--input-shape", action="append", default=[], metavar="NAME:D1,D2,...",
-        help="static shape for an input with dynamic dimensions; repeat or join with ';'",
-    )
+                   help="end-to-end accuracy budget: largest error relative to the output range (int8: 0.25)")  # fmt: skip
+    p.add_argument("--input-shape", action="append", default=[], metavar="NAME:D1,D2,...",
+                   help="static shape for an input with dynamic dimensions; repeat or join with ';'")  # fmt: skip
     p.add_argument("--bank", type=Path, help="custom bank directory (default: TUNE_BANK_PATH or the user data dir)")
-    p.add_argument(
-        "--bank-layer", action="append", type=Path, default=[], metavar="DIR",
-        help="read-only bank consulted after the custom one (repeatable; also AOED_BANK_LAYERS)",
-    )
+    p.add_argument("--bank-layer", action="append", type=Path, default=[], metavar="DIR",
+                   help="read-only bank consulted after the custom one (repeatable; also AOED_BANK_LAYERS)")  # fmt: skip
     p.add_argument("--repeat-tune", action="store_true", default=None, help="re-tune tasks the bank already knows")
-    p.add_argument("--parallel", help="compile processes (default: TE_PARALLEL_COMPILER or cores-1)")
+    p.add_argument("--parallel", help="compile processes, 1-32 (default: TE_PARALLEL_COMPILER or cores-1)")
     p.add_argument("--output", type=Path, default=Path("."), help="where aoe_workspace/ and the result JSON go")
     p.add_argument("--job-type", default="opat", help="opat (2); sgat (1) is not available yet")
-    p.add_argument("--device", default=None, help="device: cpu (default; ASCEND_DEVICE_ID is recorded)")
-    p.add_argument(
-        "--keep-initializer-inputs", action="store_true",
-        help="treat initializers that old exporters list as graph inputs as real inputs",
-    )
+    p.add_argument("--device", default=None,
+                   help="cpu (default), cuda:N, tensorrt:N or cann:N (ASCEND_DEVICE_ID selects cann:N)")  # fmt: skip
+    p.add_argument("--keep-initializer-inputs", action="store_true",
+                   help="treat initializers that old exporters list as graph inputs as real inputs")  # fmt: skip
     p.add_argument("--budget", type=float, default=20.0, help="device seconds for per-task measurement (default 20)")
+    p.add_argument("--keep-workspace", action="store_true",
+                   help="keep the scratch files (task models, samples) under aoe_workspace/ after success")  # fmt: skip
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    return p
+    p.set_defaults(run=_tune)
 
 
-def _aoe_parser() -> argparse.ArgumentParser:
-    """AOE's own spelling: `aoe --framework 5 --model m.onnx --job_type 2`."""
-    p = argparse.ArgumentParser(prog="aoe", description="AOE-compatible invocation of aoe tune.")
+def _aoe_spelling(argv: Sequence[str]) -> argparse.Namespace:
+    """AOE's own spelling: `aoe --framework 5 --model m.onnx --job_type 2`, as `tune`."""
+    p = Parser(prog="aoe", description="AOE-compatible invocation of aoe tune.")
     p.add_argument("-f", "--framework", default="5")
     p.add_argument("-m", "--model", type=Path, required=True)
     p.add_argument("-j", "--job_type", "--job-type", dest="job_type", default="2")
@@ -93,27 +94,28 @@ def _aoe_parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", default="exact")
     p.add_argument("--calibration", type=Path)
     p.add_argument("--bank", type=Path)
+    p.add_argument("--config", type=Path)
     p.add_argument("--progress_bar", default="on", choices=["on", "off"])
-    return p
-
-
-def _from_aoe(argv: Sequence[str]) -> argparse.Namespace:
-    a = _aoe_parser().parse_args(argv)
+    a = p.parse_args(argv)
     if str(a.framework) != "5":
         raise OptionError(f"--framework {a.framework}: only ONNX (5) models can be tuned here")
     return argparse.Namespace(
-        model=a.model, precision=a.precision, input_shape=a.input_shape, bank=a.bank,
-        calibration=a.calibration, min_cosine=None, max_rel_error=None, bank_layer=[],
+        model=a.model, precision=a.precision, input_shape=a.input_shape, bank=a.bank, config=a.config,
+        calibration=a.calibration, min_cosine=None, max_rel_error=None, bank_layer=[], verbose=0,
         repeat_tune=None, parallel=None, output=a.output, job_type=a.job_type, device=a.device,
-        keep_initializer_inputs=False, budget=20.0, no_progress=a.progress_bar == "off",
-    )
+        keep_initializer_inputs=False, budget=20.0, keep_workspace=False,
+        no_progress=a.progress_bar == "off", run=_tune,
+    )  # fmt: skip
 
 
 def _tune(args: argparse.Namespace) -> int:
     import trio
 
-    from aoed.bank.store import default_bank_path
-    from aoed.engine.engine import default_parallel, open_engine
+    from aoe.config import load_config, parse_parallel
+    from aoe.device import Device
+    from aoe.errors import DeviceError
+    from aoed.backends.ort.catalog import build_registry
+    from aoed.engine.engine import open_engine
     from aoed.engine.job import JobOptions
     from aoed.engine.policy import policy
     from aoed.engine.prep import parse_input_shapes
@@ -126,19 +128,16 @@ def _tune(args: argparse.Namespace) -> int:
     policy(args.precision, args.min_cosine, args.max_rel_error)  # validates before any work starts
     if args.calibration is not None and not args.calibration.is_dir():
         raise OptionError(f"--calibration {args.calibration}: not a directory")
-    device = args.device or "cpu"
-    if os.environ.get("ASCEND_DEVICE_ID") and args.device is None:
-        device = "cpu"  # no NPU here; the id is kept for the report
-    if device != "cpu":
-        raise OptionError(f"--device {device}: only the cpu device is available on this machine")
     if args.budget <= 0:
         raise OptionError("--budget must be a positive number of seconds")
     shapes = parse_input_shapes(args.input_shape)
-    repeat = args.repeat_tune if args.repeat_tune is not None else bool(_env_bool("REPEAT_TUNE"))
-    parallel = _parallel(args.parallel, "--parallel") or _parallel(
-        os.environ.get("TE_PARALLEL_COMPILER"), "TE_PARALLEL_COMPILER"
-    ) or default_parallel()
-    bank = args.bank or default_bank_path()
+    config = load_config(args.config)
+    parallel = parse_parallel(args.parallel, "--parallel") if args.parallel is not None else None
+    config = config.replace(
+        bank=args.bank, parallel=parallel, repeat_tune=args.repeat_tune,
+        device=Device.parse(args.device) if args.device else None,
+        bank_layers=(*args.bank_layer, *config.bank_layers) if args.bank_layer else None,
+    )  # fmt: skip
     output: Path = args.output
     try:
         output.mkdir(parents=True, exist_ok=True)
@@ -150,25 +149,23 @@ def _tune(args: argparse.Namespace) -> int:
         precision=args.precision,
         job_type=job_type,
         input_shapes=shapes,
-        repeat_tune=repeat,
+        repeat_tune=config.repeat_tune,
         keep_initializer_inputs=args.keep_initializer_inputs,
-        device=device,
+        device=config.device,
         budget_s=args.budget,
         calibration=args.calibration,
         min_cosine=args.min_cosine,
         max_rel_error=args.max_rel_error,
-        job_id=f"local-{os.getpid()}",
+        keep_workspace=args.keep_workspace,
     )
+    registry = build_registry(config.plugins)
 
     from aoe._progress import Progress
 
     progress = Progress(enabled=not args.no_progress)
 
     async def run():
-        from aoe.bank import layer_paths_from_env
-
-        layers = [*args.bank_layer, *layer_paths_from_env()]
-        async with open_engine(bank, output / "aoe_workspace" / "logs", parallel, bank_layers=layers) as engine:
+        async with open_engine(config, registry, output / "aoe_workspace" / "logs") as engine:
             with progress:
                 return await engine.run_job(opts, progress.emit)
 
@@ -176,6 +173,9 @@ def _tune(args: argparse.Namespace) -> int:
         result = trio.run(run)
     except BaseExceptionGroup as group:
         raise _single(group) from None
+    except DeviceError as exc:
+        source = config.sources.get("device", "")
+        raise DeviceError(f"{source} selects {config.device}: {exc}" if source.startswith("ASCEND") else str(exc)) from None
     _summary(result)
     return 0
 
@@ -191,19 +191,24 @@ def _single(group: BaseExceptionGroup) -> BaseException:
     return group
 
 
-def _summary(r) -> None:
+def _summary(r: Any) -> None:
     tuned = sum(t.update_mode in ("add", "update", "reserved", "unsatisfied") for t in r.tasks)
     hits = sum(t.update_mode == "hit" for t in r.tasks)
+    failed = sum(t.update_mode == "failed" for t in r.tasks)
     changed = [t for t in r.tasks if t.strategy != "default" and t.applied]
+    res = r.resources
     out = sys.stdout
-    print(f"aoe: tuned {Path(r.model).name} in {r.tuning_time_s:.1f} s ({r.precision}, verified: {r.verified})", file=out)
+    print(f"aoe: tuned {Path(r.model).name} in {r.tuning_time_s:.1f} s "
+          f"({r.precision} on {r.device}, verified: {r.verified})", file=out)  # fmt: skip
     print(f"  baseline     {r.baseline_ms:.4f} ms", file=out)
     print(f"  tuned        {r.tuned_ms:.4f} ms   ({r.improvement:+.1%})", file=out)
     print(
-        f"  tasks        {len(r.tasks)} ({tuned} measured, {hits} from the bank, {len(changed)} changed); "
-        f"{r.trials} trials, {r.failed_candidates} failed candidates; device busy {r.duty_cycle:.0%}",
+        f"  tasks        {len(r.tasks)}: {tuned} measured, {hits} from the bank"
+        + (f", {failed} failed" if failed else "") + f"; {len(changed)} changed",
         file=out,
     )
+    print(f"  device       {res.get('trials', 0)} trials, {res.get('failed_candidates', 0)} failed candidates; "
+          f"busy {res.get('device_s', 0):.1f} s of the job's {r.tuning_time_s:.1f} s ({r.duty_cycle:.0%})", file=out)  # fmt: skip
     for t in changed:
         print(f"    {t.op_name:<40} {t.op_type:<14} {t.strategy:<22} {t.improvement:+.1%}", file=out)
     if r.session_options:
@@ -212,37 +217,65 @@ def _summary(r) -> None:
         acc = r.accuracy
         print(f"  accuracy     cosine {acc.get('cosine', 0):.5f}, max rel error {acc.get('max_rel_error', 0):.3g} "
               f"(budget {r.budget.get('min_cosine')} / {r.budget.get('max_rel_error')}); calibration: {r.calibration}",
-              file=out)
-        kept = [t for t in r.tasks if t.rejected and not any(t.strategy.startswith(p) for p in ("int8",))]
-        for t in kept:
-            print(f"    {t.op_name:<40} kept {t.strategy}: {t.rejected[0]}", file=out)
+              file=out)  # fmt: skip
+        for t in r.tasks:
+            if t.rejected and not t.strategy.startswith("int8"):
+                print(f"    {t.op_name:<40} kept {t.strategy}: {t.rejected[0]}", file=out)
     s = r.repo
     print(
         f"  bank         add {s['repo_add_num']}, hit {s['repo_hit_num']}, reserved {s['repo_reserved_num']}, "
         f"unsatisfied {s['repo_unsatisfied_num']}, update {s['repo_update_num']}, total {s['total_num']}",
         file=out,
     )
+    for note in r.notes:
+        print(f"  note         {note}", file=out)
     print(f"  tuned model  {r.tuned_model}", file=out)
     print(f"  report       {r.result_json}", file=out)
     print("Aoe process finished", file=out)
 
 
+COMMANDS = ("tune", "compile", "bank")
+
+
+def build_parser() -> Parser:
+    """The whole `aoe` command line."""
+    from aoe import bankcli
+
+    p = Parser(
+        prog="aoe",
+        description="Tune ONNX models by measurement and keep what is learned in a knowledge bank.",
+        epilog="AOE's spelling also works: aoe --framework 5 --model MODEL --job_type 2 (= aoe tune MODEL).",
+    )
+    p.add_argument("--version", action="version", version=f"aoe {_version()}")
+    p.add_argument("--config", type=Path, help="TOML settings file (default: AOED_CONFIG, else none)")
+    p.add_argument("-v", "--verbose", action="count", default=0, help="log more (-v info, -vv debug)")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser, required=True)
+    _add_tune(sub)
+    bankcli.add_parsers(sub)
+    return p
+
+
+def _logging(verbose: int) -> None:
+    level = logging.DEBUG if verbose > 1 else logging.INFO if verbose == 1 else logging.WARNING
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("aoe: %(levelname)s %(name)s: %(message)s"))
+    handler.setLevel(level)
+    for name in ("aoe", "aoed"):
+        logger = logging.getLogger(name)
+        logger.addHandler(handler)
+        if logger.level == logging.NOTSET or logger.level > level:
+            logger.setLevel(level)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        if argv and argv[0] in ("bank", "compile"):
-            from aoe import bankcli
-
-            return bankcli.main(argv)
-        if argv and argv[0] == "tune":
-            args = _tune_parser().parse_args(argv[1:])
-        elif argv and argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
-            args = _from_aoe(argv)
+        if argv and any(a.split("=", 1)[0] in _AOE_FLAGS for a in argv) and not set(argv) & set(COMMANDS):
+            args = _aoe_spelling(argv)
         else:
-            print("usage: aoe tune MODEL [options]   |   aoe --framework 5 --model MODEL --job_type 2", file=sys.stderr)
-            print("commands: " + ", ".join(_SUBCOMMANDS), file=sys.stderr)
-            return 0 if argv and argv[0] in ("-h", "--help") else 2
-        return _tune(args)
+            args = build_parser().parse_args(argv)
+        _logging(args.verbose)
+        return args.run(args)
     except AoedError as exc:
         print(f"aoe: error: {exc}", file=sys.stderr)
         return exc.exit_code
