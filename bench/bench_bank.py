@@ -43,7 +43,7 @@ def _template(model):
     """A realistic entry: a real task signature and this machine's fingerprint."""
     from aoe.signature import ModelContext, bank_key, device_fingerprint
     from aoed.bank._codec import BankRecord, Measured, encode
-    from aoed.engine.partition import partition
+    from aoe.partition import partition
 
     tasks = partition(model, ModelContext(model))
     dev = device_fingerprint("CPUExecutionProvider")

@@ -78,7 +78,7 @@ def _convergence(results: Sequence[Any], path: Path) -> Path:
             if run is None or run.error:
                 continue
             doc = run.doc
-            timeline = doc["device"].get("gain_timeline") or []
+            timeline = doc.get("gain_timeline") or []
             end = job_s(doc)
             final = timeline[-1][1] if timeline else 0.0
             if final <= 0:

@@ -102,7 +102,7 @@ def _tuning_table(results: Sequence[Any]) -> list[str]:
                 )
             lines.append(
                 f"| {r.name} | {p} | {job_s(doc):.1f} | {run.wall_s:.1f} | "
-                f"{doc['device']['trials']} | {doc['device']['duty_cycle']:.1%} | {t90s} | "
+                f"{doc['resources']['trials']} | {doc['resources']['duty_cycle']:.1%} | {t90s} | "
                 f"{tuner_ab(doc):.2f}x {hit}|"
             )
     return lines

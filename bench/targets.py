@@ -51,7 +51,7 @@ def job_s(doc: dict[str, Any]) -> float:
 def time_to_fraction(doc: dict[str, Any], fraction: float = 0.9) -> float | None:
     """Seconds into the job at which the estimated gain first reached `fraction` of its
     final value; None when the job ended with no estimated gain."""
-    timeline = doc["device"].get("gain_timeline") or []
+    timeline = doc.get("gain_timeline") or []
     if not timeline or timeline[-1][1] <= 0:
         return None
     final = timeline[-1][1]
@@ -309,9 +309,9 @@ def targets(results: Sequence[Any]) -> list[Target]:
     rows, misses, passed, duties = [], [], True, []
     for r in results:
         for p, run in r.tunes.items():
-            if run.error or not run.doc["device"]["trials"]:
+            if run.error or not run.doc["resources"]["trials"]:
                 continue
-            d = run.doc["device"]["duty_cycle"]
+            d = run.doc["resources"]["duty_cycle"]
             duties.append(d)
             if d < DUTY_MIN:
                 passed = False
@@ -467,13 +467,13 @@ def _float_left(r) -> str:
 
 
 def _why_idle(model: str, precision: str, doc: dict[str, Any]) -> str:
-    d = doc["device"]["duty_cycle"]
+    d = doc["resources"]["duty_cycle"]
     total = job_s(doc)
-    timeline = doc["device"].get("gain_timeline") or []
+    timeline = doc.get("gain_timeline") or []
     first = f"; first task decision {timeline[0][0]:.1f} s in" if timeline else ""
     return (
         f"**{model} {precision}**: {d:.1%} of a {total:.1f} s job "
-        f"({doc['device']['trials']} trials): device idle {total * (1 - d):.1f} s{first}."
+        f"({doc['resources']['trials']} trials): device idle {total * (1 - d):.1f} s{first}."
     )
 
 
@@ -493,7 +493,7 @@ def _why_hit_slow(model: str, precision: str, run) -> str:
         f"**{model} {precision}**: bank-hit job {job_s(hit):.2f} s = "
         f"{job_s(hit) / job_s(full):.1%} of the {job_s(full):.1f} s full job "
         f"({repo['repo_hit_num']} of {repo['total_num']} entries from the bank, "
-        f"{hit['device']['trials']} trials, device busy {hit['device']['duty_cycle']:.0%}, "
+        f"{hit['resources']['trials']} trials, device busy {hit['resources']['duty_cycle']:.0%}, "
         f"{run.hit_verify_models} leave-one-out verify model(s))."
     )
 

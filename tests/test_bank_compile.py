@@ -12,16 +12,23 @@ import pytest
 
 import aoe
 from aoe._session import METADATA_KEY
-from aoe.bank import CUSTOM, apply_bank, open_bank
+from aoe.bank import CUSTOM, open_bank
+from aoe.compile import apply_bank
 from aoe.signature import bank_key, canonical_json
+from aoed.backends.ort.catalog import build_registry
 from aoed.bank._codec import Measured
-from aoed.engine.assemble import compile_model, model_signature, tunable_tasks
-from aoed.engine.prep import make_inputs, prepare
+from aoed.compile import compile_model
+from aoed.engine.assemble import model_signature, tunable_tasks
+from aoed.engine.prep import Prepared, make_inputs, prepare
 
 from .conftest import run_aoe
 from .test_bank_reader import foreign, make_bank, rec
 
 FAST = ("--budget", "2", "--parallel", "1", "--no-progress")
+
+
+def _tasks(prep: Prepared):
+    return tunable_tasks(prep.model, prep.ctx, build_registry(), "exact")
 
 
 def _meta(model: onnx.ModelProto) -> dict[str, str]:
@@ -63,7 +70,7 @@ def test_compile_reproduces_the_tuning_run(models: Path, tmp_path: Path) -> None
 def test_compile_applies_bank_strategies_and_skips_what_it_must(models: Path, tmp_path: Path) -> None:
     src = models / "mlp.onnx"
     prep = prepare(src, tmp_path / "prep")
-    tasks = tunable_tasks(prep, "exact")
+    tasks = _tasks(prep)
     assert len(tasks) >= 3
     first, second, third = tasks[:3]
     m = Measured(8.0, 0.01, 30, 7.5)
@@ -120,7 +127,7 @@ def test_a_reversal_in_context_is_remembered(models: Path, tmp_path: Path) -> No
     and a bank-hit `aoe tune` from applying that task's (otherwise valid) entry."""
     src = models / "mlp.onnx"
     prep = prepare(src, tmp_path / "prep")
-    first, second, *rest = tunable_tasks(prep, "exact")
+    first, second, *rest = _tasks(prep)
     records = [
         rec(sig=first.signature, strategy="fused_gemm", family=first.family),
         rec(sig=second.signature, strategy="gemm_pretransposed", family=second.family),
@@ -145,7 +152,7 @@ def test_a_reversal_in_context_is_remembered(models: Path, tmp_path: Path) -> No
     [result] = (tmp_path / "o").glob("aoe_result_opat_*.json")
     doc = json.loads(result.read_text())
     tasks = {t["task_id"]: t for t in doc["tasks"]}
-    assert doc["device"]["trials"] == 0
+    assert doc["resources"]["trials"] == 0
     assert tasks[first.id]["applied"] is False and "reverted in context" in tasks[first.id]["error"]
     tuned_names = [n.name for n in onnx.load(doc["tuned_model"]).graph.node]
     assert not any(n.startswith(f"aoe/{first.id}/") for n in tuned_names)

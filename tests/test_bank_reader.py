@@ -186,7 +186,7 @@ def test_explain_reports_a_recorded_default(tmp_path: Path) -> None:
 
 
 def test_lookup_node_finds_the_task_the_node_anchors(tmp_path: Path) -> None:
-    from aoed.engine.partition import partition
+    from aoe.partition import partition
     from aoed.engine.prep import prepare
 
     prep = prepare(_save(samples.build("transformer"), tmp_path), tmp_path / "prep")

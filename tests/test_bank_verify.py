@@ -9,9 +9,10 @@ import pytest
 
 from aoe.bank import open_bank
 from aoe.signature import canonical_json
-from aoed.bank.verify import RebuildError, rebuild_task
+from aoe.partition import partition
+from aoed.backends.ort.catalog import build_registry
 from aoed.engine.assemble import model_signature, tunable_tasks
-from aoed.engine.partition import partition
+from aoed.engine.bankverify import RebuildError, rebuild_task
 from aoed.engine.prep import prepare
 
 from .conftest import run_aoe
@@ -37,7 +38,8 @@ def test_every_task_rebuilds_to_its_own_signature(models: Path, tmp_path: Path, 
 
 def test_verify_measures_local_entries_and_skips_the_rest(models: Path, tmp_path: Path) -> None:
     prep = prepare(models / "mlp.onnx", tmp_path / "prep")
-    fused = next(t for t in tunable_tasks(prep, "exact") if t.op_type == "Gemm+Relu")
+    fused = next(t for t in tunable_tasks(prep.model, prep.ctx, build_registry(), "exact")
+                 if t.op_type == "MatMul+Add+Relu")
     local = rec(sig=fused.signature, strategy="fused_gemm", family="matmul")
     records = [
         local,

@@ -91,14 +91,14 @@ def test_bank_answers_the_second_run_and_repeat_tune_retunes(models: Path, tmp_p
     first = run_aoe(*args, "--output", str(tmp_path / "o1"))
     assert first.returncode == 0, first.stderr
     d1 = _result(tmp_path / "o1")
-    assert d1["device"]["trials"] > 0
+    assert d1["resources"]["trials"] > 0
 
     second = run_aoe(*args, "--output", str(tmp_path / "o2"))
     assert second.returncode == 0, second.stderr
     d2 = _result(tmp_path / "o2")
     s2 = _summary_adds_up(d2)
     assert s2["repo_hit_num"] == s2["total_num"]
-    assert d2["device"]["trials"] == 0  # no per-task measurement, only the end-to-end check
+    assert d2["resources"]["trials"] == 0  # no per-task measurement, only the end-to-end check
     assert all(t["update_mode"] == "hit" for t in d2["tasks"])
     chosen1 = {t["op_name"]: t["strategy"] for t in d1["tasks"]}
     chosen2 = {t["op_name"]: t["strategy"] for t in d2["tasks"]}
@@ -114,7 +114,7 @@ def test_bank_answers_the_second_run_and_repeat_tune_retunes(models: Path, tmp_p
     assert third.returncode == 0, third.stderr
     d3 = _result(tmp_path / "o3")
     s3 = _summary_adds_up(d3)
-    assert d3["device"]["trials"] > 0
+    assert d3["resources"]["trials"] > 0
     modes = {t["update_mode"] for t in d3["tasks"]}
     assert modes <= {"reserved", "update", "add", "unsatisfied"}
     assert s3["repo_reserved_num"] + s3["repo_update_num"] + s3["repo_add_num"] + s3["repo_unsatisfied_num"] == s3["total_num"]
@@ -125,8 +125,10 @@ def test_crashing_candidate_is_recorded_and_job_succeeds(models: Path, tmp_path:
         textwrap.dedent(
             """
             import os
-            from aoed.backends.ort.strategies import Strategy, register
-            register(Strategy("abort_worker", "matmul", "exact", lambda view: os.abort()))
+            from aoed.engine.registry import Strategy
+
+            def register(registry):
+                registry.register(Strategy("abort_worker", "matmul", "exact", lambda view: os.abort()))
             """
         )
     )
@@ -139,7 +141,7 @@ def test_crashing_candidate_is_recorded_and_job_succeeds(models: Path, tmp_path:
     doc = _result(tmp_path / "o")
     failed = [c for t in doc["tasks"] for c in t["candidates"] if c["strategy"] == "abort_worker"]
     assert failed and all(not c["ok"] and "crashed" in c["error"] for c in failed)
-    assert doc["device"]["failed_candidates"] >= len(failed)
+    assert doc["resources"]["failed_candidates"] >= len(failed)
     assert all(t["strategy"] != "abort_worker" for t in doc["tasks"])
 
 
@@ -213,6 +215,6 @@ def test_read_only_layer_answers_under_an_empty_custom_bank(models: Path, tmp_pa
                      "--output", str(tmp_path / "o2"), *FAST)
     assert second.returncode == 0, second.stderr
     doc = _result(tmp_path / "o2")
-    assert doc["device"]["trials"] == 0
+    assert doc["resources"]["trials"] == 0
     assert all(t["update_mode"] == "hit" and str(team) in t["bank_layer"] for t in doc["tasks"])
     assert (team / "data.mdb").read_bytes() == team_data  # a read-only layer is never written

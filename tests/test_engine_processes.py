@@ -1,9 +1,15 @@
-"""The compile pool and the device agent with their real child processes."""
+"""The compile pool and the device agent with their real child processes: crashes,
+hangs, pausing, dedicated cores, the machine-wide device lock, cancellation that
+reaches the children, and children that die with a killed engine."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import numpy as np
@@ -11,18 +17,29 @@ import onnx
 import pytest
 import trio
 
+from aoe.device import CPU
 from aoe.errors import DeviceError
+from aoe.partition import partition
 from aoed import samples
 from aoed.engine.device import DeviceAgent
-from aoed.engine.partition import partition
+from aoed.engine.ledger import JobLedger
+from aoed.engine.messages import (
+    Candidate,
+    CompileRequest,
+    MeasureReply,
+    MeasureRequest,
+    ProfileReply,
+    ProfileRequest,
+    from_wire,
+)
 from aoed.engine.pool import CompilePool
 from aoed.engine.prep import make_inputs, prepare
-from aoed.engine.tasks import constant_values, task_model
+from aoed.engine.tasks import Constants, task_model
 
 PLUGIN = textwrap.dedent(
     """
     import os, time
-    from aoed.backends.ort.strategies import Strategy, register
+    from aoed.engine.registry import Strategy
 
     def _crash(view):
         os.abort()
@@ -30,18 +47,24 @@ PLUGIN = textwrap.dedent(
     def _hang(view):
         time.sleep(600)
 
-    register(Strategy("crash_in_worker", "matmul", "exact", _crash))
-    register(Strategy("hang_in_worker", "matmul", "exact", _hang))
+    def _slow(view):
+        time.sleep(1.0)
+        return None
+
+    def register(registry):
+        registry.register(Strategy("crash_in_worker", "matmul", "exact", _crash))
+        registry.register(Strategy("hang_in_worker", "matmul", "exact", _hang))
+        registry.register(Strategy("slow_in_worker", "matmul", "exact", _slow))
     """
 )
 
 
 @pytest.fixture
-def plugin_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Workers (not this process) load a plugin whose strategies crash or hang."""
+def plugin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """A plugin module whose strategies crash, hang or take a second, for workers only."""
     (tmp_path / "aoed_crash_plugin.py").write_text(PLUGIN)
-    monkeypatch.setenv("AOED_PLUGINS", "aoed_crash_plugin")
     monkeypatch.setenv("PYTHONPATH", str(tmp_path) + ":" + ":".join(p for p in sys.path if p))
+    return ["aoed_crash_plugin"]
 
 
 @pytest.fixture
@@ -50,17 +73,23 @@ def mlp_task(tmp_path: Path) -> tuple[Path, Path]:
     src = samples.save(samples.mlp(), tmp_path / "mlp.onnx")
     prep = prepare(src, tmp_path / "prep")
     task = partition(prep.model, prep.ctx)[0]
-    tm = task_model(prep.model, task, constant_values(prep.model.graph), prep.ctx.tensors)
+    consts = Constants(prep.model.graph, list(prep.model.opset_import))
+    tm = task_model(prep.model, task, consts, prep.ctx.tensors)
     path = tmp_path / "task.onnx"
     onnx.save(tm, str(path))
     feeds = {i.name: np.random.default_rng(0).standard_normal(
-        [d.dim_value for d in i.type.tensor_type.shape.dim]).astype(np.float32) for i in tm.graph.input}
+        [d.dim_value for d in i.type.tensor_type.shape.dim]).astype(np.float32) for i in tm.graph.input}  # fmt: skip
     np.savez(tmp_path / "inputs.npz", **feeds)
     return path, tmp_path / "inputs.npz"
 
 
-def _req(task: Path, strategy: str, out: Path) -> dict:
-    return {"task_model": str(task), "family": "matmul", "strategy": strategy, "prefix": "t", "out": str(out)}
+def _compile(task: Path, strategy: str, out: Path, family: str = "matmul") -> CompileRequest:
+    return CompileRequest(task, family, strategy, "t", out)
+
+
+def _measure(task: Path, inputs: Path, budget_s: float = 0.5, **kw) -> MeasureRequest:
+    cands = (Candidate("default", task), Candidate("t1", task, {"intra_op_num_threads": 1}))
+    return MeasureRequest(cands, inputs, "default", budget_s, CPU, **kw)
 
 
 def _state(pid: int) -> str:
@@ -68,20 +97,34 @@ def _state(pid: int) -> str:
     return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
 
 
-async def test_worker_crash_and_hang_cost_one_candidate(plugin_env, mlp_task, tmp_path):
+def _cpus(pid: int) -> str:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("Cpus_allowed_list:"):
+            return line.split(":", 1)[1].strip()
+    raise AssertionError("no Cpus_allowed_list")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return _state(pid) != "Z"
+    except FileNotFoundError:
+        return False
+
+
+async def test_worker_crash_and_hang_cost_one_candidate(plugin, mlp_task, tmp_path):
     task, _ = mlp_task
-    pool = CompilePool(1, tmp_path / "logs", timeout_s=5.0)
+    pool = CompilePool(1, tmp_path / "logs", plugins=plugin, timeouts={"compile": 5.0})
     async with trio.open_nursery() as nursery:
         await nursery.start(pool.run)
-        ok = await pool.compile(_req(task, "default", tmp_path / "a.onnx"))
+        ok = await pool.call(_compile(task, "default", tmp_path / "a.onnx"))
         assert ok["ok"], ok
-        crashed = await pool.compile(_req(task, "crash_in_worker", tmp_path / "b.onnx"))
+        crashed = await pool.call(_compile(task, "crash_in_worker", tmp_path / "b.onnx"))
         assert not crashed["ok"] and "crashed" in crashed["error"]
-        again = await pool.compile(_req(task, "fused_gemm", tmp_path / "c.onnx"))
+        again = await pool.call(_compile(task, "fused_gemm", tmp_path / "c.onnx"))
         assert again["ok"], again  # a fresh worker took over
-        hung = await pool.compile(_req(task, "hang_in_worker", tmp_path / "d.onnx"))
+        hung = await pool.call(_compile(task, "hang_in_worker", tmp_path / "d.onnx"))
         assert not hung["ok"] and "timed out" in hung["error"]
-        after = await pool.compile(_req(task, "gemm_pretransposed", tmp_path / "e.onnx"))
+        after = await pool.call(_compile(task, "gemm_pretransposed", tmp_path / "e.onnx"))
         assert after["ok"], after
         assert pool.crashes == 2
         nursery.cancel_scope.cancel()
@@ -93,36 +136,51 @@ async def test_inapplicable_strategy_is_not_a_failure(mlp_task, tmp_path):
     pool = CompilePool(1, tmp_path / "logs")
     async with trio.open_nursery() as nursery:
         await nursery.start(pool.run)
-        # fc1 is Gemm(+Relu) after prep; a Conv strategy does not apply to it.
-        res = await pool.compile({**_req(task, "conv1x1_as_matmul", tmp_path / "x.onnx"), "family": "conv"})
+        res = await pool.call(_compile(task, "conv1x1_as_matmul", tmp_path / "x.onnx", family="conv"))
         nursery.cancel_scope.cancel()
     assert res["ok"] is False and res["applicable"] is False
+
+
+async def test_paused_time_does_not_count_against_a_compile_deadline(plugin, mlp_task, tmp_path):
+    task, _ = mlp_task
+    # The strategy works for 1 s; the deadline is 1.5 s; the pool is paused for 2 s of it.
+    pool = CompilePool(1, tmp_path / "logs", plugins=plugin, timeouts={"compile": 1.5})
+    async with trio.open_nursery() as nursery:
+        await nursery.start(pool.run)
+        assert (await pool.call(_compile(task, "default", tmp_path / "a.onnx")))["ok"]  # worker is up
+        replies = []
+
+        async def slow() -> None:
+            replies.append(await pool.call(_compile(task, "slow_in_worker", tmp_path / "s.onnx")))
+
+        nursery.start_soon(slow)
+        await trio.sleep(0.3)
+        async with pool.paused():
+            await trio.sleep(2.0)
+        while not replies:
+            await trio.sleep(0.05)
+        nursery.cancel_scope.cancel()
+    (reply,) = replies
+    assert reply["applicable"] is False, reply  # it finished (not applicable), not "timed out"
+    assert pool.crashes == 0
 
 
 async def test_device_serializes_and_pauses_compile_workers(mlp_task, tmp_path):
     task, inputs = mlp_task
     pool = CompilePool(1, tmp_path / "logs")
-    request = {
-        "op": "measure",
-        "candidates": [{"id": "default", "model": str(task)}, {"id": "t1", "model": str(task),
-                                                              "options": {"intra_op_num_threads": 1}}],
-        "inputs": str(inputs),
-        "reference": "default",
-        "budget_s": 0.5,
-        "min_rounds": 6,
-    }
     replies: list[dict] = []
     seen_states: list[str] = []
+    ledger = JobLedger("job-test")
     async with trio.open_nursery() as nursery:
         await nursery.start(pool.run)
-        device = DeviceAgent("cpu", pool, tmp_path / "logs")
+        device = DeviceAgent(CPU, pool, tmp_path / "logs", tmp_path / "run")
         await nursery.start(device.run)
-        assert (await pool.compile(_req(task, "default", tmp_path / "a.onnx")))["ok"]
-        worker_pid = pool._children[0].pid
-        assert worker_pid is not None
+        assert device.pausing
+        assert (await pool.call(_compile(task, "default", tmp_path / "a.onnx")))["ok"]
+        worker_pid = pool.pids[0]
 
         async def submit():
-            replies.append(await device.submit(request))
+            replies.append(await device.call(_measure(task, inputs, min_rounds=6), ledger))
 
         async with trio.open_nursery() as inner:
             for _ in range(3):
@@ -137,11 +195,155 @@ async def test_device_serializes_and_pauses_compile_workers(mlp_task, tmp_path):
         assert end <= start, "two measurements overlapped on one device"
     assert "T" in seen_states, "compile worker kept running while the device measured"
     for r in replies:
-        res = r["results"]
-        assert res["default"]["max_abs_error"] == 0.0 and res["default"]["cosine"] == pytest.approx(1.0)
-        assert res["t1"]["max_rel_error"] < 1e-5
-        assert res["default"]["median_us"] > 0 and len(res["default"]["rounds_us"]) >= 6
+        res = from_wire(MeasureReply, r).results
+        assert res["default"].max_abs_error == 0.0 and res["default"].cosine == pytest.approx(1.0)
+        assert res["t1"].max_rel_error < 1e-5
+        assert res["default"].median_us > 0 and len(res["default"].rounds_us) >= 6
     assert device.requests == 3 and device.busy_s > 0
+    # Each request was charged to the job that sent it.
+    assert ledger.device_requests == 3 and ledger.device_s == pytest.approx(device.busy_s)
+    assert ledger.peak_child_rss_mb > 10
+
+
+async def test_dedicated_cores_pin_the_runner_and_never_pause_workers(mlp_task, tmp_path):
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("needs two cores to dedicate one")
+    task, inputs = mlp_task
+    pool = CompilePool(1, tmp_path / "logs", cpus=cpus[1:])
+    states: list[str] = []
+    async with trio.open_nursery() as nursery:
+        await nursery.start(pool.run)
+        device = DeviceAgent(CPU, pool, tmp_path / "logs", tmp_path / "run", cpus=cpus[:1], pause_pool=False)
+        await nursery.start(device.run)
+        assert not device.pausing and device.cores == 1
+        assert (await pool.call(_compile(task, "default", tmp_path / "a.onnx")))["ok"]
+        worker_pid, runner_pid = pool.pids[0], device.runner_pid
+        assert _cpus(runner_pid) == str(cpus[0])
+        assert _cpus(worker_pid) == ",".join(map(str, cpus[1:])) or "-" in _cpus(worker_pid)
+        done = []
+
+        async def submit():
+            done.append(await device.call(_measure(task, inputs, min_rounds=6)))
+
+        nursery.start_soon(submit)
+        while not done:
+            states.append(_state(worker_pid))
+            await trio.sleep(0.02)
+        nursery.cancel_scope.cancel()
+    assert states and "T" not in states
+
+
+async def test_cancel_drops_queued_requests_and_kills_the_one_in_flight(plugin, mlp_task, tmp_path):
+    task, inputs = mlp_task
+    pool = CompilePool(1, tmp_path / "logs", plugins=plugin)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(pool.run)
+        device = DeviceAgent(CPU, pool, tmp_path / "logs", tmp_path / "run")
+        await nursery.start(device.run)
+        await device.call(_measure(task, inputs, budget_s=0.1, min_rounds=1, max_rounds=1))
+        runner_before, served_before = device.runner_pid, device.requests
+        assert (await pool.call(_compile(task, "default", tmp_path / "a.onnx")))["ok"]
+        worker_before = pool.pids[0]
+
+        # One job: a long measurement in flight, two more queued, a compile that hangs.
+        long = _measure(task, inputs, budget_s=60.0, min_rounds=10_000, max_rounds=10_000)
+        with trio.CancelScope() as job:
+            async with trio.open_nursery() as inner:
+                for _ in range(3):
+                    inner.start_soon(device.call, long)
+                inner.start_soon(pool.call, _compile(task, "hang_in_worker", tmp_path / "h.onnx"))
+                await trio.sleep(1.5)  # the runner is measuring, the worker hanging
+                assert device.requests == served_before  # still measuring the first
+                t0 = time.monotonic()
+                job.cancel()
+        cancel_s = time.monotonic() - t0
+        # The next job's request is served at once, by fresh children.
+        t1 = time.monotonic()
+        reply = await device.call(_measure(task, inputs, budget_s=0.1, min_rounds=1, max_rounds=1))
+        next_s = time.monotonic() - t1
+        assert (await pool.call(_compile(task, "fused_gemm", tmp_path / "f.onnx")))["ok"]
+        served = device.requests
+        runner_after, worker_after = device.runner_pid, pool.pids[0]
+        nursery.cancel_scope.cancel()
+    assert cancel_s < 1.0, f"cancelling took {cancel_s:.2f} s"
+    assert next_s < 5.0 and reply["ok"]
+    assert runner_after != runner_before and not _alive(runner_before)
+    assert worker_after != worker_before and not _alive(worker_before)
+    # The abandoned one and the next job's: the two queued requests never ran.
+    assert served == served_before + 2
+
+
+async def test_device_lock_is_machine_wide_and_says_who_holds_it(mlp_task, tmp_path):
+    task, inputs = mlp_task
+    run = tmp_path / "run"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(f"""
+            import fcntl, os, sys, time
+            os.makedirs({str(run)!r}, exist_ok=True)
+            fd = os.open({str(run / 'device-cpu.lock')!r}, os.O_RDWR | os.O_CREAT)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            os.write(fd, b"pid %d (a measuring test process)" % os.getpid())
+            print("held", flush=True)
+            sys.stdin.read()  # until the test closes it
+        """)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+    waits: list[str] = []
+    ledger = JobLedger("job-test", lambda e: waits.append(e.message) if e.kind == "wait" else None)
+
+    async def release_later() -> None:
+        await trio.sleep(1.0)
+        assert holder.stdin is not None
+        holder.stdin.close()
+
+    async with trio.open_nursery() as nursery:
+        device = DeviceAgent(CPU, None, tmp_path / "logs", run)
+        await nursery.start(device.run)
+        t0 = time.monotonic()
+        nursery.start_soon(release_later)
+        reply = await device.call(_measure(task, inputs, budget_s=0.1, min_rounds=1, max_rounds=1), ledger)
+        waited = time.monotonic() - t0
+        nursery.cancel_scope.cancel()
+    holder.wait(timeout=10)
+    holder.stdout.close()
+    assert reply["ok"]
+    assert waited > 0.9, "measured while another process held the device"
+    assert len(waits) == 1 and f"pid {holder.pid}" in waits[0] and "cpu" in waits[0]
+
+
+def test_children_die_with_a_killed_engine(tmp_path):
+    script = textwrap.dedent(f"""
+        import os, signal, sys, trio
+        from pathlib import Path
+        from aoe.device import CPU
+        from aoed.engine.device import DeviceAgent
+        from aoed.engine.pool import CompilePool
+
+        async def main():
+            logs = Path({str(tmp_path / 'logs')!r})
+            pool = CompilePool(2, logs)
+            async with trio.open_nursery() as nursery:
+                await nursery.start(pool.run)
+                device = DeviceAgent(CPU, pool, logs, Path({str(tmp_path / 'run')!r}))
+                await nursery.start(device.run)
+                for child in pool._children:  # start the workers
+                    await child.call({{"op": "nope"}})
+                async with pool.paused():  # workers stopped, as during a measurement
+                    print(" ".join(map(str, [*pool.pids, device.runner_pid])), flush=True)
+                    os.kill(os.getpid(), signal.SIGKILL)
+
+        trio.run(main)
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    pids = [int(p) for p in proc.stdout.split()]
+    assert len(pids) == 3
+    deadline = time.monotonic() + 5
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [p for p in pids if _alive(p)], "children outlived the engine"
 
 
 async def test_runner_reports_wrong_outputs_and_broken_candidates(tmp_path):
@@ -155,39 +357,29 @@ async def test_runner_reports_wrong_outputs_and_broken_candidates(tmp_path):
     (tmp_path / "broken.onnx").write_bytes(b"not a model")
     prep = prepare(src, tmp_path / "prep")
     np.savez(tmp_path / "in.npz", **make_inputs(prep.inputs))
+    inputs = tmp_path / "in.npz"
     async with trio.open_nursery() as nursery:
-        device = DeviceAgent("cpu", None, tmp_path / "logs")
+        device = DeviceAgent(CPU, None, tmp_path / "logs", tmp_path / "run")
         await nursery.start(device.run)
-        reply = await device.submit(
-            {
-                "op": "measure",
-                "candidates": [
-                    {"id": "ref", "model": str(src)},
-                    {"id": "wrong", "model": str(wrong)},
-                    {"id": "broken", "model": str(tmp_path / "broken.onnx")},
-                ],
-                "inputs": str(tmp_path / "in.npz"),
-                "reference": "ref",
-                "budget_s": 0.3,
-            }
-        )
+        cands = (Candidate("ref", src), Candidate("wrong", wrong), Candidate("broken", tmp_path / "broken.onnx"))
+        reply = await device.call(MeasureRequest(cands, inputs, "ref", 0.3, CPU))
         with pytest.raises(DeviceError, match="reference"):
-            await device.submit(
-                {
-                    "op": "measure",
-                    "candidates": [{"id": "broken", "model": str(tmp_path / "broken.onnx")}],
-                    "inputs": str(tmp_path / "in.npz"),
-                    "reference": "broken",
-                }
-            )
-        prof = await device.submit(
-            {"op": "profile", "model": str(prep.path), "inputs": str(tmp_path / "in.npz"),
-             "workdir": str(tmp_path), "runs": 3}
-        )
+            await device.call(MeasureRequest((Candidate("broken", tmp_path / "broken.onnx"),), inputs, "broken", 0.3, CPU))
+        prof = await device.call(ProfileRequest(prep.path, inputs, tmp_path, CPU, runs=3))
         nursery.cancel_scope.cancel()
-    res = reply["results"]
-    assert res["ref"]["ok"] and res["wrong"]["ok"]
-    assert res["wrong"]["max_rel_error"] > 0.1 and res["ref"]["max_rel_error"] == 0.0
-    assert not res["broken"]["ok"] and "load" in res["broken"]["error"]
+    res = from_wire(MeasureReply, reply).results
+    assert res["ref"].ok and res["wrong"].ok
+    assert res["wrong"].max_rel_error > 0.1 and res["ref"].max_rel_error == 0.0
+    assert not res["broken"].ok and "load" in res["broken"].error
     node_names = {n.name for n in prep.model.graph.node}
-    assert prof["nodes"] and set(prof["nodes"]) <= node_names
+    nodes = from_wire(ProfileReply, prof).nodes
+    assert nodes and set(nodes) <= node_names
+
+
+async def test_a_device_whose_provider_is_missing_fails_to_start_with_a_clear_error(tmp_path):
+    from aoe.device import Device
+
+    with pytest.raises(DeviceError) as err:
+        await DeviceAgent(Device("cann", 0), None, tmp_path / "logs", tmp_path / "run").run()
+    msg = str(err.value)
+    assert "CANNExecutionProvider" in msg and "onnxruntime-cann" in msg and "cann:0" in msg

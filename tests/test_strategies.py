@@ -17,12 +17,14 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from aoe.errors import OptionError
+from aoe.partition import Task, partition
 from aoed import samples
-from aoed.backends.ort import strategies
-from aoed.backends.ort.strategies import DEFAULT, Strategy, register, strategies_for
-from aoed.engine.partition import partition
+from aoed.backends.ort.catalog import build_registry
 from aoed.engine.prep import Prepared, make_inputs, prepare
-from aoed.engine.tasks import Rewrite, Task, TaskView, apply_rewrites, constant_values, task_model
+from aoed.engine.registry import DEFAULT, Strategy, StrategyRegistry
+from aoed.engine.tasks import Constants, Rewrite, TaskView, apply_rewrites, task_model
+
+REGISTRY = build_registry()
 
 # Every sample, plus the cnn with its node names erased (prep must name the nodes).
 NAMES = [*sorted(samples.SAMPLES), "cnn_unnamed"]
@@ -50,7 +52,7 @@ def _all_tasks(tasks: list[Task]) -> list[Task]:
     return [t for rep in tasks for t in (rep, *rep.twins)]
 
 
-def _view(prep: Prepared, task: Task, consts: dict[str, np.ndarray]) -> TaskView:
+def _view(prep: Prepared, task: Task, consts: Constants) -> TaskView:
     by_name = {n.name: n for n in prep.model.graph.node}
     return TaskView(
         nodes=[by_name[n] for n in task.node_names],
@@ -77,12 +79,16 @@ def _assert_exact(got: list[np.ndarray], want: list[np.ndarray], what: str) -> N
         assert float(np.abs(g - w).max()) <= 1e-4 * scale, what
 
 
+def _consts(prep: Prepared) -> Constants:
+    return Constants(prep.model.graph, list(prep.model.opset_import))
+
+
 def _applied(prep: Prepared) -> list[tuple[Task, Strategy, Rewrite]]:
-    consts = constant_values(prep.model.graph)
+    consts = _consts(prep)
     found = []
     for task in _all_tasks(partition(prep.model, prep.ctx)):
         view = _view(prep, task, consts)
-        for strat in strategies_for(task.family):
+        for strat in REGISTRY.strategies_for(task.family):
             rw = strat.apply(view)
             if rw is not None:
                 found.append((task, strat, rw))
@@ -123,15 +129,42 @@ def test_all_rewrites_together_keep_the_outputs(prepared: dict[str, Prepared]) -
         rewritten = apply_rewrites(prep.model, rewrites)
         onnx.checker.check_model(rewritten)
         _assert_exact(_run(rewritten, feeds), ref, name)
-        # Weights no node reads any more are gone.
+        # Weights (and nodes that computed them) no node reads any more are gone.
         used = {i for n in rewritten.graph.node for i in n.input}
         assert all(t.name in used for t in rewritten.graph.initializer), name
+        outputs = {o.name for o in rewritten.graph.output}
+        assert all(any(o in used or o in outputs for o in n.output) for n in rewritten.graph.node), name
+
+
+def test_untouched_weights_and_nodes_stay_as_the_input_had_them(prepared: dict[str, Prepared]) -> None:
+    prep = prepared["legacy_cnn"]
+    consts = _consts(prep)
+    by_task = {t.node_names[0]: t for t in _all_tasks(partition(prep.model, prep.ctx))}
+    conv1 = by_task["conv1"]  # its weight is computed: Reshape(Constant) * scale
+    weight = next(n for n in prep.model.graph.node if n.name == "conv1").input[1]
+    assert weight in consts and not consts.stored(weight)
+    rw = REGISTRY.get("conv", "fused_conv").apply(_view(prep, conv1, consts))
+    assert rw is not None
+    rewritten = apply_rewrites(prep.model, {conv1.node_names: rw})
+    # The nodes that only computed conv1's weight went with it...
+    names = {n.name for n in rewritten.graph.node}
+    assert not {"conv1/weight/Reshape", "conv1/weight/Mul", "conv1/weight/Constant"} & names
+    # ...and everything the rewrite did not touch is byte for byte what it was.
+    before = {t.name: t.SerializeToString() for t in prep.model.graph.initializer}
+    after = {t.name: t.SerializeToString() for t in rewritten.graph.initializer}
+    for name, data in after.items():
+        if not name.startswith("aoe/"):
+            assert before[name] == data, name
+    kept = [n for n in prep.model.graph.node if n.name not in conv1.node_names and n.name in names]
+    assert kept and all(n in rewritten.graph.node for n in kept)
+    feeds = make_inputs(prep.inputs)
+    _assert_exact(_run(rewritten, feeds), _run(prep.model, feeds), "legacy_cnn fused_conv")
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_task_models_check_and_run(prepared: dict[str, Prepared], name: str) -> None:
     prep = prepared[name]
-    consts = constant_values(prep.model.graph)
+    consts = _consts(prep)
     tasks = _all_tasks(partition(prep.model, prep.ctx))
     assert tasks
     for task in tasks:
@@ -149,7 +182,7 @@ def test_task_models_check_and_run(prepared: dict[str, Prepared], name: str) -> 
 def test_task_model_matches_the_whole_model(prepared: dict[str, Prepared]) -> None:
     # The mlp's first task reads the graph input, so both models see the same data.
     prep = prepared["mlp"]
-    consts = constant_values(prep.model.graph)
+    consts = _consts(prep)
     task = partition(prep.model, prep.ctx)[0]
     assert task.inputs[0] == "input"
     feeds = make_inputs(prep.inputs)
@@ -326,6 +359,14 @@ def test_each_node_is_in_at_most_one_task(prepared: dict[str, Prepared], name: s
         assert t.signature.op_type == "+".join(ops[n] for n in t.node_names)
 
 
+def test_conv_tasks_take_their_batch_norm_along(prepared: dict[str, Prepared]) -> None:
+    tasks = _all_tasks(partition(prepared["cnn"].model, prepared["cnn"].ctx))
+    ops = {t.node_names[0]: t.signature.op_type for t in tasks}
+    assert ops["stem/conv"] == "Conv+BatchNormalization+Relu"
+    assert ops["block1/conv2"] == "Conv+BatchNormalization"  # a residual Add follows: not fused
+    assert ops["head/fc"] == "Gemm"
+
+
 # --------------------------------------------------------------------------- registry
 
 
@@ -333,56 +374,53 @@ def _noop(view: TaskView) -> Rewrite:
     return Rewrite(tuple(view.nodes))
 
 
-def test_plugin_module_from_environment_registers_a_strategy(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_plugin_module_registers_into_the_registry_it_is_given(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     module = "aoed_test_plugin_strategy"
     (tmp_path / f"{module}.py").write_text(
-        "from aoed.backends.ort.strategies import Strategy, register\n"
+        "from aoed.engine.registry import Strategy\n"
         "from aoed.engine.tasks import Rewrite\n"
-        "register(Strategy('plugin_identity', 'conv', 'exact',\n"
-        "                  lambda v: Rewrite(tuple(v.nodes))))\n"
+        "def register(registry):\n"
+        "    registry.register(Strategy('plugin_identity', 'conv', 'exact', lambda v: Rewrite(tuple(v.nodes))))\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setattr(strategies, "_REGISTRY", dict(strategies._REGISTRY))
-    assert ("conv", "plugin_identity") not in strategies._REGISTRY
-    monkeypatch.setenv("AOED_PLUGINS", f" {module} ,")
-    monkeypatch.setattr(strategies, "_plugins_loaded", False)
     try:
-        strategies.load_plugins()
+        registry = build_registry([f" {module} ", ""])
         assert module in sys.modules
-        assert "plugin_identity" in [s.name for s in strategies_for("conv")]
-        assert "plugin_identity" not in [s.name for s in strategies_for("matmul")]
-        assert strategies.get("conv", "plugin_identity").family == "conv"
+        assert "plugin_identity" in [s.name for s in registry.strategies_for("conv")]
+        assert "plugin_identity" not in [s.name for s in registry.strategies_for("matmul")]
+        assert registry.get("conv", "plugin_identity").family == "conv"
+        # Registries are values: the one built without the plugin does not have it.
+        assert "plugin_identity" not in [s.name for s in REGISTRY.strategies_for("conv")]
     finally:
         sys.modules.pop(module, None)
 
 
-def test_duplicate_registration_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(strategies, "_REGISTRY", dict(strategies._REGISTRY))
+def test_duplicate_registration_is_refused() -> None:
+    registry = build_registry()
     with pytest.raises(ValueError, match="fused_gemm"):
-        register(Strategy("fused_gemm", "matmul", "exact", _noop))
+        registry.register(Strategy("fused_gemm", "matmul", "exact", _noop))
     # The same object again is not a duplicate; a new name in the family is fine.
-    existing = strategies.get("matmul", "fused_gemm")
-    assert register(existing) is existing
-    fresh = register(Strategy("noop_for_test", "matmul", "exact", _noop))
-    assert fresh in list(strategies_for("matmul"))
+    existing = registry.get("matmul", "fused_gemm")
+    assert registry.register(existing) is existing
+    fresh = registry.register(Strategy("noop_for_test", "matmul", "exact", _noop))
+    assert fresh in list(registry.strategies_for("matmul"))
     with pytest.raises(KeyError, match="nope"):
-        strategies.get("matmul", "nope")
+        registry.get("matmul", "nope")
 
 
-def test_missing_plugin_module_is_an_option_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("AOED_PLUGINS", "aoed_no_such_plugin_module_xyz")
-    monkeypatch.setattr(strategies, "_plugins_loaded", False)
-    with pytest.raises(OptionError, match="aoed_no_such_plugin_module_xyz"):
-        strategies.load_plugins()
+@pytest.mark.parametrize("module,needle", [("aoed_no_such_plugin_module_xyz", "cannot import"), ("json", "no register")])
+def test_broken_plugin_is_an_option_error(module: str, needle: str) -> None:
+    with pytest.raises(OptionError, match=needle) as err:
+        StrategyRegistry(["matmul"]).load_plugins([module])
+    assert module in str(err.value)
 
 
 def test_registry_families_start_with_the_default() -> None:
     for family in ("matmul", "conv"):
-        names = [s.name for s in strategies_for(family)]
+        names = [s.name for s in REGISTRY.strategies_for(family)]
         assert names[0] == DEFAULT
-        assert all(s.precision == "exact" for s in strategies_for(family))
-    matmul = {s.name for s in strategies_for("matmul")}
+        assert all(s.precision == "exact" for s in REGISTRY.strategies_for(family))
+    matmul = {s.name for s in REGISTRY.strategies_for("matmul")}
     assert matmul >= {"gemm_pretransposed", "fused_gemm", "gemm_as_matmul"}
-    assert {s.name for s in strategies_for("conv")} >= {"fused_conv", "conv1x1_as_matmul"}
+    assert {s.name for s in REGISTRY.strategies_for("conv")} >= {"fused_conv", "conv1x1_as_matmul"}
+    assert not REGISTRY.has_choice("matmul_act", "exact") and REGISTRY.has_choice("matmul_act", "int8")
