@@ -170,9 +170,10 @@ def _tune(args: argparse.Namespace) -> int:
                 return await engine.run_job(opts, progress.emit)
 
     try:
-        result = trio.run(run)
-    except BaseExceptionGroup as group:
-        raise _single(group) from None
+        try:
+            result = trio.run(run)
+        except BaseExceptionGroup as group:
+            raise _single(group) from None
     except DeviceError as exc:
         source = config.sources.get("device", "")
         raise DeviceError(f"{source} selects {config.device}: {exc}" if source.startswith("ASCEND") else str(exc)) from None

@@ -133,9 +133,8 @@ class Engine:
                     log.info("job %s: done in %.1f s, %s", job_id, ledger.elapsed_s, result.verified)
                     return result
                 failed = False  # cancelled: nothing to debug, the scratch goes
-                log.info("job %s: cancelled%s", job_id, f" ({handle.reason})" if handle.reason else "")
-                raise JobCancelledError(f"job {job_id} cancelled" + (f": {handle.reason}" if handle.reason else ""))
             except OSError as exc:
+                log.info("job %s: failed: %s", job_id, exc)
                 raise AoedError(f"{exc.filename or opts.output}: {exc.strerror or exc}") from None
             except AoedError as exc:
                 log.info("job %s: failed: %s", job_id, exc)
@@ -145,6 +144,9 @@ class Engine:
                     ws.clean()
                 elif failed:
                     log.info("job %s: workspace kept for inspection at %s", job_id, ws.root)
+            reason = f": {handle.reason}" if handle.reason else ""
+            log.info("job %s: cancelled%s", job_id, reason)
+        raise JobCancelledError(f"job {job_id} cancelled{reason}")
 
 
 @contextlib.asynccontextmanager

@@ -1,0 +1,99 @@
+"""The `aoe` command line itself (one parser, one error style) and the config module."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from aoe.config import load_config
+from aoe.device import CPU, Device
+from aoe.errors import OptionError
+
+from .conftest import run_aoe
+
+
+def test_help_lists_every_command_with_a_line_each() -> None:
+    r = run_aoe("--help")
+    assert r.returncode == 0
+    for cmd, words in (("tune", "embedded"), ("compile", "bank alone"), ("bank", "knowledge bank")):
+        (line,) = [ln for ln in r.stdout.splitlines() if ln.startswith(f"    {cmd} ")]
+        assert words in line
+    assert "--framework 5" in r.stdout  # AOE's spelling is documented
+    sub = run_aoe("bank", "--help")
+    assert all(c in sub.stdout for c in ("stats", "lookup", "export", "import", "prune", "verify"))
+
+
+def test_version_works_alone() -> None:
+    r = run_aoe("--version")
+    assert r.returncode == 0 and r.stdout.startswith("aoe ")
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["foo"], "unknown command 'foo'"),
+        (["bank", "frobnicate"], "unknown command 'frobnicate'"),
+        (["tune"], "tune: the following arguments are required: model"),
+        (["tune", "m.onnx", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+        ([], "required: COMMAND"),
+    ],
+)
+def test_usage_errors_are_one_line_with_exit_code_2(args: list[str], needle: str) -> None:
+    r = run_aoe(*args)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("aoe: error: ") and needle in lines[0], lines
+
+
+def test_ascend_device_id_selects_the_npu_and_says_which_provider_is_missing(models: Path, tmp_path: Path) -> None:
+    r = run_aoe("tune", str(models / "mlp.onnx"), "--bank", str(tmp_path / "bank"), "--output", str(tmp_path / "o"),
+                "--no-progress", env={"ASCEND_DEVICE_ID": "1"})
+    assert r.returncode == 5, r.stderr
+    (line,) = r.stderr.strip().splitlines()
+    assert "ASCEND_DEVICE_ID=1 selects cann:1" in line and "CANNExecutionProvider" in line
+    assert "onnxruntime-cann" in line
+    # --device wins over the variable.
+    cfg = load_config(env={"ASCEND_DEVICE_ID": "1"}).replace(device=CPU)
+    assert cfg.device == CPU and cfg.sources["device"] == "command line"
+
+
+def test_config_file_then_environment_then_command_line(tmp_path: Path) -> None:
+    toml = tmp_path / "aoed.toml"
+    toml.write_text(
+        '[bank]\npath = "/srv/bank"\nlayers = ["/srv/team"]\n'
+        '[tuning]\nparallel = 3\nrepeat_tune = true\ndevice = "cuda:1"\nplugins = ["p1"]\n'
+        '[engine]\ndedicated_cores = "auto"\nworker_memory_mb = 4096\n'
+    )
+    cfg = load_config(toml, env={})
+    assert cfg.bank == Path("/srv/bank") and cfg.bank_layers == (Path("/srv/team"),)
+    assert (cfg.parallel, cfg.repeat_tune, cfg.device, cfg.plugins) == (3, True, Device("cuda", 1), ("p1",))
+    assert cfg.dedicated_cores is None and cfg.worker_memory_mb == 4096
+    assert cfg.sources["parallel"] == f"{toml} [tuning] parallel"
+    env = {"TUNE_BANK_PATH": "/env/bank", "TE_PARALLEL_COMPILER": "5", "REPEAT_TUNE": "False",
+           "AOED_BANK_LAYERS": os.pathsep.join(["/a", "", "/b"])}  # fmt: skip
+    cfg = load_config(toml, env=env)
+    assert cfg.bank == Path("/env/bank") and cfg.parallel == 5 and cfg.repeat_tune is False
+    assert cfg.bank_layers == (Path("/a"), Path("/b")) and cfg.sources["bank"] == "TUNE_BANK_PATH"
+    assert cfg.replace(parallel=2, bank=None).parallel == 2  # None leaves a value as it was
+    assert load_config(env={"AOED_CONFIG": str(toml)}).parallel == 3
+
+
+@pytest.mark.parametrize(
+    ("text", "env", "needle"),
+    [
+        ("[tuning]\nparallel = 99\n", {}, "[tuning] parallel=99"),
+        ("[tuning]\nthreads = 2\n", {}, "[tuning] threads: unknown setting"),
+        ("[tuning\n", {}, "not valid TOML"),
+        ("", {"REPEAT_TUNE": "maybe"}, "REPEAT_TUNE='maybe'"),
+        ("", {"ASCEND_DEVICE_ID": "npu0"}, "ASCEND_DEVICE_ID='npu0'"),
+        ("[tuning]\ndevice = \"tpu:0\"\n", {}, "unknown kind"),
+    ],
+)
+def test_bad_settings_name_where_they_came_from(tmp_path: Path, text: str, env: dict, needle: str) -> None:
+    toml = tmp_path / "aoed.toml"
+    toml.write_text(text)
+    with pytest.raises(OptionError) as err:
+        load_config(toml, env=env)
+    assert needle in str(err.value)
