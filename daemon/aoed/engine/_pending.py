@@ -63,18 +63,21 @@ class RequestQueue(Generic[T]):
         return self._recv.clone()
 
 
-async def serve(pending: Pending[T], handler: Callable[[T, Any], Awaitable[Any]]) -> None:
-    """Answer `pending` with `handler(request, job)`, unless it is (or becomes) abandoned.
+async def serve(pending: Pending[T], handler: Callable[[T, Any], Awaitable[Any]]) -> bool:
+    """Answer `pending` with `handler(request, job)`, unless it is (or becomes) abandoned;
+    returns True when the handler was cut short by an abandonment.
 
     An abandonment cancels the handler; the agent's own cancellation still propagates.
     """
     if pending.abandoned:
-        return
+        return False
     with trio.CancelScope() as scope:
         pending._scope = scope
         try:
             result = await handler(pending.request, pending.job)
         finally:
             pending._scope = None
-    if not scope.cancelled_caught:
-        pending.reply(result)
+    if scope.cancelled_caught:
+        return True
+    pending.reply(result)
+    return False

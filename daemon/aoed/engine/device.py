@@ -85,10 +85,17 @@ class DeviceAgent:
             task_status.started()
             async with self._queue.receiver() as requests:
                 async for pending in requests:
-                    await _pending.serve(pending, self._serve)
+                    if await _pending.serve(pending, self._serve):
+                        await self._restart()
         finally:
             await self._runner.aclose()
             self.lock.close()
+
+    async def _restart(self) -> None:
+        """Start a fresh runner at once after one was killed for an abandoned request, so
+        the next job does not wait for it (a failure here shows on the next request)."""
+        with contextlib.suppress(ChildDiedError):
+            await self._runner.call(to_wire(PingRequest(self.device)))
 
     async def _serve(self, request: dict[str, Any], job: JobLedger | None) -> dict[str, Any]:
         limit = float(request.pop("limit_s", 0) or float(request.get("budget_s", 10.0)) * 3 + 60)

@@ -131,7 +131,10 @@ class CompilePool:
 
         async with requests:
             async for pending in requests:
-                await _pending.serve(pending, handle)
+                if await _pending.serve(pending, handle):
+                    # The worker was killed with its abandoned request: start the next one now.
+                    with contextlib.suppress(ChildDiedError):
+                        await child.call({"op": "ping"})
 
     async def call(self, request: Any, job: JobLedger | None = None, timeout_s: float | None = None) -> dict[str, Any]:
         """Run one request (a messages.*Request) on a worker; returns the reply dict (a

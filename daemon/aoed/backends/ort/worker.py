@@ -251,6 +251,8 @@ _OPS: dict[str, tuple[type, Any]] = {
 
 
 def _handle(req: dict[str, Any]) -> dict[str, Any]:
+    if req.get("op") == "ping":
+        return {"ok": True}
     entry = _OPS.get(str(req.get("op")))
     if entry is None:
         return {"ok": False, "error": f"unknown op {req.get('op')!r}"}
