@@ -51,10 +51,15 @@ PLUGIN = textwrap.dedent(
         time.sleep(1.0)
         return None
 
+    def _hog(view):
+        import numpy as np
+        return np.ones(4 << 30, dtype=np.uint8)  # 4 GiB
+
     def register(registry):
         registry.register(Strategy("crash_in_worker", "matmul", "exact", _crash))
         registry.register(Strategy("hang_in_worker", "matmul", "exact", _hang))
         registry.register(Strategy("slow_in_worker", "matmul", "exact", _slow))
+        registry.register(Strategy("hog_in_worker", "matmul", "exact", _hog))
     """
 )
 
@@ -129,6 +134,21 @@ async def test_worker_crash_and_hang_cost_one_candidate(plugin, mlp_task, tmp_pa
         assert pool.crashes == 2
         nursery.cancel_scope.cancel()
     assert onnx.load(str(tmp_path / "c.onnx")).graph.node[0].op_type == "FusedGemm"
+
+
+async def test_a_worker_over_its_memory_limit_costs_one_candidate(plugin, mlp_task, tmp_path):
+    task, _ = mlp_task
+    pool = CompilePool(1, tmp_path / "logs", plugins=plugin, memory_mb=1536)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(pool.run)
+        hog = await pool.call(_compile(task, "hog_in_worker", tmp_path / "h.onnx"))
+        after = await pool.call(_compile(task, "fused_gemm", tmp_path / "f.onnx"))
+        pid = pool.pids[0]
+        limit = [ln for ln in Path(f"/proc/{pid}/limits").read_text().splitlines() if "address space" in ln]
+        nursery.cancel_scope.cancel()
+    assert not hog["ok"] and "memory" in hog["error"], hog
+    assert after["ok"], after  # the same worker goes on
+    assert limit and str(1536 << 20) in limit[0]
 
 
 async def test_inapplicable_strategy_is_not_a_failure(mlp_task, tmp_path):

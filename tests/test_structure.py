@@ -14,7 +14,7 @@ CLIENT_APPS = {"aoe.cli", "aoe.bankcli", "aoe.compile"}
 
 def _modules() -> dict[str, Path]:
     out = {}
-    for top, base in SOURCES.items():
+    for base in SOURCES.values():
         for path in base.rglob("*.py"):
             rel = path.relative_to(base.parent).with_suffix("")
             parts = list(rel.parts)

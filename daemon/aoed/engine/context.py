@@ -5,13 +5,8 @@ job is prepared; stages return their results instead of writing into shared stat
 
 from __future__ import annotations
 
-import json
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import trio
 
 from aoe.errors import AoedError
 from aoe.signature import DeviceFingerprint, TaskSignature
@@ -88,6 +83,3 @@ class JobContext:
 
     async def write_bank(self, write: BankWrite) -> None:
         await self.bank.write(write)
-
-    async def write_text(self, path: Path, data: Mapping[str, Any]) -> None:
-        await trio.to_thread.run_sync(path.write_text, json.dumps(data))
