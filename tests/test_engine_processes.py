@@ -26,6 +26,7 @@ from aoed.engine.ledger import JobLedger
 from aoed.engine.messages import (
     Candidate,
     CompileRequest,
+    MeasurePlan,
     MeasureReply,
     MeasureRequest,
     ProfileReply,
@@ -94,7 +95,7 @@ def _compile(task: Path, strategy: str, out: Path, family: str = "matmul") -> Co
 
 def _measure(task: Path, inputs: Path, budget_s: float = 0.5, **kw) -> MeasureRequest:
     cands = (Candidate("default", task), Candidate("t1", task, {"intra_op_num_threads": 1}))
-    return MeasureRequest(cands, inputs, "default", budget_s, CPU, **kw)
+    return MeasureRequest(cands, inputs, "default", CPU, MeasurePlan(budget_s, **kw))
 
 
 def _state(pid: int) -> str:
@@ -382,9 +383,9 @@ async def test_runner_reports_wrong_outputs_and_broken_candidates(tmp_path):
         device = DeviceAgent(CPU, None, tmp_path / "logs", tmp_path / "run")
         await nursery.start(device.run)
         cands = (Candidate("ref", src), Candidate("wrong", wrong), Candidate("broken", tmp_path / "broken.onnx"))
-        reply = await device.call(MeasureRequest(cands, inputs, "ref", 0.3, CPU))
+        reply = await device.call(MeasureRequest(cands, inputs, "ref", CPU, MeasurePlan(0.3)))
         with pytest.raises(DeviceError, match="reference"):
-            await device.call(MeasureRequest((Candidate("broken", tmp_path / "broken.onnx"),), inputs, "broken", 0.3, CPU))
+            await device.call(MeasureRequest((Candidate("broken", tmp_path / "broken.onnx"),), inputs, "broken", CPU, MeasurePlan(0.3)))
         prof = await device.call(ProfileRequest(prep.path, inputs, tmp_path, CPU, runs=3))
         nursery.cancel_scope.cancel()
     res = from_wire(MeasureReply, reply).results

@@ -37,7 +37,7 @@ from aoe.signature import ModelContext, task_signature
 from aoed.bank._codec import BankRecord
 from aoed.engine.decisions import clearly_faster
 from aoed.engine.ledger import JobLedger, new_job_id
-from aoed.engine.messages import Candidate, MeasureReply, MeasureRequest, RebuildReply, RebuildRequest, from_wire
+from aoed.engine.messages import Candidate, MeasurePlan, MeasureReply, MeasureRequest, RebuildReply, RebuildRequest, from_wire
 from aoed.engine.policy import policy
 
 if TYPE_CHECKING:
@@ -173,7 +173,7 @@ async def verify_entries(
             cands = (Candidate("default", rebuilt.default), Candidate("strategy", rebuilt.candidate))
             try:
                 reply = await engine.device.call(
-                    MeasureRequest(cands, rebuilt.inputs, "default", budget_s, engine.device.device), ledger
+                    MeasureRequest(cands, rebuilt.inputs, "default", engine.device.device, MeasurePlan(budget_s)), ledger
                 )
             except DeviceError as exc:
                 v.verdict, v.detail = "error", str(exc)

@@ -5,6 +5,7 @@ job is prepared; stages return their results instead of writing into shared stat
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from aoed.engine.messages import (
     JobEvent,
     MeasureReply,
     MeasureRequest,
+    MeasurePlan,
     Measurement,
     PrepareReply,
     error_from_wire,
@@ -66,10 +68,17 @@ class JobContext:
         return bankrules.answer(rec, layer, default, dlayer, self.fingerprint)
 
     async def measure(
-        self, candidates: list[Candidate], reference: str | None, budget_s: float, inputs: Path | None = None
+        self,
+        candidates: list[Candidate],
+        reference: str | None,
+        budget_s: float,
+        inputs: Path | None = None,
+        plan: MeasurePlan | None = None,
     ) -> dict[str, Measurement]:
-        """Measure `candidates` interleaved on the device (DeviceError if it cannot)."""
-        req = MeasureRequest(tuple(candidates), inputs or self.held_back[0], reference, budget_s, self.opts.device)
+        """Measure `candidates` interleaved on the device (DeviceError if it cannot);
+        `plan` (default: racing until stable) within `budget_s`."""
+        plan = dataclasses.replace(plan or MeasurePlan(), budget_s=budget_s)
+        req = MeasureRequest(tuple(candidates), inputs or self.held_back[0], reference, self.opts.device, plan)
         reply = await self.device.call(req, self.ledger)
         return from_wire(MeasureReply, reply).results
 

@@ -40,6 +40,7 @@ __all__ = [
     "ExtractReply",
     "ExtractRequest",
     "JobEvent",
+    "MeasurePlan",
     "MeasureReply",
     "MeasureRequest",
     "Measurement",
@@ -342,18 +343,48 @@ class Candidate:
 
 
 @dataclass(frozen=True)
+class MeasurePlan:
+    """How candidates are measured (backends/ort/measure.py): interleaved rounds, each
+    candidate taking `samples` timed batches of about `sample_s` per round, in an order
+    that rotates, after a warm-up. `budget_s` bounds warm-up and rounds together: no turn
+    starts after it, and samples per turn shrink so that `min_rounds` fit where they can.
+    With `race`, a clear loser is dropped after `min_rounds`; with `until_stable`, the
+    rounds stop once no median moved more than `rel_tol` in the last one."""
+
+    budget_s: float = 5.0
+    min_rounds: int = 8
+    max_rounds: int = 25
+    samples: int = 5
+    sample_s: float = 0.002
+    warmup_s: float = 0.02
+    settle_s: float = 0.005
+    rel_tol: float = 0.01
+    race: bool = True
+    until_stable: bool = True
+    drop_margin: float = 0.05
+
+    @classmethod
+    def fixed(cls, rounds: int, budget_s: float, samples: int = 5) -> MeasurePlan:
+        """Exactly `rounds` rounds (budget permitting): no racing, no early stop; what an
+        A/B that reports figures needs."""
+        return cls(budget_s, rounds, rounds, samples, race=False, until_stable=False)
+
+
+@dataclass(frozen=True)
 class MeasureRequest:
-    """Measure candidates interleaved on the same inputs (see backends/ort/runner.py)."""
+    """Measure candidates interleaved on the same inputs (see backends/ort/runner.py);
+    every candidate's outputs are first compared with the `reference` candidate's."""
 
     op: ClassVar[str] = "measure"
     candidates: tuple[Candidate, ...]
     inputs: Path
     reference: str | None
-    budget_s: float
     device: Device
-    min_rounds: int = 8
-    max_rounds: int = 25
-    samples: int = 5
+    plan: MeasurePlan = field(default_factory=MeasurePlan)
+
+    @property
+    def budget_s(self) -> float:
+        return self.plan.budget_s
 
 
 @dataclass(frozen=True)
@@ -361,6 +392,8 @@ class Measurement:
     ok: bool
     error: str = ""
     dropped: bool = False
+    #: why a candidate was dropped or cut short (racing, overrunning the budget)
+    reason: str = ""
     median_us: float = 0.0
     spread: float = 0.0
     repeats: int = 0

@@ -5,23 +5,17 @@ measurements on a device are serialized by construction.
 
 Ops (messages in aoed.engine.messages; every request names its `device`):
   ping     {"device"} -> {"cores", "providers"}; fails when the device's provider is missing
-  measure  {"candidates": [{"id", "model", "options"}], "inputs": npz, "reference": id,
-            "min_rounds", "max_rounds", "samples", "budget_s", "rel_tol"}
-     -> {"results": {id: {"ok", "median_us", "spread", "repeats", "min_us",
-                          "max_abs_error", "max_rel_error", "cosine", "dropped", "error"}}}
+  measure  {"candidates": [{"id", "model", "options"}], "inputs": npz, "reference": id, "plan"}
+     -> {"results": {id: {"ok", "median_us", "spread", "repeats", "min_us", "rounds_us",
+                          "max_abs_error", "max_rel_error", "cosine", "dropped", "reason", "error"}}}
   profile  {"model", "inputs", "runs", "options", "workdir"} -> {"nodes": {name: us}, "total_us"}
            (unoptimized unless options say otherwise, so node names are the model's)
   compare  {"reference", "candidate", "options", "inputs": [npz...]}
      -> {"max_abs_error", "max_rel_error", "cosine"} (worst over the inputs)
 
 Method: every candidate gets the same inputs; one run gives its outputs, compared with
-the reference candidate's; then warm-up, then rounds in which every surviving candidate
-takes a few samples in turn (interleaved, with the order rotated each round, so slow drift
-of the machine hits all alike). After `min_rounds`, a candidate whose lower quartile is
-above the best's upper quartile by a clear margin is dropped (racing). Rounds end when
-every survivor's median moved less than `rel_tol` over the last round, or at
-`max_rounds` / `budget_s`. A sample times a batch of runs long enough (~2 ms) that
-clock resolution does not matter.
+the reference candidate's; then the shared procedure of measure.py times them
+(interleaved rounds, bounded by the plan's budget).
 """
 
 from __future__ import annotations
@@ -37,11 +31,10 @@ from typing import Any
 import numpy as np
 
 from aoe.device import CPU, Device
+from aoed.backends.ort.measure import interleaved
 from aoed.backends.ort.sessions import check_device, session
+from aoed.engine.messages import MeasurePlan, from_wire
 
-_SAMPLE_S = 0.002
-_SETTLE_S = 0.005
-_DROP_MARGIN = 0.05
 
 
 def _load_inputs(path: str) -> dict[str, np.ndarray]:
@@ -93,19 +86,6 @@ def accuracy(ref: list[np.ndarray], out: list[np.ndarray]) -> dict[str, float]:
     return {"max_abs_error": max_abs, "max_rel_error": rel, "cosine": cos}
 
 
-def _stats(samples: list[float], inner: int) -> dict[str, float]:
-    a = np.asarray(samples) * 1e6
-    q25, med, q75 = np.percentile(a, [25, 50, 75])
-    return {
-        "median_us": float(med),
-        "spread": float((q75 - q25) / med) if med > 0 else 0.0,
-        "repeats": int(len(samples) * inner),
-        "min_us": float(a.min()),
-        "q25_us": float(q25),
-        "q75_us": float(q75),
-    }
-
-
 def measure(req: dict[str, Any]) -> dict[str, Any]:
     feeds = _load_inputs(req["inputs"])
     device = _device(req)
@@ -140,73 +120,14 @@ def measure(req: dict[str, Any]) -> dict[str, Any]:
             results[cid] = {"ok": False, "error": str(exc)}
             del sessions[cid]
 
-    # Warm-up and batch sizing: each sample times `inner` runs of about _SAMPLE_S.
-    inner: dict[str, int] = {}
-    for cid, (sess, f) in sessions.items():
-        t0 = time.perf_counter()
-        n = 0
-        while n < 3 or (time.perf_counter() - t0 < req.get("warmup_s", 0.02) and n < 200):
-            sess.run(None, f)
-            n += 1
-        per_run = (time.perf_counter() - t0) / n
-        inner[cid] = max(1, min(1000, math.ceil(_SAMPLE_S / max(per_run, 1e-7))))
-
-    samples: dict[str, list[float]] = {cid: [] for cid in sessions}
-    # Per-round medians, None where the candidate was not measured (dropped): the engine
-    # compares candidates round by round, which cancels the machine's slow drift.
-    rounds: dict[str, list[float | None]] = {cid: [] for cid in sessions}
-    alive = list(sessions)
-    dropped: set[str] = set()
-    min_rounds = int(req.get("min_rounds", 5))
-    max_rounds = int(req.get("max_rounds", 20))
-    per_round = int(req.get("samples", 5))
-    rel_tol = float(req.get("rel_tol", 0.01))
-    deadline = time.perf_counter() + float(req.get("budget_s", 5.0))
-    perf = time.perf_counter
-    for rnd in range(max_rounds):
-        prev = {cid: float(np.median(samples[cid])) for cid in alive if samples[cid]}
-        order = alive[rnd % len(alive):] + alive[: rnd % len(alive)] if alive else []
-        for cid in order:
-            sess, f = sessions[cid]
-            k = inner[cid]
-            # Let the previous candidate's intra-op threads stop spinning, then re-enter
-            # this session once untimed: neither may leak into this candidate's samples.
-            time.sleep(_SETTLE_S)
-            sess.run(None, f)
-            turn = []
-            for _ in range(per_round):
-                t0 = perf()
-                for _ in range(k):
-                    sess.run(None, f)
-                turn.append((perf() - t0) / k)
-            samples[cid].extend(turn)
-        for cid in sessions:
-            rounds[cid].append(float(np.median(samples[cid][-per_round:])) * 1e6 if cid in order else None)
-        if rnd + 1 < min_rounds:
-            continue
-        stats = {cid: _stats(samples[cid], inner[cid]) for cid in alive}
-        best = min(alive, key=lambda c: stats[c]["median_us"])
-        for cid in list(alive):
-            if cid == best or cid == ref_id:
-                continue
-            if stats[cid]["q25_us"] > stats[best]["q75_us"] * (1 + _DROP_MARGIN):
-                alive.remove(cid)
-                dropped.add(cid)
-        stable = all(
-            cid in prev and abs(stats[cid]["median_us"] - prev[cid] * 1e6) <= rel_tol * stats[cid]["median_us"]
-            for cid in alive
-        )
-        if stable or perf() > deadline:
-            break
-    for cid in sessions:
-        r = {
-            "ok": True,
-            "dropped": cid in dropped,
-            **_stats(samples[cid], inner[cid]),
-            **acc[cid],
-            "rounds_us": rounds[cid],
-        }
-        results[cid] = r
+    plan = from_wire(MeasurePlan, req.get("plan") or {})
+    runs = {cid: (lambda sess=sess, f=f: sess.run(None, f)) for cid, (sess, f) in sessions.items()}
+    timings = interleaved(runs, plan, keep=ref_id)
+    for cid, t in timings.items():
+        if t.dropped and not t.repeats:  # never timed: it overran the budget
+            results[cid] = {"ok": False, "error": t.reason, "dropped": True, "reason": t.reason, **acc[cid]}
+        else:
+            results[cid] = {"ok": True, **t.summary(), **acc[cid]}
     return {"ok": True, "results": results}
 
 
