@@ -18,6 +18,8 @@ Used by the tuner, `aoe compile` and `aoe bank verify`, so they never disagree.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import socket
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -37,6 +39,8 @@ __all__ = [
     "Outcome",
     "after_tuning",
     "answer",
+    "choices_digest",
+    "confirmed",
     "key_for",
     "make_record",
     "repo_summary",
@@ -86,6 +90,26 @@ def reverted_digests(ans: BankAnswer) -> set[str]:
     if ans.record is not None:
         return {d for d in ans.record.params.get("reverted", "").split(",") if d}
     return set((ans.default or {}).get("reverted", []))
+
+
+def confirmed(ans: BankAnswer) -> dict[str, Any] | None:
+    """The confirming A/B a model-level record carries (see confirm.py), or None."""
+    raw = ans.record.params.get("confirmed") if ans.record is not None else (ans.default or {}).get("confirmed")
+    if not raw:
+        return None
+    try:
+        doc = json.loads(raw) if isinstance(raw, str) else dict(raw)
+    except ValueError:
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def choices_digest(choices: Mapping[str, str], options: Mapping[str, Any]) -> str:
+    """What a confirmation is valid for: the strategy chosen per task signature (digest
+    -> name, defaults left out) and the session options. The device, runtime and
+    precision are in the record's key already."""
+    text = json.dumps({"tasks": dict(sorted(choices.items())), "options": dict(options)}, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 @dataclass(frozen=True)

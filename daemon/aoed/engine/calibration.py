@@ -10,8 +10,9 @@ Otherwise synthetic: floats drawn from N(0, 1); integers in a plausible range, w
 an input that indexes a constant table (Gather over an embedding, as token ids do) is
 the table's size along the gathered axis, else [0, 8).
 
-Samples are split: all but the last `HELD_BACK` calibrate ranges; the last ones are held
-back to judge accuracy, so the gate never grades on the data it calibrated on. Ranges
+Samples are split: the last `HELD_BACK` (32; half of a small folder) are held back to
+judge accuracy end to end, the rest calibrate ranges, so the gate never grades on the
+data it calibrated on. Ranges
 themselves are computed by onnxruntime in a worker (backends/ort/probe.py).
 """
 
@@ -35,7 +36,10 @@ __all__ = [
     "load_samples",
 ]
 
-HELD_BACK = 2
+#: Samples held back to judge a lossy model end to end (fewer only when the user's
+#: folder is small: then half of it).
+HELD_BACK = 32
+#: Synthetic samples that calibrate (plus HELD_BACK more that judge).
 SYNTHETIC_SAMPLES = 8
 
 
@@ -51,9 +55,12 @@ class Samples:
 
     def __init__(self, samples: list[dict[str, np.ndarray]], source: str):
         self.source = source
-        if len(samples) > HELD_BACK:
-            self.calibrate, self.held_back = samples[:-HELD_BACK], samples[-HELD_BACK:]
-        else:  # too few to split: calibrate and judge on the same data, and say so
+        held = HELD_BACK if len(samples) >= HELD_BACK + 8 else len(samples) // 2
+        if held >= 1:
+            self.calibrate, self.held_back = samples[:-held], samples[-held:]
+            if held < HELD_BACK:
+                self.source += f" (only {held} held back to judge accuracy: give {HELD_BACK + 8} or more)"
+        else:  # one sample: calibrate and judge on the same data, and say so
             self.calibrate = self.held_back = samples
             self.source += " (too few samples to hold any back)"
 
@@ -114,7 +121,8 @@ def load_samples(
     """The calibration samples for a job (`int_high`: bounds of token-id inputs, see
     `integer_ranges`); raises OptionError on an unusable directory."""
     if calibration is None:
-        return Samples(_synthetic(inputs, int_high or {}, SYNTHETIC_SAMPLES), f"synthetic ({SYNTHETIC_SAMPLES} samples)")
+        n = SYNTHETIC_SAMPLES + HELD_BACK
+        return Samples(_synthetic(inputs, int_high or {}, n), f"synthetic ({n} samples, random inputs)")
     if not calibration.is_dir():
         raise OptionError(f"--calibration {calibration}: not a directory")
     try:

@@ -17,6 +17,7 @@ from aoed.engine.device import DeviceAgent
 from aoed.engine.job import JobOptions
 from aoed.engine.ledger import JobLedger
 from aoed.engine.messages import (
+    Accuracy,
     AssembleRequest,
     Build,
     Candidate,
@@ -53,6 +54,8 @@ class JobContext:
     held_back: tuple[Path, ...] = ()
     ranges: Path | None = None
     notes: list[str] = field(default_factory=list)
+    #: the last end-to-end accuracy measured on the held-back samples (lossy policies)
+    accuracy: Accuracy | None = None
 
     def emit(self, kind: str, message: str = "", done: int = 0, total: int = 0) -> None:
         self.ledger.emit(JobEvent(kind, message, done, total))
@@ -74,12 +77,14 @@ class JobContext:
         budget_s: float,
         inputs: Path | None = None,
         plan: MeasurePlan | None = None,
+        category: str = "search",
     ) -> dict[str, Measurement]:
         """Measure `candidates` interleaved on the device (DeviceError if it cannot);
-        `plan` (default: racing until stable) within `budget_s`."""
+        `plan` (default: racing until stable) within `budget_s`, charged to the job's
+        ledger under `category` (see budget.py)."""
         plan = dataclasses.replace(plan or MeasurePlan(), budget_s=budget_s)
         req = MeasureRequest(tuple(candidates), inputs or self.held_back[0], reference, self.opts.device, plan)
-        reply = await self.device.call(req, self.ledger)
+        reply = await self.device.call(req, self.ledger, category=category)
         return from_wire(MeasureReply, reply).results
 
     async def assemble(self, builds: list[Build], source: Path | None = None) -> None:

@@ -1,11 +1,13 @@
 """Decision rules: when one measured candidate beats another, and which to give up first.
 
-Candidates are measured interleaved, round by round (backends/ort/runner.py), so the
+Candidates are measured interleaved, round by round (backends/ort/measure.py), so the
 ratio of two candidates within one round is free of the machine's slow drift. A
-candidate wins only if, in those paired per-round ratios, it beats the incumbent by more
-than `MIN_GAIN` in the median round and in at least 3 rounds of 4, and in the overall
-median too (the number reports show). On this class of machine two identical
-multi-threaded sessions measured up to 40% apart; comparing medians alone was useless.
+candidate wins only if the median of those paired per-round ratios is below
+1 - `MIN_GAIN`, the whole 90% interval of that median is below 1 (engine/stats.py:
+distribution-free, so a few lucky rounds do not make a winner), and its overall median
+is lower too (the number reports show). On this class of machine two identical
+multi-threaded sessions measured up to 40% apart; comparing medians alone was useless,
+and a looser rule made the same model tune differently twice.
 
 Lossy choices that an end-to-end accuracy budget cannot afford are backed off least
 gain per unit of error first (`back_off_order`).
@@ -15,8 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
-import numpy as np
-
+from aoed.engine import stats
 from aoed.engine.messages import Measurement
 
 __all__ = [
@@ -27,33 +28,39 @@ __all__ = [
     "clearly_slower",
     "least_gain_per_error",
     "paired_ratio",
+    "why_not_faster",
 ]
 
 #: A gain below this fraction is never called a gain, whatever the measured spread.
 MIN_GAIN = 0.02
+#: Confidence of the interval a decision's ratio must lie within.
+CONFIDENCE = 0.90
+#: Fewer paired rounds than this decide nothing.
+MIN_ROUNDS = 3
 
 
 def paired_ratio(a: Measurement, b: Measurement) -> tuple[float, float, float]:
-    """Round-by-round ratios of a's to b's medians: (median, lower quartile, upper quartile)."""
-    pairs = [x / y for x, y in zip(a.rounds_us, b.rounds_us) if x and y]
-    if not pairs:
-        r = a.median_us / b.median_us
-        return r, r, r
-    q25, med, q75 = np.percentile(pairs, [25, 50, 75])
-    return float(med), float(q25), float(q75)
+    """The median of a's per-round medians over b's and its 90% interval: (median, low,
+    high); (inf, inf, inf) when fewer than MIN_ROUNDS rounds measured both."""
+    pairs = stats.paired_ratios(a.rounds_us, b.rounds_us)
+    if len(pairs) < MIN_ROUNDS:
+        return float("inf"), float("inf"), float("inf")
+    lo, hi = stats.median_ci(pairs, CONFIDENCE)
+    return stats.median(pairs), lo, hi
 
 
 def clearly_faster(a: Measurement, b: Measurement) -> bool:
-    """a beats b by more than MIN_GAIN in the median round, in at least 3 of 4 rounds, and
-    in the overall median."""
-    med, _q25, q75 = paired_ratio(a, b)
-    return med < 1.0 - MIN_GAIN and q75 < 1.0 and a.median_us < b.median_us
+    """a beats b: the median round ratio is below 1 - MIN_GAIN, its 90% interval lies
+    below 1, and a's overall median is lower."""
+    med, _lo, hi = paired_ratio(a, b)
+    return med < 1.0 - MIN_GAIN and hi < 1.0 and a.median_us < b.median_us
 
 
 def clearly_slower(a: Measurement, b: Measurement) -> bool:
-    """a is slower than b by more than MIN_GAIN in the median round and in 3 of 4 rounds."""
-    med, q25, _q75 = paired_ratio(a, b)
-    return med > 1.0 + MIN_GAIN and q25 > 1.0
+    """a is slower than b: the median round ratio is above 1 + MIN_GAIN and its 90%
+    interval lies above 1."""
+    med, lo, _hi = paired_ratio(a, b)
+    return med != float("inf") and med > 1.0 + MIN_GAIN and lo > 1.0
 
 
 def best(results: Mapping[str, Measurement], incumbent: str, gate: Callable[[Measurement], bool]) -> str:
@@ -93,17 +100,27 @@ def best_lossy(
         elif not gate(r):
             reasons.append(f"{name}: outside the accuracy budget (cosine {r.cosine:.5f}, max rel error {r.max_rel_error:.3g})")
         elif r.dropped or not clearly_faster(r, base):
-            med, _, _ = paired_ratio(r, base)
-            reasons.append(
-                f"{name}: not clearly faster than {incumbent} ({r.median_us:.1f} us vs {base.median_us:.1f} us, "
-                f"median round ratio {med:.3f}; a win needs below {1 - MIN_GAIN:.2f} in 3 rounds of 4)"
-            )
+            reasons.append(f"{name}: {why_not_faster(r, base, incumbent)}")
         else:
             winners.append(name)
     if not winners:
         return incumbent, reasons
     pick = min(winners, key=lambda k: paired_ratio(results[k], base)[0])
     return pick, reasons
+
+
+def why_not_faster(r: Measurement, base: Measurement, incumbent: str) -> str:
+    """Why `r` did not beat `base` (the incumbent), in the figures the rule reads."""
+    if r.dropped:
+        return f"not clearly faster than {incumbent}: {r.reason}"
+    med, lo, hi = paired_ratio(r, base)
+    if med == float("inf"):
+        return f"not clearly faster than {incumbent}: fewer than {MIN_ROUNDS} rounds measured both"
+    return (
+        f"not clearly faster than {incumbent} ({r.median_us:.1f} us vs {base.median_us:.1f} us; median round "
+        f"ratio {med:.3f}, 90% interval [{lo:.3f}, {hi:.3f}]; a win needs a ratio below {1 - MIN_GAIN:.2f} "
+        "and the whole interval below 1)"
+    )
 
 
 def least_gain_per_error(costs: Mapping[str, tuple[float, float]]) -> str:

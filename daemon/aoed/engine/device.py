@@ -106,6 +106,7 @@ class DeviceAgent:
 
     async def _serve(self, request: dict[str, Any], job: JobLedger | None) -> dict[str, Any]:
         limit = float(request.pop("limit_s", 0) or _default_limit(request))
+        category = str(request.pop("category", "other"))
         pause = self._pool.paused() if self._pool is not None else contextlib.nullcontext()
         async with self.lock.hold(job.waiting if job is not None else None):
             t0, wall0 = trio.current_time(), time.monotonic()
@@ -122,17 +123,21 @@ class DeviceAgent:
                 self.busy_s += busy
                 self.requests += 1
                 if job is not None:
-                    job.charge_device(wall0, busy)
+                    job.charge_device(wall0, busy, category)
         if job is not None:
             job.note_rss(reply.get("maxrss_kb"))
         reply["device_s"] = busy
         return reply
 
-    async def call(self, request: Any, job: JobLedger | None = None, limit_s: float | None = None) -> dict[str, Any]:
+    async def call(
+        self, request: Any, job: JobLedger | None = None, limit_s: float | None = None, category: str = "other"
+    ) -> dict[str, Any]:
         """Queue `request` (a messages.*Request) for the device and return the runner's
-        reply. Raises DeviceError when the runner could not answer it. Cancellation drops
-        the request, or abandons it in flight (the runner is killed and restarted)."""
+        reply; its device time is charged to `job` under `category`. Raises DeviceError
+        when the runner could not answer it. Cancellation drops the request, or abandons
+        it in flight (the runner is killed and restarted)."""
         wire = to_wire(request)
+        wire["category"] = category
         if limit_s is not None:
             wire["limit_s"] = limit_s
         reply = await self._queue.submit(wire, job)

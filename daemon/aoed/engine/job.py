@@ -31,8 +31,9 @@ class JobOptions:
     calibration: Path | None = None
     min_cosine: float | None = None  # end-to-end budget of a lossy policy
     max_rel_error: float | None = None
-    #: device seconds spent on per-task measurement, split by share of latency
-    budget_s: float = 20.0
+    #: device seconds for search, session options and verification together (budget.py);
+    #: None: derived from the model's profiled latency
+    budget_s: float | None = None
     #: keep the scratch files (task models, candidates, samples) after success
     keep_workspace: bool = False
     #: empty: the engine assigns a unique one
@@ -85,9 +86,18 @@ class JobResult:
     #: what the job cost: device seconds, duty cycle, trials, failed candidates, memory
     resources: dict[str, Any] = field(default_factory=dict)
     timeline: list[tuple[float, float]] = field(default_factory=list)
+    #: the confirming A/B (confirm.py): where baseline_ms and tuned_ms come from
+    confirmation: dict[str, Any] = field(default_factory=dict)
+    #: the verification rounds that chose what was proposed: decision figures
+    decision: dict[str, Any] = field(default_factory=dict)
+    #: the device budget and what was spent, by stage (budget.py)
+    device_budget: dict[str, Any] = field(default_factory=dict)
 
     @property
     def improvement(self) -> float:
+        """From the confirming A/B's median round ratio (not a ratio of the two medians)."""
+        if "improvement" in self.confirmation:
+            return float(self.confirmation["improvement"])
         return self.baseline_ms / self.tuned_ms - 1.0 if self.tuned_ms > 0 else 0.0
 
     @property

@@ -454,13 +454,26 @@ class CompareRequest:
 
 @dataclass(frozen=True)
 class Accuracy:
+    """Agreement with the reference over `samples` inputs: the worst of each measure,
+    the 5th percentile of the cosine, and for classifier-shaped outputs ([rows, classes])
+    the share of rows whose top-1 class agrees (None when there are none)."""
+
     max_abs_error: float
     max_rel_error: float
     cosine: float
     samples: int = 0
+    cosine_p5: float = 1.0
+    top1_agreement: float | None = None
+    top1_rows: int = 0
 
     def as_dict(self) -> dict[str, float]:
+        """What the accuracy gates read (worst cases)."""
         return {"max_abs_error": self.max_abs_error, "max_rel_error": self.max_rel_error, "cosine": self.cosine}
+
+    def report(self) -> dict[str, Any]:
+        """Everything, for the result document."""
+        return {**self.as_dict(), "cosine_p5": self.cosine_p5, "samples": self.samples,
+                "top1_agreement": self.top1_agreement, "top1_rows": self.top1_rows}  # fmt: skip
 
 
 # --------------------------------------------------------------------------- jobs

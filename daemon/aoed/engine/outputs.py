@@ -5,9 +5,16 @@
          model_performance_improvement, opat_tuning_result, repo_modified_operators,
          repo_summary{repo_add_num, repo_hit_num, repo_reserved_num,
                       repo_unsatisfied_num, repo_update_num, total_num}}
+    confirmation{verdict, shipped, baseline_ms, result_ms, improvement, improvement_ci95,
+                 rounds, device_s, options_kept}: the A/B the OPAT figures come from
+    decision{...}: the verification rounds that chose what was proposed (decision figures)
+    budget{budget_s, spent_s, search_s, session_s, verify_s, profile_s, confirm_s}
     tuned_model, session_options, verification, accuracy, accuracy_budget, calibration,
     resources{device_s, duty_cycle, trials, failed_candidates, compile_s, memory ...},
     notes, tasks[...] (per task: strategy, update_mode, before/after, candidates, why)
+
+The OPAT section's baseline, result and improvement are the confirming A/B's, measured
+after every decision on rounds no decision used.
 
 Written atomically (temp file + rename), so a reader never sees half a document.
 """
@@ -77,9 +84,13 @@ def result_json(result: JobResult, job_type: str = "opat") -> dict[str, Any]:
             "model_result_performance(ms)": round(result.tuned_ms, 6),
             "model_performance_improvement": round(result.improvement, 4),
             f"{job_type}_tuning_result": "tuning successful",
+            "model_performance_verdict": result.confirmation.get("verdict", ""),
             "repo_modified_operators": {"add_repo_operators": added, "update_repo_operators": updated},
             "repo_summary": result.repo,
         },
+        "confirmation": result.confirmation,
+        "decision": result.decision,
+        "budget": result.device_budget,
         "tuned_model": result.tuned_model,
         "workspace": result.workspace,
         "session_options": result.session_options,

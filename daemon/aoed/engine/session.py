@@ -18,11 +18,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from aoe.errors import DeviceError
 from aoe.signature import TaskSignature, canonical_json
 from aoed.bank._codec import BankRecord
 from aoed.bank.writer import BankWrite
 from aoed.engine import bankrules, decisions
 from aoed.engine.assemble import SESSION_FAMILY
+from aoed.engine.budget import Budget
 from aoed.engine.context import JobContext
 from aoed.engine.messages import Candidate, Measurement
 
@@ -57,9 +59,11 @@ class SessionChoice:
 
 
 async def search_session(
-    ctx: JobContext, model_path: Path, signature: TaskSignature, ans: bankrules.BankAnswer
+    ctx: JobContext, model_path: Path, signature: TaskSignature, ans: bankrules.BankAnswer, budget: Budget
 ) -> SessionChoice:
-    """Choose model-wide session options for the model at `model_path`."""
+    """Choose model-wide session options for the model at `model_path`, within what
+    `budget` has left (dimensions it cannot afford are not tried); a device failure ends
+    the search with what it found."""
     if ans.usable(ctx.opts.repeat_tune):
         if ans.record is not None:
             return SessionChoice(json.loads(ans.record.strategy), "hit")
@@ -70,13 +74,25 @@ async def search_session(
     base_res: Measurement | None = None
     cur_res: Measurement | None = None
     trials: list[tuple[bytes, dict[str, Any]]] = []
-    for dim, values in dimensions(ctx.device.cores):
+    dims = dimensions(ctx.device.cores)
+    pool = budget.for_session()
+    for i, (dim, values) in enumerate(dims):
+        seconds = min(2.0, pool / (len(dims) - i), budget.remaining_s)
+        if seconds < 0.3:
+            ctx.notes.append(f"session options: {', '.join(d for d, _ in dims[i:])} not tried, the budget is spent")
+            break
         cands = {"current": current}
         for v in values:
             cands[canonical_json(v)] = _merge(current, v)
-        measured = await ctx.measure(
-            [Candidate(k, model_path, o) for k, o in cands.items()], "current", budget_s=2.0
-        )
+        before = ctx.ledger.device_by.get("session", 0.0)
+        try:
+            measured = await ctx.measure(
+                [Candidate(k, model_path, o) for k, o in cands.items()], "current", seconds, category="session"
+            )
+        except DeviceError as exc:
+            ctx.notes.append(f"session options: search stopped at {dim} ({exc})")
+            break
+        pool -= ctx.ledger.device_by.get("session", 0.0) - before
         trials += [(key, {"task": "session", "dimension": dim, "options": cands[k], "job": ctx.job_id,
                           **r.summary()}) for k, r in measured.items()]  # fmt: skip
         if base_res is None:
@@ -85,7 +101,8 @@ async def search_session(
         if best != "current":
             current = cands[best]
         cur_res = measured[best]
-    assert base_res is not None and cur_res is not None
+    if base_res is None or cur_res is None:  # nothing measured: keep the defaults, store nothing
+        return SessionChoice({}, "failed", None, 0)
     await ctx.write_bank(BankWrite(trials=tuple(trials)))
     strategy = canonical_json(current)
     rec = ans.record
@@ -108,19 +125,39 @@ async def remember_context(
     ans: bankrules.BankAnswer,
     choice: SessionChoice,
     reverted: Iterable[str],
+    confirmed: str,
+    evidence: tuple[Measurement, Measurement] | None,
 ) -> None:
-    """Store the model-level record with the signature digests of the tasks reverted in
-    this model's context, so `aoe compile` and bank-hit runs leave them unchanged."""
+    """Store the model-level record: the session options the confirming A/B kept (as
+    `choice.options`; "{}" when none), its rounds as their evidence (`evidence`: with
+    options, without), the signature digests of tasks reverted in this model's context
+    (so `aoe compile` and bank-hit runs leave them unchanged) and the confirmation
+    itself (`confirmed`, JSON; the bank-hit path reuses it). Nothing is written when the
+    bank already holds exactly this."""
     reverted = sorted(reverted)
-    write = choice.write
-    if write is None:  # nothing newly measured: rewrite only if the set changed
-        if reverted == sorted(bankrules.reverted_digests(ans)):
+    options = canonical_json(choice.options)
+    old = ans.record
+    params = {"reverted": ",".join(reverted)} if reverted else {}
+    if confirmed:
+        params["confirmed"] = confirmed
+    if old is not None and evidence is None and old.strategy == options and old.params == params:
+        return
+    key = ctx.key(signature)
+    if evidence is not None:
+        win, base = evidence
+        rec = bankrules.make_record(key, signature, ctx.fingerprint, options, SESSION_FAMILY, ctx.opts.precision,
+                                    win, base, ctx.job_id, ctx.opts.model.name, params)  # fmt: skip
+    elif old is not None:
+        rec = dataclasses.replace(old, strategy=options, params=params)
+    elif isinstance(choice.write, BankRecord):
+        rec = dataclasses.replace(choice.write, strategy=options, params=params)
+    else:  # no options and nothing measured for them: AOE's "default stays best" record
+        doc = dict(choice.write) if isinstance(choice.write, dict) else dict(ans.default or {})
+        doc.update({"reverted": reverted, "job": doc.get("job", ctx.job_id)})
+        if confirmed:
+            doc["confirmed"] = confirmed
+        if ans.default is not None and doc == dict(ans.default):
             return
-        write = ans.record if ans.record is not None else dict(ans.default or {})
-    if isinstance(write, BankRecord):
-        params = {k: v for k, v in write.params.items() if k != "reverted"}
-        if reverted:
-            params["reverted"] = ",".join(reverted)
-        await ctx.write_bank(BankWrite(entries=(dataclasses.replace(write, params=params),)))
-    else:
-        await ctx.write_bank(BankWrite(defaults=((ctx.key(signature), {**write, "reverted": reverted}),)))
+        await ctx.write_bank(BankWrite(defaults=((key, doc),)))
+        return
+    await ctx.write_bank(BankWrite(entries=(rec,)))

@@ -1,35 +1,46 @@
 """The job supervisor: one job's pipeline from model file to tuned model and report.
 
     prepare (worker) -> samples (worker) -> calibrate (worker, lossy) -> bank lookups
-    -> profile (device) -> extract task models (worker) -> task agents (pool + device)
-    -> assemble (worker) -> accuracy budget (device, lossy) -> session options (device)
-    -> verify (device) -> remember context (bank) -> tuned model (worker) -> result JSON
+    (lossy hits re-gated on this model) -> profile (device) -> budget -> extract task
+    models (worker) -> task agents (pool + device) -> assemble (worker) -> accuracy
+    budget (device, lossy) -> session options (device) -> verify (device) -> confirming
+    A/B (device) -> remember context (bank) -> tuned model -> result JSON
 
 The supervisor decides the order and keeps the job's results; it never compiles,
 measures or loads a model itself: the work happens in the engine's child processes, so
 a crash in onnxruntime costs a request, never the host, and the event loop stays free.
+A device that fails or runs slow costs the stage it happened in (the job goes on with
+what it has, and says so); the confirming A/B is the figure the job reports.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import resource
+from pathlib import Path
+from typing import Any
 
 import trio
 
-from aoe.errors import AoedError, ModelError
+from aoe.errors import AoedError, DeviceError, ModelError
 from aoe.partition import Task
 from aoed.bank._codec import BankRecord
-from aoed.engine import bankrules
+from aoed.engine import bankrules, confirm, stats
 from aoed.engine.assemble import tuned_metadata
+from aoed.engine.budget import Budget, default_budget
 from aoed.engine.context import JobContext
 from aoed.engine.job import JobResult, TaskResult
 from aoed.engine.messages import (
     Build,
     CalibrateRequest,
+    Candidate,
     CheckReply,
     CheckRequest,
+    CompileReply,
+    CompileRequest,
     ExtractRequest,
+    MeasurePlan,
     PrepareReply,
     PrepareRequest,
     ProfileReply,
@@ -41,9 +52,9 @@ from aoed.engine.messages import (
 )
 from aoed.engine.outputs import result_json, write_json
 from aoed.engine.registry import DEFAULT
-from aoed.engine.session import remember_context, search_session
+from aoed.engine.session import SessionChoice, remember_context, search_session
 from aoed.engine.taskagent import TaskAgent, TaskDecision
-from aoed.engine.verify import REVERTED, hold_to_budget, verify
+from aoed.engine.verify import REVERTED, Verified, hold_to_budget, verify
 
 __all__ = ["run_stages"]
 
@@ -59,6 +70,49 @@ async def _work(ctx: JobContext, request, reply_cls, what: str):
             raise ModelError(f"{ctx.opts.model}: {what} failed: {reply.get('error')}")
         raise error_from_wire(reply, AoedError)
     return reply if reply_cls is None else from_wire(reply_cls, reply)
+
+
+async def _gate_lossy_hits(ctx: JobContext, tasks: list[Task], answers: dict[str, bankrules.BankAnswer]) -> None:
+    """A lossy bank entry was judged on another model's weights: check it on this one's
+    (its task's real activations, this model's weights) before it is applied; one that
+    fails the task's accuracy gate is tuned again, as a miss."""
+    assert ctx.prep is not None
+    lossy = {
+        t.id: a.record for t in tasks if (a := answers[t.id]).kind == "hit" and a.record is not None
+        and ctx.registry.get(t.family, a.record.strategy).precision != "exact"
+    }  # fmt: skip
+    if not lossy:
+        return
+    by_id = {t.id: t for t in tasks}
+    root = ctx.workspace.scratch / "gate"
+    await _work(ctx, ExtractRequest(ctx.prep.prepared, tuple(by_id[t] for t in lossy), ctx.held_back[0], root),
+                None, "extracting tasks")  # fmt: skip
+    for tid, rec in lossy.items():
+        d = root / tid
+        cands = [Candidate(DEFAULT, d / "default.onnx")]
+        for name in (DEFAULT, rec.strategy):
+            reply = from_wire(CompileReply, {"applicable": True, **await ctx.pool.call(
+                CompileRequest(d / "task.onnx", by_id[tid].family, name, f"aoe/{tid}", d / f"{name}.onnx", ctx.ranges),
+                ctx.ledger)})  # fmt: skip
+            if not reply.ok:
+                break
+        else:
+            cands.append(Candidate(rec.strategy, d / f"{rec.strategy}.onnx"))
+        why = "its strategy no longer builds here"
+        if len(cands) == 2:
+            try:
+                m = await ctx.measure(cands, DEFAULT, 0.05, d / "inputs.npz", MeasurePlan(0.05, 1, 1, 1),
+                                      category="verify")  # fmt: skip
+            except DeviceError as exc:
+                m, why = {}, f"its accuracy could not be measured ({exc})"
+            got = m.get(rec.strategy)
+            if got is not None and got.ok and ctx.policy.task_ok(got.accuracy()):
+                continue
+            if got is not None and got.ok:
+                why = (f"on this model's weights it reached cosine {got.cosine:.5f} and max rel error "
+                       f"{got.max_rel_error:.3g}, outside the task budget")  # fmt: skip
+        ctx.notes.append(f"bank entry {rec.strategy} for {tid} not applied: {why}; tuned again")
+        answers[tid] = bankrules.BankAnswer("miss")
 
 
 async def run_stages(ctx: JobContext) -> JobResult:
@@ -96,6 +150,8 @@ async def run_stages(ctx: JobContext) -> JobResult:
         for tid, why in check.failures.items():
             ctx.notes.append(f"bank entry for {tid} ignored: {why}")
             answers[tid] = bankrules.BankAnswer("miss")
+        if ctx.policy.lossy and not opts.repeat_tune:
+            await _gate_lossy_hits(ctx, tasks, answers)
     to_tune: list[Task] = []
     for t in tasks:
         a, r = answers[t.id], results[t.id]
@@ -121,13 +177,15 @@ async def run_stages(ctx: JobContext) -> JobResult:
             r.before_us = r.after_us = a.default_us
             chosen[t.id] = DEFAULT
 
-    decided = await _tune_tasks(ctx, tasks, to_tune, results, hits)
+    budget, decided = await _search(ctx, tasks, to_tune, results, hits)
     fallback: dict[str, str] = {}
+    fallback_us: dict[str, float] = {}
     failed = sum(d.failed_candidates for d in decided)
     trials = sum(d.trials for d in decided)
     for d in decided:
         chosen[d.task.id] = d.strategy
         fallback[d.task.id] = d.fallback
+        fallback_us[d.task.id] = d.fallback_us
         if d.lossy_cost is not None:
             lossy_cost[d.task.id] = d.lossy_cost
 
@@ -136,31 +194,61 @@ async def run_stages(ctx: JobContext) -> JobResult:
     e2e_gate: dict[str, float] | None = None
     if ctx.policy.lossy:
         ctx.emit("stage", "checking accuracy end to end")
-        e2e_gate = await hold_to_budget(ctx, chosen, fallback, lossy_cost, results, assembled)
+        e2e_gate = await hold_to_budget(ctx, chosen, fallback, lossy_cost, results, assembled, fallback_us)
+    # Lossy choices reach the bank only now, as what the model kept.
+    for d in decided:
+        if d.pending is not None:
+            kept = chosen[d.task.id] == d.strategy
+            w = d.pending if kept else d.fallback_write
+            if w is not None and (w.entries or w.defaults):
+                await ctx.write_bank(w)
+            if not kept:
+                results[d.task.id].update_mode = d.fallback_mode
 
-    session = await search_session(ctx, assembled, prep.model_signature, model_ans)
+    session = await search_session(ctx, assembled, prep.model_signature, model_ans, budget)
     trials += session.trials
     total = len(tasks) + 1
     ctx.emit("progress", "session options", total, total)
 
-    ctx.emit("stage", "verifying end to end")
-    v = await verify(ctx, chosen, fallback, results, assembled, session.options,
-                     from_bank=not to_tune and session.mode == "hit")  # fmt: skip
+    digests = {t.id: t.signature.digest for t in tasks}
+    from_bank = not to_tune and session.mode == "hit"
+    cached = bankrules.confirmed(model_ans) if from_bank and not opts.repeat_tune else None
+    choice_key = bankrules.choices_digest(
+        {digests[tid]: s for tid, s in chosen.items() if s != DEFAULT}, session.options
+    )
+    if cached is not None and cached.get("choices") == choice_key:
+        v = Verified(dict(chosen), session.options, "tuned", "assembled", None, None,
+                     [f"verification and the confirming A/B answered from the bank (job {cached.get('job', '?')})"])  # fmt: skip
+    else:
+        cached = None
+        ctx.emit("stage", "verifying end to end")
+        v = await verify(ctx, chosen, fallback, results, assembled, session.options, budget, from_bank=from_bank)
     ctx.notes.extend(v.notes)
-    by_id = {t.id: t for t in tasks}
-    reverted = [by_id[tid].signature.digest for tid, r in results.items() if r.error.startswith(REVERTED)]
-    await remember_context(ctx, prep.model_signature, model_ans, session, reverted)
-    if v.outcome != "tuned":
-        for r in results.values():
-            if r.strategy != DEFAULT and r.applied:
-                r.applied = False
-                r.error = r.error or f"not applied: end-to-end verification kept {v.outcome}"
+
+    ctx.emit("stage", "confirming")
+    conf, ship, evidence = await _confirm(ctx, v, cached)
+    ctx.notes.extend(conf.notes)
+    shipped_choices = v.choices if conf.shipped == "tuned" else {}
+    shipped_options = v.options if conf.options_kept else {}
+    reverted = [digests[tid] for tid, r in results.items() if r.error.startswith(REVERTED)]
+    confirmed_doc = cached_json = ""
+    if cached is not None:
+        cached_json = str(model_ans.record.params.get("confirmed") if model_ans.record else
+                          (model_ans.default or {}).get("confirmed", ""))  # fmt: skip
+    else:
+        confirmed_doc = conf.params(choice_key) if not conf.from_bank else ""
+    await remember_context(
+        ctx, prep.model_signature, model_ans,
+        SessionChoice(shipped_options if conf.shipped != "input" else {}, session.mode, session.write),
+        reverted, confirmed_doc or cached_json, evidence,
+    )  # fmt: skip
+    for tid, r in results.items():
+        if r.strategy != DEFAULT and r.applied and shipped_choices.get(tid) != r.strategy:
+            r.applied = False
+            r.error = r.error or f"not applied: the confirming A/B shipped {conf.shipped}"
 
     tuned_path = ws.tuned_model_path()
-    meta = tuned_metadata(v.options, opts.precision, ctx.fingerprint.digest)
-    source = {"assembled": prep.prepared, "prepared": prep.prepared, "input": opts.model}[v.source]
-    await ctx.assemble([Build(tuned_path, dict(v.choices), meta)], source=source)
-
+    await _ship(ctx, ship, tuned_path, shipped_choices, shipped_options)
     ledger = ctx.ledger
     resources = {
         "device_s": round(ledger.device_s, 3),
@@ -173,21 +261,29 @@ async def run_stages(ctx: JobContext) -> JobResult:
         "peak_worker_rss_mb": round(ledger.peak_child_rss_mb, 1),
         "engine_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0, 1),
     }
+    accuracy: dict[str, Any]
+    if ctx.policy.lossy and ctx.accuracy is not None and conf.shipped != "input":
+        accuracy = ctx.accuracy.report()
+    elif e2e_gate is not None and conf.shipped != "input":
+        accuracy = dict(e2e_gate)
+    else:
+        accuracy = {"max_abs_error": 0.0, "max_rel_error": 0.0, "cosine": 1.0} if conf.shipped == "input" else (
+            v.final.accuracy() if v.final is not None else {})  # fmt: skip
     result = JobResult(
         job_id=ctx.job_id,
         model=str(opts.model),
         tuned_model=str(tuned_path),
         result_json="",
         workspace=str(ws.root),
-        baseline_ms=v.baseline.median_us / 1000.0,
-        tuned_ms=v.final.median_us / 1000.0,
+        baseline_ms=conf.baseline_ms,
+        tuned_ms=conf.result_ms,
         tuning_time_s=ledger.elapsed_s,
         precision=opts.precision,
         device=str(opts.device),
-        session_options=v.options,
+        session_options=shipped_options,
         tasks=sorted(results.values(), key=lambda r: -r.share),
         repo=bankrules.repo_summary([r.update_mode for r in results.values()] + [session.mode]),
-        accuracy=e2e_gate if e2e_gate is not None and v.outcome == "tuned" else v.final.accuracy(),
+        accuracy=accuracy,
         verified=v.outcome,
         notes=ctx.notes,
         calibration=samples.source,
@@ -199,6 +295,9 @@ async def run_stages(ctx: JobContext) -> JobResult:
             "min_cosine": ctx.policy.e2e_min_cosine,
             "max_rel_error": ctx.policy.e2e_max_rel_error,
         },
+        confirmation=conf.to_json(),
+        decision=_decision(v),
+        device_budget=budget.report(),
     )
     json_path = await trio.to_thread.run_sync(ws.reserve_result, opts.job_type)
     result.result_json = str(json_path)
@@ -206,44 +305,139 @@ async def run_stages(ctx: JobContext) -> JobResult:
     return result
 
 
-async def _tune_tasks(
+def _decision(v: Verified) -> dict[str, Any]:
+    """The verification rounds that chose the proposal: decision figures, not results."""
+    out: dict[str, Any] = {"outcome": v.outcome, "variants_measured": v.variants_measured}
+    if v.baseline is not None and v.final is not None:
+        out.update(baseline_ms=v.baseline.median_us / 1000, proposal_ms=v.final.median_us / 1000)
+    return out
+
+
+async def _confirm(
+    ctx: JobContext, v: Verified, cached: dict[str, Any] | None
+) -> tuple[confirm.Confirmation, Path, tuple | None]:
+    """Write the proposal's files, run the confirming A/B (or take the bank's, checking
+    session options with one short A/B), and return the confirmation, the file to ship
+    and the evidence for the session options (with, without)."""
+    assert ctx.prep is not None
+    scratch = ctx.workspace.scratch
+    digest = ctx.fingerprint.digest
+    kind = {"tuned": "tuned", "options only": "options only", "reverted to input": "input"}[v.outcome]
+    source = ctx.opts.model if v.source == "input" else ctx.prep.prepared
+    builds = [Build(scratch / "input_copy.onnx", {}, tuned_metadata({}, ctx.opts.precision, digest))]
+    if kind != "input":
+        builds.append(Build(scratch / "proposal.onnx", dict(v.choices), tuned_metadata(v.options, ctx.opts.precision, digest)))
+        if v.options:
+            builds.append(Build(scratch / "plain.onnx", dict(v.choices), tuned_metadata({}, ctx.opts.precision, digest)))
+    await ctx.assemble([b for b in builds if b.out.name == "input_copy.onnx"], source=ctx.opts.model)
+    if kind != "input":
+        await ctx.assemble([b for b in builds if b.out.name != "input_copy.onnx"], source=source)
+    proposal = confirm.Proposal(kind, scratch / "proposal.onnx", v.options,
+                                scratch / "plain.onnx" if v.options else None, scratch / "input_copy.onnx")  # fmt: skip
+    seconds = 30.0
+    if cached is None:
+        try:
+            conf, ship, measured = await confirm.confirm(ctx, proposal, seconds)
+        except DeviceError as exc:
+            conf = confirm.Confirmation("no significant change", "input", 0.0, 0.0, 0.0, (0.0, 0.0), 0,
+                                        notes=[f"the confirming A/B failed ({exc}); the input model ships"])  # fmt: skip
+            return conf, proposal.input_copy, None
+        evidence = (measured["proposal"], measured["plain"]) if conf.options_kept and "plain" in measured else None
+        return conf, ship, evidence
+    # From the bank: the figures of the job that confirmed these very choices.
+    fields = {k: cached[k] for k in ("verdict", "shipped", "baseline_ms", "result_ms", "improvement", "rounds")}
+    conf = confirm.Confirmation(**fields, improvement_ci95=tuple(cached.get("improvement_ci95", (0.0, 0.0))),
+                                options_kept=bool(cached.get("options_kept")), from_bank=str(cached.get("job", "")))  # fmt: skip
+    ship = proposal.model if conf.shipped != "input" else proposal.input_copy
+    if conf.shipped != "input" and v.options and conf.options_kept:
+        # Options won on a machine that may have been busier: one short A/B here.
+        try:
+            m = await ctx.measure([Candidate("with", proposal.model, v.options), Candidate("without", proposal.plain)],
+                                  "without", 5.0, plan=MeasurePlan.fixed(9, 5.0), category="confirm")  # fmt: skip
+            verdict, med, ci = confirm.verdict_of(stats.paired_ratios(m["with"].rounds_us, m["without"].rounds_us))
+        except DeviceError as exc:
+            verdict, med, ci = f"not measured ({exc})", 1.0, (1.0, 1.0)
+        if verdict != "faster":
+            conf.options_kept = False
+            conf.notes.append(f"session options {v.options} from the bank dropped: re-checked here, ratio {med:.3f} "
+                              f"with 95% interval [{ci[0]:.3f}, {ci[1]:.3f}] ({verdict})")  # fmt: skip
+            ship = proposal.plain if conf.shipped == "tuned" else proposal.input_copy
+            if conf.shipped == "options only":
+                conf.shipped = "input"
+    return conf, ship, None
+
+
+async def _ship(ctx: JobContext, ship: Path, out: Path, choices: dict[str, str], options: dict[str, Any]) -> None:
+    """Put the measured file that ships at `out` (a rename; a model with external data
+    is written again, since its data file is named after it)."""
+    if not ship.with_name(ship.name + ".data").exists():
+        await trio.to_thread.run_sync(os.replace, ship, out)
+        return
+    assert ctx.prep is not None
+    meta = tuned_metadata(options, ctx.opts.precision, ctx.fingerprint.digest)
+    source = ctx.opts.model if not choices and ship.name == "input_copy.onnx" else ctx.prep.prepared
+    await ctx.assemble([Build(out, dict(choices), meta)], source=source)
+
+
+async def _search(
     ctx: JobContext, tasks: list[Task], to_tune: list[Task], results: dict[str, TaskResult],
     hits: dict[str, BankRecord],
-) -> list[TaskDecision]:
-    """Profile the model, extract the tasks to tune and run one agent per task, most
-    expensive first; returns their decisions in the order they came."""
+) -> tuple[Budget, list[TaskDecision]]:
+    """Profile the model, set the budget, extract the tasks to tune and run one agent per
+    task within its slice of the budget, most expensive first; returns the budget and
+    the agents' decisions in the order they came."""
     total = len(tasks) + 1
     ctx.emit("progress", "bank", total - len(to_tune) - 1, total)
+    opts = ctx.opts
     if not to_tune:
-        return []
+        return Budget(opts.budget_s or 5.0, ctx.ledger, opts.budget_s is not None), []
     assert ctx.prep is not None
     ctx.emit("stage", "profiling baseline")
-    profile = from_wire(ProfileReply, await ctx.device.call(
-        ProfileRequest(ctx.prep.prepared, ctx.held_back[0], ctx.workspace.scratch, ctx.opts.device), ctx.ledger))  # fmt: skip
-    model_us = sum(profile.nodes.values()) or 1.0
-    share = {}
-    for t in tasks:
-        share[t.id] = sum(profile.nodes.get(n, 0.0) for tt in (t, *t.twins) for n in tt.node_names) / model_us
-        results[t.id].share = share[t.id]
-    to_tune = sorted(to_tune, key=lambda t: -share[t.id])
+    share: dict[str, float] = {}
+    task_us: dict[str, float] = {}
+    model_us = 0.0
+    try:
+        profile = from_wire(ProfileReply, await ctx.device.call(
+            ProfileRequest(ctx.prep.prepared, ctx.held_back[0], ctx.workspace.scratch, opts.device), ctx.ledger,
+            category="profile"))  # fmt: skip
+        model_us = profile.total_us
+        node_sum = sum(profile.nodes.values()) or 1.0
+        for t in tasks:
+            us = sum(profile.nodes.get(n, 0.0) for tt in (t, *t.twins) for n in tt.node_names)
+            share[t.id], task_us[t.id] = us / node_sum, us / max(1, t.instances)
+            results[t.id].share = share[t.id]
+    except DeviceError as exc:  # unranked, the tasks still get tuned
+        ctx.notes.append(f"profiling failed ({exc}); tasks tuned in graph order with equal shares")
+        share = {t.id: 1.0 / len(tasks) for t in tasks}
+    if opts.budget_s is not None:
+        budget = Budget(opts.budget_s, ctx.ledger, True)
+    else:
+        counts = {t.id: sum(1 for _ in ctx.registry.strategies_for(t.family, opts.precision)) for t in to_tune}
+        budget = Budget(default_budget({t.id: task_us.get(t.id, 100.0) for t in to_tune}, counts, model_us),
+                        ctx.ledger, False)  # fmt: skip
+    to_tune = sorted(to_tune, key=lambda t: -share.get(t.id, 0.0))
+    slices = budget.for_tasks(share, [t.id for t in to_tune])
+    for t in to_tune:
+        if t.id not in slices:
+            r = results[t.id]
+            r.update_mode, r.error = "skipped", f"not tuned: the budget of {budget.total_s:g} s went to costlier tasks"
+    to_tune = [t for t in to_tune if t.id in slices]
     ctx.emit("stage", f"extracting {len(to_tune)} tasks")
     await _work(ctx, ExtractRequest(ctx.prep.prepared, tuple(to_tune), ctx.held_back[0],
                                     ctx.workspace.scratch / "tasks"), None, "extracting tasks")  # fmt: skip
     ctx.emit("stage", f"tuning {len(to_tune)} tasks")
-    share_sum = sum(share[t.id] for t in to_tune) or 1.0
     decided: list[TaskDecision] = []
 
-    async def one(t: Task, budget: float) -> None:
-        d = await TaskAgent(ctx, t, results[t.id], hits.get(t.id), budget).run()
+    async def one(t: Task) -> None:
+        d = await TaskAgent(ctx, t, results[t.id], hits.get(t.id), slices[t.id]).run()
         d.decided_at = ctx.ledger.elapsed_s
         decided.append(d)
         ctx.emit("progress", "tasks", total - 1 - len(to_tune) + len(decided), total)
 
     async with trio.open_nursery() as nursery:
         for t in to_tune:
-            budget = min(5.0, max(0.5, ctx.opts.budget_s * share[t.id] / share_sum))
-            nursery.start_soon(one, t, budget)
-    return decided
+            nursery.start_soon(one, t)
+    return budget, decided
 
 
 def _timeline(decided: list[TaskDecision]) -> list[tuple[float, float]]:
@@ -254,3 +448,4 @@ def _timeline(decided: list[TaskDecision]) -> list[tuple[float, float]]:
         gain += max(0.0, r.before_us - r.after_us) * r.instances
         out.append((round(d.decided_at, 3), round(gain, 3)))
     return out
+

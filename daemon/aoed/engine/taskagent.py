@@ -5,7 +5,9 @@
     -> decide: the best exact candidate that clearly beats the default; under a lossy
        policy, a lossy one that passes the task's accuracy gate and clearly beats that
     -> AOE's bank rules (add, update, reserved, unsatisfied), committed with the trials
-       as soon as the task is decided, so a killed job resumes from the bank
+       as soon as the task is decided, so a killed job resumes from the bank; a lossy
+       choice is committed only once the model as a whole has met its accuracy budget
+       (the supervisor writes `pending` then, or `fallback_write` if it was backed off)
 
 An agent owns its task's search state and returns a `TaskDecision`; it writes nothing
 that other agents read. A failed candidate costs that candidate; a task whose default
@@ -45,7 +47,12 @@ class TaskDecision:
     failed_candidates: int = 0
     trials: int = 0
     decided_at: float = 0.0  # seconds into the job
-
+    #: a lossy choice's bank write, held until the end-to-end accuracy gate passed it
+    pending: BankWrite | None = None
+    #: what to write instead when the gate backs the lossy choice off
+    fallback_write: BankWrite | None = None
+    fallback_us: float = 0.0  # the fallback's measured time
+    fallback_mode: str = ""  # AOE's update mode had the fallback been chosen
 
 class TaskAgent:
     def __init__(self, ctx: JobContext, task: Task, result: TaskResult, hit: BankRecord | None, budget_s: float):
@@ -85,7 +92,7 @@ class TaskAgent:
             res.update_mode, res.error = "failed", f"default form did not compile: {compiled[DEFAULT].error}"
             return TaskDecision(task, res, fallback, failed_candidates=failed)
         try:
-            measured = await ctx.measure(cands, DEFAULT, self.budget_s, taskdir / "inputs.npz")
+            measured = await ctx.measure(cands, DEFAULT, self.budget_s, taskdir / "inputs.npz", category="search")
         except DeviceError as exc:
             res.update_mode, res.error = "failed", str(exc)
             return TaskDecision(task, res, fallback, failed_candidates=failed)
@@ -120,14 +127,28 @@ class TaskAgent:
         trials = tuple(
             (key, {"task": task.id, "strategy": name, "job": ctx.job_id, **r.summary()}) for name, r in measured.items()
         )
-        write = BankWrite(trials=trials)
-        if outcome.write_entry:
-            rec = bankrules.make_record(key, task.signature, ctx.fingerprint, outcome.strategy, task.family,
-                                        ctx.opts.precision, win, base, ctx.job_id, ctx.opts.model.name)  # fmt: skip
-            write = BankWrite(entries=(rec,), trials=trials)
-        elif outcome.write_default:
-            write = BankWrite(defaults=((key, {"default_us": base.median_us, "job": ctx.job_id}),), trials=trials)
-        await ctx.write_bank(write)
+
+        def write_for(o: bankrules.Outcome) -> BankWrite:
+            m = measured[o.strategy] if o.strategy in measured else base
+            if o.write_entry:
+                rec = bankrules.make_record(key, task.signature, ctx.fingerprint, o.strategy, task.family,
+                                            ctx.opts.precision, m, base, ctx.job_id, ctx.opts.model.name)  # fmt: skip
+                return BankWrite(entries=(rec,))
+            if o.write_default:
+                return BankWrite(defaults=((key, {"default_us": base.median_us, "job": ctx.job_id}),))
+            return BankWrite()
+
+        lossy_choice = ctx.policy.lossy and precision_of.get(outcome.strategy) != "exact"
+        pending = fallback_write = None
+        fallback_mode = outcome.mode
+        if lossy_choice:
+            await ctx.write_bank(BankWrite(trials=trials))
+            pending = write_for(outcome)
+            exact_outcome = bankrules.after_tuning(self.hit, best_exact, measured, gate)
+            fallback_write, fallback_mode = write_for(exact_outcome), exact_outcome.mode
+        else:
+            w = write_for(outcome)
+            await ctx.write_bank(BankWrite(entries=w.entries, defaults=w.defaults, trials=trials))
         res.update_mode = outcome.mode
         res.strategy = outcome.strategy
         res.before_us = base.median_us
@@ -135,11 +156,11 @@ class TaskAgent:
         res.accuracy = win.accuracy()
         ctx.emit("task", f"{task.id}: {outcome.strategy} ({outcome.mode})")
         log.info("%s: %s (%s), %.1f -> %.1f us", task.id, outcome.strategy, outcome.mode, res.before_us, res.after_us)
-        lossy_choice = ctx.policy.lossy and outcome.strategy != best_exact
         return TaskDecision(
             task, res, outcome.strategy, fallback=best_exact if lossy_choice else DEFAULT,
             lossy_cost=lossy_cost if outcome.strategy == best else None, failed_candidates=failed,
-            trials=len(trials),
+            trials=len(trials), pending=pending, fallback_write=fallback_write,
+            fallback_us=measured[best_exact].median_us, fallback_mode=fallback_mode,
         )  # fmt: skip
 
 

@@ -8,8 +8,10 @@ the least gain per unit of error goes back to its best exact strategy.
 variants that each revert one changed task. A task whose reversal is clearly faster
 than keeping it (or the best reversal, while the tuned model is slower than the input)
 is reverted, and the round repeats. When nothing is left to revert and the model is
-still slower, session options alone and then the input model itself are the fallbacks,
-so the result is never slower than the input.
+still slower, session options alone and then the input model itself are the fallbacks.
+Verification spends the job's budget (budget.py); when that runs out, or the device
+fails, it proposes what it has, and the confirming A/B (confirm.py) has the last word:
+its figures, not these, are what the job reports, and nothing it measures slower ships.
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from aoe.errors import AoedError
+from aoe.errors import AoedError, DeviceError
 from aoed.engine import decisions
+from aoed.engine.budget import Budget
 from aoed.engine.context import JobContext
 from aoed.engine.job import TaskResult
 from aoed.engine.messages import Accuracy, Build, Candidate, CompareRequest, Measurement, from_wire
@@ -40,9 +43,12 @@ class Verified:
     #: which model the outcome ships: the assembled one, the prepared one (options only)
     #: or the input itself
     source: str
-    baseline: Measurement
-    final: Measurement
+    #: the last verification round's figures (None when none was measured): decision
+    #: figures, reported as such; the job's result comes from the confirming A/B
+    baseline: Measurement | None
+    final: Measurement | None
     notes: list[str] = field(default_factory=list)
+    variants_measured: int = 0
 
 
 async def hold_to_budget(
@@ -52,13 +58,26 @@ async def hold_to_budget(
     lossy_cost: dict[str, tuple[float, float]],
     results: Mapping[str, TaskResult],
     path: Path,
+    fallback_us: Mapping[str, float] | None = None,
 ) -> dict[str, float]:
     """Back lossy choices off (in `choices`, in place) until the model at `path` meets
     the end-to-end budget on the held-back samples; returns its accuracy."""
     families = {t.id: t.family for t in ctx.prep.tasks} if ctx.prep else {}
     while True:
         req = CompareRequest(ctx.opts.model, path, ctx.held_back, ctx.opts.device)
-        acc = from_wire(Accuracy, await ctx.device.call(req, ctx.ledger)).as_dict()
+        try:
+            reply = from_wire(Accuracy, await ctx.device.call(req, ctx.ledger, category="verify"))
+        except DeviceError as exc:
+            # Unchecked accuracy is no accuracy: every lossy choice goes back to exact.
+            for tid, name in list(choices.items()):
+                if ctx.registry.get(families[tid], name).precision != "exact":
+                    results[tid].rejected.append(f"{name}: backed off, the end-to-end accuracy could not be measured ({exc})")
+                    choices[tid] = results[tid].strategy = fallback.get(tid, DEFAULT)
+            await ctx.assemble([Build(path, dict(choices))])
+            ctx.notes.append(f"accuracy check failed ({exc}); lossy choices backed off")
+            return {}
+        acc = reply.as_dict()
+        ctx.accuracy = reply
         lossy = {
             tid: lossy_cost.get(tid, (0.0, 1.0)) for tid, name in choices.items()
             if ctx.registry.get(families[tid], name).precision != "exact"
@@ -73,6 +92,8 @@ async def hold_to_budget(
             f"{ctx.policy.e2e_min_cosine} and max rel error <= {ctx.policy.e2e_max_rel_error}"
         )
         choices[victim] = r.strategy = fallback.get(victim, DEFAULT)
+        if fallback_us and victim in fallback_us:
+            r.after_us = fallback_us[victim]
         await ctx.assemble([Build(path, dict(choices))])
 
 
@@ -88,13 +109,16 @@ async def verify(
     results: Mapping[str, TaskResult],
     path: Path,
     options: dict[str, Any],
+    budget: Budget,
     from_bank: bool = False,
 ) -> Verified:
     """A/B the tuned model at `path` against the input model; revert what does not pay.
 
     With `from_bank` (every choice came from the bank) the first round is a plain A/B,
     the one end-to-end check of a bank-hit run; reversals are measured only if it fails.
-    `choices` is updated in place as tasks are reverted."""
+    `choices` is updated in place as tasks are reverted. Spends at most what `budget`
+    has left; with nothing left, or a device that fails, it proposes the model as it is
+    (the confirming A/B decides whether it ships)."""
     original = ctx.opts.model
     scratch = ctx.workspace.scratch
     assert ctx.prep is not None
@@ -108,7 +132,13 @@ async def verify(
         )
 
     explore = not from_bank
+    fin = base = None
+    variants_measured = 0
     while True:
+        seconds = min(3.0 if explore else 1.5, budget.for_verify())
+        if seconds < 0.3:
+            note = "verification stopped: the budget is spent; the confirming A/B decides"
+            return Verified(dict(choices), options, "tuned", "assembled", base, fin, [note], variants_measured)
         changed = [tid for tid, name in choices.items() if name != DEFAULT] if explore else []
         cands = [Candidate("baseline", original), Candidate("final", path, options)]
         variants: dict[str, dict[str, str]] = {}
@@ -121,7 +151,12 @@ async def verify(
             cands.append(Candidate(f"without:{tid}", alt_path, options))
         if builds:
             await ctx.assemble(builds)
-        measured = await ctx.measure(cands, "baseline", budget_s=3.0 if explore else 1.5)
+        try:
+            measured = await ctx.measure(cands, "baseline", seconds, category="verify")
+        except DeviceError as exc:
+            note = f"verification stopped: {exc}; the confirming A/B decides"
+            return Verified(dict(choices), options, "tuned", "assembled", base, fin, [note], variants_measured)
+        variants_measured += len(builds)
         base, fin = measured["baseline"], measured["final"]
         if not base.ok:
             raise AoedError(f"{original}: the input model could not be measured: {base.error}")
@@ -134,7 +169,7 @@ async def verify(
             and (decisions.clearly_faster(measured[k], fin) or not acceptable(fin, base))
         ]  # fmt: skip
         if acceptable(fin, base) and not better:
-            return Verified(dict(choices), options, "tuned", "assembled", base, fin)
+            return Verified(dict(choices), options, "tuned", "assembled", base, fin, [], variants_measured)
         if not better:
             break
         pick = min(better, key=lambda k: measured[k].median_us)
@@ -152,11 +187,17 @@ async def verify(
         f"verification: the tuned model measured {fin.median_us:.1f} us against the input's {base.median_us:.1f} us "
         f"(max rel error {fin.max_rel_error:.3g}); falling back"
     ]
-    if options:
-        measured = await ctx.measure(
-            [Candidate("baseline", original), Candidate("final", ctx.prep.prepared, options)], "baseline", budget_s=3.0
-        )
-        if acceptable(measured["final"], measured["baseline"]):
-            return Verified({}, options, "options only", "prepared", measured["baseline"], measured["final"], notes)
-        base = measured["baseline"]
-    return Verified({}, {}, "reverted to input", "input", base, base, notes)
+    if options and budget.for_verify() >= 0.3:
+        try:
+            measured = await ctx.measure(
+                [Candidate("baseline", original), Candidate("final", ctx.prep.prepared, options)], "baseline",
+                min(3.0, budget.for_verify()), category="verify",
+            )  # fmt: skip
+        except DeviceError as exc:
+            notes.append(f"options alone not measured: {exc}")
+        else:
+            if acceptable(measured["final"], measured["baseline"]):
+                return Verified({}, options, "options only", "prepared", measured["baseline"], measured["final"],
+                                notes, variants_measured)  # fmt: skip
+            base = measured["baseline"]
+    return Verified({}, {}, "reverted to input", "input", base, base, notes, variants_measured)

@@ -171,13 +171,28 @@ def profile(req: dict[str, Any]) -> dict[str, Any]:
     return {"ok": True, "nodes": {k: v / n for k, v in nodes.items()}, "total_us": total}
 
 
+def _top1(ref: list[np.ndarray], out: list[np.ndarray]) -> tuple[int, int]:
+    """(agreeing rows, rows) of the arg-max over classifier-shaped outputs ([rows, classes],
+    float, at least two classes); (0, 0) when there are none."""
+    agree = rows = 0
+    for r, o in zip(ref, out):
+        r, o = np.asarray(r), np.asarray(o)
+        if r.ndim == 2 and r.shape[1] >= 2 and r.dtype.kind == "f" and r.shape == o.shape:
+            agree += int(np.sum(np.argmax(r, axis=1) == np.argmax(o, axis=1)))
+            rows += r.shape[0]
+    return agree, rows
+
+
 def compare(req: dict[str, Any]) -> dict[str, Any]:
     """Accuracy of `candidate` against `reference` over several input files: the worst
-    max error and the lowest cosine over them."""
+    max error and the lowest cosine over them, the cosine's 5th percentile, and for
+    classifier-shaped outputs the share of rows whose top-1 class agrees."""
     device = _device(req)
     ref = _session(req["reference"], None, device)
     cand = _session(req["candidate"], req.get("options"), device)
     worst = {"max_abs_error": 0.0, "max_rel_error": 0.0, "cosine": 1.0}
+    cosines = []
+    agree = rows = 0
     for path in req["inputs"]:
         feeds = _load_inputs(path)
         r_out = ref.run(None, {i.name: feeds[i.name] for i in ref.get_inputs()})
@@ -186,7 +201,17 @@ def compare(req: dict[str, Any]) -> dict[str, Any]:
         worst["max_abs_error"] = max(worst["max_abs_error"], acc["max_abs_error"])
         worst["max_rel_error"] = max(worst["max_rel_error"], acc["max_rel_error"])
         worst["cosine"] = min(worst["cosine"], acc["cosine"])
-    return {"ok": True, **worst, "samples": len(req["inputs"])}
+        cosines.append(acc["cosine"])
+        a, n = _top1(r_out, c_out)
+        agree, rows = agree + a, rows + n
+    return {
+        "ok": True,
+        **worst,
+        "samples": len(req["inputs"]),
+        "cosine_p5": float(np.percentile(cosines, 5)) if cosines else 1.0,
+        "top1_agreement": agree / rows if rows else None,
+        "top1_rows": rows,
+    }
 
 
 def _handle(req: dict[str, Any]) -> dict[str, Any]:
