@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from aoe.bank import CUSTOM, entry_to_json, open_bank
+from aoe.bank import CUSTOM, default_record, entry_to_json, open_bank, record_to_json
 from aoe.signature import bank_key
 from aoe.v1 import bank_pb2
 from aoed.bank._codec import Measured, encode
@@ -61,16 +61,22 @@ def test_export_then_import_keeps_the_faster_and_provenance(banks) -> None:
     dump = tmp / "alpha.jsonl"
     r = run_aoe("bank", "export", "--bank", str(tmp / "alpha"), "--output", str(dump))
     assert r.returncode == 0, r.stderr
-    lines = dump.read_text().splitlines()
-    assert len(lines) == 4
-    assert lines == sorted(lines, key=lambda s: json.loads(s)["key"])  # key order: diffable
-    for line in lines:
-        assert list(json.loads(line)) == sorted(json.loads(line))
+    assert "exported 4 entries, 0 default records, 1 trials" in r.stderr
+    docs = [json.loads(line) for line in dump.read_text().splitlines()]
+    assert [list(d) for d in docs] == [["entry"]] * 4 + [["trial"]]
+    keys = [d["entry"]["key"] for d in docs[:4]]
+    assert keys == sorted(keys)  # key order: diffable
+    assert docs[4]["trial"]["key"] == a["k1"].key.decode() and json.loads(docs[4]["trial"]["trial_json"]) == {"n": 1}
+    for line in dump.read_text().splitlines():
+        inner = next(iter(json.loads(line).values()))
+        assert list(inner) == sorted(inner)
 
     make_bank(tmp / "beta", b.values())
     r = run_aoe("bank", "import", str(dump), "--bank", str(tmp / "beta"))
     assert r.returncode == 0, r.stderr
-    assert "1 added, 1 updated, 1 kept, 1 refused (keep-faster)" in r.stdout
+    assert "2 added, 1 updated, 1 kept, 1 refused (keep-faster)" in r.stdout
+    assert "entries:         1 added, 1 updated, 1 kept" in r.stdout
+    assert "trials:          1 added, 0 kept" in r.stdout
     assert a["k5"].key.decode() in r.stdout and "another device" in r.stdout
     got = _stored(tmp / "beta")
     assert got[a["k1"].key] == encode(a["k1"])  # faster incoming wins, byte for byte
@@ -84,7 +90,7 @@ def test_export_then_import_keeps_the_faster_and_provenance(banks) -> None:
 
     r = run_aoe("bank", "import", str(dump), "--bank", str(tmp / "beta"), "--allow-foreign")
     assert r.returncode == 0, r.stderr
-    assert "1 added, 0 updated, 3 kept, 0 refused" in r.stdout
+    assert "1 added, 0 updated, 4 kept, 0 refused" in r.stdout  # the trial is there already
     assert _stored(tmp / "beta")[a["k5"].key] == encode(a["k5"])
 
 
@@ -136,11 +142,150 @@ def test_import_refuses_broken_lines_and_writes_nothing_for_them(tmp_path: Path)
         store.close()
     reasons = [r for _, r in report.refused]
     assert len(reasons) == 4
-    assert reasons[0].startswith("not a BankEntry") and report.refused[0][0] == "line 1"
+    assert reasons[0].startswith("not a bank record") and report.refused[0][0] == "line 1"
     assert "key does not match" in reasons[1]
     assert "signature digest does not match" in reasons[2]
     assert "schema version 99" in reasons[3]
     assert (again.added, again.kept) == (1, 1)  # importing twice changes nothing
+
+
+def _contents(path: Path) -> dict[str, dict[bytes, bytes]]:
+    """Every record of the bank at `path`, raw, per named db."""
+    store = BankStore(path)
+    try:
+        return {db: dict(store.items(db)) for db in ("entries", "defaults", "history")}
+    finally:
+        store.close()
+
+
+def _export(path: Path, **kw) -> list[str]:
+    with open_bank(path, use_env=False) as reader:
+        return [record_to_json(r) for _, r in reader.records(**kw)]
+
+
+def _key(n: int, dev=None) -> bytes:
+    return bank_key(f"{n:032x}{0:032x}", (dev or here()).digest, "exact")
+
+
+def test_export_and_import_carry_default_records_and_history(tmp_path: Path) -> None:
+    """Everything a bank knows travels: entries, "default stays best" records (a
+    model-level one with the tasks reverted in its context) and the history."""
+    entries = [_entry(1, 5.0, "alpha"), _entry(2, 6.0, "alpha", precision="int8")]
+    reverted = [f"{9:064x}", f"{8:064x}"]
+    defaults = [
+        (_key(3), {"default_us": 12.5, "job": "job-1"}),
+        (_key(4), {"default_us": 997.75, "reverted": reverted}),  # model level
+        (_key(5), {"default_us": 40.0, "reverted": []}),  # model level, nothing reverted
+    ]
+    trials = [(entries[0].key, {"strategy": "fused_gemm", "median_us": 5.0}), (_key(3), {"strategy": "default"})]
+    make_bank(tmp_path / "a", entries, defaults=defaults, trials=trials)
+    lines = _export(tmp_path / "a")
+    assert [next(iter(json.loads(line))) for line in lines] == ["entry"] * 2 + ["default_record"] * 3 + ["trial"] * 2
+    model = json.loads(lines[3])["default_record"]
+    assert model == {"key": _key(4).decode(), "default_us": 997.75, "reverted": reverted}
+
+    store = BankStore(tmp_path / "b")
+    try:
+        report = import_lines(store, lines)
+        again = import_lines(store, lines)
+    finally:
+        store.close()
+    assert report.refused == []
+    assert {k: (c.added, c.updated, c.kept) for k, c in report.counts.items()} == {
+        "entry": (2, 0, 0), "default": (3, 0, 0), "trial": (2, 0, 0)
+    }  # fmt: skip
+    assert (again.added, again.updated, again.kept) == (0, 0, 7)  # importing twice adds nothing
+    a, b = _contents(tmp_path / "a"), _contents(tmp_path / "b")
+    assert b["entries"] == a["entries"] and b["history"] == a["history"]  # byte for byte
+    # Default records keep every field readers use; an empty reverted list means none.
+    assert {k: json.loads(v) for k, v in b["defaults"].items()} == {
+        _key(3): {"default_us": 12.5, "job": "job-1"},
+        _key(4): {"default_us": 997.75, "reverted": reverted},
+        _key(5): {"default_us": 40.0},
+    }
+    assert _export(tmp_path / "b") == lines  # and it exports as it came
+    assert _export(tmp_path / "a", entries_only=True) == lines[:2]
+    assert _export(tmp_path / "a", history=False) == lines[:5]
+
+
+@pytest.mark.parametrize(
+    ("policy", "want"),
+    [
+        # keep-faster: the default record (8 us) beats the entry (10 us); the entry (7 us)
+        # loses to the default record (5 us); 10 us beats 20 us; 4 us loses to 3 us.
+        ("keep-faster", {1: ("default", 8.0), 2: ("default", 5.0), 3: ("default", 10.0), 4: ("entry", 3.0)}),
+        ("overwrite", {1: ("default", 8.0), 2: ("entry", 7.0), 3: ("default", 10.0), 4: ("entry", 4.0)}),
+        ("keep-existing", {1: ("entry", 10.0), 2: ("default", 5.0), 3: ("default", 20.0), 4: ("entry", 3.0)}),
+    ],
+)
+def test_merge_policies_compare_entries_and_default_records(tmp_path: Path, policy: str, want: dict) -> None:
+    def entry(n: int, us: float):
+        return _entry(n, us, "x")
+
+    keys = {n: entry(n, 1.0).key for n in range(1, 5)}
+    make_bank(tmp_path / "bank", [entry(1, 10.0), entry(4, 3.0)],
+              defaults=[(keys[2], {"default_us": 5.0}), (keys[3], {"default_us": 20.0})])  # fmt: skip
+    incoming = [
+        record_to_json(bank_pb2.ExportEntriesResponse(default_record=default_record(keys[1], {"default_us": 8.0}))),
+        entry_to_json(bank_pb2.BankEntry.FromString(encode(entry(2, 7.0)))),  # a bare entry line, as old exports
+        record_to_json(bank_pb2.ExportEntriesResponse(default_record=default_record(keys[3], {"default_us": 10.0}))),
+        entry_to_json(bank_pb2.BankEntry.FromString(encode(entry(4, 4.0)))),
+    ]
+    store = BankStore(tmp_path / "bank")
+    try:
+        report = import_lines(store, incoming, policy)
+    finally:
+        store.close()
+    before = {1: ("entry", 10.0), 2: ("default", 5.0), 3: ("default", 20.0), 4: ("entry", 3.0)}
+    assert report.refused == [] and report.added == 0
+    assert report.updated == sum(want[n] != before[n] for n in want)
+    assert report.kept == sum(want[n] == before[n] for n in want)
+    got = _contents(tmp_path / "bank")
+    for n, (kind, us) in want.items():
+        key = keys[n]
+        assert (key in got["entries"], key in got["defaults"]) == (kind == "entry", kind == "default"), n
+        if kind == "entry":
+            assert bank_pb2.BankEntry.FromString(got["entries"][key]).winner.median_us == us
+        else:
+            assert json.loads(got["defaults"][key])["default_us"] == us
+
+
+def test_foreign_and_broken_default_records_and_trials_are_refused(tmp_path: Path) -> None:
+    def default_line(key: bytes | str, **doc) -> str:
+        return record_to_json(bank_pb2.ExportEntriesResponse(default_record=default_record(key, doc)))
+
+    def trial_line(key: bytes, time_ns: int, text: str) -> str:
+        t = bank_pb2.TrialRecord(key=key.decode(), time_ns=time_ns, trial_json=text)
+        return record_to_json(bank_pb2.ExportEntriesResponse(trial=t))
+
+    away = _key(1, foreign())
+    lines = [
+        default_line(away, default_us=3.0),
+        trial_line(away, 10, '{"n": 1}'),
+        default_line(_key(2), default_us=0.0),
+        default_line(_key(2), default_us=1.0, reverted=["not-a-digest"]),
+        default_line("v1/short/key/exact", default_us=1.0),
+        trial_line(_key(3), 0, '{"n": 1}'),
+        trial_line(_key(3), 11, "[1, 2]"),
+        '{"trial": {"no_such_field": 1}}',
+    ]
+    store = BankStore(tmp_path / "bank")
+    try:
+        report = import_lines(store, lines)
+        assert store.counts() == {"entries": 0, "defaults": 0, "history": 0}
+        allowed = import_lines(store, lines[:2], allow_foreign=True)
+        assert store.counts() == {"entries": 0, "defaults": 1, "history": 1}
+    finally:
+        store.close()
+    reasons = [r for _, r in report.refused]
+    assert len(reasons) == len(lines)
+    assert report.refused[0][0] == f"default record {away.decode()}"
+    assert report.refused[1][0] == f"trial {away.decode()}/{10:016x}"
+    assert all("another device" in r and "--allow-foreign" in r for r in reasons[:2])
+    assert "no default timing" in reasons[2] and "64-digit" in reasons[3]
+    assert "digests are not 32" in reasons[4] and "no time stamp" in reasons[5]
+    assert "not a JSON object" in reasons[6] and reasons[7].startswith("not a bank record")
+    assert (allowed.added, allowed.refused) == (2, [])
 
 
 def _aoe(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
@@ -184,3 +329,98 @@ def test_lookup_stats_and_prune_commands(tmp_path: Path, capsys: pytest.CaptureF
 
     code, _, err = _aoe(capsys, "bank", "lookup", "--key", mine.key.decode(), "--bank", str(tmp_path / "nowhere"))
     assert code == 4 and "no bank here" in err
+
+
+@pytest.mark.slow
+def test_a_bank_exported_and_imported_compiles_the_same_model(models: Path, tmp_path: Path) -> None:
+    """A tuned bank, with a task reverted in the model's context, exported and imported
+    into an empty bank: `aoe compile` makes the same model from both, and leaves the
+    reverted task unchanged in both (an export of entries alone would not)."""
+    import dataclasses
+
+    import onnx
+
+    from aoe.signature import device_fingerprint
+    from aoed.bank._codec import decode
+    from aoed.backends.ort.catalog import build_registry
+    from aoed.compile import compile_model
+    from aoed.engine.assemble import model_signature, tunable_tasks
+    from aoed.engine.prep import prepare
+
+    src, a, b = models / "cnn.onnx", tmp_path / "a", tmp_path / "b"
+    r = run_aoe("tune", str(src), "--bank", str(a), "--output", str(tmp_path / "out"), "--budget", "2", "--no-progress")
+    assert r.returncode == 0, r.stderr
+    prep = prepare(src, tmp_path / "prep")
+    tasks = tunable_tasks(prep.model, prep.ctx, build_registry(), "exact")
+    here_digest = device_fingerprint("CPUExecutionProvider").digest
+    model_key = bank_key(model_signature(prep.model).digest, here_digest, "exact")
+
+    def key(t) -> bytes:
+        return bank_key(t.signature.digest, here_digest, "exact")
+
+    store = BankStore(a)
+    try:
+        won = [t for t in tasks if (raw := store.get(key(t))) is not None and decode(raw).strategy != "default"]
+        # Where this run's measurements crowned fewer than two winners, give Conv(+BN)+Relu
+        # tasks the fused kernel, as a run on a quieter machine may: one task to revert
+        # in context, one to apply.
+        ids = {t.id for t in won}
+        extra = [t for t in tasks if t.family == "conv" and t.op_type.endswith("+Relu") and t.id not in ids][: max(0, 2 - len(won))]
+        records = [rec(sig=t.signature, strategy="fused_conv", family=t.family) for t in extra]
+        store.commit(entries=[(x.key, encode(x)) for x in records])
+        victim, applied = (won + extra)[:2]
+        # Force a reversal in context into the model-level record, whichever kind it is.
+        raw = store.get(model_key)
+        if raw is not None:
+            m = decode(raw)
+            assert m.family == "session"
+            gone = {d for d in m.params.get("reverted", "").split(",") if d} | {victim.signature.digest}
+            m = dataclasses.replace(m, params={**m.params, "reverted": ",".join(sorted(gone))})
+            store.commit(entries=[(model_key, encode(m))])
+        else:
+            doc = store.get_default(model_key)
+            assert doc is not None and "reverted" in doc, doc
+            store.commit(defaults=[(model_key, {**doc, "reverted": sorted({*doc["reverted"], victim.signature.digest})})])
+        counts_a = store.counts()
+    finally:
+        store.close()
+
+    dump = tmp_path / "a.jsonl"
+    r = run_aoe("bank", "export", "--bank", str(a), "-o", str(dump))
+    assert r.returncode == 0, r.stderr
+    r = run_aoe("bank", "import", str(dump), "--bank", str(b))
+    assert r.returncode == 0, r.stderr
+    assert " 0 refused" in r.stdout.splitlines()[0]
+    store = BankStore(b)
+    try:
+        assert store.counts() == counts_a
+    finally:
+        store.close()
+
+    compiled = {}
+    for name, bank in (("a", a), ("b", b)):
+        out = tmp_path / f"{name}.onnx"
+        r = run_aoe("compile", str(src), "-o", str(out), "--bank", str(bank), "--json")
+        assert r.returncode == 0, r.stderr
+        report = {t["task_id"]: t for t in json.loads(r.stdout)["tasks"]}
+        assert report[victim.id]["status"] == "reverted" and report[applied.id]["status"] == "hit", name
+        compiled[name] = onnx.load(str(out))
+    ma, mb = compiled["a"], compiled["b"]
+    assert mb.graph == ma.graph  # nodes, names, wiring, initializers
+    assert {p.key: p.value for p in mb.metadata_props} == {p.key: p.value for p in ma.metadata_props}
+    names = [n.name for n in ma.graph.node]
+    assert not any(n.startswith(f"aoe/{victim.id}/") for n in names)  # left unchanged
+    assert any(n.startswith(f"aoe/{applied.id}/") for n in names)
+
+    # What went wrong before: without the model-level record (a default record, which
+    # exports left behind, or an entry) the reverted task comes back rewritten.
+    lines = [line for line in dump.read_text().splitlines() if model_key.decode() not in line]
+    store = BankStore(tmp_path / "c")
+    try:
+        import_lines(store, lines)
+    finally:
+        store.close()
+    with open_bank(tmp_path / "c", use_env=False) as reader:
+        compile_model(src, tmp_path / "c.onnx", reader)
+    names = [n.name for n in onnx.load(str(tmp_path / "c.onnx")).graph.node]
+    assert any(n.startswith(f"aoe/{victim.id}/") for n in names)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 from pathlib import Path
 
 import lmdb
@@ -161,32 +162,53 @@ def test_history_trials_are_counted(store: BankStore) -> None:
     assert sorted(doc["strategy"] for _, doc in rows) == ["a", "b", "c", "d"]
 
 
-def test_tiny_map_grows_and_keeps_everything(tmp_path: Path) -> None:
-    s = BankStore(tmp_path / "bank", map_size=64 << 10)
+def test_full_map_is_a_bank_error_that_writes_nothing(tmp_path: Path) -> None:
+    """The map is fixed at open: a write that does not fit fails whole, with a message
+    that names the bank and says what to do, and the store keeps working."""
+    path = tmp_path / "bank"
+    s = BankStore(path, map_size=256 << 10)
     try:
-        start = s.env.info()["map_size"]
-        items = [
-            (f"v1/{i:032x}/{'0' * 32}/exact".encode(), bytes([i % 251]) * 300) for i in range(3000)
-        ]
-        s.commit(entries=items[:1500])
-        for key, value in items[1500:]:
-            if int(key[3:35], 16) % 100 == 0:
-                s.commit(entries=[(key, value)], trials=[(key, {"n": 1})])
-        s.commit(entries=items[1500:])
-        assert s.env.info()["map_size"] > start
-        assert s.counts()["entries"] == 3000
-        assert s.counts()["history"] == 15
-        for key, value in items:
-            assert s.get(key) == value
+        assert s.env.info()["map_size"] == 256 << 10
+        items = [(f"v1/{i:032x}/{'0' * 32}/exact".encode(), bytes([i % 251]) * 300) for i in range(2000)]
+        s.commit(entries=items[:100], trials=[(items[0][0], {"n": 1})])
+        with pytest.raises(BankError) as err:
+            s.commit(entries=items[100:], trials=[(items[1][0], {"n": 2})])
+        msg = str(err.value)
+        assert str(path) in msg and "full" in msg and "aoe bank prune" in msg and "\n" not in msg
+        assert not isinstance(err.value.__cause__, lmdb.Error) and err.value.__suppress_context__
+        assert s.env.info()["map_size"] == 256 << 10  # never grown behind the caller's back
+        assert s.counts() == {"entries": 100, "defaults": 0, "history": 1}  # all or nothing
+        assert s.get(items[150][0]) is None and s.get(items[50][0]) == items[50][1]
+        s.commit(entries=items[100:110])  # what fits still goes in
+        assert s.counts()["entries"] == 110
     finally:
         s.close()
-    # The grown file opens again with the small requested map.
-    s = BankStore(tmp_path / "bank", map_size=64 << 10)
+    # The default map is the full address space a process may map: no resize ever due.
+    s = BankStore(path)
     try:
-        assert s.counts()["entries"] == 3000
-        assert s.get(items[-1][0]) == items[-1][1]
+        assert s.env.info()["map_size"] >= 1 << 30
+        s.commit(entries=items[110:])
+        assert s.counts()["entries"] == 2000
     finally:
         s.close()
+
+
+def test_damaged_bank_is_a_bank_error_for_writer_and_readers(tmp_path: Path) -> None:
+    from aoe.bank import open_bank
+
+    path = tmp_path / "bank"
+    s = BankStore(path)
+    s.commit(entries=[(_record().key, encode(_record()))])
+    s.close()
+    (path / "data.mdb").write_bytes(b"\x00not lmdb" * 1000)
+    for open_it in (lambda: BankStore(path), lambda: open_bank(path, use_env=False)):
+        with pytest.raises(BankError) as err:
+            open_it()
+        assert str(path) in str(err.value) and "damaged" in str(err.value) and "restore" in str(err.value)
+    # The refused store let go of the writer lock: a second attempt is refused for the
+    # same reason, not as busy.
+    with pytest.raises(BankError, match="damaged"):
+        BankStore(path)
 
 
 def test_newer_schema_version_is_refused(tmp_path: Path) -> None:
@@ -226,3 +248,44 @@ def test_bank_path_from_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     assert fallback != tmp_path / "custom"
     assert fallback.name == "bank"
     assert fallback.parent.name == "aoed"
+
+
+def test_remap_waits_until_no_transaction_is_live(tmp_path: Path) -> None:
+    """The gate's invariant: `set_mapsize` (a remap) never runs while a transaction of
+    this process is live; a thread holding one cannot remap (it would wait for itself)."""
+    import threading
+
+    from aoe._lmdb import TxnGate
+
+    env = lmdb.open(str(tmp_path / "env"), map_size=1 << 20)
+    gate = TxnGate()
+    inside, leave, remapped = threading.Event(), threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with gate.transaction(env, tmp_path) as txn:
+            inside.set()
+            leave.wait(10)
+            # Nested in the same thread while a remap waits: no deadlock, no remap.
+            with gate.transaction(env, tmp_path) as again:
+                assert again.get(b"x") is None
+            assert gate.remap(env) is False
+            assert txn.get(b"x") is None
+
+    def remap() -> None:
+        assert gate.remap(env) is True
+        remapped.set()
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    assert inside.wait(10)
+    remapper = threading.Thread(target=remap)
+    remapper.start()
+    time.sleep(0.2)
+    assert not remapped.is_set()  # a read transaction is live in the other thread
+    leave.set()
+    holder.join(10)
+    assert remapped.wait(10)
+    remapper.join(10)
+    with gate.transaction(env, tmp_path, write=True) as txn:  # the gate opens again
+        txn.put(b"x", b"1")
+    env.close()

@@ -334,6 +334,27 @@ async def test_device_lock_is_machine_wide_and_says_who_holds_it(mlp_task, tmp_p
     assert len(waits) == 1 and f"pid {holder.pid}" in waits[0] and "cpu" in waits[0]
 
 
+@pytest.mark.slow
+async def test_children_live_as_long_as_the_engine_not_a_thread(mlp_task, tmp_path):
+    """Children die with the engine (PR_SET_PDEATHSIG), which names the thread that
+    started them: it must be the engine's own, not a worker thread trio retires after
+    ten idle seconds."""
+    task, _ = mlp_task
+    pool = CompilePool(1, tmp_path / "logs")
+    async with trio.open_nursery() as nursery:
+        await nursery.start(pool.run)
+        assert (await pool.call(_compile(task, "default", tmp_path / "a.onnx")))["ok"]
+        pid = pool.pids[0]
+        await trio.to_thread.run_sync(time.sleep, 0.1)  # a worker thread exists, then idles
+        await trio.sleep(12)
+        alive = _alive(pid)
+        again = await pool.call(_compile(task, "fused_gemm", tmp_path / "b.onnx"))
+        same = pool.pids == [pid]
+        nursery.cancel_scope.cancel()
+    assert alive and same, "the worker died when a thread of the engine retired"
+    assert again["ok"] and pool.crashes == 0
+
+
 def test_children_die_with_a_killed_engine(tmp_path):
     script = textwrap.dedent(f"""
         import os, signal, sys, trio

@@ -10,7 +10,8 @@ layers in order (a system bank, team banks: `layers=`, the AOED_BANK_LAYERS envi
 variable, `--bank-layer DIR`). The first layer that holds a key answers, and every
 result names it. Each layer's LMDB environment is opened once, read-only but with
 LMDB's reader lock, so a reader sees a consistent snapshot per call while aoed commits
-in another process; nothing a reader does can block or corrupt the writer.
+in another process; nothing a reader does can block or corrupt the writer. Readers
+never take the writer's lock. Every lmdb error leaves as a BankError naming the bank.
 
 Entries are keyed by schema version, signature digest and device digest (see
 `aoe.signature.bank_key`), so an entry measured on another device never answers a
@@ -27,6 +28,7 @@ not cross a fork: open it in the process that uses it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import struct
@@ -39,6 +41,7 @@ import lmdb
 import onnx
 from google.protobuf import json_format
 
+from aoe._lmdb import FULL_MAP, MAP_SIZES, TxnGate, bank_error, lmdb_errors
 from aoe.errors import BankError
 from aoe.partition import ModelTasks
 from aoe.signature import (
@@ -59,11 +62,15 @@ __all__ = [
     "ModelTasks",
     "SeenEntry",
     "default_bank_path",
+    "default_doc",
+    "default_record",
     "entry_from_json",
     "entry_to_json",
     "layer_paths_from_env",
     "open_bank",
     "parse_key",
+    "record_from_json",
+    "record_to_json",
 ]
 
 #: Environment variable naming read-only layers, separated by os.pathsep.
@@ -74,26 +81,25 @@ CUSTOM = "custom"
 #: Named databases of a bank environment (written by aoed.bank.store).
 DB_NAMES = (b"meta", b"entries", b"defaults", b"history")
 MAX_DBS = 8
-#: The largest map a writer grows a bank to (aoed.bank.store) and readers map up front.
-READER_MAP = 1 << 40
+#: The map readers (and the writer, aoed.bank.store) open a bank with where they may.
+READER_MAP = FULL_MAP
 
 _PRECISIONS = {"exact", "int8", "int4", "fp16", "bf16"}
 
 
 def default_bank_path() -> Path:
-    """TUNE_BANK_PATH if set, else the user's data dir (e.g. ~/.local/share/aoed/bank)."""
-    env = os.environ.get("TUNE_BANK_PATH")
-    if env:
-        return Path(env)
-    import platformdirs
+    """The configured custom bank: TUNE_BANK_PATH, the config file's, or the user data
+    dir (see aoe.config, which reads the environment)."""
+    from aoe.config import bank_from_env
 
-    return Path(platformdirs.user_data_dir("aoed")) / "bank"
+    return bank_from_env()
 
 
 def layer_paths_from_env() -> list[Path]:
-    """The read-only layers named in AOED_BANK_LAYERS, in order (empty items skipped)."""
-    raw = os.environ.get(LAYERS_ENV, "")
-    return [Path(p) for p in raw.split(os.pathsep) if p.strip()]
+    """The read-only layers named in AOED_BANK_LAYERS, in order (see aoe.config)."""
+    from aoe.config import layers_from_env
+
+    return list(layers_from_env())
 
 
 def parse_key(key: str | bytes) -> tuple[int, str, str, str]:
@@ -144,11 +150,63 @@ def entry_to_json(entry: bank_pb2.BankEntry) -> str:
 
 
 def entry_from_json(line: str) -> bank_pb2.BankEntry:
-    """Parse one exchange line; raises ValueError with the parser's reason."""
+    """Parse one bare BankEntry line; raises ValueError with the parser's reason."""
     try:
         return json_format.Parse(line, bank_pb2.BankEntry())
     except json_format.ParseError as exc:
         raise ValueError(str(exc)) from None
+
+
+#: The record kinds of the exchange format: the fields of ExportEntriesResponse's oneof.
+_RECORD_FIELDS = frozenset(("entry", "default_record", "trial"))
+
+
+def record_to_json(record: bank_pb2.ExportEntriesResponse) -> str:
+    """One line of the exchange format: `{"entry": {...}}`, `{"default_record": {...}}`
+    or `{"trial": {...}}` (proto field names, sorted keys)."""
+    doc = json_format.MessageToDict(record, preserving_proto_field_name=True)
+    return json.dumps(doc, sort_keys=True, separators=(",", ":"))
+
+
+def record_from_json(line: str) -> bank_pb2.ExportEntriesResponse:
+    """Parse one exchange line into an ExportEntriesResponse; a bare BankEntry line (as
+    exports before default records and trials wrote) comes back as its `entry`. Raises
+    ValueError with the parser's reason."""
+    try:
+        doc = json.loads(line)
+    except ValueError as exc:
+        raise ValueError(f"not JSON: {exc}") from None
+    if isinstance(doc, dict) and doc and doc.keys() <= _RECORD_FIELDS:
+        try:
+            return json_format.ParseDict(doc, bank_pb2.ExportEntriesResponse())
+        except json_format.ParseError as exc:
+            raise ValueError(str(exc)) from None
+    return bank_pb2.ExportEntriesResponse(entry=entry_from_json(line))
+
+
+def default_record(key: bytes | str, doc: dict[str, Any]) -> bank_pb2.DefaultRecord:
+    """The DefaultRecord of a "default stays best" document as the bank stores it:
+    `{"default_us": 12.3, "job": "...", "reverted": [digests], "confirmed": "{...}"}`
+    (all but default_us optional). Other fields of the document are not part of the record."""
+    rec = bank_pb2.DefaultRecord(key=key.decode() if isinstance(key, bytes) else key)
+    rec.default_us = float(doc.get("default_us") or 0.0)
+    rec.reverted.extend(str(d) for d in doc.get("reverted") or ())
+    rec.job_id = str(doc.get("job") or "")
+    rec.confirmed = str(doc.get("confirmed") or "")
+    return rec
+
+
+def default_doc(rec: bank_pb2.DefaultRecord) -> dict[str, Any]:
+    """The document the bank stores for `rec` (the inverse of `default_record`; an empty
+    `reverted` list is left out, which readers take as none)."""
+    doc: dict[str, Any] = {"default_us": rec.default_us}
+    if rec.job_id:
+        doc["job"] = rec.job_id
+    if rec.reverted:
+        doc["reverted"] = list(rec.reverted)
+    if rec.confirmed:
+        doc["confirmed"] = rec.confirmed
+    return doc
 
 
 # --------------------------------------------------------------------------- layers
@@ -157,11 +215,12 @@ def entry_from_json(line: str) -> bank_pb2.BankEntry:
 class _Layer:
     """One read-only LMDB environment and its named databases."""
 
-    __slots__ = ("defaults", "entries", "env", "history", "meta", "name", "path", "schema")
+    __slots__ = ("defaults", "entries", "env", "gate", "history", "meta", "name", "path", "schema")
 
     def __init__(self, name: str, path: Path):
         self.name = name
         self.path = path
+        self.gate = TxnGate()
         if not (path / "data.mdb").is_file():
             raise BankError(
                 f"bank {path}: no bank here (no data.mdb); tune a model into it first "
@@ -175,55 +234,52 @@ class _Layer:
             # or system layer is; a bank a daemon writes needs lock.mdb writable by its
             # readers (e.g. group-writable).
             if "ermission" not in str(exc) and "ead-only" not in str(exc):
-                raise BankError(f"bank {path}: cannot open ({exc})") from None
+                raise bank_error(exc, path, "open") from None
             try:
                 self.env = self._open(lock=False)
             except lmdb.Error as exc2:
-                raise BankError(f"bank {path}: cannot open ({exc2})") from None
+                raise bank_error(exc2, path, "open") from None
         try:
-            self.meta = self.env.open_db(b"meta", create=False)
-            self.entries = self.env.open_db(b"entries", create=False)
-            self.defaults = self.env.open_db(b"defaults", create=False)
-            self.history = self.env.open_db(b"history", create=False)
-        except lmdb.NotFoundError:
-            self.env.close()
-            raise BankError(f"bank {path}: not a bank written by aoed (named databases missing)") from None
-        with self.env.begin(db=self.meta) as txn:
-            raw = txn.get(b"schema_version")
-        try:
+            with lmdb_errors(path, "open", self.env):
+                try:
+                    self.meta = self.env.open_db(b"meta", create=False)
+                    self.entries = self.env.open_db(b"entries", create=False)
+                    self.defaults = self.env.open_db(b"defaults", create=False)
+                    self.history = self.env.open_db(b"history", create=False)
+                except lmdb.NotFoundError:
+                    raise BankError(f"bank {path}: not a bank written by aoed (named databases missing)") from None
+            with self.read(self.meta, "open") as txn:
+                raw = txn.get(b"schema_version")
             self.schema = check_schema(path, raw)
-        except BankError:
+        except BaseException:
             self.env.close()
             raise
 
     def _open(self, lock: bool) -> lmdb.Environment:
-        # Map as much as the writer may ever grow to (address space only, read-only), so
-        # that a growing bank never needs a remap under a lookup in another thread.
-        for size in (READER_MAP, 0):
+        # Map as much as the address space allows (address space only, read-only), so
+        # that a growing bank rarely needs a remap (see `read`).
+        for size in MAP_SIZES:
             try:
                 return lmdb.open(
                     str(self.path), readonly=True, lock=lock, max_dbs=MAX_DBS, subdir=True,
                     create=False, readahead=False, map_size=size,
                 )  # fmt: skip
             except lmdb.MemoryError:
-                continue  # address space limited (ulimit -v): map what the file needs
-        raise BankError(f"bank {self.path}: cannot map the bank into memory")
+                continue  # address space limited (ulimit -v): try a smaller map
+        raise BankError(f"bank {self.path}: cannot map the bank into memory; raise the address space limit (ulimit -v)")
 
-    def begin(self, db: Any) -> lmdb.Transaction:
-        try:
-            return self.env.begin(db=db)
-        except lmdb.MapResizedError:
-            # Only where the full map could not be reserved: the writer grew the bank past
-            # our mapping; adopt its size (LMDB allows this between transactions).
-            self.env.set_mapsize(0)
-            return self.env.begin(db=db)
+    @contextlib.contextmanager
+    def read(self, db: Any, doing: str = "lookup") -> Iterator[lmdb.Transaction]:
+        """A read transaction on `db`, ended when the block ends. A writer that grew the
+        bank past our map (where the full map could not be reserved, or a writer that
+        mapped more) is followed by a remap under the layer's gate; lmdb errors leave
+        as BankError."""
+        with lmdb_errors(self.path, doing, self.env), self.gate.transaction(self.env, self.path, db=db) as txn:
+            yield txn
 
     def get(self, key: bytes, db: Any = None) -> bytes | None:
-        txn = self.begin(self.entries if db is None else db)
-        try:
+        with self.read(self.entries if db is None else db) as txn:
             return txn.get(key)
-        finally:
-            txn.abort()
 
     def close(self) -> None:
         self.env.close()
@@ -321,11 +377,7 @@ class BankReader:
         if type(key) is str:
             key = key.encode()
         for layer in self._layers:
-            txn = layer.begin(layer.entries)
-            try:
-                raw = txn.get(key)
-            finally:
-                txn.abort()
+            raw = layer.get(key)
             if raw is not None:
                 return bank_pb2.BankEntry.FromString(raw), layer.name
         return None, ""
@@ -432,8 +484,7 @@ class BankReader:
         # Keys sort by signature first, so one range scan finds every device and precision.
         prefix = f"v{SCHEMA_VERSION}/{sig32}/".encode()
         for layer in self._layers:
-            txn = layer.begin(layer.entries)
-            try:
+            with layer.read(layer.entries) as txn:
                 cur = txn.cursor()
                 if not cur.set_range(prefix):
                     continue
@@ -451,8 +502,6 @@ class BankReader:
                         strategy=e.strategy.name,
                         differs=_fingerprint_diff(ask_json, e.device.canonical_json) if ask_json else (),
                     )
-            finally:
-                txn.abort()
 
     # ------------------------------------------------------------------ whole-bank reads
 
@@ -462,24 +511,46 @@ class BankReader:
         for lay in self._layers:
             if layer is not None and lay.name != layer:
                 continue
-            txn = lay.begin(lay.entries)
-            try:
+            with lay.read(lay.entries, "read") as txn:
                 for _k, v in txn.cursor():
                     yield lay.name, bank_pb2.BankEntry.FromString(v)
-            finally:
-                txn.abort()
+
+    def records(
+        self, layer: str | None = None, *, entries_only: bool = False, history: bool = True
+    ) -> Iterator[tuple[str, bank_pb2.ExportEntriesResponse]]:
+        """(layer name, record) for every record of one layer (default: all, in order):
+        its entries, then its default records, then its history (unless `entries_only`,
+        or not `history`), each in key order, all from one read snapshot per layer.
+        This is what `aoe bank export` writes, one `record_to_json` line each."""
+        for lay in self._layers:
+            if layer is not None and lay.name != layer:
+                continue
+            with lay.read(lay.entries, "export") as txn:
+                for _k, v in txn.cursor():
+                    yield lay.name, bank_pb2.ExportEntriesResponse(entry=bank_pb2.BankEntry.FromString(v))
+                if entries_only:
+                    continue
+                for k, v in txn.cursor(db=lay.defaults):
+                    rec = default_record(k, json.loads(v))
+                    yield lay.name, bank_pb2.ExportEntriesResponse(default_record=rec)
+                if not history:
+                    continue
+                for k, v in txn.cursor(db=lay.history):
+                    key, _, stamp = k.decode("ascii", "replace").rpartition("/")
+                    try:
+                        trial = bank_pb2.TrialRecord(key=key, time_ns=int(stamp, 16), trial_json=v.decode())
+                    except ValueError:  # not a history key aoed wrote: import refuses it, saying so
+                        trial = bank_pb2.TrialRecord(key=k.decode("ascii", "replace"), trial_json=v.decode())
+                    yield lay.name, bank_pb2.ExportEntriesResponse(trial=trial)
 
     def stats(self) -> list[LayerStats]:
         """Counts and sizes of every layer, in lookup order."""
         out = []
         for lay in self._layers:
-            txn = lay.begin(lay.entries)
-            try:
+            with lay.read(lay.entries, "stats") as txn:
                 counts = {n: txn.stat(db)["entries"] for n, db in
                           (("entries", lay.entries), ("defaults", lay.defaults), ("history", lay.history))}
                 used = used_bytes(lay.env, txn, (lay.meta, lay.entries, lay.defaults, lay.history))
-            finally:
-                txn.abort()
             out.append(LayerStats(
                 lay.name, str(lay.path), counts["entries"], counts["defaults"], counts["history"],
                 _stored_map_size(lay), used, lay.schema,

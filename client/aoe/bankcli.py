@@ -5,18 +5,20 @@
     aoe bank stats   [--bank DIR] [--bank-layer DIR] [--json]
     aoe bank lookup  (--key KEY | --signature-digest HEX [--device-digest HEX]
                       [--precision exact]) [--bank DIR] [--bank-layer DIR] [--json]
-    aoe bank export  [--bank DIR] [--layer NAME] [--output FILE.jsonl]
+    aoe bank export  [--bank DIR] [--layer NAME] [--output FILE.jsonl] [--entries-only | --no-history]
     aoe bank import  FILE.jsonl [--bank DIR] [--policy keep-faster|overwrite|keep-existing]
-                     [--allow-foreign]
-    aoe bank prune   [--bank DIR] [--dry-run]
+                     [--allow-foreign] [--wait]
+    aoe bank prune   [--bank DIR] [--dry-run] [--wait]
     aoe bank verify  [--bank DIR] [--sample N] [--op-type T] [--seed S] [--budget SECONDS]
-                     [--layer NAME|all] [--no-record] [--json]
+                     [--layer NAME|all] [--no-record] [--wait] [--json]
 
 The custom bank is --bank, else the configured one (TUNE_BANK_PATH, the config file, the
 user data dir); read-only layers come from --bank-layer (repeatable), then the configured
-ones (AOED_BANK_LAYERS, os.pathsep separated). Reads never need the daemon; import, prune and verify write the custom bank
-directly (LMDB serializes them with a running daemon's writes). `verify` exits 1 when an
-entry regressed, is inaccurate or could not be measured.
+ones (AOED_BANK_LAYERS, os.pathsep separated). Reads never need the daemon and never
+wait. Import, prune and verify (its history) write the custom bank directly, and a bank
+has one writer at a time: while another process writes it (a tune, the daemon) they stop
+with an error naming that process, or with --wait wait until it is done. `verify` exits
+1 when an entry regressed, is inaccurate or could not be measured.
 """
 
 from __future__ import annotations
@@ -27,11 +29,13 @@ import json
 import sys
 from pathlib import Path
 
-from aoe.errors import OptionError
+from aoe.errors import BankBusyError, OptionError
 
 __all__ = ["add_parsers"]
 
 _POLICIES = ("keep-faster", "overwrite", "keep-existing")
+#: Refused records listed one by one; the rest are counted (a foreign history is long).
+_SHOW_REFUSED = 50
 
 
 def _bank_args(p: argparse.ArgumentParser, layers: bool = True) -> None:
@@ -39,6 +43,23 @@ def _bank_args(p: argparse.ArgumentParser, layers: bool = True) -> None:
     if layers:
         p.add_argument("--bank-layer", type=Path, action="append", default=[], metavar="DIR",
                        help="read-only bank layered under the custom bank (repeatable)")  # fmt: skip
+
+
+def _wait_arg(p: argparse.ArgumentParser, what: str = "") -> None:
+    p.add_argument("--wait", action="store_true",
+                   help=f"when another process writes the bank, wait for it to finish{what} (default: fail)")  # fmt: skip
+
+
+def _say_waiting(message: str) -> None:
+    print(f"aoe: {message}", file=sys.stderr, flush=True)
+
+
+def _store(path: Path, wait: bool):
+    """The custom bank for writing: BankBusyError naming the writer when another process
+    writes it, unless `wait`."""
+    from aoed.bank.store import BankStore
+
+    return BankStore(path, wait=wait, on_wait=_say_waiting)
 
 
 def _config(args: argparse.Namespace):
@@ -144,23 +165,29 @@ def _add_bank(top: argparse._SubParsersAction) -> None:
     s.add_argument("--precision", default="exact")
     s.add_argument("--json", action="store_true", help="print the entry as one JSON line")
 
-    s = sub.add_parser("export", help="write entries as JSON Lines")
+    s = sub.add_parser("export", help="write the bank's records as JSON Lines (entries, defaults, history)")
     s.set_defaults(run=_export)
     _bank_args(s)
     s.add_argument("--layer", default="custom", help="layer to export: custom (default), a layer path, or all")
     s.add_argument("--output", "-o", type=Path, help="file to write (default: standard output)")
+    q = s.add_mutually_exclusive_group()
+    q.add_argument("--entries-only", action="store_true",
+                   help="only the winner entries (no default records, no history)")  # fmt: skip
+    q.add_argument("--no-history", action="store_true", help="leave the history (measured trials) out")
 
-    s = sub.add_parser("import", help="merge JSON Lines entries into the custom bank")
+    s = sub.add_parser("import", help="merge JSON Lines records into the custom bank")
     s.set_defaults(run=_import)
     _bank_args(s, layers=False)
     s.add_argument("file", type=Path, help="JSON Lines file ('-' for standard input)")
     s.add_argument("--policy", default="keep-faster", choices=_POLICIES)
     s.add_argument("--allow-foreign", action="store_true", help="accept entries measured on other devices")
+    _wait_arg(s)
 
     s = sub.add_parser("prune", help="drop the measurement history, keep winners")
     s.set_defaults(run=_prune)
     _bank_args(s, layers=False)
     s.add_argument("--dry-run", action="store_true")
+    _wait_arg(s)
 
     s = sub.add_parser("verify", help="re-measure a sample of entries on this device")
     s.set_defaults(run=_verify)
@@ -171,6 +198,7 @@ def _add_bank(top: argparse._SubParsersAction) -> None:
     s.add_argument("--seed", type=int, default=0, help="seed of the sample (0 = pick one)")
     s.add_argument("--budget", type=float, default=1.0, help="device seconds per entry (default 1)")
     s.add_argument("--no-record", action="store_true", help="do not append the measurements to the history")
+    _wait_arg(s, " before recording the measurements")
     s.add_argument("--json", action="store_true")
 
 
@@ -178,6 +206,13 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     """Add `compile` and `bank` (with its subcommands) to the `aoe` parser."""
     _add_compile(sub)
     _add_bank(sub)
+
+
+def _human(n: int) -> str:
+    for unit, shift in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):.3g} {unit}"
+    return f"{n} bytes"
 
 
 def _stats(args: argparse.Namespace) -> int:
@@ -190,7 +225,8 @@ def _stats(args: argparse.Namespace) -> int:
     for s in layers:
         print(f"{s.name}: {s.path}")
         print(f"  entries {s.entries}, defaults {s.defaults}, history {s.history} trials")
-        print(f"  map {s.map_size / 2**20:.1f} MiB, used {s.used_bytes / 2**20:.2f} MiB, schema {s.schema_version}")
+        print(f"  map {_human(s.map_size)} (address space), used {s.used_bytes / 2**20:.2f} MiB, "
+              f"schema {s.schema_version}")  # fmt: skip
     return 0
 
 
@@ -216,7 +252,7 @@ def _lookup(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from aoe.bank import entry_to_json
+    from aoe.bank import record_to_json
 
     with _reader(args) as reader, contextlib.ExitStack() as stack:
         names = [n for n, _ in reader.layers]
@@ -228,17 +264,19 @@ def _export(args: argparse.Namespace) -> int:
                 out = stack.enter_context(open(args.output, "w", encoding="utf-8"))
             except OSError as exc:
                 raise OptionError(f"--output {args.output}: {exc.strerror or exc}") from None
-        n = 0
-        for _layer, entry in reader.entries(None if args.layer == "all" else args.layer):
-            out.write(entry_to_json(entry) + "\n")
-            n += 1
-    print(f"aoe: exported {n} entries", file=sys.stderr)
+        n = {"entry": 0, "default_record": 0, "trial": 0}
+        records = reader.records(None if args.layer == "all" else args.layer,
+                                 entries_only=args.entries_only, history=not args.no_history)  # fmt: skip
+        for _layer, record in records:
+            out.write(record_to_json(record) + "\n")
+            n[record.WhichOneof("record")] += 1
+    print(f"aoe: exported {n['entry']} entries, {n['default_record']} default records, "
+          f"{n['trial']} trials", file=sys.stderr)  # fmt: skip
     return 0
 
 
 def _import(args: argparse.Namespace) -> int:
     from aoed.bank.exchange import import_lines
-    from aoed.bank.store import BankStore
 
     if str(args.file) == "-":
         lines = sys.stdin
@@ -248,26 +286,31 @@ def _import(args: argparse.Namespace) -> int:
             lines = ctx = open(args.file, encoding="utf-8")
         except OSError as exc:
             raise OptionError(f"{args.file}: {exc.strerror or exc}") from None
-    store = BankStore(_bank_path(args))
-    try:
-        with ctx:
+    with ctx:
+        store = _store(_bank_path(args), args.wait)
+        try:
             report = import_lines(store, lines, args.policy, args.allow_foreign)
-    finally:
-        store.close()
+        finally:
+            store.close()
     print(f"aoe: imported into {store.path}: {report.added} added, {report.updated} updated, "
           f"{report.kept} kept, {len(report.refused)} refused ({args.policy})")  # fmt: skip
-    for key, reason in report.refused:
-        print(f"  refused {key}: {reason}")
+    for kind, name in (("entry", "entries"), ("default", "default records"), ("trial", "trials")):
+        c = report.counts[kind]
+        updated = "" if kind == "trial" else f"{c.updated} updated, "
+        print(f"  {name + ':':<17}{c.added} added, {updated}{c.kept} kept")
+    for label, reason in report.refused[:_SHOW_REFUSED]:
+        print(f"  refused {label}: {reason}")
+    if len(report.refused) > _SHOW_REFUSED:
+        print(f"  ... and {len(report.refused) - _SHOW_REFUSED} more refused")
     return 0
 
 
 def _prune(args: argparse.Namespace) -> int:
-    from aoed.bank.store import BankStore
 
     path = _bank_path(args)
     if not (path / "data.mdb").is_file():
         raise OptionError(f"--bank {path}: no bank here")
-    store = BankStore(path)
+    store = _store(path, args.wait)
     try:
         r = store.prune(dry_run=args.dry_run)
     finally:
@@ -286,7 +329,7 @@ def _verify(args: argparse.Namespace) -> int:
 
     from aoed.backends.ort.catalog import build_registry
     from aoed.bank._codec import decode
-    from aoed.bank.store import BankStore
+    from aoed.bank.lock import busy_holder
     from aoed.engine.bankverify import sample_entries, verify_entries
     from aoed.engine.engine import open_engine
 
@@ -301,6 +344,14 @@ def _verify(args: argparse.Namespace) -> int:
         entries = [decode(e.SerializeToString()) for _, e in reader.entries(None if args.layer == "all" else args.layer)]
         custom = reader.layers[0][1]
     chosen = sample_entries(entries, args.sample, seed, args.op_type)
+    if chosen and not args.no_record and not args.wait:
+        # Fail before measuring, not after: the history is written at the end.
+        holder = busy_holder(custom)
+        if holder is not None:
+            raise BankBusyError(
+                f"bank {custom}: being written by {holder}; wait for it to finish, "
+                "or pass --wait (or --no-record)", holder
+            )  # fmt: skip
 
     async def run():
         with tempfile.TemporaryDirectory(prefix="aoe-verify-logs-") as logs:
@@ -313,12 +364,6 @@ def _verify(args: argparse.Namespace) -> int:
         from aoe.cli import _single
 
         raise _single(group) from None
-    if trials and not args.no_record:
-        store = BankStore(custom)
-        try:
-            store.commit(trials=trials)
-        finally:
-            store.close()
     bad = [v for v in verdicts if v.verdict in ("regressed", "inaccurate", "error")]
     if args.json:
         print(json.dumps({"seed": seed, "sampled": len(chosen), "of": len(entries),
@@ -332,4 +377,11 @@ def _verify(args: argparse.Namespace) -> int:
         counts = {k: sum(v.verdict == k for v in verdicts) for k in
                   ("confirmed", "regressed", "inaccurate", "skipped", "error")}  # fmt: skip
         print("  " + ", ".join(f"{k} {n}" for k, n in counts.items()))
+    sys.stdout.flush()
+    if trials and not args.no_record:  # after the verdicts: a busy bank loses only the record
+        store = _store(custom, args.wait)
+        try:
+            store.commit(trials=trials)
+        finally:
+            store.close()
     return 1 if bad else 0

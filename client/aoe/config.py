@@ -46,7 +46,7 @@ from typing import Any
 from aoe.device import CPU, Device
 from aoe.errors import OptionError
 
-__all__ = ["Config", "default_parallel", "load_config", "parse_parallel"]
+__all__ = ["Config", "bank_from_env", "default_parallel", "layers_from_env", "load_config", "parse_parallel"]
 
 _LEVELS = ("debug", "info", "warning", "error")
 
@@ -74,8 +74,6 @@ def _default_runtime_dir() -> Path:
 
 
 def _default_bank() -> Path:
-    if os.geteuid() == 0:
-        return Path("/var/lib/aoed/bank")
     import platformdirs
 
     return Path(platformdirs.user_data_dir("aoed")) / "bank"
@@ -211,6 +209,27 @@ def _from_env(env: Mapping[str, str]) -> tuple[dict[str, Any], dict[str, str]]:
         values["device"] = Device("cann", int(ascend))
         sources["device"] = f"ASCEND_DEVICE_ID={ascend}"
     return values, sources
+
+
+def bank_from_env(env: Mapping[str, str] | None = None) -> Path:
+    """The custom bank as configured by the environment alone (TUNE_BANK_PATH, the file
+    AOED_CONFIG names, else the default): what a compiler's lookup uses."""
+    env = os.environ if env is None else env
+    raw = env.get("TUNE_BANK_PATH", "").strip()
+    if raw:
+        return Path(raw).expanduser()
+    config = env.get("AOED_CONFIG", "").strip()
+    if config:
+        values, _ = _from_toml(Path(config))
+        if "bank" in values:
+            return values["bank"]
+    return _default_bank()
+
+
+def layers_from_env(env: Mapping[str, str] | None = None) -> tuple[Path, ...]:
+    """The read-only layers AOED_BANK_LAYERS names (empty items skipped)."""
+    env = os.environ if env is None else env
+    return _convert("bank_layers", env.get("AOED_BANK_LAYERS", ""), "AOED_BANK_LAYERS")
 
 
 def load_config(path: str | os.PathLike[str] | None = None, env: Mapping[str, str] | None = None) -> Config:

@@ -10,6 +10,7 @@ the message names the file, node or option at fault and says what to do.
     ├── OptionError        a command-line option, config key or request field is wrong
     ├── ModelError         a model cannot be read, checked or prepared
     ├── BankError          the knowledge bank cannot be opened, read or written
+    │   └── BankBusyError  another process is writing the bank (one writer at a time)
     ├── DeviceError        the measuring device or its runner failed
     ├── CandidateError     one candidate failed to compile or measure (costs that candidate)
     └── JobCancelledError  the job was cancelled
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 __all__ = [
     "AoedError",
+    "BankBusyError",
     "BankError",
     "CandidateError",
     "DeviceError",
@@ -48,6 +50,17 @@ class ModelError(AoedError):
 class BankError(AoedError):
     exit_code = 4
     grpc_status = "FAILED_PRECONDITION"
+
+
+class BankBusyError(BankError):
+    """Another process holds the bank's writer lock; `holder` names it (pid, command,
+    since when) as that process recorded it, or says it is unknown."""
+
+    grpc_status = "UNAVAILABLE"
+
+    def __init__(self, message: str, holder: str = ""):
+        super().__init__(message)
+        self.holder = holder
 
 
 class DeviceError(AoedError):

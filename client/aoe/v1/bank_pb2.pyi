@@ -160,6 +160,30 @@ class BankEntry(_message.Message):
     provenance: Provenance
     def __init__(self, schema_version: _Optional[int] = ..., key: _Optional[str] = ..., signature: _Optional[_Union[TaskSignature, _Mapping]] = ..., device: _Optional[_Union[DeviceFingerprint, _Mapping]] = ..., strategy: _Optional[_Union[Strategy, _Mapping]] = ..., winner: _Optional[_Union[Stats, _Mapping]] = ..., baseline: _Optional[_Union[Stats, _Mapping]] = ..., accuracy: _Optional[_Union[Accuracy, _Mapping]] = ..., provenance: _Optional[_Union[Provenance, _Mapping]] = ...) -> None: ...
 
+class DefaultRecord(_message.Message):
+    __slots__ = ("key", "default_us", "reverted", "job_id", "confirmed")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_US_FIELD_NUMBER: _ClassVar[int]
+    REVERTED_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    CONFIRMED_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    default_us: float
+    reverted: _containers.RepeatedScalarFieldContainer[str]
+    job_id: str
+    confirmed: str
+    def __init__(self, key: _Optional[str] = ..., default_us: _Optional[float] = ..., reverted: _Optional[_Iterable[str]] = ..., job_id: _Optional[str] = ..., confirmed: _Optional[str] = ...) -> None: ...
+
+class TrialRecord(_message.Message):
+    __slots__ = ("key", "time_ns", "trial_json")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    TIME_NS_FIELD_NUMBER: _ClassVar[int]
+    TRIAL_JSON_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    time_ns: int
+    trial_json: str
+    def __init__(self, key: _Optional[str] = ..., time_ns: _Optional[int] = ..., trial_json: _Optional[str] = ...) -> None: ...
+
 class EntryDigests(_message.Message):
     __slots__ = ("signature_digest", "device_digest", "precision")
     SIGNATURE_DIGEST_FIELD_NUMBER: _ClassVar[int]
@@ -213,20 +237,28 @@ class QueryEntriesResponse(_message.Message):
     def __init__(self, entries: _Optional[_Iterable[_Union[BankEntry, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
 
 class ExportEntriesRequest(_message.Message):
-    __slots__ = ("op_type", "device_digest", "precision")
+    __slots__ = ("op_type", "device_digest", "precision", "entries_only", "no_history")
     OP_TYPE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_DIGEST_FIELD_NUMBER: _ClassVar[int]
     PRECISION_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_ONLY_FIELD_NUMBER: _ClassVar[int]
+    NO_HISTORY_FIELD_NUMBER: _ClassVar[int]
     op_type: str
     device_digest: str
     precision: Precision
-    def __init__(self, op_type: _Optional[str] = ..., device_digest: _Optional[str] = ..., precision: _Optional[_Union[Precision, str]] = ...) -> None: ...
+    entries_only: bool
+    no_history: bool
+    def __init__(self, op_type: _Optional[str] = ..., device_digest: _Optional[str] = ..., precision: _Optional[_Union[Precision, str]] = ..., entries_only: _Optional[bool] = ..., no_history: _Optional[bool] = ...) -> None: ...
 
 class ExportEntriesResponse(_message.Message):
-    __slots__ = ("entry",)
+    __slots__ = ("entry", "default_record", "trial")
     ENTRY_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_RECORD_FIELD_NUMBER: _ClassVar[int]
+    TRIAL_FIELD_NUMBER: _ClassVar[int]
     entry: BankEntry
-    def __init__(self, entry: _Optional[_Union[BankEntry, _Mapping]] = ...) -> None: ...
+    default_record: DefaultRecord
+    trial: TrialRecord
+    def __init__(self, entry: _Optional[_Union[BankEntry, _Mapping]] = ..., default_record: _Optional[_Union[DefaultRecord, _Mapping]] = ..., trial: _Optional[_Union[TrialRecord, _Mapping]] = ...) -> None: ...
 
 class ImportOptions(_message.Message):
     __slots__ = ("policy", "allow_foreign_devices")
@@ -237,12 +269,16 @@ class ImportOptions(_message.Message):
     def __init__(self, policy: _Optional[_Union[MergePolicy, str]] = ..., allow_foreign_devices: _Optional[bool] = ...) -> None: ...
 
 class ImportEntriesRequest(_message.Message):
-    __slots__ = ("options", "entry")
+    __slots__ = ("options", "entry", "default_record", "trial")
     OPTIONS_FIELD_NUMBER: _ClassVar[int]
     ENTRY_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_RECORD_FIELD_NUMBER: _ClassVar[int]
+    TRIAL_FIELD_NUMBER: _ClassVar[int]
     options: ImportOptions
     entry: BankEntry
-    def __init__(self, options: _Optional[_Union[ImportOptions, _Mapping]] = ..., entry: _Optional[_Union[BankEntry, _Mapping]] = ...) -> None: ...
+    default_record: DefaultRecord
+    trial: TrialRecord
+    def __init__(self, options: _Optional[_Union[ImportOptions, _Mapping]] = ..., entry: _Optional[_Union[BankEntry, _Mapping]] = ..., default_record: _Optional[_Union[DefaultRecord, _Mapping]] = ..., trial: _Optional[_Union[TrialRecord, _Mapping]] = ...) -> None: ...
 
 class RefusedEntry(_message.Message):
     __slots__ = ("key", "reason")
@@ -252,19 +288,35 @@ class RefusedEntry(_message.Message):
     reason: str
     def __init__(self, key: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
+class ImportCounts(_message.Message):
+    __slots__ = ("added", "updated", "kept")
+    ADDED_FIELD_NUMBER: _ClassVar[int]
+    UPDATED_FIELD_NUMBER: _ClassVar[int]
+    KEPT_FIELD_NUMBER: _ClassVar[int]
+    added: int
+    updated: int
+    kept: int
+    def __init__(self, added: _Optional[int] = ..., updated: _Optional[int] = ..., kept: _Optional[int] = ...) -> None: ...
+
 class ImportEntriesResponse(_message.Message):
-    __slots__ = ("added", "updated", "kept", "refused", "refused_entries")
+    __slots__ = ("added", "updated", "kept", "refused", "refused_entries", "entries", "default_records", "trials")
     ADDED_FIELD_NUMBER: _ClassVar[int]
     UPDATED_FIELD_NUMBER: _ClassVar[int]
     KEPT_FIELD_NUMBER: _ClassVar[int]
     REFUSED_FIELD_NUMBER: _ClassVar[int]
     REFUSED_ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_RECORDS_FIELD_NUMBER: _ClassVar[int]
+    TRIALS_FIELD_NUMBER: _ClassVar[int]
     added: int
     updated: int
     kept: int
     refused: int
     refused_entries: _containers.RepeatedCompositeFieldContainer[RefusedEntry]
-    def __init__(self, added: _Optional[int] = ..., updated: _Optional[int] = ..., kept: _Optional[int] = ..., refused: _Optional[int] = ..., refused_entries: _Optional[_Iterable[_Union[RefusedEntry, _Mapping]]] = ...) -> None: ...
+    entries: ImportCounts
+    default_records: ImportCounts
+    trials: ImportCounts
+    def __init__(self, added: _Optional[int] = ..., updated: _Optional[int] = ..., kept: _Optional[int] = ..., refused: _Optional[int] = ..., refused_entries: _Optional[_Iterable[_Union[RefusedEntry, _Mapping]]] = ..., entries: _Optional[_Union[ImportCounts, _Mapping]] = ..., default_records: _Optional[_Union[ImportCounts, _Mapping]] = ..., trials: _Optional[_Union[ImportCounts, _Mapping]] = ...) -> None: ...
 
 class GetBankStatsRequest(_message.Message):
     __slots__ = ()

@@ -91,14 +91,14 @@ class BankServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ExportEntries(self, request, context):
-        """Streams all entries matching filters.
+        """Streams all records matching filters: entries, default records and the history.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ImportEntries(self, request_iterator, context):
-        """Merges a stream of entries into the bank.
+        """Merges a stream of records into the bank.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

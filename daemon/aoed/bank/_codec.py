@@ -1,4 +1,6 @@
-"""Translation between the engine's bank records and `aoe.v1.BankEntry` bytes.
+"""Translation between the engine's bank records and what the bank stores: `aoe.v1.BankEntry`
+bytes for entries, JSON documents for default records and trials; and the checks of
+exchange lines (`aoe.v1.ExportEntriesResponse` as JSON) before they are merged.
 
 The only module (with api/) where protobuf types appear on the daemon side.
 """
@@ -7,13 +9,18 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass, field
+from typing import Any
 
-from aoe.bank import entry_from_json
+from aoe.bank import default_doc, parse_key, record_from_json
 from aoe.signature import SCHEMA_VERSION, DeviceFingerprint, TaskSignature, bank_key
 from aoe.v1 import bank_pb2
 
-__all__ = ["BankRecord", "Incoming", "Measured", "decode", "encode", "parse_line", "winner_us"]
+__all__ = [
+    "BankRecord", "Incoming", "Measured", "decode", "default_us", "encode", "encode_doc", "parse_line",
+    "winner_us",
+]  # fmt: skip
 
 _PRECISION = {
     "exact": bank_pb2.PRECISION_EXACT,
@@ -94,6 +101,12 @@ def encode(r: BankRecord) -> bytes:
     return e.SerializeToString(deterministic=True)
 
 
+def encode_doc(doc: dict[str, Any]) -> bytes:
+    """The stored form of a default record or a trial: JSON with sorted keys, so that
+    equal documents store equal bytes."""
+    return json.dumps(doc, sort_keys=True).encode()
+
+
 def _measured(msg: bank_pb2.Stats) -> Measured:
     return Measured(msg.median_us, msg.spread, msg.repeats, msg.min_us)
 
@@ -131,28 +144,90 @@ def decode(data: bytes) -> BankRecord:
 
 @dataclass(frozen=True)
 class Incoming:
-    """One exchange line, checked: what a merge needs, or why it is refused."""
+    """One exchange line, checked: the record to merge, or why it cannot be merged.
 
+    `kind` is "entry", "default" or "trial" ("" when the line is unreadable); `data` is
+    what the bank stores for it (entry bytes, default or trial JSON). `device_digest` is
+    the entry's full device digest, or the device part (32 hex) of a default record's
+    or trial's key; the device fields after it are known for entries only."""
+
+    kind: str
     key: bytes
-    data: bytes  # deterministic serialization of the entry, provenance untouched
+    data: bytes
     device_digest: str
-    execution_provider: str
-    device_options: dict[str, str]
-    hardware: str
-    runtime_version: str
+    time_ns: int = 0  # trials: when recorded (their history key)
+    time_us: float = 0.0  # entries: the winner median; default records: default_us
+    execution_provider: str = ""
+    device_options: dict[str, str] = field(default_factory=dict)
+    hardware: str = ""
+    runtime_version: str = ""
     problem: str = ""
+
+
+_HEX32 = re.compile(r"[0-9a-f]{32}")
+_HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
 def _sha256(text: str) -> str:
     return hashlib.sha256(text.encode("ascii", "replace")).hexdigest()
 
 
-def parse_line(line: str) -> Incoming:
-    """Parse and check one JSON Lines entry; `problem` says why it cannot be imported."""
+def _key_problem(key: str) -> tuple[str, str]:
+    """(why `key` is not a key of this bank's schema or "", its device part)."""
     try:
-        e = entry_from_json(line)
+        schema, sig32, dev32, precision = parse_key(key)
     except ValueError as exc:
-        return Incoming(b"", b"", "", "", {}, "", "", f"not a BankEntry ({exc})")
+        return str(exc), ""
+    if schema != SCHEMA_VERSION:
+        return f"schema version {schema}, this bank uses {SCHEMA_VERSION}", dev32
+    if not (_HEX32.fullmatch(sig32) and _HEX32.fullmatch(dev32)):
+        return "key digests are not 32 lowercase hex digits", dev32
+    if precision not in _PRECISION:
+        return f"unknown precision {precision!r}", dev32
+    return "", dev32
+
+
+def parse_line(line: str) -> Incoming:
+    """Parse and check one JSON Lines record; `problem` says why it cannot be imported."""
+    try:
+        msg = record_from_json(line)
+    except ValueError as exc:
+        return Incoming("", b"", b"", "", problem=f"not a bank record ({exc})")
+    which = msg.WhichOneof("record")
+    if which == "default_record":
+        return _parse_default(msg.default_record)
+    if which == "trial":
+        return _parse_trial(msg.trial)
+    if which != "entry":
+        return Incoming("", b"", b"", "", problem="not a bank record (no entry, default_record or trial)")
+    return _parse_entry(msg.entry)
+
+
+def _parse_default(rec: bank_pb2.DefaultRecord) -> Incoming:
+    problem, dev32 = _key_problem(rec.key)
+    if not problem and not rec.default_us > 0:
+        problem = "no default timing"
+    if not problem and not all(_HEX64.fullmatch(d) for d in rec.reverted):
+        problem = "a reverted task is not a 64-digit signature digest"
+    data = encode_doc(default_doc(rec))
+    return Incoming("default", rec.key.encode(), data, dev32, time_us=rec.default_us, problem=problem)
+
+
+def _parse_trial(rec: bank_pb2.TrialRecord) -> Incoming:
+    problem, dev32 = _key_problem(rec.key)
+    if not problem and not rec.time_ns:
+        problem = "no time stamp"
+    if not problem:
+        try:
+            if not isinstance(json.loads(rec.trial_json), dict):
+                problem = "trial is not a JSON object"
+        except ValueError as exc:
+            problem = f"trial is not JSON ({exc})"
+    # Stored as it came: the exporting bank wrote it as encode_doc does.
+    return Incoming("trial", rec.key.encode(), rec.trial_json.encode(), dev32, time_ns=rec.time_ns, problem=problem)
+
+
+def _parse_entry(e: bank_pb2.BankEntry) -> Incoming:
     key = e.key.encode()
     problem = ""
     precision = _PRECISION_NAME.get(e.strategy.precision)
@@ -175,15 +250,28 @@ def parse_line(line: str) -> Incoming:
     except ValueError:
         options = {}
     return Incoming(
+        kind="entry",
         key=key,
         data=e.SerializeToString(deterministic=True),
         device_digest=e.device.digest,
+        time_us=e.winner.median_us,
         execution_provider=e.device.execution_provider,
         device_options=options,
         hardware=e.device.hardware,
         runtime_version=e.device.runtime_version,
         problem=problem,
     )
+
+
+def default_us(data: bytes) -> float:
+    """Median time of the default of a stored default record (inf when it has none, so
+    that any timed record is faster)."""
+    try:
+        doc = json.loads(data)
+        value = float(doc.get("default_us") or 0.0) if isinstance(doc, dict) else 0.0
+    except (ValueError, TypeError):
+        value = 0.0
+    return value if value > 0 else float("inf")
 
 
 def winner_us(data: bytes) -> float:

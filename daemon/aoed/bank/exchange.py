@@ -1,17 +1,26 @@
 """Bank exchange: merge JSON Lines (as `aoe bank export` writes them) under a policy.
 
-One line per `aoe.v1.BankEntry` (proto field names, sorted keys), so an export is
-readable, diffable and greppable. An import merges entry by entry under a policy:
+One line per record, each an `aoe.v1.ExportEntriesResponse` (proto field names, sorted
+keys), so an export is readable, diffable and greppable, and carries everything a bank
+knows: `{"entry": ...}` (a winner), `{"default_record": ...}` (tuned, the default
+stayed best; a model-level one lists the tasks a verification reverted in that model's
+context) and `{"trial": ...}` (one measurement of the history). A bare BankEntry line,
+as older exports wrote, is read as an entry.
 
-  keep-faster    the entry with the faster winner median wins (ties keep the existing)
-  overwrite      the incoming entry replaces the existing one
-  keep-existing  an existing entry is never replaced
+A key holds an entry or a default record. Where an incoming one meets an existing one
+(of either kind) under a policy:
 
-Keys include the device digest, so two entries under one key were measured on the same
-device fingerprint and their medians compare. Provenance is part of the entry and is
-stored as it arrives. An entry measured on a device that is not this machine is refused
-unless `allow_foreign` (it would never be applied here, but a team bank built on one
-machine for others may want it).
+  keep-faster    the faster record wins (an entry's winner median, a default record's
+                 default_us; ties keep the existing)
+  overwrite      the incoming record replaces the existing one
+  keep-existing  an existing record is never replaced
+
+Keys include the device digest, so two records under one key were measured on the same
+device fingerprint and their times compare. A trial is added when the history does not
+hold it yet (its key and time stamp), so importing a file twice adds nothing.
+Provenance is stored as it arrives. A record measured on a device that is not this
+machine is refused unless `allow_foreign` (it would never be applied here, but a team
+bank built on one machine for others may want it).
 """
 
 from __future__ import annotations
@@ -21,8 +30,8 @@ from dataclasses import dataclass, field
 
 from aoe.errors import OptionError
 from aoe.signature import device_fingerprint
-from aoed.bank._codec import Incoming, parse_line, winner_us
-from aoed.bank.store import BankStore
+from aoed.bank._codec import Incoming, default_us, parse_line, winner_us
+from aoed.bank.store import DEFAULT, ENTRY, KINDS, TRIAL, BankStore, MergeCounts, Record, history_key
 
 __all__ = ["POLICIES", "ImportReport", "import_lines"]
 
@@ -31,10 +40,26 @@ POLICIES = ("keep-faster", "overwrite", "keep-existing")
 
 @dataclass
 class ImportReport:
-    added: int = 0
-    updated: int = 0
-    kept: int = 0
+    """What an import did, per kind of record ("entry", "default", "trial")."""
+
+    counts: dict[str, MergeCounts] = field(default_factory=lambda: {kind: MergeCounts() for kind in KINDS})
     refused: list[tuple[str, str]] = field(default_factory=list)  # (key or line, reason)
+
+    @property
+    def added(self) -> int:
+        return sum(c.added for c in self.counts.values())
+
+    @property
+    def updated(self) -> int:
+        return sum(c.updated for c in self.counts.values())
+
+    @property
+    def kept(self) -> int:
+        return sum(c.kept for c in self.counts.values())
+
+
+def _time_us(rec: Record) -> float:
+    return winner_us(rec.value) if rec.kind == ENTRY else default_us(rec.value)
 
 
 def _replace(policy: str):
@@ -43,13 +68,28 @@ def _replace(policy: str):
     if policy == "keep-existing":
         return lambda old, new: False
     if policy == "keep-faster":
-        return lambda old, new: winner_us(new) < winner_us(old)
+        return lambda old, new: _time_us(new) < _time_us(old)
     raise OptionError(f"--policy {policy}: expected one of {', '.join(POLICIES)}")
 
 
-def _is_local(inc: Incoming) -> bool:
-    fp = device_fingerprint(inc.execution_provider or "CPUExecutionProvider", inc.device_options)
-    return fp.digest == inc.device_digest
+def _foreign(inc: Incoming, here: str) -> str:
+    """Why `inc` was measured on another device than this machine, or ""."""
+    if inc.kind == ENTRY:
+        fp = device_fingerprint(inc.execution_provider or None, inc.device_options)
+        if fp.digest == inc.device_digest:
+            return ""
+        return (f"measured on another device ({inc.hardware}, onnxruntime {inc.runtime_version}, "
+                f"device {inc.device_digest[:32]})")  # fmt: skip
+    # Default records and trials name their device by the digest in their key only.
+    return "" if inc.device_digest == here[:32] else f"measured on another device (device {inc.device_digest})"
+
+
+def _label(inc: Incoming, n: int) -> str:
+    if not inc.key:
+        return f"line {n}"
+    if inc.kind == TRIAL:
+        return f"trial {history_key(inc.key, inc.time_ns).decode()}"
+    return f"default record {inc.key.decode()}" if inc.kind == DEFAULT else inc.key.decode()
 
 
 def import_lines(
@@ -57,31 +97,28 @@ def import_lines(
 ) -> ImportReport:
     """Merge the JSON Lines `lines` into `store` under `policy`; returns what happened.
 
-    Blank lines are skipped; a line that is not a valid entry, or (without
+    Blank lines are skipped; a line that is not a valid record, or (without
     `allow_foreign`) one measured on another device, is refused and reported.
     Raises OptionError for an unknown policy, BankError when the store fails.
     """
     replace = _replace(policy)
     report = ImportReport()
+    here = device_fingerprint().digest
 
-    def accepted() -> Iterator[tuple[bytes, bytes]]:
+    def accepted() -> Iterator[Record]:
         for n, line in enumerate(lines, 1):
             if not line.strip():
                 continue
             inc = parse_line(line)
-            label = inc.key.decode() if inc.key else f"line {n}"
-            if inc.problem:
-                report.refused.append((label, inc.problem))
-            elif not allow_foreign and not _is_local(inc):
-                report.refused.append(
-                    (label, f"measured on another device ({inc.hardware}, onnxruntime "
-                            f"{inc.runtime_version}, device {inc.device_digest[:32]}); "
-                            "pass --allow-foreign to import it anyway")
-                )  # fmt: skip
+            why = inc.problem or ("" if allow_foreign else _foreign(inc, here))
+            if why:
+                if not inc.problem:
+                    why += "; pass --allow-foreign to import it anyway"
+                report.refused.append((_label(inc, n), why))
+            elif inc.kind == TRIAL:
+                yield Record(TRIAL, history_key(inc.key, inc.time_ns), inc.data)
             else:
-                yield inc.key, inc.data
+                yield Record(inc.kind, inc.key, inc.data)
 
-    counts = store.merge(accepted(), replace)
-    report.added, report.updated, report.kept = counts.added, counts.updated, counts.kept
+    report.counts = store.merge(accepted(), replace)
     return report
-

@@ -7,17 +7,28 @@ One environment holds named databases:
             reason to measure again unless REPEAT_TUNE)
   history   bank key + "/" + 16 hex digits of ns time -> JSON of one measured trial
 
+A key holds an entry or a default record, not both: putting one deletes the other.
 Keys sort by signature digest first (see `aoe.signature.bank_key`), so every device and
 precision known for a task is one range scan away; no secondary index is needed.
 
-Every method runs one whole transaction and returns; callers on trio run them in a
-worker thread. A full map grows (doubles) and the write is retried, so a growing bank
-never fails a job. A crash mid-write loses at most the transaction in flight: LMDB
-commits are atomic.
+One writer per bank, across processes: a store holds the bank's writer lock
+(`aoed.bank.lock`) from open to close, and a second store on the same bank, in this
+process or another, is refused with BankBusyError (or waits for it, if asked to).
+
+The map is fixed when the store opens (`aoe._lmdb.MAP_SIZES`: as much address space as
+the process may map, which costs no disk), so it is never resized under a live
+transaction; a bank that fills it is a BankError saying so. Another process that grew
+the bank past this map (an older writer) is followed with a remap between transactions
+(`aoe._lmdb.TxnGate`).
+
+Every method runs whole transactions and returns; callers on trio run them in a worker
+thread. Every lmdb error leaves as a BankError naming the bank and what to do. A crash
+mid-write loses at most the transaction in flight: LMDB commits are atomic.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -28,20 +39,42 @@ from typing import Any
 
 import lmdb
 
-from aoe.bank import CUSTOM, MAX_DBS, READER_MAP, LayerStats, default_bank_path, parse_schema, used_bytes
+from aoe._lmdb import MAP_SIZES, TxnGate, bank_error, lmdb_errors
+from aoe.bank import CUSTOM, MAX_DBS, LayerStats, default_bank_path, parse_schema, used_bytes
 from aoe.errors import BankError
 from aoe.signature import SCHEMA_VERSION
+from aoed.bank._codec import encode_doc
+from aoed.bank.lock import WriterLock
 
-__all__ = ["BankStore", "MergeCounts", "PruneCounts", "default_bank_path"]
+__all__ = [
+    "DEFAULT", "ENTRY", "KINDS", "TRIAL", "BankStore", "MergeCounts", "PruneCounts", "Record",
+    "default_bank_path", "encode_doc", "history_key",
+]  # fmt: skip
 
-_INITIAL_MAP = 64 << 20
-_MAX_MAP = READER_MAP
+#: Kinds of record a bank keeps (and an exchange carries).
+ENTRY, DEFAULT, TRIAL = "entry", "default", "trial"
+KINDS = (ENTRY, DEFAULT, TRIAL)
 #: Writes per transaction for bulk operations (merge): a crash loses at most one batch.
 _BATCH = 2000
 
 #: Schema migrations: version -> function upgrading a write transaction's bank from that
 #: version to the next. Versions absent here are refused with a message.
 _MIGRATIONS: dict[int, Callable[[lmdb.Transaction, dict[str, Any]], None]] = {}
+
+
+def history_key(key: bytes, time_ns: int) -> bytes:
+    """The history key of a trial of `key` recorded at `time_ns`."""
+    return key + b"/" + f"{time_ns:016x}".encode()
+
+
+@dataclass(frozen=True)
+class Record:
+    """One stored record of some kind: an entry (a serialized aoe.v1.BankEntry) or a
+    default record (JSON) under its bank key, or a trial (JSON) under its history key."""
+
+    kind: str
+    key: bytes
+    value: bytes
 
 
 @dataclass(frozen=True)
@@ -60,31 +93,71 @@ class PruneCounts:
 
 
 class BankStore:
-    def __init__(self, path: str | os.PathLike[str], map_size: int = _INITIAL_MAP):
+    """The writable bank at `path`, holding its writer lock until `close()`.
+
+    `map_size`: bytes of address space to map (default: the largest the process may,
+    see `aoe._lmdb.MAP_SIZES`); tests pass a small one. Without `wait` a bank another
+    process writes raises BankBusyError naming it; with `wait` the constructor polls
+    until the bank is free, reporting once through `on_wait` whom it waits for. `lock`:
+    a WriterLock the caller took already (the store owns it from then on). Raises
+    BankError when the bank cannot be opened or has another schema.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        map_size: int | None = None,
+        *,
+        wait: bool = False,
+        on_wait: Callable[[str], None] | None = None,
+        lock: WriterLock | None = None,
+    ):
         self.path = Path(path)
+        if self.path.exists() and not self.path.is_dir():
+            raise BankError(f"bank {self.path}: not a directory; pass a directory for the bank")
+        self._lock = lock if lock is not None else WriterLock(self.path)
+        self._gate = TxnGate()
+        self.env: lmdb.Environment | None = None
         try:
-            self.path.mkdir(parents=True, exist_ok=True)
-            if not os.access(self.path, os.W_OK):
-                raise BankError(f"bank {self.path}: directory is not writable")
-            self.env = lmdb.open(str(self.path), map_size=map_size, max_dbs=MAX_DBS, subdir=True)
-            self._meta = self.env.open_db(b"meta")
-            self._entries = self.env.open_db(b"entries")
-            self._defaults = self.env.open_db(b"defaults")
-            self._history = self.env.open_db(b"history")
-        except lmdb.Error as exc:
-            raise BankError(f"bank {self.path}: cannot open ({exc})") from None
-        except OSError as exc:
-            raise BankError(f"bank {self.path}: {exc.strerror or exc}") from None
-        try:
+            self._lock.acquire(wait, on_wait)
+            self.env = self._open(map_size)
+            with lmdb_errors(self.path, "open", self.env):
+                self._meta = self.env.open_db(b"meta")
+                self._entries = self.env.open_db(b"entries")
+                self._defaults = self.env.open_db(b"defaults")
+                self._history = self.env.open_db(b"history")
             self._check_schema()
         except BaseException:
-            self.env.close()  # a refused bank must not stay open in this process
+            # A refused bank must not stay open, nor locked, in this process.
+            if self.env is not None:
+                self.env.close()
+            self._lock.release()
             raise
+
+    def _open(self, map_size: int | None) -> lmdb.Environment:
+        # The smallest of MAP_SIZES (one page: what the file holds) is for readers only.
+        for size in (map_size,) if map_size else MAP_SIZES[:-1]:
+            try:
+                return lmdb.open(str(self.path), map_size=size, max_dbs=MAX_DBS, subdir=True)
+            except lmdb.MemoryError:
+                continue  # address space limited (ulimit -v): try a smaller map
+            except lmdb.Error as exc:
+                raise bank_error(exc, self.path, "open") from None
+        raise BankError(f"bank {self.path}: cannot map the bank into memory; raise the address space limit (ulimit -v)")
+
+    @contextlib.contextmanager
+    def _txn(self, doing: str, write: bool = False, db: Any = None) -> Iterator[lmdb.Transaction]:
+        """A transaction under the gate, with lmdb errors translated (see module doc)."""
+        assert self.env is not None, "bank store used after close()"
+        with lmdb_errors(self.path, doing, self.env), self._gate.transaction(
+            self.env, self.path, write=write, db=db
+        ) as txn:
+            yield txn
 
     def _check_schema(self) -> None:
         """Record the schema in a new bank; migrate an older one in one transaction, or
         refuse it (and any newer one) with a BankError that says what to do."""
-        with self.env.begin(write=True, db=self._meta) as txn:
+        with self._txn("schema check", write=True, db=self._meta) as txn:
             raw = txn.get(b"schema_version")
             if raw is None:
                 if txn.stat(self._entries)["entries"] or txn.stat(self._history)["entries"]:
@@ -106,11 +179,11 @@ class BankStore:
                 txn.put(b"schema_version", str(version).encode())
 
     def get(self, key: bytes) -> bytes | None:
-        with self.env.begin(db=self._entries) as txn:
+        with self._txn("lookup", db=self._entries) as txn:
             return txn.get(key)
 
     def get_default(self, key: bytes) -> dict[str, Any] | None:
-        with self.env.begin(db=self._defaults) as txn:
+        with self._txn("lookup", db=self._defaults) as txn:
             raw = txn.get(key)
         return json.loads(raw) if raw is not None else None
 
@@ -120,107 +193,103 @@ class BankStore:
         defaults: Iterable[tuple[bytes, dict[str, Any]]] = (),
         trials: Iterable[tuple[bytes, dict[str, Any]]] = (),
     ) -> None:
-        """Write everything given in one transaction (all or nothing)."""
+        """Write everything given in one transaction (all or nothing). A bank too full
+        for it is a BankError, and nothing of it is written."""
         entries, defaults, trials = list(entries), list(defaults), list(trials)
-        while True:
-            try:
-                with self.env.begin(write=True) as txn:
-                    for key, value in entries:
-                        txn.put(key, value, db=self._entries)
-                        txn.delete(key, db=self._defaults)
-                    for key, doc in defaults:
-                        txn.put(key, json.dumps(doc, sort_keys=True).encode(), db=self._defaults)
-                    for i, (key, doc) in enumerate(trials):
-                        hkey = key + b"/" + f"{time.time_ns() + i:016x}".encode()
-                        txn.put(hkey, json.dumps(doc, sort_keys=True).encode(), db=self._history)
-                return
-            except lmdb.MapFullError:
-                self._grow()
-            except lmdb.Error as exc:
-                raise BankError(f"bank {self.path}: write failed ({exc})") from None
-
-    def _grow(self) -> None:
-        size = self.env.info()["map_size"] * 2
-        if size > _MAX_MAP:
-            raise BankError(f"bank {self.path}: map would exceed {_MAX_MAP >> 30} GiB")
-        self.env.set_mapsize(size)
+        with self._txn("write", write=True) as txn:
+            for key, value in entries:
+                txn.put(key, value, db=self._entries)
+                txn.delete(key, db=self._defaults)
+            for key, doc in defaults:
+                txn.put(key, encode_doc(doc), db=self._defaults)
+            now = time.time_ns()
+            for i, (key, doc) in enumerate(trials):
+                txn.put(history_key(key, now + i), encode_doc(doc), db=self._history)
 
     def items(self, db: str = "entries") -> Iterator[tuple[bytes, bytes]]:
         """(key, value) of one named db in key order, from one read snapshot."""
         handle = {"entries": self._entries, "defaults": self._defaults, "history": self._history}[db]
-        with self.env.begin(db=handle) as txn:
+        with self._txn("read", db=handle) as txn:
             yield from txn.cursor()
 
-    def merge(
-        self,
-        items: Iterable[tuple[bytes, bytes]],
-        replace: Callable[[bytes, bytes], bool],
-    ) -> MergeCounts:
-        """Put each (key, entry) whose key is new; where the key exists, replace the entry
-        when `replace(existing, incoming)` says so. Batched transactions: an interrupted
-        merge keeps whole batches, and running it again finishes it."""
-        added = updated = kept = 0
-        batch: list[tuple[bytes, bytes]] = []
+    def merge(self, records: Iterable[Record], replace: Callable[[Record, Record], bool]) -> dict[str, MergeCounts]:
+        """Merge `records` of every kind; returns the counts per kind (`KINDS`).
+
+        An entry or default record whose key holds nothing is added. Where the key holds
+        a record (of either kind) that differs, `replace(existing, incoming)` decides;
+        a replacement deletes the record of the other kind under that key. A trial is
+        added when its history key is absent, else kept. Batched transactions: an
+        interrupted merge keeps whole batches, and running it again finishes it."""
+        counts = {kind: [0, 0, 0] for kind in KINDS}  # added, updated, kept
+        batch: list[Record] = []
 
         def flush() -> None:
-            nonlocal added, updated, kept
-            while True:
-                a = u = k = 0
-                try:
-                    with self.env.begin(write=True) as txn:
-                        for key, value in batch:
-                            old = txn.get(key, db=self._entries)
-                            if old is None:
-                                a += 1
-                            elif old == value or not replace(old, value):
-                                k += 1
-                                continue
-                            else:
-                                u += 1
-                            txn.put(key, value, db=self._entries)
-                            txn.delete(key, db=self._defaults)
-                    break
-                except lmdb.MapFullError:
-                    self._grow()
-                except lmdb.Error as exc:
-                    raise BankError(f"bank {self.path}: write failed ({exc})") from None
-            added, updated, kept = added + a, updated + u, kept + k
+            got = {kind: [0, 0, 0] for kind in KINDS}
+            with self._txn("import", write=True) as txn:
+                for rec in batch:
+                    n = got[rec.kind]
+                    if rec.kind == TRIAL:
+                        n[0 if txn.put(rec.key, rec.value, db=self._history, overwrite=False) else 2] += 1
+                        continue
+                    old = self._existing(txn, rec.key)
+                    if old is None:
+                        n[0] += 1
+                    elif old == rec or not replace(old, rec):
+                        n[2] += 1
+                        continue
+                    else:
+                        n[1] += 1
+                    mine, other = (self._entries, self._defaults) if rec.kind == ENTRY else (self._defaults, self._entries)
+                    txn.put(rec.key, rec.value, db=mine)
+                    txn.delete(rec.key, db=other)
+            for kind in KINDS:  # counted only once the batch is committed
+                counts[kind] = [a + b for a, b in zip(counts[kind], got[kind])]
             batch.clear()
 
-        for item in items:
-            batch.append(item)
+        for rec in records:
+            if rec.kind not in KINDS:
+                raise ValueError(f"unknown record kind {rec.kind!r}")
+            batch.append(rec)
             if len(batch) >= _BATCH:
                 flush()
         if batch:
             flush()
-        return MergeCounts(added, updated, kept)
+        return {kind: MergeCounts(*n) for kind, n in counts.items()}
+
+    def _existing(self, txn: lmdb.Transaction, key: bytes) -> Record | None:
+        raw = txn.get(key, db=self._entries)
+        if raw is not None:
+            return Record(ENTRY, key, raw)
+        raw = txn.get(key, db=self._defaults)
+        return Record(DEFAULT, key, raw) if raw is not None else None
 
     def prune(self, dry_run: bool = False) -> PruneCounts:
         """Drop the measurement history, keep winners and defaults (one transaction)."""
         before = self.stats()
         if not dry_run:
-            try:
-                with self.env.begin(write=True) as txn:
-                    txn.drop(self._history, delete=False)
-            except lmdb.Error as exc:
-                raise BankError(f"bank {self.path}: prune failed ({exc})") from None
+            with self._txn("prune", write=True) as txn:
+                txn.drop(self._history, delete=False)
         after = self.stats() if not dry_run else before
         return PruneCounts(before.history, before.entries, before.used_bytes, after.used_bytes)
 
     def stats(self) -> LayerStats:
         """Counts and sizes of this bank, as the reader reports a layer's."""
-        with self.env.begin() as txn:
+        assert self.env is not None, "bank store used after close()"
+        with self._txn("stats") as txn:
             dbs = (self._meta, self._entries, self._defaults, self._history)
             counts = [txn.stat(db)["entries"] for db in dbs[1:]]
             used = used_bytes(self.env, txn, dbs)
             raw = txn.get(b"schema_version", db=self._meta)
-        return LayerStats(
-            CUSTOM, str(self.path), *counts, self.env.info()["map_size"], used, int(raw or SCHEMA_VERSION)
-        )
+            map_size = self.env.info()["map_size"]
+        return LayerStats(CUSTOM, str(self.path), *counts, map_size, used, int(raw or SCHEMA_VERSION))
 
     def counts(self) -> dict[str, int]:
         st = self.stats()
         return {"entries": st.entries, "defaults": st.defaults, "history": st.history}
 
     def close(self) -> None:
-        self.env.close()
+        """Close the environment and let go of the writer lock (safe to repeat)."""
+        env, self.env = self.env, None
+        if env is not None:
+            env.close()
+        self._lock.release()

@@ -8,13 +8,19 @@ thread; LMDB readers never block the writer.
 Read-only layers (a system bank, team banks) sit under the custom bank: `lookup_layered`
 consults the custom bank first, then each layer in order, and says which one answered.
 Layers are opened on first use, read-only, and never written.
+
+The custom bank is written by one process at a time (`aoed.bank.lock`). The writer takes
+the bank's lock when it first needs the bank, and holds it until `close()`. When another
+process holds it, the writer waits for it (by default, polling in trio: cancelling the
+caller ends the wait) or fails with BankBusyError.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,6 +29,7 @@ import trio
 
 from aoe.bank import CUSTOM, BankReader, layer_paths_from_env, open_bank
 from aoed.bank._codec import BankRecord, decode, encode
+from aoed.bank.lock import POLL_S, WriterLock
 from aoed.bank.store import BankStore
 
 __all__ = ["BankWrite", "BankWriter"]
@@ -43,10 +50,18 @@ class BankWriter:
         self,
         path: os.PathLike[str] | str,
         layers: Sequence[os.PathLike[str] | str] | None = None,
+        *,
+        wait: bool = True,
+        on_wait: Callable[[str], None] | None = None,
     ):
         """`layers`: read-only banks under this one, in lookup order; None means those
-        named in AOED_BANK_LAYERS. A layer that is the custom bank itself is skipped."""
+        named in AOED_BANK_LAYERS. A layer that is the custom bank itself is skipped.
+        `wait`: when another process writes the bank, wait for it (saying so once
+        through `on_wait`, with a line naming that process) rather than raise
+        BankBusyError from the first call that needs the bank."""
         self.path = path
+        self.wait = wait
+        self.on_wait = on_wait
         self.layer_paths = [Path(p) for p in (layer_paths_from_env() if layers is None else layers)]
         self._store: BankStore | None = None
         self._layers: BankReader | None = None
@@ -54,10 +69,31 @@ class BankWriter:
         self._send, self._recv = trio.open_memory_channel[tuple[BankWrite, trio.MemorySendChannel]](16)
 
     async def store(self) -> BankStore:
+        """The custom bank's store, opened (and its writer lock taken) on first use.
+        Raises BankBusyError (without `wait`) or BankError; cancellation while waiting
+        for another writer leaves nothing held."""
         async with self._open_lock:
             if self._store is None:
-                self._store = await trio.to_thread.run_sync(BankStore, self.path)
+                self._store = await self._open_store()
             return self._store
+
+    async def _open_store(self) -> BankStore:
+        lock = await trio.to_thread.run_sync(WriterLock, self.path)
+        try:
+            said = False
+            # Polled, never a blocking flock in a thread: a cancelled wait must not leave
+            # a thread behind that takes the lock later.
+            while not await trio.to_thread.run_sync(lock.try_acquire):
+                if not self.wait:
+                    raise lock.busy_error()
+                if not said and self.on_wait is not None:
+                    self.on_wait(lock.waiting_message())
+                    said = True
+                await trio.sleep(POLL_S)
+            return await trio.to_thread.run_sync(functools.partial(BankStore, self.path, lock=lock))
+        except BaseException:
+            lock.release()  # (BankStore lets go of it too when it fails: release is idempotent)
+            raise
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
@@ -132,7 +168,7 @@ class BankWriter:
         return await trio.to_thread.run_sync(reader.lookup_default, key)
 
     def close(self) -> None:
-        """Close the LMDB environments (after run() has returned)."""
+        """Close the LMDB environments and let go of the bank (after run() has returned)."""
         if self._store is not None:
             self._store.close()
             self._store = None

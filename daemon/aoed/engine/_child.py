@@ -38,6 +38,46 @@ class ChildDiedError(CandidateError):
     """The child process exited or broke the protocol during a request."""
 
 
+class _Process:
+    """A child started from the calling thread, with trio streams on its pipes.
+
+    Not `trio.lowlevel.open_process`: that forks from a worker thread, and a child's
+    PR_SET_PDEATHSIG fires when the *thread* that forked it exits; trio retires idle
+    worker threads, which then killed healthy children. Forking here, from the trio
+    thread (the main thread: it lives as long as the engine), makes "the parent died"
+    mean the engine died. The fork is a vfork/exec of a fresh interpreter: brief.
+    """
+
+    def __init__(self, argv: list[str], log, env: dict[str, str]):
+        self._popen = subprocess.Popen(
+            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env,
+            start_new_session=True,  # a terminal's ^C reaches the engine, which stops us
+        )  # fmt: skip
+        assert self._popen.stdin is not None and self._popen.stdout is not None
+        self.pid = self._popen.pid
+        self.stdin = trio.lowlevel.FdStream(os.dup(self._popen.stdin.fileno()))
+        self.stdout = trio.lowlevel.FdStream(os.dup(self._popen.stdout.fileno()))
+        self._popen.stdin.close()
+        self._popen.stdout.close()
+        self._pidfd = os.pidfd_open(self.pid)
+
+    @property
+    def returncode(self) -> int | None:
+        return self._popen.poll()
+
+    def kill(self) -> None:
+        self._popen.kill()
+
+    async def wait(self) -> int:
+        if self._popen.returncode is None:
+            await trio.lowlevel.wait_readable(self._pidfd)
+        status = self._popen.wait()
+        if self._pidfd >= 0:
+            os.close(self._pidfd)
+            self._pidfd = -1
+        return status
+
+
 class Child:
     def __init__(
         self,
@@ -57,7 +97,7 @@ class Child:
         self._argv += list(args)
         self.name = name
         self.log_path = log_path
-        self._proc: trio.Process | None = None
+        self._proc: _Process | None = None
         self._buf = b""
         self._seq = 0
         self._paused = False
@@ -67,26 +107,18 @@ class Child:
     def pid(self) -> int | None:
         return self._proc.pid if self._proc is not None else None
 
-    async def _start(self) -> trio.Process:
+    async def _start(self) -> _Process:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         env = {k: v for k, v in os.environ.items() if k not in _PRIVATE_ENV}
         with open(self.log_path, "ab") as log:
-            self._proc = await trio.lowlevel.open_process(
-                self._argv,
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=log,
-                env=env,
-                start_new_session=True,  # a terminal's ^C reaches the engine, which stops us
-            )
+            self._proc = _Process(self._argv, log, env)
         self._buf = b""
         self.restarts += 1
         if self._paused:  # started while its pool is paused: it must not run either
             os.kill(self._proc.pid, signal.SIGSTOP)
         return self._proc
 
-    async def _readline(self, proc: trio.Process) -> bytes:
-        assert proc.stdout is not None
+    async def _readline(self, proc: _Process) -> bytes:
         while b"\n" not in self._buf:
             chunk = await proc.stdout.receive_some(1 << 16)
             if not chunk:
@@ -103,7 +135,6 @@ class Child:
         self._seq += 1
         request = {**request, "id": self._seq}
         try:
-            assert proc.stdin is not None
             await proc.stdin.send_all(json.dumps(request).encode() + b"\n")
             while True:
                 try:

@@ -158,7 +158,9 @@ async def open_engine(config: Config, registry: StrategyRegistry, logdir: Path) 
     the config's plugins; workers build the same one). Raises DeviceError when the
     device is unusable (e.g. its onnxruntime provider is not installed).
     """
-    bank = BankWriter(config.bank, layers=list(config.bank_layers))
+    # Another process writing this bank (a second tune, an import) makes the first write
+    # wait; say so, or it looks like a hang.
+    bank = BankWriter(config.bank, layers=list(config.bank_layers), on_wait=log.warning)
     device = config.device
     runner_cpus, worker_cpus = split_cores(sorted(os.sched_getaffinity(0)), config.dedicated_cores)
     if not device.is_cpu:

@@ -127,13 +127,15 @@ async def remember_context(
     reverted: Iterable[str],
     confirmed: str,
     evidence: tuple[Measurement, Measurement] | None,
+    baseline_us: float = 0.0,
 ) -> None:
     """Store the model-level record: the session options the confirming A/B kept (as
     `choice.options`; "{}" when none), its rounds as their evidence (`evidence`: with
     options, without), the signature digests of tasks reverted in this model's context
     (so `aoe compile` and bank-hit runs leave them unchanged) and the confirmation
-    itself (`confirmed`, JSON; the bank-hit path reuses it). Nothing is written when the
-    bank already holds exactly this."""
+    itself (`confirmed`, JSON; the bank-hit path reuses it). `baseline_us` times the
+    input model for a record that has no timing yet. Nothing is written when the bank
+    already holds exactly this."""
     reverted = sorted(reverted)
     options = canonical_json(choice.options)
     old = ans.record
@@ -154,6 +156,8 @@ async def remember_context(
     else:  # no options and nothing measured for them: AOE's "default stays best" record
         doc = dict(choice.write) if isinstance(choice.write, dict) else dict(ans.default or {})
         doc.update({"reverted": reverted, "job": doc.get("job", ctx.job_id)})
+        if not doc.get("default_us"):  # the input model as the confirming A/B measured it
+            doc["default_us"] = baseline_us
         if confirmed:
             doc["confirmed"] = confirmed
         if ans.default is not None and doc == dict(ans.default):

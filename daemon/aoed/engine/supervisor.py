@@ -240,7 +240,7 @@ async def run_stages(ctx: JobContext) -> JobResult:
     await remember_context(
         ctx, prep.model_signature, model_ans,
         SessionChoice(shipped_options if conf.shipped != "input" else {}, session.mode, session.write),
-        reverted, confirmed_doc or cached_json, evidence,
+        reverted, confirmed_doc or cached_json, evidence, conf.baseline_ms * 1000,
     )  # fmt: skip
     for tid, r in results.items():
         if r.strategy != DEFAULT and r.applied and shipped_choices.get(tid) != r.strategy:

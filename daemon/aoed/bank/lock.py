@@ -1,0 +1,164 @@
+"""One writer per bank, across processes: an exclusive flock on `{bank}/writer.lock`.
+
+A `BankStore` takes the lock when it opens and lets go when it closes. The holder then
+writes who it is into the file (pid, host, when, command line), so that a process that
+finds the bank busy can name it. The kernel drops a flock when its holder's last file
+descriptor closes, which includes the process dying, so a lock is never stale: a
+holder killed with SIGKILL frees the bank at once. The descriptor is close-on-exec, so
+child processes (compile workers, runners) never hold it on.
+
+Readers never take this lock; LMDB already lets any number of them read while one
+process writes. Taking it never blocks: a would-be writer asks again every `POLL_S`
+seconds (`acquire(wait=True)`, or the trio loop in `aoed.bank.writer`), so a wait is
+cancellable by whatever cancels the caller.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import socket
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from aoe.errors import BankBusyError, BankError
+
+__all__ = ["LOCK_NAME", "POLL_S", "WriterLock", "busy_holder"]
+
+LOCK_NAME = "writer.lock"
+#: Seconds between attempts while waiting for the bank.
+POLL_S = 0.1
+
+
+def _command_line() -> str:
+    """This process's command as a user would recognize it, e.g. `aoe tune m.onnx`."""
+    argv = list(sys.argv) or ["python"]
+    if argv[0] in ("-c", ""):  # python -c CODE ARGS / an interactive interpreter
+        name = "python -c ..." if argv[0] == "-c" else "python"
+    else:
+        head = Path(argv[0])
+        if head.name in ("cli.py", "__main__.py"):  # python -m aoe.cli / python -m aoed
+            head = head.parent
+        name = head.name
+    text = " ".join([name, *argv[1:]])
+    return text if len(text) <= 160 else text[:157] + "..."
+
+
+def _describe(info: dict) -> str:
+    """`pid 123 (aoe tune m.onnx, since 12:01:02)` from what a holder wrote."""
+    since = info.get("since", 0.0)
+    stamp = time.localtime(since)
+    fmt = "%H:%M:%S" if time.strftime("%Y%m%d", stamp) == time.strftime("%Y%m%d") else "%Y-%m-%d %H:%M:%S"
+    host = info.get("host", "")
+    where = f" on {host}" if host and host != socket.gethostname() else ""
+    return f"pid {info.get('pid', '?')}{where} ({info.get('command', '?')}, since {time.strftime(fmt, stamp)})"
+
+
+class WriterLock:
+    """The writer lock of the bank at `bank` (a directory, created when missing).
+
+    Not held after construction: `try_acquire()` or `acquire()` takes it, `release()`
+    lets go (and is safe to repeat). Raises BankError when the directory cannot be
+    made or the lock file cannot be opened for writing.
+    """
+
+    def __init__(self, bank: str | os.PathLike[str]):
+        self.bank = Path(bank)
+        self.path = self.bank / LOCK_NAME
+        self.held = False
+        try:
+            self.bank.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise BankError(f"bank {self.bank}: cannot create it ({exc.strerror or exc}); pass a directory you may write") from None
+        if not os.access(self.bank, os.W_OK):
+            raise BankError(f"bank {self.bank}: directory is not writable; fix its permissions or use another --bank")
+        try:
+            # Close-on-exec: a child process must never keep the lock alive.
+            self._fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            raise BankError(f"bank {self.bank}: cannot open {self.path} ({exc.strerror or exc}); check its permissions") from None
+
+    def try_acquire(self, record: bool = True) -> bool:
+        """Take the lock if no other process (or other WriterLock) holds it; on success
+        record this process as the holder (unless not `record`). Never blocks."""
+        if self.held:
+            return True
+        if self._fd is None:
+            raise BankError(f"bank {self.bank}: writer lock used after release")
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        except OSError as exc:
+            raise BankError(f"bank {self.bank}: cannot lock {self.path} ({exc.strerror or exc})") from None
+        self.held = True
+        if not record:
+            return True
+        info = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time(), "command": _command_line()}
+        try:
+            os.ftruncate(self._fd, 0)
+            os.pwrite(self._fd, (json.dumps(info, sort_keys=True) + "\n").encode(), 0)
+        except OSError:
+            pass  # naming the holder is a courtesy; the lock itself is held
+        return True
+
+    def holder(self) -> str:
+        """Who holds the lock, as the holder recorded it; says so when unknown."""
+        if self._fd is None:
+            return "an unknown process"
+        try:
+            raw = os.pread(self._fd, 4096, 0)
+            info = json.loads(raw) if raw.strip() else None
+        except (OSError, ValueError):
+            info = None
+        if not isinstance(info, dict):
+            return "another process (it has not said which yet)"
+        return _describe(info)
+
+    def busy_error(self) -> BankBusyError:
+        holder = self.holder()
+        return BankBusyError(
+            f"bank {self.bank}: being written by {holder}; wait for it to finish or pass --wait", holder
+        )
+
+    def waiting_message(self) -> str:
+        return f"bank {self.bank}: being written by {self.holder()}; waiting for it to finish"
+
+    def acquire(self, wait: bool = False, on_wait: Callable[[str], None] | None = None) -> None:
+        """Take the lock. Without `wait` a busy bank raises BankBusyError naming the
+        holder; with it, ask again every POLL_S seconds until the holder lets go,
+        reporting once through `on_wait` whom it waits for. A signal (KeyboardInterrupt)
+        ends the wait; nothing is then held."""
+        said = False
+        while not self.try_acquire():
+            if not wait:
+                raise self.busy_error()
+            if not said and on_wait is not None:
+                on_wait(self.waiting_message())
+                said = True
+            time.sleep(POLL_S)
+
+    def release(self) -> None:
+        """Let go of the lock (closing the descriptor releases it)."""
+        fd, self._fd, self.held = self._fd, None, False
+        if fd is not None:
+            os.close(fd)
+
+    def __repr__(self) -> str:
+        return f"WriterLock({str(self.bank)!r}, held={self.held})"
+
+
+def busy_holder(bank: str | os.PathLike[str]) -> str | None:
+    """Who writes the bank at `bank` now, or None when nobody does (or there is no bank
+    yet). A probe: the lock is taken and let go at once, so another would-be writer
+    that asks in that instant without waiting may see the bank busy."""
+    if not (Path(bank) / LOCK_NAME).exists():
+        return None
+    lock = WriterLock(bank)
+    try:
+        return None if lock.try_acquire(record=False) else lock.holder()
+    finally:
+        lock.release()
