@@ -22,7 +22,7 @@ import hashlib
 import importlib.metadata
 import json
 import platform
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import onnx
@@ -184,12 +184,46 @@ class ModelContext:
         return self.opsets.get(domain or "", 1)
 
 
+_A = onnx.AttributeProto
+_INT, _INTS, _FLOAT, _FLOATS = _A.INT, _A.INTS, _A.FLOAT, _A.FLOATS
+_STRING, _STRINGS = _A.STRING, _A.STRINGS
+
+
+def _round7(v: float) -> float:
+    # Seven significant digits: the spelling existing bank keys were made with.
+    return float(f"{v:.7g}")
+
+
 def _attr_value(attr: onnx.AttributeProto) -> object:
+    """The value of `attr` as signatures spell it: strings decoded, floats rounded to 7
+    significant digits, tensors and graphs as a hash of their bytes."""
+    # Fast paths for the kinds real models use, reading the field directly. They return
+    # what helper.get_attribute_value and the general spelling below return: the helper
+    # picks the field by `attr.type` alone (a list copy for repeated fields), and raises
+    # for a reference to a function's attribute, so references take the general path.
+    if not attr.ref_attr_name:
+        kind = attr.type
+        if kind == _INT:
+            return attr.i
+        if kind == _INTS:
+            return list(attr.ints)
+        if kind == _FLOAT:
+            return _round7(attr.f)
+        if kind == _FLOATS:
+            return [_round7(v) for v in attr.floats]
+        if kind == _STRING:
+            return attr.s.decode("utf-8", "replace")
+        if kind == _STRINGS:
+            return [v.decode("utf-8", "replace") for v in attr.strings]
+    return _attr_value_general(attr)
+
+
+def _attr_value_general(attr: onnx.AttributeProto) -> object:
     value = helper.get_attribute_value(attr)
     if isinstance(value, bytes):
         return value.decode("utf-8", "replace")
     if isinstance(value, float):
-        return float(f"{value:.7g}")
+        return _round7(value)
     if isinstance(value, onnx.TensorProto):
         return {"tensor": hashlib.sha256(value.SerializeToString()).hexdigest()[:32]}
     if isinstance(value, list):
@@ -203,7 +237,7 @@ def _attr_value_scalar(v: object) -> object:
     if isinstance(v, bytes):
         return v.decode("utf-8", "replace")
     if isinstance(v, float):
-        return float(f"{v:.7g}")
+        return _round7(v)
     return v
 
 
@@ -222,13 +256,20 @@ def _schema_defaults(op_type: str, domain: str, opset: int) -> Mapping[str, obje
 
 def normalized_attributes(node: onnx.NodeProto, opset: int) -> dict[str, object]:
     """Attributes of `node` without those equal to their schema default."""
-    defaults = _schema_defaults(node.op_type, node.domain or "", opset)
+    return _normalized(node.attribute, _schema_defaults(node.op_type, node.domain or "", opset))
+
+
+def _normalized(
+    attrs: Iterable[onnx.AttributeProto], defaults: Mapping[str, object]
+) -> dict[str, object]:
     out = {}
-    for a in node.attribute:
+    for a in attrs:
+        name = a.name
         value = _attr_value(a)
-        if a.name in defaults and defaults[a.name] == value:
+        # Python equality: an INT 1 where the schema says FLOAT 1.0 is the default.
+        if name in defaults and defaults[name] == value:
             continue
-        out[a.name] = value
+        out[name] = value
     return out
 
 
