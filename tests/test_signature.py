@@ -21,6 +21,7 @@ from aoe.signature import (
     TensorInfo,
     bank_key,
     device_fingerprint,
+    normalized_attributes,
     task_signature,
 )
 from aoed import samples
@@ -303,10 +304,10 @@ def _ref_task_signature(nodes: list[onnx.NodeProto], ctx: ModelContext) -> TaskS
     )
 
 
-def _outcome(fn, nodes: list[onnx.NodeProto], ctx: ModelContext) -> object:
-    """The signature `fn` computes, or the type and message of what it raises."""
+def _outcome(fn, *args: object) -> object:
+    """What `fn(*args)` returns, or the type and message of what it raises."""
     try:
-        return fn(nodes, ctx)
+        return fn(*args)
     except Exception as e:  # a failure must be the same failure
         return (type(e), str(e))
 
@@ -317,6 +318,15 @@ def assert_same_as_reference(nodes: list[onnx.NodeProto], ctx: ModelContext) -> 
     got = _outcome(task_signature, nodes, ctx)
     assert got == want, [n.op_type for n in nodes]
     return got
+
+
+def assert_same_attributes_as_reference(node: onnx.NodeProto, ctx: ModelContext) -> None:
+    """Check `normalized_attributes` (the engine uses it too) against the reference."""
+    opset = ctx.opset(node.domain if node.domain != "ai.onnx" else "")
+    want = _outcome(_ref_normalized_attributes, node, opset)
+    got = _outcome(normalized_attributes, node, opset)
+    # repr tells 1 from 1.0 and -0.0 from 0.0, and a NaN equals a NaN
+    assert repr(got) == repr(want), node.op_type
 
 
 @pytest.fixture(scope="module")
@@ -361,6 +371,8 @@ def test_every_run_of_sample_nodes_has_the_reference_outcome(
                 assert_same_as_reference(nodes[i : i + size], prep.ctx), TaskSignature
             )
     assert signed > 0
+    for node in nodes:
+        assert_same_attributes_as_reference(node, prep.ctx)
 
 
 def _hand_ctx() -> ModelContext:
@@ -539,6 +551,11 @@ HAND_NODES: dict[str, list[onnx.NodeProto]] = {
     "unknown_input": _one("Add", ins=("nowhere", "dyn")),
     "unknown_output": [_node("Relu", ["x"], ["nowhere"])],
     "dynamic_and_unspellable": _one("Custom", _made("ts", [_TENSOR], _A.TENSORS), ins=("dyn",)),
+    "dynamic_and_mixed": _one(
+        "Custom", _attr("k", INT, 3), _made("ts", [_TENSOR], _A.TENSORS), ins=("dyn",)
+    ),
+    # no nodes at all
+    "empty_list": [],
 }
 
 
@@ -547,6 +564,12 @@ def test_hand_built_nodes_have_the_reference_outcome(case: str) -> None:
     ctx = _hand_ctx()
     assert_same_as_reference(HAND_NODES[case], ctx)
     assert_same_as_reference(HAND_NODES[case], ctx)  # warm caches
+    for node in HAND_NODES[case]:
+        assert_same_attributes_as_reference(node, ctx)
+
+
+def test_a_tuple_of_no_nodes_fails_as_before() -> None:
+    assert assert_same_as_reference((), _hand_ctx())[0] is IndexError
 
 
 def test_hand_built_cases_reach_what_they_are_meant_to() -> None:
@@ -577,6 +600,8 @@ def test_hand_built_cases_reach_what_they_are_meant_to() -> None:
     assert sig["dynamic_input"] == (ValueError, "tensor 'dyn' has no static shape")
     assert sig["unknown_input"] == (ValueError, "tensor 'nowhere' has no static shape")
     assert sig["dynamic_and_unspellable"] == (ValueError, "tensor 'dyn' has no static shape")
+    assert sig["dynamic_and_mixed"] == (ValueError, "tensor 'dyn' has no static shape")
+    assert sig["empty_list"][0] is IndexError
 
 
 def test_a_changed_context_gives_the_reference_signature() -> None:
