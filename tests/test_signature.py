@@ -491,6 +491,10 @@ HAND_NODES: dict[str, list[onnx.NodeProto]] = {
     "floats_empty": _one("Custom", _attr("f", FLOATS, [])),
     "strings": _one("Custom", _attr("s", STRINGS, [*_TEXT, b"\xff"])),
     "strings_empty": _one("Custom", _attr("s", STRINGS, [])),
+    # long enough that their bytes are not kept as a cache key
+    "ints_long": _one("Custom", _attr("big", INTS, [2**62 + i for i in range(40)])),
+    "floats_long": _one("Custom", _attr("f", FLOATS, [i / 7 for i in range(80)])),
+    "strings_long": _one("Custom", _attr("s", STRINGS, ["x" * 300])),
     # tensors and graphs are spelled by a hash of their bytes
     "tensor": _one("ConstantOfShape", _made("value", _TENSOR), ins=("s",)),
     "tensor_constant": _one("Constant", _made("value", _TENSOR), ins=()),
@@ -507,6 +511,9 @@ HAND_NODES: dict[str, list[onnx.NodeProto]] = {
         "Constant", _made("sparse_value", helper.make_sparse_tensor(_TENSOR, _INDICES, [6])), ins=()
     ),
     "type_proto": _one("Custom", _made("tp", helper.make_tensor_type_proto(FLOAT, [2]))),
+    "mixed_kinds": _one(
+        "Custom", _attr("k", INT, 3), _made("t", _TENSOR), _attr("a", FLOATS, [0.5])
+    ),
     "undefined": _one("Custom", onnx.AttributeProto(name="u")),
     # a reference to a function's attribute has no value here: the same ValueError
     "ref_attr": _one("Softmax", onnx.AttributeProto(name="axis", ref_attr_name="a", type=INT)),
@@ -602,6 +609,22 @@ def test_hand_built_cases_reach_what_they_are_meant_to() -> None:
     assert sig["dynamic_and_unspellable"] == (ValueError, "tensor 'dyn' has no static shape")
     assert sig["dynamic_and_mixed"] == (ValueError, "tensor 'dyn' has no static shape")
     assert sig["empty_list"][0] is IndexError
+    assert '"big":[4611686018427387904,' in sig["ints_long"].canonical_json
+    assert '"k":3' in sig["mixed_kinds"].canonical_json
+
+
+def test_the_same_attributes_at_another_opset_have_the_reference_signature() -> None:
+    # Softmax's axis defaults to 1 up to opset 12 and to -1 from opset 13 on.
+    ctx = _hand_ctx()
+    for axis in (-1, 1):
+        nodes = _one("Softmax", _attr("axis", INT, axis))
+        at = {}
+        for opset in (17, 11, 17, 11):
+            ctx.opsets[""] = opset
+            at[opset] = assert_same_as_reference(nodes, ctx)
+        assert at[17].digest != at[11].digest
+        assert ('"attrs":{}' in at[17].canonical_json) == (axis == -1)
+        assert ('"attrs":{}' in at[11].canonical_json) == (axis == 1)
 
 
 def test_a_changed_context_gives_the_reference_signature() -> None:
@@ -625,7 +648,7 @@ _VALUES = {
     INT: st.sampled_from([0, 1, -1]) | _INT64,
     FLOAT: st.sampled_from([1.0, 0.01, 0.8, 0.9, 1e-5, 0.0]) | _FLOAT32,
     STRING: st.sampled_from([b"NOTSET", b"SAME_UPPER"]) | _BYTES,
-    INTS: st.lists(st.sampled_from([0, 2, 3]) | _INT64, max_size=4),
+    INTS: st.lists(st.sampled_from([0, 2, 3]) | _INT64, max_size=40),
     FLOATS: st.lists(_FLOAT32, max_size=4),
     STRINGS: st.lists(_BYTES, max_size=3),
 }
@@ -649,7 +672,10 @@ def _attributes(draw: st.DrawFn, op: str, domain: str) -> onnx.AttributeProto:
     except Exception:
         names = ["alpha", "transA"]
     name = draw(st.sampled_from(names) | st.text(max_size=4))
-    kind = draw(st.sampled_from(sorted(_VALUES)))
+    kind = draw(st.sampled_from([*sorted(_VALUES), _A.TENSOR]))
+    if kind == _A.TENSOR:
+        values = draw(st.lists(_FLOAT32, max_size=3))
+        return _made(name, numpy_helper.from_array(np.array(values, np.float32)))
     return _attr(name, kind, draw(_VALUES[kind]))
 
 

@@ -328,6 +328,41 @@ def _attributes_json(attrs: dict[str, tuple[object, str | None]]) -> str:
     )
 
 
+#: Attribute kinds `_attr_value_json` spells itself.
+_SPELLED_KINDS = frozenset({_INT, _INTS, _FLOAT, _FLOATS, _STRING, _STRINGS})
+#: Attributes serialized larger than this are not worth keeping as cache keys.
+_MAX_CACHED_BYTES = 256
+
+
+def _serialized(attrs: Sequence[onnx.AttributeProto]) -> tuple[bytes, ...] | None:
+    """The serialized `attrs` when all are small and of kinds `_attr_value_json` spells."""
+    out = []
+    for a in attrs:
+        if a.type not in _SPELLED_KINDS:
+            return None
+        data = a.SerializeToString()
+        if len(data) > _MAX_CACHED_BYTES:
+            return None
+        out.append(data)
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=4096)
+def _attributes_json_of(
+    op_type: str, node_domain: str, opset: int, serialized: tuple[bytes, ...]
+) -> str:
+    """The canonical JSON of the attributes `serialized` (see `_serialized`) of an
+    `op_type` node of `node_domain` at `opset`, without those at their default.
+
+    A function of its arguments alone (parsing an attribute gives back every field a
+    signature reads), so it is cached: layers repeat their attributes (every 3x3
+    convolution with padding 1), and serializing attributes costs less than reading them
+    field by field. Reading raises for a reference to a function's attribute, as before.
+    """
+    attrs = [onnx.AttributeProto.FromString(data) for data in serialized]
+    return _attributes_json(_normalized(attrs, _schema_defaults(op_type, node_domain or "", opset)))
+
+
 def task_signature(nodes: Sequence[onnx.NodeProto], ctx: ModelContext) -> TaskSignature:
     """Return the canonical signature of the task made of `nodes` (in topological order).
 
@@ -374,8 +409,16 @@ def task_signature(nodes: Sequence[onnx.NodeProto], ctx: ModelContext) -> TaskSi
             opset = opsets[domain] = ctx.opset(domain)
         defaults, middle, tail = _op_json(op_type, node_domain, opset)
         attrs = node.attribute
+        spelled, deferred = "{}", None
+        if attrs:
+            attrs = attrs[:]
+            serialized = _serialized(attrs)
+            if serialized is not None:
+                spelled = _attributes_json_of(op_type, node_domain, opset, serialized)
+            else:
+                deferred = _normalized(attrs, defaults)
         op_types.append(op_type)
-        described.append((_normalized(attrs[:], defaults) if attrs else {}, middle, wiring, tail))
+        described.append((spelled, deferred, middle, wiring, tail))
     # Tasks are built so that only the last node's outputs escape (see engine.partition).
     outputs = [o for o in fields[-1][2] if o]
     # Tensors before attributes: a tensor without a static shape raises ValueError before
@@ -385,9 +428,9 @@ def task_signature(nodes: Sequence[onnx.NodeProto], ctx: ModelContext) -> TaskSi
     tensors_out = ",".join([_tensor_json(n, ctx, False) for n in outputs])
     nodes_json = ",".join(
         [
-            '{"attrs":' + (_attributes_json(attrs) if attrs else "{}")
+            '{"attrs":' + (spelled if deferred is None else _attributes_json(deferred))
             + middle + ",".join(wiring) + tail
-            for attrs, middle, wiring, tail in described
+            for spelled, deferred, middle, wiring, tail in described
         ]
     )  # fmt: skip
     opsets_json = ",".join([_json_str(d) + ":" + _json_int(opsets[d]) for d in sorted(opsets)])
