@@ -390,7 +390,14 @@ def _hand_ctx() -> ModelContext:
         ],
     )
     opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
-    return ModelContext(helper.make_model(graph, opset_imports=opsets))
+    ctx = ModelContext(helper.make_model(graph, opset_imports=opsets))
+    # Infos a ModelContext never makes, but a caller may put there.
+    ctx.tensors["float_dim"] = TensorInfo("float32", (2.0, 3))
+    ctx.tensors["bool_dim"] = TensorInfo("float32", (True, 3))
+    ctx.tensors["np_dim"] = TensorInfo("float32", (np.int64(2), 3))
+    ctx.tensors["np_dtype"] = TensorInfo(np.dtype("float32"), (2, 3))
+    ctx.tensors["no_shape"] = TensorInfo("float32", None)
+    return ctx
 
 
 _A = onnx.AttributeProto
@@ -561,6 +568,17 @@ HAND_NODES: dict[str, list[onnx.NodeProto]] = {
     "dynamic_and_mixed": _one(
         "Custom", _attr("k", INT, 3), _made("ts", [_TENSOR], _A.TENSORS), ins=("dyn",)
     ),
+    # infos of other types than a ModelContext makes: spelled, or rejected in json's order
+    "float_dim": _one("Relu", ins=("float_dim",)),
+    "bool_dim": [_node("Relu", ["x"], ["bool_dim"])],
+    "np_dim_then_dynamic": _one("Add", ins=("np_dim", "dyn")),
+    "np_dim_then_dynamic_out": [_node("Relu", ["np_dim"], ["dyn"])],
+    "np_dim_and_unspellable": _one("Custom", _made("ts", [_TENSOR], _A.TENSORS), ins=("np_dim",)),
+    "unspellable_and_np_dim_out": [
+        _node("Custom", ["x"], ["np_dim"], _made("ts", [_TENSOR], _A.TENSORS))
+    ],
+    "np_dtype": _one("Relu", ins=("np_dtype",)),
+    "no_shape_then_dynamic": _one("Add", ins=("no_shape", "dyn")),
     # no nodes at all
     "empty_list": [],
 }
@@ -609,6 +627,15 @@ def test_hand_built_cases_reach_what_they_are_meant_to() -> None:
     assert sig["dynamic_and_unspellable"] == (ValueError, "tensor 'dyn' has no static shape")
     assert sig["dynamic_and_mixed"] == (ValueError, "tensor 'dyn' has no static shape")
     assert sig["empty_list"][0] is IndexError
+    assert '"shape":[2.0,3]' in sig["float_dim"].canonical_json
+    assert '"shape":[true,3]' in sig["bool_dim"].canonical_json
+    assert sig["np_dim_then_dynamic"] == (ValueError, "tensor 'dyn' has no static shape")
+    assert sig["np_dim_then_dynamic_out"] == (ValueError, "tensor 'dyn' has no static shape")
+    assert sig["np_dim_and_unspellable"][0] is TypeError
+    assert "int64" in sig["np_dim_and_unspellable"][1]
+    assert "TensorProto" in sig["unspellable_and_np_dim_out"][1]
+    assert sig["np_dtype"][0] is TypeError
+    assert sig["no_shape_then_dynamic"][0] is TypeError
     assert '"big":[4611686018427387904,' in sig["ints_long"].canonical_json
     assert '"k":3' in sig["mixed_kinds"].canonical_json
 

@@ -421,11 +421,13 @@ def task_signature(nodes: Sequence[onnx.NodeProto], ctx: ModelContext) -> TaskSi
         described.append((spelled, deferred, middle, wiring, tail))
     # Tasks are built so that only the last node's outputs escape (see engine.partition).
     outputs = [o for o in fields[-1][2] if o]
-    # Tensors before attributes: a tensor without a static shape raises ValueError before
-    # an attribute json cannot spell raises TypeError, as when json spelled it all at once.
+    # As when json spelled a dict of it all: first every tensor is looked up (a tensor
+    # without a static shape raises ValueError), then what json may reject is spelled in
+    # its key order (inputs, nodes, opsets, outputs), so the same value raises TypeError.
     constants = ctx.constants
-    tensors_in = ",".join([_tensor_json(n, ctx, n in constants) for n in inputs])
-    tensors_out = ",".join([_tensor_json(n, ctx, False) for n in outputs])
+    tensors_in = [_tensor_json(n, ctx, n in constants) for n in inputs]
+    tensors_out = [_tensor_json(n, ctx, False) for n in outputs]
+    tensors_in = ",".join([t if type(t) is str else canonical_json(t) for t in tensors_in])
     nodes_json = ",".join(
         [
             '{"attrs":' + (spelled if deferred is None else _attributes_json(deferred))
@@ -434,6 +436,7 @@ def task_signature(nodes: Sequence[onnx.NodeProto], ctx: ModelContext) -> TaskSi
         ]
     )  # fmt: skip
     opsets_json = ",".join([_json_str(d) + ":" + _json_int(opsets[d]) for d in sorted(opsets)])
+    tensors_out = ",".join([t if type(t) is str else canonical_json(t) for t in tensors_out])
     text = (
         f'{{"inputs":[{tensors_in}],"nodes":[{nodes_json}],"opsets":{{{opsets_json}}},'
         f'"outputs":[{tensors_out}],"v":{_SCHEMA_VERSION_JSON}}}'
@@ -457,16 +460,24 @@ def _op_json(op_type: str, node_domain: str, opset: int) -> tuple[Mapping[str, o
     return defaults, f',"domain":{_json_str(domain)},"in":[', f'],"op":{_json_str(op_type)}}}'
 
 
-def _tensor_json(name: str, ctx: ModelContext, const: bool) -> str:
+def _tensor_json(name: str, ctx: ModelContext, const: bool) -> str | dict[str, object]:
+    """The canonical JSON of tensor `name`; for a TensorInfo holding other types than a
+    ModelContext makes (a str, ints), its description, for json to spell or reject."""
     info = ctx.tensors.get(name)
     if info is None:
         raise ValueError(f"tensor {name!r} has no static shape")
     # Spelled once per name, and again only when `ctx.tensors` holds another info for it.
-    # Keys in sorted order: "const", "dtype", "shape".
     cached = ctx._tensor_json.get(name)
     if cached is None or cached[0] is not info:
-        dtype, shape = canonical_json(info.dtype), canonical_json(list(info.shape))
-        spelled = f'"dtype":{dtype},"shape":{shape}}}'
+        dtype, shape = info.dtype, list(info.shape)
+        if type(dtype) is not str or not all(type(d) is int for d in shape):
+            desc: dict[str, object] = {"dtype": dtype, "shape": shape}
+            if const:
+                desc["const"] = True
+            return desc
+        # Keys in sorted order: "const", "dtype", "shape"; repr of a list of ints is
+        # json's spelling but for a space after each comma.
+        spelled = f'"dtype":{_json_str(dtype)},"shape":{repr(shape).replace(" ", "")}}}'
         cached = ctx._tensor_json[name] = (info, "{" + spelled, '{"const":true,' + spelled)
     return cached[2] if const else cached[1]
 
