@@ -21,8 +21,9 @@ import functools
 import hashlib
 import importlib.metadata
 import json
+import math
 import platform
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import onnx
@@ -58,6 +59,27 @@ _ISA_FLAGS = frozenset(
 def canonical_json(obj: object) -> str:
     """Return the one JSON spelling of `obj`: sorted keys, no spaces, ASCII only."""
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+
+
+#: How json.dumps(ensure_ascii=True) spells a str (the C speedup where there is one).
+_json_str = json.encoder.encode_basestring_ascii
+
+
+def _json_float(f: float) -> str:
+    # json spells a float by float.__repr__, but NaN and the infinities.
+    if math.isnan(f):
+        return "NaN"
+    if math.isinf(f):
+        return "Infinity" if f > 0 else "-Infinity"
+    return repr(f)
+
+
+def _json_int(i: object) -> str:
+    # json spells an int by int.__repr__; an opset of any other type goes to json itself.
+    return repr(i) if type(i) is int else canonical_json(i)
+
+
+_SCHEMA_VERSION_JSON = canonical_json(SCHEMA_VERSION)
 
 
 def _digest(text: str) -> str:
@@ -145,11 +167,13 @@ class ModelContext:
     Built once per model: static tensor infos (graph inputs, outputs, value_info,
     initializers, Constant node outputs), the set of constant tensor names (stored, or
     computed by nodes from constants; see `computes_constant`) and the model's opset
-    imports.
+    imports. It also keeps the canonical JSON of the tensor infos signatures have used.
     """
 
     def __init__(self, model: onnx.ModelProto):
         g = model.graph
+        # Name -> the info and its JSON without and with "const" (see `_tensor_json`).
+        self._tensor_json: dict[str, tuple[TensorInfo, str, str]] = {}
         self.opsets: dict[str, int] = {o.domain or "": o.version for o in model.opset_import}
         if "ai.onnx" in self.opsets:
             self.opsets.setdefault("", self.opsets["ai.onnx"])
@@ -184,12 +208,60 @@ class ModelContext:
         return self.opsets.get(domain or "", 1)
 
 
+_A = onnx.AttributeProto
+_INT, _INTS, _FLOAT, _FLOATS = _A.INT, _A.INTS, _A.FLOAT, _A.FLOATS
+_STRING, _STRINGS = _A.STRING, _A.STRINGS
+
+
+def _round7(v: float) -> float:
+    # Seven significant digits: the spelling existing bank keys were made with.
+    return float(f"{v:.7g}")
+
+
 def _attr_value(attr: onnx.AttributeProto) -> object:
+    """The value of `attr` as signatures spell it: strings decoded, floats rounded to 7
+    significant digits, tensors and graphs as a hash of their bytes."""
+    return _attr_value_json(attr)[0]
+
+
+def _attr_value_json(attr: onnx.AttributeProto) -> tuple[object, str | None]:
+    """`_attr_value(attr)` and its canonical JSON, or None where json must spell it."""
+    # Fast paths for the kinds real models use, reading the field directly. They return
+    # what helper.get_attribute_value and the general spelling below return: the helper
+    # picks the field by `attr.type` alone (a list copy for a repeated field, which a
+    # slice makes in one call), and raises for a reference to a function's attribute, so
+    # references take the general path. The JSON is json's own spelling of these types
+    # (see `_json_float`); for a list of ints, repr's differs only by a space after each
+    # comma.
+    if not attr.ref_attr_name:
+        kind = attr.type
+        if kind == _INT:
+            i = attr.i
+            return i, repr(i)
+        if kind == _INTS:
+            ints = attr.ints[:]
+            return ints, repr(ints).replace(" ", "")
+        if kind == _FLOAT:
+            f = _round7(attr.f)
+            return f, _json_float(f)
+        if kind == _FLOATS:
+            floats = [_round7(v) for v in attr.floats[:]]
+            return floats, "[" + ",".join(map(_json_float, floats)) + "]"
+        if kind == _STRING:
+            s = attr.s.decode("utf-8", "replace")
+            return s, _json_str(s)
+        if kind == _STRINGS:
+            strings = [v.decode("utf-8", "replace") for v in attr.strings[:]]
+            return strings, "[" + ",".join(map(_json_str, strings)) + "]"
+    return _attr_value_general(attr), None
+
+
+def _attr_value_general(attr: onnx.AttributeProto) -> object:
     value = helper.get_attribute_value(attr)
     if isinstance(value, bytes):
         return value.decode("utf-8", "replace")
     if isinstance(value, float):
-        return float(f"{value:.7g}")
+        return _round7(value)
     if isinstance(value, onnx.TensorProto):
         return {"tensor": hashlib.sha256(value.SerializeToString()).hexdigest()[:32]}
     if isinstance(value, list):
@@ -203,7 +275,7 @@ def _attr_value_scalar(v: object) -> object:
     if isinstance(v, bytes):
         return v.decode("utf-8", "replace")
     if isinstance(v, float):
-        return float(f"{v:.7g}")
+        return _round7(v)
     return v
 
 
@@ -223,13 +295,72 @@ def _schema_defaults(op_type: str, domain: str, opset: int) -> Mapping[str, obje
 def normalized_attributes(node: onnx.NodeProto, opset: int) -> dict[str, object]:
     """Attributes of `node` without those equal to their schema default."""
     defaults = _schema_defaults(node.op_type, node.domain or "", opset)
+    return {name: value for name, (value, _) in _normalized(node.attribute, defaults).items()}
+
+
+def _normalized(
+    attrs: Iterable[onnx.AttributeProto], defaults: Mapping[str, object]
+) -> dict[str, tuple[object, str | None]]:
+    """Name -> value and JSON (see `_attr_value_json`) of the attributes not at their
+    default; a later attribute of the same name replaces an earlier one."""
     out = {}
-    for a in node.attribute:
-        value = _attr_value(a)
-        if a.name in defaults and defaults[a.name] == value:
+    for a in attrs:
+        name = a.name
+        value, spelled = _attr_value_json(a)
+        # Python equality: an INT 1 where the schema says FLOAT 1.0 is the default.
+        if name in defaults and defaults[name] == value:
             continue
-        out[a.name] = value
+        out[name] = (value, spelled)
     return out
+
+
+def _attributes_json(attrs: dict[str, tuple[object, str | None]]) -> str:
+    # Names differ, so sorting the items never compares the values.
+    return (
+        "{"
+        + ",".join(
+            [
+                _json_str(name) + ":" + (canonical_json(value) if spelled is None else spelled)
+                for name, (value, spelled) in sorted(attrs.items())
+            ]
+        )
+        + "}"
+    )
+
+
+#: Attribute kinds `_attr_value_json` spells itself.
+_SPELLED_KINDS = frozenset({_INT, _INTS, _FLOAT, _FLOATS, _STRING, _STRINGS})
+#: Attributes serialized larger than this are not worth keeping as cache keys.
+_MAX_CACHED_BYTES = 256
+
+
+def _serialized(attrs: Sequence[onnx.AttributeProto]) -> tuple[bytes, ...] | None:
+    """The serialized `attrs` when all are small and of kinds `_attr_value_json` spells."""
+    out = []
+    for a in attrs:
+        if a.type not in _SPELLED_KINDS:
+            return None
+        data = a.SerializeToString()
+        if len(data) > _MAX_CACHED_BYTES:
+            return None
+        out.append(data)
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=4096)
+def _attributes_json_of(
+    op_type: str, node_domain: str, opset: int, serialized: tuple[bytes, ...]
+) -> str:
+    """The canonical JSON of the attributes `serialized` (see `_serialized`) of an
+    `op_type` node of `node_domain` at `opset`, without those at their default.
+
+    A function of its arguments alone (parsing an attribute gives back every field a
+    signature reads), so it is cached: layers repeat their attributes (every 3x3
+    convolution with padding 1), and serializing attributes costs less than reading them
+    field by field. Reading raises for a reference to a function's attribute, as before.
+    """
+    attrs = [onnx.AttributeProto.FromString(data) for data in serialized]
+    return _attributes_json(_normalized(attrs, _schema_defaults(op_type, node_domain or "", opset)))
 
 
 def task_signature(nodes: Sequence[onnx.NodeProto], ctx: ModelContext) -> TaskSignature:
@@ -237,68 +368,118 @@ def task_signature(nodes: Sequence[onnx.NodeProto], ctx: ModelContext) -> TaskSi
 
     Raises ValueError when a tensor the task reads or writes has no static shape in `ctx`.
     """
-    produced: dict[str, str] = {}
-    for j, node in enumerate(nodes):
-        for k, out in enumerate(node.output):
+    # The canonical text is canonical_json of
+    #   {"v": SCHEMA_VERSION,
+    #    "nodes": [{"op": ..., "domain": ..., "attrs": {...}, "in": [wiring refs]}, ...],
+    #    "opsets": {domain: opset}, "inputs": [tensor], "outputs": [tensor]}
+    # spelled here piece by piece, keys in sorted order, each value as json spells it.
+    # Reading a protobuf field costs more than anything else here, so each is read once,
+    # and repeated fields by slicing, which copies them in one call.
+    anchor_domain = nodes[0].domain  # IndexError for an empty task, as ever
+    fields = [(node, node.input[:], node.output[:]) for node in nodes]
+    produced: dict[str, tuple[int, str]] = {}  # tensor -> index and wiring ref of its writer
+    for j, (_, _, outs) in enumerate(fields):
+        for k, out in enumerate(outs):
             if out:
-                produced[out] = f"n{j}.{k}"
+                produced[out] = (j, f'"n{j}.{k}"')
     inputs: list[str] = []
     refs: dict[str, str] = {}
-    desc_nodes = []
-    for node in nodes:
+    opsets: dict[str, int] = {}
+    op_types = []
+    described = []
+    for i, (node, ins, _) in enumerate(fields):
         wiring = []
-        for name in node.input:
+        for name in ins:
             if not name:
-                wiring.append("")
-            elif name in produced and _index(produced[name]) < len(desc_nodes):
-                wiring.append(produced[name])
+                wiring.append('""')
+                continue
+            writer = produced.get(name)
+            if writer is not None and writer[0] < i:
+                wiring.append(writer[1])
+                continue
+            ref = refs.get(name)
+            if ref is None:
+                ref = refs[name] = f'"i{len(inputs)}"'
+                inputs.append(name)
+            wiring.append(ref)
+        op_type, node_domain = node.op_type, node.domain
+        domain = node_domain if node_domain != "ai.onnx" else ""
+        opset = opsets.get(domain)
+        if opset is None:
+            opset = opsets[domain] = ctx.opset(domain)
+        defaults, middle, tail = _op_json(op_type, node_domain, opset)
+        attrs = node.attribute
+        spelled, deferred = "{}", None
+        if attrs:
+            attrs = attrs[:]
+            serialized = _serialized(attrs)
+            if serialized is not None:
+                spelled = _attributes_json_of(op_type, node_domain, opset, serialized)
             else:
-                if name not in refs:
-                    refs[name] = f"i{len(inputs)}"
-                    inputs.append(name)
-                wiring.append(refs[name])
-        domain = node.domain if node.domain != "ai.onnx" else ""
-        desc_nodes.append(
-            {
-                "op": node.op_type,
-                "domain": domain,
-                "attrs": normalized_attributes(node, ctx.opset(domain)),
-                "in": wiring,
-            }
-        )
+                deferred = _normalized(attrs, defaults)
+        op_types.append(op_type)
+        described.append((spelled, deferred, middle, wiring, tail))
     # Tasks are built so that only the last node's outputs escape (see engine.partition).
-    outputs = [o for o in nodes[-1].output if o]
-    desc = {
-        "v": SCHEMA_VERSION,
-        "nodes": desc_nodes,
-        "opsets": {d: ctx.opset(d) for d in sorted({n["domain"] for n in desc_nodes})},
-        "inputs": [_tensor_desc(n, ctx, const=n in ctx.constants) for n in inputs],
-        "outputs": [_tensor_desc(n, ctx) for n in outputs],
-    }
-    text = canonical_json(desc)
-    anchor = nodes[0]
-    domain = anchor.domain if anchor.domain != "ai.onnx" else ""
+    outputs = [o for o in fields[-1][2] if o]
+    # As when json spelled a dict of it all: first every tensor is looked up (a tensor
+    # without a static shape raises ValueError), then what json may reject is spelled in
+    # its key order (inputs, nodes, opsets, outputs), so the same value raises TypeError.
+    constants = ctx.constants
+    tensors_in = [_tensor_json(n, ctx, n in constants) for n in inputs]
+    tensors_out = [_tensor_json(n, ctx, False) for n in outputs]
+    tensors_in = ",".join([t if type(t) is str else canonical_json(t) for t in tensors_in])
+    nodes_json = ",".join(
+        [
+            '{"attrs":' + (spelled if deferred is None else _attributes_json(deferred))
+            + middle + ",".join(wiring) + tail
+            for spelled, deferred, middle, wiring, tail in described
+        ]
+    )  # fmt: skip
+    opsets_json = ",".join([_json_str(d) + ":" + _json_int(opsets[d]) for d in sorted(opsets)])
+    tensors_out = ",".join([t if type(t) is str else canonical_json(t) for t in tensors_out])
+    text = (
+        f'{{"inputs":[{tensors_in}],"nodes":[{nodes_json}],"opsets":{{{opsets_json}}},'
+        f'"outputs":[{tensors_out}],"v":{_SCHEMA_VERSION_JSON}}}'
+    )
+    domain = anchor_domain if anchor_domain != "ai.onnx" else ""
     return TaskSignature(
-        op_type="+".join(n.op_type for n in nodes),
+        op_type="+".join(op_types),
         domain=domain,
-        opset=ctx.opset(domain),
+        opset=opsets[domain],
         canonical_json=text,
         digest=_digest(text),
     )
 
 
-def _index(ref: str) -> int:
-    return int(ref[1:].split(".")[0])
+@functools.lru_cache(maxsize=1024)
+def _op_json(op_type: str, node_domain: str, opset: int) -> tuple[Mapping[str, object], str, str]:
+    """The schema defaults of an op, and the canonical JSON of a node of it around its
+    attributes and wiring: '{"attrs":' ATTRIBUTES MIDDLE WIRING TAIL."""
+    domain = node_domain if node_domain != "ai.onnx" else ""
+    defaults = _schema_defaults(op_type, node_domain or "", opset)
+    return defaults, f',"domain":{_json_str(domain)},"in":[', f'],"op":{_json_str(op_type)}}}'
 
 
-def _tensor_desc(name: str, ctx: ModelContext, const: bool = False) -> dict[str, object]:
+def _tensor_json(name: str, ctx: ModelContext, const: bool) -> str | dict[str, object]:
+    """The canonical JSON of tensor `name`; for a TensorInfo holding other types than a
+    ModelContext makes (a str, ints), its description, for json to spell or reject."""
     info = ctx.tensors.get(name)
     if info is None:
         raise ValueError(f"tensor {name!r} has no static shape")
-    d: dict[str, object] = {"dtype": info.dtype, "shape": list(info.shape)}
-    if const:
-        d["const"] = True
-    return d
+    # Spelled once per name, and again only when `ctx.tensors` holds another info for it.
+    cached = ctx._tensor_json.get(name)
+    if cached is None or cached[0] is not info:
+        dtype, shape = info.dtype, list(info.shape)
+        if type(dtype) is not str or not all(type(d) is int for d in shape):
+            desc: dict[str, object] = {"dtype": dtype, "shape": shape}
+            if const:
+                desc["const"] = True
+            return desc
+        # Keys in sorted order: "const", "dtype", "shape"; repr of a list of ints is
+        # json's spelling but for a space after each comma.
+        spelled = f'"dtype":{_json_str(dtype)},"shape":{repr(shape).replace(" ", "")}}}'
+        cached = ctx._tensor_json[name] = (info, "{" + spelled, '{"const":true,' + spelled)
+    return cached[2] if const else cached[1]
 
 
 # --------------------------------------------------------------------------- devices
