@@ -1,38 +1,67 @@
-"""Latency and accuracy of several sessions of one model, measured side by side.
+"""Inputs, accuracy and latency of several sessions of one model, measured side by side.
 
-Every variant of a model runs in this one process on the same inputs. Latency is taken
-in interleaved rounds: each round runs every variant for a short burst, in an order that
-rotates from round to round, and keeps the burst's median; a variant's latency is the
-median over rounds and its spread the interquartile range over rounds divided by that
-median. Slow drifts of a noisy machine then hit every variant alike, so the ratios
-between variants hold even when the absolute numbers move.
+Latency goes through the tuner's own measurement procedure,
+`aoed.backends.ort.measure.interleaved`, with a fixed number of rounds (no racing, no
+early stop): in each round every variant takes its turn, in an order that rotates from
+round to round, after a short sleep and one untimed run that keep the previous variant's
+spinning threads and cold caches out of its samples. Variants are compared by their
+paired per-round ratios (drift of a shared machine hits both sides of a pair alike), each
+with a distribution-free 95% interval for its median (`aoed.engine.stats`).
 """
 
 from __future__ import annotations
 
 import math
-import statistics
-import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import onnx
+from aoed.backends.ort.measure import interleaved
+from aoed.engine.messages import MeasurePlan
+from aoed.engine.stats import median, median_ci, paired_ratios
 
-__all__ = ["Accuracy", "Latency", "accuracy", "feeds_for", "interleaved", "run_all"]
-
-# A burst shorter than this many runs would let the first run after a switch (cold caches,
-# the previous session's threads still spinning) dominate the round's median.
-MIN_REPS = 3
-MAX_REPS = 400
+__all__ = [
+    "Accuracy",
+    "Latency",
+    "Ratio",
+    "accuracy",
+    "describe_inputs",
+    "feeds_for",
+    "latencies",
+    "predictions",
+    "ratio",
+    "run_all",
+]
 
 
 @dataclass(frozen=True)
 class Latency:
-    median_ms: float
-    spread: float  # IQR / median of the per-round medians
-    rounds: tuple[float, ...]
-    reps: int  # runs per round
+    median_ms: float  # median of every timed sample
+    spread: float  # interquartile range of the samples over their median
+    rounds_us: tuple[float | None, ...]  # per-round medians; None where not measured
+    batch: int  # runs per timed sample
+    dropped: str = ""  # why the procedure stopped measuring it, if it did
+
+    @property
+    def rounds(self) -> int:
+        return sum(1 for r in self.rounds_us if r)
+
+
+@dataclass(frozen=True)
+class Ratio:
+    """The median of paired per-round ratios a/b and a 95% interval for it."""
+
+    median: float
+    lo: float
+    hi: float
+    pairs: int
+
+    def contains(self, x: float) -> bool:
+        return self.lo <= x <= self.hi
+
+    def text(self, digits: int = 2) -> str:
+        return f"{self.median:.{digits}f}x [{self.lo:.{digits}f}, {self.hi:.{digits}f}]"
 
 
 @dataclass(frozen=True)
@@ -81,43 +110,59 @@ def feeds_for(model: onnx.ModelProto, seed: int) -> dict[str, np.ndarray]:
     return feeds
 
 
-def _once(session, feeds: Mapping[str, np.ndarray]) -> float:
-    t0 = time.perf_counter()
-    session.run(None, feeds)
-    return time.perf_counter() - t0
+def describe_inputs(model: onnx.ModelProto) -> str:
+    """What `feeds_for` feeds this model, input by input, in words."""
+    inits = {t.name for t in model.graph.initializer}
+    highs = _int_highs(model)
+    parts = []
+    for vi in model.graph.input:
+        if vi.name in inits:
+            continue
+        tt = vi.type.tensor_type
+        dims = "x".join(str(d.dim_value) if d.HasField("dim_value") else "1" for d in tt.shape.dim)
+        kind = onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type).kind
+        if kind == "f":
+            what = "random N(0, 1) values"
+        elif kind in "iu":
+            high = highs.get(vi.name, 8)
+            what = "random token ids" if vi.name in highs else "random integers"
+            what += f" in [0, {high})"
+        else:
+            what = "random booleans"
+        parts.append(f"`{vi.name}` [{dims}] {what}")
+    return "; ".join(parts)
 
 
-def interleaved(
-    sessions: Mapping[str, object],
-    feeds: Mapping[str, np.ndarray],
+def latencies(
+    runs: Mapping[str, Callable[[], object]],
     *,
     rounds: int,
-    round_s: float,
-    warmup_s: float,
+    budget_s: float,
+    samples: int,
+    reference: str | None = None,
 ) -> dict[str, Latency]:
-    """Latency of every session, measured in `rounds` interleaved rounds (see module doc)."""
-    names = list(sessions)
-    reps: dict[str, int] = {}
-    for name in names:
-        sess = sessions[name]
-        times = []
-        deadline = time.perf_counter() + warmup_s
-        while len(times) < 5 or time.perf_counter() < deadline:
-            times.append(_once(sess, feeds))
-        estimate = statistics.median(times[len(times) // 2 :])
-        reps[name] = max(MIN_REPS, min(MAX_REPS, math.ceil(round_s / max(estimate, 1e-6))))
-    per_round: dict[str, list[float]] = {n: [] for n in names}
-    for r in range(rounds):
-        k = r % len(names)
-        for name in names[k:] + names[:k]:
-            sess = sessions[name]
-            burst = [_once(sess, feeds) for _ in range(reps[name])]
-            per_round[name].append(statistics.median(burst) * 1e3)
-    out = {}
-    for name, values in per_round.items():
-        q1, med, q3 = np.percentile(values, [25, 50, 75])
-        out[name] = Latency(float(med), float((q3 - q1) / med), tuple(values), reps[name])
-    return out
+    """Every callable in `runs` timed in `rounds` interleaved rounds by the tuner's own
+    procedure (fewer when `budget_s` runs out first; `Latency.rounds` says how many).
+    `reference` is measured even if one run of it overruns the budget."""
+    timings = interleaved(runs, MeasurePlan.fixed(rounds, budget_s, samples), keep=reference)
+    return {
+        name: Latency(
+            t.median_us / 1e3, t.spread, tuple(t.rounds_us), t.batch, t.reason if t.dropped else ""
+        )
+        for name, t in timings.items()
+    }
+
+
+def ratio(a: Latency | None, b: Latency | None) -> Ratio | None:
+    """a/b over the rounds that measured both (a speedup of b when a is the reference);
+    None when no round did."""
+    if a is None or b is None:
+        return None
+    pairs = paired_ratios(a.rounds_us, b.rounds_us)
+    if not pairs:
+        return None
+    lo, hi = median_ci(pairs)
+    return Ratio(median(pairs), lo, hi, len(pairs))
 
 
 def run_all(session, feeds_list: Sequence[Mapping[str, np.ndarray]]) -> list[list[np.ndarray]]:
@@ -140,3 +185,9 @@ def accuracy(reference: list[list[np.ndarray]], outputs: list[list[np.ndarray]])
     max_abs = max(abs_errs, key=lambda e: math.inf if math.isnan(e) else e)
     span = max(ranges)
     return Accuracy(cosine, max_abs, max_abs / span if span > 0 else 0.0)
+
+
+def predictions(outputs: Sequence[Sequence[np.ndarray]]) -> np.ndarray:
+    """Predicted classes: the argmax over the last axis of each run's first output, all
+    runs joined in order."""
+    return np.concatenate([np.asarray(run[0]).argmax(axis=-1).ravel() for run in outputs])

@@ -18,7 +18,7 @@ COLORS = {"quantize_dynamic": "#9e9e9e", "aoe exact": "#1f77b4", "aoe int8": "#d
 
 
 def _speedups(results: Sequence[Any], path: Path) -> Path:
-    from report import speedup
+    from targets import field_of, speedup
 
     names = [r.name for r in results]
     variants = list(COLORS)
@@ -42,20 +42,40 @@ def _speedups(results: Sequence[Any], path: Path) -> Path:
                     color=COLORS[v],
                 )
                 continue
-            base, lat = r.variants["fp32"].latency, r.variants[v].latency
-            err = s * (base.spread + lat.spread) / 2  # IQR half-widths, relative, added
+            err = [[s.median - s.lo], [s.hi - s.median]]  # the 95% interval of the median
             ax.bar(
-                x, s, width, color=COLORS[v], yerr=err, capsize=2, label=None if v in labeled else v
+                x,
+                s.median,
+                width,
+                color=COLORS[v],
+                yerr=err,
+                capsize=2,
+                label=None if v in labeled else v,
             )
             labeled.add(v)
-            ax.text(x, s + err + 0.02, f"{s:.2f}", ha="center", va="bottom", fontsize=7)
-            top = max(top, s + err)
+            ax.text(x, s.hi + 0.02, f"{s.median:.2f}", ha="center", va="bottom", fontsize=7)
+            top = max(top, s.hi)
+            if v.startswith("aoe"):
+                run = r.tunes[v.split()[1]]
+                tuner = (
+                    None
+                    if run.full.error
+                    else field_of(run.full.doc, "OPAT", "model_performance_improvement")
+                )
+                if tuner is not None:
+                    label = None if "tuner" in labeled else "tuner's own figure"
+                    ax.plot([x], [1 + tuner], "D", color="black", markersize=3, label=label)
+                    labeled.add("tuner")
+                    top = max(top, 1 + tuner)
     ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--", label="onnxruntime fp32")
     ax.set_xticks(range(len(names)), names)
     ax.set_ylabel("speedup vs onnxruntime fp32 (higher is better)")
-    ax.set_ylim(0, top * 1.15 + 0.1)
-    ax.set_title("Latency relative to onnxruntime fp32, measured interleaved in one process")
-    ax.legend(fontsize=8, loc="upper left")
+    ax.set_ylim(0, top * 1.3 + 0.1)
+    ax.set_title(
+        "Speedup vs onnxruntime fp32: median of paired per-round ratios, 95% interval",
+        fontsize=10,
+    )
+    ax.legend(fontsize=8, loc="upper left", ncols=3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -67,7 +87,7 @@ def _us(value: float) -> str:
 
 
 def _convergence(results: Sequence[Any], path: Path) -> Path:
-    from report import job_s, time_to_fraction
+    from targets import job_s, time_to_fraction
 
     precisions = ["exact", "int8"]
     fig, axes = plt.subplots(1, len(precisions), figsize=(11, 4.2), sharey=True)
@@ -75,9 +95,9 @@ def _convergence(results: Sequence[Any], path: Path) -> Path:
     for ax, p in zip(axes, precisions, strict=True):
         for k, r in enumerate(results):
             run = r.tunes.get(p)
-            if run is None or run.error:
+            if run is None or run.full.error:
                 continue
-            doc = run.doc
+            doc = run.full.doc
             timeline = doc.get("gain_timeline") or []
             end = job_s(doc)
             final = timeline[-1][1] if timeline else 0.0
@@ -114,16 +134,16 @@ def _convergence(results: Sequence[Any], path: Path) -> Path:
 
 
 def _tuning_cost(results: Sequence[Any], path: Path) -> Path:
-    from report import job_s
+    from targets import job_s
 
     labels, full, hit = [], [], []
     for r in results:
         for p, run in r.tunes.items():
-            if run.error:
+            if run.full.error:
                 continue
             labels.append(f"{r.name}\n{p}")
-            full.append(job_s(run.doc))
-            hit.append(0.0 if run.hit_error else job_s(run.hit_doc))
+            full.append(job_s(run.full.doc))
+            hit.append(0.0 if run.hit is None or run.hit.error else job_s(run.hit.doc))
     fig, ax = plt.subplots(figsize=(max(6.0, 0.7 * len(labels) + 2), 4.2))
     xs = range(len(labels))
     ax.bar([x - 0.2 for x in xs], full, 0.4, label="full tuning job", color="#1f77b4")

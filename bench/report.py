@@ -1,4 +1,4 @@
-"""The models section of RESULTS.md: machine header, tables, targets, where we miss.
+"""The models section of RESULTS.md: machine header, tables, targets, what each miss shows.
 
 Writes only its own section (between `<!-- models:begin -->` and `<!-- models:end -->`)
 and the header above all sections; every other section of the file is kept.
@@ -6,104 +6,190 @@ and the header above all sections; every other section of the file is kept.
 
 from __future__ import annotations
 
-import importlib.metadata
-import os
-import platform
 import re
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from targets import job_s, pct, ratio_text, speedup, targets, time_to_fraction, tuner_ab
+from machine import Machine
+from targets import (
+    agreement,
+    field_of,
+    full_hit,
+    job_s,
+    repeat,
+    shipped,
+    signed,
+    speedup,
+    targets,
+    time_to_fraction,
+    tuner_ab,
+)
 
 __all__ = ["BEGIN", "END", "merge", "write"]
 
 BEGIN, END = "<!-- models:begin -->", "<!-- models:end -->"
 TITLE = "# Benchmark results"
 INTRO = "This file is written by `make bench`; each benchmark owns one section."
+PACKAGES = ("onnxruntime", "onnx", "numpy", "scikit-learn")
 _SECTION = re.compile(r"<!-- [\w-]+:begin -->")
 VARIANTS = ("fp32", "quantize_dynamic", "aoe exact", "aoe int8")
 
 
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    ver = importlib.metadata.version
-    return (
-        f"{cpu}, {os.cpu_count()} cores ({platform.machine()}, {platform.system()} "
-        f"{platform.release()}); Python {platform.python_version()}, onnxruntime "
-        f"{ver('onnxruntime')}, onnx {ver('onnx')}, numpy {ver('numpy')}"
-    )
+def _cell(text: object) -> str:
+    return str(text).replace("|", "/")
 
 
 def _latency_table(results: Sequence[Any]) -> list[str]:
     lines = [
         (
-            "| model | variant | median ms | spread | vs fp32 | cosine | max abs err | "
-            "products int8/float | note |"
+            "| model | variant | median ms | spread | vs fp32 [95% interval] | rounds | cosine | "
+            "max abs err | products int8/float | note |"
         ),
-        "|---|---|--:|--:|--:|--:|--:|--:|---|",
+        "|---|---|--:|--:|--:|--:|--:|--:|--:|---|",
     ]
     for r in results:
         for name in VARIANTS:
             v = r.variants[name]
             if v.latency is None:
-                note = (v.error or "not run").replace("|", "/")
-                lines.append(f"| {r.name} | {name} | failed | | | | | | {note} |")
+                note = _cell(v.error or "not run")
+                lines.append(f"| {r.name} | {name} | failed | | | | | | | {note} |")
                 continue
             a = v.accuracy
             cover = f"{v.ops.get('int8', 0)}/{v.ops.get('float', 0)}" if v.ops else ""
-            note = ""
+            notes = [v.latency.dropped] if v.latency.dropped else []
             if name.startswith("aoe"):
-                doc = r.tunes[name.split()[1]].doc
-                note = f"verify: {doc.get('verification')}"
+                doc = r.tunes[name.split()[1]].full.doc
+                notes.append(f"shipped: {shipped(doc)}")
                 if doc.get("session_options"):
-                    note += f"; options {doc['session_options']}"
-            s = ratio_text(speedup(r, name))
+                    notes.append(f"options {doc['session_options']}")
+            s = speedup(r, name)
             lines.append(
-                f"| {r.name} | {name} | {v.latency.median_ms:.3f} | ±{pct(v.latency.spread)} | "
-                f"**{s}** | {a.cosine:.6f} | {a.max_abs:.2e} | {cover} | "
-                f"{note.replace('|', '/')} |"
+                f"| {r.name} | {name} | {v.latency.median_ms:.3f} | ±{v.latency.spread:.1%} | "
+                f"**{s.text() if s else 'n/a'}** | {v.latency.rounds} | {a.cosine:.6f} | "
+                f"{a.max_abs:.2e} | {cover} | {_cell('; '.join(notes))} |"
             )
     return lines
+
+
+def _real_data_table(results: Sequence[Any]) -> list[str]:
+    rows = [r for r in results if r.labelled]
+    if not rows:
+        return []
+    lines = [
+        "| model | variant | top-1 accuracy | top-1 agreement with fp32 | cosine vs fp32 |",
+        "|---|---|--:|--:|--:|",
+    ]
+    for r in rows:
+        for name in VARIANTS:
+            v = r.variants[name]
+            if v.top1 is None:
+                lines.append(f"| {r.name} | {name} | failed | | {_cell(v.error or 'not run')} |")
+                continue
+            lines.append(
+                f"| {r.name} | {name} | {v.top1:.2%} ({round(v.top1 * r.labelled)}/{r.labelled}) "
+                f"| {v.agree:.2%} | {v.accuracy.cosine:.6f} |"
+            )
+    return lines
+
+
+def _agreement_table(results: Sequence[Any]) -> list[str]:
+    lines = [
+        (
+            "| model | precision | shipped | tuner's verdict | tuner: improvement | tuner: 95% "
+            "interval | bench: improvement | bench: 95% interval | paired rounds | result |"
+        ),
+        "|---|---|---|---|--:|--:|--:|--:|--:|---|",
+    ]
+    for r in results:
+        for p, run in r.tunes.items():
+            a = agreement(r, p)
+            if a is None:
+                lines.append(f"| {r.name} | {p} | failed | | | | | | | {_cell(run.full.error)} |")
+                continue
+            doc = run.full.doc
+            ci = f"{signed(a.tuner_ci[0])} to {signed(a.tuner_ci[1])}" if a.tuner_ci else "n/a"
+            if a.bench is None:
+                bench, rng, pairs = "n/a", "n/a", ""
+            else:
+                lo, hi = a.bench_range
+                bench, rng, pairs = (
+                    signed(a.bench.median - 1),
+                    f"{signed(lo)} to {signed(hi)}",
+                    a.bench.pairs,
+                )
+            verdict = field_of(doc, "confirmation", "verdict") or "n/a"
+            lines.append(
+                f"| {r.name} | {p} | {shipped(doc)} | {verdict} | {signed(a.tuner)} | {ci} | "
+                f"{bench} | {rng} | {pairs} | **{a.status}** |"
+            )
+    return lines
+
+
+def _repeat_table(results: Sequence[Any]) -> list[str]:
+    lines = [
+        (
+            "| model | precision | tasks | same final choice | session options | shipped "
+            "(1st / 2nd) | differing tasks (1st vs 2nd) | result |"
+        ),
+        "|---|---|--:|--:|---|---|---|---|",
+    ]
+    any_row = False
+    for r in results:
+        for p, run in r.tunes.items():
+            if run.repeat is None:
+                continue
+            any_row = True
+            rep = repeat(run)
+            if rep is None:
+                err = run.full.error or run.repeat.error
+                lines.append(f"| {r.name} | {p} | failed | | | | {_cell(err)} | **FAIL** |")
+                continue
+            opts = "same" if rep.options_same else f"{rep.options[0]} vs {rep.options[1]}"
+            diffs = "; ".join(f"{t}: {a} vs {b}" for t, a, b in rep.differing) or "none"
+            ok = "PASS" if rep.share >= 0.9 else "FAIL"
+            lines.append(
+                f"| {r.name} | {p} | {rep.tasks} | {rep.same} ({rep.share:.0%}) | {_cell(opts)} | "
+                f"{rep.shipped[0]} / {rep.shipped[1]} | {_cell(diffs)} | **{ok}** |"
+            )
+    return lines if any_row else []
 
 
 def _tuning_table(results: Sequence[Any]) -> list[str]:
     lines = [
         (
-            "| model | precision | job s | process s | trials | duty | t90 s | tuner's A/B | "
-            "bank-hit job s | hit/full (job) | bank-hit process s | hit/full (process) |"
+            "| model | precision | job s | process s | trials | duty | device waits | t90 s | "
+            "tuner's A/B | verify variants | bank-hit job s | hit/full (job) | "
+            "bank-hit process s | hit/full (process) |"
         ),
-        "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
+        "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
     ]
     for r in results:
         for p, run in r.tunes.items():
-            if run.error:
-                lines.append(f"| {r.name} | {p} | failed | {run.wall_s:.1f} | | | | | | | | |")
+            full = run.full
+            if full.error:
+                lines.append(f"| {r.name} | {p} | failed | {full.wall_s:.1f} | | | | | | | | | | |")
                 continue
-            doc = run.doc
+            doc = full.doc
             t90 = time_to_fraction(doc)
             t90s = "no gain" if t90 is None else f"{t90:.1f} ({t90 / job_s(doc):.0%})"
-            if run.hit_error:
-                hit = "| failed | | | "
+            variants = field_of(doc, "decision", "variants_measured")
+            hit = run.hit
+            if hit is None or hit.error:
+                hit_cells = "| failed | | | "
             else:
-                h = job_s(run.hit_doc)
-                hit = (
-                    f"| {h:.2f} | {h / job_s(doc):.1%} | {run.hit_wall_s:.1f} | "
-                    f"{run.hit_wall_s / run.wall_s:.1%} "
+                h = job_s(hit.doc)
+                mark = "" if full_hit(hit.doc) else " (not a full hit)"
+                hit_cells = (
+                    f"| {h:.2f}{mark} | {h / job_s(doc):.1%} | {hit.wall_s:.1f} | "
+                    f"{hit.wall_s / full.wall_s:.1%} "
                 )
             lines.append(
-                f"| {r.name} | {p} | {job_s(doc):.1f} | {run.wall_s:.1f} | "
-                f"{doc['resources']['trials']} | {doc['resources']['duty_cycle']:.1%} | {t90s} | "
-                f"{tuner_ab(doc):.2f}x {hit}|"
+                f"| {r.name} | {p} | {job_s(doc):.1f} | {full.wall_s:.1f} | "
+                f"{doc['resources']['trials']} | {doc['resources']['duty_cycle']:.1%} | "
+                f"{full.lock_waits} | {t90s} | {tuner_ab(doc):.2f}x | "
+                f"{'n/a' if variants is None else variants} {hit_cells}|"
             )
     return lines
 
@@ -116,47 +202,107 @@ def section(
     started: float,
     command: str,
     plots: Sequence[str],
-    load: str = "",
 ) -> str:
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started))
-    models = ", ".join(f"`{r.name}` ({r.description})" for r in results)
+    repeated = [f"{r.name} {p}" for r in results for p, run in r.tunes.items() if run.repeat]
     lines = [
         "## Models: onnxruntime fp32, quantize_dynamic, aoe tune exact and int8",
         "",
-        f"`{command}` ({mode.name} mode) on {when}, {elapsed_s / 60:.1f} min in all. "
-        f"aoe tune budget {mode.budget_s:g} s per job; latency over {mode.rounds} interleaved "
-        f"rounds; accuracy over {mode.accuracy_inputs} held-out inputs. {load}".rstrip(),
+        (
+            f"`{command}` ({mode.name} mode) on {when}, {elapsed_s / 60:.1f} min in all. "
+            f"aoe tune budget {mode.budget_s:g} s per job; latency over up to {mode.rounds} "
+            f"interleaved rounds (per variant and round up to {mode.samples} timed samples of "
+            f"about 2 ms or one run, fewer for a slow model so that the rounds fit in "
+            f"{mode.measure_s:g} s); repeat-decision check on "
+            f"{', '.join(repeated) or 'no model'}."
+        ),
         "",
-        f"Models: {models}.",
+        "Models, and where their weights and inputs come from:",
+        "",
+        *[f"- `{r.name}` ({r.description}): {r.data}." for r in results],
         "",
         (
             "How to read it: all four variants of a model run in one process on the same "
-            "inputs, in interleaved rounds whose order rotates; *median ms* is the median of the "
-            "per-round medians and *spread* their interquartile range over the median. *vs fp32* "
-            "divides onnxruntime's default session (fp32) by the variant, so the ratios are "
-            "measured side by side even though this machine's absolute speed drifts. aoe "
-            "variants run through `aoe.session` (the session options the tuner stored in the "
-            "model); quantize_dynamic is called with its defaults. *cosine* (lowest) and *max "
-            "abs err* (largest) compare each variant's outputs with fp32 on inputs the tuner "
-            "never saw. *products int8/float* "
-            "counts MatMul/Gemm/Conv-type nodes that run in int8 (integer kernels, or fed by "
+            "inputs, timed by the tuner's own measurement procedure "
+            "(`aoed.backends.ort.measure.interleaved`, a fixed number of rounds, the variants' "
+            "order rotating from round to round) while this process holds the machine-wide "
+            "device lock, so no tuner measures at the same time. *median ms* is the median of "
+            "a variant's timed samples and *spread* their interquartile range over it. *vs "
+            "fp32* is the median of the per-round ratios fp32 / variant, with a distribution-free "
+            "95% interval for that median; *rounds* is how many rounds measured the variant. "
+            "aoe variants run through `aoe.session` (the session options the tuner stored in "
+            "the model); quantize_dynamic is called with its defaults. *cosine* (lowest) and "
+            "*max abs err* (largest) compare each variant's outputs with fp32 on the bench's "
+            "inputs, which the tuner never saw. *products int8/float* counts "
+            "MatMul/Gemm/Conv-type nodes that run in int8 (integer kernels, or fed by "
             "DequantizeLinear) and in float."
         ),
         "",
         "### Latency and accuracy",
         "",
         *_latency_table(results),
+    ]
+    real = _real_data_table(results)
+    if real:
+        lines += [
+            "",
+            "### Real data: top-1 accuracy on held-out images",
+            "",
+            (
+                "Each variant classifies every held-out image; *top-1 accuracy* is against the "
+                "true labels, *top-1 agreement* against fp32's predicted class."
+            ),
+            "",
+            *real,
+        ]
+    lines += [
+        "",
+        "### Tuner-reported vs independently measured improvement",
+        "",
+        (
+            "*tuner* columns come from the job's result JSON: `OPAT.model_performance_improvement` "
+            "(input / shipped model - 1, from the tuner's confirming A/B in its runner process) "
+            "and `confirmation.improvement_ci95`, `confirmation.verdict` where the job wrote "
+            "them (n/a where it did not). *bench* columns are this run's measurement of the "
+            "shipped model against onnxruntime fp32 of the input model (the *vs fp32* column "
+            "above, minus 1). PASS: the tuner's figure lies inside the bench's interval, or the "
+            "two intervals overlap."
+        ),
+        "",
+        *_agreement_table(results),
+    ]
+    reps = _repeat_table(results)
+    if reps:
+        lines += [
+            "",
+            "### Repeat-decision check",
+            "",
+            (
+                "The same job tuned a second time, with the same settings, into a fresh bank. A "
+                "task's *final choice* is the strategy the shipped model runs for it: the "
+                "task's `strategy` where `applied` and the tuned graph shipped, else default. "
+                "Target: the same final choice on at least 90% of tasks. This is not the "
+                "bank-hit run below, which answers from the first run's bank."
+            ),
+            "",
+            *reps,
+        ]
+    lines += [
         "",
         "### Tuning cost",
         "",
         (
             "*job s* is the tuner's own `tuning_time(s)`; *process s* adds starting Python and "
-            "loading the engine. *duty* is the share of the job the device spent measuring. "
-            "*t90* is when the estimated gain (`gain_timeline`, after each task decision) first "
-            "reached 90% of its final value (*no gain*: no task beat its default; session options "
-            "are not on that timeline). *tuner's A/B* is the tuner's end-to-end "
-            "baseline/tuned ratio from its verify step. The bank-hit columns are a second "
-            "`aoe tune` of the same model on the bank the first one filled."
+            "loading the engine. *duty* is the share of the job the device spent measuring "
+            "(`resources.duty_cycle`). *device waits* counts the times the job said it waited "
+            "for another process measuring on the same device. *t90* is when the estimated "
+            "gain (`gain_timeline`, after each task decision) first reached 90% of its final "
+            "value (*no gain*: no task beat its default; session options are not on that "
+            "timeline). *tuner's A/B* is `model_baseline_performance / "
+            "model_result_performance` from the result JSON. *verify variants* is "
+            "`decision.variants_measured` (leave-one-out models verification built and "
+            "measured). The bank-hit columns are a second `aoe tune` of the same model on the "
+            "bank the first one filled."
         ),
         "",
         *_tuning_table(results),
@@ -168,8 +314,8 @@ def section(
     ]
     tgs = targets(results)
     for t in tgs:
-        lines.append(f"| {t.title} | {t.measured} | **{t.status}** |")
-    lines += ["", "### Where we miss and why", ""]
+        lines.append(f"| {t.title} | {_cell(t.measured)} | **{t.status}** |")
+    lines += ["", "### Where we miss: the numbers of each miss", ""]
     missed = [t for t in tgs if t.misses]
     if not missed:
         lines.append("Every target stated above was met in this run.")
@@ -178,8 +324,6 @@ def section(
         lines.append("")
         lines += [f"- {m}" for m in t.misses]
         lines.append("")
-        if t.why:
-            lines += [t.why, ""]
     if plots:
         lines += ["", "### Plots", ""]
         lines += [f"![{Path(p).stem}]({Path(p).name})" for p in plots]
@@ -209,7 +353,7 @@ def write(
     elapsed_s: float,
     started: float,
     command: str,
-    load: str = "",
+    host: Machine,
 ) -> list[Path]:
     """Writes the plots beside `out` and our section of `out`; returns the paths written."""
     import plots
@@ -217,7 +361,7 @@ def write(
     out = out.resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
     pngs = plots.draw(results, out.parent)
-    header = f"{TITLE}\n\n{INTRO}\n\nMachine: {machine()}."
+    header = f"{TITLE}\n\n{INTRO}\n\nMachine (models section): {host.describe(*PACKAGES)}."
     block = section(
         results,
         mode,
@@ -225,7 +369,6 @@ def write(
         started=started,
         command=command,
         plots=[str(p) for p in pngs],
-        load=load,
     )
     doc = out.read_text() if out.exists() else ""
     out.write_text(merge(doc, header, block))

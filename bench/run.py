@@ -4,11 +4,20 @@
 
 For every model, in one run: onnxruntime with default session options (fp32, the 1.00x
 reference); `onnxruntime.quantization.quantize_dynamic` with its defaults (what a user
-picks for int8 today); `aoe tune --precision exact`; `aoe tune --precision int8`. Each
-aoe run tunes into a fresh bank and is then repeated on that bank, which answers it from
-the bank alone (the bank-hit path). Latency and accuracy of the four variants are
-measured interleaved in this one process on the same inputs (bench/measure.py); tuning
-cost comes from each run's result JSON and wall clock.
+picks for int8 today); `aoe tune --precision exact`; `aoe tune --precision int8`.
+
+Each aoe run tunes into a fresh bank and is then repeated on that bank, which answers it
+from the bank alone (the bank-hit path). For the repeat check (every model and precision
+in full mode; two models, int8, in quick mode) the same job also runs a second time into
+another fresh bank, and the two runs' decisions are compared. Latency and accuracy of the four variants
+are measured in this one process on the same inputs, with the tuner's own measurement
+procedure and while holding the machine-wide device lock, so no tuner measures at the
+same time (bench/measure.py); tuning cost and the tuner's own figures come from each
+run's result JSON and wall clock.
+
+The sample models (aoed.samples) have random weights and are fed synthetic inputs;
+`digits` (bench/digits.py) is trained on real images and is fed real held-out images, and
+its int8 run calibrates on real training images.
 
 Writes the section between `<!-- models:begin -->` and `<!-- models:end -->` of the
 results file, the machine header above it, and PNG plots beside it; other sections
@@ -28,15 +37,17 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import measure
+import numpy as np
 import onnx
 import report
 import targets
+from machine import Machine
 
 # Model name -> kind; the targets are stated per kind.
 MODELS: dict[str, str] = {
@@ -49,10 +60,12 @@ MODELS: dict[str, str] = {
     "transformer": "transformer",
     "bert": "transformer",
     "gpt": "transformer",
+    "digits": "real data",
 }
-QUICK_MODELS = ("cnn", "legacy_cnn", "transformer", "resnet", "bert", "gpt")
+QUICK_MODELS = ("cnn", "legacy_cnn", "transformer", "resnet", "bert", "gpt", "digits")
 PRECISIONS = ("exact", "int8")
 TUNE_TIMEOUT_S = 3600.0
+REFERENCE = "fp32"
 
 
 @dataclass(frozen=True)
@@ -60,29 +73,45 @@ class Mode:
     name: str
     budget_s: float  # `aoe tune --budget`
     rounds: int  # interleaved latency rounds
-    round_s: float  # burst length per variant and round
-    warmup_s: float
-    accuracy_inputs: int
+    measure_s: float  # the latency measurement's budget per model, all variants together
+    # Timed samples per variant and round, each of about 2 ms or one run (the tuner's
+    # sizing); fewer for slow models, so that the rounds fit in `measure_s`.
+    samples: int
+    accuracy_inputs: int  # synthetic inputs the accuracy is compared on
+    repeat: tuple[str, ...] | None  # models of the repeat-decision check; None: all
+    repeat_precisions: tuple[str, ...] = PRECISIONS
 
 
-FULL = Mode("full", budget_s=20.0, rounds=40, round_s=0.15, warmup_s=1.0, accuracy_inputs=8)
-QUICK = Mode("quick", budget_s=3.0, rounds=21, round_s=0.06, warmup_s=0.3, accuracy_inputs=4)
+FULL = Mode("full", 20.0, rounds=40, measure_s=120.0, samples=25, accuracy_inputs=8, repeat=None)
+# Quick mode stays under about 10 minutes on 2 cores: the repeat check covers the two
+# cheapest models, one random-weight and one real-data, at int8 (the precision with the
+# most candidates per task).
+QUICK = Mode(
+    "quick", 3.0, rounds=21, measure_s=12.0, samples=15, accuracy_inputs=4,
+    repeat=("cnn", "digits"), repeat_precisions=("int8",),
+)  # fmt: skip
+
+
+@dataclass
+class Job:
+    """One `aoe tune` process."""
+
+    error: str = ""
+    wall_s: float = 0.0  # the process, start to exit
+    doc: dict[str, Any] = field(default_factory=dict)
+    # Times the job said it waited for another process measuring on the same device.
+    lock_waits: int = 0
 
 
 @dataclass
 class TuneRun:
-    """One `aoe tune` job, then the same job again on the bank it filled."""
+    """A full tune into a fresh bank, the same job again on that bank (the bank-hit
+    path), and, for the repeat check, the full tune again into another fresh bank."""
 
     precision: str
-    error: str = ""
-    wall_s: float = 0.0
-    doc: dict[str, Any] = field(default_factory=dict)
-    hit_error: str = ""
-    hit_wall_s: float = 0.0
-    hit_doc: dict[str, Any] = field(default_factory=dict)
-    # Models the verify step built to A/B the result without one task's choice.
-    verify_models: int = 0
-    hit_verify_models: int = 0
+    full: Job
+    hit: Job | None = None
+    repeat: Job | None = None
 
 
 @dataclass
@@ -93,6 +122,8 @@ class Variant:
     latency: measure.Latency | None = None
     accuracy: measure.Accuracy | None = None
     ops: dict[str, int] = field(default_factory=dict)
+    top1: float | None = None  # share of the labelled inputs classified right
+    agree: float | None = None  # share of inputs with the same top-1 class as fp32
 
 
 @dataclass
@@ -100,8 +131,10 @@ class ModelResult:
     name: str
     kind: str
     description: str
+    data: str  # where the weights and the inputs come from, in words
     variants: dict[str, Variant]
     tunes: dict[str, TuneRun]
+    labelled: int = 0  # inputs with a true label (real data only)
 
 
 class Log:
@@ -141,13 +174,20 @@ def quantize(src: Path, dst: Path) -> Variant:
     return Variant("quantize_dynamic", dst)
 
 
-def _aoe_tune(
-    model: Path, precision: str, bank: Path, output: Path, budget_s: float
-) -> tuple[float, dict[str, Any], str]:
-    """Runs `aoe tune` in its own process: (wall seconds, result JSON, error or '')."""
+def aoe_tune(
+    model: Path,
+    precision: str,
+    bank: Path,
+    output: Path,
+    budget_s: float,
+    calibration: Path | None = None,
+) -> Job:
+    """Runs `aoe tune` in its own process and reads its result JSON."""
     cmd = [sys.executable, "-m", "aoe.cli", "tune", str(model), "--no-progress"]
     cmd += ["--precision", precision, "--bank", str(bank), "--output", str(output)]
     cmd += ["--budget", f"{budget_s:g}"]
+    if calibration is not None:
+        cmd += ["--calibration", str(calibration)]
     # The bank is the one named here, and a bank hit must be taken, not re-tuned.
     env = {k: v for k, v in os.environ.items() if k not in ("TUNE_BANK_PATH", "REPEAT_TUNE")}
     t0 = time.perf_counter()
@@ -156,37 +196,49 @@ def _aoe_tune(
             cmd, capture_output=True, text=True, env=env, timeout=TUNE_TIMEOUT_S, check=False
         )
     except subprocess.TimeoutExpired:
-        return time.perf_counter() - t0, {}, f"aoe tune timed out after {TUNE_TIMEOUT_S:.0f} s"
-    wall = time.perf_counter() - t0
+        return Job(f"aoe tune timed out after {TUNE_TIMEOUT_S:.0f} s", time.perf_counter() - t0)
+    job = Job(wall_s=time.perf_counter() - t0)
+    job.lock_waits = sum(1 for ln in proc.stderr.splitlines() if "waiting for" in ln)
     if proc.returncode != 0:
-        return wall, {}, f"aoe tune exit {proc.returncode}: {_first_line(proc.stderr)}"
+        job.error = f"aoe tune exit {proc.returncode}: {_first_line(proc.stderr)}"
+        return job
     reports = sorted(output.glob("aoe_result_opat_*.json"))
     if len(reports) != 1:
-        return wall, {}, f"aoe tune wrote {len(reports)} result files in {output}, expected 1"
-    return wall, json.loads(reports[0].read_text()), ""
+        job.error = f"aoe tune wrote {len(reports)} result files in {output}, expected 1"
+        return job
+    job.doc = json.loads(reports[0].read_text())
+    return job
 
 
-def _leave_one_out(output: Path) -> int:
-    return len(list(output.glob("aoe_workspace/*/tunespace/verify_without_*.onnx")))
+def tune(
+    model: Path,
+    precision: str,
+    work: Path,
+    mode: Mode,
+    log: Log,
+    *,
+    calibration: Path | None,
+    repeat: bool,
+) -> TuneRun:
+    def one(bank: str, out: str) -> Job:
+        return aoe_tune(model, precision, work / bank, work / out, mode.budget_s, calibration)
 
-
-def tune_twice(model: Path, precision: str, work: Path, budget_s: float, log: Log) -> TuneRun:
-    bank = work / "bank"  # fresh per model and precision
-    run = TuneRun(precision)
-    run.wall_s, run.doc, run.error = _aoe_tune(model, precision, bank, work / "full", budget_s)
-    if run.error:
-        log(f"  aoe {precision}: FAILED {run.error}")
+    run = TuneRun(precision, one("bank", "full"))
+    if run.full.error:
+        log(f"  aoe {precision}: FAILED {run.full.error}")
         return run
-    log(f"  aoe {precision}: tuned in {run.wall_s:.1f} s")
-    run.hit_wall_s, run.hit_doc, run.hit_error = _aoe_tune(
-        model, precision, bank, work / "hit", budget_s
-    )
-    run.verify_models = _leave_one_out(work / "full")
-    run.hit_verify_models = _leave_one_out(work / "hit")
-    if run.hit_error:
-        log(f"  aoe {precision} from the bank: FAILED {run.hit_error}")
+    log(f"  aoe {precision}: tuned in {run.full.wall_s:.1f} s")
+    run.hit = one("bank", "hit")
+    if run.hit.error:
+        log(f"  aoe {precision} from the bank: FAILED {run.hit.error}")
     else:
-        log(f"  aoe {precision} from the bank: {run.hit_wall_s:.1f} s")
+        log(f"  aoe {precision} from the bank: {run.hit.wall_s:.1f} s")
+    if repeat:
+        run.repeat = one("bank-repeat", "repeat")
+        if run.repeat.error:
+            log(f"  aoe {precision} again, fresh bank: FAILED {run.repeat.error}")
+        else:
+            log(f"  aoe {precision} again, fresh bank: {run.repeat.wall_s:.1f} s")
     return run
 
 
@@ -230,8 +282,33 @@ def _session(variant: Variant):
     return ort.InferenceSession(str(variant.path), providers=["CPUExecutionProvider"])
 
 
-def measure_variants(model: onnx.ModelProto, variants: dict[str, Variant], mode: Mode) -> None:
-    feeds = [measure.feeds_for(model, seed) for seed in range(mode.accuracy_inputs)]
+def holding_device(fn: Callable[[], Any], log: Log) -> Any:
+    """`fn()` while holding the machine-wide device lock the tuner's measurements take,
+    so no `aoe tune` (this run's or another process's) measures at the same time."""
+    import trio
+    from aoe.config import load_config
+    from aoed.engine.devlock import DeviceLock
+
+    async def held() -> Any:
+        lock = DeviceLock(load_config().runtime_dir, "cpu")
+        try:
+            async with lock.hold(on_wait=lambda msg: log(f"  {msg}")):
+                return fn()
+        finally:
+            lock.close()
+
+    return trio.run(held)
+
+
+def measure_variants(
+    feeds: list[dict[str, np.ndarray]],
+    variants: dict[str, Variant],
+    mode: Mode,
+    log: Log,
+    labels: np.ndarray | None = None,
+) -> None:
+    """Accuracy of every variant against fp32 over `feeds` (and against `labels`, one
+    per row of the first output, where given), then latency on `feeds[0]`."""
     sessions = {}
     outputs = {}
     for name, v in variants.items():
@@ -245,41 +322,99 @@ def measure_variants(model: onnx.ModelProto, variants: dict[str, Variant], mode:
             continue
         sessions[name] = sess
         v.ops = op_counts(v.path)
-    if "fp32" not in outputs:
-        raise RuntimeError(f"the fp32 model does not run: {variants['fp32'].error}")
+    if REFERENCE not in outputs:
+        raise RuntimeError(f"the fp32 model does not run: {variants[REFERENCE].error}")
+    reference = measure.predictions(outputs[REFERENCE]) if labels is not None else None
     for name, out in outputs.items():
-        variants[name].accuracy = measure.accuracy(outputs["fp32"], out)
-    lat = measure.interleaved(
-        sessions, feeds[0], rounds=mode.rounds, round_s=mode.round_s, warmup_s=mode.warmup_s
+        variants[name].accuracy = measure.accuracy(outputs[REFERENCE], out)
+        if labels is not None:
+            predicted = measure.predictions(out)
+            variants[name].top1 = float(np.mean(predicted == labels))
+            variants[name].agree = float(np.mean(predicted == reference))
+    first = feeds[0]
+    runs = {n: (lambda s=s: s.run(None, first)) for n, s in sessions.items()}
+    got = holding_device(
+        lambda: measure.latencies(
+            runs,
+            rounds=mode.rounds,
+            budget_s=mode.measure_s,
+            samples=mode.samples,
+            reference=REFERENCE,
+        ),
+        log,
     )
-    for name, value in lat.items():
+    for name, value in got.items():
         variants[name].latency = value
 
 
-def bench_model(name: str, mode: Mode, work: Path, log: Log) -> ModelResult:
+def _sample(name: str, work: Path, mode: Mode):
+    """(model file, model, data description, feeds, labels, calibration) of a model."""
+    if name == "digits":
+        import digits
+
+        info = digits.build(work / name)
+        feeds, labels = digits.held_out(info.test)
+        data = (
+            f"trained weights; inputs are real: {info.test_images} held-out digit images "
+            f"({len(feeds)} batches of {digits.BATCH}) with their true labels; both aoe runs "
+            f"get `--calibration` with {len(list(info.calibration.glob('*.npz')))} files of "
+            f"{digits.BATCH} real training images, on which int8 calibrates"
+        )
+        return info.model, onnx.load(str(info.model)), data, feeds, labels, info.calibration
     from aoed import samples
 
-    log(f"{name}: building")
     model = samples.build(name)
     src = samples.save(model, work / name / f"{name}.onnx")
-    variants = {"fp32": Variant("fp32", src)}
+    feeds = [measure.feeds_for(model, seed) for seed in range(mode.accuracy_inputs)]
+    data = (
+        f"random weights; inputs are synthetic: {measure.describe_inputs(model)}; aoe "
+        f"calibrates int8 on its own synthetic samples"
+    )
+    return src, model, data, feeds, None, None
+
+
+def bench_model(name: str, mode: Mode, work: Path, log: Log) -> ModelResult:
+    log(f"{name}: building")
+    src, model, data, feeds, labels, calibration = _sample(name, work, mode)
+    variants = {REFERENCE: Variant(REFERENCE, src)}
     variants["quantize_dynamic"] = quantize(src, work / name / f"{name}.quantize_dynamic.onnx")
     if variants["quantize_dynamic"].error:
         log(f"  quantize_dynamic: FAILED {variants['quantize_dynamic'].error}")
+    repeated = mode.repeat is None or name in mode.repeat
     tunes = {}
     for precision in PRECISIONS:
-        run = tune_twice(src, precision, work / name / precision, mode.budget_s, log)
+        run = tune(
+            src,
+            precision,
+            work / name / precision,
+            mode,
+            log,
+            calibration=calibration,
+            repeat=repeated and precision in mode.repeat_precisions,
+        )
         tunes[precision] = run
-        tuned = Path(run.doc["tuned_model"]) if not run.error else None
-        variants[f"aoe {precision}"] = Variant(f"aoe {precision}", tuned, error=run.error)
+        full = run.full
+        tuned = Path(full.doc["tuned_model"]) if not full.error else None
+        variants[f"aoe {precision}"] = Variant(f"aoe {precision}", tuned, error=full.error)
     log(f"  measuring {len(variants)} variants interleaved")
-    measure_variants(model, variants, mode)
+    measure_variants(feeds, variants, mode, log, labels)
+    ref = variants[REFERENCE].latency
     for v in variants.values():
         if v.latency:
-            log(f"    {v.name:<18} {v.latency.median_ms:9.3f} ms  ±{v.latency.spread:.1%}")
+            s = measure.ratio(ref, v.latency)
+            vs = f"  {s.text()} vs fp32" if s else ""
+            log(f"    {v.name:<18} {v.latency.median_ms:9.3f} ms  ±{v.latency.spread:.1%}{vs}")
         elif v.error:
             log(f"    {v.name:<18} failed: {v.error}")
-    return ModelResult(name, MODELS[name], model.doc_string, variants, tunes)
+    return ModelResult(
+        name,
+        MODELS[name],
+        model.doc_string,
+        data,
+        variants,
+        tunes,
+        labelled=0 if labels is None else len(labels),
+    )
 
 
 def _models(arg: str | None, quick: bool) -> list[str]:
@@ -299,30 +434,40 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "RESULTS.md")
     ap.add_argument("--budget", type=float, help="aoe tune --budget (seconds) for every job")
     ap.add_argument("--rounds", type=int, help="interleaved latency rounds")
+    ap.add_argument(
+        "--repeat",
+        help="comma-separated models whose tuning is repeated into a fresh bank to compare "
+        "decisions ('all', or 'none'; default: all in full mode, "
+        f"{','.join(QUICK.repeat or ())} in quick mode, at the mode's precisions)",
+    )
     ap.add_argument("--workdir", type=Path, help="keep models, banks and tuner outputs here")
     args = ap.parse_args(argv)
 
     try:
         import matplotlib  # noqa: F401 - checked now, not after the whole run
-    except ImportError:
+        import sklearn  # noqa: F401 - the real-data model needs it
+    except ImportError as exc:
         raise SystemExit(
-            "bench/run.py: matplotlib is missing; install the bench extra "
+            f"bench/run.py: {exc.name} is missing; install the bench extra "
             "(pip install -e '.[bench]'; make bench does it)"
         ) from None
     mode = QUICK if args.quick else FULL
-    if args.budget is not None or args.rounds is not None:
-        mode = Mode(
-            mode.name,
-            args.budget or mode.budget_s,
-            args.rounds or mode.rounds,
-            mode.round_s,
-            mode.warmup_s,
-            mode.accuracy_inputs,
-        )
+    changes: dict[str, Any] = {}
+    if args.budget is not None:
+        changes["budget_s"] = args.budget
+    if args.rounds is not None:
+        changes["rounds"] = args.rounds
+    if args.repeat is not None:
+        names = [n.strip() for n in args.repeat.split(",") if n.strip()]
+        changes["repeat"] = None if names == ["all"] else () if names == ["none"] else tuple(names)
+    if changes:
+        import dataclasses
+
+        mode = dataclasses.replace(mode, **changes)
     names = _models(args.models, args.quick)
     log = Log()
+    host = Machine()
     started = time.time()
-    load_start = os.getloadavg()[0]
     with contextlib.ExitStack() as stack:
         if args.workdir:
             work = args.workdir.resolve()
@@ -330,15 +475,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="aoe-bench-")))
         results = [bench_model(name, mode, work, log) for name in names]
+    host.finish()
     elapsed = time.perf_counter() - log.t0
     command = "python bench/run.py" + ("".join(f" {a}" for a in (argv or sys.argv[1:])))
-    # Other work on the machine is the main source of noise; say how much there was.
-    load = (
-        f"Load average {load_start:.1f} at the start and {os.getloadavg()[0]:.1f} at the "
-        f"end on {os.cpu_count()} cores."
-    )
     written = report.write(
-        results, mode, args.out, elapsed_s=elapsed, started=started, command=command, load=load
+        results, mode, args.out, elapsed_s=elapsed, started=started, command=command, host=host
     )
     for path in written:
         log(f"wrote {path}")
