@@ -31,11 +31,13 @@ $(BENCH_STAMP): $(STAMP) pyproject.toml
 
 bench: $(BENCH_STAMP)
 	$(BIN)/python bench/run.py
-	if [ -f bench/bench_bank.py ]; then $(BIN)/python bench/bench_bank.py; fi
+	$(BIN)/python bench/bench_bank.py
+	$(BIN)/python bench/bench_cancel.py
 
 bench-quick: $(BENCH_STAMP)
 	$(BIN)/python bench/run.py --quick
-	if [ -f bench/bench_bank.py ]; then $(BIN)/python bench/bench_bank.py --quick; fi
+	$(BIN)/python bench/bench_bank.py --quick
+	$(BIN)/python bench/bench_cancel.py --quick
 
 protos: $(STAMP)
 	$(BIN)/python -m grpc_tools.protoc -I protos \

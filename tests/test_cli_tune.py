@@ -21,6 +21,8 @@ from .conftest import run_aoe
 pytestmark = pytest.mark.slow
 
 FAST = ("--budget", "2", "--parallel", "1", "--no-progress")
+#: A budget every task of the small samples gets a slice of.
+ENOUGH = ("--budget", "8", "--parallel", "1", "--no-progress")
 
 
 def _result(out: Path) -> dict:
@@ -31,7 +33,7 @@ def _result(out: Path) -> dict:
 
 def _summary_adds_up(doc: dict) -> dict:
     s = doc["OPAT"]["repo_summary"]
-    assert s["repo_hit_num"] + s["repo_add_num"] + s["repo_unsatisfied_num"] == s["total_num"]
+    assert s["repo_hit_num"] + s["repo_add_num"] + s["repo_unsatisfied_num"] + s["repo_not_tuned_num"] == s["total_num"]
     assert s["repo_reserved_num"] + s["repo_update_num"] <= s["repo_hit_num"]
     assert s["total_num"] == len(doc["tasks"]) + 1  # + the model-wide session options
     return s
@@ -67,9 +69,21 @@ def test_exact_never_slower_nor_less_accurate(models: Path, tmp_path: Path, name
     assert r.returncode == 0, r.stderr
     assert "Aoe process finished" in r.stdout
     doc = _result(out)
-    opat = doc["OPAT"]
+    opat, conf = doc["OPAT"], doc["confirmation"]
     assert opat["opat_tuning_result"] == "tuning successful"
-    assert opat["model_result_performance(ms)"] <= opat["model_baseline_performance(ms)"] * 1.02
+    # The figures reported are the confirming A/B's, and what ships follows its interval.
+    assert opat["model_baseline_performance(ms)"] == pytest.approx(conf["baseline_ms"], abs=1e-6)
+    assert opat["model_result_performance(ms)"] == pytest.approx(conf["result_ms"], abs=1e-6)
+    assert opat["model_performance_improvement"] == pytest.approx(conf["improvement"], abs=1e-4)
+    assert conf["rounds"] >= 15 and conf["device_s"] > 0
+    lo, hi = conf["improvement_ci95"]
+    assert lo <= conf["improvement"] <= hi
+    if conf["shipped"] == "input":
+        assert onnx.load(doc["tuned_model"]).graph == onnx.load(str(models / f"{name}.onnx")).graph
+        assert conf["verdict"] != "faster"
+    else:
+        assert conf["verdict"] == "faster" and lo > 0
+    assert doc["budget"]["spent_s"] <= doc["budget"]["budget_s"] + 1.5  # a request may end past it
     assert doc["accuracy"]["max_rel_error"] <= 1e-3 and doc["accuracy"]["cosine"] >= 0.9999
     tuned = Path(doc["tuned_model"])
     ts = re.fullmatch(rf"{name}_(\d{{14}})_tune\.onnx", tuned.name).group(1)
@@ -79,7 +93,6 @@ def test_exact_never_slower_nor_less_accurate(models: Path, tmp_path: Path, name
     for task in doc["tasks"]:
         if task["strategy"] != "default":
             assert task["accuracy"]["max_rel_error"] <= 1e-4, task
-            assert task["performance_after_tune(us)"] < task["performance_before_tune(us)"]
     s = _summary_adds_up(doc)
     assert s["repo_hit_num"] == 0
     assert _bank_entries(tmp_path / "bank") == s["repo_add_num"]
@@ -87,7 +100,7 @@ def test_exact_never_slower_nor_less_accurate(models: Path, tmp_path: Path, name
 
 def test_bank_answers_the_second_run_and_repeat_tune_retunes(models: Path, tmp_path: Path):
     bank = tmp_path / "bank"
-    args = ("tune", str(models / "mlp.onnx"), "--bank", str(bank), *FAST)
+    args = ("tune", str(models / "mlp.onnx"), "--bank", str(bank), *ENOUGH)
     first = run_aoe(*args, "--output", str(tmp_path / "o1"))
     assert first.returncode == 0, first.stderr
     d1 = _result(tmp_path / "o1")
@@ -103,13 +116,18 @@ def test_bank_answers_the_second_run_and_repeat_tune_retunes(models: Path, tmp_p
     chosen1 = {t["op_name"]: t["strategy"] for t in d1["tasks"]}
     chosen2 = {t["op_name"]: t["strategy"] for t in d2["tasks"]}
     assert chosen1 == chosen2
-    if d1["verification"] == d2["verification"] == "tuned":
-        assert d1["session_options"] == d2["session_options"]
-        g1 = onnx.load(d1["tuned_model"]).graph
-        g2 = onnx.load(d2["tuned_model"]).graph
-        assert g1.SerializeToString(deterministic=True) == g2.SerializeToString(deterministic=True)
+    # The bank answered the confirmation too: same figures, said to be the first job's, and
+    # the same model ships.
+    c1, c2 = d1["confirmation"], d2["confirmation"]
+    assert c2["from_bank"] == d1["basic"]["job_id"] and c2["shipped"] == c1["shipped"]
+    assert c2["baseline_ms"] == pytest.approx(c1["baseline_ms"]) and c2["improvement"] == pytest.approx(c1["improvement"])
+    assert (d2["budget"]["confirm_s"] > 0) == bool(d1["session_options"])  # options alone are re-checked
+    assert d1["session_options"] == d2["session_options"]
+    g1 = onnx.load(d1["tuned_model"]).graph
+    g2 = onnx.load(d2["tuned_model"]).graph
+    assert g1.SerializeToString(deterministic=True) == g2.SerializeToString(deterministic=True)
 
-    third = run_aoe("tune", str(models / "mlp.onnx"), *FAST, "--output", str(tmp_path / "o3"),
+    third = run_aoe("tune", str(models / "mlp.onnx"), *ENOUGH, "--output", str(tmp_path / "o3"),
                     env={"TUNE_BANK_PATH": str(bank), "REPEAT_TUNE": "True"})
     assert third.returncode == 0, third.stderr
     d3 = _result(tmp_path / "o3")
@@ -207,7 +225,7 @@ def test_framework_other_than_onnx_is_refused(models: Path, tmp_path: Path):
 
 def test_read_only_layer_answers_under_an_empty_custom_bank(models: Path, tmp_path: Path):
     team = tmp_path / "team"
-    first = run_aoe("tune", str(models / "mlp.onnx"), "--bank", str(team), "--output", str(tmp_path / "o1"), *FAST)
+    first = run_aoe("tune", str(models / "mlp.onnx"), "--bank", str(team), "--output", str(tmp_path / "o1"), *ENOUGH)
     assert first.returncode == 0, first.stderr
     team_data = (team / "data.mdb").read_bytes()
     mine = tmp_path / "mine"
@@ -218,3 +236,25 @@ def test_read_only_layer_answers_under_an_empty_custom_bank(models: Path, tmp_pa
     assert doc["resources"]["trials"] == 0
     assert all(t["update_mode"] == "hit" and str(team) in t["bank_layer"] for t in doc["tasks"])
     assert (team / "data.mdb").read_bytes() == team_data  # a read-only layer is never written
+
+
+def test_a_machine_busy_on_every_core_never_fails_the_job(models: Path, tmp_path: Path):
+    """Other processes spinning on every core slow measurements down; the job still ends
+    with its outputs (what is too slow costs a candidate or a stage, not the job)."""
+    import os
+    import subprocess
+    import sys
+
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 2)]
+    try:
+        r = run_aoe("tune", str(models / "cnn.onnx"), "--precision", "int8", "--bank", str(tmp_path / "bank"),
+                    "--output", str(tmp_path / "o"), "--budget", "3", "--no-progress", timeout=600)
+    finally:
+        for h in hogs:
+            h.kill()
+            h.wait()
+    assert r.returncode == 0, r.stderr
+    doc = _result(tmp_path / "o")
+    assert Path(doc["tuned_model"]).is_file() and doc["confirmation"]["rounds"] > 0
+    assert "Aoe process finished" in r.stdout
+

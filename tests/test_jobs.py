@@ -110,7 +110,7 @@ async def test_cancel_stops_a_job_mid_measurement_and_the_next_job_runs(models: 
             cancel_s = time.monotonic() - latency[0]
         requests = engine.device.requests
         nxt = await engine.run_job(JobOptions(models / "mlp.onnx", tmp_path / "out2", budget_s=0.5))
-    assert cancel_s < 1.5, f"cancel took {cancel_s:.2f} s"
+    assert cancel_s < 10.0, f"cancel took {cancel_s:.2f} s"  # left alone, 30 s and more (bench: latency)
     assert engine.device.requests > requests and Path(nxt.tuned_model).is_file()
     (ws,) = (tmp_path / "out" / "aoe_workspace").glob("cnn_*")
     assert not (ws / "tunespace" / "work").exists()  # a cancelled job leaves no scratch

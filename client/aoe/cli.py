@@ -75,7 +75,9 @@ def _add_tune(sub: argparse._SubParsersAction) -> None:
                    help="cpu (default), cuda:N, tensorrt:N or cann:N (ASCEND_DEVICE_ID selects cann:N)")  # fmt: skip
     p.add_argument("--keep-initializer-inputs", action="store_true",
                    help="treat initializers that old exporters list as graph inputs as real inputs")  # fmt: skip
-    p.add_argument("--budget", type=float, default=20.0, help="device seconds for per-task measurement (default 20)")
+    p.add_argument("--budget", type=float, default=None,
+                   help="device seconds for search, session options and verification together "
+                        "(default: fitted to the model's profiled latency)")  # fmt: skip
     p.add_argument("--keep-workspace", action="store_true",
                    help="keep the scratch files (task models, samples) under aoe_workspace/ after success")  # fmt: skip
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -103,7 +105,7 @@ def _aoe_spelling(argv: Sequence[str]) -> argparse.Namespace:
         model=a.model, precision=a.precision, input_shape=a.input_shape, bank=a.bank, config=a.config,
         calibration=a.calibration, min_cosine=None, max_rel_error=None, bank_layer=[], verbose=0,
         repeat_tune=None, parallel=None, output=a.output, job_type=a.job_type, device=a.device,
-        keep_initializer_inputs=False, budget=20.0, keep_workspace=False,
+        keep_initializer_inputs=False, budget=None, keep_workspace=False,
         no_progress=a.progress_bar == "off", run=_tune,
     )  # fmt: skip
 
@@ -128,7 +130,7 @@ def _tune(args: argparse.Namespace) -> int:
     policy(args.precision, args.min_cosine, args.max_rel_error)  # validates before any work starts
     if args.calibration is not None and not args.calibration.is_dir():
         raise OptionError(f"--calibration {args.calibration}: not a directory")
-    if args.budget <= 0:
+    if args.budget is not None and args.budget <= 0:
         raise OptionError("--budget must be a positive number of seconds")
     shapes = parse_input_shapes(args.input_shape)
     config = load_config(args.config)
@@ -196,29 +198,44 @@ def _summary(r: Any) -> None:
     tuned = sum(t.update_mode in ("add", "update", "reserved", "unsatisfied") for t in r.tasks)
     hits = sum(t.update_mode == "hit" for t in r.tasks)
     failed = sum(t.update_mode == "failed" for t in r.tasks)
+    skipped = sum(t.update_mode == "skipped" for t in r.tasks)
     changed = [t for t in r.tasks if t.strategy != "default" and t.applied]
-    res = r.resources
+    res, conf, budget = r.resources, r.confirmation, r.device_budget
     out = sys.stdout
-    print(f"aoe: tuned {Path(r.model).name} in {r.tuning_time_s:.1f} s "
-          f"({r.precision} on {r.device}, verified: {r.verified})", file=out)  # fmt: skip
-    print(f"  baseline     {r.baseline_ms:.4f} ms", file=out)
-    print(f"  tuned        {r.tuned_ms:.4f} ms   ({r.improvement:+.1%})", file=out)
+    print(f"aoe: tuned {Path(r.model).name} in {r.tuning_time_s:.1f} s ({r.precision} on {r.device})", file=out)
+    where = (f"from the bank: confirmed by {conf['from_bank']}" if conf.get("from_bank")
+             else f"confirming A/B, {conf.get('rounds', 0)} interleaved rounds")  # fmt: skip
+    lo, hi = conf.get("improvement_ci95", (0.0, 0.0))
+    print(f"  baseline     {r.baseline_ms:.4f} ms   ({where})", file=out)
+    print(f"  result       {r.tuned_ms:.4f} ms   ({r.improvement:+.1%}, 95% interval {lo:+.1%} to {hi:+.1%})", file=out)
+    shipped = {"tuned": "the tuned model ships", "options only": "the input model with session options ships",
+               "input": "the input model ships unchanged"}.get(conf.get("shipped", ""), "")  # fmt: skip
+    print(f"  verdict      {conf.get('verdict', '?')}: {shipped}", file=out)
     print(
         f"  tasks        {len(r.tasks)}: {tuned} measured, {hits} from the bank"
-        + (f", {failed} failed" if failed else "") + f"; {len(changed)} changed",
+        + (f", {failed} failed" if failed else "") + (f", {skipped} not tuned (budget)" if skipped else "")
+        + f"; {len(changed)} changed",
         file=out,
     )
     print(f"  device       {res.get('trials', 0)} trials, {res.get('failed_candidates', 0)} failed candidates; "
-          f"busy {res.get('device_s', 0):.1f} s of the job's {r.tuning_time_s:.1f} s ({r.duty_cycle:.0%})", file=out)  # fmt: skip
+          f"{budget.get('spent_s', 0):.1f} s of a {budget.get('budget_s', 0):.0f} s budget, plus "
+          f"{budget.get('profile_s', 0) + budget.get('confirm_s', 0):.1f} s profiling and confirming; "
+          f"busy {r.duty_cycle:.0%} of the job", file=out)  # fmt: skip
+    if changed:
+        print("  changed      (each task's own figure, from the search that chose it)", file=out)
     for t in changed:
         print(f"    {t.op_name:<40} {t.op_type:<14} {t.strategy:<22} {t.improvement:+.1%}", file=out)
     if r.session_options:
         print(f"  session      {r.session_options}", file=out)
     if r.precision != "exact":
         acc = r.accuracy
-        print(f"  accuracy     cosine {acc.get('cosine', 0):.5f}, max rel error {acc.get('max_rel_error', 0):.3g} "
-              f"(budget {r.budget.get('min_cosine')} / {r.budget.get('max_rel_error')}); calibration: {r.calibration}",
+        top1 = acc.get("top1_agreement")
+        print(f"  accuracy     over {acc.get('samples', 1)} held-back samples: cosine min {acc.get('cosine', 0):.5f}, "
+              f"5th percentile {acc.get('cosine_p5', acc.get('cosine', 0)):.5f}, max rel error "
+              f"{acc.get('max_rel_error', 0):.3g}" + (f", top-1 agreement {top1:.1%}" if top1 is not None else "")
+              + f" (budget: cosine >= {r.budget.get('min_cosine')}, max rel error <= {r.budget.get('max_rel_error')})",
               file=out)  # fmt: skip
+        print(f"  calibration  {r.calibration}", file=out)
         for t in r.tasks:
             if t.rejected and not t.strategy.startswith("int8"):
                 print(f"    {t.op_name:<40} kept {t.strategy}: {t.rejected[0]}", file=out)

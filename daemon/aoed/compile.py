@@ -24,7 +24,7 @@ from aoe.signature import DeviceFingerprint
 from aoed.bank._codec import BankRecord, decode
 from aoed.engine.assemble import Assembly, apply_choices, from_bank, set_metadata, tuned_metadata
 from aoed.engine.calibration import integer_ranges, load_samples
-from aoed.engine.modelio import save_model
+from aoed.engine.modelio import load_model, save_model
 from aoed.engine.policy import policy
 from aoed.engine.prep import prepare
 from aoed.engine.tasks import Constants
@@ -81,8 +81,11 @@ def compile_model(
             ranges = activation_ranges(prep.model, prep.ctx.tensors, samples.calibrate)
         consts = Constants(prep.model.graph, list(prep.model.opset_import))
         asm, tasks = from_bank(prep.model, prep.ctx, consts, _ReaderLookup(reader), device, registry, precision, ranges)
-        model = apply_choices(prep.model, prep.ctx, consts, tasks, asm.choices, registry, ranges)
+        if asm.ship_input:
+            model = load_model(Path(model_path))
+        else:
+            model = apply_choices(prep.model, prep.ctx, consts, tasks, asm.choices, registry, ranges)
     set_metadata(model, tuned_metadata(asm.session_options, precision, device.digest))
     save_model(model, Path(output))
-    asm.notes = list(prep.notes)
+    asm.notes = [*prep.notes, *asm.notes]
     return asm

@@ -170,6 +170,9 @@ class Assembly:
     tasks: list[TaskOutcome]
     session: TaskOutcome
     notes: list[str] = field(default_factory=list)
+    #: the tuning run's confirming A/B found these choices no faster than the input: the
+    #: input model is what that run shipped, and what compiling it gives
+    ship_input: bool = False
 
     @property
     def hits(self) -> int:
@@ -215,7 +218,7 @@ def from_bank(
     sig = model_signature(model)
     key = bankrules.key_for(sig, device, precision)
     session = TaskOutcome("session", "", "SessionOptions", 1, "miss", key=key.decode())
-    ans = _outcome(bank, key, session, device)
+    ans = ans_model = _outcome(bank, key, session, device)
     options: dict[str, Any] = {}
     reverted = bankrules.reverted_digests(ans)
     if ans.kind == "hit":
@@ -245,4 +248,17 @@ def from_bank(
                 base.status, base.reason = "ignored", f"bank entry not applied: {exc}".strip()
                 base.strategy = DEFAULT
         outcomes.append(base)
-    return Assembly(choices, options, outcomes, session), tasks
+    asm = Assembly(choices, options, outcomes, session)
+    confirmed = bankrules.confirmed(ans_model)
+    digests = {t.id: t.signature.digest for t in tasks}
+    key_now = bankrules.choices_digest({digests[tid]: s for tid, s in choices.items()}, options)
+    if confirmed is not None and confirmed.get("choices") == key_now:
+        job = confirmed.get("job", "the tuning run")
+        if confirmed.get("shipped") == "input":
+            asm.ship_input = True
+            asm.notes.append(f"the confirming A/B of {job} found these choices no faster than the input "
+                             f"({confirmed.get('verdict')}): the input model is kept")  # fmt: skip
+        elif options and not confirmed.get("options_kept"):
+            asm.session_options = {}
+            asm.notes.append(f"session options {options} left out: the confirming A/B of {job} did not keep them")
+    return asm, tasks

@@ -47,8 +47,9 @@ __all__ = [
     "reverted_digests",
 ]
 
-#: Per-task update modes as AOE reports them (plus failed: not measurable here).
-MODES = ("add", "update", "reserved", "hit", "unsatisfied", "failed")
+#: Per-task update modes as AOE reports them (plus ours: failed, not measurable here;
+#: skipped, left untuned by the budget).
+MODES = ("add", "update", "reserved", "hit", "unsatisfied", "failed", "skipped")
 
 
 @dataclass(frozen=True)
@@ -182,9 +183,11 @@ def key_for(signature: TaskSignature, device: DeviceFingerprint, precision: str)
 
 def repo_summary(modes: Iterable[str]) -> dict[str, int]:
     """AOE's repo_summary counts: hit counts every task the bank knew (hit, reserved,
-    update), so hit + add + unsatisfied (+ failed) = total."""
+    update), so hit + add + unsatisfied + not tuned = total; `repo_not_tuned_num` (ours)
+    counts tasks the budget left untuned or whose measurement failed."""
     modes = list(modes)
     return {
+        "repo_not_tuned_num": sum(m in ("skipped", "failed") for m in modes),
         "repo_add_num": modes.count("add"),
         "repo_hit_num": sum(m in ("hit", "reserved", "update") for m in modes),
         "repo_reserved_num": modes.count("reserved"),

@@ -68,10 +68,11 @@ class Confirmation:
         d["improvement_ci95"] = list(self.improvement_ci95)
         return d
 
-    def params(self, choices_digest: str) -> str:
-        """The confirmation as stored with the model-level bank record."""
-        d = {k: v for k, v in self.to_json().items() if k not in ("notes", "from_bank")}
-        return json.dumps({**d, "choices": choices_digest}, sort_keys=True)
+    def params(self, choices_digest: str, job_id: str) -> str:
+        """The confirmation as stored with the model-level bank record: valid for the
+        choices `choices_digest` names (bankrules.choices_digest), measured by `job_id`."""
+        d = {k: v for k, v in self.to_json().items() if k not in ("notes", "from_bank", "proposal")}
+        return json.dumps({**d, "choices": choices_digest, "job": job_id}, sort_keys=True)
 
 
 def verdict_of(ratios: list[float]) -> tuple[str, float, tuple[float, float]]:

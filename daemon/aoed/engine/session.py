@@ -102,7 +102,8 @@ async def search_session(
             current = cands[best]
         cur_res = measured[best]
     if base_res is None or cur_res is None:  # nothing measured: keep the defaults, store nothing
-        return SessionChoice({}, "failed", None, 0)
+        spent = any("budget is spent" in n for n in ctx.notes)
+        return SessionChoice({}, "skipped" if spent else "failed", None, 0)
     await ctx.write_bank(BankWrite(trials=tuple(trials)))
     strategy = canonical_json(current)
     rec = ans.record

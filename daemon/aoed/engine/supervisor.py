@@ -236,7 +236,15 @@ async def run_stages(ctx: JobContext) -> JobResult:
         cached_json = str(model_ans.record.params.get("confirmed") if model_ans.record else
                           (model_ans.default or {}).get("confirmed", ""))  # fmt: skip
     else:
-        confirmed_doc = conf.params(choice_key) if not conf.from_bank else ""
+        # Keyed by what the next reader of the bank (a bank-hit run, `aoe compile`) will
+        # derive from it: each task's stored strategy but those reverted in context, and
+        # the options stored with the model.
+        stored = {
+            digests[tid]: r.strategy for tid, r in results.items()
+            if r.strategy != DEFAULT and r.update_mode not in ("skipped", "failed") and digests[tid] not in reverted
+        }  # fmt: skip
+        stored_options = shipped_options if conf.shipped != "input" else {}
+        confirmed_doc = conf.params(bankrules.choices_digest(stored, stored_options), ctx.job_id)
     await remember_context(
         ctx, prep.model_signature, model_ans,
         SessionChoice(shipped_options if conf.shipped != "input" else {}, session.mode, session.write),

@@ -1,0 +1,118 @@
+"""How fast a cancelled job lets go of the device, written into bench/RESULTS.md.
+
+    python bench/bench_cancel.py [--quick] [--no-write] [--out bench/RESULTS.md]
+
+One engine (its compile workers and measurement runner, as `aoe tune` starts them) runs
+a job on the sample CNN with a large budget; once its tasks are being measured, the job
+is cancelled through its JobHandle. Two times are taken per try: from the cancel to the
+job raising JobCancelledError (its queued requests dropped, the measurement in flight
+abandoned and its runner killed), and from the cancel to the next job's first
+measurement being answered (by a fresh runner). The cancel comes a different time into
+the measurements on each try.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import trio
+
+from machine import Machine
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "RESULTS.md"
+BEGIN, END = "<!-- cancel:begin -->", "<!-- cancel:end -->"
+
+
+async def measure(tries: int) -> tuple[list[float], list[float]]:
+    import numpy as np
+
+    from aoe.config import load_config
+    from aoe.errors import JobCancelledError
+    from aoed import samples
+    from aoed.backends.ort.catalog import build_registry
+    from aoed.engine.engine import open_engine
+    from aoed.engine.job import JobHandle, JobOptions
+    from aoed.engine.messages import Candidate, MeasurePlan, MeasureRequest
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench-cancel-"))
+    model = samples.save(samples.build("cnn"), tmp / "cnn.onnx")
+    np.savez(tmp / "in.npz", image=np.zeros((1, 3, 32, 32), np.float32))
+    config = load_config(env={}).replace(bank=tmp / "bank", parallel=1)
+    cancel_s, next_s = [], []
+    async with open_engine(config, build_registry(), tmp / "logs") as engine:
+        for i in range(tries):
+            handle, stages, t = JobHandle(), [], {}
+
+            async def canceller(i: int = i, handle: JobHandle = handle, stages: list = stages, t: dict = t) -> None:
+                while not any(s.startswith("tuning") for s in stages):
+                    await trio.sleep(0.02)
+                await trio.sleep(0.3 + 0.2 * i)
+                t["cancel"] = time.monotonic()
+                handle.cancel("bench")
+
+            opts = JobOptions(model, tmp / f"out{i}", budget_s=120.0, repeat_tune=True)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(canceller)
+                try:
+                    await engine.run_job(opts, lambda e: stages.append(e.message) if e.kind == "stage" else None,
+                                         handle)  # fmt: skip
+                except JobCancelledError:
+                    cancel_s.append(time.monotonic() - t["cancel"])
+            req = MeasureRequest((Candidate("a", model),), tmp / "in.npz", None, config.device,
+                                 MeasurePlan(0.05, 1, 1, 1))  # fmt: skip
+            await engine.device.call(req)
+            next_s.append(time.monotonic() - t["cancel"])
+    return cancel_s, next_s
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="fewer tries")
+    ap.add_argument("--no-write", action="store_true", help="print only; leave RESULTS.md alone")
+    ap.add_argument("--out", type=Path, default=RESULTS, help="results file to write into")
+    args = ap.parse_args(argv)
+    from aoed.engine.stats import median
+
+    host = Machine()
+    cancel_s, next_s = trio.run(measure, 3 if args.quick else 8)
+    host.finish()
+    lines = [
+        "## Cancelling a job",
+        "",
+        f"Machine: {host.describe('onnxruntime', 'trio')}.",
+        "",
+        "A job on the sample CNN (random weights, synthetic input) cancelled while its tasks are measured, "
+        f"{len(cancel_s)} times at different moments (bench/bench_cancel.py):",
+        "",
+        "| what | median | lowest | highest |",
+        "|---|---|---|---|",
+        f"| cancel -> the job raises JobCancelledError | {median(cancel_s) * 1000:.0f} ms | "
+        f"{min(cancel_s) * 1000:.0f} ms | {max(cancel_s) * 1000:.0f} ms |",
+        f"| cancel -> the next job's first measurement answered (fresh runner) | {median(next_s):.2f} s | "
+        f"{min(next_s):.2f} s | {max(next_s):.2f} s |",
+        "",
+        "The second row includes starting a new runner process (the one measuring was killed), "
+        "which loads onnxruntime.",
+    ]
+    text = "\n".join(lines)
+    print(text)
+    if not args.no_write:
+        doc = args.out.read_text() if args.out.exists() else ""
+        block = f"{BEGIN}\n{text}\n{END}"
+        if BEGIN in doc and END in doc:
+            head, rest = doc.split(BEGIN, 1)
+            doc = head + block + rest.split(END, 1)[1]
+        else:
+            doc = doc.rstrip() + "\n\n" + block + "\n"
+        args.out.write_text(doc)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(HERE))
+    sys.exit(main())

@@ -1,0 +1,121 @@
+"""The decision rules, the statistics under them, and the reasons they give: every reason
+string quotes figures that bear out the comparison it states."""
+
+from __future__ import annotations
+
+import math
+import random
+import re
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from aoed.engine import decisions, stats
+from aoed.engine.confirm import verdict_of
+from aoed.engine.messages import Measurement
+
+
+def _m(rounds: list[float], **kw) -> Measurement:
+    return Measurement(True, median_us=stats.median(rounds), rounds_us=tuple(rounds), **kw)
+
+
+def test_median_interval_uses_the_binomial_ranks() -> None:
+    xs = list(range(1, 22))  # 21 values: 95% from ranks 6 and 16
+    assert stats.median_ci(xs, 0.95) == (6, 16)
+    assert stats.median_ci(xs, 0.90) == (7, 15)
+    assert stats.median_ci([3.0, 1.0, 2.0], 0.95) == (1.0, 3.0)  # too few: the whole range
+    with pytest.raises(ValueError):
+        stats.median_ci([], 0.95)
+
+
+def test_median_interval_covers_as_promised() -> None:
+    rng = random.Random(3)
+    misses = 0
+    for _ in range(2000):
+        sample = [rng.lognormvariate(0.0, 0.5) for _ in range(21)]  # true median 1.0
+        lo, hi = stats.median_ci(sample, 0.95)
+        misses += not lo <= 1.0 <= hi
+    assert misses / 2000 <= 0.05 + 0.015
+
+
+def test_a_win_needs_the_whole_interval_below_one() -> None:
+    base = _m([100.0] * 10)
+    clear = _m([90.0, 91, 89, 92, 90, 88, 91, 90, 89, 90])
+    assert decisions.clearly_faster(clear, base) and not decisions.clearly_slower(clear, base)
+    # Faster in the median round, but two rounds of ten slower: the 90% interval reaches 1.
+    lucky = _m([90.0, 91, 89, 92, 90, 88, 91, 90, 110, 112])
+    assert not decisions.clearly_faster(lucky, base)
+    slow = _m([120.0, 118, 121, 119, 122, 120, 117, 121, 120, 119])
+    assert decisions.clearly_slower(slow, base) and not decisions.clearly_faster(slow, base)
+    few = _m([80.0, 80.0])  # two rounds decide nothing
+    assert not decisions.clearly_faster(few, _m([100.0, 100.0]))
+
+
+def test_best_takes_the_largest_clear_win_that_passes_the_gate() -> None:
+    results = {
+        "default": _m([100.0] * 10),
+        "a": _m([90.0] * 10),
+        "b": _m([80.0] * 10, cosine=0.5),  # faster, but the gate refuses it
+        "c": _m([95.0] * 10),
+    }
+    assert decisions.best(results, "default", lambda m: m.cosine > 0.9) == "a"
+    assert decisions.best(results, "default", lambda m: False) == "default"
+
+
+NUMBERS = re.compile(
+    r"\((?P<x>[\d.]+) us vs (?P<y>[\d.]+) us; median round ratio (?P<r>[\d.]+), "
+    r"90% interval \[(?P<lo>[\d.]+), (?P<hi>[\d.]+)\]"
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.floats(50, 200), min_size=3, max_size=25),
+    st.floats(0.7, 1.3),
+    st.floats(0.0, 0.2),
+)
+def test_a_reason_for_not_winning_states_figures_that_bear_it_out(base_rounds, factor, jitter) -> None:
+    rng = random.Random(len(base_rounds))
+    cand_rounds = [b * factor * (1 + rng.uniform(-jitter, jitter)) for b in base_rounds]
+    base, cand = _m(base_rounds), _m(cand_rounds)
+    if decisions.clearly_faster(cand, base):
+        return
+    why = decisions.why_not_faster(cand, base, "default")
+    m = NUMBERS.search(why)
+    assert m, why
+    x, y, r, lo, hi = (float(m[k]) for k in ("x", "y", "r", "lo", "hi"))
+    assert x == pytest.approx(cand.median_us, abs=0.06) and y == pytest.approx(base.median_us, abs=0.06)
+    med, clo, chi = decisions.paired_ratio(cand, base)
+    assert (r, lo, hi) == pytest.approx((med, clo, chi), abs=6e-4)
+    # The rule it quotes says no: the ratio, the interval or the medians fail it.
+    assert not (r < 1 - decisions.MIN_GAIN and hi < 1.0 and x < y) or math.isclose(hi, 1.0, abs_tol=6e-4), why
+
+
+def test_lossy_rejections_quote_their_own_figures() -> None:
+    base = _m([100.0] * 10)
+    results = {
+        "exact": base,
+        "q_bad": _m([50.0] * 10, cosine=0.99, max_rel_error=0.4),
+        "q_slow": _m([101.0] * 10, cosine=0.99999),
+        "q_broken": Measurement(False, error="load: boom"),
+    }
+    pick, reasons = decisions.best_lossy(results, "exact", {"q_bad", "q_slow", "q_broken"},
+                                         lambda m: m.cosine >= 0.9995 and m.max_rel_error <= 0.25)  # fmt: skip
+    assert pick == "exact"
+    by = {r.split(":", 1)[0]: r for r in reasons}
+    assert "outside the accuracy budget (cosine 0.99000, max rel error 0.4)" in by["q_bad"]
+    assert "101.0 us vs 100.0 us" in by["q_slow"] and "not clearly faster than exact" in by["q_slow"]
+    assert "boom" in by["q_broken"]
+
+
+@pytest.mark.parametrize(
+    ("ratios", "verdict"),
+    [([0.8 + 0.001 * i for i in range(21)], "faster"), ([1.2 + 0.001 * i for i in range(21)], "slower"),
+     ([0.9 + 0.01 * i for i in range(21)], "no significant change")],
+)  # fmt: skip
+def test_the_confirming_verdict_follows_its_interval(ratios: list[float], verdict: str) -> None:
+    got, med, (lo, hi) = verdict_of(ratios)
+    assert got == verdict
+    assert lo <= med <= hi
+    assert (hi < 1.0) == (verdict == "faster") and (lo > 1.0) == (verdict == "slower")
