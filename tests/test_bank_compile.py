@@ -108,6 +108,24 @@ def test_compile_applies_bank_strategies_and_skips_what_it_must(models: Path, tm
         np.testing.assert_allclose(y, x, rtol=1e-4, atol=1e-5)
 
 
+def test_compile_rechecks_banked_session_options_unless_told_not_to(models: Path, tmp_path: Path) -> None:
+    src = models / "mlp.onnx"
+    prep = prepare(src, tmp_path / "prep")
+    options = {"intra_op_num_threads": 1, "config": {"session.intra_op.allow_spinning": "0"}}
+    bank = make_bank(tmp_path / "bank", [rec(sig=model_signature(prep.model), strategy=canonical_json(options),
+                                             family="session")])  # fmt: skip
+    r = run_aoe("compile", str(src), "-o", str(tmp_path / "a.onnx"), "--bank", str(bank), "--json")
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    (note,) = [n for n in report["notes"] if "re-checked here" in n]
+    kept = "(faster)" in note
+    assert (report["session_options"] == options) == kept and (report["session_options"] == {}) == (not kept)
+    assert aoe.session_options_of(tmp_path / "a.onnx") == report["session_options"]
+    r = run_aoe("compile", str(src), "-o", str(tmp_path / "b.onnx"), "--bank", str(bank), "--json", "--no-check")
+    report = json.loads(r.stdout)
+    assert report["session_options"] == options and not [n for n in report["notes"] if "re-checked" in n]
+
+
 def test_compile_against_an_empty_bank_changes_nothing(models: Path, tmp_path: Path) -> None:
     src = models / "cnn.onnx"
     bank = make_bank(tmp_path / "bank")

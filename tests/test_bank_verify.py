@@ -64,3 +64,22 @@ def test_verify_measures_local_entries_and_skips_the_rest(models: Path, tmp_path
     assert st.history == 2  # the default and the strategy, measured once each
     r = run_aoe("bank", "verify", "--bank", str(bank), "--op-type", "Conv", "--no-record")
     assert r.returncode == 0 and "verified 0 of 4" in r.stdout
+
+
+def test_verify_rechecks_session_options_on_the_model_given(models: Path, tmp_path: Path) -> None:
+    src = models / "mlp.onnx"
+    prep = prepare(src, tmp_path / "prep")
+    options = {"intra_op_num_threads": 1}
+    session = rec(sig=model_signature(prep.model), strategy=canonical_json(options), family="session")
+    bank = make_bank(tmp_path / "bank", [session])
+    r = run_aoe("bank", "verify", "--bank", str(bank), "--sample", "0", "--budget", "1", "--json",
+                "--model", str(src))  # fmt: skip
+    assert r.returncode in (0, 1), r.stderr
+    (v,) = json.loads(r.stdout)["verdicts"]
+    assert v["verdict"] in ("confirmed", "regressed"), v
+    assert str(options) in v["detail"] and v["winner"]["median_us"] > 0 and v["baseline"]["median_us"] > 0
+    assert (r.returncode == 0) == (v["verdict"] == "confirmed")
+    # Without the model there is nothing to measure the options on: said, not guessed.
+    r = run_aoe("bank", "verify", "--bank", str(bank), "--sample", "0", "--json", "--no-record")
+    (v,) = json.loads(r.stdout)["verdicts"]
+    assert v["verdict"] == "skipped" and "--model" in v["detail"]

@@ -94,6 +94,8 @@ def _add_compile(sub: argparse._SubParsersAction) -> None:
                    help="keep initializers listed as graph inputs overridable (as for aoe tune)")  # fmt: skip
     p.add_argument("--calibration", type=Path,
                    help="calibration samples the tuning run used (lossy precisions; as for aoe tune)")  # fmt: skip
+    p.add_argument("--no-check", action="store_true",
+                   help="apply the bank's session options without re-checking them (no measurement at all)")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(run=_compile)
 
@@ -109,7 +111,7 @@ def _compile(args: argparse.Namespace) -> int:
     with _reader(args) as reader:
         asm = compile_model(
             args.model, args.output, reader, shapes, args.precision, args.keep_initializer_inputs, args.calibration,
-            plugins=config.plugins,
+            plugins=config.plugins, check_options=not args.no_check, runtime_dir=config.runtime_dir,
         )
         layers = [name for name, _ in reader.layers]
     rows = [*asm.tasks, asm.session]
@@ -138,6 +140,8 @@ def _compile(args: argparse.Namespace) -> int:
             print(f"      {t.reason}", file=out)
     if asm.session_options:
         print(f"  session options  {asm.session_options}", file=out)
+    for note in asm.notes:
+        print(f"  note         {note}", file=out)
     print(f"  tuned model  {args.output}", file=out)
     return 0
 
@@ -198,6 +202,8 @@ def _add_bank(top: argparse._SubParsersAction) -> None:
     s.add_argument("--seed", type=int, default=0, help="seed of the sample (0 = pick one)")
     s.add_argument("--budget", type=float, default=1.0, help="device seconds per entry (default 1)")
     s.add_argument("--no-record", action="store_true", help="do not append the measurements to the history")
+    s.add_argument("--model", type=Path, action="append", default=[], metavar="FILE",
+                   help="a model whose session options (its model-level entry) to re-check too (repeatable)")  # fmt: skip
     _wait_arg(s, " before recording the measurements")
     s.add_argument("--json", action="store_true")
 
@@ -356,7 +362,7 @@ def _verify(args: argparse.Namespace) -> int:
     async def run():
         with tempfile.TemporaryDirectory(prefix="aoe-verify-logs-") as logs:
             async with open_engine(config.replace(parallel=1), build_registry(config.plugins), Path(logs)) as engine:
-                return await verify_entries(engine, chosen, args.budget)
+                return await verify_entries(engine, chosen, args.budget, args.model)
 
     try:
         verdicts, trials = trio.run(run)

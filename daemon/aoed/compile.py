@@ -7,8 +7,10 @@
 A task's entry is applied only when it was measured on this device fingerprint and its
 strategy still applies to the task (and to each of its twins); anything else is a miss,
 and the report says why. The result equals the tuning run's model when the bank holds
-what that run chose. Runs in the caller's process (it measures nothing), onnxruntime
-only for the calibration a lossy precision needs.
+what that run chose. Runs in the caller's process; it measures nothing but the
+session options the bank holds, which won on a machine that may have been busier: one
+short A/B (with them, without them) on this device before they are applied
+(`check_options`), through a measurement runner under the machine-wide device lock.
 """
 
 from __future__ import annotations
@@ -49,6 +51,35 @@ class _ReaderLookup:
         return self.reader.lookup_explain(key).reason
 
 
+def _options_hold(model: Path, options: dict[str, Any], inputs: Path, runtime_dir: Path) -> tuple[bool, str]:
+    """One short A/B of `model` with and without `options` on this machine's CPU: (kept,
+    why) where kept needs the whole 95% interval of the round ratio below 1."""
+    import trio
+
+    from aoe.device import CPU
+    from aoed.engine import stats
+    from aoed.engine.confirm import verdict_of
+    from aoed.engine.device import DeviceAgent
+    from aoed.engine.messages import Candidate, MeasurePlan, MeasureReply, MeasureRequest, from_wire
+
+    async def run() -> dict:
+        with tempfile.TemporaryDirectory(prefix="aoe-compile-logs-") as logs:
+            agent = DeviceAgent(CPU, None, Path(logs), runtime_dir)
+            async with trio.open_nursery() as nursery:
+                await nursery.start(agent.run)
+                req = MeasureRequest((Candidate("with", model, options), Candidate("without", model)), inputs,
+                                     "without", CPU, MeasurePlan.fixed(9, 5.0))  # fmt: skip
+                reply = await agent.call(req)
+                nursery.cancel_scope.cancel()
+        return from_wire(MeasureReply, reply).results
+
+    res = trio.run(run)
+    verdict, med, (lo, hi) = verdict_of(stats.paired_ratios(res["with"].rounds_us, res["without"].rounds_us))
+    why = (f"session options {options} re-checked here: ratio with/without {med:.3f}, 95% interval "
+           f"[{lo:.3f}, {hi:.3f}] over 9 rounds ({verdict})")  # fmt: skip
+    return verdict == "faster", why
+
+
 def compile_model(
     model_path: str | os.PathLike[str],
     output: str | os.PathLike[str],
@@ -58,14 +89,18 @@ def compile_model(
     keep_initializer_inputs: bool = False,
     calibration: Path | None = None,
     plugins: Sequence[str] = (),
+    check_options: bool = False,
+    runtime_dir: Path | None = None,
 ) -> Assembly:
     """Prepare `model_path` as tuning does, apply the bank, save the tuned model at
     `output` (with the tuner's metadata); returns the assembly with its per-task report.
     Under a lossy policy the activations are calibrated as tuning does (`calibration`:
     the same sample folder the tuning run used; None: the same synthetic samples).
 
-    Raises ModelError/OptionError from preparation, AoedError when `output` cannot be
-    written. Blocking.
+    With `check_options`, banked session options are applied only if one short A/B
+    here still finds them faster (see the module doc; `runtime_dir` holds the device
+    lock). Raises ModelError/OptionError from preparation, AoedError when `output` cannot
+    be written, DeviceError when the check cannot measure. Blocking.
     """
     from aoed.backends.ort.catalog import build_registry
 
@@ -85,6 +120,19 @@ def compile_model(
             model = load_model(Path(model_path))
         else:
             model = apply_choices(prep.model, prep.ctx, consts, tasks, asm.choices, registry, ranges)
+        if check_options and asm.session_options and not asm.ship_input:
+            import numpy as np
+
+            from aoed.engine.prep import make_inputs
+
+            plain = Path(work) / "plain.onnx"
+            save_model(model, plain)
+            np.savez(Path(work) / "inputs.npz", **make_inputs(prep.inputs, int_high=integer_ranges(prep.model, prep.inputs)))
+            kept, why = _options_hold(plain, asm.session_options, Path(work) / "inputs.npz",
+                                      runtime_dir or Path(work) / "run")  # fmt: skip
+            asm.notes.append(why + ("" if kept else ": left out"))
+            if not kept:
+                asm.session_options = {}
     set_metadata(model, tuned_metadata(asm.session_options, precision, device.digest))
     save_model(model, Path(output))
     asm.notes = [*prep.notes, *asm.notes]

@@ -32,12 +32,25 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from aoe.errors import DeviceError
+from aoe.errors import DeviceError, ModelError
 from aoe.signature import ModelContext, task_signature
 from aoed.bank._codec import BankRecord
 from aoed.engine.decisions import clearly_faster
 from aoed.engine.ledger import JobLedger, new_job_id
-from aoed.engine.messages import Candidate, MeasurePlan, MeasureReply, MeasureRequest, RebuildReply, RebuildRequest, from_wire
+from aoed.engine.messages import (
+    Candidate,
+    MeasurePlan,
+    MeasureReply,
+    MeasureRequest,
+    PrepareReply,
+    PrepareRequest,
+    RebuildReply,
+    RebuildRequest,
+    SamplesReply,
+    SamplesRequest,
+    error_from_wire,
+    from_wire,
+)
 from aoed.engine.policy import policy
 
 if TYPE_CHECKING:
@@ -140,16 +153,68 @@ def sample_entries(entries: Sequence[BankRecord], sample_size: int, seed: int, o
     return pool
 
 
+async def _models_by_signature(
+    engine: Engine, models: Sequence[Path], workdir: Path, ledger: JobLedger
+) -> dict[str, tuple[Path, Path]]:
+    """Model signature digest -> (prepared model, an input sample) for `models`."""
+    out: dict[str, tuple[Path, Path]] = {}
+    for i, src in enumerate(models):
+        work = workdir / f"model{i}"
+        reply = await engine.pool.call(PrepareRequest(src, work), ledger)
+        if not reply.get("ok"):
+            raise error_from_wire(reply, ModelError)
+        prep = from_wire(PrepareReply, reply)
+        reply = await engine.pool.call(SamplesRequest(prep.prepared, work, prep.inputs, prep.int_high), ledger)
+        if not reply.get("ok"):
+            raise error_from_wire(reply, ModelError)
+        out[prep.model_signature.digest] = (prep.prepared, from_wire(SamplesReply, reply).held_back[0])
+    return out
+
+
+async def _verify_options(engine: Engine, e: BankRecord, v: Verdict, model: tuple[Path, Path], budget_s: float,
+                          ledger: JobLedger) -> list[tuple[bytes, dict]]:
+    """A/B a model-level entry's session options on the model they were chosen for."""
+    options = json.loads(e.strategy)
+    path, inputs = model
+    cands = (Candidate("without", path), Candidate("with", path, options))
+    try:
+        reply = await engine.device.call(
+            MeasureRequest(cands, inputs, "without", engine.device.device, MeasurePlan.fixed(15, max(budget_s, 2.0))),
+            ledger,
+        )  # fmt: skip
+    except DeviceError as exc:
+        v.verdict, v.detail = "error", str(exc)
+        return []
+    results = from_wire(MeasureReply, reply).results
+    win, base = results["with"], results["without"]
+    v.winner, v.baseline = win.summary(), base.summary()
+    if not (win.ok and base.ok):
+        v.verdict, v.detail = "error", win.error or base.error
+    elif not options:
+        v.verdict, v.detail = "confirmed", "no session options stored: nothing to re-check"
+    elif clearly_faster(win, base):
+        v.verdict = "confirmed"
+        v.detail = f"with {options}: {win.median_us:.1f} us, clearly faster than without ({base.median_us:.1f} us)"
+    else:
+        v.verdict = "regressed"
+        v.detail = f"with {options}: {win.median_us:.1f} us, not clearly faster than without ({base.median_us:.1f} us)"
+    return [(e.key, {"verify": True, "strategy": name, "time": time.time(), **r.summary()})
+            for name, r in results.items()]  # fmt: skip
+
+
 async def verify_entries(
-    engine: Engine, entries: Sequence[BankRecord], budget_s: float
+    engine: Engine, entries: Sequence[BankRecord], budget_s: float, models: Sequence[Path] = ()
 ) -> tuple[list[Verdict], list[tuple[bytes, dict]]]:
     """Re-measure `entries` on the engine's device, one at a time; returns the verdicts
-    and the history trials to record. Cancellation stops at once (see the agents)."""
+    and the history trials to record. A model-level entry (session options) is checked
+    on its model when `models` include it (by model signature), else skipped saying so.
+    Cancellation stops at once (see the agents)."""
     here = engine.device.device.fingerprint().digest
     verdicts: list[Verdict] = []
     trials: list[tuple[bytes, dict]] = []
     ledger = JobLedger(new_job_id().replace("job-", "verify-"))
     with tempfile.TemporaryDirectory(prefix="aoe-verify-") as tmp:
+        by_sig = await _models_by_signature(engine, models, Path(tmp), ledger) if models else {}
         for n, e in enumerate(entries):
             v = Verdict(e.key.decode(), e.signature.op_type, e.strategy, "skipped")
             verdicts.append(v)
@@ -157,7 +222,10 @@ async def verify_entries(
                 v.detail = f"measured on another device ({e.device.hardware}, onnxruntime {e.device.runtime_version})"
                 continue
             if e.family == "session":
-                v.detail = "model-wide session options: re-tune the model to check them"
+                if e.signature.digest in by_sig:
+                    trials += await _verify_options(engine, e, v, by_sig[e.signature.digest], budget_s, ledger)
+                else:
+                    v.detail = "model-wide session options: pass the model (--model FILE) to re-check them"
                 continue
             req = RebuildRequest(e.signature.canonical_json, e.signature.digest, e.family, e.strategy,
                                  e.precision, Path(tmp) / f"e{n}")  # fmt: skip
