@@ -17,9 +17,11 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # Tune a sample model embedded (no daemon) and print baseline, tuned and where outputs are.
+# It tunes into a bank of its own under $(OUT), so the first run is never answered from
+# another bank (a second `make run` is: that is the bank-hit path).
 run: $(STAMP)
 	$(BIN)/python -m aoed.samples $(SAMPLE) -o $(OUT)/models
-	$(BIN)/aoe tune $(OUT)/models/$(SAMPLE).onnx --precision $(PRECISION) --output $(OUT)
+	$(BIN)/aoe tune $(OUT)/models/$(SAMPLE).onnx --precision $(PRECISION) --output $(OUT) --bank $(OUT)/bank
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

@@ -9,10 +9,10 @@ so a small budget gives a smaller search, not an overrun. Without `--budget`, th
 budget is derived from the profiled latencies: enough for the planned rounds of every
 task, the session options and verification, within [`MIN_S`, `MAX_S`].
 
-Spending order: tasks get `SEARCH_SHARE` of the budget, split by their share of the
-model's latency (most expensive first; a task whose slice would be below `TASK_FLOOR_S`
-is left untuned, and the report says so); what the search leaves is split between
-session options (`SESSION_SHARE` of what remains) and verification (the rest).
+Spending order: tasks get `SEARCH_SHARE` of the budget: `TASK_FLOOR_S` each for as many
+as fit (most expensive first; the rest are left untuned, and the report says so), and
+what remains split by their share of the model's latency; what the search leaves is
+split between session options (`SESSION_SHARE` of what remains) and verification.
 """
 
 from __future__ import annotations
@@ -70,17 +70,14 @@ class Budget:
         return max(0.0, self.total_s - self.spent_s)
 
     def for_tasks(self, shares: Mapping[str, float], order: Sequence[str]) -> dict[str, float]:
-        """Seconds per task (in `order`, most expensive first); a task left out gets none."""
+        """Seconds per task (in `order`, most expensive first): every task that fits gets
+        `TASK_FLOOR_S`, and what remains is split by share of the model's latency; the
+        tasks that do not fit (the cheapest) get none."""
         pool = self.remaining_s * SEARCH_SHARE
-        total = sum(shares.get(t, 0.0) for t in order) or 1.0
-        out: dict[str, float] = {}
-        for t in order:
-            want = min(TASK_CEILING_S, max(TASK_FLOOR_S, pool * shares.get(t, 0.0) / total))
-            spent = sum(out.values())
-            if spent + TASK_FLOOR_S > pool and out:
-                break
-            out[t] = min(want, max(TASK_FLOOR_S, pool - spent))
-        return out
+        fit = list(order[: max(1, int(pool // TASK_FLOOR_S))])
+        extra = max(0.0, pool - TASK_FLOOR_S * len(fit))
+        total = sum(shares.get(t, 0.0) for t in fit) or 1.0
+        return {t: min(TASK_CEILING_S, TASK_FLOOR_S + extra * shares.get(t, 0.0) / total) for t in fit}
 
     def for_session(self) -> float:
         return self.remaining_s * SESSION_SHARE

@@ -400,23 +400,36 @@ async def _search(
     if not to_tune:
         return Budget(opts.budget_s or 5.0, ctx.ledger, opts.budget_s is not None), []
     assert ctx.prep is not None
-    ctx.emit("stage", "profiling baseline")
+    prep = ctx.prep
+    ctx.emit("stage", f"profiling baseline, extracting {len(to_tune)} tasks")
     share: dict[str, float] = {}
     task_us: dict[str, float] = {}
     model_us = 0.0
-    try:
-        profile = from_wire(ProfileReply, await ctx.device.call(
-            ProfileRequest(ctx.prep.prepared, ctx.held_back[0], ctx.workspace.scratch, opts.device), ctx.ledger,
-            category="profile"))  # fmt: skip
-        model_us = profile.total_us
-        node_sum = sum(profile.nodes.values()) or 1.0
+
+    async def profile() -> None:
+        nonlocal model_us
+        try:
+            reply = await ctx.device.call(
+                ProfileRequest(prep.prepared, ctx.held_back[0], ctx.workspace.scratch, opts.device), ctx.ledger,
+                category="profile",
+            )  # fmt: skip
+        except DeviceError as exc:  # unranked, the tasks still get tuned
+            ctx.notes.append(f"profiling failed ({exc}); tasks tuned in graph order with equal shares")
+            share.update({t.id: 1.0 / len(tasks) for t in tasks})
+            return
+        prof = from_wire(ProfileReply, reply)
+        model_us = prof.total_us
+        node_sum = sum(prof.nodes.values()) or 1.0
         for t in tasks:
-            us = sum(profile.nodes.get(n, 0.0) for tt in (t, *t.twins) for n in tt.node_names)
+            us = sum(prof.nodes.get(n, 0.0) for tt in (t, *t.twins) for n in tt.node_names)
             share[t.id], task_us[t.id] = us / node_sum, us / max(1, t.instances)
             results[t.id].share = share[t.id]
-    except DeviceError as exc:  # unranked, the tasks still get tuned
-        ctx.notes.append(f"profiling failed ({exc}); tasks tuned in graph order with equal shares")
-        share = {t.id: 1.0 / len(tasks) for t in tasks}
+
+    # The device profiles while a worker writes the task models: neither waits for the other.
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(profile)
+        nursery.start_soon(_work, ctx, ExtractRequest(prep.prepared, tuple(to_tune), ctx.held_back[0],
+                                                      ctx.workspace.scratch / "tasks"), None, "extracting tasks")  # fmt: skip
     if opts.budget_s is not None:
         budget = Budget(opts.budget_s, ctx.ledger, True)
     else:
@@ -430,9 +443,6 @@ async def _search(
             r = results[t.id]
             r.update_mode, r.error = "skipped", f"not tuned: the budget of {budget.total_s:g} s went to costlier tasks"
     to_tune = [t for t in to_tune if t.id in slices]
-    ctx.emit("stage", f"extracting {len(to_tune)} tasks")
-    await _work(ctx, ExtractRequest(ctx.prep.prepared, tuple(to_tune), ctx.held_back[0],
-                                    ctx.workspace.scratch / "tasks"), None, "extracting tasks")  # fmt: skip
     ctx.emit("stage", f"tuning {len(to_tune)} tasks")
     decided: list[TaskDecision] = []
 

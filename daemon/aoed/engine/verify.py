@@ -131,6 +131,9 @@ async def verify(
             and fin.median_us <= base.median_us * (1.0 + decisions.MIN_GAIN)
         )
 
+    if all(name == DEFAULT for name in choices.values()) and not options:
+        # Nothing changed: nothing to verify; the confirming A/B measures the input as shipped.
+        return Verified({}, {}, "reverted to input", "input", None, None, ["nothing changed: nothing to verify"])
     explore = not from_bank
     fin = base = None
     variants_measured = 0
