@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import lmdb
@@ -148,8 +149,13 @@ def test_int8_job_stays_within_budget(models: Path, tmp_path: Path, name: str):
     doc = _result(tmp_path / "o")
     assert doc["basic"]["precision"] == "int8"
     assert doc["calibration"].startswith("synthetic")
-    assert doc["accuracy"]["cosine"] >= 0.999 and doc["accuracy"]["max_rel_error"] <= 0.25
-    assert doc["OPAT"]["model_result_performance(ms)"] <= doc["OPAT"]["model_baseline_performance(ms)"] * 1.02
+    conf = doc["confirmation"]
+    if conf["shipped"] != "input":  # what ships met the budget on the 32 held-back samples
+        acc = doc["accuracy"]
+        assert acc["samples"] == 32 and acc["cosine"] >= 0.999 and acc["max_rel_error"] <= 0.25
+        assert acc["cosine_p5"] >= acc["cosine"]
+        assert conf["verdict"] == "faster" and conf["improvement_ci95"][0] > 0
+    assert doc["OPAT"]["model_performance_improvement"] == pytest.approx(conf["improvement"], abs=1e-4)
     # Independently: the tuned model on inputs the job never saw.
     prep = prepare(models / f"{name}.onnx", tmp_path / "check")
     feeds = make_inputs(prep.inputs, seed=12345)
@@ -158,10 +164,7 @@ def test_int8_job_stays_within_budget(models: Path, tmp_path: Path, name: str):
     for task in doc["tasks"]:
         cands = {c["strategy"]: c for c in task["candidates"] if c.get("ok")}
         if task["strategy"].startswith("int8"):
-            chosen = cands[task["strategy"]]
-            assert chosen["cosine"] >= 0.9995
-            # Faster than the best exact form, which is at least as fast as the default.
-            assert chosen["median_us"] < cands["default"]["median_us"]
+            assert cands[task["strategy"]]["cosine"] >= 0.9995  # the task gate
     assert all(k.endswith(b"/int8") for k in _bank_keys(tmp_path / "bank"))
 
 
@@ -199,6 +202,10 @@ def test_int8_slower_than_exact_stays_exact(tmp_path: Path):
             if "outside the accuracy budget" in why:
                 assert c["cosine"] < doc["accuracy_budget"]["task_min_cosine"] or \
                     c["max_rel_error"] > doc["accuracy_budget"]["task_max_rel_error"], (why, c)
+            elif "dropped after" in why:  # raced out: the quartiles it quotes are its own
+                m = re.search(r"lower quartile ([\d.]+) us above (\w+)'s upper quartile ([\d.]+) us", why)
+                assert m and float(m[1]) == pytest.approx(c["q25_us"], abs=0.06), (why, c)
+                assert float(m[1]) > float(m[3]) * 1.05 - 0.1
             else:  # measured against what the task kept: its best exact form
                 assert f"not clearly faster than {task['strategy']} " in why, why
                 assert f"{c['median_us']:.1f} us vs {cands[task['strategy']]['median_us']:.1f} us" in why, why
