@@ -207,7 +207,8 @@ def _summary(r: Any) -> None:
              else f"confirming A/B, {conf.get('rounds', 0)} interleaved rounds")  # fmt: skip
     lo, hi = conf.get("improvement_ci95", (0.0, 0.0))
     print(f"  baseline     {r.baseline_ms:.4f} ms   ({where})", file=out)
-    print(f"  result       {r.tuned_ms:.4f} ms   ({r.improvement:+.1%}, 95% interval {lo:+.1%} to {hi:+.1%})", file=out)
+    print(f"  result       {r.tuned_ms:.4f} ms   (improvement {r.improvement:+.1%}: the median of the paired "
+          f"round ratios, 95% interval {lo:+.1%} to {hi:+.1%})", file=out)  # fmt: skip
     shipped = {"tuned": "the tuned model ships", "options only": "the input model with session options ships",
                "input": "the input model ships unchanged"}.get(conf.get("shipped", ""), "")  # fmt: skip
     print(f"  verdict      {conf.get('verdict', '?')}: {shipped}", file=out)
