@@ -84,7 +84,17 @@ MAX_DBS = 8
 #: The map readers (and the writer, aoed.bank.store) open a bank with where they may.
 READER_MAP = FULL_MAP
 
-_PRECISIONS = {"exact", "int8", "int4", "fp16", "bf16"}
+#: Precision policy names and their code in aoe.v1.Precision: the one mapping (the bank
+#: codec uses it too).
+PRECISION_CODES = {
+    "exact": bank_pb2.PRECISION_EXACT,
+    "int8": bank_pb2.PRECISION_INT8,
+    "int4": bank_pb2.PRECISION_INT4,
+    "fp16": bank_pb2.PRECISION_FP16,
+    "bf16": bank_pb2.PRECISION_BF16,
+}
+PRECISION_NAMES = {code: name for name, code in PRECISION_CODES.items()}
+_PRECISIONS = set(PRECISION_CODES)
 
 
 def default_bank_path() -> Path:
@@ -321,10 +331,6 @@ class LayerStats:
     map_size: int
     used_bytes: int
     schema_version: int
-
-
-def _precision_name(p: int) -> str:
-    return bank_pb2.Precision.Name(p).removeprefix("PRECISION_").lower() if p else "unspecified"
 
 
 def _fingerprint_diff(a_json: str, b_json: str) -> tuple[str, ...]:

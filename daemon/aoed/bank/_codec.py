@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from aoe.bank import default_doc, parse_key, record_from_json
+from aoe.bank import PRECISION_CODES, PRECISION_NAMES, default_doc, parse_key, record_from_json
 from aoe.signature import SCHEMA_VERSION, DeviceFingerprint, TaskSignature, bank_key
 from aoe.v1 import bank_pb2
 
@@ -22,14 +22,8 @@ __all__ = [
     "winner_us",
 ]  # fmt: skip
 
-_PRECISION = {
-    "exact": bank_pb2.PRECISION_EXACT,
-    "int8": bank_pb2.PRECISION_INT8,
-    "int4": bank_pb2.PRECISION_INT4,
-    "fp16": bank_pb2.PRECISION_FP16,
-    "bf16": bank_pb2.PRECISION_BF16,
-}
-_PRECISION_NAME = {v: k for k, v in _PRECISION.items()}
+_PRECISION = PRECISION_CODES
+_PRECISION_NAME = PRECISION_NAMES
 
 
 @dataclass(frozen=True)
