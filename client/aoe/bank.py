@@ -225,12 +225,13 @@ def default_doc(rec: bank_pb2.DefaultRecord) -> dict[str, Any]:
 class _Layer:
     """One read-only LMDB environment and its named databases."""
 
-    __slots__ = ("defaults", "entries", "env", "gate", "history", "meta", "name", "path", "schema")
+    __slots__ = ("defaults", "entries", "env", "full", "gate", "history", "meta", "name", "path", "schema")
 
     def __init__(self, name: str, path: Path):
         self.name = name
         self.path = path
         self.gate = TxnGate()
+        self.full = False
         if not (path / "data.mdb").is_file():
             raise BankError(
                 f"bank {path}: no bank here (no data.mdb); tune a model into it first "
@@ -270,10 +271,12 @@ class _Layer:
         # that a growing bank rarely needs a remap (see `read`).
         for size in MAP_SIZES:
             try:
-                return lmdb.open(
+                env = lmdb.open(
                     str(self.path), readonly=True, lock=lock, max_dbs=MAX_DBS, subdir=True,
                     create=False, readahead=False, map_size=size,
                 )  # fmt: skip
+                self.full = size == FULL_MAP
+                return env
             except lmdb.MemoryError:
                 continue  # address space limited (ulimit -v): try a smaller map
         raise BankError(f"bank {self.path}: cannot map the bank into memory; raise the address space limit (ulimit -v)")
@@ -283,11 +286,32 @@ class _Layer:
         """A read transaction on `db`, ended when the block ends. A writer that grew the
         bank past our map (where the full map could not be reserved, or a writer that
         mapped more) is followed by a remap under the layer's gate; lmdb errors leave
-        as BankError."""
+        as BankError.
+
+        With the full map reserved (the usual case) no writer can outgrow it, so there
+        is never a remap to guard against, and the gate is skipped: a lookup costs one
+        plain read transaction."""
+        if self.full:
+            with lmdb_errors(self.path, doing, self.env):
+                txn = self.env.begin(db=db)
+                try:
+                    yield txn
+                finally:
+                    txn.abort()
+            return
         with lmdb_errors(self.path, doing, self.env), self.gate.transaction(self.env, self.path, db=db) as txn:
             yield txn
 
     def get(self, key: bytes, db: Any = None) -> bytes | None:
+        if self.full:  # the hot path of every lookup: no context managers
+            try:
+                txn = self.env.begin(db=self.entries if db is None else db)
+                try:
+                    return txn.get(key)
+                finally:
+                    txn.abort()
+            except lmdb.Error as exc:
+                raise bank_error(exc, self.path, "lookup") from None
         with self.read(self.entries if db is None else db) as txn:
             return txn.get(key)
 

@@ -228,7 +228,10 @@ def _summary(r: Any) -> None:
         print(f"    {t.op_name:<40} {t.op_type:<14} {t.strategy:<22} {t.improvement:+.1%}", file=out)
     if r.session_options:
         print(f"  session      {r.session_options}", file=out)
-    if r.precision != "exact":
+    if r.precision != "exact" and conf.get("shipped") == "input":
+        print("  accuracy     the input model ships: its outputs are the reference", file=out)
+        print(f"  calibration  {r.calibration}", file=out)
+    elif r.precision != "exact":
         acc = r.accuracy
         top1 = acc.get("top1_agreement")
         print(f"  accuracy     over {acc.get('samples', 1)} held-back samples: cosine min {acc.get('cosine', 0):.5f}, "
@@ -237,6 +240,7 @@ def _summary(r: Any) -> None:
               + f" (budget: cosine >= {r.budget.get('min_cosine')}, max rel error <= {r.budget.get('max_rel_error')})",
               file=out)  # fmt: skip
         print(f"  calibration  {r.calibration}", file=out)
+    if r.precision != "exact":
         for t in r.tasks:
             if t.rejected and not t.strategy.startswith("int8"):
                 print(f"    {t.op_name:<40} kept {t.strategy}: {t.rejected[0]}", file=out)

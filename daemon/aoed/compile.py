@@ -1,4 +1,4 @@
-"""`aoe compile`: the tuned model a bank describes, built with no measurement.
+"""`aoe compile`: the tuned model a bank describes, built from the bank alone.
 
     prepare (as tuning does) -> the bank's answer for every task and for the model
     (engine/assemble.from_bank, through AOE's bank rules) -> the strategies applied
