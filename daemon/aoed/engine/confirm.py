@@ -13,9 +13,10 @@ writes as its result comes from these rounds:
   them with the whole interval below 1 (an option that won under transient load, such
   as spinning, does not survive a quiet round here);
 - the proposal ships only if it is faster than the input with the whole interval below
-  1 ("faster"); otherwise the input ships ("no significant change", or "slower"), and
-  its own figures, measured in the same rounds, are the result. Nothing measured slower
-  ships.
+  1 ("faster"), and faster in the same way than the input's second session (its shipped
+  copy: two sessions of one model show the noise floor of these rounds); otherwise the
+  input ships ("no significant change", or "slower"), and its own figures, measured in
+  the same rounds, are the result. Nothing measured slower ships.
 """
 
 from __future__ import annotations
@@ -131,7 +132,20 @@ async def confirm(
             imp, imp_ci = _improvement(med, ci)
             proposal_figures = {"kind": kind, "result_ms": cand.median_us / 1000, "improvement": imp,
                                 "improvement_ci95": list(imp_ci)}  # fmt: skip
-            if verdict == "faster":
+            # Two sessions of the input model (the file itself and its shipped copy) are
+            # the noise floor of these rounds: the proposal must beat both, so a session
+            # that happened to run slow in every round cannot make a gain.
+            copy = measured["input_copy"]
+            c_verdict, c_med, c_ci = verdict_of(stats.paired_ratios(cand.rounds_us, copy.rounds_us)) \
+                if copy.ok else ("not measured", 1.0, (1.0, 1.0))  # fmt: skip
+            if verdict == "faster" and c_verdict != "faster":
+                verdict = "no significant change"
+                notes.append(
+                    f"{kind} model not shipped: faster than the input ({imp:+.1%}) but not than the input's "
+                    f"second session in the same rounds (ratio {c_med:.3f}, 95% interval "
+                    f"[{c_ci[0]:.3f}, {c_ci[1]:.3f}]): within the noise of these rounds"
+                )
+            elif verdict == "faster":
                 ship, ship_kind, ship_path = name, kind, path
             else:
                 notes.append(
