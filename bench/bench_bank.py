@@ -222,12 +222,14 @@ def aggregate(
 # --------------------------------------------------------------------------- report
 
 
-def write_section(text: str, out: Path = RESULTS) -> None:
+def write_section(text: str, out: Path = RESULTS, begin: str = BEGIN, end: str = END) -> None:
+    """Put `text` between the `begin` and `end` markers of the results file (appended
+    when they are not there yet), leaving every other section as it is."""
     doc = out.read_text() if out.exists() else HEADER
-    block = f"{BEGIN}\n{text.rstrip()}\n{END}"
-    if BEGIN in doc and END in doc:
-        head, rest = doc.split(BEGIN, 1)
-        _, tail = rest.split(END, 1)
+    block = f"{begin}\n{text.rstrip()}\n{end}"
+    if begin in doc and end in doc:
+        head, rest = doc.split(begin, 1)
+        _, tail = rest.split(end, 1)
         doc = head + block + tail
     else:
         doc = doc.rstrip() + "\n\n" + block + "\n"

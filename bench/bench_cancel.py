@@ -102,14 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     text = "\n".join(lines)
     print(text)
     if not args.no_write:
-        doc = args.out.read_text() if args.out.exists() else ""
-        block = f"{BEGIN}\n{text}\n{END}"
-        if BEGIN in doc and END in doc:
-            head, rest = doc.split(BEGIN, 1)
-            doc = head + block + rest.split(END, 1)[1]
-        else:
-            doc = doc.rstrip() + "\n\n" + block + "\n"
-        args.out.write_text(doc)
+        from bench_bank import write_section
+
+        write_section(text, args.out, BEGIN, END)
     return 0
 
 

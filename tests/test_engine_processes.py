@@ -103,10 +103,15 @@ def _state(pid: int) -> str:
     return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
 
 
-def _cpus(pid: int) -> str:
+def _cpus(pid: int) -> set[int]:
+    """The cores a process may run on, from its Cpus_allowed_list (e.g. "0,2-3")."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("Cpus_allowed_list:"):
-            return line.split(":", 1)[1].strip()
+            out: set[int] = set()
+            for part in line.split(":", 1)[1].strip().split(","):
+                lo, _, hi = part.partition("-")
+                out.update(range(int(lo), int(hi or lo) + 1))
+            return out
     raise AssertionError("no Cpus_allowed_list")
 
 
@@ -240,8 +245,8 @@ async def test_dedicated_cores_pin_the_runner_and_never_pause_workers(mlp_task, 
         assert not device.pausing and device.cores == 1
         assert (await pool.call(_compile(task, "default", tmp_path / "a.onnx")))["ok"]
         worker_pid, runner_pid = pool.pids[0], device.runner_pid
-        assert _cpus(runner_pid) == str(cpus[0])
-        assert _cpus(worker_pid) == ",".join(map(str, cpus[1:])) or "-" in _cpus(worker_pid)
+        assert _cpus(runner_pid) == {cpus[0]}
+        assert _cpus(worker_pid) == set(cpus[1:])
         done = []
 
         async def submit():

@@ -10,6 +10,7 @@ measurement, no writes, no onnxruntime.
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
@@ -213,8 +214,6 @@ def from_bank(
     """What `bank` knows for the prepared `model` on `device`: the choices to apply (each
     checked to apply to its task and twins), the session options, and a report per task.
     Returns (assembly, the tunable tasks)."""
-    import json
-
     sig = model_signature(model)
     key = bankrules.key_for(sig, device, precision)
     session = TaskOutcome("session", "", "SessionOptions", 1, "miss", key=key.decode())
@@ -250,8 +249,7 @@ def from_bank(
         outcomes.append(base)
     asm = Assembly(choices, options, outcomes, session)
     confirmed = bankrules.confirmed(ans_model)
-    digests = {t.id: t.signature.digest for t in tasks}
-    key_now = bankrules.choices_digest({digests[tid]: s for tid, s in choices.items()}, options)
+    key_now = bankrules.choices_digest(tasks, choices, options)
     if confirmed is not None and confirmed.get("choices") == key_now:
         job = confirmed.get("job", "the tuning run")
         if confirmed.get("shipped") == "input":

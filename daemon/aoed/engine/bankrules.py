@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from aoe.partition import Task
 from aoe.signature import DeviceFingerprint, TaskSignature, bank_key
 from aoed import __version__
 from aoed.bank._codec import BankRecord, Measured
@@ -34,7 +35,6 @@ from aoed.engine.messages import Measurement
 from aoed.engine.registry import DEFAULT
 
 __all__ = [
-    "MODES",
     "BankAnswer",
     "Outcome",
     "after_tuning",
@@ -46,10 +46,6 @@ __all__ = [
     "repo_summary",
     "reverted_digests",
 ]
-
-#: Per-task update modes as AOE reports them (plus ours: failed, not measurable here;
-#: skipped, left untuned by the budget).
-MODES = ("add", "update", "reserved", "hit", "unsatisfied", "failed", "skipped")
 
 
 @dataclass(frozen=True)
@@ -105,11 +101,13 @@ def confirmed(ans: BankAnswer) -> dict[str, Any] | None:
     return doc if isinstance(doc, dict) else None
 
 
-def choices_digest(choices: Mapping[str, str], options: Mapping[str, Any]) -> str:
-    """What a confirmation is valid for: the strategy chosen per task signature (digest
-    -> name, defaults left out) and the session options. The device, runtime and
-    precision are in the record's key already."""
-    text = json.dumps({"tasks": dict(sorted(choices.items())), "options": dict(options)}, sort_keys=True)
+def choices_digest(tasks: Iterable[Task], choices: Mapping[str, str], options: Mapping[str, Any]) -> str:
+    """What a confirmation is valid for: the strategy chosen per task (`choices`: task id
+    -> name; absent or default left out), keyed by the task's signature so any model
+    with these tasks agrees, and the session options. The device, runtime and precision
+    are in the record's key already."""
+    by_sig = {t.signature.digest: choices[t.id] for t in tasks if choices.get(t.id, DEFAULT) != DEFAULT}
+    text = json.dumps({"tasks": dict(sorted(by_sig.items())), "options": dict(options)}, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()
 
 

@@ -159,7 +159,7 @@ async def confirm(
     s_verdict, s_med, s_ci = verdict_of(ratios(shipped)) if ratios(shipped) else ("no significant change", 1.0, (1.0, 1.0))
     imp, imp_ci = _improvement(s_med, s_ci)
     conf = Confirmation(
-        verdict=verdict if ship_kind != "input" else ("no significant change" if proposal.kind == "input" else verdict),
+        verdict=verdict,
         shipped=ship_kind,
         baseline_ms=base.median_us / 1000,
         result_ms=shipped.median_us / 1000,

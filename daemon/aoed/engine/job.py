@@ -104,14 +104,6 @@ class JobResult:
     def duty_cycle(self) -> float:
         return float(self.resources.get("duty_cycle", 0.0))
 
-    @property
-    def trials(self) -> int:
-        return int(self.resources.get("trials", 0))
-
-    @property
-    def failed_candidates(self) -> int:
-        return int(self.resources.get("failed_candidates", 0))
-
 
 class JobHandle:
     """Cancels one running job from outside it (an RPC, a signal handler, a test).

@@ -34,16 +34,13 @@ class JobLedger:
     compile_requests: int = 0
     #: peak resident memory of any child process while it worked for this job
     peak_child_rss_mb: float = 0.0
-    #: (seconds into the job, device seconds) of every device request: the busy timeline
-    device_spans: list[tuple[float, float]] = field(default_factory=list)
     #: device seconds by what they were for (search, session, verify, profile, confirm)
     device_by: dict[str, float] = field(default_factory=dict)
 
-    def charge_device(self, start: float, seconds: float, category: str = "other") -> None:
+    def charge_device(self, seconds: float, category: str = "other") -> None:
         self.device_s += seconds
         self.device_requests += 1
         self.device_by[category] = self.device_by.get(category, 0.0) + seconds
-        self.device_spans.append((round(start - self.started, 3), round(seconds, 3)))
 
     def charge_compile(self, seconds: float) -> None:
         self.compile_s += seconds

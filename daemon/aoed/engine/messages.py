@@ -178,8 +178,6 @@ class PrepareReply:
     #: integer inputs that index a table (token ids): their upper bound
     int_high: dict[str, int] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
-    nodes: int = 0
-    model_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -381,10 +379,6 @@ class MeasureRequest:
     reference: str | None
     device: Device
     plan: MeasurePlan = field(default_factory=MeasurePlan)
-
-    @property
-    def budget_s(self) -> float:
-        return self.plan.budget_s
 
 
 @dataclass(frozen=True)

@@ -213,9 +213,7 @@ async def run_stages(ctx: JobContext) -> JobResult:
     digests = {t.id: t.signature.digest for t in tasks}
     from_bank = not to_tune and session.mode == "hit"
     cached = bankrules.confirmed(model_ans) if from_bank and not opts.repeat_tune else None
-    choice_key = bankrules.choices_digest(
-        {digests[tid]: s for tid, s in chosen.items() if s != DEFAULT}, session.options
-    )
+    choice_key = bankrules.choices_digest(tasks, chosen, session.options)
     if cached is not None and cached.get("choices") == choice_key:
         v = Verified(dict(chosen), session.options, "tuned", "assembled", None, None,
                      [f"verification and the confirming A/B answered from the bank (job {cached.get('job', '?')})"])  # fmt: skip
@@ -240,11 +238,11 @@ async def run_stages(ctx: JobContext) -> JobResult:
         # derive from it: each task's stored strategy but those reverted in context, and
         # the options stored with the model.
         stored = {
-            digests[tid]: r.strategy for tid, r in results.items()
-            if r.strategy != DEFAULT and r.update_mode not in ("skipped", "failed") and digests[tid] not in reverted
+            tid: r.strategy for tid, r in results.items()
+            if r.update_mode not in ("skipped", "failed") and digests[tid] not in reverted
         }  # fmt: skip
         stored_options = shipped_options if conf.shipped != "input" else {}
-        confirmed_doc = conf.params(bankrules.choices_digest(stored, stored_options), ctx.job_id)
+        confirmed_doc = conf.params(bankrules.choices_digest(tasks, stored, stored_options), ctx.job_id)
     await remember_context(
         ctx, prep.model_signature, model_ans,
         SessionChoice(shipped_options if conf.shipped != "input" else {}, session.mode, session.write),

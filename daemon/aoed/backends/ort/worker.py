@@ -72,7 +72,6 @@ def _prepare(req: m.PrepareRequest) -> m.PrepareReply:
     from aoed.backends.ort.sessions import session
     from aoed.engine.assemble import model_signature, tunable_tasks
     from aoed.engine.calibration import integer_ranges
-    from aoed.engine.modelio import tensor_bytes
     from aoed.engine.prep import prepare
 
     prep = prepare(req.source, req.workdir, req.input_shapes, req.keep_initializer_inputs)
@@ -90,8 +89,6 @@ def _prepare(req: m.PrepareRequest) -> m.PrepareReply:
         model_signature=model_signature(prep.model),
         int_high=integer_ranges(prep.model, prep.inputs),
         notes=tuple(prep.notes),
-        nodes=len(prep.model.graph.node),
-        model_bytes=tensor_bytes(prep.model),
     )
 
 
