@@ -56,9 +56,24 @@ class BankAnswer:
     default: Mapping[str, Any] | None = None
     reason: str = ""
 
-    def usable(self, repeat_tune: bool) -> bool:
-        """True when the bank settles the task without measuring (AOE: no REPEAT_TUNE)."""
-        return self.kind in ("hit", "default") and not repeat_tune
+    def usable(self, repeat_tune: bool, resumes: str = "") -> bool:
+        """True when the bank settles the task without measuring (AOE: no REPEAT_TUNE).
+
+        With REPEAT_TUNE, what the job `resumes` (an interrupted run of the same job, by
+        its id) decided before it stopped still settles the task: a resumed job never
+        measures a task twice."""
+        if self.kind not in ("hit", "default"):
+            return False
+        if not repeat_tune:
+            return True
+        return bool(resumes) and self.job_id == resumes
+
+    @property
+    def job_id(self) -> str:
+        """The job that wrote this answer's record."""
+        if self.kind == "hit" and self.record is not None:
+            return self.record.job_id
+        return str((self.default or {}).get("job", ""))
 
     @property
     def default_us(self) -> float:

@@ -116,7 +116,7 @@ class Engine:
         except AoedError:
             raise
         handle = handle or JobHandle()
-        ledger = JobLedger(job_id, emit)
+        ledger = JobLedger(job_id, emit, weight=max(1, opts.weight))
         ctx = JobContext(
             opts=opts, job_id=job_id, pool=self.pool, device=self.device, bank=self.bank,
             registry=self.registry, policy=prec, fingerprint=opts.device.fingerprint(),

@@ -38,6 +38,11 @@ class JobOptions:
     keep_workspace: bool = False
     #: empty: the engine assigns a unique one
     job_id: str = ""
+    #: the id of an interrupted run of this job: what it decided is not measured again,
+    #: even with repeat_tune (the daemon's resume after a restart)
+    resumes: str = ""
+    #: scheduling weight among jobs sharing the engine's agents (fair share); >= 1
+    weight: int = 1
 
 
 @dataclass

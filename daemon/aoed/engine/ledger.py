@@ -27,6 +27,8 @@ def new_job_id() -> str:
 class JobLedger:
     job_id: str
     emit: Callable[[JobEvent], None] = lambda event: None
+    #: share of the agents among running jobs (their queues serve jobs by weight)
+    weight: int = 1
     started: float = field(default_factory=time.monotonic)
     device_s: float = 0.0
     device_requests: int = 0

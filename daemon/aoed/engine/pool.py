@@ -102,7 +102,7 @@ class CompilePool:
                 for child in self._children:
                     await child.aclose()
 
-    async def _slot(self, child: Child, requests: trio.MemoryReceiveChannel) -> None:
+    async def _slot(self, child: Child, requests: _pending._Receiver[dict[str, Any]]) -> None:
         async def handle(request: dict[str, Any], job: JobLedger | None) -> dict[str, Any]:
             op = str(request.get("op"))
             seconds = float(request.pop("timeout_s", None) or self._timeouts.get(op, DEFAULT_TIMEOUT))

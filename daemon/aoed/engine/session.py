@@ -64,7 +64,7 @@ async def search_session(
     """Choose model-wide session options for the model at `model_path`, within what
     `budget` has left (dimensions it cannot afford are not tried); a device failure ends
     the search with what it found."""
-    if ans.usable(ctx.opts.repeat_tune):
+    if ans.usable(ctx.opts.repeat_tune, ctx.opts.resumes):
         if ans.record is not None:
             return SessionChoice(json.loads(ans.record.strategy), "hit")
         return SessionChoice({}, "hit")

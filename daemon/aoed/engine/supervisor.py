@@ -158,7 +158,7 @@ async def run_stages(ctx: JobContext) -> JobResult:
         if a.kind == "hit" and a.record is not None:
             hits[t.id] = a.record
             r.bank_layer = a.layer
-        if not a.usable(opts.repeat_tune):
+        if not a.usable(opts.repeat_tune, opts.resumes):
             to_tune.append(t)
         elif a.record is not None:
             rec = a.record
