@@ -12,6 +12,7 @@ Every environment variable the project honours is read here and nowhere else:
   AOED_PLUGINS           strategy plugin modules (comma separated)
   AOED_RUNTIME_DIR       where per-device measurement locks live
   AOED_CONFIG            the TOML file, when --config is not given
+  AOED_SOCKET            the daemon's unix socket (clients and the daemon)
 
 The TOML file:
 
@@ -30,6 +31,9 @@ The TOML file:
   [log]
   level = "warning"
 
+The daemon's own sections ([daemon], [listen], [limits], [[inbox]]) are read by
+`aoed.config`.
+
 Errors are `OptionError`s that name the key and where it came from.
 """
 
@@ -46,7 +50,7 @@ from typing import Any
 from aoe.device import CPU, Device
 from aoe.errors import OptionError
 
-__all__ = ["Config", "bank_from_env", "default_parallel", "layers_from_env", "load_config", "parse_parallel"]
+__all__ = ["DAEMON_SECTIONS", "Config", "bank_from_env", "default_socket", "default_parallel", "layers_from_env", "load_config", "parse_parallel"]
 
 _LEVELS = ("debug", "info", "warning", "error")
 
@@ -74,9 +78,26 @@ def _default_runtime_dir() -> Path:
 
 
 def _default_bank() -> Path:
+    if os.geteuid() == 0:
+        return Path("/var/lib/aoed/bank")
     import platformdirs
 
     return Path(platformdirs.user_data_dir("aoed")) / "bank"
+
+
+#: Sections of the TOML file that only the daemon reads (aoed.config checks them).
+DAEMON_SECTIONS = ("daemon", "listen", "limits", "inbox")
+
+
+def default_socket(env: Mapping[str, str] | None = None) -> Path:
+    """The daemon's unix socket: AOED_SOCKET, else `aoed.sock` in the runtime dir
+    (/run/aoed for root, else $XDG_RUNTIME_DIR/aoed, else a per-user temp dir)."""
+    env = os.environ if env is None else env
+    raw = env.get("AOED_SOCKET", "").strip()
+    if raw:
+        return Path(raw).expanduser()
+    runtime = env.get("AOED_RUNTIME_DIR", "").strip()
+    return (Path(runtime).expanduser() if runtime else _default_runtime_dir()) / "aoed.sock"
 
 
 @dataclass(frozen=True)
@@ -151,6 +172,8 @@ def _from_toml(path: Path) -> tuple[dict[str, Any], dict[str, str]]:
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
     for section, table in doc.items():
+        if section in DAEMON_SECTIONS:
+            continue
         if not isinstance(table, dict):
             raise OptionError(f"{path}: {section!r} must be a [section]")
         for key, raw in table.items():

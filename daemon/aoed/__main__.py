@@ -1,30 +1,88 @@
-"""`aoed`: the tuning daemon's entry point.
+"""`aoed`: the tuning daemon's entry point: configuration, logging, trio.run(Daemon).
 
-The long-running service (gRPC on a unix socket, watched inbox folders, systemd
-notification) is not part of this version. Until it is, `aoed` says so plainly
-instead of pretending to serve; the same engine runs embedded through `aoe tune`.
+    aoed [--config FILE] [--check-config] [--log-level LEVEL]
+
+gRPC core does not survive fork(): `GRPC_ENABLE_FORK_SUPPORT` is switched off here,
+before anything imports grpc, and every child process the daemon starts is a fresh
+interpreter started through exec (see aoed.engine._child), which also drops the service
+manager's variables (NOTIFY_SOCKET, WATCHDOG_*) from its environment.
 """
 
 from __future__ import annotations
 
-import argparse
-import sys
-from collections.abc import Sequence
+import os
 
-from aoed import __version__
+os.environ["GRPC_ENABLE_FORK_SUPPORT"] = "0"  # before grpc is imported, by anything
+
+import argparse  # noqa: E402
+import logging  # noqa: E402
+import sys  # noqa: E402
+from collections.abc import Sequence  # noqa: E402
+
+from aoed import __version__  # noqa: E402
+
+
+def _logging(level: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.addHandler(handler)
+    root.setLevel(getattr(logging, level.upper()))
+    logging.getLogger("aoed").setLevel(getattr(logging, level.upper()))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="aoed", description="aoed tuning daemon")
-    parser.add_argument("--config", help="path to aoed.toml")
+    parser = argparse.ArgumentParser(prog="aoed", description="aoed: the tuning daemon (gRPC, watched folders)")
+    parser.add_argument("--config", help="path to aoed.toml (default: AOED_CONFIG, else built-in defaults)")
+    parser.add_argument("--check-config", action="store_true", help="validate the configuration, print it, and exit")
+    parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"],
+                        help="log level (default: [log] level, else info)")  # fmt: skip
     parser.add_argument("--version", action="version", version=f"aoed {__version__}")
-    parser.parse_args(argv)
-    print(
-        "aoed: the daemon (gRPC service, watched folders) is not available in this version; "
-        "run `aoe tune MODEL` to tune embedded",
-        file=sys.stderr,
-    )
-    return 2
+    args = parser.parse_args(argv)
+
+    from aoe.errors import AoedError
+    from aoed.config import load_daemon_config
+
+    try:
+        cfg = load_daemon_config(args.config)
+    except AoedError as exc:
+        print(f"aoed: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    if args.check_config:
+        print(f"aoed: configuration {cfg.source} is valid")
+        print(f"  listen      {', '.join(cfg.listen_addresses())}")
+        print(f"  state dir   {cfg.state_dir}")
+        print(f"  bank        {cfg.engine.bank}" + (f" (layers: {', '.join(map(str, cfg.engine.bank_layers))})"
+                                                     if cfg.engine.bank_layers else ""))  # fmt: skip
+        print(f"  device      {cfg.engine.device}, {cfg.engine.parallel} compile workers")
+        print(f"  jobs        {cfg.max_running_jobs} at once, {cfg.max_queued_jobs} queued at most")
+        for inbox in cfg.inboxes:
+            print(f"  inbox       {inbox.path} -> {inbox.outbox} (failed: {inbox.failed})")
+        print(f"  allowed     {', '.join(map(str, cfg.allowed_dirs)) or '(no daemon-side paths)'}")
+        return 0
+    level = args.log_level or (cfg.engine.log_level if "log_level" in cfg.engine.sources else "info")
+    _logging(level)
+
+    import trio
+
+    from aoed.service import Daemon
+
+    try:
+        trio.run(Daemon(cfg, args.config).run)
+    except AoedError as exc:
+        print(f"aoed: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except BaseExceptionGroup as group:
+        match, _ = group.split(AoedError)
+        while isinstance(match, BaseExceptionGroup):
+            match = match.exceptions[0]
+        if match is None:
+            raise
+        print(f"aoed: error: {match}", file=sys.stderr)
+        return match.exit_code
+    except KeyboardInterrupt:
+        return 130
+    return 0
 
 
 if __name__ == "__main__":

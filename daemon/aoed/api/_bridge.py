@@ -1,0 +1,183 @@
+"""The one place where gRPC's threads cross into trio.
+
+grpcio's sync server runs each RPC on a thread of its pool; the daemon's state lives in
+one trio run. A servicer method calls `bridge.call(context, afn, ...)` (unary answers) or
+`bridge.stream(context, agen_fn, ...)` (server streams), and nothing else in `api/` may
+touch trio from a thread.
+
+Invariants:
+- The trio side of an RPC runs inside its own cancel scope. When the client cancels,
+  disconnects or its deadline passes, grpc runs the context's callback, which cancels
+  that scope from the thread through the run's token; the trio code sees an ordinary
+  trio.Cancelled and cleans up as on any cancellation.
+- An AoedError raised on the trio side ends the RPC with the status of its class and
+  its one-line message; anything else is INTERNAL with a message saying so (and is
+  logged with its traceback, because it is a bug).
+- When the trio run is gone (shutting down), calls end with UNAVAILABLE.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any, NoReturn, TypeVar
+
+import grpc
+import trio
+
+from aoe.errors import AoedError
+
+__all__ = ["Bridge", "NotFoundError", "RpcError"]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class RpcError(AoedError):
+    """An error that carries its own status code (e.g. NOT_FOUND, RESOURCE_EXHAUSTED)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+class NotFoundError(RpcError):
+    def __init__(self, message: str):
+        super().__init__(grpc.StatusCode.NOT_FOUND, message)
+
+
+def status_of(exc: AoedError) -> grpc.StatusCode:
+    if isinstance(exc, RpcError):
+        return exc.code
+    return getattr(grpc.StatusCode, exc.grpc_status, grpc.StatusCode.INTERNAL)
+
+
+class _Call:
+    """One RPC's link to its trio scope; safe to cancel before the scope exists."""
+
+    def __init__(self, token: trio.lowlevel.TrioToken):
+        self._token = token
+        self._lock = threading.Lock()
+        self._scope: trio.CancelScope | None = None
+        self.cancelled = False
+
+    def attach(self, scope: trio.CancelScope) -> None:  # trio thread
+        with self._lock:
+            self._scope = scope
+            if self.cancelled:
+                scope.cancel()
+
+    def cancel(self) -> None:  # any thread (grpc's callback)
+        with self._lock:
+            self.cancelled = True
+            scope = self._scope
+        if scope is not None:
+            try:
+                self._token.run_sync_soon(scope.cancel)
+            except trio.RunFinishedError:
+                pass
+
+
+class Bridge:
+    """Runs trio code for gRPC handler threads; created inside the trio run. Stream
+    producers run in `nursery` (the api agent's), so they end with it."""
+
+    def __init__(self, nursery: trio.Nursery) -> None:
+        self._token = trio.lowlevel.current_trio_token()
+        self._nursery = nursery
+
+    def _link(self, context: grpc.ServicerContext) -> _Call:
+        call = _Call(self._token)
+        # Runs when the RPC ends for any reason; after a normal end it cancels nothing.
+        if not context.add_callback(call.cancel):
+            call.cancelled = True  # the RPC already ended
+        return call
+
+    def _deadline(self, context: grpc.ServicerContext) -> float | None:
+        remaining = context.time_remaining()
+        return None if remaining is None else max(0.0, remaining)
+
+    def call(self, context: grpc.ServicerContext, afn: Callable[..., Awaitable[T]], *args: Any) -> T:
+        """Run `await afn(*args)` in trio and return its value; ends the RPC with the
+        mapped status when it raises. Client cancellation cancels it."""
+        call = self._link(context)
+        remaining = self._deadline(context)
+
+        async def scoped() -> Any:
+            with trio.CancelScope() as scope:
+                if remaining is not None:
+                    scope.deadline = trio.current_time() + remaining
+                call.attach(scope)
+                return ("ok", await afn(*args))
+            return ("cancelled", None)
+
+        try:
+            kind, value = trio.from_thread.run(scoped, trio_token=self._token)
+        except AoedError as exc:
+            _abort(context, exc)
+        except trio.RunFinishedError:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "the daemon is shutting down")
+        except Exception as exc:  # a bug: say so, keep serving
+            log.exception("internal error in %s", getattr(afn, "__qualname__", afn))
+            context.abort(grpc.StatusCode.INTERNAL, f"internal error in the daemon: {type(exc).__name__}: {exc}")
+        if kind == "cancelled":
+            if remaining is not None and context.time_remaining() is not None and context.time_remaining() <= 0:
+                context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")
+            context.abort(grpc.StatusCode.CANCELLED, "cancelled")
+        return value
+
+    def stream(
+        self, context: grpc.ServicerContext, agen_fn: Callable[..., AsyncIterator[T]], *args: Any, buffer: int = 16
+    ) -> Iterator[T]:
+        """Yield what the async iterator `agen_fn(*args)` yields, produced by a trio task;
+        the producer is cancelled when the client goes away, and its errors end the RPC
+        with their mapped status. At most `buffer` items wait for a slow client."""
+        call = self._link(context)
+        remaining = self._deadline(context)
+        send, recv = trio.from_thread.run_sync(lambda: trio.open_memory_channel[Any](buffer), trio_token=self._token)
+
+        async def produce() -> None:
+            async with send:
+                with trio.CancelScope() as scope:
+                    if remaining is not None:
+                        scope.deadline = trio.current_time() + remaining
+                    call.attach(scope)
+                    try:
+                        async for item in agen_fn(*args):
+                            await send.send(("item", item))
+                    except AoedError as exc:
+                        await send.send(("error", exc))
+                    except Exception as exc:
+                        log.exception("internal error in stream %s", getattr(agen_fn, "__qualname__", agen_fn))
+                        await send.send(("error", AoedError(f"internal error in the daemon: {type(exc).__name__}: {exc}")))
+
+        try:
+            trio.from_thread.run_sync(self._nursery.start_soon, produce, trio_token=self._token)
+            while True:
+                try:
+                    kind, value = trio.from_thread.run(recv.receive, trio_token=self._token)
+                except trio.EndOfChannel:
+                    break
+                if kind == "error":
+                    _abort(context, value)
+                yield value
+        except trio.RunFinishedError:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "the daemon is shutting down")
+        finally:
+            call.cancel()
+            try:
+                trio.from_thread.run_sync(recv.close, trio_token=self._token)
+            except trio.RunFinishedError:
+                pass
+
+    def run_sync(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run a quick synchronous `fn(*args)` in the trio thread (reads of trio-owned
+        state); AoedErrors propagate to the caller to map."""
+        return trio.from_thread.run_sync(fn, *args, trio_token=self._token)
+
+
+def _abort(context: grpc.ServicerContext, exc: AoedError) -> NoReturn:
+    context.abort(status_of(exc), str(exc))
+    raise AssertionError("unreachable")  # context.abort raises

@@ -1,0 +1,312 @@
+"""TuningService: submit, watch, get, list, cancel, upload and download, over the job
+manager. Methods are protobuf -> domain, one bridge call, domain -> protobuf.
+
+Uploads are written to disk in the handler's thread (no trio state is touched until the
+file is complete and its sha256 checked), then registered in one bridge call. Paths a
+client names (a model, a calibration folder, an output folder) must resolve, symlinks
+included, inside the configured allowed directories.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from aoe.errors import OptionError
+from aoe.v1 import bank_pb2, tuning_pb2, tuning_pb2_grpc
+from aoed.api._bridge import Bridge, NotFoundError, RpcError
+from aoed.config import DaemonConfig
+from aoed.jobs import store as st
+from aoed.jobs.manager import JobManager, Submission, options_from_dict
+from aoed.jobs.store import EventRow, JobRow, Upload
+
+__all__ = ["TuningServicer", "confine"]
+
+CHUNK = 1 << 20
+
+_STATE = {
+    st.QUEUED: tuning_pb2.JOB_STATE_QUEUED, st.PREPARING: tuning_pb2.JOB_STATE_PREPARING,
+    st.TUNING: tuning_pb2.JOB_STATE_TUNING, st.VERIFYING: tuning_pb2.JOB_STATE_VERIFYING,
+    st.SUCCEEDED: tuning_pb2.JOB_STATE_SUCCEEDED, st.FAILED: tuning_pb2.JOB_STATE_FAILED,
+    st.CANCELLED: tuning_pb2.JOB_STATE_CANCELLED,
+}  # fmt: skip
+_STATE_NAME = {v: k for k, v in _STATE.items()}
+_LEVEL = {"debug": tuning_pb2.LOG_LEVEL_DEBUG, "info": tuning_pb2.LOG_LEVEL_INFO,
+          "warning": tuning_pb2.LOG_LEVEL_WARNING, "error": tuning_pb2.LOG_LEVEL_ERROR}  # fmt: skip
+_PRECISION = {bank_pb2.PRECISION_UNSPECIFIED: "exact", bank_pb2.PRECISION_EXACT: "exact",
+              bank_pb2.PRECISION_INT8: "int8", bank_pb2.PRECISION_INT4: "int4"}  # fmt: skip
+_PRECISION_CODE = {"exact": bank_pb2.PRECISION_EXACT, "int8": bank_pb2.PRECISION_INT8, "int4": bank_pb2.PRECISION_INT4}
+_JOB_TYPE = {tuning_pb2.JOB_TYPE_UNSPECIFIED: "opat", tuning_pb2.JOB_TYPE_OPAT: "opat", tuning_pb2.JOB_TYPE_SGAT: "sgat"}
+
+
+def confine(raw: str, allowed: tuple[Path, ...], what: str, want_dir: bool = False) -> Path:
+    """`raw` resolved (symlinks followed) if it lies inside one of `allowed`; else
+    PERMISSION_DENIED (or NOT_FOUND when it does not exist inside them)."""
+    if not allowed:
+        raise RpcError(grpc.StatusCode.PERMISSION_DENIED,
+                       f"{what} {raw!r}: this daemon accepts no daemon-side paths ([daemon] allowed_dirs is empty); "
+                       "upload the model instead")  # fmt: skip
+    if "\x00" in raw or not os.path.isabs(raw):
+        raise OptionError(f"{what} {raw!r}: must be an absolute path on the daemon host")
+    roots = [Path(a).resolve() for a in allowed]
+    try:
+        real = Path(raw).resolve(strict=True)
+    except (OSError, RuntimeError):
+        raise NotFoundError(f"{what} {raw!r}: no such file on the daemon host") from None
+    if not any(real.is_relative_to(r) for r in roots):
+        raise RpcError(grpc.StatusCode.PERMISSION_DENIED,
+                       f"{what} {raw!r}: outside the allowed directories ({', '.join(map(str, roots))})")  # fmt: skip
+    if want_dir and not real.is_dir():
+        raise OptionError(f"{what} {raw!r}: not a directory")
+    if not want_dir and not real.is_file():
+        raise OptionError(f"{what} {raw!r}: not a regular file")
+    return real
+
+
+def _ts(seconds: float | None) -> Timestamp | None:
+    if not seconds:
+        return None
+    t = Timestamp()
+    t.FromNanoseconds(int(seconds * 1e9))
+    return t
+
+
+def options_to_dict(o: tuning_pb2.JobOptions) -> dict[str, Any]:
+    return {
+        "precision": _PRECISION.get(o.precision, "exact"),
+        "job_type": _JOB_TYPE.get(o.job_type, "opat"),
+        "input_shapes": {s.name: list(s.dims) for s in o.input_shapes},
+        "repeat_tune": o.repeat_tune,
+        "device": o.device,
+        "budget_s": o.budget_s or None,
+        "min_cosine": o.accuracy_budget.min_cosine or None,
+        "max_rel_error": o.accuracy_budget.max_rel_error or None,
+        "priority": o.priority,
+        "labels": dict(o.labels),
+    }
+
+
+def job_options_pb(opts: dict[str, Any]) -> tuning_pb2.JobOptions:
+    return tuning_pb2.JobOptions(
+        job_type=tuning_pb2.JOB_TYPE_SGAT if opts.get("job_type") == "sgat" else tuning_pb2.JOB_TYPE_OPAT,
+        precision=_PRECISION_CODE.get(opts.get("precision", "exact"), bank_pb2.PRECISION_EXACT),
+        input_shapes=[tuning_pb2.InputShape(name=k, dims=v) for k, v in opts.get("input_shapes", {}).items()],
+        repeat_tune=bool(opts.get("repeat_tune")),
+        device=str(opts.get("device", "")),
+        accuracy_budget=tuning_pb2.AccuracyBudget(min_cosine=opts.get("min_cosine") or 0.0,
+                                                  max_rel_error=opts.get("max_rel_error") or 0.0),  # fmt: skip
+        calibration_dir=str(opts.get("calibration_dir", "")),
+        labels=opts.get("labels", {}),
+        priority=int(opts.get("priority", 0)),
+        budget_s=float(opts.get("budget_s") or 0.0),
+    )
+
+
+def result_pb(r: dict[str, Any]) -> tuning_pb2.JobResult:
+    repo = r.get("repo", {})
+    return tuning_pb2.JobResult(
+        baseline_ms=r.get("baseline_ms", 0.0), tuned_ms=r.get("tuned_ms", 0.0), improvement=r.get("improvement", 0.0),
+        tuned_model_path=r.get("tuned_model", ""), result_json_path=r.get("result_json", ""),
+        repo_summary=tuning_pb2.RepoSummary(**{k: int(v) for k, v in repo.items()
+                                               if k in tuning_pb2.RepoSummary.DESCRIPTOR.fields_by_name}),
+        tasks=[tuning_pb2.TaskResult(
+            task_id=t["task_id"], op_type=t["op_type"], node_names=[t.get("op_name", "")],
+            before_us=t["before_us"], after_us=t["after_us"], improvement=t["improvement"],
+            update_mode=t["update_mode"], bank_layer=t["bank_layer"], error=t["error"],
+            strategy=bank_pb2.Strategy(name=t["strategy"]) if t["strategy"] != "default" else None,
+        ) for t in r.get("tasks", [])],
+    )  # fmt: skip
+
+
+def progress_pb(p: dict[str, Any]) -> tuning_pb2.JobProgress:
+    return tuning_pb2.JobProgress(tasks_done=int(p.get("done", 0)), tasks_total=int(p.get("total", 0)),
+                                  current_task=str(p.get("current_task", "")))  # fmt: skip
+
+
+def job_pb(row: JobRow, position: int = 0) -> tuning_pb2.Job:
+    return tuning_pb2.Job(
+        job_id=row.id, state=_STATE.get(row.state, tuning_pb2.JOB_STATE_UNSPECIFIED), model_name=row.model_name,
+        model_path=row.model_path, options=job_options_pb(row.options), created=_ts(row.created),
+        started=_ts(row.started), finished=_ts(row.finished), progress=progress_pb(row.progress),
+        result=result_pb(row.result) if row.result and row.state == st.SUCCEEDED else None,
+        error=row.error, queue_position=position, source=row.source, joined=row.joined,
+    )  # fmt: skip
+
+
+def event_pb(ev: EventRow) -> tuning_pb2.JobEvent:
+    msg = tuning_pb2.JobEvent(sequence=ev.seq, time=_ts(ev.time), job_id=ev.job_id)
+    d = ev.data
+    if ev.kind == "state":
+        msg.state_change.CopyFrom(tuning_pb2.JobStateChange(
+            previous=_STATE.get(d.get("previous", ""), 0), state=_STATE.get(d.get("state", ""), 0),
+            message=str(d.get("message", ""))))  # fmt: skip
+    elif ev.kind == "progress":
+        msg.progress.CopyFrom(progress_pb(d))
+    elif ev.kind == "result":
+        msg.result.CopyFrom(result_pb(d))
+    else:
+        msg.log.CopyFrom(tuning_pb2.LogLine(level=_LEVEL.get(d.get("level", "info"), 0), logger=str(d.get("logger", "")),
+                                            message=str(d.get("message", ""))))  # fmt: skip
+    return msg
+
+
+def _page_token(row: JobRow) -> str:
+    return base64.urlsafe_b64encode(json.dumps([row.created, row.id]).encode()).decode()
+
+
+def _parse_token(token: str) -> tuple[float, str] | None:
+    if not token:
+        return None
+    try:
+        created, job_id = json.loads(base64.urlsafe_b64decode(token.encode()))
+        return float(created), str(job_id)
+    except (ValueError, TypeError):
+        raise OptionError("page_token: not a token this daemon gave out") from None
+
+
+class TuningServicer(tuning_pb2_grpc.TuningServiceServicer):
+    def __init__(self, bridge: Bridge, jobs: JobManager, cfg: DaemonConfig):
+        self._bridge, self._jobs, self._cfg = bridge, jobs, cfg
+
+    # -- unary
+
+    def SubmitJob(self, request, context):
+        row, _ = self._bridge.call(context, self._submit, request)
+        return tuning_pb2.SubmitJobResponse(job_id=row.id, job=job_pb(row))
+
+    async def _submit(self, request: tuning_pb2.SubmitJobRequest) -> tuple[JobRow, bool]:
+        opts = options_from_dict(options_to_dict(request.options), self._jobs.engine.device.device)
+        allowed = self._cfg.allowed_dirs
+        o = request.options
+        if o.calibration_dir:
+            opts["calibration_dir"] = str(confine(o.calibration_dir, allowed, "calibration_dir", want_dir=True))
+        output = confine(o.output_dir, allowed, "output_dir", want_dir=True) if o.output_dir else None
+        which = request.WhichOneof("model")
+        if which == "model_id":
+            up = self._jobs.store.get_upload(request.model_id)
+            if up is None:
+                raise NotFoundError(f"model_id {request.model_id!r}: no such upload (expired or already used)")
+            return await self._jobs.submit(Submission(Path(up.path), opts, "rpc", upload=up, output_dir=output))
+        if which == "model_path":
+            model = confine(request.model_path, allowed, "model_path")
+            return await self._jobs.submit(Submission(model, opts, "rpc", output_dir=output))
+        raise OptionError("SubmitJob: set model_path or model_id")
+
+    def GetJob(self, request, context):
+        return self._bridge.call(context, self._get, request.job_id)
+
+    async def _get(self, job_id: str) -> tuning_pb2.GetJobResponse:
+        row = self._jobs.get(job_id)
+        return tuning_pb2.GetJobResponse(job=job_pb(row, self._jobs.queue_position(row)))
+
+    def ListJobs(self, request, context):
+        return self._bridge.call(context, self._list, request)
+
+    async def _list(self, request: tuning_pb2.ListJobsRequest) -> tuning_pb2.ListJobsResponse:
+        size = min(int(request.page_size or 100), 1000)
+        states = [_STATE_NAME[s] for s in request.states if s in _STATE_NAME]
+        rows = self._jobs.list(states, size + 1, _parse_token(request.page_token))
+        more = len(rows) > size
+        rows = rows[:size]
+        return tuning_pb2.ListJobsResponse(jobs=[job_pb(r) for r in rows],
+                                           next_page_token=_page_token(rows[-1]) if more else "")  # fmt: skip
+
+    def CancelJob(self, request, context):
+        return self._bridge.call(context, self._cancel, request.job_id)
+
+    async def _cancel(self, job_id: str) -> tuning_pb2.CancelJobResponse:
+        return tuning_pb2.CancelJobResponse(job=job_pb(await self._jobs.cancel(job_id)))
+
+    # -- streams
+
+    def WatchJob(self, request, context):
+        for ev in self._bridge.stream(context, self._jobs.events, request.job_id, request.after_sequence,
+                                      request.include_logs):  # fmt: skip
+            yield tuning_pb2.WatchJobResponse(event=event_pb(ev))
+
+    def UploadModel(self, request_iterator, context):
+        limit = self._cfg.max_upload_bytes
+        first = next(request_iterator, None)
+        if first is None or first.WhichOneof("payload") != "header":
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "UploadModel: the first message must be the header")
+        head = first.header
+        name = os.path.basename(head.file_name.replace("\\", "/"))
+        if not name or name.startswith(".") or "\x00" in name or len(name.encode()) > 255:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"UploadModel: bad file name {head.file_name!r}")
+        if head.size_bytes > limit:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"UploadModel: {head.size_bytes} bytes is over this daemon's limit of {limit} bytes")  # fmt: skip
+        upload_id = f"up-{uuid.uuid4().hex[:16]}"
+        folder = self._cfg.uploads_dir
+        folder.mkdir(parents=True, exist_ok=True)
+        part = folder / f"{upload_id}.part"
+        h, size = hashlib.sha256(), 0
+        try:
+            with open(part, "xb") as f:
+                for msg in request_iterator:
+                    if msg.WhichOneof("payload") != "chunk":
+                        context.abort(grpc.StatusCode.INVALID_ARGUMENT, "UploadModel: only the first message is a header")
+                    size += len(msg.chunk)
+                    if size > limit:
+                        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                      f"UploadModel: over this daemon's limit of {limit} bytes")  # fmt: skip
+                    h.update(msg.chunk)
+                    f.write(msg.chunk)
+            digest = h.hexdigest()
+            if head.sha256 and head.sha256.lower() != digest:
+                context.abort(grpc.StatusCode.DATA_LOSS,
+                              f"UploadModel: sha256 of the received bytes is {digest}, the header said {head.sha256}")  # fmt: skip
+            if head.size_bytes and head.size_bytes != size:
+                context.abort(grpc.StatusCode.DATA_LOSS,
+                              f"UploadModel: received {size} bytes, the header said {head.size_bytes}")  # fmt: skip
+            final = folder / upload_id
+            final.mkdir()
+            part.rename(final / name)
+        except OSError as exc:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED if exc.errno == 28 else grpc.StatusCode.INTERNAL,
+                          f"UploadModel: cannot store the upload: {exc.strerror or exc}")  # fmt: skip
+        finally:
+            part.unlink(missing_ok=True)
+        up = Upload(upload_id, str(final / name), name, digest, size, time.time())
+        self._bridge.call(context, self._register_upload, up)
+        return tuning_pb2.UploadModelResponse(model_id=upload_id, sha256=digest, size_bytes=size)
+
+    async def _register_upload(self, up: Upload) -> None:
+        self._jobs.store.add_upload(up)
+
+    def DownloadResult(self, request, context) -> Iterator[tuning_pb2.DownloadResultResponse]:
+        path = self._bridge.call(context, self._artifact, request.job_id, request.artifact)
+        h = hashlib.sha256()
+        try:
+            with open(path, "rb") as f:
+                while chunk := f.read(CHUNK):
+                    h.update(chunk)
+                size = f.tell()
+                yield tuning_pb2.DownloadResultResponse(header=tuning_pb2.DownloadHeader(
+                    file_name=path.name, sha256=h.hexdigest(), size_bytes=size))  # fmt: skip
+                f.seek(0)
+                while chunk := f.read(CHUNK):
+                    yield tuning_pb2.DownloadResultResponse(chunk=chunk)
+        except OSError as exc:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"{path.name}: {exc.strerror or exc}")
+
+    async def _artifact(self, job_id: str, artifact: int) -> Path:
+        row = self._jobs.get(job_id)
+        if row.state != st.SUCCEEDED or not row.result:
+            raise RpcError(grpc.StatusCode.FAILED_PRECONDITION,
+                           f"job {job_id} is {row.state}: only a succeeded job has results to download")  # fmt: skip
+        if artifact == tuning_pb2.RESULT_ARTIFACT_RESULT_JSON:
+            return Path(row.result["result_json"])
+        if artifact in (tuning_pb2.RESULT_ARTIFACT_TUNED_MODEL, tuning_pb2.RESULT_ARTIFACT_UNSPECIFIED):
+            return Path(row.result["tuned_model"])
+        raise OptionError(f"artifact {artifact}: unknown")

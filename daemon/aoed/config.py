@@ -1,0 +1,300 @@
+"""The daemon's configuration: the engine's `aoe.config.Config` plus what only a service
+needs (where it listens, where it keeps state, which folders it watches, its limits).
+
+One TOML file holds both; `aoe.config` reads the engine's sections and this module the
+daemon's. Defaults need no file at all: state under the user's state dir (platformdirs),
+or /var/lib/aoed as root; the socket in the runtime dir (/run/aoed as root).
+
+  [daemon]
+  state_dir = "/var/lib/aoed"        # job store, uploads, job outputs
+  max_running_jobs = 2               # jobs tuning at once (they share workers and devices)
+  max_queued_jobs = 64               # beyond this, SubmitJob answers RESOURCE_EXHAUSTED
+  retention_days = 30                # finished jobs (and their outputs) are kept this long
+  shutdown_grace_s = 20              # SIGTERM: how long running measurements may finish
+  allowed_dirs = ["/srv/models"]     # what SubmitJob may name by path (symlinks resolved)
+  [listen]
+  socket = "/run/aoed/aoed.sock"     # "" = no unix socket
+  socket_mode = "0660"               # the socket's permissions are the access control
+  socket_group = "aoed"              # group of the socket; "" = the daemon's own
+  tcp = "0.0.0.0:7461"               # optional; needs tls_cert and tls_key ...
+  tls_cert = "/etc/aoed/server.pem"
+  tls_key = "/etc/aoed/server.key"
+  tls_client_ca = "/etc/aoed/clients.pem"   # optional: mutual TLS
+  insecure_loopback = false          # ... unless tcp is a loopback address and this is true
+  max_rpcs = 256                     # concurrent RPCs; beyond, RESOURCE_EXHAUSTED
+  [limits]
+  max_upload_mb = 2048
+  upload_ttl_h = 24                  # an upload not submitted by then is deleted
+  [[inbox]]                          # repeat for more folders
+  path = "/var/lib/aoed/inbox"
+  outbox = "/var/lib/aoed/outbox"    # default: "outbox" beside the inbox
+  failed = "/var/lib/aoed/failed"    # default: "failed" beside the inbox
+  stable_s = 2.0                     # size and mtime unchanged this long = complete
+
+Without an `[[inbox]]`, the daemon watches `inbox/` in its state dir. Errors are
+OptionErrors naming the key and the file.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from aoe.config import Config, load_config
+from aoe.errors import OptionError
+
+__all__ = ["DaemonConfig", "Inbox", "load_daemon_config"]
+
+DEFAULT_PORT = 7461
+
+
+def _default_state_dir() -> Path:
+    if os.geteuid() == 0:
+        return Path("/var/lib/aoed")
+    import platformdirs
+
+    return Path(platformdirs.user_state_dir("aoed"))
+
+
+@dataclass(frozen=True)
+class Inbox:
+    path: Path
+    outbox: Path
+    failed: Path
+    stable_s: float = 2.0
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+
+@dataclass(frozen=True)
+class DaemonConfig:
+    engine: Config
+    state_dir: Path
+    socket: Path | None
+    socket_mode: int = 0o660
+    socket_group: str = ""
+    tcp: str = ""
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    tls_client_ca: Path | None = None
+    insecure_loopback: bool = False
+    max_rpcs: int = 256
+    max_running_jobs: int = 2
+    max_queued_jobs: int = 64
+    retention_s: float = 30 * 86400.0
+    shutdown_grace_s: float = 20.0
+    allowed_dirs: tuple[Path, ...] = ()
+    max_upload_bytes: int = 2048 << 20
+    upload_ttl_s: float = 24 * 3600.0
+    inboxes: tuple[Inbox, ...] = ()
+    source: str = "defaults"
+    sources: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def store_path(self) -> Path:
+        return self.state_dir / "jobs.sqlite3"
+
+    @property
+    def uploads_dir(self) -> Path:
+        return self.state_dir / "uploads"
+
+    @property
+    def jobs_dir(self) -> Path:
+        return self.state_dir / "jobs"
+
+    @property
+    def claims_dir(self) -> Path:
+        """Where inbox files are moved when claimed (same file system as the state dir)."""
+        return self.state_dir / "claimed"
+
+    def listen_addresses(self) -> list[str]:
+        out = [f"unix://{self.socket}"] if self.socket else []
+        if self.tcp:
+            out.append(self.tcp)
+        return out
+
+    def tcp_is_loopback(self) -> bool:
+        host = _host(self.tcp)
+        if host == "localhost":
+            return True
+        try:
+            return ipaddress.ip_address(host).is_loopback
+        except ValueError:
+            return False
+
+
+def _host(hostport: str) -> str:
+    host = hostport.rsplit(":", 1)[0] if ":" in hostport else hostport
+    return host.strip("[]")
+
+
+def _table(doc: Mapping[str, Any], name: str, path: Path) -> Mapping[str, Any]:
+    table = doc.get(name, {})
+    if not isinstance(table, dict):
+        raise OptionError(f"{path}: {name!r} must be a [section]")
+    return table
+
+
+class _Reader:
+    """Reads typed values out of one section, naming file, section and key in errors."""
+
+    def __init__(self, table: Mapping[str, Any], where: str, known: set[str]):
+        self.table, self.where = table, where
+        unknown = sorted(set(table) - known)
+        if unknown:
+            raise OptionError(f"{where} {unknown[0]}: unknown setting (known: {', '.join(sorted(known))})")
+
+    def _w(self, key: str) -> str:
+        return f"{self.where} {key}"
+
+    def number(self, key: str, default: float, lo: float, hi: float, integer: bool = False) -> Any:
+        raw = self.table.get(key, default)
+        if isinstance(raw, bool) or not isinstance(raw, int | float) or (integer and not isinstance(raw, int)):
+            raise OptionError(f"{self._w(key)} = {raw!r}: expected {'an integer' if integer else 'a number'}")
+        if not lo <= raw <= hi:
+            raise OptionError(f"{self._w(key)} = {raw}: must be between {lo:g} and {hi:g}")
+        return raw
+
+    def text(self, key: str, default: str) -> str:
+        raw = self.table.get(key, default)
+        if not isinstance(raw, str):
+            raise OptionError(f"{self._w(key)} = {raw!r}: expected a string")
+        return raw
+
+    def path(self, key: str, default: Path | None, base: Path) -> Path | None:
+        raw = self.table.get(key)
+        if raw is None:
+            return default
+        if not isinstance(raw, str):
+            raise OptionError(f"{self._w(key)} = {raw!r}: expected a path")
+        if not raw:
+            return None
+        p = Path(raw).expanduser()
+        return p if p.is_absolute() else base / p
+
+    def flag(self, key: str, default: bool) -> bool:
+        raw = self.table.get(key, default)
+        if not isinstance(raw, bool):
+            raise OptionError(f"{self._w(key)} = {raw!r}: expected true or false")
+        return raw
+
+
+def load_daemon_config(path: str | os.PathLike[str] | None = None, env: Mapping[str, str] | None = None) -> DaemonConfig:
+    """The daemon's configuration from defaults, the TOML file at `path` (else
+    AOED_CONFIG, else none) and the environment. Raises OptionError naming the key."""
+    env = os.environ if env is None else env
+    if path is None and env.get("AOED_CONFIG", "").strip():
+        path = env["AOED_CONFIG"]
+    engine = load_config(path, env)
+    doc: Mapping[str, Any] = {}
+    base = Path.cwd()
+    if path is not None:
+        p = Path(path)
+        base = p.resolve().parent
+        with open(p, "rb") as f:  # load_config has read it already: it exists and parses
+            doc = tomllib.load(f)
+    where = str(path) if path is not None else "defaults"
+    d = _Reader(_table(doc, "daemon", Path(where)), f"{where} [daemon]", {
+        "state_dir", "max_running_jobs", "max_queued_jobs", "retention_days", "shutdown_grace_s", "allowed_dirs",
+    })  # fmt: skip
+    state_dir = d.path("state_dir", None, base) or _default_state_dir()
+    raw_allowed = d.table.get("allowed_dirs", [])
+    if not isinstance(raw_allowed, list) or not all(isinstance(x, str) and x for x in raw_allowed):
+        raise OptionError(f"{where} [daemon] allowed_dirs: expected a list of directories")
+    allowed = tuple((base / Path(x).expanduser()) for x in raw_allowed)
+    lis = _Reader(_table(doc, "listen", Path(where)), f"{where} [listen]", {
+        "socket", "socket_mode", "socket_group", "tcp", "tls_cert", "tls_key", "tls_client_ca",
+        "insecure_loopback", "max_rpcs",
+    })  # fmt: skip
+    env_socket = env.get("AOED_SOCKET", "").strip()
+    # The socket lives in the runtime dir beside the device locks unless placed elsewhere.
+    socket = Path(env_socket).expanduser() if env_socket else lis.path("socket", engine.runtime_dir / "aoed.sock", base)
+    mode_raw = lis.text("socket_mode", "0660")
+    try:
+        socket_mode = int(mode_raw, 8)
+    except ValueError:
+        raise OptionError(f"{where} [listen] socket_mode = {mode_raw!r}: expected an octal mode like \"0660\"") from None
+    if socket_mode & ~0o777 or socket_mode & 0o007:
+        raise OptionError(f"{where} [listen] socket_mode = {mode_raw!r}: the socket must not be open to others")
+    lim = _Reader(_table(doc, "limits", Path(where)), f"{where} [limits]", {"max_upload_mb", "upload_ttl_h"})
+    inboxes = []
+    raw_inboxes = doc.get("inbox", None)
+    if raw_inboxes is None:
+        inboxes.append(Inbox(state_dir / "inbox", state_dir / "outbox", state_dir / "failed"))
+    else:
+        if not isinstance(raw_inboxes, list):
+            raise OptionError(f"{where}: inbox must be an array of tables ([[inbox]])")
+        for i, table in enumerate(raw_inboxes):
+            r = _Reader(table, f"{where} [[inbox]] #{i + 1}", {"path", "outbox", "failed", "stable_s"})
+            p = r.path("path", None, base)
+            if p is None:
+                raise OptionError(f"{where} [[inbox]] #{i + 1}: path is required")
+            inboxes.append(Inbox(
+                p, r.path("outbox", p.parent / "outbox", base), r.path("failed", p.parent / "failed", base),
+                float(r.number("stable_s", 2.0, 0.0, 3600.0)),
+            ))  # fmt: skip
+    paths = [i.path for i in inboxes]
+    if len(set(paths)) != len(paths):
+        raise OptionError(f"{where}: the same folder is listed as an inbox twice")
+    cfg = DaemonConfig(
+        engine=engine,
+        state_dir=state_dir,
+        socket=socket,
+        socket_mode=socket_mode,
+        socket_group=lis.text("socket_group", ""),
+        tcp=lis.text("tcp", ""),
+        tls_cert=lis.path("tls_cert", None, base),
+        tls_key=lis.path("tls_key", None, base),
+        tls_client_ca=lis.path("tls_client_ca", None, base),
+        insecure_loopback=lis.flag("insecure_loopback", False),
+        max_rpcs=int(lis.number("max_rpcs", 256, 4, 100000, integer=True)),
+        max_running_jobs=int(d.number("max_running_jobs", 2, 1, 64, integer=True)),
+        max_queued_jobs=int(d.number("max_queued_jobs", 64, 1, 100000, integer=True)),
+        retention_s=float(d.number("retention_days", 30, 0, 36500)) * 86400.0,
+        shutdown_grace_s=float(d.number("shutdown_grace_s", 20, 0, 3600)),
+        allowed_dirs=allowed,
+        max_upload_bytes=int(float(lim.number("max_upload_mb", 2048, 1, 1 << 20)) * (1 << 20)),
+        upload_ttl_s=float(lim.number("upload_ttl_h", 24, 0.01, 24 * 365)) * 3600.0,
+        inboxes=tuple(inboxes),
+        source=where,
+    )
+    _check_listen(cfg, where)
+    return cfg
+
+
+def _check_listen(cfg: DaemonConfig, where: str) -> None:
+    if not cfg.socket and not cfg.tcp:
+        raise OptionError(f"{where} [listen]: neither a socket nor tcp is configured: nothing to listen on")
+    if cfg.tcp:
+        host = _host(cfg.tcp)
+        port = cfg.tcp.rsplit(":", 1)[1] if ":" in cfg.tcp else ""
+        if not host or not port.isdigit():
+            raise OptionError(f"{where} [listen] tcp = {cfg.tcp!r}: expected HOST:PORT")
+        has_tls = cfg.tls_cert is not None and cfg.tls_key is not None
+        if (cfg.tls_cert is None) != (cfg.tls_key is None):
+            raise OptionError(f"{where} [listen]: tls_cert and tls_key go together")
+        if not has_tls:
+            if not cfg.tcp_is_loopback():
+                raise OptionError(
+                    f"{where} [listen] tcp = {cfg.tcp!r}: TCP on a non-loopback address needs TLS "
+                    "(set tls_cert and tls_key)"
+                )
+            if not cfg.insecure_loopback:
+                raise OptionError(
+                    f"{where} [listen] tcp = {cfg.tcp!r}: plain TCP needs insecure_loopback = true "
+                    "(or set tls_cert and tls_key)"
+                )
+        if cfg.tls_client_ca is not None and not has_tls:
+            raise OptionError(f"{where} [listen] tls_client_ca needs tls_cert and tls_key")
+        for name in ("tls_cert", "tls_key", "tls_client_ca"):
+            p = getattr(cfg, name)
+            if p is not None and not p.is_file():
+                raise OptionError(f"{where} [listen] {name} = {str(p)!r}: no such file")
+

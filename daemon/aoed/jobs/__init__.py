@@ -1,0 +1,1 @@
+"""Jobs in the daemon: the store that persists them and the manager that runs them."""

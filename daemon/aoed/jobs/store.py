@@ -1,0 +1,331 @@
+"""The job store: every job, its options, state and event log, uploads and inbox claims,
+in one SQLite database (WAL mode) in the state dir, apart from the bank.
+
+Why SQLite and not a second LMDB: the daemon asks the store questions (jobs in these
+states, newest first, a page after this one, the events of a job after sequence N,
+uploads older than T) that are one indexed query each in SQL and hand-built indexes in
+a key-value store; it has one writer (the daemon) and small rows; and WAL mode commits
+a row without rewriting pages readers use, so a kill -9 loses at most the transaction in
+flight and never a committed one. The bank stays in LMDB, which compilers read without
+the daemon.
+
+All access happens in the trio thread: each statement is a short local write (tens of
+microseconds with `synchronous=NORMAL` in WAL mode, which is durable against a killed
+process, not against power loss between checkpoints) and never waits on another
+process, so it is not worth a thread hop. Values a row holds as JSON (options, result,
+progress, event data) are plain dicts; nothing is pickled.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sqlite3
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from aoe.errors import AoedError
+
+__all__ = ["ACTIVE", "FINAL", "Claim", "EventRow", "JobRow", "JobStore", "StoreError", "Upload"]
+
+log = logging.getLogger(__name__)
+
+#: States a job can be in (the proto's JobState without the prefix, lower case).
+QUEUED, PREPARING, TUNING, VERIFYING = "queued", "preparing", "tuning", "verifying"
+SUCCEEDED, FAILED, CANCELLED = "succeeded", "failed", "cancelled"
+ACTIVE = (QUEUED, PREPARING, TUNING, VERIFYING)
+RUNNING = (PREPARING, TUNING, VERIFYING)
+FINAL = (SUCCEEDED, FAILED, CANCELLED)
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS jobs (
+    id TEXT PRIMARY KEY,
+    state TEXT NOT NULL,
+    priority INTEGER NOT NULL DEFAULT 0,
+    source TEXT NOT NULL DEFAULT 'rpc',
+    model_path TEXT NOT NULL,
+    model_name TEXT NOT NULL,
+    model_sha256 TEXT NOT NULL,
+    dedup_key TEXT NOT NULL,
+    options TEXT NOT NULL,
+    output_dir TEXT NOT NULL,
+    created REAL NOT NULL,
+    started REAL,
+    finished REAL,
+    error TEXT NOT NULL DEFAULT '',
+    error_kind TEXT NOT NULL DEFAULT '',
+    result TEXT,
+    progress TEXT NOT NULL DEFAULT '{}',
+    joined INTEGER NOT NULL DEFAULT 0,
+    attempts INTEGER NOT NULL DEFAULT 0
+);
+CREATE INDEX IF NOT EXISTS jobs_by_created ON jobs (created DESC, id DESC);
+CREATE INDEX IF NOT EXISTS jobs_by_state ON jobs (state);
+CREATE INDEX IF NOT EXISTS jobs_by_dedup ON jobs (dedup_key, state);
+CREATE TABLE IF NOT EXISTS events (
+    job_id TEXT NOT NULL,
+    seq INTEGER NOT NULL,
+    time REAL NOT NULL,
+    kind TEXT NOT NULL,
+    data TEXT NOT NULL,
+    PRIMARY KEY (job_id, seq)
+);
+CREATE TABLE IF NOT EXISTS uploads (
+    id TEXT PRIMARY KEY,
+    path TEXT NOT NULL,
+    file_name TEXT NOT NULL,
+    sha256 TEXT NOT NULL,
+    size INTEGER NOT NULL,
+    created REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS claims (
+    src TEXT PRIMARY KEY,
+    dst TEXT NOT NULL,
+    inbox TEXT NOT NULL,
+    state TEXT NOT NULL,
+    job_id TEXT NOT NULL DEFAULT '',
+    time REAL NOT NULL
+);
+"""
+
+
+class StoreError(AoedError):
+    """The job store cannot be opened or written."""
+
+    grpc_status = "INTERNAL"
+
+
+@dataclass
+class JobRow:
+    id: str
+    state: str
+    model_path: str
+    model_name: str
+    model_sha256: str
+    dedup_key: str
+    options: dict[str, Any]
+    output_dir: str
+    priority: int = 0
+    source: str = "rpc"
+    created: float = field(default_factory=time.time)
+    started: float | None = None
+    finished: float | None = None
+    error: str = ""
+    error_kind: str = ""
+    result: dict[str, Any] | None = None
+    progress: dict[str, Any] = field(default_factory=dict)
+    joined: int = 0
+    attempts: int = 0
+
+    @property
+    def final(self) -> bool:
+        return self.state in FINAL
+
+
+@dataclass(frozen=True)
+class EventRow:
+    job_id: str
+    seq: int
+    time: float
+    kind: str  # state | progress | task | log | result
+    data: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Upload:
+    id: str
+    path: str
+    file_name: str
+    sha256: str
+    size: int
+    created: float
+
+
+@dataclass(frozen=True)
+class Claim:
+    src: str
+    dst: str
+    inbox: str
+    state: str  # claiming (rename may or may not have happened) | claimed (job recorded)
+    job_id: str
+    time: float
+
+
+_JSON_COLUMNS = ("options", "result", "progress")
+_COLUMNS = (
+    "id", "state", "priority", "source", "model_path", "model_name", "model_sha256", "dedup_key", "options",
+    "output_dir", "created", "started", "finished", "error", "error_kind", "result", "progress", "joined", "attempts",
+)  # fmt: skip
+
+
+class JobStore:
+    """The open store. Methods raise StoreError; a row that cannot be decoded is skipped
+    with a warning (and reported by `damaged`), never fatal to the daemon."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.damaged: list[str] = []
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")
+            self._db.execute("PRAGMA busy_timeout=5000")
+            self._db.executescript(_SCHEMA)
+        except (sqlite3.Error, OSError) as exc:
+            raise StoreError(f"job store {path}: {exc}") from None
+
+    def close(self) -> None:
+        self._db.close()
+
+    def _exec(self, sql: str, args: Sequence[Any] = ()) -> sqlite3.Cursor:
+        try:
+            return self._db.execute(sql, args)
+        except sqlite3.Error as exc:
+            raise StoreError(f"job store {self.path}: {exc}") from None
+
+    # ------------------------------------------------------------------ jobs
+
+    def insert(self, row: JobRow) -> None:
+        values = [json.dumps(getattr(row, c)) if c in _JSON_COLUMNS else getattr(row, c) for c in _COLUMNS]
+        self._exec(f"INSERT INTO jobs ({','.join(_COLUMNS)}) VALUES ({','.join('?' * len(_COLUMNS))})", values)
+
+    def update(self, job_id: str, **fields: Any) -> None:
+        sets = ", ".join(f"{k} = ?" for k in fields)
+        values = [json.dumps(v) if k in _JSON_COLUMNS else v for k, v in fields.items()]
+        self._exec(f"UPDATE jobs SET {sets} WHERE id = ?", [*values, job_id])
+
+    def _rows(self, cursor: Iterable[Sequence[Any]]) -> Iterator[JobRow]:
+        for raw in cursor:
+            try:
+                d = dict(zip(_COLUMNS, raw, strict=True))
+                for c in _JSON_COLUMNS:
+                    d[c] = json.loads(d[c]) if d[c] is not None else None
+                if not isinstance(d["options"], dict):
+                    raise ValueError("options is not an object")
+                d["progress"] = d["progress"] or {}
+                yield JobRow(**d)
+            except (ValueError, TypeError) as exc:
+                job_id = str(raw[0])
+                if job_id not in self.damaged:
+                    self.damaged.append(job_id)
+                    log.warning("job store: row for job %s is damaged and ignored (%s)", job_id, exc)
+
+    def get(self, job_id: str) -> JobRow | None:
+        cur = self._exec(f"SELECT {','.join(_COLUMNS)} FROM jobs WHERE id = ?", (job_id,))
+        return next(self._rows(cur), None)
+
+    def jobs(self, states: Sequence[str] = (), limit: int = 1000, before: tuple[float, str] | None = None) -> list[JobRow]:
+        """Jobs newest first, optionally in `states`, strictly after the (created, id)
+        cursor `before` in that order."""
+        where, args = [], []
+        if states:
+            where.append(f"state IN ({','.join('?' * len(states))})")
+            args.extend(states)
+        if before is not None:
+            where.append("(created < ? OR (created = ? AND id < ?))")
+            args.extend([before[0], before[0], before[1]])
+        sql = f"SELECT {','.join(_COLUMNS)} FROM jobs"
+        if where:
+            sql += " WHERE " + " AND ".join(where)
+        sql += " ORDER BY created DESC, id DESC LIMIT ?"
+        return list(self._rows(self._exec(sql, [*args, limit])))
+
+    def active_with_key(self, dedup_key: str) -> JobRow | None:
+        cur = self._exec(
+            f"SELECT {','.join(_COLUMNS)} FROM jobs WHERE dedup_key = ? AND state IN ({','.join('?' * len(ACTIVE))}) "
+            "ORDER BY created LIMIT 1",
+            (dedup_key, *ACTIVE),
+        )
+        return next(self._rows(cur), None)
+
+    def delete(self, job_id: str) -> None:
+        with self.transaction():
+            self._exec("DELETE FROM events WHERE job_id = ?", (job_id,))
+            self._exec("DELETE FROM jobs WHERE id = ?", (job_id,))
+
+    def finished_before(self, when: float) -> list[JobRow]:
+        cur = self._exec(
+            f"SELECT {','.join(_COLUMNS)} FROM jobs WHERE state IN ({','.join('?' * len(FINAL))}) AND finished < ?",
+            (*FINAL, when),
+        )
+        return list(self._rows(cur))
+
+    # ---------------------------------------------------------------- events
+
+    def append_event(self, event: EventRow) -> None:
+        self._exec(
+            "INSERT INTO events (job_id, seq, time, kind, data) VALUES (?, ?, ?, ?, ?)",
+            (event.job_id, event.seq, event.time, event.kind, json.dumps(event.data)),
+        )
+
+    def events(self, job_id: str, after_seq: int = 0) -> list[EventRow]:
+        cur = self._exec("SELECT job_id, seq, time, kind, data FROM events WHERE job_id = ? AND seq > ? ORDER BY seq",
+                         (job_id, after_seq))  # fmt: skip
+        out = []
+        for job, seq, t, kind, data in cur:
+            try:
+                out.append(EventRow(job, int(seq), float(t), kind, json.loads(data)))
+            except (ValueError, TypeError):
+                log.warning("job store: event %s of job %s is damaged and skipped", seq, job)
+        return out
+
+    def last_seq(self, job_id: str) -> int:
+        row = self._exec("SELECT MAX(seq) FROM events WHERE job_id = ?", (job_id,)).fetchone()
+        return int(row[0] or 0)
+
+    # --------------------------------------------------------------- uploads
+
+    def add_upload(self, up: Upload) -> None:
+        self._exec("INSERT INTO uploads (id, path, file_name, sha256, size, created) VALUES (?, ?, ?, ?, ?, ?)",
+                   (up.id, up.path, up.file_name, up.sha256, up.size, up.created))  # fmt: skip
+
+    def get_upload(self, upload_id: str) -> Upload | None:
+        row = self._exec("SELECT id, path, file_name, sha256, size, created FROM uploads WHERE id = ?",
+                         (upload_id,)).fetchone()  # fmt: skip
+        return Upload(*row) if row else None
+
+    def delete_upload(self, upload_id: str) -> None:
+        self._exec("DELETE FROM uploads WHERE id = ?", (upload_id,))
+
+    def uploads_before(self, when: float) -> list[Upload]:
+        cur = self._exec("SELECT id, path, file_name, sha256, size, created FROM uploads WHERE created < ?", (when,))
+        return [Upload(*row) for row in cur]
+
+    # ---------------------------------------------------------------- claims
+
+    def claim_begin(self, src: str, dst: str, inbox: str) -> None:
+        """Record the intent to move `src` to `dst` (before the rename)."""
+        self._exec("INSERT OR REPLACE INTO claims (src, dst, inbox, state, job_id, time) VALUES (?, ?, ?, ?, '', ?)",
+                   (src, dst, inbox, "claiming", time.time()))  # fmt: skip
+
+    def claim_done(self, src: str, job_id: str) -> None:
+        """The file was moved and its job recorded: the claim is complete."""
+        self._exec("UPDATE claims SET state = 'claimed', job_id = ? WHERE src = ?", (job_id, src))
+
+    def claim_drop(self, src: str) -> None:
+        self._exec("DELETE FROM claims WHERE src = ?", (src,))
+
+    def claims(self, state: str | None = None) -> list[Claim]:
+        sql = "SELECT src, dst, inbox, state, job_id, time FROM claims"
+        cur = self._exec(sql + " WHERE state = ?", (state,)) if state else self._exec(sql)
+        return [Claim(*row) for row in cur]
+
+    # ----------------------------------------------------------- transactions
+
+    def transaction(self) -> _Transaction:
+        return _Transaction(self)
+
+
+class _Transaction:
+    def __init__(self, store: JobStore):
+        self._store = store
+
+    def __enter__(self) -> None:
+        self._store._exec("BEGIN IMMEDIATE")
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        self._store._exec("COMMIT" if exc_type is None else "ROLLBACK")

@@ -1,0 +1,136 @@
+"""The daemon's supervisor: starts the agents in dependency order, handles signals, and
+shuts down in the reverse order within a bound.
+
+    job store -> engine (bank writer, compile pool, device agent) -> job manager
+              -> inbox watcher -> gRPC server (last: "ready" means everything answers)
+
+SIGTERM and SIGINT stop: health turns NOT_SERVING, no new job starts, running jobs get
+`shutdown_grace_s` to finish and are then cancelled (they stay queued and resume at the
+next start), the server cancels the RPCs still open, the engine stops its children, and
+the store and the bank are closed. SIGHUP re-reads the configuration: inbox folders and
+limits change at once; engine settings (bank, device, workers) need a restart, and the
+log says so.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from dataclasses import replace
+
+import trio
+
+from aoe.errors import AoedError
+from aoed.api._bridge import Bridge
+from aoed.api.info import DaemonServicer, DeviceServicer
+from aoed.api.server import Server, build_server, register
+from aoed.api.tuning import TuningServicer
+from aoed.config import DaemonConfig, load_daemon_config
+from aoed.jobs.manager import JobManager
+from aoed.jobs.store import JobStore
+
+__all__ = ["Daemon"]
+
+log = logging.getLogger("aoed.service")
+
+
+class Daemon:
+    def __init__(self, cfg: DaemonConfig, config_path: str | None = None):
+        self.cfg = cfg
+        self.config_path = config_path
+        self.server: Server | None = None
+        self.jobs: JobManager | None = None
+        self.watcher = None
+        self._stop = trio.Event()
+        self.started = time.time()
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Serve until SIGTERM/SIGINT (or `request_stop()`). Raises AoedError when it
+        cannot start (a bad config, a busy socket, an unusable device)."""
+        from aoed.backends.ort.catalog import build_registry
+        from aoed.engine.engine import open_engine
+
+        cfg = self.cfg
+        for d in (cfg.state_dir, cfg.uploads_dir, cfg.jobs_dir, cfg.claims_dir):
+            try:
+                d.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise AoedError(f"state dir {d}: {exc.strerror or exc}") from None
+        store = JobStore(cfg.store_path)
+        try:
+            registry = build_registry(cfg.engine.plugins)
+            async with open_engine(cfg.engine, registry, cfg.state_dir / "logs") as engine:
+                async with trio.open_nursery() as nursery:
+                    self.jobs = jobs = JobManager(cfg, store, engine)
+                    await nursery.start(jobs.run)
+                    self.watcher = await self._start_watcher(nursery, jobs)
+                    bridge = Bridge(nursery)
+                    self.server = server = build_server(cfg, lambda s: register(
+                        s, TuningServicer(bridge, jobs, cfg), self._bank_servicer(bridge, engine),
+                        DeviceServicer(bridge, jobs), DaemonServicer(bridge, jobs, cfg, self.started)))  # fmt: skip
+                    server.grpc.start()
+                    server.set_serving(True)
+                    log.info("aoed: serving on %s; state in %s; bank %s", ", ".join(server.addresses), cfg.state_dir,
+                             cfg.engine.bank)  # fmt: skip
+                    task_status.started(server.addresses)
+                    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+                        nursery.start_soon(self._signals, signals)
+                        await self._stop.wait()
+                    await self._shutdown(server, jobs)
+                    nursery.cancel_scope.cancel()
+        finally:
+            store.close()
+            log.info("aoed: stopped")
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    async def _signals(self, signals) -> None:
+        async for sig in signals:
+            if sig == signal.SIGHUP:
+                self._reload()
+            else:
+                log.info("aoed: %s: shutting down", signal.Signals(sig).name)
+                self._stop.set()
+
+    def _reload(self) -> None:
+        try:
+            new = load_daemon_config(self.config_path)
+        except AoedError as exc:
+            log.error("aoed: SIGHUP: the configuration was not reloaded: %s", exc)
+            return
+        if new.engine != self.cfg.engine or new.listen_addresses() != self.cfg.listen_addresses():
+            log.warning("aoed: SIGHUP: engine and listen settings change only at a restart")
+        kept = replace(new, engine=self.cfg.engine, socket=self.cfg.socket, tcp=self.cfg.tcp, state_dir=self.cfg.state_dir)
+        self.cfg = kept
+        if self.jobs is not None:
+            self.jobs.cfg = kept
+            self.jobs._poke()
+        if self.watcher is not None:
+            self.watcher.reload(kept)
+        log.info("aoed: SIGHUP: reloaded inboxes and limits")
+
+    async def _shutdown(self, server: Server, jobs: JobManager) -> None:
+        grace = self.cfg.shutdown_grace_s
+        server.set_serving(False)
+        with trio.CancelScope(shield=True):
+            await jobs.stop(grace)
+            # Streams still open (watchers of queued jobs) are cancelled after a moment.
+            await trio.to_thread.run_sync(server.stop, 1.0)
+
+    async def _start_watcher(self, nursery: trio.Nursery, jobs: JobManager):
+        try:
+            from aoed.watch import Watcher
+        except ImportError:  # pragma: no cover - the watcher is optional while it is built
+            return None
+        watcher = Watcher(self.cfg, jobs)
+        await nursery.start(watcher.run)
+        return watcher
+
+    def _bank_servicer(self, bridge: Bridge, engine):
+        try:
+            from aoed.api.bank import BankServicer
+        except ImportError:  # pragma: no cover
+            return None
+        return BankServicer(bridge, engine)
