@@ -68,7 +68,8 @@ class Daemon:
                     bridge = Bridge(nursery)
                     self.server = server = build_server(cfg, lambda s: register(
                         s, TuningServicer(bridge, jobs, cfg), self._bank_servicer(bridge, engine),
-                        DeviceServicer(bridge, jobs), DaemonServicer(bridge, jobs, cfg, self.started)))  # fmt: skip
+                        DeviceServicer(bridge, jobs),
+                        DaemonServicer(bridge, jobs, cfg, self.started, lambda: self.server.addresses if self.server else [])))  # fmt: skip
                     server.grpc.start()
                     server.set_serving(True)
                     log.info("aoed: serving on %s; state in %s; bank %s", ", ".join(server.addresses), cfg.state_dir,

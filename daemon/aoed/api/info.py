@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
@@ -40,9 +41,11 @@ class DeviceServicer(devices_pb2_grpc.DeviceServiceServicer):
 
 
 class DaemonServicer(daemon_pb2_grpc.DaemonServiceServicer):
-    def __init__(self, bridge: Bridge, jobs: JobManager, cfg: DaemonConfig, started: float | None = None):
+    def __init__(self, bridge: Bridge, jobs: JobManager, cfg: DaemonConfig, started: float | None = None,
+                 listen: Callable[[], list[str]] | None = None):  # fmt: skip
         self._bridge, self._jobs, self._cfg = bridge, jobs, cfg
         self._started = started or time.time()
+        self._listen = listen or cfg.listen_addresses
 
     def GetDaemonInfo(self, request, context):
         return self._bridge.call(context, self._info)
@@ -53,7 +56,7 @@ class DaemonServicer(daemon_pb2_grpc.DaemonServiceServicer):
         started = Timestamp()
         started.FromNanoseconds(int(self._started * 1e9))
         return daemon_pb2.GetDaemonInfoResponse(
-            version=__version__, pid=os.getpid(), started=started, listen=cfg.listen_addresses(),
+            version=__version__, pid=os.getpid(), started=started, listen=self._listen(),
             bank_path=str(cfg.engine.bank), bank_layers=[str(p) for p in cfg.engine.bank_layers],
             state_dir=str(cfg.state_dir),
             inboxes=[daemon_pb2.Inbox(path=str(i.path), outbox=str(i.outbox), failed=str(i.failed))

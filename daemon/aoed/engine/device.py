@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -108,7 +109,7 @@ class DeviceAgent:
         category = str(request.pop("category", "other"))
         pause = self._pool.paused() if self._pool is not None else contextlib.nullcontext()
         async with self.lock.hold(job.waiting if job is not None else None):
-            t0 = trio.current_time()
+            t0, wall0 = trio.current_time(), time.time()
             try:
                 async with pause:
                     with trio.fail_after(limit):
@@ -123,6 +124,7 @@ class DeviceAgent:
                 self.requests += 1
                 if job is not None:
                     job.charge_device(busy, category)
+                    job.device_intervals.append((wall0, time.time()))
         if job is not None:
             job.note_rss(reply.get("maxrss_kb"))
         reply["device_s"] = busy

@@ -38,6 +38,9 @@ class JobLedger:
     peak_child_rss_mb: float = 0.0
     #: device seconds by what they were for (search, session, verify, profile, confirm)
     device_by: dict[str, float] = field(default_factory=dict)
+    #: wall-clock (start, end) of each device request while it held the device: the
+    #: evidence that jobs sharing a device never measured at once
+    device_intervals: list[tuple[float, float]] = field(default_factory=list)
 
     def charge_device(self, seconds: float, category: str = "other") -> None:
         self.device_s += seconds

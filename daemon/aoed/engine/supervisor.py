@@ -266,6 +266,7 @@ async def run_stages(ctx: JobContext) -> JobResult:
         "failed_candidates": failed,
         "peak_worker_rss_mb": round(ledger.peak_child_rss_mb, 1),
         "engine_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0, 1),
+        "device_intervals": [(round(a, 6), round(b, 6)) for a, b in ledger.device_intervals],
     }
     accuracy: dict[str, Any]
     if ctx.policy.lossy and ctx.accuracy is not None and conf.shipped != "input":
