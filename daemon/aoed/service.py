@@ -67,7 +67,7 @@ class Daemon:
                     self.watcher = await self._start_watcher(nursery, jobs)
                     bridge = Bridge(nursery)
                     self.server = server = build_server(cfg, lambda s: register(
-                        s, TuningServicer(bridge, jobs, cfg), self._bank_servicer(bridge, engine),
+                        s, TuningServicer(bridge, jobs), self._bank_servicer(bridge, engine),
                         DeviceServicer(bridge, jobs),
                         DaemonServicer(bridge, jobs, cfg, self.started, lambda: self.server.addresses if self.server else [])))  # fmt: skip
                     server.grpc.start()

@@ -51,7 +51,7 @@ class DaemonServicer(daemon_pb2_grpc.DaemonServiceServicer):
         return self._bridge.call(context, self._info)
 
     async def _info(self) -> daemon_pb2.GetDaemonInfoResponse:
-        cfg = self._cfg
+        cfg = self._jobs.cfg  # reloaded on SIGHUP
         queued, running = self._jobs.counts()
         started = Timestamp()
         started.FromNanoseconds(int(self._started * 1e9))

@@ -175,8 +175,12 @@ def _parse_token(token: str) -> tuple[float, str] | None:
 
 
 class TuningServicer(tuning_pb2_grpc.TuningServiceServicer):
-    def __init__(self, bridge: Bridge, jobs: JobManager, cfg: DaemonConfig):
-        self._bridge, self._jobs, self._cfg = bridge, jobs, cfg
+    def __init__(self, bridge: Bridge, jobs: JobManager):
+        self._bridge, self._jobs = bridge, jobs
+
+    @property
+    def _cfg(self) -> DaemonConfig:
+        return self._jobs.cfg  # reloaded on SIGHUP
 
     # -- unary
 
