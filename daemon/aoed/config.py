@@ -261,7 +261,7 @@ def load_daemon_config(path: str | os.PathLike[str] | None = None, env: Mapping[
         shutdown_grace_s=float(d.number("shutdown_grace_s", 20, 0, 3600)),
         allowed_dirs=allowed,
         max_upload_bytes=int(float(lim.number("max_upload_mb", 2048, 1, 1 << 20)) * (1 << 20)),
-        upload_ttl_s=float(lim.number("upload_ttl_h", 24, 0.01, 24 * 365)) * 3600.0,
+        upload_ttl_s=float(lim.number("upload_ttl_h", 24, 0.0001, 24 * 365)) * 3600.0,
         inboxes=tuple(inboxes),
         source=where,
     )

@@ -18,6 +18,7 @@ each was decided) are not measured again. On shutdown, running jobs get
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -178,11 +179,12 @@ class JobManager:
                 await trio.sleep(0.05)
 
     async def _housekeeping(self) -> None:
-        """Expired uploads and finished jobs past retention go, at start and hourly."""
+        """Expired uploads and finished jobs past retention go, at start and then hourly
+        (more often when a limit is shorter than two hours)."""
         while True:
             now = time.time()
             for up in self.store.uploads_before(now - self.cfg.upload_ttl_s):
-                Path(up.path).unlink(missing_ok=True)
+                self._remove_upload_file(Path(up.path))
                 self.store.delete_upload(up.id)
                 log.info("upload %s (%s) expired", up.id, up.file_name)
             for row in self.store.finished_before(now - self.cfg.retention_s):
@@ -191,7 +193,7 @@ class JobManager:
                     await trio.to_thread.run_sync(shutil.rmtree, out, True)
                 self.store.delete(row.id)
                 log.info("job %s: removed after retention", row.id)
-            await trio.sleep(3600)
+            await trio.sleep(max(1.0, min(3600.0, self.cfg.upload_ttl_s / 2, self.cfg.retention_s / 2)))
 
     # ------------------------------------------------------------- queries
 
@@ -265,10 +267,16 @@ class JobManager:
             into.mkdir(parents=True, exist_ok=True)
             dst = into / up.file_name
             src.replace(dst)
-        else:
-            src.unlink(missing_ok=True)
+        self._remove_upload_file(src)
         self.store.delete_upload(up.id)
         return dst
+
+    def _remove_upload_file(self, path: Path) -> None:
+        """An upload is `uploads/<id>/<name>`: the file and its folder go."""
+        path.unlink(missing_ok=True)
+        if path.parent.parent == self.cfg.uploads_dir:
+            with contextlib.suppress(OSError):
+                path.parent.rmdir()
 
     async def cancel(self, job_id: str, reason: str = "cancelled by a client") -> JobRow:
         row = self.get(job_id)
