@@ -27,30 +27,16 @@ import grpc
 import trio
 
 from aoe.errors import AoedError
+from aoed.errors import NotFoundError, RpcError
 
-__all__ = ["Bridge", "NotFoundError", "RpcError"]
+__all__ = ["Bridge", "NotFoundError", "RpcError", "status_of"]
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
 
-class RpcError(AoedError):
-    """An error that carries its own status code (e.g. NOT_FOUND, RESOURCE_EXHAUSTED)."""
-
-    def __init__(self, code: grpc.StatusCode, message: str):
-        super().__init__(message)
-        self.code = code
-
-
-class NotFoundError(RpcError):
-    def __init__(self, message: str):
-        super().__init__(grpc.StatusCode.NOT_FOUND, message)
-
-
 def status_of(exc: AoedError) -> grpc.StatusCode:
-    if isinstance(exc, RpcError):
-        return exc.code
     return getattr(grpc.StatusCode, exc.grpc_status, grpc.StatusCode.INTERNAL)
 
 

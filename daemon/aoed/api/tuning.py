@@ -24,7 +24,8 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from aoe.errors import OptionError
 from aoe.v1 import bank_pb2, tuning_pb2, tuning_pb2_grpc
-from aoed.api._bridge import Bridge, NotFoundError, RpcError
+from aoed.api._bridge import Bridge
+from aoed.errors import NotFoundError, PermissionDeniedError, RpcError
 from aoed.config import DaemonConfig
 from aoed.jobs import store as st
 from aoed.jobs.manager import JobManager, Submission, options_from_dict
@@ -53,7 +54,7 @@ def confine(raw: str, allowed: tuple[Path, ...], what: str, want_dir: bool = Fal
     """`raw` resolved (symlinks followed) if it lies inside one of `allowed`; else
     PERMISSION_DENIED (or NOT_FOUND when it does not exist inside them)."""
     if not allowed:
-        raise RpcError(grpc.StatusCode.PERMISSION_DENIED,
+        raise PermissionDeniedError(
                        f"{what} {raw!r}: this daemon accepts no daemon-side paths ([daemon] allowed_dirs is empty); "
                        "upload the model instead")  # fmt: skip
     if "\x00" in raw or not os.path.isabs(raw):
@@ -64,7 +65,7 @@ def confine(raw: str, allowed: tuple[Path, ...], what: str, want_dir: bool = Fal
     except (OSError, RuntimeError):
         raise NotFoundError(f"{what} {raw!r}: no such file on the daemon host") from None
     if not any(real.is_relative_to(r) for r in roots):
-        raise RpcError(grpc.StatusCode.PERMISSION_DENIED,
+        raise PermissionDeniedError(
                        f"{what} {raw!r}: outside the allowed directories ({', '.join(map(str, roots))})")  # fmt: skip
     if want_dir and not real.is_dir():
         raise OptionError(f"{what} {raw!r}: not a directory")
@@ -307,7 +308,7 @@ class TuningServicer(tuning_pb2_grpc.TuningServiceServicer):
     async def _artifact(self, job_id: str, artifact: int) -> Path:
         row = self._jobs.get(job_id)
         if row.state != st.SUCCEEDED or not row.result:
-            raise RpcError(grpc.StatusCode.FAILED_PRECONDITION,
+            raise RpcError("FAILED_PRECONDITION",
                            f"job {job_id} is {row.state}: only a succeeded job has results to download")  # fmt: skip
         if artifact == tuning_pb2.RESULT_ARTIFACT_RESULT_JSON:
             return Path(row.result["result_json"])

@@ -30,13 +30,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import grpc
 import trio
 
 from aoe.device import Device
 from aoe.errors import AoedError, JobCancelledError, OptionError
-from aoed.api._bridge import NotFoundError, RpcError
 from aoed.config import DaemonConfig
+from aoed.errors import NotFoundError, RpcError
 from aoed.engine.engine import Engine
 from aoed.engine.job import JobHandle, JobOptions, JobResult
 from aoed.engine.messages import JobEvent
@@ -229,7 +228,7 @@ class JobManager:
         options); returns (job, joined). Raises RpcError(RESOURCE_EXHAUSTED) when the
         queue is full, UNAVAILABLE while shutting down."""
         if self._stopping:
-            raise RpcError(grpc.StatusCode.UNAVAILABLE, "the daemon is shutting down; submit again after it restarts")
+            raise RpcError("UNAVAILABLE", "the daemon is shutting down; submit again after it restarts")
         sha = sub.upload.sha256 if sub.upload else await trio.to_thread.run_sync(sha256_file, sub.model)
         key = _dedup_key(sha, sub.options)
         async with self._limits_lock:
@@ -242,7 +241,7 @@ class JobManager:
                 return self.get(same.id), True
             queued, _ = self.counts()
             if queued >= self.cfg.max_queued_jobs:
-                raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                raise RpcError("RESOURCE_EXHAUSTED",
                                f"{queued} jobs are queued (the limit is {self.cfg.max_queued_jobs}); try again later")  # fmt: skip
             job_id = f"job-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"
             out = sub.output_dir or self.cfg.jobs_dir / job_id
@@ -344,6 +343,8 @@ class JobManager:
             self._event(row, "log", {"level": "info", "logger": "stage", "message": ev.message})
         elif ev.kind == "progress":
             row.progress = {**row.progress, "done": ev.done, "total": ev.total, "what": ev.message}
+            if ev.total and ev.done >= ev.total:
+                row.progress["current_task"] = ""
             self.store.update(row.id, progress=row.progress)
             self._event(row, "progress", row.progress)
         elif ev.kind == "task":

@@ -1,0 +1,173 @@
+"""A real `aoed` process on a temporary unix socket, for integration tests.
+
+    d = DaemonProcess(tmp_path)            # writes aoed.toml; nothing runs yet
+    d.start()                              # returns once health says SERVING
+    stub = d.tuning()                      # aoe.v1 stubs over the socket
+    d.stop() / d.kill()                    # SIGTERM (graceful) / SIGKILL
+
+Each daemon has its own state dir, bank, runtime dir (device locks) and inbox under
+`root`; the socket lives in a short /tmp folder because unix socket paths are limited to
+107 bytes and pytest's tmp paths can be longer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from aoe.v1 import (
+    bank_pb2_grpc,
+    daemon_pb2_grpc,
+    devices_pb2_grpc,
+    tuning_pb2,
+    tuning_pb2_grpc,
+)
+
+__all__ = ["DaemonProcess", "upload"]
+
+
+class DaemonProcess:
+    def __init__(self, root: Path, extra_toml: str = "", *, parallel: int = 1, max_running_jobs: int = 2,
+                 listen_toml: str = ""):  # fmt: skip
+        self.root = root
+        root.mkdir(parents=True, exist_ok=True)
+        self._short = Path(tempfile.mkdtemp(prefix="aoed-t-", dir="/tmp"))
+        self.socket = self._short / "aoed.sock"
+        self.state = root / "state"
+        self.bank = root / "bank"
+        self.models = root / "models"
+        self.inbox = root / "inbox"
+        self.models.mkdir(exist_ok=True)
+        self.runtime = self._short / "run"
+        self.config = root / "aoed.toml"
+        self.log_path = root / f"aoed-{id(self)}.log"
+        self.config.write_text(
+            f'[daemon]\nstate_dir = "{self.state}"\nallowed_dirs = ["{self.models}"]\n'
+            f"max_running_jobs = {max_running_jobs}\nshutdown_grace_s = 5\n"
+            f'[listen]\nsocket = "{self.socket}"\n{listen_toml}'
+            f'[bank]\npath = "{self.bank}"\n'
+            f'[engine]\nruntime_dir = "{self.runtime}"\n'
+            f"[tuning]\nparallel = {parallel}\n"
+            f'[[inbox]]\npath = "{self.inbox}"\nstable_s = 1.0\n' + extra_toml
+        )
+        self.proc: subprocess.Popen | None = None
+        self._channel: grpc.Channel | None = None
+
+    @property
+    def target(self) -> str:
+        return f"unix:{self.socket}"
+
+    def env(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if k not in ("TUNE_BANK_PATH", "REPEAT_TUNE", "AOED_CONFIG")}
+        env["AOED_SOCKET"] = str(self.socket)
+        return env
+
+    def start(self, timeout: float = 90) -> None:
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "aoed", "--config", str(self.config), "--log-level", "info"],
+            stdout=log, stderr=log, env=self.env(),
+        )  # fmt: skip
+        log.close()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"aoed exited with {self.proc.returncode}:\n{self.log()}")
+            if self.socket.exists() and self.serving():
+                return
+            time.sleep(0.1)
+        raise RuntimeError(f"aoed did not start in {timeout} s:\n{self.log()}")
+
+    def serving(self) -> bool:
+        try:
+            with grpc.insecure_channel(self.target) as ch:
+                reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=2)
+            return reply.status == health_pb2.HealthCheckResponse.SERVING
+        except grpc.RpcError:
+            return False
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def channel(self) -> grpc.Channel:
+        if self._channel is None:
+            self._channel = grpc.insecure_channel(self.target)
+        return self._channel
+
+    def tuning(self) -> tuning_pb2_grpc.TuningServiceStub:
+        return tuning_pb2_grpc.TuningServiceStub(self.channel())
+
+    def bank_stub(self) -> bank_pb2_grpc.BankServiceStub:
+        return bank_pb2_grpc.BankServiceStub(self.channel())
+
+    def devices(self) -> devices_pb2_grpc.DeviceServiceStub:
+        return devices_pb2_grpc.DeviceServiceStub(self.channel())
+
+    def daemon(self) -> daemon_pb2_grpc.DaemonServiceStub:
+        return daemon_pb2_grpc.DaemonServiceStub(self.channel())
+
+    def _close_channel(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
+
+    def stop(self, timeout: float = 60) -> int:
+        """SIGTERM and wait; returns the exit status."""
+        self._close_channel()
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else 0
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise RuntimeError(f"aoed did not stop within {timeout} s after SIGTERM:\n{self.log()}") from None
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would; its children die with it (PR_SET_PDEATHSIG)."""
+        self._close_channel()
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def close(self) -> None:
+        try:
+            self.stop()
+        finally:
+            shutil.rmtree(self._short, ignore_errors=True)
+
+    def wait_job(self, job_id: str, timeout: float = 300) -> tuning_pb2.Job:
+        """Poll until the job is final; returns it."""
+        final = (tuning_pb2.JOB_STATE_SUCCEEDED, tuning_pb2.JOB_STATE_FAILED, tuning_pb2.JOB_STATE_CANCELLED)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            job = self.tuning().GetJob(tuning_pb2.GetJobRequest(job_id=job_id), timeout=10).job
+            if job.state in final:
+                return job
+            time.sleep(0.2)
+        raise TimeoutError(f"job {job_id} not final after {timeout} s:\n{self.log()}")
+
+
+def _chunks(path: Path, name: str, chunk: int) -> Iterator[tuning_pb2.UploadModelRequest]:
+    data = path.read_bytes()
+    yield tuning_pb2.UploadModelRequest(header=tuning_pb2.ModelUploadHeader(
+        file_name=name, sha256=hashlib.sha256(data).hexdigest(), size_bytes=len(data)))  # fmt: skip
+    for i in range(0, len(data), chunk):
+        yield tuning_pb2.UploadModelRequest(chunk=data[i : i + chunk])
+
+
+def upload(stub: tuning_pb2_grpc.TuningServiceStub, path: Path, name: str | None = None, chunk: int = 256 << 10) -> str:
+    """Upload `path` in chunks; returns the model id."""
+    return stub.UploadModel(_chunks(path, name or path.name, chunk), timeout=60).model_id

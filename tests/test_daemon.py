@@ -1,0 +1,481 @@
+"""The daemon end to end: a real `aoed` process on a temporary unix socket, driven over gRPC.
+
+Models are the built-in samples (random weights, synthetic inputs) with small budgets,
+so each job takes seconds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import onnx
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+from aoe.bank import open_bank
+from aoe.v1 import daemon_pb2, devices_pb2, tuning_pb2
+from aoed import samples
+from tests.daemon_util import DaemonProcess, upload
+
+pytestmark = pytest.mark.slow
+
+FINAL = (tuning_pb2.JOB_STATE_SUCCEEDED, tuning_pb2.JOB_STATE_FAILED, tuning_pb2.JOB_STATE_CANCELLED)
+
+
+@pytest.fixture
+def daemon(tmp_path: Path):
+    d = DaemonProcess(tmp_path / "d")
+    d.start()
+    yield d
+    d.close()
+
+
+def _model(d: DaemonProcess, name: str, seed: int = 0) -> Path:
+    path = d.models / f"{name}.onnx"
+    if not path.exists():
+        samples.save(samples.build(name), path)
+    return path
+
+
+def _submit(d: DaemonProcess, path: Path, budget: float = 2.0, **opts) -> str:
+    model_id = upload(d.tuning(), path)
+    reply = d.tuning().SubmitJob(tuning_pb2.SubmitJobRequest(
+        model_id=model_id, options=tuning_pb2.JobOptions(budget_s=budget, **opts)), timeout=30)  # fmt: skip
+    return reply.job_id
+
+
+def _events(d: DaemonProcess, job_id: str, after: int = 0, logs: bool = True, limit: int | None = None):
+    out = []
+    stream = d.tuning().WatchJob(tuning_pb2.WatchJobRequest(job_id=job_id, after_sequence=after, include_logs=logs),
+                                 timeout=300)  # fmt: skip
+    for msg in stream:
+        out.append(msg.event)
+        if limit is not None and len(out) >= limit:
+            stream.cancel()
+            break
+    return out
+
+
+def _wait_event(d: DaemonProcess, job_id: str, pred, timeout: float = 120):
+    stream = d.tuning().WatchJob(tuning_pb2.WatchJobRequest(job_id=job_id, include_logs=True), timeout=timeout)
+    seen = []
+    for msg in stream:
+        seen.append(msg.event)
+        if pred(msg.event):
+            stream.cancel()
+            return seen
+    raise AssertionError(f"the stream ended without the awaited event: {[str(e) for e in seen][-5:]}")
+
+
+def _bank_keys(bank: Path) -> set[str]:
+    """Keys of the entries and default records of the bank at `bank`."""
+    reader = open_bank(bank, use_env=False)
+    try:
+        keys = set()
+        for _, rec in reader.records(history=False):
+            kind = rec.WhichOneof("record")
+            keys.add(f"{kind}:{getattr(rec, kind).key}")
+    finally:
+        reader.close()
+    return keys
+
+
+def test_upload_submit_watch_fetch(daemon: DaemonProcess, tmp_path: Path) -> None:
+    path = _model(daemon, "mlp")
+    job_id = _submit(daemon, path)
+    events = _events(daemon, job_id)
+    seqs = [e.sequence for e in events]
+    assert seqs == list(range(1, len(seqs) + 1)), "sequence numbers start at 1 and have no gaps"
+    states = [e.state_change.state for e in events if e.WhichOneof("event") == "state_change"]
+    assert states[0] == tuning_pb2.JOB_STATE_QUEUED and states[-1] == tuning_pb2.JOB_STATE_SUCCEEDED
+    assert tuning_pb2.JOB_STATE_TUNING in states and tuning_pb2.JOB_STATE_VERIFYING in states
+    results = [e.result for e in events if e.WhichOneof("event") == "result"]
+    assert len(results) == 1 and results[0].baseline_ms > 0 and results[0].tasks
+
+    job = daemon.tuning().GetJob(tuning_pb2.GetJobRequest(job_id=job_id)).job
+    assert job.state == tuning_pb2.JOB_STATE_SUCCEEDED and job.model_name == "mlp.onnx"
+    assert job.result.repo_summary.total_num == len(job.result.tasks) + 1  # + the model-wide options
+
+    chunks = list(daemon.tuning().DownloadResult(tuning_pb2.DownloadResultRequest(
+        job_id=job_id, artifact=tuning_pb2.RESULT_ARTIFACT_TUNED_MODEL)))  # fmt: skip
+    head, data = chunks[0].header, b"".join(c.chunk for c in chunks[1:])
+    assert hashlib.sha256(data).hexdigest() == head.sha256 and len(data) == head.size_bytes
+    onnx.checker.check_model(onnx.load_from_string(data))
+    report = b"".join(c.chunk for c in daemon.tuning().DownloadResult(tuning_pb2.DownloadResultRequest(
+        job_id=job_id, artifact=tuning_pb2.RESULT_ARTIFACT_RESULT_JSON))).decode()  # fmt: skip
+    assert "repo_summary" in report or "repo_add_num" in report
+
+    listed = daemon.tuning().ListJobs(tuning_pb2.ListJobsRequest()).jobs
+    assert [j.job_id for j in listed] == [job_id]
+
+
+def test_identical_submissions_join_one_job(daemon: DaemonProcess) -> None:
+    path = _model(daemon, "mlp")
+    first = _submit(daemon, path, budget=3.0)
+    by_path = daemon.tuning().SubmitJob(tuning_pb2.SubmitJobRequest(
+        model_path=str(path), options=tuning_pb2.JobOptions(budget_s=3.0)), timeout=30)  # fmt: skip
+    assert by_path.job_id == first and by_path.job.joined == 1
+    other = daemon.tuning().SubmitJob(tuning_pb2.SubmitJobRequest(
+        model_path=str(path), options=tuning_pb2.JobOptions(budget_s=4.0)), timeout=30)  # fmt: skip
+    assert other.job_id != first, "different options are a different job"
+    for j in (first, other.job_id):
+        assert daemon.wait_job(j).state == tuning_pb2.JOB_STATE_SUCCEEDED
+
+
+def test_errors_have_status_codes_and_messages(daemon: DaemonProcess, tmp_path: Path) -> None:
+    stub = daemon.tuning()
+    with pytest.raises(grpc.RpcError) as err:
+        stub.GetJob(tuning_pb2.GetJobRequest(job_id="job-nope"))
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND and "job-nope" in err.value.details()
+    outside = tmp_path / "outside.onnx"
+    samples.save(samples.build("mlp"), outside)
+    with pytest.raises(grpc.RpcError) as err:
+        stub.SubmitJob(tuning_pb2.SubmitJobRequest(model_path=str(outside)))
+    assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED and "allowed" in err.value.details()
+    link = daemon.models / "link.onnx"
+    link.symlink_to(outside)
+    with pytest.raises(grpc.RpcError) as err:
+        stub.SubmitJob(tuning_pb2.SubmitJobRequest(model_path=str(link)))
+    assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED, "a symlink out of the allowed dirs is refused"
+    with pytest.raises(grpc.RpcError) as err:
+        stub.SubmitJob(tuning_pb2.SubmitJobRequest(
+            model_path=str(_model(daemon, "mlp")), options=tuning_pb2.JobOptions(device="cuda:3")))  # fmt: skip
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "cuda:3" in err.value.details()
+    bad = tuning_pb2.UploadModelRequest
+    data = b"not a model"
+    with pytest.raises(grpc.RpcError) as err:
+        stub.UploadModel(iter([bad(header=tuning_pb2.ModelUploadHeader(file_name="x.onnx", sha256="0" * 64)),
+                               bad(chunk=data)]))  # fmt: skip
+    assert err.value.code() == grpc.StatusCode.DATA_LOSS and hashlib.sha256(data).hexdigest() in err.value.details()
+    assert not any(daemon.state.joinpath("uploads").iterdir()), "a failed upload leaves nothing behind"
+    with pytest.raises(grpc.RpcError) as err:
+        stub.ListJobs(tuning_pb2.ListJobsRequest(page_token="garbage"))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert daemon.serving()
+
+
+def test_health_reflection_info_and_devices(daemon: DaemonProcess) -> None:
+    ch = daemon.channel()
+    assert health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service="aoe.v1.TuningService")).status \
+        == health_pb2.HealthCheckResponse.SERVING
+    services = set(ProtoReflectionDescriptorDatabase(ch).get_services())
+    assert {"aoe.v1.TuningService", "aoe.v1.BankService", "aoe.v1.DeviceService", "aoe.v1.DaemonService",
+            "grpc.health.v1.Health"} <= services  # fmt: skip
+    info = daemon.daemon().GetDaemonInfo(daemon_pb2.GetDaemonInfoRequest())
+    assert info.listen == [f"unix://{daemon.socket}"] and info.bank_path == str(daemon.bank)
+    assert info.pid == daemon.proc.pid and [i.path for i in info.inboxes] == [str(daemon.inbox)]
+    devices = daemon.devices().ListDevices(devices_pb2.ListDevicesRequest()).devices
+    assert [d.id for d in devices] == ["cpu"] and devices[0].fingerprint.digest
+    mode = stat.S_IMODE(os.stat(daemon.socket).st_mode)
+    assert mode == 0o660, oct(mode)
+
+
+def test_two_jobs_share_the_device_one_measurement_at_a_time(daemon: DaemonProcess) -> None:
+    a = _submit(daemon, _model(daemon, "mlp"), budget=4.0)
+    b = _submit(daemon, _model(daemon, "cnn"), budget=4.0)
+    ja, jb = daemon.wait_job(a), daemon.wait_job(b)
+    assert ja.state == jb.state == tuning_pb2.JOB_STATE_SUCCEEDED
+    wa = (ja.started.ToNanoseconds(), ja.finished.ToNanoseconds())
+    wb = (jb.started.ToNanoseconds(), jb.finished.ToNanoseconds())
+    assert wa[0] < wb[1] and wb[0] < wa[1], "the two jobs ran at the same time"
+    spans = []
+    for job in (ja, jb):
+        doc = json.loads(Path(job.result.result_json_path).read_text())
+        spans += [(s, e, job.job_id) for s, e in doc["resources"]["device_intervals"]]
+    spans.sort()
+    assert len({j for *_, j in spans}) == 2 and len(spans) > 10
+    overlaps = [(p, n) for p, n in zip(spans, spans[1:]) if n[0] < p[1]]
+    assert not overlaps, f"measurements overlapped: {overlaps[:3]}"
+    # Fair share: while both ran, neither job had all of the device to itself.
+    both = (max(wa[0], wb[0]) / 1e9, min(wa[1], wb[1]) / 1e9)
+    inside = [j for s, e, j in spans if both[0] <= s and e <= both[1]]
+    assert inside.count(a) > 0 and inside.count(b) > 0
+
+
+def test_cancel_mid_measurement(daemon: DaemonProcess) -> None:
+    job_id = _submit(daemon, _model(daemon, "cnn"), budget=30.0)
+    _wait_event(daemon, job_id, lambda e: e.WhichOneof("event") == "state_change"
+                and e.state_change.state == tuning_pb2.JOB_STATE_TUNING)  # fmt: skip
+    t0 = time.monotonic()
+    job = daemon.tuning().CancelJob(tuning_pb2.CancelJobRequest(job_id=job_id), timeout=60).job
+    took = time.monotonic() - t0
+    assert job.state == tuning_pb2.JOB_STATE_CANCELLED, job
+    assert took < 15, f"cancel took {took:.1f} s"
+    # The device is free for the next job at once, and the daemon still serves.
+    nxt = _submit(daemon, _model(daemon, "mlp"), budget=2.0)
+    assert daemon.wait_job(nxt).state == tuning_pb2.JOB_STATE_SUCCEEDED
+
+
+def test_kill9_mid_job_resumes_and_keeps_the_bank(tmp_path: Path) -> None:
+    d = DaemonProcess(tmp_path / "d")
+    try:
+        d.start()
+        job_id = _submit(d, _model(d, "cnn"), budget=12.0)
+        seen = _wait_event(d, job_id, lambda e: e.WhichOneof("event") == "log" and e.log.logger == "task"
+                           and "(" in e.log.message)  # fmt: skip
+        decided = {e.log.message.split(":", 1)[0] for e in seen if e.WhichOneof("event") == "log" and e.log.logger == "task"}
+        d.kill()
+        before = _bank_keys(d.bank)
+        assert before, "a decided task is committed to the bank at once"
+        d.start()
+        job = d.wait_job(job_id)
+        assert job.state == tuning_pb2.JOB_STATE_SUCCEEDED, job.error
+        assert before <= _bank_keys(d.bank), "every entry committed before the kill is still there"
+        modes = {t.task_id: t.update_mode for t in job.result.tasks}
+        assert decided and all(modes[t] == "hit" for t in decided), (decided, modes)
+        states = [e for e in _events(d, job_id) if e.WhichOneof("event") == "state_change"]
+        assert any("restarted" in e.state_change.message for e in states)
+    finally:
+        d.close()
+
+
+def test_watch_resumes_across_a_restart(tmp_path: Path) -> None:
+    d = DaemonProcess(tmp_path / "d")
+    try:
+        d.start()
+        job_id = _submit(d, _model(d, "cnn"), budget=8.0)
+        seen = _wait_event(d, job_id, lambda e: e.WhichOneof("event") == "progress")
+        last = seen[-1].sequence
+        assert d.stop() == 0
+        d.start()
+        rest = _events(d, job_id, after=last)
+        assert rest[0].sequence == last + 1
+        assert [e.sequence for e in rest] == list(range(last + 1, last + 1 + len(rest)))
+        assert rest[-1].state_change.state == tuning_pb2.JOB_STATE_SUCCEEDED
+    finally:
+        d.close()
+
+
+def test_sigterm_stops_within_the_grace_and_requeues(tmp_path: Path) -> None:
+    d = DaemonProcess(tmp_path / "d")
+    try:
+        d.start()
+        job_id = _submit(d, _model(d, "cnn"), budget=60.0)
+        _wait_event(d, job_id, lambda e: e.WhichOneof("event") == "state_change"
+                    and e.state_change.state == tuning_pb2.JOB_STATE_TUNING)  # fmt: skip
+        t0 = time.monotonic()
+        assert d.stop() == 0
+        assert time.monotonic() - t0 < 5 + 15, "shutdown_grace_s = 5, plus a bound for the rest"
+        assert not d.socket.exists()
+        d.start()
+        job = d.tuning().GetJob(tuning_pb2.GetJobRequest(job_id=job_id)).job
+        assert job.state not in FINAL, "an interrupted job is not lost: it runs again"
+        d.tuning().CancelJob(tuning_pb2.CancelJobRequest(job_id=job_id), timeout=60)
+    finally:
+        d.close()
+
+
+def test_inbox_renamed_model_is_tuned_into_the_outbox(daemon: DaemonProcess) -> None:
+    src = _model(daemon, "mlp")
+    tmp = daemon.inbox / "mlp.onnx.part"
+    shutil.copy(src, tmp)
+    (daemon.inbox / "aoed.toml").write_text("budget_s = 2.0\n")
+    tmp.rename(daemon.inbox / "mlp.onnx")
+    outbox = daemon.root / "outbox"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (outbox / "mlp_result.json").exists():
+        time.sleep(0.2)
+    assert (outbox / "mlp_tuned.onnx").exists() and (outbox / "mlp_report.txt").exists(), daemon.log()[-3000:]
+    onnx.checker.check_model(onnx.load(outbox / "mlp_tuned.onnx"))
+    assert not (daemon.inbox / "mlp.onnx").exists()
+    jobs = daemon.tuning().ListJobs(tuning_pb2.ListJobsRequest()).jobs
+    assert len(jobs) == 1 and jobs[0].source == f"inbox:{daemon.inbox}"
+
+
+# ---------------------------------------------------------------- listening and TLS
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _check(config: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "aoed", "--config", str(config), "--check-config"],
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+
+
+def test_tcp_needs_tls_except_explicit_loopback(tmp_path: Path) -> None:
+    cfg = tmp_path / "aoed.toml"
+    cfg.write_text('[listen]\ntcp = "0.0.0.0:7461"\n')
+    r = _check(cfg)
+    assert r.returncode == 2 and "needs TLS" in r.stderr, r.stderr
+    cfg.write_text('[listen]\ntcp = "0.0.0.0:7461"\ninsecure_loopback = true\n')
+    r = _check(cfg)
+    assert r.returncode == 2 and "needs TLS" in r.stderr, "insecure_loopback does not open other addresses"
+    cfg.write_text('[listen]\ntcp = "127.0.0.1:7461"\n')
+    r = _check(cfg)
+    assert r.returncode == 2 and "insecure_loopback" in r.stderr
+    cfg.write_text('[listen]\ntcp = "127.0.0.1:7461"\ninsecure_loopback = true\n')
+    assert _check(cfg).returncode == 0
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a certificate")
+def test_tls_on_tcp_serves_only_tls_clients(tmp_path: Path) -> None:
+    cert, key = tmp_path / "server.pem", tmp_path / "server.key"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True)  # fmt: skip
+    port = _free_port()
+    d = DaemonProcess(tmp_path / "d", listen_toml=f'tcp = "127.0.0.1:{port}"\ntls_cert = "{cert}"\ntls_key = "{key}"\n')
+    try:
+        d.start()
+        creds = grpc.ssl_channel_credentials(root_certificates=cert.read_bytes())
+        with grpc.secure_channel(f"127.0.0.1:{port}", creds) as ch:
+            from aoe.v1 import daemon_pb2_grpc
+
+            info = daemon_pb2_grpc.DaemonServiceStub(ch).GetDaemonInfo(daemon_pb2.GetDaemonInfoRequest(), timeout=10)
+        assert f"127.0.0.1:{port} (tls)" in info.listen
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            from aoe.v1 import daemon_pb2_grpc
+
+            with pytest.raises(grpc.RpcError) as err:
+                daemon_pb2_grpc.DaemonServiceStub(ch).GetDaemonInfo(daemon_pb2.GetDaemonInfoRequest(), timeout=5)
+        assert err.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+    finally:
+        d.close()
+
+
+# ---------------------------------------------------------------- limits and scheduling
+
+
+def test_limits_answer_resource_exhausted(tmp_path: Path) -> None:
+    d = DaemonProcess(tmp_path / "d", max_running_jobs=1,
+                      extra_toml="", listen_toml="max_rpcs = 4\n")  # fmt: skip
+    d.config.write_text(d.config.read_text().replace("[daemon]\n", "[daemon]\nmax_queued_jobs = 1\n"))
+    try:
+        d.start()
+        paths = [_model(d, "mlp"), _model(d, "cnn"), _model(d, "transformer")]
+        running = _submit(d, paths[0], budget=30.0)
+        _wait_event(d, running, lambda e: e.WhichOneof("event") == "state_change"
+                    and e.state_change.state == tuning_pb2.JOB_STATE_PREPARING)  # fmt: skip
+        queued = _submit(d, paths[1])
+        with pytest.raises(grpc.RpcError) as err:
+            _submit(d, paths[2])
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "queued" in err.value.details()
+        # Four streams hold the four RPC slots; a fifth call is refused, not queued.
+        streams = [d.tuning().WatchJob(tuning_pb2.WatchJobRequest(job_id=queued)) for _ in range(4)]
+        for s in streams:
+            next(s)
+        with pytest.raises(grpc.RpcError) as err:
+            d.tuning().GetJob(tuning_pb2.GetJobRequest(job_id=queued), timeout=10)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        for s in streams:
+            s.cancel()
+        time.sleep(0.5)
+        assert d.tuning().GetJob(tuning_pb2.GetJobRequest(job_id=queued), timeout=10).job.queue_position == 0
+        for j in (running, queued):
+            d.tuning().CancelJob(tuning_pb2.CancelJobRequest(job_id=j), timeout=60)
+    finally:
+        d.close()
+
+
+def test_priority_leaves_the_queue_first(tmp_path: Path) -> None:
+    d = DaemonProcess(tmp_path / "d", max_running_jobs=1)
+    try:
+        d.start()
+        first = _submit(d, _model(d, "mlp"), budget=2.0)
+        low = _submit(d, _model(d, "cnn"), budget=2.0)
+        high = _submit(d, _model(d, "transformer"), budget=2.0, priority=5)
+        jobs = {j: d.wait_job(j) for j in (first, low, high)}
+        assert all(j.state == tuning_pb2.JOB_STATE_SUCCEEDED for j in jobs.values())
+        assert jobs[high].started.ToNanoseconds() < jobs[low].started.ToNanoseconds()
+        assert jobs[high].options.priority == 5
+    finally:
+        d.close()
+
+
+def test_sighup_reloads_limits_and_inboxes(tmp_path: Path) -> None:
+    d = DaemonProcess(tmp_path / "d")
+    try:
+        d.start()
+        second = tmp_path / "second-inbox"
+        d.config.write_text(d.config.read_text().replace("max_running_jobs = 2", "max_running_jobs = 3")
+                            + f'[[inbox]]\npath = "{second}"\n')  # fmt: skip
+        d.proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 20
+        info = None
+        while time.monotonic() < deadline:
+            info = d.daemon().GetDaemonInfo(daemon_pb2.GetDaemonInfoRequest())
+            if info.max_running_jobs == 3:
+                break
+            time.sleep(0.2)
+        assert info is not None and info.max_running_jobs == 3
+        assert str(second) in [i.path for i in info.inboxes]
+        assert second.is_dir(), "a new inbox is watched (and created) at once"
+        d.config.write_text("[daemon]\nmax_running_jobs = 'many'\n")
+        d.proc.send_signal(signal.SIGHUP)
+        time.sleep(1.0)
+        assert d.serving() and "not reloaded" in d.log()
+    finally:
+        d.close()
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        text = (task / "children").read_text().split()
+        out += [int(c) for c in text]
+    return out
+
+
+def test_children_are_exec_d_without_the_service_manager_variables(tmp_path: Path) -> None:
+    d = DaemonProcess(tmp_path / "d")
+    env = d.env()
+    env.update(NOTIFY_SOCKET=str(tmp_path / "notify"), WATCHDOG_USEC="1000000", WATCHDOG_PID="1")
+    d.env = lambda: env  # type: ignore[method-assign]
+    try:
+        d.start()
+        job_id = _submit(d, _model(d, "cnn"), budget=30.0)
+        _wait_event(d, job_id, lambda e: e.WhichOneof("event") == "state_change"
+                    and e.state_change.state == tuning_pb2.JOB_STATE_TUNING)  # fmt: skip
+        kids = _children(d.proc.pid)
+        assert len(kids) >= 2, "a compile worker and the device runner"
+        for kid in kids:
+            environ = dict(item.split("=", 1) for item in
+                           Path(f"/proc/{kid}/environ").read_bytes().decode().split("\0") if "=" in item)  # fmt: skip
+            assert environ.get("GRPC_ENABLE_FORK_SUPPORT") == "0"
+            assert not {"NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID"} & set(environ), kid
+            argv = Path(f"/proc/{kid}/cmdline").read_bytes().split(b"\0")
+            assert b"-m" in argv or b"-c" in argv, "a fresh interpreter (exec), not a fork of the daemon"
+        d.tuning().CancelJob(tuning_pb2.CancelJobRequest(job_id=job_id), timeout=60)
+    finally:
+        d.close()
+
+
+def test_retention_and_upload_expiry(tmp_path: Path) -> None:
+    d = DaemonProcess(tmp_path / "d")
+    d.config.write_text(d.config.read_text().replace("[daemon]\n", "[daemon]\nretention_days = 0.00004\n")
+                        .replace("[listen]\n", "[limits]\nupload_ttl_h = 0.001\n[listen]\n"))  # fmt: skip
+    try:
+        d.start()
+        job_id = _submit(d, _model(d, "mlp"), budget=2.0)
+        job = d.wait_job(job_id)
+        out = Path(job.result.tuned_model_path)
+        assert out.exists()
+        stale = upload(d.tuning(), _model(d, "cnn"))
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and d.tuning().ListJobs(tuning_pb2.ListJobsRequest()).jobs:
+            time.sleep(0.5)
+        assert not d.tuning().ListJobs(tuning_pb2.ListJobsRequest()).jobs, "kept past its retention (3.5 s)"
+        assert not out.exists() and not (d.state / "jobs" / job_id).exists()
+        time.sleep(4)
+        with pytest.raises(grpc.RpcError) as err:
+            d.tuning().SubmitJob(tuning_pb2.SubmitJobRequest(model_id=stale))
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND and "expired" in err.value.details()
+        assert not any((d.state / "uploads").iterdir())
+    finally:
+        d.close()

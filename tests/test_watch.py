@@ -1,0 +1,349 @@
+"""The inbox watcher on real folders, real file notifications and a real job store.
+
+No tuning engine runs here: the watcher meets the job manager only through `submit`,
+`get`, `on_final`, `store` and `engine.device.device`, and `Jobs` below stands in for it
+over the same real JobStore, so a test can end a job as it likes. The daemon's own tests
+(test_daemon.py) drop a model into a real daemon's inbox end to end."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import trio
+
+from aoe.config import load_config
+from aoe.device import Device
+from aoe.errors import AoedError
+from aoed.errors import NotFoundError, RpcError
+from aoed.config import DaemonConfig, Inbox
+from aoed.jobs.manager import Submission
+from aoed.jobs.store import JobRow, JobStore
+from aoed.watch import Watcher
+
+MODEL = b"\x08\x07" + bytes(range(256)) * 40  # content only: the watcher never parses models
+
+
+class Jobs:
+    """The part of JobManager the watcher uses, over a real JobStore: submissions are
+    recorded (with the bytes the model had when submitted) and end when `finish` says."""
+
+    def __init__(self, store: JobStore):
+        self.store = store
+        self.engine = SimpleNamespace(device=SimpleNamespace(device=Device()))
+        self.on_final: list[Callable[[JobRow], None]] = []
+        self.submitted: list[tuple[Submission, bytes, JobRow]] = []
+        self.refuse: list[AoedError] = []
+        self.attempts = 0
+
+    async def submit(self, sub: Submission) -> tuple[JobRow, bool]:
+        self.attempts += 1
+        await trio.sleep(0)
+        if self.refuse:
+            raise self.refuse.pop(0)
+        data = sub.model.read_bytes()
+        sha = hashlib.sha256(data).hexdigest()
+        row = JobRow(id=f"job-{len(self.submitted) + 1}", state="queued", model_path=str(sub.model),
+                     model_name=sub.model.name, model_sha256=sha, dedup_key=sha, options=sub.options,
+                     output_dir="", source=sub.source)  # fmt: skip
+        self.store.insert(row)
+        self.submitted.append((sub, data, row))
+        return row, False
+
+    def get(self, job_id: str) -> JobRow:
+        row = self.store.get(job_id)
+        if row is None:
+            raise NotFoundError(f"no job {job_id!r}")
+        return row
+
+    def finish(self, job_id: str, state: str, result: dict[str, Any] | None = None, error: str = "") -> None:
+        self.store.update(job_id, state=state, result=result, error=error)
+        row = self.get(job_id)
+        for fn in self.on_final:
+            fn(row)
+
+    def names(self) -> list[str]:
+        return [sub.model.name for sub, _, _ in self.submitted]
+
+
+def _config(tmp_path: Path, stable_s: float = 0.2, *names: str) -> DaemonConfig:
+    inboxes = tuple(
+        Inbox(tmp_path / n, tmp_path / f"{n}-outbox", tmp_path / f"{n}-failed", stable_s) for n in (names or ("inbox",))
+    )
+    return DaemonConfig(engine=load_config(env={}), state_dir=tmp_path / "state", socket=None, inboxes=inboxes)
+
+
+@asynccontextmanager
+async def _watching(cfg: DaemonConfig, jobs: Jobs, **attrs: float) -> AsyncIterator[Watcher]:
+    watcher = Watcher(cfg, jobs)  # type: ignore[arg-type]  # Jobs stands in for JobManager
+    for k, v in attrs.items():
+        setattr(watcher, k, v)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(watcher.run)
+        yield watcher
+        nursery.cancel_scope.cancel()
+
+
+async def _until(cond: Callable[[], bool], timeout: float = 5.0) -> None:
+    with trio.fail_after(timeout):
+        while not cond():
+            await trio.sleep(0.02)
+
+
+def _store(tmp_path: Path) -> JobStore:
+    return JobStore(tmp_path / "state" / "jobs.sqlite3")
+
+
+async def test_a_file_written_slowly_is_submitted_once_and_only_complete(tmp_path: Path) -> None:
+    cfg = _config(tmp_path, stable_s=0.5)
+    jobs = Jobs(_store(tmp_path))
+    chunks = [MODEL[i : i + 2000] for i in range(0, len(MODEL), 2000)][:6]
+    async with _watching(cfg, jobs):
+        with open(tmp_path / "inbox" / "slow.onnx", "wb") as f:
+            # 6 writes 0.3 s apart: 1.5 s in all, far beyond the 0.125 s poll step, while
+            # each pause stays shorter than stable_s.
+            for chunk in chunks:
+                f.write(chunk)
+                f.flush()
+                await trio.sleep(0.3)
+                assert not jobs.submitted, "taken while it was still being written"
+        await _until(lambda: len(jobs.submitted) == 1)
+        await trio.sleep(0.7)
+    assert len(jobs.submitted) == 1
+    assert jobs.submitted[0][1] == b"".join(chunks)
+    assert not (tmp_path / "inbox" / "slow.onnx").exists()
+
+
+async def test_a_file_renamed_from_a_part_name_is_taken_at_once(tmp_path: Path) -> None:
+    cfg = _config(tmp_path, stable_s=5.0)
+    jobs = Jobs(_store(tmp_path))
+    async with _watching(cfg, jobs):
+        part = tmp_path / "inbox" / "x.onnx.part"
+        part.write_bytes(MODEL)
+        await trio.sleep(0.3)
+        part.rename(tmp_path / "inbox" / "x.onnx")
+        await _until(lambda: len(jobs.submitted) == 1, timeout=2.0)  # stable_s is 5 s
+    assert jobs.names() == ["x.onnx"] and jobs.submitted[0][1] == MODEL
+
+
+async def test_ignored_names_are_never_submitted(tmp_path: Path) -> None:
+    cfg = _config(tmp_path, stable_s=0.2)
+    inbox = tmp_path / "inbox"
+    inbox.mkdir()
+    outside = tmp_path / "elsewhere.onnx"
+    outside.write_bytes(MODEL)
+    ignored = [".hidden.onnx", "a.onnx~", "b.onnx.part", "notes.txt", "model.onnx.bak"]
+    (inbox / ignored[0]).write_bytes(MODEL)  # before the start: the scan must skip it too
+    (inbox / "link.onnx").symlink_to(outside)
+    (inbox / "dir.onnx").mkdir()
+    (inbox / "sub").mkdir()
+    (inbox / "aoed.toml").write_text("")
+    jobs = Jobs(_store(tmp_path))
+    async with _watching(cfg, jobs):
+        for name in ignored[1:]:
+            (inbox / name).write_bytes(MODEL)
+        (inbox / "sub" / "c.onnx").write_bytes(MODEL)
+        (inbox / "ok.onnx").write_bytes(MODEL)  # the control: the watcher was working
+        await _until(lambda: len(jobs.submitted) == 1)
+        await trio.sleep(0.6)
+    assert jobs.names() == ["ok.onnx"]
+    assert all((inbox / name).exists() for name in ignored) and (inbox / "sub" / "c.onnx").exists()
+    assert (inbox / "link.onnx").is_symlink() and outside.exists()
+
+
+async def test_a_file_present_before_the_start_is_taken_by_the_initial_scan(tmp_path: Path) -> None:
+    cfg = _config(tmp_path, stable_s=0.2)
+    (tmp_path / "inbox").mkdir()
+    (tmp_path / "inbox" / "early.onnx").write_bytes(MODEL)
+    store = _store(tmp_path)
+    jobs = Jobs(store)
+    async with _watching(cfg, jobs):
+        await _until(lambda: len(jobs.submitted) == 1, timeout=3.0)
+    sub, data, row = jobs.submitted[0]
+    assert data == MODEL and sub.model.is_relative_to(cfg.claims_dir)
+    assert sub.source == f"inbox:{tmp_path / 'inbox'}"
+    [claim] = store.claims()
+    assert (claim.state, claim.job_id, claim.src) == ("claimed", row.id, str(tmp_path / "inbox" / "early.onnx"))
+    assert not (tmp_path / "inbox" / "early.onnx").exists()
+
+
+async def test_crashes_before_and_after_the_claim_rename_each_give_one_submission(tmp_path: Path) -> None:
+    cfg = _config(tmp_path, stable_s=0.2)
+    inbox = tmp_path / "inbox"
+    inbox.mkdir()
+    store = _store(tmp_path)
+    # a: the claim was recorded, the rename never happened
+    (inbox / "a.onnx").write_bytes(MODEL)
+    store.claim_begin(str(inbox / "a.onnx"), str(cfg.claims_dir / "u1" / "a.onnx"), str(inbox))
+    # b: the rename happened, the job was never recorded
+    dst_b = cfg.claims_dir / "u2" / "b.onnx"
+    dst_b.parent.mkdir(parents=True)
+    dst_b.write_bytes(MODEL[::-1])
+    store.claim_begin(str(inbox / "b.onnx"), str(dst_b), str(inbox))
+    # a claimed copy no claim refers to
+    (cfg.claims_dir / "u3").mkdir()
+    (cfg.claims_dir / "u3" / "junk.onnx").write_bytes(b"x")
+    jobs = Jobs(store)
+    async with _watching(cfg, jobs):
+        await _until(lambda: len(jobs.submitted) == 2)
+        await trio.sleep(0.6)
+    assert sorted(jobs.names()) == ["a.onnx", "b.onnx"]
+    by_name = {sub.model.name: (sub, data, row) for sub, data, row in jobs.submitted}
+    assert by_name["a.onnx"][1] == MODEL and by_name["b.onnx"][1] == MODEL[::-1]
+    assert by_name["b.onnx"][0].model == dst_b
+    claims = {Path(c.src).name: c for c in store.claims()}
+    assert {n: (c.state, c.job_id) for n, c in claims.items()} == {
+        n: ("claimed", by_name[n][2].id) for n in ("a.onnx", "b.onnx")
+    }
+    assert not (cfg.claims_dir / "u3").exists() and not list(inbox.glob("*.onnx"))
+
+
+def _result_files(tmp_path: Path, tag: str) -> tuple[Path, Path]:
+    out = tmp_path / f"job-out-{tag}"
+    out.mkdir()
+    tuned, result = out / "tuned.onnx", out / "aoe_result.json"
+    tuned.write_bytes(b"tuned " + tag.encode())
+    result.write_text(json.dumps({"tag": tag}))
+    return tuned, result
+
+
+def _result(tuned: Path, result: Path) -> dict[str, Any]:
+    return {"tuned_model": str(tuned), "result_json": str(result), "baseline_ms": 2.0, "tuned_ms": 1.6,
+            "improvement": 0.25, "improvement_ci95": [0.2, 0.3], "verdict": "faster", "shipped": "tuned",
+            "repo": {"repo_hit_num": 1, "repo_add_num": 2, "repo_update_num": 0, "repo_not_tuned_num": 0,
+                     "total_num": 3}, "tasks": []}  # fmt: skip
+
+
+async def test_a_succeeded_job_delivers_three_outbox_files_and_forgets_the_claim(tmp_path: Path) -> None:
+    cfg = _config(tmp_path, stable_s=0.2)
+    inbox, outbox = cfg.inboxes[0].path, cfg.inboxes[0].outbox
+    store = _store(tmp_path)
+    jobs = Jobs(store)
+    async with _watching(cfg, jobs):
+        for i, tag in enumerate(("first", "second")):
+            (inbox / "m.onnx").write_bytes(MODEL)
+            await _until(lambda i=i: len(jobs.submitted) == i + 1)
+            tuned, result = _result_files(tmp_path, tag)
+            job_id = jobs.submitted[i][2].id
+            jobs.finish(job_id, "succeeded", _result(tuned, result))
+            report = outbox / ("m_report.txt" if i == 0 else "m_2_report.txt")
+            await _until(report.exists)
+            await _until(lambda: not store.claims())
+    assert (outbox / "m_tuned.onnx").read_bytes() == b"tuned first"
+    assert json.loads((outbox / "m_result.json").read_text()) == {"tag": "first"}
+    assert (outbox / "m_2_tuned.onnx").read_bytes() == b"tuned second", "an existing name is not overwritten"
+    assert json.loads((outbox / "m_2_result.json").read_text()) == {"tag": "second"}
+    text = (outbox / "m_report.txt").read_text()
+    for needle in ("job-1", "2.000 ms", "1.600 ms", "+25.0%", "+20.0%", "+30.0%", "faster", "shipped:      tuned",
+                   "1 hit, 2 added"):  # fmt: skip
+        assert needle in text, (needle, text)
+    assert "job-2" in (outbox / "m_2_report.txt").read_text()
+    assert sorted(p.name for p in outbox.iterdir()) == sorted(
+        f"m{s}{suffix}" for s in ("", "_2") for suffix in ("_tuned.onnx", "_result.json", "_report.txt")
+    ), "no temporary files are left"
+    assert not list(cfg.claims_dir.iterdir()), "the claimed copies are removed"
+
+
+async def test_a_failed_job_moves_the_model_to_failed_with_the_error(tmp_path: Path) -> None:
+    cfg = _config(tmp_path, stable_s=0.2)
+    inbox, failed = cfg.inboxes[0].path, cfg.inboxes[0].failed
+    store = _store(tmp_path)
+    jobs = Jobs(store)
+    async with _watching(cfg, jobs):
+        (inbox / "bad.onnx").write_bytes(MODEL)
+        await _until(lambda: len(jobs.submitted) == 1)
+        jobs.finish("job-1", "failed", error="bad.onnx: the graph has no outputs")
+        await _until((failed / "bad.onnx.error.txt").exists)
+    assert (failed / "bad.onnx").read_bytes() == MODEL
+    text = (failed / "bad.onnx.error.txt").read_text()
+    assert "job-1" in text and "failed" in text and "the graph has no outputs" in text
+    assert not store.claims() and not list(cfg.claims_dir.iterdir())
+    assert not list(cfg.inboxes[0].outbox.iterdir())
+
+
+async def test_a_job_that_ended_while_the_watcher_was_down_is_delivered_at_start(tmp_path: Path) -> None:
+    cfg = _config(tmp_path, stable_s=0.2)
+    store = _store(tmp_path)
+    jobs = Jobs(store)
+    dst = cfg.claims_dir / "u1" / "m.onnx"
+    dst.parent.mkdir(parents=True)
+    dst.write_bytes(MODEL)
+    src = cfg.inboxes[0].path / "m.onnx"
+    store.claim_begin(str(src), str(dst), str(cfg.inboxes[0].path))
+    row, _ = await jobs.submit(Submission(model=dst, options={}, source="inbox"))
+    store.claim_done(str(src), row.id)
+    tuned, result = _result_files(tmp_path, "early")
+    store.update(row.id, state="succeeded", result=_result(tuned, result))
+    async with _watching(cfg, jobs):
+        await _until((cfg.inboxes[0].outbox / "m_report.txt").exists)
+        await _until(lambda: not store.claims())
+    assert (cfg.inboxes[0].outbox / "m_tuned.onnx").read_bytes() == b"tuned early"
+    assert len(jobs.submitted) == 1, "a claimed file is not submitted again"
+
+
+async def test_folder_options_reach_the_submission_and_a_bad_key_fails_the_model(tmp_path: Path) -> None:
+    cfg = _config(tmp_path, stable_s=0.2)
+    inbox, failed = cfg.inboxes[0].path, cfg.inboxes[0].failed
+    inbox.mkdir()
+    (inbox / "aoed.toml").write_text(
+        'precision = "int8"\npriority = 3\nbudget_s = 1.5\nrepeat_tune = true\n[input_shapes]\nx = [2, 4]\n'
+    )
+    jobs = Jobs(_store(tmp_path))
+    async with _watching(cfg, jobs):
+        (inbox / "a.onnx").write_bytes(MODEL)
+        await _until(lambda: len(jobs.submitted) == 1)
+        opts = jobs.submitted[0][0].options
+        assert (opts["precision"], opts["priority"], opts["budget_s"], opts["repeat_tune"], opts["input_shapes"]) == (
+            "int8", 3, 1.5, True, {"x": [2, 4]})  # fmt: skip
+        # The file is read again for each model.
+        (inbox / "aoed.toml").write_text('precision = "exact"\ncolour = "blue"\n')
+        (inbox / "b.onnx").write_bytes(MODEL[::-1])
+        await _until((failed / "b.onnx.error.txt").exists)
+    assert "colour" in (failed / "b.onnx.error.txt").read_text()
+    assert (failed / "b.onnx").read_bytes() == MODEL[::-1]
+    assert jobs.names() == ["a.onnx"]
+
+
+async def test_a_full_queue_keeps_the_file_claimed_until_it_is_accepted(tmp_path: Path) -> None:
+    cfg = _config(tmp_path, stable_s=0.2)
+    store = _store(tmp_path)
+    jobs = Jobs(store)
+    jobs.refuse = [RpcError("RESOURCE_EXHAUSTED", "64 jobs are queued") for _ in range(2)]
+    async with _watching(cfg, jobs, retry_s=0.1):
+        (cfg.inboxes[0].path / "q.onnx").write_bytes(MODEL)
+        await _until(lambda: len(jobs.submitted) == 1)
+    assert jobs.attempts == 3 and jobs.names() == ["q.onnx"]
+    assert not list(cfg.inboxes[0].failed.iterdir())
+    assert [c.state for c in store.claims()] == ["claimed"]
+
+
+async def test_reload_watches_new_folders_and_stops_watching_removed_ones(tmp_path: Path) -> None:
+    cfg = _config(tmp_path, 0.2, "a")
+    jobs = Jobs(_store(tmp_path))
+    async with _watching(cfg, jobs) as watcher:
+        assert (tmp_path / "a").is_dir() and (tmp_path / "a-outbox").is_dir() and (tmp_path / "a-failed").is_dir()
+        watcher.reload(_config(tmp_path, 0.2, "b"))
+        await _until((tmp_path / "b").is_dir)
+        await trio.sleep(0.3)  # the new folder's watch starts
+        (tmp_path / "b" / "new.onnx").write_bytes(MODEL)
+        (tmp_path / "a" / "old.onnx").write_bytes(MODEL)
+        await _until(lambda: len(jobs.submitted) == 1)
+        await trio.sleep(0.6)
+    assert jobs.names() == ["new.onnx"]
+    assert (tmp_path / "a" / "old.onnx").exists()
+
+
+async def test_cancelling_the_watcher_ends_its_watch_threads_promptly(tmp_path: Path) -> None:
+    # watchfiles' worker thread notices only its stop event; without it, cancellation
+    # would wait out the thread's 5 s timeout.
+    jobs = Jobs(_store(tmp_path))
+    async with _watching(_config(tmp_path, 0.2, "a", "b"), jobs):
+        await trio.sleep(0.2)
+        start = trio.current_time()
+    assert trio.current_time() - start < 3.0
+    assert jobs.on_final == [], "the watcher unregisters its final-state callback"
