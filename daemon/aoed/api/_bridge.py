@@ -18,6 +18,7 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -131,8 +132,11 @@ class Bridge:
                         scope.deadline = trio.current_time() + remaining
                     call.attach(scope)
                     try:
-                        async for item in agen_fn(*args):
-                            await send.send(("item", item))
+                        # aclosing: a producer cancelled at a yield is finalized here, now,
+                        # not later by the garbage collector
+                        async with contextlib.aclosing(agen_fn(*args)) as agen:
+                            async for item in agen:
+                                await send.send(("item", item))
                     except AoedError as exc:
                         await send.send(("error", exc))
                     except Exception as exc:

@@ -1,0 +1,298 @@
+"""BankService: the knowledge bank over gRPC, as `aoe bank` has it locally.
+
+Methods are protobuf -> domain, one bridge call (or stream), domain -> protobuf, over
+aoed.bank.service.DaemonBank (the engine's BankWriter, the daemon's one writer of the
+bank) and, for VerifyEntries, the engine's device.
+
+  LookupEntry    a key, or digests (this daemon's device by default): custom bank, then
+                 the read-only layers; a miss says why, as `aoe bank lookup` does
+  QueryEntries   the custom bank's entries in key order, filtered, one page at a time;
+                 the page token is the last key looked at (base64url)
+  ExportEntries  the custom bank's records (entries, default records, then the history,
+                 each in key order), read a page per transaction
+  ImportEntries  reads the whole stream in the handler's thread and checks every record
+                 as `aoe bank import` does (bad ones are refused with their reason), then
+                 merges the rest in one go: nothing is written before all is checked
+  GetBankStats   counts per layer; sizes of the custom bank
+  PruneBank      drops the custom bank's history, or counts what would go
+  VerifyEntries  re-measures a sample of the custom bank's entries on the engine's
+                 device (1 s each, as `aoe bank verify`), streams each verdict as it
+                 comes and appends the measurements to the history
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import itertools
+import json
+import random
+from collections.abc import AsyncIterator, Iterable, Iterator
+from typing import TYPE_CHECKING
+
+import grpc
+
+from aoe.bank import PRECISION_NAMES, default_record, parse_key, record_to_json
+from aoe.device import Device
+from aoe.errors import OptionError
+from aoe.v1 import bank_pb2, bank_pb2_grpc
+from aoed.api._bridge import Bridge
+from aoed.bank.service import DaemonBank, Keep, check_import
+from aoed.bank.store import MergeCounts
+from aoed.engine.bankverify import Verdict, sample_entries, verify_entries
+
+if TYPE_CHECKING:
+    from aoed.engine.engine import Engine
+
+__all__ = ["MAX_IMPORT_BYTES", "MAX_IMPORT_RECORDS", "BankServicer", "add_to_server"]
+
+DEFAULT_PAGE, MAX_PAGE = 100, 1000
+#: Records per transaction (and per thread hop) of an export.
+EXPORT_PAGE = 256
+#: One import holds its records in memory until they are all checked: these bound it.
+MAX_IMPORT_RECORDS = 1_000_000
+MAX_IMPORT_BYTES = 512 << 20
+#: Refused records listed one by one in an import's answer; the rest are only counted.
+SHOW_REFUSED = 1000
+#: Device seconds per verified entry (`aoe bank verify`'s default).
+VERIFY_BUDGET_S = 1.0
+
+_POLICY = {
+    bank_pb2.MERGE_POLICY_UNSPECIFIED: "keep-faster", bank_pb2.MERGE_POLICY_KEEP_FASTER: "keep-faster",
+    bank_pb2.MERGE_POLICY_OVERWRITE: "overwrite", bank_pb2.MERGE_POLICY_KEEP_EXISTING: "keep-existing",
+}  # fmt: skip
+_VERDICT = {
+    "confirmed": bank_pb2.VERIFY_VERDICT_CONFIRMED, "regressed": bank_pb2.VERIFY_VERDICT_REGRESSED,
+    "inaccurate": bank_pb2.VERIFY_VERDICT_INACCURATE, "skipped": bank_pb2.VERIFY_VERDICT_SKIPPED,
+    "error": bank_pb2.VERIFY_VERDICT_ERROR,
+}  # fmt: skip
+
+
+def add_to_server(server: grpc.Server, bridge: Bridge, engine: Engine) -> BankServicer:
+    """Serve BankService on `server` over `engine`; returns the servicer."""
+    servicer = BankServicer(bridge, engine)
+    bank_pb2_grpc.add_BankServiceServicer_to_server(servicer, server)
+    return servicer
+
+
+class BankServicer(bank_pb2_grpc.BankServiceServicer):
+    def __init__(self, bridge: Bridge, engine: Engine):
+        self._bridge, self._engine = bridge, engine
+        self._bank = DaemonBank(engine.bank, engine.device.device.fingerprint())
+
+    # -- unary
+
+    def LookupEntry(self, request, context):
+        ex, raw = self._bridge.call(context, self._lookup, request)
+        return bank_pb2.LookupEntryResponse(found=ex.found, entry=bank_pb2.BankEntry.FromString(raw) if ex.found else None,
+                                            layer=ex.layer if ex.found else "", reason=ex.reason)  # fmt: skip
+
+    async def _lookup(self, request: bank_pb2.LookupEntryRequest):
+        d = request.digests
+        return await self._bank.lookup(
+            request.key, d.signature_digest, d.device_digest, _precision(d.precision) or "exact"
+        )
+
+    def QueryEntries(self, request, context):
+        items, after = self._bridge.call(context, self._query, request)
+        return bank_pb2.QueryEntriesResponse(entries=[bank_pb2.BankEntry.FromString(v) for _, v in items],
+                                             next_page_token=base64.urlsafe_b64encode(after).decode())  # fmt: skip
+
+    async def _query(
+        self, request: bank_pb2.QueryEntriesRequest
+    ) -> tuple[list[tuple[bytes, bytes]], bytes]:
+        keep = _keep("entries", request.op_type, request.device_digest, request.precision)
+        size = min(request.page_size or DEFAULT_PAGE, MAX_PAGE)
+        return await self._bank.page("entries", _after(request.page_token), size, keep)
+
+    def ImportEntries(self, request_iterator, context):
+        first = next(request_iterator, None)
+        has_options = first is not None and first.WhichOneof("payload") == "options"
+        options = first.options if has_options else bank_pb2.ImportOptions()
+        if options.policy not in _POLICY:
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"ImportEntries: unknown merge policy {options.policy}",
+            )
+        records = (
+            request_iterator
+            if has_options or first is None
+            else itertools.chain([first], request_iterator)
+        )
+        checked = check_import(
+            _lines(records, context), _POLICY[options.policy], options.allow_foreign_devices
+        )
+        counts = self._bridge.call(context, self._bank.merge, checked)
+        return _import_response(counts, checked.refused)
+
+    def GetBankStats(self, request, context):
+        layers = self._bridge.call(context, self._bank.stats)
+        custom = layers[0]
+        return bank_pb2.GetBankStatsResponse(
+            entries=sum(s.entries for s in layers), history_trials=sum(s.history for s in layers),
+            layer_entries={s.name: s.entries for s in layers}, map_size_bytes=custom.map_size,
+            used_bytes=custom.used_bytes, schema_version=custom.schema_version, path=custom.path,
+        )  # fmt: skip
+
+    def PruneBank(self, request, context):
+        r = self._bridge.call(context, self._bank.prune, request.dry_run)
+        return bank_pb2.PruneBankResponse(trials_removed=r.trials_removed, entries_kept=r.entries_kept,
+                                          used_bytes_before=r.used_bytes_before, used_bytes_after=r.used_bytes_after)  # fmt: skip
+
+    # -- server streams
+
+    def ExportEntries(self, request, context):
+        yield from self._bridge.stream(context, _export, self._bank, request)
+
+    def VerifyEntries(self, request, context):
+        for v in self._bridge.stream(context, _verify, self._engine, self._bank, request, buffer=1):
+            yield _verdict(v)
+
+
+
+
+async def _export(bank: DaemonBank, request: bank_pb2.ExportEntriesRequest) -> AsyncIterator[bank_pb2.ExportEntriesResponse]:
+    """The custom bank's records for an ExportEntriesRequest: entries, then default
+    records, then the history, each in key order, read a page per transaction."""
+    dbs = ["entries"]
+    if not request.entries_only and not request.op_type:  # only entries have an op type
+        dbs += ["defaults"] if request.no_history else ["defaults", "history"]
+    for db in dbs:
+        keep = _keep(db, request.op_type, request.device_digest, request.precision)
+        after = b""
+        while True:
+            items, after = await bank.page(db, after, EXPORT_PAGE, keep)
+            for key, value in items:
+                yield _record(db, key, value)
+            if not after:
+                break
+
+
+def _check_verify(engine: Engine, request: bank_pb2.VerifyEntriesRequest) -> None:
+    if request.device and Device.parse(request.device).name != engine.device.device.name:
+        raise OptionError(f"device {request.device!r}: this daemon measures on {engine.device.device}")
+
+
+async def _verify(engine: Engine, bank: DaemonBank, request: bank_pb2.VerifyEntriesRequest) -> AsyncIterator[Verdict]:
+    """A verdict per sampled entry of the custom bank, each measured in turn; the
+    measurements go to the history before the verdict is handed on."""
+    _check_verify(engine, request)
+    seed = request.seed or random.SystemRandom().randrange(1, 1 << 31)
+    for entry in sample_entries(await bank.entries(), request.sample_size, seed, request.op_type):
+        (verdict,), trials = await verify_entries(engine, [entry], VERIFY_BUDGET_S)
+        if trials:
+            await bank.record(trials)
+        yield verdict
+
+
+# --------------------------------------------------------------------------- conversions
+
+
+def _precision(code: int) -> str:
+    """The policy name of a Precision; "" for unspecified; OptionError when unknown."""
+    if code == bank_pb2.PRECISION_UNSPECIFIED:
+        return ""
+    if code not in PRECISION_NAMES:
+        raise OptionError(f"precision {code}: unknown")
+    return PRECISION_NAMES[code]
+
+
+def _after(token: str) -> bytes:
+    if not token:
+        return b""
+    try:
+        after = base64.urlsafe_b64decode(token.encode("ascii"))
+        parse_key(after)
+    except (ValueError, binascii.Error):
+        raise OptionError("page_token: not a token this daemon gave out") from None
+    return after
+
+
+def _keep(db: str, op_type: str, device_digest: str, precision: int) -> Keep | None:
+    """What a page of `db` keeps under a query's filters; None when it keeps everything."""
+    prec = _precision(precision)
+    if not (op_type or device_digest or prec):
+        return None
+    dev32 = device_digest.lower()[:32]
+
+    def keep(key: bytes, value: bytes) -> bool:
+        if db == "history":
+            key = key.rpartition(b"/")[0]
+        try:
+            _, _, dev, p = parse_key(key)
+        except ValueError:
+            return False
+        if (dev32 and not dev.startswith(dev32)) or (prec and p != prec):
+            return False
+        if op_type:  # an anchor op type ("MatMul") or a whole one ("MatMul+Add+Relu")
+            have = bank_pb2.BankEntry.FromString(value).signature.op_type
+            return op_type in (have, have.split("+")[0])
+        return True
+
+    return keep
+
+
+def _record(db: str, key: bytes, value: bytes) -> bank_pb2.ExportEntriesResponse:
+    """A stored record as the exchange format has it (as aoe.bank's `records()`)."""
+    if db == "entries":
+        return bank_pb2.ExportEntriesResponse(entry=bank_pb2.BankEntry.FromString(value))
+    if db == "defaults":
+        return bank_pb2.ExportEntriesResponse(default_record=default_record(key, json.loads(value)))
+    bank_key, _, stamp = key.decode("ascii", "replace").rpartition("/")
+    try:
+        trial = bank_pb2.TrialRecord(
+            key=bank_key, time_ns=int(stamp, 16), trial_json=value.decode()
+        )
+    except ValueError:  # not a history key aoed wrote: an import refuses it, saying so
+        trial = bank_pb2.TrialRecord(key=key.decode("ascii", "replace"), trial_json=value.decode())
+    return bank_pb2.ExportEntriesResponse(trial=trial)
+
+
+def _lines(
+    requests: Iterable[bank_pb2.ImportEntriesRequest], context: grpc.ServicerContext
+) -> Iterator[str]:
+    """Each imported record as a line of the JSON Lines exchange, within the limits."""
+    total = 0
+    for n, msg in enumerate(requests, 1):
+        which = msg.WhichOneof("payload")
+        if which is None or which == "options":
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"ImportEntries: record {n} carries {'nothing' if which is None else 'options'}; "
+                          "only the first message may carry options, every other one a record")  # fmt: skip
+        total += msg.ByteSize()
+        if n > MAX_IMPORT_RECORDS or total > MAX_IMPORT_BYTES:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"ImportEntries: over this daemon's limit of {MAX_IMPORT_RECORDS} records or "
+                          f"{MAX_IMPORT_BYTES >> 20} MiB per import; split the import")  # fmt: skip
+        yield record_to_json(bank_pb2.ExportEntriesResponse(**{which: getattr(msg, which)}))
+
+
+def _counts(c: MergeCounts) -> bank_pb2.ImportCounts:
+    return bank_pb2.ImportCounts(added=c.added, updated=c.updated, kept=c.kept)
+
+
+def _import_response(
+    counts: dict[str, MergeCounts], refused: list[tuple[str, str]]
+) -> bank_pb2.ImportEntriesResponse:
+    return bank_pb2.ImportEntriesResponse(
+        added=sum(c.added for c in counts.values()), updated=sum(c.updated for c in counts.values()),
+        kept=sum(c.kept for c in counts.values()), refused=len(refused),
+        refused_entries=[bank_pb2.RefusedEntry(key=label, reason=why) for label, why in refused[:SHOW_REFUSED]],
+        entries=_counts(counts["entry"]), default_records=_counts(counts["default"]), trials=_counts(counts["trial"]),
+    )  # fmt: skip
+
+
+def _stats(m: dict) -> bank_pb2.Stats:
+    return bank_pb2.Stats(median_us=m.get("median_us", 0.0), spread=m.get("spread", 0.0),
+                          repeats=int(m.get("repeats", 0)), min_us=m.get("min_us", 0.0))  # fmt: skip
+
+
+def _verdict(v: Verdict) -> bank_pb2.VerifyEntriesResponse:
+    w = v.winner
+    return bank_pb2.VerifyEntriesResponse(
+        key=v.key, op_type=v.op_type, verdict=_VERDICT.get(v.verdict, bank_pb2.VERIFY_VERDICT_UNSPECIFIED),
+        measured_winner=_stats(v.winner), measured_baseline=_stats(v.baseline),
+        accuracy=bank_pb2.Accuracy(max_abs_error=w.get("max_abs_error", 0.0), max_rel_error=w.get("max_rel_error", 0.0),
+                                   cosine=w.get("cosine", 0.0)),
+        detail=v.detail,
+    )  # fmt: skip

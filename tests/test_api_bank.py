@@ -1,0 +1,330 @@
+"""BankService over gRPC: a real server on a unix socket, the real engine and bank behind
+it, called from a grpc client in a thread."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import shutil
+import tempfile
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+import trio
+
+from aoe.config import load_config
+from aoe.signature import bank_key
+from aoe.v1 import bank_pb2, bank_pb2_grpc
+from aoed.api._bridge import Bridge
+from aoed.api.bank import add_to_server
+from aoed.backends.ort.catalog import build_registry
+from aoed.engine.engine import open_engine
+
+from .test_bank_exchange import _entry
+from .test_bank_reader import foreign, here, make_bank, rec
+
+
+@dataclass
+class Daemon:
+    stub: bank_pb2_grpc.BankServiceStub
+    bridge_tasks: trio.Nursery  # where the bridge runs stream producers
+    bank: Path
+
+    async def __call__(self, method: str, request, **kw):
+        """Call a unary (or client-streaming) method from a thread; returns its answer."""
+        return await trio.to_thread.run_sync(lambda: getattr(self.stub, method)(request, **kw))
+
+    async def stream(self, method: str, request) -> list:
+        return await trio.to_thread.run_sync(lambda: list(getattr(self.stub, method)(request)))
+
+
+@contextlib.asynccontextmanager
+async def serving(tmp_path: Path, name: str = "a") -> AsyncIterator[Daemon]:
+    """A BankService on a temporary unix socket over a real engine whose bank is
+    `tmp_path/name/bank` (fill it before)."""
+    root = tmp_path / name
+    config = load_config(env={}).replace(bank=root / "bank", runtime_dir=root / "run", parallel=1)
+    # Unix socket paths are limited to 107 bytes; pytest's tmp paths can be longer.
+    sockdir = Path(tempfile.mkdtemp(prefix="aoe-api-"))
+    socket = f"unix:{sockdir / 's.sock'}"
+    async with (
+        open_engine(config, build_registry(()), root / "logs") as engine,
+        trio.open_nursery() as nursery,
+    ):
+        executor = ThreadPoolExecutor(8)
+        server = grpc.server(executor)
+        add_to_server(server, Bridge(nursery), engine)
+        assert server.add_insecure_port(socket)
+        server.start()
+        channel = grpc.insecure_channel(socket)
+        try:
+            yield Daemon(bank_pb2_grpc.BankServiceStub(channel), nursery, root / "bank")
+        finally:
+            channel.close()
+            await trio.to_thread.run_sync(lambda: server.stop(None).wait())
+            executor.shutdown(wait=False)
+            shutil.rmtree(sockdir, ignore_errors=True)
+            nursery.cancel_scope.cancel()
+
+
+def _default_key(n: int) -> bytes:
+    return bank_key(hashlib.sha256(f"default {n}".encode()).hexdigest(), here().digest, "exact")
+
+
+def fill(bank: Path, n_entries: int = 4, n_trials: int = 3, trial_bytes: int = 0) -> list:
+    """A bank of `n_entries` local entries and a foreign one, a default record and
+    `n_trials` trials; returns the entries in key order."""
+    entries = [_entry(i, 10.0 + i, "alpha") for i in range(n_entries)] + [
+        _entry(99, 1.0, "far", dev=foreign())
+    ]
+    trials = [
+        (entries[i % n_entries].key, {"n": i, "pad": "x" * trial_bytes}) for i in range(n_trials)
+    ]
+    make_bank(
+        bank,
+        entries,
+        defaults=[(_default_key(1), {"default_us": 12.0, "job": "job-d"})],
+        trials=trials,
+    )
+    return sorted(entries, key=lambda e: e.key)
+
+
+async def _stats(d: Daemon) -> bank_pb2.GetBankStatsResponse:
+    return await d("GetBankStats", bank_pb2.GetBankStatsRequest())
+
+
+async def test_stats_and_lookups(tmp_path: Path) -> None:
+    entries = fill(tmp_path / "a" / "bank")
+    local = next(e for e in entries if e.host == "alpha")
+    async with serving(tmp_path) as d:
+        st = await _stats(d)
+        assert (st.entries, st.history_trials, dict(st.layer_entries)) == (5, 3, {"custom": 5})
+        assert st.path == str(d.bank) and st.used_bytes > 0 and st.schema_version == 1
+
+        r = await d("LookupEntry", bank_pb2.LookupEntryRequest(key=local.key.decode()))
+        assert (r.found, r.layer, r.reason, r.entry.key) == (True, "custom", "", local.key.decode())
+        assert (
+            r.entry.provenance.host == "alpha"
+            and r.entry.winner.median_us == local.winner.median_us
+        )
+        # By digests, on the daemon's device by default.
+        digests = bank_pb2.EntryDigests(
+            signature_digest=local.signature.digest, precision=bank_pb2.PRECISION_EXACT
+        )
+        r = await d("LookupEntry", bank_pb2.LookupEntryRequest(digests=digests))
+        assert r.found and r.entry.key == local.key.decode()
+        # A miss says why.
+        digests.precision = bank_pb2.PRECISION_INT8
+        r = await d("LookupEntry", bank_pb2.LookupEntryRequest(digests=digests))
+        assert not r.found and not r.layer and not r.HasField("entry")
+        assert "under precision exact, not int8" in r.reason
+        r = await d("LookupEntry", bank_pb2.LookupEntryRequest(key=_default_key(1).decode()))
+        assert not r.found and "default strategy stayed fastest" in r.reason
+        r = await d("LookupEntry", bank_pb2.LookupEntryRequest(key="nonsense"))
+        assert not r.found and "is not a bank key" in r.reason
+        with pytest.raises(grpc.RpcError) as err:
+            await d("LookupEntry", bank_pb2.LookupEntryRequest())
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_query_pages_return_every_entry_once(tmp_path: Path) -> None:
+    entries = fill(tmp_path / "a" / "bank", n_entries=24)
+    async with serving(tmp_path) as d:
+        keys, token, pages = [], "", 0
+        while True:
+            r = await d("QueryEntries", bank_pb2.QueryEntriesRequest(page_size=7, page_token=token))
+            keys += [e.key for e in r.entries]
+            pages += 1
+            token = r.next_page_token
+            if not token:
+                break
+        assert pages == 4 and keys == [
+            e.key.decode() for e in entries
+        ]  # 25 in key order, once each
+        far = next(e for e in entries if e.host == "far")
+        r = await d("QueryEntries", bank_pb2.QueryEntriesRequest(device_digest=far.device.digest))
+        assert [e.key for e in r.entries] == [far.key.decode()] and not r.next_page_token
+        r = await d(
+            "QueryEntries",
+            bank_pb2.QueryEntriesRequest(op_type="MatMul", precision=bank_pb2.PRECISION_INT8),
+        )
+        assert not r.entries
+        r = await d("QueryEntries", bank_pb2.QueryEntriesRequest(op_type="MatMul"))
+        assert len(r.entries) == 25
+        with pytest.raises(grpc.RpcError) as err:
+            await d("QueryEntries", bank_pb2.QueryEntriesRequest(page_token="bm90IGEga2V5"))
+        assert (
+            err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            and "page_token" in err.value.details()
+        )
+
+
+def _import_stream(
+    records: list[bank_pb2.ExportEntriesResponse], options: bank_pb2.ImportOptions | None = None
+):
+    if options is not None:
+        yield bank_pb2.ImportEntriesRequest(options=options)
+    for r in records:
+        which = r.WhichOneof("record")
+        yield bank_pb2.ImportEntriesRequest(**{which: getattr(r, which)})
+
+
+async def test_export_then_import_into_another_daemon_round_trips(tmp_path: Path) -> None:
+    fill(tmp_path / "a" / "bank")
+    make_bank(tmp_path / "b" / "bank")
+    export = bank_pb2.ExportEntriesRequest()
+    async with serving(tmp_path, "a") as a, serving(tmp_path, "b") as b:
+        records = await a.stream("ExportEntries", export)
+        kinds = [r.WhichOneof("record") for r in records]
+        assert kinds == ["entry"] * 5 + ["default_record"] + ["trial"] * 3
+        r = await b(
+            "ImportEntries",
+            _import_stream(records, bank_pb2.ImportOptions(allow_foreign_devices=True)),
+        )
+        assert (r.added, r.updated, r.kept, r.refused) == (9, 0, 0, 0)
+        assert (r.entries.added, r.default_records.added, r.trials.added) == (5, 1, 3)
+        assert await b.stream("ExportEntries", export) == records
+        # Into the bank it came from: everything is there already.
+        r = await a(
+            "ImportEntries",
+            _import_stream(records, bank_pb2.ImportOptions(allow_foreign_devices=True)),
+        )
+        assert (r.added, r.updated, r.kept, r.refused) == (0, 0, 9, 0)
+        # Filters: entries only; the foreign device's records only.
+        only = await a.stream("ExportEntries", bank_pb2.ExportEntriesRequest(entries_only=True))
+        assert only == records[:5]
+        far = await a.stream(
+            "ExportEntries", bank_pb2.ExportEntriesRequest(device_digest=foreign().digest)
+        )
+        assert [r.entry.provenance.host for r in far] == ["far"]
+
+
+async def test_bad_records_are_refused_and_nothing_is_written_before_all_are_checked(
+    tmp_path: Path,
+) -> None:
+    fill(tmp_path / "a" / "bank")
+    fresh = bank_pb2.ExportEntriesResponse(
+        entry=bank_pb2.BankEntry.FromString(_encoded(_entry(50, 3.0, "new")))
+    )
+    forged = bank_pb2.ExportEntriesResponse()
+    forged.entry.CopyFrom(fresh.entry)
+    forged.entry.signature.canonical_json += " "
+    far = bank_pb2.ExportEntriesResponse(
+        entry=bank_pb2.BankEntry.FromString(_encoded(_entry(51, 3.0, "far", dev=foreign())))
+    )
+    bad_trial = bank_pb2.ExportEntriesResponse(
+        trial=bank_pb2.TrialRecord(key="v1/xyz", time_ns=1, trial_json="{}")
+    )
+    async with serving(tmp_path) as d:
+        before = await _stats(d)
+        r = await d("ImportEntries", _import_stream([forged, far, bad_trial]))
+        assert (r.added, r.updated, r.kept, r.refused) == (0, 0, 0, 3)
+        reasons = {e.key: e.reason for e in r.refused_entries}
+        assert reasons[forged.entry.key] == "signature digest does not match its canonical JSON"
+        assert "another device" in reasons[far.entry.key]
+        assert any("not a bank key" in why for why in reasons.values())
+        assert await _stats(d) == before
+        # A valid record, then a message that breaks the stream: the valid one is not
+        # written either (the import is read and checked whole first).
+        stream = [bank_pb2.ImportEntriesRequest(entry=fresh.entry),
+                  bank_pb2.ImportEntriesRequest(options=bank_pb2.ImportOptions())]  # fmt: skip
+        with pytest.raises(grpc.RpcError) as err:
+            await d("ImportEntries", iter(stream))
+        assert (
+            err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            and "only the first" in err.value.details()
+        )
+        assert await _stats(d) == before
+        r = await d("ImportEntries", iter(stream[:1]))
+        assert r.entries.added == 1 and (await _stats(d)).entries == before.entries + 1
+
+
+def _encoded(record) -> bytes:
+    from aoed.bank._codec import encode
+
+    return encode(record)
+
+
+async def test_prune_dry_run_then_for_real(tmp_path: Path) -> None:
+    fill(tmp_path / "a" / "bank", n_trials=40)
+    async with serving(tmp_path) as d:
+        r = await d("PruneBank", bank_pb2.PruneBankRequest(dry_run=True))
+        assert (r.trials_removed, r.entries_kept) == (
+            40,
+            5,
+        ) and r.used_bytes_after == r.used_bytes_before
+        assert (await _stats(d)).history_trials == 40
+        r = await d("PruneBank", bank_pb2.PruneBankRequest())
+        assert (r.trials_removed, r.entries_kept) == (
+            40,
+            5,
+        ) and r.used_bytes_after < r.used_bytes_before
+        st = await _stats(d)
+        assert (st.history_trials, st.entries) == (0, 5)
+
+
+async def test_a_client_cancelling_an_export_midway_leaves_the_daemon_serving(
+    tmp_path: Path,
+) -> None:
+    fill(
+        tmp_path / "a" / "bank", n_trials=4000, trial_bytes=2000
+    )  # ~8 MB: more than the transport buffers
+    async with serving(tmp_path) as d:
+        call = d.stub.ExportEntries(bank_pb2.ExportEntriesRequest())
+        first = await trio.to_thread.run_sync(next, call)
+        assert first.WhichOneof("record") == "entry"
+        assert d.bridge_tasks.child_tasks  # the producer waits for the client
+        call.cancel()
+        with trio.fail_after(10):
+            while d.bridge_tasks.child_tasks:  # cancelled on the trio side too
+                await trio.sleep(0.05)
+        assert (await _stats(d)).history_trials == 4000
+        records = await d.stream("ExportEntries", bank_pb2.ExportEntriesRequest(no_history=True))
+        assert [r.WhichOneof("record") for r in records] == ["entry"] * 5 + ["default_record"]
+
+
+async def test_verify_streams_a_verdict_per_entry_and_records_the_measurements(
+    models: Path, tmp_path: Path
+) -> None:
+    from aoed.engine.assemble import tunable_tasks
+    from aoed.engine.prep import prepare
+
+    prep = prepare(models / "mlp.onnx", tmp_path / "prep")
+    fused = next(t for t in tunable_tasks(prep.model, prep.ctx, build_registry(), "exact")
+                 if t.op_type == "MatMul+Add+Relu")  # fmt: skip
+    local = rec(sig=fused.signature, strategy="fused_gemm", family="matmul")
+    elsewhere = rec(sig=fused.signature, dev=foreign(), strategy="fused_gemm", family="matmul")
+    make_bank(tmp_path / "a" / "bank", [local, elsewhere])
+    async with serving(tmp_path) as d:
+        verdicts = await d.stream("VerifyEntries", bank_pb2.VerifyEntriesRequest())
+        by_key = {v.key: v for v in verdicts}
+        assert set(by_key) == {local.key.decode(), elsewhere.key.decode()}
+        v = by_key[local.key.decode()]
+        assert v.verdict in (
+            bank_pb2.VERIFY_VERDICT_CONFIRMED,
+            bank_pb2.VERIFY_VERDICT_REGRESSED,
+        ), v
+        assert (
+            v.measured_winner.median_us > 0
+            and v.measured_baseline.median_us > 0
+            and v.op_type == "MatMul+Add+Relu"
+        )
+        v = by_key[elsewhere.key.decode()]
+        assert v.verdict == bank_pb2.VERIFY_VERDICT_SKIPPED and "another device" in v.detail
+        st = await _stats(d)
+        assert st.history_trials == 2  # the default and the strategy, measured once each
+        history = await d.stream("ExportEntries", bank_pb2.ExportEntriesRequest())
+        trials = [
+            json.loads(r.trial.trial_json) for r in history if r.WhichOneof("record") == "trial"
+        ]
+        assert {t["strategy"] for t in trials} == {"default", "fused_gemm"} and all(
+            t["verify"] for t in trials
+        )
+        with pytest.raises(grpc.RpcError) as err:
+            await d.stream("VerifyEntries", bank_pb2.VerifyEntriesRequest(device="cuda:0"))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
