@@ -15,20 +15,10 @@ import os
 os.environ["GRPC_ENABLE_FORK_SUPPORT"] = "0"  # before grpc is imported, by anything
 
 import argparse  # noqa: E402
-import logging  # noqa: E402
 import sys  # noqa: E402
 from collections.abc import Sequence  # noqa: E402
 
 from aoed import __version__  # noqa: E402
-
-
-def _logging(level: str) -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    root = logging.getLogger()
-    root.addHandler(handler)
-    root.setLevel(getattr(logging, level.upper()))
-    logging.getLogger("aoed").setLevel(getattr(logging, level.upper()))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -61,7 +51,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"  allowed     {', '.join(map(str, cfg.allowed_dirs)) or '(no daemon-side paths)'}")
         return 0
     level = args.log_level or (cfg.engine.log_level if "log_level" in cfg.engine.sources else "info")
-    _logging(level)
+    from aoed.logs import configure
+
+    configure(level)
 
     import trio
 

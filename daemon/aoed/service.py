@@ -29,6 +29,7 @@ from aoed.api.tuning import TuningServicer
 from aoed.config import DaemonConfig, load_daemon_config
 from aoed.jobs.manager import JobManager
 from aoed.jobs.store import JobStore
+from aoed.notify import Notifier, Watchdog
 
 __all__ = ["Daemon"]
 
@@ -44,6 +45,9 @@ class Daemon:
         self.watcher = None
         self._stop = trio.Event()
         self.started = time.time()
+        # Read (and removed from the environment) before any child process starts.
+        self.notifier = Notifier()
+        self._probe_channel = None
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Serve until SIGTERM/SIGINT (or `request_stop()`). Raises AoedError when it
@@ -74,14 +78,20 @@ class Daemon:
                     server.set_serving(True)
                     log.info("aoed: serving on %s; state in %s; bank %s", ", ".join(server.addresses), cfg.state_dir,
                              cfg.engine.bank)  # fmt: skip
+                    self.notifier.ready(self._status())
+                    await nursery.start(Watchdog(self.notifier, self._probe, self._status).run)
                     task_status.started(server.addresses)
                     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
                         nursery.start_soon(self._signals, signals)
                         await self._stop.wait()
+                    self.notifier.stopping("stopping: letting running jobs finish or requeueing them")
                     await self._shutdown(server, jobs)
                     nursery.cancel_scope.cancel()
         finally:
             store.close()
+            self.notifier.close()
+            if self._probe_channel is not None:
+                self._probe_channel.close()
             log.info("aoed: stopped")
 
     def request_stop(self) -> None:
@@ -95,7 +105,44 @@ class Daemon:
                 log.info("aoed: %s: shutting down", signal.Signals(sig).name)
                 self._stop.set()
 
+    def _status(self) -> str:
+        if self.jobs is None or self.server is None:
+            return "starting"
+        queued, running = self.jobs.counts()
+        device = self.jobs.engine.device.device
+        return (f"{running} running, {queued} queued; {device} {'busy' if running else 'idle'}; "
+                f"serving on {', '.join(self.server.addresses)}")  # fmt: skip
+
+    def _probe(self) -> bool:
+        """One real call through gRPC and the bridge (runs in a thread): True when the
+        daemon answered. Needs a socket it can reach without credentials: the unix
+        socket, else plain loopback TCP; with TLS-only TCP the server is not probed."""
+        import grpc
+
+        from aoe.v1 import daemon_pb2, daemon_pb2_grpc
+
+        cfg = self.cfg
+        target = f"unix:{cfg.socket}" if cfg.socket else (cfg.tcp if cfg.tls_cert is None else "")
+        if not target:
+            return True
+        if self._probe_channel is None:
+            self._probe_channel = grpc.insecure_channel(target)
+        try:
+            daemon_pb2_grpc.DaemonServiceStub(self._probe_channel).GetDaemonInfo(
+                daemon_pb2.GetDaemonInfoRequest(), timeout=5)  # fmt: skip
+            return True
+        except grpc.RpcError as exc:
+            # At its RPC limit the server still answers: that is alive.
+            return exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
     def _reload(self) -> None:
+        self.notifier.reloading()
+        try:
+            self._reload_config()
+        finally:
+            self.notifier.ready(self._status())
+
+    def _reload_config(self) -> None:
         try:
             new = load_daemon_config(self.config_path)
         except AoedError as exc:

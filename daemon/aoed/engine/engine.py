@@ -37,12 +37,17 @@ from aoed.engine.registry import StrategyRegistry
 from aoed.engine.supervisor import run_stages
 from aoed.engine.workspace import Workspace
 
-__all__ = ["Engine", "open_engine", "split_cores"]
+__all__ = ["Engine", "current_job", "open_engine", "split_cores"]
 
 log = logging.getLogger(__name__)
 
 #: The job whose task is running: log records from it go to that job's log.
 _current_job: contextvars.ContextVar[str] = contextvars.ContextVar("aoed_job", default="")
+
+
+def current_job() -> str:
+    """The id of the job on whose behalf the calling task works ("" outside jobs)."""
+    return _current_job.get()
 
 
 class _JobFilter(logging.Filter):
