@@ -1,7 +1,8 @@
 """aoe: the client side of aoed.
 
 `aoe.session(path)` opens a tuned model in onnxruntime with the session options it was
-measured under; `aoe.signature` computes bank keys; `aoe.v1` holds the generated API.
+measured under; `aoe.signature` computes bank keys; `aoe.v1` holds the generated API;
+`aoe.Client` talks to a running daemon (imported on first use: `import aoe` stays light).
 """
 
 from __future__ import annotations
@@ -9,7 +10,15 @@ from __future__ import annotations
 import os
 from typing import Any
 
-__all__ = ["session", "session_options_of"]
+__all__ = ["Client", "session", "session_options_of"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "Client":  # grpc is loaded only by those who use it
+        from aoe.client import Client
+
+        return Client
+    raise AttributeError(f"module 'aoe' has no attribute {name!r}")
 
 
 def session_options_of(path: str | os.PathLike[str]) -> dict[str, Any]:

@@ -2,16 +2,21 @@
 
     aoe tune MODEL [--precision exact|int8] [--input-shape x:1,3,224,224] [--bank DIR]
                    [--repeat-tune] [--parallel N] [--output DIR] [--job-type opat]
+                   [--local | --socket PATH]
     aoe compile MODEL -o OUT [--bank DIR] ...
     aoe bank stats|lookup|export|import|prune|verify ...
+    aoe submit|jobs|status|watch|cancel|fetch|devices|daemon ...   (a running daemon: jobscli)
     aoe --framework 5 --model MODEL --job_type 2        (AOE's spelling of aoe tune)
 
-`aoe tune` runs the engine embedded: no daemon needed. Settings come from the
-environment as in AOE (TUNE_BANK_PATH, REPEAT_TUNE, TE_PARALLEL_COMPILER,
-ASCEND_DEVICE_ID) and from an optional TOML file (`--config`), all read by `aoe.config`;
-options on the command line win. Every error ends with one line on stderr,
-`aoe: error: ...`, and the exit status of its class (2 options, 3 model, 4 bank,
-5 device), never a traceback.
+`aoe tune` sends the job to the daemon when one answers at --socket (else the default
+socket) and the options ask for nothing only an embedded run does (--bank,
+--bank-layer, --keep-initializer-inputs, --keep-workspace, a bank or plugins from the
+environment or config file); otherwise, or with --local, it runs the engine embedded.
+Settings come from the environment as in AOE (TUNE_BANK_PATH, REPEAT_TUNE,
+TE_PARALLEL_COMPILER, ASCEND_DEVICE_ID) and from an optional TOML file (`--config`), all
+read by `aoe.config`; options on the command line win. Every error ends with one line on
+stderr, `aoe: error: ...`, and the exit status of its class (2 options, 3 model, 4 bank,
+5 device, 7 no daemon, 8 daemon at a limit), never a traceback.
 """
 
 from __future__ import annotations
@@ -54,8 +59,9 @@ class Parser(argparse.ArgumentParser):
 
 
 def _add_tune(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("tune", help="tune a model by measurement, embedded (no daemon)",
-                       description="Tune an ONNX model by measurement on this machine, embedded (no daemon).")  # fmt: skip
+    p = sub.add_parser("tune", help="tune a model by measurement, embedded or on a daemon",
+                       description="Tune an ONNX model by measurement: on the daemon when one answers, "
+                                   "else embedded on this machine.")  # fmt: skip
     p.add_argument("model", type=Path, help="the .onnx model to tune")
     p.add_argument("--precision", default="exact", help="precision policy: exact (default) or int8")
     p.add_argument("--calibration", type=Path, help="calibration samples: a folder of .npz/.npy (int8)")
@@ -81,6 +87,10 @@ def _add_tune(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--keep-workspace", action="store_true",
                    help="keep the scratch files (task models, samples) under aoe_workspace/ after success")  # fmt: skip
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    q = p.add_mutually_exclusive_group()
+    q.add_argument("--local", action="store_true", help="run embedded even when a daemon answers")
+    q.add_argument("--socket", type=Path, metavar="PATH",
+                   help="the daemon to tune on (default: AOED_SOCKET, else aoed.sock in the runtime dir)")  # fmt: skip
     p.set_defaults(run=_tune)
 
 
@@ -106,7 +116,7 @@ def _aoe_spelling(argv: Sequence[str]) -> argparse.Namespace:
         calibration=a.calibration, min_cosine=None, max_rel_error=None, bank_layer=[], verbose=0,
         repeat_tune=None, parallel=None, output=a.output, job_type=a.job_type, device=a.device,
         keep_initializer_inputs=False, budget=None, keep_workspace=False,
-        no_progress=a.progress_bar == "off", run=_tune,
+        no_progress=a.progress_bar == "off", local=False, socket=None, run=_tune,
     )  # fmt: skip
 
 
@@ -160,6 +170,21 @@ def _tune(args: argparse.Namespace) -> int:
         max_rel_error=args.max_rel_error,
         keep_workspace=args.keep_workspace,
     )
+    daemon = _daemon_for(args, config)
+    if daemon is not None:
+        from aoe.jobscli import tune_on_daemon
+
+        options = {
+            "precision": args.precision, "job_type": job_type, "input_shapes": shapes or None,
+            "budget_s": args.budget, "min_cosine": args.min_cosine, "max_rel_error": args.max_rel_error,
+            "calibration_dir": args.calibration.absolute() if args.calibration else None,
+            # the daemon's own defaults unless the user set these (environment, file or flag)
+            "repeat_tune": config.repeat_tune if "repeat_tune" in config.sources else None,
+            "parallel": config.parallel if "parallel" in config.sources else None,
+            "device": config.device.name if "device" in config.sources else None,
+        }  # fmt: skip
+        with daemon:
+            return tune_on_daemon(daemon, args.model, options, output, progress=not args.no_progress)
     registry = build_registry(config.plugins)
 
     from aoe._progress import Progress
@@ -181,6 +206,37 @@ def _tune(args: argparse.Namespace) -> int:
         raise DeviceError(f"{source} selects {config.device}: {exc}" if source.startswith("ASCEND") else str(exc)) from None
     _summary(result)
     return 0
+
+
+def _daemon_for(args: argparse.Namespace, config: Any) -> Any:
+    """The Client to tune on, or None to run embedded: --local; an option only an embedded
+    run honours (the bank, plugins, workspace choices); no daemon answering. A missing
+    socket file costs no dial, so without a daemon `aoe tune` is as fast as before."""
+    flags = [flag for flag, given in (("--bank", args.bank), ("--bank-layer", args.bank_layer),
+             ("--keep-initializer-inputs", args.keep_initializer_inputs),
+             ("--keep-workspace", args.keep_workspace)) if given]  # fmt: skip
+    if args.socket is not None and flags:
+        raise OptionError(f"--socket tunes on the daemon, which uses its own bank and workspace: drop {flags[0]} "
+                          "or --socket")  # fmt: skip
+    settings = [config.sources[k] for k in ("bank", "bank_layers", "plugins") if k in config.sources]
+    if args.local or flags or (settings and args.socket is None):
+        return None
+    from aoe.config import default_socket
+
+    path = args.socket or default_socket()
+    if path.exists():
+        from aoe.client import Client
+
+        client = Client(path)
+        if client.ping():
+            print(f"aoe: tuning on the daemon at {client.target}", file=sys.stderr, flush=True)
+            if settings:
+                print(f"aoe: the daemon tunes with its own bank and plugins ({', '.join(settings)} not used)",
+                      file=sys.stderr)  # fmt: skip
+            return client
+        client.close()
+    print(f"aoe: tuning embedded (no daemon at {path})", file=sys.stderr, flush=True)
+    return None
 
 
 def _single(group: BaseExceptionGroup) -> BaseException:
@@ -257,12 +313,12 @@ def _summary(r: Any) -> None:
     print("Aoe process finished", file=out)
 
 
-COMMANDS = ("tune", "compile", "bank")
+COMMANDS = ("tune", "compile", "bank", "submit", "jobs", "status", "watch", "cancel", "fetch", "devices", "daemon")
 
 
 def build_parser() -> Parser:
     """The whole `aoe` command line."""
-    from aoe import bankcli
+    from aoe import bankcli, jobscli
 
     p = Parser(
         prog="aoe",
@@ -275,6 +331,7 @@ def build_parser() -> Parser:
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser, required=True)
     _add_tune(sub)
     bankcli.add_parsers(sub)
+    jobscli.add_parsers(sub)
     return p
 
 

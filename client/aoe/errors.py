@@ -13,7 +13,18 @@ the message names the file, node or option at fault and says what to do.
     │   └── BankBusyError  another process is writing the bank (one writer at a time)
     ├── DeviceError        the measuring device or its runner failed
     ├── CandidateError     one candidate failed to compile or measure (costs that candidate)
-    └── JobCancelledError  the job was cancelled
+    ├── JobCancelledError  the job was cancelled
+    ├── DaemonUnavailableError
+    │                      no daemon answers at the address (not running, restarting,
+    │                      shutting down): start aoed or pick another address
+    └── ResourceExhaustedError
+                           the daemon is at a limit (queue full, upload too large):
+                           try later or ask for less
+
+A client (`aoe.Client`) turns each gRPC status back into the class that sends it; a
+status several classes share comes back as the most general one: INVALID_ARGUMENT and
+NOT_FOUND as OptionError, FAILED_PRECONDITION as BankError from the bank service (else
+AoedError), UNAVAILABLE as DaemonUnavailableError, the server's message kept.
 """
 
 from __future__ import annotations
@@ -23,10 +34,12 @@ __all__ = [
     "BankBusyError",
     "BankError",
     "CandidateError",
+    "DaemonUnavailableError",
     "DeviceError",
     "JobCancelledError",
     "ModelError",
     "OptionError",
+    "ResourceExhaustedError",
 ]
 
 
@@ -76,3 +89,17 @@ class CandidateError(AoedError):
 class JobCancelledError(AoedError):
     exit_code = 130
     grpc_status = "CANCELLED"
+
+
+class DaemonUnavailableError(AoedError):
+    """No daemon answers at the address: not running, restarting or shutting down."""
+
+    exit_code = 7
+    grpc_status = "UNAVAILABLE"
+
+
+class ResourceExhaustedError(AoedError):
+    """The daemon is at a limit (its queue is full, an upload is too large)."""
+
+    exit_code = 8
+    grpc_status = "RESOURCE_EXHAUSTED"

@@ -189,7 +189,7 @@ class TaskResult(_message.Message):
     def __init__(self, task_id: _Optional[str] = ..., op_type: _Optional[str] = ..., node_names: _Optional[_Iterable[str]] = ..., strategy: _Optional[_Union[_bank_pb2.Strategy, _Mapping]] = ..., before_us: _Optional[float] = ..., after_us: _Optional[float] = ..., improvement: _Optional[float] = ..., update_mode: _Optional[str] = ..., bank_layer: _Optional[str] = ..., accuracy: _Optional[_Union[_bank_pb2.Accuracy, _Mapping]] = ..., error: _Optional[str] = ..., signature: _Optional[_Union[_bank_pb2.TaskSignature, _Mapping]] = ...) -> None: ...
 
 class JobResult(_message.Message):
-    __slots__ = ("baseline_ms", "tuned_ms", "improvement", "tuned_model_path", "result_json_path", "repo_summary", "tasks")
+    __slots__ = ("baseline_ms", "tuned_ms", "improvement", "tuned_model_path", "result_json_path", "repo_summary", "tasks", "verdict", "shipped", "improvement_ci95_low", "improvement_ci95_high", "trials", "device_s", "tuning_time_s")
     BASELINE_MS_FIELD_NUMBER: _ClassVar[int]
     TUNED_MS_FIELD_NUMBER: _ClassVar[int]
     IMPROVEMENT_FIELD_NUMBER: _ClassVar[int]
@@ -197,6 +197,13 @@ class JobResult(_message.Message):
     RESULT_JSON_PATH_FIELD_NUMBER: _ClassVar[int]
     REPO_SUMMARY_FIELD_NUMBER: _ClassVar[int]
     TASKS_FIELD_NUMBER: _ClassVar[int]
+    VERDICT_FIELD_NUMBER: _ClassVar[int]
+    SHIPPED_FIELD_NUMBER: _ClassVar[int]
+    IMPROVEMENT_CI95_LOW_FIELD_NUMBER: _ClassVar[int]
+    IMPROVEMENT_CI95_HIGH_FIELD_NUMBER: _ClassVar[int]
+    TRIALS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_S_FIELD_NUMBER: _ClassVar[int]
+    TUNING_TIME_S_FIELD_NUMBER: _ClassVar[int]
     baseline_ms: float
     tuned_ms: float
     improvement: float
@@ -204,10 +211,17 @@ class JobResult(_message.Message):
     result_json_path: str
     repo_summary: RepoSummary
     tasks: _containers.RepeatedCompositeFieldContainer[TaskResult]
-    def __init__(self, baseline_ms: _Optional[float] = ..., tuned_ms: _Optional[float] = ..., improvement: _Optional[float] = ..., tuned_model_path: _Optional[str] = ..., result_json_path: _Optional[str] = ..., repo_summary: _Optional[_Union[RepoSummary, _Mapping]] = ..., tasks: _Optional[_Iterable[_Union[TaskResult, _Mapping]]] = ...) -> None: ...
+    verdict: str
+    shipped: str
+    improvement_ci95_low: float
+    improvement_ci95_high: float
+    trials: int
+    device_s: float
+    tuning_time_s: float
+    def __init__(self, baseline_ms: _Optional[float] = ..., tuned_ms: _Optional[float] = ..., improvement: _Optional[float] = ..., tuned_model_path: _Optional[str] = ..., result_json_path: _Optional[str] = ..., repo_summary: _Optional[_Union[RepoSummary, _Mapping]] = ..., tasks: _Optional[_Iterable[_Union[TaskResult, _Mapping]]] = ..., verdict: _Optional[str] = ..., shipped: _Optional[str] = ..., improvement_ci95_low: _Optional[float] = ..., improvement_ci95_high: _Optional[float] = ..., trials: _Optional[int] = ..., device_s: _Optional[float] = ..., tuning_time_s: _Optional[float] = ...) -> None: ...
 
 class Job(_message.Message):
-    __slots__ = ("job_id", "state", "model_name", "model_path", "options", "created", "started", "finished", "progress", "result", "error", "queue_position", "source", "joined")
+    __slots__ = ("job_id", "state", "model_name", "model_path", "options", "created", "started", "finished", "progress", "result", "error", "queue_position", "source", "joined", "error_kind")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -222,6 +236,7 @@ class Job(_message.Message):
     QUEUE_POSITION_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     JOINED_FIELD_NUMBER: _ClassVar[int]
+    ERROR_KIND_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     state: JobState
     model_name: str
@@ -236,7 +251,8 @@ class Job(_message.Message):
     queue_position: int
     source: str
     joined: int
-    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., model_name: _Optional[str] = ..., model_path: _Optional[str] = ..., options: _Optional[_Union[JobOptions, _Mapping]] = ..., created: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., started: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., finished: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., progress: _Optional[_Union[JobProgress, _Mapping]] = ..., result: _Optional[_Union[JobResult, _Mapping]] = ..., error: _Optional[str] = ..., queue_position: _Optional[int] = ..., source: _Optional[str] = ..., joined: _Optional[int] = ...) -> None: ...
+    error_kind: str
+    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., model_name: _Optional[str] = ..., model_path: _Optional[str] = ..., options: _Optional[_Union[JobOptions, _Mapping]] = ..., created: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., started: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., finished: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., progress: _Optional[_Union[JobProgress, _Mapping]] = ..., result: _Optional[_Union[JobResult, _Mapping]] = ..., error: _Optional[str] = ..., queue_position: _Optional[int] = ..., source: _Optional[str] = ..., joined: _Optional[int] = ..., error_kind: _Optional[str] = ...) -> None: ...
 
 class JobStateChange(_message.Message):
     __slots__ = ("previous", "state", "message")

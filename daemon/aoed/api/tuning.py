@@ -120,6 +120,11 @@ def result_pb(r: dict[str, Any]) -> tuning_pb2.JobResult:
         tuned_model_path=r.get("tuned_model", ""), result_json_path=r.get("result_json", ""),
         repo_summary=tuning_pb2.RepoSummary(**{k: int(v) for k, v in repo.items()
                                                if k in tuning_pb2.RepoSummary.DESCRIPTOR.fields_by_name}),
+        verdict=str(r.get("verdict", "")), shipped=str(r.get("shipped", "")),
+        improvement_ci95_low=float((r.get("improvement_ci95") or (0.0, 0.0))[0]),
+        improvement_ci95_high=float((r.get("improvement_ci95") or (0.0, 0.0))[1]),
+        trials=int(r.get("resources", {}).get("trials", 0)), device_s=float(r.get("resources", {}).get("device_s", 0.0)),
+        tuning_time_s=float(r.get("tuning_time_s", 0.0)),
         tasks=[tuning_pb2.TaskResult(
             task_id=t["task_id"], op_type=t["op_type"], node_names=[t.get("op_name", "")],
             before_us=t["before_us"], after_us=t["after_us"], improvement=t["improvement"],
@@ -140,7 +145,7 @@ def job_pb(row: JobRow, position: int = 0) -> tuning_pb2.Job:
         model_path=row.model_path, options=job_options_pb(row.options), created=_ts(row.created),
         started=_ts(row.started), finished=_ts(row.finished), progress=progress_pb(row.progress),
         result=result_pb(row.result) if row.result and row.state == st.SUCCEEDED else None,
-        error=row.error, queue_position=position, source=row.source, joined=row.joined,
+        error=row.error, queue_position=position, source=row.source, joined=row.joined, error_kind=row.error_kind,
     )  # fmt: skip
 
 

@@ -1,0 +1,489 @@
+"""`aoe.Client`: the daemon's gRPC API as plain, blocking Python calls.
+
+    with aoe.Client() as c:                   # the unix socket aoe.config.default_socket() names
+        job = c.submit_file("model.onnx", precision="exact")
+        for event in c.watch(job.job_id):
+            ...
+        c.download(job.job_id, "model", "out/")
+
+Light: grpcio and protobuf only (no trio, no onnxruntime, nothing of the daemon). Unary
+calls carry a deadline (`timeout` seconds); streams and uploads do not. Every gRPC error
+comes out as an `aoe.errors` class with the daemon's message (the mapping is documented
+there); only `watch` retries, and only UNAVAILABLE (the daemon restarting).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import time
+import uuid
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import IO, Any
+
+import grpc
+from google.protobuf import json_format
+
+from aoe.errors import AoedError, BankError, DaemonUnavailableError, JobCancelledError, ModelError, OptionError
+from aoe.errors import ResourceExhaustedError
+from aoe.v1 import bank_pb2, bank_pb2_grpc, daemon_pb2, daemon_pb2_grpc, devices_pb2, devices_pb2_grpc
+from aoe.v1 import tuning_pb2, tuning_pb2_grpc
+
+__all__ = ["Client", "job_options"]
+
+CHUNK = 1 << 20
+PING_TIMEOUT_S = 1.5
+#: How long `watch` keeps reconnecting without receiving an event before it gives up.
+WATCH_RETRY_S = 60.0
+_MAX_MESSAGE = 64 << 20  # a Job of a large model lists thousands of task results
+_ARTIFACTS = {"model": tuning_pb2.RESULT_ARTIFACT_TUNED_MODEL, "json": tuning_pb2.RESULT_ARTIFACT_RESULT_JSON}
+_POLICIES = {"keep-faster": bank_pb2.MERGE_POLICY_KEEP_FASTER, "overwrite": bank_pb2.MERGE_POLICY_OVERWRITE,
+             "keep-existing": bank_pb2.MERGE_POLICY_KEEP_EXISTING}  # fmt: skip
+_JOB_TYPES = {"opat": tuning_pb2.JOB_TYPE_OPAT, "2": tuning_pb2.JOB_TYPE_OPAT,
+              "sgat": tuning_pb2.JOB_TYPE_SGAT, "1": tuning_pb2.JOB_TYPE_SGAT}  # fmt: skip
+_PLAIN_OPTIONS = ("repeat_tune", "parallel", "device", "calibration_dir", "output_dir", "priority", "budget_s")
+_EXPORT_FILTERS = ("op_type", "device_digest", "precision", "entries_only", "no_history")
+#: The record kinds of the JSON Lines exchange format (aoe.bank.record_to_json writes it).
+_RECORD_FIELDS = ("entry", "default_record", "trial")
+
+
+def _parse_target(target: str | os.PathLike[str] | None) -> tuple[str, Path | None]:
+    """(gRPC target, the unix socket's path or None for TCP)."""
+    if target is None:
+        from aoe.config import default_socket
+
+        target = default_socket()
+    if isinstance(target, os.PathLike) or ("/" in target and not target.startswith(("unix:", "dns:", "ipv4:", "ipv6:"))):
+        path = Path(target).expanduser().absolute()
+        return f"unix://{path}", path
+    if target.startswith("unix:"):
+        rest = target.removeprefix("unix:")
+        return target, Path(rest[2:] if rest.startswith("//") else rest)
+    return target, None
+
+
+def _error(exc: grpc.RpcError, target: str, bank: bool = False) -> AoedError:
+    """The aoe.errors exception for a failed call, with the daemon's message."""
+    code = exc.code() if isinstance(exc, grpc.Call) else grpc.StatusCode.UNKNOWN
+    details = (exc.details() if isinstance(exc, grpc.Call) else "") or code.name
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return DaemonUnavailableError(f"the daemon at {target} is unavailable ({details}); is aoed running?")
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return AoedError(f"the daemon at {target} did not answer in time ({details})")
+    if code == grpc.StatusCode.UNIMPLEMENTED:
+        return AoedError(f"the daemon at {target} does not offer this call ({details}); is it an older aoed?")
+    if code == grpc.StatusCode.NOT_FOUND and "not found" not in details.lower():
+        details = f"not found: {details}"
+    cls = {
+        grpc.StatusCode.INVALID_ARGUMENT: OptionError,
+        grpc.StatusCode.NOT_FOUND: OptionError,
+        grpc.StatusCode.FAILED_PRECONDITION: BankError if bank else AoedError,
+        grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhaustedError,
+        grpc.StatusCode.CANCELLED: JobCancelledError,
+    }.get(code, AoedError)
+    return cls(details)
+
+
+def _enum(enum: Any, prefix: str, value: Any, what: str) -> int:
+    if isinstance(value, int):
+        return value
+    try:
+        return enum.Value(prefix + str(value).strip().upper().replace("-", "_"))
+    except ValueError:
+        names = [n.removeprefix(prefix).lower() for n in enum.keys() if not n.endswith("UNSPECIFIED")]
+        raise OptionError(f"{what} {value!r}: expected one of {', '.join(names)}") from None
+
+
+def _shapes(value: Mapping[str, Iterable[int]] | str | Iterable[str]) -> dict[str, list[int]]:
+    """{name: dims} from a mapping or `NAME:D1,D2` items (also `;`-joined, as aoe tune takes)."""
+    if isinstance(value, Mapping):
+        return {str(k): [int(d) for d in v] for k, v in value.items()}
+    out: dict[str, list[int]] = {}
+    for part in (p.strip() for item in ([value] if isinstance(value, str) else value) for p in item.split(";")):
+        name, sep, dims = part.rpartition(":")
+        try:
+            shape = [int(d) for d in dims.split(",") if d.strip()]
+        except ValueError:
+            shape = []
+        if part and (not sep or not name or not shape or min(shape) <= 0):
+            raise OptionError(f"input shape {part!r}: expected NAME:D1,D2,... with positive integers")
+        if part:
+            out[name] = shape
+    return out
+
+
+def job_options(options: tuning_pb2.JobOptions | Mapping[str, Any] | None = None) -> tuning_pb2.JobOptions:
+    """JobOptions from a dict: precision ("exact", "int8", ...), job_type ("opat"/"sgat"),
+    input_shapes ({name: dims} or "NAME:D1,D2" strings), min_cosine, max_rel_error,
+    labels, and the fields of the same name (repeat_tune, parallel, device,
+    calibration_dir, output_dir, priority, budget_s); None values are left unset. A
+    JobOptions passes through. Raises OptionError naming an unknown key or a bad value."""
+    if isinstance(options, tuning_pb2.JobOptions):
+        return options
+    opts = tuning_pb2.JobOptions()
+    for key, value in (options or {}).items():
+        if value is None:
+            continue
+        if key == "precision":
+            opts.precision = _enum(bank_pb2.Precision, "PRECISION_", value, "precision")
+        elif key == "job_type":
+            if str(value).lower() not in _JOB_TYPES:
+                raise OptionError(f"job_type {value!r}: expected opat (2) or sgat (1)")
+            opts.job_type = _JOB_TYPES[str(value).lower()]
+        elif key == "input_shapes":
+            opts.input_shapes.extend(tuning_pb2.InputShape(name=n, dims=d) for n, d in _shapes(value).items())
+        elif key in ("min_cosine", "max_rel_error"):
+            setattr(opts.accuracy_budget, key, float(value))
+        elif key == "labels":
+            opts.labels.update({str(k): str(v) for k, v in value.items()})
+        elif key in _PLAIN_OPTIONS:
+            try:
+                setattr(opts, key, os.fspath(value) if isinstance(value, os.PathLike) else value)
+            except (TypeError, ValueError) as exc:
+                raise OptionError(f"job option {key}={value!r}: {exc}") from None
+        else:
+            known = ("precision", "job_type", "input_shapes", "min_cosine", "max_rel_error", "labels", *_PLAIN_OPTIONS)
+            raise OptionError(f"job option {key!r}: unknown (known: {', '.join(known)})")
+    return opts
+
+
+def _record_line(record: bank_pb2.ExportEntriesResponse) -> str:
+    """One line of the exchange format, byte for byte as aoe.bank.record_to_json writes it."""
+    doc = json_format.MessageToDict(record, preserving_proto_field_name=True)
+    return json.dumps(doc, sort_keys=True, separators=(",", ":"))
+
+
+def _parse_record(line: str) -> bank_pb2.ExportEntriesResponse:
+    """A record line (or a bare BankEntry line, as old exports wrote), as
+    aoe.bank.record_from_json reads it; ValueError with the parser's reason."""
+    try:
+        doc = json.loads(line)
+        if isinstance(doc, dict) and doc and doc.keys() <= set(_RECORD_FIELDS):
+            return json_format.ParseDict(doc, bank_pb2.ExportEntriesResponse())
+        return bank_pb2.ExportEntriesResponse(entry=json_format.ParseDict(doc, bank_pb2.BankEntry()))
+    except (ValueError, json_format.ParseError) as exc:
+        raise ValueError(str(exc)) from None
+
+
+@contextlib.contextmanager
+def _writing(path: Path, mode: str) -> Iterator[IO[Any]]:
+    """A file that appears at `path` only when the block ends without an error (written
+    beside, then renamed). OptionError naming `path` when it cannot be created."""
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.part")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        f = open(tmp, mode.replace("w", "x"), **({} if "b" in mode else {"encoding": "utf-8"}))
+    except OSError as exc:
+        raise OptionError(f"{path}: {exc.strerror or exc}") from None
+    try:
+        with f:
+            yield f
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+
+
+class Client:
+    """A connection to one daemon. `target`: None for the default unix socket
+    (AOED_SOCKET, else aoed.sock in the runtime dir), a path (a Path, or a str with a
+    '/') for a unix socket, or a gRPC target as given ("unix:/run/aoed/aoed.sock",
+    "host:port"; TLS when certificates are given). Connecting is lazy: constructing
+    never fails for an absent daemon; calls then raise DaemonUnavailableError."""
+
+    def __init__(
+        self,
+        target: str | os.PathLike[str] | None = None,
+        *,
+        timeout: float | None = 30,
+        root_certificates: bytes | None = None,
+        private_key: bytes | None = None,
+        certificate_chain: bytes | None = None,
+    ):
+        self.target, self.socket = _parse_target(target)
+        self.timeout = timeout
+        options = [("grpc.max_receive_message_length", _MAX_MESSAGE), ("grpc.max_send_message_length", _MAX_MESSAGE)]
+        if root_certificates or private_key or certificate_chain:
+            creds = grpc.ssl_channel_credentials(root_certificates, private_key, certificate_chain)
+            self._channel = grpc.secure_channel(self.target, creds, options)
+        else:
+            self._channel = grpc.insecure_channel(self.target, options)
+        self._tuning = tuning_pb2_grpc.TuningServiceStub(self._channel)
+        self._bank = bank_pb2_grpc.BankServiceStub(self._channel)
+        self._devices = devices_pb2_grpc.DeviceServiceStub(self._channel)
+        self._daemon = daemon_pb2_grpc.DaemonServiceStub(self._channel)
+
+    def __repr__(self) -> str:
+        return f"Client({self.target!r})"
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the channel; streams still open end with CANCELLED."""
+        self._channel.close()
+
+    def _check_socket(self) -> None:
+        if self.socket is not None and not self.socket.exists():
+            raise DaemonUnavailableError(f"no daemon at {self.target}: {self.socket} does not exist; is aoed running?")
+
+    def _call(self, method: Any, request: Any, *, bank: bool = False, deadline: bool = True) -> Any:
+        self._check_socket()
+        try:
+            return method(request, timeout=self.timeout if deadline else None)
+        except grpc.RpcError as exc:
+            raise _error(exc, self.target, bank) from exc
+
+    def _stream(self, method: Any, request: Any, *, bank: bool = False) -> Iterator[Any]:
+        self._check_socket()
+        call = method(request)
+        try:
+            yield from call
+        except grpc.RpcError as exc:
+            raise _error(exc, self.target, bank) from exc
+        finally:
+            call.cancel()  # no-op when the stream ended; stops it when the caller let go
+
+    def ping(self) -> bool:
+        """True when the daemon answers the standard health check (grpc.health.v1) as
+        SERVING. False, never an error, when nothing answers within PING_TIMEOUT_S; a
+        missing socket file returns at once, without dialling."""
+        if self.socket is not None and not self.socket.exists():
+            return False
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        limit = min(PING_TIMEOUT_S, self.timeout or PING_TIMEOUT_S)
+        try:
+            reply = health_pb2_grpc.HealthStub(self._channel).Check(health_pb2.HealthCheckRequest(), timeout=limit)
+        except grpc.RpcError:
+            return False
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    def info(self) -> daemon_pb2.GetDaemonInfoResponse:
+        """The daemon's version, paths, limits and load."""
+        return self._call(self._daemon.GetDaemonInfo, daemon_pb2.GetDaemonInfoRequest())
+
+    def devices(self) -> list[devices_pb2.Device]:
+        """The devices the daemon can tune on, with their load."""
+        return list(self._call(self._devices.ListDevices, devices_pb2.ListDevicesRequest()).devices)
+
+    def upload(self, path: str | os.PathLike[str]) -> str:
+        """Send the local file at `path` (a header with its name, sha256 and size, then
+        1 MiB chunks); returns the model id for `submit(model_id=...)`. Raises ModelError
+        when the file cannot be read, AoedError when the daemon got other bytes,
+        ResourceExhaustedError when it is larger than the daemon accepts."""
+        path = Path(path)
+        self._check_socket()
+        digest, size = hashlib.sha256(), 0
+        try:
+            with open(path, "rb") as f:
+                while chunk := f.read(CHUNK):
+                    digest.update(chunk)
+                    size += len(chunk)
+        except OSError as exc:
+            raise ModelError(f"{path}: {exc.strerror or exc}") from None
+        sha = digest.hexdigest()
+        failed: list[OSError] = []
+
+        def requests() -> Iterator[tuning_pb2.UploadModelRequest]:
+            header = tuning_pb2.ModelUploadHeader(file_name=path.name, sha256=sha, size_bytes=size)
+            yield tuning_pb2.UploadModelRequest(header=header)
+            try:
+                with open(path, "rb") as f:
+                    while chunk := f.read(CHUNK):
+                        yield tuning_pb2.UploadModelRequest(chunk=chunk)
+            except OSError as exc:  # grpc would only say CANCELLED; say why
+                failed.append(exc)
+                raise
+
+        try:
+            reply = self._tuning.UploadModel(requests())
+        except grpc.RpcError as exc:
+            if failed:
+                raise ModelError(f"{path}: {failed[0].strerror or failed[0]}") from None
+            raise _error(exc, self.target) from exc
+        if reply.sha256 and reply.sha256 != sha:
+            raise AoedError(f"upload of {path}: the daemon received sha256 {reply.sha256}, not {sha}; try again")
+        return reply.model_id
+
+    def submit(
+        self,
+        model: str | os.PathLike[str] | None = None,
+        *,
+        model_id: str | None = None,
+        options: tuning_pb2.JobOptions | Mapping[str, Any] | None = None,
+    ) -> tuning_pb2.Job:
+        """Queue a job for `model`, a path as the daemon's host sees it, or for an uploaded
+        `model_id` (exactly one); `options` as `job_options` takes them. Returns the Job
+        as queued. Raises OptionError (bad options, unknown model), ResourceExhaustedError
+        (the queue is full)."""
+        if (model is None) == (model_id is None):
+            raise OptionError("submit: give either a model path on the daemon's host or a model_id")
+        request = tuning_pb2.SubmitJobRequest(options=job_options(options))
+        if model_id is not None:
+            request.model_id = model_id
+        else:
+            request.model_path = os.fspath(model)  # type: ignore[arg-type]
+        reply = self._call(self._tuning.SubmitJob, request)
+        if not reply.job.job_id:
+            reply.job.job_id = reply.job_id
+        return reply.job
+
+    def submit_file(self, local_path: str | os.PathLike[str], **options: Any) -> tuning_pb2.Job:
+        """`upload` the local model, then `submit` it with `options`; returns the Job."""
+        opts = job_options(options)  # bad options fail before the upload
+        return self.submit(model_id=self.upload(local_path), options=opts)
+
+    def get(self, job_id: str) -> tuning_pb2.Job:
+        """The job's current snapshot; OptionError when the daemon knows no such job."""
+        return self._call(self._tuning.GetJob, tuning_pb2.GetJobRequest(job_id=job_id)).job
+
+    def jobs(self, states: Iterable[int | str] | None = None) -> list[tuning_pb2.Job]:
+        """Every job (newest first), all pages; only those in `states` ("queued", ...
+        or JobState values) when given."""
+        picked = [_enum(tuning_pb2.JobState, "JOB_STATE_", s, "state") for s in states or ()]
+        request = tuning_pb2.ListJobsRequest(states=picked)
+        out: list[tuning_pb2.Job] = []
+        while True:
+            reply = self._call(self._tuning.ListJobs, request)
+            out.extend(reply.jobs)
+            if not reply.next_page_token:
+                return out
+            request.page_token = reply.next_page_token
+
+    def cancel(self, job_id: str) -> tuning_pb2.Job:
+        """Ask the daemon to stop the job; returns it as it is after the request."""
+        return self._call(self._tuning.CancelJob, tuning_pb2.CancelJobRequest(job_id=job_id)).job
+
+    def watch(
+        self, job_id: str, after_sequence: int = 0, include_logs: bool = False, *, retry_s: float = WATCH_RETRY_S
+    ) -> Iterator[tuning_pb2.JobEvent]:
+        """Yield the job's events after `after_sequence` until it reaches a final state.
+        When the daemon goes away (UNAVAILABLE: a restart) it reconnects and resumes after
+        the last event yielded; after `retry_s` seconds without one it raises
+        DaemonUnavailableError. An unknown job: OptionError. Closing the iterator (or
+        leaving the loop) cancels the stream."""
+        last, failing_since, pause = after_sequence, None, 0.1
+        while True:
+            request = tuning_pb2.WatchJobRequest(job_id=job_id, include_logs=include_logs, after_sequence=last)
+            stream = self._stream(self._tuning.WatchJob, request)
+            try:
+                with contextlib.closing(stream):
+                    for reply in stream:
+                        if reply.event.sequence and reply.event.sequence <= last:
+                            continue  # replayed after a reconnect: already yielded
+                        failing_since, pause = None, 0.1  # only news proves the daemon is back
+                        last = reply.event.sequence or last
+                        yield reply.event
+                return
+            except DaemonUnavailableError:
+                now = time.monotonic()
+                failing_since = now if failing_since is None else failing_since
+                if now - failing_since >= retry_s:
+                    raise
+                time.sleep(pause)
+                pause = min(pause * 2, 2.0)
+
+    def download(self, job_id: str, artifact: str = "model", dest_dir: str | os.PathLike[str] = ".") -> Path:
+        """Fetch an artifact of a finished job ("model": the tuned model, "json": the
+        result report) into `dest_dir` under the daemon's file name; returns its path.
+        The file appears whole or not at all: written beside, checked against the
+        header's size and sha256, then renamed. Raises OptionError (unknown job or
+        artifact, unwritable `dest_dir`), AoedError when the bytes do not match."""
+        if artifact not in _ARTIFACTS:
+            raise OptionError(f"artifact {artifact!r}: expected one of {', '.join(_ARTIFACTS)}")
+        request = tuning_pb2.DownloadResultRequest(job_id=job_id, artifact=_ARTIFACTS[artifact])
+        what = f"the {'tuned model' if artifact == 'model' else 'result JSON'} of job {job_id}"
+        stream = self._stream(self._tuning.DownloadResult, request)
+        with contextlib.closing(stream):
+            first = next(stream, None)
+            if first is None or first.WhichOneof("payload") != "header":
+                raise AoedError(f"download of {what}: the daemon sent no header first")
+            header = first.header
+            path = Path(dest_dir) / (Path(header.file_name).name or f"{job_id}_{artifact}")
+            digest, size = hashlib.sha256(), 0
+            with _writing(path, "wb") as out:
+                for reply in stream:
+                    out.write(reply.chunk)
+                    digest.update(reply.chunk)
+                    size += len(reply.chunk)
+                if (size, digest.hexdigest()) != (header.size_bytes, header.sha256):
+                    raise AoedError(
+                        f"download of {what}: received {size} bytes with sha256 {digest.hexdigest()}, but the "
+                        f"daemon announced {header.size_bytes} bytes with sha256 {header.sha256 or '(none)'}; "
+                        "nothing was written, try again"
+                    )
+        return path
+
+    def bank_stats(self) -> bank_pb2.GetBankStatsResponse:
+        """Size and composition of the daemon's bank. Errors: BankError, as for any call."""
+        return self._call(self._bank.GetBankStats, bank_pb2.GetBankStatsRequest(), bank=True)
+
+    def bank_lookup(self, key: str) -> bank_pb2.LookupEntryResponse:
+        """The entry under `key` (`found` False and a `reason` when none)."""
+        return self._call(self._bank.LookupEntry, bank_pb2.LookupEntryRequest(key=key), bank=True)
+
+    def bank_export(self, dest_file: str | os.PathLike[str], **filters: Any) -> dict[str, int]:
+        """Write the daemon's bank records to `dest_file` as JSON Lines, the format of
+        `aoe bank export` (written beside, then renamed). `filters`: op_type,
+        device_digest, precision, entries_only, no_history. Returns counts per record
+        kind (entry, default_record, trial). OptionError for an unknown filter or an
+        unwritable file."""
+        unknown = sorted(set(filters) - set(_EXPORT_FILTERS))
+        if unknown:
+            raise OptionError(f"export filter {unknown[0]!r}: unknown (known: {', '.join(_EXPORT_FILTERS)})")
+        if "precision" in filters:
+            filters["precision"] = _enum(bank_pb2.Precision, "PRECISION_", filters["precision"], "precision")
+        request = bank_pb2.ExportEntriesRequest(**{k: v for k, v in filters.items() if v is not None})
+        counts = dict.fromkeys(_RECORD_FIELDS, 0)
+        stream = self._stream(self._bank.ExportEntries, request, bank=True)
+        with contextlib.closing(stream), _writing(Path(dest_file), "w") as out:
+            for record in stream:
+                out.write(_record_line(record) + "\n")
+                counts[record.WhichOneof("record")] += 1
+        return counts
+
+    def bank_import(
+        self, src_file: str | os.PathLike[str], policy: str = "keep-faster", allow_foreign: bool = False
+    ) -> bank_pb2.ImportEntriesResponse:
+        """Merge a JSON Lines file (as `bank_export` writes) into the daemon's bank; every
+        line is parsed before anything is sent. Returns the daemon's counts and refusals.
+        Raises OptionError for an unknown policy, an unreadable file or a line that is
+        not a bank record (naming file and line); BankError, as for any call."""
+        if policy not in _POLICIES:
+            raise OptionError(f"policy {policy!r}: expected one of {', '.join(_POLICIES)}")
+        options = bank_pb2.ImportOptions(policy=_POLICIES[policy], allow_foreign_devices=allow_foreign)
+        requests = [bank_pb2.ImportEntriesRequest(options=options)]
+        try:
+            with open(src_file, encoding="utf-8") as f:
+                for n, line in enumerate(f, 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        record = _parse_record(line)
+                    except ValueError as exc:
+                        raise OptionError(f"{src_file}:{n}: not a bank record ({exc})") from None
+                    which = record.WhichOneof("record")
+                    requests.append(bank_pb2.ImportEntriesRequest(**{which: getattr(record, which)}))
+        except OSError as exc:
+            raise OptionError(f"{src_file}: {exc.strerror or exc}") from None
+        return self._call(self._bank.ImportEntries, iter(requests), bank=True, deadline=False)
+
+    def bank_prune(self, dry_run: bool = False) -> bank_pb2.PruneBankResponse:
+        """Drop the bank's measurement history, keeping winners (only count, `dry_run`)."""
+        return self._call(self._bank.PruneBank, bank_pb2.PruneBankRequest(dry_run=dry_run), bank=True, deadline=False)
+
+    def bank_verify(
+        self, sample_size: int = 10, op_type: str = "", seed: int = 0, device: str = ""
+    ) -> Iterator[bank_pb2.VerifyEntriesResponse]:
+        """Re-measure a random sample of entries (0: all) on the daemon; yields one
+        verdict per entry as it is measured. Leaving the loop cancels the rest."""
+        request = bank_pb2.VerifyEntriesRequest(sample_size=sample_size, op_type=op_type, seed=seed, device=device)
+        return self._stream(self._bank.VerifyEntries, request, bank=True)

@@ -1,0 +1,395 @@
+"""`aoe submit|jobs|status|watch|cancel|fetch|devices|daemon`: jobs on a running daemon.
+
+    aoe submit MODEL [--precision exact|int8] [--input-shape x:1,3,224,224] [--priority N]
+                     [--budget S] [--repeat-tune] [--device D] [--watch] [--on-server]
+    aoe jobs   [--state S]...
+    aoe status ID
+    aoe watch  ID
+    aoe cancel ID
+    aoe fetch  ID -o DIR
+    aoe devices
+    aoe daemon
+
+Each picks its daemon with --socket PATH or --address HOST:PORT (TLS: --tls-ca,
+--tls-cert, --tls-key); by default the unix socket AOED_SOCKET names, else aoed.sock in
+the runtime dir. No daemon there: exit 7; the daemon's queue full: exit 8. `submit`
+uploads the local file unless --on-server (the daemon reads the path itself). `watch`
+(and `submit --watch`) exits 0 when the job succeeded, 1 when it failed, 130 when it was
+cancelled. Everything goes through `aoe.Client`: this module never imports the daemon.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from aoe.errors import AoedError, JobCancelledError, OptionError
+
+if TYPE_CHECKING:
+    from aoe.client import Client
+    from aoe.v1 import tuning_pb2
+
+__all__ = ["add_parsers", "client_for", "tune_on_daemon"]
+
+_STATES = ("queued", "preparing", "tuning", "verifying", "succeeded", "failed", "cancelled")
+
+
+def _connection_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("daemon")
+    q = g.add_mutually_exclusive_group()
+    q.add_argument("--socket", type=Path, metavar="PATH",
+                   help="the daemon's unix socket (default: AOED_SOCKET, else aoed.sock in the runtime dir)")  # fmt: skip
+    q.add_argument("--address", metavar="HOST:PORT", help="the daemon's TCP address")
+    g.add_argument("--tls-ca", type=Path, metavar="FILE", help="PEM root certificates: TLS to --address")
+    g.add_argument("--tls-cert", type=Path, metavar="FILE", help="PEM client certificate chain (with --tls-key)")
+    g.add_argument("--tls-key", type=Path, metavar="FILE", help="PEM client private key (with --tls-cert)")
+
+
+def client_for(args: argparse.Namespace) -> Client:
+    """The Client that --socket / --address / --tls-* select (default: the default socket)."""
+    from aoe.client import Client
+
+    tls: dict[str, bytes] = {}
+    for opt, key in (("tls_ca", "root_certificates"), ("tls_cert", "certificate_chain"), ("tls_key", "private_key")):
+        path = getattr(args, opt, None)
+        if path is not None:
+            try:
+                tls[key] = path.read_bytes()
+            except OSError as exc:
+                raise OptionError(f"--{opt.replace('_', '-')} {path}: {exc.strerror or exc}") from None
+    address = getattr(args, "address", None)
+    if tls and not address:
+        raise OptionError("--tls-ca/--tls-cert/--tls-key: TLS needs --address HOST:PORT")
+    if ("certificate_chain" in tls) != ("private_key" in tls):
+        raise OptionError("--tls-cert and --tls-key go together")
+    return Client(address or getattr(args, "socket", None), **tls)
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:
+    """Add the daemon's job commands to the `aoe` parser."""
+    p = sub.add_parser("submit", help="queue a model on the daemon", description="Queue a model on the daemon.")
+    p.add_argument("model", type=Path, help="the .onnx model (a local file, uploaded; see --on-server)")
+    p.add_argument("--precision", default=None, help="precision policy: exact (default) or int8")
+    p.add_argument("--input-shape", action="append", default=[], metavar="NAME:D1,D2,...",
+                   help="static shape for an input with dynamic dimensions; repeat or join with ';'")  # fmt: skip
+    p.add_argument("--priority", type=int, default=None, help="-10 (background) to 10 (urgent); default 0")
+    p.add_argument("--budget", type=float, default=None, help="device seconds (default: fitted by the daemon)")
+    p.add_argument("--repeat-tune", action="store_true", default=None, help="re-tune tasks the bank already knows")
+    p.add_argument("--device", default=None, help="cpu, cuda:N, ... (default: the daemon's)")
+    p.add_argument("--watch", action="store_true", help="follow the job until it ends (exit status as aoe watch)")
+    p.add_argument("--on-server", action="store_true", help="MODEL is a path on the daemon's host: do not upload")
+    p.set_defaults(run=_submit)
+    p = sub.add_parser("jobs", help="list the daemon's jobs", description="List the daemon's jobs, newest first.")
+    p.add_argument("--state", action="append", choices=_STATES, help="only jobs in this state (repeatable)")
+    p.set_defaults(run=_jobs)
+    for name, run, text in (("status", _status, "a job's details and result"),
+                            ("watch", _watch, "follow a job's progress until it ends"),
+                            ("cancel", _cancel, "stop a queued or running job")):  # fmt: skip
+        p = sub.add_parser(name, help=text, description=text[0].upper() + text[1:] + ".")
+        p.add_argument("job_id", metavar="ID")
+        p.set_defaults(run=run)
+    p = sub.add_parser("fetch", help="download a finished job's tuned model and result JSON",
+                       description="Download a finished job's tuned model and result JSON.")  # fmt: skip
+    p.add_argument("job_id", metavar="ID")
+    p.add_argument("-o", "--output", type=Path, default=Path("."), help="directory to write to (default: .)")
+    p.set_defaults(run=_fetch)
+    for name, run, text in (("devices", _devices, "the devices the daemon tunes on"),
+                            ("daemon", _daemon, "the daemon's version, paths, limits and load")):  # fmt: skip
+        sub.add_parser(name, help=text, description=text[0].upper() + text[1:] + ".").set_defaults(run=run)
+    for name in ("submit", "jobs", "status", "watch", "cancel", "fetch", "devices", "daemon"):
+        _connection_args(sub.choices[name])
+
+
+# --------------------------------------------------------------------------- output
+
+
+def _enum_name(enum: Any, value: int, prefix: str) -> str:
+    try:
+        return enum.Name(value).removeprefix(prefix).lower()
+    except ValueError:
+        return str(value)
+
+
+def _state(state: int) -> str:
+    from aoe.v1 import tuning_pb2
+
+    return _enum_name(tuning_pb2.JobState, state, "JOB_STATE_")
+
+
+def _time(ts: Any) -> str:
+    if not ts.seconds and not ts.nanos:
+        return "-"
+    return ts.ToDatetime(tzinfo=datetime.timezone.utc).astimezone().strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _progress(job: tuning_pb2.Job) -> str:
+    name, p = _state(job.state), job.progress
+    if name == "queued":
+        return f"{job.queue_position} ahead"
+    if name == "succeeded":
+        return f"{job.result.improvement:+.1%}"
+    if name in ("failed", "cancelled"):
+        return job.error[:60] or "-"
+    return f"{p.tasks_done}/{p.tasks_total} tasks" if p.tasks_total else name
+
+
+def _table(rows: list[tuple[str, ...]]) -> None:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1])
+
+
+def print_result(job: tuning_pb2.Job, files: list[Path] | None = None) -> None:
+    """The summary of a finished job, from its Job proto; `files` are the downloaded
+    artifacts (else the paths on the daemon's host are shown)."""
+    from aoe.v1 import bank_pb2
+
+    r, o = job.result, job.options
+    took = (job.finished.ToNanoseconds() - job.started.ToNanoseconds()) / 1e9 if job.started.seconds else 0.0
+    precision = _enum_name(bank_pb2.Precision, o.precision, "PRECISION_") if o.precision else "exact"
+    print(f"aoe: tuned {job.model_name} on the daemon in {took:.1f} s (job {job.job_id}; {precision} on "
+          f"{o.device or 'the default device'})")  # fmt: skip
+    print(f"  baseline     {r.baseline_ms:.4f} ms   (confirming A/B on the daemon)")
+    print(f"  result       {r.tuned_ms:.4f} ms   (improvement {r.improvement:+.1%}: the median of the paired "
+          f"round ratios, 95% interval {r.improvement_ci95_low:+.1%} to {r.improvement_ci95_high:+.1%})")  # fmt: skip
+    shipped = {"tuned": "the tuned model ships", "options only": "the input model with session options ships",
+               "input": "the input model ships unchanged"}.get(r.shipped, r.shipped)  # fmt: skip
+    if r.verdict:
+        print(f"  verdict      {r.verdict}: {shipped}")
+    modes = [t.update_mode for t in r.tasks]
+    measured = sum(m in ("add", "update", "reserved", "unsatisfied") for m in modes)
+    failed = modes.count("failed")
+    changed = [t for t in r.tasks if t.strategy.name and t.strategy.name != "default"]
+    print(f"  tasks        {len(r.tasks)}: {measured} measured, {modes.count('hit')} from the bank"
+          + (f", {failed} failed" if failed else "") + f"; {len(changed)} changed")  # fmt: skip
+    for t in changed:
+        print(f"    {t.task_id:<40} {t.op_type:<14} {t.strategy.name:<22} {t.improvement:+.1%}")
+    print(f"  device       {r.trials} trials, {r.device_s:.1f} s measuring")
+    s = r.repo_summary
+    print(f"  bank         add {s.repo_add_num}, hit {s.repo_hit_num}, reserved {s.repo_reserved_num}, "
+          f"unsatisfied {s.repo_unsatisfied_num}, update {s.repo_update_num}, total {s.total_num}")  # fmt: skip
+    model, report = (files or [None, None])[:2]
+    print(f"  tuned model  {model or r.tuned_model_path + ' (on the daemon host)'}")
+    print(f"  report       {report or r.result_json_path + ' (on the daemon host)'}")
+
+
+@dataclass
+class _Shown:
+    """A JobEvent as aoe._progress.Progress renders the embedded engine's events."""
+
+    kind: str
+    message: str = ""
+    done: int = 0
+    total: int = 0
+
+
+def _shown(event: tuning_pb2.JobEvent) -> _Shown | None:
+    from aoe.v1 import tuning_pb2
+
+    kind = event.WhichOneof("event")
+    if kind == "state_change":
+        sc = event.state_change
+        if sc.state == tuning_pb2.JOB_STATE_QUEUED:  # said even without a terminal, as the engine's waits
+            return _Shown("wait", f"job {event.job_id} is queued for its device")
+        return _Shown("stage", _state(sc.state) + (f": {sc.message}" if sc.message else ""))
+    if kind == "progress":
+        return _Shown("progress", done=event.progress.tasks_done, total=event.progress.tasks_total)
+    if kind == "log" and event.log.level >= tuning_pb2.LOG_LEVEL_WARNING:
+        return _Shown("wait", event.log.message)
+    return None
+
+
+def _line(event: tuning_pb2.JobEvent) -> str:
+    from aoe.v1 import tuning_pb2
+
+    kind, head = event.WhichOneof("event"), f"{_time(event.time)} #{event.sequence}"
+    if kind == "state_change":
+        sc = event.state_change
+        change = f"{_state(sc.previous)} -> {_state(sc.state)}" if sc.previous else _state(sc.state)
+        return f"{head} state {change}" + (f": {sc.message}" if sc.message else "")
+    if kind == "progress":
+        p = event.progress
+        now = f", tuning {p.current_op_type} {p.current_task}" if p.current_task else ""
+        return f"{head} progress {p.tasks_done}/{p.tasks_total} tasks{now}"
+    if kind == "task_result":
+        t = event.task_result
+        what = t.error or f"{t.strategy.name or 'default'} {t.improvement:+.1%}"
+        return f"{head} task {t.task_id} {t.op_type}: {what} ({t.update_mode or '-'})"
+    if kind == "log":
+        level = _enum_name(tuning_pb2.LogLevel, event.log.level, "LOG_LEVEL_")
+        return f"{head} {level} {event.log.logger}: {event.log.message}"
+    if kind == "result":
+        r = event.result
+        return f"{head} result {r.baseline_ms:.4f} ms -> {r.tuned_ms:.4f} ms ({r.improvement:+.1%})"
+    return f"{head} {kind}"
+
+
+def follow(client: Client, job_id: str, *, bar: bool = True, lines: bool = False, verbose: int = 0) -> tuning_pb2.Job:
+    """Follow the job's events until it ends and return its final snapshot: a rich bar on
+    stderr when it is a terminal (and `bar`), else one line per event on stdout when
+    `lines`, else only what the user must know (queued, warnings)."""
+    from aoe._progress import Progress
+    from aoe.v1 import tuning_pb2
+
+    progress = Progress(enabled=bar)
+    lines = lines and not progress.enabled
+    with progress:
+        for event in client.watch(job_id, include_logs=True):
+            if lines:
+                if event.WhichOneof("event") != "log" or event.log.level >= tuning_pb2.LOG_LEVEL_INFO or verbose:
+                    print(_line(event), flush=True)
+            elif (shown := _shown(event)) is not None:
+                progress.emit(shown)
+    return client.get(job_id)
+
+
+def _finished(job: tuning_pb2.Job) -> tuning_pb2.Job:
+    """The job when it succeeded; else the error its end means."""
+    name = _state(job.state)
+    if name == "cancelled":
+        raise JobCancelledError(f"job {job.job_id} was cancelled")
+    if name == "failed":
+        import aoe.errors
+
+        # The daemon names the error's class: exit with that class's status.
+        cls = getattr(aoe.errors, job.error_kind, None)
+        if not (isinstance(cls, type) and issubclass(cls, AoedError)):
+            cls = AoedError
+        raise cls(f"job {job.job_id} failed: {job.error or 'no reason given'}")
+    if name != "succeeded":
+        raise AoedError(f"job {job.job_id} is {name}, but its event stream ended; see aoe status {job.job_id}")
+    return job
+
+
+def tune_on_daemon(client: Client, model: Path, options: dict[str, Any], output: Path, progress: bool) -> int:
+    """`aoe tune` on the daemon: upload, follow, download into `output`, summarize; 0.
+    Ctrl-C cancels the job on the daemon, as it would stop an embedded run."""
+    job = client.submit_file(model, **options)
+    try:
+        job = _finished(follow(client, job.job_id, bar=progress))
+    except KeyboardInterrupt:
+        with contextlib.suppress(AoedError):
+            client.cancel(job.job_id)
+            print(f"aoe: cancelled job {job.job_id} on the daemon", file=sys.stderr)
+        raise
+    files = [client.download(job.job_id, artifact, output) for artifact in ("model", "json")]
+    print_result(job, files)
+    print("Aoe process finished")
+    return 0
+
+
+# --------------------------------------------------------------------------- commands
+
+
+def _submit(args: argparse.Namespace) -> int:
+    if args.priority is not None and not -10 <= args.priority <= 10:
+        raise OptionError(f"--priority {args.priority}: must be between -10 and 10")
+    if args.budget is not None and args.budget <= 0:
+        raise OptionError("--budget must be a positive number of seconds")
+    options = {"precision": args.precision, "input_shapes": args.input_shape or None, "priority": args.priority,
+               "budget_s": args.budget, "repeat_tune": args.repeat_tune, "device": args.device}  # fmt: skip
+    with client_for(args) as client:
+        if args.on_server:  # a relative path means nothing to a daemon with another cwd
+            model = args.model.absolute() if client.socket is not None else args.model
+            job = client.submit(model, options=options)
+        else:
+            job = client.submit_file(args.model, **options)
+        ahead = f", {job.queue_position} ahead" if _state(job.state) == "queued" else ""
+        print(f"aoe: submitted {job.model_name or args.model.name} as job {job.job_id} ({_state(job.state)}{ahead})")
+        if args.watch:
+            return _report(follow(client, job.job_id, lines=True, verbose=args.verbose))
+    return 0
+
+
+def _report(job: tuning_pb2.Job) -> int:
+    print_result(_finished(job))
+    return 0
+
+
+def _jobs(args: argparse.Namespace) -> int:
+    with client_for(args) as client:
+        jobs = client.jobs(args.state)
+    if not jobs:
+        print("no jobs" + (f" in state {', '.join(args.state)}" if args.state else ""))
+        return 0
+    rows = [("ID", "STATE", "MODEL", "CREATED", "PROGRESS")]
+    rows += [(j.job_id, _state(j.state), j.model_name, _time(j.created), _progress(j)) for j in jobs]
+    _table(rows)
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    from aoe.v1 import bank_pb2
+
+    with client_for(args) as client:
+        job = client.get(args.job_id)
+    o, p = job.options, job.progress
+    print(f"job       {job.job_id}")
+    print(f"state     {_state(job.state)} ({_progress(job)})")
+    print(f"model     {job.model_name}  ({job.model_path})")
+    print(f"source    {job.source or 'rpc'}" + (f", {job.joined} joined submissions" if job.joined else ""))
+    opts = [f"precision {_enum_name(bank_pb2.Precision, o.precision, 'PRECISION_')}" if o.precision else "",
+            f"device {o.device}" if o.device else "", f"priority {o.priority}" if o.priority else "",
+            f"budget {o.budget_s:g} s" if o.budget_s else "", "repeat-tune" if o.repeat_tune else "",
+            "shapes " + "; ".join(f"{s.name}:{','.join(map(str, s.dims))}" for s in o.input_shapes)
+            if o.input_shapes else ""]  # fmt: skip
+    print(f"options   {', '.join(filter(None, opts)) or 'the daemon defaults'}")
+    print(f"times     created {_time(job.created)}, started {_time(job.started)}, finished {_time(job.finished)}")
+    if p.tasks_total:
+        print(f"progress  {p.tasks_done}/{p.tasks_total} tasks"
+              + (f", tuning {p.current_op_type} {p.current_task}" if p.current_task else ""))  # fmt: skip
+    if job.error:
+        print(f"error     {job.error}")
+    if job.HasField("result"):
+        print_result(job)
+    return 0
+
+
+def _watch(args: argparse.Namespace) -> int:
+    with client_for(args) as client:
+        return _report(follow(client, args.job_id, lines=True, verbose=args.verbose))
+
+
+def _cancel(args: argparse.Namespace) -> int:
+    with client_for(args) as client:
+        job = client.cancel(args.job_id)
+    print(f"aoe: asked the daemon to cancel job {job.job_id or args.job_id} (now {_state(job.state)})")
+    return 0
+
+
+def _fetch(args: argparse.Namespace) -> int:
+    with client_for(args) as client:
+        for artifact in ("model", "json"):
+            print(f"aoe: wrote {client.download(args.job_id, artifact, args.output)}")
+    return 0
+
+
+def _devices(args: argparse.Namespace) -> int:
+    with client_for(args) as client:
+        devices = client.devices()
+    rows = [("ID", "PROVIDER", "LOAD", "DESCRIPTION")]
+    rows += [(d.id, d.execution_provider, (f"busy ({d.running_job_id})" if d.busy else "idle")
+              + (f", {d.queued_jobs} queued" if d.queued_jobs else ""), d.description) for d in devices]  # fmt: skip
+    _table(rows)
+    return 0
+
+
+def _daemon(args: argparse.Namespace) -> int:
+    with client_for(args) as client:
+        i = client.info()
+    print(f"aoed {i.version} (pid {i.pid}, started {_time(i.started)})")
+    print(f"  listen      {', '.join(i.listen) or '-'}")
+    print(f"  bank        {i.bank_path}" + (f" (layers: {', '.join(i.bank_layers)})" if i.bank_layers else ""))
+    print(f"  state       {i.state_dir}")
+    print(f"  jobs        {i.running_jobs} running (at most {i.max_running_jobs}), "
+          f"{i.queued_jobs} queued (at most {i.max_queued_jobs})")  # fmt: skip
+    print(f"  uploads     up to {i.max_upload_bytes / 2**20:.0f} MiB; compile workers {i.compile_workers}")
+    print(f"  allowed     {', '.join(i.allowed_dirs) or '-'}")
+    for box in i.inboxes:
+        print(f"  inbox       {box.path} -> {box.outbox} (failed: {box.failed})")
+    return 0

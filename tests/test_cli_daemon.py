@@ -1,0 +1,72 @@
+"""The `aoe` command as the daemon's client, against a real `aoed` on a temp socket."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import onnx
+import pytest
+
+from aoed import samples
+from tests.conftest import run_aoe
+from tests.daemon_util import DaemonProcess
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory):
+    d = DaemonProcess(tmp_path_factory.mktemp("cli-daemon"))
+    samples.save(samples.build("mlp"), d.models / "mlp.onnx")
+    d.start()
+    yield d
+    d.close()
+
+
+def _aoe(d: DaemonProcess, *args: str, cwd: Path | None = None):
+    return run_aoe(*args, env={"AOED_SOCKET": str(d.socket)}, cwd=cwd)
+
+
+def test_submit_watch_jobs_status_fetch(daemon: DaemonProcess, tmp_path: Path) -> None:
+    r = _aoe(daemon, "submit", str(daemon.models / "mlp.onnx"), "--budget", "2", "--watch")
+    assert r.returncode == 0, r.stderr
+    assert "state verifying -> succeeded" in r.stdout and "95% interval" in r.stdout
+    job_id = r.stdout.split("as job ", 1)[1].split()[0] if "as job " in r.stdout else \
+        r.stderr.split("as job ", 1)[1].split()[0]  # fmt: skip
+    jobs = _aoe(daemon, "jobs")
+    assert jobs.returncode == 0 and job_id in jobs.stdout and "succeeded" in jobs.stdout
+    status = _aoe(daemon, "status", job_id)
+    assert status.returncode == 0 and "state     succeeded" in status.stdout
+    fetched = _aoe(daemon, "fetch", job_id, "-o", str(tmp_path / "got"))
+    assert fetched.returncode == 0, fetched.stderr
+    files = sorted(p.name for p in (tmp_path / "got").iterdir())
+    assert len(files) == 2 and any(f.endswith("_tune.onnx") for f in files)
+    onnx.checker.check_model(onnx.load(next((tmp_path / "got").glob("*_tune.onnx"))))
+    doc = json.loads(next((tmp_path / "got").glob("*.json")).read_text())
+    assert "repo_add_num" in json.dumps(doc), "the AOE-shaped result JSON"
+
+
+def test_tune_goes_to_the_daemon_and_writes_outputs_locally(daemon: DaemonProcess, tmp_path: Path) -> None:
+    model = tmp_path / "cnn.onnx"
+    samples.save(samples.build("cnn"), model)
+    r = _aoe(daemon, "tune", str(model), "--budget", "2", "--output", str(tmp_path / "out"), "--no-progress")
+    assert r.returncode == 0, r.stderr
+    assert f"tuning on the daemon at unix://{daemon.socket}" in r.stderr
+    assert "Aoe process finished" in r.stdout
+    outputs = sorted(p.name for p in (tmp_path / "out").iterdir())
+    assert any(n.endswith("_tune.onnx") for n in outputs) and any(n.startswith("aoe_result_opat_") for n in outputs)
+
+
+def test_a_failed_job_exits_with_its_error_class(daemon: DaemonProcess) -> None:
+    bad = daemon.models / "bad.onnx"
+    bad.write_bytes(b"\x08\x07garbage" * 20)
+    r = _aoe(daemon, "submit", str(bad), "--watch")
+    assert r.returncode == 3, (r.returncode, r.stderr)  # ModelError
+    assert "not a readable ONNX model" in r.stderr
+
+
+def test_without_a_daemon_the_commands_say_where_they_looked(tmp_path: Path) -> None:
+    sock = tmp_path / "none.sock"
+    r = run_aoe("jobs", env={"AOED_SOCKET": str(sock)})
+    assert r.returncode == 7 and str(sock) in r.stderr
