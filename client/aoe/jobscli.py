@@ -154,7 +154,9 @@ def print_result(job: tuning_pb2.Job, files: list[Path] | None = None) -> None:
     precision = _enum_name(bank_pb2.Precision, o.precision, "PRECISION_") if o.precision else "exact"
     print(f"aoe: tuned {job.model_name} on the daemon in {took:.1f} s (job {job.job_id}; {precision} on "
           f"{o.device or 'the default device'})")  # fmt: skip
-    print(f"  baseline     {r.baseline_ms:.4f} ms   (confirming A/B on the daemon)")
+    where = (f"from the bank: confirmed by {r.confirmed_by}" if r.confirmed_by
+             else f"confirming A/B, {r.confirm_rounds} interleaved rounds")  # fmt: skip
+    print(f"  baseline     {r.baseline_ms:.4f} ms   ({where})")
     print(f"  result       {r.tuned_ms:.4f} ms   (improvement {r.improvement:+.1%}: the median of the paired "
           f"round ratios, 95% interval {r.improvement_ci95_low:+.1%} to {r.improvement_ci95_high:+.1%})")  # fmt: skip
     shipped = {"tuned": "the tuned model ships", "options only": "the input model with session options ships",
@@ -194,8 +196,10 @@ def _shown(event: tuning_pb2.JobEvent) -> _Shown | None:
     kind = event.WhichOneof("event")
     if kind == "state_change":
         sc = event.state_change
-        if sc.state == tuning_pb2.JOB_STATE_QUEUED:  # said even without a terminal, as the engine's waits
-            return _Shown("wait", f"job {event.job_id} is queued for its device")
+        if sc.state == tuning_pb2.JOB_STATE_QUEUED and sc.previous:  # requeued (a daemon restart)
+            return _Shown("wait", f"job {event.job_id} is queued again: {sc.message}")
+        if sc.state == tuning_pb2.JOB_STATE_QUEUED:
+            return None
         return _Shown("stage", _state(sc.state) + (f": {sc.message}" if sc.message else ""))
     if kind == "progress":
         return _Shown("progress", done=event.progress.tasks_done, total=event.progress.tasks_total)

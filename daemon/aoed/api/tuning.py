@@ -124,7 +124,8 @@ def result_pb(r: dict[str, Any]) -> tuning_pb2.JobResult:
         improvement_ci95_low=float((r.get("improvement_ci95") or (0.0, 0.0))[0]),
         improvement_ci95_high=float((r.get("improvement_ci95") or (0.0, 0.0))[1]),
         trials=int(r.get("resources", {}).get("trials", 0)), device_s=float(r.get("resources", {}).get("device_s", 0.0)),
-        tuning_time_s=float(r.get("tuning_time_s", 0.0)),
+        tuning_time_s=float(r.get("tuning_time_s", 0.0)), confirm_rounds=int(r.get("confirm_rounds", 0)),
+        confirmed_by=str(r.get("confirmed_by", "")),
         tasks=[tuning_pb2.TaskResult(
             task_id=t["task_id"], op_type=t["op_type"], node_names=[t.get("op_name", "")],
             before_us=t["before_us"], after_us=t["after_us"], improvement=t["improvement"],

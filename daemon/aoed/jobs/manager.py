@@ -447,6 +447,8 @@ def result_dict(r: JobResult) -> dict[str, Any]:
         "verdict": str(r.confirmation.get("verdict", "")),
         "shipped": str(r.confirmation.get("shipped", "")),
         "improvement_ci95": list(r.confirmation.get("improvement_ci95", (0.0, 0.0))),
+        "confirm_rounds": int(r.confirmation.get("rounds", 0) or 0),
+        "confirmed_by": str(r.confirmation.get("from_bank", "") or ""),
         "tuning_time_s": r.tuning_time_s,
         "resources": {k: v for k, v in r.resources.items() if isinstance(v, int | float | str)},
         "tasks": [
