@@ -70,3 +70,22 @@ def test_without_a_daemon_the_commands_say_where_they_looked(tmp_path: Path) -> 
     sock = tmp_path / "none.sock"
     r = run_aoe("jobs", env={"AOED_SOCKET": str(sock)})
     assert r.returncode == 7 and str(sock) in r.stderr
+
+
+def test_bank_commands_work_on_the_daemon_s_bank(daemon: DaemonProcess, tmp_path: Path) -> None:
+    model = tmp_path / "cnn.onnx"
+    samples.save(samples.build("cnn"), model)
+    assert _aoe(daemon, "submit", str(model), "--budget", "2", "--watch").returncode == 0
+    stats = _aoe(daemon, "bank", "stats", "--socket", str(daemon.socket))
+    assert stats.returncode == 0 and f"daemon bank: {daemon.bank}" in stats.stdout, stats.stderr
+    out = tmp_path / "bank.jsonl"
+    exported = _aoe(daemon, "bank", "export", "-o", str(out))  # AOED_SOCKET and no --bank: the daemon
+    assert exported.returncode == 0, exported.stderr
+    lines = out.read_text().splitlines()
+    assert lines and "from the daemon's bank" in exported.stderr
+    again = _aoe(daemon, "bank", "import", str(out))
+    assert again.returncode == 0 and f"0 added, 0 updated, {len(lines)} kept, 0 refused" in again.stdout, again.stdout
+    dry = _aoe(daemon, "bank", "prune", "--dry-run")
+    assert dry.returncode == 0 and "would remove" in dry.stdout
+    local = _aoe(daemon, "bank", "stats", "--bank", str(daemon.bank))
+    assert local.returncode == 0 and "custom:" in local.stdout, "--bank reads the bank directly"

@@ -19,6 +19,10 @@ wait. Import, prune and verify (its history) write the custom bank directly, and
 has one writer at a time: while another process writes it (a tune, the daemon) they stop
 with an error naming that process, or with --wait wait until it is done. `verify` exits
 1 when an entry regressed, is inaccurate or could not be measured.
+
+With `--socket PATH` (or AOED_SOCKET set and no --bank), stats, lookup, export, import,
+prune and verify work on the daemon's bank through its API instead: the daemon is then
+the one writer, so nothing waits for it.
 """
 
 from __future__ import annotations
@@ -43,6 +47,29 @@ def _bank_args(p: argparse.ArgumentParser, layers: bool = True) -> None:
     if layers:
         p.add_argument("--bank-layer", type=Path, action="append", default=[], metavar="DIR",
                        help="read-only bank layered under the custom bank (repeatable)")  # fmt: skip
+
+
+def _socket_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--socket", type=Path, metavar="PATH",
+                   help="work on the bank of the daemon at this socket (default with AOED_SOCKET set and no --bank)")  # fmt: skip
+
+
+def _daemon(args: argparse.Namespace):
+    """The Client for the daemon whose bank to use, or None to use a bank directly."""
+    import os
+
+    path = getattr(args, "socket", None)
+    if path is None and os.environ.get("AOED_SOCKET", "").strip() and getattr(args, "bank", None) is None:
+        from aoe.config import default_socket
+
+        path = default_socket()
+    if path is None:
+        return None
+    if getattr(args, "bank", None) is not None or getattr(args, "bank_layer", None):
+        raise OptionError("--socket works on the daemon's own bank: drop --bank/--bank-layer or --socket")
+    from aoe.client import Client
+
+    return Client(path)
 
 
 def _wait_arg(p: argparse.ArgumentParser, what: str = "") -> None:
@@ -157,11 +184,13 @@ def _add_bank(top: argparse._SubParsersAction) -> None:
     s = sub.add_parser("stats", help="entries, history, defaults, sizes per layer")
     s.set_defaults(run=_stats)
     _bank_args(s)
+    _socket_arg(s)
     s.add_argument("--json", action="store_true")
 
     s = sub.add_parser("lookup", help="print the entry for a key, or why nothing matched")
     s.set_defaults(run=_lookup)
     _bank_args(s)
+    _socket_arg(s)
     q = s.add_mutually_exclusive_group(required=True)
     q.add_argument("--key", help="bank key v1/<signature>/<device>/<precision>")
     q.add_argument("--signature-digest", help="task signature digest (hex)")
@@ -172,6 +201,7 @@ def _add_bank(top: argparse._SubParsersAction) -> None:
     s = sub.add_parser("export", help="write the bank's records as JSON Lines (entries, defaults, history)")
     s.set_defaults(run=_export)
     _bank_args(s)
+    _socket_arg(s)
     s.add_argument("--layer", default="custom", help="layer to export: custom (default), a layer path, or all")
     s.add_argument("--output", "-o", type=Path, help="file to write (default: standard output)")
     q = s.add_mutually_exclusive_group()
@@ -182,6 +212,7 @@ def _add_bank(top: argparse._SubParsersAction) -> None:
     s = sub.add_parser("import", help="merge JSON Lines records into the custom bank")
     s.set_defaults(run=_import)
     _bank_args(s, layers=False)
+    _socket_arg(s)
     s.add_argument("file", type=Path, help="JSON Lines file ('-' for standard input)")
     s.add_argument("--policy", default="keep-faster", choices=_POLICIES)
     s.add_argument("--allow-foreign", action="store_true", help="accept entries measured on other devices")
@@ -190,12 +221,14 @@ def _add_bank(top: argparse._SubParsersAction) -> None:
     s = sub.add_parser("prune", help="drop the measurement history, keep winners")
     s.set_defaults(run=_prune)
     _bank_args(s, layers=False)
+    _socket_arg(s)
     s.add_argument("--dry-run", action="store_true")
     _wait_arg(s)
 
     s = sub.add_parser("verify", help="re-measure a sample of entries on this device")
     s.set_defaults(run=_verify)
     _bank_args(s)
+    _socket_arg(s)
     s.add_argument("--layer", default="custom", help="layer to verify: custom (default), a layer path, or all")
     s.add_argument("--sample", type=int, default=10, help="entries to re-measure, chosen at random (0 = all)")
     s.add_argument("--op-type", default="", help="only tasks anchored by this op type, e.g. Conv")
@@ -222,6 +255,21 @@ def _human(n: int) -> str:
 
 
 def _stats(args: argparse.Namespace) -> int:
+    daemon = _daemon(args)
+    if daemon is not None:
+        with daemon:
+            st = daemon.bank_stats()
+        if args.json:
+            from google.protobuf import json_format
+
+            print(json_format.MessageToJson(st, preserving_proto_field_name=True, indent=2))
+            return 0
+        print(f"daemon bank: {st.path} ({daemon.target})")
+        print(f"  entries {st.entries}, history {st.history_trials} trials; "
+              + ", ".join(f"{k} {v}" for k, v in sorted(st.layer_entries.items())))  # fmt: skip
+        print(f"  map {_human(st.map_size_bytes)} (address space), used {st.used_bytes / 2**20:.2f} MiB, "
+              f"schema {st.schema_version}")  # fmt: skip
+        return 0
     with _reader(args) as reader:
         layers = reader.stats()
     if args.json:
@@ -238,6 +286,20 @@ def _stats(args: argparse.Namespace) -> int:
 
 def _lookup(args: argparse.Namespace) -> int:
     from aoe.bank import entry_to_json
+
+    daemon = _daemon(args)
+    if daemon is not None:
+        if not args.key:
+            raise OptionError("--socket: look up by --key (the daemon's device decides the rest)")
+        with daemon:
+            r = daemon.bank_lookup(args.key)
+        if not r.found:
+            print(f"no match for {args.key}: {r.reason}")
+            return 1
+        line = entry_to_json(r.entry)
+        print(json.dumps({"layer": r.layer, "entry": json.loads(line)}, sort_keys=True) if args.json
+              else f"layer: {r.layer}\n" + json.dumps(json.loads(line), indent=2, sort_keys=True))  # fmt: skip
+        return 0
 
     with _reader(args) as reader:
         ex = reader.lookup_explain(
@@ -259,6 +321,16 @@ def _lookup(args: argparse.Namespace) -> int:
 
 def _export(args: argparse.Namespace) -> int:
     from aoe.bank import record_to_json
+
+    daemon = _daemon(args)
+    if daemon is not None:
+        if args.output is None:
+            raise OptionError("--socket: export to a file (--output FILE.jsonl)")
+        with daemon:
+            n = daemon.bank_export(args.output, entries_only=args.entries_only, no_history=args.no_history)
+        print(f"aoe: exported {n.get('entry', 0)} entries, {n.get('default_record', 0)} default records, "
+              f"{n.get('trial', 0)} trials from the daemon's bank", file=sys.stderr)  # fmt: skip
+        return 0
 
     with _reader(args) as reader, contextlib.ExitStack() as stack:
         names = [n for n, _ in reader.layers]
@@ -282,6 +354,18 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _import(args: argparse.Namespace) -> int:
+    daemon = _daemon(args)
+    if daemon is not None:
+        if str(args.file) == "-":
+            raise OptionError("--socket: import from a file, not standard input")
+        with daemon:
+            r = daemon.bank_import(args.file, args.policy, args.allow_foreign)
+        print(f"aoe: imported into the daemon's bank: {r.added} added, {r.updated} updated, {r.kept} kept, "
+              f"{r.refused} refused ({args.policy})")  # fmt: skip
+        for ref in list(r.refused_entries)[:_SHOW_REFUSED]:
+            print(f"  refused {ref.key}: {ref.reason}")
+        return 0
+
     from aoed.bank.exchange import import_lines
 
     if str(args.file) == "-":
@@ -312,19 +396,27 @@ def _import(args: argparse.Namespace) -> int:
 
 
 def _prune(args: argparse.Namespace) -> int:
+    daemon = _daemon(args)
+    if daemon is not None:
+        with daemon:
+            r = daemon.bank_prune(args.dry_run)
+    else:
+        r = _prune_local(args)
+    verb = "would remove" if args.dry_run else "removed"
+    print(f"aoe: {verb} {r.trials_removed} history trials, kept {r.entries_kept} entries; "
+          f"used {r.used_bytes_before / 2**20:.2f} MiB -> {r.used_bytes_after / 2**20:.2f} MiB")  # fmt: skip
+    return 0
 
+
+def _prune_local(args: argparse.Namespace):
     path = _bank_path(args)
     if not (path / "data.mdb").is_file():
         raise OptionError(f"--bank {path}: no bank here")
     store = _store(path, args.wait)
     try:
-        r = store.prune(dry_run=args.dry_run)
+        return store.prune(dry_run=args.dry_run)
     finally:
         store.close()
-    verb = "would remove" if args.dry_run else "removed"
-    print(f"aoe: {verb} {r.trials_removed} history trials, kept {r.entries_kept} entries; "
-          f"used {r.used_bytes_before / 2**20:.2f} MiB -> {r.used_bytes_after / 2**20:.2f} MiB")  # fmt: skip
-    return 0
 
 
 def _verify(args: argparse.Namespace) -> int:
@@ -341,6 +433,9 @@ def _verify(args: argparse.Namespace) -> int:
 
     if args.sample < 0 or args.budget <= 0:
         raise OptionError("--sample must be >= 0 and --budget > 0")
+    daemon = _daemon(args)
+    if daemon is not None:
+        return _verify_on(daemon, args)
     seed = args.seed or random.SystemRandom().randrange(1, 1 << 31)
     config = _config(args)
     with _reader(args) as reader:
@@ -390,4 +485,19 @@ def _verify(args: argparse.Namespace) -> int:
             store.commit(trials=trials)
         finally:
             store.close()
+    return 1 if bad else 0
+
+
+def _verify_on(daemon, args: argparse.Namespace) -> int:
+    """`aoe bank verify` by the daemon, on its device (1 s per entry), its bank recording."""
+    from aoe.v1 import bank_pb2
+
+    names = {v: k.removeprefix("VERIFY_VERDICT_").lower() for k, v in bank_pb2.VerifyVerdict.items()}
+    bad = 0
+    with daemon:
+        print(f"aoe: verifying on the daemon at {daemon.target}")
+        for v in daemon.bank_verify(args.sample, args.op_type, args.seed):
+            verdict = names.get(v.verdict, "?")
+            bad += verdict in ("regressed", "inaccurate", "error")
+            print(f"  {verdict:<10} {v.op_type:<18} {v.key}" + (f"\n      {v.detail}" if v.detail else ""))
     return 1 if bad else 0
