@@ -90,14 +90,20 @@ DAEMON_SECTIONS = ("daemon", "listen", "limits", "inbox")
 
 
 def default_socket(env: Mapping[str, str] | None = None) -> Path:
-    """The daemon's unix socket: AOED_SOCKET, else `aoed.sock` in the runtime dir
-    (/run/aoed for root, else $XDG_RUNTIME_DIR/aoed, else a per-user temp dir)."""
+    """The daemon's unix socket: AOED_SOCKET, else `aoed.sock` in AOED_RUNTIME_DIR, else
+    the system service's /run/aoed/aoed.sock when it exists, else `aoed.sock` in the
+    user's runtime dir ($XDG_RUNTIME_DIR/aoed, else a per-user temp dir)."""
     env = os.environ if env is None else env
     raw = env.get("AOED_SOCKET", "").strip()
     if raw:
         return Path(raw).expanduser()
     runtime = env.get("AOED_RUNTIME_DIR", "").strip()
-    return (Path(runtime).expanduser() if runtime else _default_runtime_dir()) / "aoed.sock"
+    if runtime:
+        return Path(runtime).expanduser() / "aoed.sock"
+    system = Path("/run/aoed/aoed.sock")
+    if system.exists():  # the system service's, reachable by its group though /run/aoed is not writable
+        return system
+    return _default_runtime_dir() / "aoed.sock"
 
 
 @dataclass(frozen=True)
