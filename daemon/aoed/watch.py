@@ -666,17 +666,23 @@ def _report_text(name: str, row: JobRow, written: list[str], missing: list[str])
     r = row.result or {}
     lo, hi = (list(r.get("improvement_ci95") or [0.0, 0.0]) + [0.0, 0.0])[:2]
     repo = r.get("repo") or {}
+    shipped = {"tuned": "the tuned model", "options only": "the input model with tuned session options",
+               "input": "the input model, unchanged"}.get(r.get("shipped", ""), r.get("shipped") or "-")  # fmt: skip
+    result = "the input model timed again" if r.get("shipped") == "input" else "the shipped model"
+    where = (f"from the bank, as confirmed by {r['confirmed_by']}" if r.get("confirmed_by")
+             else f"confirming A/B, {r.get('confirm_rounds', 0)} interleaved rounds")  # fmt: skip
     lines = [
         f"aoed tuned {name}",
         f"job:          {row.id}",
-        f"baseline:     {float(r.get('baseline_ms', 0.0)):.3f} ms",
-        f"tuned:        {float(r.get('tuned_ms', 0.0)):.3f} ms",
-        f"improvement:  {float(r.get('improvement', 0.0)):+.1%} (95% interval {float(lo):+.1%} .. {float(hi):+.1%})",
+        f"baseline:     {float(r.get('baseline_ms', 0.0)):.3f} ms ({where})",
+        f"result:       {float(r.get('tuned_ms', 0.0)):.3f} ms ({result})",
+        f"improvement:  {float(r.get('improvement', 0.0)):+.1%} (median of paired round ratios; 95% interval "
+        f"{float(lo):+.1%} .. {float(hi):+.1%})",
         f"verdict:      {r.get('verdict') or '-'}",
-        f"shipped:      {r.get('shipped') or '-'}",
-        f"bank:         {repo.get('repo_hit_num', 0)} hit, {repo.get('repo_add_num', 0)} added, "
-        f"{repo.get('repo_update_num', 0)} updated, {repo.get('repo_not_tuned_num', 0)} not tuned "
-        f"(of {repo.get('total_num', len(r.get('tasks') or []))} tasks)",
+        f"shipped:      {shipped}",
+        f"bank:         add {repo.get('repo_add_num', 0)}, hit {repo.get('repo_hit_num', 0)}, reserved "
+        f"{repo.get('repo_reserved_num', 0)}, unsatisfied {repo.get('repo_unsatisfied_num', 0)}, update "
+        f"{repo.get('repo_update_num', 0)}, total {repo.get('total_num', 0)}",
         f"outputs:      {', '.join(written) or '(none)'}",
     ]
     lines += [f"missing:      {m}" for m in missing]
