@@ -327,3 +327,23 @@ def test_sysusers_and_tmpfiles_make_what_the_unit_expects(tmp_path: Path):
     for d, mode in (("", 0o750), ("inbox", 0o2770), ("outbox", 0o2770), ("failed", 0o2770)):
         st = (tmp_path / "var/lib/aoed" / d).stat()
         assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (uid, gid, mode), d
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/run/systemd/system").is_dir() or os.geteuid() != 0,
+                    reason="systemd is not PID 1 here (or not root): the unit is not started for real")  # fmt: skip
+def test_the_installed_unit_starts_and_tunes_a_job(tmp_path: Path):  # pragma: no cover - needs systemd as PID 1
+    from aoed import samples
+
+    subprocess.run(["sh", str(INSTALL)], check=True, timeout=900)
+    try:
+        subprocess.run(["systemctl", "restart", "aoed"], check=True, timeout=120)
+        active = subprocess.run(["systemctl", "is-active", "aoed"], capture_output=True, text=True).stdout.strip()
+        assert active == "active"
+        samples.save(samples.build("mlp"), tmp_path / "m.onnx")
+        r = subprocess.run(["/opt/aoed/venv/bin/aoe", "submit", str(tmp_path / "m.onnx"), "--budget", "2", "--watch",
+                            "--socket", "/run/aoed/aoed.sock"], capture_output=True, text=True, timeout=300)  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        assert "state verifying -> succeeded" in r.stdout
+    finally:
+        subprocess.run(["systemctl", "stop", "aoed"], timeout=120)

@@ -14,7 +14,7 @@ from aoed.logs import configure, stderr_is_journal
 def _lines(journal: bool, capsys) -> list[str]:
     handler = configure("info", journal=journal)
     try:
-        log = logging.getLogger("aoed.test")
+        log = logging.getLogger("logstest")  # not under aoed: other tests leave handlers there
         log.info("outside any job")
         token = _current_job.set("job-20261203-000000-abcd1234")
         try:
@@ -32,16 +32,16 @@ def _lines(journal: bool, capsys) -> list[str]:
 
 def test_journal_lines_carry_priorities_and_job_ids(capsys) -> None:
     lines = _lines(True, capsys)
-    assert lines[0] == "<6>aoed.test: outside any job"
-    assert lines[1] == "<4>aoed.test: job=job-20261203-000000-abcd1234 inside a job"
-    assert lines[2].startswith("<3>aoed.test: a bug")
+    assert lines[0] == "<6>logstest: outside any job"
+    assert lines[1] == "<4>logstest: job=job-20261203-000000-abcd1234 inside a job"
+    assert lines[2].startswith("<3>logstest: a bug")
     assert all(line.startswith("<3>") for line in lines[3:]) and any("ValueError: boom" in x for x in lines[3:])
 
 
 def test_plain_lines_have_time_and_level(capsys) -> None:
     lines = _lines(False, capsys)
-    assert " INFO aoed.test: outside any job" in lines[0] and lines[0][:4].isdigit()
-    assert "WARNING aoed.test: job=job-20261203-000000-abcd1234 inside a job" in lines[1]
+    assert " INFO logstest: outside any job" in lines[0] and lines[0][:4].isdigit()
+    assert "WARNING logstest: job=job-20261203-000000-abcd1234 inside a job" in lines[1]
 
 
 def test_journal_stream_is_recognised_only_for_our_stderr(tmp_path) -> None:
