@@ -110,7 +110,11 @@ def _bind_unix(server: grpc.Server, cfg: DaemonConfig) -> Path:
         os.umask(old)
     if port == 0:
         raise OptionError(f"[listen] socket {path}: cannot bind")
-    os.chown(path, -1, gid)
+    try:
+        os.chown(path, -1, gid)
+    except OSError as exc:  # a daemon that is not root can only give it to its own groups
+        raise OptionError(f"[listen] socket_group {cfg.socket_group!r}: cannot give the socket {path} to it "
+                          f"({exc.strerror or exc}); the daemon's user must be a member of that group") from None  # fmt: skip
     os.chmod(path, cfg.socket_mode)
     return path
 

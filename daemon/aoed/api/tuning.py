@@ -52,21 +52,29 @@ _JOB_TYPE = {tuning_pb2.JOB_TYPE_UNSPECIFIED: "opat", tuning_pb2.JOB_TYPE_OPAT: 
 
 def confine(raw: str, allowed: tuple[Path, ...], what: str, want_dir: bool = False) -> Path:
     """`raw` resolved (symlinks followed) if it lies inside one of `allowed`; else
-    PERMISSION_DENIED (or NOT_FOUND when it does not exist inside them)."""
+    PERMISSION_DENIED (NOT_FOUND when it would lie inside them but does not exist;
+    INVALID_ARGUMENT for a relative path, a NUL byte, or the wrong kind of file).
+
+    Whether `raw` lies inside is decided before whether it exists, so that a client
+    cannot learn which paths exist outside the allowed directories."""
     if not allowed:
         raise PermissionDeniedError(
                        f"{what} {raw!r}: this daemon accepts no daemon-side paths ([daemon] allowed_dirs is empty); "
                        "upload the model instead")  # fmt: skip
-    if "\x00" in raw or not os.path.isabs(raw):
+    if "\x00" in raw:
+        raise OptionError(f"{what} {raw!r}: a path cannot contain a NUL byte")
+    if not os.path.isabs(raw):
         raise OptionError(f"{what} {raw!r}: must be an absolute path on the daemon host")
     roots = [Path(a).resolve() for a in allowed]
     try:
-        real = Path(raw).resolve(strict=True)
-    except (OSError, RuntimeError):
-        raise NotFoundError(f"{what} {raw!r}: no such file on the daemon host") from None
+        real = Path(raw).resolve()  # `..` and every symlink that exists, followed
+    except (OSError, RuntimeError):  # a symlink loop
+        raise NotFoundError(f"{what} {raw!r}: cannot be resolved (a symlink loop?)") from None
     if not any(real.is_relative_to(r) for r in roots):
         raise PermissionDeniedError(
                        f"{what} {raw!r}: outside the allowed directories ({', '.join(map(str, roots))})")  # fmt: skip
+    if not real.exists():
+        raise NotFoundError(f"{what} {raw!r}: no such file on the daemon host")
     if want_dir and not real.is_dir():
         raise OptionError(f"{what} {raw!r}: not a directory")
     if not want_dir and not real.is_file():

@@ -4,7 +4,10 @@ From the user (`--calibration DIR`):
   - DIR/*.npz: one sample per file, arrays keyed by input name;
   - DIR/*.npy: one sample per file, for a model with a single input;
   - DIR/<input name>/*.npy: one folder per input, files paired in sorted order.
-A leading batch axis of 1 is added where a sample lacks it.
+A leading batch axis of 1 is added where a sample lacks it. Arrays are read with
+`allow_pickle=False`: a pickled (object) array is refused, never unpickled. Every file
+and per-input folder must resolve, symlinks included, inside DIR, so a daemon that
+confines DIR to its allowed directories reads nothing outside them.
 
 Otherwise synthetic: floats drawn from N(0, 1); integers in a plausible range, which for
 an input that indexes a constant table (Gather over an embedding, as token ids do) is
@@ -18,7 +21,8 @@ themselves are computed by onnxruntime in a worker (backends/ort/probe.py).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -90,10 +94,34 @@ def _fit(name: str, arr: np.ndarray, info: TensorInfo, where: Path) -> np.ndarra
     return arr.astype(np.dtype(info.dtype), copy=False)
 
 
+def _inside(root: Path, p: Path) -> Path:
+    """`p` resolved, if it stays inside the calibration folder `root` (resolved)."""
+    real = p.resolve()
+    if not real.is_relative_to(root):
+        raise OptionError(f"--calibration {p}: a link that leads outside the calibration folder {root}; "
+                          "copy the sample into the folder instead")  # fmt: skip
+    return real
+
+
+@contextlib.contextmanager
+def _reading(f: Path) -> Iterator[None]:
+    """numpy's errors while reading `f` as OptionErrors naming it."""
+    try:
+        yield
+    except ValueError as exc:
+        if "pickle" in str(exc):
+            raise OptionError(f"--calibration {f}: holds a pickled (object) array, which aoed never loads; "
+                              "save plain numeric arrays (numpy.save / numpy.savez)") from None  # fmt: skip
+        raise OptionError(f"--calibration {f}: cannot be read as numpy arrays ({exc})") from None
+    except OSError as exc:
+        raise OptionError(f"--calibration {f}: {exc.strerror or exc}") from None
+
+
 def _load_dir(d: Path, inputs: Mapping[str, TensorInfo]) -> list[dict[str, np.ndarray]]:
+    root = d.resolve()
     samples: list[dict[str, np.ndarray]] = []
     for f in sorted(d.glob("*.npz")):
-        with np.load(f, allow_pickle=False) as data:
+        with _reading(f), np.load(_inside(root, f), allow_pickle=False) as data:
             missing = set(inputs) - set(data.files)
             if missing:
                 raise OptionError(f"--calibration {f}: no array for input(s) {', '.join(sorted(missing))}")
@@ -103,15 +131,24 @@ def _load_dir(d: Path, inputs: Mapping[str, TensorInfo]) -> list[dict[str, np.nd
         if len(inputs) != 1:
             raise OptionError(f"--calibration {d}: .npy files need a single-input model; use .npz or one folder per input")
         (name,) = inputs
-        samples += [{name: _fit(name, np.load(f, allow_pickle=False), inputs[name], f)} for f in npys]
+        for f in npys:
+            with _reading(f):
+                samples.append({name: _fit(name, np.load(_inside(root, f), allow_pickle=False), inputs[name], f)})
     folders = [d / name for name in inputs if (d / name).is_dir()]
     if folders:
         if len(folders) != len(inputs):
             raise OptionError(f"--calibration {d}: needs one folder per input ({', '.join(inputs)})")
+        for folder in folders:
+            _inside(root, folder)
         files = {name: sorted((d / name).glob("*.npy")) for name in inputs}
         count = min(len(v) for v in files.values())
         for i in range(count):
-            samples.append({k: _fit(k, np.load(files[k][i], allow_pickle=False), inputs[k], files[k][i]) for k in inputs})
+            sample = {}
+            for k in inputs:
+                f = files[k][i]
+                with _reading(f):
+                    sample[k] = _fit(k, np.load(_inside(root, f), allow_pickle=False), inputs[k], f)
+            samples.append(sample)
     return samples
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -109,10 +110,29 @@ def result_json(result: JobResult, job_type: str = "opat") -> dict[str, Any]:
 def write_json(path: Path, doc: dict[str, Any]) -> None:
     """Write `doc` at `path` atomically. AoedError naming the file when it cannot."""
     text = json.dumps(_json_safe(doc), indent=2, allow_nan=False) + "\n"
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp: Path | None = None
     try:
-        tmp.write_text(text, encoding="utf-8")
+        # A fresh name created exclusively: a symlink planted at a predictable temp name
+        # in a shared output folder can not redirect the write.
+        fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        tmp = Path(name)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            os.fchmod(f.fileno(), 0o666 & ~_umask())  # as a plain open would make it
+            f.write(text)
         os.replace(tmp, path)
     except OSError as exc:
-        tmp.unlink(missing_ok=True)
+        if tmp is not None:
+            tmp.unlink(missing_ok=True)
         raise AoedError(f"{path}: cannot write the result ({exc.strerror or exc})") from None
+
+
+def _umask() -> int:
+    """The process umask, read without setting it (os.umask would race other threads)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    return 0o022

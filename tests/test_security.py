@@ -1,0 +1,481 @@
+"""What SECURITY.md promises, each checked against the real thing: who can reach the
+daemon (the socket's group; TLS and mutual TLS on TCP), what a client can make it read or
+write (paths confined to the allowed directories, symlinks and `..` included), that
+nothing a client sends is unpickled or evaluated, and that a bank import is checked whole
+before anything is written.
+
+The daemon tests run a real `aoed` (tests/daemon_util.py); the socket test switches to
+uid/gid 65534 (nobody/nogroup) and so needs root; the TLS tests need the openssl command.
+"""
+
+from __future__ import annotations
+
+import ast
+import grp
+import os
+import pickle
+import shutil
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from aoe.bank import open_bank, record_to_json
+from aoe.errors import OptionError
+from aoe.signature import TensorInfo
+from aoe.v1 import bank_pb2, daemon_pb2, daemon_pb2_grpc, tuning_pb2
+from aoed import samples
+from aoed.engine.calibration import load_samples
+from tests.conftest import run_aoe
+from tests.daemon_util import DaemonProcess, upload
+
+ROOT = Path(__file__).resolve().parents[1]
+NOBODY = 65534  # nobody / nogroup
+OTHER_GID = 65533  # a group nobody is not in (it need not have a name)
+
+needs_openssl = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------- the unix socket
+
+# Runs as another user: a health check on the socket, printing SERVING or the error.
+_HEALTH_CLIENT = """
+import sys, grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+with grpc.insecure_channel(sys.argv[1]) as ch:
+    try:
+        reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=20)
+        print(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
+    except grpc.RpcError as exc:
+        print(exc.code().name, exc.details())
+"""
+
+
+def _run_as(python: str, argv: list[str], uid: int = NOBODY, gid: int = NOBODY, groups: tuple[int, ...] = (),
+            pythonpath: str = ""):  # fmt: skip
+    """Run `python argv` as `uid`:`gid` with supplementary `groups`, seeing our grpc
+    (and `pythonpath`)."""
+    env = {"PATH": os.defpath, "PYTHONPATH": pythonpath or str(Path(grpc.__file__).parents[1])}
+    return subprocess.run([python, *argv], user=uid, group=gid, extra_groups=list(groups), env=env, cwd="/",
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+
+
+def _python_for_nobody() -> str | None:
+    """An interpreter that uid 65534 can run and import grpc with: ours, or, when ours
+    sits where that user cannot reach (a venv over a python under /root), the system's
+    python of the same version, given our site-packages."""
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    for python in (sys.executable, f"/usr/bin/python{version}", f"/usr/local/bin/python{version}"):
+        if not os.access(python, os.F_OK):
+            continue
+        try:
+            probe = _run_as(python, ["-c", "import sys, grpc, grpc_health; print(sys.version_info[:2])"])
+        except PermissionError:
+            continue
+        if probe.returncode == 0 and probe.stdout.strip() == str(sys.version_info[:2]):
+            return python
+    return None
+
+
+def _health_as(target: str, python: str, uid: int, gid: int, groups: tuple[int, ...] = ()) -> str:
+    """What the health client prints when run as `uid`:`gid` with supplementary `groups`."""
+    r = _run_as(python, ["-c", _HEALTH_CLIENT, target], uid, gid, groups)
+    assert r.returncode == 0, r.stderr
+    return r.stdout.strip()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.geteuid() != 0, reason="running a client as another user needs root")
+def test_only_the_socket_group_can_connect(tmp_path: Path) -> None:
+    try:
+        group = grp.getgrgid(NOBODY).gr_name
+    except KeyError:
+        pytest.skip(f"no group with gid {NOBODY} on this machine")
+    python = _python_for_nobody()
+    if python is None:
+        pytest.skip(f"no python that uid {NOBODY} may run and import grpc with")
+    d = DaemonProcess(tmp_path / "d", listen_toml=f'socket_mode = "0660"\nsocket_group = "{group}"\n')
+    os.chmod(d.socket.parent, 0o755)  # mkdtemp made it 0700: let the other users reach the socket
+    try:
+        d.start()
+        st = os.stat(d.socket)
+        assert (stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid) == (0o660, 0, NOBODY)
+        # In the socket's group (as primary or supplementary group): served.
+        assert _health_as(d.target, python, NOBODY, NOBODY) == "SERVING"
+        assert _health_as(d.target, python, OTHER_GID, OTHER_GID, (NOBODY,)) == "SERVING"
+        # The same user outside the group is refused by the kernel, before gRPC.
+        refused = _health_as(d.target, python, NOBODY, OTHER_GID)
+        assert refused.startswith("UNAVAILABLE") and "permission denied" in refused.lower(), refused
+        # Regrouped by hand, the socket shuts out the user it served a moment ago.
+        os.chown(d.socket, -1, 0)
+        refused = _health_as(d.target, python, NOBODY, NOBODY)
+        assert refused.startswith("UNAVAILABLE") and "permission denied" in refused.lower(), refused
+        assert d.serving(), "the owner still gets in"
+    finally:
+        d.close()
+
+
+_BIND_AS_NOBODY = """
+import sys
+from aoe.errors import OptionError
+from aoed.api.server import build_server
+from aoed.config import load_daemon_config
+try:
+    build_server(load_daemon_config(sys.argv[1], env={}), lambda server: None)
+    print("bound")
+except OptionError as exc:
+    print(exc)
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="running the daemon's bind as another user needs root")
+def test_a_socket_group_the_daemon_is_not_in_is_a_clear_error(tmp_path: Path) -> None:
+    python = _python_for_nobody()
+    if python is None:
+        pytest.skip(f"no python that uid {NOBODY} may run and import grpc with")
+    home = Path(tempfile.mkdtemp(prefix="aoed-sg-", dir="/tmp"))
+    try:
+        os.chown(home, NOBODY, NOBODY)
+        config = home / "aoed.toml"
+        config.write_text(f'[daemon]\nstate_dir = "{home}/state"\n[engine]\nruntime_dir = "{home}/run"\n'
+                          f'[listen]\nsocket = "{home}/aoed.sock"\nsocket_group = "root"\n')  # fmt: skip
+        path = os.pathsep.join([str(Path(grpc.__file__).parents[1]), str(ROOT / "client"), str(ROOT / "daemon")])
+        r = _run_as(python, ["-c", _BIND_AS_NOBODY, str(config)], pythonpath=path)
+        assert r.returncode == 0, r.stderr
+        assert "socket_group 'root': cannot give the socket" in r.stdout and "must be a member" in r.stdout, r.stdout
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- TCP, TLS and mutual TLS
+
+
+@pytest.mark.slow
+def test_the_daemon_will_not_start_on_plain_tcp_on_a_public_address(tmp_path: Path) -> None:
+    port = _free_port()
+    d = DaemonProcess(tmp_path / "d", listen_toml=f'tcp = "0.0.0.0:{port}"\ninsecure_loopback = true\n')
+    try:
+        with pytest.raises(RuntimeError, match="aoed exited with 2"):
+            d.start(timeout=60)
+        assert f"tcp = '0.0.0.0:{port}': TCP on a non-loopback address needs TLS" in d.log(), d.log()
+        assert not d.socket.exists(), "it stopped before listening anywhere"
+        with pytest.raises(ConnectionRefusedError), socket.create_connection(("127.0.0.1", port), timeout=5):
+            pass
+    finally:
+        d.close()
+
+
+def _openssl(*args: str | Path) -> None:
+    subprocess.run(["openssl", *map(str, args)], check=True, capture_output=True, timeout=60)
+
+
+def _ca(d: Path, name: str) -> tuple[Path, Path]:
+    cert, key = d / f"{name}.pem", d / f"{name}.key"
+    _openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-days", "1",
+             "-subj", f"/CN={name}", "-addext", "basicConstraints=critical,CA:TRUE",
+             "-addext", "keyUsage=critical,keyCertSign,cRLSign", "-keyout", key, "-out", cert)  # fmt: skip
+    return cert, key
+
+
+def _signed(d: Path, name: str, ca: tuple[Path, Path], ext: str) -> tuple[Path, Path]:
+    cert, key, csr, extfile = d / f"{name}.pem", d / f"{name}.key", d / f"{name}.csr", d / f"{name}.ext"
+    extfile.write_text(ext)
+    _openssl("req", "-new", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+             "-subj", f"/CN={name}", "-keyout", key, "-out", csr)  # fmt: skip
+    _openssl("x509", "-req", "-in", csr, "-CA", ca[0], "-CAkey", ca[1], "-CAcreateserial", "-days", "1",
+             "-extfile", extfile, "-out", cert)  # fmt: skip
+    return cert, key
+
+
+def _info_over_tls(port: int, ca: Path, client: tuple[Path, Path] | None) -> daemon_pb2.GetDaemonInfoResponse:
+    creds = grpc.ssl_channel_credentials(
+        root_certificates=ca.read_bytes(),
+        private_key=client[1].read_bytes() if client else None,
+        certificate_chain=client[0].read_bytes() if client else None,
+    )
+    with grpc.secure_channel(f"127.0.0.1:{port}", creds) as ch:
+        return daemon_pb2_grpc.DaemonServiceStub(ch).GetDaemonInfo(daemon_pb2.GetDaemonInfoRequest(), timeout=15)
+
+
+@pytest.mark.slow
+@needs_openssl
+def test_mutual_tls_serves_only_clients_with_a_certificate_from_the_ca(tmp_path: Path) -> None:
+    pki = tmp_path / "pki"
+    pki.mkdir()
+    ca = _ca(pki, "clients-ca")
+    server = _signed(pki, "server", ca, "subjectAltName=DNS:localhost,IP:127.0.0.1\nextendedKeyUsage=serverAuth\n")
+    good = _signed(pki, "good-client", ca, "extendedKeyUsage=clientAuth\n")
+    rogue = _signed(pki, "rogue-client", _ca(pki, "other-ca"), "extendedKeyUsage=clientAuth\n")
+    port = _free_port()
+    d = DaemonProcess(tmp_path / "d", listen_toml=(
+        f'tcp = "127.0.0.1:{port}"\ntls_cert = "{server[0]}"\ntls_key = "{server[1]}"\ntls_client_ca = "{ca[0]}"\n'))  # fmt: skip
+    try:
+        d.start()
+        info = _info_over_tls(port, ca[0], good)
+        assert f"127.0.0.1:{port} (mtls)" in info.listen
+        for who, client in (("a certificate from another CA", rogue), ("no certificate", None)):
+            with pytest.raises(grpc.RpcError) as err:
+                _info_over_tls(port, ca[0], client)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE, (who, err.value.code(), err.value.details())
+        assert _info_over_tls(port, ca[0], good).pid == d.proc.pid, "refusing others left the good client served"
+    finally:
+        d.close()
+
+
+# ---------------------------------------------------------------- daemon-side paths
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory):
+    """A daemon whose allowed dir is `models/`, holding mlp.onnx, calib/ and out/, and
+    `escape`: a symlink to the folder `outside` beside it, which holds the same."""
+    d = DaemonProcess(tmp_path_factory.mktemp("security"))
+    outside = d.root / "outside"
+    for base in (d.models, outside):
+        samples.save(samples.build("mlp"), base / "mlp.onnx")
+        (base / "calib").mkdir(parents=True)
+        np.save(base / "calib" / "s0.npy", np.zeros((1, 256), np.float32))
+        (base / "out").mkdir()
+    (d.models / "escape").symlink_to(outside, target_is_directory=True)
+    d.start()
+    yield d
+    d.close()
+
+
+def _tree(folder: Path) -> list[tuple[str, int]]:
+    return sorted((str(p.relative_to(folder)), p.lstat().st_mtime_ns) for p in folder.rglob("*"))
+
+
+M, O = "{models}", "{outside}"  # placeholders in the cases below
+INVALID, DENIED, NOT_FOUND = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED,
+                              grpc.StatusCode.NOT_FOUND)  # fmt: skip
+
+# (model_path, calibration_dir, output_dir, expected status, words of the message)
+PATH_CASES = {
+    "dotdot-to-etc-passwd": (f"{M}/../../../../../../../../etc/passwd", "", "", DENIED, "outside the allowed"),
+    "dotdot-to-a-model-outside": (f"{M}/../outside/mlp.onnx", "", "", DENIED, "outside the allowed"),
+    # Refused the same way whether or not it exists: no probing of what is outside.
+    "dotdot-to-nothing-outside": (f"{M}/../outside/nope.onnx", "", "", DENIED, "outside the allowed"),
+    "symlinked-dir-to-outside": (f"{M}/escape/mlp.onnx", "", "", DENIED, "outside the allowed"),
+    "model-outside": (f"{O}/mlp.onnx", "", "", DENIED, "outside the allowed"),
+    "model-relative": ("models/mlp.onnx", "", "", INVALID, "must be an absolute path"),
+    "model-nul": (f"{M}/mlp.onnx\x00.txt", "", "", INVALID, "NUL byte"),
+    "model-a-directory": (f"{M}/calib", "", "", INVALID, "not a regular file"),
+    "model-missing-inside": (f"{M}/nope.onnx", "", "", NOT_FOUND, "no such file"),
+    "calibration-outside": (f"{M}/mlp.onnx", f"{O}/calib", "", DENIED, "calibration_dir"),
+    "calibration-symlinked": (f"{M}/mlp.onnx", f"{M}/escape/calib", "", DENIED, "calibration_dir"),
+    "calibration-dotdot": (f"{M}/mlp.onnx", f"{M}/calib/../../outside/calib", "", DENIED, "calibration_dir"),
+    "calibration-relative": (f"{M}/mlp.onnx", "calib", "", INVALID, "must be an absolute path"),
+    "calibration-nul": (f"{M}/mlp.onnx", f"{M}/calib\x00", "", INVALID, "NUL byte"),
+    "calibration-a-file": (f"{M}/mlp.onnx", f"{M}/mlp.onnx", "", INVALID, "not a directory"),
+    "output-outside": (f"{M}/mlp.onnx", "", f"{O}/out", DENIED, "output_dir"),
+    "output-symlinked": (f"{M}/mlp.onnx", "", f"{M}/escape/out", DENIED, "output_dir"),
+    "output-dotdot-new": (f"{M}/mlp.onnx", "", f"{M}/out/../../outside/new", DENIED, "output_dir"),
+    "output-missing-outside": (f"{M}/mlp.onnx", "", "/var/lib/aoed-test-nowhere", DENIED, "output_dir"),
+    "output-relative": (f"{M}/mlp.onnx", "", "out", INVALID, "must be an absolute path"),
+    "output-nul": (f"{M}/mlp.onnx", "", f"{M}/out\x00/x", INVALID, "NUL byte"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", PATH_CASES)
+def test_daemon_side_paths_are_confined(daemon: DaemonProcess, case: str) -> None:
+    outside = daemon.root / "outside"
+    model, calibration, output, code, words = (
+        v.format(models=daemon.models, outside=outside) if isinstance(v, str) else v for v in PATH_CASES[case]
+    )
+    before = _tree(outside)
+    jobs = len(daemon.tuning().ListJobs(tuning_pb2.ListJobsRequest()).jobs)
+    request = tuning_pb2.SubmitJobRequest(model_path=model, options=tuning_pb2.JobOptions(
+        budget_s=1.0, calibration_dir=calibration, output_dir=output))  # fmt: skip
+    with pytest.raises(grpc.RpcError) as err:
+        daemon.tuning().SubmitJob(request, timeout=30)
+    assert err.value.code() == code and words in err.value.details(), (err.value.code(), err.value.details())
+    assert _tree(outside) == before, "nothing created or changed outside the allowed dirs"
+    assert not Path("/var/lib/aoed-test-nowhere").exists() and not (outside / "new").exists()
+    assert len(daemon.tuning().ListJobs(tuning_pb2.ListJobsRequest()).jobs) == jobs, "no job was created"
+
+
+@pytest.mark.slow
+def test_confined_paths_inside_are_accepted(daemon: DaemonProcess) -> None:
+    """The control for the refusals above: the same fields, inside, make a job."""
+    request = tuning_pb2.SubmitJobRequest(model_path=f"{daemon.models}/calib/../mlp.onnx", options=tuning_pb2.JobOptions(
+        budget_s=30.0, calibration_dir=str(daemon.models / "calib"), output_dir=str(daemon.models / "out")))  # fmt: skip
+    reply = daemon.tuning().SubmitJob(request, timeout=30)
+    try:
+        assert reply.job.model_path == str(daemon.models.resolve() / "mlp.onnx")
+        assert reply.job.options.calibration_dir == str((daemon.models / "calib").resolve())
+    finally:
+        daemon.tuning().CancelJob(tuning_pb2.CancelJobRequest(job_id=reply.job_id), timeout=60)
+        daemon.wait_job(reply.job_id)
+
+
+@pytest.mark.slow
+def test_an_upload_cannot_name_a_path(daemon: DaemonProcess) -> None:
+    outside = daemon.root / "outside"
+    before = _tree(outside)
+    model_id = upload(daemon.tuning(), daemon.models / "mlp.onnx", name="../../../outside/evil.onnx")
+    stored = list((daemon.state / "uploads" / model_id).iterdir())
+    assert [p.name for p in stored] == ["evil.onnx"], "only the base name is kept, inside the upload's folder"
+    assert _tree(outside) == before
+    with pytest.raises(grpc.RpcError) as err:
+        upload(daemon.tuning(), daemon.models / "mlp.onnx", name="..")
+    assert err.value.code() == INVALID and "bad file name" in err.value.details()
+
+
+# ---------------------------------------------------------------- no pickle, no eval
+
+
+class _Trap:
+    """Unpickling it creates the file `marker`: proof that a loader unpickled."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (str(self.marker), "w"))
+
+
+INPUTS = {"input": TensorInfo("float32", (1, 4))}
+
+
+def _calibration_dir(tmp_path: Path) -> Path:
+    d = tmp_path / "calib"
+    d.mkdir()
+    return d
+
+
+def test_a_pickled_npy_is_refused_naming_the_file(tmp_path: Path) -> None:
+    d, marker = _calibration_dir(tmp_path), tmp_path / "unpickled"
+    np.save(d / "a.npy", np.zeros((1, 4), np.float32))
+    np.save(d / "b.npy", np.array([_Trap(marker)], dtype=object), allow_pickle=True)
+    with pytest.raises(OptionError, match="pickled") as err:
+        load_samples(INPUTS, d)
+    assert str(d / "b.npy") in str(err.value)
+    assert not marker.exists(), "the object array was never unpickled"
+    # Plain pickle bytes under an .npy name: refused the same way.
+    (d / "b.npy").write_bytes(pickle.dumps(_Trap(marker)))
+    with pytest.raises(OptionError, match="pickled") as err:
+        load_samples(INPUTS, d)
+    assert str(d / "b.npy") in str(err.value) and not marker.exists()
+
+
+def test_an_npz_with_a_pickled_member_is_refused_naming_the_file(tmp_path: Path) -> None:
+    d, marker = _calibration_dir(tmp_path), tmp_path / "unpickled"
+    np.savez(d / "a.npz", input=np.zeros((1, 4), np.float32))
+    np.savez(d / "b.npz", input=np.array([_Trap(marker)], dtype=object))
+    with pytest.raises(OptionError, match="pickled") as err:
+        load_samples(INPUTS, d)
+    assert str(d / "b.npz") in str(err.value)
+    assert not marker.exists()
+    (d / "b.npz").unlink()
+    assert len(load_samples(INPUTS, d).held_back) == 1, "the control: a plain .npz loads"
+
+
+def test_a_calibration_file_linked_from_outside_is_refused(tmp_path: Path) -> None:
+    d = _calibration_dir(tmp_path)
+    secret = tmp_path / "elsewhere" / "secret.npy"
+    secret.parent.mkdir()
+    np.save(secret, np.ones((1, 4), np.float32))
+    (d / "a.npy").symlink_to(secret)
+    with pytest.raises(OptionError, match="outside the calibration folder") as err:
+        load_samples(INPUTS, d)
+    assert str(d / "a.npy") in str(err.value)
+    # One folder per input, the folder itself a link out: refused too.
+    (d / "a.npy").unlink()
+    (d / "input").symlink_to(secret.parent, target_is_directory=True)
+    with pytest.raises(OptionError, match="outside the calibration folder"):
+        load_samples(INPUTS, d)
+
+
+_NUMPY_LOADS = {("np", "load"), ("numpy", "load")}
+_PICKLERS = {"pickle", "cPickle", "_pickle", "dill", "cloudpickle", "marshal", "shelve", "joblib"}
+
+
+def _unsafe_calls(source: str, name: str) -> list[str]:
+    """Calls in `source` that could unpickle or evaluate their input, as `name:line: what`."""
+    found = []
+    for node in ast.walk(ast.parse(source, name)):
+        where = f"{name}:{getattr(node, 'lineno', 0)}"
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            found += [f"{where}: imports {n}" for n in names if n.split(".")[0] in _PICKLERS]
+        if not isinstance(node, ast.Call):
+            continue
+        func = node.func
+        if isinstance(func, ast.Name) and func.id in ("eval", "exec", "__import__"):
+            found.append(f"{where}: {func.id}()")
+        if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name):
+            if (func.value.id, func.attr) in _NUMPY_LOADS:
+                flag = next((k.value for k in node.keywords if k.arg == "allow_pickle"), None)
+                if not (isinstance(flag, ast.Constant) and flag.value is False):
+                    found.append(f"{where}: np.load without allow_pickle=False")
+            if func.value.id == "yaml" and func.attr in ("load", "unsafe_load", "full_load"):
+                found.append(f"{where}: yaml.{func.attr}")
+    return found
+
+
+def test_no_code_path_unpickles_or_evaluates_input() -> None:
+    # The control: the checker sees each thing it looks for.
+    bad = ("import pickle\nnp.load(f)\nnp.load(f, allow_pickle=True)\n"
+           "numpy.load(f, allow_pickle=False)\neval(s)\nexec(s)\nyaml.load(s)\n")  # fmt: skip
+    assert [h.split(": ", 1)[1] for h in _unsafe_calls(bad, "x.py")] == [
+        "imports pickle", "np.load without allow_pickle=False", "np.load without allow_pickle=False", "eval()",
+        "exec()", "yaml.load"]  # fmt: skip
+    files = [p for top in ("client", "daemon") for p in sorted((ROOT / top).rglob("*.py"))]
+    assert len(files) > 50, "the source tree is where this test expects it"
+    sources = {str(f.relative_to(ROOT)): f.read_text(encoding="utf-8") for f in files}
+    found = [hit for name, text in sources.items() for hit in _unsafe_calls(text, name)]
+    for name, text in sources.items():
+        found += [f"{name}: the text {n!r}" for n in ("allow_pickle=True", "pickle.load", " eval(") if n in text]
+    assert not found, "\n".join(found)
+
+
+# ---------------------------------------------------------------- bank imports
+
+
+def _export_lines(tmp_path: Path) -> list[str]:
+    """A small bank's records as exchange lines (entries, a default record, trials)."""
+    from tests.test_api_bank import fill
+
+    fill(tmp_path / "src")
+    reader = open_bank(tmp_path / "src", use_env=False)
+    try:
+        return [record_to_json(rec) + "\n" for _, rec in reader.records()]
+    finally:
+        reader.close()
+
+
+@pytest.mark.slow
+def test_an_import_whose_last_line_is_malformed_writes_nothing(daemon: DaemonProcess, tmp_path: Path) -> None:
+    """(tests/test_api_bank.py checks the same on the daemon's side of ImportEntries: bad
+    records refused with their reasons, a broken stream writing nothing.)"""
+    lines = _export_lines(tmp_path)
+    assert len(lines) >= 5
+    stats = daemon.bank_stub().GetBankStats(bank_pb2.GetBankStatsRequest(), timeout=30)
+    # Cut short mid-record; whole JSON that is no record.
+    for last in ('{"entry": {"key": "v1/trunc\n', '{"entry": {"no_such_field": 1}}\n'):
+        bad = tmp_path / "bank.jsonl"
+        bad.write_text("".join(lines) + last)
+        r = run_aoe("bank", "import", str(bad), "--socket", str(daemon.socket), "--allow-foreign")
+        assert r.returncode != 0 and f"{bad}:{len(lines) + 1}: not a bank record" in r.stderr, r.stderr
+        assert daemon.bank_stub().GetBankStats(bank_pb2.GetBankStatsRequest(), timeout=30) == stats
+    # The control: without the broken line, the same file is imported.
+    good = tmp_path / "good.jsonl"
+    good.write_text("".join(lines))
+    r = run_aoe("bank", "import", str(good), "--socket", str(daemon.socket), "--allow-foreign")
+    assert r.returncode == 0, r.stderr
+    after = daemon.bank_stub().GetBankStats(bank_pb2.GetBankStatsRequest(), timeout=30)
+    assert after.entries > stats.entries
