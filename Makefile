@@ -40,11 +40,13 @@ bench: $(BENCH_STAMP)
 	$(BIN)/python bench/run.py
 	$(BIN)/python bench/bench_bank.py
 	$(BIN)/python bench/bench_cancel.py
+	$(BIN)/python bench/bench_daemon.py
 
 bench-quick: $(BENCH_STAMP)
 	$(BIN)/python bench/run.py --quick
 	$(BIN)/python bench/bench_bank.py --quick
 	$(BIN)/python bench/bench_cancel.py --quick
+	$(BIN)/python bench/bench_daemon.py --quick
 
 protos: $(STAMP)
 	$(BIN)/python -m grpc_tools.protoc -I protos \
