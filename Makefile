@@ -8,7 +8,7 @@ SAMPLE ?= cnn
 PRECISION ?= exact
 OUT    ?= out
 
-.PHONY: run test protos bench bench-quick clean
+.PHONY: run test protos bench bench-quick clean soak
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -47,6 +47,11 @@ bench-quick: $(BENCH_STAMP)
 	$(BIN)/python bench/bench_bank.py --quick
 	$(BIN)/python bench/bench_cancel.py --quick
 	$(BIN)/python bench/bench_daemon.py --quick
+
+# kill -9 of the daemon at 20 random points of its jobs; prints seeds, restarts and the
+# bank entries verified intact (make test runs 3 of them)
+soak: $(STAMP)
+	$(BIN)/python bench/soak.py
 
 protos: $(STAMP)
 	$(BIN)/python -m grpc_tools.protoc -I protos \

@@ -117,6 +117,7 @@ class DeviceAgent:
             except trio.TooSlowError:
                 reply = {"ok": False, "error": f"{request.get('op')} on {self.device} timed out after {limit:g}s"}
             except ChildDiedError as exc:
+                log.warning("%s on %s: the measurement runner crashed: %s", request.get("op"), self.device, exc)
                 reply = {"ok": False, "error": f"measurement runner crashed: {exc}"}
             finally:
                 busy = trio.current_time() - t0

@@ -80,6 +80,30 @@ def _peak_rss_kb() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 
+#: How an allocation refused by the address-space limit reads once a native library
+#: (protobuf, onnx, onnxruntime) turned it into its own error; unrecognized, a model too
+#: large for the limit is reported as "not a readable ONNX model" or "invalid model".
+_ALLOC_FAILED = ("alloc failed", "bad_alloc", "bad allocation", "failed to serialize proto", "cannot allocate memory")
+
+
+def _limit_mib() -> int | None:
+    limit, _ = resource.getrlimit(resource.RLIMIT_AS)
+    return None if limit == resource.RLIM_INFINITY else limit >> 20
+
+
+def _looks_out_of_memory(error: str) -> bool:
+    return _limit_mib() is not None and any(m in error.lower() for m in _ALLOC_FAILED)
+
+
+def _out_of_memory(error: str) -> dict[str, Any]:
+    """The reply for a request that ran out of this child's address space: it names the
+    limit and the setting that raises it, and costs the request, not the job."""
+    mib = _limit_mib()
+    limit = f" of {mib} MiB; raise [engine] worker_memory_mb" if mib is not None else ""
+    return {"ok": False, "error": f"out of memory (the worker's memory limit{limit}): {error}",
+            "error_class": "CandidateError"}  # fmt: skip
+
+
 def serve(handle: Callable[[dict[str, Any]], dict[str, Any]]) -> int:
     """Answer requests from stdin with `handle` until EOF; returns the exit status."""
     proto = os.fdopen(os.dup(1), "w", buffering=1, encoding="utf-8")
@@ -99,10 +123,12 @@ def serve(handle: Callable[[dict[str, Any]], dict[str, Any]]) -> int:
         except AoedError as exc:  # the request's own failure, e.g. a bad model
             reply = {"ok": False, "error": str(exc), "error_class": type(exc).__name__}
         except MemoryError:
-            reply = {"ok": False, "error": "out of memory (the worker's memory limit)", "error_class": "CandidateError"}
+            reply = _out_of_memory("MemoryError")
         except Exception as exc:  # reported to the engine as this request's failure
             traceback.print_exc()
             reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}".splitlines()[0]}
+        if reply.get("ok") is False and _looks_out_of_memory(str(reply.get("error", ""))):
+            reply = _out_of_memory(reply["error"])
         reply.setdefault("ok", True)
         reply["id"] = request.get("id")
         reply["maxrss_kb"] = _peak_rss_kb()
