@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
@@ -151,10 +152,7 @@ def _tune(args: argparse.Namespace) -> int:
         bank_layers=(*args.bank_layer, *config.bank_layers) if args.bank_layer else None,
     )  # fmt: skip
     output: Path = args.output
-    try:
-        output.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise OptionError(f"--output {output}: {exc.strerror or exc}") from None
+    _writable_output(output)
     opts = JobOptions(
         model=args.model,
         output=output,
@@ -185,6 +183,10 @@ def _tune(args: argparse.Namespace) -> int:
         }  # fmt: skip
         with daemon:
             return tune_on_daemon(daemon, args.model, options, output, progress=not args.no_progress)
+    if config.bank is not None and config.bank.exists() and not config.bank.is_dir():
+        from aoe.errors import BankError
+
+        raise BankError(f"bank {config.bank}: not a directory (a file is in the way); pass a directory for --bank")
     registry = build_registry(config.plugins)
 
     from aoe._progress import Progress
@@ -206,6 +208,27 @@ def _tune(args: argparse.Namespace) -> int:
         raise DeviceError(f"{source} selects {config.device}: {exc}" if source.startswith("ASCEND") else str(exc)) from None
     _summary(result)
     return 0
+
+
+def _writable_output(output: Path) -> None:
+    """Make sure `output` is a directory this process can write: the result JSON goes
+    there and aoe_workspace/ under it. OptionError naming it otherwise, before any
+    engine starts (the engine's own log folder would otherwise be the first to fail)."""
+    try:
+        output.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise OptionError(f"--output {output}: not a directory; pass a directory for the outputs") from None
+    except OSError as exc:
+        raise OptionError(f"--output {output}: cannot create it ({exc.strerror or exc}); pass a directory you may "
+                          "write") from None  # fmt: skip
+    try:
+        # Root passes every permission check, so try instead of asking (os.access).
+        with tempfile.TemporaryFile(dir=output):
+            pass
+        (output / "aoe_workspace" / "logs").mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OptionError(f"--output {output}: cannot write there ({exc.strerror or exc}); pass a directory you may "
+                          "write") from None  # fmt: skip
 
 
 def _daemon_for(args: argparse.Namespace, config: Any) -> Any:

@@ -147,7 +147,14 @@ def _apply_shapes(
         if not t.HasField("shape"):
             raise ModelError(f"{source}: input {vi.name!r} has no shape; pass --input-shape {vi.name}:D1,D2,...")
         for i, d in enumerate(dims):
-            if not d.HasField("dim_value") or d.dim_value <= 0:
+            if d.HasField("dim_value") and d.dim_value <= 0:
+                # Stated, not missing: a zero-size input has nothing to compute or time.
+                what = "a zero-size tensor" if d.dim_value == 0 else "a negative size"
+                raise ModelError(
+                    f"{source}: input {vi.name!r} has dimension {i} of size {d.dim_value} ({what}); "
+                    f"pass --input-shape {vi.name}:{_dims_text(dims)} if the exporter meant it as dynamic"
+                )
+            if not d.HasField("dim_value"):
                 label = d.dim_param or "?"
                 raise ModelError(
                     f"{source}: input {vi.name!r} has dynamic dimension {i} ({label!r}); "

@@ -71,6 +71,9 @@ class WriterLock:
         self.held = False
         try:
             self.bank.mkdir(parents=True, exist_ok=True)
+        except (FileExistsError, NotADirectoryError):  # a file where the bank or a parent should be
+            raise BankError(f"bank {self.bank}: not a directory (a file is in the way); pass a directory "
+                            "for the bank") from None  # fmt: skip
         except OSError as exc:
             raise BankError(f"bank {self.bank}: cannot create it ({exc.strerror or exc}); pass a directory you may write") from None
         if not os.access(self.bank, os.W_OK):

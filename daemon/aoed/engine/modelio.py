@@ -2,14 +2,16 @@
 
 `load_model` reads a user's model and its external data only from beside it (a
 location that escapes the model's directory, by `..`, an absolute path or a symlink,
-is refused). `save_model` writes a model atomically (temp file + rename) and puts its
-tensors in a side file when the whole would not fit a protobuf (2 GiB), so large models
-round-trip.
+is refused, and so is an external data file with several hard links), within limits
+on bytes and nodes that it checks before reading or walking what they count.
+`save_model` writes a model atomically (temp file + rename) and puts its tensors in a
+side file when the whole would not fit a protobuf (2 GiB), so large models round-trip.
 """
 
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 
 import onnx
@@ -17,40 +19,198 @@ from onnx import external_data_helper
 
 from aoe.errors import AoedError, ModelError
 
-__all__ = ["EXTERNAL_THRESHOLD", "load_model", "save_model", "tensor_bytes"]
+__all__ = [
+    "EXTERNAL_THRESHOLD",
+    "PROTOBUF_LIMIT",
+    "check_size",
+    "count_nodes",
+    "load_model",
+    "save_model",
+    "tensor_bytes",
+]
 
 #: Above this many tensor bytes a model is saved with external data (protobuf's limit
 #: is 2 GiB for the whole message; leave room for the graph).
 EXTERNAL_THRESHOLD = 1 << 30
+#: protobuf parses no message of 2 GiB or more.
+PROTOBUF_LIMIT = 2 << 30
 
 
-def load_model(path: Path) -> onnx.ModelProto:
+def load_model(path: Path, *, max_bytes: int | None = None, max_nodes: int | None = None) -> onnx.ModelProto:
     """Load the model at `path` with its external data; ModelError naming the file and
-    the tensor when anything is wrong."""
-    if not path.is_file():
-        raise ModelError(f"{path}: no such model file")
+    the tensor when anything is wrong.
+
+    `max_bytes` bounds the model file and its external data together, `max_nodes` the
+    nodes of all its graphs (subgraphs included); both are checked before the bytes
+    they count are read (nodes: before anything walks the graph). External data is read
+    only from regular files beside the model with a single link (see `_read_external`)."""
+    data = _read_model_file(path, max_bytes)
     try:
-        model = onnx.load(str(path), load_external_data=False)
+        model = onnx.load_model_from_string(data)
+    except MemoryError:
+        raise  # the worker's memory limit, which it reports as such
     except Exception as exc:
-        raise ModelError(f"{path}: not a readable ONNX model ({type(exc).__name__}: {exc})".splitlines()[0]) from None
-    base = path.parent.resolve()
-    for tensor in external_data_helper._get_all_tensors(model):
-        if not external_data_helper.uses_external_data(tensor):
-            continue
-        info = external_data_helper.ExternalDataInfo(tensor)
-        target = (base / info.location).resolve()
-        if os.path.isabs(info.location) or not target.is_relative_to(base):
-            raise ModelError(
-                f"{path}: tensor {tensor.name!r} points outside the model's directory "
-                f"({info.location!r}); external data must sit beside the model"
-            )
-        if not target.is_file():
-            raise ModelError(f"{path}: external data file {info.location!r} of {tensor.name!r} is missing")
-    try:
-        external_data_helper.load_external_data_for_model(model, str(base))
-    except Exception as exc:
-        raise ModelError(f"{path}: cannot load external data ({exc})".splitlines()[0]) from None
+        raise ModelError(f"{path}: not a readable ONNX model: {_undecodable(exc)}") from None
+    del data
+    if not model.HasField("graph"):
+        raise ModelError(f"{path}: not an ONNX model (it holds no graph)")
+    if max_nodes is not None:
+        nodes = count_nodes(model.graph, stop_above=max_nodes)
+        if nodes > max_nodes:
+            raise ModelError(f"{path}: {nodes} nodes or more, over the limit of {max_nodes} nodes per model")
+    external = [t for t in external_data_helper._get_all_tensors(model) if external_data_helper.uses_external_data(t)]
+    if external:
+        _read_external(path, model, external, None if max_bytes is None else max_bytes - path.stat().st_size)
     return model
+
+
+def count_nodes(graph: onnx.GraphProto, stop_above: int | None = None) -> int:
+    """Nodes in `graph` and every subgraph under it; once the count passes `stop_above`,
+    the count so far (a graph with too many top-level nodes is never walked: walking a
+    million nodes in Python takes seconds)."""
+    total, stack = 0, [graph]
+    while stack:
+        g = stack.pop()
+        total += len(g.node)
+        if stop_above is not None and total > stop_above:
+            return total
+        for node in g.node:
+            for a in node.attribute:
+                if a.type == onnx.AttributeProto.GRAPH:
+                    stack.append(a.g)
+                elif a.type == onnx.AttributeProto.GRAPHS:
+                    stack.extend(a.graphs)
+    return total
+
+
+def check_size(path: Path, size: int, max_bytes: int | None) -> None:
+    """ModelError naming `path` when a model file of `size` bytes is over `max_bytes`."""
+    if max_bytes is not None and size > max_bytes:
+        raise ModelError(f"{path}: the model file is {_gib(size)}, over the limit of {_gib(max_bytes)}")
+
+
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):.1f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
+
+
+def _read_model_file(path: Path, max_bytes: int | None) -> bytes:
+    """The model file's bytes, refused before reading when it is not a regular file (a
+    pipe would block), empty, over `max_bytes`, or past what protobuf can parse."""
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        raise ModelError(f"{path}: no such model file") from None
+    except OSError as exc:
+        raise ModelError(f"{path}: cannot read the model ({exc.strerror or exc})") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise ModelError(f"{path}: not a regular file; pass the .onnx model file")
+    if st.st_size == 0:
+        raise ModelError(f"{path}: the file is empty, not an ONNX model")
+    check_size(path, st.st_size, max_bytes)
+    if st.st_size >= PROTOBUF_LIMIT:
+        raise ModelError(f"{path}: the model file is {_gib(st.st_size)}; protobuf reads files under 2 GiB: "
+                         "save the model with its weights as external data")  # fmt: skip
+    try:
+        # O_NONBLOCK: a file swapped for a pipe since the stat must not block the open.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        with os.fdopen(fd, "rb") as f:
+            now = os.fstat(f.fileno())
+            if not stat.S_ISREG(now.st_mode):
+                raise ModelError(f"{path}: not a regular file; pass the .onnx model file")
+            if now.st_size >= PROTOBUF_LIMIT:
+                raise ModelError(f"{path}: the model file grew to {_gib(now.st_size)} while being read")
+            # Read what the file holds (+1 to see it grew): read(N) reserves N bytes up front,
+            # which a worker under a memory limit cannot afford for N = 2 GiB.
+            data = f.read(now.st_size + 1)
+            if len(data) > now.st_size:
+                raise ModelError(f"{path}: the model file changed while being read; try again once it is complete")
+            return data
+    except OSError as exc:
+        raise ModelError(f"{path}: cannot read the model ({exc.strerror or exc})") from None
+
+
+def _undecodable(exc: Exception) -> str:
+    """Why protobuf refused the bytes, in words."""
+    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    if "MaxDepth" in text or "recursion" in text.lower():
+        return ("messages nested deeper than protobuf's limit of 100 levels (If/Loop bodies inside bodies); "
+                "flatten the control flow")  # fmt: skip
+    return f"protobuf cannot parse it: corrupt, truncated or not an ONNX file ({type(exc).__name__}: {text})"
+
+
+def _read_external(path: Path, model: onnx.ModelProto, tensors: list[onnx.TensorProto], budget: int | None) -> None:
+    """Read each tensor's external data into it (it then holds its data inline).
+
+    Only regular files beside the model are read. A location that escapes the model's
+    directory (by `..`, an absolute path, or a symlink anywhere on the way) is refused
+    by path. A hard link cannot be: it is the outside file itself under a name inside,
+    so a file with more than one link is refused, checked with lstat before it is
+    opened (so that a refused file is never opened) and again on the open descriptor,
+    which must be the inode that was checked. Offsets and lengths must lie inside the
+    file, and all lengths together within `budget` bytes."""
+    base = path.parent.resolve()
+    plan = []
+    for tensor in tensors:
+        name = tensor.name
+        try:
+            info = external_data_helper.ExternalDataInfo(tensor)
+        except (TypeError, ValueError):  # an offset or length that is not a number
+            raise ModelError(f"{path}: tensor {name!r} has malformed external data fields "
+                             f"({', '.join(f'{e.key}={e.value!r}' for e in tensor.external_data)})") from None  # fmt: skip
+        loc = str(info.location or "")
+        if not loc or "\x00" in loc:
+            raise ModelError(f"{path}: tensor {name!r} has no usable external data location ({loc!r})")
+        try:
+            target = (base / loc).resolve()
+        except (OSError, RuntimeError):  # a symlink loop
+            raise ModelError(f"{path}: external data file {loc!r} of tensor {name!r} cannot be resolved") from None
+        if os.path.isabs(loc) or not target.is_relative_to(base) or target == base:
+            how = "" if os.path.isabs(loc) or ".." in Path(loc).parts else ", through a symlink"
+            raise ModelError(f"{path}: tensor {name!r} points outside the model's directory ({loc!r}{how}); "
+                             "external data must sit beside the model")  # fmt: skip
+        try:
+            st = os.lstat(target)
+        except FileNotFoundError:
+            raise ModelError(f"{path}: external data file {loc!r} of tensor {name!r} is missing") from None
+        except OSError as exc:
+            raise ModelError(f"{path}: external data file {loc!r} of tensor {name!r}: {exc.strerror or exc}") from None
+        if not stat.S_ISREG(st.st_mode):
+            raise ModelError(f"{path}: external data {loc!r} of tensor {name!r} is not a regular file")
+        if st.st_nlink > 1:
+            raise ModelError(f"{path}: external data file {loc!r} of tensor {name!r} has {st.st_nlink} hard links, "
+                             "so it may be a file from elsewhere; copy it beside the model (cp, not ln)")  # fmt: skip
+        offset = int(info.offset or 0)
+        length = st.st_size - offset if info.length is None else int(info.length)
+        if offset < 0 or length < 0 or offset + length > st.st_size:
+            raise ModelError(f"{path}: tensor {name!r} wants bytes {offset} to {offset + length} of {loc!r}, "
+                             f"beyond its end ({st.st_size} bytes)")  # fmt: skip
+        plan.append((tensor, target, st, offset, length))
+    total = sum(p[4] for p in plan)
+    if budget is not None and total > budget:
+        raise ModelError(f"{path}: the model and its external data hold {_gib(total + path.stat().st_size)}, over "
+                         f"the limit of {_gib(budget + path.stat().st_size)}")  # fmt: skip
+    for tensor, target, st, offset, length in plan:
+        loc = str(external_data_helper.ExternalDataInfo(tensor).location)
+        try:
+            fd = os.open(target, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError as exc:
+            raise ModelError(f"{path}: external data file {loc!r} of tensor {tensor.name!r}: "
+                             f"{exc.strerror or exc}") from None  # fmt: skip
+        try:
+            now = os.fstat(fd)
+            if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino) or now.st_nlink > 1:
+                raise ModelError(f"{path}: external data file {loc!r} of tensor {tensor.name!r} changed while "
+                                 "it was read; try again with the folder left alone")  # fmt: skip
+            data = os.pread(fd, length, offset)
+        except OSError as exc:
+            raise ModelError(f"{path}: cannot read external data {loc!r} ({exc.strerror or exc})") from None
+        finally:
+            os.close(fd)
+        if len(data) != length:
+            raise ModelError(f"{path}: external data file {loc!r} ended early (it changed while read)")
+        tensor.raw_data = data
+        del tensor.external_data[:]
+        tensor.data_location = onnx.TensorProto.DEFAULT
 
 
 def tensor_bytes(model: onnx.ModelProto) -> int:

@@ -1,31 +1,59 @@
 """Graph preparation: from a user's .onnx file to the normalized model the tuner works on.
 
-    load (external data only from beside the model; modelio) -> normalize (aoe.graph:
-    legacy fixes, unique node names, shape overrides, check, shape inference) -> save
+    load (external data only from beside the model; modelio) -> limits (bytes, nodes,
+    names, declared tensor sizes) -> normalize (aoe.graph: legacy fixes, unique node
+    names, shape overrides, check, shape inference) -> limits on inferred sizes -> save
 
 The normalization is the one compilers run before a bank lookup, so the signatures the
 tuner stores are the ones they compute. Nothing is folded: the prepared model keeps
 every weight as the input had it. Runs in a compile worker (see backends/ort/worker.py),
 never in the engine's own process; the worker also loads the result into onnxruntime
-once, so a model the runtime refuses fails here with a clear error.
+and runs it once, so a model the runtime refuses fails here with a clear error.
+
+The limits are checked before the work they bound: a hostile file must end in a
+ModelError that names it and the limit, never in an allocation that takes the worker
+(or the machine) down.
 """
 
 from __future__ import annotations
 
+import math
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import onnx
+from onnx import helper
 
 from aoe.errors import ModelError, OptionError
 from aoe.graph import normalize
 from aoe.signature import ModelContext, TensorInfo
 from aoed.engine.modelio import load_model, save_model
 
-__all__ = ["Prepared", "make_inputs", "parse_input_shapes", "prepare"]
+__all__ = [
+    "MAX_MODEL_BYTES",
+    "MAX_NAME_CHARS",
+    "MAX_NODES",
+    "MAX_TENSOR_BYTES",
+    "Prepared",
+    "check_declared",
+    "make_inputs",
+    "parse_input_shapes",
+    "prepare",
+]
+
+# What a model may hold. Module constants for now; the daemon's config will expose them
+# (a [limits] table), and both `aoe tune` and the daemon's jobs read them here.
+#: The model file and its external data together.
+MAX_MODEL_BYTES = 8 << 30
+#: Nodes in all of a model's graphs, subgraphs included.
+MAX_NODES = 200_000
+#: One tensor as declared or inferred: an input, an initializer, an activation.
+MAX_TENSOR_BYTES = 4 << 30
+#: One name (of a node, a tensor, a graph): every message and report repeats names.
+MAX_NAME_CHARS = 4096
 
 
 @dataclass
@@ -68,15 +96,17 @@ def prepare(
 ) -> Prepared:
     """Load, check and normalize the model at `source`; save it as `workdir/prepared.onnx`.
 
-    Raises ModelError (the model is at fault) or OptionError (an override is wrong).
-    Blocking and CPU-bound.
+    Raises ModelError (the model is at fault, or over one of the MAX_* limits) or
+    OptionError (an override is wrong). Blocking and CPU-bound.
     """
     src = Path(source)
-    model = load_model(src)
+    model = load_model(src, max_bytes=MAX_MODEL_BYTES, max_nodes=MAX_NODES)
+    check_declared(model, str(src))
     norm = normalize(
         model, input_shapes, keep_initializer_inputs=keep_initializer_inputs, strict=True, source=str(src)
     )
     model = norm.model
+    _check_inferred(model, str(src), input_shapes or {})
     out = Path(workdir) / "prepared.onnx"
     save_model(model, out)
     inits = {t.name for t in model.graph.initializer}
@@ -88,6 +118,9 @@ def prepare(
         if i.name not in ctx.tensors:
             raise ModelError(f"{src}: input {i.name!r} has no static shape and type after inference")
         inputs[i.name] = ctx.tensors[i.name]
+        if np.dtype(inputs[i.name].dtype).kind not in "fiub":
+            raise ModelError(f"{src}: input {i.name!r} is a tensor of {inputs[i.name].dtype}; the tuner can make up "
+                             "data only for numeric and boolean inputs")  # fmt: skip
     return Prepared(
         source=src,
         model=model,
@@ -97,6 +130,117 @@ def prepare(
         ctx=ctx,
         notes=norm.notes,
     )
+
+
+def _graphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
+    """`graph` and every subgraph under it (no recursion: nesting depth is the input's)."""
+    stack = [graph]
+    while stack:
+        g = stack.pop()
+        yield g
+        for node in g.node:
+            for a in node.attribute:
+                if a.type == onnx.AttributeProto.GRAPH:
+                    stack.append(a.g)
+                elif a.type == onnx.AttributeProto.GRAPHS:
+                    stack.extend(a.graphs)
+
+
+def _names(g: onnx.GraphProto) -> Iterator[tuple[str, str | bytes]]:
+    yield "graph", g.name
+    for vi in (*g.input, *g.output, *g.value_info):
+        yield "tensor", vi.name
+    for t in g.initializer:
+        yield "initializer", t.name
+    for node in g.node:
+        yield "node", node.name
+        yield "operator", node.op_type
+        yield "domain", node.domain
+        for name in (*node.input, *node.output):
+            yield f"tensor (of node {node.name!r})", name
+        for a in node.attribute:
+            yield f"attribute (of node {node.name!r})", a.name
+
+
+def _size(n: int) -> str:
+    for unit, shift in (("EiB", 60), ("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):.3g} {unit}"
+    return f"{n} bytes"
+
+
+def _declared_bytes(elem_type: int, dims: list[int]) -> tuple[int, str] | None:
+    """(bytes, dtype name) of a tensor of these dims, unknown dimensions counted as 1
+    (so it is a lower bound); None for a type onnx does not know (the checker says so).
+    Python integers: a product past 2^63 is a number, not an overflow."""
+    try:
+        dtype = np.dtype(helper.tensor_dtype_to_np_dtype(elem_type))
+    except (KeyError, TypeError, ValueError):
+        return None
+    return math.prod(max(d, 1) for d in dims) * max(dtype.itemsize, 1), str(dtype)
+
+
+def _value_dims(vi: onnx.ValueInfoProto) -> list[int] | None:
+    if not vi.type.HasField("tensor_type") or not vi.type.tensor_type.HasField("shape"):
+        return None
+    return [d.dim_value if d.HasField("dim_value") else 1 for d in vi.type.tensor_type.shape.dim]
+
+
+def _too_big(what: str, name: str, elem_type: int, dims: list[int], source: str) -> str | None:
+    got = _declared_bytes(elem_type, dims)
+    if got is None or got[0] <= MAX_TENSOR_BYTES:
+        return None
+    return (f"{source}: {what} {name!r} has shape {list(dims)} ({_size(got[0])} of {got[1]}), over the limit of "
+            f"{_size(MAX_TENSOR_BYTES)} per tensor")  # fmt: skip
+
+
+def check_declared(model: onnx.ModelProto, source: str) -> None:
+    """Refuse what the file itself declares beyond the limits, before anything sizes an
+    array by it or repeats it in a message: no outputs; a name that is not UTF-8 (onnx's
+    proto2 strings come back as bytes then) or longer than MAX_NAME_CHARS; an input,
+    output, initializer or annotated tensor over MAX_TENSOR_BYTES; a default-domain
+    opset newer than onnx knows. ModelError naming the file and the name."""
+    if not model.graph.output:
+        raise ModelError(f"{source}: the model has no outputs, so there is nothing to run, time or check")
+    newest = onnx.defs.onnx_opset_version()
+    for o in model.opset_import:
+        if o.domain in ("", "ai.onnx") and o.version > newest:
+            raise ModelError(f"{source}: default-domain opset {o.version} is newer than any this installation knows "
+                             f"({newest}); export the model with opset {newest} or older")  # fmt: skip
+    for g in _graphs(model.graph):
+        for what, name in _names(g):
+            if isinstance(name, bytes):
+                raise ModelError(f"{source}: {what} name {name[:40]!r} is not valid UTF-8; rename it")
+            if len(name) > MAX_NAME_CHARS:
+                raise ModelError(f"{source}: {what} name {name[:24]!r}... is {len(name)} characters long, over the "
+                                 f"limit of {MAX_NAME_CHARS} characters")  # fmt: skip
+        for t in g.initializer:
+            if why := _too_big("initializer", t.name, t.data_type, list(t.dims), source):
+                raise ModelError(why)
+        for what, values in (("input", g.input), ("output", g.output), ("tensor", g.value_info)):
+            for vi in values:
+                dims = _value_dims(vi)
+                if dims is not None and (why := _too_big(what, vi.name, vi.type.tensor_type.elem_type, dims, source)):
+                    raise ModelError(why)
+
+
+def _check_inferred(model: onnx.ModelProto, source: str, overrides: Mapping[str, tuple[int, ...]]) -> None:
+    """The same size limit on what shape inference and --input-shape made static: an
+    override that makes an input too big is the option's fault (OptionError)."""
+    g = model.graph
+    for vi in g.input:
+        dims = _value_dims(vi)
+        if dims is not None and (why := _too_big("input", vi.name, vi.type.tensor_type.elem_type, dims, source)):
+            if vi.name in overrides:
+                raise OptionError(f"--input-shape {vi.name}: {why.removeprefix(source + ': ')}")
+            raise ModelError(why)
+    producers = None
+    for vi in (*g.value_info, *g.output):
+        dims = _value_dims(vi)
+        if dims is None or not (why := _too_big("tensor", vi.name, vi.type.tensor_type.elem_type, dims, source)):
+            continue
+        producers = producers or {o: n.name for n in g.node for o in n.output}
+        raise ModelError(f"{why} (inferred, the output of node {producers.get(vi.name, '?')!r})")
 
 
 def make_inputs(

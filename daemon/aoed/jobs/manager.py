@@ -39,7 +39,9 @@ from aoed.errors import NotFoundError, RpcError
 from aoed.engine.engine import Engine
 from aoed.engine.job import JobHandle, JobOptions, JobResult
 from aoed.engine.messages import JobEvent
+from aoed.engine.modelio import check_size
 from aoed.engine.policy import policy
+from aoed.engine.prep import MAX_MODEL_BYTES
 from aoed.jobs import store as st
 from aoed.jobs.store import EventRow, JobRow, JobStore, Upload
 
@@ -229,6 +231,8 @@ class JobManager:
         queue is full, UNAVAILABLE while shutting down."""
         if self._stopping:
             raise RpcError("UNAVAILABLE", "the daemon is shutting down; submit again after it restarts")
+        if sub.upload is None:  # refused before hashing it: the limit is there so nobody reads 9 GiB
+            check_size(sub.model, (await trio.to_thread.run_sync(sub.model.stat)).st_size, MAX_MODEL_BYTES)
         sha = sub.upload.sha256 if sub.upload else await trio.to_thread.run_sync(sha256_file, sub.model)
         key = _dedup_key(sha, sub.options)
         async with self._limits_lock:

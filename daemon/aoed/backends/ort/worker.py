@@ -3,7 +3,8 @@
 It does a job's graph work, one request at a time (messages in aoed.engine.messages):
 
   prepare    load, check and normalize a model (engine/prep.py); find its tunable tasks;
-             load it into onnxruntime once, so a model the runtime refuses fails here
+             load it into onnxruntime and (exact precision) run it once on the job's
+             synthetic inputs, so a model the runtime refuses or cannot run fails here
   samples    write the job's input samples (held back, and for calibration)
   calibrate  activation ranges over the calibration samples (probe.py)
   extract    each task as a standalone model, with its real input activations
@@ -21,6 +22,7 @@ since a job sends several requests about the same prepared model.
 from __future__ import annotations
 
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -72,13 +74,28 @@ def _prepare(req: m.PrepareRequest) -> m.PrepareReply:
     from aoed.backends.ort.sessions import session
     from aoed.engine.assemble import model_signature, tunable_tasks
     from aoed.engine.calibration import integer_ranges
-    from aoed.engine.prep import prepare
+    from aoed.engine.policy import policy
+    from aoed.engine.prep import make_inputs, prepare
 
     prep = prepare(req.source, req.workdir, req.input_shapes, req.keep_initializer_inputs)
+    int_high = integer_ranges(prep.model, prep.inputs)
     try:
-        session(prep.path, {"intra_op_num_threads": 1})
+        sess = session(prep.path, {"intra_op_num_threads": 1})
     except Exception as exc:
-        raise ModelError(f"{req.source}: onnxruntime cannot load the model: {exc}".splitlines()[0]) from None
+        raise ModelError(f"{req.source}: onnxruntime cannot load the model: {_ort_error(exc, prep.path)}") from None
+    if not policy(req.precision).lossy:
+        # These are the job's inputs (the samples stage makes the same ones). A model that
+        # cannot run on them cannot be profiled, tuned or confirmed; unchecked, it reached
+        # the confirming A/B, where a failed input reads as "the input ships". A lossy job
+        # runs the model on its calibration samples next, which reports the same way.
+        try:
+            sess.run(None, make_inputs(prep.inputs, int_high=int_high))
+        except MemoryError:
+            raise
+        except Exception as exc:
+            raise ModelError(f"{req.source}: onnxruntime cannot run the model on the tuner's synthetic inputs: "
+                             f"{_ort_error(exc, prep.path)}") from None  # fmt: skip
+    del sess
     assert _registry is not None
     tasks = tunable_tasks(prep.model, prep.ctx, _registry, req.precision)
     return m.PrepareReply(
@@ -87,9 +104,18 @@ def _prepare(req: m.PrepareRequest) -> m.PrepareReply:
         outputs=tuple(prep.outputs),
         tasks=tuple(tasks),
         model_signature=model_signature(prep.model),
-        int_high=integer_ranges(prep.model, prep.inputs),
+        int_high=int_high,
         notes=tuple(prep.notes),
     )
+
+
+def _ort_error(exc: Exception, prepared: Path) -> str:
+    """onnxruntime's message on one line, without its status prefix, the prepared
+    copy's path (the user knows their own file) or the source location of the check."""
+    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    text = re.sub(r"^\[ONNXRuntimeError\] : \d+ : \w+ : ", "", text)
+    text = text.replace(f"Load model from {prepared} failed:", "")
+    return re.sub(r"/onnxruntime_src/\S+:\d+ (\S+ )*?\S+\([^)]*\) ", "", text).strip()
 
 
 def _samples(req: m.SamplesRequest) -> m.SamplesReply:

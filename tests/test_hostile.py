@@ -1,0 +1,416 @@
+"""The hostile corpus (tests/hostile.py) through `aoe tune` and through one real daemon.
+
+The contract: every kind ends in a clear, categorized error: the exit code (or the job's
+error_kind) of the class the kind declares, one line that names the problem, no
+traceback, nothing written to the bank; a legitimately tunable kind may succeed. After
+all of them the daemon still serves and tunes a normal model. External data that points
+outside the model's folder is refused without the file outside ever being opened, which
+is watched with inotify rather than assumed. Last, graph preparation is fuzzed: a mutated
+model either prepares or raises an AoedError, never anything else.
+
+Cost: every `aoe tune` starts an engine (a measurement runner and a compile worker, each
+importing onnxruntime: about 4 s on 2 cores), so make test runs a few kinds through the
+command line, one for each edge a failure crosses, and all of them through the daemon,
+which keeps its engine; AOED_HOSTILE=all runs every kind through `aoe tune` (3-4 min).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+import struct
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import numpy as np
+import onnx
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from aoe import errors
+from aoe.bank import open_bank
+from aoe.errors import AoedError, BankError
+from aoe.v1 import tuning_pb2
+from aoed import samples
+from aoed.engine.prep import prepare
+
+from .conftest import run_aoe
+from .daemon_util import DaemonProcess, upload
+from .hostile import KINDS, Case, Kind, sentinel
+
+pytestmark = pytest.mark.slow
+
+#: Run through `aoe tune` by make test, besides the escaping kinds (in the inotify test):
+#: a size limit (once a numpy traceback), the node limit, bytes that are no text in the
+#: one line, onnxruntime failing in the worker, and the bad places of the command line,
+#: which fail before an engine starts (1.5 s each).
+CLI_KINDS = ("dims_2_pow_40", "million_nodes", "non_utf8_names", "fails_at_run_time", "output_unwritable",
+             "output_is_file", "bank_is_file")  # fmt: skip
+ESCAPES = [k for k in KINDS.values() if k.escapes]
+MODELS = [k for k in KINDS.values() if not k.cli_only]
+FAILING = [k for k in MODELS if k.error is not None]
+TUNABLE = [k for k in MODELS if k.error is None]
+#: Every class name a job may fail with, for the kinds allowed to fail "with a named error".
+NAMED = {getattr(errors, n).__name__ for n in errors.__all__}
+
+
+def _cli_kinds() -> list[Kind]:
+    every = os.environ.get("AOED_HOSTILE") == "all"
+    return [k for k in KINDS.values() if not k.escapes and (every or k.name in CLI_KINDS)]
+
+
+# --------------------------------------------------------------------------- inotify
+
+
+class Inotify:
+    """Just enough inotify (ctypes, no dependency) to see whether a file is opened or read.
+
+    A watch is on the inode, so an open through any name (a hard link included) shows.
+    """
+
+    IN_ACCESS, IN_OPEN = 0x00000001, 0x00000020
+    _IN_NONBLOCK, _IN_CLOEXEC = 0o4000, 0o2000000
+
+    def __init__(self) -> None:
+        self._libc = ctypes.CDLL(None, use_errno=True)
+        self.fd = self._libc.inotify_init1(self._IN_NONBLOCK | self._IN_CLOEXEC)
+        if self.fd < 0:
+            raise OSError(ctypes.get_errno(), "inotify_init1")
+        self.paths: dict[int, Path] = {}
+
+    def watch(self, path: Path) -> None:
+        wd = self._libc.inotify_add_watch(self.fd, os.fsencode(path), self.IN_OPEN | self.IN_ACCESS)
+        if wd < 0:
+            raise OSError(ctypes.get_errno(), f"inotify_add_watch {path}")
+        self.paths[wd] = path
+
+    def events(self) -> list[tuple[Path, int]]:
+        """(watched path, event mask) of every event so far; never blocks."""
+        out = []
+        while True:
+            try:
+                data = os.read(self.fd, 1 << 16)
+            except BlockingIOError:
+                return out
+            i = 0
+            while i < len(data):  # struct inotify_event: wd, mask, cookie, len, name[len]
+                wd, mask, _, size = struct.unpack_from("iIII", data, i)
+                out.append((self.paths.get(wd, Path("?")), mask))
+                i += 16 + size
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+# --------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def daemon_proc(tmp_path_factory: pytest.TempPathFactory):
+    """The daemon every kind goes to (started by `daemon`); its models folder is the
+    only one it may read by path, and holds the corpus."""
+    d = DaemonProcess(tmp_path_factory.mktemp("hostile") / "d", parallel=1)
+    yield d
+    d.close()
+
+
+@pytest.fixture(scope="module")
+def corpus(daemon_proc: DaemonProcess) -> dict[str, Case]:
+    """Every kind built once, each in its own folder under the daemon's models folder;
+    the escaping kinds' sentinels lie outside it."""
+    return {k.name: k.build(daemon_proc.models / k.name) for k in KINDS.values()}
+
+
+@pytest.fixture(scope="module")
+def daemon(daemon_proc: DaemonProcess) -> DaemonProcess:
+    daemon_proc.start()
+    return daemon_proc
+
+
+def _records(bank: Path) -> list[str]:
+    """Keys of every record in the bank at `bank`; none when it was never created."""
+    if not bank.is_dir() or not any(bank.iterdir()):
+        return []
+    try:
+        reader = open_bank(bank, use_env=False)
+    except BankError as exc:  # a folder with a lock file and no store: nothing was written
+        if "no bank" in str(exc):
+            return []
+        raise
+    try:
+        return [f"{rec.WhichOneof('record')}:{getattr(rec, rec.WhichOneof('record')).key}"
+                for _, rec in reader.records(history=True)]  # fmt: skip
+    finally:
+        reader.close()
+
+
+def _tune(case: Case, tmp: Path):
+    return run_aoe("tune", str(case.model), "--budget", "1", "--no-progress", "--parallel", "1",
+                   "--bank", str(tmp / "bank"), "--output", str(tmp / "out"), *case.args, timeout=180)  # fmt: skip
+
+
+def _check_cli(kind: Kind, proc, bank: Path) -> None:
+    lines = proc.stderr.splitlines()
+    if kind.error is None and proc.returncode == 0:
+        return
+    assert "Traceback" not in proc.stderr, f"{kind.name}: a traceback:\n{proc.stderr}"
+    assert len(lines) == 1 and lines[0].startswith("aoe: error: "), f"{kind.name}: not one error line:\n{proc.stderr}"
+    if kind.error is None:  # tunable, and it failed: with the code of one of our classes
+        assert proc.returncode in {getattr(errors, n).exit_code for n in errors.__all__}, (kind.name, proc.stderr)
+        return
+    assert proc.returncode == kind.error.exit_code, f"{kind.name}: exit {proc.returncode}, not {kind.error.__name__}" \
+        f" ({kind.error.exit_code}): {proc.stderr}"  # fmt: skip
+    assert re.search(kind.says, lines[0], re.IGNORECASE), f"{kind.name}: the message does not match {kind.says!r}: {lines[0]}"
+    assert _records(bank) == [], f"{kind.name}: a failed run wrote to the bank"
+
+
+# --------------------------------------------------------------------------- (a) aoe tune
+
+
+@pytest.mark.parametrize("kind", _cli_kinds(), ids=lambda k: k.name)
+def test_aoe_tune_ends_in_one_categorized_line(kind: Kind, corpus: dict[str, Case], tmp_path: Path) -> None:
+    _check_cli(kind, _tune(corpus[kind.name], tmp_path), tmp_path / "bank")
+
+
+# --------------------------------------------------------------------------- (b) the daemon
+
+
+@dataclass
+class Outcome:
+    state: str  # SUCCEEDED, FAILED, ... or REFUSED (SubmitJob answered with an error)
+    kind: str  # the job's error_kind, or the gRPC status of a refused submission
+    message: str
+
+
+@dataclass
+class DaemonRun:
+    outcomes: dict[str, Outcome]
+    bank_after_failures: list[str]
+    events: list[tuple[Path, int]]  # opens/reads of the escaping kinds' sentinels
+
+
+def _submit(d: DaemonProcess, model: Path, by_path: bool) -> str:
+    """Submit `model` with a 1 s budget: by its path (inside the allowed folder), or
+    uploaded (a single file: what a remote client sends)."""
+    opts = tuning_pb2.JobOptions(budget_s=1.0)
+    if by_path:
+        req = tuning_pb2.SubmitJobRequest(model_path=str(model), options=opts)
+    else:
+        req = tuning_pb2.SubmitJobRequest(model_id=upload(d.tuning(), model), options=opts)
+    return d.tuning().SubmitJob(req, timeout=60).job_id
+
+
+@pytest.fixture(scope="module")
+def daemon_run(daemon: DaemonProcess, corpus: dict[str, Case]) -> DaemonRun:
+    """Every model kind submitted to the one daemon, the failing ones first (the bank is
+    read once they are all final), then the tunable ones; the escaping kinds' sentinels
+    are watched throughout."""
+    watch = Inotify()
+    for k in ESCAPES:
+        watch.watch(sentinel(daemon.models / k.name))
+    outcomes: dict[str, Outcome] = {}
+    bank_after: list[str] = []
+    try:
+        for group in (FAILING, TUNABLE):
+            jobs = {}
+            for k in group:
+                try:
+                    jobs[k.name] = _submit(daemon, corpus[k.name].model, k.by_path)
+                except grpc.RpcError as exc:
+                    outcomes[k.name] = Outcome("REFUSED", exc.code().name, exc.details() or "")
+            for name, job_id in jobs.items():
+                job = daemon.wait_job(job_id, timeout=180)
+                outcomes[name] = Outcome(tuning_pb2.JobState.Name(job.state).removeprefix("JOB_STATE_"),
+                                         job.error_kind, job.error)  # fmt: skip
+            if group is FAILING:
+                bank_after = _records(daemon.bank)
+        return DaemonRun(outcomes, bank_after, watch.events())
+    finally:
+        watch.close()
+
+
+@pytest.mark.parametrize("kind", FAILING, ids=lambda k: k.name)
+def test_daemon_job_fails_with_the_kinds_class(kind: Kind, daemon_run: DaemonRun) -> None:
+    got = daemon_run.outcomes[kind.name]
+    assert kind.error is not None
+    if got.state == "REFUSED":  # a path the daemon will not read, or a file over a limit: refused at once
+        assert got.kind == kind.error.grpc_status, (kind.name, got)
+    else:
+        assert (got.state, got.kind) == ("FAILED", kind.error.__name__), (kind.name, got)
+    assert "\n" not in got.message and re.search(kind.says, got.message, re.IGNORECASE), (kind.name, got.message)
+
+
+@pytest.mark.parametrize("kind", TUNABLE, ids=lambda k: k.name)
+def test_daemon_tunable_kind_succeeds_or_names_its_error(kind: Kind, daemon_run: DaemonRun) -> None:
+    got = daemon_run.outcomes[kind.name]
+    assert got.state == "SUCCEEDED" or (got.state == "FAILED" and got.kind in NAMED), (kind.name, got)
+
+
+def test_daemon_still_serves_after_the_corpus(daemon: DaemonProcess, daemon_run: DaemonRun) -> None:
+    assert daemon_run.bank_after_failures == [], "failed jobs wrote to the bank"
+    assert daemon.proc is not None and daemon.proc.poll() is None, "the daemon died"
+    with grpc.insecure_channel(daemon.target) as ch:
+        health = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10)
+    assert health.status == health_pb2.HealthCheckResponse.SERVING
+    path = daemon.models / "mlp.onnx"
+    samples.save(samples.build("mlp"), path)
+    job = daemon.wait_job(_submit(daemon, path, by_path=False), timeout=300)
+    assert job.state == tuning_pb2.JOB_STATE_SUCCEEDED, job.error
+    assert job.result.tasks, "the normal model was tuned"
+
+
+# --------------------------------------------------------------------------- (c) nothing outside is read
+
+
+def test_external_data_outside_is_never_opened(daemon_run: DaemonRun, corpus: dict[str, Case], tmp_path: Path) -> None:
+    assert daemon_run.events == [], f"the daemon opened files outside the model's folder: {daemon_run.events}"
+    watch = Inotify()
+    try:
+        for k in ESCAPES:
+            watch.watch(sentinel(corpus[k.name].model.parent))
+        for k in ESCAPES:
+            _check_cli(k, _tune(corpus[k.name], tmp_path / k.name), tmp_path / k.name / "bank")
+        assert watch.events() == [], "aoe tune opened a file outside the model's folder"
+        # The watch itself works, through the hard link too (it sees the inode).
+        (corpus["external_hardlink"].model.parent / "weights.bin").read_bytes()
+        seen = watch.events()
+        assert any(m & Inotify.IN_OPEN for _, m in seen) and any(m & Inotify.IN_ACCESS for _, m in seen), seen
+    finally:
+        watch.close()
+
+
+# --------------------------------------------------------------------------- (d) fuzzing preparation
+
+
+def _base() -> onnx.ModelProto:
+    return samples.mlp(features=8, hidden=8, classes=4, layers=2)
+
+
+BASE = _base().SerializeToString()
+
+
+def _prepared_or_ours(data: bytes) -> None:
+    """The property: `prepare` (what the compile worker runs) returns a prepared model or
+    raises an AoedError; anything else is a bug at an edge that did not translate it."""
+    with tempfile.TemporaryDirectory(prefix="aoe-fuzz-") as tmp:
+        path = Path(tmp) / "model.onnx"
+        path.write_bytes(data)
+        try:
+            prepare(path, tmp)
+        except AoedError:
+            pass
+
+
+#: (operation, where, byte value, how many) edits of the base model's bytes.
+_byte_edits = st.lists(
+    st.tuples(
+        st.sampled_from(["flip", "set", "delete", "insert", "truncate"]),
+        st.integers(0, len(BASE) - 1),
+        st.integers(0, 255),
+        st.integers(1, 16),
+    ),
+    min_size=1,
+    max_size=6,
+)
+
+
+@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_byte_edits)
+def test_fuzz_prepare_mutated_bytes(edits) -> None:
+    data = bytearray(BASE)
+    for op, at, value, n in edits:
+        at = min(at, max(len(data) - 1, 0))
+        if op == "flip" and data:
+            data[at] ^= 1 << (value % 8)
+        elif op == "set" and data:
+            data[at] = value
+        elif op == "delete":
+            del data[at : at + n]
+        elif op == "insert":
+            data[at:at] = bytes([value]) * n
+        elif op == "truncate":
+            del data[at:]
+    _prepared_or_ours(bytes(data))
+
+
+_ints = st.one_of(st.integers(-3, 8), st.sampled_from([0, 1 << 31, 1 << 40, (1 << 63) - 1, -(1 << 63)]))
+_names = st.one_of(st.sampled_from(["input", "logits", "fc1.weight", "", "x"]), st.text(max_size=12))
+_ops = st.sampled_from(["MatMul", "Add", "Relu", "Gemm", "Conv", "Reshape", "If", "Loop", "Frob", "", "Constant"])
+
+
+@st.composite
+def _field_edits(draw) -> bytes:
+    m = _base()
+    g = m.graph
+    for _ in range(draw(st.integers(1, 5))):
+        what = draw(st.sampled_from(["ir", "opset", "dim", "elem", "op", "io", "drop", "dup", "init", "attr",
+                                     "outputs", "domain", "external"]))  # fmt: skip
+        node = g.node[draw(st.integers(0, len(g.node) - 1))] if g.node else None
+        if what == "ir":
+            m.ir_version = draw(st.integers(-2, 1 << 40))
+        elif what == "opset":
+            m.opset_import[0].version = draw(st.integers(-1, 40))
+        elif what == "dim" and g.input and g.input[0].type.tensor_type.shape.dim:
+            dims = g.input[0].type.tensor_type.shape.dim
+            d = dims[draw(st.integers(0, len(dims) - 1))]
+            if draw(st.booleans()):
+                d.dim_value = draw(_ints)
+            else:
+                d.dim_param = draw(_names)
+        elif what == "elem" and g.input:
+            g.input[0].type.tensor_type.elem_type = draw(st.integers(0, 30))
+        elif what == "op" and node is not None:
+            node.op_type = draw(_ops)
+        elif what == "io" and node is not None:
+            names = node.input if draw(st.booleans()) or not node.output else node.output
+            if names:
+                names[draw(st.integers(0, len(names) - 1))] = draw(_names)
+        elif what == "drop" and node is not None:
+            g.node.remove(node)
+        elif what == "dup" and node is not None:
+            g.node.insert(draw(st.integers(0, len(g.node))), node)
+        elif what == "init" and g.initializer:
+            t = g.initializer[draw(st.integers(0, len(g.initializer) - 1))]
+            choice = draw(st.sampled_from(["dims", "type", "raw"]))
+            if choice == "dims":
+                t.dims[draw(st.integers(0, len(t.dims) - 1))] = draw(_ints) if t.dims else 1
+            elif choice == "type":
+                t.data_type = draw(st.integers(0, 30))
+            else:
+                t.raw_data = t.raw_data[: draw(st.integers(0, len(t.raw_data)))]
+        elif what == "attr" and node is not None:
+            value = draw(st.one_of(_ints, st.floats(allow_nan=True), st.binary(max_size=8),
+                                   st.lists(st.integers(-3, 8), min_size=1, max_size=4)))  # fmt: skip
+            node.attribute.append(onnx.helper.make_attribute(draw(_names) or "axis", value))
+        elif what == "outputs":
+            del g.output[draw(st.integers(0, len(g.output))):]
+        elif what == "external" and g.initializer:  # resolved in a fresh temp folder: nothing there to read
+            t = g.initializer[draw(st.integers(0, len(g.initializer) - 1))]
+            t.ClearField("raw_data")
+            t.data_location = onnx.TensorProto.EXTERNAL
+            for key in draw(st.lists(st.sampled_from(["location", "offset", "length", "checksum"]), max_size=4)):
+                entry = t.external_data.add()
+                entry.key = key
+                entry.value = draw(st.one_of(st.text(max_size=12), st.integers(-5, 1 << 40).map(str),
+                                             st.sampled_from(["..", "/", ".", "../../etc/hostname", "/etc/hostname"])))  # fmt: skip
+        elif what == "domain" and node is not None:
+            node.domain = draw(st.sampled_from(["", "ai.onnx", "com.microsoft", "com.example.nope"]))
+    return m.SerializeToString()
+
+
+@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_field_edits())
+def test_fuzz_prepare_mutated_fields(data: bytes) -> None:
+    _prepared_or_ours(data)
+
+
+def test_fuzz_base_model_prepares(tmp_path: Path) -> None:
+    """The fuzzers start from a model that prepares: their mutations are what fails."""
+    (tmp_path / "m.onnx").write_bytes(BASE)
+    prep = prepare(tmp_path / "m.onnx", tmp_path)
+    assert prep.outputs == ["logits"] and np.dtype(prep.inputs["input"].dtype) == np.float32
