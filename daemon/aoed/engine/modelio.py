@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import stat
+import tempfile
 from pathlib import Path
 
 import onnx
@@ -222,19 +223,44 @@ def tensor_bytes(model: onnx.ModelProto) -> int:
     )
 
 
+def process_umask() -> int:
+    """The process umask, read without setting it (os.umask would race other threads)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    return 0o022
+
+
+def _fresh(beside: Path, made: list[Path]) -> Path:
+    """An empty file of a new, unpredictable name beside `beside`, created exclusively,
+    with the mode a plain open would give it (it is renamed into the final name)."""
+    fd, name = tempfile.mkstemp(prefix=f".{beside.name}.", suffix=".tmp", dir=beside.parent)
+    os.fchmod(fd, 0o666 & ~process_umask())
+    os.close(fd)
+    made.append(Path(name))
+    return Path(name)
+
+
 def save_model(model: onnx.ModelProto, path: Path, external_above: int = EXTERNAL_THRESHOLD) -> int:
     """Write `model` at `path` atomically, with external data beside it (`NAME.data`)
     when its tensors exceed `external_above` bytes; returns the bytes written. AoedError
     naming the file when it cannot."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
     data = path.with_name(f"{path.name}.data")
     external = tensor_bytes(model) > external_above
+    made: list[Path] = []
     try:
+        # Fresh names created exclusively: a symlink planted at a predictable temp name in
+        # a shared output folder can not redirect the write.
+        tmp = _fresh(path, made)
         if external:
             copy = onnx.ModelProto()
             copy.CopyFrom(model)
-            tmp_data = data.with_name(f".{data.name}.tmp")
+            tmp_data = _fresh(data, made)
             onnx.save_model(
                 copy, str(tmp), save_as_external_data=True, all_tensors_to_one_file=True,
                 location=tmp_data.name, size_threshold=1024,
@@ -251,7 +277,7 @@ def save_model(model: onnx.ModelProto, path: Path, external_above: int = EXTERNA
             onnx.save(model, str(tmp))
         os.replace(tmp, path)
     except OSError as exc:
-        for leftover in (tmp, data.with_name(f".{data.name}.tmp")):
+        for leftover in made:
             leftover.unlink(missing_ok=True)
         raise AoedError(f"{path}: cannot write the model ({exc.strerror or exc})") from None
     return path.stat().st_size + (data.stat().st_size if external else 0)

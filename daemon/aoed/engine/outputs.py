@@ -30,6 +30,7 @@ from typing import Any
 
 from aoe.errors import AoedError
 from aoed.engine.job import JobResult
+from aoed.engine.modelio import process_umask
 
 __all__ = ["result_json", "write_json"]
 
@@ -117,22 +118,10 @@ def write_json(path: Path, doc: dict[str, Any]) -> None:
         fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         tmp = Path(name)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
-            os.fchmod(f.fileno(), 0o666 & ~_umask())  # as a plain open would make it
+            os.fchmod(f.fileno(), 0o666 & ~process_umask())  # as a plain open would make it
             f.write(text)
         os.replace(tmp, path)
     except OSError as exc:
         if tmp is not None:
             tmp.unlink(missing_ok=True)
         raise AoedError(f"{path}: cannot write the result ({exc.strerror or exc})") from None
-
-
-def _umask() -> int:
-    """The process umask, read without setting it (os.umask would race other threads)."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError):
-        pass
-    return 0o022
