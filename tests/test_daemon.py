@@ -483,3 +483,25 @@ def test_retention_and_upload_expiry(tmp_path: Path) -> None:
         assert not any((d.state / "uploads").iterdir())
     finally:
         d.close()
+
+
+def test_jobs_per_client_are_limited(tmp_path: Path) -> None:
+    d = DaemonProcess(tmp_path / "d", max_running_jobs=1)
+    d.config.write_text(d.config.read_text().replace("[daemon]\n", "[daemon]\nmax_jobs_per_client = 2\n"))
+    try:
+        d.start()
+        mlp = _model(d, "mlp")
+        first = _submit(d, mlp, budget=30.0)
+        second = _submit(d, mlp, budget=29.0)
+        with pytest.raises(grpc.RpcError) as err:
+            _submit(d, mlp, budget=28.0)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "rpc:local has 2 jobs queued or running" in err.value.details() and "per client is 2" in err.value.details()
+        job = d.tuning().GetJob(tuning_pb2.GetJobRequest(job_id=first)).job
+        assert job.source == "rpc:local"
+        d.tuning().CancelJob(tuning_pb2.CancelJobRequest(job_id=second), timeout=60)
+        third = _submit(d, mlp, budget=28.0)  # a finished (cancelled) job frees its place
+        for j in (first, third):
+            d.tuning().CancelJob(tuning_pb2.CancelJobRequest(job_id=j), timeout=60)
+    finally:
+        d.close()

@@ -9,6 +9,8 @@ or /var/lib/aoed as root; the socket in the runtime dir (/run/aoed as root).
   state_dir = "/var/lib/aoed"        # job store, uploads, job outputs
   max_running_jobs = 2               # jobs tuning at once (they share workers and devices)
   max_queued_jobs = 64               # beyond this, SubmitJob answers RESOURCE_EXHAUSTED
+  max_jobs_per_client = 16           # queued + running per client (a TLS subject, a TCP
+                                     # address, an inbox; the unix socket is one client)
   retention_days = 30                # finished jobs (and their outputs) are kept this long
   shutdown_grace_s = 20              # SIGTERM: how long running measurements may finish
   allowed_dirs = ["/srv/models"]     # what SubmitJob may name by path (symlinks resolved)
@@ -88,6 +90,7 @@ class DaemonConfig:
     max_rpcs: int = 256
     max_running_jobs: int = 2
     max_queued_jobs: int = 64
+    max_jobs_per_client: int = 16
     retention_s: float = 30 * 86400.0
     shutdown_grace_s: float = 20.0
     allowed_dirs: tuple[Path, ...] = ()
@@ -202,7 +205,8 @@ def load_daemon_config(path: str | os.PathLike[str] | None = None, env: Mapping[
             doc = tomllib.load(f)
     where = str(path) if path is not None else "defaults"
     d = _Reader(_table(doc, "daemon", Path(where)), f"{where} [daemon]", {
-        "state_dir", "max_running_jobs", "max_queued_jobs", "retention_days", "shutdown_grace_s", "allowed_dirs",
+        "state_dir", "max_running_jobs", "max_queued_jobs", "max_jobs_per_client", "retention_days", "shutdown_grace_s",
+        "allowed_dirs",
     })  # fmt: skip
     state_dir = d.path("state_dir", None, base) or _default_state_dir()
     raw_allowed = d.table.get("allowed_dirs", [])
@@ -257,6 +261,7 @@ def load_daemon_config(path: str | os.PathLike[str] | None = None, env: Mapping[
         max_rpcs=int(lis.number("max_rpcs", 256, 4, 100000, integer=True)),
         max_running_jobs=int(d.number("max_running_jobs", 2, 1, 64, integer=True)),
         max_queued_jobs=int(d.number("max_queued_jobs", 64, 1, 100000, integer=True)),
+        max_jobs_per_client=int(d.number("max_jobs_per_client", 16, 1, 100000, integer=True)),
         retention_s=float(d.number("retention_days", 30, 0, 36500)) * 86400.0,
         shutdown_grace_s=float(d.number("shutdown_grace_s", 20, 0, 3600)),
         allowed_dirs=allowed,

@@ -82,6 +82,22 @@ def confine(raw: str, allowed: tuple[Path, ...], what: str, want_dir: bool = Fal
     return real
 
 
+def client_of(context: grpc.ServicerContext) -> str:
+    """Who is calling, as far as the transport tells: the subject of a TLS client
+    certificate, else the peer's address on TCP, else "local" (on the unix socket every
+    caller is the same client: grpcio cannot see the peer's uid, and the socket's group
+    is one team)."""
+    auth = context.auth_context() or {}
+    for key in ("x509_common_name", "x509_subject_alternative_name"):
+        names = auth.get(key) or []
+        if names:
+            return "tls:" + names[0].decode("utf-8", "replace")
+    peer = context.peer() or ""
+    if peer.startswith(("ipv4:", "ipv6:")):
+        return "ip:" + peer.split(":", 1)[1].rsplit(":", 1)[0]
+    return "local"
+
+
 def _ts(seconds: float | None) -> Timestamp | None:
     if not seconds:
         return None
@@ -200,10 +216,10 @@ class TuningServicer(tuning_pb2_grpc.TuningServiceServicer):
     # -- unary
 
     def SubmitJob(self, request, context):
-        row, _ = self._bridge.call(context, self._submit, request)
+        row, _ = self._bridge.call(context, self._submit, request, client_of(context))
         return tuning_pb2.SubmitJobResponse(job_id=row.id, job=job_pb(row))
 
-    async def _submit(self, request: tuning_pb2.SubmitJobRequest) -> tuple[JobRow, bool]:
+    async def _submit(self, request: tuning_pb2.SubmitJobRequest, client: str) -> tuple[JobRow, bool]:
         opts = options_from_dict(options_to_dict(request.options), self._jobs.engine.device.device)
         allowed = self._cfg.allowed_dirs
         o = request.options
@@ -215,10 +231,10 @@ class TuningServicer(tuning_pb2_grpc.TuningServiceServicer):
             up = self._jobs.store.get_upload(request.model_id)
             if up is None:
                 raise NotFoundError(f"model_id {request.model_id!r}: no such upload (expired or already used)")
-            return await self._jobs.submit(Submission(Path(up.path), opts, "rpc", upload=up, output_dir=output))
+            return await self._jobs.submit(Submission(Path(up.path), opts, f"rpc:{client}", upload=up, output_dir=output))
         if which == "model_path":
             model = confine(request.model_path, allowed, "model_path")
-            return await self._jobs.submit(Submission(model, opts, "rpc", output_dir=output))
+            return await self._jobs.submit(Submission(model, opts, f"rpc:{client}", output_dir=output))
         raise OptionError("SubmitJob: set model_path or model_id")
 
     def GetJob(self, request, context):

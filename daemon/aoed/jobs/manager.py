@@ -110,7 +110,9 @@ class Submission:
 
     model: Path
     options: dict[str, Any]
-    source: str = "rpc"
+    #: who submitted it: "rpc:<client>" (see api.tuning.client_of) or "inbox:<folder>";
+    #: the per-client limit counts active jobs of one source
+    source: str = "rpc:local"
     #: an upload to consume: the file is moved into the job's folder
     upload: Upload | None = None
     #: a daemon-side folder for the outputs (confined by the caller); None: the job's own
@@ -243,6 +245,11 @@ class JobManager:
                     await self._consume_upload(sub.upload, None)
                 log.info("job %s: an identical submission joined it", same.id)
                 return self.get(same.id), True
+            mine = self.store.count_active(sub.source)
+            if mine >= self.cfg.max_jobs_per_client:
+                raise RpcError("RESOURCE_EXHAUSTED",
+                               f"{sub.source} has {mine} jobs queued or running (the limit per client is "
+                               f"{self.cfg.max_jobs_per_client}); submit again when one has finished")  # fmt: skip
             queued, _ = self.counts()
             if queued >= self.cfg.max_queued_jobs:
                 raise RpcError("RESOURCE_EXHAUSTED",

@@ -242,6 +242,12 @@ class JobStore:
         )
         return next(self._rows(cur), None)
 
+    def count_active(self, source: str) -> int:
+        """Jobs queued or running that came from `source`."""
+        row = self._exec(f"SELECT COUNT(*) FROM jobs WHERE source = ? AND state IN ({','.join('?' * len(ACTIVE))})",
+                         (source, *ACTIVE)).fetchone()  # fmt: skip
+        return int(row[0])
+
     def delete(self, job_id: str) -> None:
         with self.transaction():
             self._exec("DELETE FROM events WHERE job_id = ?", (job_id,))
