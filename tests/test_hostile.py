@@ -115,6 +115,8 @@ def daemon_proc(tmp_path_factory: pytest.TempPathFactory):
     """The daemon every kind goes to (started by `daemon`); its models folder is the
     only one it may read by path, and holds the corpus."""
     d = DaemonProcess(tmp_path_factory.mktemp("hostile") / "d", parallel=1)
+    # The whole corpus is submitted at once, from one client.
+    d.config.write_text(d.config.read_text().replace("[daemon]\n", "[daemon]\nmax_jobs_per_client = 200\nmax_queued_jobs = 200\n"))
     yield d
     d.close()
 
