@@ -63,4 +63,6 @@ def configure(level: str, journal: bool | None = None) -> logging.Handler:
     root.addHandler(handler)
     root.setLevel(getattr(logging, level.upper()))
     logging.getLogger("aoed").setLevel(getattr(logging, level.upper()))
+    # watchfiles logs every batch of file changes at INFO: the inbox's own lines say what matters.
+    logging.getLogger("watchfiles").setLevel(max(logging.WARNING, root.level))
     return handler
