@@ -48,7 +48,7 @@ from pathlib import Path
 
 import grpc
 
-from aoe.v1 import bank_pb2, bank_pb2_grpc, daemon_pb2, daemon_pb2_grpc, tuning_pb2, tuning_pb2_grpc
+from aoe.v1 import daemon_pb2, tuning_pb2, tuning_pb2_grpc
 from machine import Machine
 
 HERE = Path(__file__).resolve().parent
@@ -92,39 +92,18 @@ class Call:
     seconds: float
 
 
-def calls(ch: grpc.Channel, pid: int, job_id: str, hits: list[str], misses: list[str],
-          rng: random.Random) -> dict[str, Callable[[], bool]]:  # fmt: skip
-    """Each kind of call in MIX over `ch`, returning whether its answer is the right one."""
-    tuning = tuning_pb2_grpc.TuningServiceStub(ch)
-    bank = bank_pb2_grpc.BankServiceStub(ch)
-    daemon = daemon_pb2_grpc.DaemonServiceStub(ch)
-
-    def watch() -> bool:  # a short watch: a few events, then the client goes away
-        stream = tuning.WatchJob(tuning_pb2.WatchJobRequest(job_id=job_id, include_logs=True), timeout=60)
-        seqs = [m.event.sequence for _, m in zip(range(3), stream)]
-        stream.cancel()
-        return len(seqs) > 0 and seqs == list(range(1, len(seqs) + 1))
-
-    return {
-        "GetJob": lambda: tuning.GetJob(tuning_pb2.GetJobRequest(job_id=job_id), timeout=60).job.job_id == job_id,
-        "ListJobs": lambda: job_id in [j.job_id for j in tuning.ListJobs(tuning_pb2.ListJobsRequest(), timeout=60).jobs],
-        "LookupEntry hit": lambda: bank.LookupEntry(bank_pb2.LookupEntryRequest(key=rng.choice(hits)), timeout=60).found,
-        "LookupEntry miss": lambda: not bank.LookupEntry(bank_pb2.LookupEntryRequest(key=rng.choice(misses)), timeout=60).found,
-        "GetDaemonInfo": lambda: daemon.GetDaemonInfo(daemon_pb2.GetDaemonInfoRequest(), timeout=60).pid == pid,
-        "WatchJob": watch,
-    }  # fmt: skip
-
-
 def client(target: str, pid: int, n: int, job: dict[str, str], hits: list[str], misses: list[str], seed: int,
            start: threading.Barrier) -> list[Call]:  # fmt: skip
     """`n` calls drawn from MIX on a connection of its own, made before `start`; the job
     they ask about is `job["id"]`, there once `start` lets them go."""
+    from tests.daemon_util import mixed_calls
+
     rng = random.Random(seed)
     out = []
     with connect(target) as ch:
         grpc.channel_ready_future(ch).result(timeout=60)
         start.wait(timeout=120)
-        table = calls(ch, pid, job["id"], hits, misses, rng)
+        table = mixed_calls(ch, pid, job["id"], hits, misses, rng)
         for _ in range(n):
             kind = rng.choice(MIX)
             t0 = time.perf_counter()

@@ -20,21 +20,24 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+import random
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from aoe.v1 import (
+    bank_pb2,
     bank_pb2_grpc,
+    daemon_pb2,
     daemon_pb2_grpc,
     devices_pb2_grpc,
     tuning_pb2,
     tuning_pb2_grpc,
 )
 
-__all__ = ["DaemonProcess", "upload"]
+__all__ = ["DaemonProcess", "mixed_calls", "upload"]
 
 
 class DaemonProcess:
@@ -171,3 +174,27 @@ def _chunks(path: Path, name: str, chunk: int) -> Iterator[tuning_pb2.UploadMode
 def upload(stub: tuning_pb2_grpc.TuningServiceStub, path: Path, name: str | None = None, chunk: int = 256 << 10) -> str:
     """Upload `path` in chunks; returns the model id."""
     return stub.UploadModel(_chunks(path, name or path.name, chunk), timeout=60).model_id
+
+
+def mixed_calls(ch: grpc.Channel, pid: int, job_id: str, hits: Sequence[str], misses: Sequence[str],
+                rng: random.Random, timeout: float = 60) -> dict[str, Callable[[], bool]]:  # fmt: skip
+    """Each kind of call of a load mix over `ch` (GetJob, ListJobs, LookupEntry hit and
+    miss, GetDaemonInfo, a short WatchJob), returning whether its answer is the right one."""
+    tuning = tuning_pb2_grpc.TuningServiceStub(ch)
+    bank = bank_pb2_grpc.BankServiceStub(ch)
+    daemon = daemon_pb2_grpc.DaemonServiceStub(ch)
+
+    def watch() -> bool:  # a short watch: a few events, then the client goes away
+        stream = tuning.WatchJob(tuning_pb2.WatchJobRequest(job_id=job_id, include_logs=True), timeout=timeout)
+        seqs = [m.event.sequence for _, m in zip(range(3), stream)]
+        stream.cancel()
+        return len(seqs) > 0 and seqs == list(range(1, len(seqs) + 1))
+
+    return {
+        "GetJob": lambda: tuning.GetJob(tuning_pb2.GetJobRequest(job_id=job_id), timeout=timeout).job.job_id == job_id,
+        "ListJobs": lambda: job_id in [j.job_id for j in tuning.ListJobs(tuning_pb2.ListJobsRequest(), timeout=timeout).jobs],
+        "LookupEntry hit": lambda: bank.LookupEntry(bank_pb2.LookupEntryRequest(key=rng.choice(hits)), timeout=timeout).found,
+        "LookupEntry miss": lambda: not bank.LookupEntry(bank_pb2.LookupEntryRequest(key=rng.choice(misses)), timeout=timeout).found,
+        "GetDaemonInfo": lambda: daemon.GetDaemonInfo(daemon_pb2.GetDaemonInfoRequest(), timeout=timeout).pid == pid,
+        "WatchJob": watch,
+    }  # fmt: skip

@@ -14,16 +14,16 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
 import pytest
 
-from aoe.v1 import bank_pb2, bank_pb2_grpc, daemon_pb2, daemon_pb2_grpc, tuning_pb2, tuning_pb2_grpc
+from aoe.v1 import bank_pb2, daemon_pb2, tuning_pb2, tuning_pb2_grpc
 from aoed import samples
-from tests.daemon_util import DaemonProcess
+from tests.daemon_util import DaemonProcess, mixed_calls
 
 from .test_bank_reader import make_bank, rec
 
@@ -51,35 +51,13 @@ def _submit(d: DaemonProcess, path: Path, budget: float) -> str:
         model_path=str(path), options=tuning_pb2.JobOptions(budget_s=budget, repeat_tune=True)), timeout=30).job_id  # fmt: skip
 
 
-def _calls(d: DaemonProcess, ch: grpc.Channel, job_id: str, hit: str, miss: str) -> dict[str, Callable[[], bool]]:
-    """Each kind of call in MIX over `ch`, returning whether its answer is the right one."""
-    tuning = tuning_pb2_grpc.TuningServiceStub(ch)
-    bank = bank_pb2_grpc.BankServiceStub(ch)
-    daemon = daemon_pb2_grpc.DaemonServiceStub(ch)
-
-    def watch() -> bool:  # a short watch: a few events, then the client goes away
-        stream = tuning.WatchJob(tuning_pb2.WatchJobRequest(job_id=job_id, include_logs=True), timeout=30)
-        seqs = [m.event.sequence for _, m in zip(range(3), stream)]
-        stream.cancel()
-        return len(seqs) > 0 and seqs == list(range(1, len(seqs) + 1))
-
-    return {
-        "GetJob": lambda: tuning.GetJob(tuning_pb2.GetJobRequest(job_id=job_id), timeout=30).job.job_id == job_id,
-        "ListJobs": lambda: job_id in [j.job_id for j in tuning.ListJobs(tuning_pb2.ListJobsRequest(), timeout=30).jobs],
-        "LookupEntry hit": lambda: bank.LookupEntry(bank_pb2.LookupEntryRequest(key=hit), timeout=30).found,
-        "LookupEntry miss": lambda: not bank.LookupEntry(bank_pb2.LookupEntryRequest(key=miss), timeout=30).found,
-        "GetDaemonInfo": lambda: daemon.GetDaemonInfo(daemon_pb2.GetDaemonInfoRequest(), timeout=30).pid == d.proc.pid,
-        "WatchJob": watch,
-    }  # fmt: skip
-
-
 def _mixed(d: DaemonProcess, n: int, job_id: str, hit: str, miss: str, seed: int) -> list[tuple[str, str]]:
     """`n` calls drawn from MIX on a connection of its own; (kind, outcome) for each, the
     outcome being a status code name, or WRONG for an OK answer that says the wrong thing."""
     rng = random.Random(seed)
     out = []
     with _connect(d) as ch:
-        calls = _calls(d, ch, job_id, hit, miss)
+        calls = mixed_calls(ch, d.proc.pid, job_id, [hit], [miss], rng, timeout=30)
         for _ in range(n):
             kind = rng.choice(MIX)
             try:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import stat
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import onnx
@@ -65,22 +66,29 @@ def load_model(path: Path, *, max_bytes: int | None = None, max_nodes: int | Non
     return model
 
 
-def count_nodes(graph: onnx.GraphProto, stop_above: int | None = None) -> int:
-    """Nodes in `graph` and every subgraph under it; once the count passes `stop_above`,
-    the count so far (a graph with too many top-level nodes is never walked: walking a
-    million nodes in Python takes seconds)."""
-    total, stack = 0, [graph]
+def subgraphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
+    """`graph` and every subgraph under it (no recursion: nesting depth is the input's)."""
+    stack = [graph]
     while stack:
         g = stack.pop()
-        total += len(g.node)
-        if stop_above is not None and total > stop_above:
-            return total
+        yield g
         for node in g.node:
             for a in node.attribute:
                 if a.type == onnx.AttributeProto.GRAPH:
                     stack.append(a.g)
                 elif a.type == onnx.AttributeProto.GRAPHS:
                     stack.extend(a.graphs)
+
+
+def count_nodes(graph: onnx.GraphProto, stop_above: int | None = None) -> int:
+    """Nodes in `graph` and every subgraph under it; once the count passes `stop_above`,
+    the count so far (a graph with too many top-level nodes is never walked: walking a
+    million nodes in Python takes seconds)."""
+    total = 0
+    for g in subgraphs(graph):
+        total += len(g.node)
+        if stop_above is not None and total > stop_above:
+            break
     return total
 
 

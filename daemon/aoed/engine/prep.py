@@ -30,7 +30,7 @@ from onnx import helper
 from aoe.errors import ModelError, OptionError
 from aoe.graph import normalize
 from aoe.signature import ModelContext, TensorInfo
-from aoed.engine.modelio import load_model, save_model
+from aoed.engine.modelio import load_model, save_model, subgraphs
 
 __all__ = [
     "MAX_MODEL_BYTES",
@@ -132,20 +132,6 @@ def prepare(
     )
 
 
-def _graphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
-    """`graph` and every subgraph under it (no recursion: nesting depth is the input's)."""
-    stack = [graph]
-    while stack:
-        g = stack.pop()
-        yield g
-        for node in g.node:
-            for a in node.attribute:
-                if a.type == onnx.AttributeProto.GRAPH:
-                    stack.append(a.g)
-                elif a.type == onnx.AttributeProto.GRAPHS:
-                    stack.extend(a.graphs)
-
-
 def _names(g: onnx.GraphProto) -> Iterator[tuple[str, str | bytes]]:
     yield "graph", g.name
     for vi in (*g.input, *g.output, *g.value_info):
@@ -207,7 +193,7 @@ def check_declared(model: onnx.ModelProto, source: str) -> None:
         if o.domain in ("", "ai.onnx") and o.version > newest:
             raise ModelError(f"{source}: default-domain opset {o.version} is newer than any this installation knows "
                              f"({newest}); export the model with opset {newest} or older")  # fmt: skip
-    for g in _graphs(model.graph):
+    for g in subgraphs(model.graph):
         for what, name in _names(g):
             if isinstance(name, bytes):
                 raise ModelError(f"{source}: {what} name {name[:40]!r} is not valid UTF-8; rename it")
