@@ -193,7 +193,8 @@ def test_dynamic_input_needs_and_takes_a_shape(models: Path, tmp_path: Path):
         (["--parallel", "0"], {}, 2, "--parallel"),
         ([], {"TE_PARALLEL_COMPILER": "99"}, 2, "TE_PARALLEL_COMPILER"),
         ([], {"REPEAT_TUNE": "maybe"}, 2, "REPEAT_TUNE"),
-        (["--job-type", "sgat"], {}, 2, "sgat"),
+        (["--job-type", "gdat"], {}, 2, "--job-type gdat"),
+        (["--reload", "--repeat-tune"], {}, 2, "--reload"),
         (["--input-shape", "nosuch:1,2"], {}, 2, "nosuch"),
     ],
 )

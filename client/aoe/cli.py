@@ -33,7 +33,6 @@ from aoe.errors import AoedError, OptionError
 
 __all__ = ["main"]
 
-_JOB_TYPES = {"1": "sgat", "2": "opat", "sgat": "sgat", "opat": "opat"}
 #: Options only AOE's spelling uses: their presence without a command means `tune`.
 _AOE_FLAGS = ("-f", "--framework", "-m", "--model", "-j", "--job_type", "--job-type")
 
@@ -75,9 +74,14 @@ def _add_tune(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--bank-layer", action="append", type=Path, default=[], metavar="DIR",
                    help="read-only bank consulted after the custom one (repeatable; also AOED_BANK_LAYERS)")  # fmt: skip
     p.add_argument("--repeat-tune", action="store_true", default=None, help="re-tune tasks the bank already knows")
+    p.add_argument("--reload", action="store_true",
+                   help="resume an interrupted run: what the bank already decided is used, not measured again "
+                        "(overrides REPEAT_TUNE)")  # fmt: skip
     p.add_argument("--parallel", help="compile processes, 1-32 (default: TE_PARALLEL_COMPILER or cores-1)")
     p.add_argument("--output", type=Path, default=Path("."), help="where aoe_workspace/ and the result JSON go")
-    p.add_argument("--job-type", default="opat", help="opat (2); sgat (1) is not available yet")
+    p.add_argument("--job-type", default="opat",
+                   help="opat (2): operators; sgat (1): subgraphs (attention, layernorm, gelu); "
+                        "sgat+opat: both in one job")  # fmt: skip
     p.add_argument("--device", default=None,
                    help="cpu (default), cuda:N, tensorrt:N or cann:N (ASCEND_DEVICE_ID selects cann:N)")  # fmt: skip
     p.add_argument("--keep-initializer-inputs", action="store_true",
@@ -109,13 +113,14 @@ def _aoe_spelling(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--bank", type=Path)
     p.add_argument("--config", type=Path)
     p.add_argument("--progress_bar", default="on", choices=["on", "off"])
+    p.add_argument("--reload", action="store_true")
     a = p.parse_args(argv)
     if str(a.framework) != "5":
         raise OptionError(f"--framework {a.framework}: only ONNX (5) models can be tuned here")
     return argparse.Namespace(
         model=a.model, precision=a.precision, input_shape=a.input_shape, bank=a.bank, config=a.config,
         calibration=a.calibration, min_cosine=None, max_rel_error=None, bank_layer=[], verbose=0,
-        repeat_tune=None, parallel=None, output=a.output, job_type=a.job_type, device=a.device,
+        repeat_tune=None, reload=a.reload, parallel=None, output=a.output, job_type=a.job_type, device=a.device,
         keep_initializer_inputs=False, budget=None, keep_workspace=False,
         no_progress=a.progress_bar == "off", local=False, socket=None, run=_tune,
     )  # fmt: skip
@@ -125,6 +130,7 @@ def _tune(args: argparse.Namespace) -> int:
     import trio
 
     from aoe.config import load_config, parse_parallel
+    from aoe.jobtypes import parse_job_type
     from aoe.device import Device
     from aoe.errors import DeviceError
     from aoed.backends.ort.catalog import build_registry
@@ -133,11 +139,9 @@ def _tune(args: argparse.Namespace) -> int:
     from aoed.engine.policy import policy
     from aoed.engine.prep import parse_input_shapes
 
-    job_type = _JOB_TYPES.get(str(args.job_type).lower())
-    if job_type is None:
-        raise OptionError(f"--job-type {args.job_type}: expected opat (2) or sgat (1)")
-    if job_type == "sgat":
-        raise OptionError("--job-type sgat (1): subgraph tuning is not available yet; use opat (2)")
+    job_type = parse_job_type(args.job_type)
+    if args.reload and args.repeat_tune:
+        raise OptionError("--reload and --repeat-tune contradict each other: resume, or tune again")
     policy(args.precision, args.min_cosine, args.max_rel_error)  # validates before any work starts
     if args.calibration is not None and not args.calibration.is_dir():
         raise OptionError(f"--calibration {args.calibration}: not a directory")
@@ -147,7 +151,7 @@ def _tune(args: argparse.Namespace) -> int:
     config = load_config(args.config)
     parallel = parse_parallel(args.parallel, "--parallel") if args.parallel is not None else None
     config = config.replace(
-        bank=args.bank, parallel=parallel, repeat_tune=args.repeat_tune,
+        bank=args.bank, parallel=parallel, repeat_tune=False if args.reload else args.repeat_tune,
         device=Device.parse(args.device) if args.device else None,
         bank_layers=(*args.bank_layer, *config.bank_layers) if args.bank_layer else None,
     )  # fmt: skip

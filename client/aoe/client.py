@@ -29,6 +29,7 @@ from google.protobuf import json_format
 
 from aoe.errors import AoedError, BankError, DaemonUnavailableError, JobCancelledError, ModelError, OptionError
 from aoe.errors import ResourceExhaustedError
+from aoe.jobtypes import parse_job_type
 from aoe.v1 import bank_pb2, bank_pb2_grpc, daemon_pb2, daemon_pb2_grpc, devices_pb2, devices_pb2_grpc
 from aoe.v1 import tuning_pb2, tuning_pb2_grpc
 
@@ -42,8 +43,8 @@ _MAX_MESSAGE = 64 << 20  # a Job of a large model lists thousands of task result
 _ARTIFACTS = {"model": tuning_pb2.RESULT_ARTIFACT_TUNED_MODEL, "json": tuning_pb2.RESULT_ARTIFACT_RESULT_JSON}
 _POLICIES = {"keep-faster": bank_pb2.MERGE_POLICY_KEEP_FASTER, "overwrite": bank_pb2.MERGE_POLICY_OVERWRITE,
              "keep-existing": bank_pb2.MERGE_POLICY_KEEP_EXISTING}  # fmt: skip
-_JOB_TYPES = {"opat": tuning_pb2.JOB_TYPE_OPAT, "2": tuning_pb2.JOB_TYPE_OPAT,
-              "sgat": tuning_pb2.JOB_TYPE_SGAT, "1": tuning_pb2.JOB_TYPE_SGAT}  # fmt: skip
+_JOB_TYPES = {"opat": tuning_pb2.JOB_TYPE_OPAT, "sgat": tuning_pb2.JOB_TYPE_SGAT,
+              "sgat+opat": tuning_pb2.JOB_TYPE_SGAT_OPAT}  # fmt: skip
 _PLAIN_OPTIONS = ("repeat_tune", "parallel", "device", "calibration_dir", "output_dir", "priority", "budget_s")
 _EXPORT_FILTERS = ("op_type", "device_digest", "precision", "entries_only", "no_history")
 #: The record kinds of the JSON Lines exchange format (aoe.bank.record_to_json writes it).
@@ -130,9 +131,7 @@ def job_options(options: tuning_pb2.JobOptions | Mapping[str, Any] | None = None
         if key == "precision":
             opts.precision = _enum(bank_pb2.Precision, "PRECISION_", value, "precision")
         elif key == "job_type":
-            if str(value).lower() not in _JOB_TYPES:
-                raise OptionError(f"job_type {value!r}: expected opat (2) or sgat (1)")
-            opts.job_type = _JOB_TYPES[str(value).lower()]
+            opts.job_type = _JOB_TYPES[parse_job_type(value, "job_type")]
         elif key == "input_shapes":
             opts.input_shapes.extend(tuning_pb2.InputShape(name=n, dims=d) for n, d in _shapes(value).items())
         elif key in ("min_cosine", "max_rel_error"):

@@ -9,6 +9,10 @@ only the last node's outputs escape and a rewrite can replace the chain unseen:
               constant statistics, then one activation
   matmul_act  MatMul of two activations (attention's Q·Kᵀ and P·V), alone
 
+SGAT's subgraph tasks (attention, layernorm, gelu) come from `aoe.subgraphs`; a job's
+type picks the tasks (`JOB_TYPES`): operators alone (opat), subgraphs alone (sgat), or
+subgraphs first and operators over the nodes they left (sgat+opat).
+
 Tasks with the same signature are tuned once: the first is the representative, the
 rest are its `twins`. `ModelTasks` indexes a model's tasks by node for bank lookups; it
 runs the same normalization (`aoe.graph`) and partition as the tuner, in pure onnx, so a
@@ -26,9 +30,11 @@ from dataclasses import dataclass, field
 
 import onnx
 
+from aoe.jobtypes import JOB_TYPES
 from aoe.signature import ModelContext, TaskSignature, task_signature
+from aoe.subgraphs import find_subgraphs
 
-__all__ = ["ACTIVATIONS", "FAMILIES", "ModelTasks", "Task", "partition"]
+__all__ = ["ACTIVATIONS", "FAMILIES", "JOB_TYPES", "ModelTasks", "Task", "partition"]
 
 #: Elementwise activations a task takes along as its epilogue.
 ACTIVATIONS = ("Relu", "Sigmoid", "Tanh", "LeakyRelu")
@@ -88,12 +94,56 @@ def _is_inference_bn(node: onnx.NodeProto, ctx: ModelContext) -> bool:
     )
 
 
-def partition(model: onnx.ModelProto, ctx: ModelContext) -> list[Task]:
-    """Return the representative tasks of `model` in graph order, twins attached.
+def partition(model: onnx.ModelProto, ctx: ModelContext, job_type: str = "opat") -> list[Task]:
+    """Return the representative tasks of `model` for `job_type` (`JOB_TYPES`), twins
+    attached: subgraph tasks first (in graph order), then operator tasks.
 
     Every node must have a unique, non-empty name (`aoe.graph.normalize` sees to it). A
     chain with a tensor of unknown shape has no signature and is not a task.
     """
+    if job_type not in JOB_TYPES:
+        raise ValueError(f"job type {job_type!r}: expected one of {', '.join(JOB_TYPES)}")
+    reps: dict[str, Task] = {}
+    order: list[Task] = []
+    taken: set[str] = set()
+    if job_type != "opat":
+        _subgraph_tasks(model, ctx, reps, order, taken)
+    if job_type != "sgat":
+        _operator_tasks(model, ctx, reps, order, taken)
+    return order
+
+
+def _add(task: Task, reps: dict[str, Task], order: list[Task], taken: set[str]) -> None:
+    taken.update(task.node_names)
+    rep = reps.get(task.signature.digest)
+    if rep is None:
+        reps[task.signature.digest] = task
+        order.append(task)
+    else:
+        rep.twins.append(task)
+
+
+def _subgraph_tasks(model: onnx.ModelProto, ctx: ModelContext, reps: dict[str, Task], order: list[Task],
+                    taken: set[str]) -> None:  # fmt: skip
+    for count, m in enumerate(find_subgraphs(model, ctx), 1):
+        try:
+            sig = task_signature(m.nodes, ctx)
+        except ValueError:
+            continue  # a tensor without a static shape: not tunable
+        produced = {o for n in m.nodes for o in n.output}
+        last = m.nodes[-1]
+        _add(Task(
+            id=f"s{count:03d}_{m.family}_{_slug(last.name)}",
+            family=m.family,
+            node_names=tuple(n.name for n in m.nodes),
+            signature=sig,
+            inputs=tuple(dict.fromkeys(i for n in m.nodes for i in n.input if i and i not in produced)),
+            outputs=tuple(o for o in last.output if o),
+        ), reps, order, taken)  # fmt: skip
+
+
+def _operator_tasks(model: onnx.ModelProto, ctx: ModelContext, reps: dict[str, Task], order: list[Task],
+                    taken: set[str]) -> None:  # fmt: skip
     g = model.graph
     consumers: dict[str, list[onnx.NodeProto]] = defaultdict(list)
     for node in g.node:
@@ -108,9 +158,6 @@ def partition(model: onnx.ModelProto, ctx: ModelContext) -> list[Task]:
             return None
         return users[0]
 
-    taken: set[str] = set()
-    reps: dict[str, Task] = {}
-    order: list[Task] = []
     count = 0
     for node in g.node:
         family = _family(node, ctx)
@@ -145,14 +192,7 @@ def partition(model: onnx.ModelProto, ctx: ModelContext) -> list[Task]:
             inputs=inputs,
             outputs=tuple(o for o in chain[-1].output if o),
         )
-        taken.update(task.node_names)
-        rep = reps.get(sig.digest)
-        if rep is None:
-            reps[sig.digest] = task
-            order.append(task)
-        else:
-            rep.twins.append(task)
-    return order
+        _add(task, reps, order, taken)
 
 
 class ModelTasks:

@@ -16,6 +16,7 @@ class JobType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     JOB_TYPE_UNSPECIFIED: _ClassVar[JobType]
     JOB_TYPE_SGAT: _ClassVar[JobType]
     JOB_TYPE_OPAT: _ClassVar[JobType]
+    JOB_TYPE_SGAT_OPAT: _ClassVar[JobType]
 
 class JobState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -44,6 +45,7 @@ class ResultArtifact(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
 JOB_TYPE_UNSPECIFIED: JobType
 JOB_TYPE_SGAT: JobType
 JOB_TYPE_OPAT: JobType
+JOB_TYPE_SGAT_OPAT: JobType
 JOB_STATE_UNSPECIFIED: JobState
 JOB_STATE_QUEUED: JobState
 JOB_STATE_PREPARING: JobState

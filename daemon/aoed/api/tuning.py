@@ -47,7 +47,8 @@ _LEVEL = {"debug": tuning_pb2.LOG_LEVEL_DEBUG, "info": tuning_pb2.LOG_LEVEL_INFO
 _PRECISION = {bank_pb2.PRECISION_UNSPECIFIED: "exact", bank_pb2.PRECISION_EXACT: "exact",
               bank_pb2.PRECISION_INT8: "int8", bank_pb2.PRECISION_INT4: "int4"}  # fmt: skip
 _PRECISION_CODE = {"exact": bank_pb2.PRECISION_EXACT, "int8": bank_pb2.PRECISION_INT8, "int4": bank_pb2.PRECISION_INT4}
-_JOB_TYPE = {tuning_pb2.JOB_TYPE_UNSPECIFIED: "opat", tuning_pb2.JOB_TYPE_OPAT: "opat", tuning_pb2.JOB_TYPE_SGAT: "sgat"}
+_JOB_TYPE = {tuning_pb2.JOB_TYPE_UNSPECIFIED: "opat", tuning_pb2.JOB_TYPE_OPAT: "opat", tuning_pb2.JOB_TYPE_SGAT: "sgat",
+             tuning_pb2.JOB_TYPE_SGAT_OPAT: "sgat+opat"}  # fmt: skip
 
 
 def confine(raw: str, allowed: tuple[Path, ...], what: str, want_dir: bool = False) -> Path:
@@ -123,7 +124,7 @@ def options_to_dict(o: tuning_pb2.JobOptions) -> dict[str, Any]:
 
 def job_options_pb(opts: dict[str, Any]) -> tuning_pb2.JobOptions:
     return tuning_pb2.JobOptions(
-        job_type=tuning_pb2.JOB_TYPE_SGAT if opts.get("job_type") == "sgat" else tuning_pb2.JOB_TYPE_OPAT,
+        job_type={v: k for k, v in _JOB_TYPE.items() if k}.get(opts.get("job_type", "opat"), tuning_pb2.JOB_TYPE_OPAT),
         precision=_PRECISION_CODE.get(opts.get("precision", "exact"), bank_pb2.PRECISION_EXACT),
         input_shapes=[tuning_pb2.InputShape(name=k, dims=v) for k, v in opts.get("input_shapes", {}).items()],
         repeat_tune=bool(opts.get("repeat_tune")),

@@ -22,6 +22,7 @@ from onnx import helper
 from aoe._session import METADATA_KEY
 from aoe.errors import AoedError
 from aoe.partition import Task, partition
+from aoe.subgraphs import SUBGRAPH_FAMILIES
 from aoe.signature import DeviceFingerprint, ModelContext, TaskSignature, canonical_json, normalized_attributes
 from aoed import __version__
 from aoed.bank._codec import BankRecord
@@ -82,9 +83,11 @@ def set_metadata(model: onnx.ModelProto, meta: Mapping[str, str]) -> None:
     helper.set_model_props(model, props)
 
 
-def tunable_tasks(model: onnx.ModelProto, ctx: ModelContext, registry: StrategyRegistry, precision: str) -> list[Task]:
-    """The tasks a job tunes: those with a choice of strategy under `precision`."""
-    return [t for t in partition(model, ctx) if registry.has_choice(t.family, precision)]
+def tunable_tasks(
+    model: onnx.ModelProto, ctx: ModelContext, registry: StrategyRegistry, precision: str, job_type: str = "opat"
+) -> list[Task]:
+    """The tasks a job of `job_type` tunes: those with a choice of strategy under `precision`."""
+    return [t for t in partition(model, ctx, job_type) if registry.has_choice(t.family, precision)]
 
 
 def task_rewrites(
@@ -155,7 +158,7 @@ class TaskOutcome:
     op_name: str
     op_type: str
     instances: int
-    status: str  # hit | default | miss | ignored | reverted
+    status: str  # hit | default | miss | ignored | reverted | covered (by an applied subgraph)
     strategy: str = DEFAULT
     layer: str = ""
     reason: str = ""
@@ -229,12 +232,21 @@ def from_bank(
         except ValueError as exc:
             session.status, session.reason, options = "ignored", f"unreadable session options ({exc})", {}
 
-    tasks = tunable_tasks(model, ctx, registry, precision)
+    # Subgraph entries first (an SGAT run's), then operator entries for the nodes no
+    # applied subgraph covers: a model tuned by SGAT, by OPAT or by both compiles alike.
+    tasks = tunable_tasks(model, ctx, registry, precision, "sgat") + tunable_tasks(model, ctx, registry, precision)
     outcomes: list[TaskOutcome] = []
     choices: dict[str, str] = {}
+    covered: dict[str, str] = {}  # node name -> the applied subgraph task covering it
     for t in tasks:
         key = bankrules.key_for(t.signature, device, precision)
         base = TaskOutcome(t.id, t.anchor, t.op_type, t.instances, "miss", key=key.decode())
+        inside = next((covered[n] for u in (t, *t.twins) for n in u.node_names if n in covered), None)
+        if inside is not None:
+            base.status, base.strategy = "covered", DEFAULT
+            base.reason = f"its nodes are in subgraph {inside}, whose bank entry is applied"
+            outcomes.append(base)
+            continue
         ans = _outcome(bank, key, base, device)
         if ans.kind == "hit" and t.signature.digest in reverted:
             base.status, base.strategy = "reverted", DEFAULT
@@ -243,10 +255,13 @@ def from_bank(
             try:
                 task_rewrites(model, ctx, consts, t, base.strategy, registry, ranges)
                 choices[t.id] = base.strategy
+                if t.family in SUBGRAPH_FAMILIES:
+                    covered.update((n, t.id) for u in (t, *t.twins) for n in u.node_names)
             except (KeyError, AoedError) as exc:
                 base.status, base.reason = "ignored", f"bank entry not applied: {exc}".strip()
                 base.strategy = DEFAULT
         outcomes.append(base)
+    tasks = [t for t, o in zip(tasks, outcomes) if o.status != "covered"]
     asm = Assembly(choices, options, outcomes, session)
     confirmed = bankrules.confirmed(ans_model)
     key_now = bankrules.choices_digest(tasks, choices, options)

@@ -51,6 +51,7 @@ class TaskResult:
     op_name: str
     op_type: str
     instances: int
+    family: str = ""  # matmul, conv, ... or a subgraph family (attention, layernorm, gelu)
     share: float = 0.0
     strategy: str = DEFAULT
     before_us: float = 0.0

@@ -166,6 +166,8 @@ class PrepareRequest:
     precision: str = "exact"
     input_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
     keep_initializer_inputs: bool = False
+    #: which tasks to find: opat (operators), sgat (subgraphs) or sgat+opat
+    job_type: str = "opat"
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,13 @@
     resources{device_s, duty_cycle, trials, failed_candidates, compile_s, memory ...},
     notes, tasks[...] (per task: strategy, update_mode, before/after, candidates, why)
 
-The OPAT section's baseline, result and improvement are the confirming A/B's, measured
-after every decision on rounds no decision used.
+An SGAT job (`aoe_result_sgat_...`) has an SGAT section instead, shaped alike, with
+`sgat_tuning_result` and `repo_modified_subgraphs{add_repo_subgraphs,
+update_repo_subgraphs}` ({subgraph_name, subgraph_type, task_id}); a sgat+opat job
+(`aoe_result_sgat_opat_...`) has both, each counting its own tasks.
+
+The OPAT (SGAT) section's baseline, result and improvement are the confirming A/B's,
+measured after every decision on rounds no decision used.
 
 Written atomically (temp file + rename), so a reader never sees half a document.
 """
@@ -29,7 +34,9 @@ from pathlib import Path
 from typing import Any
 
 from aoe.errors import AoedError
-from aoed.engine.job import JobResult
+from aoe.subgraphs import SUBGRAPH_FAMILIES
+from aoed.engine.bankrules import repo_summary
+from aoed.engine.job import JobResult, TaskResult
 from aoed.engine.modelio import process_umask
 
 __all__ = ["result_json", "write_json"]
@@ -46,6 +53,31 @@ def _json_safe(obj: object) -> object:
     return obj
 
 
+def _section(result: JobResult, part: str, tasks: list[TaskResult], whole: bool) -> dict[str, Any]:
+    """AOE's section for one job type (OPAT or SGAT) over its `tasks`. The model figures
+    are the job's (one model was measured); the repo summary counts this part's tasks,
+    and the job's session-options record too when the part is the whole job."""
+    if part == "sgat":
+        def name(t: TaskResult) -> dict[str, str]:
+            return {"subgraph_name": t.op_name, "subgraph_type": t.family, "task_id": t.task_id}
+
+        modified = {"add_repo_subgraphs": [name(t) for t in tasks if t.update_mode == "add"],
+                    "update_repo_subgraphs": [name(t) for t in tasks if t.update_mode == "update"]}  # fmt: skip
+    else:
+        modified = {"add_repo_operators": [{"op_name": t.op_name, "op_type": t.op_type} for t in tasks if t.update_mode == "add"],
+                    "update_repo_operators": [{"op_name": t.op_name, "op_type": t.op_type} for t in tasks
+                                              if t.update_mode == "update"]}  # fmt: skip
+    return {
+        "model_baseline_performance(ms)": round(result.baseline_ms, 6),
+        "model_result_performance(ms)": round(result.tuned_ms, 6),
+        "model_performance_improvement": round(result.improvement, 4),
+        f"{part}_tuning_result": "tuning successful",
+        "model_performance_verdict": result.confirmation.get("verdict", ""),
+        f"repo_modified_{'subgraphs' if part == 'sgat' else 'operators'}": modified,
+        "repo_summary": result.repo if whole else repo_summary([t.update_mode for t in tasks]),
+    }
+
+
 def result_json(result: JobResult, job_type: str = "opat") -> dict[str, Any]:
     """The AOE-shaped result document of a finished job."""
     tasks = []
@@ -55,6 +87,7 @@ def result_json(result: JobResult, job_type: str = "opat") -> dict[str, Any]:
                 "task_id": t.task_id,
                 "op_name": t.op_name,
                 "op_type": t.op_type,
+                "family": t.family,
                 "instances": t.instances,
                 "latency_share": round(t.share, 4),
                 "strategy": t.strategy,
@@ -70,9 +103,10 @@ def result_json(result: JobResult, job_type: str = "opat") -> dict[str, Any]:
                 "rejected": t.rejected,
             }
         )
-    added = [{"op_name": t.op_name, "op_type": t.op_type} for t in result.tasks if t.update_mode == "add"]
-    updated = [{"op_name": t.op_name, "op_type": t.op_type} for t in result.tasks if t.update_mode == "update"]
-    section = job_type.upper()
+    sections = {}
+    for part in job_type.split("+"):  # sgat+opat: an SGAT section, then an OPAT one
+        mine = [t for t in result.tasks if (t.family in SUBGRAPH_FAMILIES) == (part == "sgat")]
+        sections[part.upper()] = _section(result, part, mine, whole=part == job_type)
     return {
         "basic": {
             "tuning_name": Path(result.model).stem,
@@ -81,15 +115,7 @@ def result_json(result: JobResult, job_type: str = "opat") -> dict[str, Any]:
             "precision": result.precision,
             "device": result.device,
         },
-        section: {
-            "model_baseline_performance(ms)": round(result.baseline_ms, 6),
-            "model_result_performance(ms)": round(result.tuned_ms, 6),
-            "model_performance_improvement": round(result.improvement, 4),
-            f"{job_type}_tuning_result": "tuning successful",
-            "model_performance_verdict": result.confirmation.get("verdict", ""),
-            "repo_modified_operators": {"add_repo_operators": added, "update_repo_operators": updated},
-            "repo_summary": result.repo,
-        },
+        **sections,
         "confirmation": result.confirmation,
         "decision": result.decision,
         "budget": result.device_budget,

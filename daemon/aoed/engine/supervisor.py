@@ -120,7 +120,7 @@ async def run_stages(ctx: JobContext) -> JobResult:
     ctx.emit("stage", f"preparing {opts.model.name}")
     prep: PrepareReply = await _work(
         ctx, PrepareRequest(opts.model, ws.scratch, opts.precision, dict(opts.input_shapes),
-                            opts.keep_initializer_inputs), PrepareReply, "graph preparation")  # fmt: skip
+                            opts.keep_initializer_inputs, opts.job_type), PrepareReply, "graph preparation")  # fmt: skip
     ctx.prep = prep
     ctx.notes.extend(prep.notes)
     samples: SamplesReply = await _work(
@@ -138,7 +138,7 @@ async def run_stages(ctx: JobContext) -> JobResult:
     context_reverted = set() if opts.repeat_tune else bankrules.reverted_digests(model_ans)
 
     # Bank lookups first: what the bank answers costs no measurement.
-    results: dict[str, TaskResult] = {t.id: TaskResult(t.id, t.anchor, t.op_type, t.instances) for t in tasks}
+    results: dict[str, TaskResult] = {t.id: TaskResult(t.id, t.anchor, t.op_type, t.instances, t.family) for t in tasks}
     chosen: dict[str, str] = {}
     hits: dict[str, BankRecord] = {}
     lossy_cost: dict[str, tuple[float, float]] = {}

@@ -20,6 +20,7 @@ import shutil
 import time
 from pathlib import Path
 
+from aoe.jobtypes import result_slug
 from aoe.errors import AoedError
 
 __all__ = ["Workspace"]
@@ -73,7 +74,7 @@ class Workspace:
     def reserve_result(self, job_type: str) -> Path:
         """Claim `aoe_result_{job_type}_{ts}_{pid}.json` (suffixed when taken) in the
         output directory; returns its path (an empty file until written)."""
-        stem = f"aoe_result_{job_type}_{self.timestamp}_{os.getpid()}"
+        stem = f"aoe_result_{result_slug(job_type)}_{self.timestamp}_{os.getpid()}"
         for n in range(1, 10_000):
             path = self.output / (f"{stem}.json" if n == 1 else f"{stem}_{n}.json")
             try:

@@ -32,6 +32,7 @@ from typing import Any
 
 import trio
 
+from aoe.jobtypes import parse_job_type
 from aoe.device import Device
 from aoe.errors import AoedError, JobCancelledError, OptionError
 from aoed.config import DaemonConfig
@@ -82,10 +83,7 @@ def options_from_dict(raw: dict[str, Any], default_device: Device) -> dict[str, 
         "priority": int(raw.get("priority") or 0),
         "labels": {str(k): str(v) for k, v in (raw.get("labels") or {}).items()},
     }
-    if opts["job_type"] not in ("opat", "sgat"):
-        raise OptionError(f"job_type {opts['job_type']!r}: expected opat (2) or sgat (1)")
-    if opts["job_type"] == "sgat":
-        raise OptionError("job_type sgat (1): subgraph tuning is not available yet; use opat (2)")
+    opts["job_type"] = parse_job_type(opts["job_type"], "job_type")
     policy(opts["precision"], opts["min_cosine"], opts["max_rel_error"])
     if Device.parse(opts["device"]).name != default_device.name:
         raise OptionError(f"device {opts['device']}: this daemon measures on {default_device.name} (see aoe devices)")

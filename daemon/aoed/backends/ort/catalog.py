@@ -5,17 +5,20 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from aoe.partition import FAMILIES
-from aoed.backends.ort import quant, strategies
+from aoe.subgraphs import SUBGRAPH_FAMILIES
+from aoed.backends.ort import fusions, quant, strategies
 from aoed.engine.registry import StrategyRegistry
 
 __all__ = ["build_registry"]
 
 
 def build_registry(plugins: Iterable[str] = ()) -> StrategyRegistry:
-    """A registry with every family's default, the exact and the int8 strategies, then
-    those the `plugins` modules register. Raises OptionError for a broken plugin."""
-    registry = StrategyRegistry(FAMILIES)
+    """A registry with every family's default (operator and subgraph families), the exact,
+    subgraph and int8 strategies, then those the `plugins` modules register. Raises
+    OptionError for a broken plugin."""
+    registry = StrategyRegistry((*FAMILIES, *SUBGRAPH_FAMILIES))
     strategies.register(registry)
+    fusions.register(registry)
     quant.register(registry)
     registry.load_plugins(plugins)
     return registry

@@ -97,7 +97,7 @@ def _prepare(req: m.PrepareRequest) -> m.PrepareReply:
                              f"{_ort_error(exc, prep.path)}") from None  # fmt: skip
     del sess
     assert _registry is not None
-    tasks = tunable_tasks(prep.model, prep.ctx, _registry, req.precision)
+    tasks = tunable_tasks(prep.model, prep.ctx, _registry, req.precision, req.job_type)
     return m.PrepareReply(
         prepared=prep.path,
         inputs=prep.inputs,

@@ -1,0 +1,628 @@
+"""Subgraph strategies for ONNX Runtime's CPU provider (SGAT, precision ``exact``).
+
+Each rewrites a whole subgraph (`aoe.subgraphs`) into what onnxruntime runs as fewer,
+fused kernels, with the same outputs up to float rounding:
+
+- ``attention``: the com.microsoft ``Attention`` kernel over packed Q/K/V weights (one
+  product, then scaled dot product, softmax and merge in one kernel); the
+  ``MultiHeadAttention`` kernel after one packed projection; or only the packing (one
+  product over the concatenated weights and a Split, the rest as it was).
+- ``layernorm``: ``LayerNormalization`` for the written-out form (opset 17 and later);
+  ``SkipLayerNormalization`` for a residual Add and its LayerNorm.
+- ``gelu``: ``Gelu``, ``BiasGelu`` (the FFN's bias folded in) and ``FastGelu`` (tanh form).
+
+Under the ``int8`` policy (weights int8 per column, activations quantized at run time):
+``int8_qattention`` (the input quantized once, the whole block on com.microsoft
+QAttention), ``int8_packed_qkv`` (one DynamicQuantizeMatMul over the packed weight, the
+rest float) and ``int8_bias_gelu`` (the FFN's first product in int8, then BiasGelu).
+
+Each int8 one quantizes a shared input once where per-operator int8 quantizes it for
+every product. A strategy returns None where the subgraph's details do not fit its kernel (a mask it
+cannot express, a scale applied after a mask that is not constant, a rank it does not
+take); the default then stays. The scale, mask and head count are read from the task's
+constants, never assumed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+import onnx
+from onnx import helper
+
+from aoed.backends.ort._rewrite import attrs_of, init
+from aoed.engine.registry import StrategyRegistry
+from aoed.engine.tasks import CONTRIB_DOMAIN, Rewrite, TaskView
+
+__all__ = ["register"]
+
+
+def _scalar(view: TaskView, name: str) -> float | None:
+    v = view.const(name)
+    if v is None or np.size(v) != 1:
+        return None
+    return float(np.asarray(v).reshape(()))
+
+
+class _Nodes:
+    """The task's nodes by the tensors they write and read."""
+
+    def __init__(self, view: TaskView):
+        self.view = view
+        self.producer = {o: n for n in view.nodes for o in n.output if o}
+        self.users: dict[str, list[onnx.NodeProto]] = {}
+        for n in view.nodes:
+            for i in n.input:
+                self.users.setdefault(i, []).append(n)
+
+    def made(self, tensor: str, *op_types: str) -> onnx.NodeProto | None:
+        n = self.producer.get(tensor)
+        return n if n is not None and n.op_type in op_types else None
+
+
+# --------------------------------------------------------------------------- attention
+
+
+class _Attention:
+    """The parts of an attention subgraph a fused kernel needs."""
+
+    x: str
+    weights: list[np.ndarray]  # Wq, Wk, Wv as [hidden, h]
+    biases: list[np.ndarray]  # bq, bk, bv (zeros where the model has none)
+    adds: list[onnx.NodeProto | None]  # the bias Add of each projection
+    matmuls: list[onnx.NodeProto]
+    heads: int
+    head_dim: int
+    scale: float  # of Q·Kᵀ before the mask
+    mask: str | None = None  # an additive mask tensor, [.., S, T] (activation or constant)
+    mask_value: np.ndarray | None = None  # its value when constant (scaled as the scores are)
+    causal: bool = False
+
+
+def _walk_scale(nodes: _Nodes, tensor: str, factor: float) -> tuple[str, float] | None:
+    """Back over scalar Mul/Div from `tensor`: (where it starts, the product of the scales)."""
+    view = nodes.view
+    while True:
+        n = nodes.made(tensor, "Mul", "Div")
+        if n is None:
+            return tensor, factor
+        a, b = _scalar(view, n.input[0]), _scalar(view, n.input[1])
+        if n.op_type == "Div" and b is not None and b != 0:
+            factor /= b
+            tensor = n.input[0]
+        elif n.op_type == "Mul" and b is not None:
+            factor *= b
+            tensor = n.input[0]
+        elif n.op_type == "Mul" and a is not None:
+            factor *= a
+            tensor = n.input[1]
+        else:
+            return tensor, factor
+
+
+def _project(nodes: _Nodes, tensor: str, perms: int) -> tuple[str, float, onnx.NodeProto, onnx.NodeProto | None, tuple] | None:
+    """(x, scale, MatMul, bias Add, heads shape) of a projection ending in `tensor`."""
+    view = nodes.view
+    got = _walk_scale(nodes, tensor, 1.0)
+    if got is None:
+        return None
+    tensor, scale = got
+    for _ in range(perms):
+        t = nodes.made(tensor, "Transpose")
+        if t is None:
+            return None
+        tensor, scale = _walk_scale(nodes, t.input[0], scale) or (None, 0.0)
+        if tensor is None:
+            return None
+    r = nodes.made(tensor, "Reshape")
+    if r is None:
+        return None
+    heads_shape = view.info(r.output[0])
+    tensor, scale = _walk_scale(nodes, r.input[0], scale) or (None, 0.0)
+    if tensor is None or heads_shape is None or len(heads_shape.shape) != 4:
+        return None
+    add = nodes.made(tensor, "Add")
+    if add is not None:
+        tensor = next((i for i in add.input if i in nodes.producer), "")
+    mm = nodes.made(tensor, "MatMul")
+    if mm is None:
+        return None
+    return mm.input[0], scale, mm, add, tuple(heads_shape.shape)
+
+
+def _attention_parts(view: TaskView) -> _Attention | None:
+    nodes = _Nodes(view)
+    sm = next((n for n in view.nodes if n.op_type == "Softmax"), None)
+    if sm is None:
+        return None
+    att = _Attention()
+    # From Softmax back to Q·Kᵀ: scales, the mask Add, a causal Where.
+    steps: list[tuple[str, object]] = []
+    t = sm.input[0]
+    qk = None
+    while qk is None:
+        n = nodes.producer.get(t)
+        if n is None:
+            return None
+        if n.op_type == "MatMul":
+            qk = n
+        elif n.op_type in ("Mul", "Div"):
+            s, f = _walk_scale(nodes, t, 1.0) or (t, 1.0)
+            if s == t:
+                return None
+            steps.append(("scale", f))
+            t = s
+        elif n.op_type == "Add":
+            side = next((i for i in n.input if i in nodes.producer and _to_scores(nodes, i)), None)
+            if side is None:
+                return None
+            steps.append(("mask", n.input[1] if n.input[0] == side else n.input[0]))
+            t = side
+        elif n.op_type == "Where":
+            cond, fill = view.const(n.input[0]), view.const(n.input[2])
+            if cond is None or fill is None:
+                return None
+            steps.append(("where", (np.asarray(cond, bool), np.asarray(fill, np.float32))))
+            t = n.input[1]
+        else:
+            return None
+    pv = next((n for n in view.nodes if n.op_type == "MatMul" and n.input[0] == sm.output[0]), None)
+    if pv is None:
+        return None
+    q = _project(nodes, qk.input[0], 1)
+    k = _project(nodes, qk.input[1], 2) or _project(nodes, qk.input[1], 1)  # Kᵀ in two steps, or one
+    v = _project(nodes, pv.input[1], 1)
+    if q is None or k is None or v is None or len({q[0], k[0], v[0]}) != 1:
+        return None
+    b, s, heads, head_dim = q[4]
+    if k[4] != q[4] or v[4][2] != heads:
+        return None
+    att.x = q[0]
+    att.heads, att.head_dim = int(heads), int(head_dim)
+    att.matmuls = [q[2], k[2], v[2]]
+    att.adds = [q[3], k[3], v[3]]
+    att.weights, att.biases = [], []
+    for mm, add in zip(att.matmuls, att.adds):
+        w = view.const(mm.input[1])
+        if w is None or w.ndim != 2:
+            return None
+        bias = np.zeros(w.shape[1], w.dtype)
+        if add is not None:
+            bv = view.const(next(i for i in add.input if i not in nodes.producer))
+            if bv is None or bv.size != w.shape[1]:
+                return None
+            bias = np.asarray(bv, w.dtype).reshape(-1)
+        att.weights.append(np.asarray(w))
+        att.biases.append(bias)
+    xi = view.info(att.x)
+    if xi is None or len(xi.shape) != 3 or att.weights[0].shape[1] != att.heads * att.head_dim:
+        return None
+    seq = xi.shape[1]
+    # The scores' transform, from Q·Kᵀ outwards: scale, then mask (scaled by any later
+    # scale), then a causal Where. Anything else does not fit the kernel.
+    scale = q[1] * k[1]
+    mask: np.ndarray | str | None = None
+    later = 1.0
+    for kind, arg in steps:  # softmax side first
+        if kind == "scale":
+            later *= float(arg)  # type: ignore[arg-type]
+        elif kind == "mask":
+            if mask is not None:
+                return None
+            name = str(arg)
+            value = view.const(name)
+            if value is None:
+                if later != 1.0:
+                    return None
+                mask = name
+            else:
+                mask = np.asarray(value, np.float32) * np.float32(later)
+        elif kind == "where":
+            cond, fill = arg  # type: ignore[misc]
+            if mask is not None and not isinstance(mask, np.ndarray):
+                return None
+            bias = np.where(cond, np.float32(0), fill * np.float32(later)).astype(np.float32)
+            mask = bias if mask is None else mask + bias
+    att.scale = scale * later
+    if isinstance(mask, np.ndarray):
+        full = np.broadcast_to(mask, np.broadcast_shapes(mask.shape, (1, 1, seq, seq)))
+        if full.shape[-2:] != (seq, seq) or full.ndim != 4:
+            return None
+        lower = np.tril(np.ones((seq, seq), bool))
+        if np.all(full[..., lower] == 0) and np.all(full[..., ~lower] <= -1e4):
+            att.causal = True
+        elif not np.all(full == 0):
+            att.mask_value = np.ascontiguousarray(full[:, :, :, :]).astype(np.float32)
+    elif isinstance(mask, str):
+        mi = view.info(mask)
+        if mi is None or len(mi.shape) != 4 or tuple(mi.shape[-2:]) not in ((seq, seq), (1, seq)):
+            return None
+        att.mask = mask
+    if not math.isfinite(att.scale):
+        return None
+    return att
+
+
+def _to_scores(nodes: _Nodes, tensor: str) -> bool:
+    for _ in range(8):
+        n = nodes.producer.get(tensor)
+        if n is None:
+            return False
+        if n.op_type == "MatMul":
+            return True
+        if n.op_type in ("Mul", "Div"):
+            tensor = n.input[0] if n.input[0] in nodes.producer else n.input[1]
+        elif n.op_type == "Where":
+            tensor = n.input[1]
+        elif n.op_type == "Add":
+            return any(_to_scores(nodes, i) for i in n.input if i in nodes.producer)
+        else:
+            return False
+    return False
+
+
+def _bias_input(view: TaskView, att: _Attention, nodes: list, inits: list) -> str:
+    """The attention_bias input: a constant [.., S, S], or the mask tensor expanded to
+    [B, 1|N, S, S]; '' when there is none."""
+    if att.mask_value is not None:
+        t = init(view, "attention_bias", att.mask_value)
+        inits.append(t)
+        return t.name
+    if att.mask is None:
+        return ""
+    mi = view.info(att.mask)
+    xi = view.info(att.x)
+    assert mi is not None and xi is not None
+    if mi.shape[-2] == xi.shape[1]:
+        return att.mask
+    shape = init(view, "attention_bias_shape", np.array([mi.shape[0], mi.shape[1], xi.shape[1], mi.shape[3]], np.int64))
+    inits.append(shape)
+    out = view.name("attention_bias")
+    nodes.append(helper.make_node("Expand", [att.mask, shape.name], [out], name=view.name("ExpandMask")))
+    return out
+
+
+def _fused_attention(view: TaskView) -> Rewrite | None:
+    """Q/K/V projections, scaled dot product, softmax and head merge as one com.microsoft
+    Attention over the packed [hidden, 3h] weight."""
+    att = _attention_parts(view)
+    if att is None:
+        return None
+    w = init(view, "qkv_weight", np.concatenate(att.weights, axis=1))
+    b = init(view, "qkv_bias", np.concatenate(att.biases))
+    nodes: list = []
+    inits = [w, b]
+    bias = _bias_input(view, att, nodes, inits)
+    ins = [att.x, w.name, b.name]
+    if bias:
+        ins += ["", "", bias]
+    nodes.append(helper.make_node(
+        "Attention", ins, [view.output], name=view.name("Attention"), domain=CONTRIB_DOMAIN,
+        num_heads=att.heads, scale=float(att.scale), unidirectional=int(att.causal),
+    ))  # fmt: skip
+    return Rewrite(tuple(nodes), tuple(inits))
+
+
+def _packed_projection(view: TaskView, att: _Attention, with_bias: bool) -> tuple[list, list, list[str]]:
+    """One MatMul over the concatenated weights (and bias Add), split into q, k, v."""
+    h = [w.shape[1] for w in att.weights]
+    w = init(view, "qkv_weight", np.concatenate(att.weights, axis=1))
+    inits = [w]
+    mm = view.name("qkv")
+    nodes = [helper.make_node("MatMul", [att.x, w.name], [mm], name=view.name("QkvMatMul"))]
+    if with_bias:
+        b = init(view, "qkv_bias", np.concatenate(att.biases))
+        inits.append(b)
+        nodes.append(helper.make_node("Add", [mm, b.name], [view.name("qkv_b")], name=view.name("QkvAdd")))
+        mm = view.name("qkv_b")
+    sizes = init(view, "qkv_split", np.array(h, np.int64))
+    outs = [view.name(p) for p in ("q", "k", "v")]
+    if view.opset >= 13:
+        inits.append(sizes)
+        nodes.append(helper.make_node("Split", [mm, sizes.name], outs, name=view.name("QkvSplit"), axis=-1))
+    else:
+        nodes.append(helper.make_node("Split", [mm], outs, name=view.name("QkvSplit"), axis=-1, split=h))
+    return nodes, inits, outs
+
+
+def _packed_qkv(view: TaskView) -> Rewrite | None:
+    """The three projections as one MatMul over the concatenated weights, then Split;
+    the rest of the block as the model has it."""
+    att = _attention_parts(view)
+    if att is None:
+        return None
+    nodes, inits, outs = _packed_projection(view, att, with_bias=any(a is not None for a in att.adds))
+    replaced = {n.name for n in att.matmuls} | {a.name for a in att.adds if a is not None}
+    renames = {}
+    for mm, add, out in zip(att.matmuls, att.adds, outs):
+        renames[(add or mm).output[0]] = out
+    for n in view.nodes:
+        if n.name in replaced:
+            continue
+        copy = onnx.NodeProto()
+        copy.CopyFrom(n)
+        for i, name in enumerate(copy.input):
+            if name in renames:
+                copy.input[i] = renames[name]
+        nodes.append(copy)
+    return Rewrite(tuple(nodes), tuple(inits))
+
+
+def _multihead_attention(view: TaskView) -> Rewrite | None:
+    """One packed projection, Split, then com.microsoft MultiHeadAttention (the bias added
+    inside the kernel)."""
+    att = _attention_parts(view)
+    if att is None:
+        return None
+    nodes, inits, outs = _packed_projection(view, att, with_bias=False)
+    b = init(view, "qkv_bias", np.concatenate(att.biases))
+    inits.append(b)
+    bias = _bias_input(view, att, nodes, inits)
+    ins = [*outs, b.name, "", bias] if bias else [*outs, b.name]
+    nodes.append(helper.make_node(
+        "MultiHeadAttention", ins, [view.output], name=view.name("MultiHeadAttention"), domain=CONTRIB_DOMAIN,
+        num_heads=att.heads, scale=float(att.scale), unidirectional=int(att.causal),
+    ))  # fmt: skip
+    return Rewrite(tuple(nodes), tuple(inits))
+
+
+# --------------------------------------------------------------------------- layernorm
+
+
+def _ln_parts(view: TaskView) -> tuple[str, str | None, np.ndarray, np.ndarray, float] | None:
+    """(x, residual other input or None, gamma, beta, epsilon) of a layernorm task; x is
+    the residual's first input when there is one."""
+    nodes = _Nodes(view)
+    first = view.nodes[0]
+    res = first if first.op_type == "Add" and len(view.nodes) > 1 else None
+    ln = next((n for n in view.nodes if n.op_type == "LayerNormalization"), None)
+    hidden_info = view.info(view.output)
+    if hidden_info is None:
+        return None
+    hidden = hidden_info.shape[-1]
+    dtype = np.dtype(hidden_info.dtype)
+    if ln is not None:
+        gamma = view.const(ln.input[1])
+        beta = view.const(ln.input[2]) if len(ln.input) > 2 and ln.input[2] else np.zeros(hidden, dtype)
+        eps = float(attrs_of(ln).get("epsilon", 1e-5))
+    else:
+        eps_add = next((n for n in view.nodes if n.op_type == "Add" and any(_scalar(view, i) is not None for i in n.input)), None)
+        if eps_add is None:
+            return None
+        eps = next(_scalar(view, i) for i in eps_add.input if _scalar(view, i) is not None)  # type: ignore[misc]
+        norm = next(n for n in view.nodes if n.op_type in ("Div", "Reciprocal"))
+        out = norm.output[0] if norm.op_type == "Div" else nodes.users[norm.output[0]][0].output[0]
+        gamma, beta = np.ones(hidden, dtype), np.zeros(hidden, dtype)
+        for op in ("Mul", "Add"):
+            users = nodes.users.get(out, [])
+            if len(users) == 1 and users[0].op_type == op:
+                c = view.const(next(i for i in users[0].input if i != out))
+                if c is None or c.size != hidden:
+                    return None
+                if op == "Mul":
+                    gamma = np.asarray(c, dtype).reshape(-1)
+                else:
+                    beta = np.asarray(c, dtype).reshape(-1)
+                out = users[0].output[0]
+    if gamma is None or beta is None or np.size(gamma) != hidden or np.size(beta) != hidden:
+        return None
+    gamma, beta = np.asarray(gamma, dtype).reshape(-1), np.asarray(beta, dtype).reshape(-1)
+    if res is None:
+        x = (ln or view.nodes[0]).input[0]
+        return x, None, gamma, beta, eps
+    return res.input[0], res.input[1], gamma, beta, eps
+
+
+def _layer_normalization(view: TaskView) -> Rewrite | None:
+    """The written-out LayerNorm as one LayerNormalization (opset 17 and later); a
+    residual Add in front stays."""
+    if view.opset < 17 or any(n.op_type == "LayerNormalization" for n in view.nodes):
+        return None
+    parts = _ln_parts(view)
+    if parts is None:
+        return None
+    x, skip, gamma, beta, eps = parts
+    g, b = init(view, "gamma", gamma), init(view, "beta", beta)
+    nodes = []
+    if skip is not None:
+        nodes.append(helper.make_node("Add", [x, skip], [view.name("sum")], name=view.name("Residual")))
+        x = view.name("sum")
+    nodes.append(helper.make_node("LayerNormalization", [x, g.name, b.name], [view.output], name=view.name("LayerNorm"),
+                                  axis=-1, epsilon=eps))  # fmt: skip
+    return Rewrite(tuple(nodes), (g, b))
+
+
+def _skip_layer_normalization(view: TaskView) -> Rewrite | None:
+    """A residual Add and its LayerNorm as one com.microsoft SkipLayerNormalization."""
+    parts = _ln_parts(view)
+    if parts is None or parts[1] is None:
+        return None
+    x, skip, gamma, beta, eps = parts
+    xi, si = view.info(x), view.info(skip)
+    if xi is None or si is None or xi.shape != si.shape or len(xi.shape) != 3:
+        return None
+    g, b = init(view, "gamma", gamma), init(view, "beta", beta)
+    node = helper.make_node("SkipLayerNormalization", [x, skip, g.name, b.name], [view.output],
+                            name=view.name("SkipLayerNorm"), domain=CONTRIB_DOMAIN, epsilon=eps)  # fmt: skip
+    return Rewrite((node,), (g, b))
+
+
+# --------------------------------------------------------------------------- gelu
+
+
+def _gelu_parts(view: TaskView) -> tuple[str, onnx.NodeProto | None, np.ndarray | None, bool] | None:
+    """(GELU's input, the MatMul before it or None, its bias or None, tanh form)."""
+    nodes = _Nodes(view)
+    tanh = any(n.op_type == "Tanh" for n in view.nodes)
+    mm = view.nodes[0] if view.nodes[0].op_type == "MatMul" else None
+    add = view.nodes[1] if mm is not None and len(view.nodes) > 1 and view.nodes[1].op_type == "Add" else None
+    if mm is not None and add is not None:
+        bias = view.const(next((i for i in add.input if i != mm.output[0]), ""))
+        if bias is None:
+            return None
+        out = view.info(add.output[0])
+        if out is None or bias.size != out.shape[-1] or bias.ndim > 1 and any(d != 1 for d in bias.shape[:-1]):
+            return None
+        return mm.output[0], mm, np.asarray(bias).reshape(-1), tanh
+    outside = [i for n in view.nodes for i in n.input if i not in nodes.producer and view.const(i) is None]
+    if len(set(outside)) != 1:
+        return None
+    return outside[0], None, None, tanh
+
+
+def _keep_product(view: TaskView, mm: onnx.NodeProto | None) -> list:
+    return [mm] if mm is not None else []
+
+
+def _gelu(view: TaskView) -> Rewrite | None:
+    """GELU (erf form) as one com.microsoft Gelu; the product and bias stay."""
+    parts = _gelu_parts(view)
+    if parts is None or parts[3]:
+        return None
+    x, mm, bias, _ = parts
+    nodes = _keep_product(view, mm)
+    inits = []
+    if bias is not None:
+        b = init(view, "bias", bias)
+        inits.append(b)
+        nodes.append(helper.make_node("Add", [x, b.name], [view.name("biased")], name=view.name("Bias")))
+        x = view.name("biased")
+    nodes.append(helper.make_node("Gelu", [x], [view.output], name=view.name("Gelu"), domain=CONTRIB_DOMAIN))
+    return Rewrite(tuple(nodes), tuple(inits))
+
+
+def _bias_gelu(view: TaskView) -> Rewrite | None:
+    """The FFN's bias Add and GELU (erf form) as one com.microsoft BiasGelu."""
+    parts = _gelu_parts(view)
+    if parts is None or parts[3] or parts[2] is None:
+        return None
+    x, mm, bias, _ = parts
+    b = init(view, "bias", bias)
+    node = helper.make_node("BiasGelu", [x, b.name], [view.output], name=view.name("BiasGelu"), domain=CONTRIB_DOMAIN)
+    return Rewrite((*_keep_product(view, mm), node), (b,))
+
+
+def _fast_gelu(view: TaskView) -> Rewrite | None:
+    """GELU in tanh form (and its bias) as one com.microsoft FastGelu: the same formula."""
+    parts = _gelu_parts(view)
+    if parts is None or not parts[3]:
+        return None
+    x, mm, bias, _ = parts
+    inits: Sequence = ()
+    ins = [x]
+    if bias is not None:
+        b = init(view, "bias", bias)
+        inits, ins = (b,), [x, b.name]
+    node = helper.make_node("FastGelu", ins, [view.output], name=view.name("FastGelu"), domain=CONTRIB_DOMAIN)
+    return Rewrite((*_keep_product(view, mm), node), tuple(inits))
+
+
+# --------------------------------------------------------------------------- int8
+
+
+def _int8_weight(w: np.ndarray, per_channel: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric int8 of a [K, N] weight: per output column or per tensor."""
+    amax = np.abs(w).max(axis=0) if per_channel else np.asarray(np.abs(w).max())
+    scale = np.where(amax > 0, amax / 127.0, 1.0).astype(np.float32)
+    q = np.clip(np.round(w / scale), -127, 127).astype(np.int8)
+    return q, scale
+
+
+def _int8_qattention(view: TaskView) -> Rewrite | None:
+    """The whole attention block on one int8 kernel: the input quantized once
+    (DynamicQuantizeLinear) and com.microsoft QAttention over the packed int8 weight
+    (per column). Only without a mask or with a causal one (QAttention takes no bias)."""
+    att = _attention_parts(view)
+    if att is None or att.mask is not None or att.mask_value is not None:
+        return None
+    wq, ws = _int8_weight(np.concatenate(att.weights, axis=1).astype(np.float32), per_channel=True)
+    inits = [init(view, "qkv_weight_q", wq), init(view, "qkv_weight_scale", ws),
+             init(view, "qkv_weight_zp", np.zeros(ws.shape, np.int8)),
+             init(view, "qkv_bias", np.concatenate(att.biases).astype(np.float32))]  # fmt: skip
+    xq, xs, xz = view.name("x_q"), view.name("x_scale"), view.name("x_zp")
+    nodes = [
+        helper.make_node("DynamicQuantizeLinear", [att.x], [xq, xs, xz], name=view.name("QuantizeX")),
+        helper.make_node(
+            "QAttention", [xq, inits[0].name, inits[3].name, xs, inits[1].name, "", xz, inits[2].name],
+            [view.output], name=view.name("QAttention"), domain=CONTRIB_DOMAIN,
+            num_heads=att.heads, scale=float(att.scale), unidirectional=int(att.causal),
+        ),
+    ]  # fmt: skip
+    return Rewrite(tuple(nodes), tuple(inits))
+
+
+def _int8_packed_qkv(view: TaskView) -> Rewrite | None:
+    """The three projections as one int8 product: the shared input quantized once
+    (com.microsoft DynamicQuantizeMatMul over the packed weight, per column), then Split;
+    the scaled dot product stays float."""
+    att = _attention_parts(view)
+    if att is None:
+        return None
+    h = [w.shape[1] for w in att.weights]
+    wq, ws = _int8_weight(np.concatenate(att.weights, axis=1).astype(np.float32), per_channel=True)
+    inits = [init(view, "qkv_weight_q", wq), init(view, "qkv_weight_scale", ws),
+             init(view, "qkv_weight_zp", np.zeros(ws.shape, np.int8)),
+             init(view, "qkv_bias", np.concatenate(att.biases).astype(np.float32)),
+             init(view, "qkv_split", np.array(h, np.int64))]  # fmt: skip
+    qkv = view.name("qkv")
+    outs = [view.name(p) for p in ("q", "k", "v")]
+    nodes = [
+        helper.make_node("DynamicQuantizeMatMul", [att.x, *(i.name for i in inits[:4])], [qkv],
+                         name=view.name("QkvDynamicQuantizeMatMul"), domain=CONTRIB_DOMAIN),
+        helper.make_node("Split", [qkv, inits[4].name], outs, name=view.name("QkvSplit"), axis=-1),
+    ]  # fmt: skip
+    if view.opset < 13:
+        return None
+    replaced = {n.name for n in att.matmuls} | {a.name for a in att.adds if a is not None}
+    renames = {(add or mm).output[0]: out for mm, add, out in zip(att.matmuls, att.adds, outs)}
+    for n in view.nodes:
+        if n.name in replaced:
+            continue
+        copy = onnx.NodeProto()
+        copy.CopyFrom(n)
+        for i, name in enumerate(copy.input):
+            copy.input[i] = renames.get(name, name)
+        nodes.append(copy)
+    return Rewrite(tuple(nodes), tuple(inits))
+
+
+def _int8_bias_gelu(view: TaskView) -> Rewrite | None:
+    """The FFN's first product in int8 (DynamicQuantizeMatMul, weight per column), then
+    its bias and GELU as one BiasGelu (erf form) or FastGelu (tanh form)."""
+    parts = _gelu_parts(view)
+    if parts is None or parts[1] is None or parts[2] is None:
+        return None
+    _x, mm, bias, tanh = parts
+    w = view.const(mm.input[1])
+    if w is None or w.ndim != 2:
+        return None
+    wq, ws = _int8_weight(np.asarray(w, np.float32), per_channel=True)
+    inits = [init(view, "weight_q", wq), init(view, "weight_scale", ws),
+             init(view, "weight_zp", np.zeros(ws.shape, np.int8)), init(view, "bias", bias.astype(np.float32))]  # fmt: skip
+    y = view.name("product")
+    nodes = [
+        helper.make_node("DynamicQuantizeMatMul", [mm.input[0], *(i.name for i in inits[:3])], [y],
+                         name=view.name("DynamicQuantizeMatMul"), domain=CONTRIB_DOMAIN),
+        helper.make_node("FastGelu" if tanh else "BiasGelu", [y, inits[3].name], [view.output],
+                         name=view.name("FastGelu" if tanh else "BiasGelu"), domain=CONTRIB_DOMAIN),
+    ]  # fmt: skip
+    return Rewrite(tuple(nodes), tuple(inits))
+
+
+def register(registry: StrategyRegistry) -> None:
+    """Add the subgraph strategies to `registry`."""
+    s = registry.strategy
+    s("fused_attention", "attention")(_fused_attention)
+    s("multihead_attention", "attention")(_multihead_attention)
+    s("packed_qkv", "attention")(_packed_qkv)
+    s("layer_normalization", "layernorm")(_layer_normalization)
+    s("skip_layer_normalization", "layernorm")(_skip_layer_normalization)
+    s("gelu", "gelu")(_gelu)
+    s("bias_gelu", "gelu")(_bias_gelu)
+    s("fast_gelu", "gelu")(_fast_gelu)
+    s("int8_qattention", "attention", "int8")(_int8_qattention)
+    s("int8_packed_qkv", "attention", "int8")(_int8_packed_qkv)
+    s("int8_bias_gelu", "gelu", "int8")(_int8_bias_gelu)
+

@@ -1,0 +1,435 @@
+"""SGAT's subgraphs: recognized by structure in the forms exporters write, rewritten into
+fused kernels that compute the same outputs, tuned as jobs and applied from the bank.
+
+The blocks are built here in the shapes torch.onnx and Hugging Face exports use (scale
+on Q or on the scores, Kᵀ in one Transpose or two, additive padding masks from an
+input, causal masks as an Add or a Where, LayerNorm and GELU written out in their
+variants); every node then gets a random name, so nothing can match by name.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import uuid
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from aoe.bank import open_bank
+from aoe.graph import normalize
+from aoe.jobtypes import parse_job_type
+from aoe.errors import OptionError
+from aoe.partition import partition
+from aoe.signature import ModelContext
+from aoe.subgraphs import find_subgraphs
+from aoed.backends.ort.catalog import build_registry
+from aoed.bank._codec import Measured
+from aoed.engine.assemble import task_rewrites
+from aoed.engine.prep import make_inputs, prepare
+from aoed.engine.tasks import Constants, apply_rewrites
+
+from .conftest import run_aoe
+from .test_bank_reader import make_bank, rec
+
+B, S, H, N = 1, 16, 32, 4
+D = H // N
+REGISTRY = build_registry()
+
+
+class G:
+    """A tiny graph builder: nodes get their op type as a name until `anonymize`."""
+
+    def __init__(self, seed: int = 0, opset: int = 17):
+        self.rng = np.random.default_rng(seed)
+        self.nodes: list[onnx.NodeProto] = []
+        self.inits: list[onnx.TensorProto] = []
+        self.inputs: list[onnx.ValueInfoProto] = []
+        self.opset = opset
+        self._n = 0
+
+    def t(self, value, name: str | None = None) -> str:
+        self._n += 1
+        name = name or f"c{self._n}"
+        self.inits.append(numpy_helper.from_array(np.asarray(value), name))
+        return name
+
+    def w(self, *shape: int, std: float = 0.2) -> str:
+        return self.t((self.rng.standard_normal(shape) * std).astype(np.float32))
+
+    def f(self, v: float) -> str:
+        return self.t(np.array(v, np.float32))
+
+    def n(self, op: str, *ins: str, **attrs) -> str:
+        self._n += 1
+        out = f"v{self._n}"
+        self.nodes.append(helper.make_node(op, list(ins), [out], name=f"{op}_{self._n}", **attrs))
+        return out
+
+    def input(self, name: str, shape, dtype=TensorProto.FLOAT) -> str:
+        self.inputs.append(helper.make_tensor_value_info(name, dtype, list(shape)))
+        return name
+
+    def model(self, out: str, shape=(B, S, H)) -> onnx.ModelProto:
+        self.nodes[-1].output[0] = "y"
+        for n in self.nodes:  # the last node's output was renamed: rewire its readers
+            for i, name in enumerate(n.input):
+                if name == out:
+                    n.input[i] = "y"
+        g = helper.make_graph(self.nodes, "g", self.inputs, [helper.make_tensor_value_info("y", TensorProto.FLOAT, list(shape))],
+                              initializer=self.inits)  # fmt: skip
+        m = helper.make_model(g, opset_imports=[helper.make_opsetid("", self.opset)])
+        m.ir_version = 8
+        return m
+
+
+def anonymize(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Every node named at random, in no telling order."""
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    for node in out.graph.node:
+        node.name = uuid.uuid4().hex
+    return out
+
+
+def linear(g: G, x: str, k: int, n: int, bias: bool = True) -> str:
+    y = g.n("MatMul", x, g.w(k, n))
+    return g.n("Add", y, g.w(n, std=0.05)) if bias else y
+
+
+def attention(g: G, x: str, *, scale_on: str = "scores_div", k_two: bool = False, mask: str | None = None,
+              bias: bool = True, kv: str | None = None) -> str:  # fmt: skip
+    """Self-attention as exporters write it; `kv` (another tensor) makes it cross-attention."""
+    split, merge = g.t(np.array([B, S, N, D], np.int64)), g.t(np.array([B, S, H], np.int64))
+
+    def heads(src: str, perm) -> str:
+        y = g.n("Reshape", linear(g, src, H, H, bias), split)
+        return g.n("Transpose", y, perm=perm)
+
+    q = heads(x, [0, 2, 1, 3])
+    if scale_on == "q":
+        q = g.n("Mul", q, g.f(1 / math.sqrt(D)))
+    if k_two:
+        k = g.n("Transpose", heads(kv or x, [0, 2, 1, 3]), perm=[0, 1, 3, 2])
+    else:
+        k = heads(kv or x, [0, 2, 3, 1])
+    v = heads(kv or x, [0, 2, 1, 3])
+    s = g.n("MatMul", q, k)
+    if scale_on == "scores_div":
+        s = g.n("Div", s, g.f(math.sqrt(D)))
+    elif scale_on == "scores_mul":
+        s = g.n("Mul", s, g.f(1 / math.sqrt(D)))
+    if mask == "causal_add":
+        s = g.n("Add", s, g.t(np.triu(np.full((S, S), -1e4, np.float32), 1)[None, None]))
+    elif mask == "causal_where":
+        s = g.n("Where", g.t(np.tril(np.ones((S, S), bool))[None, None]), s, g.f(-np.inf))
+    elif mask == "padding":
+        m = g.input("attention_mask", [B, S], TensorProto.INT64)
+        m = g.n("Unsqueeze", m, g.t(np.array([1, 2], np.int64)))
+        m = g.n("Cast", m, to=TensorProto.FLOAT)
+        m = g.n("Mul", g.n("Sub", g.f(1.0), m), g.f(-10000.0))
+        s = g.n("Add", s, m)
+    p = g.n("Softmax", s, axis=-1)
+    c = g.n("Transpose", g.n("MatMul", p, v), perm=[0, 2, 1, 3])
+    return g.n("Reshape", c, merge)
+
+
+def layernorm(g: G, x: str, *, square: str = "Pow", divide: str = "Div") -> str:
+    mean = g.n("ReduceMean", x, axes=[-1])
+    d = g.n("Sub", x, mean)
+    sq = g.n("Pow", d, g.f(2.0)) if square == "Pow" else g.n("Mul", d, d)
+    var = g.n("ReduceMean", sq, axes=[-1])
+    std = g.n("Sqrt", g.n("Add", var, g.f(1e-5)))
+    y = g.n("Div", d, std) if divide == "Div" else g.n("Mul", d, g.n("Reciprocal", std))
+    y = g.n("Mul", y, g.t(g.rng.uniform(0.9, 1.1, H).astype(np.float32)))
+    return g.n("Add", y, g.w(H, std=0.02))
+
+
+def gelu(g: G, x: str, form: str = "erf") -> str:
+    if form == "tanh":
+        inner = g.n("Add", x, g.n("Mul", g.n("Pow", x, g.f(3.0)), g.f(0.044715)))
+        t = g.n("Tanh", g.n("Mul", inner, g.f(math.sqrt(2 / math.pi))))
+        return g.n("Mul", g.n("Mul", x, g.f(0.5)), g.n("Add", t, g.f(1.0)))
+    e = g.n("Add", g.n("Erf", g.n("Div", x, g.f(math.sqrt(2.0)))), g.f(1.0))
+    if form == "erf":  # x·(1+erf)·0.5
+        return g.n("Mul", g.n("Mul", x, e), g.f(0.5))
+    if form == "erf_half_first":  # (x·0.5)·(1+erf)
+        return g.n("Mul", g.n("Mul", x, g.f(0.5)), e)
+    return g.n("Mul", g.n("Mul", e, g.f(0.5)), x)  # ((1+erf)·0.5)·x
+
+
+def block(**kw) -> onnx.ModelProto:
+    """attention -> out projection -> residual -> LayerNorm -> FFN (GELU) -> residual -> LayerNorm."""
+    ln_kw = {k: kw.pop(k) for k in ("square", "divide") if k in kw}
+    form = kw.pop("form", "erf")
+    g = G(seed=1)
+    x = g.input("x", [B, S, H])
+    a = linear(g, attention(g, x, **kw), H, H)
+    h = layernorm(g, g.n("Add", a, x), **ln_kw)
+    f = linear(g, gelu(g, linear(g, h, H, 2 * H), form), 2 * H, H)
+    return g.model(layernorm(g, g.n("Add", f, h), **ln_kw))
+
+
+def _families(model: onnx.ModelProto) -> list[str]:
+    norm = normalize(model, None, strict=False).model
+    return [m.family for m in find_subgraphs(norm, ModelContext(norm))]
+
+
+def _feeds(model: onnx.ModelProto) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(3)
+    feeds = {}
+    for i in model.graph.input:
+        dims = [d.dim_value for d in i.type.tensor_type.shape.dim]
+        if i.type.tensor_type.elem_type == TensorProto.INT64:
+            m = np.ones(dims, np.int64)
+            m[..., -3:] = 0  # three padding positions
+            feeds[i.name] = m
+        else:
+            feeds[i.name] = rng.standard_normal(dims).astype(np.float32)
+    return feeds
+
+
+def _run(model: onnx.ModelProto, feeds) -> np.ndarray:
+    s = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return s.run(None, feeds)[0]
+
+
+VARIANTS = {
+    "scores_div": {},
+    "scores_mul": {"scale_on": "scores_mul"},
+    "scale_on_q": {"scale_on": "q"},
+    "k_two_transposes": {"k_two": True},
+    "no_bias": {"bias": False},
+    "causal_add": {"mask": "causal_add"},
+    "causal_where": {"mask": "causal_where"},
+    "padding_mask": {"mask": "padding"},
+    "ln_mul_reciprocal": {"square": "Mul", "divide": "Reciprocal"},
+    "gelu_half_first": {"form": "erf_half_first"},
+    "gelu_half_then_x": {"form": "erf_other"},
+    "gelu_tanh": {"form": "tanh"},
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_blocks_are_found_by_structure(variant: str) -> None:
+    model = anonymize(block(**VARIANTS[variant]))
+    assert _families(model) == ["attention", "layernorm", "gelu", "layernorm"]
+
+
+def test_what_is_not_self_attention_or_a_full_pattern_is_left_to_opat() -> None:
+    g = G()
+    x, mem = g.input("x", [B, S, H]), g.input("memory", [B, S, H])
+    model = g.model(attention(g, x, kv=mem))  # cross-attention: K and V from another input
+    assert _families(model) == []
+    g = G()
+    x = g.input("x", [B, S, H])
+    y = g.n("Softmax", g.n("MatMul", x, g.w(H, H)), axis=-1)  # a softmax over a product of a weight
+    assert _families(g.model(y)) == []
+    g = G()
+    x = g.input("x", [B, S, H])
+    e = g.n("Add", g.n("Erf", g.n("Div", x, g.f(2.0))), g.f(1.0))  # erf(x/2): not GELU
+    assert _families(g.model(g.n("Mul", g.n("Mul", x, e), g.f(0.5)))) == []
+
+
+def test_an_intermediate_read_outside_keeps_the_block_out() -> None:
+    """Only the last node's output may leave a task: a LayerNorm whose centred values
+    are read elsewhere is no subgraph task."""
+    g = G()
+    x = g.input("x", [B, S, H])
+    mean = g.n("ReduceMean", x, axes=[-1])
+    d = g.n("Sub", x, mean)
+    std = g.n("Sqrt", g.n("Add", g.n("ReduceMean", g.n("Pow", d, g.f(2.0)), axes=[-1]), g.f(1e-5)))
+    y = g.n("Div", d, std)
+    assert _families(g.model(g.n("Add", y, d))) == []
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_every_strategy_that_applies_keeps_the_outputs(variant: str, tmp_path: Path) -> None:
+    model = anonymize(block(**VARIANTS[variant]))
+    src = tmp_path / "m.onnx"
+    onnx.save(model, src)
+    prep = prepare(src, tmp_path)
+    feeds = _feeds(prep.model)
+    ref = _run(prep.model, feeds)
+    consts = Constants(prep.model.graph, list(prep.model.opset_import))
+    applied: dict[str, list[str]] = {}
+    for task in partition(prep.model, prep.ctx, "sgat"):
+        for strategy in REGISTRY.strategies_for(task.family, "int8"):
+            if strategy.name == "default":
+                continue
+            try:
+                rewrites = task_rewrites(prep.model, prep.ctx, consts, task, strategy.name, REGISTRY)
+            except Exception:
+                continue  # does not apply to this form
+            y = _run(apply_rewrites(prep.model, rewrites), feeds)
+            if strategy.precision == "exact":
+                assert np.abs(y - ref).max() <= 1e-4 * np.abs(ref).max(), (task.family, strategy.name)
+            else:
+                cos = float((y * ref).sum() / np.linalg.norm(y) / np.linalg.norm(ref))
+                assert cos > 0.99, (task.family, strategy.name, cos)
+            applied.setdefault(task.family, []).append(strategy.name)
+    # The fused kernels take every form built here (QAttention: not a padding mask).
+    assert {"fused_attention", "multihead_attention", "packed_qkv", "int8_packed_qkv"} <= set(applied["attention"])
+    assert ("int8_qattention" in applied["attention"]) == (variant != "padding_mask")
+    assert "skip_layer_normalization" in applied["layernorm"]
+    assert "layer_normalization" in applied["layernorm"]  # the written-out form (opset 17)
+    tanh = variant == "gelu_tanh"
+    assert ("fast_gelu" in applied["gelu"]) == tanh and ("bias_gelu" in applied["gelu"]) != tanh
+    assert "int8_bias_gelu" in applied["gelu"]
+
+
+def _attention_node(variant: str, strategy: str, tmp_path: Path) -> tuple[onnx.ModelProto, onnx.NodeProto]:
+    tmp_path.mkdir(parents=True)
+    src = tmp_path / "m.onnx"
+    onnx.save(block(**VARIANTS[variant]), src)
+    prep = prepare(src, tmp_path)
+    [task] = [t for t in partition(prep.model, prep.ctx, "sgat") if t.family == "attention"]
+    consts = Constants(prep.model.graph, list(prep.model.opset_import))
+    tuned = apply_rewrites(prep.model, task_rewrites(prep.model, prep.ctx, consts, task, strategy, REGISTRY))
+    op = {"fused_attention": "Attention", "multihead_attention": "MultiHeadAttention"}[strategy]
+    [node] = [n for n in tuned.graph.node if n.op_type == op]
+    return tuned, node
+
+
+def test_masks_and_scales_are_read_not_assumed(tmp_path: Path) -> None:
+    def attrs(node):
+        return {a.name: helper.get_attribute_value(a) for a in node.attribute}
+
+    for variant in ("causal_add", "causal_where"):
+        _, node = _attention_node(variant, "fused_attention", tmp_path / variant)
+        assert attrs(node)["unidirectional"] == 1 and len(node.input) == 3, variant
+    tuned, node = _attention_node("padding_mask", "fused_attention", tmp_path / "pad")
+    assert node.input[5] and any(n.op_type == "Expand" and n.output[0] == node.input[5] for n in tuned.graph.node)
+    for variant in ("scores_div", "scale_on_q"):
+        _, node = _attention_node(variant, "multihead_attention", tmp_path / f"s_{variant}")
+        assert math.isclose(attrs(node)["scale"], 1 / math.sqrt(D), rel_tol=1e-6)
+        assert attrs(node)["num_heads"] == N
+
+
+def test_twins_are_one_task_and_partition_modes_split_the_nodes(models: Path, tmp_path: Path) -> None:
+    prep = prepare(models / "bert.onnx", tmp_path)
+    sgat = partition(prep.model, prep.ctx, "sgat")
+    opat = partition(prep.model, prep.ctx, "opat")
+    both = partition(prep.model, prep.ctx, "sgat+opat")
+    att = [t for t in sgat if t.family == "attention"]
+    assert len(att) == 1 and att[0].instances == 4  # four layers, one signature
+    in_sgat = {n for t in sgat for u in (t, *t.twins) for n in u.node_names}
+    for t in both:
+        if t.family not in ("attention", "layernorm", "gelu"):
+            assert not in_sgat & {n for u in (t, *t.twins) for n in u.node_names}, t.id
+    assert [t.signature.digest for t in both[: len(sgat)]] == [t.signature.digest for t in sgat]
+    assert len(both) > len(sgat) and {t.signature.digest for t in opat} > {t.signature.digest for t in both[len(sgat):]}
+
+
+def test_job_type_spellings() -> None:
+    assert [parse_job_type(s) for s in ("opat", "2", "SGAT", "1", "sgat+opat", "1+2", "opat,sgat")] == [
+        "opat", "opat", "sgat", "sgat", "sgat+opat", "sgat+opat", "sgat+opat"]  # fmt: skip
+    with pytest.raises(OptionError, match="expected opat"):
+        parse_job_type("gdat")
+
+
+# --------------------------------------------------------------------------- jobs
+
+FAST = ("--budget", "3", "--parallel", "1", "--no-progress", "--local")
+
+
+@pytest.mark.slow
+def test_sgat_job_writes_aoe_result_and_bank_then_resumes_from_it(models: Path, tmp_path: Path) -> None:
+    bank, out = tmp_path / "bank", tmp_path / "out"
+    # AOE's own spelling: --job_type 1 is SGAT.
+    r = run_aoe("--framework", "5", "--model", str(models / "transformer.onnx"), "--job_type", "1",
+                "--bank", str(bank), "--output", str(out), "--progress_bar", "off")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    [result] = out.glob("aoe_result_sgat_*.json")
+    doc = json.loads(result.read_text())
+    assert "OPAT" not in doc and doc["SGAT"]["sgat_tuning_result"] == "tuning successful"
+    assert {t["family"] for t in doc["tasks"]} == {"attention", "layernorm", "gelu"}
+    summary = doc["SGAT"]["repo_summary"]
+    assert summary["total_num"] == len(doc["tasks"]) + 1  # the tasks and the session options
+    added = {s["task_id"] for s in doc["SGAT"]["repo_modified_subgraphs"]["add_repo_subgraphs"]}
+    assert added == {t["task_id"] for t in doc["tasks"] if t["update_mode"] == "add"}
+    measured = [t for t in doc["tasks"] if t["update_mode"] not in ("skipped", "failed")]
+    assert measured, doc["tasks"]
+    with open_bank(bank, use_env=False) as b:
+        stored = [r for _, r in b.records() if not r.HasField("trial")]
+    assert len(stored) >= len(measured)  # an entry or a "default stays" record per decided task
+    # Run again with --reload (AOE's resume): every decided subgraph comes from the bank.
+    r = run_aoe("tune", str(models / "transformer.onnx"), "--job-type", "sgat", "--reload",
+                "--bank", str(bank), "--output", str(tmp_path / "again"), *FAST, env={"REPEAT_TUNE": "True"})  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    [again] = (tmp_path / "again").glob("aoe_result_sgat_*.json")
+    doc2 = json.loads(again.read_text())
+    decided = {t["task_id"] for t in measured}
+    assert all(t["update_mode"] in ("hit", "reserved") for t in doc2["tasks"] if t["task_id"] in decided), doc2["tasks"]
+    assert doc2["resources"]["trials"] < doc["resources"]["trials"]
+
+
+@pytest.mark.slow
+def test_sgat_plus_opat_reports_both_sections(models: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    r = run_aoe("tune", str(models / "transformer.onnx"), "--job-type", "sgat+opat", "--bank", str(tmp_path / "bank"),
+                "--output", str(out), *FAST)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    [result] = out.glob("aoe_result_sgat_opat_*.json")
+    doc = json.loads(result.read_text())
+    families = {t["task_id"]: t["family"] for t in doc["tasks"]}
+    assert {"attention", "gelu"} <= set(families.values()) and "matmul" in families.values()
+    sg = doc["SGAT"]["repo_summary"]["total_num"]
+    op = doc["OPAT"]["repo_summary"]["total_num"]
+    assert sg == sum(f in ("attention", "layernorm", "gelu") for f in families.values())
+    assert op == len(families) - sg
+    tuned = onnx.load(doc["tuned_model"])
+    onnx.checker.check_model(tuned)
+
+
+def test_compile_applies_subgraph_entries_over_operator_ones(models: Path, tmp_path: Path) -> None:
+    src = models / "transformer.onnx"
+    prep = prepare(src, tmp_path / "prep")
+    [att] = [t for t in partition(prep.model, prep.ctx, "sgat") if t.family == "attention"]
+    q_proj = next(t for t in partition(prep.model, prep.ctx, "opat") if set(t.node_names) <= set(att.node_names))
+    m, b = Measured(8.0, 0.01, 30, 7.5), Measured(10.0, 0.01, 30, 9.5)
+    bank = tmp_path / "bank"
+    make_bank(bank, [
+        rec(sig=att.signature, strategy="fused_attention", family="attention", winner=m, baseline=b),
+        rec(sig=q_proj.signature, strategy="gemm_pretransposed", family="matmul", winner=m, baseline=b),
+    ])  # fmt: skip
+    out = tmp_path / "compiled.onnx"
+    r = run_aoe("compile", str(src), "-o", str(out), "--bank", str(bank), "--json")
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    status = {t["task_id"]: t["status"] for t in report["tasks"]}
+    assert status[att.id] == "hit"
+    covered = [t for t in report["tasks"] if t["status"] == "covered"]
+    assert q_proj.id in {t["task_id"] for t in covered}, report["tasks"]
+    compiled = onnx.load(str(out))
+    assert [n.op_type for n in compiled.graph.node].count("Attention") == 1
+    feeds = make_inputs(prep.inputs)
+    assert np.abs(_run(compiled, feeds) - _run(onnx.load(str(src)), feeds)).max() < 1e-4
+
+
+@pytest.mark.slow
+def test_daemon_runs_a_sgat_plus_opat_job(models: Path, tmp_path: Path) -> None:
+    from aoe.v1 import tuning_pb2
+
+    from .daemon_util import DaemonProcess, upload
+
+    d = DaemonProcess(tmp_path / "d")
+    d.start()
+    try:
+        model_id = upload(d.tuning(), models / "transformer.onnx")
+        opts = tuning_pb2.JobOptions(job_type=tuning_pb2.JOB_TYPE_SGAT_OPAT, budget_s=3)
+        job_id = d.tuning().SubmitJob(tuning_pb2.SubmitJobRequest(model_id=model_id, options=opts)).job_id
+        job = d.wait_job(job_id)
+        assert job.state == tuning_pb2.JOB_STATE_SUCCEEDED, job.error
+        assert job.options.job_type == tuning_pb2.JOB_TYPE_SGAT_OPAT
+        report = json.loads(b"".join(c.chunk for c in d.tuning().DownloadResult(tuning_pb2.DownloadResultRequest(
+            job_id=job_id, artifact=tuning_pb2.RESULT_ARTIFACT_RESULT_JSON))))  # fmt: skip
+        assert Path(job.result.result_json_path).name.startswith("aoe_result_sgat_opat_")
+        assert {"SGAT", "OPAT"} <= set(report) and "attention" in {t["family"] for t in report["tasks"]}
+        assert len(job.result.tasks) == len(report["tasks"])
+    finally:
+        d.close()
