@@ -325,6 +325,20 @@ def test_twins_are_one_task_and_partition_modes_split_the_nodes(models: Path, tm
     assert len(both) > len(sgat) and {t.signature.digest for t in opat} > {t.signature.digest for t in both[len(sgat):]}
 
 
+def test_model_tasks_find_subgraph_tasks_by_their_first_node(models: Path, tmp_path: Path) -> None:
+    from aoe.partition import ModelTasks
+
+    model = onnx.load(str(models / "bert.onnx"))
+    prep = prepare(models / "bert.onnx", tmp_path)
+    att = next(t for t in partition(prep.model, prep.ctx, "sgat") if t.family == "attention")
+    by_name = {n.name: n for n in model.graph.node}
+    anchors = [by_name[u.node_names[0]] for u in (att, *att.twins)]
+    sgat = ModelTasks(model, job_type="sgat")
+    assert {sgat.signature(n).digest for n in anchors} == {att.signature.digest}
+    opat = ModelTasks(model)  # the same first node anchors an operator task there
+    assert all(opat.signature(n) is not None and opat.signature(n).digest != att.signature.digest for n in anchors)
+
+
 def test_job_type_spellings() -> None:
     assert [parse_job_type(s) for s in ("opat", "2", "SGAT", "1", "sgat+opat", "1+2", "opat,sgat")] == [
         "opat", "opat", "sgat", "sgat", "sgat+opat", "sgat+opat", "sgat+opat"]  # fmt: skip

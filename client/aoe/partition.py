@@ -203,8 +203,10 @@ class ModelTasks:
     a user has, not only the tuner's prepared copy, finds its tasks. Give the shapes the
     model was tuned for (`input_shapes`, as `aoe tune --input-shape`) when its inputs
     have dynamic dimensions; tasks whose shapes stay unknown get no signature. Pass
-    `keep_initializer_inputs` if the tuning run did. Nodes are matched by their first
-    output, which is unique in any valid graph and survives normalization.
+    `keep_initializer_inputs` if the tuning run did, and the `job_type` it ran (an SGAT
+    run's subgraph tasks are found by their first node in graph order; "sgat+opat" finds
+    both kinds, subgraphs first). Nodes are matched by their first output, which is
+    unique in any valid graph and survives normalization.
     """
 
     def __init__(
@@ -213,6 +215,7 @@ class ModelTasks:
         input_shapes: Mapping[str, tuple[int, ...]] | None = None,
         *,
         keep_initializer_inputs: bool = False,
+        job_type: str = "opat",
     ):
         from aoe.graph import normalize
 
@@ -222,7 +225,7 @@ class ModelTasks:
         self.ctx = ModelContext(norm.model)
         by_name = {n.name: n for n in norm.model.graph.node}
         self._by_output: dict[str, TaskSignature] = {}
-        self.tasks = partition(norm.model, self.ctx)
+        self.tasks = partition(norm.model, self.ctx, job_type)
         for task in self.tasks:
             for t in (task, *task.twins):
                 anchor = by_name[t.node_names[0]]
