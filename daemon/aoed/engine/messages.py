@@ -23,6 +23,7 @@ from aoe import errors
 from aoe.device import Device
 from aoe.partition import Task
 from aoe.signature import TaskSignature, TensorInfo
+from aoed.engine.prep import Limits
 
 __all__ = [
     "Accuracy",
@@ -166,6 +167,8 @@ class PrepareRequest:
     precision: str = "exact"
     input_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
     keep_initializer_inputs: bool = False
+    #: what the model may hold (the config's [engine] limits; default: prep's MAX_*)
+    limits: Limits = Limits()
 
 
 @dataclass(frozen=True)
