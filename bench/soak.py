@@ -17,10 +17,12 @@ for three seeds. The counts at the end: seeds, restarts, bank entries verified i
 kept then (and with --keep) for a look.
 
 --hang instead stops a compile worker (SIGSTOP) while it compiles, on a daemon with
-dedicated cores: nothing resumes it, so the pool's compile limit (120 s, not a
-setting) must end the request, restart the worker, and let the job finish. Without
-dedicated cores the pool itself resumes every worker after each measurement, so a
-stray SIGSTOP is undone at the next one. Takes about two minutes.
+dedicated cores: nothing resumes it, so the pool's compile limit (`[engine]
+compile_timeout_s`, 120 s by default, as here) must end the request, restart the
+worker, and let the job finish. Without dedicated cores the pool itself resumes every
+worker after each measurement, so a stray SIGSTOP is undone at the next one. Takes about
+two minutes. A worker that hangs by itself (a plugin strategy that sleeps) is in the
+test suite, with the limit set to 3 s: tests/test_faults.py.
 """
 
 from __future__ import annotations

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import shutil
 import time
 from pathlib import Path
 
@@ -24,7 +26,7 @@ from aoe.signature import (
 )
 from aoe.v1 import bank_pb2
 from aoed.bank._codec import BankRecord, Measured, decode, encode
-from aoed.bank.store import BankStore, default_bank_path
+from aoed.bank.store import ENTRY, BankStore, Record, default_bank_path
 
 
 def _signature() -> TaskSignature:
@@ -209,6 +211,39 @@ def test_damaged_bank_is_a_bank_error_for_writer_and_readers(tmp_path: Path) -> 
     # same reason, not as busy.
     with pytest.raises(BankError, match="damaged"):
         BankStore(path)
+
+
+@pytest.mark.parametrize("how", ["removed", "replaced"])
+def test_a_data_file_removed_or_replaced_while_open_refuses_every_write(tmp_path: Path, how: str) -> None:
+    """LMDB would go on writing into the unlinked file, and lose it all at close."""
+    path = tmp_path / "bank"
+    first, second = _record(), _record(precision="int8")
+    s = BankStore(path)
+    try:
+        s.commit(entries=[(first.key, encode(first))])
+        if how == "removed":
+            shutil.rmtree(path)
+        else:  # a backup restored over it: a copy renamed into place
+            shutil.copy(path / "data.mdb", tmp_path / "backup.mdb")
+            os.replace(tmp_path / "backup.mdb", path / "data.mdb")
+        writes = {
+            "commit": lambda: s.commit(entries=[(second.key, encode(second))]),
+            "merge": lambda: s.merge([Record(ENTRY, second.key, encode(second))], lambda old, new: True),
+            "prune": lambda: s.prune(),
+        }
+        for name, write in writes.items():
+            with pytest.raises(BankError) as err:
+                write()
+            msg = str(err.value)
+            assert str(path) in msg and "removed or replaced while open" in msg and "restart" in msg, (name, msg)
+    finally:
+        s.close()
+    if how == "replaced":  # the file now there is the backup, untouched by the refused writes
+        s = BankStore(path)
+        try:
+            assert decode(s.get(first.key)) == first and s.get(second.key) is None
+        finally:
+            s.close()
 
 
 def test_newer_schema_version_is_refused(tmp_path: Path) -> None:

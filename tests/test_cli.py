@@ -80,6 +80,42 @@ def test_config_file_then_environment_then_command_line(tmp_path: Path) -> None:
     assert load_config(env={"AOED_CONFIG": str(toml)}).parallel == 3
 
 
+def test_engine_limits_come_from_the_config_with_the_constants_as_defaults(tmp_path: Path) -> None:
+    from aoed.engine.prep import MAX_MODEL_BYTES, MAX_NODES, MAX_TENSOR_BYTES, Limits
+
+    assert Limits.of(load_config(env={})) == Limits()  # the defaults are prep's constants
+    assert (Limits().model_bytes, Limits().nodes, Limits().tensor_bytes) == (MAX_MODEL_BYTES, MAX_NODES, MAX_TENSOR_BYTES)
+    toml = tmp_path / "aoed.toml"
+    toml.write_text("[engine]\nmax_model_mb = 64\nmax_nodes = 500\nmax_tensor_mb = 16\n"
+                    "compile_timeout_s = 2.5\nstage_timeout_s = 60\n")  # fmt: skip
+    cfg = load_config(toml, env={})
+    assert (cfg.max_model_mb, cfg.max_nodes, cfg.max_tensor_mb) == (64, 500, 16)
+    assert (cfg.compile_timeout_s, cfg.stage_timeout_s) == (2.5, 60.0)
+    assert cfg.sources["max_nodes"] == f"{toml} [engine] max_nodes"
+    assert Limits.of(cfg) == Limits(model_bytes=64 << 20, nodes=500, tensor_bytes=16 << 20)
+
+
+@pytest.mark.parametrize(
+    ("text", "env", "needle"),
+    [
+        ("[engine]\nmax_nodes = 0\n", {}, "max_nodes=0 ("),
+        ("[engine]\nmax_model_mb = \"lots\"\n", {}, "[engine] max_model_mb='lots': expected a whole number of MiB"),
+        ("[engine]\nmax_tensor_mb = 1.5\n", {}, "[engine] max_tensor_mb=1.5: expected a whole number of MiB"),
+        ("[engine]\nmax_nodes = true\n", {}, "[engine] max_nodes=True: expected a whole number of nodes"),
+        ("[engine]\ncompile_timeout_s = 0\n", {}, "[engine] compile_timeout_s): must be between 1 and"),
+        ("[engine]\nstage_timeout_s = \"soon\"\n", {}, "[engine] stage_timeout_s='soon': expected a number of seconds"),
+        ("[engine]\nstage_timeout_s = nan\n", {}, "[engine] stage_timeout_s=nan: expected a number of seconds"),
+        ("[engine]\ncompile_timeout_s = []\n", {}, "[engine] compile_timeout_s=[]: expected a number of seconds"),
+    ],
+)
+def test_bad_engine_limits_are_option_errors_naming_the_key(tmp_path: Path, text: str, env: dict, needle: str) -> None:
+    toml = tmp_path / "aoed.toml"
+    toml.write_text(text)
+    with pytest.raises(OptionError) as err:
+        load_config(toml, env=env)
+    assert needle in str(err.value) and str(toml) in str(err.value), str(err.value)
+
+
 @pytest.mark.parametrize(
     ("text", "env", "needle"),
     [

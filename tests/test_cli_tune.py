@@ -219,6 +219,27 @@ def test_bad_models_fail_cleanly(tmp_path: Path, content: bytes | None):
     assert not (tmp_path / "bank").exists()
 
 
+@pytest.mark.parametrize(
+    ("setting", "needle"),
+    [
+        ("max_nodes = 4", "5 nodes or more, over the limit of 4 nodes per model ([engine] max_nodes)"),
+        ("max_model_mb = 1", "the model file is 2.0 MiB, over the limit of 1.0 MiB ([engine] max_model_mb)"),
+        ("max_tensor_mb = 1", "(2 MiB of float32), over the limit of 1 MiB per tensor ([engine] max_tensor_mb)"),
+    ],
+)
+def test_a_model_over_a_configured_limit_fails_naming_the_setting(tmp_path: Path, setting: str, needle: str):
+    from aoed import samples
+
+    model = samples.save(samples.mlp(features=1024, hidden=512, layers=2), tmp_path / "m.onnx")  # 5 nodes, 2 MiB
+    config = tmp_path / "aoed.toml"
+    config.write_text(f"[engine]\n{setting}\n")
+    r = run_aoe("--config", str(config), "tune", str(model), "--bank", str(tmp_path / "bank"),
+                "--output", str(tmp_path / "o"), *FAST)  # fmt: skip
+    assert r.returncode == 3, (r.stdout, r.stderr)  # a ModelError
+    assert needle in r.stderr and str(model) in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not (tmp_path / "bank").exists()
+
+
 def test_framework_other_than_onnx_is_refused(models: Path, tmp_path: Path):
     r = run_aoe("--framework", "3", "--model", str(models / "mlp.onnx"), "--output", str(tmp_path))
     assert r.returncode == 2 and "only ONNX" in r.stderr

@@ -22,7 +22,7 @@ from aoe.errors import DeviceError
 from aoe.partition import partition
 from aoed import samples
 from aoed.engine.device import DeviceAgent
-from aoed.engine.ledger import JobLedger
+from aoed.engine.ledger import JobLedger, time_scale
 from aoed.engine.messages import (
     Candidate,
     CompileRequest,
@@ -142,6 +142,36 @@ async def test_worker_crash_and_hang_cost_one_candidate(plugin, mlp_task, tmp_pa
     assert onnx.load(str(tmp_path / "c.onnx")).graph.node[0].op_type == "FusedGemm"
 
 
+def test_a_jobs_time_limits_grow_with_its_model() -> None:
+    assert (time_scale(0), time_scale(100 << 10), time_scale(256 << 20), time_scale(2 << 30)) == (1.0, 1.0, 2.0, 9.0)
+    job = JobLedger("job-test")
+    assert job.scaled(120.0, "compile_timeout_s=120") == (120.0, "compile_timeout_s=120")
+    job.scale_to_model(512 << 20)
+    assert job.scaled(120.0, "compile_timeout_s=120") == (360.0, "compile_timeout_s=120 x 3 for a 512 MiB model")
+
+
+async def test_the_pool_scales_its_limit_by_the_jobs_model(plugin, mlp_task, tmp_path):
+    """The same 1 s limit: a 1 s compile overruns it for a small model's job, and fits in
+    a 512 MiB model's (3 s); a hang is cut off at the scaled limit, saying how it came."""
+    task, _ = mlp_task
+    big = JobLedger("job-big")
+    big.scale_to_model(512 << 20)
+    pool = CompilePool(1, tmp_path / "logs", plugins=plugin, timeouts={"compile": 1.0})
+    async with trio.open_nursery() as nursery:
+        await nursery.start(pool.run)
+        assert (await pool.call(_compile(task, "default", tmp_path / "a.onnx"), timeout_s=60))["ok"]  # worker is up
+        fits = await pool.call(_compile(task, "slow_in_worker", tmp_path / "s.onnx"), big)
+        small = await pool.call(_compile(task, "slow_in_worker", tmp_path / "t.onnx"), JobLedger("job-small"))
+        t0 = trio.current_time()
+        hung = await pool.call(_compile(task, "hang_in_worker", tmp_path / "h.onnx"), big)
+        took = trio.current_time() - t0
+        nursery.cancel_scope.cancel()
+    assert fits["applicable"] is False, fits  # it finished (not applicable), not "timed out"
+    assert small["error"] == "compile timed out after 1s (compile_timeout_s=1)", small
+    assert hung["error"] == "compile timed out after 3s (compile_timeout_s=1 x 3 for a 512 MiB model)", hung
+    assert took >= 3.0 and pool.crashes == 2
+
+
 async def test_a_worker_over_its_memory_limit_costs_one_candidate(plugin, mlp_task, tmp_path):
     task, _ = mlp_task
     pool = CompilePool(1, tmp_path / "logs", plugins=plugin, memory_mb=1536)
@@ -173,7 +203,8 @@ async def test_paused_time_does_not_count_against_a_compile_deadline(plugin, mlp
     pool = CompilePool(1, tmp_path / "logs", plugins=plugin, timeouts={"compile": 1.5})
     async with trio.open_nursery() as nursery:
         await nursery.start(pool.run)
-        assert (await pool.call(_compile(task, "default", tmp_path / "a.onnx")))["ok"]  # worker is up
+        # Worker is up (its start, importing onnxruntime, can take more than 1.5 s on a busy machine).
+        assert (await pool.call(_compile(task, "default", tmp_path / "a.onnx"), timeout_s=60))["ok"]
         replies = []
 
         async def slow() -> None:

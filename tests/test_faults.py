@@ -6,11 +6,12 @@ and under the bank, and `kill -9` of the daemon at random points of a job. After
 the daemon (or its restart) serves, the job ends SUCCEEDED or FAILED with a message that
 names the cause, and every bank entry committed before the fault is still there.
 
+A worker that hangs mid-compile is tested through the daemon too, with the compile limit
+set low (`[engine] compile_timeout_s`) and a plugin strategy that sleeps in the worker.
+
 The engine-level versions (a strategy that crashes or hangs its worker, a worker over
 its limit) are in test_engine_processes.py; here the faults hit the daemon's own child
-processes from outside, as a crash or the kernel would. A worker that hangs is not
-tested here: the pool's compile limit is 120 s and has no setting; `bench/soak.py
---hang` shows it (see its docstring).
+processes from outside, as a crash or the kernel would, or come from a plugin.
 
 `kill9_round` is shared with bench/soak.py, which runs it for many seeds.
 """
@@ -23,6 +24,8 @@ import shutil
 import signal
 import sqlite3
 import subprocess
+import sys
+import textwrap
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -263,6 +266,58 @@ def test_a_worker_over_its_memory_limit_fails_the_job_saying_so(tmp_path: Path) 
         d.close()
 
 
+HANG_PLUGIN = textwrap.dedent(
+    """
+    import os, time
+    from aoed.engine.registry import Strategy
+
+    def _hang_once(view):
+        # The first call writes its worker's pid and hangs; later ones do not apply.
+        try:
+            fd = os.open(os.environ["AOED_TEST_HUNG"], os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            return None
+        os.write(fd, str(os.getpid()).encode())
+        os.close(fd)
+        time.sleep(600)
+
+    def register(registry):
+        registry.register(Strategy("hang_once", "matmul", "exact", _hang_once))
+    """
+)
+
+
+def test_a_worker_that_hangs_is_cut_off_at_the_compile_limit_and_replaced(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The daemon's [engine] limits are its config's: the compile limit here, and a model
+    size limit that SubmitJob applies."""
+    (tmp_path / "aoed_hang_plugin.py").write_text(HANG_PLUGIN)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), *filter(None, sys.path)]))
+    monkeypatch.setenv("AOED_TEST_HUNG", str(tmp_path / "hung.pid"))
+    d = DaemonProcess(tmp_path / "d")
+    text = d.config.read_text().replace("[engine]\n", "[engine]\ncompile_timeout_s = 3\nmax_model_mb = 1\n")
+    d.config.write_text(text.replace("[tuning]\n", '[tuning]\nplugins = ["aoed_hang_plugin"]\n'))
+    try:
+        d.start()
+        j = d.wait_job(submit(d, model(d, "mlp", hidden=64), budget=1.0), timeout=120)
+        assert j.state == S.JOB_STATE_SUCCEEDED, j  # the hang cost one candidate
+        hung = int((tmp_path / "hung.pid").read_text())
+        cut = "compile timed out after 3s (compile_timeout_s=3)"
+        assert "compile: timed out after 3s (compile_timeout_s=3); worker restarted" in d.log(), d.log()
+        assert cut in Path(j.result.result_json_path).read_text(), "the report says what it cost"
+        assert not proc_state(hung), "the hung worker is gone"
+        assert child_pid(d, WORKER) not in (None, hung), "a fresh worker took over"
+        big = samples.save(samples.mlp(features=1024, hidden=512, layers=2), d.models / "big.onnx")  # 2 MiB
+        with pytest.raises(grpc.RpcError) as err:
+            submit(d, big, budget=1.0)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value
+        assert "over the limit of 1.0 MiB ([engine] max_model_mb)" in (err.value.details() or ""), err.value
+        assert d.serving()
+    finally:
+        d.close()
+
+
 # ---------------------------------------------------------------- the job store
 
 
@@ -361,6 +416,40 @@ def test_a_full_disk_fails_the_job_naming_it_and_keeps_the_bank(tmp_path: Path, 
         j = d.wait_job(submit(d, model(d, "mlp", hidden=176), budget=1.0))
         assert j.state == S.JOB_STATE_SUCCEEDED, j
         assert before < bank_keys(d.bank)
+    finally:
+        d.close()
+
+
+# ---------------------------------------------------------------- places that vanish
+
+
+def test_an_output_dir_removed_mid_job_fails_the_job_naming_it(daemon: DaemonProcess) -> None:
+    d = daemon
+    out = (d.models / "vanishing").resolve()
+    out.mkdir()
+    job_id = submit(d, model(d, "cnn", width=16), budget=2.0, output_dir=str(out))
+    wait_stage(d, job_id, "tuning ")  # candidates are compiled into it and measured now
+    while out.exists():  # (the job may write into it while it goes)
+        shutil.rmtree(out, ignore_errors=True)
+    j = d.wait_job(job_id)
+    assert j.state == S.JOB_STATE_FAILED and j.error_kind == "AoedError", j
+    assert j.error.startswith(f"output directory {out}: ") and "removed while the job ran" in j.error, j.error
+    nxt = submit(d, model(d, "mlp", hidden=208), budget=0.5)
+    assert d.wait_job(nxt).state == S.JOB_STATE_SUCCEEDED and d.serving()
+
+
+def test_a_bank_removed_under_the_daemon_fails_the_job_naming_it(tmp_path: Path) -> None:
+    """LMDB would go on writing into the removed file: every later entry silently lost."""
+    d = DaemonProcess(tmp_path / "d")
+    try:
+        d.start()
+        assert d.wait_job(submit(d, model(d, "mlp"), budget=0.5)).state == S.JOB_STATE_SUCCEEDED
+        assert bank_keys(d.bank)
+        shutil.rmtree(d.bank)
+        j = d.wait_job(submit(d, model(d, "mlp", hidden=128), budget=0.5))
+        assert j.state == S.JOB_STATE_FAILED and j.error_kind == "BankError", j
+        assert str(d.bank) in j.error and "removed or replaced while open" in j.error, j.error
+        assert d.serving() and len(d.tuning().ListJobs(tuning_pb2.ListJobsRequest()).jobs) == 2
     finally:
         d.close()
 

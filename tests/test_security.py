@@ -20,6 +20,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import grpc
@@ -34,6 +35,7 @@ from aoed import samples
 from aoed.engine.calibration import load_samples
 from tests.conftest import run_aoe
 from tests.daemon_util import DaemonProcess, upload
+from tests.inotify import Inotify
 
 ROOT = Path(__file__).resolve().parents[1]
 NOBODY = 65534  # nobody / nogroup
@@ -335,6 +337,62 @@ def test_an_upload_cannot_name_a_path(daemon: DaemonProcess) -> None:
     assert err.value.code() == INVALID and "bad file name" in err.value.details()
 
 
+def _secret(daemon: DaemonProcess, name: str) -> Path:
+    """A model outside the allowed dir (a file its submitter may not read, as far as the
+    daemon knows), different from every other model here."""
+    secret = daemon.root / "elsewhere" / name
+    secret.parent.mkdir(exist_ok=True)
+    samples.save(samples.mlp(hidden=40 + len(name)), secret)
+    return secret
+
+
+@pytest.mark.slow
+def test_a_model_hard_linked_from_outside_is_refused_before_it_is_opened(daemon: DaemonProcess) -> None:
+    """A hard link is the outside file itself under a name inside: no path check sees it,
+    so SubmitJob refuses a file with several links, before anything opens it."""
+    secret = _secret(daemon, "secret.onnx")
+    linked = daemon.models / "linked.onnx"
+    os.link(secret, linked)
+    jobs = len(daemon.tuning().ListJobs(tuning_pb2.ListJobsRequest()).jobs)
+    watch = Inotify()
+    try:
+        watch.watch(secret)
+        request = tuning_pb2.SubmitJobRequest(model_path=str(linked), options=tuning_pb2.JobOptions(budget_s=1.0))
+        with pytest.raises(grpc.RpcError) as err:
+            daemon.tuning().SubmitJob(request, timeout=30)
+        msg = err.value.details()
+        assert err.value.code() == DENIED, (err.value.code(), msg)
+        assert str(linked) in msg and "2 hard links" in msg and "copy the file" in msg and "upload it" in msg, msg
+        assert watch.events() == [], "the daemon opened the file behind the link"
+        assert len(daemon.tuning().ListJobs(tuning_pb2.ListJobsRequest()).jobs) == jobs, "no job was created"
+        linked.read_bytes()  # the control: the watch sees an open through the link
+        assert any(m & Inotify.IN_OPEN for _, m in watch.events())
+    finally:
+        watch.close()
+
+
+@pytest.mark.slow
+def test_a_model_hard_linked_into_the_inbox_goes_to_failed_saying_why(daemon: DaemonProcess) -> None:
+    secret = _secret(daemon, "inbox-secret.onnx")
+    failed = daemon.inbox.parent / "failed"
+    jobs = len(daemon.tuning().ListJobs(tuning_pb2.ListJobsRequest()).jobs)
+    watch = Inotify()
+    try:
+        watch.watch(secret)
+        os.link(secret, daemon.inbox / "linked.onnx")
+        deadline = time.monotonic() + 30
+        while not (failed / "linked.onnx.error.txt").exists():
+            assert time.monotonic() < deadline, f"not in {failed} within 30 s:\n{daemon.log()}"
+            time.sleep(0.1)
+        text = (failed / "linked.onnx.error.txt").read_text()
+        assert "state: rejected" in text and "2 hard links" in text and "upload it" in text, text
+        assert not (daemon.inbox / "linked.onnx").exists() and (failed / "linked.onnx").exists()
+        assert watch.events() == [], "the daemon opened the file behind the link"
+        assert len(daemon.tuning().ListJobs(tuning_pb2.ListJobsRequest()).jobs) == jobs, "no job was created"
+    finally:
+        watch.close()
+
+
 # ---------------------------------------------------------------- no pickle, no eval
 
 
@@ -398,6 +456,31 @@ def test_a_calibration_file_linked_from_outside_is_refused(tmp_path: Path) -> No
     (d / "input").symlink_to(secret.parent, target_is_directory=True)
     with pytest.raises(OptionError, match="outside the calibration folder"):
         load_samples(INPUTS, d)
+
+
+@pytest.mark.parametrize("layout", ["a.npy", "a.npz", "input/0.npy"])
+def test_a_calibration_file_hard_linked_from_outside_is_refused_unopened(tmp_path: Path, layout: str) -> None:
+    d = _calibration_dir(tmp_path)
+    secret = tmp_path / "elsewhere" / Path(layout).name
+    secret.parent.mkdir()
+    if layout.endswith(".npz"):
+        np.savez(secret, input=np.ones((1, 4), np.float32))
+    else:
+        np.save(secret, np.ones((1, 4), np.float32))
+    (d / layout).parent.mkdir(exist_ok=True)
+    os.link(secret, d / layout)
+    watch = Inotify()
+    try:
+        watch.watch(secret)
+        with pytest.raises(OptionError, match="2 hard links") as err:
+            load_samples(INPUTS, d)
+        assert str(d / layout) in str(err.value)
+        assert watch.events() == [], "the sample behind the link was opened"
+    finally:
+        watch.close()
+    shutil.copy(secret, tmp_path / "copy")  # the control: a copy in its place loads
+    os.replace(tmp_path / "copy", d / layout)
+    assert len(load_samples(INPUTS, d).held_back) == 1
 
 
 _NUMPY_LOADS = {("np", "load"), ("numpy", "load")}

@@ -28,8 +28,16 @@ The TOML file:
   runtime_dir = "/run/aoed"
   dedicated_cores = "auto"               # auto (4+ cores), true, false
   worker_memory_mb = 8192                # address-space limit per child process; 0: none
+  max_model_mb = 8192                    # a model file and its external data together
+  max_nodes = 200000                     # nodes in all of a model's graphs
+  max_tensor_mb = 4096                   # one declared or inferred tensor
+  compile_timeout_s = 120                # one candidate's compile (and a bank rebuild)
+  stage_timeout_s = 900                  # any other worker stage (prepare, extract, assemble...)
   [log]
   level = "warning"
+
+The time limits are for a small model; a job's limits grow with its model file (1 +
+size/256 MiB: 2x at 256 MiB, 9x at 2 GiB), since its work does.
 
 The daemon's own sections ([daemon], [listen], [limits], [[inbox]]) are read by
 `aoed.config`.
@@ -118,6 +126,13 @@ class Config:
     #: None: dedicated measurement cores when there are 4 or more
     dedicated_cores: bool | None = None
     worker_memory_mb: int = field(default_factory=_default_memory_mb)
+    #: what a model may hold (aoed.engine.prep.Limits; its MAX_* constants are these)
+    max_model_mb: int = 8192
+    max_nodes: int = 200_000
+    max_tensor_mb: int = 4096
+    #: seconds a compile worker may take: one candidate (and a bank rebuild), any other stage
+    compile_timeout_s: float = 120.0
+    stage_timeout_s: float = 900.0
     log_level: str = "warning"
     #: where each value came from, for messages ("TUNE_BANK_PATH", "aoed.toml [bank] path")
     sources: Mapping[str, str] = field(default_factory=dict)
@@ -150,14 +165,31 @@ def parse_parallel(raw: object, where: str) -> int:
     return n
 
 
+#: The limits' ranges: a zero would refuse every model, and a limit past what one
+#: machine holds is none.
+_RANGES = {
+    "max_model_mb": (1, 1 << 30), "max_nodes": (1, 1_000_000_000), "max_tensor_mb": (1, 1 << 30),
+    "compile_timeout_s": (1, 604_800), "stage_timeout_s": (1, 604_800),
+}  # fmt: skip
+
+
 def _checked(cfg: Config) -> Config:
     if not 1 <= cfg.parallel <= 32:
         raise OptionError(f"parallel={cfg.parallel} ({cfg.sources.get('parallel', 'default')}): must be 1-32")
     if cfg.log_level not in _LEVELS:
         raise OptionError(f"log level {cfg.log_level!r}: expected one of {', '.join(_LEVELS)}")
     if cfg.worker_memory_mb < 0:
-        raise OptionError(f"worker_memory_mb={cfg.worker_memory_mb}: must be >= 0 (0: no limit)")
+        raise OptionError(f"worker_memory_mb={cfg.worker_memory_mb} ({_src(cfg, 'worker_memory_mb')}): must be >= 0 "
+                          "(0: no limit)")  # fmt: skip
+    for name, (lo, hi) in _RANGES.items():
+        value = getattr(cfg, name)
+        if not lo <= value <= hi:
+            raise OptionError(f"{name}={value} ({_src(cfg, name)}): must be between {lo} and {hi}")
     return cfg
+
+
+def _src(cfg: Config, name: str) -> str:
+    return cfg.sources.get(name, "default")
 
 
 def _from_toml(path: Path) -> tuple[dict[str, Any], dict[str, str]]:
@@ -173,7 +205,10 @@ def _from_toml(path: Path) -> tuple[dict[str, Any], dict[str, str]]:
         ("tuning", "repeat_tune"): "repeat_tune", ("tuning", "parallel"): "parallel",
         ("tuning", "device"): "device", ("tuning", "plugins"): "plugins",
         ("engine", "runtime_dir"): "runtime_dir", ("engine", "dedicated_cores"): "dedicated_cores",
-        ("engine", "worker_memory_mb"): "worker_memory_mb", ("log", "level"): "log_level",
+        ("engine", "worker_memory_mb"): "worker_memory_mb", ("engine", "max_model_mb"): "max_model_mb",
+        ("engine", "max_nodes"): "max_nodes", ("engine", "max_tensor_mb"): "max_tensor_mb",
+        ("engine", "compile_timeout_s"): "compile_timeout_s", ("engine", "stage_timeout_s"): "stage_timeout_s",
+        ("log", "level"): "log_level",
     }  # fmt: skip
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
@@ -190,6 +225,9 @@ def _from_toml(path: Path) -> tuple[dict[str, Any], dict[str, str]]:
             values[name] = _convert(name, raw, where)
             sources[name] = where
     return values, sources
+
+
+_UNITS = {"max_model_mb": "MiB", "max_tensor_mb": "MiB", "max_nodes": "nodes"}
 
 
 def _convert(name: str, raw: Any, where: str) -> Any:
@@ -214,6 +252,23 @@ def _convert(name: str, raw: Any, where: str) -> Any:
             return int(raw)
         except (TypeError, ValueError):
             raise OptionError(f"{where}={raw!r}: expected a number of MiB") from None
+    if name in ("max_model_mb", "max_tensor_mb", "max_nodes"):
+        if isinstance(raw, bool) or not isinstance(raw, int | str):
+            raise OptionError(f"{where}={raw!r}: expected a whole number of {_UNITS[name]}")
+        try:
+            return int(raw)
+        except ValueError:
+            raise OptionError(f"{where}={raw!r}: expected a whole number of {_UNITS[name]}") from None
+    if name in ("compile_timeout_s", "stage_timeout_s"):
+        if isinstance(raw, bool) or not isinstance(raw, int | float | str):
+            raise OptionError(f"{where}={raw!r}: expected a number of seconds")
+        try:
+            value = float(raw)
+        except ValueError:
+            raise OptionError(f"{where}={raw!r}: expected a number of seconds") from None
+        if value != value:  # NaN passes no range check
+            raise OptionError(f"{where}={raw!r}: expected a number of seconds")
+        return value
     if name == "log_level":
         return str(raw).lower()
     raise AssertionError(name)

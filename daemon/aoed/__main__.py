@@ -46,6 +46,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                      if cfg.engine.bank_layers else ""))  # fmt: skip
         print(f"  device      {cfg.engine.device}, {cfg.engine.parallel} compile workers")
         print(f"  jobs        {cfg.max_running_jobs} at once, {cfg.max_queued_jobs} queued at most")
+        e = cfg.engine
+        print(f"  models      up to {e.max_model_mb} MiB, {e.max_nodes} nodes, {e.max_tensor_mb} MiB per tensor")
+        print(f"  time        {e.compile_timeout_s:g} s per compile, {e.stage_timeout_s:g} s per other worker stage, "
+              "each x (1 + model MiB/256)")  # fmt: skip
         for inbox in cfg.inboxes:
             print(f"  inbox       {inbox.path} -> {inbox.outbox} (failed: {inbox.failed})")
         print(f"  allowed     {', '.join(map(str, cfg.allowed_dirs)) or '(no daemon-side paths)'}")

@@ -24,6 +24,12 @@ or /var/lib/aoed as root; the socket in the runtime dir (/run/aoed as root).
   tls_client_ca = "/etc/aoed/clients.pem"   # optional: mutual TLS
   insecure_loopback = false          # ... unless tcp is a loopback address and this is true
   max_rpcs = 256                     # concurrent RPCs; beyond, RESOURCE_EXHAUSTED
+  [engine]                           # read by aoe.config, like [bank], [tuning] and [log];
+  max_model_mb = 8192                # what a model may hold: SubmitJob refuses a bigger file
+  max_nodes = 200000                 #   and a job fails naming the setting
+  max_tensor_mb = 4096
+  compile_timeout_s = 120            # a worker's time per candidate (and bank rebuild), and
+  stage_timeout_s = 900              #   per other stage; x (1 + model MiB/256) for each job
   [limits]
   max_upload_mb = 2048
   upload_ttl_h = 24                  # an upload not submitted by then is deleted

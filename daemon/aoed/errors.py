@@ -27,7 +27,8 @@ class NotFoundError(RpcError):
 
 
 class PermissionDeniedError(RpcError):
-    """A daemon-side path outside the allowed directories."""
+    """A daemon-side path outside the allowed directories, or a model file there with
+    several hard links (which may be a file from elsewhere)."""
 
     def __init__(self, message: str):
         super().__init__("PERMISSION_DENIED", message)

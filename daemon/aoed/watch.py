@@ -594,15 +594,25 @@ def _fsync_dir(d: Path) -> None:
         os.close(fd)
 
 
+class _LinkedError(OSError):
+    """A file with several hard links that a move would have to copy."""
+
+
 def _move(src: Path, dst: Path) -> None:
     """Rename `src` to `dst`; across file systems, copy to a temporary name beside `dst`,
-    fsync, rename, then unlink `src` (so `dst` exists only complete)."""
+    fsync, rename, then unlink `src` (so `dst` exists only complete). A file with several
+    hard links is never copied (_LinkedError): a hard link may be a file from elsewhere,
+    which the copy would read for whoever dropped the link (JobManager refuses it)."""
     try:
         os.rename(src, dst)
         return
     except OSError as exc:
         if exc.errno != errno.EXDEV:
             raise
+    links = os.lstat(src).st_nlink
+    if links > 1:
+        raise _LinkedError(errno.EPERM, f"the file has {links} hard links, so it may be a file from elsewhere, and is "
+                           "not copied across file systems; copy it into the inbox (cp, not ln)", str(src))  # fmt: skip
     _atomic_write(dst, lambda f: _copy_into(src, f))
     os.unlink(src)
 
@@ -697,6 +707,9 @@ def _write_failure(failed: Path, model: Path, name: str, text: str) -> Path:
     base = _free_base(failed, stem, (suffix, f"{suffix}.error.txt"))
     dst = failed / f"{base}{suffix}"
     if model.exists():
-        _move(model, dst)
+        try:
+            _move(model, dst)
+        except _LinkedError:
+            model.unlink()  # only this name goes: the file keeps its others, and the error says why
     _atomic_write(failed / f"{dst.name}.error.txt", lambda f: f.write(text.encode()))
     return dst

@@ -21,6 +21,11 @@ transaction; a bank that fills it is a BankError saying so. Another process that
 the bank past this map (an older writer) is followed with a remap between transactions
 (`aoe._lmdb.TxnGate`).
 
+A bank whose data file is removed or replaced while a store has it open (a folder
+deleted, a backup restored over it) would go on taking writes into the unlinked file, and
+lose every one of them at close. So each write first checks that path/data.mdb is still
+the file opened, and refuses with a BankError naming the bank when it is not.
+
 Every method runs whole transactions and returns; callers on trio run them in a worker
 thread. Every lmdb error leaves as a BankError naming the bank and what to do. A crash
 mid-write loses at most the transaction in flight: LMDB commits are atomic.
@@ -121,6 +126,7 @@ class BankStore:
         try:
             self._lock.acquire(wait, on_wait)
             self.env = self._open(map_size)
+            self._data_id = self._data_file()
             with lmdb_errors(self.path, "open", self.env):
                 self._meta = self.env.open_db(b"meta")
                 self._entries = self.env.open_db(b"entries")
@@ -145,10 +151,24 @@ class BankStore:
                 raise bank_error(exc, self.path, "open") from None
         raise BankError(f"bank {self.path}: cannot map the bank into memory; raise the address space limit (ulimit -v)")
 
+    def _data_file(self) -> tuple[int, int] | None:
+        """(st_dev, st_ino) of the bank's data file; None when it is gone."""
+        try:
+            st = os.stat(self.path / "data.mdb")
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise BankError(f"bank {self.path}: cannot check its data file ({exc.strerror or exc})") from None
+        return st.st_dev, st.st_ino
+
     @contextlib.contextmanager
     def _txn(self, doing: str, write: bool = False, db: Any = None) -> Iterator[lmdb.Transaction]:
-        """A transaction under the gate, with lmdb errors translated (see module doc)."""
+        """A transaction under the gate, with lmdb errors translated (see module doc); a
+        write one only while the data file is the one opened."""
         assert self.env is not None, "bank store used after close()"
+        if write and self._data_file() != self._data_id:
+            raise BankError(f"bank {self.path}: its data file was removed or replaced while open, so this write "
+                            "would be lost; restart aoed (or rerun the command) to open the bank at that path again")  # fmt: skip
         with lmdb_errors(self.path, doing, self.env), self._gate.transaction(
             self.env, self.path, write=write, db=db
         ) as txn:

@@ -52,6 +52,7 @@ from aoed.engine.messages import (
     from_wire,
 )
 from aoed.engine.policy import policy
+from aoed.engine.prep import Limits
 
 if TYPE_CHECKING:
     from aoed.engine.engine import Engine
@@ -160,7 +161,7 @@ async def _models_by_signature(
     out: dict[str, tuple[Path, Path]] = {}
     for i, src in enumerate(models):
         work = workdir / f"model{i}"
-        reply = await engine.pool.call(PrepareRequest(src, work), ledger)
+        reply = await engine.pool.call(PrepareRequest(src, work, limits=Limits.of(engine.config)), ledger)
         if not reply.get("ok"):
             raise error_from_wire(reply, ModelError)
         prep = from_wire(PrepareReply, reply)

@@ -6,8 +6,9 @@ From the user (`--calibration DIR`):
   - DIR/<input name>/*.npy: one folder per input, files paired in sorted order.
 A leading batch axis of 1 is added where a sample lacks it. Arrays are read with
 `allow_pickle=False`: a pickled (object) array is refused, never unpickled. Every file
-and per-input folder must resolve, symlinks included, inside DIR, so a daemon that
-confines DIR to its allowed directories reads nothing outside them.
+and per-input folder must resolve, symlinks included, inside DIR, and every file have a
+single link (a hard link is a file from elsewhere), so a daemon that confines DIR to its
+allowed directories reads nothing outside them.
 
 Otherwise synthetic: floats drawn from N(0, 1); integers in a plausible range, which for
 an input that indexes a constant table (Gather over an embedding, as token ids do) is
@@ -22,6 +23,7 @@ themselves are computed by onnxruntime in a worker (backends/ort/probe.py).
 from __future__ import annotations
 
 import contextlib
+import stat
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -95,11 +97,17 @@ def _fit(name: str, arr: np.ndarray, info: TensorInfo, where: Path) -> np.ndarra
 
 
 def _inside(root: Path, p: Path) -> Path:
-    """`p` resolved, if it stays inside the calibration folder `root` (resolved)."""
+    """`p` resolved, if it stays inside the calibration folder `root` (resolved) and, a
+    file, has one link: a hard link is a file from elsewhere under a name inside, which
+    no path check sees (checked before the file is opened)."""
     real = p.resolve()
     if not real.is_relative_to(root):
         raise OptionError(f"--calibration {p}: a link that leads outside the calibration folder {root}; "
                           "copy the sample into the folder instead")  # fmt: skip
+    st = real.stat()
+    if stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
+        raise OptionError(f"--calibration {p}: the file has {st.st_nlink} hard links, so it may be a file from "
+                          "elsewhere; copy the sample into the folder (cp, not ln)")  # fmt: skip
     return real
 
 

@@ -1,6 +1,7 @@
-"""What every stage of one job shares: the engine's agents, the job's options, policy,
-device, ledger and workspace, and the prepared model's description. Read-only once the
-job is prepared; stages return their results instead of writing into shared state.
+"""What every stage of one job shares: the engine's agents and config, the job's options,
+policy, device, ledger and workspace, and the prepared model's description. Read-only
+once the job is prepared; stages return their results instead of writing into shared
+state.
 """
 
 from __future__ import annotations
@@ -9,6 +10,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import trio
+
+from aoe.config import Config
 from aoe.errors import AoedError
 from aoe.signature import DeviceFingerprint, TaskSignature
 from aoed.bank.writer import BankWrite, BankWriter
@@ -50,6 +54,8 @@ class JobContext:
     fingerprint: DeviceFingerprint
     ledger: JobLedger
     workspace: Workspace
+    #: the engine's configuration (its model limits apply to each job)
+    config: Config
     prep: PrepareReply | None = None
     held_back: tuple[Path, ...] = ()
     ranges: Path | None = None
@@ -59,6 +65,18 @@ class JobContext:
 
     def emit(self, kind: str, message: str = "", done: int = 0, total: int = 0) -> None:
         self.ledger.emit(JobEvent(kind, message, done, total))
+
+    async def stage(self, message: str) -> None:
+        """Announce the next stage, once the workspace is still there (`check_workspace`)."""
+        await self.check_workspace()
+        self.emit("stage", message)
+
+    async def check_workspace(self) -> None:
+        """AoedError naming the output directory when the job's workspace was removed:
+        what failed there failed for that reason, not the model's or a candidate's."""
+        why = await trio.to_thread.run_sync(self.workspace.gone)
+        if why is not None:
+            raise AoedError(why)
 
     def key(self, sig: TaskSignature) -> bytes:
         return bankrules.key_for(sig, self.fingerprint, self.opts.precision)
@@ -96,4 +114,7 @@ class JobContext:
             raise error_from_wire(reply, AoedError)
 
     async def write_bank(self, write: BankWrite) -> None:
+        """Commit `write`, unless the workspace is gone: what was measured since may have
+        failed for that reason, and must not reach the bank as a finding."""
+        await self.check_workspace()
         await self.bank.write(write)

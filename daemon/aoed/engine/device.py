@@ -38,7 +38,8 @@ log = logging.getLogger(__name__)
 
 def _default_limit(request: dict[str, Any]) -> float:
     """A safety net, not a schedule: the runner keeps to a measurement's budget itself
-    (within a round); this only catches a runner that stopped answering."""
+    (within a round); this only catches a runner that stopped answering. The job's time
+    scale multiplies it (loading a big model's sessions takes longer)."""
     budget = float((request.get("plan") or {}).get("budget_s", 10.0))
     return budget * 3 + 60
 
@@ -105,7 +106,13 @@ class DeviceAgent:
             await self._runner.call(to_wire(PingRequest(self.device)))
 
     async def _serve(self, request: dict[str, Any], job: JobLedger | None) -> dict[str, Any]:
-        limit = float(request.pop("limit_s", 0) or _default_limit(request))
+        given = float(request.pop("limit_s", 0) or 0)
+        if given:
+            limit, why = given, "the request's own limit"
+        else:
+            base = _default_limit(request)
+            why = f"3 x its budget + 60 s = {base:g}s"
+            limit, why = job.scaled(base, why) if job is not None else (base, why)
         category = str(request.pop("category", "other"))
         pause = self._pool.paused() if self._pool is not None else contextlib.nullcontext()
         async with self.lock.hold(job.waiting if job is not None else None):
@@ -115,7 +122,8 @@ class DeviceAgent:
                     with trio.fail_after(limit):
                         reply = await self._runner.call(request)
             except trio.TooSlowError:
-                reply = {"ok": False, "error": f"{request.get('op')} on {self.device} timed out after {limit:g}s"}
+                reply = {"ok": False,
+                         "error": f"{request.get('op')} on {self.device} timed out after {limit:g}s ({why})"}  # fmt: skip
             except ChildDiedError as exc:
                 log.warning("%s on %s: the measurement runner crashed: %s", request.get("op"), self.device, exc)
                 reply = {"ok": False, "error": f"measurement runner crashed: {exc}"}

@@ -125,7 +125,7 @@ class Engine:
         ctx = JobContext(
             opts=opts, job_id=job_id, pool=self.pool, device=self.device, bank=self.bank,
             registry=self.registry, policy=prec, fingerprint=opts.device.fingerprint(),
-            ledger=ledger, workspace=ws,
+            ledger=ledger, workspace=ws, config=self.config,
         )  # fmt: skip
         failed = True
         with _job_log(ws.log_path, job_id):
@@ -138,16 +138,22 @@ class Engine:
                     log.info("job %s: done in %.1f s, %s", job_id, ledger.elapsed_s, result.verified)
                     return result
                 failed = False  # cancelled: nothing to debug, the scratch goes
-            except OSError as exc:
-                log.info("job %s: failed: %s", job_id, exc)
-                raise AoedError(f"{exc.filename or opts.output}: {exc.strerror or exc}") from None
-            except AoedError as exc:
-                log.info("job %s: failed: %s", job_id, exc)
+            except Exception as exc:
+                # A workspace removed under the job fails whatever ran there: say that, not
+                # what it looked like to the stage that noticed (a model or file error).
+                if gone := await trio.to_thread.run_sync(ws.gone):
+                    log.info("job %s: failed: %s", job_id, gone)
+                    raise AoedError(gone) from None
+                if isinstance(exc, OSError):
+                    log.info("job %s: failed: %s", job_id, exc)
+                    raise AoedError(f"{exc.filename or opts.output}: {exc.strerror or exc}") from None
+                if isinstance(exc, AoedError):
+                    log.info("job %s: failed: %s", job_id, exc)
                 raise
             finally:
                 if not failed and not opts.keep_workspace:
                     ws.clean()
-                elif failed:
+                elif failed and ws.root.is_dir():
                     log.info("job %s: workspace kept for inspection at %s", job_id, ws.root)
             reason = f": {handle.reason}" if handle.reason else ""
             log.info("job %s: cancelled%s", job_id, reason)
@@ -156,8 +162,9 @@ class Engine:
 
 @contextlib.asynccontextmanager
 async def open_engine(config: Config, registry: StrategyRegistry, logdir: Path) -> AsyncIterator[Engine]:
-    """Start the engine's agents for `config`'s device, bank and limits; yields the
-    Engine; stops and reaps everything on exit.
+    """Start the engine's agents for `config`'s device, bank and limits (memory; time:
+    compile_timeout_s for candidates and bank rebuilds, stage_timeout_s for the other
+    worker requests); yields the Engine; stops and reaps everything on exit.
 
     `registry` is the strategy registry (aoed.backends.ort.catalog.build_registry with
     the config's plugins; workers build the same one). Raises DeviceError when the
@@ -173,8 +180,10 @@ async def open_engine(config: Config, registry: StrategyRegistry, logdir: Path) 
     try:
         async with trio.open_nursery() as nursery:
             await nursery.start(bank.run)
+            compile_s = config.compile_timeout_s
             pool = CompilePool(config.parallel, logdir, cpus=worker_cpus, memory_mb=config.worker_memory_mb,
-                               plugins=config.plugins)  # fmt: skip
+                               plugins=config.plugins, timeouts={"compile": compile_s, "rebuild": compile_s},
+                               default_timeout=config.stage_timeout_s)  # fmt: skip
             await nursery.start(pool.run)
             agent = DeviceAgent(device, pool, logdir, config.runtime_dir, cpus=runner_cpus,
                                 memory_mb=config.worker_memory_mb, pause_pool=not runner_cpus)  # fmt: skip

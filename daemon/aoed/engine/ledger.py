@@ -4,6 +4,8 @@ Many jobs share the compile pool and the devices, so totals kept by the agents s
 nothing about any one job. Each request carries its job's `JobLedger`; the agent that
 serves it charges the device time, the compile time and the peak memory of the child
 that did the work to that ledger, and passes the job's "waiting" messages back to it.
+The ledger also carries the job's time scale: the agents' time limits are set for a
+small model, and a job's grow with its model (`scale_to_model`).
 """
 
 from __future__ import annotations
@@ -15,7 +17,16 @@ from dataclasses import dataclass, field
 
 from aoed.engine.messages import JobEvent
 
-__all__ = ["JobLedger", "new_job_id"]
+__all__ = ["JobLedger", "new_job_id", "time_scale"]
+
+#: A job's time limits grow by the configured ones for every this many MiB of model.
+SCALE_MIB = 256
+
+
+def time_scale(model_bytes: int) -> float:
+    """How much longer than the configured limits a job may take for a model file of
+    `model_bytes`: 1 + MiB/256 (a tiny model 1x, 256 MiB 2x, 2 GiB 9x), to a tenth."""
+    return round(1.0 + model_bytes / (1 << 20) / SCALE_MIB, 1)
 
 
 def new_job_id() -> str:
@@ -41,6 +52,23 @@ class JobLedger:
     #: wall-clock (start, end) of each device request while it held the device: the
     #: evidence that jobs sharing a device never measured at once
     device_intervals: list[tuple[float, float]] = field(default_factory=list)
+    #: the agents' default time limits for this job's requests are multiplied by this
+    time_scale: float = 1.0
+    #: the model file's size that set `time_scale`, for messages
+    model_mb: float = 0.0
+
+    def scale_to_model(self, model_bytes: int) -> None:
+        """Scale the job's time limits to its model file: loading, checking, saving and
+        running it take longer the bigger it is (see `time_scale`)."""
+        self.model_mb = model_bytes / (1 << 20)
+        self.time_scale = time_scale(model_bytes)
+
+    def scaled(self, seconds: float, why: str) -> tuple[float, str]:
+        """(this job's limit for a configured one of `seconds`, `why` it is that: the
+        configured one's origin, plus the scale when it is not 1)."""
+        if self.time_scale == 1.0:
+            return seconds, why
+        return seconds * self.time_scale, f"{why} x {self.time_scale:g} for a {self.model_mb:.0f} MiB model"
 
     def charge_device(self, seconds: float, category: str = "other") -> None:
         self.device_s += seconds

@@ -23,6 +23,7 @@ from aoe import errors
 from aoe.device import Device
 from aoe.partition import Task
 from aoe.signature import TaskSignature, TensorInfo
+from aoed.engine.prep import Limits
 
 __all__ = [
     "Accuracy",
@@ -168,6 +169,8 @@ class PrepareRequest:
     keep_initializer_inputs: bool = False
     #: which tasks to find: opat (operators), sgat (subgraphs) or sgat+opat
     job_type: str = "opat"
+    #: what the model may hold (the config's [engine] limits; default: prep's MAX_*)
+    limits: Limits = Limits()
 
 
 @dataclass(frozen=True)

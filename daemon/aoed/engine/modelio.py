@@ -38,15 +38,20 @@ EXTERNAL_THRESHOLD = 1 << 30
 PROTOBUF_LIMIT = 2 << 30
 
 
-def load_model(path: Path, *, max_bytes: int | None = None, max_nodes: int | None = None) -> onnx.ModelProto:
+def load_model(
+    path: Path, *, max_bytes: int | None = None, max_nodes: int | None = None, settings: tuple[str, str] = ("", "")
+) -> onnx.ModelProto:
     """Load the model at `path` with its external data; ModelError naming the file and
     the tensor when anything is wrong.
 
     `max_bytes` bounds the model file and its external data together, `max_nodes` the
     nodes of all its graphs (subgraphs included); both are checked before the bytes
-    they count are read (nodes: before anything walks the graph). External data is read
-    only from regular files beside the model with a single link (see `_read_external`)."""
-    data = _read_model_file(path, max_bytes)
+    they count are read (nodes: before anything walks the graph), and a message about
+    one names its setting from `settings` (bytes, nodes) when given. External data is
+    read only from regular files beside the model with a single link (see
+    `_read_external`)."""
+    bytes_setting, nodes_setting = settings
+    data = _read_model_file(path, max_bytes, bytes_setting)
     try:
         model = onnx.load_model_from_string(data)
     except MemoryError:
@@ -59,10 +64,12 @@ def load_model(path: Path, *, max_bytes: int | None = None, max_nodes: int | Non
     if max_nodes is not None:
         nodes = count_nodes(model.graph, stop_above=max_nodes)
         if nodes > max_nodes:
-            raise ModelError(f"{path}: {nodes} nodes or more, over the limit of {max_nodes} nodes per model")
+            raise ModelError(f"{path}: {nodes} nodes or more, over the limit of {max_nodes} nodes per model"
+                             f"{_named(nodes_setting)}")  # fmt: skip
     external = [t for t in external_data_helper._get_all_tensors(model) if external_data_helper.uses_external_data(t)]
     if external:
-        _read_external(path, model, external, None if max_bytes is None else max_bytes - path.stat().st_size)
+        budget = None if max_bytes is None else max_bytes - path.stat().st_size
+        _read_external(path, model, external, budget, bytes_setting)
     return model
 
 
@@ -92,17 +99,22 @@ def count_nodes(graph: onnx.GraphProto, stop_above: int | None = None) -> int:
     return total
 
 
-def check_size(path: Path, size: int, max_bytes: int | None) -> None:
-    """ModelError naming `path` when a model file of `size` bytes is over `max_bytes`."""
+def check_size(path: Path, size: int, max_bytes: int | None, setting: str = "") -> None:
+    """ModelError naming `path` (and `setting`, the limit's) when a model file of `size`
+    bytes is over `max_bytes`."""
     if max_bytes is not None and size > max_bytes:
-        raise ModelError(f"{path}: the model file is {_gib(size)}, over the limit of {_gib(max_bytes)}")
+        raise ModelError(f"{path}: the model file is {_gib(size)}, over the limit of {_gib(max_bytes)}{_named(setting)}")
+
+
+def _named(setting: str) -> str:
+    return f" ({setting})" if setting else ""
 
 
 def _gib(n: int) -> str:
     return f"{n / (1 << 30):.1f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
 
 
-def _read_model_file(path: Path, max_bytes: int | None) -> bytes:
+def _read_model_file(path: Path, max_bytes: int | None, setting: str = "") -> bytes:
     """The model file's bytes, refused before reading when it is not a regular file (a
     pipe would block), empty, over `max_bytes`, or past what protobuf can parse."""
     try:
@@ -115,7 +127,7 @@ def _read_model_file(path: Path, max_bytes: int | None) -> bytes:
         raise ModelError(f"{path}: not a regular file; pass the .onnx model file")
     if st.st_size == 0:
         raise ModelError(f"{path}: the file is empty, not an ONNX model")
-    check_size(path, st.st_size, max_bytes)
+    check_size(path, st.st_size, max_bytes, setting)
     if st.st_size >= PROTOBUF_LIMIT:
         raise ModelError(f"{path}: the model file is {_gib(st.st_size)}; protobuf reads files under 2 GiB: "
                          "save the model with its weights as external data")  # fmt: skip
@@ -147,7 +159,9 @@ def _undecodable(exc: Exception) -> str:
     return f"protobuf cannot parse it: corrupt, truncated or not an ONNX file ({type(exc).__name__}: {text})"
 
 
-def _read_external(path: Path, model: onnx.ModelProto, tensors: list[onnx.TensorProto], budget: int | None) -> None:
+def _read_external(
+    path: Path, model: onnx.ModelProto, tensors: list[onnx.TensorProto], budget: int | None, setting: str = ""
+) -> None:
     """Read each tensor's external data into it (it then holds its data inline).
 
     Only regular files beside the model are read. A location that escapes the model's
@@ -197,7 +211,7 @@ def _read_external(path: Path, model: onnx.ModelProto, tensors: list[onnx.Tensor
     total = sum(p[4] for p in plan)
     if budget is not None and total > budget:
         raise ModelError(f"{path}: the model and its external data hold {_gib(total + path.stat().st_size)}, over "
-                         f"the limit of {_gib(budget + path.stat().st_size)}")  # fmt: skip
+                         f"the limit of {_gib(budget + path.stat().st_size)}{_named(setting)}")  # fmt: skip
     for tensor, target, st, offset, length in plan:
         loc = str(external_data_helper.ExternalDataInfo(tensor).location)
         try:

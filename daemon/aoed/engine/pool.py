@@ -8,7 +8,10 @@ the next when it is free, so a slow request never holds up the others.
 
 A worker that crashes or overruns its time costs the request it was serving: the slot
 answers with a failure and starts a fresh worker for the next one. A request whose job
-was cancelled is dropped from the queue, and the worker serving one is killed.
+was cancelled is dropped from the queue, and the worker serving one is killed. The time
+limits are the config's (`compile_timeout_s` for a candidate or a bank rebuild,
+`stage_timeout_s` for any other request) times the job's time scale (bigger models take
+longer: `JobLedger.scaled`), unless the caller gives a request its own.
 
 On a CPU device without dedicated cores, `paused()` stops every worker (SIGSTOP) while
 the device measures, so compile work never runs on the measuring cores; the time a
@@ -35,9 +38,12 @@ __all__ = ["CompilePool"]
 
 log = logging.getLogger(__name__)
 
-#: Default time limits per request kind, seconds (paused time excluded).
+#: Default time limits per request kind, seconds (paused time excluded); the config's
+#: [engine] compile_timeout_s and stage_timeout_s replace them.
 TIMEOUTS = {"compile": 120.0, "rebuild": 120.0}
 DEFAULT_TIMEOUT = 900.0
+#: The setting that sets each kind's limit, for messages.
+_SETTINGS = {"compile": "compile_timeout_s", "rebuild": "compile_timeout_s"}
 
 
 class _Deadline:
@@ -68,6 +74,7 @@ class CompilePool:
         memory_mb: int = 0,
         plugins: Sequence[str] = (),
         timeouts: dict[str, float] | None = None,
+        default_timeout: float = DEFAULT_TIMEOUT,
     ):
         if workers < 1:
             raise ValueError("a compile pool needs at least one worker")
@@ -79,6 +86,7 @@ class CompilePool:
         ]  # fmt: skip
         self._queue: _pending.RequestQueue[dict[str, Any]] = _pending.RequestQueue(workers)
         self._timeouts = {**TIMEOUTS, **(timeouts or {})}
+        self._default_timeout = default_timeout
         self._deadlines: set[_Deadline] = set()
         self._pauses = 0
         self.crashes = 0
@@ -105,7 +113,13 @@ class CompilePool:
     async def _slot(self, child: Child, requests: _pending._Receiver[dict[str, Any]]) -> None:
         async def handle(request: dict[str, Any], job: JobLedger | None) -> dict[str, Any]:
             op = str(request.get("op"))
-            seconds = float(request.pop("timeout_s", None) or self._timeouts.get(op, DEFAULT_TIMEOUT))
+            given = request.pop("timeout_s", None)
+            if given:
+                seconds, why = float(given), "the request's own limit"
+            else:
+                base = self._timeouts.get(op, self._default_timeout)
+                why = f"{_SETTINGS.get(op, 'stage_timeout_s')}={base:g}"
+                seconds, why = job.scaled(base, why) if job is not None else (base, why)
             t0 = trio.current_time()
             with trio.CancelScope() as limit:
                 deadline = _Deadline(limit, seconds, self._pauses > 0)
@@ -125,8 +139,8 @@ class CompilePool:
                     job.note_rss(reply.get("maxrss_kb"))
                 return reply
             self.crashes += 1
-            log.warning("%s: timed out after %gs; worker restarted", op, seconds)
-            return {"ok": False, "applicable": True, "error": f"{op} timed out after {seconds:g}s",
+            log.warning("%s: timed out after %gs (%s); worker restarted", op, seconds, why)
+            return {"ok": False, "applicable": True, "error": f"{op} timed out after {seconds:g}s ({why})",
                     "error_class": "CandidateError"}  # fmt: skip
 
         async with requests:

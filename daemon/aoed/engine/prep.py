@@ -27,6 +27,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
+from aoe.config import Config
 from aoe.errors import ModelError, OptionError
 from aoe.graph import normalize
 from aoe.signature import ModelContext, TensorInfo
@@ -37,6 +38,7 @@ __all__ = [
     "MAX_NAME_CHARS",
     "MAX_NODES",
     "MAX_TENSOR_BYTES",
+    "Limits",
     "Prepared",
     "check_declared",
     "make_inputs",
@@ -44,8 +46,8 @@ __all__ = [
     "prepare",
 ]
 
-# What a model may hold. Module constants for now; the daemon's config will expose them
-# (a [limits] table), and both `aoe tune` and the daemon's jobs read them here.
+# What a model may hold, by default; the config's [engine] max_model_mb, max_nodes and
+# max_tensor_mb change them (`Limits.of`), for `aoe tune` and the daemon's jobs alike.
 #: The model file and its external data together.
 MAX_MODEL_BYTES = 8 << 30
 #: Nodes in all of a model's graphs, subgraphs included.
@@ -54,6 +56,21 @@ MAX_NODES = 200_000
 MAX_TENSOR_BYTES = 4 << 30
 #: One name (of a node, a tensor, a graph): every message and report repeats names.
 MAX_NAME_CHARS = 4096
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one model may hold; every message about a limit names the setting that sets it."""
+
+    model_bytes: int = MAX_MODEL_BYTES
+    nodes: int = MAX_NODES
+    tensor_bytes: int = MAX_TENSOR_BYTES
+    name_chars: int = MAX_NAME_CHARS
+
+    @classmethod
+    def of(cls, config: Config) -> Limits:
+        """The limits `config` sets ([engine] max_model_mb, max_nodes, max_tensor_mb)."""
+        return cls(config.max_model_mb << 20, config.max_nodes, config.max_tensor_mb << 20)
 
 
 @dataclass
@@ -93,20 +110,22 @@ def prepare(
     workdir: str | os.PathLike[str],
     input_shapes: Mapping[str, tuple[int, ...]] | None = None,
     keep_initializer_inputs: bool = False,
+    limits: Limits = Limits(),
 ) -> Prepared:
     """Load, check and normalize the model at `source`; save it as `workdir/prepared.onnx`.
 
-    Raises ModelError (the model is at fault, or over one of the MAX_* limits) or
-    OptionError (an override is wrong). Blocking and CPU-bound.
+    Raises ModelError (the model is at fault, or over one of `limits`) or OptionError
+    (an override is wrong). Blocking and CPU-bound.
     """
     src = Path(source)
-    model = load_model(src, max_bytes=MAX_MODEL_BYTES, max_nodes=MAX_NODES)
-    check_declared(model, str(src))
+    model = load_model(src, max_bytes=limits.model_bytes, max_nodes=limits.nodes,
+                       settings=("[engine] max_model_mb", "[engine] max_nodes"))  # fmt: skip
+    check_declared(model, str(src), limits)
     norm = normalize(
         model, input_shapes, keep_initializer_inputs=keep_initializer_inputs, strict=True, source=str(src)
     )
     model = norm.model
-    _check_inferred(model, str(src), input_shapes or {})
+    _check_inferred(model, str(src), input_shapes or {}, limits)
     out = Path(workdir) / "prepared.onnx"
     save_model(model, out)
     inits = {t.name for t in model.graph.initializer}
@@ -172,19 +191,19 @@ def _value_dims(vi: onnx.ValueInfoProto) -> list[int] | None:
     return [d.dim_value if d.HasField("dim_value") else 1 for d in vi.type.tensor_type.shape.dim]
 
 
-def _too_big(what: str, name: str, elem_type: int, dims: list[int], source: str) -> str | None:
+def _too_big(what: str, name: str, elem_type: int, dims: list[int], source: str, limits: Limits) -> str | None:
     got = _declared_bytes(elem_type, dims)
-    if got is None or got[0] <= MAX_TENSOR_BYTES:
+    if got is None or got[0] <= limits.tensor_bytes:
         return None
     return (f"{source}: {what} {name!r} has shape {list(dims)} ({_size(got[0])} of {got[1]}), over the limit of "
-            f"{_size(MAX_TENSOR_BYTES)} per tensor")  # fmt: skip
+            f"{_size(limits.tensor_bytes)} per tensor ([engine] max_tensor_mb)")  # fmt: skip
 
 
-def check_declared(model: onnx.ModelProto, source: str) -> None:
-    """Refuse what the file itself declares beyond the limits, before anything sizes an
+def check_declared(model: onnx.ModelProto, source: str, limits: Limits = Limits()) -> None:
+    """Refuse what the file itself declares beyond `limits`, before anything sizes an
     array by it or repeats it in a message: no outputs; a name that is not UTF-8 (onnx's
-    proto2 strings come back as bytes then) or longer than MAX_NAME_CHARS; an input,
-    output, initializer or annotated tensor over MAX_TENSOR_BYTES; a default-domain
+    proto2 strings come back as bytes then) or longer than the name limit; an input,
+    output, initializer or annotated tensor over the tensor limit; a default-domain
     opset newer than onnx knows. ModelError naming the file and the name."""
     if not model.graph.output:
         raise ModelError(f"{source}: the model has no outputs, so there is nothing to run, time or check")
@@ -197,33 +216,38 @@ def check_declared(model: onnx.ModelProto, source: str) -> None:
         for what, name in _names(g):
             if isinstance(name, bytes):
                 raise ModelError(f"{source}: {what} name {name[:40]!r} is not valid UTF-8; rename it")
-            if len(name) > MAX_NAME_CHARS:
+            if len(name) > limits.name_chars:
                 raise ModelError(f"{source}: {what} name {name[:24]!r}... is {len(name)} characters long, over the "
-                                 f"limit of {MAX_NAME_CHARS} characters")  # fmt: skip
+                                 f"limit of {limits.name_chars} characters")  # fmt: skip
         for t in g.initializer:
-            if why := _too_big("initializer", t.name, t.data_type, list(t.dims), source):
+            if why := _too_big("initializer", t.name, t.data_type, list(t.dims), source, limits):
                 raise ModelError(why)
         for what, values in (("input", g.input), ("output", g.output), ("tensor", g.value_info)):
             for vi in values:
                 dims = _value_dims(vi)
-                if dims is not None and (why := _too_big(what, vi.name, vi.type.tensor_type.elem_type, dims, source)):
+                elem = vi.type.tensor_type.elem_type
+                if dims is not None and (why := _too_big(what, vi.name, elem, dims, source, limits)):
                     raise ModelError(why)
 
 
-def _check_inferred(model: onnx.ModelProto, source: str, overrides: Mapping[str, tuple[int, ...]]) -> None:
+def _check_inferred(
+    model: onnx.ModelProto, source: str, overrides: Mapping[str, tuple[int, ...]], limits: Limits
+) -> None:
     """The same size limit on what shape inference and --input-shape made static: an
     override that makes an input too big is the option's fault (OptionError)."""
     g = model.graph
     for vi in g.input:
         dims = _value_dims(vi)
-        if dims is not None and (why := _too_big("input", vi.name, vi.type.tensor_type.elem_type, dims, source)):
+        elem = vi.type.tensor_type.elem_type
+        if dims is not None and (why := _too_big("input", vi.name, elem, dims, source, limits)):
             if vi.name in overrides:
                 raise OptionError(f"--input-shape {vi.name}: {why.removeprefix(source + ': ')}")
             raise ModelError(why)
     producers = None
     for vi in (*g.value_info, *g.output):
         dims = _value_dims(vi)
-        if dims is None or not (why := _too_big("tensor", vi.name, vi.type.tensor_type.elem_type, dims, source)):
+        elem = vi.type.tensor_type.elem_type
+        if dims is None or not (why := _too_big("tensor", vi.name, elem, dims, source, limits)):
             continue
         producers = producers or {o: n.name for n in g.node for o in n.output}
         raise ModelError(f"{why} (inferred, the output of node {producers.get(vi.name, '?')!r})")

@@ -68,7 +68,7 @@ async def search_session(
         if ans.record is not None:
             return SessionChoice(json.loads(ans.record.strategy), "hit")
         return SessionChoice({}, "hit")
-    ctx.emit("stage", "tuning session options")
+    await ctx.stage("tuning session options")
     key = ctx.key(signature)
     current: dict[str, Any] = {}
     base_res: Measurement | None = None

@@ -15,6 +15,7 @@ what it has, and says so); the confirming A/B is the figure the job reports.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import resource
@@ -51,6 +52,7 @@ from aoed.engine.messages import (
     from_wire,
 )
 from aoed.engine.outputs import result_json, write_json
+from aoed.engine.prep import Limits
 from aoed.engine.registry import DEFAULT
 from aoed.engine.session import SessionChoice, remember_context, search_session
 from aoed.engine.taskagent import TaskAgent, TaskDecision
@@ -117,10 +119,13 @@ async def _gate_lossy_hits(ctx: JobContext, tasks: list[Task], answers: dict[str
 
 async def run_stages(ctx: JobContext) -> JobResult:
     opts, ws = ctx.opts, ctx.workspace
-    ctx.emit("stage", f"preparing {opts.model.name}")
+    await ctx.stage(f"preparing {opts.model.name}")
+    with contextlib.suppress(OSError):  # limits grow with the model; of an unreadable one, prep says why
+        ctx.ledger.scale_to_model((await trio.to_thread.run_sync(opts.model.stat)).st_size)
     prep: PrepareReply = await _work(
         ctx, PrepareRequest(opts.model, ws.scratch, opts.precision, dict(opts.input_shapes),
-                            opts.keep_initializer_inputs, opts.job_type), PrepareReply, "graph preparation")  # fmt: skip
+                            opts.keep_initializer_inputs, opts.job_type, Limits.of(ctx.config)), PrepareReply,
+        "graph preparation")  # fmt: skip
     ctx.prep = prep
     ctx.notes.extend(prep.notes)
     samples: SamplesReply = await _work(
@@ -128,7 +133,7 @@ async def run_stages(ctx: JobContext) -> JobResult:
                             ctx.policy.lossy), SamplesReply, "writing input samples")  # fmt: skip
     ctx.held_back = samples.held_back
     if ctx.policy.lossy:
-        ctx.emit("stage", "calibrating")
+        await ctx.stage("calibrating")
         await _work(ctx, CalibrateRequest(prep.prepared, samples.calibrate, ws.scratch / "ranges.json"),
                     None, "calibration")  # fmt: skip
         ctx.ranges = ws.scratch / "ranges.json"
@@ -193,7 +198,7 @@ async def run_stages(ctx: JobContext) -> JobResult:
     await ctx.assemble([Build(assembled, dict(chosen))])
     e2e_gate: dict[str, float] | None = None
     if ctx.policy.lossy:
-        ctx.emit("stage", "checking accuracy end to end")
+        await ctx.stage("checking accuracy end to end")
         e2e_gate = await hold_to_budget(ctx, chosen, fallback, lossy_cost, results, assembled, fallback_us)
     # Lossy choices reach the bank only now, as what the model kept.
     for d in decided:
@@ -219,11 +224,11 @@ async def run_stages(ctx: JobContext) -> JobResult:
                      [f"verification and the confirming A/B answered from the bank (job {cached.get('job', '?')})"])  # fmt: skip
     else:
         cached = None
-        ctx.emit("stage", "verifying end to end")
+        await ctx.stage("verifying end to end")
         v = await verify(ctx, chosen, fallback, results, assembled, session.options, budget, from_bank=from_bank)
     ctx.notes.extend(v.notes)
 
-    ctx.emit("stage", "confirming")
+    await ctx.stage("confirming")
     conf, ship, evidence = await _confirm(ctx, v, cached)
     ctx.notes.extend(conf.notes)
     shipped_choices = v.choices if conf.shipped == "tuned" else {}
@@ -400,7 +405,7 @@ async def _search(
         return Budget(opts.budget_s or 5.0, ctx.ledger, opts.budget_s is not None), []
     assert ctx.prep is not None
     prep = ctx.prep
-    ctx.emit("stage", f"profiling baseline, extracting {len(to_tune)} tasks")
+    await ctx.stage(f"profiling baseline, extracting {len(to_tune)} tasks")
     share: dict[str, float] = {}
     task_us: dict[str, float] = {}
     model_us = 0.0
@@ -442,7 +447,7 @@ async def _search(
             r = results[t.id]
             r.update_mode, r.error = "skipped", f"not tuned: the budget of {budget.total_s:g} s went to costlier tasks"
     to_tune = [t for t in to_tune if t.id in slices]
-    ctx.emit("stage", f"tuning {len(to_tune)} tasks")
+    await ctx.stage(f"tuning {len(to_tune)} tasks")
     decided: list[TaskDecision] = []
 
     async def one(t: Task) -> None:

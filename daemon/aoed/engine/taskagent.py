@@ -79,6 +79,8 @@ class TaskAgent:
         async with trio.open_nursery() as nursery:
             for name in precision_of:
                 nursery.start_soon(compile_one, name)
+        if not all(c.ok or not c.applicable for c in compiled.values()):
+            await ctx.check_workspace()  # a vanished workspace fails every candidate: the job's failure
         cands, failed = [], 0
         for name in precision_of:
             c = compiled[name]

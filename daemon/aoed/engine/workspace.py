@@ -11,6 +11,11 @@ Two jobs of one model started in the same second, in one process or several, mus
 share a directory or a result file: both are created exclusively (mkdir, O_EXCL), and a
 taken name gets a `_2`, `_3` ... suffix. Scratch is removed once the outputs are written,
 unless the job failed (it is what one debugs) or `keep_workspace` was asked for.
+
+A workspace can vanish under a running job (its output directory removed). Then every
+file a worker writes or reads there fails, which reads as a failed candidate, a failed
+measurement or a model error; `gone()` says what happened instead, and the job checks it
+before it believes such a failure (see engine.py, context.py).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ class Workspace:
         self.scratch = root / "tunespace" / "work"
         self.result_dir = root / "tunespace" / "result"
         self.log_path = root / "job.log"
+        self._root_id: tuple[int, int] | None = None  # (st_dev, st_ino) of `root` once made
 
     @classmethod
     def create(cls, output: Path, model_stem: str) -> Workspace:
@@ -52,6 +58,8 @@ class Workspace:
                 ws = cls(output, base / tag, tag)
                 ws.scratch.mkdir(parents=True)
                 ws.result_dir.mkdir(parents=True)
+                st = ws.root.stat()
+                ws._root_id = (st.st_dev, st.st_ino)
                 return ws
         except OSError as exc:
             raise AoedError(f"{exc.filename or base}: cannot create the job's workspace ({exc.strerror or exc})") from None
@@ -85,6 +93,21 @@ class Workspace:
                 raise AoedError(f"{path}: cannot write the result ({exc.strerror or exc})") from None
             return path
         raise AoedError(f"{self.output}: no free result file name for {stem}")
+
+    def gone(self) -> str | None:
+        """Why the job cannot go on here, when its workspace (or the output directory
+        above it) was removed or replaced since it was made; None while it is there."""
+        try:
+            st = os.stat(self.root)
+            here = self._root_id in (None, (st.st_dev, st.st_ino)) and self.scratch.is_dir()
+        except OSError:
+            here = False
+        if here:
+            return None
+        if not self.output.is_dir():
+            return f"output directory {self.output}: removed while the job ran, so its outputs cannot be written there"
+        return (f"output directory {self.output}: the job's workspace {self.root} was removed while the job ran, "
+                "so its outputs cannot be written there")  # fmt: skip
 
     def clean(self) -> None:
         """Remove the scratch files (best effort)."""

@@ -36,13 +36,12 @@ from aoe.jobtypes import parse_job_type
 from aoe.device import Device
 from aoe.errors import AoedError, JobCancelledError, OptionError
 from aoed.config import DaemonConfig
-from aoed.errors import NotFoundError, RpcError
+from aoed.errors import NotFoundError, PermissionDeniedError, RpcError
 from aoed.engine.engine import Engine
 from aoed.engine.job import JobHandle, JobOptions, JobResult
 from aoed.engine.messages import JobEvent
 from aoed.engine.modelio import check_size
 from aoed.engine.policy import policy
-from aoed.engine.prep import MAX_MODEL_BYTES
 from aoed.jobs import store as st
 from aoed.jobs.store import EventRow, JobRow, JobStore, Upload
 
@@ -228,11 +227,20 @@ class JobManager:
     async def submit(self, sub: Submission) -> tuple[JobRow, bool]:
         """Record a job for `sub` (or join the active one with the same content and
         options); returns (job, joined). Raises RpcError(RESOURCE_EXHAUSTED) when the
-        queue is full, UNAVAILABLE while shutting down."""
+        queue is full, UNAVAILABLE while shutting down; PermissionDeniedError for a
+        daemon-side file with several hard links (before anything opens it); ModelError
+        for one over [engine] max_model_mb."""
         if self._stopping:
             raise RpcError("UNAVAILABLE", "the daemon is shutting down; submit again after it restarts")
         if sub.upload is None:  # refused before hashing it: the limit is there so nobody reads 9 GiB
-            check_size(sub.model, (await trio.to_thread.run_sync(sub.model.stat)).st_size, MAX_MODEL_BYTES)
+            info = await trio.to_thread.run_sync(sub.model.stat)
+            if info.st_nlink > 1:
+                # The daemon reads what its submitter names; a hard link (which no path check
+                # sees) would make it read a file the submitter could not. Uploads have one link.
+                raise PermissionDeniedError(
+                    f"{sub.model}: the file has {info.st_nlink} hard links, and a hard link can make the daemon "
+                    "read a file its submitter could not; copy the file (cp, not ln) or upload it")  # fmt: skip
+            check_size(sub.model, info.st_size, self.engine.config.max_model_mb << 20, "[engine] max_model_mb")
         sha = sub.upload.sha256 if sub.upload else await trio.to_thread.run_sync(sha256_file, sub.model)
         key = _dedup_key(sha, sub.options)
         async with self._limits_lock:
