@@ -10,7 +10,10 @@ both run lives here, in the light client, and uses onnx alone (no onnxruntime):
     -> every node gets a unique name (tasks name their nodes)
     -> user shape overrides; a dynamic dimension without one is an error (strict)
        or left dynamic (a compiler's lookup: those tasks simply get no signature)
-    -> shape inference with data propagation
+    -> shape inference with data propagation; where it leaves tensors without a static
+       shape (exports that compute shapes at run time from Shape nodes, as torch.onnx
+       does for masks and buffers), again on a scratch copy whose shape computations are
+       evaluated (onnx.reference), and the shapes found are recorded on the model
 
 Nothing is folded or fused: weights that nodes compute (a Transpose of an initializer,
 a DequantizeLinear, a Reshape) stay as the input has them, and `ModelContext` knows
@@ -23,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+import numpy as np
 import onnx
 from onnx import helper, shape_inference, version_converter
 
@@ -164,11 +168,113 @@ def _apply_shapes(
 
 def _infer(model: onnx.ModelProto, source: str, strict: bool) -> onnx.ModelProto:
     try:
-        return shape_inference.infer_shapes(model, check_type=strict, strict_mode=strict, data_prop=True)
+        inferred = shape_inference.infer_shapes(model, check_type=strict, strict_mode=strict, data_prop=True)
     except Exception as exc:
         if not strict:
             return model  # tasks without static shapes get no signature; nothing else breaks
         raise ModelError(f"{source}: shape inference failed: {exc}".splitlines()[0]) from None
+    _fill_shapes(inferred)
+    return inferred
+
+
+#: Shape computations evaluated to fill shapes: only tensors this small are kept.
+_FOLD_ELEMENTS = 4096
+
+
+def _static(vi: onnx.ValueInfoProto) -> list[int] | None:
+    t = vi.type.tensor_type
+    if not vi.type.HasField("tensor_type") or not t.HasField("shape"):
+        return None
+    dims = [d.dim_value if d.HasField("dim_value") else -1 for d in t.shape.dim]
+    return None if any(d < 0 for d in dims) else dims
+
+
+def _fill_shapes(model: onnx.ModelProto) -> None:
+    """Record static shapes that inference missed because they depend on values computed
+    at run time from static shapes (Shape -> Gather -> Concat -> Expand, as exporters
+    write for masks and position ids). A scratch copy gets those small computations
+    evaluated as initializers and is inferred again; the model itself keeps its nodes and
+    only gains value_info. Best effort: what still cannot be inferred stays unknown."""
+    from onnx import numpy_helper
+    from onnx.reference import ReferenceEvaluator
+
+    from aoe.signature import computes_constant
+
+    g = model.graph
+    shapes = {vi.name: s for vi in [*g.input, *g.value_info, *g.output] if (s := _static(vi)) is not None}
+    if all(o in shapes for n in g.node for o in n.output if o):
+        return
+    inputs = {i.name for i in g.input}
+    values = {t.name: numpy_helper.to_array(t) for t in g.initializer
+              if t.name not in inputs and _numel(t.dims) <= _FOLD_ELEMENTS}  # fmt: skip
+    known = {t.name for t in g.initializer if t.name not in inputs}
+    folded: dict[str, object] = {}
+    opsets = list(model.opset_import)
+    for node in g.node:
+        if node.domain not in ("", "ai.onnx"):
+            continue
+        outs = [o for o in node.output if o]
+        if node.op_type == "Shape" and node.input[0] in shapes:
+            attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+            dims = shapes[node.input[0]]
+            start, end = attrs.get("start", 0), attrs.get("end", len(dims))
+            values[outs[0]] = folded[outs[0]] = np.array(dims[start:end], np.int64)
+            known.add(outs[0])
+            continue
+        if not computes_constant(node, known) and node.op_type != "Constant":
+            continue
+        known.update(outs)
+        ins = list(dict.fromkeys(i for i in node.input if i))
+        if not all(i in values for i in ins):
+            continue
+        try:
+            sub = helper.make_graph(
+                [node], "fold",
+                [helper.make_tensor_value_info(i, helper.np_dtype_to_tensor_dtype(values[i].dtype), values[i].shape)
+                 for i in ins],
+                [helper.make_empty_tensor_value_info(o) for o in outs],
+            )  # fmt: skip
+            got = ReferenceEvaluator(helper.make_model(sub, opset_imports=opsets)).run(None, {i: values[i] for i in ins})
+        except Exception:  # an op the reference cannot run, a bad value: left unknown
+            continue
+        for o, v in zip(outs, got):
+            v = np.asarray(v)
+            if v.size <= _FOLD_ELEMENTS:
+                values[o] = v
+                if node.op_type != "Constant":
+                    folded[o] = v
+    if not folded:
+        return
+    scratch = onnx.ModelProto()
+    scratch.CopyFrom(model)
+    kept = [n for n in scratch.graph.node if not any(o in folded for o in n.output)]
+    del scratch.graph.node[:]
+    scratch.graph.node.extend(kept)
+    scratch.graph.initializer.extend(numpy_helper.from_array(np.asarray(v), k) for k, v in folded.items())
+    del scratch.graph.value_info[:]  # inferred afresh: a stale partial shape would stay as it is
+    try:
+        scratch = shape_inference.infer_shapes(scratch, data_prop=True)
+    except Exception:
+        return
+    existing = {vi.name: vi for vi in g.value_info}
+    for vi in scratch.graph.value_info:
+        if vi.name in shapes or vi.name in folded or _static(vi) is None:
+            continue
+        if vi.name in existing:
+            existing[vi.name].CopyFrom(vi)
+        else:
+            g.value_info.append(vi)
+    for name, v in folded.items():  # the folded tensors' own shapes (a Shape's output, say)
+        if name not in shapes and name not in existing:
+            g.value_info.append(helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(np.asarray(v).dtype),
+                                                              list(np.asarray(v).shape)))  # fmt: skip
+
+
+def _numel(dims) -> int:
+    n = 1
+    for d in dims:
+        n *= int(d)
+    return n
 
 
 def normalize(

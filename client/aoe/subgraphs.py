@@ -8,8 +8,10 @@ families:
               MatMuls of one input (each with an optional constant bias Add), Reshape
               to heads, Transpose (K to [b, n, d, s], directly or in two steps), the
               Q·Kᵀ MatMul, any scalar Mul/Div (on Q or on the scores), an additive
-              mask (Add) or a causal Where, Softmax over the last axis, P·V, Transpose
-              back and Reshape to [b, s, hidden]. The output projection is left out:
+              mask (Add) or a causal Where, Softmax over the last axis (and the NaN
+              guard torch's sdpa export puts after it), P·V, Transpose back (after a
+              Reshape that keeps the shape, as that export writes) and Reshape to
+              [b, s, hidden]. The output projection is left out:
               it is an operator task of its own.
   layernorm   LayerNorm written out (ReduceMean, Sub, Pow or Mul, ReduceMean, Add eps,
               Sqrt, Div or Reciprocal+Mul, then an optional scale Mul and bias Add), or a
@@ -235,6 +237,26 @@ def _reaches_scores(g: _Graph, tensor: str, depth: int = 8) -> bool:
     return False
 
 
+def _nan_guard(g: _Graph, probs: str) -> list[onnx.NodeProto] | None:
+    """[IsNaN, Where] of `Where(IsNaN(P), 0, P)` when that is all that reads P."""
+    users = g.users(probs)
+    isnan = [u for u in users if u.op_type == "IsNaN"]
+    where = [u for u in users if u.op_type == "Where"]
+    if len(users) != 2 or len(isnan) != 1 or len(where) != 1:
+        return None
+    w = where[0]
+    if list(w.input) != [isnan[0].output[0], w.input[1], probs] or not g.is_scalar(w.input[1], 0.0):
+        return None
+    if g.users(isnan[0].output[0]) != [w]:
+        return None
+    return [isnan[0], w]
+
+
+def _same_shape(g: _Graph, a: str, b: str) -> bool:
+    sa, sb = g.ctx.tensors.get(a), g.ctx.tensors.get(b)
+    return sa is not None and sb is not None and sa.shape == sb.shape
+
+
 def _attention(g: _Graph, sm: onnx.NodeProto) -> Match | None:
     info = g.ctx.tensors.get(sm.input[0])
     if info is None or len(info.shape) != 4 or g.attr(sm, "axis", -1) not in (-1, 3):
@@ -271,8 +293,13 @@ def _attention(g: _Graph, sm: onnx.NodeProto) -> Match | None:
     if qk is None:
         return None
     nodes.append(qk)
-    pv = [u for u in g.users(sm.output[0]) if u.op_type == "MatMul" and u.domain in _STD and u.input[0] == sm.output[0]]
-    if len(pv) != 1 or len(g.users(sm.output[0])) != 1:
+    probs = sm.output[0]
+    guard = _nan_guard(g, probs)
+    if guard is not None:  # Where(IsNaN(P), 0, P), as torch's sdpa export writes
+        nodes += guard
+        probs = guard[-1].output[0]
+    pv = [u for u in g.users(probs) if u.op_type == "MatMul" and u.domain in _STD and u.input[0] == probs]
+    if len(pv) != 1 or len(g.users(probs)) != 1:
         return None
     pv_node = pv[0]
     nodes.append(pv_node)
@@ -284,7 +311,12 @@ def _attention(g: _Graph, sm: onnx.NodeProto) -> Match | None:
     xs = [q, k, v]
     if None in xs or len(set(xs)) != 1:
         return None
-    users = g.users(pv_node.output[0])
+    ctx_out = pv_node.output[0]
+    users = g.users(ctx_out)
+    if len(users) == 1 and users[0].op_type == "Reshape" and _same_shape(g, ctx_out, users[0].output[0]):
+        nodes.append(users[0])  # a Reshape that keeps [b, n, s, d] (torch's sdpa export)
+        ctx_out = users[0].output[0]
+        users = g.users(ctx_out)
     if len(users) != 1 or users[0].op_type != "Transpose" or list(g.attr(users[0], "perm", [])) != [0, 2, 1, 3]:
         return None
     tr = users[0]

@@ -17,10 +17,14 @@ QAttention), ``int8_packed_qkv`` (one DynamicQuantizeMatMul over the packed weig
 rest float) and ``int8_bias_gelu`` (the FFN's first product in int8, then BiasGelu).
 
 Each int8 one quantizes a shared input once where per-operator int8 quantizes it for
-every product. A strategy returns None where the subgraph's details do not fit its kernel (a mask it
+every product.
+
+A strategy returns None where the subgraph's details do not fit its kernel (a mask it
 cannot express, a scale applied after a mask that is not constant, a rank it does not
 take); the default then stays. The scale, mask and head count are read from the task's
-constants, never assumed.
+constants, never assumed. The fused kernels drop the NaN guard torch's sdpa export puts
+after the softmax (Where(IsNaN(P), 0, P)): they differ from it only on a query row whose
+every key is masked, where the guard gives zeros and the kernels an average.
 """
 
 from __future__ import annotations
@@ -168,7 +172,11 @@ def _attention_parts(view: TaskView) -> _Attention | None:
             t = n.input[1]
         else:
             return None
-    pv = next((n for n in view.nodes if n.op_type == "MatMul" and n.input[0] == sm.output[0]), None)
+    probs = sm.output[0]
+    guard = next((n for n in view.nodes if n.op_type == "Where" and list(n.input[2:]) == [probs]), None)
+    if guard is not None:  # Where(IsNaN(P), 0, P)
+        probs = guard.output[0]
+    pv = next((n for n in view.nodes if n.op_type == "MatMul" and n.input[0] == probs), None)
     if pv is None:
         return None
     q = _project(nodes, qk.input[0], 1)
