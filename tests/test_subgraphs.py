@@ -102,12 +102,22 @@ def linear(g: G, x: str, k: int, n: int, bias: bool = True) -> str:
 
 
 def attention(g: G, x: str, *, scale_on: str = "scores_div", k_two: bool = False, mask: str | None = None,
-              bias: bool = True, kv: str | None = None, sdpa: bool = False) -> str:  # fmt: skip
+              bias: bool = True, kv: str | None = None, sdpa: bool = False, packed: bool = False) -> str:  # fmt: skip
     """Self-attention as exporters write it; `kv` (another tensor) makes it cross-attention."""
     split, merge = g.t(np.array([B, S, N, D], np.int64)), g.t(np.array([B, S, H], np.int64))
 
+    parts: list[str] = []
+    if packed:  # GPT-2's Conv1D: Reshape to 2-D, one Gemm for Q, K and V, Reshape back, Split
+        flat = g.n("Reshape", x, g.t(np.array([B * S, H], np.int64)))
+        qkv = g.n("Gemm", flat, g.w(H, 3 * H), g.w(3 * H, std=0.05))
+        qkv = g.n("Reshape", qkv, g.t(np.array([B, S, 3 * H], np.int64)))
+        sp = helper.make_node("Split", [qkv, g.t(np.array([H, H, H], np.int64))], [f"{qkv}_{i}" for i in range(3)],
+                              name=f"Split_{qkv}", axis=2)  # fmt: skip
+        g.nodes.append(sp)
+        parts = list(sp.output)
+
     def heads(src: str, perm) -> str:
-        y = g.n("Reshape", linear(g, src, H, H, bias), split)
+        y = g.n("Reshape", parts.pop(0) if parts else linear(g, src, H, H, bias), split)
         return g.n("Transpose", y, perm=perm)
 
     q = heads(x, [0, 2, 1, 3])
@@ -213,6 +223,7 @@ VARIANTS = {
     "k_two_transposes": {"k_two": True},
     "no_bias": {"bias": False},
     "sdpa_export": {"sdpa": True, "scale_on": "q_and_k", "mask": "padding"},
+    "gpt2_packed_gemm": {"packed": True, "mask": "causal_where"},
     "causal_add": {"mask": "causal_add"},
     "causal_where": {"mask": "causal_where"},
     "padding_mask": {"mask": "padding"},

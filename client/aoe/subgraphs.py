@@ -5,7 +5,8 @@ so one rewrite serves the isolated task model and the whole model), in one of th
 families:
 
   attention   self-attention from the Q/K/V projections to the merged heads: three
-              MatMuls of one input (each with an optional constant bias Add), Reshape
+              MatMuls of one input (each with an optional constant bias Add; or one
+              packed product, a Gemm between Reshapes as GPT-2 exports, Split), Reshape
               to heads, Transpose (K to [b, n, d, s], directly or in two steps), the
               Q·Kᵀ MatMul, any scalar Mul/Div (on Q or on the scores), an additive
               mask (Add) or a causal Where, Softmax over the last axis (and the NaN
@@ -187,7 +188,9 @@ def _scaled(g: _Graph, tensor: str, nodes: list[onnx.NodeProto]) -> str:
 def _projection(g: _Graph, tensor: str, perms: Sequence[Sequence[int]], nodes: list[onnx.NodeProto]) -> str | None:
     """The input x of `Transpose*(Reshape(MatMul(x, W) [+ b]))` ending in `tensor`, the
     Transposes' perms being `perms` (outermost last); a scalar Mul/Div may sit on the
-    way (a scale applied to Q). Collects the nodes; None when the chain differs."""
+    way (a scale applied to Q). The product may also be a Gemm between Reshapes, and
+    one output of a Split of a packed product. Collects the nodes; None when the chain
+    differs."""
     tensor = _scaled(g, tensor, nodes)
     for perm in reversed(perms):
         t = g.node(tensor, "Transpose")
@@ -200,6 +203,18 @@ def _projection(g: _Graph, tensor: str, perms: Sequence[Sequence[int]], nodes: l
         return None
     nodes.append(r)
     tensor = _scaled(g, r.input[0], nodes)
+    split = g.node(tensor, "Split")
+    if split is not None:  # Q, K and V from one packed product (GPT-2's c_attn)
+        nodes.append(split)
+        tensor = split.input[0]
+    back = g.node(tensor, "Reshape")
+    gemm = g.node(back.input[0], "Gemm") if back is not None else None
+    if gemm is not None:  # Reshape to 2-D, Gemm, Reshape back: a Conv1D or Linear on 3-D input
+        flat = g.node(gemm.input[0], "Reshape")
+        if flat is None or not g.is_const(gemm.input[1]) or not all(g.is_const(i) for i in gemm.input[2:] if i):
+            return None
+        nodes += [back, gemm, flat]
+        return flat.input[0]
     add = g.node(tensor, "Add")
     if add is not None:
         bias = add.input[1] if g.is_const(add.input[1]) else add.input[0] if g.is_const(add.input[0]) else None

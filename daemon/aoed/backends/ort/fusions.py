@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import onnx
@@ -75,8 +76,8 @@ class _Attention:
     x: str
     weights: list[np.ndarray]  # Wq, Wk, Wv as [hidden, h]
     biases: list[np.ndarray]  # bq, bk, bv (zeros where the model has none)
-    adds: list[onnx.NodeProto | None]  # the bias Add of each projection
-    matmuls: list[onnx.NodeProto]
+    has_bias: bool
+    projections: list[_Proj]
     heads: int
     head_dim: int
     scale: float  # of Q·Kᵀ before the mask
@@ -106,34 +107,114 @@ def _walk_scale(nodes: _Nodes, tensor: str, factor: float) -> tuple[str, float] 
             return tensor, factor
 
 
-def _project(nodes: _Nodes, tensor: str, perms: int) -> tuple[str, float, onnx.NodeProto, onnx.NodeProto | None, tuple] | None:
-    """(x, scale, MatMul, bias Add, heads shape) of a projection ending in `tensor`."""
-    view = nodes.view
-    got = _walk_scale(nodes, tensor, 1.0)
-    if got is None:
+@dataclass
+class _Proj:
+    """One of Q, K, V: its input, weight [in, out], bias, the scale applied on the way,
+    the nodes that compute it (shared by all three for a packed projection) and the
+    tensor they produce before the split into heads."""
+
+    x: str
+    weight: np.ndarray
+    bias: np.ndarray
+    scale: float
+    nodes: list[onnx.NodeProto]
+    out: str
+    heads_shape: tuple
+
+
+def _gemm_weights(view: TaskView, gemm: onnx.NodeProto) -> tuple[np.ndarray, np.ndarray] | None:
+    """(weight [in, out], bias) of a plain Gemm (alpha = beta = 1, A not transposed)."""
+    a = attrs_of(gemm)
+    if a.get("alpha", 1.0) != 1.0 or a.get("beta", 1.0) != 1.0 or a.get("transA", 0):
         return None
-    tensor, scale = got
+    w = view.const(gemm.input[1])
+    if w is None or w.ndim != 2:
+        return None
+    w = np.asarray(w).T if a.get("transB", 0) else np.asarray(w)
+    c = view.const(gemm.input[2]) if len(gemm.input) > 2 and gemm.input[2] else np.zeros(w.shape[1], w.dtype)
+    if c is None or np.size(c) != w.shape[1]:
+        return None
+    return w, np.asarray(c, w.dtype).reshape(-1)
+
+
+def _product(nodes: _Nodes, tensor: str) -> tuple[str, np.ndarray, np.ndarray, list[onnx.NodeProto]] | None:
+    """(x, weight, bias, nodes) of `MatMul(x, W) [+ b]`, or of a Gemm between Reshapes
+    to 2-D and back (as GPT-2's Conv1D exports)."""
+    view = nodes.view
+    add = nodes.made(tensor, "Add")
+    if add is not None:
+        inner = next((i for i in add.input if i in nodes.producer), "")
+        mm = nodes.made(inner, "MatMul")
+        if mm is None:
+            return None
+        w, b = view.const(mm.input[1]), view.const(next(i for i in add.input if i != inner))
+        if w is None or b is None or w.ndim != 2 or b.size != w.shape[1]:
+            return None
+        return mm.input[0], np.asarray(w), np.asarray(b, w.dtype).reshape(-1), [mm, add]
+    mm = nodes.made(tensor, "MatMul")
+    if mm is not None:
+        w = view.const(mm.input[1])
+        if w is None or w.ndim != 2:
+            return None
+        return mm.input[0], np.asarray(w), np.zeros(w.shape[1], w.dtype), [mm]
+    back = nodes.made(tensor, "Reshape")
+    gemm = nodes.made(back.input[0], "Gemm") if back is not None else None
+    flat = nodes.made(gemm.input[0], "Reshape") if gemm is not None else None
+    if flat is None:
+        return None
+    wb = _gemm_weights(view, gemm)
+    if wb is None:
+        return None
+    return flat.input[0], wb[0], wb[1], [flat, gemm, back]
+
+
+def _split_sizes(view: TaskView, split: onnx.NodeProto, total: int) -> list[int] | None:
+    a = attrs_of(split)
+    if len(split.input) > 1 and split.input[1]:
+        sizes = view.const(split.input[1])
+        return None if sizes is None else [int(v) for v in np.asarray(sizes).reshape(-1)]
+    if "split" in a:
+        return [int(v) for v in a["split"]]
+    n = len(split.output)
+    return [total // n] * n if total % n == 0 else None
+
+
+def _project(nodes: _Nodes, tensor: str, perms: int) -> _Proj | None:
+    """The projection ending in `tensor` (after `perms` Transposes and scalar scales)."""
+    view = nodes.view
+    tensor, scale = _walk_scale(nodes, tensor, 1.0)
     for _ in range(perms):
         t = nodes.made(tensor, "Transpose")
         if t is None:
             return None
-        tensor, scale = _walk_scale(nodes, t.input[0], scale) or (None, 0.0)
-        if tensor is None:
-            return None
+        tensor, scale = _walk_scale(nodes, t.input[0], scale)
     r = nodes.made(tensor, "Reshape")
     if r is None:
         return None
     heads_shape = view.info(r.output[0])
-    tensor, scale = _walk_scale(nodes, r.input[0], scale) or (None, 0.0)
-    if tensor is None or heads_shape is None or len(heads_shape.shape) != 4:
+    tensor, scale = _walk_scale(nodes, r.input[0], scale)
+    if heads_shape is None or len(heads_shape.shape) != 4:
         return None
-    add = nodes.made(tensor, "Add")
-    if add is not None:
-        tensor = next((i for i in add.input if i in nodes.producer), "")
-    mm = nodes.made(tensor, "MatMul")
-    if mm is None:
+    split = nodes.made(tensor, "Split")
+    if split is None:
+        got = _product(nodes, tensor)
+        if got is None:
+            return None
+        x, w, b, made = got
+        return _Proj(x, w, b, scale, made, tensor, tuple(heads_shape.shape))
+    # A packed projection (GPT-2): one product, split along its last axis.
+    total = view.info(split.input[0])
+    got = _product(nodes, split.input[0])
+    if got is None or total is None or attrs_of(split).get("axis", 0) not in (-1, len(total.shape) - 1):
         return None
-    return mm.input[0], scale, mm, add, tuple(heads_shape.shape)
+    x, w, b, made = got
+    sizes = _split_sizes(view, split, w.shape[1])
+    if sizes is None or sum(sizes) != w.shape[1]:
+        return None
+    i = list(split.output).index(tensor)
+    lo = sum(sizes[:i])
+    return _Proj(x, w[:, lo:lo + sizes[i]], b[lo:lo + sizes[i]], scale, [*made, split], tensor,
+                 tuple(heads_shape.shape))  # fmt: skip
 
 
 def _attention_parts(view: TaskView) -> _Attention | None:
@@ -182,35 +263,24 @@ def _attention_parts(view: TaskView) -> _Attention | None:
     q = _project(nodes, qk.input[0], 1)
     k = _project(nodes, qk.input[1], 2) or _project(nodes, qk.input[1], 1)  # Kᵀ in two steps, or one
     v = _project(nodes, pv.input[1], 1)
-    if q is None or k is None or v is None or len({q[0], k[0], v[0]}) != 1:
+    if q is None or k is None or v is None or len({q.x, k.x, v.x}) != 1:
         return None
-    b, s, heads, head_dim = q[4]
-    if k[4] != q[4] or v[4][2] != heads:
+    b, s, heads, head_dim = q.heads_shape
+    if k.heads_shape != q.heads_shape or v.heads_shape[2] != heads:
         return None
-    att.x = q[0]
+    att.x = q.x
     att.heads, att.head_dim = int(heads), int(head_dim)
-    att.matmuls = [q[2], k[2], v[2]]
-    att.adds = [q[3], k[3], v[3]]
-    att.weights, att.biases = [], []
-    for mm, add in zip(att.matmuls, att.adds):
-        w = view.const(mm.input[1])
-        if w is None or w.ndim != 2:
-            return None
-        bias = np.zeros(w.shape[1], w.dtype)
-        if add is not None:
-            bv = view.const(next(i for i in add.input if i not in nodes.producer))
-            if bv is None or bv.size != w.shape[1]:
-                return None
-            bias = np.asarray(bv, w.dtype).reshape(-1)
-        att.weights.append(np.asarray(w))
-        att.biases.append(bias)
+    att.projections = [q, k, v]
+    att.weights = [p.weight for p in (q, k, v)]
+    att.biases = [p.bias for p in (q, k, v)]
+    att.has_bias = any(np.any(p.bias != 0) for p in (q, k, v))
     xi = view.info(att.x)
     if xi is None or len(xi.shape) != 3 or att.weights[0].shape[1] != att.heads * att.head_dim:
         return None
     seq = xi.shape[1]
     # The scores' transform, from Q·Kᵀ outwards: scale, then mask (scaled by any later
     # scale), then a causal Where. Anything else does not fit the kernel.
-    scale = q[1] * k[1]
+    scale = q.scale * k.scale
     mask: np.ndarray | str | None = None
     later = 1.0
     for kind, arg in steps:  # softmax side first
@@ -341,11 +411,9 @@ def _packed_qkv(view: TaskView) -> Rewrite | None:
     att = _attention_parts(view)
     if att is None:
         return None
-    nodes, inits, outs = _packed_projection(view, att, with_bias=any(a is not None for a in att.adds))
-    replaced = {n.name for n in att.matmuls} | {a.name for a in att.adds if a is not None}
-    renames = {}
-    for mm, add, out in zip(att.matmuls, att.adds, outs):
-        renames[(add or mm).output[0]] = out
+    nodes, inits, outs = _packed_projection(view, att, with_bias=att.has_bias)
+    replaced = {n.name for p in att.projections for n in p.nodes}
+    renames = {p.out: out for p, out in zip(att.projections, outs)}
     for n in view.nodes:
         if n.name in replaced:
             continue
@@ -583,8 +651,8 @@ def _int8_packed_qkv(view: TaskView) -> Rewrite | None:
     ]  # fmt: skip
     if view.opset < 13:
         return None
-    replaced = {n.name for n in att.matmuls} | {a.name for a in att.adds if a is not None}
-    renames = {(add or mm).output[0]: out for mm, add, out in zip(att.matmuls, att.adds, outs)}
+    replaced = {n.name for p in att.projections for n in p.nodes}
+    renames = {p.out: out for p, out in zip(att.projections, outs)}
     for n in view.nodes:
         if n.name in replaced:
             continue
