@@ -4,7 +4,8 @@ Every candidate's outputs are compared with the fp32 reference on the same input
 task and end to end. `exact` allows float-rounding differences only (reassociation in a
 different kernel); `int8` accepts the error of 8-bit quantization within a budget
 (default: cosine >= 0.999 and max error <= 25% of the output range, end to end; max
-error is a worst case over every element, cosine the overall agreement).
+error is a worst case over every element, cosine the overall agreement); `int4`
+(weight-only 4-bit products) the same with cosine >= 0.99.
 """
 
 from __future__ import annotations
@@ -46,6 +47,9 @@ POLICIES = {
     "exact": PrecisionPolicy("exact", 1e-4, 0.99999, 1e-3, 0.9999),
     # Per task a little tighter than end to end: errors of several tasks add up.
     "int8": PrecisionPolicy("int8", 0.25, 0.9995, 0.25, 0.999),
+    # Weight-only 4-bit: a coarser grid than int8, so a looser default (override it with
+    # --min-cosine); measured on the task and end to end like the others.
+    "int4": PrecisionPolicy("int4", 0.25, 0.99, 0.25, 0.99),
 }
 
 

@@ -14,6 +14,10 @@ dequantize boundary inside the task, so the boundary's cost is part of what is m
 - matmul_act (both inputs activations, e.g. attention's Q·Kᵀ and P·V): both sides
   quantized dynamically, MatMulInteger in int32, rescaled to float.
 
+Under the ``int4`` policy (weight-only), a matmul task's weight is stored 4-bit in blocks
+of 32 rows with a scale each, and com.microsoft MatMulNBits computes the product in float
+(or, as a second candidate, with the activation quantized to int8: accuracy level 4).
+
 Weights are quantized symmetrically (int8, zero point 0); activations asymmetrically
 (uint8) over a range that always includes zero. A conv task's BatchNormalization is
 folded into the weights before they are quantized. `register(registry)` adds them.
@@ -198,6 +202,59 @@ def _int8_qlinearconv(view: TaskView) -> Rewrite | None:
     return Rewrite(tuple(nodes), tuple(inits))
 
 
+# --------------------------------------------------------------------------- int4
+
+
+#: Weights are quantized in blocks of this many rows (along K), each with its own scale.
+INT4_BLOCK = 32
+
+
+def pack_int4(w: np.ndarray, block: int = INT4_BLOCK) -> tuple[np.ndarray, np.ndarray]:
+    """A [K, N] weight as MatMulNBits takes it: 4-bit values, symmetric per block of
+    `block` rows (zero point 8, the kernel's default), two to a byte, low nibble first;
+    returns (packed [N, blocks, block/2] uint8, scales [N * blocks] float32). K is
+    padded with zeros to whole blocks."""
+    k, n = w.shape
+    blocks = -(-k // block)
+    padded = np.zeros((blocks * block, n), np.float32)
+    padded[:k] = w
+    cols = padded.T.reshape(n, blocks, block)
+    amax = np.abs(cols).max(axis=2)
+    scale = np.where(amax > 0, amax / 7.0, 1.0).astype(np.float32)
+    q = (np.clip(np.round(cols / scale[..., None]), -8, 7) + 8).astype(np.uint8)
+    return (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8), scale.reshape(-1)
+
+
+def _int4_nbits(view: TaskView, accuracy_level: int) -> Rewrite | None:
+    parts = matmul_parts(view)
+    if parts is None:
+        return None
+    a, w, bias, act, _rank = parts
+    k, n = w.shape
+    packed, scales = pack_int4(np.asarray(w, np.float32))
+    inits = [init(view, "weight_q4", packed), init(view, "weight_scales", scales)]
+    ins = [a, inits[0].name, inits[1].name]
+    if bias is not None:
+        inits.append(init(view, "bias", bias.astype(np.float32)))
+        ins += ["", "", inits[-1].name]  # no zero points (8), no g_idx
+    out = view.output if act is None else view.name("pre_act")
+    nodes = [helper.make_node("MatMulNBits", ins, [out], name=view.name("MatMulNBits"), domain=CONTRIB_DOMAIN,
+                              K=k, N=n, bits=4, block_size=INT4_BLOCK, accuracy_level=accuracy_level)]  # fmt: skip
+    if act is not None:
+        nodes.append(copy_act(view, act, out))
+    return Rewrite(tuple(nodes), tuple(inits))
+
+
+def _int4_weight_only(view: TaskView) -> Rewrite | None:
+    """MatMulNBits: the weight 4-bit in blocks of 32, the product in float."""
+    return _int4_nbits(view, accuracy_level=0)
+
+
+def _int4_int8_compute(view: TaskView) -> Rewrite | None:
+    """MatMulNBits with the activation quantized to int8 for the product (accuracy level 4)."""
+    return _int4_nbits(view, accuracy_level=4)
+
+
 # --------------------------------------------------------------------------- matmul_act
 
 
@@ -228,3 +285,5 @@ def register(registry: StrategyRegistry) -> None:
     s("int8_qdq", "conv", "int8")(_int8_qdq)
     s("int8_qlinearconv", "conv", "int8")(_int8_qlinearconv)
     s("int8_dynamic_actact", "matmul_act", "int8")(_int8_actact)
+    s("int4_weight_only", "matmul", "int4")(_int4_weight_only)
+    s("int4_int8_compute", "matmul", "int4")(_int4_int8_compute)
