@@ -494,3 +494,111 @@ def test_daemon_runs_a_sgat_plus_opat_job(models: Path, tmp_path: Path) -> None:
         assert len(job.result.tasks) == len(report["tasks"])
     finally:
         d.close()
+
+
+# --------------------------------------------------------------------------- CNN regions
+
+
+def _region(models: Path, tmp_path: Path, name: str = "cnn"):
+    from aoed.backends.ort.probe import activation_ranges
+    from aoed.engine.tasks import TaskView
+
+    prep = prepare(models / f"{name}.onnx", tmp_path)
+    [task] = [t for t in partition(prep.model, prep.ctx, "sgat") if t.family == "conv_region"]
+    rng = np.random.default_rng(0)
+    samples = [{k: rng.standard_normal(v.shape).astype(np.float32) for k, v in prep.inputs.items()} for _ in range(8)]
+    ranges = activation_ranges(prep.model, prep.ctx.tensors, samples)
+    consts = Constants(prep.model.graph, list(prep.model.opset_import))
+    by = {n.name: n for n in prep.model.graph.node}
+    view = TaskView([by[n] for n in task.node_names], consts, prep.ctx.tensors, 13, f"aoe/{task.id}", ranges)
+    return prep, task, view, samples[0]
+
+
+def _optimized_ops(model: onnx.ModelProto, tmp_path: Path) -> dict[str, int]:
+    from collections import Counter
+
+    so = ort.SessionOptions()
+    so.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    return Counter(n.op_type for n in onnx.load(str(tmp_path / "optimized.onnx")).graph.node)
+
+
+def test_conv_regions_cover_the_trunk(models: Path) -> None:
+    def region(name: str):
+        model = onnx.load(str(models / f"{name}.onnx"))
+        norm = normalize(model, None, strict=False).model
+        [m] = [m for m in find_subgraphs(norm, ModelContext(norm)) if m.family == "conv_region"]
+        left = {n.op_type for n in norm.graph.node} - {n.op_type for n in m.nodes}
+        return [n.op_type for n in m.nodes], left
+
+    ops, left = region("cnn")
+    assert ops.count("Conv") == 6 and ops.count("Add") == 2 and ops[-1] == "GlobalAveragePool"
+    assert left == {"Flatten", "Gemm"}  # the head is left to operator tuning
+    ops, _ = region("resnet")
+    assert ops.count("Conv") == 20 and ops.count("Add") == 8 and "MaxPool" in ops
+
+
+def test_int8_region_runs_in_int8_from_input_to_output(models: Path, tmp_path: Path) -> None:
+    from aoed.backends.ort.regions import int8_region
+
+    prep, task, view, feeds = _region(models, tmp_path)
+    ref = _run(prep.model, feeds)
+    tuned = apply_rewrites(prep.model, {task.node_names: int8_region(view)})
+    ops = _optimized_ops(tuned, tmp_path)
+    # Every Conv, residual Add and the pool became onnxruntime's int8 kernels; one
+    # quantize in, one dequantize out, nothing float in between.
+    assert ops["QLinearConv"] == 6 and ops["QLinearAdd"] == 2 and ops["QLinearGlobalAveragePool"] == 1
+    assert ops["QuantizeLinear"] == 1 and ops["DequantizeLinear"] == 1 and not ops["Conv"] and not ops["FusedConv"]
+    y = _run(tuned, feeds)
+    assert float((y * ref).sum() / np.linalg.norm(y) / np.linalg.norm(ref)) > 0.999
+    # Kept in float by name: those two Convs run in float, the rest stays int8.
+    kept = REGISTRY.get("conv_region", "int8_region:f0.3")
+    tuned = apply_rewrites(prep.model, {task.node_names: kept.apply(view)})
+    ops = _optimized_ops(tuned, tmp_path)
+    assert ops["QLinearConv"] == 4 and ops["Conv"] + ops["FusedConv"] == 2
+    assert REGISTRY.get("conv_region", "int8_region:f99").apply(view) is None
+    with pytest.raises(KeyError):
+        REGISTRY.get("conv_region", "int8_dynamic:f1")
+
+
+def test_sensitivity_is_measured_and_keeps_the_layer_that_hurts_in_float(models: Path, tmp_path: Path) -> None:
+    from aoed.backends.ort.regions import propose_float_convs, region_convs
+
+    prep, task, view, feeds = _region(models, tmp_path)
+    convs = region_convs(view)
+    # Conv 2's input calibrated over a range 200 times too wide: its int8 grid is coarse,
+    # so quantizing that Conv alone moves the output most.
+    lo, hi = view.ranges[convs[2].input[0]]
+    view.ranges = {**view.ranges, convs[2].input[0]: (lo * 200, hi * 200)}
+    by = {n.name: n for n in prep.model.graph.node}
+    task_model = onnx.helper.make_model(onnx.helper.make_graph(
+        [by[n] for n in task.node_names], "t", [onnx.helper.make_tensor_value_info(i.name, TensorProto.FLOAT, list(prep.inputs[i.name].shape))
+                                               for i in prep.model.graph.input],
+        [onnx.helper.make_tensor_value_info(task.outputs[0], TensorProto.FLOAT, list(prep.ctx.tensors[task.outputs[0]].shape))],
+        initializer=[t for t in prep.model.graph.initializer if t.name in set(task.inputs)]),
+        opset_imports=list(prep.model.opset_import))  # fmt: skip
+    task_model.ir_version = prep.model.ir_version
+
+    def evaluate(rewrite):
+        m = task_model if rewrite is None else apply_rewrites(task_model, {task.node_names: rewrite})
+        return _run(m, feeds)
+
+    notes: list[str] = []
+    names = propose_float_convs(view, evaluate, notes)
+    assert names[0] == "int8_region:f2" and len(names) == 3
+    assert all(n.startswith("int8_region:f") and "2" in n[len("int8_region:f"):].split(".") for n in names)
+    assert notes and notes[0].split(": ")[1].startswith("2:")
+
+
+@pytest.mark.slow
+def test_sgat_int8_tunes_a_cnn_region_with_measured_variants(models: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    r = run_aoe("tune", str(models / "cnn.onnx"), "--job-type", "sgat", "--precision", "int8",
+                "--bank", str(tmp_path / "bank"), "--output", str(out), *FAST)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    [result] = out.glob("aoe_result_sgat_*.json")
+    doc = json.loads(result.read_text())
+    [region] = [t for t in doc["tasks"] if t["family"] == "conv_region"]
+    tried = {c["strategy"] for c in region["candidates"]}
+    assert {"default", "int8_region"} <= tried and any(s.startswith("int8_region:f") for s in tried), tried
+    assert any("int8 sensitivity per Conv" in n for n in doc["notes"])

@@ -19,6 +19,10 @@ families:
               LayerNormalization node; either with the residual Add in front of it when
               that sum feeds nothing else (post-norm blocks). A lone LayerNormalization
               is already fused and is no task.
+  conv_region a CNN's convolutional trunk: a connected run of Convs (constant weights),
+              inference BatchNormalizations, Relus, residual Adds and pooling, at least
+              two Convs, with one output leaving it (where the head begins); int8 can
+              then keep every link, residual and pool inside in int8.
   gelu        GELU written out, erf form (x·0.5·(1 + erf(x/√2)) in any order of its
               products) or tanh form (0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))), with
               the bias Add and the MatMul before it when they feed nothing else (an FFN's
@@ -47,7 +51,7 @@ from aoe.signature import ModelContext
 __all__ = ["SUBGRAPH_FAMILIES", "Match", "find_subgraphs"]
 
 #: Subgraph families, in the order the tuner reports them.
-SUBGRAPH_FAMILIES = ("attention", "layernorm", "gelu")
+SUBGRAPH_FAMILIES = ("attention", "layernorm", "gelu", "conv_region")
 
 _STD = ("", "ai.onnx")
 
@@ -516,6 +520,59 @@ def _gelu(g: _Graph, anchor: onnx.NodeProto) -> Match | None:
     return Match("gelu", ordered) if g.closed(ordered) else None
 
 
+# --------------------------------------------------------------------------- conv regions
+
+#: What a CNN region is made of: every one has an int8 kernel in onnxruntime (QLinearConv,
+#: QLinearAdd, QLinear pooling) or folds away (BatchNormalization into its Conv, Relu
+#: into the range of what follows).
+_REGION_OPS = ("Conv", "BatchNormalization", "Relu", "Add", "MaxPool", "AveragePool", "GlobalAveragePool")
+
+
+def _in_region(g: _Graph, node: onnx.NodeProto) -> bool:
+    if node.domain not in _STD or node.op_type not in _REGION_OPS:
+        return False
+    if node.op_type == "Conv":
+        return len(node.input) >= 2 and g.is_const(node.input[1]) and all(g.is_const(i) for i in node.input[2:] if i)
+    if node.op_type == "BatchNormalization":
+        return len([o for o in node.output if o]) == 1 and all(g.is_const(i) for i in node.input[1:])
+    if node.op_type == "Add":  # a residual: two activations of one shape
+        a, b = (g.ctx.tensors.get(i) for i in node.input)
+        return not any(g.is_const(i) for i in node.input) and a is not None and b is not None and a.shape == b.shape
+    if node.op_type == "MaxPool":
+        return len([o for o in node.output if o]) == 1  # no indices output
+    return True
+
+
+def _conv_regions(model: onnx.ModelProto, g: _Graph) -> list[Match]:
+    """Connected runs of region ops with at least two Convs and one output leaving."""
+    members = [n for n in model.graph.node if _in_region(g, n)]
+    inside = {n.name for n in members}
+    parent = {n.name: n.name for n in members}
+
+    def find(a: str) -> str:
+        while parent[a] != a:
+            parent[a] = parent[parent[a]]
+            a = parent[a]
+        return a
+
+    for n in members:
+        for i in n.input:
+            p = g.producer.get(i)
+            if p is not None and p.name in inside:
+                parent[find(p.name)] = find(n.name)
+    groups: dict[str, list[onnx.NodeProto]] = defaultdict(list)
+    for n in members:
+        groups[find(n.name)].append(n)
+    found = []
+    for nodes in groups.values():
+        if sum(n.op_type == "Conv" for n in nodes) < 2:
+            continue
+        ordered = g.sorted(nodes)
+        if g.closed(ordered):
+            found.append(Match("conv_region", ordered))
+    return found
+
+
 # --------------------------------------------------------------------------- all
 
 
@@ -541,6 +598,10 @@ def find_subgraphs(model: onnx.ModelProto, ctx: ModelContext) -> list[Match]:
                 m = None  # an odd graph: that block is left to operator tuning
             if m is None or any(n.name in taken for n in m.nodes):
                 continue
+            taken.update(n.name for n in m.nodes)
+            found.append(m)
+    for m in _conv_regions(model, g):
+        if not any(n.name in taken for n in m.nodes):
             taken.update(n.name for n in m.nodes)
             found.append(m)
     found.sort(key=lambda m: g.order[m.nodes[-1].name])

@@ -38,6 +38,8 @@ __all__ = [
     "CompareRequest",
     "CompileReply",
     "CompileRequest",
+    "VariantsReply",
+    "VariantsRequest",
     "ExtractReply",
     "ExtractRequest",
     "JobEvent",
@@ -256,6 +258,27 @@ class CompileReply:
     applicable: bool = True
     error: str = ""
     compile_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class VariantsRequest:
+    """Which `strategy:param` variants to try for a task: the strategy's `propose`, run
+    on the task model and its real input activations (`inputs`)."""
+
+    op: ClassVar[str] = "variants"
+    task_model: Path
+    family: str
+    strategy: str
+    prefix: str
+    inputs: Path
+    ranges: Path | None = None
+
+
+@dataclass(frozen=True)
+class VariantsReply:
+    names: tuple[str, ...] = ()
+    #: what the proposal measured, for the report (e.g. each Conv's error when alone int8)
+    notes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,12 @@ engine asks its registry for a task's candidates and never names one itself, so 
 strategy plugs in by registering alone. Every family's first strategy is `DEFAULT`,
 the task as the model has it: the incumbent to beat.
 
+A strategy may take a parameter, spelled `name:param` (e.g. `int8_region:f3.7`: the
+region in int8 but its Convs 3 and 7): `with_param` builds the rewrite for one, and
+`propose` (run in a worker, where the task's real inputs can be run) names the variants
+worth trying for a task. A bank entry stores the full name, so the rewrite it describes
+is reproduced exactly wherever it is applied.
+
 A registry is a value, not a module global: an engine and each of its worker processes
 build the same one (`aoed.backends.ort.catalog.build_registry`, from the same plugin
 list), and tests build their own. A plugin is a module with a `register(registry)`
@@ -17,6 +23,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from aoe.errors import OptionError
 from aoed.engine.tasks import Rewrite, TaskView
@@ -35,6 +42,12 @@ class Strategy:
     precision: str
     rewrite: Callable[[TaskView], Rewrite | None]
     doc: str = ""
+    #: the rewrite for `name:param` (None: the strategy takes no parameter)
+    with_param: Callable[[TaskView, str], Rewrite | None] | None = None
+    #: (view, evaluate, notes) -> the `name:param` variants to try for a task, where
+    #: evaluate(rewrite or None) runs the task model (rewritten) on its real inputs and
+    #: returns its output; what was measured goes to `notes`
+    propose: Callable[[TaskView, Callable[[Rewrite | None], Any], list[str]], list[str]] | None = None
 
     def apply(self, view: TaskView) -> Rewrite | None:
         return self.rewrite(view)
@@ -71,11 +84,17 @@ class StrategyRegistry:
         return deco
 
     def get(self, family: str, name: str) -> Strategy:
-        """The strategy `name` of `family`; KeyError when there is none."""
-        try:
-            return self._by_key[(family, name)]
-        except KeyError:
-            raise KeyError(f"unknown strategy {name!r} for {family}") from None
+        """The strategy `name` of `family` (or `base:param` of a base that takes one);
+        KeyError when there is none."""
+        found = self._by_key.get((family, name))
+        if found is not None:
+            return found
+        base_name, sep, param = name.partition(":")
+        base = self._by_key.get((family, base_name)) if sep else None
+        if base is None or base.with_param is None:
+            raise KeyError(f"unknown strategy {name!r} for {family}")
+        build = base.with_param
+        return Strategy(name, family, base.precision, lambda view: build(view, param), base.doc)
 
     def strategies_for(self, family: str, precision: str = "exact") -> Iterator[Strategy]:
         """The strategies of `family` allowed under `precision`, in registration order."""

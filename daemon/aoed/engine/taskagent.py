@@ -28,7 +28,8 @@ from aoed.bank.writer import BankWrite
 from aoed.engine import bankrules, decisions
 from aoed.engine.context import JobContext
 from aoed.engine.job import TaskResult
-from aoed.engine.messages import Candidate, CompileReply, CompileRequest, Measurement, from_wire
+from aoed.engine.messages import Candidate, CompileReply, CompileRequest, Measurement, VariantsReply, VariantsRequest
+from aoed.engine.messages import from_wire
 from aoed.engine.registry import DEFAULT
 
 __all__ = ["TaskAgent", "TaskDecision"]
@@ -67,6 +68,17 @@ class TaskAgent:
         taskdir = ctx.workspace.task_dir(task.id)
         strategies = list(ctx.registry.strategies_for(task.family, ctx.opts.precision))
         precision_of = {s.name: s.precision for s in strategies}
+        for s in strategies:  # parametric variants, proposed from the task's real inputs
+            if s.propose is not None:
+                req = VariantsRequest(taskdir / "task.onnx", task.family, s.name, f"aoe/{task.id}",
+                                      taskdir / "inputs.npz", ctx.ranges)  # fmt: skip
+                reply = await ctx.pool.call(req, ctx.ledger)
+                if reply.get("ok", True) and "names" in reply:
+                    got = from_wire(VariantsReply, reply)
+                    precision_of.update({name: s.precision for name in got.names})
+                    ctx.notes.extend(f"{task.id}: {note}" for note in got.notes)
+                else:
+                    log.warning("%s: no variants of %s: %s", task.id, s.name, reply.get("error", "?"))
         compiled: dict[str, CompileReply] = {}
 
         async def compile_one(name: str) -> None:

@@ -37,8 +37,9 @@ import numpy as np
 import onnx
 from onnx import helper
 
+from aoed.backends.ort import regions
 from aoed.backends.ort._rewrite import attrs_of, init
-from aoed.engine.registry import StrategyRegistry
+from aoed.engine.registry import Strategy, StrategyRegistry
 from aoed.engine.tasks import CONTRIB_DOMAIN, Rewrite, TaskView
 
 __all__ = ["register"]
@@ -701,4 +702,8 @@ def register(registry: StrategyRegistry) -> None:
     s("int8_qattention", "attention", "int8")(_int8_qattention)
     s("int8_packed_qkv", "attention", "int8")(_int8_packed_qkv)
     s("int8_bias_gelu", "gelu", "int8")(_int8_bias_gelu)
+    registry.register(Strategy(
+        "int8_region", "conv_region", "int8", regions.int8_region, (regions.int8_region.__doc__ or "").strip(),
+        with_param=regions.int8_region_param, propose=regions.propose_float_convs,
+    ))  # fmt: skip
 

@@ -191,6 +191,33 @@ def _compile(req: m.CompileRequest) -> m.CompileReply:
     return m.CompileReply(ok=True, compile_s=time.perf_counter() - t0)
 
 
+def _variants(req: m.VariantsRequest) -> m.VariantsReply:
+    from aoed.backends.ort.sessions import session
+    from aoed.engine.tasks import TaskView, apply_rewrites
+
+    model = onnx.load(str(req.task_model))
+    assert _registry is not None
+    strategy = _registry.get(req.family, req.strategy)
+    if strategy.propose is None:
+        return m.VariantsReply()
+    nodes = list(model.graph.node)
+    ctx = ModelContext(model)
+    view = TaskView(nodes=nodes, consts=Constants(model.graph, list(model.opset_import)), infos=ctx.tensors,
+                    opset=ctx.opset(""), prefix=req.prefix, ranges=_ranges(req.ranges))  # fmt: skip
+    with np.load(req.inputs, allow_pickle=False) as data:
+        feeds = {k: data[k] for k in data.files}
+    names = {i.name for i in model.graph.input}
+    feeds = {k: v for k, v in feeds.items() if k in names}
+
+    def evaluate(rewrite):
+        candidate = model if rewrite is None else apply_rewrites(model, {tuple(n.name for n in nodes): rewrite})
+        return session(candidate.SerializeToString(), {"intra_op_num_threads": 1}).run(None, feeds)[0]
+
+    notes: list[str] = []
+    proposed = strategy.propose(view, evaluate, notes)
+    return m.VariantsReply(tuple(proposed), tuple(notes))
+
+
 def _assemble(req: m.AssembleRequest) -> m.AssembleReply:
     from aoed.engine.assemble import apply_choices, set_metadata
     from aoed.engine.modelio import save_model
@@ -267,6 +294,7 @@ _OPS: dict[str, tuple[type, Any]] = {
     "calibrate": (m.CalibrateRequest, _calibrate),
     "extract": (m.ExtractRequest, _extract),
     "compile": (m.CompileRequest, _compile),
+    "variants": (m.VariantsRequest, _variants),
     "assemble": (m.AssembleRequest, _assemble),
     "check": (m.CheckRequest, _check),
     "rebuild": (m.RebuildRequest, _rebuild),
