@@ -41,12 +41,14 @@ bench: $(BENCH_STAMP)
 	$(BIN)/python bench/bench_bank.py
 	$(BIN)/python bench/bench_cancel.py
 	$(BIN)/python bench/bench_daemon.py
+	$(BIN)/python bench/bench_sgat.py
 
 bench-quick: $(BENCH_STAMP)
 	$(BIN)/python bench/run.py --quick
 	$(BIN)/python bench/bench_bank.py --quick
 	$(BIN)/python bench/bench_cancel.py --quick
 	$(BIN)/python bench/bench_daemon.py --quick
+	$(BIN)/python bench/bench_sgat.py --quick
 
 # kill -9 of the daemon at 20 random points of its jobs; prints seeds, restarts and the
 # bank entries verified intact (make test runs 3 of them)

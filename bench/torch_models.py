@@ -1,0 +1,214 @@
+"""Models exported from PyTorch for bench/bench_sgat.py, one per process.
+
+    python bench/torch_models.py NAME -o DIR
+
+Run in a child process by the benchmark, so that torch (and its threads) never share a
+process with the latency measurements, and a failing export is one model's result, not
+the run's end. Writes DIR/NAME.onnx and DIR/info.json (what was built, from what); exits
+non-zero with the reason on stderr when the export fails.
+
+  hf_bert, hf_bert_dynamo    transformers' BertModel, small config (4 layers, hidden 256,
+                             4 heads, ffn 1024, vocab 8192), random weights, no pooler;
+                             inputs `input_ids` and `attention_mask` int64 [1, 128], output
+                             `last_hidden_state` [1, 128, 256]
+  hf_gpt2, hf_gpt2_dynamo    transformers' GPT2Model, the same sizes, use_cache off
+  digits_cnn                 a small conv net TRAINED here on scikit-learn's digits (the
+                             split of bench/digits.py); input `pixels` float32
+                             [32, 1, 8, 8] raw intensities 0..16 (the 1/16 scaling is
+                             folded into the first conv), output `logits` [32, 10]; also
+                             writes DIR/calibration/*.npz (training images, 32 per file, the
+                             format `aoe tune --calibration` reads) and DIR/test.npz
+
+`*_dynamo` use `torch.onnx.export(..., dynamo=True)`, the others the TorchScript exporter
+(`dynamo=False`); all ask for opset 17 and fixed shapes. The transformers get
+transformers' default attention implementation (sdpa), what a user exporting them gets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+OPSET = 17
+SEQ = 128
+VOCAB = 8192
+HIDDEN = 256
+HEADS = 4
+LAYERS = 4
+FFN = 1024
+SEED = 0
+
+CNN_EPOCHS = 30
+CNN_LR = 1e-3
+CNN_CALIBRATION_FILES = 10  # as bench/digits.py: aoe calibrates on half, judges on half
+
+TEXT = ("hf_bert", "hf_bert_dynamo", "hf_gpt2", "hf_gpt2_dynamo")
+NAMES = (*TEXT, "digits_cnn")
+
+
+def _export(module, args: tuple, path: Path, inputs: list[str], outputs: list[str], dynamo: bool):
+    import torch
+
+    kw = {"dynamo": dynamo, "opset_version": OPSET, "input_names": inputs, "output_names": outputs}
+    if dynamo:
+        kw["external_data"] = False  # one file, as the TorchScript exporter writes
+    with warnings.catch_warnings(), contextlib.redirect_stdout(sys.stderr):
+        warnings.simplefilter("ignore")  # tracer warnings about Python control flow
+        torch.onnx.export(module, args, str(path), **kw)
+
+
+def text_model(name: str, out: Path) -> dict:
+    import torch
+    import transformers
+
+    torch.manual_seed(SEED)
+    if name.startswith("hf_bert"):
+        cfg = transformers.BertConfig(
+            vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS,
+            num_attention_heads=HEADS, intermediate_size=FFN, max_position_embeddings=512,
+        )  # fmt: skip
+        model = transformers.BertModel(cfg, add_pooling_layer=False)
+        arch = "transformers BertModel (no pooler)"
+    else:
+        cfg = transformers.GPT2Config(
+            vocab_size=VOCAB, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS, n_inner=FFN,
+            n_positions=512, use_cache=False,
+        )  # fmt: skip
+        model = transformers.GPT2Model(cfg)
+        arch = "transformers GPT2Model"
+    model.eval()
+
+    class LastHidden(torch.nn.Module):
+        def __init__(self, inner) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, input_ids, attention_mask):
+            out = self.inner(input_ids=input_ids, attention_mask=attention_mask, return_dict=True)
+            return out.last_hidden_state
+
+    dynamo = name.endswith("_dynamo")
+    ids = torch.randint(0, VOCAB, (1, SEQ), dtype=torch.int64)
+    mask = torch.ones(1, SEQ, dtype=torch.int64)
+    path = out / f"{name}.onnx"
+    with torch.no_grad():
+        _export(LastHidden(model), (ids, mask), path, ["input_ids", "attention_mask"],
+                ["last_hidden_state"], dynamo)  # fmt: skip
+    exporter = "dynamo" if dynamo else "TorchScript"
+    attn = getattr(model.config, "_attn_implementation", None) or "default"
+    return {
+        "model": str(path),
+        "description": (
+            f"{arch}, {LAYERS} layers, hidden {HIDDEN}, {HEADS} heads, ffn {FFN}, vocab {VOCAB}, "
+            f"seq {SEQ}, {attn} attention; torch.onnx {exporter} exporter, opset {OPSET}; "
+            f"torch {torch.__version__}, transformers {transformers.__version__}"
+        ),
+        "weights": "random",
+        "model_type": "bert" if name.startswith("hf_bert") else "gpt2",
+        "num_heads": HEADS,
+        "hidden_size": HIDDEN,
+        "vocab": VOCAB,
+    }
+
+
+def digits_cnn(out: Path) -> dict:
+    import digits
+    import torch
+
+    torch.manual_seed(SEED)
+    x_train, y_train, x_test, y_test = digits._split(SEED)
+    batch = digits.BATCH
+
+    def images(x: np.ndarray) -> np.ndarray:
+        return x.reshape(-1, 1, 8, 8).astype(np.float32)
+
+    net = torch.nn.Sequential(
+        torch.nn.Conv2d(1, 32, 3, padding=1),
+        torch.nn.ReLU(),
+        torch.nn.Conv2d(32, 64, 3, padding=1),
+        torch.nn.ReLU(),
+        torch.nn.MaxPool2d(2),
+        torch.nn.Flatten(),
+        torch.nn.Linear(64 * 4 * 4, 10),
+    )
+    xt = torch.from_numpy(images(x_train) / digits.SCALE)
+    yt = torch.from_numpy(y_train)
+    opt = torch.optim.Adam(net.parameters(), lr=CNN_LR)
+    gen = torch.Generator().manual_seed(SEED)
+    net.train()
+    for _ in range(CNN_EPOCHS):
+        order = torch.randperm(len(xt), generator=gen)
+        for start in range(0, len(order), batch):
+            idx = order[start : start + batch]
+            opt.zero_grad()
+            loss = torch.nn.functional.cross_entropy(net(xt[idx]), yt[idx])
+            loss.backward()
+            opt.step()
+    net.eval()
+    with torch.no_grad():
+        pred = net(torch.from_numpy(images(x_test) / digits.SCALE)).argmax(dim=1).numpy()
+        acc = float((pred == y_test).mean())
+        net[0].weight /= digits.SCALE  # the model takes raw intensities 0..16
+    path = out / "digits_cnn.onnx"
+    with torch.no_grad():
+        sample = torch.from_numpy(images(x_train[:batch]))
+        _export(net, (sample,), path, [digits.INPUT], ["logits"], dynamo=False)
+    calib = out / "calibration"
+    calib.mkdir(exist_ok=True)
+    for old in calib.glob("*.npz"):
+        old.unlink()
+    for i in range(CNN_CALIBRATION_FILES):
+        np.savez(
+            calib / f"{i:03d}.npz", **{digits.INPUT: images(x_train[i * batch : (i + 1) * batch])}
+        )
+    test = out / "test.npz"
+    np.savez(test, **{digits.INPUT: images(x_test), "labels": y_test})
+    return {
+        "model": str(path),
+        "description": (
+            f"conv net Conv3x3(32)-Relu-Conv3x3(64)-Relu-MaxPool2-Linear(10) trained with torch "
+            f"on scikit-learn's handwritten digits ({len(x_train)} training images, {CNN_EPOCHS} "
+            f"epochs of Adam), batch {batch}; torch.onnx TorchScript exporter, opset {OPSET}; "
+            f"torch {torch.__version__}"
+        ),
+        "weights": "trained",
+        "calibration": str(calib),
+        "calibration_files": CNN_CALIBRATION_FILES,
+        "test": str(test),
+        "test_images": len(x_test),
+        "train_images": len(x_train),
+        "torch_test_accuracy": acc,
+    }
+
+
+def build(name: str, out: Path) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
+    info = digits_cnn(out) if name == "digits_cnn" else text_model(name, out)
+    (out / "info.json").write_text(json.dumps(info, indent=2) + "\n")
+    return info
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("name", choices=NAMES)
+    ap.add_argument("-o", "--out", type=Path, required=True, help="folder to write into")
+    args = ap.parse_args(argv)
+    try:
+        info = build(args.name, args.out)
+    except ImportError as exc:
+        print(f"bench/torch_models.py: {exc.name} is missing; install the bench extra "
+              "(pip install -e '.[bench]'; make bench does it)", file=sys.stderr)  # fmt: skip
+        return 2
+    print(json.dumps(info))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
