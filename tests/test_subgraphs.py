@@ -102,7 +102,8 @@ def linear(g: G, x: str, k: int, n: int, bias: bool = True) -> str:
 
 
 def attention(g: G, x: str, *, scale_on: str = "scores_div", k_two: bool = False, mask: str | None = None,
-              bias: bool = True, kv: str | None = None, sdpa: bool = False, packed: bool = False) -> str:  # fmt: skip
+              bias: bool = True, kv: str | None = None, sdpa: bool = False, packed: bool = False,
+              k_flat: bool = False) -> str:  # fmt: skip
     """Self-attention as exporters write it; `kv` (another tensor) makes it cross-attention."""
     split, merge = g.t(np.array([B, S, N, D], np.int64)), g.t(np.array([B, S, H], np.int64))
 
@@ -125,6 +126,9 @@ def attention(g: G, x: str, *, scale_on: str = "scores_div", k_two: bool = False
         q = g.n("Mul", q, g.f(1 / math.sqrt(D)))
     if k_two:
         k = g.n("Transpose", heads(kv or x, [0, 2, 1, 3]), perm=[0, 1, 3, 2])
+    elif k_flat:  # torch's dynamo export: Kᵀ through 3-D
+        k = g.n("Reshape", heads(kv or x, [0, 2, 1, 3]), g.t(np.array([B * N, S, D], np.int64)))
+        k = g.n("Reshape", g.n("Transpose", k, perm=[0, 2, 1]), g.t(np.array([B, N, D, S], np.int64)))
     else:
         k = heads(kv or x, [0, 2, 3, 1])
     v = heads(kv or x, [0, 2, 1, 3])
@@ -224,6 +228,7 @@ VARIANTS = {
     "no_bias": {"bias": False},
     "sdpa_export": {"sdpa": True, "scale_on": "q_and_k", "mask": "padding"},
     "gpt2_packed_gemm": {"packed": True, "mask": "causal_where"},
+    "dynamo_export": {"k_flat": True, "sdpa": True, "mask": "padding"},
     "causal_add": {"mask": "causal_add"},
     "causal_where": {"mask": "causal_where"},
     "padding_mask": {"mask": "padding"},

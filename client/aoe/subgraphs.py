@@ -271,6 +271,24 @@ def _nan_guard(g: _Graph, probs: str) -> list[onnx.NodeProto] | None:
     return [isnan[0], w]
 
 
+def _unflattened(g: _Graph, tensor: str, nodes: list[onnx.NodeProto]) -> str | None:
+    """The [b, n, s, d] tensor that `Reshape(Transpose(Reshape(t, [b·n, s, d]), [0, 2, 1]),
+    [b, n, d, s])` transposes, collecting those three nodes; None when `tensor` is not that."""
+    r4 = g.node(tensor, "Reshape")
+    t = g.node(r4.input[0], "Transpose") if r4 is not None else None
+    r3 = g.node(t.input[0], "Reshape") if t is not None and list(g.attr(t, "perm", [])) == [0, 2, 1] else None
+    if r3 is None:
+        return None
+    src, out = g.ctx.tensors.get(r3.input[0]), g.ctx.tensors.get(tensor)
+    if src is None or out is None or len(src.shape) != 4 or len(out.shape) != 4:
+        return None
+    b, n, s, d = src.shape
+    if tuple(out.shape) != (b, n, d, s):
+        return None
+    nodes += [r4, t, r3]
+    return r3.input[0]
+
+
 def _same_shape(g: _Graph, a: str, b: str) -> bool:
     sa, sb = g.ctx.tensors.get(a), g.ctx.tensors.get(b)
     return sa is not None and sb is not None and sa.shape == sb.shape
@@ -326,6 +344,9 @@ def _attention(g: _Graph, sm: onnx.NodeProto) -> Match | None:
     k = _projection(g, qk.input[1], [(0, 2, 3, 1)], nodes)
     if k is None:
         k = _projection(g, qk.input[1], [(0, 2, 1, 3), (0, 1, 3, 2)], nodes)
+    if k is None:  # torch's dynamo export: Kᵀ as Reshape to 3-D, Transpose, Reshape back
+        inner = _unflattened(g, _scaled(g, qk.input[1], nodes), nodes)
+        k = _projection(g, inner, [(0, 2, 1, 3)], nodes) if inner is not None else None
     v = _projection(g, pv_node.input[1], [(0, 2, 1, 3)], nodes)
     xs = [q, k, v]
     if None in xs or len(set(xs)) != 1:

@@ -263,6 +263,14 @@ def _attention_parts(view: TaskView) -> _Attention | None:
         return None
     q = _project(nodes, qk.input[0], 1)
     k = _project(nodes, qk.input[1], 2) or _project(nodes, qk.input[1], 1)  # Kᵀ in two steps, or one
+    if k is None:  # torch's dynamo export: Kᵀ as Reshape to 3-D, Transpose, Reshape back
+        t, outer = _walk_scale(nodes, qk.input[1], 1.0)
+        r4 = nodes.made(t, "Reshape")
+        tr = nodes.made(r4.input[0], "Transpose") if r4 is not None else None
+        r3 = nodes.made(tr.input[0], "Reshape") if tr is not None else None
+        k = _project(nodes, r3.input[0], 1) if r3 is not None else None
+        if k is not None:
+            k.scale *= outer
     v = _project(nodes, pv.input[1], 1)
     if q is None or k is None or v is None or len({q.x, k.x, v.x}) != 1:
         return None
