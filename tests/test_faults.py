@@ -209,6 +209,16 @@ def _busy(pid: int) -> bool:
     return proc_state(pid) == "R"
 
 
+def _busy_a_while(pid: int, polls: int = 5, gap: float = 0.005) -> bool:
+    """Running at each of `polls` looks over ~25 ms: a measurement round, not a blip of
+    a process between requests (a kill then is a restart without a crash to report)."""
+    for _ in range(polls):
+        if not _busy(pid):
+            return False
+        time.sleep(gap)
+    return True
+
+
 # ---------------------------------------------------------------- child processes
 
 
@@ -236,7 +246,7 @@ def test_a_runner_killed_mid_measurement_costs_that_measurement_and_is_restarted
     job_id = submit(d, model(d, "cnn", width=40), budget=2.0)
     wait_stage(d, job_id, "tuning ")  # candidates are measured now
     runner = wait_for(lambda: child_pid(d, RUNNER), 10, "the measurement runner")
-    wait_for(lambda: _busy(runner), 30, "the runner measuring", poll=0.002)
+    wait_for(lambda: _busy_a_while(runner), 30, "the runner measuring", poll=0.002)
     os.kill(runner, signal.SIGKILL)
     j = d.wait_job(job_id)
     assert j.state == S.JOB_STATE_SUCCEEDED, j  # the task measured then costs its candidates
