@@ -470,13 +470,7 @@ def _tuned_path(job: Job) -> Path | None:
 
 
 def _session(v: Variant):
-    import onnxruntime as ort
-
-    if v.name.startswith("aoe "):
-        import aoe
-
-        return aoe.session(v.path)  # the session options the tuner stored in the model
-    return ort.InferenceSession(str(v.path), providers=["CPUExecutionProvider"])
+    return measure.quiet_session(v.path, tuned=v.name.startswith("aoe "))
 
 
 def measure_variants(r: ModelResult, built: Built, mode: Mode, log: Log) -> None:

@@ -3,8 +3,9 @@
 Latency goes through the tuner's own measurement procedure,
 `aoed.backends.ort.measure.interleaved`, with a fixed number of rounds (no racing, no
 early stop): in each round every variant takes its turn, in an order that rotates from
-round to round, after a short sleep and one untimed run that keep the previous variant's
-spinning threads and cold caches out of its samples. Variants are compared by their
+round to round, after a short sleep and one untimed run that keep cold caches out of its
+samples; every session has intra-op spinning off (`quiet_session`), since with several
+sessions on 2 cores the idle ones' spinning threads slowed the running one by up to 2.5x. Variants are compared by their
 paired per-round ratios (drift of a shared machine hits both sides of a pair alike), each
 with a distribution-free 95% interval for its median (`aoed.engine.stats`).
 """
@@ -21,6 +22,24 @@ from aoed.backends.ort.measure import interleaved
 from aoed.engine.messages import MeasurePlan
 from aoed.engine.stats import median, median_ci, paired_ratios
 
+
+def quiet_session(path, tuned: bool):
+    """A session for `path` with intra-op spinning off, as the tuner measures (see
+    aoed.backends.ort.runner.quiet): idle sessions' spinning threads would otherwise slow
+    whichever variant runs. A tuned model gets the session options the tuner stored."""
+    import onnxruntime as ort
+
+    import aoe
+    from aoed.backends.ort.runner import NO_SPIN
+
+    if tuned:
+        stored = aoe.session_options_of(path)
+        return aoe.session(path, config={**NO_SPIN, **stored.get("config", {})})
+    so = ort.SessionOptions()
+    for k, v in NO_SPIN.items():
+        so.add_session_config_entry(k, v)
+    return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+
 __all__ = [
     "Accuracy",
     "Latency",
@@ -28,6 +47,7 @@ __all__ = [
     "accuracy",
     "describe_inputs",
     "feeds_for",
+    "quiet_session",
     "latencies",
     "predictions",
     "ratio",

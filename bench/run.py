@@ -273,13 +273,7 @@ def op_counts(path: Path) -> dict[str, int]:
 
 
 def _session(variant: Variant):
-    import onnxruntime as ort
-
-    if variant.name.startswith("aoe"):
-        import aoe
-
-        return aoe.session(variant.path)  # the session options the tuner chose
-    return ort.InferenceSession(str(variant.path), providers=["CPUExecutionProvider"])
+    return measure.quiet_session(variant.path, tuned=variant.name.startswith("aoe"))
 
 
 def holding_device(fn: Callable[[], Any], log: Log) -> Any:

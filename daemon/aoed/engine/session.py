@@ -1,7 +1,7 @@
 """Model-wide session options, searched in context on the assembled model.
 
 One dimension at a time (coordinate descent): the current options against each value of
-the next dimension (threads, spinning, optimization level, execution mode), measured
+the next dimension (threads, optimization level, execution mode), measured
 interleaved on the whole model; a value is kept only when it clearly beats the current
 options (see `decisions`). Gains compound across dimensions, and the result is stored
 as the model-level bank record, under the model's signature, by AOE's rules. The
@@ -32,11 +32,12 @@ __all__ = ["SessionChoice", "remember_context", "search_session"]
 
 
 def dimensions(cores: int) -> list[tuple[str, list[dict[str, Any]]]]:
-    """The option values tried, per dimension, on a device with `cores` cores."""
+    """The option values tried, per dimension, on a device with `cores` cores. Spinning
+    is not one: sessions are measured with it off (runner.quiet), so it cannot be told
+    apart, and a user's single session spins or not as it likes."""
     threads = sorted({1, max(1, cores // 2), cores})
     return [
         ("intra_op_num_threads", [{"intra_op_num_threads": t} for t in threads]),
-        ("allow_spinning", [{"config": {"session.intra_op.allow_spinning": "0"}}]),
         ("graph_optimization_level", [{"graph_optimization_level": lv} for lv in ("basic", "extended")]),
         ("execution_mode", [{"execution_mode": "parallel"}]),
     ]

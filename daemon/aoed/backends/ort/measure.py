@@ -4,8 +4,11 @@ Every candidate gets the same inputs. After a warm-up that also sizes a batch (r
 timed sample, so that a sample lasts about `sample_s` and the clock's resolution does not
 matter), rounds follow: in each, every surviving candidate takes its turn, in an order
 that rotates from round to round, so slow drift of the machine hits all alike. Before
-each turn the process sleeps briefly and runs the session once untimed, so the previous
-candidate's spinning intra-op threads and cold caches stay out of the timed samples.
+each turn the process sleeps briefly and runs the session once untimed, so cold caches
+stay out of the timed samples. That does not keep idle sessions' spinning intra-op
+threads out once there are several: sessions must be made with spinning off (the
+runner's `quiet`), or each runs slower beside the others (2.5x for a ResNet-18 beside
+four sessions on 2 cores).
 
 Time is bounded by the plan's budget (warm-up and rounds together): no turn starts after
 it; a round cut short by it is discarded, so every kept round has every survivor in it;

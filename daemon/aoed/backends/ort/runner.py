@@ -46,8 +46,22 @@ def _device(req: dict[str, Any]) -> Device:
     return Device.from_wire(req["device"]) if req.get("device") else CPU
 
 
+#: Session config that keeps an idle session's intra-op threads from spinning.
+NO_SPIN = {"session.intra_op.allow_spinning": "0"}
+
+
+def quiet(options: dict[str, Any] | None) -> dict[str, Any]:
+    """`options` with spinning off unless they set it. Several sessions measured in turn
+    share the cores: each idle session's threads spin on them and slow the one running.
+    Measured here with the engine's own interleaving on 2 cores, a ResNet-18 timed 53.5 ms
+    beside four other sessions and 21.4 ms alone; with spinning off, 21.5 ms beside them."""
+    opts = dict(options or {})
+    opts["config"] = {**NO_SPIN, **opts.get("config", {})}
+    return opts
+
+
 def _session(model: str, options: dict[str, Any] | None, device: Device = CPU):
-    return session(model, options, device)
+    return session(model, quiet(options), device)
 
 
 def accuracy(ref: list[np.ndarray], out: list[np.ndarray]) -> dict[str, float]:
