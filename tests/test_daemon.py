@@ -258,8 +258,27 @@ def test_watch_resumes_across_a_restart(tmp_path: Path) -> None:
         d.close()
 
 
-def test_sigterm_stops_within_the_grace_and_requeues(tmp_path: Path) -> None:
+#: A strategy whose compile takes a minute: a job that tries it is still tuning when the
+#: daemon is told to stop, whatever the machine's speed.
+SLOW_PLUGIN = """
+import time
+from aoed.engine.registry import Strategy
+
+
+def _slow(view):
+    time.sleep(60)
+
+
+def register(registry):
+    registry.register(Strategy("slow_compile", "matmul", "exact", _slow))
+"""
+
+
+def test_sigterm_stops_within_the_grace_and_requeues(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "aoed_slow_plugin.py").write_text(SLOW_PLUGIN)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), *filter(None, sys.path)]))
     d = DaemonProcess(tmp_path / "d")
+    d.config.write_text(d.config.read_text().replace("[tuning]\n", '[tuning]\nplugins = ["aoed_slow_plugin"]\n'))
     try:
         d.start()
         job_id = _submit(d, _model(d, "cnn"), budget=60.0)
