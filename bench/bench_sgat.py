@@ -55,7 +55,7 @@ import measure
 import numpy as np
 import onnx
 from machine import Machine
-from run import Log, holding_device, op_counts
+from run import Log, op_counts, side_by_side
 from sgat_report import (
     CALIBRATION_SEED,
     CNN_TUNES,
@@ -501,20 +501,8 @@ def measure_variants(r: ModelResult, built: Built, mode: Mode, log: Log) -> None
             v.agree = float(np.mean(pred == ref_pred))
             if built.labels is not None:
                 v.top1 = float(np.mean(pred == built.labels))
-    first = built.feeds[0]
-    runs = {n: (lambda s=s: s.run(None, first)) for n, s in sessions.items()}
-    log(f"  measuring {len(runs)} variants interleaved")
-    got = holding_device(
-        lambda: measure.latencies(
-            runs,
-            rounds=mode.rounds,
-            budget_s=mode.measure_s,
-            samples=mode.samples,
-            reference=REFERENCE,
-        ),
-        log,
-    )
-    for name, value in got.items():
+    log(f"  measuring {len(sessions)} variants interleaved")
+    for name, value in side_by_side(sessions, built.feeds[0], mode, log).items():
         r.variants[name].latency = value
 
 

@@ -325,9 +325,15 @@ def measure_variants(
             predicted = measure.predictions(out)
             variants[name].top1 = float(np.mean(predicted == labels))
             variants[name].agree = float(np.mean(predicted == reference))
-    first = feeds[0]
-    runs = {n: (lambda s=s: s.run(None, first)) for n, s in sessions.items()}
-    got = holding_device(
+    for name, value in side_by_side(sessions, feeds[0], mode, log).items():
+        variants[name].latency = value
+
+
+def side_by_side(sessions: dict, feed: dict[str, np.ndarray], mode, log: Log) -> dict:
+    """Latency of every session on `feed`, interleaved (`mode`'s rounds, budget and
+    samples), while this process holds the device lock; fp32 is the reference."""
+    runs = {n: (lambda s=s: s.run(None, feed)) for n, s in sessions.items()}
+    return holding_device(
         lambda: measure.latencies(
             runs,
             rounds=mode.rounds,
@@ -337,8 +343,6 @@ def measure_variants(
         ),
         log,
     )
-    for name, value in got.items():
-        variants[name].latency = value
 
 
 def _sample(name: str, work: Path, mode: Mode):

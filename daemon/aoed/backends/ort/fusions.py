@@ -421,18 +421,23 @@ def _packed_qkv(view: TaskView) -> Rewrite | None:
     if att is None:
         return None
     nodes, inits, outs = _packed_projection(view, att, with_bias=att.has_bias)
+    return Rewrite((*nodes, *_after_projections(view, att, outs)), tuple(inits))
+
+
+def _after_projections(view: TaskView, att: _Attention, outs: Sequence[str]) -> list[onnx.NodeProto]:
+    """The block's nodes past its three projections, reading `outs` (q, k, v) instead."""
     replaced = {n.name for p in att.projections for n in p.nodes}
     renames = {p.out: out for p, out in zip(att.projections, outs)}
+    kept = []
     for n in view.nodes:
         if n.name in replaced:
             continue
         copy = onnx.NodeProto()
         copy.CopyFrom(n)
         for i, name in enumerate(copy.input):
-            if name in renames:
-                copy.input[i] = renames[name]
-        nodes.append(copy)
-    return Rewrite(tuple(nodes), tuple(inits))
+            copy.input[i] = renames.get(name, name)
+        kept.append(copy)
+    return kept
 
 
 def _multihead_attention(view: TaskView) -> Rewrite | None:
@@ -660,16 +665,7 @@ def _int8_packed_qkv(view: TaskView) -> Rewrite | None:
     ]  # fmt: skip
     if view.opset < 13:
         return None
-    replaced = {n.name for p in att.projections for n in p.nodes}
-    renames = {p.out: out for p, out in zip(att.projections, outs)}
-    for n in view.nodes:
-        if n.name in replaced:
-            continue
-        copy = onnx.NodeProto()
-        copy.CopyFrom(n)
-        for i, name in enumerate(copy.input):
-            copy.input[i] = renames.get(name, name)
-        nodes.append(copy)
+    nodes += _after_projections(view, att, outs)
     return Rewrite(tuple(nodes), tuple(inits))
 
 
