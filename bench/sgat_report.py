@@ -241,7 +241,7 @@ def section(results: Sequence[ModelResult], mode: Mode, *, host: Machine, comman
             "the variants' order rotating from round to round) while this process holds the "
             "machine-wide device lock. A cell is the speedup vs fp32 (median of per-round "
             "ratios, 95% interval), then the median ms and the interquartile spread over it. "
-            "fp32 and the peers run in a default onnxruntime session (ORT_ENABLE_ALL); aoe's "
+            "fp32 and the peers run in a default onnxruntime session (ORT_ENABLE_ALL) with intra-op spinning off, like every session timed here; aoe's "
             "tuned models (the `tuned_model` of each job's result JSON) run through "
             "`aoe.session`, with the session options the tuner stored. *min cosine* is the "
             "lowest cosine of the outputs vs fp32 over the held-back inputs. A failed cell "
