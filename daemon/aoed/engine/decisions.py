@@ -24,6 +24,7 @@ __all__ = [
     "MIN_GAIN",
     "best",
     "best_lossy",
+    "faster_outside_gate",
     "clearly_faster",
     "clearly_slower",
     "least_gain_per_error",
@@ -107,6 +108,23 @@ def best_lossy(
         return incumbent, reasons
     pick = min(winners, key=lambda k: paired_ratio(results[k], base)[0])
     return pick, reasons
+
+
+def faster_outside_gate(
+    results: Mapping[str, Measurement],
+    incumbent: str,
+    lossy: set[str],
+    gate: Callable[[Measurement], bool],
+) -> list[str]:
+    """The lossy candidates that clearly beat the exact `incumbent` and failed only the
+    accuracy `gate` on the task's own outputs, fastest first: the ones worth judging in
+    the model's context (incontext.py)."""
+    base = results[incumbent]
+    out = [
+        name for name in lossy
+        if (r := results.get(name)) is not None and r.ok and not gate(r) and not r.dropped and clearly_faster(r, base)
+    ]  # fmt: skip
+    return sorted(out, key=lambda k: paired_ratio(results[k], base)[0])
 
 
 def why_not_faster(r: Measurement, base: Measurement, incumbent: str) -> str:

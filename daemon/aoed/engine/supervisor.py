@@ -27,7 +27,7 @@ import trio
 from aoe.errors import AoedError, DeviceError, ModelError
 from aoe.partition import Task
 from aoed.bank._codec import BankRecord
-from aoed.engine import bankrules, confirm, stats
+from aoed.engine import bankrules, confirm, incontext, stats
 from aoed.engine.assemble import tuned_metadata
 from aoed.engine.budget import Budget, default_budget
 from aoed.engine.context import JobContext
@@ -110,9 +110,11 @@ async def _gate_lossy_hits(ctx: JobContext, tasks: list[Task], answers: dict[str
             got = m.get(rec.strategy)
             if got is not None and got.ok and ctx.policy.task_ok(got.accuracy()):
                 continue
-            if got is not None and got.ok:
-                why = (f"on this model's weights it reached cosine {got.cosine:.5f} and max rel error "
-                       f"{got.max_rel_error:.3g}, outside the task budget")  # fmt: skip
+            if got is not None and got.ok:  # as in the search: the model may absorb what the task alone does not
+                ok, why = incontext.verdict(ctx, rec.strategy, await incontext.model_accuracy(ctx, by_id[tid], rec.strategy))
+                if ok:
+                    continue
+                why = f"on this model's weights {why.split(': ', 1)[1]}"
         ctx.notes.append(f"bank entry {rec.strategy} for {tid} not applied: {why}; tuned again")
         answers[tid] = bankrules.BankAnswer("miss")
 

@@ -25,10 +25,10 @@ from aoe.errors import DeviceError
 from aoe.partition import Task
 from aoed.bank._codec import BankRecord
 from aoed.bank.writer import BankWrite
-from aoed.engine import bankrules, decisions
+from aoed.engine import bankrules, decisions, incontext
 from aoed.engine.context import JobContext
 from aoed.engine.job import TaskResult
-from aoed.engine.messages import Candidate, CompileReply, CompileRequest, Measurement, VariantsReply, VariantsRequest
+from aoed.engine.messages import Accuracy, Candidate, CompileReply, CompileRequest, Measurement, VariantsReply, VariantsRequest
 from aoed.engine.messages import from_wire
 from aoed.engine.registry import DEFAULT
 
@@ -116,8 +116,10 @@ class TaskAgent:
         for name, r in measured.items():
             res.candidates.append({"strategy": name, **r.summary()})
 
+        in_context: dict[str, Accuracy] = {}  # lossy candidates that passed in the model
+
         def gate(m: Measurement) -> bool:
-            return ctx.policy.task_ok(m.accuracy())
+            return ctx.policy.task_ok(m.accuracy()) or any(m is measured.get(k) for k in in_context)
 
         exact = {k: r for k, r in measured.items() if precision_of.get(k) == "exact"}
         try:
@@ -129,10 +131,16 @@ class TaskAgent:
         if ctx.policy.lossy:
             lossy = {k for k in measured if precision_of.get(k) != "exact"}
             best, reasons = decisions.best_lossy(measured, best_exact, lossy, gate)
+            # Faster than what passed, but outside the gate on the task's own outputs: the
+            # model may absorb that error (incontext.py).
+            faster = [k for k in decisions.faster_outside_gate(measured, best_exact, lossy, gate)
+                      if best == best_exact or decisions.clearly_faster(measured[k], measured[best])]  # fmt: skip
+            best = await self._judge_in_context(faster, in_context, reasons) or best
             res.rejected.extend(reasons)
             if best != best_exact:
                 gain = (measured[best_exact].median_us - measured[best].median_us) * task.instances
-                lossy_cost = (gain, 1.0 - measured[best].cosine)
+                error = 1.0 - (in_context[best].cosine if best in in_context else measured[best].cosine)
+                lossy_cost = (gain, error)
 
         outcome = bankrules.after_tuning(self.hit, best, measured, gate)
         base = measured[DEFAULT]
@@ -168,6 +176,9 @@ class TaskAgent:
         res.before_us = base.median_us
         res.after_us = win.median_us
         res.accuracy = win.accuracy()
+        if outcome.strategy in in_context:
+            got = in_context[outcome.strategy]
+            res.accuracy.update(model_cosine=got.cosine, model_max_rel_error=got.max_rel_error)
         ctx.emit("task", f"{task.id}: {outcome.strategy} ({outcome.mode})")
         log.info("%s: %s (%s), %.1f -> %.1f us", task.id, outcome.strategy, outcome.mode, res.before_us, res.after_us)
         return TaskDecision(
@@ -176,6 +187,28 @@ class TaskAgent:
             trials=len(trials), pending=pending, fallback_write=fallback_write,
             fallback_us=measured[best_exact].median_us, fallback_mode=fallback_mode,
         )  # fmt: skip
+
+    async def _judge_in_context(self, names: list[str], passed: dict[str, Accuracy], reasons: list[str]) -> str | None:
+        """The first of `names` (fastest first) whose error the model absorbs
+        (incontext.py), recorded in `passed`; at most IN_CONTEXT_TRIES are built. Each one
+        judged replaces its reason in `reasons` with the model's figures."""
+        for name in names[:IN_CONTEXT_TRIES]:
+            got = await incontext.model_accuracy(self.ctx, self.task, name)
+            ok, why = incontext.verdict(self.ctx, name, got)
+            reasons[:] = [r for r in reasons if not r.startswith(f"{name}: ")]
+            log.info("%s: %s", self.task.id, why)
+            if ok:
+                assert isinstance(got, Accuracy)
+                passed[name] = got
+                self.ctx.notes.append(f"{self.task.id}: {why}: kept")
+                return name
+            reasons.append(why)
+        return None
+
+
+#: lossy candidates judged in the model's context per task, at most (each costs a model
+#: build and a comparison over the held-back samples)
+IN_CONTEXT_TRIES = 2
 
 
 def _remove(paths: list) -> None:
