@@ -28,9 +28,12 @@ from typing import Any
 from aoe.errors import OptionError
 from aoed.engine.tasks import Rewrite, TaskView
 
-__all__ = ["DEFAULT", "Strategy", "StrategyRegistry"]
+__all__ = ["APPROX", "DEFAULT", "Strategy", "StrategyRegistry"]
 
 DEFAULT = "default"
+#: the precision of a strategy that approximates a formula in float: lossy, but no
+#: quantization; offered under every lossy policy
+APPROX = "approx"
 
 
 @dataclass(frozen=True)
@@ -97,8 +100,11 @@ class StrategyRegistry:
         return Strategy(name, family, base.precision, lambda view: build(view, param), base.doc)
 
     def strategies_for(self, family: str, precision: str = "exact") -> Iterator[Strategy]:
-        """The strategies of `family` allowed under `precision`, in registration order."""
-        allowed = {"exact"} if precision == "exact" else {"exact", precision}
+        """The strategies of `family` allowed under `precision`, in registration order:
+        exact ones always; under a lossy policy also its own and the `approx` ones (a
+        formula approximated in float, e.g. GELU's erf by tanh), which every lossy
+        policy's gates judge like any other lossy candidate."""
+        allowed = {"exact"} if precision == "exact" else {"exact", precision, APPROX}
         for s in self._by_key.values():
             if s.family == family and s.precision in allowed:
                 yield s

@@ -39,7 +39,7 @@ from onnx import helper
 
 from aoed.backends.ort import regions
 from aoed.backends.ort._rewrite import attrs_of, init
-from aoed.engine.registry import Strategy, StrategyRegistry
+from aoed.engine.registry import APPROX, Strategy, StrategyRegistry
 from aoed.engine.tasks import CONTRIB_DOMAIN, Rewrite, TaskView
 
 __all__ = ["register"]
@@ -594,10 +594,9 @@ def _bias_gelu(view: TaskView) -> Rewrite | None:
     return Rewrite((*_keep_product(view, mm), node), (b,))
 
 
-def _fast_gelu(view: TaskView) -> Rewrite | None:
-    """GELU in tanh form (and its bias) as one com.microsoft FastGelu: the same formula."""
+def _as_fast_gelu(view: TaskView, tanh_form: bool) -> Rewrite | None:
     parts = _gelu_parts(view)
-    if parts is None or not parts[3]:
+    if parts is None or parts[3] != tanh_form:
         return None
     x, mm, bias, _ = parts
     inits: Sequence = ()
@@ -607,6 +606,17 @@ def _fast_gelu(view: TaskView) -> Rewrite | None:
         inits, ins = (b,), [x, b.name]
     node = helper.make_node("FastGelu", ins, [view.output], name=view.name("FastGelu"), domain=CONTRIB_DOMAIN)
     return Rewrite((*_keep_product(view, mm), node), tuple(inits))
+
+
+def _fast_gelu(view: TaskView) -> Rewrite | None:
+    """GELU in tanh form (and its bias) as one com.microsoft FastGelu: the same formula."""
+    return _as_fast_gelu(view, tanh_form=True)
+
+
+def _tanh_gelu(view: TaskView) -> Rewrite | None:
+    """GELU in erf form (and its bias) as one com.microsoft FastGelu: the tanh
+    approximation, within about 5e-4 of erf GELU everywhere (lossy policies only)."""
+    return _as_fast_gelu(view, tanh_form=False)
 
 
 # --------------------------------------------------------------------------- int8
@@ -703,6 +713,7 @@ def register(registry: StrategyRegistry) -> None:
     s("gelu", "gelu")(_gelu)
     s("bias_gelu", "gelu")(_bias_gelu)
     s("fast_gelu", "gelu")(_fast_gelu)
+    s("tanh_gelu", "gelu", APPROX)(_tanh_gelu)
     s("int8_qattention", "attention", "int8")(_int8_qattention)
     s("int8_packed_qkv", "attention", "int8")(_int8_packed_qkv)
     s("int8_bias_gelu", "gelu", "int8")(_int8_bias_gelu)
