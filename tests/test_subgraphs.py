@@ -305,6 +305,7 @@ def test_every_strategy_that_applies_keeps_the_outputs(variant: str, tmp_path: P
     assert ("int8_qattention" in applied["attention"]) == (VARIANTS[variant].get("mask") != "padding")
     assert "skip_layer_normalization" in applied["layernorm"]
     assert "layer_normalization" in applied["layernorm"]  # the written-out form (opset 17)
+    assert "residual_as_sum" in applied["layernorm"]
     tanh = variant == "gelu_tanh"
     assert ("fast_gelu" in applied["gelu"]) == tanh and ("bias_gelu" in applied["gelu"]) != tanh
     assert "int8_bias_gelu" in applied["gelu"]
@@ -316,6 +317,36 @@ def test_approximations_are_offered_under_lossy_policies_only() -> None:
     assert "tanh_gelu" not in names["exact"] and "fast_gelu" in names["exact"]
     assert "tanh_gelu" in names["int8"] and "tanh_gelu" in names["int4"]
     assert "int8_bias_gelu" not in names["int4"]
+
+
+def test_residual_as_sum_keeps_onnxruntime_from_fusing_skip_layer_normalization(tmp_path: Path) -> None:
+    """onnxruntime turns Add + LayerNorm into SkipLayerNormalization from its extended
+    level on; the Sum form keeps the two kernels, with the same outputs."""
+    src = tmp_path / "m.onnx"
+    onnx.save(block(), src)
+    prep = prepare(src, tmp_path)
+    consts = Constants(prep.model.graph, list(prep.model.opset_import))
+    tasks = [t for t in partition(prep.model, prep.ctx, "sgat") if t.family == "layernorm"]
+    rewrites = {}
+    for t in tasks:
+        rewrites.update(task_rewrites(prep.model, prep.ctx, consts, t, "residual_as_sum", REGISTRY))
+    tuned = apply_rewrites(prep.model, rewrites)
+
+    def optimized(model: onnx.ModelProto, name: str) -> list[str]:
+        so = ort.SessionOptions()
+        so.optimized_model_filepath = str(tmp_path / f"{name}.opt.onnx")
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+        ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+        return [n.op_type for n in onnx.load(so.optimized_model_filepath).graph.node]
+
+    before = optimized(prep.model, "input")
+    fused = before.count("SkipLayerNormalization")
+    assert tasks and fused == 2, before  # the fusion is there, for both LayerNorms of the block
+    ops = optimized(tuned, "tuned")
+    assert "SkipLayerNormalization" not in ops and ops.count("LayerNormalization") == fused, ops
+    feeds = _feeds(prep.model)
+    y, ref = _run(tuned, feeds), _run(prep.model, feeds)
+    assert np.abs(y - ref).max() <= 1e-4 * np.abs(ref).max()  # exact: float rounding only
 
 
 def _attention_node(variant: str, strategy: str, tmp_path: Path) -> tuple[onnx.ModelProto, onnx.NodeProto]:

@@ -505,10 +505,8 @@ def _ln_parts(view: TaskView) -> tuple[str, str | None, np.ndarray, np.ndarray, 
     return res.input[0], res.input[1], gamma, beta, eps
 
 
-def _layer_normalization(view: TaskView) -> Rewrite | None:
-    """The written-out LayerNorm as one LayerNormalization (opset 17 and later); a
-    residual Add in front stays."""
-    if view.opset < 17 or any(n.op_type == "LayerNormalization" for n in view.nodes):
+def _ln_with_residual(view: TaskView, residual_op: str) -> Rewrite | None:
+    if view.opset < 17:
         return None
     parts = _ln_parts(view)
     if parts is None:
@@ -517,11 +515,32 @@ def _layer_normalization(view: TaskView) -> Rewrite | None:
     g, b = init(view, "gamma", gamma), init(view, "beta", beta)
     nodes = []
     if skip is not None:
-        nodes.append(helper.make_node("Add", [x, skip], [view.name("sum")], name=view.name("Residual")))
+        nodes.append(helper.make_node(residual_op, [x, skip], [view.name("sum")], name=view.name("Residual")))
         x = view.name("sum")
     nodes.append(helper.make_node("LayerNormalization", [x, g.name, b.name], [view.output], name=view.name("LayerNorm"),
                                   axis=-1, epsilon=eps))  # fmt: skip
     return Rewrite(tuple(nodes), (g, b))
+
+
+def _layer_normalization(view: TaskView) -> Rewrite | None:
+    """The written-out LayerNorm as one LayerNormalization (opset 17 and later); a
+    residual Add in front stays."""
+    if any(n.op_type == "LayerNormalization" for n in view.nodes):
+        return None
+    return _ln_with_residual(view, "Add")
+
+
+def _residual_as_sum(view: TaskView) -> Rewrite | None:
+    """The residual Add as a two-input Sum, then LayerNormalization (a written-out
+    LayerNorm becomes one): the same sum and the same normalization, but onnxruntime's
+    SkipLayerNormFusion, which matches Add + LayerNormalization only, leaves the two
+    kernels apart. On a 2-core AVX2 machine its SkipLayerNormalization over [1, 128, 256]
+    took 104 us where Add and LayerNormalization took 40 us; where the fused kernel is
+    the faster, the measurement keeps the default."""
+    parts = _ln_parts(view)
+    if parts is None or parts[1] is None:
+        return None
+    return _ln_with_residual(view, "Sum")
 
 
 def _skip_layer_normalization(view: TaskView) -> Rewrite | None:
@@ -710,6 +729,7 @@ def register(registry: StrategyRegistry) -> None:
     s("packed_qkv", "attention")(_packed_qkv)
     s("layer_normalization", "layernorm")(_layer_normalization)
     s("skip_layer_normalization", "layernorm")(_skip_layer_normalization)
+    s("residual_as_sum", "layernorm")(_residual_as_sum)
     s("gelu", "gelu")(_gelu)
     s("bias_gelu", "gelu")(_bias_gelu)
     s("fast_gelu", "gelu")(_fast_gelu)
