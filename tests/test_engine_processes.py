@@ -52,6 +52,10 @@ PLUGIN = textwrap.dedent(
         time.sleep(1.0)
         return None
 
+    def _slower(view):
+        time.sleep(2.0)
+        return None
+
     def _hog(view):
         import numpy as np
         return np.ones(4 << 30, dtype=np.uint8)  # 4 GiB
@@ -60,6 +64,7 @@ PLUGIN = textwrap.dedent(
         registry.register(Strategy("crash_in_worker", "matmul", "exact", _crash))
         registry.register(Strategy("hang_in_worker", "matmul", "exact", _hang))
         registry.register(Strategy("slow_in_worker", "matmul", "exact", _slow))
+        registry.register(Strategy("slower_in_worker", "matmul", "exact", _slower))
         registry.register(Strategy("hog_in_worker", "matmul", "exact", _hog))
     """
 )
@@ -151,7 +156,7 @@ def test_a_jobs_time_limits_grow_with_its_model() -> None:
 
 
 async def test_the_pool_scales_its_limit_by_the_jobs_model(plugin, mlp_task, tmp_path):
-    """The same 1 s limit: a 1 s compile overruns it for a small model's job, and fits in
+    """The same 1 s limit: a 2 s compile overruns it for a small model's job, and fits in
     a 512 MiB model's (3 s); a hang is cut off at the scaled limit, saying how it came."""
     task, _ = mlp_task
     big = JobLedger("job-big")
@@ -160,8 +165,8 @@ async def test_the_pool_scales_its_limit_by_the_jobs_model(plugin, mlp_task, tmp
     async with trio.open_nursery() as nursery:
         await nursery.start(pool.run)
         assert (await pool.call(_compile(task, "default", tmp_path / "a.onnx"), timeout_s=60))["ok"]  # worker is up
-        fits = await pool.call(_compile(task, "slow_in_worker", tmp_path / "s.onnx"), big)
-        small = await pool.call(_compile(task, "slow_in_worker", tmp_path / "t.onnx"), JobLedger("job-small"))
+        fits = await pool.call(_compile(task, "slower_in_worker", tmp_path / "s.onnx"), big)
+        small = await pool.call(_compile(task, "slower_in_worker", tmp_path / "t.onnx"), JobLedger("job-small"))
         t0 = trio.current_time()
         hung = await pool.call(_compile(task, "hang_in_worker", tmp_path / "h.onnx"), big)
         took = trio.current_time() - t0
