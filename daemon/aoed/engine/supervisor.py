@@ -114,7 +114,7 @@ async def _gate_lossy_hits(ctx: JobContext, tasks: list[Task], answers: dict[str
                 ok, why = incontext.verdict(ctx, rec.strategy, await incontext.model_accuracy(ctx, by_id[tid], rec.strategy))
                 if ok:
                     continue
-                why = f"on this model's weights {why.split(': ', 1)[1]}"
+                why = f"on this model's weights it was {why.split(': ', 1)[1]}"
         ctx.notes.append(f"bank entry {rec.strategy} for {tid} not applied: {why}; tuned again")
         answers[tid] = bankrules.BankAnswer("miss")
 
