@@ -41,15 +41,15 @@ async def model_accuracy(ctx: JobContext, task: Task, strategy: str) -> Accuracy
         await trio.to_thread.run_sync(lambda: out.unlink(missing_ok=True))
 
 
-def verdict(ctx: JobContext, name: str, got: Accuracy | str) -> tuple[bool, str]:
-    """Whether `got` passes the task's limits on the model's outputs, and a sentence saying
-    so, built from the figures it quotes."""
+def verdict(ctx: JobContext, got: Accuracy | str) -> tuple[bool, str]:
+    """Whether `got` passes the task's limits on the model's outputs, and a clause saying
+    so, built from the figures it quotes (the caller names the candidate)."""
     if isinstance(got, str):
-        return False, f"{name}: outside the task budget on its own outputs, and {got}"
+        return False, f"outside the task budget on its own outputs, and {got}"
     ok = ctx.policy.task_ok(got.as_dict())
     where = "within" if ok else "outside"
     return ok, (
-        f"{name}: outside the task budget on its own outputs; the model with it alone reached cosine "
+        f"outside the task budget on its own outputs; the model with it alone reached cosine "
         f"{got.cosine:.6f} and max rel error {got.max_rel_error:.3g} over {got.samples} held-back samples, "
         f"{where} the task budget of cosine >= {ctx.policy.task_min_cosine} and max rel error <= "
         f"{ctx.policy.task_max_rel_error}"

@@ -111,10 +111,10 @@ async def _gate_lossy_hits(ctx: JobContext, tasks: list[Task], answers: dict[str
             if got is not None and got.ok and ctx.policy.task_ok(got.accuracy()):
                 continue
             if got is not None and got.ok:  # as in the search: the model may absorb what the task alone does not
-                ok, why = incontext.verdict(ctx, rec.strategy, await incontext.model_accuracy(ctx, by_id[tid], rec.strategy))
+                ok, detail = incontext.verdict(ctx, await incontext.model_accuracy(ctx, by_id[tid], rec.strategy))
                 if ok:
                     continue
-                why = f"on this model's weights it was {why.split(': ', 1)[1]}"
+                why = f"on this model's weights it was {detail}"
         ctx.notes.append(f"bank entry {rec.strategy} for {tid} not applied: {why}; tuned again")
         answers[tid] = bankrules.BankAnswer("miss")
 

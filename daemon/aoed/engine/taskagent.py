@@ -194,7 +194,8 @@ class TaskAgent:
         judged replaces its reason in `reasons` with the model's figures."""
         for name in names[:IN_CONTEXT_TRIES]:
             got = await incontext.model_accuracy(self.ctx, self.task, name)
-            ok, why = incontext.verdict(self.ctx, name, got)
+            ok, detail = incontext.verdict(self.ctx, got)
+            why = f"{name}: {detail}"
             reasons[:] = [r for r in reasons if not r.startswith(f"{name}: ")]
             log.info("%s: %s", self.task.id, why)
             if ok:
