@@ -236,6 +236,14 @@ def write_section(text: str, out: Path = RESULTS, begin: str = BEGIN, end: str =
     out.write_text(doc)
 
 
+def publish(text: str, out: Path, begin: str, end: str, write: bool = True) -> None:
+    """Print a benchmark's section and, unless told not to, put it in the results file."""
+    print(text)
+    if write:
+        write_section(text, out, begin, end)
+        print(f"wrote {out}", file=sys.stderr)
+
+
 def _verdict(ok: bool) -> str:
     return "PASS" if ok else "FAIL"
 

@@ -100,11 +100,9 @@ def main(argv: list[str] | None = None) -> int:
         "which loads onnxruntime.",
     ]
     text = "\n".join(lines)
-    print(text)
-    if not args.no_write:
-        from bench_bank import write_section
+    from bench_bank import publish
 
-        write_section(text, args.out, BEGIN, END)
+    publish(text, args.out, BEGIN, END, write=not args.no_write)
     return 0
 
 

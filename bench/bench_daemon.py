@@ -528,12 +528,9 @@ def main(argv: list[str] | None = None) -> int:
     host.finish()
 
     text = report(run, size, cores, host, "quick" if args.quick else "full", time.monotonic() - t0)
-    print(text)
-    if not args.no_write:
-        from bench_bank import write_section
+    from bench_bank import publish
 
-        write_section(text, args.out, BEGIN, END)
-        print(f"\nwritten to {args.out}", file=sys.stderr)
+    publish(text, args.out, BEGIN, END, write=not args.no_write)
     return 1 if run.failures else 0
 
 

@@ -17,7 +17,11 @@ kernel holding that product alone:
 and, for the 3x3 convolutions of each stage of the `resnet` sample (ResNet-18 at 224x224),
 fp32 `Conv` against the same Conv between QuantizeLinear/DequantizeLinear pairs (uint8
 activations, int8 weights per channel), which onnxruntime runs as one QLinearConv: what
-`quantize_static` writes, and what aoe's int8 conv strategies and regions build on.
+`quantize_static` writes, and what aoe's int8 conv strategies and regions build on;
+and two float operators aoe's subgraph strategies rewrite: erf GELU with its bias
+(BiasGelu) against FastGelu's tanh form (`tanh_gelu`), and a residual Add before
+LayerNormalization, which onnxruntime's default session fuses into SkipLayerNormalization,
+against the same residual as Sum, which it leaves apart (`residual_as_sum`).
 
 Each variant runs in its own session with intra-op spinning off, timed by the tuner's own
 interleaved procedure (bench/measure.py) while this process holds the device lock; a cell
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -38,13 +43,14 @@ from pathlib import Path
 import measure
 import numpy as np
 from machine import Machine
+from bench_bank import publish
 from onnx import TensorProto, helper, numpy_helper
 from run import Log, side_by_side
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "RESULTS.md"
 BEGIN, END = "<!-- kernels:begin -->", "<!-- kernels:end -->"
-TITLE = "## Kernels: int8 and int4 products and convolutions against float on this machine"
+TITLE = "## Kernels: int8 and int4 products and convolutions against float, and the float operators aoe rewrites"
 VARIANTS = ("fp32", "int8", "int4")
 PACKAGES = ("onnxruntime", "numpy")
 FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8")
@@ -113,18 +119,7 @@ def _conv_model(kind: str, c: int, hw: int, rng: np.random.Generator) -> bytes:
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
 
 
-def measure_conv(c: int, hw: int, mode: Mode, log: Log, work: Path) -> dict[str, measure.Latency]:
-    rng = np.random.default_rng(c * 31 + hw)
-    sessions = {}
-    for kind in ("fp32", "int8"):
-        path = work / f"conv_{kind}_{c}x{hw}.onnx"
-        path.write_bytes(_conv_model(kind, c, hw, rng))
-        sessions[kind] = measure.quiet_session(path, tuned=False)
-    x = rng.standard_normal((1, c, hw, hw)).astype(np.float32)
-    return side_by_side(sessions, {"x": x}, mode, log)
-
-
-def _model(kind: str, m: int, k: int, n: int, rng: np.random.Generator) -> bytes:
+def _product_model(kind: str, m: int, k: int, n: int, rng: np.random.Generator) -> bytes:
     from aoed.backends.ort.quant import pack_int4
 
     w = (rng.standard_normal((k, n)) / np.sqrt(k)).astype(np.float32)
@@ -148,15 +143,47 @@ def _model(kind: str, m: int, k: int, n: int, rng: np.random.Generator) -> bytes
     return helper.make_model(g, opset_imports=ops).SerializeToString()
 
 
-def measure_shape(m: int, k: int, n: int, mode: Mode, log: Log, work: Path) -> dict[str, measure.Latency]:
-    rng = np.random.default_rng(m * 7 + k * 13 + n)
+def timed(models: dict[str, bytes], feed: dict[str, np.ndarray], mode: Mode, log: Log, work: Path,
+          stem: str) -> dict[str, measure.Latency]:  # fmt: skip
+    """Each of `models` (variant -> serialized model) in a quiet session of its own,
+    timed side by side on `feed`; the reference variant is named fp32."""
     sessions = {}
-    for kind in VARIANTS:
-        path = work / f"{kind}_{m}x{k}x{n}.onnx"
-        path.write_bytes(_model(kind, m, k, n, rng))
+    for kind, data in models.items():
+        path = work / f"{stem}_{kind}.onnx"
+        path.write_bytes(data)
         sessions[kind] = measure.quiet_session(path, tuned=False)
-    x = rng.standard_normal((m, k)).astype(np.float32)
-    return side_by_side(sessions, {"x": x}, mode, log)
+    return side_by_side(sessions, feed, mode, log)
+
+
+def _operator(key: str) -> tuple[dict[str, bytes], dict[str, np.ndarray]]:
+    """The two forms of one operator comparison as models, and a feed: fp32 is what the
+    model (or onnxruntime's default session) runs, alt what aoe's strategy writes."""
+    rng = np.random.default_rng(11)
+    if key == "gelu":
+        shape, inputs = [1, 128, 1024], ["x"]
+        inits = [numpy_helper.from_array(rng.standard_normal(1024).astype(np.float32), "b")]
+        nodes = {k: [helper.make_node(op, ["x", "b"], ["y"], domain="com.microsoft")]
+                 for k, op in (("fp32", "BiasGelu"), ("alt", "FastGelu"))}  # fmt: skip
+    else:
+        shape, inputs = [1, 128, 256], ["x", "s"]
+        inits = [numpy_helper.from_array(np.ones(256, np.float32), "g"), numpy_helper.from_array(np.zeros(256, np.float32), "b")]
+        nodes = {k: [helper.make_node(op, ["x", "s"], ["a"]), helper.make_node("LayerNormalization", ["a", "g", "b"], ["y"], axis=-1)]
+                 for k, op in (("fp32", "Add"), ("alt", "Sum"))}  # fmt: skip
+    ops = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+    models = {}
+    for kind, graph_nodes in nodes.items():
+        g = helper.make_graph(graph_nodes, kind, [helper.make_tensor_value_info(i, TensorProto.FLOAT, shape) for i in inputs],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, shape)], inits)  # fmt: skip
+        models[kind] = helper.make_model(g, opset_imports=ops).SerializeToString()
+    return models, {i: rng.standard_normal(shape).astype(np.float32) for i in inputs}
+
+
+#: (key, what is compared, input shape) of the operator rows
+OPERATORS = (
+    ("gelu", "erf GELU with bias: BiasGelu; tanh_gelu writes FastGelu", "1 x 128 x 1024"),
+    ("layernorm", "residual + LayerNorm: Add, which the default session fuses into SkipLayerNormalization; "
+                  "residual_as_sum writes Sum, which it leaves apart", "1 x 128 x 256, twice"),
+)  # fmt: skip
 
 
 def _flags() -> str:
@@ -169,7 +196,8 @@ def _flags() -> str:
 
 
 def section(rows: list[tuple[str, int, int, int, dict[str, measure.Latency]]],
-            convs: list[tuple[str, int, int, dict[str, measure.Latency]]], mode: Mode, host: Machine,
+            convs: list[tuple[str, int, int, dict[str, measure.Latency]]],
+            operators: list[tuple[str, str, dict[str, measure.Latency]]], mode: Mode, host: Machine,
             command: str, started: float, elapsed_s: float) -> str:  # fmt: skip
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started))
     lines = [
@@ -201,6 +229,14 @@ def section(rows: list[tuple[str, int, int, int, dict[str, measure.Latency]]],
         r = measure.ratio(lat.get("int8"), ref)
         fp = "n/a" if ref is None else f"{ref.median_ms * 1e3:.0f} us"
         lines.append(f"| {what} | {c} x {hw} x {hw}, {c} out | {fp} | {'n/a' if r is None else r.text()} |")
+    lines += ["", "Float operators aoe rewrites, the model's (or the default session's) form against aoe's, "
+              "each session at onnxruntime's default optimization level:", "",
+              "| operator | input | model's form, median | aoe's form / model's form |", "|---|---|--:|--:|"]  # fmt: skip
+    for what, shape, lat in operators:
+        ref = lat.get("fp32")
+        r = measure.ratio(lat.get("alt"), ref)
+        fp = "n/a" if ref is None else f"{ref.median_ms * 1e3:.1f} us"
+        lines.append(f"| {what} | {shape} | {fp} | {'n/a' if r is None else r.text()} |")
     return "\n".join(lines)
 
 
@@ -212,26 +248,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     mode = QUICK if args.quick else FULL
     log, host, started = Log(), Machine(), time.time()
-    import tempfile
-
-    rows = []
+    rows, convs, operators = [], [], []
     with tempfile.TemporaryDirectory(prefix="aoe-bench-kernels-") as tmp:
+        work = Path(tmp)
         for what, m, k, n in shapes():
             log(f"{what}: {m} x {k} x {n}")
-            rows.append((what, m, k, n, measure_shape(m, k, n, mode, log, Path(tmp))))
-        convs = []
+            rng = np.random.default_rng(m * 7 + k * 13 + n)
+            models = {kind: _product_model(kind, m, k, n, rng) for kind in VARIANTS}
+            x = rng.standard_normal((m, k)).astype(np.float32)
+            rows.append((what, m, k, n, timed(models, {"x": x}, mode, log, work, f"mm{m}x{k}x{n}")))
         for what, c, hw in CONVS:
             log(f"{what}: {c} x {hw} x {hw}")
-            convs.append((what, c, hw, measure_conv(c, hw, mode, log, Path(tmp))))
+            rng = np.random.default_rng(c * 31 + hw)
+            models = {kind: _conv_model(kind, c, hw, rng) for kind in ("fp32", "int8")}
+            x = rng.standard_normal((1, c, hw, hw)).astype(np.float32)
+            convs.append((what, c, hw, timed(models, {"x": x}, mode, log, work, f"conv{c}x{hw}")))
+        for key, what, shape in OPERATORS:
+            log(what)
+            models, feed = _operator(key)
+            operators.append((what, shape, timed(models, feed, mode, log, work, key)))
     host.finish()
     command = "python bench/bench_kernels.py" + "".join(f" {a}" for a in (argv or sys.argv[1:]))
-    text = section(rows, convs, mode, host, command, started, time.perf_counter() - log.t0)
-    print(text)
-    if not args.no_write:
-        from bench_bank import write_section
-
-        write_section(text, args.out, BEGIN, END)
-        log(f"wrote {args.out}")
+    text = section(rows, convs, operators, mode, host, command, started, time.perf_counter() - log.t0)
+    publish(text, args.out, BEGIN, END, write=not args.no_write)
     return 0
 
 

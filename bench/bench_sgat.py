@@ -644,12 +644,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     elapsed = time.perf_counter() - log.t0
     command = "python bench/bench_sgat.py" + "".join(f" {a}" for a in (argv or sys.argv[1:]))
     text = section(results, mode, host=host, command=command, started=started, elapsed_s=elapsed)
-    print(text)
-    if not args.no_write:
-        from bench_bank import write_section
+    from bench_bank import publish
 
-        write_section(text, args.out, BEGIN, END)
-        log(f"wrote {args.out}")
+    publish(text, args.out, BEGIN, END, write=not args.no_write)
     return 0
 
 
