@@ -10,13 +10,16 @@ from aoe.partition import ACTIVATIONS
 from aoed.engine.tasks import TaskView
 
 __all__ = [
+    "Nodes",
     "act_attrs",
     "as_2d",
     "attrs_of",
     "conv_parts",
     "copy_act",
     "init",
+    "int8_weight",
     "matmul_parts",
+    "scalar",
 ]
 
 
@@ -149,3 +152,35 @@ def conv_parts(view: TaskView):
         b0 = np.zeros(w.shape[0]) if bias is None else bias.astype(np.float64)
         bias = ((b0 - mean) * factor + shift).astype(w.dtype)
     return conv, w, bias, view.epilogue(*ACTIVATIONS)
+
+
+def scalar(view: TaskView, name: str) -> float | None:
+    """The value of a constant scalar, or None."""
+    v = view.const(name)
+    if v is None or np.size(v) != 1:
+        return None
+    return float(np.asarray(v).reshape(()))
+
+
+class Nodes:
+    """The task's nodes by the tensors they write and read."""
+
+    def __init__(self, view: TaskView):
+        self.view = view
+        self.producer = {o: n for n in view.nodes for o in n.output if o}
+        self.users: dict[str, list[onnx.NodeProto]] = {}
+        for n in view.nodes:
+            for i in n.input:
+                self.users.setdefault(i, []).append(n)
+
+    def made(self, tensor: str, *op_types: str) -> onnx.NodeProto | None:
+        n = self.producer.get(tensor)
+        return n if n is not None and n.op_type in op_types else None
+
+
+def int8_weight(w: np.ndarray, per_channel: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric int8 of a [K, N] weight: per output column or per tensor."""
+    amax = np.abs(w).max(axis=0) if per_channel else np.asarray(np.abs(w).max())
+    scale = np.where(amax > 0, amax / 127.0, 1.0).astype(np.float32)
+    q = np.clip(np.round(w / scale), -127, 127).astype(np.int8)
+    return q, scale

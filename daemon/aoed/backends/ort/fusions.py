@@ -1,461 +1,36 @@
-"""Subgraph strategies for ONNX Runtime's CPU provider (SGAT, precision ``exact``).
+"""Subgraph strategies for ONNX Runtime's CPU provider (SGAT): normalization, GELU and
+CNN regions; attention lives in `attention.py`.
 
-Each rewrites a whole subgraph (`aoe.subgraphs`) into what onnxruntime runs as fewer,
-fused kernels, with the same outputs up to float rounding:
+Each rewrites a whole subgraph (`aoe.subgraphs`) into what onnxruntime runs as fewer or
+faster kernels, with the same outputs up to float rounding (precision ``exact``):
 
-- ``attention``: the com.microsoft ``Attention`` kernel over packed Q/K/V weights (one
-  product, then scaled dot product, softmax and merge in one kernel); the
-  ``MultiHeadAttention`` kernel after one packed projection; or only the packing (one
-  product over the concatenated weights and a Split, the rest as it was).
 - ``layernorm``: ``LayerNormalization`` for the written-out form (opset 17 and later);
-  ``SkipLayerNormalization`` for a residual Add and its LayerNorm.
+  ``SkipLayerNormalization`` for a residual Add and its LayerNorm; the residual as a
+  Sum that onnxruntime's SkipLayerNorm fusion leaves apart.
 - ``gelu``: ``Gelu``, ``BiasGelu`` (the FFN's bias folded in) and ``FastGelu`` (tanh form).
 
-Under the ``int8`` policy (weights int8 per column, activations quantized at run time):
-``int8_qattention`` (the input quantized once, the whole block on com.microsoft
-QAttention), ``int8_packed_qkv`` (one DynamicQuantizeMatMul over the packed weight, the
-rest float) and ``int8_bias_gelu`` (the FFN's first product in int8, then BiasGelu).
+Lossy: ``tanh_gelu`` (precision ``approx``: erf GELU as FastGelu's tanh form),
+``int8_bias_gelu`` (the FFN's first product in int8, then BiasGelu) and ``int8_region``
+(a CNN trunk in int8, `regions.py`).
 
-Each int8 one quantizes a shared input once where per-operator int8 quantizes it for
-every product.
-
-A strategy returns None where the subgraph's details do not fit its kernel (a mask it
-cannot express, a scale applied after a mask that is not constant, a rank it does not
-take); the default then stays. The scale, mask and head count are read from the task's
-constants, never assumed. The fused kernels drop the NaN guard torch's sdpa export puts
-after the softmax (Where(IsNaN(P), 0, P)): they differ from it only on a query row whose
-every key is masked, where the guard gives zeros and the kernels an average.
+A strategy returns None where the subgraph's details do not fit its kernel; the default
+then stays.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import onnx
 from onnx import helper
 
-from aoed.backends.ort import regions
-from aoed.backends.ort._rewrite import attrs_of, init
+from aoed.backends.ort import attention, regions
+from aoed.backends.ort._rewrite import Nodes, attrs_of, init, int8_weight, scalar
 from aoed.engine.registry import APPROX, Strategy, StrategyRegistry
 from aoed.engine.tasks import CONTRIB_DOMAIN, Rewrite, TaskView
 
 __all__ = ["register"]
-
-
-def _scalar(view: TaskView, name: str) -> float | None:
-    v = view.const(name)
-    if v is None or np.size(v) != 1:
-        return None
-    return float(np.asarray(v).reshape(()))
-
-
-class _Nodes:
-    """The task's nodes by the tensors they write and read."""
-
-    def __init__(self, view: TaskView):
-        self.view = view
-        self.producer = {o: n for n in view.nodes for o in n.output if o}
-        self.users: dict[str, list[onnx.NodeProto]] = {}
-        for n in view.nodes:
-            for i in n.input:
-                self.users.setdefault(i, []).append(n)
-
-    def made(self, tensor: str, *op_types: str) -> onnx.NodeProto | None:
-        n = self.producer.get(tensor)
-        return n if n is not None and n.op_type in op_types else None
-
-
-# --------------------------------------------------------------------------- attention
-
-
-class _Attention:
-    """The parts of an attention subgraph a fused kernel needs."""
-
-    x: str
-    weights: list[np.ndarray]  # Wq, Wk, Wv as [hidden, h]
-    biases: list[np.ndarray]  # bq, bk, bv (zeros where the model has none)
-    has_bias: bool
-    projections: list[_Proj]
-    heads: int
-    head_dim: int
-    scale: float  # of Q·Kᵀ before the mask
-    mask: str | None = None  # an additive mask tensor, [.., S, T] (activation or constant)
-    mask_value: np.ndarray | None = None  # its value when constant (scaled as the scores are)
-    causal: bool = False
-
-
-def _walk_scale(nodes: _Nodes, tensor: str, factor: float) -> tuple[str, float] | None:
-    """Back over scalar Mul/Div from `tensor`: (where it starts, the product of the scales)."""
-    view = nodes.view
-    while True:
-        n = nodes.made(tensor, "Mul", "Div")
-        if n is None:
-            return tensor, factor
-        a, b = _scalar(view, n.input[0]), _scalar(view, n.input[1])
-        if n.op_type == "Div" and b is not None and b != 0:
-            factor /= b
-            tensor = n.input[0]
-        elif n.op_type == "Mul" and b is not None:
-            factor *= b
-            tensor = n.input[0]
-        elif n.op_type == "Mul" and a is not None:
-            factor *= a
-            tensor = n.input[1]
-        else:
-            return tensor, factor
-
-
-@dataclass
-class _Proj:
-    """One of Q, K, V: its input, weight [in, out], bias, the scale applied on the way,
-    the nodes that compute it (shared by all three for a packed projection) and the
-    tensor they produce before the split into heads."""
-
-    x: str
-    weight: np.ndarray
-    bias: np.ndarray
-    scale: float
-    nodes: list[onnx.NodeProto]
-    out: str
-    heads_shape: tuple
-
-
-def _gemm_weights(view: TaskView, gemm: onnx.NodeProto) -> tuple[np.ndarray, np.ndarray] | None:
-    """(weight [in, out], bias) of a plain Gemm (alpha = beta = 1, A not transposed)."""
-    a = attrs_of(gemm)
-    if a.get("alpha", 1.0) != 1.0 or a.get("beta", 1.0) != 1.0 or a.get("transA", 0):
-        return None
-    w = view.const(gemm.input[1])
-    if w is None or w.ndim != 2:
-        return None
-    w = np.asarray(w).T if a.get("transB", 0) else np.asarray(w)
-    c = view.const(gemm.input[2]) if len(gemm.input) > 2 and gemm.input[2] else np.zeros(w.shape[1], w.dtype)
-    if c is None or np.size(c) != w.shape[1]:
-        return None
-    return w, np.asarray(c, w.dtype).reshape(-1)
-
-
-def _product(nodes: _Nodes, tensor: str) -> tuple[str, np.ndarray, np.ndarray, list[onnx.NodeProto]] | None:
-    """(x, weight, bias, nodes) of `MatMul(x, W) [+ b]`, or of a Gemm between Reshapes
-    to 2-D and back (as GPT-2's Conv1D exports)."""
-    view = nodes.view
-    add = nodes.made(tensor, "Add")
-    if add is not None:
-        inner = next((i for i in add.input if i in nodes.producer), "")
-        mm = nodes.made(inner, "MatMul")
-        if mm is None:
-            return None
-        w, b = view.const(mm.input[1]), view.const(next(i for i in add.input if i != inner))
-        if w is None or b is None or w.ndim != 2 or b.size != w.shape[1]:
-            return None
-        return mm.input[0], np.asarray(w), np.asarray(b, w.dtype).reshape(-1), [mm, add]
-    mm = nodes.made(tensor, "MatMul")
-    if mm is not None:
-        w = view.const(mm.input[1])
-        if w is None or w.ndim != 2:
-            return None
-        return mm.input[0], np.asarray(w), np.zeros(w.shape[1], w.dtype), [mm]
-    back = nodes.made(tensor, "Reshape")
-    gemm = nodes.made(back.input[0], "Gemm") if back is not None else None
-    flat = nodes.made(gemm.input[0], "Reshape") if gemm is not None else None
-    if flat is None:
-        return None
-    wb = _gemm_weights(view, gemm)
-    if wb is None:
-        return None
-    return flat.input[0], wb[0], wb[1], [flat, gemm, back]
-
-
-def _split_sizes(view: TaskView, split: onnx.NodeProto, total: int) -> list[int] | None:
-    a = attrs_of(split)
-    if len(split.input) > 1 and split.input[1]:
-        sizes = view.const(split.input[1])
-        return None if sizes is None else [int(v) for v in np.asarray(sizes).reshape(-1)]
-    if "split" in a:
-        return [int(v) for v in a["split"]]
-    n = len(split.output)
-    return [total // n] * n if total % n == 0 else None
-
-
-def _project(nodes: _Nodes, tensor: str, perms: int) -> _Proj | None:
-    """The projection ending in `tensor` (after `perms` Transposes and scalar scales)."""
-    view = nodes.view
-    tensor, scale = _walk_scale(nodes, tensor, 1.0)
-    for _ in range(perms):
-        t = nodes.made(tensor, "Transpose")
-        if t is None:
-            return None
-        tensor, scale = _walk_scale(nodes, t.input[0], scale)
-    r = nodes.made(tensor, "Reshape")
-    if r is None:
-        return None
-    heads_shape = view.info(r.output[0])
-    tensor, scale = _walk_scale(nodes, r.input[0], scale)
-    if heads_shape is None or len(heads_shape.shape) != 4:
-        return None
-    split = nodes.made(tensor, "Split")
-    if split is None:
-        got = _product(nodes, tensor)
-        if got is None:
-            return None
-        x, w, b, made = got
-        return _Proj(x, w, b, scale, made, tensor, tuple(heads_shape.shape))
-    # A packed projection (GPT-2): one product, split along its last axis.
-    total = view.info(split.input[0])
-    got = _product(nodes, split.input[0])
-    if got is None or total is None or attrs_of(split).get("axis", 0) not in (-1, len(total.shape) - 1):
-        return None
-    x, w, b, made = got
-    sizes = _split_sizes(view, split, w.shape[1])
-    if sizes is None or sum(sizes) != w.shape[1]:
-        return None
-    i = list(split.output).index(tensor)
-    lo = sum(sizes[:i])
-    return _Proj(x, w[:, lo:lo + sizes[i]], b[lo:lo + sizes[i]], scale, [*made, split], tensor,
-                 tuple(heads_shape.shape))  # fmt: skip
-
-
-def _attention_parts(view: TaskView) -> _Attention | None:
-    nodes = _Nodes(view)
-    sm = next((n for n in view.nodes if n.op_type == "Softmax"), None)
-    if sm is None:
-        return None
-    att = _Attention()
-    # From Softmax back to Q·Kᵀ: scales, the mask Add, a causal Where.
-    steps: list[tuple[str, object]] = []
-    t = sm.input[0]
-    qk = None
-    while qk is None:
-        n = nodes.producer.get(t)
-        if n is None:
-            return None
-        if n.op_type == "MatMul":
-            qk = n
-        elif n.op_type in ("Mul", "Div"):
-            s, f = _walk_scale(nodes, t, 1.0) or (t, 1.0)
-            if s == t:
-                return None
-            steps.append(("scale", f))
-            t = s
-        elif n.op_type == "Add":
-            side = next((i for i in n.input if i in nodes.producer and _to_scores(nodes, i)), None)
-            if side is None:
-                return None
-            steps.append(("mask", n.input[1] if n.input[0] == side else n.input[0]))
-            t = side
-        elif n.op_type == "Where":
-            cond, fill = view.const(n.input[0]), view.const(n.input[2])
-            if cond is None or fill is None:
-                return None
-            steps.append(("where", (np.asarray(cond, bool), np.asarray(fill, np.float32))))
-            t = n.input[1]
-        else:
-            return None
-    probs = sm.output[0]
-    guard = next((n for n in view.nodes if n.op_type == "Where" and list(n.input[2:]) == [probs]), None)
-    if guard is not None:  # Where(IsNaN(P), 0, P)
-        probs = guard.output[0]
-    pv = next((n for n in view.nodes if n.op_type == "MatMul" and n.input[0] == probs), None)
-    if pv is None:
-        return None
-    q = _project(nodes, qk.input[0], 1)
-    k = _project(nodes, qk.input[1], 2) or _project(nodes, qk.input[1], 1)  # Kᵀ in two steps, or one
-    if k is None:  # torch's dynamo export: Kᵀ as Reshape to 3-D, Transpose, Reshape back
-        t, outer = _walk_scale(nodes, qk.input[1], 1.0)
-        r4 = nodes.made(t, "Reshape")
-        tr = nodes.made(r4.input[0], "Transpose") if r4 is not None else None
-        r3 = nodes.made(tr.input[0], "Reshape") if tr is not None else None
-        k = _project(nodes, r3.input[0], 1) if r3 is not None else None
-        if k is not None:
-            k.scale *= outer
-    v = _project(nodes, pv.input[1], 1)
-    if q is None or k is None or v is None or len({q.x, k.x, v.x}) != 1:
-        return None
-    b, s, heads, head_dim = q.heads_shape
-    if k.heads_shape != q.heads_shape or v.heads_shape[2] != heads:
-        return None
-    att.x = q.x
-    att.heads, att.head_dim = int(heads), int(head_dim)
-    att.projections = [q, k, v]
-    att.weights = [p.weight for p in (q, k, v)]
-    att.biases = [p.bias for p in (q, k, v)]
-    att.has_bias = any(np.any(p.bias != 0) for p in (q, k, v))
-    xi = view.info(att.x)
-    if xi is None or len(xi.shape) != 3 or att.weights[0].shape[1] != att.heads * att.head_dim:
-        return None
-    seq = xi.shape[1]
-    # The scores' transform, from Q·Kᵀ outwards: scale, then mask (scaled by any later
-    # scale), then a causal Where. Anything else does not fit the kernel.
-    scale = q.scale * k.scale
-    mask: np.ndarray | str | None = None
-    later = 1.0
-    for kind, arg in steps:  # softmax side first
-        if kind == "scale":
-            later *= float(arg)  # type: ignore[arg-type]
-        elif kind == "mask":
-            if mask is not None:
-                return None
-            name = str(arg)
-            value = view.const(name)
-            if value is None:
-                if later != 1.0:
-                    return None
-                mask = name
-            else:
-                mask = np.asarray(value, np.float32) * np.float32(later)
-        elif kind == "where":
-            cond, fill = arg  # type: ignore[misc]
-            if mask is not None and not isinstance(mask, np.ndarray):
-                return None
-            bias = np.where(cond, np.float32(0), fill * np.float32(later)).astype(np.float32)
-            mask = bias if mask is None else mask + bias
-    att.scale = scale * later
-    if isinstance(mask, np.ndarray):
-        full = np.broadcast_to(mask, np.broadcast_shapes(mask.shape, (1, 1, seq, seq)))
-        if full.shape[-2:] != (seq, seq) or full.ndim != 4:
-            return None
-        lower = np.tril(np.ones((seq, seq), bool))
-        if np.all(full[..., lower] == 0) and np.all(full[..., ~lower] <= -1e4):
-            att.causal = True
-        elif not np.all(full == 0):
-            att.mask_value = np.ascontiguousarray(full[:, :, :, :]).astype(np.float32)
-    elif isinstance(mask, str):
-        mi = view.info(mask)
-        if mi is None or len(mi.shape) != 4 or tuple(mi.shape[-2:]) not in ((seq, seq), (1, seq)):
-            return None
-        att.mask = mask
-    if not math.isfinite(att.scale):
-        return None
-    return att
-
-
-def _to_scores(nodes: _Nodes, tensor: str) -> bool:
-    for _ in range(8):
-        n = nodes.producer.get(tensor)
-        if n is None:
-            return False
-        if n.op_type == "MatMul":
-            return True
-        if n.op_type in ("Mul", "Div"):
-            tensor = n.input[0] if n.input[0] in nodes.producer else n.input[1]
-        elif n.op_type == "Where":
-            tensor = n.input[1]
-        elif n.op_type == "Add":
-            return any(_to_scores(nodes, i) for i in n.input if i in nodes.producer)
-        else:
-            return False
-    return False
-
-
-def _bias_input(view: TaskView, att: _Attention, nodes: list, inits: list) -> str:
-    """The attention_bias input: a constant [.., S, S], or the mask tensor expanded to
-    [B, 1|N, S, S]; '' when there is none."""
-    if att.mask_value is not None:
-        t = init(view, "attention_bias", att.mask_value)
-        inits.append(t)
-        return t.name
-    if att.mask is None:
-        return ""
-    mi = view.info(att.mask)
-    xi = view.info(att.x)
-    assert mi is not None and xi is not None
-    if mi.shape[-2] == xi.shape[1]:
-        return att.mask
-    shape = init(view, "attention_bias_shape", np.array([mi.shape[0], mi.shape[1], xi.shape[1], mi.shape[3]], np.int64))
-    inits.append(shape)
-    out = view.name("attention_bias")
-    nodes.append(helper.make_node("Expand", [att.mask, shape.name], [out], name=view.name("ExpandMask")))
-    return out
-
-
-def _fused_attention(view: TaskView) -> Rewrite | None:
-    """Q/K/V projections, scaled dot product, softmax and head merge as one com.microsoft
-    Attention over the packed [hidden, 3h] weight."""
-    att = _attention_parts(view)
-    if att is None:
-        return None
-    w = init(view, "qkv_weight", np.concatenate(att.weights, axis=1))
-    b = init(view, "qkv_bias", np.concatenate(att.biases))
-    nodes: list = []
-    inits = [w, b]
-    bias = _bias_input(view, att, nodes, inits)
-    ins = [att.x, w.name, b.name]
-    if bias:
-        ins += ["", "", bias]
-    nodes.append(helper.make_node(
-        "Attention", ins, [view.output], name=view.name("Attention"), domain=CONTRIB_DOMAIN,
-        num_heads=att.heads, scale=float(att.scale), unidirectional=int(att.causal),
-    ))  # fmt: skip
-    return Rewrite(tuple(nodes), tuple(inits))
-
-
-def _packed_projection(view: TaskView, att: _Attention, with_bias: bool) -> tuple[list, list, list[str]]:
-    """One MatMul over the concatenated weights (and bias Add), split into q, k, v."""
-    h = [w.shape[1] for w in att.weights]
-    w = init(view, "qkv_weight", np.concatenate(att.weights, axis=1))
-    inits = [w]
-    mm = view.name("qkv")
-    nodes = [helper.make_node("MatMul", [att.x, w.name], [mm], name=view.name("QkvMatMul"))]
-    if with_bias:
-        b = init(view, "qkv_bias", np.concatenate(att.biases))
-        inits.append(b)
-        nodes.append(helper.make_node("Add", [mm, b.name], [view.name("qkv_b")], name=view.name("QkvAdd")))
-        mm = view.name("qkv_b")
-    sizes = init(view, "qkv_split", np.array(h, np.int64))
-    outs = [view.name(p) for p in ("q", "k", "v")]
-    if view.opset >= 13:
-        inits.append(sizes)
-        nodes.append(helper.make_node("Split", [mm, sizes.name], outs, name=view.name("QkvSplit"), axis=-1))
-    else:
-        nodes.append(helper.make_node("Split", [mm], outs, name=view.name("QkvSplit"), axis=-1, split=h))
-    return nodes, inits, outs
-
-
-def _packed_qkv(view: TaskView) -> Rewrite | None:
-    """The three projections as one MatMul over the concatenated weights, then Split;
-    the rest of the block as the model has it."""
-    att = _attention_parts(view)
-    if att is None:
-        return None
-    nodes, inits, outs = _packed_projection(view, att, with_bias=att.has_bias)
-    return Rewrite((*nodes, *_after_projections(view, att, outs)), tuple(inits))
-
-
-def _after_projections(view: TaskView, att: _Attention, outs: Sequence[str]) -> list[onnx.NodeProto]:
-    """The block's nodes past its three projections, reading `outs` (q, k, v) instead."""
-    replaced = {n.name for p in att.projections for n in p.nodes}
-    renames = {p.out: out for p, out in zip(att.projections, outs)}
-    kept = []
-    for n in view.nodes:
-        if n.name in replaced:
-            continue
-        copy = onnx.NodeProto()
-        copy.CopyFrom(n)
-        for i, name in enumerate(copy.input):
-            copy.input[i] = renames.get(name, name)
-        kept.append(copy)
-    return kept
-
-
-def _multihead_attention(view: TaskView) -> Rewrite | None:
-    """One packed projection, Split, then com.microsoft MultiHeadAttention (the bias added
-    inside the kernel)."""
-    att = _attention_parts(view)
-    if att is None:
-        return None
-    nodes, inits, outs = _packed_projection(view, att, with_bias=False)
-    b = init(view, "qkv_bias", np.concatenate(att.biases))
-    inits.append(b)
-    bias = _bias_input(view, att, nodes, inits)
-    ins = [*outs, b.name, "", bias] if bias else [*outs, b.name]
-    nodes.append(helper.make_node(
-        "MultiHeadAttention", ins, [view.output], name=view.name("MultiHeadAttention"), domain=CONTRIB_DOMAIN,
-        num_heads=att.heads, scale=float(att.scale), unidirectional=int(att.causal),
-    ))  # fmt: skip
-    return Rewrite(tuple(nodes), tuple(inits))
 
 
 # --------------------------------------------------------------------------- layernorm
@@ -464,7 +39,7 @@ def _multihead_attention(view: TaskView) -> Rewrite | None:
 def _ln_parts(view: TaskView) -> tuple[str, str | None, np.ndarray, np.ndarray, float] | None:
     """(x, residual other input or None, gamma, beta, epsilon) of a layernorm task; x is
     the residual's first input when there is one."""
-    nodes = _Nodes(view)
+    nodes = Nodes(view)
     first = view.nodes[0]
     res = first if first.op_type == "Add" and len(view.nodes) > 1 else None
     ln = next((n for n in view.nodes if n.op_type == "LayerNormalization"), None)
@@ -478,10 +53,10 @@ def _ln_parts(view: TaskView) -> tuple[str, str | None, np.ndarray, np.ndarray, 
         beta = view.const(ln.input[2]) if len(ln.input) > 2 and ln.input[2] else np.zeros(hidden, dtype)
         eps = float(attrs_of(ln).get("epsilon", 1e-5))
     else:
-        eps_add = next((n for n in view.nodes if n.op_type == "Add" and any(_scalar(view, i) is not None for i in n.input)), None)
+        eps_add = next((n for n in view.nodes if n.op_type == "Add" and any(scalar(view, i) is not None for i in n.input)), None)
         if eps_add is None:
             return None
-        eps = next(_scalar(view, i) for i in eps_add.input if _scalar(view, i) is not None)  # type: ignore[misc]
+        eps = next(scalar(view, i) for i in eps_add.input if scalar(view, i) is not None)  # type: ignore[misc]
         norm = next(n for n in view.nodes if n.op_type in ("Div", "Reciprocal"))
         out = norm.output[0] if norm.op_type == "Div" else nodes.users[norm.output[0]][0].output[0]
         gamma, beta = np.ones(hidden, dtype), np.zeros(hidden, dtype)
@@ -563,7 +138,7 @@ def _skip_layer_normalization(view: TaskView) -> Rewrite | None:
 
 def _gelu_parts(view: TaskView) -> tuple[str, onnx.NodeProto | None, np.ndarray | None, bool] | None:
     """(GELU's input, the MatMul before it or None, its bias or None, tanh form)."""
-    nodes = _Nodes(view)
+    nodes = Nodes(view)
     tanh = any(n.op_type == "Tanh" for n in view.nodes)
     mm = view.nodes[0] if view.nodes[0].op_type == "MatMul" else None
     add = view.nodes[1] if mm is not None and len(view.nodes) > 1 and view.nodes[1].op_type == "Add" else None
@@ -641,63 +216,6 @@ def _tanh_gelu(view: TaskView) -> Rewrite | None:
 # --------------------------------------------------------------------------- int8
 
 
-def _int8_weight(w: np.ndarray, per_channel: bool) -> tuple[np.ndarray, np.ndarray]:
-    """Symmetric int8 of a [K, N] weight: per output column or per tensor."""
-    amax = np.abs(w).max(axis=0) if per_channel else np.asarray(np.abs(w).max())
-    scale = np.where(amax > 0, amax / 127.0, 1.0).astype(np.float32)
-    q = np.clip(np.round(w / scale), -127, 127).astype(np.int8)
-    return q, scale
-
-
-def _int8_qattention(view: TaskView) -> Rewrite | None:
-    """The whole attention block on one int8 kernel: the input quantized once
-    (DynamicQuantizeLinear) and com.microsoft QAttention over the packed int8 weight
-    (per column). Only without a mask or with a causal one (QAttention takes no bias)."""
-    att = _attention_parts(view)
-    if att is None or att.mask is not None or att.mask_value is not None:
-        return None
-    wq, ws = _int8_weight(np.concatenate(att.weights, axis=1).astype(np.float32), per_channel=True)
-    inits = [init(view, "qkv_weight_q", wq), init(view, "qkv_weight_scale", ws),
-             init(view, "qkv_weight_zp", np.zeros(ws.shape, np.int8)),
-             init(view, "qkv_bias", np.concatenate(att.biases).astype(np.float32))]  # fmt: skip
-    xq, xs, xz = view.name("x_q"), view.name("x_scale"), view.name("x_zp")
-    nodes = [
-        helper.make_node("DynamicQuantizeLinear", [att.x], [xq, xs, xz], name=view.name("QuantizeX")),
-        helper.make_node(
-            "QAttention", [xq, inits[0].name, inits[3].name, xs, inits[1].name, "", xz, inits[2].name],
-            [view.output], name=view.name("QAttention"), domain=CONTRIB_DOMAIN,
-            num_heads=att.heads, scale=float(att.scale), unidirectional=int(att.causal),
-        ),
-    ]  # fmt: skip
-    return Rewrite(tuple(nodes), tuple(inits))
-
-
-def _int8_packed_qkv(view: TaskView) -> Rewrite | None:
-    """The three projections as one int8 product: the shared input quantized once
-    (com.microsoft DynamicQuantizeMatMul over the packed weight, per column), then Split;
-    the scaled dot product stays float."""
-    att = _attention_parts(view)
-    if att is None:
-        return None
-    h = [w.shape[1] for w in att.weights]
-    wq, ws = _int8_weight(np.concatenate(att.weights, axis=1).astype(np.float32), per_channel=True)
-    inits = [init(view, "qkv_weight_q", wq), init(view, "qkv_weight_scale", ws),
-             init(view, "qkv_weight_zp", np.zeros(ws.shape, np.int8)),
-             init(view, "qkv_bias", np.concatenate(att.biases).astype(np.float32)),
-             init(view, "qkv_split", np.array(h, np.int64))]  # fmt: skip
-    qkv = view.name("qkv")
-    outs = [view.name(p) for p in ("q", "k", "v")]
-    nodes = [
-        helper.make_node("DynamicQuantizeMatMul", [att.x, *(i.name for i in inits[:4])], [qkv],
-                         name=view.name("QkvDynamicQuantizeMatMul"), domain=CONTRIB_DOMAIN),
-        helper.make_node("Split", [qkv, inits[4].name], outs, name=view.name("QkvSplit"), axis=-1),
-    ]  # fmt: skip
-    if view.opset < 13:
-        return None
-    nodes += _after_projections(view, att, outs)
-    return Rewrite(tuple(nodes), tuple(inits))
-
-
 def _int8_bias_gelu(view: TaskView) -> Rewrite | None:
     """The FFN's first product in int8 (DynamicQuantizeMatMul, weight per column), then
     its bias and GELU as one BiasGelu (erf form) or FastGelu (tanh form)."""
@@ -708,7 +226,7 @@ def _int8_bias_gelu(view: TaskView) -> Rewrite | None:
     w = view.const(mm.input[1])
     if w is None or w.ndim != 2:
         return None
-    wq, ws = _int8_weight(np.asarray(w, np.float32), per_channel=True)
+    wq, ws = int8_weight(np.asarray(w, np.float32), per_channel=True)
     inits = [init(view, "weight_q", wq), init(view, "weight_scale", ws),
              init(view, "weight_zp", np.zeros(ws.shape, np.int8)), init(view, "bias", bias.astype(np.float32))]  # fmt: skip
     y = view.name("product")
@@ -722,11 +240,9 @@ def _int8_bias_gelu(view: TaskView) -> Rewrite | None:
 
 
 def register(registry: StrategyRegistry) -> None:
-    """Add the subgraph strategies to `registry`."""
+    """Add the subgraph strategies to `registry`, attention's first."""
+    attention.register(registry)
     s = registry.strategy
-    s("fused_attention", "attention")(_fused_attention)
-    s("multihead_attention", "attention")(_multihead_attention)
-    s("packed_qkv", "attention")(_packed_qkv)
     s("layer_normalization", "layernorm")(_layer_normalization)
     s("skip_layer_normalization", "layernorm")(_skip_layer_normalization)
     s("residual_as_sum", "layernorm")(_residual_as_sum)
@@ -734,8 +250,6 @@ def register(registry: StrategyRegistry) -> None:
     s("bias_gelu", "gelu")(_bias_gelu)
     s("fast_gelu", "gelu")(_fast_gelu)
     s("tanh_gelu", "gelu", APPROX)(_tanh_gelu)
-    s("int8_qattention", "attention", "int8")(_int8_qattention)
-    s("int8_packed_qkv", "attention", "int8")(_int8_packed_qkv)
     s("int8_bias_gelu", "gelu", "int8")(_int8_bias_gelu)
     registry.register(Strategy(
         "int8_region", "conv_region", "int8", regions.int8_region, (regions.int8_region.__doc__ or "").strip(),
