@@ -33,19 +33,20 @@ does not match is simply left to operator tuning. Signatures come from
 `aoe.signature.task_signature` over the task's nodes, so subgraph entries in the bank
 have their own keys and twins (the same block repeated in every layer) are tuned once.
 
-This module imports neither trio nor onnxruntime.
+The attention matcher lives in `aoe._attention`, the graph view both use in
+`aoe._sgraph`. This module imports neither trio nor onnxruntime.
 """
 
 from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
-import numpy as np
 import onnx
-from onnx import numpy_helper
 
+from aoe._attention import attention
+from aoe._sgraph import STD, Graph, Match, last_axis
 from aoe.signature import ModelContext
 
 __all__ = ["SUBGRAPH_FAMILIES", "Match", "find_subgraphs"]
@@ -53,327 +54,11 @@ __all__ = ["SUBGRAPH_FAMILIES", "Match", "find_subgraphs"]
 #: Subgraph families, in the order the tuner reports them.
 SUBGRAPH_FAMILIES = ("attention", "layernorm", "gelu", "conv_region")
 
-_STD = ("", "ai.onnx")
-
-
-class Match:
-    """One recognized subgraph: its family and its nodes in graph order (last = output)."""
-
-    def __init__(self, family: str, nodes: list[onnx.NodeProto]):
-        self.family = family
-        self.nodes = nodes
-
-
-class _Graph:
-    """Producers, consumers and readable constant values of one graph."""
-
-    def __init__(self, model: onnx.ModelProto, ctx: ModelContext):
-        g = model.graph
-        self.ctx = ctx
-        self.order = {n.name: i for i, n in enumerate(g.node)}
-        self.producer: dict[str, onnx.NodeProto] = {}
-        self.consumers: dict[str, list[onnx.NodeProto]] = defaultdict(list)
-        for node in g.node:
-            for o in node.output:
-                if o:
-                    self.producer[o] = node
-            for i in dict.fromkeys(node.input):  # a node reading a tensor twice is one reader
-                if i:
-                    self.consumers[i].append(node)
-        self.outputs = {o.name for o in g.output}
-        inputs = {i.name for i in g.input}
-        self._stored = {t.name: t for t in g.initializer if t.name not in inputs}
-        self._constant_nodes = {
-            n.output[0]: a.t for n in g.node if n.op_type == "Constant" and n.domain in _STD
-            for a in n.attribute if a.name == "value"
-        }  # fmt: skip
-
-    def node(self, tensor: str, *op_types: str) -> onnx.NodeProto | None:
-        n = self.producer.get(tensor)
-        return n if n is not None and n.domain in _STD and n.op_type in op_types else None
-
-    def is_const(self, tensor: str) -> bool:
-        return tensor in self.ctx.constants
-
-    def value(self, tensor: str) -> np.ndarray | None:
-        """A stored constant's value (an initializer or a Constant node); None otherwise."""
-        t = self._stored.get(tensor) or self._constant_nodes.get(tensor)
-        if t is None:
-            return None
-        try:
-            return numpy_helper.to_array(t)
-        except Exception:  # external data not loaded, an odd type: not readable here
-            return None
-
-    def scalar(self, tensor: str) -> float | None:
-        v = self.value(tensor)
-        if v is None or v.size != 1 or v.dtype.kind not in "fiu":
-            return None
-        return float(v.reshape(()))
-
-    def is_scalar(self, tensor: str, want: float, rel: float = 1e-3) -> bool:
-        got = self.scalar(tensor)
-        return got is not None and math.isclose(got, want, rel_tol=rel)
-
-    def users(self, tensor: str) -> list[onnx.NodeProto]:
-        return self.consumers.get(tensor, [])
-
-    def attr(self, node: onnx.NodeProto, name: str, default=None):
-        for a in node.attribute:
-            if a.name == name:
-                return onnx.helper.get_attribute_value(a)
-        return default
-
-    def other(self, node: onnx.NodeProto, tensor: str) -> str | None:
-        """The other input of a two-input node that reads `tensor`."""
-        if len(node.input) != 2:
-            return None
-        a, b = node.input
-        return b if a == tensor else a if b == tensor else None
-
-    def closed(self, nodes: Sequence[onnx.NodeProto]) -> bool:
-        """True when only the last node's outputs leave `nodes` (no other output is a
-        graph output or read by a node outside)."""
-        names = {n.name for n in nodes}
-        last = nodes[-1]
-        for n in nodes:
-            if n is last:
-                continue
-            for o in n.output:
-                if not o:
-                    continue
-                if o in self.outputs or any(u.name not in names for u in self.users(o)):
-                    return False
-        return bool([o for o in last.output if o]) and len([o for o in last.output if o]) == 1
-
-    def sorted(self, nodes: Iterable[onnx.NodeProto]) -> list[onnx.NodeProto]:
-        uniq = {n.name: n for n in nodes}
-        return sorted(uniq.values(), key=lambda n: self.order[n.name])
-
-
-# --------------------------------------------------------------------------- attention
-
-
-def _reduce_axes(g: _Graph, node: onnx.NodeProto) -> list[int] | None:
-    axes = g.attr(node, "axes")
-    if axes is None and len(node.input) > 1 and node.input[1]:
-        v = g.value(node.input[1])
-        axes = None if v is None else [int(a) for a in v.reshape(-1)]
-    return None if axes is None else list(axes)
-
-
-def _last_axis(g: _Graph, node: onnx.NodeProto, tensor: str) -> bool:
-    axes = _reduce_axes(g, node)
-    info = g.ctx.tensors.get(tensor)
-    if axes is None or len(axes) != 1 or info is None:
-        return False
-    return axes[0] in (-1, len(info.shape) - 1)
-
-
-def _scaled(g: _Graph, tensor: str, nodes: list[onnx.NodeProto]) -> str:
-    """Walk back over scalar Mul/Div nodes (a softmax scale), collecting them."""
-    while True:
-        n = g.node(tensor, "Mul", "Div")
-        if n is None:
-            return tensor
-        if n.op_type == "Div" and g.scalar(n.input[1]) is not None:
-            nodes.append(n)
-            tensor = n.input[0]
-        elif n.op_type == "Mul" and g.scalar(n.input[1]) is not None:
-            nodes.append(n)
-            tensor = n.input[0]
-        elif n.op_type == "Mul" and g.scalar(n.input[0]) is not None:
-            nodes.append(n)
-            tensor = n.input[1]
-        else:
-            return tensor
-
-
-def _projection(g: _Graph, tensor: str, perms: Sequence[Sequence[int]], nodes: list[onnx.NodeProto]) -> str | None:
-    """The input x of `Transpose*(Reshape(MatMul(x, W) [+ b]))` ending in `tensor`, the
-    Transposes' perms being `perms` (outermost last); a scalar Mul/Div may sit on the
-    way (a scale applied to Q). The product may also be a Gemm between Reshapes, and
-    one output of a Split of a packed product. Collects the nodes; None when the chain
-    differs."""
-    tensor = _scaled(g, tensor, nodes)
-    for perm in reversed(perms):
-        t = g.node(tensor, "Transpose")
-        if t is None or list(g.attr(t, "perm", [])) != list(perm):
-            return None
-        nodes.append(t)
-        tensor = _scaled(g, t.input[0], nodes)
-    r = g.node(tensor, "Reshape")
-    if r is None or not g.is_const(r.input[1]):
-        return None
-    nodes.append(r)
-    tensor = _scaled(g, r.input[0], nodes)
-    split = g.node(tensor, "Split")
-    if split is not None:  # Q, K and V from one packed product (GPT-2's c_attn)
-        nodes.append(split)
-        tensor = split.input[0]
-    back = g.node(tensor, "Reshape")
-    gemm = g.node(back.input[0], "Gemm") if back is not None else None
-    if gemm is not None:  # Reshape to 2-D, Gemm, Reshape back: a Conv1D or Linear on 3-D input
-        flat = g.node(gemm.input[0], "Reshape")
-        if flat is None or not g.is_const(gemm.input[1]) or not all(g.is_const(i) for i in gemm.input[2:] if i):
-            return None
-        nodes += [back, gemm, flat]
-        return flat.input[0]
-    add = g.node(tensor, "Add")
-    if add is not None:
-        bias = add.input[1] if g.is_const(add.input[1]) else add.input[0] if g.is_const(add.input[0]) else None
-        if bias is None:
-            return None
-        nodes.append(add)
-        tensor = g.other(add, bias) or ""
-    mm = g.node(tensor, "MatMul")
-    if mm is None or not g.is_const(mm.input[1]) or g.is_const(mm.input[0]):
-        return None
-    nodes.append(mm)
-    return mm.input[0]
-
-
-def _reaches_scores(g: _Graph, tensor: str, depth: int = 8) -> bool:
-    """True when `tensor` is Q·Kᵀ (a MatMul of two activations) behind scalar Mul/Div,
-    Add and Where nodes."""
-    for _ in range(depth):
-        n = g.producer.get(tensor)
-        if n is None or n.domain not in _STD:
-            return False
-        if n.op_type == "MatMul":
-            return not g.is_const(n.input[0]) and not g.is_const(n.input[1])
-        if n.op_type in ("Mul", "Div") and g.scalar(n.input[1]) is not None:
-            tensor = n.input[0]
-        elif n.op_type == "Mul" and g.scalar(n.input[0]) is not None:
-            tensor = n.input[1]
-        elif n.op_type == "Where":
-            tensor = n.input[1]
-        elif n.op_type == "Add":
-            ins = [i for i in n.input if not g.is_const(i)]
-            return any(_reaches_scores(g, i, depth - 1) for i in ins)
-        else:
-            return False
-    return False
-
-
-def _nan_guard(g: _Graph, probs: str) -> list[onnx.NodeProto] | None:
-    """[IsNaN, Where] of `Where(IsNaN(P), 0, P)` when that is all that reads P."""
-    users = g.users(probs)
-    isnan = [u for u in users if u.op_type == "IsNaN"]
-    where = [u for u in users if u.op_type == "Where"]
-    if len(users) != 2 or len(isnan) != 1 or len(where) != 1:
-        return None
-    w = where[0]
-    if list(w.input) != [isnan[0].output[0], w.input[1], probs] or not g.is_scalar(w.input[1], 0.0):
-        return None
-    if g.users(isnan[0].output[0]) != [w]:
-        return None
-    return [isnan[0], w]
-
-
-def _unflattened(g: _Graph, tensor: str, nodes: list[onnx.NodeProto]) -> str | None:
-    """The [b, n, s, d] tensor that `Reshape(Transpose(Reshape(t, [b·n, s, d]), [0, 2, 1]),
-    [b, n, d, s])` transposes, collecting those three nodes; None when `tensor` is not that."""
-    r4 = g.node(tensor, "Reshape")
-    t = g.node(r4.input[0], "Transpose") if r4 is not None else None
-    r3 = g.node(t.input[0], "Reshape") if t is not None and list(g.attr(t, "perm", [])) == [0, 2, 1] else None
-    if r3 is None:
-        return None
-    src, out = g.ctx.tensors.get(r3.input[0]), g.ctx.tensors.get(tensor)
-    if src is None or out is None or len(src.shape) != 4 or len(out.shape) != 4:
-        return None
-    b, n, s, d = src.shape
-    if tuple(out.shape) != (b, n, d, s):
-        return None
-    nodes += [r4, t, r3]
-    return r3.input[0]
-
-
-def _same_shape(g: _Graph, a: str, b: str) -> bool:
-    sa, sb = g.ctx.tensors.get(a), g.ctx.tensors.get(b)
-    return sa is not None and sb is not None and sa.shape == sb.shape
-
-
-def _attention(g: _Graph, sm: onnx.NodeProto) -> Match | None:
-    info = g.ctx.tensors.get(sm.input[0])
-    if info is None or len(info.shape) != 4 or g.attr(sm, "axis", -1) not in (-1, 3):
-        return None
-    nodes: list[onnx.NodeProto] = [sm]
-    t = sm.input[0]
-    qk = None
-    for _ in range(8):  # scale, mask and causal Where between Q·Kᵀ and Softmax
-        n = g.producer.get(t)
-        if n is None or n.domain not in _STD:
-            return None
-        if n.op_type == "MatMul" and not g.is_const(n.input[0]) and not g.is_const(n.input[1]):
-            qk = n
-            break
-        if n.op_type in ("Mul", "Div"):
-            s = _scaled(g, t, nodes)
-            if s == t:
-                return None
-            t = s
-            continue
-        if n.op_type == "Add":
-            # The scores come from the side that leads back to Q·Kᵀ; the other is the mask.
-            side = [i for i in n.input if _reaches_scores(g, i)]
-            if len(side) != 1:
-                return None
-            nodes.append(n)
-            t = side[0]
-            continue
-        if n.op_type == "Where" and g.is_const(n.input[0]) and g.is_const(n.input[2]):
-            nodes.append(n)
-            t = n.input[1]
-            continue
-        return None
-    if qk is None:
-        return None
-    nodes.append(qk)
-    probs = sm.output[0]
-    guard = _nan_guard(g, probs)
-    if guard is not None:  # Where(IsNaN(P), 0, P), as torch's sdpa export writes
-        nodes += guard
-        probs = guard[-1].output[0]
-    pv = [u for u in g.users(probs) if u.op_type == "MatMul" and u.domain in _STD and u.input[0] == probs]
-    if len(pv) != 1 or len(g.users(probs)) != 1:
-        return None
-    pv_node = pv[0]
-    nodes.append(pv_node)
-    q = _projection(g, qk.input[0], [(0, 2, 1, 3)], nodes)
-    k = _projection(g, qk.input[1], [(0, 2, 3, 1)], nodes)
-    if k is None:
-        k = _projection(g, qk.input[1], [(0, 2, 1, 3), (0, 1, 3, 2)], nodes)
-    if k is None:  # torch's dynamo export: Kᵀ as Reshape to 3-D, Transpose, Reshape back
-        inner = _unflattened(g, _scaled(g, qk.input[1], nodes), nodes)
-        k = _projection(g, inner, [(0, 2, 1, 3)], nodes) if inner is not None else None
-    v = _projection(g, pv_node.input[1], [(0, 2, 1, 3)], nodes)
-    xs = [q, k, v]
-    if None in xs or len(set(xs)) != 1:
-        return None
-    ctx_out = pv_node.output[0]
-    users = g.users(ctx_out)
-    if len(users) == 1 and users[0].op_type == "Reshape" and _same_shape(g, ctx_out, users[0].output[0]):
-        nodes.append(users[0])  # a Reshape that keeps [b, n, s, d] (torch's sdpa export)
-        ctx_out = users[0].output[0]
-        users = g.users(ctx_out)
-    if len(users) != 1 or users[0].op_type != "Transpose" or list(g.attr(users[0], "perm", [])) != [0, 2, 1, 3]:
-        return None
-    tr = users[0]
-    users = g.users(tr.output[0])
-    if len(users) != 1 or users[0].op_type != "Reshape" or not g.is_const(users[0].input[1]):
-        return None
-    nodes += [tr, users[0]]
-    ordered = g.sorted(nodes)
-    if ordered[-1] is not users[0] or not g.closed(ordered):
-        return None
-    return Match("attention", ordered)
-
 
 # --------------------------------------------------------------------------- layernorm
 
 
-def _residual(g: _Graph, x: str, inside: Sequence[onnx.NodeProto]) -> onnx.NodeProto | None:
+def _residual(g: Graph, x: str, inside: Sequence[onnx.NodeProto]) -> onnx.NodeProto | None:
     """The Add producing `x` from two activations when `x` feeds only `inside`."""
     add = g.node(x, "Add")
     if add is None or x in g.outputs or any(g.is_const(i) for i in add.input):
@@ -387,10 +72,10 @@ def _residual(g: _Graph, x: str, inside: Sequence[onnx.NodeProto]) -> onnx.NodeP
     return add
 
 
-def _layernorm(g: _Graph, r1: onnx.NodeProto) -> Match | None:
+def _layernorm(g: Graph, r1: onnx.NodeProto) -> Match | None:
     """A LayerNorm written out, anchored at its first ReduceMean."""
     x = r1.input[0]
-    if not _last_axis(g, r1, x):
+    if not last_axis(g, r1, x):
         return None
     sub = [u for u in g.users(r1.output[0]) if u.op_type == "Sub" and u.input == [x, r1.output[0]]]
     if len(sub) != 1 or len(g.users(r1.output[0])) != 1:
@@ -402,7 +87,7 @@ def _layernorm(g: _Graph, r1: onnx.NodeProto) -> Match | None:
     if len(sq) != 1:
         return None
     r2 = g.users(sq[0].output[0])
-    if len(r2) != 1 or r2[0].op_type != "ReduceMean" or not _last_axis(g, r2[0], sq[0].output[0]):
+    if len(r2) != 1 or r2[0].op_type != "ReduceMean" or not last_axis(g, r2[0], sq[0].output[0]):
         return None
     eps = g.users(r2[0].output[0])
     if len(eps) != 1 or eps[0].op_type != "Add" or g.scalar(g.other(eps[0], r2[0].output[0]) or "") is None:
@@ -438,7 +123,7 @@ def _layernorm(g: _Graph, r1: onnx.NodeProto) -> Match | None:
     return Match("layernorm", ordered) if g.closed(ordered) else None
 
 
-def _skip_layernorm(g: _Graph, ln: onnx.NodeProto) -> Match | None:
+def _skip_layernorm(g: Graph, ln: onnx.NodeProto) -> Match | None:
     """A LayerNormalization node over the last axis with a residual Add in front."""
     if g.attr(ln, "axis", -1) not in (-1,) and g.ctx.tensors.get(ln.input[0]) is not None:
         info = g.ctx.tensors[ln.input[0]]
@@ -456,7 +141,7 @@ def _skip_layernorm(g: _Graph, ln: onnx.NodeProto) -> Match | None:
 # --------------------------------------------------------------------------- gelu
 
 
-def _gelu_tail(g: _Graph, x: str, inner: str, nodes: list[onnx.NodeProto]) -> bool:
+def _gelu_tail(g: Graph, x: str, inner: str, nodes: list[onnx.NodeProto]) -> bool:
     """From `inner` = 1 + f(x), the products with x and 0.5 in any order; collects them."""
     users = g.users(inner)
     if len(users) != 1 or users[0].op_type != "Mul":
@@ -483,7 +168,7 @@ def _gelu_tail(g: _Graph, x: str, inner: str, nodes: list[onnx.NodeProto]) -> bo
     return False
 
 
-def _gelu(g: _Graph, anchor: onnx.NodeProto) -> Match | None:
+def _gelu(g: Graph, anchor: onnx.NodeProto) -> Match | None:
     """GELU written out, anchored at its Erf or Tanh."""
     nodes: list[onnx.NodeProto] = [anchor]
     if anchor.op_type == "Erf":
@@ -549,8 +234,8 @@ def _gelu(g: _Graph, anchor: onnx.NodeProto) -> Match | None:
 _REGION_OPS = ("Conv", "BatchNormalization", "Relu", "Add", "MaxPool", "AveragePool", "GlobalAveragePool")
 
 
-def _in_region(g: _Graph, node: onnx.NodeProto) -> bool:
-    if node.domain not in _STD or node.op_type not in _REGION_OPS:
+def _in_region(g: Graph, node: onnx.NodeProto) -> bool:
+    if node.domain not in STD or node.op_type not in _REGION_OPS:
         return False
     if node.op_type == "Conv":
         return len(node.input) >= 2 and g.is_const(node.input[1]) and all(g.is_const(i) for i in node.input[2:] if i)
@@ -564,7 +249,7 @@ def _in_region(g: _Graph, node: onnx.NodeProto) -> bool:
     return True
 
 
-def _conv_regions(model: onnx.ModelProto, g: _Graph) -> list[Match]:
+def _conv_regions(model: onnx.ModelProto, g: Graph) -> list[Match]:
     """Connected runs of region ops with at least two Convs and one output leaving."""
     members = [n for n in model.graph.node if _in_region(g, n)]
     inside = {n.name for n in members}
@@ -600,18 +285,18 @@ def _conv_regions(model: onnx.ModelProto, g: _Graph) -> list[Match]:
 def find_subgraphs(model: onnx.ModelProto, ctx: ModelContext) -> list[Match]:
     """Every subgraph of `model` in a family, in graph order of their outputs; no node
     is in two. Attention first (it is the biggest), then LayerNorm, then GELU."""
-    g = _Graph(model, ctx)
+    g = Graph(model, ctx)
     taken: set[str] = set()
     found: list[Match] = []
     finders = (
-        (("Softmax",), _attention),
+        (("Softmax",), attention),
         (("ReduceMean",), _layernorm),
         (("LayerNormalization",), _skip_layernorm),
         (("Erf", "Tanh"), _gelu),
     )
     for op_types, finder in finders:
         for node in model.graph.node:
-            if node.op_type not in op_types or node.domain not in _STD or node.name in taken:
+            if node.op_type not in op_types or node.domain not in STD or node.name in taken:
                 continue
             try:
                 m = finder(g, node)

@@ -1,0 +1,222 @@
+"""Self-attention blocks recognized by structure (`aoe.subgraphs`, family ``attention``).
+
+From a Softmax back to the Q/K/V projections and forward to the merged heads: three
+MatMuls of one input (each with an optional constant bias Add; or one packed product, a
+Gemm between Reshapes as GPT-2 exports, Split), Reshape to heads, Transpose (K to
+[b, n, d, s], directly or in two steps), the Q·Kᵀ MatMul, any scalar Mul/Div, an additive
+mask or a causal Where, Softmax over the last axis (and the NaN guard torch's sdpa export
+puts after it), P·V, Transpose back and Reshape to [b, s, hidden]. The output projection
+is left out.
+
+This module imports neither trio nor onnxruntime.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import onnx
+
+from aoe._sgraph import STD, Graph, Match
+
+__all__ = ["attention"]
+
+
+def _scaled(g: Graph, tensor: str, nodes: list[onnx.NodeProto]) -> str:
+    """Walk back over scalar Mul/Div nodes (a softmax scale), collecting them."""
+    while True:
+        n = g.node(tensor, "Mul", "Div")
+        if n is None:
+            return tensor
+        if n.op_type == "Div" and g.scalar(n.input[1]) is not None:
+            nodes.append(n)
+            tensor = n.input[0]
+        elif n.op_type == "Mul" and g.scalar(n.input[1]) is not None:
+            nodes.append(n)
+            tensor = n.input[0]
+        elif n.op_type == "Mul" and g.scalar(n.input[0]) is not None:
+            nodes.append(n)
+            tensor = n.input[1]
+        else:
+            return tensor
+
+
+def _projection(g: Graph, tensor: str, perms: Sequence[Sequence[int]], nodes: list[onnx.NodeProto]) -> str | None:
+    """The input x of `Transpose*(Reshape(MatMul(x, W) [+ b]))` ending in `tensor`, the
+    Transposes' perms being `perms` (outermost last); a scalar Mul/Div may sit on the
+    way (a scale applied to Q). The product may also be a Gemm between Reshapes, and
+    one output of a Split of a packed product. Collects the nodes; None when the chain
+    differs."""
+    tensor = _scaled(g, tensor, nodes)
+    for perm in reversed(perms):
+        t = g.node(tensor, "Transpose")
+        if t is None or list(g.attr(t, "perm", [])) != list(perm):
+            return None
+        nodes.append(t)
+        tensor = _scaled(g, t.input[0], nodes)
+    r = g.node(tensor, "Reshape")
+    if r is None or not g.is_const(r.input[1]):
+        return None
+    nodes.append(r)
+    tensor = _scaled(g, r.input[0], nodes)
+    split = g.node(tensor, "Split")
+    if split is not None:  # Q, K and V from one packed product (GPT-2's c_attn)
+        nodes.append(split)
+        tensor = split.input[0]
+    back = g.node(tensor, "Reshape")
+    gemm = g.node(back.input[0], "Gemm") if back is not None else None
+    if gemm is not None:  # Reshape to 2-D, Gemm, Reshape back: a Conv1D or Linear on 3-D input
+        flat = g.node(gemm.input[0], "Reshape")
+        if flat is None or not g.is_const(gemm.input[1]) or not all(g.is_const(i) for i in gemm.input[2:] if i):
+            return None
+        nodes += [back, gemm, flat]
+        return flat.input[0]
+    add = g.node(tensor, "Add")
+    if add is not None:
+        bias = add.input[1] if g.is_const(add.input[1]) else add.input[0] if g.is_const(add.input[0]) else None
+        if bias is None:
+            return None
+        nodes.append(add)
+        tensor = g.other(add, bias) or ""
+    mm = g.node(tensor, "MatMul")
+    if mm is None or not g.is_const(mm.input[1]) or g.is_const(mm.input[0]):
+        return None
+    nodes.append(mm)
+    return mm.input[0]
+
+
+def _reaches_scores(g: Graph, tensor: str, depth: int = 8) -> bool:
+    """True when `tensor` is Q·Kᵀ (a MatMul of two activations) behind scalar Mul/Div,
+    Add and Where nodes."""
+    for _ in range(depth):
+        n = g.producer.get(tensor)
+        if n is None or n.domain not in STD:
+            return False
+        if n.op_type == "MatMul":
+            return not g.is_const(n.input[0]) and not g.is_const(n.input[1])
+        if n.op_type in ("Mul", "Div") and g.scalar(n.input[1]) is not None:
+            tensor = n.input[0]
+        elif n.op_type == "Mul" and g.scalar(n.input[0]) is not None:
+            tensor = n.input[1]
+        elif n.op_type == "Where":
+            tensor = n.input[1]
+        elif n.op_type == "Add":
+            ins = [i for i in n.input if not g.is_const(i)]
+            return any(_reaches_scores(g, i, depth - 1) for i in ins)
+        else:
+            return False
+    return False
+
+
+def _nan_guard(g: Graph, probs: str) -> list[onnx.NodeProto] | None:
+    """[IsNaN, Where] of `Where(IsNaN(P), 0, P)` when that is all that reads P."""
+    users = g.users(probs)
+    isnan = [u for u in users if u.op_type == "IsNaN"]
+    where = [u for u in users if u.op_type == "Where"]
+    if len(users) != 2 or len(isnan) != 1 or len(where) != 1:
+        return None
+    w = where[0]
+    if list(w.input) != [isnan[0].output[0], w.input[1], probs] or not g.is_scalar(w.input[1], 0.0):
+        return None
+    if g.users(isnan[0].output[0]) != [w]:
+        return None
+    return [isnan[0], w]
+
+
+def _unflattened(g: Graph, tensor: str, nodes: list[onnx.NodeProto]) -> str | None:
+    """The [b, n, s, d] tensor that `Reshape(Transpose(Reshape(t, [b·n, s, d]), [0, 2, 1]),
+    [b, n, d, s])` transposes, collecting those three nodes; None when `tensor` is not that."""
+    r4 = g.node(tensor, "Reshape")
+    t = g.node(r4.input[0], "Transpose") if r4 is not None else None
+    r3 = g.node(t.input[0], "Reshape") if t is not None and list(g.attr(t, "perm", [])) == [0, 2, 1] else None
+    if r3 is None:
+        return None
+    src, out = g.ctx.tensors.get(r3.input[0]), g.ctx.tensors.get(tensor)
+    if src is None or out is None or len(src.shape) != 4 or len(out.shape) != 4:
+        return None
+    b, n, s, d = src.shape
+    if tuple(out.shape) != (b, n, d, s):
+        return None
+    nodes += [r4, t, r3]
+    return r3.input[0]
+
+
+def _same_shape(g: Graph, a: str, b: str) -> bool:
+    sa, sb = g.ctx.tensors.get(a), g.ctx.tensors.get(b)
+    return sa is not None and sb is not None and sa.shape == sb.shape
+
+
+def attention(g: Graph, sm: onnx.NodeProto) -> Match | None:
+    info = g.ctx.tensors.get(sm.input[0])
+    if info is None or len(info.shape) != 4 or g.attr(sm, "axis", -1) not in (-1, 3):
+        return None
+    nodes: list[onnx.NodeProto] = [sm]
+    t = sm.input[0]
+    qk = None
+    for _ in range(8):  # scale, mask and causal Where between Q·Kᵀ and Softmax
+        n = g.producer.get(t)
+        if n is None or n.domain not in STD:
+            return None
+        if n.op_type == "MatMul" and not g.is_const(n.input[0]) and not g.is_const(n.input[1]):
+            qk = n
+            break
+        if n.op_type in ("Mul", "Div"):
+            s = _scaled(g, t, nodes)
+            if s == t:
+                return None
+            t = s
+            continue
+        if n.op_type == "Add":
+            # The scores come from the side that leads back to Q·Kᵀ; the other is the mask.
+            side = [i for i in n.input if _reaches_scores(g, i)]
+            if len(side) != 1:
+                return None
+            nodes.append(n)
+            t = side[0]
+            continue
+        if n.op_type == "Where" and g.is_const(n.input[0]) and g.is_const(n.input[2]):
+            nodes.append(n)
+            t = n.input[1]
+            continue
+        return None
+    if qk is None:
+        return None
+    nodes.append(qk)
+    probs = sm.output[0]
+    guard = _nan_guard(g, probs)
+    if guard is not None:  # Where(IsNaN(P), 0, P), as torch's sdpa export writes
+        nodes += guard
+        probs = guard[-1].output[0]
+    pv = [u for u in g.users(probs) if u.op_type == "MatMul" and u.domain in STD and u.input[0] == probs]
+    if len(pv) != 1 or len(g.users(probs)) != 1:
+        return None
+    pv_node = pv[0]
+    nodes.append(pv_node)
+    q = _projection(g, qk.input[0], [(0, 2, 1, 3)], nodes)
+    k = _projection(g, qk.input[1], [(0, 2, 3, 1)], nodes)
+    if k is None:
+        k = _projection(g, qk.input[1], [(0, 2, 1, 3), (0, 1, 3, 2)], nodes)
+    if k is None:  # torch's dynamo export: Kᵀ as Reshape to 3-D, Transpose, Reshape back
+        inner = _unflattened(g, _scaled(g, qk.input[1], nodes), nodes)
+        k = _projection(g, inner, [(0, 2, 1, 3)], nodes) if inner is not None else None
+    v = _projection(g, pv_node.input[1], [(0, 2, 1, 3)], nodes)
+    xs = [q, k, v]
+    if None in xs or len(set(xs)) != 1:
+        return None
+    ctx_out = pv_node.output[0]
+    users = g.users(ctx_out)
+    if len(users) == 1 and users[0].op_type == "Reshape" and _same_shape(g, ctx_out, users[0].output[0]):
+        nodes.append(users[0])  # a Reshape that keeps [b, n, s, d] (torch's sdpa export)
+        ctx_out = users[0].output[0]
+        users = g.users(ctx_out)
+    if len(users) != 1 or users[0].op_type != "Transpose" or list(g.attr(users[0], "perm", [])) != [0, 2, 1, 3]:
+        return None
+    tr = users[0]
+    users = g.users(tr.output[0])
+    if len(users) != 1 or users[0].op_type != "Reshape" or not g.is_const(users[0].input[1]):
+        return None
+    nodes += [tr, users[0]]
+    ordered = g.sorted(nodes)
+    if ordered[-1] is not users[0] or not g.closed(ordered):
+        return None
+    return Match("attention", ordered)
