@@ -433,6 +433,77 @@ def test_model_tasks_find_subgraph_tasks_by_their_first_node(models: Path, tmp_p
     assert all(opat.signature(n) is not None and opat.signature(n).digest != att.signature.digest for n in anchors)
 
 
+def glu_block(act: str = "silu", bias: bool = False, silu_order: str = "x_first", up_first: bool = False,
+              seed: int = 5) -> onnx.ModelProto:  # fmt: skip
+    """A LLaMA-style MLP: down(act(x·Wg) · (x·Wu)), act SiLU (as Sigmoid and Mul) or Sigmoid."""
+    g = G(seed=seed)
+    x = g.input("x", [B, S, H])
+    gate, up = linear(g, x, H, 2 * H, bias), linear(g, x, H, 2 * H, bias)
+    sig = g.n("Sigmoid", gate)
+    a = sig if act == "sigmoid" else g.n("Mul", gate, sig) if silu_order == "x_first" else g.n("Mul", sig, gate)
+    h = g.n("Mul", up, a) if up_first else g.n("Mul", a, up)
+    return g.model(linear(g, h, 2 * H, H, bias))
+
+
+GLU_VARIANTS = {
+    "silu": {},
+    "silu_bias": {"bias": True},
+    "silu_sigmoid_first": {"silu_order": "sigmoid_first", "up_first": True},
+    "sigmoid_glu": {"act": "sigmoid", "bias": True},
+}
+
+
+@pytest.mark.parametrize("variant", list(GLU_VARIANTS))
+def test_gated_ffns_are_found_and_their_strategies_keep_the_outputs(variant: str, tmp_path: Path) -> None:
+    model = anonymize(glu_block(**GLU_VARIANTS[variant]))
+    assert _families(model) == ["glu"]
+    src = tmp_path / "m.onnx"
+    onnx.save(model, src)
+    prep = prepare(src, tmp_path)
+    feeds = _feeds(prep.model)
+    ref = _run(prep.model, feeds)
+    consts = Constants(prep.model.graph, list(prep.model.opset_import))
+    [task] = [t for t in partition(prep.model, prep.ctx, "sgat")]
+    applied = {}
+    for strategy in REGISTRY.strategies_for("glu", "int8"):
+        if strategy.name == "default":
+            continue
+        try:
+            rewrites = task_rewrites(prep.model, prep.ctx, consts, task, strategy.name, REGISTRY)
+        except Exception:
+            continue  # does not apply to this form
+        tuned = apply_rewrites(prep.model, rewrites)
+        y = _run(tuned, feeds)
+        if strategy.precision == "exact":
+            assert np.abs(y - ref).max() <= 1e-4 * np.abs(ref).max(), strategy.name
+        else:
+            cos = float((y * ref).sum() / np.linalg.norm(y) / np.linalg.norm(ref))
+            assert 0.99 < cos < 1.0, (strategy.name, cos)
+        applied[strategy.name] = [n.op_type for n in tuned.graph.node]
+    silu = GLU_VARIANTS[variant].get("act", "silu") == "silu"
+    assert set(applied) == {"packed_glu", "int8_packed_glu"} | ({"silu_kernel"} if silu else set())
+    # packed: the gate and up products are one product over the input, then the down one
+    assert applied["packed_glu"].count("MatMul") == 2 and "Split" in applied["packed_glu"]
+    assert applied["int8_packed_glu"].count("DynamicQuantizeMatMul") == 1
+    assert ("QuickGelu" in applied["packed_glu"]) == silu and "Sigmoid" not in applied.get("silu_kernel", [])
+
+
+def test_what_is_not_a_gated_ffn_is_left_to_opat() -> None:
+    g = G()
+    x, other = g.input("x", [B, S, H]), g.input("other", [B, S, H])
+    gate, up = linear(g, x, H, H, False), linear(g, other, H, H, False)  # two inputs: not siblings
+    assert _families(g.model(g.n("Mul", g.n("Mul", gate, g.n("Sigmoid", gate)), up))) == []
+    g = G()
+    x = g.input("x", [B, S, H])
+    gate, up = linear(g, x, H, H, False), linear(g, x, H, H, False)
+    assert _families(g.model(g.n("Mul", g.n("Mul", gate, g.n("Sigmoid", up)), up))) == []  # not SiLU of one tensor
+    g = G()
+    x = g.input("x", [B, S, H])
+    gate, up = linear(g, x, H, H, False), linear(g, x, H, H, False)
+    h = g.n("Mul", g.n("Sigmoid", gate), up)
+    assert _families(g.model(g.n("Add", h, gate))) == []  # the gate read outside the block
+
+
 def test_job_type_spellings() -> None:
     assert [parse_job_type(s) for s in ("opat", "2", "SGAT", "1", "sgat+opat", "1+2", "opat,sgat")] == [
         "opat", "opat", "sgat", "sgat", "sgat+opat", "sgat+opat", "sgat+opat"]  # fmt: skip

@@ -27,6 +27,11 @@ families:
               products) or tanh form (0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))), with
               the bias Add and the MatMul before it when they feed nothing else (an FFN's
               first product).
+  glu         a gated FFN (SwiGLU, as LLaMA-style models write it, or GLU): two
+              products of one input, gate and up (MatMul with a constant weight, an
+              optional constant bias Add), the gate through SiLU (g·Sigmoid(g)) or
+              Sigmoid, and their product (Mul). The down projection after it is an
+              operator task of its own.
 
 `subgraph_tasks` finds them in a normalized model (`aoe.graph.normalize`); a block that
 does not match is simply left to operator tuning. Signatures come from
@@ -52,7 +57,7 @@ from aoe.signature import ModelContext
 __all__ = ["SUBGRAPH_FAMILIES", "Match", "find_subgraphs"]
 
 #: Subgraph families, in the order the tuner reports them.
-SUBGRAPH_FAMILIES = ("attention", "layernorm", "gelu", "conv_region")
+SUBGRAPH_FAMILIES = ("attention", "layernorm", "gelu", "glu", "conv_region")
 
 
 # --------------------------------------------------------------------------- layernorm
@@ -226,6 +231,63 @@ def _gelu(g: Graph, anchor: onnx.NodeProto) -> Match | None:
     return Match("gelu", ordered) if g.closed(ordered) else None
 
 
+# --------------------------------------------------------------------------- glu
+
+
+def _product(g: Graph, y: str) -> tuple[str, list[onnx.NodeProto]] | None:
+    """(input, nodes) of `y = MatMul(x, W) [+ b]` with constant W (2-D) and b."""
+    nodes: list[onnx.NodeProto] = []
+    add = g.node(y, "Add")
+    if add is not None:
+        bias = next((i for i in add.input if g.is_const(i)), None)
+        if bias is None:
+            return None
+        y = g.other(add, bias) or ""
+        nodes.append(add)
+    mm = g.node(y, "MatMul")
+    if mm is None or not g.is_const(mm.input[1]) or g.is_const(mm.input[0]):
+        return None
+    w = g.ctx.tensors.get(mm.input[1])
+    if w is None or len(w.shape) != 2:
+        return None
+    return mm.input[0], [mm, *nodes]
+
+
+def _gate(g: Graph, a: str) -> tuple[str, list[onnx.NodeProto]] | None:
+    """(gate pre-activation, activation nodes) of SiLU (g·Sigmoid(g)) or Sigmoid."""
+    sig = g.node(a, "Sigmoid")
+    if sig is not None:
+        return sig.input[0], [sig]
+    mul = g.node(a, "Mul")
+    if mul is None or len(mul.input) != 2:
+        return None
+    for x, s in (mul.input, reversed(mul.input)):
+        sig = g.node(s, "Sigmoid")
+        if sig is not None and sig.input[0] == x:
+            return x, [sig, mul]
+    return None
+
+
+def _glu(g: Graph, anchor: onnx.NodeProto) -> Match | None:
+    """A gated FFN ending in the Mul `anchor`: act(x·Wg + bg) · (x·Wu + bu)."""
+    if len(anchor.input) != 2 or anchor.input[0] == anchor.input[1]:
+        return None
+    for a, u in (anchor.input, reversed(anchor.input)):
+        gate = _gate(g, a)
+        if gate is None:
+            continue
+        gp, up = _product(g, gate[0]), _product(g, u)
+        if gp is None or up is None or gp[0] != up[0] or gp[1][0] is up[1][0]:
+            continue  # not one input, or one product (SiLU itself is Sigmoid(g)·g)
+        gw, uw = g.ctx.tensors.get(gp[1][0].input[1]), g.ctx.tensors.get(up[1][0].input[1])
+        if gw is None or uw is None or gw.shape != uw.shape or gw.dtype != uw.dtype:
+            continue
+        ordered = g.sorted([*gp[1], *gate[1], *up[1], anchor])
+        if g.closed(ordered):
+            return Match("glu", ordered)
+    return None
+
+
 # --------------------------------------------------------------------------- conv regions
 
 #: What a CNN region is made of: every one has an int8 kernel in onnxruntime (QLinearConv,
@@ -284,7 +346,7 @@ def _conv_regions(model: onnx.ModelProto, g: Graph) -> list[Match]:
 
 def find_subgraphs(model: onnx.ModelProto, ctx: ModelContext) -> list[Match]:
     """Every subgraph of `model` in a family, in graph order of their outputs; no node
-    is in two. Attention first (it is the biggest), then LayerNorm, then GELU."""
+    is in two. Attention first (it is the biggest), then LayerNorm, GELU, gated FFNs."""
     g = Graph(model, ctx)
     taken: set[str] = set()
     found: list[Match] = []
@@ -293,6 +355,7 @@ def find_subgraphs(model: onnx.ModelProto, ctx: ModelContext) -> list[Match]:
         (("ReduceMean",), _layernorm),
         (("LayerNormalization",), _skip_layernorm),
         (("Erf", "Tanh"), _gelu),
+        (("Mul",), _glu),
     )
     for op_types, finder in finders:
         for node in model.graph.node:

@@ -6,7 +6,7 @@ from collections.abc import Iterable
 
 from aoe.partition import FAMILIES
 from aoe.subgraphs import SUBGRAPH_FAMILIES
-from aoed.backends.ort import fusions, quant, strategies
+from aoed.backends.ort import attention, fusions, glu, quant, strategies
 from aoed.engine.registry import StrategyRegistry
 
 __all__ = ["build_registry"]
@@ -18,7 +18,9 @@ def build_registry(plugins: Iterable[str] = ()) -> StrategyRegistry:
     OptionError for a broken plugin."""
     registry = StrategyRegistry((*FAMILIES, *SUBGRAPH_FAMILIES))
     strategies.register(registry)
+    attention.register(registry)
     fusions.register(registry)
+    glu.register(registry)
     quant.register(registry)
     registry.load_plugins(plugins)
     return registry

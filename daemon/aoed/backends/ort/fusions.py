@@ -1,5 +1,5 @@
 """Subgraph strategies for ONNX Runtime's CPU provider (SGAT): normalization, GELU and
-CNN regions; attention lives in `attention.py`.
+CNN regions (attention: `attention.py`, gated FFNs: `glu.py`).
 
 Each rewrites a whole subgraph (`aoe.subgraphs`) into what onnxruntime runs as fewer or
 faster kernels, with the same outputs up to float rounding (precision ``exact``):
@@ -25,7 +25,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from aoed.backends.ort import attention, regions
+from aoed.backends.ort import regions
 from aoed.backends.ort._rewrite import Nodes, attrs_of, init, int8_weight, scalar
 from aoed.engine.registry import APPROX, Strategy, StrategyRegistry
 from aoed.engine.tasks import CONTRIB_DOMAIN, Rewrite, TaskView
@@ -240,8 +240,7 @@ def _int8_bias_gelu(view: TaskView) -> Rewrite | None:
 
 
 def register(registry: StrategyRegistry) -> None:
-    """Add the subgraph strategies to `registry`, attention's first."""
-    attention.register(registry)
+    """Add the normalization, GELU and CNN region strategies to `registry`."""
     s = registry.strategy
     s("layer_normalization", "layernorm")(_layer_normalization)
     s("skip_layer_normalization", "layernorm")(_skip_layer_normalization)
