@@ -3,9 +3,10 @@
     python bench/bench_sgat.py [--quick] [--models a,b] [--out bench/RESULTS.md]
 
 Models. Transformers: the project's synthetic samples `bert` and `gpt` (aoed.samples),
-and transformers' BertModel and GPT2Model, small configs, exported by torch.onnx with the
-TorchScript exporter (`hf_bert`, `hf_gpt2`) and the dynamo exporter (`hf_bert_dynamo`,
-`hf_gpt2_dynamo`), batch 1, sequence 128, opset 17. All of these have RANDOM weights.
+and transformers' BertModel, GPT2Model and LlamaModel, small configs, exported by torch.onnx
+with the TorchScript exporter (`hf_bert`, `hf_gpt2`, `hf_llama`) and the dynamo exporter
+(`hf_bert_dynamo`, `hf_gpt2_dynamo`, `hf_llama_dynamo`), batch 1, sequence 128, opset 17.
+All of these have RANDOM weights.
 CNNs: `digits_cnn`, a small conv net trained here with torch on scikit-learn's digits,
 and the sample `resnet` (random weights). torch runs only in child processes
 (bench/torch_models.py); an export that fails, or that onnxruntime refuses to load, is

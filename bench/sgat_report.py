@@ -24,10 +24,10 @@ TITLE = (
 )
 PACKAGES = ("onnxruntime", "onnx", "numpy", "torch", "transformers", "onnxscript", "scikit-learn")
 
-TRANSFORMERS = ("bert", "gpt", "hf_bert", "hf_bert_dynamo", "hf_gpt2", "hf_gpt2_dynamo")
+TRANSFORMERS = ("bert", "gpt", "hf_bert", "hf_bert_dynamo", "hf_gpt2", "hf_gpt2_dynamo", "hf_llama", "hf_llama_dynamo")
 CNNS = ("digits_cnn", "resnet")
 MODELS = (*TRANSFORMERS, *CNNS)
-TORCH_MODELS = ("hf_bert", "hf_bert_dynamo", "hf_gpt2", "hf_gpt2_dynamo", "digits_cnn")
+TORCH_MODELS = ("hf_bert", "hf_bert_dynamo", "hf_gpt2", "hf_gpt2_dynamo", "hf_llama", "hf_llama_dynamo", "digits_cnn")
 # Quick: one export of each real architecture and the trained CNN, a few minutes in all.
 QUICK_MODELS = ("hf_bert", "hf_gpt2", "digits_cnn")
 # The transformer samples' sizes (aoed.samples defaults) and the exports' (torch_models.py).
@@ -257,7 +257,8 @@ def section(results: Sequence[ModelResult], mode: Mode, *, host: Machine, comman
                 "*quantize_dynamic*: `onnxruntime.quantization.quantize_dynamic` with its "
                 "defaults. *ORT optimizer*: `onnxruntime.transformers.optimizer.optimize_model("
                 "path, model_type='bert' or 'gpt2', num_heads=4, hidden_size=256)`, otherwise "
-                "defaults; *optimizer fused* lists the contrib ops in its output (`Attention 0`: "
+                "defaults ('gpt2' for the LLaMA exports too, as onnxruntime's own "
+                "llama/convert_to_onnx.py calls it); *optimizer fused* lists the contrib ops in its output (`Attention 0`: "
                 "it fused no attention). *optimizer + qdyn*: its output through quantize_dynamic."
             ),
             "",

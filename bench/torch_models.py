@@ -12,6 +12,9 @@ non-zero with the reason on stderr when the export fails.
                              inputs `input_ids` and `attention_mask` int64 [1, 128], output
                              `last_hidden_state` [1, 128, 256]
   hf_gpt2, hf_gpt2_dynamo    transformers' GPT2Model, the same sizes, use_cache off
+  hf_llama, hf_llama_dynamo  transformers' LlamaModel (RMSNorm, rotary attention, SwiGLU
+                             MLP), the same sizes but an MLP of 688 (LLaMA's 8/3 of the
+                             hidden size, rounded to 16), 4 key/value heads, use_cache off
   digits_cnn                 a small conv net TRAINED here on scikit-learn's digits (the
                              split of bench/digits.py); input `pixels` float32
                              [32, 1, 8, 8] raw intensities 0..16 (the 1/16 scaling is
@@ -43,13 +46,14 @@ HIDDEN = 256
 HEADS = 4
 LAYERS = 4
 FFN = 1024
+LLAMA_FFN = 688
 SEED = 0
 
 CNN_EPOCHS = 30
 CNN_LR = 1e-3
 CNN_CALIBRATION_FILES = 10  # as bench/digits.py: aoe calibrates on half, judges on half
 
-TEXT = ("hf_bert", "hf_bert_dynamo", "hf_gpt2", "hf_gpt2_dynamo")
+TEXT = ("hf_bert", "hf_bert_dynamo", "hf_gpt2", "hf_gpt2_dynamo", "hf_llama", "hf_llama_dynamo")
 NAMES = (*TEXT, "digits_cnn")
 
 
@@ -76,6 +80,15 @@ def text_model(name: str, out: Path) -> dict:
         )  # fmt: skip
         model = transformers.BertModel(cfg, add_pooling_layer=False)
         arch = "transformers BertModel (no pooler)"
+        ffn = FFN
+    elif name.startswith("hf_llama"):
+        cfg = transformers.LlamaConfig(
+            vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+            num_key_value_heads=HEADS, intermediate_size=LLAMA_FFN, max_position_embeddings=512, use_cache=False,
+        )  # fmt: skip
+        model = transformers.LlamaModel(cfg)
+        arch = "transformers LlamaModel"
+        ffn = LLAMA_FFN
     else:
         cfg = transformers.GPT2Config(
             vocab_size=VOCAB, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS, n_inner=FFN,
@@ -83,6 +96,7 @@ def text_model(name: str, out: Path) -> dict:
         )  # fmt: skip
         model = transformers.GPT2Model(cfg)
         arch = "transformers GPT2Model"
+        ffn = FFN
     model.eval()
 
     class LastHidden(torch.nn.Module):
@@ -106,11 +120,12 @@ def text_model(name: str, out: Path) -> dict:
     return {
         "model": str(path),
         "description": (
-            f"{arch}, {LAYERS} layers, hidden {HIDDEN}, {HEADS} heads, ffn {FFN}, vocab {VOCAB}, "
+            f"{arch}, {LAYERS} layers, hidden {HIDDEN}, {HEADS} heads, ffn {ffn}, vocab {VOCAB}, "
             f"seq {SEQ}, {attn} attention; torch.onnx {exporter} exporter, opset {OPSET}; "
             f"torch {torch.__version__}, transformers {transformers.__version__}"
         ),
         "weights": "random",
+        # LLaMA: onnxruntime's own llama/convert_to_onnx.py optimizes with model_type gpt2
         "model_type": "bert" if name.startswith("hf_bert") else "gpt2",
         "num_heads": HEADS,
         "hidden_size": HIDDEN,
