@@ -60,6 +60,7 @@ from run import Log, op_counts, side_by_side
 from sgat_report import (
     CALIBRATION_SEED,
     CNN_TUNES,
+    CONTROL,
     EXPORT_TIMEOUT_S,
     MODELS,
     QUICK_MODELS,
@@ -527,6 +528,7 @@ def bench_model(name: str, mode: Mode, work: Path, log: Log) -> ModelResult:
         log(f"  FAILED {r.error}")
         return r
     r.variants[REFERENCE] = Variant(REFERENCE, built.path)
+    r.variants[CONTROL] = Variant(CONTROL, built.path)
     peers = work / name / "peers"
     peers.mkdir(parents=True, exist_ok=True)
     if r.kind == "transformer":

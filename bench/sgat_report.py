@@ -35,6 +35,8 @@ TEXT_SHAPE = {"num_heads": 4, "hidden_size": 256, "vocab": 8192}
 SAMPLE_TYPES = {"bert": "bert", "gpt": "gpt2"}
 
 REFERENCE = "fp32"
+# The same file in a second default session: what the bench reads for two identical models.
+CONTROL = "fp32_again"
 JOB_TYPES = ("opat", "sgat", "sgat+opat")
 TEXT_TUNES = tuple((j, p) for p in ("exact", "int8") for j in JOB_TYPES)
 CNN_TUNES = (("opat", "int8"), ("sgat+opat", "int8"))
@@ -42,6 +44,7 @@ TEXT_PEERS = ("qdyn", "ort_opt", "ort_opt+qdyn")
 CNN_PEERS = ("qstatic", "qdyn")
 LABELS = {
     "fp32": "fp32",
+    "fp32_again": "fp32, 2nd session",
     "qdyn": "quantize_dynamic",
     "ort_opt": "ORT optimizer",
     "ort_opt+qdyn": "optimizer + qdyn",
@@ -94,7 +97,7 @@ def _speed(r: ModelResult, name: str) -> str:
 
 
 def _text_table(results: Sequence[ModelResult]) -> list[str]:
-    cols = [REFERENCE, *TEXT_PEERS, *(aoe_name(j, p) for j, p in TEXT_TUNES)]
+    cols = [REFERENCE, CONTROL, *TEXT_PEERS, *(aoe_name(j, p) for j, p in TEXT_TUNES)]
     head = "| model | " + " | ".join(label(c) for c in cols) + " | optimizer fused |"
     lines = [head, "|---|" + "--:|" * len(cols) + "---|"]
     for r in results:
@@ -120,7 +123,7 @@ def _text_table(results: Sequence[ModelResult]) -> list[str]:
 
 
 def _cnn_table(results: Sequence[ModelResult]) -> list[str]:
-    cols = [REFERENCE, *CNN_PEERS, *(aoe_name(j, p) for j, p in CNN_TUNES)]
+    cols = [REFERENCE, CONTROL, *CNN_PEERS, *(aoe_name(j, p) for j, p in CNN_TUNES)]
     head = "| model | " + " | ".join(label(c) for c in cols) + " |"
     lines = [head, "|---|" + "--:|" * len(cols)]
     for r in results:
@@ -244,8 +247,10 @@ def section(results: Sequence[ModelResult], mode: Mode, *, host: Machine, comman
             "fp32 and the peers run in a default onnxruntime session (ORT_ENABLE_ALL) with intra-op spinning off, like every session timed here; aoe's "
             "tuned models (the `tuned_model` of each job's result JSON) run through "
             "`aoe.session`, with the session options the tuner stored. *min cosine* is the "
-            "lowest cosine of the outputs vs fp32 over the held-back inputs. A failed cell "
-            "quotes the error."
+            "lowest cosine of the outputs vs fp32 over the held-back inputs. *fp32, 2nd "
+            "session* is the same file in a second such session, timed like the others: how "
+            "far apart two identical models read here (a job that shipped its input runs "
+            "that input too). A failed cell quotes the error."
         ),
     ]
     if text:
