@@ -103,8 +103,10 @@ def linear(g: G, x: str, k: int, n: int, bias: bool = True) -> str:
 
 def attention(g: G, x: str, *, scale_on: str = "scores_div", k_two: bool = False, mask: str | None = None,
               bias: bool = True, kv: str | None = None, sdpa: bool = False, packed: bool = False,
-              k_flat: bool = False) -> str:  # fmt: skip
-    """Self-attention as exporters write it; `kv` (another tensor) makes it cross-attention."""
+              k_flat: bool = False, rotary: str | None = None) -> str:  # fmt: skip
+    """Self-attention as exporters write it; `kv` (another tensor) makes it cross-attention.
+    `rotary` puts LLaMA's rotary embeddings on Q and K ("llama": tables that repeat their
+    halves, as transformers builds them; "odd": tables that do not)."""
     split, merge = g.t(np.array([B, S, N, D], np.int64)), g.t(np.array([B, S, H], np.int64))
 
     parts: list[str] = []
@@ -121,10 +123,30 @@ def attention(g: G, x: str, *, scale_on: str = "scores_div", k_two: bool = False
         y = g.n("Reshape", parts.pop(0) if parts else linear(g, src, H, H, bias), split)
         return g.n("Transpose", y, perm=perm)
 
-    q = heads(x, [0, 2, 1, 3])
+    if rotary:
+        freqs = np.outer(np.arange(S), 1.0 / 10000 ** (np.arange(0, D, 2) / D))
+        if rotary == "llama":
+            freqs = np.concatenate([freqs, freqs], axis=-1)
+        else:
+            freqs = np.concatenate([freqs, freqs + 0.5], axis=-1)
+        cos, sin = g.t(np.cos(freqs)[None, None].astype(np.float32)), g.t(np.sin(freqs)[None, None].astype(np.float32))
+        half, big, last = (g.t(np.array([v], np.int64)) for v in (D // 2, 2**31 - 1, -1))
+        zero = g.t(np.array([0], np.int64))
+
+        def rotate(t: str) -> str:
+            turned = g.n("Concat", g.n("Neg", g.n("Slice", t, half, big, last)), g.n("Slice", t, zero, half, last), axis=-1)
+            return g.n("Add", g.n("Mul", t, cos), g.n("Mul", turned, sin))
+
+        q = rotate(heads(x, [0, 2, 1, 3]))
+        k = g.n("Transpose", rotate(heads(kv or x, [0, 2, 1, 3])), perm=[0, 1, 3, 2])
+        k_two = False
+    else:
+        q = heads(x, [0, 2, 1, 3])
     if scale_on == "q":
         q = g.n("Mul", q, g.f(1 / math.sqrt(D)))
-    if k_two:
+    if rotary:
+        pass
+    elif k_two:
         k = g.n("Transpose", heads(kv or x, [0, 2, 1, 3]), perm=[0, 1, 3, 2])
     elif k_flat:  # torch's dynamo export: Kᵀ through 3-D
         k = g.n("Reshape", heads(kv or x, [0, 2, 1, 3]), g.t(np.array([B * N, S, D], np.int64)))
@@ -229,6 +251,8 @@ VARIANTS = {
     "sdpa_export": {"sdpa": True, "scale_on": "q_and_k", "mask": "padding"},
     "gpt2_packed_gemm": {"packed": True, "mask": "causal_where"},
     "dynamo_export": {"k_flat": True, "sdpa": True, "mask": "padding"},
+    "llama_rotary": {"rotary": "llama", "scale_on": "q_and_k", "mask": "causal_add", "bias": False},
+    "rotary_padding": {"rotary": "llama", "mask": "padding"},
     "causal_add": {"mask": "causal_add"},
     "causal_where": {"mask": "causal_where"},
     "padding_mask": {"mask": "padding"},
@@ -300,9 +324,12 @@ def test_every_strategy_that_applies_keeps_the_outputs(variant: str, tmp_path: P
                 cos = float((y * ref).sum() / np.linalg.norm(y) / np.linalg.norm(ref))
                 assert cos > 0.99, (task.family, strategy.name, cos)
             applied.setdefault(task.family, []).append(strategy.name)
-    # The fused kernels take every form built here (QAttention: not a padding mask).
-    assert {"fused_attention", "multihead_attention", "packed_qkv", "int8_packed_qkv"} <= set(applied["attention"])
-    assert ("int8_qattention" in applied["attention"]) == (VARIANTS[variant].get("mask") != "padding")
+    # The fused kernels take every form built here (QAttention: not a padding mask;
+    # rotary embeddings: MultiHeadAttention after RotaryEmbedding, not Attention).
+    rotary = "rotary" in VARIANTS[variant]
+    assert {"multihead_attention", "packed_qkv", "int8_packed_qkv"} <= set(applied["attention"])
+    assert ("fused_attention" in applied["attention"]) != rotary
+    assert ("int8_qattention" in applied["attention"]) == (VARIANTS[variant].get("mask") != "padding" and not rotary)
     assert "skip_layer_normalization" in applied["layernorm"]
     assert "layer_normalization" in applied["layernorm"]  # the written-out form (opset 17)
     assert "residual_as_sum" in applied["layernorm"]
@@ -375,6 +402,27 @@ def test_masks_and_scales_are_read_not_assumed(tmp_path: Path) -> None:
         _, node = _attention_node(variant, "multihead_attention", tmp_path / f"s_{variant}")
         assert math.isclose(attrs(node)["scale"], 1 / math.sqrt(D), rel_tol=1e-6)
         assert attrs(node)["num_heads"] == N
+
+
+def test_rotary_embeddings_run_on_rotary_embedding_only_where_the_tables_fit(tmp_path: Path) -> None:
+    tuned, node = _attention_node("llama_rotary", "multihead_attention", tmp_path / "llama")
+    rot = [n for n in tuned.graph.node if n.op_type == "RotaryEmbedding"]
+    assert len(rot) == 2 and {n.output[0] for n in rot} == set(node.input[:2])
+    assert not any(n.op_type in ("Neg", "Concat", "Slice") for n in tuned.graph.node)
+    # Tables whose halves differ are not what RotaryEmbedding computes: no fused kernel,
+    # the packing alone still applies (the rotation kept as the model has it).
+    odd = dict(VARIANTS["llama_rotary"], rotary="odd")
+    src = tmp_path / "odd.onnx"
+    onnx.save(block(**odd), src)
+    prep = prepare(src, tmp_path)
+    [task] = [t for t in partition(prep.model, prep.ctx, "sgat") if t.family == "attention"]
+    consts = Constants(prep.model.graph, list(prep.model.opset_import))
+    with pytest.raises(Exception, match="does not apply"):
+        task_rewrites(prep.model, prep.ctx, consts, task, "multihead_attention", REGISTRY)
+    feeds = _feeds(prep.model)
+    packed = apply_rewrites(prep.model, task_rewrites(prep.model, prep.ctx, consts, task, "packed_qkv", REGISTRY))
+    ref = _run(prep.model, feeds)
+    assert np.abs(_run(packed, feeds) - ref).max() <= 1e-4 * np.abs(ref).max()
 
 
 def test_shapes_computed_at_run_time_are_inferred_and_make_tasks(tmp_path: Path) -> None:

@@ -3,7 +3,8 @@
 From a Softmax back to the Q/K/V projections and forward to the merged heads: three
 MatMuls of one input (each with an optional constant bias Add; or one packed product, a
 Gemm between Reshapes as GPT-2 exports, Split), Reshape to heads, Transpose (K to
-[b, n, d, s], directly or in two steps), the Q·Kᵀ MatMul, any scalar Mul/Div, an additive
+[b, n, d, s], directly or in two steps), rotary embeddings on Q and K (LLaMA-style
+models: t·cos + rotate_half(t)·sin, cos and sin constants), the Q·Kᵀ MatMul, any scalar Mul/Div, an additive
 mask or a causal Where, Softmax over the last axis (and the NaN guard torch's sdpa export
 puts after it), P·V, Transpose back and Reshape to [b, s, hidden]. The output projection
 is left out.
@@ -41,14 +42,49 @@ def _scaled(g: Graph, tensor: str, nodes: list[onnx.NodeProto]) -> str:
             return tensor
 
 
+def _rotary(g: Graph, tensor: str, nodes: list[onnx.NodeProto]) -> str:
+    """The t of `t·cos + rotate_half(t)·sin` ending in `tensor` (rotary position
+    embeddings as LLaMA-style models write them: rotate_half(t) = Concat(-t[..., h:],
+    t[..., :h]), cos and sin constants), collecting those nodes; `tensor` itself when
+    it is not that."""
+    add = g.node(tensor, "Add")
+    if add is None or len(add.input) != 2:
+        return tensor
+    for a, b in (add.input, reversed(add.input)):
+        straight, turned = g.node(a, "Mul"), g.node(b, "Mul")
+        if straight is None or turned is None or len(turned.input) != 2:
+            continue
+        for cat_out, sin in (turned.input, reversed(turned.input)):
+            cat = g.node(cat_out, "Concat")
+            if cat is None or len(cat.input) != 2 or not g.is_const(sin):
+                continue
+            neg, low = g.node(cat.input[0], "Neg"), g.node(cat.input[1], "Slice")
+            high = g.node(neg.input[0], "Slice") if neg is not None else None
+            if high is None or low is None or high.input[0] != low.input[0]:
+                continue
+            t = low.input[0]
+            cos = g.other(straight, t)
+            if cos is None or not g.is_const(cos) or not all(g.is_const(i) for s in (low, high) for i in s.input[1:] if i):
+                continue
+            nodes += [add, straight, turned, cat, neg, high, low]
+            return t
+    return tensor
+
+
 def _projection(g: Graph, tensor: str, perms: Sequence[Sequence[int]], nodes: list[onnx.NodeProto]) -> str | None:
     """The input x of `Transpose*(Reshape(MatMul(x, W) [+ b]))` ending in `tensor`, the
     Transposes' perms being `perms` (outermost last); a scalar Mul/Div may sit on the
-    way (a scale applied to Q). The product may also be a Gemm between Reshapes, and
-    one output of a Split of a packed product. Collects the nodes; None when the chain
+    way (a scale applied to Q), and rotary embeddings on the heads (Q and K of
+    LLaMA-style models). The product may also be a Gemm between Reshapes, and one
+    output of a Split of a packed product. Collects the nodes; None when the chain
     differs."""
     tensor = _scaled(g, tensor, nodes)
+    rotated = False
     for perm in reversed(perms):
+        if not rotated:
+            inner = _rotary(g, tensor, nodes)
+            rotated = inner != tensor
+            tensor = _scaled(g, inner, nodes)
         t = g.node(tensor, "Transpose")
         if t is None or list(g.attr(t, "perm", [])) != list(perm):
             return None

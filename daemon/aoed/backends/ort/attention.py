@@ -2,12 +2,15 @@
 
 `_attention_parts` reads what a fused kernel needs from an attention subgraph
 (`aoe.subgraphs`): the three projections (separate, or one packed product and a Split),
-the head count, the scale, an additive mask (activation or constant) or a causal one.
+the head count, the scale, an additive mask (activation or constant) or a causal one,
+and rotary embeddings on Q and K (LLaMA-style: t·cos + rotate_half(t)·sin).
 The strategies, with the same outputs up to float rounding (precision ``exact``):
 
 - ``fused_attention``: the com.microsoft ``Attention`` kernel over packed Q/K/V weights
-  (one product, then scaled dot product, softmax and merge in one kernel);
-- ``multihead_attention``: one packed projection, then ``MultiHeadAttention``;
+  (one product, then scaled dot product, softmax and merge in one kernel; no rotary);
+- ``multihead_attention``: one packed projection, then ``MultiHeadAttention``; rotary
+  embeddings as com.microsoft ``RotaryEmbedding`` on Q and K before it (where the
+  model's tables are one [S, D] table whose halves repeat, what that kernel computes);
 - ``packed_qkv``: only the packing (one product over the concatenated weights and a
   Split, the rest as it was).
 
@@ -54,6 +57,8 @@ class _Attention:
     mask: str | None = None  # an additive mask tensor, [.., S, T] (activation or constant)
     mask_value: np.ndarray | None = None  # its value when constant (scaled as the scores are)
     causal: bool = False
+    rotated: bool = False  # rotary embeddings on Q and K
+    rotary: tuple[np.ndarray, np.ndarray] | None = None  # their caches, where RotaryEmbedding fits
 
 
 def _walk_scale(nodes: Nodes, tensor: str, factor: float) -> tuple[str, float] | None:
@@ -90,6 +95,8 @@ class _Proj:
     nodes: list[onnx.NodeProto]
     out: str
     heads_shape: tuple
+    rotated: bool = False  # rotary embeddings on the heads
+    rotary: tuple[np.ndarray, np.ndarray] | None = None  # their (cos, sin) caches, [S, D/2]
 
 
 def _gemm_weights(view: TaskView, gemm: onnx.NodeProto) -> tuple[np.ndarray, np.ndarray] | None:
@@ -149,11 +156,79 @@ def _split_sizes(view: TaskView, split: onnx.NodeProto, total: int) -> list[int]
     return [total // n] * n if total % n == 0 else None
 
 
+def _slice_of(view: TaskView, node: onnx.NodeProto, rank: int) -> tuple[int, int] | None:
+    """(start, end) of a Slice along the last axis with step 1; None otherwise."""
+    vals = [view.const(i) if i else None for i in node.input[1:5]]
+    if len(vals) < 3 or any(v is None for v in vals[:3]) or any(np.size(v) != 1 for v in vals if v is not None):
+        return None
+    start, end, axis = (int(np.asarray(v).reshape(())) for v in vals[:3])
+    step = int(np.asarray(vals[3]).reshape(())) if len(vals) > 3 and vals[3] is not None else 1
+    if axis not in (-1, rank - 1) or step != 1:
+        return None
+    return start, end
+
+
+def _rotary(nodes: Nodes, tensor: str) -> tuple[str, tuple[np.ndarray, np.ndarray] | None] | None:
+    """(t, (cos, sin) as [S, D/2] caches) of `t·cos + rotate_half(t)·sin` ending in
+    `tensor`, rotate_half(t) = Concat(-t[..., D/2:], t[..., :D/2]) (non-interleaved, as
+    LLaMA-style models write it); the caches are None where the tables are not what
+    onnxruntime's RotaryEmbedding computes (one [S, D] table whose halves repeat). None
+    when `tensor` is not that."""
+    view = nodes.view
+    add = nodes.made(tensor, "Add")
+    if add is None:
+        return None
+    for a, b in (add.input, tuple(reversed(add.input))):
+        straight, turned = nodes.made(a, "Mul"), nodes.made(b, "Mul")
+        if straight is None or turned is None:
+            continue
+        for cat_out, sin_name in (turned.input, tuple(reversed(turned.input))):
+            cat = nodes.made(cat_out, "Concat")
+            neg = nodes.made(cat.input[0], "Neg") if cat is not None and len(cat.input) == 2 else None
+            low = nodes.made(cat.input[1], "Slice") if neg is not None else None
+            high = nodes.made(neg.input[0], "Slice") if neg is not None else None
+            if low is None or high is None or low.input[0] != high.input[0]:
+                continue
+            t = low.input[0]
+            info = view.info(t)
+            cos_name = next((i for i in straight.input if i != t), None) if t in straight.input else None
+            cos = view.const(cos_name) if cos_name else None
+            sin = view.const(sin_name)
+            if info is None or len(info.shape) != 4 or cos is None or sin is None:
+                return None
+            seq, d = info.shape[2], info.shape[3]
+            h = d // 2
+            if d % 2 or attrs_of(cat).get("axis") not in (-1, 3):
+                return None
+            if _slice_of(view, low, 4) != (0, h) or (_slice_of(view, high, 4) or (0, 0))[0] != h:
+                return None
+            if (_slice_of(view, high, 4) or (0, 0))[1] < d:
+                return None
+            try:
+                c = np.broadcast_to(np.asarray(cos, np.float32), (1, 1, seq, d))[0, 0]
+                s = np.broadcast_to(np.asarray(sin, np.float32), (1, 1, seq, d))[0, 0]
+            except ValueError:
+                return t, None
+            if np.asarray(cos).size != seq * d or np.asarray(sin).size != seq * d:
+                return t, None  # the tables differ per head or batch: not one cache
+            if not (np.array_equal(c[:, :h], c[:, h:]) and np.array_equal(s[:, :h], s[:, h:])):
+                return t, None
+            return t, (np.ascontiguousarray(c[:, :h]), np.ascontiguousarray(s[:, :h]))
+    return None
+
+
 def _project(nodes: Nodes, tensor: str, perms: int) -> _Proj | None:
-    """The projection ending in `tensor` (after `perms` Transposes and scalar scales)."""
+    """The projection ending in `tensor` (after `perms` Transposes, scalar scales and
+    rotary embeddings on the heads)."""
     view = nodes.view
     tensor, scale = _walk_scale(nodes, tensor, 1.0)
+    rotary, rotated = None, False
     for _ in range(perms):
+        if not rotated:
+            rot = _rotary(nodes, tensor)
+            if rot is not None:
+                (tensor, rotary), rotated = rot, True
+                tensor, scale = _walk_scale(nodes, tensor, scale)
         t = nodes.made(tensor, "Transpose")
         if t is None:
             return None
@@ -171,7 +246,7 @@ def _project(nodes: Nodes, tensor: str, perms: int) -> _Proj | None:
         if got is None:
             return None
         x, w, b, made = got
-        return _Proj(x, w, b, scale, made, tensor, tuple(heads_shape.shape))
+        return _Proj(x, w, b, scale, made, tensor, tuple(heads_shape.shape), rotated, rotary)
     # A packed projection (GPT-2): one product, split along its last axis.
     total = view.info(split.input[0])
     got = _product(nodes, split.input[0])
@@ -184,7 +259,7 @@ def _project(nodes: Nodes, tensor: str, perms: int) -> _Proj | None:
     i = list(split.output).index(tensor)
     lo = sum(sizes[:i])
     return _Proj(x, w[:, lo:lo + sizes[i]], b[lo:lo + sizes[i]], scale, [*made, split], tensor,
-                 tuple(heads_shape.shape))  # fmt: skip
+                 tuple(heads_shape.shape), rotated, rotary)  # fmt: skip
 
 
 def _attention_parts(view: TaskView) -> _Attention | None:
@@ -249,6 +324,11 @@ def _attention_parts(view: TaskView) -> _Attention | None:
     att.x = q.x
     att.heads, att.head_dim = int(heads), int(head_dim)
     att.projections = [q, k, v]
+    if v.rotated or q.rotated != k.rotated:
+        return None
+    att.rotated = q.rotated
+    if q.rotary is not None and k.rotary is not None and all(np.array_equal(a, b) for a, b in zip(q.rotary, k.rotary)):
+        att.rotary = q.rotary
     att.weights = [p.weight for p in (q, k, v)]
     att.biases = [p.bias for p in (q, k, v)]
     att.has_bias = any(np.any(p.bias != 0) for p in (q, k, v))
@@ -342,9 +422,9 @@ def _bias_input(view: TaskView, att: _Attention, nodes: list, inits: list) -> st
 
 def _fused_attention(view: TaskView) -> Rewrite | None:
     """Q/K/V projections, scaled dot product, softmax and head merge as one com.microsoft
-    Attention over the packed [hidden, 3h] weight."""
+    Attention over the packed [hidden, 3h] weight (not with rotary embeddings)."""
     att = _attention_parts(view)
-    if att is None:
+    if att is None or att.rotated:
         return None
     w = init(view, "qkv_weight", np.concatenate(att.weights, axis=1))
     b = init(view, "qkv_bias", np.concatenate(att.biases))
@@ -409,17 +489,43 @@ def _after_projections(view: TaskView, att: _Attention, outs: Sequence[str]) -> 
     return kept
 
 
+def _rotated(view: TaskView, att: _Attention, outs: Sequence[str], nodes: list, inits: list) -> list[str]:
+    """q and k of `outs` through com.microsoft RotaryEmbedding (non-interleaved, the
+    model's own tables as caches, positions 0..S-1); v as it is."""
+    assert att.rotary is not None
+    cos, sin = att.rotary
+    pos = init(view, "rotary_positions", np.arange(cos.shape[0], dtype=np.int64)[None, :])
+    c, s = init(view, "rotary_cos", cos), init(view, "rotary_sin", sin)
+    inits += [pos, c, s]
+    rotated = []
+    for which, src in zip(("q", "k"), outs[:2]):
+        out = view.name(f"{which}_rotary")
+        nodes.append(helper.make_node(
+            "RotaryEmbedding", [src, pos.name, c.name, s.name], [out], name=view.name(f"Rotary_{which}"),
+            domain=CONTRIB_DOMAIN, interleaved=0, num_heads=att.heads,
+        ))  # fmt: skip
+        rotated.append(out)
+    return [*rotated, outs[2]]
+
+
 def _multihead_attention(view: TaskView) -> Rewrite | None:
     """One packed projection, Split, then com.microsoft MultiHeadAttention (the bias added
-    inside the kernel)."""
+    inside the kernel). Rotary embeddings become com.microsoft RotaryEmbedding on Q and
+    K between the two (the bias then added before the Split)."""
     att = _attention_parts(view)
-    if att is None:
+    if att is None or att.rotated and att.rotary is None:
         return None
-    nodes, inits, outs = _packed_projection(view, att, with_bias=False)
-    b = init(view, "qkv_bias", np.concatenate(att.biases))
-    inits.append(b)
+    rotary = att.rotated
+    nodes, inits, outs = _packed_projection(view, att, with_bias=rotary and att.has_bias)
+    qkv_bias = ""
+    if rotary:
+        outs = _rotated(view, att, outs, nodes, inits)
+    else:
+        b = init(view, "qkv_bias", np.concatenate(att.biases))
+        inits.append(b)
+        qkv_bias = b.name
     bias = _bias_input(view, att, nodes, inits)
-    ins = [*outs, b.name, "", bias] if bias else [*outs, b.name]
+    ins = [*outs, qkv_bias, "", bias] if bias else [*outs, qkv_bias] if qkv_bias else list(outs)
     nodes.append(helper.make_node(
         "MultiHeadAttention", ins, [view.output], name=view.name("MultiHeadAttention"), domain=CONTRIB_DOMAIN,
         num_heads=att.heads, scale=float(att.scale), unidirectional=int(att.causal),
@@ -430,9 +536,10 @@ def _multihead_attention(view: TaskView) -> Rewrite | None:
 def _int8_qattention(view: TaskView) -> Rewrite | None:
     """The whole attention block on one int8 kernel: the input quantized once
     (DynamicQuantizeLinear) and com.microsoft QAttention over the packed int8 weight
-    (per column). Only without a mask or with a causal one (QAttention takes no bias)."""
+    (per column). Only without a mask or with a causal one (QAttention takes no bias),
+    and without rotary embeddings."""
     att = _attention_parts(view)
-    if att is None or att.mask is not None or att.mask_value is not None:
+    if att is None or att.mask is not None or att.mask_value is not None or att.rotated:
         return None
     wq, ws = int8_weight(np.concatenate(att.weights, axis=1).astype(np.float32), per_channel=True)
     inits = [init(view, "qkv_weight_q", wq), init(view, "qkv_weight_scale", ws),
