@@ -3,7 +3,9 @@
 Absolute times only mean something next to what produced them: which CPU, how many cores
 this process may use (a container or `taskset` can allow fewer than the machine has), how
 much memory, and how busy the machine was. Load is read at the start and at the end of a
-run, because other work on a shared machine is the main source of noise.
+run, because other work on a shared machine is the main source of noise. The commit of
+the code measured is read at the start too, so that every figure names the code it is
+a promise about.
 """
 
 from __future__ import annotations
@@ -11,7 +13,9 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import platform
+import subprocess
 from dataclasses import dataclass, field
+from pathlib import Path
 
 __all__ = ["Machine"]
 
@@ -51,6 +55,23 @@ def _load() -> tuple[float, float, float] | None:
         return None
 
 
+def _revision() -> str:
+    """The checkout's commit ("commit abc1234", "+ uncommitted changes" when tracked files
+    differ from it); "commit unknown" outside a git checkout."""
+    root = Path(__file__).resolve().parent.parent
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10,
+                              check=True).stdout.strip()  # fmt: skip
+
+    try:
+        head = git("rev-parse", "--short=7", "HEAD")
+        dirty = git("status", "--porcelain", "--untracked-files=no")
+    except (OSError, subprocess.SubprocessError):
+        return "commit unknown"
+    return f"commit {head}" + (" + uncommitted changes" if dirty else "")
+
+
 def _version(dist: str) -> str:
     try:
         return importlib.metadata.version(dist)
@@ -68,6 +89,7 @@ class Machine:
     memory: tuple[float, float] | None = field(default_factory=_mem_gib)
     load_start: tuple[float, float, float] | None = field(default_factory=_load)
     load_end: tuple[float, float, float] | None = None
+    revision: str = field(default_factory=_revision)
 
     def finish(self) -> None:
         self.load_end = _load()
@@ -80,7 +102,8 @@ class Machine:
         return f"load average (1 min) {one(self.load_start)} at the start, {end} at the end"
 
     def describe(self, *packages: str) -> str:
-        """One line: CPU, cores, memory, load, OS, Python and the versions of `packages`."""
+        """One line: CPU, cores, memory, load, OS, Python, the versions of `packages`,
+        and the commit of the code measured."""
         cores = f"{self.cores} logical CPUs"
         if self.usable != self.cores:
             cores += f", {self.usable} of them usable by this process"
@@ -94,4 +117,5 @@ class Machine:
             f"{self.cpu}, {cores}; {mem}; {self.load_text()}; {platform.system()} "
             f"{platform.release()} ({platform.machine()}); Python {platform.python_version()}"
             + (f", {versions}" if versions else "")
+            + f"; the code measured: aoe at {self.revision}"
         )
