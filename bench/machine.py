@@ -57,7 +57,9 @@ def _load() -> tuple[float, float, float] | None:
 
 def _revision() -> str:
     """The checkout's commit ("commit abc1234", "+ uncommitted changes" when tracked files
-    differ from it); "commit unknown" outside a git checkout."""
+    differ from it); "commit unknown" outside a git checkout. The bench's own outputs
+    (RESULTS.md and the plots), which an earlier section of the same run rewrites, do not
+    count as changes to the code measured."""
     root = Path(__file__).resolve().parent.parent
 
     def git(*args: str) -> str:
@@ -66,7 +68,8 @@ def _revision() -> str:
 
     try:
         head = git("rev-parse", "--short=7", "HEAD")
-        dirty = git("status", "--porcelain", "--untracked-files=no")
+        dirty = git("status", "--porcelain", "--untracked-files=no", "--", ".",
+                    ":(exclude)bench/RESULTS.md", ":(exclude)bench/*.png")
     except (OSError, subprocess.SubprocessError):
         return "commit unknown"
     return f"commit {head}" + (" + uncommitted changes" if dirty else "")
