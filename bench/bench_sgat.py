@@ -3,9 +3,10 @@
     python bench/bench_sgat.py [--quick] [--models a,b] [--out bench/RESULTS.md]
 
 Models. Transformers: the project's synthetic samples `bert` and `gpt` (aoed.samples),
-and transformers' BertModel, GPT2Model and LlamaModel, small configs, exported by torch.onnx
-with the TorchScript exporter (`hf_bert`, `hf_gpt2`, `hf_llama`) and the dynamo exporter
-(`hf_bert_dynamo`, `hf_gpt2_dynamo`, `hf_llama_dynamo`), batch 1, sequence 128, opset 17.
+and transformers' BertModel, GPT2Model and LlamaModel (also with grouped-query attention,
+`hf_llama_gqa`), small configs, exported by torch.onnx with the TorchScript exporter
+(`hf_bert`, `hf_gpt2`, `hf_llama`, `hf_llama_gqa`) and the dynamo exporter (the same names
+with `_dynamo`), batch 1, sequence 128, opset 17.
 All of these have RANDOM weights.
 CNNs: `digits_cnn`, a small conv net trained here with torch on scikit-learn's digits,
 and the sample `resnet` (random weights). torch runs only in child processes

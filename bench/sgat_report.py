@@ -24,10 +24,12 @@ TITLE = (
 )
 PACKAGES = ("onnxruntime", "onnx", "numpy", "torch", "transformers", "onnxscript", "scikit-learn")
 
-TRANSFORMERS = ("bert", "gpt", "hf_bert", "hf_bert_dynamo", "hf_gpt2", "hf_gpt2_dynamo", "hf_llama", "hf_llama_dynamo")
+TRANSFORMERS = ("bert", "gpt", "hf_bert", "hf_bert_dynamo", "hf_gpt2", "hf_gpt2_dynamo", "hf_llama", "hf_llama_dynamo",
+                "hf_llama_gqa", "hf_llama_gqa_dynamo")  # fmt: skip
 CNNS = ("digits_cnn", "resnet")
 MODELS = (*TRANSFORMERS, *CNNS)
-TORCH_MODELS = ("hf_bert", "hf_bert_dynamo", "hf_gpt2", "hf_gpt2_dynamo", "hf_llama", "hf_llama_dynamo", "digits_cnn")
+TORCH_MODELS = ("hf_bert", "hf_bert_dynamo", "hf_gpt2", "hf_gpt2_dynamo", "hf_llama", "hf_llama_dynamo", "hf_llama_gqa",
+                "hf_llama_gqa_dynamo", "digits_cnn")  # fmt: skip
 # Quick: one export of each real architecture and the trained CNN, a few minutes in all.
 QUICK_MODELS = ("hf_bert", "hf_gpt2", "digits_cnn")
 # The transformer samples' sizes (aoed.samples defaults) and the exports' (torch_models.py).

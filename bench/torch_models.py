@@ -15,6 +15,9 @@ non-zero with the reason on stderr when the export fails.
   hf_llama, hf_llama_dynamo  transformers' LlamaModel (RMSNorm, rotary attention, SwiGLU
                              MLP), the same sizes but an MLP of 688 (LLaMA's 8/3 of the
                              hidden size, rounded to 16), 4 key/value heads, use_cache off
+  hf_llama_gqa, hf_llama_gqa_dynamo
+                             the same LlamaModel with 2 key/value heads for its 4 query
+                             heads (grouped-query attention, as Llama 3 and Mistral use)
   digits_cnn                 a small conv net TRAINED here on scikit-learn's digits (the
                              split of bench/digits.py); input `pixels` float32
                              [32, 1, 8, 8] raw intensities 0..16 (the 1/16 scaling is
@@ -47,13 +50,15 @@ HEADS = 4
 LAYERS = 4
 FFN = 1024
 LLAMA_FFN = 688
+GQA_KV_HEADS = 2
 SEED = 0
 
 CNN_EPOCHS = 30
 CNN_LR = 1e-3
 CNN_CALIBRATION_FILES = 10  # as bench/digits.py: aoe calibrates on half, judges on half
 
-TEXT = ("hf_bert", "hf_bert_dynamo", "hf_gpt2", "hf_gpt2_dynamo", "hf_llama", "hf_llama_dynamo")
+TEXT = ("hf_bert", "hf_bert_dynamo", "hf_gpt2", "hf_gpt2_dynamo", "hf_llama", "hf_llama_dynamo", "hf_llama_gqa",
+        "hf_llama_gqa_dynamo")  # fmt: skip
 NAMES = (*TEXT, "digits_cnn")
 
 
@@ -82,12 +87,13 @@ def text_model(name: str, out: Path) -> dict:
         arch = "transformers BertModel (no pooler)"
         ffn = FFN
     elif name.startswith("hf_llama"):
+        kv = GQA_KV_HEADS if name.startswith("hf_llama_gqa") else HEADS
         cfg = transformers.LlamaConfig(
             vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
-            num_key_value_heads=HEADS, intermediate_size=LLAMA_FFN, max_position_embeddings=512, use_cache=False,
+            num_key_value_heads=kv, intermediate_size=LLAMA_FFN, max_position_embeddings=512, use_cache=False,
         )  # fmt: skip
         model = transformers.LlamaModel(cfg)
-        arch = "transformers LlamaModel"
+        arch = "transformers LlamaModel" + (f" with {kv} key/value heads (grouped-query)" if kv != HEADS else "")
         ffn = LLAMA_FFN
     else:
         cfg = transformers.GPT2Config(

@@ -103,11 +103,16 @@ def linear(g: G, x: str, k: int, n: int, bias: bool = True) -> str:
 
 def attention(g: G, x: str, *, scale_on: str = "scores_div", k_two: bool = False, mask: str | None = None,
               bias: bool = True, kv: str | None = None, sdpa: bool = False, packed: bool = False,
-              k_flat: bool = False, rotary: str | None = None) -> str:  # fmt: skip
+              k_flat: bool = False, rotary: str | None = None, kv_heads: int = N) -> str:  # fmt: skip
     """Self-attention as exporters write it; `kv` (another tensor) makes it cross-attention.
     `rotary` puts LLaMA's rotary embeddings on Q and K ("llama": tables that repeat their
-    halves, as transformers builds them; "odd": tables that do not)."""
+    halves, as transformers builds them; "odd": tables that do not). `kv_heads` < N makes
+    it grouped-query attention: K and V with fewer heads, repeated as transformers'
+    repeat_kv does (Unsqueeze, Expand, Reshape; with the dynamo export's Kᵀ, that Reshape
+    merged into the flattening one)."""
     split, merge = g.t(np.array([B, S, N, D], np.int64)), g.t(np.array([B, S, H], np.int64))
+    kv_split = g.t(np.array([B, S, kv_heads, D], np.int64))
+    k_two = k_two or (kv_heads != N and not k_flat)
 
     parts: list[str] = []
     if packed:  # GPT-2's Conv1D: Reshape to 2-D, one Gemm for Q, K and V, Reshape back, Split
@@ -119,9 +124,16 @@ def attention(g: G, x: str, *, scale_on: str = "scores_div", k_two: bool = False
         g.nodes.append(sp)
         parts = list(sp.output)
 
-    def heads(src: str, perm) -> str:
-        y = g.n("Reshape", parts.pop(0) if parts else linear(g, src, H, H, bias), split)
+    def heads(src: str, perm, n: int = N) -> str:
+        y = g.n("Reshape", parts.pop(0) if parts else linear(g, src, H, n * D, bias), split if n == N else kv_split)
         return g.n("Transpose", y, perm=perm)
+
+    def wide(t: str) -> str:  # [B, kv, S, D] -> [B, kv, N/kv, S, D]
+        t = g.n("Unsqueeze", t, g.t(np.array([2], np.int64)))
+        return g.n("Expand", t, g.t(np.array([B, kv_heads, N // kv_heads, S, D], np.int64)))
+
+    def repeat(t: str) -> str:
+        return t if kv_heads == N else g.n("Reshape", wide(t), g.t(np.array([B, N, S, D], np.int64)))
 
     if rotary:
         freqs = np.outer(np.arange(S), 1.0 / 10000 ** (np.arange(0, D, 2) / D))
@@ -138,7 +150,7 @@ def attention(g: G, x: str, *, scale_on: str = "scores_div", k_two: bool = False
             return g.n("Add", g.n("Mul", t, cos), g.n("Mul", turned, sin))
 
         q = rotate(heads(x, [0, 2, 1, 3]))
-        k = g.n("Transpose", rotate(heads(kv or x, [0, 2, 1, 3])), perm=[0, 1, 3, 2])
+        k = g.n("Transpose", repeat(rotate(heads(kv or x, [0, 2, 1, 3], kv_heads))), perm=[0, 1, 3, 2])
         k_two = False
     else:
         q = heads(x, [0, 2, 1, 3])
@@ -147,13 +159,14 @@ def attention(g: G, x: str, *, scale_on: str = "scores_div", k_two: bool = False
     if rotary:
         pass
     elif k_two:
-        k = g.n("Transpose", heads(kv or x, [0, 2, 1, 3]), perm=[0, 1, 3, 2])
+        k = g.n("Transpose", repeat(heads(kv or x, [0, 2, 1, 3], kv_heads)), perm=[0, 1, 3, 2])
     elif k_flat:  # torch's dynamo export: Kᵀ through 3-D
-        k = g.n("Reshape", heads(kv or x, [0, 2, 1, 3]), g.t(np.array([B * N, S, D], np.int64)))
+        k = heads(kv or x, [0, 2, 1, 3], kv_heads)
+        k = g.n("Reshape", k if kv_heads == N else wide(k), g.t(np.array([B * N, S, D], np.int64)))
         k = g.n("Reshape", g.n("Transpose", k, perm=[0, 2, 1]), g.t(np.array([B, N, D, S], np.int64)))
     else:
         k = heads(kv or x, [0, 2, 3, 1])
-    v = heads(kv or x, [0, 2, 1, 3])
+    v = repeat(heads(kv or x, [0, 2, 1, 3], kv_heads))
     if scale_on == "q_and_k":  # torch's sdpa export: D^-1/4 on Q and on Kᵀ
         q, k = g.n("Mul", q, g.f(D**-0.25)), g.n("Mul", k, g.f(D**-0.25))
     s = g.n("MatMul", q, k)
@@ -253,6 +266,9 @@ VARIANTS = {
     "dynamo_export": {"k_flat": True, "sdpa": True, "mask": "padding"},
     "llama_rotary": {"rotary": "llama", "scale_on": "q_and_k", "mask": "causal_add", "bias": False},
     "rotary_padding": {"rotary": "llama", "mask": "padding"},
+    "llama_gqa": {"rotary": "llama", "scale_on": "q_and_k", "mask": "causal_add", "bias": False, "kv_heads": 2},
+    "gqa_dynamo_padding": {"k_flat": True, "sdpa": True, "mask": "padding", "kv_heads": 2},
+    "multi_query_causal": {"kv_heads": 1, "mask": "causal_where"},
     "causal_add": {"mask": "causal_add"},
     "causal_where": {"mask": "causal_where"},
     "padding_mask": {"mask": "padding"},
@@ -327,9 +343,12 @@ def test_every_strategy_that_applies_keeps_the_outputs(variant: str, tmp_path: P
     # The fused kernels take every form built here (QAttention: not a padding mask;
     # rotary embeddings: MultiHeadAttention after RotaryEmbedding, not Attention).
     rotary = "rotary" in VARIANTS[variant]
-    assert {"multihead_attention", "packed_qkv", "int8_packed_qkv"} <= set(applied["attention"])
+    assert {"multihead_attention", "packed_qkv", "int8_packed_qkv", "int8_multihead_attention"} <= set(applied["attention"])
     assert ("fused_attention" in applied["attention"]) != rotary
     assert ("int8_qattention" in applied["attention"]) == (VARIANTS[variant].get("mask") != "padding" and not rotary)
+    grouped = VARIANTS[variant].get("kv_heads", N) != N  # GroupQueryAttention: grouped-query blocks only
+    assert ("group_query_attention" in applied["attention"]) == grouped
+    assert ("int8_group_query_attention" in applied["attention"]) == grouped
     assert "skip_layer_normalization" in applied["layernorm"]
     assert "layer_normalization" in applied["layernorm"]  # the written-out form (opset 17)
     assert "residual_as_sum" in applied["layernorm"]
@@ -423,6 +442,36 @@ def test_rotary_embeddings_run_on_rotary_embedding_only_where_the_tables_fit(tmp
     packed = apply_rewrites(prep.model, task_rewrites(prep.model, prep.ctx, consts, task, "packed_qkv", REGISTRY))
     ref = _run(prep.model, feeds)
     assert np.abs(_run(packed, feeds) - ref).max() <= 1e-4 * np.abs(ref).max()
+
+
+def _repeat_kv(model: onnx.ModelProto) -> int:
+    """How many Expands of an Unsqueeze (repeat_kv's) the model has."""
+    unsqueezed = {n.output[0] for n in model.graph.node if n.op_type == "Unsqueeze"}
+    return sum(n.op_type == "Expand" and n.input[0] in unsqueezed for n in model.graph.node)
+
+
+def test_grouped_query_attention_reads_each_kv_head_for_its_group(tmp_path: Path) -> None:
+    """transformers' repeat_kv (Unsqueeze, Expand, Reshape) is matched and gone from the
+    fused forms: GroupQueryAttention over K/V with the model's own head count, or
+    MultiHeadAttention over weights widened to one block per query head."""
+    for variant in ("llama_gqa", "gqa_dynamo_padding", "multi_query_causal"):
+        kv = VARIANTS[variant]["kv_heads"]
+        src = tmp_path / f"{variant}.onnx"
+        onnx.save(block(**VARIANTS[variant]), src)
+        prep = prepare(src, tmp_path / variant)
+        [task] = [t for t in partition(prep.model, prep.ctx, "sgat") if t.family == "attention"]
+        consts = Constants(prep.model.graph, list(prep.model.opset_import))
+        feeds = _feeds(prep.model)
+        ref = _run(prep.model, feeds)
+        for strategy, op in (("group_query_attention", "GroupQueryAttention"), ("multihead_attention", "MultiHeadAttention")):
+            tuned = apply_rewrites(prep.model, task_rewrites(prep.model, prep.ctx, consts, task, strategy, REGISTRY))
+            [node] = [n for n in tuned.graph.node if n.op_type == op]
+            got = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+            assert got["num_heads"] == N and got.get("kv_num_heads", N) == (kv if op == "GroupQueryAttention" else N)
+            assert got.get("causal", got.get("unidirectional")) == int(VARIANTS[variant]["mask"] != "padding")
+            assert _repeat_kv(prep.model) == 2 and _repeat_kv(tuned) == 0  # K and V
+            y = _run(tuned, feeds)
+            assert np.abs(y - ref).max() <= 1e-4 * np.abs(ref).max(), (variant, strategy)
 
 
 def test_shapes_computed_at_run_time_are_inferred_and_make_tasks(tmp_path: Path) -> None:

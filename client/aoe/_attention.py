@@ -4,7 +4,8 @@ From a Softmax back to the Q/K/V projections and forward to the merged heads: th
 MatMuls of one input (each with an optional constant bias Add; or one packed product, a
 Gemm between Reshapes as GPT-2 exports, Split), Reshape to heads, Transpose (K to
 [b, n, d, s], directly or in two steps), rotary embeddings on Q and K (LLaMA-style
-models: t·cos + rotate_half(t)·sin, cos and sin constants), the Q·Kᵀ MatMul, any scalar Mul/Div, an additive
+models: t·cos + rotate_half(t)·sin, cos and sin constants), K and V heads repeated for
+groups of query heads (grouped-query attention, transformers' repeat_kv), the Q·Kᵀ MatMul, any scalar Mul/Div, an additive
 mask or a causal Where, Softmax over the last axis (and the NaN guard torch's sdpa export
 puts after it), P·V, Transpose back and Reshape to [b, s, hidden]. The output projection
 is left out.
@@ -71,6 +72,38 @@ def _rotary(g: Graph, tensor: str, nodes: list[onnx.NodeProto]) -> str:
     return tensor
 
 
+def _repeated_axis(g: Graph, unsqueeze: onnx.NodeProto) -> int | None:
+    """2 when `unsqueeze` adds one axis at 2 of a 4-D tensor (where repeat_kv repeats)."""
+    axes = g.attr(unsqueeze, "axes")
+    if axes is None and len(unsqueeze.input) > 1:
+        v = g.value(unsqueeze.input[1])
+        axes = None if v is None else [int(a) for a in v.reshape(-1)]
+    return 2 if axes is not None and list(axes) in ([2], [-3]) else None
+
+
+def _repeated(g: Graph, tensor: str, nodes: list[onnx.NodeProto]) -> str:
+    """The t of `Reshape(Expand(Unsqueeze(t, axis 2), [b, kv, r, s, d]), [b, kv·r, s, d])`
+    ending in `tensor` (K and V heads shared by groups of query heads, as transformers'
+    repeat_kv writes grouped-query attention), collecting those nodes; `tensor` itself
+    when it is not that. The shapes are checked, not the Expand's shape input, which
+    exports compute at run time."""
+    r = g.node(tensor, "Reshape")
+    e = g.node(r.input[0], "Expand") if r is not None else None
+    u = g.node(e.input[0], "Unsqueeze") if e is not None else None
+    if u is None or not g.is_const(r.input[1]):
+        return tensor
+    shapes = [g.ctx.tensors.get(t) for t in (u.input[0], e.output[0], tensor)]
+    if _repeated_axis(g, u) is None or any(s is None for s in shapes):
+        return tensor
+    src, wide, out = (tuple(s.shape) for s in shapes)  # type: ignore[union-attr]
+    if len(src) != 4 or len(wide) != 5 or wide != (src[0], src[1], wide[2], src[2], src[3]):
+        return tensor
+    if out != (src[0], src[1] * wide[2], src[2], src[3]):
+        return tensor
+    nodes += [r, e, u]
+    return u.input[0]
+
+
 def _projection(g: Graph, tensor: str, perms: Sequence[Sequence[int]], nodes: list[onnx.NodeProto]) -> str | None:
     """The input x of `Transpose*(Reshape(MatMul(x, W) [+ b]))` ending in `tensor`, the
     Transposes' perms being `perms` (outermost last); a scalar Mul/Div may sit on the
@@ -79,8 +112,12 @@ def _projection(g: Graph, tensor: str, perms: Sequence[Sequence[int]], nodes: li
     output of a Split of a packed product. Collects the nodes; None when the chain
     differs."""
     tensor = _scaled(g, tensor, nodes)
-    rotated = False
+    rotated = repeated = False
     for perm in reversed(perms):
+        if not repeated:
+            inner = _repeated(g, tensor, nodes)
+            repeated = inner != tensor
+            tensor = _scaled(g, inner, nodes)
         if not rotated:
             inner = _rotary(g, tensor, nodes)
             rotated = inner != tensor
@@ -168,7 +205,20 @@ def _unflattened(g: Graph, tensor: str, nodes: list[onnx.NodeProto]) -> str | No
     if r3 is None:
         return None
     src, out = g.ctx.tensors.get(r3.input[0]), g.ctx.tensors.get(tensor)
-    if src is None or out is None or len(src.shape) != 4 or len(out.shape) != 4:
+    if src is None or out is None or len(out.shape) != 4:
+        return None
+    if len(src.shape) == 5:  # grouped-query: repeat_kv's Reshape merged into this one
+        e = g.node(r3.input[0], "Expand")
+        u = g.node(e.input[0], "Unsqueeze") if e is not None else None
+        inner = g.ctx.tensors.get(u.input[0]) if u is not None else None
+        b, kv, r, s, d = src.shape
+        if inner is None or tuple(inner.shape) != (b, kv, s, d) or tuple(out.shape) != (b, kv * r, d, s):
+            return None
+        if _repeated_axis(g, u) is None:
+            return None
+        nodes += [r4, t, r3, e, u]
+        return u.input[0]
+    if len(src.shape) != 4:
         return None
     b, n, s, d = src.shape
     if tuple(out.shape) != (b, n, d, s):

@@ -3,7 +3,8 @@
 `_attention_parts` reads what a fused kernel needs from an attention subgraph
 (`aoe.subgraphs`): the three projections (separate, or one packed product and a Split),
 the head count, the scale, an additive mask (activation or constant) or a causal one,
-and rotary embeddings on Q and K (LLaMA-style: t·cos + rotate_half(t)·sin).
+rotary embeddings on Q and K (LLaMA-style: t·cos + rotate_half(t)·sin), and K and V
+heads shared by groups of query heads (grouped-query attention: transformers' repeat_kv).
 The strategies, with the same outputs up to float rounding (precision ``exact``):
 
 - ``fused_attention``: the com.microsoft ``Attention`` kernel over packed Q/K/V weights
@@ -11,12 +12,22 @@ The strategies, with the same outputs up to float rounding (precision ``exact``)
 - ``multihead_attention``: one packed projection, then ``MultiHeadAttention``; rotary
   embeddings as com.microsoft ``RotaryEmbedding`` on Q and K before it (where the
   model's tables are one [S, D] table whose halves repeat, what that kernel computes);
+- ``group_query_attention`` (grouped-query blocks): one packed projection, then
+  com.microsoft ``GroupQueryAttention``, which reads each K/V head for its group of
+  query heads (rotary embeddings as ``RotaryEmbedding`` before it);
 - ``packed_qkv``: only the packing (one product over the concatenated weights and a
   Split, the rest as it was).
 
+On a grouped-query block, ``fused_attention``, ``multihead_attention`` and
+``int8_qattention`` take the K and V weights with each head's columns repeated for its
+group: the same outputs, for a larger K/V product.
+
 Under the ``int8`` policy (weights int8 per column, the shared input quantized once at
-run time): ``int8_qattention`` (the whole block on com.microsoft QAttention) and
-``int8_packed_qkv`` (one DynamicQuantizeMatMul over the packed weight, the rest float).
+run time): ``int8_qattention`` (the whole block on com.microsoft QAttention; no mask
+from an input, no rotary), ``int8_multihead_attention`` and
+``int8_group_query_attention`` (the packed projection on one DynamicQuantizeMatMul, then
+the fused float kernel) and ``int8_packed_qkv`` (that product, the rest as the model
+has it).
 
 A strategy returns None where the block's details do not fit its kernel (a mask it
 cannot express, a scale applied after a mask that is not constant, a rank it does not
@@ -59,6 +70,7 @@ class _Attention:
     causal: bool = False
     rotated: bool = False  # rotary embeddings on Q and K
     rotary: tuple[np.ndarray, np.ndarray] | None = None  # their caches, where RotaryEmbedding fits
+    groups: int = 1  # query heads per K/V head (grouped-query attention)
 
 
 def _walk_scale(nodes: Nodes, tensor: str, factor: float) -> tuple[str, float] | None:
@@ -97,6 +109,36 @@ class _Proj:
     heads_shape: tuple
     rotated: bool = False  # rotary embeddings on the heads
     rotary: tuple[np.ndarray, np.ndarray] | None = None  # their (cos, sin) caches, [S, D/2]
+    groups: int = 1  # heads repeated this many times on the way (repeat_kv)
+
+
+def _repeat(nodes: Nodes, tensor: str) -> tuple[str, int] | None:
+    """(t, r) of `Reshape(Expand(Unsqueeze(t, axis 2), [b, kv, r, s, d]), [b, kv·r, s, d])`
+    ending in `tensor`, the repeat_kv of grouped-query attention, by the shapes; None
+    when it is not that."""
+    view = nodes.view
+    r = nodes.made(tensor, "Reshape")
+    e = nodes.made(r.input[0], "Expand") if r is not None else None
+    u = nodes.made(e.input[0], "Unsqueeze") if e is not None else None
+    if u is None or not _axis_two(view, u):
+        return None
+    shapes = [view.info(t) for t in (u.input[0], e.output[0], tensor)]
+    if any(i is None for i in shapes):
+        return None
+    src, wide, out = (tuple(i.shape) for i in shapes)  # type: ignore[union-attr]
+    if len(src) != 4 or len(wide) != 5 or wide[:2] + wide[3:] != src:
+        return None
+    if out != (src[0], src[1] * wide[2], src[2], src[3]):
+        return None
+    return u.input[0], int(wide[2])
+
+
+def _axis_two(view: TaskView, unsqueeze: onnx.NodeProto) -> bool:
+    axes = attrs_of(unsqueeze).get("axes")
+    if axes is None and len(unsqueeze.input) > 1:
+        v = view.const(unsqueeze.input[1])
+        axes = None if v is None else [int(a) for a in np.asarray(v).reshape(-1)]
+    return axes is not None and list(axes) in ([2], [-3])
 
 
 def _gemm_weights(view: TaskView, gemm: onnx.NodeProto) -> tuple[np.ndarray, np.ndarray] | None:
@@ -222,8 +264,13 @@ def _project(nodes: Nodes, tensor: str, perms: int) -> _Proj | None:
     rotary embeddings on the heads)."""
     view = nodes.view
     tensor, scale = _walk_scale(nodes, tensor, 1.0)
-    rotary, rotated = None, False
+    rotary, rotated, groups = None, False, 1
     for _ in range(perms):
+        if groups == 1:
+            rep = _repeat(nodes, tensor)
+            if rep is not None:
+                tensor, groups = rep
+                tensor, scale = _walk_scale(nodes, tensor, scale)
         if not rotated:
             rot = _rotary(nodes, tensor)
             if rot is not None:
@@ -246,7 +293,7 @@ def _project(nodes: Nodes, tensor: str, perms: int) -> _Proj | None:
         if got is None:
             return None
         x, w, b, made = got
-        return _Proj(x, w, b, scale, made, tensor, tuple(heads_shape.shape), rotated, rotary)
+        return _Proj(x, w, b, scale, made, tensor, tuple(heads_shape.shape), rotated, rotary, groups)
     # A packed projection (GPT-2): one product, split along its last axis.
     total = view.info(split.input[0])
     got = _product(nodes, split.input[0])
@@ -259,7 +306,7 @@ def _project(nodes: Nodes, tensor: str, perms: int) -> _Proj | None:
     i = list(split.output).index(tensor)
     lo = sum(sizes[:i])
     return _Proj(x, w[:, lo:lo + sizes[i]], b[lo:lo + sizes[i]], scale, [*made, split], tensor,
-                 tuple(heads_shape.shape), rotated, rotary)  # fmt: skip
+                 tuple(heads_shape.shape), rotated, rotary, groups)  # fmt: skip
 
 
 def _attention_parts(view: TaskView) -> _Attention | None:
@@ -312,15 +359,26 @@ def _attention_parts(view: TaskView) -> _Attention | None:
         r4 = nodes.made(t, "Reshape")
         tr = nodes.made(r4.input[0], "Transpose") if r4 is not None else None
         r3 = nodes.made(tr.input[0], "Reshape") if tr is not None else None
-        k = _project(nodes, r3.input[0], 1) if r3 is not None else None
+        e = nodes.made(r3.input[0], "Expand") if r3 is not None else None
+        u = nodes.made(e.input[0], "Unsqueeze") if e is not None else None
+        wide = view.info(r3.input[0]) if r3 is not None else None
+        if u is not None and wide is not None and len(wide.shape) == 5 and _axis_two(view, u):
+            k = _project(nodes, u.input[0], 1)  # repeat_kv's Reshape merged into the flattening one
+            if k is not None and k.groups == 1:
+                k.groups = int(wide.shape[2])
+        else:
+            k = _project(nodes, r3.input[0], 1) if r3 is not None else None
         if k is not None:
             k.scale *= outer
     v = _project(nodes, pv.input[1], 1)
     if q is None or k is None or v is None or len({q.x, k.x, v.x}) != 1:
         return None
     b, s, heads, head_dim = q.heads_shape
-    if k.heads_shape != q.heads_shape or v.heads_shape[2] != heads:
+    if q.groups != 1 or k.groups != v.groups or k.heads_shape[:3] != v.heads_shape[:3]:
         return None
+    if k.heads_shape[:2] != (b, s) or k.heads_shape[3] != head_dim or k.heads_shape[2] * k.groups != heads:
+        return None
+    att.groups = k.groups
     att.x = q.x
     att.heads, att.head_dim = int(heads), int(head_dim)
     att.projections = [q, k, v]
@@ -399,6 +457,24 @@ def _to_scores(nodes: Nodes, tensor: str) -> bool:
     return False
 
 
+def _per_head(att: _Attention) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """The Q, K, V weights and biases with one column block per query head: on a
+    grouped-query block each K/V head's columns repeated for its group (what repeat_kv
+    does to the heads, done once to the weights)."""
+    if att.groups == 1:
+        return att.weights, att.biases
+    d, g = att.head_dim, att.groups
+
+    def wide(a: np.ndarray) -> np.ndarray:
+        lead = a.shape[:-1]
+        kv = a.shape[-1] // d
+        return np.repeat(a.reshape(*lead, kv, 1, d), g, axis=-2).reshape(*lead, kv * g * d)
+
+    q, k, v = att.weights
+    bq, bk, bv = att.biases
+    return [q, wide(k), wide(v)], [bq, wide(bk), wide(bv)]
+
+
 def _bias_input(view: TaskView, att: _Attention, nodes: list, inits: list) -> str:
     """The attention_bias input: a constant [.., S, S], or the mask tensor expanded to
     [B, 1|N, S, S]; '' when there is none."""
@@ -426,8 +502,9 @@ def _fused_attention(view: TaskView) -> Rewrite | None:
     att = _attention_parts(view)
     if att is None or att.rotated:
         return None
-    w = init(view, "qkv_weight", np.concatenate(att.weights, axis=1))
-    b = init(view, "qkv_bias", np.concatenate(att.biases))
+    weights, biases = _per_head(att)
+    w = init(view, "qkv_weight", np.concatenate(weights, axis=1))
+    b = init(view, "qkv_bias", np.concatenate(biases))
     nodes: list = []
     inits = [w, b]
     bias = _bias_input(view, att, nodes, inits)
@@ -441,18 +518,35 @@ def _fused_attention(view: TaskView) -> Rewrite | None:
     return Rewrite(tuple(nodes), tuple(inits))
 
 
-def _packed_projection(view: TaskView, att: _Attention, with_bias: bool) -> tuple[list, list, list[str]]:
-    """One MatMul over the concatenated weights (and bias Add), split into q, k, v."""
-    h = [w.shape[1] for w in att.weights]
-    w = init(view, "qkv_weight", np.concatenate(att.weights, axis=1))
-    inits = [w]
+def _packed_projection(view: TaskView, att: _Attention, with_bias: bool, per_head: bool = False,
+                       split: bool = True, int8: bool = False) -> tuple[list, list, list[str]]:  # fmt: skip
+    """One MatMul over the concatenated weights (and bias Add), split into q, k, v (the
+    weights `_per_head` when `per_head`; `split` False: the packed tensor alone). `int8`:
+    one com.microsoft DynamicQuantizeMatMul instead (the input quantized once, the
+    weight int8 per column, the bias inside the kernel)."""
+    weights, biases = _per_head(att) if per_head else (att.weights, att.biases)
+    h = [w.shape[1] for w in weights]
     mm = view.name("qkv")
-    nodes = [helper.make_node("MatMul", [att.x, w.name], [mm], name=view.name("QkvMatMul"))]
+    if int8:
+        wq, ws = int8_weight(np.concatenate(weights, axis=1).astype(np.float32), per_channel=True)
+        inits = [init(view, "qkv_weight_q", wq), init(view, "qkv_weight_scale", ws),
+                 init(view, "qkv_weight_zp", np.zeros(ws.shape, np.int8))]  # fmt: skip
+        if with_bias:
+            inits.append(init(view, "qkv_bias", np.concatenate(biases).astype(np.float32)))
+        nodes = [helper.make_node("DynamicQuantizeMatMul", [att.x, *(i.name for i in inits)], [mm],
+                                  name=view.name("QkvDynamicQuantizeMatMul"), domain=CONTRIB_DOMAIN)]  # fmt: skip
+        with_bias = False
+    else:
+        w = init(view, "qkv_weight", np.concatenate(weights, axis=1))
+        inits = [w]
+        nodes = [helper.make_node("MatMul", [att.x, w.name], [mm], name=view.name("QkvMatMul"))]
     if with_bias:
-        b = init(view, "qkv_bias", np.concatenate(att.biases))
+        b = init(view, "qkv_bias", np.concatenate(biases))
         inits.append(b)
         nodes.append(helper.make_node("Add", [mm, b.name], [view.name("qkv_b")], name=view.name("QkvAdd")))
         mm = view.name("qkv_b")
+    if not split:
+        return nodes, inits, [mm]
     sizes = init(view, "qkv_split", np.array(h, np.int64))
     outs = [view.name(p) for p in ("q", "k", "v")]
     if view.opset >= 13:
@@ -489,39 +583,43 @@ def _after_projections(view: TaskView, att: _Attention, outs: Sequence[str]) -> 
     return kept
 
 
-def _rotated(view: TaskView, att: _Attention, outs: Sequence[str], nodes: list, inits: list) -> list[str]:
+def _rotated(view: TaskView, att: _Attention, outs: Sequence[str], nodes: list, inits: list,
+             kv_heads: int | None = None) -> list[str]:  # fmt: skip
     """q and k of `outs` through com.microsoft RotaryEmbedding (non-interleaved, the
-    model's own tables as caches, positions 0..S-1); v as it is."""
+    model's own tables as caches, positions 0..S-1; k with `kv_heads` heads, by default
+    as many as q); v as it is."""
     assert att.rotary is not None
     cos, sin = att.rotary
     pos = init(view, "rotary_positions", np.arange(cos.shape[0], dtype=np.int64)[None, :])
     c, s = init(view, "rotary_cos", cos), init(view, "rotary_sin", sin)
     inits += [pos, c, s]
     rotated = []
-    for which, src in zip(("q", "k"), outs[:2]):
+    for which, src, heads in zip(("q", "k"), outs[:2], (att.heads, kv_heads or att.heads)):
         out = view.name(f"{which}_rotary")
         nodes.append(helper.make_node(
             "RotaryEmbedding", [src, pos.name, c.name, s.name], [out], name=view.name(f"Rotary_{which}"),
-            domain=CONTRIB_DOMAIN, interleaved=0, num_heads=att.heads,
+            domain=CONTRIB_DOMAIN, interleaved=0, num_heads=heads,
         ))  # fmt: skip
         rotated.append(out)
     return [*rotated, outs[2]]
 
 
-def _multihead_attention(view: TaskView) -> Rewrite | None:
+def _multihead_attention(view: TaskView, int8: bool = False) -> Rewrite | None:
     """One packed projection, Split, then com.microsoft MultiHeadAttention (the bias added
     inside the kernel). Rotary embeddings become com.microsoft RotaryEmbedding on Q and
-    K between the two (the bias then added before the Split)."""
+    K between the two (the bias then added before the Split). `int8`: the projection
+    on DynamicQuantizeMatMul (the bias inside it)."""
     att = _attention_parts(view)
     if att is None or att.rotated and att.rotary is None:
         return None
     rotary = att.rotated
-    nodes, inits, outs = _packed_projection(view, att, with_bias=rotary and att.has_bias)
+    fold = rotary or int8
+    nodes, inits, outs = _packed_projection(view, att, with_bias=fold and att.has_bias, per_head=True, int8=int8)
     qkv_bias = ""
     if rotary:
         outs = _rotated(view, att, outs, nodes, inits)
-    else:
-        b = init(view, "qkv_bias", np.concatenate(att.biases))
+    elif not int8:
+        b = init(view, "qkv_bias", np.concatenate(_per_head(att)[1]))
         inits.append(b)
         qkv_bias = b.name
     bias = _bias_input(view, att, nodes, inits)
@@ -529,6 +627,38 @@ def _multihead_attention(view: TaskView) -> Rewrite | None:
     nodes.append(helper.make_node(
         "MultiHeadAttention", ins, [view.output], name=view.name("MultiHeadAttention"), domain=CONTRIB_DOMAIN,
         num_heads=att.heads, scale=float(att.scale), unidirectional=int(att.causal),
+    ))  # fmt: skip
+    return Rewrite(tuple(nodes), tuple(inits))
+
+
+def _group_query_attention(view: TaskView, int8: bool = False) -> Rewrite | None:
+    """Grouped-query attention on com.microsoft GroupQueryAttention: one packed
+    projection (the K and V weights as the model has them, one block per K/V head), the
+    packed tensor straight into the kernel, or split and rotated by RotaryEmbedding first
+    where the block has rotary embeddings; no past, every sequence full length (seqlens_k
+    S - 1), the mask as attention_bias, a causal one as `causal`. `int8`: the projection
+    on DynamicQuantizeMatMul."""
+    att = _attention_parts(view)
+    if att is None or att.groups == 1 or att.rotated and att.rotary is None:
+        return None
+    xi = view.info(att.x)
+    assert xi is not None
+    batch, seq = int(xi.shape[0]), int(xi.shape[1])
+    kv = att.heads // att.groups
+    if att.rotated:
+        nodes, inits, outs = _packed_projection(view, att, with_bias=att.has_bias, int8=int8)
+        outs = _rotated(view, att, outs, nodes, inits, kv_heads=kv)
+    else:
+        nodes, inits, packed = _packed_projection(view, att, with_bias=att.has_bias, split=False, int8=int8)
+        outs = [packed[0], "", ""]
+    lens = init(view, "seqlens_k", np.full(batch, seq - 1, np.int32))
+    total = init(view, "total_sequence_length", np.array(seq, np.int32))
+    inits += [lens, total]
+    bias = _bias_input(view, att, nodes, inits)
+    ins = [*outs, "", "", lens.name, total.name] + (["", "", "", bias] if bias else [])
+    nodes.append(helper.make_node(
+        "GroupQueryAttention", ins, [view.output], name=view.name("GroupQueryAttention"), domain=CONTRIB_DOMAIN,
+        num_heads=att.heads, kv_num_heads=kv, scale=float(att.scale), causal=int(att.causal),
     ))  # fmt: skip
     return Rewrite(tuple(nodes), tuple(inits))
 
@@ -541,10 +671,11 @@ def _int8_qattention(view: TaskView) -> Rewrite | None:
     att = _attention_parts(view)
     if att is None or att.mask is not None or att.mask_value is not None or att.rotated:
         return None
-    wq, ws = int8_weight(np.concatenate(att.weights, axis=1).astype(np.float32), per_channel=True)
+    weights, biases = _per_head(att)
+    wq, ws = int8_weight(np.concatenate(weights, axis=1).astype(np.float32), per_channel=True)
     inits = [init(view, "qkv_weight_q", wq), init(view, "qkv_weight_scale", ws),
              init(view, "qkv_weight_zp", np.zeros(ws.shape, np.int8)),
-             init(view, "qkv_bias", np.concatenate(att.biases).astype(np.float32))]  # fmt: skip
+             init(view, "qkv_bias", np.concatenate(biases).astype(np.float32))]  # fmt: skip
     xq, xs, xz = view.name("x_q"), view.name("x_scale"), view.name("x_zp")
     nodes = [
         helper.make_node("DynamicQuantizeLinear", [att.x], [xq, xs, xz], name=view.name("QuantizeX")),
@@ -564,23 +695,19 @@ def _int8_packed_qkv(view: TaskView) -> Rewrite | None:
     att = _attention_parts(view)
     if att is None:
         return None
-    h = [w.shape[1] for w in att.weights]
-    wq, ws = int8_weight(np.concatenate(att.weights, axis=1).astype(np.float32), per_channel=True)
-    inits = [init(view, "qkv_weight_q", wq), init(view, "qkv_weight_scale", ws),
-             init(view, "qkv_weight_zp", np.zeros(ws.shape, np.int8)),
-             init(view, "qkv_bias", np.concatenate(att.biases).astype(np.float32)),
-             init(view, "qkv_split", np.array(h, np.int64))]  # fmt: skip
-    qkv = view.name("qkv")
-    outs = [view.name(p) for p in ("q", "k", "v")]
-    nodes = [
-        helper.make_node("DynamicQuantizeMatMul", [att.x, *(i.name for i in inits[:4])], [qkv],
-                         name=view.name("QkvDynamicQuantizeMatMul"), domain=CONTRIB_DOMAIN),
-        helper.make_node("Split", [qkv, inits[4].name], outs, name=view.name("QkvSplit"), axis=-1),
-    ]  # fmt: skip
-    if view.opset < 13:
-        return None
-    nodes += _after_projections(view, att, outs)
-    return Rewrite(tuple(nodes), tuple(inits))
+    nodes, inits, outs = _packed_projection(view, att, with_bias=att.has_bias, int8=True)
+    return Rewrite((*nodes, *_after_projections(view, att, outs)), tuple(inits))
+
+
+def _int8_multihead_attention(view: TaskView) -> Rewrite | None:
+    """``multihead_attention`` with its packed projection in int8: what QAttention cannot
+    take (masks from an input, rotary embeddings) on the fused float kernel."""
+    return _multihead_attention(view, int8=True)
+
+
+def _int8_group_query_attention(view: TaskView) -> Rewrite | None:
+    """``group_query_attention`` with its packed projection in int8."""
+    return _group_query_attention(view, int8=True)
 
 
 def register(registry: StrategyRegistry) -> None:
@@ -588,6 +715,9 @@ def register(registry: StrategyRegistry) -> None:
     s = registry.strategy
     s("fused_attention", "attention")(_fused_attention)
     s("multihead_attention", "attention")(_multihead_attention)
+    s("group_query_attention", "attention")(_group_query_attention)
     s("packed_qkv", "attention")(_packed_qkv)
     s("int8_qattention", "attention", "int8")(_int8_qattention)
     s("int8_packed_qkv", "attention", "int8")(_int8_packed_qkv)
+    s("int8_multihead_attention", "attention", "int8")(_int8_multihead_attention)
+    s("int8_group_query_attention", "attention", "int8")(_int8_group_query_attention)
