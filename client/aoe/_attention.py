@@ -72,36 +72,46 @@ def _rotary(g: Graph, tensor: str, nodes: list[onnx.NodeProto]) -> str:
     return tensor
 
 
-def _repeated_axis(g: Graph, unsqueeze: onnx.NodeProto) -> int | None:
-    """2 when `unsqueeze` adds one axis at 2 of a 4-D tensor (where repeat_kv repeats)."""
-    axes = g.attr(unsqueeze, "axes")
-    if axes is None and len(unsqueeze.input) > 1:
-        v = g.value(unsqueeze.input[1])
+def _widened(g: Graph, tensor: str, nodes: list[onnx.NodeProto]) -> str | None:
+    """The t of `Expand(Unsqueeze(t, axis 2), [b, kv, r, s, d])` ending in `tensor`, t
+    being [b, kv, s, d] (K or V heads repeated for groups of query heads, as
+    transformers' repeat_kv writes grouped-query attention), collecting those nodes; None
+    when it is not that. The shapes are checked, not the Expand's shape input, which
+    exports compute at run time."""
+    e = g.node(tensor, "Expand")
+    u = g.node(e.input[0], "Unsqueeze") if e is not None else None
+    if u is None:
+        return None
+    axes = g.attr(u, "axes")
+    if axes is None and len(u.input) > 1:
+        v = g.value(u.input[1])
         axes = None if v is None else [int(a) for a in v.reshape(-1)]
-    return 2 if axes is not None and list(axes) in ([2], [-3]) else None
+    src, wide = g.ctx.tensors.get(u.input[0]), g.ctx.tensors.get(tensor)
+    if axes is None or list(axes) not in ([2], [-3]) or src is None or wide is None:
+        return None
+    if len(src.shape) != 4 or len(wide.shape) != 5 or tuple(wide.shape[:2] + wide.shape[3:]) != tuple(src.shape):
+        return None
+    nodes += [e, u]
+    return u.input[0]
 
 
 def _repeated(g: Graph, tensor: str, nodes: list[onnx.NodeProto]) -> str:
-    """The t of `Reshape(Expand(Unsqueeze(t, axis 2), [b, kv, r, s, d]), [b, kv·r, s, d])`
-    ending in `tensor` (K and V heads shared by groups of query heads, as transformers'
-    repeat_kv writes grouped-query attention), collecting those nodes; `tensor` itself
-    when it is not that. The shapes are checked, not the Expand's shape input, which
-    exports compute at run time."""
+    """The t of repeat_kv, `Reshape(Expand(Unsqueeze(t, axis 2), [b, kv, r, s, d]),
+    [b, kv·r, s, d])`, ending in `tensor`, collecting those nodes; `tensor` itself when
+    it is not that."""
     r = g.node(tensor, "Reshape")
-    e = g.node(r.input[0], "Expand") if r is not None else None
-    u = g.node(e.input[0], "Unsqueeze") if e is not None else None
-    if u is None or not g.is_const(r.input[1]):
+    if r is None or not g.is_const(r.input[1]):
         return tensor
-    shapes = [g.ctx.tensors.get(t) for t in (u.input[0], e.output[0], tensor)]
-    if _repeated_axis(g, u) is None or any(s is None for s in shapes):
+    wide, out = g.ctx.tensors.get(r.input[0]), g.ctx.tensors.get(tensor)
+    found: list[onnx.NodeProto] = []
+    t = _widened(g, r.input[0], found)
+    if t is None or wide is None or out is None:
         return tensor
-    src, wide, out = (tuple(s.shape) for s in shapes)  # type: ignore[union-attr]
-    if len(src) != 4 or len(wide) != 5 or wide != (src[0], src[1], wide[2], src[2], src[3]):
+    b, kv, rep, s, d = wide.shape
+    if tuple(out.shape) != (b, kv * rep, s, d):
         return tensor
-    if out != (src[0], src[1] * wide[2], src[2], src[3]):
-        return tensor
-    nodes += [r, e, u]
-    return u.input[0]
+    nodes += [r, *found]
+    return t
 
 
 def _projection(g: Graph, tensor: str, perms: Sequence[Sequence[int]], nodes: list[onnx.NodeProto]) -> str | None:
@@ -208,16 +218,13 @@ def _unflattened(g: Graph, tensor: str, nodes: list[onnx.NodeProto]) -> str | No
     if src is None or out is None or len(out.shape) != 4:
         return None
     if len(src.shape) == 5:  # grouped-query: repeat_kv's Reshape merged into this one
-        e = g.node(r3.input[0], "Expand")
-        u = g.node(e.input[0], "Unsqueeze") if e is not None else None
-        inner = g.ctx.tensors.get(u.input[0]) if u is not None else None
         b, kv, r, s, d = src.shape
-        if inner is None or tuple(inner.shape) != (b, kv, s, d) or tuple(out.shape) != (b, kv * r, d, s):
+        found: list[onnx.NodeProto] = []
+        inner = _widened(g, r3.input[0], found)
+        if inner is None or tuple(out.shape) != (b, kv * r, d, s):
             return None
-        if _repeated_axis(g, u) is None:
-            return None
-        nodes += [r4, t, r3, e, u]
-        return u.input[0]
+        nodes += [r4, t, r3, *found]
+        return inner
     if len(src.shape) != 4:
         return None
     b, n, s, d = src.shape

@@ -112,33 +112,37 @@ class _Proj:
     groups: int = 1  # heads repeated this many times on the way (repeat_kv)
 
 
-def _repeat(nodes: Nodes, tensor: str) -> tuple[str, int] | None:
-    """(t, r) of `Reshape(Expand(Unsqueeze(t, axis 2), [b, kv, r, s, d]), [b, kv·r, s, d])`
-    ending in `tensor`, the repeat_kv of grouped-query attention, by the shapes; None
-    when it is not that."""
+def _widened(nodes: Nodes, tensor: str) -> tuple[str, int] | None:
+    """(t, r) of `Expand(Unsqueeze(t, axis 2), [b, kv, r, s, d])` ending in `tensor`, t
+    being [b, kv, s, d]: K or V heads repeated for groups of query heads (repeat_kv),
+    checked by the shapes; None when it is not that."""
     view = nodes.view
-    r = nodes.made(tensor, "Reshape")
-    e = nodes.made(r.input[0], "Expand") if r is not None else None
+    e = nodes.made(tensor, "Expand")
     u = nodes.made(e.input[0], "Unsqueeze") if e is not None else None
-    if u is None or not _axis_two(view, u):
+    if u is None:
         return None
-    shapes = [view.info(t) for t in (u.input[0], e.output[0], tensor)]
-    if any(i is None for i in shapes):
-        return None
-    src, wide, out = (tuple(i.shape) for i in shapes)  # type: ignore[union-attr]
-    if len(src) != 4 or len(wide) != 5 or wide[:2] + wide[3:] != src:
-        return None
-    if out != (src[0], src[1] * wide[2], src[2], src[3]):
-        return None
-    return u.input[0], int(wide[2])
-
-
-def _axis_two(view: TaskView, unsqueeze: onnx.NodeProto) -> bool:
-    axes = attrs_of(unsqueeze).get("axes")
-    if axes is None and len(unsqueeze.input) > 1:
-        v = view.const(unsqueeze.input[1])
+    axes = attrs_of(u).get("axes")
+    if axes is None and len(u.input) > 1:
+        v = view.const(u.input[1])
         axes = None if v is None else [int(a) for a in np.asarray(v).reshape(-1)]
-    return axes is not None and list(axes) in ([2], [-3])
+    src, wide = view.info(u.input[0]), view.info(tensor)
+    if axes is None or list(axes) not in ([2], [-3]) or src is None or wide is None:
+        return None
+    if len(src.shape) != 4 or len(wide.shape) != 5 or tuple(wide.shape[:2] + wide.shape[3:]) != tuple(src.shape):
+        return None
+    return u.input[0], int(wide.shape[2])
+
+
+def _repeat(nodes: Nodes, tensor: str) -> tuple[str, int] | None:
+    """(t, r) of repeat_kv, `Reshape(Expand(Unsqueeze(t, axis 2), [b, kv, r, s, d]),
+    [b, kv·r, s, d])`, ending in `tensor`; None when it is not that."""
+    r = nodes.made(tensor, "Reshape")
+    got = _widened(nodes, r.input[0]) if r is not None else None
+    src, out = (nodes.view.info(got[0]), nodes.view.info(tensor)) if got is not None else (None, None)
+    if got is None or src is None or out is None:
+        return None
+    b, kv, s, d = src.shape
+    return got if tuple(out.shape) == (b, kv * got[1], s, d) else None
 
 
 def _gemm_weights(view: TaskView, gemm: onnx.NodeProto) -> tuple[np.ndarray, np.ndarray] | None:
@@ -359,13 +363,11 @@ def _attention_parts(view: TaskView) -> _Attention | None:
         r4 = nodes.made(t, "Reshape")
         tr = nodes.made(r4.input[0], "Transpose") if r4 is not None else None
         r3 = nodes.made(tr.input[0], "Reshape") if tr is not None else None
-        e = nodes.made(r3.input[0], "Expand") if r3 is not None else None
-        u = nodes.made(e.input[0], "Unsqueeze") if e is not None else None
-        wide = view.info(r3.input[0]) if r3 is not None else None
-        if u is not None and wide is not None and len(wide.shape) == 5 and _axis_two(view, u):
-            k = _project(nodes, u.input[0], 1)  # repeat_kv's Reshape merged into the flattening one
+        got = _widened(nodes, r3.input[0]) if r3 is not None else None
+        if got is not None:  # repeat_kv's Reshape merged into the flattening one
+            k = _project(nodes, got[0], 1)
             if k is not None and k.groups == 1:
-                k.groups = int(wide.shape[2])
+                k.groups = got[1]
         else:
             k = _project(nodes, r3.input[0], 1) if r3 is not None else None
         if k is not None:
