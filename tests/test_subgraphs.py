@@ -185,6 +185,11 @@ def attention(g: G, x: str, *, scale_on: str = "scores_div", k_two: bool = False
         m = g.n("Cast", m, to=TensorProto.FLOAT)
         m = g.n("Mul", g.n("Sub", g.f(1.0), m), g.f(-10000.0))
         s = g.n("Add", s, m)
+    elif mask == "causal_padding_where":  # transformers: one boolean, each layer's Where(keep, 0, -inf)
+        m = g.input("attention_mask", [B, S], TensorProto.INT64)
+        keep = g.n("Unsqueeze", g.n("Cast", m, to=TensorProto.BOOL), g.t(np.array([1, 2], np.int64)))
+        keep = g.n("And", keep, g.t(np.tril(np.ones((S, S), bool))[None, None]))
+        s = g.n("Add", s, g.n("Where", keep, g.f(0.0), g.f(-np.inf)))
     p = g.n("Softmax", s, axis=-1)
     if sdpa:  # torch's sdpa export: a NaN guard after the softmax, a Reshape keeping P·V's shape
         p = g.n("Where", g.n("IsNaN", p), g.f(0.0), p)
@@ -269,6 +274,7 @@ VARIANTS = {
     "llama_gqa": {"rotary": "llama", "scale_on": "q_and_k", "mask": "causal_add", "bias": False, "kv_heads": 2},
     "gqa_dynamo_padding": {"k_flat": True, "sdpa": True, "mask": "padding", "kv_heads": 2},
     "multi_query_causal": {"kv_heads": 1, "mask": "causal_where"},
+    "gpt2_sdpa_causal_padding": {"packed": True, "sdpa": True, "scale_on": "q_and_k", "mask": "causal_padding_where"},
     "causal_add": {"mask": "causal_add"},
     "causal_where": {"mask": "causal_where"},
     "padding_mask": {"mask": "padding"},
@@ -472,6 +478,49 @@ def test_grouped_query_attention_reads_each_kv_head_for_its_group(tmp_path: Path
             assert _repeat_kv(prep.model) == 2 and _repeat_kv(tuned) == 0  # K and V
             y = _run(tuned, feeds)
             assert np.abs(y - ref).max() <= 1e-4 * np.abs(ref).max(), (variant, strategy)
+
+
+def test_a_layers_own_mask_where_becomes_a_raw_mask_and_left_padding_stays_finite(tmp_path: Path) -> None:
+    """transformers makes one boolean (causal and padding) and each layer's Where(keep, 0,
+    -inf): the matcher takes that Where into the block, so QAttention reads the boolean
+    as its raw mask_index. Left padding leaves the first query rows with every key masked:
+    the block's softmax is NaN there and its guard makes zeros; every fused form must give
+    the same zeros, not NaN (which P·V would spread to every row of the next layer)."""
+    variant = "gpt2_sdpa_causal_padding"
+    src = tmp_path / "m.onnx"
+    onnx.save(block(**VARIANTS[variant]), src)
+    prep = prepare(src, tmp_path / "w")
+    [task] = [t for t in partition(prep.model, prep.ctx, "sgat") if t.family == "attention"]
+    [keep] = [n.output[0] for n in prep.model.graph.node if n.op_type == "And"]
+    assert keep in task.inputs  # the boolean, not the -inf bias made from it
+    consts = Constants(prep.model.graph, list(prep.model.opset_import))
+    feeds = _feeds(prep.model)
+    feeds["attention_mask"] = np.ones((B, S), np.int64)
+    feeds["attention_mask"][:, :3] = 0  # left padding: query rows 0-2 see no key
+    ref = _run(prep.model, feeds)
+    assert np.isfinite(ref).all()
+    tried = []
+    for strategy in REGISTRY.strategies_for("attention", "int8"):
+        if strategy.name == "default":
+            continue
+        try:
+            tuned = apply_rewrites(prep.model, task_rewrites(prep.model, prep.ctx, consts, task, strategy.name, REGISTRY))
+        except Exception:
+            continue
+        y = _run(tuned, feeds)
+        assert np.isfinite(y).all(), strategy.name
+        if strategy.precision == "exact":
+            assert np.abs(y - ref).max() <= 1e-4 * np.abs(ref).max(), strategy.name
+        else:
+            cos = float((y * ref).sum() / np.linalg.norm(y) / np.linalg.norm(ref))
+            assert cos > 0.99, (strategy.name, cos)
+        if strategy.name == "int8_qattention":
+            [node] = [n for n in tuned.graph.node if n.op_type == "QAttention"]
+            assert node.input[5], "QAttention without its mask_index"
+            got = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+            assert got["mask_filter_value"] == -np.inf and got["unidirectional"] == 0
+        tried.append(strategy.name)
+    assert {"fused_attention", "multihead_attention", "int8_qattention", "int8_multihead_attention"} <= set(tried)
 
 
 def test_shapes_computed_at_run_time_are_inferred_and_make_tasks(tmp_path: Path) -> None:

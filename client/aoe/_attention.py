@@ -5,16 +5,18 @@ MatMuls of one input (each with an optional constant bias Add; or one packed pro
 Gemm between Reshapes as GPT-2 exports, Split), Reshape to heads, Transpose (K to
 [b, n, d, s], directly or in two steps), rotary embeddings on Q and K (LLaMA-style
 models: t·cos + rotate_half(t)·sin, cos and sin constants), K and V heads repeated for
-groups of query heads (grouped-query attention, transformers' repeat_kv), the Q·Kᵀ MatMul, any scalar Mul/Div, an additive
-mask or a causal Where, Softmax over the last axis (and the NaN guard torch's sdpa export
-puts after it), P·V, Transpose back and Reshape to [b, s, hidden]. The output projection
-is left out.
+groups of query heads (grouped-query attention, transformers' repeat_kv), the Q·Kᵀ
+MatMul, any scalar Mul/Div, an additive mask (with the Where that makes it from a
+boolean, when it serves this block alone) or a causal Where, Softmax over the last axis
+(and the NaN guard torch's sdpa export puts after it), P·V, Transpose back and Reshape
+to [b, s, hidden]. The output projection is left out.
 
 This module imports neither trio nor onnxruntime.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import onnx
@@ -234,6 +236,29 @@ def _unflattened(g: Graph, tensor: str, nodes: list[onnx.NodeProto]) -> str | No
     return r3.input[0]
 
 
+#: An additive mask value at or below this hides its position from the softmax.
+MASKED = -1e4
+
+
+def _mask_where(g: Graph, mask: str, add: onnx.NodeProto) -> onnx.NodeProto | None:
+    """The `Where(cond, 0, fill)` (or `Where(cond, fill, 0)`) that makes the additive
+    `mask` from a boolean computed outside, fill a constant at or below MASKED (-inf
+    too), when it feeds this block's Add alone: as transformers writes each layer's mask. Taken
+    into the block, the boolean becomes the block's input, which a raw-mask kernel
+    (QAttention's mask_index) can read."""
+    w = g.node(mask, "Where")
+    if w is None or mask in g.outputs or g.users(mask) != [add] or g.is_const(w.input[0]):
+        return None
+    a, b = g.scalar(w.input[1]), g.scalar(w.input[2])
+    if a is None or b is None or not any(v == 0.0 for v in (a, b)):
+        return None
+    fill = b if a == 0.0 else a
+    if math.isnan(fill) or fill > MASKED:
+        return None
+    cond = g.ctx.tensors.get(w.input[0])
+    return w if cond is not None and len(cond.shape) == 4 else None
+
+
 def _same_shape(g: Graph, a: str, b: str) -> bool:
     sa, sb = g.ctx.tensors.get(a), g.ctx.tensors.get(b)
     return sa is not None and sb is not None and sa.shape == sb.shape
@@ -265,6 +290,10 @@ def attention(g: Graph, sm: onnx.NodeProto) -> Match | None:
             if len(side) != 1:
                 return None
             nodes.append(n)
+            mask = g.other(n, side[0])
+            where = _mask_where(g, mask, n) if mask is not None else None
+            if where is not None:
+                nodes.append(where)
             t = side[0]
             continue
         if n.op_type == "Where" and g.is_const(n.input[0]) and g.is_const(n.input[2]):

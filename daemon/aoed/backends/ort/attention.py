@@ -23,8 +23,10 @@ On a grouped-query block, ``fused_attention``, ``multihead_attention`` and
 group: the same outputs, for a larger K/V product.
 
 Under the ``int8`` policy (weights int8 per column, the shared input quantized once at
-run time): ``int8_qattention`` (the whole block on com.microsoft QAttention; no mask
-from an input, no rotary), ``int8_multihead_attention`` and
+run time): ``int8_qattention`` (the whole block on com.microsoft QAttention; no
+rotary, and a mask from an input only where the block makes it itself from a boolean,
+as transformers writes each layer's Where(keep, 0, -inf): that boolean becomes
+QAttention's raw mask_index), ``int8_multihead_attention`` and
 ``int8_group_query_attention`` (the packed projection on one DynamicQuantizeMatMul, then
 the fused float kernel) and ``int8_packed_qkv`` (that product, the rest as the model
 has it).
@@ -32,9 +34,10 @@ has it).
 A strategy returns None where the block's details do not fit its kernel (a mask it
 cannot express, a scale applied after a mask that is not constant, a rank it does not
 take); the default then stays. The scale, mask and head count are read from the task's
-constants, never assumed. The fused kernels drop the NaN guard torch's sdpa export puts
-after the softmax (Where(IsNaN(P), 0, P)): they differ from it only on a query row whose
-every key is masked, where the guard gives zeros and the kernels an average.
+constants, never assumed. Where the block guards its softmax (Where(IsNaN(P), 0, P),
+torch's sdpa export), the fused kernels get the same guard on their output: a query row
+whose every key is masked by -inf (a left-padded position) is NaN in them as in the
+softmax, and zeros in the block.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
+from aoe._attention import MASKED
 from aoed.backends.ort._rewrite import Nodes, attrs_of, init, int8_weight, scalar
 from aoed.engine.registry import StrategyRegistry
 from aoed.engine.tasks import CONTRIB_DOMAIN, Rewrite, TaskView
@@ -71,6 +75,11 @@ class _Attention:
     rotated: bool = False  # rotary embeddings on Q and K
     rotary: tuple[np.ndarray, np.ndarray] | None = None  # their caches, where RotaryEmbedding fits
     groups: int = 1  # query heads per K/V head (grouped-query attention)
+    #: the block's own Where(keep, 0, fill) that makes `mask` from a boolean (or
+    #: Where(masked, fill, 0)): (the node, the boolean, True when it marks kept
+    #: positions, fill)
+    mask_where: tuple[onnx.NodeProto, str, bool, float] | None = None
+    guard: bool = False  # Where(IsNaN(P), 0, P) after the softmax (torch's sdpa export)
 
 
 def _walk_scale(nodes: Nodes, tensor: str, factor: float) -> tuple[str, float] | None:
@@ -353,6 +362,7 @@ def _attention_parts(view: TaskView) -> _Attention | None:
     guard = next((n for n in view.nodes if n.op_type == "Where" and list(n.input[2:]) == [probs]), None)
     if guard is not None:  # Where(IsNaN(P), 0, P)
         probs = guard.output[0]
+        att.guard = True
     pv = next((n for n in view.nodes if n.op_type == "MatMul" and n.input[0] == probs), None)
     if pv is None:
         return None
@@ -413,6 +423,7 @@ def _attention_parts(view: TaskView) -> _Attention | None:
                 if later != 1.0:
                     return None
                 mask = name
+                att.mask_where = _mask_where(nodes, name)
             else:
                 mask = np.asarray(value, np.float32) * np.float32(later)
         elif kind == "where":
@@ -439,6 +450,21 @@ def _attention_parts(view: TaskView) -> _Attention | None:
     if not math.isfinite(att.scale):
         return None
     return att
+
+
+def _mask_where(nodes: Nodes, mask: str) -> tuple[onnx.NodeProto, str, bool, float] | None:
+    """The task's Where that makes the additive `mask` from a boolean (aoe._attention
+    takes it in): (node, boolean, whether True keeps, fill)."""
+    w = nodes.made(mask, "Where")
+    if w is None or w.input[0] in nodes.producer:
+        return None
+    a, b = scalar(nodes.view, w.input[1]), scalar(nodes.view, w.input[2])
+    if a is None or b is None or (a != 0.0) == (b != 0.0):
+        return None
+    fill = b if a == 0.0 else a
+    if math.isnan(fill) or fill > MASKED:
+        return None
+    return w, w.input[0], a == 0.0, fill
 
 
 def _to_scores(nodes: Nodes, tensor: str) -> bool:
@@ -486,6 +512,10 @@ def _bias_input(view: TaskView, att: _Attention, nodes: list, inits: list) -> st
         return t.name
     if att.mask is None:
         return ""
+    if att.mask_where is not None:  # the block's own Where, kept
+        copy = onnx.NodeProto()
+        copy.CopyFrom(att.mask_where[0])
+        nodes.append(copy)
     mi = view.info(att.mask)
     xi = view.info(att.x)
     assert mi is not None and xi is not None
@@ -496,6 +526,27 @@ def _bias_input(view: TaskView, att: _Attention, nodes: list, inits: list) -> st
     out = view.name("attention_bias")
     nodes.append(helper.make_node("Expand", [att.mask, shape.name], [out], name=view.name("ExpandMask")))
     return out
+
+
+def _out(view: TaskView, att: _Attention) -> str:
+    """Where a fused kernel writes: the task's output, or before the guard `_finish` adds."""
+    return view.name("attention") if att.guard else view.output
+
+
+def _finish(view: TaskView, att: _Attention, nodes: list, inits: list) -> Rewrite:
+    """The rewrite of a fused kernel; where the block guards its softmax (Where(IsNaN(P),
+    0, P), torch's sdpa export), the same guard on the kernel's output. A query row whose
+    keys are all masked by -inf is NaN in the kernels as in the softmax; the block makes it
+    zeros, and so does this: without it, such a row (a left-padded position) would come
+    out NaN."""
+    if att.guard:
+        nan, zero = view.name("nan"), init(view, "zero", np.zeros((), np.float32))
+        inits.append(zero)
+        nodes += [
+            helper.make_node("IsNaN", [_out(view, att)], [nan], name=view.name("IsNaN")),
+            helper.make_node("Where", [nan, zero.name, _out(view, att)], [view.output], name=view.name("NanGuard")),
+        ]
+    return Rewrite(tuple(nodes), tuple(inits))
 
 
 def _fused_attention(view: TaskView) -> Rewrite | None:
@@ -514,10 +565,10 @@ def _fused_attention(view: TaskView) -> Rewrite | None:
     if bias:
         ins += ["", "", bias]
     nodes.append(helper.make_node(
-        "Attention", ins, [view.output], name=view.name("Attention"), domain=CONTRIB_DOMAIN,
+        "Attention", ins, [_out(view, att)], name=view.name("Attention"), domain=CONTRIB_DOMAIN,
         num_heads=att.heads, scale=float(att.scale), unidirectional=int(att.causal),
     ))  # fmt: skip
-    return Rewrite(tuple(nodes), tuple(inits))
+    return _finish(view, att, nodes, inits)
 
 
 def _packed_projection(view: TaskView, att: _Attention, with_bias: bool, per_head: bool = False,
@@ -627,10 +678,10 @@ def _multihead_attention(view: TaskView, int8: bool = False) -> Rewrite | None:
     bias = _bias_input(view, att, nodes, inits)
     ins = [*outs, qkv_bias, "", bias] if bias else [*outs, qkv_bias] if qkv_bias else list(outs)
     nodes.append(helper.make_node(
-        "MultiHeadAttention", ins, [view.output], name=view.name("MultiHeadAttention"), domain=CONTRIB_DOMAIN,
+        "MultiHeadAttention", ins, [_out(view, att)], name=view.name("MultiHeadAttention"), domain=CONTRIB_DOMAIN,
         num_heads=att.heads, scale=float(att.scale), unidirectional=int(att.causal),
     ))  # fmt: skip
-    return Rewrite(tuple(nodes), tuple(inits))
+    return _finish(view, att, nodes, inits)
 
 
 def _group_query_attention(view: TaskView, int8: bool = False) -> Rewrite | None:
@@ -659,35 +710,74 @@ def _group_query_attention(view: TaskView, int8: bool = False) -> Rewrite | None
     bias = _bias_input(view, att, nodes, inits)
     ins = [*outs, "", "", lens.name, total.name] + (["", "", "", bias] if bias else [])
     nodes.append(helper.make_node(
-        "GroupQueryAttention", ins, [view.output], name=view.name("GroupQueryAttention"), domain=CONTRIB_DOMAIN,
+        "GroupQueryAttention", ins, [_out(view, att)], name=view.name("GroupQueryAttention"), domain=CONTRIB_DOMAIN,
         num_heads=att.heads, kv_num_heads=kv, scale=float(att.scale), causal=int(att.causal),
     ))  # fmt: skip
-    return Rewrite(tuple(nodes), tuple(inits))
+    return _finish(view, att, nodes, inits)
+
+
+def _raw_mask(view: TaskView, att: _Attention, nodes: list, inits: list) -> str | None:
+    """QAttention's mask_index from the block's own mask Where: its boolean as 1 (kept)
+    and 0 (masked), [B, S, T] int32, the raw 3-D form; None when the boolean has a
+    dimension per head or the block has no such Where."""
+    if att.mask_where is None:
+        return None
+    _node, cond, keeps, _fill = att.mask_where
+    ci, xi = view.info(cond), view.info(att.x)
+    if ci is None or xi is None or len(ci.shape) != 4 or ci.shape[1] != 1:
+        return None
+    batch, seq = int(xi.shape[0]), int(xi.shape[1])
+    if ci.shape[0] not in (1, batch) or ci.shape[2] not in (1, seq) or ci.shape[3] != seq:
+        return None
+    if not keeps:
+        nodes.append(helper.make_node("Not", [cond], [view.name("mask_keep")], name=view.name("MaskKeep")))
+        cond = view.name("mask_keep")
+    full = init(view, "mask_shape", np.array([batch, 1, seq, seq], np.int64))
+    flat = init(view, "mask_index_shape", np.array([batch, seq, seq], np.int64))
+    inits += [full, flat]
+    names = [view.name(n) for n in ("mask_full", "mask_int", "mask_index")]
+    nodes += [
+        helper.make_node("Expand", [cond, full.name], [names[0]], name=view.name("MaskExpand")),
+        helper.make_node("Cast", [names[0]], [names[1]], name=view.name("MaskCast"), to=onnx.TensorProto.INT32),
+        helper.make_node("Reshape", [names[1], flat.name], [names[2]], name=view.name("MaskIndex")),
+    ]
+    return names[2]
 
 
 def _int8_qattention(view: TaskView) -> Rewrite | None:
     """The whole attention block on one int8 kernel: the input quantized once
     (DynamicQuantizeLinear) and com.microsoft QAttention over the packed int8 weight
-    (per column). Only without a mask or with a causal one (QAttention takes no bias),
-    and without rotary embeddings."""
+    (per column). QAttention takes no additive bias: only blocks without a mask, with a
+    causal one, or with a mask the block makes itself from a boolean (transformers'
+    per-layer Where), which becomes its raw 3-D mask_index, the fill as its
+    mask_filter_value; and without rotary embeddings."""
     att = _attention_parts(view)
-    if att is None or att.mask is not None or att.mask_value is not None or att.rotated:
+    if att is None or att.mask_value is not None or att.rotated:
         return None
+    nodes: list = []
+    inits: list = []
+    mask_index, fill = "", None
+    if att.mask is not None:
+        got = _raw_mask(view, att, nodes, inits)
+        if got is None:
+            return None
+        mask_index, fill = got, att.mask_where[3]  # type: ignore[index]
     weights, biases = _per_head(att)
     wq, ws = int8_weight(np.concatenate(weights, axis=1).astype(np.float32), per_channel=True)
-    inits = [init(view, "qkv_weight_q", wq), init(view, "qkv_weight_scale", ws),
-             init(view, "qkv_weight_zp", np.zeros(ws.shape, np.int8)),
-             init(view, "qkv_bias", np.concatenate(biases).astype(np.float32))]  # fmt: skip
+    inits += [init(view, "qkv_weight_q", wq), init(view, "qkv_weight_scale", ws),
+              init(view, "qkv_weight_zp", np.zeros(ws.shape, np.int8)),
+              init(view, "qkv_bias", np.concatenate(biases).astype(np.float32))]  # fmt: skip
+    w_q, w_s, w_zp, bias = (i.name for i in inits[-4:])
     xq, xs, xz = view.name("x_q"), view.name("x_scale"), view.name("x_zp")
-    nodes = [
+    attrs = {"num_heads": att.heads, "scale": float(att.scale), "unidirectional": int(att.causal)}
+    if fill is not None:
+        attrs["mask_filter_value"] = float(fill)
+    nodes += [
         helper.make_node("DynamicQuantizeLinear", [att.x], [xq, xs, xz], name=view.name("QuantizeX")),
-        helper.make_node(
-            "QAttention", [xq, inits[0].name, inits[3].name, xs, inits[1].name, "", xz, inits[2].name],
-            [view.output], name=view.name("QAttention"), domain=CONTRIB_DOMAIN,
-            num_heads=att.heads, scale=float(att.scale), unidirectional=int(att.causal),
-        ),
+        helper.make_node("QAttention", [xq, w_q, bias, xs, w_s, mask_index, xz, w_zp], [_out(view, att)],
+                         name=view.name("QAttention"), domain=CONTRIB_DOMAIN, **attrs),
     ]  # fmt: skip
-    return Rewrite(tuple(nodes), tuple(inits))
+    return _finish(view, att, nodes, inits)
 
 
 def _int8_packed_qkv(view: TaskView) -> Rewrite | None:
