@@ -57,6 +57,10 @@ from aoed.engine.tasks import CONTRIB_DOMAIN, Rewrite, TaskView
 
 __all__ = ["register"]
 
+#: the fill the kernels get in place of a mask Where's -inf where `_row_guard` applies:
+#: exp(FINITE_FILL - max) is 0 in float32 as exp(-inf) is, and a row of it is finite
+FINITE_FILL = -1e30
+
 
 class _Attention:
     """The parts of an attention subgraph a fused kernel needs."""
@@ -515,6 +519,10 @@ def _bias_input(view: TaskView, att: _Attention, nodes: list, inits: list) -> st
     if att.mask_where is not None:  # the block's own Where, kept
         copy = onnx.NodeProto()
         copy.CopyFrom(att.mask_where[0])
+        if _row_guard(view, att):  # a finite fill: a fully masked row comes out finite, then zeroed
+            fill = init(view, "mask_fill", np.array(FINITE_FILL, np.float32))
+            inits.append(fill)
+            copy.input[2 if att.mask_where[2] else 1] = fill.name
         nodes.append(copy)
     mi = view.info(att.mask)
     xi = view.info(att.x)
@@ -533,13 +541,29 @@ def _out(view: TaskView, att: _Attention) -> str:
     return view.name("attention") if att.guard else view.output
 
 
+def _row_guard(view: TaskView, att: _Attention) -> bool:
+    """Whether the block's guard can be a product by the rows' keep flags: its only mask
+    is its own Where with a fill of -inf, on a boolean with one head dimension. The kernels then get a finite fill instead, so
+    that a fully masked row comes out finite (their average) and the product makes it
+    zeros, as the guarded softmax does, for a fraction of the IsNaN and Where's cost."""
+    if not att.guard or att.causal or att.mask_where is None or att.mask_where[3] != -math.inf:
+        return False
+    ci = view.info(att.mask_where[1])
+    return ci is not None and len(ci.shape) == 4 and ci.shape[1] == 1
+
+
 def _finish(view: TaskView, att: _Attention, nodes: list, inits: list) -> Rewrite:
     """The rewrite of a fused kernel; where the block guards its softmax (Where(IsNaN(P),
-    0, P), torch's sdpa export), the same guard on the kernel's output. A query row whose
+    0, P), torch's sdpa export), the same effect on the kernel's output. A query row whose
     keys are all masked by -inf is NaN in the kernels as in the softmax; the block makes it
     zeros, and so does this: without it, such a row (a left-padded position) would come
-    out NaN."""
-    if att.guard:
+    out NaN. With `_row_guard`, the output times each row's keep flag (whether any key is
+    kept); otherwise IsNaN and Where on the output."""
+    if _row_guard(view, att):
+        nodes.append(helper.make_node(
+            "Mul", [_out(view, att), _row_keeps(view, att, nodes, inits)], [view.output], name=view.name("RowGuard"),
+        ))  # fmt: skip
+    elif att.guard:
         nan, zero = view.name("nan"), init(view, "zero", np.zeros((), np.float32))
         inits.append(zero)
         nodes += [
@@ -547,6 +571,34 @@ def _finish(view: TaskView, att: _Attention, nodes: list, inits: list) -> Rewrit
             helper.make_node("Where", [nan, zero.name, _out(view, att)], [view.output], name=view.name("NanGuard")),
         ]
     return Rewrite(tuple(nodes), tuple(inits))
+
+
+def _row_keeps(view: TaskView, att: _Attention, nodes: list, inits: list) -> str:
+    """[B|1, S|1, 1] float: 1 where a query row keeps any key under the block's mask
+    Where, 0 where it keeps none."""
+    assert att.mask_where is not None
+    _node, cond, keeps, _fill = att.mask_where
+    names = [view.name(n) for n in ("row_keepf", "row_any", "row_keep")]
+    nodes.append(helper.make_node("Cast", [cond], [names[0]], name=view.name("RowCast"), to=onnx.TensorProto.FLOAT))
+    if keeps:
+        reduce = "ReduceMax"
+    else:  # the boolean marks masked positions: a row keeps nothing where its min is 1
+        reduce = "ReduceMin"
+    if view.opset >= 18:
+        axes = init(view, "row_axes", np.array([-1], np.int64))
+        inits.append(axes)
+        nodes.append(helper.make_node(reduce, [names[0], axes.name], [names[1]], name=view.name("RowAny"), keepdims=1))
+    else:
+        nodes.append(helper.make_node(reduce, [names[0]], [names[1]], name=view.name("RowAny"), axes=[-1], keepdims=1))
+    if not keeps:
+        one = init(view, "row_one", np.ones((), np.float32))
+        inits.append(one)
+        nodes.append(helper.make_node("Sub", [one.name, names[1]], [view.name("row_some")], name=view.name("RowSome")))
+        names[1] = view.name("row_some")
+    shape = init(view, "row_keep_shape", np.array([0, -1, 1], np.int64))  # [B, 1, S, 1] as [B, S, 1]
+    inits.append(shape)
+    nodes.append(helper.make_node("Reshape", [names[1], shape.name], [names[2]], name=view.name("RowKeep")))
+    return names[2]
 
 
 def _fused_attention(view: TaskView) -> Rewrite | None:
@@ -761,7 +813,7 @@ def _int8_qattention(view: TaskView) -> Rewrite | None:
         got = _raw_mask(view, att, nodes, inits)
         if got is None:
             return None
-        mask_index, fill = got, att.mask_where[3]  # type: ignore[index]
+        mask_index, fill = got, FINITE_FILL if _row_guard(view, att) else att.mask_where[3]  # type: ignore[index]
     weights, biases = _per_head(att)
     wq, ws = int8_weight(np.concatenate(weights, axis=1).astype(np.float32), per_channel=True)
     inits += [init(view, "qkv_weight_q", wq), init(view, "qkv_weight_scale", ws),
