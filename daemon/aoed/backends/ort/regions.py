@@ -14,7 +14,8 @@ input's scale (it only picks values), so no requantization sits there.
 numbered i, j (0-based, in graph order) in float: the engine measures each Conv's
 sensitivity in context (how far the region's output moves when only that Conv is int8,
 on the task's real input activations) and tries the region with the most sensitive
-ones kept in float, so that they alone stay float.
+ones kept in float, so that they alone stay float; and with the shallow ones (a stem on
+a one-channel image) kept in float, where int8 has too little arithmetic to be faster.
 """
 
 from __future__ import annotations
@@ -30,6 +31,11 @@ __all__ = ["int8_region", "int8_region_param", "propose_float_convs", "region_co
 
 #: How many of the most sensitive Convs the variants keep in float (1, 2, ... this many).
 MAX_FLOAT = 3
+
+#: A Conv whose outputs each sum fewer products than this (input channels per group times
+#: kernel area: a stem on a 1- or 3-channel image, 3x3) has too little arithmetic for
+#: int8 to pay its quantized layout: one variant keeps those Convs in float.
+SHALLOW = 32
 
 _READERS = ("Conv", "Add", "MaxPool", "AveragePool", "GlobalAveragePool")
 
@@ -191,7 +197,9 @@ def _cosine(a: np.ndarray, b: np.ndarray) -> float:
 def propose_float_convs(view: TaskView, evaluate, notes: list[str]) -> list[str]:
     """Measure each Conv's sensitivity in context, on the task's real inputs: the error
     of the region's output (1 - cosine against float) when that Conv alone is int8.
-    Propose the region with the 1, 2, ... MAX_FLOAT most sensitive Convs in float."""
+    Propose the region with the 1, 2, ... MAX_FLOAT most sensitive Convs in float, and
+    with the shallow ones (`SHALLOW`) in float, where int8 would be slower, not less
+    accurate."""
     convs = region_convs(view)
     if len(convs) < 2 or int8_region(view) is None:
         return []
@@ -206,5 +214,20 @@ def propose_float_convs(view: TaskView, evaluate, notes: list[str]) -> list[str]
                  + ", ".join(f"{i}:{errors[i]:.2e}" for i in order))  # fmt: skip
     out = []
     for k in range(1, min(MAX_FLOAT, len(convs) - 1) + 1):
-        out.append("int8_region:f" + ".".join(str(i) for i in sorted(order[:k])))
+        out.append(_name(order[:k]))
+    shallow = [i for i, c in enumerate(convs) if _depth(view, c) < SHALLOW]
+    if shallow and len(shallow) < len(convs) and _name(shallow) not in out:
+        notes.append(f"Convs with fewer than {SHALLOW} products per output, tried in float: "
+                     + ", ".join(str(i) for i in shallow))  # fmt: skip
+        out.append(_name(shallow))
     return out
+
+
+def _name(keep_float) -> str:
+    return "int8_region:f" + ".".join(str(i) for i in sorted(keep_float))
+
+
+def _depth(view: TaskView, conv: onnx.NodeProto) -> int:
+    """Products summed per output of `conv`: input channels per group times kernel area."""
+    w = view.const(conv.input[1])
+    return int(np.prod(w.shape[1:])) if w is not None and w.ndim == 4 else SHALLOW
