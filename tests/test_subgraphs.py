@@ -328,6 +328,7 @@ def test_every_strategy_that_applies_keeps_the_outputs(variant: str, tmp_path: P
     ref = _run(prep.model, feeds)
     consts = Constants(prep.model.graph, list(prep.model.opset_import))
     applied: dict[str, list[str]] = {}
+    gelu_out: dict[str, np.ndarray] = {}
     for task in partition(prep.model, prep.ctx, "sgat"):
         for strategy in REGISTRY.strategies_for(task.family, "int8"):
             if strategy.name == "default":
@@ -337,6 +338,8 @@ def test_every_strategy_that_applies_keeps_the_outputs(variant: str, tmp_path: P
             except Exception:
                 continue  # does not apply to this form
             y = _run(apply_rewrites(prep.model, rewrites), feeds)
+            if strategy.name in ("int8_bias_gelu", "int8_gelu"):
+                gelu_out[strategy.name] = y
             if strategy.precision == "exact":
                 assert np.abs(y - ref).max() <= 1e-4 * np.abs(ref).max(), (task.family, strategy.name)
             elif strategy.precision == "approx":  # a float approximation: close, and not equal
@@ -360,7 +363,10 @@ def test_every_strategy_that_applies_keeps_the_outputs(variant: str, tmp_path: P
     assert "residual_as_sum" in applied["layernorm"]
     tanh = variant == "gelu_tanh"
     assert ("fast_gelu" in applied["gelu"]) == tanh and ("bias_gelu" in applied["gelu"]) != tanh
-    assert "int8_bias_gelu" in applied["gelu"]
+    assert {"int8_bias_gelu", "int8_gelu"} <= set(applied["gelu"])
+    # the same int8 product: only where its bias is added differs
+    a, b = gelu_out["int8_bias_gelu"], gelu_out["int8_gelu"]
+    assert np.abs(a - b).max() <= 1e-4 * np.abs(a).max()
     assert ("tanh_gelu" in applied["gelu"]) != tanh  # erf GELU approximated by FastGelu
 
 
@@ -368,7 +374,7 @@ def test_approximations_are_offered_under_lossy_policies_only() -> None:
     names = {p: {s.name for s in REGISTRY.strategies_for("gelu", p)} for p in ("exact", "int8", "int4")}
     assert "tanh_gelu" not in names["exact"] and "fast_gelu" in names["exact"]
     assert "tanh_gelu" in names["int8"] and "tanh_gelu" in names["int4"]
-    assert "int8_bias_gelu" not in names["int4"]
+    assert "int8_bias_gelu" not in names["int4"] and "int8_gelu" not in names["int4"]
 
 
 def test_residual_as_sum_keeps_onnxruntime_from_fusing_skip_layer_normalization(tmp_path: Path) -> None:
