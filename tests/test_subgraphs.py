@@ -103,14 +103,15 @@ def linear(g: G, x: str, k: int, n: int, bias: bool = True) -> str:
 
 def attention(g: G, x: str, *, scale_on: str = "scores_div", k_two: bool = False, mask: str | None = None,
               bias: bool = True, kv: str | None = None, sdpa: bool = False, packed: bool = False,
-              k_flat: bool = False, rotary: str | None = None, kv_heads: int = N) -> str:  # fmt: skip
+              k_flat: bool = False, rotary: str | None = None, kv_heads: int = N, flat_out: bool = False) -> str:  # fmt: skip
     """Self-attention as exporters write it; `kv` (another tensor) makes it cross-attention.
     `rotary` puts LLaMA's rotary embeddings on Q and K ("llama": tables that repeat their
     halves, as transformers builds them; "odd": tables that do not). `kv_heads` < N makes
     it grouped-query attention: K and V with fewer heads, repeated as transformers'
     repeat_kv does (Unsqueeze, Expand, Reshape; with the dynamo export's Kᵀ, that Reshape
-    merged into the flattening one)."""
-    split, merge = g.t(np.array([B, S, N, D], np.int64)), g.t(np.array([B, S, H], np.int64))
+    merged into the flattening one). `flat_out` merges the heads straight into [B*S, H],
+    as torch's dynamo export of GPT-2 does for the Conv1D after it."""
+    split, merge = g.t(np.array([B, S, N, D], np.int64)), g.t(np.array([B * S, H] if flat_out else [B, S, H], np.int64))
     kv_split = g.t(np.array([B, S, kv_heads, D], np.int64))
     k_two = k_two or (kv_heads != N and not k_flat)
 
@@ -230,7 +231,11 @@ def block(**kw) -> onnx.ModelProto:
     form = kw.pop("form", "erf")
     g = G(seed=1)
     x = g.input("x", [B, S, H])
-    a = linear(g, attention(g, x, **kw), H, H)
+    if kw.get("flat_out"):  # GPT-2's Conv1D on the merged [B*S, H]: a Gemm, then back to 3-D
+        a = g.n("Gemm", attention(g, x, **kw), g.w(H, H), g.w(H, std=0.05))
+        a = g.n("Reshape", a, g.t(np.array([B, S, H], np.int64)))
+    else:
+        a = linear(g, attention(g, x, **kw), H, H)
     h = layernorm(g, g.n("Add", a, x), **ln_kw)
     f = linear(g, gelu(g, linear(g, h, H, 2 * H), form), 2 * H, H)
     return g.model(layernorm(g, g.n("Add", f, h), **ln_kw))
@@ -275,6 +280,8 @@ VARIANTS = {
     "gqa_dynamo_padding": {"k_flat": True, "sdpa": True, "mask": "padding", "kv_heads": 2},
     "multi_query_causal": {"kv_heads": 1, "mask": "causal_where"},
     "gpt2_sdpa_causal_padding": {"packed": True, "sdpa": True, "scale_on": "q_and_k", "mask": "causal_padding_where"},
+    "gpt2_dynamo_flat_out": {"packed": True, "sdpa": True, "scale_on": "q_and_k", "mask": "causal_padding_where",
+                             "flat_out": True},
     "causal_add": {"mask": "causal_add"},
     "causal_where": {"mask": "causal_where"},
     "padding_mask": {"mask": "padding"},

@@ -453,6 +453,9 @@ def _attention_parts(view: TaskView) -> _Attention | None:
         att.mask = mask
     if not math.isfinite(att.scale):
         return None
+    oi = view.info(view.output)
+    if _flattened(view, att) and (oi is None or sum(not isinstance(d, int) for d in oi.shape) > 1):
+        return None  # a reshape to it needs its dimensions
     return att
 
 
@@ -536,9 +539,19 @@ def _bias_input(view: TaskView, att: _Attention, nodes: list, inits: list) -> st
     return out
 
 
+def _flattened(view: TaskView, att: _Attention) -> bool:
+    """Whether the block's output is not the kernels' [B, S, hidden]: torch's dynamo
+    export of GPT-2's Conv1D merges the heads straight into [B*S, hidden] for the next
+    product. The kernels' output is then reshaped to it."""
+    oi, xi = view.info(view.output), view.info(att.x)
+    if oi is None or xi is None:
+        return False
+    return tuple(oi.shape) != (*tuple(xi.shape)[:2], att.heads * att.head_dim)
+
+
 def _out(view: TaskView, att: _Attention) -> str:
-    """Where a fused kernel writes: the task's output, or before the guard `_finish` adds."""
-    return view.name("attention") if att.guard else view.output
+    """Where a fused kernel writes: the task's output, or before what `_finish` adds."""
+    return view.name("attention") if att.guard or _flattened(view, att) else view.output
 
 
 def _row_guard(view: TaskView, att: _Attention) -> bool:
@@ -558,18 +571,30 @@ def _finish(view: TaskView, att: _Attention, nodes: list, inits: list) -> Rewrit
     keys are all masked by -inf is NaN in the kernels as in the softmax; the block makes it
     zeros, and so does this: without it, such a row (a left-padded position) would come
     out NaN. With `_row_guard`, the output times each row's keep flag (whether any key is
-    kept); otherwise IsNaN and Where on the output."""
+    kept); otherwise IsNaN and Where on the output. Last, the reshape to a flattened
+    block output (`_flattened`)."""
+    flat = _flattened(view, att)
+    y = _out(view, att)
+    guarded = view.name("guarded") if flat else view.output
     if _row_guard(view, att):
         nodes.append(helper.make_node(
-            "Mul", [_out(view, att), _row_keeps(view, att, nodes, inits)], [view.output], name=view.name("RowGuard"),
+            "Mul", [y, _row_keeps(view, att, nodes, inits)], [guarded], name=view.name("RowGuard"),
         ))  # fmt: skip
+        y = guarded
     elif att.guard:
         nan, zero = view.name("nan"), init(view, "zero", np.zeros((), np.float32))
         inits.append(zero)
         nodes += [
-            helper.make_node("IsNaN", [_out(view, att)], [nan], name=view.name("IsNaN")),
-            helper.make_node("Where", [nan, zero.name, _out(view, att)], [view.output], name=view.name("NanGuard")),
+            helper.make_node("IsNaN", [y], [nan], name=view.name("IsNaN")),
+            helper.make_node("Where", [nan, zero.name, y], [guarded], name=view.name("NanGuard")),
         ]
+        y = guarded
+    if flat:
+        oi = view.info(view.output)
+        assert oi is not None
+        shape = init(view, "output_shape", np.array([d if isinstance(d, int) else -1 for d in oi.shape], np.int64))
+        inits.append(shape)
+        nodes.append(helper.make_node("Reshape", [y, shape.name], [view.output], name=view.name("OutputShape")))
     return Rewrite(tuple(nodes), tuple(inits))
 
 
