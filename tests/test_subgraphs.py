@@ -103,14 +103,16 @@ def linear(g: G, x: str, k: int, n: int, bias: bool = True) -> str:
 
 def attention(g: G, x: str, *, scale_on: str = "scores_div", k_two: bool = False, mask: str | None = None,
               bias: bool = True, kv: str | None = None, sdpa: bool = False, packed: bool = False,
-              k_flat: bool = False, rotary: str | None = None, kv_heads: int = N, flat_out: bool = False) -> str:  # fmt: skip
+              k_flat: bool = False, rotary: str | None = None, kv_heads: int = N, flat_out: bool = False,
+              additive: str | None = None) -> str:  # fmt: skip
     """Self-attention as exporters write it; `kv` (another tensor) makes it cross-attention.
     `rotary` puts LLaMA's rotary embeddings on Q and K ("llama": tables that repeat their
     halves, as transformers builds them; "odd": tables that do not). `kv_heads` < N makes
     it grouped-query attention: K and V with fewer heads, repeated as transformers'
     repeat_kv does (Unsqueeze, Expand, Reshape; with the dynamo export's Kᵀ, that Reshape
     merged into the flattening one). `flat_out` merges the heads straight into [B*S, H],
-    as torch's dynamo export of GPT-2 does for the Conv1D after it."""
+    as torch's dynamo export of GPT-2 does for the Conv1D after it. `additive` is a mask
+    made outside, added to the scores."""
     split, merge = g.t(np.array([B, S, N, D], np.int64)), g.t(np.array([B * S, H] if flat_out else [B, S, H], np.int64))
     kv_split = g.t(np.array([B, S, kv_heads, D], np.int64))
     k_two = k_two or (kv_heads != N and not k_flat)
@@ -191,6 +193,8 @@ def attention(g: G, x: str, *, scale_on: str = "scores_div", k_two: bool = False
         keep = g.n("Unsqueeze", g.n("Cast", m, to=TensorProto.BOOL), g.t(np.array([1, 2], np.int64)))
         keep = g.n("And", keep, g.t(np.tril(np.ones((S, S), bool))[None, None]))
         s = g.n("Add", s, g.n("Where", keep, g.f(0.0), g.f(-np.inf)))
+    if additive is not None:
+        s = g.n("Add", s, additive)
     p = g.n("Softmax", s, axis=-1)
     if sdpa:  # torch's sdpa export: a NaN guard after the softmax, a Reshape keeping P·V's shape
         p = g.n("Where", g.n("IsNaN", p), g.f(0.0), p)
@@ -382,6 +386,54 @@ def test_approximations_are_offered_under_lossy_policies_only() -> None:
     assert "tanh_gelu" not in names["exact"] and "fast_gelu" in names["exact"]
     assert "tanh_gelu" in names["int8"] and "tanh_gelu" in names["int4"]
     assert "int8_bias_gelu" not in names["int4"] and "int8_gelu" not in names["int4"]
+
+
+def _shared_mask_model(fill: float, zero: float = 0.0) -> onnx.ModelProto:
+    """Two attention layers adding one mask made once, Where(keep, zero, fill), as torch's
+    dynamo export writes transformers' mask."""
+    g = G(seed=2)
+    x = g.input("x", [B, S, H])
+    m = g.input("attention_mask", [B, S], TensorProto.INT64)
+    keep = g.n("Unsqueeze", g.n("Cast", m, to=TensorProto.BOOL), g.t(np.array([1, 2], np.int64)))
+    keep = g.n("And", keep, g.t(np.tril(np.ones((S, S), bool))[None, None]))
+    mask = g.n("Where", keep, g.f(zero), g.f(fill))
+    h = x
+    for _ in range(2):
+        h = g.n("Add", linear(g, attention(g, h, sdpa=True, scale_on="q_and_k", additive=mask), H, H), h)
+    return g.model(h)
+
+
+def test_a_mask_shared_by_layers_gets_a_where_per_layer_and_qattention(tmp_path: Path) -> None:
+    """torch's dynamo export makes transformers' mask once for every layer; normalization
+    gives each layer its own copy of the Where, so that each attention block holds it and
+    QAttention reads the boolean. The copies change no output."""
+    model = _shared_mask_model(-np.inf)
+    norm = normalize(model).model
+    wheres = [n for n in norm.graph.node if n.op_type == "Where" and n.input[1] != n.input[2]
+              and not any(p.op_type == "IsNaN" and p.output[0] == n.input[0] for p in norm.graph.node)]  # fmt: skip
+    assert len(wheres) == 2 and len({w.output[0] for w in wheres}) == 2
+    assert len({w.input[0] for w in wheres}) == 1  # one boolean
+    assert _families(model) == ["attention", "attention"]
+    feeds = _feeds(model)
+    ref = _run(model, feeds)
+    assert np.array_equal(_run(norm, feeds), ref)
+    src = tmp_path / "m.onnx"
+    onnx.save(model, src)
+    prep = prepare(src, tmp_path)
+    consts = Constants(prep.model.graph, list(prep.model.opset_import))
+    rewrites = {k: r for task in partition(prep.model, prep.ctx, "sgat")
+                for k, r in task_rewrites(prep.model, prep.ctx, consts, task, "int8_qattention", REGISTRY).items()}  # fmt: skip
+    tuned = apply_rewrites(prep.model, rewrites)
+    assert [n.op_type for n in tuned.graph.node].count("QAttention") == 2
+    y = _run(tuned, feeds)
+    assert np.isfinite(y).all()
+    assert float((y * ref).sum() / np.linalg.norm(y) / np.linalg.norm(ref)) > 0.99
+
+
+def test_a_shared_where_that_is_no_mask_stays_shared() -> None:
+    for model in (_shared_mask_model(-1.0), _shared_mask_model(0.0, zero=1.0)):
+        norm = normalize(model).model
+        assert sum(n.op_type == "Where" for n in norm.graph.node) == sum(n.op_type == "Where" for n in model.graph.node)
 
 
 def test_residual_as_sum_keeps_onnxruntime_from_fusing_skip_layer_normalization(tmp_path: Path) -> None:

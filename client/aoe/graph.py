@@ -14,6 +14,11 @@ both run lives here, in the light client, and uses onnx alone (no onnxruntime):
        shape (exports that compute shapes at run time from Shape nodes, as torch.onnx
        does for masks and buffers), again on a scratch copy whose shape computations are
        evaluated (onnx.reference), and the shapes found are recorded on the model
+    -> an attention mask made once and added to the scores of many layers
+       (Where(keep, 0, -inf), as torch's dynamo export writes it) gets one copy of its
+       Where per layer, so that each attention block holds its own, as the TorchScript
+       exporter writes it, and a fused kernel can read the boolean (onnxruntime's
+       common subexpression elimination merges the copies again where nothing fused)
 
 Nothing is folded or fused: weights that nodes compute (a Transpose of an initializer,
 a DequantizeLinear, a Reshape) stay as the input has them, and `ModelContext` knows
@@ -270,6 +275,73 @@ def _fill_shapes(model: onnx.ModelProto) -> None:
                                                               list(np.asarray(v).shape)))  # fmt: skip
 
 
+#: an additive mask's fill at or below this masks a score out (as aoe._attention.MASKED)
+_MASKED = -1e4
+
+
+def _scalar(g: onnx.GraphProto, name: str) -> float | None:
+    from onnx import numpy_helper
+
+    for t in g.initializer:
+        if t.name == name:
+            v = numpy_helper.to_array(t)
+            return float(v.reshape(-1)[0]) if v.size == 1 else None
+    return None
+
+
+def _own_masks(model: onnx.ModelProto, notes: list[str]) -> None:
+    """One copy of a shared mask Where per Add that reads it (see the module doc): a
+    Where(cond, 0, fill) or Where(cond, fill, 0) of a 4-D boolean activation, fill a
+    constant at or below _MASKED, read by Adds alone, two or more."""
+    g = model.graph
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for n in g.node:
+        for i in dict.fromkeys(n.input):
+            readers.setdefault(i, []).append(n)
+    consts = {t.name for t in g.initializer}
+    ranks = {vi.name: len(vi.type.tensor_type.shape.dim) for vi in [*g.input, *g.value_info]
+             if vi.type.HasField("tensor_type") and vi.type.tensor_type.HasField("shape")}  # fmt: skip
+    outputs = {o.name for o in g.output}
+    infos = {vi.name: vi for vi in g.value_info}
+    copies: dict[int, list[onnx.NodeProto]] = {}
+    for idx, w in enumerate(g.node):
+        if w.op_type != "Where" or w.domain not in ("", "ai.onnx") or w.output[0] in outputs:
+            continue
+        users = readers.get(w.output[0], [])
+        if len(users) < 2 or any(u.op_type != "Add" for u in users):
+            continue
+        if w.input[0] in consts or ranks.get(w.input[0]) != 4:
+            continue
+        a, b = _scalar(g, w.input[1]), _scalar(g, w.input[2])
+        if a is None or b is None or (a == 0.0) == (b == 0.0):
+            continue
+        fill = b if a == 0.0 else a
+        if np.isnan(fill) or fill > _MASKED:
+            continue
+        for k, user in enumerate(users[1:], 1):
+            out = f"{w.output[0]}/own{k}"
+            copy = helper.make_node("Where", list(w.input), [out], name=f"{w.name}/own{k}")
+            for j, i in enumerate(user.input):
+                if i == w.output[0]:
+                    user.input[j] = out
+            if w.output[0] in infos:
+                vi = onnx.ValueInfoProto()
+                vi.CopyFrom(infos[w.output[0]])
+                vi.name = out
+                g.value_info.append(vi)
+            copies.setdefault(idx, []).append(copy)
+    if not copies:
+        return
+    nodes = []
+    for idx, n in enumerate(g.node):
+        nodes.append(n)
+        nodes.extend(copies.get(idx, []))
+    del g.node[:]
+    g.node.extend(nodes)
+    shared = len(copies)
+    notes.append(f"{shared} attention mask(s) shared by several layers: each layer got its own copy of the Where")
+
+
 def _numel(dims) -> int:
     n = 1
     for d in dims:
@@ -306,4 +378,5 @@ def normalize(
         except Exception as exc:
             raise ModelError(f"{source}: invalid model: {exc}".splitlines()[0]) from None
     m = _infer(m, source, strict)
+    _own_masks(m, notes)
     return Normalized(m, notes)
