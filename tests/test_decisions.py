@@ -119,3 +119,36 @@ def test_the_confirming_verdict_follows_its_interval(ratios: list[float], verdic
     assert got == verdict
     assert lo <= med <= hi
     assert (hi < 1.0) == (verdict == "faster") and (lo > 1.0) == (verdict == "slower")
+
+
+def test_the_thread_count_is_tuned_only_while_the_cores_are_free() -> None:
+    from aoed.engine.session import QUIET_SCALING, busy_cores_note
+
+    one = _m([520.0, 530.0, 525.0])
+    assert busy_cores_note(one, _m([290.0, 295.0, 300.0]), 2) is None  # 1.78x: free
+    note = busy_cores_note(one, _m([520.0, 528.0, 531.0]), 2)  # no faster on two: busy
+    assert note is not None and "not tuned" in note and "0.99x" in note and f"{QUIET_SCALING}x" in note
+    assert busy_cores_note(one, _m([525.0 / QUIET_SCALING * 1.01] * 3), 2) is not None  # just under
+    failed = busy_cores_note(Measurement(False, error="boom"), _m([290.0]), 2)
+    assert failed is not None and "could not be measured" in failed
+
+
+def test_the_cores_probe_is_one_product_that_runs_alike_on_one_thread_and_on_two(tmp_path) -> None:
+    import numpy as np
+    import onnxruntime as ort
+
+    from aoed.engine.session import probe_model
+
+    model, inputs = probe_model(tmp_path)
+    with np.load(inputs, allow_pickle=False) as data:
+        feeds = {k: data[k] for k in data.files}
+    outs = []
+    for threads in (1, 2):
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = threads
+        sess = ort.InferenceSession(str(model), so, providers=["CPUExecutionProvider"])
+        assert [i.name for i in sess.get_inputs()] == list(feeds)
+        outs.append(sess.run(None, feeds)[0])
+    assert outs[0].shape == (256, 512)
+    np.testing.assert_allclose(outs[0], outs[1], rtol=1e-4, atol=1e-3)
+    assert probe_model(tmp_path)[0].read_bytes() == model.read_bytes()  # the same probe every time

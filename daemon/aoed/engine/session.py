@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,9 +27,50 @@ from aoed.engine import bankrules, decisions
 from aoed.engine.assemble import SESSION_FAMILY
 from aoed.engine.budget import Budget
 from aoed.engine.context import JobContext
-from aoed.engine.messages import Candidate, Measurement
+from aoed.engine.messages import Candidate, Measurement, MeasurePlan
 
-__all__ = ["SessionChoice", "remember_context", "search_session"]
+__all__ = ["QUIET_SCALING", "SessionChoice", "busy_cores_note", "probe_model", "remember_context", "search_session"]
+
+#: How much faster `probe_model` must run on all of a CPU's cores than on one for the
+#: thread count to be tuned. Measured here on 2 free cores: 1.78-1.86x; with a busy loop
+#: on one of them, 0.99x at first.
+QUIET_SCALING = 1.4
+
+
+def probe_model(folder: Path) -> tuple[Path, Path]:
+    """Write the probe (one [256, 512] x [512, 512] float product, fixed values) and its
+    inputs into `folder`; (model, inputs)."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    w = numpy_helper.from_array(rng.standard_normal((512, 512)).astype(np.float32), "w")
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"], name="probe")], "cores_probe",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [256, 512])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [256, 512])], [w],
+    )  # fmt: skip
+    model, inputs = folder / "cores_probe.onnx", folder / "cores_probe.npz"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]), model)
+    np.savez(inputs, x=rng.standard_normal((256, 512)).astype(np.float32))
+    return model, inputs
+
+
+def busy_cores_note(one: Measurement, every: Measurement, cores: int) -> str | None:
+    """Why the thread count is not tuned when the probe on one thread (`one`) and on all
+    `cores` (`every`) shows the cores busy; None when they are free."""
+    if not (one.ok and every.ok and every.median_us > 0):
+        return "session options: intra-op threads not tuned: the cores probe could not be measured"
+    scaling = one.median_us / every.median_us
+    if math.isfinite(scaling) and scaling >= QUIET_SCALING:
+        return None
+    return (
+        f"session options: intra-op threads not tuned: a product ran {scaling:.2f}x as fast on {cores} threads as on "
+        f"one (at least {QUIET_SCALING}x when the cores are free); other work holds them, and a thread count "
+        f"chosen now would not hold once it stops"
+    )
 
 
 def dimensions(cores: int) -> list[tuple[str, list[dict[str, Any]]]]:
@@ -82,6 +124,13 @@ async def search_session(
         if seconds < 0.3:
             ctx.notes.append(f"session options: {', '.join(d for d, _ in dims[i:])} not tried, the budget is spent")
             break
+        if dim == "intra_op_num_threads" and ctx.device.cores > 1:
+            before = ctx.ledger.device_by.get("session", 0.0)
+            note = await _busy_cores(ctx, min(0.5, seconds / 2))
+            pool -= ctx.ledger.device_by.get("session", 0.0) - before
+            if note is not None:
+                ctx.notes.append(note)
+                continue
         cands = {"current": current}
         for v in values:
             cands[canonical_json(v)] = _merge(current, v)
@@ -119,6 +168,22 @@ async def search_session(
                                       ctx.opts.precision, cur_res, base_res, ctx.job_id, ctx.opts.model.name)  # fmt: skip
         return SessionChoice(current, "update", write, len(trials))
     return SessionChoice(json.loads(rec.strategy), "reserved", None, len(trials))
+
+
+async def _busy_cores(ctx: JobContext, seconds: float) -> str | None:
+    """`busy_cores_note` of the probe measured on the job's device now."""
+    import trio
+
+    model, inputs = await trio.to_thread.run_sync(probe_model, ctx.workspace.scratch / "cores_probe")
+    cores = ctx.device.cores
+    try:
+        got = await ctx.measure(
+            [Candidate("one", model, {"intra_op_num_threads": 1}), Candidate("every", model, {"intra_op_num_threads": cores})],
+            "every", seconds, inputs=inputs, plan=MeasurePlan.fixed(7, seconds), category="session",
+        )  # fmt: skip
+    except DeviceError as exc:
+        return f"session options: intra-op threads not tuned: the cores probe failed ({exc})"
+    return busy_cores_note(got["one"], got["every"], cores)
 
 
 async def remember_context(
