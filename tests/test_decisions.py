@@ -152,3 +152,12 @@ def test_the_cores_probe_is_one_product_that_runs_alike_on_one_thread_and_on_two
     assert outs[0].shape == (256, 512)
     np.testing.assert_allclose(outs[0], outs[1], rtol=1e-4, atol=1e-3)
     assert probe_model(tmp_path)[0].read_bytes() == model.read_bytes()  # the same probe every time
+
+
+def test_only_a_thread_count_below_the_cores_is_checked_again() -> None:
+    from aoed.engine.session import fewer_threads
+
+    assert fewer_threads({"intra_op_num_threads": 1}, 2)
+    assert not fewer_threads({"intra_op_num_threads": 2}, 2)
+    assert not fewer_threads({"graph_optimization_level": "basic"}, 2)
+    assert not fewer_threads({"intra_op_num_threads": 0}, 4)  # onnxruntime's default: every core

@@ -29,7 +29,16 @@ from aoed.engine.budget import Budget
 from aoed.engine.context import JobContext
 from aoed.engine.messages import Candidate, Measurement, MeasurePlan
 
-__all__ = ["QUIET_SCALING", "SessionChoice", "busy_cores_note", "probe_model", "remember_context", "search_session"]
+__all__ = [
+    "QUIET_SCALING",
+    "SessionChoice",
+    "busy_cores",
+    "busy_cores_note",
+    "fewer_threads",
+    "probe_model",
+    "remember_context",
+    "search_session",
+]
 
 #: How much faster `probe_model` must run on all of a CPU's cores than on one for the
 #: thread count to be tuned. Measured here on 2 free cores: 1.78-1.86x; with a busy loop
@@ -126,7 +135,7 @@ async def search_session(
             break
         if dim == "intra_op_num_threads" and ctx.device.cores > 1:
             before = ctx.ledger.device_by.get("session", 0.0)
-            note = await _busy_cores(ctx, min(0.5, seconds / 2))
+            note = await busy_cores(ctx, min(0.5, seconds / 2))
             pool -= ctx.ledger.device_by.get("session", 0.0) - before
             if note is not None:
                 ctx.notes.append(note)
@@ -148,6 +157,11 @@ async def search_session(
         if base_res is None:
             base_res = measured["current"]
         best = decisions.best(measured, "current", lambda m: ctx.policy.task_ok(m.accuracy()))
+        if best != "current" and fewer_threads(cands[best], ctx.device.cores):
+            note = await busy_cores(ctx, min(0.5, budget.remaining_s / 4))
+            if note is not None:  # other work came while the threads were measured
+                ctx.notes.append(f"{note} ({cands[best]} had won meanwhile)")
+                best = "current"
         if best != "current":
             current = cands[best]
         cur_res = measured[best]
@@ -170,7 +184,13 @@ async def search_session(
     return SessionChoice(json.loads(rec.strategy), "reserved", None, len(trials))
 
 
-async def _busy_cores(ctx: JobContext, seconds: float) -> str | None:
+def fewer_threads(options: dict[str, Any], cores: int) -> bool:
+    """Whether `options` run fewer intra-op threads than the device has cores."""
+    threads = options.get("intra_op_num_threads") or 0
+    return 0 < int(threads) < cores
+
+
+async def busy_cores(ctx: JobContext, seconds: float) -> str | None:
     """`busy_cores_note` of the probe measured on the job's device now."""
     import trio
 

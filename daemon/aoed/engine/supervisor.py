@@ -16,6 +16,7 @@ what it has, and says so); the confirming A/B is the figure the job reports.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import resource
@@ -54,7 +55,7 @@ from aoed.engine.messages import (
 from aoed.engine.outputs import result_json, write_json
 from aoed.engine.prep import Limits
 from aoed.engine.registry import DEFAULT
-from aoed.engine.session import SessionChoice, remember_context, search_session
+from aoed.engine.session import SessionChoice, busy_cores, fewer_threads, remember_context, search_session
 from aoed.engine.taskagent import TaskAgent, TaskDecision
 from aoed.engine.verify import REVERTED, Verified, hold_to_budget, verify
 
@@ -231,6 +232,14 @@ async def run_stages(ctx: JobContext) -> JobResult:
     ctx.notes.extend(v.notes)
 
     await ctx.stage("confirming")
+    if cached is None and fewer_threads(v.options, ctx.device.cores):
+        busy = await busy_cores(ctx, 0.5)
+        if busy is not None:  # the thread count would be confirmed under the same load
+            dropped = v.options["intra_op_num_threads"]
+            v = dataclasses.replace(v, options={k: o for k, o in v.options.items() if k != "intra_op_num_threads"})
+            if not v.options and v.outcome == "options only":  # nothing left to propose
+                v = dataclasses.replace(v, outcome="reverted to input", source="input")
+            ctx.notes.append(f"{busy} (intra_op_num_threads={dropped} dropped before the confirming A/B)")
     conf, ship, evidence = await _confirm(ctx, v, cached)
     ctx.notes.extend(conf.notes)
     shipped_choices = v.choices if conf.shipped == "tuned" else {}
