@@ -23,7 +23,7 @@ import onnx
 
 from aoe._sgraph import STD, Graph, Match
 
-__all__ = ["attention"]
+__all__ = ["MASKED", "attention", "mask_fill"]
 
 
 def _scaled(g: Graph, tensor: str, nodes: list[onnx.NodeProto]) -> str:
@@ -240,6 +240,15 @@ def _unflattened(g: Graph, tensor: str, nodes: list[onnx.NodeProto]) -> str | No
 MASKED = -1e4
 
 
+def mask_fill(a: float | None, b: float | None) -> float | None:
+    """The fill of a Where(cond, a, b) that makes an additive mask from a boolean: one
+    branch 0, the other a constant at or below MASKED (-inf too); None otherwise."""
+    if a is None or b is None or (a == 0.0) == (b == 0.0):
+        return None
+    fill = b if a == 0.0 else a
+    return None if math.isnan(fill) or fill > MASKED else fill
+
+
 def _mask_where(g: Graph, mask: str, add: onnx.NodeProto) -> onnx.NodeProto | None:
     """The `Where(cond, 0, fill)` (or `Where(cond, fill, 0)`) that makes the additive
     `mask` from a boolean computed outside, fill a constant at or below MASKED (-inf
@@ -249,11 +258,7 @@ def _mask_where(g: Graph, mask: str, add: onnx.NodeProto) -> onnx.NodeProto | No
     w = g.node(mask, "Where")
     if w is None or mask in g.outputs or g.users(mask) != [add] or g.is_const(w.input[0]):
         return None
-    a, b = g.scalar(w.input[1]), g.scalar(w.input[2])
-    if a is None or b is None or not any(v == 0.0 for v in (a, b)):
-        return None
-    fill = b if a == 0.0 else a
-    if math.isnan(fill) or fill > MASKED:
+    if mask_fill(g.scalar(w.input[1]), g.scalar(w.input[2])) is None:
         return None
     cond = g.ctx.tensors.get(w.input[0])
     return w if cond is not None and len(cond.shape) == 4 else None

@@ -275,30 +275,25 @@ def _fill_shapes(model: onnx.ModelProto) -> None:
                                                               list(np.asarray(v).shape)))  # fmt: skip
 
 
-#: an additive mask's fill at or below this masks a score out (as aoe._attention.MASKED)
-_MASKED = -1e4
-
-
-def _scalar(g: onnx.GraphProto, name: str) -> float | None:
-    from onnx import numpy_helper
-
-    for t in g.initializer:
-        if t.name == name:
-            v = numpy_helper.to_array(t)
-            return float(v.reshape(-1)[0]) if v.size == 1 else None
-    return None
-
-
 def _own_masks(model: onnx.ModelProto, notes: list[str]) -> None:
     """One copy of a shared mask Where per Add that reads it (see the module doc): a
-    Where(cond, 0, fill) or Where(cond, fill, 0) of a 4-D boolean activation, fill a
-    constant at or below _MASKED, read by Adds alone, two or more."""
+    Where(cond, 0, fill) or Where(cond, fill, 0) of a 4-D boolean activation
+    (`aoe._attention.mask_fill`), read by Adds alone, two or more."""
+    from onnx import numpy_helper
+
+    from aoe._attention import mask_fill
+
     g = model.graph
+    consts = {t.name for t in g.initializer}
+    scalars: dict[str, float] = {}
+    for t in g.initializer:
+        v = numpy_helper.to_array(t) if _numel(t.dims) == 1 else None
+        if v is not None and v.dtype.kind in "fiub":
+            scalars[t.name] = float(v.reshape(-1)[0])
     readers: dict[str, list[onnx.NodeProto]] = {}
     for n in g.node:
         for i in dict.fromkeys(n.input):
             readers.setdefault(i, []).append(n)
-    consts = {t.name for t in g.initializer}
     ranks = {vi.name: len(vi.type.tensor_type.shape.dim) for vi in [*g.input, *g.value_info]
              if vi.type.HasField("tensor_type") and vi.type.tensor_type.HasField("shape")}  # fmt: skip
     outputs = {o.name for o in g.output}
@@ -312,11 +307,7 @@ def _own_masks(model: onnx.ModelProto, notes: list[str]) -> None:
             continue
         if w.input[0] in consts or ranks.get(w.input[0]) != 4:
             continue
-        a, b = _scalar(g, w.input[1]), _scalar(g, w.input[2])
-        if a is None or b is None or (a == 0.0) == (b == 0.0):
-            continue
-        fill = b if a == 0.0 else a
-        if np.isnan(fill) or fill > _MASKED:
+        if mask_fill(scalars.get(w.input[1]), scalars.get(w.input[2])) is None:
             continue
         for k, user in enumerate(users[1:], 1):
             out = f"{w.output[0]}/own{k}"
@@ -338,8 +329,7 @@ def _own_masks(model: onnx.ModelProto, notes: list[str]) -> None:
         nodes.extend(copies.get(idx, []))
     del g.node[:]
     g.node.extend(nodes)
-    shared = len(copies)
-    notes.append(f"{shared} attention mask(s) shared by several layers: each layer got its own copy of the Where")
+    notes.append(f"{len(copies)} attention mask(s) shared by several layers: each layer got its own copy of the Where")
 
 
 def _numel(dims) -> int:

@@ -50,7 +50,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from aoe._attention import MASKED
+from aoe._attention import mask_fill
 from aoed.backends.ort._rewrite import Nodes, attrs_of, init, int8_weight, scalar
 from aoed.engine.registry import StrategyRegistry
 from aoed.engine.tasks import CONTRIB_DOMAIN, Rewrite, TaskView
@@ -465,11 +465,9 @@ def _mask_where(nodes: Nodes, mask: str) -> tuple[onnx.NodeProto, str, bool, flo
     w = nodes.made(mask, "Where")
     if w is None or w.input[0] in nodes.producer:
         return None
-    a, b = scalar(nodes.view, w.input[1]), scalar(nodes.view, w.input[2])
-    if a is None or b is None or (a != 0.0) == (b != 0.0):
-        return None
-    fill = b if a == 0.0 else a
-    if math.isnan(fill) or fill > MASKED:
+    a = scalar(nodes.view, w.input[1])
+    fill = mask_fill(a, scalar(nodes.view, w.input[2]))
+    if fill is None:
         return None
     return w, w.input[0], a == 0.0, fill
 
