@@ -121,7 +121,16 @@ def test_the_confirming_verdict_follows_its_interval(ratios: list[float], verdic
     assert (hi < 1.0) == (verdict == "faster") and (lo > 1.0) == (verdict == "slower")
 
 
-def test_the_thread_count_is_tuned_only_while_the_cores_are_free() -> None:
+def test_the_session_search_leaves_the_thread_count_alone() -> None:
+    # measured with spinning off, fewer threads win where a deployed session loses
+    from aoed.engine.session import dimensions
+
+    for cores in (1, 2, 16):
+        tried = [k for _, values in dimensions(cores) for v in values for k in v]
+        assert tried and "intra_op_num_threads" not in tried
+
+
+def test_a_banked_thread_count_is_kept_only_while_the_cores_are_free() -> None:
     from aoed.engine.session import QUIET_SCALING, busy_cores_note
 
     one = _m([520.0, 530.0, 525.0])
