@@ -705,6 +705,86 @@ def test_gated_ffns_are_found_and_their_strategies_keep_the_outputs(variant: str
     assert ("QuickGelu" in applied["packed_glu"]) == silu and "Sigmoid" not in applied.get("silu_kernel", [])
 
 
+def rmsnorm(g: G, x: str, *, square: str = "Pow", divide: str = "Reciprocal", scale: bool = True) -> str:
+    """LLaMA's RMSNorm written out: x / sqrt(mean(x²) + eps) · w (torch's dynamo export:
+    Pow and x · Reciprocal; the TorchScript one: Div)."""
+    sq = g.n("Pow", x, g.f(2.0)) if square == "Pow" else g.n("Mul", x, x)
+    rms = g.n("Sqrt", g.n("Add", g.n("ReduceMean", sq, axes=[-1]), g.f(1e-6)))
+    y = g.n("Div", x, rms) if divide == "Div" else g.n("Mul", x, g.n("Reciprocal", rms))
+    return g.n("Mul", g.t(g.rng.uniform(0.9, 1.1, H).astype(np.float32)), y) if scale else y
+
+
+RMS_VARIANTS = {
+    "dynamo_reciprocal": {},
+    "torchscript_div": {"divide": "Div"},
+    "square_as_mul": {"square": "Mul"},
+    "no_scale": {"scale": False},
+}
+
+
+@pytest.mark.parametrize("post_norm", [False, True])
+@pytest.mark.parametrize("variant", list(RMS_VARIANTS))
+def test_rmsnorm_is_found_and_runs_on_onnxruntimes_kernel(variant: str, post_norm: bool, tmp_path: Path) -> None:
+    """Pre-norm (LLaMA: the residual sum also feeds the next residual, so it stays out)
+    and post-norm (the residual Add joins the task). simplified_layer_normalization
+    writes the form onnxruntime fuses into SimplifiedLayerNormalization, in standard ops;
+    the LayerNorm strategies, which subtract the mean, do not take it."""
+    g = G(seed=7)
+    x = g.input("x", [B, S, H])
+    h = g.n("Add", linear(g, x, H, H), x)
+    n = rmsnorm(g, h, **RMS_VARIANTS[variant])
+    if post_norm:
+        model = g.model(n)
+    else:
+        model = g.model(g.n("Add", linear(g, n, H, H), h))
+    model = anonymize(model)
+    assert _families(model) == ["layernorm"]
+    src = tmp_path / "m.onnx"
+    onnx.save(model, src)
+    prep = prepare(src, tmp_path)
+    [task] = [t for t in partition(prep.model, prep.ctx, "sgat") if t.family == "layernorm"]
+    assert task.op_type.startswith("Add+") == post_norm, task.op_type
+    consts = Constants(prep.model.graph, list(prep.model.opset_import))
+    feeds = _feeds(prep.model)
+    ref = _run(prep.model, feeds)
+    applied = {}
+    for strategy in REGISTRY.strategies_for("layernorm", "int8"):
+        if strategy.name == "default":
+            continue
+        try:
+            rewrites = task_rewrites(prep.model, prep.ctx, consts, task, strategy.name, REGISTRY)
+        except Exception:
+            continue  # does not apply to this form
+        tuned = apply_rewrites(prep.model, rewrites)
+        onnx.checker.check_model(tuned)
+        y = _run(tuned, feeds)
+        assert np.abs(y - ref).max() <= 1e-4 * np.abs(ref).max(), strategy.name
+        applied[strategy.name] = tuned
+    assert set(applied) == {"simplified_layer_normalization"} | ({"skip_simplified_layer_normalization"} if post_norm else set())
+    so = ort.SessionOptions()
+    so.optimized_model_filepath = str(tmp_path / "opt.onnx")
+    ort.InferenceSession(applied["simplified_layer_normalization"].SerializeToString(), so, providers=["CPUExecutionProvider"])
+    ops = [n.op_type for n in onnx.load(so.optimized_model_filepath).graph.node]
+    assert not {"Pow", "ReduceMean", "Sqrt", "Reciprocal", "Div"} & set(ops), ops
+    assert {"SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization"} & set(ops), ops
+
+
+def test_what_is_no_rmsnorm_is_left_to_opat() -> None:
+    g = G()
+    x = g.input("x", [B, S, H])
+    sq = g.n("Pow", x, g.f(3.0))  # not a square
+    assert _families(g.model(g.n("Mul", x, g.n("Reciprocal", g.n("Sqrt", g.n("Add", g.n("ReduceMean", sq, axes=[-1]), g.f(1e-6))))))) == []
+    g = G()
+    x = g.input("x", [B, S, H])
+    sq = g.n("Pow", x, g.f(2.0))
+    rms = g.n("Sqrt", g.n("Add", g.n("ReduceMean", sq, axes=[1]), g.f(1e-6)))  # not the last axis
+    assert _families(g.model(g.n("Div", x, rms))) == []
+    g = G()
+    x, other = g.input("x", [B, S, H]), g.input("other", [B, S, H])
+    rms = g.n("Sqrt", g.n("Add", g.n("ReduceMean", g.n("Pow", x, g.f(2.0)), axes=[-1]), g.f(1e-6)))
+    assert _families(g.model(g.n("Div", other, rms))) == []  # another tensor divided
+
+
 def test_what_is_not_a_gated_ffn_is_left_to_opat() -> None:
     g = G()
     x, other = g.input("x", [B, S, H]), g.input("other", [B, S, H])

@@ -18,7 +18,9 @@ families:
               Sqrt, Div or Reciprocal+Mul, then an optional scale Mul and bias Add), or a
               LayerNormalization node; either with the residual Add in front of it when
               that sum feeds nothing else (post-norm blocks). A lone LayerNormalization
-              is already fused and is no task.
+              is already fused and is no task. Also RMSNorm written out (LLaMA-style:
+              Pow or Mul for x², ReduceMean, Add eps, Sqrt, Div or Reciprocal+Mul, an
+              optional scale Mul), with a residual Add in front on the same terms.
   conv_region a CNN's convolutional trunk: a connected run of Convs (constant weights),
               inference BatchNormalizations, Relus, residual Adds and pooling, at least
               two Convs, with one output leaving it (where the head begins); int8 can
@@ -126,6 +128,54 @@ def _layernorm(g: Graph, r1: onnx.NodeProto) -> Match | None:
         nodes.append(res)
     ordered = g.sorted(nodes)
     return Match("layernorm", ordered) if g.closed(ordered) else None
+
+
+def _rmsnorm(g: Graph, r: onnx.NodeProto) -> Match | None:
+    """An RMSNorm written out (LLaMA-style), anchored at its ReduceMean: x², the mean
+    over the last axis, + eps, Sqrt, then x / it (Div) or x · 1/it (Reciprocal and Mul),
+    and an optional constant scale Mul; with the residual Add in front when that sum
+    feeds nothing else."""
+    sq = g.node(r.input[0], "Pow", "Mul")
+    if sq is None:
+        return None
+    x = sq.input[0]
+    if not ((sq.op_type == "Pow" and g.is_scalar(sq.input[1], 2.0)) or (sq.op_type == "Mul" and list(sq.input) == [x, x])):
+        return None
+    if len(g.users(sq.output[0])) != 1 or not last_axis(g, r, sq.output[0]) or g.attr(r, "keepdims", 1) != 1:
+        return None
+    eps = g.users(r.output[0])
+    if len(eps) != 1 or eps[0].op_type != "Add" or g.scalar(g.other(eps[0], r.output[0]) or "") is None:
+        return None
+    sqrt = g.users(eps[0].output[0])
+    if len(sqrt) != 1 or sqrt[0].op_type != "Sqrt":
+        return None
+    nodes = [sq, r, eps[0], sqrt[0]]
+    after = g.users(sqrt[0].output[0])
+    if len(after) != 1:
+        return None
+    if after[0].op_type == "Div" and list(after[0].input) == [x, sqrt[0].output[0]]:
+        nodes.append(after[0])
+    elif after[0].op_type == "Reciprocal":
+        mul = g.users(after[0].output[0])
+        if len(mul) != 1 or mul[0].op_type != "Mul" or g.other(mul[0], after[0].output[0]) != x:
+            return None
+        nodes += [after[0], mul[0]]
+    else:
+        return None
+    out = nodes[-1].output[0]
+    users = g.users(out)
+    if len(users) == 1 and users[0].op_type == "Mul" and g.is_const(g.other(users[0], out) or ""):
+        nodes.append(users[0])
+    res = _residual(g, x, nodes)
+    if res is not None:
+        nodes.append(res)
+    ordered = g.sorted(nodes)
+    return Match("layernorm", ordered) if g.closed(ordered) else None
+
+
+def _norm(g: Graph, r: onnx.NodeProto) -> Match | None:
+    """A LayerNorm or an RMSNorm written out, anchored at a ReduceMean."""
+    return _layernorm(g, r) or _rmsnorm(g, r)
 
 
 def _skip_layernorm(g: Graph, ln: onnx.NodeProto) -> Match | None:
@@ -352,7 +402,7 @@ def find_subgraphs(model: onnx.ModelProto, ctx: ModelContext) -> list[Match]:
     found: list[Match] = []
     finders = (
         (("Softmax",), attention),
-        (("ReduceMean",), _layernorm),
+        (("ReduceMean",), _norm),
         (("LayerNormalization",), _skip_layernorm),
         (("Erf", "Tanh"), _gelu),
         (("Mul",), _glu),

@@ -6,7 +6,9 @@ faster kernels, with the same outputs up to float rounding (precision ``exact``)
 
 - ``layernorm``: ``LayerNormalization`` for the written-out form (opset 17 and later);
   ``SkipLayerNormalization`` for a residual Add and its LayerNorm; the residual as a
-  Sum that onnxruntime's SkipLayerNorm fusion leaves apart.
+  Sum that onnxruntime's SkipLayerNorm fusion leaves apart. An RMSNorm written out
+  (LLaMA) in the form onnxruntime fuses into ``SimplifiedLayerNormalization``, and with
+  its residual Add as ``SkipSimplifiedLayerNormalization``.
 - ``gelu``: ``Gelu``, ``BiasGelu`` (the FFN's bias folded in) and ``FastGelu`` (tanh form).
 
 Lossy: ``tanh_gelu`` (precision ``approx``: erf GELU as FastGelu's tanh form),
@@ -54,6 +56,8 @@ def _ln_parts(view: TaskView) -> tuple[str, str | None, np.ndarray, np.ndarray, 
         beta = view.const(ln.input[2]) if len(ln.input) > 2 and ln.input[2] else np.zeros(hidden, dtype)
         eps = float(attrs_of(ln).get("epsilon", 1e-5))
     else:
+        if not any(n.op_type == "Sub" for n in view.nodes):
+            return None  # an RMSNorm: `_rms_parts`
         eps_add = next((n for n in view.nodes if n.op_type == "Add" and any(scalar(view, i) is not None for i in n.input)), None)
         if eps_add is None:
             return None
@@ -132,6 +136,92 @@ def _skip_layer_normalization(view: TaskView) -> Rewrite | None:
     node = helper.make_node("SkipLayerNormalization", [x, skip, g.name, b.name], [view.output],
                             name=view.name("SkipLayerNorm"), domain=CONTRIB_DOMAIN, epsilon=eps)  # fmt: skip
     return Rewrite((node,), (g, b))
+
+
+def _rms_parts(view: TaskView) -> tuple[str, str | None, np.ndarray, float] | None:
+    """(x, residual other input or None, scale, epsilon) of an RMSNorm task (no mean
+    subtracted: x / sqrt(mean(x²) + eps) · scale); x is the residual's first input when
+    there is one."""
+    if any(n.op_type in ("Sub", "LayerNormalization") for n in view.nodes):
+        return None
+    nodes = Nodes(view)
+    first = view.nodes[0]
+    res = first if first.op_type == "Add" and not any(scalar(view, i) is not None for i in first.input) else None
+    sq = next((n for n in view.nodes if n.op_type == "Pow" or n.op_type == "Mul" and n.input[0] == n.input[1]), None)
+    eps_add = next((n for n in view.nodes if n.op_type == "Add" and any(scalar(view, i) is not None for i in n.input)), None)
+    info = view.info(view.output)
+    if sq is None or eps_add is None or info is None or not any(n.op_type == "Sqrt" for n in view.nodes):
+        return None
+    hidden, dtype = info.shape[-1], np.dtype(info.dtype)
+    eps = next(scalar(view, i) for i in eps_add.input if scalar(view, i) is not None)
+    norm = next(n for n in view.nodes if n.op_type in ("Div", "Reciprocal"))
+    out = norm.output[0] if norm.op_type == "Div" else nodes.users[norm.output[0]][0].output[0]
+    gamma = np.ones(hidden, dtype)
+    users = nodes.users.get(out, [])
+    if len(users) == 1 and users[0].op_type == "Mul":
+        c = view.const(next(i for i in users[0].input if i != out))
+        if c is None or c.size != hidden or not isinstance(hidden, int):
+            return None
+        gamma = np.asarray(c, dtype).reshape(-1)
+    if res is None:
+        return sq.input[0], None, gamma, float(eps)  # type: ignore[arg-type]
+    return res.input[0], res.input[1], gamma, float(eps)  # type: ignore[arg-type]
+
+
+def _simplified_layer_normalization(view: TaskView) -> Rewrite | None:
+    """An RMSNorm in the one written form onnxruntime's own fusion turns into its
+    SimplifiedLayerNormalization kernel when the session is made: Pow(x, 2), ReduceMean
+    over the last axis, Add eps, Sqrt, Div(x, ·), Mul by the scale (ones where the
+    model has none). torch's dynamo exporter writes x · Reciprocal(·) instead, which
+    that fusion does not match, and the norm then runs as seven kernels. Standard ops
+    only, so the tuned model stays one onnx.checker accepts (the kernel itself is in
+    onnxruntime's default domain, which onnx does not know). A residual Add in front
+    stays."""
+    parts = _rms_parts(view)
+    if parts is None:
+        return None
+    x, skip, gamma, eps = parts
+    info = view.info(view.output)
+    assert info is not None
+    dtype = np.dtype(info.dtype)
+    g = init(view, "gamma", gamma)
+    two, e = init(view, "two", np.array(2.0, dtype)), init(view, "epsilon", np.array(eps, dtype))
+    inits = [g, two, e]
+    nodes = []
+    if skip is not None:
+        nodes.append(helper.make_node("Add", [x, skip], [view.name("sum")], name=view.name("Residual")))
+        x = view.name("sum")
+    n = view.name
+    if view.opset >= 18:
+        axes = init(view, "axes", np.array([-1], np.int64))
+        inits.append(axes)
+        mean = helper.make_node("ReduceMean", [n("square"), axes.name], [n("mean")], name=n("Mean"), keepdims=1)
+    else:
+        mean = helper.make_node("ReduceMean", [n("square")], [n("mean")], name=n("Mean"), axes=[-1], keepdims=1)
+    nodes += [
+        helper.make_node("Pow", [x, two.name], [n("square")], name=n("Square")),
+        mean,
+        helper.make_node("Add", [n("mean"), e.name], [n("mean_eps")], name=n("Epsilon")),
+        helper.make_node("Sqrt", [n("mean_eps")], [n("rms")], name=n("Rms")),
+        helper.make_node("Div", [x, n("rms")], [n("normed")], name=n("Normalize")),
+        helper.make_node("Mul", [n("normed"), g.name], [view.output], name=n("Scale")),
+    ]
+    return Rewrite(tuple(nodes), tuple(inits))
+
+
+def _skip_simplified_layer_normalization(view: TaskView) -> Rewrite | None:
+    """A residual Add and its RMSNorm as one com.microsoft SkipSimplifiedLayerNormalization."""
+    parts = _rms_parts(view)
+    if parts is None or parts[1] is None:
+        return None
+    x, skip, gamma, eps = parts
+    xi, si = view.info(x), view.info(skip)
+    if xi is None or si is None or xi.shape != si.shape or len(xi.shape) != 3:
+        return None
+    g = init(view, "gamma", gamma)
+    node = helper.make_node("SkipSimplifiedLayerNormalization", [x, skip, g.name], [view.output],
+                            name=view.name("SkipRMSNorm"), domain=CONTRIB_DOMAIN, epsilon=eps)  # fmt: skip
+    return Rewrite((node,), (g,))
 
 
 # --------------------------------------------------------------------------- gelu
@@ -260,6 +350,8 @@ def register(registry: StrategyRegistry) -> None:
     s("layer_normalization", "layernorm")(_layer_normalization)
     s("skip_layer_normalization", "layernorm")(_skip_layer_normalization)
     s("residual_as_sum", "layernorm")(_residual_as_sum)
+    s("simplified_layer_normalization", "layernorm")(_simplified_layer_normalization)
+    s("skip_simplified_layer_normalization", "layernorm")(_skip_simplified_layer_normalization)
     s("gelu", "gelu")(_gelu)
     s("bias_gelu", "gelu")(_bias_gelu)
     s("fast_gelu", "gelu")(_fast_gelu)
