@@ -12,9 +12,10 @@ The strategies, with the same outputs up to float rounding (precision ``exact``)
 - ``multihead_attention``: one packed projection, then ``MultiHeadAttention``; rotary
   embeddings as com.microsoft ``RotaryEmbedding`` on Q and K before it (where the
   model's tables are one [S, D] table whose halves repeat, what that kernel computes);
-- ``group_query_attention`` (grouped-query blocks): one packed projection, then
-  com.microsoft ``GroupQueryAttention``, which reads each K/V head for its group of
-  query heads (rotary embeddings as ``RotaryEmbedding`` before it);
+- ``group_query_attention``: one packed projection, then com.microsoft
+  ``GroupQueryAttention``, which reads each K/V head for its group of query heads (a
+  group of one where the block has as many K/V heads as query heads; rotary embeddings
+  as ``RotaryEmbedding`` before it);
 - ``packed_qkv``: only the packing (one product over the concatenated weights and a
   Split, the rest as it was).
 
@@ -760,14 +761,17 @@ def _multihead_attention(view: TaskView, int8: bool = False) -> Rewrite | None:
 
 
 def _group_query_attention(view: TaskView, int8: bool = False) -> Rewrite | None:
-    """Grouped-query attention on com.microsoft GroupQueryAttention: one packed
-    projection (the K and V weights as the model has them, one block per K/V head), the
-    packed tensor straight into the kernel, or split and rotated by RotaryEmbedding first
-    where the block has rotary embeddings; no past, every sequence full length (seqlens_k
-    S - 1), the mask as attention_bias, a causal one as `causal`. `int8`: the projection
-    on DynamicQuantizeMatMul."""
+    """Attention on com.microsoft GroupQueryAttention: one packed projection (the K and V
+    weights as the model has them, one block per K/V head), the packed tensor straight
+    into the kernel, or split and rotated by RotaryEmbedding first where the block has
+    rotary embeddings; no past, every sequence full length (seqlens_k S - 1), the mask as
+    attention_bias, a causal one as `causal`. Also for blocks whose K and V have a head
+    per query head (a group of one): on a 2-core AVX-512 machine, one thread, a causal
+    [1, 128, 8x32] rotary block took 294 us there against 337 us on MultiHeadAttention
+    (the same Split and RotaryEmbedding in front). `int8`: the projection on
+    DynamicQuantizeMatMul."""
     att = _attention_parts(view)
-    if att is None or att.groups == 1 or att.rotated and att.rotary is None:
+    if att is None or att.rotated and att.rotary is None:
         return None
     xi = view.info(att.x)
     assert xi is not None
