@@ -104,7 +104,7 @@ def linear(g: G, x: str, k: int, n: int, bias: bool = True) -> str:
 def attention(g: G, x: str, *, scale_on: str = "scores_div", k_two: bool = False, mask: str | None = None,
               bias: bool = True, kv: str | None = None, sdpa: bool = False, packed: bool = False,
               k_flat: bool = False, rotary: str | None = None, kv_heads: int = N, flat_out: bool = False,
-              additive: str | None = None) -> str:  # fmt: skip
+              additive: str | None = None, fill: float = -np.inf) -> str:  # fmt: skip
     """Self-attention as exporters write it; `kv` (another tensor) makes it cross-attention.
     `rotary` puts LLaMA's rotary embeddings on Q and K ("llama": tables that repeat their
     halves, as transformers builds them; "odd": tables that do not). `kv_heads` < N makes
@@ -192,7 +192,7 @@ def attention(g: G, x: str, *, scale_on: str = "scores_div", k_two: bool = False
         m = g.input("attention_mask", [B, S], TensorProto.INT64)
         keep = g.n("Unsqueeze", g.n("Cast", m, to=TensorProto.BOOL), g.t(np.array([1, 2], np.int64)))
         keep = g.n("And", keep, g.t(np.tril(np.ones((S, S), bool))[None, None]))
-        s = g.n("Add", s, g.n("Where", keep, g.f(0.0), g.f(-np.inf)))
+        s = g.n("Add", s, g.n("Where", keep, g.f(0.0), g.f(fill)))
     if additive is not None:
         s = g.n("Add", s, additive)
     p = g.n("Softmax", s, axis=-1)
@@ -595,6 +595,35 @@ def test_a_layers_own_mask_where_becomes_a_raw_mask_and_left_padding_stays_finit
             assert "IsNaN" not in ops and "Mul" in ops, strategy.name
         tried.append(strategy.name)
     assert {"fused_attention", "multihead_attention", "int8_qattention", "int8_multihead_attention"} <= set(tried)
+
+
+def test_a_guard_that_never_fires_is_left_out(tmp_path: Path) -> None:
+    """transformers fills its mask with the float's lowest value, not -inf: a left-padded
+    row then keeps finite scores, its softmax is a finite average and the block's NaN
+    guard never fires. The fused kernels give the same rows without any guard."""
+    kw = {**VARIANTS["gpt2_sdpa_causal_padding"], "fill": float(np.finfo(np.float32).min)}
+    src = tmp_path / "m.onnx"
+    onnx.save(block(**kw), src)
+    prep = prepare(src, tmp_path / "w")
+    [task] = [t for t in partition(prep.model, prep.ctx, "sgat") if t.family == "attention"]
+    consts = Constants(prep.model.graph, list(prep.model.opset_import))
+    feeds = _feeds(prep.model)
+    feeds["attention_mask"] = np.ones((B, S), np.int64)
+    feeds["attention_mask"][:, :3] = 0
+    ref = _run(prep.model, feeds)
+    assert np.isfinite(ref).all()
+    fused = []
+    for name in ("fused_attention", "multihead_attention", "group_query_attention", "int8_qattention"):
+        tuned = apply_rewrites(prep.model, task_rewrites(prep.model, prep.ctx, consts, task, name, REGISTRY))
+        ops = [n.op_type for n in tuned.graph.node]
+        assert "IsNaN" not in ops and not any(n.name.endswith("RowGuard") for n in tuned.graph.node), (name, ops)
+        y = _run(tuned, feeds)
+        if name == "int8_qattention":
+            assert float((y * ref).sum() / np.linalg.norm(y) / np.linalg.norm(ref)) > 0.99
+        else:
+            assert np.abs(y - ref).max() <= 1e-4 * np.abs(ref).max(), name
+        fused.append(name)
+    assert len(fused) == 4
 
 
 def test_shapes_computed_at_run_time_are_inferred_and_make_tasks(tmp_path: Path) -> None:

@@ -38,7 +38,9 @@ take); the default then stays. The scale, mask and head count are read from the 
 constants, never assumed. Where the block guards its softmax (Where(IsNaN(P), 0, P),
 torch's sdpa export), the fused kernels get the same guard on their output: a query row
 whose every key is masked by -inf (a left-padded position) is NaN in them as in the
-softmax, and zeros in the block.
+softmax, and zeros in the block. Where no row can lose every key to -inf (the mask's
+fill is finite, as transformers writes it, or the only mask is causal), the guard
+never fires and the kernels go without it.
 """
 
 from __future__ import annotations
@@ -457,7 +459,22 @@ def _attention_parts(view: TaskView) -> _Attention | None:
     oi = view.info(view.output)
     if _flattened(view, att) and (oi is None or sum(not isinstance(d, int) for d in oi.shape) > 1):
         return None  # a reshape to it needs its dimensions
+    if att.guard and _rows_stay_finite(att):
+        att.guard = False  # the block's guard never fires: the kernels need none either
     return att
+
+
+def _rows_stay_finite(att: _Attention) -> bool:
+    """Whether every query row keeps a finite score for finite inputs, so that the
+    softmax never gives NaN and a Where(IsNaN(P), 0, P) guard after it changes nothing:
+    no mask but a causal one (a row keeps its own position), a constant mask with a
+    finite entry in every row, or the block's own mask Where with a finite fill
+    (transformers fills with the float's lowest value, not -inf)."""
+    if att.mask is not None:
+        return att.mask_where is not None and math.isfinite(att.mask_where[3])
+    if att.mask_value is not None:
+        return bool(np.isfinite(att.mask_value).any(axis=-1).all())
+    return True
 
 
 def _mask_where(nodes: Nodes, mask: str) -> tuple[onnx.NodeProto, str, bool, float] | None:
