@@ -52,6 +52,25 @@ def test_a_win_needs_the_whole_interval_below_one() -> None:
     assert not decisions.clearly_faster(few, _m([100.0, 100.0]))
 
 
+def test_a_candidate_that_clearly_beats_the_winner_takes_its_place() -> None:
+    """Raced candidates are measured in different rounds: here `a` was measured in ten
+    rounds, two of them when the default ran fast, so its win over the default is not
+    clear, while `b` won over twenty rounds; but `a` beats `b` in every round both ran."""
+    nothing = [None] * 10
+    base = _m([50.0, 50.0] + [100.0] * 18)
+    b = _m([60.0, 60.0] + [80.0] * 18)
+    a = Measurement(True, median_us=60.0, rounds_us=(55.0, 55.0, *[60.0] * 8, *nothing))
+    assert decisions.clearly_faster(b, base) and not decisions.clearly_faster(a, base)
+    assert decisions.clearly_faster(a, b)
+    results = {"default": base, "a": a, "b": b}
+    assert decisions.best(results, "default", lambda m: True) == "a"
+    assert decisions.best(results, "default", lambda m: m is not a) == "b"  # the gate still rules
+    pick, reasons = decisions.best_lossy(results, "default", {"a", "b"}, lambda m: True)
+    assert pick == "a" and not any(r.startswith("a: ") for r in reasons)
+    dropped = {**results, "a": Measurement(True, median_us=60.0, rounds_us=a.rounds_us, dropped=True)}
+    assert decisions.best_lossy(dropped, "default", {"a", "b"}, lambda m: True)[0] == "b"
+
+
 def test_best_takes_the_largest_clear_win_that_passes_the_gate() -> None:
     results = {
         "default": _m([100.0] * 10),

@@ -5,7 +5,8 @@ ratio of two candidates within one round is free of the machine's slow drift. A
 candidate wins only if the median of those paired per-round ratios is below
 1 - `MIN_GAIN`, the whole 90% interval of that median is below 1 (engine/stats.py:
 distribution-free, so a few lucky rounds do not make a winner), and its overall median
-is lower too (the number reports show). On this class of machine two identical
+is lower too (the number reports show). A candidate that clearly beats the winner on
+their own paired rounds takes its place. On this class of machine two identical
 multi-threaded sessions measured up to 40% apart; comparing medians alone was useless,
 and a looser rule made the same model tune differently twice.
 
@@ -77,7 +78,22 @@ def best(results: Mapping[str, Measurement], incumbent: str, gate: Callable[[Mea
     ]  # fmt: skip
     if not winners:
         return incumbent
-    return min(winners, key=lambda k: paired_ratio(results[k], base)[0])
+    pick = min(winners, key=lambda k: paired_ratio(results[k], base)[0])
+    return _climb(results, pick, [k for k, r in results.items() if k != incumbent and r.ok and not r.dropped and gate(r)])
+
+
+def _climb(results: Mapping[str, Measurement], pick: str, pool: list[str]) -> str:
+    """From the winner `pick`, on to a candidate of `pool` that clearly beats it, as long
+    as one does. A candidate's rounds against the incumbent can be too noisy to call a win
+    while its rounds against the winner are not (racing leaves them measured in different
+    rounds): without this, the slower of two winners could stand."""
+    seen = {pick}
+    while True:
+        better = [k for k in pool if k not in seen and clearly_faster(results[k], results[pick])]
+        if not better:
+            return pick
+        pick = min(better, key=lambda k, p=pick: paired_ratio(results[k], results[p])[0])  # type: ignore[misc]
+        seen.add(pick)
 
 
 def best_lossy(
@@ -107,7 +123,9 @@ def best_lossy(
     if not winners:
         return incumbent, reasons
     pick = min(winners, key=lambda k: paired_ratio(results[k], base)[0])
-    return pick, reasons
+    pool = [k for k in lossy if (r := results.get(k)) is not None and r.ok and not r.dropped and gate(r)]
+    pick = _climb(results, pick, pool)
+    return pick, [why for why in reasons if not why.startswith(f"{pick}: ")]
 
 
 def faster_outside_gate(
