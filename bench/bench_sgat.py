@@ -53,6 +53,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import deployed
 import measure
 import numpy as np
 import onnx
@@ -90,11 +91,12 @@ class Mode:
     samples: int  # timed samples per variant and round (fewer for slow models)
     text_inputs: int  # held-back inputs of a transformer
     resnet_inputs: int  # held-back inputs of the resnet
+    deployed_rounds: int = 5  # rounds of bench/deployed.py per transformer and regime
 
 
 # Full: about 30 minutes on 2 cores (6 aoe jobs per transformer, 2 per CNN).
 FULL = Mode("full", 10.0, rounds=30, measure_s=60.0, samples=20, text_inputs=8, resnet_inputs=32)
-QUICK = Mode("quick", 2.0, rounds=12, measure_s=10.0, samples=10, text_inputs=4, resnet_inputs=8)
+QUICK = Mode("quick", 2.0, rounds=12, measure_s=10.0, samples=10, text_inputs=4, resnet_inputs=8, deployed_rounds=2)
 
 
 @dataclass
@@ -138,6 +140,7 @@ class ModelResult:
     fused: str = ""  # what onnxruntime's transformers optimizer wrote (transformers)
     labelled: int = 0  # inputs with true labels (digits_cnn)
     inputs: int = 0  # held-back inputs the accuracy is on
+    deployed: Any = None  # deployed.Deployed: SGAT+OPAT int8 vs qdyn one session at a time
 
 
 def short(text: str, limit: int = 400) -> str:
@@ -644,6 +647,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="aoe-bench-sgat-")))
         results = [bench_model(name, mode, work, log) for name in names]
+        for r in results:
+            if r.kind == "transformer" and not r.error:
+                r.deployed = deployed.measure_model(work / r.name, mode.deployed_rounds)
+                log(f"{r.name} deployed: " + (r.deployed.skipped or " | ".join(
+                    f"{g.name}: {g.text()}" for g in r.deployed.regimes)))  # fmt: skip
     host.finish()
     elapsed = time.perf_counter() - log.t0
     command = "python bench/bench_sgat.py" + "".join(f" {a}" for a in (argv or sys.argv[1:]))

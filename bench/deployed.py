@@ -25,6 +25,7 @@ import gc
 import glob
 import json
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -78,28 +79,63 @@ def _time(path: str, tuned: bool, spin: str, feeds) -> float:
     return float(np.median(times) * 1e6)
 
 
-def measure(root: Path, rounds: int) -> str:
+@dataclass
+class Regime:
+    """One regime's figures: qdyn's and aoe's median per round, in microseconds."""
+
+    name: str  # "spinning on" (deployed) or "spinning off"
+    qdyn_us: list[float]
+    aoe_us: list[float]
+
+    def ratios(self) -> np.ndarray:
+        return np.array(self.qdyn_us) / np.array(self.aoe_us)
+
+    def text(self) -> str:
+        r = self.ratios()
+        return (f"qdyn {np.median(self.qdyn_us):.0f} us, aoe {np.median(self.aoe_us):.0f} us, "
+                f"{np.median(r):.2f}x ({r.min():.2f}-{r.max():.2f})")  # fmt: skip
+
+
+@dataclass
+class Deployed:
+    """A model's figures in both regimes, or why there are none."""
+
+    name: str
+    options: dict = field(default_factory=dict)  # the session options aoe's job stored
+    regimes: list[Regime] = field(default_factory=list)
+    skipped: str = ""
+
+
+def measure_model(root: Path, rounds: int) -> Deployed:
+    """qdyn and aoe's SGAT+OPAT int8 model of the bench workdir `root`, one session at a
+    time, `rounds` rounds in each regime (spinning on first)."""
     results = glob.glob(str(root / "aoe" / "sgat_opat_int8" / "out" / "aoe_result_*.json"))
     if not results:
-        return f"{root.name}: no SGAT+OPAT int8 result"
-    tuned = json.loads(Path(results[0]).read_text())["tuned_model"]
+        return Deployed(root.name, skipped="no SGAT+OPAT int8 result")
+    tuned = json.loads(Path(results[0]).read_text()).get("tuned_model")
     qdyn = str(root / "peers" / "qdyn.onnx")
+    if not tuned or not Path(qdyn).exists():
+        return Deployed(root.name, skipped="no tuned model or no quantize_dynamic peer")
     try:
         feeds = _feeds(qdyn)
     except TypeError as e:
-        return f"{root.name}: skipped, {e}"
-    cells = [root.name, json.dumps(aoe.session_options_of(tuned))]
+        return Deployed(root.name, skipped=str(e))
+    out = Deployed(root.name, options=aoe.session_options_of(tuned))
     for spin, regime in (("1", "spinning on"), ("0", "spinning off")):
         q, a = [], []
         for _ in range(rounds):
             q.append(_time(qdyn, False, spin, feeds))
             a.append(_time(tuned, True, spin, feeds))
-        r = np.array(q) / np.array(a)
-        cells.append(
-            f"{regime}: qdyn {np.median(q):.0f} us, aoe {np.median(a):.0f} us, "
-            f"{np.median(r):.2f}x ({r.min():.2f}-{r.max():.2f})"
-        )
-    return " | ".join(cells)
+        out.regimes.append(Regime(regime, q, a))
+    return out
+
+
+def measure(root: Path, rounds: int) -> str:
+    """`measure_model` as one line of text."""
+    d = measure_model(root, rounds)
+    if d.skipped:
+        return f"{d.name}: skipped, {d.skipped}"
+    return " | ".join([d.name, json.dumps(d.options), *(f"{r.name}: {r.text()}" for r in d.regimes)])
 
 
 def main() -> None:

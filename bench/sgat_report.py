@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import measure
+import numpy as np
 from targets import shipped
 
 if TYPE_CHECKING:
@@ -215,6 +216,30 @@ def _failures(results: Sequence[ModelResult]) -> list[str]:
     return out
 
 
+def _deployed_table(results: Sequence[ModelResult]) -> list[str]:
+    rows = [
+        "| model | stored session options | spinning on (deployed) | spinning off |",
+        "|---|---|--:|--:|",
+    ]
+    for r in results:
+        d = r.deployed
+        if d is None:
+            continue
+        if d.skipped:
+            rows.append(f"| {r.name} | | skipped: {d.skipped} | |")
+            continue
+        cells = []
+        for g in d.regimes:
+            ratios = g.ratios()
+            cells.append(
+                f"**{float(np.median(ratios)):.2f}x** [{ratios.min():.2f}, {ratios.max():.2f}]<br>"
+                f"{float(np.median(g.qdyn_us)) / 1e3:.2f} ms vs {float(np.median(g.aoe_us)) / 1e3:.2f} ms"
+            )
+        options = ", ".join(f"{k}={v}" for k, v in sorted(d.options.items())) or "none"
+        rows.append(f"| {r.name} | {options} | " + " | ".join(cells) + " |")
+    return rows
+
+
 def section(results: Sequence[ModelResult], mode: Mode, *, host: Machine, command: str,
             started: float, elapsed_s: float) -> str:  # fmt: skip
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started))
@@ -271,6 +296,25 @@ def section(results: Sequence[ModelResult], mode: Mode, *, host: Machine, comman
             "",
             *_text_table(text),
         ]
+        deployed = _deployed_table(text)
+        if len(deployed) > 2:
+            lines += [
+                "",
+                "### Transformers as one deployed session runs them (`bench/deployed.py`)",
+                "",
+                (
+                    "The table above times every session with intra-op spinning off, as the "
+                    "interleaving needs; a server runs one session with onnxruntime's defaults, "
+                    "spinning on. Here, after the table above, quantize_dynamic and aoe's "
+                    "SGAT+OPAT int8 model run one session at a time in this process (made, "
+                    "warmed with 15 runs, timed over 40, dropped before the next is made; aoe's "
+                    "with the session options its job stored), in turn, round after round. A "
+                    "cell is aoe's speedup over quantize_dynamic: the median of the per-round "
+                    "ratios, their range in brackets, then each side's median time."
+                ),
+                "",
+                *deployed,
+            ]
     if cnns:
         lines += [
             "",
