@@ -741,7 +741,11 @@ def rmsnorm(g: G, x: str, *, square: str = "Pow", divide: str = "Reciprocal", sc
     """LLaMA's RMSNorm written out: x / sqrt(mean(x²) + eps) · w (torch's dynamo export:
     Pow and x · Reciprocal; the TorchScript one: Div)."""
     sq = g.n("Pow", x, g.f(2.0)) if square == "Pow" else g.n("Mul", x, x)
-    rms = g.n("Sqrt", g.n("Add", g.n("ReduceMean", sq, axes=[-1]), g.f(1e-6)))
+    if g.opset >= 18:  # the axes as an input, as the dynamo exporter writes opset 18
+        mean = g.n("ReduceMean", sq, g.t(np.array([-1], np.int64)), keepdims=1)
+    else:
+        mean = g.n("ReduceMean", sq, axes=[-1])
+    rms = g.n("Sqrt", g.n("Add", mean, g.f(1e-6)))
     y = g.n("Div", x, rms) if divide == "Div" else g.n("Mul", x, g.n("Reciprocal", rms))
     return g.n("Mul", g.t(g.rng.uniform(0.9, 1.1, H).astype(np.float32)), y) if scale else y
 
@@ -751,6 +755,7 @@ RMS_VARIANTS = {
     "torchscript_div": {"divide": "Div"},
     "square_as_mul": {"square": "Mul"},
     "no_scale": {"scale": False},
+    "opset_18": {"opset": 18},
 }
 
 
@@ -761,10 +766,11 @@ def test_rmsnorm_is_found_and_runs_on_onnxruntimes_kernel(variant: str, post_nor
     and post-norm (the residual Add joins the task). simplified_layer_normalization
     writes the form onnxruntime fuses into SimplifiedLayerNormalization, in standard ops;
     the LayerNorm strategies, which subtract the mean, do not take it."""
-    g = G(seed=7)
+    kw = dict(RMS_VARIANTS[variant])
+    g = G(seed=7, opset=kw.pop("opset", 17))
     x = g.input("x", [B, S, H])
     h = g.n("Add", linear(g, x, H, H), x)
-    n = rmsnorm(g, h, **RMS_VARIANTS[variant])
+    n = rmsnorm(g, h, **kw)
     if post_norm:
         model = g.model(n)
     else:
