@@ -106,6 +106,8 @@ def test_engine_limits_come_from_the_config_with_the_constants_as_defaults(tmp_p
         ("[engine]\nstage_timeout_s = \"soon\"\n", {}, "[engine] stage_timeout_s='soon': expected a number of seconds"),
         ("[engine]\nstage_timeout_s = nan\n", {}, "[engine] stage_timeout_s=nan: expected a number of seconds"),
         ("[engine]\ncompile_timeout_s = []\n", {}, "[engine] compile_timeout_s=[]: expected a number of seconds"),
+        ("[engine]\nworker_memory_mb = 300\n", {}, "worker_memory_mb=300 ("),
+        ("[engine]\nworker_memory_mb = -1\n", {}, "must be 0 (no limit) or at least 1024 MiB"),
     ],
 )
 def test_bad_engine_limits_are_option_errors_naming_the_key(tmp_path: Path, text: str, env: dict, needle: str) -> None:

@@ -260,15 +260,15 @@ def test_a_runner_killed_mid_measurement_costs_that_measurement_and_is_restarted
 
 def test_a_worker_over_its_memory_limit_fails_the_job_saying_so(tmp_path: Path) -> None:
     d = DaemonProcess(tmp_path / "d")
-    d.config.write_text(d.config.read_text().replace("[engine]\n", "[engine]\nworker_memory_mb = 300\n"))
+    d.config.write_text(d.config.read_text().replace("[engine]\n", "[engine]\nworker_memory_mb = 1024\n"))
     try:
         d.start()
-        big = samples.save(samples.mlp(features=4096, hidden=4096, layers=2), d.models / "big.onnx")  # 67 MB
+        big = samples.save(samples.mlp(features=4096, hidden=4096, layers=7), d.models / "big.onnx")  # 403 MB
         t0 = time.monotonic()
         j = d.wait_job(submit(d, big, budget=2.0), timeout=120)
         took = time.monotonic() - t0
         assert j.state == S.JOB_STATE_FAILED, j
-        assert "out of memory" in j.error and "300 MiB" in j.error and "worker_memory_mb" in j.error, j.error
+        assert "out of memory" in j.error and "1024 MiB" in j.error and "worker_memory_mb" in j.error, j.error
         assert took < 60, f"a worker over its limit took {took:.0f} s to fail the job"
         small = model(d, "mlp")  # fits: the same daemon and limit go on serving
         assert d.wait_job(submit(d, small, budget=0.5)).state == S.JOB_STATE_SUCCEEDED

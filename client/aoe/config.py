@@ -27,7 +27,7 @@ The TOML file:
   [engine]
   runtime_dir = "/run/aoed"
   dedicated_cores = "auto"               # auto (4+ cores), true, false
-  worker_memory_mb = 8192                # address-space limit per child process; 0: none
+  worker_memory_mb = 8192                # address-space limit per child process, >= 1024; 0: none
   max_model_mb = 8192                    # a model file and its external data together
   max_nodes = 200000                     # nodes in all of a model's graphs
   max_tensor_mb = 4096                   # one declared or inferred tensor
@@ -66,6 +66,13 @@ _LEVELS = ("debug", "info", "warning", "error")
 def default_parallel() -> int:
     """Compile workers by default: cores - 1, at least 1."""
     return max(1, len(os.sched_getaffinity(0)) - 1)
+
+
+#: The smallest address-space limit a child runs ordinary models under: one tuning a
+#: small MLP reserves up to 1.4 GiB unlimited (64 MiB malloc arenas per thread) and gets by
+#: with less as reservations are refused, but under ~512 MiB onnxruntime's session set-up
+#: itself fails now and then.
+MIN_WORKER_MEMORY_MB = 1024
 
 
 def _default_memory_mb() -> int:
@@ -178,9 +185,11 @@ def _checked(cfg: Config) -> Config:
         raise OptionError(f"parallel={cfg.parallel} ({cfg.sources.get('parallel', 'default')}): must be 1-32")
     if cfg.log_level not in _LEVELS:
         raise OptionError(f"log level {cfg.log_level!r}: expected one of {', '.join(_LEVELS)}")
-    if cfg.worker_memory_mb < 0:
-        raise OptionError(f"worker_memory_mb={cfg.worker_memory_mb} ({_src(cfg, 'worker_memory_mb')}): must be >= 0 "
-                          "(0: no limit)")  # fmt: skip
+    if cfg.worker_memory_mb < 0 or 0 < cfg.worker_memory_mb < MIN_WORKER_MEMORY_MB:
+        raise OptionError(f"worker_memory_mb={cfg.worker_memory_mb} ({_src(cfg, 'worker_memory_mb')}): must be 0 "
+                          f"(no limit) or at least {MIN_WORKER_MEMORY_MB} MiB: it limits address space, and a "
+                          "child's allocator and threads reserve far more of it than they use, so smaller "
+                          "limits fail ordinary models at random")  # fmt: skip
     for name, (lo, hi) in _RANGES.items():
         value = getattr(cfg, name)
         if not lo <= value <= hi:
