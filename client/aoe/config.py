@@ -68,10 +68,11 @@ def default_parallel() -> int:
     return max(1, len(os.sched_getaffinity(0)) - 1)
 
 
-#: The smallest address-space limit a child runs ordinary models under: one tuning a
-#: small MLP reserves up to 1.4 GiB unlimited (64 MiB malloc arenas per thread) and gets by
-#: with less as reservations are refused, but under ~512 MiB onnxruntime's session set-up
-#: itself fails now and then.
+#: The smallest address-space limit a child runs ordinary models under. Unlimited, a
+#: child tuning a small MLP reserved up to 1.4 GiB (64 MiB malloc arenas per thread) for
+#: about 110 MiB resident; limited, it gets by as reservations are refused (at 512 MiB
+#: its peak sat at the limit and the job passed), but at 300 MiB onnxruntime's session
+#: set-up failed with bad_alloc on one run of the fault test.
 MIN_WORKER_MEMORY_MB = 1024
 
 
