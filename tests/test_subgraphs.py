@@ -31,7 +31,7 @@ from aoed.backends.ort.catalog import build_registry
 from aoed.bank._codec import Measured
 from aoed.engine.assemble import task_rewrites
 from aoed.engine.prep import make_inputs, prepare
-from aoed.engine.tasks import Constants, apply_rewrites
+from aoed.engine.tasks import Constants, TaskView, apply_rewrites
 
 from .conftest import run_aoe
 from .test_bank_reader import make_bank, rec
@@ -821,6 +821,38 @@ def test_what_is_no_rmsnorm_is_left_to_opat() -> None:
     x, other = g.input("x", [B, S, H]), g.input("other", [B, S, H])
     rms = g.n("Sqrt", g.n("Add", g.n("ReduceMean", g.n("Pow", x, g.f(2.0)), axes=[-1]), g.f(1e-6)))
     assert _families(g.model(g.n("Div", other, rms))) == []  # another tensor divided
+
+
+@pytest.mark.parametrize("drop", ["Reciprocal", "Mul_after_reciprocal"])
+def test_a_norm_view_without_its_division_is_declined_not_raised(drop: str, tmp_path: Path) -> None:
+    """The norm strategies find the division by the deviation themselves; handed a view
+    that lacks it (or the Mul after a Reciprocal), each declines (None) instead of
+    raising out of the candidate, which would fail it with a bare StopIteration."""
+    g = G(seed=3)
+    x = g.input("x", [B, S, H])
+    model = g.model(rmsnorm(g, x))
+    src = tmp_path / "m.onnx"
+    onnx.save(model, src)
+    prep = prepare(src, tmp_path)
+    [task] = [t for t in partition(prep.model, prep.ctx, "sgat") if t.family == "layernorm"]
+    by_name = {n.name: n for n in prep.model.graph.node}
+    nodes = [by_name[n] for n in task.node_names]
+    recip = next(n for n in nodes if n.op_type == "Reciprocal")
+    if drop == "Reciprocal":
+        kept = [n for n in nodes if n is not recip]
+    else:
+        kept = [n for n in nodes if recip.output[0] not in n.input]
+    assert len(kept) == len(nodes) - 1
+    consts = Constants(prep.model.graph, list(prep.model.opset_import))
+    view = TaskView(nodes=kept, consts=consts, infos=prep.ctx.tensors, opset=17, prefix="aoe/t")
+    whole = TaskView(nodes=nodes, consts=consts, infos=prep.ctx.tensors, opset=17, prefix="aoe/t")
+    tried = 0
+    for strategy in REGISTRY.strategies_for("layernorm", "int8"):
+        if strategy.name == "default":
+            continue
+        assert strategy.apply(view) is None, strategy.name
+        tried += strategy.apply(whole) is not None
+    assert tried >= 1  # the whole view is taken, so declining above is the missing division's doing
 
 
 def test_what_is_not_a_gated_ffn_is_left_to_opat() -> None:

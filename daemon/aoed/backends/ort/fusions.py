@@ -39,6 +39,19 @@ __all__ = ["register"]
 # --------------------------------------------------------------------------- layernorm
 
 
+def _normalized(nodes: Nodes) -> str | None:
+    """The tensor a written-out norm divides by its deviation: Div(x, ·), or the
+    Mul(x, Reciprocal(·)) after it; None where the task has neither (the matchers only
+    hand over tasks that do, but a strategy must not raise on another view)."""
+    norm = next((n for n in nodes.view.nodes if n.op_type in ("Div", "Reciprocal")), None)
+    if norm is None:
+        return None
+    if norm.op_type == "Div":
+        return str(norm.output[0])
+    users = nodes.users.get(norm.output[0], [])
+    return str(users[0].output[0]) if len(users) == 1 and users[0].op_type == "Mul" else None
+
+
 def _ln_parts(view: TaskView) -> tuple[str, str | None, np.ndarray, np.ndarray, float] | None:
     """(x, residual other input or None, gamma, beta, epsilon) of a layernorm task; x is
     the residual's first input when there is one."""
@@ -62,8 +75,9 @@ def _ln_parts(view: TaskView) -> tuple[str, str | None, np.ndarray, np.ndarray, 
         if eps_add is None:
             return None
         eps = next(scalar(view, i) for i in eps_add.input if scalar(view, i) is not None)  # type: ignore[misc]
-        norm = next(n for n in view.nodes if n.op_type in ("Div", "Reciprocal"))
-        out = norm.output[0] if norm.op_type == "Div" else nodes.users[norm.output[0]][0].output[0]
+        out = _normalized(nodes)
+        if out is None:
+            return None
         gamma, beta = np.ones(hidden, dtype), np.zeros(hidden, dtype)
         for op in ("Mul", "Add"):
             users = nodes.users.get(out, [])
@@ -154,8 +168,9 @@ def _rms_parts(view: TaskView) -> tuple[str, str | None, np.ndarray, float] | No
         return None
     hidden, dtype = info.shape[-1], np.dtype(info.dtype)
     eps = next(scalar(view, i) for i in eps_add.input if scalar(view, i) is not None)
-    norm = next(n for n in view.nodes if n.op_type in ("Div", "Reciprocal"))
-    out = norm.output[0] if norm.op_type == "Div" else nodes.users[norm.output[0]][0].output[0]
+    out = _normalized(nodes)
+    if out is None:
+        return None
     gamma = np.ones(hidden, dtype)
     users = nodes.users.get(out, [])
     if len(users) == 1 and users[0].op_type == "Mul":
