@@ -308,9 +308,10 @@ def section(results: Sequence[ModelResult], mode: Mode, *, host: Machine, comman
                     "spinning on. Here, after the table above, quantize_dynamic and aoe's "
                     "SGAT+OPAT int8 model run one session at a time in this process (made, "
                     "warmed with 15 runs, timed over 40, dropped before the next is made; aoe's "
-                    "with the session options its job stored), in turn, round after round. A "
-                    "cell is aoe's speedup over quantize_dynamic: the median of the per-round "
-                    "ratios, their range in brackets, then each side's median time."
+                    f"with the session options its job stored), in turn, {mode.deployed_rounds} "
+                    "rounds per regime. A cell is aoe's speedup over quantize_dynamic: the "
+                    "median of the per-round ratios, their range in brackets, then each side's "
+                    "median time."
                 ),
                 "",
                 *deployed,
