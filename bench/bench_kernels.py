@@ -159,7 +159,8 @@ def timed(models: dict[str, bytes], feed: dict[str, np.ndarray], mode: Mode, log
 
 def _operator(key: str) -> tuple[dict[str, bytes], dict[str, np.ndarray]]:
     """The two forms of one operator comparison as models, and a feed: fp32 is what the
-    model (or onnxruntime's default session) runs, alt what aoe's strategy writes."""
+    model (or onnxruntime's default session) runs, alt the rewritten form: what aoe's
+    strategy writes, or for "prenorm" the fused form it does not write."""
     rng = np.random.default_rng(11)
     outputs = ["y"]
     if key == "gelu":
@@ -240,8 +241,9 @@ def section(rows: list[tuple[str, int, int, int, dict[str, measure.Latency]]],
         r = measure.ratio(lat.get("int8"), ref)
         fp = "n/a" if ref is None else f"{ref.median_ms * 1e3:.0f} us"
         lines.append(f"| {what} | {c} x {hw} x {hw}, {c} out | {fp} | {'n/a' if r is None else r.text()} |")
-    lines += ["", "Float operators aoe rewrites, the model's (or the default session's) form against aoe's, "
-              "each session at onnxruntime's default optimization level:", "",
+    lines += ["", "Float operators aoe rewrites (and one fused form it does not write), the model's (or the "
+              "default session's) form against the rewritten one, each session at onnxruntime's default "
+              "optimization level:", "",
               "| operator | input | model's form, median | rewritten form / model's form |", "|---|---|--:|--:|"]  # fmt: skip
     for what, shape, lat in operators:
         ref = lat.get("fp32")
