@@ -95,8 +95,8 @@ class Mode:
 
 
 # Full: about 30 minutes on 2 cores (6 aoe jobs per transformer, 2 per CNN).
-# 11 deployed rounds: at 5, two full runs of the same models read up to 0.09 apart
-# (hf_gpt2: 1.15x and 1.06x) on this shared machine; 11 rounds of all ten transformers
+# 11 deployed rounds: at 5, two full runs of the same models read up to 0.10 apart
+# (hf_gpt2_dynamo: 1.15x and 1.25x) on this shared machine; 11 rounds of all ten transformers
 # took 2.1 min, about a minute more than 5.
 FULL = Mode("full", 10.0, rounds=30, measure_s=60.0, samples=20, text_inputs=8, resnet_inputs=32, deployed_rounds=11)
 QUICK = Mode("quick", 2.0, rounds=12, measure_s=10.0, samples=10, text_inputs=4, resnet_inputs=8, deployed_rounds=2)

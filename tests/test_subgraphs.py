@@ -827,7 +827,8 @@ def test_what_is_no_rmsnorm_is_left_to_opat() -> None:
 def test_a_norm_view_without_its_division_is_declined_not_raised(drop: str, tmp_path: Path) -> None:
     """The norm strategies find the division by the deviation themselves; handed a view
     that lacks it (or the Mul after a Reciprocal), each declines (None) instead of
-    raising out of the candidate, which would fail it with a bare StopIteration."""
+    raising out of the candidate, which would fail it with a bare StopIteration or
+    KeyError."""
     g = G(seed=3)
     x = g.input("x", [B, S, H])
     model = g.model(rmsnorm(g, x))

@@ -186,7 +186,7 @@ def _checked(cfg: Config) -> Config:
         raise OptionError(f"parallel={cfg.parallel} ({cfg.sources.get('parallel', 'default')}): must be 1-32")
     if cfg.log_level not in _LEVELS:
         raise OptionError(f"log level {cfg.log_level!r}: expected one of {', '.join(_LEVELS)}")
-    if cfg.worker_memory_mb < 0 or 0 < cfg.worker_memory_mb < MIN_WORKER_MEMORY_MB:
+    if cfg.worker_memory_mb != 0 and cfg.worker_memory_mb < MIN_WORKER_MEMORY_MB:
         raise OptionError(f"worker_memory_mb={cfg.worker_memory_mb} ({_src(cfg, 'worker_memory_mb')}): must be 0 "
                           f"(no limit) or at least {MIN_WORKER_MEMORY_MB} MiB: it limits address space, and a "
                           "child's allocator and threads reserve far more of it than they use, so smaller "
