@@ -367,6 +367,39 @@ def test_fuzz_prepare_mutated_fields(data: bytes) -> None:
     _prepared_or_ours(data)
 
 
+def _damaged(how: str) -> onnx.ModelProto:
+    m = _base()
+    inits = {t.name: t for t in m.graph.initializer}
+    if how == "dims_grown":  # the fuzzer's find: a bias of 8 declared as [1]
+        inits["fc1.bias"].dims[:] = [1]
+    elif how == "raw_cut":
+        inits["fc1.weight"].raw_data = inits["fc1.weight"].raw_data[:-4]
+    elif how == "typed_short":
+        t = inits["fc1.bias"]
+        values = onnx.numpy_helper.to_array(t).tolist()
+        t.ClearField("raw_data")
+        t.float_data.extend(values[:-1])
+    elif how == "segment":
+        inits["fc1.bias"].segment.begin, inits["fc1.bias"].segment.end = 0, 4
+    else:  # a Constant node's tensor
+        value = onnx.helper.make_tensor("c", onnx.TensorProto.FLOAT, [3], [1.0, 2.0, 3.0])
+        del value.float_data[-1]
+        m.graph.node.append(onnx.helper.make_node("Constant", [], ["unused"], name="const", value=value))
+    return m
+
+
+@pytest.mark.parametrize("how", ["dims_grown", "raw_cut", "typed_short", "segment", "constant_node"])
+def test_a_constant_whose_data_does_not_fit_its_shape_is_a_model_error(how: str, tmp_path: Path) -> None:
+    """onnx's checker passes these, and numpy_helper.to_array then raised a bare
+    ValueError wherever a constant was read; `prepare` names the tensor instead."""
+    (tmp_path / "m.onnx").write_bytes(_damaged(how).SerializeToString())
+    with pytest.raises(errors.ModelError) as exc:
+        prepare(tmp_path / "m.onnx", tmp_path)
+    name = {"raw_cut": "fc1.weight", "constant_node": "of node 'const'"}.get(how, "fc1.bias")
+    assert name in str(exc.value) and ("segments" in str(exc.value)) == (how == "segment"), exc.value
+    assert how == "segment" or "but stores" in str(exc.value), exc.value
+
+
 def test_fuzz_base_model_prepares(tmp_path: Path) -> None:
     """The fuzzers start from a model that prepares: their mutations are what fails."""
     (tmp_path / "m.onnx").write_bytes(BASE)

@@ -199,12 +199,53 @@ def _too_big(what: str, name: str, elem_type: int, dims: list[int], source: str,
             f"{_size(limits.tensor_bytes)} per tensor ([engine] max_tensor_mb)")  # fmt: skip
 
 
+#: Element types stored two to a byte (raw_data) or two to an int32_data entry.
+_PACKED = {onnx.TensorProto.INT4, onnx.TensorProto.UINT4, getattr(onnx.TensorProto, "FLOAT4E2M1", -1)}
+
+
+def _stored_mismatch(t: onnx.TensorProto) -> str | None:
+    """What is wrong with a constant tensor's stored data against its dims, or None.
+    onnx's checker leaves this alone and numpy_helper.to_array then fails with a bare
+    ValueError (a reshape, or segments) wherever a constant is read. Counted from the
+    field lengths alone: no array is made. External data is read in by then
+    (`load_model`); strings and unknown types are left to the checker."""
+    if t.HasField("segment"):
+        return "is stored in segments, which onnx cannot read"
+    try:
+        dtype = np.dtype(helper.tensor_dtype_to_np_dtype(t.data_type))
+        field_name = helper.tensor_dtype_to_field(t.data_type)
+    except (KeyError, TypeError, ValueError):
+        return None
+    if t.data_type == onnx.TensorProto.STRING or t.data_location == onnx.TensorProto.EXTERNAL:
+        return None
+    n = math.prod(t.dims)
+    if t.HasField("raw_data"):
+        want, got, unit = ((n + 1) // 2 if t.data_type in _PACKED else n * dtype.itemsize), len(t.raw_data), "bytes"
+    else:
+        per = 2 if dtype.kind == "c" else 1
+        want, got, unit = ((n + 1) // 2 if t.data_type in _PACKED else n * per), len(getattr(t, field_name)), "values"
+    if want == got:
+        return None
+    return f"has shape {list(t.dims)} of {dtype} ({want} {unit}) but stores {got} {unit}"
+
+
+def _constants(g: onnx.GraphProto) -> Iterator[tuple[str, onnx.TensorProto]]:
+    """The graph's own constant tensors: initializers and tensor attributes of its nodes."""
+    for t in g.initializer:
+        yield f"initializer {t.name!r}", t
+    for node in g.node:
+        for a in node.attribute:
+            for t in ([a.t] if a.type == onnx.AttributeProto.TENSOR else list(a.tensors)):
+                yield f"attribute {a.name!r} of node {node.name!r}", t
+
+
 def check_declared(model: onnx.ModelProto, source: str, limits: Limits = Limits()) -> None:
     """Refuse what the file itself declares beyond `limits`, before anything sizes an
     array by it or repeats it in a message: no outputs; a name that is not UTF-8 (onnx's
     proto2 strings come back as bytes then) or longer than the name limit; an input,
-    output, initializer or annotated tensor over the tensor limit; a default-domain
-    opset newer than onnx knows. ModelError naming the file and the name."""
+    output, initializer or annotated tensor over the tensor limit; a constant whose
+    stored data does not match its shape; a default-domain opset newer than onnx knows.
+    ModelError naming the file and the name."""
     if not model.graph.output:
         raise ModelError(f"{source}: the model has no outputs, so there is nothing to run, time or check")
     newest = onnx.defs.onnx_opset_version()
@@ -222,6 +263,9 @@ def check_declared(model: onnx.ModelProto, source: str, limits: Limits = Limits(
         for t in g.initializer:
             if why := _too_big("initializer", t.name, t.data_type, list(t.dims), source, limits):
                 raise ModelError(why)
+        for what, t in _constants(g):
+            if why := _stored_mismatch(t):
+                raise ModelError(f"{source}: {what} {why}; the file is damaged or was written wrong")
         for what, values in (("input", g.input), ("output", g.output), ("tensor", g.value_info)):
             for vi in values:
                 dims = _value_dims(vi)
