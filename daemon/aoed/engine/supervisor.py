@@ -386,7 +386,12 @@ async def _confirm(
                               f"with 95% interval [{ci[0]:.3f}, {ci[1]:.3f}] ({verdict})")  # fmt: skip
             ship = proposal.plain if conf.shipped == "tuned" else proposal.input_copy
             if conf.shipped == "options only":
-                conf.shipped = "input"
+                # Nothing of the proposal ships: its figures move to `proposal`, as a fresh
+                # confirmation reports a proposal that did not ship.
+                conf.proposal = {"kind": "options only", "result_ms": conf.result_ms, "improvement": conf.improvement,
+                                 "improvement_ci95": list(conf.improvement_ci95)}  # fmt: skip
+                conf.verdict, conf.shipped = "no significant change", "input"
+                conf.result_ms, conf.improvement, conf.improvement_ci95 = conf.baseline_ms, 0.0, (0.0, 0.0)
     return conf, ship, None
 
 
