@@ -453,19 +453,17 @@ def _single(group: BaseExceptionGroup) -> BaseException:
 
 
 def result_dict(r: JobResult) -> dict[str, Any]:
-    """The part of a JobResult a client sees (JSON types only)."""
+    """The part of a JobResult a client sees (JSON types only). The figures are
+    `Figures.to_dict`'s, with result_ms and rounds also under the names the API gives
+    them (tuned_ms, confirm_rounds)."""
+    f = r.figures
     return {
-        "baseline_ms": r.baseline_ms,
-        "tuned_ms": r.tuned_ms,
-        "improvement": r.improvement,
+        **f.to_dict(),
+        "tuned_ms": f.result_ms,
+        "confirm_rounds": f.rounds,
         "tuned_model": r.tuned_model,
         "result_json": r.result_json,
         "repo": dict(r.repo),
-        "verdict": str(r.confirmation.get("verdict", "")),
-        "shipped": str(r.confirmation.get("shipped", "")),
-        "improvement_ci95": list(r.confirmation.get("improvement_ci95", (0.0, 0.0))),
-        "confirm_rounds": int(r.confirmation.get("rounds", 0) or 0),
-        "confirmed_by": str(r.confirmation.get("from_bank", "") or ""),
         "tuning_time_s": r.tuning_time_s,
         "resources": {k: v for k, v in r.resources.items() if isinstance(v, int | float | str)},
         "tasks": [
