@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import signal
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -368,15 +370,32 @@ def _logging(verbose: int) -> None:
             logger.setLevel(level)
 
 
+#: The exit status of a command whose reader went away (`aoe jobs | head`), as a shell
+#: reports one killed by SIGPIPE.
+EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        if argv and any(a.split("=", 1)[0] in _AOE_FLAGS for a in argv) and not set(argv) & set(COMMANDS):
-            args = _aoe_spelling(argv)
-        else:
-            args = build_parser().parse_args(argv)
-        _logging(args.verbose)
-        return args.run(args)
+        try:
+            if argv and any(a.split("=", 1)[0] in _AOE_FLAGS for a in argv) and not set(argv) & set(COMMANDS):
+                args = _aoe_spelling(argv)
+            else:
+                args = build_parser().parse_args(argv)
+            _logging(args.verbose)
+            return args.run(args)
+        finally:
+            # Flushed here, a closed pipe raises where it is handled below, not in the
+            # interpreter's exit (which prints "Exception ignored ... BrokenPipeError").
+            sys.stdout.flush()
+    except BrokenPipeError:
+        # The reader stopped reading: stop quietly, as a pipeline expects. The standard
+        # library's advice: point stdout at devnull so the exit's own flush cannot fail.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return EXIT_BROKEN_PIPE
     except AoedError as exc:
         print(f"aoe: error: {exc}", file=sys.stderr)
         return exc.exit_code
