@@ -55,9 +55,45 @@ def test_a_reader_that_goes_away_ends_aoe_quietly(daemon: DaemonProcess) -> None
             assert done.returncode == 128 + 13, (args, done.returncode, done.stderr)  # as if killed by SIGPIPE
 
 
+def test_a_missing_model_is_reported_before_the_engine_is_imported(tmp_path: Path) -> None:
+    r = subprocess.run([sys.executable, "-X", "importtime", "-m", "aoe.cli", "tune", "missing.onnx", "--local"],
+                       capture_output=True, text=True, cwd=tmp_path, timeout=120)  # fmt: skip
+    assert r.returncode == 3 and "aoe: error: missing.onnx: no such model file" in r.stderr, r.stderr
+    imported = {ln.rsplit("|", 1)[-1].strip() for ln in r.stderr.splitlines() if ln.startswith("import time:")}
+    heavy = sorted(m for m in imported if m in ("trio", "onnxruntime", "numpy") or m.startswith("aoed"))
+    assert not heavy, f"imported before the file was checked: {heavy}"
+    assert not list(tmp_path.iterdir()), "nothing is left behind by a run that never started"
+
+
 def _empty(folder: Path) -> Path:
     (folder / "empty.onnx").touch()
     return folder / "empty.onnx"
+
+
+@pytest.mark.parametrize(
+    ("make", "words"),
+    [
+        (lambda p: Path("/etc/passwd"), "not a readable ONNX model"),
+        (lambda p: p / "missing.onnx", "no such model file"),
+        (lambda p: p, "not a regular file"),
+        (_empty, "the file is empty"),
+    ],
+    ids=["text", "missing", "folder", "empty"],
+)
+def test_submit_refuses_what_is_not_a_model_before_uploading(daemon: DaemonProcess, tmp_path: Path, make,
+                                                             words: str) -> None:  # fmt: skip
+    path = make(tmp_path)
+    r = run_aoe("submit", str(path), "--socket", str(daemon.socket))
+    assert r.returncode == 3 and words in r.stderr and str(path) in r.stderr, (r.returncode, r.stderr)
+    uploads = daemon.state / "uploads"
+    assert not uploads.exists() or not any(uploads.rglob("*")), "nothing was uploaded"
+    with Client(daemon.socket) as c:
+        assert path.name not in [j.model_name for j in c.jobs()], "nothing was queued"
+    good = tmp_path / "mlp.onnx"
+    samples.save(samples.build("mlp"), good)
+    from aoe.modelfile import check_model_file
+
+    check_model_file(good)  # a real model passes the same check
 
 
 def _wait(cond, timeout: float = 120.0, what: str = "") -> None:

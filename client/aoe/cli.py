@@ -129,6 +129,13 @@ def _aoe_spelling(argv: Sequence[str]) -> argparse.Namespace:
 
 
 def _tune(args: argparse.Namespace) -> int:
+    from aoe.modelfile import check_model_file
+
+    # Before the engine's imports (about a second): a mistyped path is answered at once.
+    # Whether it parses, the engine says in more detail (a daemon run checks it before
+    # the upload: Client.submit_file).
+    check_model_file(args.model, onnx=False)
+
     import trio
 
     from aoe.config import load_config, parse_parallel
