@@ -101,3 +101,28 @@ def _wait(cond, timeout: float = 120.0, what: str = "") -> None:
     while not cond():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.1)
+
+
+def test_a_dropped_model_s_failure_names_the_dropped_file_whole(daemon: DaemonProcess) -> None:
+    dropped = daemon.inbox / "broken.onnx"
+    # Valid protobuf framing, not a model: the watcher takes it and the engine refuses it.
+    dropped.write_bytes(b"\x08\x07garbage" * 20)
+    report = daemon.inbox.parent / "failed" / "broken.onnx.error.txt"
+    _wait(report.exists, what=str(report))
+    text = report.read_text()
+    assert str(dropped) in text and "claimed" not in text, text
+
+    with Client(daemon.socket) as c:
+        (job,) = [j for j in c.jobs() if j.model_name == "broken.onnx"]
+    assert len(job.error) > 60 and str(dropped) in job.error and "claimed" not in job.error, job.error
+    listed = run_aoe("jobs", "--socket", str(daemon.socket))
+    (row,) = [ln for ln in listed.stdout.splitlines() if ln.startswith(job.job_id)]
+    assert "claimed" not in row, row
+    shown = row.split("failed", 1)[1].split(None, 3)[-1].rstrip()  # the PROGRESS cell
+    assert shown.endswith("…"), row
+    cut = shown.removesuffix("…")
+    assert job.error.startswith(cut) and job.error[len(cut)] in " ,;:", f"cut mid-word: {shown!r}"
+
+    status = run_aoe("status", job.job_id, "--socket", str(daemon.socket))
+    assert f"error     {job.error}\n" in status.stdout, status.stdout
+    assert f"({dropped})" in status.stdout and "claimed" not in status.stdout, status.stdout

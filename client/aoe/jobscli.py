@@ -37,6 +37,9 @@ if TYPE_CHECKING:
 __all__ = ["add_parsers", "client_for", "tune_on_daemon"]
 
 _STATES = ("queued", "preparing", "tuning", "verifying", "succeeded", "failed", "cancelled")
+#: Characters of a failure's reason `aoe jobs` shows (cut at a word, with an ellipsis);
+#: `aoe status` shows it whole.
+_REASON_WIDTH = 60
 
 
 def _connection_args(p: argparse.ArgumentParser) -> None:
@@ -136,8 +139,19 @@ def _progress(job: tuning_pb2.Job) -> str:
 
         return short_text(Figures.from_pb(job.result))
     if name in ("failed", "cancelled"):
-        return job.error[:60] or "-"
+        return _shorten(job.error, _REASON_WIDTH) or "-"
     return f"{p.tasks_done}/{p.tasks_total} tasks" if p.tasks_total else name
+
+
+def _shorten(text: str, width: int) -> str:
+    """`text` on one line, cut at the last word boundary within `width` characters with
+    an ellipsis (mid-word only when its first word alone is longer)."""
+    text = " ".join(text.split())
+    if len(text) <= width:
+        return text
+    cut = text[: width - 1]
+    space = cut.rfind(" ")
+    return (cut[:space] if space > 0 else cut).rstrip(" ,;:") + "…"
 
 
 def _table(rows: list[tuple[str, ...]]) -> None:
@@ -336,7 +350,8 @@ def _status(args: argparse.Namespace) -> int:
         job = client.get(args.job_id)
     o, p = job.options, job.progress
     print(f"job       {job.job_id}")
-    print(f"state     {_state(job.state)} ({_progress(job)})")
+    # A failure's reason is shown whole on its own line, not cut as in `aoe jobs`.
+    print(f"state     {_state(job.state)}" + ("" if job.error else f" ({_progress(job)})"))
     print(f"model     {job.model_name}  ({job.model_path})")
     print(f"source    {job.source or 'rpc'}" + (f", {job.joined} joined submissions" if job.joined else ""))
     opts = [f"precision {_enum_name(bank_pb2.Precision, o.precision, 'PRECISION_')}" if o.precision else "",

@@ -506,6 +506,7 @@ class Watcher:
 
     async def _deliver_failure(self, claim: Claim, job_id: str, state: str, error: str) -> None:
         inbox = self._inbox(claim.inbox)
+        error = error.replace(claim.dst, claim.src)  # name the file as dropped, not the claimed copy
         text = (f"model: {Path(claim.src).name}\njob:   {job_id or '(none: the submission was refused)'}\n"
                 f"state: {state}\nerror: {error or '(no message)'}\n")  # fmt: skip
         where = await trio.to_thread.run_sync(_write_failure, inbox.failed, Path(claim.dst), Path(claim.src).name, text)

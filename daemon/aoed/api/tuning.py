@@ -29,7 +29,7 @@ from aoed.api._bridge import Bridge
 from aoed.errors import NotFoundError, PermissionDeniedError, RpcError
 from aoed.config import DaemonConfig
 from aoed.jobs import store as st
-from aoed.jobs.manager import JobManager, Submission, options_from_dict
+from aoed.jobs.manager import JobManager, Submission, options_from_dict, shown_path
 from aoed.jobs.store import EventRow, JobRow, Upload
 
 __all__ = ["TuningServicer", "confine"]
@@ -171,7 +171,7 @@ def progress_pb(p: dict[str, Any]) -> tuning_pb2.JobProgress:
 def job_pb(row: JobRow, position: int = 0) -> tuning_pb2.Job:
     return tuning_pb2.Job(
         job_id=row.id, state=_STATE.get(row.state, tuning_pb2.JOB_STATE_UNSPECIFIED), model_name=row.model_name,
-        model_path=row.model_path, options=job_options_pb(row.options), created=_ts(row.created),
+        model_path=shown_path(row), options=job_options_pb(row.options), created=_ts(row.created),
         started=_ts(row.started), finished=_ts(row.finished), progress=progress_pb(row.progress),
         result=result_pb(row.result) if row.result and row.state == st.SUCCEEDED else None,
         error=row.error, queue_position=position, source=row.source, joined=row.joined, error_kind=row.error_kind,

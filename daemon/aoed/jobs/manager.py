@@ -45,7 +45,7 @@ from aoed.engine.policy import policy
 from aoed.jobs import store as st
 from aoed.jobs.store import EventRow, JobRow, JobStore, Upload
 
-__all__ = ["JobManager", "Submission", "options_from_dict", "sha256_file"]
+__all__ = ["JobManager", "Submission", "options_from_dict", "sha256_file", "shown_path"]
 
 log = logging.getLogger(__name__)
 
@@ -374,6 +374,9 @@ class JobManager:
 
     def _finish(self, row: JobRow, state: str, error: str = "", kind: str = "", result: dict | None = None) -> None:
         now = time.time()
+        shown = shown_path(row)
+        if shown != row.model_path:  # the engine names the copy it read; the user knows the file
+            error = error.replace(row.model_path, shown)
         if result is not None:
             self._event(row, "result", result)
         self._event(row, "state", {"previous": row.state, "state": state, "message": error})
@@ -450,6 +453,15 @@ def _single(group: BaseExceptionGroup) -> BaseException:
         if match is not None:
             return match
     return group
+
+
+def shown_path(row: JobRow) -> str:
+    """The model's path as its submitter knows it: for a drop-folder job the file as it
+    was dropped (the daemon works on a claimed copy inside its state dir, a path that
+    means nothing to the user), else the path the job reads."""
+    if row.source.startswith("inbox:"):
+        return str(Path(row.source.removeprefix("inbox:")) / row.model_name)
+    return row.model_path
 
 
 def result_dict(r: JobResult) -> dict[str, Any]:
