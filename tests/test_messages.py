@@ -126,3 +126,20 @@ def test_a_dropped_model_s_failure_names_the_dropped_file_whole(daemon: DaemonPr
     status = run_aoe("status", job.job_id, "--socket", str(daemon.socket))
     assert f"error     {job.error}\n" in status.stdout, status.stdout
     assert f"({dropped})" in status.stdout and "claimed" not in status.stdout, status.stdout
+
+
+def test_check_config_reports_every_problem(tmp_path: Path) -> None:
+    config = tmp_path / "aoed.toml"
+    config.write_text('[daemon]\nmax_running_jobs = "two"\nmax_queued_jobs = 0\ncolour = "blue"\n'
+                      '[listen]\nsocket_mode = "0666"\n[tuning]\nparallel = 99\n[engine]\nmax_nodes = "many"\n'
+                      '[[inbox]]\nstable_s = 3\n')  # fmt: skip
+    r = subprocess.run([sys.executable, "-m", "aoed", "--check-config", "--config", str(config)],
+                       capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert r.returncode == 2, r.stderr
+    expected = ["max_running_jobs = 'two': expected an integer", "max_queued_jobs = 0: must be between",
+                "colour: unknown setting", "socket_mode = '0666'", "parallel=99", "max_nodes='many'",
+                "[[inbox]] #1: path is required"]  # fmt: skip
+    lines = r.stderr.splitlines()
+    assert lines[0] == f"aoed: error: {len(expected)} problems in the configuration:", r.stderr
+    for words in expected:
+        assert sum(words in ln for ln in lines[1:]) == 1, (words, r.stderr)
