@@ -143,3 +143,16 @@ def test_check_config_reports_every_problem(tmp_path: Path) -> None:
     assert lines[0] == f"aoed: error: {len(expected)} problems in the configuration:", r.stderr
     for words in expected:
         assert sum(words in ln for ln in lines[1:]) == 1, (words, r.stderr)
+
+
+def test_a_staged_install_says_what_it_staged_and_how_to_check_it(tmp_path: Path) -> None:
+    dest = tmp_path / "stage"
+    done = subprocess.run(["sh", str(ROOT / "deploy" / "install.sh"), "--destdir", str(dest), "--no-venv"],
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    staged = sorted(str(p) for p in dest.rglob("*") if p.is_file())
+    assert staged and all(f"install.sh:   {p}" in done.stdout.splitlines() for p in staged), done.stdout
+    unit = dest / "usr/lib/systemd/system/aoed.service"
+    assert f"systemd-analyze verify {unit}" in done.stdout, done.stdout
+    readme = (ROOT / "deploy" / "README.md").read_text()
+    assert "systemd-analyze verify DESTDIR/usr/lib/systemd/system/aoed.service" in readme
