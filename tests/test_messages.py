@@ -156,3 +156,30 @@ def test_a_staged_install_says_what_it_staged_and_how_to_check_it(tmp_path: Path
     assert f"systemd-analyze verify {unit}" in done.stdout, done.stdout
     readme = (ROOT / "deploy" / "README.md").read_text()
     assert "systemd-analyze verify DESTDIR/usr/lib/systemd/system/aoed.service" in readme
+
+
+def test_the_readme_names_the_bank_the_code_uses_as_root() -> None:
+    if os.geteuid() != 0:
+        pytest.skip("the defaults as root are checked as root")
+    env = {k: v for k, v in os.environ.items() if k not in ("AOED_CONFIG", "TUNE_BANK_PATH", "AOED_SOCKET")}
+    r = subprocess.run([sys.executable, "-m", "aoed", "--check-config"], capture_output=True, text=True, env=env,
+                       timeout=60)  # fmt: skip
+    bank = re.search(r"^  bank\s+(\S+)", r.stdout, re.MULTILINE).group(1)
+    section = (ROOT / "README.md").read_text().split("## The knowledge bank", 1)[1].strip().split("\n\n", 1)[0]
+    assert f"`{bank}` as root" in section, section
+
+
+def test_event_numbers_are_per_job_with_gaps_where_log_lines_were(daemon: DaemonProcess, tmp_path: Path) -> None:
+    model = daemon.models / "mlp.onnx"
+    samples.save(samples.build("mlp"), model)
+    with Client(daemon.socket) as c:
+        job = c.submit(model, options={"budget_s": 1.0})
+        everything = [e.sequence for e in c.watch(job.job_id, include_logs=True)]
+        no_logs = [e.sequence for e in c.watch(job.job_id)]
+        assert everything == list(range(1, len(everything) + 1)), "with log lines: 1, 2, 3... with no gaps"
+        assert set(no_logs) < set(everything) and no_logs == sorted(no_logs), "without: increasing, with gaps"
+        # Resuming after any number seen loses nothing: the rest of the same stream.
+        for seen in no_logs[:-1]:
+            assert [e.sequence for e in c.watch(job.job_id, after_sequence=seen)] == [s for s in no_logs if s > seen]
+    api = (ROOT / "docs" / "API.md").read_text()
+    assert "no gaps" not in api and "gaps where" in api, "docs/API.md says what a watcher without logs sees"
