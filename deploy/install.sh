@@ -106,12 +106,17 @@ else
     SYSTEMD=no
 fi
 
+# What was written, one path a line: a staged install (--destdir) lists it at the end.
+WRITTEN=
+
 # put MODE SRC DST: install one file (its folder made as needed); same result every run.
 put() {
     mkdir -p "$(dirname "$DESTDIR$3")"
     cp "$2" "$DESTDIR$3.tmp"
     chmod "$1" "$DESTDIR$3.tmp"
     mv -f "$DESTDIR$3.tmp" "$DESTDIR$3"
+    WRITTEN="$WRITTEN$DESTDIR$3
+"
 }
 
 # folder MODE DIR: make a folder with exactly this mode (setgid included).
@@ -178,6 +183,19 @@ install_files() {
         say "systemd is not running here: create the user and folders, then start aoed yourself:"
         say "  systemd-sysusers $SYSUSERS; systemd-tmpfiles --create $TMPFILES"
         say "  $PREFIX/venv/bin/aoed --config $CONFIG"
+    else
+        say "staged under $DESTDIR (systemd left alone):"
+        if [ "$VENV" = yes ]; then
+            say "  $DESTDIR$PREFIX/venv/ (the virtual environment)"
+        fi
+        printf '%s' "$WRITTEN" | while IFS= read -r path; do
+            say "  $path"
+        done
+        say "  $DESTDIR$STATE/ with inbox/, outbox/ and failed/ (empty)"
+        say "check the unit (it names $PREFIX/venv/bin/aoed, which exists only once installed at $PREFIX;"
+        say "that missing command is the one complaint to expect):"
+        say "  systemd-analyze verify $DESTDIR$UNIT"
+        say "  systemd-analyze security --offline=true $DESTDIR$UNIT"
     fi
 }
 

@@ -31,7 +31,7 @@ def _aoe(d: DaemonProcess, *args: str, cwd: Path | None = None):
 def test_submit_watch_jobs_status_fetch(daemon: DaemonProcess, tmp_path: Path) -> None:
     r = _aoe(daemon, "submit", str(daemon.models / "mlp.onnx"), "--budget", "2", "--watch")
     assert r.returncode == 0, r.stderr
-    assert "state verifying -> succeeded" in r.stdout and "95% interval" in r.stdout
+    assert "state verifying -> succeeded" in r.stdout and "\n  verdict      " in r.stdout
     job_id = r.stdout.split("as job ", 1)[1].split()[0] if "as job " in r.stdout else \
         r.stderr.split("as job ", 1)[1].split()[0]  # fmt: skip
     jobs = _aoe(daemon, "jobs")

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import signal
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -127,6 +129,13 @@ def _aoe_spelling(argv: Sequence[str]) -> argparse.Namespace:
 
 
 def _tune(args: argparse.Namespace) -> int:
+    from aoe.modelfile import check_model_file
+
+    # Before the engine's imports (about a second): a mistyped path is answered at once.
+    # Whether it parses, the engine says in more detail (a daemon run checks it before
+    # the upload: Client.submit_file).
+    check_model_file(args.model, onnx=False)
+
     import trio
 
     from aoe.config import load_config, parse_parallel
@@ -278,27 +287,26 @@ def _single(group: BaseExceptionGroup) -> BaseException:
 
 
 def _summary(r: Any) -> None:
+    from aoe import figures
+
     tuned = sum(t.update_mode in ("add", "update", "reserved", "unsatisfied") for t in r.tasks)
     hits = sum(t.update_mode == "hit" for t in r.tasks)
     failed = sum(t.update_mode == "failed" for t in r.tasks)
     skipped = sum(t.update_mode == "skipped" for t in r.tasks)
-    changed = [t for t in r.tasks if t.strategy != "default" and t.applied]
-    res, conf, budget = r.resources, r.confirmation, r.device_budget
+    chosen = [t for t in r.tasks if t.strategy != "default"]
+    changed = [t for t in chosen if t.applied]
+    res, budget, f = r.resources, r.device_budget, r.figures
     out = sys.stdout
     print(f"aoe: tuned {Path(r.model).name} in {r.tuning_time_s:.1f} s ({r.precision} on {r.device})", file=out)
-    where = (f"from the bank: confirmed by {conf['from_bank']}" if conf.get("from_bank")
-             else f"confirming A/B, {conf.get('rounds', 0)} interleaved rounds")  # fmt: skip
-    lo, hi = conf.get("improvement_ci95", (0.0, 0.0))
-    print(f"  baseline     {r.baseline_ms:.4f} ms   ({where})", file=out)
-    print(f"  result       {r.tuned_ms:.4f} ms   (improvement {r.improvement:+.1%}: the median of the paired "
-          f"round ratios, 95% interval {lo:+.1%} to {hi:+.1%})", file=out)  # fmt: skip
-    shipped = {"tuned": "the tuned model ships", "options only": "the input model with session options ships",
-               "input": "the input model ships unchanged"}.get(conf.get("shipped", ""), "")  # fmt: skip
-    print(f"  verdict      {conf.get('verdict', '?')}: {shipped}", file=out)
+    where = (f"from the bank: confirmed by {f.confirmed_by}" if f.confirmed_by
+             else f"confirming A/B, {f.rounds} interleaved rounds")  # fmt: skip
+    print(f"  baseline     {f.baseline_ms:.4f} ms   ({where})", file=out)
+    print(f"  result       {figures.result_text(f)}", file=out)
+    print(f"  verdict      {figures.verdict_text(f)}", file=out)
     print(
         f"  tasks        {len(r.tasks)}: {tuned} measured, {hits} from the bank"
         + (f", {failed} failed" if failed else "") + (f", {skipped} not tuned (budget)" if skipped else "")
-        + f"; {len(changed)} changed",
+        + f"; {figures.changed_text(len(changed), len(chosen), f.shipped)}",
         file=out,
     )
     print(f"  device       {res.get('trials', 0)} trials, {res.get('failed_candidates', 0)} failed candidates; "
@@ -308,10 +316,10 @@ def _summary(r: Any) -> None:
     if changed:
         print("  changed      (each task's own figure, from the search that chose it)", file=out)
     for t in changed:
-        print(f"    {t.op_name:<40} {t.op_type:<14} {t.strategy:<22} {t.improvement:+.1%}", file=out)
+        print(f"    {t.op_name:<40} {t.op_type:<14} {t.strategy:<22} {figures.pct(t.improvement)}", file=out)
     if r.session_options:
         print(f"  session      {r.session_options}", file=out)
-    if r.precision != "exact" and conf.get("shipped") == "input":
+    if r.precision != "exact" and f.shipped == "input":
         print("  accuracy     the input model ships: its outputs are the reference", file=out)
         print(f"  calibration  {r.calibration}", file=out)
     elif r.precision != "exact":
@@ -327,12 +335,7 @@ def _summary(r: Any) -> None:
         for t in r.tasks:
             if t.rejected and not t.strategy.startswith("int8"):
                 print(f"    {t.op_name:<40} kept {t.strategy}: {t.rejected[0]}", file=out)
-    s = r.repo
-    print(
-        f"  bank         add {s['repo_add_num']}, hit {s['repo_hit_num']}, reserved {s['repo_reserved_num']}, "
-        f"unsatisfied {s['repo_unsatisfied_num']}, update {s['repo_update_num']}, total {s['total_num']}",
-        file=out,
-    )
+    print(f"  bank         {figures.bank_text(r.repo, len(chosen) - len(changed))}", file=out)
     for note in r.notes:
         print(f"  note         {note}", file=out)
     print(f"  tuned model  {r.tuned_model}", file=out)
@@ -374,15 +377,32 @@ def _logging(verbose: int) -> None:
             logger.setLevel(level)
 
 
+#: The exit status of a command whose reader went away (`aoe jobs | head`), as a shell
+#: reports one killed by SIGPIPE.
+EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        if argv and any(a.split("=", 1)[0] in _AOE_FLAGS for a in argv) and not set(argv) & set(COMMANDS):
-            args = _aoe_spelling(argv)
-        else:
-            args = build_parser().parse_args(argv)
-        _logging(args.verbose)
-        return args.run(args)
+        try:
+            if argv and any(a.split("=", 1)[0] in _AOE_FLAGS for a in argv) and not set(argv) & set(COMMANDS):
+                args = _aoe_spelling(argv)
+            else:
+                args = build_parser().parse_args(argv)
+            _logging(args.verbose)
+            return args.run(args)
+        finally:
+            # Flushed here, a closed pipe raises where it is handled below, not in the
+            # interpreter's exit (which prints "Exception ignored ... BrokenPipeError").
+            sys.stdout.flush()
+    except BrokenPipeError:
+        # The reader stopped reading: stop quietly, as a pipeline expects. The standard
+        # library's advice: point stdout at devnull so the exit's own flush cannot fail.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return EXIT_BROKEN_PIPE
     except AoedError as exc:
         print(f"aoe: error: {exc}", file=sys.stderr)
         return exc.exit_code

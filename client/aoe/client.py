@@ -30,6 +30,7 @@ from google.protobuf import json_format
 from aoe.errors import AoedError, BankError, DaemonUnavailableError, JobCancelledError, ModelError, OptionError
 from aoe.errors import ResourceExhaustedError
 from aoe.jobtypes import parse_job_type
+from aoe.modelfile import check_model_file
 from aoe.v1 import bank_pb2, bank_pb2_grpc, daemon_pb2, daemon_pb2_grpc, devices_pb2, devices_pb2_grpc
 from aoe.v1 import tuning_pb2, tuning_pb2_grpc
 
@@ -336,8 +337,13 @@ class Client:
         return reply.job
 
     def submit_file(self, local_path: str | os.PathLike[str], **options: Any) -> tuning_pb2.Job:
-        """`upload` the local model, then `submit` it with `options`; returns the Job."""
-        opts = job_options(options)  # bad options fail before the upload
+        """`upload` the local model, then `submit` it with `options`; returns the Job.
+        Bad options (OptionError), a socket with no daemon (DaemonUnavailableError) and
+        a file that is missing or not an ONNX model (ModelError, aoe.modelfile) fail
+        before anything is uploaded, in that order."""
+        opts = job_options(options)
+        self._check_socket()
+        check_model_file(local_path)
         return self.submit(model_id=self.upload(local_path), options=opts)
 
     def get(self, job_id: str) -> tuning_pb2.Job:

@@ -42,15 +42,18 @@ size/256 MiB: 2x at 256 MiB, 9x at 2 GiB), since its work does.
 The daemon's own sections ([daemon], [listen], [limits], [[inbox]]) are read by
 `aoed.config`.
 
-Errors are `OptionError`s that name the key and where it came from.
+Errors are `OptionError`s that name the key and where it came from; a file and the
+environment are checked whole, and one OptionError lists every problem found
+(`OptionError.problems`), not only the first.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -58,9 +61,33 @@ from typing import Any
 from aoe.device import CPU, Device
 from aoe.errors import OptionError
 
-__all__ = ["DAEMON_SECTIONS", "Config", "bank_from_env", "default_socket", "default_parallel", "layers_from_env", "load_config", "parse_parallel"]
+__all__ = ["DAEMON_SECTIONS", "Config", "Problems", "bank_from_env", "default_socket", "default_parallel", "layers_from_env", "load_config", "parse_parallel"]
 
 _LEVELS = ("debug", "info", "warning", "error")
+
+
+class Problems:
+    """Collects the OptionErrors of a check that goes on past the first, so that a
+    configuration reports every problem at once."""
+
+    def __init__(self) -> None:
+        self.found: list[str] = []
+
+    def add(self, message: str) -> None:
+        self.found.append(message)
+
+    @contextlib.contextmanager
+    def check(self) -> Iterator[None]:
+        """Record an OptionError raised in the block (all of its problems) and go on."""
+        try:
+            yield
+        except OptionError as exc:
+            self.found.extend(exc.problems)
+
+    def raise_any(self) -> None:
+        """OptionError listing every problem recorded, if there is one."""
+        if self.found:
+            raise OptionError(problems=self.found)
 
 
 def default_parallel() -> int:
@@ -182,19 +209,22 @@ _RANGES = {
 
 
 def _checked(cfg: Config) -> Config:
+    """`cfg` when its values are in range; else OptionError listing each that is not."""
+    problems = Problems()
     if not 1 <= cfg.parallel <= 32:
-        raise OptionError(f"parallel={cfg.parallel} ({cfg.sources.get('parallel', 'default')}): must be 1-32")
+        problems.add(f"parallel={cfg.parallel} ({cfg.sources.get('parallel', 'default')}): must be 1-32")
     if cfg.log_level not in _LEVELS:
-        raise OptionError(f"log level {cfg.log_level!r}: expected one of {', '.join(_LEVELS)}")
+        problems.add(f"log level {cfg.log_level!r}: expected one of {', '.join(_LEVELS)}")
     if cfg.worker_memory_mb != 0 and cfg.worker_memory_mb < MIN_WORKER_MEMORY_MB:
-        raise OptionError(f"worker_memory_mb={cfg.worker_memory_mb} ({_src(cfg, 'worker_memory_mb')}): must be 0 "
-                          f"(no limit) or at least {MIN_WORKER_MEMORY_MB} MiB: it limits address space, and a "
-                          "child's allocator and threads reserve far more of it than they use, so smaller "
-                          "limits fail ordinary models at random")  # fmt: skip
+        problems.add(f"worker_memory_mb={cfg.worker_memory_mb} ({_src(cfg, 'worker_memory_mb')}): must be 0 "
+                     f"(no limit) or at least {MIN_WORKER_MEMORY_MB} MiB: it limits address space, and a "
+                     "child's allocator and threads reserve far more of it than they use, so smaller "
+                     "limits fail ordinary models at random")  # fmt: skip
     for name, (lo, hi) in _RANGES.items():
         value = getattr(cfg, name)
         if not lo <= value <= hi:
-            raise OptionError(f"{name}={value} ({_src(cfg, name)}): must be between {lo} and {hi}")
+            problems.add(f"{name}={value} ({_src(cfg, name)}): must be between {lo} and {hi}")
+    problems.raise_any()
     return cfg
 
 
@@ -202,7 +232,12 @@ def _src(cfg: Config, name: str) -> str:
     return cfg.sources.get(name, "default")
 
 
-def _from_toml(path: Path) -> tuple[dict[str, Any], dict[str, str]]:
+def _from_toml(path: Path, problems: Problems | None = None) -> tuple[dict[str, Any], dict[str, str]]:
+    """The engine's settings in the file at `path` and where each came from. A file that
+    cannot be read or parsed raises OptionError at once; a bad setting is recorded in
+    `problems` and left out (raised at once without `problems`)."""
+    own = problems is None
+    problems = Problems() if problems is None else problems
     try:
         with open(path, "rb") as f:
             doc = tomllib.load(f)
@@ -226,14 +261,19 @@ def _from_toml(path: Path) -> tuple[dict[str, Any], dict[str, str]]:
         if section in DAEMON_SECTIONS:
             continue
         if not isinstance(table, dict):
-            raise OptionError(f"{path}: {section!r} must be a [section]")
+            problems.add(f"{path}: {section!r} must be a [section]")
+            continue
         for key, raw in table.items():
             name = known.get((section, key))
             where = f"{path} [{section}] {key}"
             if name is None:
-                raise OptionError(f"{where}: unknown setting")
-            values[name] = _convert(name, raw, where)
-            sources[name] = where
+                problems.add(f"{where}: unknown setting")
+                continue
+            with problems.check():
+                values[name] = _convert(name, raw, where)
+                sources[name] = where
+    if own:
+        problems.raise_any()
     return values, sources
 
 
@@ -284,7 +324,7 @@ def _convert(name: str, raw: Any, where: str) -> Any:
     raise AssertionError(name)
 
 
-def _from_env(env: Mapping[str, str]) -> tuple[dict[str, Any], dict[str, str]]:
+def _from_env(env: Mapping[str, str], problems: Problems) -> tuple[dict[str, Any], dict[str, str]]:
     names = {
         "TUNE_BANK_PATH": "bank", "AOED_BANK_LAYERS": "bank_layers", "REPEAT_TUNE": "repeat_tune",
         "TE_PARALLEL_COMPILER": "parallel", "AOED_PLUGINS": "plugins", "AOED_RUNTIME_DIR": "runtime_dir",
@@ -294,14 +334,16 @@ def _from_env(env: Mapping[str, str]) -> tuple[dict[str, Any], dict[str, str]]:
     for var, name in names.items():
         raw = env.get(var, "")
         if raw.strip():
-            values[name] = _convert(name, raw, var)
-            sources[name] = var
+            with problems.check():
+                values[name] = _convert(name, raw, var)
+                sources[name] = var
     ascend = env.get("ASCEND_DEVICE_ID", "").strip()
     if ascend:
         if not ascend.isdigit():
-            raise OptionError(f"ASCEND_DEVICE_ID={ascend!r}: expected a device number")
-        values["device"] = Device("cann", int(ascend))
-        sources["device"] = f"ASCEND_DEVICE_ID={ascend}"
+            problems.add(f"ASCEND_DEVICE_ID={ascend!r}: expected a device number")
+        else:
+            values["device"] = Device("cann", int(ascend))
+            sources["device"] = f"ASCEND_DEVICE_ID={ascend}"
     return values, sources
 
 
@@ -334,11 +376,15 @@ def load_config(path: str | os.PathLike[str] | None = None, env: Mapping[str, st
         path = env["AOED_CONFIG"]
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
+    problems = Problems()
     if path is not None:
-        v, s = _from_toml(Path(path))
+        v, s = _from_toml(Path(path), problems)
         values.update(v)
         sources.update(s)
-    v, s = _from_env(env)
+    v, s = _from_env(env, problems)
     values.update(v)
     sources.update(s)
-    return _checked(Config(**values, sources=sources))
+    with problems.check():
+        config = _checked(Config(**values, sources=sources))
+    problems.raise_any()
+    return config

@@ -29,6 +29,8 @@ AoedError), UNAVAILABLE as DaemonUnavailableError, the server's message kept.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 __all__ = [
     "AoedError",
     "BankBusyError",
@@ -51,8 +53,18 @@ class AoedError(Exception):
 
 
 class OptionError(AoedError):
+    """`problems` lists every problem when a whole input was checked at once (a
+    configuration file); `str(err)` is then one line that names them all."""
+
     exit_code = 2
     grpc_status = "INVALID_ARGUMENT"
+
+    def __init__(self, message: str = "", problems: Sequence[str] = ()):
+        self.problems = list(problems) or [message]
+        if not message:
+            n = len(self.problems)
+            message = self.problems[0] if n == 1 else f"{n} problems: " + "; ".join(self.problems)
+        super().__init__(message)
 
 
 class ModelError(AoedError):

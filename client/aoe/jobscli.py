@@ -37,6 +37,9 @@ if TYPE_CHECKING:
 __all__ = ["add_parsers", "client_for", "tune_on_daemon"]
 
 _STATES = ("queued", "preparing", "tuning", "verifying", "succeeded", "failed", "cancelled")
+#: Characters of a failure's reason `aoe jobs` shows (cut at a word, with an ellipsis);
+#: `aoe status` shows it whole.
+_REASON_WIDTH = 60
 
 
 def _connection_args(p: argparse.ArgumentParser) -> None:
@@ -132,10 +135,23 @@ def _progress(job: tuning_pb2.Job) -> str:
     if name == "queued":
         return f"{job.queue_position} ahead"
     if name == "succeeded":
-        return f"{job.result.improvement:+.1%}"
+        from aoe.figures import Figures, short_text
+
+        return short_text(Figures.from_pb(job.result))
     if name in ("failed", "cancelled"):
-        return job.error[:60] or "-"
+        return _shorten(job.error, _REASON_WIDTH) or "-"
     return f"{p.tasks_done}/{p.tasks_total} tasks" if p.tasks_total else name
+
+
+def _shorten(text: str, width: int) -> str:
+    """`text` on one line, cut at the last word boundary within `width` characters with
+    an ellipsis (mid-word only when its first word alone is longer)."""
+    text = " ".join(text.split())
+    if len(text) <= width:
+        return text
+    cut = text[: width - 1]
+    space = cut.rfind(" ")
+    return (cut[:space] if space > 0 else cut).rstrip(" ,;:") + "…"
 
 
 def _table(rows: list[tuple[str, ...]]) -> None:
@@ -147,6 +163,7 @@ def _table(rows: list[tuple[str, ...]]) -> None:
 def print_result(job: tuning_pb2.Job, files: list[Path] | None = None) -> None:
     """The summary of a finished job, from its Job proto; `files` are the downloaded
     artifacts (else the paths on the daemon's host are shown)."""
+    from aoe import figures
     from aoe.v1 import bank_pb2
 
     r, o = job.result, job.options
@@ -154,27 +171,25 @@ def print_result(job: tuning_pb2.Job, files: list[Path] | None = None) -> None:
     precision = _enum_name(bank_pb2.Precision, o.precision, "PRECISION_") if o.precision else "exact"
     print(f"aoe: tuned {job.model_name} on the daemon in {took:.1f} s (job {job.job_id}; {precision} on "
           f"{o.device or 'the default device'})")  # fmt: skip
-    where = (f"from the bank: confirmed by {r.confirmed_by}" if r.confirmed_by
-             else f"confirming A/B, {r.confirm_rounds} interleaved rounds")  # fmt: skip
-    print(f"  baseline     {r.baseline_ms:.4f} ms   ({where})")
-    print(f"  result       {r.tuned_ms:.4f} ms   (improvement {r.improvement:+.1%}: the median of the paired "
-          f"round ratios, 95% interval {r.improvement_ci95_low:+.1%} to {r.improvement_ci95_high:+.1%})")  # fmt: skip
-    shipped = {"tuned": "the tuned model ships", "options only": "the input model with session options ships",
-               "input": "the input model ships unchanged"}.get(r.shipped, r.shipped)  # fmt: skip
-    if r.verdict:
-        print(f"  verdict      {r.verdict}: {shipped}")
+    f = figures.Figures.from_pb(r)
+    where = (f"from the bank: confirmed by {f.confirmed_by}" if f.confirmed_by
+             else f"confirming A/B, {f.rounds} interleaved rounds")  # fmt: skip
+    print(f"  baseline     {f.baseline_ms:.4f} ms   ({where})")
+    print(f"  result       {figures.result_text(f)}")
+    if f.verdict:
+        print(f"  verdict      {figures.verdict_text(f)}")
     modes = [t.update_mode for t in r.tasks]
     measured = sum(m in ("add", "update", "reserved", "unsatisfied") for m in modes)
     failed = modes.count("failed")
-    changed = [t for t in r.tasks if t.strategy.name and t.strategy.name != "default"]
+    chosen = [t for t in r.tasks if t.strategy.name and t.strategy.name != "default"]
+    changed = [t for t in chosen if not t.error]  # a chosen task that did not ship says why in its error
     print(f"  tasks        {len(r.tasks)}: {measured} measured, {modes.count('hit')} from the bank"
-          + (f", {failed} failed" if failed else "") + f"; {len(changed)} changed")  # fmt: skip
+          + (f", {failed} failed" if failed else "") + f"; {figures.changed_text(len(changed), len(chosen), f.shipped)}")  # fmt: skip
     for t in changed:
-        print(f"    {t.task_id:<40} {t.op_type:<14} {t.strategy.name:<22} {t.improvement:+.1%}")
+        print(f"    {t.task_id:<40} {t.op_type:<14} {t.strategy.name:<22} {figures.pct(t.improvement)}")
     print(f"  device       {r.trials} trials, {r.device_s:.1f} s measuring")
-    s = r.repo_summary
-    print(f"  bank         add {s.repo_add_num}, hit {s.repo_hit_num}, reserved {s.repo_reserved_num}, "
-          f"unsatisfied {s.repo_unsatisfied_num}, update {s.repo_update_num}, total {s.total_num}")  # fmt: skip
+    repo = {fd.name: value for fd, value in r.repo_summary.ListFields()}
+    print(f"  bank         {figures.bank_text(repo, len(chosen) - len(changed))}")
     model, report = (files or [None, None])[:2]
     print(f"  tuned model  {model or r.tuned_model_path + ' (on the daemon host)'}")
     print(f"  report       {report or r.result_json_path + ' (on the daemon host)'}")
@@ -228,8 +243,9 @@ def _line(event: tuning_pb2.JobEvent) -> str:
         level = _enum_name(tuning_pb2.LogLevel, event.log.level, "LOG_LEVEL_")
         return f"{head} {level} {event.log.logger}: {event.log.message}"
     if kind == "result":
-        r = event.result
-        return f"{head} result {r.baseline_ms:.4f} ms -> {r.tuned_ms:.4f} ms ({r.improvement:+.1%})"
+        from aoe.figures import Figures, event_text
+
+        return f"{head} result {event_text(Figures.from_pb(event.result))}"
     return f"{head} {kind}"
 
 
@@ -334,7 +350,8 @@ def _status(args: argparse.Namespace) -> int:
         job = client.get(args.job_id)
     o, p = job.options, job.progress
     print(f"job       {job.job_id}")
-    print(f"state     {_state(job.state)} ({_progress(job)})")
+    # A failure's reason is shown whole on its own line, not cut as in `aoe jobs`.
+    print(f"state     {_state(job.state)}" + ("" if job.error else f" ({_progress(job)})"))
     print(f"model     {job.model_name}  ({job.model_path})")
     print(f"source    {job.source or 'rpc'}" + (f", {job.joined} joined submissions" if job.joined else ""))
     opts = [f"precision {_enum_name(bank_pb2.Precision, o.precision, 'PRECISION_')}" if o.precision else "",

@@ -30,11 +30,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--version", action="version", version=f"aoed {__version__}")
     args = parser.parse_args(argv)
 
-    from aoe.errors import AoedError
+    from aoe.errors import AoedError, OptionError
     from aoed.config import load_daemon_config
 
     try:
         cfg = load_daemon_config(args.config)
+    except OptionError as exc:
+        if len(exc.problems) == 1:
+            print(f"aoed: error: {exc}", file=sys.stderr)
+        else:  # the file was checked whole: every problem on a line of its own
+            print(f"aoed: error: {len(exc.problems)} problems in the configuration:", file=sys.stderr)
+            for problem in exc.problems:
+                print(f"  {problem}", file=sys.stderr)
+        return exc.exit_code
     except AoedError as exc:
         print(f"aoed: error: {exc}", file=sys.stderr)
         return exc.exit_code

@@ -40,7 +40,8 @@ or /var/lib/aoed as root; the socket in the runtime dir (/run/aoed as root).
   stable_s = 2.0                     # size and mtime unchanged this long = complete
 
 Without an `[[inbox]]`, the daemon watches `inbox/` in its state dir. Errors are
-OptionErrors naming the key and the file.
+OptionErrors naming the key and the file; the file is checked whole, and one OptionError
+lists every problem (`OptionError.problems`), so `aoed --check-config` shows them all.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from aoe.config import Config, load_config
+from aoe.config import Config, Problems, load_config
 from aoe.errors import OptionError
 
 __all__ = ["DaemonConfig", "Inbox", "load_daemon_config"]
@@ -144,21 +145,23 @@ def _host(hostport: str) -> str:
     return host.strip("[]")
 
 
-def _table(doc: Mapping[str, Any], name: str, path: Path) -> Mapping[str, Any]:
+def _table(doc: Mapping[str, Any], name: str, path: Path, problems: Problems) -> Mapping[str, Any]:
     table = doc.get(name, {})
     if not isinstance(table, dict):
-        raise OptionError(f"{path}: {name!r} must be a [section]")
+        problems.add(f"{path}: {name!r} must be a [section]")
+        return {}
     return table
 
 
 class _Reader:
-    """Reads typed values out of one section, naming file, section and key in errors."""
+    """Reads typed values out of one section, naming file, section and key in errors.
+    A bad value is recorded in `problems` and its default returned, so that reading
+    goes on and every problem is reported."""
 
-    def __init__(self, table: Mapping[str, Any], where: str, known: set[str]):
-        self.table, self.where = table, where
-        unknown = sorted(set(table) - known)
-        if unknown:
-            raise OptionError(f"{where} {unknown[0]}: unknown setting (known: {', '.join(sorted(known))})")
+    def __init__(self, table: Mapping[str, Any], where: str, known: set[str], problems: Problems):
+        self.table, self.where, self.problems = table, where, problems
+        for key in sorted(set(table) - known):
+            problems.add(f"{where} {key}: unknown setting (known: {', '.join(sorted(known))})")
 
     def _w(self, key: str) -> str:
         return f"{self.where} {key}"
@@ -166,15 +169,18 @@ class _Reader:
     def number(self, key: str, default: float, lo: float, hi: float, integer: bool = False) -> Any:
         raw = self.table.get(key, default)
         if isinstance(raw, bool) or not isinstance(raw, int | float) or (integer and not isinstance(raw, int)):
-            raise OptionError(f"{self._w(key)} = {raw!r}: expected {'an integer' if integer else 'a number'}")
+            self.problems.add(f"{self._w(key)} = {raw!r}: expected {'an integer' if integer else 'a number'}")
+            return default
         if not lo <= raw <= hi:
-            raise OptionError(f"{self._w(key)} = {raw}: must be between {lo:g} and {hi:g}")
+            self.problems.add(f"{self._w(key)} = {raw}: must be between {lo:g} and {hi:g}")
+            return default
         return raw
 
     def text(self, key: str, default: str) -> str:
         raw = self.table.get(key, default)
         if not isinstance(raw, str):
-            raise OptionError(f"{self._w(key)} = {raw!r}: expected a string")
+            self.problems.add(f"{self._w(key)} = {raw!r}: expected a string")
+            return default
         return raw
 
     def path(self, key: str, default: Path | None, base: Path) -> Path | None:
@@ -182,7 +188,8 @@ class _Reader:
         if raw is None:
             return default
         if not isinstance(raw, str):
-            raise OptionError(f"{self._w(key)} = {raw!r}: expected a path")
+            self.problems.add(f"{self._w(key)} = {raw!r}: expected a path")
+            return default
         if not raw:
             return None
         p = Path(raw).expanduser()
@@ -191,7 +198,8 @@ class _Reader:
     def flag(self, key: str, default: bool) -> bool:
         raw = self.table.get(key, default)
         if not isinstance(raw, bool):
-            raise OptionError(f"{self._w(key)} = {raw!r}: expected true or false")
+            self.problems.add(f"{self._w(key)} = {raw!r}: expected true or false")
+            return default
         return raw
 
 
@@ -201,58 +209,71 @@ def load_daemon_config(path: str | os.PathLike[str] | None = None, env: Mapping[
     env = os.environ if env is None else env
     if path is None and env.get("AOED_CONFIG", "").strip():
         path = env["AOED_CONFIG"]
-    engine = load_config(path, env)
+    problems = Problems()
+    engine = Config()  # the defaults, while the engine's own sections have problems
+    try:
+        engine = load_config(path, env)
+    except OptionError as exc:
+        problems.found.extend(exc.problems)
     doc: Mapping[str, Any] = {}
     base = Path.cwd()
     if path is not None:
         p = Path(path)
         base = p.resolve().parent
-        with open(p, "rb") as f:  # load_config has read it already: it exists and parses
-            doc = tomllib.load(f)
+        try:
+            with open(p, "rb") as f:
+                doc = tomllib.load(f)
+        except (OSError, tomllib.TOMLDecodeError):
+            problems.raise_any()  # load_config could not read it either, and said why
+            raise
     where = str(path) if path is not None else "defaults"
-    d = _Reader(_table(doc, "daemon", Path(where)), f"{where} [daemon]", {
+    d = _Reader(_table(doc, "daemon", Path(where), problems), f"{where} [daemon]", {
         "state_dir", "max_running_jobs", "max_queued_jobs", "max_jobs_per_client", "retention_days", "shutdown_grace_s",
         "allowed_dirs",
-    })  # fmt: skip
+    }, problems)  # fmt: skip
     state_dir = d.path("state_dir", None, base) or _default_state_dir()
     raw_allowed = d.table.get("allowed_dirs", [])
     if not isinstance(raw_allowed, list) or not all(isinstance(x, str) and x for x in raw_allowed):
-        raise OptionError(f"{where} [daemon] allowed_dirs: expected a list of directories")
+        problems.add(f"{where} [daemon] allowed_dirs: expected a list of directories")
+        raw_allowed = []
     allowed = tuple((base / Path(x).expanduser()) for x in raw_allowed)
-    lis = _Reader(_table(doc, "listen", Path(where)), f"{where} [listen]", {
+    lis = _Reader(_table(doc, "listen", Path(where), problems), f"{where} [listen]", {
         "socket", "socket_mode", "socket_group", "tcp", "tls_cert", "tls_key", "tls_client_ca",
         "insecure_loopback", "max_rpcs",
-    })  # fmt: skip
+    }, problems)  # fmt: skip
     env_socket = env.get("AOED_SOCKET", "").strip()
     # The socket lives in the runtime dir beside the device locks unless placed elsewhere.
     socket = Path(env_socket).expanduser() if env_socket else lis.path("socket", engine.runtime_dir / "aoed.sock", base)
     mode_raw = lis.text("socket_mode", "0660")
+    socket_mode = 0o660
     try:
         socket_mode = int(mode_raw, 8)
     except ValueError:
-        raise OptionError(f"{where} [listen] socket_mode = {mode_raw!r}: expected an octal mode like \"0660\"") from None
+        problems.add(f"{where} [listen] socket_mode = {mode_raw!r}: expected an octal mode like \"0660\"")
     if socket_mode & ~0o777 or socket_mode & 0o007:
-        raise OptionError(f"{where} [listen] socket_mode = {mode_raw!r}: the socket must not be open to others")
-    lim = _Reader(_table(doc, "limits", Path(where)), f"{where} [limits]", {"max_upload_mb", "upload_ttl_h"})
+        problems.add(f"{where} [listen] socket_mode = {mode_raw!r}: the socket must not be open to others")
+    lim = _Reader(_table(doc, "limits", Path(where), problems), f"{where} [limits]", {"max_upload_mb", "upload_ttl_h"},
+                  problems)  # fmt: skip
     inboxes = []
     raw_inboxes = doc.get("inbox", None)
     if raw_inboxes is None:
         inboxes.append(Inbox(state_dir / "inbox", state_dir / "outbox", state_dir / "failed"))
+    elif not isinstance(raw_inboxes, list) or not all(isinstance(t, dict) for t in raw_inboxes):
+        problems.add(f"{where}: inbox must be an array of tables ([[inbox]])")
     else:
-        if not isinstance(raw_inboxes, list):
-            raise OptionError(f"{where}: inbox must be an array of tables ([[inbox]])")
         for i, table in enumerate(raw_inboxes):
-            r = _Reader(table, f"{where} [[inbox]] #{i + 1}", {"path", "outbox", "failed", "stable_s"})
+            r = _Reader(table, f"{where} [[inbox]] #{i + 1}", {"path", "outbox", "failed", "stable_s"}, problems)
             p = r.path("path", None, base)
             if p is None:
-                raise OptionError(f"{where} [[inbox]] #{i + 1}: path is required")
+                problems.add(f"{where} [[inbox]] #{i + 1}: path is required")
+                continue
             inboxes.append(Inbox(
                 p, r.path("outbox", p.parent / "outbox", base), r.path("failed", p.parent / "failed", base),
                 float(r.number("stable_s", 2.0, 0.0, 3600.0)),
             ))  # fmt: skip
     paths = [i.path for i in inboxes]
     if len(set(paths)) != len(paths):
-        raise OptionError(f"{where}: the same folder is listed as an inbox twice")
+        problems.add(f"{where}: the same folder is listed as an inbox twice")
     cfg = DaemonConfig(
         engine=engine,
         state_dir=state_dir,
@@ -276,36 +297,36 @@ def load_daemon_config(path: str | os.PathLike[str] | None = None, env: Mapping[
         inboxes=tuple(inboxes),
         source=where,
     )
-    _check_listen(cfg, where)
+    problems.found.extend(_check_listen(cfg, where))
+    problems.raise_any()
     return cfg
 
 
-def _check_listen(cfg: DaemonConfig, where: str) -> None:
+def _check_listen(cfg: DaemonConfig, where: str) -> list[str]:
+    """Every problem with where `cfg` listens."""
     if not cfg.socket and not cfg.tcp:
-        raise OptionError(f"{where} [listen]: neither a socket nor tcp is configured: nothing to listen on")
-    if cfg.tcp:
-        host = _host(cfg.tcp)
-        port = cfg.tcp.rsplit(":", 1)[1] if ":" in cfg.tcp else ""
-        if not host or not port.isdigit():
-            raise OptionError(f"{where} [listen] tcp = {cfg.tcp!r}: expected HOST:PORT")
-        has_tls = cfg.tls_cert is not None and cfg.tls_key is not None
-        if (cfg.tls_cert is None) != (cfg.tls_key is None):
-            raise OptionError(f"{where} [listen]: tls_cert and tls_key go together")
-        if not has_tls:
-            if not cfg.tcp_is_loopback():
-                raise OptionError(
-                    f"{where} [listen] tcp = {cfg.tcp!r}: TCP on a non-loopback address needs TLS "
-                    "(set tls_cert and tls_key)"
-                )
-            if not cfg.insecure_loopback:
-                raise OptionError(
-                    f"{where} [listen] tcp = {cfg.tcp!r}: plain TCP needs insecure_loopback = true "
-                    "(or set tls_cert and tls_key)"
-                )
-        if cfg.tls_client_ca is not None and not has_tls:
-            raise OptionError(f"{where} [listen] tls_client_ca needs tls_cert and tls_key")
-        for name in ("tls_cert", "tls_key", "tls_client_ca"):
-            p = getattr(cfg, name)
-            if p is not None and not p.is_file():
-                raise OptionError(f"{where} [listen] {name} = {str(p)!r}: no such file")
-
+        return [f"{where} [listen]: neither a socket nor tcp is configured: nothing to listen on"]
+    if not cfg.tcp:
+        return []
+    out = []
+    host = _host(cfg.tcp)
+    port = cfg.tcp.rsplit(":", 1)[1] if ":" in cfg.tcp else ""
+    if not host or not port.isdigit():
+        out.append(f"{where} [listen] tcp = {cfg.tcp!r}: expected HOST:PORT")
+    has_tls = cfg.tls_cert is not None and cfg.tls_key is not None
+    if (cfg.tls_cert is None) != (cfg.tls_key is None):
+        out.append(f"{where} [listen]: tls_cert and tls_key go together")
+    if not has_tls:
+        if not cfg.tcp_is_loopback():
+            out.append(f"{where} [listen] tcp = {cfg.tcp!r}: TCP on a non-loopback address needs TLS "
+                       "(set tls_cert and tls_key)")  # fmt: skip
+        elif not cfg.insecure_loopback:
+            out.append(f"{where} [listen] tcp = {cfg.tcp!r}: plain TCP needs insecure_loopback = true "
+                       "(or set tls_cert and tls_key)")  # fmt: skip
+    if cfg.tls_client_ca is not None and not has_tls:
+        out.append(f"{where} [listen] tls_client_ca needs tls_cert and tls_key")
+    for name in ("tls_cert", "tls_key", "tls_client_ca"):
+        p = getattr(cfg, name)
+        if p is not None and not p.is_file():
+            out.append(f"{where} [listen] {name} = {str(p)!r}: no such file")
+    return out

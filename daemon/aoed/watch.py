@@ -44,6 +44,7 @@ from typing import Any
 import trio
 import watchfiles
 
+from aoe import figures
 from aoe.errors import AoedError, OptionError
 from aoed.config import DaemonConfig, Inbox
 from aoed.jobs.manager import JobManager, Submission, options_from_dict
@@ -505,6 +506,7 @@ class Watcher:
 
     async def _deliver_failure(self, claim: Claim, job_id: str, state: str, error: str) -> None:
         inbox = self._inbox(claim.inbox)
+        error = error.replace(claim.dst, claim.src)  # name the file as dropped, not the claimed copy
         text = (f"model: {Path(claim.src).name}\njob:   {job_id or '(none: the submission was refused)'}\n"
                 f"state: {state}\nerror: {error or '(no message)'}\n")  # fmt: skip
         where = await trio.to_thread.run_sync(_write_failure, inbox.failed, Path(claim.dst), Path(claim.src).name, text)
@@ -674,25 +676,19 @@ def _write_outputs(outbox: Path, name: str, row: JobRow) -> list[str]:
 def _report_text(name: str, row: JobRow, written: list[str], missing: list[str]) -> str:
     """A short human summary of the succeeded job that tuned the model `name`."""
     r = row.result or {}
-    lo, hi = (list(r.get("improvement_ci95") or [0.0, 0.0]) + [0.0, 0.0])[:2]
-    repo = r.get("repo") or {}
-    shipped = {"tuned": "the tuned model", "options only": "the input model with tuned session options",
-               "input": "the input model, unchanged"}.get(r.get("shipped", ""), r.get("shipped") or "-")  # fmt: skip
-    result = "the input model timed again" if r.get("shipped") == "input" else "the shipped model"
-    where = (f"from the bank, as confirmed by {r['confirmed_by']}" if r.get("confirmed_by")
-             else f"confirming A/B, {r.get('confirm_rounds', 0)} interleaved rounds")  # fmt: skip
+    f = figures.Figures.from_dict(r)
+    where = (f"from the bank, as confirmed by {f.confirmed_by}" if f.confirmed_by
+             else f"confirming A/B, {f.rounds} interleaved rounds")  # fmt: skip
+    tasks = r.get("tasks") or []
+    unshipped = sum(1 for t in tasks if t.get("strategy", "default") != "default" and t.get("error"))
     lines = [
         f"aoed tuned {name}",
         f"job:          {row.id}",
-        f"baseline:     {float(r.get('baseline_ms', 0.0)):.3f} ms ({where})",
-        f"result:       {float(r.get('tuned_ms', 0.0)):.3f} ms ({result})",
-        f"improvement:  {float(r.get('improvement', 0.0)):+.1%} (median of paired round ratios; 95% interval "
-        f"{float(lo):+.1%} .. {float(hi):+.1%})",
-        f"verdict:      {r.get('verdict') or '-'}",
-        f"shipped:      {shipped}",
-        f"bank:         add {repo.get('repo_add_num', 0)}, hit {repo.get('repo_hit_num', 0)}, reserved "
-        f"{repo.get('repo_reserved_num', 0)}, unsatisfied {repo.get('repo_unsatisfied_num', 0)}, update "
-        f"{repo.get('repo_update_num', 0)}, total {repo.get('total_num', 0)}",
+        f"baseline:     {f.baseline_ms:.3f} ms ({where})",
+        f"result:       {figures.result_text(f, 3)}",
+        f"verdict:      {figures.verdict_text(f)}",
+        f"shipped:      {figures.shipped_text(f)}",
+        f"bank:         {figures.bank_text(r.get('repo') or {}, unshipped)}",
         f"outputs:      {', '.join(written) or '(none)'}",
     ]
     lines += [f"missing:      {m}" for m in missing]

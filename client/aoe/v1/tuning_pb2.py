@@ -26,7 +26,7 @@ from aoe.v1 import bank_pb2 as aoe_dot_v1_dot_bank__pb2
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13\x61oe/v1/tuning.proto\x12\x06\x61oe.v1\x1a\x11\x61oe/v1/bank.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"(\n\nInputShape\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04\x64ims\x18\x02 \x03(\x03\";\n\x0e\x41\x63\x63uracyBudget\x12\x12\n\nmin_cosine\x18\x01 \x01(\x01\x12\x15\n\rmax_rel_error\x18\x02 \x01(\x01\"\x97\x03\n\nJobOptions\x12!\n\x08job_type\x18\x01 \x01(\x0e\x32\x0f.aoe.v1.JobType\x12$\n\tprecision\x18\x02 \x01(\x0e\x32\x11.aoe.v1.Precision\x12(\n\x0cinput_shapes\x18\x03 \x03(\x0b\x32\x12.aoe.v1.InputShape\x12\x13\n\x0brepeat_tune\x18\x04 \x01(\x08\x12\x10\n\x08parallel\x18\x05 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12/\n\x0f\x61\x63\x63uracy_budget\x18\x07 \x01(\x0b\x32\x16.aoe.v1.AccuracyBudget\x12\x17\n\x0f\x63\x61libration_dir\x18\x08 \x01(\t\x12.\n\x06labels\x18\t \x03(\x0b\x32\x1e.aoe.v1.JobOptions.LabelsEntry\x12\x12\n\noutput_dir\x18\n \x01(\t\x12\x10\n\x08priority\x18\x0b \x01(\x05\x12\x10\n\x08\x62udget_s\x18\x0c \x01(\x01\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"j\n\x10SubmitJobRequest\x12\x14\n\nmodel_path\x18\x01 \x01(\tH\x00\x12\x12\n\x08model_id\x18\x02 \x01(\tH\x00\x12#\n\x07options\x18\x03 \x01(\x0b\x32\x12.aoe.v1.JobOptionsB\x07\n\x05model\"=\n\x11SubmitJobResponse\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x18\n\x03job\x18\x02 \x01(\x0b\x32\x0b.aoe.v1.Job\"u\n\x0bJobProgress\x12\x12\n\ntasks_done\x18\x01 \x01(\r\x12\x13\n\x0btasks_total\x18\x02 \x01(\r\x12\x0e\n\x06trials\x18\x03 \x01(\x04\x12\x14\n\x0c\x63urrent_task\x18\x04 \x01(\t\x12\x17\n\x0f\x63urrent_op_type\x18\x05 \x01(\t\"\x9e\x01\n\x0bRepoSummary\x12\x14\n\x0crepo_add_num\x18\x01 \x01(\r\x12\x14\n\x0crepo_hit_num\x18\x02 \x01(\r\x12\x19\n\x11repo_reserved_num\x18\x03 \x01(\r\x12\x1c\n\x14repo_unsatisfied_num\x18\x04 \x01(\r\x12\x17\n\x0frepo_update_num\x18\x05 \x01(\r\x12\x11\n\ttotal_num\x18\x06 \x01(\r\"\xa6\x02\n\nTaskResult\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x0f\n\x07op_type\x18\x02 \x01(\t\x12\x12\n\nnode_names\x18\x03 \x03(\t\x12\"\n\x08strategy\x18\x04 \x01(\x0b\x32\x10.aoe.v1.Strategy\x12\x11\n\tbefore_us\x18\x05 \x01(\x01\x12\x10\n\x08\x61\x66ter_us\x18\x06 \x01(\x01\x12\x13\n\x0bimprovement\x18\x07 \x01(\x01\x12\x13\n\x0bupdate_mode\x18\x08 \x01(\t\x12\x12\n\nbank_layer\x18\t \x01(\t\x12\"\n\x08\x61\x63\x63uracy\x18\n \x01(\x0b\x32\x10.aoe.v1.Accuracy\x12\r\n\x05\x65rror\x18\x0b \x01(\t\x12(\n\tsignature\x18\x0c \x01(\x0b\x32\x15.aoe.v1.TaskSignature\"\x8f\x03\n\tJobResult\x12\x13\n\x0b\x62\x61seline_ms\x18\x01 \x01(\x01\x12\x10\n\x08tuned_ms\x18\x02 \x01(\x01\x12\x13\n\x0bimprovement\x18\x03 \x01(\x01\x12\x18\n\x10tuned_model_path\x18\x04 \x01(\t\x12\x18\n\x10result_json_path\x18\x05 \x01(\t\x12)\n\x0crepo_summary\x18\x06 \x01(\x0b\x32\x13.aoe.v1.RepoSummary\x12!\n\x05tasks\x18\x07 \x03(\x0b\x32\x12.aoe.v1.TaskResult\x12\x0f\n\x07verdict\x18\x08 \x01(\t\x12\x0f\n\x07shipped\x18\t \x01(\t\x12\x1c\n\x14improvement_ci95_low\x18\n \x01(\x01\x12\x1d\n\x15improvement_ci95_high\x18\x0b \x01(\x01\x12\x0e\n\x06trials\x18\x0c \x01(\x04\x12\x10\n\x08\x64\x65vice_s\x18\r \x01(\x01\x12\x15\n\rtuning_time_s\x18\x0e \x01(\x01\x12\x16\n\x0e\x63onfirm_rounds\x18\x0f \x01(\r\x12\x14\n\x0c\x63onfirmed_by\x18\x10 \x01(\t\"\xb0\x03\n\x03Job\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x1f\n\x05state\x18\x02 \x01(\x0e\x32\x10.aoe.v1.JobState\x12\x12\n\nmodel_name\x18\x03 \x01(\t\x12\x12\n\nmodel_path\x18\x04 \x01(\t\x12#\n\x07options\x18\x05 \x01(\x0b\x32\x12.aoe.v1.JobOptions\x12+\n\x07\x63reated\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12+\n\x07started\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12,\n\x08\x66inished\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12%\n\x08progress\x18\t \x01(\x0b\x32\x13.aoe.v1.JobProgress\x12!\n\x06result\x18\n \x01(\x0b\x32\x11.aoe.v1.JobResult\x12\r\n\x05\x65rror\x18\x0b \x01(\t\x12\x16\n\x0equeue_position\x18\x0c \x01(\r\x12\x0e\n\x06source\x18\r \x01(\t\x12\x0e\n\x06joined\x18\x0e \x01(\r\x12\x12\n\nerror_kind\x18\x0f \x01(\t\"f\n\x0eJobStateChange\x12\"\n\x08previous\x18\x01 \x01(\x0e\x32\x10.aoe.v1.JobState\x12\x1f\n\x05state\x18\x02 \x01(\x0e\x32\x10.aoe.v1.JobState\x12\x0f\n\x07message\x18\x03 \x01(\t\"K\n\x07LogLine\x12\x1f\n\x05level\x18\x01 \x01(\x0e\x32\x10.aoe.v1.LogLevel\x12\x0e\n\x06logger\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\"\xa8\x02\n\x08JobEvent\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12(\n\x04time\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0e\n\x06job_id\x18\x03 \x01(\t\x12.\n\x0cstate_change\x18\x04 \x01(\x0b\x32\x16.aoe.v1.JobStateChangeH\x00\x12\'\n\x08progress\x18\x05 \x01(\x0b\x32\x13.aoe.v1.JobProgressH\x00\x12)\n\x0btask_result\x18\x06 \x01(\x0b\x32\x12.aoe.v1.TaskResultH\x00\x12\x1e\n\x03log\x18\x07 \x01(\x0b\x32\x0f.aoe.v1.LogLineH\x00\x12#\n\x06result\x18\x08 \x01(\x0b\x32\x11.aoe.v1.JobResultH\x00\x42\x07\n\x05\x65vent\"O\n\x0fWatchJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x14\n\x0cinclude_logs\x18\x02 \x01(\x08\x12\x16\n\x0e\x61\x66ter_sequence\x18\x03 \x01(\x04\"3\n\x10WatchJobResponse\x12\x1f\n\x05\x65vent\x18\x01 \x01(\x0b\x32\x10.aoe.v1.JobEvent\"\x1f\n\rGetJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"*\n\x0eGetJobResponse\x12\x18\n\x03job\x18\x01 \x01(\x0b\x32\x0b.aoe.v1.Job\"Z\n\x0fListJobsRequest\x12 \n\x06states\x18\x01 \x03(\x0e\x32\x10.aoe.v1.JobState\x12\x11\n\tpage_size\x18\x02 \x01(\r\x12\x12\n\npage_token\x18\x03 \x01(\t\"F\n\x10ListJobsResponse\x12\x19\n\x04jobs\x18\x01 \x03(\x0b\x32\x0b.aoe.v1.Job\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"\"\n\x10\x43\x61ncelJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"-\n\x11\x43\x61ncelJobResponse\x12\x18\n\x03job\x18\x01 \x01(\x0b\x32\x0b.aoe.v1.Job\"J\n\x11ModelUploadHeader\x12\x11\n\tfile_name\x18\x01 \x01(\t\x12\x0e\n\x06sha256\x18\x02 \x01(\t\x12\x12\n\nsize_bytes\x18\x03 \x01(\x04\"]\n\x12UploadModelRequest\x12+\n\x06header\x18\x01 \x01(\x0b\x32\x19.aoe.v1.ModelUploadHeaderH\x00\x12\x0f\n\x05\x63hunk\x18\x02 \x01(\x0cH\x00\x42\t\n\x07payload\"K\n\x13UploadModelResponse\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x0e\n\x06sha256\x18\x02 \x01(\t\x12\x12\n\nsize_bytes\x18\x03 \x01(\x04\"Q\n\x15\x44ownloadResultRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12(\n\x08\x61rtifact\x18\x02 \x01(\x0e\x32\x16.aoe.v1.ResultArtifact\"G\n\x0e\x44ownloadHeader\x12\x11\n\tfile_name\x18\x01 \x01(\t\x12\x0e\n\x06sha256\x18\x02 \x01(\t\x12\x12\n\nsize_bytes\x18\x03 \x01(\x04\"^\n\x16\x44ownloadResultResponse\x12(\n\x06header\x18\x01 \x01(\x0b\x32\x16.aoe.v1.DownloadHeaderH\x00\x12\x0f\n\x05\x63hunk\x18\x02 \x01(\x0cH\x00\x42\t\n\x07payload*a\n\x07JobType\x12\x18\n\x14JOB_TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rJOB_TYPE_SGAT\x10\x01\x12\x11\n\rJOB_TYPE_OPAT\x10\x02\x12\x16\n\x12JOB_TYPE_SGAT_OPAT\x10\x03*\xcb\x01\n\x08JobState\x12\x19\n\x15JOB_STATE_UNSPECIFIED\x10\x00\x12\x14\n\x10JOB_STATE_QUEUED\x10\x01\x12\x17\n\x13JOB_STATE_PREPARING\x10\x02\x12\x14\n\x10JOB_STATE_TUNING\x10\x03\x12\x17\n\x13JOB_STATE_VERIFYING\x10\x04\x12\x17\n\x13JOB_STATE_SUCCEEDED\x10\x05\x12\x14\n\x10JOB_STATE_FAILED\x10\x06\x12\x17\n\x13JOB_STATE_CANCELLED\x10\x07*z\n\x08LogLevel\x12\x19\n\x15LOG_LEVEL_UNSPECIFIED\x10\x00\x12\x13\n\x0fLOG_LEVEL_DEBUG\x10\x01\x12\x12\n\x0eLOG_LEVEL_INFO\x10\x02\x12\x15\n\x11LOG_LEVEL_WARNING\x10\x03\x12\x13\n\x0fLOG_LEVEL_ERROR\x10\x04*s\n\x0eResultArtifact\x12\x1f\n\x1bRESULT_ARTIFACT_UNSPECIFIED\x10\x00\x12\x1f\n\x1bRESULT_ARTIFACT_TUNED_MODEL\x10\x01\x12\x1f\n\x1bRESULT_ARTIFACT_RESULT_JSON\x10\x02\x32\xe9\x03\n\rTuningService\x12@\n\tSubmitJob\x12\x18.aoe.v1.SubmitJobRequest\x1a\x19.aoe.v1.SubmitJobResponse\x12?\n\x08WatchJob\x12\x17.aoe.v1.WatchJobRequest\x1a\x18.aoe.v1.WatchJobResponse0\x01\x12\x37\n\x06GetJob\x12\x15.aoe.v1.GetJobRequest\x1a\x16.aoe.v1.GetJobResponse\x12=\n\x08ListJobs\x12\x17.aoe.v1.ListJobsRequest\x1a\x18.aoe.v1.ListJobsResponse\x12@\n\tCancelJob\x12\x18.aoe.v1.CancelJobRequest\x1a\x19.aoe.v1.CancelJobResponse\x12H\n\x0bUploadModel\x12\x1a.aoe.v1.UploadModelRequest\x1a\x1b.aoe.v1.UploadModelResponse(\x01\x12Q\n\x0e\x44ownloadResult\x12\x1d.aoe.v1.DownloadResultRequest\x1a\x1e.aoe.v1.DownloadResultResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13\x61oe/v1/tuning.proto\x12\x06\x61oe.v1\x1a\x11\x61oe/v1/bank.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"(\n\nInputShape\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04\x64ims\x18\x02 \x03(\x03\";\n\x0e\x41\x63\x63uracyBudget\x12\x12\n\nmin_cosine\x18\x01 \x01(\x01\x12\x15\n\rmax_rel_error\x18\x02 \x01(\x01\"\x97\x03\n\nJobOptions\x12!\n\x08job_type\x18\x01 \x01(\x0e\x32\x0f.aoe.v1.JobType\x12$\n\tprecision\x18\x02 \x01(\x0e\x32\x11.aoe.v1.Precision\x12(\n\x0cinput_shapes\x18\x03 \x03(\x0b\x32\x12.aoe.v1.InputShape\x12\x13\n\x0brepeat_tune\x18\x04 \x01(\x08\x12\x10\n\x08parallel\x18\x05 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12/\n\x0f\x61\x63\x63uracy_budget\x18\x07 \x01(\x0b\x32\x16.aoe.v1.AccuracyBudget\x12\x17\n\x0f\x63\x61libration_dir\x18\x08 \x01(\t\x12.\n\x06labels\x18\t \x03(\x0b\x32\x1e.aoe.v1.JobOptions.LabelsEntry\x12\x12\n\noutput_dir\x18\n \x01(\t\x12\x10\n\x08priority\x18\x0b \x01(\x05\x12\x10\n\x08\x62udget_s\x18\x0c \x01(\x01\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"j\n\x10SubmitJobRequest\x12\x14\n\nmodel_path\x18\x01 \x01(\tH\x00\x12\x12\n\x08model_id\x18\x02 \x01(\tH\x00\x12#\n\x07options\x18\x03 \x01(\x0b\x32\x12.aoe.v1.JobOptionsB\x07\n\x05model\"=\n\x11SubmitJobResponse\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x18\n\x03job\x18\x02 \x01(\x0b\x32\x0b.aoe.v1.Job\"u\n\x0bJobProgress\x12\x12\n\ntasks_done\x18\x01 \x01(\r\x12\x13\n\x0btasks_total\x18\x02 \x01(\r\x12\x0e\n\x06trials\x18\x03 \x01(\x04\x12\x14\n\x0c\x63urrent_task\x18\x04 \x01(\t\x12\x17\n\x0f\x63urrent_op_type\x18\x05 \x01(\t\"\x9e\x01\n\x0bRepoSummary\x12\x14\n\x0crepo_add_num\x18\x01 \x01(\r\x12\x14\n\x0crepo_hit_num\x18\x02 \x01(\r\x12\x19\n\x11repo_reserved_num\x18\x03 \x01(\r\x12\x1c\n\x14repo_unsatisfied_num\x18\x04 \x01(\r\x12\x17\n\x0frepo_update_num\x18\x05 \x01(\r\x12\x11\n\ttotal_num\x18\x06 \x01(\r\"\xa6\x02\n\nTaskResult\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x0f\n\x07op_type\x18\x02 \x01(\t\x12\x12\n\nnode_names\x18\x03 \x03(\t\x12\"\n\x08strategy\x18\x04 \x01(\x0b\x32\x10.aoe.v1.Strategy\x12\x11\n\tbefore_us\x18\x05 \x01(\x01\x12\x10\n\x08\x61\x66ter_us\x18\x06 \x01(\x01\x12\x13\n\x0bimprovement\x18\x07 \x01(\x01\x12\x13\n\x0bupdate_mode\x18\x08 \x01(\t\x12\x12\n\nbank_layer\x18\t \x01(\t\x12\"\n\x08\x61\x63\x63uracy\x18\n \x01(\x0b\x32\x10.aoe.v1.Accuracy\x12\r\n\x05\x65rror\x18\x0b \x01(\t\x12(\n\tsignature\x18\x0c \x01(\x0b\x32\x15.aoe.v1.TaskSignature\"\xb7\x03\n\tJobResult\x12\x13\n\x0b\x62\x61seline_ms\x18\x01 \x01(\x01\x12\x10\n\x08tuned_ms\x18\x02 \x01(\x01\x12\x13\n\x0bimprovement\x18\x03 \x01(\x01\x12\x18\n\x10tuned_model_path\x18\x04 \x01(\t\x12\x18\n\x10result_json_path\x18\x05 \x01(\t\x12)\n\x0crepo_summary\x18\x06 \x01(\x0b\x32\x13.aoe.v1.RepoSummary\x12!\n\x05tasks\x18\x07 \x03(\x0b\x32\x12.aoe.v1.TaskResult\x12\x0f\n\x07verdict\x18\x08 \x01(\t\x12\x0f\n\x07shipped\x18\t \x01(\t\x12\x1c\n\x14improvement_ci95_low\x18\n \x01(\x01\x12\x1d\n\x15improvement_ci95_high\x18\x0b \x01(\x01\x12\x0e\n\x06trials\x18\x0c \x01(\x04\x12\x10\n\x08\x64\x65vice_s\x18\r \x01(\x01\x12\x15\n\rtuning_time_s\x18\x0e \x01(\x01\x12\x16\n\x0e\x63onfirm_rounds\x18\x0f \x01(\r\x12\x14\n\x0c\x63onfirmed_by\x18\x10 \x01(\t\x12&\n\ndecided_by\x18\x11 \x01(\x0b\x32\x12.aoe.v1.Comparison\"\x80\x01\n\nComparison\x12\x0f\n\x07subject\x18\x01 \x01(\t\x12\x0f\n\x07\x61gainst\x18\x02 \x01(\t\x12\x13\n\x0bimprovement\x18\x03 \x01(\x01\x12\x1c\n\x14improvement_ci95_low\x18\x04 \x01(\x01\x12\x1d\n\x15improvement_ci95_high\x18\x05 \x01(\x01\"\xb0\x03\n\x03Job\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x1f\n\x05state\x18\x02 \x01(\x0e\x32\x10.aoe.v1.JobState\x12\x12\n\nmodel_name\x18\x03 \x01(\t\x12\x12\n\nmodel_path\x18\x04 \x01(\t\x12#\n\x07options\x18\x05 \x01(\x0b\x32\x12.aoe.v1.JobOptions\x12+\n\x07\x63reated\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12+\n\x07started\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12,\n\x08\x66inished\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12%\n\x08progress\x18\t \x01(\x0b\x32\x13.aoe.v1.JobProgress\x12!\n\x06result\x18\n \x01(\x0b\x32\x11.aoe.v1.JobResult\x12\r\n\x05\x65rror\x18\x0b \x01(\t\x12\x16\n\x0equeue_position\x18\x0c \x01(\r\x12\x0e\n\x06source\x18\r \x01(\t\x12\x0e\n\x06joined\x18\x0e \x01(\r\x12\x12\n\nerror_kind\x18\x0f \x01(\t\"f\n\x0eJobStateChange\x12\"\n\x08previous\x18\x01 \x01(\x0e\x32\x10.aoe.v1.JobState\x12\x1f\n\x05state\x18\x02 \x01(\x0e\x32\x10.aoe.v1.JobState\x12\x0f\n\x07message\x18\x03 \x01(\t\"K\n\x07LogLine\x12\x1f\n\x05level\x18\x01 \x01(\x0e\x32\x10.aoe.v1.LogLevel\x12\x0e\n\x06logger\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\"\xa8\x02\n\x08JobEvent\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12(\n\x04time\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0e\n\x06job_id\x18\x03 \x01(\t\x12.\n\x0cstate_change\x18\x04 \x01(\x0b\x32\x16.aoe.v1.JobStateChangeH\x00\x12\'\n\x08progress\x18\x05 \x01(\x0b\x32\x13.aoe.v1.JobProgressH\x00\x12)\n\x0btask_result\x18\x06 \x01(\x0b\x32\x12.aoe.v1.TaskResultH\x00\x12\x1e\n\x03log\x18\x07 \x01(\x0b\x32\x0f.aoe.v1.LogLineH\x00\x12#\n\x06result\x18\x08 \x01(\x0b\x32\x11.aoe.v1.JobResultH\x00\x42\x07\n\x05\x65vent\"O\n\x0fWatchJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x14\n\x0cinclude_logs\x18\x02 \x01(\x08\x12\x16\n\x0e\x61\x66ter_sequence\x18\x03 \x01(\x04\"3\n\x10WatchJobResponse\x12\x1f\n\x05\x65vent\x18\x01 \x01(\x0b\x32\x10.aoe.v1.JobEvent\"\x1f\n\rGetJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"*\n\x0eGetJobResponse\x12\x18\n\x03job\x18\x01 \x01(\x0b\x32\x0b.aoe.v1.Job\"Z\n\x0fListJobsRequest\x12 \n\x06states\x18\x01 \x03(\x0e\x32\x10.aoe.v1.JobState\x12\x11\n\tpage_size\x18\x02 \x01(\r\x12\x12\n\npage_token\x18\x03 \x01(\t\"F\n\x10ListJobsResponse\x12\x19\n\x04jobs\x18\x01 \x03(\x0b\x32\x0b.aoe.v1.Job\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"\"\n\x10\x43\x61ncelJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"-\n\x11\x43\x61ncelJobResponse\x12\x18\n\x03job\x18\x01 \x01(\x0b\x32\x0b.aoe.v1.Job\"J\n\x11ModelUploadHeader\x12\x11\n\tfile_name\x18\x01 \x01(\t\x12\x0e\n\x06sha256\x18\x02 \x01(\t\x12\x12\n\nsize_bytes\x18\x03 \x01(\x04\"]\n\x12UploadModelRequest\x12+\n\x06header\x18\x01 \x01(\x0b\x32\x19.aoe.v1.ModelUploadHeaderH\x00\x12\x0f\n\x05\x63hunk\x18\x02 \x01(\x0cH\x00\x42\t\n\x07payload\"K\n\x13UploadModelResponse\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x0e\n\x06sha256\x18\x02 \x01(\t\x12\x12\n\nsize_bytes\x18\x03 \x01(\x04\"Q\n\x15\x44ownloadResultRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12(\n\x08\x61rtifact\x18\x02 \x01(\x0e\x32\x16.aoe.v1.ResultArtifact\"G\n\x0e\x44ownloadHeader\x12\x11\n\tfile_name\x18\x01 \x01(\t\x12\x0e\n\x06sha256\x18\x02 \x01(\t\x12\x12\n\nsize_bytes\x18\x03 \x01(\x04\"^\n\x16\x44ownloadResultResponse\x12(\n\x06header\x18\x01 \x01(\x0b\x32\x16.aoe.v1.DownloadHeaderH\x00\x12\x0f\n\x05\x63hunk\x18\x02 \x01(\x0cH\x00\x42\t\n\x07payload*a\n\x07JobType\x12\x18\n\x14JOB_TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rJOB_TYPE_SGAT\x10\x01\x12\x11\n\rJOB_TYPE_OPAT\x10\x02\x12\x16\n\x12JOB_TYPE_SGAT_OPAT\x10\x03*\xcb\x01\n\x08JobState\x12\x19\n\x15JOB_STATE_UNSPECIFIED\x10\x00\x12\x14\n\x10JOB_STATE_QUEUED\x10\x01\x12\x17\n\x13JOB_STATE_PREPARING\x10\x02\x12\x14\n\x10JOB_STATE_TUNING\x10\x03\x12\x17\n\x13JOB_STATE_VERIFYING\x10\x04\x12\x17\n\x13JOB_STATE_SUCCEEDED\x10\x05\x12\x14\n\x10JOB_STATE_FAILED\x10\x06\x12\x17\n\x13JOB_STATE_CANCELLED\x10\x07*z\n\x08LogLevel\x12\x19\n\x15LOG_LEVEL_UNSPECIFIED\x10\x00\x12\x13\n\x0fLOG_LEVEL_DEBUG\x10\x01\x12\x12\n\x0eLOG_LEVEL_INFO\x10\x02\x12\x15\n\x11LOG_LEVEL_WARNING\x10\x03\x12\x13\n\x0fLOG_LEVEL_ERROR\x10\x04*s\n\x0eResultArtifact\x12\x1f\n\x1bRESULT_ARTIFACT_UNSPECIFIED\x10\x00\x12\x1f\n\x1bRESULT_ARTIFACT_TUNED_MODEL\x10\x01\x12\x1f\n\x1bRESULT_ARTIFACT_RESULT_JSON\x10\x02\x32\xe9\x03\n\rTuningService\x12@\n\tSubmitJob\x12\x18.aoe.v1.SubmitJobRequest\x1a\x19.aoe.v1.SubmitJobResponse\x12?\n\x08WatchJob\x12\x17.aoe.v1.WatchJobRequest\x1a\x18.aoe.v1.WatchJobResponse0\x01\x12\x37\n\x06GetJob\x12\x15.aoe.v1.GetJobRequest\x1a\x16.aoe.v1.GetJobResponse\x12=\n\x08ListJobs\x12\x17.aoe.v1.ListJobsRequest\x1a\x18.aoe.v1.ListJobsResponse\x12@\n\tCancelJob\x12\x18.aoe.v1.CancelJobRequest\x1a\x19.aoe.v1.CancelJobResponse\x12H\n\x0bUploadModel\x12\x1a.aoe.v1.UploadModelRequest\x1a\x1b.aoe.v1.UploadModelResponse(\x01\x12Q\n\x0e\x44ownloadResult\x12\x1d.aoe.v1.DownloadResultRequest\x1a\x1e.aoe.v1.DownloadResultResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,14 +35,14 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_JOBOPTIONS_LABELSENTRY']._loaded_options = None
   _globals['_JOBOPTIONS_LABELSENTRY']._serialized_options = b'8\001'
-  _globals['_JOBTYPE']._serialized_start=3619
-  _globals['_JOBTYPE']._serialized_end=3716
-  _globals['_JOBSTATE']._serialized_start=3719
-  _globals['_JOBSTATE']._serialized_end=3922
-  _globals['_LOGLEVEL']._serialized_start=3924
-  _globals['_LOGLEVEL']._serialized_end=4046
-  _globals['_RESULTARTIFACT']._serialized_start=4048
-  _globals['_RESULTARTIFACT']._serialized_end=4163
+  _globals['_JOBTYPE']._serialized_start=3790
+  _globals['_JOBTYPE']._serialized_end=3887
+  _globals['_JOBSTATE']._serialized_start=3890
+  _globals['_JOBSTATE']._serialized_end=4093
+  _globals['_LOGLEVEL']._serialized_start=4095
+  _globals['_LOGLEVEL']._serialized_end=4217
+  _globals['_RESULTARTIFACT']._serialized_start=4219
+  _globals['_RESULTARTIFACT']._serialized_end=4334
   _globals['_INPUTSHAPE']._serialized_start=83
   _globals['_INPUTSHAPE']._serialized_end=123
   _globals['_ACCURACYBUDGET']._serialized_start=125
@@ -62,43 +62,45 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TASKRESULT']._serialized_start=1048
   _globals['_TASKRESULT']._serialized_end=1342
   _globals['_JOBRESULT']._serialized_start=1345
-  _globals['_JOBRESULT']._serialized_end=1744
-  _globals['_JOB']._serialized_start=1747
-  _globals['_JOB']._serialized_end=2179
-  _globals['_JOBSTATECHANGE']._serialized_start=2181
-  _globals['_JOBSTATECHANGE']._serialized_end=2283
-  _globals['_LOGLINE']._serialized_start=2285
-  _globals['_LOGLINE']._serialized_end=2360
-  _globals['_JOBEVENT']._serialized_start=2363
-  _globals['_JOBEVENT']._serialized_end=2659
-  _globals['_WATCHJOBREQUEST']._serialized_start=2661
-  _globals['_WATCHJOBREQUEST']._serialized_end=2740
-  _globals['_WATCHJOBRESPONSE']._serialized_start=2742
-  _globals['_WATCHJOBRESPONSE']._serialized_end=2793
-  _globals['_GETJOBREQUEST']._serialized_start=2795
-  _globals['_GETJOBREQUEST']._serialized_end=2826
-  _globals['_GETJOBRESPONSE']._serialized_start=2828
-  _globals['_GETJOBRESPONSE']._serialized_end=2870
-  _globals['_LISTJOBSREQUEST']._serialized_start=2872
-  _globals['_LISTJOBSREQUEST']._serialized_end=2962
-  _globals['_LISTJOBSRESPONSE']._serialized_start=2964
-  _globals['_LISTJOBSRESPONSE']._serialized_end=3034
-  _globals['_CANCELJOBREQUEST']._serialized_start=3036
-  _globals['_CANCELJOBREQUEST']._serialized_end=3070
-  _globals['_CANCELJOBRESPONSE']._serialized_start=3072
-  _globals['_CANCELJOBRESPONSE']._serialized_end=3117
-  _globals['_MODELUPLOADHEADER']._serialized_start=3119
-  _globals['_MODELUPLOADHEADER']._serialized_end=3193
-  _globals['_UPLOADMODELREQUEST']._serialized_start=3195
-  _globals['_UPLOADMODELREQUEST']._serialized_end=3288
-  _globals['_UPLOADMODELRESPONSE']._serialized_start=3290
-  _globals['_UPLOADMODELRESPONSE']._serialized_end=3365
-  _globals['_DOWNLOADRESULTREQUEST']._serialized_start=3367
-  _globals['_DOWNLOADRESULTREQUEST']._serialized_end=3448
-  _globals['_DOWNLOADHEADER']._serialized_start=3450
-  _globals['_DOWNLOADHEADER']._serialized_end=3521
-  _globals['_DOWNLOADRESULTRESPONSE']._serialized_start=3523
-  _globals['_DOWNLOADRESULTRESPONSE']._serialized_end=3617
-  _globals['_TUNINGSERVICE']._serialized_start=4166
-  _globals['_TUNINGSERVICE']._serialized_end=4655
+  _globals['_JOBRESULT']._serialized_end=1784
+  _globals['_COMPARISON']._serialized_start=1787
+  _globals['_COMPARISON']._serialized_end=1915
+  _globals['_JOB']._serialized_start=1918
+  _globals['_JOB']._serialized_end=2350
+  _globals['_JOBSTATECHANGE']._serialized_start=2352
+  _globals['_JOBSTATECHANGE']._serialized_end=2454
+  _globals['_LOGLINE']._serialized_start=2456
+  _globals['_LOGLINE']._serialized_end=2531
+  _globals['_JOBEVENT']._serialized_start=2534
+  _globals['_JOBEVENT']._serialized_end=2830
+  _globals['_WATCHJOBREQUEST']._serialized_start=2832
+  _globals['_WATCHJOBREQUEST']._serialized_end=2911
+  _globals['_WATCHJOBRESPONSE']._serialized_start=2913
+  _globals['_WATCHJOBRESPONSE']._serialized_end=2964
+  _globals['_GETJOBREQUEST']._serialized_start=2966
+  _globals['_GETJOBREQUEST']._serialized_end=2997
+  _globals['_GETJOBRESPONSE']._serialized_start=2999
+  _globals['_GETJOBRESPONSE']._serialized_end=3041
+  _globals['_LISTJOBSREQUEST']._serialized_start=3043
+  _globals['_LISTJOBSREQUEST']._serialized_end=3133
+  _globals['_LISTJOBSRESPONSE']._serialized_start=3135
+  _globals['_LISTJOBSRESPONSE']._serialized_end=3205
+  _globals['_CANCELJOBREQUEST']._serialized_start=3207
+  _globals['_CANCELJOBREQUEST']._serialized_end=3241
+  _globals['_CANCELJOBRESPONSE']._serialized_start=3243
+  _globals['_CANCELJOBRESPONSE']._serialized_end=3288
+  _globals['_MODELUPLOADHEADER']._serialized_start=3290
+  _globals['_MODELUPLOADHEADER']._serialized_end=3364
+  _globals['_UPLOADMODELREQUEST']._serialized_start=3366
+  _globals['_UPLOADMODELREQUEST']._serialized_end=3459
+  _globals['_UPLOADMODELRESPONSE']._serialized_start=3461
+  _globals['_UPLOADMODELRESPONSE']._serialized_end=3536
+  _globals['_DOWNLOADRESULTREQUEST']._serialized_start=3538
+  _globals['_DOWNLOADRESULTREQUEST']._serialized_end=3619
+  _globals['_DOWNLOADHEADER']._serialized_start=3621
+  _globals['_DOWNLOADHEADER']._serialized_end=3692
+  _globals['_DOWNLOADRESULTRESPONSE']._serialized_start=3694
+  _globals['_DOWNLOADRESULTRESPONSE']._serialized_end=3788
+  _globals['_TUNINGSERVICE']._serialized_start=4337
+  _globals['_TUNINGSERVICE']._serialized_end=4826
 # @@protoc_insertion_point(module_scope)

@@ -191,7 +191,7 @@ class TaskResult(_message.Message):
     def __init__(self, task_id: _Optional[str] = ..., op_type: _Optional[str] = ..., node_names: _Optional[_Iterable[str]] = ..., strategy: _Optional[_Union[_bank_pb2.Strategy, _Mapping]] = ..., before_us: _Optional[float] = ..., after_us: _Optional[float] = ..., improvement: _Optional[float] = ..., update_mode: _Optional[str] = ..., bank_layer: _Optional[str] = ..., accuracy: _Optional[_Union[_bank_pb2.Accuracy, _Mapping]] = ..., error: _Optional[str] = ..., signature: _Optional[_Union[_bank_pb2.TaskSignature, _Mapping]] = ...) -> None: ...
 
 class JobResult(_message.Message):
-    __slots__ = ("baseline_ms", "tuned_ms", "improvement", "tuned_model_path", "result_json_path", "repo_summary", "tasks", "verdict", "shipped", "improvement_ci95_low", "improvement_ci95_high", "trials", "device_s", "tuning_time_s", "confirm_rounds", "confirmed_by")
+    __slots__ = ("baseline_ms", "tuned_ms", "improvement", "tuned_model_path", "result_json_path", "repo_summary", "tasks", "verdict", "shipped", "improvement_ci95_low", "improvement_ci95_high", "trials", "device_s", "tuning_time_s", "confirm_rounds", "confirmed_by", "decided_by")
     BASELINE_MS_FIELD_NUMBER: _ClassVar[int]
     TUNED_MS_FIELD_NUMBER: _ClassVar[int]
     IMPROVEMENT_FIELD_NUMBER: _ClassVar[int]
@@ -208,6 +208,7 @@ class JobResult(_message.Message):
     TUNING_TIME_S_FIELD_NUMBER: _ClassVar[int]
     CONFIRM_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     CONFIRMED_BY_FIELD_NUMBER: _ClassVar[int]
+    DECIDED_BY_FIELD_NUMBER: _ClassVar[int]
     baseline_ms: float
     tuned_ms: float
     improvement: float
@@ -224,7 +225,22 @@ class JobResult(_message.Message):
     tuning_time_s: float
     confirm_rounds: int
     confirmed_by: str
-    def __init__(self, baseline_ms: _Optional[float] = ..., tuned_ms: _Optional[float] = ..., improvement: _Optional[float] = ..., tuned_model_path: _Optional[str] = ..., result_json_path: _Optional[str] = ..., repo_summary: _Optional[_Union[RepoSummary, _Mapping]] = ..., tasks: _Optional[_Iterable[_Union[TaskResult, _Mapping]]] = ..., verdict: _Optional[str] = ..., shipped: _Optional[str] = ..., improvement_ci95_low: _Optional[float] = ..., improvement_ci95_high: _Optional[float] = ..., trials: _Optional[int] = ..., device_s: _Optional[float] = ..., tuning_time_s: _Optional[float] = ..., confirm_rounds: _Optional[int] = ..., confirmed_by: _Optional[str] = ...) -> None: ...
+    decided_by: Comparison
+    def __init__(self, baseline_ms: _Optional[float] = ..., tuned_ms: _Optional[float] = ..., improvement: _Optional[float] = ..., tuned_model_path: _Optional[str] = ..., result_json_path: _Optional[str] = ..., repo_summary: _Optional[_Union[RepoSummary, _Mapping]] = ..., tasks: _Optional[_Iterable[_Union[TaskResult, _Mapping]]] = ..., verdict: _Optional[str] = ..., shipped: _Optional[str] = ..., improvement_ci95_low: _Optional[float] = ..., improvement_ci95_high: _Optional[float] = ..., trials: _Optional[int] = ..., device_s: _Optional[float] = ..., tuning_time_s: _Optional[float] = ..., confirm_rounds: _Optional[int] = ..., confirmed_by: _Optional[str] = ..., decided_by: _Optional[_Union[Comparison, _Mapping]] = ...) -> None: ...
+
+class Comparison(_message.Message):
+    __slots__ = ("subject", "against", "improvement", "improvement_ci95_low", "improvement_ci95_high")
+    SUBJECT_FIELD_NUMBER: _ClassVar[int]
+    AGAINST_FIELD_NUMBER: _ClassVar[int]
+    IMPROVEMENT_FIELD_NUMBER: _ClassVar[int]
+    IMPROVEMENT_CI95_LOW_FIELD_NUMBER: _ClassVar[int]
+    IMPROVEMENT_CI95_HIGH_FIELD_NUMBER: _ClassVar[int]
+    subject: str
+    against: str
+    improvement: float
+    improvement_ci95_low: float
+    improvement_ci95_high: float
+    def __init__(self, subject: _Optional[str] = ..., against: _Optional[str] = ..., improvement: _Optional[float] = ..., improvement_ci95_low: _Optional[float] = ..., improvement_ci95_high: _Optional[float] = ...) -> None: ...
 
 class Job(_message.Message):
     __slots__ = ("job_id", "state", "model_name", "model_path", "options", "created", "started", "finished", "progress", "result", "error", "queue_position", "source", "joined", "error_kind")

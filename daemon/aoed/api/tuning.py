@@ -23,12 +23,13 @@ import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from aoe.errors import OptionError
+from aoe.figures import Figures
 from aoe.v1 import bank_pb2, tuning_pb2, tuning_pb2_grpc
 from aoed.api._bridge import Bridge
 from aoed.errors import NotFoundError, PermissionDeniedError, RpcError
 from aoed.config import DaemonConfig
 from aoed.jobs import store as st
-from aoed.jobs.manager import JobManager, Submission, options_from_dict
+from aoed.jobs.manager import JobManager, Submission, options_from_dict, shown_path
 from aoed.jobs.store import EventRow, JobRow, Upload
 
 __all__ = ["TuningServicer", "confine"]
@@ -140,17 +141,19 @@ def job_options_pb(opts: dict[str, Any]) -> tuning_pb2.JobOptions:
 
 def result_pb(r: dict[str, Any]) -> tuning_pb2.JobResult:
     repo = r.get("repo", {})
+    f = Figures.from_dict(r)  # the rule of aoe.figures, also for results stored before it
+    c = f.decided_by
     return tuning_pb2.JobResult(
-        baseline_ms=r.get("baseline_ms", 0.0), tuned_ms=r.get("tuned_ms", 0.0), improvement=r.get("improvement", 0.0),
+        baseline_ms=f.baseline_ms, tuned_ms=f.result_ms, improvement=f.improvement,
         tuned_model_path=r.get("tuned_model", ""), result_json_path=r.get("result_json", ""),
         repo_summary=tuning_pb2.RepoSummary(**{k: int(v) for k, v in repo.items()
                                                if k in tuning_pb2.RepoSummary.DESCRIPTOR.fields_by_name}),
-        verdict=str(r.get("verdict", "")), shipped=str(r.get("shipped", "")),
-        improvement_ci95_low=float((r.get("improvement_ci95") or (0.0, 0.0))[0]),
-        improvement_ci95_high=float((r.get("improvement_ci95") or (0.0, 0.0))[1]),
+        verdict=f.verdict, shipped=f.shipped, improvement_ci95_low=f.ci95[0], improvement_ci95_high=f.ci95[1],
         trials=int(r.get("resources", {}).get("trials", 0)), device_s=float(r.get("resources", {}).get("device_s", 0.0)),
-        tuning_time_s=float(r.get("tuning_time_s", 0.0)), confirm_rounds=int(r.get("confirm_rounds", 0)),
-        confirmed_by=str(r.get("confirmed_by", "")),
+        tuning_time_s=float(r.get("tuning_time_s", 0.0)), confirm_rounds=f.rounds, confirmed_by=f.confirmed_by,
+        decided_by=tuning_pb2.Comparison(subject=c.subject, against=c.against, improvement=c.improvement,
+                                         improvement_ci95_low=c.ci95[0], improvement_ci95_high=c.ci95[1])
+        if c is not None else None,
         tasks=[tuning_pb2.TaskResult(
             task_id=t["task_id"], op_type=t["op_type"], node_names=[t.get("op_name", "")],
             before_us=t["before_us"], after_us=t["after_us"], improvement=t["improvement"],
@@ -168,7 +171,7 @@ def progress_pb(p: dict[str, Any]) -> tuning_pb2.JobProgress:
 def job_pb(row: JobRow, position: int = 0) -> tuning_pb2.Job:
     return tuning_pb2.Job(
         job_id=row.id, state=_STATE.get(row.state, tuning_pb2.JOB_STATE_UNSPECIFIED), model_name=row.model_name,
-        model_path=row.model_path, options=job_options_pb(row.options), created=_ts(row.created),
+        model_path=shown_path(row), options=job_options_pb(row.options), created=_ts(row.created),
         started=_ts(row.started), finished=_ts(row.finished), progress=progress_pb(row.progress),
         result=result_pb(row.result) if row.result and row.state == st.SUCCEEDED else None,
         error=row.error, queue_position=position, source=row.source, joined=row.joined, error_kind=row.error_kind,

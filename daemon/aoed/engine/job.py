@@ -13,6 +13,7 @@ from typing import Any
 import trio
 
 from aoe.device import CPU, Device
+from aoe.figures import Figures
 from aoed.engine.registry import DEFAULT
 
 __all__ = ["JobHandle", "JobOptions", "JobResult", "TaskResult"]
@@ -92,7 +93,7 @@ class JobResult:
     #: what the job cost: device seconds, duty cycle, trials, failed candidates, memory
     resources: dict[str, Any] = field(default_factory=dict)
     timeline: list[tuple[float, float]] = field(default_factory=list)
-    #: the confirming A/B (confirm.py): where baseline_ms and tuned_ms come from
+    #: the confirming A/B (confirm.py): where baseline_ms and tuned_ms come from (`figures`)
     confirmation: dict[str, Any] = field(default_factory=dict)
     #: the verification rounds that chose what was proposed: decision figures
     decision: dict[str, Any] = field(default_factory=dict)
@@ -100,11 +101,15 @@ class JobResult:
     device_budget: dict[str, Any] = field(default_factory=dict)
 
     @property
+    def figures(self) -> Figures:
+        """The whole-model figures, by the rule of aoe.figures (from the confirmation)."""
+        return Figures.from_dict(self.confirmation)
+
+    @property
     def improvement(self) -> float:
-        """From the confirming A/B's median round ratio (not a ratio of the two medians)."""
-        if "improvement" in self.confirmation:
-            return float(self.confirmation["improvement"])
-        return self.baseline_ms / self.tuned_ms - 1.0 if self.tuned_ms > 0 else 0.0
+        """From the confirming A/B's median round ratio (not a ratio of the two medians);
+        0 when the input shipped."""
+        return self.figures.improvement
 
     @property
     def duty_cycle(self) -> float:

@@ -2,11 +2,13 @@
 
     basic{tuning_name, tuning_time(s), job_id, precision, device}
     OPAT{model_baseline_performance(ms), model_result_performance(ms),
-         model_performance_improvement, opat_tuning_result, repo_modified_operators,
+         model_performance_improvement, model_performance_verdict,
+         model_performance_summary, opat_tuning_result, repo_modified_operators,
          repo_summary{repo_add_num, repo_hit_num, repo_reserved_num,
                       repo_unsatisfied_num, repo_update_num, total_num}}
     confirmation{verdict, shipped, baseline_ms, result_ms, improvement, improvement_ci95,
-                 rounds, device_s, options_kept}: the A/B the OPAT figures come from
+                 rounds, decided_by, from_bank, device_s, options_kept, notes, proposal}:
+                 the A/B the OPAT figures come from
     decision{...}: the verification rounds that chose what was proposed (decision figures)
     budget{budget_s, spent_s, search_s, session_s, verify_s, profile_s, confirm_s}
     tuned_model, session_options, verification, accuracy, accuracy_budget, calibration,
@@ -19,7 +21,9 @@ update_repo_subgraphs}` ({subgraph_name, subgraph_type, task_id}); a sgat+opat j
 (`aoe_result_sgat_opat_...`) has both, each counting its own tasks.
 
 The OPAT (SGAT) section's baseline, result and improvement are the confirming A/B's,
-measured after every decision on rounds no decision used.
+measured after every decision on rounds no decision used, by the rule aoe.figures states
+(result = baseline / (1 + improvement); the input shipped: result = baseline, 0), and the
+summary is the verdict as every other surface words it.
 
 Written atomically (temp file + rename), so a reader never sees half a document.
 """
@@ -34,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from aoe.errors import AoedError
+from aoe.figures import verdict_text
 from aoe.subgraphs import SUBGRAPH_FAMILIES
 from aoed.engine.bankrules import repo_summary
 from aoed.engine.job import JobResult, TaskResult
@@ -67,12 +72,14 @@ def _section(result: JobResult, part: str, tasks: list[TaskResult], whole: bool)
         modified = {"add_repo_operators": [{"op_name": t.op_name, "op_type": t.op_type} for t in tasks if t.update_mode == "add"],
                     "update_repo_operators": [{"op_name": t.op_name, "op_type": t.op_type} for t in tasks
                                               if t.update_mode == "update"]}  # fmt: skip
+    f = result.figures
     return {
-        "model_baseline_performance(ms)": round(result.baseline_ms, 6),
-        "model_result_performance(ms)": round(result.tuned_ms, 6),
-        "model_performance_improvement": round(result.improvement, 4),
+        "model_baseline_performance(ms)": round(f.baseline_ms, 6),
+        "model_result_performance(ms)": round(f.result_ms, 6),
+        "model_performance_improvement": round(f.improvement, 4),
         f"{part}_tuning_result": "tuning successful",
-        "model_performance_verdict": result.confirmation.get("verdict", ""),
+        "model_performance_verdict": f.verdict,
+        "model_performance_summary": verdict_text(f),
         f"repo_modified_{'subgraphs' if part == 'sgat' else 'operators'}": modified,
         "repo_summary": result.repo if whole else repo_summary([t.update_mode for t in tasks]),
     }

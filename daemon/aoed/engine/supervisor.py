@@ -26,6 +26,7 @@ from typing import Any
 import trio
 
 from aoe.errors import AoedError, DeviceError, ModelError
+from aoe.figures import Comparison, Figures, interval, pct
 from aoe.partition import Task
 from aoed.bank._codec import BankRecord
 from aoed.engine import bankrules, confirm, incontext, stats
@@ -362,15 +363,15 @@ async def _confirm(
         try:
             conf, ship, measured = await confirm.confirm(ctx, proposal, seconds)
         except DeviceError as exc:
-            conf = confirm.Confirmation("no significant change", "input", 0.0, 0.0, 0.0, (0.0, 0.0), 0,
+            conf = confirm.Confirmation(Figures.unchanged("no significant change", 0.0, 0),
                                         notes=[f"the confirming A/B failed ({exc}); the input model ships"])  # fmt: skip
             return conf, proposal.input_copy, None
         evidence = (measured["proposal"], measured["plain"]) if conf.options_kept and "plain" in measured else None
         return conf, ship, evidence
-    # From the bank: the figures of the job that confirmed these very choices.
-    fields = {k: cached[k] for k in ("verdict", "shipped", "baseline_ms", "result_ms", "improvement", "rounds")}
-    conf = confirm.Confirmation(**fields, improvement_ci95=tuple(cached.get("improvement_ci95", (0.0, 0.0))),
-                                options_kept=bool(cached.get("options_kept")), from_bank=str(cached.get("job", "")))  # fmt: skip
+    # From the bank: the figures of the job that confirmed these very choices (read by the
+    # rule of aoe.figures, whenever they were stored).
+    figures = dataclasses.replace(Figures.from_dict(cached), confirmed_by=str(cached.get("job", "")))
+    conf = confirm.Confirmation(figures, options_kept=bool(cached.get("options_kept")))
     ship = proposal.model if conf.shipped != "input" else proposal.input_copy
     if conf.shipped != "input" and v.options and conf.options_kept:
         # Options won on a machine that may have been busier: one short A/B here.
@@ -378,20 +379,23 @@ async def _confirm(
             m = await ctx.measure([Candidate("with", proposal.model, v.options), Candidate("without", proposal.plain)],
                                   "without", 5.0, plan=MeasurePlan.fixed(9, 5.0), category="confirm")  # fmt: skip
             verdict, med, ci = confirm.verdict_of(stats.paired_ratios(m["with"].rounds_us, m["without"].rounds_us))
+            recheck: Comparison | None = Comparison.of_ratio("options only", "without options", med, ci)
         except DeviceError as exc:
-            verdict, med, ci = f"not measured ({exc})", 1.0, (1.0, 1.0)
+            verdict, recheck = f"not measured ({exc})", None
         if verdict != "faster":
             conf.options_kept = False
-            conf.notes.append(f"session options {v.options} from the bank dropped: re-checked here, ratio {med:.3f} "
-                              f"with 95% interval [{ci[0]:.3f}, {ci[1]:.3f}] ({verdict})")  # fmt: skip
+            conf.notes.append(f"session options {v.options} from the bank dropped: re-checked here, "
+                              + (f"{pct(recheck.improvement)} with 95% interval {interval(recheck.ci95)} against the "
+                                 "same model without them" if recheck else verdict))  # fmt: skip
             ship = proposal.plain if conf.shipped == "tuned" else proposal.input_copy
             if conf.shipped == "options only":
                 # Nothing of the proposal ships: its figures move to `proposal`, as a fresh
                 # confirmation reports a proposal that did not ship.
-                conf.proposal = {"kind": "options only", "result_ms": conf.result_ms, "improvement": conf.improvement,
-                                 "improvement_ci95": list(conf.improvement_ci95)}  # fmt: skip
-                conf.verdict, conf.shipped = "no significant change", "input"
-                conf.result_ms, conf.improvement, conf.improvement_ci95 = conf.baseline_ms, 0.0, (0.0, 0.0)
+                f = conf.figures
+                conf.proposal = {"kind": "options only", "result_ms": f.result_ms, "improvement": f.improvement,
+                                 "improvement_ci95": list(f.ci95)}  # fmt: skip
+                conf.figures = Figures.unchanged("slower" if verdict == "slower" else "no significant change",
+                                                 f.baseline_ms, f.rounds, recheck, f.confirmed_by)  # fmt: skip
     return conf, ship, None
 
 

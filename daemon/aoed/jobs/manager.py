@@ -45,7 +45,7 @@ from aoed.engine.policy import policy
 from aoed.jobs import store as st
 from aoed.jobs.store import EventRow, JobRow, JobStore, Upload
 
-__all__ = ["JobManager", "Submission", "options_from_dict", "sha256_file"]
+__all__ = ["JobManager", "Submission", "options_from_dict", "sha256_file", "shown_path"]
 
 log = logging.getLogger(__name__)
 
@@ -374,6 +374,9 @@ class JobManager:
 
     def _finish(self, row: JobRow, state: str, error: str = "", kind: str = "", result: dict | None = None) -> None:
         now = time.time()
+        shown = shown_path(row)
+        if shown != row.model_path:  # the engine names the copy it read; the user knows the file
+            error = error.replace(row.model_path, shown)
         if result is not None:
             self._event(row, "result", result)
         self._event(row, "state", {"previous": row.state, "state": state, "message": error})
@@ -452,20 +455,27 @@ def _single(group: BaseExceptionGroup) -> BaseException:
     return group
 
 
+def shown_path(row: JobRow) -> str:
+    """The model's path as its submitter knows it: for a drop-folder job the file as it
+    was dropped (the daemon works on a claimed copy inside its state dir, a path that
+    means nothing to the user), else the path the job reads."""
+    if row.source.startswith("inbox:"):
+        return str(Path(row.source.removeprefix("inbox:")) / row.model_name)
+    return row.model_path
+
+
 def result_dict(r: JobResult) -> dict[str, Any]:
-    """The part of a JobResult a client sees (JSON types only)."""
+    """The part of a JobResult a client sees (JSON types only). The figures are
+    `Figures.to_dict`'s, with result_ms and rounds also under the names the API gives
+    them (tuned_ms, confirm_rounds)."""
+    f = r.figures
     return {
-        "baseline_ms": r.baseline_ms,
-        "tuned_ms": r.tuned_ms,
-        "improvement": r.improvement,
+        **f.to_dict(),
+        "tuned_ms": f.result_ms,
+        "confirm_rounds": f.rounds,
         "tuned_model": r.tuned_model,
         "result_json": r.result_json,
         "repo": dict(r.repo),
-        "verdict": str(r.confirmation.get("verdict", "")),
-        "shipped": str(r.confirmation.get("shipped", "")),
-        "improvement_ci95": list(r.confirmation.get("improvement_ci95", (0.0, 0.0))),
-        "confirm_rounds": int(r.confirmation.get("rounds", 0) or 0),
-        "confirmed_by": str(r.confirmation.get("from_bank", "") or ""),
         "tuning_time_s": r.tuning_time_s,
         "resources": {k: v for k, v in r.resources.items() if isinstance(v, int | float | str)},
         "tasks": [
