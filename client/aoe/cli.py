@@ -134,6 +134,7 @@ def _tune(args: argparse.Namespace) -> int:
     from aoe.device import Device
     from aoe.errors import DeviceError
     from aoed.backends.ort.catalog import build_registry
+    from aoed.engine.budget import check_budget
     from aoed.engine.engine import open_engine
     from aoed.engine.job import JobOptions
     from aoed.engine.policy import policy
@@ -145,8 +146,7 @@ def _tune(args: argparse.Namespace) -> int:
     policy(args.precision, args.min_cosine, args.max_rel_error)  # validates before any work starts
     if args.calibration is not None and not args.calibration.is_dir():
         raise OptionError(f"--calibration {args.calibration}: not a directory")
-    if args.budget is not None and args.budget <= 0:
-        raise OptionError("--budget must be a positive number of seconds")
+    check_budget(args.budget, "--budget")
     shapes = parse_input_shapes(args.input_shape)
     config = load_config(args.config)
     parallel = parse_parallel(args.parallel, "--parallel") if args.parallel is not None else None

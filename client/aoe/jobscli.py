@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -293,8 +294,8 @@ def tune_on_daemon(client: Client, model: Path, options: dict[str, Any], output:
 def _submit(args: argparse.Namespace) -> int:
     if args.priority is not None and not -10 <= args.priority <= 10:
         raise OptionError(f"--priority {args.priority}: must be between -10 and 10")
-    if args.budget is not None and args.budget <= 0:
-        raise OptionError("--budget must be a positive number of seconds")
+    if args.budget is not None and not 0 < args.budget < math.inf:  # NaN fails both
+        raise OptionError(f"--budget {args.budget}: must be a finite positive number of seconds")
     options = {"precision": args.precision, "input_shapes": args.input_shape or None, "priority": args.priority,
                "budget_s": args.budget, "repeat_tune": args.repeat_tune, "device": args.device}  # fmt: skip
     with client_for(args) as client:

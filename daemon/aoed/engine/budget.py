@@ -17,12 +17,14 @@ split between session options (`SESSION_SHARE` of what remains) and verification
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from aoe.errors import OptionError
 from aoed.engine.ledger import JobLedger
 
-__all__ = ["COUNTED", "Budget", "default_budget"]
+__all__ = ["COUNTED", "MAX_GIVEN_S", "Budget", "check_budget", "default_budget"]
 
 #: Ledger categories the budget counts; "profile" and "confirm" are listed apart.
 COUNTED = ("search", "session", "verify")
@@ -32,11 +34,28 @@ TASK_FLOOR_S = 0.3
 TASK_CEILING_S = 10.0
 MIN_S = 5.0
 MAX_S = 300.0
+#: The largest budget a user may give: a week. Past it the per-task split overflows a
+#: float (1e308 s is finite, yet its shares are not).
+MAX_GIVEN_S = 7 * 86400.0
 # What one candidate's measurement costs by default: about 8 rounds of 5 samples of at
 # least 2 ms each, plus the settle, warm-up and session creation around them.
 _ROUND_SAMPLES = 8 * 5
 _SAMPLE_MIN_S = 0.002
 _CANDIDATE_OVERHEAD_S = 0.06
+
+
+def check_budget(seconds: object, where: str = "budget_s") -> float | None:
+    """`seconds` as a budget (None stays None: fitted to the model). OptionError naming
+    `where` for anything but a finite number of seconds in (0, MAX_GIVEN_S]."""
+    if seconds is None:
+        return None
+    if isinstance(seconds, bool) or not isinstance(seconds, int | float):
+        raise OptionError(f"{where} {seconds!r}: expected a number of seconds")
+    if not math.isfinite(seconds):
+        raise OptionError(f"{where} {seconds}: must be a finite number of seconds")
+    if not 0 < seconds <= MAX_GIVEN_S:
+        raise OptionError(f"{where} {seconds:g}: must be a positive number of seconds, at most {MAX_GIVEN_S:g} (a week)")
+    return float(seconds)
 
 
 def default_budget(task_us: Mapping[str, float], candidates: Mapping[str, int], model_us: float) -> float:

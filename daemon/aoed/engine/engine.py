@@ -26,6 +26,7 @@ import trio
 from aoe.config import Config
 from aoe.errors import AoedError, JobCancelledError, OptionError
 from aoed.bank.writer import BankWriter
+from aoed.engine.budget import check_budget
 from aoed.engine.context import JobContext
 from aoed.engine.device import DeviceAgent
 from aoed.engine.job import JobHandle, JobOptions, JobResult
@@ -116,6 +117,7 @@ class Engine:
             raise OptionError(f"--device {opts.device}: this engine measures on {self.device.device}")
         job_id = opts.job_id or new_job_id()
         prec = policy(opts.precision, opts.min_cosine, opts.max_rel_error)
+        check_budget(opts.budget_s, "--budget")
         try:
             ws = await trio.to_thread.run_sync(Workspace.create, opts.output, opts.model.stem)
         except AoedError:

@@ -22,6 +22,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import math
 import shutil
 import time
 import uuid
@@ -37,6 +38,7 @@ from aoe.device import Device
 from aoe.errors import AoedError, JobCancelledError, OptionError
 from aoed.config import DaemonConfig
 from aoed.errors import NotFoundError, PermissionDeniedError, RpcError
+from aoed.engine.budget import check_budget
 from aoed.engine.engine import Engine
 from aoed.engine.job import JobHandle, JobOptions, JobResult
 from aoed.engine.messages import JobEvent
@@ -68,32 +70,68 @@ def sha256_file(path: Path) -> str:
 
 
 def options_from_dict(raw: dict[str, Any], default_device: Device) -> dict[str, Any]:
-    """Checked, normalized job options (plain JSON types). Raises OptionError."""
+    """Checked, normalized job options (plain JSON types). Raises OptionError naming the
+    option: every submission (gRPC, an inbox's aoed.toml) is checked here."""
     opts: dict[str, Any] = {
         "precision": str(raw.get("precision") or "exact"),
         "job_type": str(raw.get("job_type") or "opat"),
-        "input_shapes": {str(k): [int(d) for d in v] for k, v in (raw.get("input_shapes") or {}).items()},
-        "repeat_tune": bool(raw.get("repeat_tune", False)),
+        "input_shapes": _shapes(raw.get("input_shapes") or {}),
+        "repeat_tune": _flag(raw.get("repeat_tune", False), "repeat_tune"),
         "device": str(raw.get("device") or default_device.name),
-        "budget_s": float(raw["budget_s"]) if raw.get("budget_s") else None,
-        "min_cosine": float(raw["min_cosine"]) if raw.get("min_cosine") else None,
-        "max_rel_error": float(raw["max_rel_error"]) if raw.get("max_rel_error") else None,
+        # 0 means unset (as in the proto): fitted to the model, or the policy's default
+        "budget_s": check_budget(_number(raw.get("budget_s"), "budget_s") or None),
+        "min_cosine": _number(raw.get("min_cosine"), "min_cosine") or None,
+        "max_rel_error": _number(raw.get("max_rel_error"), "max_rel_error") or None,
         "calibration_dir": str(raw.get("calibration_dir") or ""),
-        "priority": int(raw.get("priority") or 0),
+        "priority": _integer(raw.get("priority") or 0, "priority"),
         "labels": {str(k): str(v) for k, v in (raw.get("labels") or {}).items()},
     }
     opts["job_type"] = parse_job_type(opts["job_type"], "job_type")
+    for name, value, ok, want in (("min_cosine", opts["min_cosine"], lambda v: 0.0 < v <= 1.0, "in (0, 1]"),
+                                  ("max_rel_error", opts["max_rel_error"], lambda v: 0.0 < v < math.inf,
+                                   "a finite positive number")):  # fmt: skip
+        if value is not None and not ok(value):  # NaN fails both tests
+            raise OptionError(f"{name} {value}: must be {want}")
     policy(opts["precision"], opts["min_cosine"], opts["max_rel_error"])
     if Device.parse(opts["device"]).name != default_device.name:
         raise OptionError(f"device {opts['device']}: this daemon measures on {default_device.name} (see aoe devices)")
     if not -10 <= opts["priority"] <= 10:
         raise OptionError(f"priority {opts['priority']}: must be between -10 and 10")
-    if opts["budget_s"] is not None and opts["budget_s"] <= 0:
-        raise OptionError("budget_s must be a positive number of seconds")
-    for name, dims in opts["input_shapes"].items():
-        if not dims or any(d <= 0 for d in dims):
-            raise OptionError(f"input shape {name}: dimensions must be positive")
     return opts
+
+
+def _number(raw: object, name: str) -> float | None:
+    if raw is None:
+        return None
+    if isinstance(raw, bool) or not isinstance(raw, int | float):
+        raise OptionError(f"{name} {raw!r}: expected a number")
+    if not math.isfinite(raw):
+        raise OptionError(f"{name} {raw}: must be a finite number")
+    return float(raw)
+
+
+def _integer(raw: object, name: str) -> int:
+    if isinstance(raw, bool) or not isinstance(raw, int):
+        raise OptionError(f"{name} {raw!r}: expected a whole number")
+    return raw
+
+
+def _flag(raw: object, name: str) -> bool:
+    if not isinstance(raw, bool):
+        raise OptionError(f"{name} {raw!r}: expected true or false")
+    return raw
+
+
+def _shapes(raw: object) -> dict[str, list[int]]:
+    if not isinstance(raw, dict):
+        raise OptionError(f"input_shapes {raw!r}: expected a table of name = [dims]")
+    out = {}
+    for name, dims in raw.items():
+        if not isinstance(dims, list | tuple) or not dims or any(isinstance(d, bool) or not isinstance(d, int) or d <= 0
+                                                                   for d in dims):  # fmt: skip
+            raise OptionError(f"input shape {name}: dimensions must be a list of positive whole numbers, not {dims!r}")
+        out[str(name)] = list(dims)
+    return out
 
 
 def _dedup_key(sha: str, opts: dict[str, Any]) -> str:
