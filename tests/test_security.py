@@ -161,6 +161,114 @@ def test_a_socket_group_the_daemon_is_not_in_is_a_clear_error(tmp_path: Path) ->
         shutil.rmtree(home, ignore_errors=True)
 
 
+# ---------------------------------------------------------------- the device lock
+
+# Runs as another user: opens the lock file read-only and tries to hold it, then tries to
+# create a file beside it; prints what each attempt met.
+_HOLD_THE_DEVICE = """
+import errno, fcntl, os, sys
+lock = sys.argv[1]
+try:
+    fd = os.open(lock, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    print("held")
+except OSError as exc:
+    print(errno.errorcode[exc.errno])
+try:
+    os.close(os.open(os.path.join(os.path.dirname(lock), "planted"), os.O_WRONLY | os.O_CREAT, 0o666))
+    print("planted")
+except OSError as exc:
+    print(errno.errorcode[exc.errno])
+"""
+
+
+def _plain_python_for_nobody() -> str | None:
+    """Any python uid 65534 can run (the script needs nothing but the standard library)."""
+    for python in (sys.executable, "/usr/bin/python3", "/usr/local/bin/python3"):
+        try:
+            if subprocess.run([python, "-c", "pass"], user=NOBODY, group=NOBODY, extra_groups=[], cwd="/",
+                              capture_output=True, timeout=60).returncode == 0:  # fmt: skip
+                return python
+        except OSError:
+            continue
+    return None
+
+
+def _hold_as_nobody(python: str, lock: Path) -> list[str]:
+    r = subprocess.run([python, "-c", _HOLD_THE_DEVICE, str(lock)], user=NOBODY, group=NOBODY, extra_groups=[],
+                       env={"PATH": os.defpath}, cwd="/", capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    return r.stdout.split()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="acting as another user needs root")
+async def test_another_user_can_neither_hold_the_device_lock_nor_write_beside_it() -> None:
+    from aoed.engine.devlock import DeviceLock
+
+    python = _plain_python_for_nobody()
+    if python is None:
+        pytest.skip(f"no python that uid {NOBODY} may run")
+    base = Path(tempfile.mkdtemp(prefix="aoed-lock-", dir="/tmp"))
+    try:
+        os.chmod(base, 0o755)  # like /run: everyone may pass through it
+        runtime = base / "aoed"
+        lock = DeviceLock(runtime, "cpu")
+        async with lock.hold():
+            pass
+        assert stat.S_IMODE(os.stat(lock.path).st_mode) == 0o600
+        assert stat.S_IMODE(os.stat(runtime).st_mode) & 0o022 == 0
+        assert _hold_as_nobody(python, lock.path) == ["EACCES", "EACCES"]
+        # Even with the folder opened for passing through (as for a socket beside the
+        # locks), the file itself is not openable by them.
+        os.chmod(runtime, 0o755)
+        assert _hold_as_nobody(python, lock.path) == ["EACCES", "EACCES"]
+        assert not (runtime / "planted").exists()
+        lock.close()
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user needs root")
+async def test_a_device_lock_open_to_others_is_narrowed_when_ours_and_refused_when_not(tmp_path: Path) -> None:
+    from aoe.errors import DeviceError
+    from aoed.engine.devlock import DeviceLock
+
+    runtime = tmp_path / "run"
+    runtime.mkdir(mode=0o777)
+    os.chmod(runtime, 0o777)
+    path = runtime / "device-cpu.lock"
+    path.write_text("")
+    os.chmod(path, 0o644)  # as earlier versions left it
+    lock = DeviceLock(runtime, "cpu")
+    async with lock.hold():
+        pass
+    lock.close()
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(runtime).st_mode) == 0o755, "nobody else may write beside the locks"
+    # Another user's file that anyone may open: not ours to narrow, and not safe to use.
+    os.chown(path, NOBODY, NOBODY)
+    os.chmod(path, 0o666)
+    with pytest.raises(DeviceError, match=f"belongs to uid {NOBODY} and any user may open it"):
+        async with DeviceLock(runtime, "cpu").hold():
+            pass
+    # A link planted at the lock's name is not followed.
+    path.unlink()
+    victim = tmp_path / "victim"
+    victim.write_text("keep")
+    path.symlink_to(victim)
+    with pytest.raises(DeviceError, match="symbolic link"):
+        async with DeviceLock(runtime, "cpu").hold():
+            pass
+    assert victim.read_text() == "keep"
+    # A folder another user owns could have its locks swapped under us.
+    other = tmp_path / "theirs"
+    other.mkdir()
+    os.chown(other, NOBODY, NOBODY)
+    with pytest.raises(DeviceError, match=f"belongs to uid {NOBODY}"):
+        async with DeviceLock(other, "cpu").hold():
+            pass
+
+
 # ---------------------------------------------------------------- TCP, TLS and mutual TLS
 
 

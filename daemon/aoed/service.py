@@ -64,7 +64,7 @@ class Daemon:
         store = JobStore(cfg.store_path)
         try:
             registry = build_registry(cfg.engine.plugins)
-            async with open_engine(cfg.engine, registry, cfg.state_dir / "logs") as engine:
+            async with open_engine(cfg.engine, registry, cfg.state_dir / "logs", lock_group=cfg.socket_gid()) as engine:
                 async with trio.open_nursery() as nursery:
                     self.jobs = jobs = JobManager(cfg, store, engine)
                     await nursery.start(jobs.run)

@@ -163,10 +163,13 @@ class Engine:
 
 
 @contextlib.asynccontextmanager
-async def open_engine(config: Config, registry: StrategyRegistry, logdir: Path) -> AsyncIterator[Engine]:
+async def open_engine(
+    config: Config, registry: StrategyRegistry, logdir: Path, *, lock_group: int | None = None
+) -> AsyncIterator[Engine]:
     """Start the engine's agents for `config`'s device, bank and limits (memory; time:
     compile_timeout_s for candidates and bank rebuilds, stage_timeout_s for the other
     worker requests); yields the Engine; stops and reaps everything on exit.
+    `lock_group` (a gid) may hold the device lock too (the daemon's service group).
 
     `registry` is the strategy registry (aoed.backends.ort.catalog.build_registry with
     the config's plugins; workers build the same one). Raises DeviceError when the
@@ -188,7 +191,8 @@ async def open_engine(config: Config, registry: StrategyRegistry, logdir: Path) 
                                default_timeout=config.stage_timeout_s)  # fmt: skip
             await nursery.start(pool.run)
             agent = DeviceAgent(device, pool, logdir, config.runtime_dir, cpus=runner_cpus,
-                                memory_mb=config.worker_memory_mb, pause_pool=not runner_cpus)  # fmt: skip
+                                memory_mb=config.worker_memory_mb, pause_pool=not runner_cpus,
+                                lock_group=lock_group)  # fmt: skip
             await nursery.start(agent.run)
             log.info("engine: %d compile workers%s, device %s%s", pool.size,
                      f" on cores {worker_cpus}" if worker_cpus else "", device,
