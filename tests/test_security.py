@@ -269,6 +269,61 @@ async def test_a_device_lock_open_to_others_is_narrowed_when_ours_and_refused_wh
             pass
 
 
+# ---------------------------------------------------------------- files and folders: who can read what
+
+
+def _open_to_others(*roots: Path) -> list[str]:
+    """Every file or folder under `roots` (themselves included) that users other than
+    its owner and group may read, write or enter, with its mode."""
+    found = []
+    for root in roots:
+        for p in [root, *root.rglob("*")]:
+            try:
+                st = os.lstat(p)
+            except FileNotFoundError:  # a claim or scratch file the daemon just removed
+                continue
+            if not stat.S_ISLNK(st.st_mode) and stat.S_IMODE(st.st_mode) & 0o007:
+                found.append(f"{p} {stat.S_IMODE(st.st_mode):04o}")
+    return found
+
+
+@pytest.mark.slow
+def test_a_daemon_started_under_umask_000_leaves_nothing_open_to_other_users(tmp_path: Path) -> None:
+    d = DaemonProcess(tmp_path / "d")
+    old = os.umask(0)  # the daemon inherits it, as from a careless shell
+    try:
+        d.start()
+    finally:
+        os.umask(old)
+    try:
+        model = d.models / "mlp.onnx"
+        samples.save(samples.build("mlp"), model)
+        job_id = d.tuning().SubmitJob(tuning_pb2.SubmitJobRequest(
+            model_id=upload(d.tuning(), model), options=tuning_pb2.JobOptions(budget_s=1.0)), timeout=60).job_id  # fmt: skip
+        job = d.wait_job(job_id)
+        assert job.state == tuning_pb2.JOB_STATE_SUCCEEDED, job.error
+        # One drop too: a claim, then the outbox.
+        samples.save(samples.build("mlp"), d.inbox / "dropped.onnx")
+        deadline = time.monotonic() + 240
+        while not (d.inbox.parent / "outbox" / "dropped_result.json").exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert (d.inbox.parent / "outbox" / "dropped_tuned.onnx").exists(), d.log()[-2000:]
+        state = d.state
+        for name in ("jobs.sqlite3", "uploads", "claimed", "jobs"):
+            assert (state / name).exists(), name
+        assert (d.bank / "data.mdb").exists() and (d.bank / "lock.mdb").exists()
+        assert Path(job.result.tuned_model_path).is_file() and Path(job.result.result_json_path).is_file()
+        assert _open_to_others(state, d.bank, d.inbox.parent / "outbox") == []
+        assert stat.S_IMODE(os.stat(state).st_mode) == 0o750
+        # The runtime folder may be one others pass through (to a socket beside the
+        # locks), but they write nothing there and open no lock.
+        runtime = Path(d.env().get("AOED_RUNTIME_DIR") or d.runtime)
+        assert stat.S_IMODE(os.stat(runtime).st_mode) & 0o022 == 0
+        assert stat.S_IMODE(os.stat(runtime / "device-cpu.lock").st_mode) == 0o600
+    finally:
+        d.close()
+
+
 # ---------------------------------------------------------------- TCP, TLS and mutual TLS
 
 
