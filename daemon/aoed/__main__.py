@@ -58,6 +58,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"  models      up to {e.max_model_mb} MiB, {e.max_nodes} nodes, {e.max_tensor_mb} MiB per tensor")
         print(f"  time        {e.compile_timeout_s:g} s per compile, {e.stage_timeout_s:g} s per other worker stage, "
               "each x (1 + model MiB/256)")  # fmt: skip
+        from aoed.engine.memory import plan_memory
+
+        print(f"  memory      {plan_memory(e).describe()}")
         for inbox in cfg.inboxes:
             print(f"  inbox       {inbox.path} -> {inbox.outbox} (failed: {inbox.failed})")
         print(f"  allowed     {', '.join(map(str, cfg.allowed_dirs)) or '(no daemon-side paths)'}")

@@ -31,6 +31,7 @@ from aoed.engine.context import JobContext
 from aoed.engine.device import DeviceAgent
 from aoed.engine.job import JobHandle, JobOptions, JobResult
 from aoed.engine.ledger import JobLedger, new_job_id
+from aoed.engine.memory import MemoryPlan, plan_memory
 from aoed.engine.messages import JobEvent
 from aoed.engine.policy import policy
 from aoed.engine.pool import CompilePool
@@ -99,6 +100,8 @@ class Engine:
     pool: CompilePool
     device: DeviceAgent
     logdir: Path
+    #: what each child may use, and so which jobs fit (memory.py)
+    memory: MemoryPlan
 
     async def run_job(
         self,
@@ -178,6 +181,8 @@ async def open_engine(
     # Another process writing this bank (a second tune, an import) makes the first write
     # wait; say so, or it looks like a hang.
     bank = BankWriter(config.bank, layers=list(config.bank_layers), on_wait=log.warning)
+    plan = plan_memory(config)
+    config = plan.apply(config)  # the children's limit and count, as derived
     device = config.device
     runner_cpus, worker_cpus = split_cores(sorted(os.sched_getaffinity(0)), config.dedicated_cores)
     if not device.is_cpu:
@@ -194,11 +199,12 @@ async def open_engine(
                                 memory_mb=config.worker_memory_mb, pause_pool=not runner_cpus,
                                 lock_group=lock_group)  # fmt: skip
             await nursery.start(agent.run)
+            log.info("engine: memory: %s", plan.describe())
             log.info("engine: %d compile workers%s, device %s%s", pool.size,
                      f" on cores {worker_cpus}" if worker_cpus else "", device,
                      f" on cores {runner_cpus}" if runner_cpus else " (workers paused while it measures)")  # fmt: skip
             try:
-                yield Engine(config, registry, bank, pool, agent, logdir)
+                yield Engine(config, registry, bank, pool, agent, logdir, plan)
             finally:
                 nursery.cancel_scope.cancel()
     finally:

@@ -41,6 +41,7 @@ from aoed.errors import NotFoundError, PermissionDeniedError, RpcError
 from aoed.engine.budget import check_budget
 from aoed.engine.engine import Engine
 from aoed.engine.job import JobHandle, JobOptions, JobResult
+from aoed.engine.memory import check_fits
 from aoed.engine.messages import JobEvent
 from aoed.engine.modelio import check_size
 from aoed.engine.policy import policy
@@ -267,11 +268,14 @@ class JobManager:
         options); returns (job, joined). Raises RpcError(RESOURCE_EXHAUSTED) when the
         queue is full, UNAVAILABLE while shutting down; PermissionDeniedError for a
         daemon-side file with several hard links (before anything opens it); ModelError
-        for one over [engine] max_model_mb."""
+        for one over [engine] max_model_mb, or whose estimated peak is more than an
+        engine process may use (memory.py)."""
         if self._stopping:
             raise RpcError("UNAVAILABLE", "the daemon is shutting down; submit again after it restarts")
+        size = sub.upload.size if sub.upload is not None else 0
         if sub.upload is None:  # refused before hashing it: the limit is there so nobody reads 9 GiB
             info = await trio.to_thread.run_sync(sub.model.stat)
+            size = info.st_size
             if info.st_nlink > 1:
                 # The daemon reads what its submitter names; a hard link (which no path check
                 # sees) would make it read a file the submitter could not. Uploads have one link.
@@ -279,6 +283,7 @@ class JobManager:
                     f"{sub.model}: the file has {info.st_nlink} hard links, and a hard link can make the daemon "
                     "read a file its submitter could not; copy the file (cp, not ln) or upload it")  # fmt: skip
             check_size(sub.model, info.st_size, self.engine.config.max_model_mb << 20, "[engine] max_model_mb")
+        self._check_memory(sub, size)
         sha = sub.upload.sha256 if sub.upload else await trio.to_thread.run_sync(sha256_file, sub.model)
         key = _dedup_key(sha, sub.options)
         async with self._limits_lock:
@@ -313,6 +318,14 @@ class JobManager:
         log.info("job %s: queued %s (%s)", job_id, row.model_name, sub.source)
         self._poke()
         return row, False
+
+    def _check_memory(self, sub: Submission, model_bytes: int) -> None:
+        """ModelError with both figures when the model's estimated peak is more
+        than one of the engine's processes may use: it could never run. (External data
+        is counted when the job prepares the model.)"""
+        plan = self.engine.memory
+        name = sub.upload.file_name if sub.upload is not None else str(sub.model)
+        check_fits(name, model_bytes, plan.job_limit_mb(), plan.why())
 
     async def _consume_upload(self, up: Upload, into: Path | None) -> Path:
         src = Path(up.path)
