@@ -18,6 +18,7 @@ processes from outside, as a crash or the kernel would, or come from a plugin.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import random
@@ -336,6 +337,36 @@ def test_a_model_that_cannot_fit_the_memory_is_refused_with_both_figures(tmp_pat
             assert line.split()[3:5] == [str(1152 << 20)] * 2, line
     finally:
         d.close()
+
+
+def test_a_big_model_with_a_tiny_budget_says_where_it_went_over_and_keeps_search_within(tmp_path: Path) -> None:
+    from tests.conftest import run_aoe
+
+    big = samples.save(samples.mlp(features=2048, hidden=2048, layers=4), tmp_path / "big.onnx")  # 48 MiB
+    r = run_aoe("tune", str(big), "--budget", "0.6", "--no-progress", "--local", "--bank", str(tmp_path / "bank"),
+                "--output", str(tmp_path / "out"), timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(next((tmp_path / "out").glob("aoe_result_opat_*.json")).read_text())
+    b = doc["budget"]
+    st = b["stages"]
+    # Given against spent, per stage, in the order run; what the budget does not cover
+    # is over it entirely, and the stages add up to the overrun.
+    assert list(st)[:3] == ["prepare", "bank", "profile"] and "confirm" in st, list(st)
+    for name in ("prepare", "profile", "confirm"):
+        assert not st[name]["counted"] and st[name]["given_s"] == 0.0 and st[name]["spent_s"] > 0, (name, st[name])
+        assert st[name]["over_s"] == st[name]["spent_s"], (name, st[name])
+        assert st[name]["estimate_s"] > 0, f"{name} was not estimated before it started: {st[name]}"
+    assert abs(b["elapsed_s"] - sum(s["spent_s"] for s in st.values())) < 0.01 * len(st)
+    assert b["over_s"] == pytest.approx(b["elapsed_s"] - 0.6, abs=0.002)
+    # The search keeps to its share: loading the candidates' sessions counts against it.
+    assert st["search"]["counted"] and st["search"]["given_s"] <= 0.6
+    assert b["search_s"] <= st["search"]["given_s"], b
+    untuned = [t["error"] for t in doc["tasks"] if t["update_mode"] == "skipped"]
+    assert untuned and all(e.startswith("not tuned:") for e in untuned), doc["tasks"]
+    # ... and the command line says the same.
+    line = next(ln for ln in r.stdout.splitlines() if ln.startswith("  budget "))
+    assert f"0.6 s given, the job took {b['elapsed_s']:.1f} s, {b['over_s']:.1f} s over: preparing" in line, line
+    assert "confirming" in line and "estimated" in line, line
 
 
 HANG_PLUGIN = textwrap.dedent(

@@ -302,9 +302,14 @@ def _summary(r: Any) -> None:
         file=out,
     )
     print(f"  device       {res.get('trials', 0)} trials, {res.get('failed_candidates', 0)} failed candidates; "
-          f"{budget.get('spent_s', 0):.1f} s of a {budget.get('budget_s', 0):.0f} s budget, plus "
+          f"{budget.get('spent_s', 0):.1f} s of a {budget.get('budget_s', 0):g} s budget, plus "
           f"{budget.get('profile_s', 0) + budget.get('confirm_s', 0):.1f} s profiling and confirming; "
           f"busy {r.duty_cycle:.0%} of the job", file=out)  # fmt: skip
+    from aoe.jobscli import budget_line
+
+    line = budget_line(budget)
+    if line:
+        print(f"  budget       {line}", file=out)
     if changed:
         print("  changed      (each task's own figure, from the search that chose it)", file=out)
     for t in changed:
