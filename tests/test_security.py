@@ -290,6 +290,8 @@ def _open_to_others(*roots: Path) -> list[str]:
 @pytest.mark.slow
 def test_a_daemon_started_under_umask_000_leaves_nothing_open_to_other_users(tmp_path: Path) -> None:
     d = DaemonProcess(tmp_path / "d")
+    d.bank.mkdir()
+    os.chmod(d.bank, 0o755)  # as a run under umask 022 left it: closed to others at start
     old = os.umask(0)  # the daemon inherits it, as from a careless shell
     try:
         d.start()
@@ -315,6 +317,7 @@ def test_a_daemon_started_under_umask_000_leaves_nothing_open_to_other_users(tmp
         assert Path(job.result.tuned_model_path).is_file() and Path(job.result.result_json_path).is_file()
         assert _open_to_others(state, d.bank, d.inbox.parent / "outbox") == []
         assert stat.S_IMODE(os.stat(state).st_mode) == 0o750
+        assert stat.S_IMODE(os.stat(d.bank).st_mode) == 0o750 and f"{d.bank} was open to other users" in d.log()
         # The runtime folder may be one others pass through (to a socket beside the
         # locks), but they write nothing there and open no lock.
         runtime = Path(d.env().get("AOED_RUNTIME_DIR") or d.runtime)

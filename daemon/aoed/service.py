@@ -195,8 +195,14 @@ def _close_to_others(folder: Path) -> None:
     user read job rows; a 0755 bank let them export it). Logged; never fatal."""
     try:
         st = folder.stat()
-        if st.st_uid != os.geteuid() or not st.st_mode & 0o007:
-            return
+    except FileNotFoundError:  # a bank made later is made closed
+        return
+    except OSError as exc:
+        log.warning("aoed: %s cannot be checked for other users' access (%s)", folder, exc.strerror or exc)
+        return
+    if st.st_uid != os.geteuid() or not st.st_mode & 0o007:
+        return
+    try:
         folder.chmod(stat.S_IMODE(st.st_mode) & ~0o007)
     except OSError as exc:
         log.warning("aoed: %s is open to other users and could not be closed to them (%s)", folder,
