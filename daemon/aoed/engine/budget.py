@@ -177,17 +177,17 @@ class Budget:
     def report(self) -> dict[str, Any]:
         """The result's `budget` section: the device seconds the budget counts (`spent_s`,
         by category), then every stage in the order run with the wall-clock seconds it
-        was given (0 for what the budget does not cover) and took, its device seconds and
-        the estimate made before it started where there was one; `elapsed_s` is the
-        stages' total and `over_s` how far it passed the budget."""
+        was given (0 for what the budget does not cover) and took, the device seconds
+        spent while it ran and the estimate made before it started where there was one;
+        `elapsed_s` is the stages' total and `over_s` how far it passed the budget."""
         by, led = self.ledger.device_by, self.ledger
         stages: dict[str, dict[str, Any]] = {}
         for name, wall in led.stage_s.items():
             given = self.allotted.get(name, 0.0)
             entry: dict[str, Any] = {"given_s": round(given, 3), "spent_s": round(wall, 3),
                                      "over_s": round(max(0.0, wall - given), 3), "counted": name in COUNTED}  # fmt: skip
-            if name in by:
-                entry["device_s"] = round(by[name], 3)
+            if name in led.stage_device_s:
+                entry["device_s"] = round(led.stage_device_s[name], 3)
             if name in led.estimates:
                 entry["estimate_s"] = round(led.estimates[name], 3)
             stages[name] = entry
