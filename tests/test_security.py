@@ -311,6 +311,10 @@ def test_a_daemon_started_under_umask_000_leaves_nothing_open_to_other_users(tmp
             time.sleep(0.2)
         assert (d.inbox.parent / "outbox" / "dropped_tuned.onnx").exists(), d.log()[-2000:]
         state = d.state
+        # A claimed drop is the dropper's file, moved (not copied) with its own mode:
+        # wait until its delivery removed it.
+        while any((state / "claimed").rglob("*.onnx")) and time.monotonic() < deadline:
+            time.sleep(0.1)
         for name in ("jobs.sqlite3", "uploads", "claimed", "jobs"):
             assert (state / name).exists(), name
         assert (d.bank / "data.mdb").exists() and (d.bank / "lock.mdb").exists()
