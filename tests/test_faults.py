@@ -18,6 +18,8 @@ processes from outside, as a crash or the kernel would, or come from a plugin.
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import random
 import shutil
@@ -32,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+import onnx
 import pytest
 
 from aoe.bank import open_bank
@@ -263,9 +266,12 @@ def test_a_worker_over_its_memory_limit_fails_the_job_saying_so(tmp_path: Path) 
     d.config.write_text(d.config.read_text().replace("[engine]\n", "[engine]\nworker_memory_mb = 1024\n"))
     try:
         d.start()
-        big = samples.save(samples.mlp(features=4096, hidden=4096, layers=7), d.models / "big.onnx")  # 403 MB
+        # Small weights (the admission's estimate fits), but a 1 GiB input once the batch
+        # is fixed: only the worker's limit can stop it.
+        big = samples.save(samples.mlp(features=4096, hidden=64, dynamic_batch=True), d.models / "big_input.onnx")
         t0 = time.monotonic()
-        j = d.wait_job(submit(d, big, budget=2.0), timeout=120)
+        j = d.wait_job(submit(d, big, budget=2.0, input_shapes=[S.InputShape(name="input", dims=[65536, 4096])]),
+                       timeout=120)  # fmt: skip
         took = time.monotonic() - t0
         assert j.state == S.JOB_STATE_FAILED, j
         assert "out of memory" in j.error and "1024 MiB" in j.error and "worker_memory_mb" in j.error, j.error
@@ -274,6 +280,93 @@ def test_a_worker_over_its_memory_limit_fails_the_job_saying_so(tmp_path: Path) 
         assert d.wait_job(submit(d, small, budget=0.5)).state == S.JOB_STATE_SUCCEEDED
     finally:
         d.close()
+
+
+def test_the_derived_worker_limit_is_what_the_formula_says() -> None:
+    from aoe.config import load_config
+    from aoed.engine.memory import DAEMON_RESERVE_MB, available_mb, plan_memory
+
+    base = load_config(env={})
+    for n in (1, 2, 3, 7):
+        plan = plan_memory(base.replace(parallel=n, memory_mb=16384))
+        assert (plan.workers, plan.child_mb) == (n, (16384 - DAEMON_RESERVE_MB) // (n + 1)), n
+        assert plan.child_mb * plan.children + DAEMON_RESERVE_MB <= 16384
+    # Too little for 7 workers of 1024 MiB beside the runner: fewer workers start.
+    plan = plan_memory(base.replace(parallel=7, memory_mb=4096))
+    assert (plan.workers, plan.child_mb) == (2, (4096 - DAEMON_RESERVE_MB) // 3)
+    # A limit set by hand is kept.
+    assert plan_memory(base.replace(parallel=3, memory_mb=4096, worker_memory_mb=2048)).child_mb == 2048
+    # Unset, the figure is the machine's: MemAvailable, or what the cgroup leaves.
+    got, source = available_mb(base)
+    total = next(int(ln.split()[1]) // 1024 for ln in Path("/proc/meminfo").read_text().splitlines()
+                 if ln.startswith("MemTotal:"))  # fmt: skip
+    assert got is not None and 0 < got <= total and source in ("MemAvailable", "what the cgroup's memory.max leaves")
+
+
+def test_a_model_that_cannot_fit_the_memory_is_refused_with_both_figures(tmp_path: Path) -> None:
+    # The daemon believes it has 2560 MiB: one worker and the runner get (2560 - 256) / 2
+    # = 1152 MiB each, and a job may need 512 + 6 x its model's MiB: about 1400 for this one.
+    d = DaemonProcess(tmp_path / "d", parallel=1)
+    d.config.write_text(d.config.read_text().replace("[engine]\n", "[engine]\nmemory_mb = 2560\n"))
+    try:
+        d.start()
+        big = samples.save(samples.mlp(features=3584, hidden=3584, layers=4), d.models / "big.onnx")  # 147 MiB
+        with pytest.raises(grpc.RpcError) as info:
+            submit(d, big, budget=1.0)
+        need = 512 + math.ceil(6 * big.stat().st_size / (1 << 20))
+        err = info.value.details()
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err
+        assert f"needs about {need} MiB" in err and "more than the 1152 MiB" in err, err
+        assert "2560 MiB available" in err and "[engine] memory_mb" in err, err
+        # The same weights beside a small model file: counted when the job reads them.
+        ext = d.models / "external" / "big.onnx"
+        ext.parent.mkdir()
+        onnx.save_model(onnx.load(big), ext, save_as_external_data=True, location="weights.bin")
+        j = d.wait_job(submit(d, ext, budget=1.0), timeout=120)
+        assert (j.state, j.error_kind) == (S.JOB_STATE_FAILED, "ModelError"), j
+        ext_need = 512 + math.ceil(6 * (ext.stat().st_size + (ext.parent / "weights.bin").stat().st_size) / (1 << 20))
+        assert f"needs about {ext_need} MiB" in j.error and "more than the 1152 MiB" in j.error, j.error
+        # What fits still runs, in children limited as the formula says.
+        assert d.wait_job(submit(d, model(d, "mlp"), budget=0.5)).state == S.JOB_STATE_SUCCEEDED
+        assert d.proc is not None
+        kids = [pid for pid, cmd in children(d.proc.pid).items() if WORKER in cmd or RUNNER in cmd]
+        assert len(kids) == 2, children(d.proc.pid)
+        for pid in kids:
+            line = next(ln for ln in Path(f"/proc/{pid}/limits").read_text().splitlines()
+                        if ln.startswith("Max address space"))  # fmt: skip
+            assert line.split()[3:5] == [str(1152 << 20)] * 2, line
+    finally:
+        d.close()
+
+
+def test_a_big_model_with_a_tiny_budget_says_where_it_went_over_and_keeps_search_within(tmp_path: Path) -> None:
+    from tests.conftest import run_aoe
+
+    big = samples.save(samples.mlp(features=2048, hidden=2048, layers=4), tmp_path / "big.onnx")  # 48 MiB
+    r = run_aoe("tune", str(big), "--budget", "0.6", "--no-progress", "--local", "--bank", str(tmp_path / "bank"),
+                "--output", str(tmp_path / "out"), timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(next((tmp_path / "out").glob("aoe_result_opat_*.json")).read_text())
+    b = doc["budget"]
+    st = b["stages"]
+    # Given against spent, per stage, in the order run; what the budget does not cover
+    # is over it entirely, and the stages add up to the overrun.
+    assert list(st)[:3] == ["prepare", "bank", "profile"] and "confirm" in st, list(st)
+    for name in ("prepare", "profile", "confirm"):
+        assert not st[name]["counted"] and st[name]["given_s"] == 0.0 and st[name]["spent_s"] > 0, (name, st[name])
+        assert st[name]["over_s"] == st[name]["spent_s"], (name, st[name])
+        assert st[name]["estimate_s"] > 0, f"{name} was not estimated before it started: {st[name]}"
+    assert abs(b["elapsed_s"] - sum(s["spent_s"] for s in st.values())) < 0.01 * len(st)
+    assert b["over_s"] == pytest.approx(b["elapsed_s"] - 0.6, abs=0.002)
+    # The search keeps to its share: loading the candidates' sessions counts against it.
+    assert st["search"]["counted"] and st["search"]["given_s"] <= 0.6
+    assert b["search_s"] <= st["search"]["given_s"], b
+    untuned = [t["error"] for t in doc["tasks"] if t["update_mode"] == "skipped"]
+    assert untuned and all(e.startswith("not tuned:") for e in untuned), doc["tasks"]
+    # ... and the command line says the same.
+    line = next(ln for ln in r.stdout.splitlines() if ln.startswith("  budget "))
+    assert f"0.6 s given, the job took {b['elapsed_s']:.1f} s, {b['over_s']:.1f} s over: preparing" in line, line
+    assert "confirming" in line and "estimated" in line, line
 
 
 HANG_PLUGIN = textwrap.dedent(

@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import re
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -220,6 +221,76 @@ def test_daemon_still_serves_after_the_corpus(daemon: DaemonProcess, daemon_run:
     job = daemon.wait_job(_submit(daemon, path, by_path=False), timeout=300)
     assert job.state == tuning_pb2.JOB_STATE_SUCCEEDED, job.error
     assert job.result.tasks, "the normal model was tuned"
+
+
+# --------------------------------------------------------------------------- (b2) options
+
+INF, NAN = float("inf"), float("nan")
+
+#: Options no job can run with: (id, JobOptions fields, the field the refusal names).
+BAD_OPTIONS = [
+    ("budget_inf", {"budget_s": INF}, "budget_s"),
+    ("budget_nan", {"budget_s": NAN}, "budget_s"),
+    ("budget_overflows", {"budget_s": 1e308}, "budget_s"),
+    ("min_cosine_nan", {"accuracy_budget": tuning_pb2.AccuracyBudget(min_cosine=NAN)}, "min_cosine"),
+    ("max_rel_error_inf", {"accuracy_budget": tuning_pb2.AccuracyBudget(max_rel_error=INF)}, "max_rel_error"),
+    ("max_rel_error_nan", {"accuracy_budget": tuning_pb2.AccuracyBudget(max_rel_error=NAN)}, "max_rel_error"),
+    ("precision_99", {"precision": 99}, "precision"),
+    ("job_type_77", {"job_type": 77}, "job_type"),
+]
+
+
+@pytest.fixture(scope="module")
+def small_model(daemon: DaemonProcess) -> Path:
+    path = daemon.models / "options" / "mlp.onnx"
+    path.parent.mkdir(exist_ok=True)
+    samples.save(samples.build("mlp"), path)
+    return path
+
+
+@pytest.mark.parametrize(("fields", "field"), [c[1:] for c in BAD_OPTIONS], ids=[c[0] for c in BAD_OPTIONS])
+def test_an_option_no_job_can_run_with_is_invalid_argument_naming_it(
+    daemon: DaemonProcess, small_model: Path, fields: dict, field: str
+) -> None:
+    before = {j.job_id for j in daemon.tuning().ListJobs(tuning_pb2.ListJobsRequest(), timeout=30).jobs}
+    req = tuning_pb2.SubmitJobRequest(model_path=str(small_model), options=tuning_pb2.JobOptions(**fields))
+    with pytest.raises(grpc.RpcError) as info:
+        daemon.tuning().SubmitJob(req, timeout=60)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+    assert field in info.value.details(), info.value.details()
+    after = {j.job_id for j in daemon.tuning().ListJobs(tuning_pb2.ListJobsRequest(), timeout=30).jobs}
+    assert after == before, "a refused submission left a job behind"
+
+
+def test_list_jobs_with_an_unknown_state_is_invalid_argument(daemon: DaemonProcess, small_model: Path) -> None:
+    # A job in the store, so that "everything" would not be an empty answer.
+    daemon.tuning().SubmitJob(tuning_pb2.SubmitJobRequest(
+        model_path=str(small_model), options=tuning_pb2.JobOptions(budget_s=1.0)), timeout=60)  # fmt: skip
+    with pytest.raises(grpc.RpcError) as info:
+        daemon.tuning().ListJobs(tuning_pb2.ListJobsRequest(states=[99]), timeout=30)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "states 99" in info.value.details()
+    known = daemon.tuning().ListJobs(tuning_pb2.ListJobsRequest(states=[tuning_pb2.JOB_STATE_QUEUED,
+                                     tuning_pb2.JOB_STATE_SUCCEEDED, tuning_pb2.JOB_STATE_PREPARING,
+                                     tuning_pb2.JOB_STATE_TUNING, tuning_pb2.JOB_STATE_VERIFYING]), timeout=30)  # fmt: skip
+    assert known.jobs, "known states still filter as before"
+
+
+def test_a_non_finite_budget_in_an_inbox_aoed_toml_sends_the_model_to_failed_naming_it(daemon: DaemonProcess) -> None:
+    folder = daemon.inbox
+    failed = folder.parent / "failed"
+    (folder / "aoed.toml").write_text("budget_s = inf\n")  # TOML has inf and nan literals
+    try:
+        samples.save(samples.build("mlp"), folder / "toml_inf.onnx")
+        report = failed / "toml_inf.onnx.error.txt"
+        deadline = time.monotonic() + 120
+        while not report.exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert report.exists(), f"the model did not reach failed/:\n{daemon.log()[-3000:]}"
+        text = report.read_text()
+        assert "aoed.toml" in text and "budget_s" in text and "finite" in text, text
+        assert (failed / "toml_inf.onnx").exists()
+    finally:
+        (folder / "aoed.toml").unlink(missing_ok=True)
 
 
 # --------------------------------------------------------------------------- (c) nothing outside is read

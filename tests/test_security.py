@@ -161,6 +161,176 @@ def test_a_socket_group_the_daemon_is_not_in_is_a_clear_error(tmp_path: Path) ->
         shutil.rmtree(home, ignore_errors=True)
 
 
+# ---------------------------------------------------------------- the device lock
+
+# Runs as another user: opens the lock file read-only and tries to hold it, then tries to
+# create a file beside it; prints what each attempt met.
+_HOLD_THE_DEVICE = """
+import errno, fcntl, os, sys
+lock = sys.argv[1]
+try:
+    fd = os.open(lock, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    print("held")
+except OSError as exc:
+    print(errno.errorcode[exc.errno])
+try:
+    os.close(os.open(os.path.join(os.path.dirname(lock), "planted"), os.O_WRONLY | os.O_CREAT, 0o666))
+    print("planted")
+except OSError as exc:
+    print(errno.errorcode[exc.errno])
+"""
+
+
+def _plain_python_for_nobody() -> str | None:
+    """Any python uid 65534 can run (the script needs nothing but the standard library)."""
+    for python in (sys.executable, "/usr/bin/python3", "/usr/local/bin/python3"):
+        try:
+            if subprocess.run([python, "-c", "pass"], user=NOBODY, group=NOBODY, extra_groups=[], cwd="/",
+                              capture_output=True, timeout=60).returncode == 0:  # fmt: skip
+                return python
+        except OSError:
+            continue
+    return None
+
+
+def _hold_as_nobody(python: str, lock: Path) -> list[str]:
+    r = subprocess.run([python, "-c", _HOLD_THE_DEVICE, str(lock)], user=NOBODY, group=NOBODY, extra_groups=[],
+                       env={"PATH": os.defpath}, cwd="/", capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    return r.stdout.split()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="acting as another user needs root")
+async def test_another_user_can_neither_hold_the_device_lock_nor_write_beside_it() -> None:
+    from aoed.engine.devlock import DeviceLock
+
+    python = _plain_python_for_nobody()
+    if python is None:
+        pytest.skip(f"no python that uid {NOBODY} may run")
+    base = Path(tempfile.mkdtemp(prefix="aoed-lock-", dir="/tmp"))
+    try:
+        os.chmod(base, 0o755)  # like /run: everyone may pass through it
+        runtime = base / "aoed"
+        lock = DeviceLock(runtime, "cpu")
+        async with lock.hold():
+            pass
+        assert stat.S_IMODE(os.stat(lock.path).st_mode) == 0o600
+        assert stat.S_IMODE(os.stat(runtime).st_mode) & 0o022 == 0
+        assert _hold_as_nobody(python, lock.path) == ["EACCES", "EACCES"]
+        # Even with the folder opened for passing through (as for a socket beside the
+        # locks), the file itself is not openable by them.
+        os.chmod(runtime, 0o755)
+        assert _hold_as_nobody(python, lock.path) == ["EACCES", "EACCES"]
+        assert not (runtime / "planted").exists()
+        lock.close()
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user needs root")
+async def test_a_device_lock_open_to_others_is_narrowed_when_ours_and_refused_when_not(tmp_path: Path) -> None:
+    from aoe.errors import DeviceError
+    from aoed.engine.devlock import DeviceLock
+
+    runtime = tmp_path / "run"
+    runtime.mkdir(mode=0o777)
+    os.chmod(runtime, 0o777)
+    path = runtime / "device-cpu.lock"
+    path.write_text("")
+    os.chmod(path, 0o644)  # as earlier versions left it
+    lock = DeviceLock(runtime, "cpu")
+    async with lock.hold():
+        pass
+    lock.close()
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(runtime).st_mode) == 0o755, "nobody else may write beside the locks"
+    # Another user's file that anyone may open: not ours to narrow, and not safe to use.
+    os.chown(path, NOBODY, NOBODY)
+    os.chmod(path, 0o666)
+    with pytest.raises(DeviceError, match=f"belongs to uid {NOBODY} and any user may open it"):
+        async with DeviceLock(runtime, "cpu").hold():
+            pass
+    # A link planted at the lock's name is not followed.
+    path.unlink()
+    victim = tmp_path / "victim"
+    victim.write_text("keep")
+    path.symlink_to(victim)
+    with pytest.raises(DeviceError, match="symbolic link"):
+        async with DeviceLock(runtime, "cpu").hold():
+            pass
+    assert victim.read_text() == "keep"
+    # A folder another user owns could have its locks swapped under us.
+    other = tmp_path / "theirs"
+    other.mkdir()
+    os.chown(other, NOBODY, NOBODY)
+    with pytest.raises(DeviceError, match=f"belongs to uid {NOBODY}"):
+        async with DeviceLock(other, "cpu").hold():
+            pass
+
+
+# ---------------------------------------------------------------- files and folders: who can read what
+
+
+def _open_to_others(*roots: Path) -> list[str]:
+    """Every file or folder under `roots` (themselves included) that users other than
+    its owner and group may read, write or enter, with its mode."""
+    found = []
+    for root in roots:
+        for p in [root, *root.rglob("*")]:
+            try:
+                st = os.lstat(p)
+            except FileNotFoundError:  # a claim or scratch file the daemon just removed
+                continue
+            if not stat.S_ISLNK(st.st_mode) and stat.S_IMODE(st.st_mode) & 0o007:
+                found.append(f"{p} {stat.S_IMODE(st.st_mode):04o}")
+    return found
+
+
+@pytest.mark.slow
+def test_a_daemon_started_under_umask_000_leaves_nothing_open_to_other_users(tmp_path: Path) -> None:
+    d = DaemonProcess(tmp_path / "d")
+    d.bank.mkdir()
+    os.chmod(d.bank, 0o755)  # as a run under umask 022 left it: closed to others at start
+    old = os.umask(0)  # the daemon inherits it, as from a careless shell
+    try:
+        d.start()
+    finally:
+        os.umask(old)
+    try:
+        model = d.models / "mlp.onnx"
+        samples.save(samples.build("mlp"), model)
+        job_id = d.tuning().SubmitJob(tuning_pb2.SubmitJobRequest(
+            model_id=upload(d.tuning(), model), options=tuning_pb2.JobOptions(budget_s=1.0)), timeout=60).job_id  # fmt: skip
+        job = d.wait_job(job_id)
+        assert job.state == tuning_pb2.JOB_STATE_SUCCEEDED, job.error
+        # One drop too: a claim, then the outbox.
+        samples.save(samples.build("mlp"), d.inbox / "dropped.onnx")
+        deadline = time.monotonic() + 240
+        while not (d.inbox.parent / "outbox" / "dropped_result.json").exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert (d.inbox.parent / "outbox" / "dropped_tuned.onnx").exists(), d.log()[-2000:]
+        state = d.state
+        # A claimed drop is the dropper's file, moved (not copied) with its own mode:
+        # wait until its delivery removed it.
+        while any((state / "claimed").rglob("*.onnx")) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        for name in ("jobs.sqlite3", "uploads", "claimed", "jobs"):
+            assert (state / name).exists(), name
+        assert (d.bank / "data.mdb").exists() and (d.bank / "lock.mdb").exists()
+        assert Path(job.result.tuned_model_path).is_file() and Path(job.result.result_json_path).is_file()
+        assert _open_to_others(state, d.bank, d.inbox.parent / "outbox") == []
+        assert stat.S_IMODE(os.stat(state).st_mode) == 0o750
+        assert stat.S_IMODE(os.stat(d.bank).st_mode) == 0o750 and f"{d.bank} was open to other users" in d.log()
+        # The runtime folder may be one others pass through (to a socket beside the
+        # locks), but they write nothing there and open no lock.
+        runtime = Path(d.env().get("AOED_RUNTIME_DIR") or d.runtime)
+        assert stat.S_IMODE(os.stat(runtime).st_mode) & 0o022 == 0
+        assert stat.S_IMODE(os.stat(runtime / "device-cpu.lock").st_mode) == 0o600
+    finally:
+        d.close()
+
+
 # ---------------------------------------------------------------- TCP, TLS and mutual TLS
 
 

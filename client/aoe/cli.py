@@ -143,6 +143,7 @@ def _tune(args: argparse.Namespace) -> int:
     from aoe.device import Device
     from aoe.errors import DeviceError
     from aoed.backends.ort.catalog import build_registry
+    from aoed.engine.budget import check_budget
     from aoed.engine.engine import open_engine
     from aoed.engine.job import JobOptions
     from aoed.engine.policy import policy
@@ -154,8 +155,7 @@ def _tune(args: argparse.Namespace) -> int:
     policy(args.precision, args.min_cosine, args.max_rel_error)  # validates before any work starts
     if args.calibration is not None and not args.calibration.is_dir():
         raise OptionError(f"--calibration {args.calibration}: not a directory")
-    if args.budget is not None and args.budget <= 0:
-        raise OptionError("--budget must be a positive number of seconds")
+    check_budget(args.budget, "--budget")
     shapes = parse_input_shapes(args.input_shape)
     config = load_config(args.config)
     parallel = parse_parallel(args.parallel, "--parallel") if args.parallel is not None else None
@@ -310,9 +310,14 @@ def _summary(r: Any) -> None:
         file=out,
     )
     print(f"  device       {res.get('trials', 0)} trials, {res.get('failed_candidates', 0)} failed candidates; "
-          f"{budget.get('spent_s', 0):.1f} s of a {budget.get('budget_s', 0):.0f} s budget, plus "
+          f"{budget.get('spent_s', 0):.1f} s of a {budget.get('budget_s', 0):g} s budget, plus "
           f"{budget.get('profile_s', 0) + budget.get('confirm_s', 0):.1f} s profiling and confirming; "
           f"busy {r.duty_cycle:.0%} of the job", file=out)  # fmt: skip
+    from aoe.jobscli import budget_line
+
+    line = budget_line(budget)
+    if line:
+        print(f"  budget       {line}", file=out)
     if changed:
         print("  changed      (each task's own figure, from the search that chose it)", file=out)
     for t in changed:

@@ -27,7 +27,9 @@ The TOML file:
   [engine]
   runtime_dir = "/run/aoed"
   dedicated_cores = "auto"               # auto (4+ cores), true, false
-  worker_memory_mb = 8192                # address-space limit per child process, >= 1024; 0: none
+  memory_mb = 0                          # memory the engine's processes may use; 0: MemAvailable / cgroup
+  worker_memory_mb = "auto"              # address-space limit per child process, >= 1024; 0: none;
+                                         # auto: (memory_mb - 256) / (workers + 1 runner)
   max_model_mb = 8192                    # a model file and its external data together
   max_nodes = 200000                     # nodes in all of a model's graphs
   max_tensor_mb = 4096                   # one declared or inferred tensor
@@ -103,14 +105,6 @@ def default_parallel() -> int:
 MIN_WORKER_MEMORY_MB = 1024
 
 
-def _default_memory_mb() -> int:
-    try:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // (1 << 20)
-    except (ValueError, OSError):
-        return 0
-    return max(2048, total * 3 // 4)
-
-
 def _default_runtime_dir() -> Path:
     if os.geteuid() == 0 or os.access("/run/aoed", os.W_OK):
         return Path("/run/aoed")
@@ -160,7 +154,11 @@ class Config:
     runtime_dir: Path = field(default_factory=_default_runtime_dir)
     #: None: dedicated measurement cores when there are 4 or more
     dedicated_cores: bool | None = None
-    worker_memory_mb: int = field(default_factory=_default_memory_mb)
+    #: each child's address-space limit, MiB (0: none); None: derived when the engine
+    #: starts from `memory_mb` and the number of children (aoed.engine.memory)
+    worker_memory_mb: int | None = None
+    #: MiB the engine's processes may use; 0: what the machine says (MemAvailable, cgroup)
+    memory_mb: int = 0
     #: what a model may hold (aoed.engine.prep.Limits; its MAX_* constants are these)
     max_model_mb: int = 8192
     max_nodes: int = 200_000
@@ -215,11 +213,14 @@ def _checked(cfg: Config) -> Config:
         problems.add(f"parallel={cfg.parallel} ({cfg.sources.get('parallel', 'default')}): must be 1-32")
     if cfg.log_level not in _LEVELS:
         problems.add(f"log level {cfg.log_level!r}: expected one of {', '.join(_LEVELS)}")
-    if cfg.worker_memory_mb != 0 and cfg.worker_memory_mb < MIN_WORKER_MEMORY_MB:
+    if cfg.worker_memory_mb is not None and cfg.worker_memory_mb != 0 and cfg.worker_memory_mb < MIN_WORKER_MEMORY_MB:
         problems.add(f"worker_memory_mb={cfg.worker_memory_mb} ({_src(cfg, 'worker_memory_mb')}): must be 0 "
                      f"(no limit) or at least {MIN_WORKER_MEMORY_MB} MiB: it limits address space, and a "
                      "child's allocator and threads reserve far more of it than they use, so smaller "
                      "limits fail ordinary models at random")  # fmt: skip
+    if cfg.memory_mb != 0 and not 2 * MIN_WORKER_MEMORY_MB <= cfg.memory_mb <= 1 << 30:
+        problems.add(f"memory_mb={cfg.memory_mb} ({_src(cfg, 'memory_mb')}): must be 0 (what the machine has) "
+                     f"or at least {2 * MIN_WORKER_MEMORY_MB} MiB: a compile worker and a runner")  # fmt: skip
     for name, (lo, hi) in _RANGES.items():
         value = getattr(cfg, name)
         if not lo <= value <= hi:
@@ -250,7 +251,8 @@ def _from_toml(path: Path, problems: Problems | None = None) -> tuple[dict[str, 
         ("tuning", "repeat_tune"): "repeat_tune", ("tuning", "parallel"): "parallel",
         ("tuning", "device"): "device", ("tuning", "plugins"): "plugins",
         ("engine", "runtime_dir"): "runtime_dir", ("engine", "dedicated_cores"): "dedicated_cores",
-        ("engine", "worker_memory_mb"): "worker_memory_mb", ("engine", "max_model_mb"): "max_model_mb",
+        ("engine", "worker_memory_mb"): "worker_memory_mb", ("engine", "memory_mb"): "memory_mb",
+        ("engine", "max_model_mb"): "max_model_mb",
         ("engine", "max_nodes"): "max_nodes", ("engine", "max_tensor_mb"): "max_tensor_mb",
         ("engine", "compile_timeout_s"): "compile_timeout_s", ("engine", "stage_timeout_s"): "stage_timeout_s",
         ("log", "level"): "log_level",
@@ -297,11 +299,15 @@ def _convert(name: str, raw: Any, where: str) -> Any:
         return tuple(s.strip() for s in map(str, items) if s.strip())
     if name == "dedicated_cores":
         return None if str(raw).lower() == "auto" else _bool(raw, where)
-    if name == "worker_memory_mb":
+    if name in ("worker_memory_mb", "memory_mb"):
+        if name == "worker_memory_mb" and str(raw).strip().lower() == "auto":
+            return None
+        if isinstance(raw, bool) or not isinstance(raw, int | str):
+            raise OptionError(f"{where}={raw!r}: expected a whole number of MiB")
         try:
             return int(raw)
-        except (TypeError, ValueError):
-            raise OptionError(f"{where}={raw!r}: expected a number of MiB") from None
+        except ValueError:
+            raise OptionError(f"{where}={raw!r}: expected a whole number of MiB") from None
     if name in ("max_model_mb", "max_tensor_mb", "max_nodes"):
         if isinstance(raw, bool) or not isinstance(raw, int | str):
             raise OptionError(f"{where}={raw!r}: expected a whole number of {_UNITS[name]}")

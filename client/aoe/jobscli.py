@@ -23,6 +23,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import json
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -188,11 +190,48 @@ def print_result(job: tuning_pb2.Job, files: list[Path] | None = None) -> None:
     for t in changed:
         print(f"    {t.task_id:<40} {t.op_type:<14} {t.strategy.name:<22} {figures.pct(t.improvement)}")
     print(f"  device       {r.trials} trials, {r.device_s:.1f} s measuring")
+    report_json = (files or [None, None])[1:2]
+    if report_json and report_json[0] is not None:
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            line = budget_line(json.loads(Path(report_json[0]).read_text(encoding="utf-8")).get("budget", {}))
+            if line:
+                print(f"  budget       {line}")
     repo = {fd.name: value for fd, value in r.repo_summary.ListFields()}
     print(f"  bank         {figures.bank_text(repo, len(chosen) - len(changed))}")
     model, report = (files or [None, None])[:2]
     print(f"  tuned model  {model or r.tuned_model_path + ' (on the daemon host)'}")
     print(f"  report       {report or r.result_json_path + ' (on the daemon host)'}")
+
+
+#: How the budget line names a result's stages.
+_STAGE_WORDS = {"prepare": "preparing", "bank": "bank lookups", "profile": "profiling", "search": "search",
+                "assemble": "assembling", "accuracy": "accuracy", "session": "session options",
+                "verify": "verifying", "confirm": "confirming", "outputs": "outputs"}  # fmt: skip
+
+
+def budget_line(budget: dict[str, Any]) -> str | None:
+    """The result JSON's `budget` section in one line: the budget, what the job took, and
+    by how much and where it went over (stages under 0.05 s left out); None for a result
+    without stages."""
+    stages = budget.get("stages")
+    if not isinstance(stages, dict):
+        return None
+    parts = []
+    for name, st in stages.items():
+        spent = float(st.get("spent_s", 0.0))
+        if spent < 0.05:
+            continue
+        extra = []
+        if st.get("counted"):
+            extra.append(f"{float(st.get('given_s', 0.0)):.1f} given")
+        if "estimate_s" in st:
+            extra.append(f"estimated {float(st['estimate_s']):.1f}")
+        parts.append(f"{_STAGE_WORDS.get(name, name)} {spent:.1f} s" + (f" ({', '.join(extra)})" if extra else ""))
+    over = float(budget.get("over_s", 0.0))
+    head = f"{float(budget.get('budget_s', 0.0)):g} s given, the job took {float(budget.get('elapsed_s', 0.0)):.1f} s"
+    if over > 0:
+        head += f", {over:.1f} s over"
+    return head + (": " + ", ".join(parts) if parts else "")
 
 
 @dataclass
@@ -309,8 +348,8 @@ def tune_on_daemon(client: Client, model: Path, options: dict[str, Any], output:
 def _submit(args: argparse.Namespace) -> int:
     if args.priority is not None and not -10 <= args.priority <= 10:
         raise OptionError(f"--priority {args.priority}: must be between -10 and 10")
-    if args.budget is not None and args.budget <= 0:
-        raise OptionError("--budget must be a positive number of seconds")
+    if args.budget is not None and not 0 < args.budget < math.inf:  # NaN fails both
+        raise OptionError(f"--budget {args.budget}: must be a finite positive number of seconds")
     options = {"precision": args.precision, "input_shapes": args.input_shape or None, "priority": args.priority,
                "budget_s": args.budget, "repeat_tune": args.repeat_tune, "device": args.device}  # fmt: skip
     with client_for(args) as client:

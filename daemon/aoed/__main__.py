@@ -6,6 +6,8 @@ gRPC core does not survive fork(): `GRPC_ENABLE_FORK_SUPPORT` is switched off he
 before anything imports grpc, and every child process the daemon starts is a fresh
 interpreter started through exec (see aoed.engine._child), which also drops the service
 manager's variables (NOTIFY_SOCKET, WATCHDOG_*) from its environment.
+
+The process umask is set here too (027), before anything creates a file.
 """
 
 from __future__ import annotations
@@ -20,6 +22,9 @@ from collections.abc import Sequence  # noqa: E402
 
 from aoed import __version__  # noqa: E402
 
+#: Nothing the daemon creates is open to other users; its group may read.
+DAEMON_UMASK = 0o027
+
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="aoed", description="aoed: the tuning daemon (gRPC, watched folders)")
@@ -29,6 +34,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="log level (default: [log] level, else info)")  # fmt: skip
     parser.add_argument("--version", action="version", version=f"aoed {__version__}")
     args = parser.parse_args(argv)
+    # Whatever umask started us (000 from a careless shell), the daemon's files are for
+    # itself and its group: 0640 files, 0750 folders. Set before anything is created.
+    os.umask(DAEMON_UMASK)
 
     from aoe.errors import AoedError, OptionError
     from aoed.config import load_daemon_config
@@ -58,6 +66,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"  models      up to {e.max_model_mb} MiB, {e.max_nodes} nodes, {e.max_tensor_mb} MiB per tensor")
         print(f"  time        {e.compile_timeout_s:g} s per compile, {e.stage_timeout_s:g} s per other worker stage, "
               "each x (1 + model MiB/256)")  # fmt: skip
+        from aoed.engine.memory import plan_memory
+
+        print(f"  memory      {plan_memory(e).describe()}")
         for inbox in cfg.inboxes:
             print(f"  inbox       {inbox.path} -> {inbox.outbox} (failed: {inbox.failed})")
         print(f"  allowed     {', '.join(map(str, cfg.allowed_dirs)) or '(no daemon-side paths)'}")

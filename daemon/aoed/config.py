@@ -124,6 +124,17 @@ class DaemonConfig:
         """Where inbox files are moved when claimed (same file system as the state dir)."""
         return self.state_dir / "claimed"
 
+    def socket_gid(self) -> int | None:
+        """The gid of `socket_group` (None when unset); OptionError when no such group."""
+        if not self.socket_group:
+            return None
+        import grp
+
+        try:
+            return grp.getgrnam(self.socket_group).gr_gid
+        except KeyError:
+            raise OptionError(f"[listen] socket_group {self.socket_group!r}: no such group") from None
+
     def listen_addresses(self) -> list[str]:
         out = [f"unix://{self.socket}"] if self.socket else []
         if self.tcp:

@@ -15,9 +15,12 @@ log says so.
 from __future__ import annotations
 
 import logging
+import os
 import signal
+import stat
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import trio
 
@@ -58,13 +61,15 @@ class Daemon:
         cfg = self.cfg
         for d in (cfg.state_dir, cfg.uploads_dir, cfg.jobs_dir, cfg.claims_dir):
             try:
-                d.mkdir(parents=True, exist_ok=True)
+                d.mkdir(mode=0o750, parents=True, exist_ok=True)
             except OSError as exc:
                 raise AoedError(f"state dir {d}: {exc.strerror or exc}") from None
+        for d in (cfg.state_dir, cfg.engine.bank):
+            _close_to_others(d)
         store = JobStore(cfg.store_path)
         try:
             registry = build_registry(cfg.engine.plugins)
-            async with open_engine(cfg.engine, registry, cfg.state_dir / "logs") as engine:
+            async with open_engine(cfg.engine, registry, cfg.state_dir / "logs", lock_group=cfg.socket_gid()) as engine:
                 async with trio.open_nursery() as nursery:
                     self.jobs = jobs = JobManager(cfg, store, engine)
                     await nursery.start(jobs.run)
@@ -182,3 +187,26 @@ class Daemon:
         except ImportError:  # pragma: no cover
             return None
         return BankServicer(bridge, engine)
+
+
+def _close_to_others(folder: Path) -> None:
+    """Take other users' access away from `folder` (the state dir, the bank) when it is
+    ours: what an earlier run under a looser umask left open (a 0755 state dir let any
+    user read job rows; a 0755 bank let them export it). Logged; never fatal."""
+    try:
+        st = folder.stat()
+    except FileNotFoundError:  # a bank made later is made closed
+        return
+    except OSError as exc:
+        log.warning("aoed: %s cannot be checked for other users' access (%s)", folder, exc.strerror or exc)
+        return
+    if st.st_uid != os.geteuid() or not st.st_mode & 0o007:
+        return
+    try:
+        folder.chmod(stat.S_IMODE(st.st_mode) & ~0o007)
+    except OSError as exc:
+        log.warning("aoed: %s is open to other users and could not be closed to them (%s)", folder,
+                    exc.strerror or exc)  # fmt: skip
+        return
+    log.warning("aoed: %s was open to other users (mode %04o); it is now %04o", folder, stat.S_IMODE(st.st_mode),
+                stat.S_IMODE(st.st_mode) & ~0o007)  # fmt: skip

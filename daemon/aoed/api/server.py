@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import grp
 import logging
 import os
 import socket as socketlib
@@ -97,12 +96,8 @@ def _bind_unix(server: grpc.Server, cfg: DaemonConfig) -> Path:
     except OSError as exc:
         raise OptionError(f"[listen] socket {path}: cannot create its folder ({exc.strerror or exc})") from None
     _stale_socket(path)
-    gid = -1
-    if cfg.socket_group:
-        try:
-            gid = grp.getgrnam(cfg.socket_group).gr_gid
-        except KeyError:
-            raise OptionError(f"[listen] socket_group {cfg.socket_group!r}: no such group") from None
+    gid = cfg.socket_gid()
+    gid = -1 if gid is None else gid
     old = os.umask(0o177)  # the socket appears owner-only; its real mode is set below
     try:
         port = server.add_insecure_port(f"unix:{path}")

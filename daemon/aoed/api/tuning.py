@@ -108,10 +108,21 @@ def _ts(seconds: float | None) -> Timestamp | None:
     return t
 
 
+def _known(table: dict[int, str], code: int, field: str, enum) -> str:
+    """`table[code]`; OptionError naming `field` for a number the enum does not define
+    (proto3 keeps unknown enum numbers, which a lookup with a default would quietly map)."""
+    if code not in table:
+        names = ", ".join(f"{v.name}={v.number}" for v in enum.DESCRIPTOR.values if v.number in table)
+        raise OptionError(f"{field} {code}: not a known value (known: {names})")
+    return table[code]
+
+
 def options_to_dict(o: tuning_pb2.JobOptions) -> dict[str, Any]:
+    """The options of a request as options_from_dict takes them; OptionError naming the
+    field for an enum number this daemon does not know."""
     return {
-        "precision": _PRECISION.get(o.precision, "exact"),
-        "job_type": _JOB_TYPE.get(o.job_type, "opat"),
+        "precision": _known(_PRECISION, o.precision, "precision", bank_pb2.Precision),
+        "job_type": _known(_JOB_TYPE, o.job_type, "job_type", tuning_pb2.JobType),
         "input_shapes": {s.name: list(s.dims) for s in o.input_shapes},
         "repeat_tune": o.repeat_tune,
         "device": o.device,
@@ -253,7 +264,7 @@ class TuningServicer(tuning_pb2_grpc.TuningServiceServicer):
 
     async def _list(self, request: tuning_pb2.ListJobsRequest) -> tuning_pb2.ListJobsResponse:
         size = min(int(request.page_size or 100), 1000)
-        states = [_STATE_NAME[s] for s in request.states if s in _STATE_NAME]
+        states = [_known(_STATE_NAME, s, "states", tuning_pb2.JobState) for s in request.states]
         rows = self._jobs.list(states, size + 1, _parse_token(request.page_token))
         more = len(rows) > size
         rows = rows[:size]

@@ -62,6 +62,8 @@ class JobContext:
     notes: list[str] = field(default_factory=list)
     #: the last end-to-end accuracy measured on the held-back samples (lossy policies)
     accuracy: Accuracy | None = None
+    #: the model's latency as profiled, us (0: not profiled)
+    model_us: float = 0.0
 
     def emit(self, kind: str, message: str = "", done: int = 0, total: int = 0) -> None:
         self.ledger.emit(JobEvent(kind, message, done, total))

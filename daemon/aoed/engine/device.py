@@ -55,6 +55,7 @@ class DeviceAgent:
         cpus: Sequence[int] = (),
         memory_mb: int = 0,
         pause_pool: bool = True,
+        lock_group: int | None = None,
     ):
         self.device = device
         self._pool = pool if pause_pool and device.is_cpu else None
@@ -62,7 +63,7 @@ class DeviceAgent:
             "aoed.backends.ort.runner", f"runner for {device}", logdir / f"runner-{device.name.replace(':', '-')}.log",
             cpus=cpus, memory_mb=memory_mb if device.is_cpu else 0,  # GPU runtimes reserve huge address ranges
         )  # fmt: skip
-        self.lock = DeviceLock(runtime_dir, device.name)
+        self.lock = DeviceLock(runtime_dir, device.name, lock_group)
         self._queue: _pending.RequestQueue[dict[str, Any]] = _pending.RequestQueue(4)
         self.cores = 1
         self.providers: tuple[str, ...] = ()

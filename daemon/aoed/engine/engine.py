@@ -26,10 +26,12 @@ import trio
 from aoe.config import Config
 from aoe.errors import AoedError, JobCancelledError, OptionError
 from aoed.bank.writer import BankWriter
+from aoed.engine.budget import check_budget
 from aoed.engine.context import JobContext
 from aoed.engine.device import DeviceAgent
 from aoed.engine.job import JobHandle, JobOptions, JobResult
 from aoed.engine.ledger import JobLedger, new_job_id
+from aoed.engine.memory import MemoryPlan, plan_memory
 from aoed.engine.messages import JobEvent
 from aoed.engine.policy import policy
 from aoed.engine.pool import CompilePool
@@ -98,6 +100,8 @@ class Engine:
     pool: CompilePool
     device: DeviceAgent
     logdir: Path
+    #: what each child may use, and so which jobs fit (memory.py)
+    memory: MemoryPlan
 
     async def run_job(
         self,
@@ -116,6 +120,7 @@ class Engine:
             raise OptionError(f"--device {opts.device}: this engine measures on {self.device.device}")
         job_id = opts.job_id or new_job_id()
         prec = policy(opts.precision, opts.min_cosine, opts.max_rel_error)
+        check_budget(opts.budget_s, "--budget")
         try:
             ws = await trio.to_thread.run_sync(Workspace.create, opts.output, opts.model.stem)
         except AoedError:
@@ -161,10 +166,13 @@ class Engine:
 
 
 @contextlib.asynccontextmanager
-async def open_engine(config: Config, registry: StrategyRegistry, logdir: Path) -> AsyncIterator[Engine]:
+async def open_engine(
+    config: Config, registry: StrategyRegistry, logdir: Path, *, lock_group: int | None = None
+) -> AsyncIterator[Engine]:
     """Start the engine's agents for `config`'s device, bank and limits (memory; time:
     compile_timeout_s for candidates and bank rebuilds, stage_timeout_s for the other
     worker requests); yields the Engine; stops and reaps everything on exit.
+    `lock_group` (a gid) may hold the device lock too (the daemon's service group).
 
     `registry` is the strategy registry (aoed.backends.ort.catalog.build_registry with
     the config's plugins; workers build the same one). Raises DeviceError when the
@@ -173,6 +181,8 @@ async def open_engine(config: Config, registry: StrategyRegistry, logdir: Path) 
     # Another process writing this bank (a second tune, an import) makes the first write
     # wait; say so, or it looks like a hang.
     bank = BankWriter(config.bank, layers=list(config.bank_layers), on_wait=log.warning)
+    plan = plan_memory(config)
+    config = plan.apply(config)  # the children's limit and count, as derived
     device = config.device
     runner_cpus, worker_cpus = split_cores(sorted(os.sched_getaffinity(0)), config.dedicated_cores)
     if not device.is_cpu:
@@ -186,13 +196,15 @@ async def open_engine(config: Config, registry: StrategyRegistry, logdir: Path) 
                                default_timeout=config.stage_timeout_s)  # fmt: skip
             await nursery.start(pool.run)
             agent = DeviceAgent(device, pool, logdir, config.runtime_dir, cpus=runner_cpus,
-                                memory_mb=config.worker_memory_mb, pause_pool=not runner_cpus)  # fmt: skip
+                                memory_mb=config.worker_memory_mb, pause_pool=not runner_cpus,
+                                lock_group=lock_group)  # fmt: skip
             await nursery.start(agent.run)
+            log.info("engine: memory: %s", plan.describe())
             log.info("engine: %d compile workers%s, device %s%s", pool.size,
                      f" on cores {worker_cpus}" if worker_cpus else "", device,
                      f" on cores {runner_cpus}" if runner_cpus else " (workers paused while it measures)")  # fmt: skip
             try:
-                yield Engine(config, registry, bank, pool, agent, logdir)
+                yield Engine(config, registry, bank, pool, agent, logdir, plan)
             finally:
                 nursery.cancel_scope.cancel()
     finally:

@@ -460,6 +460,8 @@ class ProfileRequest:
 class ProfileReply:
     nodes: dict[str, float]
     total_us: float
+    #: seconds the session took to load: how long a session of this model takes to make
+    load_s: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -10,10 +10,11 @@ side file when the whole would not fit a protobuf (2 GiB), so large models round
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import onnx
@@ -39,7 +40,12 @@ PROTOBUF_LIMIT = 2 << 30
 
 
 def load_model(
-    path: Path, *, max_bytes: int | None = None, max_nodes: int | None = None, settings: tuple[str, str] = ("", "")
+    path: Path,
+    *,
+    max_bytes: int | None = None,
+    max_nodes: int | None = None,
+    settings: tuple[str, str] = ("", ""),
+    fits: Callable[[int], None] | None = None,
 ) -> onnx.ModelProto:
     """Load the model at `path` with its external data; ModelError naming the file and
     the tensor when anything is wrong.
@@ -49,8 +55,12 @@ def load_model(
     they count are read (nodes: before anything walks the graph), and a message about
     one names its setting from `settings` (bytes, nodes) when given. External data is
     read only from regular files beside the model with a single link (see
-    `_read_external`)."""
+    `_read_external`). `fits`, given the bytes about to be held (the file, then the file
+    and its external data), raises when they are more than the caller can afford."""
     bytes_setting, nodes_setting = settings
+    if fits is not None:
+        with contextlib.suppress(OSError):  # an unreadable file: _read_model_file says why
+            fits(path.stat().st_size)
     data = _read_model_file(path, max_bytes, bytes_setting)
     try:
         model = onnx.load_model_from_string(data)
@@ -69,7 +79,7 @@ def load_model(
     external = [t for t in external_data_helper._get_all_tensors(model) if external_data_helper.uses_external_data(t)]
     if external:
         budget = None if max_bytes is None else max_bytes - path.stat().st_size
-        _read_external(path, model, external, budget, bytes_setting)
+        _read_external(path, model, external, budget, bytes_setting, fits)
     return model
 
 
@@ -160,7 +170,12 @@ def _undecodable(exc: Exception) -> str:
 
 
 def _read_external(
-    path: Path, model: onnx.ModelProto, tensors: list[onnx.TensorProto], budget: int | None, setting: str = ""
+    path: Path,
+    model: onnx.ModelProto,
+    tensors: list[onnx.TensorProto],
+    budget: int | None,
+    setting: str = "",
+    fits: Callable[[int], None] | None = None,
 ) -> None:
     """Read each tensor's external data into it (it then holds its data inline).
 
@@ -212,6 +227,8 @@ def _read_external(
     if budget is not None and total > budget:
         raise ModelError(f"{path}: the model and its external data hold {_gib(total + path.stat().st_size)}, over "
                          f"the limit of {_gib(budget + path.stat().st_size)}{_named(setting)}")  # fmt: skip
+    if fits is not None:
+        fits(total + path.stat().st_size)
     for tensor, target, st, offset, length in plan:
         loc = str(external_data_helper.ExternalDataInfo(tensor).location)
         try:

@@ -10,7 +10,10 @@
                  rounds, decided_by, from_bank, device_s, options_kept, notes, proposal}:
                  the A/B the OPAT figures come from
     decision{...}: the verification rounds that chose what was proposed (decision figures)
-    budget{budget_s, spent_s, search_s, session_s, verify_s, profile_s, confirm_s}
+    budget{budget_s, spent_s, search_s, session_s, verify_s, profile_s, confirm_s,
+           load_s_per_mib, elapsed_s, over_s, stages{STAGE: {given_s, spent_s, over_s,
+           counted, device_s, estimate_s}}}: the device seconds the budget counts, then
+           every stage's wall time against what the budget gave it (budget.py)
     tuned_model, session_options, verification, accuracy, accuracy_budget, calibration,
     resources{device_s, duty_cycle, trials, failed_candidates, compile_s, memory ...},
     notes, tasks[...] (per task: strategy, update_mode, before/after, candidates, why)

@@ -10,6 +10,7 @@ error is a worst case over every element, cosine the overall agreement); `int4`
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from aoe.errors import OptionError
@@ -63,10 +64,11 @@ def policy(name: str, min_cosine: float | None = None, max_rel_error: float | No
         raise OptionError(
             f"--precision {name}: not supported (choose from: {', '.join(POLICIES)})"
         ) from None
+    # NaN fails every comparison, so each range is written to refuse it.
     if min_cosine is not None and not 0.0 < min_cosine <= 1.0:
         raise OptionError(f"--min-cosine {min_cosine}: must be in (0, 1]")
-    if max_rel_error is not None and not max_rel_error > 0.0:
-        raise OptionError(f"--max-rel-error {max_rel_error}: must be positive")
+    if max_rel_error is not None and not 0.0 < max_rel_error < math.inf:
+        raise OptionError(f"--max-rel-error {max_rel_error}: must be a finite positive number")
     e2e_cos = p.e2e_min_cosine if min_cosine is None else min_cosine
     e2e_rel = p.e2e_max_rel_error if max_rel_error is None else max_rel_error
     return PrecisionPolicy(

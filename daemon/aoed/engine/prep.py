@@ -31,6 +31,7 @@ from aoe.config import Config
 from aoe.errors import ModelError, OptionError
 from aoe.graph import normalize
 from aoe.signature import ModelContext, TensorInfo
+from aoed.engine.memory import check_fits
 from aoed.engine.modelio import load_model, save_model, subgraphs
 
 __all__ = [
@@ -66,11 +67,18 @@ class Limits:
     nodes: int = MAX_NODES
     tensor_bytes: int = MAX_TENSOR_BYTES
     name_chars: int = MAX_NAME_CHARS
+    #: the address space a worker may use, MiB (0: no limit), and why it is that: a model
+    #: whose estimated peak (memory.job_need_mb) is more is refused before it is read
+    memory_mb: int = 0
+    memory_why: str = "[engine] worker_memory_mb"
 
     @classmethod
     def of(cls, config: Config) -> Limits:
-        """The limits `config` sets ([engine] max_model_mb, max_nodes, max_tensor_mb)."""
-        return cls(config.max_model_mb << 20, config.max_nodes, config.max_tensor_mb << 20)
+        """The limits `config` sets ([engine] max_model_mb, max_nodes, max_tensor_mb, and
+        the workers' memory once the engine has derived it)."""
+        return cls(config.max_model_mb << 20, config.max_nodes, config.max_tensor_mb << 20,
+                   memory_mb=config.worker_memory_mb or 0,
+                   memory_why=config.sources.get("worker_memory_mb", "[engine] worker_memory_mb"))  # fmt: skip
 
 
 @dataclass
@@ -118,8 +126,12 @@ def prepare(
     (an override is wrong). Blocking and CPU-bound.
     """
     src = Path(source)
+
+    def fits(model_bytes: int) -> None:
+        check_fits(str(src), model_bytes, limits.memory_mb, limits.memory_why)
+
     model = load_model(src, max_bytes=limits.model_bytes, max_nodes=limits.nodes,
-                       settings=("[engine] max_model_mb", "[engine] max_nodes"))  # fmt: skip
+                       settings=("[engine] max_model_mb", "[engine] max_nodes"), fits=fits)  # fmt: skip
     check_declared(model, str(src), limits)
     norm = normalize(
         model, input_shapes, keep_initializer_inputs=keep_initializer_inputs, strict=True, source=str(src)

@@ -139,9 +139,13 @@ async def search_session(
     dims = dimensions(ctx.device.cores)
     pool = budget.for_session()
     for i, (dim, values) in enumerate(dims):
-        seconds = min(2.0, pool / (len(dims) - i), budget.remaining_s)
+        share = min(2.0, pool / (len(dims) - i), budget.remaining_s)
+        seconds, load = budget.measurable(share, [model_path] * (len(values) + 1))
         if seconds < 0.3:
-            ctx.notes.append(f"session options: {', '.join(d for d, _ in dims[i:])} not tried, the budget is spent")
+            why = (f" (loading its {len(values) + 1} sessions would take about {load:.2f} s of {share:.2f} s)"
+                   if share >= 0.3 else "")  # fmt: skip
+            ctx.notes.append(f"session options: {', '.join(d for d, _ in dims[i:])} not tried, the budget is "
+                             f"spent{why}")  # fmt: skip
             break
         cands = {"current": current}
         for v in values:

@@ -31,7 +31,7 @@ from aoe.partition import Task
 from aoed.bank._codec import BankRecord
 from aoed.engine import bankrules, confirm, incontext, stats
 from aoed.engine.assemble import tuned_metadata
-from aoed.engine.budget import Budget, default_budget
+from aoed.engine.budget import PREPARE_S_PER_MIB, Budget, default_budget, measure_estimate, model_mib
 from aoed.engine.context import JobContext
 from aoed.engine.job import JobResult, TaskResult
 from aoed.engine.messages import (
@@ -123,9 +123,13 @@ async def _gate_lossy_hits(ctx: JobContext, tasks: list[Task], answers: dict[str
 
 async def run_stages(ctx: JobContext) -> JobResult:
     opts, ws = ctx.opts, ctx.workspace
+    ctx.ledger.enter("prepare")
     await ctx.stage(f"preparing {opts.model.name}")
     with contextlib.suppress(OSError):  # limits grow with the model; of an unreadable one, prep says why
         ctx.ledger.scale_to_model((await trio.to_thread.run_sync(opts.model.stat)).st_size)
+    _say_estimate(ctx, "prepare", ctx.ledger.model_mb * PREPARE_S_PER_MIB,
+                  f"preparing: about {{:.1f}} s for a {ctx.ledger.model_mb:.0f} MiB model file, outside the budget "
+                  f"({PREPARE_S_PER_MIB * 1000:.0f} ms per MiB as measured on a 2-core machine)")  # fmt: skip
     prep: PrepareReply = await _work(
         ctx, PrepareRequest(opts.model, ws.scratch, opts.precision, dict(opts.input_shapes),
                             opts.keep_initializer_inputs, opts.job_type, Limits.of(ctx.config)), PrepareReply,
@@ -143,6 +147,7 @@ async def run_stages(ctx: JobContext) -> JobResult:
         ctx.ranges = ws.scratch / "ranges.json"
 
     tasks = list(prep.tasks)
+    ctx.ledger.enter("bank")
     model_ans = await ctx.lookup(prep.model_signature)
     context_reverted = set() if opts.repeat_tune else bankrules.reverted_digests(model_ans)
 
@@ -199,9 +204,11 @@ async def run_stages(ctx: JobContext) -> JobResult:
             lossy_cost[d.task.id] = d.lossy_cost
 
     assembled = ws.scratch / "assembled.onnx"
+    ctx.ledger.enter("assemble")
     await ctx.assemble([Build(assembled, dict(chosen))])
     e2e_gate: dict[str, float] | None = None
     if ctx.policy.lossy:
+        ctx.ledger.enter("accuracy")
         await ctx.stage("checking accuracy end to end")
         e2e_gate = await hold_to_budget(ctx, chosen, fallback, lossy_cost, results, assembled, fallback_us)
     # Lossy choices reach the bank only now, as what the model kept.
@@ -214,6 +221,7 @@ async def run_stages(ctx: JobContext) -> JobResult:
             if not kept:
                 results[d.task.id].update_mode = d.fallback_mode
 
+    ctx.ledger.enter("session")
     session = await search_session(ctx, assembled, prep.model_signature, model_ans, budget)
     trials += session.trials
     total = len(tasks) + 1
@@ -228,10 +236,12 @@ async def run_stages(ctx: JobContext) -> JobResult:
                      [f"verification and the confirming A/B answered from the bank (job {cached.get('job', '?')})"])  # fmt: skip
     else:
         cached = None
+        ctx.ledger.enter("verify")
         await ctx.stage("verifying end to end")
         v = await verify(ctx, chosen, fallback, results, assembled, session.options, budget, from_bank=from_bank)
     ctx.notes.extend(v.notes)
 
+    ctx.ledger.enter("confirm")
     await ctx.stage("confirming")
     if cached is None and fewer_threads(v.options, ctx.device.cores):
         busy = await busy_cores(ctx, 0.5)
@@ -241,7 +251,7 @@ async def run_stages(ctx: JobContext) -> JobResult:
             if not v.options and v.outcome == "options only":  # nothing left to propose
                 v = dataclasses.replace(v, outcome="reverted to input", source="input")
             ctx.notes.append(f"{busy} (intra_op_num_threads={dropped} dropped before the confirming A/B)")
-    conf, ship, evidence = await _confirm(ctx, v, cached)
+    conf, ship, evidence = await _confirm(ctx, v, cached, budget)
     ctx.notes.extend(conf.notes)
     shipped_choices = v.choices if conf.shipped == "tuned" else {}
     shipped_options = v.options if conf.options_kept else {}
@@ -271,7 +281,9 @@ async def run_stages(ctx: JobContext) -> JobResult:
             r.error = r.error or f"not applied: the confirming A/B shipped {conf.shipped}"
 
     tuned_path = ws.tuned_model_path()
+    ctx.ledger.enter("outputs")
     await _ship(ctx, ship, tuned_path, shipped_choices, shipped_options)
+    ctx.ledger.enter(None)
     ledger = ctx.ledger
     resources = {
         "device_s": round(ledger.device_s, 3),
@@ -329,6 +341,34 @@ async def run_stages(ctx: JobContext) -> JobResult:
     return result
 
 
+def _estimate(ctx: JobContext, stage: str, budget: Budget, sessions: int, rounds: int, cap_s: float, what: str) -> None:
+    """Say before `stage` starts what it should take (a stage the budget does not bound,
+    whose cost grows with the model): logged, sent as a job event and kept for the
+    result's budget section. Nothing without a profiled loading rate."""
+    if budget.load_s_per_mib is None or ctx.prep is None:
+        return
+    mib = model_mib([ctx.prep.prepared])
+    est = measure_estimate(sessions, mib, budget.load_s_per_mib, ctx.model_us, rounds, cap_s)
+    _say_estimate(ctx, stage, est, f"{what}: about {{:.1f}} s, outside the budget ({sessions} sessions of a {mib:.0f} "
+                  f"MiB model at {budget.load_s_per_mib * 1000:.1f} ms per MiB to load, {rounds} rounds at "
+                  f"{ctx.model_us / 1000:.2f} ms per run)")  # fmt: skip
+
+
+#: Estimates shorter than this are not worth a line: the stages of a small model.
+_ESTIMATE_FLOOR_S = 0.5
+
+
+def _say_estimate(ctx: JobContext, stage: str, seconds: float, message: str) -> None:
+    """Record `seconds` as `stage`'s estimate and say so (`message` formats it): in the
+    job's log and as an event, before the stage starts (from `_ESTIMATE_FLOOR_S` up)."""
+    if seconds < _ESTIMATE_FLOOR_S:
+        return
+    ctx.ledger.estimates[stage] = seconds
+    text = message.format(seconds)
+    log.info("%s", text)
+    ctx.emit("log", text)
+
+
 def _decision(v: Verified) -> dict[str, Any]:
     """The verification rounds that chose the proposal: decision figures, not results."""
     out: dict[str, Any] = {"outcome": v.outcome, "variants_measured": v.variants_measured}
@@ -338,7 +378,7 @@ def _decision(v: Verified) -> dict[str, Any]:
 
 
 async def _confirm(
-    ctx: JobContext, v: Verified, cached: dict[str, Any] | None
+    ctx: JobContext, v: Verified, cached: dict[str, Any] | None, budget: Budget
 ) -> tuple[confirm.Confirmation, Path, tuple | None]:
     """Write the proposal's files, run the confirming A/B (or take the bank's, checking
     session options with one short A/B), and return the confirmation, the file to ship
@@ -360,6 +400,8 @@ async def _confirm(
                                 scratch / "plain.onnx" if v.options else None, scratch / "input_copy.onnx")  # fmt: skip
     seconds = 30.0
     if cached is None:
+        sessions = 2 + (kind != "input") + (kind != "input" and bool(v.options))
+        _estimate(ctx, "confirm", budget, sessions, confirm.ROUNDS, seconds, "the confirming A/B")
         try:
             conf, ship, measured = await confirm.confirm(ctx, proposal, seconds)
         except DeviceError as exc:
@@ -425,13 +467,20 @@ async def _search(
         return Budget(opts.budget_s or 5.0, ctx.ledger, opts.budget_s is not None), []
     assert ctx.prep is not None
     prep = ctx.prep
+    ctx.ledger.enter("profile")
+    # Profiling loads the whole model while a worker writes its tasks out: about what
+    # preparing it costs (0.6-0.9 of it on MLPs of 48 and 192 MiB).
+    _say_estimate(ctx, "profile", ctx.ledger.model_mb * PREPARE_S_PER_MIB,
+                  "profiling and extracting tasks: about {:.1f} s, outside the budget (as long as preparing "
+                  "the model should take)")  # fmt: skip
     await ctx.stage(f"profiling baseline, extracting {len(to_tune)} tasks")
     share: dict[str, float] = {}
     task_us: dict[str, float] = {}
     model_us = 0.0
+    load_rate: float | None = None  # seconds per MiB to load a session, as profiled
 
     async def profile() -> None:
-        nonlocal model_us
+        nonlocal model_us, load_rate
         try:
             reply = await ctx.device.call(
                 ProfileRequest(prep.prepared, ctx.held_back[0], ctx.workspace.scratch, opts.device), ctx.ledger,
@@ -443,6 +492,9 @@ async def _search(
             return
         prof = from_wire(ProfileReply, reply)
         model_us = prof.total_us
+        mib = model_mib([prep.prepared])
+        if prof.load_s > 0 and mib > 0:
+            load_rate = prof.load_s / mib
         node_sum = sum(prof.nodes.values()) or 1.0
         for t in tasks:
             us = sum(prof.nodes.get(n, 0.0) for tt in (t, *t.twins) for n in tt.node_names)
@@ -455,11 +507,12 @@ async def _search(
         nursery.start_soon(_work, ctx, ExtractRequest(prep.prepared, tuple(to_tune), ctx.held_back[0],
                                                       ctx.workspace.scratch / "tasks"), None, "extracting tasks")  # fmt: skip
     if opts.budget_s is not None:
-        budget = Budget(opts.budget_s, ctx.ledger, True)
+        budget = Budget(opts.budget_s, ctx.ledger, True, load_rate)
     else:
         counts = {t.id: sum(1 for _ in ctx.registry.strategies_for(t.family, opts.precision)) for t in to_tune}
         budget = Budget(default_budget({t.id: task_us.get(t.id, 100.0) for t in to_tune}, counts, model_us),
-                        ctx.ledger, False)  # fmt: skip
+                        ctx.ledger, False, load_rate)  # fmt: skip
+    ctx.model_us = model_us
     to_tune = sorted(to_tune, key=lambda t: -share.get(t.id, 0.0))
     slices = budget.for_tasks(share, [t.id for t in to_tune])
     for t in to_tune:
@@ -467,11 +520,12 @@ async def _search(
             r = results[t.id]
             r.update_mode, r.error = "skipped", f"not tuned: the budget of {budget.total_s:g} s went to costlier tasks"
     to_tune = [t for t in to_tune if t.id in slices]
+    ctx.ledger.enter("search")
     await ctx.stage(f"tuning {len(to_tune)} tasks")
     decided: list[TaskDecision] = []
 
     async def one(t: Task) -> None:
-        d = await TaskAgent(ctx, t, results[t.id], hits.get(t.id), slices[t.id]).run()
+        d = await TaskAgent(ctx, t, results[t.id], hits.get(t.id), slices[t.id], budget).run()
         d.decided_at = ctx.ledger.elapsed_s
         decided.append(d)
         ctx.emit("progress", "tasks", total - 1 - len(to_tune) + len(decided), total)

@@ -26,6 +26,7 @@ from aoe.partition import Task
 from aoed.bank._codec import BankRecord
 from aoed.bank.writer import BankWrite
 from aoed.engine import bankrules, decisions, incontext
+from aoed.engine.budget import Budget
 from aoed.engine.context import JobContext
 from aoed.engine.job import TaskResult
 from aoed.engine.messages import Accuracy, Candidate, CompileReply, CompileRequest, Measurement, VariantsReply, VariantsRequest
@@ -56,17 +57,27 @@ class TaskDecision:
     fallback_mode: str = ""  # AOE's update mode had the fallback been chosen
 
 class TaskAgent:
-    def __init__(self, ctx: JobContext, task: Task, result: TaskResult, hit: BankRecord | None, budget_s: float):
+    def __init__(
+        self, ctx: JobContext, task: Task, result: TaskResult, hit: BankRecord | None, budget_s: float,
+        budget: Budget | None = None,
+    ):  # fmt: skip
         self.ctx = ctx
         self.task = task
         self.result = result
         self.hit = hit  # the bank's entry (REPEAT_TUNE), if any
-        self.budget_s = budget_s
+        self.budget_s = budget_s  # this task's share of the job's budget
+        self.budget = budget  # the job's, for the cost of loading the candidates' sessions
 
     async def run(self) -> TaskDecision:
         ctx, task, res = self.ctx, self.task, self.result
         taskdir = ctx.workspace.task_dir(task.id)
         strategies = list(ctx.registry.strategies_for(task.family, ctx.opts.precision))
+        if self.budget is not None:
+            # Each candidate is about the task model's size: when loading them alone would
+            # spend the task's share, building them would be wasted too.
+            seconds, load = self.budget.measurable(self.budget_s, [taskdir / "task.onnx"] * len(strategies))
+            if not seconds:
+                return self._skipped(len(strategies), load, 0)
         precision_of = {s.name: s.precision for s in strategies}
         for s in strategies:  # parametric variants, proposed from the task's real inputs
             if s.propose is not None:
@@ -105,8 +116,13 @@ class TaskAgent:
         if not compiled[DEFAULT].ok:
             res.update_mode, res.error = "failed", f"default form did not compile: {compiled[DEFAULT].error}"
             return TaskDecision(task, res, fallback, failed_candidates=failed)
+        seconds, load = (self.budget.measurable(self.budget_s, [c.model for c in cands]) if self.budget is not None
+                         else (self.budget_s, 0.0))  # fmt: skip
+        if not seconds:  # loading the sessions alone would spend the task's share, or more
+            await trio.to_thread.run_sync(_remove, [c.model for c in cands])
+            return self._skipped(len(cands), load, failed)
         try:
-            measured = await ctx.measure(cands, DEFAULT, self.budget_s, taskdir / "inputs.npz", category="search")
+            measured = await ctx.measure(cands, DEFAULT, seconds, taskdir / "inputs.npz", category="search")
         except DeviceError as exc:
             res.update_mode, res.error = "failed", str(exc)
             return TaskDecision(task, res, fallback, failed_candidates=failed)
@@ -187,6 +203,15 @@ class TaskAgent:
             trials=len(trials), pending=pending, fallback_write=fallback_write,
             fallback_us=measured[best_exact].median_us, fallback_mode=fallback_mode,
         )  # fmt: skip
+
+    def _skipped(self, candidates: int, load_s: float, failed: int) -> TaskDecision:
+        """The decision for a task whose candidates cost more to load than its share."""
+        res = self.result
+        res.update_mode = "skipped"
+        res.error = (f"not tuned: loading its {candidates} candidates would take about {load_s:.2f} s of its "
+                     f"{self.budget_s:.2f} s share of the budget")  # fmt: skip
+        log.info("%s: %s", self.task.id, res.error)
+        return TaskDecision(self.task, res, self.hit.strategy if self.hit else DEFAULT, failed_candidates=failed)
 
     async def _judge_in_context(self, names: list[str], passed: dict[str, Accuracy], reasons: list[str]) -> str | None:
         """The first of `names` (fastest first) whose error the model absorbs

@@ -138,11 +138,14 @@ async def verify(
     fin = base = None
     variants_measured = 0
     while True:
-        seconds = min(3.0 if explore else 1.5, budget.for_verify())
-        if seconds < 0.3:
-            note = "verification stopped: the budget is spent; the confirming A/B decides"
-            return Verified(dict(choices), options, "tuned", "assembled", base, fin, [note], variants_measured)
         changed = [tid for tid, name in choices.items() if name != DEFAULT] if explore else []
+        # Each variant is a whole model: as costly to load as the assembled one.
+        share = min(3.0 if explore else 1.5, budget.for_verify())
+        seconds, load = budget.measurable(share, [original, path, *[path] * len(changed)])
+        if seconds < 0.3:
+            why = f" (loading its {2 + len(changed)} sessions would take about {load:.2f} s)" if share >= 0.3 else ""
+            note = f"verification stopped: the budget is spent{why}; the confirming A/B decides"
+            return Verified(dict(choices), options, "tuned", "assembled", base, fin, [note], variants_measured)
         cands = [Candidate("baseline", original), Candidate("final", path, options)]
         variants: dict[str, dict[str, str]] = {}
         builds = []
@@ -190,11 +193,12 @@ async def verify(
         f"verification: the tuned model measured {fin.median_us:.1f} us against the input's {base.median_us:.1f} us "
         f"(max rel error {fin.max_rel_error:.3g}); falling back"
     ]
-    if options and budget.for_verify() >= 0.3:
+    alone, _ = budget.measurable(min(3.0, budget.for_verify()), [original, ctx.prep.prepared])
+    if options and alone >= 0.3:
         try:
             measured = await ctx.measure(
                 [Candidate("baseline", original), Candidate("final", ctx.prep.prepared, options)], "baseline",
-                min(3.0, budget.for_verify()), category="verify",
+                alone, category="verify",
             )  # fmt: skip
         except DeviceError as exc:
             notes.append(f"options alone not measured: {exc}")

@@ -56,8 +56,10 @@ class Workspace:
                 except FileExistsError:
                     continue
                 ws = cls(output, base / tag, tag)
-                ws.scratch.mkdir(parents=True)
                 ws.result_dir.mkdir(parents=True)
+                # Scratch holds copies of the user's inputs (the model, calibration
+                # samples): the user's alone, whatever the umask; outputs follow the umask.
+                ws.scratch.mkdir(mode=0o700)
                 st = ws.root.stat()
                 ws._root_id = (st.st_dev, st.st_ino)
                 return ws

@@ -22,6 +22,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import math
 import shutil
 import time
 import uuid
@@ -37,8 +38,10 @@ from aoe.device import Device
 from aoe.errors import AoedError, JobCancelledError, OptionError
 from aoed.config import DaemonConfig
 from aoed.errors import NotFoundError, PermissionDeniedError, RpcError
+from aoed.engine.budget import check_budget
 from aoed.engine.engine import Engine
 from aoed.engine.job import JobHandle, JobOptions, JobResult
+from aoed.engine.memory import check_fits
 from aoed.engine.messages import JobEvent
 from aoed.engine.modelio import check_size
 from aoed.engine.policy import policy
@@ -68,32 +71,68 @@ def sha256_file(path: Path) -> str:
 
 
 def options_from_dict(raw: dict[str, Any], default_device: Device) -> dict[str, Any]:
-    """Checked, normalized job options (plain JSON types). Raises OptionError."""
+    """Checked, normalized job options (plain JSON types). Raises OptionError naming the
+    option: every submission (gRPC, an inbox's aoed.toml) is checked here."""
     opts: dict[str, Any] = {
         "precision": str(raw.get("precision") or "exact"),
         "job_type": str(raw.get("job_type") or "opat"),
-        "input_shapes": {str(k): [int(d) for d in v] for k, v in (raw.get("input_shapes") or {}).items()},
-        "repeat_tune": bool(raw.get("repeat_tune", False)),
+        "input_shapes": _shapes(raw.get("input_shapes") or {}),
+        "repeat_tune": _flag(raw.get("repeat_tune", False), "repeat_tune"),
         "device": str(raw.get("device") or default_device.name),
-        "budget_s": float(raw["budget_s"]) if raw.get("budget_s") else None,
-        "min_cosine": float(raw["min_cosine"]) if raw.get("min_cosine") else None,
-        "max_rel_error": float(raw["max_rel_error"]) if raw.get("max_rel_error") else None,
+        # 0 means unset (as in the proto): fitted to the model, or the policy's default
+        "budget_s": check_budget(_number(raw.get("budget_s"), "budget_s") or None),
+        "min_cosine": _number(raw.get("min_cosine"), "min_cosine") or None,
+        "max_rel_error": _number(raw.get("max_rel_error"), "max_rel_error") or None,
         "calibration_dir": str(raw.get("calibration_dir") or ""),
-        "priority": int(raw.get("priority") or 0),
+        "priority": _integer(raw.get("priority") or 0, "priority"),
         "labels": {str(k): str(v) for k, v in (raw.get("labels") or {}).items()},
     }
     opts["job_type"] = parse_job_type(opts["job_type"], "job_type")
+    for name, value, ok, want in (("min_cosine", opts["min_cosine"], lambda v: 0.0 < v <= 1.0, "in (0, 1]"),
+                                  ("max_rel_error", opts["max_rel_error"], lambda v: 0.0 < v < math.inf,
+                                   "a finite positive number")):  # fmt: skip
+        if value is not None and not ok(value):  # NaN fails both tests
+            raise OptionError(f"{name} {value}: must be {want}")
     policy(opts["precision"], opts["min_cosine"], opts["max_rel_error"])
     if Device.parse(opts["device"]).name != default_device.name:
         raise OptionError(f"device {opts['device']}: this daemon measures on {default_device.name} (see aoe devices)")
     if not -10 <= opts["priority"] <= 10:
         raise OptionError(f"priority {opts['priority']}: must be between -10 and 10")
-    if opts["budget_s"] is not None and opts["budget_s"] <= 0:
-        raise OptionError("budget_s must be a positive number of seconds")
-    for name, dims in opts["input_shapes"].items():
-        if not dims or any(d <= 0 for d in dims):
-            raise OptionError(f"input shape {name}: dimensions must be positive")
     return opts
+
+
+def _number(raw: object, name: str) -> float | None:
+    if raw is None:
+        return None
+    if isinstance(raw, bool) or not isinstance(raw, int | float):
+        raise OptionError(f"{name} {raw!r}: expected a number")
+    if not math.isfinite(raw):
+        raise OptionError(f"{name} {raw}: must be a finite number")
+    return float(raw)
+
+
+def _integer(raw: object, name: str) -> int:
+    if isinstance(raw, bool) or not isinstance(raw, int):
+        raise OptionError(f"{name} {raw!r}: expected a whole number")
+    return raw
+
+
+def _flag(raw: object, name: str) -> bool:
+    if not isinstance(raw, bool):
+        raise OptionError(f"{name} {raw!r}: expected true or false")
+    return raw
+
+
+def _shapes(raw: object) -> dict[str, list[int]]:
+    if not isinstance(raw, dict):
+        raise OptionError(f"input_shapes {raw!r}: expected a table of name = [dims]")
+    out = {}
+    for name, dims in raw.items():
+        if not isinstance(dims, list | tuple) or not dims or any(isinstance(d, bool) or not isinstance(d, int) or d <= 0
+                                                                   for d in dims):  # fmt: skip
+            raise OptionError(f"input shape {name}: dimensions must be a list of positive whole numbers, not {dims!r}")
+        out[str(name)] = list(dims)
+    return out
 
 
 def _dedup_key(sha: str, opts: dict[str, Any]) -> str:
@@ -229,11 +268,14 @@ class JobManager:
         options); returns (job, joined). Raises RpcError(RESOURCE_EXHAUSTED) when the
         queue is full, UNAVAILABLE while shutting down; PermissionDeniedError for a
         daemon-side file with several hard links (before anything opens it); ModelError
-        for one over [engine] max_model_mb."""
+        for one over [engine] max_model_mb, or whose estimated peak is more than an
+        engine process may use (memory.py)."""
         if self._stopping:
             raise RpcError("UNAVAILABLE", "the daemon is shutting down; submit again after it restarts")
+        size = sub.upload.size if sub.upload is not None else 0
         if sub.upload is None:  # refused before hashing it: the limit is there so nobody reads 9 GiB
             info = await trio.to_thread.run_sync(sub.model.stat)
+            size = info.st_size
             if info.st_nlink > 1:
                 # The daemon reads what its submitter names; a hard link (which no path check
                 # sees) would make it read a file the submitter could not. Uploads have one link.
@@ -241,6 +283,7 @@ class JobManager:
                     f"{sub.model}: the file has {info.st_nlink} hard links, and a hard link can make the daemon "
                     "read a file its submitter could not; copy the file (cp, not ln) or upload it")  # fmt: skip
             check_size(sub.model, info.st_size, self.engine.config.max_model_mb << 20, "[engine] max_model_mb")
+        self._check_memory(sub, size)
         sha = sub.upload.sha256 if sub.upload else await trio.to_thread.run_sync(sha256_file, sub.model)
         key = _dedup_key(sha, sub.options)
         async with self._limits_lock:
@@ -275,6 +318,14 @@ class JobManager:
         log.info("job %s: queued %s (%s)", job_id, row.model_name, sub.source)
         self._poke()
         return row, False
+
+    def _check_memory(self, sub: Submission, model_bytes: int) -> None:
+        """ModelError with both figures when the model's estimated peak is more
+        than one of the engine's processes may use: it could never run. (External data
+        is counted when the job prepares the model.)"""
+        plan = self.engine.memory
+        name = sub.upload.file_name if sub.upload is not None else str(sub.model)
+        check_fits(name, model_bytes, plan.job_limit_mb(), plan.why())
 
     async def _consume_upload(self, up: Upload, into: Path | None) -> Path:
         src = Path(up.path)

@@ -8,7 +8,7 @@ Ops (messages in aoed.engine.messages; every request names its `device`):
   measure  {"candidates": [{"id", "model", "options"}], "inputs": npz, "reference": id, "plan"}
      -> {"results": {id: {"ok", "median_us", "spread", "repeats", "min_us", "rounds_us",
                           "max_abs_error", "max_rel_error", "cosine", "dropped", "reason", "error"}}}
-  profile  {"model", "inputs", "runs", "options", "workdir"} -> {"nodes": {name: us}, "total_us"}
+  profile  {"model", "inputs", "runs", "options", "workdir"} -> {"nodes": {name: us}, "total_us", "load_s"}
            (unoptimized unless options say otherwise, so node names are the model's)
   compare  {"reference", "candidate", "options", "inputs": [npz...]}
      -> {"max_abs_error", "max_rel_error", "cosine"} (worst over the inputs)
@@ -159,7 +159,9 @@ def profile(req: dict[str, Any]) -> dict[str, Any]:
     import onnxruntime as ort
 
     providers: list[Any] = [(device.provider, device.provider_options())] if not device.is_cpu else []
+    t_load = time.perf_counter()
     sess = ort.InferenceSession(req["model"], so, providers=[*providers, CPU.provider])
+    load_s = time.perf_counter() - t_load
     names = {i.name for i in sess.get_inputs()}
     f = {k: v for k, v in feeds.items() if k in names}
     for _ in range(3):
@@ -182,7 +184,7 @@ def profile(req: dict[str, Any]) -> dict[str, Any]:
             node = name[: -len("_kernel_time")]
             nodes[node] = nodes.get(node, 0.0) + float(ev.get("dur", 0))
     n = runs + 3
-    return {"ok": True, "nodes": {k: v / n for k, v in nodes.items()}, "total_us": total}
+    return {"ok": True, "nodes": {k: v / n for k, v in nodes.items()}, "total_us": total, "load_s": load_s}
 
 
 def _top1(ref: list[np.ndarray], out: list[np.ndarray]) -> tuple[int, int]:
