@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import os
 import stat
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 import onnx
 from onnx import external_data_helper
 
 from aoe.errors import AoedError, ModelError
+from aoed import safefs
 
 __all__ = [
     "EXTERNAL_THRESHOLD",
@@ -245,61 +246,43 @@ def tensor_bytes(model: onnx.ModelProto) -> int:
     )
 
 
-def process_umask() -> int:
-    """The process umask, read without setting it (os.umask would race other threads)."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError):
-        pass
-    return 0o022
+#: An initializer of at least this many bytes goes to the external data file (onnx's
+#: own threshold in `convert_model_to_external_data`).
+_EXTERNAL_MIN_TENSOR = 1024
 
 
-def _fresh(beside: Path, made: list[Path]) -> Path:
-    """An empty file of a new, unpredictable name beside `beside`, created exclusively,
-    with the mode a plain open would give it (it is renamed into the final name)."""
-    fd, name = tempfile.mkstemp(prefix=f".{beside.name}.", suffix=".tmp", dir=beside.parent)
-    os.fchmod(fd, 0o666 & ~process_umask())
-    os.close(fd)
-    made.append(Path(name))
-    return Path(name)
+def _move_to_external(model: onnx.ModelProto, location: str, f: BinaryIO) -> None:
+    """Write the raw data of `model`'s large initializers to `f`, one after another, and
+    point each tensor at its bytes in the file `location` instead."""
+    offset = 0
+    for t in external_data_helper._get_initializer_tensors(model):
+        if t.HasField("raw_data") and len(t.raw_data) >= _EXTERNAL_MIN_TENSOR:
+            f.write(t.raw_data)
+            external_data_helper.set_external_data(t, location, offset, len(t.raw_data))
+            offset += len(t.raw_data)
+            t.ClearField("raw_data")
 
 
 def save_model(model: onnx.ModelProto, path: Path, external_above: int = EXTERNAL_THRESHOLD) -> int:
     """Write `model` at `path` atomically, with external data beside it (`NAME.data`)
     when its tensors exceed `external_above` bytes; returns the bytes written. AoedError
-    naming the file when it cannot."""
+    naming the file when it cannot.
+
+    Both files are written through a descriptor of the folder with safefs.write_file: a
+    link planted at either name, or at a temporary one, is never written through."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    data = path.with_name(f"{path.name}.data")
+    data = f"{path.name}.data"
     external = tensor_bytes(model) > external_above
-    made: list[Path] = []
     try:
-        # Fresh names created exclusively: a symlink planted at a predictable temp name in
-        # a shared output folder can not redirect the write.
-        tmp = _fresh(path, made)
-        if external:
-            copy = onnx.ModelProto()
-            copy.CopyFrom(model)
-            tmp_data = _fresh(data, made)
-            onnx.save_model(
-                copy, str(tmp), save_as_external_data=True, all_tensors_to_one_file=True,
-                location=tmp_data.name, size_threshold=1024,
-            )  # fmt: skip
-            # The model names the final data file; write it so, then move both in place.
-            for t in external_data_helper._get_all_tensors(copy):
-                if external_data_helper.uses_external_data(t):
-                    for entry in t.external_data:
-                        if entry.key == "location":
-                            entry.value = data.name
-            onnx.save_model(copy, str(tmp), save_as_external_data=False)
-            os.replace(tmp_data, data)
-        else:
-            onnx.save(model, str(tmp))
-        os.replace(tmp, path)
+        with safefs.opened_dir(path.parent) as d:
+            if external:
+                copy = onnx.ModelProto()
+                copy.CopyFrom(model)
+                safefs.write_file(data, lambda f: _move_to_external(copy, data, f), dir_fd=d)
+                model = copy
+            blob = model.SerializeToString()
+            safefs.write_file(path.name, lambda f: f.write(blob), dir_fd=d)
+            written = len(blob) + (os.stat(data, dir_fd=d).st_size if external else 0)
     except OSError as exc:
-        for leftover in made:
-            leftover.unlink(missing_ok=True)
         raise AoedError(f"{path}: cannot write the model ({exc.strerror or exc})") from None
-    return path.stat().st_size + (data.stat().st_size if external else 0)
+    return written

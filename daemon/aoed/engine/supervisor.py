@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import os
 import resource
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,7 @@ import trio
 
 from aoe.errors import AoedError, DeviceError, ModelError
 from aoe.partition import Task
+from aoed import safefs
 from aoed.bank._codec import BankRecord
 from aoed.engine import bankrules, confirm, incontext, stats
 from aoed.engine.assemble import tuned_metadata
@@ -399,7 +399,7 @@ async def _ship(ctx: JobContext, ship: Path, out: Path, choices: dict[str, str],
     """Put the measured file that ships at `out` (a rename; a model with external data
     is written again, since its data file is named after it)."""
     if not ship.with_name(ship.name + ".data").exists():
-        await trio.to_thread.run_sync(os.replace, ship, out)
+        await trio.to_thread.run_sync(safefs.move_path, ship, out)
         return
     assert ctx.prep is not None
     meta = tuned_metadata(options, ctx.opts.precision, ctx.fingerprint.digest)
