@@ -79,8 +79,12 @@ def confine(raw: str, allowed: tuple[Path, ...], what: str, want_dir: bool = Fal
     if not any(real.is_relative_to(r) for r in roots):
         raise PermissionDeniedError(
                        f"{what} {shown}: outside the allowed directories ({', '.join(map(str, roots))})")  # fmt: skip
-    if not real.exists():
-        raise NotFoundError(f"{what} {shown}: no such file on the daemon host")
+    try:
+        real.lstat()
+    except FileNotFoundError:
+        raise NotFoundError(f"{what} {shown}: no such file on the daemon host") from None
+    except OSError as exc:  # a name too long, a component not a folder
+        raise OptionError(f"{what} {shown}: {exc.strerror or exc}") from None
     if want_dir and not real.is_dir():
         raise OptionError(f"{what} {shown}: not a directory")
     if not want_dir and not real.is_file():

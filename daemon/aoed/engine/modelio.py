@@ -40,7 +40,8 @@ PROTOBUF_LIMIT = 2 << 30
 
 
 def load_model(
-    path: Path, *, max_bytes: int | None = None, max_nodes: int | None = None, settings: tuple[str, str] = ("", "")
+    path: Path, *, max_bytes: int | None = None, max_nodes: int | None = None, settings: tuple[str, str] = ("", ""),
+    expect: tuple[int, int] | None = None,
 ) -> onnx.ModelProto:
     """Load the model at `path` with its external data; ModelError naming the file and
     the tensor when anything is wrong.
@@ -50,9 +51,14 @@ def load_model(
     they count are read (nodes: before anything walks the graph), and a message about
     one names its setting from `settings` (bytes, nodes) when given. External data is
     read only from regular files beside the model with a single link (see
-    `_read_external`)."""
+    `_read_external`).
+
+    With `expect`, the (device, inode) of the file checked when the model was submitted,
+    the file is read only if the opened descriptor is still that file with one link: a
+    name swapped since for another file, a hard link to a file from elsewhere included,
+    is refused (ModelError) with nothing read."""
     bytes_setting, nodes_setting = settings
-    data = _read_model_file(path, max_bytes, bytes_setting)
+    data = _read_model_file(path, max_bytes, bytes_setting, expect)
     try:
         model = onnx.load_model_from_string(data)
     except MemoryError:
@@ -115,9 +121,12 @@ def _gib(n: int) -> str:
     return f"{n / (1 << 30):.1f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
 
 
-def _read_model_file(path: Path, max_bytes: int | None, setting: str = "") -> bytes:
+def _read_model_file(path: Path, max_bytes: int | None, setting: str = "",
+                     expect: tuple[int, int] | None = None) -> bytes:  # fmt: skip
     """The model file's bytes, refused before reading when it is not a regular file (a
-    pipe would block), empty, over `max_bytes`, or past what protobuf can parse."""
+    pipe would block), empty, over `max_bytes`, or past what protobuf can parse; with
+    `expect`, also when the opened file is not that (device, inode) or has several
+    links."""
     try:
         st = path.stat()
     except FileNotFoundError:
@@ -134,11 +143,17 @@ def _read_model_file(path: Path, max_bytes: int | None, setting: str = "") -> by
                          "save the model with its weights as external data")  # fmt: skip
     try:
         # O_NONBLOCK: a file swapped for a pipe since the stat must not block the open.
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        # A submitted model's path names the file itself (resolved when it was submitted).
+        nofollow = os.O_NOFOLLOW if expect is not None else 0
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | nofollow)
         with os.fdopen(fd, "rb") as f:
             now = os.fstat(f.fileno())
             if not stat.S_ISREG(now.st_mode):
                 raise ModelError(f"{path}: not a regular file; pass the .onnx model file")
+            if expect is not None and ((now.st_dev, now.st_ino) != tuple(expect) or now.st_nlink > 1):
+                why = f"it has {now.st_nlink} hard links" if now.st_nlink > 1 else "another file took its name"
+                raise ModelError(f"{path}: not the file that was submitted ({why}); nothing was read: submit it "
+                                 "again once nobody changes it")  # fmt: skip
             if now.st_size >= PROTOBUF_LIMIT:
                 raise ModelError(f"{path}: the model file grew to {_gib(now.st_size)} while being read")
             # Read what the file holds (+1 to see it grew): read(N) reserves N bytes up front,

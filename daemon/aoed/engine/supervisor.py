@@ -127,7 +127,8 @@ async def run_stages(ctx: JobContext) -> JobResult:
         ctx.ledger.scale_to_model((await trio.to_thread.run_sync(opts.model.stat)).st_size)
     prep: PrepareReply = await _work(
         ctx, PrepareRequest(opts.model, ws.scratch, opts.precision, dict(opts.input_shapes),
-                            opts.keep_initializer_inputs, opts.job_type, Limits.of(ctx.config)), PrepareReply,
+                            opts.keep_initializer_inputs, opts.job_type, Limits.of(ctx.config), opts.model_file),
+        PrepareReply,
         "graph preparation")  # fmt: skip
     ctx.prep = prep
     ctx.notes.extend(prep.notes)
