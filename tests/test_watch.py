@@ -473,3 +473,25 @@ async def test_an_options_file_that_is_a_fifo_or_a_link_fails_the_model_and_bloc
         text = (failed / f"{name}.error.txt").read_text()
         assert f"{inbox / 'aoed.toml'}:" in text and "the options file must be a regular file" in text, text
     assert jobs.names() == []
+
+
+async def test_a_claim_that_turned_out_a_link_goes_to_failed_unread(tmp_path: Path) -> None:
+    """A writer of the inbox can swap a link in between the watcher's look and the claim's
+    rename, which then moves the link itself. Here the claim is left so by a crash right
+    after that rename: the claimed entry is a link to a file from elsewhere."""
+    cfg = _config(tmp_path, stable_s=0.2)
+    inbox, failed = cfg.inboxes[0].path, cfg.inboxes[0].failed
+    store = _store(tmp_path)
+    secret = tmp_path / "secret.onnx"
+    secret.write_bytes(MODEL)
+    dst = cfg.claims_dir / "u1" / "s.onnx"
+    dst.parent.mkdir(parents=True)
+    dst.symlink_to(secret)
+    store.claim_begin(str(inbox / "s.onnx"), str(dst), str(inbox))
+    jobs = Jobs(store)
+    async with _watching(cfg, jobs):
+        await _until((failed / "s.onnx.error.txt").exists)
+    text = (failed / "s.onnx.error.txt").read_text()
+    assert "a symbolic link by the time it was claimed" in text and "nothing behind it was read" in text, text
+    assert (failed / "s.onnx").is_symlink() and secret.read_bytes() == MODEL
+    assert jobs.attempts == 0, "the file behind the link reached a submission"

@@ -603,7 +603,9 @@ class Watcher:
 
     def _inbox(self, path: str) -> Inbox:
         p = Path(path)
-        return self._known.get(p) or Inbox(p, p.parent / "outbox", p.parent / "failed")
+        # (The configuration's, for a claim settled at start, before the folder is watched.)
+        configured = next((i for i in self._cfg.inboxes if i.path == p), None)
+        return self._known.get(p) or configured or Inbox(p, p.parent / "outbox", p.parent / "failed")
 
     async def _deliver_success(self, claim: Claim, row: JobRow) -> None:
         inbox = self._inbox(claim.inbox)
