@@ -434,7 +434,9 @@ class Watcher:
             else:
                 done = now - since >= stable_s
             if done:
-                if not await trio.to_thread.run_sync(self._written_to, path, folder):
+                # A file with several links is refused unopened (JobManager.submit): the
+                # lease, which needs an open, is not asked of it.
+                if st.st_nlink > 1 or not await trio.to_thread.run_sync(self._written_to, path, folder):
                     return True
                 # A writer still has it open (it paused longer than stable_s): wait for it
                 # to close the file and for the file to stay unchanged again.
