@@ -208,8 +208,9 @@ class Watcher:
             try:
                 folder.ino = await trio.to_thread.run_sync(_prepare_dirs, inbox)
             except OSError as exc:
+                why = f"{exc.filename}: {exc.strerror}" if exc.filename and exc.strerror else str(exc)
                 log.error("inbox %s: cannot create it, its outbox or its failed folder (%s); trying again in %gs",
-                          inbox.path, exc.strerror or exc, self.rescan_s)  # fmt: skip
+                          inbox.path, why, self.rescan_s)  # fmt: skip
                 folder.ready.set()  # a broken folder must not hold up the daemon's start
                 await trio.sleep(self.rescan_s)
                 continue
@@ -682,8 +683,11 @@ def _polling_forced() -> bool:
 
 
 def _prepare_dirs(inbox: Inbox) -> int:
+    """Make the inbox and its outbox and failed folders; LinkRefusedError when one is a
+    link (they are opened without following one when used)."""
     for d in (inbox.path, inbox.outbox, inbox.failed):
         d.mkdir(parents=True, exist_ok=True)
+        os.close(safefs.open_dir(d))
     return os.stat(inbox.path).st_ino
 
 

@@ -283,13 +283,14 @@ def save_model(model: onnx.ModelProto, path: Path, external_above: int = EXTERNA
     when its tensors exceed `external_above` bytes; returns the bytes written. AoedError
     naming the file when it cannot.
 
-    Both files are written through a descriptor of the folder with safefs.write_file: a
-    link planted at either name, or at a temporary one, is never written through."""
+    Both files are written through a descriptor of the folder (resolved: the folder
+    named is used even through a link) with safefs.write_file: a link planted at either
+    name, or at a temporary one, is never written through."""
     path.parent.mkdir(parents=True, exist_ok=True)
     data = f"{path.name}.data"
     external = tensor_bytes(model) > external_above
     try:
-        with safefs.opened_dir(path.parent) as d:
+        with safefs.opened_dir(path.parent.resolve()) as d:
             if external:
                 copy = onnx.ModelProto()
                 copy.CopyFrom(model)

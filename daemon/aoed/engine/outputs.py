@@ -137,7 +137,7 @@ def write_json(path: Path, doc: dict[str, Any]) -> None:
     never written through). AoedError naming the file when it cannot."""
     text = json.dumps(_json_safe(doc), indent=2, allow_nan=False) + "\n"
     try:
-        with safefs.opened_dir(path.parent) as d:
+        with safefs.opened_dir(path.parent.resolve()) as d:
             safefs.write_file(path.name, lambda f: f.write(text.encode()), dir_fd=d)
     except OSError as exc:
         raise AoedError(f"{path}: cannot write the result ({exc.strerror or exc})") from None
