@@ -120,25 +120,27 @@ def _temp_name() -> str:
     return f".aoed-{secrets.token_hex(8)}.tmp"
 
 
-def write_file(name: str, fill: Callable[[BinaryIO], object], *, dir_fd: int) -> None:
+def write_file(name: str, fill: Callable[[BinaryIO], object], *, dir_fd: int, sync: bool = True) -> None:
     """Write `name` in `dir_fd`: `fill(f)` writes a fresh file of a random name, which is
-    fsynced and renamed to `name` (replacing what was there, a link included, never
-    writing through it). The mode is what a plain open gives (0666 less the umask). On
-    any error, or cancellation inside `fill`, the temporary is removed and `name` is as
-    it was."""
+    fsynced (unless not `sync`: scratch that a crash may lose) and renamed to `name`
+    (replacing what was there, a link included, never writing through it). The mode is
+    what a plain open gives (0666 less the umask). On any error, or cancellation inside
+    `fill`, the temporary is removed and `name` is as it was."""
     tmp = _temp_name()
     fd = os.open(tmp, _NEW_FLAGS, 0o666, dir_fd=dir_fd)
     try:
         with os.fdopen(fd, "wb") as f:
             fill(f)
             f.flush()
-            os.fsync(f.fileno())
+            if sync:
+                os.fsync(f.fileno())
         os.rename(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp, dir_fd=dir_fd)
         raise
-    os.fsync(dir_fd)
+    if sync:
+        os.fsync(dir_fd)
 
 
 def reserve(name: str, *, dir_fd: int) -> bool:

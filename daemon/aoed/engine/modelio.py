@@ -285,7 +285,8 @@ def save_model(model: onnx.ModelProto, path: Path, external_above: int = EXTERNA
 
     Both files are written through a descriptor of the folder (resolved: the folder
     named is used even through a link) with safefs.write_file: a link planted at either
-    name, or at a temporary one, is never written through."""
+    name, or at a temporary one, is never written through. Not fsynced, as before: the
+    models saved are a job's scratch and outputs, which a crash makes the job redo."""
     path.parent.mkdir(parents=True, exist_ok=True)
     data = f"{path.name}.data"
     external = tensor_bytes(model) > external_above
@@ -294,10 +295,10 @@ def save_model(model: onnx.ModelProto, path: Path, external_above: int = EXTERNA
             if external:
                 copy = onnx.ModelProto()
                 copy.CopyFrom(model)
-                safefs.write_file(data, lambda f: _move_to_external(copy, data, f), dir_fd=d)
+                safefs.write_file(data, lambda f: _move_to_external(copy, data, f), dir_fd=d, sync=False)
                 model = copy
             blob = model.SerializeToString()
-            safefs.write_file(path.name, lambda f: f.write(blob), dir_fd=d)
+            safefs.write_file(path.name, lambda f: f.write(blob), dir_fd=d, sync=False)
             written = len(blob) + (os.stat(data, dir_fd=d).st_size if external else 0)
     except OSError as exc:
         raise AoedError(f"{path}: cannot write the model ({exc.strerror or exc})") from None
