@@ -25,6 +25,7 @@ from pathlib import Path
 
 import grpc
 import numpy as np
+import onnx
 import pytest
 
 from aoe.bank import open_bank, record_to_json
@@ -732,3 +733,243 @@ def test_an_import_whose_last_line_is_malformed_writes_nothing(daemon: DaemonPro
     assert r.returncode == 0, r.stderr
     after = daemon.bank_stub().GetBankStats(bank_pb2.GetBankStatsRequest(), timeout=30)
     assert after.entries > stats.entries
+
+
+# ---------------------------------------------------------------- folders others can write
+
+
+@pytest.fixture(scope="module")
+def drop(tmp_path_factory: pytest.TempPathFactory):
+    """A daemon whose inbox, outbox and failed folders (under its root) stand for the
+    group-writable drop folders of the deploy files; models dropped there are tuned with
+    a 2 s budget. `targets/` holds files that links planted by "another user" point at."""
+    d = DaemonProcess(tmp_path_factory.mktemp("drop"))
+    d.inbox.mkdir()
+    (d.inbox / "aoed.toml").write_text("budget_s = 2.0\n")
+    (d.root / "targets").mkdir()
+    d.start()
+    yield d
+    d.close()
+
+
+def _small_model(hidden: int) -> bytes:
+    """A small model, different for each `hidden`: identical drops would join one job."""
+    return samples.mlp(features=64, hidden=hidden, classes=8, layers=2).SerializeToString()
+
+
+def _drop(d: DaemonProcess, name: str, data: bytes) -> None:
+    """Put `data` in the inbox as `name`, whole at once (written under a hidden name, then
+    renamed, as the README tells writers to)."""
+    tmp = d.inbox / ".dropping.part"
+    tmp.write_bytes(data)
+    tmp.rename(d.inbox / name)
+
+
+def _wait(d: DaemonProcess, cond, what: str, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout} s:\n{d.log()[-4000:]}"
+        time.sleep(0.1)
+
+
+def _contents(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+@pytest.mark.slow
+def test_links_planted_in_the_outbox_and_failed_are_never_written_through(drop: DaemonProcess) -> None:
+    outbox, failed, targets = drop.root / "outbox", drop.root / "failed", drop.root / "targets"
+    for n in ("a", "b", "c", "d", "e"):
+        (targets / n).write_bytes(b"precious " + n.encode())
+    before = _contents(targets)
+    plants = {
+        # the temporary names deliveries used to write through
+        outbox / ".victim_tuned.onnx.part": targets / "a",
+        outbox / ".victim_result.json.part": targets / "b",
+        outbox / ".victim_report.txt.part": targets / "c",
+        failed / ".broken.onnx.error.txt.part": targets / "d",
+        failed / ".broken.onnx.part": targets / "e",
+        # final names: a link to a file, and a dangling one (a file the daemon would create)
+        outbox / "victim2_tuned.onnx": targets / "a",
+        outbox / "victim2_report.txt": targets / "new-by-report",
+        failed / "broken2.onnx": targets / "e",
+        failed / "broken2.onnx.error.txt": targets / "new-by-error",
+    }
+    for link, target in plants.items():
+        link.symlink_to(target)
+    _drop(drop, "victim.onnx", _small_model(71))
+    _drop(drop, "victim2.onnx", _small_model(72))
+    _drop(drop, "broken.onnx", b"not a model at all")
+    _drop(drop, "broken2.onnx", b"not a model either")
+    for done in (outbox / "victim_report.txt", outbox / "victim2_2_report.txt", failed / "broken.onnx.error.txt",
+                 failed / "broken2_2.onnx.error.txt"):  # fmt: skip
+        _wait(drop, done.exists, str(done))
+    assert _contents(targets) == before, "a file behind a planted link changed, or one was created"
+    for link, target in plants.items():
+        assert link.is_symlink() and os.readlink(link) == str(target), f"{link}: the planted link was replaced"
+    for name in ("victim_tuned.onnx", "victim2_2_tuned.onnx"):
+        assert not (outbox / name).is_symlink()
+        onnx.checker.check_model(onnx.load(outbox / name))
+    assert (failed / "broken.onnx").read_bytes() == b"not a model at all"
+    assert (failed / "broken2_2.onnx").read_bytes() == b"not a model either"
+    assert "not a readable ONNX model" in (failed / "broken.onnx.error.txt").read_text()
+
+
+@pytest.mark.slow
+def test_a_link_planted_in_a_named_output_dir_is_never_followed(drop: DaemonProcess) -> None:
+    out, elsewhere = drop.models / "shared-out", drop.root / "elsewhere-ws"
+    out.mkdir()
+    elsewhere.mkdir()
+    (out / "aoe_workspace").symlink_to(elsewhere, target_is_directory=True)
+    model = drop.models / "named.onnx"
+    model.write_bytes(_small_model(73))
+    reply = drop.tuning().SubmitJob(tuning_pb2.SubmitJobRequest(model_path=str(model), options=tuning_pb2.JobOptions(
+        budget_s=2.0, output_dir=str(out))), timeout=30)  # fmt: skip
+    job = drop.wait_job(reply.job_id)
+    assert list(elsewhere.iterdir()) == [], "the job wrote through the planted link"
+    assert job.state == tuning_pb2.JOB_STATE_FAILED, job
+    assert f"{out}/aoe_workspace" in job.error and "symbolic link" in job.error, job.error
+    assert (out / "aoe_workspace").is_symlink()
+
+
+@pytest.mark.slow
+def test_a_long_inbox_name_is_delivered_under_a_shortened_name(drop: DaemonProcess) -> None:
+    outbox, failed = drop.root / "outbox", drop.root / "failed"
+    long = "m" * 240 + ".onnx"  # 245 bytes
+    wide = "模型" * 40 + ".onnx"  # 85 characters, 245 bytes
+    _drop(drop, long, _small_model(74))
+    _drop(drop, wide, b"not a model")
+
+    def delivered(folder: Path, head: str, tail: str) -> list[str]:
+        return sorted(n for n in os.listdir(folder) if n.startswith(head) and n.endswith(tail))
+
+    _wait(drop, lambda: delivered(outbox, "m" * 100, "_report.txt"), "the long name's outputs")
+    _wait(drop, lambda: delivered(failed, "模型" * 10, ".error.txt"), "the wide name's failure")
+    outs = delivered(outbox, "m" * 100, "")
+    assert len(outs) == 3 and all(len(n.encode()) <= 255 and "~" in n for n in outs), outs
+    stem = outs[0][: outs[0].index("~") + 11]
+    assert sorted(outs) == sorted(stem + s for s in ("_tuned.onnx", "_result.json", "_report.txt"))
+    assert f"aoed tuned {long}" in (outbox / f"{stem}_report.txt").read_text()
+    fails = delivered(failed, "模型" * 10, "")
+    assert len(fails) == 2 and all(len(n.encode()) <= 255 for n in fails), fails
+    error = next(n for n in fails if n.endswith(".error.txt"))
+    assert f"model: {wide}" in (failed / error).read_text()
+    assert not (drop.inbox / long).exists() and not (drop.inbox / wide).exists()
+
+
+# Writes half the model, pauses (argv[2] seconds, longer than stable_s), then the rest.
+_PAUSING_WRITER = """
+import sys, time
+data = open(sys.argv[3], "rb").read()
+with open(sys.argv[1], "wb") as f:
+    f.write(data[: len(data) // 2])
+    f.flush()
+    time.sleep(float(sys.argv[2]))
+    f.write(data[len(data) // 2 :])
+"""
+
+
+@pytest.mark.slow
+def test_a_writer_that_pauses_longer_than_stable_s_gets_its_model_tuned_once(drop: DaemonProcess) -> None:
+    outbox, failed = drop.root / "outbox", drop.root / "failed"
+    whole = drop.root / "paused-source.onnx"
+    whole.write_bytes(_small_model(75))
+    # stable_s is 1 s here; the job that takes a half file fails at once, well within 8 s.
+    writer = subprocess.run([sys.executable, "-c", _PAUSING_WRITER, str(drop.inbox / "paused.onnx"), "8", str(whole)],
+                            timeout=60)  # fmt: skip
+    assert writer.returncode == 0
+    _wait(drop, lambda: (outbox / "paused_report.txt").exists() or (failed / "paused.onnx.error.txt").exists(),
+          "the paused model's delivery")  # fmt: skip
+    assert not (failed / "paused.onnx.error.txt").exists(), (failed / "paused.onnx.error.txt").read_text()
+    jobs = [j for j in drop.tuning().ListJobs(tuning_pb2.ListJobsRequest()).jobs if j.model_name == "paused.onnx"]
+    assert [j.state for j in jobs] == [tuning_pb2.JOB_STATE_SUCCEEDED], jobs
+    assert (outbox / "paused_tuned.onnx").exists()
+
+
+@pytest.mark.slow
+def test_a_file_name_cannot_forge_a_log_line(drop: DaemonProcess) -> None:
+    failed = drop.root / "failed"
+    forged = "2099-01-01 00:00:00,000 ERROR aoed.watch: inbox gone"
+    name = f"evil\n{forged}\x1b[2K.onnx"
+    _drop(drop, name, b"not a model")
+    _wait(drop, (failed / f"{name}.error.txt").exists, "the forged name's failure")
+    lines = drop.log().splitlines()
+    assert not [line for line in lines if line.startswith("2099-01-01")], "a file name started a log line"
+    assert any("evil\\n2099-01-01" in line and "\\x1b[2K.onnx" in line for line in lines)
+    text = (failed / f"{name}.error.txt").read_text().splitlines()
+    assert len(text) == 4 and text[0] == f"model: evil\\n{forged}\\x1b[2K.onnx", text
+
+
+@pytest.mark.slow
+def test_entries_that_are_not_models_are_logged_and_left(drop: DaemonProcess) -> None:
+    outside = drop.root / "targets" / "outside.onnx"
+    outside.write_bytes(_small_model(76))
+    kinds = {"link.onnx": "a symbolic link", "dir.onnx": "a folder", "fifo.onnx": "a FIFO",
+             "sock.onnx": "a socket", "notes.txt": "not an .onnx model"}  # fmt: skip
+    (drop.inbox / "link.onnx").symlink_to(outside)
+    (drop.inbox / "dir.onnx").mkdir()
+    os.mkfifo(drop.inbox / "fifo.onnx")
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.bind(str(drop.inbox / "sock.onnx"))
+        (drop.inbox / "notes.txt").write_text("hello\n")
+
+        def logged(name: str) -> int:
+            return drop.log().count(f": {name} is {kinds[name]}; left where it is")
+
+        _wait(drop, lambda: all(logged(n) for n in kinds), "a line for each", timeout=60)
+        assert {n: logged(n) for n in kinds} == {n: 1 for n in kinds}
+        assert all(os.path.lexists(drop.inbox / n) for n in kinds)
+    jobs = drop.tuning().ListJobs(tuning_pb2.ListJobsRequest()).jobs
+    assert not [j for j in jobs if j.model_name in kinds], "none of them became a job"
+
+
+@pytest.mark.slow
+def test_a_model_swapped_for_a_hard_link_after_submit_is_not_read(drop: DaemonProcess) -> None:
+    """SubmitJob checks the file (one link) and the job reads it later: a hard link to a
+    file from elsewhere put at its name in between is refused when the job opens it."""
+    models = [drop.models / f"busy{i}.onnx" for i in range(2)]
+    for i, m in enumerate(models):
+        m.write_bytes(_small_model(80 + i))
+    busy = [drop.tuning().SubmitJob(tuning_pb2.SubmitJobRequest(model_path=str(m), options=tuning_pb2.JobOptions(
+        budget_s=120.0)), timeout=30).job_id for m in models]  # fmt: skip
+    victim = drop.models / "victim-by-path.onnx"
+    victim.write_bytes(_small_model(82))
+    job_id = drop.tuning().SubmitJob(tuning_pb2.SubmitJobRequest(model_path=str(victim), options=tuning_pb2.JobOptions(
+        budget_s=2.0)), timeout=30).job_id  # fmt: skip
+    watch = Inotify()
+    try:
+        assert drop.tuning().GetJob(tuning_pb2.GetJobRequest(job_id=job_id)).job.state == tuning_pb2.JOB_STATE_QUEUED
+        secret = _secret(drop, "swapped-secret.onnx")
+        watch.watch(secret)
+        os.link(secret, drop.models / ".swap")
+        os.replace(drop.models / ".swap", victim)  # now the secret's second name
+        for b in busy:
+            drop.tuning().CancelJob(tuning_pb2.CancelJobRequest(job_id=b), timeout=60)
+        job = drop.wait_job(job_id)
+        assert job.state == tuning_pb2.JOB_STATE_FAILED, job
+        assert "not the file that was submitted" in job.error and "2 hard links" in job.error, job.error
+        assert not [m for _, m in watch.events() if m & Inotify.IN_ACCESS], "the daemon read the file behind the link"
+    finally:
+        watch.close()
+
+
+@pytest.mark.slow
+def test_a_huge_path_or_name_is_cut_in_the_error(daemon: DaemonProcess) -> None:
+    huge = f"{daemon.models}/" + "a" * 100_000
+    requests = {
+        "model_path": tuning_pb2.SubmitJobRequest(model_path=huge),
+        "output_dir": tuning_pb2.SubmitJobRequest(model_path=f"{daemon.models}/mlp.onnx",
+                                                  options=tuning_pb2.JobOptions(output_dir=huge)),
+        "calibration_dir": tuning_pb2.SubmitJobRequest(model_path=f"{daemon.models}/mlp.onnx",
+                                                       options=tuning_pb2.JobOptions(calibration_dir=huge)),
+        "outside": tuning_pb2.SubmitJobRequest(model_path="/" + "b" * 100_000),
+    }  # fmt: skip
+    for field, request in requests.items():
+        with pytest.raises(grpc.RpcError) as err:
+            daemon.tuning().SubmitJob(request, timeout=30)
+        msg = err.value.details()
+        assert err.value.code() in (INVALID, DENIED), (field, err.value.code(), msg[:300])
+        assert len(msg) < 1000 and "characters)" in msg, (field, len(msg), msg[:300])
+    with pytest.raises(grpc.RpcError) as err:
+        upload(daemon.tuning(), daemon.models / "mlp.onnx", name="c" * 100_000 + ".onnx")
+    assert err.value.code() == INVALID and len(err.value.details()) < 1000, err.value.details()[:300]

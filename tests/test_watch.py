@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import os
+import socket
+import sys
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -24,7 +28,7 @@ from aoed.errors import NotFoundError, RpcError
 from aoed.config import DaemonConfig, Inbox
 from aoed.jobs.manager import Submission
 from aoed.jobs.store import JobRow, JobStore
-from aoed.watch import Watcher
+from aoed.watch import CLAIM_TRIES, Watcher
 
 MODEL = b"\x08\x07" + bytes(range(256)) * 40  # content only: the watcher never parses models
 
@@ -347,3 +351,147 @@ async def test_cancelling_the_watcher_ends_its_watch_threads_promptly(tmp_path: 
         start = trio.current_time()
     assert trio.current_time() - start < 3.0
     assert jobs.on_final == [], "the watcher unregisters its final-state callback"
+
+
+# ---------------------------------------------------------------- hostile drops
+
+
+async def test_a_file_that_cannot_be_claimed_goes_to_failed_after_a_few_tries(tmp_path: Path) -> None:
+    cfg = _config(tmp_path, stable_s=0.1)
+    inbox, failed = cfg.inboxes[0].path, cfg.inboxes[0].failed
+    jobs = Jobs(_store(tmp_path))
+    async with _watching(cfg, jobs, rescan_s=0.2):
+        # No claim can be made: the claims folder is a file now.
+        cfg.claims_dir.rmdir()
+        cfg.claims_dir.write_text("in the way\n")
+        (inbox / "m.onnx").write_bytes(MODEL)
+        await _until((failed / "m.onnx.error.txt").exists, timeout=10.0)
+    text = (failed / "m.onnx.error.txt").read_text()
+    assert "state: rejected" in text and "could not be claimed" in text and f"({CLAIM_TRIES} tries)" in text, text
+    assert str(cfg.claims_dir) in text, "the reason names what was in the way"
+    assert (failed / "m.onnx").read_bytes() == MODEL and not (inbox / "m.onnx").exists()
+    assert jobs.submitted == []
+
+
+async def test_a_file_that_cannot_be_claimed_nor_failed_is_logged_once_and_left(tmp_path: Path, caplog) -> None:
+    caplog.set_level(logging.INFO, logger="aoed.watch")
+    cfg = _config(tmp_path, stable_s=0.1)
+    inbox, failed = cfg.inboxes[0].path, cfg.inboxes[0].failed
+    jobs = Jobs(_store(tmp_path))
+
+    def given_up() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "not tried again until it changes" in r.getMessage()]
+
+    def tries() -> int:
+        return sum("m.onnx could not be claimed" in r.getMessage() for r in caplog.records)
+
+    async with _watching(cfg, jobs, rescan_s=0.1):
+        cfg.claims_dir.rmdir()
+        cfg.claims_dir.write_text("in the way\n")
+        failed.rmdir()
+        failed.write_text("in the way too\n")
+        (inbox / "m.onnx").write_bytes(MODEL)
+        await _until(lambda: len(given_up()) == 1, timeout=10.0)
+        seen = tries()
+        await trio.sleep(1.0)  # ten sweeps
+        assert len(given_up()) == 1 and tries() == seen, "a file given up on is not tried again"
+        (inbox / "m.onnx").write_bytes(MODEL[::-1])  # it changed: a new file
+        await _until(lambda: tries() > seen, timeout=10.0)
+    assert (inbox / "m.onnx").exists() and jobs.submitted == []
+
+
+# Writes half the model, pauses (argv[2] seconds), then writes the rest.
+_PAUSING_WRITER = """
+import sys, time
+data = open(sys.argv[3], "rb").read()
+with open(sys.argv[1], "wb") as f:
+    f.write(data[: len(data) // 2])
+    f.flush()
+    time.sleep(float(sys.argv[2]))
+    f.write(data[len(data) // 2 :])
+"""
+
+
+async def test_a_writer_that_pauses_longer_than_stable_s_is_not_taken_half_written(tmp_path: Path) -> None:
+    cfg = _config(tmp_path, stable_s=0.2)
+    jobs = Jobs(_store(tmp_path))
+    whole = tmp_path / "whole.bin"
+    whole.write_bytes(MODEL)
+    async with _watching(cfg, jobs):
+        writer = await trio.lowlevel.open_process(
+            [sys.executable, "-c", _PAUSING_WRITER, str(cfg.inboxes[0].path / "slow.onnx"), "1.5", str(whole)])
+        assert await writer.wait() == 0
+        await _until(lambda: len(jobs.submitted) == 1)
+    assert jobs.submitted[0][1] == MODEL, "the file was taken before its writer closed it"
+
+
+async def test_entries_that_are_not_models_are_logged_once_each_and_left(tmp_path: Path, caplog) -> None:
+    caplog.set_level(logging.INFO, logger="aoed.watch")
+    cfg = _config(tmp_path, stable_s=0.1)
+    inbox = cfg.inboxes[0].path
+    inbox.mkdir()
+    outside = tmp_path / "outside.onnx"
+    outside.write_bytes(MODEL)
+    (inbox / "before.onnx").symlink_to(outside)  # present at the start: the first scan sees it
+    jobs = Jobs(_store(tmp_path))
+    kinds = {"before.onnx": "a symbolic link", "link.onnx": "a symbolic link", "dir.onnx": "a folder",
+             "fifo.onnx": "a FIFO", "sock.onnx": "a socket", "notes.txt": "not an .onnx model"}  # fmt: skip
+
+    def logged(name: str) -> int:
+        return sum(f": {name} is {kinds[name]}; left where it is" in r.getMessage() for r in caplog.records)
+
+    async with _watching(cfg, jobs, rescan_s=0.1):
+        (inbox / "link.onnx").symlink_to(outside)
+        (inbox / "dir.onnx").mkdir()
+        os.mkfifo(inbox / "fifo.onnx")
+        with socket.socket(socket.AF_UNIX) as sock:
+            sock.bind(str(inbox / "sock.onnx"))
+            (inbox / "notes.txt").write_text("hello\n")
+            await _until(lambda: all(logged(n) for n in kinds), timeout=10.0)
+            await trio.sleep(1.0)  # ten sweeps
+            assert {n: logged(n) for n in kinds} == {n: 1 for n in kinds}, "each is logged once, not at every sweep"
+            assert all(os.path.lexists(inbox / n) for n in kinds), "and left where it is"
+    assert jobs.submitted == [] and outside.read_bytes() == MODEL
+
+
+async def test_an_options_file_that_is_a_fifo_or_a_link_fails_the_model_and_blocks_nothing(tmp_path: Path) -> None:
+    cfg = _config(tmp_path, stable_s=0.1)
+    inbox, failed = cfg.inboxes[0].path, cfg.inboxes[0].failed
+    inbox.mkdir()
+    outside = tmp_path / "options-elsewhere.toml"
+    outside.write_text('precision = "int8"\n')
+    os.mkfifo(inbox / "aoed.toml")  # a read of it by name would wait for a writer forever
+    jobs = Jobs(_store(tmp_path))
+    async with _watching(cfg, jobs):
+        (inbox / "a.onnx").write_bytes(MODEL)
+        await _until((failed / "a.onnx.error.txt").exists)
+        (inbox / "aoed.toml").unlink()
+        (inbox / "aoed.toml").symlink_to(outside)
+        (inbox / "b.onnx").write_bytes(MODEL[::-1])
+        await _until((failed / "b.onnx.error.txt").exists)
+    for name in ("a.onnx", "b.onnx"):
+        text = (failed / f"{name}.error.txt").read_text()
+        assert f"{inbox / 'aoed.toml'}:" in text and "the options file must be a regular file" in text, text
+    assert jobs.names() == []
+
+
+async def test_a_claim_that_turned_out_a_link_goes_to_failed_unread(tmp_path: Path) -> None:
+    """A writer of the inbox can swap a link in between the watcher's look and the claim's
+    rename, which then moves the link itself. Here the claim is left so by a crash right
+    after that rename: the claimed entry is a link to a file from elsewhere."""
+    cfg = _config(tmp_path, stable_s=0.2)
+    inbox, failed = cfg.inboxes[0].path, cfg.inboxes[0].failed
+    store = _store(tmp_path)
+    secret = tmp_path / "secret.onnx"
+    secret.write_bytes(MODEL)
+    dst = cfg.claims_dir / "u1" / "s.onnx"
+    dst.parent.mkdir(parents=True)
+    dst.symlink_to(secret)
+    store.claim_begin(str(inbox / "s.onnx"), str(dst), str(inbox))
+    jobs = Jobs(store)
+    async with _watching(cfg, jobs):
+        await _until((failed / "s.onnx.error.txt").exists)
+    text = (failed / "s.onnx.error.txt").read_text()
+    assert "a symbolic link by the time it was claimed" in text and "nothing behind it was read" in text, text
+    assert (failed / "s.onnx").is_symlink() and secret.read_bytes() == MODEL
+    assert jobs.attempts == 0, "the file behind the link reached a submission"

@@ -10,6 +10,7 @@ included, inside the configured allowed directories.
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import json
 import os
@@ -25,12 +26,14 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from aoe.errors import OptionError
 from aoe.figures import Figures
 from aoe.v1 import bank_pb2, tuning_pb2, tuning_pb2_grpc
+from aoed import safefs
 from aoed.api._bridge import Bridge
 from aoed.errors import NotFoundError, PermissionDeniedError, RpcError
 from aoed.config import DaemonConfig
 from aoed.jobs import store as st
 from aoed.jobs.manager import JobManager, Submission, options_from_dict, shown_path
 from aoed.jobs.store import EventRow, JobRow, Upload
+from aoed.logs import cut
 
 __all__ = ["TuningServicer", "confine"]
 
@@ -58,29 +61,35 @@ def confine(raw: str, allowed: tuple[Path, ...], what: str, want_dir: bool = Fal
     INVALID_ARGUMENT for a relative path, a NUL byte, or the wrong kind of file).
 
     Whether `raw` lies inside is decided before whether it exists, so that a client
-    cannot learn which paths exist outside the allowed directories."""
+    cannot learn which paths exist outside the allowed directories. A very long `raw` is
+    cut in the messages (logs.cut)."""
+    shown = repr(cut(raw))
     if not allowed:
         raise PermissionDeniedError(
-                       f"{what} {raw!r}: this daemon accepts no daemon-side paths ([daemon] allowed_dirs is empty); "
+                       f"{what} {shown}: this daemon accepts no daemon-side paths ([daemon] allowed_dirs is empty); "
                        "upload the model instead")  # fmt: skip
     if "\x00" in raw:
-        raise OptionError(f"{what} {raw!r}: a path cannot contain a NUL byte")
+        raise OptionError(f"{what} {shown}: a path cannot contain a NUL byte")
     if not os.path.isabs(raw):
-        raise OptionError(f"{what} {raw!r}: must be an absolute path on the daemon host")
+        raise OptionError(f"{what} {shown}: must be an absolute path on the daemon host")
     roots = [Path(a).resolve() for a in allowed]
     try:
         real = Path(raw).resolve()  # `..` and every symlink that exists, followed
     except (OSError, RuntimeError):  # a symlink loop
-        raise NotFoundError(f"{what} {raw!r}: cannot be resolved (a symlink loop?)") from None
+        raise NotFoundError(f"{what} {shown}: cannot be resolved (a symlink loop?)") from None
     if not any(real.is_relative_to(r) for r in roots):
         raise PermissionDeniedError(
-                       f"{what} {raw!r}: outside the allowed directories ({', '.join(map(str, roots))})")  # fmt: skip
-    if not real.exists():
-        raise NotFoundError(f"{what} {raw!r}: no such file on the daemon host")
+                       f"{what} {shown}: outside the allowed directories ({', '.join(map(str, roots))})")  # fmt: skip
+    try:
+        real.lstat()
+    except FileNotFoundError:
+        raise NotFoundError(f"{what} {shown}: no such file on the daemon host") from None
+    except OSError as exc:  # a name too long, a component not a folder
+        raise OptionError(f"{what} {shown}: {exc.strerror or exc}") from None
     if want_dir and not real.is_dir():
-        raise OptionError(f"{what} {raw!r}: not a directory")
+        raise OptionError(f"{what} {shown}: not a directory")
     if not want_dir and not real.is_file():
-        raise OptionError(f"{what} {raw!r}: not a regular file")
+        raise OptionError(f"{what} {shown}: not a regular file")
     return real
 
 
@@ -245,7 +254,7 @@ class TuningServicer(tuning_pb2_grpc.TuningServiceServicer):
         if which == "model_id":
             up = self._jobs.store.get_upload(request.model_id)
             if up is None:
-                raise NotFoundError(f"model_id {request.model_id!r}: no such upload (expired or already used)")
+                raise NotFoundError(f"model_id {cut(request.model_id)!r}: no such upload (expired or already used)")
             return await self._jobs.submit(Submission(Path(up.path), opts, f"rpc:{client}", upload=up, output_dir=output))
         if which == "model_path":
             model = confine(request.model_path, allowed, "model_path")
@@ -292,41 +301,49 @@ class TuningServicer(tuning_pb2_grpc.TuningServiceServicer):
         head = first.header
         name = os.path.basename(head.file_name.replace("\\", "/"))
         if not name or name.startswith(".") or "\x00" in name or len(name.encode()) > 255:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"UploadModel: bad file name {head.file_name!r}")
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"UploadModel: bad file name {cut(head.file_name)!r}")
         if head.size_bytes > limit:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                           f"UploadModel: {head.size_bytes} bytes is over this daemon's limit of {limit} bytes")  # fmt: skip
         upload_id = f"up-{uuid.uuid4().hex[:16]}"
         folder = self._cfg.uploads_dir
         folder.mkdir(parents=True, exist_ok=True)
-        part = folder / f"{upload_id}.part"
         h, size = hashlib.sha256(), 0
-        try:
-            with open(part, "xb") as f:
-                for msg in request_iterator:
-                    if msg.WhichOneof("payload") != "chunk":
-                        context.abort(grpc.StatusCode.INVALID_ARGUMENT, "UploadModel: only the first message is a header")
-                    size += len(msg.chunk)
-                    if size > limit:
-                        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                      f"UploadModel: over this daemon's limit of {limit} bytes")  # fmt: skip
-                    h.update(msg.chunk)
-                    f.write(msg.chunk)
-            digest = h.hexdigest()
-            if head.sha256 and head.sha256.lower() != digest:
-                context.abort(grpc.StatusCode.DATA_LOSS,
-                              f"UploadModel: sha256 of the received bytes is {digest}, the header said {head.sha256}")  # fmt: skip
+
+        def receive(f) -> None:
+            nonlocal size
+            for msg in request_iterator:
+                if msg.WhichOneof("payload") != "chunk":
+                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, "UploadModel: only the first message is a header")
+                size += len(msg.chunk)
+                if size > limit:
+                    context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                  f"UploadModel: over this daemon's limit of {limit} bytes")  # fmt: skip
+                h.update(msg.chunk)
+                f.write(msg.chunk)
+            if head.sha256 and head.sha256.lower() != h.hexdigest():
+                context.abort(grpc.StatusCode.DATA_LOSS, f"UploadModel: sha256 of the received bytes is "
+                              f"{h.hexdigest()}, the header said {cut(head.sha256)}")  # fmt: skip
             if head.size_bytes and head.size_bytes != size:
                 context.abort(grpc.StatusCode.DATA_LOSS,
                               f"UploadModel: received {size} bytes, the header said {head.size_bytes}")  # fmt: skip
-            final = folder / upload_id
-            final.mkdir()
-            part.rename(final / name)
+
+        try:
+            # uploads/<id>/<name>, written as safefs writes: the file appears whole or not at all.
+            with safefs.opened_dir(folder) as up:
+                own = safefs.make_dir(upload_id, dir_fd=up)
+                try:
+                    safefs.write_file(name, receive, dir_fd=own)
+                except BaseException:
+                    with contextlib.suppress(OSError):
+                        os.rmdir(upload_id, dir_fd=up)
+                    raise
+                finally:
+                    os.close(own)
         except OSError as exc:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED if exc.errno == 28 else grpc.StatusCode.INTERNAL,
                           f"UploadModel: cannot store the upload: {exc.strerror or exc}")  # fmt: skip
-        finally:
-            part.unlink(missing_ok=True)
+        digest, final = h.hexdigest(), folder / upload_id
         up = Upload(upload_id, str(final / name), name, digest, size, time.time())
         self._bridge.call(context, self._register_upload, up)
         return tuning_pb2.UploadModelResponse(model_id=upload_id, sha256=digest, size_bytes=size)

@@ -38,6 +38,7 @@ from aoed.engine.pool import CompilePool
 from aoed.engine.registry import StrategyRegistry
 from aoed.engine.supervisor import run_stages
 from aoed.engine.workspace import Workspace
+from aoed.logs import EscapingFormatter
 
 __all__ = ["Engine", "current_job", "open_engine", "split_cores"]
 
@@ -65,7 +66,7 @@ class _JobFilter(logging.Filter):
 def _job_log(path: Path, job_id: str) -> Iterator[None]:
     """Send the engine's log records made on behalf of `job_id` to `path`."""
     handler = logging.FileHandler(path, encoding="utf-8", delay=True)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.setFormatter(EscapingFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     handler.addFilter(_JobFilter(job_id))
     handler.setLevel(logging.INFO)
     root = logging.getLogger("aoed")

@@ -44,6 +44,9 @@ class JobOptions:
     resumes: str = ""
     #: scheduling weight among jobs sharing the engine's agents (fair share); >= 1
     weight: int = 1
+    #: (device, inode) of the model file its submitter's checks passed (the daemon's);
+    #: the job reads the model only if it is still that file, with one link
+    model_file: tuple[int, int] | None = None
 
 
 @dataclass

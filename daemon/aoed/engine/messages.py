@@ -173,6 +173,8 @@ class PrepareRequest:
     job_type: str = "opat"
     #: what the model may hold (the config's [engine] limits; default: prep's MAX_*)
     limits: Limits = Limits()
+    #: (device, inode) the model file must still have, with one link (JobOptions.model_file)
+    model_file: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)

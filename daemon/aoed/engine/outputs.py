@@ -35,17 +35,15 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from aoe.errors import AoedError
 from aoe.figures import verdict_text
 from aoe.subgraphs import SUBGRAPH_FAMILIES
+from aoed import safefs
 from aoed.engine.bankrules import repo_summary
 from aoed.engine.job import JobResult, TaskResult
-from aoed.engine.modelio import process_umask
 
 __all__ = ["result_json", "write_json"]
 
@@ -145,19 +143,11 @@ def result_json(result: JobResult, job_type: str = "opat") -> dict[str, Any]:
 
 
 def write_json(path: Path, doc: dict[str, Any]) -> None:
-    """Write `doc` at `path` atomically. AoedError naming the file when it cannot."""
+    """Write `doc` at `path` atomically (safefs.write_file: a link at the name is replaced,
+    never written through). AoedError naming the file when it cannot."""
     text = json.dumps(_json_safe(doc), indent=2, allow_nan=False) + "\n"
-    tmp: Path | None = None
     try:
-        # A fresh name created exclusively: a symlink planted at a predictable temp name
-        # in a shared output folder can not redirect the write.
-        fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        tmp = Path(name)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            os.fchmod(f.fileno(), 0o666 & ~process_umask())  # as a plain open would make it
-            f.write(text)
-        os.replace(tmp, path)
+        with safefs.opened_dir(path.parent.resolve()) as d:
+            safefs.write_file(path.name, lambda f: f.write(text.encode()), dir_fd=d)
     except OSError as exc:
-        if tmp is not None:
-            tmp.unlink(missing_ok=True)
         raise AoedError(f"{path}: cannot write the result ({exc.strerror or exc})") from None

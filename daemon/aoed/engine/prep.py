@@ -119,8 +119,10 @@ def prepare(
     input_shapes: Mapping[str, tuple[int, ...]] | None = None,
     keep_initializer_inputs: bool = False,
     limits: Limits = Limits(),
+    expect: tuple[int, int] | None = None,
 ) -> Prepared:
     """Load, check and normalize the model at `source`; save it as `workdir/prepared.onnx`.
+    With `expect`, the model file read must be that (device, inode), with one link.
 
     Raises ModelError (the model is at fault, or over one of `limits`) or OptionError
     (an override is wrong). Blocking and CPU-bound.
@@ -131,7 +133,7 @@ def prepare(
         check_fits(str(src), model_bytes, limits.memory_mb, limits.memory_why)
 
     model = load_model(src, max_bytes=limits.model_bytes, max_nodes=limits.nodes,
-                       settings=("[engine] max_model_mb", "[engine] max_nodes"), fits=fits)  # fmt: skip
+                       settings=("[engine] max_model_mb", "[engine] max_nodes"), fits=fits, expect=expect)  # fmt: skip
     check_declared(model, str(src), limits)
     norm = normalize(
         model, input_shapes, keep_initializer_inputs=keep_initializer_inputs, strict=True, source=str(src)

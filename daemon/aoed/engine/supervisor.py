@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import os
 import resource
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,7 @@ import trio
 from aoe.errors import AoedError, DeviceError, ModelError
 from aoe.figures import Comparison, Figures, interval, pct
 from aoe.partition import Task
+from aoed import safefs
 from aoed.bank._codec import BankRecord
 from aoed.engine import bankrules, confirm, incontext, stats
 from aoed.engine.assemble import tuned_metadata
@@ -132,7 +132,8 @@ async def run_stages(ctx: JobContext) -> JobResult:
                   f"({PREPARE_S_PER_MIB * 1000:.0f} ms per MiB as measured on a 2-core machine)")  # fmt: skip
     prep: PrepareReply = await _work(
         ctx, PrepareRequest(opts.model, ws.scratch, opts.precision, dict(opts.input_shapes),
-                            opts.keep_initializer_inputs, opts.job_type, Limits.of(ctx.config)), PrepareReply,
+                            opts.keep_initializer_inputs, opts.job_type, Limits.of(ctx.config), opts.model_file),
+        PrepareReply,
         "graph preparation")  # fmt: skip
     ctx.prep = prep
     ctx.notes.extend(prep.notes)
@@ -445,7 +446,7 @@ async def _ship(ctx: JobContext, ship: Path, out: Path, choices: dict[str, str],
     """Put the measured file that ships at `out` (a rename; a model with external data
     is written again, since its data file is named after it)."""
     if not ship.with_name(ship.name + ".data").exists():
-        await trio.to_thread.run_sync(os.replace, ship, out)
+        await trio.to_thread.run_sync(safefs.move_path, ship, out)
         return
     assert ctx.prep is not None
     meta = tuned_metadata(options, ctx.opts.precision, ctx.fingerprint.digest)

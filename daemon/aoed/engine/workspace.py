@@ -9,7 +9,12 @@
 
 Two jobs of one model started in the same second, in one process or several, must not
 share a directory or a result file: both are created exclusively (mkdir, O_EXCL), and a
-taken name gets a `_2`, `_3` ... suffix. Scratch is removed once the outputs are written,
+taken name gets a `_2`, `_3` ... suffix. A long model name is shortened (safefs.fit) so
+that every name here fits NAME_MAX.
+
+The output folder may be one others can write (a client names it): the folders and the
+result file are made relative to folder descriptors, and a link planted at
+`aoe_workspace` (or at any name the job would take) is never followed (see safefs). Scratch is removed once the outputs are written,
 unless the job failed (it is what one debugs) or `keep_workspace` was asked for.
 
 A workspace can vanish under a running job (its output directory removed). Then every
@@ -27,6 +32,7 @@ from pathlib import Path
 
 from aoe.jobtypes import result_slug
 from aoe.errors import AoedError
+from aoed import safefs
 
 __all__ = ["Workspace"]
 
@@ -47,25 +53,46 @@ class Workspace:
         cannot be created (missing permission, full disk, a file in the way)."""
         ts = time.strftime("%Y%m%d%H%M%S")
         base = output / "aoe_workspace"
+        # room after the stem: "_{ts}_{n}" and the longest name made from the tag
+        stem = safefs.fit(model_stem, len(f"_{ts}_9999_tune.onnx"))
+        at = output  # what is being made, for the message
         try:
-            base.mkdir(parents=True, exist_ok=True)
-            for n in range(1, 10_000):
-                tag = f"{model_stem}_{ts}" + (f"_{n}" if n > 1 else "")
-                try:
-                    (base / tag).mkdir()
-                except FileExistsError:
-                    continue
-                ws = cls(output, base / tag, tag)
-                ws.result_dir.mkdir(parents=True)
-                # Scratch holds copies of the user's inputs (the model, calibration
-                # samples): the user's alone, whatever the umask; outputs follow the umask.
-                ws.scratch.mkdir(mode=0o700)
-                st = ws.root.stat()
-                ws._root_id = (st.st_dev, st.st_ino)
-                return ws
+            output.mkdir(parents=True, exist_ok=True)
+            # Resolved: the folder named is used, even through a link; below it, nothing
+            # is followed.
+            with safefs.opened_dir(output.resolve()) as out:
+                at = base
+                base_fd = safefs.make_dir(base.name, dir_fd=out)
+            try:
+                for n in range(1, 10_000):
+                    tag = f"{stem}_{ts}" + (f"_{n}" if n > 1 else "")
+                    at = base / tag
+                    try:
+                        os.mkdir(tag, dir_fd=base_fd)
+                    except FileExistsError:
+                        continue
+                    root = safefs.open_dir(tag, dir_fd=base_fd)
+                    try:
+                        tunespace = safefs.make_dir("tunespace", dir_fd=root)
+                        try:
+                            os.close(safefs.make_dir("result", dir_fd=tunespace))
+                            # Scratch holds copies of the user's inputs (the model,
+                            # calibration samples): the user's alone, whatever the umask;
+                            # outputs follow the umask.
+                            os.close(safefs.make_dir("work", dir_fd=tunespace, mode=0o700))
+                        finally:
+                            os.close(tunespace)
+                        st = os.fstat(root)
+                    finally:
+                        os.close(root)
+                    ws = cls(output, base / tag, tag)
+                    ws._root_id = (st.st_dev, st.st_ino)
+                    return ws
+            finally:
+                os.close(base_fd)
         except OSError as exc:
-            raise AoedError(f"{exc.filename or base}: cannot create the job's workspace ({exc.strerror or exc})") from None
-        raise AoedError(f"{base}: no free workspace name for {model_stem}_{ts}")
+            raise AoedError(f"{at}: cannot create the job's workspace ({exc.strerror or exc})") from None
+        raise AoedError(f"{base}: no free workspace name for {stem}_{ts}")
 
     @property
     def timestamp(self) -> str:
@@ -85,15 +112,14 @@ class Workspace:
         """Claim `aoe_result_{job_type}_{ts}_{pid}.json` (suffixed when taken) in the
         output directory; returns its path (an empty file until written)."""
         stem = f"aoe_result_{result_slug(job_type)}_{self.timestamp}_{os.getpid()}"
-        for n in range(1, 10_000):
-            path = self.output / (f"{stem}.json" if n == 1 else f"{stem}_{n}.json")
-            try:
-                os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
-            except FileExistsError:
-                continue
-            except OSError as exc:
-                raise AoedError(f"{path}: cannot write the result ({exc.strerror or exc})") from None
-            return path
+        try:
+            with safefs.opened_dir(self.output.resolve()) as out:
+                for n in range(1, 10_000):
+                    name = f"{stem}.json" if n == 1 else f"{stem}_{n}.json"
+                    if safefs.reserve(name, dir_fd=out):
+                        return self.output / name
+        except OSError as exc:
+            raise AoedError(f"{self.output}: cannot write the result ({exc.strerror or exc})") from None
         raise AoedError(f"{self.output}: no free result file name for {stem}")
 
     def gone(self) -> str | None:

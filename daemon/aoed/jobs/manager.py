@@ -23,6 +23,7 @@ import hashlib
 import json
 import logging
 import math
+import os
 import shutil
 import time
 import uuid
@@ -36,6 +37,7 @@ import trio
 from aoe.jobtypes import parse_job_type
 from aoe.device import Device
 from aoe.errors import AoedError, JobCancelledError, OptionError
+from aoed import safefs
 from aoed.config import DaemonConfig
 from aoed.errors import NotFoundError, PermissionDeniedError, RpcError
 from aoed.engine.budget import check_budget
@@ -48,7 +50,10 @@ from aoed.engine.policy import policy
 from aoed.jobs import store as st
 from aoed.jobs.store import EventRow, JobRow, JobStore, Upload
 
-__all__ = ["JobManager", "Submission", "options_from_dict", "sha256_file", "shown_path"]
+__all__ = ["MODEL_FILE", "JobManager", "Submission", "options_from_dict", "sha256_file", "shown_path"]
+
+#: The key in a job's stored options for the model file's [device, inode] at submit.
+MODEL_FILE = "model_file"
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +73,29 @@ def sha256_file(path: Path) -> str:
         while chunk := f.read(1 << 20):
             h.update(chunk)
     return h.hexdigest()
+
+
+def _hash_checked(path: Path, checked: os.stat_result) -> str:
+    """The sha256 of the file at `path`, read through a descriptor that must still be
+    the file `checked` was (the same inode, one link): a file swapped in since the
+    check, a hard link to a file from elsewhere included, is refused
+    (PermissionDeniedError), and so is a link at `path`."""
+    why = ""
+    try:
+        fd = safefs.open_file(path, single_link=True)
+    except (safefs.LinkedError, safefs.LinkRefusedError) as exc:
+        why = exc.strerror
+    else:
+        with os.fdopen(fd, "rb") as f:
+            now = os.fstat(f.fileno())
+            if (now.st_dev, now.st_ino) == (checked.st_dev, checked.st_ino):
+                h = hashlib.sha256()
+                while chunk := f.read(1 << 20):
+                    h.update(chunk)
+                return h.hexdigest()
+            why = "another file took its name"
+    raise PermissionDeniedError(f"{path}: the file changed while it was checked ({why}); the daemon reads only the "
+                                "file it checked: submit it again once nobody changes it")  # fmt: skip
 
 
 def options_from_dict(raw: dict[str, Any], default_device: Device) -> dict[str, Any]:
@@ -274,7 +302,7 @@ class JobManager:
             raise RpcError("UNAVAILABLE", "the daemon is shutting down; submit again after it restarts")
         size = sub.upload.size if sub.upload is not None else 0
         if sub.upload is None:  # refused before hashing it: the limit is there so nobody reads 9 GiB
-            info = await trio.to_thread.run_sync(sub.model.stat)
+            info = await trio.to_thread.run_sync(os.lstat, sub.model)
             size = info.st_size
             if info.st_nlink > 1:
                 # The daemon reads what its submitter names; a hard link (which no path check
@@ -284,7 +312,10 @@ class JobManager:
                     "read a file its submitter could not; copy the file (cp, not ln) or upload it")  # fmt: skip
             check_size(sub.model, info.st_size, self.engine.config.max_model_mb << 20, "[engine] max_model_mb")
         self._check_memory(sub, size)
-        sha = sub.upload.sha256 if sub.upload else await trio.to_thread.run_sync(sha256_file, sub.model)
+        if sub.upload is None:
+            sha = await trio.to_thread.run_sync(_hash_checked, sub.model, info)
+        else:
+            sha = sub.upload.sha256
         key = _dedup_key(sha, sub.options)
         async with self._limits_lock:
             same = self.store.active_with_key(key)
@@ -308,9 +339,13 @@ class JobManager:
             model = sub.model
             if sub.upload is not None:
                 model = await self._consume_upload(sub.upload, self.cfg.jobs_dir / job_id / "model")
+                info = await trio.to_thread.run_sync(model.stat)
+            # The file checked here (one link, its sha256): the job's first read checks that
+            # it reads this very file (see engine.modelio.load_model's `expect`).
+            options = {**sub.options, MODEL_FILE: [info.st_dev, info.st_ino]}
             row = JobRow(
                 id=job_id, state=st.QUEUED, model_path=str(model), model_name=sub.model.name if sub.upload is None
-                else sub.upload.file_name, model_sha256=sha, dedup_key=key, options=sub.options, output_dir=str(out),
+                else sub.upload.file_name, model_sha256=sha, dedup_key=key, options=options, output_dir=str(out),
                 priority=int(sub.options.get("priority", 0)), source=sub.source,
             )  # fmt: skip
             self.store.insert(row)
@@ -458,6 +493,7 @@ class JobManager:
             job_id=row.id,
             resumes=row.id if row.attempts > 1 else "",  # counted before it starts
             weight=max(1, 1 + int(o.get("priority", 0))) if int(o.get("priority", 0)) > 0 else 1,
+            model_file=tuple(o[MODEL_FILE]) if o.get(MODEL_FILE) else None,
         )
 
     async def _run_job(self, row: JobRow) -> None:

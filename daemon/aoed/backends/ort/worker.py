@@ -77,7 +77,8 @@ def _prepare(req: m.PrepareRequest) -> m.PrepareReply:
     from aoed.engine.policy import policy
     from aoed.engine.prep import make_inputs, prepare
 
-    prep = prepare(req.source, req.workdir, req.input_shapes, req.keep_initializer_inputs, req.limits)
+    prep = prepare(req.source, req.workdir, req.input_shapes, req.keep_initializer_inputs, req.limits,
+                   expect=req.model_file)  # fmt: skip
     int_high = integer_ranges(prep.model, prep.inputs)
     try:
         sess = session(prep.path, {"intra_op_num_threads": 1})
