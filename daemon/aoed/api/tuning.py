@@ -2,14 +2,18 @@
 manager. Methods are protobuf -> domain, one bridge call, domain -> protobuf.
 
 Uploads are written to disk in the handler's thread (no trio state is touched until the
-file is complete and its sha256 checked), then registered in one bridge call. Paths a
-client names (a model, a calibration folder, an output folder) must resolve, symlinks
+file is complete and its sha256 checked), then registered in one bridge call. Before a
+byte of an upload is written, its declared size (then each chunk beyond it) is reserved
+against the upload quotas (`jobs.uploads`) and the state dir's free-space floor; a full
+disk met anyway ends the call with RESOURCE_EXHAUSTED naming the folder. Paths a client
+names (a model, a calibration folder, an output folder) must resolve, symlinks
 included, inside the configured allowed directories.
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import json
 import os
@@ -22,9 +26,10 @@ from typing import Any
 import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from aoe.errors import OptionError
+from aoe.errors import AoedError, OptionError
 from aoe.v1 import bank_pb2, tuning_pb2, tuning_pb2_grpc
-from aoed.api._bridge import Bridge
+from aoed import space
+from aoed.api._bridge import Bridge, status_of
 from aoed.errors import NotFoundError, PermissionDeniedError, RpcError
 from aoed.config import DaemonConfig
 from aoed.jobs import store as st
@@ -271,7 +276,8 @@ class TuningServicer(tuning_pb2_grpc.TuningServiceServicer):
             yield tuning_pb2.WatchJobResponse(event=event_pb(ev))
 
     def UploadModel(self, request_iterator, context):
-        limit = self._cfg.max_upload_bytes
+        cfg = self._cfg
+        limit = cfg.max_upload_bytes
         first = next(request_iterator, None)
         if first is None or first.WhichOneof("payload") != "header":
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "UploadModel: the first message must be the header")
@@ -283,11 +289,16 @@ class TuningServicer(tuning_pb2_grpc.TuningServiceServicer):
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                           f"UploadModel: {head.size_bytes} bytes is over this daemon's limit of {limit} bytes")  # fmt: skip
         upload_id = f"up-{uuid.uuid4().hex[:16]}"
-        folder = self._cfg.uploads_dir
-        folder.mkdir(parents=True, exist_ok=True)
+        folder = cfg.uploads_dir
+        ledger, client = self._jobs.uploads, client_of(context)
         part = folder / f"{upload_id}.part"
-        h, size = hashlib.sha256(), 0
+        final = folder / upload_id
+        h, size, reserved, kept = hashlib.sha256(), 0, head.size_bytes, False
         try:
+            # Refused before a byte is written: the quotas, then the free-space floor.
+            ledger.reserve(upload_id, client, reserved, cfg)
+            space.check_floor(folder, cfg.min_free_bytes, "UploadModel", need=reserved)
+            folder.mkdir(parents=True, exist_ok=True)
             with open(part, "xb") as f:
                 for msg in request_iterator:
                     if msg.WhichOneof("payload") != "chunk":
@@ -296,6 +307,10 @@ class TuningServicer(tuning_pb2_grpc.TuningServiceServicer):
                     if size > limit:
                         context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                       f"UploadModel: over this daemon's limit of {limit} bytes")  # fmt: skip
+                    if size > reserved:  # beyond what the header declared: this chunk first
+                        ledger.reserve(upload_id, client, size, cfg)
+                        space.check_floor(folder, cfg.min_free_bytes, "UploadModel", need=size - reserved)
+                        reserved = size
                     h.update(msg.chunk)
                     f.write(msg.chunk)
             digest = h.hexdigest()
@@ -305,16 +320,24 @@ class TuningServicer(tuning_pb2_grpc.TuningServiceServicer):
             if head.size_bytes and head.size_bytes != size:
                 context.abort(grpc.StatusCode.DATA_LOSS,
                               f"UploadModel: received {size} bytes, the header said {head.size_bytes}")  # fmt: skip
-            final = folder / upload_id
             final.mkdir()
             part.rename(final / name)
+            up = Upload(upload_id, str(final / name), name, digest, size, time.time())
+            self._bridge.call(context, self._register_upload, up)
+            kept = True
+        except AoedError as exc:
+            context.abort(status_of(exc), str(exc))
         except OSError as exc:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED if exc.errno == 28 else grpc.StatusCode.INTERNAL,
-                          f"UploadModel: cannot store the upload: {exc.strerror or exc}")  # fmt: skip
+            if exc.errno in space.FULL_ERRNOS:
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(space.disk_full(folder, "UploadModel")))
+            context.abort(grpc.StatusCode.INTERNAL, f"UploadModel: cannot store the upload: {exc.strerror or exc}")
         finally:
             part.unlink(missing_ok=True)
-        up = Upload(upload_id, str(final / name), name, digest, size, time.time())
-        self._bridge.call(context, self._register_upload, up)
+            if not kept:  # refused, failed or cancelled: nothing of it stays, nor counts
+                (final / name).unlink(missing_ok=True)
+                with contextlib.suppress(OSError):
+                    final.rmdir()
+                ledger.release(upload_id)
         return tuning_pb2.UploadModelResponse(model_id=upload_id, sha256=digest, size_bytes=size)
 
     async def _register_upload(self, up: Upload) -> None:
