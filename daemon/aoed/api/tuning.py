@@ -32,6 +32,7 @@ from aoed import space
 from aoed.api._bridge import Bridge, status_of
 from aoed.errors import NotFoundError, PermissionDeniedError, RpcError
 from aoed.config import DaemonConfig
+from aoed.jobs import sizes
 from aoed.jobs import store as st
 from aoed.jobs.manager import JobManager, Submission, options_from_dict
 from aoed.jobs.store import EventRow, JobRow, Upload
@@ -197,6 +198,11 @@ def event_pb(ev: EventRow) -> tuning_pb2.JobEvent:
     return msg
 
 
+#: Bytes of jobs in one ListJobs answer, at most (a larger job comes alone on its page):
+#: well under the 4 MiB a gRPC client accepts by default, and the daemon's 8 MiB.
+LIST_PAGE_BYTES = 1 << 20
+
+
 def _page_token(row: JobRow) -> str:
     return base64.urlsafe_b64encode(json.dumps([row.created, row.id]).encode()).decode()
 
@@ -226,9 +232,13 @@ class TuningServicer(tuning_pb2_grpc.TuningServiceServicer):
         return tuning_pb2.SubmitJobResponse(job_id=row.id, job=job_pb(row))
 
     async def _submit(self, request: tuning_pb2.SubmitJobRequest, client: str) -> tuple[JobRow, bool]:
+        o = request.options
+        for name, value in (("model_path", request.model_path), ("output_dir", o.output_dir),
+                            ("calibration_dir", o.calibration_dir)):  # fmt: skip
+            sizes.check_text(name, value, sizes.MAX_PATH_BYTES)
+        sizes.check_text("model_id", request.model_id, sizes.MAX_NAME_BYTES)
         opts = options_from_dict(options_to_dict(request.options), self._jobs.engine.device.device)
         allowed = self._cfg.allowed_dirs
-        o = request.options
         if o.calibration_dir:
             opts["calibration_dir"] = str(confine(o.calibration_dir, allowed, "calibration_dir", want_dir=True))
         output = confine(o.output_dir, allowed, "output_dir", want_dir=True) if o.output_dir else None
@@ -257,10 +267,16 @@ class TuningServicer(tuning_pb2_grpc.TuningServiceServicer):
         size = min(int(request.page_size or 100), 1000)
         states = [_STATE_NAME[s] for s in request.states if s in _STATE_NAME]
         rows = self._jobs.list(states, size + 1, _parse_token(request.page_token))
-        more = len(rows) > size
-        rows = rows[:size]
-        return tuning_pb2.ListJobsResponse(jobs=[job_pb(r) for r in rows],
-                                           next_page_token=_page_token(rows[-1]) if more else "")  # fmt: skip
+        jobs: list[tuning_pb2.Job] = []
+        used = 0
+        for row in rows[:size]:  # as many as fit in LIST_PAGE_BYTES, and at least one
+            pb = job_pb(row)
+            used += pb.ByteSize() + 8  # (+ the field's tag and length)
+            if jobs and used > LIST_PAGE_BYTES:
+                break
+            jobs.append(pb)
+        more = len(rows) > len(jobs)
+        return tuning_pb2.ListJobsResponse(jobs=jobs, next_page_token=_page_token(rows[len(jobs) - 1]) if more else "")
 
     def CancelJob(self, request, context):
         return self._bridge.call(context, self._cancel, request.job_id)

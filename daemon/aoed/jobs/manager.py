@@ -50,6 +50,7 @@ from aoed.engine.job import JobHandle, JobOptions, JobResult
 from aoed.engine.messages import JobEvent
 from aoed.engine.modelio import check_size
 from aoed.engine.policy import policy
+from aoed.jobs import sizes
 from aoed.jobs import store as st
 from aoed.jobs.backlog import Backlog
 from aoed.jobs.store import EventRow, JobRow, JobStore, StoreError, Upload
@@ -96,6 +97,7 @@ def options_from_dict(raw: dict[str, Any], default_device: Device) -> dict[str, 
         "priority": int(raw.get("priority") or 0),
         "labels": {str(k): str(v) for k, v in (raw.get("labels") or {}).items()},
     }
+    sizes.check_options(opts)  # before anything repeats a value in a message
     opts["job_type"] = parse_job_type(opts["job_type"], "job_type")
     policy(opts["precision"], opts["min_cosine"], opts["max_rel_error"])
     if Device.parse(opts["device"]).name != default_device.name:
