@@ -522,6 +522,29 @@ def test_the_daemon_starts_on_a_full_state_dir_and_recovers_by_itself(tmp_path: 
         d.close()
 
 
+def test_a_worker_whose_log_is_on_a_full_disk_answers_a_failed_request_and_lives(tmp_path: Path, small_fs) -> None:
+    """A worker prints the traceback of a request that failed into its log, in the state
+    dir; on a full disk that print raised, and the worker died without answering: every
+    failure while the disk was full cost a worker restart and the request's reason."""
+    import json
+
+    fs = small_fs(tmp_path / "logs", 1 << 20)
+    with open(fs / "worker-0.log", "ab") as log:
+        fill(fs)
+        with subprocess.Popen([sys.executable, "-m", WORKER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=log, text=True) as proc:  # fmt: skip
+            assert proc.stdin is not None and proc.stdout is not None
+            try:
+                for request in ({"op": "compile", "id": 1}, {"op": "ping", "id": 2}):  # the first lacks its fields
+                    proc.stdin.write(json.dumps(request) + "\n")
+                    proc.stdin.flush()
+                    reply = json.loads(proc.stdout.readline() or "null")
+                    assert reply is not None and reply["id"] == request["id"], (reply, proc.poll())
+                assert proc.poll() is None
+            finally:
+                proc.kill()
+
+
 def _stream(name: str, size: int, declared: int, chunk: int = 64 << 10) -> Iterator[tuning_pb2.UploadModelRequest]:
     yield tuning_pb2.UploadModelRequest(header=tuning_pb2.ModelUploadHeader(file_name=name, size_bytes=declared))
     for i in range(0, size, chunk):
