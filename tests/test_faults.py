@@ -513,6 +513,9 @@ def test_the_daemon_starts_on_a_full_state_dir_and_recovers_by_itself(tmp_path: 
         assert job(d, interrupted).state == S.JOB_STATE_QUEUED  # waits for space, does not fail
         refused_for_space(lambda: submit(d, model(d, "mlp", hidden=64), budget=1.0), state)
         assert "queued jobs wait" in d.log()
+        assert d.stop() == 0  # and once more, from a clean stop on the full disk
+        d.start()
+        answers_reads(d, [done.job_id, interrupted])
 
         filler.unlink()
         j = d.wait_job(interrupted)
@@ -520,6 +523,37 @@ def test_the_daemon_starts_on_a_full_state_dir_and_recovers_by_itself(tmp_path: 
         assert d.wait_job(submit(d, model(d, "mlp", hidden=64), budget=1.0)).state == S.JOB_STATE_SUCCEEDED
     finally:
         d.close()
+
+
+def test_the_job_store_opens_and_reads_on_a_full_disk_and_writes_again_with_room(tmp_path: Path, small_fs) -> None:
+    """After a clean close SQLite has no WAL index (-shm) left, and creating one at open
+    needs room: on a full disk the store could not open ("disk I/O error"), so aoed could
+    not start. Now it opens (in exclusive mode), reads, refuses writes naming the folder
+    and its free space, and writes again once there is room."""
+    from aoe.errors import DiskFullError
+    from aoed.jobs.store import JobRow, JobStore
+
+    fs = small_fs(tmp_path / "state", 1 << 20)
+    row = JobRow(id="job-1", state="succeeded", model_path="/m.onnx", model_name="m.onnx", model_sha256="0" * 64,
+                 dedup_key="k", options={}, output_dir="/out")  # fmt: skip
+    store = JobStore(fs / "jobs.sqlite3")
+    store.insert(row)
+    store.close()
+    assert not (fs / "jobs.sqlite3-shm").exists()
+    filler = fill(fs)
+    store = JobStore(fs / "jobs.sqlite3")
+    try:
+        assert store.get("job-1") == row and [r.id for r in store.jobs()] == ["job-1"]
+        with pytest.raises(DiskFullError) as err:
+            for i in range(1000):  # (the first pages may still fit in the WAL)
+                store.insert(JobRow(**{**row.__dict__, "id": f"job-{i + 2}", "error": "x" * 4000}))
+        assert str(fs) in str(err.value) and "0 bytes free" in str(err.value), err.value
+        assert err.value.grpc_status == "RESOURCE_EXHAUSTED"
+        filler.unlink()
+        store.update("job-1", error="written again")
+        assert store.get("job-1").error == "written again"
+    finally:
+        store.close()
 
 
 def test_a_worker_whose_log_is_on_a_full_disk_answers_a_failed_request_and_lives(tmp_path: Path, small_fs) -> None:

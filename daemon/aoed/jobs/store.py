@@ -15,13 +15,14 @@ process, not against power loss between checkpoints) and never waits on another
 process, so it is not worth a thread hop. Values a row holds as JSON (options, result,
 progress, event data) are plain dicts; nothing is pickled.
 
-The daemon is the store's only user, and opens it in exclusive locking mode: SQLite
-then keeps the WAL index in the process's memory instead of a `-shm` file it would have
-to create and size at each start, which fails on a full disk. So on a full disk the
-store opens and answers every read; a write it has no room for raises DiskFullError
-(naming the folder and its free space) and changes nothing, and the same store writes
-again once there is room. Sorting uses memory, never a temporary file. (Another process
-that opens the file while the daemon runs is told "database is locked".)
+A full disk: a write the store has no room for raises DiskFullError (naming the folder
+and its free space) and changes nothing, and the same store writes again once there is
+room; reads go on (sorting uses memory, never a temporary file). At open, SQLite
+creates and sizes its WAL index, the `-shm` file, which a full disk refuses (after a
+clean stop there is none); the store then opens in exclusive locking mode, where SQLite
+keeps that index in the process's memory, so the daemon starts and serves all the same.
+Until the next start, other processes cannot read the file then ("database is
+locked"); in the usual mode a read-only connection can, e.g. an integrity check.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from aoe.errors import AoedError
+from aoe.errors import AoedError, DiskFullError
 from aoed import space
 
 __all__ = ["ACTIVE", "FINAL", "Claim", "EventRow", "JobRow", "JobStore", "StoreError", "Upload"]
@@ -183,20 +184,32 @@ class JobStore:
         self.damaged: list[str] = []
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
-        except (sqlite3.Error, OSError) as exc:
+        except OSError as exc:
             raise StoreError(f"job store {path}: {exc}") from None
         try:
-            # Before WAL mode is entered: exclusive locking keeps the WAL index off disk.
-            self._db.execute("PRAGMA locking_mode=EXCLUSIVE")
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute("PRAGMA synchronous=NORMAL")
-            self._db.execute("PRAGMA busy_timeout=5000")
-            self._db.execute("PRAGMA temp_store=MEMORY")
-            self._db.executescript(_SCHEMA)  # (writes nothing where the tables exist)
+            self._db = self._open(exclusive=False)
+        except DiskFullError as exc:
+            log.warning("%s; opening it in exclusive mode, which needs no room (other processes cannot read it "
+                        "until aoed restarts)", exc)  # fmt: skip
+            self._db = self._open(exclusive=True)
+
+    def _open(self, exclusive: bool) -> sqlite3.Connection:
+        try:
+            db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
         except sqlite3.Error as exc:
-            self._db.close()
+            raise StoreError(f"job store {self.path}: {exc}") from None
+        try:
+            if exclusive:  # before WAL mode is entered: SQLite keeps the WAL index in memory
+                db.execute("PRAGMA locking_mode=EXCLUSIVE")
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=NORMAL")
+            db.execute("PRAGMA busy_timeout=5000")
+            db.execute("PRAGMA temp_store=MEMORY")
+            db.executescript(_SCHEMA)  # (writes nothing where the tables exist)
+        except sqlite3.Error as exc:
+            db.close()
             raise self._error(exc) from None
+        return db
 
     def close(self) -> None:
         self._db.close()
