@@ -225,6 +225,7 @@ def soak(root: Path, minutes: float, floor_mb: int, seed: int, log: Path) -> tup
     fills: list[tuple[float, float, int]] = []  # (started, lasted, bytes written)
     pid = 0
     load = None
+    failed_by: Counter[str] = Counter()  # failed jobs by the class of their error
     t0 = time.monotonic()
     total = minutes * 60
 
@@ -287,6 +288,7 @@ def soak(root: Path, minutes: float, floor_mb: int, seed: int, log: Path) -> tup
             time.sleep(2)
         if check_alive():
             take("at the end")
+            failed_by.update(j.error_kind or "?" for j in all_jobs(d.tuning()) if j.state == S.JOB_STATE_FAILED)
             left = [n for n in load.dropped if not delivered(d, n)]
             if left:
                 problems.append(f"{len(left)} dropped files never came out: {left[:5]}")
@@ -325,7 +327,9 @@ def soak(root: Path, minutes: float, floor_mb: int, seed: int, log: Path) -> tup
         f"| daemon exits | {sum('daemon exited' in p for p in problems)} (the same process from start to the planned SIGTERM) |",
         "| fills | " + "; ".join(f"at {a:.0f} s, full for {b:.0f} s ({mib(c)} written to fill it)" for a, b, c in fills) + " |",
         f"| calls (by outcome) | {calls} |",
-        f"| jobs at the end | {sum(jobs.values())}: " + ", ".join(f"{n} {s}" for s, n in sorted(jobs.items())) + " |",
+        f"| jobs at the end | {sum(jobs.values())}: " + ", ".join(f"{n} {s}" for s, n in sorted(jobs.items()))
+        + (" (failed with: " + ", ".join(f"{n} {k}" for k, n in failed_by.most_common()) + ")" if failed_by else "")
+        + " |",
         f"| inbox drops | {len(load.dropped) if load else 0} ({sum('-hostile-' in n for n in (load.dropped if load else []))}"
         " from the hostile corpus), every one out in outbox/ or failed/ at the end"
         + ("" if not any("never came out" in p for p in problems) else ": NO") + " |",

@@ -50,6 +50,10 @@ class Backlog:
     def __bool__(self) -> bool:
         return bool(self._fields or self._events)
 
+    def jobs(self) -> int:
+        """How many jobs have writes kept here."""
+        return len(self._fields.keys() | self._events.keys())
+
     def _held(self, job_id: str) -> bool:
         return job_id in self._fields or job_id in self._events
 

@@ -225,6 +225,10 @@ class JobManager:
         with trio.move_on_after(10):
             while self._running:
                 await trio.sleep(0.05)
+        self._backlog.flush()
+        if self._backlog:  # the store still refuses them: the next start finds those jobs as it last had them
+            log.warning("jobs: the job store (%s) could not take the last states of %d job(s); the next start "
+                        "resumes them from the states it has", self.store.path, self._backlog.jobs())  # fmt: skip
 
     async def _housekeeping(self) -> None:
         """Expired uploads and finished jobs past retention go, at start and then hourly
