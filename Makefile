@@ -53,9 +53,12 @@ bench-quick: $(BENCH_STAMP)
 	$(BIN)/python bench/bench_kernels.py --quick
 
 # kill -9 of the daemon at 20 random points of its jobs; prints seeds, restarts and the
-# bank entries verified intact (make test runs 3 of them)
+# bank entries verified intact (make test runs 3 of them). Then 30 minutes of mixed load
+# with the state dir on a 200 MB tmpfs filled and freed twice (needs root to mount it);
+# its figures go into bench/RESULTS.md.
 soak: $(STAMP)
 	$(BIN)/python bench/soak.py
+	$(BIN)/python bench/soak_disk.py --minutes 30
 
 protos: $(STAMP)
 	$(BIN)/python -m grpc_tools.protoc -I protos \

@@ -324,3 +324,29 @@ def test_remap_waits_until_no_transaction_is_live(tmp_path: Path) -> None:
     with gate.transaction(env, tmp_path, write=True) as txn:  # the gate opens again
         txn.put(b"x", b"1")
     env.close()
+
+
+def test_the_lock_file_is_allocated_before_lmdb_maps_it(tmp_path: Path) -> None:
+    """LMDB writes its reader table through a shared map of lock.mdb; on a full disk a
+    write into a page the filesystem has not allocated is SIGBUS (tests/test_faults.py
+    fills a real disk). So the store creates it with every block allocated, at the size
+    LMDB itself gives it, and a reader fills the holes of one left sparse."""
+    from aoe._lmdb import LOCK_BYTES
+    from aoe.bank import open_bank
+
+    plain = lmdb.open(str(tmp_path / "plain"))  # the size LMDB gives it by itself
+    plain.close()
+    assert (tmp_path / "plain" / "lock.mdb").stat().st_size == LOCK_BYTES
+
+    path = tmp_path / "bank"
+    BankStore(path).close()
+    st = (path / "lock.mdb").stat()
+    assert st.st_size == LOCK_BYTES and st.st_blocks * 512 >= LOCK_BYTES
+
+    with open(path / "lock.mdb", "wb") as f:  # all of it a hole now
+        f.truncate(LOCK_BYTES)
+    assert (path / "lock.mdb").stat().st_blocks * 512 < LOCK_BYTES
+    with open_bank(path, use_env=False) as reader:
+        assert reader.stats()
+    st = (path / "lock.mdb").stat()
+    assert st.st_size == LOCK_BYTES and st.st_blocks * 512 >= LOCK_BYTES

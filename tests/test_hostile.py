@@ -34,7 +34,7 @@ from hypothesis import strategies as st
 from aoe import errors
 from aoe.bank import open_bank
 from aoe.errors import AoedError, BankError
-from aoe.v1 import tuning_pb2
+from aoe.v1 import tuning_pb2, tuning_pb2_grpc
 from aoed import samples
 from aoed.engine.prep import prepare
 
@@ -476,3 +476,59 @@ def test_fuzz_base_model_prepares(tmp_path: Path) -> None:
     (tmp_path / "m.onnx").write_bytes(BASE)
     prep = prepare(tmp_path / "m.onnx", tmp_path)
     assert prep.outputs == ["logits"] and np.dtype(prep.inputs["input"].dtype) == np.float32
+
+
+def test_large_labels_page_listjobs_by_bytes_and_an_over_limit_label_is_refused(tmp_path: Path) -> None:
+    """A few jobs with megabytes of labels made every ListJobs answer larger than a gRPC
+    message may be ("Sent message larger than max"), for every client, until the jobs
+    expired 30 days later. Labels have limits now, and ListJobs pages by bytes: jobs
+    whose labels sum to more than 8 MiB (each job under the limits) are all listed,
+    across pages, by a plain grpc client (4 MiB per answer by default), aoe.Client and
+    `aoe jobs`."""
+    import aoe
+    from aoed.jobs import sizes
+
+    d = DaemonProcess(tmp_path / "d", max_running_jobs=1)
+    d.config.write_text(d.config.read_text().replace("[daemon]\n", "[daemon]\nmax_queued_jobs = 1000\n"
+                                                                   "max_jobs_per_client = 1000\n"))  # fmt: skip
+    model = samples.save(samples.mlp(), d.models / "mlp.onnx")
+
+    def submit(labels: dict[str, str], budget: float) -> str:
+        return d.tuning().SubmitJob(tuning_pb2.SubmitJobRequest(model_path=str(model), options=tuning_pb2.JobOptions(
+            budget_s=budget, labels=labels)), timeout=30).job_id  # fmt: skip
+
+    biggest = {f"{i:03d}".ljust(sizes.MAX_LABEL_KEY_BYTES, "k"): "v" * sizes.MAX_LABEL_VALUE_BYTES
+               for i in range(sizes.MAX_LABELS)}  # fmt: skip
+    per_job = sum(len(k) + len(v) for k, v in biggest.items())
+    try:
+        d.start()
+        # A budget of its own each: the same model and options would join one job.
+        ids = {submit(biggest, 60 + i / 100) for i in range((8 << 20) // per_job + 2)}
+        assert len(ids) * per_job > 8 << 20
+
+        with grpc.insecure_channel(d.target) as plain:  # grpcio's defaults: 4 MiB per answer
+            stub = tuning_pb2_grpc.TuningServiceStub(plain)
+            request, seen, pages = tuning_pb2.ListJobsRequest(page_size=1000), [], 0
+            while True:
+                reply = stub.ListJobs(request, timeout=30)
+                seen += [j.job_id for j in reply.jobs]
+                pages += 1
+                assert reply.ByteSize() < 4 << 20
+                if not reply.next_page_token:
+                    break
+                request.page_token = reply.next_page_token
+        assert sorted(seen) == sorted(ids) and pages > 1
+        with aoe.Client(d.target) as client:
+            assert {j.job_id for j in client.jobs()} == ids
+        cli = run_aoe("jobs", "--socket", str(d.socket))
+        assert cli.returncode == 0 and all(i in cli.stdout for i in ids), cli.stderr
+
+        over = [({**biggest, "one-more": "x"}, "labels: 65 labels, over the limit of 64"),
+                ({"k": "v" * (sizes.MAX_LABEL_VALUE_BYTES + 1)}, "labels['k']: the value: 1025 bytes, over the limit "
+                                                                 "of 1024 bytes")]  # fmt: skip
+        for labels, message in over:
+            with pytest.raises(grpc.RpcError) as err:
+                submit(labels, 1.0)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in err.value.details(), err.value
+    finally:
+        d.close()

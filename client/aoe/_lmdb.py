@@ -11,12 +11,21 @@ transaction with MapResizedError, and the remedy, `set_mapsize(0)` (adopt the si
 bank now records), is only allowed while no transaction of this process is live on
 that environment. `TxnGate` makes that so: every transaction runs under a shared hold,
 the remap under an exclusive one.
+
+No process may touch a page of a bank file through a writable map before the filesystem
+has allocated it: on a full disk the kernel answers such a write with SIGBUS, which ends
+the process without a word. The data file is never mapped writable (writers open it
+without `writemap`, so pages reach it by `pwrite`, whose ENOSPC is an error LMDB
+reports); the lock file, whose reader table LMDB writes through a shared map, has its
+blocks allocated before LMDB opens it (`reserve_lock_file`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import mmap
+import os
 import threading
 from collections import Counter
 from collections.abc import Iterator
@@ -25,15 +34,24 @@ from typing import Any
 
 import lmdb
 
-from aoe.errors import BankError
+from aoe.errors import BankError, BankWriteError
 
-__all__ = ["FULL_MAP", "MAP_SIZES", "TxnGate", "bank_error", "lmdb_errors"]
+__all__ = ["FULL_MAP", "LOCK_BYTES", "MAP_SIZES", "TxnGate", "bank_error", "lmdb_errors", "reserve_lock_file"]
 
 #: The map a bank is opened with where the address space allows it (1 TiB).
 FULL_MAP = 1 << 40
 #: Map sizes to try in order: smaller ones only where the address space is limited
 #: (ulimit -v). The last is one page: LMDB raises it to what the file holds.
 MAP_SIZES = (FULL_MAP, 1 << 36, 1 << 32, 1 << 30, mmap.PAGESIZE)
+
+#: Size of LMDB's lock file for its default 126 reader slots (LMDB 0.9 on 64-bit: a
+#: 192-byte header holding the first slot, then 64 bytes per slot), which is what every
+#: bank is opened with; `reserve_lock_file` gives a new lock file exactly this size, so
+#: LMDB finds it as large as it would have made it.
+LOCK_BYTES = 192 + 125 * 64
+
+#: errno values of a write the disk did not take (full, over quota, file too large, I/O).
+_WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO})
 
 #: Remaps tried for one transaction before giving up: each adopts the size the bank
 #: records at that moment, so only a bank growing again meanwhile needs another.
@@ -132,7 +150,34 @@ def _size(n: int) -> str:
     return f"{n} bytes"
 
 
+def _free(path: Path) -> str:
+    """Free space of the filesystem holding `path` (or its nearest existing parent)."""
+    for p in (path, *path.parents):
+        try:
+            st = os.statvfs(p)
+        except OSError:
+            continue
+        return _size(st.f_bavail * st.f_frsize)
+    return "unknown"
+
+
+def _disk_full(path: Path, doing: str) -> str:
+    return (
+        f"bank {path}: {doing} failed, the disk holding it is full ({_free(path)} free there); nothing was "
+        "written, and what the bank held is intact; free space there (or move the bank) and retry"
+    )
+
+
+def _write_failure(exc: lmdb.Error) -> bool:
+    """True for an error that means a write did not fit or did not reach the disk."""
+    if isinstance(exc, (lmdb.MapFullError, lmdb.TxnFullError, lmdb.DiskError)):
+        return True
+    return getattr(exc, "code", 0) in _WRITE_ERRNOS
+
+
 def _advice(exc: lmdb.Error, path: Path, doing: str, map_size: int) -> str:
+    if isinstance(exc, lmdb.DiskError) or getattr(exc, "code", 0) in (errno.ENOSPC, errno.EDQUOT):
+        return _disk_full(path, doing)
     if isinstance(exc, (lmdb.MapFullError, lmdb.TxnFullError)):
         return (
             f"bank {path}: full, the {doing} does not fit in its {_size(map_size)} map; drop its "
@@ -160,12 +205,41 @@ def _advice(exc: lmdb.Error, path: Path, doing: str, map_size: int) -> str:
 
 
 def bank_error(exc: lmdb.Error, path: Path, doing: str, env: lmdb.Environment | None = None) -> BankError:
-    """The BankError for `exc`: one line naming the bank, what failed and what to do."""
+    """The BankError for `exc`: one line naming the bank, what failed and what to do;
+    a BankWriteError when a write did not fit (disk or map full) or the disk failed it."""
     map_size = 0
     if env is not None:
         with contextlib.suppress(lmdb.Error):
             map_size = env.info()["map_size"]
-    return BankError(_advice(exc, path, doing, map_size))
+    cls = BankWriteError if _write_failure(exc) else BankError
+    return cls(_advice(exc, path, doing, map_size))
+
+
+def reserve_lock_file(path: Path, create: bool = True) -> None:
+    """Have the filesystem allocate every block of the lock file of the bank at `path`
+    (`lock.mdb`) before LMDB maps it (see the module's doc: a write through a map into
+    an unallocated page on a full disk is SIGBUS). A lock file that does not exist is
+    created at LOCK_BYTES when `create`; one that exists keeps its size, because every
+    process that has it open mapped that much, and only has its holes filled.
+
+    Raises BankWriteError naming the bank and its free space when the disk has no room
+    for it. Does nothing where the file cannot be opened for writing (a reader without
+    write access, which opens the bank without LMDB's lock) or is absent and not to be
+    created."""
+    flags = os.O_RDWR | os.O_CLOEXEC | (os.O_CREAT if create else 0)
+    try:
+        fd = os.open(path / "lock.mdb", flags, 0o644)  # LMDB's own mode for its files
+    except OSError:
+        return  # LMDB's open will report what is wrong, or a reader goes without the lock
+    try:
+        os.posix_fallocate(fd, 0, os.fstat(fd).st_size or LOCK_BYTES)
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise BankWriteError(_disk_full(path, "open")) from None
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):  # (glibc emulates where unsupported)
+            raise BankError(f"bank {path}: cannot allocate its lock file ({exc.strerror or exc})") from None
+    finally:
+        os.close(fd)
 
 
 @contextlib.contextmanager

@@ -41,7 +41,7 @@ import lmdb
 import onnx
 from google.protobuf import json_format
 
-from aoe._lmdb import FULL_MAP, MAP_SIZES, TxnGate, bank_error, lmdb_errors
+from aoe._lmdb import FULL_MAP, MAP_SIZES, TxnGate, bank_error, lmdb_errors, reserve_lock_file
 from aoe.errors import BankError
 from aoe.partition import ModelTasks
 from aoe.signature import (
@@ -237,6 +237,8 @@ class _Layer:
                 f"bank {path}: no bank here (no data.mdb); tune a model into it first "
                 f"(aoe tune MODEL --bank {path}) or check the path"
             )
+        # LMDB writes this reader's slot into lock.mdb through a map: allocated first.
+        reserve_lock_file(path)
         try:
             self.env = self._open(lock=True)
         except lmdb.Error as exc:

@@ -10,7 +10,10 @@ the message names the file, node or option at fault and says what to do.
     ├── OptionError        a command-line option, config key or request field is wrong
     ├── ModelError         a model cannot be read, checked or prepared
     ├── BankError          the knowledge bank cannot be opened, read or written
-    │   └── BankBusyError  another process is writing the bank (one writer at a time)
+    │   ├── BankBusyError  another process is writing the bank (one writer at a time)
+    │   └── BankWriteError a write did not reach the bank (its disk or its map is full,
+    │                      or the disk failed the write): none of it was written, and
+    │                      what the bank held before is intact
     ├── DeviceError        the measuring device or its runner failed
     ├── CandidateError     one candidate failed to compile or measure (costs that candidate)
     ├── JobCancelledError  the job was cancelled
@@ -18,8 +21,11 @@ the message names the file, node or option at fault and says what to do.
     │                      no daemon answers at the address (not running, restarting,
     │                      shutting down): start aoed or pick another address
     └── ResourceExhaustedError
-                           the daemon is at a limit (queue full, upload too large):
-                           try later or ask for less
+        │                  the daemon is at a limit (queue full, upload too large):
+        │                  try later or ask for less
+        └── DiskFullError  a folder the daemon writes is full, or below its free-space
+                           floor (`[limits] min_free_mb`): names the folder and its
+                           free space
 
 A client (`aoe.Client`) turns each gRPC status back into the class that sends it; a
 status several classes share comes back as the most general one: INVALID_ARGUMENT and
@@ -35,9 +41,11 @@ __all__ = [
     "AoedError",
     "BankBusyError",
     "BankError",
+    "BankWriteError",
     "CandidateError",
     "DaemonUnavailableError",
     "DeviceError",
+    "DiskFullError",
     "JobCancelledError",
     "ModelError",
     "OptionError",
@@ -88,6 +96,14 @@ class BankBusyError(BankError):
         self.holder = holder
 
 
+class BankWriteError(BankError):
+    """A commit did not reach the bank: its disk or its map is full, or the disk failed
+    the write. LMDB commits are atomic, so nothing of that write is in the bank and
+    everything committed before is; the next write may succeed once there is room."""
+
+    grpc_status = "RESOURCE_EXHAUSTED"
+
+
 class DeviceError(AoedError):
     exit_code = 5
     grpc_status = "UNAVAILABLE"
@@ -115,3 +131,13 @@ class ResourceExhaustedError(AoedError):
 
     exit_code = 8
     grpc_status = "RESOURCE_EXHAUSTED"
+
+
+class DiskFullError(ResourceExhaustedError):
+    """A folder the daemon writes is full (or below `[limits] min_free_mb`); the message
+    names the folder and its free space. `folder` and `free_bytes` say the same."""
+
+    def __init__(self, message: str, folder: str = "", free_bytes: int = -1):
+        super().__init__(message)
+        self.folder = folder
+        self.free_bytes = free_bytes

@@ -31,8 +31,14 @@ or /var/lib/aoed as root; the socket in the runtime dir (/run/aoed as root).
   compile_timeout_s = 120            # a worker's time per candidate (and bank rebuild), and
   stage_timeout_s = 900              #   per other stage; x (1 + model MiB/256) for each job
   [limits]
-  max_upload_mb = 2048
+  max_upload_mb = 2048               # one upload
   upload_ttl_h = 24                  # an upload not submitted by then is deleted
+  max_uploads_mb = 8192              # uploads not yet submitted, all clients together:
+  max_uploads = 64                   #   their bytes and their number
+  max_client_uploads_mb = 4096       # the same per client (a TLS subject, a TCP address;
+  max_client_uploads = 16            #   every caller on the unix socket is one client)
+  min_free_mb = 512                  # below this free in the state dir, new jobs and
+                                     # uploads are refused and queued jobs wait
   [[inbox]]                          # repeat for more folders
   path = "/var/lib/aoed/inbox"
   outbox = "/var/lib/aoed/outbox"    # default: "outbox" beside the inbox
@@ -103,6 +109,11 @@ class DaemonConfig:
     allowed_dirs: tuple[Path, ...] = ()
     max_upload_bytes: int = 2048 << 20
     upload_ttl_s: float = 24 * 3600.0
+    max_uploads_bytes: int = 8192 << 20
+    max_uploads: int = 64
+    max_client_uploads_bytes: int = 4096 << 20
+    max_client_uploads: int = 16
+    min_free_bytes: int = 512 << 20
     inboxes: tuple[Inbox, ...] = ()
     source: str = "defaults"
     sources: Mapping[str, str] = field(default_factory=dict)
@@ -149,6 +160,10 @@ class DaemonConfig:
             return ipaddress.ip_address(host).is_loopback
         except ValueError:
             return False
+
+
+def _mib(n: float) -> int:
+    return int(float(n) * (1 << 20))
 
 
 def _host(hostport: str) -> str:
@@ -263,8 +278,10 @@ def load_daemon_config(path: str | os.PathLike[str] | None = None, env: Mapping[
         problems.add(f"{where} [listen] socket_mode = {mode_raw!r}: expected an octal mode like \"0660\"")
     if socket_mode & ~0o777 or socket_mode & 0o007:
         problems.add(f"{where} [listen] socket_mode = {mode_raw!r}: the socket must not be open to others")
-    lim = _Reader(_table(doc, "limits", Path(where), problems), f"{where} [limits]", {"max_upload_mb", "upload_ttl_h"},
-                  problems)  # fmt: skip
+    lim = _Reader(_table(doc, "limits", Path(where), problems), f"{where} [limits]", {
+        "max_upload_mb", "upload_ttl_h", "max_uploads_mb", "max_uploads", "max_client_uploads_mb",
+        "max_client_uploads", "min_free_mb",
+    }, problems)  # fmt: skip
     inboxes = []
     raw_inboxes = doc.get("inbox", None)
     if raw_inboxes is None:
@@ -305,6 +322,11 @@ def load_daemon_config(path: str | os.PathLike[str] | None = None, env: Mapping[
         allowed_dirs=allowed,
         max_upload_bytes=int(float(lim.number("max_upload_mb", 2048, 1, 1 << 20)) * (1 << 20)),
         upload_ttl_s=float(lim.number("upload_ttl_h", 24, 0.0001, 24 * 365)) * 3600.0,
+        max_uploads_bytes=_mib(lim.number("max_uploads_mb", 8192, 1, 1 << 30)),
+        max_uploads=int(lim.number("max_uploads", 64, 1, 1 << 20, integer=True)),
+        max_client_uploads_bytes=_mib(lim.number("max_client_uploads_mb", 4096, 1, 1 << 30)),
+        max_client_uploads=int(lim.number("max_client_uploads", 16, 1, 1 << 20, integer=True)),
+        min_free_bytes=_mib(lim.number("min_free_mb", 512, 0, 1 << 30)),
         inboxes=tuple(inboxes),
         source=where,
     )

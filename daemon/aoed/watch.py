@@ -545,7 +545,10 @@ class Watcher:
                 self._in_flight.add(c.src)
                 self._nursery.start_soon(self._submit_reconciled, c, src.exists() and _same_file_data(src, dst))
             else:
-                self._store.claim_drop(c.src)
+                try:
+                    self._store.claim_drop(c.src)
+                except AoedError as exc:  # (a full disk: the next sweep drops it)
+                    log.warning("inbox %s: %s", c.inbox, exc)
 
     async def _submit_reconciled(self, claim: Claim, unlink_src: bool) -> None:
         try:

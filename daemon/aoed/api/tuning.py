@@ -2,8 +2,11 @@
 manager. Methods are protobuf -> domain, one bridge call, domain -> protobuf.
 
 Uploads are written to disk in the handler's thread (no trio state is touched until the
-file is complete and its sha256 checked), then registered in one bridge call. Paths a
-client names (a model, a calibration folder, an output folder) must resolve, symlinks
+file is complete and its sha256 checked), then registered in one bridge call. Before a
+byte of an upload is written, its declared size (then each chunk beyond it) is reserved
+against the upload quotas (`jobs.uploads`) and the state dir's free-space floor; a full
+disk met anyway ends the call with RESOURCE_EXHAUSTED naming the folder. Paths a client
+names (a model, a calibration folder, an output folder) must resolve, symlinks
 included, inside the configured allowed directories.
 """
 
@@ -23,13 +26,14 @@ from typing import Any
 import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from aoe.errors import OptionError
+from aoe.errors import AoedError, OptionError
 from aoe.figures import Figures
 from aoe.v1 import bank_pb2, tuning_pb2, tuning_pb2_grpc
-from aoed import safefs
-from aoed.api._bridge import Bridge
+from aoed import safefs, space
+from aoed.api._bridge import Bridge, status_of
 from aoed.errors import NotFoundError, PermissionDeniedError, RpcError
 from aoed.config import DaemonConfig
+from aoed.jobs import sizes
 from aoed.jobs import store as st
 from aoed.jobs.manager import JobManager, Submission, options_from_dict, shown_path
 from aoed.jobs.store import EventRow, JobRow, Upload
@@ -215,6 +219,11 @@ def event_pb(ev: EventRow) -> tuning_pb2.JobEvent:
     return msg
 
 
+#: Bytes of jobs in one ListJobs answer, at most (a larger job comes alone on its page):
+#: well under the 4 MiB a gRPC client accepts by default, and the daemon's 8 MiB.
+LIST_PAGE_BYTES = 1 << 20
+
+
 def _page_token(row: JobRow) -> str:
     return base64.urlsafe_b64encode(json.dumps([row.created, row.id]).encode()).decode()
 
@@ -244,9 +253,13 @@ class TuningServicer(tuning_pb2_grpc.TuningServiceServicer):
         return tuning_pb2.SubmitJobResponse(job_id=row.id, job=job_pb(row))
 
     async def _submit(self, request: tuning_pb2.SubmitJobRequest, client: str) -> tuple[JobRow, bool]:
+        o = request.options
+        for name, value in (("model_path", request.model_path), ("output_dir", o.output_dir),
+                            ("calibration_dir", o.calibration_dir)):  # fmt: skip
+            sizes.check_text(name, value, sizes.MAX_PATH_BYTES)
+        sizes.check_text("model_id", request.model_id, sizes.MAX_NAME_BYTES)
         opts = options_from_dict(options_to_dict(request.options), self._jobs.engine.device.device)
         allowed = self._cfg.allowed_dirs
-        o = request.options
         if o.calibration_dir:
             opts["calibration_dir"] = str(confine(o.calibration_dir, allowed, "calibration_dir", want_dir=True))
         output = confine(o.output_dir, allowed, "output_dir", want_dir=True) if o.output_dir else None
@@ -275,10 +288,16 @@ class TuningServicer(tuning_pb2_grpc.TuningServiceServicer):
         size = min(int(request.page_size or 100), 1000)
         states = [_known(_STATE_NAME, s, "states", tuning_pb2.JobState) for s in request.states]
         rows = self._jobs.list(states, size + 1, _parse_token(request.page_token))
-        more = len(rows) > size
-        rows = rows[:size]
-        return tuning_pb2.ListJobsResponse(jobs=[job_pb(r) for r in rows],
-                                           next_page_token=_page_token(rows[-1]) if more else "")  # fmt: skip
+        jobs: list[tuning_pb2.Job] = []
+        used = 0
+        for row in rows[:size]:  # as many as fit in LIST_PAGE_BYTES, and at least one
+            pb = job_pb(row)
+            used += pb.ByteSize() + 8  # (+ the field's tag and length)
+            if jobs and used > LIST_PAGE_BYTES:
+                break
+            jobs.append(pb)
+        more = len(rows) > len(jobs)
+        return tuning_pb2.ListJobsResponse(jobs=jobs, next_page_token=_page_token(rows[len(jobs) - 1]) if more else "")
 
     def CancelJob(self, request, context):
         return self._bridge.call(context, self._cancel, request.job_id)
@@ -294,7 +313,8 @@ class TuningServicer(tuning_pb2_grpc.TuningServiceServicer):
             yield tuning_pb2.WatchJobResponse(event=event_pb(ev))
 
     def UploadModel(self, request_iterator, context):
-        limit = self._cfg.max_upload_bytes
+        cfg = self._cfg
+        limit = cfg.max_upload_bytes
         first = next(request_iterator, None)
         if first is None or first.WhichOneof("payload") != "header":
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "UploadModel: the first message must be the header")
@@ -306,12 +326,13 @@ class TuningServicer(tuning_pb2_grpc.TuningServiceServicer):
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                           f"UploadModel: {head.size_bytes} bytes is over this daemon's limit of {limit} bytes")  # fmt: skip
         upload_id = f"up-{uuid.uuid4().hex[:16]}"
-        folder = self._cfg.uploads_dir
-        folder.mkdir(parents=True, exist_ok=True)
-        h, size = hashlib.sha256(), 0
+        folder = cfg.uploads_dir
+        ledger, client = self._jobs.uploads, client_of(context)
+        final = folder / upload_id
+        h, size, reserved, kept = hashlib.sha256(), 0, head.size_bytes, False
 
         def receive(f) -> None:
-            nonlocal size
+            nonlocal size, reserved
             for msg in request_iterator:
                 if msg.WhichOneof("payload") != "chunk":
                     context.abort(grpc.StatusCode.INVALID_ARGUMENT, "UploadModel: only the first message is a header")
@@ -319,6 +340,10 @@ class TuningServicer(tuning_pb2_grpc.TuningServiceServicer):
                 if size > limit:
                     context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                   f"UploadModel: over this daemon's limit of {limit} bytes")  # fmt: skip
+                if size > reserved:  # beyond what the header declared: this chunk first
+                    ledger.reserve(upload_id, client, size, cfg)
+                    space.check_floor(folder, cfg.min_free_bytes, "UploadModel", need=size - reserved)
+                    reserved = size
                 h.update(msg.chunk)
                 f.write(msg.chunk)
             if head.sha256 and head.sha256.lower() != h.hexdigest():
@@ -329,6 +354,10 @@ class TuningServicer(tuning_pb2_grpc.TuningServiceServicer):
                               f"UploadModel: received {size} bytes, the header said {head.size_bytes}")  # fmt: skip
 
         try:
+            # Refused before a byte is written: the quotas, then the free-space floor.
+            ledger.reserve(upload_id, client, reserved, cfg)
+            space.check_floor(folder, cfg.min_free_bytes, "UploadModel", need=reserved)
+            folder.mkdir(parents=True, exist_ok=True)
             # uploads/<id>/<name>, written as safefs writes: the file appears whole or not at all.
             with safefs.opened_dir(folder) as up:
                 own = safefs.make_dir(upload_id, dir_fd=up)
@@ -340,12 +369,23 @@ class TuningServicer(tuning_pb2_grpc.TuningServiceServicer):
                     raise
                 finally:
                     os.close(own)
+            digest = h.hexdigest()
+            up = Upload(upload_id, str(final / name), name, digest, size, time.time())
+            self._bridge.call(context, self._register_upload, up)
+            kept = True
+        except AoedError as exc:
+            context.abort(status_of(exc), str(exc))
         except OSError as exc:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED if exc.errno == 28 else grpc.StatusCode.INTERNAL,
-                          f"UploadModel: cannot store the upload: {exc.strerror or exc}")  # fmt: skip
-        digest, final = h.hexdigest(), folder / upload_id
-        up = Upload(upload_id, str(final / name), name, digest, size, time.time())
-        self._bridge.call(context, self._register_upload, up)
+            if exc.errno in space.FULL_ERRNOS:
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(space.disk_full(folder, "UploadModel")))
+            context.abort(grpc.StatusCode.INTERNAL, f"UploadModel: cannot store the upload: {exc.strerror or exc}")
+        finally:
+            if not kept:  # refused, failed or cancelled: nothing of it stays, nor counts
+                with contextlib.suppress(OSError):
+                    (final / name).unlink(missing_ok=True)
+                with contextlib.suppress(OSError):
+                    final.rmdir()
+                ledger.release(upload_id)
         return tuning_pb2.UploadModelResponse(model_id=upload_id, sha256=digest, size_bytes=size)
 
     async def _register_upload(self, up: Upload) -> None:

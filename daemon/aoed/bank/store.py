@@ -27,8 +27,11 @@ lose every one of them at close. So each write first checks that path/data.mdb i
 the file opened, and refuses with a BankError naming the bank when it is not.
 
 Every method runs whole transactions and returns; callers on trio run them in a worker
-thread. Every lmdb error leaves as a BankError naming the bank and what to do. A crash
-mid-write loses at most the transaction in flight: LMDB commits are atomic.
+thread. Every lmdb error leaves as a BankError naming the bank and what to do; a write
+the disk or the map had no room for (or the disk failed) as a BankWriteError, after
+which the store goes on: nothing of that write is in the bank, everything before is. A
+full disk never takes the process down (see `aoe._lmdb` on SIGBUS). A crash mid-write
+loses at most the transaction in flight: LMDB commits are atomic.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ from typing import Any
 
 import lmdb
 
-from aoe._lmdb import MAP_SIZES, TxnGate, bank_error, lmdb_errors
+from aoe._lmdb import MAP_SIZES, TxnGate, bank_error, lmdb_errors, reserve_lock_file
 from aoe.bank import CUSTOM, MAX_DBS, LayerStats, default_bank_path, parse_schema, used_bytes
 from aoe.errors import BankError
 from aoe.signature import SCHEMA_VERSION
@@ -141,10 +144,13 @@ class BankStore:
             raise
 
     def _open(self, map_size: int | None) -> lmdb.Environment:
+        reserve_lock_file(self.path)
         # The smallest of MAP_SIZES (one page: what the file holds) is for readers only.
         for size in (map_size,) if map_size else MAP_SIZES[:-1]:
             try:
-                return lmdb.open(str(self.path), map_size=size, max_dbs=MAX_DBS, subdir=True)
+                # Never writemap: pages written through a map onto a full disk are SIGBUS
+                # (see aoe._lmdb); written with pwrite, they are an ENOSPC LMDB reports.
+                return lmdb.open(str(self.path), map_size=size, max_dbs=MAX_DBS, subdir=True, writemap=False)
             except lmdb.MemoryError:
                 continue  # address space limited (ulimit -v): try a smaller map
             except lmdb.Error as exc:

@@ -28,6 +28,7 @@ from typing import Any
 import trio
 
 from aoe.bank import CUSTOM, BankReader, layer_paths_from_env, open_bank
+from aoe.errors import BankWriteError
 from aoed.bank._codec import BankRecord, decode, encode
 from aoed.bank.lock import POLL_S, WriterLock
 from aoed.bank.store import BankStore
@@ -117,7 +118,9 @@ class BankWriter:
         )
 
     async def write(self, write: BankWrite) -> None:
-        """Commit `write` durably; raises the store's BankError if it failed."""
+        """Commit `write` durably; raises the store's BankError if it failed (a
+        BankWriteError when the disk or the map had no room: then nothing of it is in
+        the bank, and a later write may succeed)."""
         reply_send, reply_recv = trio.open_memory_channel[BaseException | None](1)
         await self._send.send((write, reply_send))
         async with reply_recv:
@@ -125,12 +128,25 @@ class BankWriter:
         if result is not None:
             raise result
 
+    async def _readable(self) -> BankStore | None:
+        """The store for a read; None when the bank does not exist yet and cannot be
+        created (its disk is full): a bank that is not there holds nothing, and the
+        job's writes will say why they were not kept."""
+        try:
+            return await self.store()
+        except BankWriteError:
+            if (Path(self.path) / "data.mdb").exists():
+                raise
+            return None
+
     async def lookup(self, key: bytes) -> BankRecord | None:
-        raw = await trio.to_thread.run_sync((await self.store()).get, key)
+        store = await self._readable()
+        raw = None if store is None else await trio.to_thread.run_sync(store.get, key)
         return decode(raw) if raw is not None else None
 
     async def known_default(self, key: bytes) -> dict[str, Any] | None:
-        return await trio.to_thread.run_sync((await self.store()).get_default, key)
+        store = await self._readable()
+        return None if store is None else await trio.to_thread.run_sync(store.get_default, key)
 
     async def layers(self) -> BankReader | None:
         """The read-only layers as one reader (None when there are none)."""

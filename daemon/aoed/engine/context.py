@@ -7,13 +7,14 @@ state.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import trio
 
 from aoe.config import Config
-from aoe.errors import AoedError
+from aoe.errors import AoedError, BankWriteError
 from aoe.signature import DeviceFingerprint, TaskSignature
 from aoed.bank.writer import BankWrite, BankWriter
 from aoed.engine import bankrules
@@ -41,6 +42,8 @@ from aoed.engine.workspace import Workspace
 
 __all__ = ["JobContext"]
 
+log = logging.getLogger(__name__)
+
 
 @dataclass
 class JobContext:
@@ -64,6 +67,8 @@ class JobContext:
     accuracy: Accuracy | None = None
     #: the model's latency as profiled, us (0: not profiled)
     model_us: float = 0.0
+    #: why the bank did not take the job's last write that failed ("" while none did)
+    bank_unkept: str = ""
 
     def emit(self, kind: str, message: str = "", done: int = 0, total: int = 0) -> None:
         self.ledger.emit(JobEvent(kind, message, done, total))
@@ -115,8 +120,20 @@ class JobContext:
         if not reply.get("ok"):
             raise error_from_wire(reply, AoedError)
 
-    async def write_bank(self, write: BankWrite) -> None:
-        """Commit `write`, unless the workspace is gone: what was measured since may have
-        failed for that reason, and must not reach the bank as a finding."""
+    async def write_bank(self, write: BankWrite) -> bool:
+        """Commit `write`, unless the workspace is gone (AoedError): what was measured
+        since may have failed for that reason, and must not reach the bank as a finding.
+        True once committed. False when the bank had no room for it or its disk failed
+        the write (BankWriteError): that write is lost, which is logged and said in the
+        job's notes (`bank_unkept` holds why), and the job goes on with what it decided.
+        Other BankErrors raise."""
         await self.check_workspace()
-        await self.bank.write(write)
+        try:
+            await self.bank.write(write)
+        except BankWriteError as exc:
+            log.warning("%s", exc)
+            if str(exc) != self.bank_unkept:
+                self.notes.append(f"not kept in the bank: {exc}")
+            self.bank_unkept = str(exc)
+            return False
+        return True

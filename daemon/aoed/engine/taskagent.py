@@ -180,14 +180,16 @@ class TaskAgent:
         pending = fallback_write = None
         fallback_mode = outcome.mode
         if lossy_choice:
-            await ctx.write_bank(BankWrite(trials=trials))
+            kept = await ctx.write_bank(BankWrite(trials=trials))
             pending = write_for(outcome)
             exact_outcome = bankrules.after_tuning(self.hit, best_exact, measured, gate)
             fallback_write, fallback_mode = write_for(exact_outcome), exact_outcome.mode
         else:
             w = write_for(outcome)
-            await ctx.write_bank(BankWrite(entries=w.entries, defaults=w.defaults, trials=trials))
+            kept = await ctx.write_bank(BankWrite(entries=w.entries, defaults=w.defaults, trials=trials))
         res.update_mode = outcome.mode
+        if not kept:  # the decision holds for this job's model; the bank just has nothing of it
+            res.update_mode, res.error = "failed", f"{outcome.strategy} chosen, but not kept in the bank: {ctx.bank_unkept}"
         res.strategy = outcome.strategy
         res.before_us = base.median_us
         res.after_us = win.median_us

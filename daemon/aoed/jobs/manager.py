@@ -14,6 +14,13 @@ Resume: at start, jobs the store says were running are queued again and run with
 `resumes` = their own id, so tasks their first run decided (committed to the bank as
 each was decided) are not measured again. On shutdown, running jobs get
 `shutdown_grace_s` to finish; then they are cancelled and left queued for the next start.
+
+A full disk: below `[limits] min_free_mb` free in the state dir, submissions are refused
+(DiskFullError: RESOURCE_EXHAUSTED naming the folder and its free space) and queued jobs
+wait. A write of a call in hand that the job store refuses fails that call; the state
+changes of running jobs go through a `Backlog`, which keeps what the store refuses and
+writes it once the store takes writes again, so neither a full disk nor a failing store
+ends the manager.
 """
 
 from __future__ import annotations
@@ -36,8 +43,8 @@ import trio
 
 from aoe.jobtypes import parse_job_type
 from aoe.device import Device
-from aoe.errors import AoedError, JobCancelledError, OptionError
-from aoed import safefs
+from aoe.errors import AoedError, DiskFullError, JobCancelledError, OptionError
+from aoed import safefs, space
 from aoed.config import DaemonConfig
 from aoed.errors import NotFoundError, PermissionDeniedError, RpcError
 from aoed.engine.budget import check_budget
@@ -47,8 +54,11 @@ from aoed.engine.memory import check_fits
 from aoed.engine.messages import JobEvent
 from aoed.engine.modelio import check_size
 from aoed.engine.policy import policy
+from aoed.jobs import sizes
 from aoed.jobs import store as st
-from aoed.jobs.store import EventRow, JobRow, JobStore, Upload
+from aoed.jobs.backlog import Backlog
+from aoed.jobs.store import EventRow, JobRow, JobStore, StoreError, Upload
+from aoed.jobs.uploads import UploadLedger
 
 __all__ = ["MODEL_FILE", "JobManager", "Submission", "options_from_dict", "sha256_file", "shown_path"]
 
@@ -60,6 +70,10 @@ log = logging.getLogger(__name__)
 #: Options that change what a job computes (and so whether two submissions are the same).
 _TUNING_KEYS = ("precision", "job_type", "input_shapes", "repeat_tune", "device", "budget_s", "min_cosine",
                 "max_rel_error", "calibration_dir")  # fmt: skip
+
+#: Seconds between attempts to write what the job store refused, and between looks at
+#: the free space while queued jobs wait for it.
+RETRY_S = 2.0
 
 _STAGE_STATES = (
     ("preparing", st.PREPARING), ("calibrating", st.PREPARING), ("profiling", st.TUNING), ("tuning", st.TUNING),
@@ -115,6 +129,7 @@ def options_from_dict(raw: dict[str, Any], default_device: Device) -> dict[str, 
         "priority": _integer(raw.get("priority") or 0, "priority"),
         "labels": {str(k): str(v) for k, v in (raw.get("labels") or {}).items()},
     }
+    sizes.check_options(opts)  # before anything repeats a value in a message
     opts["job_type"] = parse_job_type(opts["job_type"], "job_type")
     for name, value, ok, want in (("min_cosine", opts["min_cosine"], lambda v: 0.0 < v <= 1.0, "in (0, 1]"),
                                   ("max_rel_error", opts["max_rel_error"], lambda v: 0.0 < v < math.inf,
@@ -197,11 +212,15 @@ class JobManager:
         self.cfg = cfg
         self.store = store
         self.engine = engine
+        self._backlog = Backlog(store)
+        #: the upload quotas' accounting (UploadModel reserves, consuming releases)
+        self.uploads = UploadLedger(store.uploads_before(float("inf")))
         self._live: dict[str, _Live] = {}
         self._running: set[str] = set()
         self._wakeup = trio.Event()
         self._stopping = False
         self._limits_lock = trio.Lock()
+        self._waiting_for_space = False
         #: called with each job that reaches a final state (the inbox delivers outputs)
         self.on_final: list[Callable[[JobRow], None]] = []
 
@@ -212,15 +231,16 @@ class JobManager:
         for row in self.store.jobs(st.RUNNING, limit=100000):
             self._event(row, "state", {"previous": row.state, "state": st.QUEUED,
                                        "message": "the daemon restarted: the job resumes"})  # fmt: skip
-            self.store.update(row.id, state=st.QUEUED)
+            self._backlog.update(row.id, state=st.QUEUED)
         queued = len(self.store.jobs([st.QUEUED], limit=100000))
         if queued:
             log.info("jobs: %d queued job(s) from the store", queued)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._housekeeping)
+            nursery.start_soon(self._retry_loop)
             task_status.started()
             while True:
-                while not self._stopping and len(self._running) < self.cfg.max_running_jobs:
+                while not self._stopping and len(self._running) < self.cfg.max_running_jobs and self._room_to_start():
                     row = self._next_queued()
                     if row is None:
                         break
@@ -231,6 +251,33 @@ class JobManager:
 
     def _poke(self) -> None:
         self._wakeup.set()
+
+    def _room_to_start(self) -> bool:
+        """Whether the state dir has its floor of free space; says once when jobs wait."""
+        try:
+            space.check_floor(self.cfg.state_dir, self.cfg.min_free_bytes, "queued jobs wait")
+        except DiskFullError as exc:
+            if not self._waiting_for_space and self._next_queued() is not None:
+                log.warning("jobs: %s", exc)
+                self._waiting_for_space = True
+            return False
+        if self._waiting_for_space:
+            log.info("jobs: %s has its floor of free space again; queued jobs start", self.cfg.state_dir)
+        self._waiting_for_space = False
+        return True
+
+    async def _retry_loop(self) -> None:
+        """Write what the job store refused, once it takes writes again; look at the free
+        space again while queued jobs wait for it."""
+        while True:
+            await trio.sleep(RETRY_S)
+            if self._backlog.flush():
+                for live in self._live.values():  # watchers read the events just written
+                    live.changed.set()
+                    live.changed = trio.Event()
+                self._poke()
+            if self._waiting_for_space:
+                self._poke()
 
     async def stop(self, grace_s: float) -> None:
         """Start no more jobs; give running ones `grace_s` to finish, then cancel them
@@ -244,22 +291,30 @@ class JobManager:
         with trio.move_on_after(10):
             while self._running:
                 await trio.sleep(0.05)
+        self._backlog.flush()
+        if self._backlog:  # the store still refuses them: the next start finds those jobs as it last had them
+            log.warning("jobs: the job store (%s) could not take the last states of %d job(s); the next start "
+                        "resumes them from the states it has", self.store.path, self._backlog.jobs())  # fmt: skip
 
     async def _housekeeping(self) -> None:
         """Expired uploads and finished jobs past retention go, at start and then hourly
         (more often when a limit is shorter than two hours)."""
         while True:
             now = time.time()
-            for up in self.store.uploads_before(now - self.cfg.upload_ttl_s):
-                self._remove_upload_file(Path(up.path))
-                self.store.delete_upload(up.id)
-                log.info("upload %s (%s) expired", up.id, up.file_name)
-            for row in self.store.finished_before(now - self.cfg.retention_s):
-                out = Path(row.output_dir)
-                if out.is_relative_to(self.cfg.jobs_dir):
-                    await trio.to_thread.run_sync(shutil.rmtree, out, True)
-                self.store.delete(row.id)
-                log.info("job %s: removed after retention", row.id)
+            try:
+                for up in self.store.uploads_before(now - self.cfg.upload_ttl_s):
+                    self._remove_upload_file(Path(up.path))
+                    self.uploads.release(up.id)
+                    self.store.delete_upload(up.id)
+                    log.info("upload %s (%s) expired", up.id, up.file_name)
+                for row in self.store.finished_before(now - self.cfg.retention_s):
+                    out = Path(row.output_dir)
+                    if out.is_relative_to(self.cfg.jobs_dir):
+                        await trio.to_thread.run_sync(shutil.rmtree, out, True)
+                    self.store.delete(row.id)
+                    log.info("job %s: removed after retention", row.id)
+            except (StoreError, DiskFullError) as exc:  # (what was removed is removed; the rest next time)
+                log.warning("jobs: housekeeping stopped for now: %s", exc)
             await trio.sleep(max(1.0, min(3600.0, self.cfg.upload_ttl_s / 2, self.cfg.retention_s / 2)))
 
     # ------------------------------------------------------------- queries
@@ -268,10 +323,10 @@ class JobManager:
         row = self.store.get(job_id)
         if row is None:
             raise NotFoundError(f"no job {job_id!r} (aoe jobs lists them)")
-        return row
+        return self._backlog.overlay(row)
 
     def list(self, states: list[str], limit: int, before: tuple[float, str] | None) -> list[JobRow]:
-        return self.store.jobs(states, limit, before)
+        return [self._backlog.overlay(r) for r in self.store.jobs(states, limit, before)]
 
     def queue_position(self, row: JobRow) -> int:
         if row.state != st.QUEUED:
@@ -283,7 +338,9 @@ class JobManager:
         return len(self.store.jobs([st.QUEUED], limit=100000)), len(self._running)
 
     def _queued_order(self) -> list[JobRow]:
-        rows = self.store.jobs([st.QUEUED], limit=100000)
+        # Active rows seen through the backlog: a job requeued while the store refused
+        # the write is queued all the same.
+        rows = [r for r in self.list(list(st.ACTIVE), 100000, None) if r.state == st.QUEUED]
         return sorted(rows, key=lambda r: (-r.priority, r.created, r.id))
 
     def _next_queued(self) -> JobRow | None:
@@ -300,6 +357,7 @@ class JobManager:
         engine process may use (memory.py)."""
         if self._stopping:
             raise RpcError("UNAVAILABLE", "the daemon is shutting down; submit again after it restarts")
+        space.check_floor(self.cfg.state_dir, self.cfg.min_free_bytes, "SubmitJob")
         size = sub.upload.size if sub.upload is not None else 0
         if sub.upload is None:  # refused before hashing it: the limit is there so nobody reads 9 GiB
             info = await trio.to_thread.run_sync(os.lstat, sub.model)
@@ -370,6 +428,7 @@ class JobManager:
             dst = into / up.file_name
             src.replace(dst)
         self._remove_upload_file(src)
+        self.uploads.release(up.id)
         self.store.delete_upload(up.id)
         return dst
 
@@ -404,8 +463,8 @@ class JobManager:
         return live
 
     def _event(self, row: JobRow, kind: str, data: dict[str, Any]) -> None:
-        seq = self.store.last_seq(row.id) + 1
-        self.store.append_event(EventRow(row.id, seq, time.time(), kind, data))
+        seq = self._backlog.last_seq(row.id) + 1
+        self._backlog.append_event(EventRow(row.id, seq, time.time(), kind, data))
         live = self._live.get(row.id)
         if live is not None:
             live.changed.set()
@@ -419,13 +478,13 @@ class JobManager:
         seq = after_seq
         while True:
             changed = live.changed
-            for ev in self.store.events(job_id, seq):
+            for ev in [*self.store.events(job_id, seq), *self._backlog.events(job_id, seq)]:
                 seq = ev.seq
                 if ev.kind == "log" and not logs:
                     continue
                 yield ev
             row = self.store.get(job_id)
-            if row is None or (row.final and self.store.last_seq(job_id) <= seq):
+            if row is None or (self._backlog.overlay(row).final and self._backlog.last_seq(job_id) <= seq):
                 return
             await changed.wait()
 
@@ -434,7 +493,7 @@ class JobManager:
             return
         self._event(row, "state", {"previous": row.state, "state": state, "message": message})
         row.state = state
-        self.store.update(row.id, state=state)
+        self._backlog.update(row.id, state=state)
 
     def _on_engine_event(self, row: JobRow, ev: JobEvent) -> None:
         if ev.kind == "stage":
@@ -448,7 +507,7 @@ class JobManager:
             row.progress = {**row.progress, "done": ev.done, "total": ev.total, "what": ev.message}
             if ev.total and ev.done >= ev.total:
                 row.progress["current_task"] = ""
-            self.store.update(row.id, progress=row.progress)
+            self._backlog.update(row.id, progress=row.progress)
             self._event(row, "progress", row.progress)
         elif ev.kind == "task":
             task = ev.message.split(":", 1)[0]
@@ -467,7 +526,7 @@ class JobManager:
             self._event(row, "result", result)
         self._event(row, "state", {"previous": row.state, "state": state, "message": error})
         row.state, row.error, row.error_kind, row.result, row.finished = state, error, kind, result, now
-        self.store.update(row.id, state=state, finished=now, error=error, error_kind=kind, result=result)
+        self._backlog.update(row.id, state=state, finished=now, error=error, error_kind=kind, result=result)
         for fn in self.on_final:
             try:
                 fn(row)
@@ -503,7 +562,7 @@ class JobManager:
         try:
             now = time.time()
             row.started = row.started or now
-            self.store.update(row.id, started=row.started, attempts=row.attempts + 1)
+            self._backlog.update(row.id, started=row.started, attempts=row.attempts + 1)
             self._set_state(row, st.PREPARING, "resumed" if row.attempts else "started")
             row.attempts += 1
             try:

@@ -14,6 +14,15 @@ microseconds with `synchronous=NORMAL` in WAL mode, which is durable against a k
 process, not against power loss between checkpoints) and never waits on another
 process, so it is not worth a thread hop. Values a row holds as JSON (options, result,
 progress, event data) are plain dicts; nothing is pickled.
+
+A full disk: a write the store has no room for raises DiskFullError (naming the folder
+and its free space) and changes nothing, and the same store writes again once there is
+room; reads go on (sorting uses memory, never a temporary file). At open, SQLite
+creates and sizes its WAL index, the `-shm` file, which a full disk refuses (after a
+clean stop there is none); the store then opens in exclusive locking mode, where SQLite
+keeps that index in the process's memory, so the daemon starts and serves all the same.
+Until the next start, other processes cannot read the file then ("database is
+locked"); in the usual mode a read-only connection can, e.g. an integrity check.
 """
 
 from __future__ import annotations
@@ -27,7 +36,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from aoe.errors import AoedError
+from aoe.errors import AoedError, DiskFullError
+from aoed import space
 
 __all__ = ["ACTIVE", "FINAL", "Claim", "EventRow", "JobRow", "JobStore", "StoreError", "Upload"]
 
@@ -93,9 +103,13 @@ CREATE TABLE IF NOT EXISTS claims (
 
 
 class StoreError(AoedError):
-    """The job store cannot be opened or written."""
+    """The job store cannot be opened or written (for lack of space: DiskFullError)."""
 
     grpc_status = "INTERNAL"
+
+
+#: Free bytes under which an I/O error of the store is taken for a full disk.
+_NEARLY_FULL = 1 << 20
 
 
 @dataclass
@@ -170,22 +184,52 @@ class JobStore:
         self.damaged: list[str] = []
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute("PRAGMA synchronous=NORMAL")
-            self._db.execute("PRAGMA busy_timeout=5000")
-            self._db.executescript(_SCHEMA)
-        except (sqlite3.Error, OSError) as exc:
+        except OSError as exc:
             raise StoreError(f"job store {path}: {exc}") from None
+        try:
+            self._db = self._open(exclusive=False)
+        except DiskFullError as exc:
+            log.warning("%s; opening it in exclusive mode, which needs no room (other processes cannot read it "
+                        "until aoed restarts)", exc)  # fmt: skip
+            self._db = self._open(exclusive=True)
+
+    def _open(self, exclusive: bool) -> sqlite3.Connection:
+        try:
+            db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        except sqlite3.Error as exc:
+            raise StoreError(f"job store {self.path}: {exc}") from None
+        try:
+            if exclusive:  # before WAL mode is entered: SQLite keeps the WAL index in memory
+                db.execute("PRAGMA locking_mode=EXCLUSIVE")
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=NORMAL")
+            db.execute("PRAGMA busy_timeout=5000")
+            db.execute("PRAGMA temp_store=MEMORY")
+            db.executescript(_SCHEMA)  # (writes nothing where the tables exist)
+        except sqlite3.Error as exc:
+            db.close()
+            raise self._error(exc) from None
+        return db
 
     def close(self) -> None:
         self._db.close()
+
+    def _error(self, exc: sqlite3.Error) -> AoedError:
+        """The store's error for `exc`: DiskFullError when the disk (or quota) under the
+        store had no room for a write, else StoreError; both name the store."""
+        code = getattr(exc, "sqlite_errorcode", 0) & 0xFF  # the primary code of an extended one
+        folder = self.path.parent
+        # SQLite says SQLITE_FULL when it sees ENOSPC itself, and an I/O error when a
+        # write the OS cut short did not say why: then the free space tells.
+        if code == sqlite3.SQLITE_FULL or (code == sqlite3.SQLITE_IOERR and 0 <= space.free_bytes(folder) < _NEARLY_FULL):
+            return space.disk_full(folder, f"job store {self.path}")
+        return StoreError(f"job store {self.path}: {exc}")
 
     def _exec(self, sql: str, args: Sequence[Any] = ()) -> sqlite3.Cursor:
         try:
             return self._db.execute(sql, args)
         except sqlite3.Error as exc:
-            raise StoreError(f"job store {self.path}: {exc}") from None
+            raise self._error(exc) from None
 
     # ------------------------------------------------------------------ jobs
 
@@ -334,4 +378,14 @@ class _Transaction:
         self._store._exec("BEGIN IMMEDIATE")
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
-        self._store._exec("COMMIT" if exc_type is None else "ROLLBACK")
+        if exc_type is not None:
+            self._store._exec("ROLLBACK")
+            return
+        try:
+            self._store._exec("COMMIT")
+        except AoedError:
+            # A COMMIT that failed (a full disk) leaves the transaction open: end it, so
+            # that the store's next statement is not inside it.
+            if self._store._db.in_transaction:
+                self._store._exec("ROLLBACK")
+            raise

@@ -13,6 +13,7 @@ pid, its cores, its memory limit) and applies them before anything heavy is impo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import json
 import os
@@ -125,7 +126,10 @@ def serve(handle: Callable[[dict[str, Any]], dict[str, Any]]) -> int:
         except MemoryError:
             reply = _out_of_memory("MemoryError")
         except Exception as exc:  # reported to the engine as this request's failure
-            traceback.print_exc()
+            # The log is a file in the state dir: on a full disk the traceback cannot be
+            # written, and that must not end the worker (the reply says what failed).
+            with contextlib.suppress(OSError):
+                traceback.print_exc()
             reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}".splitlines()[0]}
         if reply.get("ok") is False and _looks_out_of_memory(str(reply.get("error", ""))):
             reply = _out_of_memory(reply["error"])
