@@ -40,6 +40,10 @@ class BankWrite:
     entries: tuple[BankRecord, ...] = ()
     defaults: tuple[tuple[bytes, dict[str, Any]], ...] = ()
     trials: tuple[tuple[bytes, dict[str, Any]], ...] = field(default=())
+    #: what a run decided for a task (engine/resume.py), committed with its trials
+    decisions: tuple[tuple[bytes, dict[str, Any]], ...] = ()
+    #: key prefixes of decisions to delete (a run that ended)
+    forget: tuple[bytes, ...] = ()
 
 
 class BankWriter:
@@ -114,6 +118,8 @@ class BankWriter:
             entries=[(r.key, encode(r)) for r in write.entries],
             defaults=write.defaults,
             trials=write.trials,
+            decisions=write.decisions,
+            forget=write.forget,
         )
 
     async def write(self, write: BankWrite) -> None:
@@ -131,6 +137,10 @@ class BankWriter:
 
     async def known_default(self, key: bytes) -> dict[str, Any] | None:
         return await trio.to_thread.run_sync((await self.store()).get_default, key)
+
+    async def decisions(self, prefix: bytes) -> list[tuple[bytes, dict[str, Any]]]:
+        """The decisions stored under `prefix` in the custom bank (never in a layer)."""
+        return await trio.to_thread.run_sync((await self.store()).decisions, prefix)
 
     async def layers(self) -> BankReader | None:
         """The read-only layers as one reader (None when there are none)."""
