@@ -123,10 +123,14 @@ class JobHandle:
         self._scope: trio.CancelScope | None = None
         self.reason = ""
         self.cancelled = False
+        self.resumable = False
 
-    def cancel(self, reason: str = "") -> None:
+    def cancel(self, reason: str = "", *, resumable: bool = False) -> None:
+        """Cancel the job; `resumable`: it runs again later (a daemon's shutdown), so its
+        workspace is left for that run (workspace.py)."""
         self.reason = reason
         self.cancelled = True
+        self.resumable = resumable
         if self._scope is not None:
             self._scope.cancel()
 

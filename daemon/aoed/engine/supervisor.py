@@ -142,6 +142,7 @@ async def run_stages(ctx: JobContext) -> JobResult:
         ctx.ranges = ws.scratch / "ranges.json"
 
     tasks = list(prep.tasks)
+    ws.started = True  # the model is read and its samples made: a failure from here is one to inspect
     model_ans = await ctx.lookup(prep.model_signature)
     context_reverted = set() if opts.repeat_tune else bankrules.reverted_digests(model_ans)
 

@@ -12,6 +12,15 @@ share a directory or a result file: both are created exclusively (mkdir, O_EXCL)
 taken name gets a `_2`, `_3` ... suffix. Scratch is removed once the outputs are written,
 unless the job failed (it is what one debugs) or `keep_workspace` was asked for.
 
+One job, one workspace, across interruptions: while a run works in its workspace it
+holds `.running` there, a file locked with flock(2) and naming the run's model (and the
+daemon's job id). The lock dies with the process, so a file that is present but not
+locked is a run that was killed (or interrupted to resume later), and the next run of
+that model and job into the same output directory continues in that workspace (its
+job.log goes on; its scratch starts empty) instead of making a second one. A run that
+ends removes the file; one that fails before tuning started removes its workspace
+entirely, so a mistyped command leaves nothing behind (`release`).
+
 A workspace can vanish under a running job (its output directory removed). Then every
 file a worker writes or reads there fails, which reads as a failed candidate, a failed
 measurement or a model error; `gone()` says what happened instead, and the job checks it
@@ -20,15 +29,25 @@ before it believes such a failure (see engine.py, context.py).
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import json
 import os
+import re
 import shutil
+import stat
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 from aoe.jobtypes import result_slug
 from aoe.errors import AoedError
 
-__all__ = ["Workspace"]
+__all__ = ["RUNNING", "Workspace"]
+
+#: the file a live run holds locked in its workspace (see the module's doc)
+RUNNING = ".running"
+_TAG_TAIL = re.compile(r"\d{14}(_\d+)?")
 
 
 class Workspace:
@@ -40,15 +59,28 @@ class Workspace:
         self.result_dir = root / "tunespace" / "result"
         self.log_path = root / "job.log"
         self._root_id: tuple[int, int] | None = None  # (st_dev, st_ino) of `root` once made
+        self._lock_fd = -1  # `.running`, locked while this run works here
+        #: an interrupted run's workspace that this run continues in
+        self.resumed = False
+        #: set once tuning has started: from then on a failed job's workspace is kept
+        self.started = False
+        self._made_base = False  # this run made `aoe_workspace/` itself
 
     @classmethod
-    def create(cls, output: Path, model_stem: str) -> Workspace:
-        """Make a fresh workspace under `output`. AoedError naming the directory when it
-        cannot be created (missing permission, full disk, a file in the way)."""
+    def create(cls, output: Path, model_stem: str, owner: Mapping[str, str] | None = None) -> Workspace:
+        """The workspace of an interrupted run of the same `owner` (the model, the job)
+        under `output`, taken over, else a fresh one; held until `release()`. AoedError
+        naming the directory when it cannot be created (missing permission, full disk, a
+        file in the way)."""
+        owner = dict(owner or {})
         ts = time.strftime("%Y%m%d%H%M%S")
         base = output / "aoe_workspace"
         try:
+            made_base = not base.is_dir()
             base.mkdir(parents=True, exist_ok=True)
+            ws = cls._take_over(output, base, model_stem, owner)
+            if ws is not None:
+                return ws
             for n in range(1, 10_000):
                 tag = f"{model_stem}_{ts}" + (f"_{n}" if n > 1 else "")
                 try:
@@ -56,6 +88,8 @@ class Workspace:
                 except FileExistsError:
                     continue
                 ws = cls(output, base / tag, tag)
+                ws._made_base = made_base
+                ws._hold(owner)
                 ws.scratch.mkdir(parents=True)
                 ws.result_dir.mkdir(parents=True)
                 st = ws.root.stat()
@@ -64,6 +98,74 @@ class Workspace:
         except OSError as exc:
             raise AoedError(f"{exc.filename or base}: cannot create the job's workspace ({exc.strerror or exc})") from None
         raise AoedError(f"{base}: no free workspace name for {model_stem}_{ts}")
+
+    @classmethod
+    def _take_over(cls, output: Path, base: Path, model_stem: str, owner: dict[str, str]) -> Workspace | None:
+        """An interrupted run's workspace of `model_stem` whose `.running` names `owner`,
+        locked for this run and its scratch emptied; None when there is none."""
+        for root in sorted(base.iterdir()):
+            tag = root.name
+            if not (tag.startswith(f"{model_stem}_") and _TAG_TAIL.fullmatch(tag[len(model_stem) + 1 :])):
+                continue
+            try:
+                if not stat.S_ISDIR(os.lstat(root).st_mode):
+                    continue
+                fd = os.open(root / RUNNING, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+            except OSError:
+                continue  # no run left it there: a finished, failed or live-elsewhere one
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                # Locked: but a run that ended removes the file before it unlocks, so the
+                # file must still be there (and be this one) to be an interrupted run's.
+                if os.fstat(fd).st_ino != os.lstat(root / RUNNING).st_ino:
+                    raise BlockingIOError
+                with os.fdopen(os.dup(fd), "r", encoding="utf-8") as f:
+                    if json.loads(f.read() or "{}") != owner:
+                        raise BlockingIOError  # another model's (or job's) workspace
+            except (OSError, ValueError):
+                os.close(fd)
+                continue
+            ws = cls(output, root, tag)
+            ws._lock_fd, ws.resumed = fd, True
+            shutil.rmtree(ws.scratch, ignore_errors=True)
+            ws.scratch.mkdir(parents=True)
+            ws.result_dir.mkdir(parents=True, exist_ok=True)
+            st = root.stat()
+            ws._root_id = (st.st_dev, st.st_ino)
+            return ws
+        return None
+
+    def _hold(self, owner: Mapping[str, str]) -> None:
+        """Create `.running` in a fresh workspace, locked, naming `owner`."""
+        fd = os.open(self.root / RUNNING, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.write(fd, json.dumps(owner, sort_keys=True).encode())
+        except BaseException:
+            os.close(fd)
+            raise
+        self._lock_fd = fd
+
+    def release(self, outcome: str) -> None:
+        """Let go of the workspace as the run ends (best effort, never raises).
+        `outcome`: "done" (or cancelled for good): it stays, without `.running`;
+        "failed": likewise, or removed entirely if tuning had not started in a workspace
+        this run made; "interrupted": `.running` stays, unlocked, so that the next run
+        of this job continues here."""
+        fd, self._lock_fd = self._lock_fd, -1
+        if fd < 0:
+            return
+        try:
+            if outcome == "failed" and not self.started and not self.resumed:
+                shutil.rmtree(self.root, ignore_errors=True)
+                if self._made_base:
+                    with contextlib.suppress(OSError):
+                        self.root.parent.rmdir()  # only if nothing else is in it
+            elif outcome != "interrupted":
+                with contextlib.suppress(OSError):
+                    os.unlink(self.root / RUNNING)
+        finally:
+            os.close(fd)
 
     @property
     def timestamp(self) -> str:

@@ -173,7 +173,7 @@ class JobManager:
             while self._running:
                 await trio.sleep(0.1)
         for job_id in list(self._running):
-            self._live[job_id].handle.cancel("the daemon is shutting down")
+            self._live[job_id].handle.cancel("the daemon is shutting down", resumable=True)
         with trio.move_on_after(10):
             while self._running:
                 await trio.sleep(0.05)
@@ -439,6 +439,10 @@ class JobManager:
             self._finish(row, st.SUCCEEDED, result=result_dict(result))
         finally:
             self._running.discard(row.id)
+            out = Path(row.output_dir)
+            if row.state == st.FAILED and out.is_relative_to(self.cfg.jobs_dir):
+                with contextlib.suppress(OSError):
+                    out.rmdir()  # empty when the job failed before tuning (engine.run_job)
             self._poke()
 
 
