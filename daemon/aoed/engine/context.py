@@ -62,6 +62,10 @@ class JobContext:
     notes: list[str] = field(default_factory=list)
     #: the last end-to-end accuracy measured on the held-back samples (lossy policies)
     accuracy: Accuracy | None = None
+    #: what this run's task decisions are kept under until it ends (resume.py)
+    run_key: bytes = b""
+    #: this run's attempt at the job: 1, or one more than the interrupted run it resumes
+    attempt: int = 1
 
     def emit(self, kind: str, message: str = "", done: int = 0, total: int = 0) -> None:
         self.ledger.emit(JobEvent(kind, message, done, total))

@@ -143,7 +143,7 @@ class Engine:
         ctx = JobContext(
             opts=opts, job_id=job_id, pool=self.pool, device=self.device, bank=self.bank,
             registry=self.registry, policy=prec, fingerprint=opts.device.fingerprint(),
-            ledger=ledger, workspace=ws, config=self.config,
+            ledger=ledger, workspace=ws, config=self.config, attempt=max(1, opts.attempt),
         )  # fmt: skip
         failed = True
         with _job_log(ws.log_path, job_id):

@@ -12,7 +12,7 @@ client that reconnects (or a daemon that restarts) resumes the stream where it s
 
 Resume: at start, jobs the store says were running are queued again and run with
 `resumes` = their own id, so tasks their first run decided (committed to the bank as
-each was decided) are not measured again. On shutdown, running jobs get
+each was decided, with the decision itself: engine/resume.py) are not measured again. On shutdown, running jobs get
 `shutdown_grace_s` to finish; then they are cancelled and left queued for the next start.
 """
 
@@ -403,6 +403,7 @@ class JobManager:
             budget_s=o.get("budget_s"),
             job_id=row.id,
             resumes=row.id if row.attempts > 1 else "",  # counted before it starts
+            attempt=max(1, row.attempts),
             weight=max(1, 1 + int(o.get("priority", 0))) if int(o.get("priority", 0)) > 0 else 1,
         )
 
