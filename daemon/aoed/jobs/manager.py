@@ -14,6 +14,10 @@ Resume: at start, jobs the store says were running are queued again and run with
 `resumes` = their own id, so tasks their first run decided (committed to the bank as
 each was decided, with the decision itself: engine/resume.py) are not measured again. On shutdown, running jobs get
 `shutdown_grace_s` to finish; then they are cancelled and left queued for the next start.
+
+Inputs: an uploaded model is kept once per content, `inputs/<sha256>/<name>` in the state
+dir (another name for the same bytes is a hard link there), and jobs refer to it; it is
+removed with the last job that does (retention), and at start when none does.
 """
 
 from __future__ import annotations
@@ -22,7 +26,9 @@ import contextlib
 import hashlib
 import json
 import logging
+import os
 import shutil
+import stat
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -142,6 +148,7 @@ class JobManager:
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Requeue what a previous run left running, then schedule until cancelled."""
+        await trio.to_thread.run_sync(_sweep_inputs, self.cfg.inputs_dir, self.store.model_paths())
         for row in self.store.jobs(st.RUNNING, limit=100000):
             self._event(row, "state", {"previous": row.state, "state": st.QUEUED,
                                        "message": "the daemon restarted: the job resumes"})  # fmt: skip
@@ -192,6 +199,7 @@ class JobManager:
                 if out.is_relative_to(self.cfg.jobs_dir):
                     await trio.to_thread.run_sync(shutil.rmtree, out, True)
                 self.store.delete(row.id)
+                await self._release_input(Path(row.model_path))
                 log.info("job %s: removed after retention", row.id)
             await trio.sleep(max(1.0, min(3600.0, self.cfg.upload_ttl_s / 2, self.cfg.retention_s / 2)))
 
@@ -248,7 +256,7 @@ class JobManager:
             if same is not None:
                 self.store.update(same.id, joined=same.joined + 1)
                 if sub.upload is not None:
-                    await self._consume_upload(sub.upload, None)
+                    await self._consume_upload(sub.upload, keep=False)
                 log.info("job %s: an identical submission joined it", same.id)
                 return self.get(same.id), True
             mine = self.store.count_active(sub.source)
@@ -264,28 +272,38 @@ class JobManager:
             out = sub.output_dir or self.cfg.jobs_dir / job_id
             model = sub.model
             if sub.upload is not None:
-                model = await self._consume_upload(sub.upload, self.cfg.jobs_dir / job_id / "model")
+                model = await self._consume_upload(sub.upload, keep=True)
             row = JobRow(
                 id=job_id, state=st.QUEUED, model_path=str(model), model_name=sub.model.name if sub.upload is None
                 else sub.upload.file_name, model_sha256=sha, dedup_key=key, options=sub.options, output_dir=str(out),
                 priority=int(sub.options.get("priority", 0)), source=sub.source,
             )  # fmt: skip
-            self.store.insert(row)
+            try:
+                self.store.insert(row)
+            except AoedError:
+                await self._release_input(model)
+                raise
         self._event(row, "state", {"previous": "", "state": st.QUEUED, "message": f"submitted ({sub.source})"})
         log.info("job %s: queued %s (%s)", job_id, row.model_name, sub.source)
         self._poke()
         return row, False
 
-    async def _consume_upload(self, up: Upload, into: Path | None) -> Path:
+    async def _consume_upload(self, up: Upload, keep: bool) -> Path:
+        """Take `up` out of the uploads; with `keep`, its content stays in the inputs,
+        once (returns where)."""
         src = Path(up.path)
         dst = src
-        if into is not None:
-            into.mkdir(parents=True, exist_ok=True)
-            dst = into / up.file_name
-            src.replace(dst)
+        if keep:
+            dst = await trio.to_thread.run_sync(_keep_input, self.cfg.inputs_dir, src, up.sha256, up.file_name, up.size)
         self._remove_upload_file(src)
         self.store.delete_upload(up.id)
         return dst
+
+    async def _release_input(self, path: Path) -> None:
+        """Remove a kept input (and its folder, once empty) that no job refers to."""
+        if path.parent.parent != self.cfg.inputs_dir or self.store.model_refs(str(path)):
+            return
+        await trio.to_thread.run_sync(_remove_input, path)
 
     def _remove_upload_file(self, path: Path) -> None:
         """An upload is `uploads/<id>/<name>`: the file and its folder go."""
@@ -445,6 +463,52 @@ class JobManager:
                 with contextlib.suppress(OSError):
                     out.rmdir()  # empty when the job failed before tuning (engine.run_job)
             self._poke()
+
+
+def _keep_input(inputs: Path, src: Path, sha: str, name: str, size: int) -> Path:
+    """Where the uploaded `src` (`size` bytes with digest `sha`, named `name`) is kept:
+    `inputs/<sha>/<name>`, from the upload itself, or, when those bytes are kept already,
+    that file (under another name: a hard link to it, so the bytes are stored once)."""
+    folder = inputs / sha
+    dst = folder / name
+    folder.mkdir(parents=True, exist_ok=True)
+    if _size(dst) == size:
+        return dst
+    same = next((p for p in sorted(folder.iterdir()) if p != dst and _size(p) == size), None)
+    if same is None:
+        os.replace(src, dst)
+    else:
+        tmp = folder / f".{uuid.uuid4().hex}.tmp"
+        os.link(same, tmp)
+        os.replace(tmp, dst)
+    return dst
+
+
+def _size(path: Path) -> int:
+    """The size of the regular file at `path`, -1 when there is none."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return -1
+    return st.st_size if stat.S_ISREG(st.st_mode) else -1
+
+
+def _remove_input(path: Path) -> None:
+    path.unlink(missing_ok=True)
+    with contextlib.suppress(OSError):
+        path.parent.rmdir()  # only once no other name is in it
+
+
+def _sweep_inputs(inputs: Path, referenced: set[str]) -> None:
+    """Remove the kept inputs no job refers to (a crash between keeping one and
+    recording its job, or a job store restored from before)."""
+    if not inputs.is_dir():
+        return
+    for folder in inputs.iterdir():
+        if folder.is_dir() and not folder.is_symlink():
+            for f in folder.iterdir():
+                if str(f) not in referenced:
+                    _remove_input(f)
 
 
 def _single(group: BaseExceptionGroup) -> BaseException:
