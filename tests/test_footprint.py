@@ -68,6 +68,23 @@ def test_a_run_leaves_its_outputs_and_nothing_else(models: Path, tmp_path: Path)
     }  # fmt: skip
 
 
+def test_a_workspace_with_a_link_inside_is_not_taken_over(models: Path, tmp_path: Path) -> None:
+    """An interrupted run's workspace is reused only as a real folder tree: a link where
+    its scratch was leads nowhere, and what the link points at is left alone."""
+    out, victim = tmp_path / "out", tmp_path / "victim"
+    (victim / "work").mkdir(parents=True)
+    (victim / "work" / "keep.txt").write_text("mine")
+    planted = out / "aoe_workspace" / "mlp_20200101000000"
+    planted.mkdir(parents=True)
+    (planted / ".running").write_text(json.dumps({"model": str((models / "mlp.onnx").absolute()), "job": ""}))
+    (planted / "tunespace").symlink_to(victim)
+    r = run_aoe("tune", str(models / "mlp.onnx"), "--output", str(out), "--bank", str(tmp_path / "bank"), *FAST)
+    assert r.returncode == 0, r.stderr
+    assert _tree(victim) == {"work/", "work/keep.txt"}
+    (result,) = out.glob("aoe_result_opat_*.json")
+    assert Path(json.loads(result.read_text())["workspace"]).name != planted.name
+
+
 def _trials(bank: Path) -> dict[str, int]:
     """task id -> trials in the bank's history."""
     out: dict[str, int] = {}

@@ -35,7 +35,6 @@ import json
 import os
 import re
 import shutil
-import stat
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -102,37 +101,36 @@ class Workspace:
     @classmethod
     def _take_over(cls, output: Path, base: Path, model_stem: str, owner: dict[str, str]) -> Workspace | None:
         """An interrupted run's workspace of `model_stem` whose `.running` names `owner`,
-        locked for this run and its scratch emptied; None when there is none."""
-        for root in sorted(base.iterdir()):
-            tag = root.name
-            if not (tag.startswith(f"{model_stem}_") and _TAG_TAIL.fullmatch(tag[len(model_stem) + 1 :])):
-                continue
-            try:
-                if not stat.S_ISDIR(os.lstat(root).st_mode):
+        locked for this run and its scratch emptied; None when there is none.
+
+        The output folder may be one others can write in (a daemon's client names it),
+        so every step goes through directory descriptors opened without following links,
+        and only a workspace this user made (its `.running` too) is taken over."""
+        try:
+            base_fd = _open_dir(base)
+        except OSError:
+            return None
+        try:
+            for tag in sorted(os.listdir(base_fd)):
+                if not (tag.startswith(f"{model_stem}_") and _TAG_TAIL.fullmatch(tag[len(model_stem) + 1 :])):
                     continue
-                fd = os.open(root / RUNNING, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-            except OSError:
-                continue  # no run left it there: a finished, failed or live-elsewhere one
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                # Locked: but a run that ended removes the file before it unlocks, so the
-                # file must still be there (and be this one) to be an interrupted run's.
-                if os.fstat(fd).st_ino != os.lstat(root / RUNNING).st_ino:
-                    raise BlockingIOError
-                with os.fdopen(os.dup(fd), "r", encoding="utf-8") as f:
-                    if json.loads(f.read() or "{}") != owner:
-                        raise BlockingIOError  # another model's (or job's) workspace
-            except (OSError, ValueError):
-                os.close(fd)
-                continue
-            ws = cls(output, root, tag)
-            ws._lock_fd, ws.resumed = fd, True
-            shutil.rmtree(ws.scratch, ignore_errors=True)
-            ws.scratch.mkdir(parents=True)
-            ws.result_dir.mkdir(parents=True, exist_ok=True)
-            st = root.stat()
-            ws._root_id = (st.st_dev, st.st_ino)
-            return ws
+                fd = _interrupted(base_fd, tag, owner)
+                if fd < 0:
+                    continue
+                ws = cls(output, base / tag, tag)
+                ws._lock_fd, ws.resumed = fd, True
+                st = os.stat(tag, dir_fd=base_fd, follow_symlinks=False)
+                ws._root_id = (st.st_dev, st.st_ino)
+                try:
+                    _clear_scratch(base_fd, tag)
+                    ws.scratch.mkdir(parents=True, exist_ok=True)
+                    ws.result_dir.mkdir(parents=True, exist_ok=True)
+                except OSError:  # e.g. a link where tunespace/ was: not a workspace to reuse
+                    ws.release("interrupted")
+                    continue
+                return ws
+        finally:
+            os.close(base_fd)
         return None
 
     def _hold(self, owner: Mapping[str, str]) -> None:
@@ -156,15 +154,30 @@ class Workspace:
         if fd < 0:
             return
         try:
+            base_fd = _open_dir(self.root.parent)
+        except OSError:
+            os.close(fd)
+            return
+        try:
+            st = os.stat(self.tag, dir_fd=base_fd, follow_symlinks=False)
+            if (st.st_dev, st.st_ino) != self._root_id:
+                return  # not the folder this run made (moved away, replaced): not ours to touch
             if outcome == "failed" and not self.started and not self.resumed:
-                shutil.rmtree(self.root, ignore_errors=True)
+                shutil.rmtree(self.tag, ignore_errors=True, dir_fd=base_fd)
                 if self._made_base:
                     with contextlib.suppress(OSError):
                         self.root.parent.rmdir()  # only if nothing else is in it
             elif outcome != "interrupted":
-                with contextlib.suppress(OSError):
-                    os.unlink(self.root / RUNNING)
+                root_fd = _open_dir(self.tag, base_fd)
+                try:
+                    if os.stat(RUNNING, dir_fd=root_fd, follow_symlinks=False).st_ino == os.fstat(fd).st_ino:
+                        os.unlink(RUNNING, dir_fd=root_fd)
+                finally:
+                    os.close(root_fd)
+        except OSError:
+            pass
         finally:
+            os.close(base_fd)
             os.close(fd)
 
     @property
@@ -214,3 +227,53 @@ class Workspace:
     def clean(self) -> None:
         """Remove the scratch files (best effort)."""
         shutil.rmtree(self.scratch, ignore_errors=True)
+
+
+def _open_dir(path: Path | str, dir_fd: int | None = None) -> int:
+    """A descriptor of the directory `path` (relative to `dir_fd`), never through a link."""
+    return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+
+
+def _interrupted(base_fd: int, tag: str, owner: Mapping[str, str]) -> int:
+    """The locked descriptor of `tag`'s `.running` when an interrupted run of `owner`
+    left it (made by this user; present, yet locked by no live run); -1 otherwise."""
+    try:
+        root_fd = _open_dir(tag, base_fd)
+    except OSError:
+        return -1
+    fd = -1
+    try:
+        fd = os.open(RUNNING, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=root_fd)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        # Locked: but a run that ended removes the file before it unlocks, so the file
+        # must still be there (and be this one) to be an interrupted run's.
+        st = os.fstat(fd)
+        if st.st_ino != os.stat(RUNNING, dir_fd=root_fd, follow_symlinks=False).st_ino:
+            raise BlockingIOError
+        if st.st_uid != os.geteuid() or os.fstat(root_fd).st_uid != os.geteuid():
+            raise PermissionError  # someone else's folder, whatever it says
+        with os.fdopen(os.dup(fd), "r", encoding="utf-8") as f:
+            if json.loads(f.read() or "{}") != owner:
+                raise BlockingIOError  # another model's (or job's) workspace
+    except (OSError, ValueError):
+        if fd >= 0:
+            os.close(fd)
+        return -1
+    finally:
+        os.close(root_fd)
+    return fd
+
+
+def _clear_scratch(base_fd: int, tag: str) -> None:
+    """Remove `tag`/tunespace/work, each folder on the way opened without following links."""
+    root_fd = _open_dir(tag, base_fd)
+    try:
+        space_fd = _open_dir("tunespace", root_fd)
+    except FileNotFoundError:
+        return
+    finally:
+        os.close(root_fd)
+    try:
+        shutil.rmtree("work", ignore_errors=True, dir_fd=space_fd)
+    finally:
+        os.close(space_fd)
