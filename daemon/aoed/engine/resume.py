@@ -23,15 +23,19 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import logging
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from aoe.errors import AoedError
 from aoed import __version__
 from aoed.bank._codec import decode, encode
 from aoed.bank.writer import BankWrite
 from aoed.engine.context import JobContext
 
 __all__ = ["forget", "key_of", "records", "run_key", "write_from_doc", "write_to_doc"]
+
+log = logging.getLogger(__name__)
 
 
 def run_key(ctx: JobContext, model_digest: str, samples_digest: str) -> bytes:
@@ -64,8 +68,13 @@ async def records(ctx: JobContext, bank_keys: Iterable[bytes]) -> dict[bytes, Ma
 
 
 async def forget(ctx: JobContext) -> None:
-    """Delete this run's records: its outputs are written, nothing is left to resume."""
-    await ctx.write_bank(BankWrite(forget=(ctx.run_key,)))
+    """Delete this run's records: its outputs are written, nothing is left to resume.
+    Never raises: records left behind only make a later run of the same job (same
+    model, options and samples) take what this one decided instead of measuring it."""
+    try:
+        await ctx.write_bank(BankWrite(forget=(ctx.run_key,)))
+    except AoedError as exc:
+        log.warning("job %s: its task decisions stay in the bank (%s)", ctx.job_id, exc)
 
 
 def write_to_doc(w: BankWrite | None) -> dict[str, Any] | None:
