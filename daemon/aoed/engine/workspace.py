@@ -88,11 +88,15 @@ class Workspace:
                     continue
                 ws = cls(output, base / tag, tag)
                 ws._made_base = made_base
-                ws._hold(owner)
-                ws.scratch.mkdir(parents=True)
-                ws.result_dir.mkdir(parents=True)
                 st = ws.root.stat()
                 ws._root_id = (st.st_dev, st.st_ino)
+                try:
+                    ws._hold(owner)
+                    ws.scratch.mkdir(parents=True)
+                    ws.result_dir.mkdir(parents=True)
+                except OSError:
+                    ws.release("failed")  # nothing started: the folder goes
+                    raise
                 return ws
         except OSError as exc:
             raise AoedError(f"{exc.filename or base}: cannot create the job's workspace ({exc.strerror or exc})") from None
@@ -119,9 +123,9 @@ class Workspace:
                     continue
                 ws = cls(output, base / tag, tag)
                 ws._lock_fd, ws.resumed = fd, True
-                st = os.stat(tag, dir_fd=base_fd, follow_symlinks=False)
-                ws._root_id = (st.st_dev, st.st_ino)
                 try:
+                    st = os.stat(tag, dir_fd=base_fd, follow_symlinks=False)
+                    ws._root_id = (st.st_dev, st.st_ino)
                     _clear_scratch(base_fd, tag)
                     ws.scratch.mkdir(parents=True, exist_ok=True)
                     ws.result_dir.mkdir(parents=True, exist_ok=True)
@@ -151,14 +155,9 @@ class Workspace:
         this run made; "interrupted": `.running` stays, unlocked, so that the next run
         of this job continues here."""
         fd, self._lock_fd = self._lock_fd, -1
-        if fd < 0:
-            return
+        base_fd = -1
         try:
             base_fd = _open_dir(self.root.parent)
-        except OSError:
-            os.close(fd)
-            return
-        try:
             st = os.stat(self.tag, dir_fd=base_fd, follow_symlinks=False)
             if (st.st_dev, st.st_ino) != self._root_id:
                 return  # not the folder this run made (moved away, replaced): not ours to touch
@@ -167,7 +166,7 @@ class Workspace:
                 if self._made_base:
                     with contextlib.suppress(OSError):
                         self.root.parent.rmdir()  # only if nothing else is in it
-            elif outcome != "interrupted":
+            elif outcome != "interrupted" and fd >= 0:
                 root_fd = _open_dir(self.tag, base_fd)
                 try:
                     if os.stat(RUNNING, dir_fd=root_fd, follow_symlinks=False).st_ino == os.fstat(fd).st_ino:
@@ -177,8 +176,9 @@ class Workspace:
         except OSError:
             pass
         finally:
-            os.close(base_fd)
-            os.close(fd)
+            for d in (base_fd, fd):
+                if d >= 0:
+                    os.close(d)
 
     @property
     def timestamp(self) -> str:
