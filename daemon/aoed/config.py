@@ -120,8 +120,8 @@ class DaemonConfig:
 
     @property
     def inputs_dir(self) -> Path:
-        """Uploaded models, kept once per content (`inputs/<sha256>/<name>`) while jobs
-        refer to them."""
+        """Uploaded models, kept once per content and name (`inputs/<sha256>/<name>`)
+        while jobs refer to them."""
         return self.state_dir / "inputs"
 
     @property

@@ -15,9 +15,9 @@ Resume: at start, jobs the store says were running are queued again and run with
 each was decided, with the decision itself: engine/resume.py) are not measured again. On shutdown, running jobs get
 `shutdown_grace_s` to finish; then they are cancelled and left queued for the next start.
 
-Inputs: an uploaded model is kept once per content, `inputs/<sha256>/<name>` in the state
-dir (another name for the same bytes is a hard link there), and jobs refer to it; it is
-removed with the last job that does (retention), and at start when none does.
+Inputs: an uploaded model is kept once per content and name, `inputs/<sha256>/<name>` in
+the state dir, and jobs refer to it; it is removed with the last job that does
+(retention), and at start when none does.
 """
 
 from __future__ import annotations
@@ -467,20 +467,15 @@ class JobManager:
 
 def _keep_input(inputs: Path, src: Path, sha: str, name: str, size: int) -> Path:
     """Where the uploaded `src` (`size` bytes with digest `sha`, named `name`) is kept:
-    `inputs/<sha>/<name>`, from the upload itself, or, when those bytes are kept already,
-    that file (under another name: a hard link to it, so the bytes are stored once)."""
+    `inputs/<sha>/<name>`, from the upload itself unless those bytes are kept under that
+    name already. The same bytes uploaded under another name are kept again under it:
+    the job's workspace and outputs are named after its model file, and a hard link
+    would make the model a file with several links, which a job does not read."""
     folder = inputs / sha
     dst = folder / name
     folder.mkdir(parents=True, exist_ok=True)
-    if _size(dst) == size:
-        return dst
-    same = next((p for p in sorted(folder.iterdir()) if p != dst and _size(p) == size), None)
-    if same is None:
+    if _size(dst) != size:
         os.replace(src, dst)
-    else:
-        tmp = folder / f".{uuid.uuid4().hex}.tmp"
-        os.link(same, tmp)
-        os.replace(tmp, dst)
     return dst
 
 
