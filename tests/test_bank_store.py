@@ -164,6 +164,17 @@ def test_history_trials_are_counted(store: BankStore) -> None:
     assert sorted(doc["strategy"] for _, doc in rows) == ["a", "b", "c", "d"]
 
 
+def test_decisions_by_run_are_forgotten_by_run_and_pruned(store: BankStore) -> None:
+    key, other = _record().key, _record(precision="int8").key
+    store.commit(trials=[(key, {"strategy": "a"})], decisions=[(b"run1/" + key, {"strategy": "a"})])
+    store.commit(decisions=[(b"run1/" + other, {"strategy": "b"}), (b"run2/" + key, {"strategy": "c"})])
+    assert store.decisions(b"run1/") == [(b"run1/" + key, {"strategy": "a"}), (b"run1/" + other, {"strategy": "b"})]
+    store.commit(forget=[b"run1/"])
+    assert store.decisions(b"run1/") == [] and store.decisions(b"run2/") == [(b"run2/" + key, {"strategy": "c"})]
+    store.prune()
+    assert store.decisions(b"") == [] and store.counts()["history"] == 0
+
+
 def test_full_map_is_a_bank_error_that_writes_nothing(tmp_path: Path) -> None:
     """The map is fixed at open: a write that does not fit fails whole, with a message
     that names the bank and says what to do, and the store keeps working."""

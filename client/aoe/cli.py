@@ -22,6 +22,7 @@ stderr, `aoe: error: ...`, and the exit status of its class (2 options, 3 model,
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import signal
@@ -165,7 +166,7 @@ def _tune(args: argparse.Namespace) -> int:
         bank_layers=(*args.bank_layer, *config.bank_layers) if args.bank_layer else None,
     )  # fmt: skip
     output: Path = args.output
-    _writable_output(output)
+    made = _writable_output(output)
     opts = JobOptions(
         model=args.model,
         output=output,
@@ -206,6 +207,9 @@ def _tune(args: argparse.Namespace) -> int:
 
     progress = Progress(enabled=not args.no_progress)
 
+    if not (output / "aoe_workspace").exists():
+        made.insert(0, output / "aoe_workspace")
+
     async def run():
         async with open_engine(config, registry, output / "aoe_workspace" / "logs") as engine:
             with progress:
@@ -219,14 +223,22 @@ def _tune(args: argparse.Namespace) -> int:
     except DeviceError as exc:
         source = config.sources.get("device", "")
         raise DeviceError(f"{source} selects {config.device}: {exc}" if source.startswith("ASCEND") else str(exc)) from None
+    finally:
+        # A run that failed before tuning left no workspace and the engine no empty
+        # log: the folders made for them go too.
+        for d in made:
+            with contextlib.suppress(OSError):
+                d.rmdir()
     _summary(result)
     return 0
 
 
-def _writable_output(output: Path) -> None:
+def _writable_output(output: Path) -> list[Path]:
     """Make sure `output` is a directory this process can write: the result JSON goes
     there and aoe_workspace/ under it. OptionError naming it otherwise, before any
-    engine starts (the engine's own log folder would otherwise be the first to fail)."""
+    engine starts (the engine's own log folder would otherwise be the first to fail).
+    Returns the folders it made, deepest first."""
+    made = [p for p in (output, *output.parents) if not p.exists()]
     try:
         output.mkdir(parents=True, exist_ok=True)
     except (FileExistsError, NotADirectoryError):
@@ -238,10 +250,10 @@ def _writable_output(output: Path) -> None:
         # Root passes every permission check, so try instead of asking (os.access).
         with tempfile.TemporaryFile(dir=output):
             pass
-        (output / "aoe_workspace" / "logs").mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise OptionError(f"--output {output}: cannot write there ({exc.strerror or exc}); pass a directory you may "
                           "write") from None  # fmt: skip
+    return made
 
 
 def _daemon_for(args: argparse.Namespace, config: Any) -> Any:

@@ -6,7 +6,7 @@ daemon's. Defaults need no file at all: state under the user's state dir (platfo
 or /var/lib/aoed as root; the socket in the runtime dir (/run/aoed as root).
 
   [daemon]
-  state_dir = "/var/lib/aoed"        # job store, uploads, job outputs
+  state_dir = "/var/lib/aoed"        # job store, uploads, inputs, job outputs
   max_running_jobs = 2               # jobs tuning at once (they share workers and devices)
   max_queued_jobs = 64               # beyond this, SubmitJob answers RESOURCE_EXHAUSTED
   max_jobs_per_client = 16           # queued + running per client (a TLS subject, a TCP
@@ -129,6 +129,12 @@ class DaemonConfig:
     @property
     def jobs_dir(self) -> Path:
         return self.state_dir / "jobs"
+
+    @property
+    def inputs_dir(self) -> Path:
+        """Uploaded models, kept once per content and name (`inputs/<sha256>/<name>`)
+        while jobs refer to them."""
+        return self.state_dir / "inputs"
 
     @property
     def claims_dir(self) -> Path:

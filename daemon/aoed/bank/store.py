@@ -6,6 +6,9 @@ One environment holds named databases:
   defaults  bank key -> JSON: tuned, and the default stayed best (not an entry, but no
             reason to measure again unless REPEAT_TUNE)
   history   bank key + "/" + 16 hex digits of ns time -> JSON of one measured trial
+  decisions run key + "/" + bank key -> JSON: what one run of a job decided for a task,
+            kept until that run ends, so an interrupted job run again measures nothing
+            twice (engine/resume.py); private to the writer, never exported
 
 A key holds an entry or a default record, not both: putting one deletes the other.
 Keys sort by signature digest first (see `aoe.signature.bank_key`), so every device and
@@ -135,6 +138,7 @@ class BankStore:
                 self._entries = self.env.open_db(b"entries")
                 self._defaults = self.env.open_db(b"defaults")
                 self._history = self.env.open_db(b"history")
+                self._decisions = self.env.open_db(b"decisions")
             self._check_schema()
         except BaseException:
             # A refused bank must not stay open, nor locked, in this process.
@@ -218,11 +222,23 @@ class BankStore:
         entries: Iterable[tuple[bytes, bytes]] = (),
         defaults: Iterable[tuple[bytes, dict[str, Any]]] = (),
         trials: Iterable[tuple[bytes, dict[str, Any]]] = (),
+        decisions: Iterable[tuple[bytes, dict[str, Any]]] = (),
+        forget: Iterable[bytes] = (),
     ) -> None:
-        """Write everything given in one transaction (all or nothing). A bank too full
-        for it is a BankError, and nothing of it is written."""
-        entries, defaults, trials = list(entries), list(defaults), list(trials)
+        """Write everything given in one transaction (all or nothing): `decisions` put
+        under their keys, and every decision whose key starts with one of the `forget`
+        prefixes deleted. A bank too full for it is a BankError, and nothing of it is
+        written."""
+        entries, defaults, trials, decisions = list(entries), list(defaults), list(trials), list(decisions)
+        forget = list(forget)
         with self._txn("write", write=True) as txn:
+            for prefix in forget:
+                cur = txn.cursor(db=self._decisions)
+                found = cur.set_range(prefix)
+                while found and cur.key().startswith(prefix):
+                    found = cur.delete()
+            for key, doc in decisions:
+                txn.put(key, encode_doc(doc), db=self._decisions)
             for key, value in entries:
                 txn.put(key, value, db=self._entries)
                 txn.delete(key, db=self._defaults)
@@ -231,6 +247,17 @@ class BankStore:
             now = time.time_ns()
             for i, (key, doc) in enumerate(trials):
                 txn.put(history_key(key, now + i), encode_doc(doc), db=self._history)
+
+    def decisions(self, prefix: bytes) -> list[tuple[bytes, dict[str, Any]]]:
+        """(key, document) of every decision whose key starts with `prefix`, in key order."""
+        out = []
+        with self._txn("lookup", db=self._decisions) as txn:
+            cur = txn.cursor()
+            found = cur.set_range(prefix)
+            while found and cur.key().startswith(prefix):
+                out.append((cur.key(), json.loads(cur.value())))
+                found = cur.next()
+        return out
 
     def items(self, db: str = "entries") -> Iterator[tuple[bytes, bytes]]:
         """(key, value) of one named db in key order, from one read snapshot."""
@@ -290,11 +317,13 @@ class BankStore:
         return Record(DEFAULT, key, raw) if raw is not None else None
 
     def prune(self, dry_run: bool = False) -> PruneCounts:
-        """Drop the measurement history, keep winners and defaults (one transaction)."""
+        """Drop the measurement history, keep winners and defaults (one transaction).
+        What interrupted jobs had decided goes too: run again, they measure it again."""
         before = self.stats()
         if not dry_run:
             with self._txn("prune", write=True) as txn:
                 txn.drop(self._history, delete=False)
+                txn.drop(self._decisions, delete=False)
         after = self.stats() if not dry_run else before
         return PruneCounts(before.history, before.entries, before.used_bytes, after.used_bytes)
 

@@ -41,6 +41,10 @@ class BankWrite:
     entries: tuple[BankRecord, ...] = ()
     defaults: tuple[tuple[bytes, dict[str, Any]], ...] = ()
     trials: tuple[tuple[bytes, dict[str, Any]], ...] = field(default=())
+    #: what a run decided for a task (engine/resume.py), committed with its trials
+    decisions: tuple[tuple[bytes, dict[str, Any]], ...] = ()
+    #: key prefixes of decisions to delete (a run that ended)
+    forget: tuple[bytes, ...] = ()
 
 
 class BankWriter:
@@ -115,6 +119,8 @@ class BankWriter:
             entries=[(r.key, encode(r)) for r in write.entries],
             defaults=write.defaults,
             trials=write.trials,
+            decisions=write.decisions,
+            forget=write.forget,
         )
 
     async def write(self, write: BankWrite) -> None:
@@ -147,6 +153,11 @@ class BankWriter:
     async def known_default(self, key: bytes) -> dict[str, Any] | None:
         store = await self._readable()
         return None if store is None else await trio.to_thread.run_sync(store.get_default, key)
+
+    async def decisions(self, prefix: bytes) -> list[tuple[bytes, dict[str, Any]]]:
+        """The decisions stored under `prefix` in the custom bank (never in a layer)."""
+        store = await self._readable()
+        return [] if store is None else await trio.to_thread.run_sync(store.decisions, prefix)
 
     async def layers(self) -> BankReader | None:
         """The read-only layers as one reader (None when there are none)."""

@@ -69,6 +69,10 @@ class JobContext:
     model_us: float = 0.0
     #: why the bank did not take the job's last write that failed ("" while none did)
     bank_unkept: str = ""
+    #: what this run's task decisions are kept under until it ends (resume.py)
+    run_key: bytes = b""
+    #: this run's attempt at the job: 1, or one more than the interrupted run it resumes
+    attempt: int = 1
 
     def emit(self, kind: str, message: str = "", done: int = 0, total: int = 0) -> None:
         self.ledger.emit(JobEvent(kind, message, done, total))

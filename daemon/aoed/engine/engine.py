@@ -116,26 +116,46 @@ class Engine:
         BankError, DeviceError), and JobCancelledError when `handle` cancelled it; a
         cancelled job stops at once, its queued requests dropped and those in flight
         abandoned. The workspace's scratch is removed unless the job failed or
-        `opts.keep_workspace`."""
+        `opts.keep_workspace`; a job that fails before tuning started leaves no workspace,
+        and one interrupted (a resumable cancel, ^C) leaves it to its next run."""
         if opts.device != self.device.device:
             raise OptionError(f"--device {opts.device}: this engine measures on {self.device.device}")
         job_id = opts.job_id or new_job_id()
         prec = policy(opts.precision, opts.min_cosine, opts.max_rel_error)
         check_budget(opts.budget_s, "--budget")
-        try:
-            ws = await trio.to_thread.run_sync(Workspace.create, opts.output, opts.model.stem)
-        except AoedError:
-            raise
+        # The daemon's job id is the same in each run of a job; an embedded run's is new,
+        # so there the model alone says which interrupted workspace is this job's.
+        owner = {"model": str(opts.model.absolute()), "job": opts.job_id}
+        ws = await trio.to_thread.run_sync(Workspace.create, opts.output, opts.model.stem, owner)
         handle = handle or JobHandle()
+        outcome = "interrupted"  # ^C, or anything else that is not the job's own end
+        try:
+            result = await self._run(opts, job_id, prec, ws, emit, handle)
+            outcome = "done"
+            return result
+        except JobCancelledError:
+            outcome = "interrupted" if handle.resumable else "done"
+            raise
+        except Exception:
+            outcome = "failed"
+            raise
+        finally:
+            ws.release(outcome)  # a few file operations: not worth a thread (nor a cancellable await)
+
+    async def _run(
+        self, opts: JobOptions, job_id: str, prec, ws: Workspace, emit: Callable[[JobEvent], None], handle: JobHandle
+    ) -> JobResult:
         ledger = JobLedger(job_id, emit, weight=max(1, opts.weight))
         ctx = JobContext(
             opts=opts, job_id=job_id, pool=self.pool, device=self.device, bank=self.bank,
             registry=self.registry, policy=prec, fingerprint=opts.device.fingerprint(),
-            ledger=ledger, workspace=ws, config=self.config,
+            ledger=ledger, workspace=ws, config=self.config, attempt=max(1, opts.attempt),
         )  # fmt: skip
         failed = True
         with _job_log(ws.log_path, job_id):
             log.info("job %s: %s (%s, %s, device %s)", job_id, opts.model, opts.job_type, opts.precision, opts.device)
+            if ws.resumed:
+                log.info("job %s: continues in the workspace an interrupted run of it left", job_id)
             try:
                 with trio.CancelScope() as scope:
                     handle.attach(scope)
@@ -159,7 +179,7 @@ class Engine:
             finally:
                 if not failed and not opts.keep_workspace:
                     ws.clean()
-                elif failed and ws.root.is_dir():
+                elif failed and ws.started and ws.root.is_dir():
                     log.info("job %s: workspace kept for inspection at %s", job_id, ws.root)
             reason = f": {handle.reason}" if handle.reason else ""
             log.info("job %s: cancelled%s", job_id, reason)
@@ -177,7 +197,10 @@ async def open_engine(
 
     `registry` is the strategy registry (aoed.backends.ort.catalog.build_registry with
     the config's plugins; workers build the same one). Raises DeviceError when the
-    device is unusable (e.g. its onnxruntime provider is not installed).
+    device is unusable (e.g. its onnxruntime provider is not installed). The children's
+    stderr goes to `logdir`, which keeps, once they are stopped, only the logs that
+    hold something (a crash, a warning): the rest are removed, and so is `logdir`
+    itself if nothing is left in it.
     """
     # Another process writing this bank (a second tune, an import) makes the first write
     # wait; say so, or it looks like a hang.
@@ -210,3 +233,13 @@ async def open_engine(
                 nursery.cancel_scope.cancel()
     finally:
         bank.close()
+        _drop_empty_logs(logdir)
+
+
+def _drop_empty_logs(logdir: Path) -> None:
+    """Remove the children's empty logs from `logdir`, and `logdir` if that empties it."""
+    with contextlib.suppress(OSError):
+        for p in logdir.glob("*.log"):
+            if p.is_file() and not p.is_symlink() and p.stat().st_size == 0:
+                p.unlink()
+        logdir.rmdir()

@@ -42,6 +42,8 @@ class JobOptions:
     #: the id of an interrupted run of this job: what it decided is not measured again,
     #: even with repeat_tune (the daemon's resume after a restart)
     resumes: str = ""
+    #: which run of this job this is (the daemon counts them; 1 otherwise)
+    attempt: int = 1
     #: scheduling weight among jobs sharing the engine's agents (fair share); >= 1
     weight: int = 1
     #: (device, inode) of the model file its submitter's checks passed (the daemon's);
@@ -67,6 +69,9 @@ class TaskResult:
     error: str = ""
     rejected: list[str] = field(default_factory=list)  # lossy candidates not taken, and why
     applied: bool = True  # False when end-to-end verification reverted the choice
+    #: the run of this job that measured the task (an earlier one, for a task an
+    #: interrupted run decided); 0 when the bank answered without this job measuring
+    attempt: int = 0
 
     @property
     def improvement(self) -> float:
@@ -131,10 +136,14 @@ class JobHandle:
         self._scope: trio.CancelScope | None = None
         self.reason = ""
         self.cancelled = False
+        self.resumable = False
 
-    def cancel(self, reason: str = "") -> None:
+    def cancel(self, reason: str = "", *, resumable: bool = False) -> None:
+        """Cancel the job; `resumable`: it runs again later (a daemon's shutdown), so its
+        workspace is left for that run (workspace.py)."""
         self.reason = reason
         self.cancelled = True
+        self.resumable = resumable
         if self._scope is not None:
             self._scope.cancel()
 

@@ -187,6 +187,8 @@ class PrepareReply:
     #: integer inputs that index a table (token ids): their upper bound
     int_high: dict[str, int] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
+    #: sha256 of the prepared model's files: the same model, prepared the same way
+    digest: str = ""
 
 
 @dataclass(frozen=True)
@@ -207,6 +209,8 @@ class SamplesReply:
     held_back: tuple[Path, ...]
     calibrate: tuple[Path, ...]
     source: str
+    #: sha256 of the samples' arrays (names, dtypes, shapes, values), in order
+    digest: str = ""
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,12 @@
            counted, device_s, estimate_s}}}: the device seconds the budget counts, then
            every stage's wall time against what the budget gave it (budget.py)
     tuned_model, session_options, verification, accuracy, accuracy_budget, calibration,
-    resources{device_s, duty_cycle, trials, failed_candidates, compile_s, memory ...},
-    notes, tasks[...] (per task: strategy, update_mode, before/after, candidates, why)
+    resources{device_s, duty_cycle, trials, failed_candidates, compile_s, memory ...,
+              attempt, attempts[{attempt, tasks, trials}]}: trials count every run of
+              the job (a resumed job's earlier, interrupted ones too); device and compile
+              seconds are this run's
+    notes, tasks[...] (per task: strategy, update_mode, before/after, candidates, why,
+                       attempt: the run that measured it, 0 when the bank answered)
 
 An SGAT job (`aoe_result_sgat_...`) has an SGAT section instead, shaped alike, with
 `sgat_tuning_result` and `repo_modified_subgraphs{add_repo_subgraphs,
@@ -105,6 +109,7 @@ def result_json(result: JobResult, job_type: str = "opat") -> dict[str, Any]:
                 "performance_improvement": round(t.improvement, 4),
                 "update_mode": t.update_mode,
                 "bank_layer": t.bank_layer,
+                "attempt": t.attempt,
                 "accuracy": t.accuracy,
                 "candidates": t.candidates,
                 "error": t.error,

@@ -1,7 +1,8 @@
 """The job supervisor: one job's pipeline from model file to tuned model and report.
 
-    prepare (worker) -> samples (worker) -> calibrate (worker, lossy) -> bank lookups
-    (lossy hits re-gated on this model) -> profile (device) -> budget -> extract task
+    prepare (worker) -> samples (worker) -> calibrate (worker, lossy) -> what an
+    interrupted run of this job decided (resume.py) -> bank lookups (lossy hits
+    re-gated on this model) -> profile (device) -> budget -> extract task
     models (worker) -> task agents (pool + device) -> assemble (worker) -> accuracy
     budget (device, lossy) -> session options (device) -> verify (device) -> confirming
     A/B (device) -> remember context (bank) -> tuned model -> result JSON
@@ -29,7 +30,7 @@ from aoe.figures import Comparison, Figures, interval, pct
 from aoe.partition import Task
 from aoed import safefs
 from aoed.bank._codec import BankRecord
-from aoed.engine import bankrules, confirm, incontext, stats
+from aoed.engine import bankrules, confirm, incontext, resume, stats
 from aoed.engine.assemble import tuned_metadata
 from aoed.engine.budget import PREPARE_S_PER_MIB, Budget, default_budget, measure_estimate, model_mib
 from aoed.engine.context import JobContext
@@ -148,16 +149,20 @@ async def run_stages(ctx: JobContext) -> JobResult:
         ctx.ranges = ws.scratch / "ranges.json"
 
     tasks = list(prep.tasks)
+    ws.started = True  # the model is read and its samples made: a failure from here is one to inspect
+    ctx.run_key = resume.run_key(ctx, prep.digest, samples.digest)
     ctx.ledger.enter("bank")
+    restored = await _restore(ctx, tasks)
     model_ans = await ctx.lookup(prep.model_signature)
     context_reverted = set() if opts.repeat_tune else bankrules.reverted_digests(model_ans)
 
     # Bank lookups first: what the bank answers costs no measurement.
     results: dict[str, TaskResult] = {t.id: TaskResult(t.id, t.anchor, t.op_type, t.instances, t.family) for t in tasks}
+    results.update({tid: d.result for tid, d in restored.items()})
     chosen: dict[str, str] = {}
     hits: dict[str, BankRecord] = {}
     lossy_cost: dict[str, tuple[float, float]] = {}
-    answers = {t.id: await ctx.lookup(t.signature) for t in tasks}
+    answers = {t.id: await ctx.lookup(t.signature) for t in tasks if t.id not in restored}
     hit_choices = {tid: a.record.strategy for tid, a in answers.items() if a.kind == "hit" and a.record is not None}
     if hit_choices:
         check: CheckReply = await _work(ctx, CheckRequest(prep.prepared, prep.tasks, hit_choices, ctx.ranges),
@@ -166,9 +171,11 @@ async def run_stages(ctx: JobContext) -> JobResult:
             ctx.notes.append(f"bank entry for {tid} ignored: {why}")
             answers[tid] = bankrules.BankAnswer("miss")
         if ctx.policy.lossy and not opts.repeat_tune:
-            await _gate_lossy_hits(ctx, tasks, answers)
+            await _gate_lossy_hits(ctx, [t for t in tasks if t.id in answers], answers)
     to_tune: list[Task] = []
     for t in tasks:
+        if t.id in restored:
+            continue
         a, r = answers[t.id], results[t.id]
         if a.kind == "hit" and a.record is not None:
             hits[t.id] = a.record
@@ -193,6 +200,7 @@ async def run_stages(ctx: JobContext) -> JobResult:
             chosen[t.id] = DEFAULT
 
     budget, decided = await _search(ctx, tasks, to_tune, results, hits)
+    decided = [*restored.values(), *decided]
     fallback: dict[str, str] = {}
     fallback_us: dict[str, float] = {}
     failed = sum(d.failed_candidates for d in decided)
@@ -293,6 +301,8 @@ async def run_stages(ctx: JobContext) -> JobResult:
         "compile_s": round(ledger.compile_s, 3),
         "compile_requests": ledger.compile_requests,
         "trials": trials,
+        "attempt": ctx.attempt,
+        "attempts": _attempts(ctx, decided, session.trials),
         "failed_candidates": failed,
         "peak_worker_rss_mb": round(ledger.peak_child_rss_mb, 1),
         "engine_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0, 1),
@@ -339,6 +349,7 @@ async def run_stages(ctx: JobContext) -> JobResult:
     json_path = await trio.to_thread.run_sync(ws.reserve_result, opts.job_type)
     result.result_json = str(json_path)
     await trio.to_thread.run_sync(write_json, json_path, result_json(result, opts.job_type))
+    await resume.forget(ctx)
     return result
 
 
@@ -368,6 +379,40 @@ def _say_estimate(ctx: JobContext, stage: str, seconds: float, message: str) -> 
     text = message.format(seconds)
     log.info("%s", text)
     ctx.emit("log", text)
+
+
+async def _restore(ctx: JobContext, tasks: list[Task]) -> dict[str, TaskDecision]:
+    """The decisions an interrupted run of this job committed (resume.py), by task id,
+    for the tasks whose strategy this registry still has; sets `ctx.attempt` to follow
+    the latest run they came from."""
+    keys = {ctx.key(t.signature): t for t in tasks}
+    out: dict[str, TaskDecision] = {}
+    for key, doc in (await resume.records(ctx, keys)).items():
+        t = keys[key]
+        try:
+            d = TaskDecision.from_doc(t, doc)
+            for name in {d.strategy, d.fallback}:
+                ctx.registry.get(t.family, name)
+        except (KeyError, TypeError, ValueError) as exc:
+            log.info("%s: the interrupted run's decision is not usable here (%s); tuned again", t.id, exc)
+            continue
+        out[t.id] = d
+        ctx.attempt = max(ctx.attempt, d.result.attempt + 1)
+    if out:
+        ctx.notes.append(f"resumed: {len(out)} task(s) an interrupted run of this job decided were taken from the "
+                         f"bank, not measured again ({', '.join(sorted(out))})")  # fmt: skip
+    return out
+
+
+def _attempts(ctx: JobContext, decided: list[TaskDecision], session_trials: int) -> list[dict[str, int]]:
+    """Per run of this job that measured something: the tasks it decided, its trials."""
+    runs: dict[int, dict[str, int]] = {ctx.attempt: {"attempt": ctx.attempt, "tasks": 0, "trials": session_trials}}
+    for d in decided:
+        n = d.result.attempt or ctx.attempt
+        run = runs.setdefault(n, {"attempt": n, "tasks": 0, "trials": 0})
+        run["tasks"] += 1
+        run["trials"] += d.trials
+    return [runs[n] for n in sorted(runs)]
 
 
 def _decision(v: Verified) -> dict[str, Any]:

@@ -8,6 +8,8 @@
        as soon as the task is decided, so a killed job resumes from the bank; a lossy
        choice is committed only once the model as a whole has met its accuracy budget
        (the supervisor writes `pending` then, or `fallback_write` if it was backed off)
+    -> the whole decision, committed in that same transaction as this run's record
+       (resume.py): what a resumed run takes instead of measuring the task again
 
 An agent owns its task's search state and returns a `TaskDecision`; it writes nothing
 that other agents read. A failed candidate costs that candidate; a task whose default
@@ -16,16 +18,20 @@ cannot be built or measured keeps what the model (or the bank) has, marked faile
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import trio
 
 from aoe.errors import DeviceError
+from aoe.bank import CUSTOM
 from aoe.partition import Task
 from aoed.bank._codec import BankRecord
 from aoed.bank.writer import BankWrite
-from aoed.engine import bankrules, decisions, incontext
+from aoed.engine import bankrules, decisions, incontext, resume
 from aoed.engine.budget import Budget
 from aoed.engine.context import JobContext
 from aoed.engine.job import TaskResult
@@ -55,6 +61,35 @@ class TaskDecision:
     fallback_write: BankWrite | None = None
     fallback_us: float = 0.0  # the fallback's measured time
     fallback_mode: str = ""  # AOE's update mode had the fallback been chosen
+
+    def to_doc(self) -> dict[str, Any]:
+        """The decision as JSON, for resume.py (the task itself is the record's key)."""
+        return {
+            "result": dataclasses.asdict(self.result),
+            "strategy": self.strategy, "fallback": self.fallback,
+            "lossy_cost": list(self.lossy_cost) if self.lossy_cost is not None else None,
+            "failed_candidates": self.failed_candidates, "trials": self.trials,
+            "pending": resume.write_to_doc(self.pending), "fallback_write": resume.write_to_doc(self.fallback_write),
+            "fallback_us": self.fallback_us, "fallback_mode": self.fallback_mode,
+        }  # fmt: skip
+
+    @classmethod
+    def from_doc(cls, task: Task, doc: Mapping[str, Any]) -> TaskDecision:
+        """The decision `to_doc` wrote for `task`, as a resumed run takes it: answered
+        from the bank, decided at the run's start. KeyError or ValueError on a document
+        that is not one."""
+        names = {f.name for f in dataclasses.fields(TaskResult)}
+        result = TaskResult(**{k: v for k, v in doc["result"].items() if k in names})
+        result.update_mode, result.bank_layer = "hit", CUSTOM
+        cost = doc.get("lossy_cost")
+        return cls(
+            task, result, str(doc["strategy"]), fallback=str(doc["fallback"]),
+            lossy_cost=(float(cost[0]), float(cost[1])) if cost is not None else None,
+            failed_candidates=int(doc["failed_candidates"]), trials=int(doc["trials"]),
+            pending=resume.write_from_doc(doc.get("pending")),
+            fallback_write=resume.write_from_doc(doc.get("fallback_write")),
+            fallback_us=float(doc["fallback_us"]), fallback_mode=str(doc["fallback_mode"]),
+        )  # fmt: skip
 
 class TaskAgent:
     def __init__(
@@ -180,31 +215,37 @@ class TaskAgent:
         pending = fallback_write = None
         fallback_mode = outcome.mode
         if lossy_choice:
-            kept = await ctx.write_bank(BankWrite(trials=trials))
+            now = BankWrite(trials=trials)
             pending = write_for(outcome)
             exact_outcome = bankrules.after_tuning(self.hit, best_exact, measured, gate)
             fallback_write, fallback_mode = write_for(exact_outcome), exact_outcome.mode
         else:
             w = write_for(outcome)
-            kept = await ctx.write_bank(BankWrite(entries=w.entries, defaults=w.defaults, trials=trials))
+            now = BankWrite(entries=w.entries, defaults=w.defaults, trials=trials)
         res.update_mode = outcome.mode
-        if not kept:  # the decision holds for this job's model; the bank just has nothing of it
-            res.update_mode, res.error = "failed", f"{outcome.strategy} chosen, but not kept in the bank: {ctx.bank_unkept}"
         res.strategy = outcome.strategy
         res.before_us = base.median_us
         res.after_us = win.median_us
         res.accuracy = win.accuracy()
+        res.attempt = ctx.attempt
         if outcome.strategy in in_context:
             got = in_context[outcome.strategy]
             res.accuracy.update(model_cosine=got.cosine, model_max_rel_error=got.max_rel_error)
-        ctx.emit("task", f"{task.id}: {outcome.strategy} ({outcome.mode})")
-        log.info("%s: %s (%s), %.1f -> %.1f us", task.id, outcome.strategy, outcome.mode, res.before_us, res.after_us)
-        return TaskDecision(
+        decision = TaskDecision(
             task, res, outcome.strategy, fallback=best_exact if lossy_choice else DEFAULT,
             lossy_cost=lossy_cost if outcome.strategy == best else None, failed_candidates=failed,
             trials=len(trials), pending=pending, fallback_write=fallback_write,
             fallback_us=measured[best_exact].median_us, fallback_mode=fallback_mode,
         )  # fmt: skip
+        record = {**decision.to_doc(), "job": ctx.job_id, "attempt": ctx.attempt}
+        # The decision's record goes in the same commit as its trials and entries: all
+        # of them or none. None: the decision holds for this job's model, but the bank
+        # (and a resumed run) has nothing of it.
+        if not await ctx.write_bank(dataclasses.replace(now, decisions=((resume.key_of(ctx, key), record),))):
+            res.update_mode, res.error = "failed", f"{outcome.strategy} chosen, but not kept in the bank: {ctx.bank_unkept}"
+        ctx.emit("task", f"{task.id}: {outcome.strategy} ({outcome.mode})")
+        log.info("%s: %s (%s), %.1f -> %.1f us", task.id, outcome.strategy, outcome.mode, res.before_us, res.after_us)
+        return decision
 
     def _skipped(self, candidates: int, load_s: float, failed: int) -> TaskDecision:
         """The decision for a task whose candidates cost more to load than its share."""

@@ -12,7 +12,7 @@ client that reconnects (or a daemon that restarts) resumes the stream where it s
 
 Resume: at start, jobs the store says were running are queued again and run with
 `resumes` = their own id, so tasks their first run decided (committed to the bank as
-each was decided) are not measured again. On shutdown, running jobs get
+each was decided, with the decision itself: engine/resume.py) are not measured again. On shutdown, running jobs get
 `shutdown_grace_s` to finish; then they are cancelled and left queued for the next start.
 
 A full disk: below `[limits] min_free_mb` free in the state dir, submissions are refused
@@ -21,6 +21,10 @@ wait. A write of a call in hand that the job store refuses fails that call; the 
 changes of running jobs go through a `Backlog`, which keeps what the store refuses and
 writes it once the store takes writes again, so neither a full disk nor a failing store
 ends the manager.
+
+Inputs: an uploaded model is kept once per content and name, `inputs/<sha256>/<name>` in
+the state dir, and jobs refer to it; it is removed with the last job that does
+(retention), and at start when none does.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import logging
 import math
 import os
 import shutil
+import stat
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -228,6 +233,7 @@ class JobManager:
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Requeue what a previous run left running, then schedule until cancelled."""
+        await trio.to_thread.run_sync(_sweep_inputs, self.cfg.inputs_dir, self.store.model_paths())
         for row in self.store.jobs(st.RUNNING, limit=100000):
             self._event(row, "state", {"previous": row.state, "state": st.QUEUED,
                                        "message": "the daemon restarted: the job resumes"})  # fmt: skip
@@ -287,7 +293,7 @@ class JobManager:
             while self._running:
                 await trio.sleep(0.1)
         for job_id in list(self._running):
-            self._live[job_id].handle.cancel("the daemon is shutting down")
+            self._live[job_id].handle.cancel("the daemon is shutting down", resumable=True)
         with trio.move_on_after(10):
             while self._running:
                 await trio.sleep(0.05)
@@ -312,6 +318,7 @@ class JobManager:
                     if out.is_relative_to(self.cfg.jobs_dir):
                         await trio.to_thread.run_sync(shutil.rmtree, out, True)
                     self.store.delete(row.id)
+                    await self._release_input(Path(row.model_path))
                     log.info("job %s: removed after retention", row.id)
             except (StoreError, DiskFullError) as exc:  # (what was removed is removed; the rest next time)
                 log.warning("jobs: housekeeping stopped for now: %s", exc)
@@ -380,7 +387,7 @@ class JobManager:
             if same is not None:
                 self.store.update(same.id, joined=same.joined + 1)
                 if sub.upload is not None:
-                    await self._consume_upload(sub.upload, None)
+                    await self._consume_upload(sub.upload, keep=False)
                 log.info("job %s: an identical submission joined it", same.id)
                 return self.get(same.id), True
             mine = self.store.count_active(sub.source)
@@ -396,7 +403,7 @@ class JobManager:
             out = sub.output_dir or self.cfg.jobs_dir / job_id
             model = sub.model
             if sub.upload is not None:
-                model = await self._consume_upload(sub.upload, self.cfg.jobs_dir / job_id / "model")
+                model = await self._consume_upload(sub.upload, keep=True)
                 info = await trio.to_thread.run_sync(model.stat)
             # The file checked here (one link, its sha256): the job's first read checks that
             # it reads this very file (see engine.modelio.load_model's `expect`).
@@ -406,7 +413,11 @@ class JobManager:
                 else sub.upload.file_name, model_sha256=sha, dedup_key=key, options=options, output_dir=str(out),
                 priority=int(sub.options.get("priority", 0)), source=sub.source,
             )  # fmt: skip
-            self.store.insert(row)
+            try:
+                self.store.insert(row)
+            except AoedError:
+                await self._release_input(model)
+                raise
         self._event(row, "state", {"previous": "", "state": st.QUEUED, "message": f"submitted ({sub.source})"})
         log.info("job %s: queued %s (%s)", job_id, row.model_name, sub.source)
         self._poke()
@@ -420,17 +431,23 @@ class JobManager:
         name = sub.upload.file_name if sub.upload is not None else str(sub.model)
         check_fits(name, model_bytes, plan.job_limit_mb(), plan.why())
 
-    async def _consume_upload(self, up: Upload, into: Path | None) -> Path:
+    async def _consume_upload(self, up: Upload, keep: bool) -> Path:
+        """Take `up` out of the uploads; with `keep`, its content stays in the inputs,
+        once (returns where)."""
         src = Path(up.path)
         dst = src
-        if into is not None:
-            into.mkdir(parents=True, exist_ok=True)
-            dst = into / up.file_name
-            src.replace(dst)
+        if keep:
+            dst = await trio.to_thread.run_sync(_keep_input, self.cfg.inputs_dir, src, up.sha256, up.file_name, up.size)
         self._remove_upload_file(src)
         self.uploads.release(up.id)
         self.store.delete_upload(up.id)
         return dst
+
+    async def _release_input(self, path: Path) -> None:
+        """Remove a kept input (and its folder, once empty) that no job refers to."""
+        if path.parent.parent != self.cfg.inputs_dir or self.store.model_refs(str(path)):
+            return
+        await trio.to_thread.run_sync(_remove_input, path)
 
     def _remove_upload_file(self, path: Path) -> None:
         """An upload is `uploads/<id>/<name>`: the file and its folder go."""
@@ -551,6 +568,7 @@ class JobManager:
             budget_s=o.get("budget_s"),
             job_id=row.id,
             resumes=row.id if row.attempts > 1 else "",  # counted before it starts
+            attempt=max(1, row.attempts),
             weight=max(1, 1 + int(o.get("priority", 0))) if int(o.get("priority", 0)) > 0 else 1,
             model_file=tuple(o[MODEL_FILE]) if o.get(MODEL_FILE) else None,
         )
@@ -588,7 +606,52 @@ class JobManager:
             self._finish(row, st.SUCCEEDED, result=result_dict(result))
         finally:
             self._running.discard(row.id)
+            out = Path(row.output_dir)
+            if row.state == st.FAILED and out.is_relative_to(self.cfg.jobs_dir):
+                with contextlib.suppress(OSError):
+                    out.rmdir()  # empty when the job failed before tuning (engine.run_job)
             self._poke()
+
+
+def _keep_input(inputs: Path, src: Path, sha: str, name: str, size: int) -> Path:
+    """Where the uploaded `src` (`size` bytes with digest `sha`, named `name`) is kept:
+    `inputs/<sha>/<name>`, from the upload itself unless those bytes are kept under that
+    name already. The same bytes uploaded under another name are kept again under it:
+    the job's workspace and outputs are named after its model file, and a hard link
+    would make the model a file with several links, which a job does not read."""
+    folder = inputs / sha
+    dst = folder / name
+    folder.mkdir(parents=True, exist_ok=True)
+    if _size(dst) != size:
+        os.replace(src, dst)
+    return dst
+
+
+def _size(path: Path) -> int:
+    """The size of the regular file at `path`, -1 when there is none."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return -1
+    return st.st_size if stat.S_ISREG(st.st_mode) else -1
+
+
+def _remove_input(path: Path) -> None:
+    path.unlink(missing_ok=True)
+    with contextlib.suppress(OSError):
+        path.parent.rmdir()  # only once no other name is in it
+
+
+def _sweep_inputs(inputs: Path, referenced: set[str]) -> None:
+    """Remove the kept inputs no job refers to (a crash between keeping one and
+    recording its job, or a job store restored from before)."""
+    if not inputs.is_dir():
+        return
+    for folder in inputs.iterdir():
+        if folder.is_dir() and not folder.is_symlink():
+            for f in folder.iterdir():
+                if str(f) not in referenced:
+                    _remove_input(f)
 
 
 def _single(group: BaseExceptionGroup) -> BaseException:

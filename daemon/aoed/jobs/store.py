@@ -297,6 +297,14 @@ class JobStore:
             self._exec("DELETE FROM events WHERE job_id = ?", (job_id,))
             self._exec("DELETE FROM jobs WHERE id = ?", (job_id,))
 
+    def model_refs(self, model_path: str) -> int:
+        """How many jobs refer to the model file at `model_path`."""
+        return int(self._exec("SELECT COUNT(*) FROM jobs WHERE model_path = ?", (model_path,)).fetchone()[0])
+
+    def model_paths(self) -> set[str]:
+        """The model files jobs refer to."""
+        return {str(r[0]) for r in self._exec("SELECT DISTINCT model_path FROM jobs")}
+
     def finished_before(self, when: float) -> list[JobRow]:
         cur = self._exec(
             f"SELECT {','.join(_COLUMNS)} FROM jobs WHERE state IN ({','.join('?' * len(FINAL))}) AND finished < ?",

@@ -136,5 +136,11 @@ def serve(handle: Callable[[dict[str, Any]], dict[str, Any]]) -> int:
         reply.setdefault("ok", True)
         reply["id"] = request.get("id")
         reply["maxrss_kb"] = _peak_rss_kb()
-        proto.write(json.dumps(reply) + "\n")
+        try:
+            proto.write(json.dumps(reply) + "\n")
+        except BrokenPipeError:
+            # The engine is gone (killed: our PR_SET_PDEATHSIG is on its way) or gave up on
+            # this request: nobody to answer, nothing for the log. No interpreter shutdown,
+            # which would flush `proto` again and print the same error.
+            os._exit(0)
     return 0

@@ -21,6 +21,7 @@ since a job sends several requests about the same prepared model.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import sys
@@ -107,7 +108,19 @@ def _prepare(req: m.PrepareRequest) -> m.PrepareReply:
         model_signature=model_signature(prep.model),
         int_high=int_high,
         notes=tuple(prep.notes),
+        digest=_file_digest([prep.path, prep.path.with_name(prep.path.name + ".data")]),
     )
+
+
+def _file_digest(paths: list[Path]) -> str:
+    """sha256 over the files of `paths` that exist, in order."""
+    h = hashlib.sha256()
+    for path in paths:
+        if path.is_file():
+            with open(path, "rb") as f:
+                while chunk := f.read(1 << 20):
+                    h.update(chunk)
+    return h.hexdigest()
 
 
 def _ort_error(exc: Exception, prepared: Path) -> str:
@@ -129,13 +142,19 @@ def _samples(req: m.SamplesRequest) -> m.SamplesReply:
         samples = Samples.single(make_inputs(req.inputs, int_high=req.int_high), "synthetic (1 sample)")
     req.workdir.mkdir(parents=True, exist_ok=True)
     held, calib = [], []
+    h = hashlib.sha256()
     for i, sample in enumerate(samples.held_back):
         held.append(req.workdir / f"held_back_{i}.npz")
         np.savez(held[-1], **sample)
     for i, sample in enumerate(samples.calibrate):
         calib.append(req.workdir / f"calibrate_{i}.npz")
         np.savez(calib[-1], **sample)
-    return m.SamplesReply(tuple(held), tuple(calib), samples.source)
+    for sample in (*samples.held_back, *samples.calibrate):
+        for name in sorted(sample):
+            arr = np.ascontiguousarray(sample[name])
+            h.update(f"{name}|{arr.dtype.str}|{arr.shape}|".encode())
+            h.update(arr.tobytes())
+    return m.SamplesReply(tuple(held), tuple(calib), samples.source, h.hexdigest())
 
 
 def _calibrate(req: m.CalibrateRequest) -> m.CalibrateReply:
