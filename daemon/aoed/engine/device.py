@@ -63,7 +63,7 @@ class DeviceAgent:
             "aoed.backends.ort.runner", f"runner for {device}", logdir / f"runner-{device.name.replace(':', '-')}.log",
             cpus=cpus, memory_mb=memory_mb if device.is_cpu else 0,  # GPU runtimes reserve huge address ranges
         )  # fmt: skip
-        self.lock = DeviceLock(runtime_dir, device.name, lock_group)
+        self.lock = DeviceLock(runtime_dir, device.lock_name, lock_group)  # one lock per physical device
         self._queue: _pending.RequestQueue[dict[str, Any]] = _pending.RequestQueue(4)
         self.cores = 1
         self.providers: tuple[str, ...] = ()
