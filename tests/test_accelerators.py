@@ -163,3 +163,44 @@ def test_cuda_and_tensorrt_on_one_gpu_share_one_device_lock(tmp_path: Path) -> N
     assert agents[0].lock.path == agents[1].lock.path, "two providers of one GPU must not measure at once"
     assert DeviceAgent(Device.parse("cuda:1"), None, tmp_path / "logs", tmp_path / "run").lock.path != agents[0].lock.path
     assert DeviceAgent(Device.parse("cpu"), None, tmp_path / "logs", tmp_path / "run").lock.path.name == "device-cpu.lock"
+
+
+# ---------------------------------------------------------------- aoe devices / ListDevices
+
+
+def test_aoe_devices_local_lists_each_gpu_under_both_providers(tmp_path: Path) -> None:
+    from tests.conftest import run_aoe
+
+    install_nvidia_smi(tmp_path / "bin", "mixed.csv")
+    r = run_aoe("devices", "--local", env={"PATH": path_with(tmp_path / "bin")})
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[1].startswith("cpu ") and "cores)" in lines[1]
+    ids = [line.split()[0] for line in lines[1:]]
+    assert ids == ["cpu", "cuda:0", "tensorrt:0", "cuda:1", "tensorrt:1", "cuda:2", "tensorrt:2"]
+    t4 = next(line for line in lines if line.startswith("cuda:1 "))
+    assert "Tesla T4 (compute 7.5, 15360 MiB), driver 535.104.05" in t4
+    # This machine's onnxruntime is the CPU build: the GPUs are listed, and why they are unusable.
+    assert "unusable" in t4 and "install onnxruntime-gpu" in t4
+
+
+def test_list_devices_names_the_daemons_device_first_and_the_gpus_it_could_use(tmp_path: Path, monkeypatch) -> None:
+    from aoe.v1 import devices_pb2
+    from tests.daemon_util import DaemonProcess
+
+    install_nvidia_smi(tmp_path / "bin", "mixed.csv")
+    monkeypatch.setenv("PATH", path_with(tmp_path / "bin"))
+    d = DaemonProcess(tmp_path / "d")
+    d.start()
+    try:
+        devices = d.devices().ListDevices(devices_pb2.ListDevicesRequest()).devices
+    finally:
+        d.close()
+    assert [(x.id, x.configured) for x in devices][:3] == [("cpu", True), ("cuda:0", False), ("tensorrt:0", False)]
+    cpu, a100, t4 = devices[0], devices[1], devices[3]
+    assert cpu.fingerprint.digest and not cpu.HasField("accelerator") and not cpu.unusable
+    assert (a100.accelerator.name, a100.accelerator.compute_capability, a100.accelerator.memory_mib) == (
+        "NVIDIA A100-SXM4-40GB", "8.0", 40960)  # fmt: skip
+    assert t4.accelerator.driver_version == "535.104.05" and t4.execution_provider == "CUDAExecutionProvider"
+    assert a100.fingerprint.digest and a100.fingerprint.digest != t4.fingerprint.digest
+    assert "CUDAExecutionProvider" in a100.unusable and a100.versions["onnxruntime"] == cpu.versions["onnxruntime"]

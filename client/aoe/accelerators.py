@@ -23,16 +23,22 @@ import csv
 import functools
 import importlib.metadata
 import importlib.util
+import os
 import shutil
 import subprocess
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from aoe.device import Device
+from aoe.errors import DeviceError
+
 __all__ = [
     "GPU_QUERY",
     "Discovery",
     "GpuInfo",
+    "LocalDevice",
     "discover",
+    "local_devices",
     "parse_build_info",
     "parse_gpus",
     "runtime_versions",
@@ -202,3 +208,67 @@ def runtime_versions() -> dict[str, str]:
         "tensorrt": _dist_version("tensorrt", "tensorrt-cu13", "tensorrt-cu12", "tensorrt-cu13-libs",
                                   "tensorrt-cu12-libs"),  # fmt: skip
     }
+
+
+@dataclass(frozen=True)
+class LocalDevice:
+    """A device this machine offers onnxruntime: the CPU, or a provider on a GPU."""
+
+    device: Device
+    #: the GPU under it (None: the CPU, or an NPU not discovered)
+    gpu: GpuInfo | None = None
+    #: why this onnxruntime cannot run it ("" when it can)
+    unusable: str = ""
+
+    def describe(self, cores: int | None = None) -> str:
+        """One line for people: the hardware (a CPU's `cores`, default: those this
+        process may run on), its memory and the library versions."""
+        v = runtime_versions()
+        runtime = f"{v['package'] or 'onnxruntime'} {v['onnxruntime']}"
+        if self.gpu is None:
+            if self.device.is_cpu:
+                from aoe.signature import device_fingerprint
+
+                cores = cores or len(os.sched_getaffinity(0))
+                return f"{device_fingerprint().hardware} ({cores} cores), {runtime}"
+            return f"{self.device.description}, {runtime}"
+        g = self.gpu
+        libs = [f"driver {g.driver_version or '?'}"]
+        libs += [f"{name} {v[key]}" for key, name in (("cuda", "CUDA"), ("cudnn", "cuDNN"), ("tensorrt", "TensorRT"))
+                 if v[key]]  # fmt: skip
+        cc = f"compute {g.compute_capability}, " if g.compute_capability else ""
+        return f"{g.name} ({cc}{g.memory_mib} MiB), {', '.join(libs)}, {runtime}"
+
+
+def _providers() -> tuple[str, ...]:
+    import onnxruntime as ort
+
+    return tuple(ort.get_available_providers())
+
+
+def local_devices(providers: tuple[str, ...] | None = None) -> list[LocalDevice]:
+    """Every device this machine offers: the CPU, then per GPU nvidia-smi lists (those
+    CUDA_VISIBLE_DEVICES shows, numbered as CUDA numbers them) one `cuda:N` and one
+    `tensorrt:N`, then `cann:0` where onnxruntime has the CANN provider. `providers`
+    (default: onnxruntime's available providers) decides which are usable."""
+    from aoe.device import CPU
+
+    providers = _providers() if providers is None else providers
+    out = [LocalDevice(CPU)]
+    found = discover()
+    count = len(found.gpus)
+    for n in range(count):
+        for kind in ("cuda", "tensorrt"):
+            dev = Device(kind, n)
+            try:
+                gpu = found.gpu(dev.physical_index())
+            except DeviceError:  # CUDA_VISIBLE_DEVICES shows fewer
+                break
+            if gpu is None:
+                break
+            why = "" if dev.provider in providers else (
+                f"this onnxruntime has no {dev.provider}; install {dev.distribution}")  # fmt: skip
+            out.append(LocalDevice(dev, gpu, why))
+    if (npu := Device("cann", 0)).provider in providers:
+        out.append(LocalDevice(npu))
+    return out
