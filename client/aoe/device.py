@@ -19,7 +19,7 @@ from typing import Any
 from aoe.errors import DeviceError, OptionError
 from aoe.signature import DeviceFingerprint, device_fingerprint
 
-__all__ = ["CPU", "KINDS", "Device"]
+__all__ = ["CPU", "KINDS", "Device", "kind_of"]
 
 # kind -> (execution provider, the onnxruntime distribution that brings it, what it is)
 _KINDS = {
@@ -29,6 +29,16 @@ _KINDS = {
     "cann": ("CANNExecutionProvider", "onnxruntime-cann", "Ascend NPU"),
 }
 KINDS = tuple(_KINDS)
+
+
+def kind_of(provider: str) -> str:
+    """The device kind an onnxruntime execution provider runs; ValueError if unknown."""
+    for kind, (name, _dist, _what) in _KINDS.items():
+        if name == provider:
+            return kind
+    raise ValueError(f"unknown execution provider {provider!r} (known: {', '.join(v[0] for v in _KINDS.values())})")
+
+
 #: kinds that run on an NVIDIA GPU: one physical device under two providers
 _NVIDIA = frozenset({"cuda", "tensorrt"})
 
@@ -79,6 +89,16 @@ class Device:
     @property
     def is_cpu(self) -> bool:
         return self.kind == "cpu"
+
+    def default_providers(self) -> list[list[Any]]:
+        """The providers a session on this device names (aoe._session's `providers`),
+        before any is tuned: its own with the device's options; a TensorRT device falls
+        back to CUDA for what TensorRT does not build (onnxruntime's own arrangement);
+        the CPU names none (it always comes last)."""
+        if self.is_cpu:
+            return []
+        own = [self.provider, {k: v for k, v in self.options if k != "device_id"}]
+        return [own, [_KINDS["cuda"][0], {}]] if self.kind == "tensorrt" else [own]
 
     def provider_options(self) -> dict[str, str]:
         """Options for the provider when a session is created on this device."""

@@ -388,11 +388,15 @@ async def _confirm(
     digest = ctx.fingerprint.digest
     kind = {"tuned": "tuned", "options only": "options only", "reverted to input": "input"}[v.outcome]
     source = ctx.opts.model if v.source == "input" else ctx.prep.prepared
-    builds = [Build(scratch / "input_copy.onnx", {}, tuned_metadata({}, ctx.opts.precision, digest))]
+
+    def meta(options: dict[str, Any]) -> dict[str, str]:
+        return tuned_metadata(options, ctx.opts.precision, digest, ctx.opts.device)
+
+    builds = [Build(scratch / "input_copy.onnx", {}, meta({}))]
     if kind != "input":
-        builds.append(Build(scratch / "proposal.onnx", dict(v.choices), tuned_metadata(v.options, ctx.opts.precision, digest)))
+        builds.append(Build(scratch / "proposal.onnx", dict(v.choices), meta(v.options)))
         if v.options:
-            builds.append(Build(scratch / "plain.onnx", dict(v.choices), tuned_metadata({}, ctx.opts.precision, digest)))
+            builds.append(Build(scratch / "plain.onnx", dict(v.choices), meta({})))
     await ctx.assemble([b for b in builds if b.out.name == "input_copy.onnx"], source=ctx.opts.model)
     if kind != "input":
         await ctx.assemble([b for b in builds if b.out.name != "input_copy.onnx"], source=source)
@@ -448,7 +452,7 @@ async def _ship(ctx: JobContext, ship: Path, out: Path, choices: dict[str, str],
         await trio.to_thread.run_sync(os.replace, ship, out)
         return
     assert ctx.prep is not None
-    meta = tuned_metadata(options, ctx.opts.precision, ctx.fingerprint.digest)
+    meta = tuned_metadata(options, ctx.opts.precision, ctx.fingerprint.digest, ctx.opts.device)
     source = ctx.opts.model if not choices and ship.name == "input_copy.onnx" else ctx.prep.prepared
     await ctx.assemble([Build(out, dict(choices), meta)], source=source)
 

@@ -32,7 +32,7 @@ import numpy as np
 
 from aoe.device import CPU, Device
 from aoed.backends.ort.measure import interleaved
-from aoed.backends.ort.sessions import check_device, session
+from aoed.backends.ort.sessions import check_device, providers_for, session
 from aoed.engine.messages import MeasurePlan, from_wire
 
 
@@ -158,9 +158,8 @@ def profile(req: dict[str, Any]) -> dict[str, Any]:
     so.profile_file_prefix = str(Path(req["workdir"]) / "profile")
     import onnxruntime as ort
 
-    providers: list[Any] = [(device.provider, device.provider_options())] if not device.is_cpu else []
     t_load = time.perf_counter()
-    sess = ort.InferenceSession(req["model"], so, providers=[*providers, CPU.provider])
+    sess = ort.InferenceSession(req["model"], so, providers=providers_for(options, device))
     load_s = time.perf_counter() - t_load
     names = {i.name for i in sess.get_inputs()}
     f = {k: v for k, v in feeds.items() if k in names}
