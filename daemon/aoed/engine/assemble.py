@@ -92,10 +92,12 @@ def set_metadata(model: onnx.ModelProto, meta: Mapping[str, str]) -> None:
 
 
 def tunable_tasks(
-    model: onnx.ModelProto, ctx: ModelContext, registry: StrategyRegistry, precision: str, job_type: str = "opat"
+    model: onnx.ModelProto, ctx: ModelContext, registry: StrategyRegistry, precision: str, job_type: str = "opat",
+    kind: str = "cpu",
 ) -> list[Task]:
-    """The tasks a job of `job_type` tunes: those with a choice of strategy under `precision`."""
-    return [t for t in partition(model, ctx, job_type) if registry.has_choice(t.family, precision)]
+    """The tasks a job of `job_type` tunes: those with a choice of strategy under
+    `precision` on a device of `kind`."""
+    return [t for t in partition(model, ctx, job_type) if registry.has_choice(t.family, precision, kind)]
 
 
 def task_rewrites(

@@ -173,6 +173,8 @@ class PrepareRequest:
     job_type: str = "opat"
     #: what the model may hold (the config's [engine] limits; default: prep's MAX_*)
     limits: Limits = Limits()
+    #: the kind of device the job measures on (its strategies differ: see registry)
+    device_kind: str = "cpu"
 
 
 @dataclass(frozen=True)
@@ -185,6 +187,8 @@ class PrepareReply:
     #: integer inputs that index a table (token ids): their upper bound
     int_high: dict[str, int] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
+    #: the op types of the prepared model (what an accelerator's option space depends on)
+    op_types: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -132,7 +132,8 @@ async def run_stages(ctx: JobContext) -> JobResult:
                   f"({PREPARE_S_PER_MIB * 1000:.0f} ms per MiB as measured on a 2-core machine)")  # fmt: skip
     prep: PrepareReply = await _work(
         ctx, PrepareRequest(opts.model, ws.scratch, opts.precision, dict(opts.input_shapes),
-                            opts.keep_initializer_inputs, opts.job_type, Limits.of(ctx.config)), PrepareReply,
+                            opts.keep_initializer_inputs, opts.job_type, Limits.of(ctx.config), opts.device.kind),
+        PrepareReply,
         "graph preparation")  # fmt: skip
     ctx.prep = prep
     ctx.notes.extend(prep.notes)
@@ -513,7 +514,8 @@ async def _search(
     if opts.budget_s is not None:
         budget = Budget(opts.budget_s, ctx.ledger, True, load_rate)
     else:
-        counts = {t.id: sum(1 for _ in ctx.registry.strategies_for(t.family, opts.precision)) for t in to_tune}
+        counts = {t.id: sum(1 for _ in ctx.registry.strategies_for(t.family, opts.precision, opts.device.kind))
+                  for t in to_tune}
         budget = Budget(default_budget({t.id: task_us.get(t.id, 100.0) for t in to_tune}, counts, model_us),
                         ctx.ledger, False, load_rate)  # fmt: skip
     ctx.model_us = model_us
