@@ -87,3 +87,25 @@ def test_the_runner_never_lets_onnxruntime_drop_a_missing_provider(tmp_path: Pat
     assert providers_for(None) == ["CPUExecutionProvider"]
     with pytest.raises(DeviceError, match="cuda:0: a candidate runs on CUDAExecutionProvider, which this onnxruntime"):
         session(samples.build("mlp").SerializeToString(), {"providers": TRT_CUDA[1:]}, Device.parse("cuda:0"))
+
+
+def test_bound_runs_time_device_memory_and_give_the_same_outputs() -> None:
+    """The accelerator's measuring path (I/O binding), run with the CPU's memory: the
+    same code a GPU runs, but for where the OrtValues live."""
+    import numpy as np
+    import onnxruntime as ort
+
+    from aoed.backends.ort.sessions import BoundRun
+
+    model = samples.build("mlp")
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    inp = sess.get_inputs()[0]
+    feeds = {inp.name: np.random.default_rng(0).standard_normal([d if isinstance(d, int) else 1 for d in inp.shape]).astype(np.float32)}
+    run = BoundRun(sess, feeds, Device.parse("cpu"))
+    first = run.outputs()
+    run()
+    run()
+    again = run.outputs()
+    expected = sess.run(None, feeds)
+    assert len(first) == len(expected) and all(np.array_equal(a, b) for a, b in zip(again, expected))
+    assert all(np.array_equal(a, b) for a, b in zip(first, expected))
