@@ -335,11 +335,26 @@ async def run_stages(ctx: JobContext) -> JobResult:
         confirmation=conf.to_json(),
         decision=_decision(v),
         device_budget=budget.report(),
+        device_info=_device_info(ctx),
     )
     json_path = await trio.to_thread.run_sync(ws.reserve_result, opts.job_type)
     result.result_json = str(json_path)
     await trio.to_thread.run_sync(write_json, json_path, result_json(result, opts.job_type))
     return result
+
+
+def _device_info(ctx: JobContext) -> dict[str, Any]:
+    """What the job measured on, for the result: the device and its provider, the
+    providers the runner's onnxruntime offers, the hardware (a GPU's facts) and the
+    library versions, and the fingerprint its bank entries are keyed by."""
+    from aoe.accelerators import runtime_versions
+
+    fp = ctx.fingerprint
+    return {
+        "device": str(ctx.opts.device), "provider": ctx.opts.device.provider, "providers": list(ctx.device.providers),
+        "hardware": fp.hardware, "accelerator": dict(fp.accelerator), "versions": runtime_versions(),
+        "fingerprint": fp.digest,
+    }  # fmt: skip
 
 
 def _estimate(ctx: JobContext, stage: str, budget: Budget, sessions: int, rounds: int, cap_s: float, what: str) -> None:
