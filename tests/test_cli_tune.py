@@ -90,6 +90,9 @@ def test_exact_never_slower_nor_less_accurate(models: Path, tmp_path: Path, name
     assert tuned == out / "aoe_workspace" / f"{name}_{ts}" / "tunespace" / "result" / f"{name}_{ts}_tune.onnx"
     _assert_exact(models / f"{name}.onnx", tuned, tmp_path)
     assert aoe.session_options_of(tuned) == doc["session_options"]
+    info = doc["device_info"]
+    assert (info["device"], info["provider"], info["accelerator"]) == ("cpu", "CPUExecutionProvider", {})
+    assert info["versions"]["onnxruntime"] == ort.__version__ and "CPUExecutionProvider" in info["providers"]
     for task in doc["tasks"]:
         if task["strategy"] != "default":
             assert task["accuracy"]["max_rel_error"] <= 1e-4, task

@@ -3,6 +3,12 @@
 The tuner measures candidates under these options, stores the winner's in the tuned
 model's `metadata_props` (key `aoe.session_options`), and `aoe.session()` rebuilds the
 same setup from them, so what users run is what was measured.
+
+On an accelerator the options also name the providers, in onnxruntime's order of
+preference, each with its options: `"providers": [[provider, {option: value}], ...]`,
+e.g. TensorRT's with `trt_fp16_enable` "1", then CUDA's with none (the CPU provider
+always comes last, for what the others do not take; `device_id` is the session's,
+never stored).
 """
 
 from __future__ import annotations
@@ -11,7 +17,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["METADATA_KEY", "make_session_options", "normalize_options"]
+__all__ = ["METADATA_KEY", "make_session_options", "normalize_options", "normalize_providers", "session_providers"]
 
 METADATA_KEY = "aoe.session_options"
 
@@ -22,7 +28,8 @@ _LEVELS = {
     "all": "ORT_ENABLE_ALL",
 }
 _MODES = {"sequential": "ORT_SEQUENTIAL", "parallel": "ORT_PARALLEL"}
-_KEYS = {"intra_op_num_threads", "inter_op_num_threads", "execution_mode", "graph_optimization_level", "config"}
+_KEYS = {"intra_op_num_threads", "inter_op_num_threads", "execution_mode", "graph_optimization_level", "config",
+         "providers"}
 
 
 def normalize_options(options: Mapping[str, Any] | str | None) -> dict[str, Any]:
@@ -44,7 +51,45 @@ def normalize_options(options: Mapping[str, Any] | str | None) -> dict[str, Any]
             raise ValueError(f"{k} must be a non-negative integer")
     if "config" in out:
         out["config"] = {str(k): str(v) for k, v in dict(out["config"]).items()}
+    if "providers" in out:
+        out["providers"] = normalize_providers(out["providers"])
     return out
+
+
+def normalize_providers(value: Any) -> list[list[Any]]:
+    """`value` as `[[provider, {option: str}], ...]`; ValueError naming the provider and
+    the option when a provider is unknown, listed twice, is the CPU's, or takes no such
+    option (aoe.provider_options), or when `device_id` is given (it is the session's)."""
+    from aoe.device import kind_of
+    from aoe.provider_options import check_options
+
+    if not isinstance(value, list):
+        raise ValueError("providers must be a list of [provider, {option: value}] pairs")
+    out: list[list[Any]] = []
+    for item in value:
+        if not (isinstance(item, (list, tuple)) and len(item) == 2 and isinstance(item[1], Mapping)):
+            raise ValueError(f"providers: {item!r} is not a [provider, {{option: value}}] pair")
+        name, opts = str(item[0]), {str(k): str(v) for k, v in item[1].items()}
+        kind = kind_of(name)  # ValueError for an unknown provider
+        if kind == "cpu":
+            raise ValueError("providers: the CPU provider is always last and takes no options; leave it out")
+        if any(name == seen for seen, _ in out):
+            raise ValueError(f"providers: {name} is listed twice")
+        if "device_id" in opts:
+            raise ValueError(f"providers: {name}: device_id is chosen when the session is made, not stored")
+        check_options(kind, opts, f"providers: {name}")
+        out.append([name, dict(sorted(opts.items()))])
+    return out
+
+
+def session_providers(options: Mapping[str, Any], device_id: int = 0) -> list[tuple[str, dict[str, str]]]:
+    """The `providers` argument of an InferenceSession for `options` (see
+    normalize_options) on accelerator `device_id`: each provider the options name, with
+    its options and the device id, then the CPU provider."""
+    from aoe.device import CPU
+
+    named = normalize_providers(options.get("providers", []))
+    return [(name, {**opts, "device_id": str(device_id)}) for name, opts in named] + [(CPU.provider, {})]
 
 
 def make_session_options(options: Mapping[str, Any] | str | None = None):

@@ -1,6 +1,6 @@
 """The `aoe` command: one parser, one subcommand per thing to do, one error style.
 
-    aoe tune MODEL [--precision exact|int8|int4] [--input-shape x:1,3,224,224] [--bank DIR]
+    aoe tune MODEL [--precision exact|int8|int4|fp16|bf16] [--input-shape x:1,3,224,224] [--bank DIR]
                    [--repeat-tune] [--parallel N] [--output DIR] [--job-type opat|sgat|sgat+opat]
                    [--local | --socket PATH]
     aoe compile MODEL -o OUT [--bank DIR] ...
@@ -66,7 +66,8 @@ def _add_tune(sub: argparse._SubParsersAction) -> None:
                        description="Tune an ONNX model by measurement: on the daemon when one answers, "
                                    "else embedded on this machine.")  # fmt: skip
     p.add_argument("model", type=Path, help="the .onnx model to tune")
-    p.add_argument("--precision", default="exact", help="precision policy: exact (default), int8, or int4 (weight-only 4-bit products)")
+    p.add_argument("--precision", default="exact", help="precision policy: exact (default), int8, int4 (weight-only 4-bit products), "
+                        "or on a GPU/NPU fp16 or bf16")
     p.add_argument("--calibration", type=Path, help="calibration samples: a folder of .npz/.npy (int8)")
     p.add_argument("--min-cosine", type=float, help="end-to-end accuracy budget: lowest output cosine (int8: 0.999)")
     p.add_argument("--max-rel-error", type=float,

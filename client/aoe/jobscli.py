@@ -103,9 +103,12 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("job_id", metavar="ID")
     p.add_argument("-o", "--output", type=Path, default=Path("."), help="directory to write to (default: .)")
     p.set_defaults(run=_fetch)
-    for name, run, text in (("devices", _devices, "the devices the daemon tunes on"),
+    for name, run, text in (("devices", _devices, "the devices the daemon tunes on, and the others it could"),
                             ("daemon", _daemon, "the daemon's version, paths, limits and load")):  # fmt: skip
         sub.add_parser(name, help=text, description=text[0].upper() + text[1:] + ".").set_defaults(run=run)
+    sub.choices["devices"].add_argument(
+        "--local", action="store_true",
+        help="list what this machine offers onnxruntime (CPU, GPUs through nvidia-smi), without a daemon")  # fmt: skip
     for name in ("submit", "jobs", "status", "watch", "cancel", "fetch", "devices", "daemon"):
         _connection_args(sub.choices[name])
 
@@ -430,11 +433,24 @@ def _fetch(args: argparse.Namespace) -> int:
 
 
 def _devices(args: argparse.Namespace) -> int:
+    rows = [("ID", "PROVIDER", "STATE", "DESCRIPTION")]
+    if args.local:
+        from aoe.accelerators import local_devices
+
+        rows += [(d.device.name, d.device.provider, "unusable" if d.unusable else "usable",
+                  d.describe() + (f"; {d.unusable}" if d.unusable else "")) for d in local_devices()]  # fmt: skip
+        _table(rows)
+        return 0
     with client_for(args) as client:
         devices = client.devices()
-    rows = [("ID", "PROVIDER", "LOAD", "DESCRIPTION")]
-    rows += [(d.id, d.execution_provider, (f"busy ({d.running_job_id})" if d.busy else "idle")
-              + (f", {d.queued_jobs} queued" if d.queued_jobs else ""), d.description) for d in devices]  # fmt: skip
+    # A daemon from before `configured` lists only the device it tunes on.
+    older = not any(d.configured for d in devices)
+    for d in devices:
+        if d.configured or older:
+            state = (f"busy ({d.running_job_id})" if d.busy else "idle") + (f", {d.queued_jobs} queued" if d.queued_jobs else "")
+        else:
+            state = "unusable" if d.unusable else "not configured"
+        rows.append((d.id, d.execution_provider, state, d.description + (f"; {d.unusable}" if d.unusable else "")))
     _table(rows)
     return 0
 

@@ -53,8 +53,9 @@ _STATE_NAME = {v: k for k, v in _STATE.items()}
 _LEVEL = {"debug": tuning_pb2.LOG_LEVEL_DEBUG, "info": tuning_pb2.LOG_LEVEL_INFO,
           "warning": tuning_pb2.LOG_LEVEL_WARNING, "error": tuning_pb2.LOG_LEVEL_ERROR}  # fmt: skip
 _PRECISION = {bank_pb2.PRECISION_UNSPECIFIED: "exact", bank_pb2.PRECISION_EXACT: "exact",
-              bank_pb2.PRECISION_INT8: "int8", bank_pb2.PRECISION_INT4: "int4"}  # fmt: skip
-_PRECISION_CODE = {"exact": bank_pb2.PRECISION_EXACT, "int8": bank_pb2.PRECISION_INT8, "int4": bank_pb2.PRECISION_INT4}
+              bank_pb2.PRECISION_INT8: "int8", bank_pb2.PRECISION_INT4: "int4",
+              bank_pb2.PRECISION_FP16: "fp16", bank_pb2.PRECISION_BF16: "bf16"}  # fmt: skip
+_PRECISION_CODE = {name: code for code, name in _PRECISION.items() if code != bank_pb2.PRECISION_UNSPECIFIED}
 _JOB_TYPE = {tuning_pb2.JOB_TYPE_UNSPECIFIED: "opat", tuning_pb2.JOB_TYPE_OPAT: "opat", tuning_pb2.JOB_TYPE_SGAT: "sgat",
              tuning_pb2.JOB_TYPE_SGAT_OPAT: "sgat+opat"}  # fmt: skip
 

@@ -115,6 +115,7 @@ def decode(data: bytes) -> BankRecord:
             d.execution_provider, d.hardware, tuple(d.isa_flags), d.runtime_version,
             json.loads(d.canonical_json).get("options", {}) if d.canonical_json else {},
             d.canonical_json, d.digest,
+            json.loads(d.canonical_json).get("accelerator", {}) if d.canonical_json else {},
         ),
         strategy=e.strategy.name,
         family=e.strategy.family,

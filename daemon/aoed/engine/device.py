@@ -56,14 +56,17 @@ class DeviceAgent:
         memory_mb: int = 0,
         pause_pool: bool = True,
         lock_group: int | None = None,
+        runner: str = "aoed.backends.ort.runner",
     ):
+        """`runner` is the module the measurement runner runs (`python -m`): the one
+        onnxruntime backend; tests give a stand-in for hardware this machine lacks."""
         self.device = device
         self._pool = pool if pause_pool and device.is_cpu else None
         self._runner = Child(
-            "aoed.backends.ort.runner", f"runner for {device}", logdir / f"runner-{device.name.replace(':', '-')}.log",
+            runner, f"runner for {device}", logdir / f"runner-{device.name.replace(':', '-')}.log",
             cpus=cpus, memory_mb=memory_mb if device.is_cpu else 0,  # GPU runtimes reserve huge address ranges
         )  # fmt: skip
-        self.lock = DeviceLock(runtime_dir, device.name, lock_group)
+        self.lock = DeviceLock(runtime_dir, device.lock_name, lock_group)  # one lock per physical device
         self._queue: _pending.RequestQueue[dict[str, Any]] = _pending.RequestQueue(4)
         self.cores = 1
         self.providers: tuple[str, ...] = ()

@@ -107,6 +107,8 @@ class JobResult:
     decision: dict[str, Any] = field(default_factory=dict)
     #: the device budget and what was spent, by stage (budget.py)
     device_budget: dict[str, Any] = field(default_factory=dict)
+    #: what the job measured on: device, provider, hardware, accelerator, versions
+    device_info: dict[str, Any] = field(default_factory=dict)
 
     @property
     def figures(self) -> Figures:

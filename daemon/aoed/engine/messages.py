@@ -175,6 +175,8 @@ class PrepareRequest:
     limits: Limits = Limits()
     #: (device, inode) the model file must still have, with one link (JobOptions.model_file)
     model_file: tuple[int, int] | None = None
+    #: the kind of device the job measures on (its strategies differ: see registry)
+    device_kind: str = "cpu"
 
 
 @dataclass(frozen=True)
@@ -189,6 +191,8 @@ class PrepareReply:
     notes: tuple[str, ...] = ()
     #: sha256 of the prepared model's files: the same model, prepared the same way
     digest: str = ""
+    #: the op types of the prepared model (what an accelerator's option space depends on)
+    op_types: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,9 @@
            load_s_per_mib, elapsed_s, over_s, stages{STAGE: {given_s, spent_s, over_s,
            counted, device_s, estimate_s}}}: the device seconds the budget counts, then
            every stage's wall time against what the budget gave it (budget.py)
+    device_info{device, provider, providers, hardware, accelerator, versions, fingerprint}:
+           what was measured on (a GPU's model, compute capability, driver; onnxruntime,
+           CUDA, cuDNN, TensorRT versions)
     tuned_model, session_options, verification, accuracy, accuracy_budget, calibration,
     resources{device_s, duty_cycle, trials, failed_candidates, compile_s, memory ...,
               attempt, attempts[{attempt, tasks, trials}]}: trials count every run of
@@ -132,6 +135,7 @@ def result_json(result: JobResult, job_type: str = "opat") -> dict[str, Any]:
         "confirmation": result.confirmation,
         "decision": result.decision,
         "budget": result.device_budget,
+        "device_info": result.device_info,
         "tuned_model": result.tuned_model,
         "workspace": result.workspace,
         "session_options": result.session_options,

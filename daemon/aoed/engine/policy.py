@@ -5,7 +5,8 @@ task and end to end. `exact` allows float-rounding differences only (reassociati
 different kernel); `int8` accepts the error of 8-bit quantization within a budget
 (default: cosine >= 0.999 and max error <= 25% of the output range, end to end; max
 error is a worst case over every element, cosine the overall agreement); `int4`
-(weight-only 4-bit products) the same with cosine >= 0.99.
+(weight-only 4-bit products) the same with cosine >= 0.99; `fp16` and `bf16` (float16 /
+bfloat16 compute on accelerators) cosine >= 0.999 and max error <= 5% (bf16: 10%).
 """
 
 from __future__ import annotations
@@ -51,6 +52,11 @@ POLICIES = {
     # Weight-only 4-bit: a coarser grid than int8, so a looser default (override it with
     # --min-cosine); measured on the task and end to end like the others.
     "int4": PrecisionPolicy("int4", 0.25, 0.99, 0.25, 0.99),
+    # Reduced float precisions on accelerators (tasks computed in float16 / bfloat16,
+    # TensorRT's and CANN's reduced-precision modes): cosine >= 0.999 end to end, as for
+    # int8. bfloat16 keeps 8 significant bits to float16's 11, so its max error is looser.
+    "fp16": PrecisionPolicy("fp16", 0.05, 0.9995, 0.05, 0.999),
+    "bf16": PrecisionPolicy("bf16", 0.1, 0.9995, 0.1, 0.999),
 }
 
 

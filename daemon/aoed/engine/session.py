@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from aoe.device import Device
 from aoe.errors import DeviceError
 from aoe.signature import TaskSignature, canonical_json
 from aoed.bank._codec import BankRecord
@@ -31,6 +32,8 @@ from aoed.engine.messages import Candidate, Measurement, MeasurePlan
 
 __all__ = [
     "QUIET_SCALING",
+    "base_options",
+    "merge_options",
     "SessionChoice",
     "busy_cores",
     "busy_cores_note",
@@ -104,11 +107,43 @@ def dimensions(cores: int) -> list[tuple[str, list[dict[str, Any]]]]:
     ]
 
 
-def _merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
-    out = {**a, **b}
-    if "config" in a or "config" in b:
-        out["config"] = {**a.get("config", {}), **b.get("config", {})}
+def base_options(device: Device) -> dict[str, Any]:
+    """The options the search starts from on `device`: none on the CPU; on an
+    accelerator its providers as a session on it names them (Device.default_providers)."""
+    return {} if device.is_cpu else {"providers": device.default_providers()}
+
+
+def merge_options(current: dict[str, Any], change: dict[str, Any]) -> dict[str, Any]:
+    """`current` with `change` applied: session options replaced, `config` entries merged,
+    and each provider's options merged into that provider's. A change that brings a
+    provider in sets the order (its providers first, in its order); one that only sets
+    options keeps the current order."""
+    out = {**current, **{k: v for k, v in change.items() if k != "providers"}}
+    if "config" in current or "config" in change:
+        out["config"] = {**current.get("config", {}), **change.get("config", {})}
+    if "providers" in change:
+        now = [name for name, _ in current.get("providers", [])]
+        merged = {name: dict(opts) for name, opts in current.get("providers", [])}
+        for name, opts in change["providers"]:
+            merged[name] = {**merged.get(name, {}), **opts}
+        asked = [name for name, _ in change["providers"]]
+        order = asked + [n for n in now if n not in asked] if set(asked) - set(now) else now
+        out["providers"] = [[name, merged[name]] for name in order]
     return out
+
+
+def accelerator_dimensions(ctx: JobContext) -> list[tuple[str, list[dict[str, Any]]]]:
+    """The model-wide option space of the job's accelerator (the backend's, through the
+    registry), TensorRT's engine and timing caches kept beside the bank under the
+    device's fingerprint."""
+    space = ctx.registry.session_space
+    if space is None or ctx.prep is None:
+        return []
+    bank = Path(ctx.config.bank)
+    folder = bank.parent / f"{bank.name}-trt-cache" / ctx.fingerprint.digest[:32]
+    cache = {"trt_engine_cache_enable": "1", "trt_engine_cache_path": str(folder),
+             "trt_timing_cache_enable": "1", "trt_timing_cache_path": str(folder)}  # fmt: skip
+    return space(ctx.opts.device, ctx.opts.precision, frozenset(ctx.prep.op_types), cache)
 
 
 @dataclass
@@ -132,11 +167,12 @@ async def search_session(
         return SessionChoice({}, "hit")
     await ctx.stage("tuning session options")
     key = ctx.key(signature)
-    current: dict[str, Any] = {}
+    base = base_options(ctx.opts.device)
+    current: dict[str, Any] = dict(base)
     base_res: Measurement | None = None
     cur_res: Measurement | None = None
     trials: list[tuple[bytes, dict[str, Any]]] = []
-    dims = dimensions(ctx.device.cores)
+    dims = dimensions(ctx.device.cores) if ctx.opts.device.is_cpu else accelerator_dimensions(ctx)
     pool = budget.for_session()
     for i, (dim, values) in enumerate(dims):
         share = min(2.0, pool / (len(dims) - i), budget.remaining_s)
@@ -149,7 +185,7 @@ async def search_session(
             break
         cands = {"current": current}
         for v in values:
-            cands[canonical_json(v)] = _merge(current, v)
+            cands[canonical_json(v)] = merge_options(current, v)
         before = ctx.ledger.device_by.get("session", 0.0)
         try:
             measured = await ctx.measure(
@@ -174,12 +210,12 @@ async def search_session(
     strategy = canonical_json(current)
     rec = ans.record
     if rec is None:
-        if current:
+        if current != base:
             write = bankrules.make_record(key, signature, ctx.fingerprint, strategy, SESSION_FAMILY,
                                           ctx.opts.precision, cur_res, base_res, ctx.job_id, ctx.opts.model.name)  # fmt: skip
             return SessionChoice(current, "add", write, len(trials))
         return SessionChoice({}, "unsatisfied", {"default_us": base_res.median_us, "job": ctx.job_id}, len(trials))
-    if strategy != rec.strategy and current:
+    if strategy != rec.strategy and current != base:
         write = bankrules.make_record(key, signature, ctx.fingerprint, strategy, SESSION_FAMILY,
                                       ctx.opts.precision, cur_res, base_res, ctx.job_id, ctx.opts.model.name)  # fmt: skip
         return SessionChoice(current, "update", write, len(trials))

@@ -133,7 +133,8 @@ async def run_stages(ctx: JobContext) -> JobResult:
                   f"({PREPARE_S_PER_MIB * 1000:.0f} ms per MiB as measured on a 2-core machine)")  # fmt: skip
     prep: PrepareReply = await _work(
         ctx, PrepareRequest(opts.model, ws.scratch, opts.precision, dict(opts.input_shapes),
-                            opts.keep_initializer_inputs, opts.job_type, Limits.of(ctx.config), opts.model_file),
+                            opts.keep_initializer_inputs, opts.job_type, Limits.of(ctx.config), opts.model_file,
+                            opts.device.kind),
         PrepareReply,
         "graph preparation")  # fmt: skip
     ctx.prep = prep
@@ -345,12 +346,27 @@ async def run_stages(ctx: JobContext) -> JobResult:
         confirmation=conf.to_json(),
         decision=_decision(v),
         device_budget=budget.report(),
+        device_info=_device_info(ctx),
     )
     json_path = await trio.to_thread.run_sync(ws.reserve_result, opts.job_type)
     result.result_json = str(json_path)
     await trio.to_thread.run_sync(write_json, json_path, result_json(result, opts.job_type))
     await resume.forget(ctx)
     return result
+
+
+def _device_info(ctx: JobContext) -> dict[str, Any]:
+    """What the job measured on, for the result: the device and its provider, the
+    providers the runner's onnxruntime offers, the hardware (a GPU's facts) and the
+    library versions, and the fingerprint its bank entries are keyed by."""
+    from aoe.accelerators import runtime_versions
+
+    fp = ctx.fingerprint
+    return {
+        "device": str(ctx.opts.device), "provider": ctx.opts.device.provider, "providers": list(ctx.device.providers),
+        "hardware": fp.hardware, "accelerator": dict(fp.accelerator), "versions": runtime_versions(),
+        "fingerprint": fp.digest,
+    }  # fmt: skip
 
 
 def _estimate(ctx: JobContext, stage: str, budget: Budget, sessions: int, rounds: int, cap_s: float, what: str) -> None:
@@ -434,11 +450,15 @@ async def _confirm(
     digest = ctx.fingerprint.digest
     kind = {"tuned": "tuned", "options only": "options only", "reverted to input": "input"}[v.outcome]
     source = ctx.opts.model if v.source == "input" else ctx.prep.prepared
-    builds = [Build(scratch / "input_copy.onnx", {}, tuned_metadata({}, ctx.opts.precision, digest))]
+
+    def meta(options: dict[str, Any]) -> dict[str, str]:
+        return tuned_metadata(options, ctx.opts.precision, digest, ctx.opts.device)
+
+    builds = [Build(scratch / "input_copy.onnx", {}, meta({}))]
     if kind != "input":
-        builds.append(Build(scratch / "proposal.onnx", dict(v.choices), tuned_metadata(v.options, ctx.opts.precision, digest)))
+        builds.append(Build(scratch / "proposal.onnx", dict(v.choices), meta(v.options)))
         if v.options:
-            builds.append(Build(scratch / "plain.onnx", dict(v.choices), tuned_metadata({}, ctx.opts.precision, digest)))
+            builds.append(Build(scratch / "plain.onnx", dict(v.choices), meta({})))
     await ctx.assemble([b for b in builds if b.out.name == "input_copy.onnx"], source=ctx.opts.model)
     if kind != "input":
         await ctx.assemble([b for b in builds if b.out.name != "input_copy.onnx"], source=source)
@@ -494,7 +514,7 @@ async def _ship(ctx: JobContext, ship: Path, out: Path, choices: dict[str, str],
         await trio.to_thread.run_sync(safefs.move_path, ship, out)
         return
     assert ctx.prep is not None
-    meta = tuned_metadata(options, ctx.opts.precision, ctx.fingerprint.digest)
+    meta = tuned_metadata(options, ctx.opts.precision, ctx.fingerprint.digest, ctx.opts.device)
     source = ctx.opts.model if not choices and ship.name == "input_copy.onnx" else ctx.prep.prepared
     await ctx.assemble([Build(out, dict(choices), meta)], source=source)
 
@@ -555,7 +575,8 @@ async def _search(
     if opts.budget_s is not None:
         budget = Budget(opts.budget_s, ctx.ledger, True, load_rate)
     else:
-        counts = {t.id: sum(1 for _ in ctx.registry.strategies_for(t.family, opts.precision)) for t in to_tune}
+        counts = {t.id: sum(1 for _ in ctx.registry.strategies_for(t.family, opts.precision, opts.device.kind))
+                  for t in to_tune}
         budget = Budget(default_budget({t.id: task_us.get(t.id, 100.0) for t in to_tune}, counts, model_us),
                         ctx.ledger, False, load_rate)  # fmt: skip
     ctx.model_us = model_us

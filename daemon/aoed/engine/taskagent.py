@@ -106,7 +106,7 @@ class TaskAgent:
     async def run(self) -> TaskDecision:
         ctx, task, res = self.ctx, self.task, self.result
         taskdir = ctx.workspace.task_dir(task.id)
-        strategies = list(ctx.registry.strategies_for(task.family, ctx.opts.precision))
+        strategies = list(ctx.registry.strategies_for(task.family, ctx.opts.precision, ctx.opts.device.kind))
         if self.budget is not None:
             # Each candidate is about the task model's size: when loading them alone would
             # spend the task's share, building them would be wasted too.

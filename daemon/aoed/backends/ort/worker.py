@@ -99,7 +99,7 @@ def _prepare(req: m.PrepareRequest) -> m.PrepareReply:
                              f"{_ort_error(exc, prep.path)}") from None  # fmt: skip
     del sess
     assert _registry is not None
-    tasks = tunable_tasks(prep.model, prep.ctx, _registry, req.precision, req.job_type)
+    tasks = tunable_tasks(prep.model, prep.ctx, _registry, req.precision, req.job_type, req.device_kind)
     return m.PrepareReply(
         prepared=prep.path,
         inputs=prep.inputs,
@@ -109,6 +109,7 @@ def _prepare(req: m.PrepareRequest) -> m.PrepareReply:
         int_high=int_high,
         notes=tuple(prep.notes),
         digest=_file_digest([prep.path, prep.path.with_name(prep.path.name + ".data")]),
+        op_types=tuple(sorted({n.op_type for n in prep.model.graph.node})),
     )
 
 
