@@ -128,3 +128,19 @@ def test_follow_targets_over_tcp_need_tls_as_the_listener_does(tmp_path: Path) -
         _config(tmp_path, f'[bank]\nfollow = ["dns:///gpu-02:7461"]\nfollow_ca = "{tmp_path}/none.pem"\n')
     with pytest.raises(OptionError, match="expected a list of gRPC targets"):
         _config(tmp_path, '[bank]\nfollow = "unix:///x"\n')
+
+
+def test_the_example_dashboard_uses_only_series_the_daemon_serves_and_each_panel_is_described() -> None:
+    import json
+
+    from aoed import metrics
+
+    root = Path(__file__).resolve().parent.parent
+    dash = json.loads((root / "deploy" / "grafana-dashboard.json").read_text())
+    readme = (root / "deploy" / "README.md").read_text()
+    served = set(re.findall(r"aoed_\w+", metrics.__doc__ or "")) | set(re.findall(r'"(aoed_\w+)"', Path(metrics.__file__).read_text()))
+    for panel in dash["panels"]:
+        assert f"| {panel['title']} |" in readme, f"deploy/README.md does not describe the panel {panel['title']!r}"
+        for target in panel["targets"]:
+            for name in re.findall(r"aoed_\w+", target["expr"]):
+                assert name.removesuffix("_total") in served, f"{panel['title']}: {name} is not a series aoed serves"
