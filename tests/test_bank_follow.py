@@ -7,12 +7,17 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import grpc
 import lmdb
 import pytest
 import trio
 
+from aoe.errors import ResourceExhaustedError
+from aoed.api._bridge import Bridge
 from aoed.bank._codec import encode
 from aoed.bank.exchange import check_change, follow_replace
 from aoed.bank.follow import feed
@@ -208,3 +213,53 @@ async def test_feed_sends_the_backlog_then_each_commit_as_it_comes(tmp_path: Pat
             nursery.cancel_scope.cancel()
     finally:
         writer.close()
+
+
+async def test_a_stream_reader_that_takes_nothing_is_cut_off_with_a_clear_status() -> None:
+    """The bridge's stall rule FollowBank relies on: the producer stops when the client
+    took nothing for a while, and the client, once it reads on, gets what was buffered
+    and then RESOURCE_EXHAUSTED with the reason."""
+    stopped = trio.Event()
+    chunk = b"x" * (1 << 20)
+
+    async def endless():
+        try:
+            while True:
+                yield chunk
+        finally:
+            stopped.set()
+
+    def handler(bridge: Bridge):
+        def stream(request, context):
+            stall = (0.3, ResourceExhaustedError("too slow: resume from your last position"))
+            yield from bridge.stream(context, endless, buffer=2, stall=stall)
+
+        return grpc.method_handlers_generic_handler("t.T", {"Stream": grpc.unary_stream_rpc_method_handler(stream)})
+
+    folder = Path(tempfile.mkdtemp(prefix="stall-", dir="/tmp"))
+    target = f"unix:{folder / 's'}"
+    async with trio.open_nursery() as nursery:
+        server = grpc.server(ThreadPoolExecutor(4))
+        server.add_generic_rpc_handlers((handler(Bridge(nursery)),))
+        server.add_insecure_port(target)
+        server.start()
+        try:
+            with grpc.insecure_channel(target) as channel:
+                call = channel.unary_stream("/t.T/Stream")(b"")
+                assert await trio.to_thread.run_sync(lambda: next(call)) == chunk
+                with trio.fail_after(30):
+                    await stopped.wait()  # the reader took nothing: the producer was stopped
+
+                def drain() -> int:
+                    n = 0
+                    for _ in call:
+                        n += 1
+                    return n
+
+                with pytest.raises(grpc.RpcError) as err:
+                    await trio.to_thread.run_sync(drain)
+                assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert "resume from your last position" in err.value.details()
+        finally:
+            await trio.to_thread.run_sync(lambda: server.stop(0).wait())
+            nursery.cancel_scope.cancel()

@@ -106,9 +106,9 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[list[Daemo
     k2 = _entry(2, 7.0, "beta")  # b: an entry at 7 us; c: the default stayed best at 9 us
     mk = _default_key(3)  # a model-level record: a and b reverted different tasks
     fills = {
-        "a": dict(entries=[k_entry["a"]], defaults=[(mk, {"default_us": 50.0, "reverted": ["a" * 64]})]),
-        "b": dict(entries=[k_entry["b"], k2], defaults=[(mk, {"default_us": 40.0, "reverted": ["b" * 64]})]),
-        "c": dict(entries=[k_entry["c"]], defaults=[(k2.key, {"default_us": 9.0})]),
+        "a": {"entries": [k_entry["a"]], "defaults": [(mk, {"default_us": 50.0, "reverted": ["a" * 64]})]},
+        "b": {"entries": [k_entry["b"], k2], "defaults": [(mk, {"default_us": 40.0, "reverted": ["b" * 64]})]},
+        "c": {"entries": [k_entry["c"]], "defaults": [(k2.key, {"default_us": 9.0})]},
     }
     for name, d in zip("abc", daemons):
         store = BankStore(d.bank)

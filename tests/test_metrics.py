@@ -9,6 +9,7 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
+import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -89,7 +90,7 @@ def test_a_scrape_during_a_job_shows_the_job_and_the_device_moving(tmp_path: Pat
         assert _value(after, "aoed_bank_lookups_total", source="engine", result="miss") > 0
         assert _value(after, "aoed_compile_workers") == 1
         # RPCs by method and status, an error among them.
-        with pytest.raises(Exception):
+        with pytest.raises(grpc.RpcError):
             d.tuning().GetJob(tuning_pb2.GetJobRequest(job_id="no-such-job"), timeout=10)
         rpcs = _scrape(url)
         assert _value(rpcs, "aoed_rpcs_total", method="TuningService/SubmitJob", code="OK") == 1

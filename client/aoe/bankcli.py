@@ -538,7 +538,12 @@ def _sync_local(args: argparse.Namespace):
 
     if args.cert and not args.key or args.key and not args.cert:
         raise OptionError("--cert and --key go together")
-    tls = [p.read_bytes() if p else None for p in (args.ca, args.key, args.cert)] if args.ca else None
+    if args.cert and not args.ca:
+        raise OptionError("--cert needs --ca")
+    try:
+        tls = [p.read_bytes() if p else None for p in (args.ca, args.key, args.cert)] if args.ca else None
+    except OSError as exc:
+        raise OptionError(f"{exc.filename}: {exc.strerror or exc}") from None
     config = _config(args)
 
     def connect(target: str) -> Client:

@@ -393,8 +393,8 @@ def _check_metrics(cfg: DaemonConfig, where: str) -> list[str]:
     if not host or not port.isdigit() or not 0 <= int(port) <= 65535:
         return [f"{w}: expected HOST:PORT, e.g. \"127.0.0.1:9464\""]
     if not _loopback(host) and not cfg.metrics_allow_remote:
-        return [f"{w}: not a loopback address; anyone who reaches it reads the daemon's metrics, so say "
-                "allow_remote = true to serve it there"]  # fmt: skip
+        return [(f"{w}: not a loopback address; anyone who reaches it reads the daemon's metrics, so say "
+                 "allow_remote = true to serve it there")]  # fmt: skip
     return []
 
 

@@ -213,7 +213,7 @@ class Daemon:
             from aoed.api.bank import BankServicer
         except ImportError:  # pragma: no cover
             return None
-        return BankServicer(bridge, engine, connect)
+        return BankServicer(bridge, engine, connect, self.cfg.follow)
 
     async def _snapshot(self) -> Snapshot:
         """The figures the metrics endpoint serves, read in trio (see aoed.metrics)."""

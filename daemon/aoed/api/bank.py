@@ -31,7 +31,7 @@ import binascii
 import itertools
 import json
 import random
-from collections.abc import AsyncIterator, Iterable, Iterator
+from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -77,10 +77,13 @@ _VERDICT = {
 }  # fmt: skip
 
 
-def add_to_server(server: grpc.Server, bridge: Bridge, engine: Engine, connect: Connect | None = None) -> BankServicer:
+def add_to_server(
+    server: grpc.Server, bridge: Bridge, engine: Engine, connect: Connect | None = None, peers: Sequence[str] = ()
+) -> BankServicer:
     """Serve BankService on `server` over `engine`; returns the servicer. `connect`
-    opens a client to a peer for SyncBank (default: aoe.client.Client, no TLS)."""
-    servicer = BankServicer(bridge, engine, connect)
+    opens a client to a peer for SyncBank (default: aoe.client.Client, no TLS), which
+    reaches unix sockets and the TCP `peers` only."""
+    servicer = BankServicer(bridge, engine, connect, peers)
     bank_pb2_grpc.add_BankServiceServicer_to_server(servicer, server)
     return servicer
 
@@ -92,10 +95,11 @@ def _plain_client(target: str) -> Any:
 
 
 class BankServicer(bank_pb2_grpc.BankServiceServicer):
-    def __init__(self, bridge: Bridge, engine: Engine, connect: Connect | None = None):
+    def __init__(self, bridge: Bridge, engine: Engine, connect: Connect | None = None, peers: Sequence[str] = ()):
         self._bridge, self._engine = bridge, engine
         self._bank = DaemonBank(engine.bank, engine.device.device.fingerprint())
         self._connect = connect or _plain_client
+        self._peers = frozenset(peers)
 
     @property
     def bank(self) -> DaemonBank:
@@ -167,6 +171,10 @@ class BankServicer(bank_pb2_grpc.BankServiceServicer):
     async def _sync(self, peer: str) -> SyncReport:
         if not peer:
             raise OptionError("SyncBank: give the peer as a gRPC target (unix:///path.sock, dns:///host:7461)")
+        # A client must not make the daemon dial anywhere it likes with its credentials.
+        if not peer.startswith("unix:") and peer not in self._peers:
+            raise OptionError(f"SyncBank: {peer}: this daemon syncs over TCP only with the peers in its "
+                              "[bank] follow list; add it there, or sync into a bank folder with --bank")  # fmt: skip
         devices = [self._engine.device.device.fingerprint().digest]
         return await Follower(self._engine.bank, peer, devices, self._connect).sync()
 

@@ -153,8 +153,11 @@ class Follower:
                     pause = BACKOFF_S[1]
             finally:
                 self.connected = False
-            # A stream that delivered something was a working connection: start over.
-            pause = BACKOFF_S[0] if self._progressed else pause
+            # A stream that delivered something was a working connection: start over, and
+            # say the next failure again.
+            if self._progressed:
+                pause = BACKOFF_S[0]
+                self._said.clear()
             await trio.sleep(pause)
             pause = min(pause * 2, BACKOFF_S[1])
 
