@@ -230,6 +230,8 @@ def test_aoe_bank_sync_does_one_pass_into_a_daemon_or_a_bank(fleet, tmp_path: Pa
         assert _lookup(lone, rec.key).found
         again = run_aoe("bank", "sync", f"unix://{a.socket}", "--socket", str(lone.socket))
         assert again.returncode == 0 and "added 0" in again.stdout  # nothing new: nothing applied
+        elsewhere = run_aoe("bank", "sync", "dns:///192.0.2.1:7461", "--socket", str(lone.socket))
+        assert elsewhere.returncode == 2 and "[bank] follow list" in elsewhere.stderr
     finally:
         lone.close()
     bank = tmp_path / "bank"
