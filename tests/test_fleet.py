@@ -135,7 +135,7 @@ def test_a_record_written_by_one_daemon_is_served_by_the_other_two(fleet) -> Non
     assert not _lookup(b, rec.key).found
     assert _import(a, rec).added == 1
     for d in (b, c):
-        _wait(lambda d=d: _lookup(d, rec.key).found, f"{d.root.name} serves the record written to a")
+        _wait(lambda d=d: _lookup(d, rec.key).found, f"{d.root.name} serves the record written to a", 10)
         got = _lookup(d, rec.key).entry
         assert got.provenance.host == "alpha" and got == _entry_pb(rec)  # provenance kept, byte for byte
 
