@@ -256,3 +256,37 @@ def test_a_worse_decision_written_on_one_daemon_is_corrected_by_the_others(fleet
     # The others keep theirs and send it back; a takes it again, and everyone agrees.
     _wait(lambda: all(_lookup(d, best.key).entry == _entry_pb(best) for d in daemons),
           "a holds the better record again, as do the others")  # fmt: skip
+
+
+def test_a_peer_restored_from_an_older_copy_is_followed_from_its_start(tmp_path: Path) -> None:
+    import shutil
+
+    peer, follower = DaemonProcess(tmp_path / "peer"), DaemonProcess(tmp_path / "follower")
+    first, later = _entry(1, 5.0, "alpha"), [_entry(n, 5.0, "alpha") for n in (2, 3)]
+    store = BankStore(peer.bank)
+    try:
+        store.commit(entries=[(first.key, encode(first))])
+    finally:
+        store.close()
+    backup = tmp_path / "backup"
+    shutil.copytree(peer.bank, backup)  # the same bank, one write in
+    store = BankStore(peer.bank)
+    try:
+        store.commit(entries=[(r.key, encode(r)) for r in later])
+    finally:
+        store.close()
+    _follow(follower, [peer])
+    try:
+        peer.start()
+        follower.start()
+        _wait(lambda: all(_lookup(follower, r.key).found for r in later), "the follower applied writes 1-3")
+        peer.stop()
+        shutil.rmtree(peer.bank)
+        shutil.copytree(backup, peer.bank)  # restored: at write 1 of the same bank
+        peer.start()
+        fresh = _entry(4, 5.0, "alpha")
+        _import(peer, fresh)  # write 2 of the restored bank: a number the follower had passed
+        _wait(lambda: _lookup(follower, fresh.key).found, "the follower applied the restored peer's new write")
+    finally:
+        follower.close()
+        peer.close()

@@ -20,8 +20,9 @@ bank wrote after N" is a range of its log:
 
 Invariants:
 - A follower's position is (the peer's bank id, the last sequence number applied). A
-  peer whose bank is another one than the position's (replaced, restored) is followed
-  from its start: the numbers of one bank mean nothing in another.
+  peer whose bank is another one than the position's (replaced), or the same one behind
+  the position (restored from a copy), is followed from its start: its numbers mean
+  nothing here any more. Starting over costs a pass of "kept" records, nothing else.
 - Merging is idempotent: a record already held byte for byte is not written and takes no
   sequence number, so A following B following A ends the echo after one round.
 - The gRPC stream is read in a worker thread one message at a time, under the follower's
@@ -180,11 +181,14 @@ class Follower:
         client = self._connect(self.peer)
         stream = None
         try:
-            stream = await trio.to_thread.run_sync(
-                client.bank_follow, pos.seq if pos else 0, pos.bank_id if pos else "", limiter=self._limiter
-            )
             target: int | None = None
+            opened = False
             while True:
+                if not opened:
+                    if stream is not None:
+                        stream.cancel()
+                    stream = client.bank_follow(pos.seq if pos else 0, pos.bank_id if pos else "")
+                    opened, first = True, True
                 msg = await trio.to_thread.run_sync(next, stream, None, abandon_on_cancel=True, limiter=self._limiter)
                 if msg is None:
                     raise AoedError(f"{self.peer} ended its bank stream")
@@ -196,6 +200,14 @@ class Follower:
                         log.info("bank: %s holds another bank now (%s, was %s): following it from its start",
                                  self.peer, bank_id, pos.bank_id)  # fmt: skip
                     pos = Position(bank_id, 0)
+                elif first and head < pos.seq:
+                    # The same bank, but behind what was applied here (restored from a copy):
+                    # its next writes would take numbers already passed. Start it over.
+                    log.info("bank: %s is at write %d, behind the %d applied here (restored?): following it "
+                             "from its start", self.peer, head, pos.seq)  # fmt: skip
+                    pos, opened = Position(bank_id, 0), False
+                    continue
+                first = False
                 if report is not None and target is None:
                     report.peer_bank_id, report.from_seq, target = bank_id, pos.seq, head
                 self.connected = True
