@@ -5,7 +5,7 @@
 Three real `aoed` processes (tests/daemon_util.py) on temporary unix sockets, on this
 one machine: `a`, and `b` and `c`, each following the other two (`[bank] follow`). A
 writer thread imports synthetic entries into `a` (ImportEntries, overwrite) at 1,000
-records/s: a batch of 50 every 50 ms on a fixed schedule. Every bank stamps each write
+records/s: a batch of 100 every 100 ms on a fixed schedule. Every bank stamps each write
 with its commit time in its log; the benchmark reads the three logs with FollowBank
 (aoe.Client.bank_follow, one thread each) and, for each record, takes the time from
 its commit in `a` to its commit in `b` and in `c`: the follow lag. One clock (one
@@ -32,7 +32,7 @@ HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "RESULTS.md"
 BEGIN, END = "<!-- fleet:begin -->", "<!-- fleet:end -->"
 RATE = 1000  # records per second
-BATCH = 50  # records per ImportEntries call
+BATCH = 100  # records per ImportEntries call
 TARGET_P99_S = 1.0
 
 
