@@ -178,7 +178,7 @@ def _history_count(d: DaemonProcess) -> int:
 
 def test_a_follower_killed_mid_stream_loses_nothing_and_applies_nothing_twice(tmp_path: Path) -> None:
     leader, follower = DaemonProcess(tmp_path / "leader"), DaemonProcess(tmp_path / "follower")
-    total = 30_000
+    total = 10_000
     key = _entry(1, 5.0, "alpha").key
     store = BankStore(leader.bank)
     try:  # a long history, so that catching up takes many messages
