@@ -175,7 +175,15 @@ def report(run: Run, host: Machine, mode: str, elapsed: float) -> str:
         "benchmark reads each bank's log with FollowBank too (a fourth stream on `a`, one more on `b` and "
         "`c`). Lag: from a record's commit in `a` to its commit in the follower, both stamped by the banks "
         "(one clock). All three daemons, the writer and the readers share the machine's "
-        f"{host.usable} cores, so the figures include their competition for them.",
+        f"{host.usable} cores, so the figures include their competition for them (and with the other work "
+        "the load average shows).",
+        "",
+        *([f"The writer fell short of {RATE} records/s: ImportEntries checks each record through its JSON "
+           "exchange form, on cores it shares with everything else here; that limits the writing, not the "
+           "following.", ""] if rate < 0.98 * RATE else []),
+        "What this cannot show: servers apart. Here a peer is a unix socket away; between machines add the "
+        "network's round trip and TLS to each figure, and the peers' clocks' difference to the lag "
+        "`aoed_bank_follow_lag_seconds` reports (not to these figures: one clock).",
         "",
         "| follower | records seen | p50 ms | p99 ms | max ms | target p99 <= 1 s, none lost |",
         "|---|--:|--:|--:|--:|---|",
