@@ -23,7 +23,11 @@ a follower of this bank (`aoed.bank.follow`) has not seen. A put that would stor
 bytes already there writes nothing and takes no number, so merging what a peer sent back
 ends the echo. A bank from before the log gets its numbers on first open, in key order.
 `bank_id` (meta) names this bank to its followers: another bank at the same address
-(a new one, a restored backup) is followed from its start again.
+(a new one) is followed from its start again.
+
+A new kind of record needs its named database in `self._dbs`, its merge rule here
+(`_EXCLUSIVE` with its pair, else added when absent), and its check in
+`_codec.check_stored`; the log, FollowBank and the followers carry it as they are.
 Keys sort by signature digest first (see `aoe.signature.bank_key`), so every device and
 precision known for a task is one range scan away; no secondary index is needed.
 
@@ -77,8 +81,6 @@ __all__ = [
 #: Kinds of record a bank keeps (and an exchange carries).
 ENTRY, DEFAULT, TRIAL = "entry", "default", "trial"
 KINDS = (ENTRY, DEFAULT, TRIAL)
-#: The named database of each kind of record.
-_DB_NAMES = {ENTRY: b"entries", DEFAULT: b"defaults", TRIAL: b"history"}
 #: Kinds that share one key space: a key holds a record of one of them, never both.
 _EXCLUSIVE = {ENTRY: DEFAULT, DEFAULT: ENTRY}
 #: Writes per transaction for bulk operations (merge): a crash loses at most one batch.
