@@ -263,3 +263,19 @@ async def test_a_stream_reader_that_takes_nothing_is_cut_off_with_a_clear_status
         finally:
             await trio.to_thread.run_sync(lambda: server.stop(0).wait())
             nursery.cancel_scope.cancel()
+
+
+async def test_an_import_larger_than_a_transaction_is_merged_whole_through_the_writer(tmp_path: Path) -> None:
+    from aoe.v1 import bank_pb2
+
+    from .test_api_bank import serving
+
+    key = _entry(1, 5.0, "alpha").key.decode()
+    n = 4500  # more than two of the writer's transactions
+    requests = [bank_pb2.ImportEntriesRequest(trial=bank_pb2.TrialRecord(key=key, time_ns=i + 1, trial_json='{"n": 1}'))
+                for i in range(n)]  # fmt: skip
+    async with serving(tmp_path) as d:
+        reply = await d("ImportEntries", iter(requests), timeout=120)
+        assert (reply.trials.added, reply.refused) == (n, 0)
+        stats = await d("GetBankStats", bank_pb2.GetBankStatsRequest(), timeout=30)
+        assert stats.history_trials == n

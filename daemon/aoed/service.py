@@ -81,7 +81,7 @@ class Daemon:
                     await nursery.start(jobs.run)
                     self.watcher = await self._start_watcher(nursery, jobs)
                     bridge = Bridge(nursery)
-                    connect = peer_client(cfg)
+                    connect = _peer_client(cfg)
                     self._bank_api = self._bank_servicer(bridge, engine, connect)
                     self.server = server = build_server(cfg, lambda s: register(
                         s, TuningServicer(bridge, jobs), self._bank_api,
@@ -241,7 +241,7 @@ class Daemon:
         return snap
 
 
-def peer_client(cfg: DaemonConfig):
+def _peer_client(cfg: DaemonConfig):
     """What opens an aoe.client.Client to a peer whose bank this daemon follows (or
     syncs with): over TLS with the [bank] follow_* files, except unix sockets and
     plain loopback peers. Raises AoedError when a file cannot be read."""

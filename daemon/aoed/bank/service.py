@@ -45,6 +45,8 @@ DB_NAMES = ("entries", "defaults", "history")
 #: from), so that a selective filter never holds a transaction for the whole bank.
 _SCAN = 10_000
 
+#: Records per writer request of an import (one transaction each).
+MERGE_CHUNK = 2000
 #: `keep(key, value)`: whether a page includes a record.
 Keep = Callable[[bytes, bytes], bool]
 
@@ -207,8 +209,16 @@ class DaemonBank:
 
     async def merge(self, checked: CheckedImport) -> dict[str, MergeCounts]:
         """Merge checked records into the custom bank, through the writer's queue (so its
-        followers are sent them at once); counts per kind of record."""
-        return await self._writer.merge(BankMerge(tuple(checked.records), checked.replace))
+        followers are sent them at once), a transaction's worth at a time so that the
+        engine's writes are not held up behind a large import; counts per kind."""
+        totals = {kind: MergeCounts() for kind in KINDS}
+        records = checked.records
+        for i in range(0, len(records), MERGE_CHUNK):
+            got = await self._writer.merge(BankMerge(tuple(records[i : i + MERGE_CHUNK]), checked.replace))
+            for kind, c in got.items():
+                t = totals[kind]
+                totals[kind] = MergeCounts(t.added + c.added, t.updated + c.updated, t.kept + c.kept)
+        return totals
 
     async def record(self, trials: Iterable[tuple[bytes, dict[str, Any]]]) -> None:
         """Append measured trials to the history, through the writer's queue."""
