@@ -43,6 +43,7 @@ bench: $(BENCH_STAMP)
 	$(BIN)/python bench/bench_daemon.py
 	$(BIN)/python bench/bench_sgat.py
 	$(BIN)/python bench/bench_kernels.py
+	$(BIN)/python bench/bench_fleet.py
 
 bench-quick: $(BENCH_STAMP)
 	$(BIN)/python bench/run.py --quick
@@ -51,6 +52,7 @@ bench-quick: $(BENCH_STAMP)
 	$(BIN)/python bench/bench_daemon.py --quick
 	$(BIN)/python bench/bench_sgat.py --quick
 	$(BIN)/python bench/bench_kernels.py --quick
+	$(BIN)/python bench/bench_fleet.py --quick
 
 # kill -9 of the daemon at 20 random points of its jobs; prints seeds, restarts and the
 # bank entries verified intact (make test runs 3 of them). Then 30 minutes of mixed load

@@ -8,6 +8,7 @@
 #   PREFIX/venv/                        a virtual environment with aoed (pip, from this tree)
 #   PREFIX/share/aoed/                  the default aoed.toml and the drop-in examples
 #   PREFIX/share/doc/aoed/README.md     the operator's guide
+#   PREFIX/share/doc/aoed/grafana-dashboard.json   an example dashboard of its metrics
 #   /usr/lib/systemd/system/aoed.service
 #   /usr/lib/sysusers.d/aoed.conf       the user and group aoed
 #   /usr/lib/tmpfiles.d/aoed.conf       /var/lib/aoed and its inbox/, outbox/, failed/
@@ -153,6 +154,7 @@ install_files() {
         put 0644 "$example" "$PREFIX/share/aoed/$(basename "$example")"
     done
     put 0644 "$DEPLOY/README.md" "$PREFIX/share/doc/aoed/README.md"
+    put 0644 "$DEPLOY/grafana-dashboard.json" "$PREFIX/share/doc/aoed/grafana-dashboard.json"
     if [ -e "$DESTDIR$CONFIG" ]; then
         say "keeping $DESTDIR$CONFIG (the shipped one is $PREFIX/share/aoed/aoed.toml)"
     else

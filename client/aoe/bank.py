@@ -80,7 +80,7 @@ CUSTOM = "custom"
 
 #: Named databases of a bank environment (written by aoed.bank.store).
 DB_NAMES = (b"meta", b"entries", b"defaults", b"history")
-MAX_DBS = 8
+MAX_DBS = 16  # the writer keeps 8 (aoed.bank.store); room for more kinds of record
 #: The map readers (and the writer, aoed.bank.store) open a bank with where they may.
 READER_MAP = FULL_MAP
 

@@ -11,6 +11,7 @@
     aoe bank prune   [--bank DIR] [--dry-run] [--wait]
     aoe bank verify  [--bank DIR] [--sample N] [--op-type T] [--seed S] [--budget SECONDS]
                      [--layer NAME|all] [--no-record] [--wait] [--json]
+    aoe bank sync    PEER [--bank DIR | --socket PATH] [--ca FILE [--cert FILE --key FILE]] [--wait]
 
 The custom bank is --bank, else the configured one (TUNE_BANK_PATH, the config file, the
 user data dir); read-only layers come from --bank-layer (repeatable), then the configured
@@ -21,8 +22,12 @@ with an error naming that process, or with --wait wait until it is done. `verify
 1 when an entry regressed, is inaccurate or could not be measured.
 
 With `--socket PATH` (or AOED_SOCKET set and no --bank), stats, lookup, export, import,
-prune and verify work on the daemon's bank through its API instead: the daemon is then
-the one writer, so nothing waits for it.
+prune, verify and sync work on the daemon's bank through its API instead: the daemon is
+then the one writer, so nothing waits for it.
+
+`sync PEER` applies what the bank of the daemon at PEER (a gRPC target: unix:///PATH,
+dns:///HOST:PORT) wrote since this bank last did, with the rules of `[bank] follow`
+(aoed.bank.follow), once: up to the peer's last write when the pass began.
 """
 
 from __future__ import annotations
@@ -239,6 +244,16 @@ def _add_bank(top: argparse._SubParsersAction) -> None:
                    help="a model whose session options (its model-level entry) to re-check too (repeatable)")  # fmt: skip
     _wait_arg(s, " before recording the measurements")
     s.add_argument("--json", action="store_true")
+
+    s = sub.add_parser("sync", help="apply what a peer daemon's bank wrote since the last time, once")
+    s.set_defaults(run=_sync)
+    _bank_args(s, layers=False)
+    _socket_arg(s)
+    s.add_argument("peer", help="the peer daemon: unix:///PATH/aoed.sock or dns:///HOST:PORT")
+    s.add_argument("--ca", type=Path, help="CA of the peer's server certificate (TCP peers: TLS)")
+    s.add_argument("--cert", type=Path, help="client certificate, for a peer that wants mutual TLS")
+    s.add_argument("--key", type=Path, help="client key, with --cert")
+    _wait_arg(s)
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -486,6 +501,73 @@ def _verify(args: argparse.Namespace) -> int:
         finally:
             store.close()
     return 1 if bad else 0
+
+
+def _sync(args: argparse.Namespace) -> int:
+    daemon = _daemon(args)
+    if daemon is not None:
+        if args.ca or args.cert or args.key:
+            raise OptionError("--ca/--cert/--key: with a daemon, it connects with its own [bank] follow_* files")
+        with daemon:
+            r = daemon.bank_sync(args.peer)
+        counts = {"entries": r.entries, "default records": r.default_records, "trials": r.trials}
+        _print_sync(args.peer, r.peer_bank_id, r.from_seq, r.to_seq, counts, r.refused)
+        return 0
+    report = _sync_local(args)
+    counts = {name: report.counts[kind] for name, kind in
+              (("entries", "entry"), ("default records", "default"), ("trials", "trial"))}  # fmt: skip
+    _print_sync(args.peer, report.peer_bank_id, report.from_seq, report.to_seq, counts, report.refused)
+    return 0
+
+
+def _print_sync(peer: str, bank_id: str, from_seq: int, to_seq: int, counts: dict, refused: int) -> None:
+    print(f"aoe: synced from {peer} (bank {bank_id}): its writes {from_seq} -> {to_seq}")
+    for name, c in counts.items():
+        print(f"  {name:<16} added {c.added}, updated {c.updated}, kept {c.kept}")
+    if refused:
+        print(f"  refused {refused} (invalid, or measured on another device than this one)")
+
+
+def _sync_local(args: argparse.Namespace):
+    """One follow pass into the bank at --bank (or the configured one), in this process."""
+    import trio
+
+    from aoe.client import Client
+    from aoed.bank.follow import Follower
+    from aoed.bank.writer import BankWriter
+
+    if args.cert and not args.key or args.key and not args.cert:
+        raise OptionError("--cert and --key go together")
+    if args.cert and not args.ca:
+        raise OptionError("--cert needs --ca")
+    try:
+        tls = [p.read_bytes() if p else None for p in (args.ca, args.key, args.cert)] if args.ca else None
+    except OSError as exc:
+        raise OptionError(f"{exc.filename}: {exc.strerror or exc}") from None
+    config = _config(args)
+
+    def connect(target: str) -> Client:
+        if tls is None:
+            return Client(target, timeout=30)
+        return Client(target, timeout=30, root_certificates=tls[0], private_key=tls[1], certificate_chain=tls[2])
+
+    async def run():
+        writer = BankWriter(_bank_path(args), layers=[], wait=args.wait, on_wait=_say_waiting)
+        try:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(writer.run)
+                report = await Follower(writer, args.peer, [config.device.fingerprint().digest], connect).sync()
+                nursery.cancel_scope.cancel()
+            return report
+        finally:
+            writer.close()
+
+    try:
+        return trio.run(run)
+    except BaseExceptionGroup as group:
+        from aoe.cli import _single
+
+        raise _single(group) from None
 
 
 def _verify_on(daemon, args: argparse.Namespace) -> int:

@@ -34,7 +34,7 @@ from aoe.modelfile import check_model_file
 from aoe.v1 import bank_pb2, bank_pb2_grpc, daemon_pb2, daemon_pb2_grpc, devices_pb2, devices_pb2_grpc
 from aoe.v1 import tuning_pb2, tuning_pb2_grpc
 
-__all__ = ["Client", "job_options"]
+__all__ = ["Client", "Stream", "job_options"]
 
 CHUNK = 1 << 20
 PING_TIMEOUT_S = 1.5
@@ -186,6 +186,28 @@ def _writing(path: Path, mode: str) -> Iterator[IO[Any]]:
         with contextlib.suppress(OSError):
             tmp.unlink()
         raise
+
+
+class Stream(Iterator[Any]):
+    """A server stream being read: iterate it for its messages. `cancel()`, from any
+    thread, ends it: an iteration blocked on the next message then stops. Errors come
+    out as aoe.errors classes, as for any call."""
+
+    def __init__(self, call: Any, target: str, bank: bool = False) -> None:
+        self._call, self._target, self._bank = call, target, bank
+        self._cancelled = False
+
+    def __next__(self) -> Any:
+        try:
+            return next(self._call)
+        except grpc.RpcError as exc:
+            if self._cancelled:
+                raise StopIteration from None
+            raise _error(exc, self._target, self._bank) from exc
+
+    def cancel(self) -> None:
+        self._cancelled = True
+        self._call.cancel()
 
 
 class Client:
@@ -484,6 +506,22 @@ class Client:
     def bank_prune(self, dry_run: bool = False) -> bank_pb2.PruneBankResponse:
         """Drop the bank's measurement history, keeping winners (only count, `dry_run`)."""
         return self._call(self._bank.PruneBank, bank_pb2.PruneBankRequest(dry_run=dry_run), bank=True, deadline=False)
+
+    def bank_follow(self, after_seq: int = 0, bank_id: str = "") -> Stream:
+        """The daemon's bank writes after sequence number `after_seq` of the bank
+        `bank_id` (from the start when the daemon's bank is another), then each new one
+        as it is committed: a Stream of FollowBankResponse that does not end by itself
+        (`cancel()` ends it). Errors: DaemonUnavailableError, BankError,
+        ResourceExhaustedError when this reader fell too far behind (resume from the
+        last `upto_seq` applied)."""
+        self._check_socket()
+        request = bank_pb2.FollowBankRequest(after_seq=after_seq, bank_id=bank_id)
+        return Stream(self._bank.FollowBank(request), self.target, bank=True)
+
+    def bank_sync(self, peer: str) -> bank_pb2.SyncBankResponse:
+        """Make the daemon apply, once, what the bank of `peer` (a gRPC target the daemon
+        can reach) wrote since it last did; returns the counts and sequence numbers."""
+        return self._call(self._bank.SyncBank, bank_pb2.SyncBankRequest(peer=peer), bank=True, deadline=False)
 
     def bank_verify(
         self, sample_size: int = 10, op_type: str = "", seed: int = 0, device: str = ""

@@ -41,8 +41,9 @@ The TOML file:
 The time limits are for a small model; a job's limits grow with its model file (1 +
 size/256 MiB: 2x at 256 MiB, 9x at 2 GiB), since its work does.
 
-The daemon's own sections ([daemon], [listen], [limits], [[inbox]]) are read by
-`aoed.config`.
+The daemon's own sections ([daemon], [listen], [limits], [[inbox]], [metrics]) and the
+keys of [bank] that say which peers' banks it follows (`follow`, `follow_*`) are read
+by `aoed.config`.
 
 Errors are `OptionError`s that name the key and where it came from; a file and the
 environment are checked whole, and one OptionError lists every problem found
@@ -63,7 +64,7 @@ from typing import Any
 from aoe.device import CPU, Device
 from aoe.errors import OptionError
 
-__all__ = ["DAEMON_SECTIONS", "Config", "Problems", "bank_from_env", "default_socket", "default_parallel", "layers_from_env", "load_config", "parse_parallel"]
+__all__ = ["DAEMON_KEYS", "DAEMON_SECTIONS", "Config", "Problems", "bank_from_env", "default_socket", "default_parallel", "layers_from_env", "load_config", "parse_parallel"]
 
 _LEVELS = ("debug", "info", "warning", "error")
 
@@ -123,7 +124,10 @@ def _default_bank() -> Path:
 
 
 #: Sections of the TOML file that only the daemon reads (aoed.config checks them).
-DAEMON_SECTIONS = ("daemon", "listen", "limits", "inbox")
+DAEMON_SECTIONS = ("daemon", "listen", "limits", "inbox", "metrics")
+#: Keys of the shared sections that only the daemon reads (aoed.config checks them).
+DAEMON_KEYS = frozenset(("bank", k) for k in ("follow", "follow_ca", "follow_cert", "follow_key",
+                                              "follow_insecure_loopback"))  # fmt: skip
 
 
 def default_socket(env: Mapping[str, str] | None = None) -> Path:
@@ -266,6 +270,8 @@ def _from_toml(path: Path, problems: Problems | None = None) -> tuple[dict[str, 
             problems.add(f"{path}: {section!r} must be a [section]")
             continue
         for key, raw in table.items():
+            if (section, key) in DAEMON_KEYS:
+                continue
             name = known.get((section, key))
             where = f"{path} [{section}] {key}"
             if name is None:

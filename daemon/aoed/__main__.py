@@ -72,6 +72,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         for inbox in cfg.inboxes:
             print(f"  inbox       {inbox.path} -> {inbox.outbox} (failed: {inbox.failed})")
         print(f"  allowed     {', '.join(map(str, cfg.allowed_dirs)) or '(no daemon-side paths)'}")
+        print(f"  follows     {', '.join(cfg.follow) or '(no peer banks)'}")
+        print(f"  metrics     {f'http://{cfg.metrics_listen}/metrics' if cfg.metrics_listen else 'off'}")
         return 0
     level = args.log_level or (cfg.engine.log_level if "log_level" in cfg.engine.sources else "info")
     from aoed.logs import configure

@@ -30,6 +30,16 @@ or /var/lib/aoed as root; the socket in the runtime dir (/run/aoed as root).
   max_tensor_mb = 4096
   compile_timeout_s = 120            # a worker's time per candidate (and bank rebuild), and
   stage_timeout_s = 900              #   per other stage; x (1 + model MiB/256) for each job
+  [bank]                             # path and layers are read by aoe.config
+  follow = ["unix:///run/aoed-b/aoed.sock", "dns:///gpu-02:7461"]   # peers whose banks
+                                     # this one follows (aoed.bank.follow); TCP needs TLS:
+  follow_ca = "/etc/aoed/peers-ca.pem"      # CA of the peers' server certificates
+  follow_cert = "/etc/aoed/client.pem"      # optional: this daemon's client certificate
+  follow_key = "/etc/aoed/client.key"       #   and key, for peers that want mutual TLS
+  follow_insecure_loopback = false   # plain TCP to a loopback peer only when true
+  [metrics]
+  listen = "127.0.0.1:9464"          # Prometheus endpoint; "" (default) = off
+  allow_remote = false               # a non-loopback address needs this set to true
   [limits]
   max_upload_mb = 2048               # one upload
   upload_ttl_h = 24                  # an upload not submitted by then is deleted
@@ -56,7 +66,7 @@ import ipaddress
 import os
 import tomllib
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -115,6 +125,13 @@ class DaemonConfig:
     max_client_uploads: int = 16
     min_free_bytes: int = 512 << 20
     inboxes: tuple[Inbox, ...] = ()
+    follow: tuple[str, ...] = ()
+    follow_ca: Path | None = None
+    follow_cert: Path | None = None
+    follow_key: Path | None = None
+    follow_insecure_loopback: bool = False
+    metrics_listen: str = ""
+    metrics_allow_remote: bool = False
     source: str = "defaults"
     sources: Mapping[str, str] = field(default_factory=dict)
 
@@ -159,13 +176,7 @@ class DaemonConfig:
         return out
 
     def tcp_is_loopback(self) -> bool:
-        host = _host(self.tcp)
-        if host == "localhost":
-            return True
-        try:
-            return ipaddress.ip_address(host).is_loopback
-        except ValueError:
-            return False
+        return _loopback(_host(self.tcp))
 
 
 def _mib(n: float) -> int:
@@ -175,6 +186,24 @@ def _mib(n: float) -> int:
 def _host(hostport: str) -> str:
     host = hostport.rsplit(":", 1)[0] if ":" in hostport else hostport
     return host.strip("[]")
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _hostport(target: str) -> str:
+    """HOST:PORT of a TCP gRPC target ("dns:///h:1", "dns:h:1", "ipv4:h:1", "h:1")."""
+    for prefix in ("dns://", "dns:", "ipv4:", "ipv6:"):
+        if target.startswith(prefix):
+            target = target.removeprefix(prefix)
+            break
+    return target.rsplit("/", 1)[-1] if target.startswith("/") or "/" in target else target
 
 
 def _table(doc: Mapping[str, Any], name: str, path: Path, problems: Problems) -> Mapping[str, Any]:
@@ -336,9 +365,76 @@ def load_daemon_config(path: str | os.PathLike[str] | None = None, env: Mapping[
         inboxes=tuple(inboxes),
         source=where,
     )
+    bank = _table(doc, "bank", Path(where), problems)
+    b = _Reader(bank, f"{where} [bank]", set(bank), problems)  # aoe.config reports unknown keys
+    met = _Reader(_table(doc, "metrics", Path(where), problems), f"{where} [metrics]", {"listen", "allow_remote"},
+                  problems)  # fmt: skip
+    raw_follow = bank.get("follow", [])
+    if not isinstance(raw_follow, list) or not all(isinstance(x, str) and x.strip() for x in raw_follow):
+        problems.add(f"{where} [bank] follow: expected a list of gRPC targets (\"unix:///path.sock\", \"dns:///host:7461\")")
+        raw_follow = []
+    cfg = replace(
+        cfg,
+        follow=tuple(x.strip() for x in raw_follow),
+        follow_ca=b.path("follow_ca", None, base),
+        follow_cert=b.path("follow_cert", None, base),
+        follow_key=b.path("follow_key", None, base),
+        follow_insecure_loopback=b.flag("follow_insecure_loopback", False),
+        metrics_listen=met.text("listen", ""),
+        metrics_allow_remote=met.flag("allow_remote", False),
+    )
     problems.found.extend(_check_listen(cfg, where))
+    problems.found.extend(_check_follow(cfg, where))
+    problems.found.extend(_check_metrics(cfg, where))
     problems.raise_any()
     return cfg
+
+
+def _check_follow(cfg: DaemonConfig, where: str) -> list[str]:
+    """Every problem with the peers `cfg` follows: TCP needs TLS, as for listening."""
+    out = []
+    w = f"{where} [bank]"
+    if len(set(cfg.follow)) != len(cfg.follow):
+        out.append(f"{w} follow: a peer is listed twice")
+    for target in cfg.follow:
+        if target.startswith("unix:"):
+            if not target.removeprefix("unix:").lstrip("/"):
+                out.append(f"{w} follow: {target!r}: expected unix:///path/to/aoed.sock")
+            continue
+        hostport = _hostport(target)
+        host, port = _host(hostport), hostport.rsplit(":", 1)[1] if ":" in hostport else ""
+        if not host or not port.isdigit():
+            out.append(f"{w} follow: {target!r}: expected unix:///PATH or dns:///HOST:PORT")
+        elif cfg.follow_ca is None and not _loopback(host):
+            out.append(f"{w} follow: {target!r}: a peer over TCP needs TLS (set follow_ca to the CA of its "
+                       "server certificate)")  # fmt: skip
+        elif cfg.follow_ca is None and not cfg.follow_insecure_loopback:
+            out.append(f"{w} follow: {target!r}: plain TCP needs follow_insecure_loopback = true "
+                       "(or set follow_ca)")  # fmt: skip
+    if (cfg.follow_cert is None) != (cfg.follow_key is None):
+        out.append(f"{w}: follow_cert and follow_key go together")
+    if cfg.follow_cert is not None and cfg.follow_ca is None:
+        out.append(f"{w}: follow_cert needs follow_ca")
+    for name in ("follow_ca", "follow_cert", "follow_key"):
+        p = getattr(cfg, name)
+        if p is not None and not p.is_file():
+            out.append(f"{w} {name} = {str(p)!r}: no such file")
+    return out
+
+
+def _check_metrics(cfg: DaemonConfig, where: str) -> list[str]:
+    """Every problem with where `cfg` serves metrics: loopback unless allowed."""
+    if not cfg.metrics_listen:
+        return []
+    host = _host(cfg.metrics_listen)
+    port = cfg.metrics_listen.rsplit(":", 1)[1] if ":" in cfg.metrics_listen else ""
+    w = f"{where} [metrics] listen = {cfg.metrics_listen!r}"
+    if not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        return [f"{w}: expected HOST:PORT, e.g. \"127.0.0.1:9464\""]
+    if not _loopback(host) and not cfg.metrics_allow_remote:
+        return [(f"{w}: not a loopback address; anyone who reaches it reads the daemon's metrics, so say "
+                 "allow_remote = true to serve it there")]  # fmt: skip
+    return []
 
 
 def _check_listen(cfg: DaemonConfig, where: str) -> list[str]:

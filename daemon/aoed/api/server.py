@@ -18,6 +18,7 @@ import errno
 import logging
 import os
 import socket as socketlib
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -118,11 +119,13 @@ def _read(path: Path | None) -> bytes | None:
     return path.read_bytes() if path is not None else None
 
 
-def build_server(cfg: DaemonConfig, add_services) -> Server:
+def build_server(cfg: DaemonConfig, add_services, interceptors: Sequence[grpc.ServerInterceptor] = ()) -> Server:
     """A started-to-be gRPC server bound as `cfg` says, with `add_services(server)`
-    having registered the aoe.v1 servicers. Raises OptionError when it cannot listen."""
+    having registered the aoe.v1 servicers, and `interceptors` (aoed.metrics counts
+    RPCs with one) around every RPC. Raises OptionError when it cannot listen."""
     server = grpc.server(
         ThreadPoolExecutor(max_workers=cfg.max_rpcs, thread_name_prefix="grpc"),
+        interceptors=list(interceptors),
         maximum_concurrent_rpcs=cfg.max_rpcs,
         options=[("grpc.max_receive_message_length", MAX_MESSAGE), ("grpc.max_send_message_length", MAX_MESSAGE),
                  ("grpc.so_reuseport", 0)],

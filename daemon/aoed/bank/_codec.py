@@ -7,19 +7,22 @@ The only module (with api/) where protobuf types appear on the daemon side.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from aoe.bank import PRECISION_CODES, PRECISION_NAMES, default_doc, parse_key, record_from_json
+from google.protobuf.message import DecodeError
+
+from aoe.bank import PRECISION_CODES, PRECISION_NAMES, default_doc, default_record, parse_key, record_from_json
 from aoe.signature import SCHEMA_VERSION, DeviceFingerprint, TaskSignature, bank_key
 from aoe.v1 import bank_pb2
 
 __all__ = [
-    "BankRecord", "Incoming", "Measured", "decode", "default_us", "encode", "encode_doc", "parse_line",
-    "winner_us",
+    "BankRecord", "Incoming", "Measured", "batch_from_pb", "check_stored", "decode", "default_us", "encode",
+    "encode_doc", "parse_line", "winner_us",
 ]  # fmt: skip
 
 _PRECISION = PRECISION_CODES
@@ -256,6 +259,39 @@ def _parse_entry(e: bank_pb2.BankEntry) -> Incoming:
         runtime_version=e.device.runtime_version,
         problem=problem,
     )
+
+
+def check_stored(kind: str, key: bytes, value: bytes) -> Incoming:
+    """Check a record as another bank stores it (`kind` "entry", "default" or "trial";
+    a trial under its history key) with the checks of an exchange line; `problem` says
+    why it cannot be merged. `data` is `value`, kept byte for byte."""
+    try:
+        if kind == "entry":
+            inc = _parse_entry(bank_pb2.BankEntry.FromString(value))
+            if not inc.problem and inc.key != key:
+                inc = dataclasses.replace(inc, problem="stored under another key than its own")
+        elif kind == "default":
+            doc = json.loads(value)
+            if not isinstance(doc, dict):
+                raise ValueError("not a JSON object")
+            inc = _parse_default(default_record(key, doc))
+        elif kind == "trial":
+            bank, _, stamp = key.decode("ascii").rpartition("/")
+            inc = _parse_trial(bank_pb2.TrialRecord(key=bank, time_ns=int(stamp, 16), trial_json=value.decode()))
+        else:
+            return Incoming("", key, value, "", problem=f"a kind of record this bank does not keep ({kind!r})")
+    except (ValueError, TypeError, UnicodeDecodeError, DecodeError) as exc:
+        return Incoming(kind, key, value, "", problem=f"not a stored {kind} record ({exc})")
+    return dataclasses.replace(inc, data=value)
+
+
+def batch_from_pb(
+    msg: bank_pb2.FollowBankResponse,
+) -> tuple[str, list[tuple[int, str, bytes, bytes, int]], int, int]:
+    """(bank id, changes as (seq, kind, key, value, committed ns), upto, head) of one
+    FollowBank message (`aoed.bank.store.Change`'s fields, in order)."""
+    changes = [(c.seq, c.kind, c.key, c.value, c.committed_unix_ns) for c in msg.changes]
+    return msg.bank_id, changes, msg.upto_seq, msg.head_seq
 
 
 def default_us(data: bytes) -> float:

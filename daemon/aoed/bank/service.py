@@ -35,7 +35,7 @@ from aoe.signature import DeviceFingerprint
 from aoed.bank._codec import BankRecord, decode
 from aoed.bank.exchange import import_lines
 from aoed.bank.store import KINDS, BankStore, MergeCounts, PruneCounts, Record
-from aoed.bank.writer import BankWrite, BankWriter
+from aoed.bank.writer import BankMerge, BankWrite, BankWriter
 
 __all__ = ["DB_NAMES", "CheckedImport", "DaemonBank", "StoreLayer", "check_import"]
 
@@ -45,6 +45,8 @@ DB_NAMES = ("entries", "defaults", "history")
 #: from), so that a selective filter never holds a transaction for the whole bank.
 _SCAN = 10_000
 
+#: Records per writer request of an import (one transaction each).
+MERGE_CHUNK = 2000
 #: `keep(key, value)`: whether a page includes a record.
 Keep = Callable[[bytes, bytes], bool]
 
@@ -141,6 +143,9 @@ class DaemonBank:
         self._device = device
         self._layer: StoreLayer | None = None
         self._reader: BankReader | None = None
+        #: LookupEntry calls answered, and how many found an entry.
+        self.lookups = 0
+        self.hits = 0
 
     async def _view(self) -> tuple[StoreLayer, BankReader]:
         if self._layer is None or self._reader is None:
@@ -168,7 +173,10 @@ class DaemonBank:
                                        device_digest=device_digest or None, precision=precision)  # fmt: skip
             return ex, reader.lookup_raw(ex.key.encode())[0] if ex.found else None
 
-        return await trio.to_thread.run_sync(look)
+        ex, raw = await trio.to_thread.run_sync(look)
+        self.lookups += 1
+        self.hits += raw is not None
+        return ex, raw
 
     async def page(
         self, db: str, after: bytes, limit: int, keep: Keep | None = None
@@ -200,9 +208,17 @@ class DaemonBank:
         return await trio.to_thread.run_sync(store.prune, dry_run)
 
     async def merge(self, checked: CheckedImport) -> dict[str, MergeCounts]:
-        """Merge checked records into the custom bank; counts per kind of record."""
-        store = await self._writer.store()
-        return await trio.to_thread.run_sync(store.merge, checked.records, checked.replace)
+        """Merge checked records into the custom bank, through the writer's queue (so its
+        followers are sent them at once), a transaction's worth at a time so that the
+        engine's writes are not held up behind a large import; counts per kind."""
+        totals = {kind: MergeCounts() for kind in KINDS}
+        records = checked.records
+        for i in range(0, len(records), MERGE_CHUNK):
+            got = await self._writer.merge(BankMerge(tuple(records[i : i + MERGE_CHUNK]), checked.replace))
+            for kind, c in got.items():
+                t = totals[kind]
+                totals[kind] = MergeCounts(t.added + c.added, t.updated + c.updated, t.kept + c.kept)
+        return totals
 
     async def record(self, trials: Iterable[tuple[bytes, dict[str, Any]]]) -> None:
         """Append measured trials to the history, through the writer's queue."""

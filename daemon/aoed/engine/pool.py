@@ -96,6 +96,11 @@ class CompilePool:
         return len(self._children)
 
     @property
+    def busy(self) -> int:
+        """Workers serving a request now."""
+        return len(self._deadlines)
+
+    @property
     def pids(self) -> list[int]:
         return [c.pid for c in self._children if c.pid is not None]
 
