@@ -719,13 +719,17 @@ def test_uploads_over_a_quota_are_refused_before_their_bytes_are_written(tmp_pat
 
 
 def assert_unkept(d: DaemonProcess, j: tuning_pb2.Job, bank: Path, doing: str) -> None:
-    """No task `j` tuned reached `bank`, and the job's report and the daemon's log say
+    """A task `j` tuned did not reach `bank`, and the job's report and the daemon's log say
     that the disk holding it is full (a task's own error may say why its choice was
-    then reverted in the model)."""
+    then reverted in the model). A commit that fits in pages LMDB freed earlier (the
+    file cannot grow, but pages of deleted records are reused) may still go through:
+    such a task is reported as written, never as failed."""
     tuned = [t for t in j.result.tasks if t.update_mode not in ("hit", "skipped")]
-    assert tuned and all(t.update_mode == "failed" for t in tuned), j.result
+    unkept = [t for t in tuned if t.update_mode == "failed"]
+    assert unkept, j.result
+    assert all(t.update_mode in ("add", "update", "reserved", "unsatisfied") for t in tuned if t not in unkept), j.result
     why = f"bank {bank}: {doing} failed, the disk holding it is full"
-    assert all("not kept in the bank: " + why in t.error or t.error.startswith("reverted in context") for t in tuned)
+    assert all("not kept in the bank: " + why in t.error or t.error.startswith("reverted in context") for t in unkept), [t.error for t in unkept]
     assert "not kept in the bank: " + why in Path(j.result.result_json_path).read_text()
     assert why in d.log()
 

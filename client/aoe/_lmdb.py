@@ -150,15 +150,25 @@ def _size(n: int) -> str:
     return f"{n} bytes"
 
 
-def _free(path: Path) -> str:
-    """Free space of the filesystem holding `path` (or its nearest existing parent)."""
+def _free_bytes(path: Path) -> int | None:
+    """Free bytes of the filesystem holding `path` (or its nearest existing parent)."""
     for p in (path, *path.parents):
         try:
             st = os.statvfs(p)
         except OSError:
             continue
-        return _size(st.f_bavail * st.f_frsize)
-    return "unknown"
+        return st.f_bavail * st.f_frsize
+    return None
+
+
+def _free(path: Path) -> str:
+    free = _free_bytes(path)
+    return "unknown" if free is None else _size(free)
+
+
+#: Below this much free space an I/O error from a commit is read as a full disk: LMDB
+#: reports a write that found no room as EIO when it fails while flushing pages.
+_FULL_BELOW = 1 << 20
 
 
 def _disk_full(path: Path, doing: str) -> str:
@@ -176,7 +186,10 @@ def _write_failure(exc: lmdb.Error) -> bool:
 
 
 def _advice(exc: lmdb.Error, path: Path, doing: str, map_size: int) -> str:
-    if isinstance(exc, lmdb.DiskError) or getattr(exc, "code", 0) in (errno.ENOSPC, errno.EDQUOT):
+    code = getattr(exc, "code", 0)
+    if isinstance(exc, lmdb.DiskError) or code in (errno.ENOSPC, errno.EDQUOT):
+        return _disk_full(path, doing)
+    if code == errno.EIO and (_free_bytes(path) or 0) < _FULL_BELOW:
         return _disk_full(path, doing)
     if isinstance(exc, (lmdb.MapFullError, lmdb.TxnFullError)):
         return (
