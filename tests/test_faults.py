@@ -38,7 +38,7 @@ from aoe.bank import open_bank
 from aoe.errors import BankError
 from aoe.v1 import tuning_pb2
 from aoed import samples
-from tests.daemon_util import DaemonProcess
+from tests.daemon_util import DaemonProcess, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -78,17 +78,6 @@ def proc_state(pid: int) -> str:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except (FileNotFoundError, ProcessLookupError):
         return ""
-
-
-def wait_for(pred: Callable[[], object], timeout: float, what: str, poll: float = 0.05):
-    """Poll `pred` until it returns something true; returns it, or fails naming `what`."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = pred()
-        if got:
-            return got
-        time.sleep(poll)
-    raise AssertionError(f"not within {timeout} s: {what}")
 
 
 def job(d: DaemonProcess, job_id: str) -> tuning_pb2.Job:
