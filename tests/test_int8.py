@@ -191,7 +191,7 @@ def test_int8_leaves_a_collapsing_task_in_fp32_and_says_so(models: Path, tmp_pat
 #: dequantizing the results) is most of the work. Measured here: about 1.8x the exact
 #: forms' time; a model whose int8 forms are a few percent slower (16x16, one row) let a
 #: noisy round pick one under load.
-SLOW_INT8 = dict(batch=2048, features=4, hidden=4, classes=4, layers=2)
+SLOW_INT8 = {"batch": 2048, "features": 4, "hidden": 4, "classes": 4, "layers": 2}
 
 
 @pytest.mark.slow
