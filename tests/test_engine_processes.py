@@ -404,10 +404,13 @@ async def test_device_lock_is_machine_wide_and_says_who_holds_it(mlp_task, tmp_p
 
 
 @pytest.mark.slow
-async def test_children_live_as_long_as_the_engine_not_a_thread(mlp_task, tmp_path):
+async def test_children_live_as_long_as_the_engine_not_a_thread(mlp_task, tmp_path, monkeypatch):
     """Children die with the engine (PR_SET_PDEATHSIG), which names the thread that
-    started them: it must be the engine's own, not a worker thread trio retires after
-    ten idle seconds."""
+    started them: it must be the engine's own, not a worker thread trio retires once it
+    has idled for its timeout (ten seconds; one here, so the test waits two, not twelve)."""
+    from trio._core import _thread_cache
+
+    monkeypatch.setattr(_thread_cache, "IDLE_TIMEOUT", 1.0)  # read each time a thread idles
     task, _ = mlp_task
     pool = CompilePool(1, tmp_path / "logs")
     async with trio.open_nursery() as nursery:
@@ -415,7 +418,7 @@ async def test_children_live_as_long_as_the_engine_not_a_thread(mlp_task, tmp_pa
         assert (await pool.call(_compile(task, "default", tmp_path / "a.onnx")))["ok"]
         pid = pool.pids[0]
         await trio.to_thread.run_sync(time.sleep, 0.1)  # a worker thread exists, then idles
-        await trio.sleep(12)
+        await trio.sleep(2 * _thread_cache.IDLE_TIMEOUT)
         alive = _alive(pid)
         again = await pool.call(_compile(task, "fused_gemm", tmp_path / "b.onnx"))
         same = pool.pids == [pid]
