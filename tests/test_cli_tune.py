@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import textwrap
 from pathlib import Path
 
@@ -125,12 +126,24 @@ def test_exact_never_slower_nor_less_accurate(models: Path, tmp_path: Path, name
     assert _bank_entries(tmp_path / "bank") == s["repo_add_num"]
 
 
-def test_bank_answers_the_second_run_and_repeat_tune_retunes(models: Path, tmp_path: Path):
-    bank = tmp_path / "bank"
-    args = ("tune", str(models / "mlp.onnx"), "--bank", str(bank), *ENOUGH)
-    first = run_aoe(*args, "--output", str(tmp_path / "o1"))
+@pytest.fixture(scope="module")
+def mlp_banked(models: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    """The MLP tuned with a budget every task gets a slice of: (its bank, its result).
+    Tests that go on from this bank copy it first."""
+    folder = tmp_path_factory.mktemp("mlp_banked")
+    first = run_aoe("tune", str(models / "mlp.onnx"), "--bank", str(folder / "bank"), "--output",
+                    str(folder / "o1"), *ENOUGH)  # fmt: skip
     assert first.returncode == 0, first.stderr
-    d1 = _result(tmp_path / "o1")
+    return folder / "bank", _result(folder / "o1")
+
+
+def test_bank_answers_the_second_run_and_repeat_tune_retunes(
+    models: Path, tmp_path: Path, mlp_banked: tuple[Path, dict]
+):
+    bank = tmp_path / "bank"
+    shutil.copytree(mlp_banked[0], bank)
+    args = ("tune", str(models / "mlp.onnx"), "--bank", str(bank), *ENOUGH)
+    d1 = mlp_banked[1]
     assert d1["resources"]["trials"] > 0
 
     second = run_aoe(*args, "--output", str(tmp_path / "o2"))
@@ -341,10 +354,11 @@ def test_framework_other_than_onnx_is_refused(models: Path, tmp_path: Path):
     assert r.returncode == 2 and "only ONNX" in r.stderr
 
 
-def test_read_only_layer_answers_under_an_empty_custom_bank(models: Path, tmp_path: Path):
+def test_read_only_layer_answers_under_an_empty_custom_bank(
+    models: Path, tmp_path: Path, mlp_banked: tuple[Path, dict]
+):
     team = tmp_path / "team"
-    first = run_aoe("tune", str(models / "mlp.onnx"), "--bank", str(team), "--output", str(tmp_path / "o1"), *ENOUGH)
-    assert first.returncode == 0, first.stderr
+    shutil.copytree(mlp_banked[0], team)
     team_data = (team / "data.mdb").read_bytes()
     mine = tmp_path / "mine"
     second = run_aoe("tune", str(models / "mlp.onnx"), "--bank", str(mine), "--bank-layer", str(team),
