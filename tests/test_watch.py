@@ -243,7 +243,8 @@ async def test_a_succeeded_job_delivers_three_outbox_files_and_forgets_the_claim
             jobs.finish(job_id, "succeeded", _result(tuned, result))
             report = outbox / ("m_report.txt" if i == 0 else "m_2_report.txt")
             await _until(report.exists)
-            await _until(lambda: not store.claims())
+            # A delivery ends by dropping the claim, then the claimed copy.
+            await _until(lambda: not store.claims() and not list(cfg.claims_dir.iterdir()))
     assert (outbox / "m_tuned.onnx").read_bytes() == b"tuned first"
     assert json.loads((outbox / "m_result.json").read_text()) == {"tag": "first"}
     assert (outbox / "m_2_tuned.onnx").read_bytes() == b"tuned second", "an existing name is not overwritten"
@@ -269,6 +270,8 @@ async def test_a_failed_job_moves_the_model_to_failed_with_the_error(tmp_path: P
         await _until(lambda: len(jobs.submitted) == 1)
         jobs.finish("job-1", "failed", error="bad.onnx: the graph has no outputs")
         await _until((failed / "bad.onnx.error.txt").exists)
+        # A delivery ends by dropping the claim, then the claimed copy.
+        await _until(lambda: not store.claims() and not list(cfg.claims_dir.iterdir()))
     assert (failed / "bad.onnx").read_bytes() == MODEL
     text = (failed / "bad.onnx.error.txt").read_text()
     assert "job-1" in text and "failed" in text and "the graph has no outputs" in text
