@@ -188,9 +188,10 @@ def test_int8_leaves_a_collapsing_task_in_fp32_and_says_so(models: Path, tmp_pat
 
 #: Int8 forms of this MLP are slower by construction: with 4 features and 4 outputs per
 #: row, the products are trivial and quantizing the 2048 rows' activations (and
-#: dequantizing the results) is most of the work. Measured here: about 1.8x the exact
-#: forms' time; a model whose int8 forms are a few percent slower (16x16, one row) let a
-#: noisy round pick one under load.
+#: dequantizing the results) is most of the work. Measured on a 2-core machine: lower
+#: quartiles of 20-22 us against the exact forms' 11-12 us, far outside what noise makes
+#: of a paired ratio; a model whose int8 forms are a few percent slower (16x16, one row)
+#: let a noisy round pick one under load.
 SLOW_INT8 = {"batch": 2048, "features": 4, "hidden": 4, "classes": 4, "layers": 2}
 
 
@@ -206,9 +207,6 @@ def test_int8_slower_than_exact_stays_exact(tmp_path: Path):
         cands = {c["strategy"]: c for c in task["candidates"]}
         int8 = [name for name in cands if name.startswith("int8")]
         assert int8
-        kept = cands[task["strategy"]]
-        # The premise, as measured: every int8 form ran slower than what the task kept.
-        assert all(cands[name]["median_us"] > kept["median_us"] for name in int8 if cands[name].get("ok")), task
         # Every int8 candidate lost for a reason its own figures bear out.
         for name in int8:
             (why,) = [w for w in task["rejected"] if w.startswith(f"{name}:")]
