@@ -187,8 +187,8 @@ def _banked_options_rechecked(c1: dict, options: dict, d2: dict) -> list[str]:
     else:
         assert options == d2["session_options"]
     if dropped and c1["shipped"] == "options only":  # then the input ships, and says so
-        assert c2["shipped"] == "input" and c2["verdict"] == "no significant change" and c2["improvement"] == 0.0, c2
-        assert c2["proposal"]["improvement"] == pytest.approx(c1["improvement"]), c2
+        assert c2["shipped"] == "input" and c2["verdict"] in ("no significant change", "slower"), c2
+        assert c2["improvement"] == 0.0 and c2["proposal"]["improvement"] == pytest.approx(c1["improvement"]), c2
     else:
         assert c2["shipped"] == c1["shipped"] and c2["improvement"] == pytest.approx(c1["improvement"])
     return dropped
