@@ -306,32 +306,42 @@ def test_remap_waits_until_no_transaction_is_live(tmp_path: Path) -> None:
     env = lmdb.open(str(tmp_path / "env"), map_size=1 << 20)
     gate = TxnGate()
     inside, leave, remapped = threading.Event(), threading.Event(), threading.Event()
+    live_at_remap: list[bool] = []
+
+    class Env:  # what remap() calls on the environment, noting whether a transaction was live
+        def set_mapsize(self, size: int) -> None:
+            live_at_remap.append(inside.is_set())
+            env.set_mapsize(size)
 
     def hold() -> None:
         with gate.transaction(env, tmp_path) as txn:
             inside.set()
-            leave.wait(10)
+            leave.wait(30)
             # Nested in the same thread while a remap waits: no deadlock, no remap.
             with gate.transaction(env, tmp_path) as again:
                 assert again.get(b"x") is None
             assert gate.remap(env) is False
             assert txn.get(b"x") is None
+            inside.clear()  # the last step inside: the transaction ends with the block
 
     def remap() -> None:
-        assert gate.remap(env) is True
+        assert gate.remap(Env()) is True  # type: ignore[arg-type]
         remapped.set()
 
     holder = threading.Thread(target=hold)
     holder.start()
-    assert inside.wait(10)
+    assert inside.wait(30)
     remapper = threading.Thread(target=remap)
     remapper.start()
-    time.sleep(0.2)
-    assert not remapped.is_set()  # a read transaction is live in the other thread
+    # The remap is due (new transactions would wait for it) while the holder's is live.
+    deadline = time.monotonic() + 30
+    while not (gate._remapping or remapped.is_set()) and time.monotonic() < deadline:
+        time.sleep(0.005)
     leave.set()
-    holder.join(10)
-    assert remapped.wait(10)
-    remapper.join(10)
+    holder.join(30)
+    assert remapped.wait(30)
+    remapper.join(30)
+    assert live_at_remap == [False], "the map changed while a transaction was live"
     with gate.transaction(env, tmp_path, write=True) as txn:  # the gate opens again
         txn.put(b"x", b"1")
     env.close()

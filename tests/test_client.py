@@ -10,7 +10,7 @@ import os
 import shutil
 import socket
 import tempfile
-import time
+import threading
 from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
@@ -19,7 +19,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from aoe.client import PING_TIMEOUT_S, Client, job_options
+from aoe.client import Client, job_options
 from aoe.errors import (
     AoedError,
     BankError,
@@ -106,12 +106,30 @@ def test_ping_says_serving_only_when_the_health_service_does() -> None:
             assert client.ping() is False
 
 
+def _connectivity(channel: grpc.Channel) -> grpc.ChannelConnectivity:
+    """The channel's state now (IDLE until something dials), without dialling."""
+    states: list[grpc.ChannelConnectivity] = []
+    seen = threading.Event()
+
+    def note(state: grpc.ChannelConnectivity) -> None:
+        states.append(state)
+        seen.set()
+
+    channel.subscribe(note, try_to_connect=False)
+    try:
+        assert seen.wait(10), "gRPC reports a subscriber the channel's state at once"
+    finally:
+        channel.unsubscribe(note)
+    return states[0]
+
+
 def test_ping_is_false_at_once_without_a_socket_and_soon_at_a_dead_one(tmp_path: Path) -> None:
     missing = tmp_path / "nobody.sock"
     with Client(missing) as client:
-        start = time.monotonic()
         assert client.ping() is False
-        assert time.monotonic() - start < PING_TIMEOUT_S  # no dial, no wait for the deadline
+        # Answered without dialling (so without waiting for PING_TIMEOUT_S): the channel
+        # never left IDLE.
+        assert _connectivity(client._channel) == grpc.ChannelConnectivity.IDLE
         with pytest.raises(DaemonUnavailableError, match=str(missing)):
             client.get("j-1")
     d = Path(tempfile.mkdtemp(prefix="aoe-t-", dir="/tmp"))
@@ -120,6 +138,7 @@ def test_ping_is_false_at_once_without_a_socket_and_soon_at_a_dead_one(tmp_path:
             dead.bind(str(d / "dead.sock"))
             with Client(d / "dead.sock") as client:
                 assert client.ping() is False
+                assert _connectivity(client._channel) != grpc.ChannelConnectivity.IDLE, "this one was dialled"
     finally:
         shutil.rmtree(d, ignore_errors=True)
 

@@ -9,7 +9,6 @@ import json
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import numpy as np
@@ -90,30 +89,30 @@ async def test_a_job_that_fails_before_tuning_leaves_no_workspace_and_the_engine
 async def test_cancel_stops_a_job_mid_measurement_and_the_next_job_runs(models: Path, tmp_path: Path) -> None:
     handle = JobHandle()
     stages: list[str] = []
-    latency: list[float] = []
     async with open_engine(_config(tmp_path), build_registry(), tmp_path / "logs") as engine:
 
-        async def cancel_when_tuning() -> None:
+        async def cancel_when_measuring() -> None:
             while not any(s.startswith("tuning") for s in stages):
                 await trio.sleep(0.05)
-            await trio.sleep(0.5)  # well into the measurements
-            runner = engine.device.runner_pid
-            latency.append(time.monotonic())
+            served = engine.device.requests
+            while engine.device.requests == served:  # the job's own measurements are under way
+                await trio.sleep(0.01)
+            assert engine.device.runner_pid is not None
             handle.cancel("test")
-            assert runner is not None
 
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(cancel_when_tuning)
-            with pytest.raises(JobCancelledError, match="test"):
-                await engine.run_job(
-                    JobOptions(models / "cnn.onnx", tmp_path / "out", budget_s=30.0),
-                    lambda e: stages.append(e.message) if e.kind == "stage" else None,
-                    handle,
-                )
-            cancel_s = time.monotonic() - latency[0]
+        # Left alone the job measures for its 300 s budget: the deadline (far above what
+        # cancelling needs) fails a cancel that waits for the job instead of stopping it.
+        with trio.fail_after(120):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(cancel_when_measuring)
+                with pytest.raises(JobCancelledError, match="test"):
+                    await engine.run_job(
+                        JobOptions(models / "cnn.onnx", tmp_path / "out", budget_s=300.0),
+                        lambda e: stages.append(e.message) if e.kind == "stage" else None,
+                        handle,
+                    )
         requests = engine.device.requests
         nxt = await engine.run_job(JobOptions(models / "mlp.onnx", tmp_path / "out2", budget_s=0.5))
-    assert cancel_s < 10.0, f"cancel took {cancel_s:.2f} s"  # left alone, 30 s and more (bench: latency)
     assert engine.device.requests > requests and Path(nxt.tuned_model).is_file()
     (ws,) = (tmp_path / "out" / "aoe_workspace").glob("cnn_*")
     assert not (ws / "tunespace" / "work").exists()  # a cancelled job leaves no scratch

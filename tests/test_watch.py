@@ -103,35 +103,45 @@ def _store(tmp_path: Path) -> JobStore:
     return JobStore(tmp_path / "state" / "jobs.sqlite3")
 
 
+async def _fence(jobs: Jobs, inbox: Path, name: str = "fence.onnx") -> None:
+    """Drop a model into `inbox` the ordinary way (it settles for the inbox's stable_s) and
+    wait for its submission: a file the watcher was already settling is settled by then,
+    so what was not submitted before the fence was not taken at all."""
+    (inbox / name).write_bytes(MODEL)
+    await _until(lambda: name in jobs.names(), timeout=30)
+
+
 async def test_a_file_written_slowly_is_submitted_once_and_only_complete(tmp_path: Path) -> None:
-    cfg = _config(tmp_path, stable_s=0.5)
+    cfg = _config(tmp_path, stable_s=2.0)
     jobs = Jobs(_store(tmp_path))
     chunks = [MODEL[i : i + 2000] for i in range(0, len(MODEL), 2000)][:6]
     async with _watching(cfg, jobs):
-        with open(tmp_path / "inbox" / "slow.onnx", "wb") as f:
-            # 6 writes 0.3 s apart: 1.5 s in all, far beyond the 0.125 s poll step, while
-            # each pause stays shorter than stable_s.
+        with open(tmp_path / "inbox" / "slow.onnx", "wb") as f:  # noqa: ASYNC230 (a few KiB)
+            # The writer pauses 0.3 s between writes: the writing spans several of the
+            # watcher's 0.5 s looks, and each pause is far shorter than stable_s, so even a
+            # stalled test process does not look like a finished file.
             for chunk in chunks:
                 f.write(chunk)
                 f.flush()
                 await trio.sleep(0.3)
                 assert not jobs.submitted, "taken while it was still being written"
         await _until(lambda: len(jobs.submitted) == 1)
-        await trio.sleep(0.7)
-    assert len(jobs.submitted) == 1
+        await _fence(jobs, tmp_path / "inbox")
+    assert jobs.names() == ["slow.onnx", "fence.onnx"], "submitted once"
     assert jobs.submitted[0][1] == b"".join(chunks)
     assert not (tmp_path / "inbox" / "slow.onnx").exists()
 
 
 async def test_a_file_renamed_from_a_part_name_is_taken_at_once(tmp_path: Path) -> None:
-    cfg = _config(tmp_path, stable_s=5.0)
+    # Settling would take an hour: only the rename makes the file complete within the test.
+    cfg = _config(tmp_path, stable_s=3600.0)
     jobs = Jobs(_store(tmp_path))
     async with _watching(cfg, jobs):
         part = tmp_path / "inbox" / "x.onnx.part"
         part.write_bytes(MODEL)
-        await trio.sleep(0.3)
+        await trio.sleep(0.3)  # the writer finishes, then renames
         part.rename(tmp_path / "inbox" / "x.onnx")
-        await _until(lambda: len(jobs.submitted) == 1, timeout=2.0)  # stable_s is 5 s
+        await _until(lambda: len(jobs.submitted) == 1, timeout=60)
     assert jobs.names() == ["x.onnx"] and jobs.submitted[0][1] == MODEL
 
 
@@ -154,8 +164,8 @@ async def test_ignored_names_are_never_submitted(tmp_path: Path) -> None:
         (inbox / "sub" / "c.onnx").write_bytes(MODEL)
         (inbox / "ok.onnx").write_bytes(MODEL)  # the control: the watcher was working
         await _until(lambda: len(jobs.submitted) == 1)
-        await trio.sleep(0.6)
-    assert jobs.names() == ["ok.onnx"]
+        await _fence(jobs, inbox)
+    assert jobs.names() == ["ok.onnx", "fence.onnx"]
     assert all((inbox / name).exists() for name in ignored) and (inbox / "sub" / "c.onnx").exists()
     assert (inbox / "link.onnx").is_symlink() and outside.exists()
 
@@ -195,14 +205,14 @@ async def test_crashes_before_and_after_the_claim_rename_each_give_one_submissio
     jobs = Jobs(store)
     async with _watching(cfg, jobs):
         await _until(lambda: len(jobs.submitted) == 2)
-        await trio.sleep(0.6)
-    assert sorted(jobs.names()) == ["a.onnx", "b.onnx"]
+        await _fence(jobs, inbox)
+    assert sorted(jobs.names()[:2]) == ["a.onnx", "b.onnx"] and jobs.names()[2:] == ["fence.onnx"]
     by_name = {sub.model.name: (sub, data, row) for sub, data, row in jobs.submitted}
     assert by_name["a.onnx"][1] == MODEL and by_name["b.onnx"][1] == MODEL[::-1]
     assert by_name["b.onnx"][0].model == dst_b
     claims = {Path(c.src).name: c for c in store.claims()}
     assert {n: (c.state, c.job_id) for n, c in claims.items()} == {
-        n: ("claimed", by_name[n][2].id) for n in ("a.onnx", "b.onnx")
+        n: ("claimed", by_name[n][2].id) for n in ("a.onnx", "b.onnx", "fence.onnx")
     }
     assert not (cfg.claims_dir / "u3").exists() and not list(inbox.glob("*.onnx"))
 
@@ -237,7 +247,8 @@ async def test_a_succeeded_job_delivers_three_outbox_files_and_forgets_the_claim
             jobs.finish(job_id, "succeeded", _result(tuned, result))
             report = outbox / ("m_report.txt" if i == 0 else "m_2_report.txt")
             await _until(report.exists)
-            await _until(lambda: not store.claims())
+            # A delivery ends by dropping the claim, then the claimed copy.
+            await _until(lambda: not store.claims() and not list(cfg.claims_dir.iterdir()))
     assert (outbox / "m_tuned.onnx").read_bytes() == b"tuned first"
     assert json.loads((outbox / "m_result.json").read_text()) == {"tag": "first"}
     assert (outbox / "m_2_tuned.onnx").read_bytes() == b"tuned second", "an existing name is not overwritten"
@@ -263,6 +274,8 @@ async def test_a_failed_job_moves_the_model_to_failed_with_the_error(tmp_path: P
         await _until(lambda: len(jobs.submitted) == 1)
         jobs.finish("job-1", "failed", error="bad.onnx: the graph has no outputs")
         await _until((failed / "bad.onnx.error.txt").exists)
+        # A delivery ends by dropping the claim, then the claimed copy.
+        await _until(lambda: not store.claims() and not list(cfg.claims_dir.iterdir()))
     assert (failed / "bad.onnx").read_bytes() == MODEL
     text = (failed / "bad.onnx.error.txt").read_text()
     assert "job-1" in text and "failed" in text and "the graph has no outputs" in text
@@ -333,23 +346,22 @@ async def test_reload_watches_new_folders_and_stops_watching_removed_ones(tmp_pa
         assert (tmp_path / "a").is_dir() and (tmp_path / "a-outbox").is_dir() and (tmp_path / "a-failed").is_dir()
         watcher.reload(_config(tmp_path, 0.2, "b"))
         await _until((tmp_path / "b").is_dir)
-        await trio.sleep(0.3)  # the new folder's watch starts
+        # (A file dropped before the new watch runs is found by the scan that follows.)
         (tmp_path / "b" / "new.onnx").write_bytes(MODEL)
         (tmp_path / "a" / "old.onnx").write_bytes(MODEL)
         await _until(lambda: len(jobs.submitted) == 1)
-        await trio.sleep(0.6)
-    assert jobs.names() == ["new.onnx"]
+        await _fence(jobs, tmp_path / "b")
+    assert jobs.names() == ["new.onnx", "fence.onnx"]
     assert (tmp_path / "a" / "old.onnx").exists()
 
 
 async def test_cancelling_the_watcher_ends_its_watch_threads_promptly(tmp_path: Path) -> None:
-    # watchfiles' worker thread notices only its stop event; without it, cancellation
-    # would wait out the thread's 5 s timeout.
+    # watchfiles' worker thread notices only its stop event (every 50 ms); without it,
+    # cancellation would wait out the thread's own 5 s timeout, past this deadline.
     jobs = Jobs(_store(tmp_path))
-    async with _watching(_config(tmp_path, 0.2, "a", "b"), jobs):
-        await trio.sleep(0.2)
-        start = trio.current_time()
-    assert trio.current_time() - start < 3.0
+    with trio.fail_after(3600) as stopping:
+        async with _watching(_config(tmp_path, 0.2, "a", "b"), jobs):
+            stopping.deadline = trio.current_time() + 4.5  # for the watcher's exit alone
     assert jobs.on_final == [], "the watcher unregisters its final-state callback"
 
 
