@@ -23,6 +23,7 @@ import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from aoe.errors import OptionError
+from aoe.jobtypes import DEFAULT_JOB_TYPE
 from aoe.v1 import bank_pb2, tuning_pb2, tuning_pb2_grpc
 from aoed.api._bridge import Bridge
 from aoed.errors import NotFoundError, PermissionDeniedError, RpcError
@@ -47,7 +48,7 @@ _LEVEL = {"debug": tuning_pb2.LOG_LEVEL_DEBUG, "info": tuning_pb2.LOG_LEVEL_INFO
 _PRECISION = {bank_pb2.PRECISION_UNSPECIFIED: "exact", bank_pb2.PRECISION_EXACT: "exact",
               bank_pb2.PRECISION_INT8: "int8", bank_pb2.PRECISION_INT4: "int4"}  # fmt: skip
 _PRECISION_CODE = {"exact": bank_pb2.PRECISION_EXACT, "int8": bank_pb2.PRECISION_INT8, "int4": bank_pb2.PRECISION_INT4}
-_JOB_TYPE = {tuning_pb2.JOB_TYPE_UNSPECIFIED: "opat", tuning_pb2.JOB_TYPE_OPAT: "opat", tuning_pb2.JOB_TYPE_SGAT: "sgat",
+_JOB_TYPE = {tuning_pb2.JOB_TYPE_UNSPECIFIED: DEFAULT_JOB_TYPE, tuning_pb2.JOB_TYPE_OPAT: "opat", tuning_pb2.JOB_TYPE_SGAT: "sgat",
              tuning_pb2.JOB_TYPE_SGAT_OPAT: "sgat+opat"}  # fmt: skip
 
 
@@ -110,7 +111,7 @@ def _ts(seconds: float | None) -> Timestamp | None:
 def options_to_dict(o: tuning_pb2.JobOptions) -> dict[str, Any]:
     return {
         "precision": _PRECISION.get(o.precision, "exact"),
-        "job_type": _JOB_TYPE.get(o.job_type, "opat"),
+        "job_type": _JOB_TYPE.get(o.job_type, DEFAULT_JOB_TYPE),
         "input_shapes": {s.name: list(s.dims) for s in o.input_shapes},
         "repeat_tune": o.repeat_tune,
         "device": o.device,

@@ -32,7 +32,7 @@ from typing import Any
 
 import trio
 
-from aoe.jobtypes import parse_job_type
+from aoe.jobtypes import DEFAULT_JOB_TYPE, parse_job_type
 from aoe.device import Device
 from aoe.errors import AoedError, JobCancelledError, OptionError
 from aoed.config import DaemonConfig
@@ -71,7 +71,7 @@ def options_from_dict(raw: dict[str, Any], default_device: Device) -> dict[str, 
     """Checked, normalized job options (plain JSON types). Raises OptionError."""
     opts: dict[str, Any] = {
         "precision": str(raw.get("precision") or "exact"),
-        "job_type": str(raw.get("job_type") or "opat"),
+        "job_type": str(raw.get("job_type") or DEFAULT_JOB_TYPE),
         "input_shapes": {str(k): [int(d) for d in v] for k, v in (raw.get("input_shapes") or {}).items()},
         "repeat_tune": bool(raw.get("repeat_tune", False)),
         "device": str(raw.get("device") or default_device.name),
