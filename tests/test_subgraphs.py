@@ -879,6 +879,25 @@ def test_job_type_spellings() -> None:
         parse_job_type("gdat")
 
 
+def test_sgat_plus_opat_tunes_every_operator_task_a_subgraph_without_a_choice_covers(models: Path,
+                                                                                      tmp_path: Path) -> None:
+    """A CNN's trunk is a subgraph with strategies at int8 only: at exact it must not take
+    the convolutions from OPAT, or the default job type would tune less than OPAT alone."""
+    from aoed.engine.assemble import tunable_tasks
+
+    registry = build_registry()
+    prep = prepare(models / "cnn.onnx", tmp_path / "prep")
+
+    def ids(precision: str, job_type: str) -> list[str]:
+        return [t.id for t in tunable_tasks(prep.model, prep.ctx, registry, precision, job_type)]
+
+    opat = ids("exact", "opat")
+    assert sum(i.startswith("t") for i in opat) >= 4  # the convolutions and the head
+    assert ids("exact", "sgat+opat") == opat
+    both = tunable_tasks(prep.model, prep.ctx, registry, "int8", "sgat+opat")
+    assert [t.family for t in both][0] == "conv_region" and len(both) < len(ids("int8", "opat"))
+
+
 def test_a_job_that_names_no_type_runs_sgat_plus_opat(tmp_path: Path) -> None:
     """Each edge where a job's options are made gives sgat+opat when no job type is named,
     and AOE's numbers keep AOE's meaning. (The CLI and gRPC defaults also run end to end

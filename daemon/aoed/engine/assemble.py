@@ -86,8 +86,11 @@ def set_metadata(model: onnx.ModelProto, meta: Mapping[str, str]) -> None:
 def tunable_tasks(
     model: onnx.ModelProto, ctx: ModelContext, registry: StrategyRegistry, precision: str, job_type: str = "opat"
 ) -> list[Task]:
-    """The tasks a job of `job_type` tunes: those with a choice of strategy under `precision`."""
-    return [t for t in partition(model, ctx, job_type) if registry.has_choice(t.family, precision)]
+    """The tasks a job of `job_type` tunes: those with a choice of strategy under `precision`.
+    A subgraph with no choice under `precision` (a CNN region at exact) takes no nodes, so
+    sgat+opat tunes every operator task OPAT would there."""
+    families = [f for f in SUBGRAPH_FAMILIES if registry.has_choice(f, precision)]
+    return [t for t in partition(model, ctx, job_type, families) if registry.has_choice(t.family, precision)]
 
 
 def task_rewrites(
