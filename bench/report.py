@@ -38,6 +38,12 @@ _SECTION = re.compile(r"<!-- [\w-]+:begin -->")
 VARIANTS = ("fp32", "quantize_dynamic", "aoe exact", "aoe int8")
 
 
+def _budget(mode) -> str:
+    if mode.budget_s is None:
+        return "budget fitted by the tuner (no --budget)"
+    return f"budget {mode.budget_s:g} s per job"
+
+
 def _cell(text: object) -> str:
     return str(text).replace("|", "/")
 
@@ -195,6 +201,11 @@ def _tuning_table(results: Sequence[Any]) -> list[str]:
     return lines
 
 
+def _job_budget(doc: dict[str, Any]) -> str:
+    budget = field_of(doc, "budget", "budget_s")
+    return f"job {job_s(doc):.1f}" + ("" if budget is None else f" of {float(budget):.1f}")
+
+
 def _default_cost_table(results: Sequence[Any]) -> list[str]:
     lines = [
         (
@@ -213,8 +224,8 @@ def _default_cost_table(results: Sequence[Any]) -> list[str]:
                 lines.append(f"| {r.name} | {p} | failed | | | | {_cell(err)} |")
                 continue
             lines.append(
-                f"| {r.name} | {p} | {full.wall_s:.1f} (job {job_s(full.doc):.1f}) | "
-                f"{opat.wall_s:.1f} (job {job_s(opat.doc):.1f}) | {full.wall_s / opat.wall_s:.2f}x | "
+                f"| {r.name} | {p} | {full.wall_s:.1f} ({_job_budget(full.doc)}) | "
+                f"{opat.wall_s:.1f} ({_job_budget(opat.doc)}) | {full.wall_s / opat.wall_s:.2f}x | "
                 f"{len(full.doc['tasks'])} / {len(opat.doc['tasks'])} | "
                 f"{shipped(full.doc)} / {shipped(opat.doc)} |"
             )
@@ -235,12 +246,15 @@ def cost_section(results: Sequence[Any], mode, *, started: float, command: str, 
             f"`{command}` ({mode.name} mode) on {when}. The aoe jobs of that run's models "
             "comparison name no job type, so they run the default, sgat+opat (subgraphs, then "
             "operators over the nodes they left); just before each, the same job ran with "
-            "`--job-type opat` (OPAT alone) into a fresh bank of its own, with the same "
-            f"`--budget {mode.budget_s:g}`. Seconds of each `aoe tune` process, start to exit "
-            "(the job's own `tuning_time(s)` in brackets). With a budget given, both searches "
-            "get the same device seconds, so the ratio is what finding, compiling and "
-            "verifying the subgraph tasks adds; without `--budget` the budget is fitted to the "
-            "tasks a job finds, and a job with more tasks gets more seconds. Models: "
+            "`--job-type opat` (OPAT alone) into a fresh bank of its own, "
+            + (f"with the same `--budget {mode.budget_s:g}`: both searches get the same device "
+               "seconds, so the ratio is what finding, compiling and verifying the subgraph "
+               "tasks adds. "
+               if mode.budget_s is not None else
+               "both with no `--budget`, as a user who names none runs them: the tuner fits each "
+               "job's budget to the tasks it finds, so a job with more tasks gets more seconds. ")
+            + "Seconds of each `aoe tune` process, start to exit (the job's own "
+            "`tuning_time(s)` and the budget it had in brackets). Models: "
             f"{models}; " + (f"all have random weights and synthetic inputs but {', '.join(real)} "
                              "(trained, real images)." if real else "all have random weights and synthetic inputs.")
         ),
@@ -265,7 +279,7 @@ def section(
         "",
         (
             f"`{command}` ({mode.name} mode) on {when}, {elapsed_s / 60:.1f} min in all. "
-            f"aoe tune budget {mode.budget_s:g} s per job, no job type named (the default, "
+            f"aoe tune {_budget(mode)}, no job type named (the default, "
             f"sgat+opat); latency over up to {mode.rounds} paired rounds, one session per "
             f"process (per variant and round up to {mode.samples} timed samples of about 2 ms "
             f"or one run, fewer for a slow model so that the rounds fit in "

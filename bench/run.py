@@ -78,7 +78,7 @@ REFERENCE = "fp32"
 @dataclass(frozen=True)
 class Mode:
     name: str
-    budget_s: float  # `aoe tune --budget`
+    budget_s: float | None  # `aoe tune --budget`; None: none given, the tuner fits one
     rounds: int  # paired latency rounds, one session per process
     measure_s: float  # the latency measurement's budget per model, all variants together
     # Timed samples per variant and round, each of about 2 ms or one run (the tuner's
@@ -188,7 +188,7 @@ def aoe_tune(
     precision: str,
     bank: Path,
     output: Path,
-    budget_s: float,
+    budget_s: float | None,
     calibration: Path | None = None,
     job_type: str | None = None,
 ) -> Job:
@@ -196,7 +196,8 @@ def aoe_tune(
     default a user gets) and reads its result JSON."""
     cmd = [sys.executable, "-m", "aoe.cli", "tune", str(model), "--no-progress"]
     cmd += ["--precision", precision, "--bank", str(bank), "--output", str(output)]
-    cmd += ["--budget", f"{budget_s:g}"]
+    if budget_s is not None:
+        cmd += ["--budget", f"{budget_s:g}"]
     if job_type is not None:
         cmd += ["--job-type", job_type]
     if calibration is not None:
@@ -438,7 +439,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="fewer models, small tuning budget")
     ap.add_argument("--models", help=f"comma-separated subset of: {','.join(MODELS)}")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "RESULTS.md")
-    ap.add_argument("--budget", type=float, help="aoe tune --budget (seconds) for every job")
+    ap.add_argument("--budget", help="aoe tune --budget (seconds) for every job, or 'fitted': none "
+                    "given, as a user who names none runs it (the tuner fits one to the tasks it finds)")
     ap.add_argument("--rounds", type=int, help="paired latency rounds")
     ap.add_argument(
         "--repeat",
@@ -460,7 +462,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     mode = QUICK if args.quick else FULL
     changes: dict[str, Any] = {}
     if args.budget is not None:
-        changes["budget_s"] = args.budget
+        changes["budget_s"] = None if args.budget == "fitted" else float(args.budget)
     if args.rounds is not None:
         changes["rounds"] = args.rounds
     if args.repeat is not None:
