@@ -239,7 +239,8 @@ def tune(
 
     # OPAT alone first, then the default, one after the other: their tuning times are a pair.
     opat = one("bank-opat", "opat", OPAT)
-    log(f"  aoe {precision} --job-type {OPAT}: " + (f"FAILED {opat.error}" if opat.error else f"tuned in {opat.wall_s:.1f} s"))
+    log(f"  aoe {precision} --job-type {OPAT}: "
+        + (f"FAILED {opat.error}" if opat.error else f"tuned in {opat.wall_s:.1f} s"))
     run = TuneRun(precision, one("bank", "full"), opat=opat)
     if run.full.error:
         log(f"  aoe {precision}: FAILED {run.full.error}")
