@@ -24,7 +24,7 @@ from aoed.engine.prep import Prepared, make_inputs, prepare
 from .conftest import run_aoe
 from .test_bank_reader import foreign, make_bank, rec
 
-FAST = ("--budget", "2", "--parallel", "1", "--no-progress")
+FAST = ("--budget", "2", "--parallel", "1", "--no-progress", "--job-type", "opat")
 
 
 def _tasks(prep: Prepared):

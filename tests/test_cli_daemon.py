@@ -55,7 +55,8 @@ def test_tune_goes_to_the_daemon_and_writes_outputs_locally(daemon: DaemonProces
     assert f"tuning on the daemon at unix://{daemon.socket}" in r.stderr
     assert "Aoe process finished" in r.stdout
     outputs = sorted(p.name for p in (tmp_path / "out").iterdir())
-    assert any(n.endswith("_tune.onnx") for n in outputs) and any(n.startswith("aoe_result_opat_") for n in outputs)
+    # No job type named: the default, sgat+opat.
+    assert any(n.endswith("_tune.onnx") for n in outputs) and any(n.startswith("aoe_result_sgat_opat_") for n in outputs)
 
 
 def test_a_failed_job_exits_with_its_error_class(daemon: DaemonProcess) -> None:

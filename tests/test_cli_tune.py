@@ -21,9 +21,12 @@ from .conftest import run_aoe
 
 pytestmark = pytest.mark.slow
 
-FAST = ("--budget", "2", "--parallel", "1", "--no-progress")
+#: OPAT alone: these jobs are about operator tasks (and stay as fast as they were); the
+#: default job type has tests of its own (test_subgraphs.py).
+OPAT = ("--job-type", "opat")
+FAST = ("--budget", "2", "--parallel", "1", "--no-progress", *OPAT)
 #: A budget every task of the small samples gets a slice of.
-ENOUGH = ("--budget", "8", "--parallel", "1", "--no-progress")
+ENOUGH = ("--budget", "8", "--parallel", "1", "--no-progress", *OPAT)
 
 
 def _result(out: Path) -> dict:
@@ -383,7 +386,7 @@ def test_a_machine_busy_on_every_core_never_fails_the_job(models: Path, tmp_path
     hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 2)]
     try:
         r = run_aoe("tune", str(models / "cnn.onnx"), "--precision", "int8", "--bank", str(tmp_path / "bank"),
-                    "--output", str(tmp_path / "o"), "--budget", "3", "--no-progress", timeout=600)
+                    "--output", str(tmp_path / "o"), "--budget", "3", "--no-progress", *OPAT, timeout=600)
     finally:
         for h in hogs:
             h.kill()

@@ -76,7 +76,8 @@ def _tune(tmp_path: Path, residual: bool, searched: bool = True) -> dict:
     env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), *filter(None, sys.path)]), "AOED_PLUGINS": "aoed_lowrank_plugin"}
     src = _model(tmp_path / "m.onnx", residual)
     r = run_aoe("tune", str(src), "--precision", "int8", "--bank", str(tmp_path / "bank"), "--output",
-                str(tmp_path / "o"), "--budget", "2", "--parallel", "1", "--no-progress", env=env)  # fmt: skip
+                str(tmp_path / "o"), "--budget", "2", "--parallel", "1", "--no-progress", "--job-type", "opat",
+                env=env)  # fmt: skip
     assert r.returncode == 0, r.stderr
     (path,) = (tmp_path / "o").glob("aoe_result_opat_*.json")
     doc = json.loads(path.read_text())

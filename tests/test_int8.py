@@ -26,7 +26,7 @@ REGISTRY = build_registry()
 
 from .conftest import run_aoe
 
-FAST = ("--budget", "2", "--parallel", "1", "--no-progress")
+FAST = ("--budget", "2", "--parallel", "1", "--no-progress", "--job-type", "opat")
 
 
 def _cosine(a: list[np.ndarray], b: list[np.ndarray]) -> float:

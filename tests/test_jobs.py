@@ -36,8 +36,8 @@ def _config(tmp_path: Path):
 async def test_two_jobs_of_one_model_share_an_engine_without_colliding(models: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     opts = [
-        JobOptions(models / "mlp.onnx", out, budget_s=1.0),
-        JobOptions(models / "mlp.onnx", out, budget_s=1.0, keep_workspace=True),
+        JobOptions(models / "mlp.onnx", out, job_type="opat", budget_s=1.0),
+        JobOptions(models / "mlp.onnx", out, job_type="opat", budget_s=1.0, keep_workspace=True),
     ]
     results = {}
     async with open_engine(_config(tmp_path), build_registry(), tmp_path / "logs") as engine:
@@ -132,7 +132,8 @@ def test_the_engine_process_never_loads_onnxruntime(models: Path, tmp_path: Path
             tmp = Path({str(tmp_path)!r})
             config = load_config(env={{}}).replace(bank=tmp / "bank", parallel=1, runtime_dir=tmp / "run")
             async with open_engine(config, build_registry(), tmp / "logs") as engine:
-                opts = JobOptions(Path({str(models / "legacy_cnn.onnx")!r}), tmp / "out", precision="int8", budget_s=0.5)
+                opts = JobOptions(Path({str(models / "legacy_cnn.onnx")!r}), tmp / "out", precision="int8",
+                                  job_type="opat", budget_s=0.5)
                 return await engine.run_job(opts)
 
         result = trio.run(main)

@@ -1,12 +1,12 @@
 """The `aoe` command: one parser, one subcommand per thing to do, one error style.
 
     aoe tune MODEL [--precision exact|int8|int4|fp16|bf16] [--input-shape x:1,3,224,224] [--bank DIR]
-                   [--repeat-tune] [--parallel N] [--output DIR] [--job-type opat|sgat|sgat+opat]
+                   [--repeat-tune] [--parallel N] [--output DIR] [--job-type sgat+opat|opat|sgat]
                    [--local | --socket PATH]
     aoe compile MODEL -o OUT [--bank DIR] ...
     aoe bank stats|lookup|export|import|prune|verify ...
     aoe submit|jobs|status|watch|cancel|fetch|devices|daemon ...   (a running daemon: jobscli)
-    aoe --framework 5 --model MODEL --job_type 2        (AOE's spelling of aoe tune)
+    aoe --framework 5 --model MODEL --job_type 2        (AOE's spelling: 2 OPAT alone, 1 SGAT)
 
 `aoe tune` sends the job to the daemon when one answers at --socket (else the default
 socket) and the options ask for nothing only an embedded run does (--bank,
@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from aoe.errors import AoedError, OptionError
+from aoe.jobtypes import DEFAULT_JOB_TYPE
 
 __all__ = ["main"]
 
@@ -83,9 +84,10 @@ def _add_tune(sub: argparse._SubParsersAction) -> None:
                         "(overrides REPEAT_TUNE)")  # fmt: skip
     p.add_argument("--parallel", help="compile processes, 1-32 (default: TE_PARALLEL_COMPILER or cores-1)")
     p.add_argument("--output", type=Path, default=Path("."), help="where aoe_workspace/ and the result JSON go")
-    p.add_argument("--job-type", default="opat",
-                   help="opat (2): operators; sgat (1): subgraphs (attention, layernorm, gelu); "
-                        "sgat+opat: both in one job")  # fmt: skip
+    p.add_argument("--job-type", default=DEFAULT_JOB_TYPE,
+                   help="sgat+opat (the default): subgraphs, then operators over the nodes they left, in one "
+                        "job; opat (2): operators alone; sgat (1): subgraphs alone (attention, layernorm, gelu, "
+                        "glu, conv regions)")  # fmt: skip
     p.add_argument("--device", default=None,
                    help="cpu (default), cuda:N, tensorrt:N or cann:N (ASCEND_DEVICE_ID selects cann:N)")  # fmt: skip
     p.add_argument("--keep-initializer-inputs", action="store_true",
@@ -108,7 +110,9 @@ def _aoe_spelling(argv: Sequence[str]) -> argparse.Namespace:
     p = Parser(prog="aoe", description="AOE-compatible invocation of aoe tune.")
     p.add_argument("-f", "--framework", default="5")
     p.add_argument("-m", "--model", type=Path, required=True)
-    p.add_argument("-j", "--job_type", "--job-type", dest="job_type", default="2")
+    # 2 and 1 mean what they mean to AOE (OPAT alone, SGAT alone); naming none gets
+    # aoe tune's default.
+    p.add_argument("-j", "--job_type", "--job-type", dest="job_type", default=DEFAULT_JOB_TYPE)
     p.add_argument("--output", type=Path, default=Path("."))
     p.add_argument("--input_shape", "--input-shape", dest="input_shape", action="append", default=[])
     p.add_argument("--device", default=None)
@@ -371,7 +375,8 @@ def build_parser() -> Parser:
     p = Parser(
         prog="aoe",
         description="Tune ONNX models by measurement and keep what is learned in a knowledge bank.",
-        epilog="AOE's spelling also works: aoe --framework 5 --model MODEL --job_type 2 (= aoe tune MODEL).",
+        epilog="AOE's spelling also works: aoe --framework 5 --model MODEL [--job_type 2] "
+               "(2: OPAT alone, as aoe tune --job-type opat; 1: SGAT; none: aoe tune's default, sgat+opat).",
     )
     p.add_argument("--version", action="version", version=f"aoe {_version()}")
     p.add_argument("--config", type=Path, help="TOML settings file (default: AOED_CONFIG, else none)")

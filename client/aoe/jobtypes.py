@@ -1,7 +1,8 @@
 """Job types: what one tuning job tunes, and how it may be spelled.
 
 AOE numbers its job types (`--job_type 1` SGAT, `2` OPAT); aoed adds a third that runs
-both in one job. Light on purpose: the gRPC client and the CLI parse job types without
+both in one job and is the default wherever no job type is named (`aoe tune`, the daemon,
+drop folders). Light on purpose: the gRPC client and the CLI parse job types without
 importing onnx.
 """
 
@@ -9,11 +10,14 @@ from __future__ import annotations
 
 from aoe.errors import OptionError
 
-__all__ = ["JOB_TYPES", "parse_job_type", "result_slug"]
+__all__ = ["DEFAULT_JOB_TYPE", "JOB_TYPES", "parse_job_type", "result_slug"]
 
 #: What a job tunes: operator tasks (AOE's OPAT, --job_type 2), subgraph tasks (SGAT,
 #: --job_type 1), or subgraphs first and operators over what they left, in one job.
 JOB_TYPES = ("opat", "sgat", "sgat+opat")
+#: The job type of a job that names none: the most the tuner can find, at the tuning
+#: time bench/RESULTS.md states beside OPAT's.
+DEFAULT_JOB_TYPE = "sgat+opat"
 _JOB_TYPE_SPELLINGS = {"2": "opat", "1": "sgat", "opat+sgat": "sgat+opat", "1+2": "sgat+opat", "2+1": "sgat+opat"}
 
 

@@ -21,8 +21,8 @@ after its delivery, so a crash during delivery delivers again (under a `_2` name
 than never.
 
 Options come from an optional `aoed.toml` in the inbox folder, read for each model:
-precision, job_type, input_shapes (a table name = [dims]), priority, budget_s,
-repeat_tune, min_cosine, max_rel_error.
+precision, job_type (default sgat+opat, as `aoe tune`), input_shapes (a table name =
+[dims]), priority, budget_s, repeat_tune, min_cosine, max_rel_error.
 """
 
 from __future__ import annotations

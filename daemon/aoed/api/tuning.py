@@ -28,6 +28,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from aoe.errors import AoedError, OptionError
 from aoe.figures import Figures
+from aoe.jobtypes import DEFAULT_JOB_TYPE
 from aoe.v1 import bank_pb2, tuning_pb2, tuning_pb2_grpc
 from aoed import safefs, space
 from aoed.api._bridge import Bridge, status_of
@@ -56,7 +57,7 @@ _PRECISION = {bank_pb2.PRECISION_UNSPECIFIED: "exact", bank_pb2.PRECISION_EXACT:
               bank_pb2.PRECISION_INT8: "int8", bank_pb2.PRECISION_INT4: "int4",
               bank_pb2.PRECISION_FP16: "fp16", bank_pb2.PRECISION_BF16: "bf16"}  # fmt: skip
 _PRECISION_CODE = {name: code for code, name in _PRECISION.items() if code != bank_pb2.PRECISION_UNSPECIFIED}
-_JOB_TYPE = {tuning_pb2.JOB_TYPE_UNSPECIFIED: "opat", tuning_pb2.JOB_TYPE_OPAT: "opat", tuning_pb2.JOB_TYPE_SGAT: "sgat",
+_JOB_TYPE = {tuning_pb2.JOB_TYPE_UNSPECIFIED: DEFAULT_JOB_TYPE, tuning_pb2.JOB_TYPE_OPAT: "opat", tuning_pb2.JOB_TYPE_SGAT: "sgat",
              tuning_pb2.JOB_TYPE_SGAT_OPAT: "sgat+opat"}  # fmt: skip
 
 

@@ -96,8 +96,10 @@ def tunable_tasks(
     kind: str = "cpu",
 ) -> list[Task]:
     """The tasks a job of `job_type` tunes: those with a choice of strategy under
-    `precision` on a device of `kind`."""
-    return [t for t in partition(model, ctx, job_type) if registry.has_choice(t.family, precision, kind)]
+    `precision` on a device of `kind`. A subgraph with no choice there (a CNN region at
+    exact) takes no nodes, so sgat+opat tunes every operator task OPAT would."""
+    families = [f for f in SUBGRAPH_FAMILIES if registry.has_choice(f, precision, kind)]
+    return [t for t in partition(model, ctx, job_type, families) if registry.has_choice(t.family, precision, kind)]
 
 
 def task_rewrites(

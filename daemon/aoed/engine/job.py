@@ -14,6 +14,7 @@ import trio
 
 from aoe.device import CPU, Device
 from aoe.figures import Figures
+from aoe.jobtypes import DEFAULT_JOB_TYPE
 from aoed.engine.registry import DEFAULT
 
 __all__ = ["JobHandle", "JobOptions", "JobResult", "TaskResult"]
@@ -24,7 +25,7 @@ class JobOptions:
     model: Path
     output: Path
     precision: str = "exact"
-    job_type: str = "opat"
+    job_type: str = DEFAULT_JOB_TYPE
     input_shapes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     repeat_tune: bool = False
     keep_initializer_inputs: bool = False

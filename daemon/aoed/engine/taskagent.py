@@ -163,6 +163,8 @@ class TaskAgent:
             return TaskDecision(task, res, fallback, failed_candidates=failed)
         finally:
             await trio.to_thread.run_sync(_remove, [c.model for c in cands])
+        # In the registry's order: on a tie the earlier (simpler) form wins (decisions.py).
+        measured = {name: measured[name] for name in precision_of if name in measured}
         failed += sum(not r.ok for r in measured.values())
         for name, r in measured.items():
             res.candidates.append({"strategy": name, **r.summary()})

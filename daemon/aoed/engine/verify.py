@@ -6,12 +6,13 @@ the least gain per unit of error goes back to its best exact strategy.
 
 `verify`: the tuned model is measured against the input model, interleaved with
 variants that each revert one changed task. A task whose reversal is clearly faster
-than keeping it (or the best reversal, while the tuned model is slower than the input)
-is reverted, and the round repeats. When nothing is left to revert and the model is
-still slower, session options alone and then the input model itself are the fallbacks.
-Verification spends the job's budget (budget.py); when that runs out, or the device
-fails, it proposes what it has, and the confirming A/B (confirm.py) has the last word:
-its figures, not these, are what the job reports, and nothing it measures slower ships.
+than keeping it (or, while the tuned model is slower than the input, any reversal) is
+reverted, the first in task order unless another clearly beats it, and the round
+repeats. When nothing is left to revert and the model is still slower, session options
+alone and then the input model itself are the fallbacks. Verification spends the job's
+budget (budget.py); when that runs out, or the device fails, it proposes what it has,
+and the confirming A/B (confirm.py) has the last word: its figures, not these, are what
+the job reports, and nothing it measures slower ships.
 """
 
 from __future__ import annotations
@@ -178,14 +179,17 @@ async def verify(
             return Verified(dict(choices), options, "tuned", "assembled", base, fin, [], variants_measured)
         if not better:
             break
-        pick = min(better, key=lambda k: measured[k].median_us)
+        # The first reversal in task order, unless another clearly beats it: which one a
+        # tie reverts must not depend on the run.
+        pick = decisions.preferred(measured, better)
         tid = pick.split(":", 1)[1]
         r = results[tid]
         r.applied = False
         without, with_ = measured[pick].median_us, fin.median_us
         r.error = (
             f"{REVERTED}: the model measured {without:.1f} us without {choices[tid]} and {with_:.1f} us with it"
-            + ("" if without < with_ else " (the tuned model was slower than the input, and this reversal helped most)")
+            + ("" if without < with_
+               else " (the tuned model was slower than the input, and no other reversal clearly helped more)")
         )
         choices.update(variants[pick])
         await ctx.assemble([Build(path, dict(choices))])

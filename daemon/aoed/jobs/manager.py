@@ -46,7 +46,7 @@ from typing import Any
 
 import trio
 
-from aoe.jobtypes import parse_job_type
+from aoe.jobtypes import DEFAULT_JOB_TYPE, parse_job_type
 from aoe.device import Device
 from aoe.errors import AoedError, DiskFullError, JobCancelledError, OptionError
 from aoed import safefs, space
@@ -122,7 +122,7 @@ def options_from_dict(raw: dict[str, Any], default_device: Device) -> dict[str, 
     option: every submission (gRPC, an inbox's aoed.toml) is checked here."""
     opts: dict[str, Any] = {
         "precision": str(raw.get("precision") or "exact"),
-        "job_type": str(raw.get("job_type") or "opat"),
+        "job_type": str(raw.get("job_type") or DEFAULT_JOB_TYPE),
         "input_shapes": _shapes(raw.get("input_shapes") or {}),
         "repeat_tune": _flag(raw.get("repeat_tune", False), "repeat_tune"),
         "device": str(raw.get("device") or default_device.name),
