@@ -1,5 +1,5 @@
 """What jobs leave on disk: a run that fails before tuning leaves nothing; a run that ends
-leaves the outputs the README lists and no more; a daemon keeps each distinct input once,
+leaves the outputs docs/cli.md lists and no more; a daemon keeps each distinct input once,
 for as long as a job refers to it, and one workspace per job across a kill -9. Real `aoe`
 commands and a real daemon."""
 

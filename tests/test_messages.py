@@ -158,14 +158,14 @@ def test_a_staged_install_says_what_it_staged_and_how_to_check_it(tmp_path: Path
     assert "systemd-analyze verify DESTDIR/usr/lib/systemd/system/aoed.service" in readme
 
 
-def test_the_readme_names_the_bank_the_code_uses_as_root() -> None:
+def test_the_bank_page_names_the_bank_the_code_uses_as_root() -> None:
     if os.geteuid() != 0:
         pytest.skip("the defaults as root are checked as root")
     env = {k: v for k, v in os.environ.items() if k not in ("AOED_CONFIG", "TUNE_BANK_PATH", "AOED_SOCKET")}
     r = subprocess.run([sys.executable, "-m", "aoed", "--check-config"], capture_output=True, text=True, env=env,
                        timeout=60)  # fmt: skip
     bank = re.search(r"^  bank\s+(\S+)", r.stdout, re.MULTILINE).group(1)
-    section = (ROOT / "README.md").read_text().split("## The knowledge bank", 1)[1].strip().split("\n\n", 1)[0]
+    section = (ROOT / "docs" / "bank.md").read_text().split("## Where it lives", 1)[1].strip().split("\n\n", 1)[0]
     assert f"`{bank}` as root" in section, section
 
 

@@ -759,7 +759,7 @@ def _small_model(hidden: int) -> bytes:
 
 def _drop(d: DaemonProcess, name: str, data: bytes) -> None:
     """Put `data` in the inbox as `name`, whole at once (written under a hidden name, then
-    renamed, as the README tells writers to)."""
+    renamed, as docs/daemon.md tells writers to)."""
     tmp = d.inbox / ".dropping.part"
     tmp.write_bytes(data)
     tmp.rename(d.inbox / name)
