@@ -7,8 +7,7 @@ import os
 import subprocess
 import sys
 
-from aoed.engine.engine import _current_job
-from aoed.logs import configure, cut, stderr_is_journal
+from aoed.logs import configure, cut, on_behalf_of, stderr_is_journal
 
 
 def _lines(journal: bool, capsys) -> list[str]:
@@ -16,11 +15,8 @@ def _lines(journal: bool, capsys) -> list[str]:
     try:
         log = logging.getLogger("logstest")  # not under aoed: other tests leave handlers there
         log.info("outside any job")
-        token = _current_job.set("job-20261203-000000-abcd1234")
-        try:
+        with on_behalf_of("job-20261203-000000-abcd1234"):
             log.warning("inside a job")
-        finally:
-            _current_job.reset(token)
         try:
             raise ValueError("boom")
         except ValueError:

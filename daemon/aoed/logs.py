@@ -14,11 +14,13 @@ would make an error message huge.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
 import os
 import re
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 __all__ = ["EscapingFormatter", "configure", "cut", "printable", "stderr_is_journal"]
 
@@ -76,12 +78,30 @@ def stderr_is_journal(env: Mapping[str, str] | None = None) -> bool:
     return st.st_dev == int(dev) and st.st_ino == int(ino)
 
 
+#: The job on whose behalf the running task works: its log records carry the job's id
+#: (here) and go to that job's log too (aoed.engine.engine).
+_current_job: contextvars.ContextVar[str] = contextvars.ContextVar("aoed_job", default="")
+
+
+def current_job() -> str:
+    """The id of the job on whose behalf the calling task works ("" outside jobs)."""
+    return _current_job.get()
+
+
+@contextlib.contextmanager
+def on_behalf_of(job_id: str) -> Iterator[None]:
+    """Log records made inside (in this task and those it starts) are `job_id`'s."""
+    token = _current_job.set(job_id)
+    try:
+        yield
+    finally:
+        _current_job.reset(token)
+
+
 class _JobTag(logging.Filter):
-    """Adds `record.job` ("job=<id> " or "") from the engine's current-job context."""
+    """Adds `record.job` ("job=<id> " or "") from the current-job context."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        from aoed.engine.engine import current_job
-
         job = current_job()
         record.job = f"job={job} " if job else ""
         return True

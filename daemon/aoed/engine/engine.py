@@ -14,7 +14,6 @@ otherwise the compile workers are stopped while the device measures.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import logging
 import os
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -38,20 +37,11 @@ from aoed.engine.pool import CompilePool
 from aoed.engine.registry import StrategyRegistry
 from aoed.engine.supervisor import run_stages
 from aoed.engine.workspace import Workspace
-from aoed.logs import EscapingFormatter
+from aoed.logs import EscapingFormatter, current_job, on_behalf_of
 
 __all__ = ["Engine", "current_job", "open_engine", "split_cores"]
 
 log = logging.getLogger(__name__)
-
-#: The job whose task is running: log records from it go to that job's log.
-_current_job: contextvars.ContextVar[str] = contextvars.ContextVar("aoed_job", default="")
-
-
-def current_job() -> str:
-    """The id of the job on whose behalf the calling task works ("" outside jobs)."""
-    return _current_job.get()
-
 
 class _JobFilter(logging.Filter):
     def __init__(self, job_id: str):
@@ -59,7 +49,7 @@ class _JobFilter(logging.Filter):
         self.job_id = job_id
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return _current_job.get() == self.job_id
+        return current_job() == self.job_id
 
 
 @contextlib.contextmanager
@@ -73,11 +63,10 @@ def _job_log(path: Path, job_id: str) -> Iterator[None]:
     if root.level == logging.NOTSET or root.level > logging.INFO:
         root.setLevel(logging.INFO)  # the job log wants INFO; the console handler filters its own
     root.addHandler(handler)
-    token = _current_job.set(job_id)
     try:
-        yield
+        with on_behalf_of(job_id):
+            yield
     finally:
-        _current_job.reset(token)
         root.removeHandler(handler)
         handler.close()
 
