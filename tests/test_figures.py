@@ -247,7 +247,7 @@ def test_an_embedded_run_prints_what_its_result_json_says(models: Path, tmp_path
     r = run_aoe("tune", str(models / "mlp.onnx"), "--local", "--budget", "2", "--output", str(out),
                 "--bank", str(tmp_path / "bank"), "--no-progress")  # fmt: skip
     assert r.returncode == 0, r.stderr
-    (doc,) = [json.loads(p.read_text()) for p in out.glob("aoe_result_opat_*.json")]
+    (doc,) = [json.loads(p.read_text()) for p in out.glob("aoe_result_*.json")]
     _printed_agrees_with_json(r.stdout, doc)
 
 
@@ -264,7 +264,7 @@ def test_a_daemon_run_prints_what_its_result_json_says(models: Path, tmp_path: P
                     str(out), "--no-progress")  # fmt: skip
         assert r.returncode == 0, r.stderr
         assert "tuning on the daemon" in r.stderr
-        (doc,) = [json.loads(p.read_text()) for p in out.glob("aoe_result_opat_*.json")]
+        (doc,) = [json.loads(p.read_text()) for p in out.glob("aoe_result_*.json")]
         _printed_agrees_with_json(r.stdout, doc)
         job_id = doc["basic"]["job_id"]
         listed = run_aoe("jobs", "--socket", str(d.socket))

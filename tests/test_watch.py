@@ -19,6 +19,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
 import trio
 
 from aoe.config import load_config
@@ -507,3 +508,71 @@ async def test_a_claim_that_turned_out_a_link_goes_to_failed_unread(tmp_path: Pa
     assert "a symbolic link by the time it was claimed" in text and "nothing behind it was read" in text, text
     assert (failed / "s.onnx").is_symlink() and secret.read_bytes() == MODEL
     assert jobs.attempts == 0, "the file behind the link reached a submission"
+
+
+async def test_a_full_disk_holds_a_claim_back_without_counting_tries(tmp_path: Path, caplog) -> None:
+    """A claim that meets a full disk waits for room, however many scans that takes: the
+    file is not moved to failed/ (without its reason, when failed/ is as full), and once
+    there is room it is claimed and submitted as usual."""
+    import subprocess
+
+    caplog.set_level(logging.DEBUG, logger="aoed.watch")
+    cfg = _config(tmp_path, stable_s=0.1)
+    inbox, failed = cfg.inboxes[0].path, cfg.inboxes[0].failed
+    jobs = Jobs(_store(tmp_path))
+    # The claims folder on a filesystem of three inodes: its root, and a claim's folder
+    # and file, once the filler has gone.
+    cfg.claims_dir.mkdir(parents=True, exist_ok=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,nr_inodes=3", "tmpfs", str(cfg.claims_dir)],
+                       capture_output=True, text=True, check=False)  # fmt: skip
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a small filesystem here (needs root): {r.stderr.strip()}")
+    try:
+
+        def waits() -> int:
+            return sum("m.onnx waits for room to be claimed" in r.getMessage() for r in caplog.records)
+
+        async with _watching(cfg, jobs, rescan_s=0.1):
+            (cfg.claims_dir / "filler").write_bytes(b"")  # (after the start, which clears strays)
+            (inbox / "m.onnx").write_bytes(MODEL)
+            await _until(lambda: waits() > CLAIM_TRIES + 2, timeout=20.0)
+            assert (inbox / "m.onnx").read_bytes() == MODEL and not any(failed.iterdir())
+            assert [r.levelno for r in caplog.records if "waits for room" in r.getMessage()][:2] == \
+                [logging.WARNING, logging.DEBUG], "said once, then quietly"
+            (cfg.claims_dir / "filler").unlink()
+            await _until(lambda: bool(jobs.submitted), timeout=20.0)
+        assert not (inbox / "m.onnx").exists() and not any(failed.iterdir())
+    finally:
+        subprocess.run(["umount", "-l", str(cfg.claims_dir)], check=False, capture_output=True)
+
+
+def test_a_failure_that_cannot_write_its_reason_moves_nothing(tmp_path: Path) -> None:
+    """failed/ full: the reason cannot be written, so the model stays where it was (to be
+    delivered whole later), never in failed/ without its reason."""
+    import subprocess
+
+    from aoed.watch import _write_failure
+
+    fs = tmp_path / "fs"
+    fs.mkdir()
+    # Five inodes: its root, failed/, claimed/, the model and a filler. A rename within it
+    # takes no inode; the reason would take one.
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,nr_inodes=5", "tmpfs", str(fs)],
+                       capture_output=True, text=True, check=False)  # fmt: skip
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a small filesystem here (needs root): {r.stderr.strip()}")
+    try:
+        failed, model = fs / "failed", fs / "claimed" / "m.onnx"
+        failed.mkdir()
+        model.parent.mkdir()
+        model.write_bytes(MODEL)
+        (fs / "filler").write_bytes(b"")
+        with pytest.raises(OSError) as err:
+            _write_failure(failed, model, "m.onnx", "model: m.onnx\nerror: broken\n")
+        assert err.value.errno == 28 and model.read_bytes() == MODEL and not any(failed.iterdir())
+        (fs / "filler").unlink()
+        _write_failure(failed, model, "m.onnx", "model: m.onnx\nerror: broken\n")
+        assert not model.exists() and (failed / "m.onnx").read_bytes() == MODEL
+        assert (failed / "m.onnx.error.txt").read_text().endswith("error: broken\n")
+    finally:
+        subprocess.run(["umount", "-l", str(fs)], check=False, capture_output=True)

@@ -27,6 +27,7 @@ precision, job_type (default sgat+opat, as `aoe tune`), input_shapes (a table na
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -43,8 +44,8 @@ import trio
 import watchfiles
 
 from aoe import figures
-from aoe.errors import AoedError, ModelError, OptionError
-from aoed import safefs
+from aoe.errors import AoedError, DiskFullError, ModelError, OptionError
+from aoed import safefs, space
 from aoed.config import DaemonConfig, Inbox
 from aoed.jobs.manager import JobManager, Submission, options_from_dict
 from aoed.jobs.store import FAILED, SUCCEEDED, Claim, JobRow
@@ -132,6 +133,8 @@ class Watcher:
         #: failed claims of each file (see `_claim_failed`), and files given up on, with
         #: their `_signature` then: a file is tried again only once it changes
         self._claim_errors: dict[Path, int] = {}
+        #: files whose claim waits for a full disk to have room (said once)
+        self._waiting_room: set[Path] = set()
         self._given_up: dict[Path, tuple[int, int, int] | None] = {}
         #: per folder, entries that are not taken and were logged (name: inode)
         self._left: dict[Path, dict[str, int]] = {}
@@ -369,6 +372,7 @@ class Watcher:
                 if claim is not None:
                     self._retry_at.pop(path, None)
                     self._claim_errors.pop(path, None)
+                    self._waiting_room.discard(path)
                     await self._submit(claim)
             finally:
                 self._in_flight.discard(key)
@@ -386,8 +390,17 @@ class Watcher:
     async def _claim_failed(self, path: Path, folder: _Folder, exc: Exception) -> None:
         """`path` could not be claimed: try again at the next scan, up to CLAIM_TRIES
         times; then move it to the failed folder saying why, or, when even that fails,
-        log so once and leave it until it changes."""
+        log so once and leave it until it changes. A full disk is not the file's fault
+        and passes: it is tried again at every scan, as long as it lasts, and counts no
+        try (said once, at warning level, then at debug level)."""
         why = f"{exc.filename or path}: {exc.strerror or exc}" if isinstance(exc, OSError) else str(exc)
+        if isinstance(exc, DiskFullError) or (isinstance(exc, OSError) and exc.errno in space.FULL_ERRNOS):
+            said = path in self._waiting_room
+            self._waiting_room.add(path)
+            log.log(logging.DEBUG if said else logging.WARNING, "inbox %s: %s waits for room to be claimed (%s); "
+                    "trying again at the next scan", folder.inbox.path, path.name, why)  # fmt: skip
+            return
+        self._waiting_room.discard(path)
         tries = self._claim_errors[path] = self._claim_errors.get(path, 0) + 1
         if tries < CLAIM_TRIES:
             log.error("inbox %s: %s could not be claimed (%s); trying again at the next scan (%d of %d tries)",
@@ -841,24 +854,33 @@ def _report_text(name: str, row: JobRow, written: list[str], missing: list[str])
 def _write_failure(failed: Path, model: Path, name: str, text: str) -> Path:
     """Move `model` (a claimed copy, or a file still in the inbox) into `failed` under
     `name` (shortened to fit, or `stem_2`...), with `<name>.error.txt` beside it; returns
-    where it went. A model already gone leaves only the error file."""
+    where it went. A model already gone leaves only the error file.
+
+    The error file is written first: on a full disk that write is what fails, and then
+    nothing has moved, so the delivery is tried again whole (a model in failed/ with no
+    reason beside it would be a delivery no one can read)."""
     failed.mkdir(parents=True, exist_ok=True)
     stem, suffix = Path(name).stem, Path(name).suffix
     with safefs.opened_dir(failed) as dst_fd:
         base = _free_base(dst_fd, stem, (suffix, f"{suffix}.error.txt"))
         dst = f"{base}{suffix}"
-        try:
-            src_fd = safefs.open_dir(model.parent)
-        except FileNotFoundError:
-            src_fd = -1
-        try:
-            if src_fd >= 0 and safefs.taken(model.name, dir_fd=src_fd):
-                try:
-                    safefs.move(model.name, dst, src_dir_fd=src_fd, dst_dir_fd=dst_fd)
-                except safefs.LinkedError:
-                    os.unlink(model.name, dir_fd=src_fd)  # only this name goes: the error says why
-        finally:
-            if src_fd >= 0:
-                os.close(src_fd)
         safefs.write_file(f"{dst}.error.txt", lambda f: f.write(text.encode()), dir_fd=dst_fd)
+        try:
+            try:
+                src_fd = safefs.open_dir(model.parent)
+            except FileNotFoundError:
+                src_fd = -1
+            try:
+                if src_fd >= 0 and safefs.taken(model.name, dir_fd=src_fd):
+                    try:
+                        safefs.move(model.name, dst, src_dir_fd=src_fd, dst_dir_fd=dst_fd)
+                    except safefs.LinkedError:
+                        os.unlink(model.name, dir_fd=src_fd)  # only this name goes: the error says why
+            finally:
+                if src_fd >= 0:
+                    os.close(src_fd)
+        except BaseException:
+            with contextlib.suppress(OSError):  # the model stays where it was: so does its reason
+                os.unlink(f"{dst}.error.txt", dir_fd=dst_fd)
+            raise
     return failed / dst
