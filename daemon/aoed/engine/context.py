@@ -6,11 +6,11 @@ state.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import msgspec
 import trio
 
 from aoe.config import Config
@@ -32,8 +32,6 @@ from aoed.engine.messages import (
     MeasurePlan,
     Measurement,
     PrepareReply,
-    error_from_wire,
-    from_wire,
 )
 from aoed.engine.policy import PrecisionPolicy
 from aoed.engine.pool import CompilePool
@@ -111,18 +109,17 @@ class JobContext:
         """Measure `candidates` interleaved on the device (DeviceError if it cannot);
         `plan` (default: racing until stable) within `budget_s`, charged to the job's
         ledger under `category` (see budget.py)."""
-        plan = dataclasses.replace(plan or MeasurePlan(), budget_s=budget_s)
+        plan = msgspec.structs.replace(plan or MeasurePlan(), budget_s=budget_s)
         req = MeasureRequest(tuple(candidates), inputs or self.held_back[0], reference, self.opts.device, plan)
-        reply = await self.device.call(req, self.ledger, category=category)
-        return from_wire(MeasureReply, reply).results
+        reply: MeasureReply = await self.device.call(req, self.ledger, category=category)
+        return reply.results
 
     async def assemble(self, builds: list[Build], source: Path | None = None) -> None:
-        """Write whole models with the builds' choices applied (in a worker)."""
+        """Write whole models with the builds' choices applied (in a worker); raises what
+        the pool raises (CandidateError when a build fails)."""
         assert self.prep is not None
         req = AssembleRequest(source or self.prep.prepared, self.prep.tasks, tuple(builds), self.ranges)
-        reply = await self.pool.call(req, self.ledger)
-        if not reply.get("ok"):
-            raise error_from_wire(reply, AoedError)
+        await self.pool.call(req, self.ledger)
 
     async def write_bank(self, write: BankWrite) -> bool:
         """Commit `write`, unless the workspace is gone (AoedError): what was measured

@@ -25,7 +25,7 @@ from typing import Any
 
 import trio
 
-from aoe.errors import AoedError, DeviceError, ModelError
+from aoe.errors import AoedError, DeviceError
 from aoe.figures import Comparison, Figures, interval, pct
 from aoe.partition import Task
 from aoed import safefs
@@ -51,10 +51,9 @@ from aoed.engine.messages import (
     ProfileRequest,
     SamplesReply,
     SamplesRequest,
-    error_from_wire,
-    from_wire,
 )
 from aoed.engine.outputs import result_json, write_json
+from aoed.engine.pool import model_step
 from aoed.engine.prep import Limits
 from aoed.engine.registry import DEFAULT
 from aoed.engine.session import SessionChoice, busy_cores, fewer_threads, remember_context, search_session
@@ -66,15 +65,9 @@ __all__ = ["run_stages"]
 log = logging.getLogger(__name__)
 
 
-async def _work(ctx: JobContext, request, reply_cls, what: str):
-    """One request to the compile pool, its failure raised as the error the worker named
-    (a crashed worker while preparing is the model's fault: ModelError)."""
-    reply = await ctx.pool.call(request, ctx.ledger)
-    if not reply.get("ok"):
-        if reply.get("error_class") in (None, "CandidateError"):
-            raise ModelError(f"{ctx.opts.model}: {what} failed: {reply.get('error')}")
-        raise error_from_wire(reply, AoedError)
-    return reply if reply_cls is None else from_wire(reply_cls, reply)
+async def _work(ctx: JobContext, request, what: str):
+    """One request to the compile pool about the job's model (`pool.model_step`)."""
+    return await model_step(ctx.pool, request, ctx.ledger, ctx.opts.model, what)
 
 
 async def _gate_lossy_hits(ctx: JobContext, tasks: list[Task], answers: dict[str, bankrules.BankAnswer]) -> None:
@@ -91,15 +84,17 @@ async def _gate_lossy_hits(ctx: JobContext, tasks: list[Task], answers: dict[str
     by_id = {t.id: t for t in tasks}
     root = ctx.workspace.scratch / "gate"
     await _work(ctx, ExtractRequest(ctx.prep.prepared, tuple(by_id[t] for t in lossy), ctx.held_back[0], root),
-                None, "extracting tasks")  # fmt: skip
+                "extracting tasks")  # fmt: skip
     for tid, rec in lossy.items():
         d = root / tid
         cands = [Candidate(DEFAULT, d / "default.onnx")]
         for name in (DEFAULT, rec.strategy):
-            reply = from_wire(CompileReply, {"applicable": True, **await ctx.pool.call(
-                CompileRequest(d / "task.onnx", by_id[tid].family, name, f"aoe/{tid}", d / f"{name}.onnx", ctx.ranges),
-                ctx.ledger)})  # fmt: skip
-            if not reply.ok:
+            req = CompileRequest(d / "task.onnx", by_id[tid].family, name, f"aoe/{tid}", d / f"{name}.onnx", ctx.ranges)
+            try:
+                reply: CompileReply = await ctx.pool.call(req, ctx.ledger)
+            except AoedError:  # as in the search: a failed build is the candidate's
+                break
+            if not reply.applicable:
                 break
         else:
             cands.append(Candidate(rec.strategy, d / f"{rec.strategy}.onnx"))
@@ -135,18 +130,17 @@ async def run_stages(ctx: JobContext) -> JobResult:
         ctx, PrepareRequest(opts.model, ws.scratch, opts.precision, dict(opts.input_shapes),
                             opts.keep_initializer_inputs, opts.job_type, Limits.of(ctx.config), opts.model_file,
                             opts.device.kind),
-        PrepareReply,
         "graph preparation")  # fmt: skip
     ctx.prep = prep
     ctx.notes.extend(prep.notes)
     samples: SamplesReply = await _work(
         ctx, SamplesRequest(prep.prepared, ws.scratch, prep.inputs, prep.int_high, opts.calibration,
-                            ctx.policy.lossy), SamplesReply, "writing input samples")  # fmt: skip
+                            ctx.policy.lossy), "writing input samples")  # fmt: skip
     ctx.held_back = samples.held_back
     if ctx.policy.lossy:
         await ctx.stage("calibrating")
         await _work(ctx, CalibrateRequest(prep.prepared, samples.calibrate, ws.scratch / "ranges.json"),
-                    None, "calibration")  # fmt: skip
+                    "calibration")  # fmt: skip
         ctx.ranges = ws.scratch / "ranges.json"
 
     tasks = list(prep.tasks)
@@ -167,7 +161,7 @@ async def run_stages(ctx: JobContext) -> JobResult:
     hit_choices = {tid: a.record.strategy for tid, a in answers.items() if a.kind == "hit" and a.record is not None}
     if hit_choices:
         check: CheckReply = await _work(ctx, CheckRequest(prep.prepared, prep.tasks, hit_choices, ctx.ranges),
-                                        CheckReply, "checking bank entries")  # fmt: skip
+                                        "checking bank entries")  # fmt: skip
         for tid, why in check.failures.items():
             ctx.notes.append(f"bank entry for {tid} ignored: {why}")
             answers[tid] = bankrules.BankAnswer("miss")
@@ -548,7 +542,7 @@ async def _search(
     async def profile() -> None:
         nonlocal model_us, load_rate
         try:
-            reply = await ctx.device.call(
+            prof: ProfileReply = await ctx.device.call(
                 ProfileRequest(prep.prepared, ctx.held_back[0], ctx.workspace.scratch, opts.device), ctx.ledger,
                 category="profile",
             )  # fmt: skip
@@ -556,7 +550,6 @@ async def _search(
             ctx.notes.append(f"profiling failed ({exc}); tasks tuned in graph order with equal shares")
             share.update({t.id: 1.0 / len(tasks) for t in tasks})
             return
-        prof = from_wire(ProfileReply, reply)
         model_us = prof.total_us
         mib = model_mib([prep.prepared])
         if prof.load_s > 0 and mib > 0:
@@ -571,7 +564,7 @@ async def _search(
     async with trio.open_nursery() as nursery:
         nursery.start_soon(profile)
         nursery.start_soon(_work, ctx, ExtractRequest(prep.prepared, tuple(to_tune), ctx.held_back[0],
-                                                      ctx.workspace.scratch / "tasks"), None, "extracting tasks")  # fmt: skip
+                                                      ctx.workspace.scratch / "tasks"), "extracting tasks")  # fmt: skip
     if opts.budget_s is not None:
         budget = Budget(opts.budget_s, ctx.ledger, True, load_rate)
     else:

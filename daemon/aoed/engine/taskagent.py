@@ -26,7 +26,7 @@ from typing import Any
 
 import trio
 
-from aoe.errors import DeviceError
+from aoe.errors import AoedError, DeviceError
 from aoe.bank import CUSTOM
 from aoe.partition import Task
 from aoed.bank._codec import BankRecord
@@ -36,7 +36,6 @@ from aoed.engine.budget import Budget
 from aoed.engine.context import JobContext
 from aoed.engine.job import TaskResult
 from aoed.engine.messages import Accuracy, Candidate, CompileReply, CompileRequest, Measurement, VariantsReply, VariantsRequest
-from aoed.engine.messages import from_wire
 from aoed.engine.registry import DEFAULT
 
 __all__ = ["TaskAgent", "TaskDecision"]
@@ -118,38 +117,40 @@ class TaskAgent:
             if s.propose is not None:
                 req = VariantsRequest(taskdir / "task.onnx", task.family, s.name, f"aoe/{task.id}",
                                       taskdir / "inputs.npz", ctx.ranges)  # fmt: skip
-                reply = await ctx.pool.call(req, ctx.ledger)
-                if reply.get("ok", True) and "names" in reply:
-                    got = from_wire(VariantsReply, reply)
-                    precision_of.update({name: s.precision for name in got.names})
-                    ctx.notes.extend(f"{task.id}: {note}" for note in got.notes)
-                else:
-                    log.warning("%s: no variants of %s: %s", task.id, s.name, reply.get("error", "?"))
-        compiled: dict[str, CompileReply] = {}
+                try:
+                    got: VariantsReply = await ctx.pool.call(req, ctx.ledger)
+                except AoedError as exc:  # no variants: the strategy's other candidates go on
+                    log.warning("%s: no variants of %s: %s", task.id, s.name, exc)
+                    continue
+                precision_of.update({name: s.precision for name in got.names})
+                ctx.notes.extend(f"{task.id}: {note}" for note in got.notes)
+        compiled: dict[str, CompileReply | AoedError] = {}
 
         async def compile_one(name: str) -> None:
             req = CompileRequest(taskdir / "task.onnx", task.family, name, f"aoe/{task.id}",
                                  taskdir / f"{name}.onnx", ctx.ranges)  # fmt: skip
-            reply = await ctx.pool.call(req, ctx.ledger)
-            # A worker that failed (crashed, raised) answers without `applicable`: it did apply.
-            compiled[name] = from_wire(CompileReply, {"applicable": True, **reply})
+            try:
+                compiled[name] = await ctx.pool.call(req, ctx.ledger)
+            except AoedError as exc:  # whatever failed the build is this candidate's failure
+                compiled[name] = exc
 
         async with trio.open_nursery() as nursery:
             for name in precision_of:
                 nursery.start_soon(compile_one, name)
-        if not all(c.ok or not c.applicable for c in compiled.values()):
+        if any(isinstance(c, AoedError) for c in compiled.values()):
             await ctx.check_workspace()  # a vanished workspace fails every candidate: the job's failure
         cands, failed = [], 0
         for name in precision_of:
             c = compiled[name]
-            if c.ok:
-                cands.append(Candidate(name, taskdir / f"{name}.onnx"))
-            elif c.applicable:
+            if isinstance(c, AoedError):
                 failed += 1
-                res.candidates.append({"strategy": name, "ok": False, "error": c.error})
+                res.candidates.append({"strategy": name, "ok": False, "error": str(c)})
+            elif c.applicable:
+                cands.append(Candidate(name, taskdir / f"{name}.onnx"))
         fallback = self.hit.strategy if self.hit else DEFAULT
-        if not compiled[DEFAULT].ok:
-            res.update_mode, res.error = "failed", f"default form did not compile: {compiled[DEFAULT].error}"
+        if isinstance(default := compiled[DEFAULT], AoedError) or not default.applicable:
+            why = default if isinstance(default, AoedError) else "not applicable"
+            res.update_mode, res.error = "failed", f"default form did not compile: {why}"
             return TaskDecision(task, res, fallback, failed_candidates=failed)
         seconds, load = (self.budget.measurable(self.budget_s, [c.model for c in cands]) if self.budget is not None
                          else (self.budget_s, 0.0))  # fmt: skip
