@@ -1,7 +1,14 @@
 """What every stage of one job shares: the engine's agents and config, the job's options,
-policy, device, ledger and workspace, and the prepared model's description. Read-only
-once the job is prepared; stages return their results instead of writing into shared
-state.
+policy, device, ledger and workspace, and the prepared model's description.
+
+Stages return what they find (supervisor.py), and task agents return their decisions
+and notes; neither writes its results here. What the context holds is set once: the
+agents, options and policy when the job starts, the prepared part (`prep`, `held_back`,
+`ranges`, `run_key`) by the prepare stage, and read-only after it. The exception is
+the job's running record, written where it is learnt, in the order it happens (one
+trio thread: no two writes interleave): `notes` (stages, and `write_bank`), `attempt`
+(the bank stage, restoring a run), `model_us` (the profile), `accuracy` (the last
+end-to-end check) and `bank_unkept` (`write_bank`).
 """
 
 from __future__ import annotations

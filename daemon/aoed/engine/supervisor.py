@@ -1,11 +1,20 @@
 """The job supervisor: one job's pipeline from model file to tuned model and report.
 
-    prepare (worker) -> samples (worker) -> calibrate (worker, lossy) -> what an
-    interrupted run of this job decided (resume.py) -> bank lookups (lossy hits
-    re-gated on this model) -> profile (device) -> budget -> extract task
-    models (worker) -> task agents (pool + device) -> assemble (worker) -> accuracy
-    budget (device, lossy) -> session options (device) -> verify (device) -> confirming
-    A/B (device) -> remember context (bank) -> tuned model -> result JSON
+`run_stages` is the list of stages; each is a function that states what it takes and
+returns what it found (a frozen dataclass), so a stage reads only what came before it:
+
+    prepare         model, samples, calibration (workers); the context's prepared part
+    bank_lookups    an interrupted run's decisions (resume.py), bank entries re-checked
+                    on this model (lossy hits re-gated)                      -> Known
+    search          profile (device), budget, task models (worker), one task agent
+                    per task the bank did not answer (pool + device)         -> Searched
+    assemble        the model with every choice; lossy: held to the accuracy budget,
+                    then the lossy choices' bank writes                      -> Assembled
+    session_options model-wide session options (device)                      -> SessionChoice
+    verify_stage    end to end against the input, or the bank's confirmation -> Proposal
+    confirm_stage   the confirming A/B (device): what ships                  -> Confirmed
+    remember        the model-level record (bank)
+    outputs         the tuned model and the result JSON                      -> JobResult
 
 The supervisor decides the order and keeps the job's results; it never compiles,
 measures or loads a model itself: the work happens in the engine's child processes, so
@@ -20,6 +29,7 @@ import contextlib
 import dataclasses
 import logging
 import resource
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +73,391 @@ from aoed.engine.verify import REVERTED, Verified, hold_to_budget, verify
 __all__ = ["run_stages"]
 
 log = logging.getLogger(__name__)
+
+
+async def run_stages(ctx: JobContext) -> JobResult:
+    """One job's stages, in order; each takes what the ones before it found and returns
+    what it finds (the per-task table, `TaskResult`s, is the job's, filled in as it goes)."""
+    model = await prepare(ctx)
+    known = await bank_lookups(ctx, model)
+    found = await search(ctx, model, known)
+    assembled = await assemble(ctx, known, found)
+    session = await session_options(ctx, model, known, found, assembled)
+    proposal = await verify_stage(ctx, model, known, found, assembled, session)
+    confirmed = await confirm_stage(ctx, proposal, found.budget)
+    await remember(ctx, model, known, session, proposal, confirmed)
+    return await outputs(ctx, model, known, found, assembled, session, confirmed)
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What preparing the model found: the prepared model and its tasks, the samples."""
+
+    prep: PrepareReply
+    samples: SamplesReply
+
+    @property
+    def tasks(self) -> list[Task]:
+        return list(self.prep.tasks)
+
+
+async def prepare(ctx: JobContext) -> Prepared:
+    """Prepare the model, write its samples, calibrate (lossy); fills the context's
+    prepared fields (`prep`, `held_back`, `ranges`, `run_key`), read-only from here on."""
+    opts, ws = ctx.opts, ctx.workspace
+    ctx.ledger.enter("prepare")
+    await ctx.stage(f"preparing {opts.model.name}")
+    with contextlib.suppress(OSError):  # limits grow with the model; of an unreadable one, prep says why
+        ctx.ledger.scale_to_model((await trio.to_thread.run_sync(opts.model.stat)).st_size)
+    _say_estimate(ctx, "prepare", ctx.ledger.model_mb * PREPARE_S_PER_MIB,
+                  f"preparing: about {{:.1f}} s for a {ctx.ledger.model_mb:.0f} MiB model file, outside the budget "
+                  f"({PREPARE_S_PER_MIB * 1000:.0f} ms per MiB as measured on a 2-core machine)")  # fmt: skip
+    prep: PrepareReply = await _work(
+        ctx, PrepareRequest(opts.model, ws.scratch, opts.precision, dict(opts.input_shapes),
+                            opts.keep_initializer_inputs, opts.job_type, Limits.of(ctx.config), opts.model_file,
+                            opts.device.kind),
+        "graph preparation")  # fmt: skip
+    ctx.prep = prep
+    ctx.notes.extend(prep.notes)
+    samples: SamplesReply = await _work(
+        ctx, SamplesRequest(prep.prepared, ws.scratch, prep.inputs, prep.int_high, opts.calibration,
+                            ctx.policy.lossy), "writing input samples")  # fmt: skip
+    ctx.held_back = samples.held_back
+    if ctx.policy.lossy:
+        await ctx.stage("calibrating")
+        await _work(ctx, CalibrateRequest(prep.prepared, samples.calibrate, ws.scratch / "ranges.json"),
+                    "calibration")  # fmt: skip
+        ctx.ranges = ws.scratch / "ranges.json"
+    ws.started = True  # the model is read and its samples made: a failure from here is one to inspect
+    ctx.run_key = resume.run_key(ctx, prep.digest, samples.digest)
+    return Prepared(prep, samples)
+
+
+@dataclass(frozen=True)
+class Known:
+    """What the bank (and an interrupted run of this job) answered before any search."""
+
+    #: every task's row of the job's table, by task id
+    results: dict[str, TaskResult]
+    #: decisions an interrupted run committed, by task id (resume.py)
+    restored: dict[str, TaskDecision]
+    #: the tasks the bank did not answer, in graph order
+    to_tune: list[Task]
+    #: the bank's entries for tasks tuned again (REPEAT_TUNE)
+    hits: dict[str, BankRecord]
+    #: the strategy the bank chose per task it answered
+    chosen: dict[str, str]
+    #: (gain in us, error) of each lossy choice the bank answered
+    lossy_cost: dict[str, tuple[float, float]]
+    #: the bank's model-level answer (session options, confirmation, reversals)
+    model_ans: bankrules.BankAnswer
+
+
+async def bank_lookups(ctx: JobContext, model: Prepared) -> Known:
+    """What the bank answers costs no measurement: restore an interrupted run's
+    decisions, look every other task up (bank entries re-checked on this model: that
+    their strategies apply, and under a lossy policy that they pass its accuracy gate)."""
+    opts, prep, tasks = ctx.opts, model.prep, model.tasks
+    ctx.ledger.enter("bank")
+    restored = await _restore(ctx, tasks)
+    model_ans = await ctx.lookup(prep.model_signature)
+    context_reverted = set() if opts.repeat_tune else bankrules.reverted_digests(model_ans)
+    results: dict[str, TaskResult] = {t.id: TaskResult(t.id, t.anchor, t.op_type, t.instances, t.family) for t in tasks}
+    results.update({tid: d.result for tid, d in restored.items()})
+    chosen: dict[str, str] = {}
+    hits: dict[str, BankRecord] = {}
+    lossy_cost: dict[str, tuple[float, float]] = {}
+    answers = {t.id: await ctx.lookup(t.signature) for t in tasks if t.id not in restored}
+    hit_choices = {tid: a.record.strategy for tid, a in answers.items() if a.kind == "hit" and a.record is not None}
+    if hit_choices:
+        check: CheckReply = await _work(ctx, CheckRequest(prep.prepared, prep.tasks, hit_choices, ctx.ranges),
+                                        "checking bank entries")  # fmt: skip
+        for tid, why in check.failures.items():
+            ctx.notes.append(f"bank entry for {tid} ignored: {why}")
+            answers[tid] = bankrules.BankAnswer("miss")
+        if ctx.policy.lossy and not opts.repeat_tune:
+            await _gate_lossy_hits(ctx, [t for t in tasks if t.id in answers], answers)
+    to_tune: list[Task] = []
+    for t in tasks:
+        if t.id in restored:
+            continue
+        a, r = answers[t.id], results[t.id]
+        if a.kind == "hit" and a.record is not None:
+            hits[t.id] = a.record
+            r.bank_layer = a.layer
+        if not a.usable(opts.repeat_tune, opts.resumes):
+            to_tune.append(t)
+        elif a.record is not None:
+            rec = a.record
+            r.strategy, r.update_mode = rec.strategy, "hit"
+            r.before_us, r.after_us = rec.baseline.median_us, rec.winner.median_us
+            r.accuracy = {"max_abs_error": rec.max_abs_error, "max_rel_error": rec.max_rel_error, "cosine": rec.cosine}
+            chosen[t.id] = rec.strategy
+            if t.signature.digest in context_reverted:
+                chosen[t.id] = DEFAULT
+                r.applied = False
+                r.error = f"{REVERTED} (a verification of this model, remembered in the bank)"
+            if rec.precision != "exact":
+                lossy_cost[t.id] = ((rec.baseline.median_us - rec.winner.median_us) * r.instances, 1.0 - rec.cosine)
+        else:
+            r.update_mode, r.bank_layer = "hit", f"{a.layer} (default stays best)"
+            r.before_us = r.after_us = a.default_us
+            chosen[t.id] = DEFAULT
+    return Known(results, restored, to_tune, hits, chosen, lossy_cost, model_ans)
+
+
+@dataclass(frozen=True)
+class Searched:
+    """Every task's choice after the search, with what a lossy choice falls back to."""
+
+    budget: Budget
+    #: the decisions of this run's task agents and of the interrupted run, in that order
+    decided: list[TaskDecision]
+    #: the strategy per task: the bank's, else the search's
+    chosen: dict[str, str]
+    fallback: dict[str, str]
+    fallback_us: dict[str, float]
+    lossy_cost: dict[str, tuple[float, float]]
+    #: candidates that failed, and trials measured, over the task agents
+    failed: int
+    trials: int
+
+
+async def search(ctx: JobContext, model: Prepared, known: Known) -> Searched:
+    """Profile, set the budget, and run one task agent per task the bank did not answer
+    (`_search`); collect their decisions with the bank's and the restored ones."""
+    budget, agents = await _search(ctx, model.tasks, known.to_tune, known.results, known.hits)
+    decided = [*known.restored.values(), *agents]
+    chosen, lossy_cost = dict(known.chosen), dict(known.lossy_cost)
+    fallback: dict[str, str] = {}
+    fallback_us: dict[str, float] = {}
+    for d in decided:
+        chosen[d.task.id] = d.strategy
+        fallback[d.task.id] = d.fallback
+        fallback_us[d.task.id] = d.fallback_us
+        if d.lossy_cost is not None:
+            lossy_cost[d.task.id] = d.lossy_cost
+    return Searched(budget, decided, chosen, fallback, fallback_us, lossy_cost,
+                    sum(d.failed_candidates for d in decided), sum(d.trials for d in decided))  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Assembled:
+    """The model with every task's choice applied, and its end-to-end accuracy (lossy)."""
+
+    path: Path
+    #: the choices it holds (lossy ones backed off to meet the accuracy budget)
+    chosen: dict[str, str]
+    e2e_gate: dict[str, float] | None
+
+
+async def assemble(ctx: JobContext, known: Known, found: Searched) -> Assembled:
+    """Build the model with every choice applied; under a lossy policy, back lossy
+    choices off until it meets the end-to-end accuracy budget, then commit the lossy
+    choices' bank writes (or their fallbacks')."""
+    assert ctx.prep is not None
+    path = ctx.workspace.scratch / "assembled.onnx"
+    chosen = dict(found.chosen)
+    ctx.ledger.enter("assemble")
+    await ctx.assemble([Build(path, dict(chosen))])
+    e2e_gate: dict[str, float] | None = None
+    if ctx.policy.lossy:
+        ctx.ledger.enter("accuracy")
+        await ctx.stage("checking accuracy end to end")
+        e2e_gate = await hold_to_budget(ctx, chosen, found.fallback, dict(found.lossy_cost), known.results, path,
+                                        found.fallback_us)  # fmt: skip
+    # Lossy choices reach the bank only now, as what the model kept.
+    for d in found.decided:
+        if d.pending is not None:
+            kept = chosen[d.task.id] == d.strategy
+            w = d.pending if kept else d.fallback_write
+            if w is not None and (w.entries or w.defaults):
+                await ctx.write_bank(w)
+            if not kept:
+                known.results[d.task.id].update_mode = d.fallback_mode
+    return Assembled(path, chosen, e2e_gate)
+
+
+async def session_options(
+    ctx: JobContext, model: Prepared, known: Known, found: Searched, assembled: Assembled
+) -> SessionChoice:
+    """Model-wide session options for the assembled model (the bank's, or searched
+    within what the budget has left)."""
+    ctx.ledger.enter("session")
+    session = await search_session(ctx, assembled.path, model.prep.model_signature, known.model_ans, found.budget)
+    total = len(model.tasks) + 1
+    ctx.emit("progress", "session options", total, total)
+    return session
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """What verification proposes to ship, and the confirmation the bank holds of
+    exactly these choices and options (None: the confirming A/B runs)."""
+
+    verified: Verified
+    cached: dict[str, Any] | None
+
+
+async def verify_stage(
+    ctx: JobContext, model: Prepared, known: Known, found: Searched, assembled: Assembled, session: SessionChoice
+) -> Proposal:
+    """Verify the assembled model end to end against the input (verify.py), unless
+    every choice came from the bank, which also holds their confirmation."""
+    from_bank = not known.to_tune and session.mode == "hit"
+    cached = bankrules.confirmed(known.model_ans) if from_bank and not ctx.opts.repeat_tune else None
+    choice_key = bankrules.choices_digest(model.tasks, assembled.chosen, session.options)
+    if cached is not None and cached.get("choices") == choice_key:
+        v = Verified(dict(assembled.chosen), session.options, "tuned", "assembled", None, None,
+                     [f"verification and the confirming A/B answered from the bank (job {cached.get('job', '?')})"])  # fmt: skip
+    else:
+        cached = None
+        ctx.ledger.enter("verify")
+        await ctx.stage("verifying end to end")
+        v = await verify(ctx, dict(assembled.chosen), found.fallback, known.results, assembled.path, session.options,
+                         found.budget, from_bank=from_bank)  # fmt: skip
+    ctx.notes.extend(v.notes)
+    return Proposal(v, cached)
+
+
+@dataclass(frozen=True)
+class Confirmed:
+    """The confirming A/B's verdict, the file that ships and what it holds."""
+
+    #: the proposal as confirmed (intra-op threads may have been dropped before the A/B)
+    verified: Verified
+    confirmation: confirm.Confirmation
+    ship: Path
+    #: the session options' rounds (with, without) when the A/B kept them
+    evidence: tuple | None
+    choices: dict[str, str]
+    options: dict[str, Any]
+
+
+async def confirm_stage(ctx: JobContext, proposal: Proposal, budget: Budget) -> Confirmed:
+    """The confirming A/B of the proposal (`_confirm`): what ships."""
+    v, cached = proposal.verified, proposal.cached
+    ctx.ledger.enter("confirm")
+    await ctx.stage("confirming")
+    if cached is None and fewer_threads(v.options, ctx.device.cores):
+        busy = await busy_cores(ctx, 0.5)
+        if busy is not None:  # the thread count would be confirmed under the same load
+            dropped = v.options["intra_op_num_threads"]
+            v = dataclasses.replace(v, options={k: o for k, o in v.options.items() if k != "intra_op_num_threads"})
+            if not v.options and v.outcome == "options only":  # nothing left to propose
+                v = dataclasses.replace(v, outcome="reverted to input", source="input")
+            ctx.notes.append(f"{busy} (intra_op_num_threads={dropped} dropped before the confirming A/B)")
+    conf, ship, evidence = await _confirm(ctx, v, cached, budget)
+    ctx.notes.extend(conf.notes)
+    return Confirmed(v, conf, ship, evidence, v.choices if conf.shipped == "tuned" else {},
+                     v.options if conf.options_kept else {})  # fmt: skip
+
+
+async def remember(
+    ctx: JobContext, model: Prepared, known: Known, session: SessionChoice, proposal: Proposal, confirmed: Confirmed
+) -> None:
+    """Keep the model-level record in the bank (`remember_context`): the options that
+    shipped, the tasks reverted in this model's context and the confirmation; then mark
+    the tasks whose choice did not ship as not applied."""
+    tasks, results, model_ans, conf = model.tasks, known.results, known.model_ans, confirmed.confirmation
+    digests = {t.id: t.signature.digest for t in tasks}
+    reverted = [digests[tid] for tid, r in results.items() if r.error.startswith(REVERTED)]
+    confirmed_doc = cached_json = ""
+    if proposal.cached is not None:
+        cached_json = str(model_ans.record.params.get("confirmed") if model_ans.record else
+                          (model_ans.default or {}).get("confirmed", ""))  # fmt: skip
+    else:
+        # Keyed by what the next reader of the bank (a bank-hit run, `aoe compile`) will
+        # derive from it: each task's stored strategy but those reverted in context, and
+        # the options stored with the model.
+        stored = {
+            tid: r.strategy for tid, r in results.items()
+            if r.update_mode not in ("skipped", "failed") and digests[tid] not in reverted
+        }  # fmt: skip
+        stored_options = confirmed.options if conf.shipped != "input" else {}
+        confirmed_doc = conf.params(bankrules.choices_digest(tasks, stored, stored_options), ctx.job_id)
+    await remember_context(
+        ctx, model.prep.model_signature, model_ans,
+        SessionChoice(confirmed.options if conf.shipped != "input" else {}, session.mode, session.write),
+        reverted, confirmed_doc or cached_json, confirmed.evidence, conf.baseline_ms * 1000,
+    )  # fmt: skip
+    for tid, r in results.items():
+        if r.strategy != DEFAULT and r.applied and confirmed.choices.get(tid) != r.strategy:
+            r.applied = False
+            r.error = r.error or f"not applied: the confirming A/B shipped {conf.shipped}"
+
+
+async def outputs(
+    ctx: JobContext, model: Prepared, known: Known, found: Searched, assembled: Assembled, session: SessionChoice,
+    confirmed: Confirmed,
+) -> JobResult:
+    """Put the file that ships in place and write the result JSON; returns the job's
+    result (the figures are the confirming A/B's)."""
+    opts, ws, results = ctx.opts, ctx.workspace, known.results
+    conf, v = confirmed.confirmation, confirmed.verified
+    tuned_path = ws.tuned_model_path()
+    ctx.ledger.enter("outputs")
+    await _ship(ctx, confirmed.ship, tuned_path, confirmed.choices, confirmed.options)
+    ctx.ledger.enter(None)
+    ledger = ctx.ledger
+    resources = {
+        "device_s": round(ledger.device_s, 3),
+        "duty_cycle": round(ledger.duty_cycle, 4),
+        "device_requests": ledger.device_requests,
+        "compile_s": round(ledger.compile_s, 3),
+        "compile_requests": ledger.compile_requests,
+        "trials": found.trials + session.trials,
+        "attempt": ctx.attempt,
+        "attempts": _attempts(ctx, found.decided, session.trials),
+        "failed_candidates": found.failed,
+        "peak_worker_rss_mb": round(ledger.peak_child_rss_mb, 1),
+        "engine_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0, 1),
+        "device_intervals": [(round(a, 6), round(b, 6)) for a, b in ledger.device_intervals],
+    }
+    accuracy: dict[str, Any]
+    if ctx.policy.lossy and ctx.accuracy is not None and conf.shipped != "input":
+        accuracy = ctx.accuracy.report()
+    elif assembled.e2e_gate is not None and conf.shipped != "input":
+        accuracy = dict(assembled.e2e_gate)
+    else:
+        accuracy = {"max_abs_error": 0.0, "max_rel_error": 0.0, "cosine": 1.0} if conf.shipped == "input" else (
+            v.final.accuracy() if v.final is not None else {})  # fmt: skip
+    result = JobResult(
+        job_id=ctx.job_id,
+        model=str(opts.model),
+        tuned_model=str(tuned_path),
+        result_json="",
+        workspace=str(ws.root),
+        baseline_ms=conf.baseline_ms,
+        tuned_ms=conf.result_ms,
+        tuning_time_s=ledger.elapsed_s,
+        precision=opts.precision,
+        device=str(opts.device),
+        session_options=confirmed.options,
+        tasks=sorted(results.values(), key=lambda r: -r.share),
+        repo=bankrules.repo_summary([r.update_mode for r in results.values()] + [session.mode]),
+        accuracy=accuracy,
+        verified=v.outcome,
+        notes=ctx.notes,
+        calibration=model.samples.source,
+        resources=resources,
+        timeline=_timeline(found.decided),
+        budget={
+            "task_min_cosine": ctx.policy.task_min_cosine,
+            "task_max_rel_error": ctx.policy.task_max_rel_error,
+            "min_cosine": ctx.policy.e2e_min_cosine,
+            "max_rel_error": ctx.policy.e2e_max_rel_error,
+        },
+        confirmation=conf.to_json(),
+        decision=_decision(v),
+        device_budget=found.budget.report(),
+        device_info=_device_info(ctx),
+    )
+    json_path = await trio.to_thread.run_sync(ws.reserve_result, opts.job_type)
+    result.result_json = str(json_path)
+    await trio.to_thread.run_sync(write_json, json_path, result_json(result, opts.job_type))
+    await resume.forget(ctx)
+    return result
 
 
 async def _work(ctx: JobContext, request, what: str):
@@ -115,238 +510,6 @@ async def _gate_lossy_hits(ctx: JobContext, tasks: list[Task], answers: dict[str
                 why = f"on this model's weights it was {detail}"
         ctx.notes.append(f"bank entry {rec.strategy} for {tid} not applied: {why}; tuned again")
         answers[tid] = bankrules.BankAnswer("miss")
-
-
-async def run_stages(ctx: JobContext) -> JobResult:
-    opts, ws = ctx.opts, ctx.workspace
-    ctx.ledger.enter("prepare")
-    await ctx.stage(f"preparing {opts.model.name}")
-    with contextlib.suppress(OSError):  # limits grow with the model; of an unreadable one, prep says why
-        ctx.ledger.scale_to_model((await trio.to_thread.run_sync(opts.model.stat)).st_size)
-    _say_estimate(ctx, "prepare", ctx.ledger.model_mb * PREPARE_S_PER_MIB,
-                  f"preparing: about {{:.1f}} s for a {ctx.ledger.model_mb:.0f} MiB model file, outside the budget "
-                  f"({PREPARE_S_PER_MIB * 1000:.0f} ms per MiB as measured on a 2-core machine)")  # fmt: skip
-    prep: PrepareReply = await _work(
-        ctx, PrepareRequest(opts.model, ws.scratch, opts.precision, dict(opts.input_shapes),
-                            opts.keep_initializer_inputs, opts.job_type, Limits.of(ctx.config), opts.model_file,
-                            opts.device.kind),
-        "graph preparation")  # fmt: skip
-    ctx.prep = prep
-    ctx.notes.extend(prep.notes)
-    samples: SamplesReply = await _work(
-        ctx, SamplesRequest(prep.prepared, ws.scratch, prep.inputs, prep.int_high, opts.calibration,
-                            ctx.policy.lossy), "writing input samples")  # fmt: skip
-    ctx.held_back = samples.held_back
-    if ctx.policy.lossy:
-        await ctx.stage("calibrating")
-        await _work(ctx, CalibrateRequest(prep.prepared, samples.calibrate, ws.scratch / "ranges.json"),
-                    "calibration")  # fmt: skip
-        ctx.ranges = ws.scratch / "ranges.json"
-
-    tasks = list(prep.tasks)
-    ws.started = True  # the model is read and its samples made: a failure from here is one to inspect
-    ctx.run_key = resume.run_key(ctx, prep.digest, samples.digest)
-    ctx.ledger.enter("bank")
-    restored = await _restore(ctx, tasks)
-    model_ans = await ctx.lookup(prep.model_signature)
-    context_reverted = set() if opts.repeat_tune else bankrules.reverted_digests(model_ans)
-
-    # Bank lookups first: what the bank answers costs no measurement.
-    results: dict[str, TaskResult] = {t.id: TaskResult(t.id, t.anchor, t.op_type, t.instances, t.family) for t in tasks}
-    results.update({tid: d.result for tid, d in restored.items()})
-    chosen: dict[str, str] = {}
-    hits: dict[str, BankRecord] = {}
-    lossy_cost: dict[str, tuple[float, float]] = {}
-    answers = {t.id: await ctx.lookup(t.signature) for t in tasks if t.id not in restored}
-    hit_choices = {tid: a.record.strategy for tid, a in answers.items() if a.kind == "hit" and a.record is not None}
-    if hit_choices:
-        check: CheckReply = await _work(ctx, CheckRequest(prep.prepared, prep.tasks, hit_choices, ctx.ranges),
-                                        "checking bank entries")  # fmt: skip
-        for tid, why in check.failures.items():
-            ctx.notes.append(f"bank entry for {tid} ignored: {why}")
-            answers[tid] = bankrules.BankAnswer("miss")
-        if ctx.policy.lossy and not opts.repeat_tune:
-            await _gate_lossy_hits(ctx, [t for t in tasks if t.id in answers], answers)
-    to_tune: list[Task] = []
-    for t in tasks:
-        if t.id in restored:
-            continue
-        a, r = answers[t.id], results[t.id]
-        if a.kind == "hit" and a.record is not None:
-            hits[t.id] = a.record
-            r.bank_layer = a.layer
-        if not a.usable(opts.repeat_tune, opts.resumes):
-            to_tune.append(t)
-        elif a.record is not None:
-            rec = a.record
-            r.strategy, r.update_mode = rec.strategy, "hit"
-            r.before_us, r.after_us = rec.baseline.median_us, rec.winner.median_us
-            r.accuracy = {"max_abs_error": rec.max_abs_error, "max_rel_error": rec.max_rel_error, "cosine": rec.cosine}
-            chosen[t.id] = rec.strategy
-            if t.signature.digest in context_reverted:
-                chosen[t.id] = DEFAULT
-                r.applied = False
-                r.error = f"{REVERTED} (a verification of this model, remembered in the bank)"
-            if rec.precision != "exact":
-                lossy_cost[t.id] = ((rec.baseline.median_us - rec.winner.median_us) * r.instances, 1.0 - rec.cosine)
-        else:
-            r.update_mode, r.bank_layer = "hit", f"{a.layer} (default stays best)"
-            r.before_us = r.after_us = a.default_us
-            chosen[t.id] = DEFAULT
-
-    budget, decided = await _search(ctx, tasks, to_tune, results, hits)
-    decided = [*restored.values(), *decided]
-    fallback: dict[str, str] = {}
-    fallback_us: dict[str, float] = {}
-    failed = sum(d.failed_candidates for d in decided)
-    trials = sum(d.trials for d in decided)
-    for d in decided:
-        chosen[d.task.id] = d.strategy
-        fallback[d.task.id] = d.fallback
-        fallback_us[d.task.id] = d.fallback_us
-        if d.lossy_cost is not None:
-            lossy_cost[d.task.id] = d.lossy_cost
-
-    assembled = ws.scratch / "assembled.onnx"
-    ctx.ledger.enter("assemble")
-    await ctx.assemble([Build(assembled, dict(chosen))])
-    e2e_gate: dict[str, float] | None = None
-    if ctx.policy.lossy:
-        ctx.ledger.enter("accuracy")
-        await ctx.stage("checking accuracy end to end")
-        e2e_gate = await hold_to_budget(ctx, chosen, fallback, lossy_cost, results, assembled, fallback_us)
-    # Lossy choices reach the bank only now, as what the model kept.
-    for d in decided:
-        if d.pending is not None:
-            kept = chosen[d.task.id] == d.strategy
-            w = d.pending if kept else d.fallback_write
-            if w is not None and (w.entries or w.defaults):
-                await ctx.write_bank(w)
-            if not kept:
-                results[d.task.id].update_mode = d.fallback_mode
-
-    ctx.ledger.enter("session")
-    session = await search_session(ctx, assembled, prep.model_signature, model_ans, budget)
-    trials += session.trials
-    total = len(tasks) + 1
-    ctx.emit("progress", "session options", total, total)
-
-    digests = {t.id: t.signature.digest for t in tasks}
-    from_bank = not to_tune and session.mode == "hit"
-    cached = bankrules.confirmed(model_ans) if from_bank and not opts.repeat_tune else None
-    choice_key = bankrules.choices_digest(tasks, chosen, session.options)
-    if cached is not None and cached.get("choices") == choice_key:
-        v = Verified(dict(chosen), session.options, "tuned", "assembled", None, None,
-                     [f"verification and the confirming A/B answered from the bank (job {cached.get('job', '?')})"])  # fmt: skip
-    else:
-        cached = None
-        ctx.ledger.enter("verify")
-        await ctx.stage("verifying end to end")
-        v = await verify(ctx, chosen, fallback, results, assembled, session.options, budget, from_bank=from_bank)
-    ctx.notes.extend(v.notes)
-
-    ctx.ledger.enter("confirm")
-    await ctx.stage("confirming")
-    if cached is None and fewer_threads(v.options, ctx.device.cores):
-        busy = await busy_cores(ctx, 0.5)
-        if busy is not None:  # the thread count would be confirmed under the same load
-            dropped = v.options["intra_op_num_threads"]
-            v = dataclasses.replace(v, options={k: o for k, o in v.options.items() if k != "intra_op_num_threads"})
-            if not v.options and v.outcome == "options only":  # nothing left to propose
-                v = dataclasses.replace(v, outcome="reverted to input", source="input")
-            ctx.notes.append(f"{busy} (intra_op_num_threads={dropped} dropped before the confirming A/B)")
-    conf, ship, evidence = await _confirm(ctx, v, cached, budget)
-    ctx.notes.extend(conf.notes)
-    shipped_choices = v.choices if conf.shipped == "tuned" else {}
-    shipped_options = v.options if conf.options_kept else {}
-    reverted = [digests[tid] for tid, r in results.items() if r.error.startswith(REVERTED)]
-    confirmed_doc = cached_json = ""
-    if cached is not None:
-        cached_json = str(model_ans.record.params.get("confirmed") if model_ans.record else
-                          (model_ans.default or {}).get("confirmed", ""))  # fmt: skip
-    else:
-        # Keyed by what the next reader of the bank (a bank-hit run, `aoe compile`) will
-        # derive from it: each task's stored strategy but those reverted in context, and
-        # the options stored with the model.
-        stored = {
-            tid: r.strategy for tid, r in results.items()
-            if r.update_mode not in ("skipped", "failed") and digests[tid] not in reverted
-        }  # fmt: skip
-        stored_options = shipped_options if conf.shipped != "input" else {}
-        confirmed_doc = conf.params(bankrules.choices_digest(tasks, stored, stored_options), ctx.job_id)
-    await remember_context(
-        ctx, prep.model_signature, model_ans,
-        SessionChoice(shipped_options if conf.shipped != "input" else {}, session.mode, session.write),
-        reverted, confirmed_doc or cached_json, evidence, conf.baseline_ms * 1000,
-    )  # fmt: skip
-    for tid, r in results.items():
-        if r.strategy != DEFAULT and r.applied and shipped_choices.get(tid) != r.strategy:
-            r.applied = False
-            r.error = r.error or f"not applied: the confirming A/B shipped {conf.shipped}"
-
-    tuned_path = ws.tuned_model_path()
-    ctx.ledger.enter("outputs")
-    await _ship(ctx, ship, tuned_path, shipped_choices, shipped_options)
-    ctx.ledger.enter(None)
-    ledger = ctx.ledger
-    resources = {
-        "device_s": round(ledger.device_s, 3),
-        "duty_cycle": round(ledger.duty_cycle, 4),
-        "device_requests": ledger.device_requests,
-        "compile_s": round(ledger.compile_s, 3),
-        "compile_requests": ledger.compile_requests,
-        "trials": trials,
-        "attempt": ctx.attempt,
-        "attempts": _attempts(ctx, decided, session.trials),
-        "failed_candidates": failed,
-        "peak_worker_rss_mb": round(ledger.peak_child_rss_mb, 1),
-        "engine_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0, 1),
-        "device_intervals": [(round(a, 6), round(b, 6)) for a, b in ledger.device_intervals],
-    }
-    accuracy: dict[str, Any]
-    if ctx.policy.lossy and ctx.accuracy is not None and conf.shipped != "input":
-        accuracy = ctx.accuracy.report()
-    elif e2e_gate is not None and conf.shipped != "input":
-        accuracy = dict(e2e_gate)
-    else:
-        accuracy = {"max_abs_error": 0.0, "max_rel_error": 0.0, "cosine": 1.0} if conf.shipped == "input" else (
-            v.final.accuracy() if v.final is not None else {})  # fmt: skip
-    result = JobResult(
-        job_id=ctx.job_id,
-        model=str(opts.model),
-        tuned_model=str(tuned_path),
-        result_json="",
-        workspace=str(ws.root),
-        baseline_ms=conf.baseline_ms,
-        tuned_ms=conf.result_ms,
-        tuning_time_s=ledger.elapsed_s,
-        precision=opts.precision,
-        device=str(opts.device),
-        session_options=shipped_options,
-        tasks=sorted(results.values(), key=lambda r: -r.share),
-        repo=bankrules.repo_summary([r.update_mode for r in results.values()] + [session.mode]),
-        accuracy=accuracy,
-        verified=v.outcome,
-        notes=ctx.notes,
-        calibration=samples.source,
-        resources=resources,
-        timeline=_timeline(decided),
-        budget={
-            "task_min_cosine": ctx.policy.task_min_cosine,
-            "task_max_rel_error": ctx.policy.task_max_rel_error,
-            "min_cosine": ctx.policy.e2e_min_cosine,
-            "max_rel_error": ctx.policy.e2e_max_rel_error,
-        },
-        confirmation=conf.to_json(),
-        decision=_decision(v),
-        device_budget=budget.report(),
-        device_info=_device_info(ctx),
-    )
-    json_path = await trio.to_thread.run_sync(ws.reserve_result, opts.job_type)
-    result.result_json = str(json_path)
-    await trio.to_thread.run_sync(write_json, json_path, result_json(result, opts.job_type))
-    await resume.forget(ctx)
-    return result
 
 
 def _device_info(ctx: JobContext) -> dict[str, Any]:
@@ -588,6 +751,7 @@ async def _search(
         d = await TaskAgent(ctx, t, results[t.id], hits.get(t.id), slices[t.id], budget).run()
         d.decided_at = ctx.ledger.elapsed_s
         decided.append(d)
+        ctx.notes.extend(d.notes)
         ctx.emit("progress", "tasks", total - 1 - len(to_tune) + len(decided), total)
 
     async with trio.open_nursery() as nursery:

@@ -11,8 +11,9 @@
     -> the whole decision, committed in that same transaction as this run's record
        (resume.py): what a resumed run takes instead of measuring the task again
 
-An agent owns its task's search state and returns a `TaskDecision`; it writes nothing
-that other agents read. A failed candidate costs that candidate; a task whose default
+An agent owns its task's search state and returns a `TaskDecision`, with the notes it
+has for the job's report (the supervisor adds them); it writes nothing that other
+agents read. A failed candidate costs that candidate; a task whose default
 cannot be built or measured keeps what the model (or the bank) has, marked failed.
 """
 
@@ -21,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import trio
@@ -54,6 +55,8 @@ class TaskDecision:
     failed_candidates: int = 0
     trials: int = 0
     decided_at: float = 0.0  # seconds into the job
+    #: what the search found worth a line in the job's notes (not kept for a resumed run)
+    notes: list[str] = field(default_factory=list)
     #: a lossy choice's bank write, held until the end-to-end accuracy gate passed it
     pending: BankWrite | None = None
     #: what to write instead when the gate backs the lossy choice off
@@ -101,8 +104,15 @@ class TaskAgent:
         self.hit = hit  # the bank's entry (REPEAT_TUNE), if any
         self.budget_s = budget_s  # this task's share of the job's budget
         self.budget = budget  # the job's, for the cost of loading the candidates' sessions
+        self.notes: list[str] = []
 
     async def run(self) -> TaskDecision:
+        """The task's decision, its notes with it."""
+        decision = await self._search()
+        decision.notes.extend(self.notes)
+        return decision
+
+    async def _search(self) -> TaskDecision:
         ctx, task, res = self.ctx, self.task, self.result
         taskdir = ctx.workspace.task_dir(task.id)
         strategies = list(ctx.registry.strategies_for(task.family, ctx.opts.precision, ctx.opts.device.kind))
@@ -123,7 +133,7 @@ class TaskAgent:
                     log.warning("%s: no variants of %s: %s", task.id, s.name, exc)
                     continue
                 precision_of.update({name: s.precision for name in got.names})
-                ctx.notes.extend(f"{task.id}: {note}" for note in got.notes)
+                self.notes.extend(f"{task.id}: {note}" for note in got.notes)
         compiled: dict[str, CompileReply | AoedError] = {}
 
         async def compile_one(name: str) -> None:
@@ -272,7 +282,7 @@ class TaskAgent:
             if ok:
                 assert isinstance(got, Accuracy)
                 passed[name] = got
-                self.ctx.notes.append(f"{self.task.id}: {why}: kept")
+                self.notes.append(f"{self.task.id}: {why}: kept")
                 return name
             reasons.append(why)
         return None
