@@ -1,7 +1,7 @@
 """What every stage of one job shares: the engine's agents and config, the job's options,
 policy, device, ledger and workspace, and the prepared model's description.
 
-Stages return what they find (supervisor.py), and task agents return their decisions
+Stages return what they find (pipeline.py), and task agents return their decisions
 and notes; neither writes its results here. What the context holds is set once: the
 agents, options and policy when the job starts, the prepared part (`prep`, `held_back`,
 `ranges`, `run_key`) by the prepare stage, and read-only after it. The exception is

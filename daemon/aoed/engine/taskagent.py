@@ -7,12 +7,12 @@
     -> AOE's bank rules (add, update, reserved, unsatisfied), committed with the trials
        as soon as the task is decided, so a killed job resumes from the bank; a lossy
        choice is committed only once the model as a whole has met its accuracy budget
-       (the supervisor writes `pending` then, or `fallback_write` if it was backed off)
+       (the pipeline writes `pending` then, or `fallback_write` if it was backed off)
     -> the whole decision, committed in that same transaction as this run's record
        (resume.py): what a resumed run takes instead of measuring the task again
 
 An agent owns its task's search state and returns a `TaskDecision`, with the notes it
-has for the job's report (the supervisor adds them); it writes nothing that other
+has for the job's report (the pipeline adds them); it writes nothing that other
 agents read. A failed candidate costs that candidate; a task whose default
 cannot be built or measured keeps what the model (or the bank) has, marked failed.
 """

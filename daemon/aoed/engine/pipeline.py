@@ -1,4 +1,4 @@
-"""The job supervisor: one job's pipeline from model file to tuned model and report.
+"""The job pipeline: one job's stages from model file to tuned model and report.
 
 `run_stages` is the list of stages; each is a function that states what it takes and
 returns what it found (a frozen dataclass), so a stage reads only what came before it:
@@ -16,7 +16,7 @@ returns what it found (a frozen dataclass), so a stage reads only what came befo
     remember        the model-level record (bank)
     outputs         the tuned model and the result JSON                      -> JobResult
 
-The supervisor decides the order and keeps the job's results; it never compiles,
+The pipeline decides the order and keeps the job's results; it never compiles,
 measures or loads a model itself: the work happens in the engine's child processes, so
 a crash in onnxruntime costs a request, never the host, and the event loop stays free.
 A device that fails or runs slow costs the stage it happened in (the job goes on with
