@@ -11,7 +11,7 @@ does by default, in C.
 
 Between processes each message travels as one JSON object per line (no pickle): a
 request inside a `Call`, its reply inside an `Answer`. `encode` turns a message into
-plain data (paths as strings, tuples as lists) and the stdlib writes the line, not
+plain data (paths as strings) and the stdlib writes the line, not
 msgspec's JSON encoder: that one writes an infinite float as null, and an infinite
 error is a real measurement (a candidate whose outputs are not finite).
 
@@ -59,6 +59,7 @@ __all__ = [
     "MeasureReply",
     "MeasureRequest",
     "Measurement",
+    "Message",
     "MessageError",
     "PingReply",
     "PingRequest",
@@ -117,29 +118,29 @@ def _dec_hook(tp: type, obj: Any) -> Any:
 
 def encode(msg: Any) -> Any:
     """`msg` as JSON data: Structs and dataclasses as objects (requests with their `op`),
-    paths as strings, tuples as lists."""
+    paths as strings."""
     return msgspec.to_builtins(msg, enc_hook=_enc_hook)
 
 
-def _unknown(data: Any, obj: Any, path: str) -> str | None:
-    """The path of a key of `data` that `obj` (decoded from it) has no field for, where
-    msgspec does not check: in dataclasses; None when there is none."""
+def _unknown(data: Any, obj: Any, path: str = "$") -> tuple[str, str] | None:
+    """(field, path of its object) of a key of `data` that `obj`, decoded from it, has no
+    field for, where msgspec does not look: in dataclasses. None when there is none."""
     if isinstance(obj, Struct):
-        items = [(data.get(f), getattr(obj, f), f) for f in obj.__struct_fields__ if f in data]
+        steps = [(f".{f}", data[f], getattr(obj, f)) for f in obj.__struct_fields__ if f in data]
     elif dataclasses.is_dataclass(obj):
         names = [f.name for f in dataclasses.fields(obj)]
         extra = next((k for k in data if k not in names), None)
         if extra is not None:
-            return f"{path}.{extra}"
-        items = [(data[n], getattr(obj, n), n) for n in names if n in data]
+            return extra, path
+        steps = [(f".{n}", data[n], getattr(obj, n)) for n in names if n in data]
     elif isinstance(obj, (list, tuple)):
-        items = [(d, o, f"[{i}]") for i, (d, o) in enumerate(zip(data, obj))]
+        steps = [(f"[{i}]", d, o) for i, (d, o) in enumerate(zip(data, obj))]
     elif isinstance(obj, dict):
-        items = [(data[k], o, f"[{k!r}]") for k, o in obj.items()]
+        steps = [(f"[{k!r}]", data[k], o) for k, o in obj.items()]
     else:
         return None
-    for d, o, step in items:
-        if (found := _unknown(d, o, f"{path}.{step}" if not step.startswith("[") else f"{path}{step}")) is not None:
+    for step, d, o in steps:
+        if (found := _unknown(d, o, path + step)) is not None:
             return found
     return None
 
@@ -152,8 +153,8 @@ def decode(tp: type[T] | Any, data: Any, what: str = "") -> T:
         obj = msgspec.convert(data, tp, dec_hook=_dec_hook)
     except msgspec.ValidationError as exc:
         raise MessageError(f"{name}: {exc}") from None
-    if (extra := _unknown(data, obj, "$")) is not None:
-        raise MessageError(f"{name}: Object contains unknown field `{extra.rsplit('.', 1)[1]}` - at `{extra}`")
+    if (unknown := _unknown(data, obj)) is not None:
+        raise MessageError(f"{name}: Object contains unknown field `{unknown[0]}` - at `{unknown[1]}`")
     return obj
 
 
