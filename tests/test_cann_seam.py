@@ -14,7 +14,7 @@ from aoe.device import Device
 from aoed import samples
 from aoed.backends.ort import accel
 from aoed.engine.device import DeviceAgent
-from aoed.engine.messages import Candidate, MeasurePlan, MeasureReply, MeasureRequest, from_wire
+from aoed.engine.messages import Candidate, MeasurePlan, MeasureRequest
 from aoed.engine.session import base_options, merge_options
 
 
@@ -40,7 +40,7 @@ async def test_cann_options_reach_the_provider_and_candidates_are_measured(tmp_p
         reply = await agent.call(MeasureRequest(tuple(cands), tmp_path / "inputs.npz", "current", npu,
                                                 MeasurePlan.fixed(3, 5.0)))  # fmt: skip
         nursery.cancel_scope.cancel()
-    results = from_wire(MeasureReply, reply).results
+    results = reply.results
     assert set(results) == {c.id for c in cands} and all(r.ok for r in results.values()), results
     assert all(r.median_us > 0 and r.cosine > 0.9999 for r in results.values())
     seen = [json.loads(line)["options"] for line in log.read_text().splitlines()]

@@ -335,3 +335,24 @@ def test_aoe_tune_falls_back_to_embedded_and_says_why(tmp_path: Path) -> None:
     assert r.stderr.splitlines()[0] == f"aoe: tuning embedded (no daemon at {sock})"
     r = run_aoe("tune", str(bad), "--socket", str(sock), "--bank", str(tmp_path / "bank"), timeout=60)
     assert r.returncode == 2 and "drop --bank or --socket" in r.stderr
+
+
+def test_the_error_reported_from_a_task_group_is_the_first_of_the_classes_asked() -> None:
+    import trio
+
+    from aoe.errors import AoedError, ModelError, first_error
+
+    async def fail(exc: BaseException) -> None:
+        raise exc
+
+    async def main() -> None:
+        async with trio.open_nursery() as outer:
+            outer.start_soon(fail, ValueError("not one of ours"))
+            async with trio.open_nursery() as inner:
+                inner.start_soon(fail, ModelError("m.onnx: not a model"))
+
+    with pytest.raises(BaseExceptionGroup) as err:
+        trio.run(main)
+    found = first_error(err.value, KeyboardInterrupt, AoedError)
+    assert isinstance(found, ModelError) and str(found) == "m.onnx: not a model"
+    assert first_error(err.value, OSError) is err.value  # none of those: the group itself

@@ -312,17 +312,14 @@ def test_real_measurements_of_one_model_under_three_names_keep_the_incumbent(tmp
 
     from aoed import samples
     from aoed.backends.ort import runner
-    from aoed.engine.messages import MeasurePlan, MeasureReply, from_wire, to_wire
+    from aoe.device import CPU
+    from aoed.engine.messages import Candidate, MeasurePlan, MeasureRequest
 
     model = samples.save(samples.build("mlp"), tmp_path / "mlp.onnx")
     np.savez(tmp_path / "inputs.npz", input=np.random.default_rng(0).standard_normal((1, 256)).astype(np.float32))
     names = ["default", "int8_dynamic", "int8_matmulinteger"]
-    reply = runner.measure({
-        "inputs": str(tmp_path / "inputs.npz"), "reference": "default",
-        "candidates": [{"id": n, "model": str(model)} for n in names],
-        "plan": to_wire(MeasurePlan(budget_s=1.0)),
-    })  # fmt: skip
-    results = from_wire(MeasureReply, reply).results
+    results = runner.measure(MeasureRequest(tuple(Candidate(n, model) for n in names), tmp_path / "inputs.npz",
+                                            "default", CPU, MeasurePlan(budget_s=1.0))).results  # fmt: skip
     assert all(results[n].ok and results[n].cosine == 1.0 for n in names)
     ordered = {n: results[n] for n in names}
     pick, _ = decisions.best_lossy(ordered, "default", set(names[1:]), lambda m: True)

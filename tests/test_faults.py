@@ -38,9 +38,11 @@ import onnx
 import pytest
 
 from aoe.bank import open_bank
+from aoe.device import CPU
 from aoe.errors import BankError
 from aoe.v1 import tuning_pb2
 from aoed import samples
+from aoed.engine.messages import CompileRequest, PingRequest, encode
 from tests.daemon_util import DaemonProcess, upload, wait_for
 
 pytestmark = pytest.mark.slow
@@ -650,11 +652,14 @@ def test_a_worker_whose_log_is_on_a_full_disk_answers_a_failed_request_and_lives
                               stderr=log, text=True) as proc:  # fmt: skip
             assert proc.stdin is not None and proc.stdout is not None
             try:
-                for request in ({"op": "compile", "id": 1}, {"op": "ping", "id": 2}):  # the first lacks its fields
-                    proc.stdin.write(json.dumps(request) + "\n")
+                # The first fails in the worker (its model is not there), with a traceback.
+                missing = CompileRequest(tmp_path / "missing.onnx", "matmul", "default", "p", tmp_path / "o.onnx")
+                for n, request in enumerate((missing, PingRequest(CPU)), 1):
+                    proc.stdin.write(json.dumps({"id": n, "request": encode(request)}) + "\n")
                     proc.stdin.flush()
                     reply = json.loads(proc.stdout.readline() or "null")
-                    assert reply is not None and reply["id"] == request["id"], (reply, proc.poll())
+                    assert reply is not None and reply["id"] == n, (reply, proc.poll())
+                    assert reply["ok"] == (n == 2) and ("FileNotFoundError" in reply["error"]) == (n == 1), reply
                 assert proc.poll() is None
             finally:
                 proc.kill()

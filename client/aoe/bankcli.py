@@ -38,7 +38,7 @@ import json
 import sys
 from pathlib import Path
 
-from aoe.errors import BankBusyError, OptionError
+from aoe.errors import AoedError, BankBusyError, OptionError, first_error
 
 __all__ = ["add_parsers"]
 
@@ -477,9 +477,7 @@ def _verify(args: argparse.Namespace) -> int:
     try:
         verdicts, trials = trio.run(run)
     except BaseExceptionGroup as group:
-        from aoe.cli import _single
-
-        raise _single(group) from None
+        raise first_error(group, KeyboardInterrupt, AoedError) from None
     bad = [v for v in verdicts if v.verdict in ("regressed", "inaccurate", "error")]
     if args.json:
         print(json.dumps({"seed": seed, "sampled": len(chosen), "of": len(entries),
@@ -565,9 +563,7 @@ def _sync_local(args: argparse.Namespace):
     try:
         return trio.run(run)
     except BaseExceptionGroup as group:
-        from aoe.cli import _single
-
-        raise _single(group) from None
+        raise first_error(group, KeyboardInterrupt, AoedError) from None
 
 
 def _verify_on(daemon, args: argparse.Namespace) -> int:

@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from aoe.errors import AoedError, OptionError
+from aoe.errors import AoedError, OptionError, first_error
 from aoe.jobtypes import DEFAULT_JOB_TYPE
 
 __all__ = ["main"]
@@ -224,7 +224,7 @@ def _tune(args: argparse.Namespace) -> int:
         try:
             result = trio.run(run)
         except BaseExceptionGroup as group:
-            raise _single(group) from None
+            raise first_error(group, KeyboardInterrupt, AoedError) from None
     except DeviceError as exc:
         source = config.sources.get("device", "")
         raise DeviceError(f"{source} selects {config.device}: {exc}" if source.startswith("ASCEND") else str(exc)) from None
@@ -290,17 +290,6 @@ def _daemon_for(args: argparse.Namespace, config: Any) -> Any:
         client.close()
     print(f"aoe: tuning embedded (no daemon at {path})", file=sys.stderr, flush=True)
     return None
-
-
-def _single(group: BaseExceptionGroup) -> BaseException:
-    """The error to report from a task group: the first AoedError or interrupt in it."""
-    for cls in (KeyboardInterrupt, AoedError):
-        match, _ = group.split(cls)
-        while isinstance(match, BaseExceptionGroup):
-            match = match.exceptions[0]
-        if match is not None:
-            return match
-    return group
 
 
 def _summary(r: Any) -> None:

@@ -163,12 +163,5 @@ class Device:
         for a GPU this machine does not have."""
         return device_fingerprint(self.provider, dict(self.options), self.accelerator())
 
-    def to_wire(self) -> dict[str, Any]:
-        return {"kind": self.kind, "index": self.index, "options": dict(self.options)}
-
-    @classmethod
-    def from_wire(cls, data: Mapping[str, Any]) -> Device:
-        return cls(data["kind"], int(data.get("index", 0)), tuple(sorted(dict(data.get("options", {})).items())))
-
 
 CPU = Device()

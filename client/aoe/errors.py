@@ -31,6 +31,9 @@ A client (`aoe.Client`) turns each gRPC status back into the class that sends it
 status several classes share comes back as the most general one: INVALID_ARGUMENT and
 NOT_FOUND as OptionError, FAILED_PRECONDITION as BankError from the bank service (else
 AoedError), UNAVAILABLE as DaemonUnavailableError, the server's message kept.
+
+Structured concurrency raises what failed inside an exception group; `first_error`
+picks from one the error to report.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ __all__ = [
     "ModelError",
     "OptionError",
     "ResourceExhaustedError",
+    "first_error",
 ]
 
 
@@ -141,3 +145,15 @@ class DiskFullError(ResourceExhaustedError):
         super().__init__(message)
         self.folder = folder
         self.free_bytes = free_bytes
+
+
+def first_error(group: BaseExceptionGroup, *classes: type[BaseException]) -> BaseException:
+    """The error to report from `group` (what a nursery raises): its first exception,
+    depth first, of the first of `classes` it holds; `group` itself when it holds none."""
+    for cls in classes:
+        match = group.subgroup(cls)
+        while isinstance(match, BaseExceptionGroup):
+            match = match.exceptions[0]
+        if match is not None:
+            return match
+    return group

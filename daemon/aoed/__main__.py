@@ -38,7 +38,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # itself and its group: 0640 files, 0750 folders. Set before anything is created.
     os.umask(DAEMON_UMASK)
 
-    from aoe.errors import AoedError, OptionError
+    from aoe.errors import AoedError, OptionError, first_error
     from aoed.config import load_daemon_config
 
     try:
@@ -90,10 +90,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"aoed: error: {exc}", file=sys.stderr)
         return exc.exit_code
     except BaseExceptionGroup as group:
-        match, _ = group.split(AoedError)
-        while isinstance(match, BaseExceptionGroup):
-            match = match.exceptions[0]
-        if match is None:
+        match = first_error(group, AoedError)
+        if not isinstance(match, AoedError):
             raise
         print(f"aoed: error: {match}", file=sys.stderr)
         return match.exit_code

@@ -60,7 +60,7 @@ def _options_hold(model: Path, options: dict[str, Any], inputs: Path, runtime_di
     from aoed.engine import stats
     from aoed.engine.confirm import verdict_of
     from aoed.engine.device import DeviceAgent
-    from aoed.engine.messages import Candidate, MeasurePlan, MeasureReply, MeasureRequest, from_wire
+    from aoed.engine.messages import Candidate, MeasurePlan, MeasureReply, MeasureRequest
 
     async def run() -> dict:
         with tempfile.TemporaryDirectory(prefix="aoe-compile-logs-") as logs:
@@ -69,9 +69,9 @@ def _options_hold(model: Path, options: dict[str, Any], inputs: Path, runtime_di
                 await nursery.start(agent.run)
                 req = MeasureRequest((Candidate("with", model, options), Candidate("without", model)), inputs,
                                      "without", CPU, MeasurePlan.fixed(9, 5.0))  # fmt: skip
-                reply = await agent.call(req)
+                reply: MeasureReply = await agent.call(req)
                 nursery.cancel_scope.cancel()
-        return from_wire(MeasureReply, reply).results
+        return reply.results
 
     res = trio.run(run)
     verdict, med, (lo, hi) = verdict_of(stats.paired_ratios(res["with"].rounds_us, res["without"].rounds_us))

@@ -1,5 +1,5 @@
-"""The daemon's bank as its API serves it: reads, imports and prunes through the engine's
-BankWriter, the process's one writer of the custom bank.
+"""The daemon's bank as its API serves it: reads, and imports and prunes sent to the
+engine's BankWriter, the process's one writer of the custom bank.
 
 A process opens each bank's LMDB environment once (a second open of the same files
 breaks LMDB's locks), and the daemon's is its BankWriter's store. So the API does not
@@ -12,8 +12,8 @@ Invariants:
   reads (queries, exports) go page by page, one transaction each, so a long export is
   not one snapshot: it sees what was committed while it ran.
 - An import is checked whole, with `aoe bank import`'s checks, before anything of it is
-  written (`check_import`, in the caller's thread), then merged in one worker-thread
-  call on the writer's store.
+  written (`check_import`, in the caller's thread), then merged by the writer; a prune
+  is the writer's too. Nothing here writes the store.
 - The daemon holds the bank's writer lock, so no other process grows the map and the
   store never remaps it under these reads (which therefore do without its gate).
 """
@@ -35,7 +35,7 @@ from aoe.signature import DeviceFingerprint
 from aoed.bank._codec import BankRecord, decode
 from aoed.bank.exchange import import_lines
 from aoed.bank.store import KINDS, BankStore, MergeCounts, PruneCounts, Record
-from aoed.bank.writer import BankMerge, BankWrite, BankWriter
+from aoed.bank.writer import BankMerge, BankPrune, BankWrite, BankWriter
 
 __all__ = ["DB_NAMES", "CheckedImport", "DaemonBank", "StoreLayer", "check_import"]
 
@@ -203,9 +203,9 @@ class DaemonBank:
         ]
 
     async def prune(self, dry_run: bool) -> PruneCounts:
-        """Drop the custom bank's history (or count what would go)."""
-        store = await self._writer.store()
-        return await trio.to_thread.run_sync(store.prune, dry_run)
+        """Drop the custom bank's history (or count what would go), through the writer's
+        queue, between the engine's writes."""
+        return await self._writer.prune(BankPrune(dry_run))
 
     async def merge(self, checked: CheckedImport) -> dict[str, MergeCounts]:
         """Merge checked records into the custom bank, through the writer's queue (so its

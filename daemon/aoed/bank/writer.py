@@ -2,8 +2,10 @@
 
 Writes arrive on a bounded channel and are committed one transaction at a time in a
 worker thread; each carries a one-shot reply channel, so the sender knows its entry is
-durable. Writes are what the engine decided (`BankWrite`) and merges of records from
-elsewhere (`BankMerge`: an import, or a peer's writes with how far they were applied).
+durable. Writes are what the engine decided (`BankWrite`), merges of records from
+elsewhere (`BankMerge`: an import, or a peer's writes with how far they were applied)
+and prunes of the history (`BankPrune`): every write of the custom bank, from a job, the
+API or a follower, goes through this one queue.
 Every record written takes the bank's next sequence number (`aoed.bank.store`); after
 each commit the writer wakes whoever waits in `wait_beyond(seq)` (the streams sending
 this bank's writes to its followers), so nobody polls. Reads (`lookup`, `known_default`) go straight to a read transaction in a worker
@@ -35,9 +37,9 @@ from aoe.bank import CUSTOM, BankReader, layer_paths_from_env, open_bank
 from aoe.errors import BankWriteError
 from aoed.bank._codec import BankRecord, decode, encode
 from aoed.bank.lock import POLL_S, WriterLock
-from aoed.bank.store import BankStore, Change, MergeCounts, Position, Record
+from aoed.bank.store import BankStore, Change, MergeCounts, Position, PruneCounts, Record
 
-__all__ = ["BankMerge", "BankWrite", "BankWriter"]
+__all__ = ["BankMerge", "BankPrune", "BankWrite", "BankWriter"]
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,17 @@ class BankMerge:
     replace: Callable[[Record, Record], bool]
     peer: str = ""
     position: Position | None = None
+
+
+@dataclass(frozen=True)
+class BankPrune:
+    """Drop the history (see `BankStore.prune`); with `dry_run`, count what would go."""
+
+    dry_run: bool = False
+
+
+#: What the writer's queue carries.
+Op = BankWrite | BankMerge | BankPrune
 
 
 class BankWriter:
@@ -86,12 +99,17 @@ class BankWriter:
         self._store: BankStore | None = None
         self._layers: BankReader | None = None
         self._open_lock = trio.Lock()
-        self._send, self._recv = trio.open_memory_channel[tuple[BankWrite | BankMerge, trio.MemorySendChannel]](16)
+        self._send, self._recv = trio.open_memory_channel[tuple[Op, trio.MemorySendChannel]](16)
         self._head = 0  # the last sequence number committed, once the store is open
         self._committed = trio.Event()  # set (and replaced) when the head moves
         #: Lookups the engine made (`lookup_layered`) and how many found an entry.
         self.lookups = 0
         self.hits = 0
+
+    @property
+    def queued(self) -> int:
+        """Writes waiting in the queue, not yet taken by `run`."""
+        return self._send.statistics().current_buffer_used
 
     async def store(self) -> BankStore:
         """The custom bank's store, opened (and its writer lock taken) on first use.
@@ -141,10 +159,12 @@ class BankWriter:
                     reply.send_nowait(result)
 
     @staticmethod
-    def _commit(store: BankStore, op: BankWrite | BankMerge) -> tuple[Any, int]:
+    def _commit(store: BankStore, op: Op) -> tuple[Any, int]:
         """Run `op` on `store` (in a worker thread); (its result, the head after it)."""
         value: Any = None
-        if isinstance(op, BankMerge):
+        if isinstance(op, BankPrune):
+            value = store.prune(op.dry_run)
+        elif isinstance(op, BankMerge):
             if op.position is not None:
                 value = store.apply(op.peer, op.position, op.records, op.replace)
             else:
@@ -159,7 +179,7 @@ class BankWriter:
             )
         return value, store.head()
 
-    async def _submit(self, op: BankWrite | BankMerge) -> Any:
+    async def _submit(self, op: Op) -> Any:
         reply_send, reply_recv = trio.open_memory_channel[tuple[Any, BaseException | None]](1)
         await self._send.send((op, reply_send))
         async with reply_recv:
@@ -179,6 +199,11 @@ class BankWriter:
         record. Raises the store's BankError if it failed (nothing of a failed
         transaction is written)."""
         return await self._submit(merge)
+
+    async def prune(self, prune: BankPrune) -> PruneCounts:
+        """Drop the history durably, or count what would go (see `BankPrune`); raises
+        the store's BankError if it failed."""
+        return await self._submit(prune)
 
     async def head(self) -> int:
         """The sequence number of the bank's last committed write."""

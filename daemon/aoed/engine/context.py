@@ -1,16 +1,23 @@
 """What every stage of one job shares: the engine's agents and config, the job's options,
-policy, device, ledger and workspace, and the prepared model's description. Read-only
-once the job is prepared; stages return their results instead of writing into shared
-state.
+policy, device, ledger and workspace, and the prepared model's description.
+
+Stages return what they find (pipeline.py), and task agents return their decisions
+and notes; neither writes its results here. What the context holds is set once: the
+agents, options and policy when the job starts, the prepared part (`prep`, `held_back`,
+`ranges`, `run_key`) by the prepare stage, and read-only after it. The exception is
+the job's running record, written where it is learnt, in the order it happens (one
+trio thread: no two writes interleave): `notes` (stages, and `write_bank`), `attempt`
+(the bank stage, restoring a run), `model_us` (the profile), `accuracy` (the last
+end-to-end check) and `bank_unkept` (`write_bank`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import msgspec
 import trio
 
 from aoe.config import Config
@@ -32,8 +39,6 @@ from aoed.engine.messages import (
     MeasurePlan,
     Measurement,
     PrepareReply,
-    error_from_wire,
-    from_wire,
 )
 from aoed.engine.policy import PrecisionPolicy
 from aoed.engine.pool import CompilePool
@@ -111,18 +116,17 @@ class JobContext:
         """Measure `candidates` interleaved on the device (DeviceError if it cannot);
         `plan` (default: racing until stable) within `budget_s`, charged to the job's
         ledger under `category` (see budget.py)."""
-        plan = dataclasses.replace(plan or MeasurePlan(), budget_s=budget_s)
+        plan = msgspec.structs.replace(plan or MeasurePlan(), budget_s=budget_s)
         req = MeasureRequest(tuple(candidates), inputs or self.held_back[0], reference, self.opts.device, plan)
-        reply = await self.device.call(req, self.ledger, category=category)
-        return from_wire(MeasureReply, reply).results
+        reply: MeasureReply = await self.device.call(req, self.ledger, category=category)
+        return reply.results
 
     async def assemble(self, builds: list[Build], source: Path | None = None) -> None:
-        """Write whole models with the builds' choices applied (in a worker)."""
+        """Write whole models with the builds' choices applied (in a worker); raises what
+        the pool raises (CandidateError when a build fails)."""
         assert self.prep is not None
         req = AssembleRequest(source or self.prep.prepared, self.prep.tasks, tuple(builds), self.ranges)
-        reply = await self.pool.call(req, self.ledger)
-        if not reply.get("ok"):
-            raise error_from_wire(reply, AoedError)
+        await self.pool.call(req, self.ledger)
 
     async def write_bank(self, write: BankWrite) -> bool:
         """Commit `write`, unless the workspace is gone (AoedError): what was measured

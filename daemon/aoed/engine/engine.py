@@ -32,10 +32,10 @@ from aoed.engine.job import JobHandle, JobOptions, JobResult
 from aoed.engine.ledger import JobLedger, new_job_id
 from aoed.engine.memory import MemoryPlan, plan_memory
 from aoed.engine.messages import JobEvent
+from aoed.engine.pipeline import run_stages
 from aoed.engine.policy import policy
 from aoed.engine.pool import CompilePool
 from aoed.engine.registry import StrategyRegistry
-from aoed.engine.supervisor import run_stages
 from aoed.engine.workspace import Workspace
 from aoed.logs import EscapingFormatter, current_job, on_behalf_of
 

@@ -19,7 +19,7 @@ import trio
 from aoe.errors import AoedError, DeviceError
 from aoe.partition import Task
 from aoed.engine.context import JobContext
-from aoed.engine.messages import Accuracy, Build, CompareRequest, from_wire
+from aoed.engine.messages import Accuracy, Build, CompareRequest
 
 __all__ = ["model_accuracy", "verdict"]
 
@@ -32,7 +32,7 @@ async def model_accuracy(ctx: JobContext, task: Task, strategy: str) -> Accuracy
     try:
         await ctx.assemble([Build(out, {task.id: strategy})])
         req = CompareRequest(ctx.opts.model, out, ctx.held_back, ctx.opts.device)
-        return from_wire(Accuracy, await ctx.device.call(req, ctx.ledger, category="search"))
+        return await ctx.device.call(req, ctx.ledger, category="search")
     except DeviceError as exc:
         return f"the model with it could not be measured ({exc})"
     except AoedError as exc:  # a build that fails is this candidate's answer

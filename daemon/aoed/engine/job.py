@@ -1,6 +1,6 @@
 """A job's data: what was asked (`JobOptions`), what came out (`JobResult`, `TaskResult`),
 and the handle that cancels it. The pipeline that turns one into the other is in
-`supervisor.py`.
+`pipeline.py`.
 """
 
 from __future__ import annotations

@@ -7,12 +7,13 @@
     -> AOE's bank rules (add, update, reserved, unsatisfied), committed with the trials
        as soon as the task is decided, so a killed job resumes from the bank; a lossy
        choice is committed only once the model as a whole has met its accuracy budget
-       (the supervisor writes `pending` then, or `fallback_write` if it was backed off)
+       (the pipeline writes `pending` then, or `fallback_write` if it was backed off)
     -> the whole decision, committed in that same transaction as this run's record
        (resume.py): what a resumed run takes instead of measuring the task again
 
-An agent owns its task's search state and returns a `TaskDecision`; it writes nothing
-that other agents read. A failed candidate costs that candidate; a task whose default
+An agent owns its task's search state and returns a `TaskDecision`, with the notes it
+has for the job's report (the pipeline adds them); it writes nothing that other
+agents read. A failed candidate costs that candidate; a task whose default
 cannot be built or measured keeps what the model (or the bank) has, marked failed.
 """
 
@@ -21,12 +22,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import trio
 
-from aoe.errors import DeviceError
+from aoe.errors import AoedError, DeviceError
 from aoe.bank import CUSTOM
 from aoe.partition import Task
 from aoed.bank._codec import BankRecord
@@ -36,7 +37,6 @@ from aoed.engine.budget import Budget
 from aoed.engine.context import JobContext
 from aoed.engine.job import TaskResult
 from aoed.engine.messages import Accuracy, Candidate, CompileReply, CompileRequest, Measurement, VariantsReply, VariantsRequest
-from aoed.engine.messages import from_wire
 from aoed.engine.registry import DEFAULT
 
 __all__ = ["TaskAgent", "TaskDecision"]
@@ -55,6 +55,8 @@ class TaskDecision:
     failed_candidates: int = 0
     trials: int = 0
     decided_at: float = 0.0  # seconds into the job
+    #: what the search found worth a line in the job's notes (not kept for a resumed run)
+    notes: list[str] = field(default_factory=list)
     #: a lossy choice's bank write, held until the end-to-end accuracy gate passed it
     pending: BankWrite | None = None
     #: what to write instead when the gate backs the lossy choice off
@@ -102,8 +104,15 @@ class TaskAgent:
         self.hit = hit  # the bank's entry (REPEAT_TUNE), if any
         self.budget_s = budget_s  # this task's share of the job's budget
         self.budget = budget  # the job's, for the cost of loading the candidates' sessions
+        self.notes: list[str] = []
 
     async def run(self) -> TaskDecision:
+        """The task's decision, its notes with it."""
+        decision = await self._search()
+        decision.notes.extend(self.notes)
+        return decision
+
+    async def _search(self) -> TaskDecision:
         ctx, task, res = self.ctx, self.task, self.result
         taskdir = ctx.workspace.task_dir(task.id)
         strategies = list(ctx.registry.strategies_for(task.family, ctx.opts.precision, ctx.opts.device.kind))
@@ -118,38 +127,40 @@ class TaskAgent:
             if s.propose is not None:
                 req = VariantsRequest(taskdir / "task.onnx", task.family, s.name, f"aoe/{task.id}",
                                       taskdir / "inputs.npz", ctx.ranges)  # fmt: skip
-                reply = await ctx.pool.call(req, ctx.ledger)
-                if reply.get("ok", True) and "names" in reply:
-                    got = from_wire(VariantsReply, reply)
-                    precision_of.update({name: s.precision for name in got.names})
-                    ctx.notes.extend(f"{task.id}: {note}" for note in got.notes)
-                else:
-                    log.warning("%s: no variants of %s: %s", task.id, s.name, reply.get("error", "?"))
-        compiled: dict[str, CompileReply] = {}
+                try:
+                    got: VariantsReply = await ctx.pool.call(req, ctx.ledger)
+                except AoedError as exc:  # no variants: the strategy's other candidates go on
+                    log.warning("%s: no variants of %s: %s", task.id, s.name, exc)
+                    continue
+                precision_of.update({name: s.precision for name in got.names})
+                self.notes.extend(f"{task.id}: {note}" for note in got.notes)
+        compiled: dict[str, CompileReply | AoedError] = {}
 
         async def compile_one(name: str) -> None:
             req = CompileRequest(taskdir / "task.onnx", task.family, name, f"aoe/{task.id}",
                                  taskdir / f"{name}.onnx", ctx.ranges)  # fmt: skip
-            reply = await ctx.pool.call(req, ctx.ledger)
-            # A worker that failed (crashed, raised) answers without `applicable`: it did apply.
-            compiled[name] = from_wire(CompileReply, {"applicable": True, **reply})
+            try:
+                compiled[name] = await ctx.pool.call(req, ctx.ledger)
+            except AoedError as exc:  # whatever failed the build is this candidate's failure
+                compiled[name] = exc
 
         async with trio.open_nursery() as nursery:
             for name in precision_of:
                 nursery.start_soon(compile_one, name)
-        if not all(c.ok or not c.applicable for c in compiled.values()):
+        if any(isinstance(c, AoedError) for c in compiled.values()):
             await ctx.check_workspace()  # a vanished workspace fails every candidate: the job's failure
         cands, failed = [], 0
         for name in precision_of:
             c = compiled[name]
-            if c.ok:
-                cands.append(Candidate(name, taskdir / f"{name}.onnx"))
-            elif c.applicable:
+            if isinstance(c, AoedError):
                 failed += 1
-                res.candidates.append({"strategy": name, "ok": False, "error": c.error})
+                res.candidates.append({"strategy": name, "ok": False, "error": str(c)})
+            elif c.applicable:
+                cands.append(Candidate(name, taskdir / f"{name}.onnx"))
         fallback = self.hit.strategy if self.hit else DEFAULT
-        if not compiled[DEFAULT].ok:
-            res.update_mode, res.error = "failed", f"default form did not compile: {compiled[DEFAULT].error}"
+        if isinstance(default := compiled[DEFAULT], AoedError) or not default.applicable:
+            why = default if isinstance(default, AoedError) else "not applicable"
+            res.update_mode, res.error = "failed", f"default form did not compile: {why}"
             return TaskDecision(task, res, fallback, failed_candidates=failed)
         seconds, load = (self.budget.measurable(self.budget_s, [c.model for c in cands]) if self.budget is not None
                          else (self.budget_s, 0.0))  # fmt: skip
@@ -271,7 +282,7 @@ class TaskAgent:
             if ok:
                 assert isinstance(got, Accuracy)
                 passed[name] = got
-                self.ctx.notes.append(f"{self.task.id}: {why}: kept")
+                self.notes.append(f"{self.task.id}: {why}: kept")
                 return name
             reasons.append(why)
         return None

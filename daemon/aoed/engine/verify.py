@@ -27,7 +27,7 @@ from aoed.engine import decisions
 from aoed.engine.budget import Budget
 from aoed.engine.context import JobContext
 from aoed.engine.job import TaskResult
-from aoed.engine.messages import Accuracy, Build, Candidate, CompareRequest, Measurement, from_wire
+from aoed.engine.messages import Accuracy, Build, Candidate, CompareRequest, Measurement
 from aoed.engine.registry import DEFAULT
 
 __all__ = ["REVERTED", "Verified", "hold_to_budget", "verify"]
@@ -67,7 +67,7 @@ async def hold_to_budget(
     while True:
         req = CompareRequest(ctx.opts.model, path, ctx.held_back, ctx.opts.device)
         try:
-            reply = from_wire(Accuracy, await ctx.device.call(req, ctx.ledger, category="verify"))
+            reply: Accuracy = await ctx.device.call(req, ctx.ledger, category="verify")
         except DeviceError as exc:
             # Unchecked accuracy is no accuracy: every lossy choice goes back to exact.
             for tid, name in list(choices.items()):

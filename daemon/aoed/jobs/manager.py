@@ -48,7 +48,7 @@ import trio
 
 from aoe.jobtypes import DEFAULT_JOB_TYPE, parse_job_type
 from aoe.device import Device
-from aoe.errors import AoedError, DiskFullError, JobCancelledError, OptionError
+from aoe.errors import AoedError, DiskFullError, JobCancelledError, OptionError, first_error
 from aoed import safefs, space
 from aoed.config import DaemonConfig
 from aoed.errors import NotFoundError, PermissionDeniedError, RpcError
@@ -588,7 +588,7 @@ class JobManager:
                 result = await self.engine.run_job(self._engine_options(row), lambda ev: self._on_engine_event(row, ev),
                                                    live.handle)  # fmt: skip
             except BaseExceptionGroup as group:
-                raise _single(group) from None
+                raise first_error(group, JobCancelledError, AoedError, OSError) from None
         except JobCancelledError as exc:
             if live.user_cancelled or not self._stopping:
                 self._finish(row, st.CANCELLED, error=str(exc))
@@ -652,16 +652,6 @@ def _sweep_inputs(inputs: Path, referenced: set[str]) -> None:
             for f in folder.iterdir():
                 if str(f) not in referenced:
                     _remove_input(f)
-
-
-def _single(group: BaseExceptionGroup) -> BaseException:
-    for cls in (JobCancelledError, AoedError, OSError):
-        match, _ = group.split(cls)
-        while isinstance(match, BaseExceptionGroup):
-            match = match.exceptions[0]
-        if match is not None:
-            return match
-    return group
 
 
 def shown_path(row: JobRow) -> str:

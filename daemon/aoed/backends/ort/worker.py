@@ -14,6 +14,7 @@ It does a job's graph work, one request at a time (messages in aoed.engine.messa
   assemble   whole models with chosen strategies applied (and their metadata)
   check      whether strategies the bank names still apply to their tasks
   rebuild    a bank entry's task rebuilt from its signature, default and strategy forms
+  ping       nothing: that the worker answers
 
 It never measures and never touches the bank. The last model it loaded stays cached,
 since a job sends several requests about the same prepared model.
@@ -23,9 +24,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -204,12 +207,12 @@ def _compile(req: m.CompileRequest) -> m.CompileReply:
     )
     rewrite = strategy.apply(view)
     if rewrite is None:
-        return m.CompileReply(ok=False, applicable=False, error="not applicable")
+        return m.CompileReply(applicable=False)
     candidate = apply_rewrites(model, {tuple(n.name for n in nodes): rewrite})
     onnx.checker.check_model(candidate)
     onnx.save(candidate, str(req.out))
     session(req.out, {"intra_op_num_threads": 1})
-    return m.CompileReply(ok=True, compile_s=time.perf_counter() - t0)
+    return m.CompileReply(compile_s=time.perf_counter() - t0)
 
 
 def _variants(req: m.VariantsRequest) -> m.VariantsReply:
@@ -309,29 +312,26 @@ def _rebuild(req: m.RebuildRequest) -> m.RebuildReply:
     return m.RebuildReply(ok=True, default=paths[0], candidate=paths[1], inputs=paths[2])
 
 
-_OPS: dict[str, tuple[type, Any]] = {
-    "prepare": (m.PrepareRequest, _prepare),
-    "samples": (m.SamplesRequest, _samples),
-    "calibrate": (m.CalibrateRequest, _calibrate),
-    "extract": (m.ExtractRequest, _extract),
-    "compile": (m.CompileRequest, _compile),
-    "variants": (m.VariantsRequest, _variants),
-    "assemble": (m.AssembleRequest, _assemble),
-    "check": (m.CheckRequest, _check),
-    "rebuild": (m.RebuildRequest, _rebuild),
+def _ping(req: m.PingRequest) -> m.PingReply:
+    return m.PingReply(len(os.sched_getaffinity(0)), ())
+
+
+_OPS: dict[type[m.Request], Callable[[Any], Any]] = {
+    m.PingRequest: _ping,
+    m.PrepareRequest: _prepare,
+    m.SamplesRequest: _samples,
+    m.CalibrateRequest: _calibrate,
+    m.ExtractRequest: _extract,
+    m.CompileRequest: _compile,
+    m.VariantsRequest: _variants,
+    m.AssembleRequest: _assemble,
+    m.CheckRequest: _check,
+    m.RebuildRequest: _rebuild,
 }
 
 
-def _handle(req: dict[str, Any]) -> dict[str, Any]:
-    if req.get("op") == "ping":
-        return {"ok": True}
-    entry = _OPS.get(str(req.get("op")))
-    if entry is None:
-        return {"ok": False, "error": f"unknown op {req.get('op')!r}"}
-    cls, fn = entry
-    reply = m.to_wire(fn(m.from_wire(cls, req)))
-    reply.setdefault("ok", True)
-    return reply
+def _handle(req: m.Request) -> Any:
+    return _OPS[type(req)](req)
 
 
 def main() -> int:
@@ -341,7 +341,7 @@ def main() -> int:
 
     args = child_main()
     _registry = build_registry(args.plugins)
-    return serve(_handle)
+    return serve(_handle, tuple(_OPS))
 
 
 if __name__ == "__main__":

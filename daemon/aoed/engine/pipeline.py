@@ -1,13 +1,22 @@
-"""The job supervisor: one job's pipeline from model file to tuned model and report.
+"""The job pipeline: one job's stages from model file to tuned model and report.
 
-    prepare (worker) -> samples (worker) -> calibrate (worker, lossy) -> what an
-    interrupted run of this job decided (resume.py) -> bank lookups (lossy hits
-    re-gated on this model) -> profile (device) -> budget -> extract task
-    models (worker) -> task agents (pool + device) -> assemble (worker) -> accuracy
-    budget (device, lossy) -> session options (device) -> verify (device) -> confirming
-    A/B (device) -> remember context (bank) -> tuned model -> result JSON
+`run_stages` is the list of stages; each is a function that states what it takes and
+returns what it found (a frozen dataclass), so a stage reads only what came before it:
 
-The supervisor decides the order and keeps the job's results; it never compiles,
+    prepare         model, samples, calibration (workers); the context's prepared part
+    bank_lookups    an interrupted run's decisions (resume.py), bank entries re-checked
+                    on this model (lossy hits re-gated)                      -> Known
+    search          profile (device), budget, task models (worker), one task agent
+                    per task the bank did not answer (pool + device)         -> Searched
+    assemble        the model with every choice; lossy: held to the accuracy budget,
+                    then the lossy choices' bank writes                      -> Assembled
+    session_options model-wide session options (device)                      -> SessionChoice
+    verify_stage    end to end against the input, or the bank's confirmation -> Proposal
+    confirm_stage   the confirming A/B (device): what ships                  -> Confirmed
+    remember        the model-level record (bank)
+    outputs         the tuned model and the result JSON                      -> JobResult
+
+The pipeline decides the order and keeps the job's results; it never compiles,
 measures or loads a model itself: the work happens in the engine's child processes, so
 a crash in onnxruntime costs a request, never the host, and the event loop stays free.
 A device that fails or runs slow costs the stage it happened in (the job goes on with
@@ -20,12 +29,13 @@ import contextlib
 import dataclasses
 import logging
 import resource
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import trio
 
-from aoe.errors import AoedError, DeviceError, ModelError
+from aoe.errors import AoedError, DeviceError
 from aoe.figures import Comparison, Figures, interval, pct
 from aoe.partition import Task
 from aoed import safefs
@@ -51,10 +61,9 @@ from aoed.engine.messages import (
     ProfileRequest,
     SamplesReply,
     SamplesRequest,
-    error_from_wire,
-    from_wire,
 )
 from aoed.engine.outputs import result_json, write_json
+from aoed.engine.pool import model_step
 from aoed.engine.prep import Limits
 from aoed.engine.registry import DEFAULT
 from aoed.engine.session import SessionChoice, busy_cores, fewer_threads, remember_context, search_session
@@ -66,63 +75,35 @@ __all__ = ["run_stages"]
 log = logging.getLogger(__name__)
 
 
-async def _work(ctx: JobContext, request, reply_cls, what: str):
-    """One request to the compile pool, its failure raised as the error the worker named
-    (a crashed worker while preparing is the model's fault: ModelError)."""
-    reply = await ctx.pool.call(request, ctx.ledger)
-    if not reply.get("ok"):
-        if reply.get("error_class") in (None, "CandidateError"):
-            raise ModelError(f"{ctx.opts.model}: {what} failed: {reply.get('error')}")
-        raise error_from_wire(reply, AoedError)
-    return reply if reply_cls is None else from_wire(reply_cls, reply)
-
-
-async def _gate_lossy_hits(ctx: JobContext, tasks: list[Task], answers: dict[str, bankrules.BankAnswer]) -> None:
-    """A lossy bank entry was judged on another model's weights: check it on this one's
-    (its task's real activations, this model's weights) before it is applied; one that
-    fails the task's accuracy gate is tuned again, as a miss."""
-    assert ctx.prep is not None
-    lossy = {
-        t.id: a.record for t in tasks if (a := answers[t.id]).kind == "hit" and a.record is not None
-        and ctx.registry.get(t.family, a.record.strategy).precision != "exact"
-    }  # fmt: skip
-    if not lossy:
-        return
-    by_id = {t.id: t for t in tasks}
-    root = ctx.workspace.scratch / "gate"
-    await _work(ctx, ExtractRequest(ctx.prep.prepared, tuple(by_id[t] for t in lossy), ctx.held_back[0], root),
-                None, "extracting tasks")  # fmt: skip
-    for tid, rec in lossy.items():
-        d = root / tid
-        cands = [Candidate(DEFAULT, d / "default.onnx")]
-        for name in (DEFAULT, rec.strategy):
-            reply = from_wire(CompileReply, {"applicable": True, **await ctx.pool.call(
-                CompileRequest(d / "task.onnx", by_id[tid].family, name, f"aoe/{tid}", d / f"{name}.onnx", ctx.ranges),
-                ctx.ledger)})  # fmt: skip
-            if not reply.ok:
-                break
-        else:
-            cands.append(Candidate(rec.strategy, d / f"{rec.strategy}.onnx"))
-        why = "its strategy no longer builds here"
-        if len(cands) == 2:
-            try:
-                m = await ctx.measure(cands, DEFAULT, 0.05, d / "inputs.npz", MeasurePlan(0.05, 1, 1, 1),
-                                      category="verify")  # fmt: skip
-            except DeviceError as exc:
-                m, why = {}, f"its accuracy could not be measured ({exc})"
-            got = m.get(rec.strategy)
-            if got is not None and got.ok and ctx.policy.task_ok(got.accuracy()):
-                continue
-            if got is not None and got.ok:  # as in the search: the model may absorb what the task alone does not
-                ok, detail = incontext.verdict(ctx, await incontext.model_accuracy(ctx, by_id[tid], rec.strategy))
-                if ok:
-                    continue
-                why = f"on this model's weights it was {detail}"
-        ctx.notes.append(f"bank entry {rec.strategy} for {tid} not applied: {why}; tuned again")
-        answers[tid] = bankrules.BankAnswer("miss")
-
-
 async def run_stages(ctx: JobContext) -> JobResult:
+    """One job's stages, in order; each takes what the ones before it found and returns
+    what it finds (the per-task table, `TaskResult`s, is the job's, filled in as it goes)."""
+    model = await prepare(ctx)
+    known = await bank_lookups(ctx, model)
+    found = await search(ctx, model, known)
+    assembled = await assemble(ctx, known, found)
+    session = await session_options(ctx, model, known, found, assembled)
+    proposal = await verify_stage(ctx, model, known, found, assembled, session)
+    confirmed = await confirm_stage(ctx, proposal, found.budget)
+    await remember(ctx, model, known, session, proposal, confirmed)
+    return await outputs(ctx, model, known, found, assembled, session, confirmed)
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What preparing the model found: the prepared model and its tasks, the samples."""
+
+    prep: PrepareReply
+    samples: SamplesReply
+
+    @property
+    def tasks(self) -> list[Task]:
+        return list(self.prep.tasks)
+
+
+async def prepare(ctx: JobContext) -> Prepared:
+    """Prepare the model, write its samples, calibrate (lossy); fills the context's
+    prepared fields (`prep`, `held_back`, `ranges`, `run_key`), read-only from here on."""
     opts, ws = ctx.opts, ctx.workspace
     ctx.ledger.enter("prepare")
     await ctx.stage(f"preparing {opts.model.name}")
@@ -135,29 +116,52 @@ async def run_stages(ctx: JobContext) -> JobResult:
         ctx, PrepareRequest(opts.model, ws.scratch, opts.precision, dict(opts.input_shapes),
                             opts.keep_initializer_inputs, opts.job_type, Limits.of(ctx.config), opts.model_file,
                             opts.device.kind),
-        PrepareReply,
         "graph preparation")  # fmt: skip
     ctx.prep = prep
     ctx.notes.extend(prep.notes)
     samples: SamplesReply = await _work(
         ctx, SamplesRequest(prep.prepared, ws.scratch, prep.inputs, prep.int_high, opts.calibration,
-                            ctx.policy.lossy), SamplesReply, "writing input samples")  # fmt: skip
+                            ctx.policy.lossy), "writing input samples")  # fmt: skip
     ctx.held_back = samples.held_back
     if ctx.policy.lossy:
         await ctx.stage("calibrating")
         await _work(ctx, CalibrateRequest(prep.prepared, samples.calibrate, ws.scratch / "ranges.json"),
-                    None, "calibration")  # fmt: skip
+                    "calibration")  # fmt: skip
         ctx.ranges = ws.scratch / "ranges.json"
-
-    tasks = list(prep.tasks)
     ws.started = True  # the model is read and its samples made: a failure from here is one to inspect
     ctx.run_key = resume.run_key(ctx, prep.digest, samples.digest)
+    return Prepared(prep, samples)
+
+
+@dataclass(frozen=True)
+class Known:
+    """What the bank (and an interrupted run of this job) answered before any search."""
+
+    #: every task's row of the job's table, by task id
+    results: dict[str, TaskResult]
+    #: decisions an interrupted run committed, by task id (resume.py)
+    restored: dict[str, TaskDecision]
+    #: the tasks the bank did not answer, in graph order
+    to_tune: list[Task]
+    #: the bank's entries for tasks tuned again (REPEAT_TUNE)
+    hits: dict[str, BankRecord]
+    #: the strategy the bank chose per task it answered
+    chosen: dict[str, str]
+    #: (gain in us, error) of each lossy choice the bank answered
+    lossy_cost: dict[str, tuple[float, float]]
+    #: the bank's model-level answer (session options, confirmation, reversals)
+    model_ans: bankrules.BankAnswer
+
+
+async def bank_lookups(ctx: JobContext, model: Prepared) -> Known:
+    """What the bank answers costs no measurement: restore an interrupted run's
+    decisions, look every other task up (bank entries re-checked on this model: that
+    their strategies apply, and under a lossy policy that they pass its accuracy gate)."""
+    opts, prep, tasks = ctx.opts, model.prep, model.tasks
     ctx.ledger.enter("bank")
     restored = await _restore(ctx, tasks)
     model_ans = await ctx.lookup(prep.model_signature)
     context_reverted = set() if opts.repeat_tune else bankrules.reverted_digests(model_ans)
-
-    # Bank lookups first: what the bank answers costs no measurement.
     results: dict[str, TaskResult] = {t.id: TaskResult(t.id, t.anchor, t.op_type, t.instances, t.family) for t in tasks}
     results.update({tid: d.result for tid, d in restored.items()})
     chosen: dict[str, str] = {}
@@ -167,7 +171,7 @@ async def run_stages(ctx: JobContext) -> JobResult:
     hit_choices = {tid: a.record.strategy for tid, a in answers.items() if a.kind == "hit" and a.record is not None}
     if hit_choices:
         check: CheckReply = await _work(ctx, CheckRequest(prep.prepared, prep.tasks, hit_choices, ctx.ranges),
-                                        CheckReply, "checking bank entries")  # fmt: skip
+                                        "checking bank entries")  # fmt: skip
         for tid, why in check.failures.items():
             ctx.notes.append(f"bank entry for {tid} ignored: {why}")
             answers[tid] = bankrules.BankAnswer("miss")
@@ -199,58 +203,140 @@ async def run_stages(ctx: JobContext) -> JobResult:
             r.update_mode, r.bank_layer = "hit", f"{a.layer} (default stays best)"
             r.before_us = r.after_us = a.default_us
             chosen[t.id] = DEFAULT
+    return Known(results, restored, to_tune, hits, chosen, lossy_cost, model_ans)
 
-    budget, decided = await _search(ctx, tasks, to_tune, results, hits)
-    decided = [*restored.values(), *decided]
+
+@dataclass(frozen=True)
+class Searched:
+    """Every task's choice after the search, with what a lossy choice falls back to."""
+
+    budget: Budget
+    #: the decisions of this run's task agents and of the interrupted run, in that order
+    decided: list[TaskDecision]
+    #: the strategy per task: the bank's, else the search's
+    chosen: dict[str, str]
+    fallback: dict[str, str]
+    fallback_us: dict[str, float]
+    lossy_cost: dict[str, tuple[float, float]]
+    #: candidates that failed, and trials measured, over the task agents
+    failed: int
+    trials: int
+
+
+async def search(ctx: JobContext, model: Prepared, known: Known) -> Searched:
+    """Profile, set the budget, and run one task agent per task the bank did not answer
+    (`_search`); collect their decisions with the bank's and the restored ones."""
+    budget, agents = await _search(ctx, model.tasks, known.to_tune, known.results, known.hits)
+    decided = [*known.restored.values(), *agents]
+    chosen, lossy_cost = dict(known.chosen), dict(known.lossy_cost)
     fallback: dict[str, str] = {}
     fallback_us: dict[str, float] = {}
-    failed = sum(d.failed_candidates for d in decided)
-    trials = sum(d.trials for d in decided)
     for d in decided:
         chosen[d.task.id] = d.strategy
         fallback[d.task.id] = d.fallback
         fallback_us[d.task.id] = d.fallback_us
         if d.lossy_cost is not None:
             lossy_cost[d.task.id] = d.lossy_cost
+    return Searched(budget, decided, chosen, fallback, fallback_us, lossy_cost,
+                    sum(d.failed_candidates for d in decided), sum(d.trials for d in decided))  # fmt: skip
 
-    assembled = ws.scratch / "assembled.onnx"
+
+@dataclass(frozen=True)
+class Assembled:
+    """The model with every task's choice applied, and its end-to-end accuracy (lossy)."""
+
+    path: Path
+    #: the choices it holds (lossy ones backed off to meet the accuracy budget)
+    chosen: dict[str, str]
+    e2e_gate: dict[str, float] | None
+
+
+async def assemble(ctx: JobContext, known: Known, found: Searched) -> Assembled:
+    """Build the model with every choice applied; under a lossy policy, back lossy
+    choices off until it meets the end-to-end accuracy budget, then commit the lossy
+    choices' bank writes (or their fallbacks')."""
+    assert ctx.prep is not None
+    path = ctx.workspace.scratch / "assembled.onnx"
+    chosen = dict(found.chosen)
     ctx.ledger.enter("assemble")
-    await ctx.assemble([Build(assembled, dict(chosen))])
+    await ctx.assemble([Build(path, dict(chosen))])
     e2e_gate: dict[str, float] | None = None
     if ctx.policy.lossy:
         ctx.ledger.enter("accuracy")
         await ctx.stage("checking accuracy end to end")
-        e2e_gate = await hold_to_budget(ctx, chosen, fallback, lossy_cost, results, assembled, fallback_us)
+        e2e_gate = await hold_to_budget(ctx, chosen, found.fallback, dict(found.lossy_cost), known.results, path,
+                                        found.fallback_us)  # fmt: skip
     # Lossy choices reach the bank only now, as what the model kept.
-    for d in decided:
+    for d in found.decided:
         if d.pending is not None:
             kept = chosen[d.task.id] == d.strategy
             w = d.pending if kept else d.fallback_write
             if w is not None and (w.entries or w.defaults):
                 await ctx.write_bank(w)
             if not kept:
-                results[d.task.id].update_mode = d.fallback_mode
+                known.results[d.task.id].update_mode = d.fallback_mode
+    return Assembled(path, chosen, e2e_gate)
 
+
+async def session_options(
+    ctx: JobContext, model: Prepared, known: Known, found: Searched, assembled: Assembled
+) -> SessionChoice:
+    """Model-wide session options for the assembled model (the bank's, or searched
+    within what the budget has left)."""
     ctx.ledger.enter("session")
-    session = await search_session(ctx, assembled, prep.model_signature, model_ans, budget)
-    trials += session.trials
-    total = len(tasks) + 1
+    session = await search_session(ctx, assembled.path, model.prep.model_signature, known.model_ans, found.budget)
+    total = len(model.tasks) + 1
     ctx.emit("progress", "session options", total, total)
+    return session
 
-    digests = {t.id: t.signature.digest for t in tasks}
-    from_bank = not to_tune and session.mode == "hit"
-    cached = bankrules.confirmed(model_ans) if from_bank and not opts.repeat_tune else None
-    choice_key = bankrules.choices_digest(tasks, chosen, session.options)
+
+@dataclass(frozen=True)
+class Proposal:
+    """What verification proposes to ship, and the confirmation the bank holds of
+    exactly these choices and options (None: the confirming A/B runs)."""
+
+    verified: Verified
+    cached: dict[str, Any] | None
+
+
+async def verify_stage(
+    ctx: JobContext, model: Prepared, known: Known, found: Searched, assembled: Assembled, session: SessionChoice
+) -> Proposal:
+    """Verify the assembled model end to end against the input (verify.py), unless
+    every choice came from the bank, which also holds their confirmation."""
+    from_bank = not known.to_tune and session.mode == "hit"
+    cached = bankrules.confirmed(known.model_ans) if from_bank and not ctx.opts.repeat_tune else None
+    choice_key = bankrules.choices_digest(model.tasks, assembled.chosen, session.options)
     if cached is not None and cached.get("choices") == choice_key:
-        v = Verified(dict(chosen), session.options, "tuned", "assembled", None, None,
+        v = Verified(dict(assembled.chosen), session.options, "tuned", "assembled", None, None,
                      [f"verification and the confirming A/B answered from the bank (job {cached.get('job', '?')})"])  # fmt: skip
     else:
         cached = None
         ctx.ledger.enter("verify")
         await ctx.stage("verifying end to end")
-        v = await verify(ctx, chosen, fallback, results, assembled, session.options, budget, from_bank=from_bank)
+        v = await verify(ctx, dict(assembled.chosen), found.fallback, known.results, assembled.path, session.options,
+                         found.budget, from_bank=from_bank)  # fmt: skip
     ctx.notes.extend(v.notes)
+    return Proposal(v, cached)
 
+
+@dataclass(frozen=True)
+class Confirmed:
+    """The confirming A/B's verdict, the file that ships and what it holds."""
+
+    #: the proposal as confirmed (intra-op threads may have been dropped before the A/B)
+    verified: Verified
+    confirmation: confirm.Confirmation
+    ship: Path
+    #: the session options' rounds (with, without) when the A/B kept them
+    evidence: tuple | None
+    choices: dict[str, str]
+    options: dict[str, Any]
+
+
+async def confirm_stage(ctx: JobContext, proposal: Proposal, budget: Budget) -> Confirmed:
+    """The confirming A/B of the proposal (`_confirm`): what ships."""
+    v, cached = proposal.verified, proposal.cached
     ctx.ledger.enter("confirm")
     await ctx.stage("confirming")
     if cached is None and fewer_threads(v.options, ctx.device.cores):
@@ -263,11 +349,21 @@ async def run_stages(ctx: JobContext) -> JobResult:
             ctx.notes.append(f"{busy} (intra_op_num_threads={dropped} dropped before the confirming A/B)")
     conf, ship, evidence = await _confirm(ctx, v, cached, budget)
     ctx.notes.extend(conf.notes)
-    shipped_choices = v.choices if conf.shipped == "tuned" else {}
-    shipped_options = v.options if conf.options_kept else {}
+    return Confirmed(v, conf, ship, evidence, v.choices if conf.shipped == "tuned" else {},
+                     v.options if conf.options_kept else {})  # fmt: skip
+
+
+async def remember(
+    ctx: JobContext, model: Prepared, known: Known, session: SessionChoice, proposal: Proposal, confirmed: Confirmed
+) -> None:
+    """Keep the model-level record in the bank (`remember_context`): the options that
+    shipped, the tasks reverted in this model's context and the confirmation; then mark
+    the tasks whose choice did not ship as not applied."""
+    tasks, results, model_ans, conf = model.tasks, known.results, known.model_ans, confirmed.confirmation
+    digests = {t.id: t.signature.digest for t in tasks}
     reverted = [digests[tid] for tid, r in results.items() if r.error.startswith(REVERTED)]
     confirmed_doc = cached_json = ""
-    if cached is not None:
+    if proposal.cached is not None:
         cached_json = str(model_ans.record.params.get("confirmed") if model_ans.record else
                           (model_ans.default or {}).get("confirmed", ""))  # fmt: skip
     else:
@@ -278,21 +374,30 @@ async def run_stages(ctx: JobContext) -> JobResult:
             tid: r.strategy for tid, r in results.items()
             if r.update_mode not in ("skipped", "failed") and digests[tid] not in reverted
         }  # fmt: skip
-        stored_options = shipped_options if conf.shipped != "input" else {}
+        stored_options = confirmed.options if conf.shipped != "input" else {}
         confirmed_doc = conf.params(bankrules.choices_digest(tasks, stored, stored_options), ctx.job_id)
     await remember_context(
-        ctx, prep.model_signature, model_ans,
-        SessionChoice(shipped_options if conf.shipped != "input" else {}, session.mode, session.write),
-        reverted, confirmed_doc or cached_json, evidence, conf.baseline_ms * 1000,
+        ctx, model.prep.model_signature, model_ans,
+        SessionChoice(confirmed.options if conf.shipped != "input" else {}, session.mode, session.write),
+        reverted, confirmed_doc or cached_json, confirmed.evidence, conf.baseline_ms * 1000,
     )  # fmt: skip
     for tid, r in results.items():
-        if r.strategy != DEFAULT and r.applied and shipped_choices.get(tid) != r.strategy:
+        if r.strategy != DEFAULT and r.applied and confirmed.choices.get(tid) != r.strategy:
             r.applied = False
             r.error = r.error or f"not applied: the confirming A/B shipped {conf.shipped}"
 
+
+async def outputs(
+    ctx: JobContext, model: Prepared, known: Known, found: Searched, assembled: Assembled, session: SessionChoice,
+    confirmed: Confirmed,
+) -> JobResult:
+    """Put the file that ships in place and write the result JSON; returns the job's
+    result (the figures are the confirming A/B's)."""
+    opts, ws, results = ctx.opts, ctx.workspace, known.results
+    conf, v = confirmed.confirmation, confirmed.verified
     tuned_path = ws.tuned_model_path()
     ctx.ledger.enter("outputs")
-    await _ship(ctx, ship, tuned_path, shipped_choices, shipped_options)
+    await _ship(ctx, confirmed.ship, tuned_path, confirmed.choices, confirmed.options)
     ctx.ledger.enter(None)
     ledger = ctx.ledger
     resources = {
@@ -301,10 +406,10 @@ async def run_stages(ctx: JobContext) -> JobResult:
         "device_requests": ledger.device_requests,
         "compile_s": round(ledger.compile_s, 3),
         "compile_requests": ledger.compile_requests,
-        "trials": trials,
+        "trials": found.trials + session.trials,
         "attempt": ctx.attempt,
-        "attempts": _attempts(ctx, decided, session.trials),
-        "failed_candidates": failed,
+        "attempts": _attempts(ctx, found.decided, session.trials),
+        "failed_candidates": found.failed,
         "peak_worker_rss_mb": round(ledger.peak_child_rss_mb, 1),
         "engine_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0, 1),
         "device_intervals": [(round(a, 6), round(b, 6)) for a, b in ledger.device_intervals],
@@ -312,8 +417,8 @@ async def run_stages(ctx: JobContext) -> JobResult:
     accuracy: dict[str, Any]
     if ctx.policy.lossy and ctx.accuracy is not None and conf.shipped != "input":
         accuracy = ctx.accuracy.report()
-    elif e2e_gate is not None and conf.shipped != "input":
-        accuracy = dict(e2e_gate)
+    elif assembled.e2e_gate is not None and conf.shipped != "input":
+        accuracy = dict(assembled.e2e_gate)
     else:
         accuracy = {"max_abs_error": 0.0, "max_rel_error": 0.0, "cosine": 1.0} if conf.shipped == "input" else (
             v.final.accuracy() if v.final is not None else {})  # fmt: skip
@@ -328,15 +433,15 @@ async def run_stages(ctx: JobContext) -> JobResult:
         tuning_time_s=ledger.elapsed_s,
         precision=opts.precision,
         device=str(opts.device),
-        session_options=shipped_options,
+        session_options=confirmed.options,
         tasks=sorted(results.values(), key=lambda r: -r.share),
         repo=bankrules.repo_summary([r.update_mode for r in results.values()] + [session.mode]),
         accuracy=accuracy,
         verified=v.outcome,
         notes=ctx.notes,
-        calibration=samples.source,
+        calibration=model.samples.source,
         resources=resources,
-        timeline=_timeline(decided),
+        timeline=_timeline(found.decided),
         budget={
             "task_min_cosine": ctx.policy.task_min_cosine,
             "task_max_rel_error": ctx.policy.task_max_rel_error,
@@ -345,7 +450,7 @@ async def run_stages(ctx: JobContext) -> JobResult:
         },
         confirmation=conf.to_json(),
         decision=_decision(v),
-        device_budget=budget.report(),
+        device_budget=found.budget.report(),
         device_info=_device_info(ctx),
     )
     json_path = await trio.to_thread.run_sync(ws.reserve_result, opts.job_type)
@@ -353,6 +458,58 @@ async def run_stages(ctx: JobContext) -> JobResult:
     await trio.to_thread.run_sync(write_json, json_path, result_json(result, opts.job_type))
     await resume.forget(ctx)
     return result
+
+
+async def _work(ctx: JobContext, request, what: str):
+    """One request to the compile pool about the job's model (`pool.model_step`)."""
+    return await model_step(ctx.pool, request, ctx.ledger, ctx.opts.model, what)
+
+
+async def _gate_lossy_hits(ctx: JobContext, tasks: list[Task], answers: dict[str, bankrules.BankAnswer]) -> None:
+    """A lossy bank entry was judged on another model's weights: check it on this one's
+    (its task's real activations, this model's weights) before it is applied; one that
+    fails the task's accuracy gate is tuned again, as a miss."""
+    assert ctx.prep is not None
+    lossy = {
+        t.id: a.record for t in tasks if (a := answers[t.id]).kind == "hit" and a.record is not None
+        and ctx.registry.get(t.family, a.record.strategy).precision != "exact"
+    }  # fmt: skip
+    if not lossy:
+        return
+    by_id = {t.id: t for t in tasks}
+    root = ctx.workspace.scratch / "gate"
+    await _work(ctx, ExtractRequest(ctx.prep.prepared, tuple(by_id[t] for t in lossy), ctx.held_back[0], root),
+                "extracting tasks")  # fmt: skip
+    for tid, rec in lossy.items():
+        d = root / tid
+        cands = [Candidate(DEFAULT, d / "default.onnx")]
+        for name in (DEFAULT, rec.strategy):
+            req = CompileRequest(d / "task.onnx", by_id[tid].family, name, f"aoe/{tid}", d / f"{name}.onnx", ctx.ranges)
+            try:
+                reply: CompileReply = await ctx.pool.call(req, ctx.ledger)
+            except AoedError:  # as in the search: a failed build is the candidate's
+                break
+            if not reply.applicable:
+                break
+        else:
+            cands.append(Candidate(rec.strategy, d / f"{rec.strategy}.onnx"))
+        why = "its strategy no longer builds here"
+        if len(cands) == 2:
+            try:
+                m = await ctx.measure(cands, DEFAULT, 0.05, d / "inputs.npz", MeasurePlan(0.05, 1, 1, 1),
+                                      category="verify")  # fmt: skip
+            except DeviceError as exc:
+                m, why = {}, f"its accuracy could not be measured ({exc})"
+            got = m.get(rec.strategy)
+            if got is not None and got.ok and ctx.policy.task_ok(got.accuracy()):
+                continue
+            if got is not None and got.ok:  # as in the search: the model may absorb what the task alone does not
+                ok, detail = incontext.verdict(ctx, await incontext.model_accuracy(ctx, by_id[tid], rec.strategy))
+                if ok:
+                    continue
+                why = f"on this model's weights it was {detail}"
+        ctx.notes.append(f"bank entry {rec.strategy} for {tid} not applied: {why}; tuned again")
+        answers[tid] = bankrules.BankAnswer("miss")
 
 
 def _device_info(ctx: JobContext) -> dict[str, Any]:
@@ -548,7 +705,7 @@ async def _search(
     async def profile() -> None:
         nonlocal model_us, load_rate
         try:
-            reply = await ctx.device.call(
+            prof: ProfileReply = await ctx.device.call(
                 ProfileRequest(prep.prepared, ctx.held_back[0], ctx.workspace.scratch, opts.device), ctx.ledger,
                 category="profile",
             )  # fmt: skip
@@ -556,7 +713,6 @@ async def _search(
             ctx.notes.append(f"profiling failed ({exc}); tasks tuned in graph order with equal shares")
             share.update({t.id: 1.0 / len(tasks) for t in tasks})
             return
-        prof = from_wire(ProfileReply, reply)
         model_us = prof.total_us
         mib = model_mib([prep.prepared])
         if prof.load_s > 0 and mib > 0:
@@ -571,7 +727,7 @@ async def _search(
     async with trio.open_nursery() as nursery:
         nursery.start_soon(profile)
         nursery.start_soon(_work, ctx, ExtractRequest(prep.prepared, tuple(to_tune), ctx.held_back[0],
-                                                      ctx.workspace.scratch / "tasks"), None, "extracting tasks")  # fmt: skip
+                                                      ctx.workspace.scratch / "tasks"), "extracting tasks")  # fmt: skip
     if opts.budget_s is not None:
         budget = Budget(opts.budget_s, ctx.ledger, True, load_rate)
     else:
@@ -595,6 +751,7 @@ async def _search(
         d = await TaskAgent(ctx, t, results[t.id], hits.get(t.id), slices[t.id], budget).run()
         d.decided_at = ctx.ledger.elapsed_s
         decided.append(d)
+        ctx.notes.extend(d.notes)
         ctx.emit("progress", "tasks", total - 1 - len(to_tune) + len(decided), total)
 
     async with trio.open_nursery() as nursery:
