@@ -25,7 +25,10 @@ from aoe.errors import (
     BankError,
     DaemonUnavailableError,
     JobCancelledError,
+    JobStateError,
+    NotFoundError,
     OptionError,
+    PermissionDeniedError,
     ResourceExhaustedError,
 )
 from aoe.v1 import bank_pb2, bank_pb2_grpc, tuning_pb2, tuning_pb2_grpc
@@ -64,8 +67,9 @@ def _aborting(service: str, method: str, request_type, response_type, code: grpc
     ("code", "cls", "exit_code"),
     [
         (grpc.StatusCode.INVALID_ARGUMENT, OptionError, 2),
-        (grpc.StatusCode.NOT_FOUND, OptionError, 2),
-        (grpc.StatusCode.FAILED_PRECONDITION, AoedError, 1),
+        (grpc.StatusCode.NOT_FOUND, NotFoundError, 2),
+        (grpc.StatusCode.PERMISSION_DENIED, PermissionDeniedError, 1),
+        (grpc.StatusCode.FAILED_PRECONDITION, JobStateError, 1),
         (grpc.StatusCode.UNAVAILABLE, DaemonUnavailableError, 7),
         (grpc.StatusCode.RESOURCE_EXHAUSTED, ResourceExhaustedError, 8),
         (grpc.StatusCode.CANCELLED, JobCancelledError, 130),

@@ -23,8 +23,7 @@ import trio
 
 from aoe.config import load_config
 from aoe.device import Device
-from aoe.errors import AoedError
-from aoed.errors import NotFoundError, RpcError
+from aoe.errors import AoedError, NotFoundError, ResourceExhaustedError
 from aoed.config import DaemonConfig, Inbox
 from aoed.jobs.manager import Submission
 from aoed.jobs.store import JobRow, JobStore
@@ -330,7 +329,7 @@ async def test_a_full_queue_keeps_the_file_claimed_until_it_is_accepted(tmp_path
     cfg = _config(tmp_path, stable_s=0.2)
     store = _store(tmp_path)
     jobs = Jobs(store)
-    jobs.refuse = [RpcError("RESOURCE_EXHAUSTED", "64 jobs are queued") for _ in range(2)]
+    jobs.refuse = [ResourceExhaustedError("64 jobs are queued") for _ in range(2)]
     async with _watching(cfg, jobs, retry_s=0.1):
         (cfg.inboxes[0].path / "q.onnx").write_bytes(MODEL)
         await _until(lambda: len(jobs.submitted) == 1)

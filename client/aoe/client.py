@@ -27,8 +27,8 @@ from typing import IO, Any
 import grpc
 from google.protobuf import json_format
 
-from aoe.errors import AoedError, BankError, DaemonUnavailableError, JobCancelledError, ModelError, OptionError
-from aoe.errors import ResourceExhaustedError
+from aoe.errors import AoedError, BankError, DaemonUnavailableError, JobCancelledError, JobStateError, ModelError
+from aoe.errors import NotFoundError, OptionError, PermissionDeniedError, ResourceExhaustedError
 from aoe.jobtypes import parse_job_type
 from aoe.modelfile import check_model_file
 from aoe.v1 import bank_pb2, bank_pb2_grpc, daemon_pb2, daemon_pb2_grpc, devices_pb2, devices_pb2_grpc
@@ -81,8 +81,9 @@ def _error(exc: grpc.RpcError, target: str, bank: bool = False) -> AoedError:
         details = f"not found: {details}"
     cls = {
         grpc.StatusCode.INVALID_ARGUMENT: OptionError,
-        grpc.StatusCode.NOT_FOUND: OptionError,
-        grpc.StatusCode.FAILED_PRECONDITION: BankError if bank else AoedError,
+        grpc.StatusCode.NOT_FOUND: NotFoundError,
+        grpc.StatusCode.PERMISSION_DENIED: PermissionDeniedError,
+        grpc.StatusCode.FAILED_PRECONDITION: BankError if bank else JobStateError,
         grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhaustedError,
         grpc.StatusCode.CANCELLED: JobCancelledError,
     }.get(code, AoedError)
@@ -303,12 +304,10 @@ class Client:
         ResourceExhaustedError when it is larger than the daemon accepts."""
         path = Path(path)
         self._check_socket()
-        digest, size = hashlib.sha256(), 0
         try:
             with open(path, "rb") as f:
-                while chunk := f.read(CHUNK):
-                    digest.update(chunk)
-                    size += len(chunk)
+                digest = hashlib.file_digest(f, "sha256")
+                size = f.tell()
         except OSError as exc:
             raise ModelError(f"{path}: {exc.strerror or exc}") from None
         sha = digest.hexdigest()

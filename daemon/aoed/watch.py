@@ -43,7 +43,8 @@ import trio
 import watchfiles
 
 from aoe import figures
-from aoe.errors import AoedError, ModelError, OptionError
+from aoe.errors import AoedError, DaemonUnavailableError, ModelError, NotFoundError, OptionError
+from aoe.errors import ResourceExhaustedError
 from aoed import safefs
 from aoed.config import DaemonConfig, Inbox
 from aoed.jobs.manager import JobManager, Submission, options_from_dict
@@ -76,11 +77,6 @@ def _ignored(name: str) -> bool:
 
 def _candidate(name: str) -> bool:
     return not _ignored(name) and name.lower().endswith(".onnx")
-
-
-def _status(exc: AoedError) -> str:
-    """The gRPC status name an error maps to."""
-    return exc.grpc_status
 
 
 @dataclass(eq=False)
@@ -501,7 +497,7 @@ class Watcher:
                 row, joined = await self._jobs.submit(Submission(model=model, options=opts,
                                                                  source=f"inbox:{claim.inbox}"))  # fmt: skip
             except AoedError as exc:
-                if _status(exc) in ("RESOURCE_EXHAUSTED", "UNAVAILABLE"):
+                if isinstance(exc, ResourceExhaustedError | DaemonUnavailableError):
                     log.info("inbox %s: %s waits (%s)", claim.inbox, model.name, exc)
                     await trio.sleep(self.retry_s)
                     continue
@@ -564,13 +560,13 @@ class Watcher:
         for c in self._store.claims("claimed"):
             try:
                 row = self._jobs.get(c.job_id)
-            except AoedError as exc:
-                if _status(exc) != "NOT_FOUND":
-                    log.error("inbox %s: job %s: %s", c.inbox, c.job_id, exc)
-                    continue
+            except NotFoundError:
                 row = JobRow(id=c.job_id, state=FAILED, model_path=c.dst, model_name=Path(c.dst).name,
                              model_sha256="", dedup_key="", options={}, output_dir="",
                              error="the job's record is gone (removed after its retention?)")  # fmt: skip
+            except AoedError as exc:
+                log.error("inbox %s: job %s: %s", c.inbox, c.job_id, exc)
+                continue
             if row.final:
                 self._queue(row)
 

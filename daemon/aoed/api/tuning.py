@@ -26,13 +26,12 @@ from typing import Any
 import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from aoe.errors import AoedError, OptionError
+from aoe.errors import AoedError, JobStateError, NotFoundError, OptionError, PermissionDeniedError
 from aoe.figures import Figures
 from aoe.jobtypes import DEFAULT_JOB_TYPE
 from aoe.v1 import bank_pb2, tuning_pb2, tuning_pb2_grpc
 from aoed import safefs, space
 from aoed.api._bridge import Bridge, status_of
-from aoed.errors import NotFoundError, PermissionDeniedError, RpcError
 from aoed.config import DaemonConfig
 from aoed.jobs import sizes
 from aoed.jobs import store as st
@@ -395,11 +394,9 @@ class TuningServicer(tuning_pb2_grpc.TuningServiceServicer):
 
     def DownloadResult(self, request, context) -> Iterator[tuning_pb2.DownloadResultResponse]:
         path = self._bridge.call(context, self._artifact, request.job_id, request.artifact)
-        h = hashlib.sha256()
         try:
             with open(path, "rb") as f:
-                while chunk := f.read(CHUNK):
-                    h.update(chunk)
+                h = hashlib.file_digest(f, "sha256")
                 size = f.tell()
                 yield tuning_pb2.DownloadResultResponse(header=tuning_pb2.DownloadHeader(
                     file_name=path.name, sha256=h.hexdigest(), size_bytes=size))  # fmt: skip
@@ -412,7 +409,7 @@ class TuningServicer(tuning_pb2_grpc.TuningServiceServicer):
     async def _artifact(self, job_id: str, artifact: int) -> Path:
         row = self._jobs.get(job_id)
         if row.state != st.SUCCEEDED or not row.result:
-            raise RpcError("FAILED_PRECONDITION",
+            raise JobStateError(
                            f"job {job_id} is {row.state}: only a succeeded job has results to download")  # fmt: skip
         if artifact == tuning_pb2.RESULT_ARTIFACT_RESULT_JSON:
             return Path(row.result["result_json"])

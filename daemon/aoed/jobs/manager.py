@@ -48,10 +48,10 @@ import trio
 
 from aoe.jobtypes import DEFAULT_JOB_TYPE, parse_job_type
 from aoe.device import Device
-from aoe.errors import AoedError, DiskFullError, JobCancelledError, OptionError
+from aoe.errors import AoedError, DaemonUnavailableError, DiskFullError, JobCancelledError, NotFoundError, OptionError
+from aoe.errors import PermissionDeniedError, ResourceExhaustedError
 from aoed import safefs, space
 from aoed.config import DaemonConfig
-from aoed.errors import NotFoundError, PermissionDeniedError, RpcError
 from aoed.engine.budget import check_budget
 from aoed.engine.engine import Engine
 from aoed.engine.job import JobHandle, JobOptions, JobResult
@@ -65,7 +65,7 @@ from aoed.jobs.backlog import Backlog
 from aoed.jobs.store import EventRow, JobRow, JobStore, StoreError, Upload
 from aoed.jobs.uploads import UploadLedger
 
-__all__ = ["MODEL_FILE", "JobManager", "Submission", "options_from_dict", "sha256_file", "shown_path"]
+__all__ = ["MODEL_FILE", "JobManager", "Submission", "options_from_dict", "shown_path"]
 
 #: The key in a job's stored options for the model file's [device, inode] at submit.
 MODEL_FILE = "model_file"
@@ -86,14 +86,6 @@ _STAGE_STATES = (
 )  # fmt: skip
 
 
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _hash_checked(path: Path, checked: os.stat_result) -> str:
     """The sha256 of the file at `path`, read through a descriptor that must still be
     the file `checked` was (the same inode, one link): a file swapped in since the
@@ -108,10 +100,7 @@ def _hash_checked(path: Path, checked: os.stat_result) -> str:
         with os.fdopen(fd, "rb") as f:
             now = os.fstat(f.fileno())
             if (now.st_dev, now.st_ino) == (checked.st_dev, checked.st_ino):
-                h = hashlib.sha256()
-                while chunk := f.read(1 << 20):
-                    h.update(chunk)
-                return h.hexdigest()
+                return hashlib.file_digest(f, "sha256").hexdigest()
             why = "another file took its name"
     raise PermissionDeniedError(f"{path}: the file changed while it was checked ({why}); the daemon reads only the "
                                 "file it checked: submit it again once nobody changes it")  # fmt: skip
@@ -357,13 +346,13 @@ class JobManager:
 
     async def submit(self, sub: Submission) -> tuple[JobRow, bool]:
         """Record a job for `sub` (or join the active one with the same content and
-        options); returns (job, joined). Raises RpcError(RESOURCE_EXHAUSTED) when the
-        queue is full, UNAVAILABLE while shutting down; PermissionDeniedError for a
+        options); returns (job, joined). Raises ResourceExhaustedError when the
+        queue is full, DaemonUnavailableError while shutting down; PermissionDeniedError for a
         daemon-side file with several hard links (before anything opens it); ModelError
         for one over [engine] max_model_mb, or whose estimated peak is more than an
         engine process may use (memory.py)."""
         if self._stopping:
-            raise RpcError("UNAVAILABLE", "the daemon is shutting down; submit again after it restarts")
+            raise DaemonUnavailableError("the daemon is shutting down; submit again after it restarts")
         space.check_floor(self.cfg.state_dir, self.cfg.min_free_bytes, "SubmitJob")
         size = sub.upload.size if sub.upload is not None else 0
         if sub.upload is None:  # refused before hashing it: the limit is there so nobody reads 9 GiB
@@ -392,12 +381,12 @@ class JobManager:
                 return self.get(same.id), True
             mine = self.store.count_active(sub.source)
             if mine >= self.cfg.max_jobs_per_client:
-                raise RpcError("RESOURCE_EXHAUSTED",
+                raise ResourceExhaustedError(
                                f"{sub.source} has {mine} jobs queued or running (the limit per client is "
                                f"{self.cfg.max_jobs_per_client}); submit again when one has finished")  # fmt: skip
             queued, _ = self.counts()
             if queued >= self.cfg.max_queued_jobs:
-                raise RpcError("RESOURCE_EXHAUSTED",
+                raise ResourceExhaustedError(
                                f"{queued} jobs are queued (the limit is {self.cfg.max_queued_jobs}); try again later")  # fmt: skip
             job_id = f"job-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"
             out = sub.output_dir or self.cfg.jobs_dir / job_id
