@@ -245,7 +245,7 @@ async def test_bad_records_are_refused_and_nothing_is_written_before_all_are_che
 
 
 def _encoded(record) -> bytes:
-    from aoed.bank._codec import encode
+    from aoe.bankrecord import encode
 
     return encode(record)
 

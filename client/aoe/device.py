@@ -91,7 +91,7 @@ class Device:
         return self.kind == "cpu"
 
     def default_providers(self) -> list[list[Any]]:
-        """The providers a session on this device names (aoe._session's `providers`),
+        """The providers a session on this device names (aoe.sessionopts's `providers`),
         before any is tuned: its own with the device's options; a TensorRT device falls
         back to CUDA for what TensorRT does not build (onnxruntime's own arrangement);
         the CPU names none (it always comes last)."""

@@ -23,6 +23,7 @@ from aoe import errors
 from aoe.device import Device
 from aoe.partition import Task
 from aoe.signature import TaskSignature, TensorInfo
+from aoe.spec import Stage
 from aoed.engine.prep import Limits
 
 __all__ = [
@@ -515,9 +516,12 @@ class Accuracy:
 
 @dataclass(frozen=True)
 class JobEvent:
-    """What a job tells whoever watches it (a progress bar, a gRPC stream)."""
+    """What a job tells whoever watches it (a progress bar, a gRPC stream). A "stage"
+    event names its `stage`: what follows it (a job's state) goes by that, never by the
+    message, which is for people."""
 
     kind: str  # stage | progress | task | wait | log
     message: str = ""
     done: int = 0
     total: int = 0
+    stage: Stage | None = None

@@ -158,7 +158,7 @@ def measure(req: dict[str, Any]) -> dict[str, Any]:
 
 
 def profile(req: dict[str, Any]) -> dict[str, Any]:
-    from aoe._session import make_session_options
+    from aoe.sessionopts import make_session_options
 
     feeds = _load_inputs(req["inputs"])
     device = _device(req)

@@ -191,7 +191,7 @@ class Daemon:
         self.cfg = kept
         if self.jobs is not None:
             self.jobs.cfg = kept
-            self.jobs._poke()
+            self.jobs.wake()
         if self.watcher is not None:
             self.watcher.reload(kept)
         log.info("aoed: SIGHUP: reloaded inboxes and limits")
