@@ -13,7 +13,8 @@ The model is not part of a spec: every edge names it apart (a positional argumen
 request's model_path or model_id, the dropped file, the job row's model_path), and the
 daemon moves it (an upload becomes a kept input) while the spec stays the same.
 
-Light on purpose (no onnx, no grpc): the CLI and the gRPC client build specs.
+Light on purpose (no onnx, no grpc): the CLI and the gRPC client build specs
+(tests/test_light_client.py holds this).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from aoe import sizes
+from aoe.device import Device
 from aoe.errors import OptionError
 
 __all__ = [
@@ -232,8 +234,6 @@ class JobSpec:
         if not -10 <= self.priority <= 10:
             raise SpecError("priority", f"{self.priority}: must be between -10 and 10")
         if self.device is not None:
-            from aoe.device import Device  # (onnx, through the fingerprints: only when a device is named)
-
             try:
                 set_(self, "device", Device.parse(str(self.device)).name)
             except OptionError as exc:

@@ -30,7 +30,7 @@ from pathlib import Path
 import trio
 
 from aoe.errors import AoedError
-from aoed.api._bridge import Bridge
+from aoed.api import Bridge
 from aoed.api.info import DaemonServicer, DeviceServicer
 from aoed.api.server import Server, build_server, register
 from aoed.api.tuning import TuningServicer

@@ -14,13 +14,14 @@ would make an error message huge.
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import os
 import re
 import sys
 from collections.abc import Mapping
 
-__all__ = ["EscapingFormatter", "configure", "cut", "printable", "stderr_is_journal"]
+__all__ = ["CURRENT_JOB", "EscapingFormatter", "configure", "current_job", "cut", "printable", "stderr_is_journal"]
 
 _PRIORITY = {logging.DEBUG: 7, logging.INFO: 6, logging.WARNING: 4, logging.ERROR: 3, logging.CRITICAL: 2}
 
@@ -76,12 +77,20 @@ def stderr_is_journal(env: Mapping[str, str] | None = None) -> bool:
     return st.st_dev == int(dev) and st.st_ino == int(ino)
 
 
+#: The job on whose behalf the running task works ("" outside jobs): the engine sets it
+#: around each job, and log records made under it name the job (and go to its log).
+CURRENT_JOB: contextvars.ContextVar[str] = contextvars.ContextVar("aoed_job", default="")
+
+
+def current_job() -> str:
+    """The id of the job on whose behalf the calling task works ("" outside jobs)."""
+    return CURRENT_JOB.get()
+
+
 class _JobTag(logging.Filter):
     """Adds `record.job` ("job=<id> " or "") from the engine's current-job context."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        from aoed.engine.engine import current_job
-
         job = current_job()
         record.job = f"job={job} " if job else ""
         return True

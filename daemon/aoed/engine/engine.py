@@ -14,7 +14,6 @@ otherwise the compile workers are stopped while the device measures.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import logging
 import os
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -39,20 +38,12 @@ from aoed.engine.pool import CompilePool
 from aoed.engine.registry import StrategyRegistry
 from aoed.engine.supervisor import run_stages
 from aoed.engine.workspace import Workspace
-from aoed.logs import EscapingFormatter
+from aoed.logs import CURRENT_JOB as _current_job
+from aoed.logs import EscapingFormatter, current_job
 
 __all__ = ["Engine", "current_job", "open_engine", "split_cores"]
 
 log = logging.getLogger(__name__)
-
-#: The job whose task is running: log records from it go to that job's log.
-_current_job: contextvars.ContextVar[str] = contextvars.ContextVar("aoed_job", default="")
-
-
-def current_job() -> str:
-    """The id of the job on whose behalf the calling task works ("" outside jobs)."""
-    return _current_job.get()
-
 
 class _JobFilter(logging.Filter):
     def __init__(self, job_id: str):

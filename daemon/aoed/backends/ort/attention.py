@@ -53,7 +53,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from aoe._attention import mask_fill
+from aoe.attention import mask_fill
 from aoed.backends.ort._rewrite import Nodes, attrs_of, init, int8_weight, scalar
 from aoed.engine.registry import StrategyRegistry
 from aoed.engine.tasks import CONTRIB_DOMAIN, Rewrite, TaskView
