@@ -108,9 +108,9 @@ def to_argv(spec: JobSpec) -> list[str]:
         if value == getattr(default, name):
             continue
         if name == "input_shapes":
-            argv += [a for n, dims in value.items() for a in (flag, f"{n}:{','.join(map(str, dims))}")]
+            argv += [f"{flag}={n}:{','.join(map(str, dims))}" for n, dims in value.items()]
         elif name == "labels":
-            argv += [a for k, v in value.items() for a in (flag, f"{k}={v}")]
+            argv += [f"{flag}={k}={v}" for k, v in value.items()]
         elif isinstance(value, bool):
             argv.append(flag)
         else:

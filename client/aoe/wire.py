@@ -146,6 +146,11 @@ def outcome_to_pb(o: JobOutcome) -> tuning_pb2.JobResult:
     )  # fmt: skip
 
 
+def _older_resources(r: tuning_pb2.JobResult) -> dict[str, float]:
+    """What a result from a daemon without the resources map says of them."""
+    return {"trials": float(r.trials), "device_s": r.device_s} if r.trials or r.device_s else {}
+
+
 def outcome_from_pb(r: tuning_pb2.JobResult, job_id: str = "") -> JobOutcome:
     """The outcome a JobResult message describes (`job_id`: the Job's, which the result
     itself does not repeat). A result from an older daemon reads with defaults where it
@@ -162,7 +167,7 @@ def outcome_from_pb(r: tuning_pb2.JobResult, job_id: str = "") -> JobOutcome:
         job_type=_known(_JOB_TYPE, r.job_type, "job_type", tuning_pb2.JobType, JobType.SGAT_OPAT),
         device=r.device, tuning_time_s=r.tuning_time_s, figures=figures_from_pb(r), tasks=tasks,
         bank={fd.name: getattr(r.repo_summary, fd.name) for fd in r.repo_summary.DESCRIPTOR.fields},
-        resources=dict(r.resources) or {"trials": float(r.trials), "device_s": r.device_s},
+        resources=dict(r.resources) or _older_resources(r),
         budget=_budget_from_pb(r.budget), session_options=json.loads(r.session_options_json or "{}"),
         accuracy=dict(r.accuracy), accuracy_budget=dict(r.accuracy_budget), calibration=r.calibration,
         verified=r.verification, notes=tuple(r.notes),
