@@ -25,9 +25,9 @@ from aoe.outcome import JobOutcome
 from aoe.spec import JobSpec
 from aoe.errors import AoedError, NotFoundError, ResourceExhaustedError
 from aoed.config import DaemonConfig, Inbox
-from aoed.jobs.manager import Submission
+from aoed.jobs.manager import JobManager, Submission
 from aoed.jobs.states import JobState
-from aoed.jobs.store import Claim, JobRow, JobStore
+from aoed.jobs.store import JobRow, JobStore
 from aoed.watch import CLAIM_TRIES, Watcher
 
 MODEL = b"\x08\x07" + bytes(range(256)) * 40  # content only: the watcher never parses models
@@ -70,18 +70,11 @@ class Jobs:
         for fn in self.on_final:
             fn(row)
 
-    # the manager's claims, as JobManager offers them
-    def claims(self, state: str | None = None) -> list[Claim]:
-        return self.store.claims(state)
-
-    def claim_begin(self, src: str, dst: str, inbox: str) -> None:
-        self.store.claim_begin(src, dst, inbox)
-
-    def claim_done(self, src: str, job_id: str) -> None:
-        self.store.claim_done(src, job_id)
-
-    def claim_drop(self, src: str) -> None:
-        self.store.claim_drop(src)
+    # the manager's own claims (they go to `self.store`, as the manager's go to its store)
+    claims = JobManager.claims
+    claim_begin = JobManager.claim_begin
+    claim_done = JobManager.claim_done
+    claim_drop = JobManager.claim_drop
 
     def names(self) -> list[str]:
         return [sub.model.name for sub, _, _ in self.submitted]

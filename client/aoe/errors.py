@@ -60,6 +60,7 @@ __all__ = [
     "OptionError",
     "PermissionDeniedError",
     "ResourceExhaustedError",
+    "single_error",
 ]
 
 
@@ -171,3 +172,15 @@ class DiskFullError(ResourceExhaustedError):
         super().__init__(message)
         self.folder = folder
         self.free_bytes = free_bytes
+
+
+def single_error(group: BaseExceptionGroup) -> BaseException:
+    """The one error to report from a task group that ended with several: the first
+    interrupt, cancellation, AoedError or OSError in it (else the group itself)."""
+    for cls in (KeyboardInterrupt, JobCancelledError, AoedError, OSError):
+        match, _ = group.split(cls)
+        while isinstance(match, BaseExceptionGroup):
+            match = match.exceptions[0]
+        if match is not None:
+            return match
+    return group

@@ -7,7 +7,8 @@ without a daemon: the `aoe` command, and Python callers.
 
     tune / tune_async   one job, JobSpec -> JobOutcome, with progress events and
                         cancellation (a JobHandle, or the caller's cancel scope)
-    apply_bank          the tuned model a bank describes, from the bank alone
+    apply_bank          the tuned model a bank describes, from the bank alone (written at
+                        `output`; returns the per-task report)
     verify_bank         re-measure a sample of a bank's entries on this device
     import_bank, prune_bank, record_trials, sync_bank
                         the bank writes the command line makes without a daemon
@@ -31,9 +32,10 @@ from typing import Any
 
 from aoe.bank import BankReader
 from aoe.config import Config, load_config
-from aoe.errors import AoedError, BankBusyError, JobCancelledError
+from aoe.errors import BankBusyError, single_error
 from aoe.outcome import JobOutcome
 from aoe.spec import JobSpec
+from aoed.bankcompile import compile_model as apply_bank
 from aoed.engine.job import JobHandle
 from aoed.engine.messages import JobEvent
 
@@ -45,24 +47,12 @@ __all__ = [
 Progress = Callable[[JobEvent], None]
 
 
-def _single(group: BaseExceptionGroup) -> BaseException:
-    """The error to report from a task group: the first interrupt, cancellation or
-    AoedError in it (a job's nursery can end with several at once)."""
-    for cls in (KeyboardInterrupt, JobCancelledError, AoedError, OSError):
-        match, _ = group.split(cls)
-        while isinstance(match, BaseExceptionGroup):
-            match = match.exceptions[0]
-        if match is not None:
-            return match
-    return group
-
-
 @contextlib.contextmanager
 def _one_error() -> Iterator[None]:
     try:
         yield
     except BaseExceptionGroup as group:
-        raise _single(group) from None
+        raise single_error(group) from None
 
 
 # --------------------------------------------------------------------------- tune
@@ -111,36 +101,6 @@ def tune(
     with _one_error():
         return trio.run(lambda: tune_async(model, spec, output, config=config, progress=progress,
                                            keep_workspace=keep_workspace))  # fmt: skip
-
-
-# --------------------------------------------------------------------------- compile
-
-
-def apply_bank(
-    model: str | os.PathLike[str],
-    output: str | os.PathLike[str],
-    bank: BankReader,
-    *,
-    input_shapes: dict[str, tuple[int, ...]] | None = None,
-    precision: str = "exact",
-    calibration: str | os.PathLike[str] | None = None,
-    keep_initializer_inputs: bool = False,
-    plugins: Sequence[str] = (),
-    check_options: bool = False,
-    runtime_dir: Path | None = None,
-):
-    """Write at `output` the tuned model `bank` describes for `model` on the bank's
-    device: prepared as tuning prepares it, every task's banked strategy applied, the
-    banked session options in its metadata (re-checked by one short A/B first with
-    `check_options`). Returns the per-task report (an assembly: `tasks`, `session`,
-    `hits`, `misses`, `session_options`, `notes`). Raises ModelError/OptionError/AoedError."""
-    from aoed.bankcompile import compile_model
-
-    return compile_model(
-        model, output, bank, input_shapes, precision, keep_initializer_inputs,
-        calibration=Path(calibration) if calibration is not None else None, plugins=plugins,
-        check_options=check_options, runtime_dir=runtime_dir,
-    )  # fmt: skip
 
 
 # --------------------------------------------------------------------------- verify

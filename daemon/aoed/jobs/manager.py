@@ -46,7 +46,7 @@ from typing import Any
 import trio
 
 from aoe.errors import AoedError, DaemonUnavailableError, DiskFullError, JobCancelledError, NotFoundError, OptionError
-from aoe.errors import PermissionDeniedError, ResourceExhaustedError
+from aoe.errors import PermissionDeniedError, ResourceExhaustedError, single_error
 from aoe.outcome import JobOutcome
 from aoe.spec import JobSpec
 from aoed import safefs, space
@@ -519,7 +519,7 @@ class JobManager:
                 outcome = await self.engine.run_job(self._run_of(row), lambda ev: self._on_engine_event(row, ev),
                                                     live.handle)  # fmt: skip
             except BaseExceptionGroup as group:
-                raise _single(group) from None
+                raise single_error(group) from None
         except JobCancelledError as exc:
             if live.user_cancelled or not self._stopping:
                 self._finish(row, states.Cancel(), error=str(exc))
@@ -583,16 +583,6 @@ def _sweep_inputs(inputs: Path, referenced: set[str]) -> None:
             for f in folder.iterdir():
                 if str(f) not in referenced:
                     _remove_input(f)
-
-
-def _single(group: BaseExceptionGroup) -> BaseException:
-    for cls in (JobCancelledError, AoedError, OSError):
-        match, _ = group.split(cls)
-        while isinstance(match, BaseExceptionGroup):
-            match = match.exceptions[0]
-        if match is not None:
-            return match
-    return group
 
 
 def shown_path(row: JobRow) -> str:
