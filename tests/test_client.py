@@ -310,7 +310,7 @@ def test_job_options_from_a_dict_and_their_errors() -> None:
     assert opts.precision == bank_pb2.PRECISION_INT8 and opts.job_type == tuning_pb2.JOB_TYPE_OPAT
     assert [(s.name, list(s.dims)) for s in opts.input_shapes] == [("x", [1, 3, 8, 8]), ("y", [2])]
     assert (opts.priority, opts.budget_s, opts.accuracy_budget.min_cosine, opts.device) == (-3, 5.0, 0.99, "")
-    with pytest.raises(OptionError, match="precision 'fp3'"):
+    with pytest.raises(OptionError, match="precision fp3: not supported"):
         job_options({"precision": "fp3"})
     with pytest.raises(OptionError, match="'colour': unknown"):
         job_options({"colour": "blue"})

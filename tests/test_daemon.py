@@ -94,7 +94,8 @@ def _bank_keys(bank: Path) -> set[str]:
 
 def test_upload_submit_watch_fetch(daemon: DaemonProcess, tmp_path: Path) -> None:
     path = _model(daemon, "mlp")
-    job_id = _submit(daemon, path)
+    # OPAT alone: its section of the result JSON counts the whole job (sgat+opat splits it)
+    job_id = _submit(daemon, path, job_type=tuning_pb2.JOB_TYPE_OPAT)
     events = _events(daemon, job_id)
     seqs = [e.sequence for e in events]
     assert seqs == list(range(1, len(seqs) + 1)), "sequence numbers start at 1 and have no gaps"

@@ -109,7 +109,8 @@ def _aoe_spelling(argv: Sequence[str]) -> argparse.Namespace:
         raise OptionError(f"--framework {a.framework}: only ONNX (5) models can be tuned here")
     return argparse.Namespace(
         model=a.model, precision=a.precision, input_shape=a.input_shape, bank=a.bank, config=a.config,
-        calibration=a.calibration, bank_layer=[], verbose=0, reload=a.reload, parallel=None, output=a.output,
+        calibration=a.calibration, bank_layer=[], verbose=0, reload=a.reload, repeat_tune=None, parallel=None,
+        output=a.output,
         job_type=a.job_type, device=a.device, keep_workspace=False, no_progress=a.progress_bar == "off", local=False,
         socket=None, run=_tune,
     )  # fmt: skip

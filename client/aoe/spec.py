@@ -119,7 +119,7 @@ def _precision(raw: object) -> Precision:
     try:
         return Precision(str(raw).strip().lower())
     except ValueError:
-        raise SpecError("precision", f"{raw!r}: not supported (choose from: {', '.join(Precision)})") from None
+        raise SpecError("precision", f"{raw}: not supported (choose from: {', '.join(Precision)})") from None
 
 
 def _number(raw: object, name: str) -> float | None:
