@@ -17,15 +17,14 @@ from typing import Any
 from google.protobuf.message import DecodeError
 
 from aoe.bank import PRECISION_CODES, PRECISION_NAMES, default_doc, default_record, parse_key, record_from_json
-from aoe.bankrecord import BankRecord, Measured, decode, encode
+# Their old home, kept importable while work written against it lands: use aoe.bankrecord.
+from aoe.bankrecord import BankRecord, Measured, decode, encode  # noqa: F401
 from aoe.signature import SCHEMA_VERSION, bank_key
 from aoe.v1 import bank_pb2
 
 __all__ = [
-    "BankRecord", "Incoming", "Measured", "batch_from_pb", "check_stored", "decode", "default_us", "encode",
-    "encode_doc", "parse_line", "winner_us",
+    "Incoming", "batch_from_pb", "check_stored", "default_us", "encode_doc", "parse_line", "winner_us",
 ]  # fmt: skip
-
 
 
 def encode_doc(doc: dict[str, Any]) -> bytes:
