@@ -334,7 +334,7 @@ def test_a_big_model_with_a_tiny_budget_says_where_it_went_over_and_keeps_search
     r = run_aoe("tune", str(big), "--budget", "0.6", "--no-progress", "--local", "--bank", str(tmp_path / "bank"),
                 "--output", str(tmp_path / "out"), timeout=300)  # fmt: skip
     assert r.returncode == 0, r.stderr
-    doc = json.loads(next((tmp_path / "out").glob("aoe_result_opat_*.json")).read_text())
+    doc = json.loads(next((tmp_path / "out").glob("aoe_result_*.json")).read_text())
     b = doc["budget"]
     st = b["stages"]
     # Given against spent, per stage, in the order run; what the budget does not cover

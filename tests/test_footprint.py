@@ -58,7 +58,7 @@ def test_a_run_leaves_its_outputs_and_nothing_else(models: Path, tmp_path: Path)
     out = tmp_path / "out"
     r = run_aoe("tune", str(models / "mlp.onnx"), "--output", str(out), "--bank", str(tmp_path / "bank"), *FAST)
     assert r.returncode == 0, r.stderr
-    (result,) = out.glob("aoe_result_opat_*.json")
+    (result,) = out.glob("aoe_result_*.json")
     tag = Path(json.loads(result.read_text())["workspace"]).name
     assert _tree(out) == {
         result.name, "aoe_workspace/", f"aoe_workspace/{tag}/", f"aoe_workspace/{tag}/job.log",
@@ -80,7 +80,7 @@ def test_a_workspace_with_a_link_inside_is_not_taken_over(models: Path, tmp_path
     r = run_aoe("tune", str(models / "mlp.onnx"), "--output", str(out), "--bank", str(tmp_path / "bank"), *FAST)
     assert r.returncode == 0, r.stderr
     assert _tree(victim) == {"work/", "work/keep.txt"}
-    (result,) = out.glob("aoe_result_opat_*.json")
+    (result,) = out.glob("aoe_result_*.json")
     assert Path(json.loads(result.read_text())["workspace"]).name != planted.name
 
 
