@@ -184,20 +184,6 @@ class Figures:
             decided_by=Comparison.from_dict(decided) if isinstance(decided, Mapping) else None,
         )  # fmt: skip
 
-    @classmethod
-    def from_pb(cls, r: Any) -> Figures:
-        """From an `aoe.v1.JobResult`."""
-        d: dict[str, Any] = {
-            "verdict": r.verdict, "shipped": r.shipped, "baseline_ms": r.baseline_ms, "improvement": r.improvement,
-            "improvement_ci95": (r.improvement_ci95_low, r.improvement_ci95_high), "rounds": r.confirm_rounds,
-            "confirmed_by": r.confirmed_by,
-        }  # fmt: skip
-        if r.HasField("decided_by"):
-            c = r.decided_by
-            d["decided_by"] = {"subject": c.subject, "against": c.against, "improvement": c.improvement,
-                               "improvement_ci95": (c.improvement_ci95_low, c.improvement_ci95_high)}  # fmt: skip
-        return cls.from_dict(d)
-
 
 # --------------------------------------------------------------------------- wording
 
