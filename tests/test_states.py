@@ -99,3 +99,25 @@ def test_a_stage_out_of_order_fails_loudly(tmp_path: Path) -> None:
     jobs._on_engine_event(row, JobEvent("stage", "", stage=Stage.CONFIRM))
     with pytest.raises(TransitionError, match="verifying"):
         jobs._on_engine_event(row, JobEvent("stage", "", stage=Stage.PREPARE))
+
+
+@pytest.mark.slow
+def test_an_embedded_job_announces_typed_stages_the_machine_takes(models: Path, tmp_path: Path) -> None:
+    """The engine, run through the embedded door, names a Stage on every stage event, in
+    an order the state machine takes from PREPARING to VERIFYING; and the door returns
+    the job's outcome."""
+    from aoe.config import load_config
+    from aoed import embedded
+
+    events: list[JobEvent] = []
+    config = load_config(env={}).replace(bank=tmp_path / "bank", parallel=1, runtime_dir=tmp_path / "run")
+    outcome = embedded.tune(models / "mlp.onnx", JobSpec(job_type="opat", budget_s=0.5), tmp_path / "out",
+                            config=config, progress=events.append)  # fmt: skip
+    stages = [e.stage for e in events if e.kind == "stage"]
+    assert all(isinstance(s, Stage) for s in stages), stages
+    assert stages[0] == Stage.PREPARE and stages[-1] == Stage.CONFIRM, stages
+    state = P
+    for stage in stages:
+        state = apply(state, states.Entered(stage))
+    assert state == V
+    assert outcome.job_type == "opat" and Path(outcome.result_json).is_file() and outcome.figures.baseline_ms > 0
