@@ -10,8 +10,9 @@
 
 `aoe tune` sends the job to the daemon when one answers at --socket (else the default
 socket) and the options ask for nothing only an embedded run does (--bank,
---bank-layer, --keep-initializer-inputs, --keep-workspace, a bank or plugins from the
-environment or config file); otherwise, or with --local, it runs the engine embedded.
+--bank-layer, --keep-workspace, a bank or plugins from the environment or config file);
+otherwise, or with --local, it runs the engine embedded, through `aoed.embedded`. The
+job's options are one `aoe.spec.JobSpec`, read from the flags by `aoe.specargs`.
 Settings come from the environment as in AOE (TUNE_BANK_PATH, REPEAT_TUNE,
 TE_PARALLEL_COMPILER, ASCEND_DEVICE_ID) and from an optional TOML file (`--config`), all
 read by `aoe.config`; options on the command line win. Every error ends with one line on
