@@ -50,7 +50,7 @@ def entries(n: int) -> list:
     JSON, keys of their signature and this machine's fingerprint), as BankEntry."""
     from aoe.signature import TaskSignature, bank_key, device_fingerprint
     from aoe.v1 import bank_pb2
-    from aoed.bank._codec import BankRecord, Measured, encode
+    from aoe.bankrecord import BankRecord, Measured, encode
 
     dev = device_fingerprint("CPUExecutionProvider")
     out = []

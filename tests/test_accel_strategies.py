@@ -12,7 +12,7 @@ import numpy as np
 import onnx
 import pytest
 
-from aoe._session import normalize_options
+from aoe.sessionopts import normalize_options
 from aoe.device import Device
 from aoed.backends.ort import accel
 from aoed.backends.ort.catalog import build_registry

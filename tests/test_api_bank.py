@@ -245,7 +245,7 @@ async def test_bad_records_are_refused_and_nothing_is_written_before_all_are_che
 
 
 def _encoded(record) -> bytes:
-    from aoed.bank._codec import encode
+    from aoe.bankrecord import encode
 
     return encode(record)
 
@@ -272,7 +272,7 @@ async def test_a_prune_is_the_writers_and_waits_its_turn_in_the_queue(tmp_path: 
     """The daemon's prune is one more op on the writer's queue, never a write of its own
     from a worker thread: while the writer is not taking ops, it waits there and the
     history stays; once the writer runs, it is done."""
-    from aoed.bank.service import DaemonBank
+    from aoed.bank.daemonbank import DaemonBank
     from aoed.bank.writer import BankWriter
 
     fill(tmp_path / "bank", n_trials=7)

@@ -25,7 +25,7 @@ from aoe.signature import (
     task_signature,
 )
 from aoe.v1 import bank_pb2
-from aoed.bank._codec import BankRecord, Measured, decode, encode
+from aoe.bankrecord import BankRecord, Measured, decode, encode
 from aoed.bank.store import ENTRY, BankStore, Record, default_bank_path
 
 
@@ -301,7 +301,7 @@ def test_remap_waits_until_no_transaction_is_live(tmp_path: Path) -> None:
     this process is live; a thread holding one cannot remap (it would wait for itself)."""
     import threading
 
-    from aoe._lmdb import TxnGate
+    from aoe.lmdbenv import TxnGate
 
     env = lmdb.open(str(tmp_path / "env"), map_size=1 << 20)
     gate = TxnGate()
@@ -352,7 +352,7 @@ def test_the_lock_file_is_allocated_before_lmdb_maps_it(tmp_path: Path) -> None:
     write into a page the filesystem has not allocated is SIGBUS (tests/test_faults.py
     fills a real disk). So the store creates it with every block allocated, at the size
     LMDB itself gives it, and a reader fills the holes of one left sparse."""
-    from aoe._lmdb import LOCK_BYTES
+    from aoe.lmdbenv import LOCK_BYTES
     from aoe.bank import open_bank
 
     plain = lmdb.open(str(tmp_path / "plain"))  # the size LMDB gives it by itself

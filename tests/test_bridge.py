@@ -11,8 +11,8 @@ import grpc
 import pytest
 import trio
 
-from aoe.errors import BankError, OptionError
-from aoed.api._bridge import Bridge, NotFoundError
+from aoe.errors import BankError, NotFoundError, OptionError
+from aoed.api._bridge import Bridge
 
 
 class _Probe:

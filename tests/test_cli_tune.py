@@ -210,7 +210,7 @@ def _store_session_record(bank: Path, model: Path, options: dict, confirmed: dic
     """Replace the model-level record of `model` in `bank` with an entry saying `options`
     won, confirmed as `confirmed` (what a job on a quieter machine could have stored)."""
     from aoe.signature import bank_key, canonical_json, device_fingerprint
-    from aoed.bank._codec import BankRecord, Measured, encode
+    from aoe.bankrecord import BankRecord, Measured, encode
     from aoed.bank.store import BankStore
     from aoed.engine.assemble import SESSION_FAMILY, model_signature
 

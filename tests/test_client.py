@@ -25,7 +25,10 @@ from aoe.errors import (
     BankError,
     DaemonUnavailableError,
     JobCancelledError,
+    JobStateError,
+    NotFoundError,
     OptionError,
+    PermissionDeniedError,
     ResourceExhaustedError,
 )
 from aoe.v1 import bank_pb2, bank_pb2_grpc, tuning_pb2, tuning_pb2_grpc
@@ -64,8 +67,9 @@ def _aborting(service: str, method: str, request_type, response_type, code: grpc
     ("code", "cls", "exit_code"),
     [
         (grpc.StatusCode.INVALID_ARGUMENT, OptionError, 2),
-        (grpc.StatusCode.NOT_FOUND, OptionError, 2),
-        (grpc.StatusCode.FAILED_PRECONDITION, AoedError, 1),
+        (grpc.StatusCode.NOT_FOUND, NotFoundError, 2),
+        (grpc.StatusCode.PERMISSION_DENIED, PermissionDeniedError, 1),
+        (grpc.StatusCode.FAILED_PRECONDITION, JobStateError, 1),
         (grpc.StatusCode.UNAVAILABLE, DaemonUnavailableError, 7),
         (grpc.StatusCode.RESOURCE_EXHAUSTED, ResourceExhaustedError, 8),
         (grpc.StatusCode.CANCELLED, JobCancelledError, 130),
@@ -306,7 +310,7 @@ def test_job_options_from_a_dict_and_their_errors() -> None:
     assert opts.precision == bank_pb2.PRECISION_INT8 and opts.job_type == tuning_pb2.JOB_TYPE_OPAT
     assert [(s.name, list(s.dims)) for s in opts.input_shapes] == [("x", [1, 3, 8, 8]), ("y", [2])]
     assert (opts.priority, opts.budget_s, opts.accuracy_budget.min_cosine, opts.device) == (-3, 5.0, 0.99, "")
-    with pytest.raises(OptionError, match="precision 'fp3'"):
+    with pytest.raises(OptionError, match="precision fp3: not supported"):
         job_options({"precision": "fp3"})
     with pytest.raises(OptionError, match="'colour': unknown"):
         job_options({"colour": "blue"})

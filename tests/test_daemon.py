@@ -94,7 +94,7 @@ def _bank_keys(bank: Path) -> set[str]:
 
 def test_upload_submit_watch_fetch(daemon: DaemonProcess, tmp_path: Path) -> None:
     path = _model(daemon, "mlp")
-    # OPAT alone: the "+ 1" below is its model-wide options record, as AOE counts it.
+    # OPAT alone: its section of the result JSON counts the whole job (sgat+opat splits it)
     job_id = _submit(daemon, path, job_type=tuning_pb2.JOB_TYPE_OPAT)
     events = _events(daemon, job_id)
     seqs = [e.sequence for e in events]

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aoed.bank._codec import BankRecord
+from aoe.bankrecord import BankRecord
 from aoed.engine import bankrules, decisions, stats
 from aoed.engine.confirm import verdict_of
 from aoed.engine.messages import Measurement

@@ -614,11 +614,13 @@ def test_the_job_store_opens_and_reads_on_a_full_disk_and_writes_again_with_room
     not start. Now it opens (in exclusive mode), reads, refuses writes naming the folder
     and its free space, and writes again once there is room."""
     from aoe.errors import DiskFullError
+    from aoe.spec import JobSpec
+    from aoed.jobs.states import JobState
     from aoed.jobs.store import JobRow, JobStore
 
     fs = small_fs(tmp_path / "state", 1 << 20)
-    row = JobRow(id="job-1", state="succeeded", model_path="/m.onnx", model_name="m.onnx", model_sha256="0" * 64,
-                 dedup_key="k", options={}, output_dir="/out")  # fmt: skip
+    row = JobRow(id="job-1", state=JobState.SUCCEEDED, model_path="/m.onnx", model_name="m.onnx",
+                 model_sha256="0" * 64, dedup_key="k", spec=JobSpec(), output_dir="/out")  # fmt: skip
     store = JobStore(fs / "jobs.sqlite3")
     store.insert(row)
     store.close()

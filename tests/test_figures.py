@@ -9,22 +9,26 @@ no percentage that reads as a gain.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from aoe import figures
 from aoe.figures import Comparison, Figures
+from aoe.outcome import JobOutcome, TaskOutcome, summary_lines
+from aoe.spec import JobSpec
 from aoe.v1 import tuning_pb2
-from aoed.api.tuning import event_pb, result_pb
+from aoe.wire import outcome_to_pb
+from aoed.api.tuning import event_pb
 from aoed.engine import stats
 from aoed.engine.confirm import ROUNDS, Proposal, judge
-from aoed.engine.job import JobResult, TaskResult
 from aoed.engine.messages import Measurement
-from aoed.engine.outputs import result_json
-from aoed.jobs.manager import result_dict
+from aoed.engine.outputs import ResultDetails, result_json
+from aoed.jobs.states import JobState
 from aoed.jobs.store import EventRow, JobRow
 
 # 21 interleaved rounds, in microseconds. The tuned model beats the input in 16 rounds
@@ -46,29 +50,36 @@ def _proposal(tmp_path: Path) -> Proposal:
     return Proposal("tuned", tmp_path / "proposal.onnx", {}, None, tmp_path / "input_copy.onnx")
 
 
-def _result(conf_json: dict, tasks: list[TaskResult] | None = None) -> JobResult:
-    f = Figures.from_dict(conf_json)
-    return JobResult(
+@dataclass(frozen=True)
+class Case:
+    """A job's outcome, and the confirming A/B's document its figures come from."""
+
+    outcome: JobOutcome
+    confirmation: dict
+
+
+def _case(conf) -> Case:
+    outcome = JobOutcome(
         job_id="job-1", model="/m/model.onnx", tuned_model="/o/model_tune.onnx", result_json="/o/result.json",
-        workspace="/o/ws", baseline_ms=f.baseline_ms, tuned_ms=f.result_ms, tuning_time_s=3.0, precision="exact",
-        device="cpu", session_options={}, tasks=tasks or [], repo={"repo_add_num": 0, "repo_hit_num": 0,
-        "repo_reserved_num": 0, "repo_unsatisfied_num": 0, "repo_update_num": 0, "total_num": 0},
-        accuracy={}, verified="tuned", notes=[], confirmation=conf_json,
+        precision="exact", job_type="opat", device="cpu", tuning_time_s=3.0, figures=conf.figures,
+        bank={"repo_add_num": 0, "repo_hit_num": 0, "repo_reserved_num": 0, "repo_unsatisfied_num": 0,
+              "repo_update_num": 0, "total_num": 0}, verified="tuned", workspace="/o/ws",
     )  # fmt: skip
+    return Case(outcome, conf.to_json())
 
 
 @pytest.fixture
-def shipped(tmp_path: Path) -> JobResult:
+def shipped(tmp_path: Path) -> Case:
     conf, ship = judge({"input": _m(INPUT), "input_copy": _m(INPUT), "proposal": _m(TUNED)}, _proposal(tmp_path))
     assert ship == tmp_path / "proposal.onnx", "the case is one where the tuned model ships"
-    return _result(conf.to_json())
+    return _case(conf)
 
 
 @pytest.fixture
-def within_noise(tmp_path: Path) -> JobResult:
+def within_noise(tmp_path: Path) -> Case:
     conf, ship = judge({"input": _m(INPUT), "input_copy": _m(NOISY_COPY), "proposal": _m(TUNED)}, _proposal(tmp_path))
     assert ship == tmp_path / "input_copy.onnx", "the case is one where the input ships"
-    return _result(conf.to_json())
+    return _case(conf)
 
 
 _MS = r"(\d+\.\d+) ms"
@@ -118,7 +129,7 @@ def test_the_rule_makes_result_improvement_and_interval_one_measurement() -> Non
         Figures("no significant change", "input", 0.6, 0.05, (0.0, 0.1))
 
 
-def test_the_confirming_a_b_reports_the_paired_figures_not_the_medians(shipped: JobResult) -> None:
+def test_the_confirming_a_b_reports_the_paired_figures_not_the_medians(shipped: Case) -> None:
     conf = shipped.confirmation
     assert stats.median(TUNED) > stats.median(INPUT), "the case: the medians say slower"
     assert conf["shipped"] == "tuned" and conf["verdict"] == "faster"
@@ -128,7 +139,7 @@ def test_the_confirming_a_b_reports_the_paired_figures_not_the_medians(shipped: 
     assert conf["improvement_ci95"][0] > 0, "the interval shown is the one that decided: wholly above zero"
 
 
-def test_when_the_noise_floor_decides_its_interval_is_the_one_shown(within_noise: JobResult) -> None:
+def test_when_the_noise_floor_decides_its_interval_is_the_one_shown(within_noise: Case) -> None:
     conf = within_noise.confirmation
     assert conf["shipped"] == "input" and conf["verdict"] == "no significant change"
     assert conf["improvement"] == 0.0 and conf["result_ms"] == conf["baseline_ms"]
@@ -139,8 +150,8 @@ def test_when_the_noise_floor_decides_its_interval_is_the_one_shown(within_noise
 
 @pytest.mark.parametrize("case", ["shipped", "within_noise"])
 def test_the_result_json_sections_agree_with_the_confirmation(case: str, request: pytest.FixtureRequest) -> None:
-    r: JobResult = request.getfixturevalue(case)
-    doc = result_json(r)
+    c: Case = request.getfixturevalue(case)
+    doc = result_json(c.outcome, ResultDetails(confirmation=c.confirmation))
     opat, conf = doc["OPAT"], doc["confirmation"]
     base, res, imp = (opat[k] for k in ("model_baseline_performance(ms)", "model_result_performance(ms)",
                                         "model_performance_improvement"))  # fmt: skip
@@ -156,10 +167,7 @@ def test_the_result_json_sections_agree_with_the_confirmation(case: str, request
 @pytest.mark.parametrize("case", ["shipped", "within_noise"])
 def test_the_embedded_cli_summary_agrees(case: str, request: pytest.FixtureRequest,
                                           capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
-    from aoe.cli import _summary
-
-    _summary(request.getfixturevalue(case))
-    text = capsys.readouterr().out
+    text = "\n".join(summary_lines(request.getfixturevalue(case).outcome))
     (_check_shipped if case == "shipped" else _check_unchanged)(text)
 
 
@@ -168,12 +176,12 @@ def test_the_daemon_s_job_status_list_and_events_agree(case: str, request: pytes
                                                        capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
     from aoe import jobscli
 
-    d = result_dict(request.getfixturevalue(case))
+    outcome = request.getfixturevalue(case).outcome
     job = tuning_pb2.Job(job_id="job-1", state=tuning_pb2.JOB_STATE_SUCCEEDED, model_name="model.onnx",
-                         result=result_pb(d))  # fmt: skip
+                         result=outcome_to_pb(outcome))  # fmt: skip
     jobscli.print_result(job)  # aoe status, aoe watch, aoe submit --watch, aoe tune on the daemon
     text = capsys.readouterr().out
-    event = jobscli._line(event_pb(EventRow("job-1", 7, 0.0, "result", d)))
+    event = jobscli._line(event_pb(EventRow("job-1", 7, 0.0, "result", outcome.to_dict())))
     cell = jobscli._progress(job)  # aoe jobs, PROGRESS
     if case == "shipped":
         _check_shipped(text)
@@ -191,8 +199,9 @@ def test_the_daemon_s_job_status_list_and_events_agree(case: str, request: pytes
 def test_the_drop_folder_report_agrees(case: str, request: pytest.FixtureRequest) -> None:
     from aoed.watch import _report_text
 
-    row = JobRow(id="job-1", state="succeeded", model_path="/m/model.onnx", model_name="model.onnx", model_sha256="",
-                 dedup_key="", options={}, output_dir="/o", result=result_dict(request.getfixturevalue(case)))  # fmt: skip
+    row = JobRow(id="job-1", state=JobState.SUCCEEDED, model_path="/m/model.onnx", model_name="model.onnx",
+                 model_sha256="", dedup_key="", spec=JobSpec(), output_dir="/o",
+                 outcome=request.getfixturevalue(case).outcome)  # fmt: skip
     text = _report_text("model.onnx", row, ["model_tuned.onnx"], [])
     if case == "shipped":
         _check_shipped(text, digits=3)
@@ -201,20 +210,19 @@ def test_the_drop_folder_report_agrees(case: str, request: pytest.FixtureRequest
 
 
 def test_chosen_tasks_the_bank_keeps_but_the_model_does_not_ship_are_counted_as_such(
-    within_noise: JobResult, capsys: pytest.CaptureFixture[str]
+    within_noise: Case, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from aoe import jobscli
-    from aoe.cli import _summary
 
-    tasks = [TaskResult(f"t{i}", f"fc{i}/MatMul", "MatMul", 1, "matmul", strategy="int8_dynamic", before_us=20.0,
-                        after_us=12.0, update_mode="add", applied=False,
-                        error="not applied: the confirming A/B shipped input") for i in range(2)]  # fmt: skip
-    r = within_noise
-    r.tasks = tasks
-    r.repo = {**r.repo, "repo_add_num": 2, "total_num": 2}
-    _summary(r)
+    tasks = [TaskOutcome(f"t{i}", f"fc{i}/MatMul", "MatMul", "matmul", strategy="int8_dynamic", before_us=20.0,
+                         after_us=12.0, update_mode="add", applied=False,
+                         error="not applied: the confirming A/B shipped input") for i in range(2)]  # fmt: skip
+    r = within_noise.outcome
+    r = dataclasses.replace(r, tasks=tasks, bank={**r.bank, "repo_add_num": 2, "total_num": 2})
+    print("\n".join(summary_lines(r)))
+    print("Aoe process finished")
     jobscli.print_result(tuning_pb2.Job(job_id="job-1", state=tuning_pb2.JOB_STATE_SUCCEEDED,
-                                        result=result_pb(result_dict(r))))  # fmt: skip
+                                        result=outcome_to_pb(r)))  # fmt: skip
     for text in capsys.readouterr().out.split("Aoe process finished"):
         assert "0 changed (2 chosen by the search, not in what shipped: the input model, unchanged)" in text, text
         assert "add 2," in text and "2 of them are kept in the bank but not in what shipped" in text, text
@@ -247,7 +255,7 @@ def test_an_embedded_run_prints_what_its_result_json_says(models: Path, tmp_path
     r = run_aoe("tune", str(models / "mlp.onnx"), "--local", "--budget", "2", "--output", str(out),
                 "--bank", str(tmp_path / "bank"), "--no-progress")  # fmt: skip
     assert r.returncode == 0, r.stderr
-    (doc,) = [json.loads(p.read_text()) for p in out.glob("aoe_result_*.json")]
+    (doc,) = [json.loads(p.read_text()) for p in out.glob("aoe_result_*.json")]  # (sgat+opat: both sections)
     _printed_agrees_with_json(r.stdout, doc)
 
 

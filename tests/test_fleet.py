@@ -14,7 +14,7 @@ import pytest
 from aoe.bank import open_bank
 from aoe.signature import bank_key
 from aoe.v1 import bank_pb2
-from aoed.bank._codec import encode
+from aoe.bankrecord import encode
 from aoed.bank.store import BankStore
 from tests.daemon_util import DaemonProcess
 

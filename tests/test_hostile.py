@@ -492,7 +492,7 @@ def test_large_labels_page_listjobs_by_bytes_and_an_over_limit_label_is_refused(
     across pages, by a plain grpc client (4 MiB per answer by default), aoe.Client and
     `aoe jobs`."""
     import aoe
-    from aoed.jobs import sizes
+    from aoe import sizes
 
     d = DaemonProcess(tmp_path / "d", max_running_jobs=1)
     d.config.write_text(d.config.read_text().replace("[daemon]\n", "[daemon]\nmax_queued_jobs = 1000\n"

@@ -22,9 +22,9 @@ from aoed.engine.calibration import HELD_BACK, integer_ranges, load_samples
 from aoed.engine.prep import make_inputs, prepare
 from aoed.engine.tasks import Constants, TaskView, apply_rewrites
 
-REGISTRY = build_registry()
-
 from .conftest import run_aoe
+
+REGISTRY = build_registry()
 
 FAST = ("--budget", "2", "--parallel", "1", "--no-progress", "--job-type", "opat")
 

@@ -19,10 +19,11 @@ import trio
 
 from aoe.config import load_config
 from aoe.errors import JobCancelledError, ModelError
+from aoe.spec import JobSpec
 from aoed import samples
 from aoed.backends.ort.catalog import build_registry
 from aoed.engine.engine import open_engine
-from aoed.engine.job import JobHandle, JobOptions
+from aoed.engine.job import JobHandle, JobRun
 from aoed.engine.modelio import load_model, save_model
 from aoed.engine.prep import make_inputs, prepare
 
@@ -36,8 +37,8 @@ def _config(tmp_path: Path):
 async def test_two_jobs_of_one_model_share_an_engine_without_colliding(models: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     opts = [
-        JobOptions(models / "mlp.onnx", out, job_type="opat", budget_s=1.0),
-        JobOptions(models / "mlp.onnx", out, job_type="opat", budget_s=1.0, keep_workspace=True),
+        JobRun(models / "mlp.onnx", out, JobSpec(job_type="opat", budget_s=1.0)),
+        JobRun(models / "mlp.onnx", out, JobSpec(job_type="opat", budget_s=1.0), keep_workspace=True),
     ]
     results = {}
     async with open_engine(_config(tmp_path), build_registry(), tmp_path / "logs") as engine:
@@ -78,9 +79,9 @@ async def test_a_job_that_fails_before_tuning_leaves_no_workspace_and_the_engine
     bad.write_bytes(b"not a model")
     async with open_engine(_config(tmp_path), build_registry(), tmp_path / "logs") as engine:
         with pytest.raises(ModelError, match="bad.onnx"):
-            await engine.run_job(JobOptions(bad, tmp_path / "out"))
+            await engine.run_job(JobRun(bad, tmp_path / "out"))
         assert not (tmp_path / "out" / "aoe_workspace").exists()
-        good = await engine.run_job(JobOptions(models / "mlp.onnx", tmp_path / "out", budget_s=0.5))
+        good = await engine.run_job(JobRun(models / "mlp.onnx", tmp_path / "out", JobSpec(budget_s=0.5)))
     assert [p.name for p in (tmp_path / "out" / "aoe_workspace").iterdir()] == [Path(good.workspace).name]
     assert Path(good.tuned_model).is_file()
     assert not (tmp_path / "logs").exists(), "the workers logged nothing: no empty logs are left"
@@ -107,12 +108,12 @@ async def test_cancel_stops_a_job_mid_measurement_and_the_next_job_runs(models: 
                 nursery.start_soon(cancel_when_measuring)
                 with pytest.raises(JobCancelledError, match="test"):
                     await engine.run_job(
-                        JobOptions(models / "cnn.onnx", tmp_path / "out", budget_s=300.0),
+                        JobRun(models / "cnn.onnx", tmp_path / "out", JobSpec(budget_s=300.0)),
                         lambda e: stages.append(e.message) if e.kind == "stage" else None,
                         handle,
                     )
         requests = engine.device.requests
-        nxt = await engine.run_job(JobOptions(models / "mlp.onnx", tmp_path / "out2", budget_s=0.5))
+        nxt = await engine.run_job(JobRun(models / "mlp.onnx", tmp_path / "out2", JobSpec(budget_s=0.5)))
     assert engine.device.requests > requests and Path(nxt.tuned_model).is_file()
     (ws,) = (tmp_path / "out" / "aoe_workspace").glob("cnn_*")
     assert not (ws / "tunespace" / "work").exists()  # a cancelled job leaves no scratch
@@ -126,14 +127,15 @@ def test_the_engine_process_never_loads_onnxruntime(models: Path, tmp_path: Path
         from aoe.config import load_config
         from aoed.backends.ort.catalog import build_registry
         from aoed.engine.engine import open_engine
-        from aoed.engine.job import JobOptions
+        from aoe.spec import JobSpec
+        from aoed.engine.job import JobRun
 
         async def main():
             tmp = Path({str(tmp_path)!r})
             config = load_config(env={{}}).replace(bank=tmp / "bank", parallel=1, runtime_dir=tmp / "run")
             async with open_engine(config, build_registry(), tmp / "logs") as engine:
-                opts = JobOptions(Path({str(models / "legacy_cnn.onnx")!r}), tmp / "out", precision="int8",
-                                  job_type="opat", budget_s=0.5)
+                opts = JobRun(Path({str(models / "legacy_cnn.onnx")!r}), tmp / "out",
+                              JobSpec(precision="int8", job_type="opat", budget_s=0.5))
                 return await engine.run_job(opts)
 
         result = trio.run(main)

@@ -10,7 +10,7 @@ import onnx
 import pytest
 
 import aoe
-from aoe._session import METADATA_KEY, normalize_options, session_providers
+from aoe.sessionopts import METADATA_KEY, normalize_options, session_providers
 from aoe.device import Device
 from aoe.errors import DeviceError
 from aoed import samples

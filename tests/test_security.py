@@ -431,7 +431,7 @@ def _tree(folder: Path) -> list[tuple[str, int]]:
     return sorted((str(p.relative_to(folder)), p.lstat().st_mtime_ns) for p in folder.rglob("*"))
 
 
-M, O = "{models}", "{outside}"  # placeholders in the cases below
+M, O = "{models}", "{outside}"  # noqa: E741  (placeholders in the cases below)
 INVALID, DENIED, NOT_FOUND = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED,
                               grpc.StatusCode.NOT_FOUND)  # fmt: skip
 

@@ -22,13 +22,13 @@ from onnx import TensorProto, helper, numpy_helper
 
 from aoe.bank import open_bank
 from aoe.graph import normalize
-from aoe.jobtypes import parse_job_type
+from aoe.spec import parse_job_type
 from aoe.errors import OptionError
 from aoe.partition import partition
 from aoe.signature import ModelContext
 from aoe.subgraphs import find_subgraphs
 from aoed.backends.ort.catalog import build_registry
-from aoed.bank._codec import Measured
+from aoe.bankrecord import Measured
 from aoed.engine.assemble import task_rewrites
 from aoed.engine.prep import make_inputs, prepare
 from aoed.engine.tasks import Constants, TaskView, apply_rewrites
@@ -903,25 +903,24 @@ def test_a_job_that_names_no_type_runs_sgat_plus_opat(tmp_path: Path) -> None:
     and AOE's numbers keep AOE's meaning. (The CLI and gRPC defaults also run end to end
     below: test_sgat_plus_opat_reports_both_sections, test_daemon_runs_a_sgat_plus_opat_job.)"""
     from aoe.cli import _aoe_spelling, build_parser
-    from aoe.device import CPU
+    from aoe.spec import JobSpec
+    from aoe.specargs import from_args
     from aoe.v1 import tuning_pb2
-    from aoed.api.tuning import options_to_dict
-    from aoed.engine.job import JobOptions
-    from aoed.jobs.manager import options_from_dict
-    from aoed.watch import folder_options
+    from aoe.wire import spec_from_pb
+    from aoed.watch import folder_spec
 
-    assert build_parser().parse_args(["tune", "m.onnx"]).job_type == "sgat+opat"
+    assert from_args(build_parser().parse_args(["tune", "m.onnx"])).job_type == "sgat+opat"
     aoe_args = ["--framework", "5", "--model", "m.onnx"]
-    assert _aoe_spelling(aoe_args).job_type == "sgat+opat"
+    assert from_args(_aoe_spelling(aoe_args)).job_type == "sgat+opat"
     assert parse_job_type(_aoe_spelling([*aoe_args, "--job_type", "2"]).job_type) == "opat"
     assert parse_job_type(_aoe_spelling([*aoe_args, "--job_type", "1"]).job_type) == "sgat"
-    assert options_to_dict(tuning_pb2.JobOptions())["job_type"] == "sgat+opat"
-    assert options_to_dict(tuning_pb2.JobOptions(job_type=tuning_pb2.JOB_TYPE_OPAT))["job_type"] == "opat"
-    assert options_from_dict({}, CPU)["job_type"] == "sgat+opat"
-    assert folder_options(tmp_path, CPU)["job_type"] == "sgat+opat"  # a drop folder without aoed.toml
+    assert spec_from_pb(tuning_pb2.JobOptions()).job_type == "sgat+opat"
+    assert spec_from_pb(tuning_pb2.JobOptions(job_type=tuning_pb2.JOB_TYPE_OPAT)).job_type == "opat"
+    assert JobSpec.from_dict({}).job_type == "sgat+opat"
+    assert folder_spec(tmp_path).job_type == "sgat+opat"  # a drop folder without aoed.toml
     (tmp_path / "aoed.toml").write_text('job_type = "2"\n')
-    assert folder_options(tmp_path, CPU)["job_type"] == "opat"
-    assert JobOptions(tmp_path / "m.onnx", tmp_path).job_type == "sgat+opat"
+    assert folder_spec(tmp_path).job_type == "opat"
+    assert JobSpec().job_type == "sgat+opat"
 
 
 # --------------------------------------------------------------------------- jobs

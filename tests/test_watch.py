@@ -16,18 +16,18 @@ import sys
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
-from types import SimpleNamespace
-from typing import Any
 
 import pytest
 import trio
 
 from aoe.config import load_config
-from aoe.device import Device
-from aoe.errors import AoedError
-from aoed.errors import NotFoundError, RpcError
+from aoe.figures import Figures
+from aoe.outcome import JobOutcome
+from aoe.spec import JobSpec
+from aoe.errors import AoedError, NotFoundError, ResourceExhaustedError
 from aoed.config import DaemonConfig, Inbox
-from aoed.jobs.manager import Submission
+from aoed.jobs.manager import JobManager, Submission
+from aoed.jobs.states import JobState
 from aoed.jobs.store import JobRow, JobStore
 from aoed.watch import CLAIM_TRIES, Watcher
 
@@ -40,7 +40,6 @@ class Jobs:
 
     def __init__(self, store: JobStore):
         self.store = store
-        self.engine = SimpleNamespace(device=SimpleNamespace(device=Device()))
         self.on_final: list[Callable[[JobRow], None]] = []
         self.submitted: list[tuple[Submission, bytes, JobRow]] = []
         self.refuse: list[AoedError] = []
@@ -53,8 +52,8 @@ class Jobs:
             raise self.refuse.pop(0)
         data = sub.model.read_bytes()
         sha = hashlib.sha256(data).hexdigest()
-        row = JobRow(id=f"job-{len(self.submitted) + 1}", state="queued", model_path=str(sub.model),
-                     model_name=sub.model.name, model_sha256=sha, dedup_key=sha, options=sub.options,
+        row = JobRow(id=f"job-{len(self.submitted) + 1}", state=JobState.QUEUED, model_path=str(sub.model),
+                     model_name=sub.model.name, model_sha256=sha, dedup_key=sha, spec=sub.spec,
                      output_dir="", source=sub.source)  # fmt: skip
         self.store.insert(row)
         self.submitted.append((sub, data, row))
@@ -66,11 +65,17 @@ class Jobs:
             raise NotFoundError(f"no job {job_id!r}")
         return row
 
-    def finish(self, job_id: str, state: str, result: dict[str, Any] | None = None, error: str = "") -> None:
-        self.store.update(job_id, state=state, result=result, error=error)
+    def finish(self, job_id: str, state: str, outcome: JobOutcome | None = None, error: str = "") -> None:
+        self.store.update(job_id, state=JobState(state), outcome=outcome, error=error)
         row = self.get(job_id)
         for fn in self.on_final:
             fn(row)
+
+    # the manager's own claims (they go to `self.store`, as the manager's go to its store)
+    claims = JobManager.claims
+    claim_begin = JobManager.claim_begin
+    claim_done = JobManager.claim_done
+    claim_drop = JobManager.claim_drop
 
     def names(self) -> list[str]:
         return [sub.model.name for sub, _, _ in self.submitted]
@@ -227,11 +232,11 @@ def _result_files(tmp_path: Path, tag: str) -> tuple[Path, Path]:
     return tuned, result
 
 
-def _result(tuned: Path, result: Path) -> dict[str, Any]:
-    return {"tuned_model": str(tuned), "result_json": str(result), "baseline_ms": 2.0, "tuned_ms": 1.6,
-            "improvement": 0.25, "improvement_ci95": [0.2, 0.3], "verdict": "faster", "shipped": "tuned",
-            "repo": {"repo_hit_num": 1, "repo_add_num": 2, "repo_update_num": 0, "repo_not_tuned_num": 0,
-                     "total_num": 3}, "tasks": []}  # fmt: skip
+def _result(tuned: Path, result: Path) -> JobOutcome:
+    return JobOutcome("job-1", "m.onnx", str(tuned), str(result), "exact", "opat", "cpu", 1.0,
+                      Figures("faster", "tuned", 2.0, 0.25, (0.2, 0.3), 10),
+                      bank={"repo_hit_num": 1, "repo_add_num": 2, "repo_update_num": 0, "repo_not_tuned_num": 0,
+                            "total_num": 3})  # fmt: skip
 
 
 async def test_a_succeeded_job_delivers_three_outbox_files_and_forgets_the_claim(tmp_path: Path) -> None:
@@ -293,10 +298,10 @@ async def test_a_job_that_ended_while_the_watcher_was_down_is_delivered_at_start
     dst.write_bytes(MODEL)
     src = cfg.inboxes[0].path / "m.onnx"
     store.claim_begin(str(src), str(dst), str(cfg.inboxes[0].path))
-    row, _ = await jobs.submit(Submission(model=dst, options={}, source="inbox"))
+    row, _ = await jobs.submit(Submission(model=dst, spec=JobSpec(), source="inbox"))
     store.claim_done(str(src), row.id)
     tuned, result = _result_files(tmp_path, "early")
-    store.update(row.id, state="succeeded", result=_result(tuned, result))
+    store.update(row.id, state=JobState.SUCCEEDED, outcome=_result(tuned, result))
     async with _watching(cfg, jobs):
         await _until((cfg.inboxes[0].outbox / "m_report.txt").exists)
         await _until(lambda: not store.claims())
@@ -315,9 +320,9 @@ async def test_folder_options_reach_the_submission_and_a_bad_key_fails_the_model
     async with _watching(cfg, jobs):
         (inbox / "a.onnx").write_bytes(MODEL)
         await _until(lambda: len(jobs.submitted) == 1)
-        opts = jobs.submitted[0][0].options
-        assert (opts["precision"], opts["priority"], opts["budget_s"], opts["repeat_tune"], opts["input_shapes"]) == (
-            "int8", 3, 1.5, True, {"x": [2, 4]})  # fmt: skip
+        spec = jobs.submitted[0][0].spec
+        assert (spec.precision, spec.priority, spec.budget_s, spec.repeat_tune, spec.input_shapes) == (
+            "int8", 3, 1.5, True, {"x": (2, 4)})  # fmt: skip
         # The file is read again for each model.
         (inbox / "aoed.toml").write_text('precision = "exact"\ncolour = "blue"\n')
         (inbox / "b.onnx").write_bytes(MODEL[::-1])
@@ -331,7 +336,7 @@ async def test_a_full_queue_keeps_the_file_claimed_until_it_is_accepted(tmp_path
     cfg = _config(tmp_path, stable_s=0.2)
     store = _store(tmp_path)
     jobs = Jobs(store)
-    jobs.refuse = [RpcError("RESOURCE_EXHAUSTED", "64 jobs are queued") for _ in range(2)]
+    jobs.refuse = [ResourceExhaustedError("64 jobs are queued") for _ in range(2)]
     async with _watching(cfg, jobs, retry_s=0.1):
         (cfg.inboxes[0].path / "q.onnx").write_bytes(MODEL)
         await _until(lambda: len(jobs.submitted) == 1)

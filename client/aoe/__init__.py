@@ -25,7 +25,7 @@ def session_options_of(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The session options a tuned model carries in its metadata (empty when none)."""
     import onnx
 
-    from aoe._session import METADATA_KEY, normalize_options
+    from aoe.sessionopts import METADATA_KEY, normalize_options
 
     model = onnx.load(os.fspath(path), load_external_data=False)
     for prop in model.metadata_props:
@@ -48,7 +48,7 @@ def session(path: str | os.PathLike[str], providers: list[Any] | None = None, *,
     """
     import onnxruntime as ort
 
-    from aoe._session import make_session_options, session_providers
+    from aoe.sessionopts import make_session_options, session_providers
 
     options = {**session_options_of(path), **overrides}
     if providers is None:

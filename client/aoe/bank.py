@@ -41,7 +41,7 @@ import lmdb
 import onnx
 from google.protobuf import json_format
 
-from aoe._lmdb import FULL_MAP, MAP_SIZES, TxnGate, bank_error, lmdb_errors, reserve_lock_file
+from aoe.lmdbenv import FULL_MAP, MAP_SIZES, TxnGate, bank_error, lmdb_errors, reserve_lock_file
 from aoe.errors import BankError
 from aoe.partition import ModelTasks
 from aoe.signature import (
@@ -400,6 +400,12 @@ class BankReader:
     def layers(self) -> list[tuple[str, Path]]:
         """(name, path) of every layer in lookup order."""
         return [(layer.name, layer.path) for layer in self._layers]
+
+    def under(self, first: Any, device: DeviceFingerprint | None = None) -> BankReader:
+        """A reader for `device` (default: this reader's) that consults the layer `first`
+        (a layer object, such as the daemon's view of its own store), then this reader's
+        layers, which it borrows: do not close it (that would close them); close this one."""
+        return BankReader([first, *self._layers], device or self.device)
 
     # ------------------------------------------------------------------ lookups
 

@@ -38,7 +38,7 @@ import json
 import sys
 from pathlib import Path
 
-from aoe.errors import AoedError, BankBusyError, OptionError, first_error
+from aoe.errors import OptionError
 
 __all__ = ["add_parsers"]
 
@@ -86,14 +86,6 @@ def _say_waiting(message: str) -> None:
     print(f"aoe: {message}", file=sys.stderr, flush=True)
 
 
-def _store(path: Path, wait: bool):
-    """The custom bank for writing: BankBusyError naming the writer when another process
-    writes it, unless `wait`."""
-    from aoed.bank.store import BankStore
-
-    return BankStore(path, wait=wait, on_wait=_say_waiting)
-
-
 def _config(args: argparse.Namespace):
     from aoe.config import load_config
 
@@ -121,7 +113,7 @@ def _add_compile(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-o", "--output", type=Path, required=True, help="where to write the tuned .onnx")
     _bank_args(p)
     p.add_argument("--input-shape", action="append", help="NAME:D1,D2,... for dynamic inputs (as for aoe tune)")
-    p.add_argument("--precision", default="exact", help="precision policy the bank entries were tuned under")
+    p.add_argument("--precision", help="precision policy the bank entries were tuned under (default: exact)")
     p.add_argument("--keep-initializer-inputs", action="store_true",
                    help="keep initializers listed as graph inputs overridable (as for aoe tune)")  # fmt: skip
     p.add_argument("--calibration", type=Path,
@@ -133,18 +125,20 @@ def _add_compile(sub: argparse._SubParsersAction) -> None:
 
 
 def _compile(args: argparse.Namespace) -> int:
-    from aoed.compile import compile_model
-    from aoed.engine.policy import policy
-    from aoed.engine.prep import parse_input_shapes
+    from aoe.spec import JobSpec
+    from aoe.specargs import from_args
+    from aoed import embedded  # the engine's assembly, in this process
 
-    policy(args.precision)  # validates the name before any work starts
-    shapes = parse_input_shapes(args.input_shape)
+    spec = from_args(args)  # checks the precision and shapes before any work starts
+    if args.precision is None:
+        args.precision = str(JobSpec().precision)
     config = _config(args)
     with _reader(args) as reader:
-        asm = compile_model(
-            args.model, args.output, reader, shapes, args.precision, args.keep_initializer_inputs, args.calibration,
+        asm = embedded.apply_bank(
+            args.model, args.output, reader, input_shapes=dict(spec.input_shapes), precision=spec.precision,
+            calibration=args.calibration, keep_initializer_inputs=spec.keep_initializer_inputs,
             plugins=config.plugins, check_options=not args.no_check, runtime_dir=config.runtime_dir,
-        )
+        )  # fmt: skip
         layers = [name for name, _ in reader.layers]
     rows = [*asm.tasks, asm.session]
     if args.json:
@@ -381,7 +375,7 @@ def _import(args: argparse.Namespace) -> int:
             print(f"  refused {ref.key}: {ref.reason}")
         return 0
 
-    from aoed.bank.exchange import import_lines
+    from aoed import embedded  # the bank's writer, in this process
 
     if str(args.file) == "-":
         lines = sys.stdin
@@ -391,13 +385,11 @@ def _import(args: argparse.Namespace) -> int:
             lines = ctx = open(args.file, encoding="utf-8")
         except OSError as exc:
             raise OptionError(f"{args.file}: {exc.strerror or exc}") from None
+    path = _bank_path(args)
     with ctx:
-        store = _store(_bank_path(args), args.wait)
-        try:
-            report = import_lines(store, lines, args.policy, args.allow_foreign)
-        finally:
-            store.close()
-    print(f"aoe: imported into {store.path}: {report.added} added, {report.updated} updated, "
+        report = embedded.import_bank(path, lines, args.policy, args.allow_foreign, wait=args.wait,
+                                      on_wait=_say_waiting)  # fmt: skip
+    print(f"aoe: imported into {path}: {report.added} added, {report.updated} updated, "
           f"{report.kept} kept, {len(report.refused)} refused ({args.policy})")  # fmt: skip
     for kind, name in (("entry", "entries"), ("default", "default records"), ("trial", "trials")):
         c = report.counts[kind]
@@ -427,63 +419,40 @@ def _prune_local(args: argparse.Namespace):
     path = _bank_path(args)
     if not (path / "data.mdb").is_file():
         raise OptionError(f"--bank {path}: no bank here")
-    store = _store(path, args.wait)
-    try:
-        return store.prune(dry_run=args.dry_run)
-    finally:
-        store.close()
+    from aoed import embedded  # the bank's writer, in this process
+
+    return embedded.prune_bank(path, args.dry_run, wait=args.wait, on_wait=_say_waiting)
 
 
 def _verify(args: argparse.Namespace) -> int:
     import random
-    import tempfile
-
-    import trio
-
-    from aoed.backends.ort.catalog import build_registry
-    from aoed.bank._codec import decode
-    from aoed.bank.lock import busy_holder
-    from aoed.engine.bankverify import sample_entries, verify_entries
-    from aoed.engine.engine import open_engine
 
     if args.sample < 0 or args.budget <= 0:
         raise OptionError("--sample must be >= 0 and --budget > 0")
     daemon = _daemon(args)
     if daemon is not None:
         return _verify_on(daemon, args)
+    from aoed import embedded  # the engine, in this process
+
     seed = args.seed or random.SystemRandom().randrange(1, 1 << 31)
     config = _config(args)
     with _reader(args) as reader:
         names = [n for n, _ in reader.layers]
         if args.layer != "all" and args.layer not in names:
             raise OptionError(f"--layer {args.layer}: no such layer (layers: {', '.join(names)}, or all)")
-        entries = [decode(e.SerializeToString()) for _, e in reader.entries(None if args.layer == "all" else args.layer)]
         custom = reader.layers[0][1]
-    chosen = sample_entries(entries, args.sample, seed, args.op_type)
-    if chosen and not args.no_record and not args.wait:
-        # Fail before measuring, not after: the history is written at the end.
-        holder = busy_holder(custom)
-        if holder is not None:
-            raise BankBusyError(
-                f"bank {custom}: being written by {holder}; wait for it to finish, "
-                "or pass --wait (or --no-record)", holder
-            )  # fmt: skip
-
-    async def run():
-        with tempfile.TemporaryDirectory(prefix="aoe-verify-logs-") as logs:
-            async with open_engine(config.replace(parallel=1), build_registry(config.plugins), Path(logs)) as engine:
-                return await verify_entries(engine, chosen, args.budget, args.model)
-
-    try:
-        verdicts, trials = trio.run(run)
-    except BaseExceptionGroup as group:
-        raise first_error(group, KeyboardInterrupt, AoedError) from None
+        # Fails before measuring, not after, when the history could not be written.
+        report = embedded.verify_bank(
+            reader, config=config, sample=args.sample, seed=seed, budget_s=args.budget, op_type=args.op_type,
+            layer=args.layer, models=args.model, check_writable=None if args.no_record or args.wait else custom,
+        )  # fmt: skip
+    verdicts = report.verdicts
     bad = [v for v in verdicts if v.verdict in ("regressed", "inaccurate", "error")]
     if args.json:
-        print(json.dumps({"seed": seed, "sampled": len(chosen), "of": len(entries),
+        print(json.dumps({"seed": seed, "sampled": report.sampled, "of": report.of,
                           "verdicts": [vars(v) for v in verdicts]}, indent=2, default=str))  # fmt: skip
     else:
-        print(f"aoe: verified {len(chosen)} of {len(entries)} entries (seed {seed}, {args.budget:g} s each)")
+        print(f"aoe: verified {report.sampled} of {report.of} entries (seed {seed}, {args.budget:g} s each)")
         for v in verdicts:
             print(f"  {v.verdict:<10} {v.op_type:<18} {v.strategy:<24} {v.key}")
             if v.detail:
@@ -492,12 +461,8 @@ def _verify(args: argparse.Namespace) -> int:
                   ("confirmed", "regressed", "inaccurate", "skipped", "error")}  # fmt: skip
         print("  " + ", ".join(f"{k} {n}" for k, n in counts.items()))
     sys.stdout.flush()
-    if trials and not args.no_record:  # after the verdicts: a busy bank loses only the record
-        store = _store(custom, args.wait)
-        try:
-            store.commit(trials=trials)
-        finally:
-            store.close()
+    if report.trials and not args.no_record:  # after the verdicts: a busy bank loses only the record
+        embedded.record_trials(custom, report.trials, wait=args.wait, on_wait=_say_waiting)
     return 1 if bad else 0
 
 
@@ -528,11 +493,7 @@ def _print_sync(peer: str, bank_id: str, from_seq: int, to_seq: int, counts: dic
 
 def _sync_local(args: argparse.Namespace):
     """One follow pass into the bank at --bank (or the configured one), in this process."""
-    import trio
-
     from aoe.client import Client
-    from aoed.bank.follow import Follower
-    from aoed.bank.writer import BankWriter
 
     if args.cert and not args.key or args.key and not args.cert:
         raise OptionError("--cert and --key go together")
@@ -549,21 +510,10 @@ def _sync_local(args: argparse.Namespace):
             return Client(target, timeout=30)
         return Client(target, timeout=30, root_certificates=tls[0], private_key=tls[1], certificate_chain=tls[2])
 
-    async def run():
-        writer = BankWriter(_bank_path(args), layers=[], wait=args.wait, on_wait=_say_waiting)
-        try:
-            async with trio.open_nursery() as nursery:
-                await nursery.start(writer.run)
-                report = await Follower(writer, args.peer, [config.device.fingerprint().digest], connect).sync()
-                nursery.cancel_scope.cancel()
-            return report
-        finally:
-            writer.close()
+    from aoed import embedded  # the bank's writer and follower, in this process
 
-    try:
-        return trio.run(run)
-    except BaseExceptionGroup as group:
-        raise first_error(group, KeyboardInterrupt, AoedError) from None
+    return embedded.sync_bank(_bank_path(args), args.peer, config.device.fingerprint().digest, connect,
+                              wait=args.wait, on_wait=_say_waiting)  # fmt: skip
 
 
 def _verify_on(daemon, args: argparse.Namespace) -> int:

@@ -10,8 +10,9 @@
 
 `aoe tune` sends the job to the daemon when one answers at --socket (else the default
 socket) and the options ask for nothing only an embedded run does (--bank,
---bank-layer, --keep-initializer-inputs, --keep-workspace, a bank or plugins from the
-environment or config file); otherwise, or with --local, it runs the engine embedded.
+--bank-layer, --keep-workspace, a bank or plugins from the environment or config file);
+otherwise, or with --local, it runs the engine embedded, through `aoed.embedded`. The
+job's options are one `aoe.spec.JobSpec`, read from the flags by `aoe.specargs`.
 Settings come from the environment as in AOE (TUNE_BANK_PATH, REPEAT_TUNE,
 TE_PARALLEL_COMPILER, ASCEND_DEVICE_ID) and from an optional TOML file (`--config`), all
 read by `aoe.config`; options on the command line win. Every error ends with one line on
@@ -32,8 +33,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from aoe.errors import AoedError, OptionError, first_error
-from aoe.jobtypes import DEFAULT_JOB_TYPE
+from aoe import specargs
+from aoe.errors import AoedError, DeviceError, OptionError
+from aoe.outcome import summary_lines
 
 __all__ = ["main"]
 
@@ -67,34 +69,15 @@ def _add_tune(sub: argparse._SubParsersAction) -> None:
                        description="Tune an ONNX model by measurement: on the daemon when one answers, "
                                    "else embedded on this machine.")  # fmt: skip
     p.add_argument("model", type=Path, help="the .onnx model to tune")
-    p.add_argument("--precision", default="exact", help="precision policy: exact (default), int8, int4 (weight-only 4-bit products), "
-                        "or on a GPU/NPU fp16 or bf16")
-    p.add_argument("--calibration", type=Path, help="calibration samples: a folder of .npz/.npy (int8)")
-    p.add_argument("--min-cosine", type=float, help="end-to-end accuracy budget: lowest output cosine (int8: 0.999)")
-    p.add_argument("--max-rel-error", type=float,
-                   help="end-to-end accuracy budget: largest error relative to the output range (int8: 0.25)")  # fmt: skip
-    p.add_argument("--input-shape", action="append", default=[], metavar="NAME:D1,D2,...",
-                   help="static shape for an input with dynamic dimensions; repeat or join with ';'")  # fmt: skip
+    specargs.add_arguments(p, where="this machine (cpu; ASCEND_DEVICE_ID selects cann:N) or the daemon")
     p.add_argument("--bank", type=Path, help="custom bank directory (default: TUNE_BANK_PATH or the user data dir)")
     p.add_argument("--bank-layer", action="append", type=Path, default=[], metavar="DIR",
                    help="read-only bank consulted after the custom one (repeatable; also AOED_BANK_LAYERS)")  # fmt: skip
-    p.add_argument("--repeat-tune", action="store_true", default=None, help="re-tune tasks the bank already knows")
     p.add_argument("--reload", action="store_true",
                    help="resume an interrupted run: what the bank already decided is used, not measured again "
                         "(overrides REPEAT_TUNE)")  # fmt: skip
     p.add_argument("--parallel", help="compile processes, 1-32 (default: TE_PARALLEL_COMPILER or cores-1)")
     p.add_argument("--output", type=Path, default=Path("."), help="where aoe_workspace/ and the result JSON go")
-    p.add_argument("--job-type", default=DEFAULT_JOB_TYPE,
-                   help="sgat+opat (the default): subgraphs, then operators over the nodes they left, in one "
-                        "job; opat (2): operators alone; sgat (1): subgraphs alone (attention, layernorm, gelu, "
-                        "glu, conv regions)")  # fmt: skip
-    p.add_argument("--device", default=None,
-                   help="cpu (default), cuda:N, tensorrt:N or cann:N (ASCEND_DEVICE_ID selects cann:N)")  # fmt: skip
-    p.add_argument("--keep-initializer-inputs", action="store_true",
-                   help="treat initializers that old exporters list as graph inputs as real inputs")  # fmt: skip
-    p.add_argument("--budget", type=float, default=None,
-                   help="device seconds for search, session options and verification together "
-                        "(default: fitted to the model's profiled latency)")  # fmt: skip
     p.add_argument("--keep-workspace", action="store_true",
                    help="keep the scratch files (task models, samples) under aoe_workspace/ after success")  # fmt: skip
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -112,11 +95,11 @@ def _aoe_spelling(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("-m", "--model", type=Path, required=True)
     # 2 and 1 mean what they mean to AOE (OPAT alone, SGAT alone); naming none gets
     # aoe tune's default.
-    p.add_argument("-j", "--job_type", "--job-type", dest="job_type", default=DEFAULT_JOB_TYPE)
+    p.add_argument("-j", "--job_type", "--job-type", dest="job_type")
     p.add_argument("--output", type=Path, default=Path("."))
     p.add_argument("--input_shape", "--input-shape", dest="input_shape", action="append", default=[])
     p.add_argument("--device", default=None)
-    p.add_argument("--precision", default="exact")
+    p.add_argument("--precision")
     p.add_argument("--calibration", type=Path)
     p.add_argument("--bank", type=Path)
     p.add_argument("--config", type=Path)
@@ -127,10 +110,10 @@ def _aoe_spelling(argv: Sequence[str]) -> argparse.Namespace:
         raise OptionError(f"--framework {a.framework}: only ONNX (5) models can be tuned here")
     return argparse.Namespace(
         model=a.model, precision=a.precision, input_shape=a.input_shape, bank=a.bank, config=a.config,
-        calibration=a.calibration, min_cosine=None, max_rel_error=None, bank_layer=[], verbose=0,
-        repeat_tune=None, reload=a.reload, parallel=None, output=a.output, job_type=a.job_type, device=a.device,
-        keep_initializer_inputs=False, budget=None, keep_workspace=False,
-        no_progress=a.progress_bar == "off", local=False, socket=None, run=_tune,
+        calibration=a.calibration, bank_layer=[], verbose=0, reload=a.reload, repeat_tune=None, parallel=None,
+        output=a.output,
+        job_type=a.job_type, device=a.device, keep_workspace=False, no_progress=a.progress_bar == "off", local=False,
+        socket=None, run=_tune,
     )  # fmt: skip
 
 
@@ -142,27 +125,14 @@ def _tune(args: argparse.Namespace) -> int:
     # the upload: Client.submit_file).
     check_model_file(args.model, onnx=False)
 
-    import trio
-
     from aoe.config import load_config, parse_parallel
-    from aoe.jobtypes import parse_job_type
     from aoe.device import Device
-    from aoe.errors import DeviceError
-    from aoed.backends.ort.catalog import build_registry
-    from aoed.engine.budget import check_budget
-    from aoed.engine.engine import open_engine
-    from aoed.engine.job import JobOptions
-    from aoed.engine.policy import policy
-    from aoed.engine.prep import parse_input_shapes
 
-    job_type = parse_job_type(args.job_type)
+    spec = specargs.from_args(args)
     if args.reload and args.repeat_tune:
         raise OptionError("--reload and --repeat-tune contradict each other: resume, or tune again")
-    policy(args.precision, args.min_cosine, args.max_rel_error)  # validates before any work starts
-    if args.calibration is not None and not args.calibration.is_dir():
-        raise OptionError(f"--calibration {args.calibration}: not a directory")
-    check_budget(args.budget, "--budget")
-    shapes = parse_input_shapes(args.input_shape)
+    if spec.calibration_dir is not None and not spec.calibration_dir.is_dir():
+        raise OptionError(f"--calibration {spec.calibration_dir}: not a directory")
     config = load_config(args.config)
     parallel = parse_parallel(args.parallel, "--parallel") if args.parallel is not None else None
     config = config.replace(
@@ -170,61 +140,33 @@ def _tune(args: argparse.Namespace) -> int:
         device=Device.parse(args.device) if args.device else None,
         bank_layers=(*args.bank_layer, *config.bank_layers) if args.bank_layer else None,
     )  # fmt: skip
+    # The environment's settings (REPEAT_TUNE, ASCEND_DEVICE_ID) are the user's too.
+    spec = spec.replace(repeat_tune=config.repeat_tune,
+                        device=config.device.name if "device" in config.sources else None)  # fmt: skip
     output: Path = args.output
     made = _writable_output(output)
-    opts = JobOptions(
-        model=args.model,
-        output=output,
-        precision=args.precision,
-        job_type=job_type,
-        input_shapes=shapes,
-        repeat_tune=config.repeat_tune,
-        keep_initializer_inputs=args.keep_initializer_inputs,
-        device=config.device,
-        budget_s=args.budget,
-        calibration=args.calibration,
-        min_cosine=args.min_cosine,
-        max_rel_error=args.max_rel_error,
-        keep_workspace=args.keep_workspace,
-    )
     daemon = _daemon_for(args, config)
     if daemon is not None:
         from aoe.jobscli import tune_on_daemon
 
-        options = {
-            "precision": args.precision, "job_type": job_type, "input_shapes": shapes or None,
-            "budget_s": args.budget, "min_cosine": args.min_cosine, "max_rel_error": args.max_rel_error,
-            "calibration_dir": args.calibration.absolute() if args.calibration else None,
-            # the daemon's own defaults unless the user set these (environment, file or flag)
-            "repeat_tune": config.repeat_tune if "repeat_tune" in config.sources else None,
-            "parallel": config.parallel if "parallel" in config.sources else None,
-            "device": config.device.name if "device" in config.sources else None,
-        }  # fmt: skip
+        if spec.calibration_dir is not None:
+            spec = spec.replace(calibration_dir=spec.calibration_dir.absolute())
         with daemon:
-            return tune_on_daemon(daemon, args.model, options, output, progress=not args.no_progress)
+            return tune_on_daemon(daemon, args.model, spec, output, progress=not args.no_progress)
     if config.bank is not None and config.bank.exists() and not config.bank.is_dir():
         from aoe.errors import BankError
 
         raise BankError(f"bank {config.bank}: not a directory (a file is in the way); pass a directory for --bank")
-    registry = build_registry(config.plugins)
 
     from aoe._progress import Progress
-
-    progress = Progress(enabled=not args.no_progress)
+    from aoed import embedded  # the engine, in this process: the one door the CLI has into aoed
 
     if not (output / "aoe_workspace").exists():
         made.insert(0, output / "aoe_workspace")
-
-    async def run():
-        async with open_engine(config, registry, output / "aoe_workspace" / "logs") as engine:
-            with progress:
-                return await engine.run_job(opts, progress.emit)
-
     try:
-        try:
-            result = trio.run(run)
-        except BaseExceptionGroup as group:
-            raise first_error(group, KeyboardInterrupt, AoedError) from None
+        with Progress(enabled=not args.no_progress) as progress:
+            outcome = embedded.tune(args.model, spec, output, config=config, progress=progress.emit,
+                                    keep_workspace=args.keep_workspace)  # fmt: skip
     except DeviceError as exc:
         source = config.sources.get("device", "")
         raise DeviceError(f"{source} selects {config.device}: {exc}" if source.startswith("ASCEND") else str(exc)) from None
@@ -234,7 +176,9 @@ def _tune(args: argparse.Namespace) -> int:
         for d in made:
             with contextlib.suppress(OSError):
                 d.rmdir()
-    _summary(result)
+    for line in summary_lines(outcome):
+        print(line)
+    print("Aoe process finished")
     return 0
 
 
@@ -266,7 +210,6 @@ def _daemon_for(args: argparse.Namespace, config: Any) -> Any:
     run honours (the bank, plugins, workspace choices); no daemon answering. A missing
     socket file costs no dial, so without a daemon `aoe tune` is as fast as before."""
     flags = [flag for flag, given in (("--bank", args.bank), ("--bank-layer", args.bank_layer),
-             ("--keep-initializer-inputs", args.keep_initializer_inputs),
              ("--keep-workspace", args.keep_workspace)) if given]  # fmt: skip
     if args.socket is not None and flags:
         raise OptionError(f"--socket tunes on the daemon, which uses its own bank and workspace: drop {flags[0]} "
@@ -290,68 +233,6 @@ def _daemon_for(args: argparse.Namespace, config: Any) -> Any:
         client.close()
     print(f"aoe: tuning embedded (no daemon at {path})", file=sys.stderr, flush=True)
     return None
-
-
-def _summary(r: Any) -> None:
-    from aoe import figures
-
-    tuned = sum(t.update_mode in ("add", "update", "reserved", "unsatisfied") for t in r.tasks)
-    hits = sum(t.update_mode == "hit" for t in r.tasks)
-    failed = sum(t.update_mode == "failed" for t in r.tasks)
-    skipped = sum(t.update_mode == "skipped" for t in r.tasks)
-    chosen = [t for t in r.tasks if t.strategy != "default"]
-    changed = [t for t in chosen if t.applied]
-    res, budget, f = r.resources, r.device_budget, r.figures
-    out = sys.stdout
-    print(f"aoe: tuned {Path(r.model).name} in {r.tuning_time_s:.1f} s ({r.precision} on {r.device})", file=out)
-    where = (f"from the bank: confirmed by {f.confirmed_by}" if f.confirmed_by
-             else f"confirming A/B, {f.rounds} interleaved rounds")  # fmt: skip
-    print(f"  baseline     {f.baseline_ms:.4f} ms   ({where})", file=out)
-    print(f"  result       {figures.result_text(f)}", file=out)
-    print(f"  verdict      {figures.verdict_text(f)}", file=out)
-    print(
-        f"  tasks        {len(r.tasks)}: {tuned} measured, {hits} from the bank"
-        + (f", {failed} failed" if failed else "") + (f", {skipped} not tuned (budget)" if skipped else "")
-        + f"; {figures.changed_text(len(changed), len(chosen), f.shipped)}",
-        file=out,
-    )
-    print(f"  device       {res.get('trials', 0)} trials, {res.get('failed_candidates', 0)} failed candidates; "
-          f"{budget.get('spent_s', 0):.1f} s of a {budget.get('budget_s', 0):g} s budget, plus "
-          f"{budget.get('profile_s', 0) + budget.get('confirm_s', 0):.1f} s profiling and confirming; "
-          f"busy {r.duty_cycle:.0%} of the job", file=out)  # fmt: skip
-    from aoe.jobscli import budget_line
-
-    line = budget_line(budget)
-    if line:
-        print(f"  budget       {line}", file=out)
-    if changed:
-        print("  changed      (each task's own figure, from the search that chose it)", file=out)
-    for t in changed:
-        print(f"    {t.op_name:<40} {t.op_type:<14} {t.strategy:<22} {figures.pct(t.improvement)}", file=out)
-    if r.session_options:
-        print(f"  session      {r.session_options}", file=out)
-    if r.precision != "exact" and f.shipped == "input":
-        print("  accuracy     the input model ships: its outputs are the reference", file=out)
-        print(f"  calibration  {r.calibration}", file=out)
-    elif r.precision != "exact":
-        acc = r.accuracy
-        top1 = acc.get("top1_agreement")
-        print(f"  accuracy     over {acc.get('samples', 1)} held-back samples: cosine min {acc.get('cosine', 0):.5f}, "
-              f"5th percentile {acc.get('cosine_p5', acc.get('cosine', 0)):.5f}, max rel error "
-              f"{acc.get('max_rel_error', 0):.3g}" + (f", top-1 agreement {top1:.1%}" if top1 is not None else "")
-              + f" (budget: cosine >= {r.budget.get('min_cosine')}, max rel error <= {r.budget.get('max_rel_error')})",
-              file=out)  # fmt: skip
-        print(f"  calibration  {r.calibration}", file=out)
-    if r.precision != "exact":
-        for t in r.tasks:
-            if t.rejected and not t.strategy.startswith("int8"):
-                print(f"    {t.op_name:<40} kept {t.strategy}: {t.rejected[0]}", file=out)
-    print(f"  bank         {figures.bank_text(r.repo, len(chosen) - len(changed))}", file=out)
-    for note in r.notes:
-        print(f"  note         {note}", file=out)
-    print(f"  tuned model  {r.tuned_model}", file=out)
-    print(f"  report       {r.result_json}", file=out)
-    print("Aoe process finished", file=out)
 
 
 COMMANDS = ("tune", "compile", "bank", "submit", "jobs", "status", "watch", "cancel", "fetch", "devices", "daemon")

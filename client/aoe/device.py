@@ -14,10 +14,12 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aoe.errors import DeviceError, OptionError
-from aoe.signature import DeviceFingerprint, device_fingerprint
+
+if TYPE_CHECKING:
+    from aoe.signature import DeviceFingerprint
 
 __all__ = ["CPU", "KINDS", "Device", "kind_of"]
 
@@ -91,7 +93,7 @@ class Device:
         return self.kind == "cpu"
 
     def default_providers(self) -> list[list[Any]]:
-        """The providers a session on this device names (aoe._session's `providers`),
+        """The providers a session on this device names (aoe.sessionopts's `providers`),
         before any is tuned: its own with the device's options; a TensorRT device falls
         back to CUDA for what TensorRT does not build (onnxruntime's own arrangement);
         the CPU names none (it always comes last)."""
@@ -161,6 +163,8 @@ class Device:
         """What bank keys use: provider, hardware, runtime and the implementation options
         (not the index: identical devices share what was learned). Raises DeviceError
         for a GPU this machine does not have."""
+        from aoe.signature import device_fingerprint  # (onnx: only for whoever asks for a fingerprint)
+
         return device_fingerprint(self.provider, dict(self.options), self.accelerator())
 
 

@@ -8,6 +8,12 @@ the message names the file, node or option at fault and says what to do.
 
     AoedError
     ├── OptionError        a command-line option, config key or request field is wrong
+    │   └── NotFoundError  no such job, upload or daemon-side file
+    ├── PermissionDeniedError
+    │                      a daemon-side path outside the allowed directories, or a file
+    │                      there with several hard links
+    ├── JobStateError      the job is not in a state that allows the call (results of
+    │                      a job that has not succeeded)
     ├── ModelError         a model cannot be read, checked or prepared
     ├── BankError          the knowledge bank cannot be opened, read or written
     │   ├── BankBusyError  another process is writing the bank (one writer at a time)
@@ -28,9 +34,10 @@ the message names the file, node or option at fault and says what to do.
                            free space
 
 A client (`aoe.Client`) turns each gRPC status back into the class that sends it; a
-status several classes share comes back as the most general one: INVALID_ARGUMENT and
-NOT_FOUND as OptionError, FAILED_PRECONDITION as BankError from the bank service (else
-AoedError), UNAVAILABLE as DaemonUnavailableError, the server's message kept.
+status several classes share comes back as the most general one:
+INVALID_ARGUMENT as OptionError, NOT_FOUND as NotFoundError, FAILED_PRECONDITION as
+BankError from the bank service (else JobStateError), UNAVAILABLE as
+DaemonUnavailableError, the server's message kept.
 
 Structured concurrency raises what failed inside an exception group; `first_error`
 picks from one the error to report.
@@ -50,8 +57,11 @@ __all__ = [
     "DeviceError",
     "DiskFullError",
     "JobCancelledError",
+    "JobStateError",
     "ModelError",
+    "NotFoundError",
     "OptionError",
+    "PermissionDeniedError",
     "ResourceExhaustedError",
     "first_error",
 ]
@@ -77,6 +87,26 @@ class OptionError(AoedError):
             n = len(self.problems)
             message = self.problems[0] if n == 1 else f"{n} problems: " + "; ".join(self.problems)
         super().__init__(message)
+
+
+class NotFoundError(OptionError):
+    """No such job, upload or daemon-side file."""
+
+    grpc_status = "NOT_FOUND"
+
+
+class PermissionDeniedError(AoedError):
+    """A daemon-side path outside the allowed directories, or a model file there with
+    several hard links (which may be a file from elsewhere)."""
+
+    grpc_status = "PERMISSION_DENIED"
+
+
+class JobStateError(AoedError):
+    """The job is not in a state that allows the call (e.g. downloading the results of
+    a job that has not succeeded)."""
+
+    grpc_status = "FAILED_PRECONDITION"
 
 
 class ModelError(AoedError):

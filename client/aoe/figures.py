@@ -32,6 +32,7 @@ words figures through the functions here; the daemon builds its figures with `Fi
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -42,6 +43,7 @@ __all__ = [
     "VERDICTS",
     "Comparison",
     "Figures",
+    "Shipped",
     "bank_text",
     "changed_text",
     "event_text",
@@ -53,6 +55,15 @@ __all__ = [
     "short_text",
     "verdict_text",
 ]
+
+class Shipped(enum.StrEnum):
+    """What a job ships: the tuned model, the input with session options, or the input."""
+
+    TUNED = "tuned"
+    OPTIONS_ONLY = "options only"
+    INPUT = "input"
+    NONE = ""  # not known
+
 
 #: What a job can ship, and how each is said.
 SHIPPED = {
@@ -110,7 +121,7 @@ class Figures:
     so that it cannot disagree with `improvement`."""
 
     verdict: str  # one of VERDICTS ("" when unknown)
-    shipped: str  # a key of SHIPPED ("" when unknown)
+    shipped: Shipped
     baseline_ms: float
     improvement: float = 0.0  # of what shipped against the input; 0 when the input ships
     ci95: tuple[float, float] = (0.0, 0.0)
@@ -120,6 +131,7 @@ class Figures:
     decided_by: Comparison | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "shipped", Shipped(self.shipped))
         if self.shipped == "input" and (self.improvement or self.ci95 != (0.0, 0.0)):
             raise ValueError("the input shipped: nothing changed, so its improvement is 0")
 
@@ -147,7 +159,7 @@ class Figures:
     def to_dict(self) -> dict[str, Any]:
         """JSON types; `from_dict` reads it back."""
         return {
-            "verdict": self.verdict, "shipped": self.shipped, "baseline_ms": self.baseline_ms,
+            "verdict": self.verdict, "shipped": str(self.shipped), "baseline_ms": self.baseline_ms,
             "result_ms": self.result_ms, "improvement": self.improvement, "improvement_ci95": list(self.ci95),
             "rounds": self.rounds, "confirmed_by": self.confirmed_by,
             "decided_by": self.decided_by.to_dict() if self.decided_by else None,
@@ -171,20 +183,6 @@ class Figures:
             confirmed_by=str(d.get("confirmed_by") or d.get("from_bank") or ""),
             decided_by=Comparison.from_dict(decided) if isinstance(decided, Mapping) else None,
         )  # fmt: skip
-
-    @classmethod
-    def from_pb(cls, r: Any) -> Figures:
-        """From an `aoe.v1.JobResult`."""
-        d: dict[str, Any] = {
-            "verdict": r.verdict, "shipped": r.shipped, "baseline_ms": r.baseline_ms, "improvement": r.improvement,
-            "improvement_ci95": (r.improvement_ci95_low, r.improvement_ci95_high), "rounds": r.confirm_rounds,
-            "confirmed_by": r.confirmed_by,
-        }  # fmt: skip
-        if r.HasField("decided_by"):
-            c = r.decided_by
-            d["decided_by"] = {"subject": c.subject, "against": c.against, "improvement": c.improvement,
-                               "improvement_ci95": (c.improvement_ci95_low, c.improvement_ci95_high)}  # fmt: skip
-        return cls.from_dict(d)
 
 
 # --------------------------------------------------------------------------- wording

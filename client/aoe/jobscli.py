@@ -23,14 +23,16 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import json
-import math
 import sys
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from aoe import specargs
 from aoe.errors import AoedError, JobCancelledError, OptionError
+from aoe.outcome import summary_lines
+from aoe.spec import JobSpec
 
 if TYPE_CHECKING:
     from aoe.client import Client
@@ -79,13 +81,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     """Add the daemon's job commands to the `aoe` parser."""
     p = sub.add_parser("submit", help="queue a model on the daemon", description="Queue a model on the daemon.")
     p.add_argument("model", type=Path, help="the .onnx model (a local file, uploaded; see --on-server)")
-    p.add_argument("--precision", default=None, help="precision policy: exact (default) or int8")
-    p.add_argument("--input-shape", action="append", default=[], metavar="NAME:D1,D2,...",
-                   help="static shape for an input with dynamic dimensions; repeat or join with ';'")  # fmt: skip
-    p.add_argument("--priority", type=int, default=None, help="-10 (background) to 10 (urgent); default 0")
-    p.add_argument("--budget", type=float, default=None, help="device seconds (default: fitted by the daemon)")
-    p.add_argument("--repeat-tune", action="store_true", default=None, help="re-tune tasks the bank already knows")
-    p.add_argument("--device", default=None, help="cpu, cuda:N, ... (default: the daemon's)")
+    specargs.add_arguments(p, where="the daemon")
     p.add_argument("--watch", action="store_true", help="follow the job until it ends (exit status as aoe watch)")
     p.add_argument("--on-server", action="store_true", help="MODEL is a path on the daemon's host: do not upload")
     p.set_defaults(run=_submit)
@@ -140,9 +136,10 @@ def _progress(job: tuning_pb2.Job) -> str:
     if name == "queued":
         return f"{job.queue_position} ahead"
     if name == "succeeded":
-        from aoe.figures import Figures, short_text
+        from aoe.figures import short_text
+        from aoe.wire import figures_from_pb
 
-        return short_text(Figures.from_pb(job.result))
+        return short_text(figures_from_pb(job.result))
     if name in ("failed", "cancelled"):
         return _shorten(job.error, _REASON_WIDTH) or "-"
     return f"{p.tasks_done}/{p.tasks_total} tasks" if p.tasks_total else name
@@ -166,75 +163,18 @@ def _table(rows: list[tuple[str, ...]]) -> None:
 
 
 def print_result(job: tuning_pb2.Job, files: list[Path] | None = None) -> None:
-    """The summary of a finished job, from its Job proto; `files` are the downloaded
-    artifacts (else the paths on the daemon's host are shown)."""
-    from aoe import figures
-    from aoe.v1 import bank_pb2
+    """The summary of a finished job, from its Job proto (as `aoe tune` words one run
+    embedded: aoe.outcome.summary_lines); `files` are the downloaded artifacts (else the
+    paths on the daemon's host are shown)."""
+    from aoe.wire import outcome_from_pb
 
-    r, o = job.result, job.options
     took = (job.finished.ToNanoseconds() - job.started.ToNanoseconds()) / 1e9 if job.started.seconds else 0.0
-    precision = _enum_name(bank_pb2.Precision, o.precision, "PRECISION_") if o.precision else "exact"
-    print(f"aoe: tuned {job.model_name} on the daemon in {took:.1f} s (job {job.job_id}; {precision} on "
-          f"{o.device or 'the default device'})")  # fmt: skip
-    f = figures.Figures.from_pb(r)
-    where = (f"from the bank: confirmed by {f.confirmed_by}" if f.confirmed_by
-             else f"confirming A/B, {f.rounds} interleaved rounds")  # fmt: skip
-    print(f"  baseline     {f.baseline_ms:.4f} ms   ({where})")
-    print(f"  result       {figures.result_text(f)}")
-    if f.verdict:
-        print(f"  verdict      {figures.verdict_text(f)}")
-    modes = [t.update_mode for t in r.tasks]
-    measured = sum(m in ("add", "update", "reserved", "unsatisfied") for m in modes)
-    failed = modes.count("failed")
-    chosen = [t for t in r.tasks if t.strategy.name and t.strategy.name != "default"]
-    changed = [t for t in chosen if not t.error]  # a chosen task that did not ship says why in its error
-    print(f"  tasks        {len(r.tasks)}: {measured} measured, {modes.count('hit')} from the bank"
-          + (f", {failed} failed" if failed else "") + f"; {figures.changed_text(len(changed), len(chosen), f.shipped)}")  # fmt: skip
-    for t in changed:
-        print(f"    {t.task_id:<40} {t.op_type:<14} {t.strategy.name:<22} {figures.pct(t.improvement)}")
-    print(f"  device       {r.trials} trials, {r.device_s:.1f} s measuring")
-    report_json = (files or [None, None])[1:2]
-    if report_json and report_json[0] is not None:
-        with contextlib.suppress(OSError, ValueError, AttributeError):
-            line = budget_line(json.loads(Path(report_json[0]).read_text(encoding="utf-8")).get("budget", {}))
-            if line:
-                print(f"  budget       {line}")
-    repo = {fd.name: value for fd, value in r.repo_summary.ListFields()}
-    print(f"  bank         {figures.bank_text(repo, len(chosen) - len(changed))}")
     model, report = (files or [None, None])[:2]
-    print(f"  tuned model  {model or r.tuned_model_path + ' (on the daemon host)'}")
-    print(f"  report       {report or r.result_json_path + ' (on the daemon host)'}")
-
-
-#: How the budget line names a result's stages.
-_STAGE_WORDS = {"prepare": "preparing", "bank": "bank lookups", "profile": "profiling", "search": "search",
-                "assemble": "assembling", "accuracy": "accuracy", "session": "session options",
-                "verify": "verifying", "confirm": "confirming", "outputs": "outputs"}  # fmt: skip
-
-
-def budget_line(budget: dict[str, Any]) -> str | None:
-    """The result JSON's `budget` section in one line: the budget, what the job took, and
-    by how much and where it went over (stages under 0.05 s left out); None for a result
-    without stages."""
-    stages = budget.get("stages")
-    if not isinstance(stages, dict):
-        return None
-    parts = []
-    for name, st in stages.items():
-        spent = float(st.get("spent_s", 0.0))
-        if spent < 0.05:
-            continue
-        extra = []
-        if st.get("counted"):
-            extra.append(f"{float(st.get('given_s', 0.0)):.1f} given")
-        if "estimate_s" in st:
-            extra.append(f"estimated {float(st['estimate_s']):.1f}")
-        parts.append(f"{_STAGE_WORDS.get(name, name)} {spent:.1f} s" + (f" ({', '.join(extra)})" if extra else ""))
-    over = float(budget.get("over_s", 0.0))
-    head = f"{float(budget.get('budget_s', 0.0)):g} s given, the job took {float(budget.get('elapsed_s', 0.0)):.1f} s"
-    if over > 0:
-        head += f", {over:.1f} s over"
-    return head + (": " + ", ".join(parts) if parts else "")
+    outcome = outcome_from_pb(job.result, job.job_id)
+    if not outcome.model:  # a daemon from before results named the model
+        outcome = dataclasses.replace(outcome, model=job.model_name)
+    for line in summary_lines(outcome, where=" on the daemon", took_s=took, files=(model, report)):
+        print(line)
 
 
 @dataclass
@@ -285,9 +225,10 @@ def _line(event: tuning_pb2.JobEvent) -> str:
         level = _enum_name(tuning_pb2.LogLevel, event.log.level, "LOG_LEVEL_")
         return f"{head} {level} {event.log.logger}: {event.log.message}"
     if kind == "result":
-        from aoe.figures import Figures, event_text
+        from aoe.figures import event_text
+        from aoe.wire import figures_from_pb
 
-        return f"{head} result {event_text(Figures.from_pb(event.result))}"
+        return f"{head} result {event_text(figures_from_pb(event.result))}"
     return f"{head} {kind}"
 
 
@@ -328,10 +269,10 @@ def _finished(job: tuning_pb2.Job) -> tuning_pb2.Job:
     return job
 
 
-def tune_on_daemon(client: Client, model: Path, options: dict[str, Any], output: Path, progress: bool) -> int:
+def tune_on_daemon(client: Client, model: Path, spec: JobSpec, output: Path, progress: bool) -> int:
     """`aoe tune` on the daemon: upload, follow, download into `output`, summarize; 0.
     Ctrl-C cancels the job on the daemon, as it would stop an embedded run."""
-    job = client.submit_file(model, **options)
+    job = client.submit_file(model, spec)
     try:
         job = _finished(follow(client, job.job_id, bar=progress))
     except KeyboardInterrupt:
@@ -349,18 +290,13 @@ def tune_on_daemon(client: Client, model: Path, options: dict[str, Any], output:
 
 
 def _submit(args: argparse.Namespace) -> int:
-    if args.priority is not None and not -10 <= args.priority <= 10:
-        raise OptionError(f"--priority {args.priority}: must be between -10 and 10")
-    if args.budget is not None and not 0 < args.budget < math.inf:  # NaN fails both
-        raise OptionError(f"--budget {args.budget}: must be a finite positive number of seconds")
-    options = {"precision": args.precision, "input_shapes": args.input_shape or None, "priority": args.priority,
-               "budget_s": args.budget, "repeat_tune": args.repeat_tune, "device": args.device}  # fmt: skip
+    spec = specargs.from_args(args)
     with client_for(args) as client:
         if args.on_server:  # a relative path means nothing to a daemon with another cwd
             model = args.model.absolute() if client.socket is not None else args.model
-            job = client.submit(model, options=options)
+            job = client.submit(model, options=spec)
         else:
-            job = client.submit_file(args.model, **options)
+            job = client.submit_file(args.model, spec)
         ahead = f", {job.queue_position} ahead" if _state(job.state) == "queued" else ""
         print(f"aoe: submitted {job.model_name or args.model.name} as job {job.job_id} ({_state(job.state)}{ahead})")
         if args.watch:

@@ -30,11 +30,14 @@ from dataclasses import dataclass, field
 
 import onnx
 
-from aoe.jobtypes import JOB_TYPES
+from aoe.spec import JobType
 from aoe.signature import ModelContext, TaskSignature, task_signature
 from aoe.subgraphs import find_subgraphs
 
 __all__ = ["ACTIVATIONS", "FAMILIES", "JOB_TYPES", "ModelTasks", "Task", "partition"]
+
+#: What a job may tune (aoe.spec.JobType).
+JOB_TYPES = tuple(JobType)
 
 #: Elementwise activations a task takes along as its epilogue.
 ACTIVATIONS = ("Relu", "Sigmoid", "Tanh", "LeakyRelu")

@@ -1,6 +1,6 @@
 """The options onnxruntime's accelerator providers take, as their documentation names them.
 
-Tuned models carry provider options in their metadata (aoe._session), and the strategy
+Tuned models carry provider options in their metadata (aoe.sessionopts), and the strategy
 spaces propose them; both are checked against these tables, so a misspelt option is an
 error here rather than an option onnxruntime ignores or refuses on a GPU machine. The
 names are those of onnxruntime's execution provider pages (CUDA, TensorRT, CANN) and of

@@ -82,7 +82,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     import trio
 
-    from aoed.service import Daemon
+    from aoed.daemon import Daemon
 
     try:
         trio.run(Daemon(cfg, args.config).run)

@@ -22,7 +22,7 @@ import re
 import sys
 from collections.abc import Iterator, Mapping
 
-__all__ = ["EscapingFormatter", "configure", "cut", "printable", "stderr_is_journal"]
+__all__ = ["EscapingFormatter", "configure", "current_job", "cut", "printable", "stderr_is_journal"]
 
 _PRIORITY = {logging.DEBUG: 7, logging.INFO: 6, logging.WARNING: 4, logging.ERROR: 3, logging.CRITICAL: 2}
 

@@ -38,27 +38,26 @@ import tomllib
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import trio
 import watchfiles
 
 from aoe import figures
-from aoe.errors import AoedError, DiskFullError, ModelError, OptionError
+from aoe.errors import AoedError, DaemonUnavailableError, DiskFullError, ModelError, NotFoundError, OptionError
+from aoe.errors import ResourceExhaustedError
 from aoed import safefs, space
 from aoed.config import DaemonConfig, Inbox
-from aoed.jobs.manager import JobManager, Submission, options_from_dict
+from aoe.spec import JobSpec
+from aoed.jobs.manager import JobManager, Submission
 from aoed.jobs.store import FAILED, SUCCEEDED, Claim, JobRow
 from aoed.logs import printable
 
-__all__ = ["OPTIONS_FILE", "Watcher", "folder_options"]
+__all__ = ["OPTIONS_FILE", "Watcher", "folder_spec"]
 
 log = logging.getLogger(__name__)
 
 #: the folder's options file (never a model)
 OPTIONS_FILE = "aoed.toml"
-_OPTION_KEYS = ("budget_s", "input_shapes", "job_type", "max_rel_error", "min_cosine", "precision", "priority",
-                "repeat_tune")  # fmt: skip
 #: rows of finished jobs waiting for the delivery task (see `_on_final` for why bounded)
 _DELIVERY_BUFFER = 1024
 #: how long the start waits to see a folder's watch working before it says ready anyway
@@ -77,11 +76,6 @@ def _ignored(name: str) -> bool:
 
 def _candidate(name: str) -> bool:
     return not _ignored(name) and name.lower().endswith(".onnx")
-
-
-def _status(exc: AoedError) -> str:
-    """The gRPC status name an error maps to."""
-    return exc.grpc_status
 
 
 @dataclass(eq=False)
@@ -108,7 +102,8 @@ class _Pending:
 class Watcher:
     """Watches the configured inbox folders and turns each model dropped there into one
     job; delivers the job's outputs when it ends. Depends on the job manager only through
-    `submit`, `get`, `on_final`, `store` and `engine.device.device`."""
+    `submit`, `get`, `on_final` and its claims (`claims`, `claim_begin`, `claim_done`,
+    `claim_drop`)."""
 
     #: safety-net rescan of every folder (and of finished jobs not yet delivered)
     rescan_s = 30.0
@@ -118,7 +113,6 @@ class Watcher:
     def __init__(self, cfg: DaemonConfig, jobs: JobManager):
         self._cfg = cfg
         self._jobs = jobs
-        self._store = jobs.store
         self._claims_dir = cfg.claims_dir
         self._folders: dict[Path, _Folder] = {}
         #: every inbox configured since start: deliveries of a folder removed by a reload
@@ -482,19 +476,19 @@ class Watcher:
         """Move `path` into the claims dir, recorded before and after; None when another
         file of that name is still claimed (it is taken after that one's delivery) or the
         file vanished. Raises OSError or StoreError (the claim is then undone)."""
-        if any(c.src == str(path) for c in self._store.claims()):
+        if any(c.src == str(path) for c in self._jobs.claims()):
             return None
         dst = self._claims_dir / uuid.uuid4().hex / path.name
         await trio.to_thread.run_sync(lambda: dst.parent.mkdir(parents=True))
         try:
-            self._store.claim_begin(str(path), str(dst), str(inbox.path))
+            self._jobs.claim_begin(str(path), str(dst), str(inbox.path))
         except AoedError:
             await trio.to_thread.run_sync(dst.parent.rmdir)
             raise
         try:
             await trio.to_thread.run_sync(safefs.move_path, path, dst)
         except OSError as exc:
-            self._store.claim_drop(str(path))
+            self._jobs.claim_drop(str(path))
             await trio.to_thread.run_sync(shutil.rmtree, dst.parent, True)
             if isinstance(exc, FileNotFoundError) and not path.exists():
                 return None
@@ -510,11 +504,10 @@ class Watcher:
         while True:
             try:
                 _check_claimed(model)
-                opts = folder_options(Path(claim.inbox), self._jobs.engine.device.device)
-                row, joined = await self._jobs.submit(Submission(model=model, options=opts,
-                                                                 source=f"inbox:{claim.inbox}"))  # fmt: skip
+                spec = folder_spec(Path(claim.inbox))
+                row, joined = await self._jobs.submit(Submission(model=model, spec=spec, source=f"inbox:{claim.inbox}"))
             except AoedError as exc:
-                if _status(exc) in ("RESOURCE_EXHAUSTED", "UNAVAILABLE"):
+                if isinstance(exc, ResourceExhaustedError | DaemonUnavailableError):
                     log.info("inbox %s: %s waits (%s)", claim.inbox, model.name, exc)
                     await trio.sleep(self.retry_s)
                     continue
@@ -527,7 +520,7 @@ class Watcher:
             # submits (and so delivers) it again.
             await self._deliver_failure(claim, "", "rejected", error)
             return
-        self._store.claim_done(claim.src, row.id)
+        self._jobs.claim_done(claim.src, row.id)
         log.info("inbox %s: %s is job %s%s", claim.inbox, model.name, row.id, " (joined)" if joined else "")
         if row.final:  # joined a job that has ended since: on_final will not come again
             self._queue(row)
@@ -539,7 +532,7 @@ class Watcher:
         claim refers to (a crash between creating the folder and recording the claim, or
         between a delivery and the removal of the copy)."""
         self._settle_claims()
-        referenced = {Path(c.dst).parent for c in self._store.claims()}
+        referenced = {Path(c.dst).parent for c in self._jobs.claims()}
         for d in await trio.to_thread.run_sync(lambda: list(self._claims_dir.iterdir())):
             if d not in referenced:
                 await trio.to_thread.run_sync(_remove, d)
@@ -549,7 +542,7 @@ class Watcher:
         """'claiming' claims no task of this run is working on: submit those whose file
         was moved, forget those whose file never was (the scan takes it again)."""
         assert self._nursery is not None
-        for c in self._store.claims("claiming"):
+        for c in self._jobs.claims("claiming"):
             if c.src in self._in_flight:
                 continue
             src, dst = Path(c.src), Path(c.dst)
@@ -559,7 +552,7 @@ class Watcher:
                 self._nursery.start_soon(self._submit_reconciled, c, src.exists() and _same_file_data(src, dst))
             else:
                 try:
-                    self._store.claim_drop(c.src)
+                    self._jobs.claim_drop(c.src)
                 except AoedError as exc:  # (a full disk: the next sweep drops it)
                     log.warning("inbox %s: %s", c.inbox, exc)
 
@@ -574,16 +567,16 @@ class Watcher:
             self._in_flight.discard(claim.src)
 
     def _queue_finished_claims(self) -> None:
-        for c in self._store.claims("claimed"):
+        for c in self._jobs.claims("claimed"):
             try:
                 row = self._jobs.get(c.job_id)
-            except AoedError as exc:
-                if _status(exc) != "NOT_FOUND":
-                    log.error("inbox %s: job %s: %s", c.inbox, c.job_id, exc)
-                    continue
+            except NotFoundError:
                 row = JobRow(id=c.job_id, state=FAILED, model_path=c.dst, model_name=Path(c.dst).name,
-                             model_sha256="", dedup_key="", options={}, output_dir="",
+                             model_sha256="", dedup_key="", spec=JobSpec(), output_dir="",
                              error="the job's record is gone (removed after its retention?)")  # fmt: skip
+            except AoedError as exc:
+                log.error("inbox %s: job %s: %s", c.inbox, c.job_id, exc)
+                continue
             if row.final:
                 self._queue(row)
 
@@ -591,7 +584,7 @@ class Watcher:
 
     def _on_final(self, row: JobRow) -> None:
         """The job manager's final-state callback (sync, in the trio thread)."""
-        if any(c.job_id == row.id for c in self._store.claims("claimed")):
+        if any(c.job_id == row.id for c in self._jobs.claims("claimed")):
             self._queue(row)
 
     def _queue(self, row: JobRow) -> None:
@@ -607,7 +600,7 @@ class Watcher:
         """The one task that delivers: one claim at a time, so that a job queued twice
         (callback and sweep) finds its claims gone the second time."""
         async for row in self._final_recv:
-            for claim in self._store.claims("claimed"):
+            for claim in self._jobs.claims("claimed"):
                 if claim.job_id != row.id:
                     continue
                 try:
@@ -645,7 +638,7 @@ class Watcher:
 
     async def _release(self, claim: Claim) -> None:
         """Forget a delivered claim; take a newer file of the same name that waited."""
-        self._store.claim_drop(claim.src)
+        self._jobs.claim_drop(claim.src)
         dst = Path(claim.dst)
         if dst.parent.parent == self._claims_dir:
             await trio.to_thread.run_sync(_remove, dst.parent)
@@ -658,9 +651,9 @@ class Watcher:
 # ------------------------------------------------------------------ folder options
 
 
-def folder_options(folder: Path, device: Any) -> dict[str, Any]:
-    """The job options of `folder`'s aoed.toml (defaults without one), checked. Raises
-    OptionError naming the file and the key."""
+def folder_spec(folder: Path) -> JobSpec:
+    """The job spec of `folder`'s aoed.toml (the defaults without one): JobSpec.from_toml.
+    Raises OptionError naming the file and the key."""
     f = folder / OPTIONS_FILE
     try:
         # Opened as safefs opens files: a link or a FIFO planted under this name is neither
@@ -678,18 +671,10 @@ def folder_options(folder: Path, device: Any) -> dict[str, Any]:
         raise OptionError(f"{f}: cannot be read ({exc})") from None
     except tomllib.TOMLDecodeError as exc:
         raise OptionError(f"{f}: not valid TOML ({exc}); fix it and drop the model again") from None
-    unknown = sorted(set(raw) - set(_OPTION_KEYS))
-    if unknown:
-        raise OptionError(f"{f}: unknown key {unknown[0]!r} (known: {', '.join(_OPTION_KEYS)}); "
-                          "fix it and drop the model again")  # fmt: skip
-    if not isinstance(raw.get("input_shapes", {}), dict):
-        raise OptionError(f"{f}: input_shapes must be a table of name = [dims]")
     try:
-        return options_from_dict(raw, device)
+        return JobSpec.from_toml(raw)
     except OptionError as exc:
-        raise OptionError(f"{f}: {exc}") from None
-    except (TypeError, ValueError) as exc:
-        raise OptionError(f"{f}: a value has the wrong type ({exc})") from None
+        raise OptionError(f"{f}: {exc}; fix it and drop the model again") from None
 
 
 # ------------------------------------------------------------------ file system (worker threads)
@@ -807,13 +792,13 @@ def _write_outputs(outbox: Path, name: str, row: JobRow) -> list[str]:
     report; returns the names written. An output the job no longer has (or that is now
     a link) is left out, and the report says so."""
     outbox.mkdir(parents=True, exist_ok=True)
-    result = row.result or {}
+    outcome = row.outcome
     with safefs.opened_dir(outbox) as out:
         base = _free_base(out, Path(name).stem, _OUT_SUFFIXES)
         tuned, result_json, report = (f"{base}{s}" for s in _OUT_SUFFIXES)
         written, missing = [], []
         for key, dst in (("tuned_model", tuned), ("result_json", result_json)):
-            src = str(result.get(key) or "")
+            src = getattr(outcome, key) if outcome is not None else ""
             try:
                 fd = safefs.open_file(src) if src else None
             except (FileNotFoundError, safefs.LinkRefusedError):
@@ -830,13 +815,12 @@ def _write_outputs(outbox: Path, name: str, row: JobRow) -> list[str]:
 
 
 def _report_text(name: str, row: JobRow, written: list[str], missing: list[str]) -> str:
-    """A short human summary of the succeeded job that tuned the model `name`."""
-    r = row.result or {}
-    f = figures.Figures.from_dict(r)
+    """A short human summary of the succeeded job that tuned the model `name`: the drop
+    folder's renderer of its outcome."""
+    o = row.outcome
+    f = o.figures if o is not None else figures.Figures("", "", 0.0)
     where = (f"from the bank, as confirmed by {f.confirmed_by}" if f.confirmed_by
              else f"confirming A/B, {f.rounds} interleaved rounds")  # fmt: skip
-    tasks = r.get("tasks") or []
-    unshipped = sum(1 for t in tasks if t.get("strategy", "default") != "default" and t.get("error"))
     lines = [
         f"aoed tuned {printable(name)}",
         f"job:          {row.id}",
@@ -844,7 +828,7 @@ def _report_text(name: str, row: JobRow, written: list[str], missing: list[str])
         f"result:       {figures.result_text(f, 3)}",
         f"verdict:      {figures.verdict_text(f)}",
         f"shipped:      {figures.shipped_text(f)}",
-        f"bank:         {figures.bank_text(r.get('repo') or {}, unshipped)}",
+        f"bank:         {figures.bank_text(o.bank if o else {}, o.unshipped if o else 0)}",
         f"outputs:      {', '.join(written) or '(none)'}",
     ]
     lines += [f"missing:      {m}" for m in missing]

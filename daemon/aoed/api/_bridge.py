@@ -28,9 +28,8 @@ import grpc
 import trio
 
 from aoe.errors import AoedError
-from aoed.errors import NotFoundError, RpcError
 
-__all__ = ["Bridge", "NotFoundError", "RpcError", "status_of"]
+__all__ = ["Bridge", "status_of"]
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +37,8 @@ T = TypeVar("T")
 
 
 def status_of(exc: AoedError) -> grpc.StatusCode:
+    """The gRPC status of `exc`'s class (aoe.errors): the one mapping of errors to
+    statuses on the daemon side."""
     return getattr(grpc.StatusCode, exc.grpc_status, grpc.StatusCode.INTERNAL)
 
 

@@ -1,7 +1,7 @@
 """BankService: the knowledge bank over gRPC, as `aoe bank` has it locally.
 
 Methods are protobuf -> domain, one bridge call (or stream), domain -> protobuf, over
-aoed.bank.service.DaemonBank (the engine's BankWriter, the daemon's one writer of the
+aoed.bank.daemonbank.DaemonBank (the engine's BankWriter, the daemon's one writer of the
 bank) and, for VerifyEntries, the engine's device.
 
   LookupEntry    a key, or digests (this daemon's device by default): custom bank, then
@@ -42,7 +42,7 @@ from aoe.errors import OptionError, ResourceExhaustedError
 from aoe.v1 import bank_pb2, bank_pb2_grpc
 from aoed.api._bridge import Bridge
 from aoed.bank.follow import Connect, FollowBatch, Follower, SyncReport, feed
-from aoed.bank.service import DaemonBank, Keep, check_import
+from aoed.bank.daemonbank import DaemonBank, Keep, check_import
 from aoed.bank.store import MergeCounts
 from aoed.engine.bankverify import Verdict, sample_entries, verify_entries
 

@@ -15,7 +15,6 @@ from aoe.v1 import bank_pb2, daemon_pb2, daemon_pb2_grpc, devices_pb2, devices_p
 from aoed import __version__
 from aoed.api._bridge import Bridge
 from aoed.config import DaemonConfig
-from aoed.jobs import store as st
 from aoed.jobs.manager import JobManager
 
 __all__ = ["DaemonServicer", "DeviceServicer"]
@@ -30,7 +29,7 @@ class DeviceServicer(devices_pb2_grpc.DeviceServiceServicer):
 
     async def _list(self) -> devices_pb2.ListDevicesResponse:
         agent = self._jobs.engine.device
-        running = self._jobs.store.jobs(st.RUNNING, limit=1)
+        running = self._jobs.running()
         queued, n_running = self._jobs.counts()
         # nvidia-smi and the provider list: a subprocess and an import, off the event loop
         local = await trio.to_thread.run_sync(local_devices, agent.providers or None)

@@ -26,17 +26,16 @@ from typing import Any
 import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from aoe.errors import AoedError, OptionError
-from aoe.figures import Figures
-from aoe.jobtypes import DEFAULT_JOB_TYPE
-from aoe.v1 import bank_pb2, tuning_pb2, tuning_pb2_grpc
+from aoe.errors import AoedError, JobStateError, NotFoundError, OptionError, PermissionDeniedError
+from aoe.outcome import JobOutcome
+from aoe.v1 import tuning_pb2, tuning_pb2_grpc
+from aoe.wire import outcome_to_pb, spec_from_pb, spec_to_pb
 from aoed import safefs, space
 from aoed.api._bridge import Bridge, status_of
-from aoed.errors import NotFoundError, PermissionDeniedError, RpcError
 from aoed.config import DaemonConfig
-from aoed.jobs import sizes
+from aoe import sizes
 from aoed.jobs import store as st
-from aoed.jobs.manager import JobManager, Submission, options_from_dict, shown_path
+from aoed.jobs.manager import JobManager, Submission, shown_path
 from aoed.jobs.store import EventRow, JobRow, Upload
 from aoed.logs import cut
 
@@ -53,12 +52,6 @@ _STATE = {
 _STATE_NAME = {v: k for k, v in _STATE.items()}
 _LEVEL = {"debug": tuning_pb2.LOG_LEVEL_DEBUG, "info": tuning_pb2.LOG_LEVEL_INFO,
           "warning": tuning_pb2.LOG_LEVEL_WARNING, "error": tuning_pb2.LOG_LEVEL_ERROR}  # fmt: skip
-_PRECISION = {bank_pb2.PRECISION_UNSPECIFIED: "exact", bank_pb2.PRECISION_EXACT: "exact",
-              bank_pb2.PRECISION_INT8: "int8", bank_pb2.PRECISION_INT4: "int4",
-              bank_pb2.PRECISION_FP16: "fp16", bank_pb2.PRECISION_BF16: "bf16"}  # fmt: skip
-_PRECISION_CODE = {name: code for code, name in _PRECISION.items() if code != bank_pb2.PRECISION_UNSPECIFIED}
-_JOB_TYPE = {tuning_pb2.JOB_TYPE_UNSPECIFIED: DEFAULT_JOB_TYPE, tuning_pb2.JOB_TYPE_OPAT: "opat", tuning_pb2.JOB_TYPE_SGAT: "sgat",
-             tuning_pb2.JOB_TYPE_SGAT_OPAT: "sgat+opat"}  # fmt: skip
 
 
 def confine(raw: str, allowed: tuple[Path, ...], what: str, want_dir: bool = False) -> Path:
@@ -132,63 +125,6 @@ def _known(table: dict[int, str], code: int, field: str, enum) -> str:
     return table[code]
 
 
-def options_to_dict(o: tuning_pb2.JobOptions) -> dict[str, Any]:
-    """The options of a request as options_from_dict takes them; OptionError naming the
-    field for an enum number this daemon does not know."""
-    return {
-        "precision": _known(_PRECISION, o.precision, "precision", bank_pb2.Precision),
-        "job_type": _known(_JOB_TYPE, o.job_type, "job_type", tuning_pb2.JobType),
-        "input_shapes": {s.name: list(s.dims) for s in o.input_shapes},
-        "repeat_tune": o.repeat_tune,
-        "device": o.device,
-        "budget_s": o.budget_s or None,
-        "min_cosine": o.accuracy_budget.min_cosine or None,
-        "max_rel_error": o.accuracy_budget.max_rel_error or None,
-        "priority": o.priority,
-        "labels": dict(o.labels),
-    }
-
-
-def job_options_pb(opts: dict[str, Any]) -> tuning_pb2.JobOptions:
-    return tuning_pb2.JobOptions(
-        job_type={v: k for k, v in _JOB_TYPE.items() if k}.get(opts.get("job_type", "opat"), tuning_pb2.JOB_TYPE_OPAT),
-        precision=_PRECISION_CODE.get(opts.get("precision", "exact"), bank_pb2.PRECISION_EXACT),
-        input_shapes=[tuning_pb2.InputShape(name=k, dims=v) for k, v in opts.get("input_shapes", {}).items()],
-        repeat_tune=bool(opts.get("repeat_tune")),
-        device=str(opts.get("device", "")),
-        accuracy_budget=tuning_pb2.AccuracyBudget(min_cosine=opts.get("min_cosine") or 0.0,
-                                                  max_rel_error=opts.get("max_rel_error") or 0.0),  # fmt: skip
-        calibration_dir=str(opts.get("calibration_dir", "")),
-        labels=opts.get("labels", {}),
-        priority=int(opts.get("priority", 0)),
-        budget_s=float(opts.get("budget_s") or 0.0),
-    )
-
-
-def result_pb(r: dict[str, Any]) -> tuning_pb2.JobResult:
-    repo = r.get("repo", {})
-    f = Figures.from_dict(r)  # the rule of aoe.figures, also for results stored before it
-    c = f.decided_by
-    return tuning_pb2.JobResult(
-        baseline_ms=f.baseline_ms, tuned_ms=f.result_ms, improvement=f.improvement,
-        tuned_model_path=r.get("tuned_model", ""), result_json_path=r.get("result_json", ""),
-        repo_summary=tuning_pb2.RepoSummary(**{k: int(v) for k, v in repo.items()
-                                               if k in tuning_pb2.RepoSummary.DESCRIPTOR.fields_by_name}),
-        verdict=f.verdict, shipped=f.shipped, improvement_ci95_low=f.ci95[0], improvement_ci95_high=f.ci95[1],
-        trials=int(r.get("resources", {}).get("trials", 0)), device_s=float(r.get("resources", {}).get("device_s", 0.0)),
-        tuning_time_s=float(r.get("tuning_time_s", 0.0)), confirm_rounds=f.rounds, confirmed_by=f.confirmed_by,
-        decided_by=tuning_pb2.Comparison(subject=c.subject, against=c.against, improvement=c.improvement,
-                                         improvement_ci95_low=c.ci95[0], improvement_ci95_high=c.ci95[1])
-        if c is not None else None,
-        tasks=[tuning_pb2.TaskResult(
-            task_id=t["task_id"], op_type=t["op_type"], node_names=[t.get("op_name", "")],
-            before_us=t["before_us"], after_us=t["after_us"], improvement=t["improvement"],
-            update_mode=t["update_mode"], bank_layer=t["bank_layer"], error=t["error"],
-            strategy=bank_pb2.Strategy(name=t["strategy"]) if t["strategy"] != "default" else None,
-        ) for t in r.get("tasks", [])],
-    )  # fmt: skip
-
-
 def progress_pb(p: dict[str, Any]) -> tuning_pb2.JobProgress:
     return tuning_pb2.JobProgress(tasks_done=int(p.get("done", 0)), tasks_total=int(p.get("total", 0)),
                                   current_task=str(p.get("current_task", "")))  # fmt: skip
@@ -197,9 +133,9 @@ def progress_pb(p: dict[str, Any]) -> tuning_pb2.JobProgress:
 def job_pb(row: JobRow, position: int = 0) -> tuning_pb2.Job:
     return tuning_pb2.Job(
         job_id=row.id, state=_STATE.get(row.state, tuning_pb2.JOB_STATE_UNSPECIFIED), model_name=row.model_name,
-        model_path=shown_path(row), options=job_options_pb(row.options), created=_ts(row.created),
+        model_path=shown_path(row), options=spec_to_pb(row.spec), created=_ts(row.created),
         started=_ts(row.started), finished=_ts(row.finished), progress=progress_pb(row.progress),
-        result=result_pb(row.result) if row.result and row.state == st.SUCCEEDED else None,
+        result=outcome_to_pb(row.outcome) if row.outcome and row.state == st.SUCCEEDED else None,
         error=row.error, queue_position=position, source=row.source, joined=row.joined, error_kind=row.error_kind,
     )  # fmt: skip
 
@@ -214,7 +150,7 @@ def event_pb(ev: EventRow) -> tuning_pb2.JobEvent:
     elif ev.kind == "progress":
         msg.progress.CopyFrom(progress_pb(d))
     elif ev.kind == "result":
-        msg.result.CopyFrom(result_pb(d))
+        msg.result.CopyFrom(outcome_to_pb(JobOutcome.from_dict(d)))
     else:
         msg.log.CopyFrom(tuning_pb2.LogLine(level=_LEVEL.get(d.get("level", "info"), 0), logger=str(d.get("logger", "")),
                                             message=str(d.get("message", ""))))  # fmt: skip
@@ -260,20 +196,20 @@ class TuningServicer(tuning_pb2_grpc.TuningServiceServicer):
                             ("calibration_dir", o.calibration_dir)):  # fmt: skip
             sizes.check_text(name, value, sizes.MAX_PATH_BYTES)
         sizes.check_text("model_id", request.model_id, sizes.MAX_NAME_BYTES)
-        opts = options_from_dict(options_to_dict(request.options), self._jobs.engine.device.device)
+        spec = spec_from_pb(request.options)
         allowed = self._cfg.allowed_dirs
         if o.calibration_dir:
-            opts["calibration_dir"] = str(confine(o.calibration_dir, allowed, "calibration_dir", want_dir=True))
+            spec = spec.replace(calibration_dir=confine(o.calibration_dir, allowed, "calibration_dir", want_dir=True))
         output = confine(o.output_dir, allowed, "output_dir", want_dir=True) if o.output_dir else None
         which = request.WhichOneof("model")
         if which == "model_id":
-            up = self._jobs.store.get_upload(request.model_id)
+            up = self._jobs.upload(request.model_id)
             if up is None:
                 raise NotFoundError(f"model_id {cut(request.model_id)!r}: no such upload (expired or already used)")
-            return await self._jobs.submit(Submission(Path(up.path), opts, f"rpc:{client}", upload=up, output_dir=output))
+            return await self._jobs.submit(Submission(Path(up.path), spec, f"rpc:{client}", upload=up, output_dir=output))
         if which == "model_path":
             model = confine(request.model_path, allowed, "model_path")
-            return await self._jobs.submit(Submission(model, opts, f"rpc:{client}", output_dir=output))
+            return await self._jobs.submit(Submission(model, spec, f"rpc:{client}", output_dir=output))
         raise OptionError("SubmitJob: set model_path or model_id")
 
     def GetJob(self, request, context):
@@ -391,15 +327,13 @@ class TuningServicer(tuning_pb2_grpc.TuningServiceServicer):
         return tuning_pb2.UploadModelResponse(model_id=upload_id, sha256=digest, size_bytes=size)
 
     async def _register_upload(self, up: Upload) -> None:
-        self._jobs.store.add_upload(up)
+        self._jobs.add_upload(up)
 
     def DownloadResult(self, request, context) -> Iterator[tuning_pb2.DownloadResultResponse]:
         path = self._bridge.call(context, self._artifact, request.job_id, request.artifact)
-        h = hashlib.sha256()
         try:
             with open(path, "rb") as f:
-                while chunk := f.read(CHUNK):
-                    h.update(chunk)
+                h = hashlib.file_digest(f, "sha256")
                 size = f.tell()
                 yield tuning_pb2.DownloadResultResponse(header=tuning_pb2.DownloadHeader(
                     file_name=path.name, sha256=h.hexdigest(), size_bytes=size))  # fmt: skip
@@ -411,11 +345,11 @@ class TuningServicer(tuning_pb2_grpc.TuningServiceServicer):
 
     async def _artifact(self, job_id: str, artifact: int) -> Path:
         row = self._jobs.get(job_id)
-        if row.state != st.SUCCEEDED or not row.result:
-            raise RpcError("FAILED_PRECONDITION",
+        if row.state != st.SUCCEEDED or not row.outcome:
+            raise JobStateError(
                            f"job {job_id} is {row.state}: only a succeeded job has results to download")  # fmt: skip
         if artifact == tuning_pb2.RESULT_ARTIFACT_RESULT_JSON:
-            return Path(row.result["result_json"])
+            return Path(row.outcome.result_json)
         if artifact in (tuning_pb2.RESULT_ARTIFACT_TUNED_MODEL, tuning_pb2.RESULT_ARTIFACT_UNSPECIFIED):
-            return Path(row.result["tuned_model"])
+            return Path(row.outcome.tuned_model)
         raise OptionError(f"artifact {artifact}: unknown")

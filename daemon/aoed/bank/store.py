@@ -38,11 +38,11 @@ One writer per bank, across processes: a store holds the bank's writer lock
 (`aoed.bank.lock`) from open to close, and a second store on the same bank, in this
 process or another, is refused with BankBusyError (or waits for it, if asked to).
 
-The map is fixed when the store opens (`aoe._lmdb.MAP_SIZES`: as much address space as
+The map is fixed when the store opens (`aoe.lmdbenv.MAP_SIZES`: as much address space as
 the process may map, which costs no disk), so it is never resized under a live
 transaction; a bank that fills it is a BankError saying so. Another process that grew
 the bank past this map (an older writer) is followed with a remap between transactions
-(`aoe._lmdb.TxnGate`).
+(`aoe.lmdbenv.TxnGate`).
 
 A bank whose data file is removed or replaced while a store has it open (a folder
 deleted, a backup restored over it) would go on taking writes into the unlinked file, and
@@ -53,7 +53,7 @@ Every method runs whole transactions and returns; callers on trio run them in a 
 thread. Every lmdb error leaves as a BankError naming the bank and what to do; a write
 the disk or the map had no room for (or the disk failed) as a BankWriteError, after
 which the store goes on: nothing of that write is in the bank, everything before is. A
-full disk never takes the process down (see `aoe._lmdb` on SIGBUS). A crash mid-write
+full disk never takes the process down (see `aoe.lmdbenv` on SIGBUS). A crash mid-write
 loses at most the transaction in flight: LMDB commits are atomic.
 """
 
@@ -72,7 +72,7 @@ from typing import Any
 
 import lmdb
 
-from aoe._lmdb import MAP_SIZES, TxnGate, bank_error, lmdb_errors, reserve_lock_file
+from aoe.lmdbenv import MAP_SIZES, TxnGate, bank_error, lmdb_errors, reserve_lock_file
 from aoe.bank import CUSTOM, MAX_DBS, LayerStats, default_bank_path, parse_schema, used_bytes
 from aoe.errors import BankError
 from aoe.signature import SCHEMA_VERSION
@@ -155,7 +155,7 @@ class BankStore:
     """The writable bank at `path`, holding its writer lock until `close()`.
 
     `map_size`: bytes of address space to map (default: the largest the process may,
-    see `aoe._lmdb.MAP_SIZES`); tests pass a small one. Without `wait` a bank another
+    see `aoe.lmdbenv.MAP_SIZES`); tests pass a small one. Without `wait` a bank another
     process writes raises BankBusyError naming it; with `wait` the constructor polls
     until the bank is free, reporting once through `on_wait` whom it waits for. `lock`:
     a WriterLock the caller took already (the store owns it from then on). Raises
@@ -206,7 +206,7 @@ class BankStore:
         for size in (map_size,) if map_size else MAP_SIZES[:-1]:
             try:
                 # Never writemap: pages written through a map onto a full disk are SIGBUS
-                # (see aoe._lmdb); written with pwrite, they are an ENOSPC LMDB reports.
+                # (see aoe.lmdbenv); written with pwrite, they are an ENOSPC LMDB reports.
                 return lmdb.open(str(self.path), map_size=size, max_dbs=MAX_DBS, subdir=True, writemap=False)
             except lmdb.MemoryError:
                 continue  # address space limited (ulimit -v): try a smaller map

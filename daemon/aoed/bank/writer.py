@@ -35,7 +35,7 @@ import trio
 
 from aoe.bank import CUSTOM, BankReader, layer_paths_from_env, open_bank
 from aoe.errors import BankWriteError
-from aoed.bank._codec import BankRecord, decode, encode
+from aoe.bankrecord import BankRecord, decode, encode
 from aoed.bank.lock import POLL_S, WriterLock
 from aoed.bank.store import BankStore, Change, MergeCounts, Position, PruneCounts, Record
 

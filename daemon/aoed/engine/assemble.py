@@ -19,14 +19,14 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from aoe._session import METADATA_KEY
+from aoe.sessionopts import METADATA_KEY
 from aoe.device import CPU, Device
 from aoe.errors import AoedError
 from aoe.partition import Task, partition
 from aoe.subgraphs import SUBGRAPH_FAMILIES
 from aoe.signature import DeviceFingerprint, ModelContext, TaskSignature, canonical_json, normalized_attributes
 from aoed import __version__
-from aoed.bank._codec import BankRecord
+from aoe.bankrecord import BankRecord
 from aoed.engine import bankrules
 from aoed.engine.registry import DEFAULT, StrategyRegistry
 from aoed.engine.tasks import Rewrite, TaskView, apply_rewrites

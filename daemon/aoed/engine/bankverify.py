@@ -34,7 +34,7 @@ from onnx import helper, numpy_helper
 
 from aoe.errors import AoedError, DeviceError
 from aoe.signature import ModelContext, task_signature
-from aoed.bank._codec import BankRecord
+from aoe.bankrecord import BankRecord
 from aoed.engine.decisions import clearly_faster
 from aoed.engine.ledger import JobLedger, new_job_id
 from aoed.engine.messages import (

@@ -30,17 +30,15 @@ the budget does not bound are estimated before they start (`JobLedger.estimates`
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from aoe.errors import OptionError
 from aoed.engine.ledger import JobLedger
 
-__all__ = ["COUNTED", "MAX_GIVEN_S", "MIN_MEASURE_S", "PREPARE_S_PER_MIB", "Budget", "check_budget", "default_budget", "measure_estimate",
+__all__ = ["COUNTED", "MIN_MEASURE_S", "PREPARE_S_PER_MIB", "Budget", "default_budget", "measure_estimate",
            "model_mib"]
 
 #: Ledger categories the budget counts; "profile" and "confirm" are listed apart.
@@ -58,28 +56,11 @@ MIN_MEASURE_S = 0.05
 TASK_CEILING_S = 10.0
 MIN_S = 5.0
 MAX_S = 300.0
-#: The largest budget a user may give: a week. Past it the per-task split overflows a
-#: float (1e308 s is finite, yet its shares are not).
-MAX_GIVEN_S = 7 * 86400.0
 # What one candidate's measurement costs by default: about 8 rounds of 5 samples of at
 # least 2 ms each, plus the settle, warm-up and session creation around them.
 _ROUND_SAMPLES = 8 * 5
 _SAMPLE_MIN_S = 0.002
 _CANDIDATE_OVERHEAD_S = 0.06
-
-
-def check_budget(seconds: object, where: str = "budget_s") -> float | None:
-    """`seconds` as a budget (None stays None: fitted to the model). OptionError naming
-    `where` for anything but a finite number of seconds in (0, MAX_GIVEN_S]."""
-    if seconds is None:
-        return None
-    if isinstance(seconds, bool) or not isinstance(seconds, int | float):
-        raise OptionError(f"{where} {seconds!r}: expected a number of seconds")
-    if not math.isfinite(seconds):
-        raise OptionError(f"{where} {seconds}: must be a finite number of seconds")
-    if not 0 < seconds <= MAX_GIVEN_S:
-        raise OptionError(f"{where} {seconds:g}: must be a positive number of seconds, at most {MAX_GIVEN_S:g} (a week)")
-    return float(seconds)
 
 
 def default_budget(task_us: Mapping[str, float], candidates: Mapping[str, int], model_us: float) -> float:

@@ -117,7 +117,7 @@ async def confirm(
     """Measure the proposal against the input (see the module doc); returns the
     confirmation, the file to ship and the measurements. Raises DeviceError when the
     device fails."""
-    cands = [Candidate("input", ctx.opts.model), Candidate("input_copy", proposal.input_copy)]
+    cands = [Candidate("input", ctx.run.model), Candidate("input_copy", proposal.input_copy)]
     if proposal.kind != "input":
         cands.append(Candidate("proposal", proposal.model, proposal.options))
         if proposal.options and proposal.plain is not None:

@@ -23,10 +23,11 @@ import trio
 from aoe.config import Config
 from aoe.errors import AoedError, BankWriteError
 from aoe.signature import DeviceFingerprint, TaskSignature
+from aoe.spec import JobSpec, Stage
 from aoed.bank.writer import BankWrite, BankWriter
 from aoed.engine import bankrules
 from aoed.engine.device import DeviceAgent
-from aoed.engine.job import JobOptions
+from aoed.engine.job import JobRun
 from aoed.engine.ledger import JobLedger
 from aoed.engine.messages import (
     Accuracy,
@@ -52,7 +53,9 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class JobContext:
-    opts: JobOptions
+    #: what the user asked for; its device is the one `device` measures on
+    spec: JobSpec
+    run: JobRun
     job_id: str
     pool: CompilePool
     device: DeviceAgent
@@ -82,10 +85,11 @@ class JobContext:
     def emit(self, kind: str, message: str = "", done: int = 0, total: int = 0) -> None:
         self.ledger.emit(JobEvent(kind, message, done, total))
 
-    async def stage(self, message: str) -> None:
-        """Announce the next stage, once the workspace is still there (`check_workspace`)."""
+    async def stage(self, stage: Stage, message: str) -> None:
+        """Announce the next stage (`message` says it to people; watchers go by `stage`),
+        once the workspace is still there (`check_workspace`)."""
         await self.check_workspace()
-        self.emit("stage", message)
+        self.ledger.emit(JobEvent("stage", message, stage=stage))
 
     async def check_workspace(self) -> None:
         """AoedError naming the output directory when the job's workspace was removed:
@@ -95,7 +99,7 @@ class JobContext:
             raise AoedError(why)
 
     def key(self, sig: TaskSignature) -> bytes:
-        return bankrules.key_for(sig, self.fingerprint, self.opts.precision)
+        return bankrules.key_for(sig, self.fingerprint, self.spec.precision)
 
     async def lookup(self, sig: TaskSignature) -> bankrules.BankAnswer:
         """What the bank (custom, then layers) says about `sig` on this device."""
@@ -117,7 +121,7 @@ class JobContext:
         `plan` (default: racing until stable) within `budget_s`, charged to the job's
         ledger under `category` (see budget.py)."""
         plan = msgspec.structs.replace(plan or MeasurePlan(), budget_s=budget_s)
-        req = MeasureRequest(tuple(candidates), inputs or self.held_back[0], reference, self.opts.device, plan)
+        req = MeasureRequest(tuple(candidates), inputs or self.held_back[0], reference, self.device.device, plan)
         reply: MeasureReply = await self.device.call(req, self.ledger, category=category)
         return reply.results
 

@@ -24,11 +24,12 @@ import trio
 
 from aoe.config import Config
 from aoe.errors import AoedError, JobCancelledError, OptionError
+from aoe.outcome import JobOutcome
+from aoe.spec import JobSpec
 from aoed.bank.writer import BankWriter
-from aoed.engine.budget import check_budget
 from aoed.engine.context import JobContext
 from aoed.engine.device import DeviceAgent
-from aoed.engine.job import JobHandle, JobOptions, JobResult
+from aoed.engine.job import JobHandle, JobRun
 from aoed.engine.ledger import JobLedger, new_job_id
 from aoed.engine.memory import MemoryPlan, plan_memory
 from aoed.engine.messages import JobEvent
@@ -95,31 +96,31 @@ class Engine:
 
     async def run_job(
         self,
-        opts: JobOptions,
+        run: JobRun,
         emit: Callable[[JobEvent], None] = lambda event: None,
         handle: JobHandle | None = None,
-    ) -> JobResult:
+    ) -> JobOutcome:
         """Run one job to completion and return its result.
 
         Raises AoedError subclasses with one-line messages (OptionError, ModelError,
         BankError, DeviceError), and JobCancelledError when `handle` cancelled it; a
         cancelled job stops at once, its queued requests dropped and those in flight
         abandoned. The workspace's scratch is removed unless the job failed or
-        `opts.keep_workspace`; a job that fails before tuning started leaves no workspace,
+        `run.keep_workspace`; a job that fails before tuning started leaves no workspace,
         and one interrupted (a resumable cancel, ^C) leaves it to its next run."""
-        if opts.device != self.device.device:
-            raise OptionError(f"--device {opts.device}: this engine measures on {self.device.device}")
-        job_id = opts.job_id or new_job_id()
-        prec = policy(opts.precision, opts.min_cosine, opts.max_rel_error)
-        check_budget(opts.budget_s, "--budget")
+        spec = run.spec.on(self.device.device.name)  # (checked where it was built)
+        if spec.device != self.device.device.name:
+            raise OptionError(f"device {spec.device}: this engine measures on {self.device.device}")
+        job_id = run.job_id or new_job_id()
+        prec = policy(spec.precision, spec.min_cosine, spec.max_rel_error)
         # The daemon's job id is the same in each run of a job; an embedded run's is new,
         # so there the model alone says which interrupted workspace is this job's.
-        owner = {"model": str(opts.model.absolute()), "job": opts.job_id}
-        ws = await trio.to_thread.run_sync(Workspace.create, opts.output, opts.model.stem, owner)
+        owner = {"model": str(run.model.absolute()), "job": run.job_id}
+        ws = await trio.to_thread.run_sync(Workspace.create, run.output, run.model.stem, owner)
         handle = handle or JobHandle()
         outcome = "interrupted"  # ^C, or anything else that is not the job's own end
         try:
-            result = await self._run(opts, job_id, prec, ws, emit, handle)
+            result = await self._run(spec, run, job_id, prec, ws, emit, handle)
             outcome = "done"
             return result
         except JobCancelledError:
@@ -132,17 +133,18 @@ class Engine:
             ws.release(outcome)  # a few file operations: not worth a thread (nor a cancellable await)
 
     async def _run(
-        self, opts: JobOptions, job_id: str, prec, ws: Workspace, emit: Callable[[JobEvent], None], handle: JobHandle
-    ) -> JobResult:
-        ledger = JobLedger(job_id, emit, weight=max(1, opts.weight))
+        self, spec: JobSpec, run: JobRun, job_id: str, prec, ws: Workspace, emit: Callable[[JobEvent], None],
+        handle: JobHandle,
+    ) -> JobOutcome:
+        ledger = JobLedger(job_id, emit, weight=run.weight)
         ctx = JobContext(
-            opts=opts, job_id=job_id, pool=self.pool, device=self.device, bank=self.bank,
-            registry=self.registry, policy=prec, fingerprint=opts.device.fingerprint(),
-            ledger=ledger, workspace=ws, config=self.config, attempt=max(1, opts.attempt),
+            spec=spec, run=run, job_id=job_id, pool=self.pool, device=self.device, bank=self.bank,
+            registry=self.registry, policy=prec, fingerprint=self.device.device.fingerprint(),
+            ledger=ledger, workspace=ws, config=self.config, attempt=max(1, run.attempt),
         )  # fmt: skip
         failed = True
         with _job_log(ws.log_path, job_id):
-            log.info("job %s: %s (%s, %s, device %s)", job_id, opts.model, opts.job_type, opts.precision, opts.device)
+            log.info("job %s: %s (%s, %s, device %s)", job_id, run.model, spec.job_type, spec.precision, spec.device)
             if ws.resumed:
                 log.info("job %s: continues in the workspace an interrupted run of it left", job_id)
             try:
@@ -161,12 +163,12 @@ class Engine:
                     raise AoedError(gone) from None
                 if isinstance(exc, OSError):
                     log.info("job %s: failed: %s", job_id, exc)
-                    raise AoedError(f"{exc.filename or opts.output}: {exc.strerror or exc}") from None
+                    raise AoedError(f"{exc.filename or run.output}: {exc.strerror or exc}") from None
                 if isinstance(exc, AoedError):
                     log.info("job %s: failed: %s", job_id, exc)
                 raise
             finally:
-                if not failed and not opts.keep_workspace:
+                if not failed and not run.keep_workspace:
                     ws.clean()
                 elif failed and ws.started and ws.root.is_dir():
                     log.info("job %s: workspace kept for inspection at %s", job_id, ws.root)

@@ -31,7 +31,7 @@ async def model_accuracy(ctx: JobContext, task: Task, strategy: str) -> Accuracy
     await trio.to_thread.run_sync(lambda: out.parent.mkdir(parents=True, exist_ok=True))
     try:
         await ctx.assemble([Build(out, {task.id: strategy})])
-        req = CompareRequest(ctx.opts.model, out, ctx.held_back, ctx.opts.device)
+        req = CompareRequest(ctx.run.model, out, ctx.held_back, ctx.device.device)
         return await ctx.device.call(req, ctx.ledger, category="search")
     except DeviceError as exc:
         return f"the model with it could not be measured ({exc})"

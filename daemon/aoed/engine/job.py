@@ -1,41 +1,33 @@
-"""A job's data: what was asked (`JobOptions`), what came out (`JobResult`, `TaskResult`),
-and the handle that cancels it. The pipeline that turns one into the other is in
-`pipeline.py`.
+"""A job's data on the engine: one run of it (`JobRun`: the user's `aoe.spec.JobSpec` and
+where it runs), each task's result while the job runs (`TaskResult`, which ends as a row
+of the job's `aoe.outcome.JobOutcome`), and the handle that cancels it. The pipeline
+that turns a run into an outcome is in `pipeline.py`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import trio
 
-from aoe.device import CPU, Device
-from aoe.figures import Figures
-from aoe.jobtypes import DEFAULT_JOB_TYPE
+from aoe.outcome import TaskOutcome
+from aoe.spec import JobSpec
 from aoed.engine.registry import DEFAULT
 
-__all__ = ["JobHandle", "JobOptions", "JobResult", "TaskResult"]
+__all__ = ["JobHandle", "JobRun", "TaskResult"]
 
 
 @dataclass(frozen=True)
-class JobOptions:
+class JobRun:
+    """One run of a job on the engine: the user's `spec`, and what only whoever runs it
+    knows (where the model and outputs are, which run of the job this is). Apart from
+    the spec so that the spec stays the options a user gave, at every edge the same."""
+
     model: Path
     output: Path
-    precision: str = "exact"
-    job_type: str = DEFAULT_JOB_TYPE
-    input_shapes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
-    repeat_tune: bool = False
-    keep_initializer_inputs: bool = False
-    device: Device = CPU
-    calibration: Path | None = None
-    min_cosine: float | None = None  # end-to-end budget of a lossy policy
-    max_rel_error: float | None = None
-    #: device seconds for search, session options and verification together (budget.py);
-    #: None: derived from the model's profiled latency
-    budget_s: float | None = None
+    spec: JobSpec = field(default_factory=JobSpec)
     #: keep the scratch files (task models, candidates, samples) after success
     keep_workspace: bool = False
     #: empty: the engine assigns a unique one
@@ -45,11 +37,15 @@ class JobOptions:
     resumes: str = ""
     #: which run of this job this is (the daemon counts them; 1 otherwise)
     attempt: int = 1
-    #: scheduling weight among jobs sharing the engine's agents (fair share); >= 1
-    weight: int = 1
     #: (device, inode) of the model file its submitter's checks passed (the daemon's);
     #: the job reads the model only if it is still that file, with one link
     model_file: tuple[int, int] | None = None
+
+    @property
+    def weight(self) -> int:
+        """Scheduling weight among jobs sharing the engine's agents (fair share): 1, or
+        one more than a positive priority."""
+        return 1 + max(0, self.spec.priority)
 
 
 @dataclass
@@ -74,57 +70,17 @@ class TaskResult:
     #: interrupted run decided); 0 when the bank answered without this job measuring
     attempt: int = 0
 
+    def outcome(self) -> TaskOutcome:
+        """The task's row of the job's outcome."""
+        return TaskOutcome(
+            self.task_id, self.op_name, self.op_type, self.family, self.instances, self.share, self.strategy,
+            self.before_us, self.after_us, self.update_mode, self.bank_layer, dict(self.accuracy), self.error,
+            tuple(self.rejected), self.applied, self.attempt,
+        )  # fmt: skip
+
     @property
     def improvement(self) -> float:
         return (self.before_us / self.after_us - 1.0) if self.after_us > 0 and self.before_us > 0 else 0.0
-
-
-@dataclass
-class JobResult:
-    job_id: str
-    model: str
-    tuned_model: str
-    result_json: str
-    workspace: str
-    baseline_ms: float
-    tuned_ms: float
-    tuning_time_s: float
-    precision: str
-    device: str
-    session_options: dict[str, Any]
-    tasks: list[TaskResult]
-    repo: dict[str, int]
-    accuracy: dict[str, float]
-    verified: str
-    notes: list[str]
-    calibration: str = ""
-    budget: dict[str, float] = field(default_factory=dict)
-    #: what the job cost: device seconds, duty cycle, trials, failed candidates, memory
-    resources: dict[str, Any] = field(default_factory=dict)
-    timeline: list[tuple[float, float]] = field(default_factory=list)
-    #: the confirming A/B (confirm.py): where baseline_ms and tuned_ms come from (`figures`)
-    confirmation: dict[str, Any] = field(default_factory=dict)
-    #: the verification rounds that chose what was proposed: decision figures
-    decision: dict[str, Any] = field(default_factory=dict)
-    #: the device budget and what was spent, by stage (budget.py)
-    device_budget: dict[str, Any] = field(default_factory=dict)
-    #: what the job measured on: device, provider, hardware, accelerator, versions
-    device_info: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def figures(self) -> Figures:
-        """The whole-model figures, by the rule of aoe.figures (from the confirmation)."""
-        return Figures.from_dict(self.confirmation)
-
-    @property
-    def improvement(self) -> float:
-        """From the confirming A/B's median round ratio (not a ratio of the two medians);
-        0 when the input shipped."""
-        return self.figures.improvement
-
-    @property
-    def duty_cycle(self) -> float:
-        return float(self.resources.get("duty_cycle", 0.0))
 
 
 class JobHandle:

@@ -35,6 +35,7 @@ from aoe import errors
 from aoe.device import Device
 from aoe.partition import Task
 from aoe.signature import TaskSignature, TensorInfo
+from aoe.spec import Stage
 from aoed.engine.prep import Limits
 
 __all__ = [
@@ -533,9 +534,12 @@ class CompareRequest(Request, tag="compare"):
 
 @dataclass(frozen=True)
 class JobEvent:
-    """What a job tells whoever watches it (a progress bar, a gRPC stream)."""
+    """What a job tells whoever watches it (a progress bar, a gRPC stream). A "stage"
+    event names its `stage`: what follows it (a job's state) goes by that, never by the
+    message, which is for people."""
 
     kind: str  # stage | progress | task | wait | log
     message: str = ""
     done: int = 0
     total: int = 0
+    stage: Stage | None = None

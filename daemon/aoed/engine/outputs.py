@@ -1,4 +1,6 @@
-"""The result document: AOE's `aoe_result_opat_{ts}_{pid}.json` fields plus our own.
+"""The result document: AOE's `aoe_result_opat_{ts}_{pid}.json` fields plus our own, from
+the job's `aoe.outcome.JobOutcome` and the details only this document holds
+(`ResultDetails`).
 
     basic{tuning_name, tuning_time(s), job_id, precision, device}
     OPAT{model_baseline_performance(ms), model_result_performance(ms),
@@ -42,17 +44,20 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from aoe.errors import AoedError
 from aoe.figures import verdict_text
+from aoe.outcome import JobOutcome, TaskOutcome
+from aoe.spec import JobType
 from aoe.subgraphs import SUBGRAPH_FAMILIES
 from aoed import safefs
 from aoed.engine.bankrules import repo_summary
-from aoed.engine.job import JobResult, TaskResult
 
-__all__ = ["result_json", "write_json"]
+__all__ = ["ResultDetails", "result_json", "write_json"]
 
 
 def _json_safe(obj: object) -> object:
@@ -66,12 +71,32 @@ def _json_safe(obj: object) -> object:
     return obj
 
 
-def _section(result: JobResult, part: str, tasks: list[TaskResult], whole: bool) -> dict[str, Any]:
+@dataclass(frozen=True)
+class ResultDetails:
+    """What the result JSON holds beyond the job's outcome: the engine's own record of
+    how it decided (each task's candidates, the confirming A/B's and verification's
+    documents, the device's facts, every device interval and run)."""
+
+    #: per task id, the candidates measured and their figures
+    candidates: Mapping[str, list[dict[str, Any]]] = field(default_factory=dict)
+    #: the whole resources section (the outcome keeps its scalars)
+    resources: Mapping[str, Any] = field(default_factory=dict)
+    #: [seconds into the job, estimated gain in us] after each task decision
+    timeline: list[tuple[float, float]] = field(default_factory=list)
+    #: the confirming A/B (confirm.py): where the outcome's figures come from
+    confirmation: Mapping[str, Any] = field(default_factory=dict)
+    #: the verification rounds that chose what was proposed: decision figures
+    decision: Mapping[str, Any] = field(default_factory=dict)
+    #: what the job measured on: device, provider, hardware, accelerator, versions
+    device_info: Mapping[str, Any] = field(default_factory=dict)
+
+
+def _section(o: JobOutcome, part: JobType, tasks: list[TaskOutcome], whole: bool) -> dict[str, Any]:
     """AOE's section for one job type (OPAT or SGAT) over its `tasks`. The model figures
     are the job's (one model was measured); the repo summary counts this part's tasks,
     and the job's session-options record too when the part is the whole job."""
-    if part == "sgat":
-        def name(t: TaskResult) -> dict[str, str]:
+    if part == JobType.SGAT:
+        def name(t: TaskOutcome) -> dict[str, str]:
             return {"subgraph_name": t.op_name, "subgraph_type": t.family, "task_id": t.task_id}
 
         modified = {"add_repo_subgraphs": [name(t) for t in tasks if t.update_mode == "add"],
@@ -80,7 +105,7 @@ def _section(result: JobResult, part: str, tasks: list[TaskResult], whole: bool)
         modified = {"add_repo_operators": [{"op_name": t.op_name, "op_type": t.op_type} for t in tasks if t.update_mode == "add"],
                     "update_repo_operators": [{"op_name": t.op_name, "op_type": t.op_type} for t in tasks
                                               if t.update_mode == "update"]}  # fmt: skip
-    f = result.figures
+    f = o.figures
     return {
         "model_baseline_performance(ms)": round(f.baseline_ms, 6),
         "model_result_performance(ms)": round(f.result_ms, 6),
@@ -88,15 +113,16 @@ def _section(result: JobResult, part: str, tasks: list[TaskResult], whole: bool)
         f"{part}_tuning_result": "tuning successful",
         "model_performance_verdict": f.verdict,
         "model_performance_summary": verdict_text(f),
-        f"repo_modified_{'subgraphs' if part == 'sgat' else 'operators'}": modified,
-        "repo_summary": result.repo if whole else repo_summary([t.update_mode for t in tasks]),
+        f"repo_modified_{'subgraphs' if part == JobType.SGAT else 'operators'}": modified,
+        "repo_summary": dict(o.bank) if whole else repo_summary([t.update_mode for t in tasks]),
     }
 
 
-def result_json(result: JobResult, job_type: str = "opat") -> dict[str, Any]:
-    """The AOE-shaped result document of a finished job."""
+def result_json(o: JobOutcome, details: ResultDetails = ResultDetails()) -> dict[str, Any]:
+    """The AOE-shaped result document of a finished job: its outcome, and the details
+    only this document holds."""
     tasks = []
-    for t in result.tasks:
+    for t in o.tasks:
         tasks.append(
             {
                 "task_id": t.task_id,
@@ -110,43 +136,43 @@ def result_json(result: JobResult, job_type: str = "opat") -> dict[str, Any]:
                 "performance_before_tune(us)": round(t.before_us, 3),
                 "performance_after_tune(us)": round(t.after_us, 3),
                 "performance_improvement": round(t.improvement, 4),
-                "update_mode": t.update_mode,
+                "update_mode": str(t.update_mode),
                 "bank_layer": t.bank_layer,
                 "attempt": t.attempt,
-                "accuracy": t.accuracy,
-                "candidates": t.candidates,
+                "accuracy": dict(t.accuracy),
+                "candidates": details.candidates.get(t.task_id, []),
                 "error": t.error,
-                "rejected": t.rejected,
+                "rejected": list(t.rejected),
             }
         )
     sections = {}
-    for part in job_type.split("+"):  # sgat+opat: an SGAT section, then an OPAT one
-        mine = [t for t in result.tasks if (t.family in SUBGRAPH_FAMILIES) == (part == "sgat")]
-        sections[part.upper()] = _section(result, part, mine, whole=part == job_type)
+    for part in o.job_type.parts:  # sgat+opat: an SGAT section, then an OPAT one
+        mine = [t for t in o.tasks if (t.family in SUBGRAPH_FAMILIES) == (part == JobType.SGAT)]
+        sections[part.upper()] = _section(o, part, mine, whole=part == o.job_type)
     return {
         "basic": {
-            "tuning_name": Path(result.model).stem,
-            "tuning_time(s)": round(result.tuning_time_s, 3),
-            "job_id": result.job_id,
-            "precision": result.precision,
-            "device": result.device,
+            "tuning_name": Path(o.model).stem,
+            "tuning_time(s)": round(o.tuning_time_s, 3),
+            "job_id": o.job_id,
+            "precision": str(o.precision),
+            "device": o.device,
         },
         **sections,
-        "confirmation": result.confirmation,
-        "decision": result.decision,
-        "budget": result.device_budget,
-        "device_info": result.device_info,
-        "tuned_model": result.tuned_model,
-        "workspace": result.workspace,
-        "session_options": result.session_options,
-        "verification": result.verified,
-        "accuracy": result.accuracy,
-        "accuracy_budget": result.budget,
-        "calibration": result.calibration,
-        "resources": result.resources,
+        "confirmation": dict(details.confirmation),
+        "decision": dict(details.decision),
+        "budget": o.budget.to_dict(),
+        "device_info": dict(details.device_info),
+        "tuned_model": o.tuned_model,
+        "workspace": o.workspace,
+        "session_options": dict(o.session_options),
+        "verification": o.verified,
+        "accuracy": dict(o.accuracy),
+        "accuracy_budget": dict(o.accuracy_budget),
+        "calibration": o.calibration,
+        "resources": dict(details.resources or o.resources),
         # [seconds into the job, estimated gain in us] after each task decision
-        "gain_timeline": result.timeline,
-        "notes": result.notes,
+        "gain_timeline": list(details.timeline),
+        "notes": list(o.notes),
         "tasks": tasks,
     }
 

@@ -14,7 +14,7 @@ returns what it found (a frozen dataclass), so a stage reads only what came befo
     verify_stage    end to end against the input, or the bank's confirmation -> Proposal
     confirm_stage   the confirming A/B (device): what ships                  -> Confirmed
     remember        the model-level record (bank)
-    outputs         the tuned model and the result JSON                      -> JobResult
+    outputs         the tuned model and the result JSON                      -> JobOutcome
 
 The pipeline decides the order and keeps the job's results; it never compiles,
 measures or loads a model itself: the work happens in the engine's child processes, so
@@ -37,14 +37,16 @@ import trio
 
 from aoe.errors import AoedError, DeviceError
 from aoe.figures import Comparison, Figures, interval, pct
+from aoe.outcome import BudgetReport, JobOutcome
 from aoe.partition import Task
+from aoe.spec import Stage
 from aoed import safefs
-from aoed.bank._codec import BankRecord
+from aoe.bankrecord import BankRecord
 from aoed.engine import bankrules, confirm, incontext, resume, stats
 from aoed.engine.assemble import tuned_metadata
 from aoed.engine.budget import PREPARE_S_PER_MIB, Budget, default_budget, measure_estimate, model_mib
 from aoed.engine.context import JobContext
-from aoed.engine.job import JobResult, TaskResult
+from aoed.engine.job import TaskResult
 from aoed.engine.messages import (
     Build,
     CalibrateRequest,
@@ -62,7 +64,7 @@ from aoed.engine.messages import (
     SamplesReply,
     SamplesRequest,
 )
-from aoed.engine.outputs import result_json, write_json
+from aoed.engine.outputs import ResultDetails, result_json, write_json
 from aoed.engine.pool import model_step
 from aoed.engine.prep import Limits
 from aoed.engine.registry import DEFAULT
@@ -75,7 +77,7 @@ __all__ = ["run_stages"]
 log = logging.getLogger(__name__)
 
 
-async def run_stages(ctx: JobContext) -> JobResult:
+async def run_stages(ctx: JobContext) -> JobOutcome:
     """One job's stages, in order; each takes what the ones before it found and returns
     what it finds (the per-task table, `TaskResult`s, is the job's, filled in as it goes)."""
     model = await prepare(ctx)
@@ -104,27 +106,27 @@ class Prepared:
 async def prepare(ctx: JobContext) -> Prepared:
     """Prepare the model, write its samples, calibrate (lossy); fills the context's
     prepared fields (`prep`, `held_back`, `ranges`, `run_key`), read-only from here on."""
-    opts, ws = ctx.opts, ctx.workspace
+    opts, run, ws = ctx.spec, ctx.run, ctx.workspace
     ctx.ledger.enter("prepare")
-    await ctx.stage(f"preparing {opts.model.name}")
+    await ctx.stage(Stage.PREPARE, f"preparing {run.model.name}")
     with contextlib.suppress(OSError):  # limits grow with the model; of an unreadable one, prep says why
-        ctx.ledger.scale_to_model((await trio.to_thread.run_sync(opts.model.stat)).st_size)
+        ctx.ledger.scale_to_model((await trio.to_thread.run_sync(run.model.stat)).st_size)
     _say_estimate(ctx, "prepare", ctx.ledger.model_mb * PREPARE_S_PER_MIB,
                   f"preparing: about {{:.1f}} s for a {ctx.ledger.model_mb:.0f} MiB model file, outside the budget "
                   f"({PREPARE_S_PER_MIB * 1000:.0f} ms per MiB as measured on a 2-core machine)")  # fmt: skip
     prep: PrepareReply = await _work(
-        ctx, PrepareRequest(opts.model, ws.scratch, opts.precision, dict(opts.input_shapes),
-                            opts.keep_initializer_inputs, opts.job_type, Limits.of(ctx.config), opts.model_file,
-                            opts.device.kind),
+        ctx, PrepareRequest(run.model, ws.scratch, opts.precision, dict(opts.input_shapes),
+                            opts.keep_initializer_inputs, opts.job_type, Limits.of(ctx.config), run.model_file,
+                            ctx.device.device.kind),
         "graph preparation")  # fmt: skip
     ctx.prep = prep
     ctx.notes.extend(prep.notes)
     samples: SamplesReply = await _work(
-        ctx, SamplesRequest(prep.prepared, ws.scratch, prep.inputs, prep.int_high, opts.calibration,
+        ctx, SamplesRequest(prep.prepared, ws.scratch, prep.inputs, prep.int_high, opts.calibration_dir,
                             ctx.policy.lossy), "writing input samples")  # fmt: skip
     ctx.held_back = samples.held_back
     if ctx.policy.lossy:
-        await ctx.stage("calibrating")
+        await ctx.stage(Stage.CALIBRATE, "calibrating")
         await _work(ctx, CalibrateRequest(prep.prepared, samples.calibrate, ws.scratch / "ranges.json"),
                     "calibration")  # fmt: skip
         ctx.ranges = ws.scratch / "ranges.json"
@@ -157,7 +159,7 @@ async def bank_lookups(ctx: JobContext, model: Prepared) -> Known:
     """What the bank answers costs no measurement: restore an interrupted run's
     decisions, look every other task up (bank entries re-checked on this model: that
     their strategies apply, and under a lossy policy that they pass its accuracy gate)."""
-    opts, prep, tasks = ctx.opts, model.prep, model.tasks
+    opts, run, prep, tasks = ctx.spec, ctx.run, model.prep, model.tasks
     ctx.ledger.enter("bank")
     restored = await _restore(ctx, tasks)
     model_ans = await ctx.lookup(prep.model_signature)
@@ -185,7 +187,7 @@ async def bank_lookups(ctx: JobContext, model: Prepared) -> Known:
         if a.kind == "hit" and a.record is not None:
             hits[t.id] = a.record
             r.bank_layer = a.layer
-        if not a.usable(opts.repeat_tune, opts.resumes):
+        if not a.usable(opts.repeat_tune, run.resumes):
             to_tune.append(t)
         elif a.record is not None:
             rec = a.record
@@ -263,7 +265,7 @@ async def assemble(ctx: JobContext, known: Known, found: Searched) -> Assembled:
     e2e_gate: dict[str, float] | None = None
     if ctx.policy.lossy:
         ctx.ledger.enter("accuracy")
-        await ctx.stage("checking accuracy end to end")
+        await ctx.stage(Stage.ACCURACY, "checking accuracy end to end")
         e2e_gate = await hold_to_budget(ctx, chosen, found.fallback, dict(found.lossy_cost), known.results, path,
                                         found.fallback_us)  # fmt: skip
     # Lossy choices reach the bank only now, as what the model kept.
@@ -305,7 +307,7 @@ async def verify_stage(
     """Verify the assembled model end to end against the input (verify.py), unless
     every choice came from the bank, which also holds their confirmation."""
     from_bank = not known.to_tune and session.mode == "hit"
-    cached = bankrules.confirmed(known.model_ans) if from_bank and not ctx.opts.repeat_tune else None
+    cached = bankrules.confirmed(known.model_ans) if from_bank and not ctx.spec.repeat_tune else None
     choice_key = bankrules.choices_digest(model.tasks, assembled.chosen, session.options)
     if cached is not None and cached.get("choices") == choice_key:
         v = Verified(dict(assembled.chosen), session.options, "tuned", "assembled", None, None,
@@ -313,7 +315,7 @@ async def verify_stage(
     else:
         cached = None
         ctx.ledger.enter("verify")
-        await ctx.stage("verifying end to end")
+        await ctx.stage(Stage.VERIFY, "verifying end to end")
         v = await verify(ctx, dict(assembled.chosen), found.fallback, known.results, assembled.path, session.options,
                          found.budget, from_bank=from_bank)  # fmt: skip
     ctx.notes.extend(v.notes)
@@ -338,7 +340,7 @@ async def confirm_stage(ctx: JobContext, proposal: Proposal, budget: Budget) -> 
     """The confirming A/B of the proposal (`_confirm`): what ships."""
     v, cached = proposal.verified, proposal.cached
     ctx.ledger.enter("confirm")
-    await ctx.stage("confirming")
+    await ctx.stage(Stage.CONFIRM, "confirming")
     if cached is None and fewer_threads(v.options, ctx.device.cores):
         busy = await busy_cores(ctx, 0.5)
         if busy is not None:  # the thread count would be confirmed under the same load
@@ -390,10 +392,10 @@ async def remember(
 async def outputs(
     ctx: JobContext, model: Prepared, known: Known, found: Searched, assembled: Assembled, session: SessionChoice,
     confirmed: Confirmed,
-) -> JobResult:
+) -> JobOutcome:
     """Put the file that ships in place and write the result JSON; returns the job's
     result (the figures are the confirming A/B's)."""
-    opts, ws, results = ctx.opts, ctx.workspace, known.results
+    opts, run, ws, results = ctx.spec, ctx.run, ctx.workspace, known.results
     conf, v = confirmed.confirmation, confirmed.verified
     tuned_path = ws.tuned_model_path()
     ctx.ledger.enter("outputs")
@@ -422,47 +424,31 @@ async def outputs(
     else:
         accuracy = {"max_abs_error": 0.0, "max_rel_error": 0.0, "cosine": 1.0} if conf.shipped == "input" else (
             v.final.accuracy() if v.final is not None else {})  # fmt: skip
-    result = JobResult(
-        job_id=ctx.job_id,
-        model=str(opts.model),
-        tuned_model=str(tuned_path),
-        result_json="",
-        workspace=str(ws.root),
-        baseline_ms=conf.baseline_ms,
-        tuned_ms=conf.result_ms,
-        tuning_time_s=ledger.elapsed_s,
-        precision=opts.precision,
-        device=str(opts.device),
-        session_options=confirmed.options,
-        tasks=sorted(results.values(), key=lambda r: -r.share),
-        repo=bankrules.repo_summary([r.update_mode for r in results.values()] + [session.mode]),
-        accuracy=accuracy,
-        verified=v.outcome,
-        notes=ctx.notes,
-        calibration=model.samples.source,
-        resources=resources,
-        timeline=_timeline(found.decided),
-        budget={
-            "task_min_cosine": ctx.policy.task_min_cosine,
-            "task_max_rel_error": ctx.policy.task_max_rel_error,
-            "min_cosine": ctx.policy.e2e_min_cosine,
-            "max_rel_error": ctx.policy.e2e_max_rel_error,
+    outcome = JobOutcome(
+        job_id=ctx.job_id, model=str(run.model), tuned_model=str(tuned_path), result_json="", precision=opts.precision,
+        job_type=opts.job_type, device=str(ctx.device.device), tuning_time_s=ledger.elapsed_s, figures=conf.figures,
+        tasks=tuple(r.outcome() for r in sorted(results.values(), key=lambda r: -r.share)),
+        bank=bankrules.repo_summary([r.update_mode for r in results.values()] + [session.mode]),
+        resources={k: v for k, v in resources.items() if isinstance(v, int | float)},
+        budget=BudgetReport.from_dict(found.budget.report()), session_options=confirmed.options, accuracy=accuracy,
+        accuracy_budget={
+            "task_min_cosine": ctx.policy.task_min_cosine, "task_max_rel_error": ctx.policy.task_max_rel_error,
+            "min_cosine": ctx.policy.e2e_min_cosine, "max_rel_error": ctx.policy.e2e_max_rel_error,
         },
-        confirmation=conf.to_json(),
-        decision=_decision(v),
-        device_budget=found.budget.report(),
-        device_info=_device_info(ctx),
-    )
+        calibration=model.samples.source, verified=v.outcome, notes=tuple(ctx.notes), workspace=str(ws.root),
+    )  # fmt: skip
+    details = ResultDetails({r.task_id: r.candidates for r in results.values()}, resources, _timeline(found.decided),
+                            conf.to_json(), _decision(v), _device_info(ctx))  # fmt: skip
     json_path = await trio.to_thread.run_sync(ws.reserve_result, opts.job_type)
-    result.result_json = str(json_path)
-    await trio.to_thread.run_sync(write_json, json_path, result_json(result, opts.job_type))
+    outcome = dataclasses.replace(outcome, result_json=str(json_path))
+    await trio.to_thread.run_sync(write_json, json_path, result_json(outcome, details))
     await resume.forget(ctx)
-    return result
+    return outcome
 
 
 async def _work(ctx: JobContext, request, what: str):
     """One request to the compile pool about the job's model (`pool.model_step`)."""
-    return await model_step(ctx.pool, request, ctx.ledger, ctx.opts.model, what)
+    return await model_step(ctx.pool, request, ctx.ledger, ctx.run.model, what)
 
 
 async def _gate_lossy_hits(ctx: JobContext, tasks: list[Task], answers: dict[str, bankrules.BankAnswer]) -> None:
@@ -520,7 +506,7 @@ def _device_info(ctx: JobContext) -> dict[str, Any]:
 
     fp = ctx.fingerprint
     return {
-        "device": str(ctx.opts.device), "provider": ctx.opts.device.provider, "providers": list(ctx.device.providers),
+        "device": str(ctx.device.device), "provider": ctx.device.device.provider, "providers": list(ctx.device.providers),
         "hardware": fp.hardware, "accelerator": dict(fp.accelerator), "versions": runtime_versions(),
         "fingerprint": fp.digest,
     }  # fmt: skip
@@ -606,17 +592,17 @@ async def _confirm(
     scratch = ctx.workspace.scratch
     digest = ctx.fingerprint.digest
     kind = {"tuned": "tuned", "options only": "options only", "reverted to input": "input"}[v.outcome]
-    source = ctx.opts.model if v.source == "input" else ctx.prep.prepared
+    source = ctx.run.model if v.source == "input" else ctx.prep.prepared
 
     def meta(options: dict[str, Any]) -> dict[str, str]:
-        return tuned_metadata(options, ctx.opts.precision, digest, ctx.opts.device)
+        return tuned_metadata(options, ctx.spec.precision, digest, ctx.device.device)
 
     builds = [Build(scratch / "input_copy.onnx", {}, meta({}))]
     if kind != "input":
         builds.append(Build(scratch / "proposal.onnx", dict(v.choices), meta(v.options)))
         if v.options:
             builds.append(Build(scratch / "plain.onnx", dict(v.choices), meta({})))
-    await ctx.assemble([b for b in builds if b.out.name == "input_copy.onnx"], source=ctx.opts.model)
+    await ctx.assemble([b for b in builds if b.out.name == "input_copy.onnx"], source=ctx.run.model)
     if kind != "input":
         await ctx.assemble([b for b in builds if b.out.name != "input_copy.onnx"], source=source)
     proposal = confirm.Proposal(kind, scratch / "proposal.onnx", v.options,
@@ -671,8 +657,8 @@ async def _ship(ctx: JobContext, ship: Path, out: Path, choices: dict[str, str],
         await trio.to_thread.run_sync(safefs.move_path, ship, out)
         return
     assert ctx.prep is not None
-    meta = tuned_metadata(options, ctx.opts.precision, ctx.fingerprint.digest, ctx.opts.device)
-    source = ctx.opts.model if not choices and ship.name == "input_copy.onnx" else ctx.prep.prepared
+    meta = tuned_metadata(options, ctx.spec.precision, ctx.fingerprint.digest, ctx.device.device)
+    source = ctx.run.model if not choices and ship.name == "input_copy.onnx" else ctx.prep.prepared
     await ctx.assemble([Build(out, dict(choices), meta)], source=source)
 
 
@@ -685,7 +671,7 @@ async def _search(
     the agents' decisions in the order they came."""
     total = len(tasks) + 1
     ctx.emit("progress", "bank", total - len(to_tune) - 1, total)
-    opts = ctx.opts
+    opts = ctx.spec
     if not to_tune:
         return Budget(opts.budget_s or 5.0, ctx.ledger, opts.budget_s is not None), []
     assert ctx.prep is not None
@@ -696,7 +682,7 @@ async def _search(
     _say_estimate(ctx, "profile", ctx.ledger.model_mb * PREPARE_S_PER_MIB,
                   "profiling and extracting tasks: about {:.1f} s, outside the budget (as long as preparing "
                   "the model should take)")  # fmt: skip
-    await ctx.stage(f"profiling baseline, extracting {len(to_tune)} tasks")
+    await ctx.stage(Stage.PROFILE, f"profiling baseline, extracting {len(to_tune)} tasks")
     share: dict[str, float] = {}
     task_us: dict[str, float] = {}
     model_us = 0.0
@@ -706,7 +692,7 @@ async def _search(
         nonlocal model_us, load_rate
         try:
             prof: ProfileReply = await ctx.device.call(
-                ProfileRequest(prep.prepared, ctx.held_back[0], ctx.workspace.scratch, opts.device), ctx.ledger,
+                ProfileRequest(prep.prepared, ctx.held_back[0], ctx.workspace.scratch, ctx.device.device), ctx.ledger,
                 category="profile",
             )  # fmt: skip
         except DeviceError as exc:  # unranked, the tasks still get tuned
@@ -731,7 +717,7 @@ async def _search(
     if opts.budget_s is not None:
         budget = Budget(opts.budget_s, ctx.ledger, True, load_rate)
     else:
-        counts = {t.id: sum(1 for _ in ctx.registry.strategies_for(t.family, opts.precision, opts.device.kind))
+        counts = {t.id: sum(1 for _ in ctx.registry.strategies_for(t.family, opts.precision, ctx.device.device.kind))
                   for t in to_tune}
         budget = Budget(default_budget({t.id: task_us.get(t.id, 100.0) for t in to_tune}, counts, model_us),
                         ctx.ledger, False, load_rate)  # fmt: skip
@@ -744,7 +730,7 @@ async def _search(
             r.update_mode, r.error = "skipped", f"not tuned: the budget of {budget.total_s:g} s went to costlier tasks"
     to_tune = [t for t in to_tune if t.id in slices]
     ctx.ledger.enter("search")
-    await ctx.stage(f"tuning {len(to_tune)} tasks")
+    await ctx.stage(Stage.SEARCH, f"tuning {len(to_tune)} tasks")
     decided: list[TaskDecision] = []
 
     async def one(t: Task) -> None:

@@ -43,7 +43,6 @@ __all__ = [
     "Prepared",
     "check_declared",
     "make_inputs",
-    "parse_input_shapes",
     "prepare",
 ]
 
@@ -90,27 +89,6 @@ class Prepared:
     outputs: list[str]
     ctx: ModelContext
     notes: list[str] = field(default_factory=list)
-
-
-def parse_input_shapes(spec: str | list[str] | None) -> dict[str, tuple[int, ...]]:
-    """Parse `name:1,3,224,224` items (also `;`-joined, AOE style) into a dict."""
-    if not spec:
-        return {}
-    items = [spec] if isinstance(spec, str) else list(spec)
-    out: dict[str, tuple[int, ...]] = {}
-    for item in items:
-        for part in filter(None, (p.strip() for p in item.split(";"))):
-            name, sep, dims = part.rpartition(":")
-            if not sep or not name:
-                raise OptionError(f"--input-shape {part!r}: expected NAME:D1,D2,... e.g. x:1,3,224,224")
-            try:
-                shape = tuple(int(d) for d in dims.split(",") if d.strip())
-            except ValueError:
-                raise OptionError(f"--input-shape {part!r}: dimensions must be integers") from None
-            if not shape or any(d <= 0 for d in shape):
-                raise OptionError(f"--input-shape {part!r}: dimensions must be positive integers")
-            out[name] = shape
-    return out
 
 
 def prepare(

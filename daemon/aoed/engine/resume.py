@@ -29,7 +29,7 @@ from typing import Any
 
 from aoe.errors import AoedError
 from aoed import __version__
-from aoed.bank._codec import decode, encode
+from aoe.bankrecord import decode, encode
 from aoed.bank.writer import BankWrite
 from aoed.engine.context import JobContext
 
@@ -42,8 +42,8 @@ def run_key(ctx: JobContext, model_digest: str, samples_digest: str) -> bytes:
     """The key every record of this run starts with (hex digest + "/")."""
     p = ctx.policy
     doc = {
-        "model": model_digest, "samples": samples_digest, "precision": ctx.opts.precision,
-        "job_type": ctx.opts.job_type, "device": ctx.fingerprint.digest, "version": __version__,
+        "model": model_digest, "samples": samples_digest, "precision": ctx.spec.precision,
+        "job_type": ctx.spec.job_type, "device": ctx.fingerprint.digest, "version": __version__,
         "budget": [p.task_min_cosine, p.task_max_rel_error, p.e2e_min_cosine, p.e2e_max_rel_error],
     }  # fmt: skip
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest().encode() + b"/"
@@ -62,7 +62,7 @@ async def records(ctx: JobContext, bank_keys: Iterable[bytes]) -> dict[bytes, Ma
     out = {}
     for key, doc in found:
         bank_key = key[len(ctx.run_key) :]
-        if bank_key in wanted and (not ctx.opts.repeat_tune or doc.get("job") == ctx.opts.resumes):
+        if bank_key in wanted and (not ctx.spec.repeat_tune or doc.get("job") == ctx.run.resumes):
             out[bank_key] = doc
     return out
 

@@ -22,7 +22,8 @@ from typing import Any
 from aoe.device import Device
 from aoe.errors import DeviceError
 from aoe.signature import TaskSignature, canonical_json
-from aoed.bank._codec import BankRecord
+from aoe.spec import Stage
+from aoe.bankrecord import BankRecord
 from aoed.bank.writer import BankWrite
 from aoed.engine import bankrules, decisions
 from aoed.engine.assemble import SESSION_FAMILY
@@ -143,7 +144,7 @@ def accelerator_dimensions(ctx: JobContext) -> list[tuple[str, list[dict[str, An
     folder = bank.parent / f"{bank.name}-trt-cache" / ctx.fingerprint.digest[:32]
     cache = {"trt_engine_cache_enable": "1", "trt_engine_cache_path": str(folder),
              "trt_timing_cache_enable": "1", "trt_timing_cache_path": str(folder)}  # fmt: skip
-    return space(ctx.opts.device, ctx.opts.precision, frozenset(ctx.prep.op_types), cache)
+    return space(ctx.device.device, ctx.spec.precision, frozenset(ctx.prep.op_types), cache)
 
 
 @dataclass
@@ -161,18 +162,18 @@ async def search_session(
     """Choose model-wide session options for the model at `model_path`, within what
     `budget` has left (dimensions it cannot afford are not tried); a device failure ends
     the search with what it found."""
-    if ans.usable(ctx.opts.repeat_tune, ctx.opts.resumes):
+    if ans.usable(ctx.spec.repeat_tune, ctx.run.resumes):
         if ans.record is not None:
             return SessionChoice(json.loads(ans.record.strategy), "hit")
         return SessionChoice({}, "hit")
-    await ctx.stage("tuning session options")
+    await ctx.stage(Stage.SESSION, "tuning session options")
     key = ctx.key(signature)
-    base = base_options(ctx.opts.device)
+    base = base_options(ctx.device.device)
     current: dict[str, Any] = dict(base)
     base_res: Measurement | None = None
     cur_res: Measurement | None = None
     trials: list[tuple[bytes, dict[str, Any]]] = []
-    dims = dimensions(ctx.device.cores) if ctx.opts.device.is_cpu else accelerator_dimensions(ctx)
+    dims = dimensions(ctx.device.cores) if ctx.device.device.is_cpu else accelerator_dimensions(ctx)
     pool = budget.for_session()
     for i, (dim, values) in enumerate(dims):
         share = min(2.0, pool / (len(dims) - i), budget.remaining_s)
@@ -212,12 +213,12 @@ async def search_session(
     if rec is None:
         if current != base:
             write = bankrules.make_record(key, signature, ctx.fingerprint, strategy, SESSION_FAMILY,
-                                          ctx.opts.precision, cur_res, base_res, ctx.job_id, ctx.opts.model.name)  # fmt: skip
+                                          ctx.spec.precision, cur_res, base_res, ctx.job_id, ctx.run.model.name)  # fmt: skip
             return SessionChoice(current, "add", write, len(trials))
         return SessionChoice({}, "unsatisfied", {"default_us": base_res.median_us, "job": ctx.job_id}, len(trials))
     if strategy != rec.strategy and current != base:
         write = bankrules.make_record(key, signature, ctx.fingerprint, strategy, SESSION_FAMILY,
-                                      ctx.opts.precision, cur_res, base_res, ctx.job_id, ctx.opts.model.name)  # fmt: skip
+                                      ctx.spec.precision, cur_res, base_res, ctx.job_id, ctx.run.model.name)  # fmt: skip
         return SessionChoice(current, "update", write, len(trials))
     return SessionChoice(json.loads(rec.strategy), "reserved", None, len(trials))
 
@@ -272,8 +273,8 @@ async def remember_context(
     key = ctx.key(signature)
     if evidence is not None:
         win, base = evidence
-        rec = bankrules.make_record(key, signature, ctx.fingerprint, options, SESSION_FAMILY, ctx.opts.precision,
-                                    win, base, ctx.job_id, ctx.opts.model.name, params)  # fmt: skip
+        rec = bankrules.make_record(key, signature, ctx.fingerprint, options, SESSION_FAMILY, ctx.spec.precision,
+                                    win, base, ctx.job_id, ctx.run.model.name, params)  # fmt: skip
     elif old is not None:
         rec = dataclasses.replace(old, strategy=options, params=params)
     elif isinstance(choice.write, BankRecord):

@@ -30,7 +30,7 @@ import trio
 from aoe.errors import AoedError, DeviceError
 from aoe.bank import CUSTOM
 from aoe.partition import Task
-from aoed.bank._codec import BankRecord
+from aoe.bankrecord import BankRecord
 from aoed.bank.writer import BankWrite
 from aoed.engine import bankrules, decisions, incontext, resume
 from aoed.engine.budget import Budget
@@ -115,7 +115,7 @@ class TaskAgent:
     async def _search(self) -> TaskDecision:
         ctx, task, res = self.ctx, self.task, self.result
         taskdir = ctx.workspace.task_dir(task.id)
-        strategies = list(ctx.registry.strategies_for(task.family, ctx.opts.precision, ctx.opts.device.kind))
+        strategies = list(ctx.registry.strategies_for(task.family, ctx.spec.precision, ctx.device.device.kind))
         if self.budget is not None:
             # Each candidate is about the task model's size: when loading them alone would
             # spend the task's share, building them would be wasted too.
@@ -218,7 +218,7 @@ class TaskAgent:
             m = measured[o.strategy] if o.strategy in measured else base
             if o.write_entry:
                 rec = bankrules.make_record(key, task.signature, ctx.fingerprint, o.strategy, task.family,
-                                            ctx.opts.precision, m, base, ctx.job_id, ctx.opts.model.name)  # fmt: skip
+                                            ctx.spec.precision, m, base, ctx.job_id, ctx.run.model.name)  # fmt: skip
                 return BankWrite(entries=(rec,))
             if o.write_default:
                 return BankWrite(defaults=((key, {"default_us": base.median_us, "job": ctx.job_id}),))

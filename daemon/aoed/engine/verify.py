@@ -65,7 +65,7 @@ async def hold_to_budget(
     the end-to-end budget on the held-back samples; returns its accuracy."""
     families = {t.id: t.family for t in ctx.prep.tasks} if ctx.prep else {}
     while True:
-        req = CompareRequest(ctx.opts.model, path, ctx.held_back, ctx.opts.device)
+        req = CompareRequest(ctx.run.model, path, ctx.held_back, ctx.device.device)
         try:
             reply: Accuracy = await ctx.device.call(req, ctx.ledger, category="verify")
         except DeviceError as exc:
@@ -120,7 +120,7 @@ async def verify(
     `choices` is updated in place as tasks are reverted. Spends at most what `budget`
     has left; with nothing left, or a device that fails, it proposes the model as it is
     (the confirming A/B decides whether it ships)."""
-    original = ctx.opts.model
+    original = ctx.run.model
     scratch = ctx.workspace.scratch
     assert ctx.prep is not None
 

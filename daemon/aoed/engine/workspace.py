@@ -44,7 +44,7 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from aoe.jobtypes import result_slug
+from aoe.spec import JobType
 from aoe.errors import AoedError
 from aoed import safefs
 
@@ -226,7 +226,7 @@ class Workspace:
     def reserve_result(self, job_type: str) -> Path:
         """Claim `aoe_result_{job_type}_{ts}_{pid}.json` (suffixed when taken) in the
         output directory; returns its path (an empty file until written)."""
-        stem = f"aoe_result_{result_slug(job_type)}_{self.timestamp}_{os.getpid()}"
+        stem = f"aoe_result_{JobType(job_type).slug}_{self.timestamp}_{os.getpid()}"
         try:
             with safefs.opened_dir(self.output.resolve()) as out:
                 for n in range(1, 10_000):

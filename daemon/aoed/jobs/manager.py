@@ -33,7 +33,6 @@ import contextlib
 import hashlib
 import json
 import logging
-import math
 import os
 import shutil
 import stat
@@ -46,52 +45,31 @@ from typing import Any
 
 import trio
 
-from aoe.jobtypes import DEFAULT_JOB_TYPE, parse_job_type
-from aoe.device import Device
-from aoe.errors import AoedError, DiskFullError, JobCancelledError, OptionError, first_error
+from aoe.errors import AoedError, DaemonUnavailableError, DiskFullError, JobCancelledError, NotFoundError, OptionError
+from aoe.errors import PermissionDeniedError, ResourceExhaustedError, first_error
+from aoe.outcome import JobOutcome
+from aoe.spec import JobSpec
 from aoed import safefs, space
 from aoed.config import DaemonConfig
-from aoed.errors import NotFoundError, PermissionDeniedError, RpcError
-from aoed.engine.budget import check_budget
 from aoed.engine.engine import Engine
-from aoed.engine.job import JobHandle, JobOptions, JobResult
+from aoed.engine.job import JobHandle, JobRun
 from aoed.engine.memory import check_fits
 from aoed.engine.messages import JobEvent
 from aoed.engine.modelio import check_size
-from aoed.engine.policy import policy
-from aoed.jobs import sizes
+from aoed.jobs import states
 from aoed.jobs import store as st
 from aoed.jobs.backlog import Backlog
-from aoed.jobs.store import EventRow, JobRow, JobStore, StoreError, Upload
+from aoed.jobs.states import JobState
+from aoed.jobs.store import Claim, EventRow, JobRow, JobStore, StoreError, Upload
 from aoed.jobs.uploads import UploadLedger
 
-__all__ = ["MODEL_FILE", "JobManager", "Submission", "options_from_dict", "sha256_file", "shown_path"]
-
-#: The key in a job's stored options for the model file's [device, inode] at submit.
-MODEL_FILE = "model_file"
+__all__ = ["JobManager", "Submission", "shown_path"]
 
 log = logging.getLogger(__name__)
-
-#: Options that change what a job computes (and so whether two submissions are the same).
-_TUNING_KEYS = ("precision", "job_type", "input_shapes", "repeat_tune", "device", "budget_s", "min_cosine",
-                "max_rel_error", "calibration_dir")  # fmt: skip
 
 #: Seconds between attempts to write what the job store refused, and between looks at
 #: the free space while queued jobs wait for it.
 RETRY_S = 2.0
-
-_STAGE_STATES = (
-    ("preparing", st.PREPARING), ("calibrating", st.PREPARING), ("profiling", st.TUNING), ("tuning", st.TUNING),
-    ("checking accuracy", st.VERIFYING), ("verifying", st.VERIFYING), ("confirming", st.VERIFYING),
-)  # fmt: skip
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _hash_checked(path: Path, checked: os.stat_result) -> str:
@@ -108,92 +86,22 @@ def _hash_checked(path: Path, checked: os.stat_result) -> str:
         with os.fdopen(fd, "rb") as f:
             now = os.fstat(f.fileno())
             if (now.st_dev, now.st_ino) == (checked.st_dev, checked.st_ino):
-                h = hashlib.sha256()
-                while chunk := f.read(1 << 20):
-                    h.update(chunk)
-                return h.hexdigest()
+                return hashlib.file_digest(f, "sha256").hexdigest()
             why = "another file took its name"
     raise PermissionDeniedError(f"{path}: the file changed while it was checked ({why}); the daemon reads only the "
                                 "file it checked: submit it again once nobody changes it")  # fmt: skip
 
 
-def options_from_dict(raw: dict[str, Any], default_device: Device) -> dict[str, Any]:
-    """Checked, normalized job options (plain JSON types). Raises OptionError naming the
-    option: every submission (gRPC, an inbox's aoed.toml) is checked here."""
-    opts: dict[str, Any] = {
-        "precision": str(raw.get("precision") or "exact"),
-        "job_type": str(raw.get("job_type") or DEFAULT_JOB_TYPE),
-        "input_shapes": _shapes(raw.get("input_shapes") or {}),
-        "repeat_tune": _flag(raw.get("repeat_tune", False), "repeat_tune"),
-        "device": str(raw.get("device") or default_device.name),
-        # 0 means unset (as in the proto): fitted to the model, or the policy's default
-        "budget_s": check_budget(_number(raw.get("budget_s"), "budget_s") or None),
-        "min_cosine": _number(raw.get("min_cosine"), "min_cosine") or None,
-        "max_rel_error": _number(raw.get("max_rel_error"), "max_rel_error") or None,
-        "calibration_dir": str(raw.get("calibration_dir") or ""),
-        "priority": _integer(raw.get("priority") or 0, "priority"),
-        "labels": {str(k): str(v) for k, v in (raw.get("labels") or {}).items()},
-    }
-    sizes.check_options(opts)  # before anything repeats a value in a message
-    opts["job_type"] = parse_job_type(opts["job_type"], "job_type")
-    for name, value, ok, want in (("min_cosine", opts["min_cosine"], lambda v: 0.0 < v <= 1.0, "in (0, 1]"),
-                                  ("max_rel_error", opts["max_rel_error"], lambda v: 0.0 < v < math.inf,
-                                   "a finite positive number")):  # fmt: skip
-        if value is not None and not ok(value):  # NaN fails both tests
-            raise OptionError(f"{name} {value}: must be {want}")
-    policy(opts["precision"], opts["min_cosine"], opts["max_rel_error"])
-    if Device.parse(opts["device"]).name != default_device.name:
-        raise OptionError(f"device {opts['device']}: this daemon measures on {default_device.name} (see aoe devices)")
-    if not -10 <= opts["priority"] <= 10:
-        raise OptionError(f"priority {opts['priority']}: must be between -10 and 10")
-    return opts
-
-
-def _number(raw: object, name: str) -> float | None:
-    if raw is None:
-        return None
-    if isinstance(raw, bool) or not isinstance(raw, int | float):
-        raise OptionError(f"{name} {raw!r}: expected a number")
-    if not math.isfinite(raw):
-        raise OptionError(f"{name} {raw}: must be a finite number")
-    return float(raw)
-
-
-def _integer(raw: object, name: str) -> int:
-    if isinstance(raw, bool) or not isinstance(raw, int):
-        raise OptionError(f"{name} {raw!r}: expected a whole number")
-    return raw
-
-
-def _flag(raw: object, name: str) -> bool:
-    if not isinstance(raw, bool):
-        raise OptionError(f"{name} {raw!r}: expected true or false")
-    return raw
-
-
-def _shapes(raw: object) -> dict[str, list[int]]:
-    if not isinstance(raw, dict):
-        raise OptionError(f"input_shapes {raw!r}: expected a table of name = [dims]")
-    out = {}
-    for name, dims in raw.items():
-        if not isinstance(dims, list | tuple) or not dims or any(isinstance(d, bool) or not isinstance(d, int) or d <= 0
-                                                                   for d in dims):  # fmt: skip
-            raise OptionError(f"input shape {name}: dimensions must be a list of positive whole numbers, not {dims!r}")
-        out[str(name)] = list(dims)
-    return out
-
-
-def _dedup_key(sha: str, opts: dict[str, Any]) -> str:
-    tuning = {k: opts.get(k) for k in _TUNING_KEYS}
-    return hashlib.sha256((sha + json.dumps(tuning, sort_keys=True)).encode()).hexdigest()
+def _dedup_key(sha: str, spec: JobSpec) -> str:
+    return hashlib.sha256((sha + json.dumps(spec.tuning, sort_keys=True)).encode()).hexdigest()
 
 
 @dataclass(frozen=True)
 class Submission:
-    """A model and options, already checked: `model` is a daemon-side file."""
+    """A model and its spec (checked where it was built): `model` is a daemon-side file."""
 
     model: Path
-    options: dict[str, Any]
+    spec: JobSpec
     #: who submitted it: "rpc:<client>" (see api.tuning.client_of) or "inbox:<folder>";
     #: the per-client limit counts active jobs of one source
     source: str = "rpc:local"
@@ -235,9 +143,7 @@ class JobManager:
         """Requeue what a previous run left running, then schedule until cancelled."""
         await trio.to_thread.run_sync(_sweep_inputs, self.cfg.inputs_dir, self.store.model_paths())
         for row in self.store.jobs(st.RUNNING, limit=100000):
-            self._event(row, "state", {"previous": row.state, "state": st.QUEUED,
-                                       "message": "the daemon restarted: the job resumes"})  # fmt: skip
-            self._backlog.update(row.id, state=st.QUEUED)
+            self._transition(row, states.Requeue(), "the daemon restarted: the job resumes")
         queued = len(self.store.jobs([st.QUEUED], limit=100000))
         if queued:
             log.info("jobs: %d queued job(s) from the store", queued)
@@ -255,7 +161,8 @@ class JobManager:
                 await self._wakeup.wait()
                 self._wakeup = trio.Event()
 
-    def _poke(self) -> None:
+    def wake(self) -> None:
+        """Look at the queue again (a job may start: a reload raised a limit)."""
         self._wakeup.set()
 
     def _room_to_start(self) -> bool:
@@ -281,9 +188,9 @@ class JobManager:
                 for live in self._live.values():  # watchers read the events just written
                     live.changed.set()
                     live.changed = trio.Event()
-                self._poke()
+                self.wake()
             if self._waiting_for_space:
-                self._poke()
+                self.wake()
 
     async def stop(self, grace_s: float) -> None:
         """Start no more jobs; give running ones `grace_s` to finish, then cancel them
@@ -342,7 +249,38 @@ class JobManager:
         return next((i for i, r in enumerate(order) if r.id == row.id), 0)
 
     def counts(self) -> tuple[int, int]:
+        """(jobs queued, jobs running)."""
         return len(self.store.jobs([st.QUEUED], limit=100000)), len(self._running)
+
+    def running(self) -> list[JobRow]:
+        """The jobs running now, newest first."""
+        return self.store.jobs(st.RUNNING, limit=100000)
+
+    # ------------------------------------------------------------- uploads and claims
+
+    def upload(self, upload_id: str) -> Upload | None:
+        """The upload `upload_id`, None when there is none (expired, or used)."""
+        return self.store.get_upload(upload_id)
+
+    def add_upload(self, up: Upload) -> None:
+        """Record a received upload (its file complete, its sha256 checked)."""
+        self.store.add_upload(up)
+
+    def claims(self, state: str | None = None) -> list[Claim]:
+        """The drop folders' claims (all, or those in `state`: claiming | claimed)."""
+        return self.store.claims(state)
+
+    def claim_begin(self, src: str, dst: str, inbox: str) -> None:
+        """Record the intent to move the dropped `src` to `dst` (before the rename)."""
+        self.store.claim_begin(src, dst, inbox)
+
+    def claim_done(self, src: str, job_id: str) -> None:
+        """The claimed file was moved and its job recorded."""
+        self.store.claim_done(src, job_id)
+
+    def claim_drop(self, src: str) -> None:
+        """Forget the claim of `src` (delivered, or never moved)."""
+        self.store.claim_drop(src)
 
     def _queued_order(self) -> list[JobRow]:
         # Active rows seen through the backlog: a job requeued while the store refused
@@ -357,13 +295,18 @@ class JobManager:
 
     async def submit(self, sub: Submission) -> tuple[JobRow, bool]:
         """Record a job for `sub` (or join the active one with the same content and
-        options); returns (job, joined). Raises RpcError(RESOURCE_EXHAUSTED) when the
-        queue is full, UNAVAILABLE while shutting down; PermissionDeniedError for a
+        options); returns (job, joined). OptionError for a spec naming another device
+        than this daemon's. Raises ResourceExhaustedError when the
+        queue is full, DaemonUnavailableError while shutting down; PermissionDeniedError for a
         daemon-side file with several hard links (before anything opens it); ModelError
         for one over [engine] max_model_mb, or whose estimated peak is more than an
         engine process may use (memory.py)."""
         if self._stopping:
-            raise RpcError("UNAVAILABLE", "the daemon is shutting down; submit again after it restarts")
+            raise DaemonUnavailableError("the daemon is shutting down; submit again after it restarts")
+        mine = self.engine.device.device.name
+        if sub.spec.device not in (None, mine):
+            raise OptionError(f"device {sub.spec.device}: this daemon measures on {mine} (see aoe devices)")
+        spec = sub.spec.on(mine)
         space.check_floor(self.cfg.state_dir, self.cfg.min_free_bytes, "SubmitJob")
         size = sub.upload.size if sub.upload is not None else 0
         if sub.upload is None:  # refused before hashing it: the limit is there so nobody reads 9 GiB
@@ -381,7 +324,7 @@ class JobManager:
             sha = await trio.to_thread.run_sync(_hash_checked, sub.model, info)
         else:
             sha = sub.upload.sha256
-        key = _dedup_key(sha, sub.options)
+        key = _dedup_key(sha, spec)
         async with self._limits_lock:
             same = self.store.active_with_key(key)
             if same is not None:
@@ -392,12 +335,12 @@ class JobManager:
                 return self.get(same.id), True
             mine = self.store.count_active(sub.source)
             if mine >= self.cfg.max_jobs_per_client:
-                raise RpcError("RESOURCE_EXHAUSTED",
+                raise ResourceExhaustedError(
                                f"{sub.source} has {mine} jobs queued or running (the limit per client is "
                                f"{self.cfg.max_jobs_per_client}); submit again when one has finished")  # fmt: skip
             queued, _ = self.counts()
             if queued >= self.cfg.max_queued_jobs:
-                raise RpcError("RESOURCE_EXHAUSTED",
+                raise ResourceExhaustedError(
                                f"{queued} jobs are queued (the limit is {self.cfg.max_queued_jobs}); try again later")  # fmt: skip
             job_id = f"job-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"
             out = sub.output_dir or self.cfg.jobs_dir / job_id
@@ -407,11 +350,10 @@ class JobManager:
                 info = await trio.to_thread.run_sync(model.stat)
             # The file checked here (one link, its sha256): the job's first read checks that
             # it reads this very file (see engine.modelio.load_model's `expect`).
-            options = {**sub.options, MODEL_FILE: [info.st_dev, info.st_ino]}
             row = JobRow(
-                id=job_id, state=st.QUEUED, model_path=str(model), model_name=sub.model.name if sub.upload is None
-                else sub.upload.file_name, model_sha256=sha, dedup_key=key, options=options, output_dir=str(out),
-                priority=int(sub.options.get("priority", 0)), source=sub.source,
+                id=job_id, state=JobState.QUEUED, model_path=str(model), model_name=sub.model.name
+                if sub.upload is None else sub.upload.file_name, model_sha256=sha, dedup_key=key, spec=spec,
+                output_dir=str(out), priority=spec.priority, source=sub.source, model_file=(info.st_dev, info.st_ino),
             )  # fmt: skip
             try:
                 self.store.insert(row)
@@ -420,7 +362,7 @@ class JobManager:
                 raise
         self._event(row, "state", {"previous": "", "state": st.QUEUED, "message": f"submitted ({sub.source})"})
         log.info("job %s: queued %s (%s)", job_id, row.model_name, sub.source)
-        self._poke()
+        self.wake()
         return row, False
 
     def _check_memory(self, sub: Submission, model_bytes: int) -> None:
@@ -468,7 +410,7 @@ class JobManager:
                 while job_id in self._running:
                     await trio.sleep(0.02)
         elif row.state == st.QUEUED:
-            self._finish(row, st.CANCELLED, error=reason)
+            self._finish(row, states.Cancel(), error=reason)
         return self.get(job_id)
 
     # ------------------------------------------------------------- events
@@ -505,20 +447,21 @@ class JobManager:
                 return
             await changed.wait()
 
-    def _set_state(self, row: JobRow, state: str, message: str = "") -> None:
-        if row.state == state:
-            return
-        self._event(row, "state", {"previous": row.state, "state": state, "message": message})
+    def _transition(self, row: JobRow, event: states.Event, message: str = "") -> bool:
+        """Move the job on by `event` (states.apply: TransitionError for one the machine
+        does not allow); records the change and its event. False when it stays."""
+        state = states.apply(row.state, event)
+        if state == row.state:
+            return False
+        self._event(row, "state", {"previous": str(row.state), "state": str(state), "message": message})
         row.state = state
         self._backlog.update(row.id, state=state)
+        return True
 
     def _on_engine_event(self, row: JobRow, ev: JobEvent) -> None:
         if ev.kind == "stage":
-            low = ev.message.lower()
-            for prefix, state in _STAGE_STATES:
-                if low.startswith(prefix):
-                    self._set_state(row, state, ev.message)
-                    break
+            if ev.stage is not None:
+                self._transition(row, states.Entered(ev.stage), ev.message)
             self._event(row, "log", {"level": "info", "logger": "stage", "message": ev.message})
         elif ev.kind == "progress":
             row.progress = {**row.progress, "done": ev.done, "total": ev.total, "what": ev.message}
@@ -534,16 +477,18 @@ class JobManager:
             level = "warning" if ev.kind == "wait" else "info"
             self._event(row, "log", {"level": level, "logger": ev.kind, "message": ev.message})
 
-    def _finish(self, row: JobRow, state: str, error: str = "", kind: str = "", result: dict | None = None) -> None:
+    def _finish(self, row: JobRow, event: states.Succeed | states.Fail | states.Cancel, error: str = "",
+                kind: str = "", outcome: JobOutcome | None = None) -> None:  # fmt: skip
         now = time.time()
+        state = states.apply(row.state, event)
         shown = shown_path(row)
         if shown != row.model_path:  # the engine names the copy it read; the user knows the file
             error = error.replace(row.model_path, shown)
-        if result is not None:
-            self._event(row, "result", result)
-        self._event(row, "state", {"previous": row.state, "state": state, "message": error})
-        row.state, row.error, row.error_kind, row.result, row.finished = state, error, kind, result, now
-        self._backlog.update(row.id, state=state, finished=now, error=error, error_kind=kind, result=result)
+        if outcome is not None:
+            self._event(row, "result", outcome.to_dict())
+        self._event(row, "state", {"previous": str(row.state), "state": str(state), "message": error})
+        row.state, row.error, row.error_kind, row.outcome, row.finished = state, error, kind, outcome, now
+        self._backlog.update(row.id, state=state, finished=now, error=error, error_kind=kind, outcome=outcome)
         for fn in self.on_final:
             try:
                 fn(row)
@@ -552,26 +497,12 @@ class JobManager:
 
     # ------------------------------------------------------------- running
 
-    def _engine_options(self, row: JobRow) -> JobOptions:
-        o = row.options
-        return JobOptions(
-            model=Path(row.model_path),
-            output=Path(row.output_dir),
-            precision=o["precision"],
-            job_type=o["job_type"],
-            input_shapes={k: tuple(v) for k, v in o.get("input_shapes", {}).items()},
-            repeat_tune=bool(o.get("repeat_tune")),
-            device=self.engine.device.device,
-            calibration=Path(o["calibration_dir"]) if o.get("calibration_dir") else None,
-            min_cosine=o.get("min_cosine"),
-            max_rel_error=o.get("max_rel_error"),
-            budget_s=o.get("budget_s"),
-            job_id=row.id,
+    def _run_of(self, row: JobRow) -> JobRun:
+        return JobRun(
+            model=Path(row.model_path), output=Path(row.output_dir), spec=row.spec, job_id=row.id,
             resumes=row.id if row.attempts > 1 else "",  # counted before it starts
-            attempt=max(1, row.attempts),
-            weight=max(1, 1 + int(o.get("priority", 0))) if int(o.get("priority", 0)) > 0 else 1,
-            model_file=tuple(o[MODEL_FILE]) if o.get(MODEL_FILE) else None,
-        )
+            attempt=max(1, row.attempts), model_file=row.model_file,
+        )  # fmt: skip
 
     async def _run_job(self, row: JobRow) -> None:
         live = self._live_for(row.id)
@@ -581,36 +512,36 @@ class JobManager:
             now = time.time()
             row.started = row.started or now
             self._backlog.update(row.id, started=row.started, attempts=row.attempts + 1)
-            self._set_state(row, st.PREPARING, "resumed" if row.attempts else "started")
+            self._transition(row, states.Start(), "resumed" if row.attempts else "started")
             row.attempts += 1
             try:
                 Path(row.output_dir).mkdir(parents=True, exist_ok=True)
-                result = await self.engine.run_job(self._engine_options(row), lambda ev: self._on_engine_event(row, ev),
-                                                   live.handle)  # fmt: skip
+                outcome = await self.engine.run_job(self._run_of(row), lambda ev: self._on_engine_event(row, ev),
+                                                    live.handle)  # fmt: skip
             except BaseExceptionGroup as group:
                 raise first_error(group, JobCancelledError, AoedError, OSError) from None
         except JobCancelledError as exc:
             if live.user_cancelled or not self._stopping:
-                self._finish(row, st.CANCELLED, error=str(exc))
+                self._finish(row, states.Cancel(), error=str(exc))
             else:
-                self._set_state(row, st.QUEUED, "interrupted by the daemon's shutdown; resumes at the next start")
+                self._transition(row, states.Requeue(), "interrupted by the daemon's shutdown; resumes at the next start")
         except AoedError as exc:
             log.info("job %s failed: %s", row.id, exc)
-            self._finish(row, st.FAILED, error=str(exc), kind=type(exc).__name__)
+            self._finish(row, states.Fail(), error=str(exc), kind=type(exc).__name__)
         except OSError as exc:
-            self._finish(row, st.FAILED, error=f"{exc.filename or row.output_dir}: {exc.strerror or exc}", kind="OSError")
+            self._finish(row, states.Fail(), error=f"{exc.filename or row.output_dir}: {exc.strerror or exc}", kind="OSError")
         except Exception as exc:
             log.exception("job %s: internal error", row.id)
-            self._finish(row, st.FAILED, error=f"internal error: {type(exc).__name__}: {exc}", kind="InternalError")
+            self._finish(row, states.Fail(), error=f"internal error: {type(exc).__name__}: {exc}", kind="InternalError")
         else:
-            self._finish(row, st.SUCCEEDED, result=result_dict(result))
+            self._finish(row, states.Succeed(), outcome=outcome)
         finally:
             self._running.discard(row.id)
             out = Path(row.output_dir)
             if row.state == st.FAILED and out.is_relative_to(self.cfg.jobs_dir):
                 with contextlib.suppress(OSError):
                     out.rmdir()  # empty when the job failed before tuning (engine.run_job)
-            self._poke()
+            self.wake()
 
 
 def _keep_input(inputs: Path, src: Path, sha: str, name: str, size: int) -> Path:
@@ -661,27 +592,3 @@ def shown_path(row: JobRow) -> str:
     if row.source.startswith("inbox:"):
         return str(Path(row.source.removeprefix("inbox:")) / row.model_name)
     return row.model_path
-
-
-def result_dict(r: JobResult) -> dict[str, Any]:
-    """The part of a JobResult a client sees (JSON types only). The figures are
-    `Figures.to_dict`'s, with result_ms and rounds also under the names the API gives
-    them (tuned_ms, confirm_rounds)."""
-    f = r.figures
-    return {
-        **f.to_dict(),
-        "tuned_ms": f.result_ms,
-        "confirm_rounds": f.rounds,
-        "tuned_model": r.tuned_model,
-        "result_json": r.result_json,
-        "repo": dict(r.repo),
-        "tuning_time_s": r.tuning_time_s,
-        "resources": {k: v for k, v in r.resources.items() if isinstance(v, int | float | str)},
-        "tasks": [
-            {"task_id": t.task_id, "op_type": t.op_type, "op_name": t.op_name, "strategy": t.strategy,
-             "before_us": t.before_us, "after_us": t.after_us, "improvement": t.improvement,
-             "update_mode": t.update_mode, "bank_layer": t.bank_layer, "error": t.error,
-             "accuracy": {k: float(v) for k, v in t.accuracy.items() if isinstance(v, int | float)}}
-            for t in r.tasks
-        ],  # fmt: skip
-    }

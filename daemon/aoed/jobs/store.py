@@ -13,7 +13,9 @@ All access happens in the trio thread: each statement is a short local write (te
 microseconds with `synchronous=NORMAL` in WAL mode, which is durable against a killed
 process, not against power loss between checkpoints) and never waits on another
 process, so it is not worth a thread hop. Values a row holds as JSON (options, result,
-progress, event data) are plain dicts; nothing is pickled.
+progress, event data) are plain dicts; nothing is pickled. A job's options and result are
+stored as `JobSpec.to_dict` and `JobOutcome.to_dict` write them and read back into those
+shapes here, the store's one conversion: the rest of the daemon sees only the shapes.
 
 A full disk: a write the store has no room for raises DiskFullError (naming the folder
 and its free space) and changes nothing, and the same store writes again once there is
@@ -37,18 +39,18 @@ from pathlib import Path
 from typing import Any
 
 from aoe.errors import AoedError, DiskFullError
+from aoe.outcome import JobOutcome
+from aoe.spec import JobSpec
 from aoed import space
+from aoed.jobs.states import ACTIVE, FINAL, RUNNING, JobState
 
-__all__ = ["ACTIVE", "FINAL", "Claim", "EventRow", "JobRow", "JobStore", "StoreError", "Upload"]
+__all__ = ["ACTIVE", "FINAL", "RUNNING", "Claim", "EventRow", "JobRow", "JobStore", "StoreError", "Upload"]
 
 log = logging.getLogger(__name__)
 
-#: States a job can be in (the proto's JobState without the prefix, lower case).
-QUEUED, PREPARING, TUNING, VERIFYING = "queued", "preparing", "tuning", "verifying"
-SUCCEEDED, FAILED, CANCELLED = "succeeded", "failed", "cancelled"
-ACTIVE = (QUEUED, PREPARING, TUNING, VERIFYING)
-RUNNING = (PREPARING, TUNING, VERIFYING)
-FINAL = (SUCCEEDED, FAILED, CANCELLED)
+QUEUED, PREPARING, TUNING, VERIFYING, SUCCEEDED, FAILED, CANCELLED = JobState
+#: The key in a job's stored options for the model file's [device, inode] at submit.
+MODEL_FILE = "model_file"
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -115,12 +117,12 @@ _NEARLY_FULL = 1 << 20
 @dataclass
 class JobRow:
     id: str
-    state: str
+    state: JobState
     model_path: str
     model_name: str
     model_sha256: str
     dedup_key: str
-    options: dict[str, Any]
+    spec: JobSpec
     output_dir: str
     priority: int = 0
     source: str = "rpc"
@@ -129,10 +131,12 @@ class JobRow:
     finished: float | None = None
     error: str = ""
     error_kind: str = ""
-    result: dict[str, Any] | None = None
+    outcome: JobOutcome | None = None
     progress: dict[str, Any] = field(default_factory=dict)
     joined: int = 0
     attempts: int = 0
+    #: (device, inode) of the model file its submitter's checks passed
+    model_file: tuple[int, int] | None = None
 
     @property
     def final(self) -> bool:
@@ -169,6 +173,8 @@ class Claim:
 
 
 _JSON_COLUMNS = ("options", "result", "progress")
+#: Columns under another name than the row's field.
+_COLUMN_OF = {"spec": "options", "outcome": "result"}
 _COLUMNS = (
     "id", "state", "priority", "source", "model_path", "model_name", "model_sha256", "dedup_key", "options",
     "output_dir", "created", "started", "finished", "error", "error_kind", "result", "progress", "joined", "attempts",
@@ -234,13 +240,17 @@ class JobStore:
     # ------------------------------------------------------------------ jobs
 
     def insert(self, row: JobRow) -> None:
-        values = [json.dumps(getattr(row, c)) if c in _JSON_COLUMNS else getattr(row, c) for c in _COLUMNS]
-        self._exec(f"INSERT INTO jobs ({','.join(_COLUMNS)}) VALUES ({','.join('?' * len(_COLUMNS))})", values)
+        values = dict(_columns(vars(row)))
+        self._exec(f"INSERT INTO jobs ({','.join(_COLUMNS)}) VALUES ({','.join('?' * len(_COLUMNS))})",
+                   [values[c] for c in _COLUMNS])  # fmt: skip
 
     def update(self, job_id: str, **fields: Any) -> None:
-        sets = ", ".join(f"{k} = ?" for k in fields)
-        values = [json.dumps(v) if k in _JSON_COLUMNS else v for k, v in fields.items()]
-        self._exec(f"UPDATE jobs SET {sets} WHERE id = ?", [*values, job_id])
+        """Set the row's `fields` (JobRow's names)."""
+        if "spec" in fields:  # stored beside it: written together
+            raise ValueError("a job's spec is not changed once stored")
+        cols = list(_columns(fields))
+        sets = ", ".join(f"{c} = ?" for c, _ in cols)
+        self._exec(f"UPDATE jobs SET {sets} WHERE id = ?", [*(v for _, v in cols), job_id])
 
     def _rows(self, cursor: Iterable[Sequence[Any]]) -> Iterator[JobRow]:
         for raw in cursor:
@@ -250,9 +260,14 @@ class JobStore:
                     d[c] = json.loads(d[c]) if d[c] is not None else None
                 if not isinstance(d["options"], dict):
                     raise ValueError("options is not an object")
+                options = dict(d.pop("options"))
+                model_file = options.pop(MODEL_FILE, None)
+                result = d.pop("result")
                 d["progress"] = d["progress"] or {}
-                yield JobRow(**d)
-            except (ValueError, TypeError) as exc:
+                d["state"] = JobState(d["state"])
+                yield JobRow(**d, spec=JobSpec.from_dict(options), outcome=JobOutcome.from_dict(result)
+                             if result else None, model_file=tuple(model_file) if model_file else None)  # fmt: skip
+            except (ValueError, TypeError, KeyError, AoedError) as exc:
                 job_id = str(raw[0])
                 if job_id not in self.damaged:
                     self.damaged.append(job_id)
@@ -376,6 +391,21 @@ class JobStore:
 
     def transaction(self) -> _Transaction:
         return _Transaction(self)
+
+
+def _columns(fields: dict[str, Any]) -> Iterator[tuple[str, Any]]:
+    """(column, stored value) of a row's `fields`: the spec (with the model file) and the
+    outcome as their `to_dict`, the other JSON columns as JSON."""
+    for name, value in fields.items():
+        if name == "model_file":
+            continue
+        column = _COLUMN_OF.get(name, name)
+        if name == "spec":
+            model_file = fields.get("model_file")
+            value = {**value.to_dict(), **({MODEL_FILE: list(model_file)} if model_file else {})}
+        elif name == "outcome" and value is not None:
+            value = value.to_dict()
+        yield column, json.dumps(value) if column in _JSON_COLUMNS else value
 
 
 class _Transaction:

@@ -165,7 +165,7 @@ def measure(req: MeasureRequest) -> MeasureReply:
 
 
 def profile(req: ProfileRequest) -> ProfileReply:
-    from aoe._session import make_session_options
+    from aoe.sessionopts import make_session_options
 
     feeds = _load_inputs(req.inputs)
     device = req.device

@@ -32,7 +32,7 @@ def providers_for(options: dict[str, Any] | None, device: Device = CPU) -> list[
     only warn, and run the model on the CPU)."""
     import onnxruntime as ort
 
-    from aoe._session import session_providers
+    from aoe.sessionopts import session_providers
 
     if options and options.get("providers"):
         providers = session_providers(options, device.index)
@@ -51,11 +51,11 @@ def providers_for(options: dict[str, Any] | None, device: Device = CPU) -> list[
 
 def session(model: str | Path | bytes, options: dict[str, Any] | None = None, device: Device = CPU):
     """An InferenceSession for `model` (a path or serialized bytes) on `device`, with the
-    session options as data (see aoe._session), their providers first; CPU serves what
+    session options as data (see aoe.sessionopts), their providers first; CPU serves what
     the device cannot. DeviceError for a provider this onnxruntime lacks."""
     import onnxruntime as ort
 
-    from aoe._session import make_session_options
+    from aoe.sessionopts import make_session_options
 
     data = model if isinstance(model, bytes) else str(model)
     return ort.InferenceSession(data, make_session_options(options), providers=providers_for(options, device))

@@ -117,13 +117,12 @@ def _prepare(req: m.PrepareRequest) -> m.PrepareReply:
 
 
 def _file_digest(paths: list[Path]) -> str:
-    """sha256 over the files of `paths` that exist, in order."""
+    """sha256 over the sha256 digests of the files of `paths` that exist, in order."""
     h = hashlib.sha256()
     for path in paths:
         if path.is_file():
             with open(path, "rb") as f:
-                while chunk := f.read(1 << 20):
-                    h.update(chunk)
+                h.update(hashlib.file_digest(f, "sha256").digest())
     return h.hexdigest()
 
 

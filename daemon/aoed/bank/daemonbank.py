@@ -28,11 +28,11 @@ from typing import Any
 import lmdb
 import trio
 
-from aoe._lmdb import lmdb_errors
+from aoe.lmdbenv import lmdb_errors
 from aoe.bank import CUSTOM, BankReader, Explanation, LayerStats
 from aoe.errors import OptionError
 from aoe.signature import DeviceFingerprint
-from aoed.bank._codec import BankRecord, decode
+from aoe.bankrecord import BankRecord, decode
 from aoed.bank.exchange import import_lines
 from aoed.bank.store import KINDS, BankStore, MergeCounts, PruneCounts, Record
 from aoed.bank.writer import BankMerge, BankPrune, BankWrite, BankWriter
@@ -153,9 +153,7 @@ class DaemonBank:
             layers = await self._writer.layers()
             # The read-only layers are the writer's (opened once); this reader borrows
             # them and is never closed.
-            self._reader = BankReader(
-                [layer, *(layers._layers if layers is not None else ())], self._device
-            )
+            self._reader = layers.under(layer, self._device) if layers is not None else BankReader([layer], self._device)
             self._layer = layer
         return self._layer, self._reader
 

@@ -30,7 +30,7 @@ from pathlib import Path
 import trio
 
 from aoe.errors import AoedError
-from aoed.api._bridge import Bridge
+from aoed.api import Bridge
 from aoed.api.info import DaemonServicer, DeviceServicer
 from aoed.api.server import Server, build_server, register
 from aoed.api.tuning import TuningServicer
@@ -191,7 +191,7 @@ class Daemon:
         self.cfg = kept
         if self.jobs is not None:
             self.jobs.cfg = kept
-            self.jobs._poke()
+            self.jobs.wake()
         if self.watcher is not None:
             self.watcher.reload(kept)
         log.info("aoed: SIGHUP: reloaded inboxes and limits")

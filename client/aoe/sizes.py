@@ -2,24 +2,23 @@
 
 Every free-text field of a job is stored with it and sent back in each answer about it
 (GetJob, each page of ListJobs, the watch stream) for as long as the job is kept
-(`retention_days`). Unbounded, a few submissions with megabytes of labels made every
+(`retention_days`); `aoe.spec.JobSpec` checks its fields against these limits where a
+spec is built. Unbounded, a few submissions with megabytes of labels made every
 ListJobs answer larger than a gRPC message may be, for every client, until they expired.
 Bounded, a job's options stay a few tens of KiB at most, and ListJobs pages by bytes
-(`api.tuning.LIST_PAGE_BYTES`). Sizes are counted in UTF-8 bytes, as stored and sent.
+(the daemon's `api.tuning.LIST_PAGE_BYTES`). Sizes are counted in UTF-8 bytes, as stored and sent.
 A field over its limit is an OptionError (INVALID_ARGUMENT) naming the field and the
 limit.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
 
 from aoe.errors import OptionError
 
 __all__ = [
     "MAX_DIMS", "MAX_INPUT_SHAPES", "MAX_LABEL_KEY_BYTES", "MAX_LABEL_VALUE_BYTES", "MAX_LABELS", "MAX_NAME_BYTES",
-    "MAX_PATH_BYTES", "check_options", "check_text",
+    "MAX_PATH_BYTES", "check_text",
 ]  # fmt: skip
 
 #: labels per job, and the bytes of each key and each value
@@ -44,23 +43,3 @@ def check_text(field: str, value: str, limit: int) -> None:
     size = len(value.encode("utf-8", "surrogatepass"))
     if size > limit:
         raise OptionError(f"{field}: {size} bytes, over the limit of {limit} bytes")
-
-
-def check_options(opts: Mapping[str, Any]) -> None:
-    """Check the sizes of normalized job options (`jobs.manager.options_from_dict`):
-    labels, input shapes, device and calibration folder. Raises OptionError."""
-    labels: Mapping[str, str] = opts.get("labels") or {}
-    if len(labels) > MAX_LABELS:
-        raise OptionError(f"labels: {len(labels)} labels, over the limit of {MAX_LABELS}")
-    for key, value in labels.items():
-        check_text(f"labels: the key {_cut(key)}", key, MAX_LABEL_KEY_BYTES)
-        check_text(f"labels[{_cut(key)}]: the value", value, MAX_LABEL_VALUE_BYTES)
-    shapes: Mapping[str, Any] = opts.get("input_shapes") or {}
-    if len(shapes) > MAX_INPUT_SHAPES:
-        raise OptionError(f"input_shapes: {len(shapes)} inputs, over the limit of {MAX_INPUT_SHAPES}")
-    for name, dims in shapes.items():
-        check_text(f"input_shapes: the input name {_cut(name)}", name, MAX_NAME_BYTES)
-        if len(dims) > MAX_DIMS:
-            raise OptionError(f"input shape {_cut(name)}: {len(dims)} dimensions, over the limit of {MAX_DIMS}")
-    check_text("device", str(opts.get("device") or ""), MAX_NAME_BYTES)
-    check_text("calibration_dir", str(opts.get("calibration_dir") or ""), MAX_PATH_BYTES)
