@@ -30,10 +30,13 @@ import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from aoe.errors import AoedError, OptionError, first_error
 from aoe.jobtypes import DEFAULT_JOB_TYPE
+
+if TYPE_CHECKING:
+    from aoe.device import Device
 
 __all__ = ["main"]
 
@@ -88,8 +91,10 @@ def _add_tune(sub: argparse._SubParsersAction) -> None:
                    help="sgat+opat (the default): subgraphs, then operators over the nodes they left, in one "
                         "job; opat (2): operators alone; sgat (1): subgraphs alone (attention, layernorm, gelu, "
                         "glu, conv regions)")  # fmt: skip
-    p.add_argument("--device", default=None,
-                   help="cpu (default), cuda:N, tensorrt:N or cann:N (ASCEND_DEVICE_ID selects cann:N)")  # fmt: skip
+    p.add_argument("--device", default=None, action="append",
+                   help="cpu (default), cpu:FIRST-LAST (a set of cores), cuda:N, tensorrt:N or cann:N "
+                        "(ASCEND_DEVICE_ID selects cann:N); repeat it to measure on several devices, or give "
+                        "`all`: the config's [tuning] devices, else every usable accelerator")  # fmt: skip
     p.add_argument("--keep-initializer-inputs", action="store_true",
                    help="treat initializers that old exporters list as graph inputs as real inputs")  # fmt: skip
     p.add_argument("--budget", type=float, default=None,
@@ -165,9 +170,10 @@ def _tune(args: argparse.Namespace) -> int:
     shapes = parse_input_shapes(args.input_shape)
     config = load_config(args.config)
     parallel = parse_parallel(args.parallel, "--parallel") if args.parallel is not None else None
+    devices = _devices_given(args.device, config.all_devices)
     config = config.replace(
         bank=args.bank, parallel=parallel, repeat_tune=False if args.reload else args.repeat_tune,
-        device=Device.parse(args.device) if args.device else None,
+        device=devices[0] if devices else None, devices=devices if len(devices) > 1 else None,
         bank_layers=(*args.bank_layer, *config.bank_layers) if args.bank_layer else None,
     )  # fmt: skip
     output: Path = args.output
@@ -290,6 +296,24 @@ def _daemon_for(args: argparse.Namespace, config: Any) -> Any:
         client.close()
     print(f"aoe: tuning embedded (no daemon at {path})", file=sys.stderr, flush=True)
     return None
+
+
+def _devices_given(given: str | list[str] | None, configured: tuple[Device, ...]) -> tuple[Device, ...]:
+    """The devices `--device` names (repeated, or `all`); () when it was not given.
+    OptionError when one is malformed."""
+    from aoe.device import Device
+
+    names = [given] if isinstance(given, str) else list(given or [])
+    if names == ["all"]:
+        if len(configured) > 1:
+            return configured
+        from aoe.accelerators import local_devices
+
+        usable = tuple(d.device for d in local_devices() if not d.unusable and not d.device.is_cpu)
+        return usable or configured
+    if "all" in names:
+        raise OptionError("--device all: names every device; give it alone")
+    return tuple(Device.parse(n) for n in names)
 
 
 def _summary(r: Any) -> None:

@@ -260,7 +260,9 @@ class TuningServicer(tuning_pb2_grpc.TuningServiceServicer):
                             ("calibration_dir", o.calibration_dir)):  # fmt: skip
             sizes.check_text(name, value, sizes.MAX_PATH_BYTES)
         sizes.check_text("model_id", request.model_id, sizes.MAX_NAME_BYTES)
-        opts = options_from_dict(options_to_dict(request.options), self._jobs.engine.device.device)
+        engine = self._jobs.engine
+        opts = options_from_dict(options_to_dict(request.options), engine.device.device,
+                                 [a.device for a in engine.device_set])  # fmt: skip
         allowed = self._cfg.allowed_dirs
         if o.calibration_dir:
             opts["calibration_dir"] = str(confine(o.calibration_dir, allowed, "calibration_dir", want_dir=True))

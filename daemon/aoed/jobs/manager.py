@@ -39,7 +39,7 @@ import shutil
 import stat
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -117,9 +117,10 @@ def _hash_checked(path: Path, checked: os.stat_result) -> str:
                                 "file it checked: submit it again once nobody changes it")  # fmt: skip
 
 
-def options_from_dict(raw: dict[str, Any], default_device: Device) -> dict[str, Any]:
-    """Checked, normalized job options (plain JSON types). Raises OptionError naming the
-    option: every submission (gRPC, an inbox's aoed.toml) is checked here."""
+def options_from_dict(raw: dict[str, Any], default_device: Device, devices: Sequence[Device] = ()) -> dict[str, Any]:
+    """Checked, normalized job options (plain JSON types); the device must be one of
+    `devices` (default: `default_device` alone). Raises OptionError naming the option:
+    every submission (gRPC, an inbox's aoed.toml) is checked here."""
     opts: dict[str, Any] = {
         "precision": str(raw.get("precision") or "exact"),
         "job_type": str(raw.get("job_type") or DEFAULT_JOB_TYPE),
@@ -142,8 +143,9 @@ def options_from_dict(raw: dict[str, Any], default_device: Device) -> dict[str, 
         if value is not None and not ok(value):  # NaN fails both tests
             raise OptionError(f"{name} {value}: must be {want}")
     policy(opts["precision"], opts["min_cosine"], opts["max_rel_error"])
-    if Device.parse(opts["device"]).name != default_device.name:
-        raise OptionError(f"device {opts['device']}: this daemon measures on {default_device.name} (see aoe devices)")
+    names = [d.name for d in devices or (default_device,)]
+    if Device.parse(opts["device"]).name not in names:
+        raise OptionError(f"device {opts['device']}: this daemon measures on {', '.join(names)} (see aoe devices)")
     if not -10 <= opts["priority"] <= 10:
         raise OptionError(f"priority {opts['priority']}: must be between -10 and 10")
     return opts
@@ -561,7 +563,7 @@ class JobManager:
             job_type=o["job_type"],
             input_shapes={k: tuple(v) for k, v in o.get("input_shapes", {}).items()},
             repeat_tune=bool(o.get("repeat_tune")),
-            device=self.engine.device.device,
+            device=Device.parse(o["device"]) if o.get("device") else self.engine.device.device,
             calibration=Path(o["calibration_dir"]) if o.get("calibration_dir") else None,
             min_cosine=o.get("min_cosine"),
             max_rel_error=o.get("max_rel_error"),
