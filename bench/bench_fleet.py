@@ -271,10 +271,12 @@ def device_report(runs: dict[str, list[dict]], host: Machine, mode: str) -> str:
         f"workers. This machine has {host.usable} usable cores: the two one-core devices take both, so the "
         "compile workers share them and are paused while either measures, and the daemon, the job's "
         "own stages and everything else running here compete for the same two cores. What these figures "
-        "can show: that one job's trials spread over both devices (trials per device) and that the "
-        "device time is the budget's either way; what they cannot show: the wall-time speedup of devices "
-        "with cores (or accelerators) of their own. Three Ray nodes: not measured (the Ray executor is "
-        "not built yet).",
+        "can show: that one job's trials spread over both devices (trials per device), and how much of "
+        "the job's device time a second device can take at all: only the task searches spread, while "
+        "profile, session options, verification and the confirming A/B stay on the job's home device "
+        "(the duty split says how much that is for this model). What they cannot show: the wall-time "
+        "speedup of devices with cores (or accelerators) of their own. Three Ray nodes: not measured "
+        "(the Ray executor is not built yet).",
     ])
 
 

@@ -58,6 +58,17 @@ def test_core_sets_pin_each_runner_and_give_workers_the_rest() -> None:
         place_cores((Device.parse("cpu:5"),), [0, 1], None)
 
 
+def test_the_memory_plan_counts_one_runner_per_device() -> None:
+    from aoed.engine.memory import DAEMON_RESERVE_MB, plan_memory
+
+    base = load_config(env={}).replace(parallel=2, memory_mb=16384)
+    one = plan_memory(base)
+    four = plan_memory(base.replace(devices=tuple(Device.parse(f"cpu:{i}") for i in range(4))))
+    assert (one.children, four.children) == (3, 6)
+    assert four.child_mb == (16384 - DAEMON_RESERVE_MB) // 6
+    assert four.child_mb * four.children + DAEMON_RESERVE_MB <= 16384
+
+
 # -- a real daemon with two one-core devices ------------------------------------------
 
 needs_two_cores = pytest.mark.skipif(not {0, 1} <= os.sched_getaffinity(0),
