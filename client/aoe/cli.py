@@ -31,11 +31,14 @@ import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from aoe import specargs
 from aoe.errors import AoedError, DeviceError, OptionError
 from aoe.outcome import summary_lines
+
+if TYPE_CHECKING:
+    from aoe.device import Device
 
 __all__ = ["main"]
 
@@ -69,7 +72,8 @@ def _add_tune(sub: argparse._SubParsersAction) -> None:
                        description="Tune an ONNX model by measurement: on the daemon when one answers, "
                                    "else embedded on this machine.")  # fmt: skip
     p.add_argument("model", type=Path, help="the .onnx model to tune")
-    specargs.add_arguments(p, where="this machine (cpu; ASCEND_DEVICE_ID selects cann:N) or the daemon")
+    specargs.add_arguments(p, where="this machine (cpu; ASCEND_DEVICE_ID selects cann:N) or the daemon",
+                           many_devices=True)  # fmt: skip
     p.add_argument("--bank", type=Path, help="custom bank directory (default: TUNE_BANK_PATH or the user data dir)")
     p.add_argument("--bank-layer", action="append", type=Path, default=[], metavar="DIR",
                    help="read-only bank consulted after the custom one (repeatable; also AOED_BANK_LAYERS)")  # fmt: skip
@@ -126,7 +130,6 @@ def _tune(args: argparse.Namespace) -> int:
     check_model_file(args.model, onnx=False)
 
     from aoe.config import load_config, parse_parallel
-    from aoe.device import Device
 
     spec = specargs.from_args(args)
     if args.reload and args.repeat_tune:
@@ -135,9 +138,10 @@ def _tune(args: argparse.Namespace) -> int:
         raise OptionError(f"--calibration {spec.calibration_dir}: not a directory")
     config = load_config(args.config)
     parallel = parse_parallel(args.parallel, "--parallel") if args.parallel is not None else None
+    devices = _devices_given(args.device, config.all_devices)
     config = config.replace(
         bank=args.bank, parallel=parallel, repeat_tune=False if args.reload else args.repeat_tune,
-        device=Device.parse(args.device) if args.device else None,
+        device=devices[0] if devices else None, devices=devices if len(devices) > 1 else None,
         bank_layers=(*args.bank_layer, *config.bank_layers) if args.bank_layer else None,
     )  # fmt: skip
     # The environment's settings (REPEAT_TUNE, ASCEND_DEVICE_ID) are the user's too.
@@ -233,6 +237,24 @@ def _daemon_for(args: argparse.Namespace, config: Any) -> Any:
         client.close()
     print(f"aoe: tuning embedded (no daemon at {path})", file=sys.stderr, flush=True)
     return None
+
+
+def _devices_given(given: str | list[str] | None, configured: tuple[Device, ...]) -> tuple[Device, ...]:
+    """The devices `--device` names (repeated, or `all`); () when it was not given.
+    OptionError when one is malformed."""
+    from aoe.device import Device
+
+    names = [given] if isinstance(given, str) else list(given or [])
+    if names == ["all"]:
+        if len(configured) > 1:
+            return configured
+        from aoe.accelerators import local_devices
+
+        usable = tuple(d.device for d in local_devices() if not d.unusable and not d.device.is_cpu)
+        return usable or configured
+    if "all" in names:
+        raise OptionError("--device all: names every device; give it alone")
+    return tuple(Device.parse(n) for n in names)
 
 
 COMMANDS = ("tune", "compile", "bank", "submit", "jobs", "status", "watch", "cancel", "fetch", "devices", "daemon")

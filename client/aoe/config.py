@@ -23,6 +23,7 @@ The TOML file:
   repeat_tune = false
   parallel = 4
   device = "cpu"                         # cpu, cuda:0, cann:0, tensorrt:0
+  devices = ["cann:0", "cann:1"]         # several: one device agent each (cpu:0-7 is a core set)
   plugins = ["my_strategies"]
   [engine]
   runtime_dir = "/run/aoed"
@@ -154,6 +155,9 @@ class Config:
     repeat_tune: bool = False
     parallel: int = field(default_factory=default_parallel)
     device: Device = CPU
+    #: every device the engine measures on (`[tuning] devices`); empty: `device` alone.
+    #: When given, `device` is its first.
+    devices: tuple[Device, ...] = ()
     plugins: tuple[str, ...] = ()
     runtime_dir: Path = field(default_factory=_default_runtime_dir)
     #: None: dedicated measurement cores when there are 4 or more
@@ -178,7 +182,14 @@ class Config:
         """A copy with `changes` (None values ignored), recorded as given on the command line."""
         given = {k: v for k, v in changes.items() if v is not None}
         sources = {**self.sources, **{k: "command line" for k in given}}
+        if "device" in given and "devices" not in given and self.devices:
+            given["devices"] = ()  # one device named on the command line replaces the list
         return _checked(replace(self, **given, sources=sources))
+
+    @property
+    def all_devices(self) -> tuple[Device, ...]:
+        """The devices to measure on: `devices`, else `device` alone."""
+        return self.devices or (self.device,)
 
 
 def _bool(raw: object, where: str) -> bool:
@@ -225,6 +236,15 @@ def _checked(cfg: Config) -> Config:
     if cfg.memory_mb != 0 and not 2 * MIN_WORKER_MEMORY_MB <= cfg.memory_mb <= 1 << 30:
         problems.add(f"memory_mb={cfg.memory_mb} ({_src(cfg, 'memory_mb')}): must be 0 (what the machine has) "
                      f"or at least {2 * MIN_WORKER_MEMORY_MB} MiB: a compile worker and a runner")  # fmt: skip
+    seen: list[Device] = []
+    for d in cfg.devices:
+        if clash := next((o for o in seen if o.overlaps(d)), None):
+            problems.add(f"devices ({_src(cfg, 'devices')}): {d} and {clash} share hardware; each device (or set "
+                         "of cores) may be listed once")  # fmt: skip
+        seen.append(d)
+    if cfg.devices and cfg.device != cfg.devices[0] and "device" in cfg.sources:
+        problems.add(f"device={cfg.device} ({_src(cfg, 'device')}) and devices ({_src(cfg, 'devices')}): give one "
+                     "of them (`device` is the one-device spelling of `devices`)")  # fmt: skip
     for name, (lo, hi) in _RANGES.items():
         value = getattr(cfg, name)
         if not lo <= value <= hi:
@@ -253,7 +273,7 @@ def _from_toml(path: Path, problems: Problems | None = None) -> tuple[dict[str, 
     known = {
         ("bank", "path"): "bank", ("bank", "layers"): "bank_layers",
         ("tuning", "repeat_tune"): "repeat_tune", ("tuning", "parallel"): "parallel",
-        ("tuning", "device"): "device", ("tuning", "plugins"): "plugins",
+        ("tuning", "device"): "device", ("tuning", "devices"): "devices", ("tuning", "plugins"): "plugins",
         ("engine", "runtime_dir"): "runtime_dir", ("engine", "dedicated_cores"): "dedicated_cores",
         ("engine", "worker_memory_mb"): "worker_memory_mb", ("engine", "memory_mb"): "memory_mb",
         ("engine", "max_model_mb"): "max_model_mb",
@@ -300,6 +320,13 @@ def _convert(name: str, raw: Any, where: str) -> Any:
         return parse_parallel(raw, where)
     if name == "device":
         return Device.parse(str(raw))
+    if name == "devices":
+        if not isinstance(raw, list) or not raw:
+            raise OptionError(f'{where}={raw!r}: expected a list of devices, e.g. ["cann:0", "cann:1"]')
+        try:
+            return tuple(Device.parse(str(d)) for d in raw)
+        except OptionError as exc:
+            raise OptionError(f"{where}: {exc}") from None
     if name == "plugins":
         items = raw if isinstance(raw, list) else str(raw).split(",")
         return tuple(s.strip() for s in map(str, items) if s.strip())
@@ -396,6 +423,8 @@ def load_config(path: str | os.PathLike[str] | None = None, env: Mapping[str, st
     v, s = _from_env(env, problems)
     values.update(v)
     sources.update(s)
+    if values.get("devices") and "device" not in values:
+        values["device"] = values["devices"][0]
     with problems.check():
         config = _checked(Config(**values, sources=sources))
     problems.raise_any()

@@ -7,6 +7,11 @@ device kind to a provider name); `device.fingerprint()` is what bank keys use, s
 measurement on one device is never applied on another: for a GPU it covers the GPU's
 model, compute capability and the driver, CUDA, cuDNN and TensorRT versions
 (aoe.accelerators), never the index, so identical GPUs share what was learned.
+
+On the CPU a device may be a set of cores (`cpu:0-7`, `cpu:8-15`, `cpu:3`): its runner is
+pinned to them, and its fingerprint counts them (a decision made on one core is not one
+for eight), so identical core sets share what was learned and plain `cpu` keeps the
+fingerprint it always had.
 """
 
 from __future__ import annotations
@@ -51,25 +56,44 @@ class Device:
     index: int = 0
     #: provider options that change the implementation (sorted pairs: hashable)
     options: tuple[tuple[str, str], ...] = ()
+    #: a CPU device's own cores (sorted); empty: the machine's, shared
+    cores: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.kind not in _KINDS:
             raise OptionError(f"device {self.kind!r}: unknown kind (one of {', '.join(_KINDS)})")
         if self.index < 0:
             raise OptionError(f"device {self.kind}:{self.index}: the index must be >= 0")
+        if self.cores and self.kind != "cpu":
+            raise OptionError(f"device {self.kind}:{self.index}: only a CPU device is a set of cores")
+
+    @classmethod
+    def _parse_cores(cls, spec: str, text: str) -> tuple[int, ...]:
+        cores: set[int] = set()
+        for part in text.split(","):
+            lo, dash, hi = part.strip().partition("-")
+            if not lo.isdigit() or (dash and not hi.isdigit()) or (dash and int(hi) < int(lo)):
+                raise OptionError(f"device {spec!r}: expected cpu:FIRST-LAST or cpu:N[,M...], e.g. cpu:0-7")
+            cores.update(range(int(lo), int(hi if dash else lo) + 1))
+        return tuple(sorted(cores))
 
     @classmethod
     def parse(cls, spec: str, options: Mapping[str, str] | None = None) -> Device:
-        """`cpu`, `cuda`, `cuda:1`, `cann:0`, `tensorrt:0`; OptionError when malformed."""
+        """`cpu`, `cpu:0-7` (a set of cores), `cuda`, `cuda:1`, `cann:0`, `tensorrt:0`;
+        OptionError when malformed."""
         kind, sep, index = spec.strip().lower().partition(":")
+        opts = tuple(sorted((str(k), str(v)) for k, v in (options or {}).items()))
+        if kind == "cpu" and sep:
+            return cls("cpu", 0, opts, cls._parse_cores(spec, index))
         if sep and not index.isdigit():
             raise OptionError(f"device {spec!r}: expected KIND or KIND:INDEX, e.g. cuda:0")
-        opts = tuple(sorted((str(k), str(v)) for k, v in (options or {}).items()))
         return cls(kind, int(index) if sep else 0, opts)
 
     @property
     def name(self) -> str:
-        return "cpu" if self.kind == "cpu" else f"{self.kind}:{self.index}"
+        if self.kind == "cpu":
+            return f"cpu:{_spell_cores(self.cores)}" if self.cores else "cpu"
+        return f"{self.kind}:{self.index}"
 
     def __str__(self) -> str:
         return self.name
@@ -165,7 +189,28 @@ class Device:
         for a GPU this machine does not have."""
         from aoe.signature import device_fingerprint  # (onnx: only for whoever asks for a fingerprint)
 
-        return device_fingerprint(self.provider, dict(self.options), self.accelerator())
+        options = dict(self.options)
+        if self.cores:
+            options["cores"] = str(len(self.cores))
+        return device_fingerprint(self.provider, options, self.accelerator())
+
+    def overlaps(self, other: Device) -> bool:
+        """Whether the two share hardware: one GPU under two providers, or CPU core sets
+        with a core in common (plain `cpu` is every core)."""
+        if self.is_cpu and other.is_cpu:
+            return not self.cores or not other.cores or bool(set(self.cores) & set(other.cores))
+        return self.lock_name == other.lock_name
+
+
+def _spell_cores(cores: tuple[int, ...]) -> str:
+    """`0-3,6`: runs of cores as FIRST-LAST."""
+    runs: list[list[int]] = []
+    for c in cores:
+        if runs and c == runs[-1][1] + 1:
+            runs[-1][1] = c
+        else:
+            runs.append([c, c])
+    return ",".join(f"{a}-{b}" if b > a else str(a) for a, b in runs)
 
 
 CPU = Device()

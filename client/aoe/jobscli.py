@@ -382,11 +382,15 @@ def _devices(args: argparse.Namespace) -> int:
     # A daemon from before `configured` lists only the device it tunes on.
     older = not any(d.configured for d in devices)
     for d in devices:
+        measured = ""
         if d.configured or older:
             state = (f"busy ({d.running_job_id})" if d.busy else "idle") + (f", {d.queued_jobs} queued" if d.queued_jobs else "")
+            if d.requests:
+                measured = f" [{d.device_seconds:.1f} device s, duty {d.duty_cycle:.0%}, {d.trials} trials]"
         else:
             state = "unusable" if d.unusable else "not configured"
-        rows.append((d.id, d.execution_provider, state, d.description + (f"; {d.unusable}" if d.unusable else "")))
+        rows.append((d.id, d.execution_provider, state,
+                     d.description + (f"; {d.unusable}" if d.unusable else "") + measured))  # fmt: skip
     _table(rows)
     return 0
 

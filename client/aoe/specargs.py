@@ -29,8 +29,11 @@ FLAGS = {
 }  # fmt: skip
 
 
-def add_arguments(p: argparse.ArgumentParser, *, where: str = "on this machine or the daemon") -> None:
-    """Add the spec's flags to `p` (each defaults to None: not given)."""
+def add_arguments(p: argparse.ArgumentParser, *, where: str = "on this machine or the daemon",
+                  many_devices: bool = False) -> None:
+    """Add the spec's flags to `p` (each defaults to None: not given). `many_devices`:
+    `--device` may be repeated, or `all` (a run that measures on several devices; the
+    spec names the first, the run's configuration all of them)."""
     p.add_argument("--precision", help="precision policy: exact (default), int8, int4 (weight-only 4-bit products), "
                                        "or on a GPU/NPU fp16 or bf16")  # fmt: skip
     p.add_argument("--job-type", help=f"{DEFAULT_JOB_TYPE} (the default): subgraphs, then operators over the nodes "
@@ -39,7 +42,13 @@ def add_arguments(p: argparse.ArgumentParser, *, where: str = "on this machine o
     p.add_argument("--input-shape", action="append", default=[], metavar="NAME:D1,D2,...",
                    help="static shape for an input with dynamic dimensions; repeat or join with ';'")  # fmt: skip
     p.add_argument("--repeat-tune", action="store_true", default=None, help="re-tune tasks the bank already knows")
-    p.add_argument("--device", help=f"cpu, cuda:N, tensorrt:N or cann:N (default: the device {where} measures on)")
+    if many_devices:
+        p.add_argument("--device", action="append",
+                       help=f"cpu, cpu:FIRST-LAST (a set of cores), cuda:N, tensorrt:N or cann:N (default: the "
+                            f"device {where} measures on); repeat it to measure on several devices, or give `all`: "
+                            "the config's [tuning] devices, else every usable accelerator")  # fmt: skip
+    else:
+        p.add_argument("--device", help=f"cpu, cuda:N, tensorrt:N or cann:N (default: the device {where} measures on)")
     p.add_argument("--budget", type=float, help="device seconds for search, session options and verification "
                                                 "together (default: fitted to the model's profiled latency)")  # fmt: skip
     p.add_argument("--min-cosine", type=float, help="end-to-end accuracy budget: lowest output cosine (int8: 0.999)")
@@ -81,13 +90,21 @@ def _labels(items: Iterable[str]) -> dict[str, str]:
     return out
 
 
+def _first_device(given: str | list[str] | None) -> str | None:
+    """The device a spec names from `--device` given once or repeated (the first; none
+    for `all`, which the run's configuration resolves)."""
+    if isinstance(given, list):
+        given = given[0] if given and given[0] != "all" else None
+    return given
+
+
 def from_args(args: argparse.Namespace) -> JobSpec:
     """The spec the flags in `args` describe (attributes of the names `add_arguments`
     gives; a missing one counts as not given). OptionError naming the flag."""
     given = {
         "precision": getattr(args, "precision", None), "job_type": getattr(args, "job_type", None),
         "input_shapes": parse_shapes(getattr(args, "input_shape", None) or []),
-        "repeat_tune": getattr(args, "repeat_tune", None), "device": getattr(args, "device", None),
+        "repeat_tune": getattr(args, "repeat_tune", None), "device": _first_device(getattr(args, "device", None)),
         "budget_s": getattr(args, "budget", None), "min_cosine": getattr(args, "min_cosine", None),
         "max_rel_error": getattr(args, "max_rel_error", None), "calibration_dir": getattr(args, "calibration", None),
         "priority": getattr(args, "priority", None), "labels": _labels(getattr(args, "label", None) or []),

@@ -230,7 +230,7 @@ class Daemon:
         snap.jobs = count_states([r.state for r in rows], (*st.ACTIVE, *st.FINAL))
         snap.queued = snap.jobs.get(st.QUEUED, 0)
         engine = jobs.engine
-        snap.devices = {engine.device.device.name: (engine.device.busy_s, engine.device.requests)}
+        snap.devices = engine.device_set.snapshot()
         snap.workers, snap.workers_busy = engine.pool.size, engine.pool.busy
         store = await engine.bank.store()
         stats = await trio.to_thread.run_sync(store.stats)

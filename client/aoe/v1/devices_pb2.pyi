@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Device(_message.Message):
-    __slots__ = ("id", "execution_provider", "description", "fingerprint", "busy", "queued_jobs", "running_job_id", "accelerator", "configured", "unusable", "versions")
+    __slots__ = ("id", "execution_provider", "description", "fingerprint", "busy", "queued_jobs", "running_job_id", "accelerator", "configured", "unusable", "versions", "device_seconds", "duty_cycle", "trials", "requests")
     class VersionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -27,6 +27,10 @@ class Device(_message.Message):
     CONFIGURED_FIELD_NUMBER: _ClassVar[int]
     UNUSABLE_FIELD_NUMBER: _ClassVar[int]
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DUTY_CYCLE_FIELD_NUMBER: _ClassVar[int]
+    TRIALS_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
     id: str
     execution_provider: str
     description: str
@@ -38,7 +42,11 @@ class Device(_message.Message):
     configured: bool
     unusable: str
     versions: _containers.ScalarMap[str, str]
-    def __init__(self, id: _Optional[str] = ..., execution_provider: _Optional[str] = ..., description: _Optional[str] = ..., fingerprint: _Optional[_Union[_bank_pb2.DeviceFingerprint, _Mapping]] = ..., busy: _Optional[bool] = ..., queued_jobs: _Optional[int] = ..., running_job_id: _Optional[str] = ..., accelerator: _Optional[_Union[Accelerator, _Mapping]] = ..., configured: _Optional[bool] = ..., unusable: _Optional[str] = ..., versions: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    device_seconds: float
+    duty_cycle: float
+    trials: int
+    requests: int
+    def __init__(self, id: _Optional[str] = ..., execution_provider: _Optional[str] = ..., description: _Optional[str] = ..., fingerprint: _Optional[_Union[_bank_pb2.DeviceFingerprint, _Mapping]] = ..., busy: _Optional[bool] = ..., queued_jobs: _Optional[int] = ..., running_job_id: _Optional[str] = ..., accelerator: _Optional[_Union[Accelerator, _Mapping]] = ..., configured: _Optional[bool] = ..., unusable: _Optional[str] = ..., versions: _Optional[_Mapping[str, str]] = ..., device_seconds: _Optional[float] = ..., duty_cycle: _Optional[float] = ..., trials: _Optional[int] = ..., requests: _Optional[int] = ...) -> None: ...
 
 class Accelerator(_message.Message):
     __slots__ = ("index", "name", "compute_capability", "memory_mib", "driver_version", "uuid")

@@ -28,18 +28,23 @@ class DeviceServicer(devices_pb2_grpc.DeviceServiceServicer):
         return self._bridge.call(context, self._list)
 
     async def _list(self) -> devices_pb2.ListDevicesResponse:
-        agent = self._jobs.engine.device
+        devset = self._jobs.engine.device_set
+        first = devset.first
         running = self._jobs.running()
         queued, n_running = self._jobs.counts()
         # nvidia-smi and the provider list: a subprocess and an import, off the event loop
-        local = await trio.to_thread.run_sync(local_devices, agent.providers or None)
-        devices = [_device(d, agent.device == d.device, agent.cores) for d in local]
-        if not any(d.configured for d in devices):  # e.g. a GPU the driver no longer lists
-            devices.insert(0, _device(LocalDevice(agent.device), True, agent.cores))
-        devices.sort(key=lambda d: not d.configured)
-        mine = devices[0]
-        mine.busy, mine.queued_jobs = n_running > 0, queued
-        mine.running_job_id = running[0].id if running else ""
+        local = await trio.to_thread.run_sync(local_devices, first.providers or None)
+        names = {a.device.name for a in devset}
+        devices = [_device(d, False, 0) for d in local if d.device.name not in names]
+        uptime = max(time.monotonic() - self._jobs.engine.started, 1e-9)
+        for agent in reversed(devset.agents):  # the configured ones first, in their order
+            known = next((d for d in local if d.device == agent.device), None)
+            mine = _device(known or LocalDevice(agent.device), True, agent.cores)
+            mine.busy, mine.queued_jobs = agent.outstanding > 0 or (n_running > 0 and len(devset) == 1), queued
+            mine.running_job_id = running[0].id if running and mine.busy else ""
+            mine.device_seconds, mine.requests, mine.trials = agent.busy_s, agent.requests, agent.trials
+            mine.duty_cycle = min(1.0, agent.busy_s / uptime)
+            devices.insert(0, mine)
         return devices_pb2.ListDevicesResponse(devices=devices)
 
 

@@ -27,6 +27,7 @@ from aoe.spec import JobSpec, Stage
 from aoed.bank.writer import BankWrite, BankWriter
 from aoed.engine import bankrules
 from aoed.engine.device import DeviceAgent
+from aoed.engine.devices import DeviceSet
 from aoed.engine.job import JobRun
 from aoed.engine.ledger import JobLedger
 from aoed.engine.messages import (
@@ -58,6 +59,7 @@ class JobContext:
     run: JobRun
     job_id: str
     pool: CompilePool
+    #: the job's home device: every stage that compares requests' times measures here
     device: DeviceAgent
     bank: BankWriter
     registry: StrategyRegistry
@@ -81,6 +83,8 @@ class JobContext:
     run_key: bytes = b""
     #: this run's attempt at the job: 1, or one more than the interrupted run it resumes
     attempt: int = 1
+    #: every device of the engine: a task's search may go to any with the job's fingerprint
+    devices: DeviceSet | None = None
 
     def emit(self, kind: str, message: str = "", done: int = 0, total: int = 0) -> None:
         self.ledger.emit(JobEvent(kind, message, done, total))
@@ -116,13 +120,20 @@ class JobContext:
         inputs: Path | None = None,
         plan: MeasurePlan | None = None,
         category: str = "search",
+        spread: bool = False,
     ) -> dict[str, Measurement]:
         """Measure `candidates` interleaved on the device (DeviceError if it cannot);
         `plan` (default: racing until stable) within `budget_s`, charged to the job's
-        ledger under `category` (see budget.py)."""
+        ledger under `category` (see budget.py). `spread`: on whichever device of the
+        job's fingerprint is least busy, for a request whose times are compared with no
+        other request's (one task's search); else on the job's home device."""
         plan = msgspec.structs.replace(plan or MeasurePlan(), budget_s=budget_s)
         req = MeasureRequest(tuple(candidates), inputs or self.held_back[0], reference, self.device.device, plan)
-        reply: MeasureReply = await self.device.call(req, self.ledger, category=category)
+        reply: MeasureReply
+        if spread and self.devices is not None:
+            reply = await self.devices.call(self.device, req, self.ledger, category=category)
+        else:
+            reply = await self.device.call(req, self.ledger, category=category)
         return reply.results
 
     async def assemble(self, builds: list[Build], source: Path | None = None) -> None:

@@ -75,6 +75,10 @@ class DeviceAgent:
         self.providers: tuple[str, ...] = ()
         self.busy_s = 0.0
         self.requests = 0
+        #: candidates measured (a measure request's trials)
+        self.trials = 0
+        #: requests queued or in flight: what the device set balances on (devices.py)
+        self.outstanding = 0
 
     @property
     def pausing(self) -> bool:
@@ -135,11 +139,12 @@ class DeviceAgent:
                 return outcome.Error(DeviceError(f"{self.device}: measurement runner crashed: {exc}"))
             finally:
                 busy = trio.current_time() - t0
+                trials = len(request.candidates) if isinstance(request, MeasureRequest) else 0
                 self.busy_s += busy
                 self.requests += 1
+                self.trials += trials
                 if job is not None:
-                    job.charge_device(busy, category)
-                    job.device_intervals.append((wall0, time.time()))
+                    job.charge_device(busy, category, self.device.name, trials, (wall0, time.time()))
         if job is not None:
             job.note_rss(answer.maxrss_kb)
         if not answer.ok:
@@ -154,5 +159,9 @@ class DeviceAgent:
         `category`. Raises DeviceError (or the class the runner raised, when it is one of
         ours) when the runner could not answer it. Cancellation drops the request, or
         abandons it in flight (the runner is killed and restarted)."""
-        result: outcome.Outcome = await self._queue.submit((request, limit_s, category), job)
+        self.outstanding += 1
+        try:
+            result: outcome.Outcome = await self._queue.submit((request, limit_s, category), job)
+        finally:
+            self.outstanding -= 1
         return result.unwrap()

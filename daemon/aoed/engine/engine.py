@@ -6,9 +6,13 @@ block exits. The daemon keeps one engine for its lifetime; `aoe tune` opens one 
 single job. `Engine.run_job()` gives each job its own id, workspace, log and ledger, so
 jobs sharing the engine never collide, and makes cancellation reach the hardware.
 
-Cores: on a CPU device with dedicated cores (4 or more, or as configured) the runner is
-pinned to half of them and the compile workers to the rest, and nothing is paused;
-otherwise the compile workers are stopped while the device measures.
+Devices: one device agent per configured device (`Config.all_devices`), chosen between
+by the device set (`devices.py`). Cores: on a CPU device with dedicated cores (4 or more,
+or as configured) the runner is pinned to half of them and the compile workers to the
+rest, and nothing is paused; otherwise the compile workers are stopped while the device
+measures. A CPU device that is a set of cores (`cpu:0-7`) has its runner pinned to those;
+the compile workers get the cores no device has (with dedicated cores) and are paused
+while any device measures when they share a core with one (the pool's pause nests).
 """
 
 from __future__ import annotations
@@ -16,19 +20,22 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import trio
 
 from aoe.config import Config
-from aoe.errors import AoedError, JobCancelledError, OptionError
+from aoe.device import Device
+from aoe.errors import AoedError, DeviceError, JobCancelledError
 from aoe.outcome import JobOutcome
 from aoe.spec import JobSpec
 from aoed.bank.writer import BankWriter
 from aoed.engine.context import JobContext
 from aoed.engine.device import DeviceAgent
+from aoed.engine.devices import DeviceSet
 from aoed.engine.job import JobHandle, JobRun
 from aoed.engine.ledger import JobLedger, new_job_id
 from aoed.engine.memory import MemoryPlan, plan_memory
@@ -40,7 +47,7 @@ from aoed.engine.registry import StrategyRegistry
 from aoed.engine.workspace import Workspace
 from aoed.logs import EscapingFormatter, current_job, on_behalf_of
 
-__all__ = ["Engine", "current_job", "open_engine", "split_cores"]
+__all__ = ["Engine", "current_job", "open_engine", "place_cores", "split_cores"]
 
 log = logging.getLogger(__name__)
 
@@ -83,16 +90,50 @@ def split_cores(cpus: list[int], dedicated: bool | None) -> tuple[list[int], lis
     return cpus[:half], cpus[half:]
 
 
+def place_cores(
+    devices: tuple[Device, ...], cpus: list[int], dedicated: bool | None
+) -> tuple[list[list[int]], list[int], bool]:
+    """(each device's runner cores, the compile workers' cores, whether the workers are
+    paused while a CPU device measures). DeviceError naming a device whose cores this
+    process may not use.
+
+    One plain `cpu` device: `split_cores`. CPU core sets: each runner on its own set; the
+    workers on the cores left over, with dedicated cores and where some are left, else
+    on every core and paused while any CPU device measures (they share its cores)."""
+    sets = [d for d in devices if d.is_cpu and d.cores]
+    for d in sets:
+        if missing := sorted(set(d.cores) - set(cpus)):
+            raise DeviceError(f"device {d}: core(s) {', '.join(map(str, missing))} are not this process's "
+                              f"to use (it may run on {cpus}); see [tuning] devices")  # fmt: skip
+    if not sets:
+        runner, workers = split_cores(cpus, dedicated)
+        pinned = [runner if d.is_cpu else [] for d in devices]
+        return pinned, workers, not runner and any(d.is_cpu for d in devices)
+    left = [c for c in cpus if not any(c in d.cores for d in sets)]
+    workers = left if dedicated is not False and left else []
+    plain_cpu = any(d.is_cpu and not d.cores for d in devices)
+    return [list(d.cores) if d.is_cpu else [] for d in devices], workers, not workers or plain_cpu
+
+
 @dataclass
 class Engine:
     config: Config
     registry: StrategyRegistry
     bank: BankWriter
     pool: CompilePool
+    #: the first configured device's agent (the only one on a one-device engine)
     device: DeviceAgent
     logdir: Path
     #: what each child may use, and so which jobs fit (memory.py)
     memory: MemoryPlan
+    #: every device agent (devices.py); a job's home is one of them
+    devices: DeviceSet | None = None
+    #: when the engine started (time.monotonic), for the devices' duty cycles
+    started: float = field(default_factory=time.monotonic)
+
+    @property
+    def device_set(self) -> DeviceSet:
+        return self.devices if self.devices is not None else DeviceSet([self.device])
 
     async def run_job(
         self,
@@ -109,8 +150,14 @@ class Engine:
         `run.keep_workspace`; a job that fails before tuning started leaves no workspace,
         and one interrupted (a resumable cancel, ^C) leaves it to its next run."""
         spec = run.spec.on(self.device.device.name)  # (checked where it was built)
-        if spec.device != self.device.device.name:
-            raise OptionError(f"device {spec.device}: this engine measures on {self.device.device}")
+        devices = self.device_set
+        with devices.home(Device.parse(spec.device)) as home:  # OptionError when no device fits the job
+            return await self._run_at(home, devices, spec, run, emit, handle)
+
+    async def _run_at(
+        self, home: DeviceAgent, devices: DeviceSet, spec: JobSpec, run: JobRun, emit: Callable[[JobEvent], None],
+        handle: JobHandle | None,
+    ) -> JobOutcome:  # fmt: skip
         job_id = run.job_id or new_job_id()
         prec = policy(spec.precision, spec.min_cosine, spec.max_rel_error)
         # The daemon's job id is the same in each run of a job; an embedded run's is new,
@@ -120,7 +167,7 @@ class Engine:
         handle = handle or JobHandle()
         outcome = "interrupted"  # ^C, or anything else that is not the job's own end
         try:
-            result = await self._run(spec, run, job_id, prec, ws, emit, handle)
+            result = await self._run(home, devices, spec, run, job_id, prec, ws, emit, handle)
             outcome = "done"
             return result
         except JobCancelledError:
@@ -133,18 +180,19 @@ class Engine:
             ws.release(outcome)  # a few file operations: not worth a thread (nor a cancellable await)
 
     async def _run(
-        self, spec: JobSpec, run: JobRun, job_id: str, prec, ws: Workspace, emit: Callable[[JobEvent], None],
-        handle: JobHandle,
-    ) -> JobOutcome:
+        self, home: DeviceAgent, devices: DeviceSet, spec: JobSpec, run: JobRun, job_id: str, prec, ws: Workspace,
+        emit: Callable[[JobEvent], None], handle: JobHandle,
+    ) -> JobOutcome:  # fmt: skip
         ledger = JobLedger(job_id, emit, weight=run.weight)
         ctx = JobContext(
-            spec=spec, run=run, job_id=job_id, pool=self.pool, device=self.device, bank=self.bank,
-            registry=self.registry, policy=prec, fingerprint=self.device.device.fingerprint(),
-            ledger=ledger, workspace=ws, config=self.config, attempt=max(1, run.attempt),
+            spec=spec, run=run, job_id=job_id, pool=self.pool, device=home, bank=self.bank,
+            registry=self.registry, policy=prec, fingerprint=home.device.fingerprint(),
+            ledger=ledger, workspace=ws, config=self.config, attempt=max(1, run.attempt), devices=devices,
         )  # fmt: skip
         failed = True
         with _job_log(ws.log_path, job_id):
-            log.info("job %s: %s (%s, %s, device %s)", job_id, run.model, spec.job_type, spec.precision, spec.device)
+            log.info("job %s: %s (%s, %s, device %s, home %s)", job_id, run.model, spec.job_type, spec.precision,
+                     spec.device, home.device)  # fmt: skip
             if ws.resumed:
                 log.info("job %s: continues in the workspace an interrupted run of it left", job_id)
             try:
@@ -198,10 +246,8 @@ async def open_engine(
     bank = BankWriter(config.bank, layers=list(config.bank_layers), on_wait=log.warning)
     plan = plan_memory(config)
     config = plan.apply(config)  # the children's limit and count, as derived
-    device = config.device
-    runner_cpus, worker_cpus = split_cores(sorted(os.sched_getaffinity(0)), config.dedicated_cores)
-    if not device.is_cpu:
-        runner_cpus, worker_cpus = [], []
+    runner_cpus, worker_cpus, pause = place_cores(config.all_devices, sorted(os.sched_getaffinity(0)),
+                                                  config.dedicated_cores)  # fmt: skip
     try:
         async with trio.open_nursery() as nursery:
             await nursery.start(bank.run)
@@ -210,16 +256,18 @@ async def open_engine(
                                plugins=config.plugins, timeouts={"compile": compile_s, "rebuild": compile_s},
                                default_timeout=config.stage_timeout_s)  # fmt: skip
             await nursery.start(pool.run)
-            agent = DeviceAgent(device, pool, logdir, config.runtime_dir, cpus=runner_cpus,
-                                memory_mb=config.worker_memory_mb, pause_pool=not runner_cpus,
-                                lock_group=lock_group)  # fmt: skip
-            await nursery.start(agent.run)
+            agents = []
+            for device, cpus in zip(config.all_devices, runner_cpus, strict=True):
+                agent = DeviceAgent(device, pool, logdir, config.runtime_dir, cpus=cpus,
+                                    memory_mb=config.worker_memory_mb, pause_pool=pause, lock_group=lock_group)  # fmt: skip
+                await nursery.start(agent.run)
+                agents.append(agent)
+                log.info("engine: device %s%s", device, f" on cores {cpus}" if cpus else "")
             log.info("engine: memory: %s", plan.describe())
-            log.info("engine: %d compile workers%s, device %s%s", pool.size,
-                     f" on cores {worker_cpus}" if worker_cpus else "", device,
-                     f" on cores {runner_cpus}" if runner_cpus else " (workers paused while it measures)")  # fmt: skip
+            log.info("engine: %d compile workers%s%s", pool.size, f" on cores {worker_cpus}" if worker_cpus else "",
+                     " (paused while a device on their cores measures)" if pause else "")  # fmt: skip
             try:
-                yield Engine(config, registry, bank, pool, agent, logdir, plan)
+                yield Engine(config, registry, bank, pool, agents[0], logdir, plan, DeviceSet(agents))
             finally:
                 nursery.cancel_scope.cancel()
     finally:

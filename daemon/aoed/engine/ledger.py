@@ -14,6 +14,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from aoed.engine.messages import JobEvent
 
@@ -49,6 +50,9 @@ class JobLedger:
     peak_child_rss_mb: float = 0.0
     #: device seconds by what they were for (search, session, verify, profile, confirm)
     device_by: dict[str, float] = field(default_factory=dict)
+    #: per device (its name): device seconds, requests, trials and the wall-clock spans
+    #: of its requests; a job may measure on every device of its fingerprint (devices.py)
+    by_device: dict[str, dict[str, Any]] = field(default_factory=dict)
     #: wall-clock (start, end) of each device request while it held the device: the
     #: evidence that jobs sharing a device never measured at once
     device_intervals: list[tuple[float, float]] = field(default_factory=list)
@@ -89,10 +93,36 @@ class JobLedger:
             return seconds, why
         return seconds * self.time_scale, f"{why} x {self.time_scale:g} for a {self.model_mb:.0f} MiB model"
 
-    def charge_device(self, seconds: float, category: str = "other") -> None:
+    def charge_device(
+        self, seconds: float, category: str = "other", device: str = "", trials: int = 0,
+        span: tuple[float, float] | None = None,
+    ) -> None:  # fmt: skip
+        """Charge one request: `seconds` under `category`, and to `device` (its name) with
+        the `trials` it measured and its wall-clock `span` while it held the device."""
         self.device_s += seconds
         self.device_requests += 1
         self.device_by[category] = self.device_by.get(category, 0.0) + seconds
+        if span is not None:
+            self.device_intervals.append(span)
+        if device:
+            row = self.by_device.setdefault(device, {"device_s": 0.0, "requests": 0, "trials": 0, "intervals": []})
+            row["device_s"] += seconds
+            row["requests"] += 1
+            row["trials"] += trials
+            if span is not None:
+                row["intervals"].append(span)
+
+    def per_device(self) -> dict[str, dict[str, Any]]:
+        """Per device name: device_s, duty_cycle (of the job's wall time), requests,
+        trials, and intervals (the wall-clock spans of its requests)."""
+        elapsed = self.elapsed_s
+        return {
+            name: {"device_s": round(r["device_s"], 3),
+                   "duty_cycle": round(r["device_s"] / elapsed, 4) if elapsed > 0 else 0.0,
+                   "requests": r["requests"], "trials": r["trials"],
+                   "intervals": [(round(a, 6), round(b, 6)) for a, b in r["intervals"]]}
+            for name, r in sorted(self.by_device.items())
+        }  # fmt: skip
 
     def charge_compile(self, seconds: float) -> None:
         self.compile_s += seconds

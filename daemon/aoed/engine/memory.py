@@ -120,10 +120,12 @@ class MemoryPlan:
     #: each child's address-space limit in MiB (0: none)
     child_mb: int
     derived: bool
+    #: measurement runners: one per device
+    runners: int = 1
 
     @property
     def children(self) -> int:
-        return self.workers + 1
+        return self.workers + self.runners
 
     def describe(self) -> str:
         """One line for logs and --check-config."""
@@ -131,7 +133,8 @@ class MemoryPlan:
         limit = f"{self.child_mb} MiB each" if self.child_mb else "no limit"
         how = (f"(available - {DAEMON_RESERVE_MB} MiB for the daemon) / {self.children}" if self.derived
                else "[engine] worker_memory_mb")  # fmt: skip
-        return (f"{avail}; {self.workers} compile workers + 1 runner at {limit}, {how}; a job needs about "
+        runners = "1 runner" if self.runners == 1 else f"{self.runners} runners"
+        return (f"{avail}; {self.workers} compile workers + {runners} at {limit}, {how}; a job needs about "
                 f"{CHILD_BASE_MB} + {PEAK_PER_MODEL_MB} x its model's MiB in one of them")
 
     def job_limit_mb(self) -> int | None:
@@ -160,17 +163,17 @@ def plan_memory(config: Config, available: tuple[int | None, str] | None = None)
     """The children's memory for `config` (`available`: as `available_mb` says, by
     default). Logs a warning when the configured figures cannot all fit."""
     avail, source = available if available is not None else available_mb(config)
-    workers = config.parallel
+    workers, runners = config.parallel, len(config.all_devices)
     if config.worker_memory_mb is not None:  # set: kept as given, even when it does not fit
         child = config.worker_memory_mb
-        if avail is not None and child and child * (workers + 1) + DAEMON_RESERVE_MB > avail:
+        if avail is not None and child and child * (workers + runners) + DAEMON_RESERVE_MB > avail:
             log.warning("engine: worker_memory_mb=%d for %d workers and a runner is more than the %d MiB available "
                         "(%s): together they can exhaust the machine", child, workers, avail, source)  # fmt: skip
-        return MemoryPlan(avail, source, workers, child, derived=False)
+        return MemoryPlan(avail, source, workers, child, derived=False, runners=runners)
     if avail is None:
-        return MemoryPlan(None, source, workers, 0, derived=True)
+        return MemoryPlan(None, source, workers, 0, derived=True, runners=runners)
     room = avail - DAEMON_RESERVE_MB
-    fit = max(1, room // MIN_WORKER_MEMORY_MB - 1)
+    fit = max(1, room // MIN_WORKER_MEMORY_MB - runners)
     if room < 2 * MIN_WORKER_MEMORY_MB:
         log.warning("engine: %d MiB available (%s) is less than one compile worker and a runner need at %d MiB "
                     "each besides the daemon: they may exhaust it", avail, source, MIN_WORKER_MEMORY_MB)  # fmt: skip
@@ -178,7 +181,8 @@ def plan_memory(config: Config, available: tuple[int | None, str] | None = None)
         log.warning("engine: %d MiB available (%s) fits %d compile workers of %d MiB besides the runner, not %d: "
                     "starting %d", avail, source, fit, MIN_WORKER_MEMORY_MB, workers, fit)  # fmt: skip
         workers = fit
-    return MemoryPlan(avail, source, workers, max(MIN_WORKER_MEMORY_MB, room // (workers + 1)), derived=True)
+    return MemoryPlan(avail, source, workers, max(MIN_WORKER_MEMORY_MB, room // (workers + runners)), derived=True,
+                      runners=runners)  # fmt: skip
 
 
 def check_fits(what: str, model_bytes: int, limit_mb: int | None, why: str) -> None:

@@ -232,7 +232,7 @@ class PrepareRequest(Request, tag="prepare"):
     job_type: str = "opat"
     #: what the model may hold (the config's [engine] limits; default: prep's MAX_*)
     limits: Limits = field(default_factory=Limits)
-    #: (device, inode) the model file must still have, with one link (JobOptions.model_file)
+    #: (device, inode) the model file must still have, with one link (JobRun.model_file)
     model_file: tuple[int, int] | None = None
     #: the kind of device the job measures on (its strategies differ: see registry)
     device_kind: str = "cpu"

@@ -415,6 +415,8 @@ async def outputs(
         "peak_worker_rss_mb": round(ledger.peak_child_rss_mb, 1),
         "engine_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0, 1),
         "device_intervals": [(round(a, 6), round(b, 6)) for a, b in ledger.device_intervals],
+        "home_device": ctx.device.device.name,
+        "devices": ledger.per_device(),
     }
     accuracy: dict[str, Any]
     if ctx.policy.lossy and ctx.accuracy is not None and conf.shipped != "input":

@@ -13,7 +13,7 @@ A run of the same model with the same options finds the records (the daemon's re
 job, `aoe tune` run again) and nothing else does. The invariant that makes this needed:
 a lossy choice reaches the bank's entries only once the model as a whole met its accuracy
 budget (pipeline.py), so until then its record is all the bank holds of it. With
-REPEAT_TUNE a run takes only the records of the job it resumes (`JobOptions.resumes`).
+REPEAT_TUNE a run takes only the records of the job it resumes (`JobRun.resumes`).
 A run whose outputs are written forgets its records; a failed or interrupted one leaves
 them for the next run (`aoe bank prune` drops them).
 """

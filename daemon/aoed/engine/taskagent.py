@@ -168,7 +168,9 @@ class TaskAgent:
             await trio.to_thread.run_sync(_remove, [c.model for c in cands])
             return self._skipped(len(cands), load, failed)
         try:
-            measured = await ctx.measure(cands, DEFAULT, seconds, taskdir / "inputs.npz", category="search")
+            # One request: every candidate's time is taken on the same device (devices.py)
+            measured = await ctx.measure(cands, DEFAULT, seconds, taskdir / "inputs.npz", category="search",
+                                         spread=True)  # fmt: skip
         except DeviceError as exc:
             res.update_mode, res.error = "failed", str(exc)
             return TaskDecision(task, res, fallback, failed_candidates=failed)

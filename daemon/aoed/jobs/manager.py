@@ -45,6 +45,7 @@ from typing import Any
 
 import trio
 
+from aoe.device import Device
 from aoe.errors import AoedError, DaemonUnavailableError, DiskFullError, JobCancelledError, NotFoundError, OptionError
 from aoe.errors import PermissionDeniedError, ResourceExhaustedError, first_error
 from aoe.outcome import JobOutcome
@@ -303,10 +304,10 @@ class JobManager:
         engine process may use (memory.py)."""
         if self._stopping:
             raise DaemonUnavailableError("the daemon is shutting down; submit again after it restarts")
-        mine = self.engine.device.device.name
-        if sub.spec.device not in (None, mine):
-            raise OptionError(f"device {sub.spec.device}: this daemon measures on {mine} (see aoe devices)")
-        spec = sub.spec.on(mine)
+        mine = [a.device.name for a in self.engine.device_set]
+        if sub.spec.device is not None and Device.parse(sub.spec.device).name not in mine:
+            raise OptionError(f"device {sub.spec.device}: this daemon measures on {', '.join(mine)} (see aoe devices)")
+        spec = sub.spec.on(mine[0])
         space.check_floor(self.cfg.state_dir, self.cfg.min_free_bytes, "SubmitJob")
         size = sub.upload.size if sub.upload is not None else 0
         if sub.upload is None:  # refused before hashing it: the limit is there so nobody reads 9 GiB
