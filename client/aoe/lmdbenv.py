@@ -36,7 +36,7 @@ import lmdb
 
 from aoe.errors import BankError, BankWriteError
 
-__all__ = ["FULL_MAP", "LOCK_BYTES", "MAP_SIZES", "TxnGate", "bank_error", "lmdb_errors", "reserve_lock_file"]
+__all__ = ["FULL_MAP", "LOCK_BYTES", "MAP_SIZES", "TxnGate", "bank_error", "free_bytes", "lmdb_errors", "reserve_lock_file"]
 
 #: The map a bank is opened with where the address space allows it (1 TiB).
 FULL_MAP = 1 << 40
@@ -150,7 +150,7 @@ def _size(n: int) -> str:
     return f"{n} bytes"
 
 
-def _free_bytes(path: Path) -> int | None:
+def free_bytes(path: Path) -> int | None:
     """Free bytes of the filesystem holding `path` (or its nearest existing parent)."""
     for p in (path, *path.parents):
         try:
@@ -162,7 +162,7 @@ def _free_bytes(path: Path) -> int | None:
 
 
 def _free(path: Path) -> str:
-    free = _free_bytes(path)
+    free = free_bytes(path)
     return "unknown" if free is None else _size(free)
 
 
@@ -189,7 +189,7 @@ def _advice(exc: lmdb.Error, path: Path, doing: str, map_size: int) -> str:
     code = getattr(exc, "code", 0)
     if isinstance(exc, lmdb.DiskError) or code in (errno.ENOSPC, errno.EDQUOT):
         return _disk_full(path, doing)
-    if code == errno.EIO and (_free_bytes(path) or 0) < _FULL_BELOW:
+    if code == errno.EIO and (free_bytes(path) or 0) < _FULL_BELOW:
         return _disk_full(path, doing)
     if isinstance(exc, (lmdb.MapFullError, lmdb.TxnFullError)):
         return (

@@ -19,9 +19,25 @@ from typing import BinaryIO
 
 from aoe.errors import ModelError
 
-__all__ = ["check_model_file"]
+__all__ = ["check_model_file", "stat_model_file"]
 
 _VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5
+
+
+def stat_model_file(path: Path) -> os.stat_result:
+    """`path`'s stat when it is a regular, non-empty file; else ModelError naming the file
+    and what is wrong with it (missing, unreadable, not a regular file, empty)."""
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        raise ModelError(f"{path}: no such model file") from None
+    except OSError as exc:
+        raise ModelError(f"{path}: cannot read the model ({exc.strerror or exc})") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise ModelError(f"{path}: not a regular file; pass the .onnx model file")
+    if st.st_size == 0:
+        raise ModelError(f"{path}: the file is empty, not an ONNX model")
+    return st
 
 
 def check_model_file(path: str | os.PathLike[str], *, onnx: bool = True) -> None:
@@ -29,16 +45,7 @@ def check_model_file(path: str | os.PathLike[str], *, onnx: bool = True) -> None
     protobuf fields are an ONNX ModelProto's with a graph; else raise ModelError naming
     the file and what is wrong with it. Imports nothing heavy unless `onnx`."""
     p = Path(path)
-    try:
-        st = p.stat()
-    except FileNotFoundError:
-        raise ModelError(f"{p}: no such model file") from None
-    except OSError as exc:
-        raise ModelError(f"{p}: cannot read the model ({exc.strerror or exc})") from None
-    if not stat.S_ISREG(st.st_mode):
-        raise ModelError(f"{p}: not a regular file; pass the .onnx model file")
-    if st.st_size == 0:
-        raise ModelError(f"{p}: the file is empty, not an ONNX model")
+    stat_model_file(p)
     if not onnx:
         return
     try:

@@ -11,9 +11,9 @@ jobs wait for space instead of starting.
 from __future__ import annotations
 
 import errno
-import os
 from pathlib import Path
 
+from aoe import lmdbenv
 from aoe.errors import DiskFullError
 
 __all__ = ["FULL_ERRNOS", "check_floor", "disk_full", "free_bytes", "size_text"]
@@ -25,13 +25,8 @@ FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 def free_bytes(folder: Path) -> int:
     """Bytes an unprivileged writer may still use on the filesystem holding `folder`
     (or its nearest existing parent); -1 when none can be asked."""
-    for p in (folder, *folder.parents):
-        try:
-            st = os.statvfs(p)
-        except OSError:
-            continue
-        return st.f_bavail * st.f_frsize
-    return -1
+    free = lmdbenv.free_bytes(folder)
+    return -1 if free is None else free
 
 
 def size_text(n: int) -> str:

@@ -21,6 +21,7 @@ import onnx
 from onnx import external_data_helper
 
 from aoe.errors import AoedError, ModelError
+from aoe.modelfile import stat_model_file
 from aoed import safefs
 
 __all__ = [
@@ -137,16 +138,7 @@ def _read_model_file(path: Path, max_bytes: int | None, setting: str = "",
     pipe would block), empty, over `max_bytes`, or past what protobuf can parse; with
     `expect`, also when the opened file is not that (device, inode) or has several
     links."""
-    try:
-        st = path.stat()
-    except FileNotFoundError:
-        raise ModelError(f"{path}: no such model file") from None
-    except OSError as exc:
-        raise ModelError(f"{path}: cannot read the model ({exc.strerror or exc})") from None
-    if not stat.S_ISREG(st.st_mode):
-        raise ModelError(f"{path}: not a regular file; pass the .onnx model file")
-    if st.st_size == 0:
-        raise ModelError(f"{path}: the file is empty, not an ONNX model")
+    st = stat_model_file(path)
     check_size(path, st.st_size, max_bytes, setting)
     if st.st_size >= PROTOBUF_LIMIT:
         raise ModelError(f"{path}: the model file is {_gib(st.st_size)}; protobuf reads files under 2 GiB: "
