@@ -229,6 +229,41 @@ async def test_another_user_can_neither_hold_the_device_lock_nor_write_beside_it
         shutil.rmtree(base, ignore_errors=True)
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="acting as another user needs root")
+def test_another_user_cannot_hold_the_bank_writer_lock(tmp_path: Path) -> None:
+    """flock takes a read-only descriptor: a writer.lock others may read is one any local
+    user could hold, stopping every bank write."""
+    from aoed.bank.lock import WriterLock
+
+    python = _plain_python_for_nobody()
+    if python is None:
+        pytest.skip(f"no python that uid {NOBODY} may run")
+    os.chmod(tmp_path, 0o755)
+    bank = tmp_path / "bank"
+    bank.mkdir(mode=0o755)
+    os.chmod(bank, 0o755)  # as a bank made under umask 022 by an earlier version
+    (bank / "writer.lock").write_text("")
+    os.chmod(bank / "writer.lock", 0o644)
+    old = os.umask(0)
+    try:
+        lock = WriterLock(bank)
+    finally:
+        os.umask(old)
+    try:
+        assert stat.S_IMODE(os.stat(lock.path).st_mode) & 0o007 == 0
+        assert _hold_as_nobody(python, lock.path)[0] == "EACCES"
+        assert lock.try_acquire()
+    finally:
+        lock.release()
+    fresh = tmp_path / "fresh"
+    old = os.umask(0)
+    try:
+        WriterLock(fresh).release()
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(fresh / "writer.lock").st_mode) == 0o640
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user needs root")
 async def test_a_device_lock_open_to_others_is_narrowed_when_ours_and_refused_when_not(tmp_path: Path) -> None:
     from aoe.errors import DeviceError

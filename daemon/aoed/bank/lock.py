@@ -15,10 +15,12 @@ cancellable by whatever cancels the caller.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
 import socket
+import stat
 import sys
 import time
 from collections.abc import Callable
@@ -81,10 +83,17 @@ class WriterLock:
         if not os.access(self.bank, os.W_OK):
             raise BankError(f"bank {self.bank}: directory is not writable; fix its permissions or use another --bank")
         try:
-            # Close-on-exec: a child process must never keep the lock alive.
-            self._fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            # Close-on-exec: a child process must never keep the lock alive. flock works on
+            # a read-only descriptor, so whoever may open the file may hold it: the
+            # writers and their group, never other users (0640; a link is not followed).
+            self._fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o640)
         except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise BankError(f"bank {self.bank}: {self.path} is a symbolic link; remove it") from None
             raise BankError(f"bank {self.bank}: cannot open {self.path} ({exc.strerror or exc}); check its permissions") from None
+        st = os.fstat(self._fd)
+        if st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) & 0o007:
+            os.fchmod(self._fd, stat.S_IMODE(st.st_mode) & ~0o007)  # as earlier versions left it (0644)
 
     def try_acquire(self, record: bool = True) -> bool:
         """Take the lock if no other process (or other WriterLock) holds it; on success
