@@ -18,6 +18,8 @@ measured interleaved in ONE MeasureRequest, and a request is served by one agent
 stages that compare across requests (profile, session options, verification, the
 confirming A/B) measure on the job's home agent only: `JobContext.device` is that agent,
 and only `JobContext.measure(..., spread=True)` (one task's search) comes here.
+A device whose runner could not be started (a Ray node gone) is passed over while
+another of its kind is left; it is tried again when none is.
 Fair share between jobs is each agent's own (its queue serves jobs by weight).
 """
 
@@ -74,13 +76,14 @@ class DeviceSet:
     @contextlib.contextmanager
     def home(self, device: Device) -> Iterator[DeviceAgent]:
         """The agent a job for `device` calls home for the block: of the devices with its
-        fingerprint, the one with the fewest jobs at home (`device` itself on a tie).
+        fingerprint, the one with the fewest jobs at home (`device` itself on a tie), one
+        that could not start its runner only when no other is left.
         OptionError when no configured device has that fingerprint."""
         matching = self._matching(device)
         if not matching:
             have = ", ".join(a.device.name for a in self.agents)
             raise OptionError(f"--device {device}: this engine measures on {have}, none of them a {device}")
-        agent = min(matching, key=lambda a: (self._homed[id(a)], a.device != device))
+        agent = min(matching, key=lambda a: (bool(a.unusable), self._homed[id(a)], a.device != device))
         self._homed[id(agent)] += 1
         try:
             yield agent
@@ -91,12 +94,13 @@ class DeviceSet:
         self, home: DeviceAgent, request: Request, job: JobLedger | None = None, category: str = "other"
     ) -> Any:
         """`request` served by whichever agent with `home`'s fingerprint has the least
-        queued or in flight (on a tie, the one picked longest ago: idle devices take turns,
+        queued or in flight, one that could not start its runner (a remote device whose
+        node is gone: `DeviceAgent.unusable`) only when no other is left (on a tie, the one picked longest ago: idle devices take turns,
         so a device another process holds is not the only one tried); the request names
         that agent's device.
         Returns and raises what `DeviceAgent.call` does. Only for a request whose reply
         is compared with no other request's (see the module's invariant)."""
-        agent = min(self.peers(home), key=lambda a: (a.outstanding, self._last[id(a)]))
+        agent = min(self.peers(home), key=lambda a: (bool(a.unusable), a.outstanding, self._last[id(a)]))
         self._turns += 1
         self._last[id(agent)] = self._turns
         if agent is not home and isinstance(getattr(request, "device", None), Device):

@@ -1,0 +1,332 @@
+"""The Ray executor: device runners and compile workers as actors of a Ray cluster.
+
+`[cluster] executor = "ray"` with `address`: the engine connects to a cluster started
+elsewhere (`ray start --head`, nodes joined with `ray start --address`) as a driver, and
+stays the owner of everything a job decides (its store, events, outputs and bank writes
+are this process's). What runs in the cluster:
+
+- One measuring actor per device, placed by a custom resource the node that has the
+  device offers: `device_resource(device)`, e.g. `aoe_device_cann0` for `cann:0`,
+  `aoe_device_cpu0` for `cpu:0` (`ray start --resources '{"aoe_device_cann0": 1}'`). It
+  holds that device's lock (devlock.py) on its node for each request, so a daemon or an
+  `aoe tune` there never measures at the same time.
+- Compile workers as actors of one CPU each, wherever the cluster has one free.
+
+Both run the same code as the local children (the runner's and the worker's
+`line_handler`) over the same wire format: a request travels as the JSON line a local
+child would read, its answer as the line it would write (bytes through Ray's object
+store; never a pickled engine object), and `_child.read_answer` reads it just as strictly.
+
+Paths (a limit, checked at start): requests name files (a candidate's model, its inputs,
+a workspace), and a remote actor opens them at the same path. So every node must see the
+engine's state and output directories at the same paths: one machine, or a shared
+filesystem mounted alike. Sending the bytes instead would mean rewriting every request
+that names a file (models with external data, workspaces workers write into); so each
+actor, when it starts, reads a probe file the engine wrote into its log directory, and
+one that cannot is refused naming the path. The same start checks the device's
+fingerprint on the node against the engine's: a decision measured there must be valid
+for the bank key this engine writes.
+
+Failures: an actor that dies mid-request (its node left, it was killed) is a crashed
+child (ChildDiedError): the request in flight fails as a crashed runner's does, and the
+next request starts a fresh actor. An actor no node will take within START_TIMEOUT_S
+marks its device unusable (`RayChild.unusable`): the device set sends work to the
+others, and tries it again only when it has nothing else. An unreachable head at start
+is one DeviceError naming the address.
+
+Not applied on a node: the children's memory limit (RLIMIT_AS would bound Ray's own
+worker process too) and pausing compile work while a device measures; give measuring
+nodes their own cores (a CPU device's actor asks Ray for as many CPUs as it has cores).
+
+Fork rule: `ray.init(address=...)` to an existing cluster starts no process here: it
+connects over sockets (checked: the daemon's children before and after connecting, in
+tests/test_cluster.py, and `strace -f -e trace=clone,clone3,fork,vfork` of a driver
+connecting, which shows threads only, CLONE_THREAD). Given no address it would start a
+cluster of its own, forking: `[cluster] address` is required for that reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import logging
+import os
+import secrets
+import socket
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from aoe.config import CLUSTER_EXTRA, Config
+from aoe.device import Device
+from aoe.errors import DeviceError, OptionError
+from aoed.engine._child import ChildDiedError, read_answer
+from aoed.engine.devlock import DeviceLock
+from aoed.engine.messages import Answer, Call, Request, encode
+
+__all__ = ["CONNECT_TIMEOUT_S", "START_TIMEOUT_S", "DeviceActor", "RayChild", "RayExecutor", "WorkerActor", "device_resource", "open_ray", "require_ray"]
+
+log = logging.getLogger(__name__)
+
+#: Seconds an actor may take to be placed and to load its code before its device is
+#: called unusable (a fresh worker process importing onnxruntime takes a few).
+START_TIMEOUT_S = 60.0
+
+
+def require_ray() -> Any:
+    """The `ray` module; OptionError naming the extra when it is not installed."""
+    try:
+        import ray
+    except ImportError:
+        raise OptionError(f'[cluster] executor = "ray": {CLUSTER_EXTRA}') from None
+    return ray
+
+
+def device_resource(device: Device) -> str:
+    """The custom resource a node offers for `device`: `aoe_device_` and the device's
+    name without its colon (`cann:0` -> aoe_device_cann0, `cpu:0-7` -> aoe_device_cpu0-7)."""
+    return "aoe_device_" + device.name.replace(":", "")
+
+
+class LineActor:
+    """What runs in the cluster: one child's code behind `call(line) -> line`. Made a Ray
+    actor class by `RayExecutor`; plain data in (module name, cores, the lock's place)."""
+
+    def __init__(self, module: str, kwargs: dict[str, Any], device: tuple[str, dict[str, str]] | None,
+                 lock: tuple[str, str, int | None] | None):  # fmt: skip
+        self._device = Device.parse(device[0], device[1]) if device is not None else None
+        self.pinned = False
+        cores = set(self._device.cores) if self._device is not None else set()
+        if cores and cores <= os.sched_getaffinity(0):
+            os.sched_setaffinity(0, cores)
+            self.pinned = True
+        self._answer = importlib.import_module(module).line_handler(**kwargs)
+        self._lock = DeviceLock(Path(lock[0]), lock[1], lock[2]) if lock is not None else None
+
+    def hello(self, probe: str, token: str) -> dict[str, Any]:
+        """Who and where this actor is, whether it reads the engine's probe file (its
+        paths are ours), and its device's fingerprint as this node sees it."""
+        try:
+            shared = "" if Path(probe).read_text(encoding="utf-8") == token else "it holds another engine's token"
+        except OSError as exc:
+            shared = exc.strerror or str(exc)
+        digest = ""
+        if self._device is not None:
+            try:
+                digest = self._device.fingerprint().digest
+            except DeviceError as exc:
+                digest = f"error: {exc}"
+        return {"host": socket.gethostname(), "pid": os.getpid(), "pinned": self.pinned, "unshared": shared,
+                "fingerprint": digest}  # fmt: skip
+
+    def call(self, line: bytes) -> bytes:
+        if self._lock is None:
+            return self._answer(line)
+        with self._lock.hold_sync():
+            return self._answer(line)
+
+
+class DeviceActor(LineActor):
+    """A device's measuring actor (its own class: `ray::DeviceActor` in a node's process
+    list and in `ray status`)."""
+
+
+class WorkerActor(LineActor):
+    """A compile worker's actor."""
+
+
+class RayChild:
+    """A `ChildLike` (executor.py) served by a Ray actor, started on first use and again
+    after one died. `unusable` says why no actor could be started, or is empty."""
+
+    def __init__(self, executor: RayExecutor, module: str, name: str, *, kwargs: dict[str, Any] | None = None,
+                 device: Device | None = None, resources: dict[str, float] | None = None, num_cpus: float = 0,
+                 lock: tuple[str, str, int | None] | None = None):  # fmt: skip
+        self._ex = executor
+        self._module = module
+        self._kwargs = kwargs or {}
+        self._device = device
+        self._resources = resources or {}
+        self._num_cpus = num_cpus
+        self._lock = lock
+        self.name = name
+        self.restarts = -1
+        self.unusable = ""
+        self.host = ""
+        self._pid: int | None = None
+        self._actor: Any = None
+        self._seq = 0
+
+    @property
+    def pid(self) -> int | None:
+        """The actor's process id on its node (not this machine's, unless the node is)."""
+        return self._pid if self._actor is not None else None
+
+    async def _get(self, ref: Any) -> Any:
+        # ray.get blocks: in a thread, abandoned on cancellation (killing the actor then
+        # makes it return at once).
+        return await trio.to_thread.run_sync(self._ex.ray.get, ref, abandon_on_cancel=True)
+
+    async def _start(self) -> Any:
+        ray = self._ex.ray
+        device = (self._device.name, dict(self._device.options)) if self._device is not None else None
+        actor = self._ex.actor_classes[self._device is not None].options(resources=self._resources, num_cpus=self._num_cpus, max_restarts=0,
+                                             max_concurrency=1).remote(self._module, self._kwargs, device, self._lock)  # fmt: skip
+        wants = f"resources {self._resources}" if self._resources else f"{self._num_cpus:g} CPU"
+        try:
+            with trio.fail_after(START_TIMEOUT_S):
+                hello = await self._get(actor.hello.remote(str(self._ex.probe), self._ex.token))
+        except trio.TooSlowError:
+            ray.kill(actor, no_restart=True)
+            self.unusable = f"no node of the Ray cluster took it ({wants}) within {START_TIMEOUT_S:g}s"
+            raise ChildDiedError(f"{self.name}: {self.unusable}") from None
+        except ray.exceptions.RayError as exc:
+            ray.kill(actor, no_restart=True)
+            self.unusable = f"its actor did not start: {_first_line(exc)}"
+            raise ChildDiedError(f"{self.name}: {self.unusable}") from None
+        problem = ""
+        if hello["unshared"]:
+            problem = (f"node {hello['host']} cannot read {self._ex.probe} ({hello['unshared']}): every node must see "
+                       "the engine's directories at the same paths (one machine, or a shared filesystem)")  # fmt: skip
+        elif self._device is not None and hello["fingerprint"] != self._ex.fingerprint(self._device):
+            problem = (f"{self._device} on node {hello['host']} is not the device this engine keys its bank for "
+                       f"(fingerprint {hello['fingerprint']}): its decisions would be wrong here")  # fmt: skip
+        if problem:
+            ray.kill(actor, no_restart=True)
+            self.unusable = problem
+            raise ChildDiedError(f"{self.name}: {problem}")
+        if self._device is not None and self._device.cores and not hello["pinned"]:
+            log.warning("%s: node %s lacks core(s) %s: measuring unpinned", self.name, hello["host"],
+                        ",".join(map(str, self._device.cores)))  # fmt: skip
+        self._actor, self._pid, self.host, self.unusable = actor, hello["pid"], hello["host"], ""
+        self.restarts += 1
+        return actor
+
+    async def call(self, request: Request) -> Answer:
+        """Send `request` to the actor; return its answer, the reply decoded when it was
+        served. Raises ChildDiedError (the actor died, could not start, or broke the
+        protocol); kills the actor when cancelled mid-request."""
+        actor = self._actor if self._actor is not None else await self._start()
+        self._seq += 1
+        line = json.dumps(encode(Call(self._seq, request))).encode() + b"\n"
+        try:
+            raw = await self._get(actor.call.remote(line))
+        except self._ex.ray.exceptions.RayError as exc:
+            await self.aclose()
+            raise ChildDiedError(f"{self.name}: its actor died: {_first_line(exc)}") from None
+        except BaseException:
+            await self.aclose()
+            raise
+        return read_answer(raw, request, self.name)
+
+    def pause(self) -> None:
+        """Nothing: compile work on a node is not stopped while a device measures."""
+
+    def resume(self) -> None:
+        """Nothing (see `pause`)."""
+
+    async def aclose(self) -> None:
+        """Kill the actor (its node's worker process goes with it)."""
+        actor, self._actor = self._actor, None
+        if actor is not None:
+            with contextlib.suppress(Exception):
+                self._ex.ray.kill(actor, no_restart=True)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+class RayExecutor:
+    """Children as actors of the connected cluster (module docstring)."""
+
+    name = "ray"
+    remote = True
+
+    def __init__(self, ray: Any, config: Config, probe: Path, token: str):
+        self.ray = ray
+        #: by whether the actor serves a device: compile worker, measuring actor
+        self.actor_classes = (ray.remote(WorkerActor), ray.remote(DeviceActor))
+        self.probe = probe
+        self.token = token
+        self._runtime_dir = str(config.runtime_dir)
+        self._fingerprints: dict[Device, str] = {}
+
+    def fingerprint(self, device: Device) -> str:
+        if device not in self._fingerprints:
+            self._fingerprints[device] = device.fingerprint().digest
+        return self._fingerprints[device]
+
+    def runner(self, device: Device, module: str, name: str, log_path: Path, *, cpus: Sequence[int] = (),
+               memory_mb: int = 0, lock_group: int | None = None) -> RayChild:  # fmt: skip
+        # A CPU device's actor claims its cores in Ray's count, so compile actors do not
+        # land on them; an accelerator's claims its resource only.
+        num_cpus = len(device.cores) if device.is_cpu and device.cores else 0
+        return RayChild(self, module, f"{name} (ray: {device_resource(device)})", device=device,
+                        resources={device_resource(device): 1}, num_cpus=num_cpus,
+                        lock=(self._runtime_dir, device.lock_name, lock_group))  # fmt: skip
+
+    def worker(self, name: str, log_path: Path, *, cpus: Sequence[int] = (), memory_mb: int = 0,
+               plugins: Sequence[str] = ()) -> RayChild:  # fmt: skip
+        return RayChild(self, "aoed.backends.ort.worker", f"{name} (ray)", kwargs={"plugins": list(plugins)},
+                        num_cpus=1)  # fmt: skip
+
+    def lock_name(self, device: Device) -> str:
+        """This machine's lock for a device elsewhere: distinct from a local device of the
+        same name (the actor holds the device's own lock, on its node)."""
+        return f"ray-{device_resource(device)}"
+
+
+#: Seconds to reach the head: a TCP connection to it, then ray.init (which, given an
+#: address nothing answers at, waits for it for minutes).
+CONNECT_TIMEOUT_S = 30.0
+
+
+async def _reachable(address: str) -> None:
+    """OSError or trio.TooSlowError when nothing accepts a connection at `address`
+    (HOST:PORT); "auto" and other spellings are left to ray.init."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        return
+    with trio.fail_after(CONNECT_TIMEOUT_S):
+        stream = await trio.open_tcp_stream(host.strip("[]"), int(port))
+    await stream.aclose()
+
+
+def _connect(ray: Any, address: str) -> None:
+    # In a worker thread: ray.init installs no signal handlers off the main thread, so the
+    # daemon's own SIGTERM/SIGHUP handling stays as it is.
+    ray.init(address=address, namespace="aoed", log_to_driver=False, configure_logging=False,
+             ignore_reinit_error=True)  # fmt: skip
+
+
+@contextlib.asynccontextmanager
+async def open_ray(config: Config, probe_dir: Path) -> AsyncIterator[RayExecutor]:
+    """Connect to the cluster at `config.ray_address` for the block; yields the executor.
+    OptionError when ray is not installed; DeviceError when the head cannot be reached."""
+    ray = require_ray()
+    try:
+        await _reachable(config.ray_address)
+        with trio.fail_after(CONNECT_TIMEOUT_S):
+            await trio.to_thread.run_sync(_connect, ray, config.ray_address, abandon_on_cancel=True)
+    except trio.TooSlowError:
+        raise DeviceError(f"[cluster] address {config.ray_address}: the Ray cluster did not answer within "
+                          f"{CONNECT_TIMEOUT_S:g}s") from None  # fmt: skip
+    except Exception as exc:  # OSError, and ray's ConnectionError, RuntimeError, ValueError
+        raise DeviceError(f"[cluster] address {config.ray_address}: cannot reach the Ray cluster: "
+                          f"{_first_line(exc)}") from None  # fmt: skip
+    probe_dir.mkdir(parents=True, exist_ok=True)
+    token = secrets.token_hex(16)
+    probe = probe_dir / f"ray-probe-{os.getpid()}"
+    probe.write_text(token, encoding="utf-8")
+    try:
+        yield RayExecutor(ray, config, probe, token)
+    finally:
+        with contextlib.suppress(OSError):
+            probe.unlink()
+        with trio.CancelScope(shield=True):
+            await trio.to_thread.run_sync(ray.shutdown)
