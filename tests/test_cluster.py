@@ -74,9 +74,11 @@ def cluster():
 
     # The head holds the compile workers' CPU; each other node is one device, by its resource.
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "object_store_memory": _OBJECT_STORE_MIN})
-    for device in DEVICES:
-        c.add_node(num_cpus=1, object_store_memory=_OBJECT_STORE_MIN,
-                   resources={f"aoe_device_{device.replace(':', '')}": 1})  # fmt: skip
+    c.device_nodes = {
+        device: c.add_node(num_cpus=1, object_store_memory=_OBJECT_STORE_MIN,
+                           resources={f"aoe_device_{device.replace(':', '')}": 1})
+        for device in DEVICES
+    }  # fmt: skip
     c.wait_for_nodes()
     yield c
     c.shutdown()
@@ -164,6 +166,30 @@ def test_an_actor_killed_mid_job_loses_no_decided_task(on_ray: DaemonProcess) ->
     assert stats.entries >= sum(t["update_mode"] in ("add", "update") for t in tasks)
     # The device whose actor was killed measures again (a fresh actor on its node).
     assert victim not in _actors("ray::DeviceActor")
+
+
+@pytest.mark.cluster
+def test_a_node_lost_mid_job_leaves_its_device_and_jobs_go_on(on_ray: DaemonProcess, cluster) -> None:
+    # Last of the tests on the shared cluster: it takes a node away for good.
+    job_id = _submit(on_ray, "cnn", 12.0)
+
+    def trials() -> dict[str, int]:
+        return {d.id: d.trials for d in on_ray.devices().ListDevices(devices_pb2.ListDevicesRequest()).devices}
+
+    wait_for(lambda: sum(trials().values()) > 0, 300, "the first trials")
+    cluster.remove_node(cluster.device_nodes["cpu:2"])
+    job = on_ray.wait_job(job_id, timeout=600)
+    assert job.state == tuning_pb2.JOB_STATE_SUCCEEDED, job.error
+    assert Path(job.result.tuned_model_path).is_file()
+    assert "no live node offers aoe_device_cpu2" in on_ray.log()
+    # The device is passed over from then on: the next job measures on the two left, and
+    # none of its tasks fails for the device that went away.
+    job = on_ray.wait_job(_submit(on_ray, "mlp", 6.0), timeout=600)
+    assert job.state == tuning_pb2.JOB_STATE_SUCCEEDED, job.error
+    result = json.loads(Path(job.result.result_json_path).read_text())
+    per = result["resources"]["devices"]
+    assert per["cpu:0"]["trials"] + per["cpu:1"]["trials"] > 0 and "cpu:2" not in per, per
+    assert not [t for t in result["tasks"] if t["update_mode"] == "failed"], result["tasks"]
 
 
 @pytest.mark.cluster

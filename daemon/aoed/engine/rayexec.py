@@ -29,20 +29,23 @@ for the bank key this engine writes.
 
 Failures: an actor that dies mid-request (its node left, it was killed) is a crashed
 child (ChildDiedError): the request in flight fails as a crashed runner's does, and the
-next request starts a fresh actor. An actor no node will take within START_TIMEOUT_S
-marks its device unusable (`RayChild.unusable`): the device set sends work to the
-others, and tries it again only when it has nothing else. An unreachable head at start
+next request starts a fresh actor. When no live node offers the device's resource (its
+node left), or no node takes the actor within START_TIMEOUT_S, the device is unusable
+(`RayChild.unusable`) for RETRY_S: the device set sends work to the others meanwhile, and
+then tries it again (a node that came back is used again). An unreachable head at start
 is one DeviceError naming the address.
 
 Not applied on a node: the children's memory limit (RLIMIT_AS would bound Ray's own
 worker process too) and pausing compile work while a device measures; give measuring
 nodes their own cores (a CPU device's actor asks Ray for as many CPUs as it has cores).
 
-Fork rule: `ray.init(address=...)` to an existing cluster starts no process here: it
-connects over sockets (checked: the daemon's children before and after connecting, in
-tests/test_cluster.py, and `strace -f -e trace=clone,clone3,fork,vfork` of a driver
-connecting, which shows threads only, CLONE_THREAD). Given no address it would start a
-cluster of its own, forking: `[cluster] address` is required for that reason.
+Fork rule: `ray.init(address=...)` to an existing cluster starts no process here, it
+only starts threads. Checked two ways: `strace -f -e trace=clone,clone3,fork,vfork,execve`
+of a driver connecting from a thread as `_connect` does (ray 2.60: 28 clones, every one
+CLONE_THREAD, no execve but the driver's own), and tests/test_cluster.py, where a daemon
+on the ray executor has no child process at all once connected and after a job. Given
+no address ray.init would start a cluster of its own, forking: `[cluster] address` is
+required for that reason.
 """
 
 from __future__ import annotations
@@ -67,13 +70,15 @@ from aoed.engine._child import ChildDiedError, read_answer
 from aoed.engine.devlock import DeviceLock
 from aoed.engine.messages import Answer, Call, Request, encode
 
-__all__ = ["CONNECT_TIMEOUT_S", "START_TIMEOUT_S", "DeviceActor", "RayChild", "RayExecutor", "WorkerActor", "device_resource", "open_ray", "require_ray"]
+__all__ = ["CONNECT_TIMEOUT_S", "RETRY_S", "START_TIMEOUT_S", "DeviceActor", "RayChild", "RayExecutor", "WorkerActor", "device_resource", "open_ray", "require_ray"]
 
 log = logging.getLogger(__name__)
 
 #: Seconds an actor may take to be placed and to load its code before its device is
 #: called unusable (a fresh worker process importing onnxruntime takes a few).
 START_TIMEOUT_S = 60.0
+#: Seconds an unusable device is passed over before it is tried again.
+RETRY_S = 30.0
 
 
 def require_ray() -> Any:
@@ -154,11 +159,22 @@ class RayChild:
         self._lock = lock
         self.name = name
         self.restarts = -1
-        self.unusable = ""
+        self._unusable = ""
+        self._unusable_at = 0.0
         self.host = ""
         self._pid: int | None = None
         self._actor: Any = None
         self._seq = 0
+
+    @property
+    def unusable(self) -> str:
+        """Why no actor could be started for this child, for RETRY_S after it happened;
+        else empty."""
+        return self._unusable if trio.current_time() - self._unusable_at < RETRY_S else ""
+
+    def _refuse(self, why: str) -> ChildDiedError:
+        self._unusable, self._unusable_at = why, trio.current_time()
+        return ChildDiedError(f"{self.name}: {why}")
 
     @property
     def pid(self) -> int | None:
@@ -170,8 +186,17 @@ class RayChild:
         # makes it return at once).
         return await trio.to_thread.run_sync(self._ex.ray.get, ref, abandon_on_cancel=True)
 
+    async def _missing(self) -> list[str]:
+        """The resources this child needs that no live node offers now."""
+        if not self._resources:
+            return []
+        offered = await trio.to_thread.run_sync(self._ex.ray.cluster_resources)  # the live nodes'
+        return [r for r in self._resources if r not in offered]
+
     async def _start(self) -> Any:
         ray = self._ex.ray
+        if missing := await self._missing():
+            raise self._refuse(f"no live node of the Ray cluster offers {', '.join(missing)}")
         device = (self._device.name, dict(self._device.options)) if self._device is not None else None
         actor = self._ex.actor_classes[self._device is not None].options(resources=self._resources, num_cpus=self._num_cpus, max_restarts=0,
                                              max_concurrency=1).remote(self._module, self._kwargs, device, self._lock)  # fmt: skip
@@ -181,12 +206,10 @@ class RayChild:
                 hello = await self._get(actor.hello.remote(str(self._ex.probe), self._ex.token))
         except trio.TooSlowError:
             ray.kill(actor, no_restart=True)
-            self.unusable = f"no node of the Ray cluster took it ({wants}) within {START_TIMEOUT_S:g}s"
-            raise ChildDiedError(f"{self.name}: {self.unusable}") from None
+            raise self._refuse(f"no node of the Ray cluster took it ({wants}) within {START_TIMEOUT_S:g}s") from None
         except ray.exceptions.RayError as exc:
             ray.kill(actor, no_restart=True)
-            self.unusable = f"its actor did not start: {_first_line(exc)}"
-            raise ChildDiedError(f"{self.name}: {self.unusable}") from None
+            raise self._refuse(f"its actor did not start: {_first_line(exc)}") from None
         problem = ""
         if hello["unshared"]:
             problem = (f"node {hello['host']} cannot read {self._ex.probe} ({hello['unshared']}): every node must see "
@@ -196,12 +219,11 @@ class RayChild:
                        f"(fingerprint {hello['fingerprint']}): its decisions would be wrong here")  # fmt: skip
         if problem:
             ray.kill(actor, no_restart=True)
-            self.unusable = problem
-            raise ChildDiedError(f"{self.name}: {problem}")
+            raise self._refuse(problem)
         if self._device is not None and self._device.cores and not hello["pinned"]:
             log.warning("%s: node %s lacks core(s) %s: measuring unpinned", self.name, hello["host"],
                         ",".join(map(str, self._device.cores)))  # fmt: skip
-        self._actor, self._pid, self.host, self.unusable = actor, hello["pid"], hello["host"], ""
+        self._actor, self._pid, self.host, self._unusable = actor, hello["pid"], hello["host"], ""
         self.restarts += 1
         return actor
 
@@ -216,6 +238,8 @@ class RayChild:
             raw = await self._get(actor.call.remote(line))
         except self._ex.ray.exceptions.RayError as exc:
             await self.aclose()
+            if missing := await self._missing():  # its node left: unusable from now on
+                raise self._refuse(f"its actor died and no live node offers {', '.join(missing)}") from None
             raise ChildDiedError(f"{self.name}: its actor died: {_first_line(exc)}") from None
         except BaseException:
             await self.aclose()
