@@ -4,6 +4,7 @@ resource (`make test-cluster` runs those: they need the cluster extra, and start
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -45,6 +46,12 @@ def test_check_config_reports_cluster_problems(tmp_path: Path) -> None:
                          capture_output=True, text=True, timeout=60)  # fmt: skip
     assert run.returncode != 0
     assert "needs [cluster] address" in run.stderr, run.stderr
+    if importlib.util.find_spec("ray") is not None:
+        path.write_text(path.read_text() + 'address = "10.0.0.1:6379"\n')
+        run = subprocess.run([sys.executable, "-m", "aoed", "--config", str(path), "--check-config"],
+                             capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert run.returncode == 0, run.stderr
+        assert "executor    ray at 10.0.0.1:6379" in run.stdout
 
 
 def test_ray_without_the_extra_is_one_line_naming_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -135,6 +142,8 @@ def test_one_job_measures_on_all_three_nodes(on_ray: DaemonProcess) -> None:
     assert all(per[d]["trials"] > 0 for d in DEVICES), per
     assert Path(job.result.tuned_model_path).is_file()
     assert _children(on_ray.proc.pid) == set()
+    # SIGTERM is still the daemon's own (ray.init, off the main thread, took no handler).
+    assert on_ray.stop() == 0, on_ray.log()
 
 
 @pytest.mark.cluster
