@@ -178,6 +178,21 @@ def test_an_actor_killed_mid_job_loses_no_decided_task(on_ray: DaemonProcess) ->
 
 
 @pytest.mark.cluster
+def test_aoe_tune_runs_embedded_on_the_cluster(tmp_path: Path, cluster) -> None:
+    model = tmp_path / "mlp.onnx"
+    samples.save(samples.build("mlp"), model)
+    env = {**os.environ, "AOED_RUNTIME_DIR": str(tmp_path / "run")}
+    run = subprocess.run([str(Path(sys.executable).with_name("aoe")), "tune", str(model), "--executor", "ray",
+                          "--ray-address", cluster.address, "--device", "cpu:0", "--device", "cpu:1", "--budget", "6",
+                          "--parallel", "1", "--bank", str(tmp_path / "bank"), "--output", str(tmp_path / "out"),
+                          "--no-progress"], capture_output=True, text=True, timeout=600, env=env)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    (result,) = (tmp_path / "out").glob("aoe_result_*.json")
+    per = json.loads(result.read_text())["resources"]["devices"]
+    assert per["cpu:0"]["trials"] > 0 and per["cpu:1"]["trials"] > 0, per
+
+
+@pytest.mark.cluster
 def test_a_node_lost_mid_job_leaves_its_device_and_jobs_go_on(on_ray: DaemonProcess, cluster) -> None:
     # Last of the tests on the shared cluster: it takes a node away for good.
     job_id = _submit(on_ray, "cnn", 12.0)
