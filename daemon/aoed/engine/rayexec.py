@@ -33,7 +33,12 @@ next request starts a fresh actor. When no live node offers the device's resourc
 node left), or no node takes the actor within START_TIMEOUT_S, the device is unusable
 (`RayChild.unusable`) for RETRY_S: the device set sends work to the others meanwhile, and
 then tries it again (a node that came back is used again). An unreachable head at start
-is one DeviceError naming the address.
+is one DeviceError naming the address. A head lost later (HEAD_MISSES refused
+connections in a row, polled every HEAD_POLL_S) fails every call waiting on an actor and
+every call after, at once, until it answers again: without its head Ray neither reports
+an actor's death nor places a new one, so the alternative is requests that wait for
+their time limits. Ray's own reaction to a lost head, ending the driver's process after
+60 s, is turned off (`_GCS_RECONNECT`): the daemon keeps running and serving.
 
 Not applied on a node: the children's memory limit (RLIMIT_AS would bound Ray's own
 worker process too) and pausing compile work while a device measures; give measuring
@@ -70,7 +75,7 @@ from aoed.engine._child import ChildDiedError, read_answer
 from aoed.engine.devlock import DeviceLock
 from aoed.engine.messages import Answer, Call, Request, encode
 
-__all__ = ["CONNECT_TIMEOUT_S", "RETRY_S", "START_TIMEOUT_S", "DeviceActor", "RayChild", "RayExecutor", "WorkerActor", "device_resource", "open_ray", "require_ray"]
+__all__ = ["CONNECT_TIMEOUT_S", "HEAD_MISSES", "HEAD_POLL_S", "RETRY_S", "START_TIMEOUT_S", "DeviceActor", "RayChild", "RayExecutor", "WorkerActor", "device_resource", "open_ray", "require_ray"]
 
 log = logging.getLogger(__name__)
 
@@ -187,14 +192,19 @@ class RayChild:
         return await trio.to_thread.run_sync(self._ex.ray.get, ref, abandon_on_cancel=True)
 
     async def _missing(self) -> list[str]:
-        """The resources this child needs that no live node offers now."""
+        """The resources this child needs that no live node offers now (all of them when
+        the head does not answer within CONNECT_TIMEOUT_S)."""
         if not self._resources:
             return []
-        offered = await trio.to_thread.run_sync(self._ex.ray.cluster_resources)  # the live nodes'
-        return [r for r in self._resources if r not in offered]
+        with trio.move_on_after(CONNECT_TIMEOUT_S):
+            offered = await trio.to_thread.run_sync(self._ex.ray.cluster_resources, abandon_on_cancel=True)
+            return [r for r in self._resources if r not in offered]  # the live nodes'
+        return list(self._resources)
 
     async def _start(self) -> Any:
         ray = self._ex.ray
+        if self._ex.lost:
+            raise self._refuse(self._ex.lost)
         if missing := await self._missing():
             raise self._refuse(f"no live node of the Ray cluster offers {', '.join(missing)}")
         device = (self._device.name, dict(self._device.options)) if self._device is not None else None
@@ -205,10 +215,10 @@ class RayChild:
             with trio.fail_after(START_TIMEOUT_S):
                 hello = await self._get(actor.hello.remote(str(self._ex.probe), self._ex.token))
         except trio.TooSlowError:
-            ray.kill(actor, no_restart=True)
+            await self._drop(actor)
             raise self._refuse(f"no node of the Ray cluster took it ({wants}) within {START_TIMEOUT_S:g}s") from None
         except ray.exceptions.RayError as exc:
-            ray.kill(actor, no_restart=True)
+            await self._drop(actor)
             raise self._refuse(f"its actor did not start: {_first_line(exc)}") from None
         problem = ""
         if hello["unshared"]:
@@ -218,7 +228,7 @@ class RayChild:
             problem = (f"{self._device} on node {hello['host']} is not the device this engine keys its bank for "
                        f"(fingerprint {hello['fingerprint']}): its decisions would be wrong here")  # fmt: skip
         if problem:
-            ray.kill(actor, no_restart=True)
+            await self._drop(actor)
             raise self._refuse(problem)
         if self._device is not None and self._device.cores and not hello["pinned"]:
             log.warning("%s: node %s lacks core(s) %s: measuring unpinned", self.name, hello["host"],
@@ -231,20 +241,29 @@ class RayChild:
         """Send `request` to the actor; return its answer, the reply decoded when it was
         served. Raises ChildDiedError (the actor died, could not start, or broke the
         protocol); kills the actor when cancelled mid-request."""
+        if self._ex.lost:
+            await self.aclose()
+            raise self._refuse(self._ex.lost)
         actor = self._actor if self._actor is not None else await self._start()
         self._seq += 1
         line = json.dumps(encode(Call(self._seq, request))).encode() + b"\n"
-        try:
-            raw = await self._get(actor.call.remote(line))
-        except self._ex.ray.exceptions.RayError as exc:
-            await self.aclose()
-            if missing := await self._missing():  # its node left: unusable from now on
-                raise self._refuse(f"its actor died and no live node offers {', '.join(missing)}") from None
-            raise ChildDiedError(f"{self.name}: its actor died: {_first_line(exc)}") from None
-        except BaseException:
-            await self.aclose()
-            raise
-        return read_answer(raw, request, self.name)
+        with trio.CancelScope() as waiting:
+            self._ex.waiting.add(waiting)
+            try:
+                raw = await self._get(actor.call.remote(line))
+            except self._ex.ray.exceptions.RayError as exc:
+                await self.aclose()
+                if missing := await self._missing():  # its node left: unusable from now on
+                    raise self._refuse(f"its actor died and no live node offers {', '.join(missing)}") from None
+                raise ChildDiedError(f"{self.name}: its actor died: {_first_line(exc)}") from None
+            except BaseException:
+                await self.aclose()
+                raise
+            finally:
+                self._ex.waiting.discard(waiting)
+            return read_answer(raw, request, self.name)
+        await self.aclose()  # the head was lost while we waited (head_lost cancelled us)
+        raise self._refuse(self._ex.lost or "the Ray head was lost")
 
     def pause(self) -> None:
         """Nothing: compile work on a node is not stopped while a device measures."""
@@ -252,12 +271,17 @@ class RayChild:
     def resume(self) -> None:
         """Nothing (see `pause`)."""
 
+    async def _drop(self, actor: Any) -> None:
+        self._actor = actor
+        await self.aclose()
+
     async def aclose(self) -> None:
-        """Kill the actor (its node's worker process goes with it)."""
+        """Kill the actor (its node's worker process goes with it); shielded, bounded:
+        without a head the kill may never be answered."""
         actor, self._actor = self._actor, None
         if actor is not None:
-            with contextlib.suppress(Exception):
-                self._ex.ray.kill(actor, no_restart=True)
+            with trio.CancelScope(shield=True), trio.move_on_after(5), contextlib.suppress(Exception):
+                await trio.to_thread.run_sync(self._ex.kill, actor, abandon_on_cancel=True)
 
 
 def _first_line(exc: BaseException) -> str:
@@ -279,6 +303,21 @@ class RayExecutor:
         self.token = token
         self._runtime_dir = str(config.runtime_dir)
         self._fingerprints: dict[Device, str] = {}
+        #: why the head is lost (every call fails at once while it is), or empty
+        self.lost = ""
+        #: the calls waiting on an actor now: cancelled when the head is lost
+        self.waiting: set[trio.CancelScope] = set()
+
+    def head_lost(self, why: str) -> None:
+        """Fail every call waiting on an actor, and every call until the head is back:
+        without its head, Ray neither reports an actor's death nor places a new one."""
+        log.warning("ray executor: %s; its devices and workers fail until it does", why)
+        self.lost = why
+        for scope in self.waiting:
+            scope.cancel()
+
+    def kill(self, actor: Any) -> None:
+        self.ray.kill(actor, no_restart=True)
 
     def fingerprint(self, device: Device) -> str:
         if device not in self._fingerprints:
@@ -310,18 +349,56 @@ class RayExecutor:
 CONNECT_TIMEOUT_S = 30.0
 
 
-async def _reachable(address: str) -> None:
+#: The head is asked every HEAD_POLL_S whether it still accepts connections; after
+#: HEAD_MISSES refusals in a row it is lost (`RayExecutor.head_lost`).
+HEAD_POLL_S = 5.0
+HEAD_MISSES = 3
+
+
+def _host_port(address: str) -> tuple[str, int] | None:
+    host, _, port = address.rpartition(":")
+    return (host.strip("[]"), int(port)) if host and port.isdigit() else None
+
+
+async def _reachable(address: str, timeout: float = CONNECT_TIMEOUT_S) -> None:
     """OSError or trio.TooSlowError when nothing accepts a connection at `address`
     (HOST:PORT); "auto" and other spellings are left to ray.init."""
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit():
+    if (where := _host_port(address)) is None:
         return
-    with trio.fail_after(CONNECT_TIMEOUT_S):
-        stream = await trio.open_tcp_stream(host.strip("[]"), int(port))
+    host, port = where
+    with trio.fail_after(timeout):
+        stream = await trio.open_tcp_stream(host, port)
     await stream.aclose()
 
 
+async def _watch_head(executor: RayExecutor, address: str) -> None:
+    """Mark the head lost after HEAD_MISSES refused connections in a row, and found
+    again when it answers (a cluster restarted under it is another matter: its actors'
+    starts fail, and their devices are unusable)."""
+    misses = 0
+    while True:
+        await trio.sleep(HEAD_POLL_S)
+        try:
+            await _reachable(address, HEAD_POLL_S)
+        except (OSError, trio.TooSlowError):
+            misses += 1
+            if misses == HEAD_MISSES:
+                executor.head_lost(f"the Ray head at {address} does not answer")
+            continue
+        misses = 0
+        if executor.lost:
+            log.warning("ray executor: the head at %s answers again", address)
+            executor.lost = ""
+
+
+#: How long this process's Ray core keeps trying to reach a head it lost. Ray's own
+#: default (60 s) ends the whole process after that, daemon and all: the engine would
+#: rather see its devices fail and its jobs go on failing clearly.
+_GCS_RECONNECT = ("RAY_gcs_rpc_server_reconnect_timeout_s", str(10 * 365 * 86400))
+
+
 def _connect(ray: Any, address: str) -> None:
+    os.environ.setdefault(*_GCS_RECONNECT)  # read by ray.init's core worker, once
     # In a worker thread: ray.init installs no signal handlers off the main thread, so the
     # daemon's own SIGTERM/SIGHUP handling stays as it is.
     ray.init(address=address, namespace="aoed", log_to_driver=False, configure_logging=False,
@@ -347,10 +424,15 @@ async def open_ray(config: Config, probe_dir: Path) -> AsyncIterator[RayExecutor
     token = secrets.token_hex(16)
     probe = probe_dir / f"ray-probe-{os.getpid()}"
     probe.write_text(token, encoding="utf-8")
+    executor = RayExecutor(ray, config, probe, token)
     try:
-        yield RayExecutor(ray, config, probe, token)
+        async with trio.open_nursery() as nursery:
+            if _host_port(config.ray_address) is not None:
+                nursery.start_soon(_watch_head, executor, config.ray_address)
+            yield executor
+            nursery.cancel_scope.cancel()
     finally:
         with contextlib.suppress(OSError):
             probe.unlink()
-        with trio.CancelScope(shield=True):
-            await trio.to_thread.run_sync(ray.shutdown)
+        with trio.CancelScope(shield=True), trio.move_on_after(10):  # a lost head may never answer
+            await trio.to_thread.run_sync(ray.shutdown, abandon_on_cancel=True)
