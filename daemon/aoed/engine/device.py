@@ -67,7 +67,6 @@ class DeviceAgent:
         onnxruntime backend; tests give a stand-in for hardware this machine lacks.
         `executor` makes the runner: a local child, or a Ray actor (executor.py)."""
         self.device = device
-        self.executor = executor.name
         self._pool = pool if pause_pool and device.is_cpu and not executor.remote else None
         self._runner = executor.runner(
             device, runner, f"runner for {device}", logdir / f"runner-{device.name.replace(':', '-')}.log",

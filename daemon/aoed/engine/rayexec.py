@@ -360,14 +360,12 @@ def _host_port(address: str) -> tuple[str, int] | None:
     return (host.strip("[]"), int(port)) if host and port.isdigit() else None
 
 
-async def _reachable(address: str, timeout: float = CONNECT_TIMEOUT_S) -> None:
-    """OSError or trio.TooSlowError when nothing accepts a connection at `address`
-    (HOST:PORT); "auto" and other spellings are left to ray.init."""
+async def _reachable(address: str) -> None:
+    """OSError when nothing accepts a connection at `address` (HOST:PORT); "auto" and
+    other spellings are left to ray.init. Callers bound the wait."""
     if (where := _host_port(address)) is None:
         return
-    host, port = where
-    with trio.fail_after(timeout):
-        stream = await trio.open_tcp_stream(host, port)
+    stream = await trio.open_tcp_stream(*where)
     await stream.aclose()
 
 
@@ -379,7 +377,8 @@ async def _watch_head(executor: RayExecutor, address: str) -> None:
     while True:
         await trio.sleep(HEAD_POLL_S)
         try:
-            await _reachable(address, HEAD_POLL_S)
+            with trio.fail_after(HEAD_POLL_S):
+                await _reachable(address)
         except (OSError, trio.TooSlowError):
             misses += 1
             if misses == HEAD_MISSES:
@@ -411,7 +410,8 @@ async def open_ray(config: Config, probe_dir: Path) -> AsyncIterator[RayExecutor
     OptionError when ray is not installed; DeviceError when the head cannot be reached."""
     ray = require_ray()
     try:
-        await _reachable(config.ray_address)
+        with trio.fail_after(CONNECT_TIMEOUT_S):
+            await _reachable(config.ray_address)
         with trio.fail_after(CONNECT_TIMEOUT_S):
             await trio.to_thread.run_sync(_connect, ray, config.ray_address, abandon_on_cancel=True)
     except trio.TooSlowError:
