@@ -14,8 +14,10 @@ are this process's). What runs in the cluster:
 
 Both run the same code as the local children (the runner's and the worker's
 `line_handler`) over the same wire format: a request travels as the JSON line a local
-child would read, its answer as the line it would write (bytes through Ray's object
-store; never a pickled engine object), and `_child.read_answer` reads it just as strictly.
+child would read, its answer as the line it would write (bytes as Ray's call argument and
+return value; never a pickled engine object), and `_child.read_answer` reads it just as
+strictly. A CPU core-set device's actor pins itself to those cores when its node has
+them all, and says so in the engine's log when it does not.
 
 Paths (a limit, checked at start): requests name files (a candidate's model, its inputs,
 a workspace), and a remote actor opens them at the same path. So every node must see the
@@ -29,7 +31,8 @@ for the bank key this engine writes.
 
 Failures: an actor that dies mid-request (its node left, it was killed) is a crashed
 child (ChildDiedError): the request in flight fails as a crashed runner's does, and the
-next request starts a fresh actor. When no live node offers the device's resource (its
+next request starts a fresh actor; when the node went with it, the device set measures
+the request again on another device of its kind (devices.py). When no live node offers the device's resource (its
 node left), or no node takes the actor within START_TIMEOUT_S, the device is unusable
 (`RayChild.unusable`) for RETRY_S: the device set sends work to the others meanwhile, and
 then tries it again (a node that came back is used again). An unreachable head at start
@@ -75,7 +78,10 @@ from aoed.engine._child import ChildDiedError, read_answer
 from aoed.engine.devlock import DeviceLock
 from aoed.engine.messages import Answer, Call, Request, encode
 
-__all__ = ["CONNECT_TIMEOUT_S", "HEAD_MISSES", "HEAD_POLL_S", "RETRY_S", "START_TIMEOUT_S", "DeviceActor", "RayChild", "RayExecutor", "WorkerActor", "device_resource", "open_ray", "require_ray"]
+__all__ = [
+    "CONNECT_TIMEOUT_S", "HEAD_MISSES", "HEAD_POLL_S", "RETRY_S", "START_TIMEOUT_S", "DeviceActor", "RayChild",
+    "RayExecutor", "WorkerActor", "device_resource", "open_ray", "require_ray",
+]  # fmt: skip
 
 log = logging.getLogger(__name__)
 
