@@ -8,7 +8,7 @@ SAMPLE ?= cnn
 PRECISION ?= exact
 OUT    ?= out
 
-.PHONY: run test test-load protos bench bench-quick clean soak
+.PHONY: run test test-cluster test-load protos bench bench-quick clean soak
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -29,7 +29,17 @@ test: $(STAMP)
 	@command -v systemd-analyze >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
 	    && apt-get install -y -qq --no-install-recommends systemd >/dev/null 2>&1; } \
 	    || echo "make: systemd-analyze is missing and could not be installed: the unit checks will skip"
-	$(BIN)/python -m pytest -q -m "not soak"
+	$(BIN)/python -m pytest -q -m "not soak and not cluster"
+
+# The tests that start a Ray cluster on this machine (three one-CPU nodes, one device each)
+# and run a daemon on it: they need the cluster extra (ray), which `make test` leaves out.
+CLUSTER_STAMP := $(VENV)/.cluster-stamp
+$(CLUSTER_STAMP): $(STAMP) pyproject.toml
+	$(BIN)/python -m pip install --quiet -e '.[test,cluster]'
+	touch $(CLUSTER_STAMP)
+
+test-cluster: $(CLUSTER_STAMP)
+	$(BIN)/python -m pytest -q -m cluster
 
 # The suite as `make test` runs it, RUNS times (default 5) with LOOPS busy loops (default
 # 2) beside it: each run's result and wall time, and how many were green.

@@ -68,6 +68,8 @@ class Parser(argparse.ArgumentParser):
 
 
 def _add_tune(sub: argparse._SubParsersAction) -> None:
+    from aoe.config import EXECUTORS
+
     p = sub.add_parser("tune", help="tune a model by measurement, embedded or on a daemon",
                        description="Tune an ONNX model by measurement: on the daemon when one answers, "
                                    "else embedded on this machine.")  # fmt: skip
@@ -85,6 +87,11 @@ def _add_tune(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--keep-workspace", action="store_true",
                    help="keep the scratch files (task models, samples) under aoe_workspace/ after success")  # fmt: skip
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--executor", choices=EXECUTORS, default=None,
+                   help="where the embedded run measures and compiles: local child processes, or the actors of "
+                        "a Ray cluster (the cluster extra; runs embedded; default: [cluster] executor)")  # fmt: skip
+    p.add_argument("--ray-address", default=None, metavar="HOST:PORT",
+                   help="the Ray head for --executor ray (default: [cluster] address)")  # fmt: skip
     q = p.add_mutually_exclusive_group()
     q.add_argument("--local", action="store_true", help="run embedded even when a daemon answers")
     q.add_argument("--socket", type=Path, metavar="PATH",
@@ -143,13 +150,15 @@ def _tune(args: argparse.Namespace) -> int:
         bank=args.bank, parallel=parallel, repeat_tune=False if args.reload else args.repeat_tune,
         device=devices[0] if devices else None, devices=devices if len(devices) > 1 else None,
         bank_layers=(*args.bank_layer, *config.bank_layers) if args.bank_layer else None,
+        executor=args.executor, ray_address=args.ray_address,
     )  # fmt: skip
     # The environment's settings (REPEAT_TUNE, ASCEND_DEVICE_ID) are the user's too.
     spec = spec.replace(repeat_tune=config.repeat_tune,
                         device=config.device.name if "device" in config.sources else None)  # fmt: skip
     output: Path = args.output
     made = _writable_output(output)
-    daemon = _daemon_for(args, config)
+    # An executor named here is this run's: it runs embedded (a daemon has its own).
+    daemon = _daemon_for(args, config) if args.executor is None and args.ray_address is None else None
     if daemon is not None:
         from aoe.jobscli import tune_on_daemon
 

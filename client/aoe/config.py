@@ -36,6 +36,10 @@ The TOML file:
   max_tensor_mb = 4096                   # one declared or inferred tensor
   compile_timeout_s = 120                # one candidate's compile (and a bank rebuild)
   stage_timeout_s = 900                  # any other worker stage (prepare, extract, assemble...)
+  [cluster]
+  executor = "local"                     # local: child processes here; ray: Ray actors on
+                                         # the nodes that offer each device (the cluster extra)
+  address = "10.0.0.1:6379"              # the Ray head (needed with ray; "auto": this machine's)
   [log]
   level = "warning"
 
@@ -54,6 +58,7 @@ environment are checked whole, and one OptionError lists every problem found
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import tempfile
 import tomllib
@@ -65,9 +70,11 @@ from typing import Any
 from aoe.device import CPU, Device
 from aoe.errors import OptionError
 
-__all__ = ["DAEMON_KEYS", "DAEMON_SECTIONS", "Config", "Problems", "bank_from_env", "default_socket", "default_parallel", "layers_from_env", "load_config", "parse_parallel"]
+__all__ = ["CLUSTER_EXTRA", "DAEMON_KEYS", "DAEMON_SECTIONS", "EXECUTORS", "Config", "Problems", "bank_from_env", "default_socket", "default_parallel", "layers_from_env", "load_config", "parse_parallel"]
 
 _LEVELS = ("debug", "info", "warning", "error")
+#: `[cluster] executor`: where the engine's devices and compile workers run
+EXECUTORS = ("local", "ray")
 
 
 class Problems:
@@ -175,6 +182,10 @@ class Config:
     compile_timeout_s: float = 120.0
     stage_timeout_s: float = 900.0
     log_level: str = "warning"
+    #: where devices measure and compile workers run: "local" (child processes of this
+    #: one) or "ray" (actors of the Ray cluster at `ray_address`: aoed.engine.rayexec)
+    executor: str = "local"
+    ray_address: str = ""
     #: where each value came from, for messages ("TUNE_BANK_PATH", "aoed.toml [bank] path")
     sources: Mapping[str, str] = field(default_factory=dict)
 
@@ -245,12 +256,30 @@ def _checked(cfg: Config) -> Config:
     if cfg.devices and cfg.device != cfg.devices[0] and "device" in cfg.sources:
         problems.add(f"device={cfg.device} ({_src(cfg, 'device')}) and devices ({_src(cfg, 'devices')}): give one "
                      "of them (`device` is the one-device spelling of `devices`)")  # fmt: skip
+    _check_cluster(cfg, problems)
     for name, (lo, hi) in _RANGES.items():
         value = getattr(cfg, name)
         if not lo <= value <= hi:
             problems.add(f"{name}={value} ({_src(cfg, name)}): must be between {lo} and {hi}")
     problems.raise_any()
     return cfg
+
+
+#: Where the cluster executor comes from, for the one line that says it is missing.
+CLUSTER_EXTRA = 'the cluster extra is not installed: pip install "aoed[cluster]" (it brings ray>=2.60)'
+
+
+def _check_cluster(cfg: Config, problems: Problems) -> None:
+    if cfg.executor not in EXECUTORS:
+        problems.add(f"executor={cfg.executor!r} ({_src(cfg, 'executor')}): expected one of {', '.join(EXECUTORS)}")
+    elif cfg.executor == "ray":
+        if not cfg.ray_address:
+            problems.add(f'executor="ray" ({_src(cfg, "executor")}) needs [cluster] address: the Ray head\'s '
+                         'HOST:PORT, or "auto" for a cluster `ray start` began on this machine (the engine '
+                         "connects to a cluster, it never starts one)")  # fmt: skip
+        # find_spec only looks: importing ray here would cost a second for every config read.
+        if importlib.util.find_spec("ray") is None:
+            problems.add(f'executor="ray" ({_src(cfg, "executor")}): {CLUSTER_EXTRA}')
 
 
 def _src(cfg: Config, name: str) -> str:
@@ -280,6 +309,7 @@ def _from_toml(path: Path, problems: Problems | None = None) -> tuple[dict[str, 
         ("engine", "max_nodes"): "max_nodes", ("engine", "max_tensor_mb"): "max_tensor_mb",
         ("engine", "compile_timeout_s"): "compile_timeout_s", ("engine", "stage_timeout_s"): "stage_timeout_s",
         ("log", "level"): "log_level",
+        ("cluster", "executor"): "executor", ("cluster", "address"): "ray_address",
     }  # fmt: skip
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
@@ -360,6 +390,12 @@ def _convert(name: str, raw: Any, where: str) -> Any:
         return value
     if name == "log_level":
         return str(raw).lower()
+    if name == "executor":
+        return str(raw).strip().lower()
+    if name == "ray_address":
+        if not isinstance(raw, str):
+            raise OptionError(f'{where}={raw!r}: expected the Ray head\'s address as a string, e.g. "10.0.0.1:6379"')
+        return raw.strip()
     raise AssertionError(name)
 
 

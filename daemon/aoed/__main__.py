@@ -61,6 +61,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"  bank        {cfg.engine.bank}" + (f" (layers: {', '.join(map(str, cfg.engine.bank_layers))})"
                                                      if cfg.engine.bank_layers else ""))  # fmt: skip
         print(f"  device      {cfg.engine.device}, {cfg.engine.parallel} compile workers")
+        if cfg.engine.executor != "local":
+            print(f"  executor    {cfg.engine.executor} at {cfg.engine.ray_address}")
         print(f"  jobs        {cfg.max_running_jobs} at once, {cfg.max_queued_jobs} queued at most")
         e = cfg.engine
         print(f"  models      up to {e.max_model_mb} MiB, {e.max_nodes} nodes, {e.max_tensor_mb} MiB per tensor")

@@ -30,7 +30,7 @@ import trio
 from aoe.errors import CandidateError
 from aoed.engine.messages import Answer, Call, MessageError, Request, decode, encode
 
-__all__ = ["Child", "ChildDiedError"]
+__all__ = ["Child", "ChildDiedError", "read_answer"]
 
 #: Variables that address the service manager; only the daemon itself may use them.
 _PRIVATE_ENV = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS", "LISTEN_PID", "LISTEN_FDNAMES")
@@ -38,6 +38,18 @@ _PRIVATE_ENV = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS", 
 
 class ChildDiedError(CandidateError):
     """The child process exited or broke the protocol during a request."""
+
+
+def read_answer(line: bytes, request: Request, who: str) -> Answer:
+    """The `Answer` on `line`, its reply decoded strictly as `request`'s reply type when
+    it was served. ChildDiedError naming `who` (and the field) when it is malformed."""
+    try:
+        answer = decode(Answer, json.loads(line))
+        if answer.ok:
+            answer = msgspec.structs.replace(answer, reply=decode(type(request).reply, answer.reply))
+    except (ValueError, MessageError) as exc:
+        raise ChildDiedError(f"{who} broke the protocol: {exc}") from None
+    return answer
 
 
 class _Process:
@@ -141,12 +153,7 @@ class Child:
         try:
             await proc.stdin.send_all(line)
             while True:
-                try:
-                    answer = decode(Answer, json.loads(await self._readline(proc)))
-                    if answer.ok:
-                        answer = msgspec.structs.replace(answer, reply=decode(type(request).reply, answer.reply))
-                except (ValueError, MessageError) as exc:
-                    raise ChildDiedError(f"{self.name} broke the protocol: {exc} (log: {self.log_path})") from None
+                answer = read_answer(await self._readline(proc), request, f"{self.name} (log: {self.log_path})")
                 # None: the child could not read this request (the one in flight) at all.
                 if answer.id in (self._seq, None):
                     return answer

@@ -28,8 +28,9 @@ import trio
 from aoe.device import Device
 from aoe.errors import DeviceError
 from aoed.engine import _pending
-from aoed.engine._child import Child, ChildDiedError
+from aoed.engine._child import ChildDiedError
 from aoed.engine.devlock import DeviceLock
+from aoed.engine.executor import LOCAL, Executor
 from aoed.engine.ledger import JobLedger
 from aoed.engine.messages import MeasureRequest, PingReply, PingRequest, Request, error_of, op_of
 from aoed.engine.pool import CompilePool
@@ -60,16 +61,20 @@ class DeviceAgent:
         pause_pool: bool = True,
         lock_group: int | None = None,
         runner: str = "aoed.backends.ort.runner",
+        executor: Executor = LOCAL,
     ):
         """`runner` is the module the measurement runner runs (`python -m`): the one
-        onnxruntime backend; tests give a stand-in for hardware this machine lacks."""
+        onnxruntime backend; tests give a stand-in for hardware this machine lacks.
+        `executor` makes the runner: a local child, or a Ray actor (executor.py)."""
         self.device = device
-        self._pool = pool if pause_pool and device.is_cpu else None
-        self._runner = Child(
-            runner, f"runner for {device}", logdir / f"runner-{device.name.replace(':', '-')}.log",
+        self._pool = pool if pause_pool and device.is_cpu and not executor.remote else None
+        self._runner = executor.runner(
+            device, runner, f"runner for {device}", logdir / f"runner-{device.name.replace(':', '-')}.log",
             cpus=cpus, memory_mb=memory_mb if device.is_cpu else 0,  # GPU runtimes reserve huge address ranges
+            lock_group=lock_group,
         )  # fmt: skip
-        self.lock = DeviceLock(runtime_dir, device.lock_name, lock_group)  # one lock per physical device
+        # One lock per physical device; a remote one's actor holds the device's own on its node.
+        self.lock = DeviceLock(runtime_dir, executor.lock_name(device), lock_group)
         self._queue: _pending.RequestQueue[tuple[Request, float | None, str]] = _pending.RequestQueue(4)
         self.cores = 1
         self.providers: tuple[str, ...] = ()
@@ -88,6 +93,12 @@ class DeviceAgent:
     @property
     def runner_pid(self) -> int | None:
         return self._runner.pid
+
+    @property
+    def unusable(self) -> str:
+        """Why no runner could be started for this device (a remote one whose node is
+        gone), or empty: the device set sends work elsewhere while it is not empty."""
+        return getattr(self._runner, "unusable", "")
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Start the runner, check the device answers, then serve requests until cancelled.

@@ -18,6 +18,9 @@ measured interleaved in ONE MeasureRequest, and a request is served by one agent
 stages that compare across requests (profile, session options, verification, the
 confirming A/B) measure on the job's home agent only: `JobContext.device` is that agent,
 and only `JobContext.measure(..., spread=True)` (one task's search) comes here.
+A device whose runner could not be started (a Ray node gone) is passed over while
+another of its kind is left; a task's search that it could not answer because it went
+away is measured again on another (`call()`).
 Fair share between jobs is each agent's own (its queue serves jobs by weight).
 """
 
@@ -30,7 +33,7 @@ from typing import Any
 import msgspec
 
 from aoe.device import Device
-from aoe.errors import OptionError
+from aoe.errors import DeviceError, OptionError
 from aoed.engine.device import DeviceAgent
 from aoed.engine.ledger import JobLedger
 from aoed.engine.messages import Request
@@ -74,13 +77,14 @@ class DeviceSet:
     @contextlib.contextmanager
     def home(self, device: Device) -> Iterator[DeviceAgent]:
         """The agent a job for `device` calls home for the block: of the devices with its
-        fingerprint, the one with the fewest jobs at home (`device` itself on a tie).
+        fingerprint, the one with the fewest jobs at home (`device` itself on a tie), one
+        that could not start its runner only when no other is left.
         OptionError when no configured device has that fingerprint."""
         matching = self._matching(device)
         if not matching:
             have = ", ".join(a.device.name for a in self.agents)
             raise OptionError(f"--device {device}: this engine measures on {have}, none of them a {device}")
-        agent = min(matching, key=lambda a: (self._homed[id(a)], a.device != device))
+        agent = min(matching, key=lambda a: (bool(a.unusable), self._homed[id(a)], a.device != device))
         self._homed[id(agent)] += 1
         try:
             yield agent
@@ -92,16 +96,30 @@ class DeviceSet:
     ) -> Any:
         """`request` served by whichever agent with `home`'s fingerprint has the least
         queued or in flight (on a tie, the one picked longest ago: idle devices take turns,
-        so a device another process holds is not the only one tried); the request names
-        that agent's device.
+        so a device another process holds is not the only one tried), and one that could
+        not start its runner (a remote device whose node is gone: `DeviceAgent.unusable`)
+        only when no other is left; the request names that agent's device.
+        When the device goes away during the request (it is `unusable` after), the request
+        is served again by another of the kind, if one is usable.
         Returns and raises what `DeviceAgent.call` does. Only for a request whose reply
         is compared with no other request's (see the module's invariant)."""
-        agent = min(self.peers(home), key=lambda a: (a.outstanding, self._last[id(a)]))
-        self._turns += 1
-        self._last[id(agent)] = self._turns
-        if agent is not home and isinstance(getattr(request, "device", None), Device):
-            request = msgspec.structs.replace(request, device=agent.device)
-        return await agent.call(request, job, category=category)
+        tried: set[int] = set()
+        while True:
+            left = [a for a in self.peers(home) if id(a) not in tried]
+            agent = min(left, key=lambda a: (bool(a.unusable), a.outstanding, self._last[id(a)]))
+            self._turns += 1
+            self._last[id(agent)] = self._turns
+            sent = request
+            if agent is not home and isinstance(getattr(request, "device", None), Device):
+                sent = msgspec.structs.replace(request, device=agent.device)
+            try:
+                return await agent.call(sent, job, category=category)
+            except DeviceError:
+                # The device went away under the request (a Ray node left): it says nothing
+                # of the request, which is measured again on another of its kind, if any.
+                tried.add(id(agent))
+                if not agent.unusable or not any(not a.unusable for a in self.peers(home) if id(a) not in tried):
+                    raise
 
     def snapshot(self) -> dict[str, tuple[float, int]]:
         """Per device name: (busy seconds, requests answered) since the engine started."""

@@ -26,7 +26,7 @@ import os
 import stat
 import sys
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import trio
@@ -83,6 +83,18 @@ class DeviceLock:
                 on_wait(f"waiting for {self.path.stem.removeprefix('device-')}: measuring for {self.holder()}")
             while not self._try(fd):
                 await trio.sleep(_POLL_S)
+        try:
+            yield
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+
+    @contextlib.contextmanager
+    def hold_sync(self) -> Iterator[None]:
+        """`hold()` for a thread that has no trio loop (a Ray actor measuring on its
+        node: aoed.engine.rayexec): waits, polling, while another process measures."""
+        fd = self._open()
+        while not self._try(fd):
+            time.sleep(_POLL_S)
         try:
             yield
         finally:

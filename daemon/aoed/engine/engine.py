@@ -36,6 +36,7 @@ from aoed.bank.writer import BankWriter
 from aoed.engine.context import JobContext
 from aoed.engine.device import DeviceAgent
 from aoed.engine.devices import DeviceSet
+from aoed.engine.executor import open_executor
 from aoed.engine.job import JobHandle, JobRun
 from aoed.engine.ledger import JobLedger, new_job_id
 from aoed.engine.memory import MemoryPlan, plan_memory
@@ -246,23 +247,28 @@ async def open_engine(
     bank = BankWriter(config.bank, layers=list(config.bank_layers), on_wait=log.warning)
     plan = plan_memory(config)
     config = plan.apply(config)  # the children's limit and count, as derived
-    runner_cpus, worker_cpus, pause = place_cores(config.all_devices, sorted(os.sched_getaffinity(0)),
-                                                  config.dedicated_cores)  # fmt: skip
     try:
-        async with trio.open_nursery() as nursery:
+        async with open_executor(config, logdir) as executor, trio.open_nursery() as nursery:
+            if executor.remote:  # the cores are the nodes': an actor pins itself there (rayexec.py)
+                runner_cpus, worker_cpus, pause = [[] for _ in config.all_devices], [], False
+            else:
+                runner_cpus, worker_cpus, pause = place_cores(config.all_devices, sorted(os.sched_getaffinity(0)),
+                                                              config.dedicated_cores)  # fmt: skip
             await nursery.start(bank.run)
             compile_s = config.compile_timeout_s
             pool = CompilePool(config.parallel, logdir, cpus=worker_cpus, memory_mb=config.worker_memory_mb,
                                plugins=config.plugins, timeouts={"compile": compile_s, "rebuild": compile_s},
-                               default_timeout=config.stage_timeout_s)  # fmt: skip
+                               default_timeout=config.stage_timeout_s, executor=executor)  # fmt: skip
             await nursery.start(pool.run)
             agents = []
             for device, cpus in zip(config.all_devices, runner_cpus, strict=True):
                 agent = DeviceAgent(device, pool, logdir, config.runtime_dir, cpus=cpus,
-                                    memory_mb=config.worker_memory_mb, pause_pool=pause, lock_group=lock_group)  # fmt: skip
+                                    memory_mb=config.worker_memory_mb, pause_pool=pause, lock_group=lock_group,
+                                    executor=executor)  # fmt: skip
                 await nursery.start(agent.run)
                 agents.append(agent)
-                log.info("engine: device %s%s", device, f" on cores {cpus}" if cpus else "")
+                log.info("engine: device %s%s%s", device, f" on cores {cpus}" if cpus else "",
+                         f" ({executor.name} executor)" if executor.remote else "")  # fmt: skip
             log.info("engine: memory: %s", plan.describe())
             log.info("engine: %d compile workers%s%s", pool.size, f" on cores {worker_cpus}" if worker_cpus else "",
                      " (paused while a device on their cores measures)" if pause else "")  # fmt: skip

@@ -36,7 +36,8 @@ import trio
 from aoe.device import CPU
 from aoe.errors import CandidateError, ModelError
 from aoed.engine import _pending
-from aoed.engine._child import Child, ChildDiedError
+from aoed.engine._child import ChildDiedError
+from aoed.engine.executor import LOCAL, ChildLike, Executor
 from aoed.engine.ledger import JobLedger
 from aoed.engine.messages import PingRequest, Request, error_of, op_of
 
@@ -90,13 +91,14 @@ class CompilePool:
         plugins: Sequence[str] = (),
         timeouts: dict[str, float] | None = None,
         default_timeout: float = DEFAULT_TIMEOUT,
+        executor: Executor = LOCAL,
     ):
+        """`executor` makes the workers: local children, or Ray actors (executor.py)."""
         if workers < 1:
             raise ValueError("a compile pool needs at least one worker")
-        args = ["--plugins", ",".join(plugins)] if plugins else []
-        self._children = [
-            Child("aoed.backends.ort.worker", f"compile worker {i}", logdir / f"worker-{i}.log",
-                  cpus=cpus, memory_mb=memory_mb, args=args)
+        self._children: list[ChildLike] = [
+            executor.worker(f"compile worker {i}", logdir / f"worker-{i}.log", cpus=cpus, memory_mb=memory_mb,
+                            plugins=plugins)
             for i in range(workers)
         ]  # fmt: skip
         self._queue: _pending.RequestQueue[tuple[Request, float | None]] = _pending.RequestQueue(workers)
@@ -130,7 +132,7 @@ class CompilePool:
                 for child in self._children:
                     await child.aclose()
 
-    async def _slot(self, child: Child, requests: _pending._Receiver[tuple[Request, float | None]]) -> None:
+    async def _slot(self, child: ChildLike, requests: _pending._Receiver[tuple[Request, float | None]]) -> None:
         async def handle(call: tuple[Request, float | None], job: JobLedger | None) -> outcome.Outcome:
             request, given = call
             op = op_of(request)

@@ -32,7 +32,7 @@ import msgspec
 from aoe.errors import AoedError
 from aoed.engine.messages import Answer, Call, MessageError, Request, decode, encode
 
-__all__ = ["child_main", "serve"]
+__all__ = ["child_main", "line_server", "serve"]
 
 _PR_SET_PDEATHSIG = 1
 
@@ -127,16 +127,15 @@ def _read(line: bytes, requests: Sequence[type[Request]], union: Any) -> tuple[i
         return call.id, Answer(call.id, False, error=f"malformed request: {exc}")
 
 
-def serve(handle: Callable[[Any], Any], requests: Sequence[type[Request]]) -> int:
-    """Answer requests (of the types `requests`) from stdin with `handle`, which returns
-    each one's reply, until EOF; returns the exit status."""
-    proto = os.fdopen(os.dup(1), "w", buffering=1, encoding="utf-8")
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
+def line_server(handle: Callable[[Any], Any], requests: Sequence[type[Request]]) -> Callable[[bytes], bytes]:
+    """The protocol for one line: a function that takes a request line (a `Call`, as
+    JSON) and returns its answer line (an `Answer`, as JSON, newline-terminated), its
+    reply made by `handle` for requests of the types `requests`. It never raises for a
+    request's own failure: that is the answer's. Used by `serve` over a pipe, and by an
+    executor that carries the same lines another way (aoed.engine.rayexec)."""
     union = Union[tuple(requests)]  # noqa: UP007 (a union of a tuple of types)
-    for line in sys.stdin.buffer:
-        if not line.strip():
-            continue
+
+    def answer_line(line: bytes) -> bytes:
         ident, request = _read(line, requests, union)
         _reset_peak_rss()
         if isinstance(request, Answer):
@@ -157,8 +156,24 @@ def serve(handle: Callable[[Any], Any], requests: Sequence[type[Request]]) -> in
             if not answer.ok and _looks_out_of_memory(answer.error):
                 answer = _out_of_memory(answer.error)
         answer = msgspec.structs.replace(answer, id=ident, maxrss_kb=_peak_rss_kb())
+        return (json.dumps(encode(answer)) + "\n").encode()
+
+    return answer_line
+
+
+def serve(handle: Callable[[Any], Any], requests: Sequence[type[Request]]) -> int:
+    """Answer requests (of the types `requests`) from stdin with `handle`, which returns
+    each one's reply, until EOF; returns the exit status."""
+    proto = os.fdopen(os.dup(1), "w", buffering=1, encoding="utf-8")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    answer_line = line_server(handle, requests)
+    for line in sys.stdin.buffer:
+        if not line.strip():
+            continue
+        out = answer_line(line).decode()
         try:
-            proto.write(json.dumps(encode(answer)) + "\n")
+            proto.write(out)
         except BrokenPipeError:
             # The engine is gone (killed: our PR_SET_PDEATHSIG is on its way) or gave up on
             # this request: nobody to answer, nothing for the log. No interpreter shutdown,

@@ -25,6 +25,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -257,6 +258,14 @@ _OPS: dict[type, Any] = {PingRequest: ping, MeasureRequest: measure, ProfileRequ
 
 def _handle(req: Any) -> Any:
     return _OPS[type(req)](req)
+
+
+def line_handler() -> Callable[[bytes], bytes]:
+    """This runner's protocol for one request line (its answer line): what an executor
+    that carries the lines itself runs (aoed.engine.rayexec)."""
+    from aoed.backends.ort._wire import line_server
+
+    return line_server(_handle, tuple(_OPS))
 
 
 def main() -> int:

@@ -28,7 +28,7 @@ import os
 import re
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -331,6 +331,18 @@ _OPS: dict[type[m.Request], Callable[[Any], Any]] = {
 
 def _handle(req: m.Request) -> Any:
     return _OPS[type(req)](req)
+
+
+def line_handler(plugins: Sequence[str] = ()) -> Callable[[bytes], bytes]:
+    """This worker's protocol for one request line (its answer line), with the strategy
+    registry of `plugins`: what an executor that carries the lines itself runs
+    (aoed.engine.rayexec)."""
+    global _registry
+    from aoed.backends.ort._wire import line_server
+    from aoed.backends.ort.catalog import build_registry
+
+    _registry = build_registry(list(plugins))
+    return line_server(_handle, tuple(_OPS))
 
 
 def main() -> int:
