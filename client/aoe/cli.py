@@ -62,7 +62,8 @@ def _add_tune(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("tune", help="tune a model by measurement, embedded or on a daemon",
                        description="Tune an ONNX model by measurement: on the daemon when one answers, "
                                    "else embedded on this machine.")  # fmt: skip
-    p.add_argument("model", type=Path, help="the .onnx model to tune")
+    p.add_argument("model", type=Path, nargs="?",
+                   help="the .onnx model to tune (GDAT: a torch.export program, .pt2)")  # fmt: skip
     p.add_argument("--precision", default="exact", help="precision policy: exact (default), int8, or int4 (weight-only 4-bit products)")
     p.add_argument("--calibration", type=Path, help="calibration samples: a folder of .npz/.npy (int8)")
     p.add_argument("--min-cosine", type=float, help="end-to-end accuracy budget: lowest output cosine (int8: 0.999)")
@@ -79,9 +80,19 @@ def _add_tune(sub: argparse._SubParsersAction) -> None:
                         "(overrides REPEAT_TUNE)")  # fmt: skip
     p.add_argument("--parallel", help="compile processes, 1-32 (default: TE_PARALLEL_COMPILER or cores-1)")
     p.add_argument("--output", type=Path, default=Path("."), help="where aoe_workspace/ and the result JSON go")
-    p.add_argument("--job-type", default="opat",
+    p.add_argument("--job-type", default=None,
                    help="opat (2): operators; sgat (1): subgraphs (attention, layernorm, gelu); "
-                        "sgat+opat: both in one job")  # fmt: skip
+                        "sgat+opat: both in one job; gdat (AOE_MODE=4): gradient communication of "
+                        "data-parallel training (PyTorch DDP)")  # fmt: skip
+    g = p.add_argument_group("GDAT (--job-type gdat)")
+    g.add_argument("--world-size", type=int, default=None,
+                   help="ranks of the measured world (default: 2 on gloo, one per device on nccl/hccl)")  # fmt: skip
+    g.add_argument("--backend", default=None, help="collective backend: gloo (default, CPU), nccl, hccl")
+    g.add_argument("--gradient-precision", default=None,
+                   help="exact (default); fp16, bf16 or lowrank allow compression hooks of that class and "
+                        "the less lossy ones, each gated against exact all-reduce")  # fmt: skip
+    g.add_argument("--entry", metavar="FILE.py:FUNCTION",
+                   help="your own training code instead of a .pt2: FUNCTION returns (model, batch, loss_fn)")  # fmt: skip
     p.add_argument("--device", default=None,
                    help="cpu (default), cuda:N, tensorrt:N or cann:N (ASCEND_DEVICE_ID selects cann:N)")  # fmt: skip
     p.add_argument("--keep-initializer-inputs", action="store_true",
@@ -115,18 +126,55 @@ def _aoe_spelling(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--progress_bar", default="on", choices=["on", "off"])
     p.add_argument("--reload", action="store_true")
     a = p.parse_args(argv)
-    if str(a.framework) != "5":
+    import os
+
+    gdat = os.environ.get("AOE_MODE", "").strip() == "4"  # AOE's GDAT: the model is a torch.export program
+    if str(a.framework) != "5" and not gdat:
         raise OptionError(f"--framework {a.framework}: only ONNX (5) models can be tuned here")
     return argparse.Namespace(
         model=a.model, precision=a.precision, input_shape=a.input_shape, bank=a.bank, config=a.config,
         calibration=a.calibration, min_cosine=None, max_rel_error=None, bank_layer=[], verbose=0,
-        repeat_tune=None, reload=a.reload, parallel=None, output=a.output, job_type=a.job_type, device=a.device,
-        keep_initializer_inputs=False, budget=None, keep_workspace=False,
+        repeat_tune=None, reload=a.reload, parallel=None, output=a.output, job_type=None if gdat else a.job_type,
+        device=a.device, keep_initializer_inputs=False, budget=None, keep_workspace=False,
         no_progress=a.progress_bar == "off", local=False, socket=None, run=_tune,
+        world_size=None, backend=None, gradient_precision=None, entry=None,
     )  # fmt: skip
 
 
+#: Options of ONNX jobs and of GDAT jobs alone: given with the other kind, they are refused.
+_ONNX_ONLY = (("precision", "exact", "--precision"), ("input_shape", [], "--input-shape"),
+              ("calibration", None, "--calibration"), ("min_cosine", None, "--min-cosine"),
+              ("max_rel_error", None, "--max-rel-error"), ("parallel", None, "--parallel"),
+              ("device", None, "--device"), ("keep_initializer_inputs", False, "--keep-initializer-inputs"))  # fmt: skip
+_GDAT_ONLY = (("world_size", "--world-size"), ("backend", "--backend"),
+              ("gradient_precision", "--gradient-precision"), ("entry", "--entry"))  # fmt: skip
+
+
+def _is_gdat(args: argparse.Namespace) -> bool:
+    """Whether the job is GDAT: --job-type gdat, or AOE's AOE_MODE=4 (with no other job type
+    asked for). OptionError when they contradict."""
+    import os
+
+    job_type = str(args.job_type or "").strip().lower()
+    if os.environ.get("AOE_MODE", "").strip() == "4":
+        if job_type not in ("", "gdat"):
+            raise OptionError(f"AOE_MODE=4 selects GDAT, --job-type {args.job_type} another job type: drop one")
+        return True
+    return job_type == "gdat"
+
+
 def _tune(args: argparse.Namespace) -> int:
+    if _is_gdat(args):
+        return _tune_gdat(args)
+    given = [flag for attr, flag in _GDAT_ONLY if getattr(args, attr, None) is not None]
+    if given:
+        raise OptionError(f"{given[0]} applies to --job-type gdat (data-parallel training), not to ONNX models")
+    if args.model is None:
+        raise OptionError("tune: the following arguments are required: model")
+    return _tune_onnx(args)
+
+
+def _tune_onnx(args: argparse.Namespace) -> int:
     import trio
 
     from aoe.config import load_config, parse_parallel
@@ -139,7 +187,7 @@ def _tune(args: argparse.Namespace) -> int:
     from aoed.engine.policy import policy
     from aoed.engine.prep import parse_input_shapes
 
-    job_type = parse_job_type(args.job_type)
+    job_type = parse_job_type(args.job_type or "opat")
     if args.reload and args.repeat_tune:
         raise OptionError("--reload and --repeat-tune contradict each other: resume, or tune again")
     policy(args.precision, args.min_cosine, args.max_rel_error)  # validates before any work starts
@@ -212,6 +260,107 @@ def _tune(args: argparse.Namespace) -> int:
         raise DeviceError(f"{source} selects {config.device}: {exc}" if source.startswith("ASCEND") else str(exc)) from None
     _summary(result)
     return 0
+
+
+# --------------------------------------------------------------------------- GDAT
+# The CLI's one meeting with GDAT jobs: options in, aoed.gdat.run_gdat embedded, the
+# result printed. Jobs through the daemon come later.
+
+
+def _tune_gdat(args: argparse.Namespace) -> int:
+    import trio
+
+    from aoe._progress import Progress
+    from aoe.config import load_config
+    from aoed.gdat import GdatOptions, run_gdat
+
+    given = [flag for attr, default, flag in _ONNX_ONLY if getattr(args, attr, default) not in (default, None)]
+    if given:
+        extra = "; GDAT uses --gradient-precision" if given[0] == "--precision" else ""
+        raise OptionError(f"{given[0]} applies to ONNX jobs, not to --job-type gdat{extra}")
+    if args.socket is not None:
+        raise OptionError("--job-type gdat runs embedded (not on a daemon yet): drop --socket")
+    model, entry = args.model, ""
+    if args.entry:
+        path, sep, entry = str(args.entry).rpartition(":")
+        if not sep or not path or not entry.isidentifier():
+            raise OptionError(f"--entry {args.entry}: expected FILE.py:FUNCTION")
+        if model is not None:
+            raise OptionError(f"--entry {args.entry} and {model}: give the model or the entry, not both")
+        model = Path(path)
+    if model is None:
+        raise OptionError("tune: the following arguments are required: model (or --entry FILE.py:FUNCTION)")
+    if args.reload and args.repeat_tune:
+        raise OptionError("--reload and --repeat-tune contradict each other: resume, or tune again")
+    config = load_config(args.config)
+    config = config.replace(
+        bank=args.bank, repeat_tune=False if args.reload else args.repeat_tune,
+        bank_layers=(*args.bank_layer, *config.bank_layers) if args.bank_layer else None,
+    )  # fmt: skip
+    opts = GdatOptions(
+        model=model, output=args.output, entry=entry, world_size=args.world_size,
+        backend=args.backend or "gloo", precision=args.gradient_precision or "exact",
+        repeat_tune=config.repeat_tune, budget_s=args.budget, keep_workspace=args.keep_workspace,
+    ).check()  # fmt: skip
+    _writable_output(args.output)
+    progress = Progress(enabled=not args.no_progress)
+
+    async def run():
+        with progress:
+            return await run_gdat(opts, config, progress.emit)
+
+    try:
+        result = trio.run(run)
+    except BaseExceptionGroup as group:
+        raise _single(group) from None
+    _gdat_summary(result)
+    return 0
+
+
+def _gdat_summary(r: Any) -> None:
+    out = sys.stdout
+    lo, hi = r.improvement_ci95
+    conf = r.confirmation
+    print(f"aoe: tuned {Path(r.model).name} in {r.tuning_time_s:.1f} s (gdat, {r.precision} gradients, world of "
+          f"{r.world_size} on {r.backend})", file=out)  # fmt: skip
+    where = (f"from the bank: confirmed by {r.from_bank}" if r.from_bank
+             else f"confirming A/B, {conf.get('rounds', 0)} interleaved rounds")  # fmt: skip
+    print(f"  baseline     {r.baseline_ms:.4f} ms per step, tail {r.baseline_tail_ms:.4f} ms   (DDP's defaults; "
+          f"{where})", file=out)  # fmt: skip
+    if r.shipped.is_default:
+        print(f"  result       the baseline: DDP's defaults ship (two instances of them lay {lo:+.1%} to {hi:+.1%} "
+              "apart in these rounds: their noise)", file=out)  # fmt: skip
+    else:
+        print(f"  result       {r.result_ms:.4f} ms per step, tail {r.result_tail_ms:.4f} ms   (improvement "
+              f"{r.improvement:+.1%}: the median of the paired round ratios, 95% interval {lo:+.1%} to {hi:+.1%})",
+              file=out)  # fmt: skip
+    shipped = "DDP's defaults ship" if r.shipped.is_default else "the tuned configuration ships"
+    print(f"  verdict      {r.verdict}: {shipped}", file=out)
+    print(f"  ddp          {r.shipped.label}: {r.shipped.to_json()['ddp_kwargs'] or 'no options'}"
+          + (f", comm hook {r.shipped.hook}" if r.shipped.hook else ""), file=out)  # fmt: skip
+    if not r.from_bank:
+        measured = {c["name"] for c in r.configurations if c.get("step_ms") is not None}
+        failed = sum(c["status"] == "failed" for c in r.configurations)
+        rejected = sum(c["status"] == "rejected" for c in r.configurations)
+        b = r.budget
+        print(f"  search       {len(measured)} configurations in {r.resources.get('worlds', 1)} world(s)"
+              + (f", {failed} failed" if failed else "") + (f", {rejected} rejected by the gradient gate" if rejected else "")
+              + (f", {len(r.failed_rounds)} broken rounds" if r.failed_rounds else "")
+              + f"; {b.get('spent_s', 0):.1f} s of a {b.get('budget_s', 0):.0f} s budget, plus "
+              f"{b.get('confirm_s', 0):.1f} s confirming", file=out)  # fmt: skip
+    for g in r.gates:
+        print(f"  gate         {g['config']}: {'passed' if g['passed'] else 'rejected'}: {g['why']}", file=out)
+    s = r.repo
+    print(
+        f"  bank         add {s['repo_add_num']}, hit {s['repo_hit_num']}, reserved {s['repo_reserved_num']}, "
+        f"unsatisfied {s['repo_unsatisfied_num']}, update {s['repo_update_num']}, total {s['total_num']}",
+        file=out,
+    )
+    for note in r.notes:
+        print(f"  note         {note}", file=out)
+    print(f"  ddp config   {r.ddp_config}", file=out)
+    print(f"  report       {r.result_json}", file=out)
+    print("Aoe process finished", file=out)
 
 
 def _writable_output(output: Path) -> None:
