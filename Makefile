@@ -4,6 +4,10 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 BENCH_STAMP := $(VENV)/.bench-stamp
+GDAT_STAMP := $(VENV)/.gdat-stamp
+# The CPU build of torch the GDAT tests run on: pinned here, not in the extra, so users
+# with GPUs install theirs; this machine's wheel folder serves the CPU wheel.
+TORCH_CPU ?= torch==2.13.0
 SAMPLE ?= cnn
 PRECISION ?= exact
 OUT    ?= out
@@ -23,16 +27,23 @@ run: $(STAMP)
 	$(BIN)/python -m aoed.samples $(SAMPLE) -o $(OUT)/models
 	$(BIN)/aoe tune $(OUT)/models/$(SAMPLE).onnx --precision $(PRECISION) --output $(OUT) --bank $(OUT)/bank
 
+# torch for the GDAT tests: the CPU build explicitly first, then the extra (which it
+# satisfies), so pip never reaches for a CUDA build.
+$(GDAT_STAMP): $(STAMP) pyproject.toml
+	$(BIN)/python -m pip install --quiet '$(TORCH_CPU)'
+	$(BIN)/python -m pip install --quiet -e '.[gdat]'
+	touch $(GDAT_STAMP)
+
 # The unit checks need systemd-analyze: installed from the distribution when missing and
 # possible (root with apt-get), else those tests skip saying why.
-test: $(STAMP)
+test: $(STAMP) $(GDAT_STAMP)
 	@command -v systemd-analyze >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
 	    && apt-get install -y -qq --no-install-recommends systemd >/dev/null 2>&1; } \
 	    || echo "make: systemd-analyze is missing and could not be installed: the unit checks will skip"
 	$(BIN)/python -m pytest -q
 
 # Side-by-side benchmarks; they write bench/RESULTS.md and PNG plots beside it.
-$(BENCH_STAMP): $(STAMP) pyproject.toml
+$(BENCH_STAMP): $(STAMP) $(GDAT_STAMP) pyproject.toml
 	$(BIN)/python -m pip install --quiet -e '.[bench]'
 	touch $(BENCH_STAMP)
 
@@ -43,6 +54,7 @@ bench: $(BENCH_STAMP)
 	$(BIN)/python bench/bench_daemon.py
 	$(BIN)/python bench/bench_sgat.py
 	$(BIN)/python bench/bench_kernels.py
+	$(BIN)/python bench/bench_gdat.py
 
 bench-quick: $(BENCH_STAMP)
 	$(BIN)/python bench/run.py --quick
@@ -51,6 +63,7 @@ bench-quick: $(BENCH_STAMP)
 	$(BIN)/python bench/bench_daemon.py --quick
 	$(BIN)/python bench/bench_sgat.py --quick
 	$(BIN)/python bench/bench_kernels.py --quick
+	$(BIN)/python bench/bench_gdat.py --quick
 
 # kill -9 of the daemon at 20 random points of its jobs; prints seeds, restarts and the
 # bank entries verified intact (make test runs 3 of them)
