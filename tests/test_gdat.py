@@ -240,13 +240,16 @@ async def test_a_killed_rank_costs_its_round_and_the_job_goes_on(pt2: Path, tmp_
     assert _exist(seen) == set() and _rank_pids() == set()
 
 
-async def test_cancelling_the_job_leaves_no_rank_process(pt2: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("when", ["measuring", "recording"])
+async def test_cancelling_the_job_leaves_no_rank_process(pt2: Path, tmp_path: Path, when: str) -> None:
+    """Cancelled while the ranks measure (a request in flight), or while they wait idle
+    for the bank write between requests."""
     seen: set[int] = set()
     with trio.CancelScope() as scope:
 
         def emit(event) -> None:
             seen.update(_rank_pids())
-            if event.kind == "progress":
+            if (when == "measuring" and event.kind == "progress") or event.message.startswith(when):
                 scope.cancel()
 
         await run_gdat(_quick(pt2, tmp_path / "out"), _config(tmp_path), emit)

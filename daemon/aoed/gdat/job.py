@@ -254,6 +254,7 @@ class _Job:
             for f in [*search.figures, *figs.values()]
         )  # fmt: skip
         write = dataclasses.replace(write, trials=trials)
+        self.emit("stage", f"recording {outcome.mode} in the bank")
         await self.bank.write(write)
         return outcome.mode, shipped
 
