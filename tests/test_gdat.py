@@ -31,8 +31,7 @@ from .conftest import run_aoe
 torch = pytest.importorskip("torch", reason="GDAT needs torch: pip install '.[gdat]' (make test installs it)")
 
 from aoed.backends.torch.world import RANK_MODULE  # noqa: E402
-from aoed.gdat import GdatOptions, run_gdat  # noqa: E402
-from aoed.gdat import space  # noqa: E402
+from aoed.gdat import GdatOptions, run_gdat, space  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -128,6 +127,16 @@ def test_ddp_configs_convert_both_ways_and_refuse_nonsense() -> None:
         DDPConfig(bucket_cap_mb=0)
     with pytest.raises(OptionError, match="not a DDP configuration"):
         DDPConfig.from_params({"static_graph": "perhaps"})
+
+
+def test_aoe_mode_selects_the_job_type_as_aoe_does() -> None:
+    from aoe.config import job_type_from_env
+
+    assert [job_type_from_env({"AOE_MODE": m}) for m in ("1", "2", "4", "")] == ["sgat", "opat", "gdat", None]
+    with pytest.raises(OptionError, match="AOE_MODE=3"):
+        job_type_from_env({"AOE_MODE": "3"})
+    r = run_aoe("tune", "model.onnx", "--job-type", "opat", env={"AOE_MODE": "4"})
+    assert r.returncode == 2 and "AOE_MODE selects gdat, --job-type opat" in r.stderr, r.stderr
 
 
 def test_the_ladder_measures_one_configuration_per_distinct_set_of_buckets() -> None:
@@ -302,7 +311,7 @@ async def test_a_lossy_hook_that_breaks_the_gate_is_never_measured_or_chosen(
     ("kind", "args", "code", "needles"),
     [
         ("garbage", ["--job-type", "gdat"], 3, ["garbage.pt2", "torch.export program"]),
-        ("model", ["--job-type", "gdat", "--backend", "nccl"], 2, ["backend nccl", "CUDA build of torch"]),
+        ("AOE_MODE=4", ["--backend", "nccl"], 2, ["backend nccl", "CUDA build of torch"]),
         ("no torch", ["--job-type", "gdat"], 2, ["aoed[gdat]"]),
     ],
 )
@@ -325,7 +334,8 @@ def test_a_job_that_cannot_run_fails_in_one_line(pt2: Path, tmp_path: Path, kind
         """)
         r = subprocess.run([sys.executable, "-c", hide, *argv], capture_output=True, text=True, timeout=120)
     else:
-        r = run_aoe(*argv, env={"AOED_RUNTIME_DIR": str(tmp_path / "rt")})
+        env = {"AOE_MODE": "4"} if kind == "AOE_MODE=4" else {}
+        r = run_aoe(*argv, env={"AOED_RUNTIME_DIR": str(tmp_path / "rt"), **env})
     assert r.returncode == code, (r.stdout, r.stderr)
     (line,) = r.stderr.strip().splitlines()
     assert line.startswith("aoe: error: ") and all(n in line for n in needles), line

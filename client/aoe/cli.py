@@ -126,9 +126,9 @@ def _aoe_spelling(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--progress_bar", default="on", choices=["on", "off"])
     p.add_argument("--reload", action="store_true")
     a = p.parse_args(argv)
-    import os
+    from aoe.config import job_type_from_env
 
-    gdat = os.environ.get("AOE_MODE", "").strip() == "4"  # AOE's GDAT: the model is a torch.export program
+    gdat = job_type_from_env() == "gdat"  # AOE's GDAT: the model is a torch.export program, any framework
     if str(a.framework) != "5" and not gdat:
         raise OptionError(f"--framework {a.framework}: only ONNX (5) models can be tuned here")
     return argparse.Namespace(
@@ -150,27 +150,29 @@ _GDAT_ONLY = (("world_size", "--world-size"), ("backend", "--backend"),
               ("gradient_precision", "--gradient-precision"), ("entry", "--entry"))  # fmt: skip
 
 
-def _is_gdat(args: argparse.Namespace) -> bool:
-    """Whether the job is GDAT: --job-type gdat, or AOE's AOE_MODE=4 (with no other job type
-    asked for). OptionError when they contradict."""
-    import os
+def _job_type(args: argparse.Namespace) -> str:
+    """The job type asked for: --job-type, else AOE's AOE_MODE (4 is GDAT), else opat.
+    OptionError when the two contradict."""
+    from aoe.config import job_type_from_env
 
-    job_type = str(args.job_type or "").strip().lower()
-    if os.environ.get("AOE_MODE", "").strip() == "4":
-        if job_type not in ("", "gdat"):
-            raise OptionError(f"AOE_MODE=4 selects GDAT, --job-type {args.job_type} another job type: drop one")
-        return True
-    return job_type == "gdat"
+    env = job_type_from_env()
+    given = str(args.job_type).strip().lower() if args.job_type else ""
+    if env is not None and given and (given == "gdat") != (env == "gdat"):
+        raise OptionError(f"AOE_MODE selects {env}, --job-type {args.job_type} another job type: drop one")
+    return given or env or "opat"
 
 
 def _tune(args: argparse.Namespace) -> int:
-    if _is_gdat(args):
+    args.job_type = _job_type(args)
+    if args.job_type == "gdat":
         return _tune_gdat(args)
     given = [flag for attr, flag in _GDAT_ONLY if getattr(args, attr, None) is not None]
     if given:
         raise OptionError(f"{given[0]} applies to --job-type gdat (data-parallel training), not to ONNX models")
     if args.model is None:
         raise OptionError("tune: the following arguments are required: model")
+    if args.model.suffix == ".pt2":
+        raise OptionError(f"{args.model}: a torch.export program; tune its data-parallel training with --job-type gdat")
     return _tune_onnx(args)
 
 
@@ -187,7 +189,7 @@ def _tune_onnx(args: argparse.Namespace) -> int:
     from aoed.engine.policy import policy
     from aoed.engine.prep import parse_input_shapes
 
-    job_type = parse_job_type(args.job_type or "opat")
+    job_type = parse_job_type(args.job_type)
     if args.reload and args.repeat_tune:
         raise OptionError("--reload and --repeat-tune contradict each other: resume, or tune again")
     policy(args.precision, args.min_cosine, args.max_rel_error)  # validates before any work starts

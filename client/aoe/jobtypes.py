@@ -21,6 +21,9 @@ def parse_job_type(raw: object, where: str = "--job-type") -> str:
     """A job type from any of its spellings (opat or 2, sgat or 1, sgat+opat or 1+2)."""
     text = str(raw).strip().lower().replace(",", "+").replace(" ", "")
     job_type = _JOB_TYPE_SPELLINGS.get(text, text)
+    if job_type == "gdat":
+        raise OptionError(f"{where} {raw}: expected opat (2), sgat (1) or sgat+opat here; GDAT jobs (data-parallel "
+                          "training) run embedded for now: aoe tune MODEL.pt2 --job-type gdat")  # fmt: skip
     if job_type not in JOB_TYPES:
         raise OptionError(f"{where} {raw}: expected opat (2), sgat (1) or sgat+opat (both in one job)")
     return job_type
