@@ -327,8 +327,8 @@ async def run_gdat(
     failed = True
     try:
         with _job_log(ws.log_path):
-            log.info("job %s: gdat %s (%s, world of %s on %s)", job_id, opts.model, opts.precision, opts.world_size,
-                     opts.backend)  # fmt: skip
+            log.info("job %s: gdat %s (%s, world of %s on %s)", job_id, opts.model, opts.precision,
+                     opts.world_size or "default size", opts.backend)  # fmt: skip
             async with trio.open_nursery() as nursery:
                 await nursery.start(bank.run)
                 try:

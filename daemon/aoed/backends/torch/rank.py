@@ -291,9 +291,12 @@ def _init(req: dict[str, Any]) -> dict[str, Any]:
     module, args, kwargs, loss_fn = _load(req["source"])
     module = module.to(device)
     gen = torch.Generator().manual_seed(1234 + rank)
-    move = lambda t: t.to(device) if isinstance(t, torch.Tensor) else t  # noqa: E731
-    args = tuple(_perturbed(move(a), rank, gen) for a in args)
-    kwargs = {k: _perturbed(move(v), rank, gen) for k, v in kwargs.items()}
+
+    def mine(t: Any) -> Any:
+        return _perturbed(t.to(device) if isinstance(t, torch.Tensor) else t, rank, gen)
+
+    args = tuple(mine(a) for a in args)
+    kwargs = {k: mine(v) for k, v in kwargs.items()}
     store = dist.FileStore(str(req["store"]), world_size)
     timeout = datetime.timedelta(seconds=float(req.get("timeout_s", 120)))
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
