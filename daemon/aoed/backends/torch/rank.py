@@ -41,6 +41,7 @@ os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
 
 import copy  # noqa: E402
 import datetime  # noqa: E402
+import gc  # noqa: E402
 import importlib.util  # noqa: E402
 import math  # noqa: E402
 import sys  # noqa: E402
@@ -357,6 +358,9 @@ def _measure(req: dict[str, Any]) -> dict[str, Any]:
             out[name] = _measure_one(configs[name], int(req.get("warmup", 2)), int(req.get("steps", 5)))
         except Exception as exc:  # a configuration this torch refuses costs that configuration
             out[name] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
+        # DDP keeps reference cycles (its reducer, logger and hooks): without a collection
+        # each turn's model copy, gradients and buckets would pile up until the next one.
+        gc.collect()
     return {"results": out}
 
 
@@ -418,6 +422,8 @@ def _gate(req: dict[str, Any]) -> dict[str, Any]:
             losses.append(float(loss.detach()))
             opt.step()
         curves.append(losses)
+        del m, opt
+        gc.collect()
     (e0, ek), pk = (curves[0][0], curves[0][-1]), curves[1][-1]
     drop = e0 - ek
     gap = abs(pk - ek) / drop if drop > 0 else math.inf
