@@ -8,6 +8,7 @@ are noise on a shared machine, and no test reads a speed into them.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -247,6 +248,26 @@ async def test_a_killed_rank_costs_its_round_and_the_job_goes_on(pt2: Path, tmp_
     assert Path(r.result_json).is_file() and Path(r.ddp_config).is_file()
     assert all(c["status"] != "failed" for c in r.configurations)  # the round failed, not a configuration
     assert _exist(seen) == set() and _rank_pids() == set()
+
+
+async def test_backend_knobs_are_measured_in_a_world_of_their_own(pt2: Path, tmp_path: Path) -> None:
+    """A knob set before the process group exists (here gloo's TORCH_GLOO_LAZY_INIT) gets
+    its own world, whose ranks carry it, raced against the main world round by round."""
+    knob = (("TORCH_GLOO_LAZY_INIT", "1"),)
+    environs: dict[int, bytes] = {}
+
+    def emit(event) -> None:
+        for pid in _rank_pids():
+            with contextlib.suppress(OSError):
+                environs.setdefault(pid, Path(f"/proc/{pid}/environ").read_bytes())
+
+    r = await run_gdat(_quick(pt2, tmp_path / "out", world_knobs=(knob,)), _config(tmp_path), emit)
+    stage = [c for c in r.configurations if c["stage"] == "world TORCH_GLOO_LAZY_INIT=1"]
+    assert {c["world"] for c in stage} == {"main", "TORCH_GLOO_LAZY_INIT=1"}
+    assert all(c["step_ms"] is not None for c in stage)
+    assert r.resources["worlds"] == 2
+    assert sum(b"TORCH_GLOO_LAZY_INIT=1\0" in env for env in environs.values()) == 2  # that world's two ranks
+    assert _rank_pids() == set()
 
 
 @pytest.mark.parametrize("when", ["measuring", "recording"])
