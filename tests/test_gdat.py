@@ -250,9 +250,24 @@ async def test_a_killed_rank_costs_its_round_and_the_job_goes_on(pt2: Path, tmp_
     assert _exist(seen) == set() and _rank_pids() == set()
 
 
-async def test_backend_knobs_are_measured_in_a_world_of_their_own(pt2: Path, tmp_path: Path) -> None:
-    """A knob set before the process group exists (here gloo's TORCH_GLOO_LAZY_INIT) gets
-    its own world, whose ranks carry it, raced against the main world round by round."""
+_ENTRY = """
+import torch
+
+
+def build():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8))
+    x, y = torch.randn(16, 64), torch.randint(0, 8, (16,))
+    return model, (x,), lambda out: torch.nn.functional.cross_entropy(out, y)
+"""
+
+
+async def test_an_entry_job_measures_a_backend_knob_in_a_world_of_its_own(tmp_path: Path) -> None:
+    """The user's own code (--entry: model, batch, loss) in every rank; and a knob set
+    before the process group exists (here gloo's TORCH_GLOO_LAZY_INIT) gets its own world,
+    whose ranks carry it, raced against the main world round by round."""
+    entry = tmp_path / "train.py"
+    entry.write_text(_ENTRY)
     knob = (("TORCH_GLOO_LAZY_INIT", "1"),)
     environs: dict[int, bytes] = {}
 
@@ -261,7 +276,8 @@ async def test_backend_knobs_are_measured_in_a_world_of_their_own(pt2: Path, tmp
             with contextlib.suppress(OSError):
                 environs.setdefault(pid, Path(f"/proc/{pid}/environ").read_bytes())
 
-    r = await run_gdat(_quick(pt2, tmp_path / "out", world_knobs=(knob,)), _config(tmp_path), emit)
+    r = await run_gdat(_quick(entry, tmp_path / "out", entry="build", world_knobs=(knob,)), _config(tmp_path), emit)
+    assert r.layout.params == (("float32", (256, 64)), ("float32", (256,)), ("float32", (8, 256)), ("float32", (8,)))
     stage = [c for c in r.configurations if c["stage"] == "world TORCH_GLOO_LAZY_INIT=1"]
     assert {c["world"] for c in stage} == {"main", "TORCH_GLOO_LAZY_INIT=1"}
     assert all(c["step_ms"] is not None for c in stage)
