@@ -168,7 +168,7 @@ async def test_a_job_ends_with_outputs_and_a_bank_record_and_the_next_is_answere
     assert g["gdat_tuning_result"] == "tuning successful" and g["model_baseline_performance(ms)"] > 0
     assert g["baseline_tail(ms)"] >= 0 and g["result_tail(ms)"] >= 0
     assert g["repo_summary"]["repo_add_num"] + g["repo_summary"]["repo_unsatisfied_num"] == 1
-    assert doc["confirmation"]["rounds"] == 5 and doc["failed_rounds"] == []
+    assert doc["confirmation"]["rounds"] == 5 and doc["broken_turns"] == []
     measured = [c for c in doc["configurations"] if c.get("step_ms") is not None]
     assert {c["stage"] for c in measured} >= {"flags", "confirm"}
     assert all(len(c["per_rank"]) == 2 and all(p["step_ms"] > 0 for p in c["per_rank"]) for c in measured)
@@ -229,7 +229,7 @@ async def test_a_job_ends_with_outputs_and_a_bank_record_and_the_next_is_answere
     assert outs[0][0].split() == [str(r.shipped.gradient_as_bucket_view), str(r.shipped.static_graph), "[]"]
 
 
-async def test_a_killed_rank_costs_its_round_and_the_job_goes_on(pt2: Path, tmp_path: Path) -> None:
+async def test_a_killed_rank_costs_its_turn_and_the_job_goes_on(pt2: Path, tmp_path: Path) -> None:
     seen: set[int] = set()
     killed: list[int] = []
 
@@ -242,11 +242,11 @@ async def test_a_killed_rank_costs_its_round_and_the_job_goes_on(pt2: Path, tmp_
 
     r = await run_gdat(_quick(pt2, tmp_path / "out"), _config(tmp_path), emit)
     assert killed
-    (failure,) = r.failed_rounds
+    (failure,) = r.broken_turns
     assert "died" in failure["error"] and failure["round"] == 1, failure
     assert r.resources["world_restarts"] == 1
     assert Path(r.result_json).is_file() and Path(r.ddp_config).is_file()
-    assert all(c["status"] != "failed" for c in r.configurations)  # the round failed, not a configuration
+    assert all(c["status"] != "failed" for c in r.configurations)  # one turn failed, not a configuration
     assert _exist(seen) == set() and _rank_pids() == set()
 
 

@@ -347,7 +347,7 @@ def _gdat_summary(r: Any) -> None:
         b = r.budget
         print(f"  search       {len(measured)} configurations in {r.resources.get('worlds', 1)} world(s)"
               + (f", {failed} failed" if failed else "") + (f", {rejected} rejected by the gradient gate" if rejected else "")
-              + (f", {len(r.failed_rounds)} broken rounds" if r.failed_rounds else "")
+              + (f", {len(r.broken_turns)} broken turns" if r.broken_turns else "")
               + f"; {b.get('spent_s', 0):.1f} s of a {b.get('budget_s', 0):.0f} s budget, plus "
               f"{b.get('confirm_s', 0):.1f} s confirming", file=out)  # fmt: skip
     for g in r.gates:

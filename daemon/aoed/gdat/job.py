@@ -296,7 +296,7 @@ class _Job:
             improvement=confirmed.improvement, improvement_ci95=confirmed.improvement_ci95,
             tuning_time_s=time.monotonic() - self.started, update_mode=mode, confirmation=confirmed.to_json(),
             configurations=configurations(figs, chosen, search.gates), gates=search.gates,
-            failed_rounds=list(meter.failures), budget=self.budget.report(),
+            broken_turns=list(meter.failures), budget=self.budget.report(),
             resources={"device_s": round(ledger.device_s, 3), "worlds": len(self.worlds),
                        "world_restarts": sum(w.restarts for w in self.worlds.values()),
                        "configurations_measured": len({f.name for f in search.figures}),

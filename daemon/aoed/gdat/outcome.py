@@ -10,7 +10,8 @@
         configurations[...]: every configuration measured, per stage: its step and tail
              (the world's, and per rank), rounds, DDP's buckets, and what became of it
              (chosen, lost and why, dropped by racing, failed, rejected by the gate)
-        gates[...], failed_rounds[...], layout{...}, budget{...}, resources{...}, notes
+        gates[...], broken_turns[...] (turns whose world broke), layout{...}, budget{...},
+        resources{...}, notes
     {workspace}/tunespace/result/ddp_config.json
         the shipped configuration: DDP's keyword arguments, the comm hook, the process
         group's options, the bank key it is stored under; what `aoe.gdat.ddp()` applies
@@ -58,7 +59,7 @@ class GdatResult:
     confirmation: dict[str, Any] = field(default_factory=dict)
     configurations: list[dict[str, Any]] = field(default_factory=list)
     gates: list[dict[str, Any]] = field(default_factory=list)
-    failed_rounds: list[dict[str, Any]] = field(default_factory=list)
+    broken_turns: list[dict[str, Any]] = field(default_factory=list)
     budget: dict[str, Any] = field(default_factory=dict)
     resources: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
@@ -166,7 +167,7 @@ def result_doc(result: GdatResult) -> dict[str, Any]:
         "confirmation": result.confirmation,
         "configurations": result.configurations,
         "gates": result.gates,
-        "failed_rounds": result.failed_rounds,
+        "broken_turns": result.broken_turns,
         "layout": {"signature": result.layout.signature().digest, "bank_key": result.key,
                    "gradients": len(result.layout.params), "grad_mb": round(result.layout.grad_bytes / (1 << 20), 3),
                    "world_size": result.world_size, "backend": result.backend},  # fmt: skip

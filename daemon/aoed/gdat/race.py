@@ -12,10 +12,13 @@ slowest rank's step (ranks wait for each other at every reduction, so the slowes
 the world's step), and likewise for the communication tail. Per-rank figures are kept.
 
 After `decisions.MIN_ROUNDS` rounds, a configuration clearly slower than the leader is
-dropped (unless protected: the incumbent and DDP's defaults stay to the end). A world
-that breaks during a round (a rank killed, hung or failed) costs that round's figures of
-the configurations it was measuring: the failure is recorded and the next round starts a
-fresh world. `MAX_FAILURES` broken rounds in one job fail the job.
+dropped (unless protected: the incumbent and DDP's defaults stay to the end).
+
+Each configuration's turn is one request to the world, so a world that breaks (a rank
+killed, hung or failed) costs one turn: that configuration's figure for that round. The
+failure is recorded and the next turn starts a fresh world. A configuration whose turns
+broke the world twice is measured no more; `MAX_FAILURES` broken turns in a row (nothing
+works any more) fail the job.
 """
 
 from __future__ import annotations
@@ -37,8 +40,11 @@ __all__ = ["MAX_FAILURES", "Entrant", "Figures", "Meter", "race"]
 
 log = logging.getLogger(__name__)
 
-#: Broken rounds (worlds torn down) a job survives; the next one fails it.
+#: Broken turns in a row (worlds torn down) a job survives; the next one fails it.
 MAX_FAILURES = 3
+#: How long the first turn of a job may take before its world is called hung: nothing is
+#: known of the model's speed yet (afterwards, 20 times the average turn).
+FIRST_TURN_LIMIT_S = 600.0
 
 
 @dataclass(frozen=True)
@@ -63,6 +69,7 @@ class Figures:
     buckets: list[int] = field(default_factory=list)
     error: str = ""
     dropped: str = ""
+    breaks: int = 0  # turns of this configuration during which the world broke
 
     def measurement(self) -> Measurement:
         values = [v for v in self.rounds_us if v]
@@ -94,7 +101,7 @@ class Figures:
 @dataclass
 class Meter:
     """What the races share in one job: the worlds, the request settings, the device-time
-    accounting and the record of broken rounds."""
+    accounting and the record of broken turns."""
 
     worlds: dict[str, World]
     charge: Callable[[float, str], None]  # (device seconds, category)
@@ -107,10 +114,14 @@ class Meter:
     #: seconds one configuration's turn in a round took, on average (the cost model)
     turn_s: float = 0.0
     _turns: int = 0
+    #: broken turns since the last good one
+    broken_in_a_row: int = 0
 
-    def limit_s(self, turns: int) -> float:
+    def limit_s(self, turns: int = 1) -> float:
         """How long a request of `turns` configuration turns may take before its world is
         called hung: generous, a safety net rather than a schedule."""
+        if not self._turns:
+            return FIRST_TURN_LIMIT_S * turns
         return max(120.0, 20 * self.turn_s * turns)
 
     def observe(self, seconds: float, turns: int) -> None:
@@ -119,48 +130,50 @@ class Meter:
             self._turns += turns
 
 
-async def _round(meter: Meter, stage: str, category: str, n: int, world_key: str, alive: Sequence[Entrant],
-                 figs: dict[str, Figures]) -> None:  # fmt: skip
-    world = meter.worlds[world_key]
-    request = {"op": "measure", "configs": {e.name: e.config.to_params() for e in alive},
-               "order": [e.name for e in alive], "warmup": meter.warmup, "steps": meter.steps}  # fmt: skip
+async def _turn(meter: Meter, stage: str, category: str, n: int, world_key: str, e: Entrant,
+                f: Figures) -> None:  # fmt: skip
+    """One configuration's turn in round `n`: its figure for the round, or None."""
+    request = {"op": "measure", "configs": {e.name: e.config.to_params()}, "order": [e.name],
+               "warmup": meter.warmup, "steps": meter.steps}  # fmt: skip
     started = time.monotonic()
     try:
-        replies = await world.call(request, meter.limit_s(len(alive)))
+        replies = await meter.worlds[world_key].call(request, meter.limit_s())
     except WorldError as exc:
         meter.charge(time.monotonic() - started, category)
-        meter.failures.append({"stage": stage, "round": n, "world": world_key or "main",
-                               "configurations": [e.name for e in alive], "error": str(exc)})  # fmt: skip
-        log.warning("%s round %d: %s", stage, n, exc)
-        if len(meter.failures) >= MAX_FAILURES:
-            raise DeviceError(f"GDAT worlds broke {len(meter.failures)} times; the last: {exc}") from None
-        for e in alive:
-            figs[e.name].rounds_us.append(None)
-            figs[e.name].tails_us.append(None)
+        meter.failures.append({"stage": stage, "round": n, "world": world_key or "main", "configuration": e.name,
+                               "error": str(exc)})  # fmt: skip
+        log.warning("%s round %d, %s: %s", stage, n, e.name, exc)
+        meter.broken_in_a_row += 1
+        if meter.broken_in_a_row >= MAX_FAILURES:
+            raise DeviceError(f"GDAT worlds broke {meter.broken_in_a_row} times in a row; the last: {exc}") from None
+        f.breaks += 1
+        if f.breaks >= 2:
+            f.error = f"its world broke during two of its turns; the last: {exc}"
+        f.rounds_us.append(None)
+        f.tails_us.append(None)
         return
     seconds = time.monotonic() - started
     meter.charge(seconds, category)
-    meter.observe(seconds, len(alive))
-    for e in alive:
-        f = figs[e.name]
-        results = [rep["results"].get(e.name, {}) for rep in replies]
-        err = next((r["error"] for r in results if r.get("error")), "")
-        if err:
-            f.error = err
-            f.rounds_us.append(None)
-            f.tails_us.append(None)
-            continue
-        steps = [r["step_us"] for r in results]
-        tails = [r["tail_us"] for r in results]
-        if not f.rank_steps_us:
-            f.rank_steps_us = [[] for _ in replies]
-            f.rank_tails_us = [[] for _ in replies]
-        for rank, (s, t) in enumerate(zip(steps, tails, strict=True)):
-            f.rank_steps_us[rank] += s
-            f.rank_tails_us[rank] += t
-        f.rounds_us.append(stats.median([max(vals) for vals in zip(*steps, strict=True)]))
-        f.tails_us.append(stats.median([max(vals) for vals in zip(*tails, strict=True)]))
-        f.buckets = list(results[0].get("buckets") or [])
+    meter.observe(seconds, 1)
+    meter.broken_in_a_row = 0
+    results = [rep["results"].get(e.name, {}) for rep in replies]
+    err = next((r["error"] for r in results if r.get("error")), "")
+    if err:
+        f.error = err
+        f.rounds_us.append(None)
+        f.tails_us.append(None)
+        return
+    steps = [r["step_us"] for r in results]
+    tails = [r["tail_us"] for r in results]
+    if not f.rank_steps_us:
+        f.rank_steps_us = [[] for _ in replies]
+        f.rank_tails_us = [[] for _ in replies]
+    for rank, (s, t) in enumerate(zip(steps, tails, strict=True)):
+        f.rank_steps_us[rank] += s
+        f.rank_tails_us[rank] += t
+    f.rounds_us.append(stats.median([max(vals) for vals in zip(*steps, strict=True)]))
+    f.tails_us.append(stats.median([max(vals) for vals in zip(*tails, strict=True)]))
+    f.buckets = list(results[0].get("buckets") or [])
 
 
 async def race(
@@ -176,7 +189,7 @@ async def race(
 ) -> dict[str, Figures]:
     """Measure `entrants` in up to `rounds` interleaved rounds (fewer when the budget
     runs out: a round starts only while its estimated cost fits); returns their figures
-    by name. Raises DeviceError after MAX_FAILURES broken rounds in the job, and the
+    by name. Raises DeviceError after MAX_FAILURES broken turns in a row, and the
     job's own errors (ModelError, OptionError) as the world raises them."""
     figs = {e.name: Figures(stage, e.name, e.config, e.world) for e in entrants}
     worlds = sorted({e.world for e in entrants})
@@ -192,9 +205,9 @@ async def race(
         shift = n % len(alive)
         order = alive[shift:] + alive[:shift]
         for w in worlds[n % len(worlds):] + worlds[: n % len(worlds)]:
-            mine = [e for e in order if e.world == w]
-            if mine:
-                await _round(meter, stage, category, n, w, mine, figs)
+            for e in order:
+                if e.world == w:
+                    await _turn(meter, stage, category, n, w, e, figs[e.name])
         for e in entrants:  # every figure list has one entry per round, measured or not
             f = figs[e.name]
             while len(f.rounds_us) < n + 1:
