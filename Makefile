@@ -12,7 +12,7 @@ SAMPLE ?= cnn
 PRECISION ?= exact
 OUT    ?= out
 
-.PHONY: run test protos bench bench-quick clean soak
+.PHONY: run test test-load protos bench bench-quick clean soak
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -40,7 +40,14 @@ test: $(STAMP) $(GDAT_STAMP)
 	@command -v systemd-analyze >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
 	    && apt-get install -y -qq --no-install-recommends systemd >/dev/null 2>&1; } \
 	    || echo "make: systemd-analyze is missing and could not be installed: the unit checks will skip"
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -m "not soak"
+
+# The suite as `make test` runs it, RUNS times (default 5) with LOOPS busy loops (default
+# 2) beside it: each run's result and wall time, and how many were green.
+RUNS  ?= 5
+LOOPS ?= 2
+test-load: $(STAMP)
+	LOOPS=$(LOOPS) bench/suite_under_load.sh $(RUNS)
 
 # Side-by-side benchmarks; they write bench/RESULTS.md and PNG plots beside it.
 $(BENCH_STAMP): $(STAMP) $(GDAT_STAMP) pyproject.toml
@@ -55,6 +62,7 @@ bench: $(BENCH_STAMP)
 	$(BIN)/python bench/bench_sgat.py
 	$(BIN)/python bench/bench_kernels.py
 	$(BIN)/python bench/bench_gdat.py
+	$(BIN)/python bench/bench_fleet.py
 
 bench-quick: $(BENCH_STAMP)
 	$(BIN)/python bench/run.py --quick
@@ -64,11 +72,16 @@ bench-quick: $(BENCH_STAMP)
 	$(BIN)/python bench/bench_sgat.py --quick
 	$(BIN)/python bench/bench_kernels.py --quick
 	$(BIN)/python bench/bench_gdat.py --quick
+	$(BIN)/python bench/bench_fleet.py --quick
 
-# kill -9 of the daemon at 20 random points of its jobs; prints seeds, restarts and the
-# bank entries verified intact (make test runs 3 of them)
+# The suite's soak tests (kill -9 loops; `make test` leaves them out), then kill -9 of the
+# daemon at 20 random points of its jobs (prints seeds, restarts and the bank entries
+# verified intact), then 30 minutes of mixed load with the state dir on a 200 MB tmpfs
+# filled and freed twice (needs root to mount it); its figures go into bench/RESULTS.md.
 soak: $(STAMP)
+	$(BIN)/python -m pytest -q -m soak
 	$(BIN)/python bench/soak.py
+	$(BIN)/python bench/soak_disk.py --minutes 30
 
 protos: $(STAMP)
 	$(BIN)/python -m grpc_tools.protoc -I protos \

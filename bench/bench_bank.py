@@ -52,7 +52,7 @@ def _template(model):
     """A realistic entry: a real task signature and this machine's fingerprint."""
     from aoe.partition import partition
     from aoe.signature import ModelContext, bank_key, device_fingerprint
-    from aoed.bank._codec import BankRecord, Measured, encode
+    from aoe.bankrecord import BankRecord, Measured, encode
 
     tasks = partition(model, ModelContext(model))
     dev = device_fingerprint("CPUExecutionProvider")
@@ -169,7 +169,7 @@ def _reader_proc(path: str, keys: list[bytes], ready, start, stop, results) -> N
 def _writer_proc(path: str, ready, start, stop, results) -> None:
     import dataclasses
 
-    from aoed.bank._codec import decode, encode
+    from aoe.bankrecord import decode, encode
     from aoed.bank.store import BankStore
 
     store = BankStore(path)

@@ -33,10 +33,11 @@ async def measure(tries: int) -> tuple[list[float], list[float]]:
 
     from aoe.config import load_config
     from aoe.errors import JobCancelledError
+    from aoe.spec import JobSpec
     from aoed import samples
     from aoed.backends.ort.catalog import build_registry
     from aoed.engine.engine import open_engine
-    from aoed.engine.job import JobHandle, JobOptions
+    from aoed.engine.job import JobHandle, JobRun
     from aoed.engine.messages import Candidate, MeasurePlan, MeasureRequest
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-cancel-"))
@@ -55,7 +56,7 @@ async def measure(tries: int) -> tuple[list[float], list[float]]:
                 t["cancel"] = time.monotonic()
                 handle.cancel("bench")
 
-            opts = JobOptions(model, tmp / f"out{i}", budget_s=120.0, repeat_tune=True)
+            opts = JobRun(model, tmp / f"out{i}", JobSpec(budget_s=120.0, repeat_tune=True))
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(canceller)
                 try:

@@ -25,9 +25,10 @@ against the same residual as Sum, which it leaves apart (`residual_as_sum`); and
 residual whose sum is read on, Add + LayerNormalization against the SkipLayerNormalization
 that would return that sum as its 4th output (a form aoe does not write; this row says why).
 
-Each variant runs in its own session with intra-op spinning off, timed by the tuner's own
-interleaved procedure (bench/measure.py) while this process holds the device lock; a cell
-is the variant's time over fp32's, the median of per-round ratios with its 95% interval.
+Each variant runs as a user deploys a model (bench/deployed.py): in a process of its own
+holding one session with onnxruntime's defaults (intra-op spinning on), the processes
+taking turns in paired rounds while this process holds the device lock; a cell is the
+variant's time over fp32's, the median of per-round ratios with its 95% interval.
 Inputs and weights are random (the kernels' speed does not depend on the values).
 Writes the section between `<!-- kernels:begin -->` and `<!-- kernels:end -->`.
 """
@@ -42,12 +43,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import deployed
 import measure
 import numpy as np
 from machine import Machine
 from bench_bank import publish
 from onnx import TensorProto, helper, numpy_helper
-from run import Log, side_by_side
+from run import Log, as_deployed
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "RESULTS.md"
@@ -147,14 +149,17 @@ def _product_model(kind: str, m: int, k: int, n: int, rng: np.random.Generator) 
 
 def timed(models: dict[str, bytes], feed: dict[str, np.ndarray], mode: Mode, log: Log, work: Path,
           stem: str) -> dict[str, measure.Latency]:  # fmt: skip
-    """Each of `models` (variant -> serialized model) in a quiet session of its own,
-    timed side by side on `feed`; the reference variant is named fp32."""
-    sessions = {}
+    """Each of `models` (variant -> serialized model) in a process of its own, timed side
+    by side on `feed`; the reference variant is named fp32. RuntimeError names a variant
+    that could not be timed."""
+    paths = {}
     for kind, data in models.items():
-        path = work / f"{stem}_{kind}.onnx"
-        path.write_bytes(data)
-        sessions[kind] = measure.quiet_session(path, tuned=False)
-    return side_by_side(sessions, feed, mode, log)
+        paths[kind] = work / f"{stem}_{kind}.onnx"
+        paths[kind].write_bytes(data)
+    got, errors = as_deployed({k: deployed.Model(p) for k, p in paths.items()}, feed, mode, log)
+    if errors:
+        raise RuntimeError("; ".join(f"{k}: {why}" for k, why in errors.items()))
+    return got
 
 
 def _operator(key: str) -> tuple[dict[str, bytes], dict[str, np.ndarray]]:
@@ -217,7 +222,8 @@ def section(rows: list[tuple[str, int, int, int, dict[str, measure.Latency]]],
         f"Machine: {host.describe(*PACKAGES)}. CPU flags: {_flags()}.", "",
         (f"`{command}` ({mode.name} mode) on {when}, {elapsed_s / 60:.1f} min. Each row is one product "
          f"shape of the bench's bert and gpt samples (M x K times K x N), each variant a model of that "
-         f"product alone, timed side by side over up to {mode.rounds} interleaved rounds, spinning off. "
+         f"product alone, timed side by side over up to {mode.rounds} paired rounds, one session per process "
+         "(onnxruntime's defaults, spinning on), as a model is deployed. "
          "A cell is the variant's time over fp32's: the median of per-round ratios and its 95% interval, "
          "below 1.00x is faster than float. Random inputs and weights. A lone int8 convolution also pays "
          "its quantize, dequantize and the two NHWC transposes onnxruntime puts around QLinearConv; in an "

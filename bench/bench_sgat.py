@@ -13,7 +13,7 @@ and the sample `resnet` (random weights). torch runs only in child processes
 (bench/torch_models.py); an export that fails, or that onnxruntime refuses to load, is
 that model's result.
 
-Peers, per model, measured side by side with aoe's tuned models in this one process:
+Peers, per model, measured side by side with aoe's tuned models:
 onnxruntime fp32 with its default session (ORT_ENABLE_ALL), the 1.00x reference;
 transformers: `quantize_dynamic` with its defaults, onnxruntime's transformers optimizer
 (`optimize_model(path, model_type, num_heads, hidden_size)`), and the optimizer's output
@@ -24,8 +24,9 @@ into a fresh bank and output folder; the tuned model its result JSON names is me
 here, not the figures aoe printed. A peer or a job that fails is recorded as
 "failed: <message>".
 
-Latency goes through the tuner's own interleaved procedure (bench/measure.py) while this
-process holds the machine-wide device lock. Accuracy is measured on held-back inputs
+Latency is measured as a user deploys a model (bench/deployed.py): one session per
+process with onnxruntime's defaults, the processes taking turns in paired rounds, while
+this process holds the machine-wide device lock. Accuracy is measured on held-back inputs
 never used for calibration: lowest output cosine vs fp32 (transformers: random token ids,
 attention mask all ones), top-1 on the digits test split, and top-1 agreement with fp32
 for the random-weight resnet.
@@ -58,7 +59,7 @@ import measure
 import numpy as np
 import onnx
 from machine import Machine
-from run import Log, op_counts, side_by_side
+from run import Log, as_deployed, holding_device, op_counts
 from sgat_report import (
     CALIBRATION_SEED,
     CNN_TUNES,
@@ -86,12 +87,12 @@ BEGIN, END = "<!-- sgat:begin -->", "<!-- sgat:end -->"
 class Mode:
     name: str
     budget_s: float  # `aoe tune --budget` of every job
-    rounds: int  # interleaved latency rounds
+    rounds: int  # paired latency rounds, one session per process
     measure_s: float  # latency budget per model, all variants together
     samples: int  # timed samples per variant and round (fewer for slow models)
     text_inputs: int  # held-back inputs of a transformer
     resnet_inputs: int  # held-back inputs of the resnet
-    deployed_rounds: int = 5  # rounds of bench/deployed.py per transformer and regime
+    deployed_rounds: int = 5  # rounds of the quantize_dynamic vs aoe table per transformer and regime
 
 
 # Full: about 30 minutes on 2 cores (6 aoe jobs per transformer, 2 per CNN).
@@ -143,7 +144,7 @@ class ModelResult:
     fused: str = ""  # what onnxruntime's transformers optimizer wrote (transformers)
     labelled: int = 0  # inputs with true labels (digits_cnn)
     inputs: int = 0  # held-back inputs the accuracy is on
-    deployed: Any = None  # deployed.Deployed: SGAT+OPAT int8 vs qdyn one session at a time
+    deployed: Any = None  # deployed.Deployed: SGAT+OPAT int8 vs qdyn, spinning on and off
 
 
 def short(text: str, limit: int = 400) -> str:
@@ -478,25 +479,19 @@ def _tuned_path(job: Job) -> Path | None:
 # ------------------------------------------------------------------ measuring
 
 
-def _session(v: Variant):
-    return measure.quiet_session(v.path, tuned=v.name.startswith("aoe "))
-
-
 def measure_variants(r: ModelResult, built: Built, mode: Mode, log: Log) -> None:
-    """Accuracy of every variant vs fp32 over the held-back inputs, then latency of all
-    of them side by side on the first input; a variant that does not load or run gets
-    its error."""
-    sessions, outputs = {}, {}
+    """Accuracy of every variant vs fp32 over the held-back inputs (in this process), then
+    latency of all of them side by side on the first input, one session per process; a
+    variant that does not load or run gets its error."""
+    outputs = {}
     for name, v in r.variants.items():
         if v.error or v.path is None:
             continue
-        try:
-            sess = _session(v)
-            outputs[name] = measure.run_all(sess, built.feeds)
+        try:  # the session goes with the call: none stays idle here beside the timed ones
+            outputs[name] = measure.run_all(measure.quiet_session(v.path, tuned=name.startswith("aoe ")), built.feeds)
         except Exception as exc:  # noqa: BLE001 - a model ORT refuses is a result
             v.error = f"onnxruntime refuses it: {_exc(exc)}"
             continue
-        sessions[name] = sess
         with contextlib.suppress(Exception):
             v.ops = op_counts(v.path)
     if REFERENCE not in outputs:
@@ -510,9 +505,13 @@ def measure_variants(r: ModelResult, built: Built, mode: Mode, log: Log) -> None
             v.agree = float(np.mean(pred == ref_pred))
             if built.labels is not None:
                 v.top1 = float(np.mean(pred == built.labels))
-    log(f"  measuring {len(sessions)} variants interleaved")
-    for name, value in side_by_side(sessions, built.feeds[0], mode, log).items():
+    log(f"  measuring {len(outputs)} variants, one session per process")
+    models = {n: deployed.Model(r.variants[n].path, tuned=n.startswith("aoe ")) for n in outputs}
+    timed, errors = as_deployed(models, built.feeds[0], mode, log)
+    for name, value in timed.items():
         r.variants[name].latency = value
+    for name, why in errors.items():
+        r.variants[name].error = short(why)
 
 
 def bench_model(name: str, mode: Mode, work: Path, log: Log) -> ModelResult:
@@ -652,7 +651,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         results = [bench_model(name, mode, work, log) for name in names]
         for r in results:
             if r.kind == "transformer" and not r.error:
-                r.deployed = deployed.measure_model(work / r.name, mode.deployed_rounds)
+                r.deployed = holding_device(lambda r=r: deployed.measure_model(
+                    work / r.name, mode.deployed_rounds, mode.measure_s, mode.samples), log)  # fmt: skip
                 log(f"{r.name} deployed: " + (r.deployed.skipped or " | ".join(
                     f"{g.name}: {g.text()}" for g in r.deployed.regimes)))  # fmt: skip
     host.finish()

@@ -1,25 +1,21 @@
-"""Inputs, accuracy and latency of several sessions of one model, measured side by side.
+"""Inputs, accuracy, and the latency figures of several variants of one model.
 
-Latency goes through the tuner's own measurement procedure,
-`aoed.backends.ort.measure.interleaved`, with a fixed number of rounds (no racing, no
-early stop): in each round every variant takes its turn, in an order that rotates from
-round to round, after a short sleep and one untimed run that keep cold caches out of its
-samples; every session has intra-op spinning off (`quiet_session`), since with several
-sessions on 2 cores the idle ones' spinning threads slowed the running one by up to 2.5x. Variants are compared by their
-paired per-round ratios (drift of a shared machine hits both sides of a pair alike), each
-with a distribution-free 95% interval for its median (`aoed.engine.stats`).
+The latency itself is measured one session per process, as a user deploys a model
+(bench/deployed.py); this module holds what those measurements become (`Latency`) and
+how two of them compare: by their paired per-round ratios (drift of a shared machine hits
+both sides of a pair alike), each with a distribution-free 95% interval for its median
+(`aoed.engine.stats`). The sessions this process makes itself, for the accuracy
+comparisons, have intra-op spinning off (`quiet_session`), as the tuner makes its own.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import onnx
-from aoed.backends.ort.measure import interleaved
-from aoed.engine.messages import MeasurePlan
 from aoed.engine.stats import median, median_ci, paired_ratios
 
 
@@ -48,7 +44,6 @@ __all__ = [
     "describe_inputs",
     "feeds_for",
     "quiet_session",
-    "latencies",
     "predictions",
     "ratio",
     "run_all",
@@ -151,26 +146,6 @@ def describe_inputs(model: onnx.ModelProto) -> str:
             what = "random booleans"
         parts.append(f"`{vi.name}` [{dims}] {what}")
     return "; ".join(parts)
-
-
-def latencies(
-    runs: Mapping[str, Callable[[], object]],
-    *,
-    rounds: int,
-    budget_s: float,
-    samples: int,
-    reference: str | None = None,
-) -> dict[str, Latency]:
-    """Every callable in `runs` timed in `rounds` interleaved rounds by the tuner's own
-    procedure (fewer when `budget_s` runs out first; `Latency.rounds` says how many).
-    `reference` is measured even if one run of it overruns the budget."""
-    timings = interleaved(runs, MeasurePlan.fixed(rounds, budget_s, samples), keep=reference)
-    return {
-        name: Latency(
-            t.median_us / 1e3, t.spread, tuple(t.rounds_us), t.batch, t.reason if t.dropped else ""
-        )
-        for name, t in timings.items()
-    }
 
 
 def ratio(a: Latency | None, b: Latency | None) -> Ratio | None:

@@ -18,7 +18,7 @@ COLORS = {"quantize_dynamic": "#9e9e9e", "aoe exact": "#1f77b4", "aoe int8": "#d
 
 
 def _speedups(results: Sequence[Any], path: Path) -> Path:
-    from targets import field_of, speedup
+    from targets import model_figure, speedup
 
     names = [r.name for r in results]
     variants = list(COLORS)
@@ -60,7 +60,7 @@ def _speedups(results: Sequence[Any], path: Path) -> Path:
                 tuner = (
                     None
                     if run.full.error
-                    else field_of(run.full.doc, "OPAT", "model_performance_improvement")
+                    else model_figure(run.full.doc, "model_performance_improvement")
                 )
                 if tuner is not None:
                     label = None if "tuner" in labeled else "tuner's own figure"
@@ -72,7 +72,7 @@ def _speedups(results: Sequence[Any], path: Path) -> Path:
     ax.set_ylabel("speedup vs onnxruntime fp32 (higher is better)")
     ax.set_ylim(0, top * 1.3 + 0.1)
     ax.set_title(
-        "Speedup vs onnxruntime fp32: median of paired per-round ratios, 95% interval",
+        "Speedup vs onnxruntime fp32, one session per process: median of paired per-round ratios, 95% interval",
         fontsize=10,
     )
     ax.legend(fontsize=8, loc="upper left", ncols=3)

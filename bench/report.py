@@ -27,14 +27,21 @@ from targets import (
     tuner_ab,
 )
 
-__all__ = ["BEGIN", "END", "merge", "write"]
+__all__ = ["BEGIN", "COST_BEGIN", "COST_END", "END", "merge", "write"]
 
 BEGIN, END = "<!-- models:begin -->", "<!-- models:end -->"
+COST_BEGIN, COST_END = "<!-- default-job-type:begin -->", "<!-- default-job-type:end -->"
 TITLE = "# Benchmark results"
 INTRO = "This file is written by `make bench`; each benchmark owns one section."
 PACKAGES = ("onnxruntime", "onnx", "numpy", "scikit-learn")
 _SECTION = re.compile(r"<!-- [\w-]+:begin -->")
 VARIANTS = ("fp32", "quantize_dynamic", "aoe exact", "aoe int8")
+
+
+def _budget(mode) -> str:
+    if mode.budget_s is None:
+        return "budget fitted by the tuner (no --budget)"
+    return f"budget {mode.budget_s:g} s per job"
 
 
 def _cell(text: object) -> str:
@@ -194,6 +201,68 @@ def _tuning_table(results: Sequence[Any]) -> list[str]:
     return lines
 
 
+def _job_budget(doc: dict[str, Any]) -> str:
+    budget = field_of(doc, "budget", "budget_s")
+    return f"job {job_s(doc):.1f}" + ("" if budget is None else f" of {float(budget):.1f}")
+
+
+def _default_cost_table(results: Sequence[Any]) -> list[str]:
+    lines = [
+        (
+            "| model | precision | default (sgat+opat) s | OPAT alone s | default / OPAT | "
+            "tasks (default / OPAT) | shipped (default / OPAT) |"
+        ),
+        "|---|---|--:|--:|--:|--:|---|",
+    ]
+    for r in results:
+        for p, run in r.tunes.items():
+            full, opat = run.full, run.opat
+            if opat is None:
+                continue
+            if full.error or opat.error:
+                err = "; ".join(f"{what}: {j.error}" for what, j in (("default", full), ("OPAT", opat)) if j.error)
+                lines.append(f"| {r.name} | {p} | failed | | | | {_cell(err)} |")
+                continue
+            lines.append(
+                f"| {r.name} | {p} | {full.wall_s:.1f} ({_job_budget(full.doc)}) | "
+                f"{opat.wall_s:.1f} ({_job_budget(opat.doc)}) | {full.wall_s / opat.wall_s:.2f}x | "
+                f"{len(full.doc['tasks'])} / {len(opat.doc['tasks'])} | "
+                f"{shipped(full.doc)} / {shipped(opat.doc)} |"
+            )
+    return lines
+
+
+def cost_section(results: Sequence[Any], mode, *, started: float, command: str, host: Machine) -> str:
+    """The section on what the default job type costs in tuning time against OPAT alone."""
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started))
+    models = ", ".join(f"`{r.name}`" for r in results)
+    real = [f"`{r.name}`" for r in results if r.labelled]
+    return "\n".join([
+        "## Tuning time of the default job type",
+        "",
+        f"Machine: {host.describe(*PACKAGES)}.",
+        "",
+        (
+            f"`{command}` ({mode.name} mode) on {when}. The aoe jobs of that run's models "
+            "comparison name no job type, so they run the default, sgat+opat (subgraphs, then "
+            "operators over the nodes they left); just before each, the same job ran with "
+            "`--job-type opat` (OPAT alone) into a fresh bank of its own, "
+            + (f"with the same `--budget {mode.budget_s:g}`: both searches get the same device "
+               "seconds, so the ratio is what finding, compiling and verifying the subgraph "
+               "tasks adds. "
+               if mode.budget_s is not None else
+               "both with no `--budget`, as a user who names none runs them: the tuner fits each "
+               "job's budget to the tasks it finds, so a job with more tasks gets more seconds. ")
+            + "Seconds of each `aoe tune` process, start to exit (the job's own "
+            "`tuning_time(s)` and the budget it had in brackets). Models: "
+            f"{models}; " + (f"all have random weights and synthetic inputs but {', '.join(real)} "
+                             "(trained, real images)." if real else "all have random weights and synthetic inputs.")
+        ),
+        "",
+        *_default_cost_table(results),
+    ]).rstrip()
+
+
 def section(
     results: Sequence[Any],
     mode,
@@ -210,9 +279,10 @@ def section(
         "",
         (
             f"`{command}` ({mode.name} mode) on {when}, {elapsed_s / 60:.1f} min in all. "
-            f"aoe tune budget {mode.budget_s:g} s per job; latency over up to {mode.rounds} "
-            f"interleaved rounds (per variant and round up to {mode.samples} timed samples of "
-            f"about 2 ms or one run, fewer for a slow model so that the rounds fit in "
+            f"aoe tune {_budget(mode)}, no job type named (the default, "
+            f"sgat+opat); latency over up to {mode.rounds} paired rounds, one session per "
+            f"process (per variant and round up to {mode.samples} timed samples of about 2 ms "
+            f"or one run, fewer for a slow model so that the rounds fit in "
             f"{mode.measure_s:g} s); repeat-decision check on "
             f"{', '.join(repeated) or 'no model'}."
         ),
@@ -222,11 +292,11 @@ def section(
         *[f"- `{r.name}` ({r.description}): {r.data}." for r in results],
         "",
         (
-            "How to read it: all four variants of a model run in one process on the same "
-            "inputs, timed by the tuner's own measurement procedure "
-            "(`aoed.backends.ort.measure.interleaved`, a fixed number of rounds, the variants' "
-            "order rotating from round to round) while this process holds the machine-wide "
-            "device lock, so no tuner measures at the same time. *median ms* is the median of "
+            "How to read it: latency is measured as a user deploys a model (bench/deployed.py): "
+            "each variant in a process of its own holding one session with onnxruntime's "
+            "defaults (intra-op spinning on), the processes taking turns in rounds, the order "
+            "rotating from round to round, while this process holds the machine-wide device "
+            "lock, so no tuner measures at the same time. *median ms* is the median of "
             "a variant's timed samples and *spread* their interquartile range over it. *vs "
             "fp32* is the median of the per-round ratios fp32 / variant, with a distribution-free "
             "95% interval for that median; *rounds* is how many rounds measured the variant. "
@@ -260,8 +330,9 @@ def section(
         "### Tuner-reported vs independently measured improvement",
         "",
         (
-            "*tuner* columns come from the job's result JSON: `OPAT.model_performance_improvement` "
-            "(input / shipped model - 1, from the tuner's confirming A/B in its runner process) "
+            "*tuner* columns come from the job's result JSON: `model_performance_improvement` "
+            "(input / shipped model - 1, from the tuner's confirming A/B: **not as deployed**, "
+            "both models interleaved in its one runner process with spinning off) "
             "and `confirmation.improvement_ci95`, `confirmation.verdict` where the job wrote "
             "them (n/a where it did not). *bench* columns are this run's measurement of the "
             "shipped model against onnxruntime fp32 of the input model (the *vs fp32* column "
@@ -330,15 +401,15 @@ def section(
     return "\n".join(lines).rstrip()
 
 
-def merge(doc: str, header: str, block: str) -> str:
-    """`doc` with its header replaced, and our block replaced or put first among the
-    sections; every other section is kept as it is."""
+def merge(doc: str, header: str, block: str, begin: str = BEGIN, end: str = END) -> str:
+    """`doc` with its header replaced, and the block between `begin` and `end` replaced
+    or put first among the sections; every other section is kept as it is."""
     m = _SECTION.search(doc)
     sections = doc[m.start() :] if m else ""
-    wrapped = f"{BEGIN}\n{block}\n{END}"
-    if BEGIN in sections and END in sections:
-        head, rest = sections.split(BEGIN, 1)
-        _, tail = rest.split(END, 1)
+    wrapped = f"{begin}\n{block}\n{end}"
+    if begin in sections and end in sections:
+        head, rest = sections.split(begin, 1)
+        _, tail = rest.split(end, 1)
         sections = head + wrapped + tail
     else:
         sections = wrapped + ("\n\n" + sections if sections else "\n")
@@ -371,5 +442,11 @@ def write(
         plots=[str(p) for p in pngs],
     )
     doc = out.read_text() if out.exists() else ""
-    out.write_text(merge(doc, header, block))
+    doc = merge(doc, header, block)
+    if any(run.opat is not None for r in results for run in r.tunes.values()):
+        cost = cost_section(results, mode, started=started, command=command, host=host)
+        # after the models section, where a first run puts it
+        doc = merge(doc, header, cost, COST_BEGIN, COST_END) if COST_BEGIN in doc else doc.replace(
+            f"{END}\n", f"{END}\n\n{COST_BEGIN}\n{cost}\n{COST_END}\n", 1)
+    out.write_text(doc)
     return [*pngs, out]

@@ -4,16 +4,20 @@
 
 For every model, in one run: onnxruntime with default session options (fp32, the 1.00x
 reference); `onnxruntime.quantization.quantize_dynamic` with its defaults (what a user
-picks for int8 today); `aoe tune --precision exact`; `aoe tune --precision int8`.
+picks for int8 today); `aoe tune --precision exact`; `aoe tune --precision int8`. The aoe
+jobs name no job type, so they run the default a user gets (sgat+opat); each is also run
+with `--job-type opat` (OPAT alone) into a fresh bank, with the same budget, for what the
+default costs in tuning time.
 
 Each aoe run tunes into a fresh bank and is then repeated on that bank, which answers it
 from the bank alone (the bank-hit path). For the repeat check (every model and precision
 in full mode; two models, int8, in quick mode) the same job also runs a second time into
-another fresh bank, and the two runs' decisions are compared. Latency and accuracy of the four variants
-are measured in this one process on the same inputs, with the tuner's own measurement
-procedure and while holding the machine-wide device lock, so no tuner measures at the
-same time (bench/measure.py); tuning cost and the tuner's own figures come from each
-run's result JSON and wall clock.
+another fresh bank, and the two runs' decisions are compared. Accuracy of the four
+variants is compared in this process on the same inputs; latency is measured as a user
+deploys a model (bench/deployed.py): one session per process with onnxruntime's
+defaults, the processes taking turns in paired rounds, while this process holds the
+machine-wide device lock, so no tuner measures at the same time. Tuning cost and the
+tuner's own figures come from each run's result JSON and wall clock.
 
 The sample models (aoed.samples) have random weights and are fed synthetic inputs;
 `digits` (bench/digits.py) is trained on real images and is fed real held-out images, and
@@ -42,6 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import deployed
 import measure
 import numpy as np
 import onnx
@@ -64,6 +69,8 @@ MODELS: dict[str, str] = {
 }
 QUICK_MODELS = ("cnn", "legacy_cnn", "transformer", "resnet", "bert", "gpt", "digits")
 PRECISIONS = ("exact", "int8")
+#: The job type run beside the default (which the jobs leave unnamed) for its tuning time.
+OPAT = "opat"
 TUNE_TIMEOUT_S = 3600.0
 REFERENCE = "fp32"
 
@@ -71,8 +78,8 @@ REFERENCE = "fp32"
 @dataclass(frozen=True)
 class Mode:
     name: str
-    budget_s: float  # `aoe tune --budget`
-    rounds: int  # interleaved latency rounds
+    budget_s: float | None  # `aoe tune --budget`; None: none given, the tuner fits one
+    rounds: int  # paired latency rounds, one session per process
     measure_s: float  # the latency measurement's budget per model, all variants together
     # Timed samples per variant and round, each of about 2 ms or one run (the tuner's
     # sizing); fewer for slow models, so that the rounds fit in `measure_s`.
@@ -112,6 +119,8 @@ class TuneRun:
     full: Job
     hit: Job | None = None
     repeat: Job | None = None
+    #: the same job as `full` with --job-type opat, into a fresh bank, for the default's cost
+    opat: Job | None = None
 
 
 @dataclass
@@ -179,13 +188,18 @@ def aoe_tune(
     precision: str,
     bank: Path,
     output: Path,
-    budget_s: float,
+    budget_s: float | None,
     calibration: Path | None = None,
+    job_type: str | None = None,
 ) -> Job:
-    """Runs `aoe tune` in its own process and reads its result JSON."""
+    """Runs `aoe tune` in its own process (with `--job-type job_type`, or none: the
+    default a user gets) and reads its result JSON."""
     cmd = [sys.executable, "-m", "aoe.cli", "tune", str(model), "--no-progress"]
     cmd += ["--precision", precision, "--bank", str(bank), "--output", str(output)]
-    cmd += ["--budget", f"{budget_s:g}"]
+    if budget_s is not None:
+        cmd += ["--budget", f"{budget_s:g}"]
+    if job_type is not None:
+        cmd += ["--job-type", job_type]
     if calibration is not None:
         cmd += ["--calibration", str(calibration)]
     # The bank is the one named here, and a bank hit must be taken, not re-tuned.
@@ -202,7 +216,7 @@ def aoe_tune(
     if proc.returncode != 0:
         job.error = f"aoe tune exit {proc.returncode}: {_first_line(proc.stderr)}"
         return job
-    reports = sorted(output.glob("aoe_result_opat_*.json"))
+    reports = sorted(output.glob("aoe_result_*.json"))
     if len(reports) != 1:
         job.error = f"aoe tune wrote {len(reports)} result files in {output}, expected 1"
         return job
@@ -220,10 +234,14 @@ def tune(
     calibration: Path | None,
     repeat: bool,
 ) -> TuneRun:
-    def one(bank: str, out: str) -> Job:
-        return aoe_tune(model, precision, work / bank, work / out, mode.budget_s, calibration)
+    def one(bank: str, out: str, job_type: str | None = None) -> Job:
+        return aoe_tune(model, precision, work / bank, work / out, mode.budget_s, calibration, job_type)
 
-    run = TuneRun(precision, one("bank", "full"))
+    # OPAT alone first, then the default, one after the other: their tuning times are a pair.
+    opat = one("bank-opat", "opat", OPAT)
+    log(f"  aoe {precision} --job-type {OPAT}: "
+        + (f"FAILED {opat.error}" if opat.error else f"tuned in {opat.wall_s:.1f} s"))
+    run = TuneRun(precision, one("bank", "full"), opat=opat)
     if run.full.error:
         log(f"  aoe {precision}: FAILED {run.full.error}")
         return run
@@ -272,10 +290,6 @@ def op_counts(path: Path) -> dict[str, int]:
     return counts
 
 
-def _session(variant: Variant):
-    return measure.quiet_session(variant.path, tuned=variant.name.startswith("aoe"))
-
-
 def holding_device(fn: Callable[[], Any], log: Log) -> Any:
     """`fn()` while holding the machine-wide device lock the tuner's measurements take,
     so no `aoe tune` (this run's or another process's) measures at the same time."""
@@ -302,19 +316,17 @@ def measure_variants(
     labels: np.ndarray | None = None,
 ) -> None:
     """Accuracy of every variant against fp32 over `feeds` (and against `labels`, one
-    per row of the first output, where given), then latency on `feeds[0]`."""
-    sessions = {}
+    per row of the first output, where given), in this process; then latency on
+    `feeds[0]`, one session per process (`as_deployed`)."""
     outputs = {}
     for name, v in variants.items():
         if v.error or v.path is None:
             continue
-        try:
-            sess = _session(v)
-            outputs[name] = measure.run_all(sess, feeds)
+        try:  # the session goes with the call: none stays idle here beside the timed ones
+            outputs[name] = measure.run_all(measure.quiet_session(v.path, tuned=name.startswith("aoe")), feeds)
         except Exception as exc:  # noqa: BLE001 - a model that does not load or run is a result
             v.error = _first_line(f"{type(exc).__name__}: {exc}")
             continue
-        sessions[name] = sess
         v.ops = op_counts(v.path)
     if REFERENCE not in outputs:
         raise RuntimeError(f"the fp32 model does not run: {variants[REFERENCE].error}")
@@ -325,22 +337,20 @@ def measure_variants(
             predicted = measure.predictions(out)
             variants[name].top1 = float(np.mean(predicted == labels))
             variants[name].agree = float(np.mean(predicted == reference))
-    for name, value in side_by_side(sessions, feeds[0], mode, log).items():
+    models = {n: deployed.Model(variants[n].path, tuned=n.startswith("aoe")) for n in outputs}
+    timed, errors = as_deployed(models, feeds[0], mode, log)
+    for name, value in timed.items():
         variants[name].latency = value
+    for name, why in errors.items():
+        variants[name].error = _first_line(why)
 
 
-def side_by_side(sessions: dict, feed: dict[str, np.ndarray], mode, log: Log) -> dict:
-    """Latency of every session on `feed`, interleaved (`mode`'s rounds, budget and
-    samples), while this process holds the device lock; fp32 is the reference."""
-    runs = {n: (lambda s=s: s.run(None, feed)) for n, s in sessions.items()}
+def as_deployed(models: dict[str, deployed.Model], feed: dict[str, np.ndarray], mode, log: Log):
+    """Latency of every model on `feed` as a user deploys it: one session per process,
+    the processes in turn over `mode`'s rounds, budget and samples (bench/deployed.py),
+    while this process holds the device lock; and why any could not be timed."""
     return holding_device(
-        lambda: measure.latencies(
-            runs,
-            rounds=mode.rounds,
-            budget_s=mode.measure_s,
-            samples=mode.samples,
-            reference=REFERENCE,
-        ),
+        lambda: deployed.latencies(models, feed, rounds=mode.rounds, budget_s=mode.measure_s, samples=mode.samples),
         log,
     )
 
@@ -394,7 +404,7 @@ def bench_model(name: str, mode: Mode, work: Path, log: Log) -> ModelResult:
         full = run.full
         tuned = Path(full.doc["tuned_model"]) if not full.error else None
         variants[f"aoe {precision}"] = Variant(f"aoe {precision}", tuned, error=full.error)
-    log(f"  measuring {len(variants)} variants interleaved")
+    log(f"  measuring {len(variants)} variants, one session per process")
     measure_variants(feeds, variants, mode, log, labels)
     ref = variants[REFERENCE].latency
     for v in variants.values():
@@ -430,8 +440,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="fewer models, small tuning budget")
     ap.add_argument("--models", help=f"comma-separated subset of: {','.join(MODELS)}")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "RESULTS.md")
-    ap.add_argument("--budget", type=float, help="aoe tune --budget (seconds) for every job")
-    ap.add_argument("--rounds", type=int, help="interleaved latency rounds")
+    ap.add_argument("--budget", help="aoe tune --budget (seconds) for every job, or 'fitted': none "
+                    "given, as a user who names none runs it (the tuner fits one to the tasks it finds)")
+    ap.add_argument("--rounds", type=int, help="paired latency rounds")
     ap.add_argument(
         "--repeat",
         help="comma-separated models whose tuning is repeated into a fresh bank to compare "
@@ -452,7 +463,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     mode = QUICK if args.quick else FULL
     changes: dict[str, Any] = {}
     if args.budget is not None:
-        changes["budget_s"] = args.budget
+        changes["budget_s"] = None if args.budget == "fitted" else float(args.budget)
     if args.rounds is not None:
         changes["rounds"] = args.rounds
     if args.repeat is not None:

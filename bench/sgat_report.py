@@ -253,8 +253,9 @@ def section(results: Sequence[ModelResult], mode: Mode, *, host: Machine, comman
         (
             f"`{command}` ({mode.name} mode) on {when}, {elapsed_s / 60:.1f} min in all. aoe tune "
             f"budget {mode.budget_s:g} s per job, each job into a fresh bank; latency over up to "
-            f"{mode.rounds} interleaved rounds (up to {mode.samples} timed samples per variant and "
-            f"round, fewer for a slow model so that the rounds fit in {mode.measure_s:g} s)."
+            f"{mode.rounds} paired rounds, one session per process (up to {mode.samples} timed "
+            f"samples per variant and round, fewer for a slow model so that the rounds fit in "
+            f"{mode.measure_s:g} s)."
         ),
         "",
         (
@@ -266,14 +267,15 @@ def section(results: Sequence[ModelResult], mode: Mode, *, host: Machine, comman
         *[f"- `{r.name}` ({r.description or 'not built'}): {r.data or 'n/a'}." for r in results],
         "",
         (
-            "How to read it: every variant of a model runs in this one process on the same "
-            "input, timed by the tuner's own procedure (`aoed.backends.ort.measure.interleaved`, "
-            "the variants' order rotating from round to round) while this process holds the "
-            "machine-wide device lock. A cell is the speedup vs fp32 (median of per-round "
-            "ratios, 95% interval), then the median ms and the interquartile spread over it. "
-            "fp32 and the peers run in a default onnxruntime session (ORT_ENABLE_ALL) with intra-op spinning off, like every session timed here; aoe's "
-            "tuned models (the `tuned_model` of each job's result JSON) run through "
-            "`aoe.session`, with the session options the tuner stored. *min cosine* is the "
+            "How to read it: latency is measured as a user deploys a model (bench/deployed.py): "
+            "every variant of a model in a process of its own holding one session, on the same "
+            "input, the processes taking turns in rounds (the order rotating from round to "
+            "round) while this process holds the machine-wide device lock. A cell is the "
+            "speedup vs fp32 (median of per-round ratios, 95% interval), then the median ms and "
+            "the interquartile spread over it. fp32 and the peers run in a default onnxruntime "
+            "session (ORT_ENABLE_ALL, intra-op spinning on); aoe's tuned models (the "
+            "`tuned_model` of each job's result JSON) run through `aoe.session`, with the "
+            "session options the tuner stored. *min cosine* is the "
             "lowest cosine of the outputs vs fp32 over the held-back inputs. *fp32, 2nd "
             "session* is the same file in a second such session, timed like the others: how "
             "far apart two identical models read here (a job that shipped its input runs "
@@ -300,18 +302,16 @@ def section(results: Sequence[ModelResult], mode: Mode, *, host: Machine, comman
         if len(deployed) > 2:
             lines += [
                 "",
-                "### Transformers as one deployed session runs them (`bench/deployed.py`)",
+                "### Transformers: intra-op spinning on (deployed) and off (`bench/deployed.py`)",
                 "",
                 (
-                    "The table above times every session with intra-op spinning off, as the "
-                    "interleaving needs; a server runs one session with onnxruntime's defaults, "
-                    "spinning on. Here, after the table above, quantize_dynamic and aoe's "
-                    "SGAT+OPAT int8 model run one session at a time in this process (made, "
-                    "warmed with 15 runs, timed over 40, dropped before the next is made; aoe's "
-                    f"with the session options its job stored), in turn, {mode.deployed_rounds} "
-                    "rounds per regime. A cell is aoe's speedup over quantize_dynamic: the "
-                    "median of the per-round ratios, their range in brackets, then each side's "
-                    "median time."
+                    "quantize_dynamic and aoe's SGAT+OPAT int8 model again, one session per "
+                    "process as above, with intra-op spinning on (onnxruntime's default, as "
+                    "deployed) and forced off (as the tuner measures, so that its interleaved "
+                    f"sessions do not disturb each other), {mode.deployed_rounds} paired rounds "
+                    "per regime (aoe's with the session options its job stored). A cell is "
+                    "aoe's speedup over quantize_dynamic: the median of the per-round ratios, "
+                    "their range in brackets, then each side's median time."
                 ),
                 "",
                 *deployed,

@@ -12,7 +12,7 @@ to end. It then checks that the job ended SUCCEEDED or FAILED with a message and
 class of the failure, that every bank entry there at the kill is still there, that
 SQLite's integrity_check of the job store passes (after the kill and after the job) and
 that LMDB opens the bank. `tests/test_faults.py` runs the same round (`kill9_round`)
-for three seeds. The counts at the end: seeds, restarts, bank entries verified intact
+for three seeds, as a soak test (`make soak` runs it first). The counts at the end: seeds, restarts, bank entries verified intact
 (summed over the kills). Exit status 1 when any check failed; the daemon's files are
 kept then (and with --keep) for a look.
 

@@ -22,11 +22,14 @@ __all__ = [
     "Repeat",
     "Target",
     "agreement",
+    "aoe_sections",
     "field_of",
     "final_choices",
     "full_hit",
     "job_s",
+    "model_figure",
     "pct",
+    "repo_counts",
     "repeat",
     "shipped",
     "signed",
@@ -140,16 +143,37 @@ def _strategies(tasks: list[dict[str, Any]]) -> str:
     return ", ".join(f"{s} x{n}" for s, n in counts.most_common()) or "none"
 
 
+def aoe_sections(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """The job's AOE sections: OPAT, SGAT, or both for a sgat+opat job (each with the
+    job's model figures, and the repo summary of its own tasks)."""
+    return [doc[k] for k in ("OPAT", "SGAT") if isinstance(doc.get(k), dict)]
+
+
+def repo_counts(doc: dict[str, Any]) -> dict[str, int]:
+    """The job's repo_summary counts, summed over its sections (a sgat+opat job counts
+    its subgraph and its operator tasks apart); {} where it has none."""
+    out: dict[str, int] = {}
+    for s in aoe_sections(doc):
+        for k, v in (s.get("repo_summary") or {}).items():
+            out[k] = out.get(k, 0) + int(v)
+    return out
+
+
+def model_figure(doc: dict[str, Any], key: str) -> Any:
+    """One of the job's model figures (the same in every section); None where absent."""
+    return next((s[key] for s in aoe_sections(doc) if key in s), None)
+
+
 def tuner_ab(doc: dict[str, Any]) -> float:
-    o = doc["OPAT"]
-    return o["model_baseline_performance(ms)"] / max(o["model_result_performance(ms)"], 1e-9)
+    base, result = (model_figure(doc, f"model_{k}_performance(ms)") for k in ("baseline", "result"))
+    return base / max(result, 1e-9)
 
 
 def full_hit(doc: dict[str, Any]) -> bool:
     """Every bank entry the job needed came from the bank, and it measured no candidate."""
-    repo = field_of(doc, "OPAT", "repo_summary") or {}
+    repos = [s.get("repo_summary") or {} for s in aoe_sections(doc)]
     trials = field_of(doc, "resources", "trials")
-    return bool(repo) and repo.get("repo_hit_num") == repo.get("total_num") and trials == 0
+    return bool(repos) and all(r.get("repo_hit_num") == r.get("total_num") for r in repos) and trials == 0
 
 
 def pct(x: float) -> str:
@@ -183,7 +207,7 @@ def tuning_jobs(results: Sequence[Any]) -> list[tuple[str, Any]]:
 class Agreement:
     """The tuner's own improvement figure next to the bench's independent one."""
 
-    tuner: float | None  # OPAT.model_performance_improvement
+    tuner: float | None  # the result JSON's model_performance_improvement
     tuner_ci: tuple[float, float] | None  # confirmation.improvement_ci95
     bench: measure.Ratio | None  # fp32 / shipped model, paired by round
     status: str  # PASS, FAIL or n/a
@@ -201,7 +225,7 @@ def agreement(r, precision: str) -> Agreement | None:
     if run.full.error:
         return None
     doc = run.full.doc
-    tuner = field_of(doc, "OPAT", "model_performance_improvement")
+    tuner = model_figure(doc, "model_performance_improvement")
     ci = field_of(doc, "confirmation", "improvement_ci95")
     ci = (float(ci[0]), float(ci[1])) if isinstance(ci, list | tuple) and len(ci) == 2 else None
     bench = speedup(r, f"aoe {precision}")
@@ -272,7 +296,7 @@ def _tuner_facts(doc: dict[str, Any]) -> str:
         f"The tuner changed {len(changed)} of {len(doc['tasks'])} tasks "
         f"({_strategies(changed)}), session options {opts or 'none'}; it shipped "
         f"{shipped(doc)} (verdict {verdict or 'n/a'}) and reported "
-        f"{signed(field_of(doc, 'OPAT', 'model_performance_improvement'))} "
+        f"{signed(model_figure(doc, 'model_performance_improvement'))} "
         f"(95% interval {'n/a' if not ci else f'{signed(ci[0])} to {signed(ci[1])}'})."
     )
     reverted = _reverted(doc)
@@ -470,13 +494,12 @@ def _target_agreement(results: Sequence[Any]) -> Target:
 
 def _why_disagree(r, p: str, a: Agreement) -> str:
     doc = r.tunes[p].full.doc
-    o = doc.get("OPAT") or {}
+    o = {k: model_figure(doc, f"model_{k}_performance(ms)") or "n/a" for k in ("baseline", "result")}
     lo, hi = a.bench_range
     ci = f"{signed(a.tuner_ci[0])} to {signed(a.tuner_ci[1])}" if a.tuner_ci else "n/a"
     return (
         f"**{r.name} {p}**: the tuner reported {signed(a.tuner)} (interval {ci}; input "
-        f"{o.get('model_baseline_performance(ms)', 'n/a')} ms, shipped "
-        f"{o.get('model_result_performance(ms)', 'n/a')} ms, in its runner process); the bench "
+        f"{o['baseline']} ms, shipped {o['result']} ms, in its runner process); the bench "
         f"measured {signed(a.bench.median - 1)} ({signed(lo)} to {signed(hi)}) over "
         f"{a.bench.pairs} paired rounds (fp32 {_ms(r.variants['fp32'])}, aoe {p} "
         f"{_ms(r.variants[f'aoe {p}'])}). Shipped: {shipped(doc)}; session options "
@@ -579,7 +602,7 @@ def _target_duty(results: Sequence[Any]) -> Target:
 
 def _why_hit_slow(model: str, precision: str, run) -> str:
     hit, full = run.hit.doc, run.full.doc
-    repo = field_of(hit, "OPAT", "repo_summary") or {}
+    repo = repo_counts(hit)
     res = hit["resources"]
     h = job_s(hit)
     budget = hit.get("budget") or {}
@@ -610,7 +633,7 @@ def _target_hit(results: Sequence[Any]) -> Target:
                 continue
             if not full_hit(run.hit.doc):
                 passed = False
-                repo = field_of(run.hit.doc, "OPAT", "repo_summary") or {}
+                repo = repo_counts(run.hit.doc)
                 misses.append(
                     f"**{r.name} {p}**: the second run was not a full bank hit: "
                     f"{repo.get('repo_hit_num', 'n/a')} of {repo.get('total_num', 'n/a')} "

@@ -8,6 +8,7 @@
 #   PREFIX/venv/                        a virtual environment with aoed (pip, from this tree)
 #   PREFIX/share/aoed/                  the default aoed.toml and the drop-in examples
 #   PREFIX/share/doc/aoed/README.md     the operator's guide
+#   PREFIX/share/doc/aoed/grafana-dashboard.json   an example dashboard of its metrics
 #   /usr/lib/systemd/system/aoed.service
 #   /usr/lib/sysusers.d/aoed.conf       the user and group aoed
 #   /usr/lib/tmpfiles.d/aoed.conf       /var/lib/aoed and its inbox/, outbox/, failed/
@@ -106,12 +107,17 @@ else
     SYSTEMD=no
 fi
 
+# What was written, one path a line: a staged install (--destdir) lists it at the end.
+WRITTEN=
+
 # put MODE SRC DST: install one file (its folder made as needed); same result every run.
 put() {
     mkdir -p "$(dirname "$DESTDIR$3")"
     cp "$2" "$DESTDIR$3.tmp"
     chmod "$1" "$DESTDIR$3.tmp"
     mv -f "$DESTDIR$3.tmp" "$DESTDIR$3"
+    WRITTEN="$WRITTEN$DESTDIR$3
+"
 }
 
 # folder MODE DIR: make a folder with exactly this mode (setgid included).
@@ -148,6 +154,7 @@ install_files() {
         put 0644 "$example" "$PREFIX/share/aoed/$(basename "$example")"
     done
     put 0644 "$DEPLOY/README.md" "$PREFIX/share/doc/aoed/README.md"
+    put 0644 "$DEPLOY/grafana-dashboard.json" "$PREFIX/share/doc/aoed/grafana-dashboard.json"
     if [ -e "$DESTDIR$CONFIG" ]; then
         say "keeping $DESTDIR$CONFIG (the shipped one is $PREFIX/share/aoed/aoed.toml)"
     else
@@ -178,6 +185,19 @@ install_files() {
         say "systemd is not running here: create the user and folders, then start aoed yourself:"
         say "  systemd-sysusers $SYSUSERS; systemd-tmpfiles --create $TMPFILES"
         say "  $PREFIX/venv/bin/aoed --config $CONFIG"
+    else
+        say "staged under $DESTDIR (systemd left alone):"
+        if [ "$VENV" = yes ]; then
+            say "  $DESTDIR$PREFIX/venv/ (the virtual environment)"
+        fi
+        printf '%s' "$WRITTEN" | while IFS= read -r path; do
+            say "  $path"
+        done
+        say "  $DESTDIR$STATE/ with inbox/, outbox/ and failed/ (empty)"
+        say "check the unit (it names $PREFIX/venv/bin/aoed, which exists only once installed at $PREFIX;"
+        say "that missing command is the one complaint to expect):"
+        say "  systemd-analyze verify $DESTDIR$UNIT"
+        say "  systemd-analyze security --offline=true $DESTDIR$UNIT"
     fi
 }
 

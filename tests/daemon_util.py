@@ -37,7 +37,20 @@ from aoe.v1 import (
     tuning_pb2_grpc,
 )
 
-__all__ = ["DaemonProcess", "mixed_calls", "upload"]
+__all__ = ["DaemonProcess", "mixed_calls", "upload", "wait_for"]
+
+
+def wait_for(pred: Callable[[], object], timeout: float, what: str, poll: float = 0.05):
+    """Poll `pred` until it returns something true; returns it, or fails naming `what`.
+    The timeout is a deadline for a condition, never a speed promise: set it far above
+    what the condition needs on a busy machine."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = pred()
+        if got:
+            return got
+        time.sleep(poll)
+    raise AssertionError(f"not within {timeout} s: {what}")
 
 
 class DaemonProcess:

@@ -4,7 +4,7 @@ Each kind is a function that writes its model (and any side files) into a given 
 and returns what to run: the model path and extra `aoe tune` options. Its `Kind` record
 says which `aoe.errors` class the run must end in and a pattern its one-line message
 must match (the message names the problem), or `error=None` for a model that is
-legitimately tunable and may succeed (or fail with a named error).
+legitimately tunable and may succeed (or fail with a ModelError whose message matches).
 
     for kind in KINDS.values():
         case = kind.build(folder / kind.name)      # Case(model, args)
@@ -45,7 +45,7 @@ class Case:
 class Kind:
     name: str
     build: Callable[[Path], Case]
-    error: type[AoedError] | None  # None: a tunable model; it may also fail with a named error
+    error: type[AoedError] | None  # None: a tunable model; it may also fail with a ModelError
     says: str  # regex the error message must match (re.search, case-insensitive)
     #: the daemon gets it by path, not uploaded: it needs its side files, or cannot be
     #: uploaded (a pipe, a folder, 9 GiB); SubmitJob may then refuse it at once, with the

@@ -245,7 +245,7 @@ async def test_bad_records_are_refused_and_nothing_is_written_before_all_are_che
 
 
 def _encoded(record) -> bytes:
-    from aoed.bank._codec import encode
+    from aoe.bankrecord import encode
 
     return encode(record)
 
@@ -266,6 +266,38 @@ async def test_prune_dry_run_then_for_real(tmp_path: Path) -> None:
         ) and r.used_bytes_after < r.used_bytes_before
         st = await _stats(d)
         assert (st.history_trials, st.entries) == (0, 5)
+
+
+async def test_a_prune_is_the_writers_and_waits_its_turn_in_the_queue(tmp_path: Path) -> None:
+    """The daemon's prune is one more op on the writer's queue, never a write of its own
+    from a worker thread: while the writer is not taking ops, it waits there and the
+    history stays; once the writer runs, it is done."""
+    from aoed.bank.daemonbank import DaemonBank
+    from aoed.bank.writer import BankWriter
+
+    fill(tmp_path / "bank", n_trials=7)
+    writer = BankWriter(tmp_path / "bank", layers=[])
+    bank = DaemonBank(writer, here())
+    pruned = []
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(lambda: _append(pruned, bank.prune(False)))
+            with trio.fail_after(30):
+                while writer.queued < 1:
+                    await trio.sleep(0.01)
+            assert not pruned and (await bank.stats())[0].history == 7
+            await nursery.start(writer.run)
+            with trio.fail_after(30):
+                while not pruned:
+                    await trio.sleep(0.01)
+            nursery.cancel_scope.cancel()
+        assert pruned[0].trials_removed == 7 and (await bank.stats())[0].history == 0
+    finally:
+        writer.close()
+
+
+async def _append(out: list, result) -> None:
+    out.append(await result)
 
 
 async def test_a_client_cancelling_an_export_midway_leaves_the_daemon_serving(

@@ -11,20 +11,20 @@ import onnxruntime as ort
 import pytest
 
 import aoe
-from aoe._session import METADATA_KEY
+from aoe.sessionopts import METADATA_KEY
 from aoe.bank import CUSTOM, open_bank
-from aoe.compile import apply_bank
 from aoe.signature import bank_key, canonical_json
 from aoed.backends.ort.catalog import build_registry
-from aoed.bank._codec import Measured
-from aoed.compile import compile_model
+from aoe.bankrecord import Measured
+from aoed.bankcompile import compile_model
+from aoed.embedded import apply_bank
 from aoed.engine.assemble import model_signature, tunable_tasks
 from aoed.engine.prep import Prepared, make_inputs, prepare
 
 from .conftest import run_aoe
 from .test_bank_reader import foreign, make_bank, rec
 
-FAST = ("--budget", "2", "--parallel", "1", "--no-progress")
+FAST = ("--budget", "2", "--parallel", "1", "--no-progress", "--job-type", "opat")
 
 
 def _tasks(prep: Prepared):

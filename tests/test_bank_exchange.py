@@ -11,7 +11,7 @@ import pytest
 from aoe.bank import CUSTOM, default_record, entry_to_json, open_bank, record_to_json
 from aoe.signature import bank_key
 from aoe.v1 import bank_pb2
-from aoed.bank._codec import Measured, encode
+from aoe.bankrecord import Measured, encode
 from aoed.bank.exchange import import_lines
 from aoed.bank.store import BankStore
 
@@ -341,9 +341,9 @@ def test_a_bank_exported_and_imported_compiles_the_same_model(models: Path, tmp_
     import onnx
 
     from aoe.signature import device_fingerprint
-    from aoed.bank._codec import decode
+    from aoe.bankrecord import decode
     from aoed.backends.ort.catalog import build_registry
-    from aoed.compile import compile_model
+    from aoed.bankcompile import compile_model
     from aoed.engine.assemble import model_signature, tunable_tasks
     from aoed.engine.prep import prepare
 

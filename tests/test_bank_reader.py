@@ -17,7 +17,7 @@ from aoe.bank import CUSTOM, LAYERS_ENV, ModelTasks, entry_from_json, entry_to_j
 from aoe.errors import BankError
 from aoe.signature import SCHEMA_VERSION, DeviceFingerprint, bank_key, canonical_json, device_fingerprint
 from aoed import samples
-from aoed.bank._codec import BankRecord, encode
+from aoe.bankrecord import BankRecord, encode
 from aoed.bank.store import BankStore
 from aoed.bank.writer import BankWriter
 

@@ -25,7 +25,7 @@ from aoe.signature import (
     task_signature,
 )
 from aoe.v1 import bank_pb2
-from aoed.bank._codec import BankRecord, Measured, decode, encode
+from aoe.bankrecord import BankRecord, Measured, decode, encode
 from aoed.bank.store import ENTRY, BankStore, Record, default_bank_path
 
 
@@ -164,6 +164,17 @@ def test_history_trials_are_counted(store: BankStore) -> None:
     assert sorted(doc["strategy"] for _, doc in rows) == ["a", "b", "c", "d"]
 
 
+def test_decisions_by_run_are_forgotten_by_run_and_pruned(store: BankStore) -> None:
+    key, other = _record().key, _record(precision="int8").key
+    store.commit(trials=[(key, {"strategy": "a"})], decisions=[(b"run1/" + key, {"strategy": "a"})])
+    store.commit(decisions=[(b"run1/" + other, {"strategy": "b"}), (b"run2/" + key, {"strategy": "c"})])
+    assert store.decisions(b"run1/") == [(b"run1/" + key, {"strategy": "a"}), (b"run1/" + other, {"strategy": "b"})]
+    store.commit(forget=[b"run1/"])
+    assert store.decisions(b"run1/") == [] and store.decisions(b"run2/") == [(b"run2/" + key, {"strategy": "c"})]
+    store.prune()
+    assert store.decisions(b"") == [] and store.counts()["history"] == 0
+
+
 def test_full_map_is_a_bank_error_that_writes_nothing(tmp_path: Path) -> None:
     """The map is fixed at open: a write that does not fit fails whole, with a message
     that names the bank and says what to do, and the store keeps working."""
@@ -290,37 +301,73 @@ def test_remap_waits_until_no_transaction_is_live(tmp_path: Path) -> None:
     this process is live; a thread holding one cannot remap (it would wait for itself)."""
     import threading
 
-    from aoe._lmdb import TxnGate
+    from aoe.lmdbenv import TxnGate
 
     env = lmdb.open(str(tmp_path / "env"), map_size=1 << 20)
     gate = TxnGate()
     inside, leave, remapped = threading.Event(), threading.Event(), threading.Event()
+    live_at_remap: list[bool] = []
+
+    class Env:  # what remap() calls on the environment, noting whether a transaction was live
+        def set_mapsize(self, size: int) -> None:
+            live_at_remap.append(inside.is_set())
+            env.set_mapsize(size)
 
     def hold() -> None:
         with gate.transaction(env, tmp_path) as txn:
             inside.set()
-            leave.wait(10)
+            leave.wait(30)
             # Nested in the same thread while a remap waits: no deadlock, no remap.
             with gate.transaction(env, tmp_path) as again:
                 assert again.get(b"x") is None
             assert gate.remap(env) is False
             assert txn.get(b"x") is None
+            inside.clear()  # the last step inside: the transaction ends with the block
 
     def remap() -> None:
-        assert gate.remap(env) is True
+        assert gate.remap(Env()) is True  # type: ignore[arg-type]
         remapped.set()
 
     holder = threading.Thread(target=hold)
     holder.start()
-    assert inside.wait(10)
+    assert inside.wait(30)
     remapper = threading.Thread(target=remap)
     remapper.start()
-    time.sleep(0.2)
-    assert not remapped.is_set()  # a read transaction is live in the other thread
+    # The remap is due (new transactions would wait for it) while the holder's is live.
+    deadline = time.monotonic() + 30
+    while not (gate._remapping or remapped.is_set()) and time.monotonic() < deadline:
+        time.sleep(0.005)
     leave.set()
-    holder.join(10)
-    assert remapped.wait(10)
-    remapper.join(10)
+    holder.join(30)
+    assert remapped.wait(30)
+    remapper.join(30)
+    assert live_at_remap == [False], "the map changed while a transaction was live"
     with gate.transaction(env, tmp_path, write=True) as txn:  # the gate opens again
         txn.put(b"x", b"1")
     env.close()
+
+
+def test_the_lock_file_is_allocated_before_lmdb_maps_it(tmp_path: Path) -> None:
+    """LMDB writes its reader table through a shared map of lock.mdb; on a full disk a
+    write into a page the filesystem has not allocated is SIGBUS (tests/test_faults.py
+    fills a real disk). So the store creates it with every block allocated, at the size
+    LMDB itself gives it, and a reader fills the holes of one left sparse."""
+    from aoe.lmdbenv import LOCK_BYTES
+    from aoe.bank import open_bank
+
+    plain = lmdb.open(str(tmp_path / "plain"))  # the size LMDB gives it by itself
+    plain.close()
+    assert (tmp_path / "plain" / "lock.mdb").stat().st_size == LOCK_BYTES
+
+    path = tmp_path / "bank"
+    BankStore(path).close()
+    st = (path / "lock.mdb").stat()
+    assert st.st_size == LOCK_BYTES and st.st_blocks * 512 >= LOCK_BYTES
+
+    with open(path / "lock.mdb", "wb") as f:  # all of it a hole now
+        f.truncate(LOCK_BYTES)
+    assert (path / "lock.mdb").stat().st_blocks * 512 < LOCK_BYTES
+    with open_bank(path, use_env=False) as reader:
+        assert reader.stats()
+    st = (path / "lock.mdb").stat()
+    assert st.st_size == LOCK_BYTES and st.st_blocks * 512 >= LOCK_BYTES

@@ -17,7 +17,7 @@ from aoe.bank import entry_to_json, open_bank
 from aoe.errors import BankBusyError
 from aoe.signature import bank_key, device_fingerprint
 from aoe.v1 import bank_pb2
-from aoed.bank._codec import encode
+from aoe.bankrecord import encode
 from aoed.bank.lock import LOCK_NAME, POLL_S
 from aoed.bank.store import BankStore
 from aoed.bank.writer import BankWrite, BankWriter
@@ -217,7 +217,7 @@ def test_import_and_prune_wait_for_a_tune_and_nothing_is_lost(models: Path, tmp_
     dump.write_text("".join(entry_to_json(bank_pb2.BankEntry.FromString(encode(r))) + "\n" for r in imported))
     tune = subprocess.Popen(
         [sys.executable, "-m", "aoe.cli", "tune", str(models / "mlp.onnx"), "--bank", str(bank),
-         "--output", str(out), "--budget", "10", "--parallel", "1", "--no-progress"],
+         "--output", str(out), "--budget", "10", "--parallel", "1", "--no-progress", "--job-type", "opat"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     others: list[subprocess.Popen] = []

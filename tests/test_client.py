@@ -10,7 +10,7 @@ import os
 import shutil
 import socket
 import tempfile
-import time
+import threading
 from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
@@ -19,13 +19,16 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from aoe.client import PING_TIMEOUT_S, Client, job_options
+from aoe.client import Client, job_options
 from aoe.errors import (
     AoedError,
     BankError,
     DaemonUnavailableError,
     JobCancelledError,
+    JobStateError,
+    NotFoundError,
     OptionError,
+    PermissionDeniedError,
     ResourceExhaustedError,
 )
 from aoe.v1 import bank_pb2, bank_pb2_grpc, tuning_pb2, tuning_pb2_grpc
@@ -64,8 +67,9 @@ def _aborting(service: str, method: str, request_type, response_type, code: grpc
     ("code", "cls", "exit_code"),
     [
         (grpc.StatusCode.INVALID_ARGUMENT, OptionError, 2),
-        (grpc.StatusCode.NOT_FOUND, OptionError, 2),
-        (grpc.StatusCode.FAILED_PRECONDITION, AoedError, 1),
+        (grpc.StatusCode.NOT_FOUND, NotFoundError, 2),
+        (grpc.StatusCode.PERMISSION_DENIED, PermissionDeniedError, 1),
+        (grpc.StatusCode.FAILED_PRECONDITION, JobStateError, 1),
         (grpc.StatusCode.UNAVAILABLE, DaemonUnavailableError, 7),
         (grpc.StatusCode.RESOURCE_EXHAUSTED, ResourceExhaustedError, 8),
         (grpc.StatusCode.CANCELLED, JobCancelledError, 130),
@@ -106,12 +110,30 @@ def test_ping_says_serving_only_when_the_health_service_does() -> None:
             assert client.ping() is False
 
 
+def _connectivity(channel: grpc.Channel) -> grpc.ChannelConnectivity:
+    """The channel's state now (IDLE until something dials), without dialling."""
+    states: list[grpc.ChannelConnectivity] = []
+    seen = threading.Event()
+
+    def note(state: grpc.ChannelConnectivity) -> None:
+        states.append(state)
+        seen.set()
+
+    channel.subscribe(note, try_to_connect=False)
+    try:
+        assert seen.wait(10), "gRPC reports a subscriber the channel's state at once"
+    finally:
+        channel.unsubscribe(note)
+    return states[0]
+
+
 def test_ping_is_false_at_once_without_a_socket_and_soon_at_a_dead_one(tmp_path: Path) -> None:
     missing = tmp_path / "nobody.sock"
     with Client(missing) as client:
-        start = time.monotonic()
         assert client.ping() is False
-        assert time.monotonic() - start < PING_TIMEOUT_S  # no dial, no wait for the deadline
+        # Answered without dialling (so without waiting for PING_TIMEOUT_S): the channel
+        # never left IDLE.
+        assert _connectivity(client._channel) == grpc.ChannelConnectivity.IDLE
         with pytest.raises(DaemonUnavailableError, match=str(missing)):
             client.get("j-1")
     d = Path(tempfile.mkdtemp(prefix="aoe-t-", dir="/tmp"))
@@ -120,6 +142,7 @@ def test_ping_is_false_at_once_without_a_socket_and_soon_at_a_dead_one(tmp_path:
             dead.bind(str(d / "dead.sock"))
             with Client(d / "dead.sock") as client:
                 assert client.ping() is False
+                assert _connectivity(client._channel) != grpc.ChannelConnectivity.IDLE, "this one was dialled"
     finally:
         shutil.rmtree(d, ignore_errors=True)
 
@@ -287,7 +310,7 @@ def test_job_options_from_a_dict_and_their_errors() -> None:
     assert opts.precision == bank_pb2.PRECISION_INT8 and opts.job_type == tuning_pb2.JOB_TYPE_OPAT
     assert [(s.name, list(s.dims)) for s in opts.input_shapes] == [("x", [1, 3, 8, 8]), ("y", [2])]
     assert (opts.priority, opts.budget_s, opts.accuracy_budget.min_cosine, opts.device) == (-3, 5.0, 0.99, "")
-    with pytest.raises(OptionError, match="precision 'fp3'"):
+    with pytest.raises(OptionError, match="precision fp3: not supported"):
         job_options({"precision": "fp3"})
     with pytest.raises(OptionError, match="'colour': unknown"):
         job_options({"colour": "blue"})
@@ -316,3 +339,24 @@ def test_aoe_tune_falls_back_to_embedded_and_says_why(tmp_path: Path) -> None:
     assert r.stderr.splitlines()[0] == f"aoe: tuning embedded (no daemon at {sock})"
     r = run_aoe("tune", str(bad), "--socket", str(sock), "--bank", str(tmp_path / "bank"), timeout=60)
     assert r.returncode == 2 and "drop --bank or --socket" in r.stderr
+
+
+def test_the_error_reported_from_a_task_group_is_the_first_of_the_classes_asked() -> None:
+    import trio
+
+    from aoe.errors import AoedError, ModelError, first_error
+
+    async def fail(exc: BaseException) -> None:
+        raise exc
+
+    async def main() -> None:
+        async with trio.open_nursery() as outer:
+            outer.start_soon(fail, ValueError("not one of ours"))
+            async with trio.open_nursery() as inner:
+                inner.start_soon(fail, ModelError("m.onnx: not a model"))
+
+    with pytest.raises(BaseExceptionGroup) as err:
+        trio.run(main)
+    found = first_error(err.value, KeyboardInterrupt, AoedError)
+    assert isinstance(found, ModelError) and str(found) == "m.onnx: not a model"
+    assert first_error(err.value, OSError) is err.value  # none of those: the group itself

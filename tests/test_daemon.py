@@ -27,7 +27,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 from aoe.bank import open_bank
 from aoe.v1 import daemon_pb2, devices_pb2, tuning_pb2
 from aoed import samples
-from tests.daemon_util import DaemonProcess, upload
+from tests.daemon_util import DaemonProcess, upload, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -94,7 +94,8 @@ def _bank_keys(bank: Path) -> set[str]:
 
 def test_upload_submit_watch_fetch(daemon: DaemonProcess, tmp_path: Path) -> None:
     path = _model(daemon, "mlp")
-    job_id = _submit(daemon, path)
+    # OPAT alone: its section of the result JSON counts the whole job (sgat+opat splits it)
+    job_id = _submit(daemon, path, job_type=tuning_pb2.JOB_TYPE_OPAT)
     events = _events(daemon, job_id)
     seqs = [e.sequence for e in events]
     assert seqs == list(range(1, len(seqs) + 1)), "sequence numbers start at 1 and have no gaps"
@@ -113,9 +114,16 @@ def test_upload_submit_watch_fetch(daemon: DaemonProcess, tmp_path: Path) -> Non
     head, data = chunks[0].header, b"".join(c.chunk for c in chunks[1:])
     assert hashlib.sha256(data).hexdigest() == head.sha256 and len(data) == head.size_bytes
     onnx.checker.check_model(onnx.load_from_string(data))
-    report = b"".join(c.chunk for c in daemon.tuning().DownloadResult(tuning_pb2.DownloadResultRequest(
-        job_id=job_id, artifact=tuning_pb2.RESULT_ARTIFACT_RESULT_JSON))).decode()  # fmt: skip
-    assert "repo_summary" in report or "repo_add_num" in report
+    chunks = list(daemon.tuning().DownloadResult(tuning_pb2.DownloadResultRequest(
+        job_id=job_id, artifact=tuning_pb2.RESULT_ARTIFACT_RESULT_JSON)))  # fmt: skip
+    report = json.loads(b"".join(c.chunk for c in chunks[1:]))
+    # The result JSON downloaded is this job's, and its bank counts are the ones GetJob gives.
+    assert report["basic"]["job_id"] == job_id
+    counts = report["OPAT"]["repo_summary"]
+    assert counts["total_num"] == len(job.result.tasks) + 1
+    summary = job.result.repo_summary
+    assert {f.name: counts[f.name] for f in summary.DESCRIPTOR.fields} == \
+        {f.name: getattr(summary, f.name) for f in summary.DESCRIPTOR.fields}
 
     listed = daemon.tuning().ListJobs(tuning_pb2.ListJobsRequest()).jobs
     assert [j.job_id for j in listed] == [job_id]
@@ -205,14 +213,13 @@ def test_two_jobs_share_the_device_one_measurement_at_a_time(daemon: DaemonProce
 
 
 def test_cancel_mid_measurement(daemon: DaemonProcess) -> None:
-    job_id = _submit(daemon, _model(daemon, "cnn"), budget=30.0)
+    # Left alone the job measures for its whole budget, far past the cancel's deadline:
+    # a cancel that waited for the job instead of stopping it ends in DEADLINE_EXCEEDED.
+    job_id = _submit(daemon, _model(daemon, "cnn"), budget=300.0)
     _wait_event(daemon, job_id, lambda e: e.WhichOneof("event") == "state_change"
                 and e.state_change.state == tuning_pb2.JOB_STATE_TUNING)  # fmt: skip
-    t0 = time.monotonic()
     job = daemon.tuning().CancelJob(tuning_pb2.CancelJobRequest(job_id=job_id), timeout=60).job
-    took = time.monotonic() - t0
     assert job.state == tuning_pb2.JOB_STATE_CANCELLED, job
-    assert took < 15, f"cancel took {took:.1f} s"
     # The device is free for the next job at once, and the daemon still serves.
     nxt = _submit(daemon, _model(daemon, "mlp"), budget=2.0)
     assert daemon.wait_job(nxt).state == tuning_pb2.JOB_STATE_SUCCEEDED
@@ -258,15 +265,16 @@ def test_watch_resumes_across_a_restart(tmp_path: Path) -> None:
         d.close()
 
 
-#: A strategy whose compile takes a minute: a job that tries it is still tuning when the
-#: daemon is told to stop, whatever the machine's speed.
+#: A strategy whose compile takes ten minutes: a job that tries it is still tuning when
+#: the daemon is told to stop, whatever the machine's speed, and a stop that waited for
+#: it would run far past `DaemonProcess.stop`'s deadline.
 SLOW_PLUGIN = """
 import time
 from aoed.engine.registry import Strategy
 
 
 def _slow(view):
-    time.sleep(60)
+    time.sleep(600)
 
 
 def register(registry):
@@ -284,9 +292,7 @@ def test_sigterm_stops_within_the_grace_and_requeues(tmp_path: Path, monkeypatch
         job_id = _submit(d, _model(d, "cnn"), budget=60.0)
         _wait_event(d, job_id, lambda e: e.WhichOneof("event") == "state_change"
                     and e.state_change.state == tuning_pb2.JOB_STATE_TUNING)  # fmt: skip
-        t0 = time.monotonic()
-        assert d.stop() == 0
-        assert time.monotonic() - t0 < 5 + 15, "shutdown_grace_s = 5, plus a bound for the rest"
+        assert d.stop(timeout=60) == 0  # shutdown_grace_s = 5: the compile in flight is not waited for
         assert not d.socket.exists()
         d.start()
         job = d.tuning().GetJob(tuning_pb2.GetJobRequest(job_id=job_id)).job
@@ -397,8 +403,9 @@ def test_limits_answer_resource_exhausted(tmp_path: Path) -> None:
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         for s in streams:
             s.cancel()
-        time.sleep(0.5)
-        assert d.tuning().GetJob(tuning_pb2.GetJobRequest(job_id=queued), timeout=10).job.queue_position == 0
+        # The slots come back as the server sees the streams go.
+        job = wait_for(lambda: _get_unless_exhausted(d, queued), 30, "an RPC slot free again")
+        assert job.queue_position == 0
         for j in (running, queued):
             d.tuning().CancelJob(tuning_pb2.CancelJobRequest(job_id=j), timeout=60)
     finally:
@@ -438,13 +445,24 @@ def test_sighup_reloads_limits_and_inboxes(tmp_path: Path) -> None:
             time.sleep(0.2)
         assert info is not None and info.max_running_jobs == 3
         assert str(second) in [i.path for i in info.inboxes]
-        assert second.is_dir(), "a new inbox is watched (and created) at once"
+        wait_for(second.is_dir, 30, f"the new inbox {second} created by its watch")
         d.config.write_text("[daemon]\nmax_running_jobs = 'many'\n")
         d.proc.send_signal(signal.SIGHUP)
-        time.sleep(1.0)
-        assert d.serving() and "not reloaded" in d.log()
+        wait_for(lambda: "not reloaded" in d.log(), 30, "the bad reload refused in the log")
+        assert d.serving()
+        assert d.daemon().GetDaemonInfo(daemon_pb2.GetDaemonInfoRequest()).max_running_jobs == 3, "the old limits stay"
     finally:
         d.close()
+
+
+def _get_unless_exhausted(d: DaemonProcess, job_id: str) -> tuning_pb2.Job | None:
+    """The job, or None while the daemon refuses calls for want of an RPC slot."""
+    try:
+        return d.tuning().GetJob(tuning_pb2.GetJobRequest(job_id=job_id), timeout=10).job
+    except grpc.RpcError as exc:
+        if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+            raise
+        return None
 
 
 def _children(pid: int) -> list[int]:
@@ -495,7 +513,7 @@ def test_retention_and_upload_expiry(tmp_path: Path) -> None:
             time.sleep(0.5)
         assert not d.tuning().ListJobs(tuning_pb2.ListJobsRequest()).jobs, "kept past its retention (3.5 s)"
         assert not out.exists() and not (d.state / "jobs" / job_id).exists()
-        time.sleep(4)
+        wait_for(lambda: f"upload {stale} (cnn.onnx) expired" in d.log(), 60, "the upload's expiry in the log")
         with pytest.raises(grpc.RpcError) as err:
             d.tuning().SubmitJob(tuning_pb2.SubmitJobRequest(model_id=stale))
         assert err.value.code() == grpc.StatusCode.NOT_FOUND and "expired" in err.value.details()

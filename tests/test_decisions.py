@@ -11,7 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aoed.engine import decisions, stats
+from aoe.bankrecord import BankRecord
+from aoed.engine import bankrules, decisions, stats
 from aoed.engine.confirm import verdict_of
 from aoed.engine.messages import Measurement
 
@@ -190,3 +191,140 @@ def test_only_a_thread_count_below_the_cores_is_checked_again() -> None:
     assert not fewer_threads({"intra_op_num_threads": 2}, 2)
     assert not fewer_threads({"graph_optimization_level": "basic"}, 2)
     assert not fewer_threads({"intra_op_num_threads": 0}, 4)  # onnxruntime's default: every core
+
+
+# --------------------------------------------------------------------------- ties
+
+
+def _runs(rng: random.Random, centers: dict[str, float], rounds: int = 10) -> dict[str, Measurement]:
+    """Per-round medians as the runner records them for one task: each round the machine
+    runs everything faster or slower alike (drift, up to about ±20% here, as on a shared
+    2-core machine), and each candidate's turn adds its own jitter (about ±5%) and now and
+    then a slow outlier round (another process took a core)."""
+    drift = [rng.lognormvariate(0.0, 0.08) for _ in range(rounds)]
+    out = {}
+    for name, center in centers.items():
+        xs = [center * d * rng.lognormvariate(0.0, 0.03) * (1.6 if rng.random() < 0.05 else 1.0) for d in drift]
+        out[name] = _m(xs, cosine=0.99998)
+    return out
+
+
+# One conv task of the sample CNN at int8: QDQ around the Conv is fused by onnxruntime
+# into the QLinearConv the other form writes out, so the two run the same kernel.
+CONV = {"default": 190.0, "int8_qdq": 80.0, "int8_qlinearconv": 80.0}
+
+
+def test_two_int8_forms_that_tie_give_the_same_choice_in_every_run() -> None:
+    def ok(m: Measurement) -> bool:
+        return True
+
+    picks = []
+    for seed in range(200):
+        results = _runs(random.Random(seed), CONV)
+        pick, _ = decisions.best_lossy(results, "default", {"int8_qdq", "int8_qlinearconv"}, ok)
+        picks.append(pick)
+        # The later form takes the place only by clearly beating the earlier one.
+        beaten = decisions.clearly_faster(results["int8_qlinearconv"], results["int8_qdq"])
+        assert pick == ("int8_qlinearconv" if beaten else "int8_qdq"), seed
+        # The order of preference decides, not the run: listed the other way round, the
+        # same measurements give the other form.
+        swapped = {k: results[k] for k in ("default", "int8_qlinearconv", "int8_qdq")}
+        back = decisions.clearly_faster(results["int8_qdq"], results["int8_qlinearconv"])
+        got, _ = decisions.best_lossy(swapped, "default", {"int8_qdq", "int8_qlinearconv"}, ok)
+        assert got == ("int8_qdq" if back else "int8_qlinearconv"), seed
+    # The lowest measured ratio would have split these about evenly.
+    assert picks.count("int8_qdq") >= 190, picks.count("int8_qdq")
+
+
+def test_a_later_form_that_is_clearly_faster_still_wins() -> None:
+    wins = 0
+    for seed in range(50):
+        results = _runs(random.Random(seed), {**CONV, "int8_qlinearconv": 60.0})
+        clear = decisions.clearly_faster(results["int8_qlinearconv"], results["int8_qdq"])
+        want = "int8_qlinearconv" if clear else "int8_qdq"
+        assert decisions.best_lossy(results, "default", {"int8_qdq", "int8_qlinearconv"}, lambda m: True)[0] == want
+        assert decisions.best(results, "default", lambda m: True) == want
+        wins += clear
+    assert wins >= 40, wins  # a 25% gain is clear, except where outlier rounds hide it
+
+
+def test_the_default_keeps_its_place_against_forms_that_tie_with_it() -> None:
+    wins = 0
+    for seed in range(200):
+        results = _runs(random.Random(seed), {"default": 50.0, "gemm_pretransposed": 50.0, "fused_gemm": 50.0})
+        pick = decisions.best(results, "default", lambda m: True)
+        wins += pick != "default"
+    assert wins <= 10, wins
+
+
+def test_ranked_keeps_the_order_of_preference_among_ties() -> None:
+    results = _runs(random.Random(7), {"a": 100.0, "b": 100.0, "c": 60.0, "d": 100.0})
+    assert not any(decisions.clearly_faster(results[x], results[y]) for x in "abd" for y in "abd" if x != y)
+    assert decisions.ranked(results, ["a", "b", "c", "d"]) == ["c", "a", "b", "d"]
+    assert decisions.ranked(results, ["d", "b", "a", "c"]) == ["c", "d", "b", "a"]
+    assert decisions.preferred(results, ["b", "a"]) == "b"
+
+
+def _bank_entry(strategy: str) -> BankRecord:
+    from aoe.signature import ModelContext, device_fingerprint, task_signature
+    from onnx import TensorProto, helper, numpy_helper
+    import numpy as np
+
+    w = numpy_helper.from_array(np.ones((8, 4), np.float32), "w")
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])], initializer=[w],
+    )  # fmt: skip
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    sig = task_signature([model.graph.node[0]], ModelContext(model))
+    dev = device_fingerprint("CPUExecutionProvider", {})
+    m = _m([80.0] * 10)
+    return bankrules.make_record(bankrules.key_for(sig, dev, "int8"), sig, dev, strategy, "conv", "int8", m,
+                                 _m([190.0] * 10), "job-1", "cnn.onnx")  # fmt: skip
+
+
+def test_the_banks_entry_stands_against_a_challenger_that_ties() -> None:
+    """REPEAT_TUNE: this run's search prefers QDQ, the bank holds QLinearConv; measured
+    alike, the bank's entry is kept (reserved), and only a clear win replaces it."""
+    hit = _bank_entry("int8_qlinearconv")
+    kept = 0
+    for seed in range(200):
+        results = _runs(random.Random(seed), CONV)
+        best, _ = decisions.best_lossy(results, "default", {"int8_qdq", "int8_qlinearconv"}, lambda m: True)
+        out = bankrules.after_tuning(hit, best, results, lambda m: True)
+        if best == "int8_qdq" and not decisions.clearly_faster(results["int8_qdq"], results["int8_qlinearconv"]):
+            assert (out.mode, out.strategy, out.write_entry) == ("reserved", "int8_qlinearconv", False), seed
+        kept += out.strategy == "int8_qlinearconv"
+    assert kept >= 190, kept
+    clear = _runs(random.Random(1), {**CONV, "int8_qdq": 60.0})
+    best, _ = decisions.best_lossy(clear, "default", {"int8_qdq", "int8_qlinearconv"}, lambda m: True)
+    out = bankrules.after_tuning(hit, best, clear, lambda m: True)
+    assert (out.mode, out.strategy, out.write_entry) == ("update", "int8_qdq", True)
+
+
+def test_real_measurements_of_one_model_under_three_names_keep_the_incumbent(tmp_path) -> None:
+    """The runner's own measurement (racing, until stable) of the same model file under
+    three names: whatever this run's noise, the incumbent keeps its place unless a name
+    clearly beats it, and of the other two the first stands unless the second clearly
+    beats it."""
+    import numpy as np
+
+    from aoed import samples
+    from aoed.backends.ort import runner
+    from aoe.device import CPU
+    from aoed.engine.messages import Candidate, MeasurePlan, MeasureRequest
+
+    model = samples.save(samples.build("mlp"), tmp_path / "mlp.onnx")
+    np.savez(tmp_path / "inputs.npz", input=np.random.default_rng(0).standard_normal((1, 256)).astype(np.float32))
+    names = ["default", "int8_dynamic", "int8_matmulinteger"]
+    results = runner.measure(MeasureRequest(tuple(Candidate(n, model) for n in names), tmp_path / "inputs.npz",
+                                            "default", CPU, MeasurePlan(budget_s=1.0))).results  # fmt: skip
+    assert all(results[n].ok and results[n].cosine == 1.0 for n in names)
+    ordered = {n: results[n] for n in names}
+    pick, _ = decisions.best_lossy(ordered, "default", set(names[1:]), lambda m: True)
+    if not any(decisions.clearly_faster(results[n], results["default"]) for n in names[1:]):
+        assert pick == "default"
+    first, second = names[1:]
+    want = second if decisions.clearly_faster(results[second], results[first]) else first
+    assert decisions.preferred(ordered, [first, second]) == want

@@ -261,6 +261,7 @@ def test_install_lays_out_files_idempotently(tmp_path: Path):
     for name in ("aoed.toml", "nvidia.conf.example", "ascend.conf.example", "tcp.conf.example"):
         assert (dest / "opt/aoed/share/aoed" / name).is_file()
     assert (dest / "opt/aoed/share/doc/aoed/README.md").is_file()
+    assert (dest / "opt/aoed/share/doc/aoed/grafana-dashboard.json").is_file()
     assert first["var/lib/aoed"][0] == "drwxr-x---0o750"
     for d in ("inbox", "outbox", "failed"):
         assert first[f"var/lib/aoed/{d}"][0] == "drwxrws---0o2770"

@@ -26,13 +26,15 @@ from aoe.config import Config, load_config
 from aoe.errors import OptionError
 from aoe.gdat import DDPConfig, hook_class, read_config
 from aoe.gradlayout import GradientLayout, bucket_sizes, gdat_key, host_fingerprint
+from aoe.outcome import JobOutcome
+from aoe.spec import JobType
 
 from .conftest import run_aoe
 
 torch = pytest.importorskip("torch", reason="GDAT needs torch: pip install '.[gdat]' (make test installs it)")
 
-from aoed.backends.torch.world import RANK_MODULE  # noqa: E402
-from aoed.gdat import GdatOptions, run_gdat, space  # noqa: E402
+from aoed.engine.world import RANK_MODULE  # noqa: E402
+from aoed.gdat import GdatOptions, run_gdat, space, to_outcome  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -168,8 +170,15 @@ async def test_a_job_ends_with_outputs_and_a_bank_record_and_the_next_is_answere
     assert g["gdat_tuning_result"] == "tuning successful" and g["model_baseline_performance(ms)"] > 0
     assert g["baseline_tail(ms)"] >= 0 and g["result_tail(ms)"] >= 0
     assert g["repo_summary"]["repo_add_num"] + g["repo_summary"]["repo_unsatisfied_num"] == 1
-    assert doc["confirmation"]["rounds"] == 5 and doc["broken_turns"] == []
-    measured = [c for c in doc["configurations"] if c.get("step_ms") is not None]
+    details = doc["details"]
+    assert details["confirmation"]["rounds"] == 5 and details["broken_turns"] == []
+    # The fields every job has, as every job's result reads them (aoe.outcome).
+    outcome = to_outcome(r)
+    assert outcome.job_type == JobType.GDAT and doc["figures"] == outcome.figures.to_dict()
+    assert outcome.figures.baseline_ms == r.baseline_ms and outcome.figures.rounds == 5
+    assert outcome.figures.changed == (not r.shipped.is_default) and outcome.tuned_model == r.ddp_config
+    assert JobOutcome.from_dict(outcome.to_dict()).details["ddp_config"] == r.shipped.to_json()
+    measured = [c for c in details["configurations"] if c.get("step_ms") is not None]
     assert {c["stage"] for c in measured} >= {"flags", "confirm"}
     assert all(len(c["per_rank"]) == 2 and all(p["step_ms"] > 0 for p in c["per_rank"]) for c in measured)
     # The buckets DDP formed are the buckets the search space predicted (how it tells configurations apart).

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import textwrap
 from pathlib import Path
@@ -75,7 +76,8 @@ def _tune(tmp_path: Path, residual: bool, searched: bool = True) -> dict:
     env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), *filter(None, sys.path)]), "AOED_PLUGINS": "aoed_lowrank_plugin"}
     src = _model(tmp_path / "m.onnx", residual)
     r = run_aoe("tune", str(src), "--precision", "int8", "--bank", str(tmp_path / "bank"), "--output",
-                str(tmp_path / "o"), "--budget", "2", "--parallel", "1", "--no-progress", env=env)  # fmt: skip
+                str(tmp_path / "o"), "--budget", "2", "--parallel", "1", "--no-progress", "--job-type", "opat",
+                env=env)  # fmt: skip
     assert r.returncode == 0, r.stderr
     (path,) = (tmp_path / "o").glob("aoe_result_opat_*.json")
     doc = json.loads(path.read_text())
@@ -86,9 +88,17 @@ def _tune(tmp_path: Path, residual: bool, searched: bool = True) -> dict:
     return doc | {"task": task}
 
 
+@pytest.fixture(scope="module")
+def residual_job(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    """One job on the residual model: its folder (bank included) and its result. The
+    bank-hit test starts from a copy of its bank."""
+    folder = tmp_path_factory.mktemp("residual")
+    return folder, _tune(folder, residual=True)
+
+
 @pytest.mark.slow
-def test_a_residual_stream_absorbs_the_error_and_the_candidate_is_kept(tmp_path: Path) -> None:
-    doc = _tune(tmp_path, residual=True)
+def test_a_residual_stream_absorbs_the_error_and_the_candidate_is_kept(residual_job: tuple[Path, dict]) -> None:
+    _, doc = residual_job
     task = doc["task"]
     assert task["strategy"] == "lowrank8", task["rejected"]
     assert task["accuracy"]["model_cosine"] >= 0.9995, task["accuracy"]
@@ -107,10 +117,12 @@ def test_an_error_the_model_does_not_absorb_stays_rejected(tmp_path: Path) -> No
 
 
 @pytest.mark.slow
-def test_a_bank_entry_kept_in_context_is_checked_in_context_on_the_next_model(tmp_path: Path) -> None:
-    assert _tune(tmp_path, residual=True)["task"]["strategy"] == "lowrank8"
-    for p in (tmp_path / "o").glob("aoe_result_*.json"):
-        p.unlink()
+def test_a_bank_entry_kept_in_context_is_checked_in_context_on_the_next_model(
+    residual_job: tuple[Path, dict], tmp_path: Path
+) -> None:
+    first, doc = residual_job
+    assert doc["task"]["strategy"] == "lowrank8"
+    shutil.copytree(first / "bank", tmp_path / "bank")
     doc = _tune(tmp_path, residual=True, searched=False)  # the bank answers; the hit is checked on this model's weights
     task = doc["task"]
     assert (task["update_mode"], task["strategy"]) == ("hit", "lowrank8"), (task, doc["notes"])

@@ -22,11 +22,11 @@ from aoed.engine.calibration import HELD_BACK, integer_ranges, load_samples
 from aoed.engine.prep import make_inputs, prepare
 from aoed.engine.tasks import Constants, TaskView, apply_rewrites
 
-REGISTRY = build_registry()
-
 from .conftest import run_aoe
 
-FAST = ("--budget", "2", "--parallel", "1", "--no-progress")
+REGISTRY = build_registry()
+
+FAST = ("--budget", "2", "--parallel", "1", "--no-progress", "--job-type", "opat")
 
 
 def _cosine(a: list[np.ndarray], b: list[np.ndarray]) -> float:
@@ -186,9 +186,18 @@ def test_int8_leaves_a_collapsing_task_in_fp32_and_says_so(models: Path, tmp_pat
     assert "outside the accuracy budget" in r.stdout
 
 
+#: Int8 forms of this MLP are slower by construction: with 4 features and 4 outputs per
+#: row, the products are trivial and quantizing the 2048 rows' activations (and
+#: dequantizing the results) is most of the work. Measured on a 2-core machine: lower
+#: quartiles of 20-22 us against the exact forms' 11-12 us, far outside what noise makes
+#: of a paired ratio; a model whose int8 forms are a few percent slower (16x16, one row)
+#: let a noisy round pick one under load.
+SLOW_INT8 = {"batch": 2048, "features": 4, "hidden": 4, "classes": 4, "layers": 2}
+
+
 @pytest.mark.slow
 def test_int8_slower_than_exact_stays_exact(tmp_path: Path):
-    tiny = samples.save(samples.mlp(features=16, hidden=16, classes=8, layers=2), tmp_path / "tiny.onnx")
+    tiny = samples.save(samples.mlp(**SLOW_INT8), tmp_path / "tiny.onnx")
     r = run_aoe("tune", str(tiny), "--precision", "int8", "--bank", str(tmp_path / "bank"),
                 "--output", str(tmp_path / "o"), *FAST)
     assert r.returncode == 0, r.stderr

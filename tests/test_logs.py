@@ -7,8 +7,7 @@ import os
 import subprocess
 import sys
 
-from aoed.engine.engine import _current_job
-from aoed.logs import configure, stderr_is_journal
+from aoed.logs import configure, cut, on_behalf_of, stderr_is_journal
 
 
 def _lines(journal: bool, capsys) -> list[str]:
@@ -16,11 +15,8 @@ def _lines(journal: bool, capsys) -> list[str]:
     try:
         log = logging.getLogger("logstest")  # not under aoed: other tests leave handlers there
         log.info("outside any job")
-        token = _current_job.set("job-20261203-000000-abcd1234")
-        try:
+        with on_behalf_of("job-20261203-000000-abcd1234"):
             log.warning("inside a job")
-        finally:
-            _current_job.reset(token)
         try:
             raise ValueError("boom")
         except ValueError:
@@ -54,3 +50,23 @@ def test_journal_stream_is_recognised_only_for_our_stderr(tmp_path) -> None:
         out = subprocess.run([sys.executable, "-c", code], stderr=err, capture_output=False, stdout=subprocess.PIPE,
                              text=True, env=dict(os.environ), check=True).stdout  # fmt: skip
     assert out.strip() == "True"
+
+
+def test_a_record_is_one_line_whatever_a_name_holds(capsys) -> None:
+    name = "evil\n2099-01-01 00:00:00,000 ERROR aoed.watch: forged\r\x1b[2K\u2028" + os.fsdecode(b"\xff") + ".onnx"
+    handler = configure("info", journal=False)
+    try:
+        logging.getLogger("logstest").warning("inbox: %s is not a model", name)
+    finally:
+        logging.getLogger().removeHandler(handler)
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].endswith("evil\\n2099-01-01 00:00:00,000 ERROR aoed.watch: forged\\r\\x1b[2K\\u2028\\xff.onnx "
+                             "is not a model"), lines[0]
+
+
+def test_cut_keeps_the_ends_of_a_huge_text() -> None:
+    huge = "a" * 50 + "b" * 100_000 + "c" * 50
+    short = cut(huge)
+    assert len(short) < 260 and short.startswith("a" * 50) and short.endswith("c" * 50) and "…" in short
+    assert cut("/srv/models/m.onnx") == "/srv/models/m.onnx"

@@ -13,7 +13,8 @@ from onnx import external_data_helper
 from aoe.errors import ModelError, OptionError
 from aoe.signature import TensorInfo
 from aoed import samples
-from aoed.engine.prep import make_inputs, parse_input_shapes, prepare
+from aoe.specargs import parse_shapes as parse_input_shapes
+from aoed.engine.prep import make_inputs, prepare
 
 
 def _save(tmp_path: Path, name: str, model: onnx.ModelProto | None = None) -> Path:

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import grpc
 import numpy as np
+import onnx
 import pytest
 
 from aoe.bank import open_bank, record_to_json
@@ -161,6 +162,176 @@ def test_a_socket_group_the_daemon_is_not_in_is_a_clear_error(tmp_path: Path) ->
         shutil.rmtree(home, ignore_errors=True)
 
 
+# ---------------------------------------------------------------- the device lock
+
+# Runs as another user: opens the lock file read-only and tries to hold it, then tries to
+# create a file beside it; prints what each attempt met.
+_HOLD_THE_DEVICE = """
+import errno, fcntl, os, sys
+lock = sys.argv[1]
+try:
+    fd = os.open(lock, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    print("held")
+except OSError as exc:
+    print(errno.errorcode[exc.errno])
+try:
+    os.close(os.open(os.path.join(os.path.dirname(lock), "planted"), os.O_WRONLY | os.O_CREAT, 0o666))
+    print("planted")
+except OSError as exc:
+    print(errno.errorcode[exc.errno])
+"""
+
+
+def _plain_python_for_nobody() -> str | None:
+    """Any python uid 65534 can run (the script needs nothing but the standard library)."""
+    for python in (sys.executable, "/usr/bin/python3", "/usr/local/bin/python3"):
+        try:
+            if subprocess.run([python, "-c", "pass"], user=NOBODY, group=NOBODY, extra_groups=[], cwd="/",
+                              capture_output=True, timeout=60).returncode == 0:  # fmt: skip
+                return python
+        except OSError:
+            continue
+    return None
+
+
+def _hold_as_nobody(python: str, lock: Path) -> list[str]:
+    r = subprocess.run([python, "-c", _HOLD_THE_DEVICE, str(lock)], user=NOBODY, group=NOBODY, extra_groups=[],
+                       env={"PATH": os.defpath}, cwd="/", capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    return r.stdout.split()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="acting as another user needs root")
+async def test_another_user_can_neither_hold_the_device_lock_nor_write_beside_it() -> None:
+    from aoed.engine.devlock import DeviceLock
+
+    python = _plain_python_for_nobody()
+    if python is None:
+        pytest.skip(f"no python that uid {NOBODY} may run")
+    base = Path(tempfile.mkdtemp(prefix="aoed-lock-", dir="/tmp"))
+    try:
+        os.chmod(base, 0o755)  # like /run: everyone may pass through it
+        runtime = base / "aoed"
+        lock = DeviceLock(runtime, "cpu")
+        async with lock.hold():
+            pass
+        assert stat.S_IMODE(os.stat(lock.path).st_mode) == 0o600
+        assert stat.S_IMODE(os.stat(runtime).st_mode) & 0o022 == 0
+        assert _hold_as_nobody(python, lock.path) == ["EACCES", "EACCES"]
+        # Even with the folder opened for passing through (as for a socket beside the
+        # locks), the file itself is not openable by them.
+        os.chmod(runtime, 0o755)
+        assert _hold_as_nobody(python, lock.path) == ["EACCES", "EACCES"]
+        assert not (runtime / "planted").exists()
+        lock.close()
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user needs root")
+async def test_a_device_lock_open_to_others_is_narrowed_when_ours_and_refused_when_not(tmp_path: Path) -> None:
+    from aoe.errors import DeviceError
+    from aoed.engine.devlock import DeviceLock
+
+    runtime = tmp_path / "run"
+    runtime.mkdir(mode=0o777)
+    os.chmod(runtime, 0o777)
+    path = runtime / "device-cpu.lock"
+    path.write_text("")
+    os.chmod(path, 0o644)  # as earlier versions left it
+    lock = DeviceLock(runtime, "cpu")
+    async with lock.hold():
+        pass
+    lock.close()
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(runtime).st_mode) == 0o755, "nobody else may write beside the locks"
+    # Another user's file that anyone may open: not ours to narrow, and not safe to use.
+    os.chown(path, NOBODY, NOBODY)
+    os.chmod(path, 0o666)
+    with pytest.raises(DeviceError, match=f"belongs to uid {NOBODY} and any user may open it"):
+        async with DeviceLock(runtime, "cpu").hold():
+            pass
+    # A link planted at the lock's name is not followed.
+    path.unlink()
+    victim = tmp_path / "victim"
+    victim.write_text("keep")
+    path.symlink_to(victim)
+    with pytest.raises(DeviceError, match="symbolic link"):
+        async with DeviceLock(runtime, "cpu").hold():
+            pass
+    assert victim.read_text() == "keep"
+    # A folder another user owns could have its locks swapped under us.
+    other = tmp_path / "theirs"
+    other.mkdir()
+    os.chown(other, NOBODY, NOBODY)
+    with pytest.raises(DeviceError, match=f"belongs to uid {NOBODY}"):
+        async with DeviceLock(other, "cpu").hold():
+            pass
+
+
+# ---------------------------------------------------------------- files and folders: who can read what
+
+
+def _open_to_others(*roots: Path) -> list[str]:
+    """Every file or folder under `roots` (themselves included) that users other than
+    its owner and group may read, write or enter, with its mode."""
+    found = []
+    for root in roots:
+        for p in [root, *root.rglob("*")]:
+            try:
+                st = os.lstat(p)
+            except FileNotFoundError:  # a claim or scratch file the daemon just removed
+                continue
+            if not stat.S_ISLNK(st.st_mode) and stat.S_IMODE(st.st_mode) & 0o007:
+                found.append(f"{p} {stat.S_IMODE(st.st_mode):04o}")
+    return found
+
+
+@pytest.mark.slow
+def test_a_daemon_started_under_umask_000_leaves_nothing_open_to_other_users(tmp_path: Path) -> None:
+    d = DaemonProcess(tmp_path / "d")
+    d.bank.mkdir()
+    os.chmod(d.bank, 0o755)  # as a run under umask 022 left it: closed to others at start
+    old = os.umask(0)  # the daemon inherits it, as from a careless shell
+    try:
+        d.start()
+    finally:
+        os.umask(old)
+    try:
+        model = d.models / "mlp.onnx"
+        samples.save(samples.build("mlp"), model)
+        job_id = d.tuning().SubmitJob(tuning_pb2.SubmitJobRequest(
+            model_id=upload(d.tuning(), model), options=tuning_pb2.JobOptions(budget_s=1.0)), timeout=60).job_id  # fmt: skip
+        job = d.wait_job(job_id)
+        assert job.state == tuning_pb2.JOB_STATE_SUCCEEDED, job.error
+        # One drop too: a claim, then the outbox.
+        samples.save(samples.build("mlp"), d.inbox / "dropped.onnx")
+        deadline = time.monotonic() + 240
+        while not (d.inbox.parent / "outbox" / "dropped_result.json").exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert (d.inbox.parent / "outbox" / "dropped_tuned.onnx").exists(), d.log()[-2000:]
+        state = d.state
+        # A claimed drop is the dropper's file, moved (not copied) with its own mode:
+        # wait until its delivery removed it.
+        while any((state / "claimed").rglob("*.onnx")) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        for name in ("jobs.sqlite3", "uploads", "claimed", "jobs"):
+            assert (state / name).exists(), name
+        assert (d.bank / "data.mdb").exists() and (d.bank / "lock.mdb").exists()
+        assert Path(job.result.tuned_model_path).is_file() and Path(job.result.result_json_path).is_file()
+        assert _open_to_others(state, d.bank, d.inbox.parent / "outbox") == []
+        assert stat.S_IMODE(os.stat(state).st_mode) == 0o750
+        assert stat.S_IMODE(os.stat(d.bank).st_mode) == 0o750 and f"{d.bank} was open to other users" in d.log()
+        # The runtime folder may be one others pass through (to a socket beside the
+        # locks), but they write nothing there and open no lock.
+        runtime = Path(d.env().get("AOED_RUNTIME_DIR") or d.runtime)
+        assert stat.S_IMODE(os.stat(runtime).st_mode) & 0o022 == 0
+        assert stat.S_IMODE(os.stat(runtime / "device-cpu.lock").st_mode) == 0o600
+    finally:
+        d.close()
+
+
 # ---------------------------------------------------------------- TCP, TLS and mutual TLS
 
 
@@ -260,7 +431,7 @@ def _tree(folder: Path) -> list[tuple[str, int]]:
     return sorted((str(p.relative_to(folder)), p.lstat().st_mtime_ns) for p in folder.rglob("*"))
 
 
-M, O = "{models}", "{outside}"  # placeholders in the cases below
+M, O = "{models}", "{outside}"  # noqa: E741  (placeholders in the cases below)
 INVALID, DENIED, NOT_FOUND = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED,
                               grpc.StatusCode.NOT_FOUND)  # fmt: skip
 
@@ -562,3 +733,247 @@ def test_an_import_whose_last_line_is_malformed_writes_nothing(daemon: DaemonPro
     assert r.returncode == 0, r.stderr
     after = daemon.bank_stub().GetBankStats(bank_pb2.GetBankStatsRequest(), timeout=30)
     assert after.entries > stats.entries
+
+
+# ---------------------------------------------------------------- folders others can write
+
+
+@pytest.fixture(scope="module")
+def drop(tmp_path_factory: pytest.TempPathFactory):
+    """A daemon whose inbox, outbox and failed folders (under its root) stand for the
+    group-writable drop folders of the deploy files; models dropped there are tuned with
+    a 2 s budget. `targets/` holds files that links planted by "another user" point at."""
+    d = DaemonProcess(tmp_path_factory.mktemp("drop"))
+    d.inbox.mkdir()
+    (d.inbox / "aoed.toml").write_text("budget_s = 2.0\n")
+    (d.root / "targets").mkdir()
+    d.start()
+    yield d
+    d.close()
+
+
+def _small_model(hidden: int) -> bytes:
+    """A small model, different for each `hidden`: identical drops would join one job."""
+    return samples.mlp(features=64, hidden=hidden, classes=8, layers=2).SerializeToString()
+
+
+def _drop(d: DaemonProcess, name: str, data: bytes) -> None:
+    """Put `data` in the inbox as `name`, whole at once (written under a hidden name, then
+    renamed, as docs/daemon.md tells writers to)."""
+    tmp = d.inbox / ".dropping.part"
+    tmp.write_bytes(data)
+    tmp.rename(d.inbox / name)
+
+
+def _wait(d: DaemonProcess, cond, what: str, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout} s:\n{d.log()[-4000:]}"
+        time.sleep(0.1)
+
+
+def _contents(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+@pytest.mark.slow
+def test_links_planted_in_the_outbox_and_failed_are_never_written_through(drop: DaemonProcess) -> None:
+    outbox, failed, targets = drop.root / "outbox", drop.root / "failed", drop.root / "targets"
+    for n in ("a", "b", "c", "d", "e"):
+        (targets / n).write_bytes(b"precious " + n.encode())
+    before = _contents(targets)
+    plants = {
+        # the temporary names deliveries used to write through
+        outbox / ".victim_tuned.onnx.part": targets / "a",
+        outbox / ".victim_result.json.part": targets / "b",
+        outbox / ".victim_report.txt.part": targets / "c",
+        failed / ".broken.onnx.error.txt.part": targets / "d",
+        failed / ".broken.onnx.part": targets / "e",
+        # final names: a link to a file, and a dangling one (a file the daemon would create)
+        outbox / "victim2_tuned.onnx": targets / "a",
+        outbox / "victim2_report.txt": targets / "new-by-report",
+        failed / "broken2.onnx": targets / "e",
+        failed / "broken2.onnx.error.txt": targets / "new-by-error",
+    }
+    for link, target in plants.items():
+        link.symlink_to(target)
+    _drop(drop, "victim.onnx", _small_model(71))
+    _drop(drop, "victim2.onnx", _small_model(72))
+    _drop(drop, "broken.onnx", b"not a model at all")
+    _drop(drop, "broken2.onnx", b"not a model either")
+    for done in (outbox / "victim_report.txt", outbox / "victim2_2_report.txt", failed / "broken.onnx.error.txt",
+                 failed / "broken2_2.onnx.error.txt"):  # fmt: skip
+        _wait(drop, done.exists, str(done))
+    assert _contents(targets) == before, "a file behind a planted link changed, or one was created"
+    for link, target in plants.items():
+        assert link.is_symlink() and os.readlink(link) == str(target), f"{link}: the planted link was replaced"
+    for name in ("victim_tuned.onnx", "victim2_2_tuned.onnx"):
+        assert not (outbox / name).is_symlink()
+        onnx.checker.check_model(onnx.load(outbox / name))
+    assert (failed / "broken.onnx").read_bytes() == b"not a model at all"
+    assert (failed / "broken2_2.onnx").read_bytes() == b"not a model either"
+    assert "not a readable ONNX model" in (failed / "broken.onnx.error.txt").read_text()
+
+
+@pytest.mark.slow
+def test_a_link_planted_in_a_named_output_dir_is_never_followed(drop: DaemonProcess) -> None:
+    out, elsewhere = drop.models / "shared-out", drop.root / "elsewhere-ws"
+    out.mkdir()
+    elsewhere.mkdir()
+    (out / "aoe_workspace").symlink_to(elsewhere, target_is_directory=True)
+    model = drop.models / "named.onnx"
+    model.write_bytes(_small_model(73))
+    reply = drop.tuning().SubmitJob(tuning_pb2.SubmitJobRequest(model_path=str(model), options=tuning_pb2.JobOptions(
+        budget_s=2.0, output_dir=str(out))), timeout=30)  # fmt: skip
+    job = drop.wait_job(reply.job_id)
+    assert list(elsewhere.iterdir()) == [], "the job wrote through the planted link"
+    assert job.state == tuning_pb2.JOB_STATE_FAILED, job
+    assert f"{out}/aoe_workspace" in job.error and "symbolic link" in job.error, job.error
+    assert (out / "aoe_workspace").is_symlink()
+
+
+@pytest.mark.slow
+def test_a_long_inbox_name_is_delivered_under_a_shortened_name(drop: DaemonProcess) -> None:
+    outbox, failed = drop.root / "outbox", drop.root / "failed"
+    long = "m" * 240 + ".onnx"  # 245 bytes
+    wide = "模型" * 40 + ".onnx"  # 85 characters, 245 bytes
+    _drop(drop, long, _small_model(74))
+    _drop(drop, wide, b"not a model")
+
+    def delivered(folder: Path, head: str, tail: str) -> list[str]:
+        return sorted(n for n in os.listdir(folder) if n.startswith(head) and n.endswith(tail))
+
+    _wait(drop, lambda: delivered(outbox, "m" * 100, "_report.txt"), "the long name's outputs")
+    _wait(drop, lambda: delivered(failed, "模型" * 10, ".error.txt"), "the wide name's failure")
+    outs = delivered(outbox, "m" * 100, "")
+    assert len(outs) == 3 and all(len(n.encode()) <= 255 and "~" in n for n in outs), outs
+    stem = outs[0][: outs[0].index("~") + 11]
+    assert sorted(outs) == sorted(stem + s for s in ("_tuned.onnx", "_result.json", "_report.txt"))
+    assert f"aoed tuned {long}" in (outbox / f"{stem}_report.txt").read_text()
+    fails = delivered(failed, "模型" * 10, "")
+    assert len(fails) == 2 and all(len(n.encode()) <= 255 for n in fails), fails
+    error = next(n for n in fails if n.endswith(".error.txt"))
+    assert f"model: {wide}" in (failed / error).read_text()
+    assert not (drop.inbox / long).exists() and not (drop.inbox / wide).exists()
+
+
+# Writes half the model, pauses (argv[2] seconds, longer than stable_s), then the rest.
+_PAUSING_WRITER = """
+import sys, time
+data = open(sys.argv[3], "rb").read()
+with open(sys.argv[1], "wb") as f:
+    f.write(data[: len(data) // 2])
+    f.flush()
+    time.sleep(float(sys.argv[2]))
+    f.write(data[len(data) // 2 :])
+"""
+
+
+@pytest.mark.slow
+def test_a_writer_that_pauses_longer_than_stable_s_gets_its_model_tuned_once(drop: DaemonProcess) -> None:
+    outbox, failed = drop.root / "outbox", drop.root / "failed"
+    whole = drop.root / "paused-source.onnx"
+    whole.write_bytes(_small_model(75))
+    # stable_s is 1 s here; the job that takes a half file fails at once, well within 8 s.
+    writer = subprocess.run([sys.executable, "-c", _PAUSING_WRITER, str(drop.inbox / "paused.onnx"), "8", str(whole)],
+                            timeout=60)  # fmt: skip
+    assert writer.returncode == 0
+    _wait(drop, lambda: (outbox / "paused_report.txt").exists() or (failed / "paused.onnx.error.txt").exists(),
+          "the paused model's delivery")  # fmt: skip
+    assert not (failed / "paused.onnx.error.txt").exists(), (failed / "paused.onnx.error.txt").read_text()
+    jobs = [j for j in drop.tuning().ListJobs(tuning_pb2.ListJobsRequest()).jobs if j.model_name == "paused.onnx"]
+    assert [j.state for j in jobs] == [tuning_pb2.JOB_STATE_SUCCEEDED], jobs
+    assert (outbox / "paused_tuned.onnx").exists()
+
+
+@pytest.mark.slow
+def test_a_file_name_cannot_forge_a_log_line(drop: DaemonProcess) -> None:
+    failed = drop.root / "failed"
+    forged = "2099-01-01 00:00:00,000 ERROR aoed.watch: inbox gone"
+    name = f"evil\n{forged}\x1b[2K.onnx"
+    _drop(drop, name, b"not a model")
+    _wait(drop, (failed / f"{name}.error.txt").exists, "the forged name's failure")
+    lines = drop.log().splitlines()
+    assert not [line for line in lines if line.startswith("2099-01-01")], "a file name started a log line"
+    assert any("evil\\n2099-01-01" in line and "\\x1b[2K.onnx" in line for line in lines)
+    text = (failed / f"{name}.error.txt").read_text().splitlines()
+    assert len(text) == 4 and text[0] == f"model: evil\\n{forged}\\x1b[2K.onnx", text
+
+
+@pytest.mark.slow
+def test_entries_that_are_not_models_are_logged_and_left(drop: DaemonProcess) -> None:
+    outside = drop.root / "targets" / "outside.onnx"
+    outside.write_bytes(_small_model(76))
+    kinds = {"link.onnx": "a symbolic link", "dir.onnx": "a folder", "fifo.onnx": "a FIFO",
+             "sock.onnx": "a socket", "notes.txt": "not an .onnx model"}  # fmt: skip
+    (drop.inbox / "link.onnx").symlink_to(outside)
+    (drop.inbox / "dir.onnx").mkdir()
+    os.mkfifo(drop.inbox / "fifo.onnx")
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.bind(str(drop.inbox / "sock.onnx"))
+        (drop.inbox / "notes.txt").write_text("hello\n")
+
+        def logged(name: str) -> int:
+            return drop.log().count(f": {name} is {kinds[name]}; left where it is")
+
+        _wait(drop, lambda: all(logged(n) for n in kinds), "a line for each", timeout=60)
+        assert {n: logged(n) for n in kinds} == {n: 1 for n in kinds}
+        assert all(os.path.lexists(drop.inbox / n) for n in kinds)
+    jobs = drop.tuning().ListJobs(tuning_pb2.ListJobsRequest()).jobs
+    assert not [j for j in jobs if j.model_name in kinds], "none of them became a job"
+
+
+@pytest.mark.slow
+def test_a_model_swapped_for_a_hard_link_after_submit_is_not_read(drop: DaemonProcess) -> None:
+    """SubmitJob checks the file (one link) and the job reads it later: a hard link to a
+    file from elsewhere put at its name in between is refused when the job opens it."""
+    models = [drop.models / f"busy{i}.onnx" for i in range(2)]
+    for i, m in enumerate(models):
+        m.write_bytes(_small_model(80 + i))
+    busy = [drop.tuning().SubmitJob(tuning_pb2.SubmitJobRequest(model_path=str(m), options=tuning_pb2.JobOptions(
+        budget_s=120.0)), timeout=30).job_id for m in models]  # fmt: skip
+    victim = drop.models / "victim-by-path.onnx"
+    victim.write_bytes(_small_model(82))
+    job_id = drop.tuning().SubmitJob(tuning_pb2.SubmitJobRequest(model_path=str(victim), options=tuning_pb2.JobOptions(
+        budget_s=2.0)), timeout=30).job_id  # fmt: skip
+    watch = Inotify()
+    try:
+        assert drop.tuning().GetJob(tuning_pb2.GetJobRequest(job_id=job_id)).job.state == tuning_pb2.JOB_STATE_QUEUED
+        secret = _secret(drop, "swapped-secret.onnx")
+        watch.watch(secret)
+        os.link(secret, drop.models / ".swap")
+        os.replace(drop.models / ".swap", victim)  # now the secret's second name
+        for b in busy:
+            drop.tuning().CancelJob(tuning_pb2.CancelJobRequest(job_id=b), timeout=60)
+        job = drop.wait_job(job_id)
+        assert job.state == tuning_pb2.JOB_STATE_FAILED, job
+        assert "not the file that was submitted" in job.error and "2 hard links" in job.error, job.error
+        assert not [m for _, m in watch.events() if m & Inotify.IN_ACCESS], "the daemon read the file behind the link"
+    finally:
+        watch.close()
+
+
+@pytest.mark.slow
+def test_a_huge_path_or_name_is_cut_in_the_error(daemon: DaemonProcess) -> None:
+    # A path over the submission's size limit is refused naming the field and the limit; one
+    # under it but long (3,000 characters, each folder name within NAME_MAX) is repeated cut.
+    huge = f"{daemon.models}/" + "a" * 100_000
+    long = f"{daemon.models}/" + "/".join(["a" * 200] * 15)
+    model = f"{daemon.models}/mlp.onnx"
+    for path, says in ((huge, "over the limit of 4096 bytes"), (long, "characters)")):
+        requests = {
+            "model_path": tuning_pb2.SubmitJobRequest(model_path=path),
+            "output_dir": tuning_pb2.SubmitJobRequest(model_path=model, options=tuning_pb2.JobOptions(output_dir=path)),
+            "calibration_dir": tuning_pb2.SubmitJobRequest(model_path=model,
+                                                           options=tuning_pb2.JobOptions(calibration_dir=path)),
+            "outside": tuning_pb2.SubmitJobRequest(model_path="/" + path.replace(str(daemon.models), "b")),
+        }  # fmt: skip
+        for field, request in requests.items():
+            with pytest.raises(grpc.RpcError) as err:
+                daemon.tuning().SubmitJob(request, timeout=30)
+            msg = err.value.details()
+            assert err.value.code() in (INVALID, DENIED, grpc.StatusCode.NOT_FOUND), (field, err.value.code(), msg[:300])
+            assert len(msg) < 1000 and says in msg, (field, len(msg), msg[:300])
+    with pytest.raises(grpc.RpcError) as err:
+        upload(daemon.tuning(), daemon.models / "mlp.onnx", name="c" * 100_000 + ".onnx")
+    assert err.value.code() == INVALID and len(err.value.details()) < 1000, err.value.details()[:300]

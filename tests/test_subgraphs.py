@@ -22,13 +22,13 @@ from onnx import TensorProto, helper, numpy_helper
 
 from aoe.bank import open_bank
 from aoe.graph import normalize
-from aoe.jobtypes import parse_job_type
+from aoe.spec import parse_job_type
 from aoe.errors import OptionError
 from aoe.partition import partition
 from aoe.signature import ModelContext
 from aoe.subgraphs import find_subgraphs
 from aoed.backends.ort.catalog import build_registry
-from aoed.bank._codec import Measured
+from aoe.bankrecord import Measured
 from aoed.engine.assemble import task_rewrites
 from aoed.engine.prep import make_inputs, prepare
 from aoed.engine.tasks import Constants, TaskView, apply_rewrites
@@ -879,6 +879,50 @@ def test_job_type_spellings() -> None:
         parse_job_type("gdat")
 
 
+def test_sgat_plus_opat_tunes_every_operator_task_a_subgraph_without_a_choice_covers(models: Path,
+                                                                                      tmp_path: Path) -> None:
+    """A CNN's trunk is a subgraph with strategies at int8 only: at exact it must not take
+    the convolutions from OPAT, or the default job type would tune less than OPAT alone."""
+    from aoed.engine.assemble import tunable_tasks
+
+    registry = build_registry()
+    prep = prepare(models / "cnn.onnx", tmp_path / "prep")
+
+    def ids(precision: str, job_type: str) -> list[str]:
+        return [t.id for t in tunable_tasks(prep.model, prep.ctx, registry, precision, job_type)]
+
+    opat = ids("exact", "opat")
+    assert sum(i.startswith("t") for i in opat) >= 4  # the convolutions and the head
+    assert ids("exact", "sgat+opat") == opat
+    both = tunable_tasks(prep.model, prep.ctx, registry, "int8", "sgat+opat")
+    assert [t.family for t in both][0] == "conv_region" and len(both) < len(ids("int8", "opat"))
+
+
+def test_a_job_that_names_no_type_runs_sgat_plus_opat(tmp_path: Path) -> None:
+    """Each edge where a job's options are made gives sgat+opat when no job type is named,
+    and AOE's numbers keep AOE's meaning. (The CLI and gRPC defaults also run end to end
+    below: test_sgat_plus_opat_reports_both_sections, test_daemon_runs_a_sgat_plus_opat_job.)"""
+    from aoe.cli import _aoe_spelling, build_parser
+    from aoe.spec import JobSpec
+    from aoe.specargs import from_args
+    from aoe.v1 import tuning_pb2
+    from aoe.wire import spec_from_pb
+    from aoed.watch import folder_spec
+
+    assert from_args(build_parser().parse_args(["tune", "m.onnx"])).job_type == "sgat+opat"
+    aoe_args = ["--framework", "5", "--model", "m.onnx"]
+    assert from_args(_aoe_spelling(aoe_args)).job_type == "sgat+opat"
+    assert parse_job_type(_aoe_spelling([*aoe_args, "--job_type", "2"]).job_type) == "opat"
+    assert parse_job_type(_aoe_spelling([*aoe_args, "--job_type", "1"]).job_type) == "sgat"
+    assert spec_from_pb(tuning_pb2.JobOptions()).job_type == "sgat+opat"
+    assert spec_from_pb(tuning_pb2.JobOptions(job_type=tuning_pb2.JOB_TYPE_OPAT)).job_type == "opat"
+    assert JobSpec.from_dict({}).job_type == "sgat+opat"
+    assert folder_spec(tmp_path).job_type == "sgat+opat"  # a drop folder without aoed.toml
+    (tmp_path / "aoed.toml").write_text('job_type = "2"\n')
+    assert folder_spec(tmp_path).job_type == "opat"
+    assert JobSpec().job_type == "sgat+opat"
+
+
 # --------------------------------------------------------------------------- jobs
 
 FAST = ("--budget", "3", "--parallel", "1", "--no-progress", "--local")
@@ -918,8 +962,9 @@ def test_sgat_job_writes_aoe_result_and_bank_then_resumes_from_it(models: Path, 
 @pytest.mark.slow
 def test_sgat_plus_opat_reports_both_sections(models: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
-    r = run_aoe("tune", str(models / "transformer.onnx"), "--job-type", "sgat+opat", "--bank", str(tmp_path / "bank"),
-                "--output", str(out), *FAST)  # fmt: skip
+    # No job type named: sgat+opat is the default.
+    r = run_aoe("tune", str(models / "transformer.onnx"), "--bank", str(tmp_path / "bank"), "--output", str(out),
+                *FAST)  # fmt: skip
     assert r.returncode == 0, r.stderr
     [result] = out.glob("aoe_result_sgat_opat_*.json")
     doc = json.loads(result.read_text())
@@ -968,7 +1013,7 @@ def test_daemon_runs_a_sgat_plus_opat_job(models: Path, tmp_path: Path) -> None:
     d.start()
     try:
         model_id = upload(d.tuning(), models / "transformer.onnx")
-        opts = tuning_pb2.JobOptions(job_type=tuning_pb2.JOB_TYPE_SGAT_OPAT, budget_s=3)
+        opts = tuning_pb2.JobOptions(budget_s=3)  # no job type: the daemon's default, sgat+opat
         job_id = d.tuning().SubmitJob(tuning_pb2.SubmitJobRequest(model_id=model_id, options=opts)).job_id
         job = d.wait_job(job_id)
         assert job.state == tuning_pb2.JOB_STATE_SUCCEEDED, job.error

@@ -25,7 +25,7 @@ def session_options_of(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The session options a tuned model carries in its metadata (empty when none)."""
     import onnx
 
-    from aoe._session import METADATA_KEY, normalize_options
+    from aoe.sessionopts import METADATA_KEY, normalize_options
 
     model = onnx.load(os.fspath(path), load_external_data=False)
     for prop in model.metadata_props:
@@ -34,20 +34,35 @@ def session_options_of(path: str | os.PathLike[str]) -> dict[str, Any]:
     return {}
 
 
-def session(path: str | os.PathLike[str], providers: list[str] | None = None, **overrides: Any):
-    """Return an `onnxruntime.InferenceSession` for `path`, set up as the tuner measured it.
+def session(path: str | os.PathLike[str], providers: list[Any] | None = None, *, device_id: int = 0, **overrides: Any):
+    """Return an `onnxruntime.InferenceSession` for `path`, set up as the tuner measured it:
+    its session options and the providers it was tuned on (with their options), on
+    accelerator `device_id`, then the CPU for what they do not take.
 
-    `overrides` replace individual session options (e.g. `intra_op_num_threads=4`).
-    Raises ValueError when the model's stored options are malformed.
+    `overrides` replace individual session options (e.g. `intra_op_num_threads=4`);
+    `providers` replaces the stored providers (onnxruntime's own argument: the model then
+    runs as you choose, not as it was measured). Raises ValueError when the model's stored
+    options are malformed, and DeviceError when it was tuned on a provider this
+    onnxruntime does not have: it does not quietly run a GPU-tuned model on the CPU,
+    whose speed and accuracy were never measured.
     """
     import onnxruntime as ort
 
-    from aoe._session import make_session_options
-    from aoe.device import CPU
+    from aoe.sessionopts import make_session_options, session_providers
 
     options = {**session_options_of(path), **overrides}
-    return ort.InferenceSession(
-        os.fspath(path),
-        make_session_options(options),
-        providers=providers or [CPU.provider],
-    )
+    if providers is None:
+        providers = session_providers(options, device_id)
+        available = ort.get_available_providers()
+        missing = [name for name, _ in providers if name not in available]
+        if missing:
+            from aoe.device import Device, kind_of
+            from aoe.errors import DeviceError
+
+            need = sorted({Device(kind_of(m)).distribution for m in missing})
+            raise DeviceError(
+                f"{os.fspath(path)} was tuned on {', '.join(missing)}, which this onnxruntime {ort.__version__} "
+                f"does not have (it has {', '.join(available)}); install {' or '.join(need)} on a machine with that "
+                "device, or pass providers=[...] to run it elsewhere, unmeasured"
+            )
+    return ort.InferenceSession(os.fspath(path), make_session_options(options), providers=providers)

@@ -41,7 +41,7 @@ import lmdb
 import onnx
 from google.protobuf import json_format
 
-from aoe._lmdb import FULL_MAP, MAP_SIZES, TxnGate, bank_error, lmdb_errors
+from aoe.lmdbenv import FULL_MAP, MAP_SIZES, TxnGate, bank_error, lmdb_errors, reserve_lock_file
 from aoe.errors import BankError
 from aoe.partition import ModelTasks
 from aoe.signature import (
@@ -80,7 +80,7 @@ CUSTOM = "custom"
 
 #: Named databases of a bank environment (written by aoed.bank.store).
 DB_NAMES = (b"meta", b"entries", b"defaults", b"history")
-MAX_DBS = 8
+MAX_DBS = 16  # the writer keeps 8 (aoed.bank.store); room for more kinds of record
 #: The map readers (and the writer, aoed.bank.store) open a bank with where they may.
 READER_MAP = FULL_MAP
 
@@ -238,6 +238,8 @@ class _Layer:
                 f"bank {path}: no bank here (no data.mdb); tune a model into it first "
                 f"(aoe tune MODEL --bank {path}) or check the path"
             )
+        # LMDB writes this reader's slot into lock.mdb through a map: allocated first.
+        reserve_lock_file(path)
         try:
             self.env = self._open(lock=True)
         except lmdb.Error as exc:
@@ -399,6 +401,12 @@ class BankReader:
     def layers(self) -> list[tuple[str, Path]]:
         """(name, path) of every layer in lookup order."""
         return [(layer.name, layer.path) for layer in self._layers]
+
+    def under(self, first: Any, device: DeviceFingerprint | None = None) -> BankReader:
+        """A reader for `device` (default: this reader's) that consults the layer `first`
+        (a layer object, such as the daemon's view of its own store), then this reader's
+        layers, which it borrows: do not close it (that would close them); close this one."""
+        return BankReader([first, *self._layers], device or self.device)
 
     # ------------------------------------------------------------------ lookups
 

@@ -11,6 +11,7 @@
     aoe bank prune   [--bank DIR] [--dry-run] [--wait]
     aoe bank verify  [--bank DIR] [--sample N] [--op-type T] [--seed S] [--budget SECONDS]
                      [--layer NAME|all] [--no-record] [--wait] [--json]
+    aoe bank sync    PEER [--bank DIR | --socket PATH] [--ca FILE [--cert FILE --key FILE]] [--wait]
 
 The custom bank is --bank, else the configured one (TUNE_BANK_PATH, the config file, the
 user data dir); read-only layers come from --bank-layer (repeatable), then the configured
@@ -21,8 +22,12 @@ with an error naming that process, or with --wait wait until it is done. `verify
 1 when an entry regressed, is inaccurate or could not be measured.
 
 With `--socket PATH` (or AOED_SOCKET set and no --bank), stats, lookup, export, import,
-prune and verify work on the daemon's bank through its API instead: the daemon is then
-the one writer, so nothing waits for it.
+prune, verify and sync work on the daemon's bank through its API instead: the daemon is
+then the one writer, so nothing waits for it.
+
+`sync PEER` applies what the bank of the daemon at PEER (a gRPC target: unix:///PATH,
+dns:///HOST:PORT) wrote since this bank last did, with the rules of `[bank] follow`
+(aoed.bank.follow), once: up to the peer's last write when the pass began.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ import json
 import sys
 from pathlib import Path
 
-from aoe.errors import BankBusyError, OptionError
+from aoe.errors import OptionError
 
 __all__ = ["add_parsers"]
 
@@ -81,14 +86,6 @@ def _say_waiting(message: str) -> None:
     print(f"aoe: {message}", file=sys.stderr, flush=True)
 
 
-def _store(path: Path, wait: bool):
-    """The custom bank for writing: BankBusyError naming the writer when another process
-    writes it, unless `wait`."""
-    from aoed.bank.store import BankStore
-
-    return BankStore(path, wait=wait, on_wait=_say_waiting)
-
-
 def _config(args: argparse.Namespace):
     from aoe.config import load_config
 
@@ -116,7 +113,7 @@ def _add_compile(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-o", "--output", type=Path, required=True, help="where to write the tuned .onnx")
     _bank_args(p)
     p.add_argument("--input-shape", action="append", help="NAME:D1,D2,... for dynamic inputs (as for aoe tune)")
-    p.add_argument("--precision", default="exact", help="precision policy the bank entries were tuned under")
+    p.add_argument("--precision", help="precision policy the bank entries were tuned under (default: exact)")
     p.add_argument("--keep-initializer-inputs", action="store_true",
                    help="keep initializers listed as graph inputs overridable (as for aoe tune)")  # fmt: skip
     p.add_argument("--calibration", type=Path,
@@ -128,18 +125,20 @@ def _add_compile(sub: argparse._SubParsersAction) -> None:
 
 
 def _compile(args: argparse.Namespace) -> int:
-    from aoed.compile import compile_model
-    from aoed.engine.policy import policy
-    from aoed.engine.prep import parse_input_shapes
+    from aoe.spec import JobSpec
+    from aoe.specargs import from_args
+    from aoed import embedded  # the engine's assembly, in this process
 
-    policy(args.precision)  # validates the name before any work starts
-    shapes = parse_input_shapes(args.input_shape)
+    spec = from_args(args)  # checks the precision and shapes before any work starts
+    if args.precision is None:
+        args.precision = str(JobSpec().precision)
     config = _config(args)
     with _reader(args) as reader:
-        asm = compile_model(
-            args.model, args.output, reader, shapes, args.precision, args.keep_initializer_inputs, args.calibration,
+        asm = embedded.apply_bank(
+            args.model, args.output, reader, input_shapes=dict(spec.input_shapes), precision=spec.precision,
+            calibration=args.calibration, keep_initializer_inputs=spec.keep_initializer_inputs,
             plugins=config.plugins, check_options=not args.no_check, runtime_dir=config.runtime_dir,
-        )
+        )  # fmt: skip
         layers = [name for name, _ in reader.layers]
     rows = [*asm.tasks, asm.session]
     if args.json:
@@ -239,6 +238,16 @@ def _add_bank(top: argparse._SubParsersAction) -> None:
                    help="a model whose session options (its model-level entry) to re-check too (repeatable)")  # fmt: skip
     _wait_arg(s, " before recording the measurements")
     s.add_argument("--json", action="store_true")
+
+    s = sub.add_parser("sync", help="apply what a peer daemon's bank wrote since the last time, once")
+    s.set_defaults(run=_sync)
+    _bank_args(s, layers=False)
+    _socket_arg(s)
+    s.add_argument("peer", help="the peer daemon: unix:///PATH/aoed.sock or dns:///HOST:PORT")
+    s.add_argument("--ca", type=Path, help="CA of the peer's server certificate (TCP peers: TLS)")
+    s.add_argument("--cert", type=Path, help="client certificate, for a peer that wants mutual TLS")
+    s.add_argument("--key", type=Path, help="client key, with --cert")
+    _wait_arg(s)
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -366,7 +375,7 @@ def _import(args: argparse.Namespace) -> int:
             print(f"  refused {ref.key}: {ref.reason}")
         return 0
 
-    from aoed.bank.exchange import import_lines
+    from aoed import embedded  # the bank's writer, in this process
 
     if str(args.file) == "-":
         lines = sys.stdin
@@ -376,13 +385,11 @@ def _import(args: argparse.Namespace) -> int:
             lines = ctx = open(args.file, encoding="utf-8")
         except OSError as exc:
             raise OptionError(f"{args.file}: {exc.strerror or exc}") from None
+    path = _bank_path(args)
     with ctx:
-        store = _store(_bank_path(args), args.wait)
-        try:
-            report = import_lines(store, lines, args.policy, args.allow_foreign)
-        finally:
-            store.close()
-    print(f"aoe: imported into {store.path}: {report.added} added, {report.updated} updated, "
+        report = embedded.import_bank(path, lines, args.policy, args.allow_foreign, wait=args.wait,
+                                      on_wait=_say_waiting)  # fmt: skip
+    print(f"aoe: imported into {path}: {report.added} added, {report.updated} updated, "
           f"{report.kept} kept, {len(report.refused)} refused ({args.policy})")  # fmt: skip
     for kind, name in (("entry", "entries"), ("default", "default records"), ("trial", "trials")):
         c = report.counts[kind]
@@ -412,65 +419,40 @@ def _prune_local(args: argparse.Namespace):
     path = _bank_path(args)
     if not (path / "data.mdb").is_file():
         raise OptionError(f"--bank {path}: no bank here")
-    store = _store(path, args.wait)
-    try:
-        return store.prune(dry_run=args.dry_run)
-    finally:
-        store.close()
+    from aoed import embedded  # the bank's writer, in this process
+
+    return embedded.prune_bank(path, args.dry_run, wait=args.wait, on_wait=_say_waiting)
 
 
 def _verify(args: argparse.Namespace) -> int:
     import random
-    import tempfile
-
-    import trio
-
-    from aoed.backends.ort.catalog import build_registry
-    from aoed.bank._codec import decode
-    from aoed.bank.lock import busy_holder
-    from aoed.engine.bankverify import sample_entries, verify_entries
-    from aoed.engine.engine import open_engine
 
     if args.sample < 0 or args.budget <= 0:
         raise OptionError("--sample must be >= 0 and --budget > 0")
     daemon = _daemon(args)
     if daemon is not None:
         return _verify_on(daemon, args)
+    from aoed import embedded  # the engine, in this process
+
     seed = args.seed or random.SystemRandom().randrange(1, 1 << 31)
     config = _config(args)
     with _reader(args) as reader:
         names = [n for n, _ in reader.layers]
         if args.layer != "all" and args.layer not in names:
             raise OptionError(f"--layer {args.layer}: no such layer (layers: {', '.join(names)}, or all)")
-        entries = [decode(e.SerializeToString()) for _, e in reader.entries(None if args.layer == "all" else args.layer)]
         custom = reader.layers[0][1]
-    chosen = sample_entries(entries, args.sample, seed, args.op_type)
-    if chosen and not args.no_record and not args.wait:
-        # Fail before measuring, not after: the history is written at the end.
-        holder = busy_holder(custom)
-        if holder is not None:
-            raise BankBusyError(
-                f"bank {custom}: being written by {holder}; wait for it to finish, "
-                "or pass --wait (or --no-record)", holder
-            )  # fmt: skip
-
-    async def run():
-        with tempfile.TemporaryDirectory(prefix="aoe-verify-logs-") as logs:
-            async with open_engine(config.replace(parallel=1), build_registry(config.plugins), Path(logs)) as engine:
-                return await verify_entries(engine, chosen, args.budget, args.model)
-
-    try:
-        verdicts, trials = trio.run(run)
-    except BaseExceptionGroup as group:
-        from aoe.cli import _single
-
-        raise _single(group) from None
+        # Fails before measuring, not after, when the history could not be written.
+        report = embedded.verify_bank(
+            reader, config=config, sample=args.sample, seed=seed, budget_s=args.budget, op_type=args.op_type,
+            layer=args.layer, models=args.model, check_writable=None if args.no_record or args.wait else custom,
+        )  # fmt: skip
+    verdicts = report.verdicts
     bad = [v for v in verdicts if v.verdict in ("regressed", "inaccurate", "error")]
     if args.json:
-        print(json.dumps({"seed": seed, "sampled": len(chosen), "of": len(entries),
+        print(json.dumps({"seed": seed, "sampled": report.sampled, "of": report.of,
                           "verdicts": [vars(v) for v in verdicts]}, indent=2, default=str))  # fmt: skip
     else:
-        print(f"aoe: verified {len(chosen)} of {len(entries)} entries (seed {seed}, {args.budget:g} s each)")
+        print(f"aoe: verified {report.sampled} of {report.of} entries (seed {seed}, {args.budget:g} s each)")
         for v in verdicts:
             print(f"  {v.verdict:<10} {v.op_type:<18} {v.strategy:<24} {v.key}")
             if v.detail:
@@ -479,13 +461,59 @@ def _verify(args: argparse.Namespace) -> int:
                   ("confirmed", "regressed", "inaccurate", "skipped", "error")}  # fmt: skip
         print("  " + ", ".join(f"{k} {n}" for k, n in counts.items()))
     sys.stdout.flush()
-    if trials and not args.no_record:  # after the verdicts: a busy bank loses only the record
-        store = _store(custom, args.wait)
-        try:
-            store.commit(trials=trials)
-        finally:
-            store.close()
+    if report.trials and not args.no_record:  # after the verdicts: a busy bank loses only the record
+        embedded.record_trials(custom, report.trials, wait=args.wait, on_wait=_say_waiting)
     return 1 if bad else 0
+
+
+def _sync(args: argparse.Namespace) -> int:
+    daemon = _daemon(args)
+    if daemon is not None:
+        if args.ca or args.cert or args.key:
+            raise OptionError("--ca/--cert/--key: with a daemon, it connects with its own [bank] follow_* files")
+        with daemon:
+            r = daemon.bank_sync(args.peer)
+        counts = {"entries": r.entries, "default records": r.default_records, "trials": r.trials}
+        _print_sync(args.peer, r.peer_bank_id, r.from_seq, r.to_seq, counts, r.refused)
+        return 0
+    report = _sync_local(args)
+    counts = {name: report.counts[kind] for name, kind in
+              (("entries", "entry"), ("default records", "default"), ("trials", "trial"))}  # fmt: skip
+    _print_sync(args.peer, report.peer_bank_id, report.from_seq, report.to_seq, counts, report.refused)
+    return 0
+
+
+def _print_sync(peer: str, bank_id: str, from_seq: int, to_seq: int, counts: dict, refused: int) -> None:
+    print(f"aoe: synced from {peer} (bank {bank_id}): its writes {from_seq} -> {to_seq}")
+    for name, c in counts.items():
+        print(f"  {name:<16} added {c.added}, updated {c.updated}, kept {c.kept}")
+    if refused:
+        print(f"  refused {refused} (invalid, or measured on another device than this one)")
+
+
+def _sync_local(args: argparse.Namespace):
+    """One follow pass into the bank at --bank (or the configured one), in this process."""
+    from aoe.client import Client
+
+    if args.cert and not args.key or args.key and not args.cert:
+        raise OptionError("--cert and --key go together")
+    if args.cert and not args.ca:
+        raise OptionError("--cert needs --ca")
+    try:
+        tls = [p.read_bytes() if p else None for p in (args.ca, args.key, args.cert)] if args.ca else None
+    except OSError as exc:
+        raise OptionError(f"{exc.filename}: {exc.strerror or exc}") from None
+    config = _config(args)
+
+    def connect(target: str) -> Client:
+        if tls is None:
+            return Client(target, timeout=30)
+        return Client(target, timeout=30, root_certificates=tls[0], private_key=tls[1], certificate_chain=tls[2])
+
+    from aoed import embedded  # the bank's writer and follower, in this process
+
+    return embedded.sync_bank(_bank_path(args), args.peer, config.device.fingerprint().digest, connect,
+                              wait=args.wait, on_wait=_say_waiting)  # fmt: skip
 
 
 def _verify_on(daemon, args: argparse.Namespace) -> int:

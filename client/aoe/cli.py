@@ -1,17 +1,18 @@
 """The `aoe` command: one parser, one subcommand per thing to do, one error style.
 
-    aoe tune MODEL [--precision exact|int8|int4] [--input-shape x:1,3,224,224] [--bank DIR]
-                   [--repeat-tune] [--parallel N] [--output DIR] [--job-type opat|sgat|sgat+opat]
+    aoe tune MODEL [--precision exact|int8|int4|fp16|bf16] [--input-shape x:1,3,224,224] [--bank DIR]
+                   [--repeat-tune] [--parallel N] [--output DIR] [--job-type sgat+opat|opat|sgat]
                    [--local | --socket PATH]
     aoe compile MODEL -o OUT [--bank DIR] ...
     aoe bank stats|lookup|export|import|prune|verify ...
     aoe submit|jobs|status|watch|cancel|fetch|devices|daemon ...   (a running daemon: jobscli)
-    aoe --framework 5 --model MODEL --job_type 2        (AOE's spelling of aoe tune)
+    aoe --framework 5 --model MODEL --job_type 2        (AOE's spelling: 2 OPAT alone, 1 SGAT)
 
 `aoe tune` sends the job to the daemon when one answers at --socket (else the default
 socket) and the options ask for nothing only an embedded run does (--bank,
---bank-layer, --keep-initializer-inputs, --keep-workspace, a bank or plugins from the
-environment or config file); otherwise, or with --local, it runs the engine embedded.
+--bank-layer, --keep-workspace, a bank or plugins from the environment or config file);
+otherwise, or with --local, it runs the engine embedded, through `aoed.embedded`. The
+job's options are one `aoe.spec.JobSpec`, read from the flags by `aoe.specargs`.
 Settings come from the environment as in AOE (TUNE_BANK_PATH, REPEAT_TUNE,
 TE_PARALLEL_COMPILER, ASCEND_DEVICE_ID) and from an optional TOML file (`--config`), all
 read by `aoe.config`; options on the command line win. Every error ends with one line on
@@ -22,14 +23,20 @@ stderr, `aoe: error: ...`, and the exit status of its class (2 options, 3 model,
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import os
+import signal
 import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from aoe.errors import AoedError, OptionError
+from aoe import specargs
+from aoe.errors import AoedError, DeviceError, OptionError
+from aoe.outcome import summary_lines
+from aoe.spec import JobType, parse_job_type
 
 __all__ = ["main"]
 
@@ -63,43 +70,16 @@ def _add_tune(sub: argparse._SubParsersAction) -> None:
                        description="Tune an ONNX model by measurement: on the daemon when one answers, "
                                    "else embedded on this machine.")  # fmt: skip
     p.add_argument("model", type=Path, nargs="?",
-                   help="the .onnx model to tune (GDAT: a torch.export program, .pt2)")  # fmt: skip
-    p.add_argument("--precision", default="exact", help="precision policy: exact (default), int8, or int4 (weight-only 4-bit products)")
-    p.add_argument("--calibration", type=Path, help="calibration samples: a folder of .npz/.npy (int8)")
-    p.add_argument("--min-cosine", type=float, help="end-to-end accuracy budget: lowest output cosine (int8: 0.999)")
-    p.add_argument("--max-rel-error", type=float,
-                   help="end-to-end accuracy budget: largest error relative to the output range (int8: 0.25)")  # fmt: skip
-    p.add_argument("--input-shape", action="append", default=[], metavar="NAME:D1,D2,...",
-                   help="static shape for an input with dynamic dimensions; repeat or join with ';'")  # fmt: skip
+                   help="the .onnx model to tune (--job-type gdat: a torch.export program, .pt2)")  # fmt: skip
+    specargs.add_arguments(p, where="this machine (cpu; ASCEND_DEVICE_ID selects cann:N) or the daemon")
     p.add_argument("--bank", type=Path, help="custom bank directory (default: TUNE_BANK_PATH or the user data dir)")
     p.add_argument("--bank-layer", action="append", type=Path, default=[], metavar="DIR",
                    help="read-only bank consulted after the custom one (repeatable; also AOED_BANK_LAYERS)")  # fmt: skip
-    p.add_argument("--repeat-tune", action="store_true", default=None, help="re-tune tasks the bank already knows")
     p.add_argument("--reload", action="store_true",
                    help="resume an interrupted run: what the bank already decided is used, not measured again "
                         "(overrides REPEAT_TUNE)")  # fmt: skip
     p.add_argument("--parallel", help="compile processes, 1-32 (default: TE_PARALLEL_COMPILER or cores-1)")
     p.add_argument("--output", type=Path, default=Path("."), help="where aoe_workspace/ and the result JSON go")
-    p.add_argument("--job-type", default=None,
-                   help="opat (2): operators; sgat (1): subgraphs (attention, layernorm, gelu); "
-                        "sgat+opat: both in one job; gdat (AOE_MODE=4): gradient communication of "
-                        "data-parallel training (PyTorch DDP)")  # fmt: skip
-    g = p.add_argument_group("GDAT (--job-type gdat)")
-    g.add_argument("--world-size", type=int, default=None,
-                   help="ranks of the measured world (default: 2 on gloo, one per device on nccl/hccl)")  # fmt: skip
-    g.add_argument("--backend", default=None, help="collective backend: gloo (default, CPU), nccl, hccl")
-    g.add_argument("--gradient-precision", default=None,
-                   help="exact (default); fp16, bf16 or lowrank allow compression hooks of that class and "
-                        "the less lossy ones, each gated against exact all-reduce")  # fmt: skip
-    g.add_argument("--entry", metavar="FILE.py:FUNCTION",
-                   help="your own training code instead of a .pt2: FUNCTION returns (model, batch, loss_fn)")  # fmt: skip
-    p.add_argument("--device", default=None,
-                   help="cpu (default), cuda:N, tensorrt:N or cann:N (ASCEND_DEVICE_ID selects cann:N)")  # fmt: skip
-    p.add_argument("--keep-initializer-inputs", action="store_true",
-                   help="treat initializers that old exporters list as graph inputs as real inputs")  # fmt: skip
-    p.add_argument("--budget", type=float, default=None,
-                   help="device seconds for search, session options and verification together "
-                        "(default: fitted to the model's profiled latency)")  # fmt: skip
     p.add_argument("--keep-workspace", action="store_true",
                    help="keep the scratch files (task models, samples) under aoe_workspace/ after success")  # fmt: skip
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -115,11 +95,13 @@ def _aoe_spelling(argv: Sequence[str]) -> argparse.Namespace:
     p = Parser(prog="aoe", description="AOE-compatible invocation of aoe tune.")
     p.add_argument("-f", "--framework", default="5")
     p.add_argument("-m", "--model", type=Path, required=True)
-    p.add_argument("-j", "--job_type", "--job-type", dest="job_type", default="2")
+    # 2 and 1 mean what they mean to AOE (OPAT alone, SGAT alone); naming none gets
+    # aoe tune's default.
+    p.add_argument("-j", "--job_type", "--job-type", dest="job_type")
     p.add_argument("--output", type=Path, default=Path("."))
     p.add_argument("--input_shape", "--input-shape", dest="input_shape", action="append", default=[])
     p.add_argument("--device", default=None)
-    p.add_argument("--precision", default="exact")
+    p.add_argument("--precision")
     p.add_argument("--calibration", type=Path)
     p.add_argument("--bank", type=Path)
     p.add_argument("--config", type=Path)
@@ -128,76 +110,53 @@ def _aoe_spelling(argv: Sequence[str]) -> argparse.Namespace:
     a = p.parse_args(argv)
     from aoe.config import job_type_from_env
 
-    gdat = job_type_from_env() == "gdat"  # AOE's GDAT: the model is a torch.export program, any framework
-    if str(a.framework) != "5" and not gdat:
+    # AOE's GDAT (AOE_MODE=4) tunes a torch.export program, whatever --framework says.
+    if str(a.framework) != "5" and job_type_from_env() != "gdat":
         raise OptionError(f"--framework {a.framework}: only ONNX (5) models can be tuned here")
     return argparse.Namespace(
         model=a.model, precision=a.precision, input_shape=a.input_shape, bank=a.bank, config=a.config,
-        calibration=a.calibration, min_cosine=None, max_rel_error=None, bank_layer=[], verbose=0,
-        repeat_tune=None, reload=a.reload, parallel=None, output=a.output, job_type=None if gdat else a.job_type,
-        device=a.device, keep_initializer_inputs=False, budget=None, keep_workspace=False,
-        no_progress=a.progress_bar == "off", local=False, socket=None, run=_tune,
-        world_size=None, backend=None, gradient_precision=None, entry=None,
+        calibration=a.calibration, bank_layer=[], verbose=0, reload=a.reload, repeat_tune=None, parallel=None,
+        output=a.output,
+        job_type=a.job_type, device=a.device, keep_workspace=False, no_progress=a.progress_bar == "off", local=False,
+        socket=None, run=_tune, entry=None,
     )  # fmt: skip
 
 
-#: Options of ONNX jobs and of GDAT jobs alone: given with the other kind, they are refused.
-_ONNX_ONLY = (("precision", "exact", "--precision"), ("input_shape", [], "--input-shape"),
-              ("calibration", None, "--calibration"), ("min_cosine", None, "--min-cosine"),
-              ("max_rel_error", None, "--max-rel-error"), ("parallel", None, "--parallel"),
-              ("device", None, "--device"), ("keep_initializer_inputs", False, "--keep-initializer-inputs"))  # fmt: skip
-_GDAT_ONLY = (("world_size", "--world-size"), ("backend", "--backend"),
-              ("gradient_precision", "--gradient-precision"), ("entry", "--entry"))  # fmt: skip
-
-
-def _job_type(args: argparse.Namespace) -> str:
-    """The job type asked for: --job-type, else AOE's AOE_MODE (4 is GDAT), else opat.
-    OptionError when the two contradict."""
+def _job_type(args: argparse.Namespace) -> None:
+    """--job-type, else AOE's AOE_MODE (4 is GDAT); OptionError when they contradict.
+    With --entry the model is the entry's file."""
     from aoe.config import job_type_from_env
 
     env = job_type_from_env()
-    given = str(args.job_type).strip().lower() if args.job_type else ""
-    if env is not None and given and (given == "gdat") != (env == "gdat"):
+    if env is not None and args.job_type and (parse_job_type(args.job_type) == JobType.GDAT) != (env == "gdat"):
         raise OptionError(f"AOE_MODE selects {env}, --job-type {args.job_type} another job type: drop one")
-    return given or env or "opat"
+    args.job_type = args.job_type or env
+    if getattr(args, "entry", None):
+        path, _function = specargs.entry_of(args.entry)
+        if args.model is not None:
+            raise OptionError(f"--entry {args.entry} and {args.model}: give the model or the entry, not both")
+        args.model = path
+    if args.model is None:
+        raise OptionError("tune: the following arguments are required: model")
 
 
 def _tune(args: argparse.Namespace) -> int:
-    args.job_type = _job_type(args)
-    if args.job_type == "gdat":
-        return _tune_gdat(args)
-    given = [flag for attr, flag in _GDAT_ONLY if getattr(args, attr, None) is not None]
-    if given:
-        raise OptionError(f"{given[0]} applies to --job-type gdat (data-parallel training), not to ONNX models")
-    if args.model is None:
-        raise OptionError("tune: the following arguments are required: model")
-    if args.model.suffix == ".pt2":
-        raise OptionError(f"{args.model}: a torch.export program; tune its data-parallel training with --job-type gdat")
-    return _tune_onnx(args)
+    from aoe.modelfile import check_model_file
 
-
-def _tune_onnx(args: argparse.Namespace) -> int:
-    import trio
+    _job_type(args)
+    # Before the engine's imports (about a second): a mistyped path is answered at once.
+    # Whether it parses, the engine says in more detail (a daemon run checks it before
+    # the upload: Client.submit_file).
+    check_model_file(args.model, onnx=False)
 
     from aoe.config import load_config, parse_parallel
-    from aoe.jobtypes import parse_job_type
     from aoe.device import Device
-    from aoe.errors import DeviceError
-    from aoed.backends.ort.catalog import build_registry
-    from aoed.engine.engine import open_engine
-    from aoed.engine.job import JobOptions
-    from aoed.engine.policy import policy
-    from aoed.engine.prep import parse_input_shapes
 
-    job_type = parse_job_type(args.job_type)
+    spec = specargs.from_args(args)
     if args.reload and args.repeat_tune:
         raise OptionError("--reload and --repeat-tune contradict each other: resume, or tune again")
-    policy(args.precision, args.min_cosine, args.max_rel_error)  # validates before any work starts
-    if args.calibration is not None and not args.calibration.is_dir():
-        raise OptionError(f"--calibration {args.calibration}: not a directory")
-    if args.budget is not None and args.budget <= 0:
-        raise OptionError("--budget must be a positive number of seconds")
-    shapes = parse_input_shapes(args.input_shape)
+    if spec.calibration_dir is not None and not spec.calibration_dir.is_dir():
+        raise OptionError(f"--calibration {spec.calibration_dir}: not a directory")
     config = load_config(args.config)
     parallel = parse_parallel(args.parallel, "--parallel") if args.parallel is not None else None
     config = config.replace(
@@ -205,170 +164,64 @@ def _tune_onnx(args: argparse.Namespace) -> int:
         device=Device.parse(args.device) if args.device else None,
         bank_layers=(*args.bank_layer, *config.bank_layers) if args.bank_layer else None,
     )  # fmt: skip
+    # The environment's settings (REPEAT_TUNE, ASCEND_DEVICE_ID) are the user's too; a
+    # GDAT job's devices are its world's.
+    gdat = spec.job_type == JobType.GDAT
+    spec = spec.replace(repeat_tune=config.repeat_tune,
+                        device=config.device.name if "device" in config.sources and not gdat else None)  # fmt: skip
+    if gdat and args.model.suffix not in (".pt2", ".py"):
+        raise OptionError(f"{args.model}: --job-type gdat tunes a torch.export program (.pt2, saved with "
+                          "torch.export.save) or, with --entry FILE.py:FUNCTION, your own training code")  # fmt: skip
+    if not gdat and args.model.suffix == ".pt2":
+        raise OptionError(f"{args.model}: a torch.export program; tune its data-parallel training with --job-type gdat")
     output: Path = args.output
-    _writable_output(output)
-    opts = JobOptions(
-        model=args.model,
-        output=output,
-        precision=args.precision,
-        job_type=job_type,
-        input_shapes=shapes,
-        repeat_tune=config.repeat_tune,
-        keep_initializer_inputs=args.keep_initializer_inputs,
-        device=config.device,
-        budget_s=args.budget,
-        calibration=args.calibration,
-        min_cosine=args.min_cosine,
-        max_rel_error=args.max_rel_error,
-        keep_workspace=args.keep_workspace,
-    )
-    daemon = _daemon_for(args, config)
+    made = _writable_output(output)
+    # The user's own code (--entry) runs embedded only: a daemon loads no user code.
+    if spec.entry is not None and args.socket is not None:
+        raise OptionError("--entry runs your own code, which only an embedded run does: drop --socket")
+    daemon = _daemon_for(args, config) if spec.entry is None else None
     if daemon is not None:
         from aoe.jobscli import tune_on_daemon
 
-        options = {
-            "precision": args.precision, "job_type": job_type, "input_shapes": shapes or None,
-            "budget_s": args.budget, "min_cosine": args.min_cosine, "max_rel_error": args.max_rel_error,
-            "calibration_dir": args.calibration.absolute() if args.calibration else None,
-            # the daemon's own defaults unless the user set these (environment, file or flag)
-            "repeat_tune": config.repeat_tune if "repeat_tune" in config.sources else None,
-            "parallel": config.parallel if "parallel" in config.sources else None,
-            "device": config.device.name if "device" in config.sources else None,
-        }  # fmt: skip
+        if spec.calibration_dir is not None:
+            spec = spec.replace(calibration_dir=spec.calibration_dir.absolute())
         with daemon:
-            return tune_on_daemon(daemon, args.model, options, output, progress=not args.no_progress)
+            return tune_on_daemon(daemon, args.model, spec, output, progress=not args.no_progress)
     if config.bank is not None and config.bank.exists() and not config.bank.is_dir():
         from aoe.errors import BankError
 
         raise BankError(f"bank {config.bank}: not a directory (a file is in the way); pass a directory for --bank")
-    registry = build_registry(config.plugins)
 
     from aoe._progress import Progress
+    from aoed import embedded  # the engine, in this process: the one door the CLI has into aoed
 
-    progress = Progress(enabled=not args.no_progress)
-
-    async def run():
-        async with open_engine(config, registry, output / "aoe_workspace" / "logs") as engine:
-            with progress:
-                return await engine.run_job(opts, progress.emit)
-
+    if not (output / "aoe_workspace").exists():
+        made.insert(0, output / "aoe_workspace")
     try:
-        try:
-            result = trio.run(run)
-        except BaseExceptionGroup as group:
-            raise _single(group) from None
+        with Progress(enabled=not args.no_progress) as progress:
+            outcome = embedded.tune(args.model, spec, output, config=config, progress=progress.emit,
+                                    keep_workspace=args.keep_workspace)  # fmt: skip
     except DeviceError as exc:
         source = config.sources.get("device", "")
         raise DeviceError(f"{source} selects {config.device}: {exc}" if source.startswith("ASCEND") else str(exc)) from None
-    _summary(result)
+    finally:
+        # A run that failed before tuning left no workspace and the engine no empty
+        # log: the folders made for them go too.
+        for d in made:
+            with contextlib.suppress(OSError):
+                d.rmdir()
+    for line in summary_lines(outcome):
+        print(line)
+    print("Aoe process finished")
     return 0
 
 
-# --------------------------------------------------------------------------- GDAT
-# The CLI's one meeting with GDAT jobs: options in, aoed.gdat.run_gdat embedded, the
-# result printed. Jobs through the daemon come later.
-
-
-def _tune_gdat(args: argparse.Namespace) -> int:
-    import trio
-
-    from aoe._progress import Progress
-    from aoe.config import load_config
-    from aoed.gdat import GdatOptions, run_gdat
-
-    given = [flag for attr, default, flag in _ONNX_ONLY if getattr(args, attr, default) not in (default, None)]
-    if given:
-        extra = "; GDAT uses --gradient-precision" if given[0] == "--precision" else ""
-        raise OptionError(f"{given[0]} applies to ONNX jobs, not to --job-type gdat{extra}")
-    if args.socket is not None:
-        raise OptionError("--job-type gdat runs embedded (not on a daemon yet): drop --socket")
-    model, entry = args.model, ""
-    if args.entry:
-        path, sep, entry = str(args.entry).rpartition(":")
-        if not sep or not path or not entry.isidentifier():
-            raise OptionError(f"--entry {args.entry}: expected FILE.py:FUNCTION")
-        if model is not None:
-            raise OptionError(f"--entry {args.entry} and {model}: give the model or the entry, not both")
-        model = Path(path)
-    if model is None:
-        raise OptionError("tune: the following arguments are required: model (or --entry FILE.py:FUNCTION)")
-    if args.reload and args.repeat_tune:
-        raise OptionError("--reload and --repeat-tune contradict each other: resume, or tune again")
-    config = load_config(args.config)
-    config = config.replace(
-        bank=args.bank, repeat_tune=False if args.reload else args.repeat_tune,
-        bank_layers=(*args.bank_layer, *config.bank_layers) if args.bank_layer else None,
-    )  # fmt: skip
-    opts = GdatOptions(
-        model=model, output=args.output, entry=entry, world_size=args.world_size,
-        backend=args.backend or "gloo", precision=args.gradient_precision or "exact",
-        repeat_tune=config.repeat_tune, budget_s=args.budget, keep_workspace=args.keep_workspace,
-    ).check()  # fmt: skip
-    _writable_output(args.output)
-    progress = Progress(enabled=not args.no_progress)
-
-    async def run():
-        with progress:
-            return await run_gdat(opts, config, progress.emit)
-
-    try:
-        result = trio.run(run)
-    except BaseExceptionGroup as group:
-        raise _single(group) from None
-    _gdat_summary(result)
-    return 0
-
-
-def _gdat_summary(r: Any) -> None:
-    out = sys.stdout
-    lo, hi = r.improvement_ci95
-    conf = r.confirmation
-    print(f"aoe: tuned {Path(r.model).name} in {r.tuning_time_s:.1f} s (gdat, {r.precision} gradients, world of "
-          f"{r.world_size} on {r.backend})", file=out)  # fmt: skip
-    where = (f"from the bank: confirmed by {r.from_bank}" if r.from_bank
-             else f"confirming A/B, {conf.get('rounds', 0)} interleaved rounds")  # fmt: skip
-    print(f"  baseline     {r.baseline_ms:.4f} ms per step, tail {r.baseline_tail_ms:.4f} ms   (DDP's defaults; "
-          f"{where})", file=out)  # fmt: skip
-    if r.shipped.is_default:
-        print(f"  result       the baseline: DDP's defaults ship (two instances of them lay {lo:+.1%} to {hi:+.1%} "
-              "apart in these rounds: their noise)", file=out)  # fmt: skip
-    else:
-        print(f"  result       {r.result_ms:.4f} ms per step, tail {r.result_tail_ms:.4f} ms   (improvement "
-              f"{r.improvement:+.1%}: the median of the paired round ratios, 95% interval {lo:+.1%} to {hi:+.1%})",
-              file=out)  # fmt: skip
-    shipped = "DDP's defaults ship" if r.shipped.is_default else "the tuned configuration ships"
-    print(f"  verdict      {r.verdict}: {shipped}", file=out)
-    print(f"  ddp          {r.shipped.label}: {r.shipped.to_json()['ddp_kwargs'] or 'no options'}"
-          + (f", comm hook {r.shipped.hook}" if r.shipped.hook else ""), file=out)  # fmt: skip
-    if not r.from_bank:
-        measured = {c["name"] for c in r.configurations if c.get("step_ms") is not None}
-        failed = sum(c["status"] == "failed" for c in r.configurations)
-        rejected = sum(c["status"] == "rejected" for c in r.configurations)
-        b = r.budget
-        print(f"  search       {len(measured)} configurations in {r.resources.get('worlds', 1)} world(s)"
-              + (f", {failed} failed" if failed else "") + (f", {rejected} rejected by the gradient gate" if rejected else "")
-              + (f", {len(r.broken_turns)} broken turns" if r.broken_turns else "")
-              + f"; {b.get('spent_s', 0):.1f} s of a {b.get('budget_s', 0):.0f} s budget, plus "
-              f"{b.get('confirm_s', 0):.1f} s confirming", file=out)  # fmt: skip
-    for g in r.gates:
-        print(f"  gate         {g['config']}: {'passed' if g['passed'] else 'rejected'}: {g['why']}", file=out)
-    s = r.repo
-    print(
-        f"  bank         add {s['repo_add_num']}, hit {s['repo_hit_num']}, reserved {s['repo_reserved_num']}, "
-        f"unsatisfied {s['repo_unsatisfied_num']}, update {s['repo_update_num']}, total {s['total_num']}",
-        file=out,
-    )
-    for note in r.notes:
-        print(f"  note         {note}", file=out)
-    print(f"  ddp config   {r.ddp_config}", file=out)
-    print(f"  report       {r.result_json}", file=out)
-    print("Aoe process finished", file=out)
-
-
-def _writable_output(output: Path) -> None:
+def _writable_output(output: Path) -> list[Path]:
     """Make sure `output` is a directory this process can write: the result JSON goes
     there and aoe_workspace/ under it. OptionError naming it otherwise, before any
-    engine starts (the engine's own log folder would otherwise be the first to fail)."""
+    engine starts (the engine's own log folder would otherwise be the first to fail).
+    Returns the folders it made, deepest first."""
+    made = [p for p in (output, *output.parents) if not p.exists()]
     try:
         output.mkdir(parents=True, exist_ok=True)
     except (FileExistsError, NotADirectoryError):
@@ -380,10 +233,10 @@ def _writable_output(output: Path) -> None:
         # Root passes every permission check, so try instead of asking (os.access).
         with tempfile.TemporaryFile(dir=output):
             pass
-        (output / "aoe_workspace" / "logs").mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise OptionError(f"--output {output}: cannot write there ({exc.strerror or exc}); pass a directory you may "
                           "write") from None  # fmt: skip
+    return made
 
 
 def _daemon_for(args: argparse.Namespace, config: Any) -> Any:
@@ -391,7 +244,6 @@ def _daemon_for(args: argparse.Namespace, config: Any) -> Any:
     run honours (the bank, plugins, workspace choices); no daemon answering. A missing
     socket file costs no dial, so without a daemon `aoe tune` is as fast as before."""
     flags = [flag for flag, given in (("--bank", args.bank), ("--bank-layer", args.bank_layer),
-             ("--keep-initializer-inputs", args.keep_initializer_inputs),
              ("--keep-workspace", args.keep_workspace)) if given]  # fmt: skip
     if args.socket is not None and flags:
         raise OptionError(f"--socket tunes on the daemon, which uses its own bank and workspace: drop {flags[0]} "
@@ -417,80 +269,6 @@ def _daemon_for(args: argparse.Namespace, config: Any) -> Any:
     return None
 
 
-def _single(group: BaseExceptionGroup) -> BaseException:
-    """The error to report from a task group: the first AoedError or interrupt in it."""
-    for cls in (KeyboardInterrupt, AoedError):
-        match, _ = group.split(cls)
-        while isinstance(match, BaseExceptionGroup):
-            match = match.exceptions[0]
-        if match is not None:
-            return match
-    return group
-
-
-def _summary(r: Any) -> None:
-    tuned = sum(t.update_mode in ("add", "update", "reserved", "unsatisfied") for t in r.tasks)
-    hits = sum(t.update_mode == "hit" for t in r.tasks)
-    failed = sum(t.update_mode == "failed" for t in r.tasks)
-    skipped = sum(t.update_mode == "skipped" for t in r.tasks)
-    changed = [t for t in r.tasks if t.strategy != "default" and t.applied]
-    res, conf, budget = r.resources, r.confirmation, r.device_budget
-    out = sys.stdout
-    print(f"aoe: tuned {Path(r.model).name} in {r.tuning_time_s:.1f} s ({r.precision} on {r.device})", file=out)
-    where = (f"from the bank: confirmed by {conf['from_bank']}" if conf.get("from_bank")
-             else f"confirming A/B, {conf.get('rounds', 0)} interleaved rounds")  # fmt: skip
-    lo, hi = conf.get("improvement_ci95", (0.0, 0.0))
-    print(f"  baseline     {r.baseline_ms:.4f} ms   ({where})", file=out)
-    print(f"  result       {r.tuned_ms:.4f} ms   (improvement {r.improvement:+.1%}: the median of the paired "
-          f"round ratios, 95% interval {lo:+.1%} to {hi:+.1%})", file=out)  # fmt: skip
-    shipped = {"tuned": "the tuned model ships", "options only": "the input model with session options ships",
-               "input": "the input model ships unchanged"}.get(conf.get("shipped", ""), "")  # fmt: skip
-    print(f"  verdict      {conf.get('verdict', '?')}: {shipped}", file=out)
-    print(
-        f"  tasks        {len(r.tasks)}: {tuned} measured, {hits} from the bank"
-        + (f", {failed} failed" if failed else "") + (f", {skipped} not tuned (budget)" if skipped else "")
-        + f"; {len(changed)} changed",
-        file=out,
-    )
-    print(f"  device       {res.get('trials', 0)} trials, {res.get('failed_candidates', 0)} failed candidates; "
-          f"{budget.get('spent_s', 0):.1f} s of a {budget.get('budget_s', 0):.0f} s budget, plus "
-          f"{budget.get('profile_s', 0) + budget.get('confirm_s', 0):.1f} s profiling and confirming; "
-          f"busy {r.duty_cycle:.0%} of the job", file=out)  # fmt: skip
-    if changed:
-        print("  changed      (each task's own figure, from the search that chose it)", file=out)
-    for t in changed:
-        print(f"    {t.op_name:<40} {t.op_type:<14} {t.strategy:<22} {t.improvement:+.1%}", file=out)
-    if r.session_options:
-        print(f"  session      {r.session_options}", file=out)
-    if r.precision != "exact" and conf.get("shipped") == "input":
-        print("  accuracy     the input model ships: its outputs are the reference", file=out)
-        print(f"  calibration  {r.calibration}", file=out)
-    elif r.precision != "exact":
-        acc = r.accuracy
-        top1 = acc.get("top1_agreement")
-        print(f"  accuracy     over {acc.get('samples', 1)} held-back samples: cosine min {acc.get('cosine', 0):.5f}, "
-              f"5th percentile {acc.get('cosine_p5', acc.get('cosine', 0)):.5f}, max rel error "
-              f"{acc.get('max_rel_error', 0):.3g}" + (f", top-1 agreement {top1:.1%}" if top1 is not None else "")
-              + f" (budget: cosine >= {r.budget.get('min_cosine')}, max rel error <= {r.budget.get('max_rel_error')})",
-              file=out)  # fmt: skip
-        print(f"  calibration  {r.calibration}", file=out)
-    if r.precision != "exact":
-        for t in r.tasks:
-            if t.rejected and not t.strategy.startswith("int8"):
-                print(f"    {t.op_name:<40} kept {t.strategy}: {t.rejected[0]}", file=out)
-    s = r.repo
-    print(
-        f"  bank         add {s['repo_add_num']}, hit {s['repo_hit_num']}, reserved {s['repo_reserved_num']}, "
-        f"unsatisfied {s['repo_unsatisfied_num']}, update {s['repo_update_num']}, total {s['total_num']}",
-        file=out,
-    )
-    for note in r.notes:
-        print(f"  note         {note}", file=out)
-    print(f"  tuned model  {r.tuned_model}", file=out)
-    print(f"  report       {r.result_json}", file=out)
-    print("Aoe process finished", file=out)
-
-
 COMMANDS = ("tune", "compile", "bank", "submit", "jobs", "status", "watch", "cancel", "fetch", "devices", "daemon")
 
 
@@ -501,7 +279,8 @@ def build_parser() -> Parser:
     p = Parser(
         prog="aoe",
         description="Tune ONNX models by measurement and keep what is learned in a knowledge bank.",
-        epilog="AOE's spelling also works: aoe --framework 5 --model MODEL --job_type 2 (= aoe tune MODEL).",
+        epilog="AOE's spelling also works: aoe --framework 5 --model MODEL [--job_type 2] "
+               "(2: OPAT alone, as aoe tune --job-type opat; 1: SGAT; none: aoe tune's default, sgat+opat).",
     )
     p.add_argument("--version", action="version", version=f"aoe {_version()}")
     p.add_argument("--config", type=Path, help="TOML settings file (default: AOED_CONFIG, else none)")
@@ -525,15 +304,32 @@ def _logging(verbose: int) -> None:
             logger.setLevel(level)
 
 
+#: The exit status of a command whose reader went away (`aoe jobs | head`), as a shell
+#: reports one killed by SIGPIPE.
+EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        if argv and any(a.split("=", 1)[0] in _AOE_FLAGS for a in argv) and not set(argv) & set(COMMANDS):
-            args = _aoe_spelling(argv)
-        else:
-            args = build_parser().parse_args(argv)
-        _logging(args.verbose)
-        return args.run(args)
+        try:
+            if argv and any(a.split("=", 1)[0] in _AOE_FLAGS for a in argv) and not set(argv) & set(COMMANDS):
+                args = _aoe_spelling(argv)
+            else:
+                args = build_parser().parse_args(argv)
+            _logging(args.verbose)
+            return args.run(args)
+        finally:
+            # Flushed here, a closed pipe raises where it is handled below, not in the
+            # interpreter's exit (which prints "Exception ignored ... BrokenPipeError").
+            sys.stdout.flush()
+    except BrokenPipeError:
+        # The reader stopped reading: stop quietly, as a pipeline expects. The standard
+        # library's advice: point stdout at devnull so the exit's own flush cannot fail.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return EXIT_BROKEN_PIPE
     except AoedError as exc:
         print(f"aoe: error: {exc}", file=sys.stderr)
         return exc.exit_code

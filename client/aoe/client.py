@@ -27,13 +27,16 @@ from typing import IO, Any
 import grpc
 from google.protobuf import json_format
 
-from aoe.errors import AoedError, BankError, DaemonUnavailableError, JobCancelledError, ModelError, OptionError
-from aoe.errors import ResourceExhaustedError
-from aoe.jobtypes import parse_job_type
+from aoe.errors import AoedError, BankError, DaemonUnavailableError, JobCancelledError, JobStateError, ModelError
+from aoe.errors import NotFoundError, OptionError, PermissionDeniedError, ResourceExhaustedError
+from aoe.modelfile import check_model_file
+from aoe.spec import JobSpec
+from aoe.specargs import parse_shapes
 from aoe.v1 import bank_pb2, bank_pb2_grpc, daemon_pb2, daemon_pb2_grpc, devices_pb2, devices_pb2_grpc
 from aoe.v1 import tuning_pb2, tuning_pb2_grpc
+from aoe.wire import spec_to_pb
 
-__all__ = ["Client", "job_options"]
+__all__ = ["Client", "Stream", "job_options", "spec_of"]
 
 CHUNK = 1 << 20
 PING_TIMEOUT_S = 1.5
@@ -43,9 +46,6 @@ _MAX_MESSAGE = 64 << 20  # a Job of a large model lists thousands of task result
 _ARTIFACTS = {"model": tuning_pb2.RESULT_ARTIFACT_TUNED_MODEL, "json": tuning_pb2.RESULT_ARTIFACT_RESULT_JSON}
 _POLICIES = {"keep-faster": bank_pb2.MERGE_POLICY_KEEP_FASTER, "overwrite": bank_pb2.MERGE_POLICY_OVERWRITE,
              "keep-existing": bank_pb2.MERGE_POLICY_KEEP_EXISTING}  # fmt: skip
-_JOB_TYPES = {"opat": tuning_pb2.JOB_TYPE_OPAT, "sgat": tuning_pb2.JOB_TYPE_SGAT,
-              "sgat+opat": tuning_pb2.JOB_TYPE_SGAT_OPAT}  # fmt: skip
-_PLAIN_OPTIONS = ("repeat_tune", "parallel", "device", "calibration_dir", "output_dir", "priority", "budget_s")
 _EXPORT_FILTERS = ("op_type", "device_digest", "precision", "entries_only", "no_history")
 #: The record kinds of the JSON Lines exchange format (aoe.bank.record_to_json writes it).
 _RECORD_FIELDS = ("entry", "default_record", "trial")
@@ -80,8 +80,9 @@ def _error(exc: grpc.RpcError, target: str, bank: bool = False) -> AoedError:
         details = f"not found: {details}"
     cls = {
         grpc.StatusCode.INVALID_ARGUMENT: OptionError,
-        grpc.StatusCode.NOT_FOUND: OptionError,
-        grpc.StatusCode.FAILED_PRECONDITION: BankError if bank else AoedError,
+        grpc.StatusCode.NOT_FOUND: NotFoundError,
+        grpc.StatusCode.PERMISSION_DENIED: PermissionDeniedError,
+        grpc.StatusCode.FAILED_PRECONDITION: BankError if bank else JobStateError,
         grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhaustedError,
         grpc.StatusCode.CANCELLED: JobCancelledError,
     }.get(code, AoedError)
@@ -98,55 +99,32 @@ def _enum(enum: Any, prefix: str, value: Any, what: str) -> int:
         raise OptionError(f"{what} {value!r}: expected one of {', '.join(names)}") from None
 
 
-def _shapes(value: Mapping[str, Iterable[int]] | str | Iterable[str]) -> dict[str, list[int]]:
-    """{name: dims} from a mapping or `NAME:D1,D2` items (also `;`-joined, as aoe tune takes)."""
-    if isinstance(value, Mapping):
-        return {str(k): [int(d) for d in v] for k, v in value.items()}
-    out: dict[str, list[int]] = {}
-    for part in (p.strip() for item in ([value] if isinstance(value, str) else value) for p in item.split(";")):
-        name, sep, dims = part.rpartition(":")
-        try:
-            shape = [int(d) for d in dims.split(",") if d.strip()]
-        except ValueError:
-            shape = []
-        if part and (not sep or not name or not shape or min(shape) <= 0):
-            raise OptionError(f"input shape {part!r}: expected NAME:D1,D2,... with positive integers")
-        if part:
-            out[name] = shape
-    return out
+def spec_of(options: JobSpec | Mapping[str, Any] | None = None) -> JobSpec:
+    """A JobSpec from a dict of its fields (precision "int8", job_type "opat" or "2",
+    input_shapes {name: dims} or "NAME:D1,D2" strings, budget_s, ...); None values are
+    left unset. A JobSpec passes through. Raises OptionError naming an unknown key or a
+    bad value."""
+    if isinstance(options, JobSpec):
+        return options
+    values = {k: v for k, v in (options or {}).items() if v is not None}
+    shapes = values.get("input_shapes")
+    if shapes is not None and not isinstance(shapes, Mapping):
+        values["input_shapes"] = parse_shapes(shapes, where="input shape")
+    return JobSpec.from_dict(values)
 
 
-def job_options(options: tuning_pb2.JobOptions | Mapping[str, Any] | None = None) -> tuning_pb2.JobOptions:
-    """JobOptions from a dict: precision ("exact", "int8", ...), job_type ("opat"/"sgat"),
-    input_shapes ({name: dims} or "NAME:D1,D2" strings), min_cosine, max_rel_error,
-    labels, and the fields of the same name (repeat_tune, parallel, device,
-    calibration_dir, output_dir, priority, budget_s); None values are left unset. A
-    JobOptions passes through. Raises OptionError naming an unknown key or a bad value."""
+def job_options(options: tuning_pb2.JobOptions | JobSpec | Mapping[str, Any] | None = None) -> tuning_pb2.JobOptions:
+    """The JobOptions message of a spec (or of a dict of its fields, as `spec_of` takes
+    them, with output_dir: a folder on the daemon's host for the outputs). A JobOptions
+    passes through. Raises OptionError naming an unknown key or a bad value."""
     if isinstance(options, tuning_pb2.JobOptions):
         return options
-    opts = tuning_pb2.JobOptions()
-    for key, value in (options or {}).items():
-        if value is None:
-            continue
-        if key == "precision":
-            opts.precision = _enum(bank_pb2.Precision, "PRECISION_", value, "precision")
-        elif key == "job_type":
-            opts.job_type = _JOB_TYPES[parse_job_type(value, "job_type")]
-        elif key == "input_shapes":
-            opts.input_shapes.extend(tuning_pb2.InputShape(name=n, dims=d) for n, d in _shapes(value).items())
-        elif key in ("min_cosine", "max_rel_error"):
-            setattr(opts.accuracy_budget, key, float(value))
-        elif key == "labels":
-            opts.labels.update({str(k): str(v) for k, v in value.items()})
-        elif key in _PLAIN_OPTIONS:
-            try:
-                setattr(opts, key, os.fspath(value) if isinstance(value, os.PathLike) else value)
-            except (TypeError, ValueError) as exc:
-                raise OptionError(f"job option {key}={value!r}: {exc}") from None
-        else:
-            known = ("precision", "job_type", "input_shapes", "min_cosine", "max_rel_error", "labels", *_PLAIN_OPTIONS)
-            raise OptionError(f"job option {key!r}: unknown (known: {', '.join(known)})")
-    return opts
+    values = dict(options) if isinstance(options, Mapping) else {}
+    output_dir = values.pop("output_dir", None)
+    msg = spec_to_pb(spec_of(options if isinstance(options, JobSpec) else values))
+    if output_dir is not None:
+        msg.output_dir = os.fspath(output_dir)
+    return msg
 
 
 def _record_line(record: bank_pb2.ExportEntriesResponse) -> str:
@@ -185,6 +163,28 @@ def _writing(path: Path, mode: str) -> Iterator[IO[Any]]:
         with contextlib.suppress(OSError):
             tmp.unlink()
         raise
+
+
+class Stream(Iterator[Any]):
+    """A server stream being read: iterate it for its messages. `cancel()`, from any
+    thread, ends it: an iteration blocked on the next message then stops. Errors come
+    out as aoe.errors classes, as for any call."""
+
+    def __init__(self, call: Any, target: str, bank: bool = False) -> None:
+        self._call, self._target, self._bank = call, target, bank
+        self._cancelled = False
+
+    def __next__(self) -> Any:
+        try:
+            return next(self._call)
+        except grpc.RpcError as exc:
+            if self._cancelled:
+                raise StopIteration from None
+            raise _error(exc, self._target, self._bank) from exc
+
+    def cancel(self) -> None:
+        self._cancelled = True
+        self._call.cancel()
 
 
 class Client:
@@ -280,12 +280,10 @@ class Client:
         ResourceExhaustedError when it is larger than the daemon accepts."""
         path = Path(path)
         self._check_socket()
-        digest, size = hashlib.sha256(), 0
         try:
             with open(path, "rb") as f:
-                while chunk := f.read(CHUNK):
-                    digest.update(chunk)
-                    size += len(chunk)
+                digest = hashlib.file_digest(f, "sha256")
+                size = f.tell()
         except OSError as exc:
             raise ModelError(f"{path}: {exc.strerror or exc}") from None
         sha = digest.hexdigest()
@@ -317,7 +315,7 @@ class Client:
         model: str | os.PathLike[str] | None = None,
         *,
         model_id: str | None = None,
-        options: tuning_pb2.JobOptions | Mapping[str, Any] | None = None,
+        options: tuning_pb2.JobOptions | JobSpec | Mapping[str, Any] | None = None,
     ) -> tuning_pb2.Job:
         """Queue a job for `model`, a path as the daemon's host sees it, or for an uploaded
         `model_id` (exactly one); `options` as `job_options` takes them. Returns the Job
@@ -335,9 +333,16 @@ class Client:
             reply.job.job_id = reply.job_id
         return reply.job
 
-    def submit_file(self, local_path: str | os.PathLike[str], **options: Any) -> tuning_pb2.Job:
-        """`upload` the local model, then `submit` it with `options`; returns the Job."""
-        opts = job_options(options)  # bad options fail before the upload
+    def submit_file(self, local_path: str | os.PathLike[str], spec: JobSpec | None = None, **options: Any
+                    ) -> tuning_pb2.Job:  # fmt: skip
+        """`upload` the local model, then `submit` it with `spec` (or `options`, as
+        `job_options` takes them); returns the Job.
+        Bad options (OptionError), a socket with no daemon (DaemonUnavailableError) and
+        a file that is missing or not an ONNX model (ModelError, aoe.modelfile) fail
+        before anything is uploaded, in that order."""
+        opts = job_options(spec if spec is not None else options)
+        self._check_socket()
+        check_model_file(local_path)
         return self.submit(model_id=self.upload(local_path), options=opts)
 
     def get(self, job_id: str) -> tuning_pb2.Job:
@@ -478,6 +483,22 @@ class Client:
     def bank_prune(self, dry_run: bool = False) -> bank_pb2.PruneBankResponse:
         """Drop the bank's measurement history, keeping winners (only count, `dry_run`)."""
         return self._call(self._bank.PruneBank, bank_pb2.PruneBankRequest(dry_run=dry_run), bank=True, deadline=False)
+
+    def bank_follow(self, after_seq: int = 0, bank_id: str = "") -> Stream:
+        """The daemon's bank writes after sequence number `after_seq` of the bank
+        `bank_id` (from the start when the daemon's bank is another), then each new one
+        as it is committed: a Stream of FollowBankResponse that does not end by itself
+        (`cancel()` ends it). Errors: DaemonUnavailableError, BankError,
+        ResourceExhaustedError when this reader fell too far behind (resume from the
+        last `upto_seq` applied)."""
+        self._check_socket()
+        request = bank_pb2.FollowBankRequest(after_seq=after_seq, bank_id=bank_id)
+        return Stream(self._bank.FollowBank(request), self.target, bank=True)
+
+    def bank_sync(self, peer: str) -> bank_pb2.SyncBankResponse:
+        """Make the daemon apply, once, what the bank of `peer` (a gRPC target the daemon
+        can reach) wrote since it last did; returns the counts and sequence numbers."""
+        return self._call(self._bank.SyncBank, bank_pb2.SyncBankRequest(peer=peer), bank=True, deadline=False)
 
     def bank_verify(
         self, sample_size: int = 10, op_type: str = "", seed: int = 0, device: str = ""

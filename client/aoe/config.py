@@ -27,7 +27,9 @@ The TOML file:
   [engine]
   runtime_dir = "/run/aoed"
   dedicated_cores = "auto"               # auto (4+ cores), true, false
-  worker_memory_mb = 8192                # address-space limit per child process, >= 1024; 0: none
+  memory_mb = 0                          # memory the engine's processes may use; 0: MemAvailable / cgroup
+  worker_memory_mb = "auto"              # address-space limit per child process, >= 1024; 0: none;
+                                         # auto: (memory_mb - 256) / (workers + 1 runner)
   max_model_mb = 8192                    # a model file and its external data together
   max_nodes = 200000                     # nodes in all of a model's graphs
   max_tensor_mb = 4096                   # one declared or inferred tensor
@@ -39,18 +41,22 @@ The TOML file:
 The time limits are for a small model; a job's limits grow with its model file (1 +
 size/256 MiB: 2x at 256 MiB, 9x at 2 GiB), since its work does.
 
-The daemon's own sections ([daemon], [listen], [limits], [[inbox]]) are read by
-`aoed.config`.
+The daemon's own sections ([daemon], [listen], [limits], [[inbox]], [metrics]) and the
+keys of [bank] that say which peers' banks it follows (`follow`, `follow_*`) are read
+by `aoed.config`.
 
-Errors are `OptionError`s that name the key and where it came from.
+Errors are `OptionError`s that name the key and where it came from; a file and the
+environment are checked whole, and one OptionError lists every problem found
+(`OptionError.problems`), not only the first.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -58,9 +64,33 @@ from typing import Any
 from aoe.device import CPU, Device
 from aoe.errors import OptionError
 
-__all__ = ["DAEMON_SECTIONS", "Config", "bank_from_env", "default_socket", "default_parallel", "layers_from_env", "load_config", "parse_parallel"]
+__all__ = ["DAEMON_KEYS", "DAEMON_SECTIONS", "Config", "Problems", "bank_from_env", "default_socket", "default_parallel", "layers_from_env", "load_config", "parse_parallel"]
 
 _LEVELS = ("debug", "info", "warning", "error")
+
+
+class Problems:
+    """Collects the OptionErrors of a check that goes on past the first, so that a
+    configuration reports every problem at once."""
+
+    def __init__(self) -> None:
+        self.found: list[str] = []
+
+    def add(self, message: str) -> None:
+        self.found.append(message)
+
+    @contextlib.contextmanager
+    def check(self) -> Iterator[None]:
+        """Record an OptionError raised in the block (all of its problems) and go on."""
+        try:
+            yield
+        except OptionError as exc:
+            self.found.extend(exc.problems)
+
+    def raise_any(self) -> None:
+        """OptionError listing every problem recorded, if there is one."""
+        if self.found:
+            raise OptionError(problems=self.found)
 
 
 def default_parallel() -> int:
@@ -74,14 +104,6 @@ def default_parallel() -> int:
 #: its peak sat at the limit and the job passed), but at 300 MiB onnxruntime's session
 #: set-up failed with bad_alloc on one run of the fault test.
 MIN_WORKER_MEMORY_MB = 1024
-
-
-def _default_memory_mb() -> int:
-    try:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // (1 << 20)
-    except (ValueError, OSError):
-        return 0
-    return max(2048, total * 3 // 4)
 
 
 def _default_runtime_dir() -> Path:
@@ -118,7 +140,10 @@ def job_type_from_env(env: Mapping[str, str] | None = None) -> str | None:
 
 
 #: Sections of the TOML file that only the daemon reads (aoed.config checks them).
-DAEMON_SECTIONS = ("daemon", "listen", "limits", "inbox")
+DAEMON_SECTIONS = ("daemon", "listen", "limits", "inbox", "metrics")
+#: Keys of the shared sections that only the daemon reads (aoed.config checks them).
+DAEMON_KEYS = frozenset(("bank", k) for k in ("follow", "follow_ca", "follow_cert", "follow_key",
+                                              "follow_insecure_loopback"))  # fmt: skip
 
 
 def default_socket(env: Mapping[str, str] | None = None) -> Path:
@@ -149,7 +174,11 @@ class Config:
     runtime_dir: Path = field(default_factory=_default_runtime_dir)
     #: None: dedicated measurement cores when there are 4 or more
     dedicated_cores: bool | None = None
-    worker_memory_mb: int = field(default_factory=_default_memory_mb)
+    #: each child's address-space limit, MiB (0: none); None: derived when the engine
+    #: starts from `memory_mb` and the number of children (aoed.engine.memory)
+    worker_memory_mb: int | None = None
+    #: MiB the engine's processes may use; 0: what the machine says (MemAvailable, cgroup)
+    memory_mb: int = 0
     #: what a model may hold (aoed.engine.prep.Limits; its MAX_* constants are these)
     max_model_mb: int = 8192
     max_nodes: int = 200_000
@@ -198,19 +227,25 @@ _RANGES = {
 
 
 def _checked(cfg: Config) -> Config:
+    """`cfg` when its values are in range; else OptionError listing each that is not."""
+    problems = Problems()
     if not 1 <= cfg.parallel <= 32:
-        raise OptionError(f"parallel={cfg.parallel} ({cfg.sources.get('parallel', 'default')}): must be 1-32")
+        problems.add(f"parallel={cfg.parallel} ({cfg.sources.get('parallel', 'default')}): must be 1-32")
     if cfg.log_level not in _LEVELS:
-        raise OptionError(f"log level {cfg.log_level!r}: expected one of {', '.join(_LEVELS)}")
-    if cfg.worker_memory_mb != 0 and cfg.worker_memory_mb < MIN_WORKER_MEMORY_MB:
-        raise OptionError(f"worker_memory_mb={cfg.worker_memory_mb} ({_src(cfg, 'worker_memory_mb')}): must be 0 "
-                          f"(no limit) or at least {MIN_WORKER_MEMORY_MB} MiB: it limits address space, and a "
-                          "child's allocator and threads reserve far more of it than they use, so smaller "
-                          "limits fail ordinary models at random")  # fmt: skip
+        problems.add(f"log level {cfg.log_level!r}: expected one of {', '.join(_LEVELS)}")
+    if cfg.worker_memory_mb is not None and cfg.worker_memory_mb != 0 and cfg.worker_memory_mb < MIN_WORKER_MEMORY_MB:
+        problems.add(f"worker_memory_mb={cfg.worker_memory_mb} ({_src(cfg, 'worker_memory_mb')}): must be 0 "
+                     f"(no limit) or at least {MIN_WORKER_MEMORY_MB} MiB: it limits address space, and a "
+                     "child's allocator and threads reserve far more of it than they use, so smaller "
+                     "limits fail ordinary models at random")  # fmt: skip
+    if cfg.memory_mb != 0 and not 2 * MIN_WORKER_MEMORY_MB <= cfg.memory_mb <= 1 << 30:
+        problems.add(f"memory_mb={cfg.memory_mb} ({_src(cfg, 'memory_mb')}): must be 0 (what the machine has) "
+                     f"or at least {2 * MIN_WORKER_MEMORY_MB} MiB: a compile worker and a runner")  # fmt: skip
     for name, (lo, hi) in _RANGES.items():
         value = getattr(cfg, name)
         if not lo <= value <= hi:
-            raise OptionError(f"{name}={value} ({_src(cfg, name)}): must be between {lo} and {hi}")
+            problems.add(f"{name}={value} ({_src(cfg, name)}): must be between {lo} and {hi}")
+    problems.raise_any()
     return cfg
 
 
@@ -218,7 +253,12 @@ def _src(cfg: Config, name: str) -> str:
     return cfg.sources.get(name, "default")
 
 
-def _from_toml(path: Path) -> tuple[dict[str, Any], dict[str, str]]:
+def _from_toml(path: Path, problems: Problems | None = None) -> tuple[dict[str, Any], dict[str, str]]:
+    """The engine's settings in the file at `path` and where each came from. A file that
+    cannot be read or parsed raises OptionError at once; a bad setting is recorded in
+    `problems` and left out (raised at once without `problems`)."""
+    own = problems is None
+    problems = Problems() if problems is None else problems
     try:
         with open(path, "rb") as f:
             doc = tomllib.load(f)
@@ -231,7 +271,8 @@ def _from_toml(path: Path) -> tuple[dict[str, Any], dict[str, str]]:
         ("tuning", "repeat_tune"): "repeat_tune", ("tuning", "parallel"): "parallel",
         ("tuning", "device"): "device", ("tuning", "plugins"): "plugins",
         ("engine", "runtime_dir"): "runtime_dir", ("engine", "dedicated_cores"): "dedicated_cores",
-        ("engine", "worker_memory_mb"): "worker_memory_mb", ("engine", "max_model_mb"): "max_model_mb",
+        ("engine", "worker_memory_mb"): "worker_memory_mb", ("engine", "memory_mb"): "memory_mb",
+        ("engine", "max_model_mb"): "max_model_mb",
         ("engine", "max_nodes"): "max_nodes", ("engine", "max_tensor_mb"): "max_tensor_mb",
         ("engine", "compile_timeout_s"): "compile_timeout_s", ("engine", "stage_timeout_s"): "stage_timeout_s",
         ("log", "level"): "log_level",
@@ -242,14 +283,21 @@ def _from_toml(path: Path) -> tuple[dict[str, Any], dict[str, str]]:
         if section in DAEMON_SECTIONS:
             continue
         if not isinstance(table, dict):
-            raise OptionError(f"{path}: {section!r} must be a [section]")
+            problems.add(f"{path}: {section!r} must be a [section]")
+            continue
         for key, raw in table.items():
+            if (section, key) in DAEMON_KEYS:
+                continue
             name = known.get((section, key))
             where = f"{path} [{section}] {key}"
             if name is None:
-                raise OptionError(f"{where}: unknown setting")
-            values[name] = _convert(name, raw, where)
-            sources[name] = where
+                problems.add(f"{where}: unknown setting")
+                continue
+            with problems.check():
+                values[name] = _convert(name, raw, where)
+                sources[name] = where
+    if own:
+        problems.raise_any()
     return values, sources
 
 
@@ -273,11 +321,15 @@ def _convert(name: str, raw: Any, where: str) -> Any:
         return tuple(s.strip() for s in map(str, items) if s.strip())
     if name == "dedicated_cores":
         return None if str(raw).lower() == "auto" else _bool(raw, where)
-    if name == "worker_memory_mb":
+    if name in ("worker_memory_mb", "memory_mb"):
+        if name == "worker_memory_mb" and str(raw).strip().lower() == "auto":
+            return None
+        if isinstance(raw, bool) or not isinstance(raw, int | str):
+            raise OptionError(f"{where}={raw!r}: expected a whole number of MiB")
         try:
             return int(raw)
-        except (TypeError, ValueError):
-            raise OptionError(f"{where}={raw!r}: expected a number of MiB") from None
+        except ValueError:
+            raise OptionError(f"{where}={raw!r}: expected a whole number of MiB") from None
     if name in ("max_model_mb", "max_tensor_mb", "max_nodes"):
         if isinstance(raw, bool) or not isinstance(raw, int | str):
             raise OptionError(f"{where}={raw!r}: expected a whole number of {_UNITS[name]}")
@@ -300,7 +352,7 @@ def _convert(name: str, raw: Any, where: str) -> Any:
     raise AssertionError(name)
 
 
-def _from_env(env: Mapping[str, str]) -> tuple[dict[str, Any], dict[str, str]]:
+def _from_env(env: Mapping[str, str], problems: Problems) -> tuple[dict[str, Any], dict[str, str]]:
     names = {
         "TUNE_BANK_PATH": "bank", "AOED_BANK_LAYERS": "bank_layers", "REPEAT_TUNE": "repeat_tune",
         "TE_PARALLEL_COMPILER": "parallel", "AOED_PLUGINS": "plugins", "AOED_RUNTIME_DIR": "runtime_dir",
@@ -310,14 +362,16 @@ def _from_env(env: Mapping[str, str]) -> tuple[dict[str, Any], dict[str, str]]:
     for var, name in names.items():
         raw = env.get(var, "")
         if raw.strip():
-            values[name] = _convert(name, raw, var)
-            sources[name] = var
+            with problems.check():
+                values[name] = _convert(name, raw, var)
+                sources[name] = var
     ascend = env.get("ASCEND_DEVICE_ID", "").strip()
     if ascend:
         if not ascend.isdigit():
-            raise OptionError(f"ASCEND_DEVICE_ID={ascend!r}: expected a device number")
-        values["device"] = Device("cann", int(ascend))
-        sources["device"] = f"ASCEND_DEVICE_ID={ascend}"
+            problems.add(f"ASCEND_DEVICE_ID={ascend!r}: expected a device number")
+        else:
+            values["device"] = Device("cann", int(ascend))
+            sources["device"] = f"ASCEND_DEVICE_ID={ascend}"
     return values, sources
 
 
@@ -350,11 +404,15 @@ def load_config(path: str | os.PathLike[str] | None = None, env: Mapping[str, st
         path = env["AOED_CONFIG"]
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
+    problems = Problems()
     if path is not None:
-        v, s = _from_toml(Path(path))
+        v, s = _from_toml(Path(path), problems)
         values.update(v)
         sources.update(s)
-    v, s = _from_env(env)
+    v, s = _from_env(env, problems)
     values.update(v)
     sources.update(s)
-    return _checked(Config(**values, sources=sources))
+    with problems.check():
+        config = _checked(Config(**values, sources=sources))
+    problems.raise_any()
+    return config

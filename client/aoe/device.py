@@ -4,19 +4,24 @@ A device is an ONNX Runtime execution provider, an index and the provider option
 change which implementation runs. `Device.parse("cuda:1")` reads the spelling users
 type; `device.provider` names the provider (this module is the one place that maps a
 device kind to a provider name); `device.fingerprint()` is what bank keys use, so a
-measurement on one device is never applied on another.
+measurement on one device is never applied on another: for a GPU it covers the GPU's
+model, compute capability and the driver, CUDA, cuDNN and TensorRT versions
+(aoe.accelerators), never the index, so identical GPUs share what was learned.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from aoe.errors import OptionError
-from aoe.signature import DeviceFingerprint, device_fingerprint
+from aoe.errors import DeviceError, OptionError
 
-__all__ = ["CPU", "KINDS", "Device"]
+if TYPE_CHECKING:
+    from aoe.signature import DeviceFingerprint
+
+__all__ = ["CPU", "KINDS", "Device", "kind_of"]
 
 # kind -> (execution provider, the onnxruntime distribution that brings it, what it is)
 _KINDS = {
@@ -26,6 +31,18 @@ _KINDS = {
     "cann": ("CANNExecutionProvider", "onnxruntime-cann", "Ascend NPU"),
 }
 KINDS = tuple(_KINDS)
+
+
+def kind_of(provider: str) -> str:
+    """The device kind an onnxruntime execution provider runs; ValueError if unknown."""
+    for kind, (name, _dist, _what) in _KINDS.items():
+        if name == provider:
+            return kind
+    raise ValueError(f"unknown execution provider {provider!r} (known: {', '.join(v[0] for v in _KINDS.values())})")
+
+
+#: kinds that run on an NVIDIA GPU: one physical device under two providers
+_NVIDIA = frozenset({"cuda", "tensorrt"})
 
 
 @dataclass(frozen=True)
@@ -75,6 +92,16 @@ class Device:
     def is_cpu(self) -> bool:
         return self.kind == "cpu"
 
+    def default_providers(self) -> list[list[Any]]:
+        """The providers a session on this device names (aoe.sessionopts's `providers`),
+        before any is tuned: its own with the device's options; a TensorRT device falls
+        back to CUDA for what TensorRT does not build (onnxruntime's own arrangement);
+        the CPU names none (it always comes last)."""
+        if self.is_cpu:
+            return []
+        own = [self.provider, {k: v for k, v in self.options if k != "device_id"}]
+        return [own, [_KINDS["cuda"][0], {}]] if self.kind == "tensorrt" else [own]
+
     def provider_options(self) -> dict[str, str]:
         """Options for the provider when a session is created on this device."""
         opts = dict(self.options)
@@ -82,17 +109,63 @@ class Device:
             opts.setdefault("device_id", str(self.index))
         return opts
 
+    @property
+    def lock_name(self) -> str:
+        """The name of the physical device, for its machine-wide lock: `cuda:0` and
+        `tensorrt:0` are one GPU, and must never measure at once."""
+        return f"gpu:{self.index}" if self.kind in _NVIDIA else self.name
+
+    def accelerator(self) -> dict[str, str]:
+        """What the fingerprint says of the hardware under the provider: {} for the CPU;
+        for an NVIDIA GPU its model, compute capability, driver, and the CUDA, cuDNN and
+        TensorRT versions ("" where unknown). Raises DeviceError when this machine has no
+        such GPU."""
+        if self.kind == "cpu":
+            return {}
+        from aoe.accelerators import discover, runtime_versions
+
+        versions = runtime_versions()
+        if self.kind == "cann":
+            # No NPU discovery yet (it needs an Ascend machine to be checked on): the
+            # package still tells onnxruntime-cann builds apart.
+            return {"model": "Ascend NPU", "package": versions["package"]}
+        found = discover()
+        gpu = found.gpu(self.physical_index())
+        if gpu is None:
+            have = ", ".join(f"{g.index}: {g.name}" for g in found.gpus) or found.note or "none"
+            raise DeviceError(f"{self.name} ({self.description}): this machine has no such NVIDIA GPU (GPUs: "
+                              f"{have}); see `aoe devices --local`")  # fmt: skip
+        return {
+            "model": gpu.name, "compute_capability": gpu.compute_capability, "driver": gpu.driver_version,
+            "cuda": versions["cuda"], "cudnn": versions["cudnn"], "tensorrt": versions["tensorrt"],
+        }  # fmt: skip
+
+    def physical_index(self) -> int:
+        """nvidia-smi's index of this device. CUDA numbers the GPUs CUDA_VISIBLE_DEVICES
+        lets it see, in that list's order (indices or GPU-UUIDs); set CUDA_DEVICE_ORDER=
+        PCI_BUS_ID where several GPUs differ, so that CUDA counts as nvidia-smi does."""
+        visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+        if not visible or self.kind not in _NVIDIA:
+            return self.index
+        if self.index >= len(visible):
+            raise DeviceError(f"{self.name}: CUDA_VISIBLE_DEVICES={','.join(visible)} shows {len(visible)} GPU(s)")
+        entry = visible[self.index]
+        if entry.isdigit():
+            return int(entry)
+        from aoe.accelerators import discover
+
+        for gpu in discover().gpus:
+            if gpu.uuid and gpu.uuid.startswith(entry):
+                return gpu.index
+        raise DeviceError(f"{self.name}: CUDA_VISIBLE_DEVICES names {entry!r}, which nvidia-smi does not list")
+
     def fingerprint(self) -> DeviceFingerprint:
         """What bank keys use: provider, hardware, runtime and the implementation options
-        (not the index: identical devices share what was learned)."""
-        return device_fingerprint(self.provider, dict(self.options))
+        (not the index: identical devices share what was learned). Raises DeviceError
+        for a GPU this machine does not have."""
+        from aoe.signature import device_fingerprint  # (onnx: only for whoever asks for a fingerprint)
 
-    def to_wire(self) -> dict[str, Any]:
-        return {"kind": self.kind, "index": self.index, "options": dict(self.options)}
-
-    @classmethod
-    def from_wire(cls, data: Mapping[str, Any]) -> Device:
-        return cls(data["kind"], int(data.get("index", 0)), tuple(sorted(dict(data.get("options", {})).items())))
+        return device_fingerprint(self.provider, dict(self.options), self.accelerator())
 
 
 CPU = Device()

@@ -281,7 +281,7 @@ def _own_masks(model: onnx.ModelProto, notes: list[str]) -> None:
     (`aoe._attention.mask_fill`), read by Adds alone, two or more."""
     from onnx import numpy_helper
 
-    from aoe._attention import mask_fill
+    from aoe.attention import mask_fill
 
     g = model.graph
     consts = {t.name for t in g.initializer}

@@ -24,11 +24,15 @@ import argparse
 import contextlib
 import datetime
 import sys
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from aoe import specargs
 from aoe.errors import AoedError, JobCancelledError, OptionError
+from aoe.outcome import summary_lines
+from aoe.spec import JobSpec
 
 if TYPE_CHECKING:
     from aoe.client import Client
@@ -37,6 +41,9 @@ if TYPE_CHECKING:
 __all__ = ["add_parsers", "client_for", "tune_on_daemon"]
 
 _STATES = ("queued", "preparing", "tuning", "verifying", "succeeded", "failed", "cancelled")
+#: Characters of a failure's reason `aoe jobs` shows (cut at a word, with an ellipsis);
+#: `aoe status` shows it whole.
+_REASON_WIDTH = 60
 
 
 def _connection_args(p: argparse.ArgumentParser) -> None:
@@ -74,13 +81,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     """Add the daemon's job commands to the `aoe` parser."""
     p = sub.add_parser("submit", help="queue a model on the daemon", description="Queue a model on the daemon.")
     p.add_argument("model", type=Path, help="the .onnx model (a local file, uploaded; see --on-server)")
-    p.add_argument("--precision", default=None, help="precision policy: exact (default) or int8")
-    p.add_argument("--input-shape", action="append", default=[], metavar="NAME:D1,D2,...",
-                   help="static shape for an input with dynamic dimensions; repeat or join with ';'")  # fmt: skip
-    p.add_argument("--priority", type=int, default=None, help="-10 (background) to 10 (urgent); default 0")
-    p.add_argument("--budget", type=float, default=None, help="device seconds (default: fitted by the daemon)")
-    p.add_argument("--repeat-tune", action="store_true", default=None, help="re-tune tasks the bank already knows")
-    p.add_argument("--device", default=None, help="cpu, cuda:N, ... (default: the daemon's)")
+    specargs.add_arguments(p, where="the daemon")
     p.add_argument("--watch", action="store_true", help="follow the job until it ends (exit status as aoe watch)")
     p.add_argument("--on-server", action="store_true", help="MODEL is a path on the daemon's host: do not upload")
     p.set_defaults(run=_submit)
@@ -98,9 +99,12 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("job_id", metavar="ID")
     p.add_argument("-o", "--output", type=Path, default=Path("."), help="directory to write to (default: .)")
     p.set_defaults(run=_fetch)
-    for name, run, text in (("devices", _devices, "the devices the daemon tunes on"),
+    for name, run, text in (("devices", _devices, "the devices the daemon tunes on, and the others it could"),
                             ("daemon", _daemon, "the daemon's version, paths, limits and load")):  # fmt: skip
         sub.add_parser(name, help=text, description=text[0].upper() + text[1:] + ".").set_defaults(run=run)
+    sub.choices["devices"].add_argument(
+        "--local", action="store_true",
+        help="list what this machine offers onnxruntime (CPU, GPUs through nvidia-smi), without a daemon")  # fmt: skip
     for name in ("submit", "jobs", "status", "watch", "cancel", "fetch", "devices", "daemon"):
         _connection_args(sub.choices[name])
 
@@ -132,10 +136,24 @@ def _progress(job: tuning_pb2.Job) -> str:
     if name == "queued":
         return f"{job.queue_position} ahead"
     if name == "succeeded":
-        return f"{job.result.improvement:+.1%}"
+        from aoe.figures import short_text
+        from aoe.wire import figures_from_pb
+
+        return short_text(figures_from_pb(job.result))
     if name in ("failed", "cancelled"):
-        return job.error[:60] or "-"
+        return _shorten(job.error, _REASON_WIDTH) or "-"
     return f"{p.tasks_done}/{p.tasks_total} tasks" if p.tasks_total else name
+
+
+def _shorten(text: str, width: int) -> str:
+    """`text` on one line, cut at the last word boundary within `width` characters with
+    an ellipsis (mid-word only when its first word alone is longer)."""
+    text = " ".join(text.split())
+    if len(text) <= width:
+        return text
+    cut = text[: width - 1]
+    space = cut.rfind(" ")
+    return (cut[:space] if space > 0 else cut).rstrip(" ,;:") + "…"
 
 
 def _table(rows: list[tuple[str, ...]]) -> None:
@@ -145,39 +163,18 @@ def _table(rows: list[tuple[str, ...]]) -> None:
 
 
 def print_result(job: tuning_pb2.Job, files: list[Path] | None = None) -> None:
-    """The summary of a finished job, from its Job proto; `files` are the downloaded
-    artifacts (else the paths on the daemon's host are shown)."""
-    from aoe.v1 import bank_pb2
+    """The summary of a finished job, from its Job proto (as `aoe tune` words one run
+    embedded: aoe.outcome.summary_lines); `files` are the downloaded artifacts (else the
+    paths on the daemon's host are shown)."""
+    from aoe.wire import outcome_from_pb
 
-    r, o = job.result, job.options
     took = (job.finished.ToNanoseconds() - job.started.ToNanoseconds()) / 1e9 if job.started.seconds else 0.0
-    precision = _enum_name(bank_pb2.Precision, o.precision, "PRECISION_") if o.precision else "exact"
-    print(f"aoe: tuned {job.model_name} on the daemon in {took:.1f} s (job {job.job_id}; {precision} on "
-          f"{o.device or 'the default device'})")  # fmt: skip
-    where = (f"from the bank: confirmed by {r.confirmed_by}" if r.confirmed_by
-             else f"confirming A/B, {r.confirm_rounds} interleaved rounds")  # fmt: skip
-    print(f"  baseline     {r.baseline_ms:.4f} ms   ({where})")
-    print(f"  result       {r.tuned_ms:.4f} ms   (improvement {r.improvement:+.1%}: the median of the paired "
-          f"round ratios, 95% interval {r.improvement_ci95_low:+.1%} to {r.improvement_ci95_high:+.1%})")  # fmt: skip
-    shipped = {"tuned": "the tuned model ships", "options only": "the input model with session options ships",
-               "input": "the input model ships unchanged"}.get(r.shipped, r.shipped)  # fmt: skip
-    if r.verdict:
-        print(f"  verdict      {r.verdict}: {shipped}")
-    modes = [t.update_mode for t in r.tasks]
-    measured = sum(m in ("add", "update", "reserved", "unsatisfied") for m in modes)
-    failed = modes.count("failed")
-    changed = [t for t in r.tasks if t.strategy.name and t.strategy.name != "default"]
-    print(f"  tasks        {len(r.tasks)}: {measured} measured, {modes.count('hit')} from the bank"
-          + (f", {failed} failed" if failed else "") + f"; {len(changed)} changed")  # fmt: skip
-    for t in changed:
-        print(f"    {t.task_id:<40} {t.op_type:<14} {t.strategy.name:<22} {t.improvement:+.1%}")
-    print(f"  device       {r.trials} trials, {r.device_s:.1f} s measuring")
-    s = r.repo_summary
-    print(f"  bank         add {s.repo_add_num}, hit {s.repo_hit_num}, reserved {s.repo_reserved_num}, "
-          f"unsatisfied {s.repo_unsatisfied_num}, update {s.repo_update_num}, total {s.total_num}")  # fmt: skip
     model, report = (files or [None, None])[:2]
-    print(f"  tuned model  {model or r.tuned_model_path + ' (on the daemon host)'}")
-    print(f"  report       {report or r.result_json_path + ' (on the daemon host)'}")
+    outcome = outcome_from_pb(job.result, job.job_id)
+    if not outcome.model:  # a daemon from before results named the model
+        outcome = dataclasses.replace(outcome, model=job.model_name)
+    for line in summary_lines(outcome, where=" on the daemon", took_s=took, files=(model, report)):
+        print(line)
 
 
 @dataclass
@@ -228,8 +225,10 @@ def _line(event: tuning_pb2.JobEvent) -> str:
         level = _enum_name(tuning_pb2.LogLevel, event.log.level, "LOG_LEVEL_")
         return f"{head} {level} {event.log.logger}: {event.log.message}"
     if kind == "result":
-        r = event.result
-        return f"{head} result {r.baseline_ms:.4f} ms -> {r.tuned_ms:.4f} ms ({r.improvement:+.1%})"
+        from aoe.figures import event_text
+        from aoe.wire import figures_from_pb
+
+        return f"{head} result {event_text(figures_from_pb(event.result))}"
     return f"{head} {kind}"
 
 
@@ -270,10 +269,10 @@ def _finished(job: tuning_pb2.Job) -> tuning_pb2.Job:
     return job
 
 
-def tune_on_daemon(client: Client, model: Path, options: dict[str, Any], output: Path, progress: bool) -> int:
+def tune_on_daemon(client: Client, model: Path, spec: JobSpec, output: Path, progress: bool) -> int:
     """`aoe tune` on the daemon: upload, follow, download into `output`, summarize; 0.
     Ctrl-C cancels the job on the daemon, as it would stop an embedded run."""
-    job = client.submit_file(model, **options)
+    job = client.submit_file(model, spec)
     try:
         job = _finished(follow(client, job.job_id, bar=progress))
     except KeyboardInterrupt:
@@ -291,18 +290,13 @@ def tune_on_daemon(client: Client, model: Path, options: dict[str, Any], output:
 
 
 def _submit(args: argparse.Namespace) -> int:
-    if args.priority is not None and not -10 <= args.priority <= 10:
-        raise OptionError(f"--priority {args.priority}: must be between -10 and 10")
-    if args.budget is not None and args.budget <= 0:
-        raise OptionError("--budget must be a positive number of seconds")
-    options = {"precision": args.precision, "input_shapes": args.input_shape or None, "priority": args.priority,
-               "budget_s": args.budget, "repeat_tune": args.repeat_tune, "device": args.device}  # fmt: skip
+    spec = specargs.from_args(args)
     with client_for(args) as client:
         if args.on_server:  # a relative path means nothing to a daemon with another cwd
             model = args.model.absolute() if client.socket is not None else args.model
-            job = client.submit(model, options=options)
+            job = client.submit(model, options=spec)
         else:
-            job = client.submit_file(args.model, **options)
+            job = client.submit_file(args.model, spec)
         ahead = f", {job.queue_position} ahead" if _state(job.state) == "queued" else ""
         print(f"aoe: submitted {job.model_name or args.model.name} as job {job.job_id} ({_state(job.state)}{ahead})")
         if args.watch:
@@ -334,7 +328,8 @@ def _status(args: argparse.Namespace) -> int:
         job = client.get(args.job_id)
     o, p = job.options, job.progress
     print(f"job       {job.job_id}")
-    print(f"state     {_state(job.state)} ({_progress(job)})")
+    # A failure's reason is shown whole on its own line, not cut as in `aoe jobs`.
+    print(f"state     {_state(job.state)}" + ("" if job.error else f" ({_progress(job)})"))
     print(f"model     {job.model_name}  ({job.model_path})")
     print(f"source    {job.source or 'rpc'}" + (f", {job.joined} joined submissions" if job.joined else ""))
     opts = [f"precision {_enum_name(bank_pb2.Precision, o.precision, 'PRECISION_')}" if o.precision else "",
@@ -374,11 +369,24 @@ def _fetch(args: argparse.Namespace) -> int:
 
 
 def _devices(args: argparse.Namespace) -> int:
+    rows = [("ID", "PROVIDER", "STATE", "DESCRIPTION")]
+    if args.local:
+        from aoe.accelerators import local_devices
+
+        rows += [(d.device.name, d.device.provider, "unusable" if d.unusable else "usable",
+                  d.describe() + (f"; {d.unusable}" if d.unusable else "")) for d in local_devices()]  # fmt: skip
+        _table(rows)
+        return 0
     with client_for(args) as client:
         devices = client.devices()
-    rows = [("ID", "PROVIDER", "LOAD", "DESCRIPTION")]
-    rows += [(d.id, d.execution_provider, (f"busy ({d.running_job_id})" if d.busy else "idle")
-              + (f", {d.queued_jobs} queued" if d.queued_jobs else ""), d.description) for d in devices]  # fmt: skip
+    # A daemon from before `configured` lists only the device it tunes on.
+    older = not any(d.configured for d in devices)
+    for d in devices:
+        if d.configured or older:
+            state = (f"busy ({d.running_job_id})" if d.busy else "idle") + (f", {d.queued_jobs} queued" if d.queued_jobs else "")
+        else:
+            state = "unusable" if d.unusable else "not configured"
+        rows.append((d.id, d.execution_provider, state, d.description + (f"; {d.unusable}" if d.unusable else "")))
     _table(rows)
     return 0
 

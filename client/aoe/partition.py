@@ -25,16 +25,19 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
 import onnx
 
-from aoe.jobtypes import JOB_TYPES
+from aoe.spec import JobType
 from aoe.signature import ModelContext, TaskSignature, task_signature
 from aoe.subgraphs import find_subgraphs
 
 __all__ = ["ACTIVATIONS", "FAMILIES", "JOB_TYPES", "ModelTasks", "Task", "partition"]
+
+#: What a job may tune (aoe.spec.JobType).
+JOB_TYPES = tuple(JobType)
 
 #: Elementwise activations a task takes along as its epilogue.
 ACTIVATIONS = ("Relu", "Sigmoid", "Tanh", "LeakyRelu")
@@ -94,9 +97,16 @@ def _is_inference_bn(node: onnx.NodeProto, ctx: ModelContext) -> bool:
     )
 
 
-def partition(model: onnx.ModelProto, ctx: ModelContext, job_type: str = "opat") -> list[Task]:
+def partition(
+    model: onnx.ModelProto,
+    ctx: ModelContext,
+    job_type: str = "opat",
+    subgraph_families: Collection[str] | None = None,
+) -> list[Task]:
     """Return the representative tasks of `model` for `job_type` (`JOB_TYPES`), twins
-    attached: subgraph tasks first (in graph order), then operator tasks.
+    attached: subgraph tasks first (in graph order), then operator tasks. Only subgraphs
+    of `subgraph_families` (None: every family) are tasks; the nodes of the others are
+    left to operator tasks.
 
     Every node must have a unique, non-empty name (`aoe.graph.normalize` sees to it). A
     chain with a tensor of unknown shape has no signature and is not a task.
@@ -107,7 +117,7 @@ def partition(model: onnx.ModelProto, ctx: ModelContext, job_type: str = "opat")
     order: list[Task] = []
     taken: set[str] = set()
     if job_type != "opat":
-        _subgraph_tasks(model, ctx, reps, order, taken)
+        _subgraph_tasks(model, ctx, reps, order, taken, subgraph_families)
     if job_type != "sgat":
         _operator_tasks(model, ctx, reps, order, taken)
     return order
@@ -124,8 +134,10 @@ def _add(task: Task, reps: dict[str, Task], order: list[Task], taken: set[str]) 
 
 
 def _subgraph_tasks(model: onnx.ModelProto, ctx: ModelContext, reps: dict[str, Task], order: list[Task],
-                    taken: set[str]) -> None:  # fmt: skip
-    for count, m in enumerate(find_subgraphs(model, ctx), 1):
+                    taken: set[str], families: Collection[str] | None) -> None:  # fmt: skip
+    for count, m in enumerate(find_subgraphs(model, ctx), 1):  # ids count every match: they stay put
+        if families is not None and m.family not in families:
+            continue
         try:
             sig = task_signature(m.nodes, ctx)
         except ValueError:

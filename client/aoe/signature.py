@@ -8,7 +8,8 @@ dtypes of inputs and outputs, and which inputs are constant. Tensor *names* and 
 *values* are left out, so the same layer in two models has one signature.
 
 A *device fingerprint* names what the measurement was made on: execution provider and its
-options, CPU model and ISA flags, and the runtime version. A bank entry is only ever
+options, CPU model and ISA flags (or, for a GPU or NPU, its model, compute capability and
+driver and library versions), and the runtime version. A bank entry is only ever
 applied where both digests match.
 
 Both are pure functions of their inputs; this module imports neither trio nor
@@ -112,6 +113,8 @@ class DeviceFingerprint:
     options: Mapping[str, str] = field(default_factory=dict)
     canonical_json: str = ""
     digest: str = ""
+    #: the GPU or NPU under the provider (empty for a CPU): see `device_fingerprint`
+    accelerator: Mapping[str, str] = field(default_factory=dict)
 
 
 def bank_key(signature_digest: str, device_digest: str, precision: str) -> bytes:
@@ -515,9 +518,15 @@ def _runtime_version() -> str:
 
 
 @functools.lru_cache(maxsize=16)
-def _fingerprint(execution_provider: str, options_json: str) -> DeviceFingerprint:
-    hardware, flags = _cpu_model_and_flags()
+def _fingerprint(execution_provider: str, options_json: str, accelerator_json: str = "{}") -> DeviceFingerprint:
     options = json.loads(options_json)
+    accelerator = json.loads(accelerator_json)
+    if accelerator:
+        # An accelerator's kernels are the GPU's (or NPU's) and its libraries', not the
+        # host CPU's: identical GPUs on different hosts share what was learned.
+        hardware, flags = str(accelerator.get("model", "unknown")), ()
+    else:
+        hardware, flags = _cpu_model_and_flags()
     desc = {
         "ep": execution_provider,
         "hardware": hardware,
@@ -525,6 +534,10 @@ def _fingerprint(execution_provider: str, options_json: str) -> DeviceFingerprin
         "runtime": _runtime_version(),
         "options": options,
     }
+    # Only where there is one: the CPU's description (and so every existing bank key) is
+    # exactly what it was before accelerators were described.
+    if accelerator:
+        desc["accelerator"] = accelerator
     text = canonical_json(desc)
     return DeviceFingerprint(
         execution_provider=execution_provider,
@@ -534,20 +547,31 @@ def _fingerprint(execution_provider: str, options_json: str) -> DeviceFingerprin
         options=options,
         canonical_json=text,
         digest=_digest(text),
+        accelerator=accelerator,
     )
 
 
 def device_fingerprint(
-    execution_provider: str | None = None, options: Mapping[str, str] | None = None
+    execution_provider: str | None = None,
+    options: Mapping[str, str] | None = None,
+    accelerator: Mapping[str, str] | None = None,
 ) -> DeviceFingerprint:
     """Return the fingerprint of this machine's `execution_provider` (default: the CPU's;
     cached per process).
 
     `options` are the provider options that change which implementation runs (for CPU:
-    none; for CUDA e.g. the device model), so a change to them changes the digest.
+    none), so a change to them changes the digest. `accelerator` describes the GPU or NPU
+    the provider runs on (model, compute capability, driver and library versions: see
+    aoe.accelerators); every one of its values is part of the digest, so a decision made
+    on one GPU model or library version is never served on another. Without one, the
+    hardware is this machine's CPU model and ISA flags.
     """
     if execution_provider is None:
         from aoe.device import CPU  # aoe.device maps device kinds to providers; it imports us
 
         execution_provider = CPU.provider
-    return _fingerprint(execution_provider, canonical_json(dict(options or {})))
+    return _fingerprint(
+        execution_provider,
+        canonical_json(dict(options or {})),
+        canonical_json({str(k): str(v) for k, v in (accelerator or {}).items()}),
+    )

@@ -52,7 +52,7 @@ from collections.abc import Sequence
 
 import onnx
 
-from aoe._attention import attention
+from aoe.attention import attention
 from aoe._sgraph import STD, Graph, Match, last_axis
 from aoe.signature import ModelContext
 

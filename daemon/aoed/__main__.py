@@ -6,6 +6,8 @@ gRPC core does not survive fork(): `GRPC_ENABLE_FORK_SUPPORT` is switched off he
 before anything imports grpc, and every child process the daemon starts is a fresh
 interpreter started through exec (see aoed.engine._child), which also drops the service
 manager's variables (NOTIFY_SOCKET, WATCHDOG_*) from its environment.
+
+The process umask is set here too (027), before anything creates a file.
 """
 
 from __future__ import annotations
@@ -20,6 +22,9 @@ from collections.abc import Sequence  # noqa: E402
 
 from aoed import __version__  # noqa: E402
 
+#: Nothing the daemon creates is open to other users; its group may read.
+DAEMON_UMASK = 0o027
+
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="aoed", description="aoed: the tuning daemon (gRPC, watched folders)")
@@ -29,12 +34,23 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="log level (default: [log] level, else info)")  # fmt: skip
     parser.add_argument("--version", action="version", version=f"aoed {__version__}")
     args = parser.parse_args(argv)
+    # Whatever umask started us (000 from a careless shell), the daemon's files are for
+    # itself and its group: 0640 files, 0750 folders. Set before anything is created.
+    os.umask(DAEMON_UMASK)
 
-    from aoe.errors import AoedError
+    from aoe.errors import AoedError, OptionError, first_error
     from aoed.config import load_daemon_config
 
     try:
         cfg = load_daemon_config(args.config)
+    except OptionError as exc:
+        if len(exc.problems) == 1:
+            print(f"aoed: error: {exc}", file=sys.stderr)
+        else:  # the file was checked whole: every problem on a line of its own
+            print(f"aoed: error: {len(exc.problems)} problems in the configuration:", file=sys.stderr)
+            for problem in exc.problems:
+                print(f"  {problem}", file=sys.stderr)
+        return exc.exit_code
     except AoedError as exc:
         print(f"aoed: error: {exc}", file=sys.stderr)
         return exc.exit_code
@@ -50,9 +66,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"  models      up to {e.max_model_mb} MiB, {e.max_nodes} nodes, {e.max_tensor_mb} MiB per tensor")
         print(f"  time        {e.compile_timeout_s:g} s per compile, {e.stage_timeout_s:g} s per other worker stage, "
               "each x (1 + model MiB/256)")  # fmt: skip
+        from aoed.engine.memory import plan_memory
+
+        print(f"  memory      {plan_memory(e).describe()}")
         for inbox in cfg.inboxes:
             print(f"  inbox       {inbox.path} -> {inbox.outbox} (failed: {inbox.failed})")
         print(f"  allowed     {', '.join(map(str, cfg.allowed_dirs)) or '(no daemon-side paths)'}")
+        print(f"  follows     {', '.join(cfg.follow) or '(no peer banks)'}")
+        print(f"  metrics     {f'http://{cfg.metrics_listen}/metrics' if cfg.metrics_listen else 'off'}")
         return 0
     level = args.log_level or (cfg.engine.log_level if "log_level" in cfg.engine.sources else "info")
     from aoed.logs import configure
@@ -61,7 +82,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     import trio
 
-    from aoed.service import Daemon
+    from aoed.daemon import Daemon
 
     try:
         trio.run(Daemon(cfg, args.config).run)
@@ -69,10 +90,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"aoed: error: {exc}", file=sys.stderr)
         return exc.exit_code
     except BaseExceptionGroup as group:
-        match, _ = group.split(AoedError)
-        while isinstance(match, BaseExceptionGroup):
-            match = match.exceptions[0]
-        if match is None:
+        match = first_error(group, AoedError)
+        if not isinstance(match, AoedError):
             raise
         print(f"aoed: error: {match}", file=sys.stderr)
         return match.exit_code

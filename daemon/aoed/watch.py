@@ -21,13 +21,13 @@ after its delivery, so a crash during delivery delivers again (under a `_2` name
 than never.
 
 Options come from an optional `aoed.toml` in the inbox folder, read for each model:
-precision, job_type, input_shapes (a table name = [dims]), priority, budget_s,
-repeat_tune, min_cosine, max_rel_error.
+precision, job_type (default sgat+opat, as `aoe tune`), input_shapes (a table name =
+[dims]), priority, budget_s, repeat_tune, min_cosine, max_rel_error.
 """
 
 from __future__ import annotations
 
-import errno
+import contextlib
 import logging
 import math
 import os
@@ -36,31 +36,37 @@ import stat
 import time
 import tomllib
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import trio
 import watchfiles
 
-from aoe.errors import AoedError, OptionError
+from aoe import figures
+from aoe.errors import AoedError, DaemonUnavailableError, DiskFullError, ModelError, NotFoundError, OptionError
+from aoe.errors import ResourceExhaustedError
+from aoed import safefs, space
 from aoed.config import DaemonConfig, Inbox
-from aoed.jobs.manager import JobManager, Submission, options_from_dict
+from aoe.spec import JobSpec
+from aoed.jobs.manager import JobManager, Submission
 from aoed.jobs.store import FAILED, SUCCEEDED, Claim, JobRow
+from aoed.logs import printable
 
-__all__ = ["OPTIONS_FILE", "Watcher", "folder_options"]
+__all__ = ["OPTIONS_FILE", "Watcher", "folder_spec"]
 
 log = logging.getLogger(__name__)
 
 #: the folder's options file (never a model)
 OPTIONS_FILE = "aoed.toml"
-_OPTION_KEYS = ("budget_s", "input_shapes", "job_type", "max_rel_error", "min_cosine", "precision", "priority",
-                "repeat_tune")  # fmt: skip
 #: rows of finished jobs waiting for the delivery task (see `_on_final` for why bounded)
 _DELIVERY_BUFFER = 1024
 #: how long the start waits to see a folder's watch working before it says ready anyway
 _PROBE_S = 2.0
+_PROBE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+#: a file that fails to be claimed this many times goes to the failed folder
+CLAIM_TRIES = 3
+#: bytes an options file may hold
+_OPTIONS_MAX = 64 << 10
 
 
 def _ignored(name: str) -> bool:
@@ -70,11 +76,6 @@ def _ignored(name: str) -> bool:
 
 def _candidate(name: str) -> bool:
     return not _ignored(name) and name.lower().endswith(".onnx")
-
-
-def _status(exc: AoedError) -> str:
-    """The gRPC status name an error maps to."""
-    return exc.grpc_status
 
 
 @dataclass(eq=False)
@@ -101,7 +102,8 @@ class _Pending:
 class Watcher:
     """Watches the configured inbox folders and turns each model dropped there into one
     job; delivers the job's outputs when it ends. Depends on the job manager only through
-    `submit`, `get`, `on_final`, `store` and `engine.device.device`."""
+    `submit`, `get`, `on_final` and its claims (`claims`, `claim_begin`, `claim_done`,
+    `claim_drop`)."""
 
     #: safety-net rescan of every folder (and of finished jobs not yet delivered)
     rescan_s = 30.0
@@ -111,7 +113,6 @@ class Watcher:
     def __init__(self, cfg: DaemonConfig, jobs: JobManager):
         self._cfg = cfg
         self._jobs = jobs
-        self._store = jobs.store
         self._claims_dir = cfg.claims_dir
         self._folders: dict[Path, _Folder] = {}
         #: every inbox configured since start: deliveries of a folder removed by a reload
@@ -123,6 +124,16 @@ class Watcher:
         #: sources of claims a task of this run is claiming or submitting (the sweep
         #: settles the other 'claiming' claims)
         self._in_flight: set[str] = set()
+        #: failed claims of each file (see `_claim_failed`), and files given up on, with
+        #: their `_signature` then: a file is tried again only once it changes
+        self._claim_errors: dict[Path, int] = {}
+        #: files whose claim waits for a full disk to have room (said once)
+        self._waiting_room: set[Path] = set()
+        self._given_up: dict[Path, tuple[int, int, int] | None] = {}
+        #: per folder, entries that are not taken and were logged (name: inode)
+        self._left: dict[Path, dict[str, int]] = {}
+        #: folders where whether a file is still being written cannot be told (logged once)
+        self._no_lease: set[Path] = set()
         self._nursery: trio.Nursery | None = None
         self._final_send, self._final_recv = trio.open_memory_channel[JobRow](_DELIVERY_BUFFER)
 
@@ -195,8 +206,9 @@ class Watcher:
             try:
                 folder.ino = await trio.to_thread.run_sync(_prepare_dirs, inbox)
             except OSError as exc:
+                why = f"{exc.filename}: {exc.strerror}" if exc.filename and exc.strerror else str(exc)
                 log.error("inbox %s: cannot create it, its outbox or its failed folder (%s); trying again in %gs",
-                          inbox.path, exc.strerror or exc, self.rescan_s)  # fmt: skip
+                          inbox.path, why, self.rescan_s)  # fmt: skip
                 folder.ready.set()  # a broken folder must not hold up the daemon's start
                 await trio.sleep(self.rescan_s)
                 continue
@@ -230,10 +242,14 @@ class Watcher:
         """Touch a hidden probe file until the watch reports it (the watch is then known to
         be running, so nothing created after the scan can be missed), then scan once."""
         path = folder.inbox.path / probe
+        fd = -1
         try:
             with trio.move_on_after(_PROBE_S):
+                fd = await trio.to_thread.run_sync(os.open, path, _PROBE_FLAGS, 0o600)
                 while not folder.probe_seen.is_set():
-                    await trio.to_thread.run_sync(path.touch)
+                    # Touched through its descriptor: the name may have been swapped for a
+                    # link since it was made, and a touch by name would follow it.
+                    await trio.to_thread.run_sync(os.utime, fd)
                     with trio.move_on_after(0.25):
                         await folder.probe_seen.wait()
         except OSError as exc:
@@ -241,7 +257,9 @@ class Watcher:
         finally:
             with trio.CancelScope(shield=True):
                 try:
-                    await trio.to_thread.run_sync(lambda: path.unlink(missing_ok=True))
+                    if fd >= 0:
+                        os.close(fd)
+                        await trio.to_thread.run_sync(lambda: path.unlink(missing_ok=True))
                 except OSError:
                     pass
         if not folder.probe_seen.is_set():
@@ -258,19 +276,44 @@ class Watcher:
         # was renamed into place, complete, and needs no waiting.
         gone_temps = [name for change, name in names if change == watchfiles.Change.deleted and _ignored(name)]
         for change, name in names:
-            if change == watchfiles.Change.deleted or not _candidate(name):
+            if change == watchfiles.Change.deleted or _ignored(name) or name == OPTIONS_FILE:
+                continue
+            if not _candidate(name):
+                self._note_left(folder, name)
                 continue
             fast = change == watchfiles.Change.added and any(name in t for t in gone_temps)
             self._consider(folder.inbox.path / name, folder, fast)
 
     async def _scan(self, folder: _Folder) -> None:
         try:
-            names = await trio.to_thread.run_sync(_candidates_in, folder.inbox.path)
+            names, left = await trio.to_thread.run_sync(_listing, folder.inbox.path)
         except OSError as exc:
             log.warning("inbox %s: cannot list it (%s)", folder.inbox.path, exc.strerror or exc)
             return
+        # Forget what has gone, so that a new entry under an old name is reported again.
+        noted = self._left.setdefault(folder.inbox.path, {})
+        for name in set(noted) - set(left):
+            del noted[name]
+        for name, (ino, kind) in left.items():
+            self._note_left(folder, name, ino, kind)
         for name in names:
             self._consider(folder.inbox.path / name, folder, False)
+
+    def _note_left(self, folder: _Folder, name: str, ino: int = -1, kind: str = "") -> None:
+        """Log once that the entry `name` of the folder is not taken (looked up when `kind`
+        is not given); logged again only if the name comes to hold another file."""
+        if not kind:
+            try:
+                st = os.lstat(folder.inbox.path / name)
+            except OSError:
+                return
+            ino, kind = st.st_ino, _kind(st.st_mode)
+        noted = self._left.setdefault(folder.inbox.path, {})
+        if noted.get(name) == ino:
+            return
+        noted[name] = ino
+        log.warning("inbox %s: %s is %s; left where it is (only regular *.onnx files are taken)", folder.inbox.path,
+                    name, kind)  # fmt: skip
 
     async def _sweep_loop(self) -> None:
         """The safety net: rescan every folder (watches can miss events, a folder can be
@@ -301,6 +344,11 @@ class Watcher:
             return
         if trio.current_time() < self._retry_at.get(path, -math.inf):
             return
+        given_up = self._given_up.get(path)
+        if given_up is not None:
+            if given_up == _signature(path):
+                return
+            del self._given_up[path]  # the file changed: it is a new one
         self._pending[path] = _Pending(fast)
         assert self._nursery is not None
         self._nursery.start_soon(self._take, path, folder)
@@ -317,17 +365,59 @@ class Watcher:
                 claim = await self._claim(path, folder.inbox)
                 if claim is not None:
                     self._retry_at.pop(path, None)
+                    self._claim_errors.pop(path, None)
+                    self._waiting_room.discard(path)
                     await self._submit(claim)
             finally:
                 self._in_flight.discard(key)
         except Exception as exc:
             self._retry_at[path] = trio.current_time() + self.rescan_s
-            if isinstance(exc, AoedError | OSError):
-                log.error("inbox: %s: %s; trying again at the next scan", path, exc)
-            else:
+            if not isinstance(exc, AoedError | OSError):
                 log.exception("inbox: %s: internal error; trying again at the next scan", path)
+            elif await trio.to_thread.run_sync(_signature, path) is None:
+                log.error("inbox: %s: %s", path, exc)  # claimed (or gone) already: nothing to try again
+            else:
+                await self._claim_failed(path, folder, exc)
         finally:
             self._pending.pop(path, None)
+
+    async def _claim_failed(self, path: Path, folder: _Folder, exc: Exception) -> None:
+        """`path` could not be claimed: try again at the next scan, up to CLAIM_TRIES
+        times; then move it to the failed folder saying why, or, when even that fails,
+        log so once and leave it until it changes. A full disk is not the file's fault
+        and passes: it is tried again at every scan, as long as it lasts, and counts no
+        try (said once, at warning level, then at debug level)."""
+        why = f"{exc.filename or path}: {exc.strerror or exc}" if isinstance(exc, OSError) else str(exc)
+        if isinstance(exc, DiskFullError) or (isinstance(exc, OSError) and exc.errno in space.FULL_ERRNOS):
+            said = path in self._waiting_room
+            self._waiting_room.add(path)
+            log.log(logging.DEBUG if said else logging.WARNING, "inbox %s: %s waits for room to be claimed (%s); "
+                    "trying again at the next scan", folder.inbox.path, path.name, why)  # fmt: skip
+            return
+        self._waiting_room.discard(path)
+        tries = self._claim_errors[path] = self._claim_errors.get(path, 0) + 1
+        if tries < CLAIM_TRIES:
+            log.error("inbox %s: %s could not be claimed (%s); trying again at the next scan (%d of %d tries)",
+                      folder.inbox.path, path.name, why, tries, CLAIM_TRIES)  # fmt: skip
+            return
+        del self._claim_errors[path]
+        self._retry_at.pop(path, None)
+        text = (f"model: {printable(path.name)}\njob:   (none: the file could not be claimed)\nstate: rejected\n"
+                f"error: {printable(why)} ({CLAIM_TRIES} tries)\n")  # fmt: skip
+        try:
+            where = await trio.to_thread.run_sync(_write_failure, folder.inbox.failed, path, path.name, text)
+        except OSError as err:
+            self._given_up[path] = await trio.to_thread.run_sync(_signature, path)
+            if self._given_up[path] is None:  # moved, but its error file could not be written
+                log.error("inbox %s: %s could not be claimed (%s) %d times; moved to %s without its error file (%s)",
+                          folder.inbox.path, path.name, why, CLAIM_TRIES, folder.inbox.failed, err.strerror or err)  # fmt: skip
+                return
+            log.error("inbox %s: %s could not be claimed (%s) %d times, nor moved to %s (%s); left in the inbox and "
+                      "not tried again until it changes", folder.inbox.path, path.name, why, CLAIM_TRIES,
+                      folder.inbox.failed, err.strerror or err)  # fmt: skip
+            return
+        log.warning("inbox %s: %s could not be claimed (%s) %d times; moved to %s", folder.inbox.path, path.name, why,
+                    CLAIM_TRIES, where)  # fmt: skip
 
     async def _settled(self, path: Path, folder: _Folder) -> bool:
         """True once `path` is a complete regular file; False when it vanished, is not a
@@ -341,36 +431,64 @@ class Watcher:
             except FileNotFoundError:
                 return False
             if not stat.S_ISREG(st.st_mode):
+                self._note_left(folder, path.name, st.st_ino, _kind(st.st_mode))
                 return False
-            if pending.fast:
-                return True
             stable_s = folder.inbox.stable_s  # a reload may change it while we wait
             now = trio.current_time()
             sig = (st.st_size, st.st_mtime_ns, st.st_ino)
-            if sig != last:
-                last, since = sig, now
-            elif now - since >= stable_s:
-                return True
+            if pending.fast:
+                done = True
+            elif sig != last:
+                last, since, done = sig, now, False
+            else:
+                done = now - since >= stable_s
+            if done:
+                # A file with several links is refused unopened (JobManager.submit): the
+                # lease, which needs an open, is not asked of it.
+                if st.st_nlink > 1 or not await trio.to_thread.run_sync(self._written_to, path, folder):
+                    return True
+                # A writer still has it open (it paused longer than stable_s): wait for it
+                # to close the file and for the file to stay unchanged again.
+                pending.fast, last, since = False, sig, now
             await trio.sleep(max(0.01, min(stable_s / 4, 0.5)))
         return False
+
+    def _written_to(self, path: Path, folder: _Folder) -> bool:
+        """Whether a process has `path` open for writing (in a worker thread). Where
+        Linux cannot say (see safefs.read_lease), False, once logged for the folder: the
+        unchanged size and mtime for stable_s are then all there is to go by."""
+        try:
+            fd = safefs.open_file(path)
+        except OSError:
+            return False  # gone or replaced: the claim finds out
+        try:
+            writers = safefs.has_writers(fd)
+        finally:
+            os.close(fd)
+        if writers is None and folder.inbox.path not in self._no_lease:
+            self._no_lease.add(folder.inbox.path)
+            log.warning("inbox %s: cannot tell whether a writer still has a file open (%s); a file counts as "
+                        "complete once its size and mtime stay the same for stable_s = %gs", folder.inbox.path,
+                        _no_lease_reason(), folder.inbox.stable_s)  # fmt: skip
+        return bool(writers)
 
     async def _claim(self, path: Path, inbox: Inbox) -> Claim | None:
         """Move `path` into the claims dir, recorded before and after; None when another
         file of that name is still claimed (it is taken after that one's delivery) or the
         file vanished. Raises OSError or StoreError (the claim is then undone)."""
-        if any(c.src == str(path) for c in self._store.claims()):
+        if any(c.src == str(path) for c in self._jobs.claims()):
             return None
         dst = self._claims_dir / uuid.uuid4().hex / path.name
         await trio.to_thread.run_sync(lambda: dst.parent.mkdir(parents=True))
         try:
-            self._store.claim_begin(str(path), str(dst), str(inbox.path))
+            self._jobs.claim_begin(str(path), str(dst), str(inbox.path))
         except AoedError:
             await trio.to_thread.run_sync(dst.parent.rmdir)
             raise
         try:
-            await trio.to_thread.run_sync(_move, path, dst)
+            await trio.to_thread.run_sync(safefs.move_path, path, dst)
         except OSError as exc:
-            self._store.claim_drop(str(path))
+            self._jobs.claim_drop(str(path))
             await trio.to_thread.run_sync(shutil.rmtree, dst.parent, True)
             if isinstance(exc, FileNotFoundError) and not path.exists():
                 return None
@@ -385,11 +503,11 @@ class Watcher:
         model = Path(claim.dst)
         while True:
             try:
-                opts = folder_options(Path(claim.inbox), self._jobs.engine.device.device)
-                row, joined = await self._jobs.submit(Submission(model=model, options=opts,
-                                                                 source=f"inbox:{claim.inbox}"))  # fmt: skip
+                _check_claimed(model)
+                spec = folder_spec(Path(claim.inbox))
+                row, joined = await self._jobs.submit(Submission(model=model, spec=spec, source=f"inbox:{claim.inbox}"))
             except AoedError as exc:
-                if _status(exc) in ("RESOURCE_EXHAUSTED", "UNAVAILABLE"):
+                if isinstance(exc, ResourceExhaustedError | DaemonUnavailableError):
                     log.info("inbox %s: %s waits (%s)", claim.inbox, model.name, exc)
                     await trio.sleep(self.retry_s)
                     continue
@@ -402,7 +520,7 @@ class Watcher:
             # submits (and so delivers) it again.
             await self._deliver_failure(claim, "", "rejected", error)
             return
-        self._store.claim_done(claim.src, row.id)
+        self._jobs.claim_done(claim.src, row.id)
         log.info("inbox %s: %s is job %s%s", claim.inbox, model.name, row.id, " (joined)" if joined else "")
         if row.final:  # joined a job that has ended since: on_final will not come again
             self._queue(row)
@@ -414,7 +532,7 @@ class Watcher:
         claim refers to (a crash between creating the folder and recording the claim, or
         between a delivery and the removal of the copy)."""
         self._settle_claims()
-        referenced = {Path(c.dst).parent for c in self._store.claims()}
+        referenced = {Path(c.dst).parent for c in self._jobs.claims()}
         for d in await trio.to_thread.run_sync(lambda: list(self._claims_dir.iterdir())):
             if d not in referenced:
                 await trio.to_thread.run_sync(_remove, d)
@@ -424,7 +542,7 @@ class Watcher:
         """'claiming' claims no task of this run is working on: submit those whose file
         was moved, forget those whose file never was (the scan takes it again)."""
         assert self._nursery is not None
-        for c in self._store.claims("claiming"):
+        for c in self._jobs.claims("claiming"):
             if c.src in self._in_flight:
                 continue
             src, dst = Path(c.src), Path(c.dst)
@@ -433,7 +551,10 @@ class Watcher:
                 self._in_flight.add(c.src)
                 self._nursery.start_soon(self._submit_reconciled, c, src.exists() and _same_file_data(src, dst))
             else:
-                self._store.claim_drop(c.src)
+                try:
+                    self._jobs.claim_drop(c.src)
+                except AoedError as exc:  # (a full disk: the next sweep drops it)
+                    log.warning("inbox %s: %s", c.inbox, exc)
 
     async def _submit_reconciled(self, claim: Claim, unlink_src: bool) -> None:
         try:
@@ -446,16 +567,16 @@ class Watcher:
             self._in_flight.discard(claim.src)
 
     def _queue_finished_claims(self) -> None:
-        for c in self._store.claims("claimed"):
+        for c in self._jobs.claims("claimed"):
             try:
                 row = self._jobs.get(c.job_id)
-            except AoedError as exc:
-                if _status(exc) != "NOT_FOUND":
-                    log.error("inbox %s: job %s: %s", c.inbox, c.job_id, exc)
-                    continue
+            except NotFoundError:
                 row = JobRow(id=c.job_id, state=FAILED, model_path=c.dst, model_name=Path(c.dst).name,
-                             model_sha256="", dedup_key="", options={}, output_dir="",
+                             model_sha256="", dedup_key="", spec=JobSpec(), output_dir="",
                              error="the job's record is gone (removed after its retention?)")  # fmt: skip
+            except AoedError as exc:
+                log.error("inbox %s: job %s: %s", c.inbox, c.job_id, exc)
+                continue
             if row.final:
                 self._queue(row)
 
@@ -463,7 +584,7 @@ class Watcher:
 
     def _on_final(self, row: JobRow) -> None:
         """The job manager's final-state callback (sync, in the trio thread)."""
-        if any(c.job_id == row.id for c in self._store.claims("claimed")):
+        if any(c.job_id == row.id for c in self._jobs.claims("claimed")):
             self._queue(row)
 
     def _queue(self, row: JobRow) -> None:
@@ -479,7 +600,7 @@ class Watcher:
         """The one task that delivers: one claim at a time, so that a job queued twice
         (callback and sweep) finds its claims gone the second time."""
         async for row in self._final_recv:
-            for claim in self._store.claims("claimed"):
+            for claim in self._jobs.claims("claimed"):
                 if claim.job_id != row.id:
                     continue
                 try:
@@ -495,7 +616,9 @@ class Watcher:
 
     def _inbox(self, path: str) -> Inbox:
         p = Path(path)
-        return self._known.get(p) or Inbox(p, p.parent / "outbox", p.parent / "failed")
+        # (The configuration's, for a claim settled at start, before the folder is watched.)
+        configured = next((i for i in self._cfg.inboxes if i.path == p), None)
+        return self._known.get(p) or configured or Inbox(p, p.parent / "outbox", p.parent / "failed")
 
     async def _deliver_success(self, claim: Claim, row: JobRow) -> None:
         inbox = self._inbox(claim.inbox)
@@ -505,15 +628,17 @@ class Watcher:
 
     async def _deliver_failure(self, claim: Claim, job_id: str, state: str, error: str) -> None:
         inbox = self._inbox(claim.inbox)
-        text = (f"model: {Path(claim.src).name}\njob:   {job_id or '(none: the submission was refused)'}\n"
-                f"state: {state}\nerror: {error or '(no message)'}\n")  # fmt: skip
+        error = error.replace(claim.dst, claim.src)  # name the file as dropped, not the claimed copy
+        # One line per field whatever the name or the message hold (newlines are escaped).
+        text = (f"model: {printable(Path(claim.src).name)}\njob:   {job_id or '(none: the submission was refused)'}\n"
+                f"state: {state}\nerror: {printable(error) or '(no message)'}\n")  # fmt: skip
         where = await trio.to_thread.run_sync(_write_failure, inbox.failed, Path(claim.dst), Path(claim.src).name, text)
         log.warning("inbox %s: %s %s: %s (moved to %s)", claim.inbox, Path(claim.src).name, state, error, where)
         await self._release(claim)
 
     async def _release(self, claim: Claim) -> None:
         """Forget a delivered claim; take a newer file of the same name that waited."""
-        self._store.claim_drop(claim.src)
+        self._jobs.claim_drop(claim.src)
         dst = Path(claim.dst)
         if dst.parent.parent == self._claims_dir:
             await trio.to_thread.run_sync(_remove, dst.parent)
@@ -526,30 +651,30 @@ class Watcher:
 # ------------------------------------------------------------------ folder options
 
 
-def folder_options(folder: Path, device: Any) -> dict[str, Any]:
-    """The job options of `folder`'s aoed.toml (defaults without one), checked. Raises
-    OptionError naming the file and the key."""
+def folder_spec(folder: Path) -> JobSpec:
+    """The job spec of `folder`'s aoed.toml (the defaults without one): JobSpec.from_toml.
+    Raises OptionError naming the file and the key."""
     f = folder / OPTIONS_FILE
     try:
-        raw = tomllib.loads(f.read_text(encoding="utf-8"))
+        # Opened as safefs opens files: a link or a FIFO planted under this name is neither
+        # followed nor waited on.
+        with os.fdopen(safefs.open_file(f), "rb") as fh:
+            data = fh.read(_OPTIONS_MAX + 1)
+        if len(data) > _OPTIONS_MAX:
+            raise OptionError(f"{f}: larger than {_OPTIONS_MAX} bytes; an options file holds a few lines")
+        raw = tomllib.loads(data.decode("utf-8"))
     except FileNotFoundError:
         raw = {}
+    except safefs.LinkRefusedError as exc:
+        raise OptionError(f"{f}: {exc.strerror}; the options file must be a regular file") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise OptionError(f"{f}: cannot be read ({exc})") from None
     except tomllib.TOMLDecodeError as exc:
         raise OptionError(f"{f}: not valid TOML ({exc}); fix it and drop the model again") from None
-    unknown = sorted(set(raw) - set(_OPTION_KEYS))
-    if unknown:
-        raise OptionError(f"{f}: unknown key {unknown[0]!r} (known: {', '.join(_OPTION_KEYS)}); "
-                          "fix it and drop the model again")  # fmt: skip
-    if not isinstance(raw.get("input_shapes", {}), dict):
-        raise OptionError(f"{f}: input_shapes must be a table of name = [dims]")
     try:
-        return options_from_dict(raw, device)
+        return JobSpec.from_toml(raw)
     except OptionError as exc:
-        raise OptionError(f"{f}: {exc}") from None
-    except (TypeError, ValueError) as exc:
-        raise OptionError(f"{f}: a value has the wrong type ({exc})") from None
+        raise OptionError(f"{f}: {exc}; fix it and drop the model again") from None
 
 
 # ------------------------------------------------------------------ file system (worker threads)
@@ -561,19 +686,77 @@ def _polling_forced() -> bool:
 
 
 def _prepare_dirs(inbox: Inbox) -> int:
+    """Make the inbox and its outbox and failed folders; LinkRefusedError when one is a
+    link (they are opened without following one when used)."""
     for d in (inbox.path, inbox.outbox, inbox.failed):
         d.mkdir(parents=True, exist_ok=True)
+        os.close(safefs.open_dir(d))
     return os.stat(inbox.path).st_ino
 
 
-def _candidates_in(folder: Path) -> list[str]:
+def _listing(folder: Path) -> tuple[list[str], dict[str, tuple[int, str]]]:
+    """The folder's candidate models, and the entries that are left alone, as name:
+    (inode, what it is). Hidden and temporary names and the options file are neither."""
+    models: list[str] = []
+    left: dict[str, tuple[int, str]] = {}
     with os.scandir(folder) as it:
-        return [e.name for e in it if _candidate(e.name) and e.is_file(follow_symlinks=False)]
+        for e in it:
+            if _ignored(e.name) or e.name == OPTIONS_FILE:
+                continue
+            try:
+                st = e.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            if stat.S_ISREG(st.st_mode) and _candidate(e.name):
+                models.append(e.name)
+            else:
+                left[e.name] = (st.st_ino, _kind(st.st_mode))
+    return models, left
+
+
+def _kind(mode: int) -> str:
+    """What an entry that is not taken is, in words."""
+    for test, words in ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"),
+                        (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a device"), (stat.S_ISBLK, "a device")):  # fmt: skip
+        if test(mode):
+            return words
+    return "not a regular file" if not stat.S_ISREG(mode) else "not an .onnx model"
+
+
+def _signature(path: Path) -> tuple[int, int, int] | None:
+    """(inode, size, mtime) of the entry `path`, not following a link; None when gone."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def _no_lease_reason() -> str:
+    """Why a read lease cannot be taken, as far as can be told."""
+    try:
+        with open("/proc/sys/fs/leases-enable", encoding="ascii") as f:
+            if f.read().strip() == "0":
+                return "leases are off: /proc/sys/fs/leases-enable is 0"
+    except OSError:
+        pass
+    return ("no read lease: the daemon neither owns the files dropped here nor has CAP_LEASE, or the file system "
+            "has no leases")  # fmt: skip
+
+
+def _check_claimed(model: Path) -> None:
+    """ModelError unless the claimed entry `model` is a regular file: a writer of the
+    inbox may swap a link in between the look and the claim's rename, which moves the
+    entry itself; nothing reads through such a link."""
+    st = os.lstat(model)
+    if not stat.S_ISREG(st.st_mode):
+        raise ModelError(f"{model.name}: {_kind(st.st_mode)} by the time it was claimed (it was replaced "
+                         "after it was found); only regular files are taken, and nothing behind it was read")  # fmt: skip
 
 
 def _same_file_data(a: Path, b: Path) -> bool:
     try:
-        sa, sb = a.stat(), b.stat()
+        sa, sb = os.lstat(a), os.lstat(b)
     except OSError:
         return False
     return (sa.st_size, sa.st_mtime_ns) == (sb.st_size, sb.st_mtime_ns)
@@ -586,113 +769,66 @@ def _remove(p: Path) -> None:
         p.unlink(missing_ok=True)
 
 
-def _fsync_dir(d: Path) -> None:
-    fd = os.open(d, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-class _LinkedError(OSError):
-    """A file with several hard links that a move would have to copy."""
-
-
-def _move(src: Path, dst: Path) -> None:
-    """Rename `src` to `dst`; across file systems, copy to a temporary name beside `dst`,
-    fsync, rename, then unlink `src` (so `dst` exists only complete). A file with several
-    hard links is never copied (_LinkedError): a hard link may be a file from elsewhere,
-    which the copy would read for whoever dropped the link (JobManager refuses it)."""
-    try:
-        os.rename(src, dst)
-        return
-    except OSError as exc:
-        if exc.errno != errno.EXDEV:
-            raise
-    links = os.lstat(src).st_nlink
-    if links > 1:
-        raise _LinkedError(errno.EPERM, f"the file has {links} hard links, so it may be a file from elsewhere, and is "
-                           "not copied across file systems; copy it into the inbox (cp, not ln)", str(src))  # fmt: skip
-    _atomic_write(dst, lambda f: _copy_into(src, f))
-    os.unlink(src)
-
-
-def _copy_into(src: Path, f: Any) -> None:
-    with open(src, "rb") as s:
-        shutil.copyfileobj(s, f, 1 << 20)
-
-
-def _atomic_write(dst: Path, fill: Callable[[Any], None]) -> None:
-    """Write `dst` as `.NAME.part` in its folder, fsynced, then renamed into place."""
-    tmp = dst.with_name(f".{dst.name}.part")
-    try:
-        with open(tmp, "wb") as f:
-            fill(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.rename(tmp, dst)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(dst.parent)
-
-
-def _free_base(folder: Path, stem: str, suffixes: tuple[str, ...]) -> str:
-    """`stem`, else `stem_2`, `stem_3`... : the first for which no `base+suffix` exists."""
+def _free_base(dir_fd: int, stem: str, suffixes: tuple[str, ...]) -> str:
+    """`stem` (shortened by safefs.fit so that it fits NAME_MAX with any of `suffixes` and
+    a `_N`), else `stem_2`, `stem_3`...: the first for which nothing, not even a link,
+    has any `base+suffix` name in `dir_fd`."""
+    stem = safefs.fit(stem, max(len(s.encode()) for s in suffixes) + _COUNTER_ROOM)
     n = 1
     while True:
         base = stem if n == 1 else f"{stem}_{n}"
-        if not any((folder / f"{base}{s}").exists() for s in suffixes):
+        if not any(safefs.taken(f"{base}{s}", dir_fd=dir_fd) for s in suffixes):
             return base
         n += 1
 
 
 _OUT_SUFFIXES = ("_tuned.onnx", "_result.json", "_report.txt")
+#: bytes a shortened stem leaves for the `_N` of a taken name
+_COUNTER_ROOM = len("_99999")
 
 
 def _write_outputs(outbox: Path, name: str, row: JobRow) -> list[str]:
     """Copy a succeeded job's tuned model and result JSON into `outbox` and write its
-    report; returns the names written. An output the job no longer has is left out
-    (and the report says so)."""
+    report; returns the names written. An output the job no longer has (or that is now
+    a link) is left out, and the report says so."""
     outbox.mkdir(parents=True, exist_ok=True)
-    result = row.result or {}
-    base = _free_base(outbox, Path(name).stem, _OUT_SUFFIXES)
-    tuned, result_json, report = (outbox / f"{base}{s}" for s in _OUT_SUFFIXES)
-    written, missing = [], []
-    for key, dst in (("tuned_model", tuned), ("result_json", result_json)):
-        src = Path(str(result.get(key) or ""))
-        if result.get(key) and src.is_file():
-            _atomic_write(dst, lambda f, src=src: _copy_into(src, f))
-            written.append(dst.name)
-        else:
-            missing.append(f"{key}: {src if result.get(key) else 'none'} is not available")
-    text = _report_text(name, row, written, missing)
-    _atomic_write(report, lambda f: f.write(text.encode()))
-    return [*written, report.name]
+    outcome = row.outcome
+    with safefs.opened_dir(outbox) as out:
+        base = _free_base(out, Path(name).stem, _OUT_SUFFIXES)
+        tuned, result_json, report = (f"{base}{s}" for s in _OUT_SUFFIXES)
+        written, missing = [], []
+        for key, dst in (("tuned_model", tuned), ("result_json", result_json)):
+            src = getattr(outcome, key) if outcome is not None else ""
+            try:
+                fd = safefs.open_file(src) if src else None
+            except (FileNotFoundError, safefs.LinkRefusedError):
+                fd = None
+            if fd is None:
+                missing.append(f"{key}: {printable(src) if src else 'none'} is not available")
+                continue
+            with os.fdopen(fd, "rb") as f:
+                safefs.write_file(dst, lambda o, f=f: shutil.copyfileobj(f, o, 1 << 20), dir_fd=out)
+            written.append(dst)
+        text = _report_text(name, row, written, missing)
+        safefs.write_file(report, lambda f: f.write(text.encode()), dir_fd=out)
+    return [*written, report]
 
 
 def _report_text(name: str, row: JobRow, written: list[str], missing: list[str]) -> str:
-    """A short human summary of the succeeded job that tuned the model `name`."""
-    r = row.result or {}
-    lo, hi = (list(r.get("improvement_ci95") or [0.0, 0.0]) + [0.0, 0.0])[:2]
-    repo = r.get("repo") or {}
-    shipped = {"tuned": "the tuned model", "options only": "the input model with tuned session options",
-               "input": "the input model, unchanged"}.get(r.get("shipped", ""), r.get("shipped") or "-")  # fmt: skip
-    result = "the input model timed again" if r.get("shipped") == "input" else "the shipped model"
-    where = (f"from the bank, as confirmed by {r['confirmed_by']}" if r.get("confirmed_by")
-             else f"confirming A/B, {r.get('confirm_rounds', 0)} interleaved rounds")  # fmt: skip
+    """A short human summary of the succeeded job that tuned the model `name`: the drop
+    folder's renderer of its outcome."""
+    o = row.outcome
+    f = o.figures if o is not None else figures.Figures("", "", 0.0)
+    where = (f"from the bank, as confirmed by {f.confirmed_by}" if f.confirmed_by
+             else f"confirming A/B, {f.rounds} interleaved rounds")  # fmt: skip
     lines = [
-        f"aoed tuned {name}",
+        f"aoed tuned {printable(name)}",
         f"job:          {row.id}",
-        f"baseline:     {float(r.get('baseline_ms', 0.0)):.3f} ms ({where})",
-        f"result:       {float(r.get('tuned_ms', 0.0)):.3f} ms ({result})",
-        f"improvement:  {float(r.get('improvement', 0.0)):+.1%} (median of paired round ratios; 95% interval "
-        f"{float(lo):+.1%} .. {float(hi):+.1%})",
-        f"verdict:      {r.get('verdict') or '-'}",
-        f"shipped:      {shipped}",
-        f"bank:         add {repo.get('repo_add_num', 0)}, hit {repo.get('repo_hit_num', 0)}, reserved "
-        f"{repo.get('repo_reserved_num', 0)}, unsatisfied {repo.get('repo_unsatisfied_num', 0)}, update "
-        f"{repo.get('repo_update_num', 0)}, total {repo.get('total_num', 0)}",
+        f"baseline:     {f.baseline_ms:.3f} ms ({where})",
+        f"result:       {figures.result_text(f, 3)}",
+        f"verdict:      {figures.verdict_text(f)}",
+        f"shipped:      {figures.shipped_text(f)}",
+        f"bank:         {figures.bank_text(o.bank if o else {}, o.unshipped if o else 0)}",
         f"outputs:      {', '.join(written) or '(none)'}",
     ]
     lines += [f"missing:      {m}" for m in missing]
@@ -700,16 +836,35 @@ def _report_text(name: str, row: JobRow, written: list[str], missing: list[str])
 
 
 def _write_failure(failed: Path, model: Path, name: str, text: str) -> Path:
-    """Move the claimed `model` into `failed` under `name` (or `stem_2`...), with
-    `<name>.error.txt` beside it; returns where it went."""
+    """Move `model` (a claimed copy, or a file still in the inbox) into `failed` under
+    `name` (shortened to fit, or `stem_2`...), with `<name>.error.txt` beside it; returns
+    where it went. A model already gone leaves only the error file.
+
+    The error file is written first: on a full disk that write is what fails, and then
+    nothing has moved, so the delivery is tried again whole (a model in failed/ with no
+    reason beside it would be a delivery no one can read)."""
     failed.mkdir(parents=True, exist_ok=True)
     stem, suffix = Path(name).stem, Path(name).suffix
-    base = _free_base(failed, stem, (suffix, f"{suffix}.error.txt"))
-    dst = failed / f"{base}{suffix}"
-    if model.exists():
+    with safefs.opened_dir(failed) as dst_fd:
+        base = _free_base(dst_fd, stem, (suffix, f"{suffix}.error.txt"))
+        dst = f"{base}{suffix}"
+        safefs.write_file(f"{dst}.error.txt", lambda f: f.write(text.encode()), dir_fd=dst_fd)
         try:
-            _move(model, dst)
-        except _LinkedError:
-            model.unlink()  # only this name goes: the file keeps its others, and the error says why
-    _atomic_write(failed / f"{dst.name}.error.txt", lambda f: f.write(text.encode()))
-    return dst
+            try:
+                src_fd = safefs.open_dir(model.parent)
+            except FileNotFoundError:
+                src_fd = -1
+            try:
+                if src_fd >= 0 and safefs.taken(model.name, dir_fd=src_fd):
+                    try:
+                        safefs.move(model.name, dst, src_dir_fd=src_fd, dst_dir_fd=dst_fd)
+                    except safefs.LinkedError:
+                        os.unlink(model.name, dir_fd=src_fd)  # only this name goes: the error says why
+            finally:
+                if src_fd >= 0:
+                    os.close(src_fd)
+        except BaseException:
+            with contextlib.suppress(OSError):  # the model stays where it was: so does its reason
+                os.unlink(f"{dst}.error.txt", dir_fd=dst_fd)
+            raise
+    return failed / dst

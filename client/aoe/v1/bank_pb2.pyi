@@ -396,3 +396,61 @@ class VerifyEntriesResponse(_message.Message):
     accuracy: Accuracy
     detail: str
     def __init__(self, key: _Optional[str] = ..., op_type: _Optional[str] = ..., verdict: _Optional[_Union[VerifyVerdict, str]] = ..., measured_winner: _Optional[_Union[Stats, _Mapping]] = ..., measured_baseline: _Optional[_Union[Stats, _Mapping]] = ..., accuracy: _Optional[_Union[Accuracy, _Mapping]] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class FollowBankRequest(_message.Message):
+    __slots__ = ("after_seq", "bank_id")
+    AFTER_SEQ_FIELD_NUMBER: _ClassVar[int]
+    BANK_ID_FIELD_NUMBER: _ClassVar[int]
+    after_seq: int
+    bank_id: str
+    def __init__(self, after_seq: _Optional[int] = ..., bank_id: _Optional[str] = ...) -> None: ...
+
+class BankChange(_message.Message):
+    __slots__ = ("seq", "kind", "key", "value", "committed_unix_ns")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    kind: str
+    key: bytes
+    value: bytes
+    committed_unix_ns: int
+    def __init__(self, seq: _Optional[int] = ..., kind: _Optional[str] = ..., key: _Optional[bytes] = ..., value: _Optional[bytes] = ..., committed_unix_ns: _Optional[int] = ...) -> None: ...
+
+class FollowBankResponse(_message.Message):
+    __slots__ = ("bank_id", "changes", "upto_seq", "head_seq")
+    BANK_ID_FIELD_NUMBER: _ClassVar[int]
+    CHANGES_FIELD_NUMBER: _ClassVar[int]
+    UPTO_SEQ_FIELD_NUMBER: _ClassVar[int]
+    HEAD_SEQ_FIELD_NUMBER: _ClassVar[int]
+    bank_id: str
+    changes: _containers.RepeatedCompositeFieldContainer[BankChange]
+    upto_seq: int
+    head_seq: int
+    def __init__(self, bank_id: _Optional[str] = ..., changes: _Optional[_Iterable[_Union[BankChange, _Mapping]]] = ..., upto_seq: _Optional[int] = ..., head_seq: _Optional[int] = ...) -> None: ...
+
+class SyncBankRequest(_message.Message):
+    __slots__ = ("peer",)
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    peer: str
+    def __init__(self, peer: _Optional[str] = ...) -> None: ...
+
+class SyncBankResponse(_message.Message):
+    __slots__ = ("peer_bank_id", "from_seq", "to_seq", "entries", "default_records", "trials", "refused")
+    PEER_BANK_ID_FIELD_NUMBER: _ClassVar[int]
+    FROM_SEQ_FIELD_NUMBER: _ClassVar[int]
+    TO_SEQ_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_RECORDS_FIELD_NUMBER: _ClassVar[int]
+    TRIALS_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    peer_bank_id: str
+    from_seq: int
+    to_seq: int
+    entries: ImportCounts
+    default_records: ImportCounts
+    trials: ImportCounts
+    refused: int
+    def __init__(self, peer_bank_id: _Optional[str] = ..., from_seq: _Optional[int] = ..., to_seq: _Optional[int] = ..., entries: _Optional[_Union[ImportCounts, _Mapping]] = ..., default_records: _Optional[_Union[ImportCounts, _Mapping]] = ..., trials: _Optional[_Union[ImportCounts, _Mapping]] = ..., refused: _Optional[int] = ...) -> None: ...

@@ -70,6 +70,16 @@ class BankServiceStub:
                 request_serializer=aoe_dot_v1_dot_bank__pb2.VerifyEntriesRequest.SerializeToString,
                 response_deserializer=aoe_dot_v1_dot_bank__pb2.VerifyEntriesResponse.FromString,
                 _registered_method=True)
+        self.FollowBank = channel.unary_stream(
+                '/aoe.v1.BankService/FollowBank',
+                request_serializer=aoe_dot_v1_dot_bank__pb2.FollowBankRequest.SerializeToString,
+                response_deserializer=aoe_dot_v1_dot_bank__pb2.FollowBankResponse.FromString,
+                _registered_method=True)
+        self.SyncBank = channel.unary_unary(
+                '/aoe.v1.BankService/SyncBank',
+                request_serializer=aoe_dot_v1_dot_bank__pb2.SyncBankRequest.SerializeToString,
+                response_deserializer=aoe_dot_v1_dot_bank__pb2.SyncBankResponse.FromString,
+                _registered_method=True)
 
 
 class BankServiceServicer:
@@ -125,6 +135,23 @@ class BankServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FollowBank(self, request, context):
+        """Streams every record whose latest write came after a sequence number, in the order
+        of those writes, then each new write as it is committed, until the client leaves.
+        A client that reads nothing for a while is cut off (RESOURCE_EXHAUSTED) and
+        resumes from the last sequence number it applied.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SyncBank(self, request, context):
+        """Applies, once, what a peer's bank wrote since this bank last applied its writes.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_BankServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -162,6 +189,16 @@ def add_BankServiceServicer_to_server(servicer, server):
                     servicer.VerifyEntries,
                     request_deserializer=aoe_dot_v1_dot_bank__pb2.VerifyEntriesRequest.FromString,
                     response_serializer=aoe_dot_v1_dot_bank__pb2.VerifyEntriesResponse.SerializeToString,
+            ),
+            'FollowBank': grpc.unary_stream_rpc_method_handler(
+                    servicer.FollowBank,
+                    request_deserializer=aoe_dot_v1_dot_bank__pb2.FollowBankRequest.FromString,
+                    response_serializer=aoe_dot_v1_dot_bank__pb2.FollowBankResponse.SerializeToString,
+            ),
+            'SyncBank': grpc.unary_unary_rpc_method_handler(
+                    servicer.SyncBank,
+                    request_deserializer=aoe_dot_v1_dot_bank__pb2.SyncBankRequest.FromString,
+                    response_serializer=aoe_dot_v1_dot_bank__pb2.SyncBankResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -354,6 +391,60 @@ class BankService:
             '/aoe.v1.BankService/VerifyEntries',
             aoe_dot_v1_dot_bank__pb2.VerifyEntriesRequest.SerializeToString,
             aoe_dot_v1_dot_bank__pb2.VerifyEntriesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FollowBank(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/aoe.v1.BankService/FollowBank',
+            aoe_dot_v1_dot_bank__pb2.FollowBankRequest.SerializeToString,
+            aoe_dot_v1_dot_bank__pb2.FollowBankResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SyncBank(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/aoe.v1.BankService/SyncBank',
+            aoe_dot_v1_dot_bank__pb2.SyncBankRequest.SerializeToString,
+            aoe_dot_v1_dot_bank__pb2.SyncBankResponse.FromString,
             options,
             channel_credentials,
             insecure,

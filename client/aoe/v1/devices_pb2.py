@@ -25,19 +25,25 @@ _sym_db = _symbol_database.Default()
 from aoe.v1 import bank_pb2 as aoe_dot_v1_dot_bank__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14\x61oe/v1/devices.proto\x12\x06\x61oe.v1\x1a\x11\x61oe/v1/bank.proto\"\xb0\x01\n\x06\x44\x65vice\x12\n\n\x02id\x18\x01 \x01(\t\x12\x1a\n\x12\x65xecution_provider\x18\x02 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x03 \x01(\t\x12.\n\x0b\x66ingerprint\x18\x04 \x01(\x0b\x32\x19.aoe.v1.DeviceFingerprint\x12\x0c\n\x04\x62usy\x18\x05 \x01(\x08\x12\x13\n\x0bqueued_jobs\x18\x06 \x01(\r\x12\x16\n\x0erunning_job_id\x18\x07 \x01(\t\"\x14\n\x12ListDevicesRequest\"6\n\x13ListDevicesResponse\x12\x1f\n\x07\x64\x65vices\x18\x01 \x03(\x0b\x32\x0e.aoe.v1.Device2W\n\rDeviceService\x12\x46\n\x0bListDevices\x12\x1a.aoe.v1.ListDevicesRequest\x1a\x1b.aoe.v1.ListDevicesResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14\x61oe/v1/devices.proto\x12\x06\x61oe.v1\x1a\x11\x61oe/v1/bank.proto\"\xe1\x02\n\x06\x44\x65vice\x12\n\n\x02id\x18\x01 \x01(\t\x12\x1a\n\x12\x65xecution_provider\x18\x02 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x03 \x01(\t\x12.\n\x0b\x66ingerprint\x18\x04 \x01(\x0b\x32\x19.aoe.v1.DeviceFingerprint\x12\x0c\n\x04\x62usy\x18\x05 \x01(\x08\x12\x13\n\x0bqueued_jobs\x18\x06 \x01(\r\x12\x16\n\x0erunning_job_id\x18\x07 \x01(\t\x12(\n\x0b\x61\x63\x63\x65lerator\x18\x08 \x01(\x0b\x32\x13.aoe.v1.Accelerator\x12\x12\n\nconfigured\x18\t \x01(\x08\x12\x10\n\x08unusable\x18\n \x01(\t\x12.\n\x08versions\x18\x0b \x03(\x0b\x32\x1c.aoe.v1.Device.VersionsEntry\x1a/\n\rVersionsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x80\x01\n\x0b\x41\x63\x63\x65lerator\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x1a\n\x12\x63ompute_capability\x18\x03 \x01(\t\x12\x12\n\nmemory_mib\x18\x04 \x01(\x04\x12\x16\n\x0e\x64river_version\x18\x05 \x01(\t\x12\x0c\n\x04uuid\x18\x06 \x01(\t\"\x14\n\x12ListDevicesRequest\"6\n\x13ListDevicesResponse\x12\x1f\n\x07\x64\x65vices\x18\x01 \x03(\x0b\x32\x0e.aoe.v1.Device2W\n\rDeviceService\x12\x46\n\x0bListDevices\x12\x1a.aoe.v1.ListDevicesRequest\x1a\x1b.aoe.v1.ListDevicesResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'aoe.v1.devices_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_DEVICE_VERSIONSENTRY']._loaded_options = None
+  _globals['_DEVICE_VERSIONSENTRY']._serialized_options = b'8\001'
   _globals['_DEVICE']._serialized_start=52
-  _globals['_DEVICE']._serialized_end=228
-  _globals['_LISTDEVICESREQUEST']._serialized_start=230
-  _globals['_LISTDEVICESREQUEST']._serialized_end=250
-  _globals['_LISTDEVICESRESPONSE']._serialized_start=252
-  _globals['_LISTDEVICESRESPONSE']._serialized_end=306
-  _globals['_DEVICESERVICE']._serialized_start=308
-  _globals['_DEVICESERVICE']._serialized_end=395
+  _globals['_DEVICE']._serialized_end=405
+  _globals['_DEVICE_VERSIONSENTRY']._serialized_start=358
+  _globals['_DEVICE_VERSIONSENTRY']._serialized_end=405
+  _globals['_ACCELERATOR']._serialized_start=408
+  _globals['_ACCELERATOR']._serialized_end=536
+  _globals['_LISTDEVICESREQUEST']._serialized_start=538
+  _globals['_LISTDEVICESREQUEST']._serialized_end=558
+  _globals['_LISTDEVICESRESPONSE']._serialized_start=560
+  _globals['_LISTDEVICESRESPONSE']._serialized_end=614
+  _globals['_DEVICESERVICE']._serialized_start=616
+  _globals['_DEVICESERVICE']._serialized_end=703
 # @@protoc_insertion_point(module_scope)

@@ -17,6 +17,7 @@ class JobType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     JOB_TYPE_SGAT: _ClassVar[JobType]
     JOB_TYPE_OPAT: _ClassVar[JobType]
     JOB_TYPE_SGAT_OPAT: _ClassVar[JobType]
+    JOB_TYPE_GDAT: _ClassVar[JobType]
 
 class JobState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -46,6 +47,7 @@ JOB_TYPE_UNSPECIFIED: JobType
 JOB_TYPE_SGAT: JobType
 JOB_TYPE_OPAT: JobType
 JOB_TYPE_SGAT_OPAT: JobType
+JOB_TYPE_GDAT: JobType
 JOB_STATE_UNSPECIFIED: JobState
 JOB_STATE_QUEUED: JobState
 JOB_STATE_PREPARING: JobState
@@ -80,7 +82,7 @@ class AccuracyBudget(_message.Message):
     def __init__(self, min_cosine: _Optional[float] = ..., max_rel_error: _Optional[float] = ...) -> None: ...
 
 class JobOptions(_message.Message):
-    __slots__ = ("job_type", "precision", "input_shapes", "repeat_tune", "parallel", "device", "accuracy_budget", "calibration_dir", "labels", "output_dir", "priority", "budget_s")
+    __slots__ = ("job_type", "precision", "input_shapes", "repeat_tune", "parallel", "device", "accuracy_budget", "calibration_dir", "labels", "output_dir", "priority", "budget_s", "keep_initializer_inputs", "gdat")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -100,6 +102,8 @@ class JobOptions(_message.Message):
     OUTPUT_DIR_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     BUDGET_S_FIELD_NUMBER: _ClassVar[int]
+    KEEP_INITIALIZER_INPUTS_FIELD_NUMBER: _ClassVar[int]
+    GDAT_FIELD_NUMBER: _ClassVar[int]
     job_type: JobType
     precision: _bank_pb2.Precision
     input_shapes: _containers.RepeatedCompositeFieldContainer[InputShape]
@@ -112,7 +116,21 @@ class JobOptions(_message.Message):
     output_dir: str
     priority: int
     budget_s: float
-    def __init__(self, job_type: _Optional[_Union[JobType, str]] = ..., precision: _Optional[_Union[_bank_pb2.Precision, str]] = ..., input_shapes: _Optional[_Iterable[_Union[InputShape, _Mapping]]] = ..., repeat_tune: _Optional[bool] = ..., parallel: _Optional[int] = ..., device: _Optional[str] = ..., accuracy_budget: _Optional[_Union[AccuracyBudget, _Mapping]] = ..., calibration_dir: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., output_dir: _Optional[str] = ..., priority: _Optional[int] = ..., budget_s: _Optional[float] = ...) -> None: ...
+    keep_initializer_inputs: bool
+    gdat: GdatOptions
+    def __init__(self, job_type: _Optional[_Union[JobType, str]] = ..., precision: _Optional[_Union[_bank_pb2.Precision, str]] = ..., input_shapes: _Optional[_Iterable[_Union[InputShape, _Mapping]]] = ..., repeat_tune: _Optional[bool] = ..., parallel: _Optional[int] = ..., device: _Optional[str] = ..., accuracy_budget: _Optional[_Union[AccuracyBudget, _Mapping]] = ..., calibration_dir: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., output_dir: _Optional[str] = ..., priority: _Optional[int] = ..., budget_s: _Optional[float] = ..., keep_initializer_inputs: _Optional[bool] = ..., gdat: _Optional[_Union[GdatOptions, _Mapping]] = ...) -> None: ...
+
+class GdatOptions(_message.Message):
+    __slots__ = ("world_size", "backend", "gradient_precision", "entry")
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    GRADIENT_PRECISION_FIELD_NUMBER: _ClassVar[int]
+    ENTRY_FIELD_NUMBER: _ClassVar[int]
+    world_size: int
+    backend: str
+    gradient_precision: str
+    entry: str
+    def __init__(self, world_size: _Optional[int] = ..., backend: _Optional[str] = ..., gradient_precision: _Optional[str] = ..., entry: _Optional[str] = ...) -> None: ...
 
 class SubmitJobRequest(_message.Message):
     __slots__ = ("model_path", "model_id", "options")
@@ -147,23 +165,25 @@ class JobProgress(_message.Message):
     def __init__(self, tasks_done: _Optional[int] = ..., tasks_total: _Optional[int] = ..., trials: _Optional[int] = ..., current_task: _Optional[str] = ..., current_op_type: _Optional[str] = ...) -> None: ...
 
 class RepoSummary(_message.Message):
-    __slots__ = ("repo_add_num", "repo_hit_num", "repo_reserved_num", "repo_unsatisfied_num", "repo_update_num", "total_num")
+    __slots__ = ("repo_add_num", "repo_hit_num", "repo_reserved_num", "repo_unsatisfied_num", "repo_update_num", "total_num", "repo_not_tuned_num")
     REPO_ADD_NUM_FIELD_NUMBER: _ClassVar[int]
     REPO_HIT_NUM_FIELD_NUMBER: _ClassVar[int]
     REPO_RESERVED_NUM_FIELD_NUMBER: _ClassVar[int]
     REPO_UNSATISFIED_NUM_FIELD_NUMBER: _ClassVar[int]
     REPO_UPDATE_NUM_FIELD_NUMBER: _ClassVar[int]
     TOTAL_NUM_FIELD_NUMBER: _ClassVar[int]
+    REPO_NOT_TUNED_NUM_FIELD_NUMBER: _ClassVar[int]
     repo_add_num: int
     repo_hit_num: int
     repo_reserved_num: int
     repo_unsatisfied_num: int
     repo_update_num: int
     total_num: int
-    def __init__(self, repo_add_num: _Optional[int] = ..., repo_hit_num: _Optional[int] = ..., repo_reserved_num: _Optional[int] = ..., repo_unsatisfied_num: _Optional[int] = ..., repo_update_num: _Optional[int] = ..., total_num: _Optional[int] = ...) -> None: ...
+    repo_not_tuned_num: int
+    def __init__(self, repo_add_num: _Optional[int] = ..., repo_hit_num: _Optional[int] = ..., repo_reserved_num: _Optional[int] = ..., repo_unsatisfied_num: _Optional[int] = ..., repo_update_num: _Optional[int] = ..., total_num: _Optional[int] = ..., repo_not_tuned_num: _Optional[int] = ...) -> None: ...
 
 class TaskResult(_message.Message):
-    __slots__ = ("task_id", "op_type", "node_names", "strategy", "before_us", "after_us", "improvement", "update_mode", "bank_layer", "accuracy", "error", "signature")
+    __slots__ = ("task_id", "op_type", "node_names", "strategy", "before_us", "after_us", "improvement", "update_mode", "bank_layer", "accuracy", "error", "signature", "family", "instances", "share", "not_applied", "rejected", "attempt")
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     OP_TYPE_FIELD_NUMBER: _ClassVar[int]
     NODE_NAMES_FIELD_NUMBER: _ClassVar[int]
@@ -176,6 +196,12 @@ class TaskResult(_message.Message):
     ACCURACY_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    FAMILY_FIELD_NUMBER: _ClassVar[int]
+    INSTANCES_FIELD_NUMBER: _ClassVar[int]
+    SHARE_FIELD_NUMBER: _ClassVar[int]
+    NOT_APPLIED_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     task_id: str
     op_type: str
     node_names: _containers.RepeatedScalarFieldContainer[str]
@@ -188,10 +214,83 @@ class TaskResult(_message.Message):
     accuracy: _bank_pb2.Accuracy
     error: str
     signature: _bank_pb2.TaskSignature
-    def __init__(self, task_id: _Optional[str] = ..., op_type: _Optional[str] = ..., node_names: _Optional[_Iterable[str]] = ..., strategy: _Optional[_Union[_bank_pb2.Strategy, _Mapping]] = ..., before_us: _Optional[float] = ..., after_us: _Optional[float] = ..., improvement: _Optional[float] = ..., update_mode: _Optional[str] = ..., bank_layer: _Optional[str] = ..., accuracy: _Optional[_Union[_bank_pb2.Accuracy, _Mapping]] = ..., error: _Optional[str] = ..., signature: _Optional[_Union[_bank_pb2.TaskSignature, _Mapping]] = ...) -> None: ...
+    family: str
+    instances: int
+    share: float
+    not_applied: bool
+    rejected: _containers.RepeatedScalarFieldContainer[str]
+    attempt: int
+    def __init__(self, task_id: _Optional[str] = ..., op_type: _Optional[str] = ..., node_names: _Optional[_Iterable[str]] = ..., strategy: _Optional[_Union[_bank_pb2.Strategy, _Mapping]] = ..., before_us: _Optional[float] = ..., after_us: _Optional[float] = ..., improvement: _Optional[float] = ..., update_mode: _Optional[str] = ..., bank_layer: _Optional[str] = ..., accuracy: _Optional[_Union[_bank_pb2.Accuracy, _Mapping]] = ..., error: _Optional[str] = ..., signature: _Optional[_Union[_bank_pb2.TaskSignature, _Mapping]] = ..., family: _Optional[str] = ..., instances: _Optional[int] = ..., share: _Optional[float] = ..., not_applied: _Optional[bool] = ..., rejected: _Optional[_Iterable[str]] = ..., attempt: _Optional[int] = ...) -> None: ...
+
+class StageBudget(_message.Message):
+    __slots__ = ("stage", "given_s", "spent_s", "over_s", "counted", "device_s", "estimate_s")
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    GIVEN_S_FIELD_NUMBER: _ClassVar[int]
+    SPENT_S_FIELD_NUMBER: _ClassVar[int]
+    OVER_S_FIELD_NUMBER: _ClassVar[int]
+    COUNTED_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_S_FIELD_NUMBER: _ClassVar[int]
+    ESTIMATE_S_FIELD_NUMBER: _ClassVar[int]
+    stage: str
+    given_s: float
+    spent_s: float
+    over_s: float
+    counted: bool
+    device_s: float
+    estimate_s: float
+    def __init__(self, stage: _Optional[str] = ..., given_s: _Optional[float] = ..., spent_s: _Optional[float] = ..., over_s: _Optional[float] = ..., counted: _Optional[bool] = ..., device_s: _Optional[float] = ..., estimate_s: _Optional[float] = ...) -> None: ...
+
+class JobBudget(_message.Message):
+    __slots__ = ("budget_s", "given", "spent_s", "search_s", "session_s", "verify_s", "profile_s", "confirm_s", "load_s_per_mib", "elapsed_s", "over_s", "stages")
+    BUDGET_S_FIELD_NUMBER: _ClassVar[int]
+    GIVEN_FIELD_NUMBER: _ClassVar[int]
+    SPENT_S_FIELD_NUMBER: _ClassVar[int]
+    SEARCH_S_FIELD_NUMBER: _ClassVar[int]
+    SESSION_S_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_S_FIELD_NUMBER: _ClassVar[int]
+    PROFILE_S_FIELD_NUMBER: _ClassVar[int]
+    CONFIRM_S_FIELD_NUMBER: _ClassVar[int]
+    LOAD_S_PER_MIB_FIELD_NUMBER: _ClassVar[int]
+    ELAPSED_S_FIELD_NUMBER: _ClassVar[int]
+    OVER_S_FIELD_NUMBER: _ClassVar[int]
+    STAGES_FIELD_NUMBER: _ClassVar[int]
+    budget_s: float
+    given: bool
+    spent_s: float
+    search_s: float
+    session_s: float
+    verify_s: float
+    profile_s: float
+    confirm_s: float
+    load_s_per_mib: float
+    elapsed_s: float
+    over_s: float
+    stages: _containers.RepeatedCompositeFieldContainer[StageBudget]
+    def __init__(self, budget_s: _Optional[float] = ..., given: _Optional[bool] = ..., spent_s: _Optional[float] = ..., search_s: _Optional[float] = ..., session_s: _Optional[float] = ..., verify_s: _Optional[float] = ..., profile_s: _Optional[float] = ..., confirm_s: _Optional[float] = ..., load_s_per_mib: _Optional[float] = ..., elapsed_s: _Optional[float] = ..., over_s: _Optional[float] = ..., stages: _Optional[_Iterable[_Union[StageBudget, _Mapping]]] = ...) -> None: ...
 
 class JobResult(_message.Message):
-    __slots__ = ("baseline_ms", "tuned_ms", "improvement", "tuned_model_path", "result_json_path", "repo_summary", "tasks", "verdict", "shipped", "improvement_ci95_low", "improvement_ci95_high", "trials", "device_s", "tuning_time_s", "confirm_rounds", "confirmed_by")
+    __slots__ = ("baseline_ms", "tuned_ms", "improvement", "tuned_model_path", "result_json_path", "repo_summary", "tasks", "verdict", "shipped", "improvement_ci95_low", "improvement_ci95_high", "trials", "device_s", "tuning_time_s", "confirm_rounds", "confirmed_by", "decided_by", "precision", "job_type", "device", "notes", "calibration", "verification", "resources", "accuracy", "accuracy_budget", "session_options_json", "budget", "model_path", "details_json")
+    class ResourcesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    class AccuracyEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    class AccuracyBudgetEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     BASELINE_MS_FIELD_NUMBER: _ClassVar[int]
     TUNED_MS_FIELD_NUMBER: _ClassVar[int]
     IMPROVEMENT_FIELD_NUMBER: _ClassVar[int]
@@ -208,6 +307,20 @@ class JobResult(_message.Message):
     TUNING_TIME_S_FIELD_NUMBER: _ClassVar[int]
     CONFIRM_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     CONFIRMED_BY_FIELD_NUMBER: _ClassVar[int]
+    DECIDED_BY_FIELD_NUMBER: _ClassVar[int]
+    PRECISION_FIELD_NUMBER: _ClassVar[int]
+    JOB_TYPE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    NOTES_FIELD_NUMBER: _ClassVar[int]
+    CALIBRATION_FIELD_NUMBER: _ClassVar[int]
+    VERIFICATION_FIELD_NUMBER: _ClassVar[int]
+    RESOURCES_FIELD_NUMBER: _ClassVar[int]
+    ACCURACY_FIELD_NUMBER: _ClassVar[int]
+    ACCURACY_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    SESSION_OPTIONS_JSON_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_FIELD_NUMBER: _ClassVar[int]
+    MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_JSON_FIELD_NUMBER: _ClassVar[int]
     baseline_ms: float
     tuned_ms: float
     improvement: float
@@ -224,7 +337,35 @@ class JobResult(_message.Message):
     tuning_time_s: float
     confirm_rounds: int
     confirmed_by: str
-    def __init__(self, baseline_ms: _Optional[float] = ..., tuned_ms: _Optional[float] = ..., improvement: _Optional[float] = ..., tuned_model_path: _Optional[str] = ..., result_json_path: _Optional[str] = ..., repo_summary: _Optional[_Union[RepoSummary, _Mapping]] = ..., tasks: _Optional[_Iterable[_Union[TaskResult, _Mapping]]] = ..., verdict: _Optional[str] = ..., shipped: _Optional[str] = ..., improvement_ci95_low: _Optional[float] = ..., improvement_ci95_high: _Optional[float] = ..., trials: _Optional[int] = ..., device_s: _Optional[float] = ..., tuning_time_s: _Optional[float] = ..., confirm_rounds: _Optional[int] = ..., confirmed_by: _Optional[str] = ...) -> None: ...
+    decided_by: Comparison
+    precision: _bank_pb2.Precision
+    job_type: JobType
+    device: str
+    notes: _containers.RepeatedScalarFieldContainer[str]
+    calibration: str
+    verification: str
+    resources: _containers.ScalarMap[str, float]
+    accuracy: _containers.ScalarMap[str, float]
+    accuracy_budget: _containers.ScalarMap[str, float]
+    session_options_json: str
+    budget: JobBudget
+    model_path: str
+    details_json: str
+    def __init__(self, baseline_ms: _Optional[float] = ..., tuned_ms: _Optional[float] = ..., improvement: _Optional[float] = ..., tuned_model_path: _Optional[str] = ..., result_json_path: _Optional[str] = ..., repo_summary: _Optional[_Union[RepoSummary, _Mapping]] = ..., tasks: _Optional[_Iterable[_Union[TaskResult, _Mapping]]] = ..., verdict: _Optional[str] = ..., shipped: _Optional[str] = ..., improvement_ci95_low: _Optional[float] = ..., improvement_ci95_high: _Optional[float] = ..., trials: _Optional[int] = ..., device_s: _Optional[float] = ..., tuning_time_s: _Optional[float] = ..., confirm_rounds: _Optional[int] = ..., confirmed_by: _Optional[str] = ..., decided_by: _Optional[_Union[Comparison, _Mapping]] = ..., precision: _Optional[_Union[_bank_pb2.Precision, str]] = ..., job_type: _Optional[_Union[JobType, str]] = ..., device: _Optional[str] = ..., notes: _Optional[_Iterable[str]] = ..., calibration: _Optional[str] = ..., verification: _Optional[str] = ..., resources: _Optional[_Mapping[str, float]] = ..., accuracy: _Optional[_Mapping[str, float]] = ..., accuracy_budget: _Optional[_Mapping[str, float]] = ..., session_options_json: _Optional[str] = ..., budget: _Optional[_Union[JobBudget, _Mapping]] = ..., model_path: _Optional[str] = ..., details_json: _Optional[str] = ...) -> None: ...
+
+class Comparison(_message.Message):
+    __slots__ = ("subject", "against", "improvement", "improvement_ci95_low", "improvement_ci95_high")
+    SUBJECT_FIELD_NUMBER: _ClassVar[int]
+    AGAINST_FIELD_NUMBER: _ClassVar[int]
+    IMPROVEMENT_FIELD_NUMBER: _ClassVar[int]
+    IMPROVEMENT_CI95_LOW_FIELD_NUMBER: _ClassVar[int]
+    IMPROVEMENT_CI95_HIGH_FIELD_NUMBER: _ClassVar[int]
+    subject: str
+    against: str
+    improvement: float
+    improvement_ci95_low: float
+    improvement_ci95_high: float
+    def __init__(self, subject: _Optional[str] = ..., against: _Optional[str] = ..., improvement: _Optional[float] = ..., improvement_ci95_low: _Optional[float] = ..., improvement_ci95_high: _Optional[float] = ...) -> None: ...
 
 class Job(_message.Message):
     __slots__ = ("job_id", "state", "model_name", "model_path", "options", "created", "started", "finished", "progress", "result", "error", "queue_position", "source", "joined", "error_kind")

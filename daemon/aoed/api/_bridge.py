@@ -28,9 +28,8 @@ import grpc
 import trio
 
 from aoe.errors import AoedError
-from aoed.errors import NotFoundError, RpcError
 
-__all__ = ["Bridge", "NotFoundError", "RpcError", "status_of"]
+__all__ = ["Bridge", "status_of"]
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +37,8 @@ T = TypeVar("T")
 
 
 def status_of(exc: AoedError) -> grpc.StatusCode:
+    """The gRPC status of `exc`'s class (aoe.errors): the one mapping of errors to
+    statuses on the daemon side."""
     return getattr(grpc.StatusCode, exc.grpc_status, grpc.StatusCode.INTERNAL)
 
 
@@ -116,14 +117,33 @@ class Bridge:
         return value
 
     def stream(
-        self, context: grpc.ServicerContext, agen_fn: Callable[..., AsyncIterator[T]], *args: Any, buffer: int = 16
+        self,
+        context: grpc.ServicerContext,
+        agen_fn: Callable[..., AsyncIterator[T]],
+        *args: Any,
+        buffer: int = 16,
+        stall: tuple[float, AoedError] | None = None,
     ) -> Iterator[T]:
         """Yield what the async iterator `agen_fn(*args)` yields, produced by a trio task;
         the producer is cancelled when the client goes away, and its errors end the RPC
-        with their mapped status. At most `buffer` items wait for a slow client."""
+        with their mapped status. At most `buffer` items wait for a slow client; with
+        `stall` = (seconds, error), a client that takes no item for that long while the
+        buffer is full is cut off: the producer stops, and the RPC ends with `error`
+        once the client has read what was buffered."""
         call = self._link(context)
         remaining = self._deadline(context)
         send, recv = trio.from_thread.run_sync(lambda: trio.open_memory_channel[Any](buffer), trio_token=self._token)
+        stalled: list[AoedError] = []
+
+        async def put(item: Any) -> bool:
+            if stall is None:
+                await send.send(item)
+                return True
+            with trio.move_on_after(stall[0]):
+                await send.send(item)
+                return True
+            stalled.append(stall[1])
+            return False
 
         async def produce() -> None:
             async with send:
@@ -136,7 +156,8 @@ class Bridge:
                         # not later by the garbage collector
                         async with contextlib.aclosing(agen_fn(*args)) as agen:
                             async for item in agen:
-                                await send.send(("item", item))
+                                if not await put(("item", item)):
+                                    break
                     except AoedError as exc:
                         await send.send(("error", exc))
                     except Exception as exc:
@@ -149,6 +170,8 @@ class Bridge:
                 try:
                     kind, value = trio.from_thread.run(recv.receive, trio_token=self._token)
                 except trio.EndOfChannel:
+                    if stalled:
+                        _abort(context, stalled[0])
                     break
                 if kind == "error":
                     _abort(context, value)

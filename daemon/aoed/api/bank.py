@@ -1,7 +1,7 @@
 """BankService: the knowledge bank over gRPC, as `aoe bank` has it locally.
 
 Methods are protobuf -> domain, one bridge call (or stream), domain -> protobuf, over
-aoed.bank.service.DaemonBank (the engine's BankWriter, the daemon's one writer of the
+aoed.bank.daemonbank.DaemonBank (the engine's BankWriter, the daemon's one writer of the
 bank) and, for VerifyEntries, the engine's device.
 
   LookupEntry    a key, or digests (this daemon's device by default): custom bank, then
@@ -18,6 +18,10 @@ bank) and, for VerifyEntries, the engine's device.
   VerifyEntries  re-measures a sample of the custom bank's entries on the engine's
                  device (1 s each, as `aoe bank verify`), streams each verdict as it
                  comes and appends the measurements to the history
+  FollowBank     the custom bank's writes after a sequence number, then each new one as
+                 committed (aoed.bank.follow.feed); a reader that takes nothing for
+                 FOLLOW_STALL_S while FOLLOW_BUFFER messages wait is cut off
+  SyncBank       one pass of following a peer (aoed.bank.follow.Follower.sync)
 """
 
 from __future__ import annotations
@@ -27,17 +31,18 @@ import binascii
 import itertools
 import json
 import random
-from collections.abc import AsyncIterator, Iterable, Iterator
-from typing import TYPE_CHECKING
+from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
 from aoe.bank import PRECISION_NAMES, default_record, parse_key, record_to_json
 from aoe.device import Device
-from aoe.errors import OptionError
+from aoe.errors import OptionError, ResourceExhaustedError
 from aoe.v1 import bank_pb2, bank_pb2_grpc
 from aoed.api._bridge import Bridge
-from aoed.bank.service import DaemonBank, Keep, check_import
+from aoed.bank.follow import Connect, FollowBatch, Follower, SyncReport, feed
+from aoed.bank.daemonbank import DaemonBank, Keep, check_import
 from aoed.bank.store import MergeCounts
 from aoed.engine.bankverify import Verdict, sample_entries, verify_entries
 
@@ -56,6 +61,10 @@ MAX_IMPORT_BYTES = 512 << 20
 SHOW_REFUSED = 1000
 #: Device seconds per verified entry (`aoe bank verify`'s default).
 VERIFY_BUDGET_S = 1.0
+#: FollowBank messages (of up to aoed.bank.follow.FEED_PAGE records) that wait for a
+#: slow reader, and how long it may take none of them before it is cut off.
+FOLLOW_BUFFER = 64
+FOLLOW_STALL_S = 30.0
 
 _POLICY = {
     bank_pb2.MERGE_POLICY_UNSPECIFIED: "keep-faster", bank_pb2.MERGE_POLICY_KEEP_FASTER: "keep-faster",
@@ -68,17 +77,34 @@ _VERDICT = {
 }  # fmt: skip
 
 
-def add_to_server(server: grpc.Server, bridge: Bridge, engine: Engine) -> BankServicer:
-    """Serve BankService on `server` over `engine`; returns the servicer."""
-    servicer = BankServicer(bridge, engine)
+def add_to_server(
+    server: grpc.Server, bridge: Bridge, engine: Engine, connect: Connect | None = None, peers: Sequence[str] = ()
+) -> BankServicer:
+    """Serve BankService on `server` over `engine`; returns the servicer. `connect`
+    opens a client to a peer for SyncBank (default: aoe.client.Client, no TLS), which
+    reaches unix sockets and the TCP `peers` only."""
+    servicer = BankServicer(bridge, engine, connect, peers)
     bank_pb2_grpc.add_BankServiceServicer_to_server(servicer, server)
     return servicer
 
 
+def _plain_client(target: str) -> Any:
+    from aoe.client import Client
+
+    return Client(target)
+
+
 class BankServicer(bank_pb2_grpc.BankServiceServicer):
-    def __init__(self, bridge: Bridge, engine: Engine):
+    def __init__(self, bridge: Bridge, engine: Engine, connect: Connect | None = None, peers: Sequence[str] = ()):
         self._bridge, self._engine = bridge, engine
         self._bank = DaemonBank(engine.bank, engine.device.device.fingerprint())
+        self._connect = connect or _plain_client
+        self._peers = frozenset(peers)
+
+    @property
+    def bank(self) -> DaemonBank:
+        """The bank this servicer serves (its lookup counts are metrics)."""
+        return self._bank
 
     # -- unary
 
@@ -134,6 +160,24 @@ class BankServicer(bank_pb2_grpc.BankServiceServicer):
             used_bytes=custom.used_bytes, schema_version=custom.schema_version, path=custom.path,
         )  # fmt: skip
 
+    def SyncBank(self, request, context):
+        report = self._bridge.call(context, self._sync, request.peer)
+        return bank_pb2.SyncBankResponse(
+            peer_bank_id=report.peer_bank_id, from_seq=report.from_seq, to_seq=report.to_seq,
+            entries=_counts(report.counts["entry"]), default_records=_counts(report.counts["default"]),
+            trials=_counts(report.counts["trial"]), refused=report.refused,
+        )  # fmt: skip
+
+    async def _sync(self, peer: str) -> SyncReport:
+        if not peer:
+            raise OptionError("SyncBank: give the peer as a gRPC target (unix:///path.sock, dns:///host:7461)")
+        # A client must not make the daemon dial anywhere it likes with its credentials.
+        if not peer.startswith("unix:") and peer not in self._peers:
+            raise OptionError(f"SyncBank: {peer}: this daemon syncs over TCP only with the peers in its "
+                              "[bank] follow list; add it there, or sync into a bank folder with --bank")  # fmt: skip
+        devices = [self._engine.device.device.fingerprint().digest]
+        return await Follower(self._engine.bank, peer, devices, self._connect).sync()
+
     def PruneBank(self, request, context):
         r = self._bridge.call(context, self._bank.prune, request.dry_run)
         return bank_pb2.PruneBankResponse(trials_removed=r.trials_removed, entries_kept=r.entries_kept,
@@ -143,6 +187,14 @@ class BankServicer(bank_pb2_grpc.BankServiceServicer):
 
     def ExportEntries(self, request, context):
         yield from self._bridge.stream(context, _export, self._bank, request)
+
+    def FollowBank(self, request, context):
+        stall = (FOLLOW_STALL_S, ResourceExhaustedError(
+            f"FollowBank: this follower read nothing for {FOLLOW_STALL_S:g} s while {FOLLOW_BUFFER} messages "
+            "waited; reconnect and resume from the last upto_seq applied"))  # fmt: skip
+        for batch in self._bridge.stream(context, feed, self._engine.bank, request.after_seq, request.bank_id,
+                                         buffer=FOLLOW_BUFFER, stall=stall):  # fmt: skip
+            yield _batch(batch)
 
     def VerifyEntries(self, request, context):
         for v in self._bridge.stream(context, _verify, self._engine, self._bank, request, buffer=1):
@@ -265,6 +317,14 @@ def _lines(
                           f"ImportEntries: over this daemon's limit of {MAX_IMPORT_RECORDS} records or "
                           f"{MAX_IMPORT_BYTES >> 20} MiB per import; split the import")  # fmt: skip
         yield record_to_json(bank_pb2.ExportEntriesResponse(**{which: getattr(msg, which)}))
+
+
+def _batch(b: FollowBatch) -> bank_pb2.FollowBankResponse:
+    return bank_pb2.FollowBankResponse(
+        bank_id=b.bank_id, upto_seq=b.upto, head_seq=b.head,
+        changes=[bank_pb2.BankChange(seq=c.seq, kind=c.kind, key=c.key, value=c.value,
+                                     committed_unix_ns=c.committed_ns) for c in b.changes],
+    )  # fmt: skip
 
 
 def _counts(c: MergeCounts) -> bank_pb2.ImportCounts:

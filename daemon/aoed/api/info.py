@@ -6,13 +6,15 @@ import os
 import time
 from collections.abc import Callable
 
+import trio
 from google.protobuf.timestamp_pb2 import Timestamp
 
+from aoe.accelerators import LocalDevice, local_devices, runtime_versions
+from aoe.errors import DeviceError
 from aoe.v1 import bank_pb2, daemon_pb2, daemon_pb2_grpc, devices_pb2, devices_pb2_grpc
 from aoed import __version__
 from aoed.api._bridge import Bridge
 from aoed.config import DaemonConfig
-from aoed.jobs import store as st
 from aoed.jobs.manager import JobManager
 
 __all__ = ["DaemonServicer", "DeviceServicer"]
@@ -27,17 +29,41 @@ class DeviceServicer(devices_pb2_grpc.DeviceServiceServicer):
 
     async def _list(self) -> devices_pb2.ListDevicesResponse:
         agent = self._jobs.engine.device
-        fp = agent.device.fingerprint()
-        running = self._jobs.store.jobs(st.RUNNING, limit=1)
+        running = self._jobs.running()
         queued, n_running = self._jobs.counts()
-        return devices_pb2.ListDevicesResponse(devices=[devices_pb2.Device(
-            id=agent.device.name, execution_provider=agent.device.provider,
-            description=f"{fp.hardware} ({agent.cores} cores), onnxruntime {fp.runtime_version}",
-            fingerprint=bank_pb2.DeviceFingerprint(
-                execution_provider=fp.execution_provider, hardware=fp.hardware, isa_flags=fp.isa_flags,
-                runtime_version=fp.runtime_version, canonical_json=fp.canonical_json, digest=fp.digest),
-            busy=n_running > 0, queued_jobs=queued, running_job_id=running[0].id if running else "",
-        )])  # fmt: skip
+        # nvidia-smi and the provider list: a subprocess and an import, off the event loop
+        local = await trio.to_thread.run_sync(local_devices, agent.providers or None)
+        devices = [_device(d, agent.device == d.device, agent.cores) for d in local]
+        if not any(d.configured for d in devices):  # e.g. a GPU the driver no longer lists
+            devices.insert(0, _device(LocalDevice(agent.device), True, agent.cores))
+        devices.sort(key=lambda d: not d.configured)
+        mine = devices[0]
+        mine.busy, mine.queued_jobs = n_running > 0, queued
+        mine.running_job_id = running[0].id if running else ""
+        return devices_pb2.ListDevicesResponse(devices=devices)
+
+
+def _device(local: LocalDevice, configured: bool, cores: int) -> devices_pb2.Device:
+    """The Device message for `local` (its fingerprint left empty where this machine
+    cannot describe it); a configured CPU counts the runner's `cores`."""
+    dev = local.device
+    described = local.describe(cores if configured else None)
+    msg = devices_pb2.Device(id=dev.name, execution_provider=dev.provider, description=described,
+                             configured=configured, unusable=local.unusable, versions=runtime_versions())  # fmt: skip
+    try:
+        fp = dev.fingerprint()
+    except DeviceError:
+        pass
+    else:
+        msg.fingerprint.CopyFrom(bank_pb2.DeviceFingerprint(
+            execution_provider=fp.execution_provider, hardware=fp.hardware, isa_flags=fp.isa_flags,
+            runtime_version=fp.runtime_version, canonical_json=fp.canonical_json, digest=fp.digest))  # fmt: skip
+    if local.gpu is not None:
+        g = local.gpu
+        msg.accelerator.CopyFrom(devices_pb2.Accelerator(
+            index=g.index, name=g.name, compute_capability=g.compute_capability, memory_mib=g.memory_mib,
+            driver_version=g.driver_version, uuid=g.uuid))  # fmt: skip
+    return msg
 
 
 class DaemonServicer(daemon_pb2_grpc.DaemonServiceServicer):

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import grp
 import logging
 import os
 import socket as socketlib
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -97,12 +97,8 @@ def _bind_unix(server: grpc.Server, cfg: DaemonConfig) -> Path:
     except OSError as exc:
         raise OptionError(f"[listen] socket {path}: cannot create its folder ({exc.strerror or exc})") from None
     _stale_socket(path)
-    gid = -1
-    if cfg.socket_group:
-        try:
-            gid = grp.getgrnam(cfg.socket_group).gr_gid
-        except KeyError:
-            raise OptionError(f"[listen] socket_group {cfg.socket_group!r}: no such group") from None
+    gid = cfg.socket_gid()
+    gid = -1 if gid is None else gid
     old = os.umask(0o177)  # the socket appears owner-only; its real mode is set below
     try:
         port = server.add_insecure_port(f"unix:{path}")
@@ -123,11 +119,13 @@ def _read(path: Path | None) -> bytes | None:
     return path.read_bytes() if path is not None else None
 
 
-def build_server(cfg: DaemonConfig, add_services) -> Server:
+def build_server(cfg: DaemonConfig, add_services, interceptors: Sequence[grpc.ServerInterceptor] = ()) -> Server:
     """A started-to-be gRPC server bound as `cfg` says, with `add_services(server)`
-    having registered the aoe.v1 servicers. Raises OptionError when it cannot listen."""
+    having registered the aoe.v1 servicers, and `interceptors` (aoed.metrics counts
+    RPCs with one) around every RPC. Raises OptionError when it cannot listen."""
     server = grpc.server(
         ThreadPoolExecutor(max_workers=cfg.max_rpcs, thread_name_prefix="grpc"),
+        interceptors=list(interceptors),
         maximum_concurrent_rpcs=cfg.max_rpcs,
         options=[("grpc.max_receive_message_length", MAX_MESSAGE), ("grpc.max_send_message_length", MAX_MESSAGE),
                  ("grpc.so_reuseport", 0)],

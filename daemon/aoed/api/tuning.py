@@ -2,14 +2,18 @@
 manager. Methods are protobuf -> domain, one bridge call, domain -> protobuf.
 
 Uploads are written to disk in the handler's thread (no trio state is touched until the
-file is complete and its sha256 checked), then registered in one bridge call. Paths a
-client names (a model, a calibration folder, an output folder) must resolve, symlinks
+file is complete and its sha256 checked), then registered in one bridge call. Before a
+byte of an upload is written, its declared size (then each chunk beyond it) is reserved
+against the upload quotas (`jobs.uploads`) and the state dir's free-space floor; a full
+disk met anyway ends the call with RESOURCE_EXHAUSTED naming the folder. Paths a client
+names (a model, a calibration folder, an output folder) must resolve, symlinks
 included, inside the configured allowed directories.
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import json
 import os
@@ -22,14 +26,18 @@ from typing import Any
 import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from aoe.errors import OptionError
-from aoe.v1 import bank_pb2, tuning_pb2, tuning_pb2_grpc
-from aoed.api._bridge import Bridge
-from aoed.errors import NotFoundError, PermissionDeniedError, RpcError
+from aoe.errors import AoedError, JobStateError, NotFoundError, OptionError, PermissionDeniedError
+from aoe.outcome import JobOutcome
+from aoe.v1 import tuning_pb2, tuning_pb2_grpc
+from aoe.wire import outcome_to_pb, spec_from_pb, spec_to_pb
+from aoed import safefs, space
+from aoed.api._bridge import Bridge, status_of
 from aoed.config import DaemonConfig
+from aoe import sizes
 from aoed.jobs import store as st
-from aoed.jobs.manager import JobManager, Submission, options_from_dict
+from aoed.jobs.manager import JobManager, Submission, shown_path
 from aoed.jobs.store import EventRow, JobRow, Upload
+from aoed.logs import cut
 
 __all__ = ["TuningServicer", "confine"]
 
@@ -44,11 +52,6 @@ _STATE = {
 _STATE_NAME = {v: k for k, v in _STATE.items()}
 _LEVEL = {"debug": tuning_pb2.LOG_LEVEL_DEBUG, "info": tuning_pb2.LOG_LEVEL_INFO,
           "warning": tuning_pb2.LOG_LEVEL_WARNING, "error": tuning_pb2.LOG_LEVEL_ERROR}  # fmt: skip
-_PRECISION = {bank_pb2.PRECISION_UNSPECIFIED: "exact", bank_pb2.PRECISION_EXACT: "exact",
-              bank_pb2.PRECISION_INT8: "int8", bank_pb2.PRECISION_INT4: "int4"}  # fmt: skip
-_PRECISION_CODE = {"exact": bank_pb2.PRECISION_EXACT, "int8": bank_pb2.PRECISION_INT8, "int4": bank_pb2.PRECISION_INT4}
-_JOB_TYPE = {tuning_pb2.JOB_TYPE_UNSPECIFIED: "opat", tuning_pb2.JOB_TYPE_OPAT: "opat", tuning_pb2.JOB_TYPE_SGAT: "sgat",
-             tuning_pb2.JOB_TYPE_SGAT_OPAT: "sgat+opat"}  # fmt: skip
 
 
 def confine(raw: str, allowed: tuple[Path, ...], what: str, want_dir: bool = False) -> Path:
@@ -57,29 +60,35 @@ def confine(raw: str, allowed: tuple[Path, ...], what: str, want_dir: bool = Fal
     INVALID_ARGUMENT for a relative path, a NUL byte, or the wrong kind of file).
 
     Whether `raw` lies inside is decided before whether it exists, so that a client
-    cannot learn which paths exist outside the allowed directories."""
+    cannot learn which paths exist outside the allowed directories. A very long `raw` is
+    cut in the messages (logs.cut)."""
+    shown = repr(cut(raw))
     if not allowed:
         raise PermissionDeniedError(
-                       f"{what} {raw!r}: this daemon accepts no daemon-side paths ([daemon] allowed_dirs is empty); "
+                       f"{what} {shown}: this daemon accepts no daemon-side paths ([daemon] allowed_dirs is empty); "
                        "upload the model instead")  # fmt: skip
     if "\x00" in raw:
-        raise OptionError(f"{what} {raw!r}: a path cannot contain a NUL byte")
+        raise OptionError(f"{what} {shown}: a path cannot contain a NUL byte")
     if not os.path.isabs(raw):
-        raise OptionError(f"{what} {raw!r}: must be an absolute path on the daemon host")
+        raise OptionError(f"{what} {shown}: must be an absolute path on the daemon host")
     roots = [Path(a).resolve() for a in allowed]
     try:
         real = Path(raw).resolve()  # `..` and every symlink that exists, followed
     except (OSError, RuntimeError):  # a symlink loop
-        raise NotFoundError(f"{what} {raw!r}: cannot be resolved (a symlink loop?)") from None
+        raise NotFoundError(f"{what} {shown}: cannot be resolved (a symlink loop?)") from None
     if not any(real.is_relative_to(r) for r in roots):
         raise PermissionDeniedError(
-                       f"{what} {raw!r}: outside the allowed directories ({', '.join(map(str, roots))})")  # fmt: skip
-    if not real.exists():
-        raise NotFoundError(f"{what} {raw!r}: no such file on the daemon host")
+                       f"{what} {shown}: outside the allowed directories ({', '.join(map(str, roots))})")  # fmt: skip
+    try:
+        real.lstat()
+    except FileNotFoundError:
+        raise NotFoundError(f"{what} {shown}: no such file on the daemon host") from None
+    except OSError as exc:  # a name too long, a component not a folder
+        raise OptionError(f"{what} {shown}: {exc.strerror or exc}") from None
     if want_dir and not real.is_dir():
-        raise OptionError(f"{what} {raw!r}: not a directory")
+        raise OptionError(f"{what} {shown}: not a directory")
     if not want_dir and not real.is_file():
-        raise OptionError(f"{what} {raw!r}: not a regular file")
+        raise OptionError(f"{what} {shown}: not a regular file")
     return real
 
 
@@ -107,57 +116,13 @@ def _ts(seconds: float | None) -> Timestamp | None:
     return t
 
 
-def options_to_dict(o: tuning_pb2.JobOptions) -> dict[str, Any]:
-    return {
-        "precision": _PRECISION.get(o.precision, "exact"),
-        "job_type": _JOB_TYPE.get(o.job_type, "opat"),
-        "input_shapes": {s.name: list(s.dims) for s in o.input_shapes},
-        "repeat_tune": o.repeat_tune,
-        "device": o.device,
-        "budget_s": o.budget_s or None,
-        "min_cosine": o.accuracy_budget.min_cosine or None,
-        "max_rel_error": o.accuracy_budget.max_rel_error or None,
-        "priority": o.priority,
-        "labels": dict(o.labels),
-    }
-
-
-def job_options_pb(opts: dict[str, Any]) -> tuning_pb2.JobOptions:
-    return tuning_pb2.JobOptions(
-        job_type={v: k for k, v in _JOB_TYPE.items() if k}.get(opts.get("job_type", "opat"), tuning_pb2.JOB_TYPE_OPAT),
-        precision=_PRECISION_CODE.get(opts.get("precision", "exact"), bank_pb2.PRECISION_EXACT),
-        input_shapes=[tuning_pb2.InputShape(name=k, dims=v) for k, v in opts.get("input_shapes", {}).items()],
-        repeat_tune=bool(opts.get("repeat_tune")),
-        device=str(opts.get("device", "")),
-        accuracy_budget=tuning_pb2.AccuracyBudget(min_cosine=opts.get("min_cosine") or 0.0,
-                                                  max_rel_error=opts.get("max_rel_error") or 0.0),  # fmt: skip
-        calibration_dir=str(opts.get("calibration_dir", "")),
-        labels=opts.get("labels", {}),
-        priority=int(opts.get("priority", 0)),
-        budget_s=float(opts.get("budget_s") or 0.0),
-    )
-
-
-def result_pb(r: dict[str, Any]) -> tuning_pb2.JobResult:
-    repo = r.get("repo", {})
-    return tuning_pb2.JobResult(
-        baseline_ms=r.get("baseline_ms", 0.0), tuned_ms=r.get("tuned_ms", 0.0), improvement=r.get("improvement", 0.0),
-        tuned_model_path=r.get("tuned_model", ""), result_json_path=r.get("result_json", ""),
-        repo_summary=tuning_pb2.RepoSummary(**{k: int(v) for k, v in repo.items()
-                                               if k in tuning_pb2.RepoSummary.DESCRIPTOR.fields_by_name}),
-        verdict=str(r.get("verdict", "")), shipped=str(r.get("shipped", "")),
-        improvement_ci95_low=float((r.get("improvement_ci95") or (0.0, 0.0))[0]),
-        improvement_ci95_high=float((r.get("improvement_ci95") or (0.0, 0.0))[1]),
-        trials=int(r.get("resources", {}).get("trials", 0)), device_s=float(r.get("resources", {}).get("device_s", 0.0)),
-        tuning_time_s=float(r.get("tuning_time_s", 0.0)), confirm_rounds=int(r.get("confirm_rounds", 0)),
-        confirmed_by=str(r.get("confirmed_by", "")),
-        tasks=[tuning_pb2.TaskResult(
-            task_id=t["task_id"], op_type=t["op_type"], node_names=[t.get("op_name", "")],
-            before_us=t["before_us"], after_us=t["after_us"], improvement=t["improvement"],
-            update_mode=t["update_mode"], bank_layer=t["bank_layer"], error=t["error"],
-            strategy=bank_pb2.Strategy(name=t["strategy"]) if t["strategy"] != "default" else None,
-        ) for t in r.get("tasks", [])],
-    )  # fmt: skip
+def _known(table: dict[int, str], code: int, field: str, enum) -> str:
+    """`table[code]`; OptionError naming `field` for a number the enum does not define
+    (proto3 keeps unknown enum numbers, which a lookup with a default would quietly map)."""
+    if code not in table:
+        names = ", ".join(f"{v.name}={v.number}" for v in enum.DESCRIPTOR.values if v.number in table)
+        raise OptionError(f"{field} {code}: not a known value (known: {names})")
+    return table[code]
 
 
 def progress_pb(p: dict[str, Any]) -> tuning_pb2.JobProgress:
@@ -168,9 +133,9 @@ def progress_pb(p: dict[str, Any]) -> tuning_pb2.JobProgress:
 def job_pb(row: JobRow, position: int = 0) -> tuning_pb2.Job:
     return tuning_pb2.Job(
         job_id=row.id, state=_STATE.get(row.state, tuning_pb2.JOB_STATE_UNSPECIFIED), model_name=row.model_name,
-        model_path=row.model_path, options=job_options_pb(row.options), created=_ts(row.created),
+        model_path=shown_path(row), options=spec_to_pb(row.spec), created=_ts(row.created),
         started=_ts(row.started), finished=_ts(row.finished), progress=progress_pb(row.progress),
-        result=result_pb(row.result) if row.result and row.state == st.SUCCEEDED else None,
+        result=outcome_to_pb(row.outcome) if row.outcome and row.state == st.SUCCEEDED else None,
         error=row.error, queue_position=position, source=row.source, joined=row.joined, error_kind=row.error_kind,
     )  # fmt: skip
 
@@ -185,11 +150,16 @@ def event_pb(ev: EventRow) -> tuning_pb2.JobEvent:
     elif ev.kind == "progress":
         msg.progress.CopyFrom(progress_pb(d))
     elif ev.kind == "result":
-        msg.result.CopyFrom(result_pb(d))
+        msg.result.CopyFrom(outcome_to_pb(JobOutcome.from_dict(d)))
     else:
         msg.log.CopyFrom(tuning_pb2.LogLine(level=_LEVEL.get(d.get("level", "info"), 0), logger=str(d.get("logger", "")),
                                             message=str(d.get("message", ""))))  # fmt: skip
     return msg
+
+
+#: Bytes of jobs in one ListJobs answer, at most (a larger job comes alone on its page):
+#: well under the 4 MiB a gRPC client accepts by default, and the daemon's 8 MiB.
+LIST_PAGE_BYTES = 1 << 20
 
 
 def _page_token(row: JobRow) -> str:
@@ -221,21 +191,25 @@ class TuningServicer(tuning_pb2_grpc.TuningServiceServicer):
         return tuning_pb2.SubmitJobResponse(job_id=row.id, job=job_pb(row))
 
     async def _submit(self, request: tuning_pb2.SubmitJobRequest, client: str) -> tuple[JobRow, bool]:
-        opts = options_from_dict(options_to_dict(request.options), self._jobs.engine.device.device)
-        allowed = self._cfg.allowed_dirs
         o = request.options
+        for name, value in (("model_path", request.model_path), ("output_dir", o.output_dir),
+                            ("calibration_dir", o.calibration_dir)):  # fmt: skip
+            sizes.check_text(name, value, sizes.MAX_PATH_BYTES)
+        sizes.check_text("model_id", request.model_id, sizes.MAX_NAME_BYTES)
+        spec = spec_from_pb(request.options)
+        allowed = self._cfg.allowed_dirs
         if o.calibration_dir:
-            opts["calibration_dir"] = str(confine(o.calibration_dir, allowed, "calibration_dir", want_dir=True))
+            spec = spec.replace(calibration_dir=confine(o.calibration_dir, allowed, "calibration_dir", want_dir=True))
         output = confine(o.output_dir, allowed, "output_dir", want_dir=True) if o.output_dir else None
         which = request.WhichOneof("model")
         if which == "model_id":
-            up = self._jobs.store.get_upload(request.model_id)
+            up = self._jobs.upload(request.model_id)
             if up is None:
-                raise NotFoundError(f"model_id {request.model_id!r}: no such upload (expired or already used)")
-            return await self._jobs.submit(Submission(Path(up.path), opts, f"rpc:{client}", upload=up, output_dir=output))
+                raise NotFoundError(f"model_id {cut(request.model_id)!r}: no such upload (expired or already used)")
+            return await self._jobs.submit(Submission(Path(up.path), spec, f"rpc:{client}", upload=up, output_dir=output))
         if which == "model_path":
             model = confine(request.model_path, allowed, "model_path")
-            return await self._jobs.submit(Submission(model, opts, f"rpc:{client}", output_dir=output))
+            return await self._jobs.submit(Submission(model, spec, f"rpc:{client}", output_dir=output))
         raise OptionError("SubmitJob: set model_path or model_id")
 
     def GetJob(self, request, context):
@@ -250,12 +224,18 @@ class TuningServicer(tuning_pb2_grpc.TuningServiceServicer):
 
     async def _list(self, request: tuning_pb2.ListJobsRequest) -> tuning_pb2.ListJobsResponse:
         size = min(int(request.page_size or 100), 1000)
-        states = [_STATE_NAME[s] for s in request.states if s in _STATE_NAME]
+        states = [_known(_STATE_NAME, s, "states", tuning_pb2.JobState) for s in request.states]
         rows = self._jobs.list(states, size + 1, _parse_token(request.page_token))
-        more = len(rows) > size
-        rows = rows[:size]
-        return tuning_pb2.ListJobsResponse(jobs=[job_pb(r) for r in rows],
-                                           next_page_token=_page_token(rows[-1]) if more else "")  # fmt: skip
+        jobs: list[tuning_pb2.Job] = []
+        used = 0
+        for row in rows[:size]:  # as many as fit in LIST_PAGE_BYTES, and at least one
+            pb = job_pb(row)
+            used += pb.ByteSize() + 8  # (+ the field's tag and length)
+            if jobs and used > LIST_PAGE_BYTES:
+                break
+            jobs.append(pb)
+        more = len(rows) > len(jobs)
+        return tuning_pb2.ListJobsResponse(jobs=jobs, next_page_token=_page_token(rows[len(jobs) - 1]) if more else "")
 
     def CancelJob(self, request, context):
         return self._bridge.call(context, self._cancel, request.job_id)
@@ -271,62 +251,89 @@ class TuningServicer(tuning_pb2_grpc.TuningServiceServicer):
             yield tuning_pb2.WatchJobResponse(event=event_pb(ev))
 
     def UploadModel(self, request_iterator, context):
-        limit = self._cfg.max_upload_bytes
+        cfg = self._cfg
+        limit = cfg.max_upload_bytes
         first = next(request_iterator, None)
         if first is None or first.WhichOneof("payload") != "header":
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "UploadModel: the first message must be the header")
         head = first.header
         name = os.path.basename(head.file_name.replace("\\", "/"))
         if not name or name.startswith(".") or "\x00" in name or len(name.encode()) > 255:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"UploadModel: bad file name {head.file_name!r}")
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"UploadModel: bad file name {cut(head.file_name)!r}")
         if head.size_bytes > limit:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                           f"UploadModel: {head.size_bytes} bytes is over this daemon's limit of {limit} bytes")  # fmt: skip
         upload_id = f"up-{uuid.uuid4().hex[:16]}"
-        folder = self._cfg.uploads_dir
-        folder.mkdir(parents=True, exist_ok=True)
-        part = folder / f"{upload_id}.part"
-        h, size = hashlib.sha256(), 0
-        try:
-            with open(part, "xb") as f:
-                for msg in request_iterator:
-                    if msg.WhichOneof("payload") != "chunk":
-                        context.abort(grpc.StatusCode.INVALID_ARGUMENT, "UploadModel: only the first message is a header")
-                    size += len(msg.chunk)
-                    if size > limit:
-                        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                      f"UploadModel: over this daemon's limit of {limit} bytes")  # fmt: skip
-                    h.update(msg.chunk)
-                    f.write(msg.chunk)
-            digest = h.hexdigest()
-            if head.sha256 and head.sha256.lower() != digest:
-                context.abort(grpc.StatusCode.DATA_LOSS,
-                              f"UploadModel: sha256 of the received bytes is {digest}, the header said {head.sha256}")  # fmt: skip
+        folder = cfg.uploads_dir
+        ledger, client = self._jobs.uploads, client_of(context)
+        final = folder / upload_id
+        h, size, reserved, kept = hashlib.sha256(), 0, head.size_bytes, False
+
+        def receive(f) -> None:
+            nonlocal size, reserved
+            for msg in request_iterator:
+                if msg.WhichOneof("payload") != "chunk":
+                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, "UploadModel: only the first message is a header")
+                size += len(msg.chunk)
+                if size > limit:
+                    context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                  f"UploadModel: over this daemon's limit of {limit} bytes")  # fmt: skip
+                if size > reserved:  # beyond what the header declared: this chunk first
+                    ledger.reserve(upload_id, client, size, cfg)
+                    space.check_floor(folder, cfg.min_free_bytes, "UploadModel", need=size - reserved)
+                    reserved = size
+                h.update(msg.chunk)
+                f.write(msg.chunk)
+            if head.sha256 and head.sha256.lower() != h.hexdigest():
+                context.abort(grpc.StatusCode.DATA_LOSS, f"UploadModel: sha256 of the received bytes is "
+                              f"{h.hexdigest()}, the header said {cut(head.sha256)}")  # fmt: skip
             if head.size_bytes and head.size_bytes != size:
                 context.abort(grpc.StatusCode.DATA_LOSS,
                               f"UploadModel: received {size} bytes, the header said {head.size_bytes}")  # fmt: skip
-            final = folder / upload_id
-            final.mkdir()
-            part.rename(final / name)
+
+        try:
+            # Refused before a byte is written: the quotas, then the free-space floor.
+            ledger.reserve(upload_id, client, reserved, cfg)
+            space.check_floor(folder, cfg.min_free_bytes, "UploadModel", need=reserved)
+            folder.mkdir(parents=True, exist_ok=True)
+            # uploads/<id>/<name>, written as safefs writes: the file appears whole or not at all.
+            with safefs.opened_dir(folder) as up:
+                own = safefs.make_dir(upload_id, dir_fd=up)
+                try:
+                    safefs.write_file(name, receive, dir_fd=own)
+                except BaseException:
+                    with contextlib.suppress(OSError):
+                        os.rmdir(upload_id, dir_fd=up)
+                    raise
+                finally:
+                    os.close(own)
+            digest = h.hexdigest()
+            up = Upload(upload_id, str(final / name), name, digest, size, time.time())
+            self._bridge.call(context, self._register_upload, up)
+            kept = True
+        except AoedError as exc:
+            context.abort(status_of(exc), str(exc))
         except OSError as exc:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED if exc.errno == 28 else grpc.StatusCode.INTERNAL,
-                          f"UploadModel: cannot store the upload: {exc.strerror or exc}")  # fmt: skip
+            if exc.errno in space.FULL_ERRNOS:
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(space.disk_full(folder, "UploadModel")))
+            context.abort(grpc.StatusCode.INTERNAL, f"UploadModel: cannot store the upload: {exc.strerror or exc}")
         finally:
-            part.unlink(missing_ok=True)
-        up = Upload(upload_id, str(final / name), name, digest, size, time.time())
-        self._bridge.call(context, self._register_upload, up)
+            if not kept:  # refused, failed or cancelled: nothing of it stays, nor counts
+                with contextlib.suppress(OSError):
+                    (final / name).unlink(missing_ok=True)
+                with contextlib.suppress(OSError):
+                    final.rmdir()
+                ledger.release(upload_id)
         return tuning_pb2.UploadModelResponse(model_id=upload_id, sha256=digest, size_bytes=size)
 
     async def _register_upload(self, up: Upload) -> None:
-        self._jobs.store.add_upload(up)
+        self._jobs.add_upload(up)
 
     def DownloadResult(self, request, context) -> Iterator[tuning_pb2.DownloadResultResponse]:
         path = self._bridge.call(context, self._artifact, request.job_id, request.artifact)
-        h = hashlib.sha256()
         try:
             with open(path, "rb") as f:
-                while chunk := f.read(CHUNK):
-                    h.update(chunk)
+                h = hashlib.file_digest(f, "sha256")
                 size = f.tell()
                 yield tuning_pb2.DownloadResultResponse(header=tuning_pb2.DownloadHeader(
                     file_name=path.name, sha256=h.hexdigest(), size_bytes=size))  # fmt: skip
@@ -338,11 +345,11 @@ class TuningServicer(tuning_pb2_grpc.TuningServiceServicer):
 
     async def _artifact(self, job_id: str, artifact: int) -> Path:
         row = self._jobs.get(job_id)
-        if row.state != st.SUCCEEDED or not row.result:
-            raise RpcError("FAILED_PRECONDITION",
+        if row.state != st.SUCCEEDED or not row.outcome:
+            raise JobStateError(
                            f"job {job_id} is {row.state}: only a succeeded job has results to download")  # fmt: skip
         if artifact == tuning_pb2.RESULT_ARTIFACT_RESULT_JSON:
-            return Path(row.result["result_json"])
+            return Path(row.outcome.result_json)
         if artifact in (tuning_pb2.RESULT_ARTIFACT_TUNED_MODEL, tuning_pb2.RESULT_ARTIFACT_UNSPECIFIED):
-            return Path(row.result["tuned_model"])
+            return Path(row.outcome.tuned_model)
         raise OptionError(f"artifact {artifact}: unknown")

@@ -7,130 +7,30 @@ The only module (with api/) where protobuf types appear on the daemon side.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from aoe.bank import PRECISION_CODES, PRECISION_NAMES, default_doc, parse_key, record_from_json
-from aoe.signature import SCHEMA_VERSION, DeviceFingerprint, TaskSignature, bank_key
+from google.protobuf.message import DecodeError
+
+from aoe.bank import PRECISION_CODES, PRECISION_NAMES, default_doc, default_record, parse_key, record_from_json
+# Their old home, kept importable while work written against it lands: use aoe.bankrecord.
+from aoe.bankrecord import BankRecord, Measured, decode, encode  # noqa: F401
+from aoe.signature import SCHEMA_VERSION, bank_key
 from aoe.v1 import bank_pb2
 
 __all__ = [
-    "BankRecord", "Incoming", "Measured", "decode", "default_us", "encode", "encode_doc", "parse_line",
-    "winner_us",
+    "Incoming", "batch_from_pb", "check_stored", "default_us", "encode_doc", "parse_line", "winner_us",
 ]  # fmt: skip
-
-_PRECISION = PRECISION_CODES
-_PRECISION_NAME = PRECISION_NAMES
-
-
-@dataclass(frozen=True)
-class Measured:
-    median_us: float
-    spread: float
-    repeats: int
-    min_us: float
-
-
-@dataclass(frozen=True)
-class BankRecord:
-    key: bytes
-    signature: TaskSignature
-    device: DeviceFingerprint
-    strategy: str
-    family: str
-    precision: str
-    winner: Measured
-    baseline: Measured
-    max_abs_error: float = 0.0
-    max_rel_error: float = 0.0
-    cosine: float = 1.0
-    params: dict[str, str] = field(default_factory=dict)
-    host: str = ""
-    aoed_version: str = ""
-    created_unix: float = 0.0
-    job_id: str = ""
-    model: str = ""
-
-
-def _stats(msg: bank_pb2.Stats, m: Measured) -> None:
-    msg.median_us = m.median_us
-    msg.spread = m.spread
-    msg.repeats = m.repeats
-    msg.min_us = m.min_us
-
-
-def encode(r: BankRecord) -> bytes:
-    e = bank_pb2.BankEntry(schema_version=SCHEMA_VERSION, key=r.key.decode())
-    e.signature.op_type = r.signature.op_type
-    e.signature.domain = r.signature.domain
-    e.signature.opset = r.signature.opset
-    e.signature.canonical_json = r.signature.canonical_json
-    e.signature.digest = r.signature.digest
-    d = r.device
-    e.device.execution_provider = d.execution_provider
-    e.device.hardware = d.hardware
-    e.device.isa_flags.extend(d.isa_flags)
-    e.device.runtime_version = d.runtime_version
-    e.device.canonical_json = d.canonical_json
-    e.device.digest = d.digest
-    e.strategy.name = r.strategy
-    e.strategy.family = r.family
-    e.strategy.precision = _PRECISION[r.precision]
-    e.strategy.params.update(r.params)
-    _stats(e.winner, r.winner)
-    _stats(e.baseline, r.baseline)
-    e.accuracy.max_abs_error = r.max_abs_error
-    e.accuracy.max_rel_error = r.max_rel_error
-    e.accuracy.cosine = r.cosine
-    p = e.provenance
-    p.host = r.host
-    p.aoed_version = r.aoed_version
-    p.onnxruntime_version = d.runtime_version
-    p.created.FromNanoseconds(int(r.created_unix * 1e9))
-    p.job_id = r.job_id
-    p.model = r.model
-    return e.SerializeToString(deterministic=True)
 
 
 def encode_doc(doc: dict[str, Any]) -> bytes:
     """The stored form of a default record or a trial: JSON with sorted keys, so that
     equal documents store equal bytes."""
     return json.dumps(doc, sort_keys=True).encode()
-
-
-def _measured(msg: bank_pb2.Stats) -> Measured:
-    return Measured(msg.median_us, msg.spread, msg.repeats, msg.min_us)
-
-
-def decode(data: bytes) -> BankRecord:
-    e = bank_pb2.BankEntry.FromString(data)
-    s, d = e.signature, e.device
-    return BankRecord(
-        key=e.key.encode(),
-        signature=TaskSignature(s.op_type, s.domain, s.opset, s.canonical_json, s.digest),
-        device=DeviceFingerprint(
-            d.execution_provider, d.hardware, tuple(d.isa_flags), d.runtime_version,
-            json.loads(d.canonical_json).get("options", {}) if d.canonical_json else {},
-            d.canonical_json, d.digest,
-        ),
-        strategy=e.strategy.name,
-        family=e.strategy.family,
-        precision=_PRECISION_NAME.get(e.strategy.precision, "exact"),
-        winner=_measured(e.winner),
-        baseline=_measured(e.baseline),
-        max_abs_error=e.accuracy.max_abs_error,
-        max_rel_error=e.accuracy.max_rel_error,
-        cosine=e.accuracy.cosine,
-        params=dict(e.strategy.params),
-        host=e.provenance.host,
-        aoed_version=e.provenance.aoed_version,
-        created_unix=e.provenance.created.ToNanoseconds() / 1e9,
-        job_id=e.provenance.job_id,
-        model=e.provenance.model,
-    )
 
 
 # --------------------------------------------------------------------------- exchange
@@ -176,7 +76,7 @@ def _key_problem(key: str) -> tuple[str, str]:
         return f"schema version {schema}, this bank uses {SCHEMA_VERSION}", dev32
     if not (_HEX32.fullmatch(sig32) and _HEX32.fullmatch(dev32)):
         return "key digests are not 32 lowercase hex digits", dev32
-    if precision not in _PRECISION:
+    if precision not in PRECISION_CODES:
         return f"unknown precision {precision!r}", dev32
     return "", dev32
 
@@ -224,7 +124,7 @@ def _parse_trial(rec: bank_pb2.TrialRecord) -> Incoming:
 def _parse_entry(e: bank_pb2.BankEntry) -> Incoming:
     key = e.key.encode()
     problem = ""
-    precision = _PRECISION_NAME.get(e.strategy.precision)
+    precision = PRECISION_NAMES.get(e.strategy.precision)
     if e.schema_version != SCHEMA_VERSION:
         problem = f"schema version {e.schema_version}, this bank uses {SCHEMA_VERSION}"
     elif precision is None:
@@ -255,6 +155,39 @@ def _parse_entry(e: bank_pb2.BankEntry) -> Incoming:
         runtime_version=e.device.runtime_version,
         problem=problem,
     )
+
+
+def check_stored(kind: str, key: bytes, value: bytes) -> Incoming:
+    """Check a record as another bank stores it (`kind` "entry", "default" or "trial";
+    a trial under its history key) with the checks of an exchange line; `problem` says
+    why it cannot be merged. `data` is `value`, kept byte for byte."""
+    try:
+        if kind == "entry":
+            inc = _parse_entry(bank_pb2.BankEntry.FromString(value))
+            if not inc.problem and inc.key != key:
+                inc = dataclasses.replace(inc, problem="stored under another key than its own")
+        elif kind == "default":
+            doc = json.loads(value)
+            if not isinstance(doc, dict):
+                raise ValueError("not a JSON object")
+            inc = _parse_default(default_record(key, doc))
+        elif kind == "trial":
+            bank, _, stamp = key.decode("ascii").rpartition("/")
+            inc = _parse_trial(bank_pb2.TrialRecord(key=bank, time_ns=int(stamp, 16), trial_json=value.decode()))
+        else:
+            return Incoming("", key, value, "", problem=f"a kind of record this bank does not keep ({kind!r})")
+    except (ValueError, TypeError, UnicodeDecodeError, DecodeError) as exc:
+        return Incoming(kind, key, value, "", problem=f"not a stored {kind} record ({exc})")
+    return dataclasses.replace(inc, data=value)
+
+
+def batch_from_pb(
+    msg: bank_pb2.FollowBankResponse,
+) -> tuple[str, list[tuple[int, str, bytes, bytes, int]], int, int]:
+    """(bank id, changes as (seq, kind, key, value, committed ns), upto, head) of one
+    FollowBank message (`aoed.bank.store.Change`'s fields, in order)."""
+    changes = [(c.seq, c.kind, c.key, c.value, c.committed_unix_ns) for c in msg.changes]
+    return msg.bank_id, changes, msg.upto_seq, msg.head_seq
 
 
 def default_us(data: bytes) -> float:

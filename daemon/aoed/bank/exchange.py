@@ -21,6 +21,15 @@ hold it yet (its key and time stamp), so importing a file twice adds nothing.
 Provenance is stored as it arrives. A record measured on a device that is not this
 machine is refused unless `allow_foreign` (it would never be applied here, but a team
 bank built on one machine for others may want it).
+
+Following a peer (`aoed.bank.follow`) merges what the peer's log sends with the same
+checks (foreign records refused) and one rule that is a total order, so that banks
+following each other converge to the same record under every key whatever the order
+their writes arrive in (`follow_replace`): the faster record wins, as keep-faster says;
+at equal times an entry wins over a default record, then the smaller stored bytes (the
+same on every daemon, since each holds the bytes as measured). A bank that keeps its
+own record against a worse one sends it back to its followers (`BankStore.apply`), so
+a decision made worse by a local write elsewhere is corrected there too.
 """
 
 from __future__ import annotations
@@ -31,10 +40,10 @@ from dataclasses import dataclass, field
 from aoe.errors import OptionError
 from aoe.gradlayout import GDAT_PROVIDER, host_fingerprint, torch_version
 from aoe.signature import DeviceFingerprint, device_fingerprint
-from aoed.bank._codec import Incoming, default_us, parse_line, winner_us
-from aoed.bank.store import DEFAULT, ENTRY, KINDS, TRIAL, BankStore, MergeCounts, Record, history_key
+from aoed.bank._codec import Incoming, check_stored, default_us, parse_line, winner_us
+from aoed.bank.store import DEFAULT, ENTRY, KINDS, TRIAL, BankStore, Change, MergeCounts, Record, history_key
 
-__all__ = ["POLICIES", "ImportReport", "import_lines"]
+__all__ = ["POLICIES", "ImportReport", "check_change", "follow_replace", "import_lines"]
 
 POLICIES = ("keep-faster", "overwrite", "keep-existing")
 
@@ -138,3 +147,26 @@ def import_lines(
 
     report.counts = store.merge(accepted(), replace)
     return report
+
+
+def _rank(rec: Record) -> tuple[float, bool, bytes]:
+    return _time_us(rec), rec.kind != ENTRY, rec.value
+
+
+def follow_replace(old: Record, new: Record) -> bool:
+    """Whether `new` replaces `old` under one key when banks follow each other: the
+    total order of the module doc (smaller rank wins)."""
+    return _rank(new) < _rank(old)
+
+
+def check_change(change: Change, devices: Iterable[str]) -> tuple[Record | None, str]:
+    """(the record to merge, "") for a change a peer sent, or (None, why not): not a
+    valid record, or (as import refuses without --allow-foreign) measured on a device
+    whose fingerprint digest is not one of `devices` (this daemon's)."""
+    inc = check_stored(change.kind, change.key, change.value)
+    if inc.problem:
+        return None, inc.problem
+    reasons = [_foreign(inc, {here[:32]}) for here in devices]
+    if all(reasons):
+        return None, reasons[0] if reasons else "this daemon has no device"
+    return Record(change.kind, change.key, change.value), ""

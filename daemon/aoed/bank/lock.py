@@ -70,7 +70,9 @@ class WriterLock:
         self.path = self.bank / LOCK_NAME
         self.held = False
         try:
-            self.bank.mkdir(parents=True, exist_ok=True)
+            # What a bank holds is what was learned from its writers' models: theirs and
+            # their group's to read, not everyone's (an embedded run keeps the user's umask).
+            self.bank.mkdir(mode=0o750, parents=True, exist_ok=True)
         except (FileExistsError, NotADirectoryError):  # a file where the bank or a parent should be
             raise BankError(f"bank {self.bank}: not a directory (a file is in the way); pass a directory "
                             "for the bank") from None  # fmt: skip

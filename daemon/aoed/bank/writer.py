@@ -2,7 +2,13 @@
 
 Writes arrive on a bounded channel and are committed one transaction at a time in a
 worker thread; each carries a one-shot reply channel, so the sender knows its entry is
-durable. Reads (`lookup`, `known_default`) go straight to a read transaction in a worker
+durable. Writes are what the engine decided (`BankWrite`), merges of records from
+elsewhere (`BankMerge`: an import, or a peer's writes with how far they were applied)
+and prunes of the history (`BankPrune`): every write of the custom bank, from a job, the
+API or a follower, goes through this one queue.
+Every record written takes the bank's next sequence number (`aoed.bank.store`); after
+each commit the writer wakes whoever waits in `wait_beyond(seq)` (the streams sending
+this bank's writes to its followers), so nobody polls. Reads (`lookup`, `known_default`) go straight to a read transaction in a worker
 thread; LMDB readers never block the writer.
 
 Read-only layers (a system bank, team banks) sit under the custom bank: `lookup_layered`
@@ -28,11 +34,12 @@ from typing import Any
 import trio
 
 from aoe.bank import CUSTOM, BankReader, layer_paths_from_env, open_bank
-from aoed.bank._codec import BankRecord, decode, encode
+from aoe.errors import BankWriteError
+from aoe.bankrecord import BankRecord, decode, encode
 from aoed.bank.lock import POLL_S, WriterLock
-from aoed.bank.store import BankStore
+from aoed.bank.store import BankStore, Change, MergeCounts, Position, PruneCounts, Record
 
-__all__ = ["BankWrite", "BankWriter"]
+__all__ = ["BankMerge", "BankPrune", "BankWrite", "BankWriter"]
 
 
 @dataclass(frozen=True)
@@ -40,6 +47,32 @@ class BankWrite:
     entries: tuple[BankRecord, ...] = ()
     defaults: tuple[tuple[bytes, dict[str, Any]], ...] = ()
     trials: tuple[tuple[bytes, dict[str, Any]], ...] = field(default=())
+    #: what a run decided for a task (engine/resume.py), committed with its trials
+    decisions: tuple[tuple[bytes, dict[str, Any]], ...] = ()
+    #: key prefixes of decisions to delete (a run that ended)
+    forget: tuple[bytes, ...] = ()
+
+
+@dataclass(frozen=True)
+class BankMerge:
+    """Records to merge under `replace` (see `BankStore.merge`); with `position`, the
+    writes of the peer `peer` and how far they go (see `BankStore.apply`)."""
+
+    records: tuple[Record, ...]
+    replace: Callable[[Record, Record], bool]
+    peer: str = ""
+    position: Position | None = None
+
+
+@dataclass(frozen=True)
+class BankPrune:
+    """Drop the history (see `BankStore.prune`); with `dry_run`, count what would go."""
+
+    dry_run: bool = False
+
+
+#: What the writer's queue carries.
+Op = BankWrite | BankMerge | BankPrune
 
 
 class BankWriter:
@@ -66,7 +99,17 @@ class BankWriter:
         self._store: BankStore | None = None
         self._layers: BankReader | None = None
         self._open_lock = trio.Lock()
-        self._send, self._recv = trio.open_memory_channel[tuple[BankWrite, trio.MemorySendChannel]](16)
+        self._send, self._recv = trio.open_memory_channel[tuple[Op, trio.MemorySendChannel]](16)
+        self._head = 0  # the last sequence number committed, once the store is open
+        self._committed = trio.Event()  # set (and replaced) when the head moves
+        #: Lookups the engine made (`lookup_layered`) and how many found an entry.
+        self.lookups = 0
+        self.hits = 0
+
+    @property
+    def queued(self) -> int:
+        """Writes waiting in the queue, not yet taken by `run`."""
+        return self._send.statistics().current_buffer_used
 
     async def store(self) -> BankStore:
         """The custom bank's store, opened (and its writer lock taken) on first use.
@@ -74,7 +117,9 @@ class BankWriter:
         for another writer leaves nothing held."""
         async with self._open_lock:
             if self._store is None:
-                self._store = await self._open_store()
+                store = await self._open_store()
+                self._head = await trio.to_thread.run_sync(store.head)
+                self._store = store
             return self._store
 
     async def _open_store(self) -> BankStore:
@@ -98,39 +143,116 @@ class BankWriter:
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
         async with self._recv:
-            async for write, reply in self._recv:
+            async for op, reply in self._recv:
+                result: tuple[Any, BaseException | None]
                 try:
                     store = await self.store()
-                    await trio.to_thread.run_sync(self._commit, store, write)
-                    result: BaseException | None = None
+                    value, head = await trio.to_thread.run_sync(self._commit, store, op)
+                    result = (value, None)
+                    if head > self._head:
+                        self._head = head
+                        self._committed.set()
+                        self._committed = trio.Event()
                 except Exception as exc:  # reported to the sender, the writer goes on
-                    result = exc
+                    result = (None, exc)
                 with contextlib.suppress(trio.BrokenResourceError):
                     reply.send_nowait(result)
 
     @staticmethod
-    def _commit(store: BankStore, write: BankWrite) -> None:
-        store.commit(
-            entries=[(r.key, encode(r)) for r in write.entries],
-            defaults=write.defaults,
-            trials=write.trials,
-        )
+    def _commit(store: BankStore, op: Op) -> tuple[Any, int]:
+        """Run `op` on `store` (in a worker thread); (its result, the head after it)."""
+        value: Any = None
+        if isinstance(op, BankPrune):
+            value = store.prune(op.dry_run)
+        elif isinstance(op, BankMerge):
+            if op.position is not None:
+                value = store.apply(op.peer, op.position, op.records, op.replace)
+            else:
+                value = store.merge(op.records, op.replace)
+        else:
+            store.commit(
+                entries=[(r.key, encode(r)) for r in op.entries],
+                defaults=op.defaults,
+                trials=op.trials,
+                decisions=op.decisions,
+                forget=op.forget,
+            )
+        return value, store.head()
+
+    async def _submit(self, op: Op) -> Any:
+        reply_send, reply_recv = trio.open_memory_channel[tuple[Any, BaseException | None]](1)
+        await self._send.send((op, reply_send))
+        async with reply_recv:
+            value, exc = await reply_recv.receive()
+        if exc is not None:
+            raise exc
+        return value
 
     async def write(self, write: BankWrite) -> None:
-        """Commit `write` durably; raises the store's BankError if it failed."""
-        reply_send, reply_recv = trio.open_memory_channel[BaseException | None](1)
-        await self._send.send((write, reply_send))
-        async with reply_recv:
-            result = await reply_recv.receive()
-        if result is not None:
-            raise result
+        """Commit `write` durably; raises the store's BankError if it failed (a
+        BankWriteError when the disk or the map had no room: then nothing of it is in
+        the bank, and a later write may succeed)."""
+        await self._submit(write)
+
+    async def merge(self, merge: BankMerge) -> dict[str, MergeCounts]:
+        """Merge records durably (see `BankMerge`); returns the counts per kind of
+        record. Raises the store's BankError if it failed (nothing of a failed
+        transaction is written)."""
+        return await self._submit(merge)
+
+    async def prune(self, prune: BankPrune) -> PruneCounts:
+        """Drop the history durably, or count what would go (see `BankPrune`); raises
+        the store's BankError if it failed."""
+        return await self._submit(prune)
+
+    async def head(self) -> int:
+        """The sequence number of the bank's last committed write."""
+        await self.store()
+        return self._head
+
+    async def wait_beyond(self, seq: int) -> int:
+        """Wait until a write after sequence number `seq` is committed; returns the
+        head then. Cancellation ends the wait and nothing else."""
+        await self.store()
+        while self._head <= seq:
+            await self._committed.wait()
+        return self._head
+
+    async def changes(self, after: int, limit: int) -> tuple[list[Change], int, int]:
+        """One page of the bank's writes after `after` (see `BankStore.changes`)."""
+        return await trio.to_thread.run_sync((await self.store()).changes, after, limit)
+
+    async def position(self, peer: str) -> Position | None:
+        """How far the bank has applied `peer`'s writes (see `BankStore.position`)."""
+        return await trio.to_thread.run_sync((await self.store()).position, peer)
+
+    async def bank_id(self) -> str:
+        return (await self.store()).bank_id
+
+    async def _readable(self) -> BankStore | None:
+        """The store for a read; None when the bank does not exist yet and cannot be
+        created (its disk is full): a bank that is not there holds nothing, and the
+        job's writes will say why they were not kept."""
+        try:
+            return await self.store()
+        except BankWriteError:
+            if (Path(self.path) / "data.mdb").exists():
+                raise
+            return None
 
     async def lookup(self, key: bytes) -> BankRecord | None:
-        raw = await trio.to_thread.run_sync((await self.store()).get, key)
+        store = await self._readable()
+        raw = None if store is None else await trio.to_thread.run_sync(store.get, key)
         return decode(raw) if raw is not None else None
 
     async def known_default(self, key: bytes) -> dict[str, Any] | None:
-        return await trio.to_thread.run_sync((await self.store()).get_default, key)
+        store = await self._readable()
+        return None if store is None else await trio.to_thread.run_sync(store.get_default, key)
+
+    async def decisions(self, prefix: bytes) -> list[tuple[bytes, dict[str, Any]]]:
+        """The decisions stored under `prefix` in the custom bank (never in a layer)."""
+        store = await self._readable()
+        return [] if store is None else await trio.to_thread.run_sync(store.decisions, prefix)
 
     async def layers(self) -> BankReader | None:
         """The read-only layers as one reader (None when there are none)."""
@@ -148,6 +270,12 @@ class BankWriter:
         """The record for `key` from the custom bank, else from the first read-only layer
         that has it, with the answering layer's name ("custom" or the layer's path);
         (None, "") when none has it."""
+        self.lookups += 1
+        rec, layer = await self._lookup_layered(key)
+        self.hits += rec is not None
+        return rec, layer
+
+    async def _lookup_layered(self, key: bytes) -> tuple[BankRecord | None, str]:
         rec = await self.lookup(key)
         if rec is not None:
             return rec, CUSTOM

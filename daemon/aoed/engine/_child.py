@@ -1,9 +1,10 @@
 """A child process spoken to in JSON lines, owned by one trio task at a time.
 
-`call()` sends one request and waits for its reply. Anything that breaks the exchange
-(the child exits, the caller is cancelled, a deadline passes) kills the child, and the
-next `call()` starts a fresh one: a crashed or hung child costs the request in flight,
-never the caller.
+`call()` sends one request (a messages.Request) and waits for its answer, whose reply
+it reads strictly as the request's reply type (messages.decode). Anything that breaks the
+exchange (the child exits, answers what is not the reply, the caller is cancelled, a
+deadline passes) kills the child, and the next `call()` starts a fresh one: a crashed or
+hung child costs the request in flight, never the caller.
 
 Children start through exec (`python -m MODULE`), never by forking the engine, so a
 process that has started gRPC can spawn them safely. Each is told its parent's pid (it
@@ -22,11 +23,12 @@ import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
 
+import msgspec
 import trio
 
 from aoe.errors import CandidateError
+from aoed.engine.messages import Answer, Call, MessageError, Request, decode, encode
 
 __all__ = ["Child", "ChildDiedError"]
 
@@ -136,9 +138,11 @@ class Child:
         line, _, self._buf = self._buf.partition(b"\n")
         return line
 
-    async def call(self, request: dict[str, Any]) -> dict[str, Any]:
-        """Send `request`, return the reply dict. Raises ChildDiedError; kills the child
-        when cancelled mid-request (the next call starts a fresh one)."""
+    async def call(self, request: Request) -> Answer:
+        """Send `request`; return the child's answer, its reply decoded when it was
+        served. Raises ChildDiedError (the child exited, or broke the protocol: the text
+        names the field of a malformed answer); kills the child when cancelled
+        mid-request (the next call starts a fresh one)."""
         if self._proc is not None and self._proc.returncode is None:
             proc = self._proc
         elif self._restart or (self._proc is None and self.restarts < 0):
@@ -148,16 +152,19 @@ class Child:
             await self.aclose()
             raise ChildDiedError(f"{self.name} exited with status {status} (log: {self.log_path})")
         self._seq += 1
-        request = {**request, "id": self._seq}
+        line = json.dumps(encode(Call(self._seq, request))).encode() + b"\n"
         try:
-            await proc.stdin.send_all(json.dumps(request).encode() + b"\n")
+            await proc.stdin.send_all(line)
             while True:
                 try:
-                    reply = json.loads(await self._readline(proc))
-                except ValueError:
-                    raise ChildDiedError(f"{self.name} broke the protocol (log: {self.log_path})") from None
-                if reply.get("id") == self._seq:
-                    return reply
+                    answer = decode(Answer, json.loads(await self._readline(proc)))
+                    if answer.ok:
+                        answer = msgspec.structs.replace(answer, reply=decode(type(request).reply, answer.reply))
+                except (ValueError, MessageError) as exc:
+                    raise ChildDiedError(f"{self.name} broke the protocol: {exc} (log: {self.log_path})") from None
+                # None: the child could not read this request (the one in flight) at all.
+                if answer.id in (self._seq, None):
+                    return answer
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             await self.aclose()
             raise ChildDiedError(f"{self.name} closed its pipe (log: {self.log_path})") from None

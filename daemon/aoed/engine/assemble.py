@@ -19,13 +19,14 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from aoe._session import METADATA_KEY
+from aoe.sessionopts import METADATA_KEY
+from aoe.device import CPU, Device
 from aoe.errors import AoedError
 from aoe.partition import Task, partition
 from aoe.subgraphs import SUBGRAPH_FAMILIES
 from aoe.signature import DeviceFingerprint, ModelContext, TaskSignature, canonical_json, normalized_attributes
 from aoed import __version__
-from aoed.bank._codec import BankRecord
+from aoe.bankrecord import BankRecord
 from aoed.engine import bankrules
 from aoed.engine.registry import DEFAULT, StrategyRegistry
 from aoed.engine.tasks import Rewrite, TaskView, apply_rewrites
@@ -65,10 +66,17 @@ def model_signature(model: onnx.ModelProto) -> TaskSignature:
     return TaskSignature("SessionOptions", "", ctx.opset(""), text, hashlib.sha256(text.encode()).hexdigest())
 
 
-def tuned_metadata(options: Mapping[str, Any], precision: str, device_digest: str) -> dict[str, str]:
-    """The metadata a tuned model carries: session options, precision, device, version."""
+def tuned_metadata(
+    options: Mapping[str, Any], precision: str, device_digest: str, device: Device = CPU
+) -> dict[str, str]:
+    """The metadata a tuned model carries: session options, precision, device, version.
+    The options of a model tuned on an accelerator always name its providers, so that
+    aoe.session() runs it where it was measured."""
+    options = dict(options)
+    if not device.is_cpu and not options.get("providers"):
+        options["providers"] = device.default_providers()
     return {
-        METADATA_KEY: canonical_json(dict(options)),
+        METADATA_KEY: canonical_json(options),
         "aoe.precision": precision,
         "aoe.device": device_digest[:32],
         "aoe.version": __version__,
@@ -84,10 +92,14 @@ def set_metadata(model: onnx.ModelProto, meta: Mapping[str, str]) -> None:
 
 
 def tunable_tasks(
-    model: onnx.ModelProto, ctx: ModelContext, registry: StrategyRegistry, precision: str, job_type: str = "opat"
+    model: onnx.ModelProto, ctx: ModelContext, registry: StrategyRegistry, precision: str, job_type: str = "opat",
+    kind: str = "cpu",
 ) -> list[Task]:
-    """The tasks a job of `job_type` tunes: those with a choice of strategy under `precision`."""
-    return [t for t in partition(model, ctx, job_type) if registry.has_choice(t.family, precision)]
+    """The tasks a job of `job_type` tunes: those with a choice of strategy under
+    `precision` on a device of `kind`. A subgraph with no choice there (a CNN region at
+    exact) takes no nodes, so sgat+opat tunes every operator task OPAT would."""
+    families = [f for f in SUBGRAPH_FAMILIES if registry.has_choice(f, precision, kind)]
+    return [t for t in partition(model, ctx, job_type, families) if registry.has_choice(t.family, precision, kind)]
 
 
 def task_rewrites(

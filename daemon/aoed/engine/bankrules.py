@@ -29,7 +29,7 @@ from typing import Any
 from aoe.partition import Task
 from aoe.signature import DeviceFingerprint, TaskSignature, bank_key
 from aoed import __version__
-from aoed.bank._codec import BankRecord, Measured
+from aoe.bankrecord import BankRecord, Measured
 from aoed.engine.decisions import clearly_faster
 from aoed.engine.messages import Measurement
 from aoed.engine.registry import DEFAULT

@@ -32,9 +32,9 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from aoe.errors import DeviceError, ModelError
+from aoe.errors import AoedError, DeviceError
 from aoe.signature import ModelContext, task_signature
-from aoed.bank._codec import BankRecord
+from aoe.bankrecord import BankRecord
 from aoed.engine.decisions import clearly_faster
 from aoed.engine.ledger import JobLedger, new_job_id
 from aoed.engine.messages import (
@@ -48,10 +48,9 @@ from aoed.engine.messages import (
     RebuildRequest,
     SamplesReply,
     SamplesRequest,
-    error_from_wire,
-    from_wire,
 )
 from aoed.engine.policy import policy
+from aoed.engine.pool import model_step
 from aoed.engine.prep import Limits
 
 if TYPE_CHECKING:
@@ -161,14 +160,11 @@ async def _models_by_signature(
     out: dict[str, tuple[Path, Path]] = {}
     for i, src in enumerate(models):
         work = workdir / f"model{i}"
-        reply = await engine.pool.call(PrepareRequest(src, work, limits=Limits.of(engine.config)), ledger)
-        if not reply.get("ok"):
-            raise error_from_wire(reply, ModelError)
-        prep = from_wire(PrepareReply, reply)
-        reply = await engine.pool.call(SamplesRequest(prep.prepared, work, prep.inputs, prep.int_high), ledger)
-        if not reply.get("ok"):
-            raise error_from_wire(reply, ModelError)
-        out[prep.model_signature.digest] = (prep.prepared, from_wire(SamplesReply, reply).held_back[0])
+        prep: PrepareReply = await model_step(engine.pool, PrepareRequest(src, work, limits=Limits.of(engine.config)),
+                                              ledger, src, "graph preparation")  # fmt: skip
+        samples: SamplesReply = await model_step(engine.pool, SamplesRequest(prep.prepared, work, prep.inputs,
+                                                 prep.int_high), ledger, src, "writing input samples")  # fmt: skip
+        out[prep.model_signature.digest] = (prep.prepared, samples.held_back[0])
     return out
 
 
@@ -179,14 +175,14 @@ async def _verify_options(engine: Engine, e: BankRecord, v: Verdict, model: tupl
     path, inputs = model
     cands = (Candidate("without", path), Candidate("with", path, options))
     try:
-        reply = await engine.device.call(
+        reply: MeasureReply = await engine.device.call(
             MeasureRequest(cands, inputs, "without", engine.device.device, MeasurePlan.fixed(15, max(budget_s, 2.0))),
             ledger,
         )  # fmt: skip
     except DeviceError as exc:
         v.verdict, v.detail = "error", str(exc)
         return []
-    results = from_wire(MeasureReply, reply).results
+    results = reply.results
     win, base = results["with"], results["without"]
     v.winner, v.baseline = win.summary(), base.summary()
     if not (win.ok and base.ok):
@@ -234,24 +230,24 @@ async def verify_entries(
                 continue
             req = RebuildRequest(e.signature.canonical_json, e.signature.digest, e.family, e.strategy,
                                  e.precision, Path(tmp) / f"e{n}")  # fmt: skip
-            raw = await engine.pool.call(req, ledger)
-            if not raw.get("ok") and not raw.get("verdict"):  # the worker failed, not the entry
-                v.verdict, v.detail = "error", str(raw.get("error", "rebuild failed"))
+            try:
+                rebuilt: RebuildReply = await engine.pool.call(req, ledger)
+            except AoedError as exc:  # the worker failed, not the entry
+                v.verdict, v.detail = "error", str(exc)
                 continue
-            rebuilt = from_wire(RebuildReply, raw)
             if not rebuilt.ok:
                 v.verdict, v.detail = rebuilt.verdict, rebuilt.detail
                 continue
             assert rebuilt.default and rebuilt.candidate and rebuilt.inputs
             cands = (Candidate("default", rebuilt.default), Candidate("strategy", rebuilt.candidate))
             try:
-                reply = await engine.device.call(
+                measured: MeasureReply = await engine.device.call(
                     MeasureRequest(cands, rebuilt.inputs, "default", engine.device.device, MeasurePlan(budget_s)), ledger
                 )
             except DeviceError as exc:
                 v.verdict, v.detail = "error", str(exc)
                 continue
-            results = from_wire(MeasureReply, reply).results
+            results = measured.results
             base, win = results["default"], results["strategy"]
             for cid, r in results.items():
                 name = e.strategy if cid == "strategy" else cid

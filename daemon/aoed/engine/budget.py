@@ -13,22 +13,46 @@ Spending order: tasks get `SEARCH_SHARE` of the budget: `TASK_FLOOR_S` each for 
 as fit (most expensive first; the rest are left untuned, and the report says so), and
 what remains split by their share of the model's latency; what the search leaves is
 split between session options (`SESSION_SHARE` of what remains) and verification.
+
+Loading: a measurement first makes a session of every candidate, and on a big model that
+takes longer than the rounds (a session of a 192 MiB model: about a second). The profile
+measures how long a session of the whole model took to load; from then on a counted
+measurement is given its seconds less the estimated loading of its candidates
+(`load_estimate`: their files' MiB at the profile's rate), and one whose loading alone
+does not fit is not started. So a small budget bounds the search on a big model too.
+
+What the budget does not cover (preparing the model, profiling, extracting and
+assembling models, the confirming A/B, writing the outputs) is timed by stage, and the
+result's `budget` section lists every stage with what it was given and what it took
+(`report`): the overrun, stage by stage. Stages whose cost grows with the model and that
+the budget does not bound are estimated before they start (`JobLedger.estimates`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 from aoed.engine.ledger import JobLedger
 
-__all__ = ["COUNTED", "Budget", "default_budget"]
+__all__ = ["COUNTED", "MIN_MEASURE_S", "PREPARE_S_PER_MIB", "Budget", "default_budget", "measure_estimate",
+           "model_mib"]
 
 #: Ledger categories the budget counts; "profile" and "confirm" are listed apart.
 COUNTED = ("search", "session", "verify")
 SEARCH_SHARE = 0.6
 SESSION_SHARE = 0.4
 TASK_FLOOR_S = 0.3
+#: Seconds to prepare (read, check, normalize and save) one MiB of model, before the job
+#: has measured anything of its own: `aoe tune` on a 2-core machine took 2.4 s for a 48
+#: MiB MLP and 10.4 s for a 192 MiB one. Only an estimate made before the stage starts.
+PREPARE_S_PER_MIB = 0.05
+#: A counted measurement left less than this for its rounds, once its loading is
+#: estimated, is not started: a round of a few candidates takes about this long.
+MIN_MEASURE_S = 0.05
 TASK_CEILING_S = 10.0
 MIN_S = 5.0
 MAX_S = 300.0
@@ -55,11 +79,39 @@ def default_budget(task_us: Mapping[str, float], candidates: Mapping[str, int], 
     return min(MAX_S, max(MIN_S, need))
 
 
+def measure_estimate(sessions: int, mib: float, load_s_per_mib: float, latency_us: float, rounds: int,
+                     cap_s: float) -> float:  # fmt: skip
+    """Seconds a fixed-rounds measurement of `sessions` sessions of a `mib` MiB model
+    running in `latency_us` should take: loading them, then warm-up and `rounds` rounds
+    of the default plan's turns (settle, one untimed run, 5 samples of at least 2 ms),
+    the rounds capped at `cap_s` (the measurement's own budget)."""
+    run = latency_us * 1e-6
+    turn = 0.005 + run + 5 * max(0.002, run)
+    return sessions * mib * load_s_per_mib + min(cap_s, sessions * (0.02 + rounds * turn))
+
+
+def model_mib(paths: Iterable[Path]) -> float:
+    """MiB of the model files at `paths`, with their external data (`NAME.data`)."""
+    total = 0
+    for p in paths:
+        for f in (p, p.with_name(p.name + ".data")):
+            try:
+                total += os.stat(f).st_size
+            except OSError:
+                pass
+    return total / (1 << 20)
+
+
 @dataclass
 class Budget:
     total_s: float
     ledger: JobLedger
     given: bool  # set by the user (--budget) rather than derived
+    #: seconds a session takes to load per MiB of model on this device, as the profile
+    #: measured; None: unknown (no profile), and measurements are not charged for loading
+    load_s_per_mib: float | None = None
+    #: what each counted stage was given when it started (seconds)
+    allotted: dict[str, float] = field(default_factory=dict)
 
     @property
     def spent_s(self) -> float:
@@ -74,19 +126,53 @@ class Budget:
         `TASK_FLOOR_S`, and what remains is split by share of the model's latency; the
         tasks that do not fit (the cheapest) get none."""
         pool = self.remaining_s * SEARCH_SHARE
-        fit = list(order[: max(1, int(pool // TASK_FLOOR_S))])
+        fit = list(order[: int(pool // TASK_FLOOR_S)])  # none when not even one task's floor fits
         extra = max(0.0, pool - TASK_FLOOR_S * len(fit))
         total = sum(shares.get(t, 0.0) for t in fit) or 1.0
-        return {t: min(TASK_CEILING_S, TASK_FLOOR_S + extra * shares.get(t, 0.0) / total) for t in fit}
+        slices = {t: min(TASK_CEILING_S, TASK_FLOOR_S + extra * shares.get(t, 0.0) / total) for t in fit}
+        self.allotted.setdefault("search", sum(slices.values()))
+        return slices
 
     def for_session(self) -> float:
-        return self.remaining_s * SESSION_SHARE
+        seconds = self.remaining_s * SESSION_SHARE
+        self.allotted.setdefault("session", seconds)
+        return seconds
 
     def for_verify(self) -> float:
+        self.allotted.setdefault("verify", self.remaining_s)
         return self.remaining_s
 
-    def report(self) -> dict[str, float | bool]:
-        by = self.ledger.device_by
+    def load_estimate(self, models: Iterable[Path]) -> float:
+        """Seconds to load a session of each model file in `models` (0 when the rate is
+        unknown)."""
+        return 0.0 if self.load_s_per_mib is None else self.load_s_per_mib * model_mib(models)
+
+    def measurable(self, seconds: float, models: Iterable[Path]) -> tuple[float, float]:
+        """(seconds a measurement of `models` given `seconds` has for its rounds once its
+        sessions are loaded, or 0 when fewer than MIN_MEASURE_S would be left; the
+        loading estimate)."""
+        load = self.load_estimate(models)
+        left = seconds - load
+        return (left if left >= MIN_MEASURE_S else 0.0), load
+
+    def report(self) -> dict[str, Any]:
+        """The result's `budget` section: the device seconds the budget counts (`spent_s`,
+        by category), then every stage in the order run with the wall-clock seconds it
+        was given (0 for what the budget does not cover) and took, the device seconds
+        spent while it ran and the estimate made before it started where there was one;
+        `elapsed_s` is the stages' total and `over_s` how far it passed the budget."""
+        by, led = self.ledger.device_by, self.ledger
+        stages: dict[str, dict[str, Any]] = {}
+        for name, wall in led.stage_s.items():
+            given = self.allotted.get(name, 0.0)
+            entry: dict[str, Any] = {"given_s": round(given, 3), "spent_s": round(wall, 3),
+                                     "over_s": round(max(0.0, wall - given), 3), "counted": name in COUNTED}  # fmt: skip
+            if name in led.stage_device_s:
+                entry["device_s"] = round(led.stage_device_s[name], 3)
+            if name in led.estimates:
+                entry["estimate_s"] = round(led.estimates[name], 3)
+            stages[name] = entry
+        elapsed = sum(led.stage_s.values())
         return {
             "budget_s": round(self.total_s, 3),
             "given": self.given,
@@ -96,4 +182,8 @@ class Budget:
             "verify_s": round(by.get("verify", 0.0), 3),
             "profile_s": round(by.get("profile", 0.0), 3),
             "confirm_s": round(by.get("confirm", 0.0), 3),
+            "load_s_per_mib": None if self.load_s_per_mib is None else round(self.load_s_per_mib, 5),
+            "elapsed_s": round(elapsed, 3),
+            "over_s": round(max(0.0, elapsed - self.total_s), 3),
+            "stages": stages,
         }

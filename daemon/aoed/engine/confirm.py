@@ -5,32 +5,38 @@ measurement, used for no decision, runs fresh sessions of: the input model; the 
 model with its session options; the proposed model without them (when it has options);
 and the input model as it would be shipped (a copy carrying the tuned-model metadata),
 interleaved in `ROUNDS` rounds with a rotating order. Every figure the job prints or
-writes as its result comes from these rounds:
+writes as its result comes from these rounds, by the one rule `aoe.figures` states:
+the improvement is 1/r - 1 for r the median of the round-by-round time ratios against
+the input, its 95% interval comes from the same ratios (engine/stats.py), and the result
+is the input's median time scaled by r, so the result, the improvement and the verdict
+agree in sign and size.
 
-- ratios are taken round by round against the input, and their median gets a 95%
-  distribution-free interval (engine/stats.py);
 - session options are kept only if the proposed model with them is faster than without
   them with the whole interval below 1 (an option that won under transient load, such
   as spinning, does not survive a quiet round here);
 - the proposal ships only if it is faster than the input with the whole interval below
   1 ("faster"), and faster in the same way than the input's second session (its shipped
   copy: two sessions of one model show the noise floor of these rounds); otherwise the
-  input ships ("no significant change", or "slower"), and its own figures, measured in
-  the same rounds, are the result. Nothing measured slower ships.
+  input ships ("no significant change", or "slower"): nothing changed, so the result is
+  the baseline and the improvement 0, and the comparison whose interval kept the
+  proposal out is reported as the reason (`Figures.decided_by`). Nothing measured
+  slower ships.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from aoe.figures import Comparison, Figures, improvement_of, interval, pct
 from aoed.engine import stats
 from aoed.engine.context import JobContext
 from aoed.engine.messages import Candidate, MeasurePlan, Measurement
 
-__all__ = ["ROUNDS", "Confirmation", "Proposal", "confirm", "verdict_of"]
+__all__ = ["ROUNDS", "Confirmation", "Proposal", "confirm", "judge", "verdict_of"]
 
 #: Rounds of the confirming A/B: enough for a 95% interval of the median from ranks 6..16.
 ROUNDS = 21
@@ -50,24 +56,38 @@ class Proposal:
 
 @dataclass
 class Confirmation:
-    verdict: str  # faster | no significant change | slower (of the proposal vs the input)
-    shipped: str  # tuned | options only | input
-    baseline_ms: float
-    result_ms: float
-    improvement: float  # input / shipped - 1, from the median round ratio
-    improvement_ci95: tuple[float, float]
-    rounds: int
+    """The confirming A/B's outcome: the job's figures and what else it found."""
+
+    figures: Figures
     device_s: float = 0.0
     options_kept: bool = False
     notes: list[str] = field(default_factory=list)
-    #: the proposal's own figures when it did not ship
+    #: the proposal against the input, by the same rule, when it did not ship
     proposal: dict[str, Any] = field(default_factory=dict)
-    from_bank: str = ""  # the job whose confirmation the bank answered with, if any
+
+    @property
+    def verdict(self) -> str:
+        return self.figures.verdict
+
+    @property
+    def shipped(self) -> str:
+        return self.figures.shipped
+
+    @property
+    def baseline_ms(self) -> float:
+        return self.figures.baseline_ms
+
+    @property
+    def result_ms(self) -> float:
+        return self.figures.result_ms
 
     def to_json(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["improvement_ci95"] = list(self.improvement_ci95)
-        return d
+        """The result JSON's `confirmation` section: the figures (`Figures.to_dict`, the
+        confirming job as `from_bank`), then device_s, options_kept, notes, proposal."""
+        d = self.figures.to_dict()
+        d["from_bank"] = d.pop("confirmed_by")
+        return {**d, "device_s": self.device_s, "options_kept": self.options_kept, "notes": list(self.notes),
+                "proposal": dict(self.proposal)}  # fmt: skip
 
     def params(self, choices_digest: str, job_id: str) -> str:
         """The confirmation as stored with the model-level bank record: valid for the
@@ -84,8 +104,11 @@ def verdict_of(ratios: list[float]) -> tuple[str, float, tuple[float, float]]:
     return verdict, med, (lo, hi)
 
 
-def _improvement(med: float, ci: tuple[float, float]) -> tuple[float, tuple[float, float]]:
-    return 1.0 / med - 1.0, (1.0 / ci[1] - 1.0, 1.0 / ci[0] - 1.0)
+def _round_median_ms(m: Measurement) -> float:
+    """The median of a measurement's per-round times, in ms (its overall median when it
+    has no rounds)."""
+    rounds = [r for r in m.rounds_us if r]
+    return (stats.median(rounds) if rounds else m.median_us) / 1000
 
 
 async def confirm(
@@ -94,22 +117,33 @@ async def confirm(
     """Measure the proposal against the input (see the module doc); returns the
     confirmation, the file to ship and the measurements. Raises DeviceError when the
     device fails."""
-    cands = [Candidate("input", ctx.opts.model), Candidate("input_copy", proposal.input_copy)]
+    cands = [Candidate("input", ctx.run.model), Candidate("input_copy", proposal.input_copy)]
     if proposal.kind != "input":
         cands.append(Candidate("proposal", proposal.model, proposal.options))
         if proposal.options and proposal.plain is not None:
             cands.append(Candidate("plain", proposal.plain))
     before = ctx.ledger.device_by.get("confirm", 0.0)
     measured = await ctx.measure(cands, "input", budget_s, plan=MeasurePlan.fixed(ROUNDS, budget_s), category="confirm")
-    device_s = ctx.ledger.device_by.get("confirm", 0.0) - before
+    conf, ship_path = judge(measured, proposal)
+    conf.device_s = ctx.ledger.device_by.get("confirm", 0.0) - before
+    return conf, ship_path, measured
+
+
+def judge(measured: Mapping[str, Measurement], proposal: Proposal) -> tuple[Confirmation, Path]:
+    """The confirmation of the confirming A/B's measurements (by candidate: "input",
+    "input_copy", and "proposal" and "plain" as `confirm` measures them for `proposal`)
+    and the file to ship; see the module doc."""
     base = measured["input"]
+    base_ms = _round_median_ms(base)
     notes: list[str] = []
 
     def ratios(m: Measurement) -> list[float]:
         return stats.paired_ratios(m.rounds_us, base.rounds_us)
 
-    ship, ship_kind, ship_path, options_kept = "input_copy", "input", proposal.input_copy, False
+    ship_path, options_kept = proposal.input_copy, False
+    figures: Figures | None = None
     verdict, proposal_figures = "no significant change", {}
+    decided: Comparison | None = None
     if proposal.kind != "input":
         prop = measured["proposal"]
         name, path, kind = "proposal", proposal.model, proposal.kind
@@ -117,63 +151,62 @@ async def confirm(
             o_verdict, o_med, o_ci = verdict_of(stats.paired_ratios(prop.rounds_us, measured["plain"].rounds_us))
             options_kept = o_verdict == "faster"
             if not options_kept:
+                o = Comparison.of_ratio("options only", "without options", o_med, o_ci)
                 notes.append(
-                    f"session options {proposal.options} dropped: with them {prop.median_us / 1000:.4f} ms, without "
-                    f"{measured['plain'].median_us / 1000:.4f} ms (ratio {o_med:.3f}, 95% interval "
-                    f"[{o_ci[0]:.3f}, {o_ci[1]:.3f}], not entirely below 1)"
+                    f"session options {proposal.options} dropped: against the same model without them "
+                    f"{pct(o.improvement)}, 95% interval {interval(o.ci95)}, not wholly above zero"
                 )
                 name, path = "plain", proposal.plain
                 kind = "tuned" if proposal.kind == "tuned" else "input"
+                if kind == "input":  # the options were all the proposal had: this kept it out
+                    verdict, decided = o_verdict, o
         elif proposal.options:
             options_kept = True
         cand = measured[name]
         if kind != "input" and cand.ok and ratios(cand):
             verdict, med, ci = verdict_of(ratios(cand))
-            imp, imp_ci = _improvement(med, ci)
-            proposal_figures = {"kind": kind, "result_ms": cand.median_us / 1000, "improvement": imp,
-                                "improvement_ci95": list(imp_ci)}  # fmt: skip
+            against_input = Comparison.of_ratio(kind, "input", med, ci)
+            proposal_figures = {"kind": kind, "result_ms": base_ms * med, "improvement": against_input.improvement,
+                                "improvement_ci95": list(against_input.ci95)}  # fmt: skip
+            decided = against_input
             # Two sessions of the input model (the file itself and its shipped copy) are
             # the noise floor of these rounds: the proposal must beat both, so a session
             # that happened to run slow in every round cannot make a gain.
             copy = measured["input_copy"]
-            c_verdict, c_med, c_ci = verdict_of(stats.paired_ratios(cand.rounds_us, copy.rounds_us)) \
-                if copy.ok else ("not measured", 1.0, (1.0, 1.0))  # fmt: skip
-            if verdict == "faster" and c_verdict != "faster":
+            copy_ratios = stats.paired_ratios(cand.rounds_us, copy.rounds_us) if copy.ok else []
+            if verdict == "faster" and not copy_ratios:
                 verdict = "no significant change"
-                notes.append(
-                    f"{kind} model not shipped: faster than the input ({imp:+.1%}) but not than the input's "
-                    f"second session in the same rounds (ratio {c_med:.3f}, 95% interval "
-                    f"[{c_ci[0]:.3f}, {c_ci[1]:.3f}]): within the noise of these rounds"
-                )
+                notes.append(f"{kind} model not shipped: the input's second session, its noise floor, could not be "
+                             f"measured ({copy.error or 'no rounds'})")  # fmt: skip
             elif verdict == "faster":
-                ship, ship_kind, ship_path = name, kind, path
-            else:
-                notes.append(
-                    f"{kind} model not shipped: {cand.median_us / 1000:.4f} ms against the input's "
-                    f"{base.median_us / 1000:.4f} ms, improvement {imp:+.1%} with 95% interval "
-                    f"[{imp_ci[0]:+.1%}, {imp_ci[1]:+.1%}]: {verdict}"
-                )
+                c_verdict, c_med, c_ci = verdict_of(copy_ratios)
+                if c_verdict == "faster":
+                    ship_path = path
+                    figures = Figures.shipping(kind, base_ms, med, ci, len(ratios(cand)))
+                else:
+                    verdict = "no significant change"
+                    decided = Comparison.of_ratio(kind, "second session", c_med, c_ci)
+                    notes.append(
+                        f"{kind} model not shipped: against the input alone its interval was "
+                        f"{interval(against_input.ci95)}, but against a second session of the input in the same "
+                        f"rounds it was {interval(decided.ci95)}: within the noise of these rounds"
+                    )
         elif not cand.ok:
             notes.append(f"the proposed model could not be measured ({cand.error}); the input ships")
-    shipped = measured[ship]
-    s_verdict, s_med, s_ci = verdict_of(ratios(shipped)) if ratios(shipped) else ("no significant change", 1.0, (1.0, 1.0))
-    imp, imp_ci = _improvement(s_med, s_ci)
+    copy = measured["input_copy"]
+    if figures is None:
+        figures = Figures.unchanged(verdict, base_ms, len(ratios(copy)) if copy.ok else 0, decided)
+        if copy.ok and ratios(copy):
+            c_verdict, _med, c_ci = verdict_of(ratios(copy))
+            if c_verdict != "no significant change":
+                notes.append(
+                    "two sessions of the input model differed beyond their interval in these rounds (the second "
+                    f"against the first: 95% interval {interval(improvement_of(1.0, c_ci)[1])}): the machine was noisy"
+                )
     conf = Confirmation(
-        verdict=verdict,
-        shipped=ship_kind,
-        baseline_ms=base.median_us / 1000,
-        result_ms=shipped.median_us / 1000,
-        improvement=imp,
-        improvement_ci95=imp_ci,
-        rounds=len(ratios(shipped)),
-        device_s=device_s,
-        options_kept=options_kept and ship_kind != "input",
+        figures=figures,
+        options_kept=options_kept and figures.changed,
         notes=notes,
-        proposal=proposal_figures if ship_kind == "input" else {},
+        proposal=proposal_figures if not figures.changed else {},
     )
-    if ship_kind == "input" and s_verdict != "no significant change":
-        conf.notes.append(
-            f"the shipped copy of the input measured {s_verdict} than the input itself "
-            f"({imp:+.1%}, 95% interval [{imp_ci[0]:+.1%}, {imp_ci[1]:+.1%}]): the machine's noise in these rounds"
-        )
-    return conf, ship_path, measured
+    return conf, ship_path

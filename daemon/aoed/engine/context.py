@@ -1,24 +1,33 @@
 """What every stage of one job shares: the engine's agents and config, the job's options,
-policy, device, ledger and workspace, and the prepared model's description. Read-only
-once the job is prepared; stages return their results instead of writing into shared
-state.
+policy, device, ledger and workspace, and the prepared model's description.
+
+Stages return what they find (pipeline.py), and task agents return their decisions
+and notes; neither writes its results here. What the context holds is set once: the
+agents, options and policy when the job starts, the prepared part (`prep`, `held_back`,
+`ranges`, `run_key`) by the prepare stage, and read-only after it. The exception is
+the job's running record, written where it is learnt, in the order it happens (one
+trio thread: no two writes interleave): `notes` (stages, and `write_bank`), `attempt`
+(the bank stage, restoring a run), `model_us` (the profile), `accuracy` (the last
+end-to-end check) and `bank_unkept` (`write_bank`).
 """
 
 from __future__ import annotations
 
-import dataclasses
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import msgspec
 import trio
 
 from aoe.config import Config
-from aoe.errors import AoedError
+from aoe.errors import AoedError, BankWriteError
 from aoe.signature import DeviceFingerprint, TaskSignature
+from aoe.spec import JobSpec, Stage
 from aoed.bank.writer import BankWrite, BankWriter
 from aoed.engine import bankrules
 from aoed.engine.device import DeviceAgent
-from aoed.engine.job import JobOptions
+from aoed.engine.job import JobRun
 from aoed.engine.ledger import JobLedger
 from aoed.engine.messages import (
     Accuracy,
@@ -31,8 +40,6 @@ from aoed.engine.messages import (
     MeasurePlan,
     Measurement,
     PrepareReply,
-    error_from_wire,
-    from_wire,
 )
 from aoed.engine.policy import PrecisionPolicy
 from aoed.engine.pool import CompilePool
@@ -41,10 +48,14 @@ from aoed.engine.workspace import Workspace
 
 __all__ = ["JobContext"]
 
+log = logging.getLogger(__name__)
+
 
 @dataclass
 class JobContext:
-    opts: JobOptions
+    #: what the user asked for; its device is the one `device` measures on
+    spec: JobSpec
+    run: JobRun
     job_id: str
     pool: CompilePool
     device: DeviceAgent
@@ -62,14 +73,23 @@ class JobContext:
     notes: list[str] = field(default_factory=list)
     #: the last end-to-end accuracy measured on the held-back samples (lossy policies)
     accuracy: Accuracy | None = None
+    #: the model's latency as profiled, us (0: not profiled)
+    model_us: float = 0.0
+    #: why the bank did not take the job's last write that failed ("" while none did)
+    bank_unkept: str = ""
+    #: what this run's task decisions are kept under until it ends (resume.py)
+    run_key: bytes = b""
+    #: this run's attempt at the job: 1, or one more than the interrupted run it resumes
+    attempt: int = 1
 
     def emit(self, kind: str, message: str = "", done: int = 0, total: int = 0) -> None:
         self.ledger.emit(JobEvent(kind, message, done, total))
 
-    async def stage(self, message: str) -> None:
-        """Announce the next stage, once the workspace is still there (`check_workspace`)."""
+    async def stage(self, stage: Stage, message: str) -> None:
+        """Announce the next stage (`message` says it to people; watchers go by `stage`),
+        once the workspace is still there (`check_workspace`)."""
         await self.check_workspace()
-        self.emit("stage", message)
+        self.ledger.emit(JobEvent("stage", message, stage=stage))
 
     async def check_workspace(self) -> None:
         """AoedError naming the output directory when the job's workspace was removed:
@@ -79,7 +99,7 @@ class JobContext:
             raise AoedError(why)
 
     def key(self, sig: TaskSignature) -> bytes:
-        return bankrules.key_for(sig, self.fingerprint, self.opts.precision)
+        return bankrules.key_for(sig, self.fingerprint, self.spec.precision)
 
     async def lookup(self, sig: TaskSignature) -> bankrules.BankAnswer:
         """What the bank (custom, then layers) says about `sig` on this device."""
@@ -100,21 +120,32 @@ class JobContext:
         """Measure `candidates` interleaved on the device (DeviceError if it cannot);
         `plan` (default: racing until stable) within `budget_s`, charged to the job's
         ledger under `category` (see budget.py)."""
-        plan = dataclasses.replace(plan or MeasurePlan(), budget_s=budget_s)
-        req = MeasureRequest(tuple(candidates), inputs or self.held_back[0], reference, self.opts.device, plan)
-        reply = await self.device.call(req, self.ledger, category=category)
-        return from_wire(MeasureReply, reply).results
+        plan = msgspec.structs.replace(plan or MeasurePlan(), budget_s=budget_s)
+        req = MeasureRequest(tuple(candidates), inputs or self.held_back[0], reference, self.device.device, plan)
+        reply: MeasureReply = await self.device.call(req, self.ledger, category=category)
+        return reply.results
 
     async def assemble(self, builds: list[Build], source: Path | None = None) -> None:
-        """Write whole models with the builds' choices applied (in a worker)."""
+        """Write whole models with the builds' choices applied (in a worker); raises what
+        the pool raises (CandidateError when a build fails)."""
         assert self.prep is not None
         req = AssembleRequest(source or self.prep.prepared, self.prep.tasks, tuple(builds), self.ranges)
-        reply = await self.pool.call(req, self.ledger)
-        if not reply.get("ok"):
-            raise error_from_wire(reply, AoedError)
+        await self.pool.call(req, self.ledger)
 
-    async def write_bank(self, write: BankWrite) -> None:
-        """Commit `write`, unless the workspace is gone: what was measured since may have
-        failed for that reason, and must not reach the bank as a finding."""
+    async def write_bank(self, write: BankWrite) -> bool:
+        """Commit `write`, unless the workspace is gone (AoedError): what was measured
+        since may have failed for that reason, and must not reach the bank as a finding.
+        True once committed. False when the bank had no room for it or its disk failed
+        the write (BankWriteError): that write is lost, which is logged and said in the
+        job's notes (`bank_unkept` holds why), and the job goes on with what it decided.
+        Other BankErrors raise."""
         await self.check_workspace()
-        await self.bank.write(write)
+        try:
+            await self.bank.write(write)
+        except BankWriteError as exc:
+            log.warning("%s", exc)
+            if str(exc) != self.bank_unkept:
+                self.notes.append(f"not kept in the bank: {exc}")
+            self.bank_unkept = str(exc)
+            return False
+        return True

@@ -10,13 +10,20 @@ their own paired rounds takes its place. On this class of machine two identical
 multi-threaded sessions measured up to 40% apart; comparing medians alone was useless,
 and a looser rule made the same model tune differently twice.
 
+Ties go to the order of preference, never to the luck of a run: `results` is a mapping
+in that order (the registry's: the task's default first, then its strategies as they
+were registered, the simpler forms first), and of candidates that all win, the first
+stands unless another clearly beats it. Two int8 forms that run the same kernel once
+onnxruntime has fused them (QDQ around a Conv and an explicit QLinearConv) then give the
+same choice in every run, where "the lowest measured ratio" picked either one.
+
 Lossy choices that an end-to-end accuracy budget cannot afford are backed off least
 gain per unit of error first (`back_off_order`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 from aoed.engine import stats
 from aoed.engine.messages import Measurement
@@ -30,6 +37,8 @@ __all__ = [
     "clearly_slower",
     "least_gain_per_error",
     "paired_ratio",
+    "preferred",
+    "ranked",
     "why_not_faster",
 ]
 
@@ -66,51 +75,66 @@ def clearly_slower(a: Measurement, b: Measurement) -> bool:
 
 
 def best(results: Mapping[str, Measurement], incumbent: str, gate: Callable[[Measurement], bool]) -> str:
-    """The candidate that clearly beats `incumbent` by the largest margin among those
-    the accuracy `gate` passes; `incumbent` when none does. KeyError/ValueError when the
-    incumbent itself was not measured."""
+    """Of the candidates that clearly beat `incumbent` and pass the accuracy `gate`, the
+    `preferred` one (`results` in order of preference); `incumbent` when none does.
+    KeyError/ValueError when the incumbent itself was not measured."""
     base = results[incumbent]
     if not base.ok:
         raise ValueError(f"{incumbent} could not be measured: {base.error}")
-    winners = [
-        k for k, r in results.items()
-        if k != incumbent and r.ok and not r.dropped and gate(r) and clearly_faster(r, base)
-    ]  # fmt: skip
+    pool = [k for k, r in results.items() if k != incumbent and r.ok and not r.dropped and gate(r)]
+    winners = [k for k in pool if clearly_faster(results[k], base)]
     if not winners:
         return incumbent
-    pick = min(winners, key=lambda k: paired_ratio(results[k], base)[0])
-    return _climb(results, pick, [k for k, r in results.items() if k != incumbent and r.ok and not r.dropped and gate(r)])
+    return _climb(results, winners[0], pool)
 
 
-def _climb(results: Mapping[str, Measurement], pick: str, pool: list[str]) -> str:
-    """From the winner `pick`, on to a candidate of `pool` that clearly beats it, as long
-    as one does. A candidate's rounds against the incumbent can be too noisy to call a win
-    while its rounds against the winner are not (racing leaves them measured in different
-    rounds): without this, the slower of two winners could stand."""
+def preferred(results: Mapping[str, Measurement], names: Sequence[str]) -> str:
+    """Of `names` (in order of preference, at least one), the first, or the one that the
+    chain of clear wins leads to from it (`_climb`): a later name takes the place only by
+    clearly beating the one in it, so a tie goes to the earlier name in every run."""
+    return _climb(results, names[0], list(names))
+
+
+def ranked(results: Mapping[str, Measurement], names: Sequence[str]) -> list[str]:
+    """`names` (in order of preference) fastest first as far as the measurements tell:
+    each place goes to the `preferred` of those left, so candidates that tie keep the
+    order of preference."""
+    left, out = list(names), []
+    while left:
+        out.append(preferred(results, left))
+        left.remove(out[-1])
+    return out
+
+
+def _climb(results: Mapping[str, Measurement], pick: str, pool: Sequence[str]) -> str:
+    """From `pick`, on to the first candidate of `pool` (in order of preference) that
+    clearly beats it, as long as one does. A candidate's rounds against the incumbent can
+    be too noisy to call a win while its rounds against the winner are not (racing leaves
+    them measured in different rounds): without this, the slower of two winners could
+    stand. Each candidate holds the place once at most, so the climb ends."""
     seen = {pick}
     while True:
-        better = [k for k in pool if k not in seen and clearly_faster(results[k], results[pick])]
-        if not better:
+        better = next((k for k in pool if k not in seen and clearly_faster(results[k], results[pick])), None)
+        if better is None:
             return pick
-        pick = min(better, key=lambda k, p=pick: paired_ratio(results[k], results[p])[0])  # type: ignore[misc]
+        pick = better
         seen.add(pick)
 
 
 def best_lossy(
     results: Mapping[str, Measurement],
     incumbent: str,
-    lossy: set[str],
+    lossy: Collection[str],
     gate: Callable[[Measurement], bool],
 ) -> tuple[str, list[str]]:
-    """The lossy candidate that passes `gate` and clearly beats the exact `incumbent`,
-    in context (its quantize/dequantize boundaries measured with it); else `incumbent`.
-    Also returns why each other lossy candidate lost, each reason built from the figures
-    it quotes."""
+    """The `preferred` lossy candidate (`results` in order of preference) of those that
+    pass `gate` and clearly beat the exact `incumbent`, in context (its
+    quantize/dequantize boundaries measured with it); else `incumbent`. Also returns why
+    each other lossy candidate lost, each reason built from the figures it quotes."""
     base = results[incumbent]
-    winners, reasons = [], []
-    for name in lossy:
-        r = results.get(name)
-        if r is None:
+    winners, reasons, pool = [], [], []
+    for name, r in results.items():
+        if name not in lossy:
             continue
         if not r.ok:
             reasons.append(f"{name}: failed ({r.error})")
@@ -120,29 +144,29 @@ def best_lossy(
             reasons.append(f"{name}: {why_not_faster(r, base, incumbent)}")
         else:
             winners.append(name)
+        if r.ok and not r.dropped and gate(r):
+            pool.append(name)
     if not winners:
         return incumbent, reasons
-    pick = min(winners, key=lambda k: paired_ratio(results[k], base)[0])
-    pool = [k for k in lossy if (r := results.get(k)) is not None and r.ok and not r.dropped and gate(r)]
-    pick = _climb(results, pick, pool)
+    pick = _climb(results, winners[0], pool)
     return pick, [why for why in reasons if not why.startswith(f"{pick}: ")]
 
 
 def faster_outside_gate(
     results: Mapping[str, Measurement],
     incumbent: str,
-    lossy: set[str],
+    lossy: Collection[str],
     gate: Callable[[Measurement], bool],
 ) -> list[str]:
     """The lossy candidates that clearly beat the exact `incumbent` and failed only the
-    accuracy `gate` on the task's own outputs, fastest first: the ones worth judging in
-    the model's context (incontext.py)."""
+    accuracy `gate` on the task's own outputs, fastest first (`ranked`: ties in order of
+    preference): the ones worth judging in the model's context (incontext.py)."""
     base = results[incumbent]
     out = [
-        name for name in lossy
-        if (r := results.get(name)) is not None and r.ok and not gate(r) and not r.dropped and clearly_faster(r, base)
+        name for name, r in results.items()
+        if name in lossy and r.ok and not gate(r) and not r.dropped and clearly_faster(r, base)
     ]  # fmt: skip
-    return sorted(out, key=lambda k: paired_ratio(results[k], base)[0])
+    return ranked(results, out)
 
 
 def why_not_faster(r: Measurement, base: Measurement, incumbent: str) -> str:

@@ -6,8 +6,10 @@ Across processes the device lock (`devlock.py`) does the same. On a CPU device w
 dedicated cores the agent pauses the compile pool around each measurement; with
 dedicated cores (`cpus`), the runner runs on its own cores and nothing is paused.
 
-Each request is charged to its job (`JobLedger`): device seconds and the runner's peak
-memory. A request whose job was cancelled is dropped from the queue, and one in flight
+`call()` returns the request's reply or raises DeviceError (or the class the runner
+raised, when it is one of ours): the runner could not answer, crashed, or overran the
+request's time. Each request is charged to its job (`JobLedger`): device seconds and the
+runner's peak memory. A request whose job was cancelled is dropped from the queue, and one in flight
 is abandoned: the runner is killed and restarted for the next request.
 """
 
@@ -20,6 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import outcome
 import trio
 
 from aoe.device import Device
@@ -28,7 +31,7 @@ from aoed.engine import _pending
 from aoed.engine._child import Child, ChildDiedError
 from aoed.engine.devlock import DeviceLock
 from aoed.engine.ledger import JobLedger
-from aoed.engine.messages import PingReply, PingRequest, error_from_wire, from_wire, to_wire
+from aoed.engine.messages import MeasureRequest, PingReply, PingRequest, Request, error_of, op_of
 from aoed.engine.pool import CompilePool
 
 __all__ = ["DeviceAgent"]
@@ -36,11 +39,11 @@ __all__ = ["DeviceAgent"]
 log = logging.getLogger(__name__)
 
 
-def _default_limit(request: dict[str, Any]) -> float:
+def _default_limit(request: Request) -> float:
     """A safety net, not a schedule: the runner keeps to a measurement's budget itself
     (within a round); this only catches a runner that stopped answering. The job's time
     scale multiplies it (loading a big model's sessions takes longer)."""
-    budget = float((request.get("plan") or {}).get("budget_s", 10.0))
+    budget = request.plan.budget_s if isinstance(request, MeasureRequest) else 10.0
     return budget * 3 + 60
 
 
@@ -55,15 +58,19 @@ class DeviceAgent:
         cpus: Sequence[int] = (),
         memory_mb: int = 0,
         pause_pool: bool = True,
+        lock_group: int | None = None,
+        runner: str = "aoed.backends.ort.runner",
     ):
+        """`runner` is the module the measurement runner runs (`python -m`): the one
+        onnxruntime backend; tests give a stand-in for hardware this machine lacks."""
         self.device = device
         self._pool = pool if pause_pool and device.is_cpu else None
         self._runner = Child(
-            "aoed.backends.ort.runner", f"runner for {device}", logdir / f"runner-{device.name.replace(':', '-')}.log",
+            runner, f"runner for {device}", logdir / f"runner-{device.name.replace(':', '-')}.log",
             cpus=cpus, memory_mb=memory_mb if device.is_cpu else 0,  # GPU runtimes reserve huge address ranges
         )  # fmt: skip
-        self.lock = DeviceLock(runtime_dir, device.name)
-        self._queue: _pending.RequestQueue[dict[str, Any]] = _pending.RequestQueue(4)
+        self.lock = DeviceLock(runtime_dir, device.lock_name, lock_group)  # one lock per physical device
+        self._queue: _pending.RequestQueue[tuple[Request, float | None, str]] = _pending.RequestQueue(4)
         self.cores = 1
         self.providers: tuple[str, ...] = ()
         self.busy_s = 0.0
@@ -83,12 +90,12 @@ class DeviceAgent:
         Raises DeviceError (before reporting started) when the device is unusable."""
         try:
             try:
-                reply = await self._runner.call(to_wire(PingRequest(self.device)))
+                answer = await self._runner.call(PingRequest(self.device))
             except ChildDiedError as exc:
                 raise DeviceError(f"{self.device}: the measurement runner did not start ({exc})") from None
-            if not reply.get("ok"):
-                raise error_from_wire(reply, DeviceError)
-            ping = from_wire(PingReply, reply)
+            if not answer.ok:
+                raise error_of(answer, DeviceError)
+            ping: PingReply = answer.reply
             self.cores, self.providers = ping.cores, ping.providers
             task_status.started()
             async with self._queue.receiver() as requests:
@@ -103,30 +110,29 @@ class DeviceAgent:
         """Start a fresh runner at once after one was killed for an abandoned request, so
         the next job does not wait for it (a failure here shows on the next request)."""
         with contextlib.suppress(ChildDiedError):
-            await self._runner.call(to_wire(PingRequest(self.device)))
+            await self._runner.call(PingRequest(self.device))
 
-    async def _serve(self, request: dict[str, Any], job: JobLedger | None) -> dict[str, Any]:
-        given = float(request.pop("limit_s", 0) or 0)
+    async def _serve(self, call: tuple[Request, float | None, str], job: JobLedger | None) -> outcome.Outcome:
+        request, given, category = call
+        op = op_of(request)
         if given:
             limit, why = given, "the request's own limit"
         else:
             base = _default_limit(request)
             why = f"3 x its budget + 60 s = {base:g}s"
             limit, why = job.scaled(base, why) if job is not None else (base, why)
-        category = str(request.pop("category", "other"))
         pause = self._pool.paused() if self._pool is not None else contextlib.nullcontext()
         async with self.lock.hold(job.waiting if job is not None else None):
             t0, wall0 = trio.current_time(), time.time()
             try:
                 async with pause:
                     with trio.fail_after(limit):
-                        reply = await self._runner.call(request)
+                        answer = await self._runner.call(request)
             except trio.TooSlowError:
-                reply = {"ok": False,
-                         "error": f"{request.get('op')} on {self.device} timed out after {limit:g}s ({why})"}  # fmt: skip
+                return outcome.Error(DeviceError(f"{self.device}: {op} on {self.device} timed out after {limit:g}s ({why})"))
             except ChildDiedError as exc:
-                log.warning("%s on %s: the measurement runner crashed: %s", request.get("op"), self.device, exc)
-                reply = {"ok": False, "error": f"measurement runner crashed: {exc}"}
+                log.warning("%s on %s: the measurement runner crashed: %s", op, self.device, exc)
+                return outcome.Error(DeviceError(f"{self.device}: measurement runner crashed: {exc}"))
             finally:
                 busy = trio.current_time() - t0
                 self.busy_s += busy
@@ -135,22 +141,18 @@ class DeviceAgent:
                     job.charge_device(busy, category)
                     job.device_intervals.append((wall0, time.time()))
         if job is not None:
-            job.note_rss(reply.get("maxrss_kb"))
-        reply["device_s"] = busy
-        return reply
+            job.note_rss(answer.maxrss_kb)
+        if not answer.ok:
+            return outcome.Error(error_of(answer, DeviceError, f"{self.device}: "))
+        return outcome.Value(answer.reply)
 
     async def call(
-        self, request: Any, job: JobLedger | None = None, limit_s: float | None = None, category: str = "other"
-    ) -> dict[str, Any]:
-        """Queue `request` (a messages.*Request) for the device and return the runner's
-        reply; its device time is charged to `job` under `category`. Raises DeviceError
-        when the runner could not answer it. Cancellation drops the request, or abandons
-        it in flight (the runner is killed and restarted)."""
-        wire = to_wire(request)
-        wire["category"] = category
-        if limit_s is not None:
-            wire["limit_s"] = limit_s
-        reply = await self._queue.submit(wire, job)
-        if not reply.get("ok"):
-            raise error_from_wire({**reply, "error": f"{self.device}: {reply.get('error', 'failed')}"}, DeviceError)
-        return reply
+        self, request: Request, job: JobLedger | None = None, limit_s: float | None = None, category: str = "other"
+    ) -> Any:
+        """Queue `request` (a messages.*Request) for the device and return its reply (of
+        the request's `reply` type); its device time is charged to `job` under
+        `category`. Raises DeviceError (or the class the runner raised, when it is one of
+        ours) when the runner could not answer it. Cancellation drops the request, or
+        abandons it in flight (the runner is killed and restarted)."""
+        result: outcome.Outcome = await self._queue.submit((request, limit_s, category), job)
+        return result.unwrap()

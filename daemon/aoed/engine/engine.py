@@ -14,7 +14,6 @@ otherwise the compile workers are stopped while the device measures.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import logging
 import os
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -25,30 +24,25 @@ import trio
 
 from aoe.config import Config
 from aoe.errors import AoedError, JobCancelledError, OptionError
+from aoe.outcome import JobOutcome
+from aoe.spec import JobSpec
 from aoed.bank.writer import BankWriter
 from aoed.engine.context import JobContext
 from aoed.engine.device import DeviceAgent
-from aoed.engine.job import JobHandle, JobOptions, JobResult
+from aoed.engine.job import JobHandle, JobRun
 from aoed.engine.ledger import JobLedger, new_job_id
+from aoed.engine.memory import MemoryPlan, plan_memory
 from aoed.engine.messages import JobEvent
+from aoed.engine.pipeline import run_stages
 from aoed.engine.policy import policy
 from aoed.engine.pool import CompilePool
 from aoed.engine.registry import StrategyRegistry
-from aoed.engine.supervisor import run_stages
 from aoed.engine.workspace import Workspace
+from aoed.logs import EscapingFormatter, current_job, on_behalf_of
 
 __all__ = ["Engine", "current_job", "open_engine", "split_cores"]
 
 log = logging.getLogger(__name__)
-
-#: The job whose task is running: log records from it go to that job's log.
-_current_job: contextvars.ContextVar[str] = contextvars.ContextVar("aoed_job", default="")
-
-
-def current_job() -> str:
-    """The id of the job on whose behalf the calling task works ("" outside jobs)."""
-    return _current_job.get()
-
 
 class _JobFilter(logging.Filter):
     def __init__(self, job_id: str):
@@ -56,25 +50,24 @@ class _JobFilter(logging.Filter):
         self.job_id = job_id
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return _current_job.get() == self.job_id
+        return current_job() == self.job_id
 
 
 @contextlib.contextmanager
 def _job_log(path: Path, job_id: str) -> Iterator[None]:
     """Send the engine's log records made on behalf of `job_id` to `path`."""
     handler = logging.FileHandler(path, encoding="utf-8", delay=True)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.setFormatter(EscapingFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     handler.addFilter(_JobFilter(job_id))
     handler.setLevel(logging.INFO)
     root = logging.getLogger("aoed")
     if root.level == logging.NOTSET or root.level > logging.INFO:
         root.setLevel(logging.INFO)  # the job log wants INFO; the console handler filters its own
     root.addHandler(handler)
-    token = _current_job.set(job_id)
     try:
-        yield
+        with on_behalf_of(job_id):
+            yield
     finally:
-        _current_job.reset(token)
         root.removeHandler(handler)
         handler.close()
 
@@ -98,38 +91,62 @@ class Engine:
     pool: CompilePool
     device: DeviceAgent
     logdir: Path
+    #: what each child may use, and so which jobs fit (memory.py)
+    memory: MemoryPlan
 
     async def run_job(
         self,
-        opts: JobOptions,
+        run: JobRun,
         emit: Callable[[JobEvent], None] = lambda event: None,
         handle: JobHandle | None = None,
-    ) -> JobResult:
+    ) -> JobOutcome:
         """Run one job to completion and return its result.
 
         Raises AoedError subclasses with one-line messages (OptionError, ModelError,
         BankError, DeviceError), and JobCancelledError when `handle` cancelled it; a
         cancelled job stops at once, its queued requests dropped and those in flight
         abandoned. The workspace's scratch is removed unless the job failed or
-        `opts.keep_workspace`."""
-        if opts.device != self.device.device:
-            raise OptionError(f"--device {opts.device}: this engine measures on {self.device.device}")
-        job_id = opts.job_id or new_job_id()
-        prec = policy(opts.precision, opts.min_cosine, opts.max_rel_error)
-        try:
-            ws = await trio.to_thread.run_sync(Workspace.create, opts.output, opts.model.stem)
-        except AoedError:
-            raise
+        `run.keep_workspace`; a job that fails before tuning started leaves no workspace,
+        and one interrupted (a resumable cancel, ^C) leaves it to its next run."""
+        spec = run.spec.on(self.device.device.name)  # (checked where it was built)
+        if spec.device != self.device.device.name:
+            raise OptionError(f"device {spec.device}: this engine measures on {self.device.device}")
+        job_id = run.job_id or new_job_id()
+        prec = policy(spec.precision, spec.min_cosine, spec.max_rel_error)
+        # The daemon's job id is the same in each run of a job; an embedded run's is new,
+        # so there the model alone says which interrupted workspace is this job's.
+        owner = {"model": str(run.model.absolute()), "job": run.job_id}
+        ws = await trio.to_thread.run_sync(Workspace.create, run.output, run.model.stem, owner)
         handle = handle or JobHandle()
-        ledger = JobLedger(job_id, emit, weight=max(1, opts.weight))
+        outcome = "interrupted"  # ^C, or anything else that is not the job's own end
+        try:
+            result = await self._run(spec, run, job_id, prec, ws, emit, handle)
+            outcome = "done"
+            return result
+        except JobCancelledError:
+            outcome = "interrupted" if handle.resumable else "done"
+            raise
+        except Exception:
+            outcome = "failed"
+            raise
+        finally:
+            ws.release(outcome)  # a few file operations: not worth a thread (nor a cancellable await)
+
+    async def _run(
+        self, spec: JobSpec, run: JobRun, job_id: str, prec, ws: Workspace, emit: Callable[[JobEvent], None],
+        handle: JobHandle,
+    ) -> JobOutcome:
+        ledger = JobLedger(job_id, emit, weight=run.weight)
         ctx = JobContext(
-            opts=opts, job_id=job_id, pool=self.pool, device=self.device, bank=self.bank,
-            registry=self.registry, policy=prec, fingerprint=opts.device.fingerprint(),
-            ledger=ledger, workspace=ws, config=self.config,
+            spec=spec, run=run, job_id=job_id, pool=self.pool, device=self.device, bank=self.bank,
+            registry=self.registry, policy=prec, fingerprint=self.device.device.fingerprint(),
+            ledger=ledger, workspace=ws, config=self.config, attempt=max(1, run.attempt),
         )  # fmt: skip
         failed = True
         with _job_log(ws.log_path, job_id):
-            log.info("job %s: %s (%s, %s, device %s)", job_id, opts.model, opts.job_type, opts.precision, opts.device)
+            log.info("job %s: %s (%s, %s, device %s)", job_id, run.model, spec.job_type, spec.precision, spec.device)
+            if ws.resumed:
+                log.info("job %s: continues in the workspace an interrupted run of it left", job_id)
             try:
                 with trio.CancelScope() as scope:
                     handle.attach(scope)
@@ -146,14 +163,14 @@ class Engine:
                     raise AoedError(gone) from None
                 if isinstance(exc, OSError):
                     log.info("job %s: failed: %s", job_id, exc)
-                    raise AoedError(f"{exc.filename or opts.output}: {exc.strerror or exc}") from None
+                    raise AoedError(f"{exc.filename or run.output}: {exc.strerror or exc}") from None
                 if isinstance(exc, AoedError):
                     log.info("job %s: failed: %s", job_id, exc)
                 raise
             finally:
-                if not failed and not opts.keep_workspace:
+                if not failed and not run.keep_workspace:
                     ws.clean()
-                elif failed and ws.root.is_dir():
+                elif failed and ws.started and ws.root.is_dir():
                     log.info("job %s: workspace kept for inspection at %s", job_id, ws.root)
             reason = f": {handle.reason}" if handle.reason else ""
             log.info("job %s: cancelled%s", job_id, reason)
@@ -161,18 +178,26 @@ class Engine:
 
 
 @contextlib.asynccontextmanager
-async def open_engine(config: Config, registry: StrategyRegistry, logdir: Path) -> AsyncIterator[Engine]:
+async def open_engine(
+    config: Config, registry: StrategyRegistry, logdir: Path, *, lock_group: int | None = None
+) -> AsyncIterator[Engine]:
     """Start the engine's agents for `config`'s device, bank and limits (memory; time:
     compile_timeout_s for candidates and bank rebuilds, stage_timeout_s for the other
     worker requests); yields the Engine; stops and reaps everything on exit.
+    `lock_group` (a gid) may hold the device lock too (the daemon's service group).
 
     `registry` is the strategy registry (aoed.backends.ort.catalog.build_registry with
     the config's plugins; workers build the same one). Raises DeviceError when the
-    device is unusable (e.g. its onnxruntime provider is not installed).
+    device is unusable (e.g. its onnxruntime provider is not installed). The children's
+    stderr goes to `logdir`, which keeps, once they are stopped, only the logs that
+    hold something (a crash, a warning): the rest are removed, and so is `logdir`
+    itself if nothing is left in it.
     """
     # Another process writing this bank (a second tune, an import) makes the first write
     # wait; say so, or it looks like a hang.
     bank = BankWriter(config.bank, layers=list(config.bank_layers), on_wait=log.warning)
+    plan = plan_memory(config)
+    config = plan.apply(config)  # the children's limit and count, as derived
     device = config.device
     runner_cpus, worker_cpus = split_cores(sorted(os.sched_getaffinity(0)), config.dedicated_cores)
     if not device.is_cpu:
@@ -186,14 +211,26 @@ async def open_engine(config: Config, registry: StrategyRegistry, logdir: Path) 
                                default_timeout=config.stage_timeout_s)  # fmt: skip
             await nursery.start(pool.run)
             agent = DeviceAgent(device, pool, logdir, config.runtime_dir, cpus=runner_cpus,
-                                memory_mb=config.worker_memory_mb, pause_pool=not runner_cpus)  # fmt: skip
+                                memory_mb=config.worker_memory_mb, pause_pool=not runner_cpus,
+                                lock_group=lock_group)  # fmt: skip
             await nursery.start(agent.run)
+            log.info("engine: memory: %s", plan.describe())
             log.info("engine: %d compile workers%s, device %s%s", pool.size,
                      f" on cores {worker_cpus}" if worker_cpus else "", device,
                      f" on cores {runner_cpus}" if runner_cpus else " (workers paused while it measures)")  # fmt: skip
             try:
-                yield Engine(config, registry, bank, pool, agent, logdir)
+                yield Engine(config, registry, bank, pool, agent, logdir, plan)
             finally:
                 nursery.cancel_scope.cancel()
     finally:
         bank.close()
+        _drop_empty_logs(logdir)
+
+
+def _drop_empty_logs(logdir: Path) -> None:
+    """Remove the children's empty logs from `logdir`, and `logdir` if that empties it."""
+    with contextlib.suppress(OSError):
+        for p in logdir.glob("*.log"):
+            if p.is_file() and not p.is_symlink() and p.stat().st_size == 0:
+                p.unlink()
+        logdir.rmdir()

@@ -19,7 +19,7 @@ import trio
 from aoe.errors import AoedError, DeviceError
 from aoe.partition import Task
 from aoed.engine.context import JobContext
-from aoed.engine.messages import Accuracy, Build, CompareRequest, from_wire
+from aoed.engine.messages import Accuracy, Build, CompareRequest
 
 __all__ = ["model_accuracy", "verdict"]
 
@@ -31,8 +31,8 @@ async def model_accuracy(ctx: JobContext, task: Task, strategy: str) -> Accuracy
     await trio.to_thread.run_sync(lambda: out.parent.mkdir(parents=True, exist_ok=True))
     try:
         await ctx.assemble([Build(out, {task.id: strategy})])
-        req = CompareRequest(ctx.opts.model, out, ctx.held_back, ctx.opts.device)
-        return from_wire(Accuracy, await ctx.device.call(req, ctx.ledger, category="search"))
+        req = CompareRequest(ctx.run.model, out, ctx.held_back, ctx.device.device)
+        return await ctx.device.call(req, ctx.ledger, category="search")
     except DeviceError as exc:
         return f"the model with it could not be measured ({exc})"
     except AoedError as exc:  # a build that fails is this candidate's answer

@@ -1,39 +1,33 @@
-"""A job's data: what was asked (`JobOptions`), what came out (`JobResult`, `TaskResult`),
-and the handle that cancels it. The pipeline that turns one into the other is in
-`supervisor.py`.
+"""A job's data on the engine: one run of it (`JobRun`: the user's `aoe.spec.JobSpec` and
+where it runs), each task's result while the job runs (`TaskResult`, which ends as a row
+of the job's `aoe.outcome.JobOutcome`), and the handle that cancels it. The pipeline
+that turns a run into an outcome is in `pipeline.py`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import trio
 
-from aoe.device import CPU, Device
+from aoe.outcome import TaskOutcome
+from aoe.spec import JobSpec
 from aoed.engine.registry import DEFAULT
 
-__all__ = ["JobHandle", "JobOptions", "JobResult", "TaskResult"]
+__all__ = ["JobHandle", "JobRun", "TaskResult"]
 
 
 @dataclass(frozen=True)
-class JobOptions:
+class JobRun:
+    """One run of a job on the engine: the user's `spec`, and what only whoever runs it
+    knows (where the model and outputs are, which run of the job this is). Apart from
+    the spec so that the spec stays the options a user gave, at every edge the same."""
+
     model: Path
     output: Path
-    precision: str = "exact"
-    job_type: str = "opat"
-    input_shapes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
-    repeat_tune: bool = False
-    keep_initializer_inputs: bool = False
-    device: Device = CPU
-    calibration: Path | None = None
-    min_cosine: float | None = None  # end-to-end budget of a lossy policy
-    max_rel_error: float | None = None
-    #: device seconds for search, session options and verification together (budget.py);
-    #: None: derived from the model's profiled latency
-    budget_s: float | None = None
+    spec: JobSpec = field(default_factory=JobSpec)
     #: keep the scratch files (task models, candidates, samples) after success
     keep_workspace: bool = False
     #: empty: the engine assigns a unique one
@@ -41,8 +35,17 @@ class JobOptions:
     #: the id of an interrupted run of this job: what it decided is not measured again,
     #: even with repeat_tune (the daemon's resume after a restart)
     resumes: str = ""
-    #: scheduling weight among jobs sharing the engine's agents (fair share); >= 1
-    weight: int = 1
+    #: which run of this job this is (the daemon counts them; 1 otherwise)
+    attempt: int = 1
+    #: (device, inode) of the model file its submitter's checks passed (the daemon's);
+    #: the job reads the model only if it is still that file, with one link
+    model_file: tuple[int, int] | None = None
+
+    @property
+    def weight(self) -> int:
+        """Scheduling weight among jobs sharing the engine's agents (fair share): 1, or
+        one more than a positive priority."""
+        return 1 + max(0, self.spec.priority)
 
 
 @dataclass
@@ -63,52 +66,21 @@ class TaskResult:
     error: str = ""
     rejected: list[str] = field(default_factory=list)  # lossy candidates not taken, and why
     applied: bool = True  # False when end-to-end verification reverted the choice
+    #: the run of this job that measured the task (an earlier one, for a task an
+    #: interrupted run decided); 0 when the bank answered without this job measuring
+    attempt: int = 0
+
+    def outcome(self) -> TaskOutcome:
+        """The task's row of the job's outcome."""
+        return TaskOutcome(
+            self.task_id, self.op_name, self.op_type, self.family, self.instances, self.share, self.strategy,
+            self.before_us, self.after_us, self.update_mode, self.bank_layer, dict(self.accuracy), self.error,
+            tuple(self.rejected), self.applied, self.attempt,
+        )  # fmt: skip
 
     @property
     def improvement(self) -> float:
         return (self.before_us / self.after_us - 1.0) if self.after_us > 0 and self.before_us > 0 else 0.0
-
-
-@dataclass
-class JobResult:
-    job_id: str
-    model: str
-    tuned_model: str
-    result_json: str
-    workspace: str
-    baseline_ms: float
-    tuned_ms: float
-    tuning_time_s: float
-    precision: str
-    device: str
-    session_options: dict[str, Any]
-    tasks: list[TaskResult]
-    repo: dict[str, int]
-    accuracy: dict[str, float]
-    verified: str
-    notes: list[str]
-    calibration: str = ""
-    budget: dict[str, float] = field(default_factory=dict)
-    #: what the job cost: device seconds, duty cycle, trials, failed candidates, memory
-    resources: dict[str, Any] = field(default_factory=dict)
-    timeline: list[tuple[float, float]] = field(default_factory=list)
-    #: the confirming A/B (confirm.py): where baseline_ms and tuned_ms come from
-    confirmation: dict[str, Any] = field(default_factory=dict)
-    #: the verification rounds that chose what was proposed: decision figures
-    decision: dict[str, Any] = field(default_factory=dict)
-    #: the device budget and what was spent, by stage (budget.py)
-    device_budget: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def improvement(self) -> float:
-        """From the confirming A/B's median round ratio (not a ratio of the two medians)."""
-        if "improvement" in self.confirmation:
-            return float(self.confirmation["improvement"])
-        return self.baseline_ms / self.tuned_ms - 1.0 if self.tuned_ms > 0 else 0.0
-
-    @property
-    def duty_cycle(self) -> float:
-        return float(self.resources.get("duty_cycle", 0.0))
 
 
 class JobHandle:
@@ -123,10 +95,14 @@ class JobHandle:
         self._scope: trio.CancelScope | None = None
         self.reason = ""
         self.cancelled = False
+        self.resumable = False
 
-    def cancel(self, reason: str = "") -> None:
+    def cancel(self, reason: str = "", *, resumable: bool = False) -> None:
+        """Cancel the job; `resumable`: it runs again later (a daemon's shutdown), so its
+        workspace is left for that run (workspace.py)."""
         self.reason = reason
         self.cancelled = True
+        self.resumable = resumable
         if self._scope is not None:
             self._scope.cancel()
 

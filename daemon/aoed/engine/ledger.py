@@ -56,6 +56,25 @@ class JobLedger:
     time_scale: float = 1.0
     #: the model file's size that set `time_scale`, for messages
     model_mb: float = 0.0
+    #: wall-clock seconds of each stage of the job's pipeline (`enter`), in the order run
+    stage_s: dict[str, float] = field(default_factory=dict)
+    #: device seconds charged while each stage ran, whatever they were for
+    stage_device_s: dict[str, float] = field(default_factory=dict)
+    #: what a stage was estimated to take before it started (seconds), where estimated
+    estimates: dict[str, float] = field(default_factory=dict)
+    _stage: tuple[str, float, float] | None = None
+
+    def enter(self, stage: str | None) -> None:
+        """End the stage in progress (its wall time is added to `stage_s`, the device
+        seconds charged meanwhile to `stage_device_s`) and start `stage` (None: none).
+        The pipeline's stages run one after another."""
+        now = time.monotonic()
+        if self._stage is not None:
+            name, t0, dev0 = self._stage
+            self.stage_s[name] = self.stage_s.get(name, 0.0) + now - t0
+            if self.device_s > dev0:
+                self.stage_device_s[name] = self.stage_device_s.get(name, 0.0) + self.device_s - dev0
+        self._stage = None if stage is None else (stage, now, self.device_s)
 
     def scale_to_model(self, model_bytes: int) -> None:
         """Scale the job's time limits to its model file: loading, checking, saving and

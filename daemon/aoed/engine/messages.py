@@ -1,45 +1,58 @@
 """Messages: what the engine's agents and child processes say to each other.
 
-Every request a job sends to the compile pool or to a device, every reply that comes
-back, and the events a job emits are small frozen dataclasses defined here. Between
-processes they travel as one JSON object per line (no pickle): `to_wire()` turns a
-message into plain JSON data and `from_wire(cls, data)` checks it back into `cls`,
-following the type hints, so a malformed reply fails loudly at the edge.
+Every request a job sends to the compile pool or to a device and every reply that comes
+back is a frozen msgspec Struct defined here, read back strictly: `decode` refuses an
+unknown field, a missing one, or a value of the wrong type (a None where a float is
+required included), naming the message type and the field's path. Requests form one
+tagged union, told apart by their `op` alone, so a child reads any of its requests in
+one step and never guesses between shapes. msgspec rather than cattrs: strictness
+(`forbid_unknown_fields`), tagged unions and errors that name the field are what it
+does by default, in C.
 
-Requests carry their `op` name as a class variable; children dispatch on it.
+Between processes each message travels as one JSON object per line (no pickle): a
+request inside a `Call`, its reply inside an `Answer`. `encode` turns a message into
+plain data (paths as strings) and the stdlib writes the line, not
+msgspec's JSON encoder: that one writes an infinite float as null, and an infinite
+error is a real measurement (a candidate whose outputs are not finite).
+
+msgspec cannot refuse unknown fields of a dataclass, and messages carry the client's
+(Task, TaskSignature, TensorInfo, Device): `decode` checks those itself.
+
+The job events (`JobEvent`) never leave the engine's process: a plain dataclass.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import types
-import typing
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Generic, TypeVar
+
+import msgspec
+from msgspec import Struct, field
 
 from aoe import errors
 from aoe.device import Device
 from aoe.partition import Task
 from aoe.signature import TaskSignature, TensorInfo
+from aoe.spec import Stage
 from aoed.engine.prep import Limits
 
 __all__ = [
     "Accuracy",
+    "Answer",
     "AssembleReply",
     "AssembleRequest",
     "Build",
     "CalibrateReply",
     "CalibrateRequest",
+    "Call",
     "Candidate",
     "CheckReply",
     "CheckRequest",
     "CompareRequest",
     "CompileReply",
     "CompileRequest",
-    "VariantsReply",
-    "VariantsRequest",
     "ExtractReply",
     "ExtractRequest",
     "JobEvent",
@@ -47,6 +60,8 @@ __all__ = [
     "MeasureReply",
     "MeasureRequest",
     "Measurement",
+    "Message",
+    "MessageError",
     "PingReply",
     "PingRequest",
     "PrepareReply",
@@ -55,92 +70,122 @@ __all__ = [
     "ProfileRequest",
     "RebuildReply",
     "RebuildRequest",
+    "Request",
     "SamplesReply",
     "SamplesRequest",
-    "error_from_wire",
-    "from_wire",
-    "to_wire",
+    "VariantsReply",
+    "VariantsRequest",
+    "decode",
+    "encode",
+    "error_of",
+    "op_of",
 ]
+
+T = TypeVar("T")
+
+
+class Message(Struct, frozen=True, forbid_unknown_fields=True):
+    """A reply, or a value inside a message."""
+
+
+class Request(Message, tag_field="op"):
+    """A request to a child; `op` (its tag) names it, `reply` is what answers it."""
+
+    reply: ClassVar[type]
 
 
 # --------------------------------------------------------------------------- wire
 
 
-def to_wire(obj: Any) -> Any:
-    """`obj` as JSON data: dataclasses as objects (plus `op` for requests), paths as
-    strings, tuples as lists."""
-    if isinstance(obj, Device):
-        return obj.to_wire()
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        out = {f.name: to_wire(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
-        op = getattr(type(obj), "op", None)
-        if isinstance(op, str):
-            out["op"] = op
-        return out
+class MessageError(ValueError):
+    """Data that is not the message it should be; the text names the message type and
+    the field. Translated at each edge: a child answers it as the request's failure, the
+    engine takes a reply that raises it as a broken child."""
+
+
+def _enc_hook(obj: Any) -> Any:
     if isinstance(obj, Path):
         return str(obj)
-    if isinstance(obj, Mapping):
-        return {str(k): to_wire(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [to_wire(v) for v in obj]
+    raise NotImplementedError(f"{type(obj).__name__} cannot travel in a message")
+
+
+def _dec_hook(tp: type, obj: Any) -> Any:
+    if tp is Path:
+        if isinstance(obj, str):
+            return Path(obj)
+        raise ValueError(f"Expected `str` (a path), got `{type(obj).__name__}`")
+    raise NotImplementedError
+
+
+def encode(msg: Any) -> Any:
+    """`msg` as JSON data: Structs and dataclasses as objects (requests with their `op`),
+    paths as strings."""
+    return msgspec.to_builtins(msg, enc_hook=_enc_hook)
+
+
+def _unknown(data: Any, obj: Any, path: str = "$") -> tuple[str, str] | None:
+    """(field, path of its object) of a key of `data` that `obj`, decoded from it, has no
+    field for, where msgspec does not look: in dataclasses. None when there is none."""
+    if isinstance(obj, Struct):
+        steps = [(f".{f}", data[f], getattr(obj, f)) for f in obj.__struct_fields__ if f in data]
+    elif dataclasses.is_dataclass(obj):
+        names = [f.name for f in dataclasses.fields(obj)]
+        extra = next((k for k in data if k not in names), None)
+        if extra is not None:
+            return extra, path
+        steps = [(f".{n}", data[n], getattr(obj, n)) for n in names if n in data]
+    elif isinstance(obj, (list, tuple)):
+        steps = [(f"[{i}]", d, o) for i, (d, o) in enumerate(zip(data, obj))]
+    elif isinstance(obj, dict):
+        steps = [(f"[{k!r}]", data[k], o) for k, o in obj.items()]
+    else:
+        return None
+    for step, d, o in steps:
+        if (found := _unknown(d, o, path + step)) is not None:
+            return found
+    return None
+
+
+def decode(tp: type[T] | Any, data: Any, what: str = "") -> T:
+    """`data` (JSON data) checked into `tp`. Raises MessageError naming `what` (default:
+    the type's name) and the field when a field is unknown, missing or of the wrong type."""
+    name = what or getattr(tp, "__name__", str(tp))
+    try:
+        obj = msgspec.convert(data, tp, dec_hook=_dec_hook)
+    except msgspec.ValidationError as exc:
+        raise MessageError(f"{name}: {exc}") from None
+    if (unknown := _unknown(data, obj)) is not None:
+        raise MessageError(f"{name}: Object contains unknown field `{unknown[0]}` - at `{unknown[1]}`")
     return obj
 
 
-def _decode(tp: Any, data: Any) -> Any:
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        if data is None and type(None) in args:
-            return None
-        return _decode(next(a for a in args if a is not type(None)), data)
-    if tp is Any:
-        return data
-    if origin in (tuple,):
-        args = typing.get_args(tp)
-        if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(_decode(args[0], v) for v in data)
-        return tuple(_decode(a, v) for a, v in zip(args, data, strict=True))
-    if origin in (list,):
-        return [_decode(typing.get_args(tp)[0], v) for v in data]
-    if origin in (dict, Mapping, typing.Mapping):
-        _k, v_tp = typing.get_args(tp)
-        return {str(k): _decode(v_tp, v) for k, v in dict(data).items()}
-    if tp is Path:
-        return Path(data)
-    if tp is Device:
-        return Device.from_wire(data)
-    if tp is Task:
-        return _task(data)
-    if dataclasses.is_dataclass(tp):
-        return from_wire(tp, data)
-    if tp is float:
-        return float(data) if data is not None else float("nan")
-    if tp in (int, str, bool):
-        return tp(data)
-    return data
+def op_of(request: Request) -> str:
+    """The request's `op`: what kind of request it is."""
+    return str(type(request).__struct_config__.tag)
 
 
-def from_wire(cls: type, data: Mapping[str, Any]) -> Any:
-    """Check JSON data back into the dataclass `cls`; unknown keys are ignored, missing
-    ones take the field's default. Raises TypeError/ValueError/KeyError on a mismatch."""
-    hints = typing.get_type_hints(cls)
-    kwargs = {}
-    for f in dataclasses.fields(cls):
-        if f.name in data:
-            kwargs[f.name] = _decode(hints[f.name], data[f.name])
-    return cls(**kwargs)
+R = TypeVar("R")
 
 
-def _task(data: Mapping[str, Any]) -> Task:
-    return Task(
-        id=data["id"],
-        family=data["family"],
-        node_names=tuple(data["node_names"]),
-        signature=from_wire(TaskSignature, data["signature"]),
-        inputs=tuple(data["inputs"]),
-        outputs=tuple(data["outputs"]),
-        twins=[_task(t) for t in data.get("twins", [])],
-    )
+class Call(Message, Generic[R]):
+    """One request line: the request, and the number its answer carries."""
+
+    id: int
+    request: R
+
+
+class Answer(Message):
+    """One reply line: its request's number (None when the child could not read the
+    request), whether it was served, the reply (JSON data until the reader, who knows
+    the request, decodes it) or why not, and the child's peak memory while serving."""
+
+    id: int | None
+    ok: bool
+    reply: Any = None
+    #: one line; `error_class` names the `aoe.errors` class the child raised, if one of ours
+    error: str = ""
+    error_class: str = ""
+    maxrss_kb: int = 0
 
 
 _ERRORS = {
@@ -149,101 +194,110 @@ _ERRORS = {
 }
 
 
-def error_from_wire(reply: Mapping[str, Any], default: type[errors.AoedError]) -> errors.AoedError:
-    """The error a failed child reply reports, as the class the child raised when it is
-    one of ours, else `default`."""
-    cls = _ERRORS.get(str(reply.get("error_class", "")), default)
-    return cls(str(reply.get("error") or "failed without a message"))
+def error_of(answer: Answer, default: type[errors.AoedError], prefix: str = "") -> errors.AoedError:
+    """The error a failed answer reports: the class the child raised when it is one of
+    ours, else `default`; its text after `prefix`."""
+    cls = _ERRORS.get(answer.error_class, default)
+    return cls(prefix + (answer.error or "failed without a message"))
 
 
 # --------------------------------------------------------------------------- compile pool
 
 
-@dataclass(frozen=True)
-class PrepareRequest:
-    """Load, check and normalize a model; find its tunable tasks."""
-
-    op: ClassVar[str] = "prepare"
-    source: Path
-    workdir: Path
-    precision: str = "exact"
-    input_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
-    keep_initializer_inputs: bool = False
-    #: which tasks to find: opat (operators), sgat (subgraphs) or sgat+opat
-    job_type: str = "opat"
-    #: what the model may hold (the config's [engine] limits; default: prep's MAX_*)
-    limits: Limits = Limits()
-
-
-@dataclass(frozen=True)
-class PrepareReply:
+class PrepareReply(Message):
     prepared: Path
     inputs: dict[str, TensorInfo]
     outputs: tuple[str, ...]
     tasks: tuple[Task, ...]
     model_signature: TaskSignature
     #: integer inputs that index a table (token ids): their upper bound
-    int_high: dict[str, int] = field(default_factory=dict)
+    int_high: dict[str, int] = {}
     notes: tuple[str, ...] = ()
+    #: sha256 of the prepared model's files: the same model, prepared the same way
+    digest: str = ""
+    #: the op types of the prepared model (what an accelerator's option space depends on)
+    op_types: tuple[str, ...] = ()
 
 
-@dataclass(frozen=True)
-class SamplesRequest:
+class PrepareRequest(Request, tag="prepare"):
+    """Load, check and normalize a model; find its tunable tasks."""
+
+    reply = PrepareReply
+    source: Path
+    workdir: Path
+    precision: str = "exact"
+    input_shapes: dict[str, tuple[int, ...]] = {}
+    keep_initializer_inputs: bool = False
+    #: which tasks to find: opat (operators), sgat (subgraphs) or sgat+opat
+    job_type: str = "opat"
+    #: what the model may hold (the config's [engine] limits; default: prep's MAX_*)
+    limits: Limits = field(default_factory=Limits)
+    #: (device, inode) the model file must still have, with one link (JobOptions.model_file)
+    model_file: tuple[int, int] | None = None
+    #: the kind of device the job measures on (its strategies differ: see registry)
+    device_kind: str = "cpu"
+
+
+class SamplesReply(Message):
+    held_back: tuple[Path, ...]
+    calibrate: tuple[Path, ...]
+    source: str
+    #: sha256 of the samples' arrays (names, dtypes, shapes, values), in order
+    digest: str = ""
+
+
+class SamplesRequest(Request, tag="samples"):
     """Write the job's input samples: held back (judge, measure) and calibration."""
 
-    op: ClassVar[str] = "samples"
+    reply = SamplesReply
     prepared: Path
     workdir: Path
     inputs: dict[str, TensorInfo]
-    int_high: dict[str, int] = field(default_factory=dict)
+    int_high: dict[str, int] = {}
     calibration: Path | None = None
     lossy: bool = False
 
 
-@dataclass(frozen=True)
-class SamplesReply:
-    held_back: tuple[Path, ...]
-    calibrate: tuple[Path, ...]
-    source: str
+class CalibrateReply(Message):
+    ranges: Path
+    tensors: int
 
 
-@dataclass(frozen=True)
-class CalibrateRequest:
+class CalibrateRequest(Request, tag="calibrate"):
     """(min, max) of every float activation over the calibration samples."""
 
-    op: ClassVar[str] = "calibrate"
+    reply = CalibrateReply
     prepared: Path
     samples: tuple[Path, ...]
     out: Path
 
 
-@dataclass(frozen=True)
-class CalibrateReply:
-    ranges: Path
-    tensors: int
+class ExtractReply(Message):
+    dirs: dict[str, Path]
 
 
-@dataclass(frozen=True)
-class ExtractRequest:
+class ExtractRequest(Request, tag="extract"):
     """Write each task as a standalone model with its real input activations."""
 
-    op: ClassVar[str] = "extract"
+    reply = ExtractReply
     prepared: Path
     tasks: tuple[Task, ...]
     sample: Path
     root: Path
 
 
-@dataclass(frozen=True)
-class ExtractReply:
-    dirs: dict[str, Path]
+class CompileReply(Message):
+    """A candidate built (or a strategy that does not apply to the task: not a failure).
+    A build that failed is no reply: the pool raises CandidateError."""
+
+    applicable: bool = True
+    compile_s: float = 0.0
 
 
-@dataclass(frozen=True)
-class CompileRequest:
+class CompileRequest(Request, tag="compile"):
     """Build one candidate: a strategy applied to a task model, checked and loaded."""
 
-    op: ClassVar[str] = "compile"
+    reply = CompileReply
     task_model: Path
     family: str
     strategy: str
@@ -252,20 +306,17 @@ class CompileRequest:
     ranges: Path | None = None
 
 
-@dataclass(frozen=True)
-class CompileReply:
-    ok: bool
-    applicable: bool = True
-    error: str = ""
-    compile_s: float = 0.0
+class VariantsReply(Message):
+    names: tuple[str, ...] = ()
+    #: what the proposal measured, for the report (e.g. each Conv's error when alone int8)
+    notes: tuple[str, ...] = ()
 
 
-@dataclass(frozen=True)
-class VariantsRequest:
+class VariantsRequest(Request, tag="variants"):
     """Which `strategy:param` variants to try for a task: the strategy's `propose`, run
     on the task model and its real input activations (`inputs`)."""
 
-    op: ClassVar[str] = "variants"
+    reply = VariantsReply
     task_model: Path
     family: str
     strategy: str
@@ -274,68 +325,45 @@ class VariantsRequest:
     ranges: Path | None = None
 
 
-@dataclass(frozen=True)
-class VariantsReply:
-    names: tuple[str, ...] = ()
-    #: what the proposal measured, for the report (e.g. each Conv's error when alone int8)
-    notes: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class Build:
+class Build(Message):
     """One model to assemble: the source with `choices` (task id -> strategy) applied."""
 
     out: Path
-    choices: dict[str, str] = field(default_factory=dict)
+    choices: dict[str, str] = {}
     #: metadata_props to set (a tuned model's session options, precision, device)
-    metadata: dict[str, str] = field(default_factory=dict)
+    metadata: dict[str, str] = {}
 
 
-@dataclass(frozen=True)
-class AssembleRequest:
-    op: ClassVar[str] = "assemble"
+class AssembleReply(Message):
+    sizes: dict[str, int]  # path -> bytes written (model and external data)
+
+
+class AssembleRequest(Request, tag="assemble"):
+    reply = AssembleReply
     source: Path
     tasks: tuple[Task, ...]
     builds: tuple[Build, ...]
     ranges: Path | None = None
 
 
-@dataclass(frozen=True)
-class AssembleReply:
-    sizes: dict[str, int]  # path -> bytes written (model and external data)
+class CheckReply(Message):
+    failures: dict[str, str]  # task id -> why its strategy does not apply
 
 
-@dataclass(frozen=True)
-class CheckRequest:
+class CheckRequest(Request, tag="check"):
     """Do these strategies (from the bank) still apply to their tasks and twins?"""
 
-    op: ClassVar[str] = "check"
+    reply = CheckReply
     source: Path
     tasks: tuple[Task, ...]
     choices: dict[str, str]
     ranges: Path | None = None
 
 
-@dataclass(frozen=True)
-class CheckReply:
-    failures: dict[str, str]  # task id -> why its strategy does not apply
+class RebuildReply(Message):
+    """The entry's task rebuilt (`ok`), or the verdict on an entry that cannot be
+    (skipped: its task cannot be rebuilt; error: its strategy no longer applies)."""
 
-
-@dataclass(frozen=True)
-class RebuildRequest:
-    """A bank entry's task rebuilt from its signature: default and strategy models."""
-
-    op: ClassVar[str] = "rebuild"
-    canonical_json: str
-    digest: str
-    family: str
-    strategy: str
-    precision: str
-    workdir: Path
-
-
-@dataclass(frozen=True)
-class RebuildReply:
     ok: bool
     default: Path | None = None
     candidate: Path | None = None
@@ -344,32 +372,40 @@ class RebuildReply:
     detail: str = ""
 
 
+class RebuildRequest(Request, tag="rebuild"):
+    """A bank entry's task rebuilt from its signature: default and strategy models."""
+
+    reply = RebuildReply
+    canonical_json: str
+    digest: str
+    family: str
+    strategy: str
+    precision: str
+    workdir: Path
+
+
 # --------------------------------------------------------------------------- device
 
 
-@dataclass(frozen=True)
-class PingRequest:
-    """Start-up check: the device's provider is installed and answers."""
-
-    op: ClassVar[str] = "ping"
-    device: Device
-
-
-@dataclass(frozen=True)
-class PingReply:
+class PingReply(Message):
     cores: int
     providers: tuple[str, ...]
 
 
-@dataclass(frozen=True)
-class Candidate:
+class PingRequest(Request, tag="ping"):
+    """Start-up check: the child answers, and a runner's device provider is installed."""
+
+    reply = PingReply
+    device: Device
+
+
+class Candidate(Message):
     id: str
     model: Path
-    options: dict[str, Any] = field(default_factory=dict)
+    options: dict[str, Any] = {}
 
 
-@dataclass(frozen=True)
-class MeasurePlan:
+class MeasurePlan(Message):
     """How candidates are measured (backends/ort/measure.py): interleaved rounds, each
     candidate taking `samples` timed batches of about `sample_s` per round, in an order
     that rotates, after a warm-up. `budget_s` bounds warm-up and rounds together: no turn
@@ -396,21 +432,7 @@ class MeasurePlan:
         return cls(budget_s, rounds, rounds, samples, race=False, until_stable=False)
 
 
-@dataclass(frozen=True)
-class MeasureRequest:
-    """Measure candidates interleaved on the same inputs (see backends/ort/runner.py);
-    every candidate's outputs are first compared with the `reference` candidate's."""
-
-    op: ClassVar[str] = "measure"
-    candidates: tuple[Candidate, ...]
-    inputs: Path
-    reference: str | None
-    device: Device
-    plan: MeasurePlan = field(default_factory=MeasurePlan)
-
-
-@dataclass(frozen=True)
-class Measurement:
+class Measurement(Message):
     ok: bool
     error: str = ""
     dropped: bool = False
@@ -433,49 +455,47 @@ class Measurement:
 
     def summary(self) -> dict[str, Any]:
         """The fields a report keeps (no per-round data)."""
-        d = to_wire(self)
+        d = encode(self)
         d.pop("rounds_us", None)
         return d
 
 
-@dataclass(frozen=True)
-class MeasureReply:
+class MeasureReply(Message):
     results: dict[str, Measurement]
 
 
-@dataclass(frozen=True)
-class ProfileRequest:
+class MeasureRequest(Request, tag="measure"):
+    """Measure candidates interleaved on the same inputs (see backends/ort/runner.py);
+    every candidate's outputs are first compared with the `reference` candidate's."""
+
+    reply = MeasureReply
+    candidates: tuple[Candidate, ...]
+    inputs: Path
+    reference: str | None
+    device: Device
+    plan: MeasurePlan = field(default_factory=MeasurePlan)
+
+
+class ProfileReply(Message):
+    nodes: dict[str, float]
+    total_us: float
+    #: seconds the session took to load: how long a session of this model takes to make
+    load_s: float = 0.0
+
+
+class ProfileRequest(Request, tag="profile"):
     """Per-node run time of a model (onnxruntime's profiler)."""
 
-    op: ClassVar[str] = "profile"
+    reply = ProfileReply
     model: Path
     inputs: Path
     workdir: Path
     device: Device
     runs: int = 10
-    options: dict[str, Any] = field(default_factory=dict)
+    options: dict[str, Any] = {}
 
 
-@dataclass(frozen=True)
-class ProfileReply:
-    nodes: dict[str, float]
-    total_us: float
-
-
-@dataclass(frozen=True)
-class CompareRequest:
-    """Accuracy of `candidate` against `reference`, worst over several input files."""
-
-    op: ClassVar[str] = "compare"
-    reference: Path
-    candidate: Path
-    inputs: tuple[Path, ...]
-    device: Device
-    options: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class Accuracy:
+class Accuracy(Message):
     """Agreement with the reference over `samples` inputs: the worst of each measure,
     the 5th percentile of the cosine, and for classifier-shaped outputs ([rows, classes])
     the share of rows whose top-1 class agrees (None when there are none)."""
@@ -498,14 +518,28 @@ class Accuracy:
                 "top1_agreement": self.top1_agreement, "top1_rows": self.top1_rows}  # fmt: skip
 
 
+class CompareRequest(Request, tag="compare"):
+    """Accuracy of `candidate` against `reference`, worst over several input files."""
+
+    reply = Accuracy
+    reference: Path
+    candidate: Path
+    inputs: tuple[Path, ...]
+    device: Device
+    options: dict[str, Any] = {}
+
+
 # --------------------------------------------------------------------------- jobs
 
 
 @dataclass(frozen=True)
 class JobEvent:
-    """What a job tells whoever watches it (a progress bar, a gRPC stream)."""
+    """What a job tells whoever watches it (a progress bar, a gRPC stream). A "stage"
+    event names its `stage`: what follows it (a job's state) goes by that, never by the
+    message, which is for people."""
 
     kind: str  # stage | progress | task | wait | log
     message: str = ""
     done: int = 0
     total: int = 0
+    stage: Stage | None = None

@@ -10,16 +10,18 @@ side file when the whole would not fit a protobuf (2 GiB), so large models round
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
-import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 import onnx
 from onnx import external_data_helper
 
 from aoe.errors import AoedError, ModelError
+from aoed import safefs
 
 __all__ = [
     "EXTERNAL_THRESHOLD",
@@ -39,7 +41,13 @@ PROTOBUF_LIMIT = 2 << 30
 
 
 def load_model(
-    path: Path, *, max_bytes: int | None = None, max_nodes: int | None = None, settings: tuple[str, str] = ("", "")
+    path: Path,
+    *,
+    max_bytes: int | None = None,
+    max_nodes: int | None = None,
+    settings: tuple[str, str] = ("", ""),
+    fits: Callable[[int], None] | None = None,
+    expect: tuple[int, int] | None = None,
 ) -> onnx.ModelProto:
     """Load the model at `path` with its external data; ModelError naming the file and
     the tensor when anything is wrong.
@@ -49,9 +57,18 @@ def load_model(
     they count are read (nodes: before anything walks the graph), and a message about
     one names its setting from `settings` (bytes, nodes) when given. External data is
     read only from regular files beside the model with a single link (see
-    `_read_external`)."""
+    `_read_external`). `fits`, given the bytes about to be held (the file, then the file
+    and its external data), raises when they are more than the caller can afford.
+
+    With `expect`, the (device, inode) of the file checked when the model was submitted,
+    the file is read only if the opened descriptor is still that file with one link: a
+    name swapped since for another file, a hard link to a file from elsewhere included,
+    is refused (ModelError) with nothing read."""
     bytes_setting, nodes_setting = settings
-    data = _read_model_file(path, max_bytes, bytes_setting)
+    if fits is not None:
+        with contextlib.suppress(OSError):  # an unreadable file: _read_model_file says why
+            fits(path.stat().st_size)
+    data = _read_model_file(path, max_bytes, bytes_setting, expect)
     try:
         model = onnx.load_model_from_string(data)
     except MemoryError:
@@ -69,7 +86,7 @@ def load_model(
     external = [t for t in external_data_helper._get_all_tensors(model) if external_data_helper.uses_external_data(t)]
     if external:
         budget = None if max_bytes is None else max_bytes - path.stat().st_size
-        _read_external(path, model, external, budget, bytes_setting)
+        _read_external(path, model, external, budget, bytes_setting, fits)
     return model
 
 
@@ -114,9 +131,12 @@ def _gib(n: int) -> str:
     return f"{n / (1 << 30):.1f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
 
 
-def _read_model_file(path: Path, max_bytes: int | None, setting: str = "") -> bytes:
+def _read_model_file(path: Path, max_bytes: int | None, setting: str = "",
+                     expect: tuple[int, int] | None = None) -> bytes:  # fmt: skip
     """The model file's bytes, refused before reading when it is not a regular file (a
-    pipe would block), empty, over `max_bytes`, or past what protobuf can parse."""
+    pipe would block), empty, over `max_bytes`, or past what protobuf can parse; with
+    `expect`, also when the opened file is not that (device, inode) or has several
+    links."""
     try:
         st = path.stat()
     except FileNotFoundError:
@@ -133,11 +153,17 @@ def _read_model_file(path: Path, max_bytes: int | None, setting: str = "") -> by
                          "save the model with its weights as external data")  # fmt: skip
     try:
         # O_NONBLOCK: a file swapped for a pipe since the stat must not block the open.
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        # A submitted model's path names the file itself (resolved when it was submitted).
+        nofollow = os.O_NOFOLLOW if expect is not None else 0
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | nofollow)
         with os.fdopen(fd, "rb") as f:
             now = os.fstat(f.fileno())
             if not stat.S_ISREG(now.st_mode):
                 raise ModelError(f"{path}: not a regular file; pass the .onnx model file")
+            if expect is not None and ((now.st_dev, now.st_ino) != tuple(expect) or now.st_nlink > 1):
+                why = f"it has {now.st_nlink} hard links" if now.st_nlink > 1 else "another file took its name"
+                raise ModelError(f"{path}: not the file that was submitted ({why}); nothing was read: submit it "
+                                 "again once nobody changes it")  # fmt: skip
             if now.st_size >= PROTOBUF_LIMIT:
                 raise ModelError(f"{path}: the model file grew to {_gib(now.st_size)} while being read")
             # Read what the file holds (+1 to see it grew): read(N) reserves N bytes up front,
@@ -160,7 +186,12 @@ def _undecodable(exc: Exception) -> str:
 
 
 def _read_external(
-    path: Path, model: onnx.ModelProto, tensors: list[onnx.TensorProto], budget: int | None, setting: str = ""
+    path: Path,
+    model: onnx.ModelProto,
+    tensors: list[onnx.TensorProto],
+    budget: int | None,
+    setting: str = "",
+    fits: Callable[[int], None] | None = None,
 ) -> None:
     """Read each tensor's external data into it (it then holds its data inline).
 
@@ -212,6 +243,8 @@ def _read_external(
     if budget is not None and total > budget:
         raise ModelError(f"{path}: the model and its external data hold {_gib(total + path.stat().st_size)}, over "
                          f"the limit of {_gib(budget + path.stat().st_size)}{_named(setting)}")  # fmt: skip
+    if fits is not None:
+        fits(total + path.stat().st_size)
     for tensor, target, st, offset, length in plan:
         loc = str(external_data_helper.ExternalDataInfo(tensor).location)
         try:
@@ -245,61 +278,45 @@ def tensor_bytes(model: onnx.ModelProto) -> int:
     )
 
 
-def process_umask() -> int:
-    """The process umask, read without setting it (os.umask would race other threads)."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError):
-        pass
-    return 0o022
+#: An initializer of at least this many bytes goes to the external data file (onnx's
+#: own threshold in `convert_model_to_external_data`).
+_EXTERNAL_MIN_TENSOR = 1024
 
 
-def _fresh(beside: Path, made: list[Path]) -> Path:
-    """An empty file of a new, unpredictable name beside `beside`, created exclusively,
-    with the mode a plain open would give it (it is renamed into the final name)."""
-    fd, name = tempfile.mkstemp(prefix=f".{beside.name}.", suffix=".tmp", dir=beside.parent)
-    os.fchmod(fd, 0o666 & ~process_umask())
-    os.close(fd)
-    made.append(Path(name))
-    return Path(name)
+def _move_to_external(model: onnx.ModelProto, location: str, f: BinaryIO) -> None:
+    """Write the raw data of `model`'s large initializers to `f`, one after another, and
+    point each tensor at its bytes in the file `location` instead."""
+    offset = 0
+    for t in external_data_helper._get_initializer_tensors(model):
+        if t.HasField("raw_data") and len(t.raw_data) >= _EXTERNAL_MIN_TENSOR:
+            f.write(t.raw_data)
+            external_data_helper.set_external_data(t, location, offset, len(t.raw_data))
+            offset += len(t.raw_data)
+            t.ClearField("raw_data")
 
 
 def save_model(model: onnx.ModelProto, path: Path, external_above: int = EXTERNAL_THRESHOLD) -> int:
     """Write `model` at `path` atomically, with external data beside it (`NAME.data`)
     when its tensors exceed `external_above` bytes; returns the bytes written. AoedError
-    naming the file when it cannot."""
+    naming the file when it cannot.
+
+    Both files are written through a descriptor of the folder (resolved: the folder
+    named is used even through a link) with safefs.write_file: a link planted at either
+    name, or at a temporary one, is never written through. Not fsynced, as before: the
+    models saved are a job's scratch and outputs, which a crash makes the job redo."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    data = path.with_name(f"{path.name}.data")
+    data = f"{path.name}.data"
     external = tensor_bytes(model) > external_above
-    made: list[Path] = []
     try:
-        # Fresh names created exclusively: a symlink planted at a predictable temp name in
-        # a shared output folder can not redirect the write.
-        tmp = _fresh(path, made)
-        if external:
-            copy = onnx.ModelProto()
-            copy.CopyFrom(model)
-            tmp_data = _fresh(data, made)
-            onnx.save_model(
-                copy, str(tmp), save_as_external_data=True, all_tensors_to_one_file=True,
-                location=tmp_data.name, size_threshold=1024,
-            )  # fmt: skip
-            # The model names the final data file; write it so, then move both in place.
-            for t in external_data_helper._get_all_tensors(copy):
-                if external_data_helper.uses_external_data(t):
-                    for entry in t.external_data:
-                        if entry.key == "location":
-                            entry.value = data.name
-            onnx.save_model(copy, str(tmp), save_as_external_data=False)
-            os.replace(tmp_data, data)
-        else:
-            onnx.save(model, str(tmp))
-        os.replace(tmp, path)
+        with safefs.opened_dir(path.parent.resolve()) as d:
+            if external:
+                copy = onnx.ModelProto()
+                copy.CopyFrom(model)
+                safefs.write_file(data, lambda f: _move_to_external(copy, data, f), dir_fd=d, sync=False)
+                model = copy
+            blob = model.SerializeToString()
+            safefs.write_file(path.name, lambda f: f.write(blob), dir_fd=d, sync=False)
+            written = len(blob) + (os.stat(data, dir_fd=d).st_size if external else 0)
     except OSError as exc:
-        for leftover in made:
-            leftover.unlink(missing_ok=True)
         raise AoedError(f"{path}: cannot write the model ({exc.strerror or exc})") from None
-    return path.stat().st_size + (data.stat().st_size if external else 0)
+    return written

@@ -1,17 +1,31 @@
-"""The result document: AOE's `aoe_result_opat_{ts}_{pid}.json` fields plus our own.
+"""The result document: AOE's `aoe_result_opat_{ts}_{pid}.json` fields plus our own, from
+the job's `aoe.outcome.JobOutcome` and the details only this document holds
+(`ResultDetails`).
 
     basic{tuning_name, tuning_time(s), job_id, precision, device}
     OPAT{model_baseline_performance(ms), model_result_performance(ms),
-         model_performance_improvement, opat_tuning_result, repo_modified_operators,
+         model_performance_improvement, model_performance_verdict,
+         model_performance_summary, opat_tuning_result, repo_modified_operators,
          repo_summary{repo_add_num, repo_hit_num, repo_reserved_num,
                       repo_unsatisfied_num, repo_update_num, total_num}}
     confirmation{verdict, shipped, baseline_ms, result_ms, improvement, improvement_ci95,
-                 rounds, device_s, options_kept}: the A/B the OPAT figures come from
+                 rounds, decided_by, from_bank, device_s, options_kept, notes, proposal}:
+                 the A/B the OPAT figures come from
     decision{...}: the verification rounds that chose what was proposed (decision figures)
-    budget{budget_s, spent_s, search_s, session_s, verify_s, profile_s, confirm_s}
+    budget{budget_s, spent_s, search_s, session_s, verify_s, profile_s, confirm_s,
+           load_s_per_mib, elapsed_s, over_s, stages{STAGE: {given_s, spent_s, over_s,
+           counted, device_s, estimate_s}}}: the device seconds the budget counts, then
+           every stage's wall time against what the budget gave it (budget.py)
+    device_info{device, provider, providers, hardware, accelerator, versions, fingerprint}:
+           what was measured on (a GPU's model, compute capability, driver; onnxruntime,
+           CUDA, cuDNN, TensorRT versions)
     tuned_model, session_options, verification, accuracy, accuracy_budget, calibration,
-    resources{device_s, duty_cycle, trials, failed_candidates, compile_s, memory ...},
-    notes, tasks[...] (per task: strategy, update_mode, before/after, candidates, why)
+    resources{device_s, duty_cycle, trials, failed_candidates, compile_s, memory ...,
+              attempt, attempts[{attempt, tasks, trials}]}: trials count every run of
+              the job (a resumed job's earlier, interrupted ones too); device and compile
+              seconds are this run's
+    notes, tasks[...] (per task: strategy, update_mode, before/after, candidates, why,
+                       attempt: the run that measured it, 0 when the bank answered)
 
 An SGAT job (`aoe_result_sgat_...`) has an SGAT section instead, shaped alike, with
 `sgat_tuning_result` and `repo_modified_subgraphs{add_repo_subgraphs,
@@ -19,7 +33,9 @@ update_repo_subgraphs}` ({subgraph_name, subgraph_type, task_id}); a sgat+opat j
 (`aoe_result_sgat_opat_...`) has both, each counting its own tasks.
 
 The OPAT (SGAT) section's baseline, result and improvement are the confirming A/B's,
-measured after every decision on rounds no decision used.
+measured after every decision on rounds no decision used, by the rule aoe.figures states
+(result = baseline / (1 + improvement); the input shipped: result = baseline, 0), and the
+summary is the verdict as every other surface words it.
 
 Written atomically (temp file + rename), so a reader never sees half a document.
 """
@@ -28,18 +44,20 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from aoe.errors import AoedError
+from aoe.figures import verdict_text
+from aoe.outcome import JobOutcome, TaskOutcome
+from aoe.spec import JobType
 from aoe.subgraphs import SUBGRAPH_FAMILIES
+from aoed import safefs
 from aoed.engine.bankrules import repo_summary
-from aoed.engine.job import JobResult, TaskResult
-from aoed.engine.modelio import process_umask
 
-__all__ = ["result_json", "write_json"]
+__all__ = ["ResultDetails", "result_json", "write_json"]
 
 
 def _json_safe(obj: object) -> object:
@@ -53,12 +71,32 @@ def _json_safe(obj: object) -> object:
     return obj
 
 
-def _section(result: JobResult, part: str, tasks: list[TaskResult], whole: bool) -> dict[str, Any]:
+@dataclass(frozen=True)
+class ResultDetails:
+    """What the result JSON holds beyond the job's outcome: the engine's own record of
+    how it decided (each task's candidates, the confirming A/B's and verification's
+    documents, the device's facts, every device interval and run)."""
+
+    #: per task id, the candidates measured and their figures
+    candidates: Mapping[str, list[dict[str, Any]]] = field(default_factory=dict)
+    #: the whole resources section (the outcome keeps its scalars)
+    resources: Mapping[str, Any] = field(default_factory=dict)
+    #: [seconds into the job, estimated gain in us] after each task decision
+    timeline: list[tuple[float, float]] = field(default_factory=list)
+    #: the confirming A/B (confirm.py): where the outcome's figures come from
+    confirmation: Mapping[str, Any] = field(default_factory=dict)
+    #: the verification rounds that chose what was proposed: decision figures
+    decision: Mapping[str, Any] = field(default_factory=dict)
+    #: what the job measured on: device, provider, hardware, accelerator, versions
+    device_info: Mapping[str, Any] = field(default_factory=dict)
+
+
+def _section(o: JobOutcome, part: JobType, tasks: list[TaskOutcome], whole: bool) -> dict[str, Any]:
     """AOE's section for one job type (OPAT or SGAT) over its `tasks`. The model figures
     are the job's (one model was measured); the repo summary counts this part's tasks,
     and the job's session-options record too when the part is the whole job."""
-    if part == "sgat":
-        def name(t: TaskResult) -> dict[str, str]:
+    if part == JobType.SGAT:
+        def name(t: TaskOutcome) -> dict[str, str]:
             return {"subgraph_name": t.op_name, "subgraph_type": t.family, "task_id": t.task_id}
 
         modified = {"add_repo_subgraphs": [name(t) for t in tasks if t.update_mode == "add"],
@@ -67,21 +105,24 @@ def _section(result: JobResult, part: str, tasks: list[TaskResult], whole: bool)
         modified = {"add_repo_operators": [{"op_name": t.op_name, "op_type": t.op_type} for t in tasks if t.update_mode == "add"],
                     "update_repo_operators": [{"op_name": t.op_name, "op_type": t.op_type} for t in tasks
                                               if t.update_mode == "update"]}  # fmt: skip
+    f = o.figures
     return {
-        "model_baseline_performance(ms)": round(result.baseline_ms, 6),
-        "model_result_performance(ms)": round(result.tuned_ms, 6),
-        "model_performance_improvement": round(result.improvement, 4),
+        "model_baseline_performance(ms)": round(f.baseline_ms, 6),
+        "model_result_performance(ms)": round(f.result_ms, 6),
+        "model_performance_improvement": round(f.improvement, 4),
         f"{part}_tuning_result": "tuning successful",
-        "model_performance_verdict": result.confirmation.get("verdict", ""),
-        f"repo_modified_{'subgraphs' if part == 'sgat' else 'operators'}": modified,
-        "repo_summary": result.repo if whole else repo_summary([t.update_mode for t in tasks]),
+        "model_performance_verdict": f.verdict,
+        "model_performance_summary": verdict_text(f),
+        f"repo_modified_{'subgraphs' if part == JobType.SGAT else 'operators'}": modified,
+        "repo_summary": dict(o.bank) if whole else repo_summary([t.update_mode for t in tasks]),
     }
 
 
-def result_json(result: JobResult, job_type: str = "opat") -> dict[str, Any]:
-    """The AOE-shaped result document of a finished job."""
+def result_json(o: JobOutcome, details: ResultDetails = ResultDetails()) -> dict[str, Any]:
+    """The AOE-shaped result document of a finished job: its outcome, and the details
+    only this document holds."""
     tasks = []
-    for t in result.tasks:
+    for t in o.tasks:
         tasks.append(
             {
                 "task_id": t.task_id,
@@ -95,59 +136,53 @@ def result_json(result: JobResult, job_type: str = "opat") -> dict[str, Any]:
                 "performance_before_tune(us)": round(t.before_us, 3),
                 "performance_after_tune(us)": round(t.after_us, 3),
                 "performance_improvement": round(t.improvement, 4),
-                "update_mode": t.update_mode,
+                "update_mode": str(t.update_mode),
                 "bank_layer": t.bank_layer,
-                "accuracy": t.accuracy,
-                "candidates": t.candidates,
+                "attempt": t.attempt,
+                "accuracy": dict(t.accuracy),
+                "candidates": details.candidates.get(t.task_id, []),
                 "error": t.error,
-                "rejected": t.rejected,
+                "rejected": list(t.rejected),
             }
         )
     sections = {}
-    for part in job_type.split("+"):  # sgat+opat: an SGAT section, then an OPAT one
-        mine = [t for t in result.tasks if (t.family in SUBGRAPH_FAMILIES) == (part == "sgat")]
-        sections[part.upper()] = _section(result, part, mine, whole=part == job_type)
+    for part in o.job_type.parts:  # sgat+opat: an SGAT section, then an OPAT one
+        mine = [t for t in o.tasks if (t.family in SUBGRAPH_FAMILIES) == (part == JobType.SGAT)]
+        sections[part.upper()] = _section(o, part, mine, whole=part == o.job_type)
     return {
         "basic": {
-            "tuning_name": Path(result.model).stem,
-            "tuning_time(s)": round(result.tuning_time_s, 3),
-            "job_id": result.job_id,
-            "precision": result.precision,
-            "device": result.device,
+            "tuning_name": Path(o.model).stem,
+            "tuning_time(s)": round(o.tuning_time_s, 3),
+            "job_id": o.job_id,
+            "precision": str(o.precision),
+            "device": o.device,
         },
         **sections,
-        "confirmation": result.confirmation,
-        "decision": result.decision,
-        "budget": result.device_budget,
-        "tuned_model": result.tuned_model,
-        "workspace": result.workspace,
-        "session_options": result.session_options,
-        "verification": result.verified,
-        "accuracy": result.accuracy,
-        "accuracy_budget": result.budget,
-        "calibration": result.calibration,
-        "resources": result.resources,
+        "confirmation": dict(details.confirmation),
+        "decision": dict(details.decision),
+        "budget": o.budget.to_dict(),
+        "device_info": dict(details.device_info),
+        "tuned_model": o.tuned_model,
+        "workspace": o.workspace,
+        "session_options": dict(o.session_options),
+        "verification": o.verified,
+        "accuracy": dict(o.accuracy),
+        "accuracy_budget": dict(o.accuracy_budget),
+        "calibration": o.calibration,
+        "resources": dict(details.resources or o.resources),
         # [seconds into the job, estimated gain in us] after each task decision
-        "gain_timeline": result.timeline,
-        "notes": result.notes,
+        "gain_timeline": list(details.timeline),
+        "notes": list(o.notes),
         "tasks": tasks,
     }
 
 
 def write_json(path: Path, doc: dict[str, Any]) -> None:
-    """Write `doc` at `path` atomically. AoedError naming the file when it cannot."""
+    """Write `doc` at `path` atomically (safefs.write_file: a link at the name is replaced,
+    never written through). AoedError naming the file when it cannot."""
     text = json.dumps(_json_safe(doc), indent=2, allow_nan=False) + "\n"
-    tmp: Path | None = None
     try:
-        # A fresh name created exclusively: a symlink planted at a predictable temp name
-        # in a shared output folder can not redirect the write.
-        fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        tmp = Path(name)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            os.fchmod(f.fileno(), 0o666 & ~process_umask())  # as a plain open would make it
-            f.write(text)
-        os.replace(tmp, path)
+        with safefs.opened_dir(path.parent.resolve()) as d:
+            safefs.write_file(path.name, lambda f: f.write(text.encode()), dir_fd=d)
     except OSError as exc:
-        if tmp is not None:
-            tmp.unlink(missing_ok=True)
         raise AoedError(f"{path}: cannot write the result ({exc.strerror or exc})") from None

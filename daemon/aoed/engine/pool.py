@@ -6,8 +6,11 @@ bank entries), so the engine's own process never loads onnxruntime and its event
 never runs anything heavy. Requests wait in one bounded queue; each worker slot takes
 the next when it is free, so a slow request never holds up the others.
 
-A worker that crashes or overruns its time costs the request it was serving: the slot
-answers with a failure and starts a fresh worker for the next one. A request whose job
+`call()` returns the request's reply or raises: the error class the worker raised
+(ModelError for a model it cannot read, ...), CandidateError for any other failure of
+the request, WorkerCrashedError or WorkerTimeoutError (both CandidateErrors) when the
+worker died or overran its time. A worker that crashes or overruns its time costs the
+request it was serving: the slot starts a fresh worker for the next one. A request whose job
 was cancelled is dropped from the queue, and the worker serving one is killed. The time
 limits are the config's (`compile_timeout_s` for a candidate or a bank rebuild,
 `stage_timeout_s` for any other request) times the job's time scale (bigger models take
@@ -27,14 +30,17 @@ from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import outcome
 import trio
 
+from aoe.device import CPU
+from aoe.errors import CandidateError, ModelError
 from aoed.engine import _pending
 from aoed.engine._child import Child, ChildDiedError
 from aoed.engine.ledger import JobLedger
-from aoed.engine.messages import to_wire
+from aoed.engine.messages import PingRequest, Request, error_of, op_of
 
-__all__ = ["CompilePool"]
+__all__ = ["CompilePool", "WorkerCrashedError", "WorkerTimeoutError", "model_step"]
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +50,15 @@ TIMEOUTS = {"compile": 120.0, "rebuild": 120.0}
 DEFAULT_TIMEOUT = 900.0
 #: The setting that sets each kind's limit, for messages.
 _SETTINGS = {"compile": "compile_timeout_s", "rebuild": "compile_timeout_s"}
+
+
+class WorkerCrashedError(CandidateError):
+    """The worker serving the request exited (it crashed, or was killed) or broke the
+    protocol."""
+
+
+class WorkerTimeoutError(CandidateError):
+    """The request overran its time limit; the worker serving it was killed."""
 
 
 class _Deadline:
@@ -84,7 +99,7 @@ class CompilePool:
                   cpus=cpus, memory_mb=memory_mb, args=args)
             for i in range(workers)
         ]  # fmt: skip
-        self._queue: _pending.RequestQueue[dict[str, Any]] = _pending.RequestQueue(workers)
+        self._queue: _pending.RequestQueue[tuple[Request, float | None]] = _pending.RequestQueue(workers)
         self._timeouts = {**TIMEOUTS, **(timeouts or {})}
         self._default_timeout = default_timeout
         self._deadlines: set[_Deadline] = set()
@@ -94,6 +109,11 @@ class CompilePool:
     @property
     def size(self) -> int:
         return len(self._children)
+
+    @property
+    def busy(self) -> int:
+        """Workers serving a request now."""
+        return len(self._deadlines)
 
     @property
     def pids(self) -> list[int]:
@@ -110,12 +130,12 @@ class CompilePool:
                 for child in self._children:
                     await child.aclose()
 
-    async def _slot(self, child: Child, requests: _pending._Receiver[dict[str, Any]]) -> None:
-        async def handle(request: dict[str, Any], job: JobLedger | None) -> dict[str, Any]:
-            op = str(request.get("op"))
-            given = request.pop("timeout_s", None)
+    async def _slot(self, child: Child, requests: _pending._Receiver[tuple[Request, float | None]]) -> None:
+        async def handle(call: tuple[Request, float | None], job: JobLedger | None) -> outcome.Outcome:
+            request, given = call
+            op = op_of(request)
             if given:
-                seconds, why = float(given), "the request's own limit"
+                seconds, why = given, "the request's own limit"
             else:
                 base = self._timeouts.get(op, self._default_timeout)
                 why = f"{_SETTINGS.get(op, 'stage_timeout_s')}={base:g}"
@@ -125,39 +145,37 @@ class CompilePool:
                 deadline = _Deadline(limit, seconds, self._pauses > 0)
                 self._deadlines.add(deadline)
                 try:
-                    reply = await child.call(request)
+                    answer = await child.call(request)
                 except ChildDiedError as exc:
                     self.crashes += 1
                     log.warning("%s: %s", op, exc)
-                    return {"ok": False, "applicable": True, "error": f"worker crashed: {exc}",
-                            "error_class": "CandidateError"}  # fmt: skip
+                    return outcome.Error(WorkerCrashedError(f"worker crashed: {exc}"))
                 finally:
                     self._deadlines.discard(deadline)
                     if job is not None:
                         job.charge_compile(trio.current_time() - t0)
                 if job is not None:
-                    job.note_rss(reply.get("maxrss_kb"))
-                return reply
+                    job.note_rss(answer.maxrss_kb)
+                return outcome.Value(answer.reply) if answer.ok else outcome.Error(error_of(answer, CandidateError))
             self.crashes += 1
             log.warning("%s: timed out after %gs (%s); worker restarted", op, seconds, why)
-            return {"ok": False, "applicable": True, "error": f"{op} timed out after {seconds:g}s ({why})",
-                    "error_class": "CandidateError"}  # fmt: skip
+            return outcome.Error(WorkerTimeoutError(f"{op} timed out after {seconds:g}s ({why})"))
 
         async with requests:
             async for pending in requests:
                 if await _pending.serve(pending, handle):
                     # The worker was killed with its abandoned request: start the next one now.
                     with contextlib.suppress(ChildDiedError):
-                        await child.call({"op": "ping"})
+                        await child.call(PingRequest(CPU))
 
-    async def call(self, request: Any, job: JobLedger | None = None, timeout_s: float | None = None) -> dict[str, Any]:
-        """Run one request (a messages.*Request) on a worker; returns the reply dict (a
-        failed request is a reply with ok false, never an exception). Cancellation drops
-        the request, or kills the worker serving it."""
-        wire = to_wire(request)
-        if timeout_s is not None:
-            wire["timeout_s"] = timeout_s
-        return await self._queue.submit(wire, job)
+    async def call(self, request: Request, job: JobLedger | None = None, timeout_s: float | None = None) -> Any:
+        """Run one request (a messages.*Request) on a worker; returns its reply (of the
+        request's `reply` type). Raises the error class the worker raised when it is one
+        of ours, else CandidateError; WorkerCrashedError or WorkerTimeoutError when the
+        worker died or overran its limit (`timeout_s`, else the request kind's).
+        Cancellation drops the request, or kills the worker serving it."""
+        result: outcome.Outcome = await self._queue.submit((request, timeout_s), job)
+        return result.unwrap()
 
     @contextlib.asynccontextmanager
     async def paused(self) -> AsyncIterator[None]:
@@ -177,3 +195,13 @@ class CompilePool:
                     child.resume()
                 for d in self._deadlines:
                     d.resume()
+
+
+async def model_step(pool: CompilePool, request: Request, job: JobLedger | None, model: Path, what: str) -> Any:
+    """`pool.call` for work on a job's whole model (preparing it, its samples, its
+    tasks): a failure the worker did not name (CandidateError: it raised, crashed or
+    overran its time) is the model's, raised as ModelError naming `model` and `what`."""
+    try:
+        return await pool.call(request, job)
+    except CandidateError as exc:
+        raise ModelError(f"{model}: {what} failed: {exc}") from None

@@ -31,6 +31,7 @@ from aoe.config import Config
 from aoe.errors import ModelError, OptionError
 from aoe.graph import normalize
 from aoe.signature import ModelContext, TensorInfo
+from aoed.engine.memory import check_fits
 from aoed.engine.modelio import load_model, save_model, subgraphs
 
 __all__ = [
@@ -42,7 +43,6 @@ __all__ = [
     "Prepared",
     "check_declared",
     "make_inputs",
-    "parse_input_shapes",
     "prepare",
 ]
 
@@ -66,11 +66,18 @@ class Limits:
     nodes: int = MAX_NODES
     tensor_bytes: int = MAX_TENSOR_BYTES
     name_chars: int = MAX_NAME_CHARS
+    #: the address space a worker may use, MiB (0: no limit), and why it is that: a model
+    #: whose estimated peak (memory.job_need_mb) is more is refused before it is read
+    memory_mb: int = 0
+    memory_why: str = "[engine] worker_memory_mb"
 
     @classmethod
     def of(cls, config: Config) -> Limits:
-        """The limits `config` sets ([engine] max_model_mb, max_nodes, max_tensor_mb)."""
-        return cls(config.max_model_mb << 20, config.max_nodes, config.max_tensor_mb << 20)
+        """The limits `config` sets ([engine] max_model_mb, max_nodes, max_tensor_mb, and
+        the workers' memory once the engine has derived it)."""
+        return cls(config.max_model_mb << 20, config.max_nodes, config.max_tensor_mb << 20,
+                   memory_mb=config.worker_memory_mb or 0,
+                   memory_why=config.sources.get("worker_memory_mb", "[engine] worker_memory_mb"))  # fmt: skip
 
 
 @dataclass
@@ -84,42 +91,27 @@ class Prepared:
     notes: list[str] = field(default_factory=list)
 
 
-def parse_input_shapes(spec: str | list[str] | None) -> dict[str, tuple[int, ...]]:
-    """Parse `name:1,3,224,224` items (also `;`-joined, AOE style) into a dict."""
-    if not spec:
-        return {}
-    items = [spec] if isinstance(spec, str) else list(spec)
-    out: dict[str, tuple[int, ...]] = {}
-    for item in items:
-        for part in filter(None, (p.strip() for p in item.split(";"))):
-            name, sep, dims = part.rpartition(":")
-            if not sep or not name:
-                raise OptionError(f"--input-shape {part!r}: expected NAME:D1,D2,... e.g. x:1,3,224,224")
-            try:
-                shape = tuple(int(d) for d in dims.split(",") if d.strip())
-            except ValueError:
-                raise OptionError(f"--input-shape {part!r}: dimensions must be integers") from None
-            if not shape or any(d <= 0 for d in shape):
-                raise OptionError(f"--input-shape {part!r}: dimensions must be positive integers")
-            out[name] = shape
-    return out
-
-
 def prepare(
     source: str | os.PathLike[str],
     workdir: str | os.PathLike[str],
     input_shapes: Mapping[str, tuple[int, ...]] | None = None,
     keep_initializer_inputs: bool = False,
     limits: Limits = Limits(),
+    expect: tuple[int, int] | None = None,
 ) -> Prepared:
     """Load, check and normalize the model at `source`; save it as `workdir/prepared.onnx`.
+    With `expect`, the model file read must be that (device, inode), with one link.
 
     Raises ModelError (the model is at fault, or over one of `limits`) or OptionError
     (an override is wrong). Blocking and CPU-bound.
     """
     src = Path(source)
+
+    def fits(model_bytes: int) -> None:
+        check_fits(str(src), model_bytes, limits.memory_mb, limits.memory_why)
+
     model = load_model(src, max_bytes=limits.model_bytes, max_nodes=limits.nodes,
-                       settings=("[engine] max_model_mb", "[engine] max_nodes"))  # fmt: skip
+                       settings=("[engine] max_model_mb", "[engine] max_nodes"), fits=fits, expect=expect)  # fmt: skip
     check_declared(model, str(src), limits)
     norm = normalize(
         model, input_shapes, keep_initializer_inputs=keep_initializer_inputs, strict=True, source=str(src)

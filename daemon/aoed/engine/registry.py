@@ -9,7 +9,11 @@ the task as the model has it: the incumbent to beat.
 A strategy may take a parameter, spelled `name:param` (e.g. `int8_region:f3.7`: the
 region in int8 but its Convs 3 and 7): `with_param` builds the rewrite for one, and
 `propose` (run in a worker, where the task's real inputs can be run) names the variants
-worth trying for a task. A bank entry stores the full name, so the rewrite it describes
+worth trying for a task.
+
+A strategy also names the device kinds it is for (`kinds`; default: the CPU): a rewrite
+into the CPU provider's contrib kernels is no alternative on a GPU, where those nodes
+would fall back to the CPU. The default strategy is for every kind. A bank entry stores the full name, so the rewrite it describes
 is reproduced exactly wherever it is applied.
 
 A registry is a value, not a module global: an engine and each of its worker processes
@@ -51,6 +55,11 @@ class Strategy:
     #: evaluate(rewrite or None) runs the task model (rewritten) on its real inputs and
     #: returns its output; what was measured goes to `notes`
     propose: Callable[[TaskView, Callable[[Rewrite | None], Any], list[str]], list[str]] | None = None
+    #: the device kinds it is a real alternative on (aoe.device.KINDS); None: every kind
+    kinds: frozenset[str] | None = frozenset({"cpu"})
+
+    def for_kind(self, kind: str) -> bool:
+        return self.kinds is None or kind in self.kinds
 
     def apply(self, view: TaskView) -> Rewrite | None:
         return self.rewrite(view)
@@ -66,8 +75,12 @@ class StrategyRegistry:
 
     def __init__(self, families: Iterable[str] = ()):
         self._by_key: dict[tuple[str, str], Strategy] = {}
+        #: the model-wide option space on accelerators: (device, precision, op_types,
+        #: cache options) -> [(dimension, [options, ...])] (see aoed.engine.session);
+        #: the backend sets it, the engine only calls it
+        self.session_space: Callable[..., list[tuple[str, list[dict[str, Any]]]]] | None = None
         for family in families:
-            self.register(Strategy(DEFAULT, family, "exact", _unchanged, "the task as the model has it"))
+            self.register(Strategy(DEFAULT, family, "exact", _unchanged, "the task as the model has it", kinds=None))
 
     def register(self, strategy: Strategy) -> Strategy:
         """Add `strategy` (a new name within its family); returns it. ValueError on a clash."""
@@ -77,11 +90,12 @@ class StrategyRegistry:
         self._by_key[key] = strategy
         return strategy
 
-    def strategy(self, name: str, family: str, precision: str = "exact"):
-        """Decorator registering a rewrite function as strategy `name` of `family`."""
+    def strategy(self, name: str, family: str, precision: str = "exact", kinds: Iterable[str] = ("cpu",)):
+        """Decorator registering a rewrite function as strategy `name` of `family`, for
+        devices of `kinds`."""
 
         def deco(fn: Callable[[TaskView], Rewrite | None]):
-            self.register(Strategy(name, family, precision, fn, (fn.__doc__ or "").strip()))
+            self.register(Strategy(name, family, precision, fn, (fn.__doc__ or "").strip(), kinds=frozenset(kinds)))
             return fn
 
         return deco
@@ -97,21 +111,22 @@ class StrategyRegistry:
         if base is None or base.with_param is None:
             raise KeyError(f"unknown strategy {name!r} for {family}")
         build = base.with_param
-        return Strategy(name, family, base.precision, lambda view: build(view, param), base.doc)
+        return Strategy(name, family, base.precision, lambda view: build(view, param), base.doc, kinds=base.kinds)
 
-    def strategies_for(self, family: str, precision: str = "exact") -> Iterator[Strategy]:
-        """The strategies of `family` allowed under `precision`, in registration order:
-        exact ones always; under a lossy policy also its own and the `approx` ones (a
-        formula approximated in float, e.g. GELU's erf by tanh), which every lossy
-        policy's gates judge like any other lossy candidate."""
+    def strategies_for(self, family: str, precision: str = "exact", kind: str = "cpu") -> Iterator[Strategy]:
+        """The strategies of `family` allowed under `precision` on a device of `kind`, in
+        registration order: exact ones always; under a lossy policy also its own and the
+        `approx` ones (a formula approximated in float, e.g. GELU's erf by tanh), which
+        every lossy policy's gates judge like any other lossy candidate."""
         allowed = {"exact"} if precision == "exact" else {"exact", precision, APPROX}
         for s in self._by_key.values():
-            if s.family == family and s.precision in allowed:
+            if s.family == family and s.precision in allowed and s.for_kind(kind):
                 yield s
 
-    def has_choice(self, family: str, precision: str) -> bool:
-        """True when a task of `family` has more than the default to try under `precision`."""
-        return sum(1 for _ in self.strategies_for(family, precision)) > 1
+    def has_choice(self, family: str, precision: str, kind: str = "cpu") -> bool:
+        """True when a task of `family` has more than the default to try under `precision`
+        on a device of `kind`."""
+        return sum(1 for _ in self.strategies_for(family, precision, kind)) > 1
 
     def families(self) -> list[str]:
         return list(dict.fromkeys(f for f, _ in self._by_key))

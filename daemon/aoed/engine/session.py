@@ -19,9 +19,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from aoe.device import Device
 from aoe.errors import DeviceError
 from aoe.signature import TaskSignature, canonical_json
-from aoed.bank._codec import BankRecord
+from aoe.spec import Stage
+from aoe.bankrecord import BankRecord
 from aoed.bank.writer import BankWrite
 from aoed.engine import bankrules, decisions
 from aoed.engine.assemble import SESSION_FAMILY
@@ -31,6 +33,8 @@ from aoed.engine.messages import Candidate, Measurement, MeasurePlan
 
 __all__ = [
     "QUIET_SCALING",
+    "base_options",
+    "merge_options",
     "SessionChoice",
     "busy_cores",
     "busy_cores_note",
@@ -104,11 +108,43 @@ def dimensions(cores: int) -> list[tuple[str, list[dict[str, Any]]]]:
     ]
 
 
-def _merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
-    out = {**a, **b}
-    if "config" in a or "config" in b:
-        out["config"] = {**a.get("config", {}), **b.get("config", {})}
+def base_options(device: Device) -> dict[str, Any]:
+    """The options the search starts from on `device`: none on the CPU; on an
+    accelerator its providers as a session on it names them (Device.default_providers)."""
+    return {} if device.is_cpu else {"providers": device.default_providers()}
+
+
+def merge_options(current: dict[str, Any], change: dict[str, Any]) -> dict[str, Any]:
+    """`current` with `change` applied: session options replaced, `config` entries merged,
+    and each provider's options merged into that provider's. A change that brings a
+    provider in sets the order (its providers first, in its order); one that only sets
+    options keeps the current order."""
+    out = {**current, **{k: v for k, v in change.items() if k != "providers"}}
+    if "config" in current or "config" in change:
+        out["config"] = {**current.get("config", {}), **change.get("config", {})}
+    if "providers" in change:
+        now = [name for name, _ in current.get("providers", [])]
+        merged = {name: dict(opts) for name, opts in current.get("providers", [])}
+        for name, opts in change["providers"]:
+            merged[name] = {**merged.get(name, {}), **opts}
+        asked = [name for name, _ in change["providers"]]
+        order = asked + [n for n in now if n not in asked] if set(asked) - set(now) else now
+        out["providers"] = [[name, merged[name]] for name in order]
     return out
+
+
+def accelerator_dimensions(ctx: JobContext) -> list[tuple[str, list[dict[str, Any]]]]:
+    """The model-wide option space of the job's accelerator (the backend's, through the
+    registry), TensorRT's engine and timing caches kept beside the bank under the
+    device's fingerprint."""
+    space = ctx.registry.session_space
+    if space is None or ctx.prep is None:
+        return []
+    bank = Path(ctx.config.bank)
+    folder = bank.parent / f"{bank.name}-trt-cache" / ctx.fingerprint.digest[:32]
+    cache = {"trt_engine_cache_enable": "1", "trt_engine_cache_path": str(folder),
+             "trt_timing_cache_enable": "1", "trt_timing_cache_path": str(folder)}  # fmt: skip
+    return space(ctx.device.device, ctx.spec.precision, frozenset(ctx.prep.op_types), cache)
 
 
 @dataclass
@@ -126,26 +162,31 @@ async def search_session(
     """Choose model-wide session options for the model at `model_path`, within what
     `budget` has left (dimensions it cannot afford are not tried); a device failure ends
     the search with what it found."""
-    if ans.usable(ctx.opts.repeat_tune, ctx.opts.resumes):
+    if ans.usable(ctx.spec.repeat_tune, ctx.run.resumes):
         if ans.record is not None:
             return SessionChoice(json.loads(ans.record.strategy), "hit")
         return SessionChoice({}, "hit")
-    await ctx.stage("tuning session options")
+    await ctx.stage(Stage.SESSION, "tuning session options")
     key = ctx.key(signature)
-    current: dict[str, Any] = {}
+    base = base_options(ctx.device.device)
+    current: dict[str, Any] = dict(base)
     base_res: Measurement | None = None
     cur_res: Measurement | None = None
     trials: list[tuple[bytes, dict[str, Any]]] = []
-    dims = dimensions(ctx.device.cores)
+    dims = dimensions(ctx.device.cores) if ctx.device.device.is_cpu else accelerator_dimensions(ctx)
     pool = budget.for_session()
     for i, (dim, values) in enumerate(dims):
-        seconds = min(2.0, pool / (len(dims) - i), budget.remaining_s)
+        share = min(2.0, pool / (len(dims) - i), budget.remaining_s)
+        seconds, load = budget.measurable(share, [model_path] * (len(values) + 1))
         if seconds < 0.3:
-            ctx.notes.append(f"session options: {', '.join(d for d, _ in dims[i:])} not tried, the budget is spent")
+            why = (f" (loading its {len(values) + 1} sessions would take about {load:.2f} s of {share:.2f} s)"
+                   if share >= 0.3 else "")  # fmt: skip
+            ctx.notes.append(f"session options: {', '.join(d for d, _ in dims[i:])} not tried, the budget is "
+                             f"spent{why}")  # fmt: skip
             break
         cands = {"current": current}
         for v in values:
-            cands[canonical_json(v)] = _merge(current, v)
+            cands[canonical_json(v)] = merge_options(current, v)
         before = ctx.ledger.device_by.get("session", 0.0)
         try:
             measured = await ctx.measure(
@@ -170,14 +211,14 @@ async def search_session(
     strategy = canonical_json(current)
     rec = ans.record
     if rec is None:
-        if current:
+        if current != base:
             write = bankrules.make_record(key, signature, ctx.fingerprint, strategy, SESSION_FAMILY,
-                                          ctx.opts.precision, cur_res, base_res, ctx.job_id, ctx.opts.model.name)  # fmt: skip
+                                          ctx.spec.precision, cur_res, base_res, ctx.job_id, ctx.run.model.name)  # fmt: skip
             return SessionChoice(current, "add", write, len(trials))
         return SessionChoice({}, "unsatisfied", {"default_us": base_res.median_us, "job": ctx.job_id}, len(trials))
-    if strategy != rec.strategy and current:
+    if strategy != rec.strategy and current != base:
         write = bankrules.make_record(key, signature, ctx.fingerprint, strategy, SESSION_FAMILY,
-                                      ctx.opts.precision, cur_res, base_res, ctx.job_id, ctx.opts.model.name)  # fmt: skip
+                                      ctx.spec.precision, cur_res, base_res, ctx.job_id, ctx.run.model.name)  # fmt: skip
         return SessionChoice(current, "update", write, len(trials))
     return SessionChoice(json.loads(rec.strategy), "reserved", None, len(trials))
 
@@ -232,8 +273,8 @@ async def remember_context(
     key = ctx.key(signature)
     if evidence is not None:
         win, base = evidence
-        rec = bankrules.make_record(key, signature, ctx.fingerprint, options, SESSION_FAMILY, ctx.opts.precision,
-                                    win, base, ctx.job_id, ctx.opts.model.name, params)  # fmt: skip
+        rec = bankrules.make_record(key, signature, ctx.fingerprint, options, SESSION_FAMILY, ctx.spec.precision,
+                                    win, base, ctx.job_id, ctx.run.model.name, params)  # fmt: skip
     elif old is not None:
         rec = dataclasses.replace(old, strategy=options, params=params)
     elif isinstance(choice.write, BankRecord):

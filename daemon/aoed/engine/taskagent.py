@@ -7,29 +7,36 @@
     -> AOE's bank rules (add, update, reserved, unsatisfied), committed with the trials
        as soon as the task is decided, so a killed job resumes from the bank; a lossy
        choice is committed only once the model as a whole has met its accuracy budget
-       (the supervisor writes `pending` then, or `fallback_write` if it was backed off)
+       (the pipeline writes `pending` then, or `fallback_write` if it was backed off)
+    -> the whole decision, committed in that same transaction as this run's record
+       (resume.py): what a resumed run takes instead of measuring the task again
 
-An agent owns its task's search state and returns a `TaskDecision`; it writes nothing
-that other agents read. A failed candidate costs that candidate; a task whose default
+An agent owns its task's search state and returns a `TaskDecision`, with the notes it
+has for the job's report (the pipeline adds them); it writes nothing that other
+agents read. A failed candidate costs that candidate; a task whose default
 cannot be built or measured keeps what the model (or the bank) has, marked failed.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 import trio
 
-from aoe.errors import DeviceError
+from aoe.errors import AoedError, DeviceError
+from aoe.bank import CUSTOM
 from aoe.partition import Task
-from aoed.bank._codec import BankRecord
+from aoe.bankrecord import BankRecord
 from aoed.bank.writer import BankWrite
-from aoed.engine import bankrules, decisions, incontext
+from aoed.engine import bankrules, decisions, incontext, resume
+from aoed.engine.budget import Budget
 from aoed.engine.context import JobContext
 from aoed.engine.job import TaskResult
 from aoed.engine.messages import Accuracy, Candidate, CompileReply, CompileRequest, Measurement, VariantsReply, VariantsRequest
-from aoed.engine.messages import from_wire
 from aoed.engine.registry import DEFAULT
 
 __all__ = ["TaskAgent", "TaskDecision"]
@@ -48,6 +55,8 @@ class TaskDecision:
     failed_candidates: int = 0
     trials: int = 0
     decided_at: float = 0.0  # seconds into the job
+    #: what the search found worth a line in the job's notes (not kept for a resumed run)
+    notes: list[str] = field(default_factory=list)
     #: a lossy choice's bank write, held until the end-to-end accuracy gate passed it
     pending: BankWrite | None = None
     #: what to write instead when the gate backs the lossy choice off
@@ -55,63 +64,118 @@ class TaskDecision:
     fallback_us: float = 0.0  # the fallback's measured time
     fallback_mode: str = ""  # AOE's update mode had the fallback been chosen
 
+    def to_doc(self) -> dict[str, Any]:
+        """The decision as JSON, for resume.py (the task itself is the record's key)."""
+        return {
+            "result": dataclasses.asdict(self.result),
+            "strategy": self.strategy, "fallback": self.fallback,
+            "lossy_cost": list(self.lossy_cost) if self.lossy_cost is not None else None,
+            "failed_candidates": self.failed_candidates, "trials": self.trials,
+            "pending": resume.write_to_doc(self.pending), "fallback_write": resume.write_to_doc(self.fallback_write),
+            "fallback_us": self.fallback_us, "fallback_mode": self.fallback_mode,
+        }  # fmt: skip
+
+    @classmethod
+    def from_doc(cls, task: Task, doc: Mapping[str, Any]) -> TaskDecision:
+        """The decision `to_doc` wrote for `task`, as a resumed run takes it: answered
+        from the bank, decided at the run's start. KeyError or ValueError on a document
+        that is not one."""
+        names = {f.name for f in dataclasses.fields(TaskResult)}
+        result = TaskResult(**{k: v for k, v in doc["result"].items() if k in names})
+        result.update_mode, result.bank_layer = "hit", CUSTOM
+        cost = doc.get("lossy_cost")
+        return cls(
+            task, result, str(doc["strategy"]), fallback=str(doc["fallback"]),
+            lossy_cost=(float(cost[0]), float(cost[1])) if cost is not None else None,
+            failed_candidates=int(doc["failed_candidates"]), trials=int(doc["trials"]),
+            pending=resume.write_from_doc(doc.get("pending")),
+            fallback_write=resume.write_from_doc(doc.get("fallback_write")),
+            fallback_us=float(doc["fallback_us"]), fallback_mode=str(doc["fallback_mode"]),
+        )  # fmt: skip
+
 class TaskAgent:
-    def __init__(self, ctx: JobContext, task: Task, result: TaskResult, hit: BankRecord | None, budget_s: float):
+    def __init__(
+        self, ctx: JobContext, task: Task, result: TaskResult, hit: BankRecord | None, budget_s: float,
+        budget: Budget | None = None,
+    ):  # fmt: skip
         self.ctx = ctx
         self.task = task
         self.result = result
         self.hit = hit  # the bank's entry (REPEAT_TUNE), if any
-        self.budget_s = budget_s
+        self.budget_s = budget_s  # this task's share of the job's budget
+        self.budget = budget  # the job's, for the cost of loading the candidates' sessions
+        self.notes: list[str] = []
 
     async def run(self) -> TaskDecision:
+        """The task's decision, its notes with it."""
+        decision = await self._search()
+        decision.notes.extend(self.notes)
+        return decision
+
+    async def _search(self) -> TaskDecision:
         ctx, task, res = self.ctx, self.task, self.result
         taskdir = ctx.workspace.task_dir(task.id)
-        strategies = list(ctx.registry.strategies_for(task.family, ctx.opts.precision))
+        strategies = list(ctx.registry.strategies_for(task.family, ctx.spec.precision, ctx.device.device.kind))
+        if self.budget is not None:
+            # Each candidate is about the task model's size: when loading them alone would
+            # spend the task's share, building them would be wasted too.
+            seconds, load = self.budget.measurable(self.budget_s, [taskdir / "task.onnx"] * len(strategies))
+            if not seconds:
+                return self._skipped(len(strategies), load, 0)
         precision_of = {s.name: s.precision for s in strategies}
         for s in strategies:  # parametric variants, proposed from the task's real inputs
             if s.propose is not None:
                 req = VariantsRequest(taskdir / "task.onnx", task.family, s.name, f"aoe/{task.id}",
                                       taskdir / "inputs.npz", ctx.ranges)  # fmt: skip
-                reply = await ctx.pool.call(req, ctx.ledger)
-                if reply.get("ok", True) and "names" in reply:
-                    got = from_wire(VariantsReply, reply)
-                    precision_of.update({name: s.precision for name in got.names})
-                    ctx.notes.extend(f"{task.id}: {note}" for note in got.notes)
-                else:
-                    log.warning("%s: no variants of %s: %s", task.id, s.name, reply.get("error", "?"))
-        compiled: dict[str, CompileReply] = {}
+                try:
+                    got: VariantsReply = await ctx.pool.call(req, ctx.ledger)
+                except AoedError as exc:  # no variants: the strategy's other candidates go on
+                    log.warning("%s: no variants of %s: %s", task.id, s.name, exc)
+                    continue
+                precision_of.update({name: s.precision for name in got.names})
+                self.notes.extend(f"{task.id}: {note}" for note in got.notes)
+        compiled: dict[str, CompileReply | AoedError] = {}
 
         async def compile_one(name: str) -> None:
             req = CompileRequest(taskdir / "task.onnx", task.family, name, f"aoe/{task.id}",
                                  taskdir / f"{name}.onnx", ctx.ranges)  # fmt: skip
-            reply = await ctx.pool.call(req, ctx.ledger)
-            # A worker that failed (crashed, raised) answers without `applicable`: it did apply.
-            compiled[name] = from_wire(CompileReply, {"applicable": True, **reply})
+            try:
+                compiled[name] = await ctx.pool.call(req, ctx.ledger)
+            except AoedError as exc:  # whatever failed the build is this candidate's failure
+                compiled[name] = exc
 
         async with trio.open_nursery() as nursery:
             for name in precision_of:
                 nursery.start_soon(compile_one, name)
-        if not all(c.ok or not c.applicable for c in compiled.values()):
+        if any(isinstance(c, AoedError) for c in compiled.values()):
             await ctx.check_workspace()  # a vanished workspace fails every candidate: the job's failure
         cands, failed = [], 0
         for name in precision_of:
             c = compiled[name]
-            if c.ok:
-                cands.append(Candidate(name, taskdir / f"{name}.onnx"))
-            elif c.applicable:
+            if isinstance(c, AoedError):
                 failed += 1
-                res.candidates.append({"strategy": name, "ok": False, "error": c.error})
+                res.candidates.append({"strategy": name, "ok": False, "error": str(c)})
+            elif c.applicable:
+                cands.append(Candidate(name, taskdir / f"{name}.onnx"))
         fallback = self.hit.strategy if self.hit else DEFAULT
-        if not compiled[DEFAULT].ok:
-            res.update_mode, res.error = "failed", f"default form did not compile: {compiled[DEFAULT].error}"
+        if isinstance(default := compiled[DEFAULT], AoedError) or not default.applicable:
+            why = default if isinstance(default, AoedError) else "not applicable"
+            res.update_mode, res.error = "failed", f"default form did not compile: {why}"
             return TaskDecision(task, res, fallback, failed_candidates=failed)
+        seconds, load = (self.budget.measurable(self.budget_s, [c.model for c in cands]) if self.budget is not None
+                         else (self.budget_s, 0.0))  # fmt: skip
+        if not seconds:  # loading the sessions alone would spend the task's share, or more
+            await trio.to_thread.run_sync(_remove, [c.model for c in cands])
+            return self._skipped(len(cands), load, failed)
         try:
-            measured = await ctx.measure(cands, DEFAULT, self.budget_s, taskdir / "inputs.npz", category="search")
+            measured = await ctx.measure(cands, DEFAULT, seconds, taskdir / "inputs.npz", category="search")
         except DeviceError as exc:
             res.update_mode, res.error = "failed", str(exc)
             return TaskDecision(task, res, fallback, failed_candidates=failed)
         finally:
             await trio.to_thread.run_sync(_remove, [c.model for c in cands])
+        # In the registry's order: on a tie the earlier (simpler) form wins (decisions.py).
+        measured = {name: measured[name] for name in precision_of if name in measured}
         failed += sum(not r.ok for r in measured.values())
         for name, r in measured.items():
             res.candidates.append({"strategy": name, **r.summary()})
@@ -154,7 +218,7 @@ class TaskAgent:
             m = measured[o.strategy] if o.strategy in measured else base
             if o.write_entry:
                 rec = bankrules.make_record(key, task.signature, ctx.fingerprint, o.strategy, task.family,
-                                            ctx.opts.precision, m, base, ctx.job_id, ctx.opts.model.name)  # fmt: skip
+                                            ctx.spec.precision, m, base, ctx.job_id, ctx.run.model.name)  # fmt: skip
                 return BankWrite(entries=(rec,))
             if o.write_default:
                 return BankWrite(defaults=((key, {"default_us": base.median_us, "job": ctx.job_id}),))
@@ -164,29 +228,46 @@ class TaskAgent:
         pending = fallback_write = None
         fallback_mode = outcome.mode
         if lossy_choice:
-            await ctx.write_bank(BankWrite(trials=trials))
+            now = BankWrite(trials=trials)
             pending = write_for(outcome)
             exact_outcome = bankrules.after_tuning(self.hit, best_exact, measured, gate)
             fallback_write, fallback_mode = write_for(exact_outcome), exact_outcome.mode
         else:
             w = write_for(outcome)
-            await ctx.write_bank(BankWrite(entries=w.entries, defaults=w.defaults, trials=trials))
+            now = BankWrite(entries=w.entries, defaults=w.defaults, trials=trials)
         res.update_mode = outcome.mode
         res.strategy = outcome.strategy
         res.before_us = base.median_us
         res.after_us = win.median_us
         res.accuracy = win.accuracy()
+        res.attempt = ctx.attempt
         if outcome.strategy in in_context:
             got = in_context[outcome.strategy]
             res.accuracy.update(model_cosine=got.cosine, model_max_rel_error=got.max_rel_error)
-        ctx.emit("task", f"{task.id}: {outcome.strategy} ({outcome.mode})")
-        log.info("%s: %s (%s), %.1f -> %.1f us", task.id, outcome.strategy, outcome.mode, res.before_us, res.after_us)
-        return TaskDecision(
+        decision = TaskDecision(
             task, res, outcome.strategy, fallback=best_exact if lossy_choice else DEFAULT,
             lossy_cost=lossy_cost if outcome.strategy == best else None, failed_candidates=failed,
             trials=len(trials), pending=pending, fallback_write=fallback_write,
             fallback_us=measured[best_exact].median_us, fallback_mode=fallback_mode,
         )  # fmt: skip
+        record = {**decision.to_doc(), "job": ctx.job_id, "attempt": ctx.attempt}
+        # The decision's record goes in the same commit as its trials and entries: all
+        # of them or none. None: the decision holds for this job's model, but the bank
+        # (and a resumed run) has nothing of it.
+        if not await ctx.write_bank(dataclasses.replace(now, decisions=((resume.key_of(ctx, key), record),))):
+            res.update_mode, res.error = "failed", f"{outcome.strategy} chosen, but not kept in the bank: {ctx.bank_unkept}"
+        ctx.emit("task", f"{task.id}: {outcome.strategy} ({outcome.mode})")
+        log.info("%s: %s (%s), %.1f -> %.1f us", task.id, outcome.strategy, outcome.mode, res.before_us, res.after_us)
+        return decision
+
+    def _skipped(self, candidates: int, load_s: float, failed: int) -> TaskDecision:
+        """The decision for a task whose candidates cost more to load than its share."""
+        res = self.result
+        res.update_mode = "skipped"
+        res.error = (f"not tuned: loading its {candidates} candidates would take about {load_s:.2f} s of its "
+                     f"{self.budget_s:.2f} s share of the budget")  # fmt: skip
+        log.info("%s: %s", self.task.id, res.error)
+        return TaskDecision(self.task, res, self.hit.strategy if self.hit else DEFAULT, failed_candidates=failed)
 
     async def _judge_in_context(self, names: list[str], passed: dict[str, Accuracy], reasons: list[str]) -> str | None:
         """The first of `names` (fastest first) whose error the model absorbs
@@ -201,7 +282,7 @@ class TaskAgent:
             if ok:
                 assert isinstance(got, Accuracy)
                 passed[name] = got
-                self.ctx.notes.append(f"{self.task.id}: {why}: kept")
+                self.notes.append(f"{self.task.id}: {why}: kept")
                 return name
             reasons.append(why)
         return None

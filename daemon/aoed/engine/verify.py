@@ -6,12 +6,13 @@ the least gain per unit of error goes back to its best exact strategy.
 
 `verify`: the tuned model is measured against the input model, interleaved with
 variants that each revert one changed task. A task whose reversal is clearly faster
-than keeping it (or the best reversal, while the tuned model is slower than the input)
-is reverted, and the round repeats. When nothing is left to revert and the model is
-still slower, session options alone and then the input model itself are the fallbacks.
-Verification spends the job's budget (budget.py); when that runs out, or the device
-fails, it proposes what it has, and the confirming A/B (confirm.py) has the last word:
-its figures, not these, are what the job reports, and nothing it measures slower ships.
+than keeping it (or, while the tuned model is slower than the input, any reversal) is
+reverted, the first in task order unless another clearly beats it, and the round
+repeats. When nothing is left to revert and the model is still slower, session options
+alone and then the input model itself are the fallbacks. Verification spends the job's
+budget (budget.py); when that runs out, or the device fails, it proposes what it has,
+and the confirming A/B (confirm.py) has the last word: its figures, not these, are what
+the job reports, and nothing it measures slower ships.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from aoed.engine import decisions
 from aoed.engine.budget import Budget
 from aoed.engine.context import JobContext
 from aoed.engine.job import TaskResult
-from aoed.engine.messages import Accuracy, Build, Candidate, CompareRequest, Measurement, from_wire
+from aoed.engine.messages import Accuracy, Build, Candidate, CompareRequest, Measurement
 from aoed.engine.registry import DEFAULT
 
 __all__ = ["REVERTED", "Verified", "hold_to_budget", "verify"]
@@ -64,9 +65,9 @@ async def hold_to_budget(
     the end-to-end budget on the held-back samples; returns its accuracy."""
     families = {t.id: t.family for t in ctx.prep.tasks} if ctx.prep else {}
     while True:
-        req = CompareRequest(ctx.opts.model, path, ctx.held_back, ctx.opts.device)
+        req = CompareRequest(ctx.run.model, path, ctx.held_back, ctx.device.device)
         try:
-            reply = from_wire(Accuracy, await ctx.device.call(req, ctx.ledger, category="verify"))
+            reply: Accuracy = await ctx.device.call(req, ctx.ledger, category="verify")
         except DeviceError as exc:
             # Unchecked accuracy is no accuracy: every lossy choice goes back to exact.
             for tid, name in list(choices.items()):
@@ -119,7 +120,7 @@ async def verify(
     `choices` is updated in place as tasks are reverted. Spends at most what `budget`
     has left; with nothing left, or a device that fails, it proposes the model as it is
     (the confirming A/B decides whether it ships)."""
-    original = ctx.opts.model
+    original = ctx.run.model
     scratch = ctx.workspace.scratch
     assert ctx.prep is not None
 
@@ -138,11 +139,14 @@ async def verify(
     fin = base = None
     variants_measured = 0
     while True:
-        seconds = min(3.0 if explore else 1.5, budget.for_verify())
-        if seconds < 0.3:
-            note = "verification stopped: the budget is spent; the confirming A/B decides"
-            return Verified(dict(choices), options, "tuned", "assembled", base, fin, [note], variants_measured)
         changed = [tid for tid, name in choices.items() if name != DEFAULT] if explore else []
+        # Each variant is a whole model: as costly to load as the assembled one.
+        share = min(3.0 if explore else 1.5, budget.for_verify())
+        seconds, load = budget.measurable(share, [original, path, *[path] * len(changed)])
+        if seconds < 0.3:
+            why = f" (loading its {2 + len(changed)} sessions would take about {load:.2f} s)" if share >= 0.3 else ""
+            note = f"verification stopped: the budget is spent{why}; the confirming A/B decides"
+            return Verified(dict(choices), options, "tuned", "assembled", base, fin, [note], variants_measured)
         cands = [Candidate("baseline", original), Candidate("final", path, options)]
         variants: dict[str, dict[str, str]] = {}
         builds = []
@@ -175,14 +179,17 @@ async def verify(
             return Verified(dict(choices), options, "tuned", "assembled", base, fin, [], variants_measured)
         if not better:
             break
-        pick = min(better, key=lambda k: measured[k].median_us)
+        # The first reversal in task order, unless another clearly beats it: which one a
+        # tie reverts must not depend on the run.
+        pick = decisions.preferred(measured, better)
         tid = pick.split(":", 1)[1]
         r = results[tid]
         r.applied = False
         without, with_ = measured[pick].median_us, fin.median_us
         r.error = (
             f"{REVERTED}: the model measured {without:.1f} us without {choices[tid]} and {with_:.1f} us with it"
-            + ("" if without < with_ else " (the tuned model was slower than the input, and this reversal helped most)")
+            + ("" if without < with_
+               else " (the tuned model was slower than the input, and no other reversal clearly helped more)")
         )
         choices.update(variants[pick])
         await ctx.assemble([Build(path, dict(choices))])
@@ -190,11 +197,12 @@ async def verify(
         f"verification: the tuned model measured {fin.median_us:.1f} us against the input's {base.median_us:.1f} us "
         f"(max rel error {fin.max_rel_error:.3g}); falling back"
     ]
-    if options and budget.for_verify() >= 0.3:
+    alone, _ = budget.measurable(min(3.0, budget.for_verify()), [original, ctx.prep.prepared])
+    if options and alone >= 0.3:
         try:
             measured = await ctx.measure(
                 [Candidate("baseline", original), Candidate("final", ctx.prep.prepared, options)], "baseline",
-                min(3.0, budget.for_verify()), category="verify",
+                alone, category="verify",
             )  # fmt: skip
         except DeviceError as exc:
             notes.append(f"options alone not measured: {exc}")

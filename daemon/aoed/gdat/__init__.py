@@ -10,6 +10,6 @@ under the model's gradient layout (aoe.gradlayout), where `aoe.gdat.ddp()` finds
 from __future__ import annotations
 
 from aoed.gdat.job import MISSING_TORCH, GdatOptions, run_gdat
-from aoed.gdat.outcome import GdatResult
+from aoed.gdat.outcome import GdatResult, to_outcome
 
-__all__ = ["MISSING_TORCH", "GdatOptions", "GdatResult", "run_gdat"]
+__all__ = ["MISSING_TORCH", "GdatOptions", "GdatResult", "run_gdat", "to_outcome"]

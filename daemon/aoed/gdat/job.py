@@ -35,7 +35,7 @@ from aoe.config import Config
 from aoe.errors import AoedError, JobCancelledError, OptionError
 from aoe.gdat import DDPConfig, plugin_hook_names
 from aoe.gradlayout import GradientLayout, host_fingerprint, parse_backend, parse_precision
-from aoed.backends.torch.world import World, WorldSpec, inspect_model
+from aoed.engine.world import World, WorldSpec, inspect_model
 from aoed.bank.writer import BankWrite, BankWriter
 from aoed.engine import bankrules
 from aoed.engine.budget import Budget

@@ -6,12 +6,15 @@
              model_performance_improvement, model_performance_improvement_ci95,
              model_performance_verdict, gdat_tuning_result, baseline_tail(ms),
              result_tail(ms), shipped, ddp_config, repo_summary{...}}
-        confirmation{...}: the A/B the GDAT figures come from (search.Confirmed)
-        configurations[...]: every configuration measured, per stage: its step and tail
-             (the world's, and per rank), rounds, DDP's buckets, and what became of it
-             (chosen, lost and why, dropped by racing, failed, rejected by the gate)
-        gates[...], broken_turns[...] (turns whose world broke), layout{...}, budget{...},
-        resources{...}, notes
+        figures{...}, bank{...}, budget{...}, resources{...}, notes: as every job's
+             (aoe.outcome.JobOutcome: the figures are the confirming A/B's)
+        details{...}: what only GDAT has
+          confirmation{...}: the A/B the GDAT figures come from (search.Confirmed)
+          configurations[...]: every configuration measured, per stage: its step and
+             tail (the world's, and per rank), rounds, DDP's buckets, and what became of
+             it (chosen, lost and why, dropped by racing, failed, rejected by the gate)
+          gates[...], broken_turns[...] (turns whose world broke), layout{...}, the
+          shipped ddp_config, the tails, the world
     {workspace}/tunespace/result/ddp_config.json
         the shipped configuration: DDP's keyword arguments, the comm hook, the process
         group's options, the bank key it is stored under; what `aoe.gdat.ddp()` applies
@@ -26,13 +29,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from aoe.figures import Figures as JobFigures
 from aoe.gdat import DDPConfig
 from aoe.gradlayout import GradientLayout
+from aoe.outcome import BudgetReport, JobOutcome
+from aoe.spec import JobType, Precision
 from aoed.engine import stats
 from aoed.engine.decisions import clearly_faster, paired_ratio, why_not_faster
 from aoed.gdat.race import Figures
 
-__all__ = ["GdatResult", "configurations", "ddp_config_doc", "result_doc"]
+__all__ = ["GdatResult", "configurations", "ddp_config_doc", "result_doc", "to_outcome"]
 
 
 @dataclass
@@ -138,9 +144,50 @@ def ddp_config_doc(result: GdatResult) -> dict[str, Any]:
     }
 
 
+def _details(result: GdatResult) -> dict[str, Any]:
+    return {
+        "gradient_precision": result.precision, "backend": result.backend, "world_size": result.world_size,
+        "baseline_tail_ms": round(result.baseline_tail_ms, 6), "result_tail_ms": round(result.result_tail_ms, 6),
+        "ddp_config": result.shipped.to_json(), "ddp_config_file": result.ddp_config,
+        "update_mode": result.update_mode, "bank_layer": result.bank_layer,
+        "confirmation": result.confirmation, "configurations": result.configurations, "gates": result.gates,
+        "broken_turns": result.broken_turns,
+        "layout": {"signature": result.layout.signature().digest, "bank_key": result.key,
+                   "gradients": len(result.layout.params), "grad_mb": round(result.layout.grad_bytes / (1 << 20), 3),
+                   "world_size": result.world_size, "backend": result.backend},
+    }  # fmt: skip
+
+
+def _figures(result: GdatResult) -> JobFigures:
+    """The confirming A/B's figures under aoe.figures' rule: the defaults are the input."""
+    rounds = int(result.confirmation.get("rounds") or 0)
+    if result.shipped.is_default:
+        return JobFigures.unchanged(result.verdict, result.baseline_ms, rounds, confirmed_by=result.from_bank)
+    lo, hi = result.improvement_ci95
+    return JobFigures("faster", "tuned", result.baseline_ms, result.improvement, (lo, hi), rounds,
+                      result.from_bank)  # fmt: skip
+
+
+def to_outcome(result: GdatResult) -> JobOutcome:
+    """The job's result in the shape every job's has; the GDAT-only parts in `details`.
+    Its `tuned_model` is the ddp_config.json (what a training script applies)."""
+    b = dict(result.budget)
+    budget = BudgetReport(budget_s=float(b.get("budget_s") or 0.0), given=bool(b.get("given")),
+                          spent_s=float(b.get("spent_s") or 0.0), search_s=float(b.get("search_s") or 0.0),
+                          confirm_s=float(b.get("confirm_s") or 0.0), elapsed_s=result.tuning_time_s)  # fmt: skip
+    return JobOutcome(
+        job_id=result.job_id, model=result.model, tuned_model=result.ddp_config, result_json=result.result_json,
+        precision=Precision.EXACT, job_type=JobType.GDAT, device=f"{result.backend} world of {result.world_size}",
+        tuning_time_s=result.tuning_time_s, figures=_figures(result), bank=result.repo,
+        resources={k: float(v) for k, v in result.resources.items() if isinstance(v, int | float)},
+        budget=budget, notes=tuple(result.notes), workspace=result.workspace, details=_details(result),
+    )  # fmt: skip
+
+
 def result_doc(result: GdatResult) -> dict[str, Any]:
     """The AOE-shaped result document of a finished GDAT job."""
     tuned = "from the bank" if result.from_bank else "tuning successful"
+    outcome = to_outcome(result)
     return {
         "basic": {
             "tuning_name": Path(result.model).stem,
@@ -164,16 +211,11 @@ def result_doc(result: GdatResult) -> dict[str, Any]:
             "bank_layer": result.bank_layer,
             "repo_summary": result.repo,
         },
-        "confirmation": result.confirmation,
-        "configurations": result.configurations,
-        "gates": result.gates,
-        "broken_turns": result.broken_turns,
-        "layout": {"signature": result.layout.signature().digest, "bank_key": result.key,
-                   "gradients": len(result.layout.params), "grad_mb": round(result.layout.grad_bytes / (1 << 20), 3),
-                   "world_size": result.world_size, "backend": result.backend},  # fmt: skip
+        "figures": outcome.figures.to_dict(),
+        "bank": dict(outcome.bank),
         "budget": result.budget,
         "resources": result.resources,
-        "ddp_config_file": result.ddp_config,
         "workspace": result.workspace,
         "notes": result.notes,
+        "details": outcome.details,
     }

@@ -31,7 +31,8 @@ from typing import Any
 
 from aoe.errors import DeviceError
 from aoe.gdat import DDPConfig
-from aoed.backends.torch.world import World, WorldError
+from aoed.engine.rankmessages import RankMeasureRequest
+from aoed.engine.world import World, WorldError
 from aoed.engine import stats
 from aoed.engine.decisions import MIN_ROUNDS, clearly_slower, paired_ratio
 from aoed.engine.messages import Measurement
@@ -133,8 +134,8 @@ class Meter:
 async def _turn(meter: Meter, stage: str, category: str, n: int, world_key: str, e: Entrant,
                 f: Figures) -> None:  # fmt: skip
     """One configuration's turn in round `n`: its figure for the round, or None."""
-    request = {"op": "measure", "configs": {e.name: e.config.to_params()}, "order": [e.name],
-               "warmup": meter.warmup, "steps": meter.steps}  # fmt: skip
+    request = RankMeasureRequest(configs={e.name: e.config.to_params()}, order=[e.name], warmup=meter.warmup,
+                                 steps=meter.steps)  # fmt: skip
     started = time.monotonic()
     try:
         replies = await meter.worlds[world_key].call(request, meter.limit_s())

@@ -30,10 +30,12 @@ from typing import Any
 
 from aoe.gdat import DDPConfig, hook_class
 from aoe.gradlayout import GradientLayout
-from aoed.backends.torch.world import World, WorldError, WorldSpec
+from aoed.engine.rankmessages import RankGateRequest
+from aoed.engine.world import World, WorldError, WorldSpec
 from aoed.engine import stats
 from aoed.engine.confirm import verdict_of
 from aoed.engine.decisions import best
+from aoed.engine.messages import Request
 from aoed.gdat import gate, space
 from aoed.gdat.race import Entrant, Figures, Meter, race
 
@@ -135,7 +137,7 @@ class Search:
         passing = []
         for config in space.hooks(incumbent, self.precision, self.spec.backend, self.plugins):
             cls = hook_class(config.hook)
-            request = {"op": "gate", "config": config.to_params(), "steps": gate.LOSS_STEPS}
+            request = RankGateRequest(config=config.to_params(), steps=gate.LOSS_STEPS)
             try:
                 replies = await self._call("", request, "verify")
             except WorldError as exc:
@@ -169,7 +171,7 @@ class Search:
                 await self.meter.worlds[key].aclose()
         return incumbent
 
-    async def _call(self, world: str, request: dict[str, Any], category: str) -> list[dict[str, Any]]:
+    async def _call(self, world: str, request: Request, category: str) -> list[dict[str, Any]]:
         started = time.monotonic()
         try:
             return await self.meter.worlds[world].call(request, self.meter.limit_s(2))

@@ -12,8 +12,19 @@ client that reconnects (or a daemon that restarts) resumes the stream where it s
 
 Resume: at start, jobs the store says were running are queued again and run with
 `resumes` = their own id, so tasks their first run decided (committed to the bank as
-each was decided) are not measured again. On shutdown, running jobs get
+each was decided, with the decision itself: engine/resume.py) are not measured again. On shutdown, running jobs get
 `shutdown_grace_s` to finish; then they are cancelled and left queued for the next start.
+
+A full disk: below `[limits] min_free_mb` free in the state dir, submissions are refused
+(DiskFullError: RESOURCE_EXHAUSTED naming the folder and its free space) and queued jobs
+wait. A write of a call in hand that the job store refuses fails that call; the state
+changes of running jobs go through a `Backlog`, which keeps what the store refuses and
+writes it once the store takes writes again, so neither a full disk nor a failing store
+ends the manager.
+
+Inputs: an uploaded model is kept once per content and name, `inputs/<sha256>/<name>` in
+the state dir, and jobs refer to it; it is removed with the last job that does
+(retention), and at start when none does.
 """
 
 from __future__ import annotations
@@ -22,7 +33,9 @@ import contextlib
 import hashlib
 import json
 import logging
+import os
 import shutil
+import stat
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -32,81 +45,63 @@ from typing import Any
 
 import trio
 
-from aoe.jobtypes import parse_job_type
-from aoe.device import Device
-from aoe.errors import AoedError, JobCancelledError, OptionError
+from aoe.errors import AoedError, DaemonUnavailableError, DiskFullError, JobCancelledError, NotFoundError, OptionError
+from aoe.errors import PermissionDeniedError, ResourceExhaustedError, first_error
+from aoe.outcome import JobOutcome
+from aoe.spec import JobSpec
+from aoed import safefs, space
 from aoed.config import DaemonConfig
-from aoed.errors import NotFoundError, PermissionDeniedError, RpcError
 from aoed.engine.engine import Engine
-from aoed.engine.job import JobHandle, JobOptions, JobResult
+from aoed.engine.job import JobHandle, JobRun
+from aoed.engine.memory import check_fits
 from aoed.engine.messages import JobEvent
 from aoed.engine.modelio import check_size
-from aoed.engine.policy import policy
+from aoed.jobs import states
 from aoed.jobs import store as st
-from aoed.jobs.store import EventRow, JobRow, JobStore, Upload
+from aoed.jobs.backlog import Backlog
+from aoed.jobs.states import JobState
+from aoed.jobs.store import Claim, EventRow, JobRow, JobStore, StoreError, Upload
+from aoed.jobs.uploads import UploadLedger
 
-__all__ = ["JobManager", "Submission", "options_from_dict", "sha256_file"]
+__all__ = ["JobManager", "Submission", "shown_path"]
 
 log = logging.getLogger(__name__)
 
-#: Options that change what a job computes (and so whether two submissions are the same).
-_TUNING_KEYS = ("precision", "job_type", "input_shapes", "repeat_tune", "device", "budget_s", "min_cosine",
-                "max_rel_error", "calibration_dir")  # fmt: skip
-
-_STAGE_STATES = (
-    ("preparing", st.PREPARING), ("calibrating", st.PREPARING), ("profiling", st.TUNING), ("tuning", st.TUNING),
-    ("checking accuracy", st.VERIFYING), ("verifying", st.VERIFYING), ("confirming", st.VERIFYING),
-)  # fmt: skip
+#: Seconds between attempts to write what the job store refused, and between looks at
+#: the free space while queued jobs wait for it.
+RETRY_S = 2.0
 
 
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
+def _hash_checked(path: Path, checked: os.stat_result) -> str:
+    """The sha256 of the file at `path`, read through a descriptor that must still be
+    the file `checked` was (the same inode, one link): a file swapped in since the
+    check, a hard link to a file from elsewhere included, is refused
+    (PermissionDeniedError), and so is a link at `path`."""
+    why = ""
+    try:
+        fd = safefs.open_file(path, single_link=True)
+    except (safefs.LinkedError, safefs.LinkRefusedError) as exc:
+        why = exc.strerror
+    else:
+        with os.fdopen(fd, "rb") as f:
+            now = os.fstat(f.fileno())
+            if (now.st_dev, now.st_ino) == (checked.st_dev, checked.st_ino):
+                return hashlib.file_digest(f, "sha256").hexdigest()
+            why = "another file took its name"
+    raise PermissionDeniedError(f"{path}: the file changed while it was checked ({why}); the daemon reads only the "
+                                "file it checked: submit it again once nobody changes it")  # fmt: skip
 
 
-def options_from_dict(raw: dict[str, Any], default_device: Device) -> dict[str, Any]:
-    """Checked, normalized job options (plain JSON types). Raises OptionError."""
-    opts: dict[str, Any] = {
-        "precision": str(raw.get("precision") or "exact"),
-        "job_type": str(raw.get("job_type") or "opat"),
-        "input_shapes": {str(k): [int(d) for d in v] for k, v in (raw.get("input_shapes") or {}).items()},
-        "repeat_tune": bool(raw.get("repeat_tune", False)),
-        "device": str(raw.get("device") or default_device.name),
-        "budget_s": float(raw["budget_s"]) if raw.get("budget_s") else None,
-        "min_cosine": float(raw["min_cosine"]) if raw.get("min_cosine") else None,
-        "max_rel_error": float(raw["max_rel_error"]) if raw.get("max_rel_error") else None,
-        "calibration_dir": str(raw.get("calibration_dir") or ""),
-        "priority": int(raw.get("priority") or 0),
-        "labels": {str(k): str(v) for k, v in (raw.get("labels") or {}).items()},
-    }
-    opts["job_type"] = parse_job_type(opts["job_type"], "job_type")
-    policy(opts["precision"], opts["min_cosine"], opts["max_rel_error"])
-    if Device.parse(opts["device"]).name != default_device.name:
-        raise OptionError(f"device {opts['device']}: this daemon measures on {default_device.name} (see aoe devices)")
-    if not -10 <= opts["priority"] <= 10:
-        raise OptionError(f"priority {opts['priority']}: must be between -10 and 10")
-    if opts["budget_s"] is not None and opts["budget_s"] <= 0:
-        raise OptionError("budget_s must be a positive number of seconds")
-    for name, dims in opts["input_shapes"].items():
-        if not dims or any(d <= 0 for d in dims):
-            raise OptionError(f"input shape {name}: dimensions must be positive")
-    return opts
-
-
-def _dedup_key(sha: str, opts: dict[str, Any]) -> str:
-    tuning = {k: opts.get(k) for k in _TUNING_KEYS}
-    return hashlib.sha256((sha + json.dumps(tuning, sort_keys=True)).encode()).hexdigest()
+def _dedup_key(sha: str, spec: JobSpec) -> str:
+    return hashlib.sha256((sha + json.dumps(spec.tuning, sort_keys=True)).encode()).hexdigest()
 
 
 @dataclass(frozen=True)
 class Submission:
-    """A model and options, already checked: `model` is a daemon-side file."""
+    """A model and its spec (checked where it was built): `model` is a daemon-side file."""
 
     model: Path
-    options: dict[str, Any]
+    spec: JobSpec
     #: who submitted it: "rpc:<client>" (see api.tuning.client_of) or "inbox:<folder>";
     #: the per-client limit counts active jobs of one source
     source: str = "rpc:local"
@@ -130,11 +125,15 @@ class JobManager:
         self.cfg = cfg
         self.store = store
         self.engine = engine
+        self._backlog = Backlog(store)
+        #: the upload quotas' accounting (UploadModel reserves, consuming releases)
+        self.uploads = UploadLedger(store.uploads_before(float("inf")))
         self._live: dict[str, _Live] = {}
         self._running: set[str] = set()
         self._wakeup = trio.Event()
         self._stopping = False
         self._limits_lock = trio.Lock()
+        self._waiting_for_space = False
         #: called with each job that reaches a final state (the inbox delivers outputs)
         self.on_final: list[Callable[[JobRow], None]] = []
 
@@ -142,18 +141,18 @@ class JobManager:
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Requeue what a previous run left running, then schedule until cancelled."""
+        await trio.to_thread.run_sync(_sweep_inputs, self.cfg.inputs_dir, self.store.model_paths())
         for row in self.store.jobs(st.RUNNING, limit=100000):
-            self._event(row, "state", {"previous": row.state, "state": st.QUEUED,
-                                       "message": "the daemon restarted: the job resumes"})  # fmt: skip
-            self.store.update(row.id, state=st.QUEUED)
+            self._transition(row, states.Requeue(), "the daemon restarted: the job resumes")
         queued = len(self.store.jobs([st.QUEUED], limit=100000))
         if queued:
             log.info("jobs: %d queued job(s) from the store", queued)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._housekeeping)
+            nursery.start_soon(self._retry_loop)
             task_status.started()
             while True:
-                while not self._stopping and len(self._running) < self.cfg.max_running_jobs:
+                while not self._stopping and len(self._running) < self.cfg.max_running_jobs and self._room_to_start():
                     row = self._next_queued()
                     if row is None:
                         break
@@ -162,8 +161,36 @@ class JobManager:
                 await self._wakeup.wait()
                 self._wakeup = trio.Event()
 
-    def _poke(self) -> None:
+    def wake(self) -> None:
+        """Look at the queue again (a job may start: a reload raised a limit)."""
         self._wakeup.set()
+
+    def _room_to_start(self) -> bool:
+        """Whether the state dir has its floor of free space; says once when jobs wait."""
+        try:
+            space.check_floor(self.cfg.state_dir, self.cfg.min_free_bytes, "queued jobs wait")
+        except DiskFullError as exc:
+            if not self._waiting_for_space and self._next_queued() is not None:
+                log.warning("jobs: %s", exc)
+                self._waiting_for_space = True
+            return False
+        if self._waiting_for_space:
+            log.info("jobs: %s has its floor of free space again; queued jobs start", self.cfg.state_dir)
+        self._waiting_for_space = False
+        return True
+
+    async def _retry_loop(self) -> None:
+        """Write what the job store refused, once it takes writes again; look at the free
+        space again while queued jobs wait for it."""
+        while True:
+            await trio.sleep(RETRY_S)
+            if self._backlog.flush():
+                for live in self._live.values():  # watchers read the events just written
+                    live.changed.set()
+                    live.changed = trio.Event()
+                self.wake()
+            if self._waiting_for_space:
+                self.wake()
 
     async def stop(self, grace_s: float) -> None:
         """Start no more jobs; give running ones `grace_s` to finish, then cancel them
@@ -173,26 +200,35 @@ class JobManager:
             while self._running:
                 await trio.sleep(0.1)
         for job_id in list(self._running):
-            self._live[job_id].handle.cancel("the daemon is shutting down")
+            self._live[job_id].handle.cancel("the daemon is shutting down", resumable=True)
         with trio.move_on_after(10):
             while self._running:
                 await trio.sleep(0.05)
+        self._backlog.flush()
+        if self._backlog:  # the store still refuses them: the next start finds those jobs as it last had them
+            log.warning("jobs: the job store (%s) could not take the last states of %d job(s); the next start "
+                        "resumes them from the states it has", self.store.path, self._backlog.jobs())  # fmt: skip
 
     async def _housekeeping(self) -> None:
         """Expired uploads and finished jobs past retention go, at start and then hourly
         (more often when a limit is shorter than two hours)."""
         while True:
             now = time.time()
-            for up in self.store.uploads_before(now - self.cfg.upload_ttl_s):
-                self._remove_upload_file(Path(up.path))
-                self.store.delete_upload(up.id)
-                log.info("upload %s (%s) expired", up.id, up.file_name)
-            for row in self.store.finished_before(now - self.cfg.retention_s):
-                out = Path(row.output_dir)
-                if out.is_relative_to(self.cfg.jobs_dir):
-                    await trio.to_thread.run_sync(shutil.rmtree, out, True)
-                self.store.delete(row.id)
-                log.info("job %s: removed after retention", row.id)
+            try:
+                for up in self.store.uploads_before(now - self.cfg.upload_ttl_s):
+                    self._remove_upload_file(Path(up.path))
+                    self.uploads.release(up.id)
+                    self.store.delete_upload(up.id)
+                    log.info("upload %s (%s) expired", up.id, up.file_name)
+                for row in self.store.finished_before(now - self.cfg.retention_s):
+                    out = Path(row.output_dir)
+                    if out.is_relative_to(self.cfg.jobs_dir):
+                        await trio.to_thread.run_sync(shutil.rmtree, out, True)
+                    self.store.delete(row.id)
+                    await self._release_input(Path(row.model_path))
+                    log.info("job %s: removed after retention", row.id)
+            except (StoreError, DiskFullError) as exc:  # (what was removed is removed; the rest next time)
+                log.warning("jobs: housekeeping stopped for now: %s", exc)
             await trio.sleep(max(1.0, min(3600.0, self.cfg.upload_ttl_s / 2, self.cfg.retention_s / 2)))
 
     # ------------------------------------------------------------- queries
@@ -201,10 +237,10 @@ class JobManager:
         row = self.store.get(job_id)
         if row is None:
             raise NotFoundError(f"no job {job_id!r} (aoe jobs lists them)")
-        return row
+        return self._backlog.overlay(row)
 
     def list(self, states: list[str], limit: int, before: tuple[float, str] | None) -> list[JobRow]:
-        return self.store.jobs(states, limit, before)
+        return [self._backlog.overlay(r) for r in self.store.jobs(states, limit, before)]
 
     def queue_position(self, row: JobRow) -> int:
         if row.state != st.QUEUED:
@@ -213,10 +249,43 @@ class JobManager:
         return next((i for i, r in enumerate(order) if r.id == row.id), 0)
 
     def counts(self) -> tuple[int, int]:
+        """(jobs queued, jobs running)."""
         return len(self.store.jobs([st.QUEUED], limit=100000)), len(self._running)
 
+    def running(self) -> list[JobRow]:
+        """The jobs running now, newest first."""
+        return self.store.jobs(st.RUNNING, limit=100000)
+
+    # ------------------------------------------------------------- uploads and claims
+
+    def upload(self, upload_id: str) -> Upload | None:
+        """The upload `upload_id`, None when there is none (expired, or used)."""
+        return self.store.get_upload(upload_id)
+
+    def add_upload(self, up: Upload) -> None:
+        """Record a received upload (its file complete, its sha256 checked)."""
+        self.store.add_upload(up)
+
+    def claims(self, state: str | None = None) -> list[Claim]:
+        """The drop folders' claims (all, or those in `state`: claiming | claimed)."""
+        return self.store.claims(state)
+
+    def claim_begin(self, src: str, dst: str, inbox: str) -> None:
+        """Record the intent to move the dropped `src` to `dst` (before the rename)."""
+        self.store.claim_begin(src, dst, inbox)
+
+    def claim_done(self, src: str, job_id: str) -> None:
+        """The claimed file was moved and its job recorded."""
+        self.store.claim_done(src, job_id)
+
+    def claim_drop(self, src: str) -> None:
+        """Forget the claim of `src` (delivered, or never moved)."""
+        self.store.claim_drop(src)
+
     def _queued_order(self) -> list[JobRow]:
-        rows = self.store.jobs([st.QUEUED], limit=100000)
+        # Active rows seen through the backlog: a job requeued while the store refused
+        # the write is queued all the same.
+        rows = [r for r in self.list(list(st.ACTIVE), 100000, None) if r.state == st.QUEUED]
         return sorted(rows, key=lambda r: (-r.priority, r.created, r.id))
 
     def _next_queued(self) -> JobRow | None:
@@ -226,14 +295,23 @@ class JobManager:
 
     async def submit(self, sub: Submission) -> tuple[JobRow, bool]:
         """Record a job for `sub` (or join the active one with the same content and
-        options); returns (job, joined). Raises RpcError(RESOURCE_EXHAUSTED) when the
-        queue is full, UNAVAILABLE while shutting down; PermissionDeniedError for a
+        options); returns (job, joined). OptionError for a spec naming another device
+        than this daemon's. Raises ResourceExhaustedError when the
+        queue is full, DaemonUnavailableError while shutting down; PermissionDeniedError for a
         daemon-side file with several hard links (before anything opens it); ModelError
-        for one over [engine] max_model_mb."""
+        for one over [engine] max_model_mb, or whose estimated peak is more than an
+        engine process may use (memory.py)."""
         if self._stopping:
-            raise RpcError("UNAVAILABLE", "the daemon is shutting down; submit again after it restarts")
+            raise DaemonUnavailableError("the daemon is shutting down; submit again after it restarts")
+        mine = self.engine.device.device.name
+        if sub.spec.device not in (None, mine):
+            raise OptionError(f"device {sub.spec.device}: this daemon measures on {mine} (see aoe devices)")
+        spec = sub.spec.on(mine)
+        space.check_floor(self.cfg.state_dir, self.cfg.min_free_bytes, "SubmitJob")
+        size = sub.upload.size if sub.upload is not None else 0
         if sub.upload is None:  # refused before hashing it: the limit is there so nobody reads 9 GiB
-            info = await trio.to_thread.run_sync(sub.model.stat)
+            info = await trio.to_thread.run_sync(os.lstat, sub.model)
+            size = info.st_size
             if info.st_nlink > 1:
                 # The daemon reads what its submitter names; a hard link (which no path check
                 # sees) would make it read a file the submitter could not. Uploads have one link.
@@ -241,51 +319,77 @@ class JobManager:
                     f"{sub.model}: the file has {info.st_nlink} hard links, and a hard link can make the daemon "
                     "read a file its submitter could not; copy the file (cp, not ln) or upload it")  # fmt: skip
             check_size(sub.model, info.st_size, self.engine.config.max_model_mb << 20, "[engine] max_model_mb")
-        sha = sub.upload.sha256 if sub.upload else await trio.to_thread.run_sync(sha256_file, sub.model)
-        key = _dedup_key(sha, sub.options)
+        self._check_memory(sub, size)
+        if sub.upload is None:
+            sha = await trio.to_thread.run_sync(_hash_checked, sub.model, info)
+        else:
+            sha = sub.upload.sha256
+        key = _dedup_key(sha, spec)
         async with self._limits_lock:
             same = self.store.active_with_key(key)
             if same is not None:
                 self.store.update(same.id, joined=same.joined + 1)
                 if sub.upload is not None:
-                    await self._consume_upload(sub.upload, None)
+                    await self._consume_upload(sub.upload, keep=False)
                 log.info("job %s: an identical submission joined it", same.id)
                 return self.get(same.id), True
             mine = self.store.count_active(sub.source)
             if mine >= self.cfg.max_jobs_per_client:
-                raise RpcError("RESOURCE_EXHAUSTED",
+                raise ResourceExhaustedError(
                                f"{sub.source} has {mine} jobs queued or running (the limit per client is "
                                f"{self.cfg.max_jobs_per_client}); submit again when one has finished")  # fmt: skip
             queued, _ = self.counts()
             if queued >= self.cfg.max_queued_jobs:
-                raise RpcError("RESOURCE_EXHAUSTED",
+                raise ResourceExhaustedError(
                                f"{queued} jobs are queued (the limit is {self.cfg.max_queued_jobs}); try again later")  # fmt: skip
             job_id = f"job-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"
             out = sub.output_dir or self.cfg.jobs_dir / job_id
             model = sub.model
             if sub.upload is not None:
-                model = await self._consume_upload(sub.upload, self.cfg.jobs_dir / job_id / "model")
+                model = await self._consume_upload(sub.upload, keep=True)
+                info = await trio.to_thread.run_sync(model.stat)
+            # The file checked here (one link, its sha256): the job's first read checks that
+            # it reads this very file (see engine.modelio.load_model's `expect`).
             row = JobRow(
-                id=job_id, state=st.QUEUED, model_path=str(model), model_name=sub.model.name if sub.upload is None
-                else sub.upload.file_name, model_sha256=sha, dedup_key=key, options=sub.options, output_dir=str(out),
-                priority=int(sub.options.get("priority", 0)), source=sub.source,
+                id=job_id, state=JobState.QUEUED, model_path=str(model), model_name=sub.model.name
+                if sub.upload is None else sub.upload.file_name, model_sha256=sha, dedup_key=key, spec=spec,
+                output_dir=str(out), priority=spec.priority, source=sub.source, model_file=(info.st_dev, info.st_ino),
             )  # fmt: skip
-            self.store.insert(row)
+            try:
+                self.store.insert(row)
+            except AoedError:
+                await self._release_input(model)
+                raise
         self._event(row, "state", {"previous": "", "state": st.QUEUED, "message": f"submitted ({sub.source})"})
         log.info("job %s: queued %s (%s)", job_id, row.model_name, sub.source)
-        self._poke()
+        self.wake()
         return row, False
 
-    async def _consume_upload(self, up: Upload, into: Path | None) -> Path:
+    def _check_memory(self, sub: Submission, model_bytes: int) -> None:
+        """ModelError with both figures when the model's estimated peak is more
+        than one of the engine's processes may use: it could never run. (External data
+        is counted when the job prepares the model.)"""
+        plan = self.engine.memory
+        name = sub.upload.file_name if sub.upload is not None else str(sub.model)
+        check_fits(name, model_bytes, plan.job_limit_mb(), plan.why())
+
+    async def _consume_upload(self, up: Upload, keep: bool) -> Path:
+        """Take `up` out of the uploads; with `keep`, its content stays in the inputs,
+        once (returns where)."""
         src = Path(up.path)
         dst = src
-        if into is not None:
-            into.mkdir(parents=True, exist_ok=True)
-            dst = into / up.file_name
-            src.replace(dst)
+        if keep:
+            dst = await trio.to_thread.run_sync(_keep_input, self.cfg.inputs_dir, src, up.sha256, up.file_name, up.size)
         self._remove_upload_file(src)
+        self.uploads.release(up.id)
         self.store.delete_upload(up.id)
         return dst
+
+    async def _release_input(self, path: Path) -> None:
+        """Remove a kept input (and its folder, once empty) that no job refers to."""
+        if path.parent.parent != self.cfg.inputs_dir or self.store.model_refs(str(path)):
+            return
+        await trio.to_thread.run_sync(_remove_input, path)
 
     def _remove_upload_file(self, path: Path) -> None:
         """An upload is `uploads/<id>/<name>`: the file and its folder go."""
@@ -306,7 +410,7 @@ class JobManager:
                 while job_id in self._running:
                     await trio.sleep(0.02)
         elif row.state == st.QUEUED:
-            self._finish(row, st.CANCELLED, error=reason)
+            self._finish(row, states.Cancel(), error=reason)
         return self.get(job_id)
 
     # ------------------------------------------------------------- events
@@ -318,8 +422,8 @@ class JobManager:
         return live
 
     def _event(self, row: JobRow, kind: str, data: dict[str, Any]) -> None:
-        seq = self.store.last_seq(row.id) + 1
-        self.store.append_event(EventRow(row.id, seq, time.time(), kind, data))
+        seq = self._backlog.last_seq(row.id) + 1
+        self._backlog.append_event(EventRow(row.id, seq, time.time(), kind, data))
         live = self._live.get(row.id)
         if live is not None:
             live.changed.set()
@@ -333,36 +437,37 @@ class JobManager:
         seq = after_seq
         while True:
             changed = live.changed
-            for ev in self.store.events(job_id, seq):
+            for ev in [*self.store.events(job_id, seq), *self._backlog.events(job_id, seq)]:
                 seq = ev.seq
                 if ev.kind == "log" and not logs:
                     continue
                 yield ev
             row = self.store.get(job_id)
-            if row is None or (row.final and self.store.last_seq(job_id) <= seq):
+            if row is None or (self._backlog.overlay(row).final and self._backlog.last_seq(job_id) <= seq):
                 return
             await changed.wait()
 
-    def _set_state(self, row: JobRow, state: str, message: str = "") -> None:
-        if row.state == state:
-            return
-        self._event(row, "state", {"previous": row.state, "state": state, "message": message})
+    def _transition(self, row: JobRow, event: states.Event, message: str = "") -> bool:
+        """Move the job on by `event` (states.apply: TransitionError for one the machine
+        does not allow); records the change and its event. False when it stays."""
+        state = states.apply(row.state, event)
+        if state == row.state:
+            return False
+        self._event(row, "state", {"previous": str(row.state), "state": str(state), "message": message})
         row.state = state
-        self.store.update(row.id, state=state)
+        self._backlog.update(row.id, state=state)
+        return True
 
     def _on_engine_event(self, row: JobRow, ev: JobEvent) -> None:
         if ev.kind == "stage":
-            low = ev.message.lower()
-            for prefix, state in _STAGE_STATES:
-                if low.startswith(prefix):
-                    self._set_state(row, state, ev.message)
-                    break
+            if ev.stage is not None:
+                self._transition(row, states.Entered(ev.stage), ev.message)
             self._event(row, "log", {"level": "info", "logger": "stage", "message": ev.message})
         elif ev.kind == "progress":
             row.progress = {**row.progress, "done": ev.done, "total": ev.total, "what": ev.message}
             if ev.total and ev.done >= ev.total:
                 row.progress["current_task"] = ""
-            self.store.update(row.id, progress=row.progress)
+            self._backlog.update(row.id, progress=row.progress)
             self._event(row, "progress", row.progress)
         elif ev.kind == "task":
             task = ev.message.split(":", 1)[0]
@@ -372,13 +477,18 @@ class JobManager:
             level = "warning" if ev.kind == "wait" else "info"
             self._event(row, "log", {"level": level, "logger": ev.kind, "message": ev.message})
 
-    def _finish(self, row: JobRow, state: str, error: str = "", kind: str = "", result: dict | None = None) -> None:
+    def _finish(self, row: JobRow, event: states.Succeed | states.Fail | states.Cancel, error: str = "",
+                kind: str = "", outcome: JobOutcome | None = None) -> None:  # fmt: skip
         now = time.time()
-        if result is not None:
-            self._event(row, "result", result)
-        self._event(row, "state", {"previous": row.state, "state": state, "message": error})
-        row.state, row.error, row.error_kind, row.result, row.finished = state, error, kind, result, now
-        self.store.update(row.id, state=state, finished=now, error=error, error_kind=kind, result=result)
+        state = states.apply(row.state, event)
+        shown = shown_path(row)
+        if shown != row.model_path:  # the engine names the copy it read; the user knows the file
+            error = error.replace(row.model_path, shown)
+        if outcome is not None:
+            self._event(row, "result", outcome.to_dict())
+        self._event(row, "state", {"previous": str(row.state), "state": str(state), "message": error})
+        row.state, row.error, row.error_kind, row.outcome, row.finished = state, error, kind, outcome, now
+        self._backlog.update(row.id, state=state, finished=now, error=error, error_kind=kind, outcome=outcome)
         for fn in self.on_final:
             try:
                 fn(row)
@@ -387,24 +497,12 @@ class JobManager:
 
     # ------------------------------------------------------------- running
 
-    def _engine_options(self, row: JobRow) -> JobOptions:
-        o = row.options
-        return JobOptions(
-            model=Path(row.model_path),
-            output=Path(row.output_dir),
-            precision=o["precision"],
-            job_type=o["job_type"],
-            input_shapes={k: tuple(v) for k, v in o.get("input_shapes", {}).items()},
-            repeat_tune=bool(o.get("repeat_tune")),
-            device=self.engine.device.device,
-            calibration=Path(o["calibration_dir"]) if o.get("calibration_dir") else None,
-            min_cosine=o.get("min_cosine"),
-            max_rel_error=o.get("max_rel_error"),
-            budget_s=o.get("budget_s"),
-            job_id=row.id,
+    def _run_of(self, row: JobRow) -> JobRun:
+        return JobRun(
+            model=Path(row.model_path), output=Path(row.output_dir), spec=row.spec, job_id=row.id,
             resumes=row.id if row.attempts > 1 else "",  # counted before it starts
-            weight=max(1, 1 + int(o.get("priority", 0))) if int(o.get("priority", 0)) > 0 else 1,
-        )
+            attempt=max(1, row.attempts), model_file=row.model_file,
+        )  # fmt: skip
 
     async def _run_job(self, row: JobRow) -> None:
         live = self._live_for(row.id)
@@ -413,66 +511,84 @@ class JobManager:
         try:
             now = time.time()
             row.started = row.started or now
-            self.store.update(row.id, started=row.started, attempts=row.attempts + 1)
-            self._set_state(row, st.PREPARING, "resumed" if row.attempts else "started")
+            self._backlog.update(row.id, started=row.started, attempts=row.attempts + 1)
+            self._transition(row, states.Start(), "resumed" if row.attempts else "started")
             row.attempts += 1
             try:
                 Path(row.output_dir).mkdir(parents=True, exist_ok=True)
-                result = await self.engine.run_job(self._engine_options(row), lambda ev: self._on_engine_event(row, ev),
-                                                   live.handle)  # fmt: skip
+                outcome = await self.engine.run_job(self._run_of(row), lambda ev: self._on_engine_event(row, ev),
+                                                    live.handle)  # fmt: skip
             except BaseExceptionGroup as group:
-                raise _single(group) from None
+                raise first_error(group, JobCancelledError, AoedError, OSError) from None
         except JobCancelledError as exc:
             if live.user_cancelled or not self._stopping:
-                self._finish(row, st.CANCELLED, error=str(exc))
+                self._finish(row, states.Cancel(), error=str(exc))
             else:
-                self._set_state(row, st.QUEUED, "interrupted by the daemon's shutdown; resumes at the next start")
+                self._transition(row, states.Requeue(), "interrupted by the daemon's shutdown; resumes at the next start")
         except AoedError as exc:
             log.info("job %s failed: %s", row.id, exc)
-            self._finish(row, st.FAILED, error=str(exc), kind=type(exc).__name__)
+            self._finish(row, states.Fail(), error=str(exc), kind=type(exc).__name__)
         except OSError as exc:
-            self._finish(row, st.FAILED, error=f"{exc.filename or row.output_dir}: {exc.strerror or exc}", kind="OSError")
+            self._finish(row, states.Fail(), error=f"{exc.filename or row.output_dir}: {exc.strerror or exc}", kind="OSError")
         except Exception as exc:
             log.exception("job %s: internal error", row.id)
-            self._finish(row, st.FAILED, error=f"internal error: {type(exc).__name__}: {exc}", kind="InternalError")
+            self._finish(row, states.Fail(), error=f"internal error: {type(exc).__name__}: {exc}", kind="InternalError")
         else:
-            self._finish(row, st.SUCCEEDED, result=result_dict(result))
+            self._finish(row, states.Succeed(), outcome=outcome)
         finally:
             self._running.discard(row.id)
-            self._poke()
+            out = Path(row.output_dir)
+            if row.state == st.FAILED and out.is_relative_to(self.cfg.jobs_dir):
+                with contextlib.suppress(OSError):
+                    out.rmdir()  # empty when the job failed before tuning (engine.run_job)
+            self.wake()
 
 
-def _single(group: BaseExceptionGroup) -> BaseException:
-    for cls in (JobCancelledError, AoedError, OSError):
-        match, _ = group.split(cls)
-        while isinstance(match, BaseExceptionGroup):
-            match = match.exceptions[0]
-        if match is not None:
-            return match
-    return group
+def _keep_input(inputs: Path, src: Path, sha: str, name: str, size: int) -> Path:
+    """Where the uploaded `src` (`size` bytes with digest `sha`, named `name`) is kept:
+    `inputs/<sha>/<name>`, from the upload itself unless those bytes are kept under that
+    name already. The same bytes uploaded under another name are kept again under it:
+    the job's workspace and outputs are named after its model file, and a hard link
+    would make the model a file with several links, which a job does not read."""
+    folder = inputs / sha
+    dst = folder / name
+    folder.mkdir(parents=True, exist_ok=True)
+    if _size(dst) != size:
+        os.replace(src, dst)
+    return dst
 
 
-def result_dict(r: JobResult) -> dict[str, Any]:
-    """The part of a JobResult a client sees (JSON types only)."""
-    return {
-        "baseline_ms": r.baseline_ms,
-        "tuned_ms": r.tuned_ms,
-        "improvement": r.improvement,
-        "tuned_model": r.tuned_model,
-        "result_json": r.result_json,
-        "repo": dict(r.repo),
-        "verdict": str(r.confirmation.get("verdict", "")),
-        "shipped": str(r.confirmation.get("shipped", "")),
-        "improvement_ci95": list(r.confirmation.get("improvement_ci95", (0.0, 0.0))),
-        "confirm_rounds": int(r.confirmation.get("rounds", 0) or 0),
-        "confirmed_by": str(r.confirmation.get("from_bank", "") or ""),
-        "tuning_time_s": r.tuning_time_s,
-        "resources": {k: v for k, v in r.resources.items() if isinstance(v, int | float | str)},
-        "tasks": [
-            {"task_id": t.task_id, "op_type": t.op_type, "op_name": t.op_name, "strategy": t.strategy,
-             "before_us": t.before_us, "after_us": t.after_us, "improvement": t.improvement,
-             "update_mode": t.update_mode, "bank_layer": t.bank_layer, "error": t.error,
-             "accuracy": {k: float(v) for k, v in t.accuracy.items() if isinstance(v, int | float)}}
-            for t in r.tasks
-        ],  # fmt: skip
-    }
+def _size(path: Path) -> int:
+    """The size of the regular file at `path`, -1 when there is none."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return -1
+    return st.st_size if stat.S_ISREG(st.st_mode) else -1
+
+
+def _remove_input(path: Path) -> None:
+    path.unlink(missing_ok=True)
+    with contextlib.suppress(OSError):
+        path.parent.rmdir()  # only once no other name is in it
+
+
+def _sweep_inputs(inputs: Path, referenced: set[str]) -> None:
+    """Remove the kept inputs no job refers to (a crash between keeping one and
+    recording its job, or a job store restored from before)."""
+    if not inputs.is_dir():
+        return
+    for folder in inputs.iterdir():
+        if folder.is_dir() and not folder.is_symlink():
+            for f in folder.iterdir():
+                if str(f) not in referenced:
+                    _remove_input(f)
+
+
+def shown_path(row: JobRow) -> str:
+    """The model's path as its submitter knows it: for a drop-folder job the file as it
+    was dropped (the daemon works on a claimed copy inside its state dir, a path that
+    means nothing to the user), else the path the job reads."""
+    if row.source.startswith("inbox:"):
+        return str(Path(row.source.removeprefix("inbox:")) / row.model_name)
+    return row.model_path

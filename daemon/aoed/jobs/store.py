@@ -13,7 +13,18 @@ All access happens in the trio thread: each statement is a short local write (te
 microseconds with `synchronous=NORMAL` in WAL mode, which is durable against a killed
 process, not against power loss between checkpoints) and never waits on another
 process, so it is not worth a thread hop. Values a row holds as JSON (options, result,
-progress, event data) are plain dicts; nothing is pickled.
+progress, event data) are plain dicts; nothing is pickled. A job's options and result are
+stored as `JobSpec.to_dict` and `JobOutcome.to_dict` write them and read back into those
+shapes here, the store's one conversion: the rest of the daemon sees only the shapes.
+
+A full disk: a write the store has no room for raises DiskFullError (naming the folder
+and its free space) and changes nothing, and the same store writes again once there is
+room; reads go on (sorting uses memory, never a temporary file). At open, SQLite
+creates and sizes its WAL index, the `-shm` file, which a full disk refuses (after a
+clean stop there is none); the store then opens in exclusive locking mode, where SQLite
+keeps that index in the process's memory, so the daemon starts and serves all the same.
+Until the next start, other processes cannot read the file then ("database is
+locked"); in the usual mode a read-only connection can, e.g. an integrity check.
 """
 
 from __future__ import annotations
@@ -27,18 +38,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from aoe.errors import AoedError
+from aoe.errors import AoedError, DiskFullError
+from aoe.outcome import JobOutcome
+from aoe.spec import JobSpec
+from aoed import space
+from aoed.jobs.states import ACTIVE, FINAL, RUNNING, JobState
 
-__all__ = ["ACTIVE", "FINAL", "Claim", "EventRow", "JobRow", "JobStore", "StoreError", "Upload"]
+__all__ = ["ACTIVE", "FINAL", "RUNNING", "Claim", "EventRow", "JobRow", "JobStore", "StoreError", "Upload"]
 
 log = logging.getLogger(__name__)
 
-#: States a job can be in (the proto's JobState without the prefix, lower case).
-QUEUED, PREPARING, TUNING, VERIFYING = "queued", "preparing", "tuning", "verifying"
-SUCCEEDED, FAILED, CANCELLED = "succeeded", "failed", "cancelled"
-ACTIVE = (QUEUED, PREPARING, TUNING, VERIFYING)
-RUNNING = (PREPARING, TUNING, VERIFYING)
-FINAL = (SUCCEEDED, FAILED, CANCELLED)
+QUEUED, PREPARING, TUNING, VERIFYING, SUCCEEDED, FAILED, CANCELLED = JobState
+#: The key in a job's stored options for the model file's [device, inode] at submit.
+MODEL_FILE = "model_file"
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -93,20 +105,24 @@ CREATE TABLE IF NOT EXISTS claims (
 
 
 class StoreError(AoedError):
-    """The job store cannot be opened or written."""
+    """The job store cannot be opened or written (for lack of space: DiskFullError)."""
 
     grpc_status = "INTERNAL"
+
+
+#: Free bytes under which an I/O error of the store is taken for a full disk.
+_NEARLY_FULL = 1 << 20
 
 
 @dataclass
 class JobRow:
     id: str
-    state: str
+    state: JobState
     model_path: str
     model_name: str
     model_sha256: str
     dedup_key: str
-    options: dict[str, Any]
+    spec: JobSpec
     output_dir: str
     priority: int = 0
     source: str = "rpc"
@@ -115,10 +131,12 @@ class JobRow:
     finished: float | None = None
     error: str = ""
     error_kind: str = ""
-    result: dict[str, Any] | None = None
+    outcome: JobOutcome | None = None
     progress: dict[str, Any] = field(default_factory=dict)
     joined: int = 0
     attempts: int = 0
+    #: (device, inode) of the model file its submitter's checks passed
+    model_file: tuple[int, int] | None = None
 
     @property
     def final(self) -> bool:
@@ -155,6 +173,8 @@ class Claim:
 
 
 _JSON_COLUMNS = ("options", "result", "progress")
+#: Columns under another name than the row's field.
+_COLUMN_OF = {"spec": "options", "outcome": "result"}
 _COLUMNS = (
     "id", "state", "priority", "source", "model_path", "model_name", "model_sha256", "dedup_key", "options",
     "output_dir", "created", "started", "finished", "error", "error_kind", "result", "progress", "joined", "attempts",
@@ -170,33 +190,67 @@ class JobStore:
         self.damaged: list[str] = []
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute("PRAGMA synchronous=NORMAL")
-            self._db.execute("PRAGMA busy_timeout=5000")
-            self._db.executescript(_SCHEMA)
-        except (sqlite3.Error, OSError) as exc:
+        except OSError as exc:
             raise StoreError(f"job store {path}: {exc}") from None
+        try:
+            self._db = self._open(exclusive=False)
+        except DiskFullError as exc:
+            log.warning("%s; opening it in exclusive mode, which needs no room (other processes cannot read it "
+                        "until aoed restarts)", exc)  # fmt: skip
+            self._db = self._open(exclusive=True)
+
+    def _open(self, exclusive: bool) -> sqlite3.Connection:
+        try:
+            db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        except sqlite3.Error as exc:
+            raise StoreError(f"job store {self.path}: {exc}") from None
+        try:
+            if exclusive:  # before WAL mode is entered: SQLite keeps the WAL index in memory
+                db.execute("PRAGMA locking_mode=EXCLUSIVE")
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=NORMAL")
+            db.execute("PRAGMA busy_timeout=5000")
+            db.execute("PRAGMA temp_store=MEMORY")
+            db.executescript(_SCHEMA)  # (writes nothing where the tables exist)
+        except sqlite3.Error as exc:
+            db.close()
+            raise self._error(exc) from None
+        return db
 
     def close(self) -> None:
         self._db.close()
+
+    def _error(self, exc: sqlite3.Error) -> AoedError:
+        """The store's error for `exc`: DiskFullError when the disk (or quota) under the
+        store had no room for a write, else StoreError; both name the store."""
+        code = getattr(exc, "sqlite_errorcode", 0) & 0xFF  # the primary code of an extended one
+        folder = self.path.parent
+        # SQLite says SQLITE_FULL when it sees ENOSPC itself, and an I/O error when a
+        # write the OS cut short did not say why: then the free space tells.
+        if code == sqlite3.SQLITE_FULL or (code == sqlite3.SQLITE_IOERR and 0 <= space.free_bytes(folder) < _NEARLY_FULL):
+            return space.disk_full(folder, f"job store {self.path}")
+        return StoreError(f"job store {self.path}: {exc}")
 
     def _exec(self, sql: str, args: Sequence[Any] = ()) -> sqlite3.Cursor:
         try:
             return self._db.execute(sql, args)
         except sqlite3.Error as exc:
-            raise StoreError(f"job store {self.path}: {exc}") from None
+            raise self._error(exc) from None
 
     # ------------------------------------------------------------------ jobs
 
     def insert(self, row: JobRow) -> None:
-        values = [json.dumps(getattr(row, c)) if c in _JSON_COLUMNS else getattr(row, c) for c in _COLUMNS]
-        self._exec(f"INSERT INTO jobs ({','.join(_COLUMNS)}) VALUES ({','.join('?' * len(_COLUMNS))})", values)
+        values = dict(_columns(vars(row)))
+        self._exec(f"INSERT INTO jobs ({','.join(_COLUMNS)}) VALUES ({','.join('?' * len(_COLUMNS))})",
+                   [values[c] for c in _COLUMNS])  # fmt: skip
 
     def update(self, job_id: str, **fields: Any) -> None:
-        sets = ", ".join(f"{k} = ?" for k in fields)
-        values = [json.dumps(v) if k in _JSON_COLUMNS else v for k, v in fields.items()]
-        self._exec(f"UPDATE jobs SET {sets} WHERE id = ?", [*values, job_id])
+        """Set the row's `fields` (JobRow's names)."""
+        if "spec" in fields:  # stored beside it: written together
+            raise ValueError("a job's spec is not changed once stored")
+        cols = list(_columns(fields))
+        sets = ", ".join(f"{c} = ?" for c, _ in cols)
+        self._exec(f"UPDATE jobs SET {sets} WHERE id = ?", [*(v for _, v in cols), job_id])
 
     def _rows(self, cursor: Iterable[Sequence[Any]]) -> Iterator[JobRow]:
         for raw in cursor:
@@ -206,9 +260,14 @@ class JobStore:
                     d[c] = json.loads(d[c]) if d[c] is not None else None
                 if not isinstance(d["options"], dict):
                     raise ValueError("options is not an object")
+                options = dict(d.pop("options"))
+                model_file = options.pop(MODEL_FILE, None)
+                result = d.pop("result")
                 d["progress"] = d["progress"] or {}
-                yield JobRow(**d)
-            except (ValueError, TypeError) as exc:
+                d["state"] = JobState(d["state"])
+                yield JobRow(**d, spec=JobSpec.from_dict(options), outcome=JobOutcome.from_dict(result)
+                             if result else None, model_file=tuple(model_file) if model_file else None)  # fmt: skip
+            except (ValueError, TypeError, KeyError, AoedError) as exc:
                 job_id = str(raw[0])
                 if job_id not in self.damaged:
                     self.damaged.append(job_id)
@@ -252,6 +311,14 @@ class JobStore:
         with self.transaction():
             self._exec("DELETE FROM events WHERE job_id = ?", (job_id,))
             self._exec("DELETE FROM jobs WHERE id = ?", (job_id,))
+
+    def model_refs(self, model_path: str) -> int:
+        """How many jobs refer to the model file at `model_path`."""
+        return int(self._exec("SELECT COUNT(*) FROM jobs WHERE model_path = ?", (model_path,)).fetchone()[0])
+
+    def model_paths(self) -> set[str]:
+        """The model files jobs refer to."""
+        return {str(r[0]) for r in self._exec("SELECT DISTINCT model_path FROM jobs")}
 
     def finished_before(self, when: float) -> list[JobRow]:
         cur = self._exec(
@@ -326,6 +393,21 @@ class JobStore:
         return _Transaction(self)
 
 
+def _columns(fields: dict[str, Any]) -> Iterator[tuple[str, Any]]:
+    """(column, stored value) of a row's `fields`: the spec (with the model file) and the
+    outcome as their `to_dict`, the other JSON columns as JSON."""
+    for name, value in fields.items():
+        if name == "model_file":
+            continue
+        column = _COLUMN_OF.get(name, name)
+        if name == "spec":
+            model_file = fields.get("model_file")
+            value = {**value.to_dict(), **({MODEL_FILE: list(model_file)} if model_file else {})}
+        elif name == "outcome" and value is not None:
+            value = value.to_dict()
+        yield column, json.dumps(value) if column in _JSON_COLUMNS else value
+
+
 class _Transaction:
     def __init__(self, store: JobStore):
         self._store = store
@@ -334,4 +416,14 @@ class _Transaction:
         self._store._exec("BEGIN IMMEDIATE")
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
-        self._store._exec("COMMIT" if exc_type is None else "ROLLBACK")
+        if exc_type is not None:
+            self._store._exec("ROLLBACK")
+            return
+        try:
+            self._store._exec("COMMIT")
+        except AoedError:
+            # A COMMIT that failed (a full disk) leaves the transaction open: end it, so
+            # that the store's next statement is not inside it.
+            if self._store._db.in_transaction:
+                self._store._exec("ROLLBACK")
+            raise

@@ -53,7 +53,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from aoe._attention import mask_fill
+from aoe.attention import mask_fill
 from aoed.backends.ort._rewrite import Nodes, attrs_of, init, int8_weight, scalar
 from aoed.engine.registry import StrategyRegistry
 from aoed.engine.tasks import CONTRIB_DOMAIN, Rewrite, TaskView
@@ -478,7 +478,7 @@ def _rows_stay_finite(att: _Attention) -> bool:
 
 
 def _mask_where(nodes: Nodes, mask: str) -> tuple[onnx.NodeProto, str, bool, float] | None:
-    """The task's Where that makes the additive `mask` from a boolean (aoe._attention
+    """The task's Where that makes the additive `mask` from a boolean (aoe.attention
     takes it in): (node, boolean, whether True keeps, fill)."""
     w = nodes.made(mask, "Where")
     if w is None or w.input[0] in nodes.producer:

@@ -6,7 +6,7 @@ from collections.abc import Iterable
 
 from aoe.partition import FAMILIES
 from aoe.subgraphs import SUBGRAPH_FAMILIES
-from aoed.backends.ort import attention, fusions, glu, quant, strategies
+from aoed.backends.ort import accel, attention, fusions, glu, quant, strategies
 from aoed.engine.registry import StrategyRegistry
 
 __all__ = ["build_registry"]
@@ -22,5 +22,7 @@ def build_registry(plugins: Iterable[str] = ()) -> StrategyRegistry:
     fusions.register(registry)
     glu.register(registry)
     quant.register(registry)
+    accel.register(registry)
+    registry.session_space = accel.dimensions
     registry.load_plugins(plugins)
     return registry

@@ -3,15 +3,14 @@
 The device agent owns exactly one runner and sends it one request at a time, so
 measurements on a device are serialized by construction.
 
-Ops (messages in aoed.engine.messages; every request names its `device`):
-  ping     {"device"} -> {"cores", "providers"}; fails when the device's provider is missing
-  measure  {"candidates": [{"id", "model", "options"}], "inputs": npz, "reference": id, "plan"}
-     -> {"results": {id: {"ok", "median_us", "spread", "repeats", "min_us", "rounds_us",
-                          "max_abs_error", "max_rel_error", "cosine", "dropped", "reason", "error"}}}
-  profile  {"model", "inputs", "runs", "options", "workdir"} -> {"nodes": {name: us}, "total_us"}
+Requests (messages in aoed.engine.messages; every one names its `device`):
+  ping     -> PingReply(cores, providers); fails when the device's provider is missing
+  measure  MeasureRequest(candidates, inputs, reference, plan) -> MeasureReply: per
+           candidate a Measurement (timing, accuracy against the reference, or why not)
+  profile  ProfileRequest -> ProfileReply(nodes: {name: us}, total_us, load_s)
            (unoptimized unless options say otherwise, so node names are the model's)
-  compare  {"reference", "candidate", "options", "inputs": [npz...]}
-     -> {"max_abs_error", "max_rel_error", "cosine"} (worst over the inputs)
+  compare  CompareRequest(reference, candidate, options, inputs) -> Accuracy (the worst
+           over the inputs)
 
 Method: every candidate gets the same inputs; one run gives its outputs, compared with
 the reference candidate's; then the shared procedure of measure.py times them
@@ -31,19 +30,25 @@ from typing import Any
 import numpy as np
 
 from aoe.device import CPU, Device
+from aoe.errors import DeviceError
 from aoed.backends.ort.measure import interleaved
-from aoed.backends.ort.sessions import check_device, session
-from aoed.engine.messages import MeasurePlan, from_wire
+from aoed.backends.ort.sessions import BoundRun, check_device, providers_for, session
+from aoed.engine.messages import (
+    Accuracy,
+    CompareRequest,
+    Measurement,
+    MeasureReply,
+    MeasureRequest,
+    PingReply,
+    PingRequest,
+    ProfileReply,
+    ProfileRequest,
+)
 
 
-
-def _load_inputs(path: str) -> dict[str, np.ndarray]:
+def _load_inputs(path: Path) -> dict[str, np.ndarray]:
     with np.load(path, allow_pickle=False) as data:
         return {k: data[k] for k in data.files}
-
-
-def _device(req: dict[str, Any]) -> Device:
-    return Device.from_wire(req["device"]) if req.get("device") else CPU
 
 
 #: Session config that keeps an idle session's intra-op threads from spinning.
@@ -60,8 +65,8 @@ def quiet(options: dict[str, Any] | None) -> dict[str, Any]:
     return opts
 
 
-def _session(model: str, options: dict[str, Any] | None, device: Device = CPU):
-    return session(model, quiet(options), device)
+def _session(model: Path, options: dict[str, Any] | None, device: Device = CPU):
+    return session(str(model), quiet(options), device)
 
 
 def accuracy(ref: list[np.ndarray], out: list[np.ndarray]) -> dict[str, float]:
@@ -100,29 +105,39 @@ def accuracy(ref: list[np.ndarray], out: list[np.ndarray]) -> dict[str, float]:
     return {"max_abs_error": max_abs, "max_rel_error": rel, "cosine": cos}
 
 
-def measure(req: dict[str, Any]) -> dict[str, Any]:
-    feeds = _load_inputs(req["inputs"])
-    device = _device(req)
-    results: dict[str, dict[str, Any]] = {}
+def measure(req: MeasureRequest) -> MeasureReply:
+    """Raises DeviceError when the reference candidate cannot be loaded or run."""
+    feeds = _load_inputs(req.inputs)
+    device = req.device
+    results: dict[str, Measurement] = {}
     sessions = {}
-    for c in req["candidates"]:
+    for c in req.candidates:
         try:
-            sess = _session(c["model"], c.get("options"), device)
+            sess = _session(c.model, c.options, device)
             names = {i.name for i in sess.get_inputs()}
-            sessions[c["id"]] = (sess, {k: v for k, v in feeds.items() if k in names})
+            sessions[c.id] = (sess, {k: v for k, v in feeds.items() if k in names})
         except Exception as exc:
-            results[c["id"]] = {"ok": False, "error": f"load: {exc}".splitlines()[0]}
-    ref_id = req.get("reference")
+            results[c.id] = Measurement(False, error=f"load: {exc}".splitlines()[0])
+    ref_id = req.reference
     outputs = {}
+    # On an accelerator a host run would time copies to and from the device with the
+    # model (and CUDA graphs need bound memory): runs bind inputs and outputs in device
+    # memory. The first run, here, is outside the timing, and so is session creation,
+    # where TensorRT builds its engines.
+    bound: dict[str, BoundRun] = {}
     for cid, (sess, f) in list(sessions.items()):
         try:
-            outputs[cid] = sess.run(None, f)
+            if device.is_cpu:
+                outputs[cid] = sess.run(None, f)
+            else:
+                bound[cid] = BoundRun(sess, f, device)
+                outputs[cid] = bound[cid].outputs()
         except Exception as exc:
-            results[cid] = {"ok": False, "error": f"run: {exc}".splitlines()[0]}
+            results[cid] = Measurement(False, error=f"run: {exc}".splitlines()[0])
             del sessions[cid]
     if ref_id is not None and ref_id not in outputs:
-        err = results.get(ref_id, {}).get("error", "reference missing")
-        return {"ok": False, "error": f"reference candidate failed: {err}", "results": results}
+        err = results[ref_id].error if ref_id in results else "reference missing"
+        raise DeviceError(f"reference candidate failed: {err}")
     acc = {}
     for cid in list(sessions):
         if ref_id is None:
@@ -131,40 +146,45 @@ def measure(req: dict[str, Any]) -> dict[str, Any]:
         try:
             acc[cid] = accuracy(outputs[ref_id], outputs[cid])
         except ValueError as exc:
-            results[cid] = {"ok": False, "error": str(exc)}
+            results[cid] = Measurement(False, error=str(exc))
             del sessions[cid]
 
-    plan = from_wire(MeasurePlan, req.get("plan") or {})
-    runs = {cid: (lambda sess=sess, f=f: sess.run(None, f)) for cid, (sess, f) in sessions.items()}
-    timings = interleaved(runs, plan, keep=ref_id)
+    if device.is_cpu:
+        runs = {cid: (lambda sess=sess, f=f: sess.run(None, f)) for cid, (sess, f) in sessions.items()}
+    else:
+        runs = {cid: bound[cid] for cid in sessions}
+    timings = interleaved(runs, req.plan, keep=ref_id)
     for cid, t in timings.items():
         if t.dropped and not t.repeats:  # never timed: it overran the budget
-            results[cid] = {"ok": False, "error": t.reason, "dropped": True, "reason": t.reason, **acc[cid]}
+            results[cid] = Measurement(False, error=t.reason, dropped=True, reason=t.reason, **acc[cid])
         else:
-            results[cid] = {"ok": True, **t.summary(), **acc[cid]}
-    return {"ok": True, "results": results}
+            summary = t.summary()
+            summary["rounds_us"] = tuple(summary["rounds_us"])
+            results[cid] = Measurement(True, **summary, **acc[cid])
+    return MeasureReply(results)
 
 
-def profile(req: dict[str, Any]) -> dict[str, Any]:
-    from aoe._session import make_session_options
+def profile(req: ProfileRequest) -> ProfileReply:
+    from aoe.sessionopts import make_session_options
 
-    feeds = _load_inputs(req["inputs"])
-    device = _device(req)
+    feeds = _load_inputs(req.inputs)
+    device = req.device
     # No optimization by default: the runtime's fusions rename the nodes they fuse, and
     # the profile must name the prepared model's nodes to map onto tasks one to one.
-    options = req.get("options") or {"graph_optimization_level": "disable"}
+    options = req.options or {"graph_optimization_level": "disable"}
     so = make_session_options(options)
     so.enable_profiling = True
-    so.profile_file_prefix = str(Path(req["workdir"]) / "profile")
+    so.profile_file_prefix = str(req.workdir / "profile")
     import onnxruntime as ort
 
-    providers: list[Any] = [(device.provider, device.provider_options())] if not device.is_cpu else []
-    sess = ort.InferenceSession(req["model"], so, providers=[*providers, CPU.provider])
+    t_load = time.perf_counter()
+    sess = ort.InferenceSession(str(req.model), so, providers=providers_for(options, device))
+    load_s = time.perf_counter() - t_load
     names = {i.name for i in sess.get_inputs()}
     f = {k: v for k, v in feeds.items() if k in names}
     for _ in range(3):
         sess.run(None, f)
-    runs = int(req.get("runs", 10))
+    runs = req.runs
     t0 = time.perf_counter()
     for _ in range(runs):
         sess.run(None, f)
@@ -182,7 +202,7 @@ def profile(req: dict[str, Any]) -> dict[str, Any]:
             node = name[: -len("_kernel_time")]
             nodes[node] = nodes.get(node, 0.0) + float(ev.get("dur", 0))
     n = runs + 3
-    return {"ok": True, "nodes": {k: v / n for k, v in nodes.items()}, "total_us": total}
+    return ProfileReply({k: v / n for k, v in nodes.items()}, total, load_s)
 
 
 def _top1(ref: list[np.ndarray], out: list[np.ndarray]) -> tuple[int, int]:
@@ -197,17 +217,17 @@ def _top1(ref: list[np.ndarray], out: list[np.ndarray]) -> tuple[int, int]:
     return agree, rows
 
 
-def compare(req: dict[str, Any]) -> dict[str, Any]:
+def compare(req: CompareRequest) -> Accuracy:
     """Accuracy of `candidate` against `reference` over several input files: the worst
     max error and the lowest cosine over them, the cosine's 5th percentile, and for
     classifier-shaped outputs the share of rows whose top-1 class agrees."""
-    device = _device(req)
-    ref = _session(req["reference"], None, device)
-    cand = _session(req["candidate"], req.get("options"), device)
+    device = req.device
+    ref = _session(req.reference, None, device)
+    cand = _session(req.candidate, req.options, device)
     worst = {"max_abs_error": 0.0, "max_rel_error": 0.0, "cosine": 1.0}
     cosines = []
     agree = rows = 0
-    for path in req["inputs"]:
+    for path in req.inputs:
         feeds = _load_inputs(path)
         r_out = ref.run(None, {i.name: feeds[i.name] for i in ref.get_inputs()})
         c_out = cand.run(None, {i.name: feeds[i.name] for i in cand.get_inputs()})
@@ -218,38 +238,32 @@ def compare(req: dict[str, Any]) -> dict[str, Any]:
         cosines.append(acc["cosine"])
         a, n = _top1(r_out, c_out)
         agree, rows = agree + a, rows + n
-    return {
-        "ok": True,
+    return Accuracy(
         **worst,
-        "samples": len(req["inputs"]),
-        "cosine_p5": float(np.percentile(cosines, 5)) if cosines else 1.0,
-        "top1_agreement": agree / rows if rows else None,
-        "top1_rows": rows,
-    }
+        samples=len(req.inputs),
+        cosine_p5=float(np.percentile(cosines, 5)) if cosines else 1.0,
+        top1_agreement=agree / rows if rows else None,
+        top1_rows=rows,
+    )
 
 
-def _handle(req: dict[str, Any]) -> dict[str, Any]:
-    op = req.get("op")
-    started = time.monotonic()  # CLOCK_MONOTONIC: comparable across processes
-    if op == "measure":
-        reply = measure(req)
-    elif op == "profile":
-        reply = profile(req)
-    elif op == "compare":
-        reply = compare(req)
-    elif op == "ping":
-        providers = check_device(_device(req))
-        reply = {"ok": True, "cores": len(os.sched_getaffinity(0)), "providers": list(providers)}
-    else:
-        return {"ok": False, "error": f"unknown op {op!r}"}
-    return {**reply, "pid": os.getpid(), "started": started, "finished": time.monotonic()}
+def ping(req: PingRequest) -> PingReply:
+    providers = check_device(req.device)
+    return PingReply(len(os.sched_getaffinity(0)), tuple(providers))
+
+
+_OPS: dict[type, Any] = {PingRequest: ping, MeasureRequest: measure, ProfileRequest: profile, CompareRequest: compare}
+
+
+def _handle(req: Any) -> Any:
+    return _OPS[type(req)](req)
 
 
 def main() -> int:
-    from aoed.backends.ort._wire import child_main, serve
+    from aoed.backends._wire import child_main, serve
 
     child_main()
-    return serve(_handle)
+    return serve(_handle, tuple(_OPS))
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ from typing import Any
 from aoe.device import CPU, Device
 from aoe.errors import DeviceError
 
-__all__ = ["check_device", "session"]
+__all__ = ["BoundRun", "check_device", "providers_for", "session"]
 
 
 def check_device(device: Device) -> tuple[str, ...]:
@@ -25,14 +25,85 @@ def check_device(device: Device) -> tuple[str, ...]:
     return available
 
 
-def session(model: str | Path | bytes, options: dict[str, Any] | None = None, device: Device = CPU):
-    """An InferenceSession for `model` (a path or serialized bytes) on `device`, with the
-    session options as data (see aoe._session); CPU serves what the device cannot."""
+def providers_for(options: dict[str, Any] | None, device: Device = CPU) -> list[Any]:
+    """The providers a session on `device` gets: those `options` name (with theirs; the
+    device's own options under its own provider), else the device's provider; then the
+    CPU. DeviceError when this onnxruntime lacks one of them (onnxruntime itself would
+    only warn, and run the model on the CPU)."""
     import onnxruntime as ort
 
-    from aoe._session import make_session_options
+    from aoe.sessionopts import session_providers
 
-    providers: list[Any] = [(device.provider, device.provider_options())] if not device.is_cpu else []
-    providers.append(CPU.provider)
+    if options and options.get("providers"):
+        providers = session_providers(options, device.index)
+        providers = [(n, {**dict(device.options), **o} if n == device.provider else o) for n, o in providers]
+    elif device.is_cpu:
+        return [CPU.provider]
+    else:
+        providers = [(device.provider, device.provider_options()), (CPU.provider, {})]
+    available = ort.get_available_providers()
+    for name, _ in providers:
+        if name not in available:
+            raise DeviceError(f"{device.name}: a candidate runs on {name}, which this onnxruntime {ort.__version__} "
+                              f"does not have (it has {', '.join(available)})")  # fmt: skip
+    return providers
+
+
+def session(model: str | Path | bytes, options: dict[str, Any] | None = None, device: Device = CPU):
+    """An InferenceSession for `model` (a path or serialized bytes) on `device`, with the
+    session options as data (see aoe.sessionopts), their providers first; CPU serves what
+    the device cannot. DeviceError for a provider this onnxruntime lacks."""
+    import onnxruntime as ort
+
+    from aoe.sessionopts import make_session_options
+
     data = model if isinstance(model, bytes) else str(model)
-    return ort.InferenceSession(data, make_session_options(options), providers=providers)
+    return ort.InferenceSession(data, make_session_options(options), providers=providers_for(options, device))
+
+
+#: device kind -> where onnxruntime places an OrtValue for it
+_MEMORY = {"cpu": "cpu", "cuda": "cuda", "tensorrt": "cuda", "cann": "cann"}
+
+
+class BoundRun:
+    """Runs of a session with its inputs and outputs in the device's memory (I/O binding).
+
+    Inputs are copied to the device once, when this is made, so a timed run moves no
+    data between host and device; outputs stay there. The first run lets onnxruntime
+    allocate the outputs (and capture a CUDA graph, where the options ask for one,
+    which needs bound inputs and outputs); they are then bound in place, so later runs
+    write to the same addresses, as CUDA graphs require. Each call synchronizes the
+    outputs, so the host's clock around it times the device's work (onnxruntime's run
+    waits for its stream already; this also covers providers with streams of their own).
+    """
+
+    def __init__(self, sess: Any, feeds: dict[str, Any], device: Device = CPU):
+        import onnxruntime as ort
+
+        memory = _MEMORY[device.kind]
+        index = 0 if device.is_cpu else device.index
+        self._sess, self._binding = sess, sess.io_binding()
+        self._kept = []  # the device copies live as long as the binding
+        for name, array in feeds.items():
+            value = ort.OrtValue.ortvalue_from_numpy(array, memory, index)
+            self._binding.bind_ortvalue_input(name, value)
+            self._kept.append(value)
+        self._names = [o.name for o in sess.get_outputs()]
+        for name in self._names:
+            self._binding.bind_output(name, memory, index)
+        self._first = True
+
+    def __call__(self) -> None:
+        self._sess.run_with_iobinding(self._binding)
+        self._binding.synchronize_outputs()
+        if self._first:
+            self._first = False
+            for name, value in zip(self._names, self._binding.get_outputs()):
+                self._binding.bind_ortvalue_output(name, value)
+                self._kept.append(value)
+
+    def outputs(self) -> list[Any]:
+        """The last run's outputs, copied to the host (runs once if none has)."""
+        if self._first:
+            self()
+        return self._binding.copy_outputs_to_cpu()

@@ -14,6 +14,7 @@ It does a job's graph work, one request at a time (messages in aoed.engine.messa
   assemble   whole models with chosen strategies applied (and their metadata)
   check      whether strategies the bank names still apply to their tasks
   rebuild    a bank entry's task rebuilt from its signature, default and strategy forms
+  ping       nothing: that the worker answers
 
 It never measures and never touches the bank. The last model it loaded stays cached,
 since a job sends several requests about the same prepared model.
@@ -21,10 +22,13 @@ since a job sends several requests about the same prepared model.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import re
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -77,7 +81,8 @@ def _prepare(req: m.PrepareRequest) -> m.PrepareReply:
     from aoed.engine.policy import policy
     from aoed.engine.prep import make_inputs, prepare
 
-    prep = prepare(req.source, req.workdir, req.input_shapes, req.keep_initializer_inputs, req.limits)
+    prep = prepare(req.source, req.workdir, req.input_shapes, req.keep_initializer_inputs, req.limits,
+                   expect=req.model_file)  # fmt: skip
     int_high = integer_ranges(prep.model, prep.inputs)
     try:
         sess = session(prep.path, {"intra_op_num_threads": 1})
@@ -97,7 +102,7 @@ def _prepare(req: m.PrepareRequest) -> m.PrepareReply:
                              f"{_ort_error(exc, prep.path)}") from None  # fmt: skip
     del sess
     assert _registry is not None
-    tasks = tunable_tasks(prep.model, prep.ctx, _registry, req.precision, req.job_type)
+    tasks = tunable_tasks(prep.model, prep.ctx, _registry, req.precision, req.job_type, req.device_kind)
     return m.PrepareReply(
         prepared=prep.path,
         inputs=prep.inputs,
@@ -106,7 +111,19 @@ def _prepare(req: m.PrepareRequest) -> m.PrepareReply:
         model_signature=model_signature(prep.model),
         int_high=int_high,
         notes=tuple(prep.notes),
+        digest=_file_digest([prep.path, prep.path.with_name(prep.path.name + ".data")]),
+        op_types=tuple(sorted({n.op_type for n in prep.model.graph.node})),
     )
+
+
+def _file_digest(paths: list[Path]) -> str:
+    """sha256 over the sha256 digests of the files of `paths` that exist, in order."""
+    h = hashlib.sha256()
+    for path in paths:
+        if path.is_file():
+            with open(path, "rb") as f:
+                h.update(hashlib.file_digest(f, "sha256").digest())
+    return h.hexdigest()
 
 
 def _ort_error(exc: Exception, prepared: Path) -> str:
@@ -128,13 +145,19 @@ def _samples(req: m.SamplesRequest) -> m.SamplesReply:
         samples = Samples.single(make_inputs(req.inputs, int_high=req.int_high), "synthetic (1 sample)")
     req.workdir.mkdir(parents=True, exist_ok=True)
     held, calib = [], []
+    h = hashlib.sha256()
     for i, sample in enumerate(samples.held_back):
         held.append(req.workdir / f"held_back_{i}.npz")
         np.savez(held[-1], **sample)
     for i, sample in enumerate(samples.calibrate):
         calib.append(req.workdir / f"calibrate_{i}.npz")
         np.savez(calib[-1], **sample)
-    return m.SamplesReply(tuple(held), tuple(calib), samples.source)
+    for sample in (*samples.held_back, *samples.calibrate):
+        for name in sorted(sample):
+            arr = np.ascontiguousarray(sample[name])
+            h.update(f"{name}|{arr.dtype.str}|{arr.shape}|".encode())
+            h.update(arr.tobytes())
+    return m.SamplesReply(tuple(held), tuple(calib), samples.source, h.hexdigest())
 
 
 def _calibrate(req: m.CalibrateRequest) -> m.CalibrateReply:
@@ -183,12 +206,12 @@ def _compile(req: m.CompileRequest) -> m.CompileReply:
     )
     rewrite = strategy.apply(view)
     if rewrite is None:
-        return m.CompileReply(ok=False, applicable=False, error="not applicable")
+        return m.CompileReply(applicable=False)
     candidate = apply_rewrites(model, {tuple(n.name for n in nodes): rewrite})
     onnx.checker.check_model(candidate)
     onnx.save(candidate, str(req.out))
     session(req.out, {"intra_op_num_threads": 1})
-    return m.CompileReply(ok=True, compile_s=time.perf_counter() - t0)
+    return m.CompileReply(compile_s=time.perf_counter() - t0)
 
 
 def _variants(req: m.VariantsRequest) -> m.VariantsReply:
@@ -288,39 +311,36 @@ def _rebuild(req: m.RebuildRequest) -> m.RebuildReply:
     return m.RebuildReply(ok=True, default=paths[0], candidate=paths[1], inputs=paths[2])
 
 
-_OPS: dict[str, tuple[type, Any]] = {
-    "prepare": (m.PrepareRequest, _prepare),
-    "samples": (m.SamplesRequest, _samples),
-    "calibrate": (m.CalibrateRequest, _calibrate),
-    "extract": (m.ExtractRequest, _extract),
-    "compile": (m.CompileRequest, _compile),
-    "variants": (m.VariantsRequest, _variants),
-    "assemble": (m.AssembleRequest, _assemble),
-    "check": (m.CheckRequest, _check),
-    "rebuild": (m.RebuildRequest, _rebuild),
+def _ping(req: m.PingRequest) -> m.PingReply:
+    return m.PingReply(len(os.sched_getaffinity(0)), ())
+
+
+_OPS: dict[type[m.Request], Callable[[Any], Any]] = {
+    m.PingRequest: _ping,
+    m.PrepareRequest: _prepare,
+    m.SamplesRequest: _samples,
+    m.CalibrateRequest: _calibrate,
+    m.ExtractRequest: _extract,
+    m.CompileRequest: _compile,
+    m.VariantsRequest: _variants,
+    m.AssembleRequest: _assemble,
+    m.CheckRequest: _check,
+    m.RebuildRequest: _rebuild,
 }
 
 
-def _handle(req: dict[str, Any]) -> dict[str, Any]:
-    if req.get("op") == "ping":
-        return {"ok": True}
-    entry = _OPS.get(str(req.get("op")))
-    if entry is None:
-        return {"ok": False, "error": f"unknown op {req.get('op')!r}"}
-    cls, fn = entry
-    reply = m.to_wire(fn(m.from_wire(cls, req)))
-    reply.setdefault("ok", True)
-    return reply
+def _handle(req: m.Request) -> Any:
+    return _OPS[type(req)](req)
 
 
 def main() -> int:
     global _registry
-    from aoed.backends.ort._wire import child_main, serve
+    from aoed.backends._wire import child_main, serve
     from aoed.backends.ort.catalog import build_registry
 
     args = child_main()
     _registry = build_registry(args.plugins)
-    return serve(_handle)
+    return serve(_handle, tuple(_OPS))
 
 
 if __name__ == "__main__":

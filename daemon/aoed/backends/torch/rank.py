@@ -1,7 +1,7 @@
 """One rank of a GDAT world: `python -m aoed.backends.torch.rank`, one process per rank.
 
 The world (world.py) sends every rank the same requests, one JSON object per line
-(aoed.backends.ort._wire), so the ranks run their collectives in lockstep:
+(aoed.backends._wire), so the ranks run their collectives in lockstep:
 
   inspect  load the model and say its gradient layout (no process group: the job asks
            this of one process before it decides whether to start a world at all)
@@ -275,7 +275,7 @@ def _inspect(req: dict[str, Any]) -> dict[str, Any]:
                               f"machine has {devices}")  # fmt: skip
     module, _args, _kwargs, _loss = _load(req["source"])
     reply = _layout_reply(module, world_size, backend)
-    reply["torch"] = torch.__version__
+    reply["torch"] = str(torch.__version__)
     reply["devices"] = devices
     if not reply["params"]:
         raise ModelError(f"{req['source'].get('path')}: the model has no parameter that requires a gradient")
@@ -430,24 +430,25 @@ def _gate(req: dict[str, Any]) -> dict[str, Any]:
     return {"kind": "loss", "loss_exact": curves[0], "loss_hooked": curves[1], "loss_gap": gap}
 
 
-def _handle(req: dict[str, Any]) -> dict[str, Any]:
-    op = req.get("op")
-    if op == "ping":
-        return {"ok": True}
-    fn = {"inspect": _inspect, "init": _init, "measure": _measure, "gate": _gate}.get(str(op))
-    if fn is None:
-        return {"ok": False, "error": f"unknown op {op!r}"}
-    if op in ("measure", "gate") and "module" not in _state:
-        return {"ok": False, "error": f"{op} before init"}
-    return fn(req)
+def _handle(request: Any) -> dict[str, Any]:
+    import msgspec
+
+    from aoed.engine import rankmessages as rm
+
+    fn = {rm.RankInspectRequest: _inspect, rm.RankInitRequest: _init, rm.RankMeasureRequest: _measure,
+          rm.RankGateRequest: _gate}[type(request)]  # fmt: skip
+    if fn in (_measure, _gate) and "module" not in _state:
+        raise RuntimeError(f"{type(request).__name__} before init")
+    return fn(msgspec.structs.asdict(request))
 
 
 def main() -> int:
-    from aoed.backends.ort._wire import child_main, serve
+    from aoed.backends._wire import child_main, serve
+    from aoed.engine import rankmessages as rm
 
     child_main()
     try:
-        return serve(_handle)
+        return serve(_handle, [rm.RankInspectRequest, rm.RankInitRequest, rm.RankMeasureRequest, rm.RankGateRequest])
     finally:
         import torch.distributed as dist
 

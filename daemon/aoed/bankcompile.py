@@ -23,7 +23,7 @@ from typing import Any
 
 from aoe.bank import BankReader
 from aoe.signature import DeviceFingerprint
-from aoed.bank._codec import BankRecord, decode
+from aoe.bankrecord import BankRecord, decode
 from aoed.engine.assemble import Assembly, apply_choices, from_bank, set_metadata, tuned_metadata
 from aoed.engine.calibration import integer_ranges, load_samples
 from aoed.engine.modelio import load_model, save_model
@@ -60,7 +60,7 @@ def _options_hold(model: Path, options: dict[str, Any], inputs: Path, runtime_di
     from aoed.engine import stats
     from aoed.engine.confirm import verdict_of
     from aoed.engine.device import DeviceAgent
-    from aoed.engine.messages import Candidate, MeasurePlan, MeasureReply, MeasureRequest, from_wire
+    from aoed.engine.messages import Candidate, MeasurePlan, MeasureReply, MeasureRequest
 
     async def run() -> dict:
         with tempfile.TemporaryDirectory(prefix="aoe-compile-logs-") as logs:
@@ -69,9 +69,9 @@ def _options_hold(model: Path, options: dict[str, Any], inputs: Path, runtime_di
                 await nursery.start(agent.run)
                 req = MeasureRequest((Candidate("with", model, options), Candidate("without", model)), inputs,
                                      "without", CPU, MeasurePlan.fixed(9, 5.0))  # fmt: skip
-                reply = await agent.call(req)
+                reply: MeasureReply = await agent.call(req)
                 nursery.cancel_scope.cancel()
-        return from_wire(MeasureReply, reply).results
+        return reply.results
 
     res = trio.run(run)
     verdict, med, (lo, hi) = verdict_of(stats.paired_ratios(res["with"].rounds_us, res["without"].rounds_us))

@@ -1,7 +1,8 @@
 """A GDAT world: N rank processes started together and spoken to in lockstep.
 
 Invariants:
-- Ranks start through exec (`python -m aoed.backends.torch.rank`, engine/_child.py),
+- Ranks start through exec (`python -m aoed.backends.torch.rank`, engine/_child.py;
+  their messages: engine/rankmessages.py),
   never by forking a process that may have started gRPC; each dies with its parent
   (PR_SET_PDEATHSIG) and inherits no service-manager variables.
 - A world is all or nothing: every request goes to every rank (each runs the same
@@ -35,6 +36,8 @@ from aoe.errors import CandidateError, ModelError, OptionError
 from aoe.gradlayout import BACKENDS
 from aoed.engine._child import Child, ChildDiedError
 from aoed.engine.devlock import DeviceLock
+from aoed.engine.messages import Answer, Request, encode
+from aoed.engine.rankmessages import RankInitRequest, RankInspectRequest
 
 __all__ = ["RANK_MODULE", "World", "WorldError", "WorldSpec", "inspect_model", "lock_names"]
 
@@ -82,9 +85,9 @@ def _rank_env(spec: WorldSpec, threads: int) -> dict[str, str]:
     return env | dict(spec.env)
 
 
-def _failure(reply: dict[str, Any], who: str) -> Exception:
-    cls = _JOB_ERRORS.get(str(reply.get("error_class", "")))
-    message = str(reply.get("error") or "failed without a message")
+def _failure(answer: Answer, who: str) -> Exception:
+    cls = _JOB_ERRORS.get(answer.error_class)
+    message = answer.error or "failed without a message"
     return cls(message) if cls is not None else WorldError(f"{who}: {message}")
 
 
@@ -126,24 +129,26 @@ class World:
                 await stack.enter_async_context(lock.hold(self.on_wait))
             yield
 
-    async def _all(self, requests: Sequence[dict[str, Any]], limit_s: float) -> list[dict[str, Any]]:
-        """Send request r to rank r, all at once; the replies in rank order. On any
+    async def _all(self, requests: Sequence[Request], limit_s: float) -> list[dict[str, Any]]:
+        """Send request r to rank r, all at once; the replies in rank order, each read
+        strictly as its request's reply type and handed on as plain data. On any
         failure every rank is killed and WorldError (or the job's own error) raised."""
         replies: list[dict[str, Any] | None] = [None] * len(self._ranks)
         failures: list[Exception] = []
 
-        async def one(r: int, child: Child, request: dict[str, Any], cancel: trio.CancelScope) -> None:
+        async def one(r: int, child: Child, request: Request, cancel: trio.CancelScope) -> None:
             try:
-                reply = await child.call(request)
+                answer = await child.call(request)
             except ChildDiedError as exc:
                 failures.append(WorldError(f"{self.name}: rank {r} died: {exc}"))
                 cancel.cancel()
                 return
-            replies[r] = reply
-            if not reply.get("ok", True):
+            if not answer.ok:
                 # The others may wait for this rank in a collective that never comes.
-                failures.append(_failure(reply, f"{self.name}: rank {r}"))
+                failures.append(_failure(answer, f"{self.name}: rank {r}"))
                 cancel.cancel()
+                return
+            replies[r] = encode(answer.reply)
 
         try:
             with trio.move_on_after(limit_s) as timer:
@@ -179,10 +184,11 @@ class World:
                   env=env, restart=False)
             for r in range(self.spec.world_size)
         ]  # fmt: skip
-        base = {"op": "init", "world_size": self.spec.world_size, "backend": self.spec.backend,
-                "source": dict(self.spec.source), "store": str(store), "threads": threads}  # fmt: skip
+        requests = [RankInitRequest(rank=r, world_size=self.spec.world_size, backend=self.spec.backend,
+                                    source=dict(self.spec.source), store=str(store), threads=threads)
+                    for r in range(self.spec.world_size)]  # fmt: skip
         async with self._held():
-            replies = await self._all([{**base, "rank": r} for r in range(self.spec.world_size)], self.init_limit_s)
+            replies = await self._all(requests, self.init_limit_s)
         if any(rep.get("params") != replies[0].get("params") for rep in replies):
             await self.aclose()
             raise ModelError(f"{self.spec.source.get('path')}: the ranks loaded different models (gradient layouts "
@@ -190,7 +196,7 @@ class World:
         self.layout = replies[0]
         return self.layout
 
-    async def call(self, request: dict[str, Any], limit_s: float) -> list[dict[str, Any]]:
+    async def call(self, request: Request, limit_s: float) -> list[dict[str, Any]]:
         """Send `request` to every rank (starting the world first when it is not
         running) while holding its devices; the replies in rank order. Raises
         WorldError when the world broke (it is torn down; the next call starts anew)."""
@@ -221,12 +227,11 @@ async def inspect_model(source: Mapping[str, str], backend: str, world_size: int
                   restart=False)  # fmt: skip
     try:
         try:
-            reply = await child.call({"op": "inspect", "source": dict(source), "backend": backend,
-                                      "world_size": world_size})  # fmt: skip
+            answer = await child.call(RankInspectRequest(source=dict(source), backend=backend, world_size=world_size))
         except ChildDiedError as exc:
             raise WorldError(f"loading the model: {exc}") from None
-        if not reply.get("ok", True):
-            raise _failure(reply, "loading the model")
-        return reply
+        if not answer.ok:
+            raise _failure(answer, "loading the model")
+        return encode(answer.reply)
     finally:
         await child.aclose()

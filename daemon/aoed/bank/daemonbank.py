@@ -1,5 +1,5 @@
-"""The daemon's bank as its API serves it: reads, imports and prunes through the engine's
-BankWriter, the process's one writer of the custom bank.
+"""The daemon's bank as its API serves it: reads, and imports and prunes sent to the
+engine's BankWriter, the process's one writer of the custom bank.
 
 A process opens each bank's LMDB environment once (a second open of the same files
 breaks LMDB's locks), and the daemon's is its BankWriter's store. So the API does not
@@ -12,8 +12,8 @@ Invariants:
   reads (queries, exports) go page by page, one transaction each, so a long export is
   not one snapshot: it sees what was committed while it ran.
 - An import is checked whole, with `aoe bank import`'s checks, before anything of it is
-  written (`check_import`, in the caller's thread), then merged in one worker-thread
-  call on the writer's store.
+  written (`check_import`, in the caller's thread), then merged by the writer; a prune
+  is the writer's too. Nothing here writes the store.
 - The daemon holds the bank's writer lock, so no other process grows the map and the
   store never remaps it under these reads (which therefore do without its gate).
 """
@@ -28,14 +28,14 @@ from typing import Any
 import lmdb
 import trio
 
-from aoe._lmdb import lmdb_errors
+from aoe.lmdbenv import lmdb_errors
 from aoe.bank import CUSTOM, BankReader, Explanation, LayerStats
 from aoe.errors import OptionError
 from aoe.signature import DeviceFingerprint
-from aoed.bank._codec import BankRecord, decode
+from aoe.bankrecord import BankRecord, decode
 from aoed.bank.exchange import import_lines
 from aoed.bank.store import KINDS, BankStore, MergeCounts, PruneCounts, Record
-from aoed.bank.writer import BankWrite, BankWriter
+from aoed.bank.writer import BankMerge, BankPrune, BankWrite, BankWriter
 
 __all__ = ["DB_NAMES", "CheckedImport", "DaemonBank", "StoreLayer", "check_import"]
 
@@ -45,6 +45,8 @@ DB_NAMES = ("entries", "defaults", "history")
 #: from), so that a selective filter never holds a transaction for the whole bank.
 _SCAN = 10_000
 
+#: Records per writer request of an import (one transaction each).
+MERGE_CHUNK = 2000
 #: `keep(key, value)`: whether a page includes a record.
 Keep = Callable[[bytes, bytes], bool]
 
@@ -141,6 +143,9 @@ class DaemonBank:
         self._device = device
         self._layer: StoreLayer | None = None
         self._reader: BankReader | None = None
+        #: LookupEntry calls answered, and how many found an entry.
+        self.lookups = 0
+        self.hits = 0
 
     async def _view(self) -> tuple[StoreLayer, BankReader]:
         if self._layer is None or self._reader is None:
@@ -148,9 +153,7 @@ class DaemonBank:
             layers = await self._writer.layers()
             # The read-only layers are the writer's (opened once); this reader borrows
             # them and is never closed.
-            self._reader = BankReader(
-                [layer, *(layers._layers if layers is not None else ())], self._device
-            )
+            self._reader = layers.under(layer, self._device) if layers is not None else BankReader([layer], self._device)
             self._layer = layer
         return self._layer, self._reader
 
@@ -168,7 +171,10 @@ class DaemonBank:
                                        device_digest=device_digest or None, precision=precision)  # fmt: skip
             return ex, reader.lookup_raw(ex.key.encode())[0] if ex.found else None
 
-        return await trio.to_thread.run_sync(look)
+        ex, raw = await trio.to_thread.run_sync(look)
+        self.lookups += 1
+        self.hits += raw is not None
+        return ex, raw
 
     async def page(
         self, db: str, after: bytes, limit: int, keep: Keep | None = None
@@ -195,14 +201,22 @@ class DaemonBank:
         ]
 
     async def prune(self, dry_run: bool) -> PruneCounts:
-        """Drop the custom bank's history (or count what would go)."""
-        store = await self._writer.store()
-        return await trio.to_thread.run_sync(store.prune, dry_run)
+        """Drop the custom bank's history (or count what would go), through the writer's
+        queue, between the engine's writes."""
+        return await self._writer.prune(BankPrune(dry_run))
 
     async def merge(self, checked: CheckedImport) -> dict[str, MergeCounts]:
-        """Merge checked records into the custom bank; counts per kind of record."""
-        store = await self._writer.store()
-        return await trio.to_thread.run_sync(store.merge, checked.records, checked.replace)
+        """Merge checked records into the custom bank, through the writer's queue (so its
+        followers are sent them at once), a transaction's worth at a time so that the
+        engine's writes are not held up behind a large import; counts per kind."""
+        totals = {kind: MergeCounts() for kind in KINDS}
+        records = checked.records
+        for i in range(0, len(records), MERGE_CHUNK):
+            got = await self._writer.merge(BankMerge(tuple(records[i : i + MERGE_CHUNK]), checked.replace))
+            for kind, c in got.items():
+                t = totals[kind]
+                totals[kind] = MergeCounts(t.added + c.added, t.updated + c.updated, t.kept + c.kept)
+        return totals
 
     async def record(self, trials: Iterable[tuple[bytes, dict[str, Any]]]) -> None:
         """Append measured trials to the history, through the writer's queue."""

@@ -2,33 +2,44 @@
 shuts down in the reverse order within a bound.
 
     job store -> engine (bank writer, compile pool, device agent) -> job manager
-              -> inbox watcher -> gRPC server (last: "ready" means everything answers)
+              -> inbox watcher -> gRPC server -> bank followers, metrics endpoint
+    (last: "ready" means everything answers)
+
+A follower per peer in `[bank] follow` applies that peer's bank writes to this one
+(aoed.bank.follow); the metrics endpoint (`[metrics] listen`, aoed.metrics) serves a
+snapshot of the agents' figures at each scrape.
 
 SIGTERM and SIGINT stop: health turns NOT_SERVING, no new job starts, running jobs get
 `shutdown_grace_s` to finish and are then cancelled (they stay queued and resume at the
 next start), the server cancels the RPCs still open, the engine stops its children, and
 the store and the bank are closed. SIGHUP re-reads the configuration: inbox folders and
-limits change at once; engine settings (bank, device, workers) need a restart, and the
-log says so.
+limits change at once; engine settings (bank, device, workers), the peers followed and the
+metrics endpoint need a restart, and the log says so.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
+import stat
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import trio
 
 from aoe.errors import AoedError
-from aoed.api._bridge import Bridge
+from aoed.api import Bridge
 from aoed.api.info import DaemonServicer, DeviceServicer
 from aoed.api.server import Server, build_server, register
 from aoed.api.tuning import TuningServicer
+from aoed.bank.follow import Follower
 from aoed.config import DaemonConfig, load_daemon_config
+from aoed.jobs import store as st
 from aoed.jobs.manager import JobManager
 from aoed.jobs.store import JobStore
+from aoed.metrics import DaemonMetrics, Snapshot, count_states
 from aoed.notify import Notifier, Watchdog
 
 __all__ = ["Daemon"]
@@ -48,6 +59,9 @@ class Daemon:
         # Read (and removed from the environment) before any child process starts.
         self.notifier = Notifier()
         self._probe_channel = None
+        self.followers: list[Follower] = []
+        self.metrics = DaemonMetrics() if cfg.metrics_listen else None
+        self._bank_api = None
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Serve until SIGTERM/SIGINT (or `request_stop()`). Raises AoedError when it
@@ -58,26 +72,44 @@ class Daemon:
         cfg = self.cfg
         for d in (cfg.state_dir, cfg.uploads_dir, cfg.jobs_dir, cfg.claims_dir):
             try:
-                d.mkdir(parents=True, exist_ok=True)
+                d.mkdir(mode=0o750, parents=True, exist_ok=True)
             except OSError as exc:
                 raise AoedError(f"state dir {d}: {exc.strerror or exc}") from None
+        for d in (cfg.state_dir, cfg.engine.bank):
+            _close_to_others(d)
         store = JobStore(cfg.store_path)
         try:
             registry = build_registry(cfg.engine.plugins)
-            async with open_engine(cfg.engine, registry, cfg.state_dir / "logs") as engine:
+            async with open_engine(cfg.engine, registry, cfg.state_dir / "logs", lock_group=cfg.socket_gid()) as engine:
                 async with trio.open_nursery() as nursery:
                     self.jobs = jobs = JobManager(cfg, store, engine)
                     await nursery.start(jobs.run)
                     self.watcher = await self._start_watcher(nursery, jobs)
                     bridge = Bridge(nursery)
+                    connect = _peer_client(cfg)
+                    self._bank_api = self._bank_servicer(bridge, engine, connect)
                     self.server = server = build_server(cfg, lambda s: register(
-                        s, TuningServicer(bridge, jobs), self._bank_servicer(bridge, engine),
+                        s, TuningServicer(bridge, jobs), self._bank_api,
                         DeviceServicer(bridge, jobs),
-                        DaemonServicer(bridge, jobs, cfg, self.started, lambda: self.server.addresses if self.server else [])))  # fmt: skip
+                        DaemonServicer(bridge, jobs, cfg, self.started, lambda: self.server.addresses if self.server else [])),
+                        interceptors=[self.metrics.interceptor] if self.metrics is not None else [])  # fmt: skip
                     server.grpc.start()
                     server.set_serving(True)
                     log.info("aoed: serving on %s; state in %s; bank %s", ", ".join(server.addresses), cfg.state_dir,
                              cfg.engine.bank)  # fmt: skip
+                    devices = [engine.device.device.fingerprint().digest]
+                    for peer in cfg.follow:
+                        follower = Follower(engine.bank, peer, devices, connect)
+                        self.followers.append(follower)
+                        await nursery.start(follower.run)
+                    if cfg.follow:
+                        log.info("aoed: following the banks of %s", ", ".join(cfg.follow))
+                    if self.metrics is not None:
+                        try:
+                            await nursery.start(self.metrics.run, cfg.metrics_listen, self._snapshot)
+                        except OSError as exc:
+                            raise AoedError(f"[metrics] listen = {cfg.metrics_listen!r}: cannot listen "
+                                            f"({exc.strerror or exc})") from None  # fmt: skip
                     self.notifier.ready(self._status())
                     await nursery.start(Watchdog(self.notifier, self._probe, self._status).run)
                     task_status.started(server.addresses)
@@ -148,13 +180,18 @@ class Daemon:
         except AoedError as exc:
             log.error("aoed: SIGHUP: the configuration was not reloaded: %s", exc)
             return
-        if new.engine != self.cfg.engine or new.listen_addresses() != self.cfg.listen_addresses():
-            log.warning("aoed: SIGHUP: engine and listen settings change only at a restart")
-        kept = replace(new, engine=self.cfg.engine, socket=self.cfg.socket, tcp=self.cfg.tcp, state_dir=self.cfg.state_dir)
+        old = self.cfg
+        restart_only = ("follow", "follow_ca", "follow_cert", "follow_key", "follow_insecure_loopback",
+                        "metrics_listen", "metrics_allow_remote")  # fmt: skip
+        if (new.engine != old.engine or new.listen_addresses() != old.listen_addresses()
+                or any(getattr(new, k) != getattr(old, k) for k in restart_only)):  # fmt: skip
+            log.warning("aoed: SIGHUP: engine, listen, [bank] follow and [metrics] settings change only at a restart")
+        kept = replace(new, engine=old.engine, socket=old.socket, tcp=old.tcp, state_dir=old.state_dir,
+                       **{k: getattr(old, k) for k in restart_only})  # fmt: skip
         self.cfg = kept
         if self.jobs is not None:
             self.jobs.cfg = kept
-            self.jobs._poke()
+            self.jobs.wake()
         if self.watcher is not None:
             self.watcher.reload(kept)
         log.info("aoed: SIGHUP: reloaded inboxes and limits")
@@ -176,9 +213,81 @@ class Daemon:
         await nursery.start(watcher.run)
         return watcher
 
-    def _bank_servicer(self, bridge: Bridge, engine):
+    def _bank_servicer(self, bridge: Bridge, engine, connect):
         try:
             from aoed.api.bank import BankServicer
         except ImportError:  # pragma: no cover
             return None
-        return BankServicer(bridge, engine)
+        return BankServicer(bridge, engine, connect, self.cfg.follow)
+
+    async def _snapshot(self) -> Snapshot:
+        """The figures the metrics endpoint serves, read in trio (see aoed.metrics)."""
+        snap = Snapshot()
+        jobs = self.jobs
+        if jobs is None:
+            return snap
+        rows = jobs.list([], 1_000_000, None)
+        snap.jobs = count_states([r.state for r in rows], (*st.ACTIVE, *st.FINAL))
+        snap.queued = snap.jobs.get(st.QUEUED, 0)
+        engine = jobs.engine
+        snap.devices = {engine.device.device.name: (engine.device.busy_s, engine.device.requests)}
+        snap.workers, snap.workers_busy = engine.pool.size, engine.pool.busy
+        store = await engine.bank.store()
+        stats = await trio.to_thread.run_sync(store.stats)
+        snap.bank_records = {"entry": stats.entries, "default": stats.defaults, "trial": stats.history}
+        snap.bank_used_bytes = stats.used_bytes
+        snap.bank_head = await engine.bank.head()
+        w = engine.bank
+        snap.lookups = {("engine", "hit"): w.hits, ("engine", "miss"): w.lookups - w.hits}
+        if self._bank_api is not None:
+            api = self._bank_api.bank
+            snap.lookups.update({("api", "hit"): api.hits, ("api", "miss"): api.lookups - api.hits})
+        snap.follow = {f.peer: (f.connected, f.behind, f.lag_s, f.applied, f.refused) for f in self.followers}
+        return snap
+
+
+def _peer_client(cfg: DaemonConfig):
+    """What opens an aoe.client.Client to a peer whose bank this daemon follows (or
+    syncs with): over TLS with the [bank] follow_* files, except unix sockets and
+    plain loopback peers. Raises AoedError when a file cannot be read."""
+    from aoe.client import Client
+
+    def read(path) -> bytes | None:
+        if path is None:
+            return None
+        try:
+            return path.read_bytes()
+        except OSError as exc:
+            raise AoedError(f"[bank] {path}: {exc.strerror or exc}") from None
+
+    ca, cert, key = read(cfg.follow_ca), read(cfg.follow_cert), read(cfg.follow_key)
+
+    def connect(target: str) -> Client:
+        if target.startswith("unix:") or ca is None:
+            return Client(target, timeout=30)
+        return Client(target, timeout=30, root_certificates=ca, private_key=key, certificate_chain=cert)
+
+    return connect
+
+
+def _close_to_others(folder: Path) -> None:
+    """Take other users' access away from `folder` (the state dir, the bank) when it is
+    ours: what an earlier run under a looser umask left open (a 0755 state dir let any
+    user read job rows; a 0755 bank let them export it). Logged; never fatal."""
+    try:
+        st = folder.stat()
+    except FileNotFoundError:  # a bank made later is made closed
+        return
+    except OSError as exc:
+        log.warning("aoed: %s cannot be checked for other users' access (%s)", folder, exc.strerror or exc)
+        return
+    if st.st_uid != os.geteuid() or not st.st_mode & 0o007:
+        return
+    try:
+        folder.chmod(stat.S_IMODE(st.st_mode) & ~0o007)
+    except OSError as exc:
+        log.warning("aoed: %s is open to other users and could not be closed to them (%s)", folder,
+                    exc.strerror or exc)  # fmt: skip
+        return
+    log.warning("aoed: %s was open to other users (mode %04o); it is now %04o", folder, stat.S_IMODE(st.st_mode),
+                stat.S_IMODE(st.st_mode) & ~0o007)  # fmt: skip

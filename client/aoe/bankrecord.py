@@ -1,0 +1,123 @@
+"""`BankRecord`: the bank's main domain type (one task's decision on one device: its
+strategy, the winner's and the default's statistics, accuracy, provenance), and its
+stored form, `aoe.v1.BankEntry` bytes (`encode` / `decode`).
+
+Public and light (protobuf only): the daemon's bank writer and engine, `aoe compile`
+and any reader of a bank use these; the bank's keys are `aoe.signature.bank_key`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from aoe.bank import PRECISION_CODES, PRECISION_NAMES
+from aoe.signature import SCHEMA_VERSION, DeviceFingerprint, TaskSignature
+from aoe.v1 import bank_pb2
+
+__all__ = ["BankRecord", "Measured", "decode", "encode"]
+
+_PRECISION = PRECISION_CODES
+_PRECISION_NAME = PRECISION_NAMES
+
+
+@dataclass(frozen=True)
+class Measured:
+    median_us: float
+    spread: float
+    repeats: int
+    min_us: float
+
+
+@dataclass(frozen=True)
+class BankRecord:
+    key: bytes
+    signature: TaskSignature
+    device: DeviceFingerprint
+    strategy: str
+    family: str
+    precision: str
+    winner: Measured
+    baseline: Measured
+    max_abs_error: float = 0.0
+    max_rel_error: float = 0.0
+    cosine: float = 1.0
+    params: dict[str, str] = field(default_factory=dict)
+    host: str = ""
+    aoed_version: str = ""
+    created_unix: float = 0.0
+    job_id: str = ""
+    model: str = ""
+
+
+def _stats(msg: bank_pb2.Stats, m: Measured) -> None:
+    msg.median_us = m.median_us
+    msg.spread = m.spread
+    msg.repeats = m.repeats
+    msg.min_us = m.min_us
+
+
+def encode(r: BankRecord) -> bytes:
+    e = bank_pb2.BankEntry(schema_version=SCHEMA_VERSION, key=r.key.decode())
+    e.signature.op_type = r.signature.op_type
+    e.signature.domain = r.signature.domain
+    e.signature.opset = r.signature.opset
+    e.signature.canonical_json = r.signature.canonical_json
+    e.signature.digest = r.signature.digest
+    d = r.device
+    e.device.execution_provider = d.execution_provider
+    e.device.hardware = d.hardware
+    e.device.isa_flags.extend(d.isa_flags)
+    e.device.runtime_version = d.runtime_version
+    e.device.canonical_json = d.canonical_json
+    e.device.digest = d.digest
+    e.strategy.name = r.strategy
+    e.strategy.family = r.family
+    e.strategy.precision = _PRECISION[r.precision]
+    e.strategy.params.update(r.params)
+    _stats(e.winner, r.winner)
+    _stats(e.baseline, r.baseline)
+    e.accuracy.max_abs_error = r.max_abs_error
+    e.accuracy.max_rel_error = r.max_rel_error
+    e.accuracy.cosine = r.cosine
+    p = e.provenance
+    p.host = r.host
+    p.aoed_version = r.aoed_version
+    p.onnxruntime_version = d.runtime_version
+    p.created.FromNanoseconds(int(r.created_unix * 1e9))
+    p.job_id = r.job_id
+    p.model = r.model
+    return e.SerializeToString(deterministic=True)
+
+
+def _measured(msg: bank_pb2.Stats) -> Measured:
+    return Measured(msg.median_us, msg.spread, msg.repeats, msg.min_us)
+
+
+def decode(data: bytes) -> BankRecord:
+    e = bank_pb2.BankEntry.FromString(data)
+    s, d = e.signature, e.device
+    return BankRecord(
+        key=e.key.encode(),
+        signature=TaskSignature(s.op_type, s.domain, s.opset, s.canonical_json, s.digest),
+        device=DeviceFingerprint(
+            d.execution_provider, d.hardware, tuple(d.isa_flags), d.runtime_version,
+            json.loads(d.canonical_json).get("options", {}) if d.canonical_json else {},
+            d.canonical_json, d.digest,
+            json.loads(d.canonical_json).get("accelerator", {}) if d.canonical_json else {},
+        ),
+        strategy=e.strategy.name,
+        family=e.strategy.family,
+        precision=_PRECISION_NAME.get(e.strategy.precision, "exact"),
+        winner=_measured(e.winner),
+        baseline=_measured(e.baseline),
+        max_abs_error=e.accuracy.max_abs_error,
+        max_rel_error=e.accuracy.max_rel_error,
+        cosine=e.accuracy.cosine,
+        params=dict(e.strategy.params),
+        host=e.provenance.host,
+        aoed_version=e.provenance.aoed_version,
+        created_unix=e.provenance.created.ToNanoseconds() / 1e9,
+        job_id=e.provenance.job_id,
+        model=e.provenance.model,
+    )

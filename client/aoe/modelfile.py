@@ -1,0 +1,100 @@
+"""What the client checks about a model file before anything is started or uploaded.
+
+`check_model_file` answers at once, in the user's own process, what would otherwise come
+back from a daemon after an upload or from the engine after its start: the file is
+missing, is not a regular file, is empty, or is not an ONNX model. The ONNX check walks
+the top-level fields of the protobuf (a tag and a length each, payloads skipped with a
+seek), so it reads a few bytes of any model however large, where `onnx.load` would read
+and parse all of it; it wants the fields ONNX declares for a ModelProto, with their
+wire types, lengths that stay within the file, and an `ir_version` and a `graph`. The
+engine still checks the model in full; this catches the wrong file early.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+from typing import BinaryIO
+
+from aoe.errors import ModelError
+
+__all__ = ["check_model_file"]
+
+_VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5
+
+
+def check_model_file(path: str | os.PathLike[str], *, onnx: bool = True) -> None:
+    """Return when `path` is a regular, non-empty file and (with `onnx`) its top-level
+    protobuf fields are an ONNX ModelProto's with a graph; else raise ModelError naming
+    the file and what is wrong with it. Imports nothing heavy unless `onnx`."""
+    p = Path(path)
+    try:
+        st = p.stat()
+    except FileNotFoundError:
+        raise ModelError(f"{p}: no such model file") from None
+    except OSError as exc:
+        raise ModelError(f"{p}: cannot read the model ({exc.strerror or exc})") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise ModelError(f"{p}: not a regular file; pass the .onnx model file")
+    if st.st_size == 0:
+        raise ModelError(f"{p}: the file is empty, not an ONNX model")
+    if not onnx:
+        return
+    try:
+        # O_NONBLOCK: a file swapped for a pipe since the stat must not block the open.
+        with os.fdopen(os.open(p, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC), "rb") as f:
+            why = _not_a_model(f, os.fstat(f.fileno()).st_size)
+    except OSError as exc:
+        raise ModelError(f"{p}: cannot read the model ({exc.strerror or exc})") from None
+    if why:
+        raise ModelError(f"{p}: not a readable ONNX model ({why}); pass the .onnx model file")
+
+
+def _not_a_model(f: BinaryIO, size: int) -> str:
+    """Why the top-level fields in `f` are not an ONNX ModelProto's ("" when they are)."""
+    from onnx import ModelProto
+    from google.protobuf.descriptor import FieldDescriptor as FD
+
+    fields = {fd.number: fd for fd in ModelProto.DESCRIPTOR.fields}
+    seen: set[str] = set()
+    while f.tell() < size:
+        at = f.tell()
+        tag = _varint(f)
+        if tag is None:
+            return f"a field tag at byte {at} is cut off"
+        number, wire = tag >> 3, tag & 7
+        fd = fields.get(number)
+        if fd is not None:
+            # Repeated scalars may be packed (one length-delimited run).
+            scalar = fd.type not in (FD.TYPE_MESSAGE, FD.TYPE_STRING, FD.TYPE_BYTES)
+            want = _LEN if not scalar else _VARINT
+            if wire != want and not (scalar and fd.label == FD.LABEL_REPEATED and wire == _LEN):
+                return f"byte {at}: field {number} ({fd.name}) has wire type {wire}, not {want}"
+            seen.add(fd.name)
+        elif wire not in (_VARINT, _I64, _LEN, _I32):  # an unknown field a newer ONNX may add
+            return f"byte {at}: wire type {wire} is not one a model uses"
+        if wire == _VARINT:
+            if _varint(f) is None:
+                return f"field {number} at byte {at} is cut off"
+        else:
+            length = {_I64: 8, _I32: 4}.get(wire) or _varint(f)
+            if length is None or f.tell() + length > size:
+                return f"field {number} at byte {at} runs past the end of the file"
+            f.seek(length, os.SEEK_CUR)
+    missing = [name for name in ("ir_version", "graph") if name not in seen]
+    return f"no {' and no '.join(missing)}" if missing else ""
+
+
+def _varint(f: BinaryIO) -> int | None:
+    """The base-128 varint at the file's position; None when the file ends within it or
+    it is longer than 10 bytes."""
+    value = 0
+    for shift in range(0, 70, 7):
+        b = f.read(1)
+        if not b:
+            return None
+        value |= (b[0] & 0x7F) << shift
+        if not b[0] & 0x80:
+            return value
+    return None

@@ -1,0 +1,363 @@
+"""What came out of a tuning job: `JobOutcome`, the one shape of a job's result.
+
+The engine builds it once, when a job ends; every surface reads it: the CLI's summary
+(`summary_lines`, for `aoe tune` embedded and on a daemon alike), the daemon's job store
+(`to_dict`/`from_dict`), the API's JobResult message (aoe.wire), the drop folder's
+report (aoed.watch) and the result JSON (aoed.engine.outputs). Its whole-model figures
+are `aoe.figures.Figures`, under the one rule that module states.
+
+Light on purpose: no onnx, no grpc.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from aoe import figures
+from aoe.figures import Figures
+from aoe.spec import JobType, Precision, Stage
+
+__all__ = ["BudgetReport", "JobOutcome", "StageTime", "TaskOutcome", "UpdateMode", "summary_lines"]
+
+
+class UpdateMode(enum.StrEnum):
+    """What a task's decision did to the bank (AOE's words, and ours for the rest)."""
+
+    ADD = "add"
+    UPDATE = "update"
+    RESERVED = "reserved"
+    HIT = "hit"
+    UNSATISFIED = "unsatisfied"
+    FAILED = "failed"  # its measurement failed
+    SKIPPED = "skipped"  # the budget left it untuned
+    NONE = ""  # not decided
+
+    @property
+    def measured(self) -> bool:
+        """Whether this job measured the task to decide it."""
+        return self in (UpdateMode.ADD, UpdateMode.UPDATE, UpdateMode.RESERVED, UpdateMode.UNSATISFIED)
+
+
+@dataclass(frozen=True)
+class TaskOutcome:
+    """One task's row of the per-task table."""
+
+    task_id: str
+    op_name: str
+    op_type: str
+    family: str = ""
+    instances: int = 1
+    share: float = 0.0  # of the model's profiled latency
+    strategy: str = "default"
+    before_us: float = 0.0
+    after_us: float = 0.0
+    update_mode: UpdateMode = UpdateMode.NONE
+    bank_layer: str = ""
+    accuracy: Mapping[str, float] = field(default_factory=dict)
+    error: str = ""
+    rejected: tuple[str, ...] = ()  # lossy candidates not taken, and why
+    applied: bool = True  # False when verification or the confirming A/B left it out
+    attempt: int = 0  # the run of the job that measured it; 0: the bank answered
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "update_mode", UpdateMode(self.update_mode))
+        object.__setattr__(self, "rejected", tuple(self.rejected))
+
+    @property
+    def improvement(self) -> float:
+        """The task's own figure, from the search that chose it: before / after - 1."""
+        return (self.before_us / self.after_us - 1.0) if self.after_us > 0 and self.before_us > 0 else 0.0
+
+    @property
+    def chosen(self) -> bool:
+        return self.strategy != "default"
+
+    @property
+    def changed(self) -> bool:
+        """Chosen, and in what shipped."""
+        return self.chosen and self.applied
+
+
+@dataclass(frozen=True)
+class StageTime:
+    """One stage of the budget table: wall seconds given (0 for what the budget does not
+    cover) and taken, device seconds spent while it ran, the estimate made before it."""
+
+    given_s: float = 0.0
+    spent_s: float = 0.0
+    over_s: float = 0.0
+    counted: bool = False
+    device_s: float | None = None
+    estimate_s: float | None = None
+
+
+@dataclass(frozen=True)
+class BudgetReport:
+    """The job's device budget and where its time went (aoed.engine.budget)."""
+
+    budget_s: float = 0.0
+    given: bool = False  # set by the user rather than fitted
+    spent_s: float = 0.0  # device seconds the budget counts
+    search_s: float = 0.0
+    session_s: float = 0.0
+    verify_s: float = 0.0
+    profile_s: float = 0.0
+    confirm_s: float = 0.0
+    load_s_per_mib: float | None = None
+    elapsed_s: float = 0.0
+    over_s: float = 0.0
+    #: every stage, in the order run
+    stages: Mapping[Stage, StageTime] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The result JSON's `budget` section; `from_dict` reads it back."""
+        d: dict[str, Any] = {k: getattr(self, k) for k in _BUDGET_KEYS}
+        d["stages"] = {str(name): {k: v for k, v in vars(st).items() if v is not None} for name, st in self.stages.items()}
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> BudgetReport:
+        stages = {Stage(name): StageTime(**st) for name, st in (d.get("stages") or {}).items()}
+        return cls(**{k: d[k] for k in _BUDGET_KEYS if k in d}, stages=stages)
+
+
+_BUDGET_KEYS = ("budget_s", "given", "spent_s", "search_s", "session_s", "verify_s", "profile_s", "confirm_s",
+                "load_s_per_mib", "elapsed_s", "over_s")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class JobOutcome:
+    """A finished job: what it measured (`figures`), what shipped, the per-task table,
+    what it did to the bank, what it cost, and where its outputs are."""
+
+    job_id: str
+    model: str  # the model file the job read
+    tuned_model: str
+    result_json: str
+    precision: Precision
+    job_type: JobType
+    device: str
+    tuning_time_s: float
+    figures: Figures
+    tasks: tuple[TaskOutcome, ...] = ()
+    #: AOE's repo summary (repo_add_num, ..., total_num)
+    bank: Mapping[str, int] = field(default_factory=dict)
+    #: scalars of what the job cost: device_s, duty_cycle, trials, failed_candidates, ...
+    resources: Mapping[str, float] = field(default_factory=dict)
+    budget: BudgetReport = field(default_factory=BudgetReport)
+    session_options: Mapping[str, Any] = field(default_factory=dict)
+    #: end to end, on the held-back samples
+    accuracy: Mapping[str, float] = field(default_factory=dict)
+    accuracy_budget: Mapping[str, float] = field(default_factory=dict)
+    calibration: str = ""
+    verified: str = ""  # what verification proposed (tuned | options only | reverted to input)
+    notes: tuple[str, ...] = ()
+    workspace: str = ""
+    #: what only one job type has (GDAT: the world, the shipped DDP options, the gates,
+    #: the tails), as the result JSON's `details` holds it
+    details: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "precision", Precision(self.precision))
+        object.__setattr__(self, "job_type", JobType(self.job_type))
+        object.__setattr__(self, "tasks", tuple(self.tasks))
+        object.__setattr__(self, "notes", tuple(self.notes))
+
+    @property
+    def improvement(self) -> float:
+        """From the confirming A/B (aoe.figures); 0 when the input shipped."""
+        return self.figures.improvement
+
+    @property
+    def duty_cycle(self) -> float:
+        return float(self.resources.get("duty_cycle", 0.0))
+
+    @property
+    def unshipped(self) -> int:
+        """Tasks the search chose that are not in what shipped."""
+        return sum(t.chosen and not t.applied for t in self.tasks)
+
+    # ------------------------------------------------------------------ JSON
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON types; `from_dict` reads it back."""
+        return {
+            "job_id": self.job_id, "model": self.model, "tuned_model": self.tuned_model,
+            "result_json": self.result_json, "precision": str(self.precision), "job_type": str(self.job_type),
+            "device": self.device, "tuning_time_s": self.tuning_time_s, "figures": self.figures.to_dict(),
+            "tasks": [{**vars(t), "update_mode": str(t.update_mode), "accuracy": dict(t.accuracy),
+                       "rejected": list(t.rejected)} for t in self.tasks],
+            "bank": dict(self.bank), "resources": dict(self.resources), "budget": self.budget.to_dict(),
+            "session_options": dict(self.session_options), "accuracy": dict(self.accuracy),
+            "accuracy_budget": dict(self.accuracy_budget), "calibration": self.calibration,
+            "verified": self.verified, "notes": list(self.notes), "workspace": self.workspace,
+            "details": dict(self.details),
+        }  # fmt: skip
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> JobOutcome:
+        """From `to_dict`'s keys. A result stored before outcomes had their own shape
+        (the figures at the top level, `repo`, fewer task fields) reads too."""
+        if "figures" not in d:  # stored by an older daemon
+            return cls._from_old(d)
+        return cls(
+            job_id=d["job_id"], model=d["model"], tuned_model=d["tuned_model"], result_json=d["result_json"],
+            precision=d["precision"], job_type=d["job_type"], device=d["device"], tuning_time_s=d["tuning_time_s"],
+            figures=Figures.from_dict(d["figures"]),
+            tasks=tuple(TaskOutcome(**t) for t in d.get("tasks", ())), bank=d.get("bank", {}),
+            resources=d.get("resources", {}), budget=BudgetReport.from_dict(d.get("budget") or {}),
+            session_options=d.get("session_options", {}), accuracy=d.get("accuracy", {}),
+            accuracy_budget=d.get("accuracy_budget", {}), calibration=d.get("calibration", ""),
+            verified=d.get("verified", ""), notes=tuple(d.get("notes", ())), workspace=d.get("workspace", ""),
+            details=d.get("details", {}),
+        )  # fmt: skip
+
+    @classmethod
+    def _from_old(cls, d: Mapping[str, Any]) -> JobOutcome:
+        tasks = tuple(TaskOutcome(
+            t.get("task_id", ""), t.get("op_name", ""), t.get("op_type", ""), strategy=t.get("strategy", "default"),
+            before_us=t.get("before_us", 0.0), after_us=t.get("after_us", 0.0), update_mode=t.get("update_mode", ""),
+            bank_layer=t.get("bank_layer", ""), accuracy=t.get("accuracy", {}), error=t.get("error", ""),
+            applied=not (t.get("strategy", "default") != "default" and t.get("error")),
+        ) for t in d.get("tasks", ()))  # fmt: skip
+        return cls(
+            job_id="", model="", tuned_model=d.get("tuned_model", ""), result_json=d.get("result_json", ""),
+            precision=Precision.EXACT, job_type=JobType.OPAT, device="", tuning_time_s=d.get("tuning_time_s", 0.0),
+            figures=Figures.from_dict(d), tasks=tasks, bank=d.get("repo", {}), resources=d.get("resources", {}),
+        )  # fmt: skip
+
+
+# --------------------------------------------------------------------------- the CLI's summary
+
+#: How the budget line names a result's stages.
+_STAGE_WORDS = {Stage.PREPARE: "preparing", Stage.BANK: "bank lookups", Stage.PROFILE: "profiling",
+                Stage.SEARCH: "search", Stage.ASSEMBLE: "assembling", Stage.ACCURACY: "accuracy",
+                Stage.SESSION: "session options", Stage.VERIFY: "verifying", Stage.CONFIRM: "confirming",
+                Stage.OUTPUTS: "outputs", Stage.CALIBRATE: "calibrating"}  # fmt: skip
+
+
+def budget_line(b: BudgetReport) -> str | None:
+    """The budget in one line: the budget, what the job took, and by how much and where
+    it went over (stages under 0.05 s left out); None without stages."""
+    if not b.stages:
+        return None
+    parts = []
+    for name, st in b.stages.items():
+        if st.spent_s < 0.05:
+            continue
+        extra = [f"{st.given_s:.1f} given"] if st.counted else []
+        if st.estimate_s is not None:
+            extra.append(f"estimated {st.estimate_s:.1f}")
+        parts.append(f"{_STAGE_WORDS.get(name, name)} {st.spent_s:.1f} s" + (f" ({', '.join(extra)})" if extra else ""))
+    head = f"{b.budget_s:g} s given, the job took {b.elapsed_s:.1f} s"
+    if b.over_s > 0:
+        head += f", {b.over_s:.1f} s over"
+    return head + (": " + ", ".join(parts) if parts else "")
+
+
+def summary_lines(o: JobOutcome, *, where: str = "", took_s: float | None = None,
+                  files: tuple[Path | None, Path | None] = (None, None)) -> list[str]:  # fmt: skip
+    """The CLI's summary of a finished job, as lines. `where`: " on the daemon" and the
+    like; `took_s`: the wall time to report (default: the job's tuning time); `files`:
+    the tuned model and result JSON where they were written locally (else the outcome's
+    paths, said to be on the daemon's host when `where` is given)."""
+    if o.job_type == JobType.GDAT:
+        return _gdat_lines(o, where, took_s, files)
+    f, res, b = o.figures, o.resources, o.budget
+    measured = sum(t.update_mode.measured for t in o.tasks)
+    hits = sum(t.update_mode == UpdateMode.HIT for t in o.tasks)
+    failed = sum(t.update_mode == UpdateMode.FAILED for t in o.tasks)
+    skipped = sum(t.update_mode == UpdateMode.SKIPPED for t in o.tasks)
+    chosen = [t for t in o.tasks if t.chosen]
+    changed = [t for t in chosen if t.applied]
+    took = o.tuning_time_s if took_s is None else took_s
+    job = f"job {o.job_id}; " if where and o.job_id else ""
+    out = [f"aoe: tuned {Path(o.model).name}{where} in {took:.1f} s ({job}{o.precision} on {o.device or '-'})"]
+    said = (f"from the bank: confirmed by {f.confirmed_by}" if f.confirmed_by
+            else f"confirming A/B, {f.rounds} interleaved rounds")  # fmt: skip
+    out.append(f"  baseline     {f.baseline_ms:.4f} ms   ({said})")
+    out.append(f"  result       {figures.result_text(f)}")
+    out.append(f"  verdict      {figures.verdict_text(f)}")
+    out.append(f"  tasks        {len(o.tasks)}: {measured} measured, {hits} from the bank"
+               + (f", {failed} failed" if failed else "") + (f", {skipped} not tuned (budget)" if skipped else "")
+               + f"; {figures.changed_text(len(changed), len(chosen), f.shipped)}")  # fmt: skip
+    out.append(f"  device       {res.get('trials', 0):g} trials, {res.get('failed_candidates', 0):g} failed candidates; "
+               f"{b.spent_s:.1f} s of a {b.budget_s:g} s budget, plus {b.profile_s + b.confirm_s:.1f} s profiling "
+               f"and confirming; busy {o.duty_cycle:.0%} of the job")  # fmt: skip
+    line = budget_line(b)
+    if line:
+        out.append(f"  budget       {line}")
+    if changed:
+        out.append("  changed      (each task's own figure, from the search that chose it)")
+    out += [f"    {t.op_name:<40} {t.op_type:<14} {t.strategy:<22} {figures.pct(t.improvement)}" for t in changed]
+    if o.session_options:
+        out.append(f"  session      {dict(o.session_options)}")
+    lossy = o.precision != Precision.EXACT
+    if lossy and f.shipped == "input":
+        out.append("  accuracy     the input model ships: its outputs are the reference")
+        out.append(f"  calibration  {o.calibration}")
+    elif lossy:
+        acc, top1 = o.accuracy, o.accuracy.get("top1_agreement")
+        out.append(f"  accuracy     over {acc.get('samples', 1):g} held-back samples: cosine min "
+                   f"{acc.get('cosine', 0):.5f}, 5th percentile {acc.get('cosine_p5', acc.get('cosine', 0)):.5f}, "
+                   f"max rel error {acc.get('max_rel_error', 0):.3g}"
+                   + (f", top-1 agreement {top1:.1%}" if top1 is not None else "")
+                   + f" (budget: cosine >= {o.accuracy_budget.get('min_cosine')}, max rel error <= "
+                   f"{o.accuracy_budget.get('max_rel_error')})")  # fmt: skip
+        out.append(f"  calibration  {o.calibration}")
+    if lossy:
+        out += [f"    {t.op_name:<40} kept {t.strategy}: {t.rejected[0]}" for t in o.tasks
+                if t.rejected and not t.strategy.startswith("int8")]  # fmt: skip
+    out.append(f"  bank         {figures.bank_text(o.bank, len(chosen) - len(changed))}")
+    out += [f"  note         {note}" for note in o.notes]
+    remote = " (on the daemon host)" if where else ""
+    out.append(f"  tuned model  {files[0] or o.tuned_model + remote}")
+    out.append(f"  report       {files[1] or o.result_json + remote}")
+    return out
+
+
+def _gdat_lines(o: JobOutcome, where: str, took_s: float | None,
+                files: tuple[Path | None, Path | None]) -> list[str]:  # fmt: skip
+    """summary_lines for a GDAT job: step times of the world instead of a model's, the
+    DDP options that ship instead of tasks, and the gates of lossy hooks."""
+    f, b, d = o.figures, o.budget, o.details
+    took = o.tuning_time_s if took_s is None else took_s
+    job = f"job {o.job_id}; " if where and o.job_id else ""
+    out = [f"aoe: tuned {Path(o.model).name}{where} in {took:.1f} s ({job}gdat, {d.get('gradient_precision', 'exact')} "
+           f"gradients, {o.device})"]  # fmt: skip
+    said = (f"from the bank: confirmed by {f.confirmed_by}" if f.confirmed_by
+            else f"confirming A/B, {f.rounds} interleaved rounds")  # fmt: skip
+    out.append(f"  baseline     {f.baseline_ms:.4f} ms per step, tail {d.get('baseline_tail_ms', 0.0):.4f} ms   "
+               f"(DDP's defaults; {said})")  # fmt: skip
+    if f.changed:
+        out.append(f"  result       {figures.result_text(f)}; tail {d.get('result_tail_ms', 0.0):.4f} ms")
+    else:
+        out.append(f"  result       {figures.result_text(f)}")
+    out.append(f"  verdict      {figures.verdict_text(f)}" + ("" if f.changed else ": DDP's defaults ship"))
+    ddp = d.get("ddp_config") or {}
+    hook = (ddp.get("comm_hook") or {}).get("name")
+    out.append(f"  ddp          {ddp.get('label', 'default')}: {ddp.get('ddp_kwargs') or 'no options'}"
+               + (f", comm hook {hook}" if hook else ""))  # fmt: skip
+    if not f.confirmed_by:
+        confs = d.get("configurations") or []
+        measured = {c["name"] for c in confs if c.get("step_ms") is not None}
+        failed = sum(c.get("status") == "failed" for c in confs)
+        rejected = sum(c.get("status") == "rejected" for c in confs)
+        broken = len(d.get("broken_turns") or [])
+        out.append(f"  search       {len(measured)} configurations in {o.resources.get('worlds', 1):g} world(s)"
+                   + (f", {failed} failed" if failed else "") + (f", {rejected} rejected by the gradient gate"
+                                                                  if rejected else "")
+                   + (f", {broken} broken turns" if broken else "")
+                   + f"; {b.spent_s:.1f} s of a {b.budget_s:g} s budget, plus {b.confirm_s:.1f} s confirming")  # fmt: skip
+    out += [f"  gate         {g['config']}: {'passed' if g.get('passed') else 'rejected'}: {g.get('why', '')}"
+            for g in d.get("gates") or []]  # fmt: skip
+    out.append(f"  bank         {figures.bank_text(o.bank)}")
+    out += [f"  note         {note}" for note in o.notes]
+    remote = " (on the daemon host)" if where else ""
+    out.append(f"  ddp config   {files[0] or o.tuned_model + remote}")
+    out.append(f"  report       {files[1] or o.result_json + remote}")
+    return out

@@ -1,0 +1,369 @@
+"""What a tuning job is asked to do: `JobSpec`, the one shape of a job's options.
+
+A spec is built and checked once, where it enters: `JobSpec(...)` checks every field
+(`__post_init__`), so a spec that exists is one a job can run with. Each edge converts
+to and from it once, as a pair:
+
+    argparse   aoe.specargs   add_arguments / from_args / to_argv   (aoe tune, aoe submit)
+    proto      aoe.wire       spec_to_pb / spec_from_pb             (the API's JobOptions)
+    TOML       here           to_toml / from_toml                   (a drop folder's aoed.toml)
+    JSON       here           to_dict / from_dict                   (the job store's options)
+
+The model is not part of a spec: every edge names it apart (a positional argument, the
+request's model_path or model_id, the dropped file, the job row's model_path), and the
+daemon moves it (an upload becomes a kept input) while the spec stays the same.
+
+Light on purpose (no onnx, no grpc): the CLI and the gRPC client build specs
+(tests/test_light_client.py holds this).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from aoe import sizes
+from aoe.device import Device
+from aoe.errors import OptionError
+
+__all__ = [
+    "FOLDER_KEYS", "MAX_BUDGET_S", "JobSpec", "JobType", "Precision", "SpecError", "Stage", "parse_job_type",
+]  # fmt: skip
+
+
+class JobType(enum.StrEnum):
+    """What a job tunes: operator tasks (AOE's OPAT, --job_type 2), subgraph tasks (SGAT,
+    --job_type 1), or subgraphs first and operators over what they left, in one job; or
+    the gradient communication of data-parallel training on PyTorch DDP (GDAT,
+    AOE_MODE=4: a torch.export program, not an ONNX model)."""
+
+    OPAT = "opat"
+    SGAT = "sgat"
+    SGAT_OPAT = "sgat+opat"
+    GDAT = "gdat"
+
+    @property
+    def slug(self) -> str:
+        """As result files spell it: aoe_result_{slug}_{ts}_{pid}.json."""
+        return self.value.replace("+", "_")
+
+    @property
+    def parts(self) -> tuple[JobType, ...]:
+        """The job types it runs, in order (sgat+opat: SGAT, then OPAT)."""
+        return tuple(JobType(p) for p in self.value.split("+"))
+
+
+class Precision(enum.StrEnum):
+    """The precision policy (aoed.engine.policy): exact, or a lossy one within an accuracy
+    budget."""
+
+    EXACT = "exact"
+    INT8 = "int8"
+    INT4 = "int4"
+    FP16 = "fp16"
+    BF16 = "bf16"
+
+
+class Stage(enum.StrEnum):
+    """The stages of one job, in the order they run (some only for some jobs); the names
+    of the result's budget table and of the engine's stage events."""
+
+    PREPARE = "prepare"
+    CALIBRATE = "calibrate"
+    BANK = "bank"
+    PROFILE = "profile"
+    SEARCH = "search"
+    ASSEMBLE = "assemble"
+    ACCURACY = "accuracy"
+    SESSION = "session"
+    VERIFY = "verify"
+    CONFIRM = "confirm"
+    OUTPUTS = "outputs"
+
+
+#: The job type of a job that names none: the most the tuner can find, at the tuning
+#: time bench/RESULTS.md states beside OPAT's.
+DEFAULT_JOB_TYPE = JobType.SGAT_OPAT
+_JOB_TYPE_SPELLINGS = {"2": "opat", "1": "sgat", "opat+sgat": "sgat+opat", "1+2": "sgat+opat", "2+1": "sgat+opat",
+                       "4": "gdat"}  # fmt: skip
+#: The largest budget a user may give: a week. Past it the per-task split overflows a
+#: float (1e308 s is finite, yet its shares are not).
+MAX_BUDGET_S = 7 * 86400.0
+#: The keys a drop folder's aoed.toml may set.
+FOLDER_KEYS = ("budget_s", "input_shapes", "job_type", "max_rel_error", "min_cosine", "precision", "priority",
+               "repeat_tune", "world_size", "backend", "gradient_precision")  # fmt: skip
+#: GDAT's collective backends and gradient precisions (aoe.gradlayout checks them
+#: again where torch is at hand).
+GDAT_BACKENDS = ("gloo", "nccl", "hccl")
+GRADIENT_PRECISIONS = ("exact", "fp16", "bf16", "lowrank")
+#: The fields only a GDAT job reads, and the ONNX fields a GDAT job refuses (with the
+#: value that means "not given").
+_GDAT_FIELDS = ("world_size", "backend", "gradient_precision", "entry")
+_ONNX_FIELDS = (("input_shapes", {}), ("min_cosine", None), ("max_rel_error", None), ("calibration_dir", None),
+                ("keep_initializer_inputs", False), ("device", None))  # fmt: skip
+
+
+class SpecError(OptionError):
+    """A field of a spec that no job can run with. `field` is the spec's name for it and
+    `detail` the rest of the message, so that an edge can name the field its own way
+    (aoe tune says --budget where the API says budget_s)."""
+
+    def __init__(self, field: str, detail: str):
+        super().__init__(f"{field}{detail}" if detail.startswith(":") else f"{field} {detail}")
+        self.field, self.detail = field, detail
+
+
+def parse_job_type(raw: object, where: str = "job_type") -> JobType:
+    """A job type from any of its spellings (opat or 2, sgat or 1, sgat+opat or 1+2)."""
+    text = str(raw).strip().lower().replace(",", "+").replace(" ", "")
+    try:
+        return JobType(_JOB_TYPE_SPELLINGS.get(text, text))
+    except ValueError:
+        raise SpecError(where, f"{raw}: expected opat (2), sgat (1), sgat+opat (both in one job) or gdat (4: "
+                               "data-parallel training)") from None  # fmt: skip
+
+
+def _precision(raw: object) -> Precision:
+    try:
+        return Precision(str(raw).strip().lower())
+    except ValueError:
+        raise SpecError("precision", f"{raw}: not supported (choose from: {', '.join(Precision)})") from None
+
+
+def _number(raw: object, name: str) -> float | None:
+    """A finite number, or None for None."""
+    if raw is None:
+        return None
+    if isinstance(raw, bool) or not isinstance(raw, int | float):
+        raise SpecError(name, f"{raw!r}: expected a number")
+    if not math.isfinite(raw):
+        raise SpecError(name, f"{raw}: must be a finite number")
+    return float(raw)
+
+
+def _flag(raw: object, name: str) -> bool:
+    if not isinstance(raw, bool):
+        raise SpecError(name, f"{raw!r}: expected true or false")
+    return raw
+
+
+def _cut(text: str, n: int = 40) -> str:
+    return repr(text if len(text) <= n else text[:n] + "...")
+
+
+def _shapes(raw: object) -> dict[str, tuple[int, ...]]:
+    """{name: dims}, each a non-empty list of positive whole numbers, within the limits."""
+    if not isinstance(raw, Mapping):
+        raise SpecError("input_shapes", f"{raw!r}: expected a table of name = [dims]")
+    if len(raw) > sizes.MAX_INPUT_SHAPES:
+        raise SpecError("input_shapes", f": {len(raw)} inputs, over the limit of {sizes.MAX_INPUT_SHAPES}")
+    out: dict[str, tuple[int, ...]] = {}
+    for name, dims in raw.items():
+        name = str(name)
+        sizes.check_text(f"input_shapes: the input name {_cut(name)}", name, sizes.MAX_NAME_BYTES)
+        if isinstance(dims, list | tuple) and len(dims) > sizes.MAX_DIMS:
+            raise SpecError("input shape", f"{_cut(name)}: {len(dims)} dimensions, over the limit of {sizes.MAX_DIMS}")
+        if not isinstance(dims, list | tuple) or not dims or any(
+                isinstance(d, bool) or not isinstance(d, int) or d <= 0 for d in dims):  # fmt: skip
+            raise SpecError("input shape", f"{name}: dimensions must be a list of positive whole numbers, not {dims!r}")
+        out[name] = tuple(dims)
+    return out
+
+
+def _labels(raw: object) -> dict[str, str]:
+    if not isinstance(raw, Mapping):
+        raise SpecError("labels", f"{raw!r}: expected a table of key = value")
+    labels = {str(k): str(v) for k, v in raw.items()}
+    if len(labels) > sizes.MAX_LABELS:
+        raise SpecError("labels", f": {len(labels)} labels, over the limit of {sizes.MAX_LABELS}")
+    for key, value in labels.items():
+        sizes.check_text(f"labels: the key {_cut(key)}", key, sizes.MAX_LABEL_KEY_BYTES)
+        sizes.check_text(f"labels[{_cut(key)}]: the value", value, sizes.MAX_LABEL_VALUE_BYTES)
+    return labels
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """A job's options, checked: what to tune and how. Construct it with the values in
+    any of the types the edges carry (a precision or job type as text, shapes as lists);
+    the fields then hold them normalized. Raises SpecError (an OptionError) naming the
+    field."""
+
+    precision: Precision = Precision.EXACT
+    job_type: JobType = DEFAULT_JOB_TYPE
+    #: static shapes for inputs with dynamic dimensions
+    input_shapes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    #: re-tune tasks the bank already knows
+    repeat_tune: bool = False
+    #: the device to measure on ("cuda:0"); None: the one the engine or daemon measures on
+    device: str | None = None
+    #: device seconds for search, session options and verification together; None:
+    #: fitted to the model's profiled latency
+    budget_s: float | None = None
+    #: the end-to-end accuracy budget of a lossy precision; None: the policy's default
+    min_cosine: float | None = None
+    max_rel_error: float | None = None
+    #: a folder of calibration samples (.npz/.npy); None: synthetic inputs
+    calibration_dir: Path | None = None
+    #: -10 (background) to 10 (urgent): the queue's order and the share of the device
+    priority: int = 0
+    labels: Mapping[str, str] = field(default_factory=dict)
+    #: treat initializers that old exporters list as graph inputs as real inputs
+    keep_initializer_inputs: bool = False
+    #: GDAT only: ranks of the measured world (None: 2 on gloo, one per device else),
+    #: the collective backend (None: gloo), the gradient precision the comm hooks may
+    #: use (None: exact), and `FUNCTION` of a user's FILE.py, the model, when the job
+    #: runs the user's own code (embedded runs only)
+    world_size: int | None = None
+    backend: str | None = None
+    gradient_precision: str | None = None
+    entry: str | None = None
+
+    def __post_init__(self) -> None:
+        # Sizes first: nothing repeats a value in a message before its size is known.
+        set_ = object.__setattr__
+        set_(self, "labels", _labels(self.labels))
+        set_(self, "input_shapes", _shapes(self.input_shapes))
+        if self.device is not None:
+            sizes.check_text("device", str(self.device), sizes.MAX_NAME_BYTES)
+        if self.calibration_dir is not None:
+            sizes.check_text("calibration_dir", str(self.calibration_dir), sizes.MAX_PATH_BYTES)
+            set_(self, "calibration_dir", Path(self.calibration_dir))
+        set_(self, "precision", _precision(self.precision))
+        set_(self, "job_type", parse_job_type(self.job_type))
+        set_(self, "repeat_tune", _flag(self.repeat_tune, "repeat_tune"))
+        set_(self, "keep_initializer_inputs", _flag(self.keep_initializer_inputs, "keep_initializer_inputs"))
+        budget = _number(self.budget_s, "budget_s")
+        if budget is not None and not 0 < budget <= MAX_BUDGET_S:
+            raise SpecError("budget_s", f"{budget:g}: must be a positive number of seconds, at most "
+                                        f"{MAX_BUDGET_S:g} (a week)")  # fmt: skip
+        set_(self, "budget_s", budget)
+        cosine, rel = _number(self.min_cosine, "min_cosine"), _number(self.max_rel_error, "max_rel_error")
+        if cosine is not None and not 0.0 < cosine <= 1.0:
+            raise SpecError("min_cosine", f"{cosine}: must be in (0, 1]")
+        if rel is not None and not rel > 0.0:
+            raise SpecError("max_rel_error", f"{rel}: must be a finite positive number")
+        set_(self, "min_cosine", cosine)
+        set_(self, "max_rel_error", rel)
+        if isinstance(self.priority, bool) or not isinstance(self.priority, int):
+            raise SpecError("priority", f"{self.priority!r}: expected a whole number")
+        if not -10 <= self.priority <= 10:
+            raise SpecError("priority", f"{self.priority}: must be between -10 and 10")
+        if self.device is not None:
+            try:
+                set_(self, "device", Device.parse(str(self.device)).name)
+            except OptionError as exc:
+                raise SpecError("device", str(exc).removeprefix("device ")) from None
+        self._check_gdat()
+
+    def _check_gdat(self) -> None:
+        if self.job_type != JobType.GDAT:
+            for name in _GDAT_FIELDS:
+                if getattr(self, name) is not None:
+                    raise SpecError(name, "applies to job_type gdat (data-parallel training), not to ONNX models")
+            return
+        for name, unset in _ONNX_FIELDS:
+            if getattr(self, name) != unset:
+                raise SpecError(name, "applies to ONNX jobs, not to job_type gdat")
+        if self.precision != Precision.EXACT:
+            raise SpecError("precision", "applies to ONNX jobs, not to job_type gdat; GDAT uses gradient_precision")
+        n = self.world_size
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise SpecError("world_size", f"{n!r}: must be a whole number, at least 1")
+        for name, known in (("backend", GDAT_BACKENDS), ("gradient_precision", GRADIENT_PRECISIONS)):
+            value = getattr(self, name)
+            if value is not None:
+                text = str(value).strip().lower()
+                if text not in known:
+                    raise SpecError(name, f"{value}: expected one of {', '.join(known)}")
+                object.__setattr__(self, name, text)
+        if self.entry is not None:
+            entry = str(self.entry)
+            sizes.check_text("entry", entry, sizes.MAX_NAME_BYTES)
+            if not entry.isidentifier():
+                raise SpecError("entry", f"{entry!r}: expected the name of a function")
+            object.__setattr__(self, "entry", entry)
+
+    def replace(self, **changes: Any) -> JobSpec:
+        """A copy with `changes`, checked as any spec is."""
+        return dataclasses.replace(self, **changes)
+
+    def on(self, device: str) -> JobSpec:
+        """The spec with `device` where it names none."""
+        return self if self.device is not None else self.replace(device=device)
+
+    @property
+    def tuning(self) -> dict[str, Any]:
+        """The fields that change what a job computes (not its priority or labels): two
+        submissions of one model with equal `tuning` are the same job."""
+        d = self.to_dict()
+        return {k: v for k, v in d.items() if k not in ("priority", "labels")}
+
+    # ------------------------------------------------------------------ JSON
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON types, every field (None where unset); `from_dict` reads it back."""
+        return {
+            "precision": str(self.precision), "job_type": str(self.job_type),
+            "input_shapes": {k: list(v) for k, v in self.input_shapes.items()}, "repeat_tune": self.repeat_tune,
+            "device": self.device, "budget_s": self.budget_s, "min_cosine": self.min_cosine,
+            "max_rel_error": self.max_rel_error,
+            "calibration_dir": str(self.calibration_dir) if self.calibration_dir is not None else None,
+            "priority": self.priority, "labels": dict(self.labels),
+            "keep_initializer_inputs": self.keep_initializer_inputs, "world_size": self.world_size,
+            "backend": self.backend, "gradient_precision": self.gradient_precision, "entry": self.entry,
+        }  # fmt: skip
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], keys: tuple[str, ...] | None = None) -> JobSpec:
+        """A spec from `to_dict`'s keys (missing ones take their defaults; an empty
+        calibration_dir or device is unset, as older stores kept them). `keys`: the
+        keys allowed, else every field's. SpecError naming an unknown key or a bad
+        value."""
+        known = keys if keys is not None else tuple(f.name for f in dataclasses.fields(cls))
+        unknown = sorted(set(d) - set(known))
+        if unknown:
+            raise SpecError(repr(unknown[0]), f": unknown key (known: {', '.join(known)})")
+        values = {k: v for k, v in d.items() if v is not None}
+        for name in ("calibration_dir", "device"):
+            if values.get(name) == "":
+                del values[name]
+        return cls(**values)
+
+    # ------------------------------------------------------------------ TOML
+
+    def to_toml(self) -> str:
+        """The drop-folder keys (FOLDER_KEYS) of the spec as an aoed.toml; `from_toml`
+        reads it back. Unset keys are left out."""
+        d = self.to_dict()
+        lines, shapes = [], d.pop("input_shapes")
+        for key in FOLDER_KEYS:
+            value = d.get(key)
+            if key == "input_shapes" or value is None:
+                continue
+            lines.append(f"{key} = {_toml_value(value)}")
+        if shapes:
+            lines.append("[input_shapes]")
+            lines += [f"{_toml_value(name)} = [{', '.join(map(str, dims))}]" for name, dims in shapes.items()]
+        return "\n".join(lines) + "\n"
+
+    @classmethod
+    def from_toml(cls, table: Mapping[str, Any]) -> JobSpec:
+        """A spec from an aoed.toml's table (as tomllib parsed it): FOLDER_KEYS only."""
+        return cls.from_dict(table, FOLDER_KEYS)
+
+
+def _toml_value(v: object) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):  # JSON's escapes are TOML's, but for DEL, which TOML wants escaped
+        return json.dumps(v, ensure_ascii=False).replace("\x7f", "\\u007f")
+    if isinstance(v, float):
+        return repr(v)  # finite: a spec holds no inf or nan
+    return str(v)

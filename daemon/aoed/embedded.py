@@ -1,0 +1,242 @@
+"""`aoed.embedded`: the one door into the tuning engine for a process that runs it itself,
+without a daemon: the `aoe` command, and Python callers.
+
+    from aoe.spec import JobSpec, JobType
+    from aoed import embedded
+    outcome = embedded.tune("model.onnx", JobSpec(precision="int8"), "out/")
+
+    tune / tune_async   one job, JobSpec -> JobOutcome, with progress events and
+                        cancellation (a JobHandle, or the caller's cancel scope); a
+                        GDAT job (job type gdat: a .pt2, or with `spec.entry` a .py
+                        file) runs its worlds of rank processes instead of the engine
+    apply_bank          the tuned model a bank describes, from the bank alone (written at
+                        `output`; returns the per-task report)
+    verify_bank         re-measure a sample of a bank's entries on this device
+    import_bank, prune_bank, record_trials, sync_bank
+                        the bank writes the command line makes without a daemon
+
+Everything here runs in the caller's process and takes the same machine-wide locks as a
+daemon (the device lock, the bank's writer lock), so an embedded run and a daemon never
+measure at once nor write one bank together. Nothing else in aoed is for the client
+package (import-linter holds this). Errors are aoe.errors classes, one error at a time
+(never an exception group).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from aoe.bank import BankReader
+from aoe.config import Config, load_config
+from aoe.errors import AoedError, BankBusyError, JobCancelledError, first_error
+from aoe.outcome import JobOutcome
+from aoe.spec import JobSpec, JobType
+from aoed.bankcompile import compile_model as apply_bank
+from aoed.engine.job import JobHandle
+from aoed.engine.messages import JobEvent
+
+__all__ = [
+    "JobEvent", "JobHandle", "VerifyReport", "apply_bank", "import_bank", "prune_bank", "record_trials", "sync_bank",
+    "tune", "tune_async", "verify_bank",
+]  # fmt: skip
+
+Progress = Callable[[JobEvent], None]
+
+
+@contextlib.contextmanager
+def _one_error() -> Iterator[None]:
+    try:
+        yield
+    except BaseExceptionGroup as group:
+        raise first_error(group, KeyboardInterrupt, JobCancelledError, AoedError, OSError) from None
+
+
+# --------------------------------------------------------------------------- tune
+
+
+async def tune_async(
+    model: str | os.PathLike[str],
+    spec: JobSpec,
+    output: str | os.PathLike[str],
+    *,
+    config: Config | None = None,
+    progress: Progress | None = None,
+    handle: JobHandle | None = None,
+    keep_workspace: bool = False,
+) -> JobOutcome:
+    """Tune `model` as `spec` asks, on an engine of its own for `config` (default: the
+    environment's and AOED_CONFIG's settings): outputs under `output` (aoe_workspace/,
+    the result JSON). `progress` receives the job's events; `handle.cancel()` (or
+    cancelling the caller's scope) stops the job at once, its child processes killed:
+    JobCancelledError. Raises the aoe.errors class of a failure (OptionError, ModelError,
+    BankError, DeviceError), one at a time."""
+    from aoed.backends.ort.catalog import build_registry
+    from aoed.engine.engine import open_engine
+    from aoed.engine.job import JobRun
+
+    config = config if config is not None else load_config(None)
+    output = Path(output)
+    if spec.job_type == JobType.GDAT:
+        with _one_error():
+            return await _tune_gdat(Path(model), spec, output, config, progress, handle, keep_workspace)
+    run = JobRun(Path(model), output, spec, keep_workspace=keep_workspace)
+    with _one_error():
+        async with open_engine(config, build_registry(config.plugins), output / "aoe_workspace" / "logs") as engine:
+            return await engine.run_job(run, progress or (lambda event: None), handle)
+
+
+async def _tune_gdat(model: Path, spec: JobSpec, output: Path, config: Config, progress: Progress | None,
+                     handle: JobHandle | None, keep_workspace: bool) -> JobOutcome:  # fmt: skip
+    from aoed.gdat import GdatOptions, run_gdat, to_outcome
+
+    opts = GdatOptions(
+        model=model, output=output, entry=spec.entry or "", world_size=spec.world_size,
+        backend=spec.backend or "gloo", precision=spec.gradient_precision or "exact", repeat_tune=spec.repeat_tune,
+        budget_s=spec.budget_s, keep_workspace=keep_workspace,
+    )  # fmt: skip
+    return to_outcome(await run_gdat(opts, config, progress or (lambda event: None), handle))
+
+
+def tune(
+    model: str | os.PathLike[str],
+    spec: JobSpec,
+    output: str | os.PathLike[str],
+    *,
+    config: Config | None = None,
+    progress: Progress | None = None,
+    keep_workspace: bool = False,
+) -> JobOutcome:
+    """`tune_async` in a trio run of its own (blocking); ^C cancels the job."""
+    import trio
+
+    with _one_error():
+        return trio.run(lambda: tune_async(model, spec, output, config=config, progress=progress,
+                                           keep_workspace=keep_workspace))  # fmt: skip
+
+
+# --------------------------------------------------------------------------- verify
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    """What `verify_bank` found: the seed that chose the sample, how many of how many
+    entries it measured, a verdict for each, and the trials to record in the bank."""
+
+    seed: int
+    sampled: int
+    of: int
+    verdicts: list[Any]
+    trials: list[tuple[bytes, dict]]
+
+
+def verify_bank(
+    reader: BankReader,
+    *,
+    config: Config,
+    sample: int,
+    seed: int,
+    budget_s: float,
+    op_type: str = "",
+    layer: str = "all",
+    models: Sequence[Path] = (),
+    check_writable: Path | None = None,
+) -> VerifyReport:
+    """Re-measure `sample` entries (0: all) of `reader` (of its `layer`, or all), chosen
+    with `seed`, on `config`'s device, `budget_s` seconds each. `check_writable`: the
+    bank the trials will be recorded in, checked before anything is measured
+    (BankBusyError naming the process that writes it)."""
+    import trio
+
+    from aoe.bankrecord import decode
+    from aoed.backends.ort.catalog import build_registry
+    from aoed.bank.lock import busy_holder
+    from aoed.engine.bankverify import sample_entries, verify_entries
+    from aoed.engine.engine import open_engine
+
+    entries = [decode(e.SerializeToString()) for _, e in reader.entries(None if layer == "all" else layer)]
+    chosen = sample_entries(entries, sample, seed, op_type)
+    if chosen and check_writable is not None:
+        holder = busy_holder(check_writable)
+        if holder is not None:
+            raise BankBusyError(f"bank {check_writable}: being written by {holder}; wait for it to finish, "
+                                "or pass --wait (or --no-record)", holder)  # fmt: skip
+
+    async def run():
+        with tempfile.TemporaryDirectory(prefix="aoe-verify-logs-") as logs:
+            async with open_engine(config.replace(parallel=1), build_registry(config.plugins), Path(logs)) as engine:
+                return await verify_entries(engine, chosen, budget_s, models)
+
+    with _one_error():
+        verdicts, trials = trio.run(run)
+    return VerifyReport(seed, len(chosen), len(entries), verdicts, trials)
+
+
+# --------------------------------------------------------------------------- bank writes
+
+
+@contextlib.contextmanager
+def _store(path: Path, wait: bool, on_wait: Callable[[str], None] | None) -> Iterator[Any]:
+    from aoed.bank.store import BankStore
+
+    store = BankStore(path, wait=wait, on_wait=on_wait)
+    try:
+        yield store
+    finally:
+        store.close()
+
+
+def import_bank(path: Path, lines: Iterable[str], policy: str = "keep-faster", allow_foreign: bool = False, *,
+                wait: bool = False, on_wait: Callable[[str], None] | None = None):  # fmt: skip
+    """Merge exchange lines (`aoe bank export`'s JSON Lines) into the bank at `path`;
+    returns the report (counts per kind, refusals). BankBusyError while another process
+    writes it, unless `wait`."""
+    from aoed.bank.exchange import import_lines
+
+    with _store(path, wait, on_wait) as store:
+        return import_lines(store, lines, policy, allow_foreign)
+
+
+def prune_bank(path: Path, dry_run: bool = False, *, wait: bool = False,
+               on_wait: Callable[[str], None] | None = None):  # fmt: skip
+    """Drop the measurement history of the bank at `path`, keeping its winners (only
+    count them with `dry_run`); returns the counts and sizes."""
+    with _store(path, wait, on_wait) as store:
+        return store.prune(dry_run=dry_run)
+
+
+def record_trials(path: Path, trials: list[tuple[bytes, dict]], *, wait: bool = False,
+                  on_wait: Callable[[str], None] | None = None) -> None:  # fmt: skip
+    """Add `trials` (as `verify_bank` returns them) to the history of the bank at `path`."""
+    with _store(path, wait, on_wait) as store:
+        store.commit(trials=trials)
+
+
+def sync_bank(path: Path, peer: str, device_digest: str, connect: Callable[[str], Any], *, wait: bool = False,
+              on_wait: Callable[[str], None] | None = None):  # fmt: skip
+    """One follow pass: apply to the bank at `path` what the bank of the daemon at `peer`
+    (reached through `connect`, which returns an aoe.Client) wrote since this bank last
+    took its writes, for the device `device_digest`; returns the report."""
+    import trio
+
+    from aoed.bank.follow import Follower
+    from aoed.bank.writer import BankWriter
+
+    async def run():
+        writer = BankWriter(path, layers=[], wait=wait, on_wait=on_wait)
+        try:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(writer.run)
+                report = await Follower(writer, peer, [device_digest], connect).sync()
+                nursery.cancel_scope.cancel()
+            return report
+        finally:
+            writer.close()
+
+    with _one_error():
+        return trio.run(run)

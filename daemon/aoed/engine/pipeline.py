@@ -1,0 +1,757 @@
+"""The job pipeline: one job's stages from model file to tuned model and report.
+
+`run_stages` is the list of stages; each is a function that states what it takes and
+returns what it found (a frozen dataclass), so a stage reads only what came before it:
+
+    prepare         model, samples, calibration (workers); the context's prepared part
+    bank_lookups    an interrupted run's decisions (resume.py), bank entries re-checked
+                    on this model (lossy hits re-gated)                      -> Known
+    search          profile (device), budget, task models (worker), one task agent
+                    per task the bank did not answer (pool + device)         -> Searched
+    assemble        the model with every choice; lossy: held to the accuracy budget,
+                    then the lossy choices' bank writes                      -> Assembled
+    session_options model-wide session options (device)                      -> SessionChoice
+    verify_stage    end to end against the input, or the bank's confirmation -> Proposal
+    confirm_stage   the confirming A/B (device): what ships                  -> Confirmed
+    remember        the model-level record (bank)
+    outputs         the tuned model and the result JSON                      -> JobOutcome
+
+The pipeline decides the order and keeps the job's results; it never compiles,
+measures or loads a model itself: the work happens in the engine's child processes, so
+a crash in onnxruntime costs a request, never the host, and the event loop stays free.
+A device that fails or runs slow costs the stage it happened in (the job goes on with
+what it has, and says so); the confirming A/B is the figure the job reports.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import resource
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from aoe.errors import AoedError, DeviceError
+from aoe.figures import Comparison, Figures, interval, pct
+from aoe.outcome import BudgetReport, JobOutcome
+from aoe.partition import Task
+from aoe.spec import Stage
+from aoed import safefs
+from aoe.bankrecord import BankRecord
+from aoed.engine import bankrules, confirm, incontext, resume, stats
+from aoed.engine.assemble import tuned_metadata
+from aoed.engine.budget import PREPARE_S_PER_MIB, Budget, default_budget, measure_estimate, model_mib
+from aoed.engine.context import JobContext
+from aoed.engine.job import TaskResult
+from aoed.engine.messages import (
+    Build,
+    CalibrateRequest,
+    Candidate,
+    CheckReply,
+    CheckRequest,
+    CompileReply,
+    CompileRequest,
+    ExtractRequest,
+    MeasurePlan,
+    PrepareReply,
+    PrepareRequest,
+    ProfileReply,
+    ProfileRequest,
+    SamplesReply,
+    SamplesRequest,
+)
+from aoed.engine.outputs import ResultDetails, result_json, write_json
+from aoed.engine.pool import model_step
+from aoed.engine.prep import Limits
+from aoed.engine.registry import DEFAULT
+from aoed.engine.session import SessionChoice, busy_cores, fewer_threads, remember_context, search_session
+from aoed.engine.taskagent import TaskAgent, TaskDecision
+from aoed.engine.verify import REVERTED, Verified, hold_to_budget, verify
+
+__all__ = ["run_stages"]
+
+log = logging.getLogger(__name__)
+
+
+async def run_stages(ctx: JobContext) -> JobOutcome:
+    """One job's stages, in order; each takes what the ones before it found and returns
+    what it finds (the per-task table, `TaskResult`s, is the job's, filled in as it goes)."""
+    model = await prepare(ctx)
+    known = await bank_lookups(ctx, model)
+    found = await search(ctx, model, known)
+    assembled = await assemble(ctx, known, found)
+    session = await session_options(ctx, model, known, found, assembled)
+    proposal = await verify_stage(ctx, model, known, found, assembled, session)
+    confirmed = await confirm_stage(ctx, proposal, found.budget)
+    await remember(ctx, model, known, session, proposal, confirmed)
+    return await outputs(ctx, model, known, found, assembled, session, confirmed)
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What preparing the model found: the prepared model and its tasks, the samples."""
+
+    prep: PrepareReply
+    samples: SamplesReply
+
+    @property
+    def tasks(self) -> list[Task]:
+        return list(self.prep.tasks)
+
+
+async def prepare(ctx: JobContext) -> Prepared:
+    """Prepare the model, write its samples, calibrate (lossy); fills the context's
+    prepared fields (`prep`, `held_back`, `ranges`, `run_key`), read-only from here on."""
+    opts, run, ws = ctx.spec, ctx.run, ctx.workspace
+    ctx.ledger.enter("prepare")
+    await ctx.stage(Stage.PREPARE, f"preparing {run.model.name}")
+    with contextlib.suppress(OSError):  # limits grow with the model; of an unreadable one, prep says why
+        ctx.ledger.scale_to_model((await trio.to_thread.run_sync(run.model.stat)).st_size)
+    _say_estimate(ctx, "prepare", ctx.ledger.model_mb * PREPARE_S_PER_MIB,
+                  f"preparing: about {{:.1f}} s for a {ctx.ledger.model_mb:.0f} MiB model file, outside the budget "
+                  f"({PREPARE_S_PER_MIB * 1000:.0f} ms per MiB as measured on a 2-core machine)")  # fmt: skip
+    prep: PrepareReply = await _work(
+        ctx, PrepareRequest(run.model, ws.scratch, opts.precision, dict(opts.input_shapes),
+                            opts.keep_initializer_inputs, opts.job_type, Limits.of(ctx.config), run.model_file,
+                            ctx.device.device.kind),
+        "graph preparation")  # fmt: skip
+    ctx.prep = prep
+    ctx.notes.extend(prep.notes)
+    samples: SamplesReply = await _work(
+        ctx, SamplesRequest(prep.prepared, ws.scratch, prep.inputs, prep.int_high, opts.calibration_dir,
+                            ctx.policy.lossy), "writing input samples")  # fmt: skip
+    ctx.held_back = samples.held_back
+    if ctx.policy.lossy:
+        await ctx.stage(Stage.CALIBRATE, "calibrating")
+        await _work(ctx, CalibrateRequest(prep.prepared, samples.calibrate, ws.scratch / "ranges.json"),
+                    "calibration")  # fmt: skip
+        ctx.ranges = ws.scratch / "ranges.json"
+    ws.started = True  # the model is read and its samples made: a failure from here is one to inspect
+    ctx.run_key = resume.run_key(ctx, prep.digest, samples.digest)
+    return Prepared(prep, samples)
+
+
+@dataclass(frozen=True)
+class Known:
+    """What the bank (and an interrupted run of this job) answered before any search."""
+
+    #: every task's row of the job's table, by task id
+    results: dict[str, TaskResult]
+    #: decisions an interrupted run committed, by task id (resume.py)
+    restored: dict[str, TaskDecision]
+    #: the tasks the bank did not answer, in graph order
+    to_tune: list[Task]
+    #: the bank's entries for tasks tuned again (REPEAT_TUNE)
+    hits: dict[str, BankRecord]
+    #: the strategy the bank chose per task it answered
+    chosen: dict[str, str]
+    #: (gain in us, error) of each lossy choice the bank answered
+    lossy_cost: dict[str, tuple[float, float]]
+    #: the bank's model-level answer (session options, confirmation, reversals)
+    model_ans: bankrules.BankAnswer
+
+
+async def bank_lookups(ctx: JobContext, model: Prepared) -> Known:
+    """What the bank answers costs no measurement: restore an interrupted run's
+    decisions, look every other task up (bank entries re-checked on this model: that
+    their strategies apply, and under a lossy policy that they pass its accuracy gate)."""
+    opts, run, prep, tasks = ctx.spec, ctx.run, model.prep, model.tasks
+    ctx.ledger.enter("bank")
+    restored = await _restore(ctx, tasks)
+    model_ans = await ctx.lookup(prep.model_signature)
+    context_reverted = set() if opts.repeat_tune else bankrules.reverted_digests(model_ans)
+    results: dict[str, TaskResult] = {t.id: TaskResult(t.id, t.anchor, t.op_type, t.instances, t.family) for t in tasks}
+    results.update({tid: d.result for tid, d in restored.items()})
+    chosen: dict[str, str] = {}
+    hits: dict[str, BankRecord] = {}
+    lossy_cost: dict[str, tuple[float, float]] = {}
+    answers = {t.id: await ctx.lookup(t.signature) for t in tasks if t.id not in restored}
+    hit_choices = {tid: a.record.strategy for tid, a in answers.items() if a.kind == "hit" and a.record is not None}
+    if hit_choices:
+        check: CheckReply = await _work(ctx, CheckRequest(prep.prepared, prep.tasks, hit_choices, ctx.ranges),
+                                        "checking bank entries")  # fmt: skip
+        for tid, why in check.failures.items():
+            ctx.notes.append(f"bank entry for {tid} ignored: {why}")
+            answers[tid] = bankrules.BankAnswer("miss")
+        if ctx.policy.lossy and not opts.repeat_tune:
+            await _gate_lossy_hits(ctx, [t for t in tasks if t.id in answers], answers)
+    to_tune: list[Task] = []
+    for t in tasks:
+        if t.id in restored:
+            continue
+        a, r = answers[t.id], results[t.id]
+        if a.kind == "hit" and a.record is not None:
+            hits[t.id] = a.record
+            r.bank_layer = a.layer
+        if not a.usable(opts.repeat_tune, run.resumes):
+            to_tune.append(t)
+        elif a.record is not None:
+            rec = a.record
+            r.strategy, r.update_mode = rec.strategy, "hit"
+            r.before_us, r.after_us = rec.baseline.median_us, rec.winner.median_us
+            r.accuracy = {"max_abs_error": rec.max_abs_error, "max_rel_error": rec.max_rel_error, "cosine": rec.cosine}
+            chosen[t.id] = rec.strategy
+            if t.signature.digest in context_reverted:
+                chosen[t.id] = DEFAULT
+                r.applied = False
+                r.error = f"{REVERTED} (a verification of this model, remembered in the bank)"
+            if rec.precision != "exact":
+                lossy_cost[t.id] = ((rec.baseline.median_us - rec.winner.median_us) * r.instances, 1.0 - rec.cosine)
+        else:
+            r.update_mode, r.bank_layer = "hit", f"{a.layer} (default stays best)"
+            r.before_us = r.after_us = a.default_us
+            chosen[t.id] = DEFAULT
+    return Known(results, restored, to_tune, hits, chosen, lossy_cost, model_ans)
+
+
+@dataclass(frozen=True)
+class Searched:
+    """Every task's choice after the search, with what a lossy choice falls back to."""
+
+    budget: Budget
+    #: the decisions of this run's task agents and of the interrupted run, in that order
+    decided: list[TaskDecision]
+    #: the strategy per task: the bank's, else the search's
+    chosen: dict[str, str]
+    fallback: dict[str, str]
+    fallback_us: dict[str, float]
+    lossy_cost: dict[str, tuple[float, float]]
+    #: candidates that failed, and trials measured, over the task agents
+    failed: int
+    trials: int
+
+
+async def search(ctx: JobContext, model: Prepared, known: Known) -> Searched:
+    """Profile, set the budget, and run one task agent per task the bank did not answer
+    (`_search`); collect their decisions with the bank's and the restored ones."""
+    budget, agents = await _search(ctx, model.tasks, known.to_tune, known.results, known.hits)
+    decided = [*known.restored.values(), *agents]
+    chosen, lossy_cost = dict(known.chosen), dict(known.lossy_cost)
+    fallback: dict[str, str] = {}
+    fallback_us: dict[str, float] = {}
+    for d in decided:
+        chosen[d.task.id] = d.strategy
+        fallback[d.task.id] = d.fallback
+        fallback_us[d.task.id] = d.fallback_us
+        if d.lossy_cost is not None:
+            lossy_cost[d.task.id] = d.lossy_cost
+    return Searched(budget, decided, chosen, fallback, fallback_us, lossy_cost,
+                    sum(d.failed_candidates for d in decided), sum(d.trials for d in decided))  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Assembled:
+    """The model with every task's choice applied, and its end-to-end accuracy (lossy)."""
+
+    path: Path
+    #: the choices it holds (lossy ones backed off to meet the accuracy budget)
+    chosen: dict[str, str]
+    e2e_gate: dict[str, float] | None
+
+
+async def assemble(ctx: JobContext, known: Known, found: Searched) -> Assembled:
+    """Build the model with every choice applied; under a lossy policy, back lossy
+    choices off until it meets the end-to-end accuracy budget, then commit the lossy
+    choices' bank writes (or their fallbacks')."""
+    assert ctx.prep is not None
+    path = ctx.workspace.scratch / "assembled.onnx"
+    chosen = dict(found.chosen)
+    ctx.ledger.enter("assemble")
+    await ctx.assemble([Build(path, dict(chosen))])
+    e2e_gate: dict[str, float] | None = None
+    if ctx.policy.lossy:
+        ctx.ledger.enter("accuracy")
+        await ctx.stage(Stage.ACCURACY, "checking accuracy end to end")
+        e2e_gate = await hold_to_budget(ctx, chosen, found.fallback, dict(found.lossy_cost), known.results, path,
+                                        found.fallback_us)  # fmt: skip
+    # Lossy choices reach the bank only now, as what the model kept.
+    for d in found.decided:
+        if d.pending is not None:
+            kept = chosen[d.task.id] == d.strategy
+            w = d.pending if kept else d.fallback_write
+            if w is not None and (w.entries or w.defaults):
+                await ctx.write_bank(w)
+            if not kept:
+                known.results[d.task.id].update_mode = d.fallback_mode
+    return Assembled(path, chosen, e2e_gate)
+
+
+async def session_options(
+    ctx: JobContext, model: Prepared, known: Known, found: Searched, assembled: Assembled
+) -> SessionChoice:
+    """Model-wide session options for the assembled model (the bank's, or searched
+    within what the budget has left)."""
+    ctx.ledger.enter("session")
+    session = await search_session(ctx, assembled.path, model.prep.model_signature, known.model_ans, found.budget)
+    total = len(model.tasks) + 1
+    ctx.emit("progress", "session options", total, total)
+    return session
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """What verification proposes to ship, and the confirmation the bank holds of
+    exactly these choices and options (None: the confirming A/B runs)."""
+
+    verified: Verified
+    cached: dict[str, Any] | None
+
+
+async def verify_stage(
+    ctx: JobContext, model: Prepared, known: Known, found: Searched, assembled: Assembled, session: SessionChoice
+) -> Proposal:
+    """Verify the assembled model end to end against the input (verify.py), unless
+    every choice came from the bank, which also holds their confirmation."""
+    from_bank = not known.to_tune and session.mode == "hit"
+    cached = bankrules.confirmed(known.model_ans) if from_bank and not ctx.spec.repeat_tune else None
+    choice_key = bankrules.choices_digest(model.tasks, assembled.chosen, session.options)
+    if cached is not None and cached.get("choices") == choice_key:
+        v = Verified(dict(assembled.chosen), session.options, "tuned", "assembled", None, None,
+                     [f"verification and the confirming A/B answered from the bank (job {cached.get('job', '?')})"])  # fmt: skip
+    else:
+        cached = None
+        ctx.ledger.enter("verify")
+        await ctx.stage(Stage.VERIFY, "verifying end to end")
+        v = await verify(ctx, dict(assembled.chosen), found.fallback, known.results, assembled.path, session.options,
+                         found.budget, from_bank=from_bank)  # fmt: skip
+    ctx.notes.extend(v.notes)
+    return Proposal(v, cached)
+
+
+@dataclass(frozen=True)
+class Confirmed:
+    """The confirming A/B's verdict, the file that ships and what it holds."""
+
+    #: the proposal as confirmed (intra-op threads may have been dropped before the A/B)
+    verified: Verified
+    confirmation: confirm.Confirmation
+    ship: Path
+    #: the session options' rounds (with, without) when the A/B kept them
+    evidence: tuple | None
+    choices: dict[str, str]
+    options: dict[str, Any]
+
+
+async def confirm_stage(ctx: JobContext, proposal: Proposal, budget: Budget) -> Confirmed:
+    """The confirming A/B of the proposal (`_confirm`): what ships."""
+    v, cached = proposal.verified, proposal.cached
+    ctx.ledger.enter("confirm")
+    await ctx.stage(Stage.CONFIRM, "confirming")
+    if cached is None and fewer_threads(v.options, ctx.device.cores):
+        busy = await busy_cores(ctx, 0.5)
+        if busy is not None:  # the thread count would be confirmed under the same load
+            dropped = v.options["intra_op_num_threads"]
+            v = dataclasses.replace(v, options={k: o for k, o in v.options.items() if k != "intra_op_num_threads"})
+            if not v.options and v.outcome == "options only":  # nothing left to propose
+                v = dataclasses.replace(v, outcome="reverted to input", source="input")
+            ctx.notes.append(f"{busy} (intra_op_num_threads={dropped} dropped before the confirming A/B)")
+    conf, ship, evidence = await _confirm(ctx, v, cached, budget)
+    ctx.notes.extend(conf.notes)
+    return Confirmed(v, conf, ship, evidence, v.choices if conf.shipped == "tuned" else {},
+                     v.options if conf.options_kept else {})  # fmt: skip
+
+
+async def remember(
+    ctx: JobContext, model: Prepared, known: Known, session: SessionChoice, proposal: Proposal, confirmed: Confirmed
+) -> None:
+    """Keep the model-level record in the bank (`remember_context`): the options that
+    shipped, the tasks reverted in this model's context and the confirmation; then mark
+    the tasks whose choice did not ship as not applied."""
+    tasks, results, model_ans, conf = model.tasks, known.results, known.model_ans, confirmed.confirmation
+    digests = {t.id: t.signature.digest for t in tasks}
+    reverted = [digests[tid] for tid, r in results.items() if r.error.startswith(REVERTED)]
+    confirmed_doc = cached_json = ""
+    if proposal.cached is not None:
+        cached_json = str(model_ans.record.params.get("confirmed") if model_ans.record else
+                          (model_ans.default or {}).get("confirmed", ""))  # fmt: skip
+    else:
+        # Keyed by what the next reader of the bank (a bank-hit run, `aoe compile`) will
+        # derive from it: each task's stored strategy but those reverted in context, and
+        # the options stored with the model.
+        stored = {
+            tid: r.strategy for tid, r in results.items()
+            if r.update_mode not in ("skipped", "failed") and digests[tid] not in reverted
+        }  # fmt: skip
+        stored_options = confirmed.options if conf.shipped != "input" else {}
+        confirmed_doc = conf.params(bankrules.choices_digest(tasks, stored, stored_options), ctx.job_id)
+    await remember_context(
+        ctx, model.prep.model_signature, model_ans,
+        SessionChoice(confirmed.options if conf.shipped != "input" else {}, session.mode, session.write),
+        reverted, confirmed_doc or cached_json, confirmed.evidence, conf.baseline_ms * 1000,
+    )  # fmt: skip
+    for tid, r in results.items():
+        if r.strategy != DEFAULT and r.applied and confirmed.choices.get(tid) != r.strategy:
+            r.applied = False
+            r.error = r.error or f"not applied: the confirming A/B shipped {conf.shipped}"
+
+
+async def outputs(
+    ctx: JobContext, model: Prepared, known: Known, found: Searched, assembled: Assembled, session: SessionChoice,
+    confirmed: Confirmed,
+) -> JobOutcome:
+    """Put the file that ships in place and write the result JSON; returns the job's
+    result (the figures are the confirming A/B's)."""
+    opts, run, ws, results = ctx.spec, ctx.run, ctx.workspace, known.results
+    conf, v = confirmed.confirmation, confirmed.verified
+    tuned_path = ws.tuned_model_path()
+    ctx.ledger.enter("outputs")
+    await _ship(ctx, confirmed.ship, tuned_path, confirmed.choices, confirmed.options)
+    ctx.ledger.enter(None)
+    ledger = ctx.ledger
+    resources = {
+        "device_s": round(ledger.device_s, 3),
+        "duty_cycle": round(ledger.duty_cycle, 4),
+        "device_requests": ledger.device_requests,
+        "compile_s": round(ledger.compile_s, 3),
+        "compile_requests": ledger.compile_requests,
+        "trials": found.trials + session.trials,
+        "attempt": ctx.attempt,
+        "attempts": _attempts(ctx, found.decided, session.trials),
+        "failed_candidates": found.failed,
+        "peak_worker_rss_mb": round(ledger.peak_child_rss_mb, 1),
+        "engine_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0, 1),
+        "device_intervals": [(round(a, 6), round(b, 6)) for a, b in ledger.device_intervals],
+    }
+    accuracy: dict[str, Any]
+    if ctx.policy.lossy and ctx.accuracy is not None and conf.shipped != "input":
+        accuracy = ctx.accuracy.report()
+    elif assembled.e2e_gate is not None and conf.shipped != "input":
+        accuracy = dict(assembled.e2e_gate)
+    else:
+        accuracy = {"max_abs_error": 0.0, "max_rel_error": 0.0, "cosine": 1.0} if conf.shipped == "input" else (
+            v.final.accuracy() if v.final is not None else {})  # fmt: skip
+    outcome = JobOutcome(
+        job_id=ctx.job_id, model=str(run.model), tuned_model=str(tuned_path), result_json="", precision=opts.precision,
+        job_type=opts.job_type, device=str(ctx.device.device), tuning_time_s=ledger.elapsed_s, figures=conf.figures,
+        tasks=tuple(r.outcome() for r in sorted(results.values(), key=lambda r: -r.share)),
+        bank=bankrules.repo_summary([r.update_mode for r in results.values()] + [session.mode]),
+        resources={k: v for k, v in resources.items() if isinstance(v, int | float)},
+        budget=BudgetReport.from_dict(found.budget.report()), session_options=confirmed.options, accuracy=accuracy,
+        accuracy_budget={
+            "task_min_cosine": ctx.policy.task_min_cosine, "task_max_rel_error": ctx.policy.task_max_rel_error,
+            "min_cosine": ctx.policy.e2e_min_cosine, "max_rel_error": ctx.policy.e2e_max_rel_error,
+        },
+        calibration=model.samples.source, verified=v.outcome, notes=tuple(ctx.notes), workspace=str(ws.root),
+    )  # fmt: skip
+    details = ResultDetails({r.task_id: r.candidates for r in results.values()}, resources, _timeline(found.decided),
+                            conf.to_json(), _decision(v), _device_info(ctx))  # fmt: skip
+    json_path = await trio.to_thread.run_sync(ws.reserve_result, opts.job_type)
+    outcome = dataclasses.replace(outcome, result_json=str(json_path))
+    await trio.to_thread.run_sync(write_json, json_path, result_json(outcome, details))
+    await resume.forget(ctx)
+    return outcome
+
+
+async def _work(ctx: JobContext, request, what: str):
+    """One request to the compile pool about the job's model (`pool.model_step`)."""
+    return await model_step(ctx.pool, request, ctx.ledger, ctx.run.model, what)
+
+
+async def _gate_lossy_hits(ctx: JobContext, tasks: list[Task], answers: dict[str, bankrules.BankAnswer]) -> None:
+    """A lossy bank entry was judged on another model's weights: check it on this one's
+    (its task's real activations, this model's weights) before it is applied; one that
+    fails the task's accuracy gate is tuned again, as a miss."""
+    assert ctx.prep is not None
+    lossy = {
+        t.id: a.record for t in tasks if (a := answers[t.id]).kind == "hit" and a.record is not None
+        and ctx.registry.get(t.family, a.record.strategy).precision != "exact"
+    }  # fmt: skip
+    if not lossy:
+        return
+    by_id = {t.id: t for t in tasks}
+    root = ctx.workspace.scratch / "gate"
+    await _work(ctx, ExtractRequest(ctx.prep.prepared, tuple(by_id[t] for t in lossy), ctx.held_back[0], root),
+                "extracting tasks")  # fmt: skip
+    for tid, rec in lossy.items():
+        d = root / tid
+        cands = [Candidate(DEFAULT, d / "default.onnx")]
+        for name in (DEFAULT, rec.strategy):
+            req = CompileRequest(d / "task.onnx", by_id[tid].family, name, f"aoe/{tid}", d / f"{name}.onnx", ctx.ranges)
+            try:
+                reply: CompileReply = await ctx.pool.call(req, ctx.ledger)
+            except AoedError:  # as in the search: a failed build is the candidate's
+                break
+            if not reply.applicable:
+                break
+        else:
+            cands.append(Candidate(rec.strategy, d / f"{rec.strategy}.onnx"))
+        why = "its strategy no longer builds here"
+        if len(cands) == 2:
+            try:
+                m = await ctx.measure(cands, DEFAULT, 0.05, d / "inputs.npz", MeasurePlan(0.05, 1, 1, 1),
+                                      category="verify")  # fmt: skip
+            except DeviceError as exc:
+                m, why = {}, f"its accuracy could not be measured ({exc})"
+            got = m.get(rec.strategy)
+            if got is not None and got.ok and ctx.policy.task_ok(got.accuracy()):
+                continue
+            if got is not None and got.ok:  # as in the search: the model may absorb what the task alone does not
+                ok, detail = incontext.verdict(ctx, await incontext.model_accuracy(ctx, by_id[tid], rec.strategy))
+                if ok:
+                    continue
+                why = f"on this model's weights it was {detail}"
+        ctx.notes.append(f"bank entry {rec.strategy} for {tid} not applied: {why}; tuned again")
+        answers[tid] = bankrules.BankAnswer("miss")
+
+
+def _device_info(ctx: JobContext) -> dict[str, Any]:
+    """What the job measured on, for the result: the device and its provider, the
+    providers the runner's onnxruntime offers, the hardware (a GPU's facts) and the
+    library versions, and the fingerprint its bank entries are keyed by."""
+    from aoe.accelerators import runtime_versions
+
+    fp = ctx.fingerprint
+    return {
+        "device": str(ctx.device.device), "provider": ctx.device.device.provider, "providers": list(ctx.device.providers),
+        "hardware": fp.hardware, "accelerator": dict(fp.accelerator), "versions": runtime_versions(),
+        "fingerprint": fp.digest,
+    }  # fmt: skip
+
+
+def _estimate(ctx: JobContext, stage: str, budget: Budget, sessions: int, rounds: int, cap_s: float, what: str) -> None:
+    """Say before `stage` starts what it should take (a stage the budget does not bound,
+    whose cost grows with the model): logged, sent as a job event and kept for the
+    result's budget section. Nothing without a profiled loading rate."""
+    if budget.load_s_per_mib is None or ctx.prep is None:
+        return
+    mib = model_mib([ctx.prep.prepared])
+    est = measure_estimate(sessions, mib, budget.load_s_per_mib, ctx.model_us, rounds, cap_s)
+    _say_estimate(ctx, stage, est, f"{what}: about {{:.1f}} s, outside the budget ({sessions} sessions of a {mib:.0f} "
+                  f"MiB model at {budget.load_s_per_mib * 1000:.1f} ms per MiB to load, {rounds} rounds at "
+                  f"{ctx.model_us / 1000:.2f} ms per run)")  # fmt: skip
+
+
+#: Estimates shorter than this are not worth a line: the stages of a small model.
+_ESTIMATE_FLOOR_S = 0.5
+
+
+def _say_estimate(ctx: JobContext, stage: str, seconds: float, message: str) -> None:
+    """Record `seconds` as `stage`'s estimate and say so (`message` formats it): in the
+    job's log and as an event, before the stage starts (from `_ESTIMATE_FLOOR_S` up)."""
+    if seconds < _ESTIMATE_FLOOR_S:
+        return
+    ctx.ledger.estimates[stage] = seconds
+    text = message.format(seconds)
+    log.info("%s", text)
+    ctx.emit("log", text)
+
+
+async def _restore(ctx: JobContext, tasks: list[Task]) -> dict[str, TaskDecision]:
+    """The decisions an interrupted run of this job committed (resume.py), by task id,
+    for the tasks whose strategy this registry still has; sets `ctx.attempt` to follow
+    the latest run they came from."""
+    keys = {ctx.key(t.signature): t for t in tasks}
+    out: dict[str, TaskDecision] = {}
+    for key, doc in (await resume.records(ctx, keys)).items():
+        t = keys[key]
+        try:
+            d = TaskDecision.from_doc(t, doc)
+            for name in {d.strategy, d.fallback}:
+                ctx.registry.get(t.family, name)
+        except (KeyError, TypeError, ValueError) as exc:
+            log.info("%s: the interrupted run's decision is not usable here (%s); tuned again", t.id, exc)
+            continue
+        out[t.id] = d
+        ctx.attempt = max(ctx.attempt, d.result.attempt + 1)
+    if out:
+        ctx.notes.append(f"resumed: {len(out)} task(s) an interrupted run of this job decided were taken from the "
+                         f"bank, not measured again ({', '.join(sorted(out))})")  # fmt: skip
+    return out
+
+
+def _attempts(ctx: JobContext, decided: list[TaskDecision], session_trials: int) -> list[dict[str, int]]:
+    """Per run of this job that measured something: the tasks it decided, its trials."""
+    runs: dict[int, dict[str, int]] = {ctx.attempt: {"attempt": ctx.attempt, "tasks": 0, "trials": session_trials}}
+    for d in decided:
+        n = d.result.attempt or ctx.attempt
+        run = runs.setdefault(n, {"attempt": n, "tasks": 0, "trials": 0})
+        run["tasks"] += 1
+        run["trials"] += d.trials
+    return [runs[n] for n in sorted(runs)]
+
+
+def _decision(v: Verified) -> dict[str, Any]:
+    """The verification rounds that chose the proposal: decision figures, not results."""
+    out: dict[str, Any] = {"outcome": v.outcome, "variants_measured": v.variants_measured}
+    if v.baseline is not None and v.final is not None:
+        out.update(baseline_ms=v.baseline.median_us / 1000, proposal_ms=v.final.median_us / 1000)
+    return out
+
+
+async def _confirm(
+    ctx: JobContext, v: Verified, cached: dict[str, Any] | None, budget: Budget
+) -> tuple[confirm.Confirmation, Path, tuple | None]:
+    """Write the proposal's files, run the confirming A/B (or take the bank's, checking
+    session options with one short A/B), and return the confirmation, the file to ship
+    and the evidence for the session options (with, without)."""
+    assert ctx.prep is not None
+    scratch = ctx.workspace.scratch
+    digest = ctx.fingerprint.digest
+    kind = {"tuned": "tuned", "options only": "options only", "reverted to input": "input"}[v.outcome]
+    source = ctx.run.model if v.source == "input" else ctx.prep.prepared
+
+    def meta(options: dict[str, Any]) -> dict[str, str]:
+        return tuned_metadata(options, ctx.spec.precision, digest, ctx.device.device)
+
+    builds = [Build(scratch / "input_copy.onnx", {}, meta({}))]
+    if kind != "input":
+        builds.append(Build(scratch / "proposal.onnx", dict(v.choices), meta(v.options)))
+        if v.options:
+            builds.append(Build(scratch / "plain.onnx", dict(v.choices), meta({})))
+    await ctx.assemble([b for b in builds if b.out.name == "input_copy.onnx"], source=ctx.run.model)
+    if kind != "input":
+        await ctx.assemble([b for b in builds if b.out.name != "input_copy.onnx"], source=source)
+    proposal = confirm.Proposal(kind, scratch / "proposal.onnx", v.options,
+                                scratch / "plain.onnx" if v.options else None, scratch / "input_copy.onnx")  # fmt: skip
+    seconds = 30.0
+    if cached is None:
+        sessions = 2 + (kind != "input") + (kind != "input" and bool(v.options))
+        _estimate(ctx, "confirm", budget, sessions, confirm.ROUNDS, seconds, "the confirming A/B")
+        try:
+            conf, ship, measured = await confirm.confirm(ctx, proposal, seconds)
+        except DeviceError as exc:
+            conf = confirm.Confirmation(Figures.unchanged("no significant change", 0.0, 0),
+                                        notes=[f"the confirming A/B failed ({exc}); the input model ships"])  # fmt: skip
+            return conf, proposal.input_copy, None
+        evidence = (measured["proposal"], measured["plain"]) if conf.options_kept and "plain" in measured else None
+        return conf, ship, evidence
+    # From the bank: the figures of the job that confirmed these very choices (read by the
+    # rule of aoe.figures, whenever they were stored).
+    figures = dataclasses.replace(Figures.from_dict(cached), confirmed_by=str(cached.get("job", "")))
+    conf = confirm.Confirmation(figures, options_kept=bool(cached.get("options_kept")))
+    ship = proposal.model if conf.shipped != "input" else proposal.input_copy
+    if conf.shipped != "input" and v.options and conf.options_kept:
+        # Options won on a machine that may have been busier: one short A/B here.
+        try:
+            m = await ctx.measure([Candidate("with", proposal.model, v.options), Candidate("without", proposal.plain)],
+                                  "without", 5.0, plan=MeasurePlan.fixed(9, 5.0), category="confirm")  # fmt: skip
+            verdict, med, ci = confirm.verdict_of(stats.paired_ratios(m["with"].rounds_us, m["without"].rounds_us))
+            recheck: Comparison | None = Comparison.of_ratio("options only", "without options", med, ci)
+        except DeviceError as exc:
+            verdict, recheck = f"not measured ({exc})", None
+        if verdict != "faster":
+            conf.options_kept = False
+            conf.notes.append(f"session options {v.options} from the bank dropped: re-checked here, "
+                              + (f"{pct(recheck.improvement)} with 95% interval {interval(recheck.ci95)} against the "
+                                 "same model without them" if recheck else verdict))  # fmt: skip
+            ship = proposal.plain if conf.shipped == "tuned" else proposal.input_copy
+            if conf.shipped == "options only":
+                # Nothing of the proposal ships: its figures move to `proposal`, as a fresh
+                # confirmation reports a proposal that did not ship.
+                f = conf.figures
+                conf.proposal = {"kind": "options only", "result_ms": f.result_ms, "improvement": f.improvement,
+                                 "improvement_ci95": list(f.ci95)}  # fmt: skip
+                conf.figures = Figures.unchanged("slower" if verdict == "slower" else "no significant change",
+                                                 f.baseline_ms, f.rounds, recheck, f.confirmed_by)  # fmt: skip
+    return conf, ship, None
+
+
+async def _ship(ctx: JobContext, ship: Path, out: Path, choices: dict[str, str], options: dict[str, Any]) -> None:
+    """Put the measured file that ships at `out` (a rename; a model with external data
+    is written again, since its data file is named after it)."""
+    if not ship.with_name(ship.name + ".data").exists():
+        await trio.to_thread.run_sync(safefs.move_path, ship, out)
+        return
+    assert ctx.prep is not None
+    meta = tuned_metadata(options, ctx.spec.precision, ctx.fingerprint.digest, ctx.device.device)
+    source = ctx.run.model if not choices and ship.name == "input_copy.onnx" else ctx.prep.prepared
+    await ctx.assemble([Build(out, dict(choices), meta)], source=source)
+
+
+async def _search(
+    ctx: JobContext, tasks: list[Task], to_tune: list[Task], results: dict[str, TaskResult],
+    hits: dict[str, BankRecord],
+) -> tuple[Budget, list[TaskDecision]]:
+    """Profile the model, set the budget, extract the tasks to tune and run one agent per
+    task within its slice of the budget, most expensive first; returns the budget and
+    the agents' decisions in the order they came."""
+    total = len(tasks) + 1
+    ctx.emit("progress", "bank", total - len(to_tune) - 1, total)
+    opts = ctx.spec
+    if not to_tune:
+        return Budget(opts.budget_s or 5.0, ctx.ledger, opts.budget_s is not None), []
+    assert ctx.prep is not None
+    prep = ctx.prep
+    ctx.ledger.enter("profile")
+    # Profiling loads the whole model while a worker writes its tasks out: about what
+    # preparing it costs (0.6-0.9 of it on MLPs of 48 and 192 MiB).
+    _say_estimate(ctx, "profile", ctx.ledger.model_mb * PREPARE_S_PER_MIB,
+                  "profiling and extracting tasks: about {:.1f} s, outside the budget (as long as preparing "
+                  "the model should take)")  # fmt: skip
+    await ctx.stage(Stage.PROFILE, f"profiling baseline, extracting {len(to_tune)} tasks")
+    share: dict[str, float] = {}
+    task_us: dict[str, float] = {}
+    model_us = 0.0
+    load_rate: float | None = None  # seconds per MiB to load a session, as profiled
+
+    async def profile() -> None:
+        nonlocal model_us, load_rate
+        try:
+            prof: ProfileReply = await ctx.device.call(
+                ProfileRequest(prep.prepared, ctx.held_back[0], ctx.workspace.scratch, ctx.device.device), ctx.ledger,
+                category="profile",
+            )  # fmt: skip
+        except DeviceError as exc:  # unranked, the tasks still get tuned
+            ctx.notes.append(f"profiling failed ({exc}); tasks tuned in graph order with equal shares")
+            share.update({t.id: 1.0 / len(tasks) for t in tasks})
+            return
+        model_us = prof.total_us
+        mib = model_mib([prep.prepared])
+        if prof.load_s > 0 and mib > 0:
+            load_rate = prof.load_s / mib
+        node_sum = sum(prof.nodes.values()) or 1.0
+        for t in tasks:
+            us = sum(prof.nodes.get(n, 0.0) for tt in (t, *t.twins) for n in tt.node_names)
+            share[t.id], task_us[t.id] = us / node_sum, us / max(1, t.instances)
+            results[t.id].share = share[t.id]
+
+    # The device profiles while a worker writes the task models: neither waits for the other.
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(profile)
+        nursery.start_soon(_work, ctx, ExtractRequest(prep.prepared, tuple(to_tune), ctx.held_back[0],
+                                                      ctx.workspace.scratch / "tasks"), "extracting tasks")  # fmt: skip
+    if opts.budget_s is not None:
+        budget = Budget(opts.budget_s, ctx.ledger, True, load_rate)
+    else:
+        counts = {t.id: sum(1 for _ in ctx.registry.strategies_for(t.family, opts.precision, ctx.device.device.kind))
+                  for t in to_tune}
+        budget = Budget(default_budget({t.id: task_us.get(t.id, 100.0) for t in to_tune}, counts, model_us),
+                        ctx.ledger, False, load_rate)  # fmt: skip
+    ctx.model_us = model_us
+    to_tune = sorted(to_tune, key=lambda t: -share.get(t.id, 0.0))
+    slices = budget.for_tasks(share, [t.id for t in to_tune])
+    for t in to_tune:
+        if t.id not in slices:
+            r = results[t.id]
+            r.update_mode, r.error = "skipped", f"not tuned: the budget of {budget.total_s:g} s went to costlier tasks"
+    to_tune = [t for t in to_tune if t.id in slices]
+    ctx.ledger.enter("search")
+    await ctx.stage(Stage.SEARCH, f"tuning {len(to_tune)} tasks")
+    decided: list[TaskDecision] = []
+
+    async def one(t: Task) -> None:
+        d = await TaskAgent(ctx, t, results[t.id], hits.get(t.id), slices[t.id], budget).run()
+        d.decided_at = ctx.ledger.elapsed_s
+        decided.append(d)
+        ctx.notes.extend(d.notes)
+        ctx.emit("progress", "tasks", total - 1 - len(to_tune) + len(decided), total)
+
+    async with trio.open_nursery() as nursery:
+        for t in to_tune:
+            nursery.start_soon(one, t)
+    return budget, decided
+
+
+def _timeline(decided: list[TaskDecision]) -> list[tuple[float, float]]:
+    """(seconds into the job, estimated model gain in us) after each task decision."""
+    gain, out = 0.0, []
+    for d in decided:
+        r = d.result
+        gain += max(0.0, r.before_us - r.after_us) * r.instances
+        out.append((round(d.decided_at, 3), round(gain, 3)))
+    return out
+

@@ -1,0 +1,147 @@
+"""The metrics endpoint of a real daemon: scraped during a job and after it, parsed with
+Prometheus' own text parser; and the [metrics] settings."""
+
+from __future__ import annotations
+
+import re
+import time
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from aoe.errors import OptionError
+from aoe.v1 import tuning_pb2
+from aoed import samples
+from aoed.config import load_daemon_config
+from tests.daemon_util import DaemonProcess, upload
+
+pytestmark = pytest.mark.slow
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def _address(d: DaemonProcess) -> str:
+    found = re.search(r"metrics on (http://\S+/metrics)", d.log())
+    assert found, d.log()
+    return found.group(1)
+
+
+def _scrape(url: str) -> Samples:
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        assert reply.headers["Content-Type"].startswith("text/plain")
+        text = reply.read().decode()
+    out: Samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def _value(samples: Samples, name: str, **labels: str) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def _wait_for(url: str, cond: Callable[[Samples], bool], what: str, timeout: float = 120) -> Samples:
+    deadline = time.monotonic() + timeout
+    while True:
+        got = _scrape(url)
+        if cond(got):
+            return got
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout} s: {what}; last scrape: {got}")
+        time.sleep(0.1)
+
+
+ACTIVE = ("preparing", "tuning", "verifying")
+
+
+def test_a_scrape_during_a_job_shows_the_job_and_the_device_moving(tmp_path: Path) -> None:
+    d = DaemonProcess(tmp_path / "d", extra_toml='[metrics]\nlisten = "127.0.0.1:0"\n')
+    try:
+        d.start()
+        url = _address(d)
+        before = _scrape(url)
+        assert _value(before, "aoed_queue_length") == 0
+        assert sum(_value(before, "aoed_jobs", state=s) for s in ACTIVE) == 0
+        device = next(dict(k[1])["device"] for k in before if k[0] == "aoed_device_measurements_total")
+        path = d.models / "mlp.onnx"
+        samples.save(samples.build("mlp"), path)
+        model_id = upload(d.tuning(), path)
+        job = d.tuning().SubmitJob(tuning_pb2.SubmitJobRequest(
+            model_id=model_id, options=tuning_pb2.JobOptions(budget_s=2.0)), timeout=30).job_id  # fmt: skip
+        during = _wait_for(url, lambda s: _value(s, "aoed_jobs", state="tuning") == 1
+                           and _value(s, "aoed_device_measurements_total", device=device) > 0,
+                           "the job tuning and the device measuring")  # fmt: skip
+        final = d.wait_job(job)
+        assert final.state == tuning_pb2.JOB_STATE_SUCCEEDED, final.error
+        after = _wait_for(url, lambda s: _value(s, "aoed_jobs", state="succeeded") == 1, "the job succeeded")
+        # The job and device series moved between the scrape during the job and after it.
+        assert _value(after, "aoed_jobs", state="tuning") == 0
+        assert (_value(after, "aoed_device_measurements_total", device=device)
+                > _value(during, "aoed_device_measurements_total", device=device))  # fmt: skip
+        assert (_value(after, "aoed_device_busy_seconds_total", device=device)
+                > _value(during, "aoed_device_busy_seconds_total", device=device) > 0)  # fmt: skip
+        assert _value(after, "aoed_bank_records", kind="trial") > 0
+        assert _value(after, "aoed_bank_head_seq") > _value(before, "aoed_bank_head_seq")
+        assert _value(after, "aoed_bank_lookups_total", source="engine", result="miss") > 0
+        assert _value(after, "aoed_compile_workers") == 1
+        # RPCs by method and status, an error among them.
+        with pytest.raises(grpc.RpcError):
+            d.tuning().GetJob(tuning_pb2.GetJobRequest(job_id="no-such-job"), timeout=10)
+        rpcs = _scrape(url)
+        assert _value(rpcs, "aoed_rpcs_total", method="TuningService/SubmitJob", code="OK") == 1
+        assert _value(rpcs, "aoed_rpcs_total", method="TuningService/GetJob", code="NOT_FOUND") == 1
+    finally:
+        d.close()
+
+
+def _config(tmp_path: Path, text: str):
+    path = tmp_path / "aoed.toml"
+    path.write_text(f'[listen]\nsocket = "{tmp_path}/s.sock"\n' + text)
+    return load_daemon_config(path, env={})
+
+
+def test_metrics_are_off_by_default_and_loopback_unless_allowed(tmp_path: Path) -> None:
+    assert _config(tmp_path, "").metrics_listen == ""
+    assert _config(tmp_path, '[metrics]\nlisten = "127.0.0.1:9464"\n').metrics_listen == "127.0.0.1:9464"
+    with pytest.raises(OptionError, match=r"\[metrics\] listen = '0.0.0.0:9464': not a loopback address"):
+        _config(tmp_path, '[metrics]\nlisten = "0.0.0.0:9464"\n')
+    cfg = _config(tmp_path, '[metrics]\nlisten = "0.0.0.0:9464"\nallow_remote = true\n')
+    assert cfg.metrics_listen == "0.0.0.0:9464"
+    with pytest.raises(OptionError, match="expected HOST:PORT"):
+        _config(tmp_path, '[metrics]\nlisten = "9464"\n')
+
+
+def test_follow_targets_over_tcp_need_tls_as_the_listener_does(tmp_path: Path) -> None:
+    cfg = _config(tmp_path, '[bank]\nfollow = ["unix:///run/b/aoed.sock"]\n')
+    assert cfg.follow == ("unix:///run/b/aoed.sock",)
+    with pytest.raises(OptionError, match="a peer over TCP needs TLS"):
+        _config(tmp_path, '[bank]\nfollow = ["dns:///gpu-02:7461"]\n')
+    with pytest.raises(OptionError, match="follow_insecure_loopback"):
+        _config(tmp_path, '[bank]\nfollow = ["127.0.0.1:7461"]\n')
+    ok = _config(tmp_path, '[bank]\nfollow = ["127.0.0.1:7461"]\nfollow_insecure_loopback = true\n')
+    assert ok.follow == ("127.0.0.1:7461",)
+    with pytest.raises(OptionError, match="follow_ca = .*: no such file"):
+        _config(tmp_path, f'[bank]\nfollow = ["dns:///gpu-02:7461"]\nfollow_ca = "{tmp_path}/none.pem"\n')
+    with pytest.raises(OptionError, match="expected a list of gRPC targets"):
+        _config(tmp_path, '[bank]\nfollow = "unix:///x"\n')
+
+
+def test_the_example_dashboard_uses_only_series_the_daemon_serves_and_each_panel_is_described() -> None:
+    import json
+
+    from aoed import metrics
+
+    root = Path(__file__).resolve().parent.parent
+    dash = json.loads((root / "deploy" / "grafana-dashboard.json").read_text())
+    readme = (root / "deploy" / "README.md").read_text()
+    served = set(re.findall(r"aoed_\w+", metrics.__doc__ or "")) | set(re.findall(r'"(aoed_\w+)"', Path(metrics.__file__).read_text()))
+    for panel in dash["panels"]:
+        assert f"| {panel['title']} |" in readme, f"deploy/README.md does not describe the panel {panel['title']!r}"
+        for target in panel["targets"]:
+            for name in re.findall(r"aoed_\w+", target["expr"]):
+                assert name.removesuffix("_total") in served, f"{panel['title']}: {name} is not a series aoed serves"
