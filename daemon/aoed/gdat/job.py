@@ -310,8 +310,11 @@ async def run_gdat(
     config: Config,
     emit: Callable[[JobEvent], None] = lambda event: None,
     handle: JobHandle | None = None,
+    bank: BankWriter | None = None,
 ) -> GdatResult:
     """Run one GDAT job to its outputs (see the module doc) and return its result.
+    `bank`: a running writer of `config.bank` to use (a daemon's); None: one of the
+    job's own, for its duration.
 
     Raises OptionError (options, a missing backend or torch), ModelError (the model),
     BankError, DeviceError (worlds that keep breaking), and JobCancelledError when
@@ -322,7 +325,9 @@ async def run_gdat(
     job_id = opts.job_id or new_job_id()
     ws = await trio.to_thread.run_sync(Workspace.create, opts.output, opts.model.stem)
     handle = handle or JobHandle()
-    bank = BankWriter(config.bank, layers=list(config.bank_layers), on_wait=log.warning)
+    own_bank = bank is None
+    if bank is None:
+        bank = BankWriter(config.bank, layers=list(config.bank_layers), on_wait=log.warning)
     job = _Job(opts, config, emit, job_id, ws, bank)
     failed = True
     try:
@@ -330,7 +335,8 @@ async def run_gdat(
             log.info("job %s: gdat %s (%s, world of %s on %s)", job_id, opts.model, opts.precision,
                      opts.world_size or "default size", opts.backend)  # fmt: skip
             async with trio.open_nursery() as nursery:
-                await nursery.start(bank.run)
+                if own_bank:
+                    await nursery.start(bank.run)
                 try:
                     with trio.CancelScope() as scope:
                         handle.attach(scope)
@@ -356,6 +362,7 @@ async def run_gdat(
         log.info("job %s: failed: %s", job_id, exc)
         raise
     finally:
-        bank.close()
+        if own_bank:
+            bank.close()
         if not failed and not opts.keep_workspace:
             ws.clean()
