@@ -238,27 +238,6 @@ async def test_a_job_ends_with_outputs_and_a_bank_record_and_the_next_is_answere
     assert outs[0][0].split() == [str(r.shipped.gradient_as_bucket_view), str(r.shipped.static_graph), "[]"]
 
 
-async def test_a_killed_rank_costs_its_turn_and_the_job_goes_on(pt2: Path, tmp_path: Path) -> None:
-    seen: set[int] = set()
-    killed: list[int] = []
-
-    def emit(event) -> None:
-        seen.update(_rank_pids())
-        if event.kind == "progress" and "round 2 " in event.message and not killed:
-            victim = max(_rank_pids())
-            os.kill(victim, signal.SIGKILL)
-            killed.append(victim)
-
-    r = await run_gdat(_quick(pt2, tmp_path / "out"), _config(tmp_path), emit)
-    assert killed
-    (failure,) = r.broken_turns
-    assert "died" in failure["error"] and failure["round"] == 1, failure
-    assert r.resources["world_restarts"] == 1
-    assert Path(r.result_json).is_file() and Path(r.ddp_config).is_file()
-    assert all(c["status"] != "failed" for c in r.configurations)  # one turn failed, not a configuration
-    assert _exist(seen) == set() and _rank_pids() == set()
-
-
 _ENTRY = """
 import torch
 
@@ -271,19 +250,27 @@ def build():
 """
 
 
-async def test_an_entry_job_measures_a_backend_knob_in_a_world_of_its_own(tmp_path: Path) -> None:
-    """The user's own code (--entry: model, batch, loss) in every rank; and a knob set
-    before the process group exists (here gloo's TORCH_GLOO_LAZY_INIT) gets its own world,
-    whose ranks carry it, raced against the main world round by round."""
+async def test_an_entry_job_measures_a_backend_knob_in_a_world_of_its_own_and_survives_a_killed_rank(
+    tmp_path: Path,
+) -> None:
+    """The user's own code (--entry: model, batch, loss) in every rank; a knob set before
+    the process group exists (here gloo's TORCH_GLOO_LAZY_INIT) gets its own world, whose
+    ranks carry it, raced against the main world round by round; and a rank killed in
+    the middle of a round costs that turn (its world restarts), not the job."""
     entry = tmp_path / "train.py"
     entry.write_text(_ENTRY)
     knob = (("TORCH_GLOO_LAZY_INIT", "1"),)
     environs: dict[int, bytes] = {}
+    killed: list[int] = []
 
     def emit(event) -> None:
         for pid in _rank_pids():
             with contextlib.suppress(OSError):
                 environs.setdefault(pid, Path(f"/proc/{pid}/environ").read_bytes())
+        if event.kind == "progress" and "round 2 " in event.message and not killed:
+            victim = max(_rank_pids())
+            os.kill(victim, signal.SIGKILL)
+            killed.append(victim)
 
     r = await run_gdat(_quick(entry, tmp_path / "out", entry="build", world_knobs=(knob,)), _config(tmp_path), emit)
     assert r.layout.params == (("float32", (256, 64)), ("float32", (256,)), ("float32", (8, 256)), ("float32", (8,)))
@@ -292,7 +279,14 @@ async def test_an_entry_job_measures_a_backend_knob_in_a_world_of_its_own(tmp_pa
     assert all(c["step_ms"] is not None for c in stage)
     assert r.resources["worlds"] == 2
     assert sum(b"TORCH_GLOO_LAZY_INIT=1\0" in env for env in environs.values()) == 2  # that world's two ranks
-    assert _rank_pids() == set()
+
+    assert killed
+    (failure,) = r.broken_turns
+    assert "died" in failure["error"] and failure["round"] == 1, failure
+    assert r.resources["world_restarts"] == 1
+    assert Path(r.result_json).is_file() and Path(r.ddp_config).is_file()
+    assert all(c["status"] != "failed" for c in r.configurations)  # one turn failed, not a configuration
+    assert _exist(set(environs)) == set() and _rank_pids() == set()
 
 
 @pytest.mark.parametrize("when", ["measuring", "recording"])

@@ -302,6 +302,10 @@ def _init(req: dict[str, Any]) -> dict[str, Any]:
     timeout = datetime.timedelta(seconds=float(req.get("timeout_s", 120)))
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     _state.update(module=module, args=args, kwargs=kwargs, loss=loss_fn, device=device, rank=rank)
+    # What is loaded now (torch, the model) lives as long as the rank: out of the
+    # collector's sight, each turn's collection scans only that turn's objects (a full
+    # collection over torch's took about 70 ms a turn, a quarter of a small model's).
+    gc.freeze()
     return _layout_reply(module, world_size, backend)
 
 
