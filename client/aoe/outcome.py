@@ -320,6 +320,20 @@ def summary_lines(o: JobOutcome, *, where: str = "", took_s: float | None = None
     return out
 
 
+#: aoe.figures' words for an ONNX job's input and output, as a GDAT job says them.
+_GDAT_WORDS = (("a second session of the input in the same rounds", "a second instance of DDP's defaults in the "
+                "same rounds"), ("the input model, unchanged", "DDP's defaults, unchanged"),
+               ("the tuned model", "the tuned configuration"), ("the input", "DDP's defaults"),
+               ("no change passed the search and verification", "no configuration beat DDP's defaults in the "
+                "search"))  # fmt: skip
+
+
+def _gdat_words(text: str) -> str:
+    for onnx, gdat in _GDAT_WORDS:
+        text = text.replace(onnx, gdat)
+    return text
+
+
 def _gdat_lines(o: JobOutcome, where: str, took_s: float | None,
                 files: tuple[Path | None, Path | None]) -> list[str]:  # fmt: skip
     """summary_lines for a GDAT job: step times of the world instead of a model's, the
@@ -333,11 +347,9 @@ def _gdat_lines(o: JobOutcome, where: str, took_s: float | None,
             else f"confirming A/B, {f.rounds} interleaved rounds")  # fmt: skip
     out.append(f"  baseline     {f.baseline_ms:.4f} ms per step, tail {d.get('baseline_tail_ms', 0.0):.4f} ms   "
                f"(DDP's defaults; {said})")  # fmt: skip
-    if f.changed:
-        out.append(f"  result       {figures.result_text(f)}; tail {d.get('result_tail_ms', 0.0):.4f} ms")
-    else:
-        out.append(f"  result       {figures.result_text(f)}")
-    out.append(f"  verdict      {figures.verdict_text(f)}" + ("" if f.changed else ": DDP's defaults ship"))
+    tail = f"; tail {d.get('result_tail_ms', 0.0):.4f} ms" if f.changed else ""
+    out.append(f"  result       {_gdat_words(figures.result_text(f))}{tail}")
+    out.append(f"  verdict      {_gdat_words(figures.verdict_text(f))}")
     ddp = d.get("ddp_config") or {}
     hook = (ddp.get("comm_hook") or {}).get("name")
     out.append(f"  ddp          {ddp.get('label', 'default')}: {ddp.get('ddp_kwargs') or 'no options'}"

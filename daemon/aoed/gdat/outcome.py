@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from aoe.figures import Comparison
 from aoe.figures import Figures as JobFigures
 from aoe.gdat import DDPConfig
 from aoe.gradlayout import GradientLayout
@@ -162,7 +163,10 @@ def _figures(result: GdatResult) -> JobFigures:
     """The confirming A/B's figures under aoe.figures' rule: the defaults are the input."""
     rounds = int(result.confirmation.get("rounds") or 0)
     if result.shipped.is_default:
-        return JobFigures.unchanged(result.verdict, result.baseline_ms, rounds, confirmed_by=result.from_bank)
+        decided = result.confirmation.get("decided_by")
+        return JobFigures.unchanged(result.verdict, result.baseline_ms, rounds,
+                                    Comparison.from_dict(decided) if isinstance(decided, dict) else None,
+                                    confirmed_by=result.from_bank)  # fmt: skip
     lo, hi = result.improvement_ci95
     return JobFigures("faster", "tuned", result.baseline_ms, result.improvement, (lo, hi), rounds,
                       result.from_bank)  # fmt: skip

@@ -67,6 +67,9 @@ class Confirmed:
     rounds: int
     notes: list[str] = field(default_factory=list)
     figures: dict[str, Figures] = field(default_factory=dict)
+    #: when a proposal was measured and the defaults shipped: the comparison that kept it
+    #: out (aoe.figures.Comparison's fields)
+    decided_by: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -74,7 +77,7 @@ class Confirmed:
             "shipped_config": self.shipped.label, "proposal": self.proposal.label,
             "baseline_ms": self.baseline_ms, "result_ms": self.result_ms, "baseline_tail_ms": self.baseline_tail_ms,
             "result_tail_ms": self.result_tail_ms, "improvement": self.improvement,
-            "improvement_ci95": list(self.improvement_ci95), "rounds": self.rounds,
+            "improvement_ci95": list(self.improvement_ci95), "rounds": self.rounds, "decided_by": self.decided_by,
         }  # fmt: skip
 
 
@@ -210,6 +213,7 @@ class Search:
         base, copy = figs[DEFAULT], figs[DEFAULT_2]
         notes: list[str] = []
         shipped, verdict, cand = DDPConfig(), "no significant change", base
+        decided: dict[str, Any] | None = None
         if not base.measurement().ok:
             notes.append(f"DDP's defaults could not be measured in the confirming rounds ({base.error or 'no rounds'})")
         elif not proposal.is_default:
@@ -222,12 +226,16 @@ class Search:
                 imp, imp_ci = 1 / med - 1, (1 / ci[1] - 1, 1 / ci[0] - 1)
                 if verdict == "faster" and c_verdict != "faster":
                     verdict = "no significant change"
+                    decided = {"subject": "tuned", "against": "second session", "improvement": 1 / c_med - 1,
+                               "improvement_ci95": [1 / c_ci[1] - 1, 1 / c_ci[0] - 1]}  # fmt: skip
                     notes.append(f"{proposal.label} not shipped: faster than DDP's defaults ({imp:+.1%}) but not than "
                                  f"their second instance in the same rounds (ratio {c_med:.3f}, 95% interval "
                                  f"[{c_ci[0]:.3f}, {c_ci[1]:.3f}]): within the noise of these rounds")  # fmt: skip
                 elif verdict == "faster":
                     shipped, cand = proposal, prop
                 else:
+                    decided = {"subject": "tuned", "against": "input", "improvement": imp,
+                               "improvement_ci95": list(imp_ci)}  # fmt: skip
                     notes.append(f"{proposal.label} not shipped: improvement {imp:+.1%}, 95% interval "
                                  f"[{imp_ci[0]:+.1%}, {imp_ci[1]:+.1%}]: {verdict}")  # fmt: skip
             else:
@@ -249,4 +257,5 @@ class Search:
             baseline_ms=b.median_us / 1e3 if b.ok else 0.0, result_ms=r.median_us / 1e3 if r.ok else 0.0,
             baseline_tail_ms=base.tail_us / 1e3, result_tail_ms=cand.tail_us / 1e3,
             improvement=imp, improvement_ci95=imp_ci, rounds=len(ratios), notes=notes, figures=figs,
+            decided_by=decided,
         )  # fmt: skip
