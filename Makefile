@@ -4,6 +4,10 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 BENCH_STAMP := $(VENV)/.bench-stamp
+GDAT_STAMP := $(VENV)/.gdat-stamp
+# The CPU build of torch the GDAT tests run on: pinned here, not in the extra, so users
+# with GPUs install theirs; this machine's wheel folder serves the CPU wheel.
+TORCH_CPU ?= torch==2.13.0
 SAMPLE ?= cnn
 PRECISION ?= exact
 OUT    ?= out
@@ -23,9 +27,16 @@ run: $(STAMP)
 	$(BIN)/python -m aoed.samples $(SAMPLE) -o $(OUT)/models
 	$(BIN)/aoe tune $(OUT)/models/$(SAMPLE).onnx --precision $(PRECISION) --output $(OUT) --bank $(OUT)/bank
 
+# torch for the GDAT tests: the CPU build explicitly first, then the extra (which it
+# satisfies), so pip never reaches for a CUDA build.
+$(GDAT_STAMP): $(STAMP) pyproject.toml
+	$(BIN)/python -m pip install --quiet '$(TORCH_CPU)'
+	$(BIN)/python -m pip install --quiet -e '.[gdat]'
+	touch $(GDAT_STAMP)
+
 # The unit checks need systemd-analyze: installed from the distribution when missing and
 # possible (root with apt-get), else those tests skip saying why.
-test: $(STAMP)
+test: $(STAMP) $(GDAT_STAMP)
 	@command -v systemd-analyze >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
 	    && apt-get install -y -qq --no-install-recommends systemd >/dev/null 2>&1; } \
 	    || echo "make: systemd-analyze is missing and could not be installed: the unit checks will skip"
@@ -49,7 +60,7 @@ test-load: $(STAMP)
 	LOOPS=$(LOOPS) bench/suite_under_load.sh $(RUNS)
 
 # Side-by-side benchmarks; they write bench/RESULTS.md and PNG plots beside it.
-$(BENCH_STAMP): $(STAMP) pyproject.toml
+$(BENCH_STAMP): $(STAMP) $(GDAT_STAMP) pyproject.toml
 	$(BIN)/python -m pip install --quiet -e '.[bench]'
 	touch $(BENCH_STAMP)
 
@@ -60,6 +71,7 @@ bench: $(BENCH_STAMP)
 	$(BIN)/python bench/bench_daemon.py
 	$(BIN)/python bench/bench_sgat.py
 	$(BIN)/python bench/bench_kernels.py
+	$(BIN)/python bench/bench_gdat.py
 	$(BIN)/python bench/bench_fleet.py
 
 bench-quick: $(BENCH_STAMP)
@@ -69,6 +81,7 @@ bench-quick: $(BENCH_STAMP)
 	$(BIN)/python bench/bench_daemon.py --quick
 	$(BIN)/python bench/bench_sgat.py --quick
 	$(BIN)/python bench/bench_kernels.py --quick
+	$(BIN)/python bench/bench_gdat.py --quick
 	$(BIN)/python bench/bench_fleet.py --quick
 
 # The suite's soak tests (kill -9 loops; `make test` leaves them out), then kill -9 of the

@@ -33,10 +33,20 @@ ARG_NAMES = st.text("abcxyz_0123:./-", min_size=1, max_size=10).filter(lambda s:
 FINITE = st.floats(allow_nan=False, allow_infinity=False, width=64)
 
 
+#: The fields of a GDAT spec (the rest are ONNX jobs' and stay unset).
+GDAT_KEYS = ("job_type", "repeat_tune", "budget_s", "priority", "labels", "world_size", "backend",
+             "gradient_precision", "entry")  # fmt: skip
+
+
 def specs(names: st.SearchStrategy[str] = NAMES, keys: tuple[str, ...] | None = None) -> st.SearchStrategy[JobSpec]:
+    """ONNX jobs' specs and GDAT jobs' (`keys`: the fields drawn, of those a job type has)."""
+    return _specs(names, keys, gdat=False) | _specs(names, keys, gdat=True)
+
+
+def _specs(names: st.SearchStrategy[str], keys: tuple[str, ...] | None, gdat: bool) -> st.SearchStrategy[JobSpec]:
     fields = {
         "precision": st.sampled_from(list(Precision)),
-        "job_type": st.sampled_from(list(JobType)),
+        "job_type": st.just(JobType.GDAT) if gdat else st.sampled_from([t for t in JobType if t != JobType.GDAT]),
         "input_shapes": st.dictionaries(names, st.lists(st.integers(1, 1 << 40), min_size=1, max_size=4), max_size=3),
         "repeat_tune": st.booleans(),
         "device": st.sampled_from([None, "cpu", "cuda:0", "cann:3", "tensorrt:1"]),
@@ -47,8 +57,12 @@ def specs(names: st.SearchStrategy[str] = NAMES, keys: tuple[str, ...] | None = 
         "priority": st.integers(-10, 10),
         "labels": st.dictionaries(names.filter(lambda s: "=" not in s), names, max_size=3),
         "keep_initializer_inputs": st.booleans(),
+        "world_size": st.none() | st.integers(1, 64),
+        "backend": st.none() | st.sampled_from(["gloo", "nccl", "hccl"]),
+        "gradient_precision": st.none() | st.sampled_from(["exact", "fp16", "bf16", "lowrank"]),
+        "entry": st.none() | st.sampled_from(["build", "make_model"]),
     }
-    keys = keys or tuple(fields)
+    keys = [k for k in keys or tuple(fields) if (k in GDAT_KEYS if gdat else k not in GDAT_KEYS[5:])]
     return st.fixed_dictionaries({k: fields[k] for k in keys}).map(lambda d: JobSpec(**d))
 
 
@@ -74,6 +88,7 @@ def test_a_spec_survives_the_api(spec: JobSpec) -> None:
 @settings(max_examples=60)
 @given(specs(names=ARG_NAMES))
 def test_a_spec_survives_the_command_line(spec: JobSpec) -> None:
+    spec = spec.replace(entry=None)  # --entry FILE.py:FUNCTION: the file is the model, which to_argv leaves out
     p = argparse.ArgumentParser()
     add_arguments(p)
     assert from_args(p.parse_args(to_argv(spec))) == spec
@@ -212,3 +227,25 @@ def test_the_shapes_import_nothing_heavy() -> None:
             "print(sorted(m for m in ('onnx', 'trio', 'grpc', 'numpy', 'onnxruntime') if m in sys.modules))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr
+
+
+def test_a_gdat_spec_takes_gdat_options_only() -> None:
+    """GDAT's options belong to GDAT jobs and ONNX jobs' to theirs: each refusal names the
+    flag as typed."""
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    spec = from_args(p.parse_args(["--job-type", "4", "--world-size", "3", "--backend", "GLOO",
+                                   "--gradient-precision", "fp16", "--entry", "train.py:build"]))  # fmt: skip
+    assert (spec.job_type, spec.world_size, spec.backend, spec.gradient_precision, spec.entry) == (
+        JobType.GDAT, 3, "gloo", "fp16", "build")
+    assert spec_from_pb(spec_to_pb(spec)) == spec and JobSpec.from_dict(spec.to_dict()) == spec
+    for argv, words in [
+        (["--world-size", "2"], "--world-size applies to job_type gdat"),
+        (["--job-type", "gdat", "--precision", "int8"], "--precision applies to ONNX jobs"),
+        (["--job-type", "gdat", "--input-shape", "x:1"], "--input-shape applies to ONNX jobs"),
+        (["--job-type", "gdat", "--backend", "mpi"], "--backend mpi: expected one of gloo, nccl, hccl"),
+        (["--job-type", "gdat", "--world-size", "0"], "--world-size 0: must be a whole number"),
+        (["--job-type", "gdat", "--entry", "train.py"], "--entry train.py: expected FILE.py:FUNCTION"),
+    ]:
+        with pytest.raises(OptionError, match=words.replace("(", r"\(")):
+            from_args(p.parse_args(argv))

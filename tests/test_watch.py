@@ -453,7 +453,7 @@ async def test_entries_that_are_not_models_are_logged_once_each_and_left(tmp_pat
     (inbox / "before.onnx").symlink_to(outside)  # present at the start: the first scan sees it
     jobs = Jobs(_store(tmp_path))
     kinds = {"before.onnx": "a symbolic link", "link.onnx": "a symbolic link", "dir.onnx": "a folder",
-             "fifo.onnx": "a FIFO", "sock.onnx": "a socket", "notes.txt": "not an .onnx model"}  # fmt: skip
+             "fifo.onnx": "a FIFO", "sock.onnx": "a socket", "notes.txt": "not an .onnx model (nor a .pt2)"}  # fmt: skip
 
     def logged(name: str) -> int:
         return sum(f": {name} is {kinds[name]}; left where it is" in r.getMessage() for r in caplog.records)

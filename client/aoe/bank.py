@@ -92,6 +92,7 @@ PRECISION_CODES = {
     "int4": bank_pb2.PRECISION_INT4,
     "fp16": bank_pb2.PRECISION_FP16,
     "bf16": bank_pb2.PRECISION_BF16,
+    "lowrank": bank_pb2.PRECISION_LOWRANK,
 }
 PRECISION_NAMES = {code: name for name, code in PRECISION_CODES.items()}
 _PRECISIONS = set(PRECISION_CODES)

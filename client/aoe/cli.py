@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from aoe import specargs
 from aoe.errors import AoedError, DeviceError, OptionError
 from aoe.outcome import summary_lines
+from aoe.spec import JobType, parse_job_type
 
 if TYPE_CHECKING:
     from aoe.device import Device
@@ -73,7 +74,8 @@ def _add_tune(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("tune", help="tune a model by measurement, embedded or on a daemon",
                        description="Tune an ONNX model by measurement: on the daemon when one answers, "
                                    "else embedded on this machine.")  # fmt: skip
-    p.add_argument("model", type=Path, help="the .onnx model to tune")
+    p.add_argument("model", type=Path, nargs="?",
+                   help="the .onnx model to tune (--job-type gdat: a torch.export program, .pt2)")  # fmt: skip
     specargs.add_arguments(p, where="this machine (cpu; ASCEND_DEVICE_ID selects cann:N) or the daemon",
                            many_devices=True)  # fmt: skip
     p.add_argument("--bank", type=Path, help="custom bank directory (default: TUNE_BANK_PATH or the user data dir)")
@@ -117,20 +119,42 @@ def _aoe_spelling(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--progress_bar", default="on", choices=["on", "off"])
     p.add_argument("--reload", action="store_true")
     a = p.parse_args(argv)
-    if str(a.framework) != "5":
+    from aoe.config import job_type_from_env
+
+    # AOE's GDAT (AOE_MODE=4) tunes a torch.export program, whatever --framework says.
+    if str(a.framework) != "5" and job_type_from_env() != "gdat":
         raise OptionError(f"--framework {a.framework}: only ONNX (5) models can be tuned here")
     return argparse.Namespace(
         model=a.model, precision=a.precision, input_shape=a.input_shape, bank=a.bank, config=a.config,
         calibration=a.calibration, bank_layer=[], verbose=0, reload=a.reload, repeat_tune=None, parallel=None,
         output=a.output,
         job_type=a.job_type, device=a.device, keep_workspace=False, no_progress=a.progress_bar == "off", local=False,
-        socket=None, run=_tune,
+        socket=None, run=_tune, entry=None,
     )  # fmt: skip
+
+
+def _job_type(args: argparse.Namespace) -> None:
+    """--job-type, else AOE's AOE_MODE (4 is GDAT); OptionError when they contradict.
+    With --entry the model is the entry's file."""
+    from aoe.config import job_type_from_env
+
+    env = job_type_from_env()
+    if env is not None and args.job_type and (parse_job_type(args.job_type) == JobType.GDAT) != (env == "gdat"):
+        raise OptionError(f"AOE_MODE selects {env}, --job-type {args.job_type} another job type: drop one")
+    args.job_type = args.job_type or env
+    if getattr(args, "entry", None):
+        path, _function = specargs.entry_of(args.entry)
+        if args.model is not None:
+            raise OptionError(f"--entry {args.entry} and {args.model}: give the model or the entry, not both")
+        args.model = path
+    if args.model is None:
+        raise OptionError("tune: the following arguments are required: model")
 
 
 def _tune(args: argparse.Namespace) -> int:
     from aoe.modelfile import check_model_file
 
+    _job_type(args)
     # Before the engine's imports (about a second): a mistyped path is answered at once.
     # Whether it parses, the engine says in more detail (a daemon run checks it before
     # the upload: Client.submit_file).
@@ -150,15 +174,26 @@ def _tune(args: argparse.Namespace) -> int:
         bank=args.bank, parallel=parallel, repeat_tune=False if args.reload else args.repeat_tune,
         device=devices[0] if devices else None, devices=devices if len(devices) > 1 else None,
         bank_layers=(*args.bank_layer, *config.bank_layers) if args.bank_layer else None,
-        executor=args.executor, ray_address=args.ray_address,
+        executor=getattr(args, "executor", None), ray_address=getattr(args, "ray_address", None),
     )  # fmt: skip
-    # The environment's settings (REPEAT_TUNE, ASCEND_DEVICE_ID) are the user's too.
+    # The environment's settings (REPEAT_TUNE, ASCEND_DEVICE_ID) are the user's too; a
+    # GDAT job's devices are its world's.
+    gdat = spec.job_type == JobType.GDAT
     spec = spec.replace(repeat_tune=config.repeat_tune,
-                        device=config.device.name if "device" in config.sources else None)  # fmt: skip
+                        device=config.device.name if "device" in config.sources and not gdat else None)  # fmt: skip
+    if gdat and args.model.suffix not in (".pt2", ".py"):
+        raise OptionError(f"{args.model}: --job-type gdat tunes a torch.export program (.pt2, saved with "
+                          "torch.export.save) or, with --entry FILE.py:FUNCTION, your own training code")  # fmt: skip
+    if not gdat and args.model.suffix == ".pt2":
+        raise OptionError(f"{args.model}: a torch.export program; tune its data-parallel training with --job-type gdat")
     output: Path = args.output
     made = _writable_output(output)
+    # The user's own code (--entry) runs embedded only: a daemon loads no user code.
+    if spec.entry is not None and args.socket is not None:
+        raise OptionError("--entry runs your own code, which only an embedded run does: drop --socket")
     # An executor named here is this run's: it runs embedded (a daemon has its own).
-    daemon = _daemon_for(args, config) if args.executor is None and args.ray_address is None else None
+    embedded_only = spec.entry is not None or any(getattr(args, k, None) is not None for k in ("executor", "ray_address"))
+    daemon = None if embedded_only else _daemon_for(args, config)
     if daemon is not None:
         from aoe.jobscli import tune_on_daemon
 

@@ -342,7 +342,8 @@ class Client:
         before anything is uploaded, in that order."""
         opts = job_options(spec if spec is not None else options)
         self._check_socket()
-        check_model_file(local_path)
+        # A GDAT job's model is a torch.export program: the daemon's ranks read it.
+        check_model_file(local_path, onnx=opts.job_type != tuning_pb2.JOB_TYPE_GDAT)
         return self.submit(model_id=self.upload(local_path), options=opts)
 
     def get(self, job_id: str) -> tuning_pb2.Job:

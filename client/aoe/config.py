@@ -131,6 +131,22 @@ def _default_bank() -> Path:
     return Path(platformdirs.user_data_dir("aoed")) / "bank"
 
 
+#: AOE's AOE_MODE values and the job types they select.
+_AOE_MODES = {"1": "sgat", "2": "opat", "4": "gdat"}
+
+
+def job_type_from_env(env: Mapping[str, str] | None = None) -> str | None:
+    """The job type AOE_MODE selects as AOE does (1 SGAT, 2 OPAT, 4 GDAT); None when it
+    is not set. OptionError for another value."""
+    env = os.environ if env is None else env
+    raw = env.get("AOE_MODE", "").strip()
+    if not raw:
+        return None
+    if raw not in _AOE_MODES:
+        raise OptionError(f"AOE_MODE={raw}: expected 1 (SGAT), 2 (OPAT) or 4 (GDAT)")
+    return _AOE_MODES[raw]
+
+
 #: Sections of the TOML file that only the daemon reads (aoed.config checks them).
 DAEMON_SECTIONS = ("daemon", "listen", "limits", "inbox", "metrics")
 #: Keys of the shared sections that only the daemon reads (aoed.config checks them).

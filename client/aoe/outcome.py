@@ -157,6 +157,9 @@ class JobOutcome:
     verified: str = ""  # what verification proposed (tuned | options only | reverted to input)
     notes: tuple[str, ...] = ()
     workspace: str = ""
+    #: what only one job type has (GDAT: the world, the shipped DDP options, the gates,
+    #: the tails), as the result JSON's `details` holds it
+    details: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "precision", Precision(self.precision))
@@ -192,6 +195,7 @@ class JobOutcome:
             "session_options": dict(self.session_options), "accuracy": dict(self.accuracy),
             "accuracy_budget": dict(self.accuracy_budget), "calibration": self.calibration,
             "verified": self.verified, "notes": list(self.notes), "workspace": self.workspace,
+            "details": dict(self.details),
         }  # fmt: skip
 
     @classmethod
@@ -209,6 +213,7 @@ class JobOutcome:
             session_options=d.get("session_options", {}), accuracy=d.get("accuracy", {}),
             accuracy_budget=d.get("accuracy_budget", {}), calibration=d.get("calibration", ""),
             verified=d.get("verified", ""), notes=tuple(d.get("notes", ())), workspace=d.get("workspace", ""),
+            details=d.get("details", {}),
         )  # fmt: skip
 
     @classmethod
@@ -260,6 +265,8 @@ def summary_lines(o: JobOutcome, *, where: str = "", took_s: float | None = None
     like; `took_s`: the wall time to report (default: the job's tuning time); `files`:
     the tuned model and result JSON where they were written locally (else the outcome's
     paths, said to be on the daemon's host when `where` is given)."""
+    if o.job_type == JobType.GDAT:
+        return _gdat_lines(o, where, took_s, files)
     f, res, b = o.figures, o.resources, o.budget
     measured = sum(t.update_mode.measured for t in o.tasks)
     hits = sum(t.update_mode == UpdateMode.HIT for t in o.tasks)
@@ -309,5 +316,60 @@ def summary_lines(o: JobOutcome, *, where: str = "", took_s: float | None = None
     out += [f"  note         {note}" for note in o.notes]
     remote = " (on the daemon host)" if where else ""
     out.append(f"  tuned model  {files[0] or o.tuned_model + remote}")
+    out.append(f"  report       {files[1] or o.result_json + remote}")
+    return out
+
+
+#: aoe.figures' words for an ONNX job's input and output, as a GDAT job says them.
+_GDAT_WORDS = (("a second session of the input in the same rounds", "a second instance of DDP's defaults in the "
+                "same rounds"), ("the input model, unchanged", "DDP's defaults, unchanged"),
+               ("the tuned model", "the tuned configuration"), ("the input", "DDP's defaults"),
+               ("no change passed the search and verification", "no configuration beat DDP's defaults in the "
+                "search"))  # fmt: skip
+
+
+def _gdat_words(text: str) -> str:
+    for onnx, gdat in _GDAT_WORDS:
+        text = text.replace(onnx, gdat)
+    return text
+
+
+def _gdat_lines(o: JobOutcome, where: str, took_s: float | None,
+                files: tuple[Path | None, Path | None]) -> list[str]:  # fmt: skip
+    """summary_lines for a GDAT job: step times of the world instead of a model's, the
+    DDP options that ship instead of tasks, and the gates of lossy hooks."""
+    f, b, d = o.figures, o.budget, o.details
+    took = o.tuning_time_s if took_s is None else took_s
+    job = f"job {o.job_id}; " if where and o.job_id else ""
+    out = [f"aoe: tuned {Path(o.model).name}{where} in {took:.1f} s ({job}gdat, {d.get('gradient_precision', 'exact')} "
+           f"gradients, {o.device})"]  # fmt: skip
+    said = (f"from the bank: confirmed by {f.confirmed_by}" if f.confirmed_by
+            else f"confirming A/B, {f.rounds} interleaved rounds")  # fmt: skip
+    out.append(f"  baseline     {f.baseline_ms:.4f} ms per step, tail {d.get('baseline_tail_ms', 0.0):.4f} ms   "
+               f"(DDP's defaults; {said})")  # fmt: skip
+    tail = f"; tail {d.get('result_tail_ms', 0.0):.4f} ms" if f.changed else ""
+    out.append(f"  result       {_gdat_words(figures.result_text(f))}{tail}")
+    out.append(f"  verdict      {_gdat_words(figures.verdict_text(f))}")
+    ddp = d.get("ddp_config") or {}
+    hook = (ddp.get("comm_hook") or {}).get("name")
+    out.append(f"  ddp          {ddp.get('label', 'default')}: {ddp.get('ddp_kwargs') or 'no options'}"
+               + (f", comm hook {hook}" if hook else ""))  # fmt: skip
+    if not f.confirmed_by:
+        confs = d.get("configurations") or []
+        measured = {c["name"] for c in confs if c.get("step_ms") is not None}
+        failed = sum(c.get("status") == "failed" for c in confs)
+        rejected = sum(c.get("status") == "rejected" for c in confs)
+        broken = len(d.get("broken_turns") or [])
+        out.append(f"  search       {len(measured)} configurations in {o.resources.get('worlds', 1):g} world(s)"
+                   + (f", {failed} failed" if failed else "") + (f", {rejected} rejected by the gradient gate"
+                                                                  if rejected else "")
+                   + (f", {broken} broken turns" if broken else "")
+                   + f"; {b.spent_s:.1f} s of a {b.budget_s:g} s budget, plus {b.confirm_s:.1f} s confirming")  # fmt: skip
+    out += [f"  gate         {g['config']}: {'passed' if g.get('passed') else 'rejected'}: {g.get('why', '')}"
+            for g in d.get("gates") or []]  # fmt: skip
+    out.append(f"  bank         {figures.bank_text(o.bank)}")
+    out += [f"  note         {note}" for note in o.notes]
+    remote = " (on the daemon host)" if where else ""
+    out.append(f"  ddp config   {files[0] or o.tuned_model + remote}")
     out.append(f"  report       {files[1] or o.result_json + remote}")
     return out

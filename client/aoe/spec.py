@@ -39,11 +39,14 @@ __all__ = [
 
 class JobType(enum.StrEnum):
     """What a job tunes: operator tasks (AOE's OPAT, --job_type 2), subgraph tasks (SGAT,
-    --job_type 1), or subgraphs first and operators over what they left, in one job."""
+    --job_type 1), or subgraphs first and operators over what they left, in one job; or
+    the gradient communication of data-parallel training on PyTorch DDP (GDAT,
+    AOE_MODE=4: a torch.export program, not an ONNX model)."""
 
     OPAT = "opat"
     SGAT = "sgat"
     SGAT_OPAT = "sgat+opat"
+    GDAT = "gdat"
 
     @property
     def slug(self) -> str:
@@ -87,13 +90,23 @@ class Stage(enum.StrEnum):
 #: The job type of a job that names none: the most the tuner can find, at the tuning
 #: time bench/RESULTS.md states beside OPAT's.
 DEFAULT_JOB_TYPE = JobType.SGAT_OPAT
-_JOB_TYPE_SPELLINGS = {"2": "opat", "1": "sgat", "opat+sgat": "sgat+opat", "1+2": "sgat+opat", "2+1": "sgat+opat"}
+_JOB_TYPE_SPELLINGS = {"2": "opat", "1": "sgat", "opat+sgat": "sgat+opat", "1+2": "sgat+opat", "2+1": "sgat+opat",
+                       "4": "gdat"}  # fmt: skip
 #: The largest budget a user may give: a week. Past it the per-task split overflows a
 #: float (1e308 s is finite, yet its shares are not).
 MAX_BUDGET_S = 7 * 86400.0
 #: The keys a drop folder's aoed.toml may set.
 FOLDER_KEYS = ("budget_s", "input_shapes", "job_type", "max_rel_error", "min_cosine", "precision", "priority",
-               "repeat_tune")  # fmt: skip
+               "repeat_tune", "world_size", "backend", "gradient_precision")  # fmt: skip
+#: GDAT's collective backends and gradient precisions (aoe.gradlayout checks them
+#: again where torch is at hand).
+GDAT_BACKENDS = ("gloo", "nccl", "hccl")
+GRADIENT_PRECISIONS = ("exact", "fp16", "bf16", "lowrank")
+#: The fields only a GDAT job reads, and the ONNX fields a GDAT job refuses (with the
+#: value that means "not given").
+_GDAT_FIELDS = ("world_size", "backend", "gradient_precision", "entry")
+_ONNX_FIELDS = (("input_shapes", {}), ("min_cosine", None), ("max_rel_error", None), ("calibration_dir", None),
+                ("keep_initializer_inputs", False), ("device", None))  # fmt: skip
 
 
 class SpecError(OptionError):
@@ -112,7 +125,8 @@ def parse_job_type(raw: object, where: str = "job_type") -> JobType:
     try:
         return JobType(_JOB_TYPE_SPELLINGS.get(text, text))
     except ValueError:
-        raise SpecError(where, f"{raw}: expected opat (2), sgat (1) or sgat+opat (both in one job)") from None
+        raise SpecError(where, f"{raw}: expected opat (2), sgat (1), sgat+opat (both in one job) or gdat (4: "
+                               "data-parallel training)") from None  # fmt: skip
 
 
 def _precision(raw: object) -> Precision:
@@ -202,6 +216,14 @@ class JobSpec:
     labels: Mapping[str, str] = field(default_factory=dict)
     #: treat initializers that old exporters list as graph inputs as real inputs
     keep_initializer_inputs: bool = False
+    #: GDAT only: ranks of the measured world (None: 2 on gloo, one per device else),
+    #: the collective backend (None: gloo), the gradient precision the comm hooks may
+    #: use (None: exact), and `FUNCTION` of a user's FILE.py, the model, when the job
+    #: runs the user's own code (embedded runs only)
+    world_size: int | None = None
+    backend: str | None = None
+    gradient_precision: str | None = None
+    entry: str | None = None
 
     def __post_init__(self) -> None:
         # Sizes first: nothing repeats a value in a message before its size is known.
@@ -238,6 +260,35 @@ class JobSpec:
                 set_(self, "device", Device.parse(str(self.device)).name)
             except OptionError as exc:
                 raise SpecError("device", str(exc).removeprefix("device ")) from None
+        self._check_gdat()
+
+    def _check_gdat(self) -> None:
+        if self.job_type != JobType.GDAT:
+            for name in _GDAT_FIELDS:
+                if getattr(self, name) is not None:
+                    raise SpecError(name, "applies to job_type gdat (data-parallel training), not to ONNX models")
+            return
+        for name, unset in _ONNX_FIELDS:
+            if getattr(self, name) != unset:
+                raise SpecError(name, "applies to ONNX jobs, not to job_type gdat")
+        if self.precision != Precision.EXACT:
+            raise SpecError("precision", "applies to ONNX jobs, not to job_type gdat; GDAT uses gradient_precision")
+        n = self.world_size
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise SpecError("world_size", f"{n!r}: must be a whole number, at least 1")
+        for name, known in (("backend", GDAT_BACKENDS), ("gradient_precision", GRADIENT_PRECISIONS)):
+            value = getattr(self, name)
+            if value is not None:
+                text = str(value).strip().lower()
+                if text not in known:
+                    raise SpecError(name, f"{value}: expected one of {', '.join(known)}")
+                object.__setattr__(self, name, text)
+        if self.entry is not None:
+            entry = str(self.entry)
+            sizes.check_text("entry", entry, sizes.MAX_NAME_BYTES)
+            if not entry.isidentifier():
+                raise SpecError("entry", f"{entry!r}: expected the name of a function")
+            object.__setattr__(self, "entry", entry)
 
     def replace(self, **changes: Any) -> JobSpec:
         """A copy with `changes`, checked as any spec is."""
@@ -265,7 +316,8 @@ class JobSpec:
             "max_rel_error": self.max_rel_error,
             "calibration_dir": str(self.calibration_dir) if self.calibration_dir is not None else None,
             "priority": self.priority, "labels": dict(self.labels),
-            "keep_initializer_inputs": self.keep_initializer_inputs,
+            "keep_initializer_inputs": self.keep_initializer_inputs, "world_size": self.world_size,
+            "backend": self.backend, "gradient_precision": self.gradient_precision, "entry": self.entry,
         }  # fmt: skip
 
     @classmethod

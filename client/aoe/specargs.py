@@ -4,6 +4,7 @@ share, parsed into a spec (`from_args`) and written back (`to_argv`).
     --precision P  --job-type T  --input-shape NAME:D1,D2 (repeat, or join with ';')
     --repeat-tune  --device D  --budget S  --min-cosine C  --max-rel-error E
     --calibration DIR  --priority N  --label KEY=VALUE (repeat)  --keep-initializer-inputs
+    GDAT: --world-size N  --backend B  --gradient-precision P  --entry FILE.py:FUNCTION
 
 A flag not given leaves the spec's default (or, for `aoe tune`, the setting from the
 environment or config file). Errors name the flag as typed, not the spec's field.
@@ -18,14 +19,15 @@ from pathlib import Path
 from aoe.errors import OptionError
 from aoe.spec import DEFAULT_JOB_TYPE, JobSpec, SpecError
 
-__all__ = ["FLAGS", "add_arguments", "from_args", "parse_shapes", "to_argv"]
+__all__ = ["FLAGS", "add_arguments", "entry_of", "from_args", "parse_shapes", "to_argv"]
 
 #: The flag of each spec field.
 FLAGS = {
     "precision": "--precision", "job_type": "--job-type", "input_shapes": "--input-shape",
     "repeat_tune": "--repeat-tune", "device": "--device", "budget_s": "--budget", "min_cosine": "--min-cosine",
     "max_rel_error": "--max-rel-error", "calibration_dir": "--calibration", "priority": "--priority",
-    "labels": "--label", "keep_initializer_inputs": "--keep-initializer-inputs",
+    "labels": "--label", "keep_initializer_inputs": "--keep-initializer-inputs", "world_size": "--world-size",
+    "backend": "--backend", "gradient_precision": "--gradient-precision", "entry": "--entry",
 }  # fmt: skip
 
 
@@ -38,7 +40,8 @@ def add_arguments(p: argparse.ArgumentParser, *, where: str = "on this machine o
                                        "or on a GPU/NPU fp16 or bf16")  # fmt: skip
     p.add_argument("--job-type", help=f"{DEFAULT_JOB_TYPE} (the default): subgraphs, then operators over the nodes "
                                       "they left, in one job; opat (2): operators alone; sgat (1): subgraphs alone "
-                                      "(attention, layernorm, gelu, glu, conv regions)")  # fmt: skip
+                                      "(attention, layernorm, gelu, glu, conv regions); gdat (4, also AOE_MODE=4): "
+                                      "the gradient communication of data-parallel training (PyTorch DDP)")  # fmt: skip
     p.add_argument("--input-shape", action="append", default=[], metavar="NAME:D1,D2,...",
                    help="static shape for an input with dynamic dimensions; repeat or join with ';'")  # fmt: skip
     p.add_argument("--repeat-tune", action="store_true", default=None, help="re-tune tasks the bank already knows")
@@ -59,6 +62,16 @@ def add_arguments(p: argparse.ArgumentParser, *, where: str = "on this machine o
     p.add_argument("--label", action="append", default=[], metavar="KEY=VALUE", help="a label for the job (repeatable)")
     p.add_argument("--keep-initializer-inputs", action="store_true", default=None,
                    help="treat initializers that old exporters list as graph inputs as real inputs")  # fmt: skip
+    g = p.add_argument_group("GDAT (--job-type gdat: a torch.export program, .pt2)")
+    g.add_argument("--world-size", type=int,
+                   help="ranks of the measured world (default: 2 on gloo, one per device on nccl/hccl)")  # fmt: skip
+    g.add_argument("--backend", help="collective backend: gloo (default, CPU), nccl, hccl")
+    g.add_argument("--gradient-precision",
+                   help="exact (default); fp16, bf16 or lowrank allow compression hooks of that class and the less "
+                        "lossy ones, each gated against exact all-reduce")  # fmt: skip
+    g.add_argument("--entry", metavar="FILE.py:FUNCTION",
+                   help="your own training code instead of a .pt2 (embedded runs only): FUNCTION returns "
+                        "(model, batch, loss_fn)")  # fmt: skip
 
 
 def parse_shapes(items: str | Iterable[str], where: str = "--input-shape") -> dict[str, tuple[int, ...]]:
@@ -98,9 +111,18 @@ def _first_device(given: str | list[str] | None) -> str | None:
     return given
 
 
+def entry_of(raw: str) -> tuple[Path, str]:
+    """(file, function) of an --entry FILE.py:FUNCTION. OptionError naming it."""
+    path, sep, function = str(raw).rpartition(":")
+    if not sep or not path or not function.isidentifier() or not path.endswith(".py"):
+        raise OptionError(f"--entry {raw}: expected FILE.py:FUNCTION")
+    return Path(path), function
+
+
 def from_args(args: argparse.Namespace) -> JobSpec:
     """The spec the flags in `args` describe (attributes of the names `add_arguments`
     gives; a missing one counts as not given). OptionError naming the flag."""
+    entry = getattr(args, "entry", None)
     given = {
         "precision": getattr(args, "precision", None), "job_type": getattr(args, "job_type", None),
         "input_shapes": parse_shapes(getattr(args, "input_shape", None) or []),
@@ -109,6 +131,9 @@ def from_args(args: argparse.Namespace) -> JobSpec:
         "max_rel_error": getattr(args, "max_rel_error", None), "calibration_dir": getattr(args, "calibration", None),
         "priority": getattr(args, "priority", None), "labels": _labels(getattr(args, "label", None) or []),
         "keep_initializer_inputs": getattr(args, "keep_initializer_inputs", None),
+        "world_size": getattr(args, "world_size", None), "backend": getattr(args, "backend", None),
+        "gradient_precision": getattr(args, "gradient_precision", None),
+        "entry": entry_of(entry)[1] if entry else None,
     }  # fmt: skip
     try:
         return JobSpec(**{k: v for k, v in given.items() if v is not None})
@@ -118,7 +143,8 @@ def from_args(args: argparse.Namespace) -> JobSpec:
 
 
 def to_argv(spec: JobSpec) -> list[str]:
-    """The flags that give `spec` back through `from_args` (defaults left out)."""
+    """The flags that give `spec` back through `from_args` (defaults left out; so is
+    `entry`, whose flag names the model file too, which the caller gives)."""
     default, argv = JobSpec(), []
     for name, flag in FLAGS.items():
         value = getattr(spec, name)
@@ -128,6 +154,8 @@ def to_argv(spec: JobSpec) -> list[str]:
             argv += [f"{flag}={n}:{','.join(map(str, dims))}" for n, dims in value.items()]
         elif name == "labels":
             argv += [f"{flag}={k}={v}" for k, v in value.items()]
+        elif name == "entry":
+            continue  # the function alone: the file is the model, which the caller names
         elif isinstance(value, bool):
             argv.append(flag)
         else:

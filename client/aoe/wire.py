@@ -25,7 +25,7 @@ _PRECISION = {Precision.EXACT: bank_pb2.PRECISION_EXACT, Precision.INT8: bank_pb
               Precision.INT4: bank_pb2.PRECISION_INT4, Precision.FP16: bank_pb2.PRECISION_FP16,
               Precision.BF16: bank_pb2.PRECISION_BF16}  # fmt: skip
 _JOB_TYPE = {JobType.OPAT: tuning_pb2.JOB_TYPE_OPAT, JobType.SGAT: tuning_pb2.JOB_TYPE_SGAT,
-             JobType.SGAT_OPAT: tuning_pb2.JOB_TYPE_SGAT_OPAT}  # fmt: skip
+             JobType.SGAT_OPAT: tuning_pb2.JOB_TYPE_SGAT_OPAT, JobType.GDAT: tuning_pb2.JOB_TYPE_GDAT}  # fmt: skip
 
 
 def _known(table: dict[Any, int], code: int, field: str, enum: Any, unset: Any) -> Any:
@@ -53,6 +53,9 @@ def spec_to_pb(spec: JobSpec) -> tuning_pb2.JobOptions:
                                                   max_rel_error=spec.max_rel_error or 0.0),
         calibration_dir=str(spec.calibration_dir or ""), labels=dict(spec.labels), priority=spec.priority,
         budget_s=spec.budget_s or 0.0, keep_initializer_inputs=spec.keep_initializer_inputs,
+        gdat=tuning_pb2.GdatOptions(world_size=spec.world_size or 0, backend=spec.backend or "",
+                                    gradient_precision=spec.gradient_precision or "", entry=spec.entry or "")
+        if spec.job_type == JobType.GDAT else None,
     )  # fmt: skip
 
 
@@ -66,7 +69,9 @@ def spec_from_pb(o: tuning_pb2.JobOptions) -> JobSpec:
         device=o.device or None, budget_s=o.budget_s or None,
         min_cosine=o.accuracy_budget.min_cosine or None, max_rel_error=o.accuracy_budget.max_rel_error or None,
         calibration_dir=o.calibration_dir or None, priority=o.priority, labels=dict(o.labels),
-        keep_initializer_inputs=o.keep_initializer_inputs,
+        keep_initializer_inputs=o.keep_initializer_inputs, world_size=o.gdat.world_size or None,
+        backend=o.gdat.backend or None, gradient_precision=o.gdat.gradient_precision or None,
+        entry=o.gdat.entry or None,
     )  # fmt: skip
 
 
@@ -143,6 +148,7 @@ def outcome_to_pb(o: JobOutcome) -> tuning_pb2.JobResult:
         accuracy_budget={k: float(v) for k, v in o.accuracy_budget.items() if isinstance(v, int | float)},
         session_options_json=json.dumps(dict(o.session_options), sort_keys=True) if o.session_options else "",
         budget=_budget_pb(o.budget), model_path=o.model,
+        details_json=json.dumps(dict(o.details), sort_keys=True) if o.details else "",
     )  # fmt: skip
 
 
@@ -170,5 +176,5 @@ def outcome_from_pb(r: tuning_pb2.JobResult, job_id: str = "") -> JobOutcome:
         resources=dict(r.resources) or _older_resources(r),
         budget=_budget_from_pb(r.budget), session_options=json.loads(r.session_options_json or "{}"),
         accuracy=dict(r.accuracy), accuracy_budget=dict(r.accuracy_budget), calibration=r.calibration,
-        verified=r.verification, notes=tuple(r.notes),
+        verified=r.verification, notes=tuple(r.notes), details=json.loads(r.details_json or "{}"),
     )  # fmt: skip

@@ -1,12 +1,14 @@
 """`aoed.embedded`: the one door into the tuning engine for a process that runs it itself,
 without a daemon: the `aoe` command, and Python callers.
 
-    from aoe.spec import JobSpec
+    from aoe.spec import JobSpec, JobType
     from aoed import embedded
     outcome = embedded.tune("model.onnx", JobSpec(precision="int8"), "out/")
 
     tune / tune_async   one job, JobSpec -> JobOutcome, with progress events and
-                        cancellation (a JobHandle, or the caller's cancel scope)
+                        cancellation (a JobHandle, or the caller's cancel scope); a
+                        GDAT job (job type gdat: a .pt2, or with `spec.entry` a .py
+                        file) runs its worlds of rank processes instead of the engine
     apply_bank          the tuned model a bank describes, from the bank alone (written at
                         `output`; returns the per-task report)
     verify_bank         re-measure a sample of a bank's entries on this device
@@ -34,7 +36,7 @@ from aoe.bank import BankReader
 from aoe.config import Config, load_config
 from aoe.errors import AoedError, BankBusyError, JobCancelledError, first_error
 from aoe.outcome import JobOutcome
-from aoe.spec import JobSpec
+from aoe.spec import JobSpec, JobType
 from aoed.bankcompile import compile_model as apply_bank
 from aoed.engine.job import JobHandle
 from aoed.engine.messages import JobEvent
@@ -80,10 +82,25 @@ async def tune_async(
 
     config = config if config is not None else load_config(None)
     output = Path(output)
+    if spec.job_type == JobType.GDAT:
+        with _one_error():
+            return await _tune_gdat(Path(model), spec, output, config, progress, handle, keep_workspace)
     run = JobRun(Path(model), output, spec, keep_workspace=keep_workspace)
     with _one_error():
         async with open_engine(config, build_registry(config.plugins), output / "aoe_workspace" / "logs") as engine:
             return await engine.run_job(run, progress or (lambda event: None), handle)
+
+
+async def _tune_gdat(model: Path, spec: JobSpec, output: Path, config: Config, progress: Progress | None,
+                     handle: JobHandle | None, keep_workspace: bool) -> JobOutcome:  # fmt: skip
+    from aoed.gdat import GdatOptions, run_gdat, to_outcome
+
+    opts = GdatOptions(
+        model=model, output=output, entry=spec.entry or "", world_size=spec.world_size,
+        backend=spec.backend or "gloo", precision=spec.gradient_precision or "exact", repeat_tune=spec.repeat_tune,
+        budget_s=spec.budget_s, keep_workspace=keep_workspace,
+    )  # fmt: skip
+    return to_outcome(await run_gdat(opts, config, progress or (lambda event: None), handle))
 
 
 def tune(

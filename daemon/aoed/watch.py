@@ -9,8 +9,10 @@ outputs land in the folder's outbox (or the model in its failed folder, with the
 
 When a file is complete: names starting with `.` or ending in `.part` or `~` are
 ignored, so a writer that copies to such a name and renames it is taken at once on the
-rename. Any other `*.onnx` directly in the folder is taken once its size and mtime have
-stayed the same for the inbox's `stable_s`.
+rename. Any other `*.onnx` (or, for GDAT, `*.pt2`) directly in the folder is taken once
+its size and mtime have stayed the same for the inbox's `stable_s`. A `.pt2` is a GDAT
+job's (its folder's aoed.toml says job_type = "gdat"); its outbox gets
+`m_ddp_config.json` where an ONNX model's gets `m_tuned.onnx`.
 
 Exactly once: a file is claimed by renaming it into the state dir's `claimed/`, recorded
 in the job store before the rename (`claiming`) and after its job is recorded
@@ -22,7 +24,8 @@ than never.
 
 Options come from an optional `aoed.toml` in the inbox folder, read for each model:
 precision, job_type (default sgat+opat, as `aoe tune`), input_shapes (a table name =
-[dims]), priority, budget_s, repeat_tune, min_cosine, max_rel_error.
+[dims]), priority, budget_s, repeat_tune, min_cosine, max_rel_error; for GDAT
+world_size, backend, gradient_precision.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ from aoe.errors import AoedError, DaemonUnavailableError, DiskFullError, ModelEr
 from aoe.errors import ResourceExhaustedError
 from aoed import safefs, space
 from aoed.config import DaemonConfig, Inbox
-from aoe.spec import JobSpec
+from aoe.spec import JobSpec, JobType
 from aoed.jobs.manager import JobManager, Submission
 from aoed.jobs.store import FAILED, SUCCEEDED, Claim, JobRow
 from aoed.logs import printable
@@ -75,7 +78,7 @@ def _ignored(name: str) -> bool:
 
 
 def _candidate(name: str) -> bool:
-    return not _ignored(name) and name.lower().endswith(".onnx")
+    return not _ignored(name) and name.lower().endswith((".onnx", ".pt2"))
 
 
 @dataclass(eq=False)
@@ -312,7 +315,7 @@ class Watcher:
         if noted.get(name) == ino:
             return
         noted[name] = ino
-        log.warning("inbox %s: %s is %s; left where it is (only regular *.onnx files are taken)", folder.inbox.path,
+        log.warning("inbox %s: %s is %s; left where it is (only regular *.onnx and *.pt2 files are taken)", folder.inbox.path,
                     name, kind)  # fmt: skip
 
     async def _sweep_loop(self) -> None:
@@ -720,7 +723,7 @@ def _kind(mode: int) -> str:
                         (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a device"), (stat.S_ISBLK, "a device")):  # fmt: skip
         if test(mode):
             return words
-    return "not a regular file" if not stat.S_ISREG(mode) else "not an .onnx model"
+    return "not a regular file" if not stat.S_ISREG(mode) else "not an .onnx model (nor a .pt2)"
 
 
 def _signature(path: Path) -> tuple[int, int, int] | None:
@@ -783,6 +786,8 @@ def _free_base(dir_fd: int, stem: str, suffixes: tuple[str, ...]) -> str:
 
 
 _OUT_SUFFIXES = ("_tuned.onnx", "_result.json", "_report.txt")
+#: a GDAT job's: its "tuned model" is the DDP configuration a training script applies
+_GDAT_OUT_SUFFIXES = ("_ddp_config.json", "_result.json", "_report.txt")
 #: bytes a shortened stem leaves for the `_N` of a taken name
 _COUNTER_ROOM = len("_99999")
 
@@ -793,9 +798,10 @@ def _write_outputs(outbox: Path, name: str, row: JobRow) -> list[str]:
     a link) is left out, and the report says so."""
     outbox.mkdir(parents=True, exist_ok=True)
     outcome = row.outcome
+    suffixes = _GDAT_OUT_SUFFIXES if outcome is not None and outcome.job_type == JobType.GDAT else _OUT_SUFFIXES
     with safefs.opened_dir(outbox) as out:
-        base = _free_base(out, Path(name).stem, _OUT_SUFFIXES)
-        tuned, result_json, report = (f"{base}{s}" for s in _OUT_SUFFIXES)
+        base = _free_base(out, Path(name).stem, suffixes)
+        tuned, result_json, report = (f"{base}{s}" for s in suffixes)
         written, missing = [], []
         for key, dst in (("tuned_model", tuned), ("result_json", result_json)):
             src = getattr(outcome, key) if outcome is not None else ""

@@ -18,6 +18,7 @@ class Precision(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PRECISION_INT4: _ClassVar[Precision]
     PRECISION_FP16: _ClassVar[Precision]
     PRECISION_BF16: _ClassVar[Precision]
+    PRECISION_LOWRANK: _ClassVar[Precision]
 
 class MergePolicy(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -40,6 +41,7 @@ PRECISION_INT8: Precision
 PRECISION_INT4: Precision
 PRECISION_FP16: Precision
 PRECISION_BF16: Precision
+PRECISION_LOWRANK: Precision
 MERGE_POLICY_UNSPECIFIED: MergePolicy
 MERGE_POLICY_KEEP_FASTER: MergePolicy
 MERGE_POLICY_OVERWRITE: MergePolicy

@@ -17,6 +17,7 @@ class JobType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     JOB_TYPE_SGAT: _ClassVar[JobType]
     JOB_TYPE_OPAT: _ClassVar[JobType]
     JOB_TYPE_SGAT_OPAT: _ClassVar[JobType]
+    JOB_TYPE_GDAT: _ClassVar[JobType]
 
 class JobState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -46,6 +47,7 @@ JOB_TYPE_UNSPECIFIED: JobType
 JOB_TYPE_SGAT: JobType
 JOB_TYPE_OPAT: JobType
 JOB_TYPE_SGAT_OPAT: JobType
+JOB_TYPE_GDAT: JobType
 JOB_STATE_UNSPECIFIED: JobState
 JOB_STATE_QUEUED: JobState
 JOB_STATE_PREPARING: JobState
@@ -80,7 +82,7 @@ class AccuracyBudget(_message.Message):
     def __init__(self, min_cosine: _Optional[float] = ..., max_rel_error: _Optional[float] = ...) -> None: ...
 
 class JobOptions(_message.Message):
-    __slots__ = ("job_type", "precision", "input_shapes", "repeat_tune", "parallel", "device", "accuracy_budget", "calibration_dir", "labels", "output_dir", "priority", "budget_s", "keep_initializer_inputs")
+    __slots__ = ("job_type", "precision", "input_shapes", "repeat_tune", "parallel", "device", "accuracy_budget", "calibration_dir", "labels", "output_dir", "priority", "budget_s", "keep_initializer_inputs", "gdat")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -101,6 +103,7 @@ class JobOptions(_message.Message):
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     BUDGET_S_FIELD_NUMBER: _ClassVar[int]
     KEEP_INITIALIZER_INPUTS_FIELD_NUMBER: _ClassVar[int]
+    GDAT_FIELD_NUMBER: _ClassVar[int]
     job_type: JobType
     precision: _bank_pb2.Precision
     input_shapes: _containers.RepeatedCompositeFieldContainer[InputShape]
@@ -114,7 +117,20 @@ class JobOptions(_message.Message):
     priority: int
     budget_s: float
     keep_initializer_inputs: bool
-    def __init__(self, job_type: _Optional[_Union[JobType, str]] = ..., precision: _Optional[_Union[_bank_pb2.Precision, str]] = ..., input_shapes: _Optional[_Iterable[_Union[InputShape, _Mapping]]] = ..., repeat_tune: _Optional[bool] = ..., parallel: _Optional[int] = ..., device: _Optional[str] = ..., accuracy_budget: _Optional[_Union[AccuracyBudget, _Mapping]] = ..., calibration_dir: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., output_dir: _Optional[str] = ..., priority: _Optional[int] = ..., budget_s: _Optional[float] = ..., keep_initializer_inputs: _Optional[bool] = ...) -> None: ...
+    gdat: GdatOptions
+    def __init__(self, job_type: _Optional[_Union[JobType, str]] = ..., precision: _Optional[_Union[_bank_pb2.Precision, str]] = ..., input_shapes: _Optional[_Iterable[_Union[InputShape, _Mapping]]] = ..., repeat_tune: _Optional[bool] = ..., parallel: _Optional[int] = ..., device: _Optional[str] = ..., accuracy_budget: _Optional[_Union[AccuracyBudget, _Mapping]] = ..., calibration_dir: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., output_dir: _Optional[str] = ..., priority: _Optional[int] = ..., budget_s: _Optional[float] = ..., keep_initializer_inputs: _Optional[bool] = ..., gdat: _Optional[_Union[GdatOptions, _Mapping]] = ...) -> None: ...
+
+class GdatOptions(_message.Message):
+    __slots__ = ("world_size", "backend", "gradient_precision", "entry")
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    GRADIENT_PRECISION_FIELD_NUMBER: _ClassVar[int]
+    ENTRY_FIELD_NUMBER: _ClassVar[int]
+    world_size: int
+    backend: str
+    gradient_precision: str
+    entry: str
+    def __init__(self, world_size: _Optional[int] = ..., backend: _Optional[str] = ..., gradient_precision: _Optional[str] = ..., entry: _Optional[str] = ...) -> None: ...
 
 class SubmitJobRequest(_message.Message):
     __slots__ = ("model_path", "model_id", "options")
@@ -253,7 +269,7 @@ class JobBudget(_message.Message):
     def __init__(self, budget_s: _Optional[float] = ..., given: _Optional[bool] = ..., spent_s: _Optional[float] = ..., search_s: _Optional[float] = ..., session_s: _Optional[float] = ..., verify_s: _Optional[float] = ..., profile_s: _Optional[float] = ..., confirm_s: _Optional[float] = ..., load_s_per_mib: _Optional[float] = ..., elapsed_s: _Optional[float] = ..., over_s: _Optional[float] = ..., stages: _Optional[_Iterable[_Union[StageBudget, _Mapping]]] = ...) -> None: ...
 
 class JobResult(_message.Message):
-    __slots__ = ("baseline_ms", "tuned_ms", "improvement", "tuned_model_path", "result_json_path", "repo_summary", "tasks", "verdict", "shipped", "improvement_ci95_low", "improvement_ci95_high", "trials", "device_s", "tuning_time_s", "confirm_rounds", "confirmed_by", "decided_by", "precision", "job_type", "device", "notes", "calibration", "verification", "resources", "accuracy", "accuracy_budget", "session_options_json", "budget", "model_path")
+    __slots__ = ("baseline_ms", "tuned_ms", "improvement", "tuned_model_path", "result_json_path", "repo_summary", "tasks", "verdict", "shipped", "improvement_ci95_low", "improvement_ci95_high", "trials", "device_s", "tuning_time_s", "confirm_rounds", "confirmed_by", "decided_by", "precision", "job_type", "device", "notes", "calibration", "verification", "resources", "accuracy", "accuracy_budget", "session_options_json", "budget", "model_path", "details_json")
     class ResourcesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -304,6 +320,7 @@ class JobResult(_message.Message):
     SESSION_OPTIONS_JSON_FIELD_NUMBER: _ClassVar[int]
     BUDGET_FIELD_NUMBER: _ClassVar[int]
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_JSON_FIELD_NUMBER: _ClassVar[int]
     baseline_ms: float
     tuned_ms: float
     improvement: float
@@ -333,7 +350,8 @@ class JobResult(_message.Message):
     session_options_json: str
     budget: JobBudget
     model_path: str
-    def __init__(self, baseline_ms: _Optional[float] = ..., tuned_ms: _Optional[float] = ..., improvement: _Optional[float] = ..., tuned_model_path: _Optional[str] = ..., result_json_path: _Optional[str] = ..., repo_summary: _Optional[_Union[RepoSummary, _Mapping]] = ..., tasks: _Optional[_Iterable[_Union[TaskResult, _Mapping]]] = ..., verdict: _Optional[str] = ..., shipped: _Optional[str] = ..., improvement_ci95_low: _Optional[float] = ..., improvement_ci95_high: _Optional[float] = ..., trials: _Optional[int] = ..., device_s: _Optional[float] = ..., tuning_time_s: _Optional[float] = ..., confirm_rounds: _Optional[int] = ..., confirmed_by: _Optional[str] = ..., decided_by: _Optional[_Union[Comparison, _Mapping]] = ..., precision: _Optional[_Union[_bank_pb2.Precision, str]] = ..., job_type: _Optional[_Union[JobType, str]] = ..., device: _Optional[str] = ..., notes: _Optional[_Iterable[str]] = ..., calibration: _Optional[str] = ..., verification: _Optional[str] = ..., resources: _Optional[_Mapping[str, float]] = ..., accuracy: _Optional[_Mapping[str, float]] = ..., accuracy_budget: _Optional[_Mapping[str, float]] = ..., session_options_json: _Optional[str] = ..., budget: _Optional[_Union[JobBudget, _Mapping]] = ..., model_path: _Optional[str] = ...) -> None: ...
+    details_json: str
+    def __init__(self, baseline_ms: _Optional[float] = ..., tuned_ms: _Optional[float] = ..., improvement: _Optional[float] = ..., tuned_model_path: _Optional[str] = ..., result_json_path: _Optional[str] = ..., repo_summary: _Optional[_Union[RepoSummary, _Mapping]] = ..., tasks: _Optional[_Iterable[_Union[TaskResult, _Mapping]]] = ..., verdict: _Optional[str] = ..., shipped: _Optional[str] = ..., improvement_ci95_low: _Optional[float] = ..., improvement_ci95_high: _Optional[float] = ..., trials: _Optional[int] = ..., device_s: _Optional[float] = ..., tuning_time_s: _Optional[float] = ..., confirm_rounds: _Optional[int] = ..., confirmed_by: _Optional[str] = ..., decided_by: _Optional[_Union[Comparison, _Mapping]] = ..., precision: _Optional[_Union[_bank_pb2.Precision, str]] = ..., job_type: _Optional[_Union[JobType, str]] = ..., device: _Optional[str] = ..., notes: _Optional[_Iterable[str]] = ..., calibration: _Optional[str] = ..., verification: _Optional[str] = ..., resources: _Optional[_Mapping[str, float]] = ..., accuracy: _Optional[_Mapping[str, float]] = ..., accuracy_budget: _Optional[_Mapping[str, float]] = ..., session_options_json: _Optional[str] = ..., budget: _Optional[_Union[JobBudget, _Mapping]] = ..., model_path: _Optional[str] = ..., details_json: _Optional[str] = ...) -> None: ...
 
 class Comparison(_message.Message):
     __slots__ = ("subject", "against", "improvement", "improvement_ci95_low", "improvement_ci95_high")

@@ -38,7 +38,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from aoe.errors import OptionError
-from aoe.signature import device_fingerprint
+from aoe.gradlayout import GDAT_PROVIDER, host_fingerprint, torch_version
+from aoe.signature import DeviceFingerprint, device_fingerprint
 from aoed.bank._codec import Incoming, check_stored, default_us, parse_line, winner_us
 from aoed.bank.store import DEFAULT, ENTRY, KINDS, TRIAL, BankStore, Change, MergeCounts, Record, history_key
 
@@ -81,16 +82,27 @@ def _replace(policy: str):
     raise OptionError(f"--policy {policy}: expected one of {', '.join(POLICIES)}")
 
 
-def _foreign(inc: Incoming, here: str) -> str:
+def _local(inc: Incoming) -> DeviceFingerprint:
+    """This machine's fingerprint for the provider and options an entry names. A GDAT
+    record's host is recomputed with the accelerator it names (its model cannot be read
+    here without torch): its CPU and torch version must match."""
+    if inc.execution_provider == GDAT_PROVIDER:
+        accelerator = inc.hardware if inc.device_options.get("device", "cpu") != "cpu" else ""
+        return host_fingerprint(inc.device_options.get("backend", ""), accelerator)
+    return device_fingerprint(inc.execution_provider or None, inc.device_options)
+
+
+def _foreign(inc: Incoming, here: set[str]) -> str:
     """Why `inc` was measured on another device than this machine, or ""."""
     if inc.kind == ENTRY:
-        fp = device_fingerprint(inc.execution_provider or None, inc.device_options)
+        fp = _local(inc)
         if fp.digest == inc.device_digest:
             return ""
-        return (f"measured on another device ({inc.hardware}, onnxruntime {inc.runtime_version}, "
+        runtime = "torch" if inc.execution_provider == GDAT_PROVIDER else "onnxruntime"
+        return (f"measured on another device ({inc.hardware}, {runtime} {inc.runtime_version}, "
                 f"device {inc.device_digest[:32]})")  # fmt: skip
     # Default records and trials name their device by the digest in their key only.
-    return "" if inc.device_digest == here[:32] else f"measured on another device (device {inc.device_digest})"
+    return "" if inc.device_digest in here else f"measured on another device (device {inc.device_digest})"
 
 
 def _label(inc: Incoming, n: int) -> str:
@@ -112,7 +124,11 @@ def import_lines(
     """
     replace = _replace(policy)
     report = ImportReport()
-    here = device_fingerprint().digest
+    # The devices default records and trials of this machine name: its CPU for ONNX
+    # Runtime, and for GDAT its CPU worlds (gloo) under the installed torch.
+    here = {device_fingerprint().digest[:32]}
+    if torch_version():
+        here.add(host_fingerprint("gloo").digest[:32])
 
     def accepted() -> Iterator[Record]:
         for n, line in enumerate(lines, 1):
@@ -150,7 +166,7 @@ def check_change(change: Change, devices: Iterable[str]) -> tuple[Record | None,
     inc = check_stored(change.kind, change.key, change.value)
     if inc.problem:
         return None, inc.problem
-    reasons = [_foreign(inc, here) for here in devices]
+    reasons = [_foreign(inc, {here[:32]}) for here in devices]
     if all(reasons):
         return None, reasons[0] if reasons else "this daemon has no device"
     return Record(change.kind, change.key, change.value), ""

@@ -21,7 +21,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import msgspec
@@ -102,13 +102,21 @@ class Child:
         cpus: Sequence[int] = (),
         memory_mb: int = 0,
         args: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+        restart: bool = True,
     ):
+        """`env`: variables set for the child over this process's environment.
+        `restart`: a call after the child died starts a fresh one; without it (a member
+        of a group that must start together, such as the ranks of a world) such a call
+        raises ChildDiedError."""
         self._argv = [sys.executable, "-m", module, "--parent", str(os.getpid())]
         if cpus:
             self._argv += ["--cpus", ",".join(map(str, cpus))]
         if memory_mb:
             self._argv += ["--memory-mb", str(memory_mb)]
         self._argv += list(args)
+        self._env = dict(env or {})
+        self._restart = restart
         self.name = name
         self.log_path = log_path
         self._proc: _Process | None = None
@@ -123,7 +131,7 @@ class Child:
 
     async def _start(self) -> _Process:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        env = {k: v for k, v in os.environ.items() if k not in _PRIVATE_ENV}
+        env = {k: v for k, v in os.environ.items() if k not in _PRIVATE_ENV} | self._env
         with open(self.log_path, "ab") as log:
             self._proc = _Process(self._argv, log, env)
         self._buf = b""
@@ -147,7 +155,14 @@ class Child:
         served. Raises ChildDiedError (the child exited, or broke the protocol: the text
         names the field of a malformed answer); kills the child when cancelled
         mid-request (the next call starts a fresh one)."""
-        proc = self._proc if self._proc is not None and self._proc.returncode is None else await self._start()
+        if self._proc is not None and self._proc.returncode is None:
+            proc = self._proc
+        elif self._restart or (self._proc is None and self.restarts < 0):
+            proc = await self._start()
+        else:
+            status = self._proc.returncode if self._proc is not None else "unknown"
+            await self.aclose()
+            raise ChildDiedError(f"{self.name} exited with status {status} (log: {self.log_path})")
         self._seq += 1
         line = json.dumps(encode(Call(self._seq, request))).encode() + b"\n"
         try:

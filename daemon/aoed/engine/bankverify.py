@@ -215,6 +215,10 @@ async def verify_entries(
         for n, e in enumerate(entries):
             v = Verdict(e.key.decode(), e.signature.op_type, e.strategy, "skipped")
             verdicts.append(v)
+            if e.family == "gdat":
+                v.detail = ("a DDP configuration for a gradient layout (GDAT): re-measure it with aoe tune "
+                            "--job-type gdat --repeat-tune")  # fmt: skip
+                continue
             if e.device.digest != here:
                 v.detail = f"measured on another device ({e.device.hardware}, onnxruntime {e.device.runtime_version})"
                 continue

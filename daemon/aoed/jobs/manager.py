@@ -49,7 +49,7 @@ from aoe.device import Device
 from aoe.errors import AoedError, DaemonUnavailableError, DiskFullError, JobCancelledError, NotFoundError, OptionError
 from aoe.errors import PermissionDeniedError, ResourceExhaustedError, first_error
 from aoe.outcome import JobOutcome
-from aoe.spec import JobSpec
+from aoe.spec import JobSpec, JobType
 from aoed import safefs, space
 from aoed.config import DaemonConfig
 from aoed.engine.engine import Engine
@@ -307,7 +307,9 @@ class JobManager:
         mine = [a.device.name for a in self.engine.device_set]
         if sub.spec.device is not None and Device.parse(sub.spec.device).name not in mine:
             raise OptionError(f"device {sub.spec.device}: this daemon measures on {', '.join(mine)} (see aoe devices)")
-        spec = sub.spec.on(mine[0])
+        _check_kind(sub)
+        # A GDAT job's devices are its world's (the backend's), not the engine's.
+        spec = sub.spec if sub.spec.job_type == JobType.GDAT else sub.spec.on(mine[0])
         space.check_floor(self.cfg.state_dir, self.cfg.min_free_bytes, "SubmitJob")
         size = sub.upload.size if sub.upload is not None else 0
         if sub.upload is None:  # refused before hashing it: the limit is there so nobody reads 9 GiB
@@ -505,6 +507,22 @@ class JobManager:
             attempt=max(1, row.attempts), model_file=row.model_file,
         )  # fmt: skip
 
+    async def _run_gdat(self, row: JobRow, handle: JobHandle) -> JobOutcome:
+        """A GDAT job: its worlds of rank processes (started by exec, as every child of
+        the daemon), the daemon's bank writer. Without torch it fails in one line naming
+        the extra; the daemon goes on."""
+        from aoed.gdat import GdatOptions, run_gdat, to_outcome
+
+        spec = row.spec
+        opts = GdatOptions(
+            model=Path(row.model_path), output=Path(row.output_dir), world_size=spec.world_size,
+            backend=spec.backend or "gloo", precision=spec.gradient_precision or "exact",
+            repeat_tune=spec.repeat_tune, budget_s=spec.budget_s, job_id=row.id,
+        )  # fmt: skip
+        result = await run_gdat(opts, self.engine.config, lambda ev: self._on_engine_event(row, ev), handle,
+                                bank=self.engine.bank)  # fmt: skip
+        return to_outcome(result)
+
     async def _run_job(self, row: JobRow) -> None:
         live = self._live_for(row.id)
         live.handle = JobHandle()
@@ -517,8 +535,11 @@ class JobManager:
             row.attempts += 1
             try:
                 Path(row.output_dir).mkdir(parents=True, exist_ok=True)
-                outcome = await self.engine.run_job(self._run_of(row), lambda ev: self._on_engine_event(row, ev),
-                                                    live.handle)  # fmt: skip
+                if row.spec.job_type == JobType.GDAT:
+                    outcome = await self._run_gdat(row, live.handle)
+                else:
+                    outcome = await self.engine.run_job(self._run_of(row), lambda ev: self._on_engine_event(row, ev),
+                                                        live.handle)  # fmt: skip
             except BaseExceptionGroup as group:
                 raise first_error(group, JobCancelledError, AoedError, OSError) from None
         except JobCancelledError as exc:
@@ -543,6 +564,21 @@ class JobManager:
                 with contextlib.suppress(OSError):
                     out.rmdir()  # empty when the job failed before tuning (engine.run_job)
             self.wake()
+
+
+def _check_kind(sub: Submission) -> None:
+    """OptionError for a model the job type does not tune (a .pt2 is GDAT's, an ONNX
+    model the others'), and for user code, which a daemon does not run."""
+    name = sub.upload.file_name if sub.upload is not None else sub.model.name
+    gdat = sub.spec.job_type == JobType.GDAT
+    if sub.spec.entry is not None:
+        raise OptionError(f"entry {sub.spec.entry}: the daemon runs no user code; tune your own training code "
+                          "embedded (aoe tune --local --job-type gdat --entry FILE.py:FUNCTION), or export it "
+                          "to a .pt2 with torch.export")  # fmt: skip
+    if gdat and not name.endswith(".pt2"):
+        raise OptionError(f"{name}: job_type gdat tunes a torch.export program (.pt2, saved with torch.export.save)")
+    if not gdat and name.endswith(".pt2"):
+        raise OptionError(f"{name}: a torch.export program; tune its data-parallel training with job_type gdat")
 
 
 def _keep_input(inputs: Path, src: Path, sha: str, name: str, size: int) -> Path:

@@ -263,13 +263,13 @@ def _handle(req: Any) -> Any:
 def line_handler() -> Callable[[bytes], bytes]:
     """This runner's protocol for one request line (its answer line): what an executor
     that carries the lines itself runs (aoed.engine.rayexec)."""
-    from aoed.backends.ort._wire import line_server
+    from aoed.backends._wire import line_server
 
     return line_server(_handle, tuple(_OPS))
 
 
 def main() -> int:
-    from aoed.backends.ort._wire import child_main, serve
+    from aoed.backends._wire import child_main, serve
 
     child_main()
     return serve(_handle, tuple(_OPS))

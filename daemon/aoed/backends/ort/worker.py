@@ -338,7 +338,7 @@ def line_handler(plugins: Sequence[str] = ()) -> Callable[[bytes], bytes]:
     registry of `plugins`: what an executor that carries the lines itself runs
     (aoed.engine.rayexec)."""
     global _registry
-    from aoed.backends.ort._wire import line_server
+    from aoed.backends._wire import line_server
     from aoed.backends.ort.catalog import build_registry
 
     _registry = build_registry(list(plugins))
@@ -347,7 +347,7 @@ def line_handler(plugins: Sequence[str] = ()) -> Callable[[bytes], bytes]:
 
 def main() -> int:
     global _registry
-    from aoed.backends.ort._wire import child_main, serve
+    from aoed.backends._wire import child_main, serve
     from aoed.backends.ort.catalog import build_registry
 
     args = child_main()

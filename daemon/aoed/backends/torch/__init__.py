@@ -1,0 +1,1 @@
+"""PyTorch distributed: the rank processes and worlds GDAT jobs measure with."""

@@ -1,0 +1,382 @@
+"""A GDAT job from its options to its outputs: `run_gdat()`, the one call the `aoe` CLI
+makes (and, later, the daemon's job manager).
+
+  options    checked once, here (`GdatOptions.check`); torch missing is one line naming
+             the extra
+  inspect    one rank process loads the model and says its gradient layout: the bank key
+  bank       a record for the key (or "DDP's defaults stayed fastest") and no REPEAT_TUNE:
+             the outputs come from it, and no world starts
+  search     the main world, the stages and the confirming A/B (search.py)
+  bank       AOE's rules (engine/bankrules.py): add, update, reserved, unsatisfied; every
+             configuration measured goes into the history
+  outputs    ddp_config.json and aoe_result_gdat_{ts}_{pid}.json (outcome.py)
+
+The job holds a bank writer of its own (one writer per bank, across processes: a
+daemon's bank waits for it) and closes every world it started, whatever happens;
+cancellation through `JobHandle` kills every rank and raises JobCancelledError.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib.util
+import json
+import logging
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from aoe.config import Config
+from aoe.errors import AoedError, JobCancelledError, OptionError
+from aoe.gdat import DDPConfig, plugin_hook_names
+from aoe.gradlayout import GradientLayout, host_fingerprint, parse_backend, parse_precision
+from aoed.engine.world import World, WorldSpec, inspect_model
+from aoed.bank.writer import BankWrite, BankWriter
+from aoed.engine import bankrules
+from aoed.engine.budget import Budget
+from aoed.engine.job import JobHandle
+from aoed.engine.ledger import JobLedger, new_job_id
+from aoed.engine.messages import JobEvent
+from aoed.engine.outputs import write_json
+from aoed.engine.workspace import Workspace
+from aoed.gdat import space
+from aoed.gdat.outcome import GdatResult, configurations, ddp_config_doc, result_doc
+from aoed.gdat.race import Meter
+from aoed.gdat.search import CONFIRM_ROUNDS, DEFAULT, RACE_ROUNDS, Confirmed, Search
+from aoed.logs import EscapingFormatter, current_job, on_behalf_of
+
+__all__ = ["MISSING_TORCH", "GdatOptions", "have_torch", "run_gdat"]
+
+log = logging.getLogger(__name__)
+
+MISSING_TORCH = "GDAT jobs need torch: install the extra with pip install 'aoed[gdat]'"
+#: The budget derived when none is given: the planned rounds at the measured cost of a
+#: configuration's turn, within these bounds (device seconds).
+MIN_BUDGET_S = 10.0
+MAX_BUDGET_S = 900.0
+
+
+@dataclass(frozen=True)
+class GdatOptions:
+    #: the torch.export program (.pt2), or with `entry` the Python file that defines it
+    model: Path
+    output: Path
+    #: a function in `model` (a .py file) returning (model, batch, loss_fn): user code,
+    #: so embedded runs only
+    entry: str = ""
+    #: ranks; None: 2 on gloo, one per device on nccl and hccl
+    world_size: int | None = None
+    backend: str = "gloo"
+    precision: str = "exact"
+    repeat_tune: bool = False
+    #: device seconds for the search (the confirming A/B is counted apart); None: fitted
+    budget_s: float | None = None
+    job_id: str = ""
+    keep_workspace: bool = False
+    #: the backend knob settings to try (each a world's environment); None: the backend's
+    world_knobs: tuple[tuple[tuple[str, str], ...], ...] | None = None
+    #: rounds of each search stage and of the confirming A/B; steps per turn
+    rounds: int = RACE_ROUNDS
+    confirm_rounds: int = CONFIRM_ROUNDS
+    warmup: int = 2
+    steps: int = 5
+
+    def check(self) -> GdatOptions:
+        """These options, normalized; OptionError naming the option at fault."""
+        backend = parse_backend(self.backend)
+        precision = parse_precision(self.precision)
+        if self.world_size is not None and self.world_size < 1:
+            raise OptionError(f"--world-size {self.world_size}: must be at least 1")
+        if self.budget_s is not None and not self.budget_s > 0:
+            raise OptionError("--budget must be a positive number of seconds")
+        if self.rounds < 3 or self.confirm_rounds < 3 or self.steps < 1 or self.warmup < 1:
+            raise OptionError("GDAT rounds: at least 3 per stage and per confirmation, 1 warm-up and 1 measured step")
+        if self.entry:
+            if self.model.suffix != ".py":
+                raise OptionError(f"--entry {self.model}:{self.entry}: expected a .py file and a function in it")
+        elif self.model.suffix != ".pt2":
+            raise OptionError(f"{self.model}: --job-type gdat tunes a torch.export program (.pt2, saved with "
+                              "torch.export.save) or, with --entry FILE.py:FUNCTION, your own training code")  # fmt: skip
+        if not self.model.is_file():
+            raise OptionError(f"{self.model}: no such file")
+        return dataclasses.replace(self, backend=backend, precision=precision)
+
+    @property
+    def source(self) -> dict[str, str]:
+        path = str(self.model.resolve())
+        return {"kind": "entry", "path": path, "function": self.entry} if self.entry else {"kind": "pt2", "path": path}
+
+
+class _JobFilter(logging.Filter):
+    def __init__(self, job_id: str):
+        super().__init__()
+        self.job_id = job_id
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return current_job() == self.job_id
+
+
+@contextlib.contextmanager
+def _job_log(path: Path, job_id: str) -> Iterator[None]:
+    """Send the log records made on behalf of `job_id` to `path` (a daemon runs other
+    jobs meanwhile: theirs go to their own logs)."""
+    handler = logging.FileHandler(path, encoding="utf-8", delay=True)
+    handler.setFormatter(EscapingFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.addFilter(_JobFilter(job_id))
+    handler.setLevel(logging.INFO)
+    root = logging.getLogger("aoed")
+    if root.level == logging.NOTSET or root.level > logging.INFO:
+        root.setLevel(logging.INFO)  # the job log wants INFO; the console handler filters its own
+    root.addHandler(handler)
+    try:
+        with on_behalf_of(job_id):
+            yield
+    finally:
+        root.removeHandler(handler)
+        handler.close()
+
+
+def have_torch() -> bool:
+    """Whether torch can be imported here (found without importing it)."""
+    try:
+        return importlib.util.find_spec("torch") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _planned_turns(layout: GradientLayout, precision: str, knobs: int, rounds: int) -> int:
+    """Configuration turns the search plans (what a derived budget pays for)."""
+    hooks = 0 if precision == "exact" else 4
+    return rounds * (len(space.ladder(layout)) + 5 + 3 + hooks + 2 * knobs)
+
+
+class _Job:
+    def __init__(self, opts: GdatOptions, config: Config, emit: Callable[[JobEvent], None], job_id: str,
+                 ws: Workspace, bank: BankWriter):  # fmt: skip
+        self.opts = opts
+        self.config = config
+        self.job_id = job_id
+        self.ws = ws
+        self.bank = bank
+        self.ledger = JobLedger(job_id, emit)
+        self.budget = Budget(opts.budget_s or MAX_BUDGET_S, self.ledger, given=opts.budget_s is not None)
+        self.fitted = opts.budget_s is not None
+        self.worlds: dict[str, World] = {}
+        self.started = time.monotonic()
+
+    def emit(self, kind: str, message: str = "", done: int = 0, total: int = 0) -> None:
+        self.ledger.emit(JobEvent(kind, message, done, total))
+
+    def open_world(self, key: str, env: tuple[tuple[str, str], ...]) -> World:
+        spec = WorldSpec(self.opts.source, self.opts.world_size, self.opts.backend, env)
+        world = World(spec, self.ws.root / "worlds", self.config.runtime_dir, name=f"world{len(self.worlds)}",
+                      on_wait=self.ledger.waiting)  # fmt: skip
+        self.worlds[key] = world
+        return world
+
+    async def close_worlds(self) -> None:
+        for world in self.worlds.values():
+            await world.aclose()
+            world.close_locks()
+        for store in (self.ws.root / "worlds").glob("*.store"):
+            store.unlink(missing_ok=True)
+
+    def remaining_s(self, meter: Meter, layout: GradientLayout, knobs: int) -> float:
+        if not self.fitted and meter.turn_s > 0:
+            planned = _planned_turns(layout, self.opts.precision, knobs, self.opts.rounds) * meter.turn_s * 1.3
+            self.budget.total_s = min(MAX_BUDGET_S, max(MIN_BUDGET_S, planned))
+            self.fitted = True
+        return self.budget.remaining_s
+
+    # ------------------------------------------------------------------ stages
+
+    async def run(self) -> GdatResult:
+        opts = self.opts
+        self.emit("stage", f"loading {opts.model.name}")
+        t0 = time.monotonic()
+        info = await inspect_model(opts.source, opts.backend, opts.world_size or 0, self.ws.root / "worlds")
+        self.ledger.charge_device(time.monotonic() - t0, "profile")
+        if opts.world_size is None:
+            n = 2 if opts.backend == "gloo" else int(info.get("devices") or 0)
+            self.opts = opts = dataclasses.replace(opts, world_size=n)
+        assert opts.world_size is not None
+        layout = GradientLayout.of(info["params"], opts.world_size, opts.backend)
+        host = host_fingerprint(opts.backend, str(info.get("accelerator") or ""))
+        sig = layout.signature()
+        key = bankrules.key_for(sig, host, opts.precision)
+        log.info("job %s: %d gradients, %.3f MiB, key %s", self.job_id, len(layout.params),
+                 layout.grad_bytes / (1 << 20), key.decode())  # fmt: skip
+        rec, layer = await self.bank.lookup_layered(key)
+        default, default_layer = await self.bank.known_default_layered(key)
+        ans = bankrules.answer(rec, layer, default, default_layer, host)
+        if ans.usable(opts.repeat_tune):
+            return self._from_bank(ans, layout, key)
+        banked = DDPConfig.from_params(ans.record.params) if ans.kind == "hit" and ans.record is not None else None
+        knobs = opts.world_knobs if opts.world_knobs is not None else space.world_knobs(opts.backend)
+        main = self.open_world("", ())
+        meter = Meter(self.worlds, self.ledger.charge_device, lambda: self.remaining_s(meter, layout, len(knobs)),
+                      self.emit, warmup=opts.warmup, steps=opts.steps)  # fmt: skip
+        self.emit("stage", f"starting a world of {opts.world_size} on {opts.backend}")
+        t0 = time.monotonic()
+        await main.start()
+        self.ledger.charge_device(time.monotonic() - t0, "profile")  # starting a world is not searching
+        search = Search(layout, opts.precision, main.spec, meter, self.open_world,
+                        first_bucket=bool(main.layout.get("first_bucket")), plugins=plugin_hook_names(),
+                        banked=banked, world_knobs=tuple(knobs), rounds=opts.rounds,
+                        confirm_rounds=opts.confirm_rounds)  # fmt: skip
+        proposal = await search.run()
+        confirmed = await search.confirm(proposal, banked)
+        mode, shipped = await self._write_bank(ans, key, sig, host, search, confirmed)
+        return self._result(layout, key, search, confirmed, meter, shipped, mode)
+
+    async def _write_bank(self, ans: bankrules.BankAnswer, key: bytes, sig: Any, host: Any, search: Search,
+                          confirmed: Confirmed) -> tuple[str, DDPConfig]:  # fmt: skip
+        """AOE's rules for the layout just tuned; (update mode, what ships)."""
+        figs = confirmed.figures
+        measured = {name: f.measurement() for name, f in figs.items()}
+        best_name = DEFAULT if confirmed.shipped.is_default else confirmed.shipped.label
+        hit = ans.record if ans.kind == "hit" else None
+        outcome = bankrules.after_tuning(hit, best_name, measured, lambda m: True)
+        shipped = confirmed.shipped
+        if outcome.mode == "reserved" and hit is not None and outcome.strategy != best_name:
+            shipped = DDPConfig.from_params(hit.params)
+        params_confirmed = json.dumps({**confirmed.to_json(), "job": self.job_id}, sort_keys=True)
+        write = BankWrite()
+        if outcome.write_entry:
+            gate_err = next((float(g.get("max_rel_error", 0.0)) for g in search.gates
+                             if g["config"] == shipped.label and "max_rel_error" in g), 0.0)  # fmt: skip
+            winner = dataclasses.replace(measured[shipped.label], max_rel_error=gate_err)
+            params = {**shipped.to_params(), "confirmed": params_confirmed,
+                      "tail_before_ms": f"{confirmed.baseline_tail_ms:.4f}",
+                      "tail_after_ms": f"{confirmed.result_tail_ms:.4f}"}  # fmt: skip
+            record = bankrules.make_record(key, sig, host, shipped.label, "gdat", self.opts.precision, winner,
+                                           measured[DEFAULT], self.job_id, self.opts.model.name, params)  # fmt: skip
+            write = dataclasses.replace(write, entries=(record,))
+        if outcome.write_default:
+            doc = {"default_us": measured[DEFAULT].median_us, "job": self.job_id, "confirmed": params_confirmed}
+            write = dataclasses.replace(write, defaults=((key, doc),))
+        now = time.time()
+        trials = tuple(
+            (key, {"stage": f.stage, "strategy": f.name, "params": f.config.to_params(), "job": self.job_id,
+                   "time": now, "rounds_us": f.rounds_us, "tails_us": f.tails_us, "error": f.error,
+                   "dropped": f.dropped, **f.measurement().summary()})
+            for f in [*search.figures, *figs.values()]
+        )  # fmt: skip
+        write = dataclasses.replace(write, trials=trials)
+        self.emit("stage", f"recording {outcome.mode} in the bank")
+        await self.bank.write(write)
+        return outcome.mode, shipped
+
+    def _from_bank(self, ans: bankrules.BankAnswer, layout: GradientLayout, key: bytes) -> GdatResult:
+        conf = bankrules.confirmed(ans) or {}
+        if ans.kind == "hit" and ans.record is not None:
+            config = DDPConfig.from_params(ans.record.params)
+            base_ms, res_ms = ans.record.baseline.median_us / 1e3, ans.record.winner.median_us / 1e3
+        else:
+            config, base_ms = DDPConfig(), ans.default_us / 1e3
+            res_ms = base_ms
+        imp = float(conf.get("improvement", base_ms / res_ms - 1 if res_ms > 0 else 0.0))
+        lo, hi = conf.get("improvement_ci95", (imp, imp))
+        result = GdatResult(
+            job_id=self.job_id, model=str(self.opts.model), precision=self.opts.precision, backend=self.opts.backend,
+            world_size=self.opts.world_size, layout=layout, key=key.decode(), shipped=config,
+            verdict=str(conf.get("verdict", "from the bank")), baseline_ms=base_ms, result_ms=res_ms,
+            baseline_tail_ms=float(conf.get("baseline_tail_ms", 0.0)),
+            result_tail_ms=float(conf.get("result_tail_ms", 0.0)), improvement=imp, improvement_ci95=(lo, hi),
+            tuning_time_s=time.monotonic() - self.started, update_mode="hit", bank_layer=ans.layer,
+            from_bank=ans.job_id or "?", confirmation={**conf, "from_bank": ans.job_id},
+            notes=[f"answered from the bank (layer {ans.layer}, job {ans.job_id}): no world started; "
+                   "--repeat-tune measures again"],
+        )  # fmt: skip
+        result.budget = self.budget.report()
+        return result
+
+    def _result(self, layout: GradientLayout, key: bytes, search: Search, confirmed: Confirmed, meter: Meter,
+                shipped: DDPConfig, mode: str) -> GdatResult:  # fmt: skip
+        chosen = dict(search.kept)
+        chosen["confirm"] = shipped.label if not shipped.is_default else DEFAULT
+        figs = [*search.figures, *confirmed.figures.values()]
+        ledger = self.ledger
+        return GdatResult(
+            job_id=self.job_id, model=str(self.opts.model), precision=self.opts.precision, backend=self.opts.backend,
+            world_size=self.opts.world_size, layout=layout, key=key.decode(), shipped=shipped,
+            verdict=confirmed.verdict, baseline_ms=confirmed.baseline_ms, result_ms=confirmed.result_ms,
+            baseline_tail_ms=confirmed.baseline_tail_ms, result_tail_ms=confirmed.result_tail_ms,
+            improvement=confirmed.improvement, improvement_ci95=confirmed.improvement_ci95,
+            tuning_time_s=time.monotonic() - self.started, update_mode=mode, confirmation=confirmed.to_json(),
+            configurations=configurations(figs, chosen, search.gates), gates=search.gates,
+            broken_turns=list(meter.failures), budget=self.budget.report(),
+            resources={"device_s": round(ledger.device_s, 3), "worlds": len(self.worlds),
+                       "world_restarts": sum(w.restarts for w in self.worlds.values()),
+                       "configurations_measured": len({f.name for f in search.figures}),
+                       "turn_s": round(meter.turn_s, 4)},
+            notes=[*confirmed.notes, *search.notes, *meter.notes],
+        )  # fmt: skip
+
+
+async def run_gdat(
+    opts: GdatOptions,
+    config: Config,
+    emit: Callable[[JobEvent], None] = lambda event: None,
+    handle: JobHandle | None = None,
+    bank: BankWriter | None = None,
+) -> GdatResult:
+    """Run one GDAT job to its outputs (see the module doc) and return its result.
+    `bank`: a running writer of `config.bank` to use (a daemon's); None: one of the
+    job's own, for its duration.
+
+    Raises OptionError (options, a missing backend or torch), ModelError (the model),
+    BankError, DeviceError (worlds that keep breaking), and JobCancelledError when
+    `handle` cancelled it: every rank is killed before it returns."""
+    opts = opts.check()
+    if not have_torch():
+        raise OptionError(MISSING_TORCH)
+    job_id = opts.job_id or new_job_id()
+    ws = await trio.to_thread.run_sync(Workspace.create, opts.output, opts.model.stem)
+    handle = handle or JobHandle()
+    own_bank = bank is None
+    if bank is None:
+        bank = BankWriter(config.bank, layers=list(config.bank_layers), on_wait=log.warning)
+    job = _Job(opts, config, emit, job_id, ws, bank)
+    failed = True
+    try:
+        with _job_log(ws.log_path, job_id):
+            log.info("job %s: gdat %s (%s, world of %s on %s)", job_id, opts.model, opts.precision,
+                     opts.world_size or "default size", opts.backend)  # fmt: skip
+            async with trio.open_nursery() as nursery:
+                if own_bank:
+                    await nursery.start(bank.run)
+                try:
+                    with trio.CancelScope() as scope:
+                        handle.attach(scope)
+                        result = await job.run()
+                finally:
+                    await job.close_worlds()
+                    nursery.cancel_scope.cancel()
+            if scope.cancelled_caught:
+                failed = False
+                log.info("job %s: cancelled", job_id)
+                raise JobCancelledError(f"job {job_id} cancelled" + (f": {handle.reason}" if handle.reason else ""))
+            result.workspace = str(ws.root)
+            ddp_path = ws.result_dir / "ddp_config.json"
+            write_json(ddp_path, ddp_config_doc(result))
+            result.ddp_config = str(ddp_path)
+            result_path = ws.reserve_result("gdat")
+            result.result_json = str(result_path)
+            write_json(result_path, result_doc(result))
+            failed = False
+            log.info("job %s: %s, %s ships", job_id, result.verdict, result.shipped.label)
+            return result
+    except AoedError as exc:
+        log.info("job %s: failed: %s", job_id, exc)
+        raise
+    finally:
+        if own_bank:
+            bank.close()
+        if not failed and not opts.keep_workspace:
+            ws.clean()

@@ -1,0 +1,261 @@
+"""The GDAT search: a short list of named stages over the space (space.py), then the
+confirming A/B against DDP's defaults.
+
+  ladder   DDP's defaults and the bucket ladder (plus the bank's configuration, when
+           REPEAT_TUNE re-tunes a layout the bank knows)
+  refine   caps around the best rung, first-bucket caps
+  flags    gradient_as_bucket_view, static_graph
+  hooks    only under a lossy gradient precision: each hook gated (gate.py), the ones
+           that pass raced
+  world    the backend's knobs, each in a fresh world
+  confirm  fresh interleaved rounds of the proposal, DDP's defaults and a second
+           instance of the defaults (the noise floor of these rounds); what the job
+           reports and ships is decided here, as OPAT's confirm.py decides
+
+Each stage races its configurations against the incumbent (the best so far) and moves
+the incumbent only to one that `decisions.best` calls clearly faster on their paired
+rounds. A stage starts only while the device budget lasts; what it skipped is noted.
+The proposal ships only if the confirming rounds call it faster than both instances
+of the defaults (95% intervals of the median round ratio entirely below 1); otherwise
+DDP's defaults ship: "no significant change" (or "slower") ships the defaults.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from aoe.gdat import DDPConfig, hook_class
+from aoe.gradlayout import GradientLayout
+from aoed.engine.rankmessages import RankGateRequest
+from aoed.engine.world import World, WorldError, WorldSpec
+from aoed.engine import stats
+from aoed.engine.confirm import verdict_of
+from aoed.engine.decisions import best
+from aoed.engine.messages import Request
+from aoed.gdat import gate, space
+from aoed.gdat.race import Entrant, Figures, Meter, race
+
+__all__ = ["CONFIRM_ROUNDS", "RACE_ROUNDS", "Confirmed", "Search"]
+
+log = logging.getLogger(__name__)
+
+#: Rounds of a search stage (racing drops the clearly slower after MIN_ROUNDS).
+RACE_ROUNDS = 6
+#: Rounds of the confirming A/B: a 95% interval of the median from ranks 3..13.
+CONFIRM_ROUNDS = 15
+DEFAULT = "default"
+DEFAULT_2 = "default (second instance)"
+
+
+@dataclass
+class Confirmed:
+    """The confirming A/B: the figures every output quotes."""
+
+    verdict: str  # faster | no significant change | slower (the proposal vs the defaults)
+    shipped: DDPConfig
+    proposal: DDPConfig
+    baseline_ms: float
+    result_ms: float
+    baseline_tail_ms: float
+    result_tail_ms: float
+    improvement: float
+    improvement_ci95: tuple[float, float]
+    rounds: int
+    notes: list[str] = field(default_factory=list)
+    figures: dict[str, Figures] = field(default_factory=dict)
+    #: when a proposal was measured and the defaults shipped: the comparison that kept it
+    #: out (aoe.figures.Comparison's fields)
+    decided_by: dict[str, Any] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "verdict": self.verdict, "shipped": "tuned" if not self.shipped.is_default else "defaults",
+            "shipped_config": self.shipped.label, "proposal": self.proposal.label,
+            "baseline_ms": self.baseline_ms, "result_ms": self.result_ms, "baseline_tail_ms": self.baseline_tail_ms,
+            "result_tail_ms": self.result_tail_ms, "improvement": self.improvement,
+            "improvement_ci95": list(self.improvement_ci95), "rounds": self.rounds, "decided_by": self.decided_by,
+        }  # fmt: skip
+
+
+@dataclass
+class Search:
+    layout: GradientLayout
+    precision: str
+    spec: WorldSpec
+    meter: Meter
+    #: the world factory: (key, environment) -> a World (the main world's key is "")
+    open_world: Callable[[str, tuple[tuple[str, str], ...]], World]
+    first_bucket: bool = True
+    plugins: Sequence[str] = ()
+    banked: DDPConfig | None = None
+    world_knobs: tuple[tuple[tuple[str, str], ...], ...] = ()
+    rounds: int = RACE_ROUNDS
+    confirm_rounds: int = CONFIRM_ROUNDS
+    figures: list[Figures] = field(default_factory=list)
+    gates: list[dict[str, Any]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    stages: list[str] = field(default_factory=list)
+    #: the configuration each stage kept
+    kept: dict[str, str] = field(default_factory=dict)
+
+    # ------------------------------------------------------------------ stages
+
+    async def _stage(self, stage: str, incumbent: DDPConfig, configs: Sequence[DDPConfig], category: str = "search",
+                     worlds: dict[str, str] | None = None) -> DDPConfig:  # fmt: skip
+        """Race `configs` against `incumbent`; the new incumbent."""
+        worlds = worlds or {}
+        entrants = [Entrant(c.label, c, worlds.get(c.label, "")) for c in [incumbent, *configs]]
+        entrants = list({e.name: e for e in entrants}.values())
+        if len(entrants) < 2:
+            return incumbent
+        if self.meter.remaining_s() <= 0 and self.stages:
+            self.notes.append(f"{stage}: not run, the device budget was spent")
+            return incumbent
+        self.stages.append(stage)
+        self.meter.emit("stage", f"{stage}: {len(entrants)} configurations", 0, 0)
+        figs = await race(self.meter, stage, entrants, self.rounds, category=category,
+                          protect=frozenset({incumbent.label, DEFAULT}))  # fmt: skip
+        self.figures += figs.values()
+        measured = {k: f.measurement() for k, f in figs.items()}
+        if not measured[incumbent.label].ok:
+            ok = {k: m for k, m in measured.items() if m.ok}
+            if not ok:
+                self.notes.append(f"{stage}: nothing could be measured; the incumbent {incumbent.label} stays")
+                return incumbent
+            # The incumbent failed in this stage's rounds: the fastest that ran takes over.
+            pick = min(ok, key=lambda k: ok[k].median_us)
+        else:
+            pick = best(measured, incumbent.label, lambda m: True)
+        log.info("%s: %s", stage, pick)
+        self.kept[stage] = pick
+        return figs[pick].config
+
+    async def _hooks(self, incumbent: DDPConfig) -> DDPConfig:
+        for why in space.skipped_hooks(self.precision, self.spec.backend, self.plugins):
+            self.notes.append(f"hook {why}")
+        passing = []
+        for config in space.hooks(incumbent, self.precision, self.spec.backend, self.plugins):
+            cls = hook_class(config.hook)
+            request = RankGateRequest(config=config.to_params(), steps=gate.LOSS_STEPS)
+            try:
+                replies = await self._call("", request, "verify")
+            except WorldError as exc:
+                self.gates.append({"config": config.label, "class": cls, "passed": False, "why": str(exc)})
+                continue
+            worst = max(replies, key=lambda r: float(r.get("max_rel_error", r.get("loss_gap", 0.0)) or 0.0))
+            ok, words = gate.judge(cls, worst)
+            self.gates.append({"config": config.label, "class": cls, "passed": ok, "why": words,
+                               **{k: v for k, v in worst.items() if k not in ("ok", "id", "maxrss_kb")}})  # fmt: skip
+            if ok:
+                passing.append(config)
+        if not passing:
+            return incumbent
+        return await self._stage("hooks", incumbent, passing)
+
+    async def _world(self, incumbent: DDPConfig) -> DDPConfig:
+        """Each backend knob setting in a fresh world, the incumbent in each, against the
+        incumbent in the main world, their rounds interleaved."""
+        for knobs in self.world_knobs:
+            if self.meter.remaining_s() <= 0:
+                self.notes.append("world: not run, the device budget was spent")
+                break
+            cand = incumbent.replace(world=tuple(sorted(knobs)))
+            key = ",".join(f"{k}={v}" for k, v in cand.world)
+            if key not in self.meter.worlds:
+                self.open_world(key, cand.world)
+            before = incumbent
+            incumbent = await self._stage(f"world {key}", incumbent, [cand], category="session",
+                                          worlds={cand.label: key})
+            if incumbent is before:
+                await self.meter.worlds[key].aclose()
+        return incumbent
+
+    async def _call(self, world: str, request: Request, category: str) -> list[dict[str, Any]]:
+        started = time.monotonic()
+        try:
+            return await self.meter.worlds[world].call(request, self.meter.limit_s(2))
+        finally:
+            self.meter.charge(time.monotonic() - started, category)
+
+    async def run(self) -> DDPConfig:
+        """The proposal: the best configuration the stages found (DDP's defaults when
+        none was clearly faster)."""
+        incumbent = DDPConfig()
+        first = space.ladder(self.layout)
+        if self.banked is not None and self.banked.label not in {c.label for c in first}:
+            first.append(self.banked)
+        incumbent = await self._stage("ladder", incumbent, first[1:])
+        seen = [incumbent, *(f.config for f in self.figures)]
+        incumbent = await self._stage("refine", incumbent, space.refine(self.layout, incumbent, self.first_bucket, seen))
+        incumbent = await self._stage("flags", incumbent, space.flags(incumbent))
+        if self.precision != "exact":
+            incumbent = await self._hooks(incumbent)
+        if self.world_knobs:
+            incumbent = await self._world(incumbent)
+        return incumbent
+
+    async def confirm(self, proposal: DDPConfig, banked: DDPConfig | None = None) -> Confirmed:
+        """The confirming A/B (see the module doc). Raises DeviceError when the worlds
+        keep breaking."""
+        world = ",".join(f"{k}={v}" for k, v in proposal.world)
+        entrants = [Entrant(DEFAULT, DDPConfig()), Entrant(DEFAULT_2, DDPConfig())]
+        if not proposal.is_default:
+            entrants.append(Entrant(proposal.label, proposal, world))
+        if banked is not None and banked.label not in {e.name for e in entrants}:
+            entrants.append(Entrant(banked.label, banked, ",".join(f"{k}={v}" for k, v in banked.world)))
+        self.meter.emit("stage", f"confirm: {proposal.label} against DDP's defaults", 0, 0)
+        figs = await race(self.meter, "confirm", entrants, self.confirm_rounds, category="confirm", drop=False,
+                          min_rounds=self.confirm_rounds)  # fmt: skip
+        base, copy = figs[DEFAULT], figs[DEFAULT_2]
+        notes: list[str] = []
+        shipped, verdict, cand = DDPConfig(), "no significant change", base
+        decided: dict[str, Any] | None = None
+        if not base.measurement().ok:
+            notes.append(f"DDP's defaults could not be measured in the confirming rounds ({base.error or 'no rounds'})")
+        elif not proposal.is_default:
+            prop = figs[proposal.label]
+            ratios = stats.paired_ratios(prop.rounds_us, base.rounds_us)
+            if len(ratios) >= 3:
+                verdict, med, ci = verdict_of(ratios)
+                c_ratios = stats.paired_ratios(prop.rounds_us, copy.rounds_us)
+                c_verdict, c_med, c_ci = verdict_of(c_ratios) if len(c_ratios) >= 3 else ("not measured", 1.0, (1.0, 1.0))
+                imp, imp_ci = 1 / med - 1, (1 / ci[1] - 1, 1 / ci[0] - 1)
+                if verdict == "faster" and c_verdict != "faster":
+                    verdict = "no significant change"
+                    decided = {"subject": "tuned", "against": "second session", "improvement": 1 / c_med - 1,
+                               "improvement_ci95": [1 / c_ci[1] - 1, 1 / c_ci[0] - 1]}  # fmt: skip
+                    notes.append(f"{proposal.label} not shipped: faster than DDP's defaults ({imp:+.1%}) but not than "
+                                 f"their second instance in the same rounds (ratio {c_med:.3f}, 95% interval "
+                                 f"[{c_ci[0]:.3f}, {c_ci[1]:.3f}]): within the noise of these rounds")  # fmt: skip
+                elif verdict == "faster":
+                    shipped, cand = proposal, prop
+                else:
+                    decided = {"subject": "tuned", "against": "input", "improvement": imp,
+                               "improvement_ci95": list(imp_ci)}  # fmt: skip
+                    notes.append(f"{proposal.label} not shipped: improvement {imp:+.1%}, 95% interval "
+                                 f"[{imp_ci[0]:+.1%}, {imp_ci[1]:+.1%}]: {verdict}")  # fmt: skip
+            else:
+                notes.append(f"{proposal.label} could not be measured in the confirming rounds "
+                             f"({prop.error or 'too few rounds'}); DDP's defaults ship")  # fmt: skip
+        ratios = stats.paired_ratios(cand.rounds_us, base.rounds_us) if cand is not base else \
+            stats.paired_ratios(copy.rounds_us, base.rounds_us)  # fmt: skip
+        if cand is base:
+            # The defaults ship: their figure is their own; the interval says how far two
+            # instances of them lay apart in these rounds.
+            _v, med, ci = verdict_of(ratios) if len(ratios) >= 3 else ("", 1.0, (1.0, 1.0))
+            imp, imp_ci = 0.0, (1 / ci[1] - 1, 1 / ci[0] - 1)
+        else:
+            _v, med, ci = verdict_of(ratios)
+            imp, imp_ci = 1 / med - 1, (1 / ci[1] - 1, 1 / ci[0] - 1)
+        b, r = base.measurement(), cand.measurement()
+        return Confirmed(
+            verdict=verdict, shipped=shipped, proposal=proposal,
+            baseline_ms=b.median_us / 1e3 if b.ok else 0.0, result_ms=r.median_us / 1e3 if r.ok else 0.0,
+            baseline_tail_ms=base.tail_us / 1e3, result_tail_ms=cand.tail_us / 1e3,
+            improvement=imp, improvement_ci95=imp_ci, rounds=len(ratios), notes=notes, figures=figs,
+            decided_by=decided,
+        )  # fmt: skip
