@@ -16,15 +16,26 @@ from typing import Any
 
 from google.protobuf.message import DecodeError
 
-from aoe.bank import PRECISION_CODES, PRECISION_NAMES, default_doc, default_record, parse_key, record_from_json
-# Their old home, kept importable while work written against it lands: use aoe.bankrecord.
-from aoe.bankrecord import BankRecord, Measured, decode, encode  # noqa: F401
+from aoe.bank import (
+    PRECISION_CODES,
+    PRECISION_NAMES,
+    default_doc,
+    default_record,
+    parse_key,
+    record_from_json,
+)
 from aoe.signature import SCHEMA_VERSION, bank_key
 from aoe.v1 import bank_pb2
 
 __all__ = [
-    "Incoming", "batch_from_pb", "check_stored", "default_us", "encode_doc", "parse_line", "winner_us",
-]  # fmt: skip
+    "Incoming",
+    "batch_from_pb",
+    "check_stored",
+    "default_us",
+    "encode_doc",
+    "parse_line",
+    "winner_us",
+]
 
 
 def encode_doc(doc: dict[str, Any]) -> bytes:
@@ -93,7 +104,9 @@ def parse_line(line: str) -> Incoming:
     if which == "trial":
         return _parse_trial(msg.trial)
     if which != "entry":
-        return Incoming("", b"", b"", "", problem="not a bank record (no entry, default_record or trial)")
+        return Incoming(
+            "", b"", b"", "", problem="not a bank record (no entry, default_record or trial)"
+        )
     return _parse_entry(msg.entry)
 
 
@@ -104,7 +117,9 @@ def _parse_default(rec: bank_pb2.DefaultRecord) -> Incoming:
     if not problem and not all(_HEX64.fullmatch(d) for d in rec.reverted):
         problem = "a reverted task is not a 64-digit signature digest"
     data = encode_doc(default_doc(rec))
-    return Incoming("default", rec.key.encode(), data, dev32, time_us=rec.default_us, problem=problem)
+    return Incoming(
+        "default", rec.key.encode(), data, dev32, time_us=rec.default_us, problem=problem
+    )
 
 
 def _parse_trial(rec: bank_pb2.TrialRecord) -> Incoming:
@@ -118,7 +133,14 @@ def _parse_trial(rec: bank_pb2.TrialRecord) -> Incoming:
         except ValueError as exc:
             problem = f"trial is not JSON ({exc})"
     # Stored as it came: the exporting bank wrote it as encode_doc does.
-    return Incoming("trial", rec.key.encode(), rec.trial_json.encode(), dev32, time_ns=rec.time_ns, problem=problem)
+    return Incoming(
+        "trial",
+        rec.key.encode(),
+        rec.trial_json.encode(),
+        dev32,
+        time_ns=rec.time_ns,
+        problem=problem,
+    )
 
 
 def _parse_entry(e: bank_pb2.BankEntry) -> Incoming:
@@ -140,7 +162,11 @@ def _parse_entry(e: bank_pb2.BankEntry) -> Incoming:
     elif key != bank_key(e.signature.digest, e.device.digest, precision):
         problem = "key does not match the entry's signature, device and precision"
     try:
-        options = json.loads(e.device.canonical_json).get("options", {}) if e.device.canonical_json else {}
+        options = (
+            json.loads(e.device.canonical_json).get("options", {})
+            if e.device.canonical_json
+            else {}
+        )
     except ValueError:
         options = {}
     return Incoming(
@@ -173,9 +199,13 @@ def check_stored(kind: str, key: bytes, value: bytes) -> Incoming:
             inc = _parse_default(default_record(key, doc))
         elif kind == "trial":
             bank, _, stamp = key.decode("ascii").rpartition("/")
-            inc = _parse_trial(bank_pb2.TrialRecord(key=bank, time_ns=int(stamp, 16), trial_json=value.decode()))
+            inc = _parse_trial(
+                bank_pb2.TrialRecord(key=bank, time_ns=int(stamp, 16), trial_json=value.decode())
+            )
         else:
-            return Incoming("", key, value, "", problem=f"a kind of record this bank does not keep ({kind!r})")
+            return Incoming(
+                "", key, value, "", problem=f"a kind of record this bank does not keep ({kind!r})"
+            )
     except (ValueError, TypeError, UnicodeDecodeError, DecodeError) as exc:
         return Incoming(kind, key, value, "", problem=f"not a stored {kind} record ({exc})")
     return dataclasses.replace(inc, data=value)
@@ -204,4 +234,3 @@ def default_us(data: bytes) -> float:
 def winner_us(data: bytes) -> float:
     """Median time of the winner of a serialized entry."""
     return bank_pb2.BankEntry.FromString(data).winner.median_us
-
