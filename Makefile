@@ -12,7 +12,7 @@ SAMPLE ?= cnn
 PRECISION ?= exact
 OUT    ?= out
 
-.PHONY: run test test-cluster test-load protos bench bench-quick clean soak
+.PHONY: run test lint test-cluster test-load protos bench bench-quick clean soak
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -41,6 +41,12 @@ test: $(STAMP) $(GDAT_STAMP)
 	    && apt-get install -y -qq --no-install-recommends systemd >/dev/null 2>&1; } \
 	    || echo "make: systemd-analyze is missing and could not be installed: the unit checks will skip"
 	$(BIN)/python -m pytest -q -m "not soak and not cluster"
+
+# The layout, the lint and the layering (tests/test_structure.py runs the same three).
+lint: $(STAMP)
+	$(BIN)/ruff format --check .
+	$(BIN)/ruff check .
+	$(BIN)/lint-imports
 
 # The tests that start a Ray cluster on this machine (three one-CPU nodes, one device each)
 # and run a daemon on it: they need the cluster extra (ray), which `make test` leaves out.

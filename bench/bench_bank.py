@@ -58,11 +58,20 @@ def _template(model):
     dev = device_fingerprint("CPUExecutionProvider")
     sig = max((t.signature for t in tasks), key=lambda s: len(s.canonical_json))
     rec = BankRecord(
-        key=bank_key(sig.digest, dev.digest, "exact"), signature=sig, device=dev,
-        strategy="fused_conv", family="conv", precision="exact",
-        winner=Measured(80.0, 0.02, 40, 78.0), baseline=Measured(100.0, 0.02, 40, 97.0),
-        host=platform.node(), aoed_version="bench", created_unix=time.time(), job_id="bench", model="bench",
-    )  # fmt: skip
+        key=bank_key(sig.digest, dev.digest, "exact"),
+        signature=sig,
+        device=dev,
+        strategy="fused_conv",
+        family="conv",
+        precision="exact",
+        winner=Measured(80.0, 0.02, 40, 78.0),
+        baseline=Measured(100.0, 0.02, 40, 97.0),
+        host=platform.node(),
+        aoed_version="bench",
+        created_unix=time.time(),
+        job_id="bench",
+        model="bench",
+    )
     return tasks, dev, rec, encode
 
 
@@ -310,18 +319,36 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = [
         ("raw lmdb get (txn + get)", summary(raw), ""),
-        ("aoe.bank lookup by key (+ decode)", summary(by_key),
-         (f"{ratio:.2f}x raw [{ratio_lo:.2f}, {ratio_hi:.2f}] over {len(ratios)} paired rounds; "
-         f"target <= {BY_KEY_MAX_RATIO:g}x: {_verdict(ratio <= BY_KEY_MAX_RATIO)}")),
-        ("from a node, model indexed once", summary(node_warm),
-         (f"target <= {NODE_MAX_US:g} us: {_verdict(median(node_warm) <= NODE_MAX_US)}; index "
-         f"build {index_ms:.1f} ms for {len(index)} tasks")),
-        ("from a node, signature computed per call", summary(node_sig),
-         f"target <= {SIGNATURE_MAX_US:g} us: {_verdict(median(node_sig) <= SIGNATURE_MAX_US)}"),
-        ("4 reader processes during writes", f"{rate / 1e3:.0f}k lookups/s",
-         (f"target > {AGGREGATE_MIN // 1000}k/s: {_verdict(rate > AGGREGATE_MIN)}; writer "
-         f"committed {commits * 100} entries meanwhile; {misses} misses")),
-    ]  # fmt: skip
+        (
+            "aoe.bank lookup by key (+ decode)",
+            summary(by_key),
+            (
+                f"{ratio:.2f}x raw [{ratio_lo:.2f}, {ratio_hi:.2f}] over {len(ratios)} paired rounds; "
+                f"target <= {BY_KEY_MAX_RATIO:g}x: {_verdict(ratio <= BY_KEY_MAX_RATIO)}"
+            ),
+        ),
+        (
+            "from a node, model indexed once",
+            summary(node_warm),
+            (
+                f"target <= {NODE_MAX_US:g} us: {_verdict(median(node_warm) <= NODE_MAX_US)}; index "
+                f"build {index_ms:.1f} ms for {len(index)} tasks"
+            ),
+        ),
+        (
+            "from a node, signature computed per call",
+            summary(node_sig),
+            f"target <= {SIGNATURE_MAX_US:g} us: {_verdict(median(node_sig) <= SIGNATURE_MAX_US)}",
+        ),
+        (
+            "4 reader processes during writes",
+            f"{rate / 1e3:.0f}k lookups/s",
+            (
+                f"target > {AGGREGATE_MIN // 1000}k/s: {_verdict(rate > AGGREGATE_MIN)}; writer "
+                f"committed {commits * 100} entries meanwhile; {misses} misses"
+            ),
+        ),
+    ]
     mode = "quick" if args.quick else "full"
     lines = [
         "## Bank lookups (`python bench/bench_bank.py`)",

@@ -49,7 +49,9 @@ async def measure(tries: int) -> tuple[list[float], list[float]]:
         for i in range(tries):
             handle, stages, t = JobHandle(), [], {}
 
-            async def canceller(i: int = i, handle: JobHandle = handle, stages: list = stages, t: dict = t) -> None:
+            async def canceller(
+                i: int = i, handle: JobHandle = handle, stages: list = stages, t: dict = t
+            ) -> None:
                 while not any(s.startswith("tuning") for s in stages):
                     await trio.sleep(0.02)
                 await trio.sleep(0.3 + 0.2 * i)
@@ -60,12 +62,20 @@ async def measure(tries: int) -> tuple[list[float], list[float]]:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(canceller)
                 try:
-                    await engine.run_job(opts, lambda e: stages.append(e.message) if e.kind == "stage" else None,
-                                         handle)  # fmt: skip
+                    await engine.run_job(
+                        opts,
+                        lambda e: stages.append(e.message) if e.kind == "stage" else None,
+                        handle,
+                    )
                 except JobCancelledError:
                     cancel_s.append(time.monotonic() - t["cancel"])
-            req = MeasureRequest((Candidate("a", model),), tmp / "in.npz", None, config.device,
-                                 MeasurePlan(0.05, 1, 1, 1))  # fmt: skip
+            req = MeasureRequest(
+                (Candidate("a", model),),
+                tmp / "in.npz",
+                None,
+                config.device,
+                MeasurePlan(0.05, 1, 1, 1),
+            )
             await engine.device.call(req)
             next_s.append(time.monotonic() - t["cancel"])
     return cancel_s, next_s

@@ -70,10 +70,26 @@ class Size:
     idle_again: bool
 
 
-FULL = Size(budget_s=10.0, clients=50, calls=200, watchers=200, over_clients=50, over_calls=20,
-            bank_entries=5000, idle_again=True)  # fmt: skip
-QUICK = Size(budget_s=5.0, clients=20, calls=200, watchers=50, over_clients=20, over_calls=10,
-             bank_entries=500, idle_again=False)  # fmt: skip
+FULL = Size(
+    budget_s=10.0,
+    clients=50,
+    calls=200,
+    watchers=200,
+    over_clients=50,
+    over_calls=20,
+    bank_entries=5000,
+    idle_again=True,
+)
+QUICK = Size(
+    budget_s=5.0,
+    clients=20,
+    calls=200,
+    watchers=50,
+    over_clients=20,
+    over_calls=10,
+    bank_entries=500,
+    idle_again=False,
+)
 
 
 # --------------------------------------------------------------------------- clients
@@ -92,8 +108,16 @@ class Call:
     seconds: float
 
 
-def client(target: str, pid: int, n: int, job: dict[str, str], hits: list[str], misses: list[str], seed: int,
-           start: threading.Barrier) -> list[Call]:  # fmt: skip
+def client(
+    target: str,
+    pid: int,
+    n: int,
+    job: dict[str, str],
+    hits: list[str],
+    misses: list[str],
+    seed: int,
+    start: threading.Barrier,
+) -> list[Call]:
     """`n` calls drawn from MIX on a connection of its own, made before `start`; the job
     they ask about is `job["id"]`, there once `start` lets them go."""
     from tests.daemon_util import mixed_calls
@@ -127,8 +151,15 @@ class Load:
         return self.end - self.start
 
 
-def load(target: str, pid: int, clients: int, n: int, hits: list[str], misses: list[str],
-         job: Callable[[], str]) -> Load:  # fmt: skip
+def load(
+    target: str,
+    pid: int,
+    clients: int,
+    n: int,
+    hits: list[str],
+    misses: list[str],
+    job: Callable[[], str],
+) -> Load:
     """`clients` clients making `n` calls each. Once all are connected, `job()` names the
     job they ask about (it may submit it) and they start together."""
     box: dict[str, str] = {}
@@ -140,7 +171,10 @@ def load(target: str, pid: int, clients: int, n: int, hits: list[str], misses: l
 
     start = threading.Barrier(clients, action=go)
     with ThreadPoolExecutor(clients) as pool:
-        futures = [pool.submit(client, target, pid, n, box, hits, misses, seed, start) for seed in range(clients)]
+        futures = [
+            pool.submit(client, target, pid, n, box, hits, misses, seed, start)
+            for seed in range(clients)
+        ]
         results = [c for f in futures for c in f.result()]
     return Load(results, box["id"], t[0], time.time())
 
@@ -160,7 +194,8 @@ def watch_to_end(target: str, job: dict[str, str], start: threading.Barrier) -> 
         grpc.channel_ready_future(ch).result(timeout=60)
         start.wait(timeout=120)
         stream = tuning_pb2_grpc.TuningServiceStub(ch).WatchJob(
-            tuning_pb2.WatchJobRequest(job_id=job["id"], include_logs=True), timeout=600)  # fmt: skip
+            tuning_pb2.WatchJobRequest(job_id=job["id"], include_logs=True), timeout=600
+        )
         seqs, opened, last, arrived = [], 0.0, None, 0.0
         try:
             for msg in stream:
@@ -173,7 +208,12 @@ def watch_to_end(target: str, job: dict[str, str], start: threading.Barrier) -> 
     if last is None:
         return Watched(False, 0, 0.0, float("nan"), "no event")
     final = last.state_change.state if last.WhichOneof("event") == "state_change" else 0
-    return Watched(seqs == list(range(1, len(seqs) + 1)), final, opened, arrived - last.time.ToNanoseconds() / 1e9)
+    return Watched(
+        seqs == list(range(1, len(seqs) + 1)),
+        final,
+        opened,
+        arrived - last.time.ToNanoseconds() / 1e9,
+    )
 
 
 def watchers(target: str, n: int, job: Callable[[], str]) -> tuple[list[Watched], str]:
@@ -218,8 +258,13 @@ class Jobs:
         model.doc_string = f"bench run {self.runs}"
         path = samples.save(model, self.d.models / f"{name}-{self.runs}.onnx")
         options = tuning_pb2.JobOptions(budget_s=budget_s or self.budget_s, repeat_tune=True)
-        return self.d.tuning().SubmitJob(tuning_pb2.SubmitJobRequest(model_path=str(path), options=options),
-                                         timeout=60).job_id  # fmt: skip
+        return (
+            self.d.tuning()
+            .SubmitJob(
+                tuning_pb2.SubmitJobRequest(model_path=str(path), options=options), timeout=60
+            )
+            .job_id
+        )
 
     def run(self, **kw):
         """Submit and wait; returns the final Job."""
@@ -290,15 +335,23 @@ def main_daemon(tmp: Path, bank: Path, size: Size, cores: int, run: Run, say) ->
         run.walls["idle"].append(wall_s(idle))
         say(f"idle: {wall_s(idle):.1f} s")
 
-        run.loaded = loaded = load(d.target, d.proc.pid, size.clients, size.calls, hits, misses, jobs.submit)
+        run.loaded = loaded = load(
+            d.target, d.proc.pid, size.clients, size.calls, hits, misses, jobs.submit
+        )
         job = d.wait_job(loaded.job_id, timeout=600)
         run.walls["RPC load"].append(wall_s(job))
         began, ended = job.started.ToNanoseconds() / 1e9, job.finished.ToNanoseconds() / 1e9
-        run.loaded_covered = max(0.0, min(loaded.end, ended) - max(loaded.start, began)) / wall_s(job)
-        say(f"RPC load: {len(loaded.calls)} calls in {loaded.seconds:.1f} s, {codes_text(loaded.calls)}; "
-            f"job {wall_s(job):.1f} s")  # fmt: skip
+        run.loaded_covered = max(0.0, min(loaded.end, ended) - max(loaded.start, began)) / wall_s(
+            job
+        )
+        say(
+            f"RPC load: {len(loaded.calls)} calls in {loaded.seconds:.1f} s, {codes_text(loaded.calls)}; "
+            f"job {wall_s(job):.1f} s"
+        )
         if job.state != SUCCEEDED:
-            run.failures.append(f"the job under RPC load ended {tuning_pb2.JobState.Name(job.state)}")
+            run.failures.append(
+                f"the job under RPC load ended {tuning_pb2.JobState.Name(job.state)}"
+            )
         if {c.outcome for c in loaded.calls} != {"OK"}:
             run.failures.append(f"under the limit, calls answered {codes_text(loaded.calls)}")
 
@@ -308,21 +361,29 @@ def main_daemon(tmp: Path, bank: Path, size: Size, cores: int, run: Run, say) ->
         run.watched_finished = job.finished.ToNanoseconds() / 1e9
         saw = sum(w.final == SUCCEEDED and w.in_sequence for w in run.watched)
         errors = collections.Counter(w.error for w in run.watched if w.error)
-        say(f"{size.watchers} watchers: {saw} saw SUCCEEDED, errors {dict(errors)}; job {wall_s(job):.1f} s")
+        say(
+            f"{size.watchers} watchers: {saw} saw SUCCEEDED, errors {dict(errors)}; job {wall_s(job):.1f} s"
+        )
         if saw != size.watchers:
-            run.failures.append(f"only {saw} of {size.watchers} watchers saw every event and SUCCEEDED "
-                                f"(errors: {dict(errors)})")  # fmt: skip
+            run.failures.append(
+                f"only {saw} of {size.watchers} watchers saw every event and SUCCEEDED "
+                f"(errors: {dict(errors)})"
+            )
 
         with cpu_hogs(cores) as hogs:
             job = jobs.run()
             hogs_ran = all(h.poll() is None for h in hogs)
         run.walls[f"{cores} CPU hogs"].append(wall_s(job))
         run.hogged_state = job.state
-        run.hogged_ok = job.state == SUCCEEDED and Path(job.result.tuned_model_path).is_file() and hogs_ran
+        run.hogged_ok = (
+            job.state == SUCCEEDED and Path(job.result.tuned_model_path).is_file() and hogs_ran
+        )
         say(f"CPU hogs: job {wall_s(job):.1f} s, {tuning_pb2.JobState.Name(job.state)}")
         if not run.hogged_ok:
-            run.failures.append(f"under CPU hogs the job ended {tuning_pb2.JobState.Name(job.state)} "
-                                f"(hogs ran throughout: {hogs_ran})")  # fmt: skip
+            run.failures.append(
+                f"under CPU hogs the job ended {tuning_pb2.JobState.Name(job.state)} "
+                f"(hogs ran throughout: {hogs_ran})"
+            )
 
         if size.idle_again:
             again = jobs.run()
@@ -351,7 +412,8 @@ def over_the_limit(tmp: Path, bank: Path, size: Size, run: Run, say) -> None:
         def hold() -> None:
             with connect(d.target) as ch:
                 stream = tuning_pb2_grpc.TuningServiceStub(ch).WatchJob(
-                    tuning_pb2.WatchJobRequest(job_id=job_id), timeout=300)  # fmt: skip
+                    tuning_pb2.WatchJobRequest(job_id=job_id), timeout=300
+                )
                 next(stream)  # admitted: the stream is open and holds its slot
                 opened.release()
                 release.wait(300)
@@ -364,8 +426,18 @@ def over_the_limit(tmp: Path, bank: Path, size: Size, run: Run, say) -> None:
         try:
             for _ in range(held):
                 if not opened.acquire(timeout=60):
-                    raise RuntimeError(f"the {held} held streams did not all open:\n{d.log()[-3000:]}")
-            run.over = load(d.target, d.proc.pid, size.over_clients, size.over_calls, hits, misses, lambda: job_id)
+                    raise RuntimeError(
+                        f"the {held} held streams did not all open:\n{d.log()[-3000:]}"
+                    )
+            run.over = load(
+                d.target,
+                d.proc.pid,
+                size.over_clients,
+                size.over_calls,
+                hits,
+                misses,
+                lambda: job_id,
+            )
         finally:
             release.set()
             for t in threads:
@@ -392,9 +464,13 @@ def over_the_limit(tmp: Path, bank: Path, size: Size, run: Run, say) -> None:
     if "RESOURCE_EXHAUSTED" not in outcomes:
         run.failures.append("beyond the limit, no call was refused")
     if {c.outcome for c in run.after.calls} != {"OK"}:
-        run.failures.append(f"after the held streams ended, calls answered {codes_text(run.after.calls)}")
+        run.failures.append(
+            f"after the held streams ended, calls answered {codes_text(run.after.calls)}"
+        )
     if held_throughout.count(True) != held:
-        run.failures.append(f"only {held_throughout.count(True)} of the {held} held streams stayed open throughout")
+        run.failures.append(
+            f"only {held_throughout.count(True)} of the {held} held streams stayed open throughout"
+        )
 
 
 # --------------------------------------------------------------------------- report
@@ -422,7 +498,9 @@ def latency_rows(calls_: list[Call]) -> list[str]:
         ok = [c.seconds for c in mine if c.outcome == "OK"]
         other = codes_text([c for c in mine if c.outcome != "OK"]) or "none"
         lat = f"{ms(pct(ok, 0.5))} | {ms(pct(ok, 0.99))} | {ms(max(ok))}" if ok else "- | - | -"
-        rows.append(f"| {'**all**' if kind == 'all' else kind} | {len(mine)} | {len(ok)} | {other} | {lat} |")
+        rows.append(
+            f"| {'**all**' if kind == 'all' else kind} | {len(mine)} | {len(ok)} | {other} | {lat} |"
+        )
     return rows
 
 
@@ -447,58 +525,75 @@ def report(run: Run, size: Size, cores: int, host: Machine, mode: str, total_s: 
         "",
         f"Machine: {host.describe('grpcio', 'onnxruntime', 'trio')}.",
         "",
-        (f"Run: {mode}, {time.strftime('%Y-%m-%d')}, {total_s / 60:.1f} min in all. Synthetic models: the sample "
-        f"CNN (random weights, synthetic inputs), tuned with budget_s {size.budget_s:g} and repeat_tune in every "
-        "phase (the same graph, new bytes each time, so each run is a job of its own); a bank of "
-        f"{size.bank_entries} synthetic entries for the lookups. One daemon with `max_rpcs = 256`; the clients "
-        "are threads of the benchmark process on the same cores, so their own time is in the latencies. All "
-        "figures come from this one run."),
+        (
+            f"Run: {mode}, {time.strftime('%Y-%m-%d')}, {total_s / 60:.1f} min in all. Synthetic models: the sample "
+            f"CNN (random weights, synthetic inputs), tuned with budget_s {size.budget_s:g} and repeat_tune in every "
+            "phase (the same graph, new bytes each time, so each run is a job of its own); a bank of "
+            f"{size.bank_entries} synthetic entries for the lookups. One daemon with `max_rpcs = 256`; the clients "
+            "are threads of the benchmark process on the same cores, so their own time is in the latencies. All "
+            "figures come from this one run."
+        ),
         "",
         f"### {size.clients} clients x {size.calls} calls while the job runs",
         "",
-        (f"Each client has a connection of its own; {len(loaded.calls)} calls in {loaded.seconds:.1f} s "
-        f"({len(loaded.calls) / loaded.seconds:.0f} calls/s), covering {run.loaded_covered:.0%} of the job's run. "
-        f"Outcomes: {codes_text(loaded.calls)}. Requirement, no status but OK: "
-        f"{_verdict({c.outcome for c in loaded.calls} == {'OK'})}."),
+        (
+            f"Each client has a connection of its own; {len(loaded.calls)} calls in {loaded.seconds:.1f} s "
+            f"({len(loaded.calls) / loaded.seconds:.0f} calls/s), covering {run.loaded_covered:.0%} of the job's run. "
+            f"Outcomes: {codes_text(loaded.calls)}. Requirement, no status but OK: "
+            f"{_verdict({c.outcome for c in loaded.calls} == {'OK'})}."
+        ),
         "",
         "| call | calls | OK | other outcomes | p50 ms | p99 ms | max ms |",
         "|---|--:|--:|---|--:|--:|--:|",
         *latency_rows(loaded.calls),
         "",
-        ("WatchJob is a short stream: open, three events, cancel. LookupEntry hit / miss: a key the bank holds / "
-        "a well-formed key it does not (both answer OK with `found` true / false; a wrong answer counts as WRONG)."),
+        (
+            "WatchJob is a short stream: open, three events, cancel. LookupEntry hit / miss: a key the bank holds / "
+            "a well-formed key it does not (both answer OK with `found` true / false; a wrong answer counts as WRONG)."
+        ),
         "",
         f"### {size.watchers} watchers on one job",
         "",
         f"{size.watchers} WatchJob streams (logs included), each on a connection of its own, {opened_running} of "
         f"them opened while the job ran: {saw} of {size.watchers} read every event in sequence and ended with "
         f"SUCCEEDED ({_verdict(saw == size.watchers)}). "
-        + (f"The final event reached them {ms(pct(lags, 0.5))} ms (p50), {ms(pct(lags, 0.99))} ms (p99), "
-           f"{ms(max(lags))} ms (max) after the daemon recorded it." if lags else ""),
+        + (
+            f"The final event reached them {ms(pct(lags, 0.5))} ms (p50), {ms(pct(lags, 0.99))} ms (p99), "
+            f"{ms(max(lags))} ms (max) after the daemon recorded it."
+            if lags
+            else ""
+        ),
         "",
         "### Beyond max_rpcs",
         "",
         f"A second daemon with `max_rpcs = 16`, 12 of them held by WatchJob streams on a running job; on top, "
         f"{size.over_clients} clients x {size.over_calls} mixed calls: {codes_text(over.calls)}. Requirement, "
         f"only OK and RESOURCE_EXHAUSTED, and some of the latter: {_verdict(over_ok)}"
-        + (f"; a refusal came back in {ms(pct(refused, 0.5))} ms (p50), {ms(pct(refused, 0.99))} ms (p99): at "
-           "once, not queued" if refused else "")
+        + (
+            f"; a refusal came back in {ms(pct(refused, 0.5))} ms (p50), {ms(pct(refused, 0.99))} ms (p99): at "
+            "once, not queued"
+            if refused
+            else ""
+        )
         + f". With the held streams ended, 4 clients x 20 calls: {codes_text(after.calls)} "
         f"({_verdict({c.outcome for c in after.calls} == {'OK'})}).",
         "",
         "### The job's wall time",
         "",
         "The daemon's own started -> finished of the same job in each phase; the ratio is to the mean of the "
-        "idle runs" + (" (one before the loaded phases, one after)." if len(run.walls["idle"]) > 1 else "."),
+        "idle runs"
+        + (" (one before the loaded phases, one after)." if len(run.walls["idle"]) > 1 else "."),
         "",
         "| phase | wall s | vs idle |",
         "|---|--:|--:|",
         *wall_rows,
         "",
-        (f"Under {cores} CPU hogs (one `while True: pass` process per usable core, running throughout) the job "
-        f"ended {tuning_pb2.JobState.Name(run.hogged_state)} with its tuned model written: "
-        f"{_verdict(run.hogged_ok)}."),
-    ]  # fmt: skip
+        (
+            f"Under {cores} CPU hogs (one `while True: pass` process per usable core, running throughout) the job "
+            f"ended {tuning_pb2.JobState.Name(run.hogged_state)} with its tuned model written: "
+            f"{_verdict(run.hogged_ok)}."
+        ),
+    ]
     if run.failures:
         lines += ["", "Requirements not met: " + "; ".join(run.failures) + "."]
     return "\n".join(lines)
@@ -506,7 +601,9 @@ def report(run: Run, size: Size, cores: int, host: Machine, mode: str, total_s: 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="fewer clients, calls and watchers; a shorter job")
+    ap.add_argument(
+        "--quick", action="store_true", help="fewer clients, calls and watchers; a shorter job"
+    )
     ap.add_argument("--no-write", action="store_true", help="print only; leave RESULTS.md alone")
     ap.add_argument("--out", type=Path, default=RESULTS, help="results file to write into")
     args = ap.parse_args(argv)
@@ -536,5 +633,7 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.path.insert(0, str(HERE))
-    sys.path.insert(0, str(HERE.parent))  # tests/daemon_util.py: a real daemon on a temporary socket
+    sys.path.insert(
+        0, str(HERE.parent)
+    )  # tests/daemon_util.py: a real daemon on a temporary socket
     sys.exit(main())

@@ -77,8 +77,13 @@ def build(name: str):
                 self.b1 = nn.BatchNorm2d(cout)
                 self.c2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
                 self.b2 = nn.BatchNorm2d(cout)
-                self.skip = nn.Sequential() if stride == 1 and cin == cout else nn.Sequential(
-                    nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))  # fmt: skip
+                self.skip = (
+                    nn.Sequential()
+                    if stride == 1 and cin == cout
+                    else nn.Sequential(
+                        nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout)
+                    )
+                )
 
             def forward(self, x):
                 return torch.relu(self.b2(self.c2(torch.relu(self.b1(self.c1(x))))) + self.skip(x))
@@ -86,7 +91,9 @@ def build(name: str):
         class ResNet(nn.Module):
             def __init__(self) -> None:
                 super().__init__()
-                self.stem = nn.Sequential(nn.Conv2d(3, 32, 3, 1, 1, bias=False), nn.BatchNorm2d(32), nn.ReLU())
+                self.stem = nn.Sequential(
+                    nn.Conv2d(3, 32, 3, 1, 1, bias=False), nn.BatchNorm2d(32), nn.ReLU()
+                )
                 layers, cin = [], 32
                 for cout, stride in ((32, 1), (64, 2), (128, 2)):
                     layers += [Block(cin, cout, stride), Block(cout, cout, 1)]
@@ -141,7 +148,11 @@ def grid(layout, quick: bool, hooks: list[str]) -> list:
     top = min((c for c in space.LADDER_MB if c >= total_mb), default=space.LADDER_MB[-1])
     caps = [None, *[c for c in space.LADDER_MB if c <= top]]
     firsts = [None] if quick else [None, *space.FIRST_MB]
-    flags = [(False, False), (True, False)] if quick else [(v, s) for v in (False, True) for s in (False, True)]
+    flags = (
+        [(False, False), (True, False)]
+        if quick
+        else [(v, s) for v in (False, True) for s in (False, True)]
+    )
     configs = []
     for cap in caps:
         for first in firsts:
@@ -149,8 +160,15 @@ def grid(layout, quick: bool, hooks: list[str]) -> list:
                 continue
             for view, static in flags:
                 for hook in hooks:
-                    configs.append(DDPConfig(bucket_cap_mb=cap, first_bucket_mb=first, gradient_as_bucket_view=view,
-                                             static_graph=static, hook=hook))  # fmt: skip
+                    configs.append(
+                        DDPConfig(
+                            bucket_cap_mb=cap,
+                            first_bucket_mb=first,
+                            gradient_as_bucket_view=view,
+                            static_graph=static,
+                            hook=hook,
+                        )
+                    )
     return space.distinct(layout, configs)
 
 
@@ -174,7 +192,9 @@ async def one(model: Path, name: str, precision: str, quick: bool, work: Path) -
 
     out = work / f"{name}-{precision}"
     out.mkdir(parents=True)
-    config = dataclasses.replace(load_config(env={}).replace(bank=out / "bank"), runtime_dir=out / "rt")
+    config = dataclasses.replace(
+        load_config(env={}).replace(bank=out / "bank"), runtime_dir=out / "rt"
+    )
     # Quick mode: fewer rounds and steps per turn for aoed too (its budget follows).
     few = {"rounds": 4, "confirm_rounds": 9, "steps": 3, "warmup": 1} if quick else {}
     t0 = time.monotonic()
@@ -183,20 +203,33 @@ async def one(model: Path, name: str, precision: str, quick: bool, work: Path) -
     # The grid's ceiling is over what the gate allows: a hook the job's gate rejected is
     # measured only as an ungated reference, for its speed.
     passed = {g["config"].rsplit("hook=", 1)[-1] for g in job.gates if g["passed"]}
-    rejected = sorted({g["config"].rsplit("hook=", 1)[-1] for g in job.gates if not g["passed"]} - passed)
+    rejected = sorted(
+        {g["config"].rsplit("hook=", 1)[-1] for g in job.gates if not g["passed"]} - passed
+    )
 
     info = await inspect_model({"kind": "pt2", "path": str(model)}, "gloo", 2, out)
     layout = GradientLayout.of(info["params"], 2, "gloo")
-    world = World(WorldSpec({"kind": "pt2", "path": str(model)}, 2, "gloo"), out / "bench-world", out / "rt")
+    world = World(
+        WorldSpec({"kind": "pt2", "path": str(model)}, 2, "gloo"), out / "bench-world", out / "rt"
+    )
     try:
         t0 = time.monotonic()
         configs = grid(layout, quick, ["", *sorted(passed)])
-        figs = await side_by_side(world, [Entrant(c.label, c) for c in configs], 3 if quick else 5, 5)
+        figs = await side_by_side(
+            world, [Entrant(c.label, c) for c in configs], 3 if quick else 5, 5
+        )
         grid_s = time.monotonic() - t0
         ok = {k: f.measurement() for k, f in figs.items() if f.measurement().ok}
         grid_best = figs[min(ok, key=lambda k: ok[k].median_us)].config
-        final = [Entrant("defaults", DDPConfig()), Entrant("grid best", grid_best), Entrant("aoed", job.shipped)]
-        final += [Entrant(f"{h} hook, rejected by the gate (speed only)", DDPConfig(hook=h)) for h in rejected]
+        final = [
+            Entrant("defaults", DDPConfig()),
+            Entrant("grid best", grid_best),
+            Entrant("aoed", job.shipped),
+        ]
+        final += [
+            Entrant(f"{h} hook, rejected by the gate (speed only)", DDPConfig(hook=h))
+            for h in rejected
+        ]
         final_figs = await side_by_side(world, final, 9 if quick else 15, 5)
     finally:
         await world.aclose()
@@ -205,25 +238,47 @@ async def one(model: Path, name: str, precision: str, quick: bool, work: Path) -
     rows = {}
     for label, f in final_figs.items():
         m = f.measurement()
-        ratios = stats.paired_ratios(base.rounds_us, f.rounds_us)  # speedup: defaults / this, per round
-        verdict, med, ci = verdict_of([1 / r for r in ratios]) if len(ratios) >= 3 else ("", 1.0, (1.0, 1.0))
-        rows[label] = {"step_ms": m.median_us / 1e3 if m.ok else None, "tail_ms": f.tail_us / 1e3,
-                       "speedup": 1 / med, "speedup_ci95": [1 / ci[1], 1 / ci[0]], "verdict": verdict,
-                       "rounds": len(ratios), "config": f.config.label}  # fmt: skip
+        ratios = stats.paired_ratios(
+            base.rounds_us, f.rounds_us
+        )  # speedup: defaults / this, per round
+        verdict, med, ci = (
+            verdict_of([1 / r for r in ratios]) if len(ratios) >= 3 else ("", 1.0, (1.0, 1.0))
+        )
+        rows[label] = {
+            "step_ms": m.median_us / 1e3 if m.ok else None,
+            "tail_ms": f.tail_us / 1e3,
+            "speedup": 1 / med,
+            "speedup_ci95": [1 / ci[1], 1 / ci[0]],
+            "verdict": verdict,
+            "rounds": len(ratios),
+            "config": f.config.label,
+        }
     a, g = final_figs["aoed"], final_figs["grid best"]
     vs_grid = stats.paired_ratios(a.rounds_us, g.rounds_us)
     return {
-        "model": name, "precision": precision, "grad_mb": layout.grad_bytes / 2**20, "rows": rows,
+        "model": name,
+        "precision": precision,
+        "grad_mb": layout.grad_bytes / 2**20,
+        "rows": rows,
         "aoed_vs_grid": stats.median(vs_grid) if vs_grid else None,
         "aoed_vs_grid_ci95": list(stats.median_ci(vs_grid, 0.95)) if len(vs_grid) >= 3 else None,
-        "grid_configs": len(configs), "grid_s": grid_s, "job_s": job_s, "job_verdict": job.verdict,
-        "job_improvement": job.improvement, "job_improvement_ci95": list(job.improvement_ci95),
-        "job_measured": len({c["name"] for c in job.configurations if c.get("step_ms") is not None}),
-        "gates": job.gates, "job_notes": job.notes,
-    }  # fmt: skip
+        "grid_configs": len(configs),
+        "grid_s": grid_s,
+        "job_s": job_s,
+        "job_verdict": job.verdict,
+        "job_improvement": job.improvement,
+        "job_improvement_ci95": list(job.improvement_ci95),
+        "job_measured": len(
+            {c["name"] for c in job.configurations if c.get("step_ms") is not None}
+        ),
+        "gates": job.gates,
+        "job_notes": job.notes,
+    }
 
 
-async def run_all(models: dict[str, Path], plan: list[tuple[str, str]], quick: bool, work: Path) -> list[dict]:
+async def run_all(
+    models: dict[str, Path], plan: list[tuple[str, str]], quick: bool, work: Path
+) -> list[dict]:
     out = []
     for name, precision in plan:
         print(f"bench_gdat: {name} ({precision})", file=sys.stderr, flush=True)
@@ -238,6 +293,7 @@ async def run_all(models: dict[str, Path], plan: list[tuple[str, str]], quick: b
 def slow_link():
     """A network namespace whose loopback carries SLOW_RATE; yields None, or why it
     cannot be made (then nothing is left behind)."""
+
     def sh(*cmd: str) -> None:
         subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=30)
 
@@ -247,8 +303,25 @@ def slow_link():
         sh("ip", "netns", "add", NETNS)
         made = True
         sh("ip", "netns", "exec", NETNS, "ip", "link", "set", "lo", "up")
-        sh("ip", "netns", "exec", NETNS, "tc", "qdisc", "add", "dev", "lo", "root", "tbf", "rate", SLOW_RATE,
-           "burst", "1mb", "latency", "100ms")  # fmt: skip
+        sh(
+            "ip",
+            "netns",
+            "exec",
+            NETNS,
+            "tc",
+            "qdisc",
+            "add",
+            "dev",
+            "lo",
+            "root",
+            "tbf",
+            "rate",
+            SLOW_RATE,
+            "burst",
+            "1mb",
+            "latency",
+            "100ms",
+        )
         yield None
     except (OSError, subprocess.SubprocessError) as exc:
         detail = getattr(exc, "stderr", "") or str(exc)
@@ -278,56 +351,91 @@ def render(host: Machine, loop: list[dict], slow: list[dict], slow_why: str, qui
         "configuration `aoe tune --job-type gdat` shipped. Step = the slowest rank's forward, backward and SGD "
         "step, median of per-round medians; tail = end of the last gradient's computation to the end of "
         "backward; speedup = the median of per-round ratios defaults/this with its 95% interval."
-        + (" Quick mode: fewer rounds, a grid of bucket caps x gradient_as_bucket_view." if quick else ""),
+        + (
+            " Quick mode: fewer rounds, a grid of bucket caps x gradient_as_bucket_view."
+            if quick
+            else ""
+        ),
     ]
 
     def table(results: list[dict], title: str) -> None:
-        lines.extend(["", f"### {title}", "",
-                      "| model | gradients | precision | configuration | step | tail | speedup over defaults |",
-                      "|---|---|---|---|---|---|---|"])  # fmt: skip
+        lines.extend(
+            [
+                "",
+                f"### {title}",
+                "",
+                "| model | gradients | precision | configuration | step | tail | speedup over defaults |",
+                "|---|---|---|---|---|---|---|",
+            ]
+        )
         for r in results:
             for label, row in r["rows"].items():
-                lines.append(f"| {r['model']} | {r['grad_mb']:.1f} MiB | {r['precision']} | {label}: `{row['config']}` | "
-                             f"{row['step_ms']:.2f} ms | {row['tail_ms']:.2f} ms | "
-                             f"{'—' if label == 'defaults' else _x(row)} |")  # fmt: skip
-        lines.extend(["", "| model | precision | aoed / grid best (step) | aoed tuning | grid | configurations: aoed, grid "
-                      "| aoed's own verdict |", "|---|---|---|---|---|---|---|"])  # fmt: skip
+                lines.append(
+                    f"| {r['model']} | {r['grad_mb']:.1f} MiB | {r['precision']} | {label}: `{row['config']}` | "
+                    f"{row['step_ms']:.2f} ms | {row['tail_ms']:.2f} ms | "
+                    f"{'—' if label == 'defaults' else _x(row)} |"
+                )
+        lines.extend(
+            [
+                "",
+                "| model | precision | aoed / grid best (step) | aoed tuning | grid | configurations: aoed, grid "
+                "| aoed's own verdict |",
+                "|---|---|---|---|---|---|---|",
+            ]
+        )
         for r in results:
             ci = r["aoed_vs_grid_ci95"]
             ratio = f"{r['aoed_vs_grid']:.3f} [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else "n/a"
             lo, hi = r["job_improvement_ci95"]
-            lines.append(f"| {r['model']} | {r['precision']} | {ratio} | {r['job_s']:.0f} s | {r['grid_s']:.0f} s "
-                         f"({r['job_s'] / r['grid_s']:.0%}) | {r['job_measured']}, {r['grid_configs']} | "
-                         f"{r['job_verdict']} ({r['job_improvement']:+.1%}, [{lo:+.1%}, {hi:+.1%}]) |")  # fmt: skip
+            lines.append(
+                f"| {r['model']} | {r['precision']} | {ratio} | {r['job_s']:.0f} s | {r['grid_s']:.0f} s "
+                f"({r['job_s'] / r['grid_s']:.0%}) | {r['job_measured']}, {r['grid_configs']} | "
+                f"{r['job_verdict']} ({r['job_improvement']:+.1%}, [{lo:+.1%}, {hi:+.1%}]) |"
+            )
         for r in results:
             for g in r["gates"]:
-                lines.append(f"\nGate, {r['model']} ({r['precision']}): `{g['config']}` "
-                             f"{'passed' if g['passed'] else 'rejected'}: {g['why']}.")  # fmt: skip
+                lines.append(
+                    f"\nGate, {r['model']} ({r['precision']}): `{g['config']}` "
+                    f"{'passed' if g['passed'] else 'rejected'}: {g['why']}."
+                )
 
     table(loop, "Loopback (no rate limit)")
     if slow:
         table(slow, f"A slow link: loopback limited to {SLOW_WORDS} (a network namespace, tc tbf)")
     else:
-        lines.extend(["", "### A slow link", "", f"Not measured: this machine could not make one ({slow_why})."])
+        lines.extend(
+            [
+                "",
+                "### A slow link",
+                "",
+                f"Not measured: this machine could not make one ({slow_why}).",
+            ]
+        )
     lines.extend(["", "### Targets", "", "| target | result |", "|---|---|"])
     for r in [*loop, *slow]:
         where = f"{r['model']} {r['precision']}" + (" (slow link)" if r in slow else "")
         a = r["rows"]["aoed"]
         never = a["verdict"] != "slower"
-        lines.append(f"| never slower than defaults: {where} | {'met' if never else 'MISSED'}: {_x(a)} ({a['verdict'] or 'n/a'}) |")
+        lines.append(
+            f"| never slower than defaults: {where} | {'met' if never else 'MISSED'}: {_x(a)} ({a['verdict'] or 'n/a'}) |"
+        )
         if r["aoed_vs_grid"] is not None:
             within, cheaper = r["aoed_vs_grid"] <= 1.05, r["job_s"] < r["grid_s"]
-            lines.append(f"| within 5% of the grid's best at a fraction of its cost: {where} | "
-                         f"{'met' if within and cheaper else 'MISSED'}: aoed/grid {r['aoed_vs_grid']:.3f} "
-                         f"({'within' if within else 'not within'} 5%), tuning {r['job_s']:.0f} s vs grid "
-                         f"{r['grid_s']:.0f} s ({r['job_s'] / r['grid_s']:.0%}) |")  # fmt: skip
+            lines.append(
+                f"| within 5% of the grid's best at a fraction of its cost: {where} | "
+                f"{'met' if within and cheaper else 'MISSED'}: aoed/grid {r['aoed_vs_grid']:.3f} "
+                f"({'within' if within else 'not within'} 5%), tuning {r['job_s']:.0f} s vs grid "
+                f"{r['grid_s']:.0f} s ({r['job_s'] / r['grid_s']:.0%}) |"
+            )
         if r["model"] == "fc":
             want = 1.10 if r["precision"] == "exact" else 1.4
             ref = [(k, v) for k, v in r["rows"].items() if "rejected by the gate" in k]
             extra = "".join(f"; {k}: {_x(v)}" for k, v in ref)
-            lines.append(f"| fc {r['precision']} >= {want:.2f}x over defaults, gradients within the bound"
-                         f"{' (slow link)' if r in slow else ''} | {'met' if a['speedup'] >= want else 'MISSED'}: "
-                         f"aoed {_x(a)}, tail {r['rows']['defaults']['tail_ms']:.2f} -> {a['tail_ms']:.2f} ms{extra} |")  # fmt: skip
+            lines.append(
+                f"| fc {r['precision']} >= {want:.2f}x over defaults, gradients within the bound"
+                f"{' (slow link)' if r in slow else ''} | {'met' if a['speedup'] >= want else 'MISSED'}: "
+                f"aoed {_x(a)}, tail {r['rows']['defaults']['tail_ms']:.2f} -> {a['tail_ms']:.2f} ms{extra} |"
+            )
     notes = [n for r in [*loop, *slow] for n in r["job_notes"]]
     if notes:
         lines.extend(["", "Notes from aoed's jobs: " + "; ".join(sorted(set(notes))) + "."])
@@ -336,11 +444,17 @@ def render(host: Machine, loop: list[dict], slow: list[dict], slow_why: str, qui
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="fewer rounds, a smaller grid, the slow link for fc only")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="fewer rounds, a smaller grid, the slow link for fc only",
+    )
     ap.add_argument("--no-write", action="store_true", help="print only; leave RESULTS.md alone")
     ap.add_argument("--out", type=Path, default=RESULTS, help="results file to write into")
     ap.add_argument("--link", choices=("loopback", "slow", "both"), default="both")
-    ap.add_argument("--inside", type=Path, help=argparse.SUPPRESS)  # the slow-link half, run in the namespace
+    ap.add_argument(
+        "--inside", type=Path, help=argparse.SUPPRESS
+    )  # the slow-link half, run in the namespace
     args = ap.parse_args(argv)
 
     work = Path(tempfile.mkdtemp(prefix="bench-gdat-"))
@@ -360,12 +474,23 @@ def main(argv: list[str] | None = None) -> int:
         plan = [(n, "exact") for n in MODELS] + [("fc", "fp16")]
         loop = trio.run(run_all, models, plan, args.quick, work)
     if args.link in ("slow", "both"):
-        plan = [("fc", "exact"), ("fc", "fp16")] + ([] if args.quick else [("cnn", "exact"), ("encoder", "exact")])
+        plan = [("fc", "exact"), ("fc", "fp16")] + (
+            [] if args.quick else [("cnn", "exact"), ("encoder", "exact")]
+        )
         with slow_link() as why:
             if why is None:
                 spec = work / "slow.json"
                 spec.write_text(json.dumps({"plan": plan}))
-                cmd = ["ip", "netns", "exec", NETNS, sys.executable, str(Path(__file__).resolve()), "--inside", str(spec)]
+                cmd = [
+                    "ip",
+                    "netns",
+                    "exec",
+                    NETNS,
+                    sys.executable,
+                    str(Path(__file__).resolve()),
+                    "--inside",
+                    str(spec),
+                ]
                 r = subprocess.run(cmd + (["--quick"] if args.quick else []), env=os.environ.copy())
                 if r.returncode == 0:
                     slow = json.loads(spec.read_text())

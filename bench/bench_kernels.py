@@ -81,9 +81,17 @@ def shapes() -> list[tuple[str, int, int, int]]:
     for name in ("bert", "gpt"):
         model = samples.build(name)
         consts = {t.name: t.dims for t in model.graph.initializer}
-        hidden = next(d[0] for n in model.graph.node if n.op_type == "MatMul" and len(d := consts.get(n.input[1], ())) == 2)
+        hidden = next(
+            d[0]
+            for n in model.graph.node
+            if n.op_type == "MatMul" and len(d := consts.get(n.input[1], ())) == 2
+        )
         for n in model.graph.node:
-            dims = consts.get(n.input[1]) if n.op_type in ("MatMul", "Gemm") and len(n.input) > 1 else None
+            dims = (
+                consts.get(n.input[1])
+                if n.op_type in ("MatMul", "Gemm") and len(n.input) > 1
+                else None
+            )
             if dims is not None and len(dims) == 2:
                 seen.setdefault((128, int(dims[0]), int(dims[1])), []).append(name)
         seen.setdefault((128, hidden, 3 * hidden), []).append(f"{name} packed Q/K/V")
@@ -91,8 +99,12 @@ def shapes() -> list[tuple[str, int, int, int]]:
 
 
 #: (what, channels, height = width) of the resnet sample's 3x3 stage convolutions
-CONVS = (("resnet stage 1 conv3x3", 64, 56), ("resnet stage 2 conv3x3", 128, 28),
-         ("resnet stage 3 conv3x3", 256, 14), ("resnet stage 4 conv3x3", 512, 7))  # fmt: skip
+CONVS = (
+    ("resnet stage 1 conv3x3", 64, 56),
+    ("resnet stage 2 conv3x3", 128, 28),
+    ("resnet stage 3 conv3x3", 256, 14),
+    ("resnet stage 4 conv3x3", 512, 7),
+)
 
 
 def _conv_model(kind: str, c: int, hw: int, rng: np.random.Generator) -> bytes:
@@ -112,14 +124,22 @@ def _conv_model(kind: str, c: int, hw: int, rng: np.random.Generator) -> bytes:
             helper.make_node("QuantizeLinear", ["yf", "ys", "xz"], ["yq"]),
             helper.make_node("DequantizeLinear", ["yq", "ys", "xz"], ["y"]),
         ]
-        inits = [numpy_helper.from_array(wq, "wq"), numpy_helper.from_array(ws, "ws"),
-                 numpy_helper.from_array(np.zeros(c, np.int8), "wz"),
-                 numpy_helper.from_array(np.array(8.0 / 255, np.float32), "xs"),
-                 numpy_helper.from_array(np.array(128, np.uint8), "xz"),
-                 numpy_helper.from_array(np.array(16.0 / 255, np.float32), "ys")]  # fmt: skip
+        inits = [
+            numpy_helper.from_array(wq, "wq"),
+            numpy_helper.from_array(ws, "ws"),
+            numpy_helper.from_array(np.zeros(c, np.int8), "wz"),
+            numpy_helper.from_array(np.array(8.0 / 255, np.float32), "xs"),
+            numpy_helper.from_array(np.array(128, np.uint8), "xz"),
+            numpy_helper.from_array(np.array(16.0 / 255, np.float32), "ys"),
+        ]
     shape = [1, c, hw, hw]
-    g = helper.make_graph(nodes, kind, [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
-                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, shape)], inits)  # fmt: skip
+    g = helper.make_graph(
+        nodes,
+        kind,
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, shape)],
+        inits,
+    )
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
 
 
@@ -133,22 +153,46 @@ def _product_model(kind: str, m: int, k: int, n: int, rng: np.random.Generator) 
         inits = [numpy_helper.from_array(w, "w")]
     elif kind == "int8":
         scale = np.float32(np.abs(w).max() / 127)
-        node = helper.make_node("DynamicQuantizeMatMul", ["x", "wq", "ws"], ["y"], domain="com.microsoft")
-        inits = [numpy_helper.from_array(np.round(w / scale).astype(np.int8), "wq"),
-                 numpy_helper.from_array(np.array(scale, np.float32), "ws")]  # fmt: skip
+        node = helper.make_node(
+            "DynamicQuantizeMatMul", ["x", "wq", "ws"], ["y"], domain="com.microsoft"
+        )
+        inits = [
+            numpy_helper.from_array(np.round(w / scale).astype(np.int8), "wq"),
+            numpy_helper.from_array(np.array(scale, np.float32), "ws"),
+        ]
     else:
         packed, scales = pack_int4(w)
-        node = helper.make_node("MatMulNBits", ["x", "wq", "ws"], ["y"], domain="com.microsoft",
-                                K=k, N=n, bits=4, block_size=32, accuracy_level=4)  # fmt: skip
+        node = helper.make_node(
+            "MatMulNBits",
+            ["x", "wq", "ws"],
+            ["y"],
+            domain="com.microsoft",
+            K=k,
+            N=n,
+            bits=4,
+            block_size=32,
+            accuracy_level=4,
+        )
         inits = [numpy_helper.from_array(packed, "wq"), numpy_helper.from_array(scales, "ws")]
-    g = helper.make_graph([node], kind, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [m, k])],
-                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [m, n])], inits)  # fmt: skip
+    g = helper.make_graph(
+        [node],
+        kind,
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [m, k])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [m, n])],
+        inits,
+    )
     ops = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
     return helper.make_model(g, opset_imports=ops).SerializeToString()
 
 
-def timed(models: dict[str, bytes], feed: dict[str, np.ndarray], mode: Mode, log: Log, work: Path,
-          stem: str) -> dict[str, measure.Latency]:  # fmt: skip
+def timed(
+    models: dict[str, bytes],
+    feed: dict[str, np.ndarray],
+    mode: Mode,
+    log: Log,
+    work: Path,
+    stem: str,
+) -> dict[str, measure.Latency]:
     """Each of `models` (variant -> serialized model) in a process of its own, timed side
     by side on `feed`; the reference variant is named fp32. RuntimeError names a variant
     that could not be timed."""
@@ -171,23 +215,45 @@ def _operator(key: str) -> tuple[dict[str, bytes], dict[str, np.ndarray]]:
     if key == "gelu":
         shape, inputs = [1, 128, 1024], ["x"]
         inits = [numpy_helper.from_array(rng.standard_normal(1024).astype(np.float32), "b")]
-        nodes = {k: [helper.make_node(op, ["x", "b"], ["y"], domain="com.microsoft")]
-                 for k, op in (("fp32", "BiasGelu"), ("alt", "FastGelu"))}  # fmt: skip
+        nodes = {
+            k: [helper.make_node(op, ["x", "b"], ["y"], domain="com.microsoft")]
+            for k, op in (("fp32", "BiasGelu"), ("alt", "FastGelu"))
+        }
     else:
         shape, inputs = [1, 128, 256], ["x", "s"]
-        inits = [numpy_helper.from_array(np.ones(256, np.float32), "g"), numpy_helper.from_array(np.zeros(256, np.float32), "b")]
-        add_ln = [helper.make_node("Add", ["x", "s"], ["a"]), helper.make_node("LayerNormalization", ["a", "g", "b"], ["y"], axis=-1)]
+        inits = [
+            numpy_helper.from_array(np.ones(256, np.float32), "g"),
+            numpy_helper.from_array(np.zeros(256, np.float32), "b"),
+        ]
+        add_ln = [
+            helper.make_node("Add", ["x", "s"], ["a"]),
+            helper.make_node("LayerNormalization", ["a", "g", "b"], ["y"], axis=-1),
+        ]
         if key == "layernorm":
             nodes = {"fp32": add_ln, "alt": [helper.make_node("Sum", ["x", "s"], ["a"]), add_ln[1]]}
         else:  # pre-norm: the sum is an output too, so the default session leaves Add + LayerNormalization apart
             outputs = ["y", "a"]
-            nodes = {"fp32": add_ln, "alt": [helper.make_node("SkipLayerNormalization", ["x", "s", "g", "b"], ["y", "", "", "a"],
-                                                              domain="com.microsoft")]}  # fmt: skip
+            nodes = {
+                "fp32": add_ln,
+                "alt": [
+                    helper.make_node(
+                        "SkipLayerNormalization",
+                        ["x", "s", "g", "b"],
+                        ["y", "", "", "a"],
+                        domain="com.microsoft",
+                    )
+                ],
+            }
     ops = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
     models = {}
     for kind, graph_nodes in nodes.items():
-        g = helper.make_graph(graph_nodes, kind, [helper.make_tensor_value_info(i, TensorProto.FLOAT, shape) for i in inputs],
-                              [helper.make_tensor_value_info(o, TensorProto.FLOAT, shape) for o in outputs], inits)  # fmt: skip
+        g = helper.make_graph(
+            graph_nodes,
+            kind,
+            [helper.make_tensor_value_info(i, TensorProto.FLOAT, shape) for i in inputs],
+            [helper.make_tensor_value_info(o, TensorProto.FLOAT, shape) for o in outputs],
+            inits,
+        )
         models[kind] = helper.make_model(g, opset_imports=ops).SerializeToString()
     return models, {i: rng.standard_normal(shape).astype(np.float32) for i in inputs}
 
@@ -195,12 +261,20 @@ def _operator(key: str) -> tuple[dict[str, bytes], dict[str, np.ndarray]]:
 #: (key, what is compared, input shape) of the operator rows
 OPERATORS = (
     ("gelu", "erf GELU with bias: BiasGelu; tanh_gelu writes FastGelu", "1 x 128 x 1024"),
-    ("layernorm", "residual + LayerNorm: Add, which the default session fuses into SkipLayerNormalization; "
-                  "residual_as_sum writes Sum, which it leaves apart", "1 x 128 x 256, twice"),
-    ("prenorm", "pre-norm residual + LayerNorm, the sum read on too: Add + LayerNormalization; "
-                "SkipLayerNormalization with the sum as its 4th output (not built: why GPT's pre-norm "
-                "LayerNorms stay unmatched)", "1 x 128 x 256, twice"),
-)  # fmt: skip
+    (
+        "layernorm",
+        "residual + LayerNorm: Add, which the default session fuses into SkipLayerNormalization; "
+        "residual_as_sum writes Sum, which it leaves apart",
+        "1 x 128 x 256, twice",
+    ),
+    (
+        "prenorm",
+        "pre-norm residual + LayerNorm, the sum read on too: Add + LayerNormalization; "
+        "SkipLayerNormalization with the sum as its 4th output (not built: why GPT's pre-norm "
+        "LayerNorms stay unmatched)",
+        "1 x 128 x 256, twice",
+    ),
+)
 
 
 def _flags() -> str:
@@ -212,26 +286,36 @@ def _flags() -> str:
     return ", ".join(f"{f} {'yes' if f in words else 'no'}" for f in FLAGS)
 
 
-def section(rows: list[tuple[str, int, int, int, dict[str, measure.Latency]]],
-            convs: list[tuple[str, int, int, dict[str, measure.Latency]]],
-            operators: list[tuple[str, str, dict[str, measure.Latency]]], mode: Mode, host: Machine,
-            command: str, started: float, elapsed_s: float) -> str:  # fmt: skip
+def section(
+    rows: list[tuple[str, int, int, int, dict[str, measure.Latency]]],
+    convs: list[tuple[str, int, int, dict[str, measure.Latency]]],
+    operators: list[tuple[str, str, dict[str, measure.Latency]]],
+    mode: Mode,
+    host: Machine,
+    command: str,
+    started: float,
+    elapsed_s: float,
+) -> str:
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started))
     lines = [
-        TITLE, "",
-        f"Machine: {host.describe(*PACKAGES)}. CPU flags: {_flags()}.", "",
-        (f"`{command}` ({mode.name} mode) on {when}, {elapsed_s / 60:.1f} min. Each row is one product "
-         f"shape of the bench's bert and gpt samples (M x K times K x N), each variant a model of that "
-         f"product alone, timed side by side over up to {mode.rounds} paired rounds, one session per process "
-         "(onnxruntime's defaults, spinning on), as a model is deployed. "
-         "A cell is the variant's time over fp32's: the median of per-round ratios and its 95% interval, "
-         "below 1.00x is faster than float. Random inputs and weights. A lone int8 convolution also pays "
-         "its quantize, dequantize and the two NHWC transposes onnxruntime puts around QLinearConv; in an "
-         "int8 region those are paid once per region, not per convolution."),
+        TITLE,
+        "",
+        f"Machine: {host.describe(*PACKAGES)}. CPU flags: {_flags()}.",
+        "",
+        (
+            f"`{command}` ({mode.name} mode) on {when}, {elapsed_s / 60:.1f} min. Each row is one product "
+            f"shape of the bench's bert and gpt samples (M x K times K x N), each variant a model of that "
+            f"product alone, timed side by side over up to {mode.rounds} paired rounds, one session per process "
+            "(onnxruntime's defaults, spinning on), as a model is deployed. "
+            "A cell is the variant's time over fp32's: the median of per-round ratios and its 95% interval, "
+            "below 1.00x is faster than float. Random inputs and weights. A lone int8 convolution also pays "
+            "its quantize, dequantize and the two NHWC transposes onnxruntime puts around QLinearConv; in an "
+            "int8 region those are paid once per region, not per convolution."
+        ),
         "",
         "| product | M x K x N | fp32 median | int8 (DynamicQuantizeMatMul) / fp32 | int4 (MatMulNBits, int8 compute) / fp32 |",
         "|---|---|--:|--:|--:|",
-    ]  # fmt: skip
+    ]
     for what, m, k, n, lat in rows:
         ref = lat.get("fp32")
         cells = []
@@ -240,17 +324,27 @@ def section(rows: list[tuple[str, int, int, int, dict[str, measure.Latency]]],
             cells.append("n/a" if r is None else r.text())
         fp = "n/a" if ref is None else f"{ref.median_ms * 1e3:.0f} us"
         lines.append(f"| {what} | {m} x {k} x {n} | {fp} | {cells[0]} | {cells[1]} |")
-    lines += ["", "| convolution | input, 3x3 kernel | fp32 median | int8 (QDQ, run as QLinearConv) / fp32 |",
-              "|---|---|--:|--:|"]  # fmt: skip
+    lines += [
+        "",
+        "| convolution | input, 3x3 kernel | fp32 median | int8 (QDQ, run as QLinearConv) / fp32 |",
+        "|---|---|--:|--:|",
+    ]
     for what, c, hw, lat in convs:
         ref = lat.get("fp32")
         r = measure.ratio(lat.get("int8"), ref)
         fp = "n/a" if ref is None else f"{ref.median_ms * 1e3:.0f} us"
-        lines.append(f"| {what} | {c} x {hw} x {hw}, {c} out | {fp} | {'n/a' if r is None else r.text()} |")
-    lines += ["", "Float operators aoe rewrites (and one fused form it does not write), the model's (or the "
-              "default session's) form against the rewritten one, each session at onnxruntime's default "
-              "optimization level:", "",
-              "| operator | input | model's form, median | rewritten form / model's form |", "|---|---|--:|--:|"]  # fmt: skip
+        lines.append(
+            f"| {what} | {c} x {hw} x {hw}, {c} out | {fp} | {'n/a' if r is None else r.text()} |"
+        )
+    lines += [
+        "",
+        "Float operators aoe rewrites (and one fused form it does not write), the model's (or the "
+        "default session's) form against the rewritten one, each session at onnxruntime's default "
+        "optimization level:",
+        "",
+        "| operator | input | model's form, median | rewritten form / model's form |",
+        "|---|---|--:|--:|",
+    ]
     for what, shape, lat in operators:
         ref = lat.get("fp32")
         r = measure.ratio(lat.get("alt"), ref)
@@ -288,7 +382,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             operators.append((what, shape, timed(models, feed, mode, log, work, key)))
     host.finish()
     command = "python bench/bench_kernels.py" + "".join(f" {a}" for a in (argv or sys.argv[1:]))
-    text = section(rows, convs, operators, mode, host, command, started, time.perf_counter() - log.t0)
+    text = section(
+        rows, convs, operators, mode, host, command, started, time.perf_counter() - log.t0
+    )
     publish(text, args.out, BEGIN, END, write=not args.no_write)
     return 0
 

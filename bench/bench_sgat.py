@@ -83,6 +83,8 @@ from sgat_report import (
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "RESULTS.md"
 BEGIN, END = "<!-- sgat:begin -->", "<!-- sgat:end -->"
+
+
 @dataclass(frozen=True)
 class Mode:
     name: str
@@ -92,15 +94,35 @@ class Mode:
     samples: int  # timed samples per variant and round (fewer for slow models)
     text_inputs: int  # held-back inputs of a transformer
     resnet_inputs: int  # held-back inputs of the resnet
-    deployed_rounds: int = 5  # rounds of the quantize_dynamic vs aoe table per transformer and regime
+    deployed_rounds: int = (
+        5  # rounds of the quantize_dynamic vs aoe table per transformer and regime
+    )
 
 
 # Full: about 30 minutes on 2 cores (6 aoe jobs per transformer, 2 per CNN).
 # 11 deployed rounds: at 5, two full runs of the same models read up to 0.10 apart
 # (hf_gpt2_dynamo: 1.15x and 1.25x) on this shared machine; 11 rounds of all ten transformers
 # took 2.1 min, about a minute more than 5.
-FULL = Mode("full", 10.0, rounds=30, measure_s=60.0, samples=20, text_inputs=8, resnet_inputs=32, deployed_rounds=11)
-QUICK = Mode("quick", 2.0, rounds=12, measure_s=10.0, samples=10, text_inputs=4, resnet_inputs=8, deployed_rounds=2)
+FULL = Mode(
+    "full",
+    10.0,
+    rounds=30,
+    measure_s=60.0,
+    samples=20,
+    text_inputs=8,
+    resnet_inputs=32,
+    deployed_rounds=11,
+)
+QUICK = Mode(
+    "quick",
+    2.0,
+    rounds=12,
+    measure_s=10.0,
+    samples=10,
+    text_inputs=4,
+    resnet_inputs=8,
+    deployed_rounds=2,
+)
 
 
 @dataclass
@@ -329,8 +351,10 @@ def quantize_dynamic(src: Path, dst: Path) -> Variant:
             None,
             error=f"{_exc(exc)} (also with DefaultTensorType=FLOAT, as the first error advised)",
         )
-    note = (f"the plain call raised {short(_exc(first), 100)!r}; made with extra_options "
-            "DefaultTensorType=FLOAT, as that error advises")  # fmt: skip
+    note = (
+        f"the plain call raised {short(_exc(first), 100)!r}; made with extra_options "
+        "DefaultTensorType=FLOAT, as that error advises"
+    )
     return Variant("", dst, note=note)
 
 
@@ -369,9 +393,11 @@ def ort_optimizer(src: Path, dst: Path, info: dict[str, Any]) -> Variant:
     try:
         with _quiet():
             m = optimize_model(
-                str(src), model_type=info["model_type"], num_heads=int(info["num_heads"]),
+                str(src),
+                model_type=info["model_type"],
+                num_heads=int(info["num_heads"]),
                 hidden_size=int(info["hidden_size"]),
-            )  # fmt: skip
+            )
             m.save_model_to_file(str(dst))
     except Exception as exc:  # noqa: BLE001
         return Variant("", None, error=_exc(exc))
@@ -488,7 +514,9 @@ def measure_variants(r: ModelResult, built: Built, mode: Mode, log: Log) -> None
         if v.error or v.path is None:
             continue
         try:  # the session goes with the call: none stays idle here beside the timed ones
-            outputs[name] = measure.run_all(measure.quiet_session(v.path, tuned=name.startswith("aoe ")), built.feeds)
+            outputs[name] = measure.run_all(
+                measure.quiet_session(v.path, tuned=name.startswith("aoe ")), built.feeds
+            )
         except Exception as exc:  # noqa: BLE001 - a model ORT refuses is a result
             v.error = f"onnxruntime refuses it: {_exc(exc)}"
             continue
@@ -592,8 +620,10 @@ def bench_model(name: str, mode: Mode, work: Path, log: Log) -> ModelResult:
         if v.latency is not None:
             s = measure.ratio(ref, v.latency)
             cos = f"  cos {v.accuracy.cosine:.5f}" if v.accuracy else ""
-            log(f"    {label(v.name):<24} {v.latency.median_ms:9.3f} ms ±{v.latency.spread:.1%}"
-                f"{'  ' + s.text() + ' vs fp32' if s else ''}{cos}")  # fmt: skip
+            log(
+                f"    {label(v.name):<24} {v.latency.median_ms:9.3f} ms ±{v.latency.spread:.1%}"
+                f"{'  ' + s.text() + ' vs fp32' if s else ''}{cos}"
+            )
         elif v.error:
             log(f"    {label(v.name):<24} failed: {v.error}")
     return r
@@ -651,10 +681,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         results = [bench_model(name, mode, work, log) for name in names]
         for r in results:
             if r.kind == "transformer" and not r.error:
-                r.deployed = holding_device(lambda r=r: deployed.measure_model(
-                    work / r.name, mode.deployed_rounds, mode.measure_s, mode.samples), log)  # fmt: skip
-                log(f"{r.name} deployed: " + (r.deployed.skipped or " | ".join(
-                    f"{g.name}: {g.text()}" for g in r.deployed.regimes)))  # fmt: skip
+                r.deployed = holding_device(
+                    lambda r=r: deployed.measure_model(
+                        work / r.name, mode.deployed_rounds, mode.measure_s, mode.samples
+                    ),
+                    log,
+                )
+                log(
+                    f"{r.name} deployed: "
+                    + (
+                        r.deployed.skipped
+                        or " | ".join(f"{g.name}: {g.text()}" for g in r.deployed.regimes)
+                    )
+                )
     host.finish()
     elapsed = time.perf_counter() - log.t0
     command = "python bench/bench_sgat.py" + "".join(f" {a}" for a in (argv or sys.argv[1:]))

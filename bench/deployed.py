@@ -121,15 +121,23 @@ def serve(path: str, tuned: bool, spin: str, inputs: str) -> int:
 class _Worker:
     def __init__(self, name: str, model: Model, inputs: Path):
         self.name = name
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--serve", str(model.path), "--inputs", str(inputs)]
+        cmd = [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "--serve",
+            str(model.path),
+            "--inputs",
+            str(inputs),
+        ]
         if model.tuned:
             cmd.append("--tuned")
         if model.spin:
             cmd += ["--spin", model.spin]
         # stderr to a file: a worker that logs a lot must never block on a full pipe.
         self.stderr = tempfile.TemporaryFile(mode="w+")
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr,
-                                     text=True)  # fmt: skip
+        self.proc = subprocess.Popen(
+            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr, text=True
+        )
         self.per_run_s = float(self._reply()["per_run_s"])
 
     def _reply(self) -> dict:
@@ -189,11 +197,15 @@ def latencies(
                 w.close()
 
 
-def _rounds(workers: dict[str, _Worker], *, rounds: int, budget_s: float, samples: int) -> dict[str, measure.Latency]:
+def _rounds(
+    workers: dict[str, _Worker], *, rounds: int, budget_s: float, samples: int
+) -> dict[str, measure.Latency]:
     import measure
 
     names = list(workers)
-    batch = {n: max(1, min(1000, math.ceil(SAMPLE_S / max(workers[n].per_run_s, 1e-7)))) for n in names}
+    batch = {
+        n: max(1, min(1000, math.ceil(SAMPLE_S / max(workers[n].per_run_s, 1e-7)))) for n in names
+    }
     # Fewer samples per turn when the rounds would not fit in the budget (one at least).
     turn_s = sum(SETTLE_S + workers[n].per_run_s * (1 + samples * batch[n]) for n in names)
     if turn_s * rounds > budget_s:
@@ -222,8 +234,12 @@ def _rounds(workers: dict[str, _Worker], *, rounds: int, budget_s: float, sample
     for name in names:
         a = np.asarray(collected[name]) * 1e6
         q25, med, q75 = np.percentile(a, [25, 50, 75])
-        out[name] = measure.Latency(float(med) / 1e3, float((q75 - q25) / med) if med > 0 else 0.0,
-                                    tuple(per_round[name]), batch[name])  # fmt: skip
+        out[name] = measure.Latency(
+            float(med) / 1e3,
+            float((q75 - q25) / med) if med > 0 else 0.0,
+            tuple(per_round[name]),
+            batch[name],
+        )
     return out
 
 
@@ -243,8 +259,10 @@ class Regime:
 
     def text(self) -> str:
         r = self.ratios()
-        return (f"qdyn {np.median(self.qdyn_us):.0f} us, aoe {np.median(self.aoe_us):.0f} us, "
-                f"{np.median(r):.2f}x ({r.min():.2f}-{r.max():.2f})")  # fmt: skip
+        return (
+            f"qdyn {np.median(self.qdyn_us):.0f} us, aoe {np.median(self.aoe_us):.0f} us, "
+            f"{np.median(r):.2f}x ({r.min():.2f}-{r.max():.2f})"
+        )
 
 
 @dataclass
@@ -293,8 +311,13 @@ def measure_model(root: Path, rounds: int, budget_s: float = 60.0, samples: int 
 
     out = Deployed(root.name, options=aoe.session_options_of(tuned))
     for spin, regime in (("1", "spinning on"), ("0", "spinning off")):
-        got, errors = latencies({"qdyn": Model(Path(qdyn), False, spin), "aoe": Model(Path(tuned), True, spin)},
-                                feeds, rounds=rounds, budget_s=budget_s, samples=samples)  # fmt: skip
+        got, errors = latencies(
+            {"qdyn": Model(Path(qdyn), False, spin), "aoe": Model(Path(tuned), True, spin)},
+            feeds,
+            rounds=rounds,
+            budget_s=budget_s,
+            samples=samples,
+        )
         if errors:
             return Deployed(root.name, skipped="; ".join(f"{k}: {v}" for k, v in errors.items()))
         out.regimes.append(Regime(regime, list(got["qdyn"].rounds_us), list(got["aoe"].rounds_us)))
@@ -306,7 +329,9 @@ def measure_text(root: Path, rounds: int) -> str:
     d = measure_model(root, rounds)
     if d.skipped:
         return f"{d.name}: skipped, {d.skipped}"
-    return " | ".join([d.name, json.dumps(d.options), *(f"{r.name}: {r.text()}" for r in d.regimes)])
+    return " | ".join(
+        [d.name, json.dumps(d.options), *(f"{r.name}: {r.text()}" for r in d.regimes)]
+    )
 
 
 def main() -> int:
@@ -323,8 +348,10 @@ def main() -> int:
     ap.add_argument("--models", help="comma-separated subset of the workdir's models")
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
-    names = args.models.split(",") if args.models else sorted(
-        p.parent.parent.name for p in args.workdir.glob("*/peers/qdyn.onnx")
+    names = (
+        args.models.split(",")
+        if args.models
+        else sorted(p.parent.parent.name for p in args.workdir.glob("*/peers/qdyn.onnx"))
     )
     for name in names:
         print(measure_text(args.workdir / name, args.rounds), flush=True)

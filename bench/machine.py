@@ -63,13 +63,21 @@ def _revision() -> str:
     root = Path(__file__).resolve().parent.parent
 
     def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10,
-                              check=True).stdout.strip()  # fmt: skip
+        return subprocess.run(
+            ["git", *args], cwd=root, capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
 
     try:
         head = git("rev-parse", "--short=7", "HEAD")
-        dirty = git("status", "--porcelain", "--untracked-files=no", "--", ".",
-                    ":(exclude)bench/RESULTS.md", ":(exclude)bench/*.png")
+        dirty = git(
+            "status",
+            "--porcelain",
+            "--untracked-files=no",
+            "--",
+            ".",
+            ":(exclude)bench/RESULTS.md",
+            ":(exclude)bench/*.png",
+        )
     except (OSError, subprocess.SubprocessError):
         return "commit unknown"
     return f"commit {head}" + (" + uncommitted changes" if dirty else "")

@@ -36,6 +36,7 @@ def quiet_session(path, tuned: bool):
         so.add_session_config_entry(k, v)
     return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
 
+
 __all__ = [
     "Accuracy",
     "Latency",

@@ -220,7 +220,11 @@ def _default_cost_table(results: Sequence[Any]) -> list[str]:
             if opat is None:
                 continue
             if full.error or opat.error:
-                err = "; ".join(f"{what}: {j.error}" for what, j in (("default", full), ("OPAT", opat)) if j.error)
+                err = "; ".join(
+                    f"{what}: {j.error}"
+                    for what, j in (("default", full), ("OPAT", opat))
+                    if j.error
+                )
                 lines.append(f"| {r.name} | {p} | failed | | | | {_cell(err)} |")
                 continue
             lines.append(
@@ -232,35 +236,46 @@ def _default_cost_table(results: Sequence[Any]) -> list[str]:
     return lines
 
 
-def cost_section(results: Sequence[Any], mode, *, started: float, command: str, host: Machine) -> str:
+def cost_section(
+    results: Sequence[Any], mode, *, started: float, command: str, host: Machine
+) -> str:
     """The section on what the default job type costs in tuning time against OPAT alone."""
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started))
     models = ", ".join(f"`{r.name}`" for r in results)
     real = [f"`{r.name}`" for r in results if r.labelled]
-    return "\n".join([
-        "## Tuning time of the default job type",
-        "",
-        f"Machine: {host.describe(*PACKAGES)}.",
-        "",
-        (
-            f"`{command}` ({mode.name} mode) on {when}. The aoe jobs of that run's models "
-            "comparison name no job type, so they run the default, sgat+opat (subgraphs, then "
-            "operators over the nodes they left); just before each, the same job ran with "
-            "`--job-type opat` (OPAT alone) into a fresh bank of its own, "
-            + (f"with the same `--budget {mode.budget_s:g}`: both searches get the same device "
-               "seconds, so the ratio is what finding, compiling and verifying the subgraph "
-               "tasks adds. "
-               if mode.budget_s is not None else
-               "both with no `--budget`, as a user who names none runs them: the tuner fits each "
-               "job's budget to the tasks it finds, so a job with more tasks gets more seconds. ")
-            + "Seconds of each `aoe tune` process, start to exit (the job's own "
-            "`tuning_time(s)` and the budget it had in brackets). Models: "
-            f"{models}; " + (f"all have random weights and synthetic inputs but {', '.join(real)} "
-                             "(trained, real images)." if real else "all have random weights and synthetic inputs.")
-        ),
-        "",
-        *_default_cost_table(results),
-    ]).rstrip()
+    return "\n".join(
+        [
+            "## Tuning time of the default job type",
+            "",
+            f"Machine: {host.describe(*PACKAGES)}.",
+            "",
+            (
+                f"`{command}` ({mode.name} mode) on {when}. The aoe jobs of that run's models "
+                "comparison name no job type, so they run the default, sgat+opat (subgraphs, then "
+                "operators over the nodes they left); just before each, the same job ran with "
+                "`--job-type opat` (OPAT alone) into a fresh bank of its own, "
+                + (
+                    f"with the same `--budget {mode.budget_s:g}`: both searches get the same device "
+                    "seconds, so the ratio is what finding, compiling and verifying the subgraph "
+                    "tasks adds. "
+                    if mode.budget_s is not None
+                    else "both with no `--budget`, as a user who names none runs them: the tuner fits each "
+                    "job's budget to the tasks it finds, so a job with more tasks gets more seconds. "
+                )
+                + "Seconds of each `aoe tune` process, start to exit (the job's own "
+                "`tuning_time(s)` and the budget it had in brackets). Models: "
+                f"{models}; "
+                + (
+                    f"all have random weights and synthetic inputs but {', '.join(real)} "
+                    "(trained, real images)."
+                    if real
+                    else "all have random weights and synthetic inputs."
+                )
+            ),
+            "",
+            *_default_cost_table(results),
+        ]
+    ).rstrip()
 
 
 def section(
@@ -446,7 +461,10 @@ def write(
     if any(run.opat is not None for r in results for run in r.tunes.values()):
         cost = cost_section(results, mode, started=started, command=command, host=host)
         # after the models section, where a first run puts it
-        doc = merge(doc, header, cost, COST_BEGIN, COST_END) if COST_BEGIN in doc else doc.replace(
-            f"{END}\n", f"{END}\n\n{COST_BEGIN}\n{cost}\n{COST_END}\n", 1)
+        doc = (
+            merge(doc, header, cost, COST_BEGIN, COST_END)
+            if COST_BEGIN in doc
+            else doc.replace(f"{END}\n", f"{END}\n\n{COST_BEGIN}\n{cost}\n{COST_END}\n", 1)
+        )
     out.write_text(doc)
     return [*pngs, out]

@@ -94,9 +94,15 @@ FULL = Mode("full", 20.0, rounds=40, measure_s=120.0, samples=25, accuracy_input
 # cheapest models, one random-weight and one real-data, at int8 (the precision with the
 # most candidates per task).
 QUICK = Mode(
-    "quick", 3.0, rounds=21, measure_s=12.0, samples=15, accuracy_inputs=4,
-    repeat=("cnn", "digits"), repeat_precisions=("int8",),
-)  # fmt: skip
+    "quick",
+    3.0,
+    rounds=21,
+    measure_s=12.0,
+    samples=15,
+    accuracy_inputs=4,
+    repeat=("cnn", "digits"),
+    repeat_precisions=("int8",),
+)
 
 
 @dataclass
@@ -235,12 +241,16 @@ def tune(
     repeat: bool,
 ) -> TuneRun:
     def one(bank: str, out: str, job_type: str | None = None) -> Job:
-        return aoe_tune(model, precision, work / bank, work / out, mode.budget_s, calibration, job_type)
+        return aoe_tune(
+            model, precision, work / bank, work / out, mode.budget_s, calibration, job_type
+        )
 
     # OPAT alone first, then the default, one after the other: their tuning times are a pair.
     opat = one("bank-opat", "opat", OPAT)
-    log(f"  aoe {precision} --job-type {OPAT}: "
-        + (f"FAILED {opat.error}" if opat.error else f"tuned in {opat.wall_s:.1f} s"))
+    log(
+        f"  aoe {precision} --job-type {OPAT}: "
+        + (f"FAILED {opat.error}" if opat.error else f"tuned in {opat.wall_s:.1f} s")
+    )
     run = TuneRun(precision, one("bank", "full"), opat=opat)
     if run.full.error:
         log(f"  aoe {precision}: FAILED {run.full.error}")
@@ -323,7 +333,9 @@ def measure_variants(
         if v.error or v.path is None:
             continue
         try:  # the session goes with the call: none stays idle here beside the timed ones
-            outputs[name] = measure.run_all(measure.quiet_session(v.path, tuned=name.startswith("aoe")), feeds)
+            outputs[name] = measure.run_all(
+                measure.quiet_session(v.path, tuned=name.startswith("aoe")), feeds
+            )
         except Exception as exc:  # noqa: BLE001 - a model that does not load or run is a result
             v.error = _first_line(f"{type(exc).__name__}: {exc}")
             continue
@@ -350,7 +362,9 @@ def as_deployed(models: dict[str, deployed.Model], feed: dict[str, np.ndarray], 
     the processes in turn over `mode`'s rounds, budget and samples (bench/deployed.py),
     while this process holds the device lock; and why any could not be timed."""
     return holding_device(
-        lambda: deployed.latencies(models, feed, rounds=mode.rounds, budget_s=mode.measure_s, samples=mode.samples),
+        lambda: deployed.latencies(
+            models, feed, rounds=mode.rounds, budget_s=mode.measure_s, samples=mode.samples
+        ),
         log,
     )
 
@@ -440,8 +454,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="fewer models, small tuning budget")
     ap.add_argument("--models", help=f"comma-separated subset of: {','.join(MODELS)}")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "RESULTS.md")
-    ap.add_argument("--budget", help="aoe tune --budget (seconds) for every job, or 'fitted': none "
-                    "given, as a user who names none runs it (the tuner fits one to the tasks it finds)")
+    ap.add_argument(
+        "--budget",
+        help="aoe tune --budget (seconds) for every job, or 'fitted': none "
+        "given, as a user who names none runs it (the tuner fits one to the tasks it finds)",
+    )
     ap.add_argument("--rounds", type=int, help="paired latency rounds")
     ap.add_argument(
         "--repeat",

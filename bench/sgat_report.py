@@ -25,12 +25,31 @@ TITLE = (
 )
 PACKAGES = ("onnxruntime", "onnx", "numpy", "torch", "transformers", "onnxscript", "scikit-learn")
 
-TRANSFORMERS = ("bert", "gpt", "hf_bert", "hf_bert_dynamo", "hf_gpt2", "hf_gpt2_dynamo", "hf_llama", "hf_llama_dynamo",
-                "hf_llama_gqa", "hf_llama_gqa_dynamo")  # fmt: skip
+TRANSFORMERS = (
+    "bert",
+    "gpt",
+    "hf_bert",
+    "hf_bert_dynamo",
+    "hf_gpt2",
+    "hf_gpt2_dynamo",
+    "hf_llama",
+    "hf_llama_dynamo",
+    "hf_llama_gqa",
+    "hf_llama_gqa_dynamo",
+)
 CNNS = ("digits_cnn", "resnet")
 MODELS = (*TRANSFORMERS, *CNNS)
-TORCH_MODELS = ("hf_bert", "hf_bert_dynamo", "hf_gpt2", "hf_gpt2_dynamo", "hf_llama", "hf_llama_dynamo", "hf_llama_gqa",
-                "hf_llama_gqa_dynamo", "digits_cnn")  # fmt: skip
+TORCH_MODELS = (
+    "hf_bert",
+    "hf_bert_dynamo",
+    "hf_gpt2",
+    "hf_gpt2_dynamo",
+    "hf_llama",
+    "hf_llama_dynamo",
+    "hf_llama_gqa",
+    "hf_llama_gqa_dynamo",
+    "digits_cnn",
+)
 # Quick: one export of each real architecture and the trained CNN, a few minutes in all.
 QUICK_MODELS = ("hf_bert", "hf_gpt2", "digits_cnn")
 # The transformer samples' sizes (aoed.samples defaults) and the exports' (torch_models.py).
@@ -69,7 +88,6 @@ def label(name: str) -> str:
         _, jt, p = name.split()
         return f"aoe {jt.upper()} {p}"
     return LABELS[name]
-
 
 
 # ------------------------------------------------------------------ report
@@ -149,8 +167,12 @@ def _cnn_table(results: Sequence[ModelResult]) -> list[str]:
                 acc.append(f"{v.agree:.0%} agree ({round(v.agree * r.inputs)}/{r.inputs})")
         what = "top-1" if r.labelled else "top-1 = fp32"
         lines.append(f"| ↳ {what} | " + " | ".join(acc) + " |")
-        cos = ["" if c == REFERENCE or r.variants.get(c) is None or r.variants[c].accuracy is None
-               else f"{r.variants[c].accuracy.cosine:.5f}" for c in cols]  # fmt: skip
+        cos = [
+            ""
+            if c == REFERENCE or r.variants.get(c) is None or r.variants[c].accuracy is None
+            else f"{r.variants[c].accuracy.cosine:.5f}"
+            for c in cols
+        ]
         lines.append("| ↳ min cosine | " + " | ".join(cos) + " |")
     return lines
 
@@ -240,8 +262,15 @@ def _deployed_table(results: Sequence[ModelResult]) -> list[str]:
     return rows
 
 
-def section(results: Sequence[ModelResult], mode: Mode, *, host: Machine, command: str,
-            started: float, elapsed_s: float) -> str:  # fmt: skip
+def section(
+    results: Sequence[ModelResult],
+    mode: Mode,
+    *,
+    host: Machine,
+    command: str,
+    started: float,
+    elapsed_s: float,
+) -> str:
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started))
     text = [r for r in results if r.kind == "transformer"]
     cnns = [r for r in results if r.kind == "cnn"]
@@ -349,5 +378,3 @@ def section(results: Sequence[ModelResult], mode: Mode, *, host: Machine, comman
     if fails:
         lines += ["", "### Failures and notes, in full", "", *fails]
     return "\n".join(lines).rstrip()
-
-

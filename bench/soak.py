@@ -80,7 +80,11 @@ def soak(root: Path, seeds: int, max_delay_s: float, budget_s: float) -> bool:
             path = seed_model(d, seed)
             try:
                 r = kill9_round(d, path, seed, max_delay_s, budget_s)
-            except (RuntimeError, TimeoutError, grpc.RpcError) as exc:  # no restart, or the job never ended
+            except (
+                RuntimeError,
+                TimeoutError,
+                grpc.RpcError,
+            ) as exc:  # no restart, or the job never ended
                 print(f"seed {seed:2d}  PROBLEM: {type(exc).__name__}: {exc}"[:3000], flush=True)
                 problems += 1
                 break
@@ -90,9 +94,12 @@ def soak(root: Path, seeds: int, max_delay_s: float, budget_s: float) -> bool:
             ended[r.state] = ended.get(r.state, 0) + 1
             problems += bool(r.problems)
             note = f"  {r.error[:100]}" if r.error else ""
-            print(f"seed {seed:2d}  {path.name:17s} killed after {r.delay_s:4.2f} s "
-                  f"({r.state_at_kill.removeprefix('JOB_STATE_').lower()}), bank {r.bank_at_kill:3d} -> "
-                  f"{r.bank_after:3d}, job {r.state.removeprefix('JOB_STATE_').lower()}{note}", flush=True)  # fmt: skip
+            print(
+                f"seed {seed:2d}  {path.name:17s} killed after {r.delay_s:4.2f} s "
+                f"({r.state_at_kill.removeprefix('JOB_STATE_').lower()}), bank {r.bank_at_kill:3d} -> "
+                f"{r.bank_after:3d}, job {r.state.removeprefix('JOB_STATE_').lower()}{note}",
+                flush=True,
+            )
             for p in r.problems:
                 print(f"  PROBLEM: {p}", flush=True)
         else:
@@ -102,16 +109,22 @@ def soak(root: Path, seeds: int, max_delay_s: float, budget_s: float) -> bool:
                 problems += 1
     finally:
         d.close()
-    jobs = ", ".join(f"{n} {s.removeprefix('JOB_STATE_').lower()}" for s, n in sorted(ended.items()))
-    print(f"\nseeds {seeds}, restarts {restarts} ({mid_job} killed mid-job), entries verified intact "
-          f"{verified} (summed over the kills; the bank ends with {final}); jobs: {jobs or 'none'}; "
-          f"rounds with problems {problems}; {time.monotonic() - t0:.0f} s")  # fmt: skip
+    jobs = ", ".join(
+        f"{n} {s.removeprefix('JOB_STATE_').lower()}" for s, n in sorted(ended.items())
+    )
+    print(
+        f"\nseeds {seeds}, restarts {restarts} ({mid_job} killed mid-job), entries verified intact "
+        f"{verified} (summed over the kills; the bank ends with {final}); jobs: {jobs or 'none'}; "
+        f"rounds with problems {problems}; {time.monotonic() - t0:.0f} s"
+    )
     return problems == 0
 
 
 def hang(root: Path) -> bool:
     d = DaemonProcess(root)
-    d.config.write_text(d.config.read_text().replace("[engine]\n", "[engine]\ndedicated_cores = true\n"))
+    d.config.write_text(
+        d.config.read_text().replace("[engine]\n", "[engine]\ndedicated_cores = true\n")
+    )
     try:
         d.start()
         job_id = submit(d, model(d, "cnn", width=24), budget=2.0)
@@ -125,9 +138,13 @@ def hang(root: Path) -> bool:
         took = time.monotonic() - t0
         j = job(d, job_id)
         timed_out = [ln for ln in d.log().splitlines() if "timed out" in ln]
-        print(f"job {S.JobState.Name(j.state)} {took:.0f} s after the stop{': ' + j.error if j.error else ''}")
-        print(f"worker {worker}: {'gone' if not proc_state(worker) else proc_state(worker)}; "
-              f"now {child_pid(d, WORKER)}")  # fmt: skip
+        print(
+            f"job {S.JobState.Name(j.state)} {took:.0f} s after the stop{': ' + j.error if j.error else ''}"
+        )
+        print(
+            f"worker {worker}: {'gone' if not proc_state(worker) else proc_state(worker)}; "
+            f"now {child_pid(d, WORKER)}"
+        )
         print("\n".join(timed_out) or "no time-out logged")
         return j.state == S.JOB_STATE_SUCCEEDED and bool(timed_out) and not proc_state(worker)
     finally:
@@ -137,13 +154,21 @@ def hang(root: Path) -> bool:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, default=20, help="kill -9 rounds (default 20)")
-    ap.add_argument("--max-delay", type=float, default=4.0, help="latest kill, seconds after submit (default 4)")
-    ap.add_argument("--budget", type=float, default=3.0, help="each job's tuning budget, seconds (default 3)")
+    ap.add_argument(
+        "--max-delay", type=float, default=4.0, help="latest kill, seconds after submit (default 4)"
+    )
+    ap.add_argument(
+        "--budget", type=float, default=3.0, help="each job's tuning budget, seconds (default 3)"
+    )
     ap.add_argument("--keep", action="store_true", help="keep the daemon's files")
-    ap.add_argument("--hang", action="store_true", help="the stopped-worker scenario instead (about 130 s)")
+    ap.add_argument(
+        "--hang", action="store_true", help="the stopped-worker scenario instead (about 130 s)"
+    )
     args = ap.parse_args(argv)
     root = Path(tempfile.mkdtemp(prefix="aoed-soak-"))
-    ok = hang(root / "d") if args.hang else soak(root / "d", args.seeds, args.max_delay, args.budget)
+    ok = (
+        hang(root / "d") if args.hang else soak(root / "d", args.seeds, args.max_delay, args.budget)
+    )
     if ok and not args.keep:
         shutil.rmtree(root, ignore_errors=True)
     else:

@@ -56,8 +56,14 @@ RESULTS = HERE / "RESULTS.md"
 BEGIN, END = "<!-- soak-disk:begin -->", "<!-- soak-disk:end -->"
 ACTIVE = (S.JOB_STATE_QUEUED, S.JOB_STATE_PREPARING, S.JOB_STATE_TUNING, S.JOB_STATE_VERIFYING)
 #: what each kind of call may answer besides OK: a full disk or a limit
-ALLOWED = {"submit": {"RESOURCE_EXHAUSTED"}, "upload+submit": {"RESOURCE_EXHAUSTED"},
-           "upload": {"RESOURCE_EXHAUSTED"}, "read": set(), "drop": {"ENOSPC"}, "drop hostile": {"ENOSPC"}}  # fmt: skip
+ALLOWED = {
+    "submit": {"RESOURCE_EXHAUSTED"},
+    "upload+submit": {"RESOURCE_EXHAUSTED"},
+    "upload": {"RESOURCE_EXHAUSTED"},
+    "read": set(),
+    "drop": {"ENOSPC"},
+    "drop hostile": {"ENOSPC"},
+}
 WEIGHTS = {"submit": 3, "upload+submit": 2, "upload": 2, "read": 4, "drop": 1, "drop hostile": 2}
 #: hostile models bigger than this are left out (the corpus has a 33 MB one)
 HOSTILE_MAX_BYTES = 1 << 20
@@ -76,8 +82,11 @@ class Snapshot:
     bank: set[str]
 
     def lost_since(self, before: Snapshot) -> list[str]:
-        lost = [f"job {j} ({S.JobState.Name(s)}) is gone or changed" for j, s in before.jobs.items()
-                if self.jobs.get(j) != s]  # fmt: skip
+        lost = [
+            f"job {j} ({S.JobState.Name(s)}) is gone or changed"
+            for j, s in before.jobs.items()
+            if self.jobs.get(j) != s
+        ]
         for j, evs in before.events.items():
             if missing := set(evs) - set(self.events.get(j, ())):
                 lost.append(f"job {j}: {len(missing)} events gone, e.g. {sorted(missing)[:3]}")
@@ -101,7 +110,9 @@ def snapshot(d: DaemonProcess, when: str) -> Snapshot:
     jobs = {j.job_id: j.state for j in all_jobs(stub) if j.state in FINAL}
     events = {}
     for job_id in jobs:
-        stream = stub.WatchJob(tuning_pb2.WatchJobRequest(job_id=job_id, include_logs=True), timeout=60)
+        stream = stub.WatchJob(
+            tuning_pb2.WatchJobRequest(job_id=job_id, include_logs=True), timeout=60
+        )
         events[job_id] = tuple((m.event.sequence, m.event.WhichOneof("event")) for m in stream)
     return Snapshot(when, jobs, events, bank_keys(d.bank))
 
@@ -150,12 +161,18 @@ class Load:
         return tuning_pb2.JobOptions(budget_s=self.rng.choice((0.5, 0.75, 1.0)))
 
     def _submit(self) -> None:
-        self.stub.SubmitJob(tuning_pb2.SubmitJobRequest(model_path=str(self.rng.choice(self.models)),
-                                                        options=self._options()), timeout=60)  # fmt: skip
+        self.stub.SubmitJob(
+            tuning_pb2.SubmitJobRequest(
+                model_path=str(self.rng.choice(self.models)), options=self._options()
+            ),
+            timeout=60,
+        )
 
     def _upload_submit(self) -> None:
         model_id = upload(self.stub, self.rng.choice(self.models))
-        self.stub.SubmitJob(tuning_pb2.SubmitJobRequest(model_id=model_id, options=self._options()), timeout=60)
+        self.stub.SubmitJob(
+            tuning_pb2.SubmitJobRequest(model_id=model_id, options=self._options()), timeout=60
+        )
 
     def _upload(self) -> None:  # left there: the quotas and upload_ttl_h bound what this keeps
         upload(self.stub, self.rng.choice(self.models))
@@ -163,7 +180,9 @@ class Load:
     def _read(self) -> None:
         jobs = all_jobs(self.stub)
         if jobs:
-            self.stub.GetJob(tuning_pb2.GetJobRequest(job_id=self.rng.choice(jobs).job_id), timeout=60)
+            self.stub.GetJob(
+                tuning_pb2.GetJobRequest(job_id=self.rng.choice(jobs).job_id), timeout=60
+            )
         if not self.d.serving():
             self.unexpected.append("health: not SERVING")
 
@@ -184,7 +203,9 @@ class Load:
 
     def _drop_hostile(self) -> None:
         src = self.rng.choice(self.hostile)
-        self._drop_into(src, f"hostile-{src.parent.name}")  # (each kind's model is in a folder of its name)
+        self._drop_into(
+            src, f"hostile-{src.parent.name}"
+        )  # (each kind's model is in a folder of its name)
 
 
 def delivered(d: DaemonProcess, name: str) -> bool:
@@ -207,11 +228,19 @@ def free(path: Path) -> int:
 
 def soak(root: Path, minutes: float, floor_mb: int, seed: int, log: Path) -> tuple[bool, list[str]]:
     floor = floor_mb << 20
-    d = DaemonProcess(root, f"[limits]\nmin_free_mb = {floor_mb}\nmax_uploads_mb = 32\nmax_uploads = 16\n"
-                            "upload_ttl_h = 0.02\n")  # fmt: skip
+    d = DaemonProcess(
+        root,
+        f"[limits]\nmin_free_mb = {floor_mb}\nmax_uploads_mb = 32\nmax_uploads = 16\n"
+        "upload_ttl_h = 0.02\n",
+    )
     d.log_path = log  # off the full disk, to read what happened
-    models = [samples.save(samples.mlp(hidden=24 + 8 * i), d.models / f"mlp{i}.onnx") for i in range(6)]
-    models += [samples.save(samples.SAMPLES["cnn"](width=8 + 4 * i), d.models / f"cnn{i}.onnx") for i in range(4)]
+    models = [
+        samples.save(samples.mlp(hidden=24 + 8 * i), d.models / f"mlp{i}.onnx") for i in range(6)
+    ]
+    models += [
+        samples.save(samples.SAMPLES["cnn"](width=8 + 4 * i), d.models / f"cnn{i}.onnx")
+        for i in range(4)
+    ]
     corpus = Path(tempfile.mkdtemp(prefix="aoed-soak-corpus-"))
     hostile = []
     for kind in KINDS.values():
@@ -247,8 +276,11 @@ def soak(root: Path, minutes: float, floor_mb: int, seed: int, log: Path) -> tup
         if len(snaps) > 1:
             problems.extend(snaps[-1].lost_since(snaps[-2]))
         s = snaps[-1]
-        print(f"{time.monotonic() - t0:6.0f} s  {when}: {len(s.jobs)} finished jobs, "
-              f"{sum(map(len, s.events.values()))} events, {len(s.bank)} bank records; {mib(free(root))} free", flush=True)  # fmt: skip
+        print(
+            f"{time.monotonic() - t0:6.0f} s  {when}: {len(s.jobs)} finished jobs, "
+            f"{sum(map(len, s.events.values()))} events, {len(s.bank)} bank records; {mib(free(root))} free",
+            flush=True,
+        )
 
     try:
         d.start()
@@ -257,7 +289,9 @@ def soak(root: Path, minutes: float, floor_mb: int, seed: int, log: Path) -> tup
         thread = threading.Thread(target=load.run, name="load")
         thread.start()
         fillers = []
-        for k, (at_fill, at_free) in enumerate(((total / 6, total / 3), (total / 2, 2 * total / 3))):
+        for k, (at_fill, at_free) in enumerate(
+            ((total / 6, total / 3), (total / 2, 2 * total / 3))
+        ):
             if not until(at_fill):
                 break
             take(f"before fill {k + 1}")
@@ -265,7 +299,10 @@ def soak(root: Path, minutes: float, floor_mb: int, seed: int, log: Path) -> tup
             filler = fill(root)
             filler = filler.rename(root / f"filler{k + 1}")
             fillers.append(filler)
-            print(f"{started:6.0f} s  filled: {mib(filler.stat().st_size)} written, {mib(free(root))} free", flush=True)
+            print(
+                f"{started:6.0f} s  filled: {mib(filler.stat().st_size)} written, {mib(free(root))} free",
+                flush=True,
+            )
             if not until(at_free):
                 break
             size = filler.stat().st_size
@@ -288,12 +325,16 @@ def soak(root: Path, minutes: float, floor_mb: int, seed: int, log: Path) -> tup
             time.sleep(2)
         if check_alive():
             take("at the end")
-            failed_by.update(j.error_kind or "?" for j in all_jobs(d.tuning()) if j.state == S.JOB_STATE_FAILED)
+            failed_by.update(
+                j.error_kind or "?" for j in all_jobs(d.tuning()) if j.state == S.JOB_STATE_FAILED
+            )
             left = [n for n in load.dropped if not delivered(d, n)]
             if left:
                 problems.append(f"{len(left)} dropped files never came out: {left[:5]}")
             if (room := free(root)) < floor:
-                problems.append(f"free space at the end {mib(room)}, below the floor of {mib(floor)}")
+                problems.append(
+                    f"free space at the end {mib(room)}, below the floor of {mib(floor)}"
+                )
             code = d.stop()
             if code != 0:
                 problems.append(f"SIGTERM: exit status {code}")
@@ -315,37 +356,63 @@ def soak(root: Path, minutes: float, floor_mb: int, seed: int, log: Path) -> tup
     jobs = Counter()
     last = snaps[-1] if snaps else None
     if last is not None:
-        jobs.update(S.JobState.Name(s).removeprefix("JOB_STATE_").lower() for s in last.jobs.values())
-    checked = [f"{s.when}: {len(s.jobs)} jobs, {sum(map(len, s.events.values()))} events, {len(s.bank)} bank records"
-               for s in snaps]  # fmt: skip
+        jobs.update(
+            S.JobState.Name(s).removeprefix("JOB_STATE_").lower() for s in last.jobs.values()
+        )
+    checked = [
+        f"{s.when}: {len(s.jobs)} jobs, {sum(map(len, s.events.values()))} events, {len(s.bank)} bank records"
+        for s in snaps
+    ]
     calls = "; ".join(
         f"{what} " + ", ".join(f"{n} {got}" for (w, got), n in sorted(out.items()) if w == what)
-        for what in WEIGHTS if any(w == what for w, _ in out)
-    )  # fmt: skip
+        for what in WEIGHTS
+        if any(w == what for w, _ in out)
+    )
     lost = [p for p in problems if " -> " in p]
     lines = [
         f"| daemon exits | {sum('daemon exited' in p for p in problems)} (the same process from start to the planned SIGTERM) |",
-        "| fills | " + "; ".join(f"at {a:.0f} s, full for {b:.0f} s ({mib(c)} written to fill it)" for a, b, c in fills) + " |",
+        "| fills | "
+        + "; ".join(
+            f"at {a:.0f} s, full for {b:.0f} s ({mib(c)} written to fill it)" for a, b, c in fills
+        )
+        + " |",
         f"| calls (by outcome) | {calls} |",
-        f"| jobs at the end | {sum(jobs.values())}: " + ", ".join(f"{n} {s}" for s, n in sorted(jobs.items()))
-        + (" (failed with: " + ", ".join(f"{n} {k}" for k, n in failed_by.most_common()) + ")" if failed_by else "")
+        f"| jobs at the end | {sum(jobs.values())}: "
+        + ", ".join(f"{n} {s}" for s, n in sorted(jobs.items()))
+        + (
+            " (failed with: " + ", ".join(f"{n} {k}" for k, n in failed_by.most_common()) + ")"
+            if failed_by
+            else ""
+        )
         + " |",
         f"| inbox drops | {len(load.dropped) if load else 0} ({sum('-hostile-' in n for n in (load.dropped if load else []))}"
         " from the hostile corpus), every one out in outbox/ or failed/ at the end"
-        + ("" if not any("never came out" in p for p in problems) else ": NO") + " |",
+        + ("" if not any("never came out" in p for p in problems) else ": NO")
+        + " |",
         f"| committed records compared, snapshot to snapshot | {'; '.join(checked)}: {len(lost)} lost |",
         f"| free space at the end | {mib(end_free)} (floor {mib(floor)}) |",
-    ]  # fmt: skip
+    ]
     return not problems, lines
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--minutes", type=float, default=30.0, help="length of the run (default 30)")
-    ap.add_argument("--size-mb", type=int, default=200, help="size of the tmpfs holding the state dir (default 200)")
-    ap.add_argument("--floor-mb", type=int, default=16, help="[limits] min_free_mb of the daemon (default 16)")
+    ap.add_argument(
+        "--size-mb",
+        type=int,
+        default=200,
+        help="size of the tmpfs holding the state dir (default 200)",
+    )
+    ap.add_argument(
+        "--floor-mb", type=int, default=16, help="[limits] min_free_mb of the daemon (default 16)"
+    )
     ap.add_argument("--seed", type=int, default=1, help="seed of the load's choices (default 1)")
-    ap.add_argument("--keep", action="store_true", help="keep the daemon's files (they live in the tmpfs: copied out)")
+    ap.add_argument(
+        "--keep",
+        action="store_true",
+        help="keep the daemon's files (they live in the tmpfs: copied out)",
+    )
     ap.add_argument("--no-write", action="store_true", help="print only; leave RESULTS.md alone")
     ap.add_argument("--out", type=Path, default=RESULTS, help="results file to write into")
     args = ap.parse_args(argv)
@@ -354,39 +421,53 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="aoed-soak-disk-"))
     root = work / "fs"
     root.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={args.size_mb}m", "tmpfs", str(root)],
-                       capture_output=True, text=True, check=False)  # fmt: skip
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={args.size_mb}m", "tmpfs", str(root)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     if r.returncode != 0:
-        print(f"soak_disk: cannot mount a {args.size_mb} MB tmpfs (needs root): {r.stderr.strip()}", file=sys.stderr)
+        print(
+            f"soak_disk: cannot mount a {args.size_mb} MB tmpfs (needs root): {r.stderr.strip()}",
+            file=sys.stderr,
+        )
         return 2
     log = work / "aoed.log"
     t0 = time.monotonic()
     try:
         ok, rows = soak(root, args.minutes, args.floor_mb, args.seed, log)
         if not ok or args.keep:
-            shutil.copytree(root, work / "kept", symlinks=True, ignore=shutil.ignore_patterns("filler*"),
-                            dirs_exist_ok=True)  # fmt: skip
+            shutil.copytree(
+                root,
+                work / "kept",
+                symlinks=True,
+                ignore=shutil.ignore_patterns("filler*"),
+                dirs_exist_ok=True,
+            )
     finally:
         subprocess.run(["umount", "-l", str(root)], check=False, capture_output=True)
     took = time.monotonic() - t0
     host.finish()
     short = "" if args.minutes >= 30 else " (a short run: `make soak` runs 30 minutes)"
-    text = "\n".join([
-        "## A full disk under load (`python bench/soak_disk.py`)",
-        "",
-        f"Machine: {host.describe('onnxruntime', 'lmdb', 'grpcio')}.",
-        "",
-        f"Run: {args.minutes:g} minutes{short}, {took / 60:.1f} minutes with the drain and the restart; "
-        f"{time.strftime('%Y-%m-%d')}. State dir, bank, inbox and models on a {args.size_mb} MB tmpfs, "
-        f"`min_free_mb = {args.floor_mb}`; one client thread making mixed calls (seed {args.seed}); the "
-        "filesystem filled to the last byte at 1/6 and 1/2 of the run, freed at 1/3 and 2/3.",
-        "",
-        "| figure | value |",
-        "|---|---|",
-        *rows,
-        "",
-        f"Result: {'PASS' if ok else 'FAIL'}.",
-    ])  # fmt: skip
+    text = "\n".join(
+        [
+            "## A full disk under load (`python bench/soak_disk.py`)",
+            "",
+            f"Machine: {host.describe('onnxruntime', 'lmdb', 'grpcio')}.",
+            "",
+            f"Run: {args.minutes:g} minutes{short}, {took / 60:.1f} minutes with the drain and the restart; "
+            f"{time.strftime('%Y-%m-%d')}. State dir, bank, inbox and models on a {args.size_mb} MB tmpfs, "
+            f"`min_free_mb = {args.floor_mb}`; one client thread making mixed calls (seed {args.seed}); the "
+            "filesystem filled to the last byte at 1/6 and 1/2 of the run, freed at 1/3 and 2/3.",
+            "",
+            "| figure | value |",
+            "|---|---|",
+            *rows,
+            "",
+            f"Result: {'PASS' if ok else 'FAIL'}.",
+        ]
+    )
     publish(text, args.out, BEGIN, END, write=not args.no_write)
     if not ok or args.keep:
         print(f"the daemon's log: {log}; its files: {work / 'kept'}")

@@ -173,7 +173,11 @@ def full_hit(doc: dict[str, Any]) -> bool:
     """Every bank entry the job needed came from the bank, and it measured no candidate."""
     repos = [s.get("repo_summary") or {} for s in aoe_sections(doc)]
     trials = field_of(doc, "resources", "trials")
-    return bool(repos) and all(r.get("repo_hit_num") == r.get("total_num") for r in repos) and trials == 0
+    return (
+        bool(repos)
+        and all(r.get("repo_hit_num") == r.get("total_num") for r in repos)
+        and trials == 0
+    )
 
 
 def pct(x: float) -> str:
@@ -494,7 +498,9 @@ def _target_agreement(results: Sequence[Any]) -> Target:
 
 def _why_disagree(r, p: str, a: Agreement) -> str:
     doc = r.tunes[p].full.doc
-    o = {k: model_figure(doc, f"model_{k}_performance(ms)") or "n/a" for k in ("baseline", "result")}
+    o = {
+        k: model_figure(doc, f"model_{k}_performance(ms)") or "n/a" for k in ("baseline", "result")
+    }
     lo, hi = a.bench_range
     ci = f"{signed(a.tuner_ci[0])} to {signed(a.tuner_ci[1])}" if a.tuner_ci else "n/a"
     return (

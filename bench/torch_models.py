@@ -62,13 +62,28 @@ CNN_EPOCHS = 30
 CNN_LR = 1e-3
 CNN_CALIBRATION_FILES = 10  # as bench/digits.py: aoe calibrates on half, judges on half
 
-TEXT = ("hf_bert", "hf_bert_dynamo", "hf_gpt2", "hf_gpt2_dynamo", "hf_llama", "hf_llama_dynamo", "hf_llama_gqa",
-        "hf_llama_gqa_dynamo")  # fmt: skip
+TEXT = (
+    "hf_bert",
+    "hf_bert_dynamo",
+    "hf_gpt2",
+    "hf_gpt2_dynamo",
+    "hf_llama",
+    "hf_llama_dynamo",
+    "hf_llama_gqa",
+    "hf_llama_gqa_dynamo",
+)
 NAMES = (*TEXT, "digits_cnn")
 
 
-def _export(module, args: tuple, path: Path, inputs: list[str], outputs: list[str], dynamo: bool,
-            opset: int = OPSET):  # fmt: skip
+def _export(
+    module,
+    args: tuple,
+    path: Path,
+    inputs: list[str],
+    outputs: list[str],
+    dynamo: bool,
+    opset: int = OPSET,
+):
     import torch
 
     kw = {"dynamo": dynamo, "opset_version": opset, "input_names": inputs, "output_names": outputs}
@@ -86,26 +101,43 @@ def text_model(name: str, out: Path) -> dict:
     torch.manual_seed(SEED)
     if name.startswith("hf_bert"):
         cfg = transformers.BertConfig(
-            vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS,
-            num_attention_heads=HEADS, intermediate_size=FFN, max_position_embeddings=512,
-        )  # fmt: skip
+            vocab_size=VOCAB,
+            hidden_size=HIDDEN,
+            num_hidden_layers=LAYERS,
+            num_attention_heads=HEADS,
+            intermediate_size=FFN,
+            max_position_embeddings=512,
+        )
         model = transformers.BertModel(cfg, add_pooling_layer=False)
         arch = "transformers BertModel (no pooler)"
         ffn = FFN
     elif name.startswith("hf_llama"):
         kv = GQA_KV_HEADS if name.startswith("hf_llama_gqa") else HEADS
         cfg = transformers.LlamaConfig(
-            vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
-            num_key_value_heads=kv, intermediate_size=LLAMA_FFN, max_position_embeddings=512, use_cache=False,
-        )  # fmt: skip
+            vocab_size=VOCAB,
+            hidden_size=HIDDEN,
+            num_hidden_layers=LAYERS,
+            num_attention_heads=HEADS,
+            num_key_value_heads=kv,
+            intermediate_size=LLAMA_FFN,
+            max_position_embeddings=512,
+            use_cache=False,
+        )
         model = transformers.LlamaModel(cfg)
-        arch = "transformers LlamaModel" + (f" with {kv} key/value heads (grouped-query)" if kv != HEADS else "")
+        arch = "transformers LlamaModel" + (
+            f" with {kv} key/value heads (grouped-query)" if kv != HEADS else ""
+        )
         ffn = LLAMA_FFN
     else:
         cfg = transformers.GPT2Config(
-            vocab_size=VOCAB, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS, n_inner=FFN,
-            n_positions=512, use_cache=False,
-        )  # fmt: skip
+            vocab_size=VOCAB,
+            n_embd=HIDDEN,
+            n_layer=LAYERS,
+            n_head=HEADS,
+            n_inner=FFN,
+            n_positions=512,
+            use_cache=False,
+        )
         model = transformers.GPT2Model(cfg)
         arch = "transformers GPT2Model"
         ffn = FFN
@@ -125,8 +157,15 @@ def text_model(name: str, out: Path) -> dict:
     mask = torch.ones(1, SEQ, dtype=torch.int64)
     path = out / f"{name}.onnx"
     with torch.no_grad():
-        _export(LastHidden(model), (ids, mask), path, ["input_ids", "attention_mask"],
-                ["last_hidden_state"], dynamo, OPSET_OF.get(name, OPSET))  # fmt: skip
+        _export(
+            LastHidden(model),
+            (ids, mask),
+            path,
+            ["input_ids", "attention_mask"],
+            ["last_hidden_state"],
+            dynamo,
+            OPSET_OF.get(name, OPSET),
+        )
     exporter = "dynamo" if dynamo else "TorchScript"
     attn = getattr(model.config, "_attn_implementation", None) or "default"
     return {
@@ -230,8 +269,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         info = build(args.name, args.out)
     except ImportError as exc:
-        print(f"bench/torch_models.py: {exc.name} is missing; install the bench extra "
-              "(pip install -e '.[bench]'; make bench does it)", file=sys.stderr)  # fmt: skip
+        print(
+            f"bench/torch_models.py: {exc.name} is missing; install the bench extra "
+            "(pip install -e '.[bench]'; make bench does it)",
+            file=sys.stderr,
+        )
         return 2
     print(json.dumps(info))
     return 0

@@ -22,7 +22,9 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return d
 
 
-def run_aoe(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None, timeout: float = 300):
+def run_aoe(
+    *args: str, env: dict[str, str] | None = None, cwd: Path | None = None, timeout: float = 300
+):
     """Run the installed `aoe` command line in a fresh process; returns CompletedProcess."""
     full_env = {k: v for k, v in os.environ.items() if k not in ("TUNE_BANK_PATH", "REPEAT_TUNE")}
     full_env.update(env or {})

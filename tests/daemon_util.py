@@ -54,8 +54,15 @@ def wait_for(pred: Callable[[], object], timeout: float, what: str, poll: float 
 
 
 class DaemonProcess:
-    def __init__(self, root: Path, extra_toml: str = "", *, parallel: int = 1, max_running_jobs: int = 2,
-                 listen_toml: str = ""):  # fmt: skip
+    def __init__(
+        self,
+        root: Path,
+        extra_toml: str = "",
+        *,
+        parallel: int = 1,
+        max_running_jobs: int = 2,
+        listen_toml: str = "",
+    ):
         self.root = root
         root.mkdir(parents=True, exist_ok=True)
         self._short = Path(tempfile.mkdtemp(prefix="aoed-t-", dir="/tmp"))
@@ -85,7 +92,11 @@ class DaemonProcess:
         return f"unix:{self.socket}"
 
     def env(self) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if k not in ("TUNE_BANK_PATH", "REPEAT_TUNE", "AOED_CONFIG")}
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if k not in ("TUNE_BANK_PATH", "REPEAT_TUNE", "AOED_CONFIG")
+        }
         env["AOED_SOCKET"] = str(self.socket)
         return env
 
@@ -93,8 +104,10 @@ class DaemonProcess:
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "aoed", "--config", str(self.config), "--log-level", "info"],
-            stdout=log, stderr=log, env=self.env(),
-        )  # fmt: skip
+            stdout=log,
+            stderr=log,
+            env=self.env(),
+        )
         log.close()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -108,7 +121,9 @@ class DaemonProcess:
     def serving(self) -> bool:
         try:
             with grpc.insecure_channel(self.target) as ch:
-                reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=2)
+                reply = health_pb2_grpc.HealthStub(ch).Check(
+                    health_pb2.HealthCheckRequest(), timeout=2
+                )
             return reply.status == health_pb2.HealthCheckResponse.SERVING
         except grpc.RpcError:
             return False
@@ -149,7 +164,9 @@ class DaemonProcess:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
-            raise RuntimeError(f"aoed did not stop within {timeout} s after SIGTERM:\n{self.log()}") from None
+            raise RuntimeError(
+                f"aoed did not stop within {timeout} s after SIGTERM:\n{self.log()}"
+            ) from None
 
     def kill(self) -> None:
         """SIGKILL, as a crash would; its children die with it (PR_SET_PDEATHSIG)."""
@@ -166,7 +183,11 @@ class DaemonProcess:
 
     def wait_job(self, job_id: str, timeout: float = 300) -> tuning_pb2.Job:
         """Poll until the job is final; returns it."""
-        final = (tuning_pb2.JOB_STATE_SUCCEEDED, tuning_pb2.JOB_STATE_FAILED, tuning_pb2.JOB_STATE_CANCELLED)
+        final = (
+            tuning_pb2.JOB_STATE_SUCCEEDED,
+            tuning_pb2.JOB_STATE_FAILED,
+            tuning_pb2.JOB_STATE_CANCELLED,
+        )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             job = self.tuning().GetJob(tuning_pb2.GetJobRequest(job_id=job_id), timeout=10).job
@@ -178,19 +199,34 @@ class DaemonProcess:
 
 def _chunks(path: Path, name: str, chunk: int) -> Iterator[tuning_pb2.UploadModelRequest]:
     data = path.read_bytes()
-    yield tuning_pb2.UploadModelRequest(header=tuning_pb2.ModelUploadHeader(
-        file_name=name, sha256=hashlib.sha256(data).hexdigest(), size_bytes=len(data)))  # fmt: skip
+    yield tuning_pb2.UploadModelRequest(
+        header=tuning_pb2.ModelUploadHeader(
+            file_name=name, sha256=hashlib.sha256(data).hexdigest(), size_bytes=len(data)
+        )
+    )
     for i in range(0, len(data), chunk):
         yield tuning_pb2.UploadModelRequest(chunk=data[i : i + chunk])
 
 
-def upload(stub: tuning_pb2_grpc.TuningServiceStub, path: Path, name: str | None = None, chunk: int = 256 << 10) -> str:
+def upload(
+    stub: tuning_pb2_grpc.TuningServiceStub,
+    path: Path,
+    name: str | None = None,
+    chunk: int = 256 << 10,
+) -> str:
     """Upload `path` in chunks; returns the model id."""
     return stub.UploadModel(_chunks(path, name or path.name, chunk), timeout=60).model_id
 
 
-def mixed_calls(ch: grpc.Channel, pid: int, job_id: str, hits: Sequence[str], misses: Sequence[str],
-                rng: random.Random, timeout: float = 60) -> dict[str, Callable[[], bool]]:  # fmt: skip
+def mixed_calls(
+    ch: grpc.Channel,
+    pid: int,
+    job_id: str,
+    hits: Sequence[str],
+    misses: Sequence[str],
+    rng: random.Random,
+    timeout: float = 60,
+) -> dict[str, Callable[[], bool]]:
     """Each kind of call of a load mix over `ch` (GetJob, ListJobs, LookupEntry hit and
     miss, GetDaemonInfo, a short WatchJob), returning whether its answer is the right one."""
     tuning = tuning_pb2_grpc.TuningServiceStub(ch)
@@ -198,16 +234,37 @@ def mixed_calls(ch: grpc.Channel, pid: int, job_id: str, hits: Sequence[str], mi
     daemon = daemon_pb2_grpc.DaemonServiceStub(ch)
 
     def watch() -> bool:  # a short watch: a few events, then the client goes away
-        stream = tuning.WatchJob(tuning_pb2.WatchJobRequest(job_id=job_id, include_logs=True), timeout=timeout)
+        stream = tuning.WatchJob(
+            tuning_pb2.WatchJobRequest(job_id=job_id, include_logs=True), timeout=timeout
+        )
         seqs = [m.event.sequence for _, m in zip(range(3), stream)]
         stream.cancel()
         return len(seqs) > 0 and seqs == list(range(1, len(seqs) + 1))
 
     return {
-        "GetJob": lambda: tuning.GetJob(tuning_pb2.GetJobRequest(job_id=job_id), timeout=timeout).job.job_id == job_id,
-        "ListJobs": lambda: job_id in [j.job_id for j in tuning.ListJobs(tuning_pb2.ListJobsRequest(), timeout=timeout).jobs],
-        "LookupEntry hit": lambda: bank.LookupEntry(bank_pb2.LookupEntryRequest(key=rng.choice(hits)), timeout=timeout).found,
-        "LookupEntry miss": lambda: not bank.LookupEntry(bank_pb2.LookupEntryRequest(key=rng.choice(misses)), timeout=timeout).found,
-        "GetDaemonInfo": lambda: daemon.GetDaemonInfo(daemon_pb2.GetDaemonInfoRequest(), timeout=timeout).pid == pid,
+        "GetJob": lambda: (
+            tuning.GetJob(tuning_pb2.GetJobRequest(job_id=job_id), timeout=timeout).job.job_id
+            == job_id
+        ),
+        "ListJobs": lambda: (
+            job_id
+            in [
+                j.job_id
+                for j in tuning.ListJobs(tuning_pb2.ListJobsRequest(), timeout=timeout).jobs
+            ]
+        ),
+        "LookupEntry hit": lambda: (
+            bank.LookupEntry(
+                bank_pb2.LookupEntryRequest(key=rng.choice(hits)), timeout=timeout
+            ).found
+        ),
+        "LookupEntry miss": lambda: (
+            not bank.LookupEntry(
+                bank_pb2.LookupEntryRequest(key=rng.choice(misses)), timeout=timeout
+            ).found
+        ),
+        "GetDaemonInfo": lambda: (
+            daemon.GetDaemonInfo(daemon_pb2.GetDaemonInfoRequest(), timeout=timeout).pid == pid
+        ),
         "WatchJob": watch,
-    }  # fmt: skip
+    }

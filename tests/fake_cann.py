@@ -21,11 +21,24 @@ import onnxruntime as ort
 PROVIDER = "CANNExecutionProvider"
 #: what the CANN provider takes, as onnxruntime's documentation names it
 DOCUMENTED = {
-    "device_id", "npu_mem_limit", "arena_extend_strategy", "enable_cann_graph", "dump_graphs", "dump_om_model",
-    "precision_mode", "op_select_impl_mode", "optypelist_for_implmode",
-}  # fmt: skip
-PRECISION_MODES = {"force_fp32", "cube_fp16in_fp32out", "force_fp16", "allow_fp32_to_fp16", "must_keep_origin_dtype",
-                   "allow_mix_precision"}  # fmt: skip
+    "device_id",
+    "npu_mem_limit",
+    "arena_extend_strategy",
+    "enable_cann_graph",
+    "dump_graphs",
+    "dump_om_model",
+    "precision_mode",
+    "op_select_impl_mode",
+    "optypelist_for_implmode",
+}
+PRECISION_MODES = {
+    "force_fp32",
+    "cube_fp16in_fp32out",
+    "force_fp16",
+    "allow_fp32_to_fp16",
+    "must_keep_origin_dtype",
+    "allow_mix_precision",
+}
 
 _available = ort.get_available_providers
 _Session = ort.InferenceSession
@@ -41,15 +54,19 @@ class _Session(_Session):  # type: ignore[no-redef,misc]
     def __init__(self, model, sess_options=None, providers=None, provider_options=None, **kw):
         kept = []
         for p in providers or []:
-            name, opts = (p if isinstance(p, tuple) else (p, {}))
+            name, opts = p if isinstance(p, tuple) else (p, {})
             if name != PROVIDER:
                 kept.append(p)
                 continue
             unknown = set(opts) - DOCUMENTED
             if unknown:
-                raise RuntimeError(f"[ONNXRuntimeError] : 2 : INVALID_ARGUMENT : Unknown CANN option {sorted(unknown)}")
+                raise RuntimeError(
+                    f"[ONNXRuntimeError] : 2 : INVALID_ARGUMENT : Unknown CANN option {sorted(unknown)}"
+                )
             if "precision_mode" in opts and opts["precision_mode"] not in PRECISION_MODES:
-                raise RuntimeError(f"[ONNXRuntimeError] : 2 : INVALID_ARGUMENT : precision_mode {opts['precision_mode']}")
+                raise RuntimeError(
+                    f"[ONNXRuntimeError] : 2 : INVALID_ARGUMENT : precision_mode {opts['precision_mode']}"
+                )
             with open(os.environ["AOED_FAKE_CANN_LOG"], "a", encoding="utf-8") as log:
                 log.write(json.dumps({"pid": os.getpid(), "options": dict(opts)}) + "\n")
         super().__init__(model, sess_options, providers=kept or None, **kw)
@@ -61,9 +78,12 @@ def _on_host(device: str) -> str:
 
 ort.get_available_providers = _providers
 ort.InferenceSession = _Session
-ort.OrtValue.ortvalue_from_numpy = staticmethod(lambda a, device="cpu", index=0, *r: _from_numpy(a, _on_host(device), 0))
+ort.OrtValue.ortvalue_from_numpy = staticmethod(
+    lambda a, device="cpu", index=0, *r: _from_numpy(a, _on_host(device), 0)
+)
 ort.IOBinding.bind_output = lambda self, name, device_type="cpu", device_id=0, *r: _bind_output(
-    self, name, _on_host(device_type), 0, *r)
+    self, name, _on_host(device_type), 0, *r
+)
 
 
 if __name__ == "__main__":

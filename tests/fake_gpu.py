@@ -24,16 +24,22 @@ def install_nvidia_smi(bindir: Path, fixture: str) -> Path:
     text = (FIXTURES / fixture).read_text()
     if fixture == "old-driver.txt":
         refusal, _, answer = text.partition("\n\n")
-        body = (f"if [ \"$1\" = {shlex.quote(QUERY)} ]; then printf '%s\\n' {shlex.quote(refusal)}; exit 2; fi\n"
-                f"if [ \"$1\" = {shlex.quote(OLD_QUERY)} ]; then printf '%s' {shlex.quote(answer)}; exit 0; fi\n")  # fmt: skip
+        body = (
+            f"if [ \"$1\" = {shlex.quote(QUERY)} ]; then printf '%s\\n' {shlex.quote(refusal)}; exit 2; fi\n"
+            f"if [ \"$1\" = {shlex.quote(OLD_QUERY)} ]; then printf '%s' {shlex.quote(answer)}; exit 0; fi\n"
+        )
     else:
         body = f"if [ \"$1\" = {shlex.quote(QUERY)} ]; then printf '%s' {shlex.quote(text)}; exit 0; fi\n"
     exe = bindir / "nvidia-smi"
-    exe.write_text("#!/bin/sh\n" + body + "echo \"Invalid combination of input arguments: $*\" >&2\nexit 2\n")
+    exe.write_text(
+        "#!/bin/sh\n" + body + 'echo "Invalid combination of input arguments: $*" >&2\nexit 2\n'
+    )
     exe.chmod(exe.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
     return exe
 
 
 def path_with(bindir: Path) -> str:
     """PATH with `bindir` first (and this interpreter's folder, for child processes)."""
-    return os.pathsep.join([str(bindir), str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    return os.pathsep.join(
+        [str(bindir), str(Path(sys.executable).parent), os.environ.get("PATH", "")]
+    )

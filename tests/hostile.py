@@ -60,7 +60,9 @@ class Kind:
 KINDS: dict[str, Kind] = {}
 
 
-def kind(error: type[AoedError] | None, says: str, **extra) -> Callable[[Callable[[Path], Path | Case]], Callable]:
+def kind(
+    error: type[AoedError] | None, says: str, **extra
+) -> Callable[[Callable[[Path], Path | Case]], Callable]:
     def register(fn: Callable[[Path], Path | Case]) -> Callable:
         def build(folder: Path) -> Case:
             folder.mkdir(parents=True, exist_ok=True)
@@ -89,8 +91,12 @@ def tiny_model(
     graph = helper.make_graph(
         nodes if nodes is not None else [helper.make_node("Relu", ["x"], ["y"], name="relu")],
         name,
-        inputs if inputs is not None else [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
-        outputs if outputs is not None else [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])],
+        inputs
+        if inputs is not None
+        else [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
+        outputs
+        if outputs is not None
+        else [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])],
         initializer=initializers or [],
     )
     imports = [helper.make_opsetid(d, v) for d, v in (opsets or {"": OPSET}).items()]
@@ -123,7 +129,9 @@ def _external(folder: Path, location: str, offset: int = 0, length: int = 16) ->
         entry.key, entry.value = key, value
     # Named after its folder: kinds with the same location differ in bytes, so a daemon
     # never joins one kind's job to another's.
-    model = tiny_model([helper.make_node("Add", ["x", "w"], ["y"], name="add")], initializers=[w], name=folder.name)
+    model = tiny_model(
+        [helper.make_node("Add", ["x", "w"], ["y"], name="add")], initializers=[w], name=folder.name
+    )
     return _save(model, folder / "model.onnx")
 
 
@@ -141,7 +149,9 @@ def _chain(n: int) -> bytes:
         return b"\x0a%c%s" % (len(p), p)  # GraphProto.node = 1; every length here is < 128
 
     nodes = b"".join([node(i) for i in range(1, n)])
-    return head.SerializeToString() + _field(7, graph + nodes)  # ModelProto.graph = 7: the two merge
+    return head.SerializeToString() + _field(
+        7, graph + nodes
+    )  # ModelProto.graph = 7: the two merge
 
 
 def _field(number: int, payload: bytes) -> bytes:
@@ -163,19 +173,37 @@ def _nested_if(depth: int) -> bytes:
     (the innermost passes x through, each else-branch negates it), written as raw
     protobuf: the protobuf library itself refuses to build messages nested this deep."""
 
-    def graph(name: str, node: bytes, out: str) -> bytes:  # GraphProto: node = 1, name = 2, output = 12
+    def graph(
+        name: str, node: bytes, out: str
+    ) -> bytes:  # GraphProto: node = 1, name = 2, output = 12
         vi = helper.make_tensor_value_info(out, TensorProto.FLOAT, [1, 4]).SerializeToString()
         return _field(1, node) + _field(2, name.encode()) + _field(12, vi)
 
-    def attr(name: str, g: bytes) -> bytes:  # AttributeProto: name = 1, g = 6, type = 20 (GRAPH = 5)
+    def attr(
+        name: str, g: bytes
+    ) -> bytes:  # AttributeProto: name = 1, g = 6, type = 20 (GRAPH = 5)
         return _field(1, name.encode()) + _field(6, g) + _varint(20 << 3) + _varint(5)
 
-    body = graph(f"g{depth}", helper.make_node("Identity", ["x"], [f"o{depth}"]).SerializeToString(), f"o{depth}")
+    body = graph(
+        f"g{depth}",
+        helper.make_node("Identity", ["x"], [f"o{depth}"]).SerializeToString(),
+        f"o{depth}",
+    )
     for level in range(depth - 1, -1, -1):
         out = "y" if level == 0 else f"o{level}"
-        neg = graph(f"e{level}", helper.make_node("Neg", ["x"], [f"e{level}"]).SerializeToString(), f"e{level}")
-        node = (_field(1, b"c") + _field(2, out.encode()) + _field(3, f"if{level}".encode()) + _field(4, b"If")
-                + _field(5, attr("then_branch", body)) + _field(5, attr("else_branch", neg)))  # fmt: skip
+        neg = graph(
+            f"e{level}",
+            helper.make_node("Neg", ["x"], [f"e{level}"]).SerializeToString(),
+            f"e{level}",
+        )
+        node = (
+            _field(1, b"c")
+            + _field(2, out.encode())
+            + _field(3, f"if{level}".encode())
+            + _field(4, b"If")
+            + _field(5, attr("then_branch", body))
+            + _field(5, attr("else_branch", neg))
+        )
         body = graph(f"g{level}", node, out)
     c = helper.make_tensor_value_info("c", TensorProto.BOOL, [])
     head = tiny_model([], inputs=[helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4]), c])
@@ -240,8 +268,11 @@ def model_without_graph(folder: Path) -> Path:
 def graph_cycle(folder: Path) -> Path:
     """n1 reads b, which n2 computes from n1's output. ONNX wants nodes in topological
     order, and no order of a cycle is one, so the checker names the input."""
-    nodes = [helper.make_node("Add", ["x", "b"], ["a"], name="n1"), helper.make_node("Relu", ["a"], ["b"], name="n2"),
-             helper.make_node("Relu", ["a"], ["y"], name="n3")]  # fmt: skip
+    nodes = [
+        helper.make_node("Add", ["x", "b"], ["a"], name="n1"),
+        helper.make_node("Relu", ["a"], ["b"], name="n2"),
+        helper.make_node("Relu", ["a"], ["y"], name="n3"),
+    ]
     return _save(tiny_model(nodes), folder / "model.onnx")
 
 
@@ -253,13 +284,18 @@ def undefined_input(folder: Path) -> Path:
 
 @kind(ModelError, r"No Op registered for FrobnicateAll")
 def unknown_op(folder: Path) -> Path:
-    return _save(tiny_model([helper.make_node("FrobnicateAll", ["x"], ["y"], name="frob")]), folder / "model.onnx")
+    return _save(
+        tiny_model([helper.make_node("FrobnicateAll", ["x"], ["y"], name="frob")]),
+        folder / "model.onnx",
+    )
 
 
 @kind(ModelError, r"cannot load.*com\.example\.nope:Frob")
 def unknown_domain(folder: Path) -> Path:
     nodes = [helper.make_node("Frob", ["x"], ["y"], name="frob", domain="com.example.nope")]
-    return _save(tiny_model(nodes, opsets={"": OPSET, "com.example.nope": 1}), folder / "model.onnx")
+    return _save(
+        tiny_model(nodes, opsets={"": OPSET, "com.example.nope": 1}), folder / "model.onnx"
+    )
 
 
 @kind(None, r"opset|Relu")
@@ -288,7 +324,10 @@ def no_outputs(folder: Path) -> Path:
 
 @kind(ModelError, r"SSA.*'y'")
 def duplicate_output_names(folder: Path) -> Path:
-    nodes = [helper.make_node("Relu", ["x"], ["y"], name="a"), helper.make_node("Neg", ["x"], ["y"], name="b")]
+    nodes = [
+        helper.make_node("Relu", ["x"], ["y"], name="a"),
+        helper.make_node("Neg", ["x"], ["y"], name="b"),
+    ]
     return _save(tiny_model(nodes), folder / "model.onnx")
 
 
@@ -301,17 +340,26 @@ def input_without_type(folder: Path) -> Path:
 def string_input(folder: Path) -> Path:
     """A tensor of strings: the tuner cannot make up input data for it."""
     nodes = [helper.make_node("Identity", ["s"], ["y"], name="id")]
-    return _save(tiny_model(nodes, inputs=[helper.make_tensor_value_info("s", TensorProto.STRING, [1, 4])],
-                            outputs=[helper.make_tensor_value_info("y", TensorProto.STRING, [1, 4])]),
-                 folder / "model.onnx")  # fmt: skip
+    return _save(
+        tiny_model(
+            nodes,
+            inputs=[helper.make_tensor_value_info("s", TensorProto.STRING, [1, 4])],
+            outputs=[helper.make_tensor_value_info("y", TensorProto.STRING, [1, 4])],
+        ),
+        folder / "model.onnx",
+    )
 
 
 @kind(ModelError, r"'x'.*zero-size")
 def zero_size_input(folder: Path) -> Path:
     """An input with a 0 dimension: nothing to compute, nothing to time."""
-    return _save(tiny_model(inputs=[helper.make_tensor_value_info("x", TensorProto.FLOAT, [0, 4])],
-                            outputs=[helper.make_tensor_value_info("y", TensorProto.FLOAT, [0, 4])]),
-                 folder / "model.onnx")  # fmt: skip
+    return _save(
+        tiny_model(
+            inputs=[helper.make_tensor_value_info("x", TensorProto.FLOAT, [0, 4])],
+            outputs=[helper.make_tensor_value_info("y", TensorProto.FLOAT, [0, 4])],
+        ),
+        folder / "model.onnx",
+    )
 
 
 @kind(None, r"'e'|zero|empty")
@@ -319,14 +367,19 @@ def zero_size_initializer(folder: Path) -> Path:
     """An empty weight concatenated to a real input: valid and runnable (Concat with a
     [1, 0] tensor), so it may tune; if not, the error names the tensor."""
     e = numpy_helper.from_array(np.zeros((1, 0), np.float32), "e")
-    nodes = [helper.make_node("Concat", ["x", "e"], ["c"], axis=1, name="cat"), helper.make_node("Relu", ["c"], ["y"])]
+    nodes = [
+        helper.make_node("Concat", ["x", "e"], ["c"], axis=1, name="cat"),
+        helper.make_node("Relu", ["c"], ["y"]),
+    ]
     return _save(tiny_model(nodes, initializers=[e]), folder / "model.onnx")
 
 
 @kind(ModelError, r"initializer 'w' has shape \[1, 4\] of float32 \(16 bytes\) but stores 12 bytes")
 def raw_data_mismatch(folder: Path) -> Path:
     """An initializer whose raw bytes (3 floats) do not fill its dims (1x4)."""
-    w = TensorProto(name="w", data_type=TensorProto.FLOAT, dims=[1, 4], raw_data=struct.pack("<3f", 1, 2, 3))
+    w = TensorProto(
+        name="w", data_type=TensorProto.FLOAT, dims=[1, 4], raw_data=struct.pack("<3f", 1, 2, 3)
+    )
     model = tiny_model([helper.make_node("Add", ["x", "w"], ["y"], name="add")], initializers=[w])
     return _save(model, folder / "model.onnx")
 
@@ -355,7 +408,9 @@ def dims_2_pow_40(folder: Path) -> Path:
 def dims_overflow_int64(folder: Path) -> Path:
     """An initializer whose dims multiply past 2^63 (each fits an int64, their product
     does not): a C++ size_t product wraps to a small number."""
-    w = TensorProto(name="w", data_type=TensorProto.FLOAT, dims=[1 << 32, 1 << 32, 4], raw_data=b"\0" * 16)
+    w = TensorProto(
+        name="w", data_type=TensorProto.FLOAT, dims=[1 << 32, 1 << 32, 4], raw_data=b"\0" * 16
+    )
     model = tiny_model([helper.make_node("Add", ["x", "w"], ["y"], name="add")], initializers=[w])
     return _save(model, folder / "model.onnx")
 
@@ -406,8 +461,13 @@ def non_utf8_names(folder: Path) -> Path:
     """A node and a tensor named with bytes that are not UTF-8 (onnx cannot write them:
     the placeholder is patched in the serialized bytes, same length)."""
     mark = "\x01PATCHME\x01"
-    nodes = [helper.make_node("Relu", ["x"], [mark], name=mark), helper.make_node("Neg", [mark], ["y"], name="neg")]
-    bad = b"\xff\xfe\xc0" + b"A" * (len(mark) - 4) + b"\xff"  # as long as the mark: lengths stay right
+    nodes = [
+        helper.make_node("Relu", ["x"], [mark], name=mark),
+        helper.make_node("Neg", [mark], ["y"], name="neg"),
+    ]
+    bad = (
+        b"\xff\xfe\xc0" + b"A" * (len(mark) - 4) + b"\xff"
+    )  # as long as the mark: lengths stay right
     data = tiny_model(nodes).SerializeToString().replace(mark.encode(), bad)
     (p := folder / "model.onnx").write_bytes(data)
     return p
@@ -418,7 +478,10 @@ def very_long_names(folder: Path) -> Path:
     """A tensor and a node named with 100k characters: legal in ONNX, but every message,
     log line and report that names them would be 100 kB long."""
     long = "n" * 100_000
-    nodes = [helper.make_node("Relu", ["x"], [long], name=long), helper.make_node("Neg", [long], ["y"], name="neg")]
+    nodes = [
+        helper.make_node("Relu", ["x"], [long], name=long),
+        helper.make_node("Neg", [long], ["y"], name="neg"),
+    ]
     return _save(tiny_model(nodes), folder / "model.onnx")
 
 
@@ -433,7 +496,9 @@ def fails_at_session_creation(folder: Path) -> Path:
     nodes = [helper.make_node("Resize", ["x", "", "scales"], ["y"], mode="sideways", name="resize")]
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1, 2, 2])
     y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 1, 4, 4])
-    return _save(tiny_model(nodes, inputs=[x], outputs=[y], initializers=[scales]), folder / "model.onnx")
+    return _save(
+        tiny_model(nodes, inputs=[x], outputs=[y], initializers=[scales]), folder / "model.onnx"
+    )
 
 
 @kind(ModelError, r"cannot run.*'gather'.*out of data bounds")
@@ -449,7 +514,10 @@ def nan_output(folder: Path) -> Path:
     """y = x + sqrt(-1): every output is NaN. A model may legitimately produce NaN, and
     nothing tunable changes that; it may succeed (input shipped) or fail naming NaN."""
     m = numpy_helper.from_array(np.full((1, 4), -1.0, np.float32), "m")
-    nodes = [helper.make_node("Sqrt", ["m"], ["s"], name="sqrt"), helper.make_node("Add", ["x", "s"], ["y"], name="add")]
+    nodes = [
+        helper.make_node("Sqrt", ["m"], ["s"], name="sqrt"),
+        helper.make_node("Add", ["x", "s"], ["y"], name="add"),
+    ]
     return _save(tiny_model(nodes, initializers=[m]), folder / "model.onnx")
 
 

@@ -231,8 +231,10 @@ async def test_bad_records_are_refused_and_nothing_is_written_before_all_are_che
         assert await _stats(d) == before
         # A valid record, then a message that breaks the stream: the valid one is not
         # written either (the import is read and checked whole first).
-        stream = [bank_pb2.ImportEntriesRequest(entry=fresh.entry),
-                  bank_pb2.ImportEntriesRequest(options=bank_pb2.ImportOptions())]  # fmt: skip
+        stream = [
+            bank_pb2.ImportEntriesRequest(entry=fresh.entry),
+            bank_pb2.ImportEntriesRequest(options=bank_pb2.ImportOptions()),
+        ]
         with pytest.raises(grpc.RpcError) as err:
             await d("ImportEntries", iter(stream))
         assert (
@@ -327,8 +329,11 @@ async def test_verify_streams_a_verdict_per_entry_and_records_the_measurements(
     from aoed.engine.prep import prepare
 
     prep = prepare(models / "mlp.onnx", tmp_path / "prep")
-    fused = next(t for t in tunable_tasks(prep.model, prep.ctx, build_registry(), "exact")
-                 if t.op_type == "MatMul+Add+Relu")  # fmt: skip
+    fused = next(
+        t
+        for t in tunable_tasks(prep.model, prep.ctx, build_registry(), "exact")
+        if t.op_type == "MatMul+Add+Relu"
+    )
     local = rec(sig=fused.signature, strategy="fused_gemm", family="matmul")
     elsewhere = rec(sig=fused.signature, dev=foreign(), strategy="fused_gemm", family="matmul")
     make_bank(tmp_path / "a" / "bank", [local, elsewhere])

@@ -45,7 +45,9 @@ def test_compile_reproduces_the_tuning_run(models: Path, tmp_path: Path) -> None
     tuned = onnx.load(doc["tuned_model"])
 
     compiled_path = tmp_path / "compiled.onnx"
-    r = run_aoe("compile", str(models / "mlp.onnx"), "-o", str(compiled_path), "--bank", str(bank), "--json")
+    r = run_aoe(
+        "compile", str(models / "mlp.onnx"), "-o", str(compiled_path), "--bank", str(bank), "--json"
+    )
     assert r.returncode == 0, r.stderr
     report = json.loads(r.stdout)
     compiled = onnx.load(str(compiled_path))
@@ -53,8 +55,14 @@ def test_compile_reproduces_the_tuning_run(models: Path, tmp_path: Path) -> None
     # Every task the run decided, and the session options, came from the bank; a task the
     # budget left untuned has nothing there.
     untuned = {t["task_id"] for t in doc["tasks"] if t["update_mode"] in ("skipped", "failed")}
-    assert report["misses"] == len(untuned) and report["hits"] == len(doc["tasks"]) + 1 - len(untuned)
-    assert {t["status"] for t in report["tasks"] if t["task_id"] not in untuned} <= {"hit", "default", "reverted"}
+    assert report["misses"] == len(untuned) and report["hits"] == len(doc["tasks"]) + 1 - len(
+        untuned
+    )
+    assert {t["status"] for t in report["tasks"] if t["task_id"] not in untuned} <= {
+        "hit",
+        "default",
+        "reverted",
+    }
     assert all(t["layer"] == CUSTOM for t in report["tasks"] if t["task_id"] not in untuned)
     # Whatever the run shipped, compiling from the bank gives it again: the chosen
     # strategies, or the input model when its confirming A/B found no gain.
@@ -66,7 +74,9 @@ def test_compile_reproduces_the_tuning_run(models: Path, tmp_path: Path) -> None
     assert any("no faster than the input" in n for n in report["notes"]) == shipped_input
 
 
-def test_compile_applies_bank_strategies_and_skips_what_it_must(models: Path, tmp_path: Path) -> None:
+def test_compile_applies_bank_strategies_and_skips_what_it_must(
+    models: Path, tmp_path: Path
+) -> None:
     src = models / "mlp.onnx"
     prep = prepare(src, tmp_path / "prep")
     tasks = _tasks(prep)
@@ -87,7 +97,11 @@ def test_compile_applies_bank_strategies_and_skips_what_it_must(models: Path, tm
     with open_bank(bank, use_env=False) as reader:
         asm = compile_model(src, out, reader)
     by_id = {t.task_id: t for t in asm.tasks}
-    assert (by_id[first.id].status, by_id[first.id].strategy, by_id[first.id].layer) == ("hit", "fused_gemm", CUSTOM)
+    assert (by_id[first.id].status, by_id[first.id].strategy, by_id[first.id].layer) == (
+        "hit",
+        "fused_gemm",
+        CUSTOM,
+    )
     assert (by_id[first.id].before_us, by_id[first.id].after_us) == (10.0, 8.0)
     assert by_id[second.id].status == "ignored" and "no_such_strategy" in by_id[second.id].reason
     assert by_id[third.id].status == "miss" and "other device" in by_id[third.id].reason
@@ -96,8 +110,12 @@ def test_compile_applies_bank_strategies_and_skips_what_it_must(models: Path, tm
 
     model = onnx.load(str(out))
     ops = [n.op_type for n in model.graph.node]
-    assert "FusedGemm" in ops and any(n.name.startswith(f"aoe/{first.id}/") for n in model.graph.node)
-    assert not any(n.name.startswith((f"aoe/{second.id}/", f"aoe/{third.id}/")) for n in model.graph.node)
+    assert "FusedGemm" in ops and any(
+        n.name.startswith(f"aoe/{first.id}/") for n in model.graph.node
+    )
+    assert not any(
+        n.name.startswith((f"aoe/{second.id}/", f"aoe/{third.id}/")) for n in model.graph.node
+    )
     assert _meta(model)[METADATA_KEY] == canonical_json(options)
     assert _meta(model)["aoe.precision"] == "exact"
     # The compiled model computes what the source model computes.
@@ -108,22 +126,39 @@ def test_compile_applies_bank_strategies_and_skips_what_it_must(models: Path, tm
         np.testing.assert_allclose(y, x, rtol=1e-4, atol=1e-5)
 
 
-def test_compile_rechecks_banked_session_options_unless_told_not_to(models: Path, tmp_path: Path) -> None:
+def test_compile_rechecks_banked_session_options_unless_told_not_to(
+    models: Path, tmp_path: Path
+) -> None:
     src = models / "mlp.onnx"
     prep = prepare(src, tmp_path / "prep")
     options = {"intra_op_num_threads": 1, "config": {"session.intra_op.allow_spinning": "0"}}
-    bank = make_bank(tmp_path / "bank", [rec(sig=model_signature(prep.model), strategy=canonical_json(options),
-                                             family="session")])  # fmt: skip
+    bank = make_bank(
+        tmp_path / "bank",
+        [rec(sig=model_signature(prep.model), strategy=canonical_json(options), family="session")],
+    )
     r = run_aoe("compile", str(src), "-o", str(tmp_path / "a.onnx"), "--bank", str(bank), "--json")
     assert r.returncode == 0, r.stderr
     report = json.loads(r.stdout)
     (note,) = [n for n in report["notes"] if "re-checked here" in n]
     kept = "(faster)" in note
-    assert (report["session_options"] == options) == kept and (report["session_options"] == {}) == (not kept)
+    assert (report["session_options"] == options) == kept and (report["session_options"] == {}) == (
+        not kept
+    )
     assert aoe.session_options_of(tmp_path / "a.onnx") == report["session_options"]
-    r = run_aoe("compile", str(src), "-o", str(tmp_path / "b.onnx"), "--bank", str(bank), "--json", "--no-check")
+    r = run_aoe(
+        "compile",
+        str(src),
+        "-o",
+        str(tmp_path / "b.onnx"),
+        "--bank",
+        str(bank),
+        "--json",
+        "--no-check",
+    )
     report = json.loads(r.stdout)
-    assert report["session_options"] == options and not [n for n in report["notes"] if "re-checked" in n]
+    assert report["session_options"] == options and not [
+        n for n in report["notes"] if "re-checked" in n
+    ]
 
 
 def test_compile_against_an_empty_bank_changes_nothing(models: Path, tmp_path: Path) -> None:
@@ -148,11 +183,17 @@ def test_a_reversal_in_context_is_remembered(models: Path, tmp_path: Path) -> No
     records = [
         rec(sig=first.signature, strategy="fused_gemm", family=first.family),
         rec(sig=second.signature, strategy="gemm_pretransposed", family=second.family),
-        rec(sig=model_signature(prep.model), strategy=canonical_json({}), family="session",
-            params={"reverted": first.signature.digest}),
+        rec(
+            sig=model_signature(prep.model),
+            strategy=canonical_json({}),
+            family="session",
+            params={"reverted": first.signature.digest},
+        ),
     ]
     here_digest = records[0].device.digest
-    known = [(bank_key(t.signature.digest, here_digest, "exact"), {"default_us": 1.0}) for t in rest]
+    known = [
+        (bank_key(t.signature.digest, here_digest, "exact"), {"default_us": 1.0}) for t in rest
+    ]
     bank = make_bank(tmp_path / "bank", records, defaults=known)
     out = tmp_path / "compiled.onnx"
     with open_bank(bank, use_env=False) as reader:

@@ -29,9 +29,14 @@ def _entry(n: int, median: float, host: str, dev=None, precision: str = "exact")
     text = s.canonical_json.replace('"v":1', f'"v":1,"task":{n}')
     sig = type(s)(s.op_type, s.domain, s.opset, text, hashlib.sha256(text.encode()).hexdigest())
     return rec(
-        sig=sig, dev=dev, precision=precision, host=host, job_id=f"job-{host}-{n}",
-        winner=Measured(median, 0.01, 30, median * 0.9), created_unix=1_700_000_000.0 + n,
-    )  # fmt: skip
+        sig=sig,
+        dev=dev,
+        precision=precision,
+        host=host,
+        job_id=f"job-{host}-{n}",
+        winner=Measured(median, 0.01, 30, median * 0.9),
+        created_unix=1_700_000_000.0 + n,
+    )
 
 
 def _stored(path: Path) -> dict[bytes, bytes]:
@@ -66,7 +71,9 @@ def test_export_then_import_keeps_the_faster_and_provenance(banks) -> None:
     assert [list(d) for d in docs] == [["entry"]] * 4 + [["trial"]]
     keys = [d["entry"]["key"] for d in docs[:4]]
     assert keys == sorted(keys)  # key order: diffable
-    assert docs[4]["trial"]["key"] == a["k1"].key.decode() and json.loads(docs[4]["trial"]["trial_json"]) == {"n": 1}
+    assert docs[4]["trial"]["key"] == a["k1"].key.decode() and json.loads(
+        docs[4]["trial"]["trial_json"]
+    ) == {"n": 1}
     for line in dump.read_text().splitlines():
         inner = next(iter(json.loads(line).values()))
         assert list(inner) == sorted(inner)
@@ -132,7 +139,13 @@ def test_import_refuses_broken_lines_and_writes_nothing_for_them(tmp_path: Path)
     future = bank_pb2.BankEntry()
     future.CopyFrom(msg)
     future.schema_version = 99
-    lines = ["{not json", "", entry_to_json(wrong_key), entry_to_json(tampered), entry_to_json(future)]
+    lines = [
+        "{not json",
+        "",
+        entry_to_json(wrong_key),
+        entry_to_json(tampered),
+        entry_to_json(future),
+    ]
     store = BankStore(tmp_path / "bank")
     try:
         report = import_lines(store, lines)
@@ -177,10 +190,15 @@ def test_export_and_import_carry_default_records_and_history(tmp_path: Path) -> 
         (_key(4), {"default_us": 997.75, "reverted": reverted}),  # model level
         (_key(5), {"default_us": 40.0, "reverted": []}),  # model level, nothing reverted
     ]
-    trials = [(entries[0].key, {"strategy": "fused_gemm", "median_us": 5.0}), (_key(3), {"strategy": "default"})]
+    trials = [
+        (entries[0].key, {"strategy": "fused_gemm", "median_us": 5.0}),
+        (_key(3), {"strategy": "default"}),
+    ]
     make_bank(tmp_path / "a", entries, defaults=defaults, trials=trials)
     lines = _export(tmp_path / "a")
-    assert [next(iter(json.loads(line))) for line in lines] == ["entry"] * 2 + ["default_record"] * 3 + ["trial"] * 2
+    assert [next(iter(json.loads(line))) for line in lines] == ["entry"] * 2 + [
+        "default_record"
+    ] * 3 + ["trial"] * 2
     model = json.loads(lines[3])["default_record"]
     assert model == {"key": _key(4).decode(), "default_us": 997.75, "reverted": reverted}
 
@@ -192,8 +210,10 @@ def test_export_and_import_carry_default_records_and_history(tmp_path: Path) -> 
         store.close()
     assert report.refused == []
     assert {k: (c.added, c.updated, c.kept) for k, c in report.counts.items()} == {
-        "entry": (2, 0, 0), "default": (3, 0, 0), "trial": (2, 0, 0)
-    }  # fmt: skip
+        "entry": (2, 0, 0),
+        "default": (3, 0, 0),
+        "trial": (2, 0, 0),
+    }
     assert (again.added, again.updated, again.kept) == (0, 0, 7)  # importing twice adds nothing
     a, b = _contents(tmp_path / "a"), _contents(tmp_path / "b")
     assert b["entries"] == a["entries"] and b["history"] == a["history"]  # byte for byte
@@ -213,22 +233,46 @@ def test_export_and_import_carry_default_records_and_history(tmp_path: Path) -> 
     [
         # keep-faster: the default record (8 us) beats the entry (10 us); the entry (7 us)
         # loses to the default record (5 us); 10 us beats 20 us; 4 us loses to 3 us.
-        ("keep-faster", {1: ("default", 8.0), 2: ("default", 5.0), 3: ("default", 10.0), 4: ("entry", 3.0)}),
-        ("overwrite", {1: ("default", 8.0), 2: ("entry", 7.0), 3: ("default", 10.0), 4: ("entry", 4.0)}),
-        ("keep-existing", {1: ("entry", 10.0), 2: ("default", 5.0), 3: ("default", 20.0), 4: ("entry", 3.0)}),
+        (
+            "keep-faster",
+            {1: ("default", 8.0), 2: ("default", 5.0), 3: ("default", 10.0), 4: ("entry", 3.0)},
+        ),
+        (
+            "overwrite",
+            {1: ("default", 8.0), 2: ("entry", 7.0), 3: ("default", 10.0), 4: ("entry", 4.0)},
+        ),
+        (
+            "keep-existing",
+            {1: ("entry", 10.0), 2: ("default", 5.0), 3: ("default", 20.0), 4: ("entry", 3.0)},
+        ),
     ],
 )
-def test_merge_policies_compare_entries_and_default_records(tmp_path: Path, policy: str, want: dict) -> None:
+def test_merge_policies_compare_entries_and_default_records(
+    tmp_path: Path, policy: str, want: dict
+) -> None:
     def entry(n: int, us: float):
         return _entry(n, us, "x")
 
     keys = {n: entry(n, 1.0).key for n in range(1, 5)}
-    make_bank(tmp_path / "bank", [entry(1, 10.0), entry(4, 3.0)],
-              defaults=[(keys[2], {"default_us": 5.0}), (keys[3], {"default_us": 20.0})])  # fmt: skip
+    make_bank(
+        tmp_path / "bank",
+        [entry(1, 10.0), entry(4, 3.0)],
+        defaults=[(keys[2], {"default_us": 5.0}), (keys[3], {"default_us": 20.0})],
+    )
     incoming = [
-        record_to_json(bank_pb2.ExportEntriesResponse(default_record=default_record(keys[1], {"default_us": 8.0}))),
-        entry_to_json(bank_pb2.BankEntry.FromString(encode(entry(2, 7.0)))),  # a bare entry line, as old exports
-        record_to_json(bank_pb2.ExportEntriesResponse(default_record=default_record(keys[3], {"default_us": 10.0}))),
+        record_to_json(
+            bank_pb2.ExportEntriesResponse(
+                default_record=default_record(keys[1], {"default_us": 8.0})
+            )
+        ),
+        entry_to_json(
+            bank_pb2.BankEntry.FromString(encode(entry(2, 7.0)))
+        ),  # a bare entry line, as old exports
+        record_to_json(
+            bank_pb2.ExportEntriesResponse(
+                default_record=default_record(keys[3], {"default_us": 10.0})
+            )
+        ),
         entry_to_json(bank_pb2.BankEntry.FromString(encode(entry(4, 4.0)))),
     ]
     store = BankStore(tmp_path / "bank")
@@ -243,7 +287,10 @@ def test_merge_policies_compare_entries_and_default_records(tmp_path: Path, poli
     got = _contents(tmp_path / "bank")
     for n, (kind, us) in want.items():
         key = keys[n]
-        assert (key in got["entries"], key in got["defaults"]) == (kind == "entry", kind == "default"), n
+        assert (key in got["entries"], key in got["defaults"]) == (
+            kind == "entry",
+            kind == "default",
+        ), n
         if kind == "entry":
             assert bank_pb2.BankEntry.FromString(got["entries"][key]).winner.median_us == us
         else:
@@ -252,7 +299,9 @@ def test_merge_policies_compare_entries_and_default_records(tmp_path: Path, poli
 
 def test_foreign_and_broken_default_records_and_trials_are_refused(tmp_path: Path) -> None:
     def default_line(key: bytes | str, **doc) -> str:
-        return record_to_json(bank_pb2.ExportEntriesResponse(default_record=default_record(key, doc)))
+        return record_to_json(
+            bank_pb2.ExportEntriesResponse(default_record=default_record(key, doc))
+        )
 
     def trial_line(key: bytes, time_ns: int, text: str) -> str:
         t = bank_pb2.TrialRecord(key=key.decode(), time_ns=time_ns, trial_json=text)
@@ -297,27 +346,45 @@ def _aoe(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]
     return code, out, err
 
 
-def test_lookup_stats_and_prune_commands(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_lookup_stats_and_prune_commands(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     mine = _entry(1, 5.0, "alpha")
     theirs = _entry(2, 5.0, "beta", dev=foreign())
     custom = make_bank(tmp_path / "custom", [mine], trials=[(mine.key, {"n": i}) for i in range(5)])
     team = make_bank(tmp_path / "team", [theirs])
 
-    code, out, err = _aoe(capsys, "bank", "lookup", "--key", mine.key.decode(), "--bank", str(custom), "--json")
+    code, out, err = _aoe(
+        capsys, "bank", "lookup", "--key", mine.key.decode(), "--bank", str(custom), "--json"
+    )
     assert code == 0, err
     doc = json.loads(out)
     assert doc["layer"] == CUSTOM and doc["entry"]["provenance"]["host"] == "alpha"
 
-    code, out, _ = _aoe(capsys, "bank", "lookup", "--signature-digest", theirs.signature.digest,
-                        "--bank", str(custom), "--bank-layer", str(team))  # fmt: skip
+    code, out, _ = _aoe(
+        capsys,
+        "bank",
+        "lookup",
+        "--signature-digest",
+        theirs.signature.digest,
+        "--bank",
+        str(custom),
+        "--bank-layer",
+        str(team),
+    )
     assert code == 1
     assert "other device fingerprint" in out and theirs.device.digest[:32] in out
     assert "Imaginary CPU 9000" in out and str(team) in out
 
-    code, out, err = _aoe(capsys, "bank", "stats", "--bank", str(custom), "--bank-layer", str(team), "--json")
+    code, out, err = _aoe(
+        capsys, "bank", "stats", "--bank", str(custom), "--bank-layer", str(team), "--json"
+    )
     assert code == 0, err
     layers = json.loads(out)["layers"]
-    assert [(s["name"], s["entries"], s["history"]) for s in layers] == [(CUSTOM, 1, 5), (str(team), 1, 0)]
+    assert [(s["name"], s["entries"], s["history"]) for s in layers] == [
+        (CUSTOM, 1, 5),
+        (str(team), 1, 0),
+    ]
 
     code, out, err = _aoe(capsys, "bank", "prune", "--bank", str(custom))
     assert code == 0, err
@@ -327,7 +394,9 @@ def test_lookup_stats_and_prune_commands(tmp_path: Path, capsys: pytest.CaptureF
         assert (st.entries, st.history) == (1, 0)
         assert bank.lookup(mine.key)[0].provenance.host == "alpha"
 
-    code, _, err = _aoe(capsys, "bank", "lookup", "--key", mine.key.decode(), "--bank", str(tmp_path / "nowhere"))
+    code, _, err = _aoe(
+        capsys, "bank", "lookup", "--key", mine.key.decode(), "--bank", str(tmp_path / "nowhere")
+    )
     assert code == 4 and "no bank here" in err
 
 
@@ -348,7 +417,17 @@ def test_a_bank_exported_and_imported_compiles_the_same_model(models: Path, tmp_
     from aoed.engine.prep import prepare
 
     src, a, b = models / "cnn.onnx", tmp_path / "a", tmp_path / "b"
-    r = run_aoe("tune", str(src), "--bank", str(a), "--output", str(tmp_path / "out"), "--budget", "2", "--no-progress")
+    r = run_aoe(
+        "tune",
+        str(src),
+        "--bank",
+        str(a),
+        "--output",
+        str(tmp_path / "out"),
+        "--budget",
+        "2",
+        "--no-progress",
+    )
     assert r.returncode == 0, r.stderr
     prep = prepare(src, tmp_path / "prep")
     tasks = tunable_tasks(prep.model, prep.ctx, build_registry(), "exact")
@@ -360,12 +439,20 @@ def test_a_bank_exported_and_imported_compiles_the_same_model(models: Path, tmp_
 
     store = BankStore(a)
     try:
-        won = [t for t in tasks if (raw := store.get(key(t))) is not None and decode(raw).strategy != "default"]
+        won = [
+            t
+            for t in tasks
+            if (raw := store.get(key(t))) is not None and decode(raw).strategy != "default"
+        ]
         # Where this run's measurements crowned fewer than two winners, give Conv(+BN)+Relu
         # tasks the fused kernel, as a run on a quieter machine may: one task to revert
         # in context, one to apply.
         ids = {t.id for t in won}
-        extra = [t for t in tasks if t.family == "conv" and t.op_type.endswith("+Relu") and t.id not in ids][: max(0, 2 - len(won))]
+        extra = [
+            t
+            for t in tasks
+            if t.family == "conv" and t.op_type.endswith("+Relu") and t.id not in ids
+        ][: max(0, 2 - len(won))]
         records = [rec(sig=t.signature, strategy="fused_conv", family=t.family) for t in extra]
         store.commit(entries=[(x.key, encode(x)) for x in records])
         victim, applied = (won + extra)[:2]
@@ -374,13 +461,22 @@ def test_a_bank_exported_and_imported_compiles_the_same_model(models: Path, tmp_
         if raw is not None:
             m = decode(raw)
             assert m.family == "session"
-            gone = {d for d in m.params.get("reverted", "").split(",") if d} | {victim.signature.digest}
+            gone = {d for d in m.params.get("reverted", "").split(",") if d} | {
+                victim.signature.digest
+            }
             m = dataclasses.replace(m, params={**m.params, "reverted": ",".join(sorted(gone))})
             store.commit(entries=[(model_key, encode(m))])
         else:
             doc = store.get_default(model_key)
             assert doc is not None and "reverted" in doc, doc
-            store.commit(defaults=[(model_key, {**doc, "reverted": sorted({*doc["reverted"], victim.signature.digest})})])
+            store.commit(
+                defaults=[
+                    (
+                        model_key,
+                        {**doc, "reverted": sorted({*doc["reverted"], victim.signature.digest})},
+                    )
+                ]
+            )
         counts_a = store.counts()
     finally:
         store.close()
@@ -403,11 +499,15 @@ def test_a_bank_exported_and_imported_compiles_the_same_model(models: Path, tmp_
         r = run_aoe("compile", str(src), "-o", str(out), "--bank", str(bank), "--json")
         assert r.returncode == 0, r.stderr
         report = {t["task_id"]: t for t in json.loads(r.stdout)["tasks"]}
-        assert report[victim.id]["status"] == "reverted" and report[applied.id]["status"] == "hit", name
+        assert (
+            report[victim.id]["status"] == "reverted" and report[applied.id]["status"] == "hit"
+        ), name
         compiled[name] = onnx.load(str(out))
     ma, mb = compiled["a"], compiled["b"]
     assert mb.graph == ma.graph  # nodes, names, wiring, initializers
-    assert {p.key: p.value for p in mb.metadata_props} == {p.key: p.value for p in ma.metadata_props}
+    assert {p.key: p.value for p in mb.metadata_props} == {
+        p.key: p.value for p in ma.metadata_props
+    }
     names = [n.name for n in ma.graph.node]
     assert not any(n.startswith(f"aoe/{victim.id}/") for n in names)  # left unchanged
     assert any(n.startswith(f"aoe/{applied.id}/") for n in names)

@@ -93,8 +93,11 @@ def test_a_bank_from_before_the_log_gets_numbers_and_an_id_on_open(tmp_path: Pat
     path = tmp_path / "bank"
     a, b = _entry(1, 5.0, "alpha"), _entry(2, 6.0, "alpha")
     store = BankStore(path)
-    store.commit(entries=[(a.key, encode(a)), (b.key, encode(b))], defaults=[(b"v1/d/d/exact", {"default_us": 1.0})],
-                 trials=[(a.key, {"n": 1})])  # fmt: skip
+    store.commit(
+        entries=[(a.key, encode(a)), (b.key, encode(b))],
+        defaults=[(b"v1/d/d/exact", {"default_us": 1.0})],
+        trials=[(a.key, {"n": 1})],
+    )
     first_id = store.bank_id
     store.close()
     # Make it a bank as an older aoed left it: no log, no counter, no id.
@@ -115,7 +118,9 @@ def test_a_bank_from_before_the_log_gets_numbers_and_an_id_on_open(tmp_path: Pat
         store.close()
 
 
-def test_apply_records_the_position_with_the_records_and_twice_writes_nothing(store: BankStore) -> None:
+def test_apply_records_the_position_with_the_records_and_twice_writes_nothing(
+    store: BankStore,
+) -> None:
     a = _entry(1, 5.0, "alpha")
     records = [Record(ENTRY, a.key, encode(a)), Record(TRIAL, history_key(a.key, 7), b'{"n":1}')]
     counts = store.apply("unix:///peer.sock", Position("peer-bank", 42), records, follow_replace)
@@ -131,8 +136,12 @@ def test_apply_records_the_position_with_the_records_and_twice_writes_nothing(st
 def test_apply_writes_nothing_when_a_record_is_refused_by_the_store(store: BankStore) -> None:
     a = _entry(1, 5.0, "alpha")
     with pytest.raises(ValueError, match="unknown record kind"):
-        store.apply("p", Position("b", 5), [Record(ENTRY, a.key, encode(a)), Record("gdat", b"k", b"v")],
-                    follow_replace)  # fmt: skip
+        store.apply(
+            "p",
+            Position("b", 5),
+            [Record(ENTRY, a.key, encode(a)), Record("gdat", b"k", b"v")],
+            follow_replace,
+        )
     assert store.position("p") is None and store.head() == 0
 
 
@@ -140,7 +149,9 @@ def test_a_kept_better_record_is_sent_again_to_followers(store: BankStore) -> No
     fast, slow = _entry(1, 4.0, "alpha"), _entry(1, 8.0, "beta")
     store.commit(entries=[(fast.key, encode(fast))])
     before = store.head()
-    counts = store.apply("p", Position("b", 1), [Record(ENTRY, slow.key, encode(slow))], follow_replace)
+    counts = store.apply(
+        "p", Position("b", 1), [Record(ENTRY, slow.key, encode(slow))], follow_replace
+    )
     assert counts[ENTRY].kept == 1
     changes, _, head = store.changes(before, 10)
     assert head == before + 1 and [c.value for c in changes] == [encode(fast)]
@@ -234,7 +245,9 @@ async def test_a_stream_reader_that_takes_nothing_is_cut_off_with_a_clear_status
             stall = (0.3, ResourceExhaustedError("too slow: resume from your last position"))
             yield from bridge.stream(context, endless, buffer=2, stall=stall)
 
-        return grpc.method_handlers_generic_handler("t.T", {"Stream": grpc.unary_stream_rpc_method_handler(stream)})
+        return grpc.method_handlers_generic_handler(
+            "t.T", {"Stream": grpc.unary_stream_rpc_method_handler(stream)}
+        )
 
     folder = Path(tempfile.mkdtemp(prefix="stall-", dir="/tmp"))
     target = f"unix:{folder / 's'}"
@@ -265,15 +278,21 @@ async def test_a_stream_reader_that_takes_nothing_is_cut_off_with_a_clear_status
             nursery.cancel_scope.cancel()
 
 
-async def test_an_import_larger_than_a_transaction_is_merged_whole_through_the_writer(tmp_path: Path) -> None:
+async def test_an_import_larger_than_a_transaction_is_merged_whole_through_the_writer(
+    tmp_path: Path,
+) -> None:
     from aoe.v1 import bank_pb2
 
     from .test_api_bank import serving
 
     key = _entry(1, 5.0, "alpha").key.decode()
     n = 4500  # more than two of the writer's transactions
-    requests = [bank_pb2.ImportEntriesRequest(trial=bank_pb2.TrialRecord(key=key, time_ns=i + 1, trial_json='{"n": 1}'))
-                for i in range(n)]  # fmt: skip
+    requests = [
+        bank_pb2.ImportEntriesRequest(
+            trial=bank_pb2.TrialRecord(key=key, time_ns=i + 1, trial_json='{"n": 1}')
+        )
+        for i in range(n)
+    ]
     async with serving(tmp_path) as d:
         reply = await d("ImportEntries", iter(requests), timeout=120)
         assert (reply.trials.added, reply.refused) == (n, 0)

@@ -46,7 +46,9 @@ def entry(i):
 
 # The writer commits BATCH entries plus one history trial per transaction; after each
 # commit it prints the number of entries committed so far.
-WRITER = ENTRIES + r"""
+WRITER = (
+    ENTRIES
+    + r"""
 import sys
 from aoed.bank.store import BankStore
 
@@ -60,6 +62,7 @@ while total == 0 or done < total:
     print(done, flush=True)
 store.close()
 """
+)
 
 # A reader looks up continuously until STOP exists, then looks at the bank's size once
 # more: after it has seen n entries in one snapshot, every key below n must be found (and
@@ -110,7 +113,10 @@ print(json.dumps({"lookups": lookups, "seen": seen, "snapshots": len(growth), "e
 
 def _spawn(code: str, *args: object) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-c", code, *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        [sys.executable, "-c", code, *map(str, args)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
 
 
@@ -212,7 +218,9 @@ env.close()
 # map, so it maps what the file holds, and a writer growing the bank makes LMDB refuse
 # its next read until it remaps. For each number n read from stdin it looks up keys
 # below n and prints how many it missed and how much of the bank file it has mapped.
-SMALL_READER = ENTRIES + r"""
+SMALL_READER = (
+    ENTRIES
+    + r"""
 import json, os, re, resource, sys
 from aoe.bank import open_bank
 
@@ -234,6 +242,7 @@ for line in sys.stdin:
     bad = [i for i in range(n) if (bank.lookup(key(i))[0] or bank_pb2.BankEntry()).winner.median_us != 1.0 + i]
     print(json.dumps({"mapped": mapped(), "bad": len(bad), "first_bad": bad[:3]}), flush=True)
 """
+)
 
 
 def test_another_process_growing_the_bank_past_our_map_is_followed(tmp_path: Path) -> None:
@@ -254,7 +263,10 @@ def test_another_process_growing_the_bank_past_our_map_is_followed(tmp_path: Pat
         while not stop.is_set():
             try:
                 raw = store.get(key(i % 100))
-                if raw is None or bank_pb2.BankEntry.FromString(raw).winner.median_us != 1.0 + i % 100:
+                if (
+                    raw is None
+                    or bank_pb2.BankEntry.FromString(raw).winner.median_us != 1.0 + i % 100
+                ):
                     errors.append(f"key {i % 100} wrong")
             except Exception as exc:  # any failure here is what the test looks for
                 errors.append(repr(exc))
@@ -266,8 +278,11 @@ def test_another_process_growing_the_bank_past_our_map_is_followed(tmp_path: Pat
     threads = [threading.Thread(target=look_up) for _ in range(2)]
     reader = subprocess.Popen(
         [sys.executable, "-c", SMALL_READER, str(path)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
     def ask(n: int) -> dict:
         assert reader.stdin is not None and reader.stdout is not None
@@ -288,8 +303,10 @@ def test_another_process_growing_the_bank_past_our_map_is_followed(tmp_path: Pat
         items.write_text("".join(f"{key(i).hex()} {entry(i).hex()}\n" for i in range(100, 3000)))
         out = subprocess.run(
             [sys.executable, "-c", OLD_WRITER, str(path), str(items), str(big)],
-            capture_output=True, text=True, timeout=60,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert out.returncode == 0, out.stderr
         assert int(out.stdout) * 4096 > 4 * small
         before = lookups[0]

@@ -13,9 +13,23 @@ import lmdb
 import onnx
 import pytest
 
-from aoe.bank import CUSTOM, LAYERS_ENV, ModelTasks, entry_from_json, entry_to_json, open_bank, parse_key
+from aoe.bank import (
+    CUSTOM,
+    LAYERS_ENV,
+    ModelTasks,
+    entry_from_json,
+    entry_to_json,
+    open_bank,
+    parse_key,
+)
 from aoe.errors import BankError
-from aoe.signature import SCHEMA_VERSION, DeviceFingerprint, bank_key, canonical_json, device_fingerprint
+from aoe.signature import (
+    SCHEMA_VERSION,
+    DeviceFingerprint,
+    bank_key,
+    canonical_json,
+    device_fingerprint,
+)
 from aoed import samples
 from aoe.bankrecord import BankRecord, encode
 from aoed.bank.store import BankStore
@@ -34,20 +48,30 @@ def foreign(hardware: str = "Imaginary CPU 9000", runtime: str = "0.0.1") -> Dev
     doc.update(hardware=hardware, runtime=runtime)
     text = canonical_json(doc)
     return DeviceFingerprint(
-        fp.execution_provider, hardware, fp.isa_flags, runtime, {}, text, hashlib.sha256(text.encode()).hexdigest()
+        fp.execution_provider,
+        hardware,
+        fp.isa_flags,
+        runtime,
+        {},
+        text,
+        hashlib.sha256(text.encode()).hexdigest(),
     )
 
 
 def rec(sig=None, dev=None, precision: str = "exact", **kw) -> BankRecord:
     sig = sig or _signature()
     dev = dev or here()
-    return _record(precision, key=bank_key(sig.digest, dev.digest, precision), signature=sig, device=dev, **kw)
+    return _record(
+        precision, key=bank_key(sig.digest, dev.digest, precision), signature=sig, device=dev, **kw
+    )
 
 
 def make_bank(path: Path, records=(), defaults=(), trials=()) -> Path:
     store = BankStore(path)
     try:
-        store.commit(entries=[(r.key, encode(r)) for r in records], defaults=defaults, trials=trials)
+        store.commit(
+            entries=[(r.key, encode(r)) for r in records], defaults=defaults, trials=trials
+        )
     finally:
         store.close()
     return path
@@ -80,7 +104,9 @@ def test_lookup_custom_first_then_layers_in_order(tmp_path: Path) -> None:
         assert raw == encode(mine) and layer == CUSTOM
 
 
-def test_layers_from_environment_and_duplicates(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_layers_from_environment_and_duplicates(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     r = rec(precision="int8")
     custom = make_bank(tmp_path / "custom")
     a = make_bank(tmp_path / "a")
@@ -137,7 +163,12 @@ def test_older_schema_is_refused_with_a_message(tmp_path: Path) -> None:
 
 def test_parse_key() -> None:
     r = rec()
-    assert parse_key(r.key) == (SCHEMA_VERSION, r.signature.digest[:32], r.device.digest[:32], "exact")
+    assert parse_key(r.key) == (
+        SCHEMA_VERSION,
+        r.signature.digest[:32],
+        r.device.digest[:32],
+        "exact",
+    )
     with pytest.raises(ValueError, match="not a bank key"):
         parse_key("hello/world")
 
@@ -213,7 +244,9 @@ def test_lookup_node_finds_the_task_the_node_anchors(tmp_path: Path) -> None:
         for node in anon.graph.node:
             node.name = ""
         anon_index = ModelTasks(anon)
-        anchor = next(n for n in anon.graph.node if n.output[0] == by_name[tasks[0].node_names[0]].output[0])
+        anchor = next(
+            n for n in anon.graph.node if n.output[0] == by_name[tasks[0].node_names[0]].output[0]
+        )
         assert bank.lookup_node(anchor, anon_index)[0].strategy.name == f"s_{tasks[0].id}"
         assert bank.lookup_node(anchor, index, precision="int8") == (None, "")
 
@@ -240,11 +273,19 @@ def test_json_lines_round_trip_is_exact() -> None:
 
 def test_stats_per_layer(tmp_path: Path) -> None:
     key = rec().key
-    custom = make_bank(tmp_path / "custom", [rec(), rec(precision="int8")], trials=[(key, {"n": 1})] * 3)
+    custom = make_bank(
+        tmp_path / "custom", [rec(), rec(precision="int8")], trials=[(key, {"n": 1})] * 3
+    )
     team = make_bank(tmp_path / "team", defaults=[(key, {"default_us": 1.0})])
     with open_bank(custom, layers=[team], use_env=False) as bank:
         a, b = bank.stats()
-    assert (a.name, a.entries, a.defaults, a.history, a.schema_version) == (CUSTOM, 2, 0, 3, SCHEMA_VERSION)
+    assert (a.name, a.entries, a.defaults, a.history, a.schema_version) == (
+        CUSTOM,
+        2,
+        0,
+        3,
+        SCHEMA_VERSION,
+    )
     assert (b.name, b.entries, b.defaults, b.history) == (str(team), 0, 1, 0)
     assert a.map_size >= 1 << 20 and 0 < a.used_bytes <= a.map_size
 
@@ -262,7 +303,11 @@ def test_importing_aoe_bank_pulls_in_no_daemon_trio_or_onnxruntime() -> None:
 async def test_writer_consults_read_only_layers(tmp_path: Path) -> None:
     mine, theirs = rec(strategy="fused_gemm"), rec(precision="int8", strategy="gemm_as_matmul")
     dkey = bank_key("cd" * 32, here().digest, "exact")
-    layer = make_bank(tmp_path / "team", [theirs, rec(strategy="shadowed")], defaults=[(dkey, {"default_us": 3.0})])
+    layer = make_bank(
+        tmp_path / "team",
+        [theirs, rec(strategy="shadowed")],
+        defaults=[(dkey, {"default_us": 3.0})],
+    )
     custom = make_bank(tmp_path / "custom", [mine])
     writer = BankWriter(custom, layers=[layer, custom])
     try:
@@ -277,7 +322,9 @@ async def test_writer_consults_read_only_layers(tmp_path: Path) -> None:
         writer.close()
 
 
-async def test_writer_layers_default_to_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_writer_layers_default_to_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     theirs = rec(precision="int8")
     layer = make_bank(tmp_path / "team", [theirs])
     monkeypatch.setenv(LAYERS_ENV, str(layer))

@@ -167,10 +167,17 @@ def test_history_trials_are_counted(store: BankStore) -> None:
 def test_decisions_by_run_are_forgotten_by_run_and_pruned(store: BankStore) -> None:
     key, other = _record().key, _record(precision="int8").key
     store.commit(trials=[(key, {"strategy": "a"})], decisions=[(b"run1/" + key, {"strategy": "a"})])
-    store.commit(decisions=[(b"run1/" + other, {"strategy": "b"}), (b"run2/" + key, {"strategy": "c"})])
-    assert store.decisions(b"run1/") == [(b"run1/" + key, {"strategy": "a"}), (b"run1/" + other, {"strategy": "b"})]
+    store.commit(
+        decisions=[(b"run1/" + other, {"strategy": "b"}), (b"run2/" + key, {"strategy": "c"})]
+    )
+    assert store.decisions(b"run1/") == [
+        (b"run1/" + key, {"strategy": "a"}),
+        (b"run1/" + other, {"strategy": "b"}),
+    ]
     store.commit(forget=[b"run1/"])
-    assert store.decisions(b"run1/") == [] and store.decisions(b"run2/") == [(b"run2/" + key, {"strategy": "c"})]
+    assert store.decisions(b"run1/") == [] and store.decisions(b"run2/") == [
+        (b"run2/" + key, {"strategy": "c"})
+    ]
     store.prune()
     assert store.decisions(b"") == [] and store.counts()["history"] == 0
 
@@ -182,7 +189,9 @@ def test_full_map_is_a_bank_error_that_writes_nothing(tmp_path: Path) -> None:
     s = BankStore(path, map_size=256 << 10)
     try:
         assert s.env.info()["map_size"] == 256 << 10
-        items = [(f"v1/{i:032x}/{'0' * 32}/exact".encode(), bytes([i % 251]) * 300) for i in range(2000)]
+        items = [
+            (f"v1/{i:032x}/{'0' * 32}/exact".encode(), bytes([i % 251]) * 300) for i in range(2000)
+        ]
         s.commit(entries=items[:100], trials=[(items[0][0], {"n": 1})])
         with pytest.raises(BankError) as err:
             s.commit(entries=items[100:], trials=[(items[1][0], {"n": 2})])
@@ -217,7 +226,11 @@ def test_damaged_bank_is_a_bank_error_for_writer_and_readers(tmp_path: Path) -> 
     for open_it in (lambda: BankStore(path), lambda: open_bank(path, use_env=False)):
         with pytest.raises(BankError) as err:
             open_it()
-        assert str(path) in str(err.value) and "damaged" in str(err.value) and "restore" in str(err.value)
+        assert (
+            str(path) in str(err.value)
+            and "damaged" in str(err.value)
+            and "restore" in str(err.value)
+        )
     # The refused store let go of the writer lock: a second attempt is refused for the
     # same reason, not as busy.
     with pytest.raises(BankError, match="damaged"):
@@ -225,7 +238,9 @@ def test_damaged_bank_is_a_bank_error_for_writer_and_readers(tmp_path: Path) -> 
 
 
 @pytest.mark.parametrize("how", ["removed", "replaced"])
-def test_a_data_file_removed_or_replaced_while_open_refuses_every_write(tmp_path: Path, how: str) -> None:
+def test_a_data_file_removed_or_replaced_while_open_refuses_every_write(
+    tmp_path: Path, how: str
+) -> None:
     """LMDB would go on writing into the unlinked file, and lose it all at close."""
     path = tmp_path / "bank"
     first, second = _record(), _record(precision="int8")
@@ -239,14 +254,18 @@ def test_a_data_file_removed_or_replaced_while_open_refuses_every_write(tmp_path
             os.replace(tmp_path / "backup.mdb", path / "data.mdb")
         writes = {
             "commit": lambda: s.commit(entries=[(second.key, encode(second))]),
-            "merge": lambda: s.merge([Record(ENTRY, second.key, encode(second))], lambda old, new: True),
+            "merge": lambda: s.merge(
+                [Record(ENTRY, second.key, encode(second))], lambda old, new: True
+            ),
             "prune": lambda: s.prune(),
         }
         for name, write in writes.items():
             with pytest.raises(BankError) as err:
                 write()
             msg = str(err.value)
-            assert str(path) in msg and "removed or replaced while open" in msg and "restart" in msg, (name, msg)
+            assert (
+                str(path) in msg and "removed or replaced while open" in msg and "restart" in msg
+            ), (name, msg)
     finally:
         s.close()
     if how == "replaced":  # the file now there is the backup, untouched by the refused writes

@@ -38,8 +38,11 @@ def test_every_task_rebuilds_to_its_own_signature(models: Path, tmp_path: Path, 
 
 def test_verify_measures_local_entries_and_skips_the_rest(models: Path, tmp_path: Path) -> None:
     prep = prepare(models / "mlp.onnx", tmp_path / "prep")
-    fused = next(t for t in tunable_tasks(prep.model, prep.ctx, build_registry(), "exact")
-                 if t.op_type == "MatMul+Add+Relu")
+    fused = next(
+        t
+        for t in tunable_tasks(prep.model, prep.ctx, build_registry(), "exact")
+        if t.op_type == "MatMul+Add+Relu"
+    )
     local = rec(sig=fused.signature, strategy="fused_gemm", family="matmul")
     records = [
         local,
@@ -57,7 +60,9 @@ def test_verify_measures_local_entries_and_skips_the_rest(models: Path, tmp_path
     assert measured["verdict"] in ("confirmed", "regressed"), measured
     assert measured["winner"]["median_us"] > 0 and measured["baseline"]["median_us"] > 0
     assert measured["winner"]["max_rel_error"] <= 1e-4
-    verdicts = sorted((v["verdict"], v["detail"].split(" ")[0]) for v in doc["verdicts"] if v is not measured)
+    verdicts = sorted(
+        (v["verdict"], v["detail"].split(" ")[0]) for v in doc["verdicts"] if v is not measured
+    )
     assert verdicts == [("error", "unknown"), ("skipped", "measured"), ("skipped", "model-wide")]
     with open_bank(bank, use_env=False) as reader:
         [st] = reader.stats()
@@ -70,14 +75,31 @@ def test_verify_rechecks_session_options_on_the_model_given(models: Path, tmp_pa
     src = models / "mlp.onnx"
     prep = prepare(src, tmp_path / "prep")
     options = {"intra_op_num_threads": 1}
-    session = rec(sig=model_signature(prep.model), strategy=canonical_json(options), family="session")
+    session = rec(
+        sig=model_signature(prep.model), strategy=canonical_json(options), family="session"
+    )
     bank = make_bank(tmp_path / "bank", [session])
-    r = run_aoe("bank", "verify", "--bank", str(bank), "--sample", "0", "--budget", "1", "--json",
-                "--model", str(src))  # fmt: skip
+    r = run_aoe(
+        "bank",
+        "verify",
+        "--bank",
+        str(bank),
+        "--sample",
+        "0",
+        "--budget",
+        "1",
+        "--json",
+        "--model",
+        str(src),
+    )
     assert r.returncode in (0, 1), r.stderr
     (v,) = json.loads(r.stdout)["verdicts"]
     assert v["verdict"] in ("confirmed", "regressed"), v
-    assert str(options) in v["detail"] and v["winner"]["median_us"] > 0 and v["baseline"]["median_us"] > 0
+    assert (
+        str(options) in v["detail"]
+        and v["winner"]["median_us"] > 0
+        and v["baseline"]["median_us"] > 0
+    )
     assert (r.returncode == 0) == (v["verdict"] == "confirmed")
     # Without the model there is nothing to measure the options on: said, not guessed.
     r = run_aoe("bank", "verify", "--bank", str(bank), "--sample", "0", "--json", "--no-record")

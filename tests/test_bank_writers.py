@@ -43,8 +43,11 @@ lock.release()
 def _hold(bank: Path) -> subprocess.Popen:
     proc = subprocess.Popen(
         [sys.executable, "-c", HOLDER, str(bank)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     assert proc.stdout is not None
     line = proc.stdout.readline()
     assert line == "ready\n", proc.stderr.read() if proc.stderr else ""
@@ -67,11 +70,15 @@ def _aoe(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]
     return code, out, err
 
 
-def test_a_second_writer_is_refused_naming_the_holder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_second_writer_is_refused_naming_the_holder(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     entry = rec()
     bank = make_bank(tmp_path / "bank", [entry], trials=[(entry.key, {"n": 1})])
     dump = tmp_path / "one.jsonl"
-    dump.write_text(entry_to_json(bank_pb2.BankEntry.FromString(encode(_entry(7, 2.0, "x")))) + "\n")
+    dump.write_text(
+        entry_to_json(bank_pb2.BankEntry.FromString(encode(_entry(7, 2.0, "x")))) + "\n"
+    )
     holder = _hold(bank)
     try:
         with pytest.raises(BankBusyError) as err:
@@ -81,7 +88,9 @@ def test_a_second_writer_is_refused_naming_the_holder(tmp_path: Path, capsys: py
         for args in (("import", str(dump)), ("prune",), ("verify", "--sample", "0")):
             code, out, msg = _aoe(capsys, "bank", *args, "--bank", str(bank))
             assert code == 4, (args, out, msg)
-            assert msg.count("\n") == 1 and msg.startswith(f"aoe: error: bank {bank}: being written by pid {holder.pid} (")
+            assert msg.count("\n") == 1 and msg.startswith(
+                f"aoe: error: bank {bank}: being written by pid {holder.pid} ("
+            )
             assert "--wait" in msg
         # Readers never take the writer's lock, and nothing was written.
         code, out, msg = _aoe(capsys, "bank", "stats", "--bank", str(bank), "--json")
@@ -100,11 +109,16 @@ def test_wait_reports_the_holder_once_and_gets_in_after_it(tmp_path: Path) -> No
     try:
         prune = subprocess.Popen(
             [sys.executable, "-m", "aoe.cli", "bank", "prune", "--wait", "--bank", str(bank)],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )  # fmt: skip
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         assert prune.stderr is not None
         said = prune.stderr.readline()
-        assert said.startswith(f"aoe: bank {bank}: being written by pid {holder.pid} (") and "waiting" in said
+        assert (
+            said.startswith(f"aoe: bank {bank}: being written by pid {holder.pid} (")
+            and "waiting" in said
+        )
         time.sleep(10 * POLL_S)
         assert prune.poll() is None  # still waiting, not failed
     finally:
@@ -174,7 +188,9 @@ async def test_bank_writer_waits_in_trio_saying_so_once(tmp_path: Path) -> None:
         assert reader.stats()[0].history == 1
 
 
-async def test_bank_writer_without_wait_fails_and_a_cancelled_wait_holds_nothing(tmp_path: Path) -> None:
+async def test_bank_writer_without_wait_fails_and_a_cancelled_wait_holds_nothing(
+    tmp_path: Path,
+) -> None:
     entry = rec()
     bank = make_bank(tmp_path / "bank", [entry])
     holder = _hold(bank)
@@ -214,12 +230,32 @@ def test_import_and_prune_wait_for_a_tune_and_nothing_is_lost(models: Path, tmp_
     bank, out = tmp_path / "bank", tmp_path / "out"
     imported = [_entry(n, 3.0 + n, "team") for n in range(1, 4)]
     dump = tmp_path / "team.jsonl"
-    dump.write_text("".join(entry_to_json(bank_pb2.BankEntry.FromString(encode(r))) + "\n" for r in imported))
+    dump.write_text(
+        "".join(entry_to_json(bank_pb2.BankEntry.FromString(encode(r))) + "\n" for r in imported)
+    )
     tune = subprocess.Popen(
-        [sys.executable, "-m", "aoe.cli", "tune", str(models / "mlp.onnx"), "--bank", str(bank),
-         "--output", str(out), "--budget", "10", "--parallel", "1", "--no-progress", "--job-type", "opat"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "aoe.cli",
+            "tune",
+            str(models / "mlp.onnx"),
+            "--bank",
+            str(bank),
+            "--output",
+            str(out),
+            "--budget",
+            "10",
+            "--parallel",
+            "1",
+            "--no-progress",
+            "--job-type",
+            "opat",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     others: list[subprocess.Popen] = []
     try:
         deadline = time.monotonic() + 120
@@ -232,10 +268,14 @@ def test_import_and_prune_wait_for_a_tune_and_nothing_is_lost(models: Path, tmp_
             time.sleep(0.02)
         assert tune.poll() is None, tune.communicate()
         for args in (("import", str(dump)), ("prune",)):
-            others.append(subprocess.Popen(
-                [sys.executable, "-m", "aoe.cli", "bank", *args, "--wait", "--bank", str(bank)],
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            ))  # fmt: skip
+            others.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "aoe.cli", "bank", *args, "--wait", "--bank", str(bank)],
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                )
+            )
         _out, t_err = tune.communicate(timeout=300)
         assert tune.returncode == 0, t_err
         results = [p.communicate(timeout=120) for p in others]
@@ -246,14 +286,19 @@ def test_import_and_prune_wait_for_a_tune_and_nothing_is_lost(models: Path, tmp_
                 p.wait()
     for p, (o, e) in zip(others, results):
         assert p.returncode == 0, e
-        assert e.startswith(f"aoe: bank {bank}: being written by pid {tune.pid} (") and e.count("\n") == 1, e
+        assert (
+            e.startswith(f"aoe: bank {bank}: being written by pid {tune.pid} (")
+            and e.count("\n") == 1
+        ), e
     assert "3 added" in results[0][0]
 
     [result] = out.glob("aoe_result_opat_*.json")
     doc = json.loads(result.read_text())
     summary = doc["OPAT"]["repo_summary"]
     prep = prepare(models / "mlp.onnx", tmp_path / "prep")
-    sig = {t.id: t.signature for t in tunable_tasks(prep.model, prep.ctx, build_registry(), "exact")}
+    sig = {
+        t.id: t.signature for t in tunable_tasks(prep.model, prep.ctx, build_registry(), "exact")
+    }
     here = device_fingerprint("CPUExecutionProvider").digest
     with open_bank(bank, use_env=False) as reader:
         [st] = reader.stats()

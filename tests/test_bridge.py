@@ -35,8 +35,12 @@ def _handlers(bridge: Bridge, probe: _Probe):
             raise
 
     async def fail(kind: str) -> None:
-        raise {"option": OptionError("--x 3: bad"), "bank": BankError("bank /b: full"),
-               "missing": NotFoundError("no job 'j'"), "bug": ZeroDivisionError("division by zero")}[kind]  # fmt: skip
+        raise {
+            "option": OptionError("--x 3: bad"),
+            "bank": BankError("bank /b: full"),
+            "missing": NotFoundError("no job 'j'"),
+            "bug": ZeroDivisionError("division by zero"),
+        }[kind]
 
     async def numbers():
         try:
@@ -60,11 +64,14 @@ def _handlers(bridge: Bridge, probe: _Probe):
         for i in bridge.stream(context, numbers):
             yield str(i).encode()
 
-    return grpc.method_handlers_generic_handler("t.T", {
-        "Forever": grpc.unary_unary_rpc_method_handler(unary_forever),
-        "Fail": grpc.unary_unary_rpc_method_handler(unary_fail),
-        "Stream": grpc.unary_stream_rpc_method_handler(stream),
-    })  # fmt: skip
+    return grpc.method_handlers_generic_handler(
+        "t.T",
+        {
+            "Forever": grpc.unary_unary_rpc_method_handler(unary_forever),
+            "Fail": grpc.unary_unary_rpc_method_handler(unary_fail),
+            "Stream": grpc.unary_stream_rpc_method_handler(stream),
+        },
+    )
 
 
 async def _with_server(test) -> None:
@@ -124,12 +131,15 @@ async def test_a_stream_stops_producing_when_the_client_goes() -> None:
     await _with_server(test)
 
 
-@pytest.mark.parametrize(("kind", "code", "text"), [
-    ("option", grpc.StatusCode.INVALID_ARGUMENT, "--x 3: bad"),
-    ("bank", grpc.StatusCode.FAILED_PRECONDITION, "bank /b: full"),
-    ("missing", grpc.StatusCode.NOT_FOUND, "no job 'j'"),
-    ("bug", grpc.StatusCode.INTERNAL, "internal error in the daemon: ZeroDivisionError"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("kind", "code", "text"),
+    [
+        ("option", grpc.StatusCode.INVALID_ARGUMENT, "--x 3: bad"),
+        ("bank", grpc.StatusCode.FAILED_PRECONDITION, "bank /b: full"),
+        ("missing", grpc.StatusCode.NOT_FOUND, "no job 'j'"),
+        ("bug", grpc.StatusCode.INTERNAL, "internal error in the daemon: ZeroDivisionError"),
+    ],
+)
 async def test_errors_become_status_codes(kind: str, code: grpc.StatusCode, text: str) -> None:
     async def test(channel: grpc.Channel, probe: _Probe) -> None:
         call = channel.unary_unary("/t.T/Fail")

@@ -47,9 +47,19 @@ def test_usage_errors_are_one_line_with_exit_code_2(args: list[str], needle: str
     assert len(lines) == 1 and lines[0].startswith("aoe: error: ") and needle in lines[0], lines
 
 
-def test_ascend_device_id_selects_the_npu_and_says_which_provider_is_missing(models: Path, tmp_path: Path) -> None:
-    r = run_aoe("tune", str(models / "mlp.onnx"), "--bank", str(tmp_path / "bank"), "--output", str(tmp_path / "o"),
-                "--no-progress", env={"ASCEND_DEVICE_ID": "1"})
+def test_ascend_device_id_selects_the_npu_and_says_which_provider_is_missing(
+    models: Path, tmp_path: Path
+) -> None:
+    r = run_aoe(
+        "tune",
+        str(models / "mlp.onnx"),
+        "--bank",
+        str(tmp_path / "bank"),
+        "--output",
+        str(tmp_path / "o"),
+        "--no-progress",
+        env={"ASCEND_DEVICE_ID": "1"},
+    )
     assert r.returncode == 5, r.stderr
     (line,) = r.stderr.strip().splitlines()
     assert "ASCEND_DEVICE_ID=1 selects cann:1" in line and "CANNExecutionProvider" in line
@@ -68,11 +78,20 @@ def test_config_file_then_environment_then_command_line(tmp_path: Path) -> None:
     )
     cfg = load_config(toml, env={})
     assert cfg.bank == Path("/srv/bank") and cfg.bank_layers == (Path("/srv/team"),)
-    assert (cfg.parallel, cfg.repeat_tune, cfg.device, cfg.plugins) == (3, True, Device("cuda", 1), ("p1",))
+    assert (cfg.parallel, cfg.repeat_tune, cfg.device, cfg.plugins) == (
+        3,
+        True,
+        Device("cuda", 1),
+        ("p1",),
+    )
     assert cfg.dedicated_cores is None and cfg.worker_memory_mb == 4096
     assert cfg.sources["parallel"] == f"{toml} [tuning] parallel"
-    env = {"TUNE_BANK_PATH": "/env/bank", "TE_PARALLEL_COMPILER": "5", "REPEAT_TUNE": "False",
-           "AOED_BANK_LAYERS": os.pathsep.join(["/a", "", "/b"])}  # fmt: skip
+    env = {
+        "TUNE_BANK_PATH": "/env/bank",
+        "TE_PARALLEL_COMPILER": "5",
+        "REPEAT_TUNE": "False",
+        "AOED_BANK_LAYERS": os.pathsep.join(["/a", "", "/b"]),
+    }
     cfg = load_config(toml, env=env)
     assert cfg.bank == Path("/env/bank") and cfg.parallel == 5 and cfg.repeat_tune is False
     assert cfg.bank_layers == (Path("/a"), Path("/b")) and cfg.sources["bank"] == "TUNE_BANK_PATH"
@@ -84,10 +103,16 @@ def test_engine_limits_come_from_the_config_with_the_constants_as_defaults(tmp_p
     from aoed.engine.prep import MAX_MODEL_BYTES, MAX_NODES, MAX_TENSOR_BYTES, Limits
 
     assert Limits.of(load_config(env={})) == Limits()  # the defaults are prep's constants
-    assert (Limits().model_bytes, Limits().nodes, Limits().tensor_bytes) == (MAX_MODEL_BYTES, MAX_NODES, MAX_TENSOR_BYTES)
+    assert (Limits().model_bytes, Limits().nodes, Limits().tensor_bytes) == (
+        MAX_MODEL_BYTES,
+        MAX_NODES,
+        MAX_TENSOR_BYTES,
+    )
     toml = tmp_path / "aoed.toml"
-    toml.write_text("[engine]\nmax_model_mb = 64\nmax_nodes = 500\nmax_tensor_mb = 16\n"
-                    "compile_timeout_s = 2.5\nstage_timeout_s = 60\n")  # fmt: skip
+    toml.write_text(
+        "[engine]\nmax_model_mb = 64\nmax_nodes = 500\nmax_tensor_mb = 16\n"
+        "compile_timeout_s = 2.5\nstage_timeout_s = 60\n"
+    )
     cfg = load_config(toml, env={})
     assert (cfg.max_model_mb, cfg.max_nodes, cfg.max_tensor_mb) == (64, 500, 16)
     assert (cfg.compile_timeout_s, cfg.stage_timeout_s) == (2.5, 60.0)
@@ -99,18 +124,48 @@ def test_engine_limits_come_from_the_config_with_the_constants_as_defaults(tmp_p
     ("text", "env", "needle"),
     [
         ("[engine]\nmax_nodes = 0\n", {}, "max_nodes=0 ("),
-        ("[engine]\nmax_model_mb = \"lots\"\n", {}, "[engine] max_model_mb='lots': expected a whole number of MiB"),
-        ("[engine]\nmax_tensor_mb = 1.5\n", {}, "[engine] max_tensor_mb=1.5: expected a whole number of MiB"),
-        ("[engine]\nmax_nodes = true\n", {}, "[engine] max_nodes=True: expected a whole number of nodes"),
-        ("[engine]\ncompile_timeout_s = 0\n", {}, "[engine] compile_timeout_s): must be between 1 and"),
-        ("[engine]\nstage_timeout_s = \"soon\"\n", {}, "[engine] stage_timeout_s='soon': expected a number of seconds"),
-        ("[engine]\nstage_timeout_s = nan\n", {}, "[engine] stage_timeout_s=nan: expected a number of seconds"),
-        ("[engine]\ncompile_timeout_s = []\n", {}, "[engine] compile_timeout_s=[]: expected a number of seconds"),
+        (
+            '[engine]\nmax_model_mb = "lots"\n',
+            {},
+            "[engine] max_model_mb='lots': expected a whole number of MiB",
+        ),
+        (
+            "[engine]\nmax_tensor_mb = 1.5\n",
+            {},
+            "[engine] max_tensor_mb=1.5: expected a whole number of MiB",
+        ),
+        (
+            "[engine]\nmax_nodes = true\n",
+            {},
+            "[engine] max_nodes=True: expected a whole number of nodes",
+        ),
+        (
+            "[engine]\ncompile_timeout_s = 0\n",
+            {},
+            "[engine] compile_timeout_s): must be between 1 and",
+        ),
+        (
+            '[engine]\nstage_timeout_s = "soon"\n',
+            {},
+            "[engine] stage_timeout_s='soon': expected a number of seconds",
+        ),
+        (
+            "[engine]\nstage_timeout_s = nan\n",
+            {},
+            "[engine] stage_timeout_s=nan: expected a number of seconds",
+        ),
+        (
+            "[engine]\ncompile_timeout_s = []\n",
+            {},
+            "[engine] compile_timeout_s=[]: expected a number of seconds",
+        ),
         ("[engine]\nworker_memory_mb = 300\n", {}, "worker_memory_mb=300 ("),
         ("[engine]\nworker_memory_mb = -1\n", {}, "must be 0 (no limit) or at least 1024 MiB"),
     ],
 )
-def test_bad_engine_limits_are_option_errors_naming_the_key(tmp_path: Path, text: str, env: dict, needle: str) -> None:
+def test_bad_engine_limits_are_option_errors_naming_the_key(
+    tmp_path: Path, text: str, env: dict, needle: str
+) -> None:
     toml = tmp_path / "aoed.toml"
     toml.write_text(text)
     with pytest.raises(OptionError) as err:
@@ -126,10 +181,12 @@ def test_bad_engine_limits_are_option_errors_naming_the_key(tmp_path: Path, text
         ("[tuning\n", {}, "not valid TOML"),
         ("", {"REPEAT_TUNE": "maybe"}, "REPEAT_TUNE='maybe'"),
         ("", {"ASCEND_DEVICE_ID": "npu0"}, "ASCEND_DEVICE_ID='npu0'"),
-        ("[tuning]\ndevice = \"tpu:0\"\n", {}, "unknown kind"),
+        ('[tuning]\ndevice = "tpu:0"\n', {}, "unknown kind"),
     ],
 )
-def test_bad_settings_name_where_they_came_from(tmp_path: Path, text: str, env: dict, needle: str) -> None:
+def test_bad_settings_name_where_they_came_from(
+    tmp_path: Path, text: str, env: dict, needle: str
+) -> None:
     toml = tmp_path / "aoed.toml"
     toml.write_text(text)
     with pytest.raises(OptionError) as err:

@@ -32,8 +32,11 @@ def test_submit_watch_jobs_status_fetch(daemon: DaemonProcess, tmp_path: Path) -
     r = _aoe(daemon, "submit", str(daemon.models / "mlp.onnx"), "--budget", "2", "--watch")
     assert r.returncode == 0, r.stderr
     assert "state verifying -> succeeded" in r.stdout and "\n  verdict      " in r.stdout
-    job_id = r.stdout.split("as job ", 1)[1].split()[0] if "as job " in r.stdout else \
-        r.stderr.split("as job ", 1)[1].split()[0]  # fmt: skip
+    job_id = (
+        r.stdout.split("as job ", 1)[1].split()[0]
+        if "as job " in r.stdout
+        else r.stderr.split("as job ", 1)[1].split()[0]
+    )
     jobs = _aoe(daemon, "jobs")
     assert jobs.returncode == 0 and job_id in jobs.stdout and "succeeded" in jobs.stdout
     status = _aoe(daemon, "status", job_id)
@@ -47,16 +50,29 @@ def test_submit_watch_jobs_status_fetch(daemon: DaemonProcess, tmp_path: Path) -
     assert "repo_add_num" in json.dumps(doc), "the AOE-shaped result JSON"
 
 
-def test_tune_goes_to_the_daemon_and_writes_outputs_locally(daemon: DaemonProcess, tmp_path: Path) -> None:
+def test_tune_goes_to_the_daemon_and_writes_outputs_locally(
+    daemon: DaemonProcess, tmp_path: Path
+) -> None:
     model = tmp_path / "cnn.onnx"
     samples.save(samples.build("cnn"), model)
-    r = _aoe(daemon, "tune", str(model), "--budget", "2", "--output", str(tmp_path / "out"), "--no-progress")
+    r = _aoe(
+        daemon,
+        "tune",
+        str(model),
+        "--budget",
+        "2",
+        "--output",
+        str(tmp_path / "out"),
+        "--no-progress",
+    )
     assert r.returncode == 0, r.stderr
     assert f"tuning on the daemon at unix://{daemon.socket}" in r.stderr
     assert "Aoe process finished" in r.stdout
     outputs = sorted(p.name for p in (tmp_path / "out").iterdir())
     # No job type named: the default, sgat+opat.
-    assert any(n.endswith("_tune.onnx") for n in outputs) and any(n.startswith("aoe_result_sgat_opat_") for n in outputs)
+    assert any(n.endswith("_tune.onnx") for n in outputs) and any(
+        n.startswith("aoe_result_sgat_opat_") for n in outputs
+    )
 
 
 def test_a_failed_job_exits_with_its_error_class(daemon: DaemonProcess) -> None:
@@ -80,12 +96,17 @@ def test_bank_commands_work_on_the_daemon_s_bank(daemon: DaemonProcess, tmp_path
     stats = _aoe(daemon, "bank", "stats", "--socket", str(daemon.socket))
     assert stats.returncode == 0 and f"daemon bank: {daemon.bank}" in stats.stdout, stats.stderr
     out = tmp_path / "bank.jsonl"
-    exported = _aoe(daemon, "bank", "export", "-o", str(out))  # AOED_SOCKET and no --bank: the daemon
+    exported = _aoe(
+        daemon, "bank", "export", "-o", str(out)
+    )  # AOED_SOCKET and no --bank: the daemon
     assert exported.returncode == 0, exported.stderr
     lines = out.read_text().splitlines()
     assert lines and "from the daemon's bank" in exported.stderr
     again = _aoe(daemon, "bank", "import", str(out))
-    assert again.returncode == 0 and f"0 added, 0 updated, {len(lines)} kept, 0 refused" in again.stdout, again.stdout
+    assert (
+        again.returncode == 0
+        and f"0 added, 0 updated, {len(lines)} kept, 0 refused" in again.stdout
+    ), again.stdout
     dry = _aoe(daemon, "bank", "prune", "--dry-run")
     assert dry.returncode == 0 and "would remove" in dry.stdout
     local = _aoe(daemon, "bank", "stats", "--bank", str(daemon.bank))

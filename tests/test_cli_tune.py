@@ -37,7 +37,10 @@ def _result(out: Path) -> dict:
 
 def _summary_adds_up(doc: dict) -> dict:
     s = doc["OPAT"]["repo_summary"]
-    assert s["repo_hit_num"] + s["repo_add_num"] + s["repo_unsatisfied_num"] + s["repo_not_tuned_num"] == s["total_num"]
+    assert (
+        s["repo_hit_num"] + s["repo_add_num"] + s["repo_unsatisfied_num"] + s["repo_not_tuned_num"]
+        == s["total_num"]
+    )
     assert s["repo_reserved_num"] + s["repo_update_num"] <= s["repo_hit_num"]
     assert s["total_num"] == len(doc["tasks"]) + 1  # + the model-wide session options
     return s
@@ -55,12 +58,21 @@ def _no_task_model(path: Path, kind: str) -> Path:
     else:
         steps, batch, size, hidden = 16, 4, 128, 256
         rng = np.random.default_rng(0)
-        inits = [numpy_helper.from_array((rng.standard_normal((1, 4 * hidden, n)) * 0.05).astype(np.float32), name)
-                 for name, n in (("W", size), ("R", hidden))]  # fmt: skip
+        inits = [
+            numpy_helper.from_array(
+                (rng.standard_normal((1, 4 * hidden, n)) * 0.05).astype(np.float32), name
+            )
+            for name, n in (("W", size), ("R", hidden))
+        ]
         nodes = [helper.make_node("LSTM", ["x", "W", "R"], ["y"], name="lstm", hidden_size=hidden)]
         x, y = [steps, batch, size], [steps, 1, batch, hidden]
-    graph = helper.make_graph(nodes, kind, [helper.make_tensor_value_info("x", TensorProto.FLOAT, x)],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, y)], inits)  # fmt: skip
+    graph = helper.make_graph(
+        nodes,
+        kind,
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, x)],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, y)],
+        inits,
+    )
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
     return path
 
@@ -76,7 +88,11 @@ def _bank_entries(bank: Path) -> int:
 
 
 def _outputs(path: Path, feeds: dict, tuned: bool) -> list[np.ndarray]:
-    sess = aoe.session(path) if tuned else ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    sess = (
+        aoe.session(path)
+        if tuned
+        else ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    )
     names = {i.name for i in sess.get_inputs()}
     return sess.run(None, {k: v for k, v in feeds.items() if k in names})
 
@@ -92,7 +108,11 @@ def _assert_exact(src: Path, tuned: Path, tmp: Path) -> None:
 def test_exact_never_slower_nor_less_accurate(models: Path, tmp_path: Path, name: str):
     """Whatever ships, its figures are the confirming A/B's. `relu` is a model nothing can
     speed up, so the input ships: the checks of that outcome run every time."""
-    src = _no_task_model(tmp_path / "relu.onnx", "relu") if name == "relu" else models / f"{name}.onnx"
+    src = (
+        _no_task_model(tmp_path / "relu.onnx", "relu")
+        if name == "relu"
+        else models / f"{name}.onnx"
+    )
     out = tmp_path / "out"
     r = run_aoe("tune", str(src), "--bank", str(tmp_path / "bank"), "--output", str(out), *FAST)
     assert r.returncode == 0, r.stderr
@@ -118,12 +138,27 @@ def test_exact_never_slower_nor_less_accurate(models: Path, tmp_path: Path, name
     assert doc["accuracy"]["max_rel_error"] <= 1e-3 and doc["accuracy"]["cosine"] >= 0.9999
     tuned = Path(doc["tuned_model"])
     ts = re.fullmatch(rf"{name}_(\d{{14}})_tune\.onnx", tuned.name).group(1)
-    assert tuned == out / "aoe_workspace" / f"{name}_{ts}" / "tunespace" / "result" / f"{name}_{ts}_tune.onnx"
+    assert (
+        tuned
+        == out
+        / "aoe_workspace"
+        / f"{name}_{ts}"
+        / "tunespace"
+        / "result"
+        / f"{name}_{ts}_tune.onnx"
+    )
     _assert_exact(src, tuned, tmp_path)
     assert aoe.session_options_of(tuned) == doc["session_options"]
     info = doc["device_info"]
-    assert (info["device"], info["provider"], info["accelerator"]) == ("cpu", "CPUExecutionProvider", {})
-    assert info["versions"]["onnxruntime"] == ort.__version__ and "CPUExecutionProvider" in info["providers"]
+    assert (info["device"], info["provider"], info["accelerator"]) == (
+        "cpu",
+        "CPUExecutionProvider",
+        {},
+    )
+    assert (
+        info["versions"]["onnxruntime"] == ort.__version__
+        and "CPUExecutionProvider" in info["providers"]
+    )
     for task in doc["tasks"]:
         if task["strategy"] != "default":
             assert task["accuracy"]["max_rel_error"] <= 1e-4, task
@@ -137,8 +172,15 @@ def mlp_banked(models: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[
     """The MLP tuned with a budget every task gets a slice of: (its bank, its result).
     Tests that go on from this bank copy it first."""
     folder = tmp_path_factory.mktemp("mlp_banked")
-    first = run_aoe("tune", str(models / "mlp.onnx"), "--bank", str(folder / "bank"), "--output",
-                    str(folder / "o1"), *ENOUGH)  # fmt: skip
+    first = run_aoe(
+        "tune",
+        str(models / "mlp.onnx"),
+        "--bank",
+        str(folder / "bank"),
+        "--output",
+        str(folder / "o1"),
+        *ENOUGH,
+    )
     assert first.returncode == 0, first.stderr
     return folder / "bank", _result(folder / "o1")
 
@@ -165,22 +207,38 @@ def test_bank_answers_the_second_run_and_repeat_tune_retunes(
     # The bank answered the confirmation too: same figures, said to be the first job's, and
     # the same model ships.
     c1, c2 = d1["confirmation"], d2["confirmation"]
-    assert c2["from_bank"] == d1["basic"]["job_id"] and c2["baseline_ms"] == pytest.approx(c1["baseline_ms"])
-    assert (d2["budget"]["confirm_s"] > 0) == bool(d1["session_options"])  # options alone are re-checked
+    assert c2["from_bank"] == d1["basic"]["job_id"] and c2["baseline_ms"] == pytest.approx(
+        c1["baseline_ms"]
+    )
+    assert (d2["budget"]["confirm_s"] > 0) == bool(
+        d1["session_options"]
+    )  # options alone are re-checked
     _banked_options_rechecked(c1, d1["session_options"], d2)
     g1 = onnx.load(d1["tuned_model"]).graph
     g2 = onnx.load(d2["tuned_model"]).graph
     assert g1.SerializeToString(deterministic=True) == g2.SerializeToString(deterministic=True)
 
-    third = run_aoe("tune", str(models / "mlp.onnx"), *ENOUGH, "--output", str(tmp_path / "o3"),
-                    env={"TUNE_BANK_PATH": str(bank), "REPEAT_TUNE": "True"})
+    third = run_aoe(
+        "tune",
+        str(models / "mlp.onnx"),
+        *ENOUGH,
+        "--output",
+        str(tmp_path / "o3"),
+        env={"TUNE_BANK_PATH": str(bank), "REPEAT_TUNE": "True"},
+    )
     assert third.returncode == 0, third.stderr
     d3 = _result(tmp_path / "o3")
     s3 = _summary_adds_up(d3)
     assert d3["resources"]["trials"] > 0
     modes = {t["update_mode"] for t in d3["tasks"]}
     assert modes <= {"reserved", "update", "add", "unsatisfied"}
-    assert s3["repo_reserved_num"] + s3["repo_update_num"] + s3["repo_add_num"] + s3["repo_unsatisfied_num"] == s3["total_num"]
+    assert (
+        s3["repo_reserved_num"]
+        + s3["repo_update_num"]
+        + s3["repo_add_num"]
+        + s3["repo_unsatisfied_num"]
+        == s3["total_num"]
+    )
 
 
 def _banked_options_rechecked(c1: dict, options: dict, d2: dict) -> list[str]:
@@ -188,15 +246,21 @@ def _banked_options_rechecked(c1: dict, options: dict, d2: dict) -> list[str]:
     options the bank held; returns the notes that say the options were dropped."""
     c2 = d2["confirmation"]
     dropped = [n for n in d2["notes"] if "from the bank dropped: re-checked here" in n]
-    if dropped:  # options that won on a quieter machine are re-measured, and dropped if they lose here
+    if (
+        dropped
+    ):  # options that won on a quieter machine are re-measured, and dropped if they lose here
         assert options and d2["session_options"] == {}, dropped
     else:
         assert options == d2["session_options"]
     if dropped and c1["shipped"] == "options only":  # then the input ships, and says so
         assert c2["shipped"] == "input" and c2["verdict"] in ("no significant change", "slower"), c2
-        assert c2["improvement"] == 0.0 and c2["proposal"]["improvement"] == pytest.approx(c1["improvement"]), c2
+        assert c2["improvement"] == 0.0 and c2["proposal"]["improvement"] == pytest.approx(
+            c1["improvement"]
+        ), c2
     else:
-        assert c2["shipped"] == c1["shipped"] and c2["improvement"] == pytest.approx(c1["improvement"])
+        assert c2["shipped"] == c1["shipped"] and c2["improvement"] == pytest.approx(
+            c1["improvement"]
+        )
     return dropped
 
 
@@ -219,11 +283,22 @@ def _store_session_record(bank: Path, model: Path, options: dict, confirmed: dic
     key = bank_key(signature.digest, device.digest, "exact")
     store = BankStore(bank)
     try:
-        assert store.get(key) is not None or store.get_default(key) is not None, "the job stored no model record here"
-        record = BankRecord(key, signature, device, canonical_json(options), SESSION_FAMILY, "exact",
-                            Measured(800.0, 0.01, 21, 790.0), Measured(1000.0, 0.01, 21, 990.0),
-                            params={"confirmed": json.dumps(confirmed, sort_keys=True)}, job_id=confirmed["job"],
-                            model=model.name)  # fmt: skip
+        assert store.get(key) is not None or store.get_default(key) is not None, (
+            "the job stored no model record here"
+        )
+        record = BankRecord(
+            key,
+            signature,
+            device,
+            canonical_json(options),
+            SESSION_FAMILY,
+            "exact",
+            Measured(800.0, 0.01, 21, 790.0),
+            Measured(1000.0, 0.01, 21, 990.0),
+            params={"confirmed": json.dumps(confirmed, sort_keys=True)},
+            job_id=confirmed["job"],
+            model=model.name,
+        )
         store.commit(entries=[(key, encode(record))])
     finally:
         store.close()
@@ -239,9 +314,19 @@ def test_banked_options_that_lose_here_are_dropped_and_the_input_ships(tmp_path:
     first = run_aoe("tune", str(src), "--bank", str(bank), "--output", str(tmp_path / "o1"), *FAST)
     assert first.returncode == 0, first.stderr
     assert _result(tmp_path / "o1")["tasks"] == []  # the model-level record is all the bank answers
-    c1 = {"verdict": "faster", "shipped": "options only", "baseline_ms": 1.0, "result_ms": 0.8, "improvement": 0.25,
-          "improvement_ci95": [0.1, 0.4], "rounds": 21, "device_s": 1.0, "options_kept": True, "job": "job-elsewhere",
-          "choices": choices_digest([], {}, SLOWER_OPTIONS)}  # fmt: skip
+    c1 = {
+        "verdict": "faster",
+        "shipped": "options only",
+        "baseline_ms": 1.0,
+        "result_ms": 0.8,
+        "improvement": 0.25,
+        "improvement_ci95": [0.1, 0.4],
+        "rounds": 21,
+        "device_s": 1.0,
+        "options_kept": True,
+        "job": "job-elsewhere",
+        "choices": choices_digest([], {}, SLOWER_OPTIONS),
+    }
     _store_session_record(bank, src, SLOWER_OPTIONS, c1)
 
     second = run_aoe("tune", str(src), "--bank", str(bank), "--output", str(tmp_path / "o2"), *FAST)
@@ -267,9 +352,20 @@ def test_crashing_candidate_is_recorded_and_job_succeeds(models: Path, tmp_path:
     )
     import sys
 
-    env = {"AOED_PLUGINS": "aoed_abort_plugin", "PYTHONPATH": ":".join([str(tmp_path), *filter(None, sys.path)])}
-    r = run_aoe("tune", str(models / "mlp.onnx"), "--bank", str(tmp_path / "bank"), "--output", str(tmp_path / "o"),
-                *FAST, env=env)
+    env = {
+        "AOED_PLUGINS": "aoed_abort_plugin",
+        "PYTHONPATH": ":".join([str(tmp_path), *filter(None, sys.path)]),
+    }
+    r = run_aoe(
+        "tune",
+        str(models / "mlp.onnx"),
+        "--bank",
+        str(tmp_path / "bank"),
+        "--output",
+        str(tmp_path / "o"),
+        *FAST,
+        env=env,
+    )
     assert r.returncode == 0, r.stderr
     doc = _result(tmp_path / "o")
     failed = [c for t in doc["tasks"] for c in t["candidates"] if c["strategy"] == "abort_worker"]
@@ -279,9 +375,19 @@ def test_crashing_candidate_is_recorded_and_job_succeeds(models: Path, tmp_path:
 
 
 def test_aoe_spelling_runs_the_same_job_on_an_old_export(models: Path, tmp_path: Path):
-    r = run_aoe("--framework", "5", "--model", str(models / "legacy_mlp.onnx"), "--job_type", "2",
-                "--output", str(tmp_path / "o"), "--progress_bar", "off",
-                env={"TUNE_BANK_PATH": str(tmp_path / "bank"), "TE_PARALLEL_COMPILER": "1"})
+    r = run_aoe(
+        "--framework",
+        "5",
+        "--model",
+        str(models / "legacy_mlp.onnx"),
+        "--job_type",
+        "2",
+        "--output",
+        str(tmp_path / "o"),
+        "--progress_bar",
+        "off",
+        env={"TUNE_BANK_PATH": str(tmp_path / "bank"), "TE_PARALLEL_COMPILER": "1"},
+    )
     assert r.returncode == 0, r.stderr
     doc = _result(tmp_path / "o")
     assert any("initializers listed as graph inputs" in n for n in doc["notes"])
@@ -291,13 +397,29 @@ def test_aoe_spelling_runs_the_same_job_on_an_old_export(models: Path, tmp_path:
 
 
 def test_dynamic_input_needs_and_takes_a_shape(models: Path, tmp_path: Path):
-    bad = run_aoe("tune", str(models / "mlp_dynamic.onnx"), "--bank", str(tmp_path / "bank"),
-                  "--output", str(tmp_path / "o"), *FAST)
+    bad = run_aoe(
+        "tune",
+        str(models / "mlp_dynamic.onnx"),
+        "--bank",
+        str(tmp_path / "bank"),
+        "--output",
+        str(tmp_path / "o"),
+        *FAST,
+    )
     assert bad.returncode == 3
     assert "'input'" in bad.stderr and "--input-shape" in bad.stderr
     assert not (tmp_path / "bank").exists()  # nothing written to the bank
-    good = run_aoe("tune", str(models / "mlp_dynamic.onnx"), "--input-shape", "input:4,256",
-                   "--bank", str(tmp_path / "bank"), "--output", str(tmp_path / "o"), *FAST)
+    good = run_aoe(
+        "tune",
+        str(models / "mlp_dynamic.onnx"),
+        "--input-shape",
+        "input:4,256",
+        "--bank",
+        str(tmp_path / "bank"),
+        "--output",
+        str(tmp_path / "o"),
+        *FAST,
+    )
     assert good.returncode == 0, good.stderr
 
 
@@ -314,8 +436,16 @@ def test_dynamic_input_needs_and_takes_a_shape(models: Path, tmp_path: Path):
     ],
 )
 def test_bad_options_fail_cleanly(models: Path, tmp_path: Path, args, env, code, needle):
-    r = run_aoe("tune", str(models / "mlp.onnx"), "--bank", str(tmp_path / "bank"),
-                "--output", str(tmp_path / "o"), *args, env=env)
+    r = run_aoe(
+        "tune",
+        str(models / "mlp.onnx"),
+        "--bank",
+        str(tmp_path / "bank"),
+        "--output",
+        str(tmp_path / "o"),
+        *args,
+        env=env,
+    )
     assert r.returncode == code, (r.stdout, r.stderr)
     assert needle in r.stderr and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
@@ -327,7 +457,9 @@ def test_bad_models_fail_cleanly(tmp_path: Path, content: bytes | None):
     model = tmp_path / "bad.onnx"
     if content is not None:
         model.write_bytes(content)
-    r = run_aoe("tune", str(model), "--bank", str(tmp_path / "bank"), "--output", str(tmp_path / "o"))
+    r = run_aoe(
+        "tune", str(model), "--bank", str(tmp_path / "bank"), "--output", str(tmp_path / "o")
+    )
     assert r.returncode == 3, (r.stdout, r.stderr)
     assert "bad.onnx" in r.stderr and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
@@ -337,19 +469,41 @@ def test_bad_models_fail_cleanly(tmp_path: Path, content: bytes | None):
 @pytest.mark.parametrize(
     ("setting", "needle"),
     [
-        ("max_nodes = 4", "5 nodes or more, over the limit of 4 nodes per model ([engine] max_nodes)"),
-        ("max_model_mb = 1", "the model file is 2.0 MiB, over the limit of 1.0 MiB ([engine] max_model_mb)"),
-        ("max_tensor_mb = 1", "(2 MiB of float32), over the limit of 1 MiB per tensor ([engine] max_tensor_mb)"),
+        (
+            "max_nodes = 4",
+            "5 nodes or more, over the limit of 4 nodes per model ([engine] max_nodes)",
+        ),
+        (
+            "max_model_mb = 1",
+            "the model file is 2.0 MiB, over the limit of 1.0 MiB ([engine] max_model_mb)",
+        ),
+        (
+            "max_tensor_mb = 1",
+            "(2 MiB of float32), over the limit of 1 MiB per tensor ([engine] max_tensor_mb)",
+        ),
     ],
 )
-def test_a_model_over_a_configured_limit_fails_naming_the_setting(tmp_path: Path, setting: str, needle: str):
+def test_a_model_over_a_configured_limit_fails_naming_the_setting(
+    tmp_path: Path, setting: str, needle: str
+):
     from aoed import samples
 
-    model = samples.save(samples.mlp(features=1024, hidden=512, layers=2), tmp_path / "m.onnx")  # 5 nodes, 2 MiB
+    model = samples.save(
+        samples.mlp(features=1024, hidden=512, layers=2), tmp_path / "m.onnx"
+    )  # 5 nodes, 2 MiB
     config = tmp_path / "aoed.toml"
     config.write_text(f"[engine]\n{setting}\n")
-    r = run_aoe("--config", str(config), "tune", str(model), "--bank", str(tmp_path / "bank"),
-                "--output", str(tmp_path / "o"), *FAST)  # fmt: skip
+    r = run_aoe(
+        "--config",
+        str(config),
+        "tune",
+        str(model),
+        "--bank",
+        str(tmp_path / "bank"),
+        "--output",
+        str(tmp_path / "o"),
+        *FAST,
+    )
     assert r.returncode == 3, (r.stdout, r.stderr)  # a ModelError
     assert needle in r.stderr and str(model) in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert not (tmp_path / "bank").exists()
@@ -367,8 +521,17 @@ def test_read_only_layer_answers_under_an_empty_custom_bank(
     shutil.copytree(mlp_banked[0], team)
     team_data = (team / "data.mdb").read_bytes()
     mine = tmp_path / "mine"
-    second = run_aoe("tune", str(models / "mlp.onnx"), "--bank", str(mine), "--bank-layer", str(team),
-                     "--output", str(tmp_path / "o2"), *FAST)
+    second = run_aoe(
+        "tune",
+        str(models / "mlp.onnx"),
+        "--bank",
+        str(mine),
+        "--bank-layer",
+        str(team),
+        "--output",
+        str(tmp_path / "o2"),
+        *FAST,
+    )
     assert second.returncode == 0, second.stderr
     doc = _result(tmp_path / "o2")
     assert doc["resources"]["trials"] == 0
@@ -383,10 +546,26 @@ def test_a_machine_busy_on_every_core_never_fails_the_job(models: Path, tmp_path
     import subprocess
     import sys
 
-    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 2)]
+    hogs = [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        for _ in range(os.cpu_count() or 2)
+    ]
     try:
-        r = run_aoe("tune", str(models / "cnn.onnx"), "--precision", "int8", "--bank", str(tmp_path / "bank"),
-                    "--output", str(tmp_path / "o"), "--budget", "3", "--no-progress", *OPAT, timeout=600)
+        r = run_aoe(
+            "tune",
+            str(models / "cnn.onnx"),
+            "--precision",
+            "int8",
+            "--bank",
+            str(tmp_path / "bank"),
+            "--output",
+            str(tmp_path / "o"),
+            "--budget",
+            "3",
+            "--no-progress",
+            *OPAT,
+            timeout=600,
+        )
     finally:
         for h in hogs:
             h.kill()
@@ -395,4 +574,3 @@ def test_a_machine_busy_on_every_core_never_fails_the_job(models: Path, tmp_path
     doc = _result(tmp_path / "o")
     assert Path(doc["tuned_model"]).is_file() and doc["confirmation"]["rounds"] > 0
     assert "Aoe process finished" in r.stdout
-

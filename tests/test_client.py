@@ -53,12 +53,16 @@ def serve(*handlers: grpc.GenericRpcHandler, servicers: tuple = ()) -> Iterator[
         shutil.rmtree(d, ignore_errors=True)
 
 
-def _aborting(service: str, method: str, request_type, response_type, code: grpc.StatusCode, message: str):
+def _aborting(
+    service: str, method: str, request_type, response_type, code: grpc.StatusCode, message: str
+):
     def handler(request, context):
         context.abort(code, message)
 
     rpc = grpc.unary_unary_rpc_method_handler(
-        handler, request_deserializer=request_type.FromString, response_serializer=response_type.SerializeToString
+        handler,
+        request_deserializer=request_type.FromString,
+        response_serializer=response_type.SerializeToString,
     )
     return grpc.method_handlers_generic_handler(service, {method: rpc})
 
@@ -76,10 +80,18 @@ def _aborting(service: str, method: str, request_type, response_type, code: grpc
         (grpc.StatusCode.INTERNAL, AoedError, 1),
     ],
 )
-def test_a_status_from_the_server_becomes_its_error_class_with_the_message(code, cls, exit_code) -> None:
+def test_a_status_from_the_server_becomes_its_error_class_with_the_message(
+    code, cls, exit_code
+) -> None:
     message = f"job j-42 says {code.name.lower()}"
-    handler = _aborting("aoe.v1.TuningService", "GetJob", tuning_pb2.GetJobRequest, tuning_pb2.GetJobResponse,
-                        code, message)  # fmt: skip
+    handler = _aborting(
+        "aoe.v1.TuningService",
+        "GetJob",
+        tuning_pb2.GetJobRequest,
+        tuning_pb2.GetJobResponse,
+        code,
+        message,
+    )
     with serve(handler) as sock, Client(sock) as client:
         with pytest.raises(AoedError) as info:
             client.get("j-42")
@@ -92,9 +104,14 @@ def test_a_status_from_the_server_becomes_its_error_class_with_the_message(code,
 
 
 def test_failed_precondition_from_the_bank_service_is_a_bank_error() -> None:
-    handler = _aborting("aoe.v1.BankService", "GetBankStats", bank_pb2.GetBankStatsRequest,
-                        bank_pb2.GetBankStatsResponse, grpc.StatusCode.FAILED_PRECONDITION,
-                        "bank /srv/bank: schema 9 is newer than this aoed")  # fmt: skip
+    handler = _aborting(
+        "aoe.v1.BankService",
+        "GetBankStats",
+        bank_pb2.GetBankStatsRequest,
+        bank_pb2.GetBankStatsResponse,
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "bank /srv/bank: schema 9 is newer than this aoed",
+    )
     with serve(handler) as sock, Client(sock) as client:
         with pytest.raises(BankError, match="schema 9 is newer"):
             client.bank_stats()
@@ -142,7 +159,9 @@ def test_ping_is_false_at_once_without_a_socket_and_soon_at_a_dead_one(tmp_path:
             dead.bind(str(d / "dead.sock"))
             with Client(d / "dead.sock") as client:
                 assert client.ping() is False
-                assert _connectivity(client._channel) != grpc.ChannelConnectivity.IDLE, "this one was dialled"
+                assert _connectivity(client._channel) != grpc.ChannelConnectivity.IDLE, (
+                    "this one was dialled"
+                )
     finally:
         shutil.rmtree(d, ignore_errors=True)
 
@@ -176,7 +195,9 @@ class Files(tuning_pb2_grpc.TuningServiceServicer):
 @pytest.fixture
 def files() -> Iterator[tuple[Files, Path]]:
     servicer = Files()
-    with serve(servicers=((tuning_pb2_grpc.add_TuningServiceServicer_to_server, servicer),)) as sock:
+    with serve(
+        servicers=((tuning_pb2_grpc.add_TuningServiceServicer_to_server, servicer),)
+    ) as sock:
         yield servicer, sock
 
 
@@ -206,8 +227,11 @@ def test_upload_fails_when_the_daemon_received_other_bytes(files, tmp_path: Path
 def test_download_writes_the_checked_file_under_the_daemons_name(files, tmp_path: Path) -> None:
     servicer, sock = files
     data = os.urandom(10_000)
-    header = tuning_pb2.DownloadHeader(file_name="../../model_tuned.onnx", sha256=hashlib.sha256(data).hexdigest(),
-                                       size_bytes=len(data))  # fmt: skip
+    header = tuning_pb2.DownloadHeader(
+        file_name="../../model_tuned.onnx",
+        sha256=hashlib.sha256(data).hexdigest(),
+        size_bytes=len(data),
+    )
     servicer.download = (header, data)
     with Client(sock) as client:
         path = client.download("j-1", "model", tmp_path / "out")
@@ -219,7 +243,10 @@ def test_download_writes_the_checked_file_under_the_daemons_name(files, tmp_path
 def test_download_with_a_wrong_sha256_says_so_and_leaves_nothing(files, tmp_path: Path) -> None:
     servicer, sock = files
     data = b"x" * 5000
-    servicer.download = (tuning_pb2.DownloadHeader(file_name="r.json", sha256="ab" * 32, size_bytes=len(data)), data)
+    servicer.download = (
+        tuning_pb2.DownloadHeader(file_name="r.json", sha256="ab" * 32, size_bytes=len(data)),
+        data,
+    )
     with Client(sock) as client, pytest.raises(AoedError) as info:
         client.download("j-7", "json", tmp_path)
     message = str(info.value)
@@ -239,15 +266,21 @@ class Watch(tuning_pb2_grpc.TuningServiceServicer):
         self.asked.append(request.after_sequence)
         if len(self.asked) == 1 or self.always_unavailable:
             for n in (1, 2):
-                yield tuning_pb2.WatchJobResponse(event=tuning_pb2.JobEvent(sequence=n, job_id=request.job_id))
+                yield tuning_pb2.WatchJobResponse(
+                    event=tuning_pb2.JobEvent(sequence=n, job_id=request.job_id)
+                )
             context.abort(grpc.StatusCode.UNAVAILABLE, "the daemon is shutting down")
         for n in (2, 3):
-            yield tuning_pb2.WatchJobResponse(event=tuning_pb2.JobEvent(sequence=n, job_id=request.job_id))
+            yield tuning_pb2.WatchJobResponse(
+                event=tuning_pb2.JobEvent(sequence=n, job_id=request.job_id)
+            )
 
 
 def test_watch_resumes_after_the_last_event_when_the_daemon_comes_back() -> None:
     servicer = Watch()
-    with serve(servicers=((tuning_pb2_grpc.add_TuningServiceServicer_to_server, servicer),)) as sock:
+    with serve(
+        servicers=((tuning_pb2_grpc.add_TuningServiceServicer_to_server, servicer),)
+    ) as sock:
         with Client(sock) as client:
             seen = [e.sequence for e in client.watch("j-1")]
     assert seen == [1, 2, 3]  # each once, in order
@@ -256,7 +289,9 @@ def test_watch_resumes_after_the_last_event_when_the_daemon_comes_back() -> None
 
 def test_watch_gives_up_after_its_retry_time() -> None:
     servicer = Watch(always_unavailable=True)
-    with serve(servicers=((tuning_pb2_grpc.add_TuningServiceServicer_to_server, servicer),)) as sock:
+    with serve(
+        servicers=((tuning_pb2_grpc.add_TuningServiceServicer_to_server, servicer),)
+    ) as sock:
         with Client(sock) as client, pytest.raises(DaemonUnavailableError, match="shutting down"):
             for _ in client.watch("j-1", retry_s=0.5):
                 pass
@@ -279,13 +314,22 @@ class Bank(bank_pb2_grpc.BankServiceServicer):
 def test_bank_export_writes_the_exchange_format_and_import_sends_it_back(tmp_path: Path) -> None:
     from aoe.bank import record_to_json
 
-    entry = bank_pb2.BankEntry(schema_version=1, key="v1/aa/bb/exact", strategy=bank_pb2.Strategy(name="s", family="f"),
-                               winner=bank_pb2.Stats(median_us=12.5, repeats=7))  # fmt: skip
+    entry = bank_pb2.BankEntry(
+        schema_version=1,
+        key="v1/aa/bb/exact",
+        strategy=bank_pb2.Strategy(name="s", family="f"),
+        winner=bank_pb2.Stats(median_us=12.5, repeats=7),
+    )
     records = [
         bank_pb2.ExportEntriesResponse(entry=entry),
-        bank_pb2.ExportEntriesResponse(default_record=bank_pb2.DefaultRecord(key="v1/cc/bb/exact", default_us=3.0)),
-        bank_pb2.ExportEntriesResponse(trial=bank_pb2.TrialRecord(key="v1/aa/bb/exact", time_ns=1 << 60,
-                                                                  trial_json='{"ok": true}')),  # fmt: skip
+        bank_pb2.ExportEntriesResponse(
+            default_record=bank_pb2.DefaultRecord(key="v1/cc/bb/exact", default_us=3.0)
+        ),
+        bank_pb2.ExportEntriesResponse(
+            trial=bank_pb2.TrialRecord(
+                key="v1/aa/bb/exact", time_ns=1 << 60, trial_json='{"ok": true}'
+            )
+        ),
     ]
     servicer = Bank(records)
     dump = tmp_path / "bank.jsonl"
@@ -293,23 +337,44 @@ def test_bank_export_writes_the_exchange_format_and_import_sends_it_back(tmp_pat
         with Client(sock) as client:
             counts = client.bank_export(dump)
             assert counts == {"entry": 1, "default_record": 1, "trial": 1}
-            assert dump.read_text().splitlines() == [record_to_json(r) for r in records]  # as `aoe bank export`
+            assert dump.read_text().splitlines() == [
+                record_to_json(r) for r in records
+            ]  # as `aoe bank export`
             reply = client.bank_import(dump, policy="overwrite", allow_foreign=True)
             dump.write_text(dump.read_text() + "{not json\n")
             with pytest.raises(OptionError, match=r"bank.jsonl:4: not a bank record"):
                 client.bank_import(dump)
     assert reply.added == 3
     first, *rest = servicer.imported
-    assert first.options.policy == bank_pb2.MERGE_POLICY_OVERWRITE and first.options.allow_foreign_devices
-    assert [getattr(r, r.WhichOneof("payload")) for r in rest] == [getattr(r, r.WhichOneof("record")) for r in records]
+    assert (
+        first.options.policy == bank_pb2.MERGE_POLICY_OVERWRITE
+        and first.options.allow_foreign_devices
+    )
+    assert [getattr(r, r.WhichOneof("payload")) for r in rest] == [
+        getattr(r, r.WhichOneof("record")) for r in records
+    ]
 
 
 def test_job_options_from_a_dict_and_their_errors() -> None:
-    opts = job_options({"precision": "int8", "input_shapes": ["x:1,3,8,8;y:2"], "priority": -3, "budget_s": 5,
-                        "min_cosine": 0.99, "job_type": "2", "device": None})  # fmt: skip
+    opts = job_options(
+        {
+            "precision": "int8",
+            "input_shapes": ["x:1,3,8,8;y:2"],
+            "priority": -3,
+            "budget_s": 5,
+            "min_cosine": 0.99,
+            "job_type": "2",
+            "device": None,
+        }
+    )
     assert opts.precision == bank_pb2.PRECISION_INT8 and opts.job_type == tuning_pb2.JOB_TYPE_OPAT
     assert [(s.name, list(s.dims)) for s in opts.input_shapes] == [("x", [1, 3, 8, 8]), ("y", [2])]
-    assert (opts.priority, opts.budget_s, opts.accuracy_budget.min_cosine, opts.device) == (-3, 5.0, 0.99, "")
+    assert (opts.priority, opts.budget_s, opts.accuracy_budget.min_cosine, opts.device) == (
+        -3,
+        5.0,
+        0.99,
+        "",
+    )
     with pytest.raises(OptionError, match="precision fp3: not supported"):
         job_options({"precision": "fp3"})
     with pytest.raises(OptionError, match="'colour': unknown"):
@@ -322,7 +387,10 @@ def test_aoe_submit_without_a_daemon_exits_7_naming_the_socket(tmp_path: Path) -
     model = tmp_path / "m.onnx"
     model.write_bytes(b"not even onnx: the daemon is asked first")
     sock = tmp_path / "no" / "aoed.sock"
-    for args, env in (([str(model), "--socket", str(sock)], {}), ([str(model)], {"AOED_SOCKET": str(sock)})):
+    for args, env in (
+        ([str(model), "--socket", str(sock)], {}),
+        ([str(model)], {"AOED_SOCKET": str(sock)}),
+    ):
         r = run_aoe("submit", *args, env=env, timeout=60)
         assert r.returncode == 7, (r.stdout, r.stderr)
         (line,) = r.stderr.strip().splitlines()
@@ -337,7 +405,9 @@ def test_aoe_tune_falls_back_to_embedded_and_says_why(tmp_path: Path) -> None:
     r = run_aoe("tune", str(bad), "--output", str(tmp_path / "o"), env=env, timeout=120)
     assert r.returncode == 3, (r.stdout, r.stderr)
     assert r.stderr.splitlines()[0] == f"aoe: tuning embedded (no daemon at {sock})"
-    r = run_aoe("tune", str(bad), "--socket", str(sock), "--bank", str(tmp_path / "bank"), timeout=60)
+    r = run_aoe(
+        "tune", str(bad), "--socket", str(sock), "--bank", str(tmp_path / "bank"), timeout=60
+    )
     assert r.returncode == 2 and "drop --bank or --socket" in r.stderr
 
 

@@ -30,31 +30,48 @@ def _config(tmp_path: Path, body: str) -> Path:
 
 def test_cluster_settings_are_checked(tmp_path: Path) -> None:
     assert load_config(env={}).executor == "local"
-    with pytest.raises(OptionError, match=r"executor='spark' \(.*\[cluster\] executor\): expected one of local, ray"):
+    with pytest.raises(
+        OptionError,
+        match=r"executor='spark' \(.*\[cluster\] executor\): expected one of local, ray",
+    ):
         load_config(_config(tmp_path, '[cluster]\nexecutor = "spark"\n'), env={})
     with pytest.raises(OptionError, match=r'executor="ray" .* needs \[cluster\] address'):
         load_config(_config(tmp_path, '[cluster]\nexecutor = "ray"\n'), env={})
-    with pytest.raises(OptionError, match=r"\[cluster\] address=6379: expected the Ray head's address"):
+    with pytest.raises(
+        OptionError, match=r"\[cluster\] address=6379: expected the Ray head's address"
+    ):
         load_config(_config(tmp_path, "[cluster]\naddress = 6379\n"), env={})
     with pytest.raises(OptionError, match=r"\[cluster\] nodes: unknown setting"):
         load_config(_config(tmp_path, "[cluster]\nnodes = 3\n"), env={})
 
 
 def test_check_config_reports_cluster_problems(tmp_path: Path) -> None:
-    path = _config(tmp_path, f'[daemon]\nstate_dir = "{tmp_path / "state"}"\n[cluster]\nexecutor = "ray"\n')
-    run = subprocess.run([sys.executable, "-m", "aoed", "--config", str(path), "--check-config"],
-                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    path = _config(
+        tmp_path, f'[daemon]\nstate_dir = "{tmp_path / "state"}"\n[cluster]\nexecutor = "ray"\n'
+    )
+    run = subprocess.run(
+        [sys.executable, "-m", "aoed", "--config", str(path), "--check-config"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert run.returncode != 0
     assert "needs [cluster] address" in run.stderr, run.stderr
     if importlib.util.find_spec("ray") is not None:
         path.write_text(path.read_text() + 'address = "10.0.0.1:6379"\n')
-        run = subprocess.run([sys.executable, "-m", "aoed", "--config", str(path), "--check-config"],
-                             capture_output=True, text=True, timeout=60)  # fmt: skip
+        run = subprocess.run(
+            [sys.executable, "-m", "aoed", "--config", str(path), "--check-config"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert run.returncode == 0, run.stderr
         assert "executor    ray at 10.0.0.1:6379" in run.stdout
 
 
-def test_ray_without_the_extra_is_one_line_naming_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_ray_without_the_extra_is_one_line_naming_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from aoed.engine.rayexec import require_ray
 
     monkeypatch.setitem(sys.modules, "ray", None)  # how Python spells "not installed" to importers
@@ -62,7 +79,9 @@ def test_ray_without_the_extra_is_one_line_naming_it(tmp_path: Path, monkeypatch
     with pytest.raises(OptionError) as info:
         load_config(path, env={})
     assert len(info.value.problems) == 1 and "\n" not in str(info.value)
-    assert 'pip install "aoed[cluster]"' in str(info.value) and "[cluster] executor" in str(info.value)
+    assert 'pip install "aoed[cluster]"' in str(info.value) and "[cluster] executor" in str(
+        info.value
+    )
     with pytest.raises(OptionError, match=r'pip install "aoed\[cluster\]"'):
         require_ray()
 
@@ -80,12 +99,18 @@ def cluster():
     from ray.cluster_utils import Cluster
 
     # The head holds the compile workers' CPU; each other node is one device, by its resource.
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "object_store_memory": _OBJECT_STORE_MIN})
+    c = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 1, "object_store_memory": _OBJECT_STORE_MIN},
+    )
     c.device_nodes = {
-        device: c.add_node(num_cpus=1, object_store_memory=_OBJECT_STORE_MIN,
-                           resources={f"aoe_device_{device.replace(':', '')}": 1})
+        device: c.add_node(
+            num_cpus=1,
+            object_store_memory=_OBJECT_STORE_MIN,
+            resources={f"aoe_device_{device.replace(':', '')}": 1},
+        )
         for device in DEVICES
-    }  # fmt: skip
+    }
     c.wait_for_nodes()
     yield c
     c.shutdown()
@@ -93,9 +118,13 @@ def cluster():
 
 @pytest.fixture
 def on_ray(tmp_path: Path, cluster):
-    d = DaemonProcess(tmp_path / "d", f'[cluster]\nexecutor = "ray"\naddress = "{cluster.address}"\n')
+    d = DaemonProcess(
+        tmp_path / "d", f'[cluster]\nexecutor = "ray"\naddress = "{cluster.address}"\n'
+    )
     devices = ", ".join(f'"{x}"' for x in DEVICES)
-    d.config.write_text(d.config.read_text().replace("[tuning]\n", f"[tuning]\ndevices = [{devices}]\n", 1))
+    d.config.write_text(
+        d.config.read_text().replace("[tuning]\n", f"[tuning]\ndevices = [{devices}]\n", 1)
+    )
     d.start(timeout=240)
     yield d
     d.close()
@@ -104,8 +133,12 @@ def on_ray(tmp_path: Path, cluster):
 def _submit(d: DaemonProcess, name: str, budget: float) -> str:
     path = d.models / f"{name}.onnx"
     samples.save(samples.build(name), path)
-    reply = d.tuning().SubmitJob(tuning_pb2.SubmitJobRequest(
-        model_id=upload(d.tuning(), path), options=tuning_pb2.JobOptions(budget_s=budget)), timeout=30)  # fmt: skip
+    reply = d.tuning().SubmitJob(
+        tuning_pb2.SubmitJobRequest(
+            model_id=upload(d.tuning(), path), options=tuning_pb2.JobOptions(budget_s=budget)
+        ),
+        timeout=30,
+    )
     return reply.job_id
 
 
@@ -151,7 +184,10 @@ def test_an_actor_killed_mid_job_loses_no_decided_task(on_ray: DaemonProcess) ->
     job_id = _submit(on_ray, "cnn", 12.0)
 
     def measuring() -> list[int]:
-        trials = {d.id: d.trials for d in on_ray.devices().ListDevices(devices_pb2.ListDevicesRequest()).devices}
+        trials = {
+            d.id: d.trials
+            for d in on_ray.devices().ListDevices(devices_pb2.ListDevicesRequest()).devices
+        }
         return _actors("ray::DeviceActor.call") if sum(trials.values()) > 0 else []
 
     victim = wait_for(measuring, 300, "a device actor measuring, after the first trials")[0]
@@ -182,10 +218,34 @@ def test_aoe_tune_runs_embedded_on_the_cluster(tmp_path: Path, cluster) -> None:
     model = tmp_path / "mlp.onnx"
     samples.save(samples.build("mlp"), model)
     env = {**os.environ, "AOED_RUNTIME_DIR": str(tmp_path / "run")}
-    run = subprocess.run([str(Path(sys.executable).with_name("aoe")), "tune", str(model), "--executor", "ray",
-                          "--ray-address", cluster.address, "--device", "cpu:0", "--device", "cpu:1", "--budget", "6",
-                          "--parallel", "1", "--bank", str(tmp_path / "bank"), "--output", str(tmp_path / "out"),
-                          "--no-progress"], capture_output=True, text=True, timeout=600, env=env)  # fmt: skip
+    run = subprocess.run(
+        [
+            str(Path(sys.executable).with_name("aoe")),
+            "tune",
+            str(model),
+            "--executor",
+            "ray",
+            "--ray-address",
+            cluster.address,
+            "--device",
+            "cpu:0",
+            "--device",
+            "cpu:1",
+            "--budget",
+            "6",
+            "--parallel",
+            "1",
+            "--bank",
+            str(tmp_path / "bank"),
+            "--output",
+            str(tmp_path / "out"),
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
     assert run.returncode == 0, run.stderr
     (result,) = (tmp_path / "out").glob("aoe_result_*.json")
     per = json.loads(result.read_text())["resources"]["devices"]
@@ -193,12 +253,17 @@ def test_aoe_tune_runs_embedded_on_the_cluster(tmp_path: Path, cluster) -> None:
 
 
 @pytest.mark.cluster
-def test_a_node_lost_mid_job_leaves_its_device_and_jobs_go_on(on_ray: DaemonProcess, cluster) -> None:
+def test_a_node_lost_mid_job_leaves_its_device_and_jobs_go_on(
+    on_ray: DaemonProcess, cluster
+) -> None:
     # Last of the tests on the shared cluster: it takes a node away for good.
     job_id = _submit(on_ray, "cnn", 12.0)
 
     def trials() -> dict[str, int]:
-        return {d.id: d.trials for d in on_ray.devices().ListDevices(devices_pb2.ListDevicesRequest()).devices}
+        return {
+            d.id: d.trials
+            for d in on_ray.devices().ListDevices(devices_pb2.ListDevicesRequest()).devices
+        }
 
     wait_for(lambda: sum(trials().values()) > 0, 300, "the first trials")
     cluster.remove_node(cluster.device_nodes["cpu:2"])
@@ -225,9 +290,29 @@ def test_an_unreachable_head_is_one_clear_error(tmp_path: Path) -> None:
     model = tmp_path / "mlp.onnx"
     samples.save(samples.build("mlp"), model)
     env = {**os.environ, "AOED_RUNTIME_DIR": str(tmp_path / "run")}
-    run = subprocess.run([str(Path(sys.executable).with_name("aoe")), "tune", str(model), "--executor", "ray", "--ray-address",
-                          f"127.0.0.1:{port}", "--bank", str(tmp_path / "bank"), "--output", str(tmp_path / "out"),
-                          "--no-progress"], capture_output=True, text=True, timeout=120, env=env)  # fmt: skip
+    run = subprocess.run(
+        [
+            str(Path(sys.executable).with_name("aoe")),
+            "tune",
+            str(model),
+            "--executor",
+            "ray",
+            "--ray-address",
+            f"127.0.0.1:{port}",
+            "--bank",
+            str(tmp_path / "bank"),
+            "--output",
+            str(tmp_path / "out"),
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert run.returncode == DeviceError.exit_code, run.stderr
     errors = [line for line in run.stderr.splitlines() if "error" in line]
-    assert len(errors) == 1 and f"[cluster] address 127.0.0.1:{port}: cannot reach the Ray cluster" in errors[0], run.stderr
+    assert (
+        len(errors) == 1
+        and f"[cluster] address 127.0.0.1:{port}: cannot reach the Ray cluster" in errors[0]
+    ), run.stderr

@@ -23,8 +23,12 @@ _RAY_DRIVER_LIMIT_S = 60
 def _submit(d: DaemonProcess, name: str, budget: float) -> str:
     path = d.models / f"{name}.onnx"
     samples.save(samples.build(name), path)
-    reply = d.tuning().SubmitJob(tuning_pb2.SubmitJobRequest(
-        model_id=upload(d.tuning(), path), options=tuning_pb2.JobOptions(budget_s=budget)), timeout=60)  # fmt: skip
+    reply = d.tuning().SubmitJob(
+        tuning_pb2.SubmitJobRequest(
+            model_id=upload(d.tuning(), path), options=tuning_pb2.JobOptions(budget_s=budget)
+        ),
+        timeout=60,
+    )
     return reply.job_id
 
 
@@ -33,12 +37,21 @@ def test_a_lost_head_fails_jobs_clearly_and_the_daemon_goes_on(tmp_path: Path) -
     pytest.importorskip("ray", reason="needs the cluster extra (make test-cluster)")
     from ray.cluster_utils import Cluster
 
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "object_store_memory": _OBJECT_STORE_MIN})
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 1, "object_store_memory": _OBJECT_STORE_MIN},
+    )
     try:
-        cluster.add_node(num_cpus=1, object_store_memory=_OBJECT_STORE_MIN, resources={"aoe_device_cpu0": 1})
+        cluster.add_node(
+            num_cpus=1, object_store_memory=_OBJECT_STORE_MIN, resources={"aoe_device_cpu0": 1}
+        )
         cluster.wait_for_nodes()
-        d = DaemonProcess(tmp_path / "d", f'[cluster]\nexecutor = "ray"\naddress = "{cluster.address}"\n')
-        d.config.write_text(d.config.read_text().replace("[tuning]\n", '[tuning]\ndevices = ["cpu:0"]\n', 1))
+        d = DaemonProcess(
+            tmp_path / "d", f'[cluster]\nexecutor = "ray"\naddress = "{cluster.address}"\n'
+        )
+        d.config.write_text(
+            d.config.read_text().replace("[tuning]\n", '[tuning]\ndevices = ["cpu:0"]\n', 1)
+        )
         d.start(timeout=240)
     except BaseException:
         cluster.shutdown()
@@ -47,7 +60,9 @@ def test_a_lost_head_fails_jobs_clearly_and_the_daemon_goes_on(tmp_path: Path) -
         job_id = _submit(d, "cnn", 60.0)
 
         def trials() -> int:
-            return sum(x.trials for x in d.devices().ListDevices(devices_pb2.ListDevicesRequest()).devices)
+            return sum(
+                x.trials for x in d.devices().ListDevices(devices_pb2.ListDevicesRequest()).devices
+            )
 
         wait_for(lambda: trials() > 0, 300, "the first trials")
         cluster.shutdown()
@@ -59,8 +74,11 @@ def test_a_lost_head_fails_jobs_clearly_and_the_daemon_goes_on(tmp_path: Path) -
         assert job.state == tuning_pb2.JOB_STATE_FAILED
         assert "does not answer" in job.error or "died" in job.error, job.error
         # Past the time Ray would have ended the daemon's process, it still serves.
-        assert wait_for(lambda: time.monotonic() - down > _RAY_DRIVER_LIMIT_S + 15 and d.serving(), 150,
-                        "the daemon serving after Ray's limit")  # fmt: skip
+        assert wait_for(
+            lambda: time.monotonic() - down > _RAY_DRIVER_LIMIT_S + 15 and d.serving(),
+            150,
+            "the daemon serving after Ray's limit",
+        )
         assert d.proc.poll() is None
         assert d.stop() == 0, d.log()
     finally:

@@ -22,7 +22,9 @@ import grpc
 import onnx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
+    ProtoReflectionDescriptorDatabase,
+)
 
 from aoe.bank import open_bank
 from aoe.v1 import daemon_pb2, devices_pb2, tuning_pb2
@@ -31,7 +33,11 @@ from tests.daemon_util import DaemonProcess, upload, wait_for
 
 pytestmark = pytest.mark.slow
 
-FINAL = (tuning_pb2.JOB_STATE_SUCCEEDED, tuning_pb2.JOB_STATE_FAILED, tuning_pb2.JOB_STATE_CANCELLED)
+FINAL = (
+    tuning_pb2.JOB_STATE_SUCCEEDED,
+    tuning_pb2.JOB_STATE_FAILED,
+    tuning_pb2.JOB_STATE_CANCELLED,
+)
 
 
 @pytest.fixture
@@ -51,15 +57,23 @@ def _model(d: DaemonProcess, name: str, seed: int = 0) -> Path:
 
 def _submit(d: DaemonProcess, path: Path, budget: float = 2.0, **opts) -> str:
     model_id = upload(d.tuning(), path)
-    reply = d.tuning().SubmitJob(tuning_pb2.SubmitJobRequest(
-        model_id=model_id, options=tuning_pb2.JobOptions(budget_s=budget, **opts)), timeout=30)  # fmt: skip
+    reply = d.tuning().SubmitJob(
+        tuning_pb2.SubmitJobRequest(
+            model_id=model_id, options=tuning_pb2.JobOptions(budget_s=budget, **opts)
+        ),
+        timeout=30,
+    )
     return reply.job_id
 
 
-def _events(d: DaemonProcess, job_id: str, after: int = 0, logs: bool = True, limit: int | None = None):
+def _events(
+    d: DaemonProcess, job_id: str, after: int = 0, logs: bool = True, limit: int | None = None
+):
     out = []
-    stream = d.tuning().WatchJob(tuning_pb2.WatchJobRequest(job_id=job_id, after_sequence=after, include_logs=logs),
-                                 timeout=300)  # fmt: skip
+    stream = d.tuning().WatchJob(
+        tuning_pb2.WatchJobRequest(job_id=job_id, after_sequence=after, include_logs=logs),
+        timeout=300,
+    )
     for msg in stream:
         out.append(msg.event)
         if limit is not None and len(out) >= limit:
@@ -69,14 +83,18 @@ def _events(d: DaemonProcess, job_id: str, after: int = 0, logs: bool = True, li
 
 
 def _wait_event(d: DaemonProcess, job_id: str, pred, timeout: float = 120):
-    stream = d.tuning().WatchJob(tuning_pb2.WatchJobRequest(job_id=job_id, include_logs=True), timeout=timeout)
+    stream = d.tuning().WatchJob(
+        tuning_pb2.WatchJobRequest(job_id=job_id, include_logs=True), timeout=timeout
+    )
     seen = []
     for msg in stream:
         seen.append(msg.event)
         if pred(msg.event):
             stream.cancel()
             return seen
-    raise AssertionError(f"the stream ended without the awaited event: {[str(e) for e in seen][-5:]}")
+    raise AssertionError(
+        f"the stream ended without the awaited event: {[str(e) for e in seen][-5:]}"
+    )
 
 
 def _bank_keys(bank: Path) -> set[str]:
@@ -107,23 +125,36 @@ def test_upload_submit_watch_fetch(daemon: DaemonProcess, tmp_path: Path) -> Non
 
     job = daemon.tuning().GetJob(tuning_pb2.GetJobRequest(job_id=job_id)).job
     assert job.state == tuning_pb2.JOB_STATE_SUCCEEDED and job.model_name == "mlp.onnx"
-    assert job.result.repo_summary.total_num == len(job.result.tasks) + 1  # + the model-wide options
+    assert (
+        job.result.repo_summary.total_num == len(job.result.tasks) + 1
+    )  # + the model-wide options
 
-    chunks = list(daemon.tuning().DownloadResult(tuning_pb2.DownloadResultRequest(
-        job_id=job_id, artifact=tuning_pb2.RESULT_ARTIFACT_TUNED_MODEL)))  # fmt: skip
+    chunks = list(
+        daemon.tuning().DownloadResult(
+            tuning_pb2.DownloadResultRequest(
+                job_id=job_id, artifact=tuning_pb2.RESULT_ARTIFACT_TUNED_MODEL
+            )
+        )
+    )
     head, data = chunks[0].header, b"".join(c.chunk for c in chunks[1:])
     assert hashlib.sha256(data).hexdigest() == head.sha256 and len(data) == head.size_bytes
     onnx.checker.check_model(onnx.load_from_string(data))
-    chunks = list(daemon.tuning().DownloadResult(tuning_pb2.DownloadResultRequest(
-        job_id=job_id, artifact=tuning_pb2.RESULT_ARTIFACT_RESULT_JSON)))  # fmt: skip
+    chunks = list(
+        daemon.tuning().DownloadResult(
+            tuning_pb2.DownloadResultRequest(
+                job_id=job_id, artifact=tuning_pb2.RESULT_ARTIFACT_RESULT_JSON
+            )
+        )
+    )
     report = json.loads(b"".join(c.chunk for c in chunks[1:]))
     # The result JSON downloaded is this job's, and its bank counts are the ones GetJob gives.
     assert report["basic"]["job_id"] == job_id
     counts = report["OPAT"]["repo_summary"]
     assert counts["total_num"] == len(job.result.tasks) + 1
     summary = job.result.repo_summary
-    assert {f.name: counts[f.name] for f in summary.DESCRIPTOR.fields} == \
-        {f.name: getattr(summary, f.name) for f in summary.DESCRIPTOR.fields}
+    assert {f.name: counts[f.name] for f in summary.DESCRIPTOR.fields} == {
+        f.name: getattr(summary, f.name) for f in summary.DESCRIPTOR.fields
+    }
 
     listed = daemon.tuning().ListJobs(tuning_pb2.ListJobsRequest()).jobs
     assert [j.job_id for j in listed] == [job_id]
@@ -132,11 +163,19 @@ def test_upload_submit_watch_fetch(daemon: DaemonProcess, tmp_path: Path) -> Non
 def test_identical_submissions_join_one_job(daemon: DaemonProcess) -> None:
     path = _model(daemon, "mlp")
     first = _submit(daemon, path, budget=3.0)
-    by_path = daemon.tuning().SubmitJob(tuning_pb2.SubmitJobRequest(
-        model_path=str(path), options=tuning_pb2.JobOptions(budget_s=3.0)), timeout=30)  # fmt: skip
+    by_path = daemon.tuning().SubmitJob(
+        tuning_pb2.SubmitJobRequest(
+            model_path=str(path), options=tuning_pb2.JobOptions(budget_s=3.0)
+        ),
+        timeout=30,
+    )
     assert by_path.job_id == first and by_path.job.joined == 1
-    other = daemon.tuning().SubmitJob(tuning_pb2.SubmitJobRequest(
-        model_path=str(path), options=tuning_pb2.JobOptions(budget_s=4.0)), timeout=30)  # fmt: skip
+    other = daemon.tuning().SubmitJob(
+        tuning_pb2.SubmitJobRequest(
+            model_path=str(path), options=tuning_pb2.JobOptions(budget_s=4.0)
+        ),
+        timeout=30,
+    )
     assert other.job_id != first, "different options are a different job"
     for j in (first, other.job_id):
         assert daemon.wait_job(j).state == tuning_pb2.JOB_STATE_SUCCEEDED
@@ -151,23 +190,42 @@ def test_errors_have_status_codes_and_messages(daemon: DaemonProcess, tmp_path: 
     samples.save(samples.build("mlp"), outside)
     with pytest.raises(grpc.RpcError) as err:
         stub.SubmitJob(tuning_pb2.SubmitJobRequest(model_path=str(outside)))
-    assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED and "allowed" in err.value.details()
+    assert (
+        err.value.code() == grpc.StatusCode.PERMISSION_DENIED and "allowed" in err.value.details()
+    )
     link = daemon.models / "link.onnx"
     link.symlink_to(outside)
     with pytest.raises(grpc.RpcError) as err:
         stub.SubmitJob(tuning_pb2.SubmitJobRequest(model_path=str(link)))
-    assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED, "a symlink out of the allowed dirs is refused"
+    assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED, (
+        "a symlink out of the allowed dirs is refused"
+    )
     with pytest.raises(grpc.RpcError) as err:
-        stub.SubmitJob(tuning_pb2.SubmitJobRequest(
-            model_path=str(_model(daemon, "mlp")), options=tuning_pb2.JobOptions(device="cuda:3")))  # fmt: skip
+        stub.SubmitJob(
+            tuning_pb2.SubmitJobRequest(
+                model_path=str(_model(daemon, "mlp")),
+                options=tuning_pb2.JobOptions(device="cuda:3"),
+            )
+        )
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "cuda:3" in err.value.details()
     bad = tuning_pb2.UploadModelRequest
     data = b"not a model"
     with pytest.raises(grpc.RpcError) as err:
-        stub.UploadModel(iter([bad(header=tuning_pb2.ModelUploadHeader(file_name="x.onnx", sha256="0" * 64)),
-                               bad(chunk=data)]))  # fmt: skip
-    assert err.value.code() == grpc.StatusCode.DATA_LOSS and hashlib.sha256(data).hexdigest() in err.value.details()
-    assert not any(daemon.state.joinpath("uploads").iterdir()), "a failed upload leaves nothing behind"
+        stub.UploadModel(
+            iter(
+                [
+                    bad(header=tuning_pb2.ModelUploadHeader(file_name="x.onnx", sha256="0" * 64)),
+                    bad(chunk=data),
+                ]
+            )
+        )
+    assert (
+        err.value.code() == grpc.StatusCode.DATA_LOSS
+        and hashlib.sha256(data).hexdigest() in err.value.details()
+    )
+    assert not any(daemon.state.joinpath("uploads").iterdir()), (
+        "a failed upload leaves nothing behind"
+    )
     with pytest.raises(grpc.RpcError) as err:
         stub.ListJobs(tuning_pb2.ListJobsRequest(page_token="garbage"))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -176,11 +234,20 @@ def test_errors_have_status_codes_and_messages(daemon: DaemonProcess, tmp_path: 
 
 def test_health_reflection_info_and_devices(daemon: DaemonProcess) -> None:
     ch = daemon.channel()
-    assert health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service="aoe.v1.TuningService")).status \
+    assert (
+        health_pb2_grpc.HealthStub(ch)
+        .Check(health_pb2.HealthCheckRequest(service="aoe.v1.TuningService"))
+        .status
         == health_pb2.HealthCheckResponse.SERVING
+    )
     services = set(ProtoReflectionDescriptorDatabase(ch).get_services())
-    assert {"aoe.v1.TuningService", "aoe.v1.BankService", "aoe.v1.DeviceService", "aoe.v1.DaemonService",
-            "grpc.health.v1.Health"} <= services  # fmt: skip
+    assert {
+        "aoe.v1.TuningService",
+        "aoe.v1.BankService",
+        "aoe.v1.DeviceService",
+        "aoe.v1.DaemonService",
+        "grpc.health.v1.Health",
+    } <= services
     info = daemon.daemon().GetDaemonInfo(daemon_pb2.GetDaemonInfoRequest())
     assert info.listen == [f"unix://{daemon.socket}"] and info.bank_path == str(daemon.bank)
     assert info.pid == daemon.proc.pid and [i.path for i in info.inboxes] == [str(daemon.inbox)]
@@ -216,8 +283,14 @@ def test_cancel_mid_measurement(daemon: DaemonProcess) -> None:
     # Left alone the job measures for its whole budget, far past the cancel's deadline:
     # a cancel that waited for the job instead of stopping it ends in DEADLINE_EXCEEDED.
     job_id = _submit(daemon, _model(daemon, "cnn"), budget=300.0)
-    _wait_event(daemon, job_id, lambda e: e.WhichOneof("event") == "state_change"
-                and e.state_change.state == tuning_pb2.JOB_STATE_TUNING)  # fmt: skip
+    _wait_event(
+        daemon,
+        job_id,
+        lambda e: (
+            e.WhichOneof("event") == "state_change"
+            and e.state_change.state == tuning_pb2.JOB_STATE_TUNING
+        ),
+    )
     job = daemon.tuning().CancelJob(tuning_pb2.CancelJobRequest(job_id=job_id), timeout=60).job
     assert job.state == tuning_pb2.JOB_STATE_CANCELLED, job
     # The device is free for the next job at once, and the daemon still serves.
@@ -230,9 +303,18 @@ def test_kill9_mid_job_resumes_and_keeps_the_bank(tmp_path: Path) -> None:
     try:
         d.start()
         job_id = _submit(d, _model(d, "cnn"), budget=6.0)
-        seen = _wait_event(d, job_id, lambda e: e.WhichOneof("event") == "log" and e.log.logger == "task"
-                           and "(" in e.log.message)  # fmt: skip
-        decided = {e.log.message.split(":", 1)[0] for e in seen if e.WhichOneof("event") == "log" and e.log.logger == "task"}
+        seen = _wait_event(
+            d,
+            job_id,
+            lambda e: (
+                e.WhichOneof("event") == "log" and e.log.logger == "task" and "(" in e.log.message
+            ),
+        )
+        decided = {
+            e.log.message.split(":", 1)[0]
+            for e in seen
+            if e.WhichOneof("event") == "log" and e.log.logger == "task"
+        }
         d.kill()
         before = _bank_keys(d.bank)
         assert before, "a decided task is committed to the bank at once"
@@ -282,17 +364,29 @@ def register(registry):
 """
 
 
-def test_sigterm_stops_within_the_grace_and_requeues(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_sigterm_stops_within_the_grace_and_requeues(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     (tmp_path / "aoed_slow_plugin.py").write_text(SLOW_PLUGIN)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), *filter(None, sys.path)]))
     d = DaemonProcess(tmp_path / "d")
-    d.config.write_text(d.config.read_text().replace("[tuning]\n", '[tuning]\nplugins = ["aoed_slow_plugin"]\n'))
+    d.config.write_text(
+        d.config.read_text().replace("[tuning]\n", '[tuning]\nplugins = ["aoed_slow_plugin"]\n')
+    )
     try:
         d.start()
         job_id = _submit(d, _model(d, "cnn"), budget=60.0)
-        _wait_event(d, job_id, lambda e: e.WhichOneof("event") == "state_change"
-                    and e.state_change.state == tuning_pb2.JOB_STATE_TUNING)  # fmt: skip
-        assert d.stop(timeout=60) == 0  # shutdown_grace_s = 5: the compile in flight is not waited for
+        _wait_event(
+            d,
+            job_id,
+            lambda e: (
+                e.WhichOneof("event") == "state_change"
+                and e.state_change.state == tuning_pb2.JOB_STATE_TUNING
+            ),
+        )
+        assert (
+            d.stop(timeout=60) == 0
+        )  # shutdown_grace_s = 5: the compile in flight is not waited for
         assert not d.socket.exists()
         d.start()
         job = d.tuning().GetJob(tuning_pb2.GetJobRequest(job_id=job_id)).job
@@ -312,7 +406,9 @@ def test_inbox_renamed_model_is_tuned_into_the_outbox(daemon: DaemonProcess) -> 
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and not (outbox / "mlp_result.json").exists():
         time.sleep(0.2)
-    assert (outbox / "mlp_tuned.onnx").exists() and (outbox / "mlp_report.txt").exists(), daemon.log()[-3000:]
+    assert (outbox / "mlp_tuned.onnx").exists() and (outbox / "mlp_report.txt").exists(), (
+        daemon.log()[-3000:]
+    )
     onnx.checker.check_model(onnx.load(outbox / "mlp_tuned.onnx"))
     assert not (daemon.inbox / "mlp.onnx").exists()
     jobs = daemon.tuning().ListJobs(tuning_pb2.ListJobsRequest()).jobs
@@ -329,8 +425,12 @@ def _free_port() -> int:
 
 
 def _check(config: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "aoed", "--config", str(config), "--check-config"],
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "aoed", "--config", str(config), "--check-config"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def test_tcp_needs_tls_except_explicit_loopback(tmp_path: Path) -> None:
@@ -351,27 +451,55 @@ def test_tcp_needs_tls_except_explicit_loopback(tmp_path: Path) -> None:
     assert load_daemon_config(cfg, env={}).tcp_is_loopback()
 
 
-@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a certificate")
+@pytest.mark.skipif(
+    shutil.which("openssl") is None, reason="needs the openssl command to make a certificate"
+)
 def test_tls_on_tcp_serves_only_tls_clients(tmp_path: Path) -> None:
     cert, key = tmp_path / "server.pem", tmp_path / "server.key"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
-                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
-                   check=True, capture_output=True)  # fmt: skip
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=localhost",
+            "-addext",
+            "subjectAltName=DNS:localhost,IP:127.0.0.1",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+        ],
+        check=True,
+        capture_output=True,
+    )
     port = _free_port()
-    d = DaemonProcess(tmp_path / "d", listen_toml=f'tcp = "127.0.0.1:{port}"\ntls_cert = "{cert}"\ntls_key = "{key}"\n')
+    d = DaemonProcess(
+        tmp_path / "d",
+        listen_toml=f'tcp = "127.0.0.1:{port}"\ntls_cert = "{cert}"\ntls_key = "{key}"\n',
+    )
     try:
         d.start()
         creds = grpc.ssl_channel_credentials(root_certificates=cert.read_bytes())
         with grpc.secure_channel(f"127.0.0.1:{port}", creds) as ch:
             from aoe.v1 import daemon_pb2_grpc
 
-            info = daemon_pb2_grpc.DaemonServiceStub(ch).GetDaemonInfo(daemon_pb2.GetDaemonInfoRequest(), timeout=10)
+            info = daemon_pb2_grpc.DaemonServiceStub(ch).GetDaemonInfo(
+                daemon_pb2.GetDaemonInfoRequest(), timeout=10
+            )
         assert f"127.0.0.1:{port} (tls)" in info.listen
         with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
             from aoe.v1 import daemon_pb2_grpc
 
             with pytest.raises(grpc.RpcError) as err:
-                daemon_pb2_grpc.DaemonServiceStub(ch).GetDaemonInfo(daemon_pb2.GetDaemonInfoRequest(), timeout=5)
+                daemon_pb2_grpc.DaemonServiceStub(ch).GetDaemonInfo(
+                    daemon_pb2.GetDaemonInfoRequest(), timeout=5
+                )
         assert err.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
     finally:
         d.close()
@@ -381,19 +509,31 @@ def test_tls_on_tcp_serves_only_tls_clients(tmp_path: Path) -> None:
 
 
 def test_limits_answer_resource_exhausted(tmp_path: Path) -> None:
-    d = DaemonProcess(tmp_path / "d", max_running_jobs=1,
-                      extra_toml="", listen_toml="max_rpcs = 4\n")  # fmt: skip
-    d.config.write_text(d.config.read_text().replace("[daemon]\n", "[daemon]\nmax_queued_jobs = 1\n"))
+    d = DaemonProcess(
+        tmp_path / "d", max_running_jobs=1, extra_toml="", listen_toml="max_rpcs = 4\n"
+    )
+    d.config.write_text(
+        d.config.read_text().replace("[daemon]\n", "[daemon]\nmax_queued_jobs = 1\n")
+    )
     try:
         d.start()
         paths = [_model(d, "mlp"), _model(d, "cnn"), _model(d, "transformer")]
         running = _submit(d, paths[0], budget=30.0)
-        _wait_event(d, running, lambda e: e.WhichOneof("event") == "state_change"
-                    and e.state_change.state == tuning_pb2.JOB_STATE_PREPARING)  # fmt: skip
+        _wait_event(
+            d,
+            running,
+            lambda e: (
+                e.WhichOneof("event") == "state_change"
+                and e.state_change.state == tuning_pb2.JOB_STATE_PREPARING
+            ),
+        )
         queued = _submit(d, paths[1])
         with pytest.raises(grpc.RpcError) as err:
             _submit(d, paths[2])
-        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "queued" in err.value.details()
+        assert (
+            err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            and "queued" in err.value.details()
+        )
         # Four streams hold the four RPC slots; a fifth call is refused, not queued.
         streams = [d.tuning().WatchJob(tuning_pb2.WatchJobRequest(job_id=queued)) for _ in range(4)]
         for s in streams:
@@ -433,8 +573,10 @@ def test_sighup_reloads_limits_and_inboxes(tmp_path: Path) -> None:
     try:
         d.start()
         second = tmp_path / "second-inbox"
-        d.config.write_text(d.config.read_text().replace("max_running_jobs = 2", "max_running_jobs = 3")
-                            + f'[[inbox]]\npath = "{second}"\n')  # fmt: skip
+        d.config.write_text(
+            d.config.read_text().replace("max_running_jobs = 2", "max_running_jobs = 3")
+            + f'[[inbox]]\npath = "{second}"\n'
+        )
         d.proc.send_signal(signal.SIGHUP)
         deadline = time.monotonic() + 20
         info = None
@@ -450,7 +592,9 @@ def test_sighup_reloads_limits_and_inboxes(tmp_path: Path) -> None:
         d.proc.send_signal(signal.SIGHUP)
         wait_for(lambda: "not reloaded" in d.log(), 30, "the bad reload refused in the log")
         assert d.serving()
-        assert d.daemon().GetDaemonInfo(daemon_pb2.GetDaemonInfoRequest()).max_running_jobs == 3, "the old limits stay"
+        assert d.daemon().GetDaemonInfo(daemon_pb2.GetDaemonInfoRequest()).max_running_jobs == 3, (
+            "the old limits stay"
+        )
     finally:
         d.close()
 
@@ -481,17 +625,28 @@ def test_children_are_exec_d_without_the_service_manager_variables(tmp_path: Pat
     try:
         d.start()
         job_id = _submit(d, _model(d, "cnn"), budget=30.0)
-        _wait_event(d, job_id, lambda e: e.WhichOneof("event") == "state_change"
-                    and e.state_change.state == tuning_pb2.JOB_STATE_TUNING)  # fmt: skip
+        _wait_event(
+            d,
+            job_id,
+            lambda e: (
+                e.WhichOneof("event") == "state_change"
+                and e.state_change.state == tuning_pb2.JOB_STATE_TUNING
+            ),
+        )
         kids = _children(d.proc.pid)
         assert len(kids) >= 2, "a compile worker and the device runner"
         for kid in kids:
-            environ = dict(item.split("=", 1) for item in
-                           Path(f"/proc/{kid}/environ").read_bytes().decode().split("\0") if "=" in item)  # fmt: skip
+            environ = dict(
+                item.split("=", 1)
+                for item in Path(f"/proc/{kid}/environ").read_bytes().decode().split("\0")
+                if "=" in item
+            )
             assert environ.get("GRPC_ENABLE_FORK_SUPPORT") == "0"
             assert not {"NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID"} & set(environ), kid
             argv = Path(f"/proc/{kid}/cmdline").read_bytes().split(b"\0")
-            assert b"-m" in argv or b"-c" in argv, "a fresh interpreter (exec), not a fork of the daemon"
+            assert b"-m" in argv or b"-c" in argv, (
+                "a fresh interpreter (exec), not a fork of the daemon"
+            )
         d.tuning().CancelJob(tuning_pb2.CancelJobRequest(job_id=job_id), timeout=60)
     finally:
         d.close()
@@ -499,8 +654,11 @@ def test_children_are_exec_d_without_the_service_manager_variables(tmp_path: Pat
 
 def test_retention_and_upload_expiry(tmp_path: Path) -> None:
     d = DaemonProcess(tmp_path / "d")
-    d.config.write_text(d.config.read_text().replace("[daemon]\n", "[daemon]\nretention_days = 0.00004\n")
-                        .replace("[listen]\n", "[limits]\nupload_ttl_h = 0.001\n[listen]\n"))  # fmt: skip
+    d.config.write_text(
+        d.config.read_text()
+        .replace("[daemon]\n", "[daemon]\nretention_days = 0.00004\n")
+        .replace("[listen]\n", "[limits]\nupload_ttl_h = 0.001\n[listen]\n")
+    )
     try:
         d.start()
         job_id = _submit(d, _model(d, "mlp"), budget=2.0)
@@ -509,11 +667,19 @@ def test_retention_and_upload_expiry(tmp_path: Path) -> None:
         assert out.exists()
         stale = upload(d.tuning(), _model(d, "cnn"))
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and d.tuning().ListJobs(tuning_pb2.ListJobsRequest()).jobs:
+        while (
+            time.monotonic() < deadline and d.tuning().ListJobs(tuning_pb2.ListJobsRequest()).jobs
+        ):
             time.sleep(0.5)
-        assert not d.tuning().ListJobs(tuning_pb2.ListJobsRequest()).jobs, "kept past its retention (3.5 s)"
+        assert not d.tuning().ListJobs(tuning_pb2.ListJobsRequest()).jobs, (
+            "kept past its retention (3.5 s)"
+        )
         assert not out.exists() and not (d.state / "jobs" / job_id).exists()
-        wait_for(lambda: f"upload {stale} (cnn.onnx) expired" in d.log(), 60, "the upload's expiry in the log")
+        wait_for(
+            lambda: f"upload {stale} (cnn.onnx) expired" in d.log(),
+            60,
+            "the upload's expiry in the log",
+        )
         with pytest.raises(grpc.RpcError) as err:
             d.tuning().SubmitJob(tuning_pb2.SubmitJobRequest(model_id=stale))
         assert err.value.code() == grpc.StatusCode.NOT_FOUND and "expired" in err.value.details()
@@ -524,7 +690,9 @@ def test_retention_and_upload_expiry(tmp_path: Path) -> None:
 
 def test_jobs_per_client_are_limited(tmp_path: Path) -> None:
     d = DaemonProcess(tmp_path / "d", max_running_jobs=1)
-    d.config.write_text(d.config.read_text().replace("[daemon]\n", "[daemon]\nmax_jobs_per_client = 2\n"))
+    d.config.write_text(
+        d.config.read_text().replace("[daemon]\n", "[daemon]\nmax_jobs_per_client = 2\n")
+    )
     try:
         d.start()
         mlp = _model(d, "mlp")
@@ -533,7 +701,10 @@ def test_jobs_per_client_are_limited(tmp_path: Path) -> None:
         with pytest.raises(grpc.RpcError) as err:
             _submit(d, mlp, budget=28.0)
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert "rpc:local has 2 jobs queued or running" in err.value.details() and "per client is 2" in err.value.details()
+        assert (
+            "rpc:local has 2 jobs queued or running" in err.value.details()
+            and "per client is 2" in err.value.details()
+        )
         job = d.tuning().GetJob(tuning_pb2.GetJobRequest(job_id=first)).job
         assert job.source == "rpc:local"
         d.tuning().CancelJob(tuning_pb2.CancelJobRequest(job_id=second), timeout=60)

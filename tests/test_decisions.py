@@ -68,7 +68,10 @@ def test_a_candidate_that_clearly_beats_the_winner_takes_its_place() -> None:
     assert decisions.best(results, "default", lambda m: m is not a) == "b"  # the gate still rules
     pick, reasons = decisions.best_lossy(results, "default", {"a", "b"}, lambda m: True)
     assert pick == "a" and not any(r.startswith("a: ") for r in reasons)
-    dropped = {**results, "a": Measurement(True, median_us=60.0, rounds_us=a.rounds_us, dropped=True)}
+    dropped = {
+        **results,
+        "a": Measurement(True, median_us=60.0, rounds_us=a.rounds_us, dropped=True),
+    }
     assert decisions.best_lossy(dropped, "default", {"a", "b"}, lambda m: True)[0] == "b"
 
 
@@ -95,7 +98,9 @@ NUMBERS = re.compile(
     st.floats(0.7, 1.3),
     st.floats(0.0, 0.2),
 )
-def test_a_reason_for_not_winning_states_figures_that_bear_it_out(base_rounds, factor, jitter) -> None:
+def test_a_reason_for_not_winning_states_figures_that_bear_it_out(
+    base_rounds, factor, jitter
+) -> None:
     rng = random.Random(len(base_rounds))
     cand_rounds = [b * factor * (1 + rng.uniform(-jitter, jitter)) for b in base_rounds]
     base, cand = _m(base_rounds), _m(cand_rounds)
@@ -105,11 +110,15 @@ def test_a_reason_for_not_winning_states_figures_that_bear_it_out(base_rounds, f
     m = NUMBERS.search(why)
     assert m, why
     x, y, r, lo, hi = (float(m[k]) for k in ("x", "y", "r", "lo", "hi"))
-    assert x == pytest.approx(cand.median_us, abs=0.06) and y == pytest.approx(base.median_us, abs=0.06)
+    assert x == pytest.approx(cand.median_us, abs=0.06) and y == pytest.approx(
+        base.median_us, abs=0.06
+    )
     med, clo, chi = decisions.paired_ratio(cand, base)
     assert (r, lo, hi) == pytest.approx((med, clo, chi), abs=6e-4)
     # The rule it quotes says no: the ratio, the interval or the medians fail it.
-    assert not (r < 1 - decisions.MIN_GAIN and hi < 1.0 and x < y) or math.isclose(hi, 1.0, abs_tol=6e-4), why
+    assert not (r < 1 - decisions.MIN_GAIN and hi < 1.0 and x < y) or math.isclose(
+        hi, 1.0, abs_tol=6e-4
+    ), why
 
 
 def test_lossy_rejections_quote_their_own_figures() -> None:
@@ -120,20 +129,29 @@ def test_lossy_rejections_quote_their_own_figures() -> None:
         "q_slow": _m([101.0] * 10, cosine=0.99999),
         "q_broken": Measurement(False, error="load: boom"),
     }
-    pick, reasons = decisions.best_lossy(results, "exact", {"q_bad", "q_slow", "q_broken"},
-                                         lambda m: m.cosine >= 0.9995 and m.max_rel_error <= 0.25)  # fmt: skip
+    pick, reasons = decisions.best_lossy(
+        results,
+        "exact",
+        {"q_bad", "q_slow", "q_broken"},
+        lambda m: m.cosine >= 0.9995 and m.max_rel_error <= 0.25,
+    )
     assert pick == "exact"
     by = {r.split(":", 1)[0]: r for r in reasons}
     assert "outside the accuracy budget (cosine 0.99000, max rel error 0.4)" in by["q_bad"]
-    assert "101.0 us vs 100.0 us" in by["q_slow"] and "not clearly faster than exact" in by["q_slow"]
+    assert (
+        "101.0 us vs 100.0 us" in by["q_slow"] and "not clearly faster than exact" in by["q_slow"]
+    )
     assert "boom" in by["q_broken"]
 
 
 @pytest.mark.parametrize(
     ("ratios", "verdict"),
-    [([0.8 + 0.001 * i for i in range(21)], "faster"), ([1.2 + 0.001 * i for i in range(21)], "slower"),
-     ([0.9 + 0.01 * i for i in range(21)], "no significant change")],
-)  # fmt: skip
+    [
+        ([0.8 + 0.001 * i for i in range(21)], "faster"),
+        ([1.2 + 0.001 * i for i in range(21)], "slower"),
+        ([0.9 + 0.01 * i for i in range(21)], "no significant change"),
+    ],
+)
 def test_the_confirming_verdict_follows_its_interval(ratios: list[float], verdict: str) -> None:
     got, med, (lo, hi) = verdict_of(ratios)
     assert got == verdict
@@ -156,7 +174,9 @@ def test_a_banked_thread_count_is_kept_only_while_the_cores_are_free() -> None:
     one = _m([520.0, 530.0, 525.0])
     assert busy_cores_note(one, _m([290.0, 295.0, 300.0]), 2) is None  # 1.78x: free
     note = busy_cores_note(one, _m([520.0, 528.0, 531.0]), 2)  # no faster on two: busy
-    assert note is not None and "not tuned" in note and "0.99x" in note and f"{QUIET_SCALING}x" in note
+    assert (
+        note is not None and "not tuned" in note and "0.99x" in note and f"{QUIET_SCALING}x" in note
+    )
     assert busy_cores_note(one, _m([525.0 / QUIET_SCALING * 1.01] * 3), 2) is not None  # just under
     failed = busy_cores_note(Measurement(False, error="boom"), _m([290.0]), 2)
     assert failed is not None and "could not be measured" in failed
@@ -181,7 +201,10 @@ def test_the_cores_probe_is_one_product_that_runs_alike_on_one_thread_and_on_two
     assert outs[0].shape == (256, 512)
     np.testing.assert_allclose(outs[0], outs[1], rtol=1e-4, atol=1e-3)
     again, again_inputs = probe_model(tmp_path / "again")  # the same probe every time
-    assert again.read_bytes() == model.read_bytes() and again_inputs.read_bytes() == inputs.read_bytes()
+    assert (
+        again.read_bytes() == model.read_bytes()
+        and again_inputs.read_bytes() == inputs.read_bytes()
+    )
 
 
 def test_only_a_thread_count_below_the_cores_is_checked_again() -> None:
@@ -196,7 +219,9 @@ def test_only_a_thread_count_below_the_cores_is_checked_again() -> None:
 # --------------------------------------------------------------------------- ties
 
 
-def _runs(rng: random.Random, centers: dict[str, float], rounds: int = 10) -> dict[str, Measurement]:
+def _runs(
+    rng: random.Random, centers: dict[str, float], rounds: int = 10
+) -> dict[str, Measurement]:
     """Per-round medians as the runner records them for one task: each round the machine
     runs everything faster or slower alike (drift, up to about ±20% here, as on a shared
     2-core machine), and each candidate's turn adds its own jitter (about ±5%) and now and
@@ -204,7 +229,10 @@ def _runs(rng: random.Random, centers: dict[str, float], rounds: int = 10) -> di
     drift = [rng.lognormvariate(0.0, 0.08) for _ in range(rounds)]
     out = {}
     for name, center in centers.items():
-        xs = [center * d * rng.lognormvariate(0.0, 0.03) * (1.6 if rng.random() < 0.05 else 1.0) for d in drift]
+        xs = [
+            center * d * rng.lognormvariate(0.0, 0.03) * (1.6 if rng.random() < 0.05 else 1.0)
+            for d in drift
+        ]
         out[name] = _m(xs, cosine=0.99998)
     return out
 
@@ -242,7 +270,12 @@ def test_a_later_form_that_is_clearly_faster_still_wins() -> None:
         results = _runs(random.Random(seed), {**CONV, "int8_qlinearconv": 60.0})
         clear = decisions.clearly_faster(results["int8_qlinearconv"], results["int8_qdq"])
         want = "int8_qlinearconv" if clear else "int8_qdq"
-        assert decisions.best_lossy(results, "default", {"int8_qdq", "int8_qlinearconv"}, lambda m: True)[0] == want
+        assert (
+            decisions.best_lossy(
+                results, "default", {"int8_qdq", "int8_qlinearconv"}, lambda m: True
+            )[0]
+            == want
+        )
         assert decisions.best(results, "default", lambda m: True) == want
         wins += clear
     assert wins >= 40, wins  # a 25% gain is clear, except where outlier rounds hide it
@@ -251,7 +284,9 @@ def test_a_later_form_that_is_clearly_faster_still_wins() -> None:
 def test_the_default_keeps_its_place_against_forms_that_tie_with_it() -> None:
     wins = 0
     for seed in range(200):
-        results = _runs(random.Random(seed), {"default": 50.0, "gemm_pretransposed": 50.0, "fused_gemm": 50.0})
+        results = _runs(
+            random.Random(seed), {"default": 50.0, "gemm_pretransposed": 50.0, "fused_gemm": 50.0}
+        )
         pick = decisions.best(results, "default", lambda m: True)
         wins += pick != "default"
     assert wins <= 10, wins
@@ -259,7 +294,9 @@ def test_the_default_keeps_its_place_against_forms_that_tie_with_it() -> None:
 
 def test_ranked_keeps_the_order_of_preference_among_ties() -> None:
     results = _runs(random.Random(7), {"a": 100.0, "b": 100.0, "c": 60.0, "d": 100.0})
-    assert not any(decisions.clearly_faster(results[x], results[y]) for x in "abd" for y in "abd" if x != y)
+    assert not any(
+        decisions.clearly_faster(results[x], results[y]) for x in "abd" for y in "abd" if x != y
+    )
     assert decisions.ranked(results, ["a", "b", "c", "d"]) == ["c", "a", "b", "d"]
     assert decisions.ranked(results, ["d", "b", "a", "c"]) == ["c", "d", "b", "a"]
     assert decisions.preferred(results, ["b", "a"]) == "b"
@@ -272,16 +309,28 @@ def _bank_entry(strategy: str) -> BankRecord:
 
     w = numpy_helper.from_array(np.ones((8, 4), np.float32), "w")
     graph = helper.make_graph(
-        [helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")], "g",
+        [helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")],
+        "g",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 8])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])], initializer=[w],
-    )  # fmt: skip
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])],
+        initializer=[w],
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     sig = task_signature([model.graph.node[0]], ModelContext(model))
     dev = device_fingerprint("CPUExecutionProvider", {})
     m = _m([80.0] * 10)
-    return bankrules.make_record(bankrules.key_for(sig, dev, "int8"), sig, dev, strategy, "conv", "int8", m,
-                                 _m([190.0] * 10), "job-1", "cnn.onnx")  # fmt: skip
+    return bankrules.make_record(
+        bankrules.key_for(sig, dev, "int8"),
+        sig,
+        dev,
+        strategy,
+        "conv",
+        "int8",
+        m,
+        _m([190.0] * 10),
+        "job-1",
+        "cnn.onnx",
+    )
 
 
 def test_the_banks_entry_stands_against_a_challenger_that_ties() -> None:
@@ -291,14 +340,24 @@ def test_the_banks_entry_stands_against_a_challenger_that_ties() -> None:
     kept = 0
     for seed in range(200):
         results = _runs(random.Random(seed), CONV)
-        best, _ = decisions.best_lossy(results, "default", {"int8_qdq", "int8_qlinearconv"}, lambda m: True)
+        best, _ = decisions.best_lossy(
+            results, "default", {"int8_qdq", "int8_qlinearconv"}, lambda m: True
+        )
         out = bankrules.after_tuning(hit, best, results, lambda m: True)
-        if best == "int8_qdq" and not decisions.clearly_faster(results["int8_qdq"], results["int8_qlinearconv"]):
-            assert (out.mode, out.strategy, out.write_entry) == ("reserved", "int8_qlinearconv", False), seed
+        if best == "int8_qdq" and not decisions.clearly_faster(
+            results["int8_qdq"], results["int8_qlinearconv"]
+        ):
+            assert (out.mode, out.strategy, out.write_entry) == (
+                "reserved",
+                "int8_qlinearconv",
+                False,
+            ), seed
         kept += out.strategy == "int8_qlinearconv"
     assert kept >= 190, kept
     clear = _runs(random.Random(1), {**CONV, "int8_qdq": 60.0})
-    best, _ = decisions.best_lossy(clear, "default", {"int8_qdq", "int8_qlinearconv"}, lambda m: True)
+    best, _ = decisions.best_lossy(
+        clear, "default", {"int8_qdq", "int8_qlinearconv"}, lambda m: True
+    )
     out = bankrules.after_tuning(hit, best, clear, lambda m: True)
     assert (out.mode, out.strategy, out.write_entry) == ("update", "int8_qdq", True)
 
@@ -316,10 +375,20 @@ def test_real_measurements_of_one_model_under_three_names_keep_the_incumbent(tmp
     from aoed.engine.messages import Candidate, MeasurePlan, MeasureRequest
 
     model = samples.save(samples.build("mlp"), tmp_path / "mlp.onnx")
-    np.savez(tmp_path / "inputs.npz", input=np.random.default_rng(0).standard_normal((1, 256)).astype(np.float32))
+    np.savez(
+        tmp_path / "inputs.npz",
+        input=np.random.default_rng(0).standard_normal((1, 256)).astype(np.float32),
+    )
     names = ["default", "int8_dynamic", "int8_matmulinteger"]
-    results = runner.measure(MeasureRequest(tuple(Candidate(n, model) for n in names), tmp_path / "inputs.npz",
-                                            "default", CPU, MeasurePlan(budget_s=1.0))).results  # fmt: skip
+    results = runner.measure(
+        MeasureRequest(
+            tuple(Candidate(n, model) for n in names),
+            tmp_path / "inputs.npz",
+            "default",
+            CPU,
+            MeasurePlan(budget_s=1.0),
+        )
+    ).results
     assert all(results[n].ok and results[n].cosine == 1.0 for n in names)
     ordered = {n: results[n] for n in names}
     pick, _ = decisions.best_lossy(ordered, "default", set(names[1:]), lambda m: True)

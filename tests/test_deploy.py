@@ -196,8 +196,11 @@ def test_unit_config_and_folders_agree():
 
     # tmpfiles makes the state dir as the unit declares it and the drop folders the
     # config names, group-writable and setgid; sysusers makes the unit's user and group.
-    lines = [ln.split() for ln in (DEPLOY / "tmpfiles.d" / "aoed.conf").read_text().splitlines()
-             if ln.strip() and not ln.startswith("#")]  # fmt: skip
+    lines = [
+        ln.split()
+        for ln in (DEPLOY / "tmpfiles.d" / "aoed.conf").read_text().splitlines()
+        if ln.strip() and not ln.startswith("#")
+    ]
     made = {Path(path): (mode, user, group) for _, path, mode, user, group, *_ in lines}
     assert made[state] == (one("StateDirectoryMode"), user, group)
     drop_folders = {p for i in cfg.inboxes for p in (i.path, i.outbox, i.failed)}
@@ -211,8 +214,12 @@ def test_default_config_passes_check_config():
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AOED_", "TUNE_", "ASCEND_"))}
     done = subprocess.run(
         [sys.executable, "-m", "aoed", "--check-config", "--config", str(DEPLOY / "aoed.toml")],
-        check=False, capture_output=True, text=True, env=env, timeout=60,
-    )  # fmt: skip
+        check=False,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr
     assert "is valid" in done.stdout and "unix:///run/aoed/aoed.sock" in done.stdout
 
@@ -289,8 +296,12 @@ def test_uninstall_keeps_state_and_purge_removes_it(tmp_path: Path):
     (tmp_path / "var/lib/aoed/bank/data.mdb").write_bytes(b"bank")
 
     _install("--destdir", str(tmp_path), "--uninstall")
-    for gone in ("usr/lib/systemd/system/aoed.service", "usr/lib/sysusers.d/aoed.conf",
-                 "usr/lib/tmpfiles.d/aoed.conf", "opt/aoed"):  # fmt: skip
+    for gone in (
+        "usr/lib/systemd/system/aoed.service",
+        "usr/lib/sysusers.d/aoed.conf",
+        "usr/lib/tmpfiles.d/aoed.conf",
+        "opt/aoed",
+    ):
         assert not (tmp_path / gone).exists(), gone
     assert (tmp_path / "var/lib/aoed/bank/data.mdb").read_bytes() == b"bank"
     assert (tmp_path / "var/lib/aoed/inbox").is_dir()
@@ -304,14 +315,18 @@ def test_uninstall_keeps_state_and_purge_removes_it(tmp_path: Path):
 @pytest.mark.skipif(
     os.geteuid() != 0, reason="systemd-tmpfiles gives the folders to aoed: needs root"
 )
-@pytest.mark.skipif(shutil.which("systemd-sysusers") is None or shutil.which("systemd-tmpfiles") is None,
-                    reason="systemd-sysusers/systemd-tmpfiles not found: install the systemd package")  # fmt: skip
+@pytest.mark.skipif(
+    shutil.which("systemd-sysusers") is None or shutil.which("systemd-tmpfiles") is None,
+    reason="systemd-sysusers/systemd-tmpfiles not found: install the systemd package",
+)
 def test_sysusers_and_tmpfiles_make_what_the_unit_expects(tmp_path: Path):
     # What install.sh runs on a live system, here against the staged tree (--root): the
     # user and group aoed, and /var/lib/aoed with its drop folders owned by them.
     _install("--destdir", str(tmp_path), "--no-venv")
-    for tool, conf in (("systemd-sysusers", "usr/lib/sysusers.d/aoed.conf"),
-                       ("systemd-tmpfiles", "usr/lib/tmpfiles.d/aoed.conf")):  # fmt: skip
+    for tool, conf in (
+        ("systemd-sysusers", "usr/lib/sysusers.d/aoed.conf"),
+        ("systemd-tmpfiles", "usr/lib/tmpfiles.d/aoed.conf"),
+    ):
         args = [tool, f"--root={tmp_path}"] + (["--create"] if tool == "systemd-tmpfiles" else [])
         done = subprocess.run(
             [*args, str(tmp_path / conf)], check=False, capture_output=True, text=True, timeout=60
@@ -331,19 +346,38 @@ def test_sysusers_and_tmpfiles_make_what_the_unit_expects(tmp_path: Path):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not Path("/run/systemd/system").is_dir() or os.geteuid() != 0,
-                    reason="systemd is not PID 1 here (or not root): the unit is not started for real")  # fmt: skip
-def test_the_installed_unit_starts_and_tunes_a_job(tmp_path: Path):  # pragma: no cover - needs systemd as PID 1
+@pytest.mark.skipif(
+    not Path("/run/systemd/system").is_dir() or os.geteuid() != 0,
+    reason="systemd is not PID 1 here (or not root): the unit is not started for real",
+)
+def test_the_installed_unit_starts_and_tunes_a_job(
+    tmp_path: Path,
+):  # pragma: no cover - needs systemd as PID 1
     from aoed import samples
 
     subprocess.run(["sh", str(INSTALL)], check=True, timeout=900)
     try:
         subprocess.run(["systemctl", "restart", "aoed"], check=True, timeout=120)
-        active = subprocess.run(["systemctl", "is-active", "aoed"], capture_output=True, text=True).stdout.strip()
+        active = subprocess.run(
+            ["systemctl", "is-active", "aoed"], capture_output=True, text=True
+        ).stdout.strip()
         assert active == "active"
         samples.save(samples.build("mlp"), tmp_path / "m.onnx")
-        r = subprocess.run(["/opt/aoed/venv/bin/aoe", "submit", str(tmp_path / "m.onnx"), "--budget", "2", "--watch",
-                            "--socket", "/run/aoed/aoed.sock"], capture_output=True, text=True, timeout=300)  # fmt: skip
+        r = subprocess.run(
+            [
+                "/opt/aoed/venv/bin/aoe",
+                "submit",
+                str(tmp_path / "m.onnx"),
+                "--budget",
+                "2",
+                "--watch",
+                "--socket",
+                "/run/aoed/aoed.sock",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert r.returncode == 0, r.stderr
         assert "state verifying -> succeeded" in r.stdout
     finally:

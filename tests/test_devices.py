@@ -28,8 +28,9 @@ def test_a_cpu_device_may_be_a_set_of_cores_with_its_own_fingerprint() -> None:
     assert Device.parse("cpu:0").fingerprint() == Device.parse("cpu:1").fingerprint()
     assert Device.parse("cpu:0-1").fingerprint() != Device.parse("cpu:0").fingerprint()
     assert "cores" not in Device.parse("cpu").fingerprint().options
-    assert Device.parse("cpu:0-3").overlaps(Device.parse("cpu:3")) and not Device.parse("cpu:0").overlaps(
-        Device.parse("cpu:1"))  # fmt: skip
+    assert Device.parse("cpu:0-3").overlaps(Device.parse("cpu:3")) and not Device.parse(
+        "cpu:0"
+    ).overlaps(Device.parse("cpu:1"))
     with pytest.raises(OptionError, match="cpu:FIRST-LAST"):
         Device.parse("cpu:3-1")
 
@@ -71,14 +72,17 @@ def test_the_memory_plan_counts_one_runner_per_device() -> None:
 
 # -- a real daemon with two one-core devices ------------------------------------------
 
-needs_two_cores = pytest.mark.skipif(not {0, 1} <= os.sched_getaffinity(0),
-                                     reason="needs cores 0 and 1 for two one-core devices")  # fmt: skip
+needs_two_cores = pytest.mark.skipif(
+    not {0, 1} <= os.sched_getaffinity(0), reason="needs cores 0 and 1 for two one-core devices"
+)
 
 
 @pytest.fixture
 def two_devices(tmp_path: Path):
     d = DaemonProcess(tmp_path / "d")
-    d.config.write_text(d.config.read_text().replace("[tuning]\n", '[tuning]\ndevices = ["cpu:0", "cpu:1"]\n', 1))
+    d.config.write_text(
+        d.config.read_text().replace("[tuning]\n", '[tuning]\ndevices = ["cpu:0", "cpu:1"]\n', 1)
+    )
     d.start()
     yield d
     d.close()
@@ -88,8 +92,13 @@ def _submit(d: DaemonProcess, name: str, budget: float, **opts) -> str:
     path = d.models / f"{name}.onnx"
     if not path.exists():
         samples.save(samples.build(name), path)
-    reply = d.tuning().SubmitJob(tuning_pb2.SubmitJobRequest(
-        model_id=upload(d.tuning(), path), options=tuning_pb2.JobOptions(budget_s=budget, **opts)), timeout=30)  # fmt: skip
+    reply = d.tuning().SubmitJob(
+        tuning_pb2.SubmitJobRequest(
+            model_id=upload(d.tuning(), path),
+            options=tuning_pb2.JobOptions(budget_s=budget, **opts),
+        ),
+        timeout=30,
+    )
     return reply.job_id
 
 
@@ -114,7 +123,9 @@ def test_one_job_measures_on_both_devices(two_devices: DaemonProcess) -> None:
     assert set(per) == {"cpu:0", "cpu:1"}, per
     assert per["cpu:0"]["trials"] > 0 and per["cpu:1"]["trials"] > 0, per
     assert sum(p["trials"] for p in per.values()) >= res["trials"] > 0
-    listed = {d.id: d for d in two_devices.devices().ListDevices(devices_pb2.ListDevicesRequest()).devices}
+    listed = {
+        d.id: d for d in two_devices.devices().ListDevices(devices_pb2.ListDevicesRequest()).devices
+    }
     assert listed["cpu:0"].trials > 0 and listed["cpu:1"].trials > 0
     assert 0 < listed["cpu:1"].duty_cycle <= 1 and listed["cpu:1"].device_seconds > 0
 
@@ -133,23 +144,30 @@ def test_two_jobs_at_once_one_at_home_on_each_device(two_devices: DaemonProcess)
     assert {ra["home_device"], rb["home_device"]} == {"cpu:0", "cpu:1"}
     # Each device measured one request at a time, whichever job it was for.
     for name in ("cpu:0", "cpu:1"):
-        spans = [tuple(s) for r in (ra, rb) for s in r["devices"].get(name, {}).get("intervals", [])]
+        spans = [
+            tuple(s) for r in (ra, rb) for s in r["devices"].get(name, {}).get("intervals", [])
+        ]
         assert spans, f"{name} measured nothing"
         assert not _no_overlap(spans), f"{name}: measurements overlapped"
 
 
 @pytest.mark.slow
 @needs_two_cores
-def test_a_device_held_by_another_process_waits_while_the_other_measures(two_devices: DaemonProcess) -> None:
-    runtime = Path(os.environ.get("AOED_RUNTIME_DIR") or two_devices.runtime)  # the environment wins
+def test_a_device_held_by_another_process_waits_while_the_other_measures(
+    two_devices: DaemonProcess,
+) -> None:
+    runtime = Path(
+        os.environ.get("AOED_RUNTIME_DIR") or two_devices.runtime
+    )  # the environment wins
     runtime.mkdir(mode=0o750, parents=True, exist_ok=True)
     lock = runtime / "device-cpu-1.lock"
     fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)  # as the daemon makes it (devlock.py)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         job_id = _submit(two_devices, "mlp", 6.0)
-        stream = two_devices.tuning().WatchJob(tuning_pb2.WatchJobRequest(job_id=job_id, include_logs=True),
-                                               timeout=120)  # fmt: skip
+        stream = two_devices.tuning().WatchJob(
+            tuning_pb2.WatchJobRequest(job_id=job_id, include_logs=True), timeout=120
+        )
         for msg in stream:
             if "waiting for cpu-1" in msg.event.log.message:
                 stream.cancel()
@@ -157,8 +175,19 @@ def test_a_device_held_by_another_process_waits_while_the_other_measures(two_dev
         else:
             raise AssertionError("the job never waited for cpu:1")
         # While cpu:1 is held elsewhere, cpu:0 goes on measuring for the job.
-        wait_for(lambda: {d.id: d for d in two_devices.devices().ListDevices(
-            devices_pb2.ListDevicesRequest()).devices}["cpu:0"].trials > 0, 120, "cpu:0 measuring")  # fmt: skip
+        wait_for(
+            lambda: (
+                {
+                    d.id: d
+                    for d in two_devices.devices()
+                    .ListDevices(devices_pb2.ListDevicesRequest())
+                    .devices
+                }["cpu:0"].trials
+                > 0
+            ),
+            120,
+            "cpu:0 measuring",
+        )
         released = time.time()
     finally:
         os.close(fd)  # lets the lock go

@@ -38,8 +38,14 @@ def _line(msg: Any) -> Any:
 
 def test_an_unknown_field_is_refused_naming_the_type_and_the_field() -> None:
     with pytest.raises(m.MessageError) as err:
-        m.decode(m.MeasureReply, {"results": {"a": {"ok": True, "median_us": 5.0, "medain_us": 4.0}}})
-    assert "MeasureReply" in str(err.value) and "medain_us" in str(err.value) and "$.results[...]" in str(err.value)
+        m.decode(
+            m.MeasureReply, {"results": {"a": {"ok": True, "median_us": 5.0, "medain_us": 4.0}}}
+        )
+    assert (
+        "MeasureReply" in str(err.value)
+        and "medain_us" in str(err.value)
+        and "$.results[...]" in str(err.value)
+    )
 
 
 def test_an_unknown_field_of_a_clients_dataclass_inside_a_message_is_refused() -> None:
@@ -49,33 +55,58 @@ def test_an_unknown_field_of_a_clients_dataclass_inside_a_message_is_refused() -
     data = _line(m.ExtractRequest(Path("/p.onnx"), (task,), Path("/s.npz"), Path("/r")))
     assert m.decode(m.ExtractRequest, data).tasks == (task,)
     data["tasks"][0]["signature"]["opset_version"] = 17
-    with pytest.raises(m.MessageError, match=r"ExtractRequest: .*`opset_version` - at `\$\.tasks\[0\]\.signature`"):
+    with pytest.raises(
+        m.MessageError, match=r"ExtractRequest: .*`opset_version` - at `\$\.tasks\[0\]\.signature`"
+    ):
         m.decode(m.ExtractRequest, data)
 
 
 def test_a_wrong_type_is_refused() -> None:
-    with pytest.raises(m.MessageError, match=r"PingReply: Expected `int`, got `str` - at `\$\.cores`"):
+    with pytest.raises(
+        m.MessageError, match=r"PingReply: Expected `int`, got `str` - at `\$\.cores`"
+    ):
         m.decode(m.PingReply, {"cores": "2", "providers": []})
-    with pytest.raises(m.MessageError, match=r"CompileRequest: Expected `str` \(a path\), got `int` - at `\$\.out`"):
-        m.decode(m.CompileRequest, {"op": "compile", "task_model": "/t.onnx", "family": "matmul", "strategy": "x",
-                                    "prefix": "p", "out": 3})  # fmt: skip
+    with pytest.raises(
+        m.MessageError, match=r"CompileRequest: Expected `str` \(a path\), got `int` - at `\$\.out`"
+    ):
+        m.decode(
+            m.CompileRequest,
+            {
+                "op": "compile",
+                "task_model": "/t.onnx",
+                "family": "matmul",
+                "strategy": "x",
+                "prefix": "p",
+                "out": 3,
+            },
+        )
 
 
 def test_a_none_where_a_float_is_required_is_refused() -> None:
-    with pytest.raises(m.MessageError, match=r"Measurement: Expected `float`, got `null` - at `\$\.median_us`"):
+    with pytest.raises(
+        m.MessageError, match=r"Measurement: Expected `float`, got `null` - at `\$\.median_us`"
+    ):
         m.decode(m.Measurement, {"ok": True, "median_us": None})
     # Where None is allowed it stays None, and an infinite error stays infinite.
-    got = m.decode(m.Measurement, _line(m.Measurement(True, max_abs_error=float("inf"), rounds_us=(1.0, None))))
+    got = m.decode(
+        m.Measurement, _line(m.Measurement(True, max_abs_error=float("inf"), rounds_us=(1.0, None)))
+    )
     assert got.max_abs_error == float("inf") and got.rounds_us == (1.0, None)
 
 
 def test_a_missing_field_is_refused() -> None:
-    with pytest.raises(m.MessageError, match=r"ProfileReply: Object missing required field `total_us`"):
+    with pytest.raises(
+        m.MessageError, match=r"ProfileReply: Object missing required field `total_us`"
+    ):
         m.decode(m.ProfileReply, {"nodes": {}})
 
 
 def test_requests_are_told_apart_by_their_op_alone_never_by_guessing() -> None:
-    requests = [c for c in vars(m).values() if isinstance(c, type) and issubclass(c, m.Request) and c is not m.Request]
+    requests = [
+        c
+        for c in vars(m).values()
+        if isinstance(c, type) and issubclass(c, m.Request) and c is not m.Request
+    ]
     tags = [c.__struct_config__.tag for c in requests]
     assert len(requests) == 13 and len(set(tags)) == len(tags)
     union = Union[tuple(requests)]  # noqa: UP007
@@ -113,15 +144,29 @@ def _strategy(tp: Any, depth: int = 0) -> st.SearchStrategy[Any]:
         return st.text(max_size=6)
     if tp is Path:
         return st.lists(st.text("abc._-", min_size=1, max_size=4), min_size=1, max_size=3).map(
-            lambda parts: Path("/", *parts))
+            lambda parts: Path("/", *parts)
+        )
     if tp is Device:
-        return st.builds(Device, st.sampled_from(["cpu", "cuda", "cann"]), st.integers(0, 7),
-                         st.lists(st.tuples(st.text(max_size=4), st.text(max_size=4)), max_size=2).map(
-                             lambda kv: tuple(sorted(kv))))  # fmt: skip
+        return st.builds(
+            Device,
+            st.sampled_from(["cpu", "cuda", "cann"]),
+            st.integers(0, 7),
+            st.lists(st.tuples(st.text(max_size=4), st.text(max_size=4)), max_size=2).map(
+                lambda kv: tuple(sorted(kv))
+            ),
+        )
     if tp is Task:
         twins = st.just([]) if depth > 0 else st.lists(_strategy(Task, depth + 1), max_size=2)
-        return st.builds(Task, _strategy(str), _strategy(str), _strategy(tuple[str, ...]), _strategy(TaskSignature),
-                         _strategy(tuple[str, ...]), _strategy(tuple[str, ...]), twins)  # fmt: skip
+        return st.builds(
+            Task,
+            _strategy(str),
+            _strategy(str),
+            _strategy(tuple[str, ...]),
+            _strategy(TaskSignature),
+            _strategy(tuple[str, ...]),
+            _strategy(tuple[str, ...]),
+            twins,
+        )
     if origin is tuple:
         if len(args) == 2 and args[1] is Ellipsis:
             return st.lists(_strategy(args[0], depth), max_size=3).map(tuple)
@@ -131,16 +176,26 @@ def _strategy(tp: Any, depth: int = 0) -> st.SearchStrategy[Any]:
     if origin is dict:
         return st.dictionaries(st.text(max_size=4), _strategy(args[1], depth), max_size=3)
     if isinstance(tp, type) and issubclass(tp, msgspec.Struct):
-        return st.builds(tp, **{f.name: _strategy(f.type, depth) for f in msgspec.structs.fields(tp)})
+        return st.builds(
+            tp, **{f.name: _strategy(f.type, depth) for f in msgspec.structs.fields(tp)}
+        )
     if tp in (TaskSignature, TensorInfo, Limits):
-        return st.builds(tp, **{k: _strategy(v, depth) for k, v in typing.get_type_hints(tp).items()})
+        return st.builds(
+            tp, **{k: _strategy(v, depth) for k, v in typing.get_type_hints(tp).items()}
+        )
     raise AssertionError(f"no strategy for {tp!r}")
 
 
 MESSAGES = sorted(
-    (c for c in vars(m).values() if isinstance(c, type) and issubclass(c, m.Message) and c not in (m.Message, m.Request,
-     m.Call, m.Answer)), key=lambda c: c.__name__,
-)  # fmt: skip
+    (
+        c
+        for c in vars(m).values()
+        if isinstance(c, type)
+        and issubclass(c, m.Message)
+        and c not in (m.Message, m.Request, m.Call, m.Answer)
+    ),
+    key=lambda c: c.__name__,
+)
 
 
 def test_every_message_type_is_covered() -> None:
@@ -162,18 +217,33 @@ def test_every_message_type_survives_a_json_line(cls: type) -> None:
 
 def _worker(*lines: str) -> list[dict[str, Any]]:
     """What a real compile worker answers to `lines`, one JSON answer per line."""
-    proc = subprocess.run([sys.executable, "-m", "aoed.backends.ort.worker"], input="\n".join(lines) + "\n",
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "aoed.backends.ort.worker"],
+        input="\n".join(lines) + "\n",
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     return [json.loads(line) for line in proc.stdout.splitlines()]
 
 
 def test_a_child_refuses_a_malformed_request_naming_its_type_and_field(tmp_path: Path) -> None:
-    good = m.encode(m.CompileRequest(tmp_path / "t.onnx", "matmul", "default", "p", tmp_path / "o.onnx"))
+    good = m.encode(
+        m.CompileRequest(tmp_path / "t.onnx", "matmul", "default", "p", tmp_path / "o.onnx")
+    )
     unknown, wrong = {**good, "strategie": "default"}, {**good, "strategy": 3}
-    answers = _worker(*(json.dumps({"id": i, "request": r}) for i, r in enumerate([unknown, wrong], 1)),
-                      "not json", json.dumps({"id": 3, "request": m.encode(m.PingRequest(CPU))}))  # fmt: skip
-    assert [(a["id"], a["ok"]) for a in answers] == [(1, False), (2, False), (None, False), (3, True)]
+    answers = _worker(
+        *(json.dumps({"id": i, "request": r}) for i, r in enumerate([unknown, wrong], 1)),
+        "not json",
+        json.dumps({"id": 3, "request": m.encode(m.PingRequest(CPU))}),
+    )
+    assert [(a["id"], a["ok"]) for a in answers] == [
+        (1, False),
+        (2, False),
+        (None, False),
+        (3, True),
+    ]
     assert "CompileRequest" in answers[0]["error"] and "`strategie`" in answers[0]["error"]
     assert "CompileRequest: Expected `str`, got `int` - at `$.strategy`" in answers[1]["error"]
     assert answers[2]["error"].startswith("malformed request")
@@ -196,7 +266,10 @@ BAD_CHILD = textwrap.dedent(
 @pytest.mark.parametrize(
     ("reply", "refused"),
     [
-        ({"cores": 1, "providers": [], "threads": 2}, "PingReply: Object contains unknown field `threads`"),
+        (
+            {"cores": 1, "providers": [], "threads": 2},
+            "PingReply: Object contains unknown field `threads`",
+        ),
         ({"cores": "1", "providers": []}, "PingReply: Expected `int`, got `str` - at `$.cores`"),
         ({"cores": None, "providers": []}, "PingReply: Expected `int`, got `null` - at `$.cores`"),
     ],

@@ -112,8 +112,12 @@ def mlp_task(tmp_path: Path) -> tuple[Path, Path]:
     tm = task_model(prep.model, task, consts, prep.ctx.tensors)
     path = tmp_path / "task.onnx"
     onnx.save(tm, str(path))
-    feeds = {i.name: np.random.default_rng(0).standard_normal(
-        [d.dim_value for d in i.type.tensor_type.shape.dim]).astype(np.float32) for i in tm.graph.input}  # fmt: skip
+    feeds = {
+        i.name: np.random.default_rng(0)
+        .standard_normal([d.dim_value for d in i.type.tensor_type.shape.dim])
+        .astype(np.float32)
+        for i in tm.graph.input
+    }
     np.savez(tmp_path / "inputs.npz", **feeds)
     return path, tmp_path / "inputs.npz"
 
@@ -172,11 +176,19 @@ async def test_worker_crash_and_hang_cost_one_candidate(plugin, mlp_task, tmp_pa
 
 
 def test_a_jobs_time_limits_grow_with_its_model() -> None:
-    assert (time_scale(0), time_scale(100 << 10), time_scale(256 << 20), time_scale(2 << 30)) == (1.0, 1.0, 2.0, 9.0)
+    assert (time_scale(0), time_scale(100 << 10), time_scale(256 << 20), time_scale(2 << 30)) == (
+        1.0,
+        1.0,
+        2.0,
+        9.0,
+    )
     job = JobLedger("job-test")
     assert job.scaled(120.0, "compile_timeout_s=120") == (120.0, "compile_timeout_s=120")
     job.scale_to_model(512 << 20)
-    assert job.scaled(120.0, "compile_timeout_s=120") == (360.0, "compile_timeout_s=120 x 3 for a 512 MiB model")
+    assert job.scaled(120.0, "compile_timeout_s=120") == (
+        360.0,
+        "compile_timeout_s=120 x 3 for a 512 MiB model",
+    )
 
 
 async def test_the_pool_scales_its_limit_by_the_jobs_model(plugin, mlp_task, tmp_path):
@@ -188,10 +200,14 @@ async def test_the_pool_scales_its_limit_by_the_jobs_model(plugin, mlp_task, tmp
     pool = CompilePool(1, tmp_path / "logs", plugins=plugin, timeouts={"compile": 1.0})
     async with trio.open_nursery() as nursery:
         await nursery.start(pool.run)
-        assert (await pool.call(_compile(task, "default", tmp_path / "a.onnx"), timeout_s=60)).applicable  # worker is up
+        assert (
+            await pool.call(_compile(task, "default", tmp_path / "a.onnx"), timeout_s=60)
+        ).applicable  # worker is up
         fits = await pool.call(_compile(task, "slower_in_worker", tmp_path / "s.onnx"), big)
         with pytest.raises(WorkerTimeoutError) as small:
-            await pool.call(_compile(task, "slower_in_worker", tmp_path / "t.onnx"), JobLedger("job-small"))
+            await pool.call(
+                _compile(task, "slower_in_worker", tmp_path / "t.onnx"), JobLedger("job-small")
+            )
         t0 = trio.current_time()
         with pytest.raises(WorkerTimeoutError) as hung:
             await pool.call(_compile(task, "hang_in_worker", tmp_path / "h.onnx"), big)
@@ -199,7 +215,10 @@ async def test_the_pool_scales_its_limit_by_the_jobs_model(plugin, mlp_task, tmp
         nursery.cancel_scope.cancel()
     assert fits.applicable is False, fits  # it finished (not applicable), not "timed out"
     assert str(small.value) == "compile timed out after 1s (compile_timeout_s=1)"
-    assert str(hung.value) == "compile timed out after 3s (compile_timeout_s=1 x 3 for a 512 MiB model)"
+    assert (
+        str(hung.value)
+        == "compile timed out after 3s (compile_timeout_s=1 x 3 for a 512 MiB model)"
+    )
     assert took >= 3.0 and pool.crashes == 2
 
 
@@ -212,7 +231,11 @@ async def test_a_worker_over_its_memory_limit_costs_one_candidate(plugin, mlp_ta
             await pool.call(_compile(task, "hog_in_worker", tmp_path / "h.onnx"))
         after = await pool.call(_compile(task, "fused_gemm", tmp_path / "f.onnx"))
         pid = pool.pids[0]
-        limit = [ln for ln in Path(f"/proc/{pid}/limits").read_text().splitlines() if "address space" in ln]
+        limit = [
+            ln
+            for ln in Path(f"/proc/{pid}/limits").read_text().splitlines()
+            if "address space" in ln
+        ]
         nursery.cancel_scope.cancel()
     assert type(hog.value) is CandidateError, hog.value  # the request's failure, not a crash
     assert after.applicable, after  # the same worker goes on
@@ -224,7 +247,9 @@ async def test_inapplicable_strategy_is_not_a_failure(mlp_task, tmp_path):
     pool = CompilePool(1, tmp_path / "logs")
     async with trio.open_nursery() as nursery:
         await nursery.start(pool.run)
-        res = await pool.call(_compile(task, "conv1x1_as_matmul", tmp_path / "x.onnx", family="conv"))
+        res = await pool.call(
+            _compile(task, "conv1x1_as_matmul", tmp_path / "x.onnx", family="conv")
+        )
         nursery.cancel_scope.cancel()
     assert res.applicable is False
 
@@ -237,7 +262,9 @@ async def test_paused_time_does_not_count_against_a_compile_deadline(plugin, mlp
     async with trio.open_nursery() as nursery:
         await nursery.start(pool.run)
         # Worker is up (its start, importing onnxruntime, can take more than 1.5 s on a busy machine).
-        assert (await pool.call(_compile(task, "default", tmp_path / "a.onnx"), timeout_s=60)).applicable
+        assert (
+            await pool.call(_compile(task, "default", tmp_path / "a.onnx"), timeout_s=60)
+        ).applicable
         replies = []
 
         async def slow() -> None:
@@ -271,7 +298,9 @@ async def test_device_serializes_and_pauses_compile_workers(mlp_task, tmp_path):
         async def submit():
             # A budget the six rounds fit in on a loaded machine too (a budget ends the rounds
             # before min_rounds when it runs out: 5 of 6 fit in 0.5 s beside a busy loop).
-            replies.append(await device.call(_measure(task, inputs, budget_s=5.0, min_rounds=6), ledger))
+            replies.append(
+                await device.call(_measure(task, inputs, budget_s=5.0, min_rounds=6), ledger)
+            )
 
         async with trio.open_nursery() as inner:
             for _ in range(3):
@@ -306,7 +335,9 @@ async def test_dedicated_cores_pin_the_runner_and_never_pause_workers(mlp_task, 
     states: list[str] = []
     async with trio.open_nursery() as nursery:
         await nursery.start(pool.run)
-        device = DeviceAgent(CPU, pool, tmp_path / "logs", tmp_path / "run", cpus=cpus[:1], pause_pool=False)
+        device = DeviceAgent(
+            CPU, pool, tmp_path / "logs", tmp_path / "run", cpus=cpus[:1], pause_pool=False
+        )
         await nursery.start(device.run)
         assert not device.pausing and device.cores == 1
         assert (await pool.call(_compile(task, "default", tmp_path / "a.onnx"))).applicable
@@ -345,7 +376,9 @@ async def test_cancel_drops_queued_requests_and_kills_the_one_in_flight(plugin, 
         with trio.fail_after(120):
             with trio.CancelScope() as job:
                 async with trio.open_nursery() as inner:
-                    inner.start_soon(pool.call, _compile(task, "hang_in_worker", tmp_path / "h.onnx"))
+                    inner.start_soon(
+                        pool.call, _compile(task, "hang_in_worker", tmp_path / "h.onnx")
+                    )
                     await _until(lambda: _started_in_worker(tmp_path, "hang"), "the worker hanging")
                     for _ in range(3):
                         inner.start_soon(device.call, long)
@@ -355,7 +388,9 @@ async def test_cancel_drops_queued_requests_and_kills_the_one_in_flight(plugin, 
                     job.cancel()
         # The next job's request is served by fresh children, without waiting for the old.
         with trio.fail_after(120):
-            reply = await device.call(_measure(task, inputs, budget_s=0.1, min_rounds=1, max_rounds=1))
+            reply = await device.call(
+                _measure(task, inputs, budget_s=0.1, min_rounds=1, max_rounds=1)
+            )
             assert (await pool.call(_compile(task, "fused_gemm", tmp_path / "f.onnx"))).applicable
         served = device.requests
         runner_after, worker_after = device.runner_pid, pool.pids[0]
@@ -371,17 +406,23 @@ async def test_device_lock_is_machine_wide_and_says_who_holds_it(mlp_task, tmp_p
     task, inputs = mlp_task
     run = tmp_path / "run"
     holder = subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(f"""
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(f"""
             import fcntl, os, sys, time
             os.makedirs({str(run)!r}, exist_ok=True)
-            fd = os.open({str(run / 'device-cpu.lock')!r}, os.O_RDWR | os.O_CREAT)
+            fd = os.open({str(run / "device-cpu.lock")!r}, os.O_RDWR | os.O_CREAT)
             fcntl.flock(fd, fcntl.LOCK_EX)
             os.write(fd, b"pid %d (a measuring test process)" % os.getpid())
             print("held", flush=True)
             sys.stdin.read()  # until the test closes it
-        """)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        """),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
     waits: list[str] = []
     ledger = JobLedger("job-test", lambda e: waits.append(e.message) if e.kind == "wait" else None)
@@ -399,12 +440,14 @@ async def test_device_lock_is_machine_wide_and_says_who_holds_it(mlp_task, tmp_p
         device = DeviceAgent(CPU, None, tmp_path / "logs", run)
         await nursery.start(device.run)
         nursery.start_soon(release_once_waiting)
-        reply = await device.call(_measure(task, inputs, budget_s=0.1, min_rounds=1, max_rounds=1), ledger)
+        reply = await device.call(
+            _measure(task, inputs, budget_s=0.1, min_rounds=1, max_rounds=1), ledger
+        )
         nursery.cancel_scope.cancel()
     holder.wait(timeout=10)
     holder.stdout.close()
     assert reply.results["default"].ok
-    (held_from, _), = ledger.device_intervals  # from when the agent held the device
+    ((held_from, _),) = ledger.device_intervals  # from when the agent held the device
     assert held_from > released[0], "measured while another process held the device"
     assert len(waits) == 1 and f"pid {holder.pid}" in waits[0] and "cpu" in waits[0]
 
@@ -443,11 +486,11 @@ def test_children_die_with_a_killed_engine(tmp_path):
         from aoed.engine.pool import CompilePool
 
         async def main():
-            logs = Path({str(tmp_path / 'logs')!r})
+            logs = Path({str(tmp_path / "logs")!r})
             pool = CompilePool(2, logs)
             async with trio.open_nursery() as nursery:
                 await nursery.start(pool.run)
-                device = DeviceAgent(CPU, pool, logs, Path({str(tmp_path / 'run')!r}))
+                device = DeviceAgent(CPU, pool, logs, Path({str(tmp_path / "run")!r}))
                 await nursery.start(device.run)
                 for child in pool._children:  # start the workers
                     await child.call(PingRequest(CPU))
@@ -457,7 +500,9 @@ def test_children_die_with_a_killed_engine(tmp_path):
 
         trio.run(main)
     """)
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     pids = [int(p) for p in proc.stdout.split()]
     assert len(pids) == 3
@@ -482,10 +527,22 @@ async def test_runner_reports_wrong_outputs_and_broken_candidates(tmp_path):
     async with trio.open_nursery() as nursery:
         device = DeviceAgent(CPU, None, tmp_path / "logs", tmp_path / "run")
         await nursery.start(device.run)
-        cands = (Candidate("ref", src), Candidate("wrong", wrong), Candidate("broken", tmp_path / "broken.onnx"))
+        cands = (
+            Candidate("ref", src),
+            Candidate("wrong", wrong),
+            Candidate("broken", tmp_path / "broken.onnx"),
+        )
         reply = await device.call(MeasureRequest(cands, inputs, "ref", CPU, MeasurePlan(0.3)))
         with pytest.raises(DeviceError, match="reference"):
-            await device.call(MeasureRequest((Candidate("broken", tmp_path / "broken.onnx"),), inputs, "broken", CPU, MeasurePlan(0.3)))
+            await device.call(
+                MeasureRequest(
+                    (Candidate("broken", tmp_path / "broken.onnx"),),
+                    inputs,
+                    "broken",
+                    CPU,
+                    MeasurePlan(0.3),
+                )
+            )
         prof = await device.call(ProfileRequest(prep.path, inputs, tmp_path, CPU, runs=3))
         nursery.cancel_scope.cancel()
     res = reply.results

@@ -74,7 +74,9 @@ def children(pid: int) -> dict[int, str]:
 def child_pid(d: DaemonProcess, module: str) -> int | None:
     """The pid of the daemon's child running `python -m module`, if one runs."""
     assert d.proc is not None
-    return next((pid for pid, cmd in children(d.proc.pid).items() if f"-m {module} " in cmd + " "), None)
+    return next(
+        (pid for pid, cmd in children(d.proc.pid).items() if f"-m {module} " in cmd + " "), None
+    )
 
 
 def proc_state(pid: int) -> str:
@@ -91,8 +93,12 @@ def job(d: DaemonProcess, job_id: str) -> tuning_pb2.Job:
 
 def submit(d: DaemonProcess, model: Path, budget: float, **opts) -> str:
     """Submit `model` (a file in the daemon's allowed dir) by path; returns the job id."""
-    reply = d.tuning().SubmitJob(tuning_pb2.SubmitJobRequest(
-        model_path=str(model), options=tuning_pb2.JobOptions(budget_s=budget, **opts)), timeout=30)  # fmt: skip
+    reply = d.tuning().SubmitJob(
+        tuning_pb2.SubmitJobRequest(
+            model_path=str(model), options=tuning_pb2.JobOptions(budget_s=budget, **opts)
+        ),
+        timeout=30,
+    )
     return reply.job_id
 
 
@@ -111,8 +117,11 @@ def bank_keys(bank: Path) -> set[str]:
     if not (bank / "data.mdb").exists():
         return set()
     with open_bank(bank, use_env=False) as reader:
-        return {f"{kind}:{getattr(rec, kind).key}" for _, rec in reader.records(history=False)
-                if (kind := rec.WhichOneof("record"))}  # fmt: skip
+        return {
+            f"{kind}:{getattr(rec, kind).key}"
+            for _, rec in reader.records(history=False)
+            if (kind := rec.WhichOneof("record"))
+        }
 
 
 def store_integrity(state: Path) -> str:
@@ -128,7 +137,11 @@ def clearly_ended(j: tuning_pb2.Job) -> bool:
     """SUCCEEDED, or FAILED with a message and the class of the failure (not an internal error)."""
     if j.state == S.JOB_STATE_SUCCEEDED:
         return True
-    return j.state == S.JOB_STATE_FAILED and bool(j.error) and j.error_kind not in ("", "InternalError")
+    return (
+        j.state == S.JOB_STATE_FAILED
+        and bool(j.error)
+        and j.error_kind not in ("", "InternalError")
+    )
 
 
 @dataclass
@@ -145,7 +158,9 @@ class Round:
     problems: list[str] = field(default_factory=list)
 
 
-def kill9_round(d: DaemonProcess, path: Path, seed: int, max_delay_s: float, budget_s: float) -> Round:
+def kill9_round(
+    d: DaemonProcess, path: Path, seed: int, max_delay_s: float, budget_s: float
+) -> Round:
     """Submit `path`, kill -9 the daemon a random time in [0.2, max_delay_s] later (from
     `seed`), snapshot the bank, restart, wait for the job; returns the Round with every
     check that failed in `problems` (empty: the job ended clearly, the bank kept every
@@ -166,11 +181,18 @@ def kill9_round(d: DaemonProcess, path: Path, seed: int, max_delay_s: float, bud
     d.start()
     j = d.wait_job(job_id, timeout=240)
     after = bank_keys(d.bank)
-    r.state, r.error, r.bank_at_kill, r.bank_after = S.JobState.Name(j.state), j.error, len(before), len(after)
+    r.state, r.error, r.bank_at_kill, r.bank_after = (
+        S.JobState.Name(j.state),
+        j.error,
+        len(before),
+        len(after),
+    )
     if not clearly_ended(j):
         r.problems.append(f"job {job_id} ended {r.state} ({j.error_kind}: {j.error})")
     if lost := before - after:
-        r.problems.append(f"{len(lost)} bank entries committed before the kill are gone: {sorted(lost)[:3]}")
+        r.problems.append(
+            f"{len(lost)} bank entries committed before the kill are gone: {sorted(lost)[:3]}"
+        )
     if (check := store_integrity(d.state)) != "ok":
         r.problems.append(f"job store after the restart: {check}")
     return r
@@ -190,10 +212,16 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
 
 def wait_stage(d: DaemonProcess, job_id: str, prefix: str, timeout: float = 60) -> None:
     """Return once the job announces a stage whose message starts with `prefix`."""
-    stream = d.tuning().WatchJob(tuning_pb2.WatchJobRequest(job_id=job_id, include_logs=True), timeout=timeout)
+    stream = d.tuning().WatchJob(
+        tuning_pb2.WatchJobRequest(job_id=job_id, include_logs=True), timeout=timeout
+    )
     for msg in stream:
         e = msg.event
-        if e.WhichOneof("event") == "log" and e.log.logger == "stage" and e.log.message.startswith(prefix):
+        if (
+            e.WhichOneof("event") == "log"
+            and e.log.logger == "stage"
+            and e.log.message.startswith(prefix)
+        ):
             stream.cancel()
             return
     raise AssertionError(f"job {job_id} ended before a stage {prefix!r}: {job(d, job_id)}")
@@ -216,7 +244,9 @@ def _busy_a_while(pid: int, polls: int = 5, gap: float = 0.005) -> bool:
 # ---------------------------------------------------------------- child processes
 
 
-def test_a_worker_that_segfaults_mid_compile_costs_a_candidate_not_the_job(daemon: DaemonProcess) -> None:
+def test_a_worker_that_segfaults_mid_compile_costs_a_candidate_not_the_job(
+    daemon: DaemonProcess,
+) -> None:
     d = daemon
     job_id = submit(d, model(d, "cnn", width=24), budget=2.0)
     wait_stage(d, job_id, "tuning ")  # the tasks are extracted; what the worker does now is compile
@@ -228,14 +258,18 @@ def test_a_worker_that_segfaults_mid_compile_costs_a_candidate_not_the_job(daemo
     assert j.state == S.JOB_STATE_SUCCEEDED, j
     crash = f"compile worker 0 exited with status -{signal.SIGSEGV.value}"
     assert crash in d.log(), "the crash is logged"
-    assert f"worker crashed: {crash}" in Path(j.result.result_json_path).read_text(), "the report says what it cost"
+    assert f"worker crashed: {crash}" in Path(j.result.result_json_path).read_text(), (
+        "the report says what it cost"
+    )
     assert not proc_state(worker)
     nxt = submit(d, model(d, "mlp", hidden=96), budget=0.5)
     assert d.wait_job(nxt).state == S.JOB_STATE_SUCCEEDED
     assert child_pid(d, WORKER) not in (None, worker), "a fresh worker took over"
 
 
-def test_a_runner_killed_mid_measurement_costs_that_measurement_and_is_restarted(daemon: DaemonProcess) -> None:
+def test_a_runner_killed_mid_measurement_costs_that_measurement_and_is_restarted(
+    daemon: DaemonProcess,
+) -> None:
     d = daemon
     job_id = submit(d, model(d, "cnn", width=40), budget=2.0)
     wait_stage(d, job_id, "tuning ")  # candidates are measured now
@@ -244,9 +278,16 @@ def test_a_runner_killed_mid_measurement_costs_that_measurement_and_is_restarted
     os.kill(runner, signal.SIGKILL)
     j = d.wait_job(job_id)
     assert j.state == S.JOB_STATE_SUCCEEDED, j  # the task measured then costs its candidates
-    assert child_pid(d, RUNNER) not in (None, runner), "the job's next measurement started a fresh runner"
-    assert f"the measurement runner crashed: runner for cpu exited with status -{signal.SIGKILL.value}" in d.log()
-    assert "measurement runner crashed" in Path(j.result.result_json_path).read_text(), "the report says so"
+    assert child_pid(d, RUNNER) not in (None, runner), (
+        "the job's next measurement started a fresh runner"
+    )
+    assert (
+        f"the measurement runner crashed: runner for cpu exited with status -{signal.SIGKILL.value}"
+        in d.log()
+    )
+    assert "measurement runner crashed" in Path(j.result.result_json_path).read_text(), (
+        "the report says so"
+    )
     nxt = submit(d, model(d, "mlp", hidden=112), budget=0.5)
     assert d.wait_job(nxt).state == S.JOB_STATE_SUCCEEDED
     assert child_pid(d, RUNNER) not in (None, runner)
@@ -254,18 +295,28 @@ def test_a_runner_killed_mid_measurement_costs_that_measurement_and_is_restarted
 
 def test_a_worker_over_its_memory_limit_fails_the_job_saying_so(tmp_path: Path) -> None:
     d = DaemonProcess(tmp_path / "d")
-    d.config.write_text(d.config.read_text().replace("[engine]\n", "[engine]\nworker_memory_mb = 1024\n"))
+    d.config.write_text(
+        d.config.read_text().replace("[engine]\n", "[engine]\nworker_memory_mb = 1024\n")
+    )
     try:
         d.start()
         # Small weights (the admission's estimate fits), but a 1 GiB input once the batch
         # is fixed: only the worker's limit can stop it. The deadline only catches a job
         # that never ends (a worker swapping instead of failing); the job's end and its
         # reason are the checks.
-        big = samples.save(samples.mlp(features=4096, hidden=64, dynamic_batch=True), d.models / "big_input.onnx")
-        j = d.wait_job(submit(d, big, budget=2.0, input_shapes=[S.InputShape(name="input", dims=[65536, 4096])]),
-                       timeout=300)  # fmt: skip
+        big = samples.save(
+            samples.mlp(features=4096, hidden=64, dynamic_batch=True), d.models / "big_input.onnx"
+        )
+        j = d.wait_job(
+            submit(
+                d, big, budget=2.0, input_shapes=[S.InputShape(name="input", dims=[65536, 4096])]
+            ),
+            timeout=300,
+        )
         assert j.state == S.JOB_STATE_FAILED, j
-        assert "out of memory" in j.error and "1024 MiB" in j.error and "worker_memory_mb" in j.error, j.error
+        assert (
+            "out of memory" in j.error and "1024 MiB" in j.error and "worker_memory_mb" in j.error
+        ), j.error
         small = model(d, "mlp")  # fits: the same daemon and limit go on serving
         assert d.wait_job(submit(d, small, budget=0.5)).state == S.JOB_STATE_SUCCEEDED
     finally:
@@ -285,12 +336,22 @@ def test_the_derived_worker_limit_is_what_the_formula_says() -> None:
     plan = plan_memory(base.replace(parallel=7, memory_mb=4096))
     assert (plan.workers, plan.child_mb) == (2, (4096 - DAEMON_RESERVE_MB) // 3)
     # A limit set by hand is kept.
-    assert plan_memory(base.replace(parallel=3, memory_mb=4096, worker_memory_mb=2048)).child_mb == 2048
+    assert (
+        plan_memory(base.replace(parallel=3, memory_mb=4096, worker_memory_mb=2048)).child_mb
+        == 2048
+    )
     # Unset, the figure is the machine's: MemAvailable, or what the cgroup leaves.
     got, source = available_mb(base)
-    total = next(int(ln.split()[1]) // 1024 for ln in Path("/proc/meminfo").read_text().splitlines()
-                 if ln.startswith("MemTotal:"))  # fmt: skip
-    assert got is not None and 0 < got <= total and source in ("MemAvailable", "what the cgroup's memory.max leaves")
+    total = next(
+        int(ln.split()[1]) // 1024
+        for ln in Path("/proc/meminfo").read_text().splitlines()
+        if ln.startswith("MemTotal:")
+    )
+    assert (
+        got is not None
+        and 0 < got <= total
+        and source in ("MemAvailable", "what the cgroup's memory.max leaves")
+    )
 
 
 def test_a_model_that_cannot_fit_the_memory_is_refused_with_both_figures(tmp_path: Path) -> None:
@@ -300,7 +361,9 @@ def test_a_model_that_cannot_fit_the_memory_is_refused_with_both_figures(tmp_pat
     d.config.write_text(d.config.read_text().replace("[engine]\n", "[engine]\nmemory_mb = 2560\n"))
     try:
         d.start()
-        big = samples.save(samples.mlp(features=3584, hidden=3584, layers=4), d.models / "big.onnx")  # 147 MiB
+        big = samples.save(
+            samples.mlp(features=3584, hidden=3584, layers=4), d.models / "big.onnx"
+        )  # 147 MiB
         with pytest.raises(grpc.RpcError) as info:
             submit(d, big, budget=1.0)
         need = 512 + math.ceil(6 * big.stat().st_size / (1 << 20))
@@ -314,27 +377,51 @@ def test_a_model_that_cannot_fit_the_memory_is_refused_with_both_figures(tmp_pat
         onnx.save_model(onnx.load(big), ext, save_as_external_data=True, location="weights.bin")
         j = d.wait_job(submit(d, ext, budget=1.0), timeout=120)
         assert (j.state, j.error_kind) == (S.JOB_STATE_FAILED, "ModelError"), j
-        ext_need = 512 + math.ceil(6 * (ext.stat().st_size + (ext.parent / "weights.bin").stat().st_size) / (1 << 20))
-        assert f"needs about {ext_need} MiB" in j.error and "more than the 1152 MiB" in j.error, j.error
+        ext_need = 512 + math.ceil(
+            6 * (ext.stat().st_size + (ext.parent / "weights.bin").stat().st_size) / (1 << 20)
+        )
+        assert f"needs about {ext_need} MiB" in j.error and "more than the 1152 MiB" in j.error, (
+            j.error
+        )
         # What fits still runs, in children limited as the formula says.
         assert d.wait_job(submit(d, model(d, "mlp"), budget=0.5)).state == S.JOB_STATE_SUCCEEDED
         assert d.proc is not None
         kids = [pid for pid, cmd in children(d.proc.pid).items() if WORKER in cmd or RUNNER in cmd]
         assert len(kids) == 2, children(d.proc.pid)
         for pid in kids:
-            line = next(ln for ln in Path(f"/proc/{pid}/limits").read_text().splitlines()
-                        if ln.startswith("Max address space"))  # fmt: skip
+            line = next(
+                ln
+                for ln in Path(f"/proc/{pid}/limits").read_text().splitlines()
+                if ln.startswith("Max address space")
+            )
             assert line.split()[3:5] == [str(1152 << 20)] * 2, line
     finally:
         d.close()
 
 
-def test_a_big_model_with_a_tiny_budget_says_where_it_went_over_and_keeps_search_within(tmp_path: Path) -> None:
+def test_a_big_model_with_a_tiny_budget_says_where_it_went_over_and_keeps_search_within(
+    tmp_path: Path,
+) -> None:
     from tests.conftest import run_aoe
 
-    big = samples.save(samples.mlp(features=2048, hidden=2048, layers=4), tmp_path / "big.onnx")  # 48 MiB
-    r = run_aoe("tune", str(big), "--budget", "0.6", "--job-type", "opat", "--no-progress", "--local", "--bank", str(tmp_path / "bank"),
-                "--output", str(tmp_path / "out"), timeout=300)  # fmt: skip
+    big = samples.save(
+        samples.mlp(features=2048, hidden=2048, layers=4), tmp_path / "big.onnx"
+    )  # 48 MiB
+    r = run_aoe(
+        "tune",
+        str(big),
+        "--budget",
+        "0.6",
+        "--job-type",
+        "opat",
+        "--no-progress",
+        "--local",
+        "--bank",
+        str(tmp_path / "bank"),
+        "--output",
+        str(tmp_path / "out"),
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     doc = json.loads(next((tmp_path / "out").glob("aoe_result_*.json")).read_text())
     b = doc["budget"]
@@ -343,7 +430,10 @@ def test_a_big_model_with_a_tiny_budget_says_where_it_went_over_and_keeps_search
     # is over it entirely, and the stages add up to the overrun.
     assert list(st)[:3] == ["prepare", "bank", "profile"] and "confirm" in st, list(st)
     for name in ("prepare", "profile", "confirm"):
-        assert not st[name]["counted"] and st[name]["given_s"] == 0.0 and st[name]["spent_s"] > 0, (name, st[name])
+        assert not st[name]["counted"] and st[name]["given_s"] == 0.0 and st[name]["spent_s"] > 0, (
+            name,
+            st[name],
+        )
         assert st[name]["over_s"] == st[name]["spent_s"], (name, st[name])
         assert st[name]["estimate_s"] > 0, f"{name} was not estimated before it started: {st[name]}"
     assert abs(b["elapsed_s"] - sum(s["spent_s"] for s in st.values())) < 0.01 * len(st)
@@ -357,7 +447,10 @@ def test_a_big_model_with_a_tiny_budget_says_where_it_went_over_and_keeps_search
     assert untuned and all(e.startswith("not tuned:") for e in untuned), doc["tasks"]
     # ... and the command line says the same.
     line = next(ln for ln in r.stdout.splitlines() if ln.startswith("  budget "))
-    assert f"0.6 s given, the job took {b['elapsed_s']:.1f} s, {b['over_s']:.1f} s over: preparing" in line, line
+    assert (
+        f"0.6 s given, the job took {b['elapsed_s']:.1f} s, {b['over_s']:.1f} s over: preparing"
+        in line
+    ), line
     assert "confirming" in line and "estimated" in line, line
 
 
@@ -391,7 +484,9 @@ def test_a_worker_that_hangs_is_cut_off_at_the_compile_limit_and_replaced(
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), *filter(None, sys.path)]))
     monkeypatch.setenv("AOED_TEST_HUNG", str(tmp_path / "hung.pid"))
     d = DaemonProcess(tmp_path / "d")
-    text = d.config.read_text().replace("[engine]\n", "[engine]\ncompile_timeout_s = 3\nmax_model_mb = 1\n")
+    text = d.config.read_text().replace(
+        "[engine]\n", "[engine]\ncompile_timeout_s = 3\nmax_model_mb = 1\n"
+    )
     d.config.write_text(text.replace("[tuning]\n", '[tuning]\nplugins = ["aoed_hang_plugin"]\n'))
     try:
         d.start()
@@ -399,15 +494,21 @@ def test_a_worker_that_hangs_is_cut_off_at_the_compile_limit_and_replaced(
         assert j.state == S.JOB_STATE_SUCCEEDED, j  # the hang cost one candidate
         hung = int((tmp_path / "hung.pid").read_text())
         cut = "compile timed out after 3s (compile_timeout_s=3)"
-        assert "compile: timed out after 3s (compile_timeout_s=3); worker restarted" in d.log(), d.log()
+        assert "compile: timed out after 3s (compile_timeout_s=3); worker restarted" in d.log(), (
+            d.log()
+        )
         assert cut in Path(j.result.result_json_path).read_text(), "the report says what it cost"
         assert not proc_state(hung), "the hung worker is gone"
         assert child_pid(d, WORKER) not in (None, hung), "a fresh worker took over"
-        big = samples.save(samples.mlp(features=1024, hidden=512, layers=2), d.models / "big.onnx")  # 2 MiB
+        big = samples.save(
+            samples.mlp(features=1024, hidden=512, layers=2), d.models / "big.onnx"
+        )  # 2 MiB
         with pytest.raises(grpc.RpcError) as err:
             submit(d, big, budget=1.0)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value
-        assert "over the limit of 1.0 MiB ([engine] max_model_mb)" in (err.value.details() or ""), err.value
+        assert "over the limit of 1.0 MiB ([engine] max_model_mb)" in (err.value.details() or ""), (
+            err.value
+        )
         assert d.serving()
     finally:
         d.close()
@@ -426,7 +527,9 @@ def test_a_damaged_job_row_is_reported_and_the_rest_is_served(daemon: DaemonProc
     assert d.stop() == 0
     db = sqlite3.connect(d.state / "jobs.sqlite3")
     with db:
-        db.execute("UPDATE jobs SET options = ? WHERE id = ?", ('{"precision": "exact", "budg', bad))
+        db.execute(
+            "UPDATE jobs SET options = ? WHERE id = ?", ('{"precision": "exact", "budg', bad)
+        )
     db.close()
     d.start()
     after = [j.job_id for j in d.tuning().ListJobs(tuning_pb2.ListJobsRequest()).jobs]
@@ -448,10 +551,16 @@ def small_fs(tmp_path: Path) -> Iterator[Callable[[Path, int], Path]]:
 
     def mount(where: Path, size: int) -> Path:
         where.mkdir(parents=True, exist_ok=True)
-        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
-                           check=False, capture_output=True, text=True)  # fmt: skip
+        r = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
+            check=False,
+            capture_output=True,
+            text=True,
+        )
         if r.returncode != 0:
-            pytest.skip(f"cannot mount a small filesystem here (needs root and mount rights): {r.stderr.strip()}")
+            pytest.skip(
+                f"cannot mount a small filesystem here (needs root and mount rights): {r.stderr.strip()}"
+            )
         mounted.append(where)
         return where
 
@@ -483,7 +592,9 @@ def test_a_full_disk_fails_the_job_naming_it_and_keeps_the_bank(tmp_path: Path, 
     bank_fs = small_fs(tmp_path / "bankfs", 2 << 20)
     out_fs = small_fs(tmp_path / "d" / "models" / "out", 2 << 20)  # in the daemon's allowed dir
     d = DaemonProcess(tmp_path / "d")
-    d.config.write_text(d.config.read_text().replace(f'path = "{d.bank}"', f'path = "{bank_fs / "bank"}"'))
+    d.config.write_text(
+        d.config.read_text().replace(f'path = "{d.bank}"', f'path = "{bank_fs / "bank"}"')
+    )
     d.bank = bank_fs / "bank"
     try:
         d.start()
@@ -541,7 +652,9 @@ def answers_reads(d: DaemonProcess, job_ids: list[str]) -> None:
     assert all(job(d, j).job_id == j for j in job_ids)
 
 
-def test_a_full_state_dir_fails_the_calls_and_jobs_in_hand_never_the_daemon(tmp_path: Path, small_fs) -> None:
+def test_a_full_state_dir_fails_the_calls_and_jobs_in_hand_never_the_daemon(
+    tmp_path: Path, small_fs
+) -> None:
     """A job store write on a full disk ("database or disk is full") used to escape and
     end aoed. Now: below `min_free_mb`, submissions and uploads are refused naming the
     folder; a job tuning while the disk fills ends (its state kept in memory until the
@@ -558,10 +671,14 @@ def test_a_full_state_dir_fails_the_calls_and_jobs_in_hand_never_the_daemon(tmp_
         filler = fill(state)  # every byte: the store's writes fail too, not just the floor
 
         refused_for_space(lambda: submit(d, model(d, "mlp", hidden=64), budget=1.0), state)
-        msg = refused_for_space(lambda: upload(d.tuning(), model(d, "mlp", hidden=80)), state / "uploads")
+        msg = refused_for_space(
+            lambda: upload(d.tuning(), model(d, "mlp", hidden=80)), state / "uploads"
+        )
         assert "min_free_mb" in msg, msg
         answers_reads(d, [done.job_id, tuning])
-        ended = wait_for(lambda: (j := job(d, tuning)).state in FINAL and j, 120, "the tuning job to end")
+        ended = wait_for(
+            lambda: (j := job(d, tuning)).state in FINAL and j, 120, "the tuning job to end"
+        )
         assert clearly_ended(ended), ended
         answers_reads(d, [done.job_id, tuning])
 
@@ -569,8 +686,16 @@ def test_a_full_state_dir_fails_the_calls_and_jobs_in_hand_never_the_daemon(tmp_
         j = d.wait_job(submit(d, model(d, "mlp", hidden=96), budget=1.0))
         assert j.state == S.JOB_STATE_SUCCEEDED, j
         model_id = upload(d.tuning(), model(d, "mlp", hidden=112))
-        j = d.wait_job(d.tuning().SubmitJob(tuning_pb2.SubmitJobRequest(
-            model_id=model_id, options=tuning_pb2.JobOptions(budget_s=1.0)), timeout=30).job_id)  # fmt: skip
+        j = d.wait_job(
+            d.tuning()
+            .SubmitJob(
+                tuning_pb2.SubmitJobRequest(
+                    model_id=model_id, options=tuning_pb2.JobOptions(budget_s=1.0)
+                ),
+                timeout=30,
+            )
+            .job_id
+        )
         assert j.state == S.JOB_STATE_SUCCEEDED, j
         assert d.stop() == 0  # what was kept in memory while the disk was full is in the store
         assert store_integrity(d.state) == "ok"
@@ -580,7 +705,9 @@ def test_a_full_state_dir_fails_the_calls_and_jobs_in_hand_never_the_daemon(tmp_
         d.close()
 
 
-def test_the_daemon_starts_on_a_full_state_dir_and_recovers_by_itself(tmp_path: Path, small_fs) -> None:
+def test_the_daemon_starts_on_a_full_state_dir_and_recovers_by_itself(
+    tmp_path: Path, small_fs
+) -> None:
     """Killed mid-job, then the disk filled: it used to refuse to start until someone
     deleted files. Now it comes up serving health and listing jobs; the interrupted job
     waits, and resumes once there is space."""
@@ -605,12 +732,17 @@ def test_the_daemon_starts_on_a_full_state_dir_and_recovers_by_itself(tmp_path: 
         filler.unlink()
         j = d.wait_job(interrupted)
         assert j.state == S.JOB_STATE_SUCCEEDED, j
-        assert d.wait_job(submit(d, model(d, "mlp", hidden=64), budget=1.0)).state == S.JOB_STATE_SUCCEEDED
+        assert (
+            d.wait_job(submit(d, model(d, "mlp", hidden=64), budget=1.0)).state
+            == S.JOB_STATE_SUCCEEDED
+        )
     finally:
         d.close()
 
 
-def test_the_job_store_opens_and_reads_on_a_full_disk_and_writes_again_with_room(tmp_path: Path, small_fs) -> None:
+def test_the_job_store_opens_and_reads_on_a_full_disk_and_writes_again_with_room(
+    tmp_path: Path, small_fs
+) -> None:
     """After a clean close SQLite has no WAL index (-shm) left, and creating one at open
     needs room: on a full disk the store could not open ("disk I/O error"), so aoed could
     not start. Now it opens (in exclusive mode), reads, refuses writes naming the folder
@@ -621,8 +753,16 @@ def test_the_job_store_opens_and_reads_on_a_full_disk_and_writes_again_with_room
     from aoed.jobs.store import JobRow, JobStore
 
     fs = small_fs(tmp_path / "state", 1 << 20)
-    row = JobRow(id="job-1", state=JobState.SUCCEEDED, model_path="/m.onnx", model_name="m.onnx",
-                 model_sha256="0" * 64, dedup_key="k", spec=JobSpec(), output_dir="/out")  # fmt: skip
+    row = JobRow(
+        id="job-1",
+        state=JobState.SUCCEEDED,
+        model_path="/m.onnx",
+        model_name="m.onnx",
+        model_sha256="0" * 64,
+        dedup_key="k",
+        spec=JobSpec(),
+        output_dir="/out",
+    )
     store = JobStore(fs / "jobs.sqlite3")
     store.insert(row)
     store.close()
@@ -643,7 +783,9 @@ def test_the_job_store_opens_and_reads_on_a_full_disk_and_writes_again_with_room
         store.close()
 
 
-def test_a_worker_whose_log_is_on_a_full_disk_answers_a_failed_request_and_lives(tmp_path: Path, small_fs) -> None:
+def test_a_worker_whose_log_is_on_a_full_disk_answers_a_failed_request_and_lives(
+    tmp_path: Path, small_fs
+) -> None:
     """A worker prints the traceback of a request that failed into its log, in the state
     dir; on a full disk that print raised, and the worker died without answering: every
     failure while the disk was full cost a worker restart and the request's reason."""
@@ -652,25 +794,38 @@ def test_a_worker_whose_log_is_on_a_full_disk_answers_a_failed_request_and_lives
     fs = small_fs(tmp_path / "logs", 1 << 20)
     with open(fs / "worker-0.log", "ab") as log:
         fill(fs)
-        with subprocess.Popen([sys.executable, "-m", WORKER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              stderr=log, text=True) as proc:  # fmt: skip
+        with subprocess.Popen(
+            [sys.executable, "-m", WORKER],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+        ) as proc:
             assert proc.stdin is not None and proc.stdout is not None
             try:
                 # The first fails in the worker (its model is not there), with a traceback.
-                missing = CompileRequest(tmp_path / "missing.onnx", "matmul", "default", "p", tmp_path / "o.onnx")
+                missing = CompileRequest(
+                    tmp_path / "missing.onnx", "matmul", "default", "p", tmp_path / "o.onnx"
+                )
                 for n, request in enumerate((missing, PingRequest(CPU)), 1):
                     proc.stdin.write(json.dumps({"id": n, "request": encode(request)}) + "\n")
                     proc.stdin.flush()
                     reply = json.loads(proc.stdout.readline() or "null")
                     assert reply is not None and reply["id"] == n, (reply, proc.poll())
-                    assert reply["ok"] == (n == 2) and ("FileNotFoundError" in reply["error"]) == (n == 1), reply
+                    assert reply["ok"] == (n == 2) and ("FileNotFoundError" in reply["error"]) == (
+                        n == 1
+                    ), reply
                 assert proc.poll() is None
             finally:
                 proc.kill()
 
 
-def _stream(name: str, size: int, declared: int, chunk: int = 64 << 10) -> Iterator[tuning_pb2.UploadModelRequest]:
-    yield tuning_pb2.UploadModelRequest(header=tuning_pb2.ModelUploadHeader(file_name=name, size_bytes=declared))
+def _stream(
+    name: str, size: int, declared: int, chunk: int = 64 << 10
+) -> Iterator[tuning_pb2.UploadModelRequest]:
+    yield tuning_pb2.UploadModelRequest(
+        header=tuning_pb2.ModelUploadHeader(file_name=name, size_bytes=declared)
+    )
     for i in range(0, size, chunk):
         yield tuning_pb2.UploadModelRequest(chunk=b"\0" * min(chunk, size - i))
 
@@ -681,8 +836,11 @@ def test_uploads_over_a_quota_are_refused_before_their_bytes_are_written(tmp_pat
     client) refuse an upload that would pass them, the declared size before the first
     byte, an undeclared one at the chunk that would pass; and what was refused leaves
     nothing behind."""
-    d = DaemonProcess(tmp_path / "d", "[limits]\nmax_uploads_mb = 3\nmax_uploads = 3\n"
-                                      "max_client_uploads = 2\nmax_client_uploads_mb = 100\n")  # fmt: skip
+    d = DaemonProcess(
+        tmp_path / "d",
+        "[limits]\nmax_uploads_mb = 3\nmax_uploads = 3\n"
+        "max_client_uploads = 2\nmax_client_uploads_mb = 100\n",
+    )
     uploads = d.state / "uploads"
 
     def send(size: int, declared: int) -> str:
@@ -695,19 +853,28 @@ def test_uploads_over_a_quota_are_refused_before_their_bytes_are_written(tmp_pat
         # Over the bytes of all uploads: refused on the header, nothing written.
         with pytest.raises(grpc.RpcError) as err:
             d.tuning().UploadModel(_stream("m.onnx", 0, 2100 << 10), timeout=60)
-        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_uploads_mb" in err.value.details()
+        assert (
+            err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            and "max_uploads_mb" in err.value.details()
+        )
         assert du(uploads) == before
         # Undeclared: refused at the chunk that would pass it, and the part written goes.
         with pytest.raises(grpc.RpcError) as err:
             send(3 << 20, 0)
-        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_uploads_mb" in err.value.details()
+        assert (
+            err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            and "max_uploads_mb" in err.value.details()
+        )
         assert du(uploads) == before and not list(uploads.glob("*.part"))
         # The number per client (the unix socket's callers are one client, "local").
         second = send(1000, 1000)
         with pytest.raises(grpc.RpcError) as err:
             send(1000, 1000)
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err.value
-        assert "client local has 2 uploads" in err.value.details() and "max_client_uploads" in err.value.details()
+        assert (
+            "client local has 2 uploads" in err.value.details()
+            and "max_client_uploads" in err.value.details()
+        )
         # A submitted upload no longer counts.
         d.tuning().SubmitJob(tuning_pb2.SubmitJobRequest(model_id=first), timeout=30)
         assert send(1000, 1000) and second and d.serving()
@@ -724,19 +891,30 @@ def assert_unkept(d: DaemonProcess, j: tuning_pb2.Job, bank: Path, doing: str) -
     tuned = [t for t in j.result.tasks if t.update_mode not in ("hit", "skipped")]
     unkept = [t for t in tuned if t.update_mode == "failed"]
     assert unkept, j.result
-    assert all(t.update_mode in ("add", "update", "reserved", "unsatisfied") for t in tuned if t not in unkept), j.result
+    assert all(
+        t.update_mode in ("add", "update", "reserved", "unsatisfied")
+        for t in tuned
+        if t not in unkept
+    ), j.result
     why = f"bank {bank}: {doing} failed, the disk holding it is full"
-    assert all("not kept in the bank: " + why in t.error or t.error.startswith("reverted in context") for t in unkept), [t.error for t in unkept]
+    assert all(
+        "not kept in the bank: " + why in t.error or t.error.startswith("reverted in context")
+        for t in unkept
+    ), [t.error for t in unkept]
     assert "not kept in the bank: " + why in Path(j.result.result_json_path).read_text()
     assert why in d.log()
 
 
-def test_a_new_bank_on_a_full_disk_costs_its_writes_not_the_daemon(tmp_path: Path, small_fs) -> None:
+def test_a_new_bank_on_a_full_disk_costs_its_writes_not_the_daemon(
+    tmp_path: Path, small_fs
+) -> None:
     """LMDB writes a new bank's reader table through a map of a sparse lock file: on a
     full disk that was SIGBUS, the daemon gone without a word."""
     bank_fs = small_fs(tmp_path / "bankfs", 1 << 20)
     d = DaemonProcess(tmp_path / "d")
-    d.config.write_text(d.config.read_text().replace(f'path = "{d.bank}"', f'path = "{bank_fs / "bank"}"'))
+    d.config.write_text(
+        d.config.read_text().replace(f'path = "{d.bank}"', f'path = "{bank_fs / "bank"}"')
+    )
     d.bank = bank_fs / "bank"
     try:
         filler = fill(bank_fs)
@@ -748,7 +926,9 @@ def test_a_new_bank_on_a_full_disk_costs_its_writes_not_the_daemon(tmp_path: Pat
 
         filler.unlink()  # room again: the same daemon creates the bank and writes it
         j = d.wait_job(submit(d, model(d, "mlp", hidden=128), budget=1.0))
-        assert j.state == S.JOB_STATE_SUCCEEDED and not [t for t in j.result.tasks if "not kept" in t.error], j
+        assert j.state == S.JOB_STATE_SUCCEEDED and not [
+            t for t in j.result.tasks if "not kept" in t.error
+        ], j
         assert bank_keys(d.bank)
     finally:
         d.close()
@@ -767,7 +947,9 @@ def test_an_output_dir_removed_mid_job_fails_the_job_naming_it(daemon: DaemonPro
         shutil.rmtree(out, ignore_errors=True)
     j = d.wait_job(job_id)
     assert j.state == S.JOB_STATE_FAILED and j.error_kind == "AoedError", j
-    assert j.error.startswith(f"output directory {out}: ") and "removed while the job ran" in j.error, j.error
+    assert (
+        j.error.startswith(f"output directory {out}: ") and "removed while the job ran" in j.error
+    ), j.error
     nxt = submit(d, model(d, "mlp", hidden=208), budget=0.5)
     assert d.wait_job(nxt).state == S.JOB_STATE_SUCCEEDED and d.serving()
 
@@ -796,7 +978,9 @@ def test_kill9_at_random_points_keeps_every_committed_entry(daemon: DaemonProces
     """Three seeds, run by `make soak` (with bench/soak.py's twenty); `make test` kills the
     daemon once mid-job in test_daemon.py."""
     d = daemon
-    rounds = [kill9_round(d, model(d, "mlp", hidden=48 + 16 * seed), seed, 2.5, 1.0) for seed in range(3)]
+    rounds = [
+        kill9_round(d, model(d, "mlp", hidden=48 + 16 * seed), seed, 2.5, 1.0) for seed in range(3)
+    ]
     assert not [r for r in rounds if r.problems], rounds
     assert sum(r.bank_at_kill for r in rounds) > 0, f"no kill came after a commit: {rounds}"
     assert d.serving()

@@ -43,7 +43,9 @@ NOISY_COPY = [t * (1.02 if i % 2 else 0.98) for i, t in enumerate(TUNED)]
 
 
 def _m(rounds: list[float]) -> Measurement:
-    return Measurement(ok=True, median_us=stats.median(rounds), repeats=len(rounds), rounds_us=tuple(rounds))
+    return Measurement(
+        ok=True, median_us=stats.median(rounds), repeats=len(rounds), rounds_us=tuple(rounds)
+    )
 
 
 def _proposal(tmp_path: Path) -> Proposal:
@@ -60,24 +62,44 @@ class Case:
 
 def _case(conf) -> Case:
     outcome = JobOutcome(
-        job_id="job-1", model="/m/model.onnx", tuned_model="/o/model_tune.onnx", result_json="/o/result.json",
-        precision="exact", job_type="opat", device="cpu", tuning_time_s=3.0, figures=conf.figures,
-        bank={"repo_add_num": 0, "repo_hit_num": 0, "repo_reserved_num": 0, "repo_unsatisfied_num": 0,
-              "repo_update_num": 0, "total_num": 0}, verified="tuned", workspace="/o/ws",
-    )  # fmt: skip
+        job_id="job-1",
+        model="/m/model.onnx",
+        tuned_model="/o/model_tune.onnx",
+        result_json="/o/result.json",
+        precision="exact",
+        job_type="opat",
+        device="cpu",
+        tuning_time_s=3.0,
+        figures=conf.figures,
+        bank={
+            "repo_add_num": 0,
+            "repo_hit_num": 0,
+            "repo_reserved_num": 0,
+            "repo_unsatisfied_num": 0,
+            "repo_update_num": 0,
+            "total_num": 0,
+        },
+        verified="tuned",
+        workspace="/o/ws",
+    )
     return Case(outcome, conf.to_json())
 
 
 @pytest.fixture
 def shipped(tmp_path: Path) -> Case:
-    conf, ship = judge({"input": _m(INPUT), "input_copy": _m(INPUT), "proposal": _m(TUNED)}, _proposal(tmp_path))
+    conf, ship = judge(
+        {"input": _m(INPUT), "input_copy": _m(INPUT), "proposal": _m(TUNED)}, _proposal(tmp_path)
+    )
     assert ship == tmp_path / "proposal.onnx", "the case is one where the tuned model ships"
     return _case(conf)
 
 
 @pytest.fixture
 def within_noise(tmp_path: Path) -> Case:
-    conf, ship = judge({"input": _m(INPUT), "input_copy": _m(NOISY_COPY), "proposal": _m(TUNED)}, _proposal(tmp_path))
+    conf, ship = judge(
+        {"input": _m(INPUT), "input_copy": _m(NOISY_COPY), "proposal": _m(TUNED)},
+        _proposal(tmp_path),
+    )
     assert ship == tmp_path / "input_copy.onnx", "the case is one where the input ships"
     return _case(conf)
 
@@ -101,7 +123,10 @@ def _check_shipped(text: str, digits: int = 4) -> None:
 def _check_unchanged(text: str) -> None:
     """`text` says nothing shipped, within noise, and shows no percentage that reads as
     a gain: every positive one is the top of an interval that reaches down to zero."""
-    assert "no change shipped (within noise: the tuned model against a second session of the input" in text, text
+    assert (
+        "no change shipped (within noise: the tuned model against a second session of the input"
+        in text
+    ), text
     base = re.search(r"baseline:?\s+" + _MS, text)
     result = re.search(r"result:?\s+" + _MS, text)
     if base and result:
@@ -121,8 +146,16 @@ def test_the_rule_makes_result_improvement_and_interval_one_measurement() -> Non
     assert Figures.from_dict(f.to_dict()) == f
     # Stored before the rule: an input that shipped with its second session's noise as
     # its improvement reads as no change.
-    old = {"verdict": "no significant change", "shipped": "input", "baseline_ms": 0.5999, "result_ms": 0.6071,
-           "improvement": 0.181, "improvement_ci95": [0.001, 0.666], "rounds": 21, "from_bank": ""}  # fmt: skip
+    old = {
+        "verdict": "no significant change",
+        "shipped": "input",
+        "baseline_ms": 0.5999,
+        "result_ms": 0.6071,
+        "improvement": 0.181,
+        "improvement_ci95": [0.001, 0.666],
+        "rounds": 21,
+        "from_bank": "",
+    }
     g = Figures.from_dict(old)
     assert (g.improvement, g.ci95, g.result_ms) == (0.0, (0.0, 0.0), 0.5999)
     with pytest.raises(ValueError):
@@ -133,10 +166,14 @@ def test_the_confirming_a_b_reports_the_paired_figures_not_the_medians(shipped: 
     conf = shipped.confirmation
     assert stats.median(TUNED) > stats.median(INPUT), "the case: the medians say slower"
     assert conf["shipped"] == "tuned" and conf["verdict"] == "faster"
-    assert conf["improvement"] == pytest.approx(1 / stats.median([t / i for t, i in zip(TUNED, INPUT)]) - 1)
+    assert conf["improvement"] == pytest.approx(
+        1 / stats.median([t / i for t, i in zip(TUNED, INPUT)]) - 1
+    )
     assert conf["result_ms"] < conf["baseline_ms"] and conf["improvement"] > 0
     assert conf["result_ms"] == pytest.approx(conf["baseline_ms"] / (1 + conf["improvement"]))
-    assert conf["improvement_ci95"][0] > 0, "the interval shown is the one that decided: wholly above zero"
+    assert conf["improvement_ci95"][0] > 0, (
+        "the interval shown is the one that decided: wholly above zero"
+    )
 
 
 def test_when_the_noise_floor_decides_its_interval_is_the_one_shown(within_noise: Case) -> None:
@@ -145,40 +182,62 @@ def test_when_the_noise_floor_decides_its_interval_is_the_one_shown(within_noise
     assert conf["improvement"] == 0.0 and conf["result_ms"] == conf["baseline_ms"]
     d = Comparison.from_dict(conf["decided_by"])
     assert d.against == "second session" and d.ci95[0] <= 0 <= d.ci95[1]
-    assert conf["proposal"]["improvement"] > 0, "against the input alone it looked faster: kept as the proposal's"
+    assert conf["proposal"]["improvement"] > 0, (
+        "against the input alone it looked faster: kept as the proposal's"
+    )
 
 
 @pytest.mark.parametrize("case", ["shipped", "within_noise"])
-def test_the_result_json_sections_agree_with_the_confirmation(case: str, request: pytest.FixtureRequest) -> None:
+def test_the_result_json_sections_agree_with_the_confirmation(
+    case: str, request: pytest.FixtureRequest
+) -> None:
     c: Case = request.getfixturevalue(case)
     doc = result_json(c.outcome, ResultDetails(confirmation=c.confirmation))
     opat, conf = doc["OPAT"], doc["confirmation"]
-    base, res, imp = (opat[k] for k in ("model_baseline_performance(ms)", "model_result_performance(ms)",
-                                        "model_performance_improvement"))  # fmt: skip
-    assert base == pytest.approx(conf["baseline_ms"], abs=1e-6) and res == pytest.approx(conf["result_ms"], abs=1e-6)
+    base, res, imp = (
+        opat[k]
+        for k in (
+            "model_baseline_performance(ms)",
+            "model_result_performance(ms)",
+            "model_performance_improvement",
+        )
+    )
+    assert base == pytest.approx(conf["baseline_ms"], abs=1e-6) and res == pytest.approx(
+        conf["result_ms"], abs=1e-6
+    )
     assert imp == pytest.approx(conf["improvement"], abs=1e-4)
     if case == "shipped":
-        assert res < base and imp > 0 and opat["model_performance_summary"] == "faster: the tuned model ships"
+        assert (
+            res < base
+            and imp > 0
+            and opat["model_performance_summary"] == "faster: the tuned model ships"
+        )
     else:
         assert res == base and imp == 0
         _check_unchanged(opat["model_performance_summary"])
 
 
 @pytest.mark.parametrize("case", ["shipped", "within_noise"])
-def test_the_embedded_cli_summary_agrees(case: str, request: pytest.FixtureRequest,
-                                          capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+def test_the_embedded_cli_summary_agrees(
+    case: str, request: pytest.FixtureRequest, capsys: pytest.CaptureFixture[str]
+) -> None:
     text = "\n".join(summary_lines(request.getfixturevalue(case).outcome))
     (_check_shipped if case == "shipped" else _check_unchanged)(text)
 
 
 @pytest.mark.parametrize("case", ["shipped", "within_noise"])
-def test_the_daemon_s_job_status_list_and_events_agree(case: str, request: pytest.FixtureRequest,
-                                                       capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+def test_the_daemon_s_job_status_list_and_events_agree(
+    case: str, request: pytest.FixtureRequest, capsys: pytest.CaptureFixture[str]
+) -> None:
     from aoe import jobscli
 
     outcome = request.getfixturevalue(case).outcome
-    job = tuning_pb2.Job(job_id="job-1", state=tuning_pb2.JOB_STATE_SUCCEEDED, model_name="model.onnx",
-                         result=outcome_to_pb(outcome))  # fmt: skip
+    job = tuning_pb2.Job(
+        job_id="job-1",
+        state=tuning_pb2.JOB_STATE_SUCCEEDED,
+        model_name="model.onnx",
+        result=outcome_to_pb(outcome),
+    )
     jobscli.print_result(job)  # aoe status, aoe watch, aoe submit --watch, aoe tune on the daemon
     text = capsys.readouterr().out
     event = jobscli._line(event_pb(EventRow("job-1", 7, 0.0, "result", outcome.to_dict())))
@@ -199,9 +258,17 @@ def test_the_daemon_s_job_status_list_and_events_agree(case: str, request: pytes
 def test_the_drop_folder_report_agrees(case: str, request: pytest.FixtureRequest) -> None:
     from aoed.watch import _report_text
 
-    row = JobRow(id="job-1", state=JobState.SUCCEEDED, model_path="/m/model.onnx", model_name="model.onnx",
-                 model_sha256="", dedup_key="", spec=JobSpec(), output_dir="/o",
-                 outcome=request.getfixturevalue(case).outcome)  # fmt: skip
+    row = JobRow(
+        id="job-1",
+        state=JobState.SUCCEEDED,
+        model_path="/m/model.onnx",
+        model_name="model.onnx",
+        model_sha256="",
+        dedup_key="",
+        spec=JobSpec(),
+        output_dir="/o",
+        outcome=request.getfixturevalue(case).outcome,
+    )
     text = _report_text("model.onnx", row, ["model_tuned.onnx"], [])
     if case == "shipped":
         _check_shipped(text, digits=3)
@@ -214,32 +281,69 @@ def test_chosen_tasks_the_bank_keeps_but_the_model_does_not_ship_are_counted_as_
 ) -> None:
     from aoe import jobscli
 
-    tasks = [TaskOutcome(f"t{i}", f"fc{i}/MatMul", "MatMul", "matmul", strategy="int8_dynamic", before_us=20.0,
-                         after_us=12.0, update_mode="add", applied=False,
-                         error="not applied: the confirming A/B shipped input") for i in range(2)]  # fmt: skip
+    tasks = [
+        TaskOutcome(
+            f"t{i}",
+            f"fc{i}/MatMul",
+            "MatMul",
+            "matmul",
+            strategy="int8_dynamic",
+            before_us=20.0,
+            after_us=12.0,
+            update_mode="add",
+            applied=False,
+            error="not applied: the confirming A/B shipped input",
+        )
+        for i in range(2)
+    ]
     r = within_noise.outcome
     r = dataclasses.replace(r, tasks=tasks, bank={**r.bank, "repo_add_num": 2, "total_num": 2})
     print("\n".join(summary_lines(r)))
     print("Aoe process finished")
-    jobscli.print_result(tuning_pb2.Job(job_id="job-1", state=tuning_pb2.JOB_STATE_SUCCEEDED,
-                                        result=outcome_to_pb(r)))  # fmt: skip
+    jobscli.print_result(
+        tuning_pb2.Job(
+            job_id="job-1", state=tuning_pb2.JOB_STATE_SUCCEEDED, result=outcome_to_pb(r)
+        )
+    )
     for text in capsys.readouterr().out.split("Aoe process finished"):
-        assert "0 changed (2 chosen by the search, not in what shipped: the input model, unchanged)" in text, text
-        assert "add 2," in text and "2 of them are kept in the bank but not in what shipped" in text, text
-        assert "+66.7%" not in text, "a task's own gain is not listed as a change when it did not ship"
+        assert (
+            "0 changed (2 chosen by the search, not in what shipped: the input model, unchanged)"
+            in text
+        ), text
+        assert (
+            "add 2," in text and "2 of them are kept in the bank but not in what shipped" in text
+        ), text
+        assert "+66.7%" not in text, (
+            "a task's own gain is not listed as a change when it did not ship"
+        )
 
 
 def _printed_agrees_with_json(stdout: str, doc: dict) -> None:
     """The printed baseline, result and verdict lines are the result JSON's figures."""
     opat, conf = doc["OPAT"], doc["confirmation"]
     f = Figures.from_dict(conf)
-    lines = {ln.split()[0]: ln.split(None, 1)[1] for ln in stdout.splitlines() if ln.startswith("  ") and ln.split()}
-    assert lines["baseline"].startswith(f"{opat['model_baseline_performance(ms)']:.4f} ms"), (lines, opat)
+    lines = {
+        ln.split()[0]: ln.split(None, 1)[1]
+        for ln in stdout.splitlines()
+        if ln.startswith("  ") and ln.split()
+    }
+    assert lines["baseline"].startswith(f"{opat['model_baseline_performance(ms)']:.4f} ms"), (
+        lines,
+        opat,
+    )
     assert lines["result"] == figures.result_text(f), (lines, conf)
-    assert lines["result"].startswith(f"{opat['model_result_performance(ms)']:.4f} ms"), (lines, opat)
-    assert lines["verdict"] == opat["model_performance_summary"] == figures.verdict_text(f), (lines, opat)
+    assert lines["result"].startswith(f"{opat['model_result_performance(ms)']:.4f} ms"), (
+        lines,
+        opat,
+    )
+    assert lines["verdict"] == opat["model_performance_summary"] == figures.verdict_text(f), (
+        lines,
+        opat,
+    )
     if f.changed:
-        assert f"improvement {figures.pct(opat['model_performance_improvement'])}:" in lines["result"]
+        assert (
+            f"improvement {figures.pct(opat['model_performance_improvement'])}:" in lines["result"]
+        )
         assert opat["model_result_performance(ms)"] < opat["model_baseline_performance(ms)"]
     else:
         assert opat["model_performance_improvement"] == 0
@@ -252,10 +356,22 @@ def test_an_embedded_run_prints_what_its_result_json_says(models: Path, tmp_path
     from tests.conftest import run_aoe
 
     out = tmp_path / "out"
-    r = run_aoe("tune", str(models / "mlp.onnx"), "--local", "--budget", "2", "--output", str(out),
-                "--bank", str(tmp_path / "bank"), "--no-progress")  # fmt: skip
+    r = run_aoe(
+        "tune",
+        str(models / "mlp.onnx"),
+        "--local",
+        "--budget",
+        "2",
+        "--output",
+        str(out),
+        "--bank",
+        str(tmp_path / "bank"),
+        "--no-progress",
+    )
     assert r.returncode == 0, r.stderr
-    (doc,) = [json.loads(p.read_text()) for p in out.glob("aoe_result_*.json")]  # (sgat+opat: both sections)
+    (doc,) = [
+        json.loads(p.read_text()) for p in out.glob("aoe_result_*.json")
+    ]  # (sgat+opat: both sections)
     _printed_agrees_with_json(r.stdout, doc)
 
 
@@ -268,8 +384,17 @@ def test_a_daemon_run_prints_what_its_result_json_says(models: Path, tmp_path: P
     d.start()
     try:
         out = tmp_path / "out"
-        r = run_aoe("tune", str(models / "mlp.onnx"), "--socket", str(d.socket), "--budget", "2", "--output",
-                    str(out), "--no-progress")  # fmt: skip
+        r = run_aoe(
+            "tune",
+            str(models / "mlp.onnx"),
+            "--socket",
+            str(d.socket),
+            "--budget",
+            "2",
+            "--output",
+            str(out),
+            "--no-progress",
+        )
         assert r.returncode == 0, r.stderr
         assert "tuning on the daemon" in r.stderr
         (doc,) = [json.loads(p.read_text()) for p in out.glob("aoe_result_*.json")]

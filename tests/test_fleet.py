@@ -37,14 +37,18 @@ def _wait(cond: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
 def _follow(d: DaemonProcess, peers: list[DaemonProcess]) -> None:
     """Make `d` follow `peers` (its config gains [bank] follow)."""
     targets = ", ".join(f'"unix://{p.socket}"' for p in peers)
-    d.config.write_text(d.config.read_text().replace("[bank]\n", f"[bank]\nfollow = [{targets}]\n", 1))
+    d.config.write_text(
+        d.config.read_text().replace("[bank]\n", f"[bank]\nfollow = [{targets}]\n", 1)
+    )
 
 
 def _entry_pb(rec) -> bank_pb2.BankEntry:
     return bank_pb2.BankEntry.FromString(encode(rec))
 
 
-def _import(d: DaemonProcess, *entries, policy=bank_pb2.MERGE_POLICY_OVERWRITE) -> bank_pb2.ImportEntriesResponse:
+def _import(
+    d: DaemonProcess, *entries, policy=bank_pb2.MERGE_POLICY_OVERWRITE
+) -> bank_pb2.ImportEntriesResponse:
     requests = [bank_pb2.ImportEntriesRequest(options=bank_pb2.ImportOptions(policy=policy))]
     requests += [bank_pb2.ImportEntriesRequest(entry=_entry_pb(e)) for e in entries]
     return d.bank_stub().ImportEntries(iter(requests), timeout=30)
@@ -75,7 +79,10 @@ def _log_state(d: DaemonProcess) -> tuple[int, dict[str, int]]:
     try:
         with env.begin() as txn:
             head = int(txn.get(b"seq", db=env.open_db(b"meta", txn=txn, create=False)) or 0)
-            peers = {k.decode(): json.loads(v)["seq"] for k, v in txn.cursor(db=env.open_db(b"peers", txn=txn, create=False))}
+            peers = {
+                k.decode(): json.loads(v)["seq"]
+                for k, v in txn.cursor(db=env.open_db(b"peers", txn=txn, create=False))
+            }
     finally:
         env.close()
     return head, peers
@@ -84,8 +91,12 @@ def _log_state(d: DaemonProcess) -> tuple[int, dict[str, int]]:
 def _quiet(daemons: list[DaemonProcess]) -> bool:
     """Every daemon has applied every write of every other one."""
     states = {f"unix://{d.socket}": _log_state(d) for d in daemons}
-    return all(peers.get(t) == states[t][0] for _, peers in states.values() for t in states if peers.get(t) is not None) \
-        and all(len(peers) == len(daemons) - 1 for _, peers in states.values())
+    return all(
+        peers.get(t) == states[t][0]
+        for _, peers in states.values()
+        for t in states
+        if peers.get(t) is not None
+    ) and all(len(peers) == len(daemons) - 1 for _, peers in states.values())
 
 
 def _default_key(n: int) -> bytes:
@@ -101,13 +112,21 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[list[Daemo
     root = tmp_path_factory.mktemp("fleet")
     daemons = [DaemonProcess(root / name) for name in "abc"]
     k_entry = {  # one task, measured three times: gamma's and alpha's tie at 10 us
-        "a": _entry(1, 10.0, "alpha"), "b": _entry(1, 12.0, "beta"), "c": _entry(1, 10.0, "gamma"),
-    }  # fmt: skip
+        "a": _entry(1, 10.0, "alpha"),
+        "b": _entry(1, 12.0, "beta"),
+        "c": _entry(1, 10.0, "gamma"),
+    }
     k2 = _entry(2, 7.0, "beta")  # b: an entry at 7 us; c: the default stayed best at 9 us
     mk = _default_key(3)  # a model-level record: a and b reverted different tasks
     fills = {
-        "a": {"entries": [k_entry["a"]], "defaults": [(mk, {"default_us": 50.0, "reverted": ["a" * 64]})]},
-        "b": {"entries": [k_entry["b"], k2], "defaults": [(mk, {"default_us": 40.0, "reverted": ["b" * 64]})]},
+        "a": {
+            "entries": [k_entry["a"]],
+            "defaults": [(mk, {"default_us": 50.0, "reverted": ["a" * 64]})],
+        },
+        "b": {
+            "entries": [k_entry["b"], k2],
+            "defaults": [(mk, {"default_us": 40.0, "reverted": ["b" * 64]})],
+        },
         "c": {"entries": [k_entry["c"]], "defaults": [(k2.key, {"default_us": 9.0})]},
     }
     for name, d in zip("abc", daemons):
@@ -135,15 +154,23 @@ def test_a_record_written_by_one_daemon_is_served_by_the_other_two(fleet) -> Non
     assert not _lookup(b, rec.key).found
     assert _import(a, rec).added == 1
     for d in (b, c):
-        _wait(lambda d=d: _lookup(d, rec.key).found, f"{d.root.name} serves the record written to a", 10)
+        _wait(
+            lambda d=d: _lookup(d, rec.key).found,
+            f"{d.root.name} serves the record written to a",
+            10,
+        )
         got = _lookup(d, rec.key).entry
-        assert got.provenance.host == "alpha" and got == _entry_pb(rec)  # provenance kept, byte for byte
+        assert got.provenance.host == "alpha" and got == _entry_pb(
+            rec
+        )  # provenance kept, byte for byte
 
 
 def test_conflicting_decisions_converge_to_one_record_everywhere(fleet) -> None:
     daemons, keys = fleet
     k = keys["k"]
-    want = min((k["a"], k["c"]), key=encode)  # 10 us both: the smaller stored bytes, as the rule says
+    want = min(
+        (k["a"], k["c"]), key=encode
+    )  # 10 us both: the smaller stored bytes, as the rule says
 
     def same() -> bool:
         found = [_lookup(d, k["a"].key) for d in daemons]
@@ -152,19 +179,30 @@ def test_conflicting_decisions_converge_to_one_record_everywhere(fleet) -> None:
     _wait(same, "all three hold the same entry for the task measured three times")
     # An entry (7 us) against a default record (9 us) under one key: the entry everywhere.
     k2 = keys["k2"]
-    _wait(lambda: all(_lookup(d, k2.key).found for d in daemons), "the 7 us entry replaces the default record")
+    _wait(
+        lambda: all(_lookup(d, k2.key).found for d in daemons),
+        "the 7 us entry replaces the default record",
+    )
     # The model-level records (the reverted tasks) converge too, to the faster: b's.
     mk = keys["mk"].decode()
 
     def reverted() -> list[list[str]]:
         out = []
         for d in daemons:
-            recs = [m.default_record for m in d.bank_stub().ExportEntries(
-                bank_pb2.ExportEntriesRequest(no_history=True), timeout=30) if m.default_record.key == mk]  # fmt: skip
+            recs = [
+                m.default_record
+                for m in d.bank_stub().ExportEntries(
+                    bank_pb2.ExportEntriesRequest(no_history=True), timeout=30
+                )
+                if m.default_record.key == mk
+            ]
             out.append([list(r.reverted) for r in recs])
         return out
 
-    _wait(lambda: reverted() == [[["b" * 64]]] * 3, "the model-level record with b's reversal everywhere")
+    _wait(
+        lambda: reverted() == [[["b" * 64]]] * 3,
+        "the model-level record with b's reversal everywhere",
+    )
     # Nothing ping-pongs: once every write is applied everywhere, the banks stop writing.
     _wait(lambda: _quiet(daemons), "every daemon has applied every other one's writes")
     heads = [_log_state(d)[0] for d in daemons]
@@ -176,7 +214,9 @@ def _history_count(d: DaemonProcess) -> int:
     return d.bank_stub().GetBankStats(bank_pb2.GetBankStatsRequest(), timeout=10).history_trials
 
 
-def test_a_follower_killed_mid_stream_loses_nothing_and_applies_nothing_twice(tmp_path: Path) -> None:
+def test_a_follower_killed_mid_stream_loses_nothing_and_applies_nothing_twice(
+    tmp_path: Path,
+) -> None:
     leader, follower = DaemonProcess(tmp_path / "leader"), DaemonProcess(tmp_path / "follower")
     total = 10_000
     key = _entry(1, 5.0, "alpha").key
@@ -196,7 +236,11 @@ def test_a_follower_killed_mid_stream_loses_nothing_and_applies_nothing_twice(tm
         extra = _entry(2, 6.0, "alpha")
         _import(leader, extra)  # written while the follower is down
         follower.start()
-        _wait(lambda: _history_count(follower) == total, "the restarted follower has the whole history", 120)
+        _wait(
+            lambda: _history_count(follower) == total,
+            "the restarted follower has the whole history",
+            120,
+        )
         _wait(lambda: _lookup(follower, extra.key).found, "and what was written while it was down")
         assert _records(follower) == _records(leader)
     finally:
@@ -249,13 +293,18 @@ def test_a_worse_decision_written_on_one_daemon_is_corrected_by_the_others(fleet
     a = daemons[0]
     k = keys["k"]
     best = min((k["a"], k["c"]), key=encode)
-    _wait(lambda: all(_lookup(d, best.key).entry == _entry_pb(best) for d in daemons), "converged first")
+    _wait(
+        lambda: all(_lookup(d, best.key).entry == _entry_pb(best) for d in daemons),
+        "converged first",
+    )
     _wait(lambda: _quiet(daemons), "every daemon has applied every other one's writes")
     slow = _entry(1, 30.0, "delta")
     _import(a, slow)  # overwrite: a local write that makes a's record worse
     # The others keep theirs and send it back; a takes it again, and everyone agrees.
-    _wait(lambda: all(_lookup(d, best.key).entry == _entry_pb(best) for d in daemons),
-          "a holds the better record again, as do the others")  # fmt: skip
+    _wait(
+        lambda: all(_lookup(d, best.key).entry == _entry_pb(best) for d in daemons),
+        "a holds the better record again, as do the others",
+    )
 
 
 def test_a_peer_restored_from_an_older_copy_is_followed_from_its_start(tmp_path: Path) -> None:
@@ -279,14 +328,20 @@ def test_a_peer_restored_from_an_older_copy_is_followed_from_its_start(tmp_path:
     try:
         peer.start()
         follower.start()
-        _wait(lambda: all(_lookup(follower, r.key).found for r in later), "the follower applied writes 1-3")
+        _wait(
+            lambda: all(_lookup(follower, r.key).found for r in later),
+            "the follower applied writes 1-3",
+        )
         peer.stop()
         shutil.rmtree(peer.bank)
         shutil.copytree(backup, peer.bank)  # restored: at write 1 of the same bank
         peer.start()
         fresh = _entry(4, 5.0, "alpha")
         _import(peer, fresh)  # write 2 of the restored bank: a number the follower had passed
-        _wait(lambda: _lookup(follower, fresh.key).found, "the follower applied the restored peer's new write")
+        _wait(
+            lambda: _lookup(follower, fresh.key).found,
+            "the follower applied the restored peer's new write",
+        )
     finally:
         follower.close()
         peer.close()

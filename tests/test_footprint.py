@@ -37,18 +37,32 @@ def _bad_calibration(tmp_path: Path) -> Path:
 
 
 @pytest.mark.parametrize("case", ["missing", "not-onnx", "calibration"])
-def test_a_run_that_fails_before_tuning_leaves_nothing(models: Path, tmp_path: Path, case: str) -> None:
+def test_a_run_that_fails_before_tuning_leaves_nothing(
+    models: Path, tmp_path: Path, case: str
+) -> None:
     model, extra = {
         "missing": (tmp_path / "missing.onnx", ()),
         "not-onnx": (tmp_path / "bad.onnx", ()),
-        "calibration": (models / "cnn.onnx", ("--precision", "int8", "--calibration", str(_bad_calibration(tmp_path)))),
+        "calibration": (
+            models / "cnn.onnx",
+            ("--precision", "int8", "--calibration", str(_bad_calibration(tmp_path))),
+        ),
     }[case]
     if case == "not-onnx":
         model.write_bytes(b"not a model")
     there, fresh = tmp_path / "there", tmp_path / "new" / "deeper"
     there.mkdir()
     for out in (there, fresh):
-        r = run_aoe("tune", str(model), "--output", str(out), "--bank", str(tmp_path / "bank"), *extra, *FAST)
+        r = run_aoe(
+            "tune",
+            str(model),
+            "--output",
+            str(out),
+            "--bank",
+            str(tmp_path / "bank"),
+            *extra,
+            *FAST,
+        )
         assert r.returncode in (2, 3), r.stderr
     assert _tree(there) == set(), "a folder that was there stays, empty"
     assert not (tmp_path / "new").exists(), "folders the run made for its outputs go"
@@ -56,15 +70,27 @@ def test_a_run_that_fails_before_tuning_leaves_nothing(models: Path, tmp_path: P
 
 def test_a_run_leaves_its_outputs_and_nothing_else(models: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
-    r = run_aoe("tune", str(models / "mlp.onnx"), "--output", str(out), "--bank", str(tmp_path / "bank"), *FAST)
+    r = run_aoe(
+        "tune",
+        str(models / "mlp.onnx"),
+        "--output",
+        str(out),
+        "--bank",
+        str(tmp_path / "bank"),
+        *FAST,
+    )
     assert r.returncode == 0, r.stderr
     (result,) = out.glob("aoe_result_*.json")
     tag = Path(json.loads(result.read_text())["workspace"]).name
     assert _tree(out) == {
-        result.name, "aoe_workspace/", f"aoe_workspace/{tag}/", f"aoe_workspace/{tag}/job.log",
-        f"aoe_workspace/{tag}/tunespace/", f"aoe_workspace/{tag}/tunespace/result/",
+        result.name,
+        "aoe_workspace/",
+        f"aoe_workspace/{tag}/",
+        f"aoe_workspace/{tag}/job.log",
+        f"aoe_workspace/{tag}/tunespace/",
+        f"aoe_workspace/{tag}/tunespace/result/",
         f"aoe_workspace/{tag}/tunespace/result/{tag}_tune.onnx",
-    }  # fmt: skip
+    }
 
 
 def test_a_workspace_with_a_link_inside_is_not_taken_over(models: Path, tmp_path: Path) -> None:
@@ -75,9 +101,19 @@ def test_a_workspace_with_a_link_inside_is_not_taken_over(models: Path, tmp_path
     (victim / "work" / "keep.txt").write_text("mine")
     planted = out / "aoe_workspace" / "mlp_20200101000000"
     planted.mkdir(parents=True)
-    (planted / ".running").write_text(json.dumps({"model": str((models / "mlp.onnx").absolute()), "job": ""}))
+    (planted / ".running").write_text(
+        json.dumps({"model": str((models / "mlp.onnx").absolute()), "job": ""})
+    )
     (planted / "tunespace").symlink_to(victim)
-    r = run_aoe("tune", str(models / "mlp.onnx"), "--output", str(out), "--bank", str(tmp_path / "bank"), *FAST)
+    r = run_aoe(
+        "tune",
+        str(models / "mlp.onnx"),
+        "--output",
+        str(out),
+        "--bank",
+        str(tmp_path / "bank"),
+        *FAST,
+    )
     assert r.returncode == 0, r.stderr
     assert _tree(victim) == {"work/", "work/keep.txt"}
     (result,) = out.glob("aoe_result_*.json")
@@ -99,7 +135,9 @@ def _inputs(d: DaemonProcess) -> list[Path]:
     return sorted(p for p in (d.state / "inputs").glob("*/*"))
 
 
-def test_daemon_keeps_each_input_once_and_one_workspace_per_job_across_a_kill(tmp_path: Path) -> None:
+def test_daemon_keeps_each_input_once_and_one_workspace_per_job_across_a_kill(
+    tmp_path: Path,
+) -> None:
     d = DaemonProcess(tmp_path / "d")
     model = d.models / "cnn.onnx"
     samples.save(samples.build("cnn"), model)
@@ -111,7 +149,9 @@ def test_daemon_keeps_each_input_once_and_one_workspace_per_job_across_a_kill(tm
             req = tuning_pb2.SubmitJobRequest(model_id=upload(d.tuning(), model), options=opts)
             jobs.append(d.tuning().SubmitJob(req, timeout=30).job_id)
         killed = jobs[0]
-        stream = d.tuning().WatchJob(tuning_pb2.WatchJobRequest(job_id=killed, include_logs=True), timeout=240)
+        stream = d.tuning().WatchJob(
+            tuning_pb2.WatchJobRequest(job_id=killed, include_logs=True), timeout=240
+        )
         decided = set()
         for msg in stream:
             e = msg.event
@@ -124,7 +164,9 @@ def test_daemon_keeps_each_input_once_and_one_workspace_per_job_across_a_kill(tm
         before = _trials(d.bank)
         d.start()
         done = [d.wait_job(j) for j in jobs]
-        assert [j.state for j in done] == [tuning_pb2.JOB_STATE_SUCCEEDED] * 3, [j.error for j in done]
+        assert [j.state for j in done] == [tuning_pb2.JOB_STATE_SUCCEEDED] * 3, [
+            j.error for j in done
+        ]
         after = _trials(d.bank)
         # The input once, for the three jobs; nothing left in uploads; no per-job copy.
         (kept,) = _inputs(d)
@@ -139,18 +181,30 @@ def test_daemon_keeps_each_input_once_and_one_workspace_per_job_across_a_kill(tm
         doc = json.loads(Path(done[0].result.result_json_path).read_text())
         rows = {t["task_id"]: t for t in doc["tasks"]}
         for task in decided:
-            assert after[task] == before[task] and rows[task]["attempt"] == 1, (task, before, after, rows[task])
+            assert after[task] == before[task] and rows[task]["attempt"] == 1, (
+                task,
+                before,
+                after,
+                rows[task],
+            )
         assert [a["attempt"] for a in doc["resources"]["attempts"]] == [1, 2]
     finally:
         d.close()
     # Stopped: the state holds the job store, the job outputs, the one input (no worker logs).
     assert {p.name for p in d.state.iterdir()} - {"jobs.sqlite3-wal", "jobs.sqlite3-shm"} == {
-        "jobs.sqlite3", "jobs", "uploads", "claimed", "inputs"}  # fmt: skip
+        "jobs.sqlite3",
+        "jobs",
+        "uploads",
+        "claimed",
+        "inputs",
+    }
 
 
 def test_daemon_removes_an_input_with_the_last_job_that_refers_to_it(tmp_path: Path) -> None:
     d = DaemonProcess(tmp_path / "d")
-    d.config.write_text(d.config.read_text().replace("[daemon]\n", "[daemon]\nretention_days = 0.0001\n"))  # 8.6 s
+    d.config.write_text(
+        d.config.read_text().replace("[daemon]\n", "[daemon]\nretention_days = 0.0001\n")
+    )  # 8.6 s
     model = d.models / "mlp.onnx"
     samples.save(samples.build("mlp"), model)
     try:
@@ -158,13 +212,17 @@ def test_daemon_removes_an_input_with_the_last_job_that_refers_to_it(tmp_path: P
         jobs = []
         for name, budget in (("a.onnx", 0.5), ("b.onnx", 0.6), ("a.onnx", 0.7)):
             opts = tuning_pb2.JobOptions(budget_s=budget)
-            req = tuning_pb2.SubmitJobRequest(model_id=upload(d.tuning(), model, name), options=opts)
+            req = tuning_pb2.SubmitJobRequest(
+                model_id=upload(d.tuning(), model, name), options=opts
+            )
             jobs.append(d.tuning().SubmitJob(req, timeout=30).job_id)
         # Three jobs, two names: each name once (outputs are named after the model file).
         assert [p.name for p in _inputs(d)] == ["a.onnx", "b.onnx"]
         deadline = time.monotonic() + 180  # the jobs run, end, and are removed 8.6 s later
         while (_inputs(d) or list((d.state / "jobs").iterdir())) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert not _inputs(d) and not list((d.state / "jobs").iterdir()), "gone with the jobs, after retention"
+        assert not _inputs(d) and not list((d.state / "jobs").iterdir()), (
+            "gone with the jobs, after retention"
+        )
     finally:
         d.close()

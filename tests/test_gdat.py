@@ -31,7 +31,9 @@ from aoe.spec import JobType
 
 from .conftest import run_aoe
 
-torch = pytest.importorskip("torch", reason="GDAT needs torch: pip install '.[gdat]' (make test installs it)")
+torch = pytest.importorskip(
+    "torch", reason="GDAT needs torch: pip install '.[gdat]' (make test installs it)"
+)
 
 from aoed.engine.world import RANK_MODULE  # noqa: E402
 from aoed.gdat import GdatOptions, run_gdat, space, to_outcome  # noqa: E402
@@ -46,9 +48,12 @@ class MLP(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.layers = torch.nn.Sequential(
-            torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256), torch.nn.ReLU(),
+            torch.nn.Linear(64, 256),
+            torch.nn.ReLU(),
+            torch.nn.Linear(256, 256),
+            torch.nn.ReLU(),
             torch.nn.Linear(256, 8),
-        )  # fmt: skip
+        )
 
     def forward(self, x):
         return self.layers(x)
@@ -63,11 +68,15 @@ def pt2(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _config(tmp_path: Path) -> Config:
-    return dataclasses.replace(load_config(env={}).replace(bank=tmp_path / "bank"), runtime_dir=tmp_path / "rt")
+    return dataclasses.replace(
+        load_config(env={}).replace(bank=tmp_path / "bank"), runtime_dir=tmp_path / "rt"
+    )
 
 
 def _quick(model: Path, output: Path, **kw) -> GdatOptions:
-    return GdatOptions(model, output, rounds=3, confirm_rounds=5, warmup=1, steps=3, budget_s=60.0, **kw)
+    return GdatOptions(
+        model, output, rounds=3, confirm_rounds=5, warmup=1, steps=3, budget_s=60.0, **kw
+    )
 
 
 def _rank_pids() -> set[int]:
@@ -95,9 +104,16 @@ def _exist(pids: set[int]) -> set[int]:
 
 def test_a_layout_signature_is_shapes_and_dtypes_in_order_with_world_and_backend() -> None:
     a = GradientLayout.of([("torch.float32", (256, 64)), ("float32", [256])], 2, "gloo")
-    assert a.signature().digest == GradientLayout.of([("float32", (256, 64)), ("float32", (256,))], 2, "gloo").signature().digest
+    assert (
+        a.signature().digest
+        == GradientLayout.of([("float32", (256, 64)), ("float32", (256,))], 2, "gloo")
+        .signature()
+        .digest
+    )
     others = [
-        GradientLayout.of([("float32", (256,)), ("float32", (256, 64))], 2, "gloo"),  # registration order
+        GradientLayout.of(
+            [("float32", (256,)), ("float32", (256, 64))], 2, "gloo"
+        ),  # registration order
         GradientLayout.of([("float16", (256, 64)), ("float32", (256,))], 2, "gloo"),
         GradientLayout.of(a.params, 4, "gloo"),
         GradientLayout.of(a.params, 2, "nccl"),
@@ -113,16 +129,23 @@ def test_a_layout_signature_is_shapes_and_dtypes_in_order_with_world_and_backend
 def test_ddp_configs_convert_both_ways_and_refuse_nonsense() -> None:
     configs = [
         DDPConfig(),
-        DDPConfig(bucket_cap_mb=4.0, first_bucket_mb=0.25, gradient_as_bucket_view=True, static_graph=True),
-        DDPConfig(hook="powersgd", powersgd_rank=4, powersgd_start=2, world=(("NCCL_ALGO", "Tree"),)),
+        DDPConfig(
+            bucket_cap_mb=4.0, first_bucket_mb=0.25, gradient_as_bucket_view=True, static_graph=True
+        ),
+        DDPConfig(
+            hook="powersgd", powersgd_rank=4, powersgd_start=2, world=(("NCCL_ALGO", "Tree"),)
+        ),
         DDPConfig(hook="fp16-mine"),
     ]
     for c in configs:
         assert DDPConfig.from_params(c.to_params()) == c
         assert DDPConfig.from_params(json.loads(json.dumps(c.to_params()))).label == c.label
     assert configs[0].label == "default" and configs[0].ddp_kwargs() == {}
-    assert configs[1].ddp_kwargs() == {"bucket_cap_mb_list": [0.25, 4.0], "gradient_as_bucket_view": True,
-                                       "static_graph": True}  # fmt: skip
+    assert configs[1].ddp_kwargs() == {
+        "bucket_cap_mb_list": [0.25, 4.0],
+        "gradient_as_bucket_view": True,
+        "static_graph": True,
+    }
     assert hook_class("bf16") == "bf16" and hook_class("lowrank-x") == "lowrank"
     with pytest.raises(OptionError, match="<class>-<name>"):
         DDPConfig(hook="mystery")
@@ -135,7 +158,12 @@ def test_ddp_configs_convert_both_ways_and_refuse_nonsense() -> None:
 def test_aoe_mode_selects_the_job_type_as_aoe_does() -> None:
     from aoe.config import job_type_from_env
 
-    assert [job_type_from_env({"AOE_MODE": m}) for m in ("1", "2", "4", "")] == ["sgat", "opat", "gdat", None]
+    assert [job_type_from_env({"AOE_MODE": m}) for m in ("1", "2", "4", "")] == [
+        "sgat",
+        "opat",
+        "gdat",
+        None,
+    ]
     with pytest.raises(OptionError, match="AOE_MODE=3"):
         job_type_from_env({"AOE_MODE": "3"})
     r = run_aoe("tune", "model.onnx", "--job-type", "opat", env={"AOE_MODE": "4"})
@@ -143,14 +171,20 @@ def test_aoe_mode_selects_the_job_type_as_aoe_does() -> None:
 
 
 def test_the_ladder_measures_one_configuration_per_distinct_set_of_buckets() -> None:
-    small = GradientLayout.of([("float32", (256, 64)), ("float32", (256,))], 2, "gloo")  # 65 KiB: one bucket at any cap
+    small = GradientLayout.of(
+        [("float32", (256, 64)), ("float32", (256,))], 2, "gloo"
+    )  # 65 KiB: one bucket at any cap
     assert [c.label for c in space.ladder(small)] == ["default"]
-    big = GradientLayout.of([("float32", (1024, 1024))] * 24, 2, "gloo")  # 96 MiB in 4 MiB gradients
+    big = GradientLayout.of(
+        [("float32", (1024, 1024))] * 24, 2, "gloo"
+    )  # 96 MiB in 4 MiB gradients
     caps = [c.bucket_cap_mb for c in space.ladder(big)]
     assert caps[0] is None and caps[-1] == 100.0  # up to the first cap that holds everything
     assert len({bucket_sizes(big.sizes_bytes(), int(c * 2**20)) for c in caps[1:]}) == len(caps) - 1
     assert space.hooks(DDPConfig(), "exact", "gloo") == []
-    assert [c.hook for c in space.hooks(DDPConfig(), "bf16", "gloo")] == ["fp16"]  # bf16's hook needs NCCL
+    assert [c.hook for c in space.hooks(DDPConfig(), "bf16", "gloo")] == [
+        "fp16"
+    ]  # bf16's hook needs NCCL
     assert any("NCCL" in why for why in space.skipped_hooks("bf16", "gloo"))
 
 
@@ -165,9 +199,13 @@ async def test_a_job_ends_with_outputs_and_a_bank_record_and_the_next_is_answere
     r = await run_gdat(_quick(pt2, tmp_path / "out"), config, events.append)
 
     doc = json.loads(Path(r.result_json).read_text())
-    assert Path(r.result_json).parent == tmp_path / "out" and Path(r.result_json).name.startswith("aoe_result_gdat_")
+    assert Path(r.result_json).parent == tmp_path / "out" and Path(r.result_json).name.startswith(
+        "aoe_result_gdat_"
+    )
     g = doc["GDAT"]
-    assert g["gdat_tuning_result"] == "tuning successful" and g["model_baseline_performance(ms)"] > 0
+    assert (
+        g["gdat_tuning_result"] == "tuning successful" and g["model_baseline_performance(ms)"] > 0
+    )
     assert g["baseline_tail(ms)"] >= 0 and g["result_tail(ms)"] >= 0
     assert g["repo_summary"]["repo_add_num"] + g["repo_summary"]["repo_unsatisfied_num"] == 1
     details = doc["details"]
@@ -176,13 +214,20 @@ async def test_a_job_ends_with_outputs_and_a_bank_record_and_the_next_is_answere
     outcome = to_outcome(r)
     assert outcome.job_type == JobType.GDAT and doc["figures"] == outcome.figures.to_dict()
     assert outcome.figures.baseline_ms == r.baseline_ms and outcome.figures.rounds == 5
-    assert outcome.figures.changed == (not r.shipped.is_default) and outcome.tuned_model == r.ddp_config
+    assert (
+        outcome.figures.changed == (not r.shipped.is_default)
+        and outcome.tuned_model == r.ddp_config
+    )
     assert JobOutcome.from_dict(outcome.to_dict()).details["ddp_config"] == r.shipped.to_json()
     measured = [c for c in details["configurations"] if c.get("step_ms") is not None]
     assert {c["stage"] for c in measured} >= {"flags", "confirm"}
-    assert all(len(c["per_rank"]) == 2 and all(p["step_ms"] > 0 for p in c["per_rank"]) for c in measured)
+    assert all(
+        len(c["per_rank"]) == 2 and all(p["step_ms"] > 0 for p in c["per_rank"]) for c in measured
+    )
     # The buckets DDP formed are the buckets the search space predicted (how it tells configurations apart).
-    layout = GradientLayout.of([(str(p.dtype), tuple(p.shape)) for p in MLP().parameters()], 2, "gloo")
+    layout = GradientLayout.of(
+        [(str(p.dtype), tuple(p.shape)) for p in MLP().parameters()], 2, "gloo"
+    )
     for c in measured:
         cfg = DDPConfig.from_params(c["params"])
         assert sorted(c["buckets"]) == sorted(space._buckets(layout, cfg)), c["name"]
@@ -194,20 +239,34 @@ async def test_a_job_ends_with_outputs_and_a_bank_record_and_the_next_is_answere
         default, _ = bank.lookup_default(r.key)
         trials = sum(rec.WhichOneof("record") == "trial" for _, rec in bank.records())
     assert (entry is not None) != (default is not None)
-    assert (entry or default) is not None and (entry.provenance.job_id if entry else default["job"]) == r.job_id
+    assert (entry or default) is not None and (
+        entry.provenance.job_id if entry else default["job"]
+    ) == r.job_id
     assert trials >= len(measured)
 
     # Exported and imported like any record: this machine's, so nothing is refused.
     dump = tmp_path / "bank.jsonl"
-    assert run_aoe("bank", "export", "--bank", str(config.bank), "--output", str(dump)).returncode == 0
+    assert (
+        run_aoe("bank", "export", "--bank", str(config.bank), "--output", str(dump)).returncode == 0
+    )
     moved = run_aoe("bank", "import", str(dump), "--bank", str(tmp_path / "team"))
     assert moved.returncode == 0 and " 0 refused" in moved.stdout, moved.stdout
     with open_bank(tmp_path / "team", use_env=False) as team:
         assert (team.lookup(r.key)[0] or team.lookup_default(r.key)[0]) is not None
 
     # The same layout again, through the command line: the bank answers and no world starts.
-    again = run_aoe("tune", str(pt2), "--job-type", "gdat", "--bank", str(config.bank), "--output",
-                    str(tmp_path / "again"), "--no-progress", env={"AOED_RUNTIME_DIR": str(config.runtime_dir)})  # fmt: skip
+    again = run_aoe(
+        "tune",
+        str(pt2),
+        "--job-type",
+        "gdat",
+        "--bank",
+        str(config.bank),
+        "--output",
+        str(tmp_path / "again"),
+        "--no-progress",
+        env={"AOED_RUNTIME_DIR": str(config.runtime_dir)},
+    )
     assert again.returncode == 0, again.stderr
     assert f"from the bank: confirmed by {r.job_id}" in again.stdout and "hit 1" in again.stdout
     (second,) = (tmp_path / "again").glob("aoe_result_gdat_*.json")
@@ -228,14 +287,27 @@ async def test_a_job_ends_with_outputs_and_a_bank_record_and_the_next_is_answere
               & {{"trio", "onnxruntime", "aoed"}}))
         dist.destroy_process_group()
     """)
-    procs = [subprocess.Popen([sys.executable, "-c", code, str(rank)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for rank in (0, 1)]  # fmt: skip
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, str(rank)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
     outs = [p.communicate(timeout=120) for p in procs]
     assert all(p.returncode == 0 for p in procs), outs
     note = [line for line in outs[0][1].splitlines() if line.startswith("aoe.gdat: ")]
     assert len(note) == 1 and f"job {r.job_id}" in note[0], outs[0][1]
-    assert not [line for line in outs[1][1].splitlines() if line.startswith("aoe.gdat: ")]  # rank 0 only
-    assert outs[0][0].split() == [str(r.shipped.gradient_as_bucket_view), str(r.shipped.static_graph), "[]"]
+    assert not [
+        line for line in outs[1][1].splitlines() if line.startswith("aoe.gdat: ")
+    ]  # rank 0 only
+    assert outs[0][0].split() == [
+        str(r.shipped.gradient_as_bucket_view),
+        str(r.shipped.static_graph),
+        "[]",
+    ]
 
 
 _ENTRY = """
@@ -272,25 +344,38 @@ async def test_an_entry_job_measures_a_backend_knob_in_a_world_of_its_own_and_su
             os.kill(victim, signal.SIGKILL)
             killed.append(victim)
 
-    r = await run_gdat(_quick(entry, tmp_path / "out", entry="build", world_knobs=(knob,)), _config(tmp_path), emit)
-    assert r.layout.params == (("float32", (256, 64)), ("float32", (256,)), ("float32", (8, 256)), ("float32", (8,)))
+    r = await run_gdat(
+        _quick(entry, tmp_path / "out", entry="build", world_knobs=(knob,)), _config(tmp_path), emit
+    )
+    assert r.layout.params == (
+        ("float32", (256, 64)),
+        ("float32", (256,)),
+        ("float32", (8, 256)),
+        ("float32", (8,)),
+    )
     stage = [c for c in r.configurations if c["stage"] == "world TORCH_GLOO_LAZY_INIT=1"]
     assert {c["world"] for c in stage} == {"main", "TORCH_GLOO_LAZY_INIT=1"}
     assert all(c["step_ms"] is not None for c in stage)
     assert r.resources["worlds"] == 2
-    assert sum(b"TORCH_GLOO_LAZY_INIT=1\0" in env for env in environs.values()) == 2  # that world's two ranks
+    assert (
+        sum(b"TORCH_GLOO_LAZY_INIT=1\0" in env for env in environs.values()) == 2
+    )  # that world's two ranks
 
     assert killed
     (failure,) = r.broken_turns
     assert "died" in failure["error"] and failure["round"] == 1, failure
     assert r.resources["world_restarts"] == 1
     assert Path(r.result_json).is_file() and Path(r.ddp_config).is_file()
-    assert all(c["status"] != "failed" for c in r.configurations)  # one turn failed, not a configuration
+    assert all(
+        c["status"] != "failed" for c in r.configurations
+    )  # one turn failed, not a configuration
     assert _exist(set(environs)) == set() and _rank_pids() == set()
 
 
 @pytest.mark.parametrize("when", ["measuring", "recording"])
-async def test_cancelling_the_job_leaves_no_rank_process(pt2: Path, tmp_path: Path, when: str) -> None:
+async def test_cancelling_the_job_leaves_no_rank_process(
+    pt2: Path, tmp_path: Path, when: str
+) -> None:
     """Cancelled while the ranks measure (a request in flight), or while they wait idle
     for the bank write between requests."""
     seen: set[int] = set()
@@ -308,7 +393,7 @@ async def test_cancelling_the_job_leaves_no_rank_process(pt2: Path, tmp_path: Pa
     assert not list((tmp_path / "out").glob("aoe_result_gdat_*.json"))
 
 
-_PLUGIN = '''
+_PLUGIN = """
 import torch
 
 
@@ -322,7 +407,7 @@ def _scaled_without_reducing(state, bucket):
 
 def uncommunicated(process_group):
     return None, _scaled_without_reducing
-'''
+"""
 
 
 async def test_a_lossy_hook_that_breaks_the_gate_is_never_measured_or_chosen(
@@ -332,12 +417,18 @@ async def test_a_lossy_hook_that_breaks_the_gate_is_never_measured_or_chosen(
     dist_info = plugins / "gdat_test_hooks-1.0.dist-info"
     dist_info.mkdir(parents=True)
     (plugins / "gdat_test_hooks.py").write_text(_PLUGIN)
-    (dist_info / "METADATA").write_text("Metadata-Version: 2.1\nName: gdat-test-hooks\nVersion: 1.0\n")
-    (dist_info / "entry_points.txt").write_text("[aoed.gdat_hooks]\nfp16-uncommunicated = gdat_test_hooks:uncommunicated\n")
+    (dist_info / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: gdat-test-hooks\nVersion: 1.0\n"
+    )
+    (dist_info / "entry_points.txt").write_text(
+        "[aoed.gdat_hooks]\nfp16-uncommunicated = gdat_test_hooks:uncommunicated\n"
+    )
     monkeypatch.syspath_prepend(str(plugins))  # the job lists installed hooks
     monkeypatch.setenv("PYTHONPATH", str(plugins))  # and the ranks load them
 
-    r = await run_gdat(_quick(pt2, tmp_path / "out", precision="fp16"), _config(tmp_path), lambda e: None)
+    r = await run_gdat(
+        _quick(pt2, tmp_path / "out", precision="fp16"), _config(tmp_path), lambda e: None
+    )
     # Hooks are tried on the best configuration so far (e.g. "static,hook=fp16"): by hook.
     gates = {g["config"].rsplit("hook=", 1)[-1]: g for g in r.gates}
     bad = gates["fp16-uncommunicated"]
@@ -356,12 +447,23 @@ async def test_a_lossy_hook_that_breaks_the_gate_is_never_measured_or_chosen(
         ("no torch", ["--job-type", "gdat"], 2, ["aoed[gdat]"]),
     ],
 )
-def test_a_job_that_cannot_run_fails_in_one_line(pt2: Path, tmp_path: Path, kind: str, args, code: int, needles) -> None:
+def test_a_job_that_cannot_run_fails_in_one_line(
+    pt2: Path, tmp_path: Path, kind: str, args, code: int, needles
+) -> None:
     model = pt2
     if kind == "garbage":
         model = tmp_path / "garbage.pt2"
         model.write_bytes(b"not a zip archive")
-    argv = ["tune", str(model), *args, "--bank", str(tmp_path / "bank"), "--output", str(tmp_path / "o"), "--no-progress"]
+    argv = [
+        "tune",
+        str(model),
+        *args,
+        "--bank",
+        str(tmp_path / "bank"),
+        "--output",
+        str(tmp_path / "o"),
+        "--no-progress",
+    ]
     if kind == "no torch":
         hide = textwrap.dedent("""
             import sys
@@ -373,7 +475,9 @@ def test_a_job_that_cannot_run_fails_in_one_line(pt2: Path, tmp_path: Path, kind
             from aoe.cli import main
             sys.exit(main(sys.argv[1:]))
         """)
-        r = subprocess.run([sys.executable, "-c", hide, *argv], capture_output=True, text=True, timeout=120)
+        r = subprocess.run(
+            [sys.executable, "-c", hide, *argv], capture_output=True, text=True, timeout=120
+        )
     else:
         env = {"AOE_MODE": "4"} if kind == "AOE_MODE=4" else {}
         r = run_aoe(*argv, env={"AOED_RUNTIME_DIR": str(tmp_path / "rt"), **env})

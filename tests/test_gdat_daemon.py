@@ -23,7 +23,9 @@ from aoe.wire import spec_to_pb
 from .conftest import run_aoe
 from .daemon_util import DaemonProcess, upload, wait_for
 
-torch = pytest.importorskip("torch", reason="GDAT needs torch: pip install '.[gdat]' (make test installs it)")
+torch = pytest.importorskip(
+    "torch", reason="GDAT needs torch: pip install '.[gdat]' (make test installs it)"
+)
 
 from aoed.engine.world import RANK_MODULE  # noqa: E402
 
@@ -33,7 +35,9 @@ pytestmark = pytest.mark.slow
 class Tiny(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.layers = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+        self.layers = torch.nn.Sequential(
+            torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4)
+        )
 
     def forward(self, x):
         return self.layers(x)
@@ -64,26 +68,36 @@ def _ranks_of(parent: int) -> set[int]:
 
 
 def _submit(stub, model_id: str, spec: JobSpec) -> str:
-    reply = stub.SubmitJob(tuning_pb2.SubmitJobRequest(model_id=model_id, options=spec_to_pb(spec)), timeout=30)
+    reply = stub.SubmitJob(
+        tuning_pb2.SubmitJobRequest(model_id=model_id, options=spec_to_pb(spec)), timeout=30
+    )
     return reply.job_id or reply.job.job_id
 
 
 GDAT = JobSpec(job_type="gdat", world_size=2, budget_s=3.0)
 
 
-def test_a_gdat_job_through_grpc_reports_progress_downloads_and_cancels(pt2: Path, tmp_path: Path) -> None:
+def test_a_gdat_job_through_grpc_reports_progress_downloads_and_cancels(
+    pt2: Path, tmp_path: Path
+) -> None:
     d = DaemonProcess(tmp_path / "d")
     d.start()
     try:
         stub = d.tuning()
         job_id = _submit(stub, upload(stub, pt2), GDAT)
-        events = [r.event for r in stub.WatchJob(tuning_pb2.WatchJobRequest(job_id=job_id, include_logs=True),
-                                                 timeout=240)]  # fmt: skip
+        events = [
+            r.event
+            for r in stub.WatchJob(
+                tuning_pb2.WatchJobRequest(job_id=job_id, include_logs=True), timeout=240
+            )
+        ]
         job = d.wait_job(job_id, 60)
         assert job.state == tuning_pb2.JOB_STATE_SUCCEEDED, (job.error, d.log())
         kinds = {e.WhichOneof("event") for e in events}
         assert {"state_change", "progress", "result"} <= kinds, kinds
-        assert any("starting a world of 2 on gloo" in e.log.message for e in events if e.HasField("log"))
+        assert any(
+            "starting a world of 2 on gloo" in e.log.message for e in events if e.HasField("log")
+        )
         result = job.result
         assert result.job_type == tuning_pb2.JOB_TYPE_GDAT and result.baseline_ms > 0
         assert json.loads(result.details_json)["world_size"] == 2
@@ -94,33 +108,57 @@ def test_a_gdat_job_through_grpc_reports_progress_downloads_and_cancels(pt2: Pat
             report = client.download(job_id, "json", tmp_path)
         assert ddp.name == "ddp_config.json" and "ddp_kwargs" in json.loads(ddp.read_text())
         doc = json.loads(report.read_text())
-        assert doc["details"]["ddp_config"]["ddp_kwargs"] == json.loads(ddp.read_text())["ddp_kwargs"]
+        assert (
+            doc["details"]["ddp_config"]["ddp_kwargs"] == json.loads(ddp.read_text())["ddp_kwargs"]
+        )
 
         # `aoe tune` on the daemon: the same layout, answered from the daemon's bank.
         out = tmp_path / "cli"
-        r = run_aoe("tune", str(pt2), "--job-type", "gdat", "--world-size", "2", "--socket", str(d.socket),
-                    "--output", str(out), "--no-progress")  # fmt: skip
+        r = run_aoe(
+            "tune",
+            str(pt2),
+            "--job-type",
+            "gdat",
+            "--world-size",
+            "2",
+            "--socket",
+            str(d.socket),
+            "--output",
+            str(out),
+            "--no-progress",
+        )
         assert r.returncode == 0, r.stderr
-        assert f"from the bank: confirmed by {job_id}" in r.stdout and "  ddp  " in r.stdout, r.stdout
+        assert f"from the bank: confirmed by {job_id}" in r.stdout and "  ddp  " in r.stdout, (
+            r.stdout
+        )
         assert (out / "ddp_config.json").is_file() and list(out.glob("aoe_result_gdat_*.json"))
 
         # User code is refused at the door, naming the option; the daemon goes on.
         with pytest.raises(grpc.RpcError) as err:
             _submit(stub, upload(stub, pt2), JobSpec(job_type="gdat", entry="build"))
-        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "runs no user code" in err.value.details()
+        assert (
+            err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            and "runs no user code" in err.value.details()
+        )
 
         # Cancelled while its world measures: every rank is gone, by pid.
         job_id = _submit(stub, upload(stub, pt2), GDAT.replace(repeat_tune=True))
         ranks = wait_for(lambda: _ranks_of(d.proc.pid), 120, "the job's world to start")
         stub.CancelJob(tuning_pb2.CancelJobRequest(job_id=job_id), timeout=30)
         assert d.wait_job(job_id, 60).state == tuning_pb2.JOB_STATE_CANCELLED
-        wait_for(lambda: not any(Path(f"/proc/{p}").exists() for p in ranks), 10, f"ranks {ranks} to exit")
+        wait_for(
+            lambda: not any(Path(f"/proc/{p}").exists() for p in ranks),
+            10,
+            f"ranks {ranks} to exit",
+        )
         assert _ranks_of(d.proc.pid) == set() and d.serving()
     finally:
         d.close()
 
 
-def test_a_pt2_dropped_in_a_gdat_inbox_is_delivered_to_its_outbox(pt2: Path, tmp_path: Path) -> None:
+def test_a_pt2_dropped_in_a_gdat_inbox_is_delivered_to_its_outbox(
+    pt2: Path, tmp_path: Path
+) -> None:
     d = DaemonProcess(tmp_path / "d")
     d.inbox.mkdir(parents=True)
     (d.inbox / "aoed.toml").write_text('job_type = "gdat"\nworld_size = 2\nbudget_s = 3.0\n')
@@ -128,13 +166,20 @@ def test_a_pt2_dropped_in_a_gdat_inbox_is_delivered_to_its_outbox(pt2: Path, tmp
     try:
         (d.inbox / "tiny.pt2").write_bytes(pt2.read_bytes())
         outbox = d.inbox.parent / "outbox"
-        report = wait_for(lambda: next(outbox.glob("tiny_report.txt"), None), 240, f"the outbox:\n{d.log()}")
+        report = wait_for(
+            lambda: next(outbox.glob("tiny_report.txt"), None), 240, f"the outbox:\n{d.log()}"
+        )
         assert json.loads((outbox / "tiny_ddp_config.json").read_text())["bank_key"]
         doc = json.loads((outbox / "tiny_result.json").read_text())
-        assert doc["GDAT"]["gdat_tuning_result"] == "tuning successful" and doc["details"]["world_size"] == 2
+        assert (
+            doc["GDAT"]["gdat_tuning_result"] == "tuning successful"
+            and doc["details"]["world_size"] == 2
+        )
         assert "tiny_ddp_config.json" in report.read_text()
         failed = d.inbox.parent / "failed"
-        assert not (d.inbox / "tiny.pt2").exists() and not (failed.exists() and any(failed.iterdir()))
+        assert not (d.inbox / "tiny.pt2").exists() and not (
+            failed.exists() and any(failed.iterdir())
+        )
     finally:
         d.close()
 
@@ -153,13 +198,18 @@ _NO_TORCH = textwrap.dedent("""
 """)
 
 
-def test_a_daemon_without_torch_fails_a_gdat_job_in_one_line_and_goes_on(pt2: Path, tmp_path: Path) -> None:
+def test_a_daemon_without_torch_fails_a_gdat_job_in_one_line_and_goes_on(
+    pt2: Path, tmp_path: Path
+) -> None:
     hide = tmp_path / "hide"
     hide.mkdir()
     (hide / "sitecustomize.py").write_text(_NO_TORCH)
     d = DaemonProcess(tmp_path / "d")
     env = d.env
-    d.env = lambda: {**env(), "PYTHONPATH": os.pathsep.join(filter(None, [str(hide), os.environ.get("PYTHONPATH")]))}
+    d.env = lambda: {
+        **env(),
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(hide), os.environ.get("PYTHONPATH")])),
+    }
     d.start()
     try:
         stub = d.tuning()

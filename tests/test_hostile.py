@@ -49,8 +49,15 @@ pytestmark = pytest.mark.slow
 #: a size limit (once a numpy traceback), the node limit, bytes that are no text in the
 #: one line, onnxruntime failing in the worker, and the bad places of the command line,
 #: which fail before an engine starts (1.5 s each).
-CLI_KINDS = ("dims_2_pow_40", "million_nodes", "non_utf8_names", "fails_at_run_time", "output_unwritable",
-             "output_is_file", "bank_is_file")  # fmt: skip
+CLI_KINDS = (
+    "dims_2_pow_40",
+    "million_nodes",
+    "non_utf8_names",
+    "fails_at_run_time",
+    "output_unwritable",
+    "output_is_file",
+    "bank_is_file",
+)
 ESCAPES = [k for k in KINDS.values() if k.escapes]
 MODELS = [k for k in KINDS.values() if not k.cli_only]
 FAILING = [k for k in MODELS if k.error is not None]
@@ -74,7 +81,11 @@ def daemon_proc(tmp_path_factory: pytest.TempPathFactory):
     only one it may read by path, and holds the corpus."""
     d = DaemonProcess(tmp_path_factory.mktemp("hostile") / "d", parallel=1)
     # The whole corpus is submitted at once, from one client.
-    d.config.write_text(d.config.read_text().replace("[daemon]\n", "[daemon]\nmax_jobs_per_client = 200\nmax_queued_jobs = 200\n"))
+    d.config.write_text(
+        d.config.read_text().replace(
+            "[daemon]\n", "[daemon]\nmax_jobs_per_client = 200\nmax_queued_jobs = 200\n"
+        )
+    )
     yield d
     d.close()
 
@@ -103,15 +114,30 @@ def _records(bank: Path) -> list[str]:
             return []
         raise
     try:
-        return [f"{rec.WhichOneof('record')}:{getattr(rec, rec.WhichOneof('record')).key}"
-                for _, rec in reader.records(history=True)]  # fmt: skip
+        return [
+            f"{rec.WhichOneof('record')}:{getattr(rec, rec.WhichOneof('record')).key}"
+            for _, rec in reader.records(history=True)
+        ]
     finally:
         reader.close()
 
 
 def _tune(case: Case, tmp: Path):
-    return run_aoe("tune", str(case.model), "--budget", "1", "--no-progress", "--parallel", "1",
-                   "--bank", str(tmp / "bank"), "--output", str(tmp / "out"), *case.args, timeout=180)  # fmt: skip
+    return run_aoe(
+        "tune",
+        str(case.model),
+        "--budget",
+        "1",
+        "--no-progress",
+        "--parallel",
+        "1",
+        "--bank",
+        str(tmp / "bank"),
+        "--output",
+        str(tmp / "out"),
+        *case.args,
+        timeout=180,
+    )
 
 
 def _check_cli(kind: Kind, proc, bank: Path) -> None:
@@ -119,14 +145,22 @@ def _check_cli(kind: Kind, proc, bank: Path) -> None:
     if kind.error is None and proc.returncode == 0:
         return
     assert "Traceback" not in proc.stderr, f"{kind.name}: a traceback:\n{proc.stderr}"
-    assert len(lines) == 1 and lines[0].startswith("aoe: error: "), f"{kind.name}: not one error line:\n{proc.stderr}"
+    assert len(lines) == 1 and lines[0].startswith("aoe: error: "), (
+        f"{kind.name}: not one error line:\n{proc.stderr}"
+    )
     if kind.error is None:  # tunable, and it failed: as the model's problem, named
         assert proc.returncode == TUNABLE_MAY_FAIL_AS.exit_code, (kind.name, proc.stderr)
-        assert re.search(kind.says, lines[0], re.IGNORECASE), f"{kind.name}: the message does not match {kind.says!r}"
+        assert re.search(kind.says, lines[0], re.IGNORECASE), (
+            f"{kind.name}: the message does not match {kind.says!r}"
+        )
         return
-    assert proc.returncode == kind.error.exit_code, f"{kind.name}: exit {proc.returncode}, not {kind.error.__name__}" \
-        f" ({kind.error.exit_code}): {proc.stderr}"  # fmt: skip
-    assert re.search(kind.says, lines[0], re.IGNORECASE), f"{kind.name}: the message does not match {kind.says!r}: {lines[0]}"
+    assert proc.returncode == kind.error.exit_code, (
+        f"{kind.name}: exit {proc.returncode}, not {kind.error.__name__}"
+        f" ({kind.error.exit_code}): {proc.stderr}"
+    )
+    assert re.search(kind.says, lines[0], re.IGNORECASE), (
+        f"{kind.name}: the message does not match {kind.says!r}: {lines[0]}"
+    )
     assert _records(bank) == [], f"{kind.name}: a failed run wrote to the bank"
 
 
@@ -134,7 +168,9 @@ def _check_cli(kind: Kind, proc, bank: Path) -> None:
 
 
 @pytest.mark.parametrize("kind", _cli_kinds(), ids=lambda k: k.name)
-def test_aoe_tune_ends_in_one_categorized_line(kind: Kind, corpus: dict[str, Case], tmp_path: Path) -> None:
+def test_aoe_tune_ends_in_one_categorized_line(
+    kind: Kind, corpus: dict[str, Case], tmp_path: Path
+) -> None:
     _check_cli(kind, _tune(corpus[kind.name], tmp_path), tmp_path / "bank")
 
 
@@ -186,8 +222,11 @@ def daemon_run(daemon: DaemonProcess, corpus: dict[str, Case]) -> DaemonRun:
                     outcomes[k.name] = Outcome("REFUSED", exc.code().name, exc.details() or "")
             for name, job_id in jobs.items():
                 job = daemon.wait_job(job_id, timeout=180)
-                outcomes[name] = Outcome(tuning_pb2.JobState.Name(job.state).removeprefix("JOB_STATE_"),
-                                         job.error_kind, job.error)  # fmt: skip
+                outcomes[name] = Outcome(
+                    tuning_pb2.JobState.Name(job.state).removeprefix("JOB_STATE_"),
+                    job.error_kind,
+                    job.error,
+                )
             if group is FAILING:
                 bank_after = _records(daemon.bank)
         return DaemonRun(outcomes, bank_after, watch.events())
@@ -199,11 +238,16 @@ def daemon_run(daemon: DaemonProcess, corpus: dict[str, Case]) -> DaemonRun:
 def test_daemon_job_fails_with_the_kinds_class(kind: Kind, daemon_run: DaemonRun) -> None:
     got = daemon_run.outcomes[kind.name]
     assert kind.error is not None
-    if got.state == "REFUSED":  # a path the daemon will not read, or a file over a limit: refused at once
+    if (
+        got.state == "REFUSED"
+    ):  # a path the daemon will not read, or a file over a limit: refused at once
         assert got.kind == kind.error.grpc_status, (kind.name, got)
     else:
         assert (got.state, got.kind) == ("FAILED", kind.error.__name__), (kind.name, got)
-    assert "\n" not in got.message and re.search(kind.says, got.message, re.IGNORECASE), (kind.name, got.message)
+    assert "\n" not in got.message and re.search(kind.says, got.message, re.IGNORECASE), (
+        kind.name,
+        got.message,
+    )
 
 
 @pytest.mark.parametrize("kind", TUNABLE, ids=lambda k: k.name)
@@ -213,7 +257,10 @@ def test_daemon_tunable_kind_succeeds_or_names_its_error(kind: Kind, daemon_run:
         return
     # A model the corpus calls tunable may fail only as the model's problem, named.
     assert (got.state, got.kind) == ("FAILED", TUNABLE_MAY_FAIL_AS.__name__), (kind.name, got)
-    assert "\n" not in got.message and re.search(kind.says, got.message, re.IGNORECASE), (kind.name, got.message)
+    assert "\n" not in got.message and re.search(kind.says, got.message, re.IGNORECASE), (
+        kind.name,
+        got.message,
+    )
 
 
 def test_daemon_still_serves_after_the_corpus(daemon: DaemonProcess, daemon_run: DaemonRun) -> None:
@@ -238,9 +285,21 @@ BAD_OPTIONS = [
     ("budget_inf", {"budget_s": INF}, "budget_s"),
     ("budget_nan", {"budget_s": NAN}, "budget_s"),
     ("budget_overflows", {"budget_s": 1e308}, "budget_s"),
-    ("min_cosine_nan", {"accuracy_budget": tuning_pb2.AccuracyBudget(min_cosine=NAN)}, "min_cosine"),
-    ("max_rel_error_inf", {"accuracy_budget": tuning_pb2.AccuracyBudget(max_rel_error=INF)}, "max_rel_error"),
-    ("max_rel_error_nan", {"accuracy_budget": tuning_pb2.AccuracyBudget(max_rel_error=NAN)}, "max_rel_error"),
+    (
+        "min_cosine_nan",
+        {"accuracy_budget": tuning_pb2.AccuracyBudget(min_cosine=NAN)},
+        "min_cosine",
+    ),
+    (
+        "max_rel_error_inf",
+        {"accuracy_budget": tuning_pb2.AccuracyBudget(max_rel_error=INF)},
+        "max_rel_error",
+    ),
+    (
+        "max_rel_error_nan",
+        {"accuracy_budget": tuning_pb2.AccuracyBudget(max_rel_error=NAN)},
+        "max_rel_error",
+    ),
     ("precision_99", {"precision": 99}, "precision"),
     ("job_type_77", {"job_type": 77}, "job_type"),
 ]
@@ -254,34 +313,62 @@ def small_model(daemon: DaemonProcess) -> Path:
     return path
 
 
-@pytest.mark.parametrize(("fields", "field"), [c[1:] for c in BAD_OPTIONS], ids=[c[0] for c in BAD_OPTIONS])
+@pytest.mark.parametrize(
+    ("fields", "field"), [c[1:] for c in BAD_OPTIONS], ids=[c[0] for c in BAD_OPTIONS]
+)
 def test_an_option_no_job_can_run_with_is_invalid_argument_naming_it(
     daemon: DaemonProcess, small_model: Path, fields: dict, field: str
 ) -> None:
-    before = {j.job_id for j in daemon.tuning().ListJobs(tuning_pb2.ListJobsRequest(), timeout=30).jobs}
-    req = tuning_pb2.SubmitJobRequest(model_path=str(small_model), options=tuning_pb2.JobOptions(**fields))
+    before = {
+        j.job_id for j in daemon.tuning().ListJobs(tuning_pb2.ListJobsRequest(), timeout=30).jobs
+    }
+    req = tuning_pb2.SubmitJobRequest(
+        model_path=str(small_model), options=tuning_pb2.JobOptions(**fields)
+    )
     with pytest.raises(grpc.RpcError) as info:
         daemon.tuning().SubmitJob(req, timeout=60)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
     assert field in info.value.details(), info.value.details()
-    after = {j.job_id for j in daemon.tuning().ListJobs(tuning_pb2.ListJobsRequest(), timeout=30).jobs}
+    after = {
+        j.job_id for j in daemon.tuning().ListJobs(tuning_pb2.ListJobsRequest(), timeout=30).jobs
+    }
     assert after == before, "a refused submission left a job behind"
 
 
-def test_list_jobs_with_an_unknown_state_is_invalid_argument(daemon: DaemonProcess, small_model: Path) -> None:
+def test_list_jobs_with_an_unknown_state_is_invalid_argument(
+    daemon: DaemonProcess, small_model: Path
+) -> None:
     # A job in the store, so that "everything" would not be an empty answer.
-    daemon.tuning().SubmitJob(tuning_pb2.SubmitJobRequest(
-        model_path=str(small_model), options=tuning_pb2.JobOptions(budget_s=1.0)), timeout=60)  # fmt: skip
+    daemon.tuning().SubmitJob(
+        tuning_pb2.SubmitJobRequest(
+            model_path=str(small_model), options=tuning_pb2.JobOptions(budget_s=1.0)
+        ),
+        timeout=60,
+    )
     with pytest.raises(grpc.RpcError) as info:
         daemon.tuning().ListJobs(tuning_pb2.ListJobsRequest(states=[99]), timeout=30)
-    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "states 99" in info.value.details()
-    known = daemon.tuning().ListJobs(tuning_pb2.ListJobsRequest(states=[tuning_pb2.JOB_STATE_QUEUED,
-                                     tuning_pb2.JOB_STATE_SUCCEEDED, tuning_pb2.JOB_STATE_PREPARING,
-                                     tuning_pb2.JOB_STATE_TUNING, tuning_pb2.JOB_STATE_VERIFYING]), timeout=30)  # fmt: skip
+    assert (
+        info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        and "states 99" in info.value.details()
+    )
+    known = daemon.tuning().ListJobs(
+        tuning_pb2.ListJobsRequest(
+            states=[
+                tuning_pb2.JOB_STATE_QUEUED,
+                tuning_pb2.JOB_STATE_SUCCEEDED,
+                tuning_pb2.JOB_STATE_PREPARING,
+                tuning_pb2.JOB_STATE_TUNING,
+                tuning_pb2.JOB_STATE_VERIFYING,
+            ]
+        ),
+        timeout=30,
+    )
     assert known.jobs, "known states still filter as before"
 
 
-def test_a_non_finite_budget_in_an_inbox_aoed_toml_sends_the_model_to_failed_naming_it(daemon: DaemonProcess) -> None:
+def test_a_non_finite_budget_in_an_inbox_aoed_toml_sends_the_model_to_failed_naming_it(
+    daemon: DaemonProcess,
+) -> None:
     folder = daemon.inbox
     failed = folder.parent / "failed"
     (folder / "aoed.toml").write_text("budget_s = inf\n")  # TOML has inf and nan literals
@@ -302,8 +389,12 @@ def test_a_non_finite_budget_in_an_inbox_aoed_toml_sends_the_model_to_failed_nam
 # --------------------------------------------------------------------------- (c) nothing outside is read
 
 
-def test_external_data_outside_is_never_opened(daemon_run: DaemonRun, corpus: dict[str, Case], tmp_path: Path) -> None:
-    assert daemon_run.events == [], f"the daemon opened files outside the model's folder: {daemon_run.events}"
+def test_external_data_outside_is_never_opened(
+    daemon_run: DaemonRun, corpus: dict[str, Case], tmp_path: Path
+) -> None:
+    assert daemon_run.events == [], (
+        f"the daemon opened files outside the model's folder: {daemon_run.events}"
+    )
     watch = Inotify()
     try:
         for k in ESCAPES:
@@ -314,7 +405,9 @@ def test_external_data_outside_is_never_opened(daemon_run: DaemonRun, corpus: di
         # The watch itself works, through the hard link too (it sees the inode).
         (corpus["external_hardlink"].model.parent / "weights.bin").read_bytes()
         seen = watch.events()
-        assert any(m & Inotify.IN_OPEN for _, m in seen) and any(m & Inotify.IN_ACCESS for _, m in seen), seen
+        assert any(m & Inotify.IN_OPEN for _, m in seen) and any(
+            m & Inotify.IN_ACCESS for _, m in seen
+        ), seen
     finally:
         watch.close()
 
@@ -373,9 +466,15 @@ def test_fuzz_prepare_mutated_bytes(edits) -> None:
     _prepared_or_ours(bytes(data))
 
 
-_ints = st.one_of(st.integers(-3, 8), st.sampled_from([0, 1 << 31, 1 << 40, (1 << 63) - 1, -(1 << 63)]))
-_names = st.one_of(st.sampled_from(["input", "logits", "fc1.weight", "", "x"]), st.text(max_size=12))
-_ops = st.sampled_from(["MatMul", "Add", "Relu", "Gemm", "Conv", "Reshape", "If", "Loop", "Frob", "", "Constant"])
+_ints = st.one_of(
+    st.integers(-3, 8), st.sampled_from([0, 1 << 31, 1 << 40, (1 << 63) - 1, -(1 << 63)])
+)
+_names = st.one_of(
+    st.sampled_from(["input", "logits", "fc1.weight", "", "x"]), st.text(max_size=12)
+)
+_ops = st.sampled_from(
+    ["MatMul", "Add", "Relu", "Gemm", "Conv", "Reshape", "If", "Loop", "Frob", "", "Constant"]
+)
 
 
 @st.composite
@@ -383,8 +482,25 @@ def _field_edits(draw) -> bytes:
     m = _base()
     g = m.graph
     for _ in range(draw(st.integers(1, 5))):
-        what = draw(st.sampled_from(["ir", "opset", "dim", "elem", "op", "io", "drop", "dup", "init", "attr",
-                                     "outputs", "domain", "external"]))  # fmt: skip
+        what = draw(
+            st.sampled_from(
+                [
+                    "ir",
+                    "opset",
+                    "dim",
+                    "elem",
+                    "op",
+                    "io",
+                    "drop",
+                    "dup",
+                    "init",
+                    "attr",
+                    "outputs",
+                    "domain",
+                    "external",
+                ]
+            )
+        )
         node = g.node[draw(st.integers(0, len(g.node) - 1))] if g.node else None
         if what == "ir":
             m.ir_version = draw(st.integers(-2, 1 << 40))
@@ -419,22 +535,39 @@ def _field_edits(draw) -> bytes:
             else:
                 t.raw_data = t.raw_data[: draw(st.integers(0, len(t.raw_data)))]
         elif what == "attr" and node is not None:
-            value = draw(st.one_of(_ints, st.floats(allow_nan=True), st.binary(max_size=8),
-                                   st.lists(st.integers(-3, 8), min_size=1, max_size=4)))  # fmt: skip
+            value = draw(
+                st.one_of(
+                    _ints,
+                    st.floats(allow_nan=True),
+                    st.binary(max_size=8),
+                    st.lists(st.integers(-3, 8), min_size=1, max_size=4),
+                )
+            )
             node.attribute.append(onnx.helper.make_attribute(draw(_names) or "axis", value))
         elif what == "outputs":
-            del g.output[draw(st.integers(0, len(g.output))):]
-        elif what == "external" and g.initializer:  # resolved in a fresh temp folder: nothing there to read
+            del g.output[draw(st.integers(0, len(g.output))) :]
+        elif (
+            what == "external" and g.initializer
+        ):  # resolved in a fresh temp folder: nothing there to read
             t = g.initializer[draw(st.integers(0, len(g.initializer) - 1))]
             t.ClearField("raw_data")
             t.data_location = onnx.TensorProto.EXTERNAL
-            for key in draw(st.lists(st.sampled_from(["location", "offset", "length", "checksum"]), max_size=4)):
+            for key in draw(
+                st.lists(st.sampled_from(["location", "offset", "length", "checksum"]), max_size=4)
+            ):
                 entry = t.external_data.add()
                 entry.key = key
-                entry.value = draw(st.one_of(st.text(max_size=12), st.integers(-5, 1 << 40).map(str),
-                                             st.sampled_from(["..", "/", ".", "../../etc/hostname", "/etc/hostname"])))  # fmt: skip
+                entry.value = draw(
+                    st.one_of(
+                        st.text(max_size=12),
+                        st.integers(-5, 1 << 40).map(str),
+                        st.sampled_from(["..", "/", ".", "../../etc/hostname", "/etc/hostname"]),
+                    )
+                )
         elif what == "domain" and node is not None:
-            node.domain = draw(st.sampled_from(["", "ai.onnx", "com.microsoft", "com.example.nope"]))
+            node.domain = draw(
+                st.sampled_from(["", "ai.onnx", "com.microsoft", "com.example.nope"])
+            )
     return m.SerializeToString()
 
 
@@ -461,19 +594,27 @@ def _damaged(how: str) -> onnx.ModelProto:
     else:  # a Constant node's tensor
         value = onnx.helper.make_tensor("c", onnx.TensorProto.FLOAT, [3], [1.0, 2.0, 3.0])
         del value.float_data[-1]
-        m.graph.node.append(onnx.helper.make_node("Constant", [], ["unused"], name="const", value=value))
+        m.graph.node.append(
+            onnx.helper.make_node("Constant", [], ["unused"], name="const", value=value)
+        )
     return m
 
 
-@pytest.mark.parametrize("how", ["dims_grown", "raw_cut", "typed_short", "segment", "constant_node"])
-def test_a_constant_whose_data_does_not_fit_its_shape_is_a_model_error(how: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "how", ["dims_grown", "raw_cut", "typed_short", "segment", "constant_node"]
+)
+def test_a_constant_whose_data_does_not_fit_its_shape_is_a_model_error(
+    how: str, tmp_path: Path
+) -> None:
     """onnx's checker passes these, and numpy_helper.to_array then raised a bare
     ValueError wherever a constant was read; `prepare` names the tensor instead."""
     (tmp_path / "m.onnx").write_bytes(_damaged(how).SerializeToString())
     with pytest.raises(errors.ModelError) as exc:
         prepare(tmp_path / "m.onnx", tmp_path)
     name = {"raw_cut": "fc1.weight", "constant_node": "of node 'const'"}.get(how, "fc1.bias")
-    assert name in str(exc.value) and ("segments" in str(exc.value)) == (how == "segment"), exc.value
+    assert name in str(exc.value) and ("segments" in str(exc.value)) == (how == "segment"), (
+        exc.value
+    )
     assert how == "segment" or "but stores" in str(exc.value), exc.value
 
 
@@ -484,7 +625,9 @@ def test_fuzz_base_model_prepares(tmp_path: Path) -> None:
     assert prep.outputs == ["logits"] and np.dtype(prep.inputs["input"].dtype) == np.float32
 
 
-def test_large_labels_page_listjobs_by_bytes_and_an_over_limit_label_is_refused(tmp_path: Path) -> None:
+def test_large_labels_page_listjobs_by_bytes_and_an_over_limit_label_is_refused(
+    tmp_path: Path,
+) -> None:
     """A few jobs with megabytes of labels made every ListJobs answer larger than a gRPC
     message may be ("Sent message larger than max"), for every client, until the jobs
     expired 30 days later. Labels have limits now, and ListJobs pages by bytes: jobs
@@ -495,16 +638,30 @@ def test_large_labels_page_listjobs_by_bytes_and_an_over_limit_label_is_refused(
     from aoe import sizes
 
     d = DaemonProcess(tmp_path / "d", max_running_jobs=1)
-    d.config.write_text(d.config.read_text().replace("[daemon]\n", "[daemon]\nmax_queued_jobs = 1000\n"
-                                                                   "max_jobs_per_client = 1000\n"))  # fmt: skip
+    d.config.write_text(
+        d.config.read_text().replace(
+            "[daemon]\n", "[daemon]\nmax_queued_jobs = 1000\nmax_jobs_per_client = 1000\n"
+        )
+    )
     model = samples.save(samples.mlp(), d.models / "mlp.onnx")
 
     def submit(labels: dict[str, str], budget: float) -> str:
-        return d.tuning().SubmitJob(tuning_pb2.SubmitJobRequest(model_path=str(model), options=tuning_pb2.JobOptions(
-            budget_s=budget, labels=labels)), timeout=30).job_id  # fmt: skip
+        return (
+            d.tuning()
+            .SubmitJob(
+                tuning_pb2.SubmitJobRequest(
+                    model_path=str(model),
+                    options=tuning_pb2.JobOptions(budget_s=budget, labels=labels),
+                ),
+                timeout=30,
+            )
+            .job_id
+        )
 
-    biggest = {f"{i:03d}".ljust(sizes.MAX_LABEL_KEY_BYTES, "k"): "v" * sizes.MAX_LABEL_VALUE_BYTES
-               for i in range(sizes.MAX_LABELS)}  # fmt: skip
+    biggest = {
+        f"{i:03d}".ljust(sizes.MAX_LABEL_KEY_BYTES, "k"): "v" * sizes.MAX_LABEL_VALUE_BYTES
+        for i in range(sizes.MAX_LABELS)
+    }
     per_job = sum(len(k) + len(v) for k, v in biggest.items())
     try:
         d.start()
@@ -529,12 +686,19 @@ def test_large_labels_page_listjobs_by_bytes_and_an_over_limit_label_is_refused(
         cli = run_aoe("jobs", "--socket", str(d.socket))
         assert cli.returncode == 0 and all(i in cli.stdout for i in ids), cli.stderr
 
-        over = [({**biggest, "one-more": "x"}, "labels: 65 labels, over the limit of 64"),
-                ({"k": "v" * (sizes.MAX_LABEL_VALUE_BYTES + 1)}, "labels['k']: the value: 1025 bytes, over the limit "
-                                                                 "of 1024 bytes")]  # fmt: skip
+        over = [
+            ({**biggest, "one-more": "x"}, "labels: 65 labels, over the limit of 64"),
+            (
+                {"k": "v" * (sizes.MAX_LABEL_VALUE_BYTES + 1)},
+                "labels['k']: the value: 1025 bytes, over the limit of 1024 bytes",
+            ),
+        ]
         for labels, message in over:
             with pytest.raises(grpc.RpcError) as err:
                 submit(labels, 1.0)
-            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in err.value.details(), err.value
+            assert (
+                err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                and message in err.value.details()
+            ), err.value
     finally:
         d.close()

@@ -57,34 +57,58 @@ def _model(path: Path, residual: bool) -> Path:
     rng = np.random.default_rng(7)
     low = rng.standard_normal((512, 8)) @ rng.standard_normal((8, 512))
     noise = rng.standard_normal((512, 512))
-    w = low / np.linalg.norm(low) + 0.07 * noise / np.linalg.norm(noise)  # ~0.5% of the energy is noise
+    w = low / np.linalg.norm(low) + 0.07 * noise / np.linalg.norm(
+        noise
+    )  # ~0.5% of the energy is noise
     w *= 0.2 * np.sqrt(512) / np.sqrt((w**2).sum(axis=0).mean())  # outputs ~0.2x the input's scale
     nodes = [helper.make_node("MatMul", ["x", "w"], ["y" if residual else "out"], name="proj")]
     if residual:
         nodes.append(helper.make_node("Add", ["x", "y"], ["out"], name="residual"))
     g = helper.make_graph(
-        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [128, 512])],
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [128, 512])],
         [helper.make_tensor_value_info("out", TensorProto.FLOAT, [128, 512])],
         [numpy_helper.from_array((w / np.sqrt(512)).astype(np.float32), "w")],
-    )  # fmt: skip
+    )
     onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), path)
     return path
 
 
 def _tune(tmp_path: Path, residual: bool, searched: bool = True) -> dict:
     (tmp_path / "aoed_lowrank_plugin.py").write_text(LOWRANK_PLUGIN)
-    env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), *filter(None, sys.path)]), "AOED_PLUGINS": "aoed_lowrank_plugin"}
+    env = {
+        "PYTHONPATH": os.pathsep.join([str(tmp_path), *filter(None, sys.path)]),
+        "AOED_PLUGINS": "aoed_lowrank_plugin",
+    }
     src = _model(tmp_path / "m.onnx", residual)
-    r = run_aoe("tune", str(src), "--precision", "int8", "--bank", str(tmp_path / "bank"), "--output",
-                str(tmp_path / "o"), "--budget", "2", "--parallel", "1", "--no-progress", "--job-type", "opat",
-                env=env)  # fmt: skip
+    r = run_aoe(
+        "tune",
+        str(src),
+        "--precision",
+        "int8",
+        "--bank",
+        str(tmp_path / "bank"),
+        "--output",
+        str(tmp_path / "o"),
+        "--budget",
+        "2",
+        "--parallel",
+        "1",
+        "--no-progress",
+        "--job-type",
+        "opat",
+        env=env,
+    )
     assert r.returncode == 0, r.stderr
     (path,) = (tmp_path / "o").glob("aoe_result_opat_*.json")
     doc = json.loads(path.read_text())
     (task,) = [t for t in doc["tasks"] if t["op_name"] == "proj"]
     if searched:
         low = next(c for c in task["candidates"] if c["strategy"] == "lowrank8")
-        assert low["ok"] and 0.99 < low["cosine"] < 0.9995, low  # outside the task gate on its own outputs
+        assert low["ok"] and 0.99 < low["cosine"] < 0.9995, (
+            low
+        )  # outside the task gate on its own outputs
     return doc | {"task": task}
 
 
@@ -97,13 +121,17 @@ def residual_job(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
 
 
 @pytest.mark.slow
-def test_a_residual_stream_absorbs_the_error_and_the_candidate_is_kept(residual_job: tuple[Path, dict]) -> None:
+def test_a_residual_stream_absorbs_the_error_and_the_candidate_is_kept(
+    residual_job: tuple[Path, dict],
+) -> None:
     _, doc = residual_job
     task = doc["task"]
     assert task["strategy"] == "lowrank8", task["rejected"]
     assert task["accuracy"]["model_cosine"] >= 0.9995, task["accuracy"]
     assert task["accuracy"]["cosine"] < 0.9995  # what the task alone reached, reported as such
-    assert any("the model with it alone reached cosine" in n and n.endswith("kept") for n in doc["notes"]), doc["notes"]
+    assert any(
+        "the model with it alone reached cosine" in n and n.endswith("kept") for n in doc["notes"]
+    ), doc["notes"]
     assert doc["accuracy"]["cosine"] >= 0.999  # and the end-to-end gate, on the tuned model
 
 
@@ -113,7 +141,9 @@ def test_an_error_the_model_does_not_absorb_stays_rejected(tmp_path: Path) -> No
     task = doc["task"]
     assert task["strategy"] != "lowrank8"
     (why,) = [r for r in task["rejected"] if r.startswith("lowrank8: ")]
-    assert "the model with it alone reached cosine" in why and "outside the task budget of" in why, why
+    assert (
+        "the model with it alone reached cosine" in why and "outside the task budget of" in why
+    ), why
 
 
 @pytest.mark.slow
@@ -123,7 +153,9 @@ def test_a_bank_entry_kept_in_context_is_checked_in_context_on_the_next_model(
     first, doc = residual_job
     assert doc["task"]["strategy"] == "lowrank8"
     shutil.copytree(first / "bank", tmp_path / "bank")
-    doc = _tune(tmp_path, residual=True, searched=False)  # the bank answers; the hit is checked on this model's weights
+    doc = _tune(
+        tmp_path, residual=True, searched=False
+    )  # the bank answers; the hit is checked on this model's weights
     task = doc["task"]
     assert (task["update_mode"], task["strategy"]) == ("hit", "lowrank8"), (task, doc["notes"])
     assert not any("tuned again" in n for n in doc["notes"]), doc["notes"]

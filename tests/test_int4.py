@@ -20,12 +20,27 @@ from aoed.engine.tasks import Constants, apply_rewrites
 
 
 def _nbits_model(packed, scales, k: int, n: int, level: int):
-    node = helper.make_node("MatMulNBits", ["x", "B", "S"], ["y"], domain="com.microsoft", K=k, N=n, bits=4,
-                            block_size=INT4_BLOCK, accuracy_level=level)  # fmt: skip
-    g = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, k])],
-                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, n])],
-                          initializer=[numpy_helper.from_array(packed, "B"), numpy_helper.from_array(scales, "S")])  # fmt: skip
-    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    node = helper.make_node(
+        "MatMulNBits",
+        ["x", "B", "S"],
+        ["y"],
+        domain="com.microsoft",
+        K=k,
+        N=n,
+        bits=4,
+        block_size=INT4_BLOCK,
+        accuracy_level=level,
+    )
+    g = helper.make_graph(
+        [node],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, k])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, n])],
+        initializer=[numpy_helper.from_array(packed, "B"), numpy_helper.from_array(scales, "S")],
+    )
+    return helper.make_model(
+        g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+    )
 
 
 @pytest.mark.parametrize("k", [64, 70])  # whole blocks, and K padded to them
@@ -43,24 +58,37 @@ def test_packing_is_what_the_kernel_reads(k: int) -> None:
     step = np.repeat(scales.reshape(n, blocks), INT4_BLOCK, axis=1)[:, :k].T
     assert np.all(np.abs(deq - w) <= step / 2 + 1e-7)
     x = rng.standard_normal((4, k)).astype(np.float32)
-    sess = ort.InferenceSession(_nbits_model(packed, scales, k, n, 0).SerializeToString(), providers=["CPUExecutionProvider"])
+    sess = ort.InferenceSession(
+        _nbits_model(packed, scales, k, n, 0).SerializeToString(),
+        providers=["CPUExecutionProvider"],
+    )
     np.testing.assert_allclose(sess.run(None, {"x": x})[0], x @ deq, rtol=1e-4, atol=1e-5)
 
 
-def test_int4_strategies_apply_to_matmul_tasks_within_the_policy(models: Path, tmp_path: Path) -> None:
+def test_int4_strategies_apply_to_matmul_tasks_within_the_policy(
+    models: Path, tmp_path: Path
+) -> None:
     registry = build_registry()
     assert [s.name for s in registry.strategies_for("matmul", "int4") if s.precision == "int4"] == [
-        "int4_weight_only", "int4_int8_compute"]  # fmt: skip
+        "int4_weight_only",
+        "int4_int8_compute",
+    ]
     assert not any(s.precision == "int4" for s in registry.strategies_for("matmul", "int8"))
     prep = prepare(models / "mlp.onnx", tmp_path)
     consts = Constants(prep.model.graph, list(prep.model.opset_import))
     feeds = make_inputs(prep.inputs)
-    ref = ort.InferenceSession(prep.model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    ref = ort.InferenceSession(
+        prep.model.SerializeToString(), providers=["CPUExecutionProvider"]
+    ).run(None, feeds)[0]
     task = partition(prep.model, prep.ctx)[0]
     for name in ("int4_weight_only", "int4_int8_compute"):
-        tuned = apply_rewrites(prep.model, task_rewrites(prep.model, prep.ctx, consts, task, name, registry))
+        tuned = apply_rewrites(
+            prep.model, task_rewrites(prep.model, prep.ctx, consts, task, name, registry)
+        )
         assert [n.op_type for n in tuned.graph.node].count("MatMulNBits") == task.instances
-        y = ort.InferenceSession(tuned.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+        y = ort.InferenceSession(tuned.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+            None, feeds
+        )[0]
         cos = float((y * ref).sum() / np.linalg.norm(y) / np.linalg.norm(ref))
         assert policy("int4").e2e_min_cosine <= cos < 1.0, (name, cos)
 

@@ -52,7 +52,9 @@ def test_every_int8_rewrite_runs_and_stays_close(tmp_path: Path, name: str):
     by = {n.name: n for n in prep.model.graph.node}
     applied = set()
     for task in partition(prep.model, prep.ctx):
-        view = TaskView([by[n] for n in task.node_names], consts, prep.ctx.tensors, 13, task.id, ranges)
+        view = TaskView(
+            [by[n] for n in task.node_names], consts, prep.ctx.tensors, 13, task.id, ranges
+        )
         for strat in REGISTRY.strategies_for(task.family, "int8"):
             if strat.precision != "int8":
                 continue
@@ -65,10 +67,12 @@ def test_every_int8_rewrite_runs_and_stays_close(tmp_path: Path, name: str):
             assert ops & {"DynamicQuantizeMatMul", "MatMulInteger", "QuantizeLinear", "QLinearConv"}
             assert _cosine(_run(model, feeds), ref) >= 0.999, (task.id, strat.name)
             applied.add(strat.name)
-    expected = {"mlp": {"int8_dynamic", "int8_dynamic_per_channel", "int8_matmulinteger"},
-                "cnn": {"int8_qdq", "int8_qlinearconv", "int8_dynamic"},
-                "transformer": {"int8_dynamic", "int8_dynamic_actact"},
-                "legacy_cnn": {"int8_qdq"}}[name]
+    expected = {
+        "mlp": {"int8_dynamic", "int8_dynamic_per_channel", "int8_matmulinteger"},
+        "cnn": {"int8_qdq", "int8_qlinearconv", "int8_dynamic"},
+        "transformer": {"int8_dynamic", "int8_dynamic_actact"},
+        "legacy_cnn": {"int8_qdq"},
+    }[name]
     assert expected <= applied
 
 
@@ -93,7 +97,9 @@ def test_calibration_from_files_and_synthetic(tmp_path: Path):
     prep = prepare(src, tmp_path / "prep")
     synth = load_samples(prep.inputs, None)
     assert synth.source.startswith("synthetic") and len(synth.held_back) == HELD_BACK
-    assert not any(np.array_equal(a["input"], b["input"]) for a in synth.calibrate for b in synth.held_back)
+    assert not any(
+        np.array_equal(a["input"], b["input"]) for a in synth.calibrate for b in synth.held_back
+    )
     d = tmp_path / "calib"
     d.mkdir()
     for i in range(5):
@@ -116,9 +122,11 @@ def test_token_ids_are_drawn_from_the_embedding_range():
 
     table = numpy_helper.from_array(np.zeros((1000, 8), np.float32), "emb")
     g = helper.make_graph(
-        [helper.make_node("Gather", ["emb", "ids"], ["y"], name="g")], "g",
+        [helper.make_node("Gather", ["emb", "ids"], ["y"], name="g")],
+        "g",
         [helper.make_tensor_value_info("ids", TensorProto.INT64, [1, 16])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 16, 8])], [table],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 16, 8])],
+        [table],
     )
     model = helper.make_model(g)
     from aoe.signature import TensorInfo
@@ -143,8 +151,17 @@ def _bank_keys(bank: Path) -> list[bytes]:
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["mlp", "cnn", "transformer"])
 def test_int8_job_stays_within_budget(models: Path, tmp_path: Path, name: str):
-    r = run_aoe("tune", str(models / f"{name}.onnx"), "--precision", "int8", "--bank", str(tmp_path / "bank"),
-                "--output", str(tmp_path / "o"), *FAST)
+    r = run_aoe(
+        "tune",
+        str(models / f"{name}.onnx"),
+        "--precision",
+        "int8",
+        "--bank",
+        str(tmp_path / "bank"),
+        "--output",
+        str(tmp_path / "o"),
+        *FAST,
+    )
     assert r.returncode == 0, r.stderr
     doc = _result(tmp_path / "o")
     assert doc["basic"]["precision"] == "int8"
@@ -158,7 +175,9 @@ def test_int8_job_stays_within_budget(models: Path, tmp_path: Path, name: str):
     else:  # the input ships: its outputs are the reference
         assert doc["accuracy"]["cosine"] == 1.0
         assert onnx.load(doc["tuned_model"]).graph == onnx.load(str(models / f"{name}.onnx")).graph
-    assert doc["OPAT"]["model_performance_improvement"] == pytest.approx(conf["improvement"], abs=1e-4)
+    assert doc["OPAT"]["model_performance_improvement"] == pytest.approx(
+        conf["improvement"], abs=1e-4
+    )
     # Independently: the tuned model on inputs the job never saw.
     prep = prepare(models / f"{name}.onnx", tmp_path / "check")
     feeds = make_inputs(prep.inputs, seed=12345)
@@ -167,14 +186,26 @@ def test_int8_job_stays_within_budget(models: Path, tmp_path: Path, name: str):
     for task in doc["tasks"]:
         cands = {c["strategy"]: c for c in task["candidates"] if c.get("ok")}
         if task["strategy"].startswith("int8"):  # the task gate, on its outputs or on the model's
-            assert max(cands[task["strategy"]]["cosine"], task["accuracy"].get("model_cosine", 0.0)) >= 0.9995
+            assert (
+                max(cands[task["strategy"]]["cosine"], task["accuracy"].get("model_cosine", 0.0))
+                >= 0.9995
+            )
     assert all(k.endswith(b"/int8") for k in _bank_keys(tmp_path / "bank"))
 
 
 @pytest.mark.slow
 def test_int8_leaves_a_collapsing_task_in_fp32_and_says_so(models: Path, tmp_path: Path):
-    r = run_aoe("tune", str(models / "outlier_mlp.onnx"), "--precision", "int8", "--bank", str(tmp_path / "bank"),
-                "--output", str(tmp_path / "o"), *FAST)
+    r = run_aoe(
+        "tune",
+        str(models / "outlier_mlp.onnx"),
+        "--precision",
+        "int8",
+        "--bank",
+        str(tmp_path / "bank"),
+        "--output",
+        str(tmp_path / "o"),
+        *FAST,
+    )
     assert r.returncode == 0, r.stderr
     doc = _result(tmp_path / "o")
     fc2 = next(t for t in doc["tasks"] if t["op_name"].startswith("fc2"))
@@ -198,8 +229,17 @@ SLOW_INT8 = {"batch": 2048, "features": 4, "hidden": 4, "classes": 4, "layers": 
 @pytest.mark.slow
 def test_int8_slower_than_exact_stays_exact(tmp_path: Path):
     tiny = samples.save(samples.mlp(**SLOW_INT8), tmp_path / "tiny.onnx")
-    r = run_aoe("tune", str(tiny), "--precision", "int8", "--bank", str(tmp_path / "bank"),
-                "--output", str(tmp_path / "o"), *FAST)
+    r = run_aoe(
+        "tune",
+        str(tiny),
+        "--precision",
+        "int8",
+        "--bank",
+        str(tmp_path / "bank"),
+        "--output",
+        str(tmp_path / "o"),
+        *FAST,
+    )
     assert r.returncode == 0, r.stderr
     doc = _result(tmp_path / "o")
     for task in doc["tasks"]:
@@ -212,22 +252,49 @@ def test_int8_slower_than_exact_stays_exact(tmp_path: Path):
             (why,) = [w for w in task["rejected"] if w.startswith(f"{name}:")]
             c = cands[name]
             if "outside the accuracy budget" in why:
-                assert c["cosine"] < doc["accuracy_budget"]["task_min_cosine"] or \
-                    c["max_rel_error"] > doc["accuracy_budget"]["task_max_rel_error"], (why, c)
+                assert (
+                    c["cosine"] < doc["accuracy_budget"]["task_min_cosine"]
+                    or c["max_rel_error"] > doc["accuracy_budget"]["task_max_rel_error"]
+                ), (why, c)
             elif "dropped after" in why:  # raced out: the quartiles it quotes are its own
-                m = re.search(r"lower quartile ([\d.]+) us above (\w+)'s upper quartile ([\d.]+) us", why)
+                m = re.search(
+                    r"lower quartile ([\d.]+) us above (\w+)'s upper quartile ([\d.]+) us", why
+                )
                 assert m and float(m[1]) == pytest.approx(c["q25_us"], abs=0.06), (why, c)
                 assert float(m[1]) > float(m[3]) * 1.05 - 0.1
             else:  # measured against what the task kept: its best exact form
                 assert f"not clearly faster than {task['strategy']} " in why, why
-                assert f"{c['median_us']:.1f} us vs {cands[task['strategy']]['median_us']:.1f} us" in why, why
+                assert (
+                    f"{c['median_us']:.1f} us vs {cands[task['strategy']]['median_us']:.1f} us"
+                    in why
+                ), why
 
 
 @pytest.mark.slow
 def test_int8_options_are_checked(models: Path, tmp_path: Path):
-    r = run_aoe("tune", str(models / "mlp.onnx"), "--precision", "int8", "--min-cosine", "1.5",
-                "--bank", str(tmp_path / "bank"), "--output", str(tmp_path / "o"))
+    r = run_aoe(
+        "tune",
+        str(models / "mlp.onnx"),
+        "--precision",
+        "int8",
+        "--min-cosine",
+        "1.5",
+        "--bank",
+        str(tmp_path / "bank"),
+        "--output",
+        str(tmp_path / "o"),
+    )
     assert r.returncode == 2 and "--min-cosine" in r.stderr
-    r = run_aoe("tune", str(models / "mlp.onnx"), "--precision", "int8", "--calibration", str(tmp_path / "none"),
-                "--bank", str(tmp_path / "bank"), "--output", str(tmp_path / "o"))
+    r = run_aoe(
+        "tune",
+        str(models / "mlp.onnx"),
+        "--precision",
+        "int8",
+        "--calibration",
+        str(tmp_path / "none"),
+        "--bank",
+        str(tmp_path / "bank"),
+        "--output",
+        str(tmp_path / "o"),
+    )
     assert r.returncode == 2 and "--calibration" in r.stderr

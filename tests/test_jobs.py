@@ -31,14 +31,20 @@ pytestmark = pytest.mark.slow
 
 
 def _config(tmp_path: Path):
-    return load_config(env={}).replace(bank=tmp_path / "bank", parallel=1, runtime_dir=tmp_path / "run")
+    return load_config(env={}).replace(
+        bank=tmp_path / "bank", parallel=1, runtime_dir=tmp_path / "run"
+    )
 
 
-async def test_two_jobs_of_one_model_share_an_engine_without_colliding(models: Path, tmp_path: Path) -> None:
+async def test_two_jobs_of_one_model_share_an_engine_without_colliding(
+    models: Path, tmp_path: Path
+) -> None:
     out = tmp_path / "out"
     opts = [
         JobRun(models / "mlp.onnx", out, JobSpec(job_type="opat", budget_s=1.0)),
-        JobRun(models / "mlp.onnx", out, JobSpec(job_type="opat", budget_s=1.0), keep_workspace=True),
+        JobRun(
+            models / "mlp.onnx", out, JobSpec(job_type="opat", budget_s=1.0), keep_workspace=True
+        ),
     ]
     results = {}
     async with open_engine(_config(tmp_path), build_registry(), tmp_path / "logs") as engine:
@@ -52,7 +58,11 @@ async def test_two_jobs_of_one_model_share_an_engine_without_colliding(models: P
         busy = engine.device.busy_s
     a, b = results[0], results[1]
     assert a.job_id != b.job_id
-    assert a.workspace != b.workspace and a.result_json != b.result_json and a.tuned_model != b.tuned_model
+    assert (
+        a.workspace != b.workspace
+        and a.result_json != b.result_json
+        and a.tuned_model != b.tuned_model
+    )
     assert {Path(r.result_json).name.startswith("aoe_result_opat_") for r in (a, b)} == {True}
     for r in (a, b):
         doc = json.loads(Path(r.result_json).read_text())
@@ -81,13 +91,19 @@ async def test_a_job_that_fails_before_tuning_leaves_no_workspace_and_the_engine
         with pytest.raises(ModelError, match="bad.onnx"):
             await engine.run_job(JobRun(bad, tmp_path / "out"))
         assert not (tmp_path / "out" / "aoe_workspace").exists()
-        good = await engine.run_job(JobRun(models / "mlp.onnx", tmp_path / "out", JobSpec(budget_s=0.5)))
-    assert [p.name for p in (tmp_path / "out" / "aoe_workspace").iterdir()] == [Path(good.workspace).name]
+        good = await engine.run_job(
+            JobRun(models / "mlp.onnx", tmp_path / "out", JobSpec(budget_s=0.5))
+        )
+    assert [p.name for p in (tmp_path / "out" / "aoe_workspace").iterdir()] == [
+        Path(good.workspace).name
+    ]
     assert Path(good.tuned_model).is_file()
     assert not (tmp_path / "logs").exists(), "the workers logged nothing: no empty logs are left"
 
 
-async def test_cancel_stops_a_job_mid_measurement_and_the_next_job_runs(models: Path, tmp_path: Path) -> None:
+async def test_cancel_stops_a_job_mid_measurement_and_the_next_job_runs(
+    models: Path, tmp_path: Path
+) -> None:
     handle = JobHandle()
     stages: list[str] = []
     async with open_engine(_config(tmp_path), build_registry(), tmp_path / "logs") as engine:
@@ -113,7 +129,9 @@ async def test_cancel_stops_a_job_mid_measurement_and_the_next_job_runs(models: 
                         handle,
                     )
         requests = engine.device.requests
-        nxt = await engine.run_job(JobRun(models / "mlp.onnx", tmp_path / "out2", JobSpec(budget_s=0.5)))
+        nxt = await engine.run_job(
+            JobRun(models / "mlp.onnx", tmp_path / "out2", JobSpec(budget_s=0.5))
+        )
     assert engine.device.requests > requests and Path(nxt.tuned_model).is_file()
     (ws,) = (tmp_path / "out" / "aoe_workspace").glob("cnn_*")
     assert not (ws / "tunespace" / "work").exists()  # a cancelled job leaves no scratch
@@ -141,10 +159,14 @@ def test_the_engine_process_never_loads_onnxruntime(models: Path, tmp_path: Path
         result = trio.run(main)
         print(result.verified, "|", "onnxruntime" in sys.modules, "|", Path(result.tuned_model).is_file())
     """)
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0, out.stderr
     verified, loaded, shipped = (part.strip() for part in out.stdout.split("|"))
-    assert verified in ("tuned", "options only", "reverted to input") and shipped == "True", out.stdout
+    assert verified in ("tuned", "options only", "reverted to input") and shipped == "True", (
+        out.stdout
+    )
     assert loaded == "False", out.stdout
 
 
@@ -158,9 +180,14 @@ def test_large_models_round_trip_with_external_data(models: Path, tmp_path: Path
     assert not list((tmp_path / "big").glob(".*tmp"))
     again = load_model(path)
     feeds = make_inputs(prepare(models / "cnn.onnx", tmp_path / "prep").inputs)
-    want = ort.InferenceSession(str(models / "cnn.onnx"), providers=["CPUExecutionProvider"]).run(None, feeds)
+    want = ort.InferenceSession(str(models / "cnn.onnx"), providers=["CPUExecutionProvider"]).run(
+        None, feeds
+    )
     got = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, feeds)
     np.testing.assert_array_equal(got[0], want[0])
-    assert onnx.load(str(path), load_external_data=False).graph.initializer[0].data_location == onnx.TensorProto.EXTERNAL
+    assert (
+        onnx.load(str(path), load_external_data=False).graph.initializer[0].data_location
+        == onnx.TensorProto.EXTERNAL
+    )
     assert again.graph.initializer[0].raw_data  # loaded back with its data
     _ = samples  # the models fixture builds them

@@ -71,12 +71,19 @@ def _exported_mlp() -> onnx.ModelProto:
         helper.make_node("Gemm", ["r2", "w3", "b3"], ["y"]),
     ]
     graph = helper.make_graph(
-        nodes, "exported",
+        nodes,
+        "exported",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 64])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 10])],
-        [init("w1_t", [128, 64]), init("b1", [128]), init("w2_shared", [128, 32]), init("b2", [32]),
-         init("w3_half", [32, 10], np.float16), init("b3", [10])],
-    )  # fmt: skip
+        [
+            init("w1_t", [128, 64]),
+            init("b1", [128]),
+            init("w2_shared", [128, 32]),
+            init("b2", [32]),
+            init("w3_half", [32, 10], np.float16),
+            init("b3", [10]),
+        ],
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 11)])
     model.ir_version = 6
     return model
@@ -121,7 +128,9 @@ def test_the_model_a_user_has_finds_the_tasks_the_tuner_tuned(tmp_path: Path, na
             assert entry.signature.digest == t.signature.digest
 
 
-def test_without_its_shapes_a_dynamic_model_finds_nothing_and_says_nothing_wrong(tmp_path: Path) -> None:
+def test_without_its_shapes_a_dynamic_model_finds_nothing_and_says_nothing_wrong(
+    tmp_path: Path,
+) -> None:
     index = ModelTasks(samples.mlp(dynamic_batch=True))
     assert len(index) == 0  # no static shapes, no signatures: no false matches either
     assert len(ModelTasks(samples.mlp(dynamic_batch=True), {"input": (1, 256)})) == 3

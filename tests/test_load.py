@@ -47,11 +47,22 @@ def _model(d: DaemonProcess, name: str, tag: str) -> Path:
 
 
 def _submit(d: DaemonProcess, path: Path, budget: float) -> str:
-    return d.tuning().SubmitJob(tuning_pb2.SubmitJobRequest(
-        model_path=str(path), options=tuning_pb2.JobOptions(budget_s=budget, repeat_tune=True)), timeout=30).job_id  # fmt: skip
+    return (
+        d.tuning()
+        .SubmitJob(
+            tuning_pb2.SubmitJobRequest(
+                model_path=str(path),
+                options=tuning_pb2.JobOptions(budget_s=budget, repeat_tune=True),
+            ),
+            timeout=30,
+        )
+        .job_id
+    )
 
 
-def _mixed(d: DaemonProcess, n: int, job_id: str, hit: str, miss: str, seed: int) -> list[tuple[str, str]]:
+def _mixed(
+    d: DaemonProcess, n: int, job_id: str, hit: str, miss: str, seed: int
+) -> list[tuple[str, str]]:
     """`n` calls drawn from MIX on a connection of its own; (kind, outcome) for each, the
     outcome being a status code name, or WRONG for an OK answer that says the wrong thing."""
     rng = random.Random(seed)
@@ -71,13 +82,16 @@ def _watch_to_end(d: DaemonProcess, job_id: str) -> list[tuning_pb2.JobEvent]:
     """Every event of the job, logs included, on a connection of its own, until it ends."""
     with _connect(d) as ch:
         stream = tuning_pb2_grpc.TuningServiceStub(ch).WatchJob(
-            tuning_pb2.WatchJobRequest(job_id=job_id, include_logs=True), timeout=120)  # fmt: skip
+            tuning_pb2.WatchJobRequest(job_id=job_id, include_logs=True), timeout=120
+        )
         return [m.event for m in stream]
 
 
 def _keys(d: DaemonProcess) -> tuple[str, str]:
     """A key the bank holds and a well-formed one it does not."""
-    entries = d.bank_stub().QueryEntries(bank_pb2.QueryEntriesRequest(page_size=1), timeout=30).entries
+    entries = (
+        d.bank_stub().QueryEntries(bank_pb2.QueryEntriesRequest(page_size=1), timeout=30).entries
+    )
     assert entries, "the bank was filled before the daemon started"
     hit = entries[0].key
     version, sig, dev, precision = hit.split("/")
@@ -99,14 +113,18 @@ def test_mixed_rpcs_from_ten_connections_while_a_job_runs(daemon: DaemonProcess)
     job_id = _submit(daemon, _model(daemon, "mlp", "mixed"), budget=2.0)
     started = time.time()
     with ThreadPoolExecutor(10) as pool:
-        per_client = list(pool.map(lambda i: _mixed(daemon, 40, job_id, hit, miss, seed=i), range(10)))
+        per_client = list(
+            pool.map(lambda i: _mixed(daemon, 40, job_id, hit, miss, seed=i), range(10))
+        )
     results = [r for rs in per_client for r in rs]
     job = daemon.wait_job(job_id)
     outcomes = collections.Counter(code for _, code in results)
     assert outcomes == {"OK": 400}, outcomes
     assert {kind for kind, _ in results} == set(MIX)
     assert job.state == tuning_pb2.JOB_STATE_SUCCEEDED, job.error
-    assert job.finished.ToNanoseconds() / 1e9 > started, "the job was still running when the load began"
+    assert job.finished.ToNanoseconds() / 1e9 > started, (
+        "the job was still running when the load began"
+    )
 
 
 def test_forty_watchers_all_see_the_final_state(daemon: DaemonProcess) -> None:
@@ -136,7 +154,8 @@ def test_calls_beyond_max_rpcs_are_refused_at_once_and_then_served(tmp_path: Pat
             # event, then waits to be released. A refused one reports its status.
             with _connect(d) as ch:
                 stream = tuning_pb2_grpc.TuningServiceStub(ch).WatchJob(
-                    tuning_pb2.WatchJobRequest(job_id=job_id), timeout=60)  # fmt: skip
+                    tuning_pb2.WatchJobRequest(job_id=job_id), timeout=60
+                )
                 try:
                     next(stream)
                     outcome = "OK"
@@ -155,7 +174,9 @@ def test_calls_beyond_max_rpcs_are_refused_at_once_and_then_served(tmp_path: Pat
             with lock:
                 # Queued calls would never report while the admitted streams are held open.
                 answered = lock.wait_for(lambda: len(outcomes) == limit + extra, timeout=30)
-            assert answered, f"only {len(outcomes)} of {limit + extra} calls were answered: some were queued"
+            assert answered, (
+                f"only {len(outcomes)} of {limit + extra} calls were answered: some were queued"
+            )
             counts = collections.Counter(outcomes)
             assert counts == {"OK": limit, "RESOURCE_EXHAUSTED": extra}, counts
         finally:
@@ -173,8 +194,14 @@ def test_calls_beyond_max_rpcs_are_refused_at_once_and_then_served(tmp_path: Pat
                     raise
                 time.sleep(0.1)
         with ThreadPoolExecutor(limit) as pool:
-            infos = list(pool.map(lambda _: d.daemon().GetDaemonInfo(daemon_pb2.GetDaemonInfoRequest(), timeout=10),
-                                  range(limit)))  # fmt: skip
+            infos = list(
+                pool.map(
+                    lambda _: d.daemon().GetDaemonInfo(
+                        daemon_pb2.GetDaemonInfoRequest(), timeout=10
+                    ),
+                    range(limit),
+                )
+            )
         assert [i.pid for i in infos] == [d.proc.pid] * limit
         job = d.tuning().CancelJob(tuning_pb2.CancelJobRequest(job_id=job_id), timeout=60).job
         assert job.state == tuning_pb2.JOB_STATE_CANCELLED
@@ -186,7 +213,9 @@ def test_a_tune_succeeds_while_every_core_is_busy(daemon: DaemonProcess) -> None
     cores = len(os.sched_getaffinity(0))
     hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(cores)]
     try:
-        job = daemon.wait_job(_submit(daemon, _model(daemon, "mlp", "hogged"), budget=2.0), timeout=120)
+        job = daemon.wait_job(
+            _submit(daemon, _model(daemon, "mlp", "hogged"), budget=2.0), timeout=120
+        )
         running = [h.poll() is None for h in hogs]
     finally:
         for h in hogs:

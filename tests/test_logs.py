@@ -31,7 +31,9 @@ def test_journal_lines_carry_priorities_and_job_ids(capsys) -> None:
     assert lines[0] == "<6>logstest: outside any job"
     assert lines[1] == "<4>logstest: job=job-20261203-000000-abcd1234 inside a job"
     assert lines[2].startswith("<3>logstest: a bug")
-    assert all(line.startswith("<3>") for line in lines[3:]) and any("ValueError: boom" in x for x in lines[3:])
+    assert all(line.startswith("<3>") for line in lines[3:]) and any(
+        "ValueError: boom" in x for x in lines[3:]
+    )
 
 
 def test_plain_lines_have_time_and_level(capsys) -> None:
@@ -44,16 +46,29 @@ def test_journal_stream_is_recognised_only_for_our_stderr(tmp_path) -> None:
     assert not stderr_is_journal({})
     assert not stderr_is_journal({"JOURNAL_STREAM": "1:2"})
     log = tmp_path / "err"
-    code = ("import os,sys; from aoed.logs import stderr_is_journal; st=os.fstat(2); "
-            "print(stderr_is_journal({'JOURNAL_STREAM': f'{st.st_dev}:{st.st_ino}'}))")
+    code = (
+        "import os,sys; from aoed.logs import stderr_is_journal; st=os.fstat(2); "
+        "print(stderr_is_journal({'JOURNAL_STREAM': f'{st.st_dev}:{st.st_ino}'}))"
+    )
     with open(log, "w") as err:
-        out = subprocess.run([sys.executable, "-c", code], stderr=err, capture_output=False, stdout=subprocess.PIPE,
-                             text=True, env=dict(os.environ), check=True).stdout  # fmt: skip
+        out = subprocess.run(
+            [sys.executable, "-c", code],
+            stderr=err,
+            capture_output=False,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=dict(os.environ),
+            check=True,
+        ).stdout
     assert out.strip() == "True"
 
 
 def test_a_record_is_one_line_whatever_a_name_holds(capsys) -> None:
-    name = "evil\n2099-01-01 00:00:00,000 ERROR aoed.watch: forged\r\x1b[2K\u2028" + os.fsdecode(b"\xff") + ".onnx"
+    name = (
+        "evil\n2099-01-01 00:00:00,000 ERROR aoed.watch: forged\r\x1b[2K\u2028"
+        + os.fsdecode(b"\xff")
+        + ".onnx"
+    )
     handler = configure("info", journal=False)
     try:
         logging.getLogger("logstest").warning("inbox: %s is not a model", name)
@@ -61,12 +76,19 @@ def test_a_record_is_one_line_whatever_a_name_holds(capsys) -> None:
         logging.getLogger().removeHandler(handler)
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 1, lines
-    assert lines[0].endswith("evil\\n2099-01-01 00:00:00,000 ERROR aoed.watch: forged\\r\\x1b[2K\\u2028\\xff.onnx "
-                             "is not a model"), lines[0]
+    assert lines[0].endswith(
+        "evil\\n2099-01-01 00:00:00,000 ERROR aoed.watch: forged\\r\\x1b[2K\\u2028\\xff.onnx "
+        "is not a model"
+    ), lines[0]
 
 
 def test_cut_keeps_the_ends_of_a_huge_text() -> None:
     huge = "a" * 50 + "b" * 100_000 + "c" * 50
     short = cut(huge)
-    assert len(short) < 260 and short.startswith("a" * 50) and short.endswith("c" * 50) and "…" in short
+    assert (
+        len(short) < 260
+        and short.startswith("a" * 50)
+        and short.endswith("c" * 50)
+        and "…" in short
+    )
     assert cut("/srv/models/m.onnx") == "/srv/models/m.onnx"

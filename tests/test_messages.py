@@ -33,14 +33,22 @@ def daemon(tmp_path_factory: pytest.TempPathFactory):
     d.close()
 
 
-def _aoe_into_closed_pipe(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def _aoe_into_closed_pipe(
+    *args: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     """Run `aoe` with its stdout a pipe whose reader has already gone, as `| head -c 10`
     leaves it once head has its bytes (here on every run, not on a lucky one)."""
     r, w = os.pipe()
     os.close(r)
     try:
-        return subprocess.run([sys.executable, "-m", "aoe.cli", *args], stdout=w, stderr=subprocess.PIPE, text=True,
-                              env={**os.environ, **(env or {})}, timeout=120)  # fmt: skip
+        return subprocess.run(
+            [sys.executable, "-m", "aoe.cli", *args],
+            stdout=w,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, **(env or {})},
+            timeout=120,
+        )
     finally:
         os.close(w)
 
@@ -48,19 +56,43 @@ def _aoe_into_closed_pipe(*args: str, env: dict[str, str] | None = None) -> subp
 def test_a_reader_that_goes_away_ends_aoe_quietly(daemon: DaemonProcess) -> None:
     with Client(daemon.socket) as c:
         assert c.ping()
-    for args in (("jobs", "--socket", str(daemon.socket)), ("daemon", "--socket", str(daemon.socket)), ("--help",)):
+    for args in (
+        ("jobs", "--socket", str(daemon.socket)),
+        ("daemon", "--socket", str(daemon.socket)),
+        ("--help",),
+    ):
         done = _aoe_into_closed_pipe(*args)
-        assert "Traceback" not in done.stderr and "BrokenPipeError" not in done.stderr, (args, done.stderr)
+        assert "Traceback" not in done.stderr and "BrokenPipeError" not in done.stderr, (
+            args,
+            done.stderr,
+        )
         if args[0] != "--help":  # argparse drops its own help quietly when the write fails
-            assert done.returncode == 128 + 13, (args, done.returncode, done.stderr)  # as if killed by SIGPIPE
+            assert done.returncode == 128 + 13, (
+                args,
+                done.returncode,
+                done.stderr,
+            )  # as if killed by SIGPIPE
 
 
 def test_a_missing_model_is_reported_before_the_engine_is_imported(tmp_path: Path) -> None:
-    r = subprocess.run([sys.executable, "-X", "importtime", "-m", "aoe.cli", "tune", "missing.onnx", "--local"],
-                       capture_output=True, text=True, cwd=tmp_path, timeout=120)  # fmt: skip
-    assert r.returncode == 3 and "aoe: error: missing.onnx: no such model file" in r.stderr, r.stderr
-    imported = {ln.rsplit("|", 1)[-1].strip() for ln in r.stderr.splitlines() if ln.startswith("import time:")}
-    heavy = sorted(m for m in imported if m in ("trio", "onnxruntime", "numpy") or m.startswith("aoed"))
+    r = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "aoe.cli", "tune", "missing.onnx", "--local"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+    )
+    assert r.returncode == 3 and "aoe: error: missing.onnx: no such model file" in r.stderr, (
+        r.stderr
+    )
+    imported = {
+        ln.rsplit("|", 1)[-1].strip()
+        for ln in r.stderr.splitlines()
+        if ln.startswith("import time:")
+    }
+    heavy = sorted(
+        m for m in imported if m in ("trio", "onnxruntime", "numpy") or m.startswith("aoed")
+    )
     assert not heavy, f"imported before the file was checked: {heavy}"
     assert not list(tmp_path.iterdir()), "nothing is left behind by a run that never started"
 
@@ -80,11 +112,15 @@ def _empty(folder: Path) -> Path:
     ],
     ids=["text", "missing", "folder", "empty"],
 )
-def test_submit_refuses_what_is_not_a_model_before_uploading(daemon: DaemonProcess, tmp_path: Path, make,
-                                                             words: str) -> None:  # fmt: skip
+def test_submit_refuses_what_is_not_a_model_before_uploading(
+    daemon: DaemonProcess, tmp_path: Path, make, words: str
+) -> None:
     path = make(tmp_path)
     r = run_aoe("submit", str(path), "--socket", str(daemon.socket))
-    assert r.returncode == 3 and words in r.stderr and str(path) in r.stderr, (r.returncode, r.stderr)
+    assert r.returncode == 3 and words in r.stderr and str(path) in r.stderr, (
+        r.returncode,
+        r.stderr,
+    )
     uploads = daemon.state / "uploads"
     assert not uploads.exists() or not any(uploads.rglob("*")), "nothing was uploaded"
     with Client(daemon.socket) as c:
@@ -114,7 +150,9 @@ def test_a_dropped_model_s_failure_names_the_dropped_file_whole(daemon: DaemonPr
 
     with Client(daemon.socket) as c:
         (job,) = [j for j in c.jobs() if j.model_name == "broken.onnx"]
-    assert len(job.error) > 60 and str(dropped) in job.error and "claimed" not in job.error, job.error
+    assert len(job.error) > 60 and str(dropped) in job.error and "claimed" not in job.error, (
+        job.error
+    )
     listed = run_aoe("jobs", "--socket", str(daemon.socket))
     (row,) = [ln for ln in listed.stdout.splitlines() if ln.startswith(job.job_id)]
     assert "claimed" not in row, row
@@ -130,15 +168,27 @@ def test_a_dropped_model_s_failure_names_the_dropped_file_whole(daemon: DaemonPr
 
 def test_check_config_reports_every_problem(tmp_path: Path) -> None:
     config = tmp_path / "aoed.toml"
-    config.write_text('[daemon]\nmax_running_jobs = "two"\nmax_queued_jobs = 0\ncolour = "blue"\n'
-                      '[listen]\nsocket_mode = "0666"\n[tuning]\nparallel = 99\n[engine]\nmax_nodes = "many"\n'
-                      '[[inbox]]\nstable_s = 3\n')  # fmt: skip
-    r = subprocess.run([sys.executable, "-m", "aoed", "--check-config", "--config", str(config)],
-                       capture_output=True, text=True, timeout=60)  # fmt: skip
+    config.write_text(
+        '[daemon]\nmax_running_jobs = "two"\nmax_queued_jobs = 0\ncolour = "blue"\n'
+        '[listen]\nsocket_mode = "0666"\n[tuning]\nparallel = 99\n[engine]\nmax_nodes = "many"\n'
+        "[[inbox]]\nstable_s = 3\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-m", "aoed", "--check-config", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 2, r.stderr
-    expected = ["max_running_jobs = 'two': expected an integer", "max_queued_jobs = 0: must be between",
-                "colour: unknown setting", "socket_mode = '0666'", "parallel=99", "max_nodes='many'",
-                "[[inbox]] #1: path is required"]  # fmt: skip
+    expected = [
+        "max_running_jobs = 'two': expected an integer",
+        "max_queued_jobs = 0: must be between",
+        "colour: unknown setting",
+        "socket_mode = '0666'",
+        "parallel=99",
+        "max_nodes='many'",
+        "[[inbox]] #1: path is required",
+    ]
     lines = r.stderr.splitlines()
     assert lines[0] == f"aoed: error: {len(expected)} problems in the configuration:", r.stderr
     for words in expected:
@@ -147,11 +197,17 @@ def test_check_config_reports_every_problem(tmp_path: Path) -> None:
 
 def test_a_staged_install_says_what_it_staged_and_how_to_check_it(tmp_path: Path) -> None:
     dest = tmp_path / "stage"
-    done = subprocess.run(["sh", str(ROOT / "deploy" / "install.sh"), "--destdir", str(dest), "--no-venv"],
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    done = subprocess.run(
+        ["sh", str(ROOT / "deploy" / "install.sh"), "--destdir", str(dest), "--no-venv"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr
     staged = sorted(str(p) for p in dest.rglob("*") if p.is_file())
-    assert staged and all(f"install.sh:   {p}" in done.stdout.splitlines() for p in staged), done.stdout
+    assert staged and all(f"install.sh:   {p}" in done.stdout.splitlines() for p in staged), (
+        done.stdout
+    )
     unit = dest / "usr/lib/systemd/system/aoed.service"
     assert f"systemd-analyze verify {unit}" in done.stdout, done.stdout
     readme = (ROOT / "deploy" / "README.md").read_text()
@@ -161,25 +217,50 @@ def test_a_staged_install_says_what_it_staged_and_how_to_check_it(tmp_path: Path
 def test_the_bank_page_names_the_bank_the_code_uses_as_root() -> None:
     if os.geteuid() != 0:
         pytest.skip("the defaults as root are checked as root")
-    env = {k: v for k, v in os.environ.items() if k not in ("AOED_CONFIG", "TUNE_BANK_PATH", "AOED_SOCKET")}
-    r = subprocess.run([sys.executable, "-m", "aoed", "--check-config"], capture_output=True, text=True, env=env,
-                       timeout=60)  # fmt: skip
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("AOED_CONFIG", "TUNE_BANK_PATH", "AOED_SOCKET")
+    }
+    r = subprocess.run(
+        [sys.executable, "-m", "aoed", "--check-config"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
     bank = re.search(r"^  bank\s+(\S+)", r.stdout, re.MULTILINE).group(1)
-    section = (ROOT / "docs" / "bank.md").read_text().split("## Where it lives", 1)[1].strip().split("\n\n", 1)[0]
+    section = (
+        (ROOT / "docs" / "bank.md")
+        .read_text()
+        .split("## Where it lives", 1)[1]
+        .strip()
+        .split("\n\n", 1)[0]
+    )
     assert f"`{bank}` as root" in section, section
 
 
-def test_event_numbers_are_per_job_with_gaps_where_log_lines_were(daemon: DaemonProcess, tmp_path: Path) -> None:
+def test_event_numbers_are_per_job_with_gaps_where_log_lines_were(
+    daemon: DaemonProcess, tmp_path: Path
+) -> None:
     model = daemon.models / "mlp.onnx"
     samples.save(samples.build("mlp"), model)
     with Client(daemon.socket) as c:
         job = c.submit(model, options={"budget_s": 1.0})
         everything = [e.sequence for e in c.watch(job.job_id, include_logs=True)]
         no_logs = [e.sequence for e in c.watch(job.job_id)]
-        assert everything == list(range(1, len(everything) + 1)), "with log lines: 1, 2, 3... with no gaps"
-        assert set(no_logs) < set(everything) and no_logs == sorted(no_logs), "without: increasing, with gaps"
+        assert everything == list(range(1, len(everything) + 1)), (
+            "with log lines: 1, 2, 3... with no gaps"
+        )
+        assert set(no_logs) < set(everything) and no_logs == sorted(no_logs), (
+            "without: increasing, with gaps"
+        )
         # Resuming after any number seen loses nothing: the rest of the same stream.
         for seen in no_logs[:-1]:
-            assert [e.sequence for e in c.watch(job.job_id, after_sequence=seen)] == [s for s in no_logs if s > seen]
+            assert [e.sequence for e in c.watch(job.job_id, after_sequence=seen)] == [
+                s for s in no_logs if s > seen
+            ]
     api = (ROOT / "docs" / "API.md").read_text()
-    assert "no gaps" not in api and "gaps where" in api, "docs/API.md says what a watcher without logs sees"
+    assert "no gaps" not in api and "gaps where" in api, (
+        "docs/API.md says what a watcher without logs sees"
+    )

@@ -45,7 +45,9 @@ def _value(samples: Samples, name: str, **labels: str) -> float:
     return samples.get((name, tuple(sorted(labels.items()))), 0.0)
 
 
-def _wait_for(url: str, cond: Callable[[Samples], bool], what: str, timeout: float = 120) -> Samples:
+def _wait_for(
+    url: str, cond: Callable[[Samples], bool], what: str, timeout: float = 120
+) -> Samples:
     deadline = time.monotonic() + timeout
     while True:
         got = _scrape(url)
@@ -67,24 +69,45 @@ def test_a_scrape_during_a_job_shows_the_job_and_the_device_moving(tmp_path: Pat
         before = _scrape(url)
         assert _value(before, "aoed_queue_length") == 0
         assert sum(_value(before, "aoed_jobs", state=s) for s in ACTIVE) == 0
-        device = next(dict(k[1])["device"] for k in before if k[0] == "aoed_device_measurements_total")
+        device = next(
+            dict(k[1])["device"] for k in before if k[0] == "aoed_device_measurements_total"
+        )
         path = d.models / "mlp.onnx"
         samples.save(samples.build("mlp"), path)
         model_id = upload(d.tuning(), path)
-        job = d.tuning().SubmitJob(tuning_pb2.SubmitJobRequest(
-            model_id=model_id, options=tuning_pb2.JobOptions(budget_s=2.0)), timeout=30).job_id  # fmt: skip
-        during = _wait_for(url, lambda s: _value(s, "aoed_jobs", state="tuning") == 1
-                           and _value(s, "aoed_device_measurements_total", device=device) > 0,
-                           "the job tuning and the device measuring")  # fmt: skip
+        job = (
+            d.tuning()
+            .SubmitJob(
+                tuning_pb2.SubmitJobRequest(
+                    model_id=model_id, options=tuning_pb2.JobOptions(budget_s=2.0)
+                ),
+                timeout=30,
+            )
+            .job_id
+        )
+        during = _wait_for(
+            url,
+            lambda s: (
+                _value(s, "aoed_jobs", state="tuning") == 1
+                and _value(s, "aoed_device_measurements_total", device=device) > 0
+            ),
+            "the job tuning and the device measuring",
+        )
         final = d.wait_job(job)
         assert final.state == tuning_pb2.JOB_STATE_SUCCEEDED, final.error
-        after = _wait_for(url, lambda s: _value(s, "aoed_jobs", state="succeeded") == 1, "the job succeeded")
+        after = _wait_for(
+            url, lambda s: _value(s, "aoed_jobs", state="succeeded") == 1, "the job succeeded"
+        )
         # The job and device series moved between the scrape during the job and after it.
         assert _value(after, "aoed_jobs", state="tuning") == 0
-        assert (_value(after, "aoed_device_measurements_total", device=device)
-                > _value(during, "aoed_device_measurements_total", device=device))  # fmt: skip
-        assert (_value(after, "aoed_device_busy_seconds_total", device=device)
-                > _value(during, "aoed_device_busy_seconds_total", device=device) > 0)  # fmt: skip
+        assert _value(after, "aoed_device_measurements_total", device=device) > _value(
+            during, "aoed_device_measurements_total", device=device
+        )
+        assert (
+            _value(after, "aoed_device_busy_seconds_total", device=device)
+            > _value(during, "aoed_device_busy_seconds_total", device=device)
+            > 0
+        )
         assert _value(after, "aoed_bank_records", kind="trial") > 0
         assert _value(after, "aoed_bank_head_seq") > _value(before, "aoed_bank_head_seq")
         assert _value(after, "aoed_bank_lookups_total", source="engine", result="miss") > 0
@@ -107,8 +130,13 @@ def _config(tmp_path: Path, text: str):
 
 def test_metrics_are_off_by_default_and_loopback_unless_allowed(tmp_path: Path) -> None:
     assert _config(tmp_path, "").metrics_listen == ""
-    assert _config(tmp_path, '[metrics]\nlisten = "127.0.0.1:9464"\n').metrics_listen == "127.0.0.1:9464"
-    with pytest.raises(OptionError, match=r"\[metrics\] listen = '0.0.0.0:9464': not a loopback address"):
+    assert (
+        _config(tmp_path, '[metrics]\nlisten = "127.0.0.1:9464"\n').metrics_listen
+        == "127.0.0.1:9464"
+    )
+    with pytest.raises(
+        OptionError, match=r"\[metrics\] listen = '0.0.0.0:9464': not a loopback address"
+    ):
         _config(tmp_path, '[metrics]\nlisten = "0.0.0.0:9464"\n')
     cfg = _config(tmp_path, '[metrics]\nlisten = "0.0.0.0:9464"\nallow_remote = true\n')
     assert cfg.metrics_listen == "0.0.0.0:9464"
@@ -126,12 +154,17 @@ def test_follow_targets_over_tcp_need_tls_as_the_listener_does(tmp_path: Path) -
     ok = _config(tmp_path, '[bank]\nfollow = ["127.0.0.1:7461"]\nfollow_insecure_loopback = true\n')
     assert ok.follow == ("127.0.0.1:7461",)
     with pytest.raises(OptionError, match="follow_ca = .*: no such file"):
-        _config(tmp_path, f'[bank]\nfollow = ["dns:///gpu-02:7461"]\nfollow_ca = "{tmp_path}/none.pem"\n')
+        _config(
+            tmp_path,
+            f'[bank]\nfollow = ["dns:///gpu-02:7461"]\nfollow_ca = "{tmp_path}/none.pem"\n',
+        )
     with pytest.raises(OptionError, match="expected a list of gRPC targets"):
         _config(tmp_path, '[bank]\nfollow = "unix:///x"\n')
 
 
-def test_the_example_dashboard_uses_only_series_the_daemon_serves_and_each_panel_is_described() -> None:
+def test_the_example_dashboard_uses_only_series_the_daemon_serves_and_each_panel_is_described() -> (
+    None
+):
     import json
 
     from aoed import metrics
@@ -139,9 +172,15 @@ def test_the_example_dashboard_uses_only_series_the_daemon_serves_and_each_panel
     root = Path(__file__).resolve().parent.parent
     dash = json.loads((root / "deploy" / "grafana-dashboard.json").read_text())
     readme = (root / "deploy" / "README.md").read_text()
-    served = set(re.findall(r"aoed_\w+", metrics.__doc__ or "")) | set(re.findall(r'"(aoed_\w+)"', Path(metrics.__file__).read_text()))
+    served = set(re.findall(r"aoed_\w+", metrics.__doc__ or "")) | set(
+        re.findall(r'"(aoed_\w+)"', Path(metrics.__file__).read_text())
+    )
     for panel in dash["panels"]:
-        assert f"| {panel['title']} |" in readme, f"deploy/README.md does not describe the panel {panel['title']!r}"
+        assert f"| {panel['title']} |" in readme, (
+            f"deploy/README.md does not describe the panel {panel['title']!r}"
+        )
         for target in panel["targets"]:
             for name in re.findall(r"aoed_\w+", target["expr"]):
-                assert name.removesuffix("_total") in served, f"{panel['title']}: {name} is not a series aoed serves"
+                assert name.removesuffix("_total") in served, (
+                    f"{panel['title']}: {name} is not a series aoed serves"
+                )

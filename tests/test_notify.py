@@ -48,18 +48,30 @@ class Listener:
             fields = dict(line.split("=", 1) for line in data.decode().splitlines() if "=" in line)
             self.messages.append((time.monotonic(), fields))
 
-    def wait_for(self, key: str, value: str | None = None, timeout: float = 60, after: float = 0.0,
-                 prefix: str | None = None) -> tuple[float, dict]:  # fmt: skip
+    def wait_for(
+        self,
+        key: str,
+        value: str | None = None,
+        timeout: float = 60,
+        after: float = 0.0,
+        prefix: str | None = None,
+    ) -> tuple[float, dict]:
         """The first message since `after` with `key` (equal to `value`, or starting with
         `prefix`, when given): (arrival time, fields)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             for t, m in list(self.messages):
-                if t >= after and key in m and (value is None or m[key] == value) and \
-                        (prefix is None or m[key].startswith(prefix)):  # fmt: skip
+                if (
+                    t >= after
+                    and key in m
+                    and (value is None or m[key] == value)
+                    and (prefix is None or m[key].startswith(prefix))
+                ):
                     return t, m
             time.sleep(0.05)
-        raise AssertionError(f"no {key}={value or prefix} within {timeout} s; got {[m for _, m in self.messages][-8:]}")
+        raise AssertionError(
+            f"no {key}={value or prefix} within {timeout} s; got {[m for _, m in self.messages][-8:]}"
+        )
 
     def times(self, key: str) -> list[float]:
         return [t for t, m in self.messages if key in m]
@@ -107,7 +119,9 @@ def test_the_variables_leave_the_environment(listener: Listener) -> None:
 
 
 def test_another_process_s_watchdog_is_not_ours(listener: Listener) -> None:
-    n = Notifier(env={"NOTIFY_SOCKET": str(listener.path), "WATCHDOG_USEC": "2000000", "WATCHDOG_PID": "1"})
+    n = Notifier(
+        env={"NOTIFY_SOCKET": str(listener.path), "WATCHDOG_USEC": "2000000", "WATCHDOG_PID": "1"}
+    )
     assert n.watchdog_s is None
     n.close()
 
@@ -128,8 +142,13 @@ async def test_no_watchdog_ping_while_the_event_loop_is_blocked(listener: Listen
             return bridge.call(context, answer)
 
         server = grpc.server(ThreadPoolExecutor(4))
-        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
-            "t.T", {"Ping": grpc.unary_unary_rpc_method_handler(handler)}),))  # fmt: skip
+        server.add_generic_rpc_handlers(
+            (
+                grpc.method_handlers_generic_handler(
+                    "t.T", {"Ping": grpc.unary_unary_rpc_method_handler(handler)}
+                ),
+            )
+        )
         server.add_insecure_port(target)
         server.start()
         channel = grpc.insecure_channel(target)
@@ -148,8 +167,12 @@ async def test_no_watchdog_ping_while_the_event_loop_is_blocked(listener: Listen
             listener.mark("blocked")
             time.sleep(2.0)  # blocks the trio loop (and nothing else): ten ping periods
             listener.mark("unblocked")
-            t_unblocked, _ = await trio.to_thread.run_sync(lambda: listener.wait_for("MARK", "unblocked", timeout=10))
-            await trio.to_thread.run_sync(lambda: listener.wait_for("WATCHDOG", "1", timeout=10, after=t_unblocked))
+            t_unblocked, _ = await trio.to_thread.run_sync(
+                lambda: listener.wait_for("MARK", "unblocked", timeout=10)
+            )
+            await trio.to_thread.run_sync(
+                lambda: listener.wait_for("WATCHDOG", "1", timeout=10, after=t_unblocked)
+            )
             during = listener.between("WATCHDOG", "blocked", "unblocked")
             assert not during, f"{len(during)} pings while the loop was blocked"
         finally:
@@ -160,7 +183,9 @@ async def test_no_watchdog_ping_while_the_event_loop_is_blocked(listener: Listen
 
 
 @pytest.mark.slow
-def test_the_daemon_tells_systemd_ready_status_watchdog_reloading_stopping(tmp_path: Path, listener: Listener) -> None:
+def test_the_daemon_tells_systemd_ready_status_watchdog_reloading_stopping(
+    tmp_path: Path, listener: Listener
+) -> None:
     d = DaemonProcess(tmp_path / "d")
     env = d.env()
     env.update(NOTIFY_SOCKET=str(listener.path), WATCHDOG_USEC="1000000")
@@ -176,10 +201,19 @@ def test_the_daemon_tells_systemd_ready_status_watchdog_reloading_stopping(tmp_p
         assert "serving on unix://" in ready.get("STATUS", "")
 
         assert ready["STATUS"].startswith("0 running, 0 queued; cpu idle"), ready
-        job_id = d.tuning().SubmitJob(tuning_pb2.SubmitJobRequest(
-            model_id=upload(d.tuning(), model), options=tuning_pb2.JobOptions(budget_s=4.0))).job_id  # fmt: skip
+        job_id = (
+            d.tuning()
+            .SubmitJob(
+                tuning_pb2.SubmitJobRequest(
+                    model_id=upload(d.tuning(), model), options=tuning_pb2.JobOptions(budget_s=4.0)
+                )
+            )
+            .job_id
+        )
         # The status follows the job: running while it runs, idle again once it ended.
-        t_run, _ = listener.wait_for("STATUS", prefix="1 running, 0 queued; cpu busy", after=t_ready)
+        t_run, _ = listener.wait_for(
+            "STATUS", prefix="1 running, 0 queued; cpu busy", after=t_ready
+        )
         job = d.wait_job(job_id)
         assert job.state == tuning_pb2.JOB_STATE_SUCCEEDED
         t_idle, _ = listener.wait_for("STATUS", prefix="0 running, 0 queued; cpu idle", after=t_run)

@@ -160,9 +160,13 @@ def test_external_data_outside_the_model_directory_is_refused(tmp_path: Path) ->
     model_dir.mkdir()
     model = samples.mlp()
     onnx.save(
-        model, str(model_dir / "mlp.onnx"), save_as_external_data=True,
-        all_tensors_to_one_file=True, location="w.bin", size_threshold=0,
-    )  # fmt: skip
+        model,
+        str(model_dir / "mlp.onnx"),
+        save_as_external_data=True,
+        all_tensors_to_one_file=True,
+        location="w.bin",
+        size_threshold=0,
+    )
     # Move the data one level up and point the model at it there.
     (model_dir / "w.bin").rename(tmp_path / "outside.bin")
     model = onnx.load(str(model_dir / "mlp.onnx"), load_external_data=False)
@@ -183,9 +187,13 @@ def test_external_data_outside_the_model_directory_is_refused(tmp_path: Path) ->
 def test_external_data_beside_the_model_loads(tmp_path: Path) -> None:
     model = samples.mlp()
     onnx.save(
-        model, str(tmp_path / "mlp.onnx"), save_as_external_data=True,
-        all_tensors_to_one_file=True, location="w.bin", size_threshold=0,
-    )  # fmt: skip
+        model,
+        str(tmp_path / "mlp.onnx"),
+        save_as_external_data=True,
+        all_tensors_to_one_file=True,
+        location="w.bin",
+        size_threshold=0,
+    )
     assert (tmp_path / "w.bin").stat().st_size > 0
     assert (tmp_path / "mlp.onnx").stat().st_size < (tmp_path / "w.bin").stat().st_size
     prep = prepare(tmp_path / "mlp.onnx", tmp_path / "work")

@@ -42,8 +42,13 @@ KINDS = [
 
 
 def _aoe(args: list[str], **kw) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "aoe.cli", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, **kw)  # fmt: skip
+    return subprocess.Popen(
+        [sys.executable, "-m", "aoe.cli", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **kw,
+    )
 
 
 def _decided(out: Path) -> dict[str, str]:
@@ -93,18 +98,39 @@ def _calibration(model: Path, folder: Path, n: int = 12) -> None:
     graph = onnx.load(str(model)).graph
     inputs = {i.name: [d.dim_value for d in i.type.tensor_type.shape.dim] for i in graph.input}
     for k in range(n):
-        arrays = {name: rng.standard_normal(dims).astype(np.float32) for name, dims in inputs.items()}
+        arrays = {
+            name: rng.standard_normal(dims).astype(np.float32) for name, dims in inputs.items()
+        }
         np.savez(folder / f"s{k:02d}.npz", **arrays)
 
 
-@pytest.mark.parametrize(("name", "precision", "job_type", "calibrated"), KINDS,
-                         ids=[f"{n}-{p}-{j}" + ("-calibrated" if c else "") for n, p, j, c in KINDS])  # fmt: skip
+@pytest.mark.parametrize(
+    ("name", "precision", "job_type", "calibrated"),
+    KINDS,
+    ids=[f"{n}-{p}-{j}" + ("-calibrated" if c else "") for n, p, j, c in KINDS],
+)
 def test_a_killed_job_run_again_measures_nothing_it_decided(
     models: Path, tmp_path: Path, name: str, precision: str, job_type: str, calibrated: bool
 ) -> None:
     out, bank = tmp_path / "out", tmp_path / "bank"
-    args = ["tune", str(models / f"{name}.onnx"), "--precision", precision, "--job-type", job_type, "--local",
-            "--bank", str(bank), "--output", str(out), "--budget", "6", "--parallel", "1", "--no-progress"]  # fmt: skip
+    args = [
+        "tune",
+        str(models / f"{name}.onnx"),
+        "--precision",
+        precision,
+        "--job-type",
+        job_type,
+        "--local",
+        "--bank",
+        str(bank),
+        "--output",
+        str(out),
+        "--budget",
+        "6",
+        "--parallel",
+        "1",
+        "--no-progress",
+    ]
     if calibrated:
         _calibration(models / f"{name}.onnx", tmp_path / "calibration")
         args += ["--calibration", str(tmp_path / "calibration")]
@@ -142,7 +168,10 @@ def test_a_killed_job_run_again_measures_nothing_it_decided(
     for task, strategy in before.items():
         row = rows[task]
         assert row["update_mode"] == "hit" and row["attempt"] == 1, row
-        assert row["strategy"] == strategy or any("backed off" in r for r in row["rejected"]), (strategy, row)
+        assert row["strategy"] == strategy or any("backed off" in r for r in row["rejected"]), (
+            strategy,
+            row,
+        )
         assert row["candidates"], "the first run's measurements are in the report"
     counts = _TASKS_LINE.search(stdout)
     assert counts and int(counts.group(3)) >= len(before), stdout
@@ -150,7 +179,11 @@ def test_a_killed_job_run_again_measures_nothing_it_decided(
     res = doc["resources"]
     assert res["trials"] == sum(trials[job1].values()) + sum(trials.get(job2, {}).values())
     assert [a["attempt"] for a in res["attempts"]] == [1, 2]
-    assert res["attempts"][0] == {"attempt": 1, "tasks": len(measured1), "trials": sum(measured1.values())}
+    assert res["attempts"][0] == {
+        "attempt": 1,
+        "tasks": len(measured1),
+        "trials": sum(measured1.values()),
+    }
     # One job, one workspace: the second run continued in the one the kill left.
     (ws,) = [p for p in (out / "aoe_workspace").iterdir() if p.name != "logs"]
     assert (ws / "job.log").read_text().count(" INFO aoed.engine.engine: job ") >= 2

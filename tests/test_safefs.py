@@ -45,7 +45,9 @@ def test_a_failed_write_leaves_the_name_as_it_was_and_no_temporary(tmp_path: Pat
 
     with safefs.opened_dir(d) as fd, pytest.raises(RuntimeError):
         safefs.write_file("out.txt", fill, dir_fd=fd)
-    assert (d / "out.txt").read_bytes() == b"old\n" and sorted(p.name for p in d.iterdir()) == ["out.txt"]
+    assert (d / "out.txt").read_bytes() == b"old\n" and sorted(p.name for p in d.iterdir()) == [
+        "out.txt"
+    ]
 
 
 def test_folders_and_reserved_names_refuse_links(tmp_path: Path) -> None:
@@ -60,7 +62,9 @@ def test_folders_and_reserved_names_refuse_links(tmp_path: Path) -> None:
     with safefs.opened_dir(d) as fd:
         with pytest.raises(safefs.LinkRefusedError, match="symbolic link"):
             safefs.make_dir("ws", dir_fd=fd)
-        assert not safefs.reserve("r.json", dir_fd=fd) and not safefs.reserve("dangling.json", dir_fd=fd)
+        assert not safefs.reserve("r.json", dir_fd=fd) and not safefs.reserve(
+            "dangling.json", dir_fd=fd
+        )
         assert safefs.taken("dangling.json", dir_fd=fd) and not safefs.taken("free.json", dir_fd=fd)
         assert safefs.reserve("free.json", dir_fd=fd)
         with pytest.raises(safefs.LinkRefusedError):
@@ -91,7 +95,9 @@ def test_fit_keeps_names_within_name_max_in_bytes(stem: str) -> None:
         assert fitted == stem
     else:
         assert fitted.startswith(stem[:20]) and "~" in fitted
-        assert safefs.fit(stem + "x", len("_99999.onnx.error.txt")) != fitted, "different names stay different"
+        assert safefs.fit(stem + "x", len("_99999.onnx.error.txt")) != fitted, (
+            "different names stay different"
+        )
     fitted.encode("utf-8")  # cut at a character boundary: still valid UTF-8
 
 
@@ -108,8 +114,12 @@ with open(sys.argv[1], "ab") as f:
 def test_has_writers_sees_a_writer_that_holds_the_file_open(tmp_path: Path) -> None:
     path = tmp_path / "m.onnx"
     path.write_bytes(b"half")
-    writer = subprocess.Popen([sys.executable, "-c", _WRITER, str(path)], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    writer = subprocess.Popen(
+        [sys.executable, "-c", _WRITER, str(path)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert writer.stdout is not None and writer.stdout.readline() == "open\n"
         fd = safefs.open_file(path)
@@ -135,7 +145,9 @@ def test_a_lease_broken_by_a_writer_does_not_end_the_process(tmp_path: Path) -> 
     try:
         with safefs.read_lease(fd) as held:
             assert held is True
-            opener = subprocess.Popen([sys.executable, "-c", f"open({str(path)!r}, 'ab').write(b'!')"])
+            opener = subprocess.Popen(
+                [sys.executable, "-c", f"open({str(path)!r}, 'ab').write(b'!')"]
+            )
             deadline = time.monotonic() + 30
             # The break is under way once the lease reads as being given up.
             while fcntl.fcntl(fd, fcntl.F_GETLEASE) != fcntl.F_UNLCK:

@@ -42,7 +42,9 @@ ROOT = Path(__file__).resolve().parents[1]
 NOBODY = 65534  # nobody / nogroup
 OTHER_GID = 65533  # a group nobody is not in (it need not have a name)
 
-needs_openssl = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
+needs_openssl = pytest.mark.skipif(
+    shutil.which("openssl") is None, reason="needs the openssl command"
+)
 
 
 def _free_port() -> int:
@@ -66,13 +68,28 @@ with grpc.insecure_channel(sys.argv[1]) as ch:
 """
 
 
-def _run_as(python: str, argv: list[str], uid: int = NOBODY, gid: int = NOBODY, groups: tuple[int, ...] = (),
-            pythonpath: str = ""):  # fmt: skip
+def _run_as(
+    python: str,
+    argv: list[str],
+    uid: int = NOBODY,
+    gid: int = NOBODY,
+    groups: tuple[int, ...] = (),
+    pythonpath: str = "",
+):
     """Run `python argv` as `uid`:`gid` with supplementary `groups`, seeing our grpc
     (and `pythonpath`)."""
     env = {"PATH": os.defpath, "PYTHONPATH": pythonpath or str(Path(grpc.__file__).parents[1])}
-    return subprocess.run([python, *argv], user=uid, group=gid, extra_groups=list(groups), env=env, cwd="/",
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    return subprocess.run(
+        [python, *argv],
+        user=uid,
+        group=gid,
+        extra_groups=list(groups),
+        env=env,
+        cwd="/",
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def _python_for_nobody() -> str | None:
@@ -84,7 +101,9 @@ def _python_for_nobody() -> str | None:
         if not os.access(python, os.F_OK):
             continue
         try:
-            probe = _run_as(python, ["-c", "import sys, grpc, grpc_health; print(sys.version_info[:2])"])
+            probe = _run_as(
+                python, ["-c", "import sys, grpc, grpc_health; print(sys.version_info[:2])"]
+            )
         except PermissionError:
             continue
         if probe.returncode == 0 and probe.stdout.strip() == str(sys.version_info[:2]):
@@ -109,7 +128,9 @@ def test_only_the_socket_group_can_connect(tmp_path: Path) -> None:
     python = _python_for_nobody()
     if python is None:
         pytest.skip(f"no python that uid {NOBODY} may run and import grpc with")
-    d = DaemonProcess(tmp_path / "d", listen_toml=f'socket_mode = "0660"\nsocket_group = "{group}"\n')
+    d = DaemonProcess(
+        tmp_path / "d", listen_toml=f'socket_mode = "0660"\nsocket_group = "{group}"\n'
+    )
     os.chmod(d.socket.parent, 0o755)  # mkdtemp made it 0700: let the other users reach the socket
     try:
         d.start()
@@ -143,7 +164,9 @@ except OptionError as exc:
 """
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="running the daemon's bind as another user needs root")
+@pytest.mark.skipif(
+    os.geteuid() != 0, reason="running the daemon's bind as another user needs root"
+)
 def test_a_socket_group_the_daemon_is_not_in_is_a_clear_error(tmp_path: Path) -> None:
     python = _python_for_nobody()
     if python is None:
@@ -152,12 +175,19 @@ def test_a_socket_group_the_daemon_is_not_in_is_a_clear_error(tmp_path: Path) ->
     try:
         os.chown(home, NOBODY, NOBODY)
         config = home / "aoed.toml"
-        config.write_text(f'[daemon]\nstate_dir = "{home}/state"\n[engine]\nruntime_dir = "{home}/run"\n'
-                          f'[listen]\nsocket = "{home}/aoed.sock"\nsocket_group = "root"\n')  # fmt: skip
-        path = os.pathsep.join([str(Path(grpc.__file__).parents[1]), str(ROOT / "client"), str(ROOT / "daemon")])
+        config.write_text(
+            f'[daemon]\nstate_dir = "{home}/state"\n[engine]\nruntime_dir = "{home}/run"\n'
+            f'[listen]\nsocket = "{home}/aoed.sock"\nsocket_group = "root"\n'
+        )
+        path = os.pathsep.join(
+            [str(Path(grpc.__file__).parents[1]), str(ROOT / "client"), str(ROOT / "daemon")]
+        )
         r = _run_as(python, ["-c", _BIND_AS_NOBODY, str(config)], pythonpath=path)
         assert r.returncode == 0, r.stderr
-        assert "socket_group 'root': cannot give the socket" in r.stdout and "must be a member" in r.stdout, r.stdout
+        assert (
+            "socket_group 'root': cannot give the socket" in r.stdout
+            and "must be a member" in r.stdout
+        ), r.stdout
     finally:
         shutil.rmtree(home, ignore_errors=True)
 
@@ -187,8 +217,18 @@ def _plain_python_for_nobody() -> str | None:
     """Any python uid 65534 can run (the script needs nothing but the standard library)."""
     for python in (sys.executable, "/usr/bin/python3", "/usr/local/bin/python3"):
         try:
-            if subprocess.run([python, "-c", "pass"], user=NOBODY, group=NOBODY, extra_groups=[], cwd="/",
-                              capture_output=True, timeout=60).returncode == 0:  # fmt: skip
+            if (
+                subprocess.run(
+                    [python, "-c", "pass"],
+                    user=NOBODY,
+                    group=NOBODY,
+                    extra_groups=[],
+                    cwd="/",
+                    capture_output=True,
+                    timeout=60,
+                ).returncode
+                == 0
+            ):
                 return python
         except OSError:
             continue
@@ -196,8 +236,17 @@ def _plain_python_for_nobody() -> str | None:
 
 
 def _hold_as_nobody(python: str, lock: Path) -> list[str]:
-    r = subprocess.run([python, "-c", _HOLD_THE_DEVICE, str(lock)], user=NOBODY, group=NOBODY, extra_groups=[],
-                       env={"PATH": os.defpath}, cwd="/", capture_output=True, text=True, timeout=60)  # fmt: skip
+    r = subprocess.run(
+        [python, "-c", _HOLD_THE_DEVICE, str(lock)],
+        user=NOBODY,
+        group=NOBODY,
+        extra_groups=[],
+        env={"PATH": os.defpath},
+        cwd="/",
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 0, r.stderr
     return r.stdout.split()
 
@@ -265,7 +314,9 @@ def test_another_user_cannot_hold_the_bank_writer_lock(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user needs root")
-async def test_a_device_lock_open_to_others_is_narrowed_when_ours_and_refused_when_not(tmp_path: Path) -> None:
+async def test_a_device_lock_open_to_others_is_narrowed_when_ours_and_refused_when_not(
+    tmp_path: Path,
+) -> None:
     from aoe.errors import DeviceError
     from aoed.engine.devlock import DeviceLock
 
@@ -324,7 +375,9 @@ def _open_to_others(*roots: Path) -> list[str]:
 
 
 @pytest.mark.slow
-def test_a_daemon_started_under_umask_000_leaves_nothing_open_to_other_users(tmp_path: Path) -> None:
+def test_a_daemon_started_under_umask_000_leaves_nothing_open_to_other_users(
+    tmp_path: Path,
+) -> None:
     d = DaemonProcess(tmp_path / "d")
     d.bank.mkdir()
     os.chmod(d.bank, 0o755)  # as a run under umask 022 left it: closed to others at start
@@ -336,14 +389,25 @@ def test_a_daemon_started_under_umask_000_leaves_nothing_open_to_other_users(tmp
     try:
         model = d.models / "mlp.onnx"
         samples.save(samples.build("mlp"), model)
-        job_id = d.tuning().SubmitJob(tuning_pb2.SubmitJobRequest(
-            model_id=upload(d.tuning(), model), options=tuning_pb2.JobOptions(budget_s=1.0)), timeout=60).job_id  # fmt: skip
+        job_id = (
+            d.tuning()
+            .SubmitJob(
+                tuning_pb2.SubmitJobRequest(
+                    model_id=upload(d.tuning(), model), options=tuning_pb2.JobOptions(budget_s=1.0)
+                ),
+                timeout=60,
+            )
+            .job_id
+        )
         job = d.wait_job(job_id)
         assert job.state == tuning_pb2.JOB_STATE_SUCCEEDED, job.error
         # One drop too: a claim, then the outbox.
         samples.save(samples.build("mlp"), d.inbox / "dropped.onnx")
         deadline = time.monotonic() + 240
-        while not (d.inbox.parent / "outbox" / "dropped_result.json").exists() and time.monotonic() < deadline:
+        while (
+            not (d.inbox.parent / "outbox" / "dropped_result.json").exists()
+            and time.monotonic() < deadline
+        ):
             time.sleep(0.2)
         assert (d.inbox.parent / "outbox" / "dropped_tuned.onnx").exists(), d.log()[-2000:]
         state = d.state
@@ -354,10 +418,16 @@ def test_a_daemon_started_under_umask_000_leaves_nothing_open_to_other_users(tmp
         for name in ("jobs.sqlite3", "uploads", "claimed", "jobs"):
             assert (state / name).exists(), name
         assert (d.bank / "data.mdb").exists() and (d.bank / "lock.mdb").exists()
-        assert Path(job.result.tuned_model_path).is_file() and Path(job.result.result_json_path).is_file()
+        assert (
+            Path(job.result.tuned_model_path).is_file()
+            and Path(job.result.result_json_path).is_file()
+        )
         assert _open_to_others(state, d.bank, d.inbox.parent / "outbox") == []
         assert stat.S_IMODE(os.stat(state).st_mode) == 0o750
-        assert stat.S_IMODE(os.stat(d.bank).st_mode) == 0o750 and f"{d.bank} was open to other users" in d.log()
+        assert (
+            stat.S_IMODE(os.stat(d.bank).st_mode) == 0o750
+            and f"{d.bank} was open to other users" in d.log()
+        )
         # The runtime folder may be one others pass through (to a socket beside the
         # locks), but they write nothing there and open no lock.
         runtime = Path(d.env().get("AOED_RUNTIME_DIR") or d.runtime)
@@ -373,13 +443,20 @@ def test_a_daemon_started_under_umask_000_leaves_nothing_open_to_other_users(tmp
 @pytest.mark.slow
 def test_the_daemon_will_not_start_on_plain_tcp_on_a_public_address(tmp_path: Path) -> None:
     port = _free_port()
-    d = DaemonProcess(tmp_path / "d", listen_toml=f'tcp = "0.0.0.0:{port}"\ninsecure_loopback = true\n')
+    d = DaemonProcess(
+        tmp_path / "d", listen_toml=f'tcp = "0.0.0.0:{port}"\ninsecure_loopback = true\n'
+    )
     try:
         with pytest.raises(RuntimeError, match="aoed exited with 2"):
             d.start(timeout=60)
-        assert f"tcp = '0.0.0.0:{port}': TCP on a non-loopback address needs TLS" in d.log(), d.log()
+        assert f"tcp = '0.0.0.0:{port}': TCP on a non-loopback address needs TLS" in d.log(), (
+            d.log()
+        )
         assert not d.socket.exists(), "it stopped before listening anywhere"
-        with pytest.raises(ConnectionRefusedError), socket.create_connection(("127.0.0.1", port), timeout=5):
+        with (
+            pytest.raises(ConnectionRefusedError),
+            socket.create_connection(("127.0.0.1", port), timeout=5),
+        ):
             pass
     finally:
         d.close()
@@ -391,30 +468,85 @@ def _openssl(*args: str | Path) -> None:
 
 def _ca(d: Path, name: str) -> tuple[Path, Path]:
     cert, key = d / f"{name}.pem", d / f"{name}.key"
-    _openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-days", "1",
-             "-subj", f"/CN={name}", "-addext", "basicConstraints=critical,CA:TRUE",
-             "-addext", "keyUsage=critical,keyCertSign,cRLSign", "-keyout", key, "-out", cert)  # fmt: skip
+    _openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:prime256v1",
+        "-nodes",
+        "-days",
+        "1",
+        "-subj",
+        f"/CN={name}",
+        "-addext",
+        "basicConstraints=critical,CA:TRUE",
+        "-addext",
+        "keyUsage=critical,keyCertSign,cRLSign",
+        "-keyout",
+        key,
+        "-out",
+        cert,
+    )
     return cert, key
 
 
 def _signed(d: Path, name: str, ca: tuple[Path, Path], ext: str) -> tuple[Path, Path]:
-    cert, key, csr, extfile = d / f"{name}.pem", d / f"{name}.key", d / f"{name}.csr", d / f"{name}.ext"
+    cert, key, csr, extfile = (
+        d / f"{name}.pem",
+        d / f"{name}.key",
+        d / f"{name}.csr",
+        d / f"{name}.ext",
+    )
     extfile.write_text(ext)
-    _openssl("req", "-new", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-             "-subj", f"/CN={name}", "-keyout", key, "-out", csr)  # fmt: skip
-    _openssl("x509", "-req", "-in", csr, "-CA", ca[0], "-CAkey", ca[1], "-CAcreateserial", "-days", "1",
-             "-extfile", extfile, "-out", cert)  # fmt: skip
+    _openssl(
+        "req",
+        "-new",
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:prime256v1",
+        "-nodes",
+        "-subj",
+        f"/CN={name}",
+        "-keyout",
+        key,
+        "-out",
+        csr,
+    )
+    _openssl(
+        "x509",
+        "-req",
+        "-in",
+        csr,
+        "-CA",
+        ca[0],
+        "-CAkey",
+        ca[1],
+        "-CAcreateserial",
+        "-days",
+        "1",
+        "-extfile",
+        extfile,
+        "-out",
+        cert,
+    )
     return cert, key
 
 
-def _info_over_tls(port: int, ca: Path, client: tuple[Path, Path] | None) -> daemon_pb2.GetDaemonInfoResponse:
+def _info_over_tls(
+    port: int, ca: Path, client: tuple[Path, Path] | None
+) -> daemon_pb2.GetDaemonInfoResponse:
     creds = grpc.ssl_channel_credentials(
         root_certificates=ca.read_bytes(),
         private_key=client[1].read_bytes() if client else None,
         certificate_chain=client[0].read_bytes() if client else None,
     )
     with grpc.secure_channel(f"127.0.0.1:{port}", creds) as ch:
-        return daemon_pb2_grpc.DaemonServiceStub(ch).GetDaemonInfo(daemon_pb2.GetDaemonInfoRequest(), timeout=15)
+        return daemon_pb2_grpc.DaemonServiceStub(ch).GetDaemonInfo(
+            daemon_pb2.GetDaemonInfoRequest(), timeout=15
+        )
 
 
 @pytest.mark.slow
@@ -423,12 +555,21 @@ def test_mutual_tls_serves_only_clients_with_a_certificate_from_the_ca(tmp_path:
     pki = tmp_path / "pki"
     pki.mkdir()
     ca = _ca(pki, "clients-ca")
-    server = _signed(pki, "server", ca, "subjectAltName=DNS:localhost,IP:127.0.0.1\nextendedKeyUsage=serverAuth\n")
+    server = _signed(
+        pki,
+        "server",
+        ca,
+        "subjectAltName=DNS:localhost,IP:127.0.0.1\nextendedKeyUsage=serverAuth\n",
+    )
     good = _signed(pki, "good-client", ca, "extendedKeyUsage=clientAuth\n")
     rogue = _signed(pki, "rogue-client", _ca(pki, "other-ca"), "extendedKeyUsage=clientAuth\n")
     port = _free_port()
-    d = DaemonProcess(tmp_path / "d", listen_toml=(
-        f'tcp = "127.0.0.1:{port}"\ntls_cert = "{server[0]}"\ntls_key = "{server[1]}"\ntls_client_ca = "{ca[0]}"\n'))  # fmt: skip
+    d = DaemonProcess(
+        tmp_path / "d",
+        listen_toml=(
+            f'tcp = "127.0.0.1:{port}"\ntls_cert = "{server[0]}"\ntls_key = "{server[1]}"\ntls_client_ca = "{ca[0]}"\n'
+        ),
+    )
     try:
         d.start()
         info = _info_over_tls(port, ca[0], good)
@@ -436,8 +577,14 @@ def test_mutual_tls_serves_only_clients_with_a_certificate_from_the_ca(tmp_path:
         for who, client in (("a certificate from another CA", rogue), ("no certificate", None)):
             with pytest.raises(grpc.RpcError) as err:
                 _info_over_tls(port, ca[0], client)
-            assert err.value.code() == grpc.StatusCode.UNAVAILABLE, (who, err.value.code(), err.value.details())
-        assert _info_over_tls(port, ca[0], good).pid == d.proc.pid, "refusing others left the good client served"
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE, (
+                who,
+                err.value.code(),
+                err.value.details(),
+            )
+        assert _info_over_tls(port, ca[0], good).pid == d.proc.pid, (
+            "refusing others left the good client served"
+        )
     finally:
         d.close()
 
@@ -467,15 +614,36 @@ def _tree(folder: Path) -> list[tuple[str, int]]:
 
 
 M, O = "{models}", "{outside}"  # noqa: E741  (placeholders in the cases below)
-INVALID, DENIED, NOT_FOUND = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED,
-                              grpc.StatusCode.NOT_FOUND)  # fmt: skip
+INVALID, DENIED, NOT_FOUND = (
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.PERMISSION_DENIED,
+    grpc.StatusCode.NOT_FOUND,
+)
 
 # (model_path, calibration_dir, output_dir, expected status, words of the message)
 PATH_CASES = {
-    "dotdot-to-etc-passwd": (f"{M}/../../../../../../../../etc/passwd", "", "", DENIED, "outside the allowed"),
-    "dotdot-to-a-model-outside": (f"{M}/../outside/mlp.onnx", "", "", DENIED, "outside the allowed"),
+    "dotdot-to-etc-passwd": (
+        f"{M}/../../../../../../../../etc/passwd",
+        "",
+        "",
+        DENIED,
+        "outside the allowed",
+    ),
+    "dotdot-to-a-model-outside": (
+        f"{M}/../outside/mlp.onnx",
+        "",
+        "",
+        DENIED,
+        "outside the allowed",
+    ),
     # Refused the same way whether or not it exists: no probing of what is outside.
-    "dotdot-to-nothing-outside": (f"{M}/../outside/nope.onnx", "", "", DENIED, "outside the allowed"),
+    "dotdot-to-nothing-outside": (
+        f"{M}/../outside/nope.onnx",
+        "",
+        "",
+        DENIED,
+        "outside the allowed",
+    ),
     "symlinked-dir-to-outside": (f"{M}/escape/mlp.onnx", "", "", DENIED, "outside the allowed"),
     "model-outside": (f"{O}/mlp.onnx", "", "", DENIED, "outside the allowed"),
     "model-relative": ("models/mlp.onnx", "", "", INVALID, "must be an absolute path"),
@@ -484,14 +652,26 @@ PATH_CASES = {
     "model-missing-inside": (f"{M}/nope.onnx", "", "", NOT_FOUND, "no such file"),
     "calibration-outside": (f"{M}/mlp.onnx", f"{O}/calib", "", DENIED, "calibration_dir"),
     "calibration-symlinked": (f"{M}/mlp.onnx", f"{M}/escape/calib", "", DENIED, "calibration_dir"),
-    "calibration-dotdot": (f"{M}/mlp.onnx", f"{M}/calib/../../outside/calib", "", DENIED, "calibration_dir"),
+    "calibration-dotdot": (
+        f"{M}/mlp.onnx",
+        f"{M}/calib/../../outside/calib",
+        "",
+        DENIED,
+        "calibration_dir",
+    ),
     "calibration-relative": (f"{M}/mlp.onnx", "calib", "", INVALID, "must be an absolute path"),
     "calibration-nul": (f"{M}/mlp.onnx", f"{M}/calib\x00", "", INVALID, "NUL byte"),
     "calibration-a-file": (f"{M}/mlp.onnx", f"{M}/mlp.onnx", "", INVALID, "not a directory"),
     "output-outside": (f"{M}/mlp.onnx", "", f"{O}/out", DENIED, "output_dir"),
     "output-symlinked": (f"{M}/mlp.onnx", "", f"{M}/escape/out", DENIED, "output_dir"),
     "output-dotdot-new": (f"{M}/mlp.onnx", "", f"{M}/out/../../outside/new", DENIED, "output_dir"),
-    "output-missing-outside": (f"{M}/mlp.onnx", "", "/var/lib/aoed-test-nowhere", DENIED, "output_dir"),
+    "output-missing-outside": (
+        f"{M}/mlp.onnx",
+        "",
+        "/var/lib/aoed-test-nowhere",
+        DENIED,
+        "output_dir",
+    ),
     "output-relative": (f"{M}/mlp.onnx", "", "out", INVALID, "must be an absolute path"),
     "output-nul": (f"{M}/mlp.onnx", "", f"{M}/out\x00/x", INVALID, "NUL byte"),
 }
@@ -502,25 +682,39 @@ PATH_CASES = {
 def test_daemon_side_paths_are_confined(daemon: DaemonProcess, case: str) -> None:
     outside = daemon.root / "outside"
     model, calibration, output, code, words = (
-        v.format(models=daemon.models, outside=outside) if isinstance(v, str) else v for v in PATH_CASES[case]
+        v.format(models=daemon.models, outside=outside) if isinstance(v, str) else v
+        for v in PATH_CASES[case]
     )
     before = _tree(outside)
     jobs = len(daemon.tuning().ListJobs(tuning_pb2.ListJobsRequest()).jobs)
-    request = tuning_pb2.SubmitJobRequest(model_path=model, options=tuning_pb2.JobOptions(
-        budget_s=1.0, calibration_dir=calibration, output_dir=output))  # fmt: skip
+    request = tuning_pb2.SubmitJobRequest(
+        model_path=model,
+        options=tuning_pb2.JobOptions(budget_s=1.0, calibration_dir=calibration, output_dir=output),
+    )
     with pytest.raises(grpc.RpcError) as err:
         daemon.tuning().SubmitJob(request, timeout=30)
-    assert err.value.code() == code and words in err.value.details(), (err.value.code(), err.value.details())
+    assert err.value.code() == code and words in err.value.details(), (
+        err.value.code(),
+        err.value.details(),
+    )
     assert _tree(outside) == before, "nothing created or changed outside the allowed dirs"
     assert not Path("/var/lib/aoed-test-nowhere").exists() and not (outside / "new").exists()
-    assert len(daemon.tuning().ListJobs(tuning_pb2.ListJobsRequest()).jobs) == jobs, "no job was created"
+    assert len(daemon.tuning().ListJobs(tuning_pb2.ListJobsRequest()).jobs) == jobs, (
+        "no job was created"
+    )
 
 
 @pytest.mark.slow
 def test_confined_paths_inside_are_accepted(daemon: DaemonProcess) -> None:
     """The control for the refusals above: the same fields, inside, make a job."""
-    request = tuning_pb2.SubmitJobRequest(model_path=f"{daemon.models}/calib/../mlp.onnx", options=tuning_pb2.JobOptions(
-        budget_s=30.0, calibration_dir=str(daemon.models / "calib"), output_dir=str(daemon.models / "out")))  # fmt: skip
+    request = tuning_pb2.SubmitJobRequest(
+        model_path=f"{daemon.models}/calib/../mlp.onnx",
+        options=tuning_pb2.JobOptions(
+            budget_s=30.0,
+            calibration_dir=str(daemon.models / "calib"),
+            output_dir=str(daemon.models / "out"),
+        ),
+    )
     reply = daemon.tuning().SubmitJob(request, timeout=30)
     try:
         assert reply.job.model_path == str(daemon.models.resolve() / "mlp.onnx")
@@ -534,9 +728,13 @@ def test_confined_paths_inside_are_accepted(daemon: DaemonProcess) -> None:
 def test_an_upload_cannot_name_a_path(daemon: DaemonProcess) -> None:
     outside = daemon.root / "outside"
     before = _tree(outside)
-    model_id = upload(daemon.tuning(), daemon.models / "mlp.onnx", name="../../../outside/evil.onnx")
+    model_id = upload(
+        daemon.tuning(), daemon.models / "mlp.onnx", name="../../../outside/evil.onnx"
+    )
     stored = list((daemon.state / "uploads" / model_id).iterdir())
-    assert [p.name for p in stored] == ["evil.onnx"], "only the base name is kept, inside the upload's folder"
+    assert [p.name for p in stored] == ["evil.onnx"], (
+        "only the base name is kept, inside the upload's folder"
+    )
     assert _tree(outside) == before
     with pytest.raises(grpc.RpcError) as err:
         upload(daemon.tuning(), daemon.models / "mlp.onnx", name="..")
@@ -553,7 +751,9 @@ def _secret(daemon: DaemonProcess, name: str) -> Path:
 
 
 @pytest.mark.slow
-def test_a_model_hard_linked_from_outside_is_refused_before_it_is_opened(daemon: DaemonProcess) -> None:
+def test_a_model_hard_linked_from_outside_is_refused_before_it_is_opened(
+    daemon: DaemonProcess,
+) -> None:
     """A hard link is the outside file itself under a name inside: no path check sees it,
     so SubmitJob refuses a file with several links, before anything opens it."""
     secret = _secret(daemon, "secret.onnx")
@@ -563,14 +763,23 @@ def test_a_model_hard_linked_from_outside_is_refused_before_it_is_opened(daemon:
     watch = Inotify()
     try:
         watch.watch(secret)
-        request = tuning_pb2.SubmitJobRequest(model_path=str(linked), options=tuning_pb2.JobOptions(budget_s=1.0))
+        request = tuning_pb2.SubmitJobRequest(
+            model_path=str(linked), options=tuning_pb2.JobOptions(budget_s=1.0)
+        )
         with pytest.raises(grpc.RpcError) as err:
             daemon.tuning().SubmitJob(request, timeout=30)
         msg = err.value.details()
         assert err.value.code() == DENIED, (err.value.code(), msg)
-        assert str(linked) in msg and "2 hard links" in msg and "copy the file" in msg and "upload it" in msg, msg
+        assert (
+            str(linked) in msg
+            and "2 hard links" in msg
+            and "copy the file" in msg
+            and "upload it" in msg
+        ), msg
         assert watch.events() == [], "the daemon opened the file behind the link"
-        assert len(daemon.tuning().ListJobs(tuning_pb2.ListJobsRequest()).jobs) == jobs, "no job was created"
+        assert len(daemon.tuning().ListJobs(tuning_pb2.ListJobsRequest()).jobs) == jobs, (
+            "no job was created"
+        )
         linked.read_bytes()  # the control: the watch sees an open through the link
         assert any(m & Inotify.IN_OPEN for _, m in watch.events())
     finally:
@@ -578,7 +787,9 @@ def test_a_model_hard_linked_from_outside_is_refused_before_it_is_opened(daemon:
 
 
 @pytest.mark.slow
-def test_a_model_hard_linked_into_the_inbox_goes_to_failed_saying_why(daemon: DaemonProcess) -> None:
+def test_a_model_hard_linked_into_the_inbox_goes_to_failed_saying_why(
+    daemon: DaemonProcess,
+) -> None:
     secret = _secret(daemon, "inbox-secret.onnx")
     failed = daemon.inbox.parent / "failed"
     jobs = len(daemon.tuning().ListJobs(tuning_pb2.ListJobsRequest()).jobs)
@@ -594,7 +805,9 @@ def test_a_model_hard_linked_into_the_inbox_goes_to_failed_saying_why(daemon: Da
         assert "state: rejected" in text and "2 hard links" in text and "upload it" in text, text
         assert not (daemon.inbox / "linked.onnx").exists() and (failed / "linked.onnx").exists()
         assert watch.events() == [], "the daemon opened the file behind the link"
-        assert len(daemon.tuning().ListJobs(tuning_pb2.ListJobsRequest()).jobs) == jobs, "no job was created"
+        assert len(daemon.tuning().ListJobs(tuning_pb2.ListJobsRequest()).jobs) == jobs, (
+            "no job was created"
+        )
     finally:
         watch.close()
 
@@ -665,7 +878,9 @@ def test_a_calibration_file_linked_from_outside_is_refused(tmp_path: Path) -> No
 
 
 @pytest.mark.parametrize("layout", ["a.npy", "a.npz", "input/0.npy"])
-def test_a_calibration_file_hard_linked_from_outside_is_refused_unopened(tmp_path: Path, layout: str) -> None:
+def test_a_calibration_file_hard_linked_from_outside_is_refused_unopened(
+    tmp_path: Path, layout: str
+) -> None:
     d = _calibration_dir(tmp_path)
     secret = tmp_path / "elsewhere" / Path(layout).name
     secret.parent.mkdir()
@@ -699,7 +914,11 @@ def _unsafe_calls(source: str, name: str) -> list[str]:
     for node in ast.walk(ast.parse(source, name)):
         where = f"{name}:{getattr(node, 'lineno', 0)}"
         if isinstance(node, ast.Import | ast.ImportFrom):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+            )
             found += [f"{where}: imports {n}" for n in names if n.split(".")[0] in _PICKLERS]
         if not isinstance(node, ast.Call):
             continue
@@ -718,17 +937,28 @@ def _unsafe_calls(source: str, name: str) -> list[str]:
 
 def test_no_code_path_unpickles_or_evaluates_input() -> None:
     # The control: the checker sees each thing it looks for.
-    bad = ("import pickle\nnp.load(f)\nnp.load(f, allow_pickle=True)\n"
-           "numpy.load(f, allow_pickle=False)\neval(s)\nexec(s)\nyaml.load(s)\n")  # fmt: skip
+    bad = (
+        "import pickle\nnp.load(f)\nnp.load(f, allow_pickle=True)\n"
+        "numpy.load(f, allow_pickle=False)\neval(s)\nexec(s)\nyaml.load(s)\n"
+    )
     assert [h.split(": ", 1)[1] for h in _unsafe_calls(bad, "x.py")] == [
-        "imports pickle", "np.load without allow_pickle=False", "np.load without allow_pickle=False", "eval()",
-        "exec()", "yaml.load"]  # fmt: skip
+        "imports pickle",
+        "np.load without allow_pickle=False",
+        "np.load without allow_pickle=False",
+        "eval()",
+        "exec()",
+        "yaml.load",
+    ]
     files = [p for top in ("client", "daemon") for p in sorted((ROOT / top).rglob("*.py"))]
     assert len(files) > 50, "the source tree is where this test expects it"
     sources = {str(f.relative_to(ROOT)): f.read_text(encoding="utf-8") for f in files}
     found = [hit for name, text in sources.items() for hit in _unsafe_calls(text, name)]
     for name, text in sources.items():
-        found += [f"{name}: the text {n!r}" for n in ("allow_pickle=True", "pickle.load", " eval(") if n in text]
+        found += [
+            f"{name}: the text {n!r}"
+            for n in ("allow_pickle=True", "pickle.load", " eval(")
+            if n in text
+        ]
     assert not found, "\n".join(found)
 
 
@@ -748,7 +978,9 @@ def _export_lines(tmp_path: Path) -> list[str]:
 
 
 @pytest.mark.slow
-def test_an_import_whose_last_line_is_malformed_writes_nothing(daemon: DaemonProcess, tmp_path: Path) -> None:
+def test_an_import_whose_last_line_is_malformed_writes_nothing(
+    daemon: DaemonProcess, tmp_path: Path
+) -> None:
     """(tests/test_api_bank.py checks the same on the daemon's side of ImportEntries: bad
     records refused with their reasons, a broken stream writing nothing.)"""
     lines = _export_lines(tmp_path)
@@ -759,7 +991,9 @@ def test_an_import_whose_last_line_is_malformed_writes_nothing(daemon: DaemonPro
         bad = tmp_path / "bank.jsonl"
         bad.write_text("".join(lines) + last)
         r = run_aoe("bank", "import", str(bad), "--socket", str(daemon.socket), "--allow-foreign")
-        assert r.returncode != 0 and f"{bad}:{len(lines) + 1}: not a bank record" in r.stderr, r.stderr
+        assert r.returncode != 0 and f"{bad}:{len(lines) + 1}: not a bank record" in r.stderr, (
+            r.stderr
+        )
         assert daemon.bank_stub().GetBankStats(bank_pb2.GetBankStatsRequest(), timeout=30) == stats
     # The control: without the broken line, the same file is imported.
     good = tmp_path / "good.jsonl"
@@ -812,7 +1046,9 @@ def _contents(folder: Path) -> dict[str, bytes]:
 
 
 @pytest.mark.slow
-def test_links_planted_in_the_outbox_and_failed_are_never_written_through(drop: DaemonProcess) -> None:
+def test_links_planted_in_the_outbox_and_failed_are_never_written_through(
+    drop: DaemonProcess,
+) -> None:
     outbox, failed, targets = drop.root / "outbox", drop.root / "failed", drop.root / "targets"
     for n in ("a", "b", "c", "d", "e"):
         (targets / n).write_bytes(b"precious " + n.encode())
@@ -836,12 +1072,18 @@ def test_links_planted_in_the_outbox_and_failed_are_never_written_through(drop: 
     _drop(drop, "victim2.onnx", _small_model(72))
     _drop(drop, "broken.onnx", b"not a model at all")
     _drop(drop, "broken2.onnx", b"not a model either")
-    for done in (outbox / "victim_report.txt", outbox / "victim2_2_report.txt", failed / "broken.onnx.error.txt",
-                 failed / "broken2_2.onnx.error.txt"):  # fmt: skip
+    for done in (
+        outbox / "victim_report.txt",
+        outbox / "victim2_2_report.txt",
+        failed / "broken.onnx.error.txt",
+        failed / "broken2_2.onnx.error.txt",
+    ):
         _wait(drop, done.exists, str(done))
     assert _contents(targets) == before, "a file behind a planted link changed, or one was created"
     for link, target in plants.items():
-        assert link.is_symlink() and os.readlink(link) == str(target), f"{link}: the planted link was replaced"
+        assert link.is_symlink() and os.readlink(link) == str(target), (
+            f"{link}: the planted link was replaced"
+        )
     for name in ("victim_tuned.onnx", "victim2_2_tuned.onnx"):
         assert not (outbox / name).is_symlink()
         onnx.checker.check_model(onnx.load(outbox / name))
@@ -858,8 +1100,12 @@ def test_a_link_planted_in_a_named_output_dir_is_never_followed(drop: DaemonProc
     (out / "aoe_workspace").symlink_to(elsewhere, target_is_directory=True)
     model = drop.models / "named.onnx"
     model.write_bytes(_small_model(73))
-    reply = drop.tuning().SubmitJob(tuning_pb2.SubmitJobRequest(model_path=str(model), options=tuning_pb2.JobOptions(
-        budget_s=2.0, output_dir=str(out))), timeout=30)  # fmt: skip
+    reply = drop.tuning().SubmitJob(
+        tuning_pb2.SubmitJobRequest(
+            model_path=str(model), options=tuning_pb2.JobOptions(budget_s=2.0, output_dir=str(out))
+        ),
+        timeout=30,
+    )
     job = drop.wait_job(reply.job_id)
     assert list(elsewhere.iterdir()) == [], "the job wrote through the planted link"
     assert job.state == tuning_pb2.JOB_STATE_FAILED, job
@@ -905,18 +1151,33 @@ with open(sys.argv[1], "wb") as f:
 
 
 @pytest.mark.slow
-def test_a_writer_that_pauses_longer_than_stable_s_gets_its_model_tuned_once(drop: DaemonProcess) -> None:
+def test_a_writer_that_pauses_longer_than_stable_s_gets_its_model_tuned_once(
+    drop: DaemonProcess,
+) -> None:
     outbox, failed = drop.root / "outbox", drop.root / "failed"
     whole = drop.root / "paused-source.onnx"
     whole.write_bytes(_small_model(75))
     # stable_s is 1 s here; the job that takes a half file fails at once, well within 8 s.
-    writer = subprocess.run([sys.executable, "-c", _PAUSING_WRITER, str(drop.inbox / "paused.onnx"), "8", str(whole)],
-                            timeout=60)  # fmt: skip
+    writer = subprocess.run(
+        [sys.executable, "-c", _PAUSING_WRITER, str(drop.inbox / "paused.onnx"), "8", str(whole)],
+        timeout=60,
+    )
     assert writer.returncode == 0
-    _wait(drop, lambda: (outbox / "paused_report.txt").exists() or (failed / "paused.onnx.error.txt").exists(),
-          "the paused model's delivery")  # fmt: skip
-    assert not (failed / "paused.onnx.error.txt").exists(), (failed / "paused.onnx.error.txt").read_text()
-    jobs = [j for j in drop.tuning().ListJobs(tuning_pb2.ListJobsRequest()).jobs if j.model_name == "paused.onnx"]
+    _wait(
+        drop,
+        lambda: (
+            (outbox / "paused_report.txt").exists() or (failed / "paused.onnx.error.txt").exists()
+        ),
+        "the paused model's delivery",
+    )
+    assert not (failed / "paused.onnx.error.txt").exists(), (
+        failed / "paused.onnx.error.txt"
+    ).read_text()
+    jobs = [
+        j
+        for j in drop.tuning().ListJobs(tuning_pb2.ListJobsRequest()).jobs
+        if j.model_name == "paused.onnx"
+    ]
     assert [j.state for j in jobs] == [tuning_pb2.JOB_STATE_SUCCEEDED], jobs
     assert (outbox / "paused_tuned.onnx").exists()
 
@@ -929,7 +1190,9 @@ def test_a_file_name_cannot_forge_a_log_line(drop: DaemonProcess) -> None:
     _drop(drop, name, b"not a model")
     _wait(drop, (failed / f"{name}.error.txt").exists, "the forged name's failure")
     lines = drop.log().splitlines()
-    assert not [line for line in lines if line.startswith("2099-01-01")], "a file name started a log line"
+    assert not [line for line in lines if line.startswith("2099-01-01")], (
+        "a file name started a log line"
+    )
     assert any("evil\\n2099-01-01" in line and "\\x1b[2K.onnx" in line for line in lines)
     text = (failed / f"{name}.error.txt").read_text().splitlines()
     assert len(text) == 4 and text[0] == f"model: evil\\n{forged}\\x1b[2K.onnx", text
@@ -939,8 +1202,13 @@ def test_a_file_name_cannot_forge_a_log_line(drop: DaemonProcess) -> None:
 def test_entries_that_are_not_models_are_logged_and_left(drop: DaemonProcess) -> None:
     outside = drop.root / "targets" / "outside.onnx"
     outside.write_bytes(_small_model(76))
-    kinds = {"link.onnx": "a symbolic link", "dir.onnx": "a folder", "fifo.onnx": "a FIFO",
-             "sock.onnx": "a socket", "notes.txt": "not an .onnx model"}  # fmt: skip
+    kinds = {
+        "link.onnx": "a symbolic link",
+        "dir.onnx": "a folder",
+        "fifo.onnx": "a FIFO",
+        "sock.onnx": "a socket",
+        "notes.txt": "not an .onnx model",
+    }
     (drop.inbox / "link.onnx").symlink_to(outside)
     (drop.inbox / "dir.onnx").mkdir()
     os.mkfifo(drop.inbox / "fifo.onnx")
@@ -965,15 +1233,35 @@ def test_a_model_swapped_for_a_hard_link_after_submit_is_not_read(drop: DaemonPr
     models = [drop.models / f"busy{i}.onnx" for i in range(2)]
     for i, m in enumerate(models):
         m.write_bytes(_small_model(80 + i))
-    busy = [drop.tuning().SubmitJob(tuning_pb2.SubmitJobRequest(model_path=str(m), options=tuning_pb2.JobOptions(
-        budget_s=120.0)), timeout=30).job_id for m in models]  # fmt: skip
+    busy = [
+        drop.tuning()
+        .SubmitJob(
+            tuning_pb2.SubmitJobRequest(
+                model_path=str(m), options=tuning_pb2.JobOptions(budget_s=120.0)
+            ),
+            timeout=30,
+        )
+        .job_id
+        for m in models
+    ]
     victim = drop.models / "victim-by-path.onnx"
     victim.write_bytes(_small_model(82))
-    job_id = drop.tuning().SubmitJob(tuning_pb2.SubmitJobRequest(model_path=str(victim), options=tuning_pb2.JobOptions(
-        budget_s=2.0)), timeout=30).job_id  # fmt: skip
+    job_id = (
+        drop.tuning()
+        .SubmitJob(
+            tuning_pb2.SubmitJobRequest(
+                model_path=str(victim), options=tuning_pb2.JobOptions(budget_s=2.0)
+            ),
+            timeout=30,
+        )
+        .job_id
+    )
     watch = Inotify()
     try:
-        assert drop.tuning().GetJob(tuning_pb2.GetJobRequest(job_id=job_id)).job.state == tuning_pb2.JOB_STATE_QUEUED
+        assert (
+            drop.tuning().GetJob(tuning_pb2.GetJobRequest(job_id=job_id)).job.state
+            == tuning_pb2.JOB_STATE_QUEUED
+        )
         secret = _secret(drop, "swapped-secret.onnx")
         watch.watch(secret)
         os.link(secret, drop.models / ".swap")
@@ -982,8 +1270,12 @@ def test_a_model_swapped_for_a_hard_link_after_submit_is_not_read(drop: DaemonPr
             drop.tuning().CancelJob(tuning_pb2.CancelJobRequest(job_id=b), timeout=60)
         job = drop.wait_job(job_id)
         assert job.state == tuning_pb2.JOB_STATE_FAILED, job
-        assert "not the file that was submitted" in job.error and "2 hard links" in job.error, job.error
-        assert not [m for _, m in watch.events() if m & Inotify.IN_ACCESS], "the daemon read the file behind the link"
+        assert "not the file that was submitted" in job.error and "2 hard links" in job.error, (
+            job.error
+        )
+        assert not [m for _, m in watch.events() if m & Inotify.IN_ACCESS], (
+            "the daemon read the file behind the link"
+        )
     finally:
         watch.close()
 
@@ -998,17 +1290,28 @@ def test_a_huge_path_or_name_is_cut_in_the_error(daemon: DaemonProcess) -> None:
     for path, says in ((huge, "over the limit of 4096 bytes"), (long, "characters)")):
         requests = {
             "model_path": tuning_pb2.SubmitJobRequest(model_path=path),
-            "output_dir": tuning_pb2.SubmitJobRequest(model_path=model, options=tuning_pb2.JobOptions(output_dir=path)),
-            "calibration_dir": tuning_pb2.SubmitJobRequest(model_path=model,
-                                                           options=tuning_pb2.JobOptions(calibration_dir=path)),
-            "outside": tuning_pb2.SubmitJobRequest(model_path="/" + path.replace(str(daemon.models), "b")),
-        }  # fmt: skip
+            "output_dir": tuning_pb2.SubmitJobRequest(
+                model_path=model, options=tuning_pb2.JobOptions(output_dir=path)
+            ),
+            "calibration_dir": tuning_pb2.SubmitJobRequest(
+                model_path=model, options=tuning_pb2.JobOptions(calibration_dir=path)
+            ),
+            "outside": tuning_pb2.SubmitJobRequest(
+                model_path="/" + path.replace(str(daemon.models), "b")
+            ),
+        }
         for field, request in requests.items():
             with pytest.raises(grpc.RpcError) as err:
                 daemon.tuning().SubmitJob(request, timeout=30)
             msg = err.value.details()
-            assert err.value.code() in (INVALID, DENIED, grpc.StatusCode.NOT_FOUND), (field, err.value.code(), msg[:300])
+            assert err.value.code() in (INVALID, DENIED, grpc.StatusCode.NOT_FOUND), (
+                field,
+                err.value.code(),
+                msg[:300],
+            )
             assert len(msg) < 1000 and says in msg, (field, len(msg), msg[:300])
     with pytest.raises(grpc.RpcError) as err:
         upload(daemon.tuning(), daemon.models / "mlp.onnx", name="c" * 100_000 + ".onnx")
-    assert err.value.code() == INVALID and len(err.value.details()) < 1000, err.value.details()[:300]
+    assert err.value.code() == INVALID and len(err.value.details()) < 1000, err.value.details()[
+        :300
+    ]

@@ -34,26 +34,44 @@ FINITE = st.floats(allow_nan=False, allow_infinity=False, width=64)
 
 
 #: The fields of a GDAT spec (the rest are ONNX jobs' and stay unset).
-GDAT_KEYS = ("job_type", "repeat_tune", "budget_s", "priority", "labels", "world_size", "backend",
-             "gradient_precision", "entry")  # fmt: skip
+GDAT_KEYS = (
+    "job_type",
+    "repeat_tune",
+    "budget_s",
+    "priority",
+    "labels",
+    "world_size",
+    "backend",
+    "gradient_precision",
+    "entry",
+)
 
 
-def specs(names: st.SearchStrategy[str] = NAMES, keys: tuple[str, ...] | None = None) -> st.SearchStrategy[JobSpec]:
+def specs(
+    names: st.SearchStrategy[str] = NAMES, keys: tuple[str, ...] | None = None
+) -> st.SearchStrategy[JobSpec]:
     """ONNX jobs' specs and GDAT jobs' (`keys`: the fields drawn, of those a job type has)."""
     return _specs(names, keys, gdat=False) | _specs(names, keys, gdat=True)
 
 
-def _specs(names: st.SearchStrategy[str], keys: tuple[str, ...] | None, gdat: bool) -> st.SearchStrategy[JobSpec]:
+def _specs(
+    names: st.SearchStrategy[str], keys: tuple[str, ...] | None, gdat: bool
+) -> st.SearchStrategy[JobSpec]:
     fields = {
         "precision": st.sampled_from(list(Precision)),
-        "job_type": st.just(JobType.GDAT) if gdat else st.sampled_from([t for t in JobType if t != JobType.GDAT]),
-        "input_shapes": st.dictionaries(names, st.lists(st.integers(1, 1 << 40), min_size=1, max_size=4), max_size=3),
+        "job_type": st.just(JobType.GDAT)
+        if gdat
+        else st.sampled_from([t for t in JobType if t != JobType.GDAT]),
+        "input_shapes": st.dictionaries(
+            names, st.lists(st.integers(1, 1 << 40), min_size=1, max_size=4), max_size=3
+        ),
         "repeat_tune": st.booleans(),
         "device": st.sampled_from([None, "cpu", "cuda:0", "cann:3", "tensorrt:1"]),
         "budget_s": st.none() | st.floats(1e-3, MAX_BUDGET_S),
         "min_cosine": st.none() | st.floats(1e-6, 1.0),
         "max_rel_error": st.none() | st.floats(1e-9, 1e9),
-        "calibration_dir": st.none() | st.builds(Path, st.sampled_from(["/srv/calib", "/a b/c", "/ü/x"])),
+        "calibration_dir": st.none()
+        | st.builds(Path, st.sampled_from(["/srv/calib", "/a b/c", "/ü/x"])),
         "priority": st.integers(-10, 10),
         "labels": st.dictionaries(names.filter(lambda s: "=" not in s), names, max_size=3),
         "keep_initializer_inputs": st.booleans(),
@@ -62,7 +80,9 @@ def _specs(names: st.SearchStrategy[str], keys: tuple[str, ...] | None, gdat: bo
         "gradient_precision": st.none() | st.sampled_from(["exact", "fp16", "bf16", "lowrank"]),
         "entry": st.none() | st.sampled_from(["build", "make_model"]),
     }
-    keys = [k for k in keys or tuple(fields) if (k in GDAT_KEYS if gdat else k not in GDAT_KEYS[5:])]
+    keys = [
+        k for k in keys or tuple(fields) if (k in GDAT_KEYS if gdat else k not in GDAT_KEYS[5:])
+    ]
     return st.fixed_dictionaries({k: fields[k] for k in keys}).map(lambda d: JobSpec(**d))
 
 
@@ -82,13 +102,17 @@ def test_a_spec_survives_an_aoed_toml(spec: JobSpec) -> None:
 @given(specs())
 def test_a_spec_survives_the_api(spec: JobSpec) -> None:
     assert spec_from_pb(spec_to_pb(spec)) == spec
-    assert spec_from_pb(tuning_pb2.JobOptions.FromString(spec_to_pb(spec).SerializeToString())) == spec
+    assert (
+        spec_from_pb(tuning_pb2.JobOptions.FromString(spec_to_pb(spec).SerializeToString())) == spec
+    )
 
 
 @settings(max_examples=60)
 @given(specs(names=ARG_NAMES))
 def test_a_spec_survives_the_command_line(spec: JobSpec) -> None:
-    spec = spec.replace(entry=None)  # --entry FILE.py:FUNCTION: the file is the model, which to_argv leaves out
+    spec = spec.replace(
+        entry=None
+    )  # --entry FILE.py:FUNCTION: the file is the model, which to_argv leaves out
     p = argparse.ArgumentParser()
     add_arguments(p)
     assert from_args(p.parse_args(to_argv(spec))) == spec
@@ -96,15 +120,33 @@ def test_a_spec_survives_the_command_line(spec: JobSpec) -> None:
 
 def test_the_edges_take_what_users_type() -> None:
     """The same job, as each edge spells it."""
-    want = JobSpec(precision="int8", job_type="opat", input_shapes={"x": [1, 3]}, budget_s=2.5, priority=3)
+    want = JobSpec(
+        precision="int8", job_type="opat", input_shapes={"x": [1, 3]}, budget_s=2.5, priority=3
+    )
     toml = 'precision = "int8"\njob_type = "2"\nbudget_s = 2.5\npriority = 3\n[input_shapes]\nx = [1, 3]\n'
     assert JobSpec.from_toml(tomllib.loads(toml)) == want
     p = argparse.ArgumentParser()
     add_arguments(p)
-    argv = ["--precision", "INT8", "--job-type", "2", "--input-shape", "x:1,3", "--budget", "2.5", "--priority", "3"]
+    argv = [
+        "--precision",
+        "INT8",
+        "--job-type",
+        "2",
+        "--input-shape",
+        "x:1,3",
+        "--budget",
+        "2.5",
+        "--priority",
+        "3",
+    ]
     assert from_args(p.parse_args(argv)) == want
-    opts = tuning_pb2.JobOptions(precision=2, job_type=tuning_pb2.JOB_TYPE_OPAT, budget_s=2.5, priority=3,
-                                 input_shapes=[tuning_pb2.InputShape(name="x", dims=[1, 3])])  # fmt: skip
+    opts = tuning_pb2.JobOptions(
+        precision=2,
+        job_type=tuning_pb2.JOB_TYPE_OPAT,
+        budget_s=2.5,
+        priority=3,
+        input_shapes=[tuning_pb2.InputShape(name="x", dims=[1, 3])],
+    )
     assert spec_from_pb(opts) == want
     # Unset in the API's terms: 0 and "".
     assert spec_from_pb(tuning_pb2.JobOptions()) == JobSpec()
@@ -112,38 +154,100 @@ def test_the_edges_take_what_users_type() -> None:
 
 def outcomes() -> st.SearchStrategy[JobOutcome]:
     text = st.text(max_size=12)
-    accuracy = st.just({}) | st.fixed_dictionaries({"max_abs_error": FINITE, "max_rel_error": FINITE, "cosine": FINITE})
+    accuracy = st.just({}) | st.fixed_dictionaries(
+        {"max_abs_error": FINITE, "max_rel_error": FINITE, "cosine": FINITE}
+    )
     task = st.builds(
-        TaskOutcome, text, text, text, family=text, instances=st.integers(1, 1000), share=FINITE,
-        strategy=st.sampled_from(["default", "int8_dynamic", "gemm_transposed"]), before_us=FINITE, after_us=FINITE,
-        update_mode=st.sampled_from(["add", "update", "reserved", "hit", "unsatisfied", "failed", "skipped", ""]),
-        bank_layer=text, accuracy=accuracy, error=text, rejected=st.lists(text, max_size=2).map(tuple),
-        applied=st.booleans(), attempt=st.integers(0, 5),
-    )  # fmt: skip
-    shipped = st.builds(lambda b, r, ci, n: Figures.shipping("tuned", b, r, ci, n), st.floats(0.01, 100.0),
-                        st.floats(0.2, 0.99), st.tuples(st.floats(0.1, 0.2), st.floats(0.99, 1.5)),
-                        st.integers(1, 40))  # fmt: skip
-    kept = st.builds(lambda b, n, c: Figures.unchanged("no significant change", b, n, c), st.floats(0.01, 100.0),
-                     st.integers(0, 40), st.none() | st.builds(Comparison, st.just("tuned"), st.just("input"), FINITE,
-                                                               st.tuples(FINITE, FINITE)))  # fmt: skip
-    stage = st.builds(StageTime, FINITE, FINITE, FINITE, st.booleans(), st.none() | FINITE, st.none() | FINITE)
-    budget = st.builds(BudgetReport, FINITE, st.booleans(), FINITE, FINITE, FINITE, FINITE, FINITE, FINITE,
-                       st.none() | FINITE, FINITE, FINITE, st.dictionaries(st.sampled_from(list(Stage)), stage))  # fmt: skip
-    bank_keys = ("repo_add_num", "repo_hit_num", "repo_reserved_num", "repo_unsatisfied_num", "repo_update_num",
-                 "total_num", "repo_not_tuned_num")  # fmt: skip
+        TaskOutcome,
+        text,
+        text,
+        text,
+        family=text,
+        instances=st.integers(1, 1000),
+        share=FINITE,
+        strategy=st.sampled_from(["default", "int8_dynamic", "gemm_transposed"]),
+        before_us=FINITE,
+        after_us=FINITE,
+        update_mode=st.sampled_from(
+            ["add", "update", "reserved", "hit", "unsatisfied", "failed", "skipped", ""]
+        ),
+        bank_layer=text,
+        accuracy=accuracy,
+        error=text,
+        rejected=st.lists(text, max_size=2).map(tuple),
+        applied=st.booleans(),
+        attempt=st.integers(0, 5),
+    )
+    shipped = st.builds(
+        lambda b, r, ci, n: Figures.shipping("tuned", b, r, ci, n),
+        st.floats(0.01, 100.0),
+        st.floats(0.2, 0.99),
+        st.tuples(st.floats(0.1, 0.2), st.floats(0.99, 1.5)),
+        st.integers(1, 40),
+    )
+    kept = st.builds(
+        lambda b, n, c: Figures.unchanged("no significant change", b, n, c),
+        st.floats(0.01, 100.0),
+        st.integers(0, 40),
+        st.none()
+        | st.builds(
+            Comparison, st.just("tuned"), st.just("input"), FINITE, st.tuples(FINITE, FINITE)
+        ),
+    )
+    stage = st.builds(
+        StageTime, FINITE, FINITE, FINITE, st.booleans(), st.none() | FINITE, st.none() | FINITE
+    )
+    budget = st.builds(
+        BudgetReport,
+        FINITE,
+        st.booleans(),
+        FINITE,
+        FINITE,
+        FINITE,
+        FINITE,
+        FINITE,
+        FINITE,
+        st.none() | FINITE,
+        FINITE,
+        FINITE,
+        st.dictionaries(st.sampled_from(list(Stage)), stage),
+    )
+    bank_keys = (
+        "repo_add_num",
+        "repo_hit_num",
+        "repo_reserved_num",
+        "repo_unsatisfied_num",
+        "repo_update_num",
+        "total_num",
+        "repo_not_tuned_num",
+    )
     return st.builds(
-        JobOutcome, text, text, text, text, st.sampled_from(list(Precision)), st.sampled_from(list(JobType)), text,
-        FINITE, shipped | kept, tasks=st.lists(task, max_size=3).map(tuple),
+        JobOutcome,
+        text,
+        text,
+        text,
+        text,
+        st.sampled_from(list(Precision)),
+        st.sampled_from(list(JobType)),
+        text,
+        FINITE,
+        shipped | kept,
+        tasks=st.lists(task, max_size=3).map(tuple),
         bank=st.fixed_dictionaries({k: st.integers(0, 1000) for k in bank_keys}),
-        resources=st.dictionaries(st.sampled_from(["trials", "device_s", "duty_cycle", "failed_candidates"]),
-                                  st.integers(0, 1 << 40).map(float)),
-        budget=budget, session_options=st.dictionaries(st.sampled_from(["intra_op_num_threads", "execution_mode"]),
-                                                       st.integers(0, 8)),
+        resources=st.dictionaries(
+            st.sampled_from(["trials", "device_s", "duty_cycle", "failed_candidates"]),
+            st.integers(0, 1 << 40).map(float),
+        ),
+        budget=budget,
+        session_options=st.dictionaries(
+            st.sampled_from(["intra_op_num_threads", "execution_mode"]), st.integers(0, 8)
+        ),
         accuracy=st.dictionaries(st.sampled_from(["cosine", "max_rel_error", "samples"]), FINITE),
         accuracy_budget=st.dictionaries(st.sampled_from(["min_cosine", "max_rel_error"]), FINITE),
-        calibration=text, verified=st.sampled_from(["tuned", "options only", "reverted to input"]),
+        calibration=text,
+        verified=st.sampled_from(["tuned", "options only", "reverted to input"]),
         notes=st.lists(text, max_size=2).map(tuple),
-    )  # fmt: skip
+    )
 
 
 @given(outcomes())
@@ -153,16 +257,36 @@ def test_an_outcome_survives_the_job_store(o: JobOutcome) -> None:
 
 @given(outcomes())
 def test_an_outcome_survives_the_api(o: JobOutcome) -> None:
-    back = outcome_from_pb(tuning_pb2.JobResult.FromString(outcome_to_pb(o).SerializeToString()), o.job_id)
+    back = outcome_from_pb(
+        tuning_pb2.JobResult.FromString(outcome_to_pb(o).SerializeToString()), o.job_id
+    )
     assert back == o
 
 
 def test_an_outcome_stored_by_an_older_daemon_still_reads() -> None:
-    old = {"verdict": "faster", "shipped": "tuned", "baseline_ms": 2.0, "improvement": 0.25,
-           "improvement_ci95": [0.2, 0.3], "tuned_model": "/o/t.onnx", "result_json": "/o/r.json",
-           "repo": {"repo_add_num": 1, "total_num": 2}, "tasks": [
-               {"task_id": "t0", "op_type": "MatMul", "op_name": "fc", "strategy": "int8_dynamic", "before_us": 2.0,
-                "after_us": 1.0, "update_mode": "add", "bank_layer": "", "error": ""}]}  # fmt: skip
+    old = {
+        "verdict": "faster",
+        "shipped": "tuned",
+        "baseline_ms": 2.0,
+        "improvement": 0.25,
+        "improvement_ci95": [0.2, 0.3],
+        "tuned_model": "/o/t.onnx",
+        "result_json": "/o/r.json",
+        "repo": {"repo_add_num": 1, "total_num": 2},
+        "tasks": [
+            {
+                "task_id": "t0",
+                "op_type": "MatMul",
+                "op_name": "fc",
+                "strategy": "int8_dynamic",
+                "before_us": 2.0,
+                "after_us": 1.0,
+                "update_mode": "add",
+                "bank_layer": "",
+                "error": "",
+            }
+        ],
+    }
     o = JobOutcome.from_dict(old)
     assert (o.figures.result_ms, o.bank["repo_add_num"], o.tasks[0].improvement) == (1.6, 1, 1.0)
 
@@ -193,15 +317,29 @@ BAD = [
     ({"input_shapes": {"x": [True]}}, "input shape x", "positive whole numbers"),
     ({"input_shapes": [1]}, "input_shapes", "table"),
     ({"input_shapes": {"x": [1] * (sizes.MAX_DIMS + 1)}}, "input shape", "over the limit"),
-    ({"input_shapes": {str(i): [1] for i in range(sizes.MAX_INPUT_SHAPES + 1)}}, "input_shapes", "over the limit"),
-    ({"labels": {str(i): "" for i in range(sizes.MAX_LABELS + 1)}}, "labels", "over the limit of 64"),
-    ({"labels": {"k": "v" * (sizes.MAX_LABEL_VALUE_BYTES + 1)}}, "labels['k']: the value", "over the limit"),
+    (
+        {"input_shapes": {str(i): [1] for i in range(sizes.MAX_INPUT_SHAPES + 1)}},
+        "input_shapes",
+        "over the limit",
+    ),
+    (
+        {"labels": {str(i): "" for i in range(sizes.MAX_LABELS + 1)}},
+        "labels",
+        "over the limit of 64",
+    ),
+    (
+        {"labels": {"k": "v" * (sizes.MAX_LABEL_VALUE_BYTES + 1)}},
+        "labels['k']: the value",
+        "over the limit",
+    ),
     ({"calibration_dir": "/" + "c" * sizes.MAX_PATH_BYTES}, "calibration_dir", "over the limit"),
 ]
 
 
 @pytest.mark.parametrize(("fields", "field", "words"), BAD, ids=[b[1] + ":" + b[2] for b in BAD])
-def test_a_spec_no_job_can_run_with_is_refused_naming_the_field(fields: dict, field: str, words: str) -> None:
+def test_a_spec_no_job_can_run_with_is_refused_naming_the_field(
+    fields: dict, field: str, words: str
+) -> None:
     with pytest.raises(OptionError) as info:
         JobSpec(**fields)
     assert str(info.value).startswith(field) and words in str(info.value), info.value
@@ -210,9 +348,13 @@ def test_a_spec_no_job_can_run_with_is_refused_naming_the_field(fields: dict, fi
 def test_the_command_line_names_its_flags_and_a_drop_folder_its_keys() -> None:
     p = argparse.ArgumentParser()
     add_arguments(p)
-    for argv, flag in ((["--budget", "inf"], "--budget inf"), (["--priority", "12"], "--priority 12"),
-                       (["--min-cosine", "2"], "--min-cosine 2.0"), (["--input-shape", "x:1,a"], "--input-shape"),
-                       (["--label", "novalue"], "--label")):  # fmt: skip
+    for argv, flag in (
+        (["--budget", "inf"], "--budget inf"),
+        (["--priority", "12"], "--priority 12"),
+        (["--min-cosine", "2"], "--min-cosine 2.0"),
+        (["--input-shape", "x:1,a"], "--input-shape"),
+        (["--label", "novalue"], "--label"),
+    ):
         with pytest.raises(OptionError) as info:
             from_args(p.parse_args(argv))
         assert str(info.value).startswith(flag), info.value
@@ -223,8 +365,10 @@ def test_the_command_line_names_its_flags_and_a_drop_folder_its_keys() -> None:
 def test_the_shapes_import_nothing_heavy() -> None:
     """The CLI and the gRPC client build specs and read outcomes without onnx, trio,
     grpc or numpy."""
-    code = ("import sys, aoe.spec, aoe.specargs, aoe.outcome; aoe.spec.JobSpec(device='cuda:1'); "
-            "print(sorted(m for m in ('onnx', 'trio', 'grpc', 'numpy', 'onnxruntime') if m in sys.modules))")
+    code = (
+        "import sys, aoe.spec, aoe.specargs, aoe.outcome; aoe.spec.JobSpec(device='cuda:1'); "
+        "print(sorted(m for m in ('onnx', 'trio', 'grpc', 'numpy', 'onnxruntime') if m in sys.modules))"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr
 
@@ -234,18 +378,43 @@ def test_a_gdat_spec_takes_gdat_options_only() -> None:
     flag as typed."""
     p = argparse.ArgumentParser()
     add_arguments(p)
-    spec = from_args(p.parse_args(["--job-type", "4", "--world-size", "3", "--backend", "GLOO",
-                                   "--gradient-precision", "fp16", "--entry", "train.py:build"]))  # fmt: skip
+    spec = from_args(
+        p.parse_args(
+            [
+                "--job-type",
+                "4",
+                "--world-size",
+                "3",
+                "--backend",
+                "GLOO",
+                "--gradient-precision",
+                "fp16",
+                "--entry",
+                "train.py:build",
+            ]
+        )
+    )
     assert (spec.job_type, spec.world_size, spec.backend, spec.gradient_precision, spec.entry) == (
-        JobType.GDAT, 3, "gloo", "fp16", "build")
+        JobType.GDAT,
+        3,
+        "gloo",
+        "fp16",
+        "build",
+    )
     assert spec_from_pb(spec_to_pb(spec)) == spec and JobSpec.from_dict(spec.to_dict()) == spec
     for argv, words in [
         (["--world-size", "2"], "--world-size applies to job_type gdat"),
         (["--job-type", "gdat", "--precision", "int8"], "--precision applies to ONNX jobs"),
         (["--job-type", "gdat", "--input-shape", "x:1"], "--input-shape applies to ONNX jobs"),
-        (["--job-type", "gdat", "--backend", "mpi"], "--backend mpi: expected one of gloo, nccl, hccl"),
+        (
+            ["--job-type", "gdat", "--backend", "mpi"],
+            "--backend mpi: expected one of gloo, nccl, hccl",
+        ),
         (["--job-type", "gdat", "--world-size", "0"], "--world-size 0: must be a whole number"),
-        (["--job-type", "gdat", "--entry", "train.py"], "--entry train.py: expected FILE.py:FUNCTION"),
+        (
+            ["--job-type", "gdat", "--entry", "train.py"],
+            "--entry train.py: expected FILE.py:FUNCTION",
+        ),
     ]:
         with pytest.raises(OptionError, match=words.replace("(", r"\(")):
             from_args(p.parse_args(argv))

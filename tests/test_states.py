@@ -20,20 +20,43 @@ S, F, C = JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED
 
 #: Every (state, event) -> state the machine has.
 ALLOWED = [
-    (Q, states.Start(), P), (Q, states.Cancel(), C),
-    *[(s, e, t) for s in (P, T, V) for e, t in ((states.Succeed(), S), (states.Fail(), F), (states.Cancel(), C),
-                                                (states.Requeue(), Q))],
-    (P, states.Entered(Stage.PROFILE), T), (P, states.Entered(Stage.VERIFY), V), (T, states.Entered(Stage.CONFIRM), V),
+    (Q, states.Start(), P),
+    (Q, states.Cancel(), C),
+    *[
+        (s, e, t)
+        for s in (P, T, V)
+        for e, t in (
+            (states.Succeed(), S),
+            (states.Fail(), F),
+            (states.Cancel(), C),
+            (states.Requeue(), Q),
+        )
+    ],
+    (P, states.Entered(Stage.PROFILE), T),
+    (P, states.Entered(Stage.VERIFY), V),
+    (T, states.Entered(Stage.CONFIRM), V),
     # a stage of the state the job is in leaves it there
-    (P, states.Entered(Stage.CALIBRATE), P), (T, states.Entered(Stage.SESSION), T), (V, states.Entered(Stage.OUTPUTS), V),
-]  # fmt: skip
+    (P, states.Entered(Stage.CALIBRATE), P),
+    (T, states.Entered(Stage.SESSION), T),
+    (V, states.Entered(Stage.OUTPUTS), V),
+]
 
-EVENTS = [states.Start(), states.Succeed(), states.Fail(), states.Cancel(), states.Requeue(),
-          *(states.Entered(s) for s in Stage)]  # fmt: skip
+EVENTS = [
+    states.Start(),
+    states.Succeed(),
+    states.Fail(),
+    states.Cancel(),
+    states.Requeue(),
+    *(states.Entered(s) for s in Stage),
+]
 
 
-@pytest.mark.parametrize(("state", "event", "after"), ALLOWED, ids=[f"{s}-{e}" for s, e, _ in ALLOWED])
-def test_each_transition_the_machine_has(state: JobState, event: states.Event, after: JobState) -> None:
+@pytest.mark.parametrize(
+    ("state", "event", "after"), ALLOWED, ids=[f"{s}-{e}" for s, e, _ in ALLOWED]
+)
+def test_each_transition_the_machine_has(
+    state: JobState, event: states.Event, after: JobState
+) -> None:
     assert apply(state, event) == after
     assert after == state or after in TRANSITIONS[state]
 
@@ -63,26 +86,45 @@ def test_the_stages_run_through_the_states_in_order() -> None:
     for stage in Stage:
         state = apply(state, states.Entered(stage))
     assert state == V
-    assert [STAGE_STATE[s] for s in Stage] == sorted((STAGE_STATE[s] for s in Stage), key=[P, T, V].index)
+    assert [STAGE_STATE[s] for s in Stage] == sorted(
+        (STAGE_STATE[s] for s in Stage), key=[P, T, V].index
+    )
 
 
 def _manager(tmp_path: Path) -> tuple[JobManager, JobStore, JobRow]:
     store = JobStore(tmp_path / "jobs.sqlite")
     # The manager's event handling touches only its store: no engine, no config needed.
     jobs = JobManager(None, store, None)  # type: ignore[arg-type]
-    row = JobRow(id="job-1", state=P, model_path="/m.onnx", model_name="m.onnx", model_sha256="", dedup_key="",
-                 spec=JobSpec(), output_dir="/o")  # fmt: skip
+    row = JobRow(
+        id="job-1",
+        state=P,
+        model_path="/m.onnx",
+        model_name="m.onnx",
+        model_sha256="",
+        dedup_key="",
+        spec=JobSpec(),
+        output_dir="/o",
+    )
     store.insert(row)
     return jobs, store, row
 
 
-@pytest.mark.parametrize("words", ["preparing m.onnx", "checking accuracy end to end", "anything at all", ""])
+@pytest.mark.parametrize(
+    "words", ["preparing m.onnx", "checking accuracy end to end", "anything at all", ""]
+)
 def test_the_state_follows_the_stage_not_the_words(tmp_path: Path, words: str) -> None:
     """Whatever a stage's message says, the same stages give the same states: renaming a
     log line changes nothing."""
     jobs, store, row = _manager(tmp_path)
     seen = []
-    for stage in (Stage.PREPARE, Stage.PROFILE, Stage.SEARCH, Stage.ACCURACY, Stage.SESSION, Stage.VERIFY):
+    for stage in (
+        Stage.PREPARE,
+        Stage.PROFILE,
+        Stage.SEARCH,
+        Stage.ACCURACY,
+        Stage.SESSION,
+        Stage.VERIFY,
+    ):
         jobs._on_engine_event(row, JobEvent("stage", words, stage=stage))
         seen.append(row.state)
     assert seen == [P, T, T, T, T, V]
@@ -102,7 +144,9 @@ def test_a_stage_out_of_order_fails_loudly(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_an_embedded_job_announces_typed_stages_the_machine_takes(models: Path, tmp_path: Path) -> None:
+def test_an_embedded_job_announces_typed_stages_the_machine_takes(
+    models: Path, tmp_path: Path
+) -> None:
     """The engine, run through the embedded door, names a Stage on every stage event, in
     an order the state machine takes from PREPARING to VERIFYING; and the door returns
     the job's outcome."""
@@ -110,9 +154,16 @@ def test_an_embedded_job_announces_typed_stages_the_machine_takes(models: Path, 
     from aoed import embedded
 
     events: list[JobEvent] = []
-    config = load_config(env={}).replace(bank=tmp_path / "bank", parallel=1, runtime_dir=tmp_path / "run")
-    outcome = embedded.tune(models / "mlp.onnx", JobSpec(job_type="opat", budget_s=0.5), tmp_path / "out",
-                            config=config, progress=events.append)  # fmt: skip
+    config = load_config(env={}).replace(
+        bank=tmp_path / "bank", parallel=1, runtime_dir=tmp_path / "run"
+    )
+    outcome = embedded.tune(
+        models / "mlp.onnx",
+        JobSpec(job_type="opat", budget_s=0.5),
+        tmp_path / "out",
+        config=config,
+        progress=events.append,
+    )
     stages = [e.stage for e in events if e.kind == "stage"]
     assert all(isinstance(s, Stage) for s in stages), stages
     assert stages[0] == Stage.PREPARE and stages[-1] == Stage.CONFIRM, stages
@@ -120,4 +171,8 @@ def test_an_embedded_job_announces_typed_stages_the_machine_takes(models: Path, 
     for stage in stages:
         state = apply(state, states.Entered(stage))
     assert state == V
-    assert outcome.job_type == "opat" and Path(outcome.result_json).is_file() and outcome.figures.baseline_ms > 0
+    assert (
+        outcome.job_type == "opat"
+        and Path(outcome.result_json).is_file()
+        and outcome.figures.baseline_ms > 0
+    )

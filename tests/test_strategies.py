@@ -130,7 +130,9 @@ def test_every_applicable_strategy_keeps_the_outputs(
         for task, rw in rewrites:
             alone = apply_rewrites(prep.model, {task.node_names: rw})
             _assert_exact(_run(alone, feeds), ref, f"{name}: {strategy} on {task.id}")
-        raise AssertionError(f"{name}: {strategy} changed the outputs on {len(rewrites)} tasks together, on none alone")
+        raise AssertionError(
+            f"{name}: {strategy} changed the outputs on {len(rewrites)} tasks together, on none alone"
+        )
 
 
 def test_expected_strategies_each_apply_somewhere(prepared: dict[str, Prepared]) -> None:
@@ -153,10 +155,14 @@ def test_all_rewrites_together_keep_the_outputs(prepared: dict[str, Prepared]) -
         used = {i for n in rewritten.graph.node for i in n.input}
         assert all(t.name in used for t in rewritten.graph.initializer), name
         outputs = {o.name for o in rewritten.graph.output}
-        assert all(any(o in used or o in outputs for o in n.output) for n in rewritten.graph.node), name
+        assert all(
+            any(o in used or o in outputs for o in n.output) for n in rewritten.graph.node
+        ), name
 
 
-def test_untouched_weights_and_nodes_stay_as_the_input_had_them(prepared: dict[str, Prepared]) -> None:
+def test_untouched_weights_and_nodes_stay_as_the_input_had_them(
+    prepared: dict[str, Prepared],
+) -> None:
     prep = prepared["legacy_cnn"]
     consts = _consts(prep)
     by_task = {t.node_names[0]: t for t in _all_tasks(partition(prep.model, prep.ctx))}
@@ -259,11 +265,12 @@ def _hand_built(kind: str) -> onnx.ModelProto:
         inits = [const("w", [16, 32]), const("w2", [32, 8]), const("b2", [1, 8])]
         x_shape, y_shape = [2, 5, 16], [2, 5, 8]
     graph = helper.make_graph(
-        nodes, kind,
+        nodes,
+        kind,
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, x_shape)],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, y_shape)],
         initializer=inits,
-    )  # fmt: skip
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
     return model
@@ -307,26 +314,33 @@ def test_rewrites_keep_weights_that_only_subgraphs_read(tmp_path: Path) -> None:
 
     def branch(op: str, out: str) -> onnx.GraphProto:
         return helper.make_graph(
-            [helper.make_node(op, ["y", "k"], [out], name=f"branch_{op}")], f"branch_{op}", [],
+            [helper.make_node(op, ["y", "k"], [out], name=f"branch_{op}")],
+            f"branch_{op}",
+            [],
             [helper.make_tensor_value_info(out, TensorProto.FLOAT, [2, 4])],
-        )  # fmt: skip
+        )
 
     nodes = [
         helper.make_node("MatMul", ["x", "w"], ["y"], name="mm"),
         helper.make_node(
-            "If", ["cond"], ["z"], name="if",
-            then_branch=branch("Add", "t"), else_branch=branch("Sub", "e"),
-        ),  # fmt: skip
+            "If",
+            ["cond"],
+            ["z"],
+            name="if",
+            then_branch=branch("Add", "t"),
+            else_branch=branch("Sub", "e"),
+        ),
     ]
     graph = helper.make_graph(
-        nodes, "if_model",
+        nodes,
+        "if_model",
         [
             helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 8]),
             helper.make_tensor_value_info("cond", TensorProto.BOOL, []),
         ],
         [helper.make_tensor_value_info("z", TensorProto.FLOAT, [2, 4])],
         initializer=[const("w", [8, 4]), const("k", [2, 4])],  # k: read only by the branches
-    )  # fmt: skip
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
     onnx.save(model, str(tmp_path / "if_model.onnx"))
@@ -394,7 +408,9 @@ def _noop(view: TaskView) -> Rewrite:
     return Rewrite(tuple(view.nodes))
 
 
-def test_plugin_module_registers_into_the_registry_it_is_given(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_plugin_module_registers_into_the_registry_it_is_given(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     module = "aoed_test_plugin_strategy"
     (tmp_path / f"{module}.py").write_text(
         "from aoed.engine.registry import Strategy\n"
@@ -428,7 +444,9 @@ def test_duplicate_registration_is_refused() -> None:
         registry.get("matmul", "nope")
 
 
-@pytest.mark.parametrize("module,needle", [("aoed_no_such_plugin_module_xyz", "cannot import"), ("json", "no register")])
+@pytest.mark.parametrize(
+    "module,needle", [("aoed_no_such_plugin_module_xyz", "cannot import"), ("json", "no register")]
+)
 def test_broken_plugin_is_an_option_error(module: str, needle: str) -> None:
     with pytest.raises(OptionError, match=needle) as err:
         StrategyRegistry(["matmul"]).load_plugins([module])
@@ -443,4 +461,6 @@ def test_registry_families_start_with_the_default() -> None:
     matmul = {s.name for s in REGISTRY.strategies_for("matmul")}
     assert matmul >= {"gemm_pretransposed", "fused_gemm", "gemm_as_matmul"}
     assert {s.name for s in REGISTRY.strategies_for("conv")} >= {"fused_conv", "conv1x1_as_matmul"}
-    assert not REGISTRY.has_choice("matmul_act", "exact") and REGISTRY.has_choice("matmul_act", "int8")
+    assert not REGISTRY.has_choice("matmul_act", "exact") and REGISTRY.has_choice(
+        "matmul_act", "int8"
+    )

@@ -41,8 +41,9 @@ def _modules() -> dict[str, Path]:
 
 def test_the_import_contracts_hold() -> None:
     """lint-imports checks every contract in pyproject.toml's [tool.importlinter]."""
-    done = subprocess.run([_tool("lint-imports"), "--no-cache"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)  # fmt: skip
+    done = subprocess.run(
+        [_tool("lint-imports"), "--no-cache"], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     assert "0 broken" in done.stdout, done.stdout[-2000:]
 
@@ -55,18 +56,31 @@ def test_the_import_contracts_see_a_broken_layer(tmp_path: Path) -> None:
         shutil.copytree(ROOT / name, copy / name, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(ROOT / "pyproject.toml", copy / "pyproject.toml")
     figures = copy / "client" / "aoe" / "figures.py"
-    figures.write_text(figures.read_text() + "\n\ndef _leak():\n    import aoed.engine.engine  # noqa: F401\n")
+    figures.write_text(
+        figures.read_text() + "\n\ndef _leak():\n    import aoed.engine.engine  # noqa: F401\n"
+    )
     env = {"PYTHONPATH": f"{copy / 'client'}:{copy / 'daemon'}", "PATH": str(BIN)}
-    done = subprocess.run([_tool("lint-imports"), "--no-cache"], cwd=copy, capture_output=True, text=True,
-                          timeout=300, env=env)  # fmt: skip
+    done = subprocess.run(
+        [_tool("lint-imports"), "--no-cache"],
+        cwd=copy,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert done.returncode != 0, done.stdout[-2000:]
     assert "aoe.figures -> aoed.engine.engine" in done.stdout, done.stdout[-4000:]
 
 
 def test_ruff_finds_nothing() -> None:
     """ruff check over the tree, with the rules pyproject.toml selects."""
-    done = subprocess.run([_tool("ruff"), "check", "--no-cache", "."], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)  # fmt: skip
+    done = subprocess.run(
+        [_tool("ruff"), "check", "--no-cache", "."],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
 
 
@@ -77,6 +91,18 @@ def test_provider_names_live_in_one_place() -> None:
         if name in ("aoe.device",) or name.startswith("aoed.backends"):
             continue
         text = path.read_text()
-        if "ExecutionProvider\"" in text or "ExecutionProvider'" in text:
+        if 'ExecutionProvider"' in text or "ExecutionProvider'" in text:
             spelled.append(name)
     assert not spelled, spelled
+
+
+def test_the_tree_is_formatted_as_ruff_formats_it() -> None:
+    """ruff format --check: one layout everywhere, so a diff shows what changed."""
+    done = subprocess.run(
+        [_tool("ruff"), "format", "--check", "--no-cache", "."],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]

@@ -80,8 +80,13 @@ class G:
             for i, name in enumerate(n.input):
                 if name == out:
                     n.input[i] = "y"
-        g = helper.make_graph(self.nodes, "g", self.inputs, [helper.make_tensor_value_info("y", TensorProto.FLOAT, list(shape))],
-                              initializer=self.inits)  # fmt: skip
+        g = helper.make_graph(
+            self.nodes,
+            "g",
+            self.inputs,
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, list(shape))],
+            initializer=self.inits,
+        )
         m = helper.make_model(g, opset_imports=[helper.make_opsetid("", self.opset)])
         m.ir_version = 8
         return m
@@ -101,10 +106,24 @@ def linear(g: G, x: str, k: int, n: int, bias: bool = True) -> str:
     return g.n("Add", y, g.w(n, std=0.05)) if bias else y
 
 
-def attention(g: G, x: str, *, scale_on: str = "scores_div", k_two: bool = False, mask: str | None = None,
-              bias: bool = True, kv: str | None = None, sdpa: bool = False, packed: bool = False,
-              k_flat: bool = False, rotary: str | None = None, kv_heads: int = N, flat_out: bool = False,
-              additive: str | None = None, fill: float = -np.inf) -> str:  # fmt: skip
+def attention(
+    g: G,
+    x: str,
+    *,
+    scale_on: str = "scores_div",
+    k_two: bool = False,
+    mask: str | None = None,
+    bias: bool = True,
+    kv: str | None = None,
+    sdpa: bool = False,
+    packed: bool = False,
+    k_flat: bool = False,
+    rotary: str | None = None,
+    kv_heads: int = N,
+    flat_out: bool = False,
+    additive: str | None = None,
+    fill: float = -np.inf,
+) -> str:
     """Self-attention as exporters write it; `kv` (another tensor) makes it cross-attention.
     `rotary` puts LLaMA's rotary embeddings on Q and K ("llama": tables that repeat their
     halves, as transformers builds them; "odd": tables that do not). `kv_heads` < N makes
@@ -113,7 +132,10 @@ def attention(g: G, x: str, *, scale_on: str = "scores_div", k_two: bool = False
     merged into the flattening one). `flat_out` merges the heads straight into [B*S, H],
     as torch's dynamo export of GPT-2 does for the Conv1D after it. `additive` is a mask
     made outside, added to the scores."""
-    split, merge = g.t(np.array([B, S, N, D], np.int64)), g.t(np.array([B * S, H] if flat_out else [B, S, H], np.int64))
+    split, merge = (
+        g.t(np.array([B, S, N, D], np.int64)),
+        g.t(np.array([B * S, H] if flat_out else [B, S, H], np.int64)),
+    )
     kv_split = g.t(np.array([B, S, kv_heads, D], np.int64))
     k_two = k_two or (kv_heads != N and not k_flat)
 
@@ -122,13 +144,22 @@ def attention(g: G, x: str, *, scale_on: str = "scores_div", k_two: bool = False
         flat = g.n("Reshape", x, g.t(np.array([B * S, H], np.int64)))
         qkv = g.n("Gemm", flat, g.w(H, 3 * H), g.w(3 * H, std=0.05))
         qkv = g.n("Reshape", qkv, g.t(np.array([B, S, 3 * H], np.int64)))
-        sp = helper.make_node("Split", [qkv, g.t(np.array([H, H, H], np.int64))], [f"{qkv}_{i}" for i in range(3)],
-                              name=f"Split_{qkv}", axis=2)  # fmt: skip
+        sp = helper.make_node(
+            "Split",
+            [qkv, g.t(np.array([H, H, H], np.int64))],
+            [f"{qkv}_{i}" for i in range(3)],
+            name=f"Split_{qkv}",
+            axis=2,
+        )
         g.nodes.append(sp)
         parts = list(sp.output)
 
     def heads(src: str, perm, n: int = N) -> str:
-        y = g.n("Reshape", parts.pop(0) if parts else linear(g, src, H, n * D, bias), split if n == N else kv_split)
+        y = g.n(
+            "Reshape",
+            parts.pop(0) if parts else linear(g, src, H, n * D, bias),
+            split if n == N else kv_split,
+        )
         return g.n("Transpose", y, perm=perm)
 
     def wide(t: str) -> str:  # [B, kv, S, D] -> [B, kv, N/kv, S, D]
@@ -136,7 +167,9 @@ def attention(g: G, x: str, *, scale_on: str = "scores_div", k_two: bool = False
         return g.n("Expand", t, g.t(np.array([B, kv_heads, N // kv_heads, S, D], np.int64)))
 
     def repeat(t: str) -> str:
-        return t if kv_heads == N else g.n("Reshape", wide(t), g.t(np.array([B, N, S, D], np.int64)))
+        return (
+            t if kv_heads == N else g.n("Reshape", wide(t), g.t(np.array([B, N, S, D], np.int64)))
+        )
 
     if rotary:
         freqs = np.outer(np.arange(S), 1.0 / 10000 ** (np.arange(0, D, 2) / D))
@@ -144,16 +177,26 @@ def attention(g: G, x: str, *, scale_on: str = "scores_div", k_two: bool = False
             freqs = np.concatenate([freqs, freqs], axis=-1)
         else:
             freqs = np.concatenate([freqs, freqs + 0.5], axis=-1)
-        cos, sin = g.t(np.cos(freqs)[None, None].astype(np.float32)), g.t(np.sin(freqs)[None, None].astype(np.float32))
+        cos, sin = (
+            g.t(np.cos(freqs)[None, None].astype(np.float32)),
+            g.t(np.sin(freqs)[None, None].astype(np.float32)),
+        )
         half, big, last = (g.t(np.array([v], np.int64)) for v in (D // 2, 2**31 - 1, -1))
         zero = g.t(np.array([0], np.int64))
 
         def rotate(t: str) -> str:
-            turned = g.n("Concat", g.n("Neg", g.n("Slice", t, half, big, last)), g.n("Slice", t, zero, half, last), axis=-1)
+            turned = g.n(
+                "Concat",
+                g.n("Neg", g.n("Slice", t, half, big, last)),
+                g.n("Slice", t, zero, half, last),
+                axis=-1,
+            )
             return g.n("Add", g.n("Mul", t, cos), g.n("Mul", turned, sin))
 
         q = rotate(heads(x, [0, 2, 1, 3]))
-        k = g.n("Transpose", repeat(rotate(heads(kv or x, [0, 2, 1, 3], kv_heads))), perm=[0, 1, 3, 2])
+        k = g.n(
+            "Transpose", repeat(rotate(heads(kv or x, [0, 2, 1, 3], kv_heads))), perm=[0, 1, 3, 2]
+        )
         k_two = False
     else:
         q = heads(x, [0, 2, 1, 3])
@@ -166,7 +209,9 @@ def attention(g: G, x: str, *, scale_on: str = "scores_div", k_two: bool = False
     elif k_flat:  # torch's dynamo export: Kᵀ through 3-D
         k = heads(kv or x, [0, 2, 1, 3], kv_heads)
         k = g.n("Reshape", k if kv_heads == N else wide(k), g.t(np.array([B * N, S, D], np.int64)))
-        k = g.n("Reshape", g.n("Transpose", k, perm=[0, 2, 1]), g.t(np.array([B, N, D, S], np.int64)))
+        k = g.n(
+            "Reshape", g.n("Transpose", k, perm=[0, 2, 1]), g.t(np.array([B, N, D, S], np.int64))
+        )
     else:
         k = heads(kv or x, [0, 2, 3, 1])
     v = repeat(heads(kv or x, [0, 2, 1, 3], kv_heads))
@@ -188,9 +233,13 @@ def attention(g: G, x: str, *, scale_on: str = "scores_div", k_two: bool = False
         m = g.n("Cast", m, to=TensorProto.FLOAT)
         m = g.n("Mul", g.n("Sub", g.f(1.0), m), g.f(-10000.0))
         s = g.n("Add", s, m)
-    elif mask == "causal_padding_where":  # transformers: one boolean, each layer's Where(keep, 0, -inf)
+    elif (
+        mask == "causal_padding_where"
+    ):  # transformers: one boolean, each layer's Where(keep, 0, -inf)
         m = g.input("attention_mask", [B, S], TensorProto.INT64)
-        keep = g.n("Unsqueeze", g.n("Cast", m, to=TensorProto.BOOL), g.t(np.array([1, 2], np.int64)))
+        keep = g.n(
+            "Unsqueeze", g.n("Cast", m, to=TensorProto.BOOL), g.t(np.array([1, 2], np.int64))
+        )
         keep = g.n("And", keep, g.t(np.tril(np.ones((S, S), bool))[None, None]))
         s = g.n("Add", s, g.n("Where", keep, g.f(0.0), g.f(fill)))
     if additive is not None:
@@ -198,8 +247,11 @@ def attention(g: G, x: str, *, scale_on: str = "scores_div", k_two: bool = False
     p = g.n("Softmax", s, axis=-1)
     if sdpa:  # torch's sdpa export: a NaN guard after the softmax, a Reshape keeping P·V's shape
         p = g.n("Where", g.n("IsNaN", p), g.f(0.0), p)
-        c = g.n("Transpose", g.n("Reshape", g.n("MatMul", p, v), g.t(np.array([B, N, S, D], np.int64))),
-                perm=[0, 2, 1, 3])  # fmt: skip
+        c = g.n(
+            "Transpose",
+            g.n("Reshape", g.n("MatMul", p, v), g.t(np.array([B, N, S, D], np.int64))),
+            perm=[0, 2, 1, 3],
+        )
         return g.n("Reshape", c, merge)
     c = g.n("Transpose", g.n("MatMul", p, v), perm=[0, 2, 1, 3])
     return g.n("Reshape", c, merge)
@@ -280,12 +332,28 @@ VARIANTS = {
     "dynamo_export": {"k_flat": True, "sdpa": True, "mask": "padding"},
     "llama_rotary": {"rotary": "llama", "scale_on": "q_and_k", "mask": "causal_add", "bias": False},
     "rotary_padding": {"rotary": "llama", "mask": "padding"},
-    "llama_gqa": {"rotary": "llama", "scale_on": "q_and_k", "mask": "causal_add", "bias": False, "kv_heads": 2},
+    "llama_gqa": {
+        "rotary": "llama",
+        "scale_on": "q_and_k",
+        "mask": "causal_add",
+        "bias": False,
+        "kv_heads": 2,
+    },
     "gqa_dynamo_padding": {"k_flat": True, "sdpa": True, "mask": "padding", "kv_heads": 2},
     "multi_query_causal": {"kv_heads": 1, "mask": "causal_where"},
-    "gpt2_sdpa_causal_padding": {"packed": True, "sdpa": True, "scale_on": "q_and_k", "mask": "causal_padding_where"},
-    "gpt2_dynamo_flat_out": {"packed": True, "sdpa": True, "scale_on": "q_and_k", "mask": "causal_padding_where",
-                             "flat_out": True},
+    "gpt2_sdpa_causal_padding": {
+        "packed": True,
+        "sdpa": True,
+        "scale_on": "q_and_k",
+        "mask": "causal_padding_where",
+    },
+    "gpt2_dynamo_flat_out": {
+        "packed": True,
+        "sdpa": True,
+        "scale_on": "q_and_k",
+        "mask": "causal_padding_where",
+        "flat_out": True,
+    },
     "causal_add": {"mask": "causal_add"},
     "causal_where": {"mask": "causal_where"},
     "padding_mask": {"mask": "padding"},
@@ -330,7 +398,13 @@ def test_an_intermediate_read_outside_keeps_the_block_out() -> None:
     model = g.model(g.n("Add", y, d))
     norm = normalize(model, None, strict=False).model
     [m] = find_subgraphs(norm, ModelContext(norm))
-    assert m.family == "layernorm" and [n.op_type for n in m.nodes] == ["Pow", "ReduceMean", "Add", "Sqrt", "Div"]
+    assert m.family == "layernorm" and [n.op_type for n in m.nodes] == [
+        "Pow",
+        "ReduceMean",
+        "Add",
+        "Sqrt",
+        "Div",
+    ]
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -349,14 +423,19 @@ def test_every_strategy_that_applies_keeps_the_outputs(variant: str, tmp_path: P
             if strategy.name == "default":
                 continue
             try:
-                rewrites = task_rewrites(prep.model, prep.ctx, consts, task, strategy.name, REGISTRY)
+                rewrites = task_rewrites(
+                    prep.model, prep.ctx, consts, task, strategy.name, REGISTRY
+                )
             except Exception:
                 continue  # does not apply to this form
             y = _run(apply_rewrites(prep.model, rewrites), feeds)
             if strategy.name in ("int8_bias_gelu", "int8_gelu"):
                 gelu_out[strategy.name] = y
             if strategy.precision == "exact":
-                assert np.abs(y - ref).max() <= 1e-4 * np.abs(ref).max(), (task.family, strategy.name)
+                assert np.abs(y - ref).max() <= 1e-4 * np.abs(ref).max(), (
+                    task.family,
+                    strategy.name,
+                )
             elif strategy.precision == "approx":  # a float approximation: close, and not equal
                 err = np.abs(y - ref).max()
                 assert 0 < err <= 1e-3 * np.abs(ref).max(), (task.family, strategy.name, err)
@@ -367,9 +446,16 @@ def test_every_strategy_that_applies_keeps_the_outputs(variant: str, tmp_path: P
     # The fused kernels take every form built here (QAttention: not a padding mask;
     # rotary embeddings: MultiHeadAttention after RotaryEmbedding, not Attention).
     rotary = "rotary" in VARIANTS[variant]
-    assert {"multihead_attention", "packed_qkv", "int8_packed_qkv", "int8_multihead_attention"} <= set(applied["attention"])
+    assert {
+        "multihead_attention",
+        "packed_qkv",
+        "int8_packed_qkv",
+        "int8_multihead_attention",
+    } <= set(applied["attention"])
     assert ("fused_attention" in applied["attention"]) != rotary
-    assert ("int8_qattention" in applied["attention"]) == (VARIANTS[variant].get("mask") != "padding" and not rotary)
+    assert ("int8_qattention" in applied["attention"]) == (
+        VARIANTS[variant].get("mask") != "padding" and not rotary
+    )
     # GroupQueryAttention takes every block, a group of one head where K/V are not shared
     assert {"group_query_attention", "int8_group_query_attention"} <= set(applied["attention"])
     assert "skip_layer_normalization" in applied["layernorm"]
@@ -385,7 +471,9 @@ def test_every_strategy_that_applies_keeps_the_outputs(variant: str, tmp_path: P
 
 
 def test_approximations_are_offered_under_lossy_policies_only() -> None:
-    names = {p: {s.name for s in REGISTRY.strategies_for("gelu", p)} for p in ("exact", "int8", "int4")}
+    names = {
+        p: {s.name for s in REGISTRY.strategies_for("gelu", p)} for p in ("exact", "int8", "int4")
+    }
     assert "tanh_gelu" not in names["exact"] and "fast_gelu" in names["exact"]
     assert "tanh_gelu" in names["int8"] and "tanh_gelu" in names["int4"]
     assert "int8_bias_gelu" not in names["int4"] and "int8_gelu" not in names["int4"]
@@ -402,7 +490,9 @@ def _shared_mask_model(fill: float, zero: float = 0.0) -> onnx.ModelProto:
     mask = g.n("Where", keep, g.f(zero), g.f(fill))
     h = x
     for _ in range(2):
-        h = g.n("Add", linear(g, attention(g, h, sdpa=True, scale_on="q_and_k", additive=mask), H, H), h)
+        h = g.n(
+            "Add", linear(g, attention(g, h, sdpa=True, scale_on="q_and_k", additive=mask), H, H), h
+        )
     return g.model(h)
 
 
@@ -412,8 +502,13 @@ def test_a_mask_shared_by_layers_gets_a_where_per_layer_and_qattention(tmp_path:
     QAttention reads the boolean. The copies change no output."""
     model = _shared_mask_model(-np.inf)
     norm = normalize(model).model
-    wheres = [n for n in norm.graph.node if n.op_type == "Where" and n.input[1] != n.input[2]
-              and not any(p.op_type == "IsNaN" and p.output[0] == n.input[0] for p in norm.graph.node)]  # fmt: skip
+    wheres = [
+        n
+        for n in norm.graph.node
+        if n.op_type == "Where"
+        and n.input[1] != n.input[2]
+        and not any(p.op_type == "IsNaN" and p.output[0] == n.input[0] for p in norm.graph.node)
+    ]
     assert len(wheres) == 2 and len({w.output[0] for w in wheres}) == 2
     assert len({w.input[0] for w in wheres}) == 1  # one boolean
     assert _families(model) == ["attention", "attention"]
@@ -424,8 +519,13 @@ def test_a_mask_shared_by_layers_gets_a_where_per_layer_and_qattention(tmp_path:
     onnx.save(model, src)
     prep = prepare(src, tmp_path)
     consts = Constants(prep.model.graph, list(prep.model.opset_import))
-    rewrites = {k: r for task in partition(prep.model, prep.ctx, "sgat")
-                for k, r in task_rewrites(prep.model, prep.ctx, consts, task, "int8_qattention", REGISTRY).items()}  # fmt: skip
+    rewrites = {
+        k: r
+        for task in partition(prep.model, prep.ctx, "sgat")
+        for k, r in task_rewrites(
+            prep.model, prep.ctx, consts, task, "int8_qattention", REGISTRY
+        ).items()
+    }
     tuned = apply_rewrites(prep.model, rewrites)
     assert [n.op_type for n in tuned.graph.node].count("QAttention") == 2
     y = _run(tuned, feeds)
@@ -436,10 +536,14 @@ def test_a_mask_shared_by_layers_gets_a_where_per_layer_and_qattention(tmp_path:
 def test_a_shared_where_that_is_no_mask_stays_shared() -> None:
     for model in (_shared_mask_model(-1.0), _shared_mask_model(0.0, zero=1.0)):
         norm = normalize(model).model
-        assert sum(n.op_type == "Where" for n in norm.graph.node) == sum(n.op_type == "Where" for n in model.graph.node)
+        assert sum(n.op_type == "Where" for n in norm.graph.node) == sum(
+            n.op_type == "Where" for n in model.graph.node
+        )
 
 
-def test_residual_as_sum_keeps_onnxruntime_from_fusing_skip_layer_normalization(tmp_path: Path) -> None:
+def test_residual_as_sum_keeps_onnxruntime_from_fusing_skip_layer_normalization(
+    tmp_path: Path,
+) -> None:
     """onnxruntime turns Add + LayerNorm into SkipLayerNormalization from its extended
     level on; the Sum form keeps the two kernels, with the same outputs."""
     src = tmp_path / "m.onnx"
@@ -469,14 +573,18 @@ def test_residual_as_sum_keeps_onnxruntime_from_fusing_skip_layer_normalization(
     assert np.abs(y - ref).max() <= 1e-4 * np.abs(ref).max()  # exact: float rounding only
 
 
-def _attention_node(variant: str, strategy: str, tmp_path: Path) -> tuple[onnx.ModelProto, onnx.NodeProto]:
+def _attention_node(
+    variant: str, strategy: str, tmp_path: Path
+) -> tuple[onnx.ModelProto, onnx.NodeProto]:
     tmp_path.mkdir(parents=True)
     src = tmp_path / "m.onnx"
     onnx.save(block(**VARIANTS[variant]), src)
     prep = prepare(src, tmp_path)
     [task] = [t for t in partition(prep.model, prep.ctx, "sgat") if t.family == "attention"]
     consts = Constants(prep.model.graph, list(prep.model.opset_import))
-    tuned = apply_rewrites(prep.model, task_rewrites(prep.model, prep.ctx, consts, task, strategy, REGISTRY))
+    tuned = apply_rewrites(
+        prep.model, task_rewrites(prep.model, prep.ctx, consts, task, strategy, REGISTRY)
+    )
     op = {"fused_attention": "Attention", "multihead_attention": "MultiHeadAttention"}[strategy]
     [node] = [n for n in tuned.graph.node if n.op_type == op]
     return tuned, node
@@ -490,14 +598,18 @@ def test_masks_and_scales_are_read_not_assumed(tmp_path: Path) -> None:
         _, node = _attention_node(variant, "fused_attention", tmp_path / variant)
         assert attrs(node)["unidirectional"] == 1 and len(node.input) == 3, variant
     tuned, node = _attention_node("padding_mask", "fused_attention", tmp_path / "pad")
-    assert node.input[5] and any(n.op_type == "Expand" and n.output[0] == node.input[5] for n in tuned.graph.node)
+    assert node.input[5] and any(
+        n.op_type == "Expand" and n.output[0] == node.input[5] for n in tuned.graph.node
+    )
     for variant in ("scores_div", "scale_on_q"):
         _, node = _attention_node(variant, "multihead_attention", tmp_path / f"s_{variant}")
         assert math.isclose(attrs(node)["scale"], 1 / math.sqrt(D), rel_tol=1e-6)
         assert attrs(node)["num_heads"] == N
 
 
-def test_rotary_embeddings_run_on_rotary_embedding_only_where_the_tables_fit(tmp_path: Path) -> None:
+def test_rotary_embeddings_run_on_rotary_embedding_only_where_the_tables_fit(
+    tmp_path: Path,
+) -> None:
     tuned, node = _attention_node("llama_rotary", "multihead_attention", tmp_path / "llama")
     rot = [n for n in tuned.graph.node if n.op_type == "RotaryEmbedding"]
     assert len(rot) == 2 and {n.output[0] for n in rot} == set(node.input[:2])
@@ -513,7 +625,9 @@ def test_rotary_embeddings_run_on_rotary_embedding_only_where_the_tables_fit(tmp
     with pytest.raises(Exception, match="does not apply"):
         task_rewrites(prep.model, prep.ctx, consts, task, "multihead_attention", REGISTRY)
     feeds = _feeds(prep.model)
-    packed = apply_rewrites(prep.model, task_rewrites(prep.model, prep.ctx, consts, task, "packed_qkv", REGISTRY))
+    packed = apply_rewrites(
+        prep.model, task_rewrites(prep.model, prep.ctx, consts, task, "packed_qkv", REGISTRY)
+    )
     ref = _run(prep.model, feeds)
     assert np.abs(_run(packed, feeds) - ref).max() <= 1e-4 * np.abs(ref).max()
 
@@ -537,18 +651,29 @@ def test_grouped_query_attention_reads_each_kv_head_for_its_group(tmp_path: Path
         consts = Constants(prep.model.graph, list(prep.model.opset_import))
         feeds = _feeds(prep.model)
         ref = _run(prep.model, feeds)
-        for strategy, op in (("group_query_attention", "GroupQueryAttention"), ("multihead_attention", "MultiHeadAttention")):
-            tuned = apply_rewrites(prep.model, task_rewrites(prep.model, prep.ctx, consts, task, strategy, REGISTRY))
+        for strategy, op in (
+            ("group_query_attention", "GroupQueryAttention"),
+            ("multihead_attention", "MultiHeadAttention"),
+        ):
+            tuned = apply_rewrites(
+                prep.model, task_rewrites(prep.model, prep.ctx, consts, task, strategy, REGISTRY)
+            )
             [node] = [n for n in tuned.graph.node if n.op_type == op]
             got = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-            assert got["num_heads"] == N and got.get("kv_num_heads", N) == (kv if op == "GroupQueryAttention" else N)
-            assert got.get("causal", got.get("unidirectional")) == int(VARIANTS[variant]["mask"] != "padding")
+            assert got["num_heads"] == N and got.get("kv_num_heads", N) == (
+                kv if op == "GroupQueryAttention" else N
+            )
+            assert got.get("causal", got.get("unidirectional")) == int(
+                VARIANTS[variant]["mask"] != "padding"
+            )
             assert _repeat_kv(prep.model) == 2 and _repeat_kv(tuned) == 0  # K and V
             y = _run(tuned, feeds)
             assert np.abs(y - ref).max() <= 1e-4 * np.abs(ref).max(), (variant, strategy)
 
 
-def test_a_layers_own_mask_where_becomes_a_raw_mask_and_left_padding_stays_finite(tmp_path: Path) -> None:
+def test_a_layers_own_mask_where_becomes_a_raw_mask_and_left_padding_stays_finite(
+    tmp_path: Path,
+) -> None:
     """transformers makes one boolean (causal and padding) and each layer's Where(keep, 0,
     -inf): the matcher takes that Where into the block, so QAttention reads the boolean
     as its raw mask_index. Left padding leaves the first query rows with every key masked:
@@ -573,7 +698,10 @@ def test_a_layers_own_mask_where_becomes_a_raw_mask_and_left_padding_stays_finit
         if strategy.name == "default":
             continue
         try:
-            tuned = apply_rewrites(prep.model, task_rewrites(prep.model, prep.ctx, consts, task, strategy.name, REGISTRY))
+            tuned = apply_rewrites(
+                prep.model,
+                task_rewrites(prep.model, prep.ctx, consts, task, strategy.name, REGISTRY),
+            )
         except Exception:
             continue
         y = _run(tuned, feeds)
@@ -594,7 +722,12 @@ def test_a_layers_own_mask_where_becomes_a_raw_mask_and_left_padding_stays_finit
         if ops & {"Attention", "MultiHeadAttention", "QAttention"}:
             assert "IsNaN" not in ops and "Mul" in ops, strategy.name
         tried.append(strategy.name)
-    assert {"fused_attention", "multihead_attention", "int8_qattention", "int8_multihead_attention"} <= set(tried)
+    assert {
+        "fused_attention",
+        "multihead_attention",
+        "int8_qattention",
+        "int8_multihead_attention",
+    } <= set(tried)
 
 
 def test_a_guard_that_never_fires_is_left_out(tmp_path: Path) -> None:
@@ -613,10 +746,19 @@ def test_a_guard_that_never_fires_is_left_out(tmp_path: Path) -> None:
     ref = _run(prep.model, feeds)
     assert np.isfinite(ref).all()
     fused = []
-    for name in ("fused_attention", "multihead_attention", "group_query_attention", "int8_qattention"):
-        tuned = apply_rewrites(prep.model, task_rewrites(prep.model, prep.ctx, consts, task, name, REGISTRY))
+    for name in (
+        "fused_attention",
+        "multihead_attention",
+        "group_query_attention",
+        "int8_qattention",
+    ):
+        tuned = apply_rewrites(
+            prep.model, task_rewrites(prep.model, prep.ctx, consts, task, name, REGISTRY)
+        )
         ops = [n.op_type for n in tuned.graph.node]
-        assert "IsNaN" not in ops and not any(n.name.endswith("RowGuard") for n in tuned.graph.node), (name, ops)
+        assert "IsNaN" not in ops and not any(
+            n.name.endswith("RowGuard") for n in tuned.graph.node
+        ), (name, ops)
         y = _run(tuned, feeds)
         if name == "int8_qattention":
             assert float((y * ref).sum() / np.linalg.norm(y) / np.linalg.norm(ref)) > 0.99
@@ -634,11 +776,22 @@ def test_shapes_computed_at_run_time_are_inferred_and_make_tasks(tmp_path: Path)
     g = G()
     x = g.input("x", [B, S, H])
     shape = g.n("Shape", x)
-    dims = [g.n("Unsqueeze", g.n("Gather", shape, g.t(np.array(i, np.int64)), axis=0), g.t(np.array([0], np.int64)))
-            for i in range(3)]  # fmt: skip
+    dims = [
+        g.n(
+            "Unsqueeze",
+            g.n("Gather", shape, g.t(np.array(i, np.int64)), axis=0),
+            g.t(np.array([0], np.int64)),
+        )
+        for i in range(3)
+    ]
     target = g.n("Concat", *dims, axis=0)
     # torch's expand(-1, ...) spelling: -1 entries replaced by 1 through Equal and Where
-    target = g.n("Where", g.n("Equal", target, g.t(np.array(-1, np.int64))), g.t(np.ones(3, np.int64)), target)
+    target = g.n(
+        "Where",
+        g.n("Equal", target, g.t(np.array(-1, np.int64))),
+        g.t(np.ones(3, np.int64)),
+        target,
+    )
     bias = g.n("Expand", g.w(1, 1, H), target)
     y = g.n("Add", x, bias)
     y = g.n("Relu", linear(g, y, H, H))
@@ -648,12 +801,18 @@ def test_shapes_computed_at_run_time_are_inferred_and_make_tasks(tmp_path: Path)
     tasks = partition(norm, ModelContext(norm))
     assert sum(t.instances for t in tasks) == 2 and all(t.family == "matmul" for t in tasks)
     off = onnx.shape_inference.infer_shapes(model, data_prop=True)
-    known = {vi.name for vi in off.graph.value_info if vi.type.tensor_type.HasField("shape")
-             and all(d.HasField("dim_value") for d in vi.type.tensor_type.shape.dim)}  # fmt: skip
+    known = {
+        vi.name
+        for vi in off.graph.value_info
+        if vi.type.tensor_type.HasField("shape")
+        and all(d.HasField("dim_value") for d in vi.type.tensor_type.shape.dim)
+    }
     assert y not in known, "this test needs a model onnx's own inference leaves unshaped"
 
 
-def test_twins_are_one_task_and_partition_modes_split_the_nodes(models: Path, tmp_path: Path) -> None:
+def test_twins_are_one_task_and_partition_modes_split_the_nodes(
+    models: Path, tmp_path: Path
+) -> None:
     prep = prepare(models / "bert.onnx", tmp_path)
     sgat = partition(prep.model, prep.ctx, "sgat")
     opat = partition(prep.model, prep.ctx, "opat")
@@ -665,7 +824,9 @@ def test_twins_are_one_task_and_partition_modes_split_the_nodes(models: Path, tm
         if t.family not in ("attention", "layernorm", "gelu"):
             assert not in_sgat & {n for u in (t, *t.twins) for n in u.node_names}, t.id
     assert [t.signature.digest for t in both[: len(sgat)]] == [t.signature.digest for t in sgat]
-    assert len(both) > len(sgat) and {t.signature.digest for t in opat} > {t.signature.digest for t in both[len(sgat):]}
+    assert len(both) > len(sgat) and {t.signature.digest for t in opat} > {
+        t.signature.digest for t in both[len(sgat) :]
+    }
 
 
 def test_model_tasks_find_subgraph_tasks_by_their_first_node(models: Path, tmp_path: Path) -> None:
@@ -679,17 +840,31 @@ def test_model_tasks_find_subgraph_tasks_by_their_first_node(models: Path, tmp_p
     sgat = ModelTasks(model, job_type="sgat")
     assert {sgat.signature(n).digest for n in anchors} == {att.signature.digest}
     opat = ModelTasks(model)  # the same first node anchors an operator task there
-    assert all(opat.signature(n) is not None and opat.signature(n).digest != att.signature.digest for n in anchors)
+    assert all(
+        opat.signature(n) is not None and opat.signature(n).digest != att.signature.digest
+        for n in anchors
+    )
 
 
-def glu_block(act: str = "silu", bias: bool = False, silu_order: str = "x_first", up_first: bool = False,
-              seed: int = 5) -> onnx.ModelProto:  # fmt: skip
+def glu_block(
+    act: str = "silu",
+    bias: bool = False,
+    silu_order: str = "x_first",
+    up_first: bool = False,
+    seed: int = 5,
+) -> onnx.ModelProto:
     """A LLaMA-style MLP: down(act(x·Wg) · (x·Wu)), act SiLU (as Sigmoid and Mul) or Sigmoid."""
     g = G(seed=seed)
     x = g.input("x", [B, S, H])
     gate, up = linear(g, x, H, 2 * H, bias), linear(g, x, H, 2 * H, bias)
     sig = g.n("Sigmoid", gate)
-    a = sig if act == "sigmoid" else g.n("Mul", gate, sig) if silu_order == "x_first" else g.n("Mul", sig, gate)
+    a = (
+        sig
+        if act == "sigmoid"
+        else g.n("Mul", gate, sig)
+        if silu_order == "x_first"
+        else g.n("Mul", sig, gate)
+    )
     h = g.n("Mul", up, a) if up_first else g.n("Mul", a, up)
     return g.model(linear(g, h, 2 * H, H, bias))
 
@@ -703,7 +878,9 @@ GLU_VARIANTS = {
 
 
 @pytest.mark.parametrize("variant", list(GLU_VARIANTS))
-def test_gated_ffns_are_found_and_their_strategies_keep_the_outputs(variant: str, tmp_path: Path) -> None:
+def test_gated_ffns_are_found_and_their_strategies_keep_the_outputs(
+    variant: str, tmp_path: Path
+) -> None:
     model = anonymize(glu_block(**GLU_VARIANTS[variant]))
     assert _families(model) == ["glu"]
     src = tmp_path / "m.onnx"
@@ -734,10 +911,14 @@ def test_gated_ffns_are_found_and_their_strategies_keep_the_outputs(variant: str
     # packed: the gate and up products are one product over the input, then the down one
     assert applied["packed_glu"].count("MatMul") == 2 and "Split" in applied["packed_glu"]
     assert applied["int8_packed_glu"].count("DynamicQuantizeMatMul") == 1
-    assert ("QuickGelu" in applied["packed_glu"]) == silu and "Sigmoid" not in applied.get("silu_kernel", [])
+    assert ("QuickGelu" in applied["packed_glu"]) == silu and "Sigmoid" not in applied.get(
+        "silu_kernel", []
+    )
 
 
-def rmsnorm(g: G, x: str, *, square: str = "Pow", divide: str = "Reciprocal", scale: bool = True) -> str:
+def rmsnorm(
+    g: G, x: str, *, square: str = "Pow", divide: str = "Reciprocal", scale: bool = True
+) -> str:
     """LLaMA's RMSNorm written out: x / sqrt(mean(x²) + eps) · w (torch's dynamo export:
     Pow and x · Reciprocal; the TorchScript one: Div)."""
     sq = g.n("Pow", x, g.f(2.0)) if square == "Pow" else g.n("Mul", x, x)
@@ -761,7 +942,9 @@ RMS_VARIANTS = {
 
 @pytest.mark.parametrize("post_norm", [False, True])
 @pytest.mark.parametrize("variant", list(RMS_VARIANTS))
-def test_rmsnorm_is_found_and_runs_on_onnxruntimes_kernel(variant: str, post_norm: bool, tmp_path: Path) -> None:
+def test_rmsnorm_is_found_and_runs_on_onnxruntimes_kernel(
+    variant: str, post_norm: bool, tmp_path: Path
+) -> None:
     """Pre-norm (LLaMA: the residual sum also feeds the next residual, so it stays out)
     and post-norm (the residual Add joins the task). simplified_layer_normalization
     writes the form onnxruntime fuses into SimplifiedLayerNormalization, in standard ops;
@@ -798,10 +981,16 @@ def test_rmsnorm_is_found_and_runs_on_onnxruntimes_kernel(variant: str, post_nor
         y = _run(tuned, feeds)
         assert np.abs(y - ref).max() <= 1e-4 * np.abs(ref).max(), strategy.name
         applied[strategy.name] = tuned
-    assert set(applied) == {"simplified_layer_normalization"} | ({"skip_simplified_layer_normalization"} if post_norm else set())
+    assert set(applied) == {"simplified_layer_normalization"} | (
+        {"skip_simplified_layer_normalization"} if post_norm else set()
+    )
     so = ort.SessionOptions()
     so.optimized_model_filepath = str(tmp_path / "opt.onnx")
-    ort.InferenceSession(applied["simplified_layer_normalization"].SerializeToString(), so, providers=["CPUExecutionProvider"])
+    ort.InferenceSession(
+        applied["simplified_layer_normalization"].SerializeToString(),
+        so,
+        providers=["CPUExecutionProvider"],
+    )
     ops = [n.op_type for n in onnx.load(so.optimized_model_filepath).graph.node]
     assert not {"Pow", "ReduceMean", "Sqrt", "Reciprocal", "Div"} & set(ops), ops
     assert {"SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization"} & set(ops), ops
@@ -811,7 +1000,21 @@ def test_what_is_no_rmsnorm_is_left_to_opat() -> None:
     g = G()
     x = g.input("x", [B, S, H])
     sq = g.n("Pow", x, g.f(3.0))  # not a square
-    assert _families(g.model(g.n("Mul", x, g.n("Reciprocal", g.n("Sqrt", g.n("Add", g.n("ReduceMean", sq, axes=[-1]), g.f(1e-6))))))) == []
+    assert (
+        _families(
+            g.model(
+                g.n(
+                    "Mul",
+                    x,
+                    g.n(
+                        "Reciprocal",
+                        g.n("Sqrt", g.n("Add", g.n("ReduceMean", sq, axes=[-1]), g.f(1e-6))),
+                    ),
+                )
+            )
+        )
+        == []
+    )
     g = G()
     x = g.input("x", [B, S, H])
     sq = g.n("Pow", x, g.f(2.0))
@@ -864,7 +1067,9 @@ def test_what_is_not_a_gated_ffn_is_left_to_opat() -> None:
     g = G()
     x = g.input("x", [B, S, H])
     gate, up = linear(g, x, H, H, False), linear(g, x, H, H, False)
-    assert _families(g.model(g.n("Mul", g.n("Mul", gate, g.n("Sigmoid", up)), up))) == []  # not SiLU of one tensor
+    assert (
+        _families(g.model(g.n("Mul", g.n("Mul", gate, g.n("Sigmoid", up)), up))) == []
+    )  # not SiLU of one tensor
     g = G()
     x = g.input("x", [B, S, H])
     gate, up = linear(g, x, H, H, False), linear(g, x, H, H, False)
@@ -873,14 +1078,16 @@ def test_what_is_not_a_gated_ffn_is_left_to_opat() -> None:
 
 
 def test_job_type_spellings() -> None:
-    assert [parse_job_type(s) for s in ("opat", "2", "SGAT", "1", "sgat+opat", "1+2", "opat,sgat")] == [
-        "opat", "opat", "sgat", "sgat", "sgat+opat", "sgat+opat", "sgat+opat"]  # fmt: skip
+    assert [
+        parse_job_type(s) for s in ("opat", "2", "SGAT", "1", "sgat+opat", "1+2", "opat,sgat")
+    ] == ["opat", "opat", "sgat", "sgat", "sgat+opat", "sgat+opat", "sgat+opat"]
     with pytest.raises(OptionError, match="expected opat"):
         parse_job_type("gdat")
 
 
-def test_sgat_plus_opat_tunes_every_operator_task_a_subgraph_without_a_choice_covers(models: Path,
-                                                                                      tmp_path: Path) -> None:
+def test_sgat_plus_opat_tunes_every_operator_task_a_subgraph_without_a_choice_covers(
+    models: Path, tmp_path: Path
+) -> None:
     """A CNN's trunk is a subgraph with strategies at int8 only: at exact it must not take
     the convolutions from OPAT, or the default job type would tune less than OPAT alone."""
     from aoed.engine.assemble import tunable_tasks
@@ -929,11 +1136,25 @@ FAST = ("--budget", "3", "--parallel", "1", "--no-progress", "--local")
 
 
 @pytest.mark.slow
-def test_sgat_job_writes_aoe_result_and_bank_then_resumes_from_it(models: Path, tmp_path: Path) -> None:
+def test_sgat_job_writes_aoe_result_and_bank_then_resumes_from_it(
+    models: Path, tmp_path: Path
+) -> None:
     bank, out = tmp_path / "bank", tmp_path / "out"
     # AOE's own spelling: --job_type 1 is SGAT.
-    r = run_aoe("--framework", "5", "--model", str(models / "transformer.onnx"), "--job_type", "1",
-                "--bank", str(bank), "--output", str(out), "--progress_bar", "off")  # fmt: skip
+    r = run_aoe(
+        "--framework",
+        "5",
+        "--model",
+        str(models / "transformer.onnx"),
+        "--job_type",
+        "1",
+        "--bank",
+        str(bank),
+        "--output",
+        str(out),
+        "--progress_bar",
+        "off",
+    )
     assert r.returncode == 0, r.stderr
     [result] = out.glob("aoe_result_sgat_*.json")
     doc = json.loads(result.read_text())
@@ -949,13 +1170,26 @@ def test_sgat_job_writes_aoe_result_and_bank_then_resumes_from_it(models: Path, 
         stored = [r for _, r in b.records() if not r.HasField("trial")]
     assert len(stored) >= len(measured)  # an entry or a "default stays" record per decided task
     # Run again with --reload (AOE's resume): every decided subgraph comes from the bank.
-    r = run_aoe("tune", str(models / "transformer.onnx"), "--job-type", "sgat", "--reload",
-                "--bank", str(bank), "--output", str(tmp_path / "again"), *FAST, env={"REPEAT_TUNE": "True"})  # fmt: skip
+    r = run_aoe(
+        "tune",
+        str(models / "transformer.onnx"),
+        "--job-type",
+        "sgat",
+        "--reload",
+        "--bank",
+        str(bank),
+        "--output",
+        str(tmp_path / "again"),
+        *FAST,
+        env={"REPEAT_TUNE": "True"},
+    )
     assert r.returncode == 0, r.stderr
     [again] = (tmp_path / "again").glob("aoe_result_sgat_*.json")
     doc2 = json.loads(again.read_text())
     decided = {t["task_id"] for t in measured}
-    assert all(t["update_mode"] in ("hit", "reserved") for t in doc2["tasks"] if t["task_id"] in decided), doc2["tasks"]
+    assert all(
+        t["update_mode"] in ("hit", "reserved") for t in doc2["tasks"] if t["task_id"] in decided
+    ), doc2["tasks"]
     assert doc2["resources"]["trials"] < doc["resources"]["trials"]
 
 
@@ -963,8 +1197,15 @@ def test_sgat_job_writes_aoe_result_and_bank_then_resumes_from_it(models: Path, 
 def test_sgat_plus_opat_reports_both_sections(models: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     # No job type named: sgat+opat is the default.
-    r = run_aoe("tune", str(models / "transformer.onnx"), "--bank", str(tmp_path / "bank"), "--output", str(out),
-                *FAST)  # fmt: skip
+    r = run_aoe(
+        "tune",
+        str(models / "transformer.onnx"),
+        "--bank",
+        str(tmp_path / "bank"),
+        "--output",
+        str(out),
+        *FAST,
+    )
     assert r.returncode == 0, r.stderr
     [result] = out.glob("aoe_result_sgat_opat_*.json")
     doc = json.loads(result.read_text())
@@ -982,13 +1223,32 @@ def test_compile_applies_subgraph_entries_over_operator_ones(models: Path, tmp_p
     src = models / "transformer.onnx"
     prep = prepare(src, tmp_path / "prep")
     [att] = [t for t in partition(prep.model, prep.ctx, "sgat") if t.family == "attention"]
-    q_proj = next(t for t in partition(prep.model, prep.ctx, "opat") if set(t.node_names) <= set(att.node_names))
+    q_proj = next(
+        t
+        for t in partition(prep.model, prep.ctx, "opat")
+        if set(t.node_names) <= set(att.node_names)
+    )
     m, b = Measured(8.0, 0.01, 30, 7.5), Measured(10.0, 0.01, 30, 9.5)
     bank = tmp_path / "bank"
-    make_bank(bank, [
-        rec(sig=att.signature, strategy="fused_attention", family="attention", winner=m, baseline=b),
-        rec(sig=q_proj.signature, strategy="gemm_pretransposed", family="matmul", winner=m, baseline=b),
-    ])  # fmt: skip
+    make_bank(
+        bank,
+        [
+            rec(
+                sig=att.signature,
+                strategy="fused_attention",
+                family="attention",
+                winner=m,
+                baseline=b,
+            ),
+            rec(
+                sig=q_proj.signature,
+                strategy="gemm_pretransposed",
+                family="matmul",
+                winner=m,
+                baseline=b,
+            ),
+        ],
+    )
     out = tmp_path / "compiled.onnx"
     r = run_aoe("compile", str(src), "-o", str(out), "--bank", str(bank), "--json")
     assert r.returncode == 0, r.stderr
@@ -1014,14 +1274,28 @@ def test_daemon_runs_a_sgat_plus_opat_job(models: Path, tmp_path: Path) -> None:
     try:
         model_id = upload(d.tuning(), models / "transformer.onnx")
         opts = tuning_pb2.JobOptions(budget_s=3)  # no job type: the daemon's default, sgat+opat
-        job_id = d.tuning().SubmitJob(tuning_pb2.SubmitJobRequest(model_id=model_id, options=opts)).job_id
+        job_id = (
+            d.tuning()
+            .SubmitJob(tuning_pb2.SubmitJobRequest(model_id=model_id, options=opts))
+            .job_id
+        )
         job = d.wait_job(job_id)
         assert job.state == tuning_pb2.JOB_STATE_SUCCEEDED, job.error
         assert job.options.job_type == tuning_pb2.JOB_TYPE_SGAT_OPAT
-        report = json.loads(b"".join(c.chunk for c in d.tuning().DownloadResult(tuning_pb2.DownloadResultRequest(
-            job_id=job_id, artifact=tuning_pb2.RESULT_ARTIFACT_RESULT_JSON))))  # fmt: skip
+        report = json.loads(
+            b"".join(
+                c.chunk
+                for c in d.tuning().DownloadResult(
+                    tuning_pb2.DownloadResultRequest(
+                        job_id=job_id, artifact=tuning_pb2.RESULT_ARTIFACT_RESULT_JSON
+                    )
+                )
+            )
+        )
         assert Path(job.result.result_json_path).name.startswith("aoe_result_sgat_opat_")
-        assert {"SGAT", "OPAT"} <= set(report) and "attention" in {t["family"] for t in report["tasks"]}
+        assert {"SGAT", "OPAT"} <= set(report) and "attention" in {
+            t["family"] for t in report["tasks"]
+        }
         assert len(job.result.tasks) == len(report["tasks"])
     finally:
         d.close()
@@ -1037,11 +1311,16 @@ def _region(models: Path, tmp_path: Path, name: str = "cnn"):
     prep = prepare(models / f"{name}.onnx", tmp_path)
     [task] = [t for t in partition(prep.model, prep.ctx, "sgat") if t.family == "conv_region"]
     rng = np.random.default_rng(0)
-    samples = [{k: rng.standard_normal(v.shape).astype(np.float32) for k, v in prep.inputs.items()} for _ in range(8)]
+    samples = [
+        {k: rng.standard_normal(v.shape).astype(np.float32) for k, v in prep.inputs.items()}
+        for _ in range(8)
+    ]
     ranges = activation_ranges(prep.model, prep.ctx.tensors, samples)
     consts = Constants(prep.model.graph, list(prep.model.opset_import))
     by = {n.name: n for n in prep.model.graph.node}
-    view = TaskView([by[n] for n in task.node_names], consts, prep.ctx.tensors, 13, f"aoe/{task.id}", ranges)
+    view = TaskView(
+        [by[n] for n in task.node_names], consts, prep.ctx.tensors, 13, f"aoe/{task.id}", ranges
+    )
     return prep, task, view, samples[0]
 
 
@@ -1078,8 +1357,15 @@ def test_int8_region_runs_in_int8_from_input_to_output(models: Path, tmp_path: P
     ops = _optimized_ops(tuned, tmp_path)
     # Every Conv, residual Add and the pool became onnxruntime's int8 kernels; one
     # quantize in, one dequantize out, nothing float in between.
-    assert ops["QLinearConv"] == 6 and ops["QLinearAdd"] == 2 and ops["QLinearGlobalAveragePool"] == 1
-    assert ops["QuantizeLinear"] == 1 and ops["DequantizeLinear"] == 1 and not ops["Conv"] and not ops["FusedConv"]
+    assert (
+        ops["QLinearConv"] == 6 and ops["QLinearAdd"] == 2 and ops["QLinearGlobalAveragePool"] == 1
+    )
+    assert (
+        ops["QuantizeLinear"] == 1
+        and ops["DequantizeLinear"] == 1
+        and not ops["Conv"]
+        and not ops["FusedConv"]
+    )
     y = _run(tuned, feeds)
     assert float((y * ref).sum() / np.linalg.norm(y) / np.linalg.norm(ref)) > 0.999
     # Kept in float by name: those two Convs run in float, the rest stays int8.
@@ -1092,7 +1378,9 @@ def test_int8_region_runs_in_int8_from_input_to_output(models: Path, tmp_path: P
         REGISTRY.get("conv_region", "int8_dynamic:f1")
 
 
-def test_sensitivity_is_measured_and_keeps_the_layer_that_hurts_in_float(models: Path, tmp_path: Path) -> None:
+def test_sensitivity_is_measured_and_keeps_the_layer_that_hurts_in_float(
+    models: Path, tmp_path: Path
+) -> None:
     from aoed.backends.ort.regions import propose_float_convs, region_convs
 
     prep, task, view, feeds = _region(models, tmp_path)
@@ -1102,23 +1390,45 @@ def test_sensitivity_is_measured_and_keeps_the_layer_that_hurts_in_float(models:
     lo, hi = view.ranges[convs[2].input[0]]
     view.ranges = {**view.ranges, convs[2].input[0]: (lo * 200, hi * 200)}
     by = {n.name: n for n in prep.model.graph.node}
-    task_model = onnx.helper.make_model(onnx.helper.make_graph(
-        [by[n] for n in task.node_names], "t", [onnx.helper.make_tensor_value_info(i.name, TensorProto.FLOAT, list(prep.inputs[i.name].shape))
-                                               for i in prep.model.graph.input],
-        [onnx.helper.make_tensor_value_info(task.outputs[0], TensorProto.FLOAT, list(prep.ctx.tensors[task.outputs[0]].shape))],
-        initializer=[t for t in prep.model.graph.initializer if t.name in set(task.inputs)]),
-        opset_imports=list(prep.model.opset_import))  # fmt: skip
+    task_model = onnx.helper.make_model(
+        onnx.helper.make_graph(
+            [by[n] for n in task.node_names],
+            "t",
+            [
+                onnx.helper.make_tensor_value_info(
+                    i.name, TensorProto.FLOAT, list(prep.inputs[i.name].shape)
+                )
+                for i in prep.model.graph.input
+            ],
+            [
+                onnx.helper.make_tensor_value_info(
+                    task.outputs[0],
+                    TensorProto.FLOAT,
+                    list(prep.ctx.tensors[task.outputs[0]].shape),
+                )
+            ],
+            initializer=[t for t in prep.model.graph.initializer if t.name in set(task.inputs)],
+        ),
+        opset_imports=list(prep.model.opset_import),
+    )
     task_model.ir_version = prep.model.ir_version
 
     def evaluate(rewrite):
-        m = task_model if rewrite is None else apply_rewrites(task_model, {task.node_names: rewrite})
+        m = (
+            task_model
+            if rewrite is None
+            else apply_rewrites(task_model, {task.node_names: rewrite})
+        )
         return _run(m, feeds)
 
     notes: list[str] = []
     names = propose_float_convs(view, evaluate, notes)
     # the three most sensitive first, then the shallow stem (3 channels x 3x3 = 27 products)
     assert names[0] == "int8_region:f2" and len(names) == 4
-    assert all(n.startswith("int8_region:f") and "2" in n[len("int8_region:f"):].split(".") for n in names[:3])
+    assert all(
+        n.startswith("int8_region:f") and "2" in n[len("int8_region:f") :].split(".")
+        for n in names[:3]
+    )
     assert names[3] == "int8_region:f0" and convs[0].input[0] == prep.model.graph.input[0].name
     assert notes and notes[0].split(": ")[1].startswith("2:")
 
@@ -1126,12 +1436,25 @@ def test_sensitivity_is_measured_and_keeps_the_layer_that_hurts_in_float(models:
 @pytest.mark.slow
 def test_sgat_int8_tunes_a_cnn_region_with_measured_variants(models: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
-    r = run_aoe("tune", str(models / "cnn.onnx"), "--job-type", "sgat", "--precision", "int8",
-                "--bank", str(tmp_path / "bank"), "--output", str(out), *FAST)  # fmt: skip
+    r = run_aoe(
+        "tune",
+        str(models / "cnn.onnx"),
+        "--job-type",
+        "sgat",
+        "--precision",
+        "int8",
+        "--bank",
+        str(tmp_path / "bank"),
+        "--output",
+        str(out),
+        *FAST,
+    )
     assert r.returncode == 0, r.stderr
     [result] = out.glob("aoe_result_sgat_*.json")
     doc = json.loads(result.read_text())
     [region] = [t for t in doc["tasks"] if t["family"] == "conv_region"]
     tried = {c["strategy"] for c in region["candidates"]}
-    assert {"default", "int8_region"} <= tried and any(s.startswith("int8_region:f") for s in tried), tried
+    assert {"default", "int8_region"} <= tried and any(
+        s.startswith("int8_region:f") for s in tried
+    ), tried
     assert any("int8 sensitivity per Conv" in n for n in doc["notes"])

@@ -52,9 +52,17 @@ class Jobs:
             raise self.refuse.pop(0)
         data = sub.model.read_bytes()
         sha = hashlib.sha256(data).hexdigest()
-        row = JobRow(id=f"job-{len(self.submitted) + 1}", state=JobState.QUEUED, model_path=str(sub.model),
-                     model_name=sub.model.name, model_sha256=sha, dedup_key=sha, spec=sub.spec,
-                     output_dir="", source=sub.source)  # fmt: skip
+        row = JobRow(
+            id=f"job-{len(self.submitted) + 1}",
+            state=JobState.QUEUED,
+            model_path=str(sub.model),
+            model_name=sub.model.name,
+            model_sha256=sha,
+            dedup_key=sha,
+            spec=sub.spec,
+            output_dir="",
+            source=sub.source,
+        )
         self.store.insert(row)
         self.submitted.append((sub, data, row))
         return row, False
@@ -65,7 +73,9 @@ class Jobs:
             raise NotFoundError(f"no job {job_id!r}")
         return row
 
-    def finish(self, job_id: str, state: str, outcome: JobOutcome | None = None, error: str = "") -> None:
+    def finish(
+        self, job_id: str, state: str, outcome: JobOutcome | None = None, error: str = ""
+    ) -> None:
         self.store.update(job_id, state=JobState(state), outcome=outcome, error=error)
         row = self.get(job_id)
         for fn in self.on_final:
@@ -83,9 +93,12 @@ class Jobs:
 
 def _config(tmp_path: Path, stable_s: float = 0.2, *names: str) -> DaemonConfig:
     inboxes = tuple(
-        Inbox(tmp_path / n, tmp_path / f"{n}-outbox", tmp_path / f"{n}-failed", stable_s) for n in (names or ("inbox",))
+        Inbox(tmp_path / n, tmp_path / f"{n}-outbox", tmp_path / f"{n}-failed", stable_s)
+        for n in (names or ("inbox",))
     )
-    return DaemonConfig(engine=load_config(env={}), state_dir=tmp_path / "state", socket=None, inboxes=inboxes)
+    return DaemonConfig(
+        engine=load_config(env={}), state_dir=tmp_path / "state", socket=None, inboxes=inboxes
+    )
 
 
 @asynccontextmanager
@@ -188,11 +201,17 @@ async def test_a_file_present_before_the_start_is_taken_by_the_initial_scan(tmp_
     assert data == MODEL and sub.model.is_relative_to(cfg.claims_dir)
     assert sub.source == f"inbox:{tmp_path / 'inbox'}"
     [claim] = store.claims()
-    assert (claim.state, claim.job_id, claim.src) == ("claimed", row.id, str(tmp_path / "inbox" / "early.onnx"))
+    assert (claim.state, claim.job_id, claim.src) == (
+        "claimed",
+        row.id,
+        str(tmp_path / "inbox" / "early.onnx"),
+    )
     assert not (tmp_path / "inbox" / "early.onnx").exists()
 
 
-async def test_crashes_before_and_after_the_claim_rename_each_give_one_submission(tmp_path: Path) -> None:
+async def test_crashes_before_and_after_the_claim_rename_each_give_one_submission(
+    tmp_path: Path,
+) -> None:
     cfg = _config(tmp_path, stable_s=0.2)
     inbox = tmp_path / "inbox"
     inbox.mkdir()
@@ -233,13 +252,29 @@ def _result_files(tmp_path: Path, tag: str) -> tuple[Path, Path]:
 
 
 def _result(tuned: Path, result: Path) -> JobOutcome:
-    return JobOutcome("job-1", "m.onnx", str(tuned), str(result), "exact", "opat", "cpu", 1.0,
-                      Figures("faster", "tuned", 2.0, 0.25, (0.2, 0.3), 10),
-                      bank={"repo_hit_num": 1, "repo_add_num": 2, "repo_update_num": 0, "repo_not_tuned_num": 0,
-                            "total_num": 3})  # fmt: skip
+    return JobOutcome(
+        "job-1",
+        "m.onnx",
+        str(tuned),
+        str(result),
+        "exact",
+        "opat",
+        "cpu",
+        1.0,
+        Figures("faster", "tuned", 2.0, 0.25, (0.2, 0.3), 10),
+        bank={
+            "repo_hit_num": 1,
+            "repo_add_num": 2,
+            "repo_update_num": 0,
+            "repo_not_tuned_num": 0,
+            "total_num": 3,
+        },
+    )
 
 
-async def test_a_succeeded_job_delivers_three_outbox_files_and_forgets_the_claim(tmp_path: Path) -> None:
+async def test_a_succeeded_job_delivers_three_outbox_files_and_forgets_the_claim(
+    tmp_path: Path,
+) -> None:
     cfg = _config(tmp_path, stable_s=0.2)
     inbox, outbox = cfg.inboxes[0].path, cfg.inboxes[0].outbox
     store = _store(tmp_path)
@@ -257,15 +292,28 @@ async def test_a_succeeded_job_delivers_three_outbox_files_and_forgets_the_claim
             await _until(lambda: not store.claims() and not list(cfg.claims_dir.iterdir()))
     assert (outbox / "m_tuned.onnx").read_bytes() == b"tuned first"
     assert json.loads((outbox / "m_result.json").read_text()) == {"tag": "first"}
-    assert (outbox / "m_2_tuned.onnx").read_bytes() == b"tuned second", "an existing name is not overwritten"
+    assert (outbox / "m_2_tuned.onnx").read_bytes() == b"tuned second", (
+        "an existing name is not overwritten"
+    )
     assert json.loads((outbox / "m_2_result.json").read_text()) == {"tag": "second"}
     text = (outbox / "m_report.txt").read_text()
-    for needle in ("job-1", "2.000 ms", "1.600 ms", "+25.0%", "+20.0%", "+30.0%", "faster", "shipped:      the tuned model",
-                   "add 2, hit 1"):  # fmt: skip
+    for needle in (
+        "job-1",
+        "2.000 ms",
+        "1.600 ms",
+        "+25.0%",
+        "+20.0%",
+        "+30.0%",
+        "faster",
+        "shipped:      the tuned model",
+        "add 2, hit 1",
+    ):
         assert needle in text, (needle, text)
     assert "job-2" in (outbox / "m_2_report.txt").read_text()
     assert sorted(p.name for p in outbox.iterdir()) == sorted(
-        f"m{s}{suffix}" for s in ("", "_2") for suffix in ("_tuned.onnx", "_result.json", "_report.txt")
+        f"m{s}{suffix}"
+        for s in ("", "_2")
+        for suffix in ("_tuned.onnx", "_result.json", "_report.txt")
     ), "no temporary files are left"
     assert not list(cfg.claims_dir.iterdir()), "the claimed copies are removed"
 
@@ -289,7 +337,9 @@ async def test_a_failed_job_moves_the_model_to_failed_with_the_error(tmp_path: P
     assert not list(cfg.inboxes[0].outbox.iterdir())
 
 
-async def test_a_job_that_ended_while_the_watcher_was_down_is_delivered_at_start(tmp_path: Path) -> None:
+async def test_a_job_that_ended_while_the_watcher_was_down_is_delivered_at_start(
+    tmp_path: Path,
+) -> None:
     cfg = _config(tmp_path, stable_s=0.2)
     store = _store(tmp_path)
     jobs = Jobs(store)
@@ -309,7 +359,9 @@ async def test_a_job_that_ended_while_the_watcher_was_down_is_delivered_at_start
     assert len(jobs.submitted) == 1, "a claimed file is not submitted again"
 
 
-async def test_folder_options_reach_the_submission_and_a_bad_key_fails_the_model(tmp_path: Path) -> None:
+async def test_folder_options_reach_the_submission_and_a_bad_key_fails_the_model(
+    tmp_path: Path,
+) -> None:
     cfg = _config(tmp_path, stable_s=0.2)
     inbox, failed = cfg.inboxes[0].path, cfg.inboxes[0].failed
     inbox.mkdir()
@@ -321,8 +373,13 @@ async def test_folder_options_reach_the_submission_and_a_bad_key_fails_the_model
         (inbox / "a.onnx").write_bytes(MODEL)
         await _until(lambda: len(jobs.submitted) == 1)
         spec = jobs.submitted[0][0].spec
-        assert (spec.precision, spec.priority, spec.budget_s, spec.repeat_tune, spec.input_shapes) == (
-            "int8", 3, 1.5, True, {"x": (2, 4)})  # fmt: skip
+        assert (
+            spec.precision,
+            spec.priority,
+            spec.budget_s,
+            spec.repeat_tune,
+            spec.input_shapes,
+        ) == ("int8", 3, 1.5, True, {"x": (2, 4)})
         # The file is read again for each model.
         (inbox / "aoed.toml").write_text('precision = "exact"\ncolour = "blue"\n')
         (inbox / "b.onnx").write_bytes(MODEL[::-1])
@@ -349,7 +406,11 @@ async def test_reload_watches_new_folders_and_stops_watching_removed_ones(tmp_pa
     cfg = _config(tmp_path, 0.2, "a")
     jobs = Jobs(_store(tmp_path))
     async with _watching(cfg, jobs) as watcher:
-        assert (tmp_path / "a").is_dir() and (tmp_path / "a-outbox").is_dir() and (tmp_path / "a-failed").is_dir()
+        assert (
+            (tmp_path / "a").is_dir()
+            and (tmp_path / "a-outbox").is_dir()
+            and (tmp_path / "a-failed").is_dir()
+        )
         watcher.reload(_config(tmp_path, 0.2, "b"))
         await _until((tmp_path / "b").is_dir)
         # (A file dropped before the new watch runs is found by the scan that follows.)
@@ -374,7 +435,9 @@ async def test_cancelling_the_watcher_ends_its_watch_threads_promptly(tmp_path: 
 # ---------------------------------------------------------------- hostile drops
 
 
-async def test_a_file_that_cannot_be_claimed_goes_to_failed_after_a_few_tries(tmp_path: Path) -> None:
+async def test_a_file_that_cannot_be_claimed_goes_to_failed_after_a_few_tries(
+    tmp_path: Path,
+) -> None:
     cfg = _config(tmp_path, stable_s=0.1)
     inbox, failed = cfg.inboxes[0].path, cfg.inboxes[0].failed
     jobs = Jobs(_store(tmp_path))
@@ -385,20 +448,30 @@ async def test_a_file_that_cannot_be_claimed_goes_to_failed_after_a_few_tries(tm
         (inbox / "m.onnx").write_bytes(MODEL)
         await _until((failed / "m.onnx.error.txt").exists, timeout=10.0)
     text = (failed / "m.onnx.error.txt").read_text()
-    assert "state: rejected" in text and "could not be claimed" in text and f"({CLAIM_TRIES} tries)" in text, text
+    assert (
+        "state: rejected" in text
+        and "could not be claimed" in text
+        and f"({CLAIM_TRIES} tries)" in text
+    ), text
     assert str(cfg.claims_dir) in text, "the reason names what was in the way"
     assert (failed / "m.onnx").read_bytes() == MODEL and not (inbox / "m.onnx").exists()
     assert jobs.submitted == []
 
 
-async def test_a_file_that_cannot_be_claimed_nor_failed_is_logged_once_and_left(tmp_path: Path, caplog) -> None:
+async def test_a_file_that_cannot_be_claimed_nor_failed_is_logged_once_and_left(
+    tmp_path: Path, caplog
+) -> None:
     caplog.set_level(logging.INFO, logger="aoed.watch")
     cfg = _config(tmp_path, stable_s=0.1)
     inbox, failed = cfg.inboxes[0].path, cfg.inboxes[0].failed
     jobs = Jobs(_store(tmp_path))
 
     def given_up() -> list[str]:
-        return [r.getMessage() for r in caplog.records if "not tried again until it changes" in r.getMessage()]
+        return [
+            r.getMessage()
+            for r in caplog.records
+            if "not tried again until it changes" in r.getMessage()
+        ]
 
     def tries() -> int:
         return sum("m.onnx could not be claimed" in r.getMessage() for r in caplog.records)
@@ -430,20 +503,32 @@ with open(sys.argv[1], "wb") as f:
 """
 
 
-async def test_a_writer_that_pauses_longer_than_stable_s_is_not_taken_half_written(tmp_path: Path) -> None:
+async def test_a_writer_that_pauses_longer_than_stable_s_is_not_taken_half_written(
+    tmp_path: Path,
+) -> None:
     cfg = _config(tmp_path, stable_s=0.2)
     jobs = Jobs(_store(tmp_path))
     whole = tmp_path / "whole.bin"
     whole.write_bytes(MODEL)
     async with _watching(cfg, jobs):
         writer = await trio.lowlevel.open_process(
-            [sys.executable, "-c", _PAUSING_WRITER, str(cfg.inboxes[0].path / "slow.onnx"), "1.5", str(whole)])
+            [
+                sys.executable,
+                "-c",
+                _PAUSING_WRITER,
+                str(cfg.inboxes[0].path / "slow.onnx"),
+                "1.5",
+                str(whole),
+            ]
+        )
         assert await writer.wait() == 0
         await _until(lambda: len(jobs.submitted) == 1)
     assert jobs.submitted[0][1] == MODEL, "the file was taken before its writer closed it"
 
 
-async def test_entries_that_are_not_models_are_logged_once_each_and_left(tmp_path: Path, caplog) -> None:
+async def test_entries_that_are_not_models_are_logged_once_each_and_left(
+    tmp_path: Path, caplog
+) -> None:
     caplog.set_level(logging.INFO, logger="aoed.watch")
     cfg = _config(tmp_path, stable_s=0.1)
     inbox = cfg.inboxes[0].path
@@ -452,11 +537,19 @@ async def test_entries_that_are_not_models_are_logged_once_each_and_left(tmp_pat
     outside.write_bytes(MODEL)
     (inbox / "before.onnx").symlink_to(outside)  # present at the start: the first scan sees it
     jobs = Jobs(_store(tmp_path))
-    kinds = {"before.onnx": "a symbolic link", "link.onnx": "a symbolic link", "dir.onnx": "a folder",
-             "fifo.onnx": "a FIFO", "sock.onnx": "a socket", "notes.txt": "not an .onnx model (nor a .pt2)"}  # fmt: skip
+    kinds = {
+        "before.onnx": "a symbolic link",
+        "link.onnx": "a symbolic link",
+        "dir.onnx": "a folder",
+        "fifo.onnx": "a FIFO",
+        "sock.onnx": "a socket",
+        "notes.txt": "not an .onnx model (nor a .pt2)",
+    }
 
     def logged(name: str) -> int:
-        return sum(f": {name} is {kinds[name]}; left where it is" in r.getMessage() for r in caplog.records)
+        return sum(
+            f": {name} is {kinds[name]}; left where it is" in r.getMessage() for r in caplog.records
+        )
 
     async with _watching(cfg, jobs, rescan_s=0.1):
         (inbox / "link.onnx").symlink_to(outside)
@@ -467,12 +560,16 @@ async def test_entries_that_are_not_models_are_logged_once_each_and_left(tmp_pat
             (inbox / "notes.txt").write_text("hello\n")
             await _until(lambda: all(logged(n) for n in kinds), timeout=10.0)
             await trio.sleep(1.0)  # ten sweeps
-            assert {n: logged(n) for n in kinds} == {n: 1 for n in kinds}, "each is logged once, not at every sweep"
+            assert {n: logged(n) for n in kinds} == {n: 1 for n in kinds}, (
+                "each is logged once, not at every sweep"
+            )
             assert all(os.path.lexists(inbox / n) for n in kinds), "and left where it is"
     assert jobs.submitted == [] and outside.read_bytes() == MODEL
 
 
-async def test_an_options_file_that_is_a_fifo_or_a_link_fails_the_model_and_blocks_nothing(tmp_path: Path) -> None:
+async def test_an_options_file_that_is_a_fifo_or_a_link_fails_the_model_and_blocks_nothing(
+    tmp_path: Path,
+) -> None:
     cfg = _config(tmp_path, stable_s=0.1)
     inbox, failed = cfg.inboxes[0].path, cfg.inboxes[0].failed
     inbox.mkdir()
@@ -489,7 +586,9 @@ async def test_an_options_file_that_is_a_fifo_or_a_link_fails_the_model_and_bloc
         await _until((failed / "b.onnx.error.txt").exists)
     for name in ("a.onnx", "b.onnx"):
         text = (failed / f"{name}.error.txt").read_text()
-        assert f"{inbox / 'aoed.toml'}:" in text and "the options file must be a regular file" in text, text
+        assert (
+            f"{inbox / 'aoed.toml'}:" in text and "the options file must be a regular file" in text
+        ), text
     assert jobs.names() == []
 
 
@@ -510,12 +609,17 @@ async def test_a_claim_that_turned_out_a_link_goes_to_failed_unread(tmp_path: Pa
     async with _watching(cfg, jobs):
         await _until((failed / "s.onnx.error.txt").exists)
     text = (failed / "s.onnx.error.txt").read_text()
-    assert "a symbolic link by the time it was claimed" in text and "nothing behind it was read" in text, text
+    assert (
+        "a symbolic link by the time it was claimed" in text
+        and "nothing behind it was read" in text
+    ), text
     assert (failed / "s.onnx").is_symlink() and secret.read_bytes() == MODEL
     assert jobs.attempts == 0, "the file behind the link reached a submission"
 
 
-async def test_a_full_disk_holds_a_claim_back_without_counting_tries(tmp_path: Path, caplog) -> None:
+async def test_a_full_disk_holds_a_claim_back_without_counting_tries(
+    tmp_path: Path, caplog
+) -> None:
     """A claim that meets a full disk waits for room, however many scans that takes: the
     file is not moved to failed/ (without its reason, when failed/ is as full), and once
     there is room it is claimed and submitted as usual."""
@@ -528,22 +632,29 @@ async def test_a_full_disk_holds_a_claim_back_without_counting_tries(tmp_path: P
     # The claims folder on a filesystem of three inodes: its root, and a claim's folder
     # and file, once the filler has gone.
     cfg.claims_dir.mkdir(parents=True, exist_ok=True)
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,nr_inodes=3", "tmpfs", str(cfg.claims_dir)],
-                       capture_output=True, text=True, check=False)  # fmt: skip
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m,nr_inodes=3", "tmpfs", str(cfg.claims_dir)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     if r.returncode != 0:
         pytest.skip(f"cannot mount a small filesystem here (needs root): {r.stderr.strip()}")
     try:
 
         def waits() -> int:
-            return sum("m.onnx waits for room to be claimed" in r.getMessage() for r in caplog.records)
+            return sum(
+                "m.onnx waits for room to be claimed" in r.getMessage() for r in caplog.records
+            )
 
         async with _watching(cfg, jobs, rescan_s=0.1):
             (cfg.claims_dir / "filler").write_bytes(b"")  # (after the start, which clears strays)
             (inbox / "m.onnx").write_bytes(MODEL)
             await _until(lambda: waits() > CLAIM_TRIES + 2, timeout=20.0)
             assert (inbox / "m.onnx").read_bytes() == MODEL and not any(failed.iterdir())
-            assert [r.levelno for r in caplog.records if "waits for room" in r.getMessage()][:2] == \
-                [logging.WARNING, logging.DEBUG], "said once, then quietly"
+            assert [r.levelno for r in caplog.records if "waits for room" in r.getMessage()][
+                :2
+            ] == [logging.WARNING, logging.DEBUG], "said once, then quietly"
             (cfg.claims_dir / "filler").unlink()
             await _until(lambda: bool(jobs.submitted), timeout=20.0)
         assert not (inbox / "m.onnx").exists() and not any(failed.iterdir())
@@ -562,8 +673,12 @@ def test_a_failure_that_cannot_write_its_reason_moves_nothing(tmp_path: Path) ->
     fs.mkdir()
     # Five inodes: its root, failed/, claimed/, the model and a filler. A rename within it
     # takes no inode; the reason would take one.
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,nr_inodes=5", "tmpfs", str(fs)],
-                       capture_output=True, text=True, check=False)  # fmt: skip
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m,nr_inodes=5", "tmpfs", str(fs)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     if r.returncode != 0:
         pytest.skip(f"cannot mount a small filesystem here (needs root): {r.stderr.strip()}")
     try:

@@ -34,7 +34,13 @@ def session_options_of(path: str | os.PathLike[str]) -> dict[str, Any]:
     return {}
 
 
-def session(path: str | os.PathLike[str], providers: list[Any] | None = None, *, device_id: int = 0, **overrides: Any):
+def session(
+    path: str | os.PathLike[str],
+    providers: list[Any] | None = None,
+    *,
+    device_id: int = 0,
+    **overrides: Any,
+):
     """Return an `onnxruntime.InferenceSession` for `path`, set up as the tuner measured it:
     its session options and the providers it was tuned on (with their options), on
     accelerator `device_id`, then the CPU for what they do not take.

@@ -20,7 +20,13 @@ class Progress:
     def __enter__(self) -> Progress:
         if self.enabled:
             from rich.console import Console
-            from rich.progress import BarColumn, MofNCompleteColumn, SpinnerColumn, TextColumn, TimeElapsedColumn
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                SpinnerColumn,
+                TextColumn,
+                TimeElapsedColumn,
+            )
             from rich.progress import Progress as RichProgress
 
             self._bar = RichProgress(
@@ -42,7 +48,9 @@ class Progress:
             self._bar = None
 
     def emit(self, event: Any) -> None:
-        if event.kind == "wait":  # said even without a terminal: the user must know why nothing moves
+        if (
+            event.kind == "wait"
+        ):  # said even without a terminal: the user must know why nothing moves
             if self._bar is not None:
                 self._bar.console.print(f"aoe: {event.message}")
             else:

@@ -50,9 +50,12 @@ class Graph:
         inputs = {i.name for i in g.input}
         self._stored = {t.name: t for t in g.initializer if t.name not in inputs}
         self._constant_nodes = {
-            n.output[0]: a.t for n in g.node if n.op_type == "Constant" and n.domain in STD
-            for a in n.attribute if a.name == "value"
-        }  # fmt: skip
+            n.output[0]: a.t
+            for n in g.node
+            if n.op_type == "Constant" and n.domain in STD
+            for a in n.attribute
+            if a.name == "value"
+        }
 
     def node(self, tensor: str, *op_types: str) -> onnx.NodeProto | None:
         n = self.producer.get(tensor)

@@ -48,7 +48,9 @@ __all__ = [
 GPU_QUERY = ("index", "name", "compute_cap", "memory.total", "driver_version", "uuid", "pci.bus_id")
 
 #: How nvidia-smi spells a field it has no value for.
-_NO_VALUE = frozenset({"[N/A]", "N/A", "[Not Supported]", "[Unknown Error]", "[Insufficient Permissions]"})
+_NO_VALUE = frozenset(
+    {"[N/A]", "N/A", "[Not Supported]", "[Unknown Error]", "[Insufficient Permissions]"}
+)
 
 #: Seconds nvidia-smi may take: it answers in tens of milliseconds, but a driver that is
 #: being reset can hold it much longer, and discovery must not hang a command.
@@ -99,20 +101,30 @@ def parse_gpus(text: str, fields: tuple[str, ...] = GPU_QUERY) -> list[GpuInfo]:
         if not row or not "".join(row).strip():
             continue
         if len(row) != len(fields):
-            raise ValueError(f"nvidia-smi line {n}: {len(row)} values for {len(fields)} fields "
-                             f"({', '.join(fields)}): {', '.join(row)!r}")  # fmt: skip
+            raise ValueError(
+                f"nvidia-smi line {n}: {len(row)} values for {len(fields)} fields "
+                f"({', '.join(fields)}): {', '.join(row)!r}"
+            )
         values = dict(zip(fields, (_value(v) for v in row)))
         try:
             index = int(values["index"])
             memory = int(float(values.get("memory.total") or 0))
         except ValueError:
-            raise ValueError(f"nvidia-smi line {n}: index {values['index']!r} or memory "
-                             f"{values.get('memory.total')!r} is not a number") from None  # fmt: skip
-        gpus.append(GpuInfo(
-            index=index, name=values.get("name", ""), compute_capability=values.get("compute_cap", ""),
-            memory_mib=memory, driver_version=values.get("driver_version", ""), uuid=values.get("uuid", ""),
-            pci_bus_id=values.get("pci.bus_id", ""),
-        ))  # fmt: skip
+            raise ValueError(
+                f"nvidia-smi line {n}: index {values['index']!r} or memory "
+                f"{values.get('memory.total')!r} is not a number"
+            ) from None
+        gpus.append(
+            GpuInfo(
+                index=index,
+                name=values.get("name", ""),
+                compute_capability=values.get("compute_cap", ""),
+                memory_mib=memory,
+                driver_version=values.get("driver_version", ""),
+                uuid=values.get("uuid", ""),
+                pci_bus_id=values.get("pci.bus_id", ""),
+            )
+        )
     return gpus
 
 
@@ -121,8 +133,11 @@ def _smi(fields: tuple[str, ...]) -> subprocess.CompletedProcess[str]:
     assert exe is not None
     return subprocess.run(
         [exe, f"--query-gpu={','.join(fields)}", "--format=csv,noheader,nounits"],
-        capture_output=True, text=True, timeout=_SMI_TIMEOUT_S, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=_SMI_TIMEOUT_S,
+        check=False,
+    )
 
 
 @functools.lru_cache(maxsize=1)
@@ -144,12 +159,16 @@ def discover() -> Discovery:
         return Discovery((), f"nvidia-smi did not answer: {exc}")
     if r.returncode != 0:
         why = (r.stderr or r.stdout).strip().splitlines()
-        return Discovery((), f"nvidia-smi failed (exit {r.returncode}): {why[0] if why else 'no message'}")
+        return Discovery(
+            (), f"nvidia-smi failed (exit {r.returncode}): {why[0] if why else 'no message'}"
+        )
     try:
         gpus = parse_gpus(r.stdout, fields)
     except ValueError as exc:
         return Discovery((), str(exc))
-    note = "" if fields == GPU_QUERY else "this driver's nvidia-smi does not report compute capability"
+    note = (
+        "" if fields == GPU_QUERY else "this driver's nvidia-smi does not report compute capability"
+    )
     return Discovery(tuple(gpus), note)
 
 
@@ -162,8 +181,13 @@ def parse_build_info(text: str) -> dict[str, str]:
     except SyntaxError:
         return out
     for node in tree.body:
-        if (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)
-                and isinstance(node.value, ast.Constant) and isinstance(node.value.value, (str, int, float))):  # fmt: skip
+        if (
+            isinstance(node, ast.Assign)
+            and len(node.targets) == 1
+            and isinstance(node.targets[0], ast.Name)
+            and isinstance(node.value, ast.Constant)
+            and isinstance(node.value.value, (str, int, float))
+        ):
             out[node.targets[0].id] = str(node.value.value)
     return out
 
@@ -197,16 +221,22 @@ def runtime_versions() -> dict[str, str]:
     known `cuda`, `cudnn` and `tensorrt` ("" where unknown or absent)."""
     info = _build_info()
     package = info.get("package_name", "")
-    version = info.get("__version__", "") or _dist_version(package or "onnxruntime", "onnxruntime-gpu")
+    version = info.get("__version__", "") or _dist_version(
+        package or "onnxruntime", "onnxruntime-gpu"
+    )
     return {
         "onnxruntime": version,
         "package": package,
         # The build's own word first: it is what the provider library was linked against.
-        "cuda": info.get("cuda_version", "") or _dist_version("nvidia-cuda-runtime", "nvidia-cuda-runtime-cu13",
-                                                              "nvidia-cuda-runtime-cu12"),  # fmt: skip
-        "cudnn": info.get("cudnn_version", "") or _dist_version("nvidia-cudnn-cu13", "nvidia-cudnn-cu12"),
-        "tensorrt": _dist_version("tensorrt", "tensorrt-cu13", "tensorrt-cu12", "tensorrt-cu13-libs",
-                                  "tensorrt-cu12-libs"),  # fmt: skip
+        "cuda": info.get("cuda_version", "")
+        or _dist_version(
+            "nvidia-cuda-runtime", "nvidia-cuda-runtime-cu13", "nvidia-cuda-runtime-cu12"
+        ),
+        "cudnn": info.get("cudnn_version", "")
+        or _dist_version("nvidia-cudnn-cu13", "nvidia-cudnn-cu12"),
+        "tensorrt": _dist_version(
+            "tensorrt", "tensorrt-cu13", "tensorrt-cu12", "tensorrt-cu13-libs", "tensorrt-cu12-libs"
+        ),
     }
 
 
@@ -234,8 +264,11 @@ class LocalDevice:
             return f"{self.device.description}, {runtime}"
         g = self.gpu
         libs = [f"driver {g.driver_version or '?'}"]
-        libs += [f"{name} {v[key]}" for key, name in (("cuda", "CUDA"), ("cudnn", "cuDNN"), ("tensorrt", "TensorRT"))
-                 if v[key]]  # fmt: skip
+        libs += [
+            f"{name} {v[key]}"
+            for key, name in (("cuda", "CUDA"), ("cudnn", "cuDNN"), ("tensorrt", "TensorRT"))
+            if v[key]
+        ]
         cc = f"compute {g.compute_capability}, " if g.compute_capability else ""
         return f"{g.name} ({cc}{g.memory_mib} MiB), {', '.join(libs)}, {runtime}"
 
@@ -266,8 +299,11 @@ def local_devices(providers: tuple[str, ...] | None = None) -> list[LocalDevice]
                 break
             if gpu is None:
                 break
-            why = "" if dev.provider in providers else (
-                f"this onnxruntime has no {dev.provider}; install {dev.distribution}")  # fmt: skip
+            why = (
+                ""
+                if dev.provider in providers
+                else (f"this onnxruntime has no {dev.provider}; install {dev.distribution}")
+            )
             out.append(LocalDevice(dev, gpu, why))
     if (npu := Device("cann", 0)).provider in providers:
         out.append(LocalDevice(npu))

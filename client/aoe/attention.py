@@ -67,7 +67,11 @@ def _rotary(g: Graph, tensor: str, nodes: list[onnx.NodeProto]) -> str:
                 continue
             t = low.input[0]
             cos = g.other(straight, t)
-            if cos is None or not g.is_const(cos) or not all(g.is_const(i) for s in (low, high) for i in s.input[1:] if i):
+            if (
+                cos is None
+                or not g.is_const(cos)
+                or not all(g.is_const(i) for s in (low, high) for i in s.input[1:] if i)
+            ):
                 continue
             nodes += [add, straight, turned, cat, neg, high, low]
             return t
@@ -91,7 +95,11 @@ def _widened(g: Graph, tensor: str, nodes: list[onnx.NodeProto]) -> str | None:
     src, wide = g.ctx.tensors.get(u.input[0]), g.ctx.tensors.get(tensor)
     if axes is None or list(axes) not in ([2], [-3]) or src is None or wide is None:
         return None
-    if len(src.shape) != 4 or len(wide.shape) != 5 or tuple(wide.shape[:2] + wide.shape[3:]) != tuple(src.shape):
+    if (
+        len(src.shape) != 4
+        or len(wide.shape) != 5
+        or tuple(wide.shape[:2] + wide.shape[3:]) != tuple(src.shape)
+    ):
         return None
     nodes += [e, u]
     return u.input[0]
@@ -116,7 +124,9 @@ def _repeated(g: Graph, tensor: str, nodes: list[onnx.NodeProto]) -> str:
     return t
 
 
-def _projection(g: Graph, tensor: str, perms: Sequence[Sequence[int]], nodes: list[onnx.NodeProto]) -> str | None:
+def _projection(
+    g: Graph, tensor: str, perms: Sequence[Sequence[int]], nodes: list[onnx.NodeProto]
+) -> str | None:
     """The input x of `Transpose*(Reshape(MatMul(x, W) [+ b]))` ending in `tensor`, the
     Transposes' perms being `perms` (outermost last); a scalar Mul/Div may sit on the
     way (a scale applied to Q), and rotary embeddings on the heads (Q and K of
@@ -152,13 +162,23 @@ def _projection(g: Graph, tensor: str, perms: Sequence[Sequence[int]], nodes: li
     gemm = g.node(back.input[0], "Gemm") if back is not None else None
     if gemm is not None:  # Reshape to 2-D, Gemm, Reshape back: a Conv1D or Linear on 3-D input
         flat = g.node(gemm.input[0], "Reshape")
-        if flat is None or not g.is_const(gemm.input[1]) or not all(g.is_const(i) for i in gemm.input[2:] if i):
+        if (
+            flat is None
+            or not g.is_const(gemm.input[1])
+            or not all(g.is_const(i) for i in gemm.input[2:] if i)
+        ):
             return None
         nodes += [back, gemm, flat]
         return flat.input[0]
     add = g.node(tensor, "Add")
     if add is not None:
-        bias = add.input[1] if g.is_const(add.input[1]) else add.input[0] if g.is_const(add.input[0]) else None
+        bias = (
+            add.input[1]
+            if g.is_const(add.input[1])
+            else add.input[0]
+            if g.is_const(add.input[0])
+            else None
+        )
         if bias is None:
             return None
         nodes.append(add)
@@ -213,7 +233,11 @@ def _unflattened(g: Graph, tensor: str, nodes: list[onnx.NodeProto]) -> str | No
     [b, n, d, s])` transposes, collecting those three nodes; None when `tensor` is not that."""
     r4 = g.node(tensor, "Reshape")
     t = g.node(r4.input[0], "Transpose") if r4 is not None else None
-    r3 = g.node(t.input[0], "Reshape") if t is not None and list(g.attr(t, "perm", [])) == [0, 2, 1] else None
+    r3 = (
+        g.node(t.input[0], "Reshape")
+        if t is not None and list(g.attr(t, "perm", [])) == [0, 2, 1]
+        else None
+    )
     if r3 is None:
         return None
     src, out = g.ctx.tensors.get(r3.input[0]), g.ctx.tensors.get(tensor)
@@ -314,7 +338,11 @@ def attention(g: Graph, sm: onnx.NodeProto) -> Match | None:
     if guard is not None:  # Where(IsNaN(P), 0, P), as torch's sdpa export writes
         nodes += guard
         probs = guard[-1].output[0]
-    pv = [u for u in g.users(probs) if u.op_type == "MatMul" and u.domain in STD and u.input[0] == probs]
+    pv = [
+        u
+        for u in g.users(probs)
+        if u.op_type == "MatMul" and u.domain in STD and u.input[0] == probs
+    ]
     if len(pv) != 1 or len(g.users(probs)) != 1:
         return None
     pv_node = pv[0]
@@ -332,11 +360,19 @@ def attention(g: Graph, sm: onnx.NodeProto) -> Match | None:
         return None
     ctx_out = pv_node.output[0]
     users = g.users(ctx_out)
-    if len(users) == 1 and users[0].op_type == "Reshape" and _same_shape(g, ctx_out, users[0].output[0]):
+    if (
+        len(users) == 1
+        and users[0].op_type == "Reshape"
+        and _same_shape(g, ctx_out, users[0].output[0])
+    ):
         nodes.append(users[0])  # a Reshape that keeps [b, n, s, d] (torch's sdpa export)
         ctx_out = users[0].output[0]
         users = g.users(ctx_out)
-    if len(users) != 1 or users[0].op_type != "Transpose" or list(g.attr(users[0], "perm", [])) != [0, 2, 1, 3]:
+    if (
+        len(users) != 1
+        or users[0].op_type != "Transpose"
+        or list(g.attr(users[0], "perm", [])) != [0, 2, 1, 3]
+    ):
         return None
     tr = users[0]
     users = g.users(tr.output[0])

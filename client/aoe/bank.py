@@ -119,7 +119,9 @@ def parse_key(key: str | bytes) -> tuple[int, str, str, str]:
     text = key.decode("ascii", "replace") if isinstance(key, bytes) else key
     parts = text.split("/")
     if len(parts) != 4 or not parts[0].startswith("v") or not parts[0][1:].isdigit():
-        raise ValueError(f"{text!r} is not a bank key (expected v{SCHEMA_VERSION}/<signature>/<device>/<precision>)")
+        raise ValueError(
+            f"{text!r} is not a bank key (expected v{SCHEMA_VERSION}/<signature>/<device>/<precision>)"
+        )
     return int(parts[0][1:]), parts[1], parts[2], parts[3]
 
 
@@ -226,7 +228,18 @@ def default_doc(rec: bank_pb2.DefaultRecord) -> dict[str, Any]:
 class _Layer:
     """One read-only LMDB environment and its named databases."""
 
-    __slots__ = ("defaults", "entries", "env", "full", "gate", "history", "meta", "name", "path", "schema")
+    __slots__ = (
+        "defaults",
+        "entries",
+        "env",
+        "full",
+        "gate",
+        "history",
+        "meta",
+        "name",
+        "path",
+        "schema",
+    )
 
     def __init__(self, name: str, path: Path):
         self.name = name
@@ -261,7 +274,9 @@ class _Layer:
                     self.defaults = self.env.open_db(b"defaults", create=False)
                     self.history = self.env.open_db(b"history", create=False)
                 except lmdb.NotFoundError:
-                    raise BankError(f"bank {path}: not a bank written by aoed (named databases missing)") from None
+                    raise BankError(
+                        f"bank {path}: not a bank written by aoed (named databases missing)"
+                    ) from None
             with self.read(self.meta, "open") as txn:
                 raw = txn.get(b"schema_version")
             self.schema = check_schema(path, raw)
@@ -275,14 +290,22 @@ class _Layer:
         for size in MAP_SIZES:
             try:
                 env = lmdb.open(
-                    str(self.path), readonly=True, lock=lock, max_dbs=MAX_DBS, subdir=True,
-                    create=False, readahead=False, map_size=size,
-                )  # fmt: skip
+                    str(self.path),
+                    readonly=True,
+                    lock=lock,
+                    max_dbs=MAX_DBS,
+                    subdir=True,
+                    create=False,
+                    readahead=False,
+                    map_size=size,
+                )
                 self.full = size == FULL_MAP
                 return env
             except lmdb.MemoryError:
                 continue  # address space limited (ulimit -v): try a smaller map
-        raise BankError(f"bank {self.path}: cannot map the bank into memory; raise the address space limit (ulimit -v)")
+        raise BankError(
+            f"bank {self.path}: cannot map the bank into memory; raise the address space limit (ulimit -v)"
+        )
 
     @contextlib.contextmanager
     def read(self, db: Any, doing: str = "lookup") -> Iterator[lmdb.Transaction]:
@@ -302,7 +325,10 @@ class _Layer:
                 finally:
                     txn.abort()
             return
-        with lmdb_errors(self.path, doing, self.env), self.gate.transaction(self.env, self.path, db=db) as txn:
+        with (
+            lmdb_errors(self.path, doing, self.env),
+            self.gate.transaction(self.env, self.path, db=db) as txn,
+        ):
             yield txn
 
     def get(self, key: bytes, db: Any = None) -> bytes | None:
@@ -429,7 +455,9 @@ class BankReader:
                 return raw, layer.name
         return None, ""
 
-    def key_for(self, signature_digest: str, precision: str = "exact", device_digest: str | None = None) -> bytes:
+    def key_for(
+        self, signature_digest: str, precision: str = "exact", device_digest: str | None = None
+    ) -> bytes:
         """The bank key of a task on this reader's device (or `device_digest`)."""
         return bank_key(signature_digest, device_digest or self.device.digest, precision)
 
@@ -483,14 +511,29 @@ class BankReader:
         entry, layer = self.lookup(text)
         if entry is not None:
             if entry.device.digest[:32] != dev32:
-                return Explanation(text, False, layer, f"entry in layer {layer} was measured on device "
-                                   f"{entry.device.digest[:32]}, not {dev32}: never applied")
+                return Explanation(
+                    text,
+                    False,
+                    layer,
+                    f"entry in layer {layer} was measured on device "
+                    f"{entry.device.digest[:32]}, not {dev32}: never applied",
+                )
             return Explanation(text, True, layer, "")
         names = ", ".join(layer.name for layer in self._layers) or "none"
         if schema != SCHEMA_VERSION:
-            return Explanation(text, False, "", f"key has schema version {schema}; these banks use {SCHEMA_VERSION}")
+            return Explanation(
+                text,
+                False,
+                "",
+                f"key has schema version {schema}; these banks use {SCHEMA_VERSION}",
+            )
         if prec not in _PRECISIONS:
-            return Explanation(text, False, "", f"unknown precision {prec!r} (one of {', '.join(sorted(_PRECISIONS))})")
+            return Explanation(
+                text,
+                False,
+                "",
+                f"unknown precision {prec!r} (one of {', '.join(sorted(_PRECISIONS))})",
+            )
         ask_json = self.device.canonical_json if dev32 == self._dev32 else ""
         seen = tuple(self._entries_for_signature(sig32, ask_json))
         default, default_layer = self.lookup_default(text)
@@ -504,19 +547,25 @@ class BankReader:
         other_dev = [s for s in seen if s.device_digest != dev32]
         if same_dev:
             precs = sorted({s.precision for s in same_dev})
-            reasons.append(f"entries for this device exist under precision {', '.join(precs)}, not {prec}")
+            reasons.append(
+                f"entries for this device exist under precision {', '.join(precs)}, not {prec}"
+            )
         if other_dev:
             devs = []
             for s in other_dev:
                 diff = f"; differs in {', '.join(s.differs)}" if s.differs else ""
-                devs.append(f"{s.device_digest} ({s.hardware}, onnxruntime {s.runtime_version}, "
-                            f"{s.precision}, layer {s.layer}{diff})")
+                devs.append(
+                    f"{s.device_digest} ({s.hardware}, onnxruntime {s.runtime_version}, "
+                    f"{s.precision}, layer {s.layer}{diff})"
+                )
             reasons.append(
                 f"signature {sig32} was tuned on {len(other_dev)} other device fingerprint(s), "
                 f"never applied here (this device is {dev32}): " + "; ".join(devs)
             )
         if not reasons:
-            reasons.append(f"no entry for signature {sig32} in any layer ({names}); tune a model with this task")
+            reasons.append(
+                f"no entry for signature {sig32} in any layer ({names}); tune a model with this task"
+            )
         return Explanation(text, False, "", "; ".join(reasons), seen, default_layer)
 
     def _entries_for_signature(self, sig32: str, ask_json: str) -> Iterator[SeenEntry]:
@@ -539,7 +588,9 @@ class BankReader:
                         runtime_version=e.device.runtime_version,
                         precision=k.decode().rsplit("/", 1)[-1],
                         strategy=e.strategy.name,
-                        differs=_fingerprint_diff(ask_json, e.device.canonical_json) if ask_json else (),
+                        differs=_fingerprint_diff(ask_json, e.device.canonical_json)
+                        if ask_json
+                        else (),
                     )
 
     # ------------------------------------------------------------------ whole-bank reads
@@ -566,7 +617,10 @@ class BankReader:
                 continue
             with lay.read(lay.entries, "export") as txn:
                 for _k, v in txn.cursor():
-                    yield lay.name, bank_pb2.ExportEntriesResponse(entry=bank_pb2.BankEntry.FromString(v))
+                    yield (
+                        lay.name,
+                        bank_pb2.ExportEntriesResponse(entry=bank_pb2.BankEntry.FromString(v)),
+                    )
                 if entries_only:
                     continue
                 for k, v in txn.cursor(db=lay.defaults):
@@ -577,9 +631,13 @@ class BankReader:
                 for k, v in txn.cursor(db=lay.history):
                     key, _, stamp = k.decode("ascii", "replace").rpartition("/")
                     try:
-                        trial = bank_pb2.TrialRecord(key=key, time_ns=int(stamp, 16), trial_json=v.decode())
+                        trial = bank_pb2.TrialRecord(
+                            key=key, time_ns=int(stamp, 16), trial_json=v.decode()
+                        )
                     except ValueError:  # not a history key aoed wrote: import refuses it, saying so
-                        trial = bank_pb2.TrialRecord(key=k.decode("ascii", "replace"), trial_json=v.decode())
+                        trial = bank_pb2.TrialRecord(
+                            key=k.decode("ascii", "replace"), trial_json=v.decode()
+                        )
                     yield lay.name, bank_pb2.ExportEntriesResponse(trial=trial)
 
     def stats(self) -> list[LayerStats]:
@@ -587,13 +645,27 @@ class BankReader:
         out = []
         for lay in self._layers:
             with lay.read(lay.entries, "stats") as txn:
-                counts = {n: txn.stat(db)["entries"] for n, db in
-                          (("entries", lay.entries), ("defaults", lay.defaults), ("history", lay.history))}
+                counts = {
+                    n: txn.stat(db)["entries"]
+                    for n, db in (
+                        ("entries", lay.entries),
+                        ("defaults", lay.defaults),
+                        ("history", lay.history),
+                    )
+                }
                 used = used_bytes(lay.env, txn, (lay.meta, lay.entries, lay.defaults, lay.history))
-            out.append(LayerStats(
-                lay.name, str(lay.path), counts["entries"], counts["defaults"], counts["history"],
-                _stored_map_size(lay), used, lay.schema,
-            ))  # fmt: skip
+            out.append(
+                LayerStats(
+                    lay.name,
+                    str(lay.path),
+                    counts["entries"],
+                    counts["defaults"],
+                    counts["history"],
+                    _stored_map_size(lay),
+                    used,
+                    lay.schema,
+                )
+            )
         return out
 
 
@@ -610,7 +682,10 @@ def _stored_map_size(layer: _Layer) -> int:
                 raise ValueError("unknown layout")
             f.seek(psize)
             other = f.read(256)
-        metas = [(struct.unpack_from("<Q", m, 144)[0], struct.unpack_from("<Q", m, 32)[0]) for m in (head, other)]
+        metas = [
+            (struct.unpack_from("<Q", m, 144)[0], struct.unpack_from("<Q", m, 32)[0])
+            for m in (head, other)
+        ]
         return max(metas)[1]
     except (OSError, ValueError, struct.error):
         return data.stat().st_size

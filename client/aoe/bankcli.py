@@ -48,15 +48,29 @@ _SHOW_REFUSED = 50
 
 
 def _bank_args(p: argparse.ArgumentParser, layers: bool = True) -> None:
-    p.add_argument("--bank", type=Path, help="custom bank directory (default: TUNE_BANK_PATH or the user data dir)")
+    p.add_argument(
+        "--bank",
+        type=Path,
+        help="custom bank directory (default: TUNE_BANK_PATH or the user data dir)",
+    )
     if layers:
-        p.add_argument("--bank-layer", type=Path, action="append", default=[], metavar="DIR",
-                       help="read-only bank layered under the custom bank (repeatable)")  # fmt: skip
+        p.add_argument(
+            "--bank-layer",
+            type=Path,
+            action="append",
+            default=[],
+            metavar="DIR",
+            help="read-only bank layered under the custom bank (repeatable)",
+        )
 
 
 def _socket_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--socket", type=Path, metavar="PATH",
-                   help="work on the bank of the daemon at this socket (default with AOED_SOCKET set and no --bank)")  # fmt: skip
+    p.add_argument(
+        "--socket",
+        type=Path,
+        metavar="PATH",
+        help="work on the bank of the daemon at this socket (default with AOED_SOCKET set and no --bank)",
+    )
 
 
 def _daemon(args: argparse.Namespace):
@@ -64,22 +78,31 @@ def _daemon(args: argparse.Namespace):
     import os
 
     path = getattr(args, "socket", None)
-    if path is None and os.environ.get("AOED_SOCKET", "").strip() and getattr(args, "bank", None) is None:
+    if (
+        path is None
+        and os.environ.get("AOED_SOCKET", "").strip()
+        and getattr(args, "bank", None) is None
+    ):
         from aoe.config import default_socket
 
         path = default_socket()
     if path is None:
         return None
     if getattr(args, "bank", None) is not None or getattr(args, "bank_layer", None):
-        raise OptionError("--socket works on the daemon's own bank: drop --bank/--bank-layer or --socket")
+        raise OptionError(
+            "--socket works on the daemon's own bank: drop --bank/--bank-layer or --socket"
+        )
     from aoe.client import Client
 
     return Client(path)
 
 
 def _wait_arg(p: argparse.ArgumentParser, what: str = "") -> None:
-    p.add_argument("--wait", action="store_true",
-                   help=f"when another process writes the bank, wait for it to finish{what} (default: fail)")  # fmt: skip
+    p.add_argument(
+        "--wait",
+        action="store_true",
+        help=f"when another process writes the bank, wait for it to finish{what} (default: fail)",
+    )
 
 
 def _say_waiting(message: str) -> None:
@@ -100,26 +123,46 @@ def _reader(args: argparse.Namespace):
     from aoe.bank import open_bank
 
     config = _config(args)
-    return open_bank(args.bank or config.bank, layers=[*args.bank_layer, *config.bank_layers], use_env=False)
+    return open_bank(
+        args.bank or config.bank, layers=[*args.bank_layer, *config.bank_layers], use_env=False
+    )
 
 
 # --------------------------------------------------------------------------- compile
 
 
 def _add_compile(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("compile", help="build the tuned model from the bank alone (no measurement)",
-                       description="Build the tuned model from the bank alone (no measurement).")  # fmt: skip
+    p = sub.add_parser(
+        "compile",
+        help="build the tuned model from the bank alone (no measurement)",
+        description="Build the tuned model from the bank alone (no measurement).",
+    )
     p.add_argument("model", type=Path)
-    p.add_argument("-o", "--output", type=Path, required=True, help="where to write the tuned .onnx")
+    p.add_argument(
+        "-o", "--output", type=Path, required=True, help="where to write the tuned .onnx"
+    )
     _bank_args(p)
-    p.add_argument("--input-shape", action="append", help="NAME:D1,D2,... for dynamic inputs (as for aoe tune)")
-    p.add_argument("--precision", help="precision policy the bank entries were tuned under (default: exact)")
-    p.add_argument("--keep-initializer-inputs", action="store_true",
-                   help="keep initializers listed as graph inputs overridable (as for aoe tune)")  # fmt: skip
-    p.add_argument("--calibration", type=Path,
-                   help="calibration samples the tuning run used (lossy precisions; as for aoe tune)")  # fmt: skip
-    p.add_argument("--no-check", action="store_true",
-                   help="apply the bank's session options without re-checking them (no measurement at all)")  # fmt: skip
+    p.add_argument(
+        "--input-shape", action="append", help="NAME:D1,D2,... for dynamic inputs (as for aoe tune)"
+    )
+    p.add_argument(
+        "--precision", help="precision policy the bank entries were tuned under (default: exact)"
+    )
+    p.add_argument(
+        "--keep-initializer-inputs",
+        action="store_true",
+        help="keep initializers listed as graph inputs overridable (as for aoe tune)",
+    )
+    p.add_argument(
+        "--calibration",
+        type=Path,
+        help="calibration samples the tuning run used (lossy precisions; as for aoe tune)",
+    )
+    p.add_argument(
+        "--no-check",
+        action="store_true",
+        help="apply the bank's session options without re-checking them (no measurement at all)",
+    )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(run=_compile)
 
@@ -135,10 +178,17 @@ def _compile(args: argparse.Namespace) -> int:
     config = _config(args)
     with _reader(args) as reader:
         asm = embedded.apply_bank(
-            args.model, args.output, reader, input_shapes=dict(spec.input_shapes), precision=spec.precision,
-            calibration=args.calibration, keep_initializer_inputs=spec.keep_initializer_inputs,
-            plugins=config.plugins, check_options=not args.no_check, runtime_dir=config.runtime_dir,
-        )  # fmt: skip
+            args.model,
+            args.output,
+            reader,
+            input_shapes=dict(spec.input_shapes),
+            precision=spec.precision,
+            calibration=args.calibration,
+            keep_initializer_inputs=spec.keep_initializer_inputs,
+            plugins=config.plugins,
+            check_options=not args.no_check,
+            runtime_dir=config.runtime_dir,
+        )
         layers = [name for name, _ in reader.layers]
     rows = [*asm.tasks, asm.session]
     if args.json:
@@ -156,12 +206,20 @@ def _compile(args: argparse.Namespace) -> int:
         print(json.dumps(doc, indent=2))
         return 0
     out = sys.stdout
-    print(f"aoe: compiled {args.model.name} from the bank: {asm.hits} hits, {asm.misses} misses "
-          f"of {len(rows)} ({args.precision}; layers: {', '.join(layers)})", file=out)  # fmt: skip
+    print(
+        f"aoe: compiled {args.model.name} from the bank: {asm.hits} hits, {asm.misses} misses "
+        f"of {len(rows)} ({args.precision}; layers: {', '.join(layers)})",
+        file=out,
+    )
     for t in rows:
-        timing = f"{t.before_us:.1f} -> {t.after_us:.1f} us" if t.status == "hit" and t.before_us else ""
-        print(f"  {t.task_id:<32} {t.op_type:<18} x{t.instances:<3} {t.status:<8} "
-              f"{t.strategy if t.status == 'hit' else '-':<24} {t.layer or '-':<10} {timing}", file=out)  # fmt: skip
+        timing = (
+            f"{t.before_us:.1f} -> {t.after_us:.1f} us" if t.status == "hit" and t.before_us else ""
+        )
+        print(
+            f"  {t.task_id:<32} {t.op_type:<18} x{t.instances:<3} {t.status:<8} "
+            f"{t.strategy if t.status == 'hit' else '-':<24} {t.layer or '-':<10} {timing}",
+            file=out,
+        )
         if t.reason:
             print(f"      {t.reason}", file=out)
     if asm.session_options:
@@ -176,8 +234,11 @@ def _compile(args: argparse.Namespace) -> int:
 
 
 def _add_bank(top: argparse._SubParsersAction) -> None:
-    p = top.add_parser("bank", help="inspect, exchange and maintain the knowledge bank",
-                       description="Inspect, exchange and maintain the knowledge bank.")  # fmt: skip
+    p = top.add_parser(
+        "bank",
+        help="inspect, exchange and maintain the knowledge bank",
+        description="Inspect, exchange and maintain the knowledge bank.",
+    )
     sub = p.add_subparsers(dest="cmd", metavar="SUBCOMMAND", required=True, parser_class=type(p))
 
     s = sub.add_parser("stats", help="entries, history, defaults, sizes per layer")
@@ -197,16 +258,25 @@ def _add_bank(top: argparse._SubParsersAction) -> None:
     s.add_argument("--precision", default="exact")
     s.add_argument("--json", action="store_true", help="print the entry as one JSON line")
 
-    s = sub.add_parser("export", help="write the bank's records as JSON Lines (entries, defaults, history)")
+    s = sub.add_parser(
+        "export", help="write the bank's records as JSON Lines (entries, defaults, history)"
+    )
     s.set_defaults(run=_export)
     _bank_args(s)
     _socket_arg(s)
-    s.add_argument("--layer", default="custom", help="layer to export: custom (default), a layer path, or all")
+    s.add_argument(
+        "--layer", default="custom", help="layer to export: custom (default), a layer path, or all"
+    )
     s.add_argument("--output", "-o", type=Path, help="file to write (default: standard output)")
     q = s.add_mutually_exclusive_group()
-    q.add_argument("--entries-only", action="store_true",
-                   help="only the winner entries (no default records, no history)")  # fmt: skip
-    q.add_argument("--no-history", action="store_true", help="leave the history (measured trials) out")
+    q.add_argument(
+        "--entries-only",
+        action="store_true",
+        help="only the winner entries (no default records, no history)",
+    )
+    q.add_argument(
+        "--no-history", action="store_true", help="leave the history (measured trials) out"
+    )
 
     s = sub.add_parser("import", help="merge JSON Lines records into the custom bank")
     s.set_defaults(run=_import)
@@ -214,7 +284,9 @@ def _add_bank(top: argparse._SubParsersAction) -> None:
     _socket_arg(s)
     s.add_argument("file", type=Path, help="JSON Lines file ('-' for standard input)")
     s.add_argument("--policy", default="keep-faster", choices=_POLICIES)
-    s.add_argument("--allow-foreign", action="store_true", help="accept entries measured on other devices")
+    s.add_argument(
+        "--allow-foreign", action="store_true", help="accept entries measured on other devices"
+    )
     _wait_arg(s)
 
     s = sub.add_parser("prune", help="drop the measurement history, keep winners")
@@ -228,18 +300,32 @@ def _add_bank(top: argparse._SubParsersAction) -> None:
     s.set_defaults(run=_verify)
     _bank_args(s)
     _socket_arg(s)
-    s.add_argument("--layer", default="custom", help="layer to verify: custom (default), a layer path, or all")
-    s.add_argument("--sample", type=int, default=10, help="entries to re-measure, chosen at random (0 = all)")
+    s.add_argument(
+        "--layer", default="custom", help="layer to verify: custom (default), a layer path, or all"
+    )
+    s.add_argument(
+        "--sample", type=int, default=10, help="entries to re-measure, chosen at random (0 = all)"
+    )
     s.add_argument("--op-type", default="", help="only tasks anchored by this op type, e.g. Conv")
     s.add_argument("--seed", type=int, default=0, help="seed of the sample (0 = pick one)")
     s.add_argument("--budget", type=float, default=1.0, help="device seconds per entry (default 1)")
-    s.add_argument("--no-record", action="store_true", help="do not append the measurements to the history")
-    s.add_argument("--model", type=Path, action="append", default=[], metavar="FILE",
-                   help="a model whose session options (its model-level entry) to re-check too (repeatable)")  # fmt: skip
+    s.add_argument(
+        "--no-record", action="store_true", help="do not append the measurements to the history"
+    )
+    s.add_argument(
+        "--model",
+        type=Path,
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="a model whose session options (its model-level entry) to re-check too (repeatable)",
+    )
     _wait_arg(s, " before recording the measurements")
     s.add_argument("--json", action="store_true")
 
-    s = sub.add_parser("sync", help="apply what a peer daemon's bank wrote since the last time, once")
+    s = sub.add_parser(
+        "sync", help="apply what a peer daemon's bank wrote since the last time, once"
+    )
     s.set_defaults(run=_sync)
     _bank_args(s, layers=False)
     _socket_arg(s)
@@ -274,22 +360,32 @@ def _stats(args: argparse.Namespace) -> int:
             print(json_format.MessageToJson(st, preserving_proto_field_name=True, indent=2))
             return 0
         print(f"daemon bank: {st.path} ({daemon.target})")
-        print(f"  entries {st.entries}, history {st.history_trials} trials; "
-              + ", ".join(f"{k} {v}" for k, v in sorted(st.layer_entries.items())))  # fmt: skip
-        print(f"  map {_human(st.map_size_bytes)} (address space), used {st.used_bytes / 2**20:.2f} MiB, "
-              f"schema {st.schema_version}")  # fmt: skip
+        print(
+            f"  entries {st.entries}, history {st.history_trials} trials; "
+            + ", ".join(f"{k} {v}" for k, v in sorted(st.layer_entries.items()))
+        )
+        print(
+            f"  map {_human(st.map_size_bytes)} (address space), used {st.used_bytes / 2**20:.2f} MiB, "
+            f"schema {st.schema_version}"
+        )
         return 0
     with _reader(args) as reader:
         layers = reader.stats()
     if args.json:
-        print(json.dumps({"layers": [vars(s) for s in layers],
-                          "entries": sum(s.entries for s in layers)}, indent=2))  # fmt: skip
+        print(
+            json.dumps(
+                {"layers": [vars(s) for s in layers], "entries": sum(s.entries for s in layers)},
+                indent=2,
+            )
+        )
         return 0
     for s in layers:
         print(f"{s.name}: {s.path}")
         print(f"  entries {s.entries}, defaults {s.defaults}, history {s.history} trials")
-        print(f"  map {_human(s.map_size)} (address space), used {s.used_bytes / 2**20:.2f} MiB, "
-              f"schema {s.schema_version}")  # fmt: skip
+        print(
+            f"  map {_human(s.map_size)} (address space), used {s.used_bytes / 2**20:.2f} MiB, "
+            f"schema {s.schema_version}"
+        )
     return 0
 
 
@@ -306,15 +402,20 @@ def _lookup(args: argparse.Namespace) -> int:
             print(f"no match for {args.key}: {r.reason}")
             return 1
         line = entry_to_json(r.entry)
-        print(json.dumps({"layer": r.layer, "entry": json.loads(line)}, sort_keys=True) if args.json
-              else f"layer: {r.layer}\n" + json.dumps(json.loads(line), indent=2, sort_keys=True))  # fmt: skip
+        print(
+            json.dumps({"layer": r.layer, "entry": json.loads(line)}, sort_keys=True)
+            if args.json
+            else f"layer: {r.layer}\n" + json.dumps(json.loads(line), indent=2, sort_keys=True)
+        )
         return 0
 
     with _reader(args) as reader:
         ex = reader.lookup_explain(
-            args.key, signature_digest=args.signature_digest,
-            device_digest=args.device_digest, precision=args.precision,
-        )  # fmt: skip
+            args.key,
+            signature_digest=args.signature_digest,
+            device_digest=args.device_digest,
+            precision=args.precision,
+        )
         entry = reader.lookup(ex.key)[0] if ex.found else None
     if entry is None:
         print(f"no match for {ex.key}: {ex.reason}")
@@ -336,15 +437,22 @@ def _export(args: argparse.Namespace) -> int:
         if args.output is None:
             raise OptionError("--socket: export to a file (--output FILE.jsonl)")
         with daemon:
-            n = daemon.bank_export(args.output, entries_only=args.entries_only, no_history=args.no_history)
-        print(f"aoe: exported {n.get('entry', 0)} entries, {n.get('default_record', 0)} default records, "
-              f"{n.get('trial', 0)} trials from the daemon's bank", file=sys.stderr)  # fmt: skip
+            n = daemon.bank_export(
+                args.output, entries_only=args.entries_only, no_history=args.no_history
+            )
+        print(
+            f"aoe: exported {n.get('entry', 0)} entries, {n.get('default_record', 0)} default records, "
+            f"{n.get('trial', 0)} trials from the daemon's bank",
+            file=sys.stderr,
+        )
         return 0
 
     with _reader(args) as reader, contextlib.ExitStack() as stack:
         names = [n for n, _ in reader.layers]
         if args.layer != "all" and args.layer not in names:
-            raise OptionError(f"--layer {args.layer}: no such layer (layers: {', '.join(names)}, or all)")
+            raise OptionError(
+                f"--layer {args.layer}: no such layer (layers: {', '.join(names)}, or all)"
+            )
         out = sys.stdout
         if args.output is not None:
             try:
@@ -352,13 +460,19 @@ def _export(args: argparse.Namespace) -> int:
             except OSError as exc:
                 raise OptionError(f"--output {args.output}: {exc.strerror or exc}") from None
         n = {"entry": 0, "default_record": 0, "trial": 0}
-        records = reader.records(None if args.layer == "all" else args.layer,
-                                 entries_only=args.entries_only, history=not args.no_history)  # fmt: skip
+        records = reader.records(
+            None if args.layer == "all" else args.layer,
+            entries_only=args.entries_only,
+            history=not args.no_history,
+        )
         for _layer, record in records:
             out.write(record_to_json(record) + "\n")
             n[record.WhichOneof("record")] += 1
-    print(f"aoe: exported {n['entry']} entries, {n['default_record']} default records, "
-          f"{n['trial']} trials", file=sys.stderr)  # fmt: skip
+    print(
+        f"aoe: exported {n['entry']} entries, {n['default_record']} default records, "
+        f"{n['trial']} trials",
+        file=sys.stderr,
+    )
     return 0
 
 
@@ -369,8 +483,10 @@ def _import(args: argparse.Namespace) -> int:
             raise OptionError("--socket: import from a file, not standard input")
         with daemon:
             r = daemon.bank_import(args.file, args.policy, args.allow_foreign)
-        print(f"aoe: imported into the daemon's bank: {r.added} added, {r.updated} updated, {r.kept} kept, "
-              f"{r.refused} refused ({args.policy})")  # fmt: skip
+        print(
+            f"aoe: imported into the daemon's bank: {r.added} added, {r.updated} updated, {r.kept} kept, "
+            f"{r.refused} refused ({args.policy})"
+        )
         for ref in list(r.refused_entries)[:_SHOW_REFUSED]:
             print(f"  refused {ref.key}: {ref.reason}")
         return 0
@@ -387,10 +503,13 @@ def _import(args: argparse.Namespace) -> int:
             raise OptionError(f"{args.file}: {exc.strerror or exc}") from None
     path = _bank_path(args)
     with ctx:
-        report = embedded.import_bank(path, lines, args.policy, args.allow_foreign, wait=args.wait,
-                                      on_wait=_say_waiting)  # fmt: skip
-    print(f"aoe: imported into {path}: {report.added} added, {report.updated} updated, "
-          f"{report.kept} kept, {len(report.refused)} refused ({args.policy})")  # fmt: skip
+        report = embedded.import_bank(
+            path, lines, args.policy, args.allow_foreign, wait=args.wait, on_wait=_say_waiting
+        )
+    print(
+        f"aoe: imported into {path}: {report.added} added, {report.updated} updated, "
+        f"{report.kept} kept, {len(report.refused)} refused ({args.policy})"
+    )
     for kind, name in (("entry", "entries"), ("default", "default records"), ("trial", "trials")):
         c = report.counts[kind]
         updated = "" if kind == "trial" else f"{c.updated} updated, "
@@ -410,8 +529,10 @@ def _prune(args: argparse.Namespace) -> int:
     else:
         r = _prune_local(args)
     verb = "would remove" if args.dry_run else "removed"
-    print(f"aoe: {verb} {r.trials_removed} history trials, kept {r.entries_kept} entries; "
-          f"used {r.used_bytes_before / 2**20:.2f} MiB -> {r.used_bytes_after / 2**20:.2f} MiB")  # fmt: skip
+    print(
+        f"aoe: {verb} {r.trials_removed} history trials, kept {r.entries_kept} entries; "
+        f"used {r.used_bytes_before / 2**20:.2f} MiB -> {r.used_bytes_after / 2**20:.2f} MiB"
+    )
     return 0
 
 
@@ -439,29 +560,54 @@ def _verify(args: argparse.Namespace) -> int:
     with _reader(args) as reader:
         names = [n for n, _ in reader.layers]
         if args.layer != "all" and args.layer not in names:
-            raise OptionError(f"--layer {args.layer}: no such layer (layers: {', '.join(names)}, or all)")
+            raise OptionError(
+                f"--layer {args.layer}: no such layer (layers: {', '.join(names)}, or all)"
+            )
         custom = reader.layers[0][1]
         # Fails before measuring, not after, when the history could not be written.
         report = embedded.verify_bank(
-            reader, config=config, sample=args.sample, seed=seed, budget_s=args.budget, op_type=args.op_type,
-            layer=args.layer, models=args.model, check_writable=None if args.no_record or args.wait else custom,
-        )  # fmt: skip
+            reader,
+            config=config,
+            sample=args.sample,
+            seed=seed,
+            budget_s=args.budget,
+            op_type=args.op_type,
+            layer=args.layer,
+            models=args.model,
+            check_writable=None if args.no_record or args.wait else custom,
+        )
     verdicts = report.verdicts
     bad = [v for v in verdicts if v.verdict in ("regressed", "inaccurate", "error")]
     if args.json:
-        print(json.dumps({"seed": seed, "sampled": report.sampled, "of": report.of,
-                          "verdicts": [vars(v) for v in verdicts]}, indent=2, default=str))  # fmt: skip
+        print(
+            json.dumps(
+                {
+                    "seed": seed,
+                    "sampled": report.sampled,
+                    "of": report.of,
+                    "verdicts": [vars(v) for v in verdicts],
+                },
+                indent=2,
+                default=str,
+            )
+        )
     else:
-        print(f"aoe: verified {report.sampled} of {report.of} entries (seed {seed}, {args.budget:g} s each)")
+        print(
+            f"aoe: verified {report.sampled} of {report.of} entries (seed {seed}, {args.budget:g} s each)"
+        )
         for v in verdicts:
             print(f"  {v.verdict:<10} {v.op_type:<18} {v.strategy:<24} {v.key}")
             if v.detail:
                 print(f"      {v.detail}")
-        counts = {k: sum(v.verdict == k for v in verdicts) for k in
-                  ("confirmed", "regressed", "inaccurate", "skipped", "error")}  # fmt: skip
+        counts = {
+            k: sum(v.verdict == k for v in verdicts)
+            for k in ("confirmed", "regressed", "inaccurate", "skipped", "error")
+        }
         print("  " + ", ".join(f"{k} {n}" for k, n in counts.items()))
     sys.stdout.flush()
-    if report.trials and not args.no_record:  # after the verdicts: a busy bank loses only the record
+    if (
+        report.trials and not args.no_record
+    ):  # after the verdicts: a busy bank loses only the record
         embedded.record_trials(custom, report.trials, wait=args.wait, on_wait=_say_waiting)
     return 1 if bad else 0
 
@@ -470,20 +616,32 @@ def _sync(args: argparse.Namespace) -> int:
     daemon = _daemon(args)
     if daemon is not None:
         if args.ca or args.cert or args.key:
-            raise OptionError("--ca/--cert/--key: with a daemon, it connects with its own [bank] follow_* files")
+            raise OptionError(
+                "--ca/--cert/--key: with a daemon, it connects with its own [bank] follow_* files"
+            )
         with daemon:
             r = daemon.bank_sync(args.peer)
         counts = {"entries": r.entries, "default records": r.default_records, "trials": r.trials}
         _print_sync(args.peer, r.peer_bank_id, r.from_seq, r.to_seq, counts, r.refused)
         return 0
     report = _sync_local(args)
-    counts = {name: report.counts[kind] for name, kind in
-              (("entries", "entry"), ("default records", "default"), ("trials", "trial"))}  # fmt: skip
-    _print_sync(args.peer, report.peer_bank_id, report.from_seq, report.to_seq, counts, report.refused)
+    counts = {
+        name: report.counts[kind]
+        for name, kind in (
+            ("entries", "entry"),
+            ("default records", "default"),
+            ("trials", "trial"),
+        )
+    }
+    _print_sync(
+        args.peer, report.peer_bank_id, report.from_seq, report.to_seq, counts, report.refused
+    )
     return 0
 
 
-def _print_sync(peer: str, bank_id: str, from_seq: int, to_seq: int, counts: dict, refused: int) -> None:
+def _print_sync(
+    peer: str, bank_id: str, from_seq: int, to_seq: int, counts: dict, refused: int
+) -> None:
     print(f"aoe: synced from {peer} (bank {bank_id}): its writes {from_seq} -> {to_seq}")
     for name, c in counts.items():
         print(f"  {name:<16} added {c.added}, updated {c.updated}, kept {c.kept}")
@@ -500,7 +658,11 @@ def _sync_local(args: argparse.Namespace):
     if args.cert and not args.ca:
         raise OptionError("--cert needs --ca")
     try:
-        tls = [p.read_bytes() if p else None for p in (args.ca, args.key, args.cert)] if args.ca else None
+        tls = (
+            [p.read_bytes() if p else None for p in (args.ca, args.key, args.cert)]
+            if args.ca
+            else None
+        )
     except OSError as exc:
         raise OptionError(f"{exc.filename}: {exc.strerror or exc}") from None
     config = _config(args)
@@ -508,24 +670,41 @@ def _sync_local(args: argparse.Namespace):
     def connect(target: str) -> Client:
         if tls is None:
             return Client(target, timeout=30)
-        return Client(target, timeout=30, root_certificates=tls[0], private_key=tls[1], certificate_chain=tls[2])
+        return Client(
+            target,
+            timeout=30,
+            root_certificates=tls[0],
+            private_key=tls[1],
+            certificate_chain=tls[2],
+        )
 
     from aoed import embedded  # the bank's writer and follower, in this process
 
-    return embedded.sync_bank(_bank_path(args), args.peer, config.device.fingerprint().digest, connect,
-                              wait=args.wait, on_wait=_say_waiting)  # fmt: skip
+    return embedded.sync_bank(
+        _bank_path(args),
+        args.peer,
+        config.device.fingerprint().digest,
+        connect,
+        wait=args.wait,
+        on_wait=_say_waiting,
+    )
 
 
 def _verify_on(daemon, args: argparse.Namespace) -> int:
     """`aoe bank verify` by the daemon, on its device (1 s per entry), its bank recording."""
     from aoe.v1 import bank_pb2
 
-    names = {v: k.removeprefix("VERIFY_VERDICT_").lower() for k, v in bank_pb2.VerifyVerdict.items()}
+    names = {
+        v: k.removeprefix("VERIFY_VERDICT_").lower() for k, v in bank_pb2.VerifyVerdict.items()
+    }
     bad = 0
     with daemon:
         print(f"aoe: verifying on the daemon at {daemon.target}")
         for v in daemon.bank_verify(args.sample, args.op_type, args.seed):
             verdict = names.get(v.verdict, "?")
             bad += verdict in ("regressed", "inaccurate", "error")
-            print(f"  {verdict:<10} {v.op_type:<18} {v.key}" + (f"\n      {v.detail}" if v.detail else ""))
+            print(
+                f"  {verdict:<10} {v.op_type:<18} {v.key}"
+                + (f"\n      {v.detail}" if v.detail else "")
+            )
     return 1 if bad else 0

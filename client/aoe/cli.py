@@ -60,7 +60,9 @@ class Parser(argparse.ArgumentParser):
     """argparse with the project's error style: an OptionError, not an exit."""
 
     def error(self, message: str) -> NoReturn:
-        if "invalid choice" in message and ("argument COMMAND" in message or "argument SUBCOMMAND" in message):
+        if "invalid choice" in message and (
+            "argument COMMAND" in message or "argument SUBCOMMAND" in message
+        ):
             bad = message.split("invalid choice: ", 1)[1].split(" (", 1)[0]
             choices = message.split("(choose from ", 1)[1].rstrip(")").replace("'", "")
             message = f"unknown command {bad} (commands: {choices}; see {self.prog} --help)"
@@ -71,33 +73,75 @@ class Parser(argparse.ArgumentParser):
 def _add_tune(sub: argparse._SubParsersAction) -> None:
     from aoe.config import EXECUTORS
 
-    p = sub.add_parser("tune", help="tune a model by measurement, embedded or on a daemon",
-                       description="Tune an ONNX model by measurement: on the daemon when one answers, "
-                                   "else embedded on this machine.")  # fmt: skip
-    p.add_argument("model", type=Path, nargs="?",
-                   help="the .onnx model to tune (--job-type gdat: a torch.export program, .pt2)")  # fmt: skip
-    specargs.add_arguments(p, where="this machine (cpu; ASCEND_DEVICE_ID selects cann:N) or the daemon",
-                           many_devices=True)  # fmt: skip
-    p.add_argument("--bank", type=Path, help="custom bank directory (default: TUNE_BANK_PATH or the user data dir)")
-    p.add_argument("--bank-layer", action="append", type=Path, default=[], metavar="DIR",
-                   help="read-only bank consulted after the custom one (repeatable; also AOED_BANK_LAYERS)")  # fmt: skip
-    p.add_argument("--reload", action="store_true",
-                   help="resume an interrupted run: what the bank already decided is used, not measured again "
-                        "(overrides REPEAT_TUNE)")  # fmt: skip
-    p.add_argument("--parallel", help="compile processes, 1-32 (default: TE_PARALLEL_COMPILER or cores-1)")
-    p.add_argument("--output", type=Path, default=Path("."), help="where aoe_workspace/ and the result JSON go")
-    p.add_argument("--keep-workspace", action="store_true",
-                   help="keep the scratch files (task models, samples) under aoe_workspace/ after success")  # fmt: skip
+    p = sub.add_parser(
+        "tune",
+        help="tune a model by measurement, embedded or on a daemon",
+        description="Tune an ONNX model by measurement: on the daemon when one answers, "
+        "else embedded on this machine.",
+    )
+    p.add_argument(
+        "model",
+        type=Path,
+        nargs="?",
+        help="the .onnx model to tune (--job-type gdat: a torch.export program, .pt2)",
+    )
+    specargs.add_arguments(
+        p,
+        where="this machine (cpu; ASCEND_DEVICE_ID selects cann:N) or the daemon",
+        many_devices=True,
+    )
+    p.add_argument(
+        "--bank",
+        type=Path,
+        help="custom bank directory (default: TUNE_BANK_PATH or the user data dir)",
+    )
+    p.add_argument(
+        "--bank-layer",
+        action="append",
+        type=Path,
+        default=[],
+        metavar="DIR",
+        help="read-only bank consulted after the custom one (repeatable; also AOED_BANK_LAYERS)",
+    )
+    p.add_argument(
+        "--reload",
+        action="store_true",
+        help="resume an interrupted run: what the bank already decided is used, not measured again "
+        "(overrides REPEAT_TUNE)",
+    )
+    p.add_argument(
+        "--parallel", help="compile processes, 1-32 (default: TE_PARALLEL_COMPILER or cores-1)"
+    )
+    p.add_argument(
+        "--output", type=Path, default=Path("."), help="where aoe_workspace/ and the result JSON go"
+    )
+    p.add_argument(
+        "--keep-workspace",
+        action="store_true",
+        help="keep the scratch files (task models, samples) under aoe_workspace/ after success",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--executor", choices=EXECUTORS, default=None,
-                   help="where the embedded run measures and compiles: local child processes, or the actors of "
-                        "a Ray cluster (the cluster extra; runs embedded; default: [cluster] executor)")  # fmt: skip
-    p.add_argument("--ray-address", default=None, metavar="HOST:PORT",
-                   help="the Ray head for --executor ray (default: [cluster] address)")  # fmt: skip
+    p.add_argument(
+        "--executor",
+        choices=EXECUTORS,
+        default=None,
+        help="where the embedded run measures and compiles: local child processes, or the actors of "
+        "a Ray cluster (the cluster extra; runs embedded; default: [cluster] executor)",
+    )
+    p.add_argument(
+        "--ray-address",
+        default=None,
+        metavar="HOST:PORT",
+        help="the Ray head for --executor ray (default: [cluster] address)",
+    )
     q = p.add_mutually_exclusive_group()
     q.add_argument("--local", action="store_true", help="run embedded even when a daemon answers")
-    q.add_argument("--socket", type=Path, metavar="PATH",
-                   help="the daemon to tune on (default: AOED_SOCKET, else aoed.sock in the runtime dir)")  # fmt: skip
+    q.add_argument(
+        "--socket",
+        type=Path,
+        metavar="PATH",
+        help="the daemon to tune on (default: AOED_SOCKET, else aoed.sock in the runtime dir)",
+    )
     p.set_defaults(run=_tune)
 
 
@@ -110,7 +154,9 @@ def _aoe_spelling(argv: Sequence[str]) -> argparse.Namespace:
     # aoe tune's default.
     p.add_argument("-j", "--job_type", "--job-type", dest="job_type")
     p.add_argument("--output", type=Path, default=Path("."))
-    p.add_argument("--input_shape", "--input-shape", dest="input_shape", action="append", default=[])
+    p.add_argument(
+        "--input_shape", "--input-shape", dest="input_shape", action="append", default=[]
+    )
     p.add_argument("--device", default=None)
     p.add_argument("--precision")
     p.add_argument("--calibration", type=Path)
@@ -125,12 +171,27 @@ def _aoe_spelling(argv: Sequence[str]) -> argparse.Namespace:
     if str(a.framework) != "5" and job_type_from_env() != "gdat":
         raise OptionError(f"--framework {a.framework}: only ONNX (5) models can be tuned here")
     return argparse.Namespace(
-        model=a.model, precision=a.precision, input_shape=a.input_shape, bank=a.bank, config=a.config,
-        calibration=a.calibration, bank_layer=[], verbose=0, reload=a.reload, repeat_tune=None, parallel=None,
+        model=a.model,
+        precision=a.precision,
+        input_shape=a.input_shape,
+        bank=a.bank,
+        config=a.config,
+        calibration=a.calibration,
+        bank_layer=[],
+        verbose=0,
+        reload=a.reload,
+        repeat_tune=None,
+        parallel=None,
         output=a.output,
-        job_type=a.job_type, device=a.device, keep_workspace=False, no_progress=a.progress_bar == "off", local=False,
-        socket=None, run=_tune, entry=None,
-    )  # fmt: skip
+        job_type=a.job_type,
+        device=a.device,
+        keep_workspace=False,
+        no_progress=a.progress_bar == "off",
+        local=False,
+        socket=None,
+        run=_tune,
+        entry=None,
+    )
 
 
 def _job_type(args: argparse.Namespace) -> None:
@@ -139,13 +200,21 @@ def _job_type(args: argparse.Namespace) -> None:
     from aoe.config import job_type_from_env
 
     env = job_type_from_env()
-    if env is not None and args.job_type and (parse_job_type(args.job_type) == JobType.GDAT) != (env == "gdat"):
-        raise OptionError(f"AOE_MODE selects {env}, --job-type {args.job_type} another job type: drop one")
+    if (
+        env is not None
+        and args.job_type
+        and (parse_job_type(args.job_type) == JobType.GDAT) != (env == "gdat")
+    ):
+        raise OptionError(
+            f"AOE_MODE selects {env}, --job-type {args.job_type} another job type: drop one"
+        )
     args.job_type = args.job_type or env
     if getattr(args, "entry", None):
         path, _function = specargs.entry_of(args.entry)
         if args.model is not None:
-            raise OptionError(f"--entry {args.entry} and {args.model}: give the model or the entry, not both")
+            raise OptionError(
+                f"--entry {args.entry} and {args.model}: give the model or the entry, not both"
+            )
         args.model = path
     if args.model is None:
         raise OptionError("tune: the following arguments are required: model")
@@ -171,28 +240,42 @@ def _tune(args: argparse.Namespace) -> int:
     parallel = parse_parallel(args.parallel, "--parallel") if args.parallel is not None else None
     devices = _devices_given(args.device, config.all_devices)
     config = config.replace(
-        bank=args.bank, parallel=parallel, repeat_tune=False if args.reload else args.repeat_tune,
-        device=devices[0] if devices else None, devices=devices if len(devices) > 1 else None,
+        bank=args.bank,
+        parallel=parallel,
+        repeat_tune=False if args.reload else args.repeat_tune,
+        device=devices[0] if devices else None,
+        devices=devices if len(devices) > 1 else None,
         bank_layers=(*args.bank_layer, *config.bank_layers) if args.bank_layer else None,
-        executor=getattr(args, "executor", None), ray_address=getattr(args, "ray_address", None),
-    )  # fmt: skip
+        executor=getattr(args, "executor", None),
+        ray_address=getattr(args, "ray_address", None),
+    )
     # The environment's settings (REPEAT_TUNE, ASCEND_DEVICE_ID) are the user's too; a
     # GDAT job's devices are its world's.
     gdat = spec.job_type == JobType.GDAT
-    spec = spec.replace(repeat_tune=config.repeat_tune,
-                        device=config.device.name if "device" in config.sources and not gdat else None)  # fmt: skip
+    spec = spec.replace(
+        repeat_tune=config.repeat_tune,
+        device=config.device.name if "device" in config.sources and not gdat else None,
+    )
     if gdat and args.model.suffix not in (".pt2", ".py"):
-        raise OptionError(f"{args.model}: --job-type gdat tunes a torch.export program (.pt2, saved with "
-                          "torch.export.save) or, with --entry FILE.py:FUNCTION, your own training code")  # fmt: skip
+        raise OptionError(
+            f"{args.model}: --job-type gdat tunes a torch.export program (.pt2, saved with "
+            "torch.export.save) or, with --entry FILE.py:FUNCTION, your own training code"
+        )
     if not gdat and args.model.suffix == ".pt2":
-        raise OptionError(f"{args.model}: a torch.export program; tune its data-parallel training with --job-type gdat")
+        raise OptionError(
+            f"{args.model}: a torch.export program; tune its data-parallel training with --job-type gdat"
+        )
     output: Path = args.output
     made = _writable_output(output)
     # The user's own code (--entry) runs embedded only: a daemon loads no user code.
     if spec.entry is not None and args.socket is not None:
-        raise OptionError("--entry runs your own code, which only an embedded run does: drop --socket")
+        raise OptionError(
+            "--entry runs your own code, which only an embedded run does: drop --socket"
+        )
     # An executor named here is this run's: it runs embedded (a daemon has its own).
-    embedded_only = spec.entry is not None or any(getattr(args, k, None) is not None for k in ("executor", "ray_address"))
+    embedded_only = spec.entry is not None or any(
+        getattr(args, k, None) is not None for k in ("executor", "ray_address")
+    )
     daemon = None if embedded_only else _daemon_for(args, config)
     if daemon is not None:
         from aoe.jobscli import tune_on_daemon
@@ -204,7 +287,9 @@ def _tune(args: argparse.Namespace) -> int:
     if config.bank is not None and config.bank.exists() and not config.bank.is_dir():
         from aoe.errors import BankError
 
-        raise BankError(f"bank {config.bank}: not a directory (a file is in the way); pass a directory for --bank")
+        raise BankError(
+            f"bank {config.bank}: not a directory (a file is in the way); pass a directory for --bank"
+        )
 
     from aoe._progress import Progress
     from aoed import embedded  # the engine, in this process: the one door the CLI has into aoed
@@ -213,11 +298,19 @@ def _tune(args: argparse.Namespace) -> int:
         made.insert(0, output / "aoe_workspace")
     try:
         with Progress(enabled=not args.no_progress) as progress:
-            outcome = embedded.tune(args.model, spec, output, config=config, progress=progress.emit,
-                                    keep_workspace=args.keep_workspace)  # fmt: skip
+            outcome = embedded.tune(
+                args.model,
+                spec,
+                output,
+                config=config,
+                progress=progress.emit,
+                keep_workspace=args.keep_workspace,
+            )
     except DeviceError as exc:
         source = config.sources.get("device", "")
-        raise DeviceError(f"{source} selects {config.device}: {exc}" if source.startswith("ASCEND") else str(exc)) from None
+        raise DeviceError(
+            f"{source} selects {config.device}: {exc}" if source.startswith("ASCEND") else str(exc)
+        ) from None
     finally:
         # A run that failed before tuning left no workspace and the engine no empty
         # log: the folders made for them go too.
@@ -239,17 +332,23 @@ def _writable_output(output: Path) -> list[Path]:
     try:
         output.mkdir(parents=True, exist_ok=True)
     except (FileExistsError, NotADirectoryError):
-        raise OptionError(f"--output {output}: not a directory; pass a directory for the outputs") from None
+        raise OptionError(
+            f"--output {output}: not a directory; pass a directory for the outputs"
+        ) from None
     except OSError as exc:
-        raise OptionError(f"--output {output}: cannot create it ({exc.strerror or exc}); pass a directory you may "
-                          "write") from None  # fmt: skip
+        raise OptionError(
+            f"--output {output}: cannot create it ({exc.strerror or exc}); pass a directory you may "
+            "write"
+        ) from None
     try:
         # Root passes every permission check, so try instead of asking (os.access).
         with tempfile.TemporaryFile(dir=output):
             pass
     except OSError as exc:
-        raise OptionError(f"--output {output}: cannot write there ({exc.strerror or exc}); pass a directory you may "
-                          "write") from None  # fmt: skip
+        raise OptionError(
+            f"--output {output}: cannot write there ({exc.strerror or exc}); pass a directory you may "
+            "write"
+        ) from None
     return made
 
 
@@ -257,12 +356,23 @@ def _daemon_for(args: argparse.Namespace, config: Any) -> Any:
     """The Client to tune on, or None to run embedded: --local; an option only an embedded
     run honours (the bank, plugins, workspace choices); no daemon answering. A missing
     socket file costs no dial, so without a daemon `aoe tune` is as fast as before."""
-    flags = [flag for flag, given in (("--bank", args.bank), ("--bank-layer", args.bank_layer),
-             ("--keep-workspace", args.keep_workspace)) if given]  # fmt: skip
+    flags = [
+        flag
+        for flag, given in (
+            ("--bank", args.bank),
+            ("--bank-layer", args.bank_layer),
+            ("--keep-workspace", args.keep_workspace),
+        )
+        if given
+    ]
     if args.socket is not None and flags:
-        raise OptionError(f"--socket tunes on the daemon, which uses its own bank and workspace: drop {flags[0]} "
-                          "or --socket")  # fmt: skip
-    settings = [config.sources[k] for k in ("bank", "bank_layers", "plugins") if k in config.sources]
+        raise OptionError(
+            f"--socket tunes on the daemon, which uses its own bank and workspace: drop {flags[0]} "
+            "or --socket"
+        )
+    settings = [
+        config.sources[k] for k in ("bank", "bank_layers", "plugins") if k in config.sources
+    ]
     if args.local or flags or (settings and args.socket is None):
         return None
     from aoe.config import default_socket
@@ -275,15 +385,19 @@ def _daemon_for(args: argparse.Namespace, config: Any) -> Any:
         if client.ping():
             print(f"aoe: tuning on the daemon at {client.target}", file=sys.stderr, flush=True)
             if settings:
-                print(f"aoe: the daemon tunes with its own bank and plugins ({', '.join(settings)} not used)",
-                      file=sys.stderr)  # fmt: skip
+                print(
+                    f"aoe: the daemon tunes with its own bank and plugins ({', '.join(settings)} not used)",
+                    file=sys.stderr,
+                )
             return client
         client.close()
     print(f"aoe: tuning embedded (no daemon at {path})", file=sys.stderr, flush=True)
     return None
 
 
-def _devices_given(given: str | list[str] | None, configured: tuple[Device, ...]) -> tuple[Device, ...]:
+def _devices_given(
+    given: str | list[str] | None, configured: tuple[Device, ...]
+) -> tuple[Device, ...]:
     """The devices `--device` names (repeated, or `all`); () when it was not given.
     OptionError when one is malformed."""
     from aoe.device import Device
@@ -301,7 +415,19 @@ def _devices_given(given: str | list[str] | None, configured: tuple[Device, ...]
     return tuple(Device.parse(n) for n in names)
 
 
-COMMANDS = ("tune", "compile", "bank", "submit", "jobs", "status", "watch", "cancel", "fetch", "devices", "daemon")
+COMMANDS = (
+    "tune",
+    "compile",
+    "bank",
+    "submit",
+    "jobs",
+    "status",
+    "watch",
+    "cancel",
+    "fetch",
+    "devices",
+    "daemon",
+)
 
 
 def build_parser() -> Parser:
@@ -312,11 +438,15 @@ def build_parser() -> Parser:
         prog="aoe",
         description="Tune ONNX models by measurement and keep what is learned in a knowledge bank.",
         epilog="AOE's spelling also works: aoe --framework 5 --model MODEL [--job_type 2] "
-               "(2: OPAT alone, as aoe tune --job-type opat; 1: SGAT; none: aoe tune's default, sgat+opat).",
+        "(2: OPAT alone, as aoe tune --job-type opat; 1: SGAT; none: aoe tune's default, sgat+opat).",
     )
     p.add_argument("--version", action="version", version=f"aoe {_version()}")
-    p.add_argument("--config", type=Path, help="TOML settings file (default: AOED_CONFIG, else none)")
-    p.add_argument("-v", "--verbose", action="count", default=0, help="log more (-v info, -vv debug)")
+    p.add_argument(
+        "--config", type=Path, help="TOML settings file (default: AOED_CONFIG, else none)"
+    )
+    p.add_argument(
+        "-v", "--verbose", action="count", default=0, help="log more (-v info, -vv debug)"
+    )
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser, required=True)
     _add_tune(sub)
     bankcli.add_parsers(sub)
@@ -345,7 +475,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         try:
-            if argv and any(a.split("=", 1)[0] in _AOE_FLAGS for a in argv) and not set(argv) & set(COMMANDS):
+            if (
+                argv
+                and any(a.split("=", 1)[0] in _AOE_FLAGS for a in argv)
+                and not set(argv) & set(COMMANDS)
+            ):
                 args = _aoe_spelling(argv)
             else:
                 args = build_parser().parse_args(argv)

@@ -27,12 +27,26 @@ from typing import IO, Any
 import grpc
 from google.protobuf import json_format
 
-from aoe.errors import AoedError, BankError, DaemonUnavailableError, JobCancelledError, JobStateError, ModelError
+from aoe.errors import (
+    AoedError,
+    BankError,
+    DaemonUnavailableError,
+    JobCancelledError,
+    JobStateError,
+    ModelError,
+)
 from aoe.errors import NotFoundError, OptionError, PermissionDeniedError, ResourceExhaustedError
 from aoe.modelfile import check_model_file
 from aoe.spec import JobSpec
 from aoe.specargs import parse_shapes
-from aoe.v1 import bank_pb2, bank_pb2_grpc, daemon_pb2, daemon_pb2_grpc, devices_pb2, devices_pb2_grpc
+from aoe.v1 import (
+    bank_pb2,
+    bank_pb2_grpc,
+    daemon_pb2,
+    daemon_pb2_grpc,
+    devices_pb2,
+    devices_pb2_grpc,
+)
 from aoe.v1 import tuning_pb2, tuning_pb2_grpc
 from aoe.wire import spec_to_pb
 
@@ -43,9 +57,15 @@ PING_TIMEOUT_S = 1.5
 #: How long `watch` keeps reconnecting without receiving an event before it gives up.
 WATCH_RETRY_S = 60.0
 _MAX_MESSAGE = 64 << 20  # a Job of a large model lists thousands of task results
-_ARTIFACTS = {"model": tuning_pb2.RESULT_ARTIFACT_TUNED_MODEL, "json": tuning_pb2.RESULT_ARTIFACT_RESULT_JSON}
-_POLICIES = {"keep-faster": bank_pb2.MERGE_POLICY_KEEP_FASTER, "overwrite": bank_pb2.MERGE_POLICY_OVERWRITE,
-             "keep-existing": bank_pb2.MERGE_POLICY_KEEP_EXISTING}  # fmt: skip
+_ARTIFACTS = {
+    "model": tuning_pb2.RESULT_ARTIFACT_TUNED_MODEL,
+    "json": tuning_pb2.RESULT_ARTIFACT_RESULT_JSON,
+}
+_POLICIES = {
+    "keep-faster": bank_pb2.MERGE_POLICY_KEEP_FASTER,
+    "overwrite": bank_pb2.MERGE_POLICY_OVERWRITE,
+    "keep-existing": bank_pb2.MERGE_POLICY_KEEP_EXISTING,
+}
 _EXPORT_FILTERS = ("op_type", "device_digest", "precision", "entries_only", "no_history")
 #: The record kinds of the JSON Lines exchange format (aoe.bank.record_to_json writes it).
 _RECORD_FIELDS = ("entry", "default_record", "trial")
@@ -57,7 +77,9 @@ def _parse_target(target: str | os.PathLike[str] | None) -> tuple[str, Path | No
         from aoe.config import default_socket
 
         target = default_socket()
-    if isinstance(target, os.PathLike) or ("/" in target and not target.startswith(("unix:", "dns:", "ipv4:", "ipv6:"))):
+    if isinstance(target, os.PathLike) or (
+        "/" in target and not target.startswith(("unix:", "dns:", "ipv4:", "ipv6:"))
+    ):
         path = Path(target).expanduser().absolute()
         return f"unix://{path}", path
     if target.startswith("unix:"):
@@ -71,11 +93,15 @@ def _error(exc: grpc.RpcError, target: str, bank: bool = False) -> AoedError:
     code = exc.code() if isinstance(exc, grpc.Call) else grpc.StatusCode.UNKNOWN
     details = (exc.details() if isinstance(exc, grpc.Call) else "") or code.name
     if code == grpc.StatusCode.UNAVAILABLE:
-        return DaemonUnavailableError(f"the daemon at {target} is unavailable ({details}); is aoed running?")
+        return DaemonUnavailableError(
+            f"the daemon at {target} is unavailable ({details}); is aoed running?"
+        )
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return AoedError(f"the daemon at {target} did not answer in time ({details})")
     if code == grpc.StatusCode.UNIMPLEMENTED:
-        return AoedError(f"the daemon at {target} does not offer this call ({details}); is it an older aoed?")
+        return AoedError(
+            f"the daemon at {target} does not offer this call ({details}); is it an older aoed?"
+        )
     if code == grpc.StatusCode.NOT_FOUND and "not found" not in details.lower():
         details = f"not found: {details}"
     cls = {
@@ -95,7 +121,9 @@ def _enum(enum: Any, prefix: str, value: Any, what: str) -> int:
     try:
         return enum.Value(prefix + str(value).strip().upper().replace("-", "_"))
     except ValueError:
-        names = [n.removeprefix(prefix).lower() for n in enum.keys() if not n.endswith("UNSPECIFIED")]
+        names = [
+            n.removeprefix(prefix).lower() for n in enum.keys() if not n.endswith("UNSPECIFIED")
+        ]
         raise OptionError(f"{what} {value!r}: expected one of {', '.join(names)}") from None
 
 
@@ -113,7 +141,9 @@ def spec_of(options: JobSpec | Mapping[str, Any] | None = None) -> JobSpec:
     return JobSpec.from_dict(values)
 
 
-def job_options(options: tuning_pb2.JobOptions | JobSpec | Mapping[str, Any] | None = None) -> tuning_pb2.JobOptions:
+def job_options(
+    options: tuning_pb2.JobOptions | JobSpec | Mapping[str, Any] | None = None,
+) -> tuning_pb2.JobOptions:
     """The JobOptions message of a spec (or of a dict of its fields, as `spec_of` takes
     them, with output_dir: a folder on the daemon's host for the outputs). A JobOptions
     passes through. Raises OptionError naming an unknown key or a bad value."""
@@ -140,7 +170,9 @@ def _parse_record(line: str) -> bank_pb2.ExportEntriesResponse:
         doc = json.loads(line)
         if isinstance(doc, dict) and doc and doc.keys() <= set(_RECORD_FIELDS):
             return json_format.ParseDict(doc, bank_pb2.ExportEntriesResponse())
-        return bank_pb2.ExportEntriesResponse(entry=json_format.ParseDict(doc, bank_pb2.BankEntry()))
+        return bank_pb2.ExportEntriesResponse(
+            entry=json_format.ParseDict(doc, bank_pb2.BankEntry())
+        )
     except (ValueError, json_format.ParseError) as exc:
         raise ValueError(str(exc)) from None
 
@@ -205,7 +237,10 @@ class Client:
     ):
         self.target, self.socket = _parse_target(target)
         self.timeout = timeout
-        options = [("grpc.max_receive_message_length", _MAX_MESSAGE), ("grpc.max_send_message_length", _MAX_MESSAGE)]
+        options = [
+            ("grpc.max_receive_message_length", _MAX_MESSAGE),
+            ("grpc.max_send_message_length", _MAX_MESSAGE),
+        ]
         if root_certificates or private_key or certificate_chain:
             creds = grpc.ssl_channel_credentials(root_certificates, private_key, certificate_chain)
             self._channel = grpc.secure_channel(self.target, creds, options)
@@ -231,7 +266,9 @@ class Client:
 
     def _check_socket(self) -> None:
         if self.socket is not None and not self.socket.exists():
-            raise DaemonUnavailableError(f"no daemon at {self.target}: {self.socket} does not exist; is aoed running?")
+            raise DaemonUnavailableError(
+                f"no daemon at {self.target}: {self.socket} does not exist; is aoed running?"
+            )
 
     def _call(self, method: Any, request: Any, *, bank: bool = False, deadline: bool = True) -> Any:
         self._check_socket()
@@ -260,7 +297,9 @@ class Client:
 
         limit = min(PING_TIMEOUT_S, self.timeout or PING_TIMEOUT_S)
         try:
-            reply = health_pb2_grpc.HealthStub(self._channel).Check(health_pb2.HealthCheckRequest(), timeout=limit)
+            reply = health_pb2_grpc.HealthStub(self._channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=limit
+            )
         except grpc.RpcError:
             return False
         return reply.status == health_pb2.HealthCheckResponse.SERVING
@@ -307,7 +346,9 @@ class Client:
                 raise ModelError(f"{path}: {failed[0].strerror or failed[0]}") from None
             raise _error(exc, self.target) from exc
         if reply.sha256 and reply.sha256 != sha:
-            raise AoedError(f"upload of {path}: the daemon received sha256 {reply.sha256}, not {sha}; try again")
+            raise AoedError(
+                f"upload of {path}: the daemon received sha256 {reply.sha256}, not {sha}; try again"
+            )
         return reply.model_id
 
     def submit(
@@ -333,8 +374,9 @@ class Client:
             reply.job.job_id = reply.job_id
         return reply.job
 
-    def submit_file(self, local_path: str | os.PathLike[str], spec: JobSpec | None = None, **options: Any
-                    ) -> tuning_pb2.Job:  # fmt: skip
+    def submit_file(
+        self, local_path: str | os.PathLike[str], spec: JobSpec | None = None, **options: Any
+    ) -> tuning_pb2.Job:
         """`upload` the local model, then `submit` it with `spec` (or `options`, as
         `job_options` takes them); returns the Job.
         Bad options (OptionError), a socket with no daemon (DaemonUnavailableError) and
@@ -368,7 +410,12 @@ class Client:
         return self._call(self._tuning.CancelJob, tuning_pb2.CancelJobRequest(job_id=job_id)).job
 
     def watch(
-        self, job_id: str, after_sequence: int = 0, include_logs: bool = False, *, retry_s: float = WATCH_RETRY_S
+        self,
+        job_id: str,
+        after_sequence: int = 0,
+        include_logs: bool = False,
+        *,
+        retry_s: float = WATCH_RETRY_S,
     ) -> Iterator[tuning_pb2.JobEvent]:
         """Yield the job's events after `after_sequence` until it reaches a final state.
         When the daemon goes away (UNAVAILABLE: a restart) it reconnects and resumes after
@@ -377,7 +424,9 @@ class Client:
         leaving the loop) cancels the stream."""
         last, failing_since, pause = after_sequence, None, 0.1
         while True:
-            request = tuning_pb2.WatchJobRequest(job_id=job_id, include_logs=include_logs, after_sequence=last)
+            request = tuning_pb2.WatchJobRequest(
+                job_id=job_id, include_logs=include_logs, after_sequence=last
+            )
             stream = self._stream(self._tuning.WatchJob, request)
             try:
                 with contextlib.closing(stream):
@@ -396,7 +445,9 @@ class Client:
                 time.sleep(pause)
                 pause = min(pause * 2, 2.0)
 
-    def download(self, job_id: str, artifact: str = "model", dest_dir: str | os.PathLike[str] = ".") -> Path:
+    def download(
+        self, job_id: str, artifact: str = "model", dest_dir: str | os.PathLike[str] = "."
+    ) -> Path:
         """Fetch an artifact of a finished job ("model": the tuned model, "json": the
         result report) into `dest_dir` under the daemon's file name; returns its path.
         The file appears whole or not at all: written beside, checked against the
@@ -443,10 +494,16 @@ class Client:
         unwritable file."""
         unknown = sorted(set(filters) - set(_EXPORT_FILTERS))
         if unknown:
-            raise OptionError(f"export filter {unknown[0]!r}: unknown (known: {', '.join(_EXPORT_FILTERS)})")
+            raise OptionError(
+                f"export filter {unknown[0]!r}: unknown (known: {', '.join(_EXPORT_FILTERS)})"
+            )
         if "precision" in filters:
-            filters["precision"] = _enum(bank_pb2.Precision, "PRECISION_", filters["precision"], "precision")
-        request = bank_pb2.ExportEntriesRequest(**{k: v for k, v in filters.items() if v is not None})
+            filters["precision"] = _enum(
+                bank_pb2.Precision, "PRECISION_", filters["precision"], "precision"
+            )
+        request = bank_pb2.ExportEntriesRequest(
+            **{k: v for k, v in filters.items() if v is not None}
+        )
         counts = dict.fromkeys(_RECORD_FIELDS, 0)
         stream = self._stream(self._bank.ExportEntries, request, bank=True)
         with contextlib.closing(stream), _writing(Path(dest_file), "w") as out:
@@ -456,7 +513,10 @@ class Client:
         return counts
 
     def bank_import(
-        self, src_file: str | os.PathLike[str], policy: str = "keep-faster", allow_foreign: bool = False
+        self,
+        src_file: str | os.PathLike[str],
+        policy: str = "keep-faster",
+        allow_foreign: bool = False,
     ) -> bank_pb2.ImportEntriesResponse:
         """Merge a JSON Lines file (as `bank_export` writes) into the daemon's bank; every
         line is parsed before anything is sent. Returns the daemon's counts and refusals.
@@ -464,7 +524,9 @@ class Client:
         not a bank record (naming file and line); BankError, as for any call."""
         if policy not in _POLICIES:
             raise OptionError(f"policy {policy!r}: expected one of {', '.join(_POLICIES)}")
-        options = bank_pb2.ImportOptions(policy=_POLICIES[policy], allow_foreign_devices=allow_foreign)
+        options = bank_pb2.ImportOptions(
+            policy=_POLICIES[policy], allow_foreign_devices=allow_foreign
+        )
         requests = [bank_pb2.ImportEntriesRequest(options=options)]
         try:
             with open(src_file, encoding="utf-8") as f:
@@ -476,14 +538,21 @@ class Client:
                     except ValueError as exc:
                         raise OptionError(f"{src_file}:{n}: not a bank record ({exc})") from None
                     which = record.WhichOneof("record")
-                    requests.append(bank_pb2.ImportEntriesRequest(**{which: getattr(record, which)}))
+                    requests.append(
+                        bank_pb2.ImportEntriesRequest(**{which: getattr(record, which)})
+                    )
         except OSError as exc:
             raise OptionError(f"{src_file}: {exc.strerror or exc}") from None
         return self._call(self._bank.ImportEntries, iter(requests), bank=True, deadline=False)
 
     def bank_prune(self, dry_run: bool = False) -> bank_pb2.PruneBankResponse:
         """Drop the bank's measurement history, keeping winners (only count, `dry_run`)."""
-        return self._call(self._bank.PruneBank, bank_pb2.PruneBankRequest(dry_run=dry_run), bank=True, deadline=False)
+        return self._call(
+            self._bank.PruneBank,
+            bank_pb2.PruneBankRequest(dry_run=dry_run),
+            bank=True,
+            deadline=False,
+        )
 
     def bank_follow(self, after_seq: int = 0, bank_id: str = "") -> Stream:
         """The daemon's bank writes after sequence number `after_seq` of the bank
@@ -499,12 +568,16 @@ class Client:
     def bank_sync(self, peer: str) -> bank_pb2.SyncBankResponse:
         """Make the daemon apply, once, what the bank of `peer` (a gRPC target the daemon
         can reach) wrote since it last did; returns the counts and sequence numbers."""
-        return self._call(self._bank.SyncBank, bank_pb2.SyncBankRequest(peer=peer), bank=True, deadline=False)
+        return self._call(
+            self._bank.SyncBank, bank_pb2.SyncBankRequest(peer=peer), bank=True, deadline=False
+        )
 
     def bank_verify(
         self, sample_size: int = 10, op_type: str = "", seed: int = 0, device: str = ""
     ) -> Iterator[bank_pb2.VerifyEntriesResponse]:
         """Re-measure a random sample of entries (0: all) on the daemon; yields one
         verdict per entry as it is measured. Leaving the loop cancels the rest."""
-        request = bank_pb2.VerifyEntriesRequest(sample_size=sample_size, op_type=op_type, seed=seed, device=device)
+        request = bank_pb2.VerifyEntriesRequest(
+            sample_size=sample_size, op_type=op_type, seed=seed, device=device
+        )
         return self._stream(self._bank.VerifyEntries, request, bank=True)

@@ -70,7 +70,20 @@ from typing import Any
 from aoe.device import CPU, Device
 from aoe.errors import OptionError
 
-__all__ = ["CLUSTER_EXTRA", "DAEMON_KEYS", "DAEMON_SECTIONS", "EXECUTORS", "Config", "Problems", "bank_from_env", "default_socket", "default_parallel", "layers_from_env", "load_config", "parse_parallel"]
+__all__ = [
+    "CLUSTER_EXTRA",
+    "DAEMON_KEYS",
+    "DAEMON_SECTIONS",
+    "EXECUTORS",
+    "Config",
+    "Problems",
+    "bank_from_env",
+    "default_socket",
+    "default_parallel",
+    "layers_from_env",
+    "load_config",
+    "parse_parallel",
+]
 
 _LEVELS = ("debug", "info", "warning", "error")
 #: `[cluster] executor`: where the engine's devices and compile workers run
@@ -150,8 +163,10 @@ def job_type_from_env(env: Mapping[str, str] | None = None) -> str | None:
 #: Sections of the TOML file that only the daemon reads (aoed.config checks them).
 DAEMON_SECTIONS = ("daemon", "listen", "limits", "inbox", "metrics")
 #: Keys of the shared sections that only the daemon reads (aoed.config checks them).
-DAEMON_KEYS = frozenset(("bank", k) for k in ("follow", "follow_ca", "follow_cert", "follow_key",
-                                              "follow_insecure_loopback"))  # fmt: skip
+DAEMON_KEYS = frozenset(
+    ("bank", k)
+    for k in ("follow", "follow_ca", "follow_cert", "follow_key", "follow_insecure_loopback")
+)
 
 
 def default_socket(env: Mapping[str, str] | None = None) -> Path:
@@ -166,7 +181,9 @@ def default_socket(env: Mapping[str, str] | None = None) -> Path:
     if runtime:
         return Path(runtime).expanduser() / "aoed.sock"
     system = Path("/run/aoed/aoed.sock")
-    if system.exists():  # the system service's, reachable by its group though /run/aoed is not writable
+    if (
+        system.exists()
+    ):  # the system service's, reachable by its group though /run/aoed is not writable
         return system
     return _default_runtime_dir() / "aoed.sock"
 
@@ -234,7 +251,9 @@ def parse_parallel(raw: object, where: str) -> int:
     try:
         n = int(str(raw))
     except ValueError:
-        raise OptionError(f"{where}={raw!r}: expected a number of compile processes (1-32)") from None
+        raise OptionError(
+            f"{where}={raw!r}: expected a number of compile processes (1-32)"
+        ) from None
     if not 1 <= n <= 32:
         raise OptionError(f"{where}={n}: compile processes must be between 1 and 32")
     return n
@@ -243,35 +262,52 @@ def parse_parallel(raw: object, where: str) -> int:
 #: The limits' ranges: a zero would refuse every model, and a limit past what one
 #: machine holds is none.
 _RANGES = {
-    "max_model_mb": (1, 1 << 30), "max_nodes": (1, 1_000_000_000), "max_tensor_mb": (1, 1 << 30),
-    "compile_timeout_s": (1, 604_800), "stage_timeout_s": (1, 604_800),
-}  # fmt: skip
+    "max_model_mb": (1, 1 << 30),
+    "max_nodes": (1, 1_000_000_000),
+    "max_tensor_mb": (1, 1 << 30),
+    "compile_timeout_s": (1, 604_800),
+    "stage_timeout_s": (1, 604_800),
+}
 
 
 def _checked(cfg: Config) -> Config:
     """`cfg` when its values are in range; else OptionError listing each that is not."""
     problems = Problems()
     if not 1 <= cfg.parallel <= 32:
-        problems.add(f"parallel={cfg.parallel} ({cfg.sources.get('parallel', 'default')}): must be 1-32")
+        problems.add(
+            f"parallel={cfg.parallel} ({cfg.sources.get('parallel', 'default')}): must be 1-32"
+        )
     if cfg.log_level not in _LEVELS:
         problems.add(f"log level {cfg.log_level!r}: expected one of {', '.join(_LEVELS)}")
-    if cfg.worker_memory_mb is not None and cfg.worker_memory_mb != 0 and cfg.worker_memory_mb < MIN_WORKER_MEMORY_MB:
-        problems.add(f"worker_memory_mb={cfg.worker_memory_mb} ({_src(cfg, 'worker_memory_mb')}): must be 0 "
-                     f"(no limit) or at least {MIN_WORKER_MEMORY_MB} MiB: it limits address space, and a "
-                     "child's allocator and threads reserve far more of it than they use, so smaller "
-                     "limits fail ordinary models at random")  # fmt: skip
+    if (
+        cfg.worker_memory_mb is not None
+        and cfg.worker_memory_mb != 0
+        and cfg.worker_memory_mb < MIN_WORKER_MEMORY_MB
+    ):
+        problems.add(
+            f"worker_memory_mb={cfg.worker_memory_mb} ({_src(cfg, 'worker_memory_mb')}): must be 0 "
+            f"(no limit) or at least {MIN_WORKER_MEMORY_MB} MiB: it limits address space, and a "
+            "child's allocator and threads reserve far more of it than they use, so smaller "
+            "limits fail ordinary models at random"
+        )
     if cfg.memory_mb != 0 and not 2 * MIN_WORKER_MEMORY_MB <= cfg.memory_mb <= 1 << 30:
-        problems.add(f"memory_mb={cfg.memory_mb} ({_src(cfg, 'memory_mb')}): must be 0 (what the machine has) "
-                     f"or at least {2 * MIN_WORKER_MEMORY_MB} MiB: a compile worker and a runner")  # fmt: skip
+        problems.add(
+            f"memory_mb={cfg.memory_mb} ({_src(cfg, 'memory_mb')}): must be 0 (what the machine has) "
+            f"or at least {2 * MIN_WORKER_MEMORY_MB} MiB: a compile worker and a runner"
+        )
     seen: list[Device] = []
     for d in cfg.devices:
         if clash := next((o for o in seen if o.overlaps(d)), None):
-            problems.add(f"devices ({_src(cfg, 'devices')}): {d} and {clash} share hardware; each device (or set "
-                         "of cores) may be listed once")  # fmt: skip
+            problems.add(
+                f"devices ({_src(cfg, 'devices')}): {d} and {clash} share hardware; each device (or set "
+                "of cores) may be listed once"
+            )
         seen.append(d)
     if cfg.devices and cfg.device != cfg.devices[0] and "device" in cfg.sources:
-        problems.add(f"device={cfg.device} ({_src(cfg, 'device')}) and devices ({_src(cfg, 'devices')}): give one "
-                     "of them (`device` is the one-device spelling of `devices`)")  # fmt: skip
+        problems.add(
+            f"device={cfg.device} ({_src(cfg, 'device')}) and devices ({_src(cfg, 'devices')}): give one "
+            "of them (`device` is the one-device spelling of `devices`)"
+        )
     _check_cluster(cfg, problems)
     for name, (lo, hi) in _RANGES.items():
         value = getattr(cfg, name)
@@ -282,17 +318,23 @@ def _checked(cfg: Config) -> Config:
 
 
 #: Where the cluster executor comes from, for the one line that says it is missing.
-CLUSTER_EXTRA = 'the cluster extra is not installed: pip install "aoed[cluster]" (it brings ray>=2.60)'
+CLUSTER_EXTRA = (
+    'the cluster extra is not installed: pip install "aoed[cluster]" (it brings ray>=2.60)'
+)
 
 
 def _check_cluster(cfg: Config, problems: Problems) -> None:
     if cfg.executor not in EXECUTORS:
-        problems.add(f"executor={cfg.executor!r} ({_src(cfg, 'executor')}): expected one of {', '.join(EXECUTORS)}")
+        problems.add(
+            f"executor={cfg.executor!r} ({_src(cfg, 'executor')}): expected one of {', '.join(EXECUTORS)}"
+        )
     elif cfg.executor == "ray":
         if not cfg.ray_address:
-            problems.add(f'executor="ray" ({_src(cfg, "executor")}) needs [cluster] address: the Ray head\'s '
-                         'HOST:PORT, or "auto" for a cluster `ray start` began on this machine (the engine '
-                         "connects to a cluster, it never starts one)")  # fmt: skip
+            problems.add(
+                f'executor="ray" ({_src(cfg, "executor")}) needs [cluster] address: the Ray head\'s '
+                'HOST:PORT, or "auto" for a cluster `ray start` began on this machine (the engine '
+                "connects to a cluster, it never starts one)"
+            )
         # find_spec only looks: importing ray here would cost a second for every config read.
         if importlib.util.find_spec("ray") is None:
             problems.add(f'executor="ray" ({_src(cfg, "executor")}): {CLUSTER_EXTRA}')
@@ -302,7 +344,9 @@ def _src(cfg: Config, name: str) -> str:
     return cfg.sources.get(name, "default")
 
 
-def _from_toml(path: Path, problems: Problems | None = None) -> tuple[dict[str, Any], dict[str, str]]:
+def _from_toml(
+    path: Path, problems: Problems | None = None
+) -> tuple[dict[str, Any], dict[str, str]]:
     """The engine's settings in the file at `path` and where each came from. A file that
     cannot be read or parsed raises OptionError at once; a bad setting is recorded in
     `problems` and left out (raised at once without `problems`)."""
@@ -316,17 +360,26 @@ def _from_toml(path: Path, problems: Problems | None = None) -> tuple[dict[str, 
     except tomllib.TOMLDecodeError as exc:
         raise OptionError(f"--config {path}: not valid TOML ({exc})") from None
     known = {
-        ("bank", "path"): "bank", ("bank", "layers"): "bank_layers",
-        ("tuning", "repeat_tune"): "repeat_tune", ("tuning", "parallel"): "parallel",
-        ("tuning", "device"): "device", ("tuning", "devices"): "devices", ("tuning", "plugins"): "plugins",
-        ("engine", "runtime_dir"): "runtime_dir", ("engine", "dedicated_cores"): "dedicated_cores",
-        ("engine", "worker_memory_mb"): "worker_memory_mb", ("engine", "memory_mb"): "memory_mb",
+        ("bank", "path"): "bank",
+        ("bank", "layers"): "bank_layers",
+        ("tuning", "repeat_tune"): "repeat_tune",
+        ("tuning", "parallel"): "parallel",
+        ("tuning", "device"): "device",
+        ("tuning", "devices"): "devices",
+        ("tuning", "plugins"): "plugins",
+        ("engine", "runtime_dir"): "runtime_dir",
+        ("engine", "dedicated_cores"): "dedicated_cores",
+        ("engine", "worker_memory_mb"): "worker_memory_mb",
+        ("engine", "memory_mb"): "memory_mb",
         ("engine", "max_model_mb"): "max_model_mb",
-        ("engine", "max_nodes"): "max_nodes", ("engine", "max_tensor_mb"): "max_tensor_mb",
-        ("engine", "compile_timeout_s"): "compile_timeout_s", ("engine", "stage_timeout_s"): "stage_timeout_s",
+        ("engine", "max_nodes"): "max_nodes",
+        ("engine", "max_tensor_mb"): "max_tensor_mb",
+        ("engine", "compile_timeout_s"): "compile_timeout_s",
+        ("engine", "stage_timeout_s"): "stage_timeout_s",
         ("log", "level"): "log_level",
-        ("cluster", "executor"): "executor", ("cluster", "address"): "ray_address",
-    }  # fmt: skip
+        ("cluster", "executor"): "executor",
+        ("cluster", "address"): "ray_address",
+    }
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
     for section, table in doc.items():
@@ -368,7 +421,9 @@ def _convert(name: str, raw: Any, where: str) -> Any:
         return Device.parse(str(raw))
     if name == "devices":
         if not isinstance(raw, list) or not raw:
-            raise OptionError(f'{where}={raw!r}: expected a list of devices, e.g. ["cann:0", "cann:1"]')
+            raise OptionError(
+                f'{where}={raw!r}: expected a list of devices, e.g. ["cann:0", "cann:1"]'
+            )
         try:
             return tuple(Device.parse(str(d)) for d in raw)
         except OptionError as exc:
@@ -393,7 +448,9 @@ def _convert(name: str, raw: Any, where: str) -> Any:
         try:
             return int(raw)
         except ValueError:
-            raise OptionError(f"{where}={raw!r}: expected a whole number of {_UNITS[name]}") from None
+            raise OptionError(
+                f"{where}={raw!r}: expected a whole number of {_UNITS[name]}"
+            ) from None
     if name in ("compile_timeout_s", "stage_timeout_s"):
         if isinstance(raw, bool) or not isinstance(raw, int | float | str):
             raise OptionError(f"{where}={raw!r}: expected a number of seconds")
@@ -410,16 +467,22 @@ def _convert(name: str, raw: Any, where: str) -> Any:
         return str(raw).strip().lower()
     if name == "ray_address":
         if not isinstance(raw, str):
-            raise OptionError(f'{where}={raw!r}: expected the Ray head\'s address as a string, e.g. "10.0.0.1:6379"')
+            raise OptionError(
+                f'{where}={raw!r}: expected the Ray head\'s address as a string, e.g. "10.0.0.1:6379"'
+            )
         return raw.strip()
     raise AssertionError(name)
 
 
 def _from_env(env: Mapping[str, str], problems: Problems) -> tuple[dict[str, Any], dict[str, str]]:
     names = {
-        "TUNE_BANK_PATH": "bank", "AOED_BANK_LAYERS": "bank_layers", "REPEAT_TUNE": "repeat_tune",
-        "TE_PARALLEL_COMPILER": "parallel", "AOED_PLUGINS": "plugins", "AOED_RUNTIME_DIR": "runtime_dir",
-    }  # fmt: skip
+        "TUNE_BANK_PATH": "bank",
+        "AOED_BANK_LAYERS": "bank_layers",
+        "REPEAT_TUNE": "repeat_tune",
+        "TE_PARALLEL_COMPILER": "parallel",
+        "AOED_PLUGINS": "plugins",
+        "AOED_RUNTIME_DIR": "runtime_dir",
+    }
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
     for var, name in names.items():
@@ -459,7 +522,9 @@ def layers_from_env(env: Mapping[str, str] | None = None) -> tuple[Path, ...]:
     return _convert("bank_layers", env.get("AOED_BANK_LAYERS", ""), "AOED_BANK_LAYERS")
 
 
-def load_config(path: str | os.PathLike[str] | None = None, env: Mapping[str, str] | None = None) -> Config:
+def load_config(
+    path: str | os.PathLike[str] | None = None, env: Mapping[str, str] | None = None
+) -> Config:
     """The configuration from defaults, the TOML file at `path` (else AOED_CONFIG, else
     none), then the environment `env` (default: os.environ). Raises OptionError."""
     env = os.environ if env is None else env

@@ -43,7 +43,9 @@ def kind_of(provider: str) -> str:
     for kind, (name, _dist, _what) in _KINDS.items():
         if name == provider:
             return kind
-    raise ValueError(f"unknown execution provider {provider!r} (known: {', '.join(v[0] for v in _KINDS.values())})")
+    raise ValueError(
+        f"unknown execution provider {provider!r} (known: {', '.join(v[0] for v in _KINDS.values())})"
+    )
 
 
 #: kinds that run on an NVIDIA GPU: one physical device under two providers
@@ -65,7 +67,9 @@ class Device:
         if self.index < 0:
             raise OptionError(f"device {self.kind}:{self.index}: the index must be >= 0")
         if self.cores and self.kind != "cpu":
-            raise OptionError(f"device {self.kind}:{self.index}: only a CPU device is a set of cores")
+            raise OptionError(
+                f"device {self.kind}:{self.index}: only a CPU device is a set of cores"
+            )
 
     @classmethod
     def _parse_cores(cls, spec: str, text: str) -> tuple[int, ...]:
@@ -73,7 +77,9 @@ class Device:
         for part in text.split(","):
             lo, dash, hi = part.strip().partition("-")
             if not lo.isdigit() or (dash and not hi.isdigit()) or (dash and int(hi) < int(lo)):
-                raise OptionError(f"device {spec!r}: expected cpu:FIRST-LAST or cpu:N[,M...], e.g. cpu:0-7")
+                raise OptionError(
+                    f"device {spec!r}: expected cpu:FIRST-LAST or cpu:N[,M...], e.g. cpu:0-7"
+                )
             cores.update(range(int(lo), int(hi if dash else lo) + 1))
         return tuple(sorted(cores))
 
@@ -157,22 +163,32 @@ class Device:
         gpu = found.gpu(self.physical_index())
         if gpu is None:
             have = ", ".join(f"{g.index}: {g.name}" for g in found.gpus) or found.note or "none"
-            raise DeviceError(f"{self.name} ({self.description}): this machine has no such NVIDIA GPU (GPUs: "
-                              f"{have}); see `aoe devices --local`")  # fmt: skip
+            raise DeviceError(
+                f"{self.name} ({self.description}): this machine has no such NVIDIA GPU (GPUs: "
+                f"{have}); see `aoe devices --local`"
+            )
         return {
-            "model": gpu.name, "compute_capability": gpu.compute_capability, "driver": gpu.driver_version,
-            "cuda": versions["cuda"], "cudnn": versions["cudnn"], "tensorrt": versions["tensorrt"],
-        }  # fmt: skip
+            "model": gpu.name,
+            "compute_capability": gpu.compute_capability,
+            "driver": gpu.driver_version,
+            "cuda": versions["cuda"],
+            "cudnn": versions["cudnn"],
+            "tensorrt": versions["tensorrt"],
+        }
 
     def physical_index(self) -> int:
         """nvidia-smi's index of this device. CUDA numbers the GPUs CUDA_VISIBLE_DEVICES
         lets it see, in that list's order (indices or GPU-UUIDs); set CUDA_DEVICE_ORDER=
         PCI_BUS_ID where several GPUs differ, so that CUDA counts as nvidia-smi does."""
-        visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+        visible = [
+            v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()
+        ]
         if not visible or self.kind not in _NVIDIA:
             return self.index
         if self.index >= len(visible):
-            raise DeviceError(f"{self.name}: CUDA_VISIBLE_DEVICES={','.join(visible)} shows {len(visible)} GPU(s)")
+            raise DeviceError(
+                f"{self.name}: CUDA_VISIBLE_DEVICES={','.join(visible)} shows {len(visible)} GPU(s)"
+            )
         entry = visible[self.index]
         if entry.isdigit():
             return int(entry)
@@ -181,13 +197,17 @@ class Device:
         for gpu in discover().gpus:
             if gpu.uuid and gpu.uuid.startswith(entry):
                 return gpu.index
-        raise DeviceError(f"{self.name}: CUDA_VISIBLE_DEVICES names {entry!r}, which nvidia-smi does not list")
+        raise DeviceError(
+            f"{self.name}: CUDA_VISIBLE_DEVICES names {entry!r}, which nvidia-smi does not list"
+        )
 
     def fingerprint(self) -> DeviceFingerprint:
         """What bank keys use: provider, hardware, runtime and the implementation options
         (not the index: identical devices share what was learned). Raises DeviceError
         for a GPU this machine does not have."""
-        from aoe.signature import device_fingerprint  # (onnx: only for whoever asks for a fingerprint)
+        from aoe.signature import (
+            device_fingerprint,
+        )  # (onnx: only for whoever asks for a fingerprint)
 
         options = dict(self.options)
         if self.cores:

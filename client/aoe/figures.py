@@ -56,6 +56,7 @@ __all__ = [
     "verdict_text",
 ]
 
+
 class Shipped(enum.StrEnum):
     """What a job ships: the tuned model, the input with session options, or the input."""
 
@@ -82,7 +83,9 @@ AGAINST = {
 _SUBJECT = {"tuned": "the tuned model", "options only": "the session options"}
 
 
-def improvement_of(ratio: float, ratio_ci: tuple[float, float]) -> tuple[float, tuple[float, float]]:
+def improvement_of(
+    ratio: float, ratio_ci: tuple[float, float]
+) -> tuple[float, tuple[float, float]]:
     """(improvement, its interval) from a median time ratio (subject / reference) and
     that median's interval: 1/r - 1, and [1/r_hi - 1, 1/r_lo - 1]."""
     return 1.0 / ratio - 1.0, (1.0 / ratio_ci[1] - 1.0, 1.0 / ratio_ci[0] - 1.0)
@@ -100,19 +103,29 @@ class Comparison:
     ci95: tuple[float, float]
 
     @classmethod
-    def of_ratio(cls, subject: str, against: str, ratio: float, ratio_ci: tuple[float, float]) -> Comparison:
+    def of_ratio(
+        cls, subject: str, against: str, ratio: float, ratio_ci: tuple[float, float]
+    ) -> Comparison:
         imp, ci = improvement_of(ratio, ratio_ci)
         return cls(subject, against, imp, ci)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"subject": self.subject, "against": self.against, "improvement": self.improvement,
-                "improvement_ci95": list(self.ci95)}  # fmt: skip
+        return {
+            "subject": self.subject,
+            "against": self.against,
+            "improvement": self.improvement,
+            "improvement_ci95": list(self.ci95),
+        }
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Comparison:
         lo, hi = (list(d.get("improvement_ci95") or (0.0, 0.0)) + [0.0, 0.0])[:2]
-        return cls(str(d.get("subject", "")), str(d.get("against", "")), float(d.get("improvement", 0.0)),
-                   (float(lo), float(hi)))  # fmt: skip
+        return cls(
+            str(d.get("subject", "")),
+            str(d.get("against", "")),
+            float(d.get("improvement", 0.0)),
+            (float(lo), float(hi)),
+        )
 
 
 @dataclass(frozen=True)
@@ -137,33 +150,47 @@ class Figures:
 
     @property
     def result_ms(self) -> float:
-        return self.baseline_ms / (1.0 + self.improvement) if self.improvement > -1.0 else float("inf")
+        return (
+            self.baseline_ms / (1.0 + self.improvement) if self.improvement > -1.0 else float("inf")
+        )
 
     @property
     def changed(self) -> bool:
         return self.shipped not in ("input", "")
 
     @classmethod
-    def shipping(cls, kind: str, baseline_ms: float, ratio: float, ratio_ci: tuple[float, float],
-                 rounds: int) -> Figures:  # fmt: skip
+    def shipping(
+        cls, kind: str, baseline_ms: float, ratio: float, ratio_ci: tuple[float, float], rounds: int
+    ) -> Figures:
         """The figures of a proposal that ships, from its median time ratio to the input."""
         imp, ci = improvement_of(ratio, ratio_ci)
         return cls("faster", kind, baseline_ms, imp, ci, rounds)
 
     @classmethod
-    def unchanged(cls, verdict: str, baseline_ms: float, rounds: int, decided_by: Comparison | None = None,
-                  confirmed_by: str = "") -> Figures:  # fmt: skip
+    def unchanged(
+        cls,
+        verdict: str,
+        baseline_ms: float,
+        rounds: int,
+        decided_by: Comparison | None = None,
+        confirmed_by: str = "",
+    ) -> Figures:
         """The figures of a job that ships its input: the proposal was `verdict`."""
         return cls(verdict, "input", baseline_ms, 0.0, (0.0, 0.0), rounds, confirmed_by, decided_by)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON types; `from_dict` reads it back."""
         return {
-            "verdict": self.verdict, "shipped": str(self.shipped), "baseline_ms": self.baseline_ms,
-            "result_ms": self.result_ms, "improvement": self.improvement, "improvement_ci95": list(self.ci95),
-            "rounds": self.rounds, "confirmed_by": self.confirmed_by,
+            "verdict": self.verdict,
+            "shipped": str(self.shipped),
+            "baseline_ms": self.baseline_ms,
+            "result_ms": self.result_ms,
+            "improvement": self.improvement,
+            "improvement_ci95": list(self.ci95),
+            "rounds": self.rounds,
+            "confirmed_by": self.confirmed_by,
             "decided_by": self.decided_by.to_dict() if self.decided_by else None,
-        }  # fmt: skip
+        }
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Figures:
@@ -174,15 +201,23 @@ class Figures:
         improvement) read as the rule says."""
         shipped = str(d.get("shipped") or "")
         lo, hi = (list(d.get("improvement_ci95") or (0.0, 0.0)) + [0.0, 0.0])[:2]
-        imp, ci = (0.0, (0.0, 0.0)) if shipped == "input" else (float(d.get("improvement") or 0.0), (float(lo), float(hi)))
+        imp, ci = (
+            (0.0, (0.0, 0.0))
+            if shipped == "input"
+            else (float(d.get("improvement") or 0.0), (float(lo), float(hi)))
+        )
         rounds = d.get("rounds", d.get("confirm_rounds", 0))
         decided = d.get("decided_by")
         return cls(
-            verdict=str(d.get("verdict") or ""), shipped=shipped, baseline_ms=float(d.get("baseline_ms") or 0.0),
-            improvement=imp, ci95=ci, rounds=int(rounds or 0),
+            verdict=str(d.get("verdict") or ""),
+            shipped=shipped,
+            baseline_ms=float(d.get("baseline_ms") or 0.0),
+            improvement=imp,
+            ci95=ci,
+            rounds=int(rounds or 0),
             confirmed_by=str(d.get("confirmed_by") or d.get("from_bank") or ""),
             decided_by=Comparison.from_dict(decided) if isinstance(decided, Mapping) else None,
-        )  # fmt: skip
+        )
 
 
 # --------------------------------------------------------------------------- wording
@@ -210,8 +245,10 @@ def _reason(f: Figures) -> str:
     c = f.decided_by
     if c is not None:
         said = "slower" if f.verdict == "slower" else "within noise"
-        return (f"{said}: {_SUBJECT.get(c.subject, c.subject)} against {AGAINST.get(c.against, c.against)}, "
-                f"95% interval {interval(c.ci95)}")  # fmt: skip
+        return (
+            f"{said}: {_SUBJECT.get(c.subject, c.subject)} against {AGAINST.get(c.against, c.against)}, "
+            f"95% interval {interval(c.ci95)}"
+        )
     if f.confirmed_by:
         return f"{f.verdict or 'no significant change'}, as job {f.confirmed_by} confirmed"
     if not f.rounds:
@@ -235,8 +272,10 @@ def result_text(f: Figures, digits: int = 4) -> str:
     the paired round ratios, 95% interval +2.0% to +15.1%)", or "0.5999 ms   (the input
     model, unchanged)"; milliseconds with `digits` decimals."""
     if f.changed:
-        return (f"{f.result_ms:.{digits}f} ms   (improvement {pct(f.improvement)}: the median of the paired round "
-                f"ratios, 95% interval {interval(f.ci95)})")  # fmt: skip
+        return (
+            f"{f.result_ms:.{digits}f} ms   (improvement {pct(f.improvement)}: the median of the paired round "
+            f"ratios, 95% interval {interval(f.ci95)})"
+        )
     return f"{f.result_ms:.{digits}f} ms   ({SHIPPED['input']})"
 
 
@@ -251,8 +290,10 @@ def event_text(f: Figures) -> str:
     """One line for an event stream: "0.6000 ms -> 0.5420 ms (+10.7%, 95% interval ...):
     faster: the tuned model ships", or "0.6000 ms: no change shipped (...)"."""
     if f.changed:
-        return (f"{f.baseline_ms:.4f} ms -> {f.result_ms:.4f} ms ({pct(f.improvement)}, 95% interval "
-                f"{interval(f.ci95)}): {verdict_text(f)}")  # fmt: skip
+        return (
+            f"{f.baseline_ms:.4f} ms -> {f.result_ms:.4f} ms ({pct(f.improvement)}, 95% interval "
+            f"{interval(f.ci95)}): {verdict_text(f)}"
+        )
     return f"{f.baseline_ms:.4f} ms: {verdict_text(f)}"
 
 
@@ -268,10 +309,14 @@ def bank_text(repo: Mapping[str, Any], unshipped: int = 0) -> str:
     """AOE's repo summary in one line; the bank counts task decisions, so when some of
     them are not in what shipped (the confirming A/B kept the model out, or verification
     reverted them) the line says so, lest "add 2" read as two changes shipped."""
-    text = (f"add {repo.get('repo_add_num', 0)}, hit {repo.get('repo_hit_num', 0)}, reserved "
-            f"{repo.get('repo_reserved_num', 0)}, unsatisfied {repo.get('repo_unsatisfied_num', 0)}, update "
-            f"{repo.get('repo_update_num', 0)}, total {repo.get('total_num', 0)}")  # fmt: skip
+    text = (
+        f"add {repo.get('repo_add_num', 0)}, hit {repo.get('repo_hit_num', 0)}, reserved "
+        f"{repo.get('repo_reserved_num', 0)}, unsatisfied {repo.get('repo_unsatisfied_num', 0)}, update "
+        f"{repo.get('repo_update_num', 0)}, total {repo.get('total_num', 0)}"
+    )
     if unshipped:
-        text += (f" (counts task decisions: {unshipped} of them {'is' if unshipped == 1 else 'are'} kept in the bank "
-                 "but not in what shipped)")  # fmt: skip
+        text += (
+            f" (counts task decisions: {unshipped} of them {'is' if unshipped == 1 else 'are'} kept in the bank "
+            "but not in what shipped)"
+        )
     return text

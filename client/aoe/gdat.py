@@ -64,7 +64,9 @@ def hook_class(hook: str) -> str:
         return BUILTIN_HOOKS[hook]
     cls, sep, _ = hook.partition("-")
     if not sep or cls not in PRECISIONS[1:]:
-        raise OptionError(f"comm hook {hook!r}: a plugin hook is named <class>-<name>, class fp16, bf16 or lowrank")
+        raise OptionError(
+            f"comm hook {hook!r}: a plugin hook is named <class>-<name>, class fp16, bf16 or lowrank"
+        )
     return cls
 
 
@@ -147,14 +149,24 @@ class DDPConfig:
         is malformed."""
         try:
             return cls(
-                bucket_cap_mb=float(params["bucket_cap_mb"]) if params.get("bucket_cap_mb") else None,
-                first_bucket_mb=float(params["first_bucket_mb"]) if params.get("first_bucket_mb") else None,
+                bucket_cap_mb=float(params["bucket_cap_mb"])
+                if params.get("bucket_cap_mb")
+                else None,
+                first_bucket_mb=float(params["first_bucket_mb"])
+                if params.get("first_bucket_mb")
+                else None,
                 gradient_as_bucket_view=_BOOL[params.get("gradient_as_bucket_view", "false")],
                 static_graph=_BOOL[params.get("static_graph", "false")],
                 hook=params.get("hook", ""),
                 powersgd_rank=int(params.get("powersgd_rank") or 1),
                 powersgd_start=int(params.get("powersgd_start") or 2),
-                world=tuple(sorted((k.removeprefix("world."), v) for k, v in params.items() if k.startswith("world."))),
+                world=tuple(
+                    sorted(
+                        (k.removeprefix("world."), v)
+                        for k, v in params.items()
+                        if k.startswith("world.")
+                    )
+                ),
             )
         except (KeyError, ValueError) as exc:
             raise OptionError(f"not a DDP configuration: {exc}") from None
@@ -164,8 +176,16 @@ class DDPConfig:
         comm hook and the process group's options."""
         hook: dict[str, Any] = {"name": self.hook or None}
         if self.hook == "powersgd":
-            hook.update(matrix_approximation_rank=self.powersgd_rank, start_powerSGD_iter=self.powersgd_start)
-        return {"label": self.label, "ddp_kwargs": self.ddp_kwargs(), "comm_hook": hook, "process_group": dict(self.world)}
+            hook.update(
+                matrix_approximation_rank=self.powersgd_rank,
+                start_powerSGD_iter=self.powersgd_start,
+            )
+        return {
+            "label": self.label,
+            "ddp_kwargs": self.ddp_kwargs(),
+            "comm_hook": hook,
+            "process_group": dict(self.world),
+        }
 
     def ddp_kwargs(self) -> dict[str, Any]:
         """DDP's keyword arguments for this configuration (those that differ from its
@@ -212,13 +232,16 @@ def comm_hook(config: DDPConfig, process_group: Any) -> tuple[Any, Any] | None:
         return process_group, default_hooks.bf16_compress_hook
     if config.hook == "powersgd":
         state = powerSGD_hook.PowerSGDState(
-            process_group=process_group, matrix_approximation_rank=config.powersgd_rank,
+            process_group=process_group,
+            matrix_approximation_rank=config.powersgd_rank,
             start_powerSGD_iter=config.powersgd_start,
-        )  # fmt: skip
+        )
         return state, powerSGD_hook.powerSGD_hook
     ep = _plugin_hooks().get(config.hook)
     if ep is None:
-        raise OptionError(f"comm hook {config.hook!r}: no installed package provides it (entry points {HOOK_GROUP})")
+        raise OptionError(
+            f"comm hook {config.hook!r}: no installed package provides it (entry points {HOOK_GROUP})"
+        )
     return ep.load()(process_group)
 
 
@@ -240,7 +263,9 @@ def wrap(module: Any, config: DDPConfig, *, process_group: Any = None, **ddp_kwa
 def layout_of(module: Any, world_size: int, backend: str) -> GradientLayout:
     """The gradient layout of `module` in a world of `world_size` on `backend`."""
     return GradientLayout.of(
-        ((str(p.dtype), tuple(p.shape)) for p in module.parameters() if p.requires_grad), world_size, backend
+        ((str(p.dtype), tuple(p.shape)) for p in module.parameters() if p.requires_grad),
+        world_size,
+        backend,
     )
 
 
@@ -262,7 +287,10 @@ def accelerator_name(module: Any) -> str:
 
 
 def lookup(
-    layout: GradientLayout, precision: str = "exact", bank: str | os.PathLike[str] | None = None, accelerator: str = ""
+    layout: GradientLayout,
+    precision: str = "exact",
+    bank: str | os.PathLike[str] | None = None,
+    accelerator: str = "",
 ) -> tuple[DDPConfig | None, str]:
     """What the bank says for `layout` on this host: (the configuration, a line saying
     where it comes from), or (None, why DDP's defaults are used). BankError when the
@@ -275,15 +303,26 @@ def lookup(
         entry, layer = reader.lookup(key)
         if entry is not None:
             config = DDPConfig.from_params(dict(entry.strategy.params))
-            gain = entry.baseline.median_us / entry.winner.median_us - 1 if entry.winner.median_us > 0 else 0.0
-            return config, (f"{config.label} from the bank (layer {layer}, job {entry.provenance.job_id}: "
-                            f"{gain:+.1%} per step over DDP's defaults when tuned)")  # fmt: skip
+            gain = (
+                entry.baseline.median_us / entry.winner.median_us - 1
+                if entry.winner.median_us > 0
+                else 0.0
+            )
+            return config, (
+                f"{config.label} from the bank (layer {layer}, job {entry.provenance.job_id}: "
+                f"{gain:+.1%} per step over DDP's defaults when tuned)"
+            )
         default, layer = reader.lookup_default(key)
         if default is not None:
-            return None, f"DDP's defaults: tuned (layer {layer}, job {default.get('job', '?')}) and they stayed fastest"
-    return None, (f"DDP's defaults: the bank has nothing for this gradient layout ({len(layout.params)} gradients, "
-                  f"world of {layout.world_size} on {layout.backend}, {precision}); tune it with aoe tune "
-                  "--job-type gdat")  # fmt: skip
+            return (
+                None,
+                f"DDP's defaults: tuned (layer {layer}, job {default.get('job', '?')}) and they stayed fastest",
+            )
+    return None, (
+        f"DDP's defaults: the bank has nothing for this gradient layout ({len(layout.params)} gradients, "
+        f"world of {layout.world_size} on {layout.backend}, {precision}); tune it with aoe tune "
+        "--job-type gdat"
+    )
 
 
 def ddp(
@@ -305,7 +344,9 @@ def ddp(
 
     if precision not in PRECISIONS:
         raise OptionError(f"precision {precision!r}: expected one of {', '.join(PRECISIONS)}")
-    layout = layout_of(model, dist.get_world_size(process_group), str(dist.get_backend(process_group)))
+    layout = layout_of(
+        model, dist.get_world_size(process_group), str(dist.get_backend(process_group))
+    )
     try:
         config, note = lookup(layout, precision, bank, accelerator_name(model))
     except AoedError as exc:
@@ -313,10 +354,16 @@ def ddp(
     if config is not None:
         missing = [f"{k}={v}" for k, v in config.world if k.isupper() and os.environ.get(k) != v]
         if missing:
-            note += f"; the tuned world also set {', '.join(missing)} before the process group was made"
+            note += (
+                f"; the tuned world also set {', '.join(missing)} before the process group was made"
+            )
         elif config.world and not all(k.isupper() for k, _ in config.world):
-            note += f"; the tuned world's process group had {dict(config.world)} (see ddp_config.json)"
-    overridden = sorted(set(ddp_kwargs) & {"bucket_cap_mb", "gradient_as_bucket_view", "static_graph"})
+            note += (
+                f"; the tuned world's process group had {dict(config.world)} (see ddp_config.json)"
+            )
+    overridden = sorted(
+        set(ddp_kwargs) & {"bucket_cap_mb", "gradient_as_bucket_view", "static_graph"}
+    )
     if config is not None and overridden:
         note += f"; your {', '.join(overridden)} kept"
     if not quiet and dist.get_rank(process_group) == 0:
@@ -331,4 +378,6 @@ def read_config(path: str | os.PathLike[str]) -> DDPConfig:
         doc = json.loads(Path(path).read_text(encoding="utf-8"))
         return DDPConfig.from_params(doc["params"])
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise OptionError(f"{path}: not a ddp_config.json written by aoe tune --job-type gdat ({exc})") from None
+        raise OptionError(
+            f"{path}: not a ddp_config.json written by aoe tune --job-type gdat ({exc})"
+        ) from None

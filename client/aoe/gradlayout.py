@@ -65,9 +65,15 @@ BACKENDS = {"gloo": "cpu", "nccl": "cuda", "hccl": "cann"}
 PRECISIONS = ("exact", "fp16", "bf16", "lowrank")
 
 _ELEMENT_BYTES = {
-    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "complex64": 8, "complex128": 16,
-    "float8_e4m3fn": 1, "float8_e5m2": 1,
-}  # fmt: skip
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "complex64": 8,
+    "complex128": 16,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+}
 
 
 def parse_backend(raw: str, where: str = "--backend") -> str:
@@ -96,9 +102,13 @@ class GradientLayout:
     backend: str
 
     @classmethod
-    def of(cls, params: Iterable[tuple[str, Sequence[int]]], world_size: int, backend: str) -> GradientLayout:
+    def of(
+        cls, params: Iterable[tuple[str, Sequence[int]]], world_size: int, backend: str
+    ) -> GradientLayout:
         """From (dtype, shape) pairs; torch dtypes may keep their `torch.` prefix."""
-        norm = tuple((str(d).removeprefix("torch."), tuple(int(s) for s in shape)) for d, shape in params)
+        norm = tuple(
+            (str(d).removeprefix("torch."), tuple(int(s) for s in shape)) for d, shape in params
+        )
         return cls(norm, int(world_size), backend)
 
     def sizes_bytes(self) -> list[int]:
@@ -116,10 +126,15 @@ class GradientLayout:
         return sum(self.sizes_bytes())
 
     def canonical(self) -> str:
-        return canonical_json({
-            "kind": "gdat", "version": LAYOUT_VERSION, "world_size": self.world_size, "backend": self.backend,
-            "params": [[d, list(s)] for d, s in self.params],
-        })  # fmt: skip
+        return canonical_json(
+            {
+                "kind": "gdat",
+                "version": LAYOUT_VERSION,
+                "world_size": self.world_size,
+                "backend": self.backend,
+                "params": [[d, list(s)] for d, s in self.params],
+            }
+        )
 
     def signature(self) -> TaskSignature:
         text = self.canonical()
@@ -146,10 +161,14 @@ def _host(backend: str, accelerator: str, version: str) -> DeviceFingerprint:
         "options": options,
     }
     text = canonical_json(desc)
-    return DeviceFingerprint(GDAT_PROVIDER, desc["hardware"], flags, version, options, text, _digest(text))
+    return DeviceFingerprint(
+        GDAT_PROVIDER, desc["hardware"], flags, version, options, text, _digest(text)
+    )
 
 
-def host_fingerprint(backend: str, accelerator: str = "", version: str | None = None) -> DeviceFingerprint:
+def host_fingerprint(
+    backend: str, accelerator: str = "", version: str | None = None
+) -> DeviceFingerprint:
     """The fingerprint of this machine as a GDAT world of `backend` runs on it: the
     accelerator's name (`accelerator`, e.g. the GPU model; empty on CPU worlds) or the
     CPU model, the CPU's ISA flags and the torch version (default: the installed one)."""
@@ -161,7 +180,9 @@ def gdat_key(layout: GradientLayout, host: DeviceFingerprint, precision: str) ->
     return bank_key(layout.signature().digest, host.digest, precision)
 
 
-def bucket_sizes(sizes: Sequence[int], cap_bytes: int, first_bytes: int | None = None) -> tuple[int, ...]:
+def bucket_sizes(
+    sizes: Sequence[int], cap_bytes: int, first_bytes: int | None = None
+) -> tuple[int, ...]:
     """The byte sizes of the buckets DDP forms from gradients of `sizes` (registration
     order) with a bucket cap and a first-bucket cap, as its C++ reducer does when it
     rebuilds buckets after the first step: gradients in the order they become ready

@@ -57,7 +57,9 @@ def default_opset(model: onnx.ModelProto) -> int:
     return 0
 
 
-def _fix_legacy(model: onnx.ModelProto, keep_initializer_inputs: bool, notes: list[str]) -> onnx.ModelProto:
+def _fix_legacy(
+    model: onnx.ModelProto, keep_initializer_inputs: bool, notes: list[str]
+) -> onnx.ModelProto:
     inits = {t.name for t in model.graph.initializer}
     listed = [i for i in model.graph.input if i.name in inits]
     if listed and not keep_initializer_inputs:
@@ -76,7 +78,9 @@ def _fix_legacy(model: onnx.ModelProto, keep_initializer_inputs: bool, notes: li
             notes.append(f"opset {opset} converted to {TARGET_OPSET}")
             model = converted
         except Exception as exc:  # conversion is best effort; strategies check opsets
-            notes.append(f"opset {opset} kept: conversion to {TARGET_OPSET} failed ({exc})".splitlines()[0])
+            notes.append(
+                f"opset {opset} kept: conversion to {TARGET_OPSET} failed ({exc})".splitlines()[0]
+            )
     return model
 
 
@@ -107,23 +111,33 @@ def name_nodes(model: onnx.ModelProto, notes: list[str] | None = None) -> None:
 
 
 def _dims_text(dims) -> str:
-    return ",".join(str(x.dim_value) if x.HasField("dim_value") and x.dim_value > 0 else "N" for x in dims)
+    return ",".join(
+        str(x.dim_value) if x.HasField("dim_value") and x.dim_value > 0 else "N" for x in dims
+    )
 
 
 def _apply_shapes(
-    model: onnx.ModelProto, shapes: Mapping[str, tuple[int, ...]], source: str, strict: bool, notes: list[str]
+    model: onnx.ModelProto,
+    shapes: Mapping[str, tuple[int, ...]],
+    source: str,
+    strict: bool,
+    notes: list[str],
 ) -> None:
     inits = {t.name for t in model.graph.initializer}
     names = [i.name for i in model.graph.input if i.name not in inits]
     for name in shapes:
         if name not in names:
-            raise OptionError(f"--input-shape: {source} has no input {name!r} (inputs: {', '.join(names)})")
+            raise OptionError(
+                f"--input-shape: {source} has no input {name!r} (inputs: {', '.join(names)})"
+            )
     for vi in model.graph.input:
         if vi.name in inits:
             continue
         if not vi.type.HasField("tensor_type"):
             if strict:
-                raise ModelError(f"{source}: input {vi.name!r} is not a tensor; only tensor inputs are supported")
+                raise ModelError(
+                    f"{source}: input {vi.name!r} is not a tensor; only tensor inputs are supported"
+                )
             continue
         t = vi.type.tensor_type
         dims = t.shape.dim
@@ -146,7 +160,9 @@ def _apply_shapes(
             if not t.HasField("shape"):
                 fixed.append(f"all (no shape in the model) = {list(want)}")
             if fixed:
-                notes.append(f"input {vi.name!r}: dynamic dimension {', '.join(fixed)} fixed by --input-shape")
+                notes.append(
+                    f"input {vi.name!r}: dynamic dimension {', '.join(fixed)} fixed by --input-shape"
+                )
             t.ClearField("shape")
             for d in want:
                 t.shape.dim.add().dim_value = d
@@ -154,7 +170,9 @@ def _apply_shapes(
         if not strict:
             continue
         if not t.HasField("shape"):
-            raise ModelError(f"{source}: input {vi.name!r} has no shape; pass --input-shape {vi.name}:D1,D2,...")
+            raise ModelError(
+                f"{source}: input {vi.name!r} has no shape; pass --input-shape {vi.name}:D1,D2,..."
+            )
         for i, d in enumerate(dims):
             if d.HasField("dim_value") and d.dim_value <= 0:
                 # Stated, not missing: a zero-size input has nothing to compute or time.
@@ -173,7 +191,9 @@ def _apply_shapes(
 
 def _infer(model: onnx.ModelProto, source: str, strict: bool) -> onnx.ModelProto:
     try:
-        inferred = shape_inference.infer_shapes(model, check_type=strict, strict_mode=strict, data_prop=True)
+        inferred = shape_inference.infer_shapes(
+            model, check_type=strict, strict_mode=strict, data_prop=True
+        )
     except Exception as exc:
         if not strict:
             return model  # tasks without static shapes get no signature; nothing else breaks
@@ -206,12 +226,17 @@ def _fill_shapes(model: onnx.ModelProto) -> None:
     from aoe.signature import computes_constant
 
     g = model.graph
-    shapes = {vi.name: s for vi in [*g.input, *g.value_info, *g.output] if (s := _static(vi)) is not None}
+    shapes = {
+        vi.name: s for vi in [*g.input, *g.value_info, *g.output] if (s := _static(vi)) is not None
+    }
     if all(o in shapes for n in g.node for o in n.output if o):
         return
     inputs = {i.name for i in g.input}
-    values = {t.name: numpy_helper.to_array(t) for t in g.initializer
-              if t.name not in inputs and _numel(t.dims) <= _FOLD_ELEMENTS}  # fmt: skip
+    values = {
+        t.name: numpy_helper.to_array(t)
+        for t in g.initializer
+        if t.name not in inputs and _numel(t.dims) <= _FOLD_ELEMENTS
+    }
     known = {t.name for t in g.initializer if t.name not in inputs}
     folded: dict[str, object] = {}
     opsets = list(model.opset_import)
@@ -234,12 +259,19 @@ def _fill_shapes(model: onnx.ModelProto) -> None:
             continue
         try:
             sub = helper.make_graph(
-                [node], "fold",
-                [helper.make_tensor_value_info(i, helper.np_dtype_to_tensor_dtype(values[i].dtype), values[i].shape)
-                 for i in ins],
+                [node],
+                "fold",
+                [
+                    helper.make_tensor_value_info(
+                        i, helper.np_dtype_to_tensor_dtype(values[i].dtype), values[i].shape
+                    )
+                    for i in ins
+                ],
                 [helper.make_empty_tensor_value_info(o) for o in outs],
-            )  # fmt: skip
-            got = ReferenceEvaluator(helper.make_model(sub, opset_imports=opsets)).run(None, {i: values[i] for i in ins})
+            )
+            got = ReferenceEvaluator(helper.make_model(sub, opset_imports=opsets)).run(
+                None, {i: values[i] for i in ins}
+            )
         except Exception:  # an op the reference cannot run, a bad value: left unknown
             continue
         for o, v in zip(outs, got):
@@ -255,7 +287,9 @@ def _fill_shapes(model: onnx.ModelProto) -> None:
     kept = [n for n in scratch.graph.node if not any(o in folded for o in n.output)]
     del scratch.graph.node[:]
     scratch.graph.node.extend(kept)
-    scratch.graph.initializer.extend(numpy_helper.from_array(np.asarray(v), k) for k, v in folded.items())
+    scratch.graph.initializer.extend(
+        numpy_helper.from_array(np.asarray(v), k) for k, v in folded.items()
+    )
     del scratch.graph.value_info[:]  # inferred afresh: a stale partial shape would stay as it is
     try:
         scratch = shape_inference.infer_shapes(scratch, data_prop=True)
@@ -271,8 +305,13 @@ def _fill_shapes(model: onnx.ModelProto) -> None:
             g.value_info.append(vi)
     for name, v in folded.items():  # the folded tensors' own shapes (a Shape's output, say)
         if name not in shapes and name not in existing:
-            g.value_info.append(helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(np.asarray(v).dtype),
-                                                              list(np.asarray(v).shape)))  # fmt: skip
+            g.value_info.append(
+                helper.make_tensor_value_info(
+                    name,
+                    helper.np_dtype_to_tensor_dtype(np.asarray(v).dtype),
+                    list(np.asarray(v).shape),
+                )
+            )
 
 
 def _own_masks(model: onnx.ModelProto, notes: list[str]) -> None:
@@ -294,8 +333,11 @@ def _own_masks(model: onnx.ModelProto, notes: list[str]) -> None:
     for n in g.node:
         for i in dict.fromkeys(n.input):
             readers.setdefault(i, []).append(n)
-    ranks = {vi.name: len(vi.type.tensor_type.shape.dim) for vi in [*g.input, *g.value_info]
-             if vi.type.HasField("tensor_type") and vi.type.tensor_type.HasField("shape")}  # fmt: skip
+    ranks = {
+        vi.name: len(vi.type.tensor_type.shape.dim)
+        for vi in [*g.input, *g.value_info]
+        if vi.type.HasField("tensor_type") and vi.type.tensor_type.HasField("shape")
+    }
     outputs = {o.name for o in g.output}
     infos = {vi.name: vi for vi in g.value_info}
     copies: dict[int, list[onnx.NodeProto]] = {}
@@ -329,7 +371,9 @@ def _own_masks(model: onnx.ModelProto, notes: list[str]) -> None:
         nodes.extend(copies.get(idx, []))
     del g.node[:]
     g.node.extend(nodes)
-    notes.append(f"{len(copies)} attention mask(s) shared by several layers: each layer got its own copy of the Where")
+    notes.append(
+        f"{len(copies)} attention mask(s) shared by several layers: each layer got its own copy of the Where"
+    )
 
 
 def _numel(dims) -> int:

@@ -49,12 +49,25 @@ _REASON_WIDTH = 60
 def _connection_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("daemon")
     q = g.add_mutually_exclusive_group()
-    q.add_argument("--socket", type=Path, metavar="PATH",
-                   help="the daemon's unix socket (default: AOED_SOCKET, else aoed.sock in the runtime dir)")  # fmt: skip
+    q.add_argument(
+        "--socket",
+        type=Path,
+        metavar="PATH",
+        help="the daemon's unix socket (default: AOED_SOCKET, else aoed.sock in the runtime dir)",
+    )
     q.add_argument("--address", metavar="HOST:PORT", help="the daemon's TCP address")
-    g.add_argument("--tls-ca", type=Path, metavar="FILE", help="PEM root certificates: TLS to --address")
-    g.add_argument("--tls-cert", type=Path, metavar="FILE", help="PEM client certificate chain (with --tls-key)")
-    g.add_argument("--tls-key", type=Path, metavar="FILE", help="PEM client private key (with --tls-cert)")
+    g.add_argument(
+        "--tls-ca", type=Path, metavar="FILE", help="PEM root certificates: TLS to --address"
+    )
+    g.add_argument(
+        "--tls-cert",
+        type=Path,
+        metavar="FILE",
+        help="PEM client certificate chain (with --tls-key)",
+    )
+    g.add_argument(
+        "--tls-key", type=Path, metavar="FILE", help="PEM client private key (with --tls-cert)"
+    )
 
 
 def client_for(args: argparse.Namespace) -> Client:
@@ -62,13 +75,19 @@ def client_for(args: argparse.Namespace) -> Client:
     from aoe.client import Client
 
     tls: dict[str, bytes] = {}
-    for opt, key in (("tls_ca", "root_certificates"), ("tls_cert", "certificate_chain"), ("tls_key", "private_key")):
+    for opt, key in (
+        ("tls_ca", "root_certificates"),
+        ("tls_cert", "certificate_chain"),
+        ("tls_key", "private_key"),
+    ):
         path = getattr(args, opt, None)
         if path is not None:
             try:
                 tls[key] = path.read_bytes()
             except OSError as exc:
-                raise OptionError(f"--{opt.replace('_', '-')} {path}: {exc.strerror or exc}") from None
+                raise OptionError(
+                    f"--{opt.replace('_', '-')} {path}: {exc.strerror or exc}"
+                ) from None
     address = getattr(args, "address", None)
     if tls and not address:
         raise OptionError("--tls-ca/--tls-cert/--tls-key: TLS needs --address HOST:PORT")
@@ -79,32 +98,61 @@ def client_for(args: argparse.Namespace) -> Client:
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
     """Add the daemon's job commands to the `aoe` parser."""
-    p = sub.add_parser("submit", help="queue a model on the daemon", description="Queue a model on the daemon.")
-    p.add_argument("model", type=Path, help="the .onnx model (a local file, uploaded; see --on-server)")
+    p = sub.add_parser(
+        "submit", help="queue a model on the daemon", description="Queue a model on the daemon."
+    )
+    p.add_argument(
+        "model", type=Path, help="the .onnx model (a local file, uploaded; see --on-server)"
+    )
     specargs.add_arguments(p, where="the daemon")
-    p.add_argument("--watch", action="store_true", help="follow the job until it ends (exit status as aoe watch)")
-    p.add_argument("--on-server", action="store_true", help="MODEL is a path on the daemon's host: do not upload")
+    p.add_argument(
+        "--watch",
+        action="store_true",
+        help="follow the job until it ends (exit status as aoe watch)",
+    )
+    p.add_argument(
+        "--on-server",
+        action="store_true",
+        help="MODEL is a path on the daemon's host: do not upload",
+    )
     p.set_defaults(run=_submit)
-    p = sub.add_parser("jobs", help="list the daemon's jobs", description="List the daemon's jobs, newest first.")
-    p.add_argument("--state", action="append", choices=_STATES, help="only jobs in this state (repeatable)")
+    p = sub.add_parser(
+        "jobs", help="list the daemon's jobs", description="List the daemon's jobs, newest first."
+    )
+    p.add_argument(
+        "--state", action="append", choices=_STATES, help="only jobs in this state (repeatable)"
+    )
     p.set_defaults(run=_jobs)
-    for name, run, text in (("status", _status, "a job's details and result"),
-                            ("watch", _watch, "follow a job's progress until it ends"),
-                            ("cancel", _cancel, "stop a queued or running job")):  # fmt: skip
+    for name, run, text in (
+        ("status", _status, "a job's details and result"),
+        ("watch", _watch, "follow a job's progress until it ends"),
+        ("cancel", _cancel, "stop a queued or running job"),
+    ):
         p = sub.add_parser(name, help=text, description=text[0].upper() + text[1:] + ".")
         p.add_argument("job_id", metavar="ID")
         p.set_defaults(run=run)
-    p = sub.add_parser("fetch", help="download a finished job's tuned model and result JSON",
-                       description="Download a finished job's tuned model and result JSON.")  # fmt: skip
+    p = sub.add_parser(
+        "fetch",
+        help="download a finished job's tuned model and result JSON",
+        description="Download a finished job's tuned model and result JSON.",
+    )
     p.add_argument("job_id", metavar="ID")
-    p.add_argument("-o", "--output", type=Path, default=Path("."), help="directory to write to (default: .)")
+    p.add_argument(
+        "-o", "--output", type=Path, default=Path("."), help="directory to write to (default: .)"
+    )
     p.set_defaults(run=_fetch)
-    for name, run, text in (("devices", _devices, "the devices the daemon tunes on, and the others it could"),
-                            ("daemon", _daemon, "the daemon's version, paths, limits and load")):  # fmt: skip
-        sub.add_parser(name, help=text, description=text[0].upper() + text[1:] + ".").set_defaults(run=run)
+    for name, run, text in (
+        ("devices", _devices, "the devices the daemon tunes on, and the others it could"),
+        ("daemon", _daemon, "the daemon's version, paths, limits and load"),
+    ):
+        sub.add_parser(name, help=text, description=text[0].upper() + text[1:] + ".").set_defaults(
+            run=run
+        )
     sub.choices["devices"].add_argument(
-        "--local", action="store_true",
-        help="list what this machine offers onnxruntime (CPU, GPUs through nvidia-smi), without a daemon")  # fmt: skip
+        "--local",
+        action="store_true",
+        help="list what this machine offers onnxruntime (CPU, GPUs through nvidia-smi), without a daemon",
+    )
     for name in ("submit", "jobs", "status", "watch", "cancel", "fetch", "devices", "daemon"):
         _connection_args(sub.choices[name])
 
@@ -168,7 +216,11 @@ def print_result(job: tuning_pb2.Job, files: list[Path] | None = None) -> None:
     paths on the daemon's host are shown)."""
     from aoe.wire import outcome_from_pb
 
-    took = (job.finished.ToNanoseconds() - job.started.ToNanoseconds()) / 1e9 if job.started.seconds else 0.0
+    took = (
+        (job.finished.ToNanoseconds() - job.started.ToNanoseconds()) / 1e9
+        if job.started.seconds
+        else 0.0
+    )
     model, report = (files or [None, None])[:2]
     outcome = outcome_from_pb(job.result, job.job_id)
     if not outcome.model:  # a daemon from before results named the model
@@ -232,7 +284,9 @@ def _line(event: tuning_pb2.JobEvent) -> str:
     return f"{head} {kind}"
 
 
-def follow(client: Client, job_id: str, *, bar: bool = True, lines: bool = False, verbose: int = 0) -> tuning_pb2.Job:
+def follow(
+    client: Client, job_id: str, *, bar: bool = True, lines: bool = False, verbose: int = 0
+) -> tuning_pb2.Job:
     """Follow the job's events until it ends and return its final snapshot: a rich bar on
     stderr when it is a terminal (and `bar`), else one line per event on stdout when
     `lines`, else only what the user must know (queued, warnings)."""
@@ -244,7 +298,11 @@ def follow(client: Client, job_id: str, *, bar: bool = True, lines: bool = False
     with progress:
         for event in client.watch(job_id, include_logs=True):
             if lines:
-                if event.WhichOneof("event") != "log" or event.log.level >= tuning_pb2.LOG_LEVEL_INFO or verbose:
+                if (
+                    event.WhichOneof("event") != "log"
+                    or event.log.level >= tuning_pb2.LOG_LEVEL_INFO
+                    or verbose
+                ):
                     print(_line(event), flush=True)
             elif (shown := _shown(event)) is not None:
                 progress.emit(shown)
@@ -265,7 +323,9 @@ def _finished(job: tuning_pb2.Job) -> tuning_pb2.Job:
             cls = AoedError
         raise cls(f"job {job.job_id} failed: {job.error or 'no reason given'}")
     if name != "succeeded":
-        raise AoedError(f"job {job.job_id} is {name}, but its event stream ended; see aoe status {job.job_id}")
+        raise AoedError(
+            f"job {job.job_id} is {name}, but its event stream ended; see aoe status {job.job_id}"
+        )
     return job
 
 
@@ -298,7 +358,9 @@ def _submit(args: argparse.Namespace) -> int:
         else:
             job = client.submit_file(args.model, spec)
         ahead = f", {job.queue_position} ahead" if _state(job.state) == "queued" else ""
-        print(f"aoe: submitted {job.model_name or args.model.name} as job {job.job_id} ({_state(job.state)}{ahead})")
+        print(
+            f"aoe: submitted {job.model_name or args.model.name} as job {job.job_id} ({_state(job.state)}{ahead})"
+        )
         if args.watch:
             return _report(follow(client, job.job_id, lines=True, verbose=args.verbose))
     return 0
@@ -316,7 +378,9 @@ def _jobs(args: argparse.Namespace) -> int:
         print("no jobs" + (f" in state {', '.join(args.state)}" if args.state else ""))
         return 0
     rows = [("ID", "STATE", "MODEL", "CREATED", "PROGRESS")]
-    rows += [(j.job_id, _state(j.state), j.model_name, _time(j.created), _progress(j)) for j in jobs]
+    rows += [
+        (j.job_id, _state(j.state), j.model_name, _time(j.created), _progress(j)) for j in jobs
+    ]
     _table(rows)
     return 0
 
@@ -331,17 +395,31 @@ def _status(args: argparse.Namespace) -> int:
     # A failure's reason is shown whole on its own line, not cut as in `aoe jobs`.
     print(f"state     {_state(job.state)}" + ("" if job.error else f" ({_progress(job)})"))
     print(f"model     {job.model_name}  ({job.model_path})")
-    print(f"source    {job.source or 'rpc'}" + (f", {job.joined} joined submissions" if job.joined else ""))
-    opts = [f"precision {_enum_name(bank_pb2.Precision, o.precision, 'PRECISION_')}" if o.precision else "",
-            f"device {o.device}" if o.device else "", f"priority {o.priority}" if o.priority else "",
-            f"budget {o.budget_s:g} s" if o.budget_s else "", "repeat-tune" if o.repeat_tune else "",
-            "shapes " + "; ".join(f"{s.name}:{','.join(map(str, s.dims))}" for s in o.input_shapes)
-            if o.input_shapes else ""]  # fmt: skip
+    print(
+        f"source    {job.source or 'rpc'}"
+        + (f", {job.joined} joined submissions" if job.joined else "")
+    )
+    opts = [
+        f"precision {_enum_name(bank_pb2.Precision, o.precision, 'PRECISION_')}"
+        if o.precision
+        else "",
+        f"device {o.device}" if o.device else "",
+        f"priority {o.priority}" if o.priority else "",
+        f"budget {o.budget_s:g} s" if o.budget_s else "",
+        "repeat-tune" if o.repeat_tune else "",
+        "shapes " + "; ".join(f"{s.name}:{','.join(map(str, s.dims))}" for s in o.input_shapes)
+        if o.input_shapes
+        else "",
+    ]
     print(f"options   {', '.join(filter(None, opts)) or 'the daemon defaults'}")
-    print(f"times     created {_time(job.created)}, started {_time(job.started)}, finished {_time(job.finished)}")
+    print(
+        f"times     created {_time(job.created)}, started {_time(job.started)}, finished {_time(job.finished)}"
+    )
     if p.tasks_total:
-        print(f"progress  {p.tasks_done}/{p.tasks_total} tasks"
-              + (f", tuning {p.current_op_type} {p.current_task}" if p.current_task else ""))  # fmt: skip
+        print(
+            f"progress  {p.tasks_done}/{p.tasks_total} tasks"
+            + (f", tuning {p.current_op_type} {p.current_task}" if p.current_task else "")
+        )
     if job.error:
         print(f"error     {job.error}")
     if job.HasField("result"):
@@ -357,7 +435,9 @@ def _watch(args: argparse.Namespace) -> int:
 def _cancel(args: argparse.Namespace) -> int:
     with client_for(args) as client:
         job = client.cancel(args.job_id)
-    print(f"aoe: asked the daemon to cancel job {job.job_id or args.job_id} (now {_state(job.state)})")
+    print(
+        f"aoe: asked the daemon to cancel job {job.job_id or args.job_id} (now {_state(job.state)})"
+    )
     return 0
 
 
@@ -373,8 +453,15 @@ def _devices(args: argparse.Namespace) -> int:
     if args.local:
         from aoe.accelerators import local_devices
 
-        rows += [(d.device.name, d.device.provider, "unusable" if d.unusable else "usable",
-                  d.describe() + (f"; {d.unusable}" if d.unusable else "")) for d in local_devices()]  # fmt: skip
+        rows += [
+            (
+                d.device.name,
+                d.device.provider,
+                "unusable" if d.unusable else "usable",
+                d.describe() + (f"; {d.unusable}" if d.unusable else ""),
+            )
+            for d in local_devices()
+        ]
         _table(rows)
         return 0
     with client_for(args) as client:
@@ -384,13 +471,21 @@ def _devices(args: argparse.Namespace) -> int:
     for d in devices:
         measured = ""
         if d.configured or older:
-            state = (f"busy ({d.running_job_id})" if d.busy else "idle") + (f", {d.queued_jobs} queued" if d.queued_jobs else "")
+            state = (f"busy ({d.running_job_id})" if d.busy else "idle") + (
+                f", {d.queued_jobs} queued" if d.queued_jobs else ""
+            )
             if d.requests:
                 measured = f" [{d.device_seconds:.1f} device s, duty {d.duty_cycle:.0%}, {d.trials} trials]"
         else:
             state = "unusable" if d.unusable else "not configured"
-        rows.append((d.id, d.execution_provider, state,
-                     d.description + (f"; {d.unusable}" if d.unusable else "") + measured))  # fmt: skip
+        rows.append(
+            (
+                d.id,
+                d.execution_provider,
+                state,
+                d.description + (f"; {d.unusable}" if d.unusable else "") + measured,
+            )
+        )
     _table(rows)
     return 0
 
@@ -400,11 +495,18 @@ def _daemon(args: argparse.Namespace) -> int:
         i = client.info()
     print(f"aoed {i.version} (pid {i.pid}, started {_time(i.started)})")
     print(f"  listen      {', '.join(i.listen) or '-'}")
-    print(f"  bank        {i.bank_path}" + (f" (layers: {', '.join(i.bank_layers)})" if i.bank_layers else ""))
+    print(
+        f"  bank        {i.bank_path}"
+        + (f" (layers: {', '.join(i.bank_layers)})" if i.bank_layers else "")
+    )
     print(f"  state       {i.state_dir}")
-    print(f"  jobs        {i.running_jobs} running (at most {i.max_running_jobs}), "
-          f"{i.queued_jobs} queued (at most {i.max_queued_jobs})")  # fmt: skip
-    print(f"  uploads     up to {i.max_upload_bytes / 2**20:.0f} MiB; compile workers {i.compile_workers}")
+    print(
+        f"  jobs        {i.running_jobs} running (at most {i.max_running_jobs}), "
+        f"{i.queued_jobs} queued (at most {i.max_queued_jobs})"
+    )
+    print(
+        f"  uploads     up to {i.max_upload_bytes / 2**20:.0f} MiB; compile workers {i.compile_workers}"
+    )
     print(f"  allowed     {', '.join(i.allowed_dirs) or '-'}")
     for box in i.inboxes:
         print(f"  inbox       {box.path} -> {box.outbox} (failed: {box.failed})")

@@ -36,7 +36,16 @@ import lmdb
 
 from aoe.errors import BankError, BankWriteError
 
-__all__ = ["FULL_MAP", "LOCK_BYTES", "MAP_SIZES", "TxnGate", "bank_error", "free_bytes", "lmdb_errors", "reserve_lock_file"]
+__all__ = [
+    "FULL_MAP",
+    "LOCK_BYTES",
+    "MAP_SIZES",
+    "TxnGate",
+    "bank_error",
+    "free_bytes",
+    "lmdb_errors",
+    "reserve_lock_file",
+]
 
 #: The map a bank is opened with where the address space allows it (1 TiB).
 FULL_MAP = 1 << 40
@@ -140,7 +149,9 @@ class TxnGate:
                     f"bank {path}: grew in another process while this thread held a read "
                     "snapshot of it; finish or close that read (e.g. an unfinished iteration) and retry"
                 )
-        raise BankError(f"bank {path}: kept growing in another process faster than this one could map it; retry")
+        raise BankError(
+            f"bank {path}: kept growing in another process faster than this one could map it; retry"
+        )
 
 
 def _size(n: int) -> str:
@@ -203,8 +214,18 @@ def _advice(exc: lmdb.Error, path: Path, doing: str, map_size: int) -> str:
         )
     if isinstance(exc, lmdb.MapResizedError):
         return f"bank {path}: grown by another process during {doing}; retry"
-    if isinstance(exc, (lmdb.CorruptedError, lmdb.PanicError, lmdb.InvalidError, lmdb.PageNotFoundError,
-                        lmdb.VersionMismatchError, lmdb.IncompatibleError, lmdb.BadChecksumError)):  # fmt: skip
+    if isinstance(
+        exc,
+        (
+            lmdb.CorruptedError,
+            lmdb.PanicError,
+            lmdb.InvalidError,
+            lmdb.PageNotFoundError,
+            lmdb.VersionMismatchError,
+            lmdb.IncompatibleError,
+            lmdb.BadChecksumError,
+        ),
+    ):
         return (
             f"bank {path}: {doing} failed, the bank's files are damaged or not LMDB's ({exc}); "
             "move the directory aside and restore the bank from an export (aoe bank import)"
@@ -217,7 +238,9 @@ def _advice(exc: lmdb.Error, path: Path, doing: str, map_size: int) -> str:
     )
 
 
-def bank_error(exc: lmdb.Error, path: Path, doing: str, env: lmdb.Environment | None = None) -> BankError:
+def bank_error(
+    exc: lmdb.Error, path: Path, doing: str, env: lmdb.Environment | None = None
+) -> BankError:
     """The BankError for `exc`: one line naming the bank, what failed and what to do;
     a BankWriteError when a write did not fit (disk or map full) or the disk failed it."""
     map_size = 0
@@ -250,7 +273,9 @@ def reserve_lock_file(path: Path, create: bool = True) -> None:
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
             raise BankWriteError(_disk_full(path, "open")) from None
         if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):  # (glibc emulates where unsupported)
-            raise BankError(f"bank {path}: cannot allocate its lock file ({exc.strerror or exc})") from None
+            raise BankError(
+                f"bank {path}: cannot allocate its lock file ({exc.strerror or exc})"
+            ) from None
     finally:
         os.close(fd)
 

@@ -39,7 +39,12 @@ class UpdateMode(enum.StrEnum):
     @property
     def measured(self) -> bool:
         """Whether this job measured the task to decide it."""
-        return self in (UpdateMode.ADD, UpdateMode.UPDATE, UpdateMode.RESERVED, UpdateMode.UNSATISFIED)
+        return self in (
+            UpdateMode.ADD,
+            UpdateMode.UPDATE,
+            UpdateMode.RESERVED,
+            UpdateMode.UNSATISFIED,
+        )
 
 
 @dataclass(frozen=True)
@@ -70,7 +75,11 @@ class TaskOutcome:
     @property
     def improvement(self) -> float:
         """The task's own figure, from the search that chose it: before / after - 1."""
-        return (self.before_us / self.after_us - 1.0) if self.after_us > 0 and self.before_us > 0 else 0.0
+        return (
+            (self.before_us / self.after_us - 1.0)
+            if self.after_us > 0 and self.before_us > 0
+            else 0.0
+        )
 
     @property
     def chosen(self) -> bool:
@@ -116,7 +125,10 @@ class BudgetReport:
     def to_dict(self) -> dict[str, Any]:
         """The result JSON's `budget` section; `from_dict` reads it back."""
         d: dict[str, Any] = {k: getattr(self, k) for k in _BUDGET_KEYS}
-        d["stages"] = {str(name): {k: v for k, v in vars(st).items() if v is not None} for name, st in self.stages.items()}
+        d["stages"] = {
+            str(name): {k: v for k, v in vars(st).items() if v is not None}
+            for name, st in self.stages.items()
+        }
         return d
 
     @classmethod
@@ -125,8 +137,19 @@ class BudgetReport:
         return cls(**{k: d[k] for k in _BUDGET_KEYS if k in d}, stages=stages)
 
 
-_BUDGET_KEYS = ("budget_s", "given", "spent_s", "search_s", "session_s", "verify_s", "profile_s", "confirm_s",
-                "load_s_per_mib", "elapsed_s", "over_s")  # fmt: skip
+_BUDGET_KEYS = (
+    "budget_s",
+    "given",
+    "spent_s",
+    "search_s",
+    "session_s",
+    "verify_s",
+    "profile_s",
+    "confirm_s",
+    "load_s_per_mib",
+    "elapsed_s",
+    "over_s",
+)
 
 
 @dataclass(frozen=True)
@@ -186,17 +209,36 @@ class JobOutcome:
     def to_dict(self) -> dict[str, Any]:
         """JSON types; `from_dict` reads it back."""
         return {
-            "job_id": self.job_id, "model": self.model, "tuned_model": self.tuned_model,
-            "result_json": self.result_json, "precision": str(self.precision), "job_type": str(self.job_type),
-            "device": self.device, "tuning_time_s": self.tuning_time_s, "figures": self.figures.to_dict(),
-            "tasks": [{**vars(t), "update_mode": str(t.update_mode), "accuracy": dict(t.accuracy),
-                       "rejected": list(t.rejected)} for t in self.tasks],
-            "bank": dict(self.bank), "resources": dict(self.resources), "budget": self.budget.to_dict(),
-            "session_options": dict(self.session_options), "accuracy": dict(self.accuracy),
-            "accuracy_budget": dict(self.accuracy_budget), "calibration": self.calibration,
-            "verified": self.verified, "notes": list(self.notes), "workspace": self.workspace,
+            "job_id": self.job_id,
+            "model": self.model,
+            "tuned_model": self.tuned_model,
+            "result_json": self.result_json,
+            "precision": str(self.precision),
+            "job_type": str(self.job_type),
+            "device": self.device,
+            "tuning_time_s": self.tuning_time_s,
+            "figures": self.figures.to_dict(),
+            "tasks": [
+                {
+                    **vars(t),
+                    "update_mode": str(t.update_mode),
+                    "accuracy": dict(t.accuracy),
+                    "rejected": list(t.rejected),
+                }
+                for t in self.tasks
+            ],
+            "bank": dict(self.bank),
+            "resources": dict(self.resources),
+            "budget": self.budget.to_dict(),
+            "session_options": dict(self.session_options),
+            "accuracy": dict(self.accuracy),
+            "accuracy_budget": dict(self.accuracy_budget),
+            "calibration": self.calibration,
+            "verified": self.verified,
+            "notes": list(self.notes),
+            "workspace": self.workspace,
             "details": dict(self.details),
-        }  # fmt: skip
+        }
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> JobOutcome:
@@ -205,39 +247,79 @@ class JobOutcome:
         if "figures" not in d:  # stored by an older daemon
             return cls._from_old(d)
         return cls(
-            job_id=d["job_id"], model=d["model"], tuned_model=d["tuned_model"], result_json=d["result_json"],
-            precision=d["precision"], job_type=d["job_type"], device=d["device"], tuning_time_s=d["tuning_time_s"],
+            job_id=d["job_id"],
+            model=d["model"],
+            tuned_model=d["tuned_model"],
+            result_json=d["result_json"],
+            precision=d["precision"],
+            job_type=d["job_type"],
+            device=d["device"],
+            tuning_time_s=d["tuning_time_s"],
             figures=Figures.from_dict(d["figures"]),
-            tasks=tuple(TaskOutcome(**t) for t in d.get("tasks", ())), bank=d.get("bank", {}),
-            resources=d.get("resources", {}), budget=BudgetReport.from_dict(d.get("budget") or {}),
-            session_options=d.get("session_options", {}), accuracy=d.get("accuracy", {}),
-            accuracy_budget=d.get("accuracy_budget", {}), calibration=d.get("calibration", ""),
-            verified=d.get("verified", ""), notes=tuple(d.get("notes", ())), workspace=d.get("workspace", ""),
+            tasks=tuple(TaskOutcome(**t) for t in d.get("tasks", ())),
+            bank=d.get("bank", {}),
+            resources=d.get("resources", {}),
+            budget=BudgetReport.from_dict(d.get("budget") or {}),
+            session_options=d.get("session_options", {}),
+            accuracy=d.get("accuracy", {}),
+            accuracy_budget=d.get("accuracy_budget", {}),
+            calibration=d.get("calibration", ""),
+            verified=d.get("verified", ""),
+            notes=tuple(d.get("notes", ())),
+            workspace=d.get("workspace", ""),
             details=d.get("details", {}),
-        )  # fmt: skip
+        )
 
     @classmethod
     def _from_old(cls, d: Mapping[str, Any]) -> JobOutcome:
-        tasks = tuple(TaskOutcome(
-            t.get("task_id", ""), t.get("op_name", ""), t.get("op_type", ""), strategy=t.get("strategy", "default"),
-            before_us=t.get("before_us", 0.0), after_us=t.get("after_us", 0.0), update_mode=t.get("update_mode", ""),
-            bank_layer=t.get("bank_layer", ""), accuracy=t.get("accuracy", {}), error=t.get("error", ""),
-            applied=not (t.get("strategy", "default") != "default" and t.get("error")),
-        ) for t in d.get("tasks", ()))  # fmt: skip
+        tasks = tuple(
+            TaskOutcome(
+                t.get("task_id", ""),
+                t.get("op_name", ""),
+                t.get("op_type", ""),
+                strategy=t.get("strategy", "default"),
+                before_us=t.get("before_us", 0.0),
+                after_us=t.get("after_us", 0.0),
+                update_mode=t.get("update_mode", ""),
+                bank_layer=t.get("bank_layer", ""),
+                accuracy=t.get("accuracy", {}),
+                error=t.get("error", ""),
+                applied=not (t.get("strategy", "default") != "default" and t.get("error")),
+            )
+            for t in d.get("tasks", ())
+        )
         return cls(
-            job_id="", model="", tuned_model=d.get("tuned_model", ""), result_json=d.get("result_json", ""),
-            precision=Precision.EXACT, job_type=JobType.OPAT, device="", tuning_time_s=d.get("tuning_time_s", 0.0),
-            figures=Figures.from_dict(d), tasks=tasks, bank=d.get("repo", {}), resources=d.get("resources", {}),
-        )  # fmt: skip
+            job_id="",
+            model="",
+            tuned_model=d.get("tuned_model", ""),
+            result_json=d.get("result_json", ""),
+            precision=Precision.EXACT,
+            job_type=JobType.OPAT,
+            device="",
+            tuning_time_s=d.get("tuning_time_s", 0.0),
+            figures=Figures.from_dict(d),
+            tasks=tasks,
+            bank=d.get("repo", {}),
+            resources=d.get("resources", {}),
+        )
 
 
 # --------------------------------------------------------------------------- the CLI's summary
 
 #: How the budget line names a result's stages.
-_STAGE_WORDS = {Stage.PREPARE: "preparing", Stage.BANK: "bank lookups", Stage.PROFILE: "profiling",
-                Stage.SEARCH: "search", Stage.ASSEMBLE: "assembling", Stage.ACCURACY: "accuracy",
-                Stage.SESSION: "session options", Stage.VERIFY: "verifying", Stage.CONFIRM: "confirming",
-                Stage.OUTPUTS: "outputs", Stage.CALIBRATE: "calibrating"}  # fmt: skip
+_STAGE_WORDS = {
+    Stage.PREPARE: "preparing",
+    Stage.BANK: "bank lookups",
+    Stage.PROFILE: "profiling",
+    Stage.SEARCH: "search",
+    Stage.ASSEMBLE: "assembling",
+    Stage.ACCURACY: "accuracy",
+    Stage.SESSION: "session options",
+    Stage.VERIFY: "verifying",
+    Stage.CONFIRM: "confirming",
+    Stage.OUTPUTS: "outputs",
+    Stage.CALIBRATE: "calibrating",
+}
 
 
 def budget_line(b: BudgetReport) -> str | None:
@@ -252,15 +334,23 @@ def budget_line(b: BudgetReport) -> str | None:
         extra = [f"{st.given_s:.1f} given"] if st.counted else []
         if st.estimate_s is not None:
             extra.append(f"estimated {st.estimate_s:.1f}")
-        parts.append(f"{_STAGE_WORDS.get(name, name)} {st.spent_s:.1f} s" + (f" ({', '.join(extra)})" if extra else ""))
+        parts.append(
+            f"{_STAGE_WORDS.get(name, name)} {st.spent_s:.1f} s"
+            + (f" ({', '.join(extra)})" if extra else "")
+        )
     head = f"{b.budget_s:g} s given, the job took {b.elapsed_s:.1f} s"
     if b.over_s > 0:
         head += f", {b.over_s:.1f} s over"
     return head + (": " + ", ".join(parts) if parts else "")
 
 
-def summary_lines(o: JobOutcome, *, where: str = "", took_s: float | None = None,
-                  files: tuple[Path | None, Path | None] = (None, None)) -> list[str]:  # fmt: skip
+def summary_lines(
+    o: JobOutcome,
+    *,
+    where: str = "",
+    took_s: float | None = None,
+    files: tuple[Path | None, Path | None] = (None, None),
+) -> list[str]:
     """The CLI's summary of a finished job, as lines. `where`: " on the daemon" and the
     like; `took_s`: the wall time to report (default: the job's tuning time); `files`:
     the tuned model and result JSON where they were written locally (else the outcome's
@@ -276,24 +366,37 @@ def summary_lines(o: JobOutcome, *, where: str = "", took_s: float | None = None
     changed = [t for t in chosen if t.applied]
     took = o.tuning_time_s if took_s is None else took_s
     job = f"job {o.job_id}; " if where and o.job_id else ""
-    out = [f"aoe: tuned {Path(o.model).name}{where} in {took:.1f} s ({job}{o.precision} on {o.device or '-'})"]
-    said = (f"from the bank: confirmed by {f.confirmed_by}" if f.confirmed_by
-            else f"confirming A/B, {f.rounds} interleaved rounds")  # fmt: skip
+    out = [
+        f"aoe: tuned {Path(o.model).name}{where} in {took:.1f} s ({job}{o.precision} on {o.device or '-'})"
+    ]
+    said = (
+        f"from the bank: confirmed by {f.confirmed_by}"
+        if f.confirmed_by
+        else f"confirming A/B, {f.rounds} interleaved rounds"
+    )
     out.append(f"  baseline     {f.baseline_ms:.4f} ms   ({said})")
     out.append(f"  result       {figures.result_text(f)}")
     out.append(f"  verdict      {figures.verdict_text(f)}")
-    out.append(f"  tasks        {len(o.tasks)}: {measured} measured, {hits} from the bank"
-               + (f", {failed} failed" if failed else "") + (f", {skipped} not tuned (budget)" if skipped else "")
-               + f"; {figures.changed_text(len(changed), len(chosen), f.shipped)}")  # fmt: skip
-    out.append(f"  device       {res.get('trials', 0):g} trials, {res.get('failed_candidates', 0):g} failed candidates; "
-               f"{b.spent_s:.1f} s of a {b.budget_s:g} s budget, plus {b.profile_s + b.confirm_s:.1f} s profiling "
-               f"and confirming; busy {o.duty_cycle:.0%} of the job")  # fmt: skip
+    out.append(
+        f"  tasks        {len(o.tasks)}: {measured} measured, {hits} from the bank"
+        + (f", {failed} failed" if failed else "")
+        + (f", {skipped} not tuned (budget)" if skipped else "")
+        + f"; {figures.changed_text(len(changed), len(chosen), f.shipped)}"
+    )
+    out.append(
+        f"  device       {res.get('trials', 0):g} trials, {res.get('failed_candidates', 0):g} failed candidates; "
+        f"{b.spent_s:.1f} s of a {b.budget_s:g} s budget, plus {b.profile_s + b.confirm_s:.1f} s profiling "
+        f"and confirming; busy {o.duty_cycle:.0%} of the job"
+    )
     line = budget_line(b)
     if line:
         out.append(f"  budget       {line}")
     if changed:
         out.append("  changed      (each task's own figure, from the search that chose it)")
-    out += [f"    {t.op_name:<40} {t.op_type:<14} {t.strategy:<22} {figures.pct(t.improvement)}" for t in changed]
+    out += [
+        f"    {t.op_name:<40} {t.op_type:<14} {t.strategy:<22} {figures.pct(t.improvement)}"
+        for t in changed
+    ]
     if o.session_options:
         out.append(f"  session      {dict(o.session_options)}")
     lossy = o.precision != Precision.EXACT
@@ -302,16 +405,21 @@ def summary_lines(o: JobOutcome, *, where: str = "", took_s: float | None = None
         out.append(f"  calibration  {o.calibration}")
     elif lossy:
         acc, top1 = o.accuracy, o.accuracy.get("top1_agreement")
-        out.append(f"  accuracy     over {acc.get('samples', 1):g} held-back samples: cosine min "
-                   f"{acc.get('cosine', 0):.5f}, 5th percentile {acc.get('cosine_p5', acc.get('cosine', 0)):.5f}, "
-                   f"max rel error {acc.get('max_rel_error', 0):.3g}"
-                   + (f", top-1 agreement {top1:.1%}" if top1 is not None else "")
-                   + f" (budget: cosine >= {o.accuracy_budget.get('min_cosine')}, max rel error <= "
-                   f"{o.accuracy_budget.get('max_rel_error')})")  # fmt: skip
+        out.append(
+            f"  accuracy     over {acc.get('samples', 1):g} held-back samples: cosine min "
+            f"{acc.get('cosine', 0):.5f}, 5th percentile {acc.get('cosine_p5', acc.get('cosine', 0)):.5f}, "
+            f"max rel error {acc.get('max_rel_error', 0):.3g}"
+            + (f", top-1 agreement {top1:.1%}" if top1 is not None else "")
+            + f" (budget: cosine >= {o.accuracy_budget.get('min_cosine')}, max rel error <= "
+            f"{o.accuracy_budget.get('max_rel_error')})"
+        )
         out.append(f"  calibration  {o.calibration}")
     if lossy:
-        out += [f"    {t.op_name:<40} kept {t.strategy}: {t.rejected[0]}" for t in o.tasks
-                if t.rejected and not t.strategy.startswith("int8")]  # fmt: skip
+        out += [
+            f"    {t.op_name:<40} kept {t.strategy}: {t.rejected[0]}"
+            for t in o.tasks
+            if t.rejected and not t.strategy.startswith("int8")
+        ]
     out.append(f"  bank         {figures.bank_text(o.bank, len(chosen) - len(changed))}")
     out += [f"  note         {note}" for note in o.notes]
     remote = " (on the daemon host)" if where else ""
@@ -321,11 +429,19 @@ def summary_lines(o: JobOutcome, *, where: str = "", took_s: float | None = None
 
 
 #: aoe.figures' words for an ONNX job's input and output, as a GDAT job says them.
-_GDAT_WORDS = (("a second session of the input in the same rounds", "a second instance of DDP's defaults in the "
-                "same rounds"), ("the input model, unchanged", "DDP's defaults, unchanged"),
-               ("the tuned model", "the tuned configuration"), ("the input", "DDP's defaults"),
-               ("no change passed the search and verification", "no configuration beat DDP's defaults in the "
-                "search"))  # fmt: skip
+_GDAT_WORDS = (
+    (
+        "a second session of the input in the same rounds",
+        "a second instance of DDP's defaults in the same rounds",
+    ),
+    ("the input model, unchanged", "DDP's defaults, unchanged"),
+    ("the tuned model", "the tuned configuration"),
+    ("the input", "DDP's defaults"),
+    (
+        "no change passed the search and verification",
+        "no configuration beat DDP's defaults in the search",
+    ),
+)
 
 
 def _gdat_words(text: str) -> str:
@@ -334,39 +450,53 @@ def _gdat_words(text: str) -> str:
     return text
 
 
-def _gdat_lines(o: JobOutcome, where: str, took_s: float | None,
-                files: tuple[Path | None, Path | None]) -> list[str]:  # fmt: skip
+def _gdat_lines(
+    o: JobOutcome, where: str, took_s: float | None, files: tuple[Path | None, Path | None]
+) -> list[str]:
     """summary_lines for a GDAT job: step times of the world instead of a model's, the
     DDP options that ship instead of tasks, and the gates of lossy hooks."""
     f, b, d = o.figures, o.budget, o.details
     took = o.tuning_time_s if took_s is None else took_s
     job = f"job {o.job_id}; " if where and o.job_id else ""
-    out = [f"aoe: tuned {Path(o.model).name}{where} in {took:.1f} s ({job}gdat, {d.get('gradient_precision', 'exact')} "
-           f"gradients, {o.device})"]  # fmt: skip
-    said = (f"from the bank: confirmed by {f.confirmed_by}" if f.confirmed_by
-            else f"confirming A/B, {f.rounds} interleaved rounds")  # fmt: skip
-    out.append(f"  baseline     {f.baseline_ms:.4f} ms per step, tail {d.get('baseline_tail_ms', 0.0):.4f} ms   "
-               f"(DDP's defaults; {said})")  # fmt: skip
+    out = [
+        f"aoe: tuned {Path(o.model).name}{where} in {took:.1f} s ({job}gdat, {d.get('gradient_precision', 'exact')} "
+        f"gradients, {o.device})"
+    ]
+    said = (
+        f"from the bank: confirmed by {f.confirmed_by}"
+        if f.confirmed_by
+        else f"confirming A/B, {f.rounds} interleaved rounds"
+    )
+    out.append(
+        f"  baseline     {f.baseline_ms:.4f} ms per step, tail {d.get('baseline_tail_ms', 0.0):.4f} ms   "
+        f"(DDP's defaults; {said})"
+    )
     tail = f"; tail {d.get('result_tail_ms', 0.0):.4f} ms" if f.changed else ""
     out.append(f"  result       {_gdat_words(figures.result_text(f))}{tail}")
     out.append(f"  verdict      {_gdat_words(figures.verdict_text(f))}")
     ddp = d.get("ddp_config") or {}
     hook = (ddp.get("comm_hook") or {}).get("name")
-    out.append(f"  ddp          {ddp.get('label', 'default')}: {ddp.get('ddp_kwargs') or 'no options'}"
-               + (f", comm hook {hook}" if hook else ""))  # fmt: skip
+    out.append(
+        f"  ddp          {ddp.get('label', 'default')}: {ddp.get('ddp_kwargs') or 'no options'}"
+        + (f", comm hook {hook}" if hook else "")
+    )
     if not f.confirmed_by:
         confs = d.get("configurations") or []
         measured = {c["name"] for c in confs if c.get("step_ms") is not None}
         failed = sum(c.get("status") == "failed" for c in confs)
         rejected = sum(c.get("status") == "rejected" for c in confs)
         broken = len(d.get("broken_turns") or [])
-        out.append(f"  search       {len(measured)} configurations in {o.resources.get('worlds', 1):g} world(s)"
-                   + (f", {failed} failed" if failed else "") + (f", {rejected} rejected by the gradient gate"
-                                                                  if rejected else "")
-                   + (f", {broken} broken turns" if broken else "")
-                   + f"; {b.spent_s:.1f} s of a {b.budget_s:g} s budget, plus {b.confirm_s:.1f} s confirming")  # fmt: skip
-    out += [f"  gate         {g['config']}: {'passed' if g.get('passed') else 'rejected'}: {g.get('why', '')}"
-            for g in d.get("gates") or []]  # fmt: skip
+        out.append(
+            f"  search       {len(measured)} configurations in {o.resources.get('worlds', 1):g} world(s)"
+            + (f", {failed} failed" if failed else "")
+            + (f", {rejected} rejected by the gradient gate" if rejected else "")
+            + (f", {broken} broken turns" if broken else "")
+            + f"; {b.spent_s:.1f} s of a {b.budget_s:g} s budget, plus {b.confirm_s:.1f} s confirming"
+        )
+    out += [
+        f"  gate         {g['config']}: {'passed' if g.get('passed') else 'rejected'}: {g.get('why', '')}"
+        for g in d.get("gates") or []
+    ]
     out.append(f"  bank         {figures.bank_text(o.bank)}")
     out += [f"  note         {note}" for note in o.notes]
     remote = " (on the daemon host)" if where else ""

@@ -133,9 +133,17 @@ def _add(task: Task, reps: dict[str, Task], order: list[Task], taken: set[str]) 
         rep.twins.append(task)
 
 
-def _subgraph_tasks(model: onnx.ModelProto, ctx: ModelContext, reps: dict[str, Task], order: list[Task],
-                    taken: set[str], families: Collection[str] | None) -> None:  # fmt: skip
-    for count, m in enumerate(find_subgraphs(model, ctx), 1):  # ids count every match: they stay put
+def _subgraph_tasks(
+    model: onnx.ModelProto,
+    ctx: ModelContext,
+    reps: dict[str, Task],
+    order: list[Task],
+    taken: set[str],
+    families: Collection[str] | None,
+) -> None:
+    for count, m in enumerate(
+        find_subgraphs(model, ctx), 1
+    ):  # ids count every match: they stay put
         if families is not None and m.family not in families:
             continue
         try:
@@ -144,18 +152,30 @@ def _subgraph_tasks(model: onnx.ModelProto, ctx: ModelContext, reps: dict[str, T
             continue  # a tensor without a static shape: not tunable
         produced = {o for n in m.nodes for o in n.output}
         last = m.nodes[-1]
-        _add(Task(
-            id=f"s{count:03d}_{m.family}_{_slug(last.name)}",
-            family=m.family,
-            node_names=tuple(n.name for n in m.nodes),
-            signature=sig,
-            inputs=tuple(dict.fromkeys(i for n in m.nodes for i in n.input if i and i not in produced)),
-            outputs=tuple(o for o in last.output if o),
-        ), reps, order, taken)  # fmt: skip
+        _add(
+            Task(
+                id=f"s{count:03d}_{m.family}_{_slug(last.name)}",
+                family=m.family,
+                node_names=tuple(n.name for n in m.nodes),
+                signature=sig,
+                inputs=tuple(
+                    dict.fromkeys(i for n in m.nodes for i in n.input if i and i not in produced)
+                ),
+                outputs=tuple(o for o in last.output if o),
+            ),
+            reps,
+            order,
+            taken,
+        )
 
 
-def _operator_tasks(model: onnx.ModelProto, ctx: ModelContext, reps: dict[str, Task], order: list[Task],
-                    taken: set[str]) -> None:  # fmt: skip
+def _operator_tasks(
+    model: onnx.ModelProto,
+    ctx: ModelContext,
+    reps: dict[str, Task],
+    order: list[Task],
+    taken: set[str],
+) -> None:
     g = model.graph
     consumers: dict[str, list[onnx.NodeProto]] = defaultdict(list)
     for node in g.node:
@@ -177,12 +197,22 @@ def _operator_tasks(model: onnx.ModelProto, ctx: ModelContext, reps: dict[str, T
             continue
         chain = [node]
         nxt = private_successor(node) if family != "matmul_act" else None
-        if family == "matmul" and node.op_type == "MatMul" and nxt is not None and nxt.op_type == "Add":
+        if (
+            family == "matmul"
+            and node.op_type == "MatMul"
+            and nxt is not None
+            and nxt.op_type == "Add"
+        ):
             other = nxt.input[1] if nxt.input[0] == node.output[0] else nxt.input[0]
             if other in ctx.constants:
                 chain.append(nxt)
                 nxt = private_successor(nxt)
-        if family == "conv" and nxt is not None and _is_inference_bn(nxt, ctx) and nxt.input[0] == node.output[0]:
+        if (
+            family == "conv"
+            and nxt is not None
+            and _is_inference_bn(nxt, ctx)
+            and nxt.input[0] == node.output[0]
+        ):
             chain.append(nxt)
             nxt = private_successor(nxt)
         if nxt is not None and nxt.op_type in ACTIVATIONS and nxt.domain in ("", "ai.onnx"):
@@ -231,7 +261,9 @@ class ModelTasks:
     ):
         from aoe.graph import normalize
 
-        norm = normalize(model, input_shapes, keep_initializer_inputs=keep_initializer_inputs, strict=False)
+        norm = normalize(
+            model, input_shapes, keep_initializer_inputs=keep_initializer_inputs, strict=False
+        )
         self.model = norm.model
         self.notes = norm.notes
         self.ctx = ModelContext(norm.model)

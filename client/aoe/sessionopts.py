@@ -17,7 +17,13 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["METADATA_KEY", "make_session_options", "normalize_options", "normalize_providers", "session_providers"]
+__all__ = [
+    "METADATA_KEY",
+    "make_session_options",
+    "normalize_options",
+    "normalize_providers",
+    "session_providers",
+]
 
 METADATA_KEY = "aoe.session_options"
 
@@ -28,8 +34,14 @@ _LEVELS = {
     "all": "ORT_ENABLE_ALL",
 }
 _MODES = {"sequential": "ORT_SEQUENTIAL", "parallel": "ORT_PARALLEL"}
-_KEYS = {"intra_op_num_threads", "inter_op_num_threads", "execution_mode", "graph_optimization_level", "config",
-         "providers"}
+_KEYS = {
+    "intra_op_num_threads",
+    "inter_op_num_threads",
+    "execution_mode",
+    "graph_optimization_level",
+    "config",
+    "providers",
+}
 
 
 def normalize_options(options: Mapping[str, Any] | str | None) -> dict[str, Any]:
@@ -67,29 +79,39 @@ def normalize_providers(value: Any) -> list[list[Any]]:
         raise ValueError("providers must be a list of [provider, {option: value}] pairs")
     out: list[list[Any]] = []
     for item in value:
-        if not (isinstance(item, (list, tuple)) and len(item) == 2 and isinstance(item[1], Mapping)):
+        if not (
+            isinstance(item, (list, tuple)) and len(item) == 2 and isinstance(item[1], Mapping)
+        ):
             raise ValueError(f"providers: {item!r} is not a [provider, {{option: value}}] pair")
         name, opts = str(item[0]), {str(k): str(v) for k, v in item[1].items()}
         kind = kind_of(name)  # ValueError for an unknown provider
         if kind == "cpu":
-            raise ValueError("providers: the CPU provider is always last and takes no options; leave it out")
+            raise ValueError(
+                "providers: the CPU provider is always last and takes no options; leave it out"
+            )
         if any(name == seen for seen, _ in out):
             raise ValueError(f"providers: {name} is listed twice")
         if "device_id" in opts:
-            raise ValueError(f"providers: {name}: device_id is chosen when the session is made, not stored")
+            raise ValueError(
+                f"providers: {name}: device_id is chosen when the session is made, not stored"
+            )
         check_options(kind, opts, f"providers: {name}")
         out.append([name, dict(sorted(opts.items()))])
     return out
 
 
-def session_providers(options: Mapping[str, Any], device_id: int = 0) -> list[tuple[str, dict[str, str]]]:
+def session_providers(
+    options: Mapping[str, Any], device_id: int = 0
+) -> list[tuple[str, dict[str, str]]]:
     """The `providers` argument of an InferenceSession for `options` (see
     normalize_options) on accelerator `device_id`: each provider the options name, with
     its options and the device id, then the CPU provider."""
     from aoe.device import CPU
 
     named = normalize_providers(options.get("providers", []))
-    return [(name, {**opts, "device_id": str(device_id)}) for name, opts in named] + [(CPU.provider, {})]
+    return [(name, {**opts, "device_id": str(device_id)}) for name, opts in named] + [
+        (CPU.provider, {})
+    ]
 
 
 def make_session_options(options: Mapping[str, Any] | str | None = None):

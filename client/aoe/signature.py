@@ -49,12 +49,31 @@ SCHEMA_VERSION = 1
 # ISA features that change which kernels a runtime picks on x86 and Arm CPUs.
 _ISA_FLAGS = frozenset(
     {
-        "sse4_1", "sse4_2", "avx", "avx2", "fma", "f16c",
-        "avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni", "avx512_bf16",
-        "avx512_fp16", "avx_vnni", "amx_tile", "amx_int8", "amx_bf16",
-        "asimd", "asimddp", "sve", "sve2", "i8mm", "bf16",
+        "sse4_1",
+        "sse4_2",
+        "avx",
+        "avx2",
+        "fma",
+        "f16c",
+        "avx512f",
+        "avx512bw",
+        "avx512dq",
+        "avx512vl",
+        "avx512_vnni",
+        "avx512_bf16",
+        "avx512_fp16",
+        "avx_vnni",
+        "amx_tile",
+        "amx_int8",
+        "amx_bf16",
+        "asimd",
+        "asimddp",
+        "sve",
+        "sve2",
+        "i8mm",
+        "bf16",
     }
-)  # fmt: skip
+)
 
 
 def canonical_json(obj: object) -> str:
@@ -123,9 +142,7 @@ def bank_key(signature_digest: str, device_digest: str, precision: str) -> bytes
     Layout: schema version, 128 bits of each digest, the policy; readable ASCII so that
     `mdb_dump` and exports stay diffable.
     """
-    return (
-        f"v{SCHEMA_VERSION}/{signature_digest[:32]}/{device_digest[:32]}/{precision}".encode()
-    )
+    return f"v{SCHEMA_VERSION}/{signature_digest[:32]}/{device_digest[:32]}/{precision}".encode()
 
 
 # --------------------------------------------------------------------------- signatures
@@ -149,7 +166,14 @@ def _value_info(vi: onnx.ValueInfoProto) -> TensorInfo | None:
 
 #: Standard ops whose outputs differ between runs with the same inputs.
 _RANDOM_OPS = frozenset(
-    {"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Multinomial", "Bernoulli"}
+    {
+        "RandomNormal",
+        "RandomNormalLike",
+        "RandomUniform",
+        "RandomUniformLike",
+        "Multinomial",
+        "Bernoulli",
+    }
 )
 
 
@@ -158,7 +182,9 @@ def computes_constant(node: onnx.NodeProto, constants: set[str] | frozenset[str]
     deterministic op without subgraphs whose (non-empty) inputs are all constant."""
     if node.domain not in ("", "ai.onnx") or node.op_type in _RANDOM_OPS:
         return False
-    if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute):
+    if any(
+        a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute
+    ):
         return False
     ins = [i for i in node.input if i]
     return bool(ins) and all(i in constants for i in ins)
@@ -192,7 +218,9 @@ class ModelContext:
         for init in g.initializer:
             if init.name not in inputs:
                 self.constants.add(init.name)
-            self.tensors.setdefault(init.name, TensorInfo(_dtype_name(init.data_type), tuple(init.dims)))
+            self.tensors.setdefault(
+                init.name, TensorInfo(_dtype_name(init.data_type), tuple(init.dims))
+            )
         for node in g.node:
             if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
                 self.constants.add(node.output[0])
@@ -433,11 +461,14 @@ def task_signature(nodes: Sequence[onnx.NodeProto], ctx: ModelContext) -> TaskSi
     tensors_in = ",".join([t if type(t) is str else canonical_json(t) for t in tensors_in])
     nodes_json = ",".join(
         [
-            '{"attrs":' + (spelled if deferred is None else _attributes_json(deferred))
-            + middle + ",".join(wiring) + tail
+            '{"attrs":'
+            + (spelled if deferred is None else _attributes_json(deferred))
+            + middle
+            + ",".join(wiring)
+            + tail
             for spelled, deferred, middle, wiring, tail in described
         ]
-    )  # fmt: skip
+    )
     opsets_json = ",".join([_json_str(d) + ":" + _json_int(opsets[d]) for d in sorted(opsets)])
     tensors_out = ",".join([t if type(t) is str else canonical_json(t) for t in tensors_out])
     text = (
@@ -496,7 +527,10 @@ def _cpu_model_and_flags() -> tuple[str, tuple[str, ...]]:
             for line in f:
                 key, _, value = line.partition(":")
                 key = key.strip().lower()
-                if key in ("model name", "cpu model", "hardware") and model in ("", platform.machine()):
+                if key in ("model name", "cpu model", "hardware") and model in (
+                    "",
+                    platform.machine(),
+                ):
                     model = value.strip()
                 elif key in ("flags", "features") and not flags:
                     flags = set(value.split())
@@ -518,7 +552,9 @@ def _runtime_version() -> str:
 
 
 @functools.lru_cache(maxsize=16)
-def _fingerprint(execution_provider: str, options_json: str, accelerator_json: str = "{}") -> DeviceFingerprint:
+def _fingerprint(
+    execution_provider: str, options_json: str, accelerator_json: str = "{}"
+) -> DeviceFingerprint:
     options = json.loads(options_json)
     accelerator = json.loads(accelerator_json)
     if accelerator:

@@ -17,9 +17,15 @@ from __future__ import annotations
 from aoe.errors import OptionError
 
 __all__ = [
-    "MAX_DIMS", "MAX_INPUT_SHAPES", "MAX_LABEL_KEY_BYTES", "MAX_LABEL_VALUE_BYTES", "MAX_LABELS", "MAX_NAME_BYTES",
-    "MAX_PATH_BYTES", "check_text",
-]  # fmt: skip
+    "MAX_DIMS",
+    "MAX_INPUT_SHAPES",
+    "MAX_LABEL_KEY_BYTES",
+    "MAX_LABEL_VALUE_BYTES",
+    "MAX_LABELS",
+    "MAX_NAME_BYTES",
+    "MAX_PATH_BYTES",
+    "check_text",
+]
 
 #: labels per job, and the bytes of each key and each value
 MAX_LABELS = 64

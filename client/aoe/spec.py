@@ -33,8 +33,15 @@ from aoe.device import Device
 from aoe.errors import OptionError
 
 __all__ = [
-    "FOLDER_KEYS", "MAX_BUDGET_S", "JobSpec", "JobType", "Precision", "SpecError", "Stage", "parse_job_type",
-]  # fmt: skip
+    "FOLDER_KEYS",
+    "MAX_BUDGET_S",
+    "JobSpec",
+    "JobType",
+    "Precision",
+    "SpecError",
+    "Stage",
+    "parse_job_type",
+]
 
 
 class JobType(enum.StrEnum):
@@ -90,14 +97,31 @@ class Stage(enum.StrEnum):
 #: The job type of a job that names none: the most the tuner can find, at the tuning
 #: time bench/RESULTS.md states beside OPAT's.
 DEFAULT_JOB_TYPE = JobType.SGAT_OPAT
-_JOB_TYPE_SPELLINGS = {"2": "opat", "1": "sgat", "opat+sgat": "sgat+opat", "1+2": "sgat+opat", "2+1": "sgat+opat",
-                       "4": "gdat"}  # fmt: skip
+_JOB_TYPE_SPELLINGS = {
+    "2": "opat",
+    "1": "sgat",
+    "opat+sgat": "sgat+opat",
+    "1+2": "sgat+opat",
+    "2+1": "sgat+opat",
+    "4": "gdat",
+}
 #: The largest budget a user may give: a week. Past it the per-task split overflows a
 #: float (1e308 s is finite, yet its shares are not).
 MAX_BUDGET_S = 7 * 86400.0
 #: The keys a drop folder's aoed.toml may set.
-FOLDER_KEYS = ("budget_s", "input_shapes", "job_type", "max_rel_error", "min_cosine", "precision", "priority",
-               "repeat_tune", "world_size", "backend", "gradient_precision")  # fmt: skip
+FOLDER_KEYS = (
+    "budget_s",
+    "input_shapes",
+    "job_type",
+    "max_rel_error",
+    "min_cosine",
+    "precision",
+    "priority",
+    "repeat_tune",
+    "world_size",
+    "backend",
+    "gradient_precision",
+)
 #: GDAT's collective backends and gradient precisions (aoe.gradlayout checks them
 #: again where torch is at hand).
 GDAT_BACKENDS = ("gloo", "nccl", "hccl")
@@ -105,8 +129,14 @@ GRADIENT_PRECISIONS = ("exact", "fp16", "bf16", "lowrank")
 #: The fields only a GDAT job reads, and the ONNX fields a GDAT job refuses (with the
 #: value that means "not given").
 _GDAT_FIELDS = ("world_size", "backend", "gradient_precision", "entry")
-_ONNX_FIELDS = (("input_shapes", {}), ("min_cosine", None), ("max_rel_error", None), ("calibration_dir", None),
-                ("keep_initializer_inputs", False), ("device", None))  # fmt: skip
+_ONNX_FIELDS = (
+    ("input_shapes", {}),
+    ("min_cosine", None),
+    ("max_rel_error", None),
+    ("calibration_dir", None),
+    ("keep_initializer_inputs", False),
+    ("device", None),
+)
 
 
 class SpecError(OptionError):
@@ -125,15 +155,20 @@ def parse_job_type(raw: object, where: str = "job_type") -> JobType:
     try:
         return JobType(_JOB_TYPE_SPELLINGS.get(text, text))
     except ValueError:
-        raise SpecError(where, f"{raw}: expected opat (2), sgat (1), sgat+opat (both in one job) or gdat (4: "
-                               "data-parallel training)") from None  # fmt: skip
+        raise SpecError(
+            where,
+            f"{raw}: expected opat (2), sgat (1), sgat+opat (both in one job) or gdat (4: "
+            "data-parallel training)",
+        ) from None
 
 
 def _precision(raw: object) -> Precision:
     try:
         return Precision(str(raw).strip().lower())
     except ValueError:
-        raise SpecError("precision", f"{raw}: not supported (choose from: {', '.join(Precision)})") from None
+        raise SpecError(
+            "precision", f"{raw}: not supported (choose from: {', '.join(Precision)})"
+        ) from None
 
 
 def _number(raw: object, name: str) -> float | None:
@@ -162,16 +197,27 @@ def _shapes(raw: object) -> dict[str, tuple[int, ...]]:
     if not isinstance(raw, Mapping):
         raise SpecError("input_shapes", f"{raw!r}: expected a table of name = [dims]")
     if len(raw) > sizes.MAX_INPUT_SHAPES:
-        raise SpecError("input_shapes", f": {len(raw)} inputs, over the limit of {sizes.MAX_INPUT_SHAPES}")
+        raise SpecError(
+            "input_shapes", f": {len(raw)} inputs, over the limit of {sizes.MAX_INPUT_SHAPES}"
+        )
     out: dict[str, tuple[int, ...]] = {}
     for name, dims in raw.items():
         name = str(name)
         sizes.check_text(f"input_shapes: the input name {_cut(name)}", name, sizes.MAX_NAME_BYTES)
         if isinstance(dims, list | tuple) and len(dims) > sizes.MAX_DIMS:
-            raise SpecError("input shape", f"{_cut(name)}: {len(dims)} dimensions, over the limit of {sizes.MAX_DIMS}")
-        if not isinstance(dims, list | tuple) or not dims or any(
-                isinstance(d, bool) or not isinstance(d, int) or d <= 0 for d in dims):  # fmt: skip
-            raise SpecError("input shape", f"{name}: dimensions must be a list of positive whole numbers, not {dims!r}")
+            raise SpecError(
+                "input shape",
+                f"{_cut(name)}: {len(dims)} dimensions, over the limit of {sizes.MAX_DIMS}",
+            )
+        if (
+            not isinstance(dims, list | tuple)
+            or not dims
+            or any(isinstance(d, bool) or not isinstance(d, int) or d <= 0 for d in dims)
+        ):
+            raise SpecError(
+                "input shape",
+                f"{name}: dimensions must be a list of positive whole numbers, not {dims!r}",
+            )
         out[name] = tuple(dims)
     return out
 
@@ -238,13 +284,23 @@ class JobSpec:
         set_(self, "precision", _precision(self.precision))
         set_(self, "job_type", parse_job_type(self.job_type))
         set_(self, "repeat_tune", _flag(self.repeat_tune, "repeat_tune"))
-        set_(self, "keep_initializer_inputs", _flag(self.keep_initializer_inputs, "keep_initializer_inputs"))
+        set_(
+            self,
+            "keep_initializer_inputs",
+            _flag(self.keep_initializer_inputs, "keep_initializer_inputs"),
+        )
         budget = _number(self.budget_s, "budget_s")
         if budget is not None and not 0 < budget <= MAX_BUDGET_S:
-            raise SpecError("budget_s", f"{budget:g}: must be a positive number of seconds, at most "
-                                        f"{MAX_BUDGET_S:g} (a week)")  # fmt: skip
+            raise SpecError(
+                "budget_s",
+                f"{budget:g}: must be a positive number of seconds, at most "
+                f"{MAX_BUDGET_S:g} (a week)",
+            )
         set_(self, "budget_s", budget)
-        cosine, rel = _number(self.min_cosine, "min_cosine"), _number(self.max_rel_error, "max_rel_error")
+        cosine, rel = (
+            _number(self.min_cosine, "min_cosine"),
+            _number(self.max_rel_error, "max_rel_error"),
+        )
         if cosine is not None and not 0.0 < cosine <= 1.0:
             raise SpecError("min_cosine", f"{cosine}: must be in (0, 1]")
         if rel is not None and not rel > 0.0:
@@ -266,17 +322,26 @@ class JobSpec:
         if self.job_type != JobType.GDAT:
             for name in _GDAT_FIELDS:
                 if getattr(self, name) is not None:
-                    raise SpecError(name, "applies to job_type gdat (data-parallel training), not to ONNX models")
+                    raise SpecError(
+                        name,
+                        "applies to job_type gdat (data-parallel training), not to ONNX models",
+                    )
             return
         for name, unset in _ONNX_FIELDS:
             if getattr(self, name) != unset:
                 raise SpecError(name, "applies to ONNX jobs, not to job_type gdat")
         if self.precision != Precision.EXACT:
-            raise SpecError("precision", "applies to ONNX jobs, not to job_type gdat; GDAT uses gradient_precision")
+            raise SpecError(
+                "precision",
+                "applies to ONNX jobs, not to job_type gdat; GDAT uses gradient_precision",
+            )
         n = self.world_size
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
             raise SpecError("world_size", f"{n!r}: must be a whole number, at least 1")
-        for name, known in (("backend", GDAT_BACKENDS), ("gradient_precision", GRADIENT_PRECISIONS)):
+        for name, known in (
+            ("backend", GDAT_BACKENDS),
+            ("gradient_precision", GRADIENT_PRECISIONS),
+        ):
             value = getattr(self, name)
             if value is not None:
                 text = str(value).strip().lower()
@@ -310,15 +375,25 @@ class JobSpec:
     def to_dict(self) -> dict[str, Any]:
         """JSON types, every field (None where unset); `from_dict` reads it back."""
         return {
-            "precision": str(self.precision), "job_type": str(self.job_type),
-            "input_shapes": {k: list(v) for k, v in self.input_shapes.items()}, "repeat_tune": self.repeat_tune,
-            "device": self.device, "budget_s": self.budget_s, "min_cosine": self.min_cosine,
+            "precision": str(self.precision),
+            "job_type": str(self.job_type),
+            "input_shapes": {k: list(v) for k, v in self.input_shapes.items()},
+            "repeat_tune": self.repeat_tune,
+            "device": self.device,
+            "budget_s": self.budget_s,
+            "min_cosine": self.min_cosine,
             "max_rel_error": self.max_rel_error,
-            "calibration_dir": str(self.calibration_dir) if self.calibration_dir is not None else None,
-            "priority": self.priority, "labels": dict(self.labels),
-            "keep_initializer_inputs": self.keep_initializer_inputs, "world_size": self.world_size,
-            "backend": self.backend, "gradient_precision": self.gradient_precision, "entry": self.entry,
-        }  # fmt: skip
+            "calibration_dir": str(self.calibration_dir)
+            if self.calibration_dir is not None
+            else None,
+            "priority": self.priority,
+            "labels": dict(self.labels),
+            "keep_initializer_inputs": self.keep_initializer_inputs,
+            "world_size": self.world_size,
+            "backend": self.backend,
+            "gradient_precision": self.gradient_precision,
+            "entry": self.entry,
+        }
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], keys: tuple[str, ...] | None = None) -> JobSpec:
@@ -350,7 +425,10 @@ class JobSpec:
             lines.append(f"{key} = {_toml_value(value)}")
         if shapes:
             lines.append("[input_shapes]")
-            lines += [f"{_toml_value(name)} = [{', '.join(map(str, dims))}]" for name, dims in shapes.items()]
+            lines += [
+                f"{_toml_value(name)} = [{', '.join(map(str, dims))}]"
+                for name, dims in shapes.items()
+            ]
         return "\n".join(lines) + "\n"
 
     @classmethod

@@ -23,58 +23,132 @@ __all__ = ["FLAGS", "add_arguments", "entry_of", "from_args", "parse_shapes", "t
 
 #: The flag of each spec field.
 FLAGS = {
-    "precision": "--precision", "job_type": "--job-type", "input_shapes": "--input-shape",
-    "repeat_tune": "--repeat-tune", "device": "--device", "budget_s": "--budget", "min_cosine": "--min-cosine",
-    "max_rel_error": "--max-rel-error", "calibration_dir": "--calibration", "priority": "--priority",
-    "labels": "--label", "keep_initializer_inputs": "--keep-initializer-inputs", "world_size": "--world-size",
-    "backend": "--backend", "gradient_precision": "--gradient-precision", "entry": "--entry",
-}  # fmt: skip
+    "precision": "--precision",
+    "job_type": "--job-type",
+    "input_shapes": "--input-shape",
+    "repeat_tune": "--repeat-tune",
+    "device": "--device",
+    "budget_s": "--budget",
+    "min_cosine": "--min-cosine",
+    "max_rel_error": "--max-rel-error",
+    "calibration_dir": "--calibration",
+    "priority": "--priority",
+    "labels": "--label",
+    "keep_initializer_inputs": "--keep-initializer-inputs",
+    "world_size": "--world-size",
+    "backend": "--backend",
+    "gradient_precision": "--gradient-precision",
+    "entry": "--entry",
+}
 
 
-def add_arguments(p: argparse.ArgumentParser, *, where: str = "on this machine or the daemon",
-                  many_devices: bool = False) -> None:
+def add_arguments(
+    p: argparse.ArgumentParser,
+    *,
+    where: str = "on this machine or the daemon",
+    many_devices: bool = False,
+) -> None:
     """Add the spec's flags to `p` (each defaults to None: not given). `many_devices`:
     `--device` may be repeated, or `all` (a run that measures on several devices; the
     spec names the first, the run's configuration all of them)."""
-    p.add_argument("--precision", help="precision policy: exact (default), int8, int4 (weight-only 4-bit products), "
-                                       "or on a GPU/NPU fp16 or bf16")  # fmt: skip
-    p.add_argument("--job-type", help=f"{DEFAULT_JOB_TYPE} (the default): subgraphs, then operators over the nodes "
-                                      "they left, in one job; opat (2): operators alone; sgat (1): subgraphs alone "
-                                      "(attention, layernorm, gelu, glu, conv regions); gdat (4, also AOE_MODE=4): "
-                                      "the gradient communication of data-parallel training (PyTorch DDP)")  # fmt: skip
-    p.add_argument("--input-shape", action="append", default=[], metavar="NAME:D1,D2,...",
-                   help="static shape for an input with dynamic dimensions; repeat or join with ';'")  # fmt: skip
-    p.add_argument("--repeat-tune", action="store_true", default=None, help="re-tune tasks the bank already knows")
+    p.add_argument(
+        "--precision",
+        help="precision policy: exact (default), int8, int4 (weight-only 4-bit products), "
+        "or on a GPU/NPU fp16 or bf16",
+    )
+    p.add_argument(
+        "--job-type",
+        help=f"{DEFAULT_JOB_TYPE} (the default): subgraphs, then operators over the nodes "
+        "they left, in one job; opat (2): operators alone; sgat (1): subgraphs alone "
+        "(attention, layernorm, gelu, glu, conv regions); gdat (4, also AOE_MODE=4): "
+        "the gradient communication of data-parallel training (PyTorch DDP)",
+    )
+    p.add_argument(
+        "--input-shape",
+        action="append",
+        default=[],
+        metavar="NAME:D1,D2,...",
+        help="static shape for an input with dynamic dimensions; repeat or join with ';'",
+    )
+    p.add_argument(
+        "--repeat-tune",
+        action="store_true",
+        default=None,
+        help="re-tune tasks the bank already knows",
+    )
     if many_devices:
-        p.add_argument("--device", action="append",
-                       help=f"cpu, cpu:FIRST-LAST (a set of cores), cuda:N, tensorrt:N or cann:N (default: the "
-                            f"device {where} measures on); repeat it to measure on several devices, or give `all`: "
-                            "the config's [tuning] devices, else every usable accelerator")  # fmt: skip
+        p.add_argument(
+            "--device",
+            action="append",
+            help=f"cpu, cpu:FIRST-LAST (a set of cores), cuda:N, tensorrt:N or cann:N (default: the "
+            f"device {where} measures on); repeat it to measure on several devices, or give `all`: "
+            "the config's [tuning] devices, else every usable accelerator",
+        )
     else:
-        p.add_argument("--device", help=f"cpu, cuda:N, tensorrt:N or cann:N (default: the device {where} measures on)")
-    p.add_argument("--budget", type=float, help="device seconds for search, session options and verification "
-                                                "together (default: fitted to the model's profiled latency)")  # fmt: skip
-    p.add_argument("--min-cosine", type=float, help="end-to-end accuracy budget: lowest output cosine (int8: 0.999)")
-    p.add_argument("--max-rel-error", type=float,
-                   help="end-to-end accuracy budget: largest error relative to the output range (int8: 0.25)")  # fmt: skip
-    p.add_argument("--calibration", type=Path, help="calibration samples: a folder of .npz/.npy (lossy precisions)")
-    p.add_argument("--priority", type=int, help="-10 (background) to 10 (urgent); default 0 (a daemon's queue)")
-    p.add_argument("--label", action="append", default=[], metavar="KEY=VALUE", help="a label for the job (repeatable)")
-    p.add_argument("--keep-initializer-inputs", action="store_true", default=None,
-                   help="treat initializers that old exporters list as graph inputs as real inputs")  # fmt: skip
+        p.add_argument(
+            "--device",
+            help=f"cpu, cuda:N, tensorrt:N or cann:N (default: the device {where} measures on)",
+        )
+    p.add_argument(
+        "--budget",
+        type=float,
+        help="device seconds for search, session options and verification "
+        "together (default: fitted to the model's profiled latency)",
+    )
+    p.add_argument(
+        "--min-cosine",
+        type=float,
+        help="end-to-end accuracy budget: lowest output cosine (int8: 0.999)",
+    )
+    p.add_argument(
+        "--max-rel-error",
+        type=float,
+        help="end-to-end accuracy budget: largest error relative to the output range (int8: 0.25)",
+    )
+    p.add_argument(
+        "--calibration",
+        type=Path,
+        help="calibration samples: a folder of .npz/.npy (lossy precisions)",
+    )
+    p.add_argument(
+        "--priority", type=int, help="-10 (background) to 10 (urgent); default 0 (a daemon's queue)"
+    )
+    p.add_argument(
+        "--label",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a label for the job (repeatable)",
+    )
+    p.add_argument(
+        "--keep-initializer-inputs",
+        action="store_true",
+        default=None,
+        help="treat initializers that old exporters list as graph inputs as real inputs",
+    )
     g = p.add_argument_group("GDAT (--job-type gdat: a torch.export program, .pt2)")
-    g.add_argument("--world-size", type=int,
-                   help="ranks of the measured world (default: 2 on gloo, one per device on nccl/hccl)")  # fmt: skip
+    g.add_argument(
+        "--world-size",
+        type=int,
+        help="ranks of the measured world (default: 2 on gloo, one per device on nccl/hccl)",
+    )
     g.add_argument("--backend", help="collective backend: gloo (default, CPU), nccl, hccl")
-    g.add_argument("--gradient-precision",
-                   help="exact (default); fp16, bf16 or lowrank allow compression hooks of that class and the less "
-                        "lossy ones, each gated against exact all-reduce")  # fmt: skip
-    g.add_argument("--entry", metavar="FILE.py:FUNCTION",
-                   help="your own training code instead of a .pt2 (embedded runs only): FUNCTION returns "
-                        "(model, batch, loss_fn)")  # fmt: skip
+    g.add_argument(
+        "--gradient-precision",
+        help="exact (default); fp16, bf16 or lowrank allow compression hooks of that class and the less "
+        "lossy ones, each gated against exact all-reduce",
+    )
+    g.add_argument(
+        "--entry",
+        metavar="FILE.py:FUNCTION",
+        help="your own training code instead of a .pt2 (embedded runs only): FUNCTION returns "
+        "(model, batch, loss_fn)",
+    )
 
 
-def parse_shapes(items: str | Iterable[str], where: str = "--input-shape") -> dict[str, tuple[int, ...]]:
+def parse_shapes(
+    items: str | Iterable[str], where: str = "--input-shape"
+) -> dict[str, tuple[int, ...]]:
     """{name: dims} from `NAME:D1,D2,...` items (also `;`-joined, AOE style). OptionError
     naming `where` and the item."""
     out: dict[str, tuple[int, ...]] = {}
@@ -124,22 +198,31 @@ def from_args(args: argparse.Namespace) -> JobSpec:
     gives; a missing one counts as not given). OptionError naming the flag."""
     entry = getattr(args, "entry", None)
     given = {
-        "precision": getattr(args, "precision", None), "job_type": getattr(args, "job_type", None),
+        "precision": getattr(args, "precision", None),
+        "job_type": getattr(args, "job_type", None),
         "input_shapes": parse_shapes(getattr(args, "input_shape", None) or []),
-        "repeat_tune": getattr(args, "repeat_tune", None), "device": _first_device(getattr(args, "device", None)),
-        "budget_s": getattr(args, "budget", None), "min_cosine": getattr(args, "min_cosine", None),
-        "max_rel_error": getattr(args, "max_rel_error", None), "calibration_dir": getattr(args, "calibration", None),
-        "priority": getattr(args, "priority", None), "labels": _labels(getattr(args, "label", None) or []),
+        "repeat_tune": getattr(args, "repeat_tune", None),
+        "device": _first_device(getattr(args, "device", None)),
+        "budget_s": getattr(args, "budget", None),
+        "min_cosine": getattr(args, "min_cosine", None),
+        "max_rel_error": getattr(args, "max_rel_error", None),
+        "calibration_dir": getattr(args, "calibration", None),
+        "priority": getattr(args, "priority", None),
+        "labels": _labels(getattr(args, "label", None) or []),
         "keep_initializer_inputs": getattr(args, "keep_initializer_inputs", None),
-        "world_size": getattr(args, "world_size", None), "backend": getattr(args, "backend", None),
+        "world_size": getattr(args, "world_size", None),
+        "backend": getattr(args, "backend", None),
         "gradient_precision": getattr(args, "gradient_precision", None),
         "entry": entry_of(entry)[1] if entry else None,
-    }  # fmt: skip
+    }
     try:
         return JobSpec(**{k: v for k, v in given.items() if v is not None})
     except SpecError as exc:
-        raise OptionError(f"{FLAGS.get(exc.field, exc.field)}{exc.detail}" if exc.detail.startswith(":")
-                          else f"{FLAGS.get(exc.field, exc.field)} {exc.detail}") from None  # fmt: skip
+        raise OptionError(
+            f"{FLAGS.get(exc.field, exc.field)}{exc.detail}"
+            if exc.detail.startswith(":")
+            else f"{FLAGS.get(exc.field, exc.field)} {exc.detail}"
+        ) from None
 
 
 def to_argv(spec: JobSpec) -> list[str]:

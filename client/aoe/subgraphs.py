@@ -89,15 +89,23 @@ def _layernorm(g: Graph, r1: onnx.NodeProto) -> Match | None:
         return None
     d = sub[0].output[0]
     uses = g.users(d)
-    sq = [u for u in uses if (u.op_type == "Pow" and u.input[0] == d and g.is_scalar(u.input[1], 2.0))
-          or (u.op_type == "Mul" and list(u.input) == [d, d])]  # fmt: skip
+    sq = [
+        u
+        for u in uses
+        if (u.op_type == "Pow" and u.input[0] == d and g.is_scalar(u.input[1], 2.0))
+        or (u.op_type == "Mul" and list(u.input) == [d, d])
+    ]
     if len(sq) != 1:
         return None
     r2 = g.users(sq[0].output[0])
     if len(r2) != 1 or r2[0].op_type != "ReduceMean" or not last_axis(g, r2[0], sq[0].output[0]):
         return None
     eps = g.users(r2[0].output[0])
-    if len(eps) != 1 or eps[0].op_type != "Add" or g.scalar(g.other(eps[0], r2[0].output[0]) or "") is None:
+    if (
+        len(eps) != 1
+        or eps[0].op_type != "Add"
+        or g.scalar(g.other(eps[0], r2[0].output[0]) or "") is None
+    ):
         return None
     sqrt = g.users(eps[0].output[0])
     if len(sqrt) != 1 or sqrt[0].op_type != "Sqrt":
@@ -139,12 +147,23 @@ def _rmsnorm(g: Graph, r: onnx.NodeProto) -> Match | None:
     if sq is None:
         return None
     x = sq.input[0]
-    if not ((sq.op_type == "Pow" and g.is_scalar(sq.input[1], 2.0)) or (sq.op_type == "Mul" and list(sq.input) == [x, x])):
+    if not (
+        (sq.op_type == "Pow" and g.is_scalar(sq.input[1], 2.0))
+        or (sq.op_type == "Mul" and list(sq.input) == [x, x])
+    ):
         return None
-    if len(g.users(sq.output[0])) != 1 or not last_axis(g, r, sq.output[0]) or g.attr(r, "keepdims", 1) != 1:
+    if (
+        len(g.users(sq.output[0])) != 1
+        or not last_axis(g, r, sq.output[0])
+        or g.attr(r, "keepdims", 1) != 1
+    ):
         return None
     eps = g.users(r.output[0])
-    if len(eps) != 1 or eps[0].op_type != "Add" or g.scalar(g.other(eps[0], r.output[0]) or "") is None:
+    if (
+        len(eps) != 1
+        or eps[0].op_type != "Add"
+        or g.scalar(g.other(eps[0], r.output[0]) or "") is None
+    ):
         return None
     sqrt = g.users(eps[0].output[0])
     if len(sqrt) != 1 or sqrt[0].op_type != "Sqrt":
@@ -206,7 +225,11 @@ def _gelu_tail(g: Graph, x: str, inner: str, nodes: list[onnx.NodeProto]) -> boo
     nodes.append(m1)
     if o == x:  # x·(1 + f) then ·0.5
         m2 = g.users(m1.output[0])
-        if len(m2) != 1 or m2[0].op_type != "Mul" or not g.is_scalar(g.other(m2[0], m1.output[0]) or "", 0.5):
+        if (
+            len(m2) != 1
+            or m2[0].op_type != "Mul"
+            or not g.is_scalar(g.other(m2[0], m1.output[0]) or "", 0.5)
+        ):
             return False
         nodes.append(m2[0])
         return True
@@ -264,7 +287,11 @@ def _gelu(g: Graph, anchor: onnx.NodeProto) -> Match | None:
             nodes.append(sq)
         nodes += [pre, inner, cube, p]
     one = g.users(anchor.output[0])
-    if len(one) != 1 or one[0].op_type != "Add" or not g.is_scalar(g.other(one[0], anchor.output[0]) or "", 1.0):
+    if (
+        len(one) != 1
+        or one[0].op_type != "Add"
+        or not g.is_scalar(g.other(one[0], anchor.output[0]) or "", 1.0)
+    ):
         return None
     nodes.append(one[0])
     if not _gelu_tail(g, x, one[0].output[0], nodes):
@@ -275,7 +302,12 @@ def _gelu(g: Graph, anchor: onnx.NodeProto) -> Match | None:
     if add is not None and x not in g.outputs and all(u.name in inside for u in g.users(x)):
         bias = next((i for i in add.input if g.is_const(i)), None)
         mm = g.node(g.other(add, bias) or "", "MatMul") if bias is not None else None
-        if mm is not None and g.is_const(mm.input[1]) and len(g.users(mm.output[0])) == 1 and mm.output[0] not in g.outputs:
+        if (
+            mm is not None
+            and g.is_const(mm.input[1])
+            and len(g.users(mm.output[0])) == 1
+            and mm.output[0] not in g.outputs
+        ):
             nodes += [add, mm]
     ordered = g.sorted(nodes)
     return Match("gelu", ordered) if g.closed(ordered) else None
@@ -343,19 +375,38 @@ def _glu(g: Graph, anchor: onnx.NodeProto) -> Match | None:
 #: What a CNN region is made of: every one has an int8 kernel in onnxruntime (QLinearConv,
 #: QLinearAdd, QLinear pooling) or folds away (BatchNormalization into its Conv, Relu
 #: into the range of what follows).
-_REGION_OPS = ("Conv", "BatchNormalization", "Relu", "Add", "MaxPool", "AveragePool", "GlobalAveragePool")
+_REGION_OPS = (
+    "Conv",
+    "BatchNormalization",
+    "Relu",
+    "Add",
+    "MaxPool",
+    "AveragePool",
+    "GlobalAveragePool",
+)
 
 
 def _in_region(g: Graph, node: onnx.NodeProto) -> bool:
     if node.domain not in STD or node.op_type not in _REGION_OPS:
         return False
     if node.op_type == "Conv":
-        return len(node.input) >= 2 and g.is_const(node.input[1]) and all(g.is_const(i) for i in node.input[2:] if i)
+        return (
+            len(node.input) >= 2
+            and g.is_const(node.input[1])
+            and all(g.is_const(i) for i in node.input[2:] if i)
+        )
     if node.op_type == "BatchNormalization":
-        return len([o for o in node.output if o]) == 1 and all(g.is_const(i) for i in node.input[1:])
+        return len([o for o in node.output if o]) == 1 and all(
+            g.is_const(i) for i in node.input[1:]
+        )
     if node.op_type == "Add":  # a residual: two activations of one shape
         a, b = (g.ctx.tensors.get(i) for i in node.input)
-        return not any(g.is_const(i) for i in node.input) and a is not None and b is not None and a.shape == b.shape
+        return (
+            not any(g.is_const(i) for i in node.input)
+            and a is not None
+            and b is not None
+            and a.shape == b.shape
+        )
     if node.op_type == "MaxPool":
         return len([o for o in node.output if o]) == 1  # no indices output
     return True

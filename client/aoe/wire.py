@@ -21,11 +21,19 @@ from aoe.v1 import bank_pb2, tuning_pb2
 
 __all__ = ["figures_from_pb", "outcome_from_pb", "outcome_to_pb", "spec_from_pb", "spec_to_pb"]
 
-_PRECISION = {Precision.EXACT: bank_pb2.PRECISION_EXACT, Precision.INT8: bank_pb2.PRECISION_INT8,
-              Precision.INT4: bank_pb2.PRECISION_INT4, Precision.FP16: bank_pb2.PRECISION_FP16,
-              Precision.BF16: bank_pb2.PRECISION_BF16}  # fmt: skip
-_JOB_TYPE = {JobType.OPAT: tuning_pb2.JOB_TYPE_OPAT, JobType.SGAT: tuning_pb2.JOB_TYPE_SGAT,
-             JobType.SGAT_OPAT: tuning_pb2.JOB_TYPE_SGAT_OPAT, JobType.GDAT: tuning_pb2.JOB_TYPE_GDAT}  # fmt: skip
+_PRECISION = {
+    Precision.EXACT: bank_pb2.PRECISION_EXACT,
+    Precision.INT8: bank_pb2.PRECISION_INT8,
+    Precision.INT4: bank_pb2.PRECISION_INT4,
+    Precision.FP16: bank_pb2.PRECISION_FP16,
+    Precision.BF16: bank_pb2.PRECISION_BF16,
+}
+_JOB_TYPE = {
+    JobType.OPAT: tuning_pb2.JOB_TYPE_OPAT,
+    JobType.SGAT: tuning_pb2.JOB_TYPE_SGAT,
+    JobType.SGAT_OPAT: tuning_pb2.JOB_TYPE_SGAT_OPAT,
+    JobType.GDAT: tuning_pb2.JOB_TYPE_GDAT,
+}
 
 
 def _known(table: dict[Any, int], code: int, field: str, enum: Any, unset: Any) -> Any:
@@ -46,17 +54,28 @@ def _known(table: dict[Any, int], code: int, field: str, enum: Any, unset: Any) 
 def spec_to_pb(spec: JobSpec) -> tuning_pb2.JobOptions:
     """The JobOptions message of `spec`."""
     return tuning_pb2.JobOptions(
-        job_type=_JOB_TYPE[spec.job_type], precision=_PRECISION[spec.precision],
+        job_type=_JOB_TYPE[spec.job_type],
+        precision=_PRECISION[spec.precision],
         input_shapes=[tuning_pb2.InputShape(name=k, dims=v) for k, v in spec.input_shapes.items()],
-        repeat_tune=spec.repeat_tune, device=spec.device or "",
-        accuracy_budget=tuning_pb2.AccuracyBudget(min_cosine=spec.min_cosine or 0.0,
-                                                  max_rel_error=spec.max_rel_error or 0.0),
-        calibration_dir=str(spec.calibration_dir or ""), labels=dict(spec.labels), priority=spec.priority,
-        budget_s=spec.budget_s or 0.0, keep_initializer_inputs=spec.keep_initializer_inputs,
-        gdat=tuning_pb2.GdatOptions(world_size=spec.world_size or 0, backend=spec.backend or "",
-                                    gradient_precision=spec.gradient_precision or "", entry=spec.entry or "")
-        if spec.job_type == JobType.GDAT else None,
-    )  # fmt: skip
+        repeat_tune=spec.repeat_tune,
+        device=spec.device or "",
+        accuracy_budget=tuning_pb2.AccuracyBudget(
+            min_cosine=spec.min_cosine or 0.0, max_rel_error=spec.max_rel_error or 0.0
+        ),
+        calibration_dir=str(spec.calibration_dir or ""),
+        labels=dict(spec.labels),
+        priority=spec.priority,
+        budget_s=spec.budget_s or 0.0,
+        keep_initializer_inputs=spec.keep_initializer_inputs,
+        gdat=tuning_pb2.GdatOptions(
+            world_size=spec.world_size or 0,
+            backend=spec.backend or "",
+            gradient_precision=spec.gradient_precision or "",
+            entry=spec.entry or "",
+        )
+        if spec.job_type == JobType.GDAT
+        else None,
+    )
 
 
 def spec_from_pb(o: tuning_pb2.JobOptions) -> JobSpec:
@@ -65,14 +84,21 @@ def spec_from_pb(o: tuning_pb2.JobOptions) -> JobSpec:
     return JobSpec(
         precision=_known(_PRECISION, o.precision, "precision", bank_pb2.Precision, Precision.EXACT),
         job_type=_known(_JOB_TYPE, o.job_type, "job_type", tuning_pb2.JobType, JobType.SGAT_OPAT),
-        input_shapes={s.name: list(s.dims) for s in o.input_shapes}, repeat_tune=o.repeat_tune,
-        device=o.device or None, budget_s=o.budget_s or None,
-        min_cosine=o.accuracy_budget.min_cosine or None, max_rel_error=o.accuracy_budget.max_rel_error or None,
-        calibration_dir=o.calibration_dir or None, priority=o.priority, labels=dict(o.labels),
-        keep_initializer_inputs=o.keep_initializer_inputs, world_size=o.gdat.world_size or None,
-        backend=o.gdat.backend or None, gradient_precision=o.gdat.gradient_precision or None,
+        input_shapes={s.name: list(s.dims) for s in o.input_shapes},
+        repeat_tune=o.repeat_tune,
+        device=o.device or None,
+        budget_s=o.budget_s or None,
+        min_cosine=o.accuracy_budget.min_cosine or None,
+        max_rel_error=o.accuracy_budget.max_rel_error or None,
+        calibration_dir=o.calibration_dir or None,
+        priority=o.priority,
+        labels=dict(o.labels),
+        keep_initializer_inputs=o.keep_initializer_inputs,
+        world_size=o.gdat.world_size or None,
+        backend=o.gdat.backend or None,
+        gradient_precision=o.gdat.gradient_precision or None,
         entry=o.gdat.entry or None,
-    )  # fmt: skip
+    )
 
 
 # --------------------------------------------------------------------------- JobOutcome
@@ -83,21 +109,45 @@ def figures_from_pb(r: tuning_pb2.JobResult) -> Figures:
     decided = None
     if r.HasField("decided_by"):
         c = r.decided_by
-        decided = Comparison(c.subject, c.against, c.improvement, (c.improvement_ci95_low, c.improvement_ci95_high))
+        decided = Comparison(
+            c.subject, c.against, c.improvement, (c.improvement_ci95_low, c.improvement_ci95_high)
+        )
     shipped = r.shipped
-    imp, ci = (0.0, (0.0, 0.0)) if shipped == "input" else (r.improvement, (r.improvement_ci95_low,
-                                                                             r.improvement_ci95_high))  # fmt: skip
-    return Figures(r.verdict, shipped, r.baseline_ms, imp, ci, r.confirm_rounds, r.confirmed_by, decided)
+    imp, ci = (
+        (0.0, (0.0, 0.0))
+        if shipped == "input"
+        else (r.improvement, (r.improvement_ci95_low, r.improvement_ci95_high))
+    )
+    return Figures(
+        r.verdict, shipped, r.baseline_ms, imp, ci, r.confirm_rounds, r.confirmed_by, decided
+    )
 
 
 def _budget_pb(b: BudgetReport) -> tuning_pb2.JobBudget:
     msg = tuning_pb2.JobBudget(
-        budget_s=b.budget_s, given=b.given, spent_s=b.spent_s, search_s=b.search_s, session_s=b.session_s,
-        verify_s=b.verify_s, profile_s=b.profile_s, confirm_s=b.confirm_s, elapsed_s=b.elapsed_s, over_s=b.over_s,
-        stages=[tuning_pb2.StageBudget(stage=str(name), given_s=st.given_s, spent_s=st.spent_s, over_s=st.over_s,
-                                       counted=st.counted, device_s=st.device_s, estimate_s=st.estimate_s)
-                for name, st in b.stages.items()],
-    )  # fmt: skip
+        budget_s=b.budget_s,
+        given=b.given,
+        spent_s=b.spent_s,
+        search_s=b.search_s,
+        session_s=b.session_s,
+        verify_s=b.verify_s,
+        profile_s=b.profile_s,
+        confirm_s=b.confirm_s,
+        elapsed_s=b.elapsed_s,
+        over_s=b.over_s,
+        stages=[
+            tuning_pb2.StageBudget(
+                stage=str(name),
+                given_s=st.given_s,
+                spent_s=st.spent_s,
+                over_s=st.over_s,
+                counted=st.counted,
+                device_s=st.device_s,
+                estimate_s=st.estimate_s,
+            )
+            for name, st in b.stages.items()
+        ],
+    )
     if b.load_s_per_mib is not None:
         msg.load_s_per_mib = b.load_s_per_mib
     return msg
@@ -108,11 +158,24 @@ def _budget_from_pb(m: tuning_pb2.JobBudget) -> BudgetReport:
         return getattr(msg, name) if msg.HasField(name) else None
 
     return BudgetReport(
-        m.budget_s, m.given, m.spent_s, m.search_s, m.session_s, m.verify_s, m.profile_s, m.confirm_s,
-        opt(m, "load_s_per_mib"), m.elapsed_s, m.over_s,
-        {Stage(s.stage): StageTime(s.given_s, s.spent_s, s.over_s, s.counted, opt(s, "device_s"),
-                                   opt(s, "estimate_s")) for s in m.stages},
-    )  # fmt: skip
+        m.budget_s,
+        m.given,
+        m.spent_s,
+        m.search_s,
+        m.session_s,
+        m.verify_s,
+        m.profile_s,
+        m.confirm_s,
+        opt(m, "load_s_per_mib"),
+        m.elapsed_s,
+        m.over_s,
+        {
+            Stage(s.stage): StageTime(
+                s.given_s, s.spent_s, s.over_s, s.counted, opt(s, "device_s"), opt(s, "estimate_s")
+            )
+            for s in m.stages
+        },
+    )
 
 
 _ACCURACY = ("max_abs_error", "max_rel_error", "cosine")
@@ -122,34 +185,78 @@ def outcome_to_pb(o: JobOutcome) -> tuning_pb2.JobResult:
     """The JobResult message of `o`."""
     f, c = o.figures, o.figures.decided_by
     return tuning_pb2.JobResult(
-        baseline_ms=f.baseline_ms, tuned_ms=f.result_ms, improvement=f.improvement,
-        tuned_model_path=o.tuned_model, result_json_path=o.result_json,
-        repo_summary=tuning_pb2.RepoSummary(**{k: int(v) for k, v in o.bank.items()
-                                               if k in tuning_pb2.RepoSummary.DESCRIPTOR.fields_by_name}),
-        verdict=f.verdict, shipped=str(f.shipped), improvement_ci95_low=f.ci95[0], improvement_ci95_high=f.ci95[1],
-        trials=int(o.resources.get("trials", 0)), device_s=float(o.resources.get("device_s", 0.0)),
-        tuning_time_s=o.tuning_time_s, confirm_rounds=f.rounds, confirmed_by=f.confirmed_by,
-        decided_by=tuning_pb2.Comparison(subject=c.subject, against=c.against, improvement=c.improvement,
-                                         improvement_ci95_low=c.ci95[0], improvement_ci95_high=c.ci95[1])
-        if c is not None else None,
-        tasks=[tuning_pb2.TaskResult(
-            task_id=t.task_id, op_type=t.op_type, node_names=[t.op_name], before_us=t.before_us,
-            after_us=t.after_us, improvement=t.improvement, update_mode=str(t.update_mode),
-            bank_layer=t.bank_layer, error=t.error,
-            strategy=bank_pb2.Strategy(name=t.strategy) if t.chosen else None,
-            accuracy=bank_pb2.Accuracy(**{k: t.accuracy.get(k, 0.0) for k in _ACCURACY}) if t.accuracy else None,
-            family=t.family, instances=t.instances, share=t.share, not_applied=not t.applied,
-            rejected=list(t.rejected), attempt=t.attempt,
-        ) for t in o.tasks],
-        precision=_PRECISION[o.precision], job_type=_JOB_TYPE[o.job_type], device=o.device, notes=list(o.notes),
-        calibration=o.calibration, verification=o.verified,
+        baseline_ms=f.baseline_ms,
+        tuned_ms=f.result_ms,
+        improvement=f.improvement,
+        tuned_model_path=o.tuned_model,
+        result_json_path=o.result_json,
+        repo_summary=tuning_pb2.RepoSummary(
+            **{
+                k: int(v)
+                for k, v in o.bank.items()
+                if k in tuning_pb2.RepoSummary.DESCRIPTOR.fields_by_name
+            }
+        ),
+        verdict=f.verdict,
+        shipped=str(f.shipped),
+        improvement_ci95_low=f.ci95[0],
+        improvement_ci95_high=f.ci95[1],
+        trials=int(o.resources.get("trials", 0)),
+        device_s=float(o.resources.get("device_s", 0.0)),
+        tuning_time_s=o.tuning_time_s,
+        confirm_rounds=f.rounds,
+        confirmed_by=f.confirmed_by,
+        decided_by=tuning_pb2.Comparison(
+            subject=c.subject,
+            against=c.against,
+            improvement=c.improvement,
+            improvement_ci95_low=c.ci95[0],
+            improvement_ci95_high=c.ci95[1],
+        )
+        if c is not None
+        else None,
+        tasks=[
+            tuning_pb2.TaskResult(
+                task_id=t.task_id,
+                op_type=t.op_type,
+                node_names=[t.op_name],
+                before_us=t.before_us,
+                after_us=t.after_us,
+                improvement=t.improvement,
+                update_mode=str(t.update_mode),
+                bank_layer=t.bank_layer,
+                error=t.error,
+                strategy=bank_pb2.Strategy(name=t.strategy) if t.chosen else None,
+                accuracy=bank_pb2.Accuracy(**{k: t.accuracy.get(k, 0.0) for k in _ACCURACY})
+                if t.accuracy
+                else None,
+                family=t.family,
+                instances=t.instances,
+                share=t.share,
+                not_applied=not t.applied,
+                rejected=list(t.rejected),
+                attempt=t.attempt,
+            )
+            for t in o.tasks
+        ],
+        precision=_PRECISION[o.precision],
+        job_type=_JOB_TYPE[o.job_type],
+        device=o.device,
+        notes=list(o.notes),
+        calibration=o.calibration,
+        verification=o.verified,
         resources={k: float(v) for k, v in o.resources.items() if isinstance(v, int | float)},
         accuracy={k: float(v) for k, v in o.accuracy.items() if isinstance(v, int | float)},
-        accuracy_budget={k: float(v) for k, v in o.accuracy_budget.items() if isinstance(v, int | float)},
-        session_options_json=json.dumps(dict(o.session_options), sort_keys=True) if o.session_options else "",
-        budget=_budget_pb(o.budget), model_path=o.model,
+        accuracy_budget={
+            k: float(v) for k, v in o.accuracy_budget.items() if isinstance(v, int | float)
+        },
+        session_options_json=json.dumps(dict(o.session_options), sort_keys=True)
+        if o.session_options
+        else "",
+        budget=_budget_pb(o.budget),
+        model_path=o.model,
         details_json=json.dumps(dict(o.details), sort_keys=True) if o.details else "",
-    )  # fmt: skip
+    )
 
 
 def _older_resources(r: tuning_pb2.JobResult) -> dict[str, float]:
@@ -161,20 +268,46 @@ def outcome_from_pb(r: tuning_pb2.JobResult, job_id: str = "") -> JobOutcome:
     """The outcome a JobResult message describes (`job_id`: the Job's, which the result
     itself does not repeat). A result from an older daemon reads with defaults where it
     has no field."""
-    tasks = tuple(TaskOutcome(
-        t.task_id, t.node_names[0] if t.node_names else t.task_id, t.op_type, t.family, t.instances or 1, t.share,
-        t.strategy.name or "default", t.before_us, t.after_us, t.update_mode, t.bank_layer,
-        {k: getattr(t.accuracy, k) for k in _ACCURACY} if t.HasField("accuracy") else {}, t.error,
-        tuple(t.rejected), not t.not_applied, t.attempt,
-    ) for t in r.tasks)  # fmt: skip
+    tasks = tuple(
+        TaskOutcome(
+            t.task_id,
+            t.node_names[0] if t.node_names else t.task_id,
+            t.op_type,
+            t.family,
+            t.instances or 1,
+            t.share,
+            t.strategy.name or "default",
+            t.before_us,
+            t.after_us,
+            t.update_mode,
+            t.bank_layer,
+            {k: getattr(t.accuracy, k) for k in _ACCURACY} if t.HasField("accuracy") else {},
+            t.error,
+            tuple(t.rejected),
+            not t.not_applied,
+            t.attempt,
+        )
+        for t in r.tasks
+    )
     return JobOutcome(
-        job_id=job_id, model=r.model_path, tuned_model=r.tuned_model_path, result_json=r.result_json_path,
+        job_id=job_id,
+        model=r.model_path,
+        tuned_model=r.tuned_model_path,
+        result_json=r.result_json_path,
         precision=_known(_PRECISION, r.precision, "precision", bank_pb2.Precision, Precision.EXACT),
         job_type=_known(_JOB_TYPE, r.job_type, "job_type", tuning_pb2.JobType, JobType.SGAT_OPAT),
-        device=r.device, tuning_time_s=r.tuning_time_s, figures=figures_from_pb(r), tasks=tasks,
+        device=r.device,
+        tuning_time_s=r.tuning_time_s,
+        figures=figures_from_pb(r),
+        tasks=tasks,
         bank={fd.name: getattr(r.repo_summary, fd.name) for fd in r.repo_summary.DESCRIPTOR.fields},
         resources=dict(r.resources) or _older_resources(r),
-        budget=_budget_from_pb(r.budget), session_options=json.loads(r.session_options_json or "{}"),
-        accuracy=dict(r.accuracy), accuracy_budget=dict(r.accuracy_budget), calibration=r.calibration,
-        verified=r.verification, notes=tuple(r.notes), details=json.loads(r.details_json or "{}"),
-    )  # fmt: skip
+        budget=_budget_from_pb(r.budget),
+        session_options=json.loads(r.session_options_json or "{}"),
+        accuracy=dict(r.accuracy),
+        accuracy_budget=dict(r.accuracy_budget),
+        calibration=r.calibration,
+        verified=r.verification,
+        notes=tuple(r.notes),
+        details=json.loads(r.details_json or "{}"),
+    )

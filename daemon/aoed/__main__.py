@@ -27,11 +27,20 @@ DAEMON_UMASK = 0o027
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="aoed", description="aoed: the tuning daemon (gRPC, watched folders)")
-    parser.add_argument("--config", help="path to aoed.toml (default: AOED_CONFIG, else built-in defaults)")
-    parser.add_argument("--check-config", action="store_true", help="validate the configuration, print it, and exit")
-    parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"],
-                        help="log level (default: [log] level, else info)")  # fmt: skip
+    parser = argparse.ArgumentParser(
+        prog="aoed", description="aoed: the tuning daemon (gRPC, watched folders)"
+    )
+    parser.add_argument(
+        "--config", help="path to aoed.toml (default: AOED_CONFIG, else built-in defaults)"
+    )
+    parser.add_argument(
+        "--check-config", action="store_true", help="validate the configuration, print it, and exit"
+    )
+    parser.add_argument(
+        "--log-level",
+        choices=["debug", "info", "warning", "error"],
+        help="log level (default: [log] level, else info)",
+    )
     parser.add_argument("--version", action="version", version=f"aoed {__version__}")
     args = parser.parse_args(argv)
     # Whatever umask started us (000 from a careless shell), the daemon's files are for
@@ -47,7 +56,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if len(exc.problems) == 1:
             print(f"aoed: error: {exc}", file=sys.stderr)
         else:  # the file was checked whole: every problem on a line of its own
-            print(f"aoed: error: {len(exc.problems)} problems in the configuration:", file=sys.stderr)
+            print(
+                f"aoed: error: {len(exc.problems)} problems in the configuration:", file=sys.stderr
+            )
             for problem in exc.problems:
                 print(f"  {problem}", file=sys.stderr)
         return exc.exit_code
@@ -58,16 +69,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"aoed: configuration {cfg.source} is valid")
         print(f"  listen      {', '.join(cfg.listen_addresses())}")
         print(f"  state dir   {cfg.state_dir}")
-        print(f"  bank        {cfg.engine.bank}" + (f" (layers: {', '.join(map(str, cfg.engine.bank_layers))})"
-                                                     if cfg.engine.bank_layers else ""))  # fmt: skip
+        print(
+            f"  bank        {cfg.engine.bank}"
+            + (
+                f" (layers: {', '.join(map(str, cfg.engine.bank_layers))})"
+                if cfg.engine.bank_layers
+                else ""
+            )
+        )
         print(f"  device      {cfg.engine.device}, {cfg.engine.parallel} compile workers")
         if cfg.engine.executor != "local":
             print(f"  executor    {cfg.engine.executor} at {cfg.engine.ray_address}")
         print(f"  jobs        {cfg.max_running_jobs} at once, {cfg.max_queued_jobs} queued at most")
         e = cfg.engine
-        print(f"  models      up to {e.max_model_mb} MiB, {e.max_nodes} nodes, {e.max_tensor_mb} MiB per tensor")
-        print(f"  time        {e.compile_timeout_s:g} s per compile, {e.stage_timeout_s:g} s per other worker stage, "
-              "each x (1 + model MiB/256)")  # fmt: skip
+        print(
+            f"  models      up to {e.max_model_mb} MiB, {e.max_nodes} nodes, {e.max_tensor_mb} MiB per tensor"
+        )
+        print(
+            f"  time        {e.compile_timeout_s:g} s per compile, {e.stage_timeout_s:g} s per other worker stage, "
+            "each x (1 + model MiB/256)"
+        )
         from aoed.engine.memory import plan_memory
 
         print(f"  memory      {plan_memory(e).describe()}")
@@ -75,9 +96,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"  inbox       {inbox.path} -> {inbox.outbox} (failed: {inbox.failed})")
         print(f"  allowed     {', '.join(map(str, cfg.allowed_dirs)) or '(no daemon-side paths)'}")
         print(f"  follows     {', '.join(cfg.follow) or '(no peer banks)'}")
-        print(f"  metrics     {f'http://{cfg.metrics_listen}/metrics' if cfg.metrics_listen else 'off'}")
+        print(
+            f"  metrics     {f'http://{cfg.metrics_listen}/metrics' if cfg.metrics_listen else 'off'}"
+        )
         return 0
-    level = args.log_level or (cfg.engine.log_level if "log_level" in cfg.engine.sources else "info")
+    level = args.log_level or (
+        cfg.engine.log_level if "log_level" in cfg.engine.sources else "info"
+    )
     from aoed.logs import configure
 
     configure(level)

@@ -51,7 +51,9 @@ class _ReaderLookup:
         return self.reader.lookup_explain(key).reason
 
 
-def _options_hold(model: Path, options: dict[str, Any], inputs: Path, runtime_dir: Path) -> tuple[bool, str]:
+def _options_hold(
+    model: Path, options: dict[str, Any], inputs: Path, runtime_dir: Path
+) -> tuple[bool, str]:
     """One short A/B of `model` with and without `options` on this machine's CPU: (kept,
     why) where kept needs the whole 95% interval of the round ratio below 1."""
     import trio
@@ -67,16 +69,25 @@ def _options_hold(model: Path, options: dict[str, Any], inputs: Path, runtime_di
             agent = DeviceAgent(CPU, None, Path(logs), runtime_dir)
             async with trio.open_nursery() as nursery:
                 await nursery.start(agent.run)
-                req = MeasureRequest((Candidate("with", model, options), Candidate("without", model)), inputs,
-                                     "without", CPU, MeasurePlan.fixed(9, 5.0))  # fmt: skip
+                req = MeasureRequest(
+                    (Candidate("with", model, options), Candidate("without", model)),
+                    inputs,
+                    "without",
+                    CPU,
+                    MeasurePlan.fixed(9, 5.0),
+                )
                 reply: MeasureReply = await agent.call(req)
                 nursery.cancel_scope.cancel()
         return reply.results
 
     res = trio.run(run)
-    verdict, med, (lo, hi) = verdict_of(stats.paired_ratios(res["with"].rounds_us, res["without"].rounds_us))
-    why = (f"session options {options} re-checked here: ratio with/without {med:.3f}, 95% interval "
-           f"[{lo:.3f}, {hi:.3f}] over 9 rounds ({verdict})")  # fmt: skip
+    verdict, med, (lo, hi) = verdict_of(
+        stats.paired_ratios(res["with"].rounds_us, res["without"].rounds_us)
+    )
+    why = (
+        f"session options {options} re-checked here: ratio with/without {med:.3f}, 95% interval "
+        f"[{lo:.3f}, {hi:.3f}] over 9 rounds ({verdict})"
+    )
     return verdict == "faster", why
 
 
@@ -112,14 +123,20 @@ def compile_model(
         if policy(precision).lossy:
             from aoed.backends.ort.probe import activation_ranges
 
-            samples = load_samples(prep.inputs, calibration, integer_ranges(prep.model, prep.inputs))
+            samples = load_samples(
+                prep.inputs, calibration, integer_ranges(prep.model, prep.inputs)
+            )
             ranges = activation_ranges(prep.model, prep.ctx.tensors, samples.calibrate)
         consts = Constants(prep.model.graph, list(prep.model.opset_import))
-        asm, tasks = from_bank(prep.model, prep.ctx, consts, _ReaderLookup(reader), device, registry, precision, ranges)
+        asm, tasks = from_bank(
+            prep.model, prep.ctx, consts, _ReaderLookup(reader), device, registry, precision, ranges
+        )
         if asm.ship_input:
             model = load_model(Path(model_path))
         else:
-            model = apply_choices(prep.model, prep.ctx, consts, tasks, asm.choices, registry, ranges)
+            model = apply_choices(
+                prep.model, prep.ctx, consts, tasks, asm.choices, registry, ranges
+            )
         if check_options and asm.session_options and not asm.ship_input:
             import numpy as np
 
@@ -127,9 +144,16 @@ def compile_model(
 
             plain = Path(work) / "plain.onnx"
             save_model(model, plain)
-            np.savez(Path(work) / "inputs.npz", **make_inputs(prep.inputs, int_high=integer_ranges(prep.model, prep.inputs)))
-            kept, why = _options_hold(plain, asm.session_options, Path(work) / "inputs.npz",
-                                      runtime_dir or Path(work) / "run")  # fmt: skip
+            np.savez(
+                Path(work) / "inputs.npz",
+                **make_inputs(prep.inputs, int_high=integer_ranges(prep.model, prep.inputs)),
+            )
+            kept, why = _options_hold(
+                plain,
+                asm.session_options,
+                Path(work) / "inputs.npz",
+                runtime_dir or Path(work) / "run",
+            )
             asm.notes.append(why + ("" if kept else ": left out"))
             if not kept:
                 asm.session_options = {}

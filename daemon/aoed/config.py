@@ -167,7 +167,9 @@ class DaemonConfig:
         try:
             return grp.getgrnam(self.socket_group).gr_gid
         except KeyError:
-            raise OptionError(f"[listen] socket_group {self.socket_group!r}: no such group") from None
+            raise OptionError(
+                f"[listen] socket_group {self.socket_group!r}: no such group"
+            ) from None
 
     def listen_addresses(self) -> list[str]:
         out = [f"unix://{self.socket}"] if self.socket else []
@@ -229,8 +231,14 @@ class _Reader:
 
     def number(self, key: str, default: float, lo: float, hi: float, integer: bool = False) -> Any:
         raw = self.table.get(key, default)
-        if isinstance(raw, bool) or not isinstance(raw, int | float) or (integer and not isinstance(raw, int)):
-            self.problems.add(f"{self._w(key)} = {raw!r}: expected {'an integer' if integer else 'a number'}")
+        if (
+            isinstance(raw, bool)
+            or not isinstance(raw, int | float)
+            or (integer and not isinstance(raw, int))
+        ):
+            self.problems.add(
+                f"{self._w(key)} = {raw!r}: expected {'an integer' if integer else 'a number'}"
+            )
             return default
         if not lo <= raw <= hi:
             self.problems.add(f"{self._w(key)} = {raw}: must be between {lo:g} and {hi:g}")
@@ -264,7 +272,9 @@ class _Reader:
         return raw
 
 
-def load_daemon_config(path: str | os.PathLike[str] | None = None, env: Mapping[str, str] | None = None) -> DaemonConfig:
+def load_daemon_config(
+    path: str | os.PathLike[str] | None = None, env: Mapping[str, str] | None = None
+) -> DaemonConfig:
     """The daemon's configuration from defaults, the TOML file at `path` (else
     AOED_CONFIG, else none) and the environment. Raises OptionError naming the key."""
     env = os.environ if env is None else env
@@ -288,35 +298,75 @@ def load_daemon_config(path: str | os.PathLike[str] | None = None, env: Mapping[
             problems.raise_any()  # load_config could not read it either, and said why
             raise
     where = str(path) if path is not None else "defaults"
-    d = _Reader(_table(doc, "daemon", Path(where), problems), f"{where} [daemon]", {
-        "state_dir", "max_running_jobs", "max_queued_jobs", "max_jobs_per_client", "retention_days", "shutdown_grace_s",
-        "allowed_dirs",
-    }, problems)  # fmt: skip
+    d = _Reader(
+        _table(doc, "daemon", Path(where), problems),
+        f"{where} [daemon]",
+        {
+            "state_dir",
+            "max_running_jobs",
+            "max_queued_jobs",
+            "max_jobs_per_client",
+            "retention_days",
+            "shutdown_grace_s",
+            "allowed_dirs",
+        },
+        problems,
+    )
     state_dir = d.path("state_dir", None, base) or _default_state_dir()
     raw_allowed = d.table.get("allowed_dirs", [])
     if not isinstance(raw_allowed, list) or not all(isinstance(x, str) and x for x in raw_allowed):
         problems.add(f"{where} [daemon] allowed_dirs: expected a list of directories")
         raw_allowed = []
     allowed = tuple((base / Path(x).expanduser()) for x in raw_allowed)
-    lis = _Reader(_table(doc, "listen", Path(where), problems), f"{where} [listen]", {
-        "socket", "socket_mode", "socket_group", "tcp", "tls_cert", "tls_key", "tls_client_ca",
-        "insecure_loopback", "max_rpcs",
-    }, problems)  # fmt: skip
+    lis = _Reader(
+        _table(doc, "listen", Path(where), problems),
+        f"{where} [listen]",
+        {
+            "socket",
+            "socket_mode",
+            "socket_group",
+            "tcp",
+            "tls_cert",
+            "tls_key",
+            "tls_client_ca",
+            "insecure_loopback",
+            "max_rpcs",
+        },
+        problems,
+    )
     env_socket = env.get("AOED_SOCKET", "").strip()
     # The socket lives in the runtime dir beside the device locks unless placed elsewhere.
-    socket = Path(env_socket).expanduser() if env_socket else lis.path("socket", engine.runtime_dir / "aoed.sock", base)
+    socket = (
+        Path(env_socket).expanduser()
+        if env_socket
+        else lis.path("socket", engine.runtime_dir / "aoed.sock", base)
+    )
     mode_raw = lis.text("socket_mode", "0660")
     socket_mode = 0o660
     try:
         socket_mode = int(mode_raw, 8)
     except ValueError:
-        problems.add(f"{where} [listen] socket_mode = {mode_raw!r}: expected an octal mode like \"0660\"")
+        problems.add(
+            f'{where} [listen] socket_mode = {mode_raw!r}: expected an octal mode like "0660"'
+        )
     if socket_mode & ~0o777 or socket_mode & 0o007:
-        problems.add(f"{where} [listen] socket_mode = {mode_raw!r}: the socket must not be open to others")
-    lim = _Reader(_table(doc, "limits", Path(where), problems), f"{where} [limits]", {
-        "max_upload_mb", "upload_ttl_h", "max_uploads_mb", "max_uploads", "max_client_uploads_mb",
-        "max_client_uploads", "min_free_mb",
-    }, problems)  # fmt: skip
+        problems.add(
+            f"{where} [listen] socket_mode = {mode_raw!r}: the socket must not be open to others"
+        )
+    lim = _Reader(
+        _table(doc, "limits", Path(where), problems),
+        f"{where} [limits]",
+        {
+            "max_upload_mb",
+            "upload_ttl_h",
+            "max_uploads_mb",
+            "max_uploads",
+            "max_client_uploads_mb",
+            "max_client_uploads",
+            "min_free_mb",
+        },
+        problems,
+    )
     inboxes = []
     raw_inboxes = doc.get("inbox", None)
     if raw_inboxes is None:
@@ -325,15 +375,24 @@ def load_daemon_config(path: str | os.PathLike[str] | None = None, env: Mapping[
         problems.add(f"{where}: inbox must be an array of tables ([[inbox]])")
     else:
         for i, table in enumerate(raw_inboxes):
-            r = _Reader(table, f"{where} [[inbox]] #{i + 1}", {"path", "outbox", "failed", "stable_s"}, problems)
+            r = _Reader(
+                table,
+                f"{where} [[inbox]] #{i + 1}",
+                {"path", "outbox", "failed", "stable_s"},
+                problems,
+            )
             p = r.path("path", None, base)
             if p is None:
                 problems.add(f"{where} [[inbox]] #{i + 1}: path is required")
                 continue
-            inboxes.append(Inbox(
-                p, r.path("outbox", p.parent / "outbox", base), r.path("failed", p.parent / "failed", base),
-                float(r.number("stable_s", 2.0, 0.0, 3600.0)),
-            ))  # fmt: skip
+            inboxes.append(
+                Inbox(
+                    p,
+                    r.path("outbox", p.parent / "outbox", base),
+                    r.path("failed", p.parent / "failed", base),
+                    float(r.number("stable_s", 2.0, 0.0, 3600.0)),
+                )
+            )
     paths = [i.path for i in inboxes]
     if len(set(paths)) != len(paths):
         problems.add(f"{where}: the same folder is listed as an inbox twice")
@@ -367,11 +426,19 @@ def load_daemon_config(path: str | os.PathLike[str] | None = None, env: Mapping[
     )
     bank = _table(doc, "bank", Path(where), problems)
     b = _Reader(bank, f"{where} [bank]", set(bank), problems)  # aoe.config reports unknown keys
-    met = _Reader(_table(doc, "metrics", Path(where), problems), f"{where} [metrics]", {"listen", "allow_remote"},
-                  problems)  # fmt: skip
+    met = _Reader(
+        _table(doc, "metrics", Path(where), problems),
+        f"{where} [metrics]",
+        {"listen", "allow_remote"},
+        problems,
+    )
     raw_follow = bank.get("follow", [])
-    if not isinstance(raw_follow, list) or not all(isinstance(x, str) and x.strip() for x in raw_follow):
-        problems.add(f"{where} [bank] follow: expected a list of gRPC targets (\"unix:///path.sock\", \"dns:///host:7461\")")
+    if not isinstance(raw_follow, list) or not all(
+        isinstance(x, str) and x.strip() for x in raw_follow
+    ):
+        problems.add(
+            f'{where} [bank] follow: expected a list of gRPC targets ("unix:///path.sock", "dns:///host:7461")'
+        )
         raw_follow = []
     cfg = replace(
         cfg,
@@ -406,11 +473,15 @@ def _check_follow(cfg: DaemonConfig, where: str) -> list[str]:
         if not host or not port.isdigit():
             out.append(f"{w} follow: {target!r}: expected unix:///PATH or dns:///HOST:PORT")
         elif cfg.follow_ca is None and not _loopback(host):
-            out.append(f"{w} follow: {target!r}: a peer over TCP needs TLS (set follow_ca to the CA of its "
-                       "server certificate)")  # fmt: skip
+            out.append(
+                f"{w} follow: {target!r}: a peer over TCP needs TLS (set follow_ca to the CA of its "
+                "server certificate)"
+            )
         elif cfg.follow_ca is None and not cfg.follow_insecure_loopback:
-            out.append(f"{w} follow: {target!r}: plain TCP needs follow_insecure_loopback = true "
-                       "(or set follow_ca)")  # fmt: skip
+            out.append(
+                f"{w} follow: {target!r}: plain TCP needs follow_insecure_loopback = true "
+                "(or set follow_ca)"
+            )
     if (cfg.follow_cert is None) != (cfg.follow_key is None):
         out.append(f"{w}: follow_cert and follow_key go together")
     if cfg.follow_cert is not None and cfg.follow_ca is None:
@@ -430,10 +501,14 @@ def _check_metrics(cfg: DaemonConfig, where: str) -> list[str]:
     port = cfg.metrics_listen.rsplit(":", 1)[1] if ":" in cfg.metrics_listen else ""
     w = f"{where} [metrics] listen = {cfg.metrics_listen!r}"
     if not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-        return [f"{w}: expected HOST:PORT, e.g. \"127.0.0.1:9464\""]
+        return [f'{w}: expected HOST:PORT, e.g. "127.0.0.1:9464"']
     if not _loopback(host) and not cfg.metrics_allow_remote:
-        return [(f"{w}: not a loopback address; anyone who reaches it reads the daemon's metrics, so say "
-                 "allow_remote = true to serve it there")]  # fmt: skip
+        return [
+            (
+                f"{w}: not a loopback address; anyone who reaches it reads the daemon's metrics, so say "
+                "allow_remote = true to serve it there"
+            )
+        ]
     return []
 
 
@@ -453,11 +528,15 @@ def _check_listen(cfg: DaemonConfig, where: str) -> list[str]:
         out.append(f"{where} [listen]: tls_cert and tls_key go together")
     if not has_tls:
         if not cfg.tcp_is_loopback():
-            out.append(f"{where} [listen] tcp = {cfg.tcp!r}: TCP on a non-loopback address needs TLS "
-                       "(set tls_cert and tls_key)")  # fmt: skip
+            out.append(
+                f"{where} [listen] tcp = {cfg.tcp!r}: TCP on a non-loopback address needs TLS "
+                "(set tls_cert and tls_key)"
+            )
         elif not cfg.insecure_loopback:
-            out.append(f"{where} [listen] tcp = {cfg.tcp!r}: plain TCP needs insecure_loopback = true "
-                       "(or set tls_cert and tls_key)")  # fmt: skip
+            out.append(
+                f"{where} [listen] tcp = {cfg.tcp!r}: plain TCP needs insecure_loopback = true "
+                "(or set tls_cert and tls_key)"
+            )
     if cfg.tls_client_ca is not None and not has_tls:
         out.append(f"{where} [listen] tls_client_ca needs tls_cert and tls_key")
     for name in ("tls_cert", "tls_key", "tls_client_ca"):

@@ -80,7 +80,9 @@ class Daemon:
         store = JobStore(cfg.store_path)
         try:
             registry = build_registry(cfg.engine.plugins)
-            async with open_engine(cfg.engine, registry, cfg.state_dir / "logs", lock_group=cfg.socket_gid()) as engine:
+            async with open_engine(
+                cfg.engine, registry, cfg.state_dir / "logs", lock_group=cfg.socket_gid()
+            ) as engine:
                 async with trio.open_nursery() as nursery:
                     self.jobs = jobs = JobManager(cfg, store, engine)
                     await nursery.start(jobs.run)
@@ -88,15 +90,31 @@ class Daemon:
                     bridge = Bridge(nursery)
                     connect = _peer_client(cfg)
                     self._bank_api = self._bank_servicer(bridge, engine, connect)
-                    self.server = server = build_server(cfg, lambda s: register(
-                        s, TuningServicer(bridge, jobs), self._bank_api,
-                        DeviceServicer(bridge, jobs),
-                        DaemonServicer(bridge, jobs, cfg, self.started, lambda: self.server.addresses if self.server else [])),
-                        interceptors=[self.metrics.interceptor] if self.metrics is not None else [])  # fmt: skip
+                    self.server = server = build_server(
+                        cfg,
+                        lambda s: register(
+                            s,
+                            TuningServicer(bridge, jobs),
+                            self._bank_api,
+                            DeviceServicer(bridge, jobs),
+                            DaemonServicer(
+                                bridge,
+                                jobs,
+                                cfg,
+                                self.started,
+                                lambda: self.server.addresses if self.server else [],
+                            ),
+                        ),
+                        interceptors=[self.metrics.interceptor] if self.metrics is not None else [],
+                    )
                     server.grpc.start()
                     server.set_serving(True)
-                    log.info("aoed: serving on %s; state in %s; bank %s", ", ".join(server.addresses), cfg.state_dir,
-                             cfg.engine.bank)  # fmt: skip
+                    log.info(
+                        "aoed: serving on %s; state in %s; bank %s",
+                        ", ".join(server.addresses),
+                        cfg.state_dir,
+                        cfg.engine.bank,
+                    )
                     devices = [engine.device.device.fingerprint().digest]
                     for peer in cfg.follow:
                         follower = Follower(engine.bank, peer, devices, connect)
@@ -106,17 +124,25 @@ class Daemon:
                         log.info("aoed: following the banks of %s", ", ".join(cfg.follow))
                     if self.metrics is not None:
                         try:
-                            await nursery.start(self.metrics.run, cfg.metrics_listen, self._snapshot)
+                            await nursery.start(
+                                self.metrics.run, cfg.metrics_listen, self._snapshot
+                            )
                         except OSError as exc:
-                            raise AoedError(f"[metrics] listen = {cfg.metrics_listen!r}: cannot listen "
-                                            f"({exc.strerror or exc})") from None  # fmt: skip
+                            raise AoedError(
+                                f"[metrics] listen = {cfg.metrics_listen!r}: cannot listen "
+                                f"({exc.strerror or exc})"
+                            ) from None
                     self.notifier.ready(self._status())
                     await nursery.start(Watchdog(self.notifier, self._probe, self._status).run)
                     task_status.started(server.addresses)
-                    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+                    with trio.open_signal_receiver(
+                        signal.SIGTERM, signal.SIGINT, signal.SIGHUP
+                    ) as signals:
                         nursery.start_soon(self._signals, signals)
                         await self._stop.wait()
-                    self.notifier.stopping("stopping: letting running jobs finish or requeueing them")
+                    self.notifier.stopping(
+                        "stopping: letting running jobs finish or requeueing them"
+                    )
                     await self._shutdown(server, jobs)
                     nursery.cancel_scope.cancel()
         finally:
@@ -142,8 +168,10 @@ class Daemon:
             return "starting"
         queued, running = self.jobs.counts()
         device = self.jobs.engine.device.device
-        return (f"{running} running, {queued} queued; {device} {'busy' if running else 'idle'}; "
-                f"serving on {', '.join(self.server.addresses)}")  # fmt: skip
+        return (
+            f"{running} running, {queued} queued; {device} {'busy' if running else 'idle'}; "
+            f"serving on {', '.join(self.server.addresses)}"
+        )
 
     def _probe(self) -> bool:
         """One real call through gRPC and the bridge (runs in a thread): True when the
@@ -161,7 +189,8 @@ class Daemon:
             self._probe_channel = grpc.insecure_channel(target)
         try:
             daemon_pb2_grpc.DaemonServiceStub(self._probe_channel).GetDaemonInfo(
-                daemon_pb2.GetDaemonInfoRequest(), timeout=5)  # fmt: skip
+                daemon_pb2.GetDaemonInfoRequest(), timeout=5
+            )
             return True
         except grpc.RpcError as exc:
             # At its RPC limit the server still answers: that is alive.
@@ -181,13 +210,31 @@ class Daemon:
             log.error("aoed: SIGHUP: the configuration was not reloaded: %s", exc)
             return
         old = self.cfg
-        restart_only = ("follow", "follow_ca", "follow_cert", "follow_key", "follow_insecure_loopback",
-                        "metrics_listen", "metrics_allow_remote")  # fmt: skip
-        if (new.engine != old.engine or new.listen_addresses() != old.listen_addresses()
-                or any(getattr(new, k) != getattr(old, k) for k in restart_only)):  # fmt: skip
-            log.warning("aoed: SIGHUP: engine, listen, [bank] follow and [metrics] settings change only at a restart")
-        kept = replace(new, engine=old.engine, socket=old.socket, tcp=old.tcp, state_dir=old.state_dir,
-                       **{k: getattr(old, k) for k in restart_only})  # fmt: skip
+        restart_only = (
+            "follow",
+            "follow_ca",
+            "follow_cert",
+            "follow_key",
+            "follow_insecure_loopback",
+            "metrics_listen",
+            "metrics_allow_remote",
+        )
+        if (
+            new.engine != old.engine
+            or new.listen_addresses() != old.listen_addresses()
+            or any(getattr(new, k) != getattr(old, k) for k in restart_only)
+        ):
+            log.warning(
+                "aoed: SIGHUP: engine, listen, [bank] follow and [metrics] settings change only at a restart"
+            )
+        kept = replace(
+            new,
+            engine=old.engine,
+            socket=old.socket,
+            tcp=old.tcp,
+            state_dir=old.state_dir,
+            **{k: getattr(old, k) for k in restart_only},
+        )
         self.cfg = kept
         if self.jobs is not None:
             self.jobs.cfg = kept
@@ -234,7 +281,11 @@ class Daemon:
         snap.workers, snap.workers_busy = engine.pool.size, engine.pool.busy
         store = await engine.bank.store()
         stats = await trio.to_thread.run_sync(store.stats)
-        snap.bank_records = {"entry": stats.entries, "default": stats.defaults, "trial": stats.history}
+        snap.bank_records = {
+            "entry": stats.entries,
+            "default": stats.defaults,
+            "trial": stats.history,
+        }
         snap.bank_used_bytes = stats.used_bytes
         snap.bank_head = await engine.bank.head()
         w = engine.bank
@@ -242,7 +293,9 @@ class Daemon:
         if self._bank_api is not None:
             api = self._bank_api.bank
             snap.lookups.update({("api", "hit"): api.hits, ("api", "miss"): api.lookups - api.hits})
-        snap.follow = {f.peer: (f.connected, f.behind, f.lag_s, f.applied, f.refused) for f in self.followers}
+        snap.follow = {
+            f.peer: (f.connected, f.behind, f.lag_s, f.applied, f.refused) for f in self.followers
+        }
         return snap
 
 
@@ -265,7 +318,9 @@ def _peer_client(cfg: DaemonConfig):
     def connect(target: str) -> Client:
         if target.startswith("unix:") or ca is None:
             return Client(target, timeout=30)
-        return Client(target, timeout=30, root_certificates=ca, private_key=key, certificate_chain=cert)
+        return Client(
+            target, timeout=30, root_certificates=ca, private_key=key, certificate_chain=cert
+        )
 
     return connect
 
@@ -279,15 +334,24 @@ def _close_to_others(folder: Path) -> None:
     except FileNotFoundError:  # a bank made later is made closed
         return
     except OSError as exc:
-        log.warning("aoed: %s cannot be checked for other users' access (%s)", folder, exc.strerror or exc)
+        log.warning(
+            "aoed: %s cannot be checked for other users' access (%s)", folder, exc.strerror or exc
+        )
         return
     if st.st_uid != os.geteuid() or not st.st_mode & 0o007:
         return
     try:
         folder.chmod(stat.S_IMODE(st.st_mode) & ~0o007)
     except OSError as exc:
-        log.warning("aoed: %s is open to other users and could not be closed to them (%s)", folder,
-                    exc.strerror or exc)  # fmt: skip
+        log.warning(
+            "aoed: %s is open to other users and could not be closed to them (%s)",
+            folder,
+            exc.strerror or exc,
+        )
         return
-    log.warning("aoed: %s was open to other users (mode %04o); it is now %04o", folder, stat.S_IMODE(st.st_mode),
-                stat.S_IMODE(st.st_mode) & ~0o007)  # fmt: skip
+    log.warning(
+        "aoed: %s was open to other users (mode %04o); it is now %04o",
+        folder,
+        stat.S_IMODE(st.st_mode),
+        stat.S_IMODE(st.st_mode) & ~0o007,
+    )

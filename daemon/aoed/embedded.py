@@ -42,9 +42,18 @@ from aoed.engine.job import JobHandle
 from aoed.engine.messages import JobEvent
 
 __all__ = [
-    "JobEvent", "JobHandle", "VerifyReport", "apply_bank", "import_bank", "prune_bank", "record_trials", "sync_bank",
-    "tune", "tune_async", "verify_bank",
-]  # fmt: skip
+    "JobEvent",
+    "JobHandle",
+    "VerifyReport",
+    "apply_bank",
+    "import_bank",
+    "prune_bank",
+    "record_trials",
+    "sync_bank",
+    "tune",
+    "tune_async",
+    "verify_bank",
+]
 
 Progress = Callable[[JobEvent], None]
 
@@ -84,22 +93,39 @@ async def tune_async(
     output = Path(output)
     if spec.job_type == JobType.GDAT:
         with _one_error():
-            return await _tune_gdat(Path(model), spec, output, config, progress, handle, keep_workspace)
+            return await _tune_gdat(
+                Path(model), spec, output, config, progress, handle, keep_workspace
+            )
     run = JobRun(Path(model), output, spec, keep_workspace=keep_workspace)
     with _one_error():
-        async with open_engine(config, build_registry(config.plugins), output / "aoe_workspace" / "logs") as engine:
+        async with open_engine(
+            config, build_registry(config.plugins), output / "aoe_workspace" / "logs"
+        ) as engine:
             return await engine.run_job(run, progress or (lambda event: None), handle)
 
 
-async def _tune_gdat(model: Path, spec: JobSpec, output: Path, config: Config, progress: Progress | None,
-                     handle: JobHandle | None, keep_workspace: bool) -> JobOutcome:  # fmt: skip
+async def _tune_gdat(
+    model: Path,
+    spec: JobSpec,
+    output: Path,
+    config: Config,
+    progress: Progress | None,
+    handle: JobHandle | None,
+    keep_workspace: bool,
+) -> JobOutcome:
     from aoed.gdat import GdatOptions, run_gdat, to_outcome
 
     opts = GdatOptions(
-        model=model, output=output, entry=spec.entry or "", world_size=spec.world_size,
-        backend=spec.backend or "gloo", precision=spec.gradient_precision or "exact", repeat_tune=spec.repeat_tune,
-        budget_s=spec.budget_s, keep_workspace=keep_workspace,
-    )  # fmt: skip
+        model=model,
+        output=output,
+        entry=spec.entry or "",
+        world_size=spec.world_size,
+        backend=spec.backend or "gloo",
+        precision=spec.gradient_precision or "exact",
+        repeat_tune=spec.repeat_tune,
+        budget_s=spec.budget_s,
+        keep_workspace=keep_workspace,
+    )
     return to_outcome(await run_gdat(opts, config, progress or (lambda event: None), handle))
 
 
@@ -116,8 +142,11 @@ def tune(
     import trio
 
     with _one_error():
-        return trio.run(lambda: tune_async(model, spec, output, config=config, progress=progress,
-                                           keep_workspace=keep_workspace))  # fmt: skip
+        return trio.run(
+            lambda: tune_async(
+                model, spec, output, config=config, progress=progress, keep_workspace=keep_workspace
+            )
+        )
 
 
 # --------------------------------------------------------------------------- verify
@@ -159,17 +188,24 @@ def verify_bank(
     from aoed.engine.bankverify import sample_entries, verify_entries
     from aoed.engine.engine import open_engine
 
-    entries = [decode(e.SerializeToString()) for _, e in reader.entries(None if layer == "all" else layer)]
+    entries = [
+        decode(e.SerializeToString()) for _, e in reader.entries(None if layer == "all" else layer)
+    ]
     chosen = sample_entries(entries, sample, seed, op_type)
     if chosen and check_writable is not None:
         holder = busy_holder(check_writable)
         if holder is not None:
-            raise BankBusyError(f"bank {check_writable}: being written by {holder}; wait for it to finish, "
-                                "or pass --wait (or --no-record)", holder)  # fmt: skip
+            raise BankBusyError(
+                f"bank {check_writable}: being written by {holder}; wait for it to finish, "
+                "or pass --wait (or --no-record)",
+                holder,
+            )
 
     async def run():
         with tempfile.TemporaryDirectory(prefix="aoe-verify-logs-") as logs:
-            async with open_engine(config.replace(parallel=1), build_registry(config.plugins), Path(logs)) as engine:
+            async with open_engine(
+                config.replace(parallel=1), build_registry(config.plugins), Path(logs)
+            ) as engine:
                 return await verify_entries(engine, chosen, budget_s, models)
 
     with _one_error():
@@ -191,8 +227,15 @@ def _store(path: Path, wait: bool, on_wait: Callable[[str], None] | None) -> Ite
         store.close()
 
 
-def import_bank(path: Path, lines: Iterable[str], policy: str = "keep-faster", allow_foreign: bool = False, *,
-                wait: bool = False, on_wait: Callable[[str], None] | None = None):  # fmt: skip
+def import_bank(
+    path: Path,
+    lines: Iterable[str],
+    policy: str = "keep-faster",
+    allow_foreign: bool = False,
+    *,
+    wait: bool = False,
+    on_wait: Callable[[str], None] | None = None,
+):
     """Merge exchange lines (`aoe bank export`'s JSON Lines) into the bank at `path`;
     returns the report (counts per kind, refusals). BankBusyError while another process
     writes it, unless `wait`."""
@@ -202,23 +245,40 @@ def import_bank(path: Path, lines: Iterable[str], policy: str = "keep-faster", a
         return import_lines(store, lines, policy, allow_foreign)
 
 
-def prune_bank(path: Path, dry_run: bool = False, *, wait: bool = False,
-               on_wait: Callable[[str], None] | None = None):  # fmt: skip
+def prune_bank(
+    path: Path,
+    dry_run: bool = False,
+    *,
+    wait: bool = False,
+    on_wait: Callable[[str], None] | None = None,
+):
     """Drop the measurement history of the bank at `path`, keeping its winners (only
     count them with `dry_run`); returns the counts and sizes."""
     with _store(path, wait, on_wait) as store:
         return store.prune(dry_run=dry_run)
 
 
-def record_trials(path: Path, trials: list[tuple[bytes, dict]], *, wait: bool = False,
-                  on_wait: Callable[[str], None] | None = None) -> None:  # fmt: skip
+def record_trials(
+    path: Path,
+    trials: list[tuple[bytes, dict]],
+    *,
+    wait: bool = False,
+    on_wait: Callable[[str], None] | None = None,
+) -> None:
     """Add `trials` (as `verify_bank` returns them) to the history of the bank at `path`."""
     with _store(path, wait, on_wait) as store:
         store.commit(trials=trials)
 
 
-def sync_bank(path: Path, peer: str, device_digest: str, connect: Callable[[str], Any], *, wait: bool = False,
-              on_wait: Callable[[str], None] | None = None):  # fmt: skip
+def sync_bank(
+    path: Path,
+    peer: str,
+    device_digest: str,
+    connect: Callable[[str], Any],
+    *,
+    wait: bool = False,
+    on_wait: Callable[[str], None] | None = None,
+):
     """One follow pass: apply to the bank at `path` what the bank of the daemon at `peer`
     (reached through `connect`, which returns an aoe.Client) wrote since this bank last
     took its writes, for the device `device_digest`; returns the report."""

@@ -24,13 +24,21 @@ from collections.abc import Iterator, Mapping
 
 __all__ = ["EscapingFormatter", "configure", "current_job", "cut", "printable", "stderr_is_journal"]
 
-_PRIORITY = {logging.DEBUG: 7, logging.INFO: 6, logging.WARNING: 4, logging.ERROR: 3, logging.CRITICAL: 2}
+_PRIORITY = {
+    logging.DEBUG: 7,
+    logging.INFO: 6,
+    logging.WARNING: 4,
+    logging.ERROR: 3,
+    logging.CRITICAL: 2,
+}
 
 
 #: Characters that end a line or disguise text: C0 and C1 controls, DEL, line and
 #: paragraph separators, zero-width and bidirectional marks, and the lone surrogates
 #: that stand for bytes that are not UTF-8 in a file name.
-_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200b-\u200f\u2028-\u202e\u2060-\u206f\ufeff\ud800-\udfff]")
+_UNPRINTABLE = re.compile(
+    "[\x00-\x1f\x7f-\x9f\u061c\u200b-\u200f\u2028-\u202e\u2060-\u206f\ufeff\ud800-\udfff]"
+)
 _NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
 
 
@@ -122,7 +130,9 @@ def configure(level: str, journal: bool | None = None) -> logging.Handler:
     if journal:
         handler.setFormatter(_JournalFormatter("%(name)s: %(job)s%(message)s"))
     else:
-        handler.setFormatter(EscapingFormatter("%(asctime)s %(levelname)s %(name)s: %(job)s%(message)s"))
+        handler.setFormatter(
+            EscapingFormatter("%(asctime)s %(levelname)s %(name)s: %(job)s%(message)s")
+        )
     handler.addFilter(_JobTag())
     root = logging.getLogger()
     root.addHandler(handler)

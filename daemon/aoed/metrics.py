@@ -83,41 +83,68 @@ class _Collector(Collector):
             g.add_metric([state], n)
         yield g
         yield GaugeMetricFamily("aoed_queue_length", "Jobs queued and not started", value=s.queued)
-        busy = CounterMetricFamily("aoed_device_busy_seconds", "Seconds the device spent on requests",
-                                   labels=["device"])  # fmt: skip
-        done = CounterMetricFamily("aoed_device_measurements", "Requests the device answered", labels=["device"])
+        busy = CounterMetricFamily(
+            "aoed_device_busy_seconds", "Seconds the device spent on requests", labels=["device"]
+        )
+        done = CounterMetricFamily(
+            "aoed_device_measurements", "Requests the device answered", labels=["device"]
+        )
         for name, (seconds, requests) in sorted(s.devices.items()):
             busy.add_metric([name], seconds)
             done.add_metric([name], requests)
         yield busy
         yield done
         yield GaugeMetricFamily("aoed_compile_workers", "Compile worker processes", value=s.workers)
-        yield GaugeMetricFamily("aoed_compile_workers_busy", "Compile workers with a request", value=s.workers_busy)
-        g = GaugeMetricFamily("aoed_bank_records", "Records in the custom bank, by kind", labels=["kind"])
+        yield GaugeMetricFamily(
+            "aoed_compile_workers_busy", "Compile workers with a request", value=s.workers_busy
+        )
+        g = GaugeMetricFamily(
+            "aoed_bank_records", "Records in the custom bank, by kind", labels=["kind"]
+        )
         for kind, n in sorted(s.bank_records.items()):
             g.add_metric([kind], n)
         yield g
-        yield GaugeMetricFamily("aoed_bank_used_bytes", "Bytes of the custom bank's pages in use",
-                                value=s.bank_used_bytes)  # fmt: skip
-        yield GaugeMetricFamily("aoed_bank_head_seq", "Sequence number of the bank's last write", value=s.bank_head)
-        c = CounterMetricFamily("aoed_bank_lookups", "Bank lookups, by who asked and whether an entry answered",
-                                labels=["source", "result"])  # fmt: skip
+        yield GaugeMetricFamily(
+            "aoed_bank_used_bytes",
+            "Bytes of the custom bank's pages in use",
+            value=s.bank_used_bytes,
+        )
+        yield GaugeMetricFamily(
+            "aoed_bank_head_seq", "Sequence number of the bank's last write", value=s.bank_head
+        )
+        c = CounterMetricFamily(
+            "aoed_bank_lookups",
+            "Bank lookups, by who asked and whether an entry answered",
+            labels=["source", "result"],
+        )
         for (source, result), n in sorted(s.lookups.items()):
             c.add_metric([source, result], n)
         yield c
         families = {
-            "connected": GaugeMetricFamily("aoed_bank_follow_connected", "1 while a stream from the peer is open",
-                                           labels=["peer"]),
-            "behind": GaugeMetricFamily("aoed_bank_follow_behind_seqs",
-                                        "The peer's sequence numbers not applied here yet", labels=["peer"]),
-            "lag": GaugeMetricFamily("aoed_bank_follow_lag_seconds",
-                                     "From the peer's commit of the last record applied to its commit here",
-                                     labels=["peer"]),
-            "applied": GaugeMetricFamily("aoed_bank_follow_applied_seq",
-                                         "The peer's last sequence number applied here", labels=["peer"]),
-            "refused": CounterMetricFamily("aoed_bank_follow_refused", "Records from the peer refused",
-                                           labels=["peer"]),
-        }  # fmt: skip
+            "connected": GaugeMetricFamily(
+                "aoed_bank_follow_connected",
+                "1 while a stream from the peer is open",
+                labels=["peer"],
+            ),
+            "behind": GaugeMetricFamily(
+                "aoed_bank_follow_behind_seqs",
+                "The peer's sequence numbers not applied here yet",
+                labels=["peer"],
+            ),
+            "lag": GaugeMetricFamily(
+                "aoed_bank_follow_lag_seconds",
+                "From the peer's commit of the last record applied to its commit here",
+                labels=["peer"],
+            ),
+            "applied": GaugeMetricFamily(
+                "aoed_bank_follow_applied_seq",
+                "The peer's last sequence number applied here",
+                labels=["peer"],
+            ),
+            "refused": CounterMetricFamily(
+                "aoed_bank_follow_refused", "Records from the peer refused", labels=["peer"]
+            ),
+        }
         for peer, (connected, behind, lag, applied, refused) in sorted(s.follow.items()):
             for name, value in zip(families, (float(connected), behind, lag, applied, refused)):
                 families[name].add_metric([peer], value)
@@ -134,7 +161,9 @@ class RpcCounter(grpc.ServerInterceptor):
         handler = continuation(handler_call_details)
         if handler is None:
             return None
-        method = handler_call_details.method.rsplit(".", 1)[-1]  # "/aoe.v1.BankService/X" -> "BankService/X"
+        method = handler_call_details.method.rsplit(".", 1)[
+            -1
+        ]  # "/aoe.v1.BankService/X" -> "BankService/X"
         count = self._counter
 
         def code(context: grpc.ServicerContext, failed: bool) -> str:
@@ -169,16 +198,28 @@ class RpcCounter(grpc.ServerInterceptor):
             return wrapped
 
         if handler.unary_unary is not None:
-            return grpc.unary_unary_rpc_method_handler(unary(handler.unary_unary), handler.request_deserializer,
-                                                       handler.response_serializer)  # fmt: skip
+            return grpc.unary_unary_rpc_method_handler(
+                unary(handler.unary_unary),
+                handler.request_deserializer,
+                handler.response_serializer,
+            )
         if handler.stream_unary is not None:
-            return grpc.stream_unary_rpc_method_handler(unary(handler.stream_unary), handler.request_deserializer,
-                                                        handler.response_serializer)  # fmt: skip
+            return grpc.stream_unary_rpc_method_handler(
+                unary(handler.stream_unary),
+                handler.request_deserializer,
+                handler.response_serializer,
+            )
         if handler.unary_stream is not None:
-            return grpc.unary_stream_rpc_method_handler(streaming(handler.unary_stream), handler.request_deserializer,
-                                                        handler.response_serializer)  # fmt: skip
-        return grpc.stream_stream_rpc_method_handler(streaming(handler.stream_stream), handler.request_deserializer,
-                                                     handler.response_serializer)  # fmt: skip
+            return grpc.unary_stream_rpc_method_handler(
+                streaming(handler.unary_stream),
+                handler.request_deserializer,
+                handler.response_serializer,
+            )
+        return grpc.stream_stream_rpc_method_handler(
+            streaming(handler.stream_stream),
+            handler.request_deserializer,
+            handler.response_serializer,
+        )
 
 
 class DaemonMetrics:
@@ -187,12 +228,18 @@ class DaemonMetrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
-        self.rpcs = Counter("aoed_rpcs", "RPCs served, by method and final status", ["method", "code"],
-                            registry=self.registry)  # fmt: skip
+        self.rpcs = Counter(
+            "aoed_rpcs",
+            "RPCs served, by method and final status",
+            ["method", "code"],
+            registry=self.registry,
+        )
         self.interceptor = RpcCounter(self.rpcs)
         self.address = ""
 
-    async def run(self, listen: str, snapshot: Callable[[], Any], *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    async def run(
+        self, listen: str, snapshot: Callable[[], Any], *, task_status=trio.TASK_STATUS_IGNORED
+    ) -> None:
         """Serve the registry at http://`listen`/metrics until cancelled; `snapshot` is
         an async function (run in trio) returning a Snapshot. Reports the address
         served (the port chosen, for port 0) through `task_status`. Raises OSError when
@@ -207,7 +254,9 @@ class DaemonMetrics:
 
         self.registry.register(_Collector(take))
         host, _, port = listen.rpartition(":")
-        server, thread = await trio.to_thread.run_sync(start_http_server, int(port), host.strip("[]"), self.registry)
+        server, thread = await trio.to_thread.run_sync(
+            start_http_server, int(port), host.strip("[]"), self.registry
+        )
         try:
             bound = server.server_address
             self.address = f"{host}:{bound[1]}"

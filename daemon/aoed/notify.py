@@ -114,7 +114,9 @@ class Watchdog:
                         self._notifier.watchdog()
                         self.pings += 1
                     else:
-                        log.warning("watchdog: the daemon's own gRPC socket did not answer; not pinging")
+                        log.warning(
+                            "watchdog: the daemon's own gRPC socket did not answer; not pinging"
+                        )
             status = self._status()
             if status != last_status:
                 self._notifier.status(status)

@@ -76,7 +76,9 @@ class LinkedError(OSError):
 def _refused(exc: OSError, what: str, where: str) -> OSError:
     """`exc` from an O_NOFOLLOW open, as LinkRefusedError when a link caused it."""
     if exc.errno in (errno.ELOOP, errno.ENOTDIR, errno.ENXIO):
-        return LinkRefusedError(exc.errno, f"is a symbolic link or not {what}; links are never followed here", where)
+        return LinkRefusedError(
+            exc.errno, f"is a symbolic link or not {what}; links are never followed here", where
+        )
     return exc
 
 
@@ -120,7 +122,9 @@ def _temp_name() -> str:
     return f".aoed-{secrets.token_hex(8)}.tmp"
 
 
-def write_file(name: str, fill: Callable[[BinaryIO], object], *, dir_fd: int, sync: bool = True) -> None:
+def write_file(
+    name: str, fill: Callable[[BinaryIO], object], *, dir_fd: int, sync: bool = True
+) -> None:
     """Write `name` in `dir_fd`: `fill(f)` writes a fresh file of a random name, which is
     fsynced (unless not `sync`: scratch that a crash may lose) and renamed to `name`
     (replacing what was there, a link included, never writing through it). The mode is
@@ -166,8 +170,12 @@ def open_file(name: str | Path, *, dir_fd: int | None = None, single_link: bool 
         if not stat.S_ISREG(st.st_mode):
             raise LinkRefusedError(errno.EINVAL, "is not a regular file", str(name))
         if single_link and st.st_nlink > 1:
-            raise LinkedError(errno.EPERM, f"the file has {st.st_nlink} hard links, so it may be a file from "
-                              "elsewhere, and is not copied; copy it into the folder (cp, not ln)", str(name))  # fmt: skip
+            raise LinkedError(
+                errno.EPERM,
+                f"the file has {st.st_nlink} hard links, so it may be a file from "
+                "elsewhere, and is not copied; copy it into the folder (cp, not ln)",
+                str(name),
+            )
     except BaseException:
         os.close(fd)
         raise

@@ -456,7 +456,9 @@ def legacy_cnn() -> onnx.ModelProto:
     )
 
 
-def outlier_mlp(features: int = 128, hidden: int = 512, classes: int = 16, outliers: int = 4) -> onnx.ModelProto:
+def outlier_mlp(
+    features: int = 128, hidden: int = 512, classes: int = 16, outliers: int = 4
+) -> onnx.ModelProto:
     """An MLP built to collapse under per-tensor int8 quantization of its activations.
 
     A few hidden channels carry values about 1e4 times larger than the rest, and the
@@ -691,7 +693,14 @@ def gpt(
         p = f"h{i}"
         a = _layer_norm(g, x, f"{p}/ln_1", hidden, None)
         a = _self_attention(
-            g, a, f"{p}/attn", batch=batch, seq=seq, hidden=hidden, heads=heads, mask=mask,
+            g,
+            a,
+            f"{p}/attn",
+            batch=batch,
+            seq=seq,
+            hidden=hidden,
+            heads=heads,
+            mask=mask,
             out_std=proj_scale * math.sqrt(1.0 / hidden),
         )
         x = g.node("Add", [x, a], f"{p}/attn/residual/Add")

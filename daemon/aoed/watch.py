@@ -46,7 +46,14 @@ import trio
 import watchfiles
 
 from aoe import figures
-from aoe.errors import AoedError, DaemonUnavailableError, DiskFullError, ModelError, NotFoundError, OptionError
+from aoe.errors import (
+    AoedError,
+    DaemonUnavailableError,
+    DiskFullError,
+    ModelError,
+    NotFoundError,
+    OptionError,
+)
 from aoe.errors import ResourceExhaustedError
 from aoed import safefs, space
 from aoed.config import DaemonConfig, Inbox
@@ -194,7 +201,10 @@ class Watcher:
         assert self._nursery is not None
         if inbox.path in (inbox.outbox, inbox.failed):
             # Outputs (or failed models) dropped back into the inbox would be tuned again.
-            log.error("inbox %s: its outbox and failed folders must be other folders; not watched", inbox.path)
+            log.error(
+                "inbox %s: its outbox and failed folders must be other folders; not watched",
+                inbox.path,
+            )
             return
         folder = self._folders[inbox.path] = _Folder(inbox)
         self._known[inbox.path] = inbox
@@ -209,9 +219,15 @@ class Watcher:
             try:
                 folder.ino = await trio.to_thread.run_sync(_prepare_dirs, inbox)
             except OSError as exc:
-                why = f"{exc.filename}: {exc.strerror}" if exc.filename and exc.strerror else str(exc)
-                log.error("inbox %s: cannot create it, its outbox or its failed folder (%s); trying again in %gs",
-                          inbox.path, why, self.rescan_s)  # fmt: skip
+                why = (
+                    f"{exc.filename}: {exc.strerror}" if exc.filename and exc.strerror else str(exc)
+                )
+                log.error(
+                    "inbox %s: cannot create it, its outbox or its failed folder (%s); trying again in %gs",
+                    inbox.path,
+                    why,
+                    self.rescan_s,
+                )
                 folder.ready.set()  # a broken folder must not hold up the daemon's start
                 await trio.sleep(self.rescan_s)
                 continue
@@ -227,18 +243,32 @@ class Watcher:
             scans = polling or _polling_forced()
             try:
                 async for changes in watchfiles.awatch(
-                    inbox.path, watch_filter=None, stop_event=folder.stop, recursive=False, debounce=500, step=50,
-                    force_polling=True if polling else None, yield_on_timeout=scans, rust_timeout=1000 if scans else None,
-                ):  # fmt: skip
+                    inbox.path,
+                    watch_filter=None,
+                    stop_event=folder.stop,
+                    recursive=False,
+                    debounce=500,
+                    step=50,
+                    force_polling=True if polling else None,
+                    yield_on_timeout=scans,
+                    rust_timeout=1000 if scans else None,
+                ):
                     self._on_changes(folder, changes)
                     if scans:
                         await self._scan(folder)
             except (OSError, RuntimeError) as exc:  # RuntimeError: watchfiles' internal errors
                 if not polling and inbox.path.is_dir():
-                    log.warning("inbox %s: file notifications failed (%s); polling instead", inbox.path, exc)
+                    log.warning(
+                        "inbox %s: file notifications failed (%s); polling instead", inbox.path, exc
+                    )
                     polling = True
                     continue
-                log.warning("inbox %s: watching failed (%s); trying again in %gs", inbox.path, exc, self.rescan_s)
+                log.warning(
+                    "inbox %s: watching failed (%s); trying again in %gs",
+                    inbox.path,
+                    exc,
+                    self.rescan_s,
+                )
                 await trio.sleep(self.rescan_s)
 
     async def _probe_then_scan(self, folder: _Folder, probe: str) -> None:
@@ -266,8 +296,11 @@ class Watcher:
                 except OSError:
                     pass
         if not folder.probe_seen.is_set():
-            log.info("inbox %s: the watch did not report a probe file; the %gs rescan covers it", folder.inbox.path,
-                     self.rescan_s)  # fmt: skip
+            log.info(
+                "inbox %s: the watch did not report a probe file; the %gs rescan covers it",
+                folder.inbox.path,
+                self.rescan_s,
+            )
         await self._scan(folder)
         folder.ready.set()
 
@@ -277,7 +310,9 @@ class Watcher:
             folder.probe_seen.set()
         # A temporary name that vanished in the same batch as a model appeared: the model
         # was renamed into place, complete, and needs no waiting.
-        gone_temps = [name for change, name in names if change == watchfiles.Change.deleted and _ignored(name)]
+        gone_temps = [
+            name for change, name in names if change == watchfiles.Change.deleted and _ignored(name)
+        ]
         for change, name in names:
             if change == watchfiles.Change.deleted or _ignored(name) or name == OPTIONS_FILE:
                 continue
@@ -315,8 +350,12 @@ class Watcher:
         if noted.get(name) == ino:
             return
         noted[name] = ino
-        log.warning("inbox %s: %s is %s; left where it is (only regular *.onnx and *.pt2 files are taken)", folder.inbox.path,
-                    name, kind)  # fmt: skip
+        log.warning(
+            "inbox %s: %s is %s; left where it is (only regular *.onnx and *.pt2 files are taken)",
+            folder.inbox.path,
+            name,
+            kind,
+        )
 
     async def _sweep_loop(self) -> None:
         """The safety net: rescan every folder (watches can miss events, a folder can be
@@ -329,7 +368,10 @@ class Watcher:
                 except OSError:
                     ino = -1
                 if ino != folder.ino:
-                    log.warning("inbox %s: the folder was removed or replaced; watching it anew", folder.inbox.path)
+                    log.warning(
+                        "inbox %s: the folder was removed or replaced; watching it anew",
+                        folder.inbox.path,
+                    )
                     folder.stop.set()  # the watch loop recreates it, probes and scans
                 else:
                     await self._scan(folder)
@@ -378,7 +420,9 @@ class Watcher:
             if not isinstance(exc, AoedError | OSError):
                 log.exception("inbox: %s: internal error; trying again at the next scan", path)
             elif await trio.to_thread.run_sync(_signature, path) is None:
-                log.error("inbox: %s: %s", path, exc)  # claimed (or gone) already: nothing to try again
+                log.error(
+                    "inbox: %s: %s", path, exc
+                )  # claimed (or gone) already: nothing to try again
             else:
                 await self._claim_failed(path, folder, exc)
         finally:
@@ -390,37 +434,78 @@ class Watcher:
         log so once and leave it until it changes. A full disk is not the file's fault
         and passes: it is tried again at every scan, as long as it lasts, and counts no
         try (said once, at warning level, then at debug level)."""
-        why = f"{exc.filename or path}: {exc.strerror or exc}" if isinstance(exc, OSError) else str(exc)
-        if isinstance(exc, DiskFullError) or (isinstance(exc, OSError) and exc.errno in space.FULL_ERRNOS):
+        why = (
+            f"{exc.filename or path}: {exc.strerror or exc}"
+            if isinstance(exc, OSError)
+            else str(exc)
+        )
+        if isinstance(exc, DiskFullError) or (
+            isinstance(exc, OSError) and exc.errno in space.FULL_ERRNOS
+        ):
             said = path in self._waiting_room
             self._waiting_room.add(path)
-            log.log(logging.DEBUG if said else logging.WARNING, "inbox %s: %s waits for room to be claimed (%s); "
-                    "trying again at the next scan", folder.inbox.path, path.name, why)  # fmt: skip
+            log.log(
+                logging.DEBUG if said else logging.WARNING,
+                "inbox %s: %s waits for room to be claimed (%s); trying again at the next scan",
+                folder.inbox.path,
+                path.name,
+                why,
+            )
             return
         self._waiting_room.discard(path)
         tries = self._claim_errors[path] = self._claim_errors.get(path, 0) + 1
         if tries < CLAIM_TRIES:
-            log.error("inbox %s: %s could not be claimed (%s); trying again at the next scan (%d of %d tries)",
-                      folder.inbox.path, path.name, why, tries, CLAIM_TRIES)  # fmt: skip
+            log.error(
+                "inbox %s: %s could not be claimed (%s); trying again at the next scan (%d of %d tries)",
+                folder.inbox.path,
+                path.name,
+                why,
+                tries,
+                CLAIM_TRIES,
+            )
             return
         del self._claim_errors[path]
         self._retry_at.pop(path, None)
-        text = (f"model: {printable(path.name)}\njob:   (none: the file could not be claimed)\nstate: rejected\n"
-                f"error: {printable(why)} ({CLAIM_TRIES} tries)\n")  # fmt: skip
+        text = (
+            f"model: {printable(path.name)}\njob:   (none: the file could not be claimed)\nstate: rejected\n"
+            f"error: {printable(why)} ({CLAIM_TRIES} tries)\n"
+        )
         try:
-            where = await trio.to_thread.run_sync(_write_failure, folder.inbox.failed, path, path.name, text)
+            where = await trio.to_thread.run_sync(
+                _write_failure, folder.inbox.failed, path, path.name, text
+            )
         except OSError as err:
             self._given_up[path] = await trio.to_thread.run_sync(_signature, path)
             if self._given_up[path] is None:  # moved, but its error file could not be written
-                log.error("inbox %s: %s could not be claimed (%s) %d times; moved to %s without its error file (%s)",
-                          folder.inbox.path, path.name, why, CLAIM_TRIES, folder.inbox.failed, err.strerror or err)  # fmt: skip
+                log.error(
+                    "inbox %s: %s could not be claimed (%s) %d times; moved to %s without its error file (%s)",
+                    folder.inbox.path,
+                    path.name,
+                    why,
+                    CLAIM_TRIES,
+                    folder.inbox.failed,
+                    err.strerror or err,
+                )
                 return
-            log.error("inbox %s: %s could not be claimed (%s) %d times, nor moved to %s (%s); left in the inbox and "
-                      "not tried again until it changes", folder.inbox.path, path.name, why, CLAIM_TRIES,
-                      folder.inbox.failed, err.strerror or err)  # fmt: skip
+            log.error(
+                "inbox %s: %s could not be claimed (%s) %d times, nor moved to %s (%s); left in the inbox and "
+                "not tried again until it changes",
+                folder.inbox.path,
+                path.name,
+                why,
+                CLAIM_TRIES,
+                folder.inbox.failed,
+                err.strerror or err,
+            )
             return
-        log.warning("inbox %s: %s could not be claimed (%s) %d times; moved to %s", folder.inbox.path, path.name, why,
-                    CLAIM_TRIES, where)  # fmt: skip
+        log.warning(
+            "inbox %s: %s could not be claimed (%s) %d times; moved to %s",
+            folder.inbox.path,
+            path.name,
+            why,
+            CLAIM_TRIES,
+            where,
+        )
 
     async def _settled(self, path: Path, folder: _Folder) -> bool:
         """True once `path` is a complete regular file; False when it vanished, is not a
@@ -448,7 +533,9 @@ class Watcher:
             if done:
                 # A file with several links is refused unopened (JobManager.submit): the
                 # lease, which needs an open, is not asked of it.
-                if st.st_nlink > 1 or not await trio.to_thread.run_sync(self._written_to, path, folder):
+                if st.st_nlink > 1 or not await trio.to_thread.run_sync(
+                    self._written_to, path, folder
+                ):
                     return True
                 # A writer still has it open (it paused longer than stable_s): wait for it
                 # to close the file and for the file to stay unchanged again.
@@ -470,9 +557,13 @@ class Watcher:
             os.close(fd)
         if writers is None and folder.inbox.path not in self._no_lease:
             self._no_lease.add(folder.inbox.path)
-            log.warning("inbox %s: cannot tell whether a writer still has a file open (%s); a file counts as "
-                        "complete once its size and mtime stay the same for stable_s = %gs", folder.inbox.path,
-                        _no_lease_reason(), folder.inbox.stable_s)  # fmt: skip
+            log.warning(
+                "inbox %s: cannot tell whether a writer still has a file open (%s); a file counts as "
+                "complete once its size and mtime stay the same for stable_s = %gs",
+                folder.inbox.path,
+                _no_lease_reason(),
+                folder.inbox.stable_s,
+            )
         return bool(writers)
 
     async def _claim(self, path: Path, inbox: Inbox) -> Claim | None:
@@ -508,7 +599,9 @@ class Watcher:
             try:
                 _check_claimed(model)
                 spec = folder_spec(Path(claim.inbox))
-                row, joined = await self._jobs.submit(Submission(model=model, spec=spec, source=f"inbox:{claim.inbox}"))
+                row, joined = await self._jobs.submit(
+                    Submission(model=model, spec=spec, source=f"inbox:{claim.inbox}")
+                )
             except AoedError as exc:
                 if isinstance(exc, ResourceExhaustedError | DaemonUnavailableError):
                     log.info("inbox %s: %s waits (%s)", claim.inbox, model.name, exc)
@@ -524,7 +617,13 @@ class Watcher:
             await self._deliver_failure(claim, "", "rejected", error)
             return
         self._jobs.claim_done(claim.src, row.id)
-        log.info("inbox %s: %s is job %s%s", claim.inbox, model.name, row.id, " (joined)" if joined else "")
+        log.info(
+            "inbox %s: %s is job %s%s",
+            claim.inbox,
+            model.name,
+            row.id,
+            " (joined)" if joined else "",
+        )
         if row.final:  # joined a job that has ended since: on_final will not come again
             self._queue(row)
 
@@ -550,9 +649,13 @@ class Watcher:
                 continue
             src, dst = Path(c.src), Path(c.dst)
             if dst.exists():
-                log.info("inbox %s: %s was claimed but not submitted; submitting it", c.inbox, dst.name)
+                log.info(
+                    "inbox %s: %s was claimed but not submitted; submitting it", c.inbox, dst.name
+                )
                 self._in_flight.add(c.src)
-                self._nursery.start_soon(self._submit_reconciled, c, src.exists() and _same_file_data(src, dst))
+                self._nursery.start_soon(
+                    self._submit_reconciled, c, src.exists() and _same_file_data(src, dst)
+                )
             else:
                 try:
                     self._jobs.claim_drop(c.src)
@@ -565,7 +668,9 @@ class Watcher:
                 await trio.to_thread.run_sync(lambda: Path(claim.src).unlink(missing_ok=True))
             await self._submit(claim)
         except (AoedError, OSError) as exc:
-            log.error("inbox %s: %s: %s (trying again at the next sweep)", claim.inbox, claim.dst, exc)
+            log.error(
+                "inbox %s: %s: %s (trying again at the next sweep)", claim.inbox, claim.dst, exc
+            )
         finally:
             self._in_flight.discard(claim.src)
 
@@ -574,9 +679,17 @@ class Watcher:
             try:
                 row = self._jobs.get(c.job_id)
             except NotFoundError:
-                row = JobRow(id=c.job_id, state=FAILED, model_path=c.dst, model_name=Path(c.dst).name,
-                             model_sha256="", dedup_key="", spec=JobSpec(), output_dir="",
-                             error="the job's record is gone (removed after its retention?)")  # fmt: skip
+                row = JobRow(
+                    id=c.job_id,
+                    state=FAILED,
+                    model_path=c.dst,
+                    model_name=Path(c.dst).name,
+                    model_sha256="",
+                    dedup_key="",
+                    spec=JobSpec(),
+                    output_dir="",
+                    error="the job's record is gone (removed after its retention?)",
+                )
             except AoedError as exc:
                 log.error("inbox %s: job %s: %s", c.inbox, c.job_id, exc)
                 continue
@@ -597,7 +710,9 @@ class Watcher:
         try:
             self._final_send.send_nowait(row)
         except trio.WouldBlock:
-            log.warning("inbox: job %s: the delivery queue is full; delivering at the next sweep", row.id)
+            log.warning(
+                "inbox: job %s: the delivery queue is full; delivering at the next sweep", row.id
+            )
 
     async def _deliver_loop(self) -> None:
         """The one task that delivers: one claim at a time, so that a job queued twice
@@ -612,31 +727,60 @@ class Watcher:
                     else:
                         await self._deliver_failure(claim, row.id, row.state, row.error)
                 except (AoedError, OSError) as exc:
-                    log.error("inbox %s: delivering job %s failed (%s); trying again at the next sweep",
-                              claim.inbox, row.id, exc)  # fmt: skip
+                    log.error(
+                        "inbox %s: delivering job %s failed (%s); trying again at the next sweep",
+                        claim.inbox,
+                        row.id,
+                        exc,
+                    )
                 except Exception:
-                    log.exception("inbox %s: delivering job %s: internal error", claim.inbox, row.id)
+                    log.exception(
+                        "inbox %s: delivering job %s: internal error", claim.inbox, row.id
+                    )
 
     def _inbox(self, path: str) -> Inbox:
         p = Path(path)
         # (The configuration's, for a claim settled at start, before the folder is watched.)
         configured = next((i for i in self._cfg.inboxes if i.path == p), None)
-        return self._known.get(p) or configured or Inbox(p, p.parent / "outbox", p.parent / "failed")
+        return (
+            self._known.get(p) or configured or Inbox(p, p.parent / "outbox", p.parent / "failed")
+        )
 
     async def _deliver_success(self, claim: Claim, row: JobRow) -> None:
         inbox = self._inbox(claim.inbox)
-        names = await trio.to_thread.run_sync(_write_outputs, inbox.outbox, Path(claim.src).name, row)
-        log.info("inbox %s: job %s delivered to %s (%s)", claim.inbox, row.id, inbox.outbox, ", ".join(names))
+        names = await trio.to_thread.run_sync(
+            _write_outputs, inbox.outbox, Path(claim.src).name, row
+        )
+        log.info(
+            "inbox %s: job %s delivered to %s (%s)",
+            claim.inbox,
+            row.id,
+            inbox.outbox,
+            ", ".join(names),
+        )
         await self._release(claim)
 
     async def _deliver_failure(self, claim: Claim, job_id: str, state: str, error: str) -> None:
         inbox = self._inbox(claim.inbox)
-        error = error.replace(claim.dst, claim.src)  # name the file as dropped, not the claimed copy
+        error = error.replace(
+            claim.dst, claim.src
+        )  # name the file as dropped, not the claimed copy
         # One line per field whatever the name or the message hold (newlines are escaped).
-        text = (f"model: {printable(Path(claim.src).name)}\njob:   {job_id or '(none: the submission was refused)'}\n"
-                f"state: {state}\nerror: {printable(error) or '(no message)'}\n")  # fmt: skip
-        where = await trio.to_thread.run_sync(_write_failure, inbox.failed, Path(claim.dst), Path(claim.src).name, text)
-        log.warning("inbox %s: %s %s: %s (moved to %s)", claim.inbox, Path(claim.src).name, state, error, where)
+        text = (
+            f"model: {printable(Path(claim.src).name)}\njob:   {job_id or '(none: the submission was refused)'}\n"
+            f"state: {state}\nerror: {printable(error) or '(no message)'}\n"
+        )
+        where = await trio.to_thread.run_sync(
+            _write_failure, inbox.failed, Path(claim.dst), Path(claim.src).name, text
+        )
+        log.warning(
+            "inbox %s: %s %s: %s (moved to %s)",
+            claim.inbox,
+            Path(claim.src).name,
+            state,
+            error,
+            where,
+        )
         await self._release(claim)
 
     async def _release(self, claim: Claim) -> None:
@@ -664,7 +808,9 @@ def folder_spec(folder: Path) -> JobSpec:
         with os.fdopen(safefs.open_file(f), "rb") as fh:
             data = fh.read(_OPTIONS_MAX + 1)
         if len(data) > _OPTIONS_MAX:
-            raise OptionError(f"{f}: larger than {_OPTIONS_MAX} bytes; an options file holds a few lines")
+            raise OptionError(
+                f"{f}: larger than {_OPTIONS_MAX} bytes; an options file holds a few lines"
+            )
         raw = tomllib.loads(data.decode("utf-8"))
     except FileNotFoundError:
         raw = {}
@@ -685,7 +831,12 @@ def folder_spec(folder: Path) -> JobSpec:
 
 def _polling_forced() -> bool:
     """Whether watchfiles polls without being asked to (its environment variable)."""
-    return os.environ.get("WATCHFILES_FORCE_POLLING", "").lower() not in ("", "false", "disable", "disabled")
+    return os.environ.get("WATCHFILES_FORCE_POLLING", "").lower() not in (
+        "",
+        "false",
+        "disable",
+        "disabled",
+    )
 
 
 def _prepare_dirs(inbox: Inbox) -> int:
@@ -719,8 +870,14 @@ def _listing(folder: Path) -> tuple[list[str], dict[str, tuple[int, str]]]:
 
 def _kind(mode: int) -> str:
     """What an entry that is not taken is, in words."""
-    for test, words in ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"),
-                        (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a device"), (stat.S_ISBLK, "a device")):  # fmt: skip
+    for test, words in (
+        (stat.S_ISLNK, "a symbolic link"),
+        (stat.S_ISDIR, "a folder"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a device"),
+        (stat.S_ISBLK, "a device"),
+    ):
         if test(mode):
             return words
     return "not a regular file" if not stat.S_ISREG(mode) else "not an .onnx model (nor a .pt2)"
@@ -743,8 +900,10 @@ def _no_lease_reason() -> str:
                 return "leases are off: /proc/sys/fs/leases-enable is 0"
     except OSError:
         pass
-    return ("no read lease: the daemon neither owns the files dropped here nor has CAP_LEASE, or the file system "
-            "has no leases")  # fmt: skip
+    return (
+        "no read lease: the daemon neither owns the files dropped here nor has CAP_LEASE, or the file system "
+        "has no leases"
+    )
 
 
 def _check_claimed(model: Path) -> None:
@@ -753,8 +912,10 @@ def _check_claimed(model: Path) -> None:
     entry itself; nothing reads through such a link."""
     st = os.lstat(model)
     if not stat.S_ISREG(st.st_mode):
-        raise ModelError(f"{model.name}: {_kind(st.st_mode)} by the time it was claimed (it was replaced "
-                         "after it was found); only regular files are taken, and nothing behind it was read")  # fmt: skip
+        raise ModelError(
+            f"{model.name}: {_kind(st.st_mode)} by the time it was claimed (it was replaced "
+            "after it was found); only regular files are taken, and nothing behind it was read"
+        )
 
 
 def _same_file_data(a: Path, b: Path) -> bool:
@@ -798,7 +959,11 @@ def _write_outputs(outbox: Path, name: str, row: JobRow) -> list[str]:
     a link) is left out, and the report says so."""
     outbox.mkdir(parents=True, exist_ok=True)
     outcome = row.outcome
-    suffixes = _GDAT_OUT_SUFFIXES if outcome is not None and outcome.job_type == JobType.GDAT else _OUT_SUFFIXES
+    suffixes = (
+        _GDAT_OUT_SUFFIXES
+        if outcome is not None and outcome.job_type == JobType.GDAT
+        else _OUT_SUFFIXES
+    )
     with safefs.opened_dir(outbox) as out:
         base = _free_base(out, Path(name).stem, suffixes)
         tuned, result_json, report = (f"{base}{s}" for s in suffixes)
@@ -825,8 +990,11 @@ def _report_text(name: str, row: JobRow, written: list[str], missing: list[str])
     folder's renderer of its outcome."""
     o = row.outcome
     f = o.figures if o is not None else figures.Figures("", "", 0.0)
-    where = (f"from the bank, as confirmed by {f.confirmed_by}" if f.confirmed_by
-             else f"confirming A/B, {f.rounds} interleaved rounds")  # fmt: skip
+    where = (
+        f"from the bank, as confirmed by {f.confirmed_by}"
+        if f.confirmed_by
+        else f"confirming A/B, {f.rounds} interleaved rounds"
+    )
     lines = [
         f"aoed tuned {printable(name)}",
         f"job:          {row.id}",
@@ -865,7 +1033,9 @@ def _write_failure(failed: Path, model: Path, name: str, text: str) -> Path:
                     try:
                         safefs.move(model.name, dst, src_dir_fd=src_fd, dst_dir_fd=dst_fd)
                     except safefs.LinkedError:
-                        os.unlink(model.name, dir_fd=src_fd)  # only this name goes: the error says why
+                        os.unlink(
+                            model.name, dir_fd=src_fd
+                        )  # only this name goes: the error says why
             finally:
                 if src_fd >= 0:
                     os.close(src_fd)

@@ -87,7 +87,9 @@ class Bridge:
         remaining = context.time_remaining()
         return None if remaining is None else max(0.0, remaining)
 
-    def call(self, context: grpc.ServicerContext, afn: Callable[..., Awaitable[T]], *args: Any) -> T:
+    def call(
+        self, context: grpc.ServicerContext, afn: Callable[..., Awaitable[T]], *args: Any
+    ) -> T:
         """Run `await afn(*args)` in trio and return its value; ends the RPC with the
         mapped status when it raises. Client cancellation cancels it."""
         call = self._link(context)
@@ -109,9 +111,16 @@ class Bridge:
             context.abort(grpc.StatusCode.UNAVAILABLE, "the daemon is shutting down")
         except Exception as exc:  # a bug: say so, keep serving
             log.exception("internal error in %s", getattr(afn, "__qualname__", afn))
-            context.abort(grpc.StatusCode.INTERNAL, f"internal error in the daemon: {type(exc).__name__}: {exc}")
+            context.abort(
+                grpc.StatusCode.INTERNAL,
+                f"internal error in the daemon: {type(exc).__name__}: {exc}",
+            )
         if kind == "cancelled":
-            if remaining is not None and context.time_remaining() is not None and context.time_remaining() <= 0:
+            if (
+                remaining is not None
+                and context.time_remaining() is not None
+                and context.time_remaining() <= 0
+            ):
                 context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")
             context.abort(grpc.StatusCode.CANCELLED, "cancelled")
         return value
@@ -132,7 +141,9 @@ class Bridge:
         once the client has read what was buffered."""
         call = self._link(context)
         remaining = self._deadline(context)
-        send, recv = trio.from_thread.run_sync(lambda: trio.open_memory_channel[Any](buffer), trio_token=self._token)
+        send, recv = trio.from_thread.run_sync(
+            lambda: trio.open_memory_channel[Any](buffer), trio_token=self._token
+        )
         stalled: list[AoedError] = []
 
         async def put(item: Any) -> bool:
@@ -161,8 +172,17 @@ class Bridge:
                     except AoedError as exc:
                         await send.send(("error", exc))
                     except Exception as exc:
-                        log.exception("internal error in stream %s", getattr(agen_fn, "__qualname__", agen_fn))
-                        await send.send(("error", AoedError(f"internal error in the daemon: {type(exc).__name__}: {exc}")))
+                        log.exception(
+                            "internal error in stream %s", getattr(agen_fn, "__qualname__", agen_fn)
+                        )
+                        await send.send(
+                            (
+                                "error",
+                                AoedError(
+                                    f"internal error in the daemon: {type(exc).__name__}: {exc}"
+                                ),
+                            )
+                        )
 
         try:
             trio.from_thread.run_sync(self._nursery.start_soon, produce, trio_token=self._token)

@@ -67,18 +67,26 @@ FOLLOW_BUFFER = 64
 FOLLOW_STALL_S = 30.0
 
 _POLICY = {
-    bank_pb2.MERGE_POLICY_UNSPECIFIED: "keep-faster", bank_pb2.MERGE_POLICY_KEEP_FASTER: "keep-faster",
-    bank_pb2.MERGE_POLICY_OVERWRITE: "overwrite", bank_pb2.MERGE_POLICY_KEEP_EXISTING: "keep-existing",
-}  # fmt: skip
+    bank_pb2.MERGE_POLICY_UNSPECIFIED: "keep-faster",
+    bank_pb2.MERGE_POLICY_KEEP_FASTER: "keep-faster",
+    bank_pb2.MERGE_POLICY_OVERWRITE: "overwrite",
+    bank_pb2.MERGE_POLICY_KEEP_EXISTING: "keep-existing",
+}
 _VERDICT = {
-    "confirmed": bank_pb2.VERIFY_VERDICT_CONFIRMED, "regressed": bank_pb2.VERIFY_VERDICT_REGRESSED,
-    "inaccurate": bank_pb2.VERIFY_VERDICT_INACCURATE, "skipped": bank_pb2.VERIFY_VERDICT_SKIPPED,
+    "confirmed": bank_pb2.VERIFY_VERDICT_CONFIRMED,
+    "regressed": bank_pb2.VERIFY_VERDICT_REGRESSED,
+    "inaccurate": bank_pb2.VERIFY_VERDICT_INACCURATE,
+    "skipped": bank_pb2.VERIFY_VERDICT_SKIPPED,
     "error": bank_pb2.VERIFY_VERDICT_ERROR,
-}  # fmt: skip
+}
 
 
 def add_to_server(
-    server: grpc.Server, bridge: Bridge, engine: Engine, connect: Connect | None = None, peers: Sequence[str] = ()
+    server: grpc.Server,
+    bridge: Bridge,
+    engine: Engine,
+    connect: Connect | None = None,
+    peers: Sequence[str] = (),
 ) -> BankServicer:
     """Serve BankService on `server` over `engine`; returns the servicer. `connect`
     opens a client to a peer for SyncBank (default: aoe.client.Client, no TLS), which
@@ -95,7 +103,13 @@ def _plain_client(target: str) -> Any:
 
 
 class BankServicer(bank_pb2_grpc.BankServiceServicer):
-    def __init__(self, bridge: Bridge, engine: Engine, connect: Connect | None = None, peers: Sequence[str] = ()):
+    def __init__(
+        self,
+        bridge: Bridge,
+        engine: Engine,
+        connect: Connect | None = None,
+        peers: Sequence[str] = (),
+    ):
         self._bridge, self._engine = bridge, engine
         self._bank = DaemonBank(engine.bank, engine.device.device.fingerprint())
         self._connect = connect or _plain_client
@@ -110,8 +124,12 @@ class BankServicer(bank_pb2_grpc.BankServiceServicer):
 
     def LookupEntry(self, request, context):
         ex, raw = self._bridge.call(context, self._lookup, request)
-        return bank_pb2.LookupEntryResponse(found=ex.found, entry=bank_pb2.BankEntry.FromString(raw) if ex.found else None,
-                                            layer=ex.layer if ex.found else "", reason=ex.reason)  # fmt: skip
+        return bank_pb2.LookupEntryResponse(
+            found=ex.found,
+            entry=bank_pb2.BankEntry.FromString(raw) if ex.found else None,
+            layer=ex.layer if ex.found else "",
+            reason=ex.reason,
+        )
 
     async def _lookup(self, request: bank_pb2.LookupEntryRequest):
         d = request.digests
@@ -121,8 +139,10 @@ class BankServicer(bank_pb2_grpc.BankServiceServicer):
 
     def QueryEntries(self, request, context):
         items, after = self._bridge.call(context, self._query, request)
-        return bank_pb2.QueryEntriesResponse(entries=[bank_pb2.BankEntry.FromString(v) for _, v in items],
-                                             next_page_token=base64.urlsafe_b64encode(after).decode())  # fmt: skip
+        return bank_pb2.QueryEntriesResponse(
+            entries=[bank_pb2.BankEntry.FromString(v) for _, v in items],
+            next_page_token=base64.urlsafe_b64encode(after).decode(),
+        )
 
     async def _query(
         self, request: bank_pb2.QueryEntriesRequest
@@ -155,33 +175,49 @@ class BankServicer(bank_pb2_grpc.BankServiceServicer):
         layers = self._bridge.call(context, self._bank.stats)
         custom = layers[0]
         return bank_pb2.GetBankStatsResponse(
-            entries=sum(s.entries for s in layers), history_trials=sum(s.history for s in layers),
-            layer_entries={s.name: s.entries for s in layers}, map_size_bytes=custom.map_size,
-            used_bytes=custom.used_bytes, schema_version=custom.schema_version, path=custom.path,
-        )  # fmt: skip
+            entries=sum(s.entries for s in layers),
+            history_trials=sum(s.history for s in layers),
+            layer_entries={s.name: s.entries for s in layers},
+            map_size_bytes=custom.map_size,
+            used_bytes=custom.used_bytes,
+            schema_version=custom.schema_version,
+            path=custom.path,
+        )
 
     def SyncBank(self, request, context):
         report = self._bridge.call(context, self._sync, request.peer)
         return bank_pb2.SyncBankResponse(
-            peer_bank_id=report.peer_bank_id, from_seq=report.from_seq, to_seq=report.to_seq,
-            entries=_counts(report.counts["entry"]), default_records=_counts(report.counts["default"]),
-            trials=_counts(report.counts["trial"]), refused=report.refused,
-        )  # fmt: skip
+            peer_bank_id=report.peer_bank_id,
+            from_seq=report.from_seq,
+            to_seq=report.to_seq,
+            entries=_counts(report.counts["entry"]),
+            default_records=_counts(report.counts["default"]),
+            trials=_counts(report.counts["trial"]),
+            refused=report.refused,
+        )
 
     async def _sync(self, peer: str) -> SyncReport:
         if not peer:
-            raise OptionError("SyncBank: give the peer as a gRPC target (unix:///path.sock, dns:///host:7461)")
+            raise OptionError(
+                "SyncBank: give the peer as a gRPC target (unix:///path.sock, dns:///host:7461)"
+            )
         # A client must not make the daemon dial anywhere it likes with its credentials.
         if not peer.startswith("unix:") and peer not in self._peers:
-            raise OptionError(f"SyncBank: {peer}: this daemon syncs over TCP only with the peers in its "
-                              "[bank] follow list; add it there, or sync into a bank folder with --bank")  # fmt: skip
+            raise OptionError(
+                f"SyncBank: {peer}: this daemon syncs over TCP only with the peers in its "
+                "[bank] follow list; add it there, or sync into a bank folder with --bank"
+            )
         devices = [self._engine.device.device.fingerprint().digest]
         return await Follower(self._engine.bank, peer, devices, self._connect).sync()
 
     def PruneBank(self, request, context):
         r = self._bridge.call(context, self._bank.prune, request.dry_run)
-        return bank_pb2.PruneBankResponse(trials_removed=r.trials_removed, entries_kept=r.entries_kept,
-                                          used_bytes_before=r.used_bytes_before, used_bytes_after=r.used_bytes_after)  # fmt: skip
+        return bank_pb2.PruneBankResponse(
+            trials_removed=r.trials_removed,
+            entries_kept=r.entries_kept,
+            used_bytes_before=r.used_bytes_before,
+            used_bytes_after=r.used_bytes_after,
+        )
 
     # -- server streams
 
@@ -189,11 +225,22 @@ class BankServicer(bank_pb2_grpc.BankServiceServicer):
         yield from self._bridge.stream(context, _export, self._bank, request)
 
     def FollowBank(self, request, context):
-        stall = (FOLLOW_STALL_S, ResourceExhaustedError(
-            f"FollowBank: this follower read nothing for {FOLLOW_STALL_S:g} s while {FOLLOW_BUFFER} messages "
-            "waited; reconnect and resume from the last upto_seq applied"))  # fmt: skip
-        for batch in self._bridge.stream(context, feed, self._engine.bank, request.after_seq, request.bank_id,
-                                         buffer=FOLLOW_BUFFER, stall=stall):  # fmt: skip
+        stall = (
+            FOLLOW_STALL_S,
+            ResourceExhaustedError(
+                f"FollowBank: this follower read nothing for {FOLLOW_STALL_S:g} s while {FOLLOW_BUFFER} messages "
+                "waited; reconnect and resume from the last upto_seq applied"
+            ),
+        )
+        for batch in self._bridge.stream(
+            context,
+            feed,
+            self._engine.bank,
+            request.after_seq,
+            request.bank_id,
+            buffer=FOLLOW_BUFFER,
+            stall=stall,
+        ):
             yield _batch(batch)
 
     def VerifyEntries(self, request, context):
@@ -201,9 +248,9 @@ class BankServicer(bank_pb2_grpc.BankServiceServicer):
             yield _verdict(v)
 
 
-
-
-async def _export(bank: DaemonBank, request: bank_pb2.ExportEntriesRequest) -> AsyncIterator[bank_pb2.ExportEntriesResponse]:
+async def _export(
+    bank: DaemonBank, request: bank_pb2.ExportEntriesRequest
+) -> AsyncIterator[bank_pb2.ExportEntriesResponse]:
     """The custom bank's records for an ExportEntriesRequest: entries, then default
     records, then the history, each in key order, read a page per transaction."""
     dbs = ["entries"]
@@ -222,10 +269,14 @@ async def _export(bank: DaemonBank, request: bank_pb2.ExportEntriesRequest) -> A
 
 def _check_verify(engine: Engine, request: bank_pb2.VerifyEntriesRequest) -> None:
     if request.device and Device.parse(request.device).name != engine.device.device.name:
-        raise OptionError(f"device {request.device!r}: this daemon measures on {engine.device.device}")
+        raise OptionError(
+            f"device {request.device!r}: this daemon measures on {engine.device.device}"
+        )
 
 
-async def _verify(engine: Engine, bank: DaemonBank, request: bank_pb2.VerifyEntriesRequest) -> AsyncIterator[Verdict]:
+async def _verify(
+    engine: Engine, bank: DaemonBank, request: bank_pb2.VerifyEntriesRequest
+) -> AsyncIterator[Verdict]:
     """A verdict per sampled entry of the custom bank, each measured in turn; the
     measurements go to the history before the verdict is handed on."""
     _check_verify(engine, request)
@@ -308,23 +359,33 @@ def _lines(
     for n, msg in enumerate(requests, 1):
         which = msg.WhichOneof("payload")
         if which is None or which == "options":
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"ImportEntries: record {n} carries {'nothing' if which is None else 'options'}; "
-                          "only the first message may carry options, every other one a record")  # fmt: skip
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"ImportEntries: record {n} carries {'nothing' if which is None else 'options'}; "
+                "only the first message may carry options, every other one a record",
+            )
         total += msg.ByteSize()
         if n > MAX_IMPORT_RECORDS or total > MAX_IMPORT_BYTES:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          f"ImportEntries: over this daemon's limit of {MAX_IMPORT_RECORDS} records or "
-                          f"{MAX_IMPORT_BYTES >> 20} MiB per import; split the import")  # fmt: skip
+            context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"ImportEntries: over this daemon's limit of {MAX_IMPORT_RECORDS} records or "
+                f"{MAX_IMPORT_BYTES >> 20} MiB per import; split the import",
+            )
         yield record_to_json(bank_pb2.ExportEntriesResponse(**{which: getattr(msg, which)}))
 
 
 def _batch(b: FollowBatch) -> bank_pb2.FollowBankResponse:
     return bank_pb2.FollowBankResponse(
-        bank_id=b.bank_id, upto_seq=b.upto, head_seq=b.head,
-        changes=[bank_pb2.BankChange(seq=c.seq, kind=c.kind, key=c.key, value=c.value,
-                                     committed_unix_ns=c.committed_ns) for c in b.changes],
-    )  # fmt: skip
+        bank_id=b.bank_id,
+        upto_seq=b.upto,
+        head_seq=b.head,
+        changes=[
+            bank_pb2.BankChange(
+                seq=c.seq, kind=c.kind, key=c.key, value=c.value, committed_unix_ns=c.committed_ns
+            )
+            for c in b.changes
+        ],
+    )
 
 
 def _counts(c: MergeCounts) -> bank_pb2.ImportCounts:
@@ -335,24 +396,40 @@ def _import_response(
     counts: dict[str, MergeCounts], refused: list[tuple[str, str]]
 ) -> bank_pb2.ImportEntriesResponse:
     return bank_pb2.ImportEntriesResponse(
-        added=sum(c.added for c in counts.values()), updated=sum(c.updated for c in counts.values()),
-        kept=sum(c.kept for c in counts.values()), refused=len(refused),
-        refused_entries=[bank_pb2.RefusedEntry(key=label, reason=why) for label, why in refused[:SHOW_REFUSED]],
-        entries=_counts(counts["entry"]), default_records=_counts(counts["default"]), trials=_counts(counts["trial"]),
-    )  # fmt: skip
+        added=sum(c.added for c in counts.values()),
+        updated=sum(c.updated for c in counts.values()),
+        kept=sum(c.kept for c in counts.values()),
+        refused=len(refused),
+        refused_entries=[
+            bank_pb2.RefusedEntry(key=label, reason=why) for label, why in refused[:SHOW_REFUSED]
+        ],
+        entries=_counts(counts["entry"]),
+        default_records=_counts(counts["default"]),
+        trials=_counts(counts["trial"]),
+    )
 
 
 def _stats(m: dict) -> bank_pb2.Stats:
-    return bank_pb2.Stats(median_us=m.get("median_us", 0.0), spread=m.get("spread", 0.0),
-                          repeats=int(m.get("repeats", 0)), min_us=m.get("min_us", 0.0))  # fmt: skip
+    return bank_pb2.Stats(
+        median_us=m.get("median_us", 0.0),
+        spread=m.get("spread", 0.0),
+        repeats=int(m.get("repeats", 0)),
+        min_us=m.get("min_us", 0.0),
+    )
 
 
 def _verdict(v: Verdict) -> bank_pb2.VerifyEntriesResponse:
     w = v.winner
     return bank_pb2.VerifyEntriesResponse(
-        key=v.key, op_type=v.op_type, verdict=_VERDICT.get(v.verdict, bank_pb2.VERIFY_VERDICT_UNSPECIFIED),
-        measured_winner=_stats(v.winner), measured_baseline=_stats(v.baseline),
-        accuracy=bank_pb2.Accuracy(max_abs_error=w.get("max_abs_error", 0.0), max_rel_error=w.get("max_rel_error", 0.0),
-                                   cosine=w.get("cosine", 0.0)),
+        key=v.key,
+        op_type=v.op_type,
+        verdict=_VERDICT.get(v.verdict, bank_pb2.VERIFY_VERDICT_UNSPECIFIED),
+        measured_winner=_stats(v.winner),
+        measured_baseline=_stats(v.baseline),
+        accuracy=bank_pb2.Accuracy(
+            max_abs_error=w.get("max_abs_error", 0.0),
+            max_rel_error=w.get("max_rel_error", 0.0),
+            cosine=w.get("cosine", 0.0),
+        ),
         detail=v.detail,
-    )  # fmt: skip
+    )

@@ -40,9 +40,16 @@ class DeviceServicer(devices_pb2_grpc.DeviceServiceServicer):
         for agent in reversed(devset.agents):  # the configured ones first, in their order
             known = next((d for d in local if d.device == agent.device), None)
             mine = _device(known or LocalDevice(agent.device), True, agent.cores)
-            mine.busy, mine.queued_jobs = agent.outstanding > 0 or (n_running > 0 and len(devset) == 1), queued
+            mine.busy, mine.queued_jobs = (
+                agent.outstanding > 0 or (n_running > 0 and len(devset) == 1),
+                queued,
+            )
             mine.running_job_id = running[0].id if running and mine.busy else ""
-            mine.device_seconds, mine.requests, mine.trials = agent.busy_s, agent.requests, agent.trials
+            mine.device_seconds, mine.requests, mine.trials = (
+                agent.busy_s,
+                agent.requests,
+                agent.trials,
+            )
             mine.duty_cycle = min(1.0, agent.busy_s / uptime)
             devices.insert(0, mine)
         return devices_pb2.ListDevicesResponse(devices=devices)
@@ -53,27 +60,53 @@ def _device(local: LocalDevice, configured: bool, cores: int) -> devices_pb2.Dev
     cannot describe it); a configured CPU counts the runner's `cores`."""
     dev = local.device
     described = local.describe(cores if configured else None)
-    msg = devices_pb2.Device(id=dev.name, execution_provider=dev.provider, description=described,
-                             configured=configured, unusable=local.unusable, versions=runtime_versions())  # fmt: skip
+    msg = devices_pb2.Device(
+        id=dev.name,
+        execution_provider=dev.provider,
+        description=described,
+        configured=configured,
+        unusable=local.unusable,
+        versions=runtime_versions(),
+    )
     try:
         fp = dev.fingerprint()
     except DeviceError:
         pass
     else:
-        msg.fingerprint.CopyFrom(bank_pb2.DeviceFingerprint(
-            execution_provider=fp.execution_provider, hardware=fp.hardware, isa_flags=fp.isa_flags,
-            runtime_version=fp.runtime_version, canonical_json=fp.canonical_json, digest=fp.digest))  # fmt: skip
+        msg.fingerprint.CopyFrom(
+            bank_pb2.DeviceFingerprint(
+                execution_provider=fp.execution_provider,
+                hardware=fp.hardware,
+                isa_flags=fp.isa_flags,
+                runtime_version=fp.runtime_version,
+                canonical_json=fp.canonical_json,
+                digest=fp.digest,
+            )
+        )
     if local.gpu is not None:
         g = local.gpu
-        msg.accelerator.CopyFrom(devices_pb2.Accelerator(
-            index=g.index, name=g.name, compute_capability=g.compute_capability, memory_mib=g.memory_mib,
-            driver_version=g.driver_version, uuid=g.uuid))  # fmt: skip
+        msg.accelerator.CopyFrom(
+            devices_pb2.Accelerator(
+                index=g.index,
+                name=g.name,
+                compute_capability=g.compute_capability,
+                memory_mib=g.memory_mib,
+                driver_version=g.driver_version,
+                uuid=g.uuid,
+            )
+        )
     return msg
 
 
 class DaemonServicer(daemon_pb2_grpc.DaemonServiceServicer):
-    def __init__(self, bridge: Bridge, jobs: JobManager, cfg: DaemonConfig, started: float | None = None,
-                 listen: Callable[[], list[str]] | None = None):  # fmt: skip
+    def __init__(
+        self,
+        bridge: Bridge,
+        jobs: JobManager,
+        cfg: DaemonConfig,
+        started: float | None = None,
+        listen: Callable[[], list[str]] | None = None,
+    ):
         self._bridge, self._jobs, self._cfg = bridge, jobs, cfg
         self._started = started or time.time()
         self._listen = listen or cfg.listen_addresses
@@ -87,12 +120,22 @@ class DaemonServicer(daemon_pb2_grpc.DaemonServiceServicer):
         started = Timestamp()
         started.FromNanoseconds(int(self._started * 1e9))
         return daemon_pb2.GetDaemonInfoResponse(
-            version=__version__, pid=os.getpid(), started=started, listen=self._listen(),
-            bank_path=str(cfg.engine.bank), bank_layers=[str(p) for p in cfg.engine.bank_layers],
+            version=__version__,
+            pid=os.getpid(),
+            started=started,
+            listen=self._listen(),
+            bank_path=str(cfg.engine.bank),
+            bank_layers=[str(p) for p in cfg.engine.bank_layers],
             state_dir=str(cfg.state_dir),
-            inboxes=[daemon_pb2.Inbox(path=str(i.path), outbox=str(i.outbox), failed=str(i.failed))
-                     for i in cfg.inboxes],
-            queued_jobs=queued, running_jobs=running, max_running_jobs=cfg.max_running_jobs,
-            max_queued_jobs=cfg.max_queued_jobs, max_upload_bytes=cfg.max_upload_bytes,
-            allowed_dirs=[str(p) for p in cfg.allowed_dirs], compile_workers=self._jobs.engine.pool.size,
-        )  # fmt: skip
+            inboxes=[
+                daemon_pb2.Inbox(path=str(i.path), outbox=str(i.outbox), failed=str(i.failed))
+                for i in cfg.inboxes
+            ],
+            queued_jobs=queued,
+            running_jobs=running,
+            max_running_jobs=cfg.max_running_jobs,
+            max_queued_jobs=cfg.max_queued_jobs,
+            max_upload_bytes=cfg.max_upload_bytes,
+            allowed_dirs=[str(p) for p in cfg.allowed_dirs],
+            compile_workers=self._jobs.engine.pool.size,
+        )

@@ -27,7 +27,15 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from aoe.errors import OptionError
-from aoe.v1 import bank_pb2, daemon_pb2, daemon_pb2_grpc, devices_pb2, devices_pb2_grpc, tuning_pb2, tuning_pb2_grpc
+from aoe.v1 import (
+    bank_pb2,
+    daemon_pb2,
+    daemon_pb2_grpc,
+    devices_pb2,
+    devices_pb2_grpc,
+    tuning_pb2,
+    tuning_pb2_grpc,
+)
 from aoed.config import DaemonConfig
 
 __all__ = ["Server", "build_server"]
@@ -46,14 +54,24 @@ SERVICE_NAMES = (
 
 
 class Server:
-    def __init__(self, server: grpc.Server, health_servicer: health.HealthServicer, addresses: list[str], socket: Path | None):
+    def __init__(
+        self,
+        server: grpc.Server,
+        health_servicer: health.HealthServicer,
+        addresses: list[str],
+        socket: Path | None,
+    ):
         self.grpc = server
         self.health = health_servicer
         self.addresses = addresses
         self.socket = socket
 
     def set_serving(self, serving: bool) -> None:
-        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
         for name in ("", *SERVICE_NAMES):
             self.health.set(name, status)
 
@@ -72,7 +90,9 @@ def _stale_socket(path: Path) -> None:
     if not path.exists() and not path.is_symlink():
         return
     if not path.is_socket():
-        raise OptionError(f"[listen] socket {path}: exists and is not a socket; remove it or choose another path")
+        raise OptionError(
+            f"[listen] socket {path}: exists and is not a socket; remove it or choose another path"
+        )
     probe = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM)
     try:
         probe.settimeout(1.0)
@@ -91,11 +111,15 @@ def _bind_unix(server: grpc.Server, cfg: DaemonConfig) -> Path:
     path = cfg.socket
     assert path is not None
     if len(str(path).encode()) > 107:
-        raise OptionError(f"[listen] socket {path}: the path is longer than a unix socket allows (107 bytes)")
+        raise OptionError(
+            f"[listen] socket {path}: the path is longer than a unix socket allows (107 bytes)"
+        )
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise OptionError(f"[listen] socket {path}: cannot create its folder ({exc.strerror or exc})") from None
+        raise OptionError(
+            f"[listen] socket {path}: cannot create its folder ({exc.strerror or exc})"
+        ) from None
     _stale_socket(path)
     gid = cfg.socket_gid()
     gid = -1 if gid is None else gid
@@ -109,8 +133,10 @@ def _bind_unix(server: grpc.Server, cfg: DaemonConfig) -> Path:
     try:
         os.chown(path, -1, gid)
     except OSError as exc:  # a daemon that is not root can only give it to its own groups
-        raise OptionError(f"[listen] socket_group {cfg.socket_group!r}: cannot give the socket {path} to it "
-                          f"({exc.strerror or exc}); the daemon's user must be a member of that group") from None  # fmt: skip
+        raise OptionError(
+            f"[listen] socket_group {cfg.socket_group!r}: cannot give the socket {path} to it "
+            f"({exc.strerror or exc}); the daemon's user must be a member of that group"
+        ) from None
     os.chmod(path, cfg.socket_mode)
     return path
 
@@ -119,7 +145,9 @@ def _read(path: Path | None) -> bytes | None:
     return path.read_bytes() if path is not None else None
 
 
-def build_server(cfg: DaemonConfig, add_services, interceptors: Sequence[grpc.ServerInterceptor] = ()) -> Server:
+def build_server(
+    cfg: DaemonConfig, add_services, interceptors: Sequence[grpc.ServerInterceptor] = ()
+) -> Server:
     """A started-to-be gRPC server bound as `cfg` says, with `add_services(server)`
     having registered the aoe.v1 servicers, and `interceptors` (aoed.metrics counts
     RPCs with one) around every RPC. Raises OptionError when it cannot listen."""
@@ -127,14 +155,22 @@ def build_server(cfg: DaemonConfig, add_services, interceptors: Sequence[grpc.Se
         ThreadPoolExecutor(max_workers=cfg.max_rpcs, thread_name_prefix="grpc"),
         interceptors=list(interceptors),
         maximum_concurrent_rpcs=cfg.max_rpcs,
-        options=[("grpc.max_receive_message_length", MAX_MESSAGE), ("grpc.max_send_message_length", MAX_MESSAGE),
-                 ("grpc.so_reuseport", 0)],
-    )  # fmt: skip
+        options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE),
+            ("grpc.max_send_message_length", MAX_MESSAGE),
+            ("grpc.so_reuseport", 0),
+        ],
+    )
     add_services(server)
     health_servicer = health.HealthServicer(experimental_non_blocking=True)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
-        (*SERVICE_NAMES, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
+        (
+            *SERVICE_NAMES,
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            reflection.SERVICE_NAME,
+        ),
+        server,
     )
     addresses: list[str] = []
     socket = None
@@ -144,9 +180,10 @@ def build_server(cfg: DaemonConfig, add_services, interceptors: Sequence[grpc.Se
     if cfg.tcp:
         if cfg.tls_cert is not None and cfg.tls_key is not None:
             creds = grpc.ssl_server_credentials(
-                [(_read(cfg.tls_key), _read(cfg.tls_cert))], root_certificates=_read(cfg.tls_client_ca),
+                [(_read(cfg.tls_key), _read(cfg.tls_cert))],
+                root_certificates=_read(cfg.tls_client_ca),
                 require_client_auth=cfg.tls_client_ca is not None,
-            )  # fmt: skip
+            )
             port = server.add_secure_port(cfg.tcp, creds)
             scheme = "mtls" if cfg.tls_client_ca is not None else "tls"
         else:  # the config allows this only on loopback with insecure_loopback = true

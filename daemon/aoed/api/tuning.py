@@ -44,14 +44,21 @@ __all__ = ["TuningServicer", "confine"]
 CHUNK = 1 << 20
 
 _STATE = {
-    st.QUEUED: tuning_pb2.JOB_STATE_QUEUED, st.PREPARING: tuning_pb2.JOB_STATE_PREPARING,
-    st.TUNING: tuning_pb2.JOB_STATE_TUNING, st.VERIFYING: tuning_pb2.JOB_STATE_VERIFYING,
-    st.SUCCEEDED: tuning_pb2.JOB_STATE_SUCCEEDED, st.FAILED: tuning_pb2.JOB_STATE_FAILED,
+    st.QUEUED: tuning_pb2.JOB_STATE_QUEUED,
+    st.PREPARING: tuning_pb2.JOB_STATE_PREPARING,
+    st.TUNING: tuning_pb2.JOB_STATE_TUNING,
+    st.VERIFYING: tuning_pb2.JOB_STATE_VERIFYING,
+    st.SUCCEEDED: tuning_pb2.JOB_STATE_SUCCEEDED,
+    st.FAILED: tuning_pb2.JOB_STATE_FAILED,
     st.CANCELLED: tuning_pb2.JOB_STATE_CANCELLED,
-}  # fmt: skip
+}
 _STATE_NAME = {v: k for k, v in _STATE.items()}
-_LEVEL = {"debug": tuning_pb2.LOG_LEVEL_DEBUG, "info": tuning_pb2.LOG_LEVEL_INFO,
-          "warning": tuning_pb2.LOG_LEVEL_WARNING, "error": tuning_pb2.LOG_LEVEL_ERROR}  # fmt: skip
+_LEVEL = {
+    "debug": tuning_pb2.LOG_LEVEL_DEBUG,
+    "info": tuning_pb2.LOG_LEVEL_INFO,
+    "warning": tuning_pb2.LOG_LEVEL_WARNING,
+    "error": tuning_pb2.LOG_LEVEL_ERROR,
+}
 
 
 def confine(raw: str, allowed: tuple[Path, ...], what: str, want_dir: bool = False) -> Path:
@@ -65,8 +72,9 @@ def confine(raw: str, allowed: tuple[Path, ...], what: str, want_dir: bool = Fal
     shown = repr(cut(raw))
     if not allowed:
         raise PermissionDeniedError(
-                       f"{what} {shown}: this daemon accepts no daemon-side paths ([daemon] allowed_dirs is empty); "
-                       "upload the model instead")  # fmt: skip
+            f"{what} {shown}: this daemon accepts no daemon-side paths ([daemon] allowed_dirs is empty); "
+            "upload the model instead"
+        )
     if "\x00" in raw:
         raise OptionError(f"{what} {shown}: a path cannot contain a NUL byte")
     if not os.path.isabs(raw):
@@ -78,7 +86,8 @@ def confine(raw: str, allowed: tuple[Path, ...], what: str, want_dir: bool = Fal
         raise NotFoundError(f"{what} {shown}: cannot be resolved (a symlink loop?)") from None
     if not any(real.is_relative_to(r) for r in roots):
         raise PermissionDeniedError(
-                       f"{what} {shown}: outside the allowed directories ({', '.join(map(str, roots))})")  # fmt: skip
+            f"{what} {shown}: outside the allowed directories ({', '.join(map(str, roots))})"
+        )
     try:
         real.lstat()
     except FileNotFoundError:
@@ -120,40 +129,64 @@ def _known(table: dict[int, str], code: int, field: str, enum) -> str:
     """`table[code]`; OptionError naming `field` for a number the enum does not define
     (proto3 keeps unknown enum numbers, which a lookup with a default would quietly map)."""
     if code not in table:
-        names = ", ".join(f"{v.name}={v.number}" for v in enum.DESCRIPTOR.values if v.number in table)
+        names = ", ".join(
+            f"{v.name}={v.number}" for v in enum.DESCRIPTOR.values if v.number in table
+        )
         raise OptionError(f"{field} {code}: not a known value (known: {names})")
     return table[code]
 
 
 def progress_pb(p: dict[str, Any]) -> tuning_pb2.JobProgress:
-    return tuning_pb2.JobProgress(tasks_done=int(p.get("done", 0)), tasks_total=int(p.get("total", 0)),
-                                  current_task=str(p.get("current_task", "")))  # fmt: skip
+    return tuning_pb2.JobProgress(
+        tasks_done=int(p.get("done", 0)),
+        tasks_total=int(p.get("total", 0)),
+        current_task=str(p.get("current_task", "")),
+    )
 
 
 def job_pb(row: JobRow, position: int = 0) -> tuning_pb2.Job:
     return tuning_pb2.Job(
-        job_id=row.id, state=_STATE.get(row.state, tuning_pb2.JOB_STATE_UNSPECIFIED), model_name=row.model_name,
-        model_path=shown_path(row), options=spec_to_pb(row.spec), created=_ts(row.created),
-        started=_ts(row.started), finished=_ts(row.finished), progress=progress_pb(row.progress),
+        job_id=row.id,
+        state=_STATE.get(row.state, tuning_pb2.JOB_STATE_UNSPECIFIED),
+        model_name=row.model_name,
+        model_path=shown_path(row),
+        options=spec_to_pb(row.spec),
+        created=_ts(row.created),
+        started=_ts(row.started),
+        finished=_ts(row.finished),
+        progress=progress_pb(row.progress),
         result=outcome_to_pb(row.outcome) if row.outcome and row.state == st.SUCCEEDED else None,
-        error=row.error, queue_position=position, source=row.source, joined=row.joined, error_kind=row.error_kind,
-    )  # fmt: skip
+        error=row.error,
+        queue_position=position,
+        source=row.source,
+        joined=row.joined,
+        error_kind=row.error_kind,
+    )
 
 
 def event_pb(ev: EventRow) -> tuning_pb2.JobEvent:
     msg = tuning_pb2.JobEvent(sequence=ev.seq, time=_ts(ev.time), job_id=ev.job_id)
     d = ev.data
     if ev.kind == "state":
-        msg.state_change.CopyFrom(tuning_pb2.JobStateChange(
-            previous=_STATE.get(d.get("previous", ""), 0), state=_STATE.get(d.get("state", ""), 0),
-            message=str(d.get("message", ""))))  # fmt: skip
+        msg.state_change.CopyFrom(
+            tuning_pb2.JobStateChange(
+                previous=_STATE.get(d.get("previous", ""), 0),
+                state=_STATE.get(d.get("state", ""), 0),
+                message=str(d.get("message", "")),
+            )
+        )
     elif ev.kind == "progress":
         msg.progress.CopyFrom(progress_pb(d))
     elif ev.kind == "result":
         msg.result.CopyFrom(outcome_to_pb(JobOutcome.from_dict(d)))
     else:
-        msg.log.CopyFrom(tuning_pb2.LogLine(level=_LEVEL.get(d.get("level", "info"), 0), logger=str(d.get("logger", "")),
-                                            message=str(d.get("message", ""))))  # fmt: skip
+        msg.log.CopyFrom(
+            tuning_pb2.LogLine(
+                level=_LEVEL.get(d.get("level", "info"), 0),
+                logger=str(d.get("logger", "")),
+                message=str(d.get("message", "")),
+            )
+        )
     return msg
 
 
@@ -190,26 +223,43 @@ class TuningServicer(tuning_pb2_grpc.TuningServiceServicer):
         row, _ = self._bridge.call(context, self._submit, request, client_of(context))
         return tuning_pb2.SubmitJobResponse(job_id=row.id, job=job_pb(row))
 
-    async def _submit(self, request: tuning_pb2.SubmitJobRequest, client: str) -> tuple[JobRow, bool]:
+    async def _submit(
+        self, request: tuning_pb2.SubmitJobRequest, client: str
+    ) -> tuple[JobRow, bool]:
         o = request.options
-        for name, value in (("model_path", request.model_path), ("output_dir", o.output_dir),
-                            ("calibration_dir", o.calibration_dir)):  # fmt: skip
+        for name, value in (
+            ("model_path", request.model_path),
+            ("output_dir", o.output_dir),
+            ("calibration_dir", o.calibration_dir),
+        ):
             sizes.check_text(name, value, sizes.MAX_PATH_BYTES)
         sizes.check_text("model_id", request.model_id, sizes.MAX_NAME_BYTES)
         spec = spec_from_pb(request.options)
         allowed = self._cfg.allowed_dirs
         if o.calibration_dir:
-            spec = spec.replace(calibration_dir=confine(o.calibration_dir, allowed, "calibration_dir", want_dir=True))
-        output = confine(o.output_dir, allowed, "output_dir", want_dir=True) if o.output_dir else None
+            spec = spec.replace(
+                calibration_dir=confine(
+                    o.calibration_dir, allowed, "calibration_dir", want_dir=True
+                )
+            )
+        output = (
+            confine(o.output_dir, allowed, "output_dir", want_dir=True) if o.output_dir else None
+        )
         which = request.WhichOneof("model")
         if which == "model_id":
             up = self._jobs.upload(request.model_id)
             if up is None:
-                raise NotFoundError(f"model_id {cut(request.model_id)!r}: no such upload (expired or already used)")
-            return await self._jobs.submit(Submission(Path(up.path), spec, f"rpc:{client}", upload=up, output_dir=output))
+                raise NotFoundError(
+                    f"model_id {cut(request.model_id)!r}: no such upload (expired or already used)"
+                )
+            return await self._jobs.submit(
+                Submission(Path(up.path), spec, f"rpc:{client}", upload=up, output_dir=output)
+            )
         if which == "model_path":
             model = confine(request.model_path, allowed, "model_path")
-            return await self._jobs.submit(Submission(model, spec, f"rpc:{client}", output_dir=output))
+            return await self._jobs.submit(
+                Submission(model, spec, f"rpc:{client}", output_dir=output)
+            )
         raise OptionError("SubmitJob: set model_path or model_id")
 
     def GetJob(self, request, context):
@@ -235,7 +285,9 @@ class TuningServicer(tuning_pb2_grpc.TuningServiceServicer):
                 break
             jobs.append(pb)
         more = len(rows) > len(jobs)
-        return tuning_pb2.ListJobsResponse(jobs=jobs, next_page_token=_page_token(rows[len(jobs) - 1]) if more else "")
+        return tuning_pb2.ListJobsResponse(
+            jobs=jobs, next_page_token=_page_token(rows[len(jobs) - 1]) if more else ""
+        )
 
     def CancelJob(self, request, context):
         return self._bridge.call(context, self._cancel, request.job_id)
@@ -246,8 +298,9 @@ class TuningServicer(tuning_pb2_grpc.TuningServiceServicer):
     # -- streams
 
     def WatchJob(self, request, context):
-        for ev in self._bridge.stream(context, self._jobs.events, request.job_id, request.after_sequence,
-                                      request.include_logs):  # fmt: skip
+        for ev in self._bridge.stream(
+            context, self._jobs.events, request.job_id, request.after_sequence, request.include_logs
+        ):
             yield tuning_pb2.WatchJobResponse(event=event_pb(ev))
 
     def UploadModel(self, request_iterator, context):
@@ -255,14 +308,22 @@ class TuningServicer(tuning_pb2_grpc.TuningServiceServicer):
         limit = cfg.max_upload_bytes
         first = next(request_iterator, None)
         if first is None or first.WhichOneof("payload") != "header":
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "UploadModel: the first message must be the header")
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "UploadModel: the first message must be the header",
+            )
         head = first.header
         name = os.path.basename(head.file_name.replace("\\", "/"))
         if not name or name.startswith(".") or "\x00" in name or len(name.encode()) > 255:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"UploadModel: bad file name {cut(head.file_name)!r}")
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"UploadModel: bad file name {cut(head.file_name)!r}",
+            )
         if head.size_bytes > limit:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          f"UploadModel: {head.size_bytes} bytes is over this daemon's limit of {limit} bytes")  # fmt: skip
+            context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"UploadModel: {head.size_bytes} bytes is over this daemon's limit of {limit} bytes",
+            )
         upload_id = f"up-{uuid.uuid4().hex[:16]}"
         folder = cfg.uploads_dir
         ledger, client = self._jobs.uploads, client_of(context)
@@ -273,23 +334,35 @@ class TuningServicer(tuning_pb2_grpc.TuningServiceServicer):
             nonlocal size, reserved
             for msg in request_iterator:
                 if msg.WhichOneof("payload") != "chunk":
-                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, "UploadModel: only the first message is a header")
+                    context.abort(
+                        grpc.StatusCode.INVALID_ARGUMENT,
+                        "UploadModel: only the first message is a header",
+                    )
                 size += len(msg.chunk)
                 if size > limit:
-                    context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                  f"UploadModel: over this daemon's limit of {limit} bytes")  # fmt: skip
+                    context.abort(
+                        grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"UploadModel: over this daemon's limit of {limit} bytes",
+                    )
                 if size > reserved:  # beyond what the header declared: this chunk first
                     ledger.reserve(upload_id, client, size, cfg)
-                    space.check_floor(folder, cfg.min_free_bytes, "UploadModel", need=size - reserved)
+                    space.check_floor(
+                        folder, cfg.min_free_bytes, "UploadModel", need=size - reserved
+                    )
                     reserved = size
                 h.update(msg.chunk)
                 f.write(msg.chunk)
             if head.sha256 and head.sha256.lower() != h.hexdigest():
-                context.abort(grpc.StatusCode.DATA_LOSS, f"UploadModel: sha256 of the received bytes is "
-                              f"{h.hexdigest()}, the header said {cut(head.sha256)}")  # fmt: skip
+                context.abort(
+                    grpc.StatusCode.DATA_LOSS,
+                    f"UploadModel: sha256 of the received bytes is "
+                    f"{h.hexdigest()}, the header said {cut(head.sha256)}",
+                )
             if head.size_bytes and head.size_bytes != size:
-                context.abort(grpc.StatusCode.DATA_LOSS,
-                              f"UploadModel: received {size} bytes, the header said {head.size_bytes}")  # fmt: skip
+                context.abort(
+                    grpc.StatusCode.DATA_LOSS,
+                    f"UploadModel: received {size} bytes, the header said {head.size_bytes}",
+                )
 
         try:
             # Refused before a byte is written: the quotas, then the free-space floor.
@@ -315,8 +388,13 @@ class TuningServicer(tuning_pb2_grpc.TuningServiceServicer):
             context.abort(status_of(exc), str(exc))
         except OSError as exc:
             if exc.errno in space.FULL_ERRNOS:
-                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(space.disk_full(folder, "UploadModel")))
-            context.abort(grpc.StatusCode.INTERNAL, f"UploadModel: cannot store the upload: {exc.strerror or exc}")
+                context.abort(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED, str(space.disk_full(folder, "UploadModel"))
+                )
+            context.abort(
+                grpc.StatusCode.INTERNAL,
+                f"UploadModel: cannot store the upload: {exc.strerror or exc}",
+            )
         finally:
             if not kept:  # refused, failed or cancelled: nothing of it stays, nor counts
                 with contextlib.suppress(OSError):
@@ -335,8 +413,11 @@ class TuningServicer(tuning_pb2_grpc.TuningServiceServicer):
             with open(path, "rb") as f:
                 h = hashlib.file_digest(f, "sha256")
                 size = f.tell()
-                yield tuning_pb2.DownloadResultResponse(header=tuning_pb2.DownloadHeader(
-                    file_name=path.name, sha256=h.hexdigest(), size_bytes=size))  # fmt: skip
+                yield tuning_pb2.DownloadResultResponse(
+                    header=tuning_pb2.DownloadHeader(
+                        file_name=path.name, sha256=h.hexdigest(), size_bytes=size
+                    )
+                )
                 f.seek(0)
                 while chunk := f.read(CHUNK):
                     yield tuning_pb2.DownloadResultResponse(chunk=chunk)
@@ -347,9 +428,13 @@ class TuningServicer(tuning_pb2_grpc.TuningServiceServicer):
         row = self._jobs.get(job_id)
         if row.state != st.SUCCEEDED or not row.outcome:
             raise JobStateError(
-                           f"job {job_id} is {row.state}: only a succeeded job has results to download")  # fmt: skip
+                f"job {job_id} is {row.state}: only a succeeded job has results to download"
+            )
         if artifact == tuning_pb2.RESULT_ARTIFACT_RESULT_JSON:
             return Path(row.outcome.result_json)
-        if artifact in (tuning_pb2.RESULT_ARTIFACT_TUNED_MODEL, tuning_pb2.RESULT_ARTIFACT_UNSPECIFIED):
+        if artifact in (
+            tuning_pb2.RESULT_ARTIFACT_TUNED_MODEL,
+            tuning_pb2.RESULT_ARTIFACT_UNSPECIFIED,
+        ):
             return Path(row.outcome.tuned_model)
         raise OptionError(f"artifact {artifact}: unknown")

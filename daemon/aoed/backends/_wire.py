@@ -90,7 +90,13 @@ def _peak_rss_kb() -> int:
 #: How an allocation refused by the address-space limit reads once a native library
 #: (protobuf, onnx, onnxruntime) turned it into its own error; unrecognized, a model too
 #: large for the limit is reported as "not a readable ONNX model" or "invalid model".
-_ALLOC_FAILED = ("alloc failed", "bad_alloc", "bad allocation", "failed to serialize proto", "cannot allocate memory")
+_ALLOC_FAILED = (
+    "alloc failed",
+    "bad_alloc",
+    "bad allocation",
+    "failed to serialize proto",
+    "cannot allocate memory",
+)
 
 
 def _limit_mib() -> int | None:
@@ -107,11 +113,17 @@ def _out_of_memory(error: str) -> Answer:
     limit and the setting that raises it, and costs the request, not the job."""
     mib = _limit_mib()
     limit = f" of {mib} MiB; raise [engine] worker_memory_mb" if mib is not None else ""
-    return Answer(None, False, error=f"out of memory (the worker's memory limit{limit}): {error}",
-                  error_class="CandidateError")  # fmt: skip
+    return Answer(
+        None,
+        False,
+        error=f"out of memory (the worker's memory limit{limit}): {error}",
+        error_class="CandidateError",
+    )
 
 
-def _read(line: bytes, requests: Sequence[type[Request]], union: Any) -> tuple[int | None, Request | Answer]:
+def _read(
+    line: bytes, requests: Sequence[type[Request]], union: Any
+) -> tuple[int | None, Request | Answer]:
     """The request on `line` and its number, or the answer refusing it (the number is
     None when the line does not even say which request it is)."""
     try:
@@ -127,7 +139,9 @@ def _read(line: bytes, requests: Sequence[type[Request]], union: Any) -> tuple[i
         return call.id, Answer(call.id, False, error=f"malformed request: {exc}")
 
 
-def line_server(handle: Callable[[Any], Any], requests: Sequence[type[Request]]) -> Callable[[bytes], bytes]:
+def line_server(
+    handle: Callable[[Any], Any], requests: Sequence[type[Request]]
+) -> Callable[[bytes], bytes]:
     """The protocol for one line: a function that takes a request line (a `Call`, as
     JSON) and returns its answer line (an `Answer`, as JSON, newline-terminated), its
     reply made by `handle` for requests of the types `requests`. It never raises for a

@@ -153,7 +153,11 @@ class DaemonBank:
             layers = await self._writer.layers()
             # The read-only layers are the writer's (opened once); this reader borrows
             # them and is never closed.
-            self._reader = layers.under(layer, self._device) if layers is not None else BankReader([layer], self._device)
+            self._reader = (
+                layers.under(layer, self._device)
+                if layers is not None
+                else BankReader([layer], self._device)
+            )
             self._layer = layer
         return self._layer, self._reader
 
@@ -167,8 +171,12 @@ class DaemonBank:
         _, reader = await self._view()
 
         def look() -> tuple[Explanation, bytes | None]:
-            ex = reader.lookup_explain(key or None, signature_digest=signature_digest or None,
-                                       device_digest=device_digest or None, precision=precision)  # fmt: skip
+            ex = reader.lookup_explain(
+                key or None,
+                signature_digest=signature_digest or None,
+                device_digest=device_digest or None,
+                precision=precision,
+            )
             return ex, reader.lookup_raw(ex.key.encode())[0] if ex.found else None
 
         ex, raw = await trio.to_thread.run_sync(look)
@@ -212,10 +220,14 @@ class DaemonBank:
         totals = {kind: MergeCounts() for kind in KINDS}
         records = checked.records
         for i in range(0, len(records), MERGE_CHUNK):
-            got = await self._writer.merge(BankMerge(tuple(records[i : i + MERGE_CHUNK]), checked.replace))
+            got = await self._writer.merge(
+                BankMerge(tuple(records[i : i + MERGE_CHUNK]), checked.replace)
+            )
             for kind, c in got.items():
                 t = totals[kind]
-                totals[kind] = MergeCounts(t.added + c.added, t.updated + c.updated, t.kept + c.kept)
+                totals[kind] = MergeCounts(
+                    t.added + c.added, t.updated + c.updated, t.kept + c.kept
+                )
         return totals
 
     async def record(self, trials: Iterable[tuple[bytes, dict[str, Any]]]) -> None:

@@ -41,7 +41,17 @@ from aoe.errors import OptionError
 from aoe.gradlayout import GDAT_PROVIDER, host_fingerprint, torch_version
 from aoe.signature import DeviceFingerprint, device_fingerprint
 from aoed.bank._codec import Incoming, check_stored, default_us, parse_line, winner_us
-from aoed.bank.store import DEFAULT, ENTRY, KINDS, TRIAL, BankStore, Change, MergeCounts, Record, history_key
+from aoed.bank.store import (
+    DEFAULT,
+    ENTRY,
+    KINDS,
+    TRIAL,
+    BankStore,
+    Change,
+    MergeCounts,
+    Record,
+    history_key,
+)
 
 __all__ = ["POLICIES", "ImportReport", "check_change", "follow_replace", "import_lines"]
 
@@ -52,7 +62,9 @@ POLICIES = ("keep-faster", "overwrite", "keep-existing")
 class ImportReport:
     """What an import did, per kind of record ("entry", "default", "trial")."""
 
-    counts: dict[str, MergeCounts] = field(default_factory=lambda: {kind: MergeCounts() for kind in KINDS})
+    counts: dict[str, MergeCounts] = field(
+        default_factory=lambda: {kind: MergeCounts() for kind in KINDS}
+    )
     refused: list[tuple[str, str]] = field(default_factory=list)  # (key or line, reason)
 
     @property
@@ -99,10 +111,16 @@ def _foreign(inc: Incoming, here: set[str]) -> str:
         if fp.digest == inc.device_digest:
             return ""
         runtime = "torch" if inc.execution_provider == GDAT_PROVIDER else "onnxruntime"
-        return (f"measured on another device ({inc.hardware}, {runtime} {inc.runtime_version}, "
-                f"device {inc.device_digest[:32]})")  # fmt: skip
+        return (
+            f"measured on another device ({inc.hardware}, {runtime} {inc.runtime_version}, "
+            f"device {inc.device_digest[:32]})"
+        )
     # Default records and trials name their device by the digest in their key only.
-    return "" if inc.device_digest in here else f"measured on another device (device {inc.device_digest})"
+    return (
+        ""
+        if inc.device_digest in here
+        else f"measured on another device (device {inc.device_digest})"
+    )
 
 
 def _label(inc: Incoming, n: int) -> str:

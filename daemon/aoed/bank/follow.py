@@ -100,13 +100,17 @@ class SyncReport:
     peer_bank_id: str = ""
     from_seq: int = 0
     to_seq: int = 0
-    counts: dict[str, MergeCounts] = field(default_factory=lambda: {kind: MergeCounts() for kind in KINDS})
+    counts: dict[str, MergeCounts] = field(
+        default_factory=lambda: {kind: MergeCounts() for kind in KINDS}
+    )
     refused: int = 0
 
     def add(self, counts: dict[str, MergeCounts], refused: int) -> None:
         for kind, c in counts.items():
             old = self.counts.get(kind, MergeCounts())
-            self.counts[kind] = MergeCounts(old.added + c.added, old.updated + c.updated, old.kept + c.kept)
+            self.counts[kind] = MergeCounts(
+                old.added + c.added, old.updated + c.updated, old.kept + c.kept
+            )
         self.refused += refused
 
 
@@ -118,7 +122,9 @@ class Follower:
     known), `lag_s` (from the peer's commit of the last record applied to its commit
     here; the two clocks' difference included), `connected`, `refused`, `errors`."""
 
-    def __init__(self, writer: BankWriter, peer: str, devices: Sequence[str], connect: Connect) -> None:
+    def __init__(
+        self, writer: BankWriter, peer: str, devices: Sequence[str], connect: Connect
+    ) -> None:
         self.peer = peer
         self._writer = writer
         self._devices = tuple(devices)
@@ -175,7 +181,9 @@ class Follower:
         await self._follow(report=report, until_caught_up=True)
         return report
 
-    async def _follow(self, *, report: SyncReport | None = None, until_caught_up: bool = False) -> None:
+    async def _follow(
+        self, *, report: SyncReport | None = None, until_caught_up: bool = False
+    ) -> None:
         own = await self._writer.bank_id()
         pos = await self._writer.position(self.peer)
         client = self._connect(self.peer)
@@ -189,22 +197,35 @@ class Follower:
                         stream.cancel()
                     stream = client.bank_follow(pos.seq if pos else 0, pos.bank_id if pos else "")
                     opened, first = True, True
-                msg = await trio.to_thread.run_sync(next, stream, None, abandon_on_cancel=True, limiter=self._limiter)
+                msg = await trio.to_thread.run_sync(
+                    next, stream, None, abandon_on_cancel=True, limiter=self._limiter
+                )
                 if msg is None:
                     raise AoedError(f"{self.peer} ended its bank stream")
                 bank_id, raw, upto, head = batch_from_pb(msg)
                 if bank_id == own:
-                    raise OptionError(f"[bank] follow: {self.peer} is this daemon's own bank; remove it from the list")
+                    raise OptionError(
+                        f"[bank] follow: {self.peer} is this daemon's own bank; remove it from the list"
+                    )
                 if pos is None or pos.bank_id != bank_id:
                     if pos is not None:
-                        log.info("bank: %s holds another bank now (%s, was %s): following it from its start",
-                                 self.peer, bank_id, pos.bank_id)  # fmt: skip
+                        log.info(
+                            "bank: %s holds another bank now (%s, was %s): following it from its start",
+                            self.peer,
+                            bank_id,
+                            pos.bank_id,
+                        )
                     pos = Position(bank_id, 0)
                 elif first and head < pos.seq:
                     # The same bank, but behind what was applied here (restored from a copy):
                     # its next writes would take numbers already passed. Start it over.
-                    log.info("bank: %s is at write %d, behind the %d applied here (restored?): following it "
-                             "from its start", self.peer, head, pos.seq)  # fmt: skip
+                    log.info(
+                        "bank: %s is at write %d, behind the %d applied here (restored?): following it "
+                        "from its start",
+                        self.peer,
+                        head,
+                        pos.seq,
+                    )
                     pos, opened = Position(bank_id, 0), False
                     continue
                 first = False
@@ -226,14 +247,18 @@ class Follower:
                 stream.cancel()
             client.close()
 
-    async def _apply(self, pos: Position, changes: list[Change], upto: int, report: SyncReport | None) -> Position:
+    async def _apply(
+        self, pos: Position, changes: list[Change], upto: int, report: SyncReport | None
+    ) -> Position:
         records: list[Record] = []
         refused = 0
         for change in changes:
             rec, why = check_change(change, self._devices)
             if rec is None:
                 refused += 1
-                log.debug("bank: from %s: refused %s %r: %s", self.peer, change.kind, change.key, why)
+                log.debug(
+                    "bank: from %s: refused %s %r: %s", self.peer, change.kind, change.key, why
+                )
             else:
                 records.append(rec)
         new = Position(pos.bank_id, upto)
@@ -242,8 +267,10 @@ class Follower:
             self.lag_s = max(0.0, (time.time_ns() - changes[-1].committed_ns) / 1e9)
         self.refused += refused
         if refused:
-            self._warn(f"bank: following {self.peer}: some records were refused (invalid, or measured on "
-                       "another device than this daemon's); the rest is applied")  # fmt: skip
+            self._warn(
+                f"bank: following {self.peer}: some records were refused (invalid, or measured on "
+                "another device than this daemon's); the rest is applied"
+            )
         if report is not None:
             report.add(counts, refused)
         return new

@@ -53,7 +53,11 @@ def _describe(info: dict) -> str:
     """`pid 123 (aoe tune m.onnx, since 12:01:02)` from what a holder wrote."""
     since = info.get("since", 0.0)
     stamp = time.localtime(since)
-    fmt = "%H:%M:%S" if time.strftime("%Y%m%d", stamp) == time.strftime("%Y%m%d") else "%Y-%m-%d %H:%M:%S"
+    fmt = (
+        "%H:%M:%S"
+        if time.strftime("%Y%m%d", stamp) == time.strftime("%Y%m%d")
+        else "%Y-%m-%d %H:%M:%S"
+    )
     host = info.get("host", "")
     where = f" on {host}" if host and host != socket.gethostname() else ""
     return f"pid {info.get('pid', '?')}{where} ({info.get('command', '?')}, since {time.strftime(fmt, stamp)})"
@@ -76,24 +80,38 @@ class WriterLock:
             # their group's to read, not everyone's (an embedded run keeps the user's umask).
             self.bank.mkdir(mode=0o750, parents=True, exist_ok=True)
         except (FileExistsError, NotADirectoryError):  # a file where the bank or a parent should be
-            raise BankError(f"bank {self.bank}: not a directory (a file is in the way); pass a directory "
-                            "for the bank") from None  # fmt: skip
+            raise BankError(
+                f"bank {self.bank}: not a directory (a file is in the way); pass a directory "
+                "for the bank"
+            ) from None
         except OSError as exc:
-            raise BankError(f"bank {self.bank}: cannot create it ({exc.strerror or exc}); pass a directory you may write") from None
+            raise BankError(
+                f"bank {self.bank}: cannot create it ({exc.strerror or exc}); pass a directory you may write"
+            ) from None
         if not os.access(self.bank, os.W_OK):
-            raise BankError(f"bank {self.bank}: directory is not writable; fix its permissions or use another --bank")
+            raise BankError(
+                f"bank {self.bank}: directory is not writable; fix its permissions or use another --bank"
+            )
         try:
             # Close-on-exec: a child process must never keep the lock alive. flock works on
             # a read-only descriptor, so whoever may open the file may hold it: the
             # writers and their group, never other users (0640; a link is not followed).
-            self._fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o640)
+            self._fd: int | None = os.open(
+                self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o640
+            )
         except OSError as exc:
             if exc.errno == errno.ELOOP:
-                raise BankError(f"bank {self.bank}: {self.path} is a symbolic link; remove it") from None
-            raise BankError(f"bank {self.bank}: cannot open {self.path} ({exc.strerror or exc}); check its permissions") from None
+                raise BankError(
+                    f"bank {self.bank}: {self.path} is a symbolic link; remove it"
+                ) from None
+            raise BankError(
+                f"bank {self.bank}: cannot open {self.path} ({exc.strerror or exc}); check its permissions"
+            ) from None
         st = os.fstat(self._fd)
         if st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) & 0o007:
-            os.fchmod(self._fd, stat.S_IMODE(st.st_mode) & ~0o007)  # as earlier versions left it (0644)
+            os.fchmod(
+                self._fd, stat.S_IMODE(st.st_mode) & ~0o007
+            )  # as earlier versions left it (0644)
 
     def try_acquire(self, record: bool = True) -> bool:
         """Take the lock if no other process (or other WriterLock) holds it; on success
@@ -107,11 +125,18 @@ class WriterLock:
         except BlockingIOError:
             return False
         except OSError as exc:
-            raise BankError(f"bank {self.bank}: cannot lock {self.path} ({exc.strerror or exc})") from None
+            raise BankError(
+                f"bank {self.bank}: cannot lock {self.path} ({exc.strerror or exc})"
+            ) from None
         self.held = True
         if not record:
             return True
-        info = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time(), "command": _command_line()}
+        info = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "since": time.time(),
+            "command": _command_line(),
+        }
         try:
             os.ftruncate(self._fd, 0)
             os.pwrite(self._fd, (json.dumps(info, sort_keys=True) + "\n").encode(), 0)
@@ -135,7 +160,8 @@ class WriterLock:
     def busy_error(self) -> BankBusyError:
         holder = self.holder()
         return BankBusyError(
-            f"bank {self.bank}: being written by {holder}; wait for it to finish or pass --wait", holder
+            f"bank {self.bank}: being written by {holder}; wait for it to finish or pass --wait",
+            holder,
         )
 
     def waiting_message(self) -> str:

@@ -80,9 +80,20 @@ from aoed.bank._codec import encode_doc
 from aoed.bank.lock import WriterLock
 
 __all__ = [
-    "DEFAULT", "ENTRY", "KINDS", "TRIAL", "BankStore", "Change", "MergeCounts", "Position", "PruneCounts", "Record",
-    "default_bank_path", "encode_doc", "history_key",
-]  # fmt: skip
+    "DEFAULT",
+    "ENTRY",
+    "KINDS",
+    "TRIAL",
+    "BankStore",
+    "Change",
+    "MergeCounts",
+    "Position",
+    "PruneCounts",
+    "Record",
+    "default_bank_path",
+    "encode_doc",
+    "history_key",
+]
 
 #: Kinds of record a bank keeps (and an exchange carries).
 ENTRY, DEFAULT, TRIAL = "entry", "default", "trial"
@@ -207,12 +218,16 @@ class BankStore:
             try:
                 # Never writemap: pages written through a map onto a full disk are SIGBUS
                 # (see aoe.lmdbenv); written with pwrite, they are an ENOSPC LMDB reports.
-                return lmdb.open(str(self.path), map_size=size, max_dbs=MAX_DBS, subdir=True, writemap=False)
+                return lmdb.open(
+                    str(self.path), map_size=size, max_dbs=MAX_DBS, subdir=True, writemap=False
+                )
             except lmdb.MemoryError:
                 continue  # address space limited (ulimit -v): try a smaller map
             except lmdb.Error as exc:
                 raise bank_error(exc, self.path, "open") from None
-        raise BankError(f"bank {self.path}: cannot map the bank into memory; raise the address space limit (ulimit -v)")
+        raise BankError(
+            f"bank {self.path}: cannot map the bank into memory; raise the address space limit (ulimit -v)"
+        )
 
     def _data_file(self) -> tuple[int, int] | None:
         """(st_dev, st_ino) of the bank's data file; None when it is gone."""
@@ -221,7 +236,9 @@ class BankStore:
         except FileNotFoundError:
             return None
         except OSError as exc:
-            raise BankError(f"bank {self.path}: cannot check its data file ({exc.strerror or exc})") from None
+            raise BankError(
+                f"bank {self.path}: cannot check its data file ({exc.strerror or exc})"
+            ) from None
         return st.st_dev, st.st_ino
 
     @contextlib.contextmanager
@@ -230,11 +247,14 @@ class BankStore:
         write one only while the data file is the one opened."""
         assert self.env is not None, "bank store used after close()"
         if write and self._data_file() != self._data_id:
-            raise BankError(f"bank {self.path}: its data file was removed or replaced while open, so this write "
-                            "would be lost; restart aoed (or rerun the command) to open the bank at that path again")  # fmt: skip
-        with lmdb_errors(self.path, doing, self.env), self._gate.transaction(
-            self.env, self.path, write=write, db=db
-        ) as txn:
+            raise BankError(
+                f"bank {self.path}: its data file was removed or replaced while open, so this write "
+                "would be lost; restart aoed (or rerun the command) to open the bank at that path again"
+            )
+        with (
+            lmdb_errors(self.path, doing, self.env),
+            self._gate.transaction(self.env, self.path, write=write, db=db) as txn,
+        ):
             yield txn
 
     def _check_schema(self) -> None:
@@ -244,11 +264,18 @@ class BankStore:
             raw = txn.get(b"schema_version")
             if raw is None:
                 if txn.stat(self._entries)["entries"] or txn.stat(self._history)["entries"]:
-                    raise BankError(f"bank {self.path}: holds data but no schema version; not a bank aoed wrote")
+                    raise BankError(
+                        f"bank {self.path}: holds data but no schema version; not a bank aoed wrote"
+                    )
                 txn.put(b"schema_version", str(SCHEMA_VERSION).encode())
                 return
             version = parse_schema(self.path, raw)
-            dbs = {"meta": self._meta, "entries": self._entries, "defaults": self._defaults, "history": self._history}
+            dbs = {
+                "meta": self._meta,
+                "entries": self._entries,
+                "defaults": self._defaults,
+                "history": self._history,
+            }
             while version < SCHEMA_VERSION:
                 step = _MIGRATIONS.get(version)
                 if step is None:
@@ -298,7 +325,12 @@ class BankStore:
         under their keys, and every decision whose key starts with one of the `forget`
         prefixes deleted. A bank too full for it is a BankError, and nothing of it is
         written."""
-        entries, defaults, trials, decisions = list(entries), list(defaults), list(trials), list(decisions)
+        entries, defaults, trials, decisions = (
+            list(entries),
+            list(defaults),
+            list(trials),
+            list(decisions),
+        )
         forget = list(forget)
         with self._txn("write", write=True) as txn:
             w = _Writes(self, txn)
@@ -333,12 +365,18 @@ class BankStore:
 
     def items(self, db: str = "entries") -> Iterator[tuple[bytes, bytes]]:
         """(key, value) of one named db in key order, from one read snapshot."""
-        handle = {"entries": self._entries, "defaults": self._defaults, "history": self._history}[db]
+        handle = {"entries": self._entries, "defaults": self._defaults, "history": self._history}[
+            db
+        ]
         with self._txn("read", db=handle) as txn:
             yield from txn.cursor()
 
     def merge(
-        self, records: Iterable[Record], replace: Callable[[Record, Record], bool], *, announce: bool = False
+        self,
+        records: Iterable[Record],
+        replace: Callable[[Record, Record], bool],
+        *,
+        announce: bool = False,
     ) -> dict[str, MergeCounts]:
         """Merge `records` of every kind; returns the counts per kind (`KINDS`).
 
@@ -371,7 +409,11 @@ class BankStore:
         return {kind: MergeCounts(*n) for kind, n in counts.items()}
 
     def _merge(
-        self, w: _Writes, records: Iterable[Record], replace: Callable[[Record, Record], bool], announce: bool
+        self,
+        w: _Writes,
+        records: Iterable[Record],
+        replace: Callable[[Record, Record], bool],
+        announce: bool,
     ) -> dict[str, list[int]]:
         """Merge `records` within `w`'s transaction and close it; counts per kind."""
         got = {kind: [0, 0, 0] for kind in KINDS}  # added, updated, kept
@@ -399,7 +441,11 @@ class BankStore:
         return got
 
     def apply(
-        self, peer: str, position: Position, records: Iterable[Record], replace: Callable[[Record, Record], bool]
+        self,
+        peer: str,
+        position: Position,
+        records: Iterable[Record],
+        replace: Callable[[Record, Record], bool],
     ) -> dict[str, MergeCounts]:
         """Merge `records` sent by `peer` as `merge` does with `announce`, and record
         `position` as how far this bank has applied that peer's writes, in one
@@ -436,7 +482,9 @@ class BankStore:
         with self._txn("read", db=self._meta) as txn:
             return int(txn.get(_SEQ) or 0)
 
-    def changes(self, after: int, limit: int, max_bytes: int = 1 << 20) -> tuple[list[Change], int, int]:
+    def changes(
+        self, after: int, limit: int, max_bytes: int = 1 << 20
+    ) -> tuple[list[Change], int, int]:
         """Records whose latest write came after sequence number `after`, in the order
         of those writes, from one read transaction: at most `limit` of them and about
         `max_bytes`. Returns (changes, upto, head): the changes cover every write up to
@@ -493,7 +541,9 @@ class BankStore:
             used = used_bytes(self.env, txn, dbs)
             raw = txn.get(b"schema_version", db=self._meta)
             map_size = self.env.info()["map_size"]
-        return LayerStats(CUSTOM, str(self.path), *counts, map_size, used, int(raw or SCHEMA_VERSION))
+        return LayerStats(
+            CUSTOM, str(self.path), *counts, map_size, used, int(raw or SCHEMA_VERSION)
+        )
 
     def counts(self) -> dict[str, int]:
         st = self.stats()

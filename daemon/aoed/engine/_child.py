@@ -33,7 +33,14 @@ from aoed.engine.messages import Answer, Call, MessageError, Request, decode, en
 __all__ = ["Child", "ChildDiedError", "read_answer"]
 
 #: Variables that address the service manager; only the daemon itself may use them.
-_PRIVATE_ENV = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS", "LISTEN_PID", "LISTEN_FDNAMES")
+_PRIVATE_ENV = (
+    "NOTIFY_SOCKET",
+    "WATCHDOG_USEC",
+    "WATCHDOG_PID",
+    "LISTEN_FDS",
+    "LISTEN_PID",
+    "LISTEN_FDNAMES",
+)
 
 
 class ChildDiedError(CandidateError):
@@ -46,7 +53,9 @@ def read_answer(line: bytes, request: Request, who: str) -> Answer:
     try:
         answer = decode(Answer, json.loads(line))
         if answer.ok:
-            answer = msgspec.structs.replace(answer, reply=decode(type(request).reply, answer.reply))
+            answer = msgspec.structs.replace(
+                answer, reply=decode(type(request).reply, answer.reply)
+            )
     except (ValueError, MessageError) as exc:
         raise ChildDiedError(f"{who} broke the protocol: {exc}") from None
     return answer
@@ -64,9 +73,13 @@ class _Process:
 
     def __init__(self, argv: list[str], log, env: dict[str, str]):
         self._popen = subprocess.Popen(
-            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env,
+            argv,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            env=env,
             start_new_session=True,  # a terminal's ^C reaches the engine, which stops us
-        )  # fmt: skip
+        )
         assert self._popen.stdin is not None and self._popen.stdout is not None
         self.pid = self._popen.pid
         self.stdin = trio.lowlevel.FdStream(os.dup(self._popen.stdin.fileno()))
@@ -145,7 +158,9 @@ class Child:
             chunk = await proc.stdout.receive_some(1 << 16)
             if not chunk:
                 status = await proc.wait()
-                raise ChildDiedError(f"{self.name} exited with status {status} (log: {self.log_path})")
+                raise ChildDiedError(
+                    f"{self.name} exited with status {status} (log: {self.log_path})"
+                )
             self._buf += chunk
         line, _, self._buf = self._buf.partition(b"\n")
         return line
@@ -168,7 +183,9 @@ class Child:
         try:
             await proc.stdin.send_all(line)
             while True:
-                answer = read_answer(await self._readline(proc), request, f"{self.name} (log: {self.log_path})")
+                answer = read_answer(
+                    await self._readline(proc), request, f"{self.name} (log: {self.log_path})"
+                )
                 # None: the child could not read this request (the one in flight) at all.
                 if answer.id in (self._seq, None):
                     return answer

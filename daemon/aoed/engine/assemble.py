@@ -24,7 +24,13 @@ from aoe.device import CPU, Device
 from aoe.errors import AoedError
 from aoe.partition import Task, partition
 from aoe.subgraphs import SUBGRAPH_FAMILIES
-from aoe.signature import DeviceFingerprint, ModelContext, TaskSignature, canonical_json, normalized_attributes
+from aoe.signature import (
+    DeviceFingerprint,
+    ModelContext,
+    TaskSignature,
+    canonical_json,
+    normalized_attributes,
+)
 from aoed import __version__
 from aoe.bankrecord import BankRecord
 from aoed.engine import bankrules
@@ -63,7 +69,9 @@ def model_signature(model: onnx.ModelProto) -> TaskSignature:
             }
         )
     text = canonical_json({"v": 1, "model": nodes, "opsets": ctx.opsets})
-    return TaskSignature("SessionOptions", "", ctx.opset(""), text, hashlib.sha256(text.encode()).hexdigest())
+    return TaskSignature(
+        "SessionOptions", "", ctx.opset(""), text, hashlib.sha256(text.encode()).hexdigest()
+    )
 
 
 def tuned_metadata(
@@ -92,14 +100,22 @@ def set_metadata(model: onnx.ModelProto, meta: Mapping[str, str]) -> None:
 
 
 def tunable_tasks(
-    model: onnx.ModelProto, ctx: ModelContext, registry: StrategyRegistry, precision: str, job_type: str = "opat",
+    model: onnx.ModelProto,
+    ctx: ModelContext,
+    registry: StrategyRegistry,
+    precision: str,
+    job_type: str = "opat",
     kind: str = "cpu",
 ) -> list[Task]:
     """The tasks a job of `job_type` tunes: those with a choice of strategy under
     `precision` on a device of `kind`. A subgraph with no choice there (a CNN region at
     exact) takes no nodes, so sgat+opat tunes every operator task OPAT would."""
     families = [f for f in SUBGRAPH_FAMILIES if registry.has_choice(f, precision, kind)]
-    return [t for t in partition(model, ctx, job_type, families) if registry.has_choice(t.family, precision, kind)]
+    return [
+        t
+        for t in partition(model, ctx, job_type, families)
+        if registry.has_choice(t.family, precision, kind)
+    ]
 
 
 def task_rewrites(
@@ -147,7 +163,9 @@ def apply_choices(
     """`model` with each task's chosen strategy (task id -> name; absent: default)."""
     rewrites: dict[tuple[str, ...], Rewrite] = {}
     for t in tasks:
-        rewrites.update(task_rewrites(model, ctx, consts, t, choices.get(t.id, DEFAULT), registry, ranges))
+        rewrites.update(
+            task_rewrites(model, ctx, consts, t, choices.get(t.id, DEFAULT), registry, ranges)
+        )
     return apply_rewrites(model, rewrites)
 
 
@@ -200,7 +218,9 @@ class Assembly:
         return sum(t.status in ("miss", "ignored") for t in (*self.tasks, self.session))
 
 
-def _outcome(bank: Lookup, key: bytes, base: TaskOutcome, device: DeviceFingerprint) -> bankrules.BankAnswer:
+def _outcome(
+    bank: Lookup, key: bytes, base: TaskOutcome, device: DeviceFingerprint
+) -> bankrules.BankAnswer:
     rec, layer = bank.record(key)
     default, dlayer = bank.default(key) if rec is None else (None, "")
     ans = bankrules.answer(rec, layer, default, dlayer, device)
@@ -242,18 +262,26 @@ def from_bank(
             if not isinstance(options, dict):
                 raise ValueError("not an object")
         except ValueError as exc:
-            session.status, session.reason, options = "ignored", f"unreadable session options ({exc})", {}
+            session.status, session.reason, options = (
+                "ignored",
+                f"unreadable session options ({exc})",
+                {},
+            )
 
     # Subgraph entries first (an SGAT run's), then operator entries for the nodes no
     # applied subgraph covers: a model tuned by SGAT, by OPAT or by both compiles alike.
-    tasks = tunable_tasks(model, ctx, registry, precision, "sgat") + tunable_tasks(model, ctx, registry, precision)
+    tasks = tunable_tasks(model, ctx, registry, precision, "sgat") + tunable_tasks(
+        model, ctx, registry, precision
+    )
     outcomes: list[TaskOutcome] = []
     choices: dict[str, str] = {}
     covered: dict[str, str] = {}  # node name -> the applied subgraph task covering it
     for t in tasks:
         key = bankrules.key_for(t.signature, device, precision)
         base = TaskOutcome(t.id, t.anchor, t.op_type, t.instances, "miss", key=key.decode())
-        inside = next((covered[n] for u in (t, *t.twins) for n in u.node_names if n in covered), None)
+        inside = next(
+            (covered[n] for u in (t, *t.twins) for n in u.node_names if n in covered), None
+        )
         if inside is not None:
             base.status, base.strategy = "covered", DEFAULT
             base.reason = f"its nodes are in subgraph {inside}, whose bank entry is applied"
@@ -281,9 +309,13 @@ def from_bank(
         job = confirmed.get("job", "the tuning run")
         if confirmed.get("shipped") == "input":
             asm.ship_input = True
-            asm.notes.append(f"the confirming A/B of {job} found these choices no faster than the input "
-                             f"({confirmed.get('verdict')}): the input model is kept")  # fmt: skip
+            asm.notes.append(
+                f"the confirming A/B of {job} found these choices no faster than the input "
+                f"({confirmed.get('verdict')}): the input model is kept"
+            )
         elif options and not confirmed.get("options_kept"):
             asm.session_options = {}
-            asm.notes.append(f"session options {options} left out: the confirming A/B of {job} did not keep them")
+            asm.notes.append(
+                f"session options {options} left out: the confirming A/B of {job} did not keep them"
+            )
     return asm, tasks

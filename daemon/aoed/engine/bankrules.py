@@ -90,7 +90,9 @@ def answer(
     """What the bank says about one key (its entry and "default stays best" record)."""
     if record is not None:
         if record.device.digest != device.digest:
-            return BankAnswer("ignored", None, layer, None, f"entry in {layer} was measured on another device")
+            return BankAnswer(
+                "ignored", None, layer, None, f"entry in {layer} was measured on another device"
+            )
         return BankAnswer("hit", record, layer)
     if default is not None:
         return BankAnswer("default", None, default_layer, default)
@@ -106,7 +108,11 @@ def reverted_digests(ans: BankAnswer) -> set[str]:
 
 def confirmed(ans: BankAnswer) -> dict[str, Any] | None:
     """The confirming A/B a model-level record carries (see confirm.py), or None."""
-    raw = ans.record.params.get("confirmed") if ans.record is not None else (ans.default or {}).get("confirmed")
+    raw = (
+        ans.record.params.get("confirmed")
+        if ans.record is not None
+        else (ans.default or {}).get("confirmed")
+    )
     if not raw:
         return None
     try:
@@ -116,13 +122,19 @@ def confirmed(ans: BankAnswer) -> dict[str, Any] | None:
     return doc if isinstance(doc, dict) else None
 
 
-def choices_digest(tasks: Iterable[Task], choices: Mapping[str, str], options: Mapping[str, Any]) -> str:
+def choices_digest(
+    tasks: Iterable[Task], choices: Mapping[str, str], options: Mapping[str, Any]
+) -> str:
     """What a confirmation is valid for: the strategy chosen per task (`choices`: task id
     -> name; absent or default left out), keyed by the task's signature so any model
     with these tasks agrees, and the session options. The device, runtime and precision
     are in the record's key already."""
-    by_sig = {t.signature.digest: choices[t.id] for t in tasks if choices.get(t.id, DEFAULT) != DEFAULT}
-    text = json.dumps({"tasks": dict(sorted(by_sig.items())), "options": dict(options)}, sort_keys=True)
+    by_sig = {
+        t.signature.digest: choices[t.id] for t in tasks if choices.get(t.id, DEFAULT) != DEFAULT
+    }
+    text = json.dumps(
+        {"tasks": dict(sorted(by_sig.items())), "options": dict(options)}, sort_keys=True
+    )
     return hashlib.sha256(text.encode()).hexdigest()
 
 

@@ -78,7 +78,9 @@ class RebuildError(Exception):
 
 def _attribute(name: str, value: object) -> onnx.AttributeProto:
     if isinstance(value, dict):
-        raise RebuildError(f"attribute {name!r} holds a tensor or graph, which signatures keep only as a hash")
+        raise RebuildError(
+            f"attribute {name!r} holds a tensor or graph, which signatures keep only as a hash"
+        )
     if isinstance(value, list) and not value:
         raise RebuildError(f"attribute {name!r} is an empty list of unknown type")
     return helper.make_attribute(name, value)
@@ -118,18 +120,28 @@ def rebuild_task(canonical_json: str, digest: str) -> tuple[onnx.ModelProto, dic
     for j, nd in enumerate(nodes_desc):
         # Wiring refs are already unique tensor names: "i<m>" inputs, "n<j>.<k>" outputs.
         node = helper.make_node(
-            nd["op"], list(nd["in"]), [f"n{j}.{k}" for k in range(n_out[j])], name=f"n{j}", domain=nd["domain"] or None
+            nd["op"],
+            list(nd["in"]),
+            [f"n{j}.{k}" for k in range(n_out[j])],
+            name=f"n{j}",
+            domain=nd["domain"] or None,
         )
         node.attribute.extend(_attribute(k, v) for k, v in sorted(nd["attrs"].items()))
         nodes.append(node)
     outputs = [
-        helper.make_tensor_value_info(f"n{len(nodes) - 1}.{k}", helper.np_dtype_to_tensor_dtype(np.dtype(t["dtype"])), t["shape"])
+        helper.make_tensor_value_info(
+            f"n{len(nodes) - 1}.{k}",
+            helper.np_dtype_to_tensor_dtype(np.dtype(t["dtype"])),
+            t["shape"],
+        )
         for k, t in enumerate(outputs_desc)
     ]
     opsets = dict(desc.get("opsets", {}))
     opsets.setdefault("", 13)
     graph = helper.make_graph(nodes, "verify", inputs, outputs, initializer=inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid(d, v) for d, v in sorted(opsets.items())])
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid(d, v) for d, v in sorted(opsets.items())]
+    )
     model.ir_version = 8
     try:
         model = onnx.shape_inference.infer_shapes(model, strict_mode=True)
@@ -145,7 +157,9 @@ def rebuild_task(canonical_json: str, digest: str) -> tuple[onnx.ModelProto, dic
     return model, consts
 
 
-def sample_entries(entries: Sequence[BankRecord], sample_size: int, seed: int, op_type: str = "") -> list[BankRecord]:
+def sample_entries(
+    entries: Sequence[BankRecord], sample_size: int, seed: int, op_type: str = ""
+) -> list[BankRecord]:
     """`sample_size` entries (all when 0) chosen with `seed`, anchor op type filtered."""
     pool = [e for e in entries if not op_type or e.signature.op_type.split("+")[0] == op_type]
     if sample_size and sample_size < len(pool):
@@ -160,25 +174,47 @@ async def _models_by_signature(
     out: dict[str, tuple[Path, Path]] = {}
     for i, src in enumerate(models):
         work = workdir / f"model{i}"
-        prep: PrepareReply = await model_step(engine.pool, PrepareRequest(src, work, limits=Limits.of(engine.config)),
-                                              ledger, src, "graph preparation")  # fmt: skip
-        samples: SamplesReply = await model_step(engine.pool, SamplesRequest(prep.prepared, work, prep.inputs,
-                                                 prep.int_high), ledger, src, "writing input samples")  # fmt: skip
+        prep: PrepareReply = await model_step(
+            engine.pool,
+            PrepareRequest(src, work, limits=Limits.of(engine.config)),
+            ledger,
+            src,
+            "graph preparation",
+        )
+        samples: SamplesReply = await model_step(
+            engine.pool,
+            SamplesRequest(prep.prepared, work, prep.inputs, prep.int_high),
+            ledger,
+            src,
+            "writing input samples",
+        )
         out[prep.model_signature.digest] = (prep.prepared, samples.held_back[0])
     return out
 
 
-async def _verify_options(engine: Engine, e: BankRecord, v: Verdict, model: tuple[Path, Path], budget_s: float,
-                          ledger: JobLedger) -> list[tuple[bytes, dict]]:
+async def _verify_options(
+    engine: Engine,
+    e: BankRecord,
+    v: Verdict,
+    model: tuple[Path, Path],
+    budget_s: float,
+    ledger: JobLedger,
+) -> list[tuple[bytes, dict]]:
     """A/B a model-level entry's session options on the model they were chosen for."""
     options = json.loads(e.strategy)
     path, inputs = model
     cands = (Candidate("without", path), Candidate("with", path, options))
     try:
         reply: MeasureReply = await engine.device.call(
-            MeasureRequest(cands, inputs, "without", engine.device.device, MeasurePlan.fixed(15, max(budget_s, 2.0))),
+            MeasureRequest(
+                cands,
+                inputs,
+                "without",
+                engine.device.device,
+                MeasurePlan.fixed(15, max(budget_s, 2.0)),
+            ),
             ledger,
-        )  # fmt: skip
+        )
     except DeviceError as exc:
         v.verdict, v.detail = "error", str(exc)
         return []
@@ -195,8 +231,10 @@ async def _verify_options(engine: Engine, e: BankRecord, v: Verdict, model: tupl
     else:
         v.verdict = "regressed"
         v.detail = f"with {options}: {win.median_us:.1f} us, not clearly faster than without ({base.median_us:.1f} us)"
-    return [(e.key, {"verify": True, "strategy": name, "time": time.time(), **r.summary()})
-            for name, r in results.items()]  # fmt: skip
+    return [
+        (e.key, {"verify": True, "strategy": name, "time": time.time(), **r.summary()})
+        for name, r in results.items()
+    ]
 
 
 async def verify_entries(
@@ -216,20 +254,32 @@ async def verify_entries(
             v = Verdict(e.key.decode(), e.signature.op_type, e.strategy, "skipped")
             verdicts.append(v)
             if e.family == "gdat":
-                v.detail = ("a DDP configuration for a gradient layout (GDAT): re-measure it with aoe tune "
-                            "--job-type gdat --repeat-tune")  # fmt: skip
+                v.detail = (
+                    "a DDP configuration for a gradient layout (GDAT): re-measure it with aoe tune "
+                    "--job-type gdat --repeat-tune"
+                )
                 continue
             if e.device.digest != here:
                 v.detail = f"measured on another device ({e.device.hardware}, onnxruntime {e.device.runtime_version})"
                 continue
             if e.family == "session":
                 if e.signature.digest in by_sig:
-                    trials += await _verify_options(engine, e, v, by_sig[e.signature.digest], budget_s, ledger)
+                    trials += await _verify_options(
+                        engine, e, v, by_sig[e.signature.digest], budget_s, ledger
+                    )
                 else:
-                    v.detail = "model-wide session options: pass the model (--model FILE) to re-check them"
+                    v.detail = (
+                        "model-wide session options: pass the model (--model FILE) to re-check them"
+                    )
                 continue
-            req = RebuildRequest(e.signature.canonical_json, e.signature.digest, e.family, e.strategy,
-                                 e.precision, Path(tmp) / f"e{n}")  # fmt: skip
+            req = RebuildRequest(
+                e.signature.canonical_json,
+                e.signature.digest,
+                e.family,
+                e.strategy,
+                e.precision,
+                Path(tmp) / f"e{n}",
+            )
             try:
                 rebuilt: RebuildReply = await engine.pool.call(req, ledger)
             except AoedError as exc:  # the worker failed, not the entry
@@ -239,10 +289,20 @@ async def verify_entries(
                 v.verdict, v.detail = rebuilt.verdict, rebuilt.detail
                 continue
             assert rebuilt.default and rebuilt.candidate and rebuilt.inputs
-            cands = (Candidate("default", rebuilt.default), Candidate("strategy", rebuilt.candidate))
+            cands = (
+                Candidate("default", rebuilt.default),
+                Candidate("strategy", rebuilt.candidate),
+            )
             try:
                 measured: MeasureReply = await engine.device.call(
-                    MeasureRequest(cands, rebuilt.inputs, "default", engine.device.device, MeasurePlan(budget_s)), ledger
+                    MeasureRequest(
+                        cands,
+                        rebuilt.inputs,
+                        "default",
+                        engine.device.device,
+                        MeasurePlan(budget_s),
+                    ),
+                    ledger,
                 )
             except DeviceError as exc:
                 v.verdict, v.detail = "error", str(exc)
@@ -251,7 +311,9 @@ async def verify_entries(
             base, win = results["default"], results["strategy"]
             for cid, r in results.items():
                 name = e.strategy if cid == "strategy" else cid
-                trials.append((e.key, {"verify": True, "strategy": name, "time": time.time(), **r.summary()}))
+                trials.append(
+                    (e.key, {"verify": True, "strategy": name, "time": time.time(), **r.summary()})
+                )
             v.winner, v.baseline = win.summary(), base.summary()
             if not (base.ok and win.ok):
                 v.verdict, v.detail = "error", win.error or base.error or "measurement failed"
@@ -263,6 +325,8 @@ async def verify_entries(
                 v.detail = f"{win.median_us:.1f} us, clearly faster than the default's {base.median_us:.1f} us"
             else:
                 v.verdict = "regressed"
-                v.detail = (f"{win.median_us:.1f} us, not clearly faster than the default's {base.median_us:.1f} us "
-                            f"(banked {e.winner.median_us:.1f} us vs {e.baseline.median_us:.1f} us)")  # fmt: skip
+                v.detail = (
+                    f"{win.median_us:.1f} us, not clearly faster than the default's {base.median_us:.1f} us "
+                    f"(banked {e.winner.median_us:.1f} us vs {e.baseline.median_us:.1f} us)"
+                )
     return verdicts, trials

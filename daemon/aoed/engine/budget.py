@@ -38,8 +38,15 @@ from typing import Any
 
 from aoed.engine.ledger import JobLedger
 
-__all__ = ["COUNTED", "MIN_MEASURE_S", "PREPARE_S_PER_MIB", "Budget", "default_budget", "measure_estimate",
-           "model_mib"]
+__all__ = [
+    "COUNTED",
+    "MIN_MEASURE_S",
+    "PREPARE_S_PER_MIB",
+    "Budget",
+    "default_budget",
+    "measure_estimate",
+    "model_mib",
+]
 
 #: Ledger categories the budget counts; "profile" and "confirm" are listed apart.
 COUNTED = ("search", "session", "verify")
@@ -63,7 +70,9 @@ _SAMPLE_MIN_S = 0.002
 _CANDIDATE_OVERHEAD_S = 0.06
 
 
-def default_budget(task_us: Mapping[str, float], candidates: Mapping[str, int], model_us: float) -> float:
+def default_budget(
+    task_us: Mapping[str, float], candidates: Mapping[str, int], model_us: float
+) -> float:
     """A budget that fits the model: per task, its candidates' planned rounds at its
     profiled latency; then four session dimensions of about three candidates and two
     verification rounds of a few candidates, at the model's latency."""
@@ -79,8 +88,9 @@ def default_budget(task_us: Mapping[str, float], candidates: Mapping[str, int], 
     return min(MAX_S, max(MIN_S, need))
 
 
-def measure_estimate(sessions: int, mib: float, load_s_per_mib: float, latency_us: float, rounds: int,
-                     cap_s: float) -> float:  # fmt: skip
+def measure_estimate(
+    sessions: int, mib: float, load_s_per_mib: float, latency_us: float, rounds: int, cap_s: float
+) -> float:
     """Seconds a fixed-rounds measurement of `sessions` sessions of a `mib` MiB model
     running in `latency_us` should take: loading them, then warm-up and `rounds` rounds
     of the default plan's turns (settle, one untimed run, 5 samples of at least 2 ms),
@@ -129,7 +139,9 @@ class Budget:
         fit = list(order[: int(pool // TASK_FLOOR_S)])  # none when not even one task's floor fits
         extra = max(0.0, pool - TASK_FLOOR_S * len(fit))
         total = sum(shares.get(t, 0.0) for t in fit) or 1.0
-        slices = {t: min(TASK_CEILING_S, TASK_FLOOR_S + extra * shares.get(t, 0.0) / total) for t in fit}
+        slices = {
+            t: min(TASK_CEILING_S, TASK_FLOOR_S + extra * shares.get(t, 0.0) / total) for t in fit
+        }
         self.allotted.setdefault("search", sum(slices.values()))
         return slices
 
@@ -165,8 +177,12 @@ class Budget:
         stages: dict[str, dict[str, Any]] = {}
         for name, wall in led.stage_s.items():
             given = self.allotted.get(name, 0.0)
-            entry: dict[str, Any] = {"given_s": round(given, 3), "spent_s": round(wall, 3),
-                                     "over_s": round(max(0.0, wall - given), 3), "counted": name in COUNTED}  # fmt: skip
+            entry: dict[str, Any] = {
+                "given_s": round(given, 3),
+                "spent_s": round(wall, 3),
+                "over_s": round(max(0.0, wall - given), 3),
+                "counted": name in COUNTED,
+            }
             if name in led.stage_device_s:
                 entry["device_s"] = round(led.stage_device_s[name], 3)
             if name in led.estimates:
@@ -182,7 +198,9 @@ class Budget:
             "verify_s": round(by.get("verify", 0.0), 3),
             "profile_s": round(by.get("profile", 0.0), 3),
             "confirm_s": round(by.get("confirm", 0.0), 3),
-            "load_s_per_mib": None if self.load_s_per_mib is None else round(self.load_s_per_mib, 5),
+            "load_s_per_mib": None
+            if self.load_s_per_mib is None
+            else round(self.load_s_per_mib, 5),
             "elapsed_s": round(elapsed, 3),
             "over_s": round(max(0.0, elapsed - self.total_s), 3),
             "stages": stages,

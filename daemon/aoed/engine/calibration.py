@@ -65,7 +65,9 @@ class Samples:
         if held >= 1:
             self.calibrate, self.held_back = samples[:-held], samples[-held:]
             if held < HELD_BACK:
-                self.source += f" (only {held} held back to judge accuracy: give {HELD_BACK + 8} or more)"
+                self.source += (
+                    f" (only {held} held back to judge accuracy: give {HELD_BACK + 8} or more)"
+                )
         else:  # one sample: calibrate and judge on the same data, and say so
             self.calibrate = self.held_back = samples
             self.source += " (too few samples to hold any back)"
@@ -84,7 +86,9 @@ def integer_ranges(model: onnx.ModelProto, inputs: Mapping[str, TensorInfo]) -> 
     return out
 
 
-def _synthetic(inputs: Mapping[str, TensorInfo], highs: Mapping[str, int], n: int) -> list[dict[str, np.ndarray]]:
+def _synthetic(
+    inputs: Mapping[str, TensorInfo], highs: Mapping[str, int], n: int
+) -> list[dict[str, np.ndarray]]:
     return [make_inputs(inputs, seed=1000 + i, int_high=highs) for i in range(n)]
 
 
@@ -92,7 +96,9 @@ def _fit(name: str, arr: np.ndarray, info: TensorInfo, where: Path) -> np.ndarra
     if tuple(arr.shape) != info.shape and tuple((1, *arr.shape)) == info.shape:
         arr = arr[None]
     if tuple(arr.shape) != info.shape:
-        raise OptionError(f"--calibration {where}: {name!r} has shape {list(arr.shape)}, the model wants {list(info.shape)}")
+        raise OptionError(
+            f"--calibration {where}: {name!r} has shape {list(arr.shape)}, the model wants {list(info.shape)}"
+        )
     return arr.astype(np.dtype(info.dtype), copy=False)
 
 
@@ -102,12 +108,16 @@ def _inside(root: Path, p: Path) -> Path:
     no path check sees (checked before the file is opened)."""
     real = p.resolve()
     if not real.is_relative_to(root):
-        raise OptionError(f"--calibration {p}: a link that leads outside the calibration folder {root}; "
-                          "copy the sample into the folder instead")  # fmt: skip
+        raise OptionError(
+            f"--calibration {p}: a link that leads outside the calibration folder {root}; "
+            "copy the sample into the folder instead"
+        )
     st = real.stat()
     if stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
-        raise OptionError(f"--calibration {p}: the file has {st.st_nlink} hard links, so it may be a file from "
-                          "elsewhere; copy the sample into the folder (cp, not ln)")  # fmt: skip
+        raise OptionError(
+            f"--calibration {p}: the file has {st.st_nlink} hard links, so it may be a file from "
+            "elsewhere; copy the sample into the folder (cp, not ln)"
+        )
     return real
 
 
@@ -118,8 +128,10 @@ def _reading(f: Path) -> Iterator[None]:
         yield
     except ValueError as exc:
         if "pickle" in str(exc):
-            raise OptionError(f"--calibration {f}: holds a pickled (object) array, which aoed never loads; "
-                              "save plain numeric arrays (numpy.save / numpy.savez)") from None  # fmt: skip
+            raise OptionError(
+                f"--calibration {f}: holds a pickled (object) array, which aoed never loads; "
+                "save plain numeric arrays (numpy.save / numpy.savez)"
+            ) from None
         raise OptionError(f"--calibration {f}: cannot be read as numpy arrays ({exc})") from None
     except OSError as exc:
         raise OptionError(f"--calibration {f}: {exc.strerror or exc}") from None
@@ -132,20 +144,32 @@ def _load_dir(d: Path, inputs: Mapping[str, TensorInfo]) -> list[dict[str, np.nd
         with _reading(f), np.load(_inside(root, f), allow_pickle=False) as data:
             missing = set(inputs) - set(data.files)
             if missing:
-                raise OptionError(f"--calibration {f}: no array for input(s) {', '.join(sorted(missing))}")
+                raise OptionError(
+                    f"--calibration {f}: no array for input(s) {', '.join(sorted(missing))}"
+                )
             samples.append({k: _fit(k, data[k], inputs[k], f) for k in inputs})
     npys = sorted(d.glob("*.npy"))
     if npys:
         if len(inputs) != 1:
-            raise OptionError(f"--calibration {d}: .npy files need a single-input model; use .npz or one folder per input")
+            raise OptionError(
+                f"--calibration {d}: .npy files need a single-input model; use .npz or one folder per input"
+            )
         (name,) = inputs
         for f in npys:
             with _reading(f):
-                samples.append({name: _fit(name, np.load(_inside(root, f), allow_pickle=False), inputs[name], f)})
+                samples.append(
+                    {
+                        name: _fit(
+                            name, np.load(_inside(root, f), allow_pickle=False), inputs[name], f
+                        )
+                    }
+                )
     folders = [d / name for name in inputs if (d / name).is_dir()]
     if folders:
         if len(folders) != len(inputs):
-            raise OptionError(f"--calibration {d}: needs one folder per input ({', '.join(inputs)})")
+            raise OptionError(
+                f"--calibration {d}: needs one folder per input ({', '.join(inputs)})"
+            )
         for folder in folders:
             _inside(root, folder)
         files = {name: sorted((d / name).glob("*.npy")) for name in inputs}
@@ -161,13 +185,17 @@ def _load_dir(d: Path, inputs: Mapping[str, TensorInfo]) -> list[dict[str, np.nd
 
 
 def load_samples(
-    inputs: Mapping[str, TensorInfo], calibration: Path | None, int_high: Mapping[str, int] | None = None
+    inputs: Mapping[str, TensorInfo],
+    calibration: Path | None,
+    int_high: Mapping[str, int] | None = None,
 ) -> Samples:
     """The calibration samples for a job (`int_high`: bounds of token-id inputs, see
     `integer_ranges`); raises OptionError on an unusable directory."""
     if calibration is None:
         n = SYNTHETIC_SAMPLES + HELD_BACK
-        return Samples(_synthetic(inputs, int_high or {}, n), f"synthetic ({n} samples, random inputs)")
+        return Samples(
+            _synthetic(inputs, int_high or {}, n), f"synthetic ({n} samples, random inputs)"
+        )
     if not calibration.is_dir():
         raise OptionError(f"--calibration {calibration}: not a directory")
     try:

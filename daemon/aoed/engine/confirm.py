@@ -86,8 +86,13 @@ class Confirmation:
         confirming job as `from_bank`), then device_s, options_kept, notes, proposal."""
         d = self.figures.to_dict()
         d["from_bank"] = d.pop("confirmed_by")
-        return {**d, "device_s": self.device_s, "options_kept": self.options_kept, "notes": list(self.notes),
-                "proposal": dict(self.proposal)}  # fmt: skip
+        return {
+            **d,
+            "device_s": self.device_s,
+            "options_kept": self.options_kept,
+            "notes": list(self.notes),
+            "proposal": dict(self.proposal),
+        }
 
     def params(self, choices_digest: str, job_id: str) -> str:
         """The confirmation as stored with the model-level bank record: valid for the
@@ -123,7 +128,9 @@ async def confirm(
         if proposal.options and proposal.plain is not None:
             cands.append(Candidate("plain", proposal.plain))
     before = ctx.ledger.device_by.get("confirm", 0.0)
-    measured = await ctx.measure(cands, "input", budget_s, plan=MeasurePlan.fixed(ROUNDS, budget_s), category="confirm")
+    measured = await ctx.measure(
+        cands, "input", budget_s, plan=MeasurePlan.fixed(ROUNDS, budget_s), category="confirm"
+    )
     conf, ship_path = judge(measured, proposal)
     conf.device_s = ctx.ledger.device_by.get("confirm", 0.0) - before
     return conf, ship_path, measured
@@ -148,7 +155,9 @@ def judge(measured: Mapping[str, Measurement], proposal: Proposal) -> tuple[Conf
         prop = measured["proposal"]
         name, path, kind = "proposal", proposal.model, proposal.kind
         if "plain" in measured and prop.ok and measured["plain"].ok:
-            o_verdict, o_med, o_ci = verdict_of(stats.paired_ratios(prop.rounds_us, measured["plain"].rounds_us))
+            o_verdict, o_med, o_ci = verdict_of(
+                stats.paired_ratios(prop.rounds_us, measured["plain"].rounds_us)
+            )
             options_kept = o_verdict == "faster"
             if not options_kept:
                 o = Comparison.of_ratio("options only", "without options", o_med, o_ci)
@@ -166,8 +175,12 @@ def judge(measured: Mapping[str, Measurement], proposal: Proposal) -> tuple[Conf
         if kind != "input" and cand.ok and ratios(cand):
             verdict, med, ci = verdict_of(ratios(cand))
             against_input = Comparison.of_ratio(kind, "input", med, ci)
-            proposal_figures = {"kind": kind, "result_ms": base_ms * med, "improvement": against_input.improvement,
-                                "improvement_ci95": list(against_input.ci95)}  # fmt: skip
+            proposal_figures = {
+                "kind": kind,
+                "result_ms": base_ms * med,
+                "improvement": against_input.improvement,
+                "improvement_ci95": list(against_input.ci95),
+            }
             decided = against_input
             # Two sessions of the input model (the file itself and its shipped copy) are
             # the noise floor of these rounds: the proposal must beat both, so a session
@@ -176,8 +189,10 @@ def judge(measured: Mapping[str, Measurement], proposal: Proposal) -> tuple[Conf
             copy_ratios = stats.paired_ratios(cand.rounds_us, copy.rounds_us) if copy.ok else []
             if verdict == "faster" and not copy_ratios:
                 verdict = "no significant change"
-                notes.append(f"{kind} model not shipped: the input's second session, its noise floor, could not be "
-                             f"measured ({copy.error or 'no rounds'})")  # fmt: skip
+                notes.append(
+                    f"{kind} model not shipped: the input's second session, its noise floor, could not be "
+                    f"measured ({copy.error or 'no rounds'})"
+                )
             elif verdict == "faster":
                 c_verdict, c_med, c_ci = verdict_of(copy_ratios)
                 if c_verdict == "faster":
@@ -192,7 +207,9 @@ def judge(measured: Mapping[str, Measurement], proposal: Proposal) -> tuple[Conf
                         f"rounds it was {interval(decided.ci95)}: within the noise of these rounds"
                     )
         elif not cand.ok:
-            notes.append(f"the proposed model could not be measured ({cand.error}); the input ships")
+            notes.append(
+                f"the proposed model could not be measured ({cand.error}); the input ships"
+            )
     copy = measured["input_copy"]
     if figures is None:
         figures = Figures.unchanged(verdict, base_ms, len(ratios(copy)) if copy.ok else 0, decided)

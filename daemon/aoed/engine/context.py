@@ -109,7 +109,9 @@ class JobContext:
         """What the bank (custom, then layers) says about `sig` on this device."""
         key = self.key(sig)
         rec, layer = await self.bank.lookup_layered(key)
-        default, dlayer = (None, "") if rec is not None else await self.bank.known_default_layered(key)
+        default, dlayer = (
+            (None, "") if rec is not None else await self.bank.known_default_layered(key)
+        )
         return bankrules.answer(rec, layer, default, dlayer, self.fingerprint)
 
     async def measure(
@@ -128,7 +130,9 @@ class JobContext:
         job's fingerprint is least busy, for a request whose times are compared with no
         other request's (one task's search); else on the job's home device."""
         plan = msgspec.structs.replace(plan or MeasurePlan(), budget_s=budget_s)
-        req = MeasureRequest(tuple(candidates), inputs or self.held_back[0], reference, self.device.device, plan)
+        req = MeasureRequest(
+            tuple(candidates), inputs or self.held_back[0], reference, self.device.device, plan
+        )
         reply: MeasureReply
         if spread and self.devices is not None:
             reply = await self.devices.call(self.device, req, self.ledger, category=category)
@@ -140,7 +144,9 @@ class JobContext:
         """Write whole models with the builds' choices applied (in a worker); raises what
         the pool raises (CandidateError when a build fails)."""
         assert self.prep is not None
-        req = AssembleRequest(source or self.prep.prepared, self.prep.tasks, tuple(builds), self.ranges)
+        req = AssembleRequest(
+            source or self.prep.prepared, self.prep.tasks, tuple(builds), self.ranges
+        )
         await self.pool.call(req, self.ledger)
 
     async def write_bank(self, write: BankWrite) -> bool:

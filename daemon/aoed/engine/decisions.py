@@ -74,7 +74,9 @@ def clearly_slower(a: Measurement, b: Measurement) -> bool:
     return med != float("inf") and med > 1.0 + MIN_GAIN and lo > 1.0
 
 
-def best(results: Mapping[str, Measurement], incumbent: str, gate: Callable[[Measurement], bool]) -> str:
+def best(
+    results: Mapping[str, Measurement], incumbent: str, gate: Callable[[Measurement], bool]
+) -> str:
     """Of the candidates that clearly beat `incumbent` and pass the accuracy `gate`, the
     `preferred` one (`results` in order of preference); `incumbent` when none does.
     KeyError/ValueError when the incumbent itself was not measured."""
@@ -114,7 +116,9 @@ def _climb(results: Mapping[str, Measurement], pick: str, pool: Sequence[str]) -
     stand. Each candidate holds the place once at most, so the climb ends."""
     seen = {pick}
     while True:
-        better = next((k for k in pool if k not in seen and clearly_faster(results[k], results[pick])), None)
+        better = next(
+            (k for k in pool if k not in seen and clearly_faster(results[k], results[pick])), None
+        )
         if better is None:
             return pick
         pick = better
@@ -139,7 +143,9 @@ def best_lossy(
         if not r.ok:
             reasons.append(f"{name}: failed ({r.error})")
         elif not gate(r):
-            reasons.append(f"{name}: outside the accuracy budget (cosine {r.cosine:.5f}, max rel error {r.max_rel_error:.3g})")
+            reasons.append(
+                f"{name}: outside the accuracy budget (cosine {r.cosine:.5f}, max rel error {r.max_rel_error:.3g})"
+            )
         elif r.dropped or not clearly_faster(r, base):
             reasons.append(f"{name}: {why_not_faster(r, base, incumbent)}")
         else:
@@ -163,9 +169,10 @@ def faster_outside_gate(
     preference): the ones worth judging in the model's context (incontext.py)."""
     base = results[incumbent]
     out = [
-        name for name, r in results.items()
+        name
+        for name, r in results.items()
         if name in lossy and r.ok and not gate(r) and not r.dropped and clearly_faster(r, base)
-    ]  # fmt: skip
+    ]
     return ranked(results, out)
 
 

@@ -69,13 +69,19 @@ class DeviceAgent:
         self.device = device
         self._pool = pool if pause_pool and device.is_cpu and not executor.remote else None
         self._runner = executor.runner(
-            device, runner, f"runner for {device}", logdir / f"runner-{device.name.replace(':', '-')}.log",
-            cpus=cpus, memory_mb=memory_mb if device.is_cpu else 0,  # GPU runtimes reserve huge address ranges
+            device,
+            runner,
+            f"runner for {device}",
+            logdir / f"runner-{device.name.replace(':', '-')}.log",
+            cpus=cpus,
+            memory_mb=memory_mb if device.is_cpu else 0,  # GPU runtimes reserve huge address ranges
             lock_group=lock_group,
-        )  # fmt: skip
+        )
         # One lock per physical device; a remote one's actor holds the device's own on its node.
         self.lock = DeviceLock(runtime_dir, executor.lock_name(device), lock_group)
-        self._queue: _pending.RequestQueue[tuple[Request, float | None, str]] = _pending.RequestQueue(4)
+        self._queue: _pending.RequestQueue[tuple[Request, float | None, str]] = (
+            _pending.RequestQueue(4)
+        )
         self.cores = 1
         self.providers: tuple[str, ...] = ()
         self.busy_s = 0.0
@@ -107,7 +113,9 @@ class DeviceAgent:
             try:
                 answer = await self._runner.call(PingRequest(self.device))
             except ChildDiedError as exc:
-                raise DeviceError(f"{self.device}: the measurement runner did not start ({exc})") from None
+                raise DeviceError(
+                    f"{self.device}: the measurement runner did not start ({exc})"
+                ) from None
             if not answer.ok:
                 raise error_of(answer, DeviceError)
             ping: PingReply = answer.reply
@@ -127,7 +135,9 @@ class DeviceAgent:
         with contextlib.suppress(ChildDiedError):
             await self._runner.call(PingRequest(self.device))
 
-    async def _serve(self, call: tuple[Request, float | None, str], job: JobLedger | None) -> outcome.Outcome:
+    async def _serve(
+        self, call: tuple[Request, float | None, str], job: JobLedger | None
+    ) -> outcome.Outcome:
         request, given, category = call
         op = op_of(request)
         if given:
@@ -144,10 +154,16 @@ class DeviceAgent:
                     with trio.fail_after(limit):
                         answer = await self._runner.call(request)
             except trio.TooSlowError:
-                return outcome.Error(DeviceError(f"{self.device}: {op} on {self.device} timed out after {limit:g}s ({why})"))
+                return outcome.Error(
+                    DeviceError(
+                        f"{self.device}: {op} on {self.device} timed out after {limit:g}s ({why})"
+                    )
+                )
             except ChildDiedError as exc:
                 log.warning("%s on %s: the measurement runner crashed: %s", op, self.device, exc)
-                return outcome.Error(DeviceError(f"{self.device}: measurement runner crashed: {exc}"))
+                return outcome.Error(
+                    DeviceError(f"{self.device}: measurement runner crashed: {exc}")
+                )
             finally:
                 busy = trio.current_time() - t0
                 trials = len(request.candidates) if isinstance(request, MeasureRequest) else 0
@@ -155,7 +171,9 @@ class DeviceAgent:
                 self.requests += 1
                 self.trials += trials
                 if job is not None:
-                    job.charge_device(busy, category, self.device.name, trials, (wall0, time.time()))
+                    job.charge_device(
+                        busy, category, self.device.name, trials, (wall0, time.time())
+                    )
         if job is not None:
             job.note_rss(answer.maxrss_kb)
         if not answer.ok:
@@ -163,7 +181,11 @@ class DeviceAgent:
         return outcome.Value(answer.reply)
 
     async def call(
-        self, request: Request, job: JobLedger | None = None, limit_s: float | None = None, category: str = "other"
+        self,
+        request: Request,
+        job: JobLedger | None = None,
+        limit_s: float | None = None,
+        category: str = "other",
     ) -> Any:
         """Queue `request` (a messages.*Request) for the device and return its reply (of
         the request's `reply` type); its device time is charged to `job` under

@@ -49,7 +49,9 @@ class DeviceSet:
         self._digests = {id(a): a.device.fingerprint().digest for a in self.agents}
         self._homed: dict[int, int] = {id(a): 0 for a in self.agents}
         self._turns = 0
-        self._last: dict[int, int] = {id(a): 0 for a in self.agents}  # the turn each was last picked
+        self._last: dict[int, int] = {
+            id(a): 0 for a in self.agents
+        }  # the turn each was last picked
 
     @property
     def first(self) -> DeviceAgent:
@@ -83,8 +85,12 @@ class DeviceSet:
         matching = self._matching(device)
         if not matching:
             have = ", ".join(a.device.name for a in self.agents)
-            raise OptionError(f"--device {device}: this engine measures on {have}, none of them a {device}")
-        agent = min(matching, key=lambda a: (bool(a.unusable), self._homed[id(a)], a.device != device))
+            raise OptionError(
+                f"--device {device}: this engine measures on {have}, none of them a {device}"
+            )
+        agent = min(
+            matching, key=lambda a: (bool(a.unusable), self._homed[id(a)], a.device != device)
+        )
         self._homed[id(agent)] += 1
         try:
             yield agent
@@ -92,7 +98,11 @@ class DeviceSet:
             self._homed[id(agent)] -= 1
 
     async def call(
-        self, home: DeviceAgent, request: Request, job: JobLedger | None = None, category: str = "other"
+        self,
+        home: DeviceAgent,
+        request: Request,
+        job: JobLedger | None = None,
+        category: str = "other",
     ) -> Any:
         """`request` served by whichever agent with `home`'s fingerprint has the least
         queued or in flight (on a tie, the one picked longest ago: idle devices take turns,
@@ -118,7 +128,9 @@ class DeviceSet:
                 # The device went away under the request (a Ray node left): it says nothing
                 # of the request, which is measured again on another of its kind, if any.
                 tried.add(id(agent))
-                if not agent.unusable or not any(not a.unusable for a in self.peers(home) if id(a) not in tried):
+                if not agent.unusable or not any(
+                    not a.unusable for a in self.peers(home) if id(a) not in tried
+                ):
                     raise
 
     def snapshot(self) -> dict[str, tuple[float, int]]:

@@ -70,7 +70,11 @@ class DeviceLock:
         except BlockingIOError:
             return False
         os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()} ({' '.join(sys.argv)[:200]}) since {time.strftime('%H:%M:%S')}\n".encode(), 0)
+        os.pwrite(
+            fd,
+            f"pid {os.getpid()} ({' '.join(sys.argv)[:200]}) since {time.strftime('%H:%M:%S')}\n".encode(),
+            0,
+        )
         return True
 
     @contextlib.asynccontextmanager
@@ -80,7 +84,9 @@ class DeviceLock:
         fd = self._open()
         if not self._try(fd):
             if on_wait is not None:
-                on_wait(f"waiting for {self.path.stem.removeprefix('device-')}: measuring for {self.holder()}")
+                on_wait(
+                    f"waiting for {self.path.stem.removeprefix('device-')}: measuring for {self.holder()}"
+                )
             while not self._try(fd):
                 await trio.sleep(_POLL_S)
         try:
@@ -120,19 +126,25 @@ def _private_dir(path: Path) -> int:
     except OSError as exc:
         if not path.is_symlink():
             raise
-        raise DeviceError(f"device lock directory {path}: is a symbolic link ({exc.strerror}); "
-                          "point [engine] runtime_dir (or AOED_RUNTIME_DIR) at the real directory") from None  # fmt: skip
+        raise DeviceError(
+            f"device lock directory {path}: is a symbolic link ({exc.strerror}); "
+            "point [engine] runtime_dir (or AOED_RUNTIME_DIR) at the real directory"
+        ) from None
     try:
         st = os.fstat(fd)
         me = os.geteuid()
         if st.st_uid not in (me, 0):
-            raise DeviceError(f"device lock directory {path}: belongs to uid {st.st_uid}, who could replace the "
-                              "locks in it; remove it or set [engine] runtime_dir (or AOED_RUNTIME_DIR) to a "
-                              "directory of your own")  # fmt: skip
+            raise DeviceError(
+                f"device lock directory {path}: belongs to uid {st.st_uid}, who could replace the "
+                "locks in it; remove it or set [engine] runtime_dir (or AOED_RUNTIME_DIR) to a "
+                "directory of your own"
+            )
         if st.st_mode & 0o022:
             if st.st_uid != me:
-                raise DeviceError(f"device lock directory {path}: mode {stat.S_IMODE(st.st_mode):04o} lets other users "
-                                  "replace the locks in it; make it writable by its owner only")  # fmt: skip
+                raise DeviceError(
+                    f"device lock directory {path}: mode {stat.S_IMODE(st.st_mode):04o} lets other users "
+                    "replace the locks in it; make it writable by its owner only"
+                )
             os.fchmod(fd, stat.S_IMODE(st.st_mode) & ~0o022)
     except BaseException:
         os.close(fd)
@@ -148,12 +160,18 @@ def _open_lock(path: Path, group: int | None) -> int:
     dfd = _private_dir(path.parent)
     try:
         try:
-            fd = os.open(path.name, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, want,
-                         dir_fd=dfd)  # fmt: skip
+            fd = os.open(
+                path.name,
+                os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                want,
+                dir_fd=dfd,
+            )
         except OSError as exc:
             if os.path.islink(path):
-                raise DeviceError(f"device lock {path}: is a symbolic link; remove it (the lock is a plain file "
-                                  "this process creates)") from None  # fmt: skip
+                raise DeviceError(
+                    f"device lock {path}: is a symbolic link; remove it (the lock is a plain file "
+                    "this process creates)"
+                ) from None
             raise exc from None
     finally:
         os.close(dfd)
@@ -168,8 +186,10 @@ def _open_lock(path: Path, group: int | None) -> int:
             if mode != want:
                 os.fchmod(fd, want)
         elif mode & 0o007:
-            raise DeviceError(f"device lock {path}: belongs to uid {st.st_uid} and any user may open it (mode "
-                              f"{mode:04o}), so anyone could hold the device; have its owner remove it")  # fmt: skip
+            raise DeviceError(
+                f"device lock {path}: belongs to uid {st.st_uid} and any user may open it (mode "
+                f"{mode:04o}), so anyone could hold the device; have its owner remove it"
+            )
     except BaseException:
         os.close(fd)
         raise

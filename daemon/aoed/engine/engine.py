@@ -52,6 +52,7 @@ __all__ = ["Engine", "current_job", "open_engine", "place_cores", "split_cores"]
 
 log = logging.getLogger(__name__)
 
+
 class _JobFilter(logging.Filter):
     def __init__(self, job_id: str):
         super().__init__()
@@ -104,8 +105,10 @@ def place_cores(
     sets = [d for d in devices if d.is_cpu and d.cores]
     for d in sets:
         if missing := sorted(set(d.cores) - set(cpus)):
-            raise DeviceError(f"device {d}: core(s) {', '.join(map(str, missing))} are not this process's "
-                              f"to use (it may run on {cpus}); see [tuning] devices")  # fmt: skip
+            raise DeviceError(
+                f"device {d}: core(s) {', '.join(map(str, missing))} are not this process's "
+                f"to use (it may run on {cpus}); see [tuning] devices"
+            )
     if not sets:
         runner, workers = split_cores(cpus, dedicated)
         pinned = [runner if d.is_cpu else [] for d in devices]
@@ -152,13 +155,20 @@ class Engine:
         and one interrupted (a resumable cancel, ^C) leaves it to its next run."""
         spec = run.spec.on(self.device.device.name)  # (checked where it was built)
         devices = self.device_set
-        with devices.home(Device.parse(spec.device)) as home:  # OptionError when no device fits the job
+        with devices.home(
+            Device.parse(spec.device)
+        ) as home:  # OptionError when no device fits the job
             return await self._run_at(home, devices, spec, run, emit, handle)
 
     async def _run_at(
-        self, home: DeviceAgent, devices: DeviceSet, spec: JobSpec, run: JobRun, emit: Callable[[JobEvent], None],
+        self,
+        home: DeviceAgent,
+        devices: DeviceSet,
+        spec: JobSpec,
+        run: JobRun,
+        emit: Callable[[JobEvent], None],
         handle: JobHandle | None,
-    ) -> JobOutcome:  # fmt: skip
+    ) -> JobOutcome:
         job_id = run.job_id or new_job_id()
         prec = policy(spec.precision, spec.min_cosine, spec.max_rel_error)
         # The daemon's job id is the same in each run of a job; an embedded run's is new,
@@ -178,22 +188,50 @@ class Engine:
             outcome = "failed"
             raise
         finally:
-            ws.release(outcome)  # a few file operations: not worth a thread (nor a cancellable await)
+            ws.release(
+                outcome
+            )  # a few file operations: not worth a thread (nor a cancellable await)
 
     async def _run(
-        self, home: DeviceAgent, devices: DeviceSet, spec: JobSpec, run: JobRun, job_id: str, prec, ws: Workspace,
-        emit: Callable[[JobEvent], None], handle: JobHandle,
-    ) -> JobOutcome:  # fmt: skip
+        self,
+        home: DeviceAgent,
+        devices: DeviceSet,
+        spec: JobSpec,
+        run: JobRun,
+        job_id: str,
+        prec,
+        ws: Workspace,
+        emit: Callable[[JobEvent], None],
+        handle: JobHandle,
+    ) -> JobOutcome:
         ledger = JobLedger(job_id, emit, weight=run.weight)
         ctx = JobContext(
-            spec=spec, run=run, job_id=job_id, pool=self.pool, device=home, bank=self.bank,
-            registry=self.registry, policy=prec, fingerprint=home.device.fingerprint(),
-            ledger=ledger, workspace=ws, config=self.config, attempt=max(1, run.attempt), devices=devices,
-        )  # fmt: skip
+            spec=spec,
+            run=run,
+            job_id=job_id,
+            pool=self.pool,
+            device=home,
+            bank=self.bank,
+            registry=self.registry,
+            policy=prec,
+            fingerprint=home.device.fingerprint(),
+            ledger=ledger,
+            workspace=ws,
+            config=self.config,
+            attempt=max(1, run.attempt),
+            devices=devices,
+        )
         failed = True
         with _job_log(ws.log_path, job_id):
-            log.info("job %s: %s (%s, %s, device %s, home %s)", job_id, run.model, spec.job_type, spec.precision,
-                     spec.device, home.device)  # fmt: skip
+            log.info(
+                "job %s: %s (%s, %s, device %s, home %s)",
+                job_id,
+                run.model,
+                spec.job_type,
+                spec.precision,
+                spec.device,
+                home.device,
+            )
             if ws.resumed:
                 log.info("job %s: continues in the workspace an interrupted run of it left", job_id)
             try:
@@ -201,7 +239,9 @@ class Engine:
                     handle.attach(scope)
                     result = await run_stages(ctx)
                     failed = False
-                    log.info("job %s: done in %.1f s, %s", job_id, ledger.elapsed_s, result.verified)
+                    log.info(
+                        "job %s: done in %.1f s, %s", job_id, ledger.elapsed_s, result.verified
+                    )
                     return result
                 failed = False  # cancelled: nothing to debug, the scratch goes
             except Exception as exc:
@@ -212,7 +252,9 @@ class Engine:
                     raise AoedError(gone) from None
                 if isinstance(exc, OSError):
                     log.info("job %s: failed: %s", job_id, exc)
-                    raise AoedError(f"{exc.filename or run.output}: {exc.strerror or exc}") from None
+                    raise AoedError(
+                        f"{exc.filename or run.output}: {exc.strerror or exc}"
+                    ) from None
                 if isinstance(exc, AoedError):
                     log.info("job %s: failed: %s", job_id, exc)
                 raise
@@ -252,28 +294,54 @@ async def open_engine(
             if executor.remote:  # the cores are the nodes': an actor pins itself there (rayexec.py)
                 runner_cpus, worker_cpus, pause = [[] for _ in config.all_devices], [], False
             else:
-                runner_cpus, worker_cpus, pause = place_cores(config.all_devices, sorted(os.sched_getaffinity(0)),
-                                                              config.dedicated_cores)  # fmt: skip
+                runner_cpus, worker_cpus, pause = place_cores(
+                    config.all_devices, sorted(os.sched_getaffinity(0)), config.dedicated_cores
+                )
             await nursery.start(bank.run)
             compile_s = config.compile_timeout_s
-            pool = CompilePool(config.parallel, logdir, cpus=worker_cpus, memory_mb=config.worker_memory_mb,
-                               plugins=config.plugins, timeouts={"compile": compile_s, "rebuild": compile_s},
-                               default_timeout=config.stage_timeout_s, executor=executor)  # fmt: skip
+            pool = CompilePool(
+                config.parallel,
+                logdir,
+                cpus=worker_cpus,
+                memory_mb=config.worker_memory_mb,
+                plugins=config.plugins,
+                timeouts={"compile": compile_s, "rebuild": compile_s},
+                default_timeout=config.stage_timeout_s,
+                executor=executor,
+            )
             await nursery.start(pool.run)
             agents = []
             for device, cpus in zip(config.all_devices, runner_cpus, strict=True):
-                agent = DeviceAgent(device, pool, logdir, config.runtime_dir, cpus=cpus,
-                                    memory_mb=config.worker_memory_mb, pause_pool=pause, lock_group=lock_group,
-                                    executor=executor)  # fmt: skip
+                agent = DeviceAgent(
+                    device,
+                    pool,
+                    logdir,
+                    config.runtime_dir,
+                    cpus=cpus,
+                    memory_mb=config.worker_memory_mb,
+                    pause_pool=pause,
+                    lock_group=lock_group,
+                    executor=executor,
+                )
                 await nursery.start(agent.run)
                 agents.append(agent)
-                log.info("engine: device %s%s%s", device, f" on cores {cpus}" if cpus else "",
-                         f" ({executor.name} executor)" if executor.remote else "")  # fmt: skip
+                log.info(
+                    "engine: device %s%s%s",
+                    device,
+                    f" on cores {cpus}" if cpus else "",
+                    f" ({executor.name} executor)" if executor.remote else "",
+                )
             log.info("engine: memory: %s", plan.describe())
-            log.info("engine: %d compile workers%s%s", pool.size, f" on cores {worker_cpus}" if worker_cpus else "",
-                     " (paused while a device on their cores measures)" if pause else "")  # fmt: skip
+            log.info(
+                "engine: %d compile workers%s%s",
+                pool.size,
+                f" on cores {worker_cpus}" if worker_cpus else "",
+                " (paused while a device on their cores measures)" if pause else "",
+            )
             try:
-                yield Engine(config, registry, bank, pool, agents[0], logdir, plan, DeviceSet(agents))
+                yield Engine(
+                    config, registry, bank, pool, agents[0], logdir, plan, DeviceSet(agents)
+                )
             finally:
                 nursery.cancel_scope.cancel()
     finally:

@@ -52,11 +52,27 @@ class Executor(Protocol):
     #: True when children run elsewhere: nothing to pin or pause on this machine
     remote: bool
 
-    def runner(self, device: Device, module: str, name: str, log_path: Path, *, cpus: Sequence[int] = (),
-               memory_mb: int = 0, lock_group: int | None = None) -> ChildLike: ...  # fmt: skip
+    def runner(
+        self,
+        device: Device,
+        module: str,
+        name: str,
+        log_path: Path,
+        *,
+        cpus: Sequence[int] = (),
+        memory_mb: int = 0,
+        lock_group: int | None = None,
+    ) -> ChildLike: ...
 
-    def worker(self, name: str, log_path: Path, *, cpus: Sequence[int] = (), memory_mb: int = 0,
-               plugins: Sequence[str] = ()) -> ChildLike: ...  # fmt: skip
+    def worker(
+        self,
+        name: str,
+        log_path: Path,
+        *,
+        cpus: Sequence[int] = (),
+        memory_mb: int = 0,
+        plugins: Sequence[str] = (),
+    ) -> ChildLike: ...
 
     def lock_name(self, device: Device) -> str: ...
 
@@ -67,15 +83,33 @@ class LocalExecutor:
     name = "local"
     remote = False
 
-    def runner(self, device: Device, module: str, name: str, log_path: Path, *, cpus: Sequence[int] = (),
-               memory_mb: int = 0, lock_group: int | None = None) -> Child:  # fmt: skip
+    def runner(
+        self,
+        device: Device,
+        module: str,
+        name: str,
+        log_path: Path,
+        *,
+        cpus: Sequence[int] = (),
+        memory_mb: int = 0,
+        lock_group: int | None = None,
+    ) -> Child:
         # The lock is the device agent's own here (`lock_group` is for a remote runner's).
         return Child(module, name, log_path, cpus=cpus, memory_mb=memory_mb)
 
-    def worker(self, name: str, log_path: Path, *, cpus: Sequence[int] = (), memory_mb: int = 0,
-               plugins: Sequence[str] = ()) -> Child:  # fmt: skip
+    def worker(
+        self,
+        name: str,
+        log_path: Path,
+        *,
+        cpus: Sequence[int] = (),
+        memory_mb: int = 0,
+        plugins: Sequence[str] = (),
+    ) -> Child:
         args = ["--plugins", ",".join(plugins)] if plugins else []
-        return Child("aoed.backends.ort.worker", name, log_path, cpus=cpus, memory_mb=memory_mb, args=args)
+        return Child(
+            "aoed.backends.ort.worker", name, log_path, cpus=cpus, memory_mb=memory_mb, args=args
+        )
 
     def lock_name(self, device: Device) -> str:
         return device.lock_name

@@ -73,14 +73,31 @@ class TaskResult:
     def outcome(self) -> TaskOutcome:
         """The task's row of the job's outcome."""
         return TaskOutcome(
-            self.task_id, self.op_name, self.op_type, self.family, self.instances, self.share, self.strategy,
-            self.before_us, self.after_us, self.update_mode, self.bank_layer, dict(self.accuracy), self.error,
-            tuple(self.rejected), self.applied, self.attempt,
-        )  # fmt: skip
+            self.task_id,
+            self.op_name,
+            self.op_type,
+            self.family,
+            self.instances,
+            self.share,
+            self.strategy,
+            self.before_us,
+            self.after_us,
+            self.update_mode,
+            self.bank_layer,
+            dict(self.accuracy),
+            self.error,
+            tuple(self.rejected),
+            self.applied,
+            self.attempt,
+        )
 
     @property
     def improvement(self) -> float:
-        return (self.before_us / self.after_us - 1.0) if self.after_us > 0 and self.before_us > 0 else 0.0
+        return (
+            (self.before_us / self.after_us - 1.0)
+            if self.after_us > 0 and self.before_us > 0
+            else 0.0
+        )
 
 
 class JobHandle:

@@ -77,7 +77,9 @@ class JobLedger:
             name, t0, dev0 = self._stage
             self.stage_s[name] = self.stage_s.get(name, 0.0) + now - t0
             if self.device_s > dev0:
-                self.stage_device_s[name] = self.stage_device_s.get(name, 0.0) + self.device_s - dev0
+                self.stage_device_s[name] = (
+                    self.stage_device_s.get(name, 0.0) + self.device_s - dev0
+                )
         self._stage = None if stage is None else (stage, now, self.device_s)
 
     def scale_to_model(self, model_bytes: int) -> None:
@@ -91,12 +93,19 @@ class JobLedger:
         configured one's origin, plus the scale when it is not 1)."""
         if self.time_scale == 1.0:
             return seconds, why
-        return seconds * self.time_scale, f"{why} x {self.time_scale:g} for a {self.model_mb:.0f} MiB model"
+        return (
+            seconds * self.time_scale,
+            f"{why} x {self.time_scale:g} for a {self.model_mb:.0f} MiB model",
+        )
 
     def charge_device(
-        self, seconds: float, category: str = "other", device: str = "", trials: int = 0,
+        self,
+        seconds: float,
+        category: str = "other",
+        device: str = "",
+        trials: int = 0,
         span: tuple[float, float] | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """Charge one request: `seconds` under `category`, and to `device` (its name) with
         the `trials` it measured and its wall-clock `span` while it held the device."""
         self.device_s += seconds
@@ -105,7 +114,9 @@ class JobLedger:
         if span is not None:
             self.device_intervals.append(span)
         if device:
-            row = self.by_device.setdefault(device, {"device_s": 0.0, "requests": 0, "trials": 0, "intervals": []})
+            row = self.by_device.setdefault(
+                device, {"device_s": 0.0, "requests": 0, "trials": 0, "intervals": []}
+            )
             row["device_s"] += seconds
             row["requests"] += 1
             row["trials"] += trials
@@ -117,12 +128,15 @@ class JobLedger:
         trials, and intervals (the wall-clock spans of its requests)."""
         elapsed = self.elapsed_s
         return {
-            name: {"device_s": round(r["device_s"], 3),
-                   "duty_cycle": round(r["device_s"] / elapsed, 4) if elapsed > 0 else 0.0,
-                   "requests": r["requests"], "trials": r["trials"],
-                   "intervals": [(round(a, 6), round(b, 6)) for a, b in r["intervals"]]}
+            name: {
+                "device_s": round(r["device_s"], 3),
+                "duty_cycle": round(r["device_s"] / elapsed, 4) if elapsed > 0 else 0.0,
+                "requests": r["requests"],
+                "trials": r["trials"],
+                "intervals": [(round(a, 6), round(b, 6)) for a, b in r["intervals"]],
+            }
             for name, r in sorted(self.by_device.items())
-        }  # fmt: skip
+        }
 
     def charge_compile(self, seconds: float) -> None:
         self.compile_s += seconds

@@ -34,8 +34,16 @@ from pathlib import Path
 from aoe.config import MIN_WORKER_MEMORY_MB, Config
 from aoe.errors import ModelError
 
-__all__ = ["CHILD_BASE_MB", "DAEMON_RESERVE_MB", "PEAK_PER_MODEL_MB", "MemoryPlan", "available_mb", "check_fits",
-           "job_need_mb", "plan_memory"]  # fmt: skip
+__all__ = [
+    "CHILD_BASE_MB",
+    "DAEMON_RESERVE_MB",
+    "PEAK_PER_MODEL_MB",
+    "MemoryPlan",
+    "available_mb",
+    "check_fits",
+    "job_need_mb",
+    "plan_memory",
+]
 
 log = logging.getLogger(__name__)
 
@@ -129,13 +137,22 @@ class MemoryPlan:
 
     def describe(self) -> str:
         """One line for logs and --check-config."""
-        avail = f"{self.available_mb} MiB available ({self.source})" if self.available_mb is not None else "memory unknown"
+        avail = (
+            f"{self.available_mb} MiB available ({self.source})"
+            if self.available_mb is not None
+            else "memory unknown"
+        )
         limit = f"{self.child_mb} MiB each" if self.child_mb else "no limit"
-        how = (f"(available - {DAEMON_RESERVE_MB} MiB for the daemon) / {self.children}" if self.derived
-               else "[engine] worker_memory_mb")  # fmt: skip
+        how = (
+            f"(available - {DAEMON_RESERVE_MB} MiB for the daemon) / {self.children}"
+            if self.derived
+            else "[engine] worker_memory_mb"
+        )
         runners = "1 runner" if self.runners == 1 else f"{self.runners} runners"
-        return (f"{avail}; {self.workers} compile workers + {runners} at {limit}, {how}; a job needs about "
-                f"{CHILD_BASE_MB} + {PEAK_PER_MODEL_MB} x its model's MiB in one of them")
+        return (
+            f"{avail}; {self.workers} compile workers + {runners} at {limit}, {how}; a job needs about "
+            f"{CHILD_BASE_MB} + {PEAK_PER_MODEL_MB} x its model's MiB in one of them"
+        )
 
     def job_limit_mb(self) -> int | None:
         """The most one child can give a job: its limit, else what the engine may use."""
@@ -156,7 +173,9 @@ class MemoryPlan:
         sources = dict(config.sources)
         if self.derived:
             sources["worker_memory_mb"] = self.why()
-        return replace(config, worker_memory_mb=self.child_mb, parallel=self.workers, sources=sources)
+        return replace(
+            config, worker_memory_mb=self.child_mb, parallel=self.workers, sources=sources
+        )
 
 
 def plan_memory(config: Config, available: tuple[int | None, str] | None = None) -> MemoryPlan:
@@ -167,22 +186,47 @@ def plan_memory(config: Config, available: tuple[int | None, str] | None = None)
     if config.worker_memory_mb is not None:  # set: kept as given, even when it does not fit
         child = config.worker_memory_mb
         if avail is not None and child and child * (workers + runners) + DAEMON_RESERVE_MB > avail:
-            log.warning("engine: worker_memory_mb=%d for %d workers and a runner is more than the %d MiB available "
-                        "(%s): together they can exhaust the machine", child, workers, avail, source)  # fmt: skip
+            log.warning(
+                "engine: worker_memory_mb=%d for %d workers and a runner is more than the %d MiB available "
+                "(%s): together they can exhaust the machine",
+                child,
+                workers,
+                avail,
+                source,
+            )
         return MemoryPlan(avail, source, workers, child, derived=False, runners=runners)
     if avail is None:
         return MemoryPlan(None, source, workers, 0, derived=True, runners=runners)
     room = avail - DAEMON_RESERVE_MB
     fit = max(1, room // MIN_WORKER_MEMORY_MB - runners)
     if room < 2 * MIN_WORKER_MEMORY_MB:
-        log.warning("engine: %d MiB available (%s) is less than one compile worker and a runner need at %d MiB "
-                    "each besides the daemon: they may exhaust it", avail, source, MIN_WORKER_MEMORY_MB)  # fmt: skip
+        log.warning(
+            "engine: %d MiB available (%s) is less than one compile worker and a runner need at %d MiB "
+            "each besides the daemon: they may exhaust it",
+            avail,
+            source,
+            MIN_WORKER_MEMORY_MB,
+        )
     elif fit < workers:
-        log.warning("engine: %d MiB available (%s) fits %d compile workers of %d MiB besides the runner, not %d: "
-                    "starting %d", avail, source, fit, MIN_WORKER_MEMORY_MB, workers, fit)  # fmt: skip
+        log.warning(
+            "engine: %d MiB available (%s) fits %d compile workers of %d MiB besides the runner, not %d: "
+            "starting %d",
+            avail,
+            source,
+            fit,
+            MIN_WORKER_MEMORY_MB,
+            workers,
+            fit,
+        )
         workers = fit
-    return MemoryPlan(avail, source, workers, max(MIN_WORKER_MEMORY_MB, room // (workers + runners)), derived=True,
-                      runners=runners)  # fmt: skip
+    return MemoryPlan(
+        avail,
+        source,
+        workers,
+        max(MIN_WORKER_MEMORY_MB, room // (workers + runners)),
+        derived=True,
+        runners=runners,
+    )
 
 
 def check_fits(what: str, model_bytes: int, limit_mb: int | None, why: str) -> None:
@@ -195,4 +239,5 @@ def check_fits(what: str, model_bytes: int, limit_mb: int | None, why: str) -> N
         raise ModelError(
             f"{what}: tuning it needs about {need} MiB in one process ({CHILD_BASE_MB} + {PEAK_PER_MODEL_MB} x its "
             f"{model_bytes / (1 << 20):.0f} MiB), more than the {limit_mb} MiB one may use here ({why}); tune it "
-            "on a machine with more memory, or raise [engine] memory_mb or worker_memory_mb if it has more")  # fmt: skip
+            "on a machine with more memory, or raise [engine] memory_mb or worker_memory_mb if it has more"
+        )

@@ -155,7 +155,9 @@ def decode(tp: type[T] | Any, data: Any, what: str = "") -> T:
     except msgspec.ValidationError as exc:
         raise MessageError(f"{name}: {exc}") from None
     if (unknown := _unknown(data, obj)) is not None:
-        raise MessageError(f"{name}: Object contains unknown field `{unknown[0]}` - at `{unknown[1]}`")
+        raise MessageError(
+            f"{name}: Object contains unknown field `{unknown[0]}` - at `{unknown[1]}`"
+        )
     return obj
 
 
@@ -190,7 +192,13 @@ class Answer(Message):
 
 _ERRORS = {
     cls.__name__: cls
-    for cls in (errors.OptionError, errors.ModelError, errors.BankError, errors.DeviceError, errors.CandidateError)
+    for cls in (
+        errors.OptionError,
+        errors.ModelError,
+        errors.BankError,
+        errors.DeviceError,
+        errors.CandidateError,
+    )
 }
 
 
@@ -451,7 +459,11 @@ class Measurement(Message):
     rounds_us: tuple[float | None, ...] = ()
 
     def accuracy(self) -> dict[str, float]:
-        return {"max_abs_error": self.max_abs_error, "max_rel_error": self.max_rel_error, "cosine": self.cosine}
+        return {
+            "max_abs_error": self.max_abs_error,
+            "max_rel_error": self.max_rel_error,
+            "cosine": self.cosine,
+        }
 
     def summary(self) -> dict[str, Any]:
         """The fields a report keeps (no per-round data)."""
@@ -510,12 +522,21 @@ class Accuracy(Message):
 
     def as_dict(self) -> dict[str, float]:
         """What the accuracy gates read (worst cases)."""
-        return {"max_abs_error": self.max_abs_error, "max_rel_error": self.max_rel_error, "cosine": self.cosine}
+        return {
+            "max_abs_error": self.max_abs_error,
+            "max_rel_error": self.max_rel_error,
+            "cosine": self.cosine,
+        }
 
     def report(self) -> dict[str, Any]:
         """Everything, for the result document."""
-        return {**self.as_dict(), "cosine_p5": self.cosine_p5, "samples": self.samples,
-                "top1_agreement": self.top1_agreement, "top1_rows": self.top1_rows}  # fmt: skip
+        return {
+            **self.as_dict(),
+            "cosine_p5": self.cosine_p5,
+            "samples": self.samples,
+            "top1_agreement": self.top1_agreement,
+            "top1_rows": self.top1_rows,
+        }
 
 
 class CompareRequest(Request, tag="compare"):

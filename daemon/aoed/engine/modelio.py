@@ -82,9 +82,15 @@ def load_model(
     if max_nodes is not None:
         nodes = count_nodes(model.graph, stop_above=max_nodes)
         if nodes > max_nodes:
-            raise ModelError(f"{path}: {nodes} nodes or more, over the limit of {max_nodes} nodes per model"
-                             f"{_named(nodes_setting)}")  # fmt: skip
-    external = [t for t in external_data_helper._get_all_tensors(model) if external_data_helper.uses_external_data(t)]
+            raise ModelError(
+                f"{path}: {nodes} nodes or more, over the limit of {max_nodes} nodes per model"
+                f"{_named(nodes_setting)}"
+            )
+    external = [
+        t
+        for t in external_data_helper._get_all_tensors(model)
+        if external_data_helper.uses_external_data(t)
+    ]
     if external:
         budget = None if max_bytes is None else max_bytes - path.stat().st_size
         _read_external(path, model, external, budget, bytes_setting, fits)
@@ -121,7 +127,9 @@ def check_size(path: Path, size: int, max_bytes: int | None, setting: str = "") 
     """ModelError naming `path` (and `setting`, the limit's) when a model file of `size`
     bytes is over `max_bytes`."""
     if max_bytes is not None and size > max_bytes:
-        raise ModelError(f"{path}: the model file is {_gib(size)}, over the limit of {_gib(max_bytes)}{_named(setting)}")
+        raise ModelError(
+            f"{path}: the model file is {_gib(size)}, over the limit of {_gib(max_bytes)}{_named(setting)}"
+        )
 
 
 def _named(setting: str) -> str:
@@ -132,8 +140,9 @@ def _gib(n: int) -> str:
     return f"{n / (1 << 30):.1f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
 
 
-def _read_model_file(path: Path, max_bytes: int | None, setting: str = "",
-                     expect: tuple[int, int] | None = None) -> bytes:  # fmt: skip
+def _read_model_file(
+    path: Path, max_bytes: int | None, setting: str = "", expect: tuple[int, int] | None = None
+) -> bytes:
     """The model file's bytes, refused before reading when it is not a regular file (a
     pipe would block), empty, over `max_bytes`, or past what protobuf can parse; with
     `expect`, also when the opened file is not that (device, inode) or has several
@@ -141,8 +150,10 @@ def _read_model_file(path: Path, max_bytes: int | None, setting: str = "",
     st = stat_model_file(path)
     check_size(path, st.st_size, max_bytes, setting)
     if st.st_size >= PROTOBUF_LIMIT:
-        raise ModelError(f"{path}: the model file is {_gib(st.st_size)}; protobuf reads files under 2 GiB: "
-                         "save the model with its weights as external data")  # fmt: skip
+        raise ModelError(
+            f"{path}: the model file is {_gib(st.st_size)}; protobuf reads files under 2 GiB: "
+            "save the model with its weights as external data"
+        )
     try:
         # O_NONBLOCK: a file swapped for a pipe since the stat must not block the open.
         # A submitted model's path names the file itself (resolved when it was submitted).
@@ -152,17 +163,29 @@ def _read_model_file(path: Path, max_bytes: int | None, setting: str = "",
             now = os.fstat(f.fileno())
             if not stat.S_ISREG(now.st_mode):
                 raise ModelError(f"{path}: not a regular file; pass the .onnx model file")
-            if expect is not None and ((now.st_dev, now.st_ino) != tuple(expect) or now.st_nlink > 1):
-                why = f"it has {now.st_nlink} hard links" if now.st_nlink > 1 else "another file took its name"
-                raise ModelError(f"{path}: not the file that was submitted ({why}); nothing was read: submit it "
-                                 "again once nobody changes it")  # fmt: skip
+            if expect is not None and (
+                (now.st_dev, now.st_ino) != tuple(expect) or now.st_nlink > 1
+            ):
+                why = (
+                    f"it has {now.st_nlink} hard links"
+                    if now.st_nlink > 1
+                    else "another file took its name"
+                )
+                raise ModelError(
+                    f"{path}: not the file that was submitted ({why}); nothing was read: submit it "
+                    "again once nobody changes it"
+                )
             if now.st_size >= PROTOBUF_LIMIT:
-                raise ModelError(f"{path}: the model file grew to {_gib(now.st_size)} while being read")
+                raise ModelError(
+                    f"{path}: the model file grew to {_gib(now.st_size)} while being read"
+                )
             # Read what the file holds (+1 to see it grew): read(N) reserves N bytes up front,
             # which a worker under a memory limit cannot afford for N = 2 GiB.
             data = f.read(now.st_size + 1)
             if len(data) > now.st_size:
-                raise ModelError(f"{path}: the model file changed while being read; try again once it is complete")
+                raise ModelError(
+                    f"{path}: the model file changed while being read; try again once it is complete"
+                )
             return data
     except OSError as exc:
         raise ModelError(f"{path}: cannot read the model ({exc.strerror or exc})") from None
@@ -172,8 +195,10 @@ def _undecodable(exc: Exception) -> str:
     """Why protobuf refused the bytes, in words."""
     text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     if "MaxDepth" in text or "recursion" in text.lower():
-        return ("messages nested deeper than protobuf's limit of 100 levels (If/Loop bodies inside bodies); "
-                "flatten the control flow")  # fmt: skip
+        return (
+            "messages nested deeper than protobuf's limit of 100 levels (If/Loop bodies inside bodies); "
+            "flatten the control flow"
+        )
     return f"protobuf cannot parse it: corrupt, truncated or not an ONNX file ({type(exc).__name__}: {text})"
 
 
@@ -201,40 +226,60 @@ def _read_external(
         try:
             info = external_data_helper.ExternalDataInfo(tensor)
         except (TypeError, ValueError):  # an offset or length that is not a number
-            raise ModelError(f"{path}: tensor {name!r} has malformed external data fields "
-                             f"({', '.join(f'{e.key}={e.value!r}' for e in tensor.external_data)})") from None  # fmt: skip
+            raise ModelError(
+                f"{path}: tensor {name!r} has malformed external data fields "
+                f"({', '.join(f'{e.key}={e.value!r}' for e in tensor.external_data)})"
+            ) from None
         loc = str(info.location or "")
         if not loc or "\x00" in loc:
-            raise ModelError(f"{path}: tensor {name!r} has no usable external data location ({loc!r})")
+            raise ModelError(
+                f"{path}: tensor {name!r} has no usable external data location ({loc!r})"
+            )
         try:
             target = (base / loc).resolve()
         except (OSError, RuntimeError):  # a symlink loop
-            raise ModelError(f"{path}: external data file {loc!r} of tensor {name!r} cannot be resolved") from None
+            raise ModelError(
+                f"{path}: external data file {loc!r} of tensor {name!r} cannot be resolved"
+            ) from None
         if os.path.isabs(loc) or not target.is_relative_to(base) or target == base:
             how = "" if os.path.isabs(loc) or ".." in Path(loc).parts else ", through a symlink"
-            raise ModelError(f"{path}: tensor {name!r} points outside the model's directory ({loc!r}{how}); "
-                             "external data must sit beside the model")  # fmt: skip
+            raise ModelError(
+                f"{path}: tensor {name!r} points outside the model's directory ({loc!r}{how}); "
+                "external data must sit beside the model"
+            )
         try:
             st = os.lstat(target)
         except FileNotFoundError:
-            raise ModelError(f"{path}: external data file {loc!r} of tensor {name!r} is missing") from None
+            raise ModelError(
+                f"{path}: external data file {loc!r} of tensor {name!r} is missing"
+            ) from None
         except OSError as exc:
-            raise ModelError(f"{path}: external data file {loc!r} of tensor {name!r}: {exc.strerror or exc}") from None
+            raise ModelError(
+                f"{path}: external data file {loc!r} of tensor {name!r}: {exc.strerror or exc}"
+            ) from None
         if not stat.S_ISREG(st.st_mode):
-            raise ModelError(f"{path}: external data {loc!r} of tensor {name!r} is not a regular file")
+            raise ModelError(
+                f"{path}: external data {loc!r} of tensor {name!r} is not a regular file"
+            )
         if st.st_nlink > 1:
-            raise ModelError(f"{path}: external data file {loc!r} of tensor {name!r} has {st.st_nlink} hard links, "
-                             "so it may be a file from elsewhere; copy it beside the model (cp, not ln)")  # fmt: skip
+            raise ModelError(
+                f"{path}: external data file {loc!r} of tensor {name!r} has {st.st_nlink} hard links, "
+                "so it may be a file from elsewhere; copy it beside the model (cp, not ln)"
+            )
         offset = int(info.offset or 0)
         length = st.st_size - offset if info.length is None else int(info.length)
         if offset < 0 or length < 0 or offset + length > st.st_size:
-            raise ModelError(f"{path}: tensor {name!r} wants bytes {offset} to {offset + length} of {loc!r}, "
-                             f"beyond its end ({st.st_size} bytes)")  # fmt: skip
+            raise ModelError(
+                f"{path}: tensor {name!r} wants bytes {offset} to {offset + length} of {loc!r}, "
+                f"beyond its end ({st.st_size} bytes)"
+            )
         plan.append((tensor, target, st, offset, length))
     total = sum(p[4] for p in plan)
     if budget is not None and total > budget:
-        raise ModelError(f"{path}: the model and its external data hold {_gib(total + path.stat().st_size)}, over "
-                         f"the limit of {_gib(budget + path.stat().st_size)}{_named(setting)}")  # fmt: skip
+        raise ModelError(
+            f"{path}: the model and its external data hold {_gib(total + path.stat().st_size)}, over "
+            f"the limit of {_gib(budget + path.stat().st_size)}{_named(setting)}"
+        )
     if fits is not None:
         fits(total + path.stat().st_size)
     for tensor, target, st, offset, length in plan:
@@ -242,20 +287,28 @@ def _read_external(
         try:
             fd = os.open(target, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         except OSError as exc:
-            raise ModelError(f"{path}: external data file {loc!r} of tensor {tensor.name!r}: "
-                             f"{exc.strerror or exc}") from None  # fmt: skip
+            raise ModelError(
+                f"{path}: external data file {loc!r} of tensor {tensor.name!r}: "
+                f"{exc.strerror or exc}"
+            ) from None
         try:
             now = os.fstat(fd)
             if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino) or now.st_nlink > 1:
-                raise ModelError(f"{path}: external data file {loc!r} of tensor {tensor.name!r} changed while "
-                                 "it was read; try again with the folder left alone")  # fmt: skip
+                raise ModelError(
+                    f"{path}: external data file {loc!r} of tensor {tensor.name!r} changed while "
+                    "it was read; try again with the folder left alone"
+                )
             data = os.pread(fd, length, offset)
         except OSError as exc:
-            raise ModelError(f"{path}: cannot read external data {loc!r} ({exc.strerror or exc})") from None
+            raise ModelError(
+                f"{path}: cannot read external data {loc!r} ({exc.strerror or exc})"
+            ) from None
         finally:
             os.close(fd)
         if len(data) != length:
-            raise ModelError(f"{path}: external data file {loc!r} ended early (it changed while read)")
+            raise ModelError(
+                f"{path}: external data file {loc!r} ended early (it changed while read)"
+            )
         tensor.raw_data = data
         del tensor.external_data[:]
         tensor.data_location = onnx.TensorProto.DEFAULT
@@ -304,7 +357,9 @@ def save_model(model: onnx.ModelProto, path: Path, external_above: int = EXTERNA
             if external:
                 copy = onnx.ModelProto()
                 copy.CopyFrom(model)
-                safefs.write_file(data, lambda f: _move_to_external(copy, data, f), dir_fd=d, sync=False)
+                safefs.write_file(
+                    data, lambda f: _move_to_external(copy, data, f), dir_fd=d, sync=False
+                )
                 model = copy
             blob = model.SerializeToString()
             safefs.write_file(path.name, lambda f: f.write(blob), dir_fd=d, sync=False)

@@ -96,15 +96,27 @@ def _section(o: JobOutcome, part: JobType, tasks: list[TaskOutcome], whole: bool
     are the job's (one model was measured); the repo summary counts this part's tasks,
     and the job's session-options record too when the part is the whole job."""
     if part == JobType.SGAT:
+
         def name(t: TaskOutcome) -> dict[str, str]:
             return {"subgraph_name": t.op_name, "subgraph_type": t.family, "task_id": t.task_id}
 
-        modified = {"add_repo_subgraphs": [name(t) for t in tasks if t.update_mode == "add"],
-                    "update_repo_subgraphs": [name(t) for t in tasks if t.update_mode == "update"]}  # fmt: skip
+        modified = {
+            "add_repo_subgraphs": [name(t) for t in tasks if t.update_mode == "add"],
+            "update_repo_subgraphs": [name(t) for t in tasks if t.update_mode == "update"],
+        }
     else:
-        modified = {"add_repo_operators": [{"op_name": t.op_name, "op_type": t.op_type} for t in tasks if t.update_mode == "add"],
-                    "update_repo_operators": [{"op_name": t.op_name, "op_type": t.op_type} for t in tasks
-                                              if t.update_mode == "update"]}  # fmt: skip
+        modified = {
+            "add_repo_operators": [
+                {"op_name": t.op_name, "op_type": t.op_type}
+                for t in tasks
+                if t.update_mode == "add"
+            ],
+            "update_repo_operators": [
+                {"op_name": t.op_name, "op_type": t.op_type}
+                for t in tasks
+                if t.update_mode == "update"
+            ],
+        }
     f = o.figures
     return {
         "model_baseline_performance(ms)": round(f.baseline_ms, 6),

@@ -44,7 +44,13 @@ from aoed import safefs
 from aoe.bankrecord import BankRecord
 from aoed.engine import bankrules, confirm, incontext, resume, stats
 from aoed.engine.assemble import tuned_metadata
-from aoed.engine.budget import PREPARE_S_PER_MIB, Budget, default_budget, measure_estimate, model_mib
+from aoed.engine.budget import (
+    PREPARE_S_PER_MIB,
+    Budget,
+    default_budget,
+    measure_estimate,
+    model_mib,
+)
 from aoed.engine.context import JobContext
 from aoed.engine.job import TaskResult
 from aoed.engine.messages import (
@@ -68,7 +74,13 @@ from aoed.engine.outputs import ResultDetails, result_json, write_json
 from aoed.engine.pool import model_step
 from aoed.engine.prep import Limits
 from aoed.engine.registry import DEFAULT
-from aoed.engine.session import SessionChoice, busy_cores, fewer_threads, remember_context, search_session
+from aoed.engine.session import (
+    SessionChoice,
+    busy_cores,
+    fewer_threads,
+    remember_context,
+    search_session,
+)
 from aoed.engine.taskagent import TaskAgent, TaskDecision
 from aoed.engine.verify import REVERTED, Verified, hold_to_budget, verify
 
@@ -109,28 +121,58 @@ async def prepare(ctx: JobContext) -> Prepared:
     opts, run, ws = ctx.spec, ctx.run, ctx.workspace
     ctx.ledger.enter("prepare")
     await ctx.stage(Stage.PREPARE, f"preparing {run.model.name}")
-    with contextlib.suppress(OSError):  # limits grow with the model; of an unreadable one, prep says why
+    with contextlib.suppress(
+        OSError
+    ):  # limits grow with the model; of an unreadable one, prep says why
         ctx.ledger.scale_to_model((await trio.to_thread.run_sync(run.model.stat)).st_size)
-    _say_estimate(ctx, "prepare", ctx.ledger.model_mb * PREPARE_S_PER_MIB,
-                  f"preparing: about {{:.1f}} s for a {ctx.ledger.model_mb:.0f} MiB model file, outside the budget "
-                  f"({PREPARE_S_PER_MIB * 1000:.0f} ms per MiB as measured on a 2-core machine)")  # fmt: skip
+    _say_estimate(
+        ctx,
+        "prepare",
+        ctx.ledger.model_mb * PREPARE_S_PER_MIB,
+        f"preparing: about {{:.1f}} s for a {ctx.ledger.model_mb:.0f} MiB model file, outside the budget "
+        f"({PREPARE_S_PER_MIB * 1000:.0f} ms per MiB as measured on a 2-core machine)",
+    )
     prep: PrepareReply = await _work(
-        ctx, PrepareRequest(run.model, ws.scratch, opts.precision, dict(opts.input_shapes),
-                            opts.keep_initializer_inputs, opts.job_type, Limits.of(ctx.config), run.model_file,
-                            ctx.device.device.kind),
-        "graph preparation")  # fmt: skip
+        ctx,
+        PrepareRequest(
+            run.model,
+            ws.scratch,
+            opts.precision,
+            dict(opts.input_shapes),
+            opts.keep_initializer_inputs,
+            opts.job_type,
+            Limits.of(ctx.config),
+            run.model_file,
+            ctx.device.device.kind,
+        ),
+        "graph preparation",
+    )
     ctx.prep = prep
     ctx.notes.extend(prep.notes)
     samples: SamplesReply = await _work(
-        ctx, SamplesRequest(prep.prepared, ws.scratch, prep.inputs, prep.int_high, opts.calibration_dir,
-                            ctx.policy.lossy), "writing input samples")  # fmt: skip
+        ctx,
+        SamplesRequest(
+            prep.prepared,
+            ws.scratch,
+            prep.inputs,
+            prep.int_high,
+            opts.calibration_dir,
+            ctx.policy.lossy,
+        ),
+        "writing input samples",
+    )
     ctx.held_back = samples.held_back
     if ctx.policy.lossy:
         await ctx.stage(Stage.CALIBRATE, "calibrating")
-        await _work(ctx, CalibrateRequest(prep.prepared, samples.calibrate, ws.scratch / "ranges.json"),
-                    "calibration")  # fmt: skip
+        await _work(
+            ctx,
+            CalibrateRequest(prep.prepared, samples.calibrate, ws.scratch / "ranges.json"),
+            "calibration",
+        )
         ctx.ranges = ws.scratch / "ranges.json"
-    ws.started = True  # the model is read and its samples made: a failure from here is one to inspect
+    ws.started = (
+        True  # the model is read and its samples made: a failure from here is one to inspect
+    )
     ctx.run_key = resume.run_key(ctx, prep.digest, samples.digest)
     return Prepared(prep, samples)
 
@@ -164,16 +206,25 @@ async def bank_lookups(ctx: JobContext, model: Prepared) -> Known:
     restored = await _restore(ctx, tasks)
     model_ans = await ctx.lookup(prep.model_signature)
     context_reverted = set() if opts.repeat_tune else bankrules.reverted_digests(model_ans)
-    results: dict[str, TaskResult] = {t.id: TaskResult(t.id, t.anchor, t.op_type, t.instances, t.family) for t in tasks}
+    results: dict[str, TaskResult] = {
+        t.id: TaskResult(t.id, t.anchor, t.op_type, t.instances, t.family) for t in tasks
+    }
     results.update({tid: d.result for tid, d in restored.items()})
     chosen: dict[str, str] = {}
     hits: dict[str, BankRecord] = {}
     lossy_cost: dict[str, tuple[float, float]] = {}
     answers = {t.id: await ctx.lookup(t.signature) for t in tasks if t.id not in restored}
-    hit_choices = {tid: a.record.strategy for tid, a in answers.items() if a.kind == "hit" and a.record is not None}
+    hit_choices = {
+        tid: a.record.strategy
+        for tid, a in answers.items()
+        if a.kind == "hit" and a.record is not None
+    }
     if hit_choices:
-        check: CheckReply = await _work(ctx, CheckRequest(prep.prepared, prep.tasks, hit_choices, ctx.ranges),
-                                        "checking bank entries")  # fmt: skip
+        check: CheckReply = await _work(
+            ctx,
+            CheckRequest(prep.prepared, prep.tasks, hit_choices, ctx.ranges),
+            "checking bank entries",
+        )
         for tid, why in check.failures.items():
             ctx.notes.append(f"bank entry for {tid} ignored: {why}")
             answers[tid] = bankrules.BankAnswer("miss")
@@ -193,14 +244,21 @@ async def bank_lookups(ctx: JobContext, model: Prepared) -> Known:
             rec = a.record
             r.strategy, r.update_mode = rec.strategy, "hit"
             r.before_us, r.after_us = rec.baseline.median_us, rec.winner.median_us
-            r.accuracy = {"max_abs_error": rec.max_abs_error, "max_rel_error": rec.max_rel_error, "cosine": rec.cosine}
+            r.accuracy = {
+                "max_abs_error": rec.max_abs_error,
+                "max_rel_error": rec.max_rel_error,
+                "cosine": rec.cosine,
+            }
             chosen[t.id] = rec.strategy
             if t.signature.digest in context_reverted:
                 chosen[t.id] = DEFAULT
                 r.applied = False
                 r.error = f"{REVERTED} (a verification of this model, remembered in the bank)"
             if rec.precision != "exact":
-                lossy_cost[t.id] = ((rec.baseline.median_us - rec.winner.median_us) * r.instances, 1.0 - rec.cosine)
+                lossy_cost[t.id] = (
+                    (rec.baseline.median_us - rec.winner.median_us) * r.instances,
+                    1.0 - rec.cosine,
+                )
         else:
             r.update_mode, r.bank_layer = "hit", f"{a.layer} (default stays best)"
             r.before_us = r.after_us = a.default_us
@@ -239,8 +297,16 @@ async def search(ctx: JobContext, model: Prepared, known: Known) -> Searched:
         fallback_us[d.task.id] = d.fallback_us
         if d.lossy_cost is not None:
             lossy_cost[d.task.id] = d.lossy_cost
-    return Searched(budget, decided, chosen, fallback, fallback_us, lossy_cost,
-                    sum(d.failed_candidates for d in decided), sum(d.trials for d in decided))  # fmt: skip
+    return Searched(
+        budget,
+        decided,
+        chosen,
+        fallback,
+        fallback_us,
+        lossy_cost,
+        sum(d.failed_candidates for d in decided),
+        sum(d.trials for d in decided),
+    )
 
 
 @dataclass(frozen=True)
@@ -266,8 +332,15 @@ async def assemble(ctx: JobContext, known: Known, found: Searched) -> Assembled:
     if ctx.policy.lossy:
         ctx.ledger.enter("accuracy")
         await ctx.stage(Stage.ACCURACY, "checking accuracy end to end")
-        e2e_gate = await hold_to_budget(ctx, chosen, found.fallback, dict(found.lossy_cost), known.results, path,
-                                        found.fallback_us)  # fmt: skip
+        e2e_gate = await hold_to_budget(
+            ctx,
+            chosen,
+            found.fallback,
+            dict(found.lossy_cost),
+            known.results,
+            path,
+            found.fallback_us,
+        )
     # Lossy choices reach the bank only now, as what the model kept.
     for d in found.decided:
         if d.pending is not None:
@@ -286,7 +359,9 @@ async def session_options(
     """Model-wide session options for the assembled model (the bank's, or searched
     within what the budget has left)."""
     ctx.ledger.enter("session")
-    session = await search_session(ctx, assembled.path, model.prep.model_signature, known.model_ans, found.budget)
+    session = await search_session(
+        ctx, assembled.path, model.prep.model_signature, known.model_ans, found.budget
+    )
     total = len(model.tasks) + 1
     ctx.emit("progress", "session options", total, total)
     return session
@@ -302,22 +377,46 @@ class Proposal:
 
 
 async def verify_stage(
-    ctx: JobContext, model: Prepared, known: Known, found: Searched, assembled: Assembled, session: SessionChoice
+    ctx: JobContext,
+    model: Prepared,
+    known: Known,
+    found: Searched,
+    assembled: Assembled,
+    session: SessionChoice,
 ) -> Proposal:
     """Verify the assembled model end to end against the input (verify.py), unless
     every choice came from the bank, which also holds their confirmation."""
     from_bank = not known.to_tune and session.mode == "hit"
-    cached = bankrules.confirmed(known.model_ans) if from_bank and not ctx.spec.repeat_tune else None
+    cached = (
+        bankrules.confirmed(known.model_ans) if from_bank and not ctx.spec.repeat_tune else None
+    )
     choice_key = bankrules.choices_digest(model.tasks, assembled.chosen, session.options)
     if cached is not None and cached.get("choices") == choice_key:
-        v = Verified(dict(assembled.chosen), session.options, "tuned", "assembled", None, None,
-                     [f"verification and the confirming A/B answered from the bank (job {cached.get('job', '?')})"])  # fmt: skip
+        v = Verified(
+            dict(assembled.chosen),
+            session.options,
+            "tuned",
+            "assembled",
+            None,
+            None,
+            [
+                f"verification and the confirming A/B answered from the bank (job {cached.get('job', '?')})"
+            ],
+        )
     else:
         cached = None
         ctx.ledger.enter("verify")
         await ctx.stage(Stage.VERIFY, "verifying end to end")
-        v = await verify(ctx, dict(assembled.chosen), found.fallback, known.results, assembled.path, session.options,
-                         found.budget, from_bank=from_bank)  # fmt: skip
+        v = await verify(
+            ctx,
+            dict(assembled.chosen),
+            found.fallback,
+            known.results,
+            assembled.path,
+            session.options,
+            found.budget,
+            from_bank=from_bank,
+        )
     ctx.notes.extend(v.notes)
     return Proposal(v, cached)
 
@@ -345,44 +444,77 @@ async def confirm_stage(ctx: JobContext, proposal: Proposal, budget: Budget) -> 
         busy = await busy_cores(ctx, 0.5)
         if busy is not None:  # the thread count would be confirmed under the same load
             dropped = v.options["intra_op_num_threads"]
-            v = dataclasses.replace(v, options={k: o for k, o in v.options.items() if k != "intra_op_num_threads"})
+            v = dataclasses.replace(
+                v, options={k: o for k, o in v.options.items() if k != "intra_op_num_threads"}
+            )
             if not v.options and v.outcome == "options only":  # nothing left to propose
                 v = dataclasses.replace(v, outcome="reverted to input", source="input")
-            ctx.notes.append(f"{busy} (intra_op_num_threads={dropped} dropped before the confirming A/B)")
+            ctx.notes.append(
+                f"{busy} (intra_op_num_threads={dropped} dropped before the confirming A/B)"
+            )
     conf, ship, evidence = await _confirm(ctx, v, cached, budget)
     ctx.notes.extend(conf.notes)
-    return Confirmed(v, conf, ship, evidence, v.choices if conf.shipped == "tuned" else {},
-                     v.options if conf.options_kept else {})  # fmt: skip
+    return Confirmed(
+        v,
+        conf,
+        ship,
+        evidence,
+        v.choices if conf.shipped == "tuned" else {},
+        v.options if conf.options_kept else {},
+    )
 
 
 async def remember(
-    ctx: JobContext, model: Prepared, known: Known, session: SessionChoice, proposal: Proposal, confirmed: Confirmed
+    ctx: JobContext,
+    model: Prepared,
+    known: Known,
+    session: SessionChoice,
+    proposal: Proposal,
+    confirmed: Confirmed,
 ) -> None:
     """Keep the model-level record in the bank (`remember_context`): the options that
     shipped, the tasks reverted in this model's context and the confirmation; then mark
     the tasks whose choice did not ship as not applied."""
-    tasks, results, model_ans, conf = model.tasks, known.results, known.model_ans, confirmed.confirmation
+    tasks, results, model_ans, conf = (
+        model.tasks,
+        known.results,
+        known.model_ans,
+        confirmed.confirmation,
+    )
     digests = {t.id: t.signature.digest for t in tasks}
     reverted = [digests[tid] for tid, r in results.items() if r.error.startswith(REVERTED)]
     confirmed_doc = cached_json = ""
     if proposal.cached is not None:
-        cached_json = str(model_ans.record.params.get("confirmed") if model_ans.record else
-                          (model_ans.default or {}).get("confirmed", ""))  # fmt: skip
+        cached_json = str(
+            model_ans.record.params.get("confirmed")
+            if model_ans.record
+            else (model_ans.default or {}).get("confirmed", "")
+        )
     else:
         # Keyed by what the next reader of the bank (a bank-hit run, `aoe compile`) will
         # derive from it: each task's stored strategy but those reverted in context, and
         # the options stored with the model.
         stored = {
-            tid: r.strategy for tid, r in results.items()
+            tid: r.strategy
+            for tid, r in results.items()
             if r.update_mode not in ("skipped", "failed") and digests[tid] not in reverted
-        }  # fmt: skip
+        }
         stored_options = confirmed.options if conf.shipped != "input" else {}
-        confirmed_doc = conf.params(bankrules.choices_digest(tasks, stored, stored_options), ctx.job_id)
+        confirmed_doc = conf.params(
+            bankrules.choices_digest(tasks, stored, stored_options), ctx.job_id
+        )
     await remember_context(
-        ctx, model.prep.model_signature, model_ans,
-        SessionChoice(confirmed.options if conf.shipped != "input" else {}, session.mode, session.write),
-        reverted, confirmed_doc or cached_json, confirmed.evidence, conf.baseline_ms * 1000,
-    )  # fmt: skip
+        ctx,
+        model.prep.model_signature,
+        model_ans,
+        SessionChoice(
+            confirmed.options if conf.shipped != "input" else {}, session.mode, session.write
+        ),
+        reverted,
+        confirmed_doc or cached_json,
+        confirmed.evidence,
+        conf.baseline_ms * 1000,
+    )
     for tid, r in results.items():
         if r.strategy != DEFAULT and r.applied and confirmed.choices.get(tid) != r.strategy:
             r.applied = False
@@ -390,7 +522,12 @@ async def remember(
 
 
 async def outputs(
-    ctx: JobContext, model: Prepared, known: Known, found: Searched, assembled: Assembled, session: SessionChoice,
+    ctx: JobContext,
+    model: Prepared,
+    known: Known,
+    found: Searched,
+    assembled: Assembled,
+    session: SessionChoice,
     confirmed: Confirmed,
 ) -> JobOutcome:
     """Put the file that ships in place and write the result JSON; returns the job's
@@ -424,23 +561,46 @@ async def outputs(
     elif assembled.e2e_gate is not None and conf.shipped != "input":
         accuracy = dict(assembled.e2e_gate)
     else:
-        accuracy = {"max_abs_error": 0.0, "max_rel_error": 0.0, "cosine": 1.0} if conf.shipped == "input" else (
-            v.final.accuracy() if v.final is not None else {})  # fmt: skip
+        accuracy = (
+            {"max_abs_error": 0.0, "max_rel_error": 0.0, "cosine": 1.0}
+            if conf.shipped == "input"
+            else (v.final.accuracy() if v.final is not None else {})
+        )
     outcome = JobOutcome(
-        job_id=ctx.job_id, model=str(run.model), tuned_model=str(tuned_path), result_json="", precision=opts.precision,
-        job_type=opts.job_type, device=str(ctx.device.device), tuning_time_s=ledger.elapsed_s, figures=conf.figures,
+        job_id=ctx.job_id,
+        model=str(run.model),
+        tuned_model=str(tuned_path),
+        result_json="",
+        precision=opts.precision,
+        job_type=opts.job_type,
+        device=str(ctx.device.device),
+        tuning_time_s=ledger.elapsed_s,
+        figures=conf.figures,
         tasks=tuple(r.outcome() for r in sorted(results.values(), key=lambda r: -r.share)),
         bank=bankrules.repo_summary([r.update_mode for r in results.values()] + [session.mode]),
         resources={k: v for k, v in resources.items() if isinstance(v, int | float)},
-        budget=BudgetReport.from_dict(found.budget.report()), session_options=confirmed.options, accuracy=accuracy,
+        budget=BudgetReport.from_dict(found.budget.report()),
+        session_options=confirmed.options,
+        accuracy=accuracy,
         accuracy_budget={
-            "task_min_cosine": ctx.policy.task_min_cosine, "task_max_rel_error": ctx.policy.task_max_rel_error,
-            "min_cosine": ctx.policy.e2e_min_cosine, "max_rel_error": ctx.policy.e2e_max_rel_error,
+            "task_min_cosine": ctx.policy.task_min_cosine,
+            "task_max_rel_error": ctx.policy.task_max_rel_error,
+            "min_cosine": ctx.policy.e2e_min_cosine,
+            "max_rel_error": ctx.policy.e2e_max_rel_error,
         },
-        calibration=model.samples.source, verified=v.outcome, notes=tuple(ctx.notes), workspace=str(ws.root),
-    )  # fmt: skip
-    details = ResultDetails({r.task_id: r.candidates for r in results.values()}, resources, _timeline(found.decided),
-                            conf.to_json(), _decision(v), _device_info(ctx))  # fmt: skip
+        calibration=model.samples.source,
+        verified=v.outcome,
+        notes=tuple(ctx.notes),
+        workspace=str(ws.root),
+    )
+    details = ResultDetails(
+        {r.task_id: r.candidates for r in results.values()},
+        resources,
+        _timeline(found.decided),
+        conf.to_json(),
+        _decision(v),
+        _device_info(ctx),
+    )
     json_path = await trio.to_thread.run_sync(ws.reserve_result, opts.job_type)
     outcome = dataclasses.replace(outcome, result_json=str(json_path))
     await trio.to_thread.run_sync(write_json, json_path, result_json(outcome, details))
@@ -453,26 +613,41 @@ async def _work(ctx: JobContext, request, what: str):
     return await model_step(ctx.pool, request, ctx.ledger, ctx.run.model, what)
 
 
-async def _gate_lossy_hits(ctx: JobContext, tasks: list[Task], answers: dict[str, bankrules.BankAnswer]) -> None:
+async def _gate_lossy_hits(
+    ctx: JobContext, tasks: list[Task], answers: dict[str, bankrules.BankAnswer]
+) -> None:
     """A lossy bank entry was judged on another model's weights: check it on this one's
     (its task's real activations, this model's weights) before it is applied; one that
     fails the task's accuracy gate is tuned again, as a miss."""
     assert ctx.prep is not None
     lossy = {
-        t.id: a.record for t in tasks if (a := answers[t.id]).kind == "hit" and a.record is not None
+        t.id: a.record
+        for t in tasks
+        if (a := answers[t.id]).kind == "hit"
+        and a.record is not None
         and ctx.registry.get(t.family, a.record.strategy).precision != "exact"
-    }  # fmt: skip
+    }
     if not lossy:
         return
     by_id = {t.id: t for t in tasks}
     root = ctx.workspace.scratch / "gate"
-    await _work(ctx, ExtractRequest(ctx.prep.prepared, tuple(by_id[t] for t in lossy), ctx.held_back[0], root),
-                "extracting tasks")  # fmt: skip
+    await _work(
+        ctx,
+        ExtractRequest(ctx.prep.prepared, tuple(by_id[t] for t in lossy), ctx.held_back[0], root),
+        "extracting tasks",
+    )
     for tid, rec in lossy.items():
         d = root / tid
         cands = [Candidate(DEFAULT, d / "default.onnx")]
         for name in (DEFAULT, rec.strategy):
-            req = CompileRequest(d / "task.onnx", by_id[tid].family, name, f"aoe/{tid}", d / f"{name}.onnx", ctx.ranges)
+            req = CompileRequest(
+                d / "task.onnx",
+                by_id[tid].family,
+                name,
+                f"aoe/{tid}",
+                d / f"{name}.onnx",
+                ctx.ranges,
+            )
             try:
                 reply: CompileReply = await ctx.pool.call(req, ctx.ledger)
             except AoedError:  # as in the search: a failed build is the candidate's
@@ -484,15 +659,25 @@ async def _gate_lossy_hits(ctx: JobContext, tasks: list[Task], answers: dict[str
         why = "its strategy no longer builds here"
         if len(cands) == 2:
             try:
-                m = await ctx.measure(cands, DEFAULT, 0.05, d / "inputs.npz", MeasurePlan(0.05, 1, 1, 1),
-                                      category="verify")  # fmt: skip
+                m = await ctx.measure(
+                    cands,
+                    DEFAULT,
+                    0.05,
+                    d / "inputs.npz",
+                    MeasurePlan(0.05, 1, 1, 1),
+                    category="verify",
+                )
             except DeviceError as exc:
                 m, why = {}, f"its accuracy could not be measured ({exc})"
             got = m.get(rec.strategy)
             if got is not None and got.ok and ctx.policy.task_ok(got.accuracy()):
                 continue
-            if got is not None and got.ok:  # as in the search: the model may absorb what the task alone does not
-                ok, detail = incontext.verdict(ctx, await incontext.model_accuracy(ctx, by_id[tid], rec.strategy))
+            if (
+                got is not None and got.ok
+            ):  # as in the search: the model may absorb what the task alone does not
+                ok, detail = incontext.verdict(
+                    ctx, await incontext.model_accuracy(ctx, by_id[tid], rec.strategy)
+                )
                 if ok:
                     continue
                 why = f"on this model's weights it was {detail}"
@@ -508,13 +693,19 @@ def _device_info(ctx: JobContext) -> dict[str, Any]:
 
     fp = ctx.fingerprint
     return {
-        "device": str(ctx.device.device), "provider": ctx.device.device.provider, "providers": list(ctx.device.providers),
-        "hardware": fp.hardware, "accelerator": dict(fp.accelerator), "versions": runtime_versions(),
+        "device": str(ctx.device.device),
+        "provider": ctx.device.device.provider,
+        "providers": list(ctx.device.providers),
+        "hardware": fp.hardware,
+        "accelerator": dict(fp.accelerator),
+        "versions": runtime_versions(),
         "fingerprint": fp.digest,
-    }  # fmt: skip
+    }
 
 
-def _estimate(ctx: JobContext, stage: str, budget: Budget, sessions: int, rounds: int, cap_s: float, what: str) -> None:
+def _estimate(
+    ctx: JobContext, stage: str, budget: Budget, sessions: int, rounds: int, cap_s: float, what: str
+) -> None:
     """Say before `stage` starts what it should take (a stage the budget does not bound,
     whose cost grows with the model): logged, sent as a job event and kept for the
     result's budget section. Nothing without a profiled loading rate."""
@@ -522,9 +713,14 @@ def _estimate(ctx: JobContext, stage: str, budget: Budget, sessions: int, rounds
         return
     mib = model_mib([ctx.prep.prepared])
     est = measure_estimate(sessions, mib, budget.load_s_per_mib, ctx.model_us, rounds, cap_s)
-    _say_estimate(ctx, stage, est, f"{what}: about {{:.1f}} s, outside the budget ({sessions} sessions of a {mib:.0f} "
-                  f"MiB model at {budget.load_s_per_mib * 1000:.1f} ms per MiB to load, {rounds} rounds at "
-                  f"{ctx.model_us / 1000:.2f} ms per run)")  # fmt: skip
+    _say_estimate(
+        ctx,
+        stage,
+        est,
+        f"{what}: about {{:.1f}} s, outside the budget ({sessions} sessions of a {mib:.0f} "
+        f"MiB model at {budget.load_s_per_mib * 1000:.1f} ms per MiB to load, {rounds} rounds at "
+        f"{ctx.model_us / 1000:.2f} ms per run)",
+    )
 
 
 #: Estimates shorter than this are not worth a line: the stages of a small model.
@@ -555,19 +751,27 @@ async def _restore(ctx: JobContext, tasks: list[Task]) -> dict[str, TaskDecision
             for name in {d.strategy, d.fallback}:
                 ctx.registry.get(t.family, name)
         except (KeyError, TypeError, ValueError) as exc:
-            log.info("%s: the interrupted run's decision is not usable here (%s); tuned again", t.id, exc)
+            log.info(
+                "%s: the interrupted run's decision is not usable here (%s); tuned again", t.id, exc
+            )
             continue
         out[t.id] = d
         ctx.attempt = max(ctx.attempt, d.result.attempt + 1)
     if out:
-        ctx.notes.append(f"resumed: {len(out)} task(s) an interrupted run of this job decided were taken from the "
-                         f"bank, not measured again ({', '.join(sorted(out))})")  # fmt: skip
+        ctx.notes.append(
+            f"resumed: {len(out)} task(s) an interrupted run of this job decided were taken from the "
+            f"bank, not measured again ({', '.join(sorted(out))})"
+        )
     return out
 
 
-def _attempts(ctx: JobContext, decided: list[TaskDecision], session_trials: int) -> list[dict[str, int]]:
+def _attempts(
+    ctx: JobContext, decided: list[TaskDecision], session_trials: int
+) -> list[dict[str, int]]:
     """Per run of this job that measured something: the tasks it decided, its trials."""
-    runs: dict[int, dict[str, int]] = {ctx.attempt: {"attempt": ctx.attempt, "tasks": 0, "trials": session_trials}}
+    runs: dict[int, dict[str, int]] = {
+        ctx.attempt: {"attempt": ctx.attempt, "tasks": 0, "trials": session_trials}
+    }
     for d in decided:
         n = d.result.attempt or ctx.attempt
         run = runs.setdefault(n, {"attempt": n, "tasks": 0, "trials": 0})
@@ -593,7 +797,9 @@ async def _confirm(
     assert ctx.prep is not None
     scratch = ctx.workspace.scratch
     digest = ctx.fingerprint.digest
-    kind = {"tuned": "tuned", "options only": "options only", "reverted to input": "input"}[v.outcome]
+    kind = {"tuned": "tuned", "options only": "options only", "reverted to input": "input"}[
+        v.outcome
+    ]
     source = ctx.run.model if v.source == "input" else ctx.prep.prepared
 
     def meta(options: dict[str, Any]) -> dict[str, str]:
@@ -607,8 +813,13 @@ async def _confirm(
     await ctx.assemble([b for b in builds if b.out.name == "input_copy.onnx"], source=ctx.run.model)
     if kind != "input":
         await ctx.assemble([b for b in builds if b.out.name != "input_copy.onnx"], source=source)
-    proposal = confirm.Proposal(kind, scratch / "proposal.onnx", v.options,
-                                scratch / "plain.onnx" if v.options else None, scratch / "input_copy.onnx")  # fmt: skip
+    proposal = confirm.Proposal(
+        kind,
+        scratch / "proposal.onnx",
+        v.options,
+        scratch / "plain.onnx" if v.options else None,
+        scratch / "input_copy.onnx",
+    )
     seconds = 30.0
     if cached is None:
         sessions = 2 + (kind != "input") + (kind != "input" and bool(v.options))
@@ -616,43 +827,80 @@ async def _confirm(
         try:
             conf, ship, measured = await confirm.confirm(ctx, proposal, seconds)
         except DeviceError as exc:
-            conf = confirm.Confirmation(Figures.unchanged("no significant change", 0.0, 0),
-                                        notes=[f"the confirming A/B failed ({exc}); the input model ships"])  # fmt: skip
+            conf = confirm.Confirmation(
+                Figures.unchanged("no significant change", 0.0, 0),
+                notes=[f"the confirming A/B failed ({exc}); the input model ships"],
+            )
             return conf, proposal.input_copy, None
-        evidence = (measured["proposal"], measured["plain"]) if conf.options_kept and "plain" in measured else None
+        evidence = (
+            (measured["proposal"], measured["plain"])
+            if conf.options_kept and "plain" in measured
+            else None
+        )
         return conf, ship, evidence
     # From the bank: the figures of the job that confirmed these very choices (read by the
     # rule of aoe.figures, whenever they were stored).
-    figures = dataclasses.replace(Figures.from_dict(cached), confirmed_by=str(cached.get("job", "")))
+    figures = dataclasses.replace(
+        Figures.from_dict(cached), confirmed_by=str(cached.get("job", ""))
+    )
     conf = confirm.Confirmation(figures, options_kept=bool(cached.get("options_kept")))
     ship = proposal.model if conf.shipped != "input" else proposal.input_copy
     if conf.shipped != "input" and v.options and conf.options_kept:
         # Options won on a machine that may have been busier: one short A/B here.
         try:
-            m = await ctx.measure([Candidate("with", proposal.model, v.options), Candidate("without", proposal.plain)],
-                                  "without", 5.0, plan=MeasurePlan.fixed(9, 5.0), category="confirm")  # fmt: skip
-            verdict, med, ci = confirm.verdict_of(stats.paired_ratios(m["with"].rounds_us, m["without"].rounds_us))
-            recheck: Comparison | None = Comparison.of_ratio("options only", "without options", med, ci)
+            m = await ctx.measure(
+                [
+                    Candidate("with", proposal.model, v.options),
+                    Candidate("without", proposal.plain),
+                ],
+                "without",
+                5.0,
+                plan=MeasurePlan.fixed(9, 5.0),
+                category="confirm",
+            )
+            verdict, med, ci = confirm.verdict_of(
+                stats.paired_ratios(m["with"].rounds_us, m["without"].rounds_us)
+            )
+            recheck: Comparison | None = Comparison.of_ratio(
+                "options only", "without options", med, ci
+            )
         except DeviceError as exc:
             verdict, recheck = f"not measured ({exc})", None
         if verdict != "faster":
             conf.options_kept = False
-            conf.notes.append(f"session options {v.options} from the bank dropped: re-checked here, "
-                              + (f"{pct(recheck.improvement)} with 95% interval {interval(recheck.ci95)} against the "
-                                 "same model without them" if recheck else verdict))  # fmt: skip
+            conf.notes.append(
+                f"session options {v.options} from the bank dropped: re-checked here, "
+                + (
+                    f"{pct(recheck.improvement)} with 95% interval {interval(recheck.ci95)} against the "
+                    "same model without them"
+                    if recheck
+                    else verdict
+                )
+            )
             ship = proposal.plain if conf.shipped == "tuned" else proposal.input_copy
             if conf.shipped == "options only":
                 # Nothing of the proposal ships: its figures move to `proposal`, as a fresh
                 # confirmation reports a proposal that did not ship.
                 f = conf.figures
-                conf.proposal = {"kind": "options only", "result_ms": f.result_ms, "improvement": f.improvement,
-                                 "improvement_ci95": list(f.ci95)}  # fmt: skip
-                conf.figures = Figures.unchanged("slower" if verdict == "slower" else "no significant change",
-                                                 f.baseline_ms, f.rounds, recheck, f.confirmed_by)  # fmt: skip
+                conf.proposal = {
+                    "kind": "options only",
+                    "result_ms": f.result_ms,
+                    "improvement": f.improvement,
+                    "improvement_ci95": list(f.ci95),
+                }
+                conf.figures = Figures.unchanged(
+                    "slower" if verdict == "slower" else "no significant change",
+                    f.baseline_ms,
+                    f.rounds,
+                    recheck,
+                    f.confirmed_by,
+                )
     return conf, ship, None
 
 
-async def _ship(ctx: JobContext, ship: Path, out: Path, choices: dict[str, str], options: dict[str, Any]) -> None:
+async def _ship(
+    ctx: JobContext, ship: Path, out: Path, choices: dict[str, str], options: dict[str, Any]
+) -> None:
     """Put the measured file that ships at `out` (a rename; a model with external data
     is written again, since its data file is named after it)."""
     if not ship.with_name(ship.name + ".data").exists():
@@ -665,7 +913,10 @@ async def _ship(ctx: JobContext, ship: Path, out: Path, choices: dict[str, str],
 
 
 async def _search(
-    ctx: JobContext, tasks: list[Task], to_tune: list[Task], results: dict[str, TaskResult],
+    ctx: JobContext,
+    tasks: list[Task],
+    to_tune: list[Task],
+    results: dict[str, TaskResult],
     hits: dict[str, BankRecord],
 ) -> tuple[Budget, list[TaskDecision]]:
     """Profile the model, set the budget, extract the tasks to tune and run one agent per
@@ -681,9 +932,13 @@ async def _search(
     ctx.ledger.enter("profile")
     # Profiling loads the whole model while a worker writes its tasks out: about what
     # preparing it costs (0.6-0.9 of it on MLPs of 48 and 192 MiB).
-    _say_estimate(ctx, "profile", ctx.ledger.model_mb * PREPARE_S_PER_MIB,
-                  "profiling and extracting tasks: about {:.1f} s, outside the budget (as long as preparing "
-                  "the model should take)")  # fmt: skip
+    _say_estimate(
+        ctx,
+        "profile",
+        ctx.ledger.model_mb * PREPARE_S_PER_MIB,
+        "profiling and extracting tasks: about {:.1f} s, outside the budget (as long as preparing "
+        "the model should take)",
+    )
     await ctx.stage(Stage.PROFILE, f"profiling baseline, extracting {len(to_tune)} tasks")
     share: dict[str, float] = {}
     task_us: dict[str, float] = {}
@@ -694,11 +949,16 @@ async def _search(
         nonlocal model_us, load_rate
         try:
             prof: ProfileReply = await ctx.device.call(
-                ProfileRequest(prep.prepared, ctx.held_back[0], ctx.workspace.scratch, ctx.device.device), ctx.ledger,
+                ProfileRequest(
+                    prep.prepared, ctx.held_back[0], ctx.workspace.scratch, ctx.device.device
+                ),
+                ctx.ledger,
                 category="profile",
-            )  # fmt: skip
+            )
         except DeviceError as exc:  # unranked, the tasks still get tuned
-            ctx.notes.append(f"profiling failed ({exc}); tasks tuned in graph order with equal shares")
+            ctx.notes.append(
+                f"profiling failed ({exc}); tasks tuned in graph order with equal shares"
+            )
             share.update({t.id: 1.0 / len(tasks) for t in tasks})
             return
         model_us = prof.total_us
@@ -714,22 +974,42 @@ async def _search(
     # The device profiles while a worker writes the task models: neither waits for the other.
     async with trio.open_nursery() as nursery:
         nursery.start_soon(profile)
-        nursery.start_soon(_work, ctx, ExtractRequest(prep.prepared, tuple(to_tune), ctx.held_back[0],
-                                                      ctx.workspace.scratch / "tasks"), "extracting tasks")  # fmt: skip
+        nursery.start_soon(
+            _work,
+            ctx,
+            ExtractRequest(
+                prep.prepared, tuple(to_tune), ctx.held_back[0], ctx.workspace.scratch / "tasks"
+            ),
+            "extracting tasks",
+        )
     if opts.budget_s is not None:
         budget = Budget(opts.budget_s, ctx.ledger, True, load_rate)
     else:
-        counts = {t.id: sum(1 for _ in ctx.registry.strategies_for(t.family, opts.precision, ctx.device.device.kind))
-                  for t in to_tune}
-        budget = Budget(default_budget({t.id: task_us.get(t.id, 100.0) for t in to_tune}, counts, model_us),
-                        ctx.ledger, False, load_rate)  # fmt: skip
+        counts = {
+            t.id: sum(
+                1
+                for _ in ctx.registry.strategies_for(
+                    t.family, opts.precision, ctx.device.device.kind
+                )
+            )
+            for t in to_tune
+        }
+        budget = Budget(
+            default_budget({t.id: task_us.get(t.id, 100.0) for t in to_tune}, counts, model_us),
+            ctx.ledger,
+            False,
+            load_rate,
+        )
     ctx.model_us = model_us
     to_tune = sorted(to_tune, key=lambda t: -share.get(t.id, 0.0))
     slices = budget.for_tasks(share, [t.id for t in to_tune])
     for t in to_tune:
         if t.id not in slices:
             r = results[t.id]
-            r.update_mode, r.error = "skipped", f"not tuned: the budget of {budget.total_s:g} s went to costlier tasks"
+            r.update_mode, r.error = (
+                "skipped",
+                f"not tuned: the budget of {budget.total_s:g} s went to costlier tasks",
+            )
     to_tune = [t for t in to_tune if t.id in slices]
     ctx.ledger.enter("search")
     await ctx.stage(Stage.SEARCH, f"tuning {len(to_tune)} tasks")
@@ -756,4 +1036,3 @@ def _timeline(decided: list[TaskDecision]) -> list[tuple[float, float]]:
         gain += max(0.0, r.before_us - r.after_us) * r.instances
         out.append((round(d.decided_at, 3), round(gain, 3)))
     return out
-

@@ -39,7 +39,6 @@ class PrecisionPolicy:
             and acc.get("cosine", 0.0) >= self.e2e_min_cosine
         )
 
-
     @property
     def lossy(self) -> bool:
         return self.name != "exact"
@@ -60,7 +59,9 @@ POLICIES = {
 }
 
 
-def policy(name: str, min_cosine: float | None = None, max_rel_error: float | None = None) -> PrecisionPolicy:
+def policy(
+    name: str, min_cosine: float | None = None, max_rel_error: float | None = None
+) -> PrecisionPolicy:
     """The policy `name`, with the end-to-end budget overridden where given.
 
     A per-task limit is never looser than the end-to-end one. Raises OptionError."""

@@ -97,11 +97,18 @@ class CompilePool:
         if workers < 1:
             raise ValueError("a compile pool needs at least one worker")
         self._children: list[ChildLike] = [
-            executor.worker(f"compile worker {i}", logdir / f"worker-{i}.log", cpus=cpus, memory_mb=memory_mb,
-                            plugins=plugins)
+            executor.worker(
+                f"compile worker {i}",
+                logdir / f"worker-{i}.log",
+                cpus=cpus,
+                memory_mb=memory_mb,
+                plugins=plugins,
+            )
             for i in range(workers)
-        ]  # fmt: skip
-        self._queue: _pending.RequestQueue[tuple[Request, float | None]] = _pending.RequestQueue(workers)
+        ]
+        self._queue: _pending.RequestQueue[tuple[Request, float | None]] = _pending.RequestQueue(
+            workers
+        )
         self._timeouts = {**TIMEOUTS, **(timeouts or {})}
         self._default_timeout = default_timeout
         self._deadlines: set[_Deadline] = set()
@@ -132,8 +139,12 @@ class CompilePool:
                 for child in self._children:
                     await child.aclose()
 
-    async def _slot(self, child: ChildLike, requests: _pending._Receiver[tuple[Request, float | None]]) -> None:
-        async def handle(call: tuple[Request, float | None], job: JobLedger | None) -> outcome.Outcome:
+    async def _slot(
+        self, child: ChildLike, requests: _pending._Receiver[tuple[Request, float | None]]
+    ) -> None:
+        async def handle(
+            call: tuple[Request, float | None], job: JobLedger | None
+        ) -> outcome.Outcome:
             request, given = call
             op = op_of(request)
             if given:
@@ -158,7 +169,11 @@ class CompilePool:
                         job.charge_compile(trio.current_time() - t0)
                 if job is not None:
                     job.note_rss(answer.maxrss_kb)
-                return outcome.Value(answer.reply) if answer.ok else outcome.Error(error_of(answer, CandidateError))
+                return (
+                    outcome.Value(answer.reply)
+                    if answer.ok
+                    else outcome.Error(error_of(answer, CandidateError))
+                )
             self.crashes += 1
             log.warning("%s: timed out after %gs (%s); worker restarted", op, seconds, why)
             return outcome.Error(WorkerTimeoutError(f"{op} timed out after {seconds:g}s ({why})"))
@@ -170,7 +185,9 @@ class CompilePool:
                     with contextlib.suppress(ChildDiedError):
                         await child.call(PingRequest(CPU))
 
-    async def call(self, request: Request, job: JobLedger | None = None, timeout_s: float | None = None) -> Any:
+    async def call(
+        self, request: Request, job: JobLedger | None = None, timeout_s: float | None = None
+    ) -> Any:
         """Run one request (a messages.*Request) on a worker; returns its reply (of the
         request's `reply` type). Raises the error class the worker raised when it is one
         of ours, else CandidateError; WorkerCrashedError or WorkerTimeoutError when the
@@ -199,7 +216,9 @@ class CompilePool:
                     d.resume()
 
 
-async def model_step(pool: CompilePool, request: Request, job: JobLedger | None, model: Path, what: str) -> Any:
+async def model_step(
+    pool: CompilePool, request: Request, job: JobLedger | None, model: Path, what: str
+) -> Any:
     """`pool.call` for work on a job's whole model (preparing it, its samples, its
     tasks): a failure the worker did not name (CandidateError: it raised, crashed or
     overran its time) is the model's, raised as ModelError naming `model` and `what`."""

@@ -75,9 +75,13 @@ class Limits:
     def of(cls, config: Config) -> Limits:
         """The limits `config` sets ([engine] max_model_mb, max_nodes, max_tensor_mb, and
         the workers' memory once the engine has derived it)."""
-        return cls(config.max_model_mb << 20, config.max_nodes, config.max_tensor_mb << 20,
-                   memory_mb=config.worker_memory_mb or 0,
-                   memory_why=config.sources.get("worker_memory_mb", "[engine] worker_memory_mb"))  # fmt: skip
+        return cls(
+            config.max_model_mb << 20,
+            config.max_nodes,
+            config.max_tensor_mb << 20,
+            memory_mb=config.worker_memory_mb or 0,
+            memory_why=config.sources.get("worker_memory_mb", "[engine] worker_memory_mb"),
+        )
 
 
 @dataclass
@@ -110,11 +114,21 @@ def prepare(
     def fits(model_bytes: int) -> None:
         check_fits(str(src), model_bytes, limits.memory_mb, limits.memory_why)
 
-    model = load_model(src, max_bytes=limits.model_bytes, max_nodes=limits.nodes,
-                       settings=("[engine] max_model_mb", "[engine] max_nodes"), fits=fits, expect=expect)  # fmt: skip
+    model = load_model(
+        src,
+        max_bytes=limits.model_bytes,
+        max_nodes=limits.nodes,
+        settings=("[engine] max_model_mb", "[engine] max_nodes"),
+        fits=fits,
+        expect=expect,
+    )
     check_declared(model, str(src), limits)
     norm = normalize(
-        model, input_shapes, keep_initializer_inputs=keep_initializer_inputs, strict=True, source=str(src)
+        model,
+        input_shapes,
+        keep_initializer_inputs=keep_initializer_inputs,
+        strict=True,
+        source=str(src),
     )
     model = norm.model
     _check_inferred(model, str(src), input_shapes or {}, limits)
@@ -127,11 +141,15 @@ def prepare(
         if i.name in inits:
             continue
         if i.name not in ctx.tensors:
-            raise ModelError(f"{src}: input {i.name!r} has no static shape and type after inference")
+            raise ModelError(
+                f"{src}: input {i.name!r} has no static shape and type after inference"
+            )
         inputs[i.name] = ctx.tensors[i.name]
         if np.dtype(inputs[i.name].dtype).kind not in "fiub":
-            raise ModelError(f"{src}: input {i.name!r} is a tensor of {inputs[i.name].dtype}; the tuner can make up "
-                             "data only for numeric and boolean inputs")  # fmt: skip
+            raise ModelError(
+                f"{src}: input {i.name!r} is a tensor of {inputs[i.name].dtype}; the tuner can make up "
+                "data only for numeric and boolean inputs"
+            )
     return Prepared(
         source=src,
         model=model,
@@ -183,16 +201,24 @@ def _value_dims(vi: onnx.ValueInfoProto) -> list[int] | None:
     return [d.dim_value if d.HasField("dim_value") else 1 for d in vi.type.tensor_type.shape.dim]
 
 
-def _too_big(what: str, name: str, elem_type: int, dims: list[int], source: str, limits: Limits) -> str | None:
+def _too_big(
+    what: str, name: str, elem_type: int, dims: list[int], source: str, limits: Limits
+) -> str | None:
     got = _declared_bytes(elem_type, dims)
     if got is None or got[0] <= limits.tensor_bytes:
         return None
-    return (f"{source}: {what} {name!r} has shape {list(dims)} ({_size(got[0])} of {got[1]}), over the limit of "
-            f"{_size(limits.tensor_bytes)} per tensor ([engine] max_tensor_mb)")  # fmt: skip
+    return (
+        f"{source}: {what} {name!r} has shape {list(dims)} ({_size(got[0])} of {got[1]}), over the limit of "
+        f"{_size(limits.tensor_bytes)} per tensor ([engine] max_tensor_mb)"
+    )
 
 
 #: Element types stored two to a byte (raw_data) or two to an int32_data entry.
-_PACKED = {onnx.TensorProto.INT4, onnx.TensorProto.UINT4, getattr(onnx.TensorProto, "FLOAT4E2M1", -1)}
+_PACKED = {
+    onnx.TensorProto.INT4,
+    onnx.TensorProto.UINT4,
+    getattr(onnx.TensorProto, "FLOAT4E2M1", -1),
+}
 
 
 def _stored_mismatch(t: onnx.TensorProto) -> str | None:
@@ -212,10 +238,18 @@ def _stored_mismatch(t: onnx.TensorProto) -> str | None:
         return None
     n = math.prod(t.dims)
     if t.HasField("raw_data"):
-        want, got, unit = ((n + 1) // 2 if t.data_type in _PACKED else n * dtype.itemsize), len(t.raw_data), "bytes"
+        want, got, unit = (
+            ((n + 1) // 2 if t.data_type in _PACKED else n * dtype.itemsize),
+            len(t.raw_data),
+            "bytes",
+        )
     else:
         per = 2 if dtype.kind == "c" else 1
-        want, got, unit = ((n + 1) // 2 if t.data_type in _PACKED else n * per), len(getattr(t, field_name)), "values"
+        want, got, unit = (
+            ((n + 1) // 2 if t.data_type in _PACKED else n * per),
+            len(getattr(t, field_name)),
+            "values",
+        )
     if want == got:
         return None
     return f"has shape {list(t.dims)} of {dtype} ({want} {unit}) but stores {got} {unit}"
@@ -227,7 +261,7 @@ def _constants(g: onnx.GraphProto) -> Iterator[tuple[str, onnx.TensorProto]]:
         yield f"initializer {t.name!r}", t
     for node in g.node:
         for a in node.attribute:
-            for t in ([a.t] if a.type == onnx.AttributeProto.TENSOR else list(a.tensors)):
+            for t in [a.t] if a.type == onnx.AttributeProto.TENSOR else list(a.tensors):
                 yield f"attribute {a.name!r} of node {node.name!r}", t
 
 
@@ -239,30 +273,42 @@ def check_declared(model: onnx.ModelProto, source: str, limits: Limits = Limits(
     stored data does not match its shape; a default-domain opset newer than onnx knows.
     ModelError naming the file and the name."""
     if not model.graph.output:
-        raise ModelError(f"{source}: the model has no outputs, so there is nothing to run, time or check")
+        raise ModelError(
+            f"{source}: the model has no outputs, so there is nothing to run, time or check"
+        )
     newest = onnx.defs.onnx_opset_version()
     for o in model.opset_import:
         if o.domain in ("", "ai.onnx") and o.version > newest:
-            raise ModelError(f"{source}: default-domain opset {o.version} is newer than any this installation knows "
-                             f"({newest}); export the model with opset {newest} or older")  # fmt: skip
+            raise ModelError(
+                f"{source}: default-domain opset {o.version} is newer than any this installation knows "
+                f"({newest}); export the model with opset {newest} or older"
+            )
     for g in subgraphs(model.graph):
         for what, name in _names(g):
             if isinstance(name, bytes):
-                raise ModelError(f"{source}: {what} name {name[:40]!r} is not valid UTF-8; rename it")
+                raise ModelError(
+                    f"{source}: {what} name {name[:40]!r} is not valid UTF-8; rename it"
+                )
             if len(name) > limits.name_chars:
-                raise ModelError(f"{source}: {what} name {name[:24]!r}... is {len(name)} characters long, over the "
-                                 f"limit of {limits.name_chars} characters")  # fmt: skip
+                raise ModelError(
+                    f"{source}: {what} name {name[:24]!r}... is {len(name)} characters long, over the "
+                    f"limit of {limits.name_chars} characters"
+                )
         for t in g.initializer:
             if why := _too_big("initializer", t.name, t.data_type, list(t.dims), source, limits):
                 raise ModelError(why)
         for what, t in _constants(g):
             if why := _stored_mismatch(t):
-                raise ModelError(f"{source}: {what} {why}; the file is damaged or was written wrong")
+                raise ModelError(
+                    f"{source}: {what} {why}; the file is damaged or was written wrong"
+                )
         for what, values in (("input", g.input), ("output", g.output), ("tensor", g.value_info)):
             for vi in values:
                 dims = _value_dims(vi)
                 elem = vi.type.tensor_type.elem_type
-                if dims is not None and (why := _too_big(what, vi.name, elem, dims, source, limits)):
+                if dims is not None and (
+                    why := _too_big(what, vi.name, elem, dims, source, limits)
+                ):
                     raise ModelError(why)
 
 
@@ -306,5 +352,7 @@ def make_inputs(
         elif dt.kind == "b":
             feeds[name] = rng.integers(0, 2, size=info.shape).astype(bool)
         else:
-            raise ModelError(f"input {name!r} has dtype {dt}, which the tuner cannot generate data for")
+            raise ModelError(
+                f"input {name!r} has dtype {dt}, which the tuner cannot generate data for"
+            )
     return feeds

@@ -15,9 +15,14 @@ from msgspec import field
 from aoed.engine.messages import Message, Request
 
 __all__ = [
-    "RankGateRequest", "RankInitRequest", "RankInspectRequest", "RankLayout", "RankMeasureReply",
-    "RankMeasureRequest", "RankTurn",
-]  # fmt: skip
+    "RankGateRequest",
+    "RankInitRequest",
+    "RankInspectRequest",
+    "RankLayout",
+    "RankMeasureReply",
+    "RankMeasureRequest",
+    "RankTurn",
+]
 
 
 class RankLayout(Message):

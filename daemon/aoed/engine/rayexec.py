@@ -79,9 +79,19 @@ from aoed.engine.devlock import DeviceLock
 from aoed.engine.messages import Answer, Call, Request, encode
 
 __all__ = [
-    "CONNECT_TIMEOUT_S", "HEAD_MISSES", "HEAD_POLL_S", "RETRY_S", "START_TIMEOUT_S", "DeviceActor", "RayChild",
-    "RayExecutor", "WorkerActor", "device_resource", "open_ray", "require_ray",
-]  # fmt: skip
+    "CONNECT_TIMEOUT_S",
+    "HEAD_MISSES",
+    "HEAD_POLL_S",
+    "RETRY_S",
+    "START_TIMEOUT_S",
+    "DeviceActor",
+    "RayChild",
+    "RayExecutor",
+    "WorkerActor",
+    "device_resource",
+    "open_ray",
+    "require_ray",
+]
 
 log = logging.getLogger(__name__)
 
@@ -111,8 +121,13 @@ class LineActor:
     """What runs in the cluster: one child's code behind `call(line) -> line`. Made a Ray
     actor class by `RayExecutor`; plain data in (module name, cores, the lock's place)."""
 
-    def __init__(self, module: str, kwargs: dict[str, Any], device: tuple[str, dict[str, str]] | None,
-                 lock: tuple[str, str, int | None] | None):  # fmt: skip
+    def __init__(
+        self,
+        module: str,
+        kwargs: dict[str, Any],
+        device: tuple[str, dict[str, str]] | None,
+        lock: tuple[str, str, int | None] | None,
+    ):
         self._device = Device.parse(device[0], device[1]) if device is not None else None
         self.pinned = False
         cores = set(self._device.cores) if self._device is not None else set()
@@ -126,7 +141,11 @@ class LineActor:
         """Who and where this actor is, whether it reads the engine's probe file (its
         paths are ours), and its device's fingerprint as this node sees it."""
         try:
-            shared = "" if Path(probe).read_text(encoding="utf-8") == token else "it holds another engine's token"
+            shared = (
+                ""
+                if Path(probe).read_text(encoding="utf-8") == token
+                else "it holds another engine's token"
+            )
         except OSError as exc:
             shared = exc.strerror or str(exc)
         digest = ""
@@ -135,8 +154,13 @@ class LineActor:
                 digest = self._device.fingerprint().digest
             except DeviceError as exc:
                 digest = f"error: {exc}"
-        return {"host": socket.gethostname(), "pid": os.getpid(), "pinned": self.pinned, "unshared": shared,
-                "fingerprint": digest}  # fmt: skip
+        return {
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "pinned": self.pinned,
+            "unshared": shared,
+            "fingerprint": digest,
+        }
 
     def call(self, line: bytes) -> bytes:
         if self._lock is None:
@@ -158,9 +182,18 @@ class RayChild:
     """A `ChildLike` (executor.py) served by a Ray actor, started on first use and again
     after one died. `unusable` says why no actor could be started, or is empty."""
 
-    def __init__(self, executor: RayExecutor, module: str, name: str, *, kwargs: dict[str, Any] | None = None,
-                 device: Device | None = None, resources: dict[str, float] | None = None, num_cpus: float = 0,
-                 lock: tuple[str, str, int | None] | None = None):  # fmt: skip
+    def __init__(
+        self,
+        executor: RayExecutor,
+        module: str,
+        name: str,
+        *,
+        kwargs: dict[str, Any] | None = None,
+        device: Device | None = None,
+        resources: dict[str, float] | None = None,
+        num_cpus: float = 0,
+        lock: tuple[str, str, int | None] | None = None,
+    ):
         self._ex = executor
         self._module = module
         self._kwargs = kwargs or {}
@@ -203,7 +236,9 @@ class RayChild:
         if not self._resources:
             return []
         with trio.move_on_after(CONNECT_TIMEOUT_S):
-            offered = await trio.to_thread.run_sync(self._ex.ray.cluster_resources, abandon_on_cancel=True)
+            offered = await trio.to_thread.run_sync(
+                self._ex.ray.cluster_resources, abandon_on_cancel=True
+            )
             return [r for r in self._resources if r not in offered]  # the live nodes'
         return list(self._resources)
 
@@ -213,32 +248,54 @@ class RayChild:
             raise self._refuse(self._ex.lost)
         if missing := await self._missing():
             raise self._refuse(f"no live node of the Ray cluster offers {', '.join(missing)}")
-        device = (self._device.name, dict(self._device.options)) if self._device is not None else None
-        actor = self._ex.actor_classes[self._device is not None].options(resources=self._resources, num_cpus=self._num_cpus, max_restarts=0,
-                                             max_concurrency=1).remote(self._module, self._kwargs, device, self._lock)  # fmt: skip
+        device = (
+            (self._device.name, dict(self._device.options)) if self._device is not None else None
+        )
+        actor = (
+            self._ex.actor_classes[self._device is not None]
+            .options(
+                resources=self._resources,
+                num_cpus=self._num_cpus,
+                max_restarts=0,
+                max_concurrency=1,
+            )
+            .remote(self._module, self._kwargs, device, self._lock)
+        )
         wants = f"resources {self._resources}" if self._resources else f"{self._num_cpus:g} CPU"
         try:
             with trio.fail_after(START_TIMEOUT_S):
                 hello = await self._get(actor.hello.remote(str(self._ex.probe), self._ex.token))
         except trio.TooSlowError:
             await self._drop(actor)
-            raise self._refuse(f"no node of the Ray cluster took it ({wants}) within {START_TIMEOUT_S:g}s") from None
+            raise self._refuse(
+                f"no node of the Ray cluster took it ({wants}) within {START_TIMEOUT_S:g}s"
+            ) from None
         except ray.exceptions.RayError as exc:
             await self._drop(actor)
             raise self._refuse(f"its actor did not start: {_first_line(exc)}") from None
         problem = ""
         if hello["unshared"]:
-            problem = (f"node {hello['host']} cannot read {self._ex.probe} ({hello['unshared']}): every node must see "
-                       "the engine's directories at the same paths (one machine, or a shared filesystem)")  # fmt: skip
-        elif self._device is not None and hello["fingerprint"] != self._ex.fingerprint(self._device):
-            problem = (f"{self._device} on node {hello['host']} is not the device this engine keys its bank for "
-                       f"(fingerprint {hello['fingerprint']}): its decisions would be wrong here")  # fmt: skip
+            problem = (
+                f"node {hello['host']} cannot read {self._ex.probe} ({hello['unshared']}): every node must see "
+                "the engine's directories at the same paths (one machine, or a shared filesystem)"
+            )
+        elif self._device is not None and hello["fingerprint"] != self._ex.fingerprint(
+            self._device
+        ):
+            problem = (
+                f"{self._device} on node {hello['host']} is not the device this engine keys its bank for "
+                f"(fingerprint {hello['fingerprint']}): its decisions would be wrong here"
+            )
         if problem:
             await self._drop(actor)
             raise self._refuse(problem)
         if self._device is not None and self._device.cores and not hello["pinned"]:
-            log.warning("%s: node %s lacks core(s) %s: measuring unpinned", self.name, hello["host"],
-                        ",".join(map(str, self._device.cores)))  # fmt: skip
+            log.warning(
+                "%s: node %s lacks core(s) %s: measuring unpinned",
+                self.name,
+                hello["host"],
+                ",".join(map(str, self._device.cores)),
+            )
         self._actor, self._pid, self.host, self._unusable = actor, hello["pid"], hello["host"], ""
         self.restarts += 1
         return actor
@@ -260,7 +317,9 @@ class RayChild:
             except self._ex.ray.exceptions.RayError as exc:
                 await self.aclose()
                 if missing := await self._missing():  # its node left: unusable from now on
-                    raise self._refuse(f"its actor died and no live node offers {', '.join(missing)}") from None
+                    raise self._refuse(
+                        f"its actor died and no live node offers {', '.join(missing)}"
+                    ) from None
                 raise ChildDiedError(f"{self.name}: its actor died: {_first_line(exc)}") from None
             except BaseException:
                 await self.aclose()
@@ -286,7 +345,11 @@ class RayChild:
         without a head the kill may never be answered."""
         actor, self._actor = self._actor, None
         if actor is not None:
-            with trio.CancelScope(shield=True), trio.move_on_after(5), contextlib.suppress(Exception):
+            with (
+                trio.CancelScope(shield=True),
+                trio.move_on_after(5),
+                contextlib.suppress(Exception),
+            ):
                 await trio.to_thread.run_sync(self._ex.kill, actor, abandon_on_cancel=True)
 
 
@@ -330,19 +393,46 @@ class RayExecutor:
             self._fingerprints[device] = device.fingerprint().digest
         return self._fingerprints[device]
 
-    def runner(self, device: Device, module: str, name: str, log_path: Path, *, cpus: Sequence[int] = (),
-               memory_mb: int = 0, lock_group: int | None = None) -> RayChild:  # fmt: skip
+    def runner(
+        self,
+        device: Device,
+        module: str,
+        name: str,
+        log_path: Path,
+        *,
+        cpus: Sequence[int] = (),
+        memory_mb: int = 0,
+        lock_group: int | None = None,
+    ) -> RayChild:
         # A CPU device's actor claims its cores in Ray's count, so compile actors do not
         # land on them; an accelerator's claims its resource only.
         num_cpus = len(device.cores) if device.is_cpu and device.cores else 0
-        return RayChild(self, module, f"{name} (ray: {device_resource(device)})", device=device,
-                        resources={device_resource(device): 1}, num_cpus=num_cpus,
-                        lock=(self._runtime_dir, device.lock_name, lock_group))  # fmt: skip
+        return RayChild(
+            self,
+            module,
+            f"{name} (ray: {device_resource(device)})",
+            device=device,
+            resources={device_resource(device): 1},
+            num_cpus=num_cpus,
+            lock=(self._runtime_dir, device.lock_name, lock_group),
+        )
 
-    def worker(self, name: str, log_path: Path, *, cpus: Sequence[int] = (), memory_mb: int = 0,
-               plugins: Sequence[str] = ()) -> RayChild:  # fmt: skip
-        return RayChild(self, "aoed.backends.ort.worker", f"{name} (ray)", kwargs={"plugins": list(plugins)},
-                        num_cpus=1)  # fmt: skip
+    def worker(
+        self,
+        name: str,
+        log_path: Path,
+        *,
+        cpus: Sequence[int] = (),
+        memory_mb: int = 0,
+        plugins: Sequence[str] = (),
+    ) -> RayChild:
+        return RayChild(
+            self,
+            "aoed.backends.ort.worker",
+            f"{name} (ray)",
+            kwargs={"plugins": list(plugins)},
+            num_cpus=1,
+        )
 
     def lock_name(self, device: Device) -> str:
         """This machine's lock for a device elsewhere: distinct from a local device of the
@@ -406,8 +496,13 @@ def _connect(ray: Any, address: str) -> None:
     os.environ.setdefault(*_GCS_RECONNECT)  # read by ray.init's core worker, once
     # In a worker thread: ray.init installs no signal handlers off the main thread, so the
     # daemon's own SIGTERM/SIGHUP handling stays as it is.
-    ray.init(address=address, namespace="aoed", log_to_driver=False, configure_logging=False,
-             ignore_reinit_error=True)  # fmt: skip
+    ray.init(
+        address=address,
+        namespace="aoed",
+        log_to_driver=False,
+        configure_logging=False,
+        ignore_reinit_error=True,
+    )
 
 
 @contextlib.asynccontextmanager
@@ -421,11 +516,15 @@ async def open_ray(config: Config, probe_dir: Path) -> AsyncIterator[RayExecutor
         with trio.fail_after(CONNECT_TIMEOUT_S):
             await trio.to_thread.run_sync(_connect, ray, config.ray_address, abandon_on_cancel=True)
     except trio.TooSlowError:
-        raise DeviceError(f"[cluster] address {config.ray_address}: the Ray cluster did not answer within "
-                          f"{CONNECT_TIMEOUT_S:g}s") from None  # fmt: skip
+        raise DeviceError(
+            f"[cluster] address {config.ray_address}: the Ray cluster did not answer within "
+            f"{CONNECT_TIMEOUT_S:g}s"
+        ) from None
     except Exception as exc:  # OSError, and ray's ConnectionError, RuntimeError, ValueError
-        raise DeviceError(f"[cluster] address {config.ray_address}: cannot reach the Ray cluster: "
-                          f"{_first_line(exc)}") from None  # fmt: skip
+        raise DeviceError(
+            f"[cluster] address {config.ray_address}: cannot reach the Ray cluster: "
+            f"{_first_line(exc)}"
+        ) from None
     probe_dir.mkdir(parents=True, exist_ok=True)
     token = secrets.token_hex(16)
     probe = probe_dir / f"ray-probe-{os.getpid()}"

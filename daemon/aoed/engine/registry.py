@@ -54,7 +54,9 @@ class Strategy:
     #: (view, evaluate, notes) -> the `name:param` variants to try for a task, where
     #: evaluate(rewrite or None) runs the task model (rewritten) on its real inputs and
     #: returns its output; what was measured goes to `notes`
-    propose: Callable[[TaskView, Callable[[Rewrite | None], Any], list[str]], list[str]] | None = None
+    propose: Callable[[TaskView, Callable[[Rewrite | None], Any], list[str]], list[str]] | None = (
+        None
+    )
     #: the device kinds it is a real alternative on (aoe.device.KINDS); None: every kind
     kinds: frozenset[str] | None = frozenset({"cpu"})
 
@@ -80,22 +82,34 @@ class StrategyRegistry:
         #: the backend sets it, the engine only calls it
         self.session_space: Callable[..., list[tuple[str, list[dict[str, Any]]]]] | None = None
         for family in families:
-            self.register(Strategy(DEFAULT, family, "exact", _unchanged, "the task as the model has it", kinds=None))
+            self.register(
+                Strategy(
+                    DEFAULT, family, "exact", _unchanged, "the task as the model has it", kinds=None
+                )
+            )
 
     def register(self, strategy: Strategy) -> Strategy:
         """Add `strategy` (a new name within its family); returns it. ValueError on a clash."""
         key = (strategy.family, strategy.name)
         if key in self._by_key and self._by_key[key] is not strategy:
-            raise ValueError(f"strategy {strategy.name!r} is already registered for {strategy.family}")
+            raise ValueError(
+                f"strategy {strategy.name!r} is already registered for {strategy.family}"
+            )
         self._by_key[key] = strategy
         return strategy
 
-    def strategy(self, name: str, family: str, precision: str = "exact", kinds: Iterable[str] = ("cpu",)):
+    def strategy(
+        self, name: str, family: str, precision: str = "exact", kinds: Iterable[str] = ("cpu",)
+    ):
         """Decorator registering a rewrite function as strategy `name` of `family`, for
         devices of `kinds`."""
 
         def deco(fn: Callable[[TaskView], Rewrite | None]):
-            self.register(Strategy(name, family, precision, fn, (fn.__doc__ or "").strip(), kinds=frozenset(kinds)))
+            self.register(
+                Strategy(
+                    name, family, precision, fn, (fn.__doc__ or "").strip(), kinds=frozenset(kinds)
+                )
+            )
             return fn
 
         return deco
@@ -111,9 +125,18 @@ class StrategyRegistry:
         if base is None or base.with_param is None:
             raise KeyError(f"unknown strategy {name!r} for {family}")
         build = base.with_param
-        return Strategy(name, family, base.precision, lambda view: build(view, param), base.doc, kinds=base.kinds)
+        return Strategy(
+            name,
+            family,
+            base.precision,
+            lambda view: build(view, param),
+            base.doc,
+            kinds=base.kinds,
+        )
 
-    def strategies_for(self, family: str, precision: str = "exact", kind: str = "cpu") -> Iterator[Strategy]:
+    def strategies_for(
+        self, family: str, precision: str = "exact", kind: str = "cpu"
+    ) -> Iterator[Strategy]:
         """The strategies of `family` allowed under `precision` on a device of `kind`, in
         registration order: exact ones always; under a lossy policy also its own and the
         `approx` ones (a formula approximated in float, e.g. GELU's erf by tanh), which
@@ -140,7 +163,9 @@ class StrategyRegistry:
             try:
                 module = importlib.import_module(name)
             except ImportError as exc:
-                raise OptionError(f"plugin {name!r}: cannot import strategy plugin: {exc}") from None
+                raise OptionError(
+                    f"plugin {name!r}: cannot import strategy plugin: {exc}"
+                ) from None
             register = getattr(module, "register", None)
             if not callable(register):
                 raise OptionError(f"plugin {name!r}: has no register(registry) function")

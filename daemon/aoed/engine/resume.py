@@ -42,10 +42,14 @@ def run_key(ctx: JobContext, model_digest: str, samples_digest: str) -> bytes:
     """The key every record of this run starts with (hex digest + "/")."""
     p = ctx.policy
     doc = {
-        "model": model_digest, "samples": samples_digest, "precision": ctx.spec.precision,
-        "job_type": ctx.spec.job_type, "device": ctx.fingerprint.digest, "version": __version__,
+        "model": model_digest,
+        "samples": samples_digest,
+        "precision": ctx.spec.precision,
+        "job_type": ctx.spec.job_type,
+        "device": ctx.fingerprint.digest,
+        "version": __version__,
         "budget": [p.task_min_cosine, p.task_max_rel_error, p.e2e_min_cosine, p.e2e_max_rel_error],
-    }  # fmt: skip
+    }
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest().encode() + b"/"
 
 

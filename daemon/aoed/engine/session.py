@@ -64,10 +64,12 @@ def probe_model(folder: Path) -> tuple[Path, Path]:
     rng = np.random.default_rng(0)
     w = numpy_helper.from_array(rng.standard_normal((512, 512)).astype(np.float32), "w")
     graph = helper.make_graph(
-        [helper.make_node("MatMul", ["x", "w"], ["y"], name="probe")], "cores_probe",
+        [helper.make_node("MatMul", ["x", "w"], ["y"], name="probe")],
+        "cores_probe",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, [256, 512])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [256, 512])], [w],
-    )  # fmt: skip
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [256, 512])],
+        [w],
+    )
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]), model)
     np.savez(inputs, x=rng.standard_normal((256, 512)).astype(np.float32))
     return model, inputs
@@ -103,7 +105,10 @@ def dimensions(cores: int) -> list[tuple[str, list[dict[str, Any]]]]:
     """
     del cores
     return [
-        ("graph_optimization_level", [{"graph_optimization_level": lv} for lv in ("basic", "extended")]),
+        (
+            "graph_optimization_level",
+            [{"graph_optimization_level": lv} for lv in ("basic", "extended")],
+        ),
         ("execution_mode", [{"execution_mode": "parallel"}]),
     ]
 
@@ -142,8 +147,12 @@ def accelerator_dimensions(ctx: JobContext) -> list[tuple[str, list[dict[str, An
         return []
     bank = Path(ctx.config.bank)
     folder = bank.parent / f"{bank.name}-trt-cache" / ctx.fingerprint.digest[:32]
-    cache = {"trt_engine_cache_enable": "1", "trt_engine_cache_path": str(folder),
-             "trt_timing_cache_enable": "1", "trt_timing_cache_path": str(folder)}  # fmt: skip
+    cache = {
+        "trt_engine_cache_enable": "1",
+        "trt_engine_cache_path": str(folder),
+        "trt_timing_cache_enable": "1",
+        "trt_timing_cache_path": str(folder),
+    }
     return space(ctx.device.device, ctx.spec.precision, frozenset(ctx.prep.op_types), cache)
 
 
@@ -157,7 +166,11 @@ class SessionChoice:
 
 
 async def search_session(
-    ctx: JobContext, model_path: Path, signature: TaskSignature, ans: bankrules.BankAnswer, budget: Budget
+    ctx: JobContext,
+    model_path: Path,
+    signature: TaskSignature,
+    ans: bankrules.BankAnswer,
+    budget: Budget,
 ) -> SessionChoice:
     """Choose model-wide session options for the model at `model_path`, within what
     `budget` has left (dimensions it cannot afford are not tried); a device failure ends
@@ -179,10 +192,15 @@ async def search_session(
         share = min(2.0, pool / (len(dims) - i), budget.remaining_s)
         seconds, load = budget.measurable(share, [model_path] * (len(values) + 1))
         if seconds < 0.3:
-            why = (f" (loading its {len(values) + 1} sessions would take about {load:.2f} s of {share:.2f} s)"
-                   if share >= 0.3 else "")  # fmt: skip
-            ctx.notes.append(f"session options: {', '.join(d for d, _ in dims[i:])} not tried, the budget is "
-                             f"spent{why}")  # fmt: skip
+            why = (
+                f" (loading its {len(values) + 1} sessions would take about {load:.2f} s of {share:.2f} s)"
+                if share >= 0.3
+                else ""
+            )
+            ctx.notes.append(
+                f"session options: {', '.join(d for d, _ in dims[i:])} not tried, the budget is "
+                f"spent{why}"
+            )
             break
         cands = {"current": current}
         for v in values:
@@ -190,14 +208,28 @@ async def search_session(
         before = ctx.ledger.device_by.get("session", 0.0)
         try:
             measured = await ctx.measure(
-                [Candidate(k, model_path, o) for k, o in cands.items()], "current", seconds, category="session"
+                [Candidate(k, model_path, o) for k, o in cands.items()],
+                "current",
+                seconds,
+                category="session",
             )
         except DeviceError as exc:
             ctx.notes.append(f"session options: search stopped at {dim} ({exc})")
             break
         pool -= ctx.ledger.device_by.get("session", 0.0) - before
-        trials += [(key, {"task": "session", "dimension": dim, "options": cands[k], "job": ctx.job_id,
-                          **r.summary()}) for k, r in measured.items()]  # fmt: skip
+        trials += [
+            (
+                key,
+                {
+                    "task": "session",
+                    "dimension": dim,
+                    "options": cands[k],
+                    "job": ctx.job_id,
+                    **r.summary(),
+                },
+            )
+            for k, r in measured.items()
+        ]
         if base_res is None:
             base_res = measured["current"]
         best = decisions.best(measured, "current", lambda m: ctx.policy.task_ok(m.accuracy()))
@@ -212,13 +244,35 @@ async def search_session(
     rec = ans.record
     if rec is None:
         if current != base:
-            write = bankrules.make_record(key, signature, ctx.fingerprint, strategy, SESSION_FAMILY,
-                                          ctx.spec.precision, cur_res, base_res, ctx.job_id, ctx.run.model.name)  # fmt: skip
+            write = bankrules.make_record(
+                key,
+                signature,
+                ctx.fingerprint,
+                strategy,
+                SESSION_FAMILY,
+                ctx.spec.precision,
+                cur_res,
+                base_res,
+                ctx.job_id,
+                ctx.run.model.name,
+            )
             return SessionChoice(current, "add", write, len(trials))
-        return SessionChoice({}, "unsatisfied", {"default_us": base_res.median_us, "job": ctx.job_id}, len(trials))
+        return SessionChoice(
+            {}, "unsatisfied", {"default_us": base_res.median_us, "job": ctx.job_id}, len(trials)
+        )
     if strategy != rec.strategy and current != base:
-        write = bankrules.make_record(key, signature, ctx.fingerprint, strategy, SESSION_FAMILY,
-                                      ctx.spec.precision, cur_res, base_res, ctx.job_id, ctx.run.model.name)  # fmt: skip
+        write = bankrules.make_record(
+            key,
+            signature,
+            ctx.fingerprint,
+            strategy,
+            SESSION_FAMILY,
+            ctx.spec.precision,
+            cur_res,
+            base_res,
+            ctx.job_id,
+            ctx.run.model.name,
+        )
         return SessionChoice(current, "update", write, len(trials))
     return SessionChoice(json.loads(rec.strategy), "reserved", None, len(trials))
 
@@ -233,13 +287,22 @@ async def busy_cores(ctx: JobContext, seconds: float) -> str | None:
     """`busy_cores_note` of the probe measured on the job's device now."""
     import trio
 
-    model, inputs = await trio.to_thread.run_sync(probe_model, ctx.workspace.scratch / "cores_probe")
+    model, inputs = await trio.to_thread.run_sync(
+        probe_model, ctx.workspace.scratch / "cores_probe"
+    )
     cores = ctx.device.cores
     try:
         got = await ctx.measure(
-            [Candidate("one", model, {"intra_op_num_threads": 1}), Candidate("every", model, {"intra_op_num_threads": cores})],
-            "every", seconds, inputs=inputs, plan=MeasurePlan.fixed(7, seconds), category="session",
-        )  # fmt: skip
+            [
+                Candidate("one", model, {"intra_op_num_threads": 1}),
+                Candidate("every", model, {"intra_op_num_threads": cores}),
+            ],
+            "every",
+            seconds,
+            inputs=inputs,
+            plan=MeasurePlan.fixed(7, seconds),
+            category="session",
+        )
     except DeviceError as exc:
         return f"session options: intra-op threads not tuned: the cores probe failed ({exc})"
     return busy_cores_note(got["one"], got["every"], cores)
@@ -273,8 +336,19 @@ async def remember_context(
     key = ctx.key(signature)
     if evidence is not None:
         win, base = evidence
-        rec = bankrules.make_record(key, signature, ctx.fingerprint, options, SESSION_FAMILY, ctx.spec.precision,
-                                    win, base, ctx.job_id, ctx.run.model.name, params)  # fmt: skip
+        rec = bankrules.make_record(
+            key,
+            signature,
+            ctx.fingerprint,
+            options,
+            SESSION_FAMILY,
+            ctx.spec.precision,
+            win,
+            base,
+            ctx.job_id,
+            ctx.run.model.name,
+            params,
+        )
     elif old is not None:
         rec = dataclasses.replace(old, strategy=options, params=params)
     elif isinstance(choice.write, BankRecord):

@@ -36,7 +36,15 @@ from aoed.engine import bankrules, decisions, incontext, resume
 from aoed.engine.budget import Budget
 from aoed.engine.context import JobContext
 from aoed.engine.job import TaskResult
-from aoed.engine.messages import Accuracy, Candidate, CompileReply, CompileRequest, Measurement, VariantsReply, VariantsRequest
+from aoed.engine.messages import (
+    Accuracy,
+    Candidate,
+    CompileReply,
+    CompileRequest,
+    Measurement,
+    VariantsReply,
+    VariantsRequest,
+)
 from aoed.engine.registry import DEFAULT
 
 __all__ = ["TaskAgent", "TaskDecision"]
@@ -68,12 +76,16 @@ class TaskDecision:
         """The decision as JSON, for resume.py (the task itself is the record's key)."""
         return {
             "result": dataclasses.asdict(self.result),
-            "strategy": self.strategy, "fallback": self.fallback,
+            "strategy": self.strategy,
+            "fallback": self.fallback,
             "lossy_cost": list(self.lossy_cost) if self.lossy_cost is not None else None,
-            "failed_candidates": self.failed_candidates, "trials": self.trials,
-            "pending": resume.write_to_doc(self.pending), "fallback_write": resume.write_to_doc(self.fallback_write),
-            "fallback_us": self.fallback_us, "fallback_mode": self.fallback_mode,
-        }  # fmt: skip
+            "failed_candidates": self.failed_candidates,
+            "trials": self.trials,
+            "pending": resume.write_to_doc(self.pending),
+            "fallback_write": resume.write_to_doc(self.fallback_write),
+            "fallback_us": self.fallback_us,
+            "fallback_mode": self.fallback_mode,
+        }
 
     @classmethod
     def from_doc(cls, task: Task, doc: Mapping[str, Any]) -> TaskDecision:
@@ -85,19 +97,30 @@ class TaskDecision:
         result.update_mode, result.bank_layer = "hit", CUSTOM
         cost = doc.get("lossy_cost")
         return cls(
-            task, result, str(doc["strategy"]), fallback=str(doc["fallback"]),
+            task,
+            result,
+            str(doc["strategy"]),
+            fallback=str(doc["fallback"]),
             lossy_cost=(float(cost[0]), float(cost[1])) if cost is not None else None,
-            failed_candidates=int(doc["failed_candidates"]), trials=int(doc["trials"]),
+            failed_candidates=int(doc["failed_candidates"]),
+            trials=int(doc["trials"]),
             pending=resume.write_from_doc(doc.get("pending")),
             fallback_write=resume.write_from_doc(doc.get("fallback_write")),
-            fallback_us=float(doc["fallback_us"]), fallback_mode=str(doc["fallback_mode"]),
-        )  # fmt: skip
+            fallback_us=float(doc["fallback_us"]),
+            fallback_mode=str(doc["fallback_mode"]),
+        )
+
 
 class TaskAgent:
     def __init__(
-        self, ctx: JobContext, task: Task, result: TaskResult, hit: BankRecord | None, budget_s: float,
+        self,
+        ctx: JobContext,
+        task: Task,
+        result: TaskResult,
+        hit: BankRecord | None,
+        budget_s: float,
         budget: Budget | None = None,
-    ):  # fmt: skip
+    ):
         self.ctx = ctx
         self.task = task
         self.result = result
@@ -115,18 +138,28 @@ class TaskAgent:
     async def _search(self) -> TaskDecision:
         ctx, task, res = self.ctx, self.task, self.result
         taskdir = ctx.workspace.task_dir(task.id)
-        strategies = list(ctx.registry.strategies_for(task.family, ctx.spec.precision, ctx.device.device.kind))
+        strategies = list(
+            ctx.registry.strategies_for(task.family, ctx.spec.precision, ctx.device.device.kind)
+        )
         if self.budget is not None:
             # Each candidate is about the task model's size: when loading them alone would
             # spend the task's share, building them would be wasted too.
-            seconds, load = self.budget.measurable(self.budget_s, [taskdir / "task.onnx"] * len(strategies))
+            seconds, load = self.budget.measurable(
+                self.budget_s, [taskdir / "task.onnx"] * len(strategies)
+            )
             if not seconds:
                 return self._skipped(len(strategies), load, 0)
         precision_of = {s.name: s.precision for s in strategies}
         for s in strategies:  # parametric variants, proposed from the task's real inputs
             if s.propose is not None:
-                req = VariantsRequest(taskdir / "task.onnx", task.family, s.name, f"aoe/{task.id}",
-                                      taskdir / "inputs.npz", ctx.ranges)  # fmt: skip
+                req = VariantsRequest(
+                    taskdir / "task.onnx",
+                    task.family,
+                    s.name,
+                    f"aoe/{task.id}",
+                    taskdir / "inputs.npz",
+                    ctx.ranges,
+                )
                 try:
                     got: VariantsReply = await ctx.pool.call(req, ctx.ledger)
                 except AoedError as exc:  # no variants: the strategy's other candidates go on
@@ -137,8 +170,14 @@ class TaskAgent:
         compiled: dict[str, CompileReply | AoedError] = {}
 
         async def compile_one(name: str) -> None:
-            req = CompileRequest(taskdir / "task.onnx", task.family, name, f"aoe/{task.id}",
-                                 taskdir / f"{name}.onnx", ctx.ranges)  # fmt: skip
+            req = CompileRequest(
+                taskdir / "task.onnx",
+                task.family,
+                name,
+                f"aoe/{task.id}",
+                taskdir / f"{name}.onnx",
+                ctx.ranges,
+            )
             try:
                 compiled[name] = await ctx.pool.call(req, ctx.ledger)
             except AoedError as exc:  # whatever failed the build is this candidate's failure
@@ -148,7 +187,9 @@ class TaskAgent:
             for name in precision_of:
                 nursery.start_soon(compile_one, name)
         if any(isinstance(c, AoedError) for c in compiled.values()):
-            await ctx.check_workspace()  # a vanished workspace fails every candidate: the job's failure
+            await (
+                ctx.check_workspace()
+            )  # a vanished workspace fails every candidate: the job's failure
         cands, failed = [], 0
         for name in precision_of:
             c = compiled[name]
@@ -162,15 +203,19 @@ class TaskAgent:
             why = default if isinstance(default, AoedError) else "not applicable"
             res.update_mode, res.error = "failed", f"default form did not compile: {why}"
             return TaskDecision(task, res, fallback, failed_candidates=failed)
-        seconds, load = (self.budget.measurable(self.budget_s, [c.model for c in cands]) if self.budget is not None
-                         else (self.budget_s, 0.0))  # fmt: skip
+        seconds, load = (
+            self.budget.measurable(self.budget_s, [c.model for c in cands])
+            if self.budget is not None
+            else (self.budget_s, 0.0)
+        )
         if not seconds:  # loading the sessions alone would spend the task's share, or more
             await trio.to_thread.run_sync(_remove, [c.model for c in cands])
             return self._skipped(len(cands), load, failed)
         try:
             # One request: every candidate's time is taken on the same device (devices.py)
-            measured = await ctx.measure(cands, DEFAULT, seconds, taskdir / "inputs.npz", category="search",
-                                         spread=True)  # fmt: skip
+            measured = await ctx.measure(
+                cands, DEFAULT, seconds, taskdir / "inputs.npz", category="search", spread=True
+            )
         except DeviceError as exc:
             res.update_mode, res.error = "failed", str(exc)
             return TaskDecision(task, res, fallback, failed_candidates=failed)
@@ -199,13 +244,18 @@ class TaskAgent:
             best, reasons = decisions.best_lossy(measured, best_exact, lossy, gate)
             # Faster than what passed, but outside the gate on the task's own outputs: the
             # model may absorb that error (incontext.py).
-            faster = [k for k in decisions.faster_outside_gate(measured, best_exact, lossy, gate)
-                      if best == best_exact or decisions.clearly_faster(measured[k], measured[best])]  # fmt: skip
+            faster = [
+                k
+                for k in decisions.faster_outside_gate(measured, best_exact, lossy, gate)
+                if best == best_exact or decisions.clearly_faster(measured[k], measured[best])
+            ]
             best = await self._judge_in_context(faster, in_context, reasons) or best
             res.rejected.extend(reasons)
             if best != best_exact:
                 gain = (measured[best_exact].median_us - measured[best].median_us) * task.instances
-                error = 1.0 - (in_context[best].cosine if best in in_context else measured[best].cosine)
+                error = 1.0 - (
+                    in_context[best].cosine if best in in_context else measured[best].cosine
+                )
                 lossy_cost = (gain, error)
 
         outcome = bankrules.after_tuning(self.hit, best, measured, gate)
@@ -213,17 +263,30 @@ class TaskAgent:
         win = measured[outcome.strategy] if outcome.strategy in measured else base
         key = ctx.key(task.signature)
         trials = tuple(
-            (key, {"task": task.id, "strategy": name, "job": ctx.job_id, **r.summary()}) for name, r in measured.items()
+            (key, {"task": task.id, "strategy": name, "job": ctx.job_id, **r.summary()})
+            for name, r in measured.items()
         )
 
         def write_for(o: bankrules.Outcome) -> BankWrite:
             m = measured[o.strategy] if o.strategy in measured else base
             if o.write_entry:
-                rec = bankrules.make_record(key, task.signature, ctx.fingerprint, o.strategy, task.family,
-                                            ctx.spec.precision, m, base, ctx.job_id, ctx.run.model.name)  # fmt: skip
+                rec = bankrules.make_record(
+                    key,
+                    task.signature,
+                    ctx.fingerprint,
+                    o.strategy,
+                    task.family,
+                    ctx.spec.precision,
+                    m,
+                    base,
+                    ctx.job_id,
+                    ctx.run.model.name,
+                )
                 return BankWrite(entries=(rec,))
             if o.write_default:
-                return BankWrite(defaults=((key, {"default_us": base.median_us, "job": ctx.job_id}),))
+                return BankWrite(
+                    defaults=((key, {"default_us": base.median_us, "job": ctx.job_id}),)
+                )
             return BankWrite()
 
         lossy_choice = ctx.policy.lossy and precision_of.get(outcome.strategy) != "exact"
@@ -247,31 +310,56 @@ class TaskAgent:
             got = in_context[outcome.strategy]
             res.accuracy.update(model_cosine=got.cosine, model_max_rel_error=got.max_rel_error)
         decision = TaskDecision(
-            task, res, outcome.strategy, fallback=best_exact if lossy_choice else DEFAULT,
-            lossy_cost=lossy_cost if outcome.strategy == best else None, failed_candidates=failed,
-            trials=len(trials), pending=pending, fallback_write=fallback_write,
-            fallback_us=measured[best_exact].median_us, fallback_mode=fallback_mode,
-        )  # fmt: skip
+            task,
+            res,
+            outcome.strategy,
+            fallback=best_exact if lossy_choice else DEFAULT,
+            lossy_cost=lossy_cost if outcome.strategy == best else None,
+            failed_candidates=failed,
+            trials=len(trials),
+            pending=pending,
+            fallback_write=fallback_write,
+            fallback_us=measured[best_exact].median_us,
+            fallback_mode=fallback_mode,
+        )
         record = {**decision.to_doc(), "job": ctx.job_id, "attempt": ctx.attempt}
         # The decision's record goes in the same commit as its trials and entries: all
         # of them or none. None: the decision holds for this job's model, but the bank
         # (and a resumed run) has nothing of it.
-        if not await ctx.write_bank(dataclasses.replace(now, decisions=((resume.key_of(ctx, key), record),))):
-            res.update_mode, res.error = "failed", f"{outcome.strategy} chosen, but not kept in the bank: {ctx.bank_unkept}"
+        if not await ctx.write_bank(
+            dataclasses.replace(now, decisions=((resume.key_of(ctx, key), record),))
+        ):
+            res.update_mode, res.error = (
+                "failed",
+                f"{outcome.strategy} chosen, but not kept in the bank: {ctx.bank_unkept}",
+            )
         ctx.emit("task", f"{task.id}: {outcome.strategy} ({outcome.mode})")
-        log.info("%s: %s (%s), %.1f -> %.1f us", task.id, outcome.strategy, outcome.mode, res.before_us, res.after_us)
+        log.info(
+            "%s: %s (%s), %.1f -> %.1f us",
+            task.id,
+            outcome.strategy,
+            outcome.mode,
+            res.before_us,
+            res.after_us,
+        )
         return decision
 
     def _skipped(self, candidates: int, load_s: float, failed: int) -> TaskDecision:
         """The decision for a task whose candidates cost more to load than its share."""
         res = self.result
         res.update_mode = "skipped"
-        res.error = (f"not tuned: loading its {candidates} candidates would take about {load_s:.2f} s of its "
-                     f"{self.budget_s:.2f} s share of the budget")  # fmt: skip
+        res.error = (
+            f"not tuned: loading its {candidates} candidates would take about {load_s:.2f} s of its "
+            f"{self.budget_s:.2f} s share of the budget"
+        )
         log.info("%s: %s", self.task.id, res.error)
-        return TaskDecision(self.task, res, self.hit.strategy if self.hit else DEFAULT, failed_candidates=failed)
+        return TaskDecision(
+            self.task, res, self.hit.strategy if self.hit else DEFAULT, failed_candidates=failed
+        )
 
-    async def _judge_in_context(self, names: list[str], passed: dict[str, Accuracy], reasons: list[str]) -> str | None:
+    async def _judge_in_context(
+        self, names: list[str], passed: dict[str, Accuracy], reasons: list[str]
+    ) -> str | None:
         """The first of `names` (fastest first) whose error the model absorbs
         (incontext.py), recorded in `passed`; at most IN_CONTEXT_TRIES are built. Each one
         judged replaces its reason in `reasons` with the model's figures."""

@@ -58,7 +58,11 @@ class Constants(Mapping[str, np.ndarray]):
         self._opsets = list(opsets)
         known = set(self._stored)
         for node in graph.node:
-            if node.op_type == "Constant" and node.domain in ("", "ai.onnx") or computes_constant(node, known):
+            if (
+                node.op_type == "Constant"
+                and node.domain in ("", "ai.onnx")
+                or computes_constant(node, known)
+            ):
                 for o in node.output:
                     if o:
                         self._producer[o] = node
@@ -111,9 +115,15 @@ class Constants(Mapping[str, np.ndarray]):
         from onnx.reference import ReferenceEvaluator
 
         graph = helper.make_graph(
-            nodes, "constant", [], [helper.make_empty_tensor_value_info(name)], initializer=list(inits.values())
+            nodes,
+            "constant",
+            [],
+            [helper.make_empty_tensor_value_info(name)],
+            initializer=list(inits.values()),
         )
-        model = helper.make_model(graph, opset_imports=self._opsets or [helper.make_opsetid("", 13)])
+        model = helper.make_model(
+            graph, opset_imports=self._opsets or [helper.make_opsetid("", 13)]
+        )
         (value,) = ReferenceEvaluator(model).run([name], {})
         return np.asarray(value)
 
@@ -198,7 +208,9 @@ def read_names(nodes: Sequence[onnx.NodeProto]) -> set[str]:
     return names
 
 
-def apply_rewrites(model: onnx.ModelProto, rewrites: Mapping[tuple[str, ...], Rewrite]) -> onnx.ModelProto:
+def apply_rewrites(
+    model: onnx.ModelProto, rewrites: Mapping[tuple[str, ...], Rewrite]
+) -> onnx.ModelProto:
     """Return a copy of `model` with each task (keyed by its node names) replaced.
 
     Replacement nodes take the position of the task's first node, which keeps the
@@ -228,9 +240,11 @@ def apply_rewrites(model: onnx.ModelProto, rewrites: Mapping[tuple[str, ...], Re
     while True:
         now_read = read_names(nodes) | outputs
         dead = [
-            n for n in nodes
-            if not any(o in now_read for o in n.output if o) and any(o in was_read for o in n.output if o)
-        ]  # fmt: skip
+            n
+            for n in nodes
+            if not any(o in now_read for o in n.output if o)
+            and any(o in was_read for o in n.output if o)
+        ]
         if not dead:
             break
         nodes = [n for n in nodes if n not in dead]
@@ -239,9 +253,10 @@ def apply_rewrites(model: onnx.ModelProto, rewrites: Mapping[tuple[str, ...], Re
     now_read = read_names(nodes) | outputs
     new_names = {t.name for t in new_inits}
     keep = [
-        t for t in [*out.graph.initializer, *new_inits]
+        t
+        for t in [*out.graph.initializer, *new_inits]
         if t.name in now_read or (t.name not in was_read and t.name not in new_names)
-    ]  # fmt: skip
+    ]
     del out.graph.initializer[:]
     out.graph.initializer.extend(keep)
     if any(n.domain == CONTRIB_DOMAIN for n in nodes) and not any(

@@ -72,7 +72,9 @@ async def hold_to_budget(
             # Unchecked accuracy is no accuracy: every lossy choice goes back to exact.
             for tid, name in list(choices.items()):
                 if ctx.registry.get(families[tid], name).precision != "exact":
-                    results[tid].rejected.append(f"{name}: backed off, the end-to-end accuracy could not be measured ({exc})")
+                    results[tid].rejected.append(
+                        f"{name}: backed off, the end-to-end accuracy could not be measured ({exc})"
+                    )
                     choices[tid] = results[tid].strategy = fallback.get(tid, DEFAULT)
             await ctx.assemble([Build(path, dict(choices))])
             ctx.notes.append(f"accuracy check failed ({exc}); lossy choices backed off")
@@ -80,9 +82,10 @@ async def hold_to_budget(
         acc = reply.as_dict()
         ctx.accuracy = reply
         lossy = {
-            tid: lossy_cost.get(tid, (0.0, 1.0)) for tid, name in choices.items()
+            tid: lossy_cost.get(tid, (0.0, 1.0))
+            for tid, name in choices.items()
             if ctx.registry.get(families[tid], name).precision != "exact"
-        }  # fmt: skip
+        }
         if ctx.policy.e2e_ok(acc) or not lossy:
             return acc
         victim = decisions.least_gain_per_error(lossy)
@@ -134,7 +137,9 @@ async def verify(
 
     if all(name == DEFAULT for name in choices.values()) and not options:
         # Nothing changed: nothing to verify; the confirming A/B measures the input as shipped.
-        return Verified({}, {}, "reverted to input", "input", None, None, ["nothing changed: nothing to verify"])
+        return Verified(
+            {}, {}, "reverted to input", "input", None, None, ["nothing changed: nothing to verify"]
+        )
     explore = not from_bank
     fin = base = None
     variants_measured = 0
@@ -144,9 +149,15 @@ async def verify(
         share = min(3.0 if explore else 1.5, budget.for_verify())
         seconds, load = budget.measurable(share, [original, path, *[path] * len(changed)])
         if seconds < 0.3:
-            why = f" (loading its {2 + len(changed)} sessions would take about {load:.2f} s)" if share >= 0.3 else ""
+            why = (
+                f" (loading its {2 + len(changed)} sessions would take about {load:.2f} s)"
+                if share >= 0.3
+                else ""
+            )
             note = f"verification stopped: the budget is spent{why}; the confirming A/B decides"
-            return Verified(dict(choices), options, "tuned", "assembled", base, fin, [note], variants_measured)
+            return Verified(
+                dict(choices), options, "tuned", "assembled", base, fin, [note], variants_measured
+            )
         cands = [Candidate("baseline", original), Candidate("final", path, options)]
         variants: dict[str, dict[str, str]] = {}
         builds = []
@@ -162,7 +173,9 @@ async def verify(
             measured = await ctx.measure(cands, "baseline", seconds, category="verify")
         except DeviceError as exc:
             note = f"verification stopped: {exc}; the confirming A/B decides"
-            return Verified(dict(choices), options, "tuned", "assembled", base, fin, [note], variants_measured)
+            return Verified(
+                dict(choices), options, "tuned", "assembled", base, fin, [note], variants_measured
+            )
         variants_measured += len(builds)
         base, fin = measured["baseline"], measured["final"]
         if not base.ok:
@@ -171,12 +184,16 @@ async def verify(
             explore = True  # the bank's choices do not hold here: find which
             continue
         better = [
-            k for k in variants
-            if measured[k].ok and ctx.policy.e2e_ok(measured[k].accuracy())
+            k
+            for k in variants
+            if measured[k].ok
+            and ctx.policy.e2e_ok(measured[k].accuracy())
             and (decisions.clearly_faster(measured[k], fin) or not acceptable(fin, base))
-        ]  # fmt: skip
+        ]
         if acceptable(fin, base) and not better:
-            return Verified(dict(choices), options, "tuned", "assembled", base, fin, [], variants_measured)
+            return Verified(
+                dict(choices), options, "tuned", "assembled", base, fin, [], variants_measured
+            )
         if not better:
             break
         # The first reversal in task order, unless another clearly beats it: which one a
@@ -188,8 +205,11 @@ async def verify(
         without, with_ = measured[pick].median_us, fin.median_us
         r.error = (
             f"{REVERTED}: the model measured {without:.1f} us without {choices[tid]} and {with_:.1f} us with it"
-            + ("" if without < with_
-               else " (the tuned model was slower than the input, and no other reversal clearly helped more)")
+            + (
+                ""
+                if without < with_
+                else " (the tuned model was slower than the input, and no other reversal clearly helped more)"
+            )
         )
         choices.update(variants[pick])
         await ctx.assemble([Build(path, dict(choices))])
@@ -201,14 +221,24 @@ async def verify(
     if options and alone >= 0.3:
         try:
             measured = await ctx.measure(
-                [Candidate("baseline", original), Candidate("final", ctx.prep.prepared, options)], "baseline",
-                alone, category="verify",
-            )  # fmt: skip
+                [Candidate("baseline", original), Candidate("final", ctx.prep.prepared, options)],
+                "baseline",
+                alone,
+                category="verify",
+            )
         except DeviceError as exc:
             notes.append(f"options alone not measured: {exc}")
         else:
             if acceptable(measured["final"], measured["baseline"]):
-                return Verified({}, options, "options only", "prepared", measured["baseline"], measured["final"],
-                                notes, variants_measured)  # fmt: skip
+                return Verified(
+                    {},
+                    options,
+                    "options only",
+                    "prepared",
+                    measured["baseline"],
+                    measured["final"],
+                    notes,
+                    variants_measured,
+                )
             base = measured["baseline"]
     return Verified({}, {}, "reverted to input", "input", base, base, notes, variants_measured)

@@ -72,7 +72,9 @@ class Workspace:
         self._made_base = False  # this run made `aoe_workspace/` itself
 
     @classmethod
-    def create(cls, output: Path, model_stem: str, owner: Mapping[str, str] | None = None) -> Workspace:
+    def create(
+        cls, output: Path, model_stem: str, owner: Mapping[str, str] | None = None
+    ) -> Workspace:
         """The workspace of an interrupted run of the same `owner` (the model, the job)
         under `output`, taken over, else a fresh one; held until `release()`. AoedError
         naming the directory when it cannot be created (missing permission, full disk, a
@@ -127,11 +129,15 @@ class Workspace:
             finally:
                 os.close(base_fd)
         except OSError as exc:
-            raise AoedError(f"{at}: cannot create the job's workspace ({exc.strerror or exc})") from None
+            raise AoedError(
+                f"{at}: cannot create the job's workspace ({exc.strerror or exc})"
+            ) from None
         raise AoedError(f"{base}: no free workspace name for {stem}_{ts}")
 
     @classmethod
-    def _take_over(cls, output: Path, base: Path, model_stem: str, owner: dict[str, str]) -> Workspace | None:
+    def _take_over(
+        cls, output: Path, base: Path, model_stem: str, owner: dict[str, str]
+    ) -> Workspace | None:
         """An interrupted run's workspace of `model_stem` whose `.running` names `owner`,
         locked for this run and its scratch emptied; None when there is none.
 
@@ -144,7 +150,10 @@ class Workspace:
             return None
         try:
             for tag in sorted(os.listdir(base_fd)):
-                if not (tag.startswith(f"{model_stem}_") and _TAG_TAIL.fullmatch(tag[len(model_stem) + 1 :])):
+                if not (
+                    tag.startswith(f"{model_stem}_")
+                    and _TAG_TAIL.fullmatch(tag[len(model_stem) + 1 :])
+                ):
                     continue
                 fd = _interrupted(base_fd, tag, owner)
                 if fd < 0:
@@ -198,7 +207,10 @@ class Workspace:
             elif outcome != "interrupted" and fd >= 0:
                 root_fd = _open_dir(self.tag, base_fd)
                 try:
-                    if os.stat(RUNNING, dir_fd=root_fd, follow_symlinks=False).st_ino == os.fstat(fd).st_ino:
+                    if (
+                        os.stat(RUNNING, dir_fd=root_fd, follow_symlinks=False).st_ino
+                        == os.fstat(fd).st_ino
+                    ):
                         os.unlink(RUNNING, dir_fd=root_fd)
                 finally:
                     os.close(root_fd)
@@ -234,7 +246,9 @@ class Workspace:
                     if safefs.reserve(name, dir_fd=out):
                         return self.output / name
         except OSError as exc:
-            raise AoedError(f"{self.output}: cannot write the result ({exc.strerror or exc})") from None
+            raise AoedError(
+                f"{self.output}: cannot write the result ({exc.strerror or exc})"
+            ) from None
         raise AoedError(f"{self.output}: no free result file name for {stem}")
 
     def gone(self) -> str | None:
@@ -249,8 +263,10 @@ class Workspace:
             return None
         if not self.output.is_dir():
             return f"output directory {self.output}: removed while the job ran, so its outputs cannot be written there"
-        return (f"output directory {self.output}: the job's workspace {self.root} was removed while the job ran, "
-                "so its outputs cannot be written there")  # fmt: skip
+        return (
+            f"output directory {self.output}: the job's workspace {self.root} was removed while the job ran, "
+            "so its outputs cannot be written there"
+        )
 
     def clean(self) -> None:
         """Remove the scratch files (best effort)."""

@@ -107,7 +107,9 @@ class World:
         self.name = name
         self.on_wait = on_wait
         self.init_limit_s = init_limit_s
-        self._locks = [DeviceLock(runtime_dir, d) for d in sorted(lock_names(spec.backend, spec.world_size))]
+        self._locks = [
+            DeviceLock(runtime_dir, d) for d in sorted(lock_names(spec.backend, spec.world_size))
+        ]
         self._ranks: list[Child] = []
         self.generation = 0
         self.layout: dict[str, Any] = {}
@@ -156,8 +158,12 @@ class World:
                     for r, (child, request) in enumerate(zip(self._ranks, requests, strict=True)):
                         nursery.start_soon(one, r, child, request, nursery.cancel_scope)
             if timer.cancelled_caught and not failures:
-                failures.append(WorldError(f"{self.name}: no answer from every rank within {limit_s:.0f} s (a rank "
-                                           "hung in a collective?)"))  # fmt: skip
+                failures.append(
+                    WorldError(
+                        f"{self.name}: no answer from every rank within {limit_s:.0f} s (a rank "
+                        "hung in a collective?)"
+                    )
+                )
         except BaseException:
             await self.aclose()
             raise
@@ -176,23 +182,42 @@ class World:
         self.workdir.mkdir(parents=True, exist_ok=True)
         store = self.workdir / f"{self.name}-{self.generation}.store"
         store.unlink(missing_ok=True)
-        cores, threads = _cores(self.spec.world_size) if self.spec.backend == "gloo" else (
-            [[] for _ in range(self.spec.world_size)], 1)  # fmt: skip
+        cores, threads = (
+            _cores(self.spec.world_size)
+            if self.spec.backend == "gloo"
+            else ([[] for _ in range(self.spec.world_size)], 1)
+        )
         env = _rank_env(self.spec, threads)
         self._ranks = [
-            Child(RANK_MODULE, f"{self.name} rank {r}", self.workdir / f"{self.name}-rank{r}.log", cpus=cores[r],
-                  env=env, restart=False)
+            Child(
+                RANK_MODULE,
+                f"{self.name} rank {r}",
+                self.workdir / f"{self.name}-rank{r}.log",
+                cpus=cores[r],
+                env=env,
+                restart=False,
+            )
             for r in range(self.spec.world_size)
-        ]  # fmt: skip
-        requests = [RankInitRequest(rank=r, world_size=self.spec.world_size, backend=self.spec.backend,
-                                    source=dict(self.spec.source), store=str(store), threads=threads)
-                    for r in range(self.spec.world_size)]  # fmt: skip
+        ]
+        requests = [
+            RankInitRequest(
+                rank=r,
+                world_size=self.spec.world_size,
+                backend=self.spec.backend,
+                source=dict(self.spec.source),
+                store=str(store),
+                threads=threads,
+            )
+            for r in range(self.spec.world_size)
+        ]
         async with self._held():
             replies = await self._all(requests, self.init_limit_s)
         if any(rep.get("params") != replies[0].get("params") for rep in replies):
             await self.aclose()
-            raise ModelError(f"{self.spec.source.get('path')}: the ranks loaded different models (gradient layouts "
-                             "differ): every rank must build the same model")  # fmt: skip
+            raise ModelError(
+                f"{self.spec.source.get('path')}: the ranks loaded different models (gradient layouts "
+                "differ): every rank must build the same model"
+            )
         self.layout = replies[0]
         return self.layout
 
@@ -219,15 +244,24 @@ class World:
             lock.close()
 
 
-async def inspect_model(source: Mapping[str, str], backend: str, world_size: int, workdir: Path) -> dict[str, Any]:
+async def inspect_model(
+    source: Mapping[str, str], backend: str, world_size: int, workdir: Path
+) -> dict[str, Any]:
     """The model's gradient layout (and what this torch supports), from one rank process
     that loads it without joining any world. Raises ModelError/OptionError for the
     model or backend, WorldError when the process fails."""
-    child = Child(RANK_MODULE, "inspect", workdir / "inspect.log", env={"TORCH_FORCE_WEIGHTS_ONLY_LOAD": "1"},
-                  restart=False)  # fmt: skip
+    child = Child(
+        RANK_MODULE,
+        "inspect",
+        workdir / "inspect.log",
+        env={"TORCH_FORCE_WEIGHTS_ONLY_LOAD": "1"},
+        restart=False,
+    )
     try:
         try:
-            answer = await child.call(RankInspectRequest(source=dict(source), backend=backend, world_size=world_size))
+            answer = await child.call(
+                RankInspectRequest(source=dict(source), backend=backend, world_size=world_size)
+            )
         except ChildDiedError as exc:
             raise WorldError(f"loading the model: {exc}") from None
         if not answer.ok:

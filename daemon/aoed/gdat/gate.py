@@ -36,11 +36,15 @@ def judge(cls: str, figures: dict[str, Any]) -> tuple[bool, str]:
     if cls == "lowrank":
         gap = float(figures.get("loss_gap", math.inf))
         exact, hooked = figures.get("loss_exact") or [0.0], figures.get("loss_hooked") or [0.0]
-        words = (f"loss after {len(exact) - 1} steps {hooked[-1]:.6g} vs exact {exact[-1]:.6g} (from {exact[0]:.6g}): "
-                 f"gap {gap:.3g} of the exact decrease, bound {LOWRANK_BOUND:g}")  # fmt: skip
+        words = (
+            f"loss after {len(exact) - 1} steps {hooked[-1]:.6g} vs exact {exact[-1]:.6g} (from {exact[0]:.6g}): "
+            f"gap {gap:.3g} of the exact decrease, bound {LOWRANK_BOUND:g}"
+        )
         return gap <= LOWRANK_BOUND, words
     bound = BOUNDS[cls]
     err = float(figures.get("max_rel_error", math.inf))
-    words = (f"largest relative gradient error {err:.3g} (tensor {figures.get('worst_param')}; all gradients "
-             f"{float(figures.get('global_rel_error', math.inf)):.3g}), bound {bound:.3g}")  # fmt: skip
+    words = (
+        f"largest relative gradient error {err:.3g} (tensor {figures.get('worst_param')}; all gradients "
+        f"{float(figures.get('global_rel_error', math.inf)):.3g}), bound {bound:.3g}"
+    )
     return err <= bound, words

@@ -95,13 +95,19 @@ class GdatOptions:
         if self.budget_s is not None and not self.budget_s > 0:
             raise OptionError("--budget must be a positive number of seconds")
         if self.rounds < 3 or self.confirm_rounds < 3 or self.steps < 1 or self.warmup < 1:
-            raise OptionError("GDAT rounds: at least 3 per stage and per confirmation, 1 warm-up and 1 measured step")
+            raise OptionError(
+                "GDAT rounds: at least 3 per stage and per confirmation, 1 warm-up and 1 measured step"
+            )
         if self.entry:
             if self.model.suffix != ".py":
-                raise OptionError(f"--entry {self.model}:{self.entry}: expected a .py file and a function in it")
+                raise OptionError(
+                    f"--entry {self.model}:{self.entry}: expected a .py file and a function in it"
+                )
         elif self.model.suffix != ".pt2":
-            raise OptionError(f"{self.model}: --job-type gdat tunes a torch.export program (.pt2, saved with "
-                              "torch.export.save) or, with --entry FILE.py:FUNCTION, your own training code")  # fmt: skip
+            raise OptionError(
+                f"{self.model}: --job-type gdat tunes a torch.export program (.pt2, saved with "
+                "torch.export.save) or, with --entry FILE.py:FUNCTION, your own training code"
+            )
         if not self.model.is_file():
             raise OptionError(f"{self.model}: no such file")
         return dataclasses.replace(self, backend=backend, precision=precision)
@@ -109,7 +115,11 @@ class GdatOptions:
     @property
     def source(self) -> dict[str, str]:
         path = str(self.model.resolve())
-        return {"kind": "entry", "path": path, "function": self.entry} if self.entry else {"kind": "pt2", "path": path}
+        return (
+            {"kind": "entry", "path": path, "function": self.entry}
+            if self.entry
+            else {"kind": "pt2", "path": path}
+        )
 
 
 class _JobFilter(logging.Filter):
@@ -156,15 +166,24 @@ def _planned_turns(layout: GradientLayout, precision: str, knobs: int, rounds: i
 
 
 class _Job:
-    def __init__(self, opts: GdatOptions, config: Config, emit: Callable[[JobEvent], None], job_id: str,
-                 ws: Workspace, bank: BankWriter):  # fmt: skip
+    def __init__(
+        self,
+        opts: GdatOptions,
+        config: Config,
+        emit: Callable[[JobEvent], None],
+        job_id: str,
+        ws: Workspace,
+        bank: BankWriter,
+    ):
         self.opts = opts
         self.config = config
         self.job_id = job_id
         self.ws = ws
         self.bank = bank
         self.ledger = JobLedger(job_id, emit)
-        self.budget = Budget(opts.budget_s or MAX_BUDGET_S, self.ledger, given=opts.budget_s is not None)
+        self.budget = Budget(
+            opts.budget_s or MAX_BUDGET_S, self.ledger, given=opts.budget_s is not None
+        )
         self.fitted = opts.budget_s is not None
         self.worlds: dict[str, World] = {}
         self.started = time.monotonic()
@@ -174,8 +193,13 @@ class _Job:
 
     def open_world(self, key: str, env: tuple[tuple[str, str], ...]) -> World:
         spec = WorldSpec(self.opts.source, self.opts.world_size, self.opts.backend, env)
-        world = World(spec, self.ws.root / "worlds", self.config.runtime_dir, name=f"world{len(self.worlds)}",
-                      on_wait=self.ledger.waiting)  # fmt: skip
+        world = World(
+            spec,
+            self.ws.root / "worlds",
+            self.config.runtime_dir,
+            name=f"world{len(self.worlds)}",
+            on_wait=self.ledger.waiting,
+        )
         self.worlds[key] = world
         return world
 
@@ -188,7 +212,11 @@ class _Job:
 
     def remaining_s(self, meter: Meter, layout: GradientLayout, knobs: int) -> float:
         if not self.fitted and meter.turn_s > 0:
-            planned = _planned_turns(layout, self.opts.precision, knobs, self.opts.rounds) * meter.turn_s * 1.3
+            planned = (
+                _planned_turns(layout, self.opts.precision, knobs, self.opts.rounds)
+                * meter.turn_s
+                * 1.3
+            )
             self.budget.total_s = min(MAX_BUDGET_S, max(MIN_BUDGET_S, planned))
             self.fitted = True
         return self.budget.remaining_s
@@ -199,7 +227,9 @@ class _Job:
         opts = self.opts
         self.emit("stage", f"loading {opts.model.name}")
         t0 = time.monotonic()
-        info = await inspect_model(opts.source, opts.backend, opts.world_size or 0, self.ws.root / "worlds")
+        info = await inspect_model(
+            opts.source, opts.backend, opts.world_size or 0, self.ws.root / "worlds"
+        )
         self.ledger.charge_device(time.monotonic() - t0, "profile")
         if opts.world_size is None:
             n = 2 if opts.backend == "gloo" else int(info.get("devices") or 0)
@@ -209,33 +239,68 @@ class _Job:
         host = host_fingerprint(opts.backend, str(info.get("accelerator") or ""))
         sig = layout.signature()
         key = bankrules.key_for(sig, host, opts.precision)
-        log.info("job %s: %d gradients, %.3f MiB, key %s", self.job_id, len(layout.params),
-                 layout.grad_bytes / (1 << 20), key.decode())  # fmt: skip
+        log.info(
+            "job %s: %d gradients, %.3f MiB, key %s",
+            self.job_id,
+            len(layout.params),
+            layout.grad_bytes / (1 << 20),
+            key.decode(),
+        )
         rec, layer = await self.bank.lookup_layered(key)
         default, default_layer = await self.bank.known_default_layered(key)
         ans = bankrules.answer(rec, layer, default, default_layer, host)
         if ans.usable(opts.repeat_tune):
             return self._from_bank(ans, layout, key)
-        banked = DDPConfig.from_params(ans.record.params) if ans.kind == "hit" and ans.record is not None else None
-        knobs = opts.world_knobs if opts.world_knobs is not None else space.world_knobs(opts.backend)
+        banked = (
+            DDPConfig.from_params(ans.record.params)
+            if ans.kind == "hit" and ans.record is not None
+            else None
+        )
+        knobs = (
+            opts.world_knobs if opts.world_knobs is not None else space.world_knobs(opts.backend)
+        )
         main = self.open_world("", ())
-        meter = Meter(self.worlds, self.ledger.charge_device, lambda: self.remaining_s(meter, layout, len(knobs)),
-                      self.emit, warmup=opts.warmup, steps=opts.steps)  # fmt: skip
+        meter = Meter(
+            self.worlds,
+            self.ledger.charge_device,
+            lambda: self.remaining_s(meter, layout, len(knobs)),
+            self.emit,
+            warmup=opts.warmup,
+            steps=opts.steps,
+        )
         self.emit("stage", f"starting a world of {opts.world_size} on {opts.backend}")
         t0 = time.monotonic()
         await main.start()
-        self.ledger.charge_device(time.monotonic() - t0, "profile")  # starting a world is not searching
-        search = Search(layout, opts.precision, main.spec, meter, self.open_world,
-                        first_bucket=bool(main.layout.get("first_bucket")), plugins=plugin_hook_names(),
-                        banked=banked, world_knobs=tuple(knobs), rounds=opts.rounds,
-                        confirm_rounds=opts.confirm_rounds)  # fmt: skip
+        self.ledger.charge_device(
+            time.monotonic() - t0, "profile"
+        )  # starting a world is not searching
+        search = Search(
+            layout,
+            opts.precision,
+            main.spec,
+            meter,
+            self.open_world,
+            first_bucket=bool(main.layout.get("first_bucket")),
+            plugins=plugin_hook_names(),
+            banked=banked,
+            world_knobs=tuple(knobs),
+            rounds=opts.rounds,
+            confirm_rounds=opts.confirm_rounds,
+        )
         proposal = await search.run()
         confirmed = await search.confirm(proposal, banked)
         mode, shipped = await self._write_bank(ans, key, sig, host, search, confirmed)
         return self._result(layout, key, search, confirmed, meter, shipped, mode)
 
-    async def _write_bank(self, ans: bankrules.BankAnswer, key: bytes, sig: Any, host: Any, search: Search,
-                          confirmed: Confirmed) -> tuple[str, DDPConfig]:  # fmt: skip
+    async def _write_bank(
+        self,
+        ans: bankrules.BankAnswer,
+        key: bytes,
+        sig: Any,
+        host: Any,
+        search: Search,
+        confirmed: Confirmed,
+    ) -> tuple[str, DDPConfig]:
         """AOE's rules for the layout just tuned; (update mode, what ships)."""
         figs = confirmed.figures
         measured = {name: f.measurement() for name, f in figs.items()}
@@ -248,31 +313,69 @@ class _Job:
         params_confirmed = json.dumps({**confirmed.to_json(), "job": self.job_id}, sort_keys=True)
         write = BankWrite()
         if outcome.write_entry:
-            gate_err = next((float(g.get("max_rel_error", 0.0)) for g in search.gates
-                             if g["config"] == shipped.label and "max_rel_error" in g), 0.0)  # fmt: skip
+            gate_err = next(
+                (
+                    float(g.get("max_rel_error", 0.0))
+                    for g in search.gates
+                    if g["config"] == shipped.label and "max_rel_error" in g
+                ),
+                0.0,
+            )
             winner = dataclasses.replace(measured[shipped.label], max_rel_error=gate_err)
-            params = {**shipped.to_params(), "confirmed": params_confirmed,
-                      "tail_before_ms": f"{confirmed.baseline_tail_ms:.4f}",
-                      "tail_after_ms": f"{confirmed.result_tail_ms:.4f}"}  # fmt: skip
-            record = bankrules.make_record(key, sig, host, shipped.label, "gdat", self.opts.precision, winner,
-                                           measured[DEFAULT], self.job_id, self.opts.model.name, params)  # fmt: skip
+            params = {
+                **shipped.to_params(),
+                "confirmed": params_confirmed,
+                "tail_before_ms": f"{confirmed.baseline_tail_ms:.4f}",
+                "tail_after_ms": f"{confirmed.result_tail_ms:.4f}",
+            }
+            record = bankrules.make_record(
+                key,
+                sig,
+                host,
+                shipped.label,
+                "gdat",
+                self.opts.precision,
+                winner,
+                measured[DEFAULT],
+                self.job_id,
+                self.opts.model.name,
+                params,
+            )
             write = dataclasses.replace(write, entries=(record,))
         if outcome.write_default:
-            doc = {"default_us": measured[DEFAULT].median_us, "job": self.job_id, "confirmed": params_confirmed}
+            doc = {
+                "default_us": measured[DEFAULT].median_us,
+                "job": self.job_id,
+                "confirmed": params_confirmed,
+            }
             write = dataclasses.replace(write, defaults=((key, doc),))
         now = time.time()
         trials = tuple(
-            (key, {"stage": f.stage, "strategy": f.name, "params": f.config.to_params(), "job": self.job_id,
-                   "time": now, "rounds_us": f.rounds_us, "tails_us": f.tails_us, "error": f.error,
-                   "dropped": f.dropped, **f.measurement().summary()})
+            (
+                key,
+                {
+                    "stage": f.stage,
+                    "strategy": f.name,
+                    "params": f.config.to_params(),
+                    "job": self.job_id,
+                    "time": now,
+                    "rounds_us": f.rounds_us,
+                    "tails_us": f.tails_us,
+                    "error": f.error,
+                    "dropped": f.dropped,
+                    **f.measurement().summary(),
+                },
+            )
             for f in [*search.figures, *figs.values()]
-        )  # fmt: skip
+        )
         write = dataclasses.replace(write, trials=trials)
         self.emit("stage", f"recording {outcome.mode} in the bank")
         await self.bank.write(write)
         return outcome.mode, shipped
 
-    def _from_bank(self, ans: bankrules.BankAnswer, layout: GradientLayout, key: bytes) -> GdatResult:
+    def _from_bank(
+        self, ans: bankrules.BankAnswer, layout: GradientLayout, key: bytes
+    ) -> GdatResult:
         conf = bankrules.confirmed(ans) or {}
         if ans.kind == "hit" and ans.record is not None:
             config = DDPConfig.from_params(ans.record.params)
@@ -283,40 +386,80 @@ class _Job:
         imp = float(conf.get("improvement", base_ms / res_ms - 1 if res_ms > 0 else 0.0))
         lo, hi = conf.get("improvement_ci95", (imp, imp))
         result = GdatResult(
-            job_id=self.job_id, model=str(self.opts.model), precision=self.opts.precision, backend=self.opts.backend,
-            world_size=self.opts.world_size, layout=layout, key=key.decode(), shipped=config,
-            verdict=str(conf.get("verdict", "from the bank")), baseline_ms=base_ms, result_ms=res_ms,
+            job_id=self.job_id,
+            model=str(self.opts.model),
+            precision=self.opts.precision,
+            backend=self.opts.backend,
+            world_size=self.opts.world_size,
+            layout=layout,
+            key=key.decode(),
+            shipped=config,
+            verdict=str(conf.get("verdict", "from the bank")),
+            baseline_ms=base_ms,
+            result_ms=res_ms,
             baseline_tail_ms=float(conf.get("baseline_tail_ms", 0.0)),
-            result_tail_ms=float(conf.get("result_tail_ms", 0.0)), improvement=imp, improvement_ci95=(lo, hi),
-            tuning_time_s=time.monotonic() - self.started, update_mode="hit", bank_layer=ans.layer,
-            from_bank=ans.job_id or "?", confirmation={**conf, "from_bank": ans.job_id},
-            notes=[f"answered from the bank (layer {ans.layer}, job {ans.job_id}): no world started; "
-                   "--repeat-tune measures again"],
-        )  # fmt: skip
+            result_tail_ms=float(conf.get("result_tail_ms", 0.0)),
+            improvement=imp,
+            improvement_ci95=(lo, hi),
+            tuning_time_s=time.monotonic() - self.started,
+            update_mode="hit",
+            bank_layer=ans.layer,
+            from_bank=ans.job_id or "?",
+            confirmation={**conf, "from_bank": ans.job_id},
+            notes=[
+                f"answered from the bank (layer {ans.layer}, job {ans.job_id}): no world started; "
+                "--repeat-tune measures again"
+            ],
+        )
         result.budget = self.budget.report()
         return result
 
-    def _result(self, layout: GradientLayout, key: bytes, search: Search, confirmed: Confirmed, meter: Meter,
-                shipped: DDPConfig, mode: str) -> GdatResult:  # fmt: skip
+    def _result(
+        self,
+        layout: GradientLayout,
+        key: bytes,
+        search: Search,
+        confirmed: Confirmed,
+        meter: Meter,
+        shipped: DDPConfig,
+        mode: str,
+    ) -> GdatResult:
         chosen = dict(search.kept)
         chosen["confirm"] = shipped.label if not shipped.is_default else DEFAULT
         figs = [*search.figures, *confirmed.figures.values()]
         ledger = self.ledger
         return GdatResult(
-            job_id=self.job_id, model=str(self.opts.model), precision=self.opts.precision, backend=self.opts.backend,
-            world_size=self.opts.world_size, layout=layout, key=key.decode(), shipped=shipped,
-            verdict=confirmed.verdict, baseline_ms=confirmed.baseline_ms, result_ms=confirmed.result_ms,
-            baseline_tail_ms=confirmed.baseline_tail_ms, result_tail_ms=confirmed.result_tail_ms,
-            improvement=confirmed.improvement, improvement_ci95=confirmed.improvement_ci95,
-            tuning_time_s=time.monotonic() - self.started, update_mode=mode, confirmation=confirmed.to_json(),
-            configurations=configurations(figs, chosen, search.gates), gates=search.gates,
-            broken_turns=list(meter.failures), budget=self.budget.report(),
-            resources={"device_s": round(ledger.device_s, 3), "worlds": len(self.worlds),
-                       "world_restarts": sum(w.restarts for w in self.worlds.values()),
-                       "configurations_measured": len({f.name for f in search.figures}),
-                       "turn_s": round(meter.turn_s, 4)},
+            job_id=self.job_id,
+            model=str(self.opts.model),
+            precision=self.opts.precision,
+            backend=self.opts.backend,
+            world_size=self.opts.world_size,
+            layout=layout,
+            key=key.decode(),
+            shipped=shipped,
+            verdict=confirmed.verdict,
+            baseline_ms=confirmed.baseline_ms,
+            result_ms=confirmed.result_ms,
+            baseline_tail_ms=confirmed.baseline_tail_ms,
+            result_tail_ms=confirmed.result_tail_ms,
+            improvement=confirmed.improvement,
+            improvement_ci95=confirmed.improvement_ci95,
+            tuning_time_s=time.monotonic() - self.started,
+            update_mode=mode,
+            confirmation=confirmed.to_json(),
+            configurations=configurations(figs, chosen, search.gates),
+            gates=search.gates,
+            broken_turns=list(meter.failures),
+            budget=self.budget.report(),
+            resources={
+                "device_s": round(ledger.device_s, 3),
+                "worlds": len(self.worlds),
+                "world_restarts": sum(w.restarts for w in self.worlds.values()),
+                "configurations_measured": len({f.name for f in search.figures}),
+                "turn_s": round(meter.turn_s, 4),
+            },
             notes=[*confirmed.notes, *search.notes, *meter.notes],
-        )  # fmt: skip
+        )
 
 
 async def run_gdat(
@@ -346,8 +489,14 @@ async def run_gdat(
     failed = True
     try:
         with _job_log(ws.log_path, job_id):
-            log.info("job %s: gdat %s (%s, world of %s on %s)", job_id, opts.model, opts.precision,
-                     opts.world_size or "default size", opts.backend)  # fmt: skip
+            log.info(
+                "job %s: gdat %s (%s, world of %s on %s)",
+                job_id,
+                opts.model,
+                opts.precision,
+                opts.world_size or "default size",
+                opts.backend,
+            )
             async with trio.open_nursery() as nursery:
                 if own_bank:
                     await nursery.start(bank.run)
@@ -361,7 +510,9 @@ async def run_gdat(
             if scope.cancelled_caught:
                 failed = False
                 log.info("job %s: cancelled", job_id)
-                raise JobCancelledError(f"job {job_id} cancelled" + (f": {handle.reason}" if handle.reason else ""))
+                raise JobCancelledError(
+                    f"job {job_id} cancelled" + (f": {handle.reason}" if handle.reason else "")
+                )
             result.workspace = str(ws.root)
             ddp_path = ws.result_dir / "ddp_config.json"
             write_json(ddp_path, ddp_config_doc(result))

@@ -87,12 +87,16 @@ def _why_lost(f: Figures, winner: Figures | None) -> str:
     mine, theirs = f.measurement(), winner.measurement()
     if clearly_faster(theirs, mine):
         med, lo, hi = paired_ratio(theirs, mine)
-        return (f"{winner.name} clearly faster ({theirs.median_us / 1e3:.4f} ms vs {mine.median_us / 1e3:.4f} ms; "
-                f"median round ratio {med:.3f}, 90% interval [{lo:.3f}, {hi:.3f}])")  # fmt: skip
+        return (
+            f"{winner.name} clearly faster ({theirs.median_us / 1e3:.4f} ms vs {mine.median_us / 1e3:.4f} ms; "
+            f"median round ratio {med:.3f}, 90% interval [{lo:.3f}, {hi:.3f}])"
+        )
     return why_not_faster(mine, theirs, winner.name)
 
 
-def configurations(figures: list[Figures], chosen: dict[str, str], gates: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def configurations(
+    figures: list[Figures], chosen: dict[str, str], gates: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
     """Every configuration measured, stage by stage, with what became of it; `chosen`
     maps each stage to the configuration it kept."""
     out = []
@@ -110,20 +114,38 @@ def configurations(figures: list[Figures], chosen: dict[str, str], gates: list[d
         elif f.name == keep:
             status, why = "chosen", ""
         elif f.stage == "confirm" and f.config.is_default:
-            status, why = "reference", "a second instance of DDP's defaults: the noise floor of the confirming rounds"
+            status, why = (
+                "reference",
+                "a second instance of DDP's defaults: the noise floor of the confirming rounds",
+            )
         else:
             status, why = "lost", _why_lost(f, winner)
         tails = [t for t in f.tails_us if t is not None]
-        out.append({
-            "stage": f.stage, "name": f.name, "world": f.world or "main", "params": f.config.to_params(),
-            "step_ms": round(m.median_us / 1e3, 4) if m.ok else None,
-            "tail_ms": round(stats.median(tails) / 1e3, 4) if tails else None,
-            "rounds_ms": [round(v / 1e3, 4) if v else None for v in f.rounds_us],
-            "per_rank": f.per_rank(), "buckets": f.buckets, "status": status, "why": why,
-        })  # fmt: skip
+        out.append(
+            {
+                "stage": f.stage,
+                "name": f.name,
+                "world": f.world or "main",
+                "params": f.config.to_params(),
+                "step_ms": round(m.median_us / 1e3, 4) if m.ok else None,
+                "tail_ms": round(stats.median(tails) / 1e3, 4) if tails else None,
+                "rounds_ms": [round(v / 1e3, 4) if v else None for v in f.rounds_us],
+                "per_rank": f.per_rank(),
+                "buckets": f.buckets,
+                "status": status,
+                "why": why,
+            }
+        )
     for g in gates:
         if not g.get("passed"):
-            out.append({"stage": "hooks", "name": g["config"], "status": "rejected", "why": f"gate: {g['why']}"})
+            out.append(
+                {
+                    "stage": "hooks",
+                    "name": g["config"],
+                    "status": "rejected",
+                    "why": f"gate: {g['why']}",
+                }
+            )
     return out
 
 
@@ -135,28 +157,47 @@ def ddp_config_doc(result: GdatResult) -> dict[str, Any]:
         "params": cfg.to_params(),
         "bank_key": result.key,
         "precision": result.precision,
-        "layout": {"signature": result.layout.signature().digest, "gradients": len(result.layout.params),
-                   "grad_mb": round(result.layout.grad_bytes / (1 << 20), 3), "world_size": result.world_size,
-                   "backend": result.backend},  # fmt: skip
-        "step_ms": {"defaults": round(result.baseline_ms, 4), "shipped": round(result.result_ms, 4)},
+        "layout": {
+            "signature": result.layout.signature().digest,
+            "gradients": len(result.layout.params),
+            "grad_mb": round(result.layout.grad_bytes / (1 << 20), 3),
+            "world_size": result.world_size,
+            "backend": result.backend,
+        },
+        "step_ms": {
+            "defaults": round(result.baseline_ms, 4),
+            "shipped": round(result.result_ms, 4),
+        },
         "job_id": result.job_id,
         "usage": "model = aoe.gdat.ddp(model)  # after init_process_group; or DistributedDataParallel(model, "
-                 "**ddp_kwargs) and register_comm_hook as comm_hook says",
+        "**ddp_kwargs) and register_comm_hook as comm_hook says",
     }
 
 
 def _details(result: GdatResult) -> dict[str, Any]:
     return {
-        "gradient_precision": result.precision, "backend": result.backend, "world_size": result.world_size,
-        "baseline_tail_ms": round(result.baseline_tail_ms, 6), "result_tail_ms": round(result.result_tail_ms, 6),
-        "ddp_config": result.shipped.to_json(), "ddp_config_file": result.ddp_config,
-        "update_mode": result.update_mode, "bank_layer": result.bank_layer,
-        "confirmation": result.confirmation, "configurations": result.configurations, "gates": result.gates,
+        "gradient_precision": result.precision,
+        "backend": result.backend,
+        "world_size": result.world_size,
+        "baseline_tail_ms": round(result.baseline_tail_ms, 6),
+        "result_tail_ms": round(result.result_tail_ms, 6),
+        "ddp_config": result.shipped.to_json(),
+        "ddp_config_file": result.ddp_config,
+        "update_mode": result.update_mode,
+        "bank_layer": result.bank_layer,
+        "confirmation": result.confirmation,
+        "configurations": result.configurations,
+        "gates": result.gates,
         "broken_turns": result.broken_turns,
-        "layout": {"signature": result.layout.signature().digest, "bank_key": result.key,
-                   "gradients": len(result.layout.params), "grad_mb": round(result.layout.grad_bytes / (1 << 20), 3),
-                   "world_size": result.world_size, "backend": result.backend},
-    }  # fmt: skip
+        "layout": {
+            "signature": result.layout.signature().digest,
+            "bank_key": result.key,
+            "gradients": len(result.layout.params),
+            "grad_mb": round(result.layout.grad_bytes / (1 << 20), 3),
+            "world_size": result.world_size,
+            "backend": result.backend,
+        },
+    }
 
 
 def _figures(result: GdatResult) -> JobFigures:
@@ -164,28 +205,54 @@ def _figures(result: GdatResult) -> JobFigures:
     rounds = int(result.confirmation.get("rounds") or 0)
     if result.shipped.is_default:
         decided = result.confirmation.get("decided_by")
-        return JobFigures.unchanged(result.verdict, result.baseline_ms, rounds,
-                                    Comparison.from_dict(decided) if isinstance(decided, dict) else None,
-                                    confirmed_by=result.from_bank)  # fmt: skip
+        return JobFigures.unchanged(
+            result.verdict,
+            result.baseline_ms,
+            rounds,
+            Comparison.from_dict(decided) if isinstance(decided, dict) else None,
+            confirmed_by=result.from_bank,
+        )
     lo, hi = result.improvement_ci95
-    return JobFigures("faster", "tuned", result.baseline_ms, result.improvement, (lo, hi), rounds,
-                      result.from_bank)  # fmt: skip
+    return JobFigures(
+        "faster",
+        "tuned",
+        result.baseline_ms,
+        result.improvement,
+        (lo, hi),
+        rounds,
+        result.from_bank,
+    )
 
 
 def to_outcome(result: GdatResult) -> JobOutcome:
     """The job's result in the shape every job's has; the GDAT-only parts in `details`.
     Its `tuned_model` is the ddp_config.json (what a training script applies)."""
     b = dict(result.budget)
-    budget = BudgetReport(budget_s=float(b.get("budget_s") or 0.0), given=bool(b.get("given")),
-                          spent_s=float(b.get("spent_s") or 0.0), search_s=float(b.get("search_s") or 0.0),
-                          confirm_s=float(b.get("confirm_s") or 0.0), elapsed_s=result.tuning_time_s)  # fmt: skip
+    budget = BudgetReport(
+        budget_s=float(b.get("budget_s") or 0.0),
+        given=bool(b.get("given")),
+        spent_s=float(b.get("spent_s") or 0.0),
+        search_s=float(b.get("search_s") or 0.0),
+        confirm_s=float(b.get("confirm_s") or 0.0),
+        elapsed_s=result.tuning_time_s,
+    )
     return JobOutcome(
-        job_id=result.job_id, model=result.model, tuned_model=result.ddp_config, result_json=result.result_json,
-        precision=Precision.EXACT, job_type=JobType.GDAT, device=f"{result.backend} world of {result.world_size}",
-        tuning_time_s=result.tuning_time_s, figures=_figures(result), bank=result.repo,
+        job_id=result.job_id,
+        model=result.model,
+        tuned_model=result.ddp_config,
+        result_json=result.result_json,
+        precision=Precision.EXACT,
+        job_type=JobType.GDAT,
+        device=f"{result.backend} world of {result.world_size}",
+        tuning_time_s=result.tuning_time_s,
+        figures=_figures(result),
+        bank=result.repo,
         resources={k: float(v) for k, v in result.resources.items() if isinstance(v, int | float)},
-        budget=budget, notes=tuple(result.notes), workspace=result.workspace, details=_details(result),
-    )  # fmt: skip
+        budget=budget,
+        notes=tuple(result.notes),
+        workspace=result.workspace,
+        details=_details(result),
+    )
 
 
 def result_doc(result: GdatResult) -> dict[str, Any]:

@@ -75,14 +75,23 @@ class Figures:
     def measurement(self) -> Measurement:
         values = [v for v in self.rounds_us if v]
         if not values:
-            return Measurement(ok=False, error=self.error or "not measured", rounds_us=tuple(self.rounds_us))
+            return Measurement(
+                ok=False, error=self.error or "not measured", rounds_us=tuple(self.rounds_us)
+            )
         q25, q75 = stats.quantile(values, 0.25), stats.quantile(values, 0.75)
         med = stats.median(values)
         return Measurement(
-            ok=True, median_us=med, spread=(q75 - q25) / med if med else 0.0, repeats=sum(map(len, self.rank_steps_us[:1])),
-            min_us=min(values), q25_us=q25, q75_us=q75, dropped=bool(self.dropped), reason=self.dropped,
+            ok=True,
+            median_us=med,
+            spread=(q75 - q25) / med if med else 0.0,
+            repeats=sum(map(len, self.rank_steps_us[:1])),
+            min_us=min(values),
+            q25_us=q25,
+            q75_us=q75,
+            dropped=bool(self.dropped),
+            reason=self.dropped,
             rounds_us=tuple(self.rounds_us),
-        )  # fmt: skip
+        )
 
     @property
     def tail_us(self) -> float:
@@ -94,8 +103,12 @@ class Figures:
         out = []
         for steps, tails in zip(self.rank_steps_us, self.rank_tails_us, strict=False):
             if steps:
-                out.append({"step_ms": round(stats.median(steps) / 1e3, 4),
-                            "tail_ms": round(stats.median(tails) / 1e3, 4) if tails else 0.0})  # fmt: skip
+                out.append(
+                    {
+                        "step_ms": round(stats.median(steps) / 1e3, 4),
+                        "tail_ms": round(stats.median(tails) / 1e3, 4) if tails else 0.0,
+                    }
+                )
         return out
 
 
@@ -131,22 +144,36 @@ class Meter:
             self._turns += turns
 
 
-async def _turn(meter: Meter, stage: str, category: str, n: int, world_key: str, e: Entrant,
-                f: Figures) -> None:  # fmt: skip
+async def _turn(
+    meter: Meter, stage: str, category: str, n: int, world_key: str, e: Entrant, f: Figures
+) -> None:
     """One configuration's turn in round `n`: its figure for the round, or None."""
-    request = RankMeasureRequest(configs={e.name: e.config.to_params()}, order=[e.name], warmup=meter.warmup,
-                                 steps=meter.steps)  # fmt: skip
+    request = RankMeasureRequest(
+        configs={e.name: e.config.to_params()},
+        order=[e.name],
+        warmup=meter.warmup,
+        steps=meter.steps,
+    )
     started = time.monotonic()
     try:
         replies = await meter.worlds[world_key].call(request, meter.limit_s())
     except WorldError as exc:
         meter.charge(time.monotonic() - started, category)
-        meter.failures.append({"stage": stage, "round": n, "world": world_key or "main", "configuration": e.name,
-                               "error": str(exc)})  # fmt: skip
+        meter.failures.append(
+            {
+                "stage": stage,
+                "round": n,
+                "world": world_key or "main",
+                "configuration": e.name,
+                "error": str(exc),
+            }
+        )
         log.warning("%s round %d, %s: %s", stage, n, e.name, exc)
         meter.broken_in_a_row += 1
         if meter.broken_in_a_row >= MAX_FAILURES:
-            raise DeviceError(f"GDAT worlds broke {meter.broken_in_a_row} times in a row; the last: {exc}") from None
+            raise DeviceError(
+                f"GDAT worlds broke {meter.broken_in_a_row} times in a row; the last: {exc}"
+            ) from None
         f.breaks += 1
         if f.breaks >= 2:
             f.error = f"its world broke during two of its turns; the last: {exc}"
@@ -200,12 +227,19 @@ async def race(
             break
         cost = meter.turn_s * len(alive)
         if n >= min_rounds and cost > meter.remaining_s():
-            meter.notes.append(f"{stage}: {n} of {rounds} rounds; the device budget allowed no more")
+            meter.notes.append(
+                f"{stage}: {n} of {rounds} rounds; the device budget allowed no more"
+            )
             break
-        meter.emit("progress", f"{stage}: round {n + 1} of {rounds}, {len(alive)} configurations", n, rounds)
+        meter.emit(
+            "progress",
+            f"{stage}: round {n + 1} of {rounds}, {len(alive)} configurations",
+            n,
+            rounds,
+        )
         shift = n % len(alive)
         order = alive[shift:] + alive[:shift]
-        for w in worlds[n % len(worlds):] + worlds[: n % len(worlds)]:
+        for w in worlds[n % len(worlds) :] + worlds[: n % len(worlds)]:
             for e in order:
                 if e.world == w:
                     await _turn(meter, stage, category, n, w, e, figs[e.name])
@@ -230,5 +264,7 @@ def _drop(figs: dict[str, Figures], protect: frozenset[str]) -> None:
             continue
         if clearly_slower(m, ok[leader]):
             med, lo, hi = paired_ratio(m, ok[leader])
-            figs[k].dropped = (f"clearly slower than {leader} (median round ratio {med:.3f}, 90% interval "
-                               f"[{lo:.3f}, {hi:.3f}])")  # fmt: skip
+            figs[k].dropped = (
+                f"clearly slower than {leader} (median round ratio {med:.3f}, 90% interval "
+                f"[{lo:.3f}, {hi:.3f}])"
+            )

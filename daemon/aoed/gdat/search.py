@@ -73,12 +73,19 @@ class Confirmed:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "verdict": self.verdict, "shipped": "tuned" if not self.shipped.is_default else "defaults",
-            "shipped_config": self.shipped.label, "proposal": self.proposal.label,
-            "baseline_ms": self.baseline_ms, "result_ms": self.result_ms, "baseline_tail_ms": self.baseline_tail_ms,
-            "result_tail_ms": self.result_tail_ms, "improvement": self.improvement,
-            "improvement_ci95": list(self.improvement_ci95), "rounds": self.rounds, "decided_by": self.decided_by,
-        }  # fmt: skip
+            "verdict": self.verdict,
+            "shipped": "tuned" if not self.shipped.is_default else "defaults",
+            "shipped_config": self.shipped.label,
+            "proposal": self.proposal.label,
+            "baseline_ms": self.baseline_ms,
+            "result_ms": self.result_ms,
+            "baseline_tail_ms": self.baseline_tail_ms,
+            "result_tail_ms": self.result_tail_ms,
+            "improvement": self.improvement,
+            "improvement_ci95": list(self.improvement_ci95),
+            "rounds": self.rounds,
+            "decided_by": self.decided_by,
+        }
 
 
 @dataclass
@@ -104,8 +111,14 @@ class Search:
 
     # ------------------------------------------------------------------ stages
 
-    async def _stage(self, stage: str, incumbent: DDPConfig, configs: Sequence[DDPConfig], category: str = "search",
-                     worlds: dict[str, str] | None = None) -> DDPConfig:  # fmt: skip
+    async def _stage(
+        self,
+        stage: str,
+        incumbent: DDPConfig,
+        configs: Sequence[DDPConfig],
+        category: str = "search",
+        worlds: dict[str, str] | None = None,
+    ) -> DDPConfig:
         """Race `configs` against `incumbent`; the new incumbent."""
         worlds = worlds or {}
         entrants = [Entrant(c.label, c, worlds.get(c.label, "")) for c in [incumbent, *configs]]
@@ -117,14 +130,22 @@ class Search:
             return incumbent
         self.stages.append(stage)
         self.meter.emit("stage", f"{stage}: {len(entrants)} configurations", 0, 0)
-        figs = await race(self.meter, stage, entrants, self.rounds, category=category,
-                          protect=frozenset({incumbent.label, DEFAULT}))  # fmt: skip
+        figs = await race(
+            self.meter,
+            stage,
+            entrants,
+            self.rounds,
+            category=category,
+            protect=frozenset({incumbent.label, DEFAULT}),
+        )
         self.figures += figs.values()
         measured = {k: f.measurement() for k, f in figs.items()}
         if not measured[incumbent.label].ok:
             ok = {k: m for k, m in measured.items() if m.ok}
             if not ok:
-                self.notes.append(f"{stage}: nothing could be measured; the incumbent {incumbent.label} stays")
+                self.notes.append(
+                    f"{stage}: nothing could be measured; the incumbent {incumbent.label} stays"
+                )
                 return incumbent
             # The incumbent failed in this stage's rounds: the fastest that ran takes over.
             pick = min(ok, key=lambda k: ok[k].median_us)
@@ -144,12 +165,23 @@ class Search:
             try:
                 replies = await self._call("", request, "verify")
             except WorldError as exc:
-                self.gates.append({"config": config.label, "class": cls, "passed": False, "why": str(exc)})
+                self.gates.append(
+                    {"config": config.label, "class": cls, "passed": False, "why": str(exc)}
+                )
                 continue
-            worst = max(replies, key=lambda r: float(r.get("max_rel_error", r.get("loss_gap", 0.0)) or 0.0))
+            worst = max(
+                replies, key=lambda r: float(r.get("max_rel_error", r.get("loss_gap", 0.0)) or 0.0)
+            )
             ok, words = gate.judge(cls, worst)
-            self.gates.append({"config": config.label, "class": cls, "passed": ok, "why": words,
-                               **{k: v for k, v in worst.items() if k not in ("ok", "id", "maxrss_kb")}})  # fmt: skip
+            self.gates.append(
+                {
+                    "config": config.label,
+                    "class": cls,
+                    "passed": ok,
+                    "why": words,
+                    **{k: v for k, v in worst.items() if k not in ("ok", "id", "maxrss_kb")},
+                }
+            )
             if ok:
                 passing.append(config)
         if not passing:
@@ -168,8 +200,9 @@ class Search:
             if key not in self.meter.worlds:
                 self.open_world(key, cand.world)
             before = incumbent
-            incumbent = await self._stage(f"world {key}", incumbent, [cand], category="session",
-                                          worlds={cand.label: key})
+            incumbent = await self._stage(
+                f"world {key}", incumbent, [cand], category="session", worlds={cand.label: key}
+            )
             if incumbent is before:
                 await self.meter.worlds[key].aclose()
         return incumbent
@@ -190,7 +223,9 @@ class Search:
             first.append(self.banked)
         incumbent = await self._stage("ladder", incumbent, first[1:])
         seen = [incumbent, *(f.config for f in self.figures)]
-        incumbent = await self._stage("refine", incumbent, space.refine(self.layout, incumbent, self.first_bucket, seen))
+        incumbent = await self._stage(
+            "refine", incumbent, space.refine(self.layout, incumbent, self.first_bucket, seen)
+        )
         incumbent = await self._stage("flags", incumbent, space.flags(incumbent))
         if self.precision != "exact":
             incumbent = await self._hooks(incumbent)
@@ -206,43 +241,75 @@ class Search:
         if not proposal.is_default:
             entrants.append(Entrant(proposal.label, proposal, world))
         if banked is not None and banked.label not in {e.name for e in entrants}:
-            entrants.append(Entrant(banked.label, banked, ",".join(f"{k}={v}" for k, v in banked.world)))
+            entrants.append(
+                Entrant(banked.label, banked, ",".join(f"{k}={v}" for k, v in banked.world))
+            )
         self.meter.emit("stage", f"confirm: {proposal.label} against DDP's defaults", 0, 0)
-        figs = await race(self.meter, "confirm", entrants, self.confirm_rounds, category="confirm", drop=False,
-                          min_rounds=self.confirm_rounds)  # fmt: skip
+        figs = await race(
+            self.meter,
+            "confirm",
+            entrants,
+            self.confirm_rounds,
+            category="confirm",
+            drop=False,
+            min_rounds=self.confirm_rounds,
+        )
         base, copy = figs[DEFAULT], figs[DEFAULT_2]
         notes: list[str] = []
         shipped, verdict, cand = DDPConfig(), "no significant change", base
         decided: dict[str, Any] | None = None
         if not base.measurement().ok:
-            notes.append(f"DDP's defaults could not be measured in the confirming rounds ({base.error or 'no rounds'})")
+            notes.append(
+                f"DDP's defaults could not be measured in the confirming rounds ({base.error or 'no rounds'})"
+            )
         elif not proposal.is_default:
             prop = figs[proposal.label]
             ratios = stats.paired_ratios(prop.rounds_us, base.rounds_us)
             if len(ratios) >= 3:
                 verdict, med, ci = verdict_of(ratios)
                 c_ratios = stats.paired_ratios(prop.rounds_us, copy.rounds_us)
-                c_verdict, c_med, c_ci = verdict_of(c_ratios) if len(c_ratios) >= 3 else ("not measured", 1.0, (1.0, 1.0))
+                c_verdict, c_med, c_ci = (
+                    verdict_of(c_ratios)
+                    if len(c_ratios) >= 3
+                    else ("not measured", 1.0, (1.0, 1.0))
+                )
                 imp, imp_ci = 1 / med - 1, (1 / ci[1] - 1, 1 / ci[0] - 1)
                 if verdict == "faster" and c_verdict != "faster":
                     verdict = "no significant change"
-                    decided = {"subject": "tuned", "against": "second session", "improvement": 1 / c_med - 1,
-                               "improvement_ci95": [1 / c_ci[1] - 1, 1 / c_ci[0] - 1]}  # fmt: skip
-                    notes.append(f"{proposal.label} not shipped: faster than DDP's defaults ({imp:+.1%}) but not than "
-                                 f"their second instance in the same rounds (ratio {c_med:.3f}, 95% interval "
-                                 f"[{c_ci[0]:.3f}, {c_ci[1]:.3f}]): within the noise of these rounds")  # fmt: skip
+                    decided = {
+                        "subject": "tuned",
+                        "against": "second session",
+                        "improvement": 1 / c_med - 1,
+                        "improvement_ci95": [1 / c_ci[1] - 1, 1 / c_ci[0] - 1],
+                    }
+                    notes.append(
+                        f"{proposal.label} not shipped: faster than DDP's defaults ({imp:+.1%}) but not than "
+                        f"their second instance in the same rounds (ratio {c_med:.3f}, 95% interval "
+                        f"[{c_ci[0]:.3f}, {c_ci[1]:.3f}]): within the noise of these rounds"
+                    )
                 elif verdict == "faster":
                     shipped, cand = proposal, prop
                 else:
-                    decided = {"subject": "tuned", "against": "input", "improvement": imp,
-                               "improvement_ci95": list(imp_ci)}  # fmt: skip
-                    notes.append(f"{proposal.label} not shipped: improvement {imp:+.1%}, 95% interval "
-                                 f"[{imp_ci[0]:+.1%}, {imp_ci[1]:+.1%}]: {verdict}")  # fmt: skip
+                    decided = {
+                        "subject": "tuned",
+                        "against": "input",
+                        "improvement": imp,
+                        "improvement_ci95": list(imp_ci),
+                    }
+                    notes.append(
+                        f"{proposal.label} not shipped: improvement {imp:+.1%}, 95% interval "
+                        f"[{imp_ci[0]:+.1%}, {imp_ci[1]:+.1%}]: {verdict}"
+                    )
             else:
-                notes.append(f"{proposal.label} could not be measured in the confirming rounds "
-                             f"({prop.error or 'too few rounds'}); DDP's defaults ship")  # fmt: skip
-        ratios = stats.paired_ratios(cand.rounds_us, base.rounds_us) if cand is not base else \
-            stats.paired_ratios(copy.rounds_us, base.rounds_us)  # fmt: skip
+                notes.append(
+                    f"{proposal.label} could not be measured in the confirming rounds "
+                    f"({prop.error or 'too few rounds'}); DDP's defaults ship"
+                )
+        ratios = (
+            stats.paired_ratios(cand.rounds_us, base.rounds_us)
+            if cand is not base
+            else stats.paired_ratios(copy.rounds_us, base.rounds_us)
+        )
         if cand is base:
             # The defaults ship: their figure is their own; the interval says how far two
             # instances of them lay apart in these rounds.
@@ -253,9 +320,17 @@ class Search:
             imp, imp_ci = 1 / med - 1, (1 / ci[1] - 1, 1 / ci[0] - 1)
         b, r = base.measurement(), cand.measurement()
         return Confirmed(
-            verdict=verdict, shipped=shipped, proposal=proposal,
-            baseline_ms=b.median_us / 1e3 if b.ok else 0.0, result_ms=r.median_us / 1e3 if r.ok else 0.0,
-            baseline_tail_ms=base.tail_us / 1e3, result_tail_ms=cand.tail_us / 1e3,
-            improvement=imp, improvement_ci95=imp_ci, rounds=len(ratios), notes=notes, figures=figs,
+            verdict=verdict,
+            shipped=shipped,
+            proposal=proposal,
+            baseline_ms=b.median_us / 1e3 if b.ok else 0.0,
+            result_ms=r.median_us / 1e3 if r.ok else 0.0,
+            baseline_tail_ms=base.tail_us / 1e3,
+            result_tail_ms=cand.tail_us / 1e3,
+            improvement=imp,
+            improvement_ci95=imp_ci,
+            rounds=len(ratios),
+            notes=notes,
+            figures=figs,
             decided_by=decided,
-        )  # fmt: skip
+        )

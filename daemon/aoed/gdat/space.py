@@ -48,11 +48,18 @@ POWERSGD_START = 2
 #: torch's builds has none that matter (its transport is TCP, its threads are fixed).
 BACKEND_KNOBS: dict[str, tuple[tuple[tuple[str, str], ...], ...]] = {
     "gloo": (),
-    "nccl": ((("NCCL_ALGO", "Tree"),), (("NCCL_ALGO", "Ring"),), (("NCCL_PROTO", "Simple"),), (("NCCL_PROTO", "LL128"),)),
+    "nccl": (
+        (("NCCL_ALGO", "Tree"),),
+        (("NCCL_ALGO", "Ring"),),
+        (("NCCL_PROTO", "Simple"),),
+        (("NCCL_PROTO", "LL128"),),
+    ),
     "hccl": ((("HCCL_BUFFSIZE", "400"),), (("HCCL_BUFFSIZE", "100"),)),
 }
 #: Comm hooks a backend cannot run (torch refuses them when registered), and why.
-_UNSUPPORTED = {("gloo", "bf16"): "bf16_compress_hook needs NCCL 2.10+ (or XCCL): not available on gloo"}
+_UNSUPPORTED = {
+    ("gloo", "bf16"): "bf16_compress_hook needs NCCL 2.10+ (or XCCL): not available on gloo"
+}
 
 
 def _buckets(layout: GradientLayout, config: DDPConfig) -> tuple[int, ...]:
@@ -67,10 +74,14 @@ def _buckets(layout: GradientLayout, config: DDPConfig) -> tuple[int, ...]:
     return bucket_sizes(sizes, cap, first)
 
 
-def distinct(layout: GradientLayout, configs: Iterable[DDPConfig], seen: Iterable[DDPConfig] = ()) -> list[DDPConfig]:
+def distinct(
+    layout: GradientLayout, configs: Iterable[DDPConfig], seen: Iterable[DDPConfig] = ()
+) -> list[DDPConfig]:
     """`configs` without those that give the same buckets, with the same other options,
     as an earlier one or one of `seen`; DDP's defaults are kept whenever given."""
-    keys = {(_buckets(layout, c), c.replace(bucket_cap_mb=None, first_bucket_mb=None)) for c in seen}
+    keys = {
+        (_buckets(layout, c), c.replace(bucket_cap_mb=None, first_bucket_mb=None)) for c in seen
+    }
     out = []
     for c in configs:
         key = (_buckets(layout, c), c.replace(bucket_cap_mb=None, first_bucket_mb=None))
@@ -101,14 +112,20 @@ def _round2(x: float) -> float:
     return round(x, digits)
 
 
-def refine(layout: GradientLayout, best: DDPConfig, first_bucket: bool, seen: Sequence[DDPConfig]) -> list[DDPConfig]:
+def refine(
+    layout: GradientLayout, best: DDPConfig, first_bucket: bool, seen: Sequence[DDPConfig]
+) -> list[DDPConfig]:
     """Caps between `best`'s and its neighbours on the ladder, and first-bucket caps
     under it (when `first_bucket`: this torch's DDP takes per-bucket caps); without those
     that repeat the buckets of `seen`."""
     cap = best.cap_mb
     below = max((c for c in LADDER_MB if c < cap), default=None)
     above = min((c for c in LADDER_MB if c > cap), default=None)
-    out = [best.replace(bucket_cap_mb=_round2(math.sqrt(cap * n))) for n in (below, above) if n is not None]
+    out = [
+        best.replace(bucket_cap_mb=_round2(math.sqrt(cap * n)))
+        for n in (below, above)
+        if n is not None
+    ]
     if first_bucket:
         out += [best.replace(bucket_cap_mb=cap, first_bucket_mb=f) for f in FIRST_MB if f < cap]
     return distinct(layout, out, seen)
@@ -116,8 +133,11 @@ def refine(layout: GradientLayout, best: DDPConfig, first_bucket: bool, seen: Se
 
 def flags(best: DDPConfig) -> list[DDPConfig]:
     """`best` with gradient_as_bucket_view, static_graph, and both."""
-    out = [best.replace(gradient_as_bucket_view=True), best.replace(static_graph=True),
-           best.replace(gradient_as_bucket_view=True, static_graph=True)]  # fmt: skip
+    out = [
+        best.replace(gradient_as_bucket_view=True),
+        best.replace(static_graph=True),
+        best.replace(gradient_as_bucket_view=True, static_graph=True),
+    ]
     return [c for c in out if c != best]
 
 
@@ -126,7 +146,9 @@ def _allowed(precision: str) -> set[str]:
     return set(PRECISIONS[1 : PRECISIONS.index(precision) + 1])
 
 
-def hooks(best: DDPConfig, precision: str, backend: str, plugins: Sequence[str] = ()) -> list[DDPConfig]:
+def hooks(
+    best: DDPConfig, precision: str, backend: str, plugins: Sequence[str] = ()
+) -> list[DDPConfig]:
     """`best` with each comm hook `precision` allows on `backend`: built-in ones first
     (fp16, bf16, PowerSGD at each of POWERSGD_RANKS), then installed plugins'."""
     allowed = _allowed(precision)
@@ -135,7 +157,10 @@ def hooks(best: DDPConfig, precision: str, backend: str, plugins: Sequence[str] 
         if cls not in allowed or (backend, name) in _UNSUPPORTED:
             continue
         if name == "powersgd":
-            out += [best.replace(hook=name, powersgd_rank=r, powersgd_start=POWERSGD_START) for r in POWERSGD_RANKS]
+            out += [
+                best.replace(hook=name, powersgd_rank=r, powersgd_start=POWERSGD_START)
+                for r in POWERSGD_RANKS
+            ]
         else:
             out.append(best.replace(hook=name))
     for name in plugins:
@@ -152,7 +177,11 @@ def skipped_hooks(precision: str, backend: str, plugins: Sequence[str] = ()) -> 
     """Why hooks were left out: the precision's classes that this backend cannot run, and
     installed hooks the precision does not allow or whose name gives no class."""
     allowed = _allowed(precision)
-    out = [f"{name}: {why}" for (b, name), why in _UNSUPPORTED.items() if b == backend and BUILTIN_HOOKS[name] in allowed]
+    out = [
+        f"{name}: {why}"
+        for (b, name), why in _UNSUPPORTED.items()
+        if b == backend and BUILTIN_HOOKS[name] in allowed
+    ]
     for name in plugins:
         try:
             cls = hook_class(name)

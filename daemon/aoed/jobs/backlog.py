@@ -59,7 +59,10 @@ class Backlog:
 
     def _refused(self, exc: Exception) -> None:
         if not self._refusing:
-            log.warning("%s; job states are kept in memory and written once the store takes writes again", exc)
+            log.warning(
+                "%s; job states are kept in memory and written once the store takes writes again",
+                exc,
+            )
         self._refusing = True
 
     # ---------------------------------------------------------------- writes
@@ -109,8 +112,12 @@ class Backlog:
         except _REFUSED:
             return done
         if self._refusing:
-            log.info("job store: takes writes again; %d kept write(s) written, %d log or progress event(s) were "
-                     "dropped meanwhile", done, self.dropped)  # fmt: skip
+            log.info(
+                "job store: takes writes again; %d kept write(s) written, %d log or progress event(s) were "
+                "dropped meanwhile",
+                done,
+                self.dropped,
+            )
         self._refusing, self.dropped = False, 0
         return done
 

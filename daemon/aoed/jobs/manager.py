@@ -46,7 +46,14 @@ from typing import Any
 import trio
 
 from aoe.device import Device
-from aoe.errors import AoedError, DaemonUnavailableError, DiskFullError, JobCancelledError, NotFoundError, OptionError
+from aoe.errors import (
+    AoedError,
+    DaemonUnavailableError,
+    DiskFullError,
+    JobCancelledError,
+    NotFoundError,
+    OptionError,
+)
 from aoe.errors import PermissionDeniedError, ResourceExhaustedError, first_error
 from aoe.outcome import JobOutcome
 from aoe.spec import JobSpec, JobType
@@ -89,8 +96,10 @@ def _hash_checked(path: Path, checked: os.stat_result) -> str:
             if (now.st_dev, now.st_ino) == (checked.st_dev, checked.st_ino):
                 return hashlib.file_digest(f, "sha256").hexdigest()
             why = "another file took its name"
-    raise PermissionDeniedError(f"{path}: the file changed while it was checked ({why}); the daemon reads only the "
-                                "file it checked: submit it again once nobody changes it")  # fmt: skip
+    raise PermissionDeniedError(
+        f"{path}: the file changed while it was checked ({why}); the daemon reads only the "
+        "file it checked: submit it again once nobody changes it"
+    )
 
 
 def _dedup_key(sha: str, spec: JobSpec) -> str:
@@ -153,7 +162,11 @@ class JobManager:
             nursery.start_soon(self._retry_loop)
             task_status.started()
             while True:
-                while not self._stopping and len(self._running) < self.cfg.max_running_jobs and self._room_to_start():
+                while (
+                    not self._stopping
+                    and len(self._running) < self.cfg.max_running_jobs
+                    and self._room_to_start()
+                ):
                     row = self._next_queued()
                     if row is None:
                         break
@@ -176,7 +189,9 @@ class JobManager:
                 self._waiting_for_space = True
             return False
         if self._waiting_for_space:
-            log.info("jobs: %s has its floor of free space again; queued jobs start", self.cfg.state_dir)
+            log.info(
+                "jobs: %s has its floor of free space again; queued jobs start", self.cfg.state_dir
+            )
         self._waiting_for_space = False
         return True
 
@@ -206,9 +221,15 @@ class JobManager:
             while self._running:
                 await trio.sleep(0.05)
         self._backlog.flush()
-        if self._backlog:  # the store still refuses them: the next start finds those jobs as it last had them
-            log.warning("jobs: the job store (%s) could not take the last states of %d job(s); the next start "
-                        "resumes them from the states it has", self.store.path, self._backlog.jobs())  # fmt: skip
+        if (
+            self._backlog
+        ):  # the store still refuses them: the next start finds those jobs as it last had them
+            log.warning(
+                "jobs: the job store (%s) could not take the last states of %d job(s); the next start "
+                "resumes them from the states it has",
+                self.store.path,
+                self._backlog.jobs(),
+            )
 
     async def _housekeeping(self) -> None:
         """Expired uploads and finished jobs past retention go, at start and then hourly
@@ -228,9 +249,14 @@ class JobManager:
                     self.store.delete(row.id)
                     await self._release_input(Path(row.model_path))
                     log.info("job %s: removed after retention", row.id)
-            except (StoreError, DiskFullError) as exc:  # (what was removed is removed; the rest next time)
+            except (
+                StoreError,
+                DiskFullError,
+            ) as exc:  # (what was removed is removed; the rest next time)
                 log.warning("jobs: housekeeping stopped for now: %s", exc)
-            await trio.sleep(max(1.0, min(3600.0, self.cfg.upload_ttl_s / 2, self.cfg.retention_s / 2)))
+            await trio.sleep(
+                max(1.0, min(3600.0, self.cfg.upload_ttl_s / 2, self.cfg.retention_s / 2))
+            )
 
     # ------------------------------------------------------------- queries
 
@@ -303,16 +329,22 @@ class JobManager:
         for one over [engine] max_model_mb, or whose estimated peak is more than an
         engine process may use (memory.py)."""
         if self._stopping:
-            raise DaemonUnavailableError("the daemon is shutting down; submit again after it restarts")
+            raise DaemonUnavailableError(
+                "the daemon is shutting down; submit again after it restarts"
+            )
         mine = [a.device.name for a in self.engine.device_set]
         if sub.spec.device is not None and Device.parse(sub.spec.device).name not in mine:
-            raise OptionError(f"device {sub.spec.device}: this daemon measures on {', '.join(mine)} (see aoe devices)")
+            raise OptionError(
+                f"device {sub.spec.device}: this daemon measures on {', '.join(mine)} (see aoe devices)"
+            )
         _check_kind(sub)
         # A GDAT job's devices are its world's (the backend's), not the engine's.
         spec = sub.spec if sub.spec.job_type == JobType.GDAT else sub.spec.on(mine[0])
         space.check_floor(self.cfg.state_dir, self.cfg.min_free_bytes, "SubmitJob")
         size = sub.upload.size if sub.upload is not None else 0
-        if sub.upload is None:  # refused before hashing it: the limit is there so nobody reads 9 GiB
+        if (
+            sub.upload is None
+        ):  # refused before hashing it: the limit is there so nobody reads 9 GiB
             info = await trio.to_thread.run_sync(os.lstat, sub.model)
             size = info.st_size
             if info.st_nlink > 1:
@@ -320,8 +352,14 @@ class JobManager:
                 # sees) would make it read a file the submitter could not. Uploads have one link.
                 raise PermissionDeniedError(
                     f"{sub.model}: the file has {info.st_nlink} hard links, and a hard link can make the daemon "
-                    "read a file its submitter could not; copy the file (cp, not ln) or upload it")  # fmt: skip
-            check_size(sub.model, info.st_size, self.engine.config.max_model_mb << 20, "[engine] max_model_mb")
+                    "read a file its submitter could not; copy the file (cp, not ln) or upload it"
+                )
+            check_size(
+                sub.model,
+                info.st_size,
+                self.engine.config.max_model_mb << 20,
+                "[engine] max_model_mb",
+            )
         self._check_memory(sub, size)
         if sub.upload is None:
             sha = await trio.to_thread.run_sync(_hash_checked, sub.model, info)
@@ -339,12 +377,14 @@ class JobManager:
             mine = self.store.count_active(sub.source)
             if mine >= self.cfg.max_jobs_per_client:
                 raise ResourceExhaustedError(
-                               f"{sub.source} has {mine} jobs queued or running (the limit per client is "
-                               f"{self.cfg.max_jobs_per_client}); submit again when one has finished")  # fmt: skip
+                    f"{sub.source} has {mine} jobs queued or running (the limit per client is "
+                    f"{self.cfg.max_jobs_per_client}); submit again when one has finished"
+                )
             queued, _ = self.counts()
             if queued >= self.cfg.max_queued_jobs:
                 raise ResourceExhaustedError(
-                               f"{queued} jobs are queued (the limit is {self.cfg.max_queued_jobs}); try again later")  # fmt: skip
+                    f"{queued} jobs are queued (the limit is {self.cfg.max_queued_jobs}); try again later"
+                )
             job_id = f"job-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"
             out = sub.output_dir or self.cfg.jobs_dir / job_id
             model = sub.model
@@ -354,16 +394,28 @@ class JobManager:
             # The file checked here (one link, its sha256): the job's first read checks that
             # it reads this very file (see engine.modelio.load_model's `expect`).
             row = JobRow(
-                id=job_id, state=JobState.QUEUED, model_path=str(model), model_name=sub.model.name
-                if sub.upload is None else sub.upload.file_name, model_sha256=sha, dedup_key=key, spec=spec,
-                output_dir=str(out), priority=spec.priority, source=sub.source, model_file=(info.st_dev, info.st_ino),
-            )  # fmt: skip
+                id=job_id,
+                state=JobState.QUEUED,
+                model_path=str(model),
+                model_name=sub.model.name if sub.upload is None else sub.upload.file_name,
+                model_sha256=sha,
+                dedup_key=key,
+                spec=spec,
+                output_dir=str(out),
+                priority=spec.priority,
+                source=sub.source,
+                model_file=(info.st_dev, info.st_ino),
+            )
             try:
                 self.store.insert(row)
             except AoedError:
                 await self._release_input(model)
                 raise
-        self._event(row, "state", {"previous": "", "state": st.QUEUED, "message": f"submitted ({sub.source})"})
+        self._event(
+            row,
+            "state",
+            {"previous": "", "state": st.QUEUED, "message": f"submitted ({sub.source})"},
+        )
         log.info("job %s: queued %s (%s)", job_id, row.model_name, sub.source)
         self.wake()
         return row, False
@@ -382,7 +434,9 @@ class JobManager:
         src = Path(up.path)
         dst = src
         if keep:
-            dst = await trio.to_thread.run_sync(_keep_input, self.cfg.inputs_dir, src, up.sha256, up.file_name, up.size)
+            dst = await trio.to_thread.run_sync(
+                _keep_input, self.cfg.inputs_dir, src, up.sha256, up.file_name, up.size
+            )
         self._remove_upload_file(src)
         self.uploads.release(up.id)
         self.store.delete_upload(up.id)
@@ -432,7 +486,9 @@ class JobManager:
             live.changed.set()
             live.changed = trio.Event()
 
-    async def events(self, job_id: str, after_seq: int = 0, logs: bool = False) -> AsyncIterator[EventRow]:
+    async def events(
+        self, job_id: str, after_seq: int = 0, logs: bool = False
+    ) -> AsyncIterator[EventRow]:
         """The job's events after `after_seq`, then new ones as they happen; ends once
         the job is final and everything up to its last event was sent."""
         self.get(job_id)
@@ -446,7 +502,9 @@ class JobManager:
                     continue
                 yield ev
             row = self.store.get(job_id)
-            if row is None or (self._backlog.overlay(row).final and self._backlog.last_seq(job_id) <= seq):
+            if row is None or (
+                self._backlog.overlay(row).final and self._backlog.last_seq(job_id) <= seq
+            ):
                 return
             await changed.wait()
 
@@ -456,7 +514,9 @@ class JobManager:
         state = states.apply(row.state, event)
         if state == row.state:
             return False
-        self._event(row, "state", {"previous": str(row.state), "state": str(state), "message": message})
+        self._event(
+            row, "state", {"previous": str(row.state), "state": str(state), "message": message}
+        )
         row.state = state
         self._backlog.update(row.id, state=state)
         return True
@@ -480,8 +540,14 @@ class JobManager:
             level = "warning" if ev.kind == "wait" else "info"
             self._event(row, "log", {"level": level, "logger": ev.kind, "message": ev.message})
 
-    def _finish(self, row: JobRow, event: states.Succeed | states.Fail | states.Cancel, error: str = "",
-                kind: str = "", outcome: JobOutcome | None = None) -> None:  # fmt: skip
+    def _finish(
+        self,
+        row: JobRow,
+        event: states.Succeed | states.Fail | states.Cancel,
+        error: str = "",
+        kind: str = "",
+        outcome: JobOutcome | None = None,
+    ) -> None:
         now = time.time()
         state = states.apply(row.state, event)
         shown = shown_path(row)
@@ -489,9 +555,19 @@ class JobManager:
             error = error.replace(row.model_path, shown)
         if outcome is not None:
             self._event(row, "result", outcome.to_dict())
-        self._event(row, "state", {"previous": str(row.state), "state": str(state), "message": error})
-        row.state, row.error, row.error_kind, row.outcome, row.finished = state, error, kind, outcome, now
-        self._backlog.update(row.id, state=state, finished=now, error=error, error_kind=kind, outcome=outcome)
+        self._event(
+            row, "state", {"previous": str(row.state), "state": str(state), "message": error}
+        )
+        row.state, row.error, row.error_kind, row.outcome, row.finished = (
+            state,
+            error,
+            kind,
+            outcome,
+            now,
+        )
+        self._backlog.update(
+            row.id, state=state, finished=now, error=error, error_kind=kind, outcome=outcome
+        )
         for fn in self.on_final:
             try:
                 fn(row)
@@ -502,10 +578,14 @@ class JobManager:
 
     def _run_of(self, row: JobRow) -> JobRun:
         return JobRun(
-            model=Path(row.model_path), output=Path(row.output_dir), spec=row.spec, job_id=row.id,
+            model=Path(row.model_path),
+            output=Path(row.output_dir),
+            spec=row.spec,
+            job_id=row.id,
             resumes=row.id if row.attempts > 1 else "",  # counted before it starts
-            attempt=max(1, row.attempts), model_file=row.model_file,
-        )  # fmt: skip
+            attempt=max(1, row.attempts),
+            model_file=row.model_file,
+        )
 
     async def _run_gdat(self, row: JobRow, handle: JobHandle) -> JobOutcome:
         """A GDAT job: its worlds of rank processes (started by exec, as every child of
@@ -515,12 +595,22 @@ class JobManager:
 
         spec = row.spec
         opts = GdatOptions(
-            model=Path(row.model_path), output=Path(row.output_dir), world_size=spec.world_size,
-            backend=spec.backend or "gloo", precision=spec.gradient_precision or "exact",
-            repeat_tune=spec.repeat_tune, budget_s=spec.budget_s, job_id=row.id,
-        )  # fmt: skip
-        result = await run_gdat(opts, self.engine.config, lambda ev: self._on_engine_event(row, ev), handle,
-                                bank=self.engine.bank)  # fmt: skip
+            model=Path(row.model_path),
+            output=Path(row.output_dir),
+            world_size=spec.world_size,
+            backend=spec.backend or "gloo",
+            precision=spec.gradient_precision or "exact",
+            repeat_tune=spec.repeat_tune,
+            budget_s=spec.budget_s,
+            job_id=row.id,
+        )
+        result = await run_gdat(
+            opts,
+            self.engine.config,
+            lambda ev: self._on_engine_event(row, ev),
+            handle,
+            bank=self.engine.bank,
+        )
         return to_outcome(result)
 
     async def _run_job(self, row: JobRow) -> None:
@@ -538,23 +628,38 @@ class JobManager:
                 if row.spec.job_type == JobType.GDAT:
                     outcome = await self._run_gdat(row, live.handle)
                 else:
-                    outcome = await self.engine.run_job(self._run_of(row), lambda ev: self._on_engine_event(row, ev),
-                                                        live.handle)  # fmt: skip
+                    outcome = await self.engine.run_job(
+                        self._run_of(row), lambda ev: self._on_engine_event(row, ev), live.handle
+                    )
             except BaseExceptionGroup as group:
                 raise first_error(group, JobCancelledError, AoedError, OSError) from None
         except JobCancelledError as exc:
             if live.user_cancelled or not self._stopping:
                 self._finish(row, states.Cancel(), error=str(exc))
             else:
-                self._transition(row, states.Requeue(), "interrupted by the daemon's shutdown; resumes at the next start")
+                self._transition(
+                    row,
+                    states.Requeue(),
+                    "interrupted by the daemon's shutdown; resumes at the next start",
+                )
         except AoedError as exc:
             log.info("job %s failed: %s", row.id, exc)
             self._finish(row, states.Fail(), error=str(exc), kind=type(exc).__name__)
         except OSError as exc:
-            self._finish(row, states.Fail(), error=f"{exc.filename or row.output_dir}: {exc.strerror or exc}", kind="OSError")
+            self._finish(
+                row,
+                states.Fail(),
+                error=f"{exc.filename or row.output_dir}: {exc.strerror or exc}",
+                kind="OSError",
+            )
         except Exception as exc:
             log.exception("job %s: internal error", row.id)
-            self._finish(row, states.Fail(), error=f"internal error: {type(exc).__name__}: {exc}", kind="InternalError")
+            self._finish(
+                row,
+                states.Fail(),
+                error=f"internal error: {type(exc).__name__}: {exc}",
+                kind="InternalError",
+            )
         else:
             self._finish(row, states.Succeed(), outcome=outcome)
         finally:
@@ -572,13 +677,19 @@ def _check_kind(sub: Submission) -> None:
     name = sub.upload.file_name if sub.upload is not None else sub.model.name
     gdat = sub.spec.job_type == JobType.GDAT
     if sub.spec.entry is not None:
-        raise OptionError(f"entry {sub.spec.entry}: the daemon runs no user code; tune your own training code "
-                          "embedded (aoe tune --local --job-type gdat --entry FILE.py:FUNCTION), or export it "
-                          "to a .pt2 with torch.export")  # fmt: skip
+        raise OptionError(
+            f"entry {sub.spec.entry}: the daemon runs no user code; tune your own training code "
+            "embedded (aoe tune --local --job-type gdat --entry FILE.py:FUNCTION), or export it "
+            "to a .pt2 with torch.export"
+        )
     if gdat and not name.endswith(".pt2"):
-        raise OptionError(f"{name}: job_type gdat tunes a torch.export program (.pt2, saved with torch.export.save)")
+        raise OptionError(
+            f"{name}: job_type gdat tunes a torch.export program (.pt2, saved with torch.export.save)"
+        )
     if not gdat and name.endswith(".pt2"):
-        raise OptionError(f"{name}: a torch.export program; tune its data-parallel training with job_type gdat")
+        raise OptionError(
+            f"{name}: a torch.export program; tune its data-parallel training with job_type gdat"
+        )
 
 
 def _keep_input(inputs: Path, src: Path, sha: str, name: str, size: int) -> Path:

@@ -21,9 +21,22 @@ from aoe.errors import AoedError
 from aoe.spec import Stage
 
 __all__ = [
-    "ACTIVE", "FINAL", "RUNNING", "STAGE_STATE", "TRANSITIONS", "Cancel", "Entered", "Event", "Fail", "JobState",
-    "Requeue", "Start", "Succeed", "TransitionError", "apply",
-]  # fmt: skip
+    "ACTIVE",
+    "FINAL",
+    "RUNNING",
+    "STAGE_STATE",
+    "TRANSITIONS",
+    "Cancel",
+    "Entered",
+    "Event",
+    "Fail",
+    "JobState",
+    "Requeue",
+    "Start",
+    "Succeed",
+    "TransitionError",
+    "apply",
+]
 
 
 class JobState(enum.StrEnum):
@@ -45,11 +58,18 @@ FINAL = (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED)
 #: The state each stage of the engine runs in. Checking lossy accuracy comes before the
 #: session options are tuned, so it counts as tuning: the state never moves back.
 STAGE_STATE = {
-    Stage.PREPARE: JobState.PREPARING, Stage.CALIBRATE: JobState.PREPARING, Stage.BANK: JobState.PREPARING,
-    Stage.PROFILE: JobState.TUNING, Stage.SEARCH: JobState.TUNING, Stage.ASSEMBLE: JobState.TUNING,
-    Stage.ACCURACY: JobState.TUNING, Stage.SESSION: JobState.TUNING,
-    Stage.VERIFY: JobState.VERIFYING, Stage.CONFIRM: JobState.VERIFYING, Stage.OUTPUTS: JobState.VERIFYING,
-}  # fmt: skip
+    Stage.PREPARE: JobState.PREPARING,
+    Stage.CALIBRATE: JobState.PREPARING,
+    Stage.BANK: JobState.PREPARING,
+    Stage.PROFILE: JobState.TUNING,
+    Stage.SEARCH: JobState.TUNING,
+    Stage.ASSEMBLE: JobState.TUNING,
+    Stage.ACCURACY: JobState.TUNING,
+    Stage.SESSION: JobState.TUNING,
+    Stage.VERIFY: JobState.VERIFYING,
+    Stage.CONFIRM: JobState.VERIFYING,
+    Stage.OUTPUTS: JobState.VERIFYING,
+}
 
 _ENDS = frozenset({*FINAL, JobState.QUEUED})
 #: Every transition there is.
@@ -102,8 +122,13 @@ class Requeue:
 
 Event = Start | Entered | Succeed | Fail | Cancel | Requeue
 
-_TARGET = {Start: JobState.PREPARING, Succeed: JobState.SUCCEEDED, Fail: JobState.FAILED,
-           Cancel: JobState.CANCELLED, Requeue: JobState.QUEUED}  # fmt: skip
+_TARGET = {
+    Start: JobState.PREPARING,
+    Succeed: JobState.SUCCEEDED,
+    Fail: JobState.FAILED,
+    Cancel: JobState.CANCELLED,
+    Requeue: JobState.QUEUED,
+}
 
 
 def apply(state: JobState, event: Event) -> JobState:

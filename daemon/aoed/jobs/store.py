@@ -44,7 +44,17 @@ from aoe.spec import JobSpec
 from aoed import space
 from aoed.jobs.states import ACTIVE, FINAL, RUNNING, JobState
 
-__all__ = ["ACTIVE", "FINAL", "RUNNING", "Claim", "EventRow", "JobRow", "JobStore", "StoreError", "Upload"]
+__all__ = [
+    "ACTIVE",
+    "FINAL",
+    "RUNNING",
+    "Claim",
+    "EventRow",
+    "JobRow",
+    "JobStore",
+    "StoreError",
+    "Upload",
+]
 
 log = logging.getLogger(__name__)
 
@@ -176,9 +186,26 @@ _JSON_COLUMNS = ("options", "result", "progress")
 #: Columns under another name than the row's field.
 _COLUMN_OF = {"spec": "options", "outcome": "result"}
 _COLUMNS = (
-    "id", "state", "priority", "source", "model_path", "model_name", "model_sha256", "dedup_key", "options",
-    "output_dir", "created", "started", "finished", "error", "error_kind", "result", "progress", "joined", "attempts",
-)  # fmt: skip
+    "id",
+    "state",
+    "priority",
+    "source",
+    "model_path",
+    "model_name",
+    "model_sha256",
+    "dedup_key",
+    "options",
+    "output_dir",
+    "created",
+    "started",
+    "finished",
+    "error",
+    "error_kind",
+    "result",
+    "progress",
+    "joined",
+    "attempts",
+)
 
 
 class JobStore:
@@ -195,8 +222,11 @@ class JobStore:
         try:
             self._db = self._open(exclusive=False)
         except DiskFullError as exc:
-            log.warning("%s; opening it in exclusive mode, which needs no room (other processes cannot read it "
-                        "until aoed restarts)", exc)  # fmt: skip
+            log.warning(
+                "%s; opening it in exclusive mode, which needs no room (other processes cannot read it "
+                "until aoed restarts)",
+                exc,
+            )
             self._db = self._open(exclusive=True)
 
     def _open(self, exclusive: bool) -> sqlite3.Connection:
@@ -227,7 +257,9 @@ class JobStore:
         folder = self.path.parent
         # SQLite says SQLITE_FULL when it sees ENOSPC itself, and an I/O error when a
         # write the OS cut short did not say why: then the free space tells.
-        if code == sqlite3.SQLITE_FULL or (code == sqlite3.SQLITE_IOERR and 0 <= space.free_bytes(folder) < _NEARLY_FULL):
+        if code == sqlite3.SQLITE_FULL or (
+            code == sqlite3.SQLITE_IOERR and 0 <= space.free_bytes(folder) < _NEARLY_FULL
+        ):
             return space.disk_full(folder, f"job store {self.path}")
         return StoreError(f"job store {self.path}: {exc}")
 
@@ -241,8 +273,10 @@ class JobStore:
 
     def insert(self, row: JobRow) -> None:
         values = dict(_columns(vars(row)))
-        self._exec(f"INSERT INTO jobs ({','.join(_COLUMNS)}) VALUES ({','.join('?' * len(_COLUMNS))})",
-                   [values[c] for c in _COLUMNS])  # fmt: skip
+        self._exec(
+            f"INSERT INTO jobs ({','.join(_COLUMNS)}) VALUES ({','.join('?' * len(_COLUMNS))})",
+            [values[c] for c in _COLUMNS],
+        )
 
     def update(self, job_id: str, **fields: Any) -> None:
         """Set the row's `fields` (JobRow's names)."""
@@ -265,19 +299,27 @@ class JobStore:
                 result = d.pop("result")
                 d["progress"] = d["progress"] or {}
                 d["state"] = JobState(d["state"])
-                yield JobRow(**d, spec=JobSpec.from_dict(options), outcome=JobOutcome.from_dict(result)
-                             if result else None, model_file=tuple(model_file) if model_file else None)  # fmt: skip
+                yield JobRow(
+                    **d,
+                    spec=JobSpec.from_dict(options),
+                    outcome=JobOutcome.from_dict(result) if result else None,
+                    model_file=tuple(model_file) if model_file else None,
+                )
             except (ValueError, TypeError, KeyError, AoedError) as exc:
                 job_id = str(raw[0])
                 if job_id not in self.damaged:
                     self.damaged.append(job_id)
-                    log.warning("job store: row for job %s is damaged and ignored (%s)", job_id, exc)
+                    log.warning(
+                        "job store: row for job %s is damaged and ignored (%s)", job_id, exc
+                    )
 
     def get(self, job_id: str) -> JobRow | None:
         cur = self._exec(f"SELECT {','.join(_COLUMNS)} FROM jobs WHERE id = ?", (job_id,))
         return next(self._rows(cur), None)
 
-    def jobs(self, states: Sequence[str] = (), limit: int = 1000, before: tuple[float, str] | None = None) -> list[JobRow]:
+    def jobs(
+        self, states: Sequence[str] = (), limit: int = 1000, before: tuple[float, str] | None = None
+    ) -> list[JobRow]:
         """Jobs newest first, optionally in `states`, strictly after the (created, id)
         cursor `before` in that order."""
         where, args = [], []
@@ -303,8 +345,10 @@ class JobStore:
 
     def count_active(self, source: str) -> int:
         """Jobs queued or running that came from `source`."""
-        row = self._exec(f"SELECT COUNT(*) FROM jobs WHERE source = ? AND state IN ({','.join('?' * len(ACTIVE))})",
-                         (source, *ACTIVE)).fetchone()  # fmt: skip
+        row = self._exec(
+            f"SELECT COUNT(*) FROM jobs WHERE source = ? AND state IN ({','.join('?' * len(ACTIVE))})",
+            (source, *ACTIVE),
+        ).fetchone()
         return int(row[0])
 
     def delete(self, job_id: str) -> None:
@@ -314,7 +358,11 @@ class JobStore:
 
     def model_refs(self, model_path: str) -> int:
         """How many jobs refer to the model file at `model_path`."""
-        return int(self._exec("SELECT COUNT(*) FROM jobs WHERE model_path = ?", (model_path,)).fetchone()[0])
+        return int(
+            self._exec("SELECT COUNT(*) FROM jobs WHERE model_path = ?", (model_path,)).fetchone()[
+                0
+            ]
+        )
 
     def model_paths(self) -> set[str]:
         """The model files jobs refer to."""
@@ -336,8 +384,10 @@ class JobStore:
         )
 
     def events(self, job_id: str, after_seq: int = 0) -> list[EventRow]:
-        cur = self._exec("SELECT job_id, seq, time, kind, data FROM events WHERE job_id = ? AND seq > ? ORDER BY seq",
-                         (job_id, after_seq))  # fmt: skip
+        cur = self._exec(
+            "SELECT job_id, seq, time, kind, data FROM events WHERE job_id = ? AND seq > ? ORDER BY seq",
+            (job_id, after_seq),
+        )
         out = []
         for job, seq, t, kind, data in cur:
             try:
@@ -353,27 +403,36 @@ class JobStore:
     # --------------------------------------------------------------- uploads
 
     def add_upload(self, up: Upload) -> None:
-        self._exec("INSERT INTO uploads (id, path, file_name, sha256, size, created) VALUES (?, ?, ?, ?, ?, ?)",
-                   (up.id, up.path, up.file_name, up.sha256, up.size, up.created))  # fmt: skip
+        self._exec(
+            "INSERT INTO uploads (id, path, file_name, sha256, size, created) VALUES (?, ?, ?, ?, ?, ?)",
+            (up.id, up.path, up.file_name, up.sha256, up.size, up.created),
+        )
 
     def get_upload(self, upload_id: str) -> Upload | None:
-        row = self._exec("SELECT id, path, file_name, sha256, size, created FROM uploads WHERE id = ?",
-                         (upload_id,)).fetchone()  # fmt: skip
+        row = self._exec(
+            "SELECT id, path, file_name, sha256, size, created FROM uploads WHERE id = ?",
+            (upload_id,),
+        ).fetchone()
         return Upload(*row) if row else None
 
     def delete_upload(self, upload_id: str) -> None:
         self._exec("DELETE FROM uploads WHERE id = ?", (upload_id,))
 
     def uploads_before(self, when: float) -> list[Upload]:
-        cur = self._exec("SELECT id, path, file_name, sha256, size, created FROM uploads WHERE created < ?", (when,))
+        cur = self._exec(
+            "SELECT id, path, file_name, sha256, size, created FROM uploads WHERE created < ?",
+            (when,),
+        )
         return [Upload(*row) for row in cur]
 
     # ---------------------------------------------------------------- claims
 
     def claim_begin(self, src: str, dst: str, inbox: str) -> None:
         """Record the intent to move `src` to `dst` (before the rename)."""
-        self._exec("INSERT OR REPLACE INTO claims (src, dst, inbox, state, job_id, time) VALUES (?, ?, ?, ?, '', ?)",
-                   (src, dst, inbox, "claiming", time.time()))  # fmt: skip
+        self._exec(
+            "INSERT OR REPLACE INTO claims (src, dst, inbox, state, job_id, time) VALUES (?, ?, ?, ?, '', ?)",
+            (src, dst, inbox, "claiming", time.time()),
+        )
 
     def claim_done(self, src: str, job_id: str) -> None:
         """The file was moved and its job recorded: the claim is complete."""

@@ -60,18 +60,26 @@ class UploadLedger:
             total, count = self._usage(None)
             mine, my_count = self._usage(client)
             if new and count + 1 > cfg.max_uploads:
-                raise _refused(f"{count} uploads are kept and not yet submitted (the limit is {cfg.max_uploads}, "
-                               "[limits] max_uploads)")  # fmt: skip
+                raise _refused(
+                    f"{count} uploads are kept and not yet submitted (the limit is {cfg.max_uploads}, "
+                    "[limits] max_uploads)"
+                )
             if new and my_count + 1 > cfg.max_client_uploads:
-                raise _refused(f"client {client} has {my_count} uploads kept and not yet submitted (the limit per "
-                               f"client is {cfg.max_client_uploads}, [limits] max_client_uploads)")  # fmt: skip
+                raise _refused(
+                    f"client {client} has {my_count} uploads kept and not yet submitted (the limit per "
+                    f"client is {cfg.max_client_uploads}, [limits] max_client_uploads)"
+                )
             if total + grow > cfg.max_uploads_bytes:
-                raise _refused(f"uploads not yet submitted would hold {size_text(total + grow)}, over the limit of "
-                               f"{size_text(cfg.max_uploads_bytes)} for all clients ([limits] max_uploads_mb)")  # fmt: skip
+                raise _refused(
+                    f"uploads not yet submitted would hold {size_text(total + grow)}, over the limit of "
+                    f"{size_text(cfg.max_uploads_bytes)} for all clients ([limits] max_uploads_mb)"
+                )
             if mine + grow > cfg.max_client_uploads_bytes:
-                raise _refused(f"client {client}'s uploads not yet submitted would hold {size_text(mine + grow)}, "
-                               f"over the limit of {size_text(cfg.max_client_uploads_bytes)} per client "
-                               "([limits] max_client_uploads_mb)")  # fmt: skip
+                raise _refused(
+                    f"client {client}'s uploads not yet submitted would hold {size_text(mine + grow)}, "
+                    f"over the limit of {size_text(cfg.max_client_uploads_bytes)} per client "
+                    "([limits] max_client_uploads_mb)"
+                )
             self._held[upload_id] = (client, before + grow)
 
     def release(self, upload_id: str) -> None:
@@ -81,5 +89,7 @@ class UploadLedger:
 
 
 def _refused(why: str) -> ResourceExhaustedError:
-    return ResourceExhaustedError(f"UploadModel: {why}; submit the uploads you made, or wait until unused ones "
-                                  "expire ([limits] upload_ttl_h)")  # fmt: skip
+    return ResourceExhaustedError(
+        f"UploadModel: {why}; submit the uploads you made, or wait until unused ones "
+        "expire ([limits] upload_ttl_h)"
+    )

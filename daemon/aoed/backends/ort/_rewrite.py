@@ -97,7 +97,11 @@ def matmul_parts(view: TaskView):
         return anchor.input[0], w, bias, act, len(a_info.shape)
     if anchor.op_type == "Gemm":
         attrs = attrs_of(anchor)
-        if attrs.get("alpha", 1.0) != 1.0 or attrs.get("beta", 1.0) != 1.0 or attrs.get("transA", 0):
+        if (
+            attrs.get("alpha", 1.0) != 1.0
+            or attrs.get("beta", 1.0) != 1.0
+            or attrs.get("transA", 0)
+        ):
             return None
         w = view.const(anchor.input[1])
         if w is None or w.ndim != 2:
@@ -117,7 +121,9 @@ def as_2d(view: TaskView, a: str, rank: int, k: int) -> tuple[list, str]:
     if rank == 2:
         return [], a
     shape = numpy_helper.from_array(np.array([-1, k], dtype=np.int64), view.name("shape2d"))
-    node = helper.make_node("Reshape", [a, shape.name], [view.name("a2d")], name=view.name("Reshape2d"))
+    node = helper.make_node(
+        "Reshape", [a, shape.name], [view.name("a2d")], name=view.name("Reshape2d")
+    )
     return [(node, shape)], view.name("a2d")
 
 

@@ -66,14 +66,18 @@ def _lowered(view: TaskView, to: int) -> Rewrite | None:
                 continue
             if x not in casts:
                 casts[x] = view.name(f"cast_in{len(casts)}")
-                out_nodes.append(helper.make_node("Cast", [x], [casts[x]], name=casts[x] + "_node", to=to))
+                out_nodes.append(
+                    helper.make_node("Cast", [x], [casts[x]], name=casts[x] + "_node", to=to)
+                )
             ins.append(casts[x])
         outs = []
         for k, o in enumerate(node.output):
             if o:
                 renamed[o] = view.name(f"n{i}_out{k}")
             outs.append(renamed.get(o, o))
-        copy = helper.make_node(node.op_type, ins, outs, name=view.name(f"{node.op_type}{i}"), domain=node.domain)
+        copy = helper.make_node(
+            node.op_type, ins, outs, name=view.name(f"{node.op_type}{i}"), domain=node.domain
+        )
         copy.attribute.extend(node.attribute)
         out_nodes.append(copy)
     if not casts:
@@ -83,7 +87,11 @@ def _lowered(view: TaskView, to: int) -> Rewrite | None:
         info = view.info(o) if o else None
         if info is None or np.dtype(info.dtype) != f32:
             return None  # an output the task would hand on in another type
-        out_nodes.append(helper.make_node("Cast", [renamed[o]], [o], name=view.name(f"cast_out_{o}"), to=TensorProto.FLOAT))
+        out_nodes.append(
+            helper.make_node(
+                "Cast", [renamed[o]], [o], name=view.name(f"cast_out_{o}"), to=TensorProto.FLOAT
+            )
+        )
     return Rewrite(tuple(out_nodes))
 
 
@@ -118,7 +126,10 @@ def _on(kind: str, **options: str) -> dict[str, Any]:
 
 
 def dimensions(
-    device: Device, precision: str, op_types: frozenset[str] = frozenset(), cache: Mapping[str, str] | None = None,
+    device: Device,
+    precision: str,
+    op_types: frozenset[str] = frozenset(),
+    cache: Mapping[str, str] | None = None,
     calibration_table: str = "",
 ) -> list[tuple[str, list[dict[str, Any]]]]:
     """The model-wide alternatives tried on `device` under `precision` for a model of
@@ -133,31 +144,56 @@ def dimensions(
     cuda_graph_ok = not (op_types & _CONTROL_FLOW)
     if kind == "cuda":
         dims: list[tuple[str, list[dict[str, Any]]]] = [
-            ("provider per subgraph",
-             [{"providers": [[_provider("tensorrt"), trt_cache], [_provider("cuda"), {}]]}]),
+            (
+                "provider per subgraph",
+                [{"providers": [[_provider("tensorrt"), trt_cache], [_provider("cuda"), {}]]}],
+            ),
             ("use_tf32", [_on("cuda", use_tf32="0")]),
-        ]  # fmt: skip
+        ]
         if has_conv:
-            dims.append(("cudnn_conv_algo_search", [_on("cuda", cudnn_conv_algo_search=v) for v in ("HEURISTIC", "DEFAULT")]))
+            dims.append(
+                (
+                    "cudnn_conv_algo_search",
+                    [_on("cuda", cudnn_conv_algo_search=v) for v in ("HEURISTIC", "DEFAULT")],
+                )
+            )
             dims.append(("prefer_nhwc", [_on("cuda", prefer_nhwc="1")]))
         if cuda_graph_ok:
             dims.append(("enable_cuda_graph", [_on("cuda", enable_cuda_graph="1")]))
         return dims
     if kind == "tensorrt":
         dims = [
-            ("trt_builder_optimization_level",
-             [_on("tensorrt", **trt_cache, trt_builder_optimization_level=v) for v in ("5", "2")]),
-        ]  # fmt: skip
+            (
+                "trt_builder_optimization_level",
+                [
+                    _on("tensorrt", **trt_cache, trt_builder_optimization_level=v)
+                    for v in ("5", "2")
+                ],
+            ),
+        ]
         if cuda_graph_ok:
-            dims.append(("trt_cuda_graph_enable", [_on("tensorrt", **trt_cache, trt_cuda_graph_enable="1")]))
+            dims.append(
+                ("trt_cuda_graph_enable", [_on("tensorrt", **trt_cache, trt_cuda_graph_enable="1")])
+            )
         # Reduced precisions are lossy: offered only under their policy, and judged by its gate.
         if precision == "fp16":
             dims.append(("trt_fp16_enable", [_on("tensorrt", **trt_cache, trt_fp16_enable="1")]))
         elif precision == "bf16":
             dims.append(("trt_bf16_enable", [_on("tensorrt", **trt_cache, trt_bf16_enable="1")]))
         elif precision == "int8" and calibration_table:
-            dims.append(("trt_int8_enable", [_on("tensorrt", **trt_cache, trt_int8_enable="1",
-                                                trt_int8_calibration_table_name=calibration_table)]))  # fmt: skip
+            dims.append(
+                (
+                    "trt_int8_enable",
+                    [
+                        _on(
+                            "tensorrt",
+                            **trt_cache,
+                            trt_int8_enable="1",
+                            trt_int8_calibration_table_name=calibration_table,
+                        )
+                    ],
+                )
+            )
         return dims
     if kind == "cann":
         dims = [
@@ -167,9 +203,17 @@ def dimensions(
         # CANN's default (force_fp16 where an operator has no float32 kernel) is already
         # lossy; exact keeps float32, the lossy policies may try float16 throughout.
         if precision == "exact":
-            dims.insert(0, ("precision_mode", [_on("cann", precision_mode="must_keep_origin_dtype")]))
+            dims.insert(
+                0, ("precision_mode", [_on("cann", precision_mode="must_keep_origin_dtype")])
+            )
         else:
-            dims.insert(0, ("precision_mode", [_on("cann", precision_mode=v) for v in ("force_fp16", "allow_mix_precision")]))
+            dims.insert(
+                0,
+                (
+                    "precision_mode",
+                    [_on("cann", precision_mode=v) for v in ("force_fp16", "allow_mix_precision")],
+                ),
+            )
         return dims
     return []
 

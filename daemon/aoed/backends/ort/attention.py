@@ -144,7 +144,11 @@ def _widened(nodes: Nodes, tensor: str) -> tuple[str, int] | None:
     src, wide = view.info(u.input[0]), view.info(tensor)
     if axes is None or list(axes) not in ([2], [-3]) or src is None or wide is None:
         return None
-    if len(src.shape) != 4 or len(wide.shape) != 5 or tuple(wide.shape[:2] + wide.shape[3:]) != tuple(src.shape):
+    if (
+        len(src.shape) != 4
+        or len(wide.shape) != 5
+        or tuple(wide.shape[:2] + wide.shape[3:]) != tuple(src.shape)
+    ):
         return None
     return u.input[0], int(wide.shape[2])
 
@@ -154,7 +158,9 @@ def _repeat(nodes: Nodes, tensor: str) -> tuple[str, int] | None:
     [b, kv·r, s, d])`, ending in `tensor`; None when it is not that."""
     r = nodes.made(tensor, "Reshape")
     got = _widened(nodes, r.input[0]) if r is not None else None
-    src, out = (nodes.view.info(got[0]), nodes.view.info(tensor)) if got is not None else (None, None)
+    src, out = (
+        (nodes.view.info(got[0]), nodes.view.info(tensor)) if got is not None else (None, None)
+    )
     if got is None or src is None or out is None:
         return None
     b, kv, s, d = src.shape
@@ -170,13 +176,19 @@ def _gemm_weights(view: TaskView, gemm: onnx.NodeProto) -> tuple[np.ndarray, np.
     if w is None or w.ndim != 2:
         return None
     w = np.asarray(w).T if a.get("transB", 0) else np.asarray(w)
-    c = view.const(gemm.input[2]) if len(gemm.input) > 2 and gemm.input[2] else np.zeros(w.shape[1], w.dtype)
+    c = (
+        view.const(gemm.input[2])
+        if len(gemm.input) > 2 and gemm.input[2]
+        else np.zeros(w.shape[1], w.dtype)
+    )
     if c is None or np.size(c) != w.shape[1]:
         return None
     return w, np.asarray(c, w.dtype).reshape(-1)
 
 
-def _product(nodes: Nodes, tensor: str) -> tuple[str, np.ndarray, np.ndarray, list[onnx.NodeProto]] | None:
+def _product(
+    nodes: Nodes, tensor: str
+) -> tuple[str, np.ndarray, np.ndarray, list[onnx.NodeProto]] | None:
     """(x, weight, bias, nodes) of `MatMul(x, W) [+ b]`, or of a Gemm between Reshapes
     to 2-D and back (as GPT-2's Conv1D exports)."""
     view = nodes.view
@@ -221,7 +233,11 @@ def _split_sizes(view: TaskView, split: onnx.NodeProto, total: int) -> list[int]
 def _slice_of(view: TaskView, node: onnx.NodeProto, rank: int) -> tuple[int, int] | None:
     """(start, end) of a Slice along the last axis with step 1; None otherwise."""
     vals = [view.const(i) if i else None for i in node.input[1:5]]
-    if len(vals) < 3 or any(v is None for v in vals[:3]) or any(np.size(v) != 1 for v in vals if v is not None):
+    if (
+        len(vals) < 3
+        or any(v is None for v in vals[:3])
+        or any(np.size(v) != 1 for v in vals if v is not None)
+    ):
         return None
     start, end, axis = (int(np.asarray(v).reshape(())) for v in vals[:3])
     step = int(np.asarray(vals[3]).reshape(())) if len(vals) > 3 and vals[3] is not None else 1
@@ -246,14 +262,18 @@ def _rotary(nodes: Nodes, tensor: str) -> tuple[str, tuple[np.ndarray, np.ndarra
             continue
         for cat_out, sin_name in (turned.input, tuple(reversed(turned.input))):
             cat = nodes.made(cat_out, "Concat")
-            neg = nodes.made(cat.input[0], "Neg") if cat is not None and len(cat.input) == 2 else None
+            neg = (
+                nodes.made(cat.input[0], "Neg") if cat is not None and len(cat.input) == 2 else None
+            )
             low = nodes.made(cat.input[1], "Slice") if neg is not None else None
             high = nodes.made(neg.input[0], "Slice") if neg is not None else None
             if low is None or high is None or low.input[0] != high.input[0]:
                 continue
             t = low.input[0]
             info = view.info(t)
-            cos_name = next((i for i in straight.input if i != t), None) if t in straight.input else None
+            cos_name = (
+                next((i for i in straight.input if i != t), None) if t in straight.input else None
+            )
             cos = view.const(cos_name) if cos_name else None
             sin = view.const(sin_name)
             if info is None or len(info.shape) != 4 or cos is None or sin is None:
@@ -313,11 +333,17 @@ def _project(nodes: Nodes, tensor: str, perms: int) -> _Proj | None:
         if got is None:
             return None
         x, w, b, made = got
-        return _Proj(x, w, b, scale, made, tensor, tuple(heads_shape.shape), rotated, rotary, groups)
+        return _Proj(
+            x, w, b, scale, made, tensor, tuple(heads_shape.shape), rotated, rotary, groups
+        )
     # A packed projection (GPT-2): one product, split along its last axis.
     total = view.info(split.input[0])
     got = _product(nodes, split.input[0])
-    if got is None or total is None or attrs_of(split).get("axis", 0) not in (-1, len(total.shape) - 1):
+    if (
+        got is None
+        or total is None
+        or attrs_of(split).get("axis", 0) not in (-1, len(total.shape) - 1)
+    ):
         return None
     x, w, b, made = got
     sizes = _split_sizes(view, split, w.shape[1])
@@ -325,8 +351,18 @@ def _project(nodes: Nodes, tensor: str, perms: int) -> _Proj | None:
         return None
     i = list(split.output).index(tensor)
     lo = sum(sizes[:i])
-    return _Proj(x, w[:, lo:lo + sizes[i]], b[lo:lo + sizes[i]], scale, [*made, split], tensor,
-                 tuple(heads_shape.shape), rotated, rotary, groups)  # fmt: skip
+    return _Proj(
+        x,
+        w[:, lo : lo + sizes[i]],
+        b[lo : lo + sizes[i]],
+        scale,
+        [*made, split],
+        tensor,
+        tuple(heads_shape.shape),
+        rotated,
+        rotary,
+        groups,
+    )
 
 
 def _attention_parts(view: TaskView) -> _Attention | None:
@@ -366,7 +402,9 @@ def _attention_parts(view: TaskView) -> _Attention | None:
         else:
             return None
     probs = sm.output[0]
-    guard = next((n for n in view.nodes if n.op_type == "Where" and list(n.input[2:]) == [probs]), None)
+    guard = next(
+        (n for n in view.nodes if n.op_type == "Where" and list(n.input[2:]) == [probs]), None
+    )
     if guard is not None:  # Where(IsNaN(P), 0, P)
         probs = guard.output[0]
         att.guard = True
@@ -374,7 +412,9 @@ def _attention_parts(view: TaskView) -> _Attention | None:
     if pv is None:
         return None
     q = _project(nodes, qk.input[0], 1)
-    k = _project(nodes, qk.input[1], 2) or _project(nodes, qk.input[1], 1)  # Kᵀ in two steps, or one
+    k = _project(nodes, qk.input[1], 2) or _project(
+        nodes, qk.input[1], 1
+    )  # Kᵀ in two steps, or one
     if k is None:  # torch's dynamo export: Kᵀ as Reshape to 3-D, Transpose, Reshape back
         t, outer = _walk_scale(nodes, qk.input[1], 1.0)
         r4 = nodes.made(t, "Reshape")
@@ -395,7 +435,11 @@ def _attention_parts(view: TaskView) -> _Attention | None:
     b, s, heads, head_dim = q.heads_shape
     if q.groups != 1 or k.groups != v.groups or k.heads_shape[:3] != v.heads_shape[:3]:
         return None
-    if k.heads_shape[:2] != (b, s) or k.heads_shape[3] != head_dim or k.heads_shape[2] * k.groups != heads:
+    if (
+        k.heads_shape[:2] != (b, s)
+        or k.heads_shape[3] != head_dim
+        or k.heads_shape[2] * k.groups != heads
+    ):
         return None
     att.groups = k.groups
     att.x = q.x
@@ -404,7 +448,11 @@ def _attention_parts(view: TaskView) -> _Attention | None:
     if v.rotated or q.rotated != k.rotated:
         return None
     att.rotated = q.rotated
-    if q.rotary is not None and k.rotary is not None and all(np.array_equal(a, b) for a, b in zip(q.rotary, k.rotary)):
+    if (
+        q.rotary is not None
+        and k.rotary is not None
+        and all(np.array_equal(a, b) for a, b in zip(q.rotary, k.rotary))
+    ):
         att.rotary = q.rotary
     att.weights = [p.weight for p in (q, k, v)]
     att.biases = [p.bias for p in (q, k, v)]
@@ -548,10 +596,16 @@ def _bias_input(view: TaskView, att: _Attention, nodes: list, inits: list) -> st
     assert mi is not None and xi is not None
     if mi.shape[-2] == xi.shape[1]:
         return att.mask
-    shape = init(view, "attention_bias_shape", np.array([mi.shape[0], mi.shape[1], xi.shape[1], mi.shape[3]], np.int64))
+    shape = init(
+        view,
+        "attention_bias_shape",
+        np.array([mi.shape[0], mi.shape[1], xi.shape[1], mi.shape[3]], np.int64),
+    )
     inits.append(shape)
     out = view.name("attention_bias")
-    nodes.append(helper.make_node("Expand", [att.mask, shape.name], [out], name=view.name("ExpandMask")))
+    nodes.append(
+        helper.make_node("Expand", [att.mask, shape.name], [out], name=view.name("ExpandMask"))
+    )
     return out
 
 
@@ -593,9 +647,14 @@ def _finish(view: TaskView, att: _Attention, nodes: list, inits: list) -> Rewrit
     y = _out(view, att)
     guarded = view.name("guarded") if flat else view.output
     if _row_guard(view, att):
-        nodes.append(helper.make_node(
-            "Mul", [y, _row_keeps(view, att, nodes, inits)], [guarded], name=view.name("RowGuard"),
-        ))  # fmt: skip
+        nodes.append(
+            helper.make_node(
+                "Mul",
+                [y, _row_keeps(view, att, nodes, inits)],
+                [guarded],
+                name=view.name("RowGuard"),
+            )
+        )
         y = guarded
     elif att.guard:
         nan, zero = view.name("nan"), init(view, "zero", np.zeros((), np.float32))
@@ -608,9 +667,17 @@ def _finish(view: TaskView, att: _Attention, nodes: list, inits: list) -> Rewrit
     if flat:
         oi = view.info(view.output)
         assert oi is not None
-        shape = init(view, "output_shape", np.array([d if isinstance(d, int) else -1 for d in oi.shape], np.int64))
+        shape = init(
+            view,
+            "output_shape",
+            np.array([d if isinstance(d, int) else -1 for d in oi.shape], np.int64),
+        )
         inits.append(shape)
-        nodes.append(helper.make_node("Reshape", [y, shape.name], [view.output], name=view.name("OutputShape")))
+        nodes.append(
+            helper.make_node(
+                "Reshape", [y, shape.name], [view.output], name=view.name("OutputShape")
+            )
+        )
     return Rewrite(tuple(nodes), tuple(inits))
 
 
@@ -620,7 +687,11 @@ def _row_keeps(view: TaskView, att: _Attention, nodes: list, inits: list) -> str
     assert att.mask_where is not None
     _node, cond, keeps, _fill = att.mask_where
     names = [view.name(n) for n in ("row_keepf", "row_any", "row_keep")]
-    nodes.append(helper.make_node("Cast", [cond], [names[0]], name=view.name("RowCast"), to=onnx.TensorProto.FLOAT))
+    nodes.append(
+        helper.make_node(
+            "Cast", [cond], [names[0]], name=view.name("RowCast"), to=onnx.TensorProto.FLOAT
+        )
+    )
     if keeps:
         reduce = "ReduceMax"
     else:  # the boolean marks masked positions: a row keeps nothing where its min is 1
@@ -628,17 +699,33 @@ def _row_keeps(view: TaskView, att: _Attention, nodes: list, inits: list) -> str
     if view.opset >= 18:
         axes = init(view, "row_axes", np.array([-1], np.int64))
         inits.append(axes)
-        nodes.append(helper.make_node(reduce, [names[0], axes.name], [names[1]], name=view.name("RowAny"), keepdims=1))
+        nodes.append(
+            helper.make_node(
+                reduce, [names[0], axes.name], [names[1]], name=view.name("RowAny"), keepdims=1
+            )
+        )
     else:
-        nodes.append(helper.make_node(reduce, [names[0]], [names[1]], name=view.name("RowAny"), axes=[-1], keepdims=1))
+        nodes.append(
+            helper.make_node(
+                reduce, [names[0]], [names[1]], name=view.name("RowAny"), axes=[-1], keepdims=1
+            )
+        )
     if not keeps:
         one = init(view, "row_one", np.ones((), np.float32))
         inits.append(one)
-        nodes.append(helper.make_node("Sub", [one.name, names[1]], [view.name("row_some")], name=view.name("RowSome")))
+        nodes.append(
+            helper.make_node(
+                "Sub", [one.name, names[1]], [view.name("row_some")], name=view.name("RowSome")
+            )
+        )
         names[1] = view.name("row_some")
-    shape = init(view, "row_keep_shape", np.array([0, -1, 1], np.int64))  # [B, 1, S, 1] as [B, S, 1]
+    shape = init(
+        view, "row_keep_shape", np.array([0, -1, 1], np.int64)
+    )  # [B, 1, S, 1] as [B, S, 1]
     inits.append(shape)
-    nodes.append(helper.make_node("Reshape", [names[1], shape.name], [names[2]], name=view.name("RowKeep")))
+    nodes.append(
+        helper.make_node("Reshape", [names[1], shape.name], [names[2]], name=view.name("RowKeep"))
+    )
     return names[2]
 
 
@@ -657,15 +744,29 @@ def _fused_attention(view: TaskView) -> Rewrite | None:
     ins = [att.x, w.name, b.name]
     if bias:
         ins += ["", "", bias]
-    nodes.append(helper.make_node(
-        "Attention", ins, [_out(view, att)], name=view.name("Attention"), domain=CONTRIB_DOMAIN,
-        num_heads=att.heads, scale=float(att.scale), unidirectional=int(att.causal),
-    ))  # fmt: skip
+    nodes.append(
+        helper.make_node(
+            "Attention",
+            ins,
+            [_out(view, att)],
+            name=view.name("Attention"),
+            domain=CONTRIB_DOMAIN,
+            num_heads=att.heads,
+            scale=float(att.scale),
+            unidirectional=int(att.causal),
+        )
+    )
     return _finish(view, att, nodes, inits)
 
 
-def _packed_projection(view: TaskView, att: _Attention, with_bias: bool, per_head: bool = False,
-                       split: bool = True, int8: bool = False) -> tuple[list, list, list[str]]:  # fmt: skip
+def _packed_projection(
+    view: TaskView,
+    att: _Attention,
+    with_bias: bool,
+    per_head: bool = False,
+    split: bool = True,
+    int8: bool = False,
+) -> tuple[list, list, list[str]]:
     """One MatMul over the concatenated weights (and bias Add), split into q, k, v (the
     weights `_per_head` when `per_head`; `split` False: the packed tensor alone). `int8`:
     one com.microsoft DynamicQuantizeMatMul instead (the input quantized once, the
@@ -675,12 +776,22 @@ def _packed_projection(view: TaskView, att: _Attention, with_bias: bool, per_hea
     mm = view.name("qkv")
     if int8:
         wq, ws = int8_weight(np.concatenate(weights, axis=1).astype(np.float32), per_channel=True)
-        inits = [init(view, "qkv_weight_q", wq), init(view, "qkv_weight_scale", ws),
-                 init(view, "qkv_weight_zp", np.zeros(ws.shape, np.int8))]  # fmt: skip
+        inits = [
+            init(view, "qkv_weight_q", wq),
+            init(view, "qkv_weight_scale", ws),
+            init(view, "qkv_weight_zp", np.zeros(ws.shape, np.int8)),
+        ]
         if with_bias:
             inits.append(init(view, "qkv_bias", np.concatenate(biases).astype(np.float32)))
-        nodes = [helper.make_node("DynamicQuantizeMatMul", [att.x, *(i.name for i in inits)], [mm],
-                                  name=view.name("QkvDynamicQuantizeMatMul"), domain=CONTRIB_DOMAIN)]  # fmt: skip
+        nodes = [
+            helper.make_node(
+                "DynamicQuantizeMatMul",
+                [att.x, *(i.name for i in inits)],
+                [mm],
+                name=view.name("QkvDynamicQuantizeMatMul"),
+                domain=CONTRIB_DOMAIN,
+            )
+        ]
         with_bias = False
     else:
         w = init(view, "qkv_weight", np.concatenate(weights, axis=1))
@@ -689,7 +800,9 @@ def _packed_projection(view: TaskView, att: _Attention, with_bias: bool, per_hea
     if with_bias:
         b = init(view, "qkv_bias", np.concatenate(biases))
         inits.append(b)
-        nodes.append(helper.make_node("Add", [mm, b.name], [view.name("qkv_b")], name=view.name("QkvAdd")))
+        nodes.append(
+            helper.make_node("Add", [mm, b.name], [view.name("qkv_b")], name=view.name("QkvAdd"))
+        )
         mm = view.name("qkv_b")
     if not split:
         return nodes, inits, [mm]
@@ -697,9 +810,13 @@ def _packed_projection(view: TaskView, att: _Attention, with_bias: bool, per_hea
     outs = [view.name(p) for p in ("q", "k", "v")]
     if view.opset >= 13:
         inits.append(sizes)
-        nodes.append(helper.make_node("Split", [mm, sizes.name], outs, name=view.name("QkvSplit"), axis=-1))
+        nodes.append(
+            helper.make_node("Split", [mm, sizes.name], outs, name=view.name("QkvSplit"), axis=-1)
+        )
     else:
-        nodes.append(helper.make_node("Split", [mm], outs, name=view.name("QkvSplit"), axis=-1, split=h))
+        nodes.append(
+            helper.make_node("Split", [mm], outs, name=view.name("QkvSplit"), axis=-1, split=h)
+        )
     return nodes, inits, outs
 
 
@@ -713,7 +830,9 @@ def _packed_qkv(view: TaskView) -> Rewrite | None:
     return Rewrite((*nodes, *_after_projections(view, att, outs)), tuple(inits))
 
 
-def _after_projections(view: TaskView, att: _Attention, outs: Sequence[str]) -> list[onnx.NodeProto]:
+def _after_projections(
+    view: TaskView, att: _Attention, outs: Sequence[str]
+) -> list[onnx.NodeProto]:
     """The block's nodes past its three projections, reading `outs` (q, k, v) instead."""
     replaced = {n.name for p in att.projections for n in p.nodes}
     renames = {p.out: out for p, out in zip(att.projections, outs)}
@@ -729,8 +848,14 @@ def _after_projections(view: TaskView, att: _Attention, outs: Sequence[str]) -> 
     return kept
 
 
-def _rotated(view: TaskView, att: _Attention, outs: Sequence[str], nodes: list, inits: list,
-             kv_heads: int | None = None) -> list[str]:  # fmt: skip
+def _rotated(
+    view: TaskView,
+    att: _Attention,
+    outs: Sequence[str],
+    nodes: list,
+    inits: list,
+    kv_heads: int | None = None,
+) -> list[str]:
     """q and k of `outs` through com.microsoft RotaryEmbedding (non-interleaved, the
     model's own tables as caches, positions 0..S-1; k with `kv_heads` heads, by default
     as many as q); v as it is."""
@@ -742,10 +867,17 @@ def _rotated(view: TaskView, att: _Attention, outs: Sequence[str], nodes: list, 
     rotated = []
     for which, src, heads in zip(("q", "k"), outs[:2], (att.heads, kv_heads or att.heads)):
         out = view.name(f"{which}_rotary")
-        nodes.append(helper.make_node(
-            "RotaryEmbedding", [src, pos.name, c.name, s.name], [out], name=view.name(f"Rotary_{which}"),
-            domain=CONTRIB_DOMAIN, interleaved=0, num_heads=heads,
-        ))  # fmt: skip
+        nodes.append(
+            helper.make_node(
+                "RotaryEmbedding",
+                [src, pos.name, c.name, s.name],
+                [out],
+                name=view.name(f"Rotary_{which}"),
+                domain=CONTRIB_DOMAIN,
+                interleaved=0,
+                num_heads=heads,
+            )
+        )
         rotated.append(out)
     return [*rotated, outs[2]]
 
@@ -760,7 +892,9 @@ def _multihead_attention(view: TaskView, int8: bool = False) -> Rewrite | None:
         return None
     rotary = att.rotated
     fold = rotary or int8
-    nodes, inits, outs = _packed_projection(view, att, with_bias=fold and att.has_bias, per_head=True, int8=int8)
+    nodes, inits, outs = _packed_projection(
+        view, att, with_bias=fold and att.has_bias, per_head=True, int8=int8
+    )
     qkv_bias = ""
     if rotary:
         outs = _rotated(view, att, outs, nodes, inits)
@@ -770,10 +904,18 @@ def _multihead_attention(view: TaskView, int8: bool = False) -> Rewrite | None:
         qkv_bias = b.name
     bias = _bias_input(view, att, nodes, inits)
     ins = [*outs, qkv_bias, "", bias] if bias else [*outs, qkv_bias] if qkv_bias else list(outs)
-    nodes.append(helper.make_node(
-        "MultiHeadAttention", ins, [_out(view, att)], name=view.name("MultiHeadAttention"), domain=CONTRIB_DOMAIN,
-        num_heads=att.heads, scale=float(att.scale), unidirectional=int(att.causal),
-    ))  # fmt: skip
+    nodes.append(
+        helper.make_node(
+            "MultiHeadAttention",
+            ins,
+            [_out(view, att)],
+            name=view.name("MultiHeadAttention"),
+            domain=CONTRIB_DOMAIN,
+            num_heads=att.heads,
+            scale=float(att.scale),
+            unidirectional=int(att.causal),
+        )
+    )
     return _finish(view, att, nodes, inits)
 
 
@@ -798,17 +940,28 @@ def _group_query_attention(view: TaskView, int8: bool = False) -> Rewrite | None
         nodes, inits, outs = _packed_projection(view, att, with_bias=att.has_bias, int8=int8)
         outs = _rotated(view, att, outs, nodes, inits, kv_heads=kv)
     else:
-        nodes, inits, packed = _packed_projection(view, att, with_bias=att.has_bias, split=False, int8=int8)
+        nodes, inits, packed = _packed_projection(
+            view, att, with_bias=att.has_bias, split=False, int8=int8
+        )
         outs = [packed[0], "", ""]
     lens = init(view, "seqlens_k", np.full(batch, seq - 1, np.int32))
     total = init(view, "total_sequence_length", np.array(seq, np.int32))
     inits += [lens, total]
     bias = _bias_input(view, att, nodes, inits)
     ins = [*outs, "", "", lens.name, total.name] + (["", "", "", bias] if bias else [])
-    nodes.append(helper.make_node(
-        "GroupQueryAttention", ins, [_out(view, att)], name=view.name("GroupQueryAttention"), domain=CONTRIB_DOMAIN,
-        num_heads=att.heads, kv_num_heads=kv, scale=float(att.scale), causal=int(att.causal),
-    ))  # fmt: skip
+    nodes.append(
+        helper.make_node(
+            "GroupQueryAttention",
+            ins,
+            [_out(view, att)],
+            name=view.name("GroupQueryAttention"),
+            domain=CONTRIB_DOMAIN,
+            num_heads=att.heads,
+            kv_num_heads=kv,
+            scale=float(att.scale),
+            causal=int(att.causal),
+        )
+    )
     return _finish(view, att, nodes, inits)
 
 
@@ -826,7 +979,9 @@ def _raw_mask(view: TaskView, att: _Attention, nodes: list, inits: list) -> str 
     if ci.shape[0] not in (1, batch) or ci.shape[2] not in (1, seq) or ci.shape[3] != seq:
         return None
     if not keeps:
-        nodes.append(helper.make_node("Not", [cond], [view.name("mask_keep")], name=view.name("MaskKeep")))
+        nodes.append(
+            helper.make_node("Not", [cond], [view.name("mask_keep")], name=view.name("MaskKeep"))
+        )
         cond = view.name("mask_keep")
     full = init(view, "mask_shape", np.array([batch, 1, seq, seq], np.int64))
     flat = init(view, "mask_index_shape", np.array([batch, seq, seq], np.int64))
@@ -834,7 +989,9 @@ def _raw_mask(view: TaskView, att: _Attention, nodes: list, inits: list) -> str 
     names = [view.name(n) for n in ("mask_full", "mask_int", "mask_index")]
     nodes += [
         helper.make_node("Expand", [cond, full.name], [names[0]], name=view.name("MaskExpand")),
-        helper.make_node("Cast", [names[0]], [names[1]], name=view.name("MaskCast"), to=onnx.TensorProto.INT32),
+        helper.make_node(
+            "Cast", [names[0]], [names[1]], name=view.name("MaskCast"), to=onnx.TensorProto.INT32
+        ),
         helper.make_node("Reshape", [names[1], flat.name], [names[2]], name=view.name("MaskIndex")),
     ]
     return names[2]
@@ -860,19 +1017,30 @@ def _int8_qattention(view: TaskView) -> Rewrite | None:
         mask_index, fill = got, FINITE_FILL if _row_guard(view, att) else att.mask_where[3]  # type: ignore[index]
     weights, biases = _per_head(att)
     wq, ws = int8_weight(np.concatenate(weights, axis=1).astype(np.float32), per_channel=True)
-    inits += [init(view, "qkv_weight_q", wq), init(view, "qkv_weight_scale", ws),
-              init(view, "qkv_weight_zp", np.zeros(ws.shape, np.int8)),
-              init(view, "qkv_bias", np.concatenate(biases).astype(np.float32))]  # fmt: skip
+    inits += [
+        init(view, "qkv_weight_q", wq),
+        init(view, "qkv_weight_scale", ws),
+        init(view, "qkv_weight_zp", np.zeros(ws.shape, np.int8)),
+        init(view, "qkv_bias", np.concatenate(biases).astype(np.float32)),
+    ]
     w_q, w_s, w_zp, bias = (i.name for i in inits[-4:])
     xq, xs, xz = view.name("x_q"), view.name("x_scale"), view.name("x_zp")
     attrs = {"num_heads": att.heads, "scale": float(att.scale), "unidirectional": int(att.causal)}
     if fill is not None:
         attrs["mask_filter_value"] = float(fill)
     nodes += [
-        helper.make_node("DynamicQuantizeLinear", [att.x], [xq, xs, xz], name=view.name("QuantizeX")),
-        helper.make_node("QAttention", [xq, w_q, bias, xs, w_s, mask_index, xz, w_zp], [_out(view, att)],
-                         name=view.name("QAttention"), domain=CONTRIB_DOMAIN, **attrs),
-    ]  # fmt: skip
+        helper.make_node(
+            "DynamicQuantizeLinear", [att.x], [xq, xs, xz], name=view.name("QuantizeX")
+        ),
+        helper.make_node(
+            "QAttention",
+            [xq, w_q, bias, xs, w_s, mask_index, xz, w_zp],
+            [_out(view, att)],
+            name=view.name("QAttention"),
+            domain=CONTRIB_DOMAIN,
+            **attrs,
+        ),
+    ]
     return _finish(view, att, nodes, inits)
 
 

@@ -66,12 +66,23 @@ def _ln_parts(view: TaskView) -> tuple[str, str | None, np.ndarray, np.ndarray, 
     dtype = np.dtype(hidden_info.dtype)
     if ln is not None:
         gamma = view.const(ln.input[1])
-        beta = view.const(ln.input[2]) if len(ln.input) > 2 and ln.input[2] else np.zeros(hidden, dtype)
+        beta = (
+            view.const(ln.input[2])
+            if len(ln.input) > 2 and ln.input[2]
+            else np.zeros(hidden, dtype)
+        )
         eps = float(attrs_of(ln).get("epsilon", 1e-5))
     else:
         if not any(n.op_type == "Sub" for n in view.nodes):
             return None  # an RMSNorm: `_rms_parts`
-        eps_add = next((n for n in view.nodes if n.op_type == "Add" and any(scalar(view, i) is not None for i in n.input)), None)
+        eps_add = next(
+            (
+                n
+                for n in view.nodes
+                if n.op_type == "Add" and any(scalar(view, i) is not None for i in n.input)
+            ),
+            None,
+        )
         if eps_add is None:
             return None
         eps = next(scalar(view, i) for i in eps_add.input if scalar(view, i) is not None)  # type: ignore[misc]
@@ -109,10 +120,20 @@ def _ln_with_residual(view: TaskView, residual_op: str) -> Rewrite | None:
     g, b = init(view, "gamma", gamma), init(view, "beta", beta)
     nodes = []
     if skip is not None:
-        nodes.append(helper.make_node(residual_op, [x, skip], [view.name("sum")], name=view.name("Residual")))
+        nodes.append(
+            helper.make_node(residual_op, [x, skip], [view.name("sum")], name=view.name("Residual"))
+        )
         x = view.name("sum")
-    nodes.append(helper.make_node("LayerNormalization", [x, g.name, b.name], [view.output], name=view.name("LayerNorm"),
-                                  axis=-1, epsilon=eps))  # fmt: skip
+    nodes.append(
+        helper.make_node(
+            "LayerNormalization",
+            [x, g.name, b.name],
+            [view.output],
+            name=view.name("LayerNorm"),
+            axis=-1,
+            epsilon=eps,
+        )
+    )
     return Rewrite(tuple(nodes), (g, b))
 
 
@@ -147,8 +168,14 @@ def _skip_layer_normalization(view: TaskView) -> Rewrite | None:
     if xi is None or si is None or xi.shape != si.shape or len(xi.shape) != 3:
         return None
     g, b = init(view, "gamma", gamma), init(view, "beta", beta)
-    node = helper.make_node("SkipLayerNormalization", [x, skip, g.name, b.name], [view.output],
-                            name=view.name("SkipLayerNorm"), domain=CONTRIB_DOMAIN, epsilon=eps)  # fmt: skip
+    node = helper.make_node(
+        "SkipLayerNormalization",
+        [x, skip, g.name, b.name],
+        [view.output],
+        name=view.name("SkipLayerNorm"),
+        domain=CONTRIB_DOMAIN,
+        epsilon=eps,
+    )
     return Rewrite((node,), (g, b))
 
 
@@ -160,11 +187,34 @@ def _rms_parts(view: TaskView) -> tuple[str, str | None, np.ndarray, float] | No
         return None
     nodes = Nodes(view)
     first = view.nodes[0]
-    res = first if first.op_type == "Add" and not any(scalar(view, i) is not None for i in first.input) else None
-    sq = next((n for n in view.nodes if n.op_type == "Pow" or n.op_type == "Mul" and n.input[0] == n.input[1]), None)
-    eps_add = next((n for n in view.nodes if n.op_type == "Add" and any(scalar(view, i) is not None for i in n.input)), None)
+    res = (
+        first
+        if first.op_type == "Add" and not any(scalar(view, i) is not None for i in first.input)
+        else None
+    )
+    sq = next(
+        (
+            n
+            for n in view.nodes
+            if n.op_type == "Pow" or n.op_type == "Mul" and n.input[0] == n.input[1]
+        ),
+        None,
+    )
+    eps_add = next(
+        (
+            n
+            for n in view.nodes
+            if n.op_type == "Add" and any(scalar(view, i) is not None for i in n.input)
+        ),
+        None,
+    )
     info = view.info(view.output)
-    if sq is None or eps_add is None or info is None or not any(n.op_type == "Sqrt" for n in view.nodes):
+    if (
+        sq is None
+        or eps_add is None
+        or info is None
+        or not any(n.op_type == "Sqrt" for n in view.nodes)
+    ):
         return None
     hidden, dtype = info.shape[-1], np.dtype(info.dtype)
     eps = next(scalar(view, i) for i in eps_add.input if scalar(view, i) is not None)
@@ -204,15 +254,21 @@ def _simplified_layer_normalization(view: TaskView) -> Rewrite | None:
     inits = [g, two, e]
     nodes = []
     if skip is not None:
-        nodes.append(helper.make_node("Add", [x, skip], [view.name("sum")], name=view.name("Residual")))
+        nodes.append(
+            helper.make_node("Add", [x, skip], [view.name("sum")], name=view.name("Residual"))
+        )
         x = view.name("sum")
     n = view.name
     if view.opset >= 18:
         axes = init(view, "axes", np.array([-1], np.int64))
         inits.append(axes)
-        mean = helper.make_node("ReduceMean", [n("square"), axes.name], [n("mean")], name=n("Mean"), keepdims=1)
+        mean = helper.make_node(
+            "ReduceMean", [n("square"), axes.name], [n("mean")], name=n("Mean"), keepdims=1
+        )
     else:
-        mean = helper.make_node("ReduceMean", [n("square")], [n("mean")], name=n("Mean"), axes=[-1], keepdims=1)
+        mean = helper.make_node(
+            "ReduceMean", [n("square")], [n("mean")], name=n("Mean"), axes=[-1], keepdims=1
+        )
     nodes += [
         helper.make_node("Pow", [x, two.name], [n("square")], name=n("Square")),
         mean,
@@ -234,29 +290,48 @@ def _skip_simplified_layer_normalization(view: TaskView) -> Rewrite | None:
     if xi is None or si is None or xi.shape != si.shape or len(xi.shape) != 3:
         return None
     g = init(view, "gamma", gamma)
-    node = helper.make_node("SkipSimplifiedLayerNormalization", [x, skip, g.name], [view.output],
-                            name=view.name("SkipRMSNorm"), domain=CONTRIB_DOMAIN, epsilon=eps)  # fmt: skip
+    node = helper.make_node(
+        "SkipSimplifiedLayerNormalization",
+        [x, skip, g.name],
+        [view.output],
+        name=view.name("SkipRMSNorm"),
+        domain=CONTRIB_DOMAIN,
+        epsilon=eps,
+    )
     return Rewrite((node,), (g,))
 
 
 # --------------------------------------------------------------------------- gelu
 
 
-def _gelu_parts(view: TaskView) -> tuple[str, onnx.NodeProto | None, np.ndarray | None, bool] | None:
+def _gelu_parts(
+    view: TaskView,
+) -> tuple[str, onnx.NodeProto | None, np.ndarray | None, bool] | None:
     """(GELU's input, the MatMul before it or None, its bias or None, tanh form)."""
     nodes = Nodes(view)
     tanh = any(n.op_type == "Tanh" for n in view.nodes)
     mm = view.nodes[0] if view.nodes[0].op_type == "MatMul" else None
-    add = view.nodes[1] if mm is not None and len(view.nodes) > 1 and view.nodes[1].op_type == "Add" else None
+    add = (
+        view.nodes[1]
+        if mm is not None and len(view.nodes) > 1 and view.nodes[1].op_type == "Add"
+        else None
+    )
     if mm is not None and add is not None:
         bias = view.const(next((i for i in add.input if i != mm.output[0]), ""))
         if bias is None:
             return None
         out = view.info(add.output[0])
-        if out is None or bias.size != out.shape[-1] or bias.ndim > 1 and any(d != 1 for d in bias.shape[:-1]):
+        if (
+            out is None
+            or bias.size != out.shape[-1]
+            or bias.ndim > 1
+            and any(d != 1 for d in bias.shape[:-1])
+        ):
             return None
         return mm.output[0], mm, np.asarray(bias).reshape(-1), tanh
-    outside = [i for n in view.nodes for i in n.input if i not in nodes.producer and view.const(i) is None]
+    outside = [
+        i for n in view.nodes for i in n.input if i not in nodes.producer and view.const(i) is None
+    ]
     if len(set(outside)) != 1:
         return None
     return outside[0], None, None, tanh
@@ -277,9 +352,13 @@ def _gelu(view: TaskView) -> Rewrite | None:
     if bias is not None:
         b = init(view, "bias", bias)
         inits.append(b)
-        nodes.append(helper.make_node("Add", [x, b.name], [view.name("biased")], name=view.name("Bias")))
+        nodes.append(
+            helper.make_node("Add", [x, b.name], [view.name("biased")], name=view.name("Bias"))
+        )
         x = view.name("biased")
-    nodes.append(helper.make_node("Gelu", [x], [view.output], name=view.name("Gelu"), domain=CONTRIB_DOMAIN))
+    nodes.append(
+        helper.make_node("Gelu", [x], [view.output], name=view.name("Gelu"), domain=CONTRIB_DOMAIN)
+    )
     return Rewrite(tuple(nodes), tuple(inits))
 
 
@@ -290,7 +369,9 @@ def _bias_gelu(view: TaskView) -> Rewrite | None:
         return None
     x, mm, bias, _ = parts
     b = init(view, "bias", bias)
-    node = helper.make_node("BiasGelu", [x, b.name], [view.output], name=view.name("BiasGelu"), domain=CONTRIB_DOMAIN)
+    node = helper.make_node(
+        "BiasGelu", [x, b.name], [view.output], name=view.name("BiasGelu"), domain=CONTRIB_DOMAIN
+    )
     return Rewrite((*_keep_product(view, mm), node), (b,))
 
 
@@ -304,7 +385,9 @@ def _as_fast_gelu(view: TaskView, tanh_form: bool) -> Rewrite | None:
     if bias is not None:
         b = init(view, "bias", bias)
         inits, ins = (b,), [x, b.name]
-    node = helper.make_node("FastGelu", ins, [view.output], name=view.name("FastGelu"), domain=CONTRIB_DOMAIN)
+    node = helper.make_node(
+        "FastGelu", ins, [view.output], name=view.name("FastGelu"), domain=CONTRIB_DOMAIN
+    )
     return Rewrite((*_keep_product(view, mm), node), tuple(inits))
 
 
@@ -331,17 +414,31 @@ def _int8_ffn_gelu(view: TaskView, bias_in_product: bool) -> Rewrite | None:
     if w is None or w.ndim != 2:
         return None
     wq, ws = int8_weight(np.asarray(w, np.float32), per_channel=True)
-    inits = [init(view, "weight_q", wq), init(view, "weight_scale", ws),
-             init(view, "weight_zp", np.zeros(ws.shape, np.int8)), init(view, "bias", bias.astype(np.float32))]  # fmt: skip
+    inits = [
+        init(view, "weight_q", wq),
+        init(view, "weight_scale", ws),
+        init(view, "weight_zp", np.zeros(ws.shape, np.int8)),
+        init(view, "bias", bias.astype(np.float32)),
+    ]
     y = view.name("product")
-    product_ins = [mm.input[0], *(i.name for i in inits[:4 if bias_in_product else 3])]
+    product_ins = [mm.input[0], *(i.name for i in inits[: 4 if bias_in_product else 3])]
     op = "FastGelu" if tanh else ("Gelu" if bias_in_product else "BiasGelu")
     nodes = [
-        helper.make_node("DynamicQuantizeMatMul", product_ins, [y],
-                         name=view.name("DynamicQuantizeMatMul"), domain=CONTRIB_DOMAIN),
-        helper.make_node(op, [y] if bias_in_product else [y, inits[3].name], [view.output],
-                         name=view.name(op), domain=CONTRIB_DOMAIN),
-    ]  # fmt: skip
+        helper.make_node(
+            "DynamicQuantizeMatMul",
+            product_ins,
+            [y],
+            name=view.name("DynamicQuantizeMatMul"),
+            domain=CONTRIB_DOMAIN,
+        ),
+        helper.make_node(
+            op,
+            [y] if bias_in_product else [y, inits[3].name],
+            [view.output],
+            name=view.name(op),
+            domain=CONTRIB_DOMAIN,
+        ),
+    ]
     return Rewrite(tuple(nodes), tuple(inits))
 
 
@@ -373,8 +470,14 @@ def register(registry: StrategyRegistry) -> None:
     s("tanh_gelu", "gelu", APPROX)(_tanh_gelu)
     s("int8_bias_gelu", "gelu", "int8")(_int8_bias_gelu)
     s("int8_gelu", "gelu", "int8")(_int8_gelu)
-    registry.register(Strategy(
-        "int8_region", "conv_region", "int8", regions.int8_region, (regions.int8_region.__doc__ or "").strip(),
-        with_param=regions.int8_region_param, propose=regions.propose_float_convs,
-    ))  # fmt: skip
-
+    registry.register(
+        Strategy(
+            "int8_region",
+            "conv_region",
+            "int8",
+            regions.int8_region,
+            (regions.int8_region.__doc__ or "").strip(),
+            with_param=regions.int8_region_param,
+            propose=regions.propose_float_convs,
+        )
+    )

@@ -72,7 +72,14 @@ def _glu_parts(view: TaskView) -> _Glu | None:
         silu = False
         act = nodes.made(a, "Sigmoid", "Mul")
         if act is not None and act.op_type == "Mul":
-            sig = next((nodes.made(i, "Sigmoid") for i in act.input if nodes.made(i, "Sigmoid") is not None), None)
+            sig = next(
+                (
+                    nodes.made(i, "Sigmoid")
+                    for i in act.input
+                    if nodes.made(i, "Sigmoid") is not None
+                ),
+                None,
+            )
             if sig is None or sorted(act.input) != sorted([sig.input[0], sig.output[0]]):
                 continue
             silu, g = True, sig.input[0]
@@ -81,7 +88,13 @@ def _glu_parts(view: TaskView) -> _Glu | None:
         else:
             continue
         gp, up = _product(nodes, g), _product(nodes, u)
-        if gp is None or up is None or gp[0] != up[0] or gp[3] == up[3] or gp[1].shape != up[1].shape:
+        if (
+            gp is None
+            or up is None
+            or gp[0] != up[0]
+            or gp[3] == up[3]
+            or gp[1].shape != up[1].shape
+        ):
             continue
         return _Glu(gp[0], gp[1], gp[2], up[1], up[2], silu)
     return None
@@ -92,25 +105,33 @@ def _packed_bias(parts: _Glu) -> np.ndarray | None:
         return None
     n = parts.gate_w.shape[1]
     zero = np.zeros(n, parts.gate_w.dtype)
-    return np.concatenate([zero if parts.gate_b is None else parts.gate_b, zero if parts.up_b is None else parts.up_b])
+    return np.concatenate(
+        [zero if parts.gate_b is None else parts.gate_b, zero if parts.up_b is None else parts.up_b]
+    )
 
 
 def _gate_and_product(view: TaskView, parts: _Glu, gate: str, up: str) -> list[onnx.NodeProto]:
     act = view.name("act")
     if parts.silu:
-        first = helper.make_node("QuickGelu", [gate], [act], name=view.name("Silu"), domain=CONTRIB_DOMAIN, alpha=1.0)
+        first = helper.make_node(
+            "QuickGelu", [gate], [act], name=view.name("Silu"), domain=CONTRIB_DOMAIN, alpha=1.0
+        )
     else:
         first = helper.make_node("Sigmoid", [gate], [act], name=view.name("Sigmoid"))
     return [first, helper.make_node("Mul", [act, up], [view.output], name=view.name("Gate"))]
 
 
-def _split(view: TaskView, packed: str, n: int, inits: list) -> tuple[list[onnx.NodeProto], str, str] | None:
+def _split(
+    view: TaskView, packed: str, n: int, inits: list
+) -> tuple[list[onnx.NodeProto], str, str] | None:
     if view.opset < 13:
         return None
     sizes = init(view, "split", np.array([n, n], np.int64))
     inits.append(sizes)
     gate, up = view.name("gate"), view.name("up")
-    node = helper.make_node("Split", [packed, sizes.name], [gate, up], name=view.name("Split"), axis=-1)
+    node = helper.make_node(
+        "Split", [packed, sizes.name], [gate, up], name=view.name("Split"), axis=-1
+    )
     return [node], gate, up
 
 
@@ -128,7 +149,11 @@ def _packed_glu(view: TaskView) -> Rewrite | None:
     if bias is not None:
         b = init(view, "bias", bias)
         inits.append(b)
-        nodes.append(helper.make_node("Add", [packed, b.name], [view.name("packed_b")], name=view.name("Bias")))
+        nodes.append(
+            helper.make_node(
+                "Add", [packed, b.name], [view.name("packed_b")], name=view.name("Bias")
+            )
+        )
         packed = view.name("packed_b")
     split = _split(view, packed, n, inits)
     if split is None:
@@ -148,11 +173,15 @@ def _silu_kernel(view: TaskView) -> Rewrite | None:
         wi = init(view, f"{which}_weight", w)
         inits.append(wi)
         y = view.name(which)
-        nodes.append(helper.make_node("MatMul", [parts.x, wi.name], [y], name=view.name(f"{which}_MatMul")))
+        nodes.append(
+            helper.make_node("MatMul", [parts.x, wi.name], [y], name=view.name(f"{which}_MatMul"))
+        )
         if b is not None:
             bi = init(view, f"{which}_bias", b)
             inits.append(bi)
-            nodes.append(helper.make_node("Add", [y, bi.name], [y + "_b"], name=view.name(f"{which}_Bias")))
+            nodes.append(
+                helper.make_node("Add", [y, bi.name], [y + "_b"], name=view.name(f"{which}_Bias"))
+            )
             y += "_b"
         outs.append(y)
     nodes += _gate_and_product(view, parts, outs[0], outs[1])
@@ -166,14 +195,27 @@ def _int8_packed_glu(view: TaskView) -> Rewrite | None:
     if parts is None:
         return None
     n = parts.gate_w.shape[1]
-    wq, ws = int8_weight(np.concatenate([parts.gate_w, parts.up_w], axis=1).astype(np.float32), per_channel=True)
-    inits = [init(view, "weight_q", wq), init(view, "weight_scale", ws), init(view, "weight_zp", np.zeros(ws.shape, np.int8))]
+    wq, ws = int8_weight(
+        np.concatenate([parts.gate_w, parts.up_w], axis=1).astype(np.float32), per_channel=True
+    )
+    inits = [
+        init(view, "weight_q", wq),
+        init(view, "weight_scale", ws),
+        init(view, "weight_zp", np.zeros(ws.shape, np.int8)),
+    ]
     bias = _packed_bias(parts)
     if bias is not None:
         inits.append(init(view, "bias", bias.astype(np.float32)))
     packed = view.name("packed")
-    nodes = [helper.make_node("DynamicQuantizeMatMul", [parts.x, *(i.name for i in inits)], [packed],
-                              name=view.name("DynamicQuantizeMatMul"), domain=CONTRIB_DOMAIN)]  # fmt: skip
+    nodes = [
+        helper.make_node(
+            "DynamicQuantizeMatMul",
+            [parts.x, *(i.name for i in inits)],
+            [packed],
+            name=view.name("DynamicQuantizeMatMul"),
+            domain=CONTRIB_DOMAIN,
+        )
+    ]
     split = _split(view, packed, n, inits)
     if split is None:
         return None

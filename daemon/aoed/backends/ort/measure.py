@@ -93,7 +93,9 @@ def interleaved(
         else:
             alive.append(name)
     # Samples per turn: as planned, fewer when the minimum rounds would not fit.
-    turn_s = sum(plan.settle_s + per_run[n] + plan.samples * timings[n].batch * per_run[n] for n in alive)
+    turn_s = sum(
+        plan.settle_s + per_run[n] + plan.samples * timings[n].batch * per_run[n] for n in alive
+    )
     remaining = max(0.0, deadline - clock())
     samples = plan.samples
     if turn_s > 0 and turn_s * plan.min_rounds > remaining:
@@ -152,7 +154,8 @@ def interleaved(
                         f"{best}'s upper quartile {timings[best].q75_us:.1f} us by more than {plan.drop_margin:.0%}"
                     )
         if plan.until_stable and all(
-            n in prev and abs(timings[n].median_us - prev[n] * 1e6) <= plan.rel_tol * timings[n].median_us
+            n in prev
+            and abs(timings[n].median_us - prev[n] * 1e6) <= plan.rel_tol * timings[n].median_us
             for n in alive
         ):
             break

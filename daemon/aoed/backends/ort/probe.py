@@ -31,7 +31,10 @@ def _probe(model: onnx.ModelProto, infos: Mapping[str, TensorInfo], names: Itera
 
 
 def capture(
-    model: onnx.ModelProto, infos: Mapping[str, TensorInfo], names: Iterable[str], sample: Mapping[str, np.ndarray]
+    model: onnx.ModelProto,
+    infos: Mapping[str, TensorInfo],
+    names: Iterable[str],
+    sample: Mapping[str, np.ndarray],
 ) -> dict[str, np.ndarray]:
     """The values of `names` (and of the inputs) when `model` runs `sample`."""
     sess = _probe(model, infos, names)
@@ -43,13 +46,17 @@ def capture(
 def float_activations(model: onnx.ModelProto, infos: Mapping[str, TensorInfo]) -> set[str]:
     """Every float tensor a node of `model` writes and shape inference knows."""
     return {
-        o for n in model.graph.node for o in n.output
+        o
+        for n in model.graph.node
+        for o in n.output
         if o in infos and np.dtype(infos[o].dtype).kind == "f"
-    }  # fmt: skip
+    }
 
 
 def activation_ranges(
-    model: onnx.ModelProto, infos: Mapping[str, TensorInfo], samples: Iterable[Mapping[str, np.ndarray]]
+    model: onnx.ModelProto,
+    infos: Mapping[str, TensorInfo],
+    samples: Iterable[Mapping[str, np.ndarray]],
 ) -> dict[str, tuple[float, float]]:
     """(min, max) of every float activation of `model` (and float input) over `samples`."""
     sess = _probe(model, infos, float_activations(model, infos))

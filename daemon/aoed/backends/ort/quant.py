@@ -64,8 +64,11 @@ def _dynamic_matmul(view: TaskView, per_channel: bool, fused: bool) -> Rewrite |
         return None
     a, w, bias, act, _rank = parts
     wq, ws = _sym_int8(w, 1 if per_channel else None)
-    inits = [init(view, "weight_q", wq), init(view, "weight_scale", ws),
-             init(view, "weight_zp", np.zeros(ws.shape, dtype=np.int8))]
+    inits = [
+        init(view, "weight_q", wq),
+        init(view, "weight_scale", ws),
+        init(view, "weight_zp", np.zeros(ws.shape, dtype=np.int8)),
+    ]
     out = view.output if act is None else view.name("pre_act")
     nodes = []
     if fused:
@@ -73,24 +76,49 @@ def _dynamic_matmul(view: TaskView, per_channel: bool, fused: bool) -> Rewrite |
         if bias is not None:
             inits.append(init(view, "bias", bias.astype(np.float32)))
             ins.append(inits[-1].name)
-        nodes.append(helper.make_node(
-            "DynamicQuantizeMatMul", ins, [out], name=view.name("DynamicQuantizeMatMul"), domain=CONTRIB_DOMAIN))
+        nodes.append(
+            helper.make_node(
+                "DynamicQuantizeMatMul",
+                ins,
+                [out],
+                name=view.name("DynamicQuantizeMatMul"),
+                domain=CONTRIB_DOMAIN,
+            )
+        )
     else:
         aq, a_s, a_z = view.name("a_q"), view.name("a_scale"), view.name("a_zp")
         nodes += [
-            helper.make_node("DynamicQuantizeLinear", [a], [aq, a_s, a_z], name=view.name("QuantizeA")),
-            helper.make_node("MatMulInteger", [aq, inits[0].name, a_z, inits[2].name], [view.name("acc")],
-                             name=view.name("MatMulInteger")),
-            helper.make_node("Cast", [view.name("acc")], [view.name("acc_f")], name=view.name("Cast"),
-                             to=TensorProto.FLOAT),
-            helper.make_node("Mul", [a_s, inits[1].name], [view.name("scale")], name=view.name("Scale")),
+            helper.make_node(
+                "DynamicQuantizeLinear", [a], [aq, a_s, a_z], name=view.name("QuantizeA")
+            ),
+            helper.make_node(
+                "MatMulInteger",
+                [aq, inits[0].name, a_z, inits[2].name],
+                [view.name("acc")],
+                name=view.name("MatMulInteger"),
+            ),
+            helper.make_node(
+                "Cast",
+                [view.name("acc")],
+                [view.name("acc_f")],
+                name=view.name("Cast"),
+                to=TensorProto.FLOAT,
+            ),
+            helper.make_node(
+                "Mul", [a_s, inits[1].name], [view.name("scale")], name=view.name("Scale")
+            ),
         ]
         last = out if bias is None else view.name("scaled")
-        nodes.append(helper.make_node("Mul", [view.name("acc_f"), view.name("scale")], [last],
-                                      name=view.name("Rescale")))
+        nodes.append(
+            helper.make_node(
+                "Mul", [view.name("acc_f"), view.name("scale")], [last], name=view.name("Rescale")
+            )
+        )
         if bias is not None:
             inits.append(init(view, "bias", bias.astype(np.float32)))
-            nodes.append(helper.make_node("Add", [last, inits[-1].name], [out], name=view.name("Bias")))
+            nodes.append(
+                helper.make_node("Add", [last, inits[-1].name], [out], name=view.name("Bias"))
+            )
     if act is not None:
         nodes.append(copy_act(view, act, out))
     return Rewrite(tuple(nodes), tuple(inits))
@@ -136,23 +164,54 @@ def _int8_qdq(view: TaskView) -> Rewrite | None:
     ys, yz = _uint8_params(*y_range)
     wq, ws = _sym_int8(w, 0)
     inits = [
-        init(view, "x_scale", xs), init(view, "x_zp", xz),
-        init(view, "w_q", wq), init(view, "w_scale", ws), init(view, "w_zp", np.zeros(ws.shape, np.int8)),
-        init(view, "y_scale", ys), init(view, "y_zp", yz),
+        init(view, "x_scale", xs),
+        init(view, "x_zp", xz),
+        init(view, "w_q", wq),
+        init(view, "w_scale", ws),
+        init(view, "w_zp", np.zeros(ws.shape, np.int8)),
+        init(view, "y_scale", ys),
+        init(view, "y_zp", yz),
     ]
     n = {t.name.rsplit("/", 1)[1]: t.name for t in inits}
     nodes = [
-        helper.make_node("QuantizeLinear", [conv.input[0], n["x_scale"], n["x_zp"]], [view.name("xq")], name=view.name("QX")),
-        helper.make_node("DequantizeLinear", [view.name("xq"), n["x_scale"], n["x_zp"]], [view.name("xdq")], name=view.name("DQX")),
-        helper.make_node("DequantizeLinear", [n["w_q"], n["w_scale"], n["w_zp"]], [view.name("wdq")], name=view.name("DQW"), axis=0),
+        helper.make_node(
+            "QuantizeLinear",
+            [conv.input[0], n["x_scale"], n["x_zp"]],
+            [view.name("xq")],
+            name=view.name("QX"),
+        ),
+        helper.make_node(
+            "DequantizeLinear",
+            [view.name("xq"), n["x_scale"], n["x_zp"]],
+            [view.name("xdq")],
+            name=view.name("DQX"),
+        ),
+        helper.make_node(
+            "DequantizeLinear",
+            [n["w_q"], n["w_scale"], n["w_zp"]],
+            [view.name("wdq")],
+            name=view.name("DQW"),
+            axis=0,
+        ),
     ]
     conv_ins = [view.name("xdq"), view.name("wdq")]
     if bias is not None:
         bscale = (xs * ws).astype(np.float32)
         bq = np.round(bias / bscale).astype(np.int32)
-        inits += [init(view, "b_q", bq), init(view, "b_scale", bscale), init(view, "b_zp", np.zeros(bq.shape, np.int32))]
-        nodes.append(helper.make_node("DequantizeLinear", [inits[-3].name, inits[-2].name, inits[-1].name],
-                                      [view.name("bdq")], name=view.name("DQB"), axis=0))
+        inits += [
+            init(view, "b_q", bq),
+            init(view, "b_scale", bscale),
+            init(view, "b_zp", np.zeros(bq.shape, np.int32)),
+        ]
+        nodes.append(
+            helper.make_node(
+                "DequantizeLinear",
+                [inits[-3].name, inits[-2].name, inits[-1].name],
+                [view.name("bdq")],
+                name=view.name("DQB"),
+                axis=0,
+            )
+        )
         conv_ins.append(view.name("bdq"))
     conv_out = view.name("conv")
     new_conv = helper.make_node("Conv", conv_ins, [conv_out], name=view.name("Conv"))
@@ -160,13 +219,25 @@ def _int8_qdq(view: TaskView) -> Rewrite | None:
     nodes.append(new_conv)
     cur = conv_out
     if act is not None:
-        act_node = helper.make_node(act.op_type, [cur], [view.name("act")], name=view.name(act.op_type))
+        act_node = helper.make_node(
+            act.op_type, [cur], [view.name("act")], name=view.name(act.op_type)
+        )
         act_node.attribute.extend(act.attribute)
         nodes.append(act_node)
         cur = view.name("act")
     nodes += [
-        helper.make_node("QuantizeLinear", [cur, n["y_scale"], n["y_zp"]], [view.name("yq")], name=view.name("QY")),
-        helper.make_node("DequantizeLinear", [view.name("yq"), n["y_scale"], n["y_zp"]], [view.output], name=view.name("DQY")),
+        helper.make_node(
+            "QuantizeLinear",
+            [cur, n["y_scale"], n["y_zp"]],
+            [view.name("yq")],
+            name=view.name("QY"),
+        ),
+        helper.make_node(
+            "DequantizeLinear",
+            [view.name("yq"), n["y_scale"], n["y_zp"]],
+            [view.output],
+            name=view.name("DQY"),
+        ),
     ]
     return Rewrite(tuple(nodes), tuple(inits))
 
@@ -184,8 +255,13 @@ def _int8_qlinearconv(view: TaskView) -> Rewrite | None:
     ys, yz = _uint8_params(0.0 if act is not None else lo, hi)  # zp 0 clamps at 0: Relu
     wq, ws = _sym_int8(w, 0)
     inits = [
-        init(view, "x_scale", xs), init(view, "x_zp", xz), init(view, "w_q", wq), init(view, "w_scale", ws),
-        init(view, "w_zp", np.zeros(ws.shape, np.int8)), init(view, "y_scale", ys), init(view, "y_zp", yz),
+        init(view, "x_scale", xs),
+        init(view, "x_zp", xz),
+        init(view, "w_q", wq),
+        init(view, "w_scale", ws),
+        init(view, "w_zp", np.zeros(ws.shape, np.int8)),
+        init(view, "y_scale", ys),
+        init(view, "y_zp", yz),
     ]
     names = [t.name for t in inits]
     ins = [view.name("xq"), names[0], names[1], names[2], names[3], names[4], names[5], names[6]]
@@ -195,9 +271,19 @@ def _int8_qlinearconv(view: TaskView) -> Rewrite | None:
     qconv = helper.make_node("QLinearConv", ins, [view.name("yq")], name=view.name("QLinearConv"))
     qconv.attribute.extend(conv.attribute)
     nodes = [
-        helper.make_node("QuantizeLinear", [conv.input[0], names[0], names[1]], [view.name("xq")], name=view.name("QX")),
+        helper.make_node(
+            "QuantizeLinear",
+            [conv.input[0], names[0], names[1]],
+            [view.name("xq")],
+            name=view.name("QX"),
+        ),
         qconv,
-        helper.make_node("DequantizeLinear", [view.name("yq"), names[5], names[6]], [view.output], name=view.name("DQY")),
+        helper.make_node(
+            "DequantizeLinear",
+            [view.name("yq"), names[5], names[6]],
+            [view.output],
+            name=view.name("DQY"),
+        ),
     ]
     return Rewrite(tuple(nodes), tuple(inits))
 
@@ -238,8 +324,20 @@ def _int4_nbits(view: TaskView, accuracy_level: int) -> Rewrite | None:
         inits.append(init(view, "bias", bias.astype(np.float32)))
         ins += ["", "", inits[-1].name]  # no zero points (8), no g_idx
     out = view.output if act is None else view.name("pre_act")
-    nodes = [helper.make_node("MatMulNBits", ins, [out], name=view.name("MatMulNBits"), domain=CONTRIB_DOMAIN,
-                              K=k, N=n, bits=4, block_size=INT4_BLOCK, accuracy_level=accuracy_level)]  # fmt: skip
+    nodes = [
+        helper.make_node(
+            "MatMulNBits",
+            ins,
+            [out],
+            name=view.name("MatMulNBits"),
+            domain=CONTRIB_DOMAIN,
+            K=k,
+            N=n,
+            bits=4,
+            block_size=INT4_BLOCK,
+            accuracy_level=accuracy_level,
+        )
+    ]
     if act is not None:
         nodes.append(copy_act(view, act, out))
     return Rewrite(tuple(nodes), tuple(inits))
@@ -266,9 +364,18 @@ def _int8_actact(view: TaskView) -> Rewrite | None:
     a, b = mm.input[0], mm.input[1]
     n = view.name
     nodes = (
-        helper.make_node("DynamicQuantizeLinear", [a], [n("a_q"), n("a_s"), n("a_z")], name=n("QuantizeA")),
-        helper.make_node("DynamicQuantizeLinear", [b], [n("b_q"), n("b_s"), n("b_z")], name=n("QuantizeB")),
-        helper.make_node("MatMulInteger", [n("a_q"), n("b_q"), n("a_z"), n("b_z")], [n("acc")], name=n("MatMulInteger")),
+        helper.make_node(
+            "DynamicQuantizeLinear", [a], [n("a_q"), n("a_s"), n("a_z")], name=n("QuantizeA")
+        ),
+        helper.make_node(
+            "DynamicQuantizeLinear", [b], [n("b_q"), n("b_s"), n("b_z")], name=n("QuantizeB")
+        ),
+        helper.make_node(
+            "MatMulInteger",
+            [n("a_q"), n("b_q"), n("a_z"), n("b_z")],
+            [n("acc")],
+            name=n("MatMulInteger"),
+        ),
         helper.make_node("Cast", [n("acc")], [n("acc_f")], name=n("Cast"), to=TensorProto.FLOAT),
         helper.make_node("Mul", [n("a_s"), n("b_s")], [n("scale")], name=n("Scale")),
         helper.make_node("Mul", [n("acc_f"), n("scale")], [view.output], name=n("Rescale")),

@@ -51,12 +51,18 @@ def region_convs(view: TaskView) -> list[onnx.NodeProto]:
     return [n for n in view.nodes if n.op_type == "Conv"]
 
 
-def _folded(view: TaskView, conv: onnx.NodeProto, bn: onnx.NodeProto | None) -> tuple[np.ndarray, np.ndarray] | None:
+def _folded(
+    view: TaskView, conv: onnx.NodeProto, bn: onnx.NodeProto | None
+) -> tuple[np.ndarray, np.ndarray] | None:
     w = view.const(conv.input[1])
     if w is None or w.ndim != 4:
         return None
     w = np.asarray(w, np.float32)
-    b = view.const(conv.input[2]) if len(conv.input) > 2 and conv.input[2] else np.zeros(w.shape[0], np.float32)
+    b = (
+        view.const(conv.input[2])
+        if len(conv.input) > 2 and conv.input[2]
+        else np.zeros(w.shape[0], np.float32)
+    )
     if b is None:
         return None
     b = np.asarray(b, np.float32)
@@ -105,8 +111,16 @@ def int8_region(view: TaskView, keep_float: frozenset[int] = frozenset()) -> Rew
         si, zi = init(view, f"q{k}_scale", s), init(view, f"q{k}_zp", z)
         inits.extend((si, zi))
         q, d = view.name(f"q{k}"), out or view.name(f"dq{k}")
-        new.append(helper.make_node("QuantizeLinear", [tensor, si.name, zi.name], [q], name=view.name(f"Q{k}")))
-        new.append(helper.make_node("DequantizeLinear", [q, si.name, zi.name], [d], name=view.name(f"DQ{k}")))
+        new.append(
+            helper.make_node(
+                "QuantizeLinear", [tensor, si.name, zi.name], [q], name=view.name(f"Q{k}")
+            )
+        )
+        new.append(
+            helper.make_node(
+                "DequantizeLinear", [q, si.name, zi.name], [d], name=view.name(f"DQ{k}")
+            )
+        )
         dq[tensor] = d
         return d
 
@@ -149,13 +163,35 @@ def int8_region(view: TaskView, keep_float: frozenset[int] = frozenset()) -> Rew
                 xs, _ = _uint8(*points[n.input[0]])
                 bs = (xs * ws).astype(np.float32)
                 bq = np.round(b / bs).astype(np.int32)
-                wi, wsi, wzi = init(view, f"w{k}_q", wq), init(view, f"w{k}_scale", ws), init(view, f"w{k}_zp", np.zeros(ws.shape, np.int8))
-                bi, bsi, bzi = init(view, f"b{k}_q", bq), init(view, f"b{k}_scale", bs), init(view, f"b{k}_zp", np.zeros(bq.shape, np.int32))
+                wi, wsi, wzi = (
+                    init(view, f"w{k}_q", wq),
+                    init(view, f"w{k}_scale", ws),
+                    init(view, f"w{k}_zp", np.zeros(ws.shape, np.int8)),
+                )
+                bi, bsi, bzi = (
+                    init(view, f"b{k}_q", bq),
+                    init(view, f"b{k}_scale", bs),
+                    init(view, f"b{k}_zp", np.zeros(bq.shape, np.int32)),
+                )
                 inits.extend((wi, wsi, wzi, bi, bsi, bzi))
-                new.append(helper.make_node("DequantizeLinear", [wi.name, wsi.name, wzi.name], [view.name(f"w{k}")],
-                                            name=view.name(f"DQW{k}"), axis=0))  # fmt: skip
-                new.append(helper.make_node("DequantizeLinear", [bi.name, bsi.name, bzi.name], [view.name(f"b{k}")],
-                                            name=view.name(f"DQB{k}"), axis=0))  # fmt: skip
+                new.append(
+                    helper.make_node(
+                        "DequantizeLinear",
+                        [wi.name, wsi.name, wzi.name],
+                        [view.name(f"w{k}")],
+                        name=view.name(f"DQW{k}"),
+                        axis=0,
+                    )
+                )
+                new.append(
+                    helper.make_node(
+                        "DequantizeLinear",
+                        [bi.name, bsi.name, bzi.name],
+                        [view.name(f"b{k}")],
+                        name=view.name(f"DQB{k}"),
+                        axis=0,
+                    )
+                )
                 ins = [x, view.name(f"w{k}"), view.name(f"b{k}")]
             node = helper.make_node("Conv", ins, outs, name=n.name)
             node.attribute.extend(n.attribute)
@@ -210,15 +246,19 @@ def propose_float_convs(view: TaskView, evaluate, notes: list[str]) -> list[str]
         alone = int8_region(view, every - {i})
         errors.append(1.0 - _cosine(np.asarray(evaluate(alone)), ref) if alone is not None else 0.0)
     order = sorted(range(len(convs)), key=lambda i: -errors[i])
-    notes.append("int8 sensitivity per Conv (1 - cosine of the region's output, that Conv alone int8): "
-                 + ", ".join(f"{i}:{errors[i]:.2e}" for i in order))  # fmt: skip
+    notes.append(
+        "int8 sensitivity per Conv (1 - cosine of the region's output, that Conv alone int8): "
+        + ", ".join(f"{i}:{errors[i]:.2e}" for i in order)
+    )
     out = []
     for k in range(1, min(MAX_FLOAT, len(convs) - 1) + 1):
         out.append(_name(order[:k]))
     shallow = [i for i, c in enumerate(convs) if _depth(view, c) < SHALLOW]
     if shallow and len(shallow) < len(convs) and _name(shallow) not in out:
-        notes.append(f"Convs with fewer than {SHALLOW} products per output, tried in float: "
-                     + ", ".join(str(i) for i in shallow))  # fmt: skip
+        notes.append(
+            f"Convs with fewer than {SHALLOW} products per output, tried in float: "
+            + ", ".join(str(i) for i in shallow)
+        )
         out.append(_name(shallow))
     return out
 

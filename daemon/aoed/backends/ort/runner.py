@@ -151,13 +151,17 @@ def measure(req: MeasureRequest) -> MeasureReply:
             del sessions[cid]
 
     if device.is_cpu:
-        runs = {cid: (lambda sess=sess, f=f: sess.run(None, f)) for cid, (sess, f) in sessions.items()}
+        runs = {
+            cid: (lambda sess=sess, f=f: sess.run(None, f)) for cid, (sess, f) in sessions.items()
+        }
     else:
         runs = {cid: bound[cid] for cid in sessions}
     timings = interleaved(runs, req.plan, keep=ref_id)
     for cid, t in timings.items():
         if t.dropped and not t.repeats:  # never timed: it overran the budget
-            results[cid] = Measurement(False, error=t.reason, dropped=True, reason=t.reason, **acc[cid])
+            results[cid] = Measurement(
+                False, error=t.reason, dropped=True, reason=t.reason, **acc[cid]
+            )
         else:
             summary = t.summary()
             summary["rounds_us"] = tuple(summary["rounds_us"])
@@ -253,7 +257,12 @@ def ping(req: PingRequest) -> PingReply:
     return PingReply(len(os.sched_getaffinity(0)), tuple(providers))
 
 
-_OPS: dict[type, Any] = {PingRequest: ping, MeasureRequest: measure, ProfileRequest: profile, CompareRequest: compare}
+_OPS: dict[type, Any] = {
+    PingRequest: ping,
+    MeasureRequest: measure,
+    ProfileRequest: profile,
+    CompareRequest: compare,
+}
 
 
 def _handle(req: Any) -> Any:

@@ -36,7 +36,9 @@ def providers_for(options: dict[str, Any] | None, device: Device = CPU) -> list[
 
     if options and options.get("providers"):
         providers = session_providers(options, device.index)
-        providers = [(n, {**dict(device.options), **o} if n == device.provider else o) for n, o in providers]
+        providers = [
+            (n, {**dict(device.options), **o} if n == device.provider else o) for n, o in providers
+        ]
     elif device.is_cpu:
         return [CPU.provider]
     else:
@@ -44,8 +46,10 @@ def providers_for(options: dict[str, Any] | None, device: Device = CPU) -> list[
     available = ort.get_available_providers()
     for name, _ in providers:
         if name not in available:
-            raise DeviceError(f"{device.name}: a candidate runs on {name}, which this onnxruntime {ort.__version__} "
-                              f"does not have (it has {', '.join(available)})")  # fmt: skip
+            raise DeviceError(
+                f"{device.name}: a candidate runs on {name}, which this onnxruntime {ort.__version__} "
+                f"does not have (it has {', '.join(available)})"
+            )
     return providers
 
 
@@ -58,7 +62,9 @@ def session(model: str | Path | bytes, options: dict[str, Any] | None = None, de
     from aoe.sessionopts import make_session_options
 
     data = model if isinstance(model, bytes) else str(model)
-    return ort.InferenceSession(data, make_session_options(options), providers=providers_for(options, device))
+    return ort.InferenceSession(
+        data, make_session_options(options), providers=providers_for(options, device)
+    )
 
 
 #: device kind -> where onnxruntime places an OrtValue for it

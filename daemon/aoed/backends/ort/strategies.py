@@ -17,7 +17,15 @@ from __future__ import annotations
 import numpy as np
 from onnx import helper, numpy_helper
 
-from aoed.backends.ort._rewrite import act_attrs, as_2d, attrs_of, conv_parts, copy_act, init, matmul_parts
+from aoed.backends.ort._rewrite import (
+    act_attrs,
+    as_2d,
+    attrs_of,
+    conv_parts,
+    copy_act,
+    init,
+    matmul_parts,
+)
 from aoed.engine.registry import StrategyRegistry
 from aoed.engine.tasks import CONTRIB_DOMAIN, Rewrite, TaskView
 
@@ -48,8 +56,13 @@ def _gemm_rewrite(view: TaskView, fused: bool) -> Rewrite | None:
     gemm_out = (y2 or out) if last else view.name("gemm")
     if fused:
         gemm = helper.make_node(
-            "FusedGemm", ins, [gemm_out], name=view.name("FusedGemm"), domain=CONTRIB_DOMAIN,
-            transB=1, **act_attrs(act, gemm=True),
+            "FusedGemm",
+            ins,
+            [gemm_out],
+            name=view.name("FusedGemm"),
+            domain=CONTRIB_DOMAIN,
+            transB=1,
+            **act_attrs(act, gemm=True),
         )
     else:
         gemm = helper.make_node("Gemm", ins, [gemm_out], name=view.name("Gemm"), transB=1)
@@ -60,7 +73,9 @@ def _gemm_rewrite(view: TaskView, fused: bool) -> Rewrite | None:
         shape = numpy_helper.from_array(np.array(info.shape, dtype=np.int64), view.name("shape_nd"))
         inits.append(shape)
         target = out if last else view.name("gemm_nd")
-        nodes.append(helper.make_node("Reshape", [cur, shape.name], [target], name=view.name("ReshapeNd")))
+        nodes.append(
+            helper.make_node("Reshape", [cur, shape.name], [target], name=view.name("ReshapeNd"))
+        )
         cur = target
     if not last:
         nodes.append(copy_act(view, act, cur))
@@ -86,8 +101,12 @@ def _fused_matmul(view: TaskView) -> Rewrite | None:
     wt = init(view, "weight_t", np.ascontiguousarray(w.T))
     mm = view.anchor
     node = helper.make_node(
-        "FusedMatMul", [a, wt.name], [mm.output[0]], name=view.name("FusedMatMul"),
-        domain=CONTRIB_DOMAIN, transB=1,
+        "FusedMatMul",
+        [a, wt.name],
+        [mm.output[0]],
+        name=view.name("FusedMatMul"),
+        domain=CONTRIB_DOMAIN,
+        transB=1,
     )
     return Rewrite((node, *view.nodes[1:]), (wt,))
 
@@ -104,7 +123,9 @@ def _gemm_as_matmul(view: TaskView) -> Rewrite | None:
     nodes = [helper.make_node("MatMul", [a, inits[0].name], [mm_out], name=view.name("MatMul"))]
     if bias is not None:
         inits.append(init(view, "bias", bias.astype(w.dtype)))
-        nodes.append(helper.make_node("Add", [mm_out, inits[1].name], [last], name=view.name("Bias")))
+        nodes.append(
+            helper.make_node("Add", [mm_out, inits[1].name], [last], name=view.name("Bias"))
+        )
     if act is not None:
         nodes.append(copy_act(view, act, last))
     return Rewrite(tuple(nodes), tuple(inits))
@@ -128,7 +149,12 @@ def _fused_conv(view: TaskView) -> Rewrite | None:
         inits = [init(view, "weight", w), init(view, "bias", bias)]
         ins = [conv.input[0], inits[0].name, inits[1].name]
     node = helper.make_node(
-        "FusedConv", ins, [act.output[0]], name=view.name("FusedConv"), domain=CONTRIB_DOMAIN, **attrs,
+        "FusedConv",
+        ins,
+        [act.output[0]],
+        name=view.name("FusedConv"),
+        domain=CONTRIB_DOMAIN,
+        **attrs,
     )
     return Rewrite((node,), tuple(inits))
 
@@ -162,15 +188,28 @@ def _conv1x1_matmul(view: TaskView) -> Rewrite | None:
     out = view.output
     pre_act = view.name("conv_out") if act is not None else out
     nodes = [
-        helper.make_node("Reshape", [conv.input[0], inits[0].name], [view.name("x3")], name=view.name("ReshapeIn")),
-        helper.make_node("MatMul", [inits[1].name, view.name("x3")], [view.name("y3")], name=view.name("MatMul")),
+        helper.make_node(
+            "Reshape",
+            [conv.input[0], inits[0].name],
+            [view.name("x3")],
+            name=view.name("ReshapeIn"),
+        ),
+        helper.make_node(
+            "MatMul", [inits[1].name, view.name("x3")], [view.name("y3")], name=view.name("MatMul")
+        ),
     ]
     cur = view.name("y3")
     if bias is not None:
         inits.append(numpy_helper.from_array(bias.reshape(m, 1), view.name("bias")))
-        nodes.append(helper.make_node("Add", [cur, inits[-1].name], [view.name("y3b")], name=view.name("Bias")))
+        nodes.append(
+            helper.make_node(
+                "Add", [cur, inits[-1].name], [view.name("y3b")], name=view.name("Bias")
+            )
+        )
         cur = view.name("y3b")
-    nodes.append(helper.make_node("Reshape", [cur, inits[2].name], [pre_act], name=view.name("ReshapeOut")))
+    nodes.append(
+        helper.make_node("Reshape", [cur, inits[2].name], [pre_act], name=view.name("ReshapeOut"))
+    )
     if act is not None:
         nodes.append(copy_act(view, act, pre_act))
     return Rewrite(tuple(nodes), tuple(inits))

@@ -51,7 +51,12 @@ def _loaded(path: Path) -> tuple[onnx.ModelProto, ModelContext, Constants]:
     stamp = (str(path), path.stat().st_mtime_ns)
     if _cached is None or _cached[0] != stamp:
         model = onnx.load(str(path))
-        _cached = (stamp, model, ModelContext(model), Constants(model.graph, list(model.opset_import)))
+        _cached = (
+            stamp,
+            model,
+            ModelContext(model),
+            Constants(model.graph, list(model.opset_import)),
+        )
     return _cached[1], _cached[2], _cached[3]
 
 
@@ -81,13 +86,21 @@ def _prepare(req: m.PrepareRequest) -> m.PrepareReply:
     from aoed.engine.policy import policy
     from aoed.engine.prep import make_inputs, prepare
 
-    prep = prepare(req.source, req.workdir, req.input_shapes, req.keep_initializer_inputs, req.limits,
-                   expect=req.model_file)  # fmt: skip
+    prep = prepare(
+        req.source,
+        req.workdir,
+        req.input_shapes,
+        req.keep_initializer_inputs,
+        req.limits,
+        expect=req.model_file,
+    )
     int_high = integer_ranges(prep.model, prep.inputs)
     try:
         sess = session(prep.path, {"intra_op_num_threads": 1})
     except Exception as exc:
-        raise ModelError(f"{req.source}: onnxruntime cannot load the model: {_ort_error(exc, prep.path)}") from None
+        raise ModelError(
+            f"{req.source}: onnxruntime cannot load the model: {_ort_error(exc, prep.path)}"
+        ) from None
     if not policy(req.precision).lossy:
         # These are the job's inputs (the samples stage makes the same ones). A model that
         # cannot run on them cannot be profiled, tuned or confirmed; unchecked, it reached
@@ -98,11 +111,15 @@ def _prepare(req: m.PrepareRequest) -> m.PrepareReply:
         except MemoryError:
             raise
         except Exception as exc:
-            raise ModelError(f"{req.source}: onnxruntime cannot run the model on the tuner's synthetic inputs: "
-                             f"{_ort_error(exc, prep.path)}") from None  # fmt: skip
+            raise ModelError(
+                f"{req.source}: onnxruntime cannot run the model on the tuner's synthetic inputs: "
+                f"{_ort_error(exc, prep.path)}"
+            ) from None
     del sess
     assert _registry is not None
-    tasks = tunable_tasks(prep.model, prep.ctx, _registry, req.precision, req.job_type, req.device_kind)
+    tasks = tunable_tasks(
+        prep.model, prep.ctx, _registry, req.precision, req.job_type, req.device_kind
+    )
     return m.PrepareReply(
         prepared=prep.path,
         inputs=prep.inputs,
@@ -142,7 +159,9 @@ def _samples(req: m.SamplesRequest) -> m.SamplesReply:
     if req.lossy:
         samples = load_samples(req.inputs, req.calibration, req.int_high)
     else:
-        samples = Samples.single(make_inputs(req.inputs, int_high=req.int_high), "synthetic (1 sample)")
+        samples = Samples.single(
+            make_inputs(req.inputs, int_high=req.int_high), "synthetic (1 sample)"
+        )
     req.workdir.mkdir(parents=True, exist_ok=True)
     held, calib = [], []
     h = hashlib.sha256()
@@ -225,16 +244,28 @@ def _variants(req: m.VariantsRequest) -> m.VariantsReply:
         return m.VariantsReply()
     nodes = list(model.graph.node)
     ctx = ModelContext(model)
-    view = TaskView(nodes=nodes, consts=Constants(model.graph, list(model.opset_import)), infos=ctx.tensors,
-                    opset=ctx.opset(""), prefix=req.prefix, ranges=_ranges(req.ranges))  # fmt: skip
+    view = TaskView(
+        nodes=nodes,
+        consts=Constants(model.graph, list(model.opset_import)),
+        infos=ctx.tensors,
+        opset=ctx.opset(""),
+        prefix=req.prefix,
+        ranges=_ranges(req.ranges),
+    )
     with np.load(req.inputs, allow_pickle=False) as data:
         feeds = {k: data[k] for k in data.files}
     names = {i.name for i in model.graph.input}
     feeds = {k: v for k, v in feeds.items() if k in names}
 
     def evaluate(rewrite):
-        candidate = model if rewrite is None else apply_rewrites(model, {tuple(n.name for n in nodes): rewrite})
-        return session(candidate.SerializeToString(), {"intra_op_num_threads": 1}).run(None, feeds)[0]
+        candidate = (
+            model
+            if rewrite is None
+            else apply_rewrites(model, {tuple(n.name for n in nodes): rewrite})
+        )
+        return session(candidate.SerializeToString(), {"intra_op_num_threads": 1}).run(None, feeds)[
+            0
+        ]
 
     notes: list[str] = []
     proposed = strategy.propose(view, evaluate, notes)
@@ -290,18 +321,33 @@ def _rebuild(req: m.RebuildRequest) -> m.RebuildReply:
     for vi in model.graph.input:
         info = ctx.tensors[vi.name]
         dt = np.dtype(info.dtype)
-        feeds[vi.name] = (rng.standard_normal(info.shape).astype(dt) if dt.kind == "f"
-                          else rng.integers(0, 8, size=info.shape).astype(dt))  # fmt: skip
+        feeds[vi.name] = (
+            rng.standard_normal(info.shape).astype(dt)
+            if dt.kind == "f"
+            else rng.integers(0, 8, size=info.shape).astype(dt)
+        )
     ranges = activation_ranges(model, ctx.tensors, [feeds]) if policy(req.precision).lossy else {}
-    view = TaskView(nodes=list(model.graph.node), consts=consts, infos=ctx.tensors, opset=ctx.opset(""),
-                    prefix="aoe/verify", ranges=ranges)  # fmt: skip
+    view = TaskView(
+        nodes=list(model.graph.node),
+        consts=consts,
+        infos=ctx.tensors,
+        opset=ctx.opset(""),
+        prefix="aoe/verify",
+        ranges=ranges,
+    )
     assert _registry is not None
     try:
-        rewrite = _registry.get(req.family, req.strategy).apply(view) if req.strategy != DEFAULT else None
+        rewrite = (
+            _registry.get(req.family, req.strategy).apply(view) if req.strategy != DEFAULT else None
+        )
     except KeyError as exc:
         return m.RebuildReply(ok=False, verdict="error", detail=str(exc).strip("'\""))
     if rewrite is None:
-        return m.RebuildReply(ok=False, verdict="error", detail=f"strategy {req.strategy} no longer applies to this task")
+        return m.RebuildReply(
+            ok=False,
+            verdict="error",
+            detail=f"strategy {req.strategy} no longer applies to this task",
+        )
     tuned = apply_rewrites(model, {tuple(n.name for n in model.graph.node): rewrite})
     req.workdir.mkdir(parents=True, exist_ok=True)
     paths = req.workdir / "default.onnx", req.workdir / "strategy.onnx", req.workdir / "inputs.npz"

@@ -80,9 +80,13 @@ def _flat(obj: Any) -> list[Any]:
 
 def synthetic_loss(out: Any) -> Any:
     """The mean square of every float output that carries a gradient, summed."""
-    terms = [(t.float() ** 2).mean() for t in _flat(out) if t.is_floating_point() and t.requires_grad]
+    terms = [
+        (t.float() ** 2).mean() for t in _flat(out) if t.is_floating_point() and t.requires_grad
+    ]
     if not terms:
-        raise ModelError("the model's outputs carry no gradient: nothing for data-parallel training to reduce")
+        raise ModelError(
+            "the model's outputs carry no gradient: nothing for data-parallel training to reduce"
+        )
     return sum(terms)
 
 
@@ -94,11 +98,15 @@ def _load_pt2(path: Path) -> tuple[Any, tuple, dict, Any]:
     try:
         ep = torch.export.load(str(path))
     except Exception as exc:  # torch raises many kinds for a file it cannot read
-        raise ModelError(f"{path}: not a torch.export program this torch ({torch.__version__}) can load: "
-                         f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None  # fmt: skip
+        raise ModelError(
+            f"{path}: not a torch.export program this torch ({torch.__version__}) can load: "
+            f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        ) from None
     if ep.example_inputs is None:
-        raise ModelError(f"{path}: saved without example inputs; export with torch.export.export(model, args) "
-                         "and save that program")  # fmt: skip
+        raise ModelError(
+            f"{path}: saved without example inputs; export with torch.export.export(model, args) "
+            "and save that program"
+        )
     args, kwargs = ep.example_inputs
     return ep.module(), tuple(args), dict(kwargs), synthetic_loss
 
@@ -122,7 +130,9 @@ def _load_entry(path: Path, function: str) -> tuple[Any, tuple, dict, Any]:
         raise OptionError(f"--entry {path}:{function}: must return (model, batch, loss_fn)")
     model, batch, loss_fn = built
     if not isinstance(model, torch.nn.Module):
-        raise OptionError(f"--entry {path}:{function}: the model is a {type(model).__name__}, not a torch.nn.Module")
+        raise OptionError(
+            f"--entry {path}:{function}: the model is a {type(model).__name__}, not a torch.nn.Module"
+        )
     if isinstance(batch, dict):
         args, kwargs = (), dict(batch)
     elif isinstance(batch, (tuple, list)):
@@ -130,7 +140,9 @@ def _load_entry(path: Path, function: str) -> tuple[Any, tuple, dict, Any]:
     else:
         args, kwargs = (batch,), {}
     if loss_fn is not None and not callable(loss_fn):
-        raise OptionError(f"--entry {path}:{function}: loss_fn must be callable (or None for the synthetic loss)")
+        raise OptionError(
+            f"--entry {path}:{function}: loss_fn must be callable (or None for the synthetic loss)"
+        )
     return model, args, kwargs, loss_fn or synthetic_loss
 
 
@@ -149,7 +161,9 @@ def _perturbed(obj: Any, rank: int, gen: Any) -> Any:
     if isinstance(obj, torch.Tensor):
         if obj.is_floating_point():
             scale = float(obj.float().std()) if obj.numel() > 1 else 1.0
-            noise = torch.randn(obj.shape, generator=gen, dtype=torch.float32).to(obj.device, obj.dtype)
+            noise = torch.randn(obj.shape, generator=gen, dtype=torch.float32).to(
+                obj.device, obj.dtype
+            )
             return obj + noise * 0.1 * (scale if math.isfinite(scale) and scale > 0 else 1.0)
         if obj.numel() > 1 and obj.dtype != torch.bool:
             return obj.flatten().roll(rank).reshape(obj.shape)
@@ -176,20 +190,28 @@ def _device(backend: str, rank: int) -> Any:
         return torch.device("cpu")
     if backend == "nccl":
         if not (dist.is_nccl_available() and torch.cuda.is_available()):
-            raise OptionError("backend nccl: this torch has no NCCL or sees no CUDA device; install a CUDA build of "
-                              "torch (the package torch from the CUDA index) on a machine with NVIDIA GPUs")  # fmt: skip
+            raise OptionError(
+                "backend nccl: this torch has no NCCL or sees no CUDA device; install a CUDA build of "
+                "torch (the package torch from the CUDA index) on a machine with NVIDIA GPUs"
+            )
         if rank >= torch.cuda.device_count():
-            raise OptionError(f"backend nccl: rank {rank} needs GPU {rank}, this machine has {torch.cuda.device_count()}")
+            raise OptionError(
+                f"backend nccl: rank {rank} needs GPU {rank}, this machine has {torch.cuda.device_count()}"
+            )
         torch.cuda.set_device(rank)
         return torch.device("cuda", rank)
     if backend == "hccl":
         if importlib.util.find_spec("torch_npu") is None:
-            raise OptionError("backend hccl: needs the package torch_npu (Ascend's torch adapter), which is not installed")
+            raise OptionError(
+                "backend hccl: needs the package torch_npu (Ascend's torch adapter), which is not installed"
+            )
         import torch_npu  # noqa: F401  (registers the npu device and hccl)
 
         if rank >= torch.npu.device_count():  # type: ignore[attr-defined]
-            raise OptionError(f"backend hccl: rank {rank} needs NPU {rank}, this machine has "
-                              f"{torch.npu.device_count()}")  # type: ignore[attr-defined]  # fmt: skip
+            raise OptionError(
+                f"backend hccl: rank {rank} needs NPU {rank}, this machine has "
+                f"{torch.npu.device_count()}"
+            )  # type: ignore[attr-defined]
         torch.npu.set_device(rank)  # type: ignore[attr-defined]
         return torch.device("npu", rank)
     raise OptionError(f"backend {backend}: expected gloo, nccl or hccl")
@@ -212,7 +234,9 @@ class _HostClock:
 
     def step(self, begin: Any, backward_end: Any, end: Any) -> tuple[float, float]:
         """(step us, tail us)."""
-        return (end - begin) / 1e3, max(0.0, (backward_end - self.ready) / 1e3) if self.ready else 0.0
+        return (end - begin) / 1e3, max(
+            0.0, (backward_end - self.ready) / 1e3
+        ) if self.ready else 0.0
 
 
 class _EventClock:
@@ -271,14 +295,18 @@ def _inspect(req: dict[str, Any]) -> dict[str, Any]:
         device = _device(backend, 0)  # say what is missing before any world starts
         devices = int(getattr(torch, device.type).device_count())
         if world_size > devices:
-            raise OptionError(f"--world-size {world_size}: backend {backend} runs one rank per device, and this "
-                              f"machine has {devices}")  # fmt: skip
+            raise OptionError(
+                f"--world-size {world_size}: backend {backend} runs one rank per device, and this "
+                f"machine has {devices}"
+            )
     module, _args, _kwargs, _loss = _load(req["source"])
     reply = _layout_reply(module, world_size, backend)
     reply["torch"] = str(torch.__version__)
     reply["devices"] = devices
     if not reply["params"]:
-        raise ModelError(f"{req['source'].get('path')}: the model has no parameter that requires a gradient")
+        raise ModelError(
+            f"{req['source'].get('path')}: the model has no parameter that requires a gradient"
+        )
     return reply
 
 
@@ -328,8 +356,11 @@ def _measure_one(config: DDPConfig, warmup: int, steps: int) -> dict[str, Any]:
 
     model = _build(config)
     clock = _clock()
-    handles = [p.register_post_accumulate_grad_hook(clock.grad_ready) for p in model.module.parameters()
-               if p.requires_grad]  # fmt: skip
+    handles = [
+        p.register_post_accumulate_grad_hook(clock.grad_ready)
+        for p in model.module.parameters()
+        if p.requires_grad
+    ]
     opt = torch.optim.SGD(model.parameters(), lr=_MEASURE_LR)
     if config.hook == "powersgd":  # measured once PowerSGD compresses, not while it warms up
         warmup = max(warmup, config.powersgd_start + 1)
@@ -351,7 +382,11 @@ def _measure_one(config: DDPConfig, warmup: int, steps: int) -> dict[str, Any]:
     finally:
         for h in handles:
             h.remove()
-    return {"step_us": step_us, "tail_us": tail_us, "buckets": [int(b) for b in buckets.split(",") if b.strip()]}
+    return {
+        "step_us": step_us,
+        "tail_us": tail_us,
+        "buckets": [int(b) for b in buckets.split(",") if b.strip()],
+    }
 
 
 def _measure(req: dict[str, Any]) -> dict[str, Any]:
@@ -359,9 +394,13 @@ def _measure(req: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name in req["order"]:
         try:
-            out[name] = _measure_one(configs[name], int(req.get("warmup", 2)), int(req.get("steps", 5)))
+            out[name] = _measure_one(
+                configs[name], int(req.get("warmup", 2)), int(req.get("steps", 5))
+            )
         except Exception as exc:  # a configuration this torch refuses costs that configuration
-            out[name] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
+            out[name] = {
+                "error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            }
         # DDP keeps reference cycles (its reducer, logger and hooks): without a collection
         # each turn's model copy, gradients and buckets would pile up until the next one.
         gc.collect()
@@ -381,8 +420,16 @@ def _grad_errors(ref: Any, hooked: Any) -> dict[str, Any]:
     for a, b in zip(ref.module.parameters(), hooked.module.parameters(), strict=True):
         if not a.requires_grad:
             continue
-        ga = a.grad.double() if a.grad is not None else torch.zeros(a.shape, dtype=torch.float64, device=a.device)
-        gb = b.grad.double() if b.grad is not None else torch.zeros(b.shape, dtype=torch.float64, device=b.device)
+        ga = (
+            a.grad.double()
+            if a.grad is not None
+            else torch.zeros(a.shape, dtype=torch.float64, device=a.device)
+        )
+        gb = (
+            b.grad.double()
+            if b.grad is not None
+            else torch.zeros(b.shape, dtype=torch.float64, device=b.device)
+        )
         diffs.append(float((gb - ga).norm()))
         norms.append(float(ga.norm()))
     floor = _TINY * max(norms, default=0.0)
@@ -407,8 +454,12 @@ def _gate(req: dict[str, Any]) -> dict[str, Any]:
     if hook_class(config.hook) != "lowrank":
         try:
             ref, hooked = _build(exact), _build(config)
-        except Exception as exc:  # every rank refuses a hook alike, before any collective of its own
-            return {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
+        except (
+            Exception
+        ) as exc:  # every rank refuses a hook alike, before any collective of its own
+            return {
+                "error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            }
         for m in (ref, hooked):
             _step(m, torch.optim.SGD(m.parameters(), lr=0.0))
         return {"kind": "gradients", **_grad_errors(ref, hooked)}
@@ -418,7 +469,9 @@ def _gate(req: dict[str, Any]) -> dict[str, Any]:
         try:
             m = _build(cfg)
         except Exception as exc:
-            return {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
+            return {
+                "error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            }
         opt = torch.optim.Adam(m.parameters(), lr=_GATE_LR)
         losses = []
         for _ in range(steps + 1):
@@ -439,8 +492,12 @@ def _handle(request: Any) -> dict[str, Any]:
 
     from aoed.engine import rankmessages as rm
 
-    fn = {rm.RankInspectRequest: _inspect, rm.RankInitRequest: _init, rm.RankMeasureRequest: _measure,
-          rm.RankGateRequest: _gate}[type(request)]  # fmt: skip
+    fn = {
+        rm.RankInspectRequest: _inspect,
+        rm.RankInitRequest: _init,
+        rm.RankMeasureRequest: _measure,
+        rm.RankGateRequest: _gate,
+    }[type(request)]
     if fn in (_measure, _gate) and "module" not in _state:
         raise RuntimeError(f"{type(request).__name__} before init")
     return fn(msgspec.structs.asdict(request))
@@ -452,7 +509,10 @@ def main() -> int:
 
     child_main()
     try:
-        return serve(_handle, [rm.RankInspectRequest, rm.RankInitRequest, rm.RankMeasureRequest, rm.RankGateRequest])
+        return serve(
+            _handle,
+            [rm.RankInspectRequest, rm.RankInitRequest, rm.RankMeasureRequest, rm.RankGateRequest],
+        )
     finally:
         import torch.distributed as dist
 
