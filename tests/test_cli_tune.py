@@ -128,7 +128,11 @@ def test_exact_never_slower_nor_less_accurate(models: Path, tmp_path: Path, name
     lo, hi = conf["improvement_ci95"]
     assert lo <= conf["improvement"] <= hi
     if name == "relu":
-        assert conf["shipped"] == "input" and not doc["tasks"], conf
+        # No task to change: the input ships, or (on a machine busy enough that fewer
+        # threads win, beyond the noise) the input's own graph with session options.
+        assert not doc["tasks"], doc["tasks"]
+        assert conf["shipped"] == "input" or doc["session_options"], conf
+        assert onnx.load(doc["tuned_model"]).graph == onnx.load(str(src)).graph
     if conf["shipped"] == "input":
         assert onnx.load(doc["tuned_model"]).graph == onnx.load(str(src)).graph
         assert conf["verdict"] != "faster"
