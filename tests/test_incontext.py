@@ -141,9 +141,12 @@ def test_an_error_the_model_does_not_absorb_stays_rejected(tmp_path: Path) -> No
     task = doc["task"]
     assert task["strategy"] != "lowrank8"
     (why,) = [r for r in task["rejected"] if r.startswith("lowrank8: ")]
-    assert (
-        "the model with it alone reached cosine" in why and "outside the task budget of" in why
-    ), why
+    if "the model with it alone reached cosine" in why:  # judged in the model's context
+        assert "outside the task budget of" in why, why
+    else:
+        # Only a candidate clearly faster than what passed is judged in context; on a busy
+        # machine lowrank8 may not be, and the task's own gate is what rejected it.
+        assert why.startswith("lowrank8: outside the accuracy budget (cosine "), why
 
 
 @pytest.mark.slow

@@ -1207,7 +1207,7 @@ def test_entries_that_are_not_models_are_logged_and_left(drop: DaemonProcess) ->
         "dir.onnx": "a folder",
         "fifo.onnx": "a FIFO",
         "sock.onnx": "a socket",
-        "notes.txt": "not an .onnx model",
+        "notes.txt": "not an .onnx model (nor a .pt2)",
     }
     (drop.inbox / "link.onnx").symlink_to(outside)
     (drop.inbox / "dir.onnx").mkdir()

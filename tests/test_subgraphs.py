@@ -1081,8 +1081,9 @@ def test_job_type_spellings() -> None:
     assert [
         parse_job_type(s) for s in ("opat", "2", "SGAT", "1", "sgat+opat", "1+2", "opat,sgat")
     ] == ["opat", "opat", "sgat", "sgat", "sgat+opat", "sgat+opat", "sgat+opat"]
+    assert [parse_job_type(s) for s in ("gdat", "4")] == ["gdat", "gdat"]  # AOE_MODE=4
     with pytest.raises(OptionError, match="expected opat"):
-        parse_job_type("gdat")
+        parse_job_type("77")
 
 
 def test_sgat_plus_opat_tunes_every_operator_task_a_subgraph_without_a_choice_covers(

@@ -21,8 +21,17 @@ import os
 import re
 import sys
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 
-__all__ = ["EscapingFormatter", "configure", "current_job", "cut", "printable", "stderr_is_journal"]
+__all__ = [
+    "EscapingFormatter",
+    "configure",
+    "current_job",
+    "cut",
+    "job_log",
+    "printable",
+    "stderr_is_journal",
+]
 
 _PRIORITY = {
     logging.DEBUG: 7,
@@ -141,3 +150,33 @@ def configure(level: str, journal: bool | None = None) -> logging.Handler:
     # watchfiles logs every batch of file changes at INFO: the inbox's own lines say what matters.
     logging.getLogger("watchfiles").setLevel(max(logging.WARNING, root.level))
     return handler
+
+
+class _JobFilter(logging.Filter):
+    def __init__(self, job_id: str):
+        super().__init__()
+        self.job_id = job_id
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return current_job() == self.job_id
+
+
+@contextlib.contextmanager
+def job_log(path: Path, job_id: str) -> Iterator[None]:
+    """Inside, log records made on behalf of `job_id` (this task and those it starts) also
+    go to `path`, the job's own log; a daemon runs other jobs meanwhile, and theirs go to
+    their own logs."""
+    handler = logging.FileHandler(path, encoding="utf-8", delay=True)
+    handler.setFormatter(EscapingFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.addFilter(_JobFilter(job_id))
+    handler.setLevel(logging.INFO)
+    root = logging.getLogger("aoed")
+    if root.level == logging.NOTSET or root.level > logging.INFO:
+        root.setLevel(logging.INFO)  # the job log wants INFO; the console handler filters its own
+    root.addHandler(handler)
+    try:
+        with on_behalf_of(job_id):
+            yield
+    finally:
+        root.removeHandler(handler)
+        handler.close()

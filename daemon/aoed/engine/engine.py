@@ -21,7 +21,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -46,39 +46,11 @@ from aoed.engine.policy import policy
 from aoed.engine.pool import CompilePool
 from aoed.engine.registry import StrategyRegistry
 from aoed.engine.workspace import Workspace
-from aoed.logs import EscapingFormatter, current_job, on_behalf_of
+from aoed.logs import current_job, job_log
 
 __all__ = ["Engine", "current_job", "open_engine", "place_cores", "split_cores"]
 
 log = logging.getLogger(__name__)
-
-
-class _JobFilter(logging.Filter):
-    def __init__(self, job_id: str):
-        super().__init__()
-        self.job_id = job_id
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return current_job() == self.job_id
-
-
-@contextlib.contextmanager
-def _job_log(path: Path, job_id: str) -> Iterator[None]:
-    """Send the engine's log records made on behalf of `job_id` to `path`."""
-    handler = logging.FileHandler(path, encoding="utf-8", delay=True)
-    handler.setFormatter(EscapingFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    handler.addFilter(_JobFilter(job_id))
-    handler.setLevel(logging.INFO)
-    root = logging.getLogger("aoed")
-    if root.level == logging.NOTSET or root.level > logging.INFO:
-        root.setLevel(logging.INFO)  # the job log wants INFO; the console handler filters its own
-    root.addHandler(handler)
-    try:
-        with on_behalf_of(job_id):
-            yield
-    finally:
-        root.removeHandler(handler)
-        handler.close()
 
 
 def split_cores(cpus: list[int], dedicated: bool | None) -> tuple[list[int], list[int]]:
@@ -222,7 +194,7 @@ class Engine:
             devices=devices,
         )
         failed = True
-        with _job_log(ws.log_path, job_id):
+        with job_log(ws.log_path, job_id):
             log.info(
                 "job %s: %s (%s, %s, device %s, home %s)",
                 job_id,

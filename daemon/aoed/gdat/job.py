@@ -18,13 +18,12 @@ cancellation through `JobHandle` kills every rank and raises JobCancelledError.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import importlib.util
 import json
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,7 +47,7 @@ from aoed.gdat import space
 from aoed.gdat.outcome import GdatResult, configurations, ddp_config_doc, result_doc
 from aoed.gdat.race import Meter
 from aoed.gdat.search import CONFIRM_ROUNDS, DEFAULT, RACE_ROUNDS, Confirmed, Search
-from aoed.logs import EscapingFormatter, current_job, on_behalf_of
+from aoed.logs import job_log
 
 __all__ = ["MISSING_TORCH", "GdatOptions", "have_torch", "run_gdat"]
 
@@ -120,35 +119,6 @@ class GdatOptions:
             if self.entry
             else {"kind": "pt2", "path": path}
         )
-
-
-class _JobFilter(logging.Filter):
-    def __init__(self, job_id: str):
-        super().__init__()
-        self.job_id = job_id
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return current_job() == self.job_id
-
-
-@contextlib.contextmanager
-def _job_log(path: Path, job_id: str) -> Iterator[None]:
-    """Send the log records made on behalf of `job_id` to `path` (a daemon runs other
-    jobs meanwhile: theirs go to their own logs)."""
-    handler = logging.FileHandler(path, encoding="utf-8", delay=True)
-    handler.setFormatter(EscapingFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    handler.addFilter(_JobFilter(job_id))
-    handler.setLevel(logging.INFO)
-    root = logging.getLogger("aoed")
-    if root.level == logging.NOTSET or root.level > logging.INFO:
-        root.setLevel(logging.INFO)  # the job log wants INFO; the console handler filters its own
-    root.addHandler(handler)
-    try:
-        with on_behalf_of(job_id):
-            yield
-    finally:
-        root.removeHandler(handler)
-        handler.close()
 
 
 def have_torch() -> bool:
@@ -488,7 +458,7 @@ async def run_gdat(
     job = _Job(opts, config, emit, job_id, ws, bank)
     failed = True
     try:
-        with _job_log(ws.log_path, job_id):
+        with job_log(ws.log_path, job_id):
             log.info(
                 "job %s: gdat %s (%s, world of %s on %s)",
                 job_id,
