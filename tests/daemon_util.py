@@ -218,6 +218,24 @@ def upload(
     return stub.UploadModel(_chunks(path, name or path.name, chunk), timeout=60).model_id
 
 
+def submit_sample(d: DaemonProcess, name: str, budget: float, timeout: float = 30, **opts) -> str:
+    """Upload the sample model `name` (saved in `d.models` once) and submit it with
+    `budget` seconds and the JobOptions fields `opts`; returns the job's id."""
+    path = d.models / f"{name}.onnx"
+    if not path.exists():
+        from aoed import samples
+
+        samples.save(samples.build(name), path)
+    reply = d.tuning().SubmitJob(
+        tuning_pb2.SubmitJobRequest(
+            model_id=upload(d.tuning(), path),
+            options=tuning_pb2.JobOptions(budget_s=budget, **opts),
+        ),
+        timeout=timeout,
+    )
+    return reply.job_id
+
+
 def mixed_calls(
     ch: grpc.Channel,
     pid: int,

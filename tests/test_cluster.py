@@ -19,7 +19,8 @@ from aoe.config import load_config
 from aoe.errors import DeviceError, OptionError
 from aoe.v1 import bank_pb2, devices_pb2, tuning_pb2
 from aoed import samples
-from tests.daemon_util import DaemonProcess, upload, wait_for
+from tests.conftest import run_aoe
+from tests.daemon_util import DaemonProcess, submit_sample, wait_for
 
 
 def _config(tmp_path: Path, body: str) -> Path:
@@ -130,18 +131,6 @@ def on_ray(tmp_path: Path, cluster):
     d.close()
 
 
-def _submit(d: DaemonProcess, name: str, budget: float) -> str:
-    path = d.models / f"{name}.onnx"
-    samples.save(samples.build(name), path)
-    reply = d.tuning().SubmitJob(
-        tuning_pb2.SubmitJobRequest(
-            model_id=upload(d.tuning(), path), options=tuning_pb2.JobOptions(budget_s=budget)
-        ),
-        timeout=30,
-    )
-    return reply.job_id
-
-
 def _children(pid: int) -> set[int]:
     kids: set[int] = set()
     for task in Path(f"/proc/{pid}/task").iterdir():
@@ -168,7 +157,7 @@ def test_one_job_measures_on_all_three_nodes(on_ray: DaemonProcess) -> None:
     # Fork rule: the daemon connected to Ray as a driver and started nothing itself; its
     # runners and workers are the cluster's actors.
     assert _children(on_ray.proc.pid) == set()
-    job = on_ray.wait_job(_submit(on_ray, "mlp", 9.0), timeout=600)
+    job = on_ray.wait_job(submit_sample(on_ray, "mlp", 9.0), timeout=600)
     assert job.state == tuning_pb2.JOB_STATE_SUCCEEDED, job.error
     per = json.loads(Path(job.result.result_json_path).read_text())["resources"]["devices"]
     assert set(per) == set(DEVICES), per
@@ -181,7 +170,7 @@ def test_one_job_measures_on_all_three_nodes(on_ray: DaemonProcess) -> None:
 
 @pytest.mark.cluster
 def test_an_actor_killed_mid_job_loses_no_decided_task(on_ray: DaemonProcess) -> None:
-    job_id = _submit(on_ray, "cnn", 12.0)
+    job_id = submit_sample(on_ray, "cnn", 12.0)
 
     def measuring() -> list[int]:
         trials = {
@@ -217,34 +206,28 @@ def test_an_actor_killed_mid_job_loses_no_decided_task(on_ray: DaemonProcess) ->
 def test_aoe_tune_runs_embedded_on_the_cluster(tmp_path: Path, cluster) -> None:
     model = tmp_path / "mlp.onnx"
     samples.save(samples.build("mlp"), model)
-    env = {**os.environ, "AOED_RUNTIME_DIR": str(tmp_path / "run")}
-    run = subprocess.run(
-        [
-            str(Path(sys.executable).with_name("aoe")),
-            "tune",
-            str(model),
-            "--executor",
-            "ray",
-            "--ray-address",
-            cluster.address,
-            "--device",
-            "cpu:0",
-            "--device",
-            "cpu:1",
-            "--budget",
-            "6",
-            "--parallel",
-            "1",
-            "--bank",
-            str(tmp_path / "bank"),
-            "--output",
-            str(tmp_path / "out"),
-            "--no-progress",
-        ],
-        capture_output=True,
-        text=True,
+    run = run_aoe(
+        "tune",
+        str(model),
+        "--executor",
+        "ray",
+        "--ray-address",
+        cluster.address,
+        "--device",
+        "cpu:0",
+        "--device",
+        "cpu:1",
+        "--budget",
+        "6",
+        "--parallel",
+        "1",
+        "--bank",
+        str(tmp_path / "bank"),
+        "--output",
+        str(tmp_path / "out"),
+        "--no-progress",
+        env={"AOED_RUNTIME_DIR": str(tmp_path / "run")},
         timeout=600,
-        env=env,
     )
     assert run.returncode == 0, run.stderr
     (result,) = (tmp_path / "out").glob("aoe_result_*.json")
@@ -257,7 +240,7 @@ def test_a_node_lost_mid_job_leaves_its_device_and_jobs_go_on(
     on_ray: DaemonProcess, cluster
 ) -> None:
     # Last of the tests on the shared cluster: it takes a node away for good.
-    job_id = _submit(on_ray, "cnn", 12.0)
+    job_id = submit_sample(on_ray, "cnn", 12.0)
 
     def trials() -> dict[str, int]:
         return {
@@ -273,7 +256,7 @@ def test_a_node_lost_mid_job_leaves_its_device_and_jobs_go_on(
     assert "no live node offers aoe_device_cpu2" in on_ray.log()
     # The device is passed over from then on: the next job measures on the two left, and
     # none of its tasks fails for the device that went away.
-    job = on_ray.wait_job(_submit(on_ray, "mlp", 6.0), timeout=600)
+    job = on_ray.wait_job(submit_sample(on_ray, "mlp", 6.0), timeout=600)
     assert job.state == tuning_pb2.JOB_STATE_SUCCEEDED, job.error
     result = json.loads(Path(job.result.result_json_path).read_text())
     per = result["resources"]["devices"]
@@ -289,26 +272,20 @@ def test_an_unreachable_head_is_one_clear_error(tmp_path: Path) -> None:
         port = s.getsockname()[1]
     model = tmp_path / "mlp.onnx"
     samples.save(samples.build("mlp"), model)
-    env = {**os.environ, "AOED_RUNTIME_DIR": str(tmp_path / "run")}
-    run = subprocess.run(
-        [
-            str(Path(sys.executable).with_name("aoe")),
-            "tune",
-            str(model),
-            "--executor",
-            "ray",
-            "--ray-address",
-            f"127.0.0.1:{port}",
-            "--bank",
-            str(tmp_path / "bank"),
-            "--output",
-            str(tmp_path / "out"),
-            "--no-progress",
-        ],
-        capture_output=True,
-        text=True,
+    run = run_aoe(
+        "tune",
+        str(model),
+        "--executor",
+        "ray",
+        "--ray-address",
+        f"127.0.0.1:{port}",
+        "--bank",
+        str(tmp_path / "bank"),
+        "--output",
+        str(tmp_path / "out"),
+        "--no-progress",
+        env={"AOED_RUNTIME_DIR": str(tmp_path / "run")},
         timeout=120,
-        env=env,
     )
     assert run.returncode == DeviceError.exit_code, run.stderr
     errors = [line for line in run.stderr.splitlines() if "error" in line]

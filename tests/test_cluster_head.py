@@ -10,26 +10,13 @@ from pathlib import Path
 import pytest
 
 from aoe.v1 import devices_pb2, tuning_pb2
-from aoed import samples
-from tests.daemon_util import DaemonProcess, upload, wait_for
+from tests.daemon_util import DaemonProcess, submit_sample, wait_for
 
 #: Ray's floor for a node's object store
 _OBJECT_STORE_MIN = 75 * 1024 * 1024
 #: Ray ends a driver's process this long after it lost the head, unless told otherwise
 #: (RAY_gcs_rpc_server_reconnect_timeout_s, aoed.engine.rayexec._GCS_RECONNECT)
 _RAY_DRIVER_LIMIT_S = 60
-
-
-def _submit(d: DaemonProcess, name: str, budget: float) -> str:
-    path = d.models / f"{name}.onnx"
-    samples.save(samples.build(name), path)
-    reply = d.tuning().SubmitJob(
-        tuning_pb2.SubmitJobRequest(
-            model_id=upload(d.tuning(), path), options=tuning_pb2.JobOptions(budget_s=budget)
-        ),
-        timeout=60,
-    )
-    return reply.job_id
 
 
 @pytest.mark.cluster
@@ -57,7 +44,7 @@ def test_a_lost_head_fails_jobs_clearly_and_the_daemon_goes_on(tmp_path: Path) -
         cluster.shutdown()
         raise
     try:
-        job_id = _submit(d, "cnn", 60.0)
+        job_id = submit_sample(d, "cnn", 60.0, timeout=60)
 
         def trials() -> int:
             return sum(
@@ -70,7 +57,7 @@ def test_a_lost_head_fails_jobs_clearly_and_the_daemon_goes_on(tmp_path: Path) -
         job = d.wait_job(job_id, timeout=300)  # it ends, whatever its measurements were doing
         assert job.state in (tuning_pb2.JOB_STATE_SUCCEEDED, tuning_pb2.JOB_STATE_FAILED), job
         wait_for(lambda: "does not answer" in d.log(), 120, "the head called lost")
-        job = d.wait_job(_submit(d, "mlp", 4.0), timeout=120)
+        job = d.wait_job(submit_sample(d, "mlp", 4.0, timeout=60), timeout=120)
         assert job.state == tuning_pb2.JOB_STATE_FAILED
         assert "does not answer" in job.error or "died" in job.error, job.error
         # Past the time Ray would have ended the daemon's process, it still serves.

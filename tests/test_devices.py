@@ -15,9 +15,8 @@ from aoe.config import load_config
 from aoe.device import Device
 from aoe.errors import DeviceError, OptionError
 from aoe.v1 import devices_pb2, tuning_pb2
-from aoed import samples
 from aoed.engine.engine import place_cores
-from tests.daemon_util import DaemonProcess, upload, wait_for
+from tests.daemon_util import DaemonProcess, submit_sample, wait_for
 
 
 def test_a_cpu_device_may_be_a_set_of_cores_with_its_own_fingerprint() -> None:
@@ -88,20 +87,6 @@ def two_devices(tmp_path: Path):
     d.close()
 
 
-def _submit(d: DaemonProcess, name: str, budget: float, **opts) -> str:
-    path = d.models / f"{name}.onnx"
-    if not path.exists():
-        samples.save(samples.build(name), path)
-    reply = d.tuning().SubmitJob(
-        tuning_pb2.SubmitJobRequest(
-            model_id=upload(d.tuning(), path),
-            options=tuning_pb2.JobOptions(budget_s=budget, **opts),
-        ),
-        timeout=30,
-    )
-    return reply.job_id
-
-
 def _resources(job: tuning_pb2.Job) -> dict:
     return json.loads(Path(job.result.result_json_path).read_text())["resources"]
 
@@ -116,7 +101,7 @@ def _no_overlap(spans: list[tuple[float, float]]) -> list:
 def test_one_job_measures_on_both_devices(two_devices: DaemonProcess) -> None:
     listed = two_devices.devices().ListDevices(devices_pb2.ListDevicesRequest()).devices
     assert [d.id for d in listed if d.configured] == ["cpu:0", "cpu:1"]
-    job = two_devices.wait_job(_submit(two_devices, "mlp", 6.0))
+    job = two_devices.wait_job(submit_sample(two_devices, "mlp", 6.0))
     assert job.state == tuning_pb2.JOB_STATE_SUCCEEDED, job.error
     res = _resources(job)
     per = res["devices"]
@@ -133,8 +118,8 @@ def test_one_job_measures_on_both_devices(two_devices: DaemonProcess) -> None:
 @pytest.mark.slow
 @needs_two_cores
 def test_two_jobs_at_once_one_at_home_on_each_device(two_devices: DaemonProcess) -> None:
-    a = _submit(two_devices, "mlp", 6.0)
-    b = _submit(two_devices, "cnn", 6.0)
+    a = submit_sample(two_devices, "mlp", 6.0)
+    b = submit_sample(two_devices, "cnn", 6.0)
     ja, jb = two_devices.wait_job(a), two_devices.wait_job(b)
     assert ja.state == jb.state == tuning_pb2.JOB_STATE_SUCCEEDED, (ja.error, jb.error)
     wa = (ja.started.ToNanoseconds(), ja.finished.ToNanoseconds())
@@ -164,7 +149,7 @@ def test_a_device_held_by_another_process_waits_while_the_other_measures(
     fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)  # as the daemon makes it (devlock.py)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
-        job_id = _submit(two_devices, "mlp", 6.0)
+        job_id = submit_sample(two_devices, "mlp", 6.0)
         stream = two_devices.tuning().WatchJob(
             tuning_pb2.WatchJobRequest(job_id=job_id, include_logs=True), timeout=120
         )

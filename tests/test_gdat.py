@@ -30,6 +30,7 @@ from aoe.outcome import JobOutcome
 from aoe.spec import JobType
 
 from .conftest import run_aoe
+from .procs import children_running
 
 torch = pytest.importorskip(
     "torch", reason="GDAT needs torch: pip install '.[gdat]' (make test installs it)"
@@ -81,18 +82,7 @@ def _quick(model: Path, output: Path, **kw) -> GdatOptions:
 
 def _rank_pids() -> set[int]:
     """Rank processes this process started that still exist (alive, or not yet reaped)."""
-    me, out = os.getpid(), set()
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            stat = (d / "stat").read_text()
-            cmd = (d / "cmdline").read_bytes()
-        except OSError:
-            continue
-        if int(stat.rsplit(")", 1)[1].split()[1]) == me and RANK_MODULE.encode() in cmd:
-            out.add(int(d.name))
-    return out
+    return children_running(os.getpid(), RANK_MODULE)
 
 
 def _exist(pids: set[int]) -> set[int]:

@@ -22,6 +22,7 @@ from aoe.wire import spec_to_pb
 
 from .conftest import run_aoe
 from .daemon_util import DaemonProcess, upload, wait_for
+from .procs import children_running
 
 torch = pytest.importorskip(
     "torch", reason="GDAT needs torch: pip install '.[gdat]' (make test installs it)"
@@ -49,22 +50,6 @@ def pt2(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("gdatd") / "tiny.pt2"
     torch.export.save(torch.export.export(Tiny(), (torch.randn(8, 32),)), str(path))
     return path
-
-
-def _ranks_of(parent: int) -> set[int]:
-    """The rank processes `parent` started that still exist."""
-    out = set()
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            stat = (d / "stat").read_text()
-            cmd = (d / "cmdline").read_bytes()
-        except OSError:
-            continue
-        if int(stat.rsplit(")", 1)[1].split()[1]) == parent and RANK_MODULE.encode() in cmd:
-            out.add(int(d.name))
-    return out
 
 
 def _submit(stub, model_id: str, spec: JobSpec) -> str:
@@ -143,7 +128,9 @@ def test_a_gdat_job_through_grpc_reports_progress_downloads_and_cancels(
 
         # Cancelled while its world measures: every rank is gone, by pid.
         job_id = _submit(stub, upload(stub, pt2), GDAT.replace(repeat_tune=True))
-        ranks = wait_for(lambda: _ranks_of(d.proc.pid), 120, "the job's world to start")
+        ranks = wait_for(
+            lambda: children_running(d.proc.pid, RANK_MODULE), 120, "the job's world to start"
+        )
         stub.CancelJob(tuning_pb2.CancelJobRequest(job_id=job_id), timeout=30)
         assert d.wait_job(job_id, 60).state == tuning_pb2.JOB_STATE_CANCELLED
         wait_for(
@@ -151,7 +138,7 @@ def test_a_gdat_job_through_grpc_reports_progress_downloads_and_cancels(
             10,
             f"ranks {ranks} to exit",
         )
-        assert _ranks_of(d.proc.pid) == set() and d.serving()
+        assert children_running(d.proc.pid, RANK_MODULE) == set() and d.serving()
     finally:
         d.close()
 
