@@ -10,8 +10,10 @@ threads out once there are several: sessions must be made with spinning off (the
 runner's `quiet`), or each runs slower beside the others (2.5x for a ResNet-18 beside
 four sessions on 2 cores).
 
-Time is bounded by the plan's budget (warm-up and rounds together): no turn starts after
-it; a round cut short by it is discarded, so every kept round has every survivor in it;
+Time is bounded by the plan's budget (warm-up and rounds together): after the first round,
+no turn starts that would end past it, by the length of that candidate's last turn (or
+its warm-up's estimate before it has one), so a measurement ends within its budget
+however slow a turn is on a busy machine; a round cut short by it is discarded, so every kept round has every survivor in it;
 samples per turn shrink so that the minimum rounds fit when they can. A candidate whose
 single run takes longer than the whole budget is dropped with that reason (the reference
 is measured for one round all the same). After `min_rounds`, with racing, a candidate
@@ -104,6 +106,8 @@ def interleaved(
         samples = max(1, int((remaining / plan.min_rounds - fixed) / one))
         samples = min(samples, plan.samples)
     collected: dict[str, list[float]] = {n: [] for n in runs}
+    # How long each candidate's turn takes: estimated from its warm-up, then as measured.
+    turn_len = {n: plan.settle_s + per_run[n] * (1 + samples * timings[n].batch) for n in alive}
     for rnd in range(plan.max_rounds):
         if not alive:
             break
@@ -113,11 +117,12 @@ def interleaved(
         turn: dict[str, list[float]] = {}
         cut = False
         for name in order:
-            if rnd > 0 and clock() > deadline:
-                cut = True  # the budget is spent: this round would be partial
+            if rnd > 0 and clock() + turn_len[name] > deadline:
+                cut = True  # the budget would be passed: this round would be partial
                 break
             run = runs[name]
             batch = timings[name].batch
+            began = clock()
             time.sleep(plan.settle_s)
             run()
             got = []
@@ -127,6 +132,7 @@ def interleaved(
                     run()
                 got.append((clock() - t0) / batch)
             turn[name] = got
+            turn_len[name] = clock() - began
         if cut:
             break
         for name in runs:
