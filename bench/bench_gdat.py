@@ -2,6 +2,7 @@
 side by side in one run, written into bench/RESULTS.md.
 
     python bench/bench_gdat.py [--quick] [--no-write] [--out bench/RESULTS.md] [--link loopback|slow|both]
+                               [--models cnn,encoder,fc]
 
 World size 2 on this machine (gloo over loopback, one rank per core), three models built
 here with random weights and synthetic inputs, exported with torch.export:
@@ -22,8 +23,8 @@ DDP the same buckets measured once, each in the same interleaved rounds, the gri
 being the lowest median; then DDP's defaults, the grid's best and aoed's choice measured
 again in fresh interleaved rounds of one world. Ratios are the median of per-round ratios
 with a 95% distribution-free interval (aoed.engine.stats), as the tuner's own confirmation.
-Under --gradient-precision fp16 the grid has the fp16 hook only where aoed's gate passed
-it; a hook the gate rejected is measured beside them for its speed alone.
+Under --gradient-precision fp16 the grid has the fp16 hooks (torch's fp16, aoed's
+fp16_scaled) only where aoed's gate passed them; a hook the gate rejected is measured beside them for its speed alone.
 
 The slow link: the same, for the fc model (and, in full mode, the others), inside a network
 namespace whose loopback is limited to `SLOW_RATE` with a token bucket filter (`tc qdisc
@@ -43,6 +44,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -339,13 +341,26 @@ def _x(row: dict) -> str:
     return f"{row['speedup']:.2f}x [{lo:.2f}, {hi:.2f}]"
 
 
-def render(host: Machine, loop: list[dict], slow: list[dict], slow_why: str, quick: bool) -> str:
+def render(
+    host: Machine,
+    loop: list[dict],
+    slow: list[dict],
+    slow_why: str,
+    quick: bool,
+    models: Sequence[str] = MODELS,
+) -> str:
     lines = [
         "## GDAT: gradient communication of data-parallel training (`python bench/bench_gdat.py`)",
         "",
         f"Machine: {host.describe('torch', 'trio')}.",
         "",
-        "World size 2 over gloo (one rank per core), three models built in code with random weights and "
+        "World size 2 over gloo (one rank per core), "
+        + (
+            "three models"
+            if tuple(models) == MODELS
+            else f"the models {', '.join(models)} (this run: --models {','.join(models)})"
+        )
+        + " built in code with random weights and "
         "synthetic inputs (bench/bench_gdat.py says what they are). Per model, side by side in one world: "
         "DDP's defaults, the best configuration of an exhaustive grid over the knobs aoed searches, and the "
         "configuration `aoe tune --job-type gdat` shipped. Step = the slowest rank's forward, backward and SGD "
@@ -453,6 +468,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=RESULTS, help="results file to write into")
     ap.add_argument("--link", choices=("loopback", "slow", "both"), default="both")
     ap.add_argument(
+        "--models",
+        default=",".join(MODELS),
+        help=f"comma-separated, of {', '.join(MODELS)} (default all); fp16 runs on fc only",
+    )
+    ap.add_argument(
         "--inside", type=Path, help=argparse.SUPPRESS
     )  # the slow-link half, run in the namespace
     args = ap.parse_args(argv)
@@ -465,18 +485,21 @@ def main(argv: list[str] | None = None) -> int:
         args.inside.write_text(json.dumps(results))
         return 0
 
+    chosen = [m for m in args.models.split(",") if m]
+    if not chosen or set(chosen) - set(MODELS):
+        ap.error(f"--models: choose from {', '.join(MODELS)}")
     host = Machine()
     loop: list[dict] = []
     slow: list[dict] = []
     slow_why = "not asked for (--link loopback)"
     if args.link in ("loopback", "both"):
-        models = {n: export(n, work) for n in MODELS}
-        plan = [(n, "exact") for n in MODELS] + [("fc", "fp16")]
+        models = {n: export(n, work) for n in chosen}
+        plan = [(n, "exact") for n in chosen] + ([("fc", "fp16")] if "fc" in chosen else [])
         loop = trio.run(run_all, models, plan, args.quick, work)
     if args.link in ("slow", "both"):
-        plan = [("fc", "exact"), ("fc", "fp16")] + (
-            [] if args.quick else [("cnn", "exact"), ("encoder", "exact")]
-        )
+        plan = [p for p in (("fc", "exact"), ("fc", "fp16")) if "fc" in chosen] + [
+            (n, "exact") for n in chosen if n != "fc" and not args.quick
+        ]
         with slow_link() as why:
             if why is None:
                 spec = work / "slow.json"
@@ -499,7 +522,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 slow_why = why
     host.finish()
-    text = render(host, loop, slow, slow_why, args.quick)
+    text = render(host, loop, slow, slow_why, args.quick, chosen)
     from bench_bank import publish
 
     publish(text, args.out, BEGIN, END, write=not args.no_write)
