@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import trio
 
 from aoe.config import Config
@@ -291,7 +292,7 @@ class _Job:
                 ),
                 0.0,
             )
-            winner = dataclasses.replace(measured[shipped.label], max_rel_error=gate_err)
+            winner = msgspec.structs.replace(measured[shipped.label], max_rel_error=gate_err)
             params = {
                 **shipped.to_params(),
                 "confirmed": params_confirmed,
