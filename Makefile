@@ -12,7 +12,7 @@ SAMPLE ?= cnn
 PRECISION ?= exact
 OUT    ?= out
 
-.PHONY: run test lint test-cluster test-load protos bench bench-quick clean soak
+.PHONY: run test test-long lint test-cluster test-load protos bench bench-quick clean soak
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -40,7 +40,12 @@ test: $(STAMP) $(GDAT_STAMP)
 	@command -v systemd-analyze >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
 	    && apt-get install -y -qq --no-install-recommends systemd >/dev/null 2>&1; } \
 	    || echo "make: systemd-analyze is missing and could not be installed: the unit checks will skip"
-	$(BIN)/python -m pytest -q -m "not soak and not cluster"
+	$(BIN)/python -m pytest -q -m "not soak and not cluster and not long"
+
+# The rest of the kill-point matrices (every job type and precision killed and resumed)
+# and the GPU check's dry run: a few minutes more; CI runs them after `make test`.
+test-long: $(STAMP) $(GDAT_STAMP)
+	$(BIN)/python -m pytest -q -m long
 
 # The layout, the lint and the layering (tests/test_structure.py runs the same three).
 lint: $(STAMP)

@@ -169,13 +169,13 @@ def main(argv: list[str] | None = None) -> int:
         "--budget",
         type=float,
         default=None,
-        help="tuning budget per model, s (default 60; dry run 2)",
+        help="tuning budget per model, s (default 60; dry run 1)",
     )
     p.add_argument("--device", default="cuda:0")
     a = p.parse_args(argv)
     dry = a.dry_run
     device = Device.parse("cpu" if dry else a.device)
-    budget = a.budget or (2.0 if dry else 60.0)
+    budget = a.budget or (1.0 if dry else 60.0)
     a.out.mkdir(parents=True, exist_ok=True)
     rows, tunes = [], []
     for name, model in _models(dry).items():
@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
                 "verdict": doc.get("verification"),
             }
         )
-        rows += _compare(name, path, Path(doc["tuned_model"]), device, dry, 5.0 if dry else 30.0)
+        rows += _compare(name, path, Path(doc["tuned_model"]), device, dry, 1.5 if dry else 30.0)
     _write(a.out, rows, tunes, dry)
     return 0
 

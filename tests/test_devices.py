@@ -118,8 +118,8 @@ def test_one_job_measures_on_both_devices(two_devices: DaemonProcess) -> None:
 @pytest.mark.slow
 @needs_two_cores
 def test_two_jobs_at_once_one_at_home_on_each_device(two_devices: DaemonProcess) -> None:
-    a = submit_sample(two_devices, "mlp", 6.0)
-    b = submit_sample(two_devices, "cnn", 6.0)
+    a = submit_sample(two_devices, "mlp", 3.0)
+    b = submit_sample(two_devices, "cnn", 3.0)
     ja, jb = two_devices.wait_job(a), two_devices.wait_job(b)
     assert ja.state == jb.state == tuning_pb2.JOB_STATE_SUCCEEDED, (ja.error, jb.error)
     wa = (ja.started.ToNanoseconds(), ja.finished.ToNanoseconds())

@@ -214,6 +214,7 @@ def _history_count(d: DaemonProcess) -> int:
     return d.bank_stub().GetBankStats(bank_pb2.GetBankStatsRequest(), timeout=10).history_trials
 
 
+@pytest.mark.long
 def test_a_follower_killed_mid_stream_loses_nothing_and_applies_nothing_twice(
     tmp_path: Path,
 ) -> None:

@@ -144,7 +144,7 @@ def test_daemon_keeps_each_input_once_and_one_workspace_per_job_across_a_kill(
     try:
         d.start()
         jobs = []
-        for budget in (6.0, 4.0, 3.0):  # the same model three times (options differ: three jobs)
+        for budget in (3.0, 2.0, 1.5):  # the same model three times (options differ: three jobs)
             opts = tuning_pb2.JobOptions(budget_s=budget, precision=bank_pb2.PRECISION_INT8)
             req = tuning_pb2.SubmitJobRequest(model_id=upload(d.tuning(), model), options=opts)
             jobs.append(d.tuning().SubmitJob(req, timeout=30).job_id)
@@ -203,8 +203,8 @@ def test_daemon_keeps_each_input_once_and_one_workspace_per_job_across_a_kill(
 def test_daemon_removes_an_input_with_the_last_job_that_refers_to_it(tmp_path: Path) -> None:
     d = DaemonProcess(tmp_path / "d")
     d.config.write_text(
-        d.config.read_text().replace("[daemon]\n", "[daemon]\nretention_days = 0.0001\n")
-    )  # 8.6 s
+        d.config.read_text().replace("[daemon]\n", "[daemon]\nretention_days = 0.00004\n")
+    )  # 3.5 s
     model = d.models / "mlp.onnx"
     samples.save(samples.build("mlp"), model)
     try:
@@ -218,7 +218,7 @@ def test_daemon_removes_an_input_with_the_last_job_that_refers_to_it(tmp_path: P
             jobs.append(d.tuning().SubmitJob(req, timeout=30).job_id)
         # Three jobs, two names: each name once (outputs are named after the model file).
         assert [p.name for p in _inputs(d)] == ["a.onnx", "b.onnx"]
-        deadline = time.monotonic() + 180  # the jobs run, end, and are removed 8.6 s later
+        deadline = time.monotonic() + 180  # the jobs run, end, and are removed 3.5 s later
         while (_inputs(d) or list((d.state / "jobs").iterdir())) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert not _inputs(d) and not list((d.state / "jobs").iterdir()), (

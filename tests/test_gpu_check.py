@@ -18,7 +18,7 @@ def test_gpu_check_script_parses() -> None:
     assert r.returncode == 0, r.stderr
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_gpu_check_dry_run_writes_the_table(tmp_path: Path) -> None:
     import sys
 

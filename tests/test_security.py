@@ -1157,9 +1157,9 @@ def test_a_writer_that_pauses_longer_than_stable_s_gets_its_model_tuned_once(
     outbox, failed = drop.root / "outbox", drop.root / "failed"
     whole = drop.root / "paused-source.onnx"
     whole.write_bytes(_small_model(75))
-    # stable_s is 1 s here; the job that takes a half file fails at once, well within 8 s.
+    # stable_s is 1 s here: a pause of 3 s is three times it.
     writer = subprocess.run(
-        [sys.executable, "-c", _PAUSING_WRITER, str(drop.inbox / "paused.onnx"), "8", str(whole)],
+        [sys.executable, "-c", _PAUSING_WRITER, str(drop.inbox / "paused.onnx"), "3", str(whole)],
         timeout=60,
     )
     assert writer.returncode == 0
