@@ -162,7 +162,13 @@ def test_a_pt2_dropped_in_a_gdat_inbox_is_delivered_to_its_outbox(
             doc["GDAT"]["gdat_tuning_result"] == "tuning successful"
             and doc["details"]["world_size"] == 2
         )
-        assert "tiny_ddp_config.json" in report.read_text()
+        text = report.read_text()
+        assert "tiny_ddp_config.json" in text
+        # In a training job's words: steps of the world and DDP's configuration, not models.
+        assert "ms per step, tail " in text and "(DDP's defaults; " in text, text
+        ddp = doc["details"]["ddp_config"]
+        assert f"ddp:          {ddp['label']}: " in text, text
+        assert "model" not in text.replace("tiny.pt2", ""), text
         failed = d.inbox.parent / "failed"
         assert not (d.inbox / "tiny.pt2").exists() and not (
             failed.exists() and any(failed.iterdir())

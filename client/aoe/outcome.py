@@ -444,10 +444,21 @@ _GDAT_WORDS = (
 )
 
 
-def _gdat_words(text: str) -> str:
+def gdat_words(text: str) -> str:
+    """`text` from aoe.figures with a GDAT job's words for the input and the output."""
     for onnx, gdat in _GDAT_WORDS:
         text = text.replace(onnx, gdat)
     return text
+
+
+def ddp_text(details: Mapping[str, Any]) -> str:
+    """The DDP configuration a GDAT job shipped (its `details`), in a few words: its label,
+    DDP's keyword arguments and the comm hook."""
+    ddp = details.get("ddp_config") or {}
+    hook = (ddp.get("comm_hook") or {}).get("name")
+    return f"{ddp.get('label', 'default')}: {ddp.get('ddp_kwargs') or 'no options'}" + (
+        f", comm hook {hook}" if hook else ""
+    )
 
 
 def _gdat_lines(
@@ -472,14 +483,9 @@ def _gdat_lines(
         f"(DDP's defaults; {said})"
     )
     tail = f"; tail {d.get('result_tail_ms', 0.0):.4f} ms" if f.changed else ""
-    out.append(f"  result       {_gdat_words(figures.result_text(f))}{tail}")
-    out.append(f"  verdict      {_gdat_words(figures.verdict_text(f))}")
-    ddp = d.get("ddp_config") or {}
-    hook = (ddp.get("comm_hook") or {}).get("name")
-    out.append(
-        f"  ddp          {ddp.get('label', 'default')}: {ddp.get('ddp_kwargs') or 'no options'}"
-        + (f", comm hook {hook}" if hook else "")
-    )
+    out.append(f"  result       {gdat_words(figures.result_text(f))}{tail}")
+    out.append(f"  verdict      {gdat_words(figures.verdict_text(f))}")
+    out.append(f"  ddp          {ddp_text(d)}")
     if not f.confirmed_by:
         confs = d.get("configurations") or []
         measured = {c["name"] for c in confs if c.get("step_ms") is not None}

@@ -46,6 +46,7 @@ import trio
 import watchfiles
 
 from aoe import figures
+from aoe.outcome import ddp_text, gdat_words
 from aoe.errors import (
     AoedError,
     DaemonUnavailableError,
@@ -995,13 +996,30 @@ def _report_text(name: str, row: JobRow, written: list[str], missing: list[str])
         if f.confirmed_by
         else f"confirming A/B, {f.rounds} interleaved rounds"
     )
+    gdat = o is not None and o.job_type == JobType.GDAT
+    # A GDAT job's input is DDP's defaults, its output a DDP configuration, its figure a
+    # training step of the world; an ONNX job's are models and a run of the model.
+    say = gdat_words if gdat else str
+    if gdat:
+        d = o.details
+        base = (
+            f"{f.baseline_ms:.3f} ms per step, tail {float(d.get('baseline_tail_ms', 0.0)):.3f} ms "
+            f"(DDP's defaults; {where})"
+        )
+        tail = f"; tail {float(d.get('result_tail_ms', 0.0)):.3f} ms" if f.changed else ""
+    else:
+        base, tail = f"{f.baseline_ms:.3f} ms ({where})", ""
     lines = [
         f"aoed tuned {printable(name)}",
         f"job:          {row.id}",
-        f"baseline:     {f.baseline_ms:.3f} ms ({where})",
-        f"result:       {figures.result_text(f, 3)}",
-        f"verdict:      {figures.verdict_text(f)}",
-        f"shipped:      {figures.shipped_text(f)}",
+        f"baseline:     {base}",
+        f"result:       {say(figures.result_text(f, 3))}{tail}",
+        f"verdict:      {say(figures.verdict_text(f))}",
+        f"shipped:      {say(figures.shipped_text(f))}",
+    ]
+    if gdat:
+        lines.append(f"ddp:          {ddp_text(o.details)}")
+    lines += [
         f"bank:         {figures.bank_text(o.bank if o else {}, o.unshipped if o else 0)}",
         f"outputs:      {', '.join(written) or '(none)'}",
     ]
