@@ -42,8 +42,10 @@ test: $(STAMP) $(GDAT_STAMP)
 	    || echo "make: systemd-analyze is missing and could not be installed: the unit checks will skip"
 	$(BIN)/python -m pytest -q -m "not soak and not cluster and not long"
 
-# The rest of the kill-point matrices (every job type and precision killed and resumed)
-# and the GPU check's dry run: a few minutes more; CI runs them after `make test`.
+# The cases marked long: each covers again, on another kind or a slower path, what a
+# test in `make test` covers (the rest of the kill-point matrix: every job type and
+# precision killed and resumed; restarts; a busy machine; the GPU check's dry run).
+# About three minutes more; CI runs them after `make test`.
 test-long: $(STAMP) $(GDAT_STAMP)
 	$(BIN)/python -m pytest -q -m long
 

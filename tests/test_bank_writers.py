@@ -222,6 +222,7 @@ def test_an_unused_bank_writer_leaves_no_trace(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_import_and_prune_wait_for_a_tune_and_nothing_is_lost(models: Path, tmp_path: Path) -> None:
     from aoed.backends.ort.catalog import build_registry
     from aoed.engine.assemble import model_signature, tunable_tasks

@@ -378,6 +378,7 @@ def test_crashing_candidate_is_recorded_and_job_succeeds(models: Path, tmp_path:
     assert all(t["strategy"] != "abort_worker" for t in doc["tasks"])
 
 
+@pytest.mark.long
 def test_aoe_spelling_runs_the_same_job_on_an_old_export(models: Path, tmp_path: Path):
     r = run_aoe(
         "--framework",
@@ -543,6 +544,7 @@ def test_read_only_layer_answers_under_an_empty_custom_bank(
     assert (team / "data.mdb").read_bytes() == team_data  # a read-only layer is never written
 
 
+@pytest.mark.long
 def test_a_machine_busy_on_every_core_never_fails_the_job(models: Path, tmp_path: Path):
     """Other processes spinning on every core slow measurements down; the job still ends
     with its outputs (what is too slow costs a candidate or a stage, not the job)."""

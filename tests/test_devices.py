@@ -98,6 +98,7 @@ def _no_overlap(spans: list[tuple[float, float]]) -> list:
 
 @pytest.mark.slow
 @needs_two_cores
+@pytest.mark.long
 def test_one_job_measures_on_both_devices(two_devices: DaemonProcess) -> None:
     listed = two_devices.devices().ListDevices(devices_pb2.ListDevicesRequest()).devices
     assert [d.id for d in listed if d.configured] == ["cpu:0", "cpu:1"]

@@ -191,6 +191,7 @@ def test_a_jobs_time_limits_grow_with_its_model() -> None:
     )
 
 
+@pytest.mark.long
 async def test_the_pool_scales_its_limit_by_the_jobs_model(plugin, mlp_task, tmp_path):
     """The same 1 s limit: a 1.5 s compile overruns it for a small model's job, and fits
     in a 512 MiB model's (3 s); a hang is cut off at the scaled limit, saying how it came."""

@@ -705,6 +705,7 @@ def test_a_full_state_dir_fails_the_calls_and_jobs_in_hand_never_the_daemon(
         d.close()
 
 
+@pytest.mark.long
 def test_the_daemon_starts_on_a_full_state_dir_and_recovers_by_itself(
     tmp_path: Path, small_fs
 ) -> None:

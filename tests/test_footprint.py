@@ -135,6 +135,7 @@ def _inputs(d: DaemonProcess) -> list[Path]:
     return sorted(p for p in (d.state / "inputs").glob("*/*"))
 
 
+@pytest.mark.long
 def test_daemon_keeps_each_input_once_and_one_workspace_per_job_across_a_kill(
     tmp_path: Path,
 ) -> None:

@@ -173,7 +173,8 @@ def test_the_ladder_measures_one_configuration_per_distinct_set_of_buckets() -> 
     assert len({bucket_sizes(big.sizes_bytes(), int(c * 2**20)) for c in caps[1:]}) == len(caps) - 1
     assert space.hooks(DDPConfig(), "exact", "gloo") == []
     assert [c.hook for c in space.hooks(DDPConfig(), "bf16", "gloo")] == [
-        "fp16"
+        "fp16",
+        "fp16_scaled",
     ]  # bf16's hook needs NCCL
     assert any("NCCL" in why for why in space.skipped_hooks("bf16", "gloo"))
 
@@ -399,7 +400,7 @@ async def test_an_entry_job_measures_a_backend_knob_in_a_world_of_its_own_and_su
     assert _exist(set(environs)) == set() and _rank_pids() == set()
 
 
-@pytest.mark.parametrize("when", ["measuring", "recording"])
+@pytest.mark.parametrize("when", ["measuring", pytest.param("recording", marks=pytest.mark.long)])
 async def test_cancelling_the_job_leaves_no_rank_process(
     pt2: Path, tmp_path: Path, when: str
 ) -> None:

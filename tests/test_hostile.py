@@ -625,6 +625,7 @@ def test_fuzz_base_model_prepares(tmp_path: Path) -> None:
     assert prep.outputs == ["logits"] and np.dtype(prep.inputs["input"].dtype) == np.float32
 
 
+@pytest.mark.long
 def test_large_labels_page_listjobs_by_bytes_and_an_over_limit_label_is_refused(
     tmp_path: Path,
 ) -> None:

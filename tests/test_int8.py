@@ -149,7 +149,14 @@ def _bank_keys(bank: Path) -> list[bytes]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["mlp", "cnn", "transformer"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "cnn",
+        pytest.param("mlp", marks=pytest.mark.long),
+        pytest.param("transformer", marks=pytest.mark.long),
+    ],
+)
 def test_int8_job_stays_within_budget(models: Path, tmp_path: Path, name: str):
     r = run_aoe(
         "tune",

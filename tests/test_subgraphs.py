@@ -1137,6 +1137,7 @@ FAST = ("--budget", "3", "--parallel", "1", "--no-progress", "--local")
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_sgat_job_writes_aoe_result_and_bank_then_resumes_from_it(
     models: Path, tmp_path: Path
 ) -> None:
@@ -1195,6 +1196,7 @@ def test_sgat_job_writes_aoe_result_and_bank_then_resumes_from_it(
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_sgat_plus_opat_reports_both_sections(models: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     # No job type named: sgat+opat is the default.

@@ -130,6 +130,7 @@ async def _fence(jobs: Jobs, inbox: Path, name: str = "fence.onnx") -> None:
     await _until(lambda: name in jobs.names(), timeout=30)
 
 
+@pytest.mark.long
 async def test_a_file_written_slowly_is_submitted_once_and_only_complete(tmp_path: Path) -> None:
     cfg = _config(tmp_path, stable_s=2.0)
     jobs = Jobs(_store(tmp_path))
