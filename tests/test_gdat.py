@@ -338,6 +338,77 @@ async def test_a_configuration_that_ships_is_recorded_with_its_figures_and_the_h
     assert entry.baseline.median_us == pytest.approx(r.baseline_ms * 1e3, rel=1e-6)
 
 
+_RESUMABLE = """
+import dataclasses, sys, trio
+from pathlib import Path
+from aoe.config import load_config
+from aoed.gdat import GdatOptions, run_gdat
+model, out, bank, rt = map(Path, sys.argv[1:5])
+config = dataclasses.replace(load_config(env={}).replace(bank=bank), runtime_dir=rt)
+opts = GdatOptions(
+    model, out, rounds=3, confirm_rounds=5, warmup=1, steps=3, budget_s=60.0,
+    precision="fp16", job_id="job-resume-test",
+)
+trio.run(run_gdat, opts, config)
+"""
+
+
+async def test_a_killed_job_run_again_measures_no_stage_it_finished(
+    pt2: Path, tmp_path: Path
+) -> None:
+    """SIGKILL once the job has kept a stage (and its gates) in its workspace; the same
+    job run again takes them as they were, measures none of them again, and reports them."""
+    out, bank, rt = tmp_path / "out", tmp_path / "bank", tmp_path / "rt"
+    first = subprocess.Popen(
+        [sys.executable, "-c", _RESUMABLE, str(pt2), str(out), str(bank), str(rt)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    checkpoint = None
+    deadline = trio.current_time() + 240
+    while first.poll() is None and trio.current_time() < deadline:
+        found = list(out.glob("aoe_workspace/*/gdat_search.json"))
+        if found:
+            done = json.loads(found[0].read_text())["stages"]
+            if "gates" in done and len(done) >= 2:  # a raced stage and the hooks' gates
+                checkpoint = done
+                break
+        await trio.sleep(0.02)
+    first.kill()
+    _, err = first.communicate(timeout=60)
+    assert checkpoint is not None and first.returncode == -signal.SIGKILL, err
+    (ws,) = (out / "aoe_workspace").iterdir()
+    assert (ws / ".running").exists()  # killed: the workspace waits for its resume
+
+    config = dataclasses.replace(load_config(env={}).replace(bank=bank), runtime_dir=rt)
+    r = await run_gdat(
+        dataclasses.replace(_quick(pt2, out, precision="fp16"), job_id="job-resume-test"),
+        config,
+    )
+    # One workspace, continued; nothing of the run left in it but its outputs and log.
+    assert [p.name for p in (out / "aoe_workspace").iterdir()] == [ws.name]
+    assert not (ws / ".running").exists() and not (ws / "gdat_search.json").exists()
+    raced = [s for s in checkpoint if s != "gates"]
+    assert set(r.resources["resumed_stages"]) >= {*raced, "gates"}, r.resources
+    assert any(n.startswith("resumed: ") for n in r.notes), r.notes
+    # Each finished stage's figures are the killed run's, as measured then.
+    for stage in raced:
+        kept = {f["name"]: f["rounds_us"] for f in checkpoint[stage]["figures"]}
+        reported = {c["name"]: c["rounds_ms"] for c in r.configurations if c["stage"] == stage}
+        assert set(reported) == set(kept), (stage, reported, kept)
+        for name, rounds in kept.items():
+            assert reported[name] == [round(v / 1e3, 4) if v else None for v in rounds], name
+    assert r.gates == checkpoint["gates"]["gates"]
+    # ... and measured once: the log has each of them raced by the killed run only.
+    log_text = (ws / "job.log").read_text()
+    for stage in raced:
+        assert log_text.count(f"aoed.gdat.search: {stage}: ") == 2, stage  # raced, then taken
+        assert (
+            f"{stage}: " in log_text and "from the interrupted run: not measured again" in log_text
+        )
+
+
 _ENTRY = """
 import torch
 

@@ -18,10 +18,12 @@ cancellation through `JobHandle` kills every rank and raises JobCancelledError.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import json
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,6 +37,7 @@ from aoe.config import Config
 from aoe.errors import AoedError, JobCancelledError, OptionError
 from aoe.gdat import DDPConfig, plugin_hook_names
 from aoe.gradlayout import GradientLayout, host_fingerprint, parse_backend, parse_precision
+from aoed import safefs
 from aoed.engine.world import World, WorldSpec, inspect_model
 from aoed.bank.writer import BankWrite, BankWriter
 from aoed.engine import bankrules
@@ -55,6 +58,8 @@ __all__ = ["MISSING_TORCH", "GdatOptions", "have_torch", "run_gdat"]
 log = logging.getLogger(__name__)
 
 MISSING_TORCH = "GDAT jobs need torch: install the extra with pip install 'aoed[gdat]'"
+#: The stages a run finished, kept in its workspace while it runs, for a resume.
+CHECKPOINT = "gdat_search.json"
 #: The budget derived when none is given: the planned rounds at the measured cost of a
 #: configuration's turn, within these bounds (device seconds).
 MIN_BUDGET_S = 10.0
@@ -158,6 +163,51 @@ class _Job:
         self.fitted = opts.budget_s is not None
         self.worlds: dict[str, World] = {}
         self.started = time.monotonic()
+        #: what identifies this job's search for a resume, and the stages it finished
+        self._ident: dict[str, Any] = {}
+        self._stages: dict[str, dict[str, Any]] = {}
+
+    # ------------------------------------------------------------------ resume
+
+    def load_checkpoint(self, ident: dict[str, Any]) -> dict[str, dict[str, Any]]:
+        """The stages an interrupted run of this job finished (its workspace taken over),
+        when it searched the same thing (`ident`); else none."""
+        self._ident = ident
+        if not self.ws.resumed:
+            return {}
+        try:
+            with safefs.opened_dir(self.ws.root) as root:
+                fd = safefs.open_file(CHECKPOINT, dir_fd=root)
+            with os.fdopen(fd, "rb") as f:
+                doc = json.loads(f.read())
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as exc:
+            log.warning("job %s: the interrupted run's search is not read (%s)", self.job_id, exc)
+            return {}
+        if not isinstance(doc, dict) or doc.get("ident") != ident:
+            log.info(
+                "job %s: the interrupted run searched something else: starting over", self.job_id
+            )
+            return {}
+        self._stages = dict(doc.get("stages") or {})
+        return dict(self._stages)
+
+    def checkpoint(self, stage: str, record: dict[str, Any]) -> None:
+        """Keep what `stage` found in the workspace, for a run that resumes this job."""
+        self._stages[stage] = record
+        data = json.dumps({"ident": self._ident, "stages": self._stages}).encode()
+        try:
+            with safefs.opened_dir(self.ws.root) as root:
+                # Not fsynced: a checkpoint lost to a crash of the machine costs measuring
+                # again, never a wrong result.
+                safefs.write_file(CHECKPOINT, lambda f: f.write(data), dir_fd=root, sync=False)
+        except OSError as exc:
+            log.warning("job %s: %s not kept for a resume (%s)", self.job_id, stage, exc)
+
+    def drop_checkpoint(self) -> None:
+        with contextlib.suppress(OSError), safefs.opened_dir(self.ws.root) as root:
+            os.unlink(CHECKPOINT, dir_fd=root)
 
     def emit(self, kind: str, message: str = "", done: int = 0, total: int = 0) -> None:
         self.ledger.emit(JobEvent(kind, message, done, total))
@@ -245,6 +295,19 @@ class _Job:
         self.ledger.charge_device(
             time.monotonic() - t0, "profile"
         )  # starting a world is not searching
+        self.ws.started = True
+        done = self.load_checkpoint(
+            {
+                "key": key.decode(),
+                "backend": opts.backend,
+                "world_size": opts.world_size,
+                "rounds": opts.rounds,
+                "warmup": opts.warmup,
+                "steps": opts.steps,
+                "world_knobs": [list(map(list, k)) for k in knobs],
+                "banked": banked.label if banked is not None else "",
+            }
+        )
         search = Search(
             layout,
             opts.precision,
@@ -257,7 +320,15 @@ class _Job:
             world_knobs=tuple(knobs),
             rounds=opts.rounds,
             confirm_rounds=opts.confirm_rounds,
+            done=done,
+            checkpoint=self.checkpoint,
         )
+        if done:
+            log.info(
+                "job %s: resumed: %s from the interrupted run, not measured again",
+                self.job_id,
+                ", ".join(done),
+            )
         proposal = await search.run()
         confirmed = await search.confirm(proposal, banked)
         mode, shipped = await self._write_bank(ans, key, sig, host, search, confirmed)
@@ -428,8 +499,21 @@ class _Job:
                 "world_restarts": sum(w.restarts for w in self.worlds.values()),
                 "configurations_measured": len({f.name for f in search.figures}),
                 "turn_s": round(meter.turn_s, 4),
+                "resumed_stages": list(search.resumed),
             },
-            notes=[*confirmed.notes, *search.notes, *meter.notes],
+            notes=[
+                *confirmed.notes,
+                *search.notes,
+                *meter.notes,
+                *(
+                    [
+                        f"resumed: {', '.join(search.resumed)} taken from the interrupted run "
+                        "(its figures are in the configurations; not measured again)"
+                    ]
+                    if search.resumed
+                    else []
+                ),
+            ],
         )
 
 
@@ -451,13 +535,17 @@ async def run_gdat(
     if not have_torch():
         raise OptionError(MISSING_TORCH)
     job_id = opts.job_id or new_job_id()
-    ws = await trio.to_thread.run_sync(Workspace.create, opts.output, opts.model.stem)
+    # As an ONNX job's (engine.py): the daemon's job id is the same in each run of a job,
+    # an embedded run's is new, so there the model alone names the interrupted workspace.
+    owner = {"model": str(opts.model.absolute()), "job": opts.job_id, "job_type": "gdat"}
+    ws = await trio.to_thread.run_sync(Workspace.create, opts.output, opts.model.stem, owner)
     handle = handle or JobHandle()
     own_bank = bank is None
     if bank is None:
         bank = BankWriter(config.bank, layers=list(config.bank_layers), on_wait=log.warning)
     job = _Job(opts, config, emit, job_id, ws, bank)
     failed = True
+    outcome = "interrupted"  # ^C, or anything else that is not the job's own end
     try:
         with job_log(ws.log_path, job_id):
             log.info(
@@ -480,6 +568,7 @@ async def run_gdat(
                     nursery.cancel_scope.cancel()
             if scope.cancelled_caught:
                 failed = False
+                outcome = "interrupted" if handle.resumable else "done"
                 log.info("job %s: cancelled", job_id)
                 raise JobCancelledError(
                     f"job {job_id} cancelled" + (f": {handle.reason}" if handle.reason else "")
@@ -491,14 +580,22 @@ async def run_gdat(
             result_path = ws.reserve_result("gdat")
             result.result_json = str(result_path)
             write_json(result_path, result_doc(result))
+            job.drop_checkpoint()
             failed = False
+            outcome = "done"
             log.info("job %s: %s, %s ships", job_id, result.verdict, result.shipped.label)
             return result
     except AoedError as exc:
-        log.info("job %s: failed: %s", job_id, exc)
+        if not isinstance(exc, JobCancelledError):
+            outcome = "failed"
+            log.info("job %s: failed: %s", job_id, exc)
+        raise
+    except Exception:
+        outcome = "failed"
         raise
     finally:
         if own_bank:
             bank.close()
         if not failed and not opts.keep_workspace:
             ws.clean()
+        ws.release(outcome)

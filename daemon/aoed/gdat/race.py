@@ -72,6 +72,40 @@ class Figures:
     dropped: str = ""
     breaks: int = 0  # turns of this configuration during which the world broke
 
+    def to_json(self) -> dict[str, Any]:
+        """Everything measured, for a resumed job to take over (`from_json`)."""
+        return {
+            "stage": self.stage,
+            "name": self.name,
+            "params": self.config.to_params(),
+            "world": self.world,
+            "rounds_us": self.rounds_us,
+            "tails_us": self.tails_us,
+            "rank_steps_us": self.rank_steps_us,
+            "rank_tails_us": self.rank_tails_us,
+            "buckets": self.buckets,
+            "error": self.error,
+            "dropped": self.dropped,
+            "breaks": self.breaks,
+        }
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Figures:
+        return cls(
+            stage=str(d["stage"]),
+            name=str(d["name"]),
+            config=DDPConfig.from_params(d["params"]),
+            world=str(d.get("world", "")),
+            rounds_us=[None if v is None else float(v) for v in d.get("rounds_us", [])],
+            tails_us=[None if v is None else float(v) for v in d.get("tails_us", [])],
+            rank_steps_us=[[float(v) for v in r] for r in d.get("rank_steps_us", [])],
+            rank_tails_us=[[float(v) for v in r] for r in d.get("rank_tails_us", [])],
+            buckets=[int(b) for b in d.get("buckets", [])],
+            error=str(d.get("error", "")),
+            dropped=str(d.get("dropped", "")),
+            breaks=int(d.get("breaks", 0)),
+        )
+
     def measurement(self) -> Measurement:
         values = [v for v in self.rounds_us if v]
         if not values:

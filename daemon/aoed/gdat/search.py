@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -108,6 +108,13 @@ class Search:
     stages: list[str] = field(default_factory=list)
     #: the configuration each stage kept
     kept: dict[str, str] = field(default_factory=dict)
+    #: what an interrupted run of this job finished, by stage (and "gates"): taken as it
+    #: was, not measured again (`checkpoint` made each record)
+    done: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: called with (stage, its record) as each stage ends, to keep it for a resume
+    checkpoint: Callable[[str, dict[str, Any]], None] | None = None
+    #: the stages (and "gates") taken from an interrupted run
+    resumed: list[str] = field(default_factory=list)
 
     # ------------------------------------------------------------------ stages
 
@@ -125,6 +132,8 @@ class Search:
         entrants = list({e.name: e for e in entrants}.values())
         if len(entrants) < 2:
             return incumbent
+        if stage in self.done:
+            return self._restore(stage, self.done[stage])
         if self.meter.remaining_s() <= 0 and self.stages:
             self.notes.append(f"{stage}: not run, the device budget was spent")
             return incumbent
@@ -146,26 +155,66 @@ class Search:
                 self.notes.append(
                     f"{stage}: nothing could be measured; the incumbent {incumbent.label} stays"
                 )
+                self._keep(stage, incumbent, figs.values())
                 return incumbent
             # The incumbent failed in this stage's rounds: the fastest that ran takes over.
             pick = min(ok, key=lambda k: ok[k].median_us)
         else:
             pick = best(measured, incumbent.label, lambda m: True)
-        log.info("%s: %s", stage, pick)
         self.kept[stage] = pick
+        self._keep(stage, figs[pick].config, figs.values())
+        log.info("%s: %s", stage, pick)
         return figs[pick].config
+
+    def _keep(self, stage: str, config: DDPConfig, figs: Iterable[Figures]) -> None:
+        """Hand the stage's outcome to `checkpoint`, for a resume of this job."""
+        if self.checkpoint is not None:
+            self.checkpoint(
+                stage,
+                {
+                    "config": config.to_params(),
+                    "kept": self.kept.get(stage, ""),
+                    "figures": [f.to_json() for f in figs],
+                },
+            )
+
+    def _restore(self, stage: str, rec: dict[str, Any]) -> DDPConfig:
+        """A stage an interrupted run of this job finished: its figures and choice as
+        they were."""
+        self.figures += [Figures.from_json(f) for f in rec.get("figures", [])]
+        self.stages.append(stage)
+        self.resumed.append(stage)
+        if rec.get("kept"):
+            self.kept[stage] = str(rec["kept"])
+        config = DDPConfig.from_params(rec["config"])
+        log.info("%s: %s (from the interrupted run: not measured again)", stage, config.label)
+        return config
 
     async def _hooks(self, incumbent: DDPConfig) -> DDPConfig:
         for why in space.skipped_hooks(self.precision, self.spec.backend, self.plugins):
             self.notes.append(f"hook {why}")
-        passing = []
+        rec = self.done.get("gates")
+        if rec is not None:  # gated by the interrupted run: not again
+            self.gates += rec.get("gates", [])
+            self.resumed.append("gates")
+            passing = [DDPConfig.from_params(p) for p in rec.get("passing", [])]
+        else:
+            passing = await self._gate(incumbent)
+        if not passing:
+            return incumbent
+        return await self._stage("hooks", incumbent, passing)
+
+    async def _gate(self, incumbent: DDPConfig) -> list[DDPConfig]:
+        """Each hook the precision allows on `incumbent` through its gate; the ones that
+        passed."""
+        passing, gates = [], []
         for config in space.hooks(incumbent, self.precision, self.spec.backend, self.plugins):
             cls = hook_class(config.hook)
             request = RankGateRequest(config=config.to_params(), steps=gate.LOSS_STEPS)
             try:
                 replies = await self._call("", request, "verify")
             except WorldError as exc:
-                self.gates.append(
+                gates.append(
                     {"config": config.label, "class": cls, "passed": False, "why": str(exc)}
                 )
                 continue
@@ -173,7 +222,7 @@ class Search:
                 replies, key=lambda r: float(r.get("max_rel_error", r.get("loss_gap", 0.0)) or 0.0)
             )
             ok, words = gate.judge(cls, worst)
-            self.gates.append(
+            gates.append(
                 {
                     "config": config.label,
                     "class": cls,
@@ -184,9 +233,10 @@ class Search:
             )
             if ok:
                 passing.append(config)
-        if not passing:
-            return incumbent
-        return await self._stage("hooks", incumbent, passing)
+        self.gates += gates
+        if self.checkpoint is not None:
+            self.checkpoint("gates", {"gates": gates, "passing": [c.to_params() for c in passing]})
+        return passing
 
     async def _world(self, incumbent: DDPConfig) -> DDPConfig:
         """Each backend knob setting in a fresh world, the incumbent in each, against the
@@ -203,7 +253,7 @@ class Search:
             incumbent = await self._stage(
                 f"world {key}", incumbent, [cand], category="session", worlds={cand.label: key}
             )
-            if incumbent is before:
+            if incumbent == before:
                 await self.meter.worlds[key].aclose()
         return incumbent
 

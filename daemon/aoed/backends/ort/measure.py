@@ -10,15 +10,16 @@ threads out once there are several: sessions must be made with spinning off (the
 runner's `quiet`), or each runs slower beside the others (2.5x for a ResNet-18 beside
 four sessions on 2 cores).
 
-Time is bounded by the plan's budget (warm-up and rounds together): after the first round,
-no turn starts that would end past it, by the length of that candidate's last turn (or
-its warm-up's estimate before it has one), so a measurement ends within its budget
-however slow a turn is on a busy machine; a round cut short by it is discarded, so every kept round has every survivor in it;
-samples per turn shrink so that the minimum rounds fit when they can. A candidate whose
-single run takes longer than the whole budget is dropped with that reason (the reference
-is measured for one round all the same). After `min_rounds`, with racing, a candidate
-whose lower quartile is clearly above the best's upper quartile is dropped; rounds stop
-early once every survivor's median is stable.
+Time is bounded by the plan's budget (warm-up and rounds together): after the first
+round, no turn starts that would end past it, by the length of that candidate's last
+turn (or its warm-up's estimate before it has one), so a measurement ends within its
+budget however slow a turn is on a busy machine; a round cut short by it is discarded,
+so every kept round has every survivor in it; samples per turn shrink so that the
+minimum rounds fit when they can. A candidate whose single run takes longer than the
+whole budget is dropped with that reason (the reference is measured for one round all
+the same). After `min_rounds`, with racing, a candidate whose lower quartile is clearly
+above the best's upper quartile is dropped; rounds stop early once every survivor's
+median is stable.
 """
 
 from __future__ import annotations
