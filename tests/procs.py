@@ -1,9 +1,30 @@
-"""Which processes a process started, read from /proc (no psutil): for the tests that
-check a cancelled or killed job leaves none of its children behind."""
+"""Processes for the tests: which ones a process started, read from /proc (no psutil),
+for the tests that check a cancelled or killed job leaves none of its children behind;
+and a world of rank processes running a snippet of code."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
+
+
+def run_ranks(code: str, *args: str, size: int = 2, timeout: float = 120) -> list[tuple[str, str]]:
+    """Run `code` (python -c) as `size` processes at once, each given its rank and then
+    `args` on its command line; each one's (stdout, stderr), once every one exited 0
+    (else an AssertionError with their output)."""
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, str(rank), *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(size)
+    ]
+    outs = [p.communicate(timeout=timeout) for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    return outs
 
 
 def children_running(parent: int, module: str) -> set[int]:

@@ -30,7 +30,7 @@ from aoe.outcome import JobOutcome
 from aoe.spec import JobType
 
 from .conftest import run_aoe
-from .procs import children_running
+from .procs import children_running, run_ranks
 
 torch = pytest.importorskip(
     "torch", reason="GDAT needs torch: pip install '.[gdat]' (make test installs it)"
@@ -278,17 +278,7 @@ async def test_a_job_ends_with_outputs_and_a_bank_record_and_the_next_is_answere
               & {{"trio", "onnxruntime", "aoed"}}))
         dist.destroy_process_group()
     """)
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", code, str(rank)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in (0, 1)
-    ]
-    outs = [p.communicate(timeout=120) for p in procs]
-    assert all(p.returncode == 0 for p in procs), outs
+    outs = run_ranks(code)
     note = [line for line in outs[0][1].splitlines() if line.startswith("aoe.gdat: ")]
     assert len(note) == 1 and f"job {r.job_id}" in note[0], outs[0][1]
     assert not [

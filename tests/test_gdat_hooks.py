@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -17,6 +15,8 @@ pytest.importorskip("torch")
 
 from aoe.gdat import fp16_scale  # noqa: E402
 from aoed.gdat.gate import BOUNDS  # noqa: E402
+
+from .procs import run_ranks  # noqa: E402
 
 # Each rank: the same weights, its own batch; DDP built by the helper's own `wrap` with
 # no hook (exact all-reduce), then each hook; the worst per-tensor relative error of the
@@ -52,18 +52,7 @@ _RANK = textwrap.dedent(
 def test_fp16_scaled_keeps_tiny_and_huge_gradients_within_the_gate_where_fp16_does_not(
     tmp_path: Path,
 ) -> None:
-    store = str(tmp_path / "store")
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", _RANK, str(rank), store],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in (0, 1)
-    ]
-    outs = [p.communicate(timeout=120) for p in procs]
-    assert all(p.returncode == 0 for p in procs), outs
+    outs = run_ranks(_RANK, str(tmp_path / "store"))
     err = {k: float(v) for k, v in json.loads(outs[0][0]).items()}
     bound = BOUNDS["fp16"]
     # Ordinary gradients: both hooks within the bound.
