@@ -29,23 +29,31 @@ pytestmark = pytest.mark.slow
 _DECIDED = re.compile(r" INFO aoed\.engine\.taskagent: (\S+): (\S+) \((\w+)\), ")
 _TASKS_LINE = re.compile(r"tasks\s+(\d+): (\d+) measured, (\d+) from the bank")
 
-#: (model, precision, job type, user calibration): every precision, every job type. The
-#: first two (exact, and int8 with both job types, the kind that used to measure again)
-#: run in `make test`; the rest are `long` (`make test-long`, which CI runs).
+
+def _kind(name: str, precision: str, job_type: str, calibrated: bool, *marks) -> object:
+    """One case: (model, precision, job type, user calibration), named after them."""
+    return pytest.param(
+        name,
+        precision,
+        job_type,
+        calibrated,
+        id=f"{name}-{precision}-{job_type}" + ("-calibrated" if calibrated else ""),
+        marks=marks,
+    )
+
+
+#: Every precision, every job type. The first two (exact, and int8 with both job types,
+#: the kind that used to measure again) run in `make test`; the rest are `long` (`make
+#: test-long`, which CI runs).
 KINDS = [
-    ("cnn", "exact", "opat", False),
-    ("transformer", "int8", "sgat+opat", False),
-    pytest.param("cnn", "int8", "opat", False, marks=pytest.mark.long),
-    pytest.param("cnn", "int8", "opat", True, marks=pytest.mark.long),
-    pytest.param("transformer", "int4", "sgat+opat", False, marks=pytest.mark.long),
-    pytest.param("transformer", "exact", "sgat", False, marks=pytest.mark.long),
-    pytest.param("transformer", "int8", "sgat", False, marks=pytest.mark.long),
+    _kind("cnn", "exact", "opat", False),
+    _kind("transformer", "int8", "sgat+opat", False),
+    _kind("cnn", "int8", "opat", False, pytest.mark.long),
+    _kind("cnn", "int8", "opat", True, pytest.mark.long),
+    _kind("transformer", "int4", "sgat+opat", False, pytest.mark.long),
+    _kind("transformer", "exact", "sgat", False, pytest.mark.long),
+    _kind("transformer", "int8", "sgat", False, pytest.mark.long),
 ]
-
-
-def _kind_id(kind: tuple | object) -> str:
-    n, p, j, c = kind.values if hasattr(kind, "values") else kind  # type: ignore[union-attr]
-    return f"{n}-{p}-{j}" + ("-calibrated" if c else "")
 
 
 def _aoe(args: list[str], **kw) -> subprocess.Popen:
@@ -114,7 +122,6 @@ def _calibration(model: Path, folder: Path, n: int = 12) -> None:
 @pytest.mark.parametrize(
     ("name", "precision", "job_type", "calibrated"),
     KINDS,
-    ids=[_kind_id(k) for k in KINDS],
 )
 def test_a_killed_job_run_again_measures_nothing_it_decided(
     models: Path, tmp_path: Path, name: str, precision: str, job_type: str, calibrated: bool

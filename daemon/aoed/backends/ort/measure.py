@@ -95,10 +95,13 @@ def interleaved(
             )
         else:
             alive.append(name)
+
+    def turn_estimate(name: str, samples: int) -> float:
+        """A turn of `name` by its warm-up: the settle, the untimed run, the samples."""
+        return plan.settle_s + per_run[name] * (1 + samples * timings[name].batch)
+
     # Samples per turn: as planned, fewer when the minimum rounds would not fit.
-    turn_s = sum(
-        plan.settle_s + per_run[n] + plan.samples * timings[n].batch * per_run[n] for n in alive
-    )
+    turn_s = sum(turn_estimate(n, plan.samples) for n in alive)
     remaining = max(0.0, deadline - clock())
     samples = plan.samples
     if turn_s > 0 and turn_s * plan.min_rounds > remaining:
@@ -108,7 +111,7 @@ def interleaved(
         samples = min(samples, plan.samples)
     collected: dict[str, list[float]] = {n: [] for n in runs}
     # How long each candidate's turn takes: estimated from its warm-up, then as measured.
-    turn_len = {n: plan.settle_s + per_run[n] * (1 + samples * timings[n].batch) for n in alive}
+    turn_len = {n: turn_estimate(n, samples) for n in alive}
     for rnd in range(plan.max_rounds):
         if not alive:
             break
