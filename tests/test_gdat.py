@@ -179,6 +179,56 @@ def test_the_ladder_measures_one_configuration_per_distinct_set_of_buckets() -> 
     assert any("NCCL" in why for why in space.skipped_hooks("bf16", "gloo"))
 
 
+def _scripted_search(layout: GradientLayout, picks: dict[str, DDPConfig], monkeypatch):
+    """A Search whose stages race nothing: each stage's candidates are recorded and the
+    stage keeps `picks[stage]` (the incumbent when absent); every hook passes its gate."""
+    from aoed.engine.world import WorldSpec
+    from aoed.gdat import search as search_mod
+
+    raced: dict[str, list[DDPConfig]] = {}
+
+    async def stage(self, name, incumbent, configs, category="search", worlds=None):
+        raced[name] = list(configs)
+        self.stages.append(name)
+        return picks.get(name, incumbent)
+
+    async def gate(self, incumbent):
+        return space.hooks(incumbent, self.precision, self.spec.backend)
+
+    monkeypatch.setattr(search_mod.Search, "_stage", stage)
+    monkeypatch.setattr(search_mod.Search, "_gate", gate)
+    spec = WorldSpec({"kind": "pt2", "path": "m.pt2"}, 2, "gloo")
+    return search_mod.Search(layout, "fp16", spec, meter=None, open_world=None), raced
+
+
+async def test_a_hook_the_search_adopts_gets_the_bucket_ladder_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    big = GradientLayout.of([("float32", (1024, 1024))] * 6, 2, "gloo")  # 24 MiB
+    flags = DDPConfig(bucket_cap_mb=10.0, gradient_as_bucket_view=True)
+    hooked = flags.replace(hook="fp16_scaled")
+    search, raced = _scripted_search(
+        big, {"ladder": DDPConfig(bucket_cap_mb=10.0), "flags": flags, "hooks": hooked}, monkeypatch
+    )
+    assert await search.run() == hooked  # the rebucket stage kept it here
+    assert search.stages == ["ladder", "refine", "flags", "hooks", "rebucket"]
+    again = raced["rebucket"]
+    # The ladder's caps with the hook and the flags, the adopted cap not measured twice
+    # (nor 1 and 2 MiB: in 4 MiB gradients they make the buckets 0.5 MiB makes).
+    assert {c.bucket_cap_mb for c in again} == {None, 0.5, 5.0, 25.0}
+    assert all(c.replace(bucket_cap_mb=10.0) == hooked for c in again)
+    # A smaller cap the rebucket stage finds faster is what the search proposes.
+    small = hooked.replace(bucket_cap_mb=0.5)
+    search, _ = _scripted_search(
+        big, {"flags": flags, "hooks": hooked, "rebucket": small}, monkeypatch
+    )
+    assert await search.run() == small
+    # No hook adopted (the exact configuration stayed): no second ladder.
+    search, raced = _scripted_search(big, {"flags": flags}, monkeypatch)
+    assert await search.run() == flags
+    assert "rebucket" not in raced and search.stages[-1] == "hooks"
+
+
 # --------------------------------------------------------------------------- jobs
 
 

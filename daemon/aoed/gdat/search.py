@@ -7,6 +7,8 @@ confirming A/B against DDP's defaults.
   flags    gradient_as_bucket_view, static_graph
   hooks    only under a lossy gradient precision: each hook gated (gate.py), the ones
            that pass raced
+  rebucket when the hooks stage adopted a hook: the bucket ladder again with it (the
+           hook changes what each bucket costs to send, so the best cap moves)
   world    the backend's knobs, each in a fresh world
   confirm  fresh interleaved rounds of the proposal, DDP's defaults and a second
            instance of the defaults (the noise floor of these rounds); what the job
@@ -278,7 +280,13 @@ class Search:
         )
         incumbent = await self._stage("flags", incumbent, space.flags(incumbent))
         if self.precision != "exact":
+            before = incumbent
             incumbent = await self._hooks(incumbent)
+            if incumbent.hook and incumbent.hook != before.hook:
+                seen = [f.config for f in self.figures]
+                incumbent = await self._stage(
+                    "rebucket", incumbent, space.rebucket(self.layout, incumbent, seen)
+                )
         if self.world_knobs:
             incumbent = await self._world(incumbent)
         return incumbent

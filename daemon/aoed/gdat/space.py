@@ -7,6 +7,9 @@
   flags    gradient_as_bucket_view and static_graph on the best, alone and together
   hooks    the comm hooks the gradient precision allows (least lossy class first), on
            the best; each gated against exact all-reduce before it is measured
+  rebucket when a hook was adopted: the ladder's caps again, with the hook and flags kept
+           (a hook that shrinks the traffic moves the best cap: smaller buckets overlap
+           more of backward once each costs less to send)
   world    the backend's own knobs (`BACKEND_KNOBS`: environment set before the process
            group exists), each in a world of its own, with the best configuration
 
@@ -31,6 +34,7 @@ __all__ = [
     "flags",
     "hooks",
     "ladder",
+    "rebucket",
     "refine",
     "skipped_hooks",
     "world_knobs",
@@ -102,6 +106,20 @@ def ladder(layout: GradientLayout) -> list[DDPConfig]:
         if cap >= total_mb:
             break
     return distinct(layout, [DDPConfig(), *(DDPConfig(bucket_cap_mb=c) for c in caps)])
+
+
+def rebucket(layout: GradientLayout, best: DDPConfig, seen: Sequence[DDPConfig]) -> list[DDPConfig]:
+    """`best` (a configuration with a comm hook) at DDP's default cap and at each of the
+    ladder's caps up to one bucket, its flags and hook kept, its first-bucket cap dropped;
+    without those that repeat the buckets of `seen`."""
+    total_mb = layout.grad_bytes / _MB
+    caps: list[float | None] = [None]
+    for cap in LADDER_MB:
+        caps.append(cap)
+        if cap >= total_mb:
+            break
+    out = [best.replace(bucket_cap_mb=c, first_bucket_mb=None) for c in caps]
+    return distinct(layout, [c for c in out if c != best], [best, *seen])
 
 
 def _round2(x: float) -> float:
