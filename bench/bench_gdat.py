@@ -350,7 +350,10 @@ def render(
     models: Sequence[str] = MODELS,
 ) -> str:
     lines = [
-        "## GDAT: gradient communication of data-parallel training (`python bench/bench_gdat.py`)",
+        "## GDAT: gradient communication of data-parallel training (`python bench/bench_gdat.py"
+        + (" --quick" if quick else "")
+        + ("" if tuple(models) == MODELS else f" --models {','.join(models)}")
+        + f"`, {'quick' if quick else 'full'} mode)",
         "",
         f"Machine: {host.describe('torch', 'trio')}.",
         "",

@@ -229,6 +229,57 @@ async def test_a_hook_the_search_adopts_gets_the_bucket_ladder_again(
     assert "rebucket" not in raced and search.stages[-1] == "hooks"
 
 
+class _ScriptedWorld:
+    """Step times by configuration and turn, as a world's ranks would report them: to
+    make the racing rules' branches happen on purpose (a real world's noise decides them
+    by chance; the jobs below measure for real)."""
+
+    def __init__(self, script: dict[str, list[float]]) -> None:
+        self.script, self.turns = script, {k: 0 for k in script}
+
+    async def call(self, request, limit_s):
+        (name,) = request.order
+        times = self.script[name]
+        ms = times[min(self.turns[name], len(times) - 1)]
+        self.turns[name] += 1
+        result = {"step_us": [ms * 1e3], "tail_us": [ms * 500]}
+        return [{"results": {name: result}} for _rank in range(2)]
+
+
+async def test_a_stage_gives_its_close_calls_more_rounds_and_no_one_else() -> None:
+    from aoed.engine.decisions import best
+    from aoed.gdat.race import Entrant, Meter, race
+    from aoed.gdat.search import close_calls
+
+    script = {
+        "incumbent": [100.0],
+        "close": [95.0, 103.0, 95.0, 95.0, 95.0],  # 5% faster, one noisy round
+        "level": [101.0],  # neither faster nor clearly slower
+        "slow": [130.0],  # clearly slower: dropped after MIN_ROUNDS
+    }
+    entrants = [Entrant(k, DDPConfig(bucket_cap_mb=i + 1.0)) for i, k in enumerate(script)]
+
+    async def run(**kw):
+        world = _ScriptedWorld(script)
+        meter = Meter({"": world}, lambda s, c: None, lambda: 1e9, warmup=0, steps=1)
+        figs = await race(meter, "flags", entrants, 4, protect=frozenset({"incumbent"}), **kw)
+        measured = {k: f.measurement() for k, f in figs.items()}
+        return world.turns, best(measured, "incumbent", lambda m: True)
+
+    # Four rounds leave the close call open: a 90% interval of four ratios is their
+    # whole range, and one round was slower.
+    turns, pick = await run()
+    assert turns == {"incumbent": 4, "close": 4, "level": 4, "slow": 3} and pick == "incumbent"
+    # With close calls settled: the two alone run on until eight rounds tell them apart
+    # (the interval then leaves out the extreme ratios), and stop there, short of the cap.
+    turns, pick = await run(settle=lambda f: close_calls(f, "incumbent"), max_rounds=12)
+    assert turns == {"incumbent": 8, "close": 8, "level": 4, "slow": 3} and pick == "close"
+    # Nothing close: no extra round.
+    script["close"] = [101.0]
+    turns, _ = await run(settle=lambda f: close_calls(f, "incumbent"), max_rounds=12)
+    assert turns == {"incumbent": 4, "close": 4, "level": 4, "slow": 3}
+
+
 # --------------------------------------------------------------------------- jobs
 
 

@@ -12,7 +12,11 @@ slowest rank's step (ranks wait for each other at every reduction, so the slowes
 the world's step), and likewise for the communication tail. Per-rank figures are kept.
 
 After `decisions.MIN_ROUNDS` rounds, a configuration clearly slower than the leader is
-dropped (unless protected: the incumbent and DDP's defaults stay to the end).
+dropped (unless protected: the incumbent and DDP's defaults stay to the end). When the
+planned rounds leave configurations that look faster than the incumbent but are not yet
+clearly so (the caller's `settle` names them), those and the incumbent alone get more
+rounds, up to a cap: a noisy machine spends its extra turns on the close calls, not on
+the configurations already told apart.
 
 Each configuration's turn is one request to the world, so a world that breaks (a rank
 killed, hung or failed) costs one turn: that configuration's figure for that round. The
@@ -25,7 +29,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -248,28 +252,37 @@ async def race(
     protect: frozenset[str] = frozenset(),
     drop: bool = True,
     min_rounds: int = MIN_ROUNDS,
+    settle: Callable[[dict[str, Figures]], Collection[str]] | None = None,
+    max_rounds: int = 0,
 ) -> dict[str, Figures]:
     """Measure `entrants` in up to `rounds` interleaved rounds (fewer when the budget
     runs out: a round starts only while its estimated cost fits); returns their figures
-    by name. Raises DeviceError after MAX_FAILURES broken turns in a row, and the
-    job's own errors (ModelError, OptionError) as the world raises them."""
+    by name. After `rounds`, while `settle` names two or more entrants still to be told
+    apart, those alone get further rounds, up to `max_rounds` in all. Raises DeviceError
+    after MAX_FAILURES broken turns in a row, and the job's own errors (ModelError,
+    OptionError) as the world raises them."""
     figs = {e.name: Figures(stage, e.name, e.config, e.world) for e in entrants}
     worlds = sorted({e.world for e in entrants})
-    for n in range(rounds):
+    for n in range(max(rounds, max_rounds)):
         alive = [e for e in entrants if not figs[e.name].dropped and not figs[e.name].error]
+        total = rounds
+        if n >= rounds:
+            focus = set(settle(figs)) if settle is not None else set()
+            alive = [e for e in alive if e.name in focus]
+            if len(alive) < 2:
+                break
+            total = max_rounds
         if not alive:
             break
         cost = meter.turn_s * len(alive)
         if n >= min_rounds and cost > meter.remaining_s():
-            meter.notes.append(
-                f"{stage}: {n} of {rounds} rounds; the device budget allowed no more"
-            )
+            meter.notes.append(f"{stage}: {n} of {total} rounds; the device budget allowed no more")
             break
         meter.emit(
             "progress",
-            f"{stage}: round {n + 1} of {rounds}, {len(alive)} configurations",
+            f"{stage}: round {n + 1} of {total}, {len(alive)} configurations",
             n,
-            rounds,
+            total,
         )
         shift = n % len(alive)
         order = alive[shift:] + alive[:shift]

@@ -16,7 +16,8 @@ confirming A/B against DDP's defaults.
 
 Each stage races its configurations against the incumbent (the best so far) and moves
 the incumbent only to one that `decisions.best` calls clearly faster on their paired
-rounds. A stage starts only while the device budget lasts; what it skipped is noted.
+rounds. A candidate that looks faster but is not yet clearly so is a close call: it and
+the incumbent alone get more rounds, up to EXTRA_ROUNDS times the stage's (`close_calls`). A stage starts only while the device budget lasts; what it skipped is noted.
 The proposal ships only if the confirming rounds call it faster than both instances
 of the defaults (95% intervals of the median round ratio entirely below 1); otherwise
 DDP's defaults ship: "no significant change" (or "slower") ships the defaults.
@@ -36,12 +37,12 @@ from aoed.engine.rankmessages import RankGateRequest
 from aoed.engine.world import World, WorldError, WorldSpec
 from aoed.engine import stats
 from aoed.engine.confirm import verdict_of
-from aoed.engine.decisions import best
+from aoed.engine.decisions import MIN_GAIN, best, clearly_faster, paired_ratio
 from aoed.engine.messages import Request
 from aoed.gdat import gate, space
 from aoed.gdat.race import Entrant, Figures, Meter, race
 
-__all__ = ["CONFIRM_ROUNDS", "RACE_ROUNDS", "Confirmed", "Search"]
+__all__ = ["CONFIRM_ROUNDS", "EXTRA_ROUNDS", "RACE_ROUNDS", "Confirmed", "Search", "close_calls"]
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +50,25 @@ log = logging.getLogger(__name__)
 RACE_ROUNDS = 6
 #: Rounds of the confirming A/B: a 95% interval of the median from ranks 3..13.
 CONFIRM_ROUNDS = 15
+#: A stage's close calls (see close_calls) get rounds up to this many times `rounds`.
+EXTRA_ROUNDS = 2
 DEFAULT = "default"
 DEFAULT_2 = "default (second instance)"
+
+
+def close_calls(figs: dict[str, Figures], incumbent: str) -> set[str]:
+    """The configurations a stage's race should measure further: the incumbent and those
+    whose median round ratio to it promises a win (below 1 - MIN_GAIN) that its interval
+    does not yet show; none when one already wins clearly or the incumbent failed."""
+    measured = {k: f.measurement() for k, f in figs.items()}
+    base = measured[incumbent]
+    if not base.ok:
+        return set()
+    pool = [k for k, m in measured.items() if k != incumbent and m.ok and not m.dropped]
+    if any(clearly_faster(measured[k], base) for k in pool):
+        return set()
+    close = {k for k in pool if paired_ratio(measured[k], base)[0] < 1.0 - MIN_GAIN}
+    return {incumbent, *close} if close else set()
 
 
 @dataclass
@@ -148,6 +166,8 @@ class Search:
             self.rounds,
             category=category,
             protect=frozenset({incumbent.label, DEFAULT}),
+            settle=lambda figs: close_calls(figs, incumbent.label),
+            max_rounds=self.rounds * EXTRA_ROUNDS,
         )
         self.figures += figs.values()
         measured = {k: f.measurement() for k, f in figs.items()}
