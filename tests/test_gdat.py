@@ -417,6 +417,13 @@ async def test_a_configuration_that_ships_is_recorded_with_its_figures_and_the_h
     config = _config(tmp_path)
     r = await run_gdat(_quick(pt2, tmp_path / "out"), config)
     assert r.shipped == chosen and read_config(r.ddp_config) == chosen
+    # The confirming rows say which is which: the shipped one, the baseline, the copy.
+    confirm = {c["name"]: c["status"] for c in r.configurations if c["stage"] == "confirm"}
+    assert confirm == {
+        chosen.label: "chosen",
+        "default": "baseline",
+        "default (second instance)": "reference",
+    }
     with open_bank(config.bank, use_env=False) as bank:
         entry, _ = bank.lookup(r.key)
         assert bank.lookup_default(r.key)[0] is None

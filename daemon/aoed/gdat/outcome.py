@@ -38,6 +38,7 @@ from aoe.spec import JobType, Precision
 from aoed.engine import stats
 from aoed.engine.decisions import clearly_faster, paired_ratio, why_not_faster
 from aoed.gdat.race import Figures
+from aoed.gdat.search import DEFAULT, DEFAULT_2
 
 __all__ = ["GdatResult", "configurations", "ddp_config_doc", "result_doc", "to_outcome"]
 
@@ -113,11 +114,13 @@ def configurations(
             status, why = "dropped", f.dropped
         elif f.name == keep:
             status, why = "chosen", ""
-        elif f.stage == "confirm" and f.config.is_default:
+        elif f.stage == "confirm" and f.name == DEFAULT_2:
             status, why = (
                 "reference",
                 "a second instance of DDP's defaults: the noise floor of the confirming rounds",
             )
+        elif f.stage == "confirm" and f.name == DEFAULT:
+            status, why = "baseline", "DDP's defaults, the baseline of the confirming rounds"
         else:
             status, why = "lost", _why_lost(f, winner)
         tails = [t for t in f.tails_us if t is not None]
