@@ -17,7 +17,8 @@ confirming A/B against DDP's defaults.
 Each stage races its configurations against the incumbent (the best so far) and moves
 the incumbent only to one that `decisions.best` calls clearly faster on their paired
 rounds. A candidate that looks faster but is not yet clearly so is a close call: it and
-the incumbent alone get more rounds, up to EXTRA_ROUNDS times the stage's (`close_calls`). A stage starts only while the device budget lasts; what it skipped is noted.
+the incumbent alone get more rounds, up to EXTRA_ROUNDS times the stage's (`close_calls`).
+A stage starts only while the device budget lasts; what it skipped is noted.
 The proposal ships only if the confirming rounds call it faster than both instances
 of the defaults (95% intervals of the median round ratio entirely below 1); otherwise
 DDP's defaults ship: "no significant change" (or "slower") ships the defaults.

@@ -99,25 +99,25 @@ def distinct(
 def ladder(layout: GradientLayout) -> list[DDPConfig]:
     """DDP's defaults, then the ladder's caps up to the first that holds every gradient
     in one bucket."""
+    return distinct(layout, [DDPConfig(), *(DDPConfig(bucket_cap_mb=c) for c in _caps(layout))])
+
+
+def _caps(layout: GradientLayout) -> list[float]:
+    """The ladder's caps up to the first that holds every gradient in one bucket."""
     total_mb = layout.grad_bytes / _MB
     caps = []
     for cap in LADDER_MB:
         caps.append(cap)
         if cap >= total_mb:
             break
-    return distinct(layout, [DDPConfig(), *(DDPConfig(bucket_cap_mb=c) for c in caps)])
+    return caps
 
 
 def rebucket(layout: GradientLayout, best: DDPConfig, seen: Sequence[DDPConfig]) -> list[DDPConfig]:
     """`best` (a configuration with a comm hook) at DDP's default cap and at each of the
     ladder's caps up to one bucket, its flags and hook kept, its first-bucket cap dropped;
     without those that repeat the buckets of `seen`."""
-    total_mb = layout.grad_bytes / _MB
-    caps: list[float | None] = [None]
-    for cap in LADDER_MB:
-        caps.append(cap)
-        if cap >= total_mb:
-            break
+    caps: list[float | None] = [None, *_caps(layout)]
     out = [best.replace(bucket_cap_mb=c, first_bucket_mb=None) for c in caps]
     return distinct(layout, [c for c in out if c != best], [best, *seen])
 
