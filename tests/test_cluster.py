@@ -202,31 +202,26 @@ def test_an_actor_killed_mid_job_loses_no_decided_task(on_ray: DaemonProcess) ->
     assert victim not in _actors("ray::DeviceActor")
 
 
-@pytest.mark.cluster
-def test_aoe_tune_runs_embedded_on_the_cluster(tmp_path: Path, cluster) -> None:
+def _tune_on_ray(tmp_path: Path, address: str, *args: str, timeout: float):
+    """`aoe tune` of the mlp sample, embedded, its trials on the Ray cluster at `address`."""
     model = tmp_path / "mlp.onnx"
     samples.save(samples.build("mlp"), model)
-    run = run_aoe(
+    return run_aoe(
         "tune",
         str(model),
-        "--executor",
-        "ray",
-        "--ray-address",
-        cluster.address,
-        "--device",
-        "cpu:0",
-        "--device",
-        "cpu:1",
-        "--budget",
-        "6",
-        "--parallel",
-        "1",
-        "--bank",
-        str(tmp_path / "bank"),
-        "--output",
-        str(tmp_path / "out"),
-        "--no-progress",
+        *("--executor", "ray", "--ray-address", address, *args),
+        *("--bank", str(tmp_path / "bank"), "--output", str(tmp_path / "out"), "--no-progress"),
         env={"AOED_RUNTIME_DIR": str(tmp_path / "run")},
+        timeout=timeout,
+    )
+
+
+@pytest.mark.cluster
+def test_aoe_tune_runs_embedded_on_the_cluster(tmp_path: Path, cluster) -> None:
+    run = _tune_on_ray(
+        tmp_path,
+        cluster.address,
+        *("--device", "cpu:0", "--device", "cpu:1", "--budget", "6", "--parallel", "1"),
         timeout=600,
     )
     assert run.returncode == 0, run.stderr
@@ -270,23 +265,7 @@ def test_an_unreachable_head_is_one_clear_error(tmp_path: Path) -> None:
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    model = tmp_path / "mlp.onnx"
-    samples.save(samples.build("mlp"), model)
-    run = run_aoe(
-        "tune",
-        str(model),
-        "--executor",
-        "ray",
-        "--ray-address",
-        f"127.0.0.1:{port}",
-        "--bank",
-        str(tmp_path / "bank"),
-        "--output",
-        str(tmp_path / "out"),
-        "--no-progress",
-        env={"AOED_RUNTIME_DIR": str(tmp_path / "run")},
-        timeout=120,
-    )
+    run = _tune_on_ray(tmp_path, f"127.0.0.1:{port}", timeout=120)
     assert run.returncode == DeviceError.exit_code, run.stderr
     errors = [line for line in run.stderr.splitlines() if "error" in line]
     assert (
