@@ -4,25 +4,48 @@ and a world of rank processes running a snippet of code."""
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 
 def run_ranks(code: str, *args: str, size: int = 2, timeout: float = 120) -> list[tuple[str, str]]:
     """Run `code` (python -c) as `size` processes at once, each given its rank and then
     `args` on its command line; each one's (stdout, stderr), once every one exited 0
-    (else an AssertionError with their output)."""
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", code, str(rank), *args],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in range(size)
-    ]
-    outs = [p.communicate(timeout=timeout) for p in procs]
+    (else an AssertionError with their output). Output goes to files, so a rank that
+    writes much never blocks on a pipe while another is waited for; every rank is killed
+    if the world overruns `timeout` or a wait fails."""
+    with contextlib.ExitStack() as stack:
+        files = [
+            (
+                stack.enter_context(tempfile.TemporaryFile("w+")),
+                stack.enter_context(tempfile.TemporaryFile("w+")),
+            )
+            for _ in range(size)
+        ]
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-c", code, str(rank), *args], stdout=out, stderr=err, text=True
+            )
+            for rank, (out, err) in enumerate(files)
+        ]
+        try:
+            deadline = time.monotonic() + timeout
+            for p in procs:
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        outs = []
+        for out, err in files:
+            out.seek(0)
+            err.seek(0)
+            outs.append((out.read(), err.read()))
     assert all(p.returncode == 0 for p in procs), outs
     return outs
 

@@ -418,8 +418,9 @@ class MeasurePlan(Message):
     candidate taking `samples` timed batches of about `sample_s` per round, in an order
     that rotates, after a warm-up. `budget_s` bounds warm-up and rounds together: after the
     first round no turn starts that would end past it, and samples per turn shrink so
-    that `min_rounds` fit where they can. With `race`, a clear loser is dropped after `min_rounds`; with `until_stable`, the
-    rounds stop once no median moved more than `rel_tol` in the last one."""
+    that `min_rounds` fit where they can. With `race`, a clear loser is dropped after
+    `min_rounds`; with `until_stable`, the rounds stop once no median moved more than
+    `rel_tol` in the last one."""
 
     budget_s: float = 5.0
     min_rounds: int = 8
