@@ -62,8 +62,11 @@ class DaemonProcess:
         parallel: int = 1,
         max_running_jobs: int = 2,
         listen_toml: str = "",
+        nofile: tuple[int, int] | None = None,
     ):
+        """`nofile`: the (soft, hard) RLIMIT_NOFILE the daemon starts with."""
         self.root = root
+        self.nofile = nofile
         root.mkdir(parents=True, exist_ok=True)
         self._short = Path(tempfile.mkdtemp(prefix="aoed-t-", dir="/tmp"))
         self.socket = self._short / "aoed.sock"
@@ -102,8 +105,19 @@ class DaemonProcess:
 
     def start(self, timeout: float = 90) -> None:
         log = open(self.log_path, "ab")
+        argv = [sys.executable, "-m", "aoed", "--config", str(self.config), "--log-level", "info"]
+        if self.nofile is not None:  # set in the process that then becomes the daemon
+            argv = [
+                sys.executable,
+                "-c",
+                "import os, resource, sys; "
+                "resource.setrlimit(resource.RLIMIT_NOFILE, (int(sys.argv[1]), int(sys.argv[2]))); "
+                "os.execv(sys.argv[3], sys.argv[3:])",
+                *map(str, self.nofile),
+                *argv,
+            ]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "aoed", "--config", str(self.config), "--log-level", "info"],
+            argv,
             stdout=log,
             stderr=log,
             env=self.env(),

@@ -3,8 +3,12 @@ Prometheus' own text parser; and the [metrics] settings."""
 
 from __future__ import annotations
 
+import http.client
+import os
 import re
+import socket
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
@@ -17,7 +21,7 @@ from aoe.errors import OptionError
 from aoe.v1 import tuning_pb2
 from aoed import samples
 from aoed.config import load_daemon_config
-from tests.daemon_util import DaemonProcess, upload
+from tests.daemon_util import DaemonProcess, upload, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -122,6 +126,132 @@ def test_a_scrape_during_a_job_shows_the_job_and_the_device_moving(tmp_path: Pat
         d.close()
 
 
+HALF_A_REQUEST = b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nUser-Agent: slow"
+ESTABLISHED, CLOSE_WAIT = "01", "08"
+
+
+def _port(url: str) -> int:
+    return int(url.removeprefix("http://").split("/", 1)[0].rsplit(":", 1)[1])
+
+
+def _fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def _open_files_limits(pid: int) -> tuple[str, str]:
+    """(soft, hard) of the process's open files, as /proc/PID/limits shows them."""
+    with open(f"/proc/{pid}/limits") as f:
+        line = next(x for x in f if x.startswith("Max open files"))
+    soft, hard = line.split()[3:5]
+    return soft, hard
+
+
+def _server_side(port: int) -> list[str]:
+    """The TCP states (hex, as /proc/net/tcp writes them) of the connections whose local
+    port is `port`, taken or not yet taken by the server (its listener left out)."""
+    states = []
+    with open("/proc/net/tcp") as f:
+        next(f)
+        for line in f:
+            fields = line.split()
+            if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] != "0A":
+                states.append(fields[3])
+    return states
+
+
+def _stall(port: int) -> socket.socket | None:
+    """A connection that sends half a request and stalls (None: reset before it was up)."""
+    try:
+        s = socket.create_connection(("127.0.0.1", port), timeout=60)
+    except ConnectionResetError:
+        return None
+    try:
+        s.sendall(HALF_A_REQUEST)
+    except OSError:  # refused already
+        pass
+    return s
+
+
+def _refused(url: str) -> bool:
+    """True when a scrape is refused (the connection reset or closed unanswered), False
+    when it is answered; a scrape left waiting fails the test."""
+    try:
+        urllib.request.urlopen(url, timeout=120).close()
+    except (ConnectionResetError, http.client.RemoteDisconnected):
+        return True
+    except urllib.error.URLError as exc:
+        if isinstance(exc.reason, ConnectionResetError):
+            return True
+        raise
+    return False
+
+
+def test_a_flood_of_stalled_connections_to_the_metrics_port_wedges_nothing(
+    tmp_path: Path,
+) -> None:
+    """1,100 connections that send half a request and stall, against a daemon started
+    with 256 of its 1024 descriptors: it raises its limit, keeps 16 of them (its
+    max_connections) and closes the rest at once; gRPC and the drop folder go on; once
+    they are gone its descriptors are back and nothing is left in CLOSE-WAIT."""
+    d = DaemonProcess(
+        tmp_path / "d",
+        # Long enough that the 16 it takes stay taken for the whole test.
+        extra_toml='[metrics]\nlisten = "127.0.0.1:0"\ntimeout_s = 300\n',
+        nofile=(256, 1024),
+    )
+    d.inbox.mkdir()
+    (d.inbox / "aoed.toml").write_text("budget_s = 1.0\n")
+    flood: list[socket.socket | None] = []
+    try:
+        d.start()
+        pid = d.proc.pid  # type: ignore[union-attr]
+        assert _open_files_limits(pid) == ("1024", "1024"), "the soft limit is raised to the hard"
+        url = _address(d)
+        port = _port(url)
+        assert _scrape(url), "served before the flood"
+        before = _fds(pid)
+        flood = [_stall(port) for _ in range(1100)]
+        # The daemon keeps 16 and closes the others as they come: none waits in its
+        # backlog, none holds a descriptor.
+        wait_for(
+            lambda: _server_side(port).count(ESTABLISHED) <= 16,
+            120,
+            "the daemon keeping at most max_connections of the flood",
+        )
+        assert _fds(pid) <= before + 16 + 8, "the flood holds at most 16 descriptors"
+        # gRPC answers, the drop folder tunes, and a scrape is refused at once (every
+        # slot is taken), not left waiting.
+        assert d.serving()
+        d.tuning().ListJobs(tuning_pb2.ListJobsRequest(), timeout=60)
+        assert _refused(url)
+        samples.save(samples.build("mlp"), d.inbox / ".flood.onnx.part")
+        (d.inbox / ".flood.onnx.part").rename(d.inbox / "flood.onnx")
+        outbox = d.inbox.parent / "outbox"
+        wait_for(
+            lambda: (outbox / "flood_tuned.onnx").exists(),
+            300,
+            f"the dropped model tuned during the flood:\n{d.log()[-3000:]}",
+        )
+        for s in flood:
+            if s is not None:
+                s.close()
+        wait_for(
+            lambda: (
+                not _server_side(port).count(ESTABLISHED)
+                and not _server_side(port).count(CLOSE_WAIT)
+            ),
+            60,
+            "no connection of the flood left open or in CLOSE-WAIT",
+        )
+        wait_for(lambda: _fds(pid) <= before + 8, 60, "the daemon's descriptors back")
+        assert _scrape(url), "served after the flood"
+    finally:
+        for s in flood:
+            if s is not None:
+                s.close()
+        d.close()
+
+
 def _config(tmp_path: Path, text: str):
     path = tmp_path / "aoed.toml"
     path.write_text(f'[listen]\nsocket = "{tmp_path}/s.sock"\n' + text)
@@ -142,6 +272,17 @@ def test_metrics_are_off_by_default_and_loopback_unless_allowed(tmp_path: Path) 
     assert cfg.metrics_listen == "0.0.0.0:9464"
     with pytest.raises(OptionError, match="expected HOST:PORT"):
         _config(tmp_path, '[metrics]\nlisten = "9464"\n')
+
+
+def test_the_endpoints_limits_have_defaults_and_bounds(tmp_path: Path) -> None:
+    cfg = _config(tmp_path, '[metrics]\nlisten = "127.0.0.1:9464"\n')
+    assert (cfg.metrics_max_connections, cfg.metrics_timeout_s) == (16, 10.0)
+    cfg = _config(tmp_path, "[metrics]\nmax_connections = 4\ntimeout_s = 2.5\n")
+    assert (cfg.metrics_max_connections, cfg.metrics_timeout_s) == (4, 2.5)
+    with pytest.raises(OptionError, match=r"\[metrics\] max_connections = 0: must be between 1"):
+        _config(tmp_path, "[metrics]\nmax_connections = 0\n")
+    with pytest.raises(OptionError, match=r"\[metrics\] timeout_s = 0: must be between 0.1"):
+        _config(tmp_path, "[metrics]\ntimeout_s = 0\n")
 
 
 def test_follow_targets_over_tcp_need_tls_as_the_listener_does(tmp_path: Path) -> None:

@@ -106,6 +106,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     from aoed.logs import configure
 
     configure(level)
+    from aoed.fdlimit import raise_soft_limit
+
+    # Before anything opens a descriptor that counts: the service manager's soft limit
+    # (1024) is far below what gRPC, the store, the bank and the inboxes may need.
+    raise_soft_limit()
 
     import trio
 

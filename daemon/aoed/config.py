@@ -40,6 +40,8 @@ or /var/lib/aoed as root; the socket in the runtime dir (/run/aoed as root).
   [metrics]
   listen = "127.0.0.1:9464"          # Prometheus endpoint; "" (default) = off
   allow_remote = false               # a non-loopback address needs this set to true
+  max_connections = 16               # open at once; one more is closed at once
+  timeout_s = 10                     # a connection's time in all: request, scrape, answer
   [limits]
   max_upload_mb = 2048               # one upload
   upload_ttl_h = 24                  # an upload not submitted by then is deleted
@@ -132,6 +134,8 @@ class DaemonConfig:
     follow_insecure_loopback: bool = False
     metrics_listen: str = ""
     metrics_allow_remote: bool = False
+    metrics_max_connections: int = 16
+    metrics_timeout_s: float = 10.0
     source: str = "defaults"
     sources: Mapping[str, str] = field(default_factory=dict)
 
@@ -429,7 +433,7 @@ def load_daemon_config(
     met = _Reader(
         _table(doc, "metrics", Path(where), problems),
         f"{where} [metrics]",
-        {"listen", "allow_remote"},
+        {"listen", "allow_remote", "max_connections", "timeout_s"},
         problems,
     )
     raw_follow = bank.get("follow", [])
@@ -449,6 +453,8 @@ def load_daemon_config(
         follow_insecure_loopback=b.flag("follow_insecure_loopback", False),
         metrics_listen=met.text("listen", ""),
         metrics_allow_remote=met.flag("allow_remote", False),
+        metrics_max_connections=int(met.number("max_connections", 16, 1, 4096, integer=True)),
+        metrics_timeout_s=float(met.number("timeout_s", 10, 0.1, 300)),
     )
     problems.found.extend(_check_listen(cfg, where))
     problems.found.extend(_check_follow(cfg, where))

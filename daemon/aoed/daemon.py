@@ -36,6 +36,7 @@ from aoed.api.server import Server, build_server, register
 from aoed.api.tuning import TuningServicer
 from aoed.bank.follow import Follower
 from aoed.config import DaemonConfig, load_daemon_config
+from aoed.endpoint import Limits
 from aoed.jobs import store as st
 from aoed.jobs.manager import JobManager
 from aoed.jobs.store import JobStore
@@ -125,7 +126,10 @@ class Daemon:
                     if self.metrics is not None:
                         try:
                             await nursery.start(
-                                self.metrics.run, cfg.metrics_listen, self._snapshot
+                                self.metrics.run,
+                                cfg.metrics_listen,
+                                self._snapshot,
+                                Limits(cfg.metrics_max_connections, cfg.metrics_timeout_s),
                             )
                         except OSError as exc:
                             raise AoedError(
@@ -218,6 +222,8 @@ class Daemon:
             "follow_insecure_loopback",
             "metrics_listen",
             "metrics_allow_remote",
+            "metrics_max_connections",
+            "metrics_timeout_s",
         )
         if (
             new.engine != old.engine

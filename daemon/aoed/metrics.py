@@ -1,14 +1,18 @@
 """The daemon's Prometheus metrics (`[metrics] listen`; off by default, loopback when on).
 
-prometheus-client serves the text format from its own HTTP server thread
-(`start_http_server`: a thread, no fork, no second event loop). Every series but the RPC
-counts is read when Prometheus scrapes, from the agents that own the figures (the job
-manager, the device agent, the compile pool, the bank writer, the followers).
+prometheus-client writes the text format (`generate_latest`); the daemon serves it
+itself, from its trio run, at /metrics (aoed.endpoint: a bounded number of connections,
+each with a time limit, none kept when descriptors run low; `[metrics] max_connections`
+and `timeout_s`), so that whoever can reach the port cannot take the daemon's threads,
+descriptors or memory. Every series but the RPC counts is read when Prometheus scrapes,
+from the agents that own the figures (the job manager, the device agent, the compile
+pool, the bank writer, the followers).
 
 Invariants:
-- The scrape thread never reads trio-owned state itself: it asks the trio run for one
-  snapshot (`trio.from_thread.run` with the run's token), so the figures are those of
-  one moment. When the run is gone (shutting down) a scrape gets the RPC counts only.
+- The text is made in a worker thread (one scrape at a time), which never reads
+  trio-owned state itself: it asks the trio run for one snapshot
+  (`trio.from_thread.run` with the run's token), so the figures are those of one
+  moment. When the run is gone (shutting down) a scrape gets the RPC counts only.
 - RPCs are counted by a gRPC server interceptor (`RpcCounter`) in grpc's own threads,
   into prometheus-client's Counter, which is thread-safe.
 - Each daemon has its own CollectorRegistry, never the process-wide default, so several
@@ -44,9 +48,11 @@ from typing import Any
 
 import grpc
 import trio
-from prometheus_client import CollectorRegistry, Counter, start_http_server
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from aoed.endpoint import Endpoint, Limits
 
 __all__ = ["DaemonMetrics", "RpcCounter", "Snapshot"]
 
@@ -238,37 +244,41 @@ class DaemonMetrics:
         self.address = ""
 
     async def run(
-        self, listen: str, snapshot: Callable[[], Any], *, task_status=trio.TASK_STATUS_IGNORED
+        self,
+        listen: str,
+        snapshot: Callable[[], Any],
+        limits: Limits = Limits(),
+        *,
+        task_status=trio.TASK_STATUS_IGNORED,
     ) -> None:
-        """Serve the registry at http://`listen`/metrics until cancelled; `snapshot` is
-        an async function (run in trio) returning a Snapshot. Reports the address
-        served (the port chosen, for port 0) through `task_status`. Raises OSError when
-        it cannot listen."""
+        """Serve the registry at http://`listen`/metrics until cancelled, within
+        `limits` (aoed.endpoint); `snapshot` is an async function (run in trio)
+        returning a Snapshot. Reports the address served (the port chosen, for port 0)
+        through `task_status`. Raises OSError when it cannot listen."""
         token = trio.lowlevel.current_trio_token()
 
-        def take() -> Snapshot | None:  # the scrape thread
+        def take() -> Snapshot | None:  # the worker thread making the text
             try:
                 return trio.from_thread.run(snapshot, trio_token=token)
             except trio.RunFinishedError:
                 return None
 
         self.registry.register(_Collector(take))
+        one_at_a_time = trio.CapacityLimiter(1)
+
+        async def page() -> tuple[bytes, str]:
+            body = await trio.to_thread.run_sync(
+                generate_latest, self.registry, limiter=one_at_a_time, abandon_on_cancel=True
+            )
+            return body, CONTENT_TYPE_LATEST
+
         host, _, port = listen.rpartition(":")
-        server, thread = await trio.to_thread.run_sync(
-            start_http_server, int(port), host.strip("[]"), self.registry
-        )
-        try:
-            bound = server.server_address
-            self.address = f"{host}:{bound[1]}"
+        endpoint = Endpoint({"/metrics": page}, limits)
+        async with trio.open_nursery() as nursery:
+            bound = await nursery.start(endpoint.run, host.strip("[]"), int(port))
+            self.address = f"{host}:{bound}"
             log.info("aoed: metrics on http://%s/metrics", self.address)
             task_status.started(self.address)
-            await trio.sleep_forever()
-        finally:
-            with trio.CancelScope(shield=True):
-                # shutdown() waits for serve_forever to return (within its poll interval)
-                await trio.to_thread.run_sync(server.shutdown)
-                server.server_close()
-                await trio.to_thread.run_sync(thread.join, 5.0)
 
 
 def count_states(states: Sequence[str], every: Sequence[str]) -> dict[str, int]:
