@@ -87,6 +87,32 @@ def test_move_takes_the_entry_itself_and_replaces_a_link_at_the_destination(tmp_
     assert target.read_bytes() == b"precious\n" and not (a / "m.onnx").exists()
 
 
+def test_copy_fd_copies_from_each_offset_on_one_file_system_and_across_two(
+    tmp_path: Path,
+) -> None:
+    data = os.urandom(3 << 20) + b"tail"
+    src = tmp_path / "src"
+    src.write_bytes(data)
+    # /dev/shm, where there is one, is another file system (tmpfs): between two kinds of
+    # file system copy_file_range says EXDEV, and sendfile copies instead.
+    folders = [tmp_path] + [Path(p) for p in ("/dev/shm",) if os.access(p, os.W_OK)]
+    for folder in folders:
+        dst = folder / f"aoed-copy-{os.getpid()}"
+        dst.write_bytes(b"head:")
+        s, d = os.open(src, os.O_RDONLY), os.open(dst, os.O_WRONLY)
+        try:
+            os.lseek(s, 5, os.SEEK_SET)
+            os.lseek(d, 0, os.SEEK_END)
+            assert safefs.copy_fd(s, d) == len(data) - 5
+        finally:
+            os.close(s)
+            os.close(d)
+        try:
+            assert dst.read_bytes() == b"head:" + data[5:], folder
+        finally:
+            dst.unlink()
+
+
 @pytest.mark.parametrize("stem", ["m" * 250, "模型" * 60, "a" * 100])
 def test_fit_keeps_names_within_name_max_in_bytes(stem: str) -> None:
     fitted = safefs.fit(stem, len("_99999.onnx.error.txt"))
