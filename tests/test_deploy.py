@@ -206,6 +206,9 @@ def test_unit_config_and_folders_agree():
     drop_folders = {p for i in cfg.inboxes for p in (i.path, i.outbox, i.failed)}
     assert drop_folders == set(made) - {state}
     assert all(made[p] == ("2770", user, group) for p in drop_folders)
+    # ... and the daemon makes one that is missing again the same way (`group = ""` is
+    # the daemon's own group, the unit's Group=).
+    assert all((f"{i.mode:o}", i.group or group) == made[i.path][::2] for i in cfg.inboxes)
     users = (DEPLOY / "sysusers.d" / "aoed.conf").read_text()
     assert re.search(rf'^u {user} - "[^"]+" {state} -$', users, re.MULTILINE)
 

@@ -18,6 +18,7 @@ processes from outside, as a crash or the kernel would, or come from a plugin.
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -25,6 +26,7 @@ import random
 import shutil
 import signal
 import sqlite3
+import stat
 import subprocess
 import sys
 import textwrap
@@ -547,13 +549,15 @@ def test_a_damaged_job_row_is_reported_and_the_rest_is_served(daemon: DaemonProc
 
 @pytest.fixture
 def small_fs(tmp_path: Path) -> Iterator[Callable[[Path, int], Path]]:
-    """mount(dir, bytes): a tmpfs of that size at `dir`; skips where mounting is refused."""
+    """mount(dir, bytes, inodes=0): a tmpfs of that size (and that many inodes, when
+    given) at `dir`; skips where mounting is refused."""
     mounted: list[Path] = []
 
-    def mount(where: Path, size: int) -> Path:
+    def mount(where: Path, size: int, inodes: int = 0) -> Path:
         where.mkdir(parents=True, exist_ok=True)
+        options = f"size={size}" + (f",nr_inodes={inodes}" if inodes else "")
         r = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
+            ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)],
             check=False,
             capture_output=True,
             text=True,
@@ -587,6 +591,20 @@ def fill(fs: Path, leave: int = 0) -> Path:
         except OSError:  # ENOSPC: as full as it gets
             pass
     return filler
+
+
+def fill_inodes(fs: Path) -> list[Path]:
+    """Take every inode left on the filesystem at `fs` with empty files; returns them."""
+    taken: list[Path] = []
+    while True:
+        path = fs / f"inode-filler-{len(taken)}"
+        try:
+            path.touch(exist_ok=False)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            return taken
+        taken.append(path)
 
 
 def test_a_full_disk_fails_the_job_naming_it_and_keeps_the_bank(tmp_path: Path, small_fs) -> None:
@@ -702,6 +720,49 @@ def test_a_full_state_dir_fails_the_calls_and_jobs_in_hand_never_the_daemon(
         assert store_integrity(d.state) == "ok"
         d.start()
         assert job(d, tuning).state == ended.state
+    finally:
+        d.close()
+
+
+def test_drop_folders_missing_on_a_full_disk_are_made_and_watched_once_there_is_room(
+    tmp_path: Path, small_fs
+) -> None:
+    """A drop folder's filesystem full to its last byte and its last inode, and the inbox,
+    outbox and failed folders removed while the daemon was down: the daemon starts
+    (health, ListJobs), says which folder it cannot make and why, and once there is room
+    makes them with their mode and watches them, with no restart. (The folders have a
+    filesystem of their own here: one whose last inode is taken fails the job store's
+    open too, which is not what this is about.)"""
+    d = DaemonProcess(tmp_path / "d")
+    drops = small_fs(tmp_path / "drops", 4 << 20, inodes=64)
+    inbox = drops / "inbox"
+    d.config.write_text(d.config.read_text().replace(f'path = "{d.inbox}"', f'path = "{inbox}"'))
+    folders = [inbox, drops / "outbox", drops / "failed"]
+    try:
+        d.start()
+        assert all(f.is_dir() for f in folders)
+        d.stop()
+        for f in folders:
+            shutil.rmtree(f)
+        filler, inodes = fill(drops), fill_inodes(drops)
+        d.start()
+        answers_reads(d, [])
+        said = f"inbox {inbox}: not watched ({inbox}: cannot make it: No space left on device)"
+        wait_for(lambda: said in d.log(), 30, "the folder it cannot make, and why, logged")
+        assert not any(f.exists() for f in folders)
+
+        filler.unlink()
+        for p in inodes:
+            p.unlink()
+        wait_for(lambda: all(f.is_dir() for f in folders), 60, "the drop folders made")
+        for f in folders:
+            assert oct(stat.S_IMODE(f.stat().st_mode)) == oct(0o2770), f
+        wait_for(lambda: f"inbox {inbox}: its folders are there now" in d.log(), 30, "the watch")
+        samples.save(samples.mlp(hidden=48), inbox / ".m.onnx.part")
+        (inbox / ".m.onnx.part").rename(inbox / "m.onnx")
+        report = drops / "outbox" / "m_report.txt"
+        wait_for(report.exists, 180, "the dropped model tuned and delivered")
+        answers_reads(d, [])
     finally:
         d.close()
 

@@ -7,14 +7,18 @@ over the same real JobStore, so a test can end a job as it likes. The daemon's o
 
 from __future__ import annotations
 
+import grp
 import hashlib
 import json
 import logging
 import os
+import shutil
 import socket
+import stat
 import sys
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -24,8 +28,8 @@ from aoe.config import load_config
 from aoe.figures import Figures
 from aoe.outcome import JobOutcome
 from aoe.spec import JobSpec
-from aoe.errors import AoedError, NotFoundError, ResourceExhaustedError
-from aoed.config import DaemonConfig, Inbox
+from aoe.errors import AoedError, NotFoundError, OptionError, ResourceExhaustedError
+from aoed.config import DaemonConfig, Inbox, load_daemon_config
 from aoed.jobs.manager import JobManager, Submission
 from aoed.jobs.states import JobState
 from aoed.jobs.store import JobRow, JobStore
@@ -697,3 +701,84 @@ def test_a_failure_that_cannot_write_its_reason_moves_nothing(tmp_path: Path) ->
         assert (failed / "m.onnx.error.txt").read_text().endswith("error: broken\n")
     finally:
         subprocess.run(["umount", "-l", str(fs)], check=False, capture_output=True)
+
+
+# ---------------------------------------------------------------- missing folders
+
+
+def _group() -> tuple[str, int]:
+    """A group to give the drop folders: nobody's (65534) as root, which the daemon's
+    folders would never get by themselves; else our own."""
+    gid = 65534 if os.geteuid() == 0 else os.getegid()
+    try:
+        return grp.getgrgid(gid).gr_name, gid
+    except KeyError:
+        pytest.skip(f"no group with gid {gid} here")
+
+
+def _modes(*folders: Path) -> list[tuple[str, int]]:
+    return [(oct(stat.S_IMODE(os.stat(f).st_mode)), os.stat(f).st_gid) for f in folders]
+
+
+async def test_drop_folders_missing_at_start_or_removed_later_are_made_with_the_inbox_mode(
+    tmp_path: Path, caplog
+) -> None:
+    """Made with the daemon's umask alone (0750, its own group) the folders would shut
+    out the group that drops models, and nothing would say why."""
+    caplog.set_level(logging.INFO, logger="aoed.watch")
+    name, gid = _group()
+    cfg = _config(tmp_path, stable_s=0.1)
+    cfg = replace(cfg, inboxes=(replace(cfg.inboxes[0], group=name),))
+    inbox = cfg.inboxes[0]
+    folders = (inbox.path, inbox.outbox, inbox.failed)
+    jobs = Jobs(_store(tmp_path))
+    want = [(oct(0o2770), gid)] * 3
+
+    def made(folder: Path) -> bool:
+        return any(
+            f"{folder} was missing; made it with mode 2770, group {name}" in r.getMessage()
+            for r in caplog.records
+        )
+
+    async with _watching(cfg, jobs, rescan_s=0.1):
+        assert _modes(*folders) == want and all(made(f) for f in folders)
+        caplog.clear()
+        for folder in folders:
+            shutil.rmtree(folder)
+        # the inbox, at the next sweep; the failed folder, when a model fails; the outbox,
+        # when one succeeds
+        await _until(lambda: made(inbox.path))
+        (inbox.path / "bad.onnx").write_bytes(MODEL)
+        (inbox.path / "good.onnx").write_bytes(MODEL[::-1])
+        await _until(lambda: len(jobs.submitted) == 2)
+        by_name = {sub.model.name: row.id for sub, _, row in jobs.submitted}
+        jobs.finish(by_name["bad.onnx"], "failed", error="broken")
+        jobs.finish(by_name["good.onnx"], "succeeded", _result(*_result_files(tmp_path, "g")))
+        await _until(lambda: (inbox.failed / "bad.onnx.error.txt").exists())
+        await _until(lambda: (inbox.outbox / "good_report.txt").exists())
+    assert _modes(*folders) == want and all(made(f) for f in folders)
+
+
+def test_inbox_mode_and_group_settings_are_checked(tmp_path: Path) -> None:
+    path = tmp_path / "aoed.toml"
+    good = '[[inbox]]\npath = "/srv/a"\nmode = "2750"\ngroup = "root"\n'
+    bad = (
+        '[[inbox]]\npath = "/srv/b"\nmode = "2777"\n'
+        '[[inbox]]\npath = "/srv/c"\nmode = "rwx"\ngroup = "no-such-group-here"\n'
+        '[[inbox]]\npath = "/srv/d"\nmode = "0570"\n'
+    )
+    path.write_text(good)
+    [inbox] = load_daemon_config(path, env={}).inboxes
+    assert (inbox.mode, inbox.group) == (0o2750, "root")
+    path.write_text(good + bad)
+    with pytest.raises(OptionError) as err:
+        load_daemon_config(path, env={})
+    said = str(err.value)
+    assert said.startswith("4 problems"), said
+    for where, what in (
+        ("#2 mode = '2777'", "nothing for others"),
+        ("#3 mode = 'rwx'", 'expected an octal mode like "2770"'),
+        ("#3 group = 'no-such-group-here'", "no such group"),
+        ("#4 mode = '0570'", "0700 for the daemon"),
+    ):
+        assert f"{path} [[inbox]] {where}: " in said and what in said, (where, what, said)

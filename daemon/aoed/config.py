@@ -56,6 +56,8 @@ or /var/lib/aoed as root; the socket in the runtime dir (/run/aoed as root).
   outbox = "/var/lib/aoed/outbox"    # default: "outbox" beside the inbox
   failed = "/var/lib/aoed/failed"    # default: "failed" beside the inbox
   stable_s = 2.0                     # size and mtime unchanged this long = complete
+  mode = "2770"                      # a missing inbox, outbox or failed folder is made
+  group = "aoed"                     #   with this mode and group ("" = the daemon's own)
 
 Without an `[[inbox]]`, the daemon watches `inbox/` in its state dir. Errors are
 OptionErrors naming the key and the file; the file is checked whole, and one OptionError
@@ -94,6 +96,13 @@ class Inbox:
     outbox: Path
     failed: Path
     stable_s: float = 2.0
+    #: mode of a drop folder (the inbox, its outbox, its failed folder) that the daemon
+    #: makes because it is missing: deploy/'s, group-writable and setgid, so that what a
+    #: member of the group drops belongs to the group. A folder that exists is left as is.
+    mode: int = 0o2770
+    #: group of a folder made so; "" = the group it gets when made (the daemon's own, or
+    #: its parent's when that is setgid)
+    group: str = ""
 
     @property
     def name(self) -> str:
@@ -276,6 +285,37 @@ class _Reader:
         return raw
 
 
+def _folder_mode(r: _Reader) -> int:
+    """[[inbox]] mode: octal; the daemon's own bits whole, none for others."""
+    raw = r.text("mode", "2770")
+    try:
+        mode = int(raw, 8)
+    except ValueError:
+        r.problems.add(f'{r.where} mode = {raw!r}: expected an octal mode like "2770"')
+        return Inbox.mode
+    if mode & ~0o3777 or mode & 0o700 != 0o700 or mode & 0o007:
+        r.problems.add(
+            f"{r.where} mode = {raw!r}: a drop folder needs 0700 for the daemon and nothing for "
+            'others (who may drop models is a group: set group and a mode like "2770")'
+        )
+        return Inbox.mode
+    return mode
+
+
+def _folder_group(r: _Reader) -> str:
+    """[[inbox]] group: a group that exists here, or "" (the daemon's own)."""
+    name = r.text("group", "")
+    if name:
+        import grp
+
+        try:
+            grp.getgrnam(name)
+        except KeyError:
+            r.problems.add(f"{r.where} group = {name!r}: no such group")
+            return ""
+    return name
+
+
 def load_daemon_config(
     path: str | os.PathLike[str] | None = None, env: Mapping[str, str] | None = None
 ) -> DaemonConfig:
@@ -382,7 +422,7 @@ def load_daemon_config(
             r = _Reader(
                 table,
                 f"{where} [[inbox]] #{i + 1}",
-                {"path", "outbox", "failed", "stable_s"},
+                {"path", "outbox", "failed", "stable_s", "mode", "group"},
                 problems,
             )
             p = r.path("path", None, base)
@@ -395,6 +435,8 @@ def load_daemon_config(
                     r.path("outbox", p.parent / "outbox", base),
                     r.path("failed", p.parent / "failed", base),
                     float(r.number("stable_s", 2.0, 0.0, 3600.0)),
+                    _folder_mode(r),
+                    _folder_group(r),
                 )
             )
     paths = [i.path for i in inboxes]

@@ -94,11 +94,11 @@ class Endpoint:
                 continue
             # From here the socket is ours: every path below closes it.
             if self._open >= self.limits.max_connections:
-                _drop(stream)
                 self._refusing(f"{self._open} connections open (max_connections)")
-            elif descriptors_left() < FD_RESERVE:
                 _drop(stream)
+            elif descriptors_left() < FD_RESERVE:
                 self._refusing(f"fewer than {FD_RESERVE} file descriptors left to the daemon")
+                _drop(stream)
             else:
                 self._open += 1
                 nursery.start_soon(self._serve, stream)

@@ -22,6 +22,11 @@ delivered when the job ends (or at once if it already has). A claim row is dropp
 after its delivery, so a crash during delivery delivers again (under a `_2` name) rather
 than never.
 
+Missing folders: an inbox, outbox or failed folder that is missing (at start, or removed
+while the daemon runs) is made again with the inbox's `mode` and `group` (deploy/'s
+2770: group-writable and setgid) and logged; one that cannot be made (a full disk, no
+right to its parent) is logged naming it and why, and tried again every `remake_s`.
+
 Options come from an optional `aoed.toml` in the inbox folder, read for each model:
 precision, job_type (default sgat+opat, as `aoe tune`), input_shapes (a table name =
 [dims]), priority, budget_s, repeat_tune, min_cosine, max_rel_error; for GDAT
@@ -31,6 +36,8 @@ world_size, backend, gradient_precision.
 from __future__ import annotations
 
 import contextlib
+import errno
+import grp
 import logging
 import math
 import os
@@ -120,6 +127,8 @@ class Watcher:
     rescan_s = 30.0
     #: wait before submitting again when the queue is full
     retry_s = 5.0
+    #: wait before trying again to make a folder that could not be made
+    remake_s = 5.0
 
     def __init__(self, cfg: DaemonConfig, jobs: JobManager):
         self._cfg = cfg
@@ -154,7 +163,12 @@ class Watcher:
         """Settle the claims a previous run left, start watching every inbox (each scanned
         once), then say ready and watch until cancelled. Errors about single files or
         folders are logged and never end it."""
-        await trio.to_thread.run_sync(lambda: self._claims_dir.mkdir(parents=True, exist_ok=True))
+        try:
+            await trio.to_thread.run_sync(
+                lambda: self._claims_dir.mkdir(parents=True, exist_ok=True)
+            )
+        except OSError as exc:  # (a claim makes it, once it can be made)
+            log.error("inbox: cannot make %s (%s)", self._claims_dir, exc.strerror or exc)
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             self._jobs.on_final.append(self._on_final)
@@ -215,6 +229,7 @@ class Watcher:
         """Watch `folder` until it is removed: (re)create it, prove the watch works with a
         probe file, scan what is already there, then handle changes as they come."""
         polling = False
+        said = ""  # why the folders could not be made, as last logged
         while not folder.removed:
             inbox = folder.inbox
             try:
@@ -223,15 +238,23 @@ class Watcher:
                 why = (
                     f"{exc.filename}: {exc.strerror}" if exc.filename and exc.strerror else str(exc)
                 )
-                log.error(
-                    "inbox %s: cannot create it, its outbox or its failed folder (%s); trying again in %gs",
+                # Said once at error level, then quietly while the reason stays the same
+                # (a full disk may last hours).
+                log.log(
+                    logging.DEBUG if why == said else logging.ERROR,
+                    "inbox %s: not watched (%s); trying again every %gs, or make the folder as "
+                    "deploy/tmpfiles.d/aoed.conf does",
                     inbox.path,
                     why,
-                    self.rescan_s,
+                    self.remake_s,
                 )
+                said = why
                 folder.ready.set()  # a broken folder must not hold up the daemon's start
-                await trio.sleep(self.rescan_s)
+                await trio.sleep(self.remake_s)
                 continue
+            if said:
+                log.warning("inbox %s: its folders are there now; watching it", inbox.path)
+                said = ""
             if folder.removed:  # by a reload while the folder was being created
                 break
             folder.stop = trio.Event()
@@ -472,9 +495,7 @@ class Watcher:
             f"error: {printable(why)} ({CLAIM_TRIES} tries)\n"
         )
         try:
-            where = await trio.to_thread.run_sync(
-                _write_failure, folder.inbox.failed, path, path.name, text
-            )
+            where = await trio.to_thread.run_sync(_fail_into, folder.inbox, path, path.name, text)
         except OSError as err:
             self._given_up[path] = await trio.to_thread.run_sync(_signature, path)
             if self._given_up[path] is None:  # moved, but its error file could not be written
@@ -636,7 +657,11 @@ class Watcher:
         between a delivery and the removal of the copy)."""
         self._settle_claims()
         referenced = {Path(c.dst).parent for c in self._jobs.claims()}
-        for d in await trio.to_thread.run_sync(lambda: list(self._claims_dir.iterdir())):
+        try:
+            strays = await trio.to_thread.run_sync(lambda: list(self._claims_dir.iterdir()))
+        except FileNotFoundError:  # (not made: see run)
+            strays = []
+        for d in strays:
             if d not in referenced:
                 await trio.to_thread.run_sync(_remove, d)
         self._queue_finished_claims()
@@ -749,9 +774,7 @@ class Watcher:
 
     async def _deliver_success(self, claim: Claim, row: JobRow) -> None:
         inbox = self._inbox(claim.inbox)
-        names = await trio.to_thread.run_sync(
-            _write_outputs, inbox.outbox, Path(claim.src).name, row
-        )
+        names = await trio.to_thread.run_sync(_write_outputs, inbox, Path(claim.src).name, row)
         log.info(
             "inbox %s: job %s delivered to %s (%s)",
             claim.inbox,
@@ -771,9 +794,8 @@ class Watcher:
             f"model: {printable(Path(claim.src).name)}\njob:   {job_id or '(none: the submission was refused)'}\n"
             f"state: {state}\nerror: {printable(error) or '(no message)'}\n"
         )
-        where = await trio.to_thread.run_sync(
-            _write_failure, inbox.failed, Path(claim.dst), Path(claim.src).name, text
-        )
+        dst, name = Path(claim.dst), Path(claim.src).name
+        where = await trio.to_thread.run_sync(lambda: _fail_into(inbox, dst, name, text))
         log.warning(
             "inbox %s: %s %s: %s (moved to %s)",
             claim.inbox,
@@ -841,12 +863,83 @@ def _polling_forced() -> bool:
 
 
 def _prepare_dirs(inbox: Inbox) -> int:
-    """Make the inbox and its outbox and failed folders; LinkRefusedError when one is a
-    link (they are opened without following one when used)."""
+    """Make the inbox and its outbox and failed folders where missing (`_ensure_folder`);
+    returns the inbox's inode. LinkRefusedError when one is a link (they are opened
+    without following one when used), OSError naming the folder when one cannot be made."""
     for d in (inbox.path, inbox.outbox, inbox.failed):
-        d.mkdir(parents=True, exist_ok=True)
-        os.close(safefs.open_dir(d))
+        _ensure_folder(d, inbox)
     return os.stat(inbox.path).st_ino
+
+
+def _ensure_folder(folder: Path, inbox: Inbox) -> None:
+    """Make the drop folder `folder` (`inbox`'s inbox, outbox or failed folder) when it is
+    missing, with the inbox's mode and group, and log that it was made: writers of a
+    folder made with the daemon's umask alone (0750) would meet "Permission denied",
+    and nothing would say why. A folder that is there is left as it is. LinkRefusedError
+    when `folder` is a link or a file; OSError naming `folder` when it cannot be made
+    (a folder made but not given its mode and group is removed again)."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with safefs.opened_dir(folder.parent) as parent:
+        try:
+            # 0700 until its group and mode are set: never open to more than they say
+            os.mkdir(folder.name, 0o700, dir_fd=parent)
+        except FileExistsError:
+            os.close(safefs.open_dir(folder.name, dir_fd=parent))
+            return
+        except OSError as exc:
+            raise OSError(exc.errno, f"cannot make it: {exc.strerror}", str(folder)) from None
+        try:
+            group = _give_mode(folder, parent, inbox)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.rmdir(folder.name, dir_fd=parent)
+            raise
+    log.warning(
+        "inbox %s: %s was missing; made it with mode %04o, group %s ([[inbox]] mode and group)",
+        inbox.path,
+        folder,
+        inbox.mode,
+        group,
+    )
+
+
+def _give_mode(folder: Path, parent: int, inbox: Inbox) -> str:
+    """Give the folder `folder` just made in `parent` the inbox's group and mode; returns
+    the group's name. OSError naming the folder and the setting when the daemon may not."""
+    fd = safefs.open_dir(folder.name, dir_fd=parent)
+    try:
+        if inbox.group:
+            try:
+                gid = grp.getgrnam(inbox.group).gr_gid
+            except KeyError:
+                raise OSError(
+                    errno.EINVAL, f"[[inbox]] group {inbox.group!r}: no such group", str(folder)
+                ) from None
+            try:
+                os.fchown(fd, -1, gid)
+            except OSError as exc:
+                raise OSError(
+                    exc.errno,
+                    f"cannot give it the group {inbox.group!r} of [[inbox]] group ({exc.strerror}): "
+                    "the daemon's user must be a member of it",
+                    str(folder),
+                ) from None
+        # (after the chown, which may clear a setgid bit)
+        os.fchmod(fd, inbox.mode)
+        st = os.fstat(fd)
+        if stat.S_IMODE(st.st_mode) != inbox.mode:  # the kernel drops setgid for a non-member
+            raise OSError(
+                errno.EPERM,
+                f"it has mode {stat.S_IMODE(st.st_mode):04o}, not {inbox.mode:04o} as [[inbox]] mode "
+                "says: the daemon's user must be a member of its group",
+                str(folder),
+            )
+        try:
+            return grp.getgrgid(st.st_gid).gr_name
+        except KeyError:
+            return str(st.st_gid)
+    finally:
+        os.close(fd)
 
 
 def _listing(folder: Path) -> tuple[list[str], dict[str, tuple[int, str]]]:
@@ -954,11 +1047,12 @@ _GDAT_OUT_SUFFIXES = ("_ddp_config.json", "_result.json", "_report.txt")
 _COUNTER_ROOM = len("_99999")
 
 
-def _write_outputs(outbox: Path, name: str, row: JobRow) -> list[str]:
-    """Copy a succeeded job's tuned model and result JSON into `outbox` and write its
-    report; returns the names written. An output the job no longer has (or that is now
-    a link) is left out, and the report says so."""
-    outbox.mkdir(parents=True, exist_ok=True)
+def _write_outputs(inbox: Inbox, name: str, row: JobRow) -> list[str]:
+    """Copy a succeeded job's tuned model and result JSON into `inbox`'s outbox (made
+    again when missing) and write its report; returns the names written. An output the
+    job no longer has (or that is now a link) is left out, and the report says so."""
+    outbox = inbox.outbox
+    _ensure_folder(outbox, inbox)
     outcome = row.outcome
     suffixes = (
         _GDAT_OUT_SUFFIXES
@@ -1027,6 +1121,12 @@ def _report_text(name: str, row: JobRow, written: list[str], missing: list[str])
     return "\n".join(lines) + "\n"
 
 
+def _fail_into(inbox: Inbox, model: Path, name: str, text: str) -> Path:
+    """`_write_failure` into `inbox`'s failed folder, made again when missing."""
+    _ensure_folder(inbox.failed, inbox)
+    return _write_failure(inbox.failed, model, name, text)
+
+
 def _write_failure(failed: Path, model: Path, name: str, text: str) -> Path:
     """Move `model` (a claimed copy, or a file still in the inbox) into `failed` under
     `name` (shortened to fit, or `stem_2`...), with `<name>.error.txt` beside it; returns
@@ -1035,7 +1135,6 @@ def _write_failure(failed: Path, model: Path, name: str, text: str) -> Path:
     The error file is written first: on a full disk that write is what fails, and then
     nothing has moved, so the delivery is tried again whole (a model in failed/ with no
     reason beside it would be a delivery no one can read)."""
-    failed.mkdir(parents=True, exist_ok=True)
     stem, suffix = Path(name).stem, Path(name).suffix
     with safefs.opened_dir(failed) as dst_fd:
         base = _free_base(dst_fd, stem, (suffix, f"{suffix}.error.txt"))
