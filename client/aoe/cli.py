@@ -376,9 +376,10 @@ def _daemon_for(args: argparse.Namespace, config: Any) -> Any:
     if args.local or flags or (settings and args.socket is None):
         return None
     from aoe.config import default_socket
+    from aoe.sockets import check_socket
 
     path = args.socket or default_socket()
-    if path.exists():
+    if check_socket(path, alternative="use --local"):
         from aoe.client import Client
 
         client = Client(path)

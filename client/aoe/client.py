@@ -9,7 +9,9 @@
 Light: grpcio and protobuf only (no trio, no onnxruntime, nothing of the daemon). Unary
 calls carry a deadline (`timeout` seconds); streams and uploads do not. Every gRPC error
 comes out as an `aoe.errors` class with the daemon's message (the mapping is documented
-there); only `watch` retries, and only UNAVAILABLE (the daemon restarting).
+there); only `watch` retries, and only UNAVAILABLE (the daemon restarting). A unix
+socket is used only when it is one to trust (aoe.sockets: nobody but root and the
+daemon's user could have put it there), checked before each call.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from aoe.errors import (
 )
 from aoe.errors import NotFoundError, OptionError, PermissionDeniedError, ResourceExhaustedError
 from aoe.modelfile import check_model_file
+from aoe.sockets import check_socket
 from aoe.spec import JobSpec
 from aoe.specargs import parse_shapes
 from aoe.v1 import (
@@ -265,7 +268,9 @@ class Client:
         self._channel.close()
 
     def _check_socket(self) -> None:
-        if self.socket is not None and not self.socket.exists():
+        """Before a call: the socket is there, this user may reach it, and it is one to
+        trust (aoe.sockets). DaemonUnavailableError, PermissionDeniedError."""
+        if self.socket is not None and not check_socket(self.socket):
             raise DaemonUnavailableError(
                 f"no daemon at {self.target}: {self.socket} does not exist; is aoed running?"
             )
@@ -289,9 +294,10 @@ class Client:
 
     def ping(self) -> bool:
         """True when the daemon answers the standard health check (grpc.health.v1) as
-        SERVING. False, never an error, when nothing answers within PING_TIMEOUT_S; a
-        missing socket file returns at once, without dialling."""
-        if self.socket is not None and not self.socket.exists():
+        SERVING. False when nothing answers within PING_TIMEOUT_S; a missing socket file
+        returns at once, without dialling. PermissionDeniedError, without dialling, for a
+        socket this user may not reach or must not trust (aoe.sockets)."""
+        if self.socket is not None and not check_socket(self.socket):
             return False
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 

@@ -87,6 +87,7 @@ __all__ = [
 
 _LEVELS = ("debug", "info", "warning", "error")
 #: `[cluster] executor`: where the engine's devices and compile workers run
+    "temp_runtime_dir",
 EXECUTORS = ("local", "ray")
 
 
@@ -137,6 +138,14 @@ def _default_runtime_dir() -> Path:
 
 
 def _default_bank() -> Path:
+    return temp_runtime_dir()
+
+
+def temp_runtime_dir() -> Path:
+    """The runtime dir of last resort, `aoed-<uid>` in the temp folder, where anyone may
+    make it first: aoed makes it 0700 and refuses one that someone else made, and a
+    client trusts a socket there only when this user or root made the folder
+    (aoe.sockets)."""
     if os.geteuid() == 0:
         return Path("/var/lib/aoed/bank")
     import platformdirs
@@ -181,11 +190,16 @@ def default_socket(env: Mapping[str, str] | None = None) -> Path:
     if runtime:
         return Path(runtime).expanduser() / "aoed.sock"
     system = Path("/run/aoed/aoed.sock")
-    if (
-        system.exists()
-    ):  # the system service's, reachable by its group though /run/aoed is not writable
+    # The system service's, reachable by its group though /run/aoed is not writable.
+    # One behind a folder this user may not search is there too: the client then says
+    # who may reach it (aoe.sockets), rather than quietly picking another.
+    try:
+        system.stat()
         return system
-    return _default_runtime_dir() / "aoed.sock"
+    except PermissionError:
+        return system
+    except OSError:
+        return _default_runtime_dir() / "aoed.sock"
 
 
 @dataclass(frozen=True)

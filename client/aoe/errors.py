@@ -11,7 +11,8 @@ the message names the file, node or option at fault and says what to do.
     │   └── NotFoundError  no such job, upload or daemon-side file
     ├── PermissionDeniedError
     │                      a daemon-side path outside the allowed directories, or a file
-    │                      there with several hard links
+    │                      there with several hard links; a daemon socket this user may
+    │                      not reach, or one not to trust (aoe.sockets)
     ├── JobStateError      the job is not in a state that allows the call (results of
     │                      a job that has not succeeded)
     ├── ModelError         a model cannot be read, checked or prepared
@@ -97,7 +98,9 @@ class NotFoundError(OptionError):
 
 class PermissionDeniedError(AoedError):
     """A daemon-side path outside the allowed directories, or a model file there with
-    several hard links (which may be a file from elsewhere)."""
+    several hard links (which may be a file from elsewhere); on the client's side, a
+    daemon socket this user may not reach, or one that someone other than root or the
+    daemon's user could have put there (aoe.sockets)."""
 
     grpc_status = "PERMISSION_DENIED"
 

@@ -18,6 +18,7 @@ import errno
 import logging
 import os
 import socket as socketlib
+import stat
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -107,6 +108,24 @@ def _stale_socket(path: Path) -> None:
     raise OptionError(f"[listen] socket {path}: another daemon is listening there")
 
 
+def _trusted_folder(path: Path) -> None:
+    """Refuse a socket folder where clients would refuse the socket (aoe.sockets): one
+    that belongs to a user other than this one or root, or that others may write (but
+    for a sticky folder of root's, such as /tmp, where nobody else can touch ours)."""
+    st = path.parent.stat()
+    mode = stat.S_IMODE(st.st_mode)
+    why = ""
+    if st.st_uid not in (0, os.geteuid()):
+        why = f"belongs to uid {st.st_uid}, who could replace the socket"
+    elif mode & 0o022 and not (mode & stat.S_ISVTX and st.st_uid == 0):
+        why = f"may be written by others (mode {mode:04o}), who could replace the socket"
+    if why:
+        raise OptionError(
+            f"[listen] socket {path}: its folder {path.parent} {why}, so clients would refuse "
+            "it; choose a folder that only the daemon's user (or root) may write"
+        )
+
+
 def _bind_unix(server: grpc.Server, cfg: DaemonConfig) -> Path:
     path = cfg.socket
     assert path is not None
@@ -120,6 +139,7 @@ def _bind_unix(server: grpc.Server, cfg: DaemonConfig) -> Path:
         raise OptionError(
             f"[listen] socket {path}: cannot create its folder ({exc.strerror or exc})"
         ) from None
+    _trusted_folder(path)
     _stale_socket(path)
     gid = cfg.socket_gid()
     gid = -1 if gid is None else gid
