@@ -317,6 +317,7 @@ BAD = [
     ({"input_shapes": {"x": [True]}}, "input shape x", "positive whole numbers"),
     ({"input_shapes": [1]}, "input_shapes", "table"),
     ({"input_shapes": {"x": [1] * (sizes.MAX_DIMS + 1)}}, "input shape", "over the limit"),
+    ({"input_shapes": {"x": [1, sizes.MAX_DIM + 1]}}, "input shape", "over the limit"),
     (
         {"input_shapes": {str(i): [1] for i in range(sizes.MAX_INPUT_SHAPES + 1)}},
         "input_shapes",

@@ -17,6 +17,7 @@ from __future__ import annotations
 from aoe.errors import OptionError
 
 __all__ = [
+    "MAX_DIM",
     "MAX_DIMS",
     "MAX_INPUT_SHAPES",
     "MAX_LABEL_KEY_BYTES",
@@ -38,6 +39,9 @@ MAX_NAME_BYTES = 1024
 #: inputs given a shape, and the dimensions of one shape
 MAX_INPUT_SHAPES = 1024
 MAX_DIMS = 64
+#: one dimension's extent: ONNX and the API hold dimensions as int64 (how many elements an
+#: input may have is the daemon's [engine] max_tensor_mb, checked at submit)
+MAX_DIM = (1 << 63) - 1
 
 
 def _cut(text: str, n: int = 40) -> str:

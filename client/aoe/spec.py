@@ -218,6 +218,12 @@ def _shapes(raw: object) -> dict[str, tuple[int, ...]]:
                 "input shape",
                 f"{name}: dimensions must be a list of positive whole numbers, not {dims!r}",
             )
+        if max(dims) > sizes.MAX_DIM:
+            raise SpecError(
+                "input shape",
+                f"{_cut(name)}: a dimension of {max(dims)}, over the limit of {sizes.MAX_DIM} "
+                "(int64, as ONNX holds dimensions)",
+            )
         out[name] = tuple(dims)
     return out
 

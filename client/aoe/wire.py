@@ -6,6 +6,10 @@ Proto3 has no "unset" for scalars: 0 (or "") reads as unset where the spec's fie
 optional (budget_s, min_cosine, max_rel_error, device, calibration_dir), as the API
 documents. An enum number this side does not know is refused, naming the field (proto3
 keeps unknown numbers, which a lookup with a default would quietly map).
+
+`JobOptions.parallel` has no field in a spec: the daemon's own compile workers
+(`[tuning] parallel`) serve every job. It is still bounded as the setting is (0-32), so
+that no count a request carries is taken unchecked.
 """
 
 from __future__ import annotations
@@ -16,10 +20,14 @@ from typing import Any
 from aoe.errors import OptionError
 from aoe.figures import Comparison, Figures
 from aoe.outcome import BudgetReport, JobOutcome, StageTime, TaskOutcome
-from aoe.spec import JobSpec, JobType, Precision, Stage
+from aoe.spec import JobSpec, JobType, Precision, SpecError, Stage
 from aoe.v1 import bank_pb2, tuning_pb2
 
 __all__ = ["figures_from_pb", "outcome_from_pb", "outcome_to_pb", "spec_from_pb", "spec_to_pb"]
+
+#: The most compile processes JobOptions.parallel may name: as many as `[tuning]
+#: parallel` and TE_PARALLEL_COMPILER may (aoe.config).
+MAX_PARALLEL = 32
 
 _PRECISION = {
     Precision.EXACT: bank_pb2.PRECISION_EXACT,
@@ -81,6 +89,12 @@ def spec_to_pb(spec: JobSpec) -> tuning_pb2.JobOptions:
 def spec_from_pb(o: tuning_pb2.JobOptions) -> JobSpec:
     """The spec a JobOptions message asks for, checked (JobSpec): SpecError, an
     OptionError, naming the field as the message spells it."""
+    if o.parallel > MAX_PARALLEL:
+        raise SpecError(
+            "parallel",
+            f"{o.parallel}: at most {MAX_PARALLEL} compile processes (0: the daemon's own "
+            "[tuning] parallel, which serves every job)",
+        )
     return JobSpec(
         precision=_known(_PRECISION, o.precision, "precision", bank_pb2.Precision, Precision.EXACT),
         job_type=_known(_JOB_TYPE, o.job_type, "job_type", tuning_pb2.JobType, JobType.SGAT_OPAT),

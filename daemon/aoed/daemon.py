@@ -29,7 +29,8 @@ from pathlib import Path
 
 import trio
 
-from aoe.errors import AoedError
+from aoe.config import temp_runtime_dir
+from aoe.errors import AoedError, PermissionDeniedError
 from aoed.api import Bridge
 from aoed.api.info import DaemonServicer, DeviceServicer
 from aoed.api.server import Server, build_server, register
@@ -78,6 +79,9 @@ class Daemon:
                 raise AoedError(f"state dir {d}: {exc.strerror or exc}") from None
         for d in (cfg.state_dir, cfg.engine.bank):
             _close_to_others(d)
+        for d in {cfg.engine.runtime_dir, *([cfg.socket.parent] if cfg.socket else [])}:
+            if d == temp_runtime_dir():
+                _own_temp_folder(d)
         store = JobStore(cfg.store_path)
         try:
             registry = build_registry(cfg.engine.plugins)
@@ -360,4 +364,42 @@ def _close_to_others(folder: Path) -> None:
         folder,
         stat.S_IMODE(st.st_mode),
         stat.S_IMODE(st.st_mode) & ~0o007,
+    )
+
+
+def _own_temp_folder(folder: Path) -> None:
+    """Make the runtime dir of last resort (`<tmp>/aoed-<uid>`, aoe.config) 0700, or
+    check the one there: anyone may have made it first, to pass a socket of theirs off
+    as this daemon's or to plant links where it puts its locks. One that is not a
+    folder of this user's, or that others may write, is refused (PermissionDeniedError);
+    one that others may only read is narrowed to 0700."""
+    try:
+        os.mkdir(folder, 0o700)
+        return
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise AoedError(
+            f"runtime folder {folder}: cannot create it ({exc.strerror or exc})"
+        ) from None
+    st = os.lstat(folder)
+    mode = stat.S_IMODE(st.st_mode)
+    if not stat.S_ISDIR(st.st_mode):
+        why = "is not a folder (a link or a file is in the way)"
+    elif st.st_uid != os.geteuid():
+        why = f"belongs to uid {st.st_uid}, not to this daemon's user (uid {os.geteuid()})"
+    elif mode & 0o022:
+        why = f"mode {mode:04o} lets others write in it"
+    else:
+        if mode != 0o700:
+            fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            try:
+                os.fchmod(fd, 0o700)
+            finally:
+                os.close(fd)
+            log.warning("aoed: %s was mode %04o; it is now 0700", folder, mode)
+        return
+    raise PermissionDeniedError(
+        f"runtime folder {folder}: {why}, so what is in it may be someone else's; remove it "
+        "(aoed makes it again, 0700), or set AOED_RUNTIME_DIR to a folder of your own"
     )
