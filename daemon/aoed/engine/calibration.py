@@ -14,6 +14,9 @@ Otherwise synthetic: floats drawn from N(0, 1); integers in a plausible range, w
 an input that indexes a constant table (Gather over an embedding, as token ids do) is
 the table's size along the gathered axis, else [0, 8).
 
+At most `MAX_SAMPLES` are read, the first by file name: every sample is held in memory
+while the job calibrates, and a folder's count is the user's, not the machine's.
+
 Samples are split: the last `HELD_BACK` (32; half of a small folder) are held back to
 judge accuracy end to end, the rest calibrate ranges, so the gate never grades on the
 data it calibrated on. Ranges
@@ -36,6 +39,7 @@ from aoed.engine.prep import make_inputs
 
 __all__ = [
     "HELD_BACK",
+    "MAX_SAMPLES",
     "SYNTHETIC_SAMPLES",
     "Samples",
     "integer_ranges",
@@ -47,6 +51,8 @@ __all__ = [
 HELD_BACK = 32
 #: Synthetic samples that calibrate (plus HELD_BACK more that judge).
 SYNTHETIC_SAMPLES = 8
+#: The most samples read from a user's folder (the first by name); the rest are left.
+MAX_SAMPLES = 1024
 
 
 class Samples:
@@ -137,10 +143,13 @@ def _reading(f: Path) -> Iterator[None]:
         raise OptionError(f"--calibration {f}: {exc.strerror or exc}") from None
 
 
-def _load_dir(d: Path, inputs: Mapping[str, TensorInfo]) -> list[dict[str, np.ndarray]]:
+def _load_dir(d: Path, inputs: Mapping[str, TensorInfo]) -> tuple[list[dict[str, np.ndarray]], int]:
+    """(the samples read, at most MAX_SAMPLES; how many the folder holds)."""
     root = d.resolve()
     samples: list[dict[str, np.ndarray]] = []
-    for f in sorted(d.glob("*.npz")):
+    npzs = sorted(d.glob("*.npz"))
+    found = len(npzs)
+    for f in npzs[:MAX_SAMPLES]:
         with _reading(f), np.load(_inside(root, f), allow_pickle=False) as data:
             missing = set(inputs) - set(data.files)
             if missing:
@@ -149,6 +158,8 @@ def _load_dir(d: Path, inputs: Mapping[str, TensorInfo]) -> list[dict[str, np.nd
                 )
             samples.append({k: _fit(k, data[k], inputs[k], f) for k in inputs})
     npys = sorted(d.glob("*.npy"))
+    found += len(npys)
+    npys = npys[: max(0, MAX_SAMPLES - len(samples))]
     if npys:
         if len(inputs) != 1:
             raise OptionError(
@@ -174,14 +185,15 @@ def _load_dir(d: Path, inputs: Mapping[str, TensorInfo]) -> list[dict[str, np.nd
             _inside(root, folder)
         files = {name: sorted((d / name).glob("*.npy")) for name in inputs}
         count = min(len(v) for v in files.values())
-        for i in range(count):
+        found += count
+        for i in range(min(count, max(0, MAX_SAMPLES - len(samples)))):
             sample = {}
             for k in inputs:
                 f = files[k][i]
                 with _reading(f):
                     sample[k] = _fit(k, np.load(_inside(root, f), allow_pickle=False), inputs[k], f)
             samples.append(sample)
-    return samples
+    return samples, found
 
 
 def load_samples(
@@ -199,9 +211,12 @@ def load_samples(
     if not calibration.is_dir():
         raise OptionError(f"--calibration {calibration}: not a directory")
     try:
-        samples = _load_dir(calibration, inputs)
+        samples, found = _load_dir(calibration, inputs)
     except (OSError, ValueError) as exc:
         raise OptionError(f"--calibration {calibration}: {exc}") from None
     if not samples:
         raise OptionError(f"--calibration {calibration}: no .npz or .npy samples found")
-    return Samples(samples, f"user ({len(samples)} samples from {calibration})")
+    cut = (
+        f", the first {len(samples)} of {found} by name (the limit)" if found > len(samples) else ""
+    )
+    return Samples(samples, f"user ({len(samples)} samples from {calibration}{cut})")
