@@ -83,11 +83,11 @@ __all__ = [
     "layers_from_env",
     "load_config",
     "parse_parallel",
+    "temp_runtime_dir",
 ]
 
 _LEVELS = ("debug", "info", "warning", "error")
 #: `[cluster] executor`: where the engine's devices and compile workers run
-    "temp_runtime_dir",
 EXECUTORS = ("local", "ray")
 
 
@@ -134,10 +134,6 @@ def _default_runtime_dir() -> Path:
     xdg = os.environ.get("XDG_RUNTIME_DIR")
     if xdg and os.path.isdir(xdg):
         return Path(xdg) / "aoed"
-    return Path(tempfile.gettempdir()) / f"aoed-{os.getuid()}"
-
-
-def _default_bank() -> Path:
     return temp_runtime_dir()
 
 
@@ -146,6 +142,10 @@ def temp_runtime_dir() -> Path:
     make it first: aoed makes it 0700 and refuses one that someone else made, and a
     client trusts a socket there only when this user or root made the folder
     (aoe.sockets)."""
+    return Path(tempfile.gettempdir()) / f"aoed-{os.getuid()}"
+
+
+def _default_bank() -> Path:
     if os.geteuid() == 0:
         return Path("/var/lib/aoed/bank")
     import platformdirs

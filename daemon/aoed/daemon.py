@@ -12,9 +12,12 @@ snapshot of the agents' figures at each scrape.
 SIGTERM and SIGINT stop: health turns NOT_SERVING, no new job starts, running jobs get
 `shutdown_grace_s` to finish and are then cancelled (they stay queued and resume at the
 next start), the server cancels the RPCs still open, the engine stops its children, and
-the store and the bank are closed. SIGHUP re-reads the configuration: inbox folders and
-limits change at once; engine settings (bank, device, workers), the peers followed and the
-metrics endpoint need a restart, and the log says so.
+the store and the bank are closed. Whatever the loop is doing, the process ends
+`shutdown_grace_s` + 15 s after the signal (aoed.stopping).
+
+SIGHUP re-reads the configuration: inbox folders and limits change at once; engine
+settings (bank, device, workers), the peers followed and the metrics endpoint need a
+restart, and the log says so.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from aoed.jobs.manager import JobManager
 from aoed.jobs.store import JobStore
 from aoed.metrics import DaemonMetrics, Snapshot, count_states
 from aoed.notify import Notifier, Watchdog
+from aoed.stopping import StopDeadline
 
 __all__ = ["Daemon"]
 
@@ -64,6 +68,7 @@ class Daemon:
         self.followers: list[Follower] = []
         self.metrics = DaemonMetrics() if cfg.metrics_listen else None
         self._bank_api = None
+        self.deadline = StopDeadline(cfg.shutdown_grace_s)
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Serve until SIGTERM/SIGINT (or `request_stop()`). Raises AoedError when it
@@ -143,9 +148,12 @@ class Daemon:
                     self.notifier.ready(self._status())
                     await nursery.start(Watchdog(self.notifier, self._probe, self._status).run)
                     task_status.started(server.addresses)
-                    with trio.open_signal_receiver(
-                        signal.SIGTERM, signal.SIGINT, signal.SIGHUP
-                    ) as signals:
+                    with (
+                        trio.open_signal_receiver(
+                            signal.SIGTERM, signal.SIGINT, signal.SIGHUP
+                        ) as signals,
+                        self.deadline.armed_by(signal.SIGTERM, signal.SIGINT),
+                    ):
                         nursery.start_soon(self._signals, signals)
                         await self._stop.wait()
                     self.notifier.stopping(

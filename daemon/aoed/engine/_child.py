@@ -153,6 +153,14 @@ class Child:
             os.kill(self._proc.pid, signal.SIGSTOP)
         return self._proc
 
+    async def start(self) -> None:
+        """Start the child unless it runs. A checkpoint comes first, so a cancelled
+        caller starts nothing, and each start of a loop over many children lets the
+        caller's cancellation and other tasks in. OSError when it cannot be started."""
+        await trio.lowlevel.checkpoint()
+        if self._proc is None or self._proc.returncode is not None:
+            await self._start()
+
     async def _readline(self, proc: _Process) -> bytes:
         while b"\n" not in self._buf:
             chunk = await proc.stdout.receive_some(1 << 16)

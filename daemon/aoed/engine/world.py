@@ -210,6 +210,22 @@ class World:
             )
             for r in range(self.spec.world_size)
         ]
+        # The ranks start one at a time, each after a checkpoint: a cancel (a stop of the
+        # daemon) is seen between two of them, and the daemon's other tasks run between
+        # them, however large the world. Started all at once, every start ran in one
+        # batch of trio's loop before it looked at anything else.
+        for r, child in enumerate(self._ranks):
+            try:
+                await child.start()
+            except OSError as exc:
+                await self.aclose()
+                raise WorldError(
+                    f"{self.name}: rank {r} of {len(self._ranks)} could not start "
+                    f"({exc.strerror or exc})"
+                ) from None
+            except BaseException:
+                await self.aclose()
+                raise
         async with self._held():
             replies = await self._all(requests, self.init_limit_s)
         if any(rep.get("params") != replies[0].get("params") for rep in replies):
