@@ -89,6 +89,8 @@ class DaemonProcess:
         )
         self.proc: subprocess.Popen | None = None
         self._channel: grpc.Channel | None = None
+        #: a command that runs the daemon's command (e.g. setpriv, for fewer capabilities)
+        self.argv_prefix: list[str] = []
 
     @property
     def target(self) -> str:
@@ -117,7 +119,7 @@ class DaemonProcess:
                 *argv,
             ]
         self.proc = subprocess.Popen(
-            argv,
+            [*self.argv_prefix, *argv],
             stdout=log,
             stderr=log,
             env=self.env(),

@@ -1315,3 +1315,207 @@ def test_a_huge_path_or_name_is_cut_in_the_error(daemon: DaemonProcess) -> None:
     assert err.value.code() == INVALID and len(err.value.details()) < 1000, err.value.details()[
         :300
     ]
+
+
+# ---------------------------------------------------------------- a drop folder a group shares
+
+
+@pytest.fixture(scope="module")
+def group_drop():
+    """A daemon whose drop folders are shared with a group as deploy/ shares them: nobody's
+    group (65534) in `[[inbox]] group`, the folders made by the daemon (missing at its
+    first start), and no CAP_LEASE (as the unit has none), so whether a writer still has
+    a dropped file open is told by stable_s alone. Its root is one other users can reach.
+    Yields the daemon, nobody's group name and a python nobody can run."""
+    if os.geteuid() != 0:
+        pytest.skip("acting as another user needs root")
+    try:
+        group = grp.getgrgid(NOBODY).gr_name
+    except KeyError:
+        pytest.skip(f"no group with gid {NOBODY} on this machine")
+    python = _plain_python_for_nobody()
+    if python is None:
+        pytest.skip(f"no python that uid {NOBODY} may run")
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        pytest.skip("no setpriv (util-linux) to start the daemon without CAP_LEASE")
+    home = Path(tempfile.mkdtemp(prefix="aoed-gd-", dir="/tmp"))
+    os.chmod(home, 0o755)
+    d = DaemonProcess(home / "d", f'group = "{group}"\n')  # (in the [[inbox]] table)
+    d.argv_prefix = [setpriv, "--inh-caps=-lease", "--bounding-set=-lease", "--"]
+    try:
+        d.start()
+        (d.inbox / "aoed.toml").write_text("budget_s = 2.0\n")
+        yield d, group, python
+    finally:
+        d.close()
+        shutil.rmtree(home, ignore_errors=True)
+
+
+def _as_nobody(python: str, script: str, *args: str | Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [python, "-c", script, *map(str, args)],
+        user=NOBODY,
+        group=NOBODY,
+        extra_groups=[],
+        env={"PATH": os.defpath},
+        cwd="/",
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+# As a member of the group: copy argv[1] into the inbox as argv[2] (a temporary name,
+# then a rename), or read argv[1] when argv[2] is "-".
+_MEMBER = """
+import os, shutil, sys
+if sys.argv[2] == "-":
+    print(len(open(sys.argv[1], "rb").read()))
+else:
+    shutil.copyfile(sys.argv[1], sys.argv[2] + ".part")
+    os.rename(sys.argv[2] + ".part", sys.argv[2])
+"""
+
+
+@pytest.mark.slow
+def test_drop_folders_removed_while_the_daemon_is_down_are_made_again_for_the_group(
+    group_drop,
+) -> None:
+    d, group, python = group_drop
+    folders = [d.inbox, d.inbox.parent / "outbox", d.inbox.parent / "failed"]
+    d.stop()
+    for folder in folders:
+        shutil.rmtree(folder)
+    d.start()
+    for folder in folders:
+        st = os.stat(folder)
+        assert (oct(stat.S_IMODE(st.st_mode)), st.st_gid) == (oct(0o2770), NOBODY), folder
+        assert f"{folder} was missing; made it with mode 2770, group {group}" in d.log()
+    (d.inbox / "aoed.toml").write_text("budget_s = 2.0\n")
+    source = d.inbox.parent / "member-source.onnx"
+    source.write_bytes(_small_model(94))
+    dropped = _as_nobody(python, _MEMBER, source, d.inbox / "member.onnx")
+    assert dropped.returncode == 0, dropped.stderr
+    report = folders[1] / "member_report.txt"
+    _wait(d, lambda: report.exists() or (folders[2] / "member.onnx.error.txt").exists(), "delivery")
+    assert report.exists(), (folders[2] / "member.onnx.error.txt").read_text()
+    tuned = folders[1] / "member_tuned.onnx"
+    assert os.stat(tuned).st_gid == NOBODY, "the outputs belong to the group (setgid)"
+    read = _as_nobody(python, _MEMBER, tuned, "-")
+    assert read.returncode == 0 and int(read.stdout) == tuned.stat().st_size, read.stderr
+
+
+# As a member of the group: writes argv[2] into the inbox file argv[1] and keeps it open
+# for writing; on a line from stdin rewrites it, through the same descriptor, with
+# argv[3]; closes it on another line.
+_HOLDING_WRITER = """
+import os, sys
+fd = os.open(sys.argv[1], os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o640)
+os.write(fd, open(sys.argv[2], "rb").read())
+print("written", flush=True)
+sys.stdin.readline()
+data = open(sys.argv[3], "rb").read()
+os.ftruncate(fd, 0)
+os.pwrite(fd, data, 0)
+os.fsync(fd)
+print("rewritten", flush=True)
+sys.stdin.readline()
+os.close(fd)
+"""
+
+
+def _hidden(model: Path) -> set[int]:
+    """The sizes of the weights of `model`: an mlp's hidden width is among them."""
+    return {dim for init in onnx.load(model).graph.initializer for dim in init.dims}
+
+
+def _hold_and_rewrite(
+    d: DaemonProcess, writer: subprocess.Popen, original: Path, busy: list[str]
+) -> None:
+    """The rest of the test below, with `writer` running _HOLDING_WRITER."""
+    outbox = d.inbox.parent / "outbox"
+    assert writer.stdout.readline().strip() == "written"
+
+    def held() -> list[tuning_pb2.Job]:
+        jobs = d.tuning().ListJobs(tuning_pb2.ListJobsRequest(), timeout=30).jobs
+        return [j for j in jobs if j.model_name == "held.onnx"]
+
+    _wait(d, held, "the held model's claim and job")
+    [job] = held()
+    assert job.state == tuning_pb2.JOB_STATE_QUEUED, job
+    writer.stdin.write("rewrite\n")
+    writer.stdin.flush()
+    assert writer.stdout.readline().strip() == "rewritten"
+    # The victim submits the original bytes: the same content and options join the job.
+    joined = (
+        d.tuning()
+        .SubmitJob(
+            tuning_pb2.SubmitJobRequest(
+                model_id=upload(d.tuning(), original, name="victim.onnx"),
+                options=tuning_pb2.JobOptions(budget_s=2.0),
+            ),
+            timeout=30,
+        )
+        .job_id
+    )
+    assert joined == job.job_id
+    for b in busy:
+        d.tuning().CancelJob(tuning_pb2.CancelJobRequest(job_id=b), timeout=60)
+    done = d.wait_job(job.job_id)
+    assert done.state == tuning_pb2.JOB_STATE_SUCCEEDED, done
+    assert done.joined == 1
+    _wait(d, (outbox / "held_tuned.onnx").exists, "the held model's delivery")
+    for tuned in (outbox / "held_tuned.onnx", Path(done.result.tuned_model_path)):
+        sizes = _hidden(tuned)
+        assert 90 in sizes and 91 not in sizes, (tuned, sorted(sizes))
+    writer.stdin.write("close\n")
+    writer.stdin.flush()
+    assert writer.wait(timeout=60) == 0
+    assert not (d.inbox / "held.onnx").exists() and len(held()) == 1
+
+
+@pytest.mark.slow
+def test_a_model_rewritten_through_a_descriptor_kept_open_is_not_what_its_job_runs(
+    group_drop,
+) -> None:
+    """A member drops a model, keeps it open for writing and pauses past stable_s, so it
+    is claimed; once its job is queued it rewrites the file with another model through
+    that descriptor. The job (and a submission of the original bytes over the socket,
+    which joins it) tunes the original: the daemon hashed, and runs, its own copy."""
+    d, _, python = group_drop
+    original, other = d.inbox.parent / "original.onnx", d.inbox.parent / "other.onnx"
+    original.write_bytes(_small_model(90))
+    other.write_bytes(_small_model(91))
+    # Two long jobs hold both of the daemon's places, so the dropped model's job waits
+    # in the queue (reading nothing yet) until the rewrite is done.
+    busy = []
+    for hidden in (92, 93):
+        m = d.models / f"busy{hidden}.onnx"
+        m.write_bytes(_small_model(hidden))
+        busy.append(
+            d.tuning()
+            .SubmitJob(
+                tuning_pb2.SubmitJobRequest(
+                    model_path=str(m), options=tuning_pb2.JobOptions(budget_s=120.0)
+                ),
+                timeout=30,
+            )
+            .job_id
+        )
+    with subprocess.Popen(
+        [python, "-c", _HOLDING_WRITER, str(d.inbox / "held.onnx"), str(original), str(other)],
+        user=NOBODY,
+        group=NOBODY,
+        extra_groups=[],
+        env={"PATH": os.defpath},
+        cwd="/",
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    ) as writer:
+        try:
+            _hold_and_rewrite(d, writer, original, busy)
+        finally:
+            if writer.poll() is None:
+                writer.kill()

@@ -214,7 +214,7 @@ async def test_a_file_present_before_the_start_is_taken_by_the_initial_scan(tmp_
     assert not (tmp_path / "inbox" / "early.onnx").exists()
 
 
-async def test_crashes_before_and_after_the_claim_rename_each_give_one_submission(
+async def test_crashes_at_each_step_of_a_claim_each_give_one_submission(
     tmp_path: Path,
 ) -> None:
     cfg = _config(tmp_path, stable_s=0.2)
@@ -224,27 +224,77 @@ async def test_crashes_before_and_after_the_claim_rename_each_give_one_submissio
     # a: the claim was recorded, the rename never happened
     (inbox / "a.onnx").write_bytes(MODEL)
     store.claim_begin(str(inbox / "a.onnx"), str(cfg.claims_dir / "u1" / "a.onnx"), str(inbox))
-    # b: the rename happened, the job was never recorded
+    # b: the daemon's copy was made, the job was never recorded
     dst_b = cfg.claims_dir / "u2" / "b.onnx"
     dst_b.parent.mkdir(parents=True)
     dst_b.write_bytes(MODEL[::-1])
     store.claim_begin(str(inbox / "b.onnx"), str(dst_b), str(inbox))
+    # c: the rename happened, the daemon's copy of the moved file was never made
+    dst_c = cfg.claims_dir / "u4" / "c.onnx"
+    dst_c.parent.mkdir(parents=True)
+    (dst_c.parent / ".moved").write_bytes(MODEL[1:])
+    store.claim_begin(str(inbox / "c.onnx"), str(dst_c), str(inbox))
+    # d: the copy was made, the moved file was never removed
+    dst_d = cfg.claims_dir / "u5" / "d.onnx"
+    dst_d.parent.mkdir(parents=True)
+    dst_d.write_bytes(MODEL[2:])
+    (dst_d.parent / ".moved").write_bytes(b"the moved file, copied already")
+    store.claim_begin(str(inbox / "d.onnx"), str(dst_d), str(inbox))
     # a claimed copy no claim refers to
     (cfg.claims_dir / "u3").mkdir()
     (cfg.claims_dir / "u3" / "junk.onnx").write_bytes(b"x")
     jobs = Jobs(store)
     async with _watching(cfg, jobs):
-        await _until(lambda: len(jobs.submitted) == 2)
+        await _until(lambda: len(jobs.submitted) == 4)
         await _fence(jobs, inbox)
-    assert sorted(jobs.names()[:2]) == ["a.onnx", "b.onnx"] and jobs.names()[2:] == ["fence.onnx"]
+    names = ["a.onnx", "b.onnx", "c.onnx", "d.onnx"]
+    assert sorted(jobs.names()[:4]) == names and jobs.names()[4:] == ["fence.onnx"]
     by_name = {sub.model.name: (sub, data, row) for sub, data, row in jobs.submitted}
-    assert by_name["a.onnx"][1] == MODEL and by_name["b.onnx"][1] == MODEL[::-1]
-    assert by_name["b.onnx"][0].model == dst_b
+    assert [by_name[n][1] for n in names] == [MODEL, MODEL[::-1], MODEL[1:], MODEL[2:]]
+    assert [by_name[n][0].model for n in names[1:]] == [dst_b, dst_c, dst_d]
     claims = {Path(c.src).name: c for c in store.claims()}
     assert {n: (c.state, c.job_id) for n, c in claims.items()} == {
-        n: ("claimed", by_name[n][2].id) for n in ("a.onnx", "b.onnx", "fence.onnx")
+        n: ("claimed", by_name[n][2].id) for n in [*names, "fence.onnx"]
     }
     assert not (cfg.claims_dir / "u3").exists() and not list(inbox.glob("*.onnx"))
+    assert not list(cfg.claims_dir.glob("*/.moved")), "a moved file goes once it is copied"
+
+
+def _rewrite(fd: int, data: bytes) -> None:
+    """Rewrite the file of the read-only descriptor `fd` through a write descriptor of
+    it, opened through /proc: the same file, wherever it has been renamed to."""
+    with open(f"/proc/self/fd/{fd}", "r+b") as f:
+        f.write(data)
+        f.truncate()
+
+
+async def test_writes_through_a_descriptor_of_the_dropped_file_never_reach_its_job(
+    tmp_path: Path,
+) -> None:
+    """Whoever dropped a file may keep a descriptor of it (here a read-only one, which the
+    writer check allows, opened for writing once the file is claimed: as a write
+    descriptor kept open through a pause would be). The job gets the daemon's own copy,
+    so what was hashed is what runs, whatever is written to the dropped file later."""
+    cfg = _config(tmp_path, stable_s=0.2)
+    inbox = cfg.inboxes[0].path
+    inbox.mkdir()
+    (inbox / "held.onnx").write_bytes(MODEL)
+    kept = os.open(inbox / "held.onnx", os.O_RDONLY)
+    try:
+        jobs = Jobs(_store(tmp_path))
+        async with _watching(cfg, jobs):
+            await _until(lambda: len(jobs.submitted) == 1)
+            [(sub, data, row)] = jobs.submitted
+            _rewrite(kept, MODEL[::-1])
+            assert os.pread(kept, len(MODEL), 0) == MODEL[::-1], "the control: the file changed"
+            assert data == MODEL and sub.model.read_bytes() == MODEL, "the job's file changed"
+            assert row.model_sha256 == hashlib.sha256(MODEL).hexdigest()
+            st = os.stat(sub.model)
+            assert st.st_ino != os.fstat(kept).st_ino and st.st_nlink == 1
+            assert not st.st_mode & 0o022, "only the daemon may write its copy"
+            assert not (sub.model.parent / ".moved").exists()
+    finally:
+        os.close(kept)
 
 
 def _result_files(tmp_path: Path, tag: str) -> tuple[Path, Path]:
@@ -631,11 +681,12 @@ async def test_a_full_disk_holds_a_claim_back_without_counting_tries(
     import subprocess
 
     caplog.set_level(logging.DEBUG, logger="aoed.watch")
-    cfg = _config(tmp_path, stable_s=0.1)
+    # (No [limits] min_free_mb: the filesystem here is far smaller than its default.)
+    cfg = replace(_config(tmp_path, stable_s=0.1), min_free_bytes=0)
     inbox, failed = cfg.inboxes[0].path, cfg.inboxes[0].failed
     jobs = Jobs(_store(tmp_path))
     # The claims folder on a filesystem of three inodes: its root, and a claim's folder
-    # and file, once the filler has gone.
+    # and file (copied from the inbox's filesystem), once the filler has gone.
     cfg.claims_dir.mkdir(parents=True, exist_ok=True)
     r = subprocess.run(
         ["mount", "-t", "tmpfs", "-o", "size=1m,nr_inodes=3", "tmpfs", str(cfg.claims_dir)],

@@ -1,11 +1,13 @@
 """The inbox agent: models dropped into watched folders are tuned once each, and their
 outputs land in the folder's outbox (or the model in its failed folder, with the reason).
 
-    inbox/m.onnx --settled--> claimed/<id>/m.onnx --submit--> job --final--> outbox/m_tuned.onnx
-                                                                               outbox/m_result.json
-                                                                               outbox/m_report.txt
-                                                         (failed, cancelled) -> failed/m.onnx
-                                                                               failed/m.onnx.error.txt
+    inbox/m.onnx --settled--> claimed/<id>/.moved --copied--> claimed/<id>/m.onnx --submit--> job
+
+    job --final-------------------> outbox/m_tuned.onnx
+                                    outbox/m_result.json
+                                    outbox/m_report.txt
+        (failed, cancelled) ------> failed/m.onnx
+                                    failed/m.onnx.error.txt
 
 When a file is complete: names starting with `.` or ending in `.part` or `~` are
 ignored, so a writer that copies to such a name and renames it is taken at once on the
@@ -21,6 +23,13 @@ in the job store before the rename (`claiming`) and after its job is recorded
 delivered when the job ends (or at once if it already has). A claim row is dropped only
 after its delivery, so a crash during delivery delivers again (under a `_2` name) rather
 than never.
+
+What is hashed is what runs: whoever dropped the file may still hold it open for
+writing, and a write through that descriptor reaches the renamed file wherever it is.
+So the claim copies the moved file (`.moved`) to the daemon's own file (`m.onnx`, which
+only the daemon can write) before anything reads it as a model, and the job (its hash,
+its deduplication, what it tunes) uses only that copy (`_privatize`). From another file
+system the move is a copy already, straight to the daemon's own file.
 
 Missing folders: an inbox, outbox or failed folder that is missing (at start, or removed
 while the daemon runs) is made again with the inbox's `mode` and `group` (deploy/'s
@@ -61,6 +70,7 @@ from aoe.errors import (
     ModelError,
     NotFoundError,
     OptionError,
+    PermissionDeniedError,
 )
 from aoe.errors import ResourceExhaustedError
 from aoed import safefs, space
@@ -85,6 +95,10 @@ _PROBE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEX
 CLAIM_TRIES = 3
 #: bytes an options file may hold
 _OPTIONS_MAX = 64 << 10
+#: in a claim's folder, the entry renamed out of the inbox until the daemon's own copy of
+#: it is made (`_privatize`); inbox names starting with `.` are never taken, so no model
+#: has this name
+_MOVED = ".moved"
 
 
 def _ignored(name: str) -> bool:
@@ -591,9 +605,17 @@ class Watcher:
     async def _claim(self, path: Path, inbox: Inbox) -> Claim | None:
         """Move `path` into the claims dir, recorded before and after; None when another
         file of that name is still claimed (it is taken after that one's delivery) or the
-        file vanished. Raises OSError or StoreError (the claim is then undone)."""
+        file vanished. Raises DiskFullError when the daemon's copy of it (`_privatize`)
+        would leave less than [limits] min_free_mb in the state dir, OSError or StoreError
+        (the claim is then undone)."""
         if any(c.src == str(path) for c in self._jobs.claims()):
             return None
+        try:
+            size = (await trio.to_thread.run_sync(os.lstat, path)).st_size
+        except FileNotFoundError:
+            return None
+        what = f"claiming {path.name} ({space.size_text(size)})"
+        space.check_floor(self._claims_dir, self._cfg.min_free_bytes, what, need=size)
         dst = self._claims_dir / uuid.uuid4().hex / path.name
         await trio.to_thread.run_sync(lambda: dst.parent.mkdir(parents=True))
         try:
@@ -602,7 +624,7 @@ class Watcher:
             await trio.to_thread.run_sync(dst.parent.rmdir)
             raise
         try:
-            await trio.to_thread.run_sync(safefs.move_path, path, dst)
+            await trio.to_thread.run_sync(_move_in, path, dst)
         except OSError as exc:
             self._jobs.claim_drop(str(path))
             await trio.to_thread.run_sync(shutil.rmtree, dst.parent, True)
@@ -619,6 +641,7 @@ class Watcher:
         model = Path(claim.dst)
         while True:
             try:
+                await self._privatize(claim)
                 _check_claimed(model)
                 spec = folder_spec(Path(claim.inbox))
                 row, joined = await self._jobs.submit(
@@ -649,6 +672,17 @@ class Watcher:
         if row.final:  # joined a job that has ended since: on_final will not come again
             self._queue(row)
 
+    async def _privatize(self, claim: Claim) -> None:
+        """`_privatize` the claim's file; a full disk is DiskFullError (the claim waits
+        for room, as for a full queue)."""
+        dst = Path(claim.dst)
+        try:
+            await trio.to_thread.run_sync(_privatize, dst.parent, dst.name)
+        except OSError as exc:
+            if exc.errno in space.FULL_ERRNOS:
+                raise space.disk_full(self._claims_dir, f"claiming {dst.name}") from None
+            raise
+
     # ------------------------------------------------------------- reconciling
 
     async def _reconcile(self) -> None:
@@ -674,7 +708,7 @@ class Watcher:
             if c.src in self._in_flight:
                 continue
             src, dst = Path(c.src), Path(c.dst)
-            if dst.exists():
+            if os.path.lexists(dst) or os.path.lexists(dst.parent / _MOVED):
                 log.info(
                     "inbox %s: %s was claimed but not submitted; submitting it", c.inbox, dst.name
                 )
@@ -795,7 +829,9 @@ class Watcher:
             f"state: {state}\nerror: {printable(error) or '(no message)'}\n"
         )
         dst, name = Path(claim.dst), Path(claim.src).name
-        where = await trio.to_thread.run_sync(lambda: _fail_into(inbox, dst, name, text))
+        where = await trio.to_thread.run_sync(
+            lambda: _fail_into(inbox, _claimed_entry(dst), name, text)
+        )
         log.warning(
             "inbox %s: %s %s: %s (moved to %s)",
             claim.inbox,
@@ -998,6 +1034,68 @@ def _no_lease_reason() -> str:
         "no read lease: the daemon neither owns the files dropped here nor has CAP_LEASE, or the file system "
         "has no leases"
     )
+
+
+def _move_in(src: Path, dst: Path) -> None:
+    """Take the inbox entry `src` into the claim folder of `dst`: renamed to `_MOVED` (the
+    entry itself, whatever it is, at once: a file dropped under its name after this is
+    another file), or, from another file system, copied straight to `dst` (a regular file
+    with one link, else LinkRefusedError or LinkedError: safefs.move) and unlinked."""
+    with safefs.opened_dir(src.parent) as s, safefs.opened_dir(dst.parent) as d:
+        try:
+            os.rename(src.name, _MOVED, src_dir_fd=s, dst_dir_fd=d)
+        except OSError as exc:
+            if exc.errno != errno.EXDEV:
+                raise
+            safefs.move(src.name, dst.name, src_dir_fd=s, dst_dir_fd=d)
+
+
+def _privatize(folder: Path, name: str) -> None:
+    """Make `name` in the claim folder `folder` the daemon's own copy of the entry moved
+    there (`_MOVED`), then remove that entry. Whoever dropped the file may still hold it
+    open for writing, and writes through that descriptor reach it wherever it is
+    renamed; nobody but the daemon can write the copy, so what is hashed is what runs.
+    Done already (a crash after the copy, or a claim from another file system): only the
+    moved entry, if any, goes. ModelError when the moved entry is not a regular file,
+    PermissionDeniedError when it has several hard links: either way nothing behind it
+    is opened. OSError (ENOSPC...) when the copy cannot be made: nothing changed then."""
+    with safefs.opened_dir(folder) as d:
+        if not safefs.taken(name, dir_fd=d):
+            try:
+                st = os.stat(_MOVED, dir_fd=d, follow_symlinks=False)
+            except FileNotFoundError:
+                raise FileNotFoundError(
+                    errno.ENOENT, "gone from the claims folder before it was copied", str(folder)
+                ) from None
+            # Looked at before it is opened: opening a hard link reads, for whoever made
+            # it, a file from elsewhere (its atime, a FIFO's writer...).
+            if not stat.S_ISREG(st.st_mode):
+                raise ModelError(
+                    f"{name}: {_kind(st.st_mode)} by the time it was claimed (it was replaced after "
+                    "it was found); only regular files are taken, and nothing behind it was read"
+                )
+            if st.st_nlink > 1:
+                raise PermissionDeniedError(
+                    f"{name}: the file has {st.st_nlink} hard links, and a hard link can make the "
+                    "daemon read a file its submitter could not; copy the file (cp, not ln) or upload it"
+                )
+            try:
+                fd = safefs.open_file(_MOVED, dir_fd=d, single_link=True)
+            except (safefs.LinkRefusedError, safefs.LinkedError) as exc:  # swapped since
+                raise ModelError(f"{name}: {exc.strerror}; nothing behind it was read") from None
+            with os.fdopen(fd, "rb") as moved:
+                safefs.write_file(
+                    name, lambda f: safefs.copy_fd(moved.fileno(), f.fileno()), dir_fd=d
+                )
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(_MOVED, dir_fd=d)
+
+
+def _claimed_entry(dst: Path) -> Path:
+    """What a claim of `dst` holds: the daemon's copy, else the entry moved out of the
+    inbox (a claim refused before its copy was made)."""
+    moved = dst.parent / _MOVED
+    return moved if not os.path.lexists(dst) and os.path.lexists(moved) else dst
 
 
 def _check_claimed(model: Path) -> None:
