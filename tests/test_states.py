@@ -22,6 +22,8 @@ S, F, C = JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED
 ALLOWED = [
     (Q, states.Start(), P),
     (Q, states.Cancel(), C),
+    # a queued job that may no longer start (over a limit, interrupted too often)
+    (Q, states.Fail(), F),
     *[
         (s, e, t)
         for s in (P, T, V)

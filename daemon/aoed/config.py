@@ -12,7 +12,11 @@ or /var/lib/aoed as root; the socket in the runtime dir (/run/aoed as root).
   max_jobs_per_client = 16           # queued + running per client (a TLS subject, a TCP
                                      # address, an inbox; the unix socket is one client)
   retention_days = 30                # finished jobs (and their outputs) are kept this long
-  shutdown_grace_s = 20              # SIGTERM: how long running measurements may finish
+  shutdown_grace_s = 20              # SIGTERM: how long running measurements may finish;
+                                     # the process exits 15 s after that whatever happens
+  max_job_attempts = 3               # a job interrupted this many times while it ran (the
+                                     # daemon stopped, crashed or was killed) is failed,
+                                     # not started again
   allowed_dirs = ["/srv/models"]     # what SubmitJob may name by path (symlinks resolved)
   [listen]
   socket = "/run/aoed/aoed.sock"     # "" = no unix socket
@@ -51,6 +55,8 @@ or /var/lib/aoed as root; the socket in the runtime dir (/run/aoed as root).
   max_client_uploads = 16            #   every caller on the unix socket is one client)
   min_free_mb = 512                  # below this free in the state dir, new jobs and
                                      # uploads are refused and queued jobs wait
+  max_world_size = 16                # ranks of one GDAT world (default: the cores, at least 2)
+  max_ranks_per_device = 2           # ranks sharing a device (a core on gloo, else a GPU/NPU)
   [[inbox]]                          # repeat for more folders
   path = "/var/lib/aoed/inbox"
   outbox = "/var/lib/aoed/outbox"    # default: "outbox" beside the inbox
@@ -76,6 +82,7 @@ from typing import Any
 
 from aoe.config import Config, Problems, load_config
 from aoe.errors import OptionError
+from aoed.engine.worldsize import DEFAULT_RANKS_PER_DEVICE, WorldLimits, default_max_world_size
 
 __all__ = ["DaemonConfig", "Inbox", "load_daemon_config"]
 
@@ -127,6 +134,9 @@ class DaemonConfig:
     max_jobs_per_client: int = 16
     retention_s: float = 30 * 86400.0
     shutdown_grace_s: float = 20.0
+    #: starts of a job that ended no way (the daemon stopped or died under it) before it
+    #: is failed instead of started again
+    max_job_attempts: int = 3
     allowed_dirs: tuple[Path, ...] = ()
     max_upload_bytes: int = 2048 << 20
     upload_ttl_s: float = 24 * 3600.0
@@ -135,6 +145,9 @@ class DaemonConfig:
     max_client_uploads_bytes: int = 4096 << 20
     max_client_uploads: int = 16
     min_free_bytes: int = 512 << 20
+    #: a GDAT world's ranks (aoed.engine.worldsize)
+    max_world_size: int = field(default_factory=default_max_world_size)
+    max_ranks_per_device: int = DEFAULT_RANKS_PER_DEVICE
     inboxes: tuple[Inbox, ...] = ()
     follow: tuple[str, ...] = ()
     follow_ca: Path | None = None
@@ -192,6 +205,10 @@ class DaemonConfig:
 
     def tcp_is_loopback(self) -> bool:
         return _loopback(_host(self.tcp))
+
+    @property
+    def world_limits(self) -> WorldLimits:
+        return WorldLimits(self.max_world_size, self.max_ranks_per_device, "[limits] ")
 
 
 def _mib(n: float) -> int:
@@ -352,6 +369,7 @@ def load_daemon_config(
             "max_jobs_per_client",
             "retention_days",
             "shutdown_grace_s",
+            "max_job_attempts",
             "allowed_dirs",
         },
         problems,
@@ -408,6 +426,8 @@ def load_daemon_config(
             "max_client_uploads_mb",
             "max_client_uploads",
             "min_free_mb",
+            "max_world_size",
+            "max_ranks_per_device",
         },
         problems,
     )
@@ -459,6 +479,7 @@ def load_daemon_config(
         max_jobs_per_client=int(d.number("max_jobs_per_client", 16, 1, 100000, integer=True)),
         retention_s=float(d.number("retention_days", 30, 0, 36500)) * 86400.0,
         shutdown_grace_s=float(d.number("shutdown_grace_s", 20, 0, 3600)),
+        max_job_attempts=int(d.number("max_job_attempts", 3, 1, 1000, integer=True)),
         allowed_dirs=allowed,
         max_upload_bytes=int(float(lim.number("max_upload_mb", 2048, 1, 1 << 20)) * (1 << 20)),
         upload_ttl_s=float(lim.number("upload_ttl_h", 24, 0.0001, 24 * 365)) * 3600.0,
@@ -467,6 +488,12 @@ def load_daemon_config(
         max_client_uploads_bytes=_mib(lim.number("max_client_uploads_mb", 4096, 1, 1 << 30)),
         max_client_uploads=int(lim.number("max_client_uploads", 16, 1, 1 << 20, integer=True)),
         min_free_bytes=_mib(lim.number("min_free_mb", 512, 0, 1 << 30)),
+        max_world_size=int(
+            lim.number("max_world_size", default_max_world_size(), 1, 1 << 20, integer=True)
+        ),
+        max_ranks_per_device=int(
+            lim.number("max_ranks_per_device", DEFAULT_RANKS_PER_DEVICE, 1, 1 << 20, integer=True)
+        ),
         inboxes=tuple(inboxes),
         source=where,
     )

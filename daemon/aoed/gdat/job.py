@@ -39,6 +39,7 @@ from aoe.gdat import DDPConfig, plugin_hook_names
 from aoe.gradlayout import GradientLayout, host_fingerprint, parse_backend, parse_precision
 from aoed import safefs
 from aoed.engine.world import World, WorldSpec, inspect_model
+from aoed.engine.worldsize import WorldLimits
 from aoed.bank.writer import BankWrite, BankWriter
 from aoed.engine import bankrules
 from aoed.engine.budget import Budget
@@ -64,6 +65,8 @@ CHECKPOINT = "gdat_search.json"
 #: configuration's turn, within these bounds (device seconds).
 MIN_BUDGET_S = 10.0
 MAX_BUDGET_S = 900.0
+#: The most rounds, warm-up and measured steps of a turn: far past what a search needs.
+MAX_ROUNDS = 1000
 
 
 @dataclass(frozen=True)
@@ -90,6 +93,8 @@ class GdatOptions:
     confirm_rounds: int = CONFIRM_ROUNDS
     warmup: int = 2
     steps: int = 5
+    #: how large a world may be (a daemon's [limits]); None: this machine's defaults
+    limits: WorldLimits | None = None
 
     def check(self) -> GdatOptions:
         """These options, normalized; OptionError naming the option at fault."""
@@ -97,11 +102,20 @@ class GdatOptions:
         precision = parse_precision(self.precision)
         if self.world_size is not None and self.world_size < 1:
             raise OptionError(f"--world-size {self.world_size}: must be at least 1")
+        limits = self.limits or WorldLimits.of_machine()
+        limits.check(
+            self.world_size, backend, "--world-size" if self.limits is None else "world_size"
+        )
         if self.budget_s is not None and not self.budget_s > 0:
             raise OptionError("--budget must be a positive number of seconds")
+        counts = (self.rounds, self.confirm_rounds, self.steps, self.warmup)
         if self.rounds < 3 or self.confirm_rounds < 3 or self.steps < 1 or self.warmup < 1:
             raise OptionError(
                 "GDAT rounds: at least 3 per stage and per confirmation, 1 warm-up and 1 measured step"
+            )
+        if max(counts) > MAX_ROUNDS:
+            raise OptionError(
+                f"GDAT rounds, warm-up and measured steps {counts}: at most {MAX_ROUNDS} each"
             )
         if self.entry:
             if self.model.suffix != ".py":

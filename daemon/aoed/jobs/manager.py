@@ -15,6 +15,16 @@ Resume: at start, jobs the store says were running are queued again and run with
 each was decided, with the decision itself: engine/resume.py) are not measured again. On shutdown, running jobs get
 `shutdown_grace_s` to finish; then they are cancelled and left queued for the next start.
 
+Limits (jobs/limits.py): what a job asks for (its world's ranks, its shapes, its memory)
+is checked against the configuration at submit, and again before a stored job starts,
+so a job over a limit is refused (or, stored, failed) before any of its processes or
+files exist. A job starts only while its memory estimate fits beside those of the jobs
+running, and waits in the queue until it does; jobs start in the queue's order, so the
+ones behind a waiting job wait with it. Every start is counted in the store before the
+job runs: a job that was running when the daemon stopped or died `max_job_attempts`
+times is failed rather than started again, so a job that wedges or crashes the daemon
+cannot do so at every start.
+
 A full disk: below `[limits] min_free_mb` free in the state dir, submissions are refused
 (DiskFullError: RESOURCE_EXHAUSTED naming the folder and its free space) and queued jobs
 wait. A write of a call in hand that the job store refuses fails that call; the state
@@ -60,10 +70,9 @@ from aoed import safefs, space
 from aoed.config import DaemonConfig
 from aoed.engine.engine import Engine
 from aoed.engine.job import JobHandle, JobRun
-from aoed.engine.memory import check_fits
 from aoed.engine.messages import JobEvent
 from aoed.engine.modelio import check_size
-from aoed.jobs import states
+from aoed.jobs import limits, states
 from aoed.jobs import store as st
 from aoed.jobs.backlog import Backlog
 from aoed.jobs.states import JobState
@@ -143,6 +152,9 @@ class JobManager:
         self._stopping = False
         self._limits_lock = trio.Lock()
         self._waiting_for_space = False
+        #: the memory estimate (MiB) of each running job, and the job told it waits for memory
+        self._held_mb: dict[str, int] = {}
+        self._waiting_for_memory = ""
         #: called with each job that reaches a final state (the inbox delivers outputs)
         self.on_final: list[Callable[[JobRow], None]] = []
 
@@ -169,6 +181,10 @@ class JobManager:
                     row = self._next_queued()
                     if row is None:
                         break
+                    if not self._may_start(row):
+                        continue  # failed instead: the next one
+                    if not self._admit_memory(row):
+                        break  # waits for a running job to end
                     self._running.add(row.id)
                     nursery.start_soon(self._run_job, row)
                 await self._wakeup.wait()
@@ -193,6 +209,41 @@ class JobManager:
             )
         self._waiting_for_space = False
         return True
+
+    def _may_start(self, row: JobRow) -> bool:
+        """Whether a queued job may start (or resume): under the limits and the attempts
+        the configuration allows now. A job that may not is failed, saying why."""
+        try:
+            limits.check_attempts(row.attempts, self.cfg)
+            limits.check_spec(row.spec, self.cfg)
+            limits.check_memory(
+                shown_path(row), row.spec, limits.model_bytes(row.model_path), self.engine.memory
+            )
+        except AoedError as exc:
+            log.warning("job %s: not started: %s", row.id, exc)
+            self._finish(row, states.Fail(), error=str(exc), kind=type(exc).__name__)
+            return False
+        return True
+
+    def _admit_memory(self, row: JobRow) -> bool:
+        """Whether the job's memory estimate fits beside the running jobs' (then it is
+        held for it until it ends); else it waits, and is told so once."""
+        need = limits.need_mb(row.spec, limits.model_bytes(row.model_path))
+        total, held = self.engine.memory.total_mb(), sum(self._held_mb.values())
+        if total is None or not self._held_mb or held + need <= total:
+            self._held_mb[row.id] = need
+            if self._waiting_for_memory == row.id:
+                self._waiting_for_memory = ""
+            return True
+        if self._waiting_for_memory != row.id:
+            self._waiting_for_memory = row.id
+            message = (
+                f"waits for memory: it needs about {need} MiB, and {held} of the {total} MiB jobs "
+                f"may use here are held by {len(self._held_mb)} running job(s); it starts when one ends"
+            )
+            log.info("job %s: %s", row.id, message)
+            self._event(row, "log", {"level": "info", "logger": "wait", "message": message})
+        return False
 
     async def _retry_loop(self) -> None:
         """Write what the job store refused, once it takes writes again; look at the free
@@ -322,11 +373,12 @@ class JobManager:
     async def submit(self, sub: Submission) -> tuple[JobRow, bool]:
         """Record a job for `sub` (or join the active one with the same content and
         options); returns (job, joined). OptionError for a spec naming another device
-        than this daemon's. Raises ResourceExhaustedError when the
+        than this daemon's, or asking for more than its limits allow (jobs/limits.py),
+        before any file of the job exists. Raises ResourceExhaustedError when the
         queue is full, DaemonUnavailableError while shutting down; PermissionDeniedError for a
         daemon-side file with several hard links (before anything opens it); ModelError
         for one over [engine] max_model_mb, or whose estimated peak is more than an
-        engine process may use (memory.py)."""
+        engine process (a GDAT job: all of the engine) may use (memory.py)."""
         if self._stopping:
             raise DaemonUnavailableError(
                 "the daemon is shutting down; submit again after it restarts"
@@ -341,6 +393,7 @@ class JobManager:
         _check_kind(sub)
         # A GDAT job's devices are its world's (the backend's), not the engine's.
         spec = sub.spec if sub.spec.job_type == JobType.GDAT else sub.spec.on(mine[0])
+        limits.check_spec(spec, self.cfg)
         space.check_floor(self.cfg.state_dir, self.cfg.min_free_bytes, "SubmitJob")
         size = sub.upload.size if sub.upload is not None else 0
         if (
@@ -361,7 +414,8 @@ class JobManager:
                 self.engine.config.max_model_mb << 20,
                 "[engine] max_model_mb",
             )
-        self._check_memory(sub, size)
+        name = sub.upload.file_name if sub.upload is not None else str(sub.model)
+        limits.check_memory(name, spec, size, self.engine.memory)
         if sub.upload is None:
             sha = await trio.to_thread.run_sync(_hash_checked, sub.model, info)
         else:
@@ -420,14 +474,6 @@ class JobManager:
         log.info("job %s: queued %s (%s)", job_id, row.model_name, sub.source)
         self.wake()
         return row, False
-
-    def _check_memory(self, sub: Submission, model_bytes: int) -> None:
-        """ModelError with both figures when the model's estimated peak is more
-        than one of the engine's processes may use: it could never run. (External data
-        is counted when the job prepares the model.)"""
-        plan = self.engine.memory
-        name = sub.upload.file_name if sub.upload is not None else str(sub.model)
-        check_fits(name, model_bytes, plan.job_limit_mb(), plan.why())
 
     async def _consume_upload(self, up: Upload, keep: bool) -> Path:
         """Take `up` out of the uploads; with `keep`, its content stays in the inputs,
@@ -604,6 +650,7 @@ class JobManager:
             repeat_tune=spec.repeat_tune,
             budget_s=spec.budget_s,
             job_id=row.id,
+            limits=self.cfg.world_limits,
         )
         result = await run_gdat(
             opts,
@@ -665,6 +712,7 @@ class JobManager:
             self._finish(row, states.Succeed(), outcome=outcome)
         finally:
             self._running.discard(row.id)
+            self._held_mb.pop(row.id, None)
             out = Path(row.output_dir)
             if row.state == st.FAILED and out.is_relative_to(self.cfg.jobs_dir):
                 with contextlib.suppress(OSError):

@@ -3,8 +3,11 @@ which moves a job on by one typed event.
 
     QUEUED --Start--> PREPARING --Entered(stage)--> TUNING --Entered(stage)--> VERIFYING
       |                  |  (forward only; a stage may skip a state)            |
-      +--Cancel-->       +-- Succeed / Fail / Cancel --> SUCCEEDED | FAILED | CANCELLED
+      +--Cancel/Fail-->  +-- Succeed / Fail / Cancel --> SUCCEEDED | FAILED | CANCELLED
                          +-- Requeue (the daemon stops or restarts) --> QUEUED
+
+A queued job fails without starting when it may no longer start: over a limit of the
+configuration it is started under, or interrupted too often (jobs/limits.py).
 
 Invariants: a running job's state only moves forward through PREPARING, TUNING and
 VERIFYING, and which of them a stage belongs to is `STAGE_STATE`, by the engine's typed
@@ -74,7 +77,7 @@ STAGE_STATE = {
 _ENDS = frozenset({*FINAL, JobState.QUEUED})
 #: Every transition there is.
 TRANSITIONS: dict[JobState, frozenset[JobState]] = {
-    JobState.QUEUED: frozenset({JobState.PREPARING, JobState.CANCELLED}),
+    JobState.QUEUED: frozenset({JobState.PREPARING, JobState.CANCELLED, JobState.FAILED}),
     JobState.PREPARING: frozenset({JobState.TUNING, JobState.VERIFYING, *_ENDS}),
     JobState.TUNING: frozenset({JobState.VERIFYING, *_ENDS}),
     JobState.VERIFYING: _ENDS,
