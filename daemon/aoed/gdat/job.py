@@ -3,6 +3,9 @@ makes (and, later, the daemon's job manager).
 
   options    checked once, here (`GdatOptions.check`); torch missing is one line naming
              the extra
+  archive    a .pt2 is read as data before any process loads it
+             (backends/torch/archive.py): one that holds anything torch would unpickle,
+             evaluate or import fails the job here, naming the member
   inspect    one rank process loads the model and says its gradient layout: the bank key
   bank       a record for the key (or "DDP's defaults stayed fastest") and no REPEAT_TUNE:
              the outputs come from it, and no world starts
@@ -39,6 +42,7 @@ from aoe.gdat import DDPConfig, plugin_hook_names
 from aoe.gradlayout import GradientLayout, host_fingerprint, parse_backend, parse_precision
 from aoed import safefs
 from aoed.engine.world import World, WorldSpec, inspect_model
+from aoed.backends.torch.archive import check_pt2
 from aoed.engine.worldsize import WorldLimits
 from aoed.bank.writer import BankWrite, BankWriter
 from aoed.engine import bankrules
@@ -548,6 +552,9 @@ async def run_gdat(
     opts = opts.check()
     if not have_torch():
         raise OptionError(MISSING_TORCH)
+    if not opts.entry:
+        # Before any process loads it: refused here, it fails the job naming the member.
+        await trio.to_thread.run_sync(check_pt2, opts.model)
     job_id = opts.job_id or new_job_id()
     # As an ONNX job's (engine.py): the daemon's job id is the same in each run of a job,
     # an embedded run's is new, so there the model alone names the interrupted workspace.

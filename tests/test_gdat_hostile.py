@@ -1,0 +1,86 @@
+"""Hostile .pt2 programs through a real daemon's drop folder and through `aoe tune`: each
+fails its job before any rank process loads it, naming the member and why; its payload
+(which torch's own loader runs: tests/test_gdat_archive.py) never runs; the daemon goes
+on.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from aoe.errors import ModelError
+
+from .conftest import run_aoe
+from .daemon_util import DaemonProcess, wait_for
+
+pytest.importorskip(
+    "torch", reason="GDAT needs torch: pip install '.[gdat]' (make test installs it)"
+)
+
+from .hostile_pt2 import KINDS, root_of, tiny_program  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+#: One of each way torch's loader runs code from the file.
+_RUNS_CODE = ("opaque_object", "sympy_expression", "guard")
+_GDAT_INBOX = 'job_type = "gdat"\nworld_size = 2\nbudget_s = 3.0\n'
+
+
+def test_hostile_programs_dropped_in_a_gdat_inbox_go_to_failed_naming_the_member(
+    tmp_path: Path,
+) -> None:
+    base = tiny_program(tmp_path / "tiny.pt2")
+    marker = tmp_path / "ran"
+    d = DaemonProcess(tmp_path / "d")
+    d.inbox.mkdir(parents=True)
+    (d.inbox / "aoed.toml").write_text(_GDAT_INBOX)
+    d.start()
+    try:
+        for name in _RUNS_CODE:
+            evil = KINDS[name].build(base, tmp_path / f"{name}.pt2", marker)
+            (d.inbox / f"{name}.pt2").write_bytes(evil.read_bytes())
+        failed = d.inbox.parent / "failed"
+        for name in _RUNS_CODE:
+            report = wait_for(
+                lambda n=name: next(failed.glob(f"{n}.pt2.error.txt"), None),
+                120,
+                f"{name}.pt2 in failed/:\n{d.log()[-3000:]}",
+            )
+            text = report.read_text()
+            kind = KINDS[name]
+            assert f"{root_of(base)}/{kind.member}" in text and kind.why in text, text
+            assert "refused before loading" in text, text
+            assert (failed / f"{name}.pt2").exists()
+        assert not marker.exists()
+        assert d.serving()
+    finally:
+        d.close()
+
+
+def test_aoe_tune_refuses_a_hostile_program_in_one_line(tmp_path: Path) -> None:
+    base = tiny_program(tmp_path / "tiny.pt2")
+    marker = tmp_path / "ran"
+    evil = KINDS["opaque_object"].build(base, tmp_path / "evil.pt2", marker)
+    r = run_aoe(
+        "tune",
+        str(evil),
+        "--job-type",
+        "gdat",
+        "--world-size",
+        "2",
+        "--bank",
+        str(tmp_path / "bank"),
+        "--output",
+        str(tmp_path / "out"),
+        "--no-progress",
+        env={"AOED_RUNTIME_DIR": str(tmp_path / "rt")},
+    )
+    assert r.returncode == ModelError.exit_code, (r.stdout, r.stderr)
+    (line,) = r.stderr.strip().splitlines()
+    assert line.startswith(
+        f"aoe: error: {evil}: refused before loading: tiny/data/constants/"
+    )
+    assert "opaque_obj_0: is a pickled custom or opaque object" in line, line
+    assert not marker.exists() and not (tmp_path / "bank").exists()
