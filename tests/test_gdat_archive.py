@@ -3,7 +3,8 @@
 First, that the hostile archives are real: torch 2.13's own loader, unpatched and with
 TORCH_FORCE_WEIGHTS_ONLY_LOAD=1, runs their payload (a file appears). Then that
 `check_pt2` refuses every hostile kind naming the archive, the member and why, and passes
-what torch.export.save writes for plain programs (which torch then loads).
+what torch.export.save writes for plain programs (which torch then loads); and that a
+real rank process refuses one before torch opens it, so the payload never runs.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ torch = pytest.importorskip(
 )
 
 from aoed.backends.torch.archive import check_pt2  # noqa: E402
+from aoed.engine.world import inspect_model  # noqa: E402
 
 from .hostile_pt2 import KINDS, Kind, root_of, tiny_program  # noqa: E402
 
@@ -48,9 +50,7 @@ _TORCH_LOADS = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize(
-    "kind", [k for k in KINDS.values() if k.runs_code], ids=lambda k: k.name
-)
+@pytest.mark.parametrize("kind", [k for k in KINDS.values() if k.runs_code], ids=lambda k: k.name)
 def test_torch_alone_runs_the_payload_of_a_hostile_archive(
     kind: Kind, base: Path, tmp_path: Path
 ) -> None:
@@ -75,9 +75,7 @@ def test_a_hostile_archive_is_refused_naming_the_member_and_why(
     with pytest.raises(ModelError) as err:
         check_pt2(evil)
     text = str(err.value)
-    assert text.startswith(f"{evil}: refused before loading: {_member(kind, base)}"), (
-        text
-    )
+    assert text.startswith(f"{evil}: refused before loading: {_member(kind, base)}"), text
     assert kind.why in text and "\n" not in text, text
     # The same through an open file (how a rank checks what it then hands to torch).
     with open(evil, "rb") as f, pytest.raises(ModelError):
@@ -86,9 +84,7 @@ def test_a_hostile_archive_is_refused_naming_the_member_and_why(
 
 
 def test_a_json_member_over_the_limit_is_refused(base: Path) -> None:
-    with pytest.raises(
-        ModelError, match=r"model_weights_config\.json: \d+ bytes, more than 1000 "
-    ):
+    with pytest.raises(ModelError, match=r"model_weights_config\.json: \d+ bytes, more than 1000 "):
         check_pt2(base, max_json_bytes=1000)
 
 
@@ -110,9 +106,7 @@ class _Kwargs(torch.nn.Module):
         self.lin = torch.nn.Linear(4, 4)
         self.emb = torch.nn.Embedding(10, 4)
 
-    def forward(
-        self, x, idx, flag: bool = True, n: int = 3, scale: float = 0.5, d=None
-    ):
+    def forward(self, x, idx, flag: bool = True, n: int = 3, scale: float = 0.5, d=None):
         with torch.no_grad():
             y = self.lin(x) * scale
         return {"a": self.lin(x) + self.emb(idx).sum(1) + y, "b": [x * n]}
@@ -136,12 +130,7 @@ def _exports():
         "kwargs_and_scalars": lambda: torch.export.export(
             _Kwargs(),
             (torch.randn(2, 4), torch.randint(0, 10, (2, 3))),
-            {
-                "flag": True,
-                "n": 3,
-                "scale": 0.5,
-                "d": {"k": torch.ones(1, dtype=torch.bfloat16)},
-            },
+            {"flag": True, "n": 3, "scale": 0.5, "d": {"k": torch.ones(1, dtype=torch.bfloat16)}},
         ),
         "guarded_dynamic": lambda: torch.export.export(
             _Guarded(), (torch.randn(16, 8),), dynamic_shapes=({0: 2 * half},)
@@ -165,3 +154,15 @@ def test_programs_torch_export_saves_pass_and_load(name: str, tmp_path: Path) ->
     assert loaded.example_inputs is not None and loaded.module() is not None
     if name == "guarded_dynamic":  # a guard that passes the check, as torch wrote it
         assert loaded._guards_code
+
+
+async def test_a_rank_process_refuses_the_archive_before_torch_opens_it(
+    base: Path, tmp_path: Path
+) -> None:
+    """Through the real rank process (confined, as the job starts it): the same
+    refusal, and the payload never runs."""
+    marker = tmp_path / "ran"
+    evil = KINDS["opaque_object"].build(base, tmp_path / "evil.pt2", marker)
+    with pytest.raises(ModelError, match="opaque_obj_0: is a pickled custom or opaque object"):
+        await inspect_model({"kind": "pt2", "path": str(evil)}, "gloo", 2, tmp_path / "w")
+    assert not marker.exists()

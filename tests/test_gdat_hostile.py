@@ -1,11 +1,14 @@
 """Hostile .pt2 programs through a real daemon's drop folder and through `aoe tune`: each
 fails its job before any rank process loads it, naming the member and why; its payload
 (which torch's own loader runs: tests/test_gdat_archive.py) never runs; the daemon goes
-on.
+on. And a daemon whose kernel refuses Landlock fails a GDAT job saying so, unless
+[daemon] allow_unconfined_gdat says otherwise.
 """
 
 from __future__ import annotations
 
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -18,6 +21,8 @@ from .daemon_util import DaemonProcess, wait_for
 pytest.importorskip(
     "torch", reason="GDAT needs torch: pip install '.[gdat]' (make test installs it)"
 )
+
+from aoed import sandbox  # noqa: E402
 
 from .hostile_pt2 import KINDS, root_of, tiny_program  # noqa: E402
 
@@ -79,8 +84,43 @@ def test_aoe_tune_refuses_a_hostile_program_in_one_line(tmp_path: Path) -> None:
     )
     assert r.returncode == ModelError.exit_code, (r.stdout, r.stderr)
     (line,) = r.stderr.strip().splitlines()
-    assert line.startswith(
-        f"aoe: error: {evil}: refused before loading: tiny/data/constants/"
-    )
+    assert line.startswith(f"aoe: error: {evil}: refused before loading: tiny/data/constants/")
     assert "opaque_obj_0: is a pickled custom or opaque object" in line, line
     assert not marker.exists() and not (tmp_path / "bank").exists()
+
+
+#: The daemon started under a seccomp filter that refuses Landlock's system calls, as
+#: systemd's SystemCallFilter=@system-service (systemd 252) would without the unit's
+#: own allowance (deploy/systemd/aoed.service).
+_NO_LANDLOCK = textwrap.dedent("""
+    import os, sys
+    from aoed import sandbox
+
+    sandbox._no_new_privs()
+    sandbox._seccomp([444, 445, 446], all_threads=False)
+    os.execv(sys.argv[1], sys.argv[1:])
+""")
+
+
+def test_a_daemon_whose_kernel_refuses_landlock_fails_a_gdat_job_naming_the_setting(
+    tmp_path: Path,
+) -> None:
+    if not sandbox.landlock_abi()[0]:
+        pytest.skip("no Landlock here: the refusal is the kernel's own, not a filter's")
+    base = tiny_program(tmp_path / "tiny.pt2")
+    d = DaemonProcess(tmp_path / "d")
+    d.argv_prefix = [sys.executable, "-c", _NO_LANDLOCK]
+    d.inbox.mkdir(parents=True)
+    (d.inbox / "aoed.toml").write_text(_GDAT_INBOX)
+    d.start()
+    try:
+        (d.inbox / "tiny.pt2").write_bytes(base.read_bytes())
+        failed = d.inbox.parent / "failed"
+        report = wait_for(
+            lambda: next(failed.glob("tiny.pt2.error.txt"), None), 120, f"failed/:\n{d.log()}"
+        )
+        text = report.read_text()
+        assert "refuses Landlock's system calls" in text and sandbox.UNCONFINED_SETTING in text
+        assert d.serving()
+    finally:
+        d.close()

@@ -18,6 +18,10 @@ or /var/lib/aoed as root; the socket in the runtime dir (/run/aoed as root).
                                      # daemon stopped, crashed or was killed) is failed,
                                      # not started again
   allowed_dirs = ["/srv/models"]     # what SubmitJob may name by path (symlinks resolved)
+  allow_unconfined_gdat = false      # GDAT loads a .pt2 only in processes the kernel confines
+                                     #   (Landlock and seccomp: aoed.sandbox); true lets it
+                                     #   load one unconfined where the kernel cannot (the
+                                     #   job's log and result say so)
   [listen]
   socket = "/run/aoed/aoed.sock"     # "" = no unix socket
   socket_mode = "0660"               # the socket's permissions are the access control
@@ -138,6 +142,7 @@ class DaemonConfig:
     #: is failed instead of started again
     max_job_attempts: int = 3
     allowed_dirs: tuple[Path, ...] = ()
+    allow_unconfined_gdat: bool = False
     max_upload_bytes: int = 2048 << 20
     upload_ttl_s: float = 24 * 3600.0
     max_uploads_bytes: int = 8192 << 20
@@ -371,6 +376,7 @@ def load_daemon_config(
             "shutdown_grace_s",
             "max_job_attempts",
             "allowed_dirs",
+            "allow_unconfined_gdat",
         },
         problems,
     )
@@ -481,6 +487,7 @@ def load_daemon_config(
         shutdown_grace_s=float(d.number("shutdown_grace_s", 20, 0, 3600)),
         max_job_attempts=int(d.number("max_job_attempts", 3, 1, 1000, integer=True)),
         allowed_dirs=allowed,
+        allow_unconfined_gdat=d.flag("allow_unconfined_gdat", False),
         max_upload_bytes=int(float(lim.number("max_upload_mb", 2048, 1, 1 << 20)) * (1 << 20)),
         upload_ttl_s=float(lim.number("upload_ttl_h", 24, 0.0001, 24 * 365)) * 3600.0,
         max_uploads_bytes=_mib(lim.number("max_uploads_mb", 8192, 1, 1 << 30)),

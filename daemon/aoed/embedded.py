@@ -114,6 +114,7 @@ async def _tune_gdat(
     keep_workspace: bool,
 ) -> JobOutcome:
     from aoed.gdat import GdatOptions, run_gdat, to_outcome
+    from aoed.sandbox import UNCONFINED_ENV
 
     opts = GdatOptions(
         model=model,
@@ -125,6 +126,9 @@ async def _tune_gdat(
         repeat_tune=spec.repeat_tune,
         budget_s=spec.budget_s,
         keep_workspace=keep_workspace,
+        # The daemon's setting is [daemon] allow_unconfined_gdat; a run of one's own says
+        # it in its environment.
+        allow_unconfined=os.environ.get(UNCONFINED_ENV, "") == "1",
     )
     return to_outcome(await run_gdat(opts, config, progress or (lambda event: None), handle))
 

@@ -29,7 +29,8 @@ class RankLayout(Message):
     """A model's gradient layout as a rank loaded it: (dtype, shape) of each parameter
     that needs a gradient, in registration order; whether this torch's DDP takes a
     first bucket cap; the accelerator's name ("" on CPU). `inspect` adds the torch
-    version and how many devices of the backend's kind there are."""
+    version and how many devices of the backend's kind there are. `sandbox`: how the
+    process that loaded the model is confined (aoed.sandbox.Confinement.describe)."""
 
     params: list[tuple[str, list[int]]]
     grad_bytes: int
@@ -37,6 +38,7 @@ class RankLayout(Message):
     accelerator: str
     torch: str = ""
     devices: int = 0
+    sandbox: str = ""
 
 
 class RankInspectRequest(Request, tag="rank-inspect"):

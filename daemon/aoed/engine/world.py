@@ -12,6 +12,10 @@ Invariants:
   rendezvous), so a broken world costs the request in flight, never the job.
 - Rendezvous is a FileStore in the job's workspace: loopback only, no port to choose or
   to race for. gloo's own connections are bound to the loopback interface.
+- A process that loads a .pt2 is confined (aoed.sandbox, its policy on its command
+  line): it writes only the world's folder, reads only the program besides Python and
+  the system, and its network closes once the world has formed. User code (`entry`,
+  embedded runs only) runs unconfined.
 - The world holds the device lock of every device it runs on (engine/devlock.py, in
   name order, so two worlds never wait on each other) for each request it serves, and
   lets go in between: a daemon, an embedded `aoe tune` and `aoe bank verify` take turns.
@@ -34,6 +38,7 @@ import trio
 
 from aoe.errors import CandidateError, ModelError, OptionError
 from aoe.gradlayout import BACKENDS
+from aoed.sandbox import Policy
 from aoed.engine._child import Child, ChildDiedError
 from aoed.engine.devlock import DeviceLock
 from aoed.engine.messages import Answer, Request, encode
@@ -59,6 +64,8 @@ class WorldSpec:
     backend: str
     #: environment of every rank, set before the process group exists (backend knobs)
     env: tuple[tuple[str, str], ...] = field(default=())
+    #: load a .pt2 unconfined where the kernel cannot confine (else the job fails)
+    unconfined_ok: bool = False
 
 
 def lock_names(backend: str, world_size: int) -> list[str]:
@@ -83,6 +90,23 @@ def _rank_env(spec: WorldSpec, threads: int) -> dict[str, str]:
     if spec.backend == "gloo":
         env["GLOO_SOCKET_IFNAME"] = "lo"
     return env | dict(spec.env)
+
+
+def _sandbox_args(
+    source: Mapping[str, str], backend: str, workdir: Path, *, world: bool, unconfined_ok: bool
+) -> list[str]:
+    """The command-line policy of a process that loads `source` (none for user code)."""
+    if source.get("kind") == "entry":
+        return []
+    kind = BACKENDS.get(backend, "cpu")
+    policy = Policy(
+        read=(str(source["path"]),),
+        write=(str(workdir),),
+        devices="" if kind == "cpu" else kind,
+        keep_network=world,
+        unconfined_ok=unconfined_ok,
+    )
+    return ["--sandbox", policy.to_arg()]
 
 
 def _failure(answer: Answer, who: str) -> Exception:
@@ -188,12 +212,20 @@ class World:
             else ([[] for _ in range(self.spec.world_size)], 1)
         )
         env = _rank_env(self.spec, threads)
+        policy = _sandbox_args(
+            self.spec.source,
+            self.spec.backend,
+            self.workdir,
+            world=True,
+            unconfined_ok=self.spec.unconfined_ok,
+        )
         self._ranks = [
             Child(
                 RANK_MODULE,
                 f"{self.name} rank {r}",
                 self.workdir / f"{self.name}-rank{r}.log",
                 cpus=cores[r],
+                args=policy,
                 env=env,
                 restart=False,
             )
@@ -261,15 +293,21 @@ class World:
 
 
 async def inspect_model(
-    source: Mapping[str, str], backend: str, world_size: int, workdir: Path
+    source: Mapping[str, str],
+    backend: str,
+    world_size: int,
+    workdir: Path,
+    *,
+    unconfined_ok: bool = False,
 ) -> dict[str, Any]:
     """The model's gradient layout (and what this torch supports), from one rank process
-    that loads it without joining any world. Raises ModelError/OptionError for the
-    model or backend, WorldError when the process fails."""
+    that loads it without joining any world (confined, with no network at all). Raises
+    ModelError/OptionError for the model or backend, WorldError when the process fails."""
     child = Child(
         RANK_MODULE,
         "inspect",
         workdir / "inspect.log",
+        args=_sandbox_args(source, backend, workdir, world=False, unconfined_ok=unconfined_ok),
         env={"TORCH_FORCE_WEIGHTS_ONLY_LOAD": "1"},
         restart=False,
     )

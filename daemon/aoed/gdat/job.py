@@ -7,6 +7,7 @@ makes (and, later, the daemon's job manager).
              (backends/torch/archive.py): one that holds anything torch would unpickle,
              evaluate or import fails the job here, naming the member
   inspect    one rank process loads the model and says its gradient layout: the bank key
+             (it, and every rank, is confined: aoed.sandbox)
   bank       a record for the key (or "DDP's defaults stayed fastest") and no REPEAT_TUNE:
              the outputs come from it, and no world starts
   search     the main world, the stages and the confirming A/B (search.py)
@@ -97,6 +98,9 @@ class GdatOptions:
     confirm_rounds: int = CONFIRM_ROUNDS
     warmup: int = 2
     steps: int = 5
+    #: load the program unconfined where the kernel cannot confine the processes that
+    #: load it (`[daemon] allow_unconfined_gdat`); else such a job fails saying why
+    allow_unconfined: bool = False
     #: how large a world may be (a daemon's [limits]); None: this machine's defaults
     limits: WorldLimits | None = None
 
@@ -184,6 +188,8 @@ class _Job:
         #: what identifies this job's search for a resume, and the stages it finished
         self._ident: dict[str, Any] = {}
         self._stages: dict[str, dict[str, Any]] = {}
+        #: what the result says besides the search's own notes
+        self.notes: list[str] = []
 
     # ------------------------------------------------------------------ resume
 
@@ -231,7 +237,13 @@ class _Job:
         self.ledger.emit(JobEvent(kind, message, done, total))
 
     def open_world(self, key: str, env: tuple[tuple[str, str], ...]) -> World:
-        spec = WorldSpec(self.opts.source, self.opts.world_size, self.opts.backend, env)
+        spec = WorldSpec(
+            self.opts.source,
+            self.opts.world_size,
+            self.opts.backend,
+            env,
+            unconfined_ok=self.opts.allow_unconfined,
+        )
         world = World(
             spec,
             self.ws.root / "worlds",
@@ -267,9 +279,17 @@ class _Job:
         self.emit("stage", f"loading {opts.model.name}")
         t0 = time.monotonic()
         info = await inspect_model(
-            opts.source, opts.backend, opts.world_size or 0, self.ws.root / "worlds"
+            opts.source,
+            opts.backend,
+            opts.world_size or 0,
+            self.ws.root / "worlds",
+            unconfined_ok=opts.allow_unconfined,
         )
         self.ledger.charge_device(time.monotonic() - t0, "profile")
+        said = str(info.get("sandbox") or "")
+        if not opts.entry and not said.startswith("confined"):
+            log.warning("job %s: the program is loaded %s", self.job_id, said)
+            self.notes.append(f"the program was loaded {said}, as the configuration allows")
         if opts.world_size is None:
             n = 2 if opts.backend == "gloo" else int(info.get("devices") or 0)
             self.opts = opts = dataclasses.replace(opts, world_size=n)
@@ -468,7 +488,8 @@ class _Job:
             confirmation={**conf, "from_bank": ans.job_id},
             notes=[
                 f"answered from the bank (layer {ans.layer}, job {ans.job_id}): no world started; "
-                "--repeat-tune measures again"
+                "--repeat-tune measures again",
+                *self.notes,
             ],
         )
         result.budget = self.budget.report()
@@ -520,6 +541,7 @@ class _Job:
                 "resumed_stages": list(search.resumed),
             },
             notes=[
+                *self.notes,
                 *confirmed.notes,
                 *search.notes,
                 *meter.notes,

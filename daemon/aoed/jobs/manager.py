@@ -651,6 +651,7 @@ class JobManager:
             budget_s=spec.budget_s,
             job_id=row.id,
             limits=self.cfg.world_limits,
+            allow_unconfined=self.cfg.allow_unconfined_gdat,
         )
         result = await run_gdat(
             opts,

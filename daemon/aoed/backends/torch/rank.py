@@ -21,12 +21,19 @@ all-reduce has finished and its results are in place. On accelerators the timest
 are device events on the compute stream, read after a synchronize at the end of the
 step, so queued work is not mistaken for finished work.
 
-Inputs: a `torch.export` program (.pt2) with its example inputs, loaded with
-TORCH_FORCE_WEIGHTS_ONLY_LOAD set, so nothing in the file is unpickled beyond tensors
-and plain containers (torch's weights-only loader), and no Python from the file runs;
-the loss is synthetic (the mean square of the float outputs: gradient shapes and timing
-do not depend on labels). Or, for embedded runs only, `file.py:function` returning
-(model, batch, loss_fn): the user's own code. Each rank perturbs its batch (float inputs
+Inputs: a `torch.export` program (.pt2) with its example inputs. The process that loads
+one is confined (aoed.sandbox: the policy comes on the command line, `--sandbox`, and is
+applied before anything else, torch included, is imported): it reads only Python, the
+system's libraries and the program, writes only its world's folder in the job's
+workspace, and a rank's network is closed once its world has formed (`init` joins the
+world first, then loads). The program is opened once, checked as data (archive.py:
+nothing in it that torch would unpickle, evaluate or import) and handed, as that same
+open file, to `torch.export.load`, with
+TORCH_FORCE_WEIGHTS_ONLY_LOAD set so that what torch does unpickle (the example inputs)
+goes through its weights-only loader. The loss is synthetic (the mean square of the float
+outputs: gradient shapes and timing do not depend on labels). Or, for embedded runs
+only, `file.py:function` returning (model, batch, loss_fn): the user's own code, run
+unconfined, as the user who runs it. Each rank perturbs its batch (float inputs
 get rank-seeded noise, integer inputs are rolled), so the ranks' gradients differ as in
 training and a gate sees real reductions.
 """
@@ -39,18 +46,29 @@ import os
 # subclasses and example inputs; with this set, only torch's weights-only loader does.
 os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
 
+import sys  # noqa: E402
+
+from aoed import sandbox  # noqa: E402
+
+#: How this process is confined (None: started without a policy, for user code).
+_confinement: sandbox.Confinement | sandbox.SandboxError | None = None
+if __name__ == "__main__":
+    # First, while this process has one thread: the imports below start threads (numpy's
+    # BLAS pool), and a thread that exists before confinement would stay unconfined.
+    _confinement = sandbox.enter(sys.argv)
+
 import copy  # noqa: E402
 import datetime  # noqa: E402
 import gc  # noqa: E402
 import importlib.util  # noqa: E402
 import math  # noqa: E402
-import sys  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 from aoe.errors import ModelError, OptionError  # noqa: E402
 from aoe.gdat import DDPConfig, hook_class, layout_of, supports_first_bucket, wrap  # noqa: E402
+from aoed.backends.torch.archive import check_pt2  # noqa: E402
 
 #: Step size of the SGD step in measured steps: small, so weights barely move.
 _MEASURE_LR = 1e-4
@@ -90,18 +108,39 @@ def synthetic_loss(out: Any) -> Any:
     return sum(terms)
 
 
+def _confined() -> sandbox.Confinement:
+    """How this process is confined, for loading a program; OptionError when it is not
+    and may not load one (no policy was given, or the kernel could not confine it)."""
+    if isinstance(_confinement, sandbox.SandboxError):
+        raise OptionError(str(_confinement))  # the class the world reports as the job's
+    if _confinement is None:
+        raise OptionError(
+            "this rank process was started without a sandbox policy, and loads no program"
+        )
+    return _confinement
+
+
 def _load_pt2(path: Path) -> tuple[Any, tuple, dict, Any]:
     import torch
 
-    if not path.is_file():
-        raise ModelError(f"{path}: no such file")
+    _confined()
     try:
-        ep = torch.export.load(str(path))
-    except Exception as exc:  # torch raises many kinds for a file it cannot read
-        raise ModelError(
-            f"{path}: not a torch.export program this torch ({torch.__version__}) can load: "
-            f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-        ) from None
+        f = open(path, "rb")  # noqa: SIM115 (torch reads it after the check, below)
+    except FileNotFoundError:
+        raise ModelError(f"{path}: no such file") from None
+    except OSError as exc:
+        raise ModelError(f"{path}: cannot be read: {exc.strerror}") from None
+    with f:
+        # The bytes checked are the bytes torch reads: one open file, not the path twice.
+        check_pt2(f, name=str(path))
+        f.seek(0)
+        try:
+            ep = torch.export.load(f)
+        except Exception as exc:  # torch raises many kinds for a file it cannot read
+            raise ModelError(
+                f"{path}: not a torch.export program this torch ({torch.__version__}) can load: "
+                f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            ) from None
     if ep.example_inputs is None:
         raise ModelError(
             f"{path}: saved without example inputs; export with torch.export.export(model, args) "
@@ -303,6 +342,7 @@ def _inspect(req: dict[str, Any]) -> dict[str, Any]:
     reply = _layout_reply(module, world_size, backend)
     reply["torch"] = str(torch.__version__)
     reply["devices"] = devices
+    reply["sandbox"] = _sandbox_said(req["source"])
     if not reply["params"]:
         raise ModelError(
             f"{req['source'].get('path')}: the model has no parameter that requires a gradient"
@@ -317,6 +357,22 @@ def _init(req: dict[str, Any]) -> dict[str, Any]:
     rank, world_size, backend = int(req["rank"]), int(req["world_size"]), str(req["backend"])
     torch.set_num_threads(max(1, int(req.get("threads", 1))))
     device = _device(backend, rank)
+    pt2 = req["source"].get("kind") != "entry"
+    if pt2:
+        _confined()  # before joining: a rank that may load nothing says so, alike on every rank
+    store = dist.FileStore(str(req["store"]), world_size)
+    timeout = datetime.timedelta(seconds=float(req.get("timeout_s", 120)))
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    # The world's connections exist once every rank has passed a collective (gloo's mesh
+    # forms in init_process_group, an accelerator's communicator at its first
+    # collective); no new one is made after, so the network closes before the program
+    # is opened.
+    if backend == "nccl":
+        dist.barrier(device_ids=[device.index])
+    else:
+        dist.barrier()
+    if pt2 and _confined().confined:
+        sandbox.close_network()
     module, args, kwargs, loss_fn = _load(req["source"])
     module = module.to(device)
     gen = torch.Generator().manual_seed(1234 + rank)
@@ -326,15 +382,19 @@ def _init(req: dict[str, Any]) -> dict[str, Any]:
 
     args = tuple(mine(a) for a in args)
     kwargs = {k: mine(v) for k, v in kwargs.items()}
-    store = dist.FileStore(str(req["store"]), world_size)
-    timeout = datetime.timedelta(seconds=float(req.get("timeout_s", 120)))
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     _state.update(module=module, args=args, kwargs=kwargs, loss=loss_fn, device=device, rank=rank)
     # What is loaded now (torch, the model) lives as long as the rank: out of the
     # collector's sight, each turn's collection scans only that turn's objects (a full
     # collection over torch's took about 70 ms a turn, a quarter of a small model's).
     gc.freeze()
-    return _layout_reply(module, world_size, backend)
+    return {**_layout_reply(module, world_size, backend), "sandbox": _sandbox_said(req["source"])}
+
+
+def _sandbox_said(source: dict[str, Any]) -> str:
+    """How the process that loaded `source` is confined, in words."""
+    if source.get("kind") == "entry":
+        return "unconfined: your own training code (--entry) runs as you"
+    return _confined().describe()
 
 
 def _build(config: DDPConfig) -> Any:
