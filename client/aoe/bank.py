@@ -185,10 +185,12 @@ def record_from_json(line: str) -> bank_pb2.ExportEntriesResponse:
     """Parse one exchange line into an ExportEntriesResponse; a bare BankEntry line (as
     exports before default records and trials wrote) comes back as its `entry`. Raises
     ValueError with the parser's reason."""
+    from aoe.recordcheck import MAX_LINE, RecordError, loads
+
     try:
-        doc = json.loads(line)
-    except ValueError as exc:
-        raise ValueError(f"not JSON: {exc}") from None
+        doc = loads(line, "line", MAX_LINE)
+    except RecordError as exc:
+        raise ValueError(exc.reason) from None
     if isinstance(doc, dict) and doc and doc.keys() <= _RECORD_FIELDS:
         try:
             return json_format.ParseDict(doc, bank_pb2.ExportEntriesResponse())
@@ -485,7 +487,7 @@ class BankReader:
         for layer in self._layers:
             raw = layer.get(key, layer.defaults)
             if raw is not None:
-                return json.loads(raw), layer.name
+                return _stored_doc(layer.path, key, raw), layer.name
         return None, ""
 
     def lookup_explain(
@@ -624,7 +626,7 @@ class BankReader:
                 if entries_only:
                     continue
                 for k, v in txn.cursor(db=lay.defaults):
-                    rec = default_record(k, json.loads(v))
+                    rec = default_record(k, _stored_doc(lay.path, k, v))
                     yield lay.name, bank_pb2.ExportEntriesResponse(default_record=rec)
                 if not history:
                     continue
@@ -667,6 +669,23 @@ class BankReader:
                 )
             )
         return out
+
+
+def _stored_doc(path: Path, key: bytes, raw: bytes) -> dict[str, Any]:
+    """A default record's document as the bank stores it, parsed with bounded nesting
+    (aoe.recordcheck.loads); BankError naming the bank and key when it is no object."""
+    from aoe.recordcheck import RecordError, loads
+
+    try:
+        doc = loads(raw, "default record", 1 << 20)
+    except RecordError as exc:
+        doc = exc
+    if not isinstance(doc, dict):
+        raise BankError(
+            f"bank {path}: default record {key.decode('ascii', 'replace')}: not a document "
+            f"aoed writes ({doc}); drop the bank's copy of it or restore the bank"
+        )
+    return doc
 
 
 def _stored_map_size(layer: _Layer) -> int:

@@ -504,7 +504,13 @@ def _import(args: argparse.Namespace) -> int:
     path = _bank_path(args)
     with ctx:
         report = embedded.import_bank(
-            path, lines, args.policy, args.allow_foreign, wait=args.wait, on_wait=_say_waiting
+            path,
+            lines,
+            args.policy,
+            args.allow_foreign,
+            wait=args.wait,
+            on_wait=_say_waiting,
+            plugins=_config(args).plugins,
         )
     print(
         f"aoe: imported into {path}: {report.added} added, {report.updated} updated, "
@@ -687,6 +693,7 @@ def _sync_local(args: argparse.Namespace):
         connect,
         wait=args.wait,
         on_wait=_say_waiting,
+        plugins=config.plugins,
     )
 
 

@@ -8,7 +8,6 @@ and any reader of a bank use these; the bank's keys are `aoe.signature.bank_key`
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 
 from aoe.bank import PRECISION_CODES, PRECISION_NAMES
@@ -95,8 +94,19 @@ def _measured(msg: bank_pb2.Stats) -> Measured:
 
 
 def decode(data: bytes) -> BankRecord:
+    """The record of stored entry bytes; ValueError (aoe.recordcheck.RecordError) when
+    its device's canonical JSON is not a bounded JSON object."""
+    from aoe.recordcheck import MAX_DEVICE_JSON, RecordError, loads
+
     e = bank_pb2.BankEntry.FromString(data)
     s, d = e.signature, e.device
+    device = (
+        loads(d.canonical_json, "device.canonical_json", MAX_DEVICE_JSON)
+        if d.canonical_json
+        else {}
+    )
+    if not isinstance(device, dict):
+        raise RecordError("device.canonical_json", "not a JSON object")
     return BankRecord(
         key=e.key.encode(),
         signature=TaskSignature(s.op_type, s.domain, s.opset, s.canonical_json, s.digest),
@@ -105,10 +115,10 @@ def decode(data: bytes) -> BankRecord:
             d.hardware,
             tuple(d.isa_flags),
             d.runtime_version,
-            json.loads(d.canonical_json).get("options", {}) if d.canonical_json else {},
+            device.get("options", {}),
             d.canonical_json,
             d.digest,
-            json.loads(d.canonical_json).get("accelerator", {}) if d.canonical_json else {},
+            device.get("accelerator", {}),
         ),
         strategy=e.strategy.name,
         family=e.strategy.family,

@@ -168,9 +168,12 @@ def _record_line(record: bank_pb2.ExportEntriesResponse) -> str:
 
 def _parse_record(line: str) -> bank_pb2.ExportEntriesResponse:
     """A record line (or a bare BankEntry line, as old exports wrote), as
-    aoe.bank.record_from_json reads it; ValueError with the parser's reason."""
+    aoe.bank.record_from_json reads it (nesting and size bounded first: a line is
+    untrusted input); ValueError with the parser's reason."""
+    from aoe.recordcheck import MAX_LINE, loads
+
     try:
-        doc = json.loads(line)
+        doc = loads(line, "line", MAX_LINE)
         if isinstance(doc, dict) and doc and doc.keys() <= set(_RECORD_FIELDS):
             return json_format.ParseDict(doc, bank_pb2.ExportEntriesResponse())
         return bank_pb2.ExportEntriesResponse(

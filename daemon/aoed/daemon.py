@@ -47,6 +47,7 @@ from aoed.jobs.store import JobStore
 from aoed.metrics import DaemonMetrics, Snapshot, count_states
 from aoed.notify import Notifier, Watchdog
 from aoed.stopping import StopDeadline
+from aoed.vocabulary import tuner_vocabulary
 
 __all__ = ["Daemon"]
 
@@ -126,8 +127,9 @@ class Daemon:
                         cfg.engine.bank,
                     )
                     devices = [engine.device.device.fingerprint().digest]
+                    vocabulary = tuner_vocabulary(engine.registry)
                     for peer in cfg.follow:
-                        follower = Follower(engine.bank, peer, devices, connect)
+                        follower = Follower(engine.bank, peer, devices, connect, vocabulary)
                         self.followers.append(follower)
                         await nursery.start(follower.run)
                     if cfg.follow:

@@ -239,14 +239,18 @@ def import_bank(
     *,
     wait: bool = False,
     on_wait: Callable[[str], None] | None = None,
+    plugins: Sequence[str] = (),
 ):
-    """Merge exchange lines (`aoe bank export`'s JSON Lines) into the bank at `path`;
-    returns the report (counts per kind, refusals). BankBusyError while another process
-    writes it, unless `wait`."""
+    """Merge exchange lines (`aoe bank export`'s JSON Lines) into the bank at `path`,
+    each record checked against what this tuner (the built-in strategies and `plugins`)
+    writes; returns the report (counts per kind, refusals). BankBusyError while another
+    process writes it, unless `wait`; OptionError for a broken plugin."""
     from aoed.bank.exchange import import_lines
+    from aoed.vocabulary import tuner_vocabulary
 
+    vocabulary = tuner_vocabulary(plugins=plugins)
     with _store(path, wait, on_wait) as store:
-        return import_lines(store, lines, policy, allow_foreign)
+        return import_lines(store, lines, policy, allow_foreign, vocabulary)
 
 
 def prune_bank(
@@ -282,21 +286,26 @@ def sync_bank(
     *,
     wait: bool = False,
     on_wait: Callable[[str], None] | None = None,
+    plugins: Sequence[str] = (),
 ):
     """One follow pass: apply to the bank at `path` what the bank of the daemon at `peer`
     (reached through `connect`, which returns an aoe.Client) wrote since this bank last
-    took its writes, for the device `device_digest`; returns the report."""
+    took its writes, for the device `device_digest`, each record checked as an import
+    (with `plugins`' strategies); returns the report."""
     import trio
 
     from aoed.bank.follow import Follower
     from aoed.bank.writer import BankWriter
+    from aoed.vocabulary import tuner_vocabulary
+
+    vocabulary = tuner_vocabulary(plugins=plugins)
 
     async def run():
         writer = BankWriter(path, layers=[], wait=wait, on_wait=on_wait)
         try:
             async with trio.open_nursery() as nursery:
                 await nursery.start(writer.run)
-                report = await Follower(writer, peer, [device_digest], connect).sync()
+                report = await Follower(writer, peer, [device_digest], connect, vocabulary).sync()
                 nursery.cancel_scope.cancel()
             return report
         finally:

@@ -11,7 +11,8 @@ bank) and, for VerifyEntries, the engine's device.
   ExportEntries  the custom bank's records (entries, default records, then the history,
                  each in key order), read a page per transaction
   ImportEntries  reads the whole stream in the handler's thread and checks every record
-                 as `aoe bank import` does (bad ones are refused with their reason), then
+                 as `aoe bank import` does, each field against what this daemon's tuner
+                 writes (bad ones are refused with their reason, and logged), then
                  merges the rest in one go: nothing is written before all is checked
   GetBankStats   counts per layer; sizes of the custom bank
   PruneBank      drops the custom bank's history, or counts what would go
@@ -45,6 +46,7 @@ from aoed.bank.follow import Connect, FollowBatch, Follower, SyncReport, feed
 from aoed.bank.daemonbank import DaemonBank, Keep, check_import
 from aoed.bank.store import MergeCounts
 from aoed.engine.bankverify import Verdict, sample_entries, verify_entries
+from aoed.vocabulary import tuner_vocabulary
 
 if TYPE_CHECKING:
     from aoed.engine.engine import Engine
@@ -114,6 +116,8 @@ class BankServicer(bank_pb2_grpc.BankServiceServicer):
         self._bank = DaemonBank(engine.bank, engine.device.device.fingerprint())
         self._connect = connect or _plain_client
         self._peers = frozenset(peers)
+        #: what this daemon's tuner writes: every record from outside is checked against it
+        self._vocabulary = tuner_vocabulary(engine.registry)
 
     @property
     def bank(self) -> DaemonBank:
@@ -166,7 +170,10 @@ class BankServicer(bank_pb2_grpc.BankServiceServicer):
             else itertools.chain([first], request_iterator)
         )
         checked = check_import(
-            _lines(records, context), _POLICY[options.policy], options.allow_foreign_devices
+            _lines(records, context),
+            _POLICY[options.policy],
+            options.allow_foreign_devices,
+            self._vocabulary,
         )
         counts = self._bridge.call(context, self._bank.merge, checked)
         return _import_response(counts, checked.refused)
@@ -208,7 +215,9 @@ class BankServicer(bank_pb2_grpc.BankServiceServicer):
                 "[bank] follow list; add it there, or sync into a bank folder with --bank"
             )
         devices = [self._engine.device.device.fingerprint().digest]
-        return await Follower(self._engine.bank, peer, devices, self._connect).sync()
+        return await Follower(
+            self._engine.bank, peer, devices, self._connect, self._vocabulary
+        ).sync()
 
     def PruneBank(self, request, context):
         r = self._bridge.call(context, self._bank.prune, request.dry_run)

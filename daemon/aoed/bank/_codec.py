@@ -24,6 +24,16 @@ from aoe.bank import (
     parse_key,
     record_from_json,
 )
+from aoe.recordcheck import (
+    MAX_TRIAL_JSON,
+    RecordError,
+    Vocabulary,
+    check_default,
+    check_default_doc,
+    check_entry,
+    check_trial,
+    loads,
+)
 from aoe.signature import SCHEMA_VERSION, bank_key
 from aoe.v1 import bank_pb2
 
@@ -92,8 +102,9 @@ def _key_problem(key: str) -> tuple[str, str]:
     return "", dev32
 
 
-def parse_line(line: str) -> Incoming:
-    """Parse and check one JSON Lines record; `problem` says why it cannot be imported."""
+def parse_line(line: str, vocabulary: Vocabulary | None = None) -> Incoming:
+    """Parse and check one JSON Lines record, each field against what the tuner of
+    `vocabulary` writes (aoe.recordcheck); `problem` says why it cannot be imported."""
     try:
         msg = record_from_json(line)
     except ValueError as exc:
@@ -107,7 +118,18 @@ def parse_line(line: str) -> Incoming:
         return Incoming(
             "", b"", b"", "", problem="not a bank record (no entry, default_record or trial)"
         )
-    return _parse_entry(msg.entry)
+    return _parse_entry(msg.entry, vocabulary)
+
+
+def _checked(inc: Incoming, check) -> Incoming:
+    """`inc` with `check()`'s RecordError as its problem (when it has none yet)."""
+    if inc.problem:
+        return inc
+    try:
+        check()
+    except RecordError as exc:
+        return dataclasses.replace(inc, problem=str(exc))
+    return inc
 
 
 def _parse_default(rec: bank_pb2.DefaultRecord) -> Incoming:
@@ -117,9 +139,10 @@ def _parse_default(rec: bank_pb2.DefaultRecord) -> Incoming:
     if not problem and not all(_HEX64.fullmatch(d) for d in rec.reverted):
         problem = "a reverted task is not a 64-digit signature digest"
     data = encode_doc(default_doc(rec))
-    return Incoming(
+    inc = Incoming(
         "default", rec.key.encode(), data, dev32, time_us=rec.default_us, problem=problem
     )
+    return _checked(inc, lambda: check_default(rec))
 
 
 def _parse_trial(rec: bank_pb2.TrialRecord) -> Incoming:
@@ -128,12 +151,12 @@ def _parse_trial(rec: bank_pb2.TrialRecord) -> Incoming:
         problem = "no time stamp"
     if not problem:
         try:
-            if not isinstance(json.loads(rec.trial_json), dict):
+            if not isinstance(loads(rec.trial_json, "trial_json", MAX_TRIAL_JSON), dict):
                 problem = "trial is not a JSON object"
-        except ValueError as exc:
-            problem = f"trial is not JSON ({exc})"
+        except RecordError as exc:
+            problem = f"trial is not JSON ({exc.reason})"
     # Stored as it came: the exporting bank wrote it as encode_doc does.
-    return Incoming(
+    inc = Incoming(
         "trial",
         rec.key.encode(),
         rec.trial_json.encode(),
@@ -141,9 +164,10 @@ def _parse_trial(rec: bank_pb2.TrialRecord) -> Incoming:
         time_ns=rec.time_ns,
         problem=problem,
     )
+    return _checked(inc, lambda: check_trial(rec))
 
 
-def _parse_entry(e: bank_pb2.BankEntry) -> Incoming:
+def _parse_entry(e: bank_pb2.BankEntry, vocabulary: Vocabulary | None = None) -> Incoming:
     key = e.key.encode()
     problem = ""
     precision = PRECISION_NAMES.get(e.strategy.precision)
@@ -152,21 +176,23 @@ def _parse_entry(e: bank_pb2.BankEntry) -> Incoming:
     elif precision is None:
         problem = "no precision"
     elif not e.strategy.name:
-        problem = "no strategy"
+        problem = "strategy.name: no strategy"
     elif not e.winner.median_us > 0:
-        problem = "no winner timing"
+        problem = f"winner.median_us: {e.winner.median_us!r}, no winner timing"
     elif _sha256(e.signature.canonical_json) != e.signature.digest:
         problem = "signature digest does not match its canonical JSON"
     elif _sha256(e.device.canonical_json) != e.device.digest:
         problem = "device digest does not match its canonical JSON"
     elif key != bank_key(e.signature.digest, e.device.digest, precision):
         problem = "key does not match the entry's signature, device and precision"
+    if not problem:
+        try:
+            check_entry(e, vocabulary)
+        except RecordError as exc:
+            problem = str(exc)
     try:
-        options = (
-            json.loads(e.device.canonical_json).get("options", {})
-            if e.device.canonical_json
-            else {}
-        )
+        doc = json.loads(e.device.canonical_json) if not problem else {}
+        options = doc.get("options", {}) if isinstance(doc, dict) else {}
     except ValueError:
         options = {}
     return Incoming(
@@ -183,19 +209,22 @@ def _parse_entry(e: bank_pb2.BankEntry) -> Incoming:
     )
 
 
-def check_stored(kind: str, key: bytes, value: bytes) -> Incoming:
+def check_stored(
+    kind: str, key: bytes, value: bytes, vocabulary: Vocabulary | None = None
+) -> Incoming:
     """Check a record as another bank stores it (`kind` "entry", "default" or "trial";
     a trial under its history key) with the checks of an exchange line; `problem` says
     why it cannot be merged. `data` is `value`, kept byte for byte."""
     try:
         if kind == "entry":
-            inc = _parse_entry(bank_pb2.BankEntry.FromString(value))
+            inc = _parse_entry(bank_pb2.BankEntry.FromString(value), vocabulary)
             if not inc.problem and inc.key != key:
                 inc = dataclasses.replace(inc, problem="stored under another key than its own")
         elif kind == "default":
-            doc = json.loads(value)
+            doc = loads(value, "default record", MAX_TRIAL_JSON)
             if not isinstance(doc, dict):
                 raise ValueError("not a JSON object")
+            check_default_doc(doc)
             inc = _parse_default(default_record(key, doc))
         elif kind == "trial":
             bank, _, stamp = key.decode("ascii").rpartition("/")

@@ -31,6 +31,7 @@ import trio
 from aoe.lmdbenv import lmdb_errors
 from aoe.bank import CUSTOM, BankReader, Explanation, LayerStats
 from aoe.errors import OptionError
+from aoe.recordcheck import Vocabulary
 from aoe.signature import DeviceFingerprint
 from aoe.bankrecord import BankRecord, decode
 from aoed.bank.exchange import import_lines
@@ -123,12 +124,18 @@ class CheckedImport:
         return {kind: MergeCounts() for kind in KINDS}
 
 
-def check_import(lines: Iterable[str], policy: str, allow_foreign: bool) -> CheckedImport:
-    """Check exchange `lines` as `aoe bank import` does, writing nothing (synchronous: a
-    gRPC handler thread reads its request stream through it). Raises OptionError for an
-    unknown policy, and whatever reading `lines` raises."""
+def check_import(
+    lines: Iterable[str],
+    policy: str,
+    allow_foreign: bool,
+    vocabulary: Vocabulary | None = None,
+) -> CheckedImport:
+    """Check exchange `lines` as `aoe bank import` does (each record against what the
+    tuner of `vocabulary` writes), writing nothing (synchronous: a gRPC handler thread
+    reads its request stream through it). Raises OptionError for an unknown policy, and
+    whatever reading `lines` raises."""
     checked = CheckedImport()
-    report = import_lines(checked, lines, policy, allow_foreign)  # type: ignore[arg-type]
+    report = import_lines(checked, lines, policy, allow_foreign, vocabulary)  # type: ignore[arg-type]
     checked.refused = report.refused
     return checked
 
@@ -148,8 +155,9 @@ class DaemonBank:
         self.hits = 0
 
     async def _view(self) -> tuple[StoreLayer, BankReader]:
+        store = await self._writer.store()  # (raises while the writer refuses the bank)
         if self._layer is None or self._reader is None:
-            layer = await trio.to_thread.run_sync(StoreLayer, await self._writer.store())
+            layer = await trio.to_thread.run_sync(StoreLayer, store)
             layers = await self._writer.layers()
             # The read-only layers are the writer's (opened once); this reader borrows
             # them and is never closed.

@@ -22,6 +22,11 @@ Provenance is stored as it arrives. A record measured on a device that is not th
 machine is refused unless `allow_foreign` (it would never be applied here, but a team
 bank built on one machine for others may want it).
 
+Every record from outside is untrusted: each field is checked against what this tuner
+writes (aoe.recordcheck, with the strategy names of its registry: a `Vocabulary`), and
+a record that is not one it could have written is refused whole, named in the report
+and logged once with its key and the field at fault.
+
 Following a peer (`aoed.bank.follow`) merges what the peer's log sends with the same
 checks (foreign records refused) and one rule that is a total order, so that banks
 following each other converge to the same record under every key whatever the order
@@ -34,11 +39,13 @@ a decision made worse by a local write elsewhere is corrected there too.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from aoe.errors import OptionError
 from aoe.gradlayout import GDAT_PROVIDER, host_fingerprint, torch_version
+from aoe.recordcheck import Vocabulary
 from aoe.signature import DeviceFingerprint, device_fingerprint
 from aoed.bank._codec import Incoming, check_stored, default_us, parse_line, winner_us
 from aoed.bank.store import (
@@ -52,10 +59,15 @@ from aoed.bank.store import (
     Record,
     history_key,
 )
+from aoed.logs import cut
 
 __all__ = ["POLICIES", "ImportReport", "check_change", "follow_replace", "import_lines"]
 
+log = logging.getLogger(__name__)
+
 POLICIES = ("keep-faster", "overwrite", "keep-existing")
+#: Refused records of one import logged one by one; the rest are counted in one line.
+LOG_REFUSED = 1000
 
 
 @dataclass
@@ -132,16 +144,23 @@ def _label(inc: Incoming, n: int) -> str:
 
 
 def import_lines(
-    store: BankStore, lines: Iterable[str], policy: str = "keep-faster", allow_foreign: bool = False
+    store: BankStore,
+    lines: Iterable[str],
+    policy: str = "keep-faster",
+    allow_foreign: bool = False,
+    vocabulary: Vocabulary | None = None,
 ) -> ImportReport:
     """Merge the JSON Lines `lines` into `store` under `policy`; returns what happened.
 
-    Blank lines are skipped; a line that is not a valid record, or (without
-    `allow_foreign`) one measured on another device, is refused and reported.
+    Blank lines are skipped; a line that is not a record the tuner of `vocabulary`
+    writes (aoe.recordcheck; without one, strategy names are checked for their shape
+    and no GDAT knob is taken), or (without `allow_foreign`) one measured on another
+    device, is refused and reported; each invalid one is logged.
     Raises OptionError for an unknown policy, BankError when the store fails.
     """
     replace = _replace(policy)
     report = ImportReport()
+    invalid = 0
     # The devices default records and trials of this machine name: its CPU for ONNX
     # Runtime, and for GDAT its CPU worlds (gloo) under the installed torch.
     here = {device_fingerprint().digest[:32]}
@@ -149,14 +168,18 @@ def import_lines(
         here.add(host_fingerprint("gloo").digest[:32])
 
     def accepted() -> Iterator[Record]:
+        nonlocal invalid
         for n, line in enumerate(lines, 1):
             if not line.strip():
                 continue
-            inc = parse_line(line)
+            inc = parse_line(line, vocabulary)
             why = inc.problem or ("" if allow_foreign else _foreign(inc, here))
             if why:
                 if not inc.problem:
                     why += "; pass --allow-foreign to import it anyway"
+                else:
+                    _log_invalid("import", _label(inc, n), why, invalid)
+                    invalid += 1
                 report.refused.append((_label(inc, n), why))
             elif inc.kind == TRIAL:
                 yield Record(TRIAL, history_key(inc.key, inc.time_ns), inc.data)
@@ -164,7 +187,19 @@ def import_lines(
                 yield Record(inc.kind, inc.key, inc.data)
 
     report.counts = store.merge(accepted(), replace)
+    if invalid > LOG_REFUSED:
+        log.warning(
+            "bank: import: %d more records refused as not written by this tuner (not logged)",
+            invalid - LOG_REFUSED,
+        )
     return report
+
+
+def _log_invalid(source: str, label: str, why: str, n: int = 0) -> None:
+    """Say once that a record from `source` was refused as one this tuner never writes
+    (up to LOG_REFUSED per import; the logs' formatter escapes what the record named)."""
+    if n < LOG_REFUSED:
+        log.warning("bank: %s: refused %s: %s", source, cut(label), cut(why, 300))
 
 
 def _rank(rec: Record) -> tuple[float, bool, bytes]:
@@ -177,14 +212,17 @@ def follow_replace(old: Record, new: Record) -> bool:
     return _rank(new) < _rank(old)
 
 
-def check_change(change: Change, devices: Iterable[str]) -> tuple[Record | None, str]:
-    """(the record to merge, "") for a change a peer sent, or (None, why not): not a
-    valid record, or (as import refuses without --allow-foreign) measured on a device
-    whose fingerprint digest is not one of `devices` (this daemon's)."""
-    inc = check_stored(change.kind, change.key, change.value)
+def check_change(
+    change: Change, devices: Iterable[str], vocabulary: Vocabulary | None = None
+) -> tuple[Record | None, str, bool]:
+    """(the record to merge, "", False) for a change a peer sent, or (None, why not,
+    whether it is invalid): not a record the tuner of `vocabulary` writes (invalid), or
+    (as import refuses without --allow-foreign) measured on a device whose fingerprint
+    digest is not one of `devices` (this daemon's)."""
+    inc = check_stored(change.kind, change.key, change.value, vocabulary)
     if inc.problem:
-        return None, inc.problem
+        return None, inc.problem, True
     reasons = [_foreign(inc, {here[:32]}) for here in devices]
     if all(reasons):
-        return None, reasons[0] if reasons else "this daemon has no device"
-    return Record(change.kind, change.key, change.value), ""
+        return None, reasons[0] if reasons else "this daemon has no device", False
+    return Record(change.kind, change.key, change.value), "", False

@@ -28,6 +28,11 @@ Invariants:
 - The gRPC stream is read in a worker thread one message at a time, under the follower's
   own capacity limiter (a stream waiting for news holds no token others need);
   cancelling the follower cancels the call, which ends that thread's read.
+- A peer's records are untrusted: each is checked as an import checks it, field by field
+  against what this tuner writes (`vocabulary`, aoe.recordcheck). One that is not a
+  record this tuner writes is refused, counted (`refused`) and logged once with its key
+  and the field at fault; one measured on another device is refused and counted quietly
+  (a fleet of mixed devices sends many).
 - Protobuf stays in `_codec` (and api/): the follower sees (seq, kind, key, value) only,
   whatever the kind of record, so a new kind flows through unchanged; a kind this
   bank does not keep is refused and counted, and the position still moves past it.
@@ -44,10 +49,12 @@ from typing import Any
 import trio
 
 from aoe.errors import AoedError, OptionError
+from aoe.recordcheck import Vocabulary
 from aoed.bank._codec import batch_from_pb
 from aoed.bank.exchange import check_change, follow_replace
 from aoed.bank.store import KINDS, Change, MergeCounts, Position, Record
 from aoed.bank.writer import BankMerge, BankWriter
+from aoed.logs import cut
 
 __all__ = ["FEED_PAGE", "FollowBatch", "Follower", "SyncReport", "feed"]
 
@@ -116,16 +123,23 @@ class SyncReport:
 
 class Follower:
     """Follows the bank of the daemon at `peer` (a gRPC target) into `writer`'s bank,
-    applying records measured on one of `devices` (fingerprint digests). `connect`
-    opens an aoe.client.Client to the peer. The public attributes are for metrics:
+    applying records measured on one of `devices` (fingerprint digests) that the tuner
+    of `vocabulary` could have written. `connect` opens an aoe.client.Client to the
+    peer. The public attributes are for metrics:
     `applied` (the peer's last sequence number applied here), `head` (the peer's last
     known), `lag_s` (from the peer's commit of the last record applied to its commit
     here; the two clocks' difference included), `connected`, `refused`, `errors`."""
 
     def __init__(
-        self, writer: BankWriter, peer: str, devices: Sequence[str], connect: Connect
+        self,
+        writer: BankWriter,
+        peer: str,
+        devices: Sequence[str],
+        connect: Connect,
+        vocabulary: Vocabulary | None = None,
     ) -> None:
         self.peer = peer
+        self._vocabulary = vocabulary
         self._writer = writer
         self._devices = tuple(devices)
         self._connect = connect
@@ -253,12 +267,23 @@ class Follower:
         records: list[Record] = []
         refused = 0
         for change in changes:
-            rec, why = check_change(change, self._devices)
+            rec, why, invalid = check_change(change, self._devices, self._vocabulary)
             if rec is None:
                 refused += 1
-                log.debug(
-                    "bank: from %s: refused %s %r: %s", self.peer, change.kind, change.key, why
-                )
+                key = change.key.decode("utf-8", "replace")
+                if invalid:
+                    log.warning(
+                        "bank: following %s: refused %s %s (seq %d): %s",
+                        self.peer,
+                        cut(change.kind, 40),
+                        cut(key),
+                        change.seq,
+                        cut(why, 300),
+                    )
+                else:
+                    log.debug(
+                        "bank: from %s: refused %s %s: %s", self.peer, change.kind, cut(key), why
+                    )
             else:
                 records.append(rec)
         new = Position(pos.bank_id, upto)

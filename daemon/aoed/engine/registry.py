@@ -25,11 +25,12 @@ function, named in the config (`plugins`) or AOED_PLUGINS.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from aoe.errors import OptionError
+from aoe.recordcheck import Vocabulary
 from aoed.engine.tasks import Rewrite, TaskView
 
 __all__ = ["APPROX", "DEFAULT", "Strategy", "StrategyRegistry"]
@@ -81,6 +82,7 @@ class StrategyRegistry:
         #: cache options) -> [(dimension, [options, ...])] (see aoed.engine.session);
         #: the backend sets it, the engine only calls it
         self.session_space: Callable[..., list[tuple[str, list[dict[str, Any]]]]] | None = None
+        self._vocabulary: Vocabulary | None = None
         for family in families:
             self.register(
                 Strategy(
@@ -96,6 +98,7 @@ class StrategyRegistry:
                 f"strategy {strategy.name!r} is already registered for {strategy.family}"
             )
         self._by_key[key] = strategy
+        self._vocabulary = None
         return strategy
 
     def strategy(
@@ -153,6 +156,26 @@ class StrategyRegistry:
 
     def families(self) -> list[str]:
         return list(dict.fromkeys(f for f, _ in self._by_key))
+
+    def vocabulary(self, knobs: Mapping[str, Iterable[str]] | None = None) -> Vocabulary:
+        """The strategy names of every family, as the bank's record checks take them
+        (aoe.recordcheck), with GDAT's process-group `knobs` (variable -> values)."""
+        if knobs is None and self._vocabulary is not None:
+            return self._vocabulary
+        names: dict[str, set[str]] = {}
+        with_param: dict[str, set[str]] = {}
+        for (family, name), s in self._by_key.items():
+            names.setdefault(family, set()).add(name)
+            if s.with_param is not None:
+                with_param.setdefault(family, set()).add(name)
+        vocabulary = Vocabulary(
+            {f: frozenset(n) for f, n in names.items()},
+            {f: frozenset(n) for f, n in with_param.items()},
+            {k: frozenset(v) for k, v in (knobs or {}).items()},
+        )
+        if knobs is None:
+            self._vocabulary = vocabulary
+        return vocabulary
 
     def load_plugins(self, modules: Iterable[str]) -> None:
         """Import each module and call its `register(registry)`; OptionError names a
