@@ -90,7 +90,7 @@ def test_compile_applies_bank_strategies_and_skips_what_it_must(
         rec(sig=first.signature, strategy="fused_gemm", family=first.family, winner=m, baseline=b),
         rec(sig=second.signature, strategy="no_such_strategy", family=second.family),
         rec(sig=third.signature, dev=foreign(), strategy="fused_gemm", family=third.family),
-        rec(sig=session_sig, strategy=canonical_json(options), family="session"),
+        rec(sig=session_sig, strategy=canonical_json(options), family="session", params={}),
     ]
     bank = make_bank(tmp_path / "bank", records)
     out = tmp_path / "compiled.onnx"
@@ -134,7 +134,14 @@ def test_compile_rechecks_banked_session_options_unless_told_not_to(
     options = {"intra_op_num_threads": 1, "config": {"session.intra_op.allow_spinning": "0"}}
     bank = make_bank(
         tmp_path / "bank",
-        [rec(sig=model_signature(prep.model), strategy=canonical_json(options), family="session")],
+        [
+            rec(
+                sig=model_signature(prep.model),
+                strategy=canonical_json(options),
+                family="session",
+                params={},
+            )
+        ],
     )
     r = run_aoe("compile", str(src), "-o", str(tmp_path / "a.onnx"), "--bank", str(bank), "--json")
     assert r.returncode == 0, r.stderr

@@ -76,7 +76,10 @@ def test_verify_rechecks_session_options_on_the_model_given(models: Path, tmp_pa
     prep = prepare(src, tmp_path / "prep")
     options = {"intra_op_num_threads": 1}
     session = rec(
-        sig=model_signature(prep.model), strategy=canonical_json(options), family="session"
+        sig=model_signature(prep.model),
+        strategy=canonical_json(options),
+        family="session",
+        params={},
     )
     bank = make_bank(tmp_path / "bank", [session])
     r = run_aoe(

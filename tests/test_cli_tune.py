@@ -280,7 +280,8 @@ def _store_session_record(bank: Path, model: Path, options: dict, confirmed: dic
     from aoe.signature import bank_key, canonical_json, device_fingerprint
     from aoe.bankrecord import BankRecord, Measured, encode
     from aoed.bank.store import BankStore
-    from aoed.engine.assemble import SESSION_FAMILY, model_signature
+    from aoe.recordcheck import SESSION_FAMILY
+    from aoed.engine.assemble import model_signature
 
     signature = model_signature(prepare(model, bank.parent / "prep").model)
     device = device_fingerprint()

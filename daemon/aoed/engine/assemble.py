@@ -23,6 +23,7 @@ from aoe.sessionopts import METADATA_KEY
 from aoe.device import CPU, Device
 from aoe.errors import AoedError
 from aoe.partition import Task, partition
+from aoe.recordcheck import Vocabulary
 from aoe.subgraphs import SUBGRAPH_FAMILIES
 from aoe.signature import (
     DeviceFingerprint,
@@ -47,9 +48,6 @@ __all__ = [
     "tunable_tasks",
     "tuned_metadata",
 ]
-
-#: The family of the model-wide session-options entry.
-SESSION_FAMILY = "session"
 
 
 def model_signature(model: onnx.ModelProto) -> TaskSignature:
@@ -219,11 +217,15 @@ class Assembly:
 
 
 def _outcome(
-    bank: Lookup, key: bytes, base: TaskOutcome, device: DeviceFingerprint
+    bank: Lookup,
+    key: bytes,
+    base: TaskOutcome,
+    device: DeviceFingerprint,
+    vocabulary: Vocabulary | None = None,
 ) -> bankrules.BankAnswer:
     rec, layer = bank.record(key)
     default, dlayer = bank.default(key) if rec is None else (None, "")
-    ans = bankrules.answer(rec, layer, default, dlayer, device)
+    ans = bankrules.answer(rec, layer, default, dlayer, device, vocabulary)
     base.status, base.layer, base.reason = ans.kind, ans.layer, ans.reason
     if ans.kind == "hit":
         assert ans.record is not None
@@ -252,7 +254,8 @@ def from_bank(
     sig = model_signature(model)
     key = bankrules.key_for(sig, device, precision)
     session = TaskOutcome("session", "", "SessionOptions", 1, "miss", key=key.decode())
-    ans = ans_model = _outcome(bank, key, session, device)
+    vocabulary = registry.vocabulary()
+    ans = ans_model = _outcome(bank, key, session, device, vocabulary)
     options: dict[str, Any] = {}
     reverted = bankrules.reverted_digests(ans)
     if ans.kind == "hit":
@@ -287,7 +290,7 @@ def from_bank(
             base.reason = f"its nodes are in subgraph {inside}, whose bank entry is applied"
             outcomes.append(base)
             continue
-        ans = _outcome(bank, key, base, device)
+        ans = _outcome(bank, key, base, device, vocabulary)
         if ans.kind == "hit" and t.signature.digest in reverted:
             base.status, base.strategy = "reverted", DEFAULT
             base.reason = "reverted in this model's context by the tuning run's verification"

@@ -2,8 +2,10 @@
 
 Reading (`answer`): an entry measured on this device answers ("hit"); a record that the
 task was tuned and the default stayed fastest answers too ("default": nothing to apply,
-nothing to measure); an entry from another device is never applied ("ignored");
-otherwise it is a "miss". Without REPEAT_TUNE a hit or default is used as-is.
+nothing to measure); an entry from another device, or a record that is not one this
+tuner writes (aoe.recordcheck: a bank is data, whoever wrote it), is never applied
+("ignored"); otherwise it is a "miss". Without REPEAT_TUNE a hit or default is used
+as-is.
 
 Writing, after a task was tuned (`after_tuning`), per AOE:
   no entry, better than the default  -> add          (entry written)
@@ -27,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from aoe.partition import Task
+from aoe.recordcheck import RecordError, Vocabulary, check_default_doc, check_record
 from aoe.signature import DeviceFingerprint, TaskSignature, bank_key
 from aoed import __version__
 from aoe.bankrecord import BankRecord, Measured
@@ -86,15 +89,37 @@ def answer(
     default: Mapping[str, Any] | None,
     default_layer: str,
     device: DeviceFingerprint,
+    vocabulary: Vocabulary | None = None,
 ) -> BankAnswer:
-    """What the bank says about one key (its entry and "default stays best" record)."""
+    """What the bank says about one key (its entry and "default stays best" record),
+    each checked against what the tuner of `vocabulary` writes before it is used."""
     if record is not None:
         if record.device.digest != device.digest:
             return BankAnswer(
                 "ignored", None, layer, None, f"entry in {layer} was measured on another device"
             )
+        try:
+            check_record(record, vocabulary)
+        except RecordError as exc:
+            return BankAnswer(
+                "ignored",
+                None,
+                layer,
+                None,
+                f"entry in {layer} is not one this tuner writes ({exc}): never applied",
+            )
         return BankAnswer("hit", record, layer)
     if default is not None:
+        try:
+            check_default_doc(dict(default))
+        except RecordError as exc:
+            return BankAnswer(
+                "ignored",
+                None,
+                default_layer,
+                None,
+                f"default record in {default_layer} is not one this tuner writes ({exc})",
+            )
         return BankAnswer("default", None, default_layer, default)
     return BankAnswer("miss")
 

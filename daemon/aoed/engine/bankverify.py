@@ -33,6 +33,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from aoe.errors import AoedError, DeviceError
+from aoe.recordcheck import RecordError, check_record
 from aoe.signature import ModelContext, task_signature
 from aoe.bankrecord import BankRecord
 from aoed.engine.decisions import clearly_faster
@@ -264,6 +265,11 @@ async def verify_entries(
                 continue
             if e.family == "session":
                 if e.signature.digest in by_sig:
+                    try:  # a bank is data: only options this tuner sets are measured
+                        check_record(e, engine.registry.vocabulary())
+                    except RecordError as exc:
+                        v.verdict, v.detail = "error", f"not a record this tuner writes ({exc})"
+                        continue
                     trials += await _verify_options(
                         engine, e, v, by_sig[e.signature.digest], budget_s, ledger
                     )

@@ -112,7 +112,9 @@ class JobContext:
         default, dlayer = (
             (None, "") if rec is not None else await self.bank.known_default_layered(key)
         )
-        return bankrules.answer(rec, layer, default, dlayer, self.fingerprint)
+        return bankrules.answer(
+            rec, layer, default, dlayer, self.fingerprint, self.registry.vocabulary()
+        )
 
     async def measure(
         self,

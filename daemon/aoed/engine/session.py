@@ -26,7 +26,7 @@ from aoe.spec import Stage
 from aoe.bankrecord import BankRecord
 from aoed.bank.writer import BankWrite
 from aoed.engine import bankrules, decisions
-from aoed.engine.assemble import SESSION_FAMILY
+from aoe.recordcheck import SESSION_FAMILY
 from aoed.engine.budget import Budget
 from aoed.engine.context import JobContext
 from aoed.engine.messages import Candidate, Measurement, MeasurePlan

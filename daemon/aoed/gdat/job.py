@@ -41,6 +41,7 @@ from aoe.config import Config
 from aoe.errors import AoedError, JobCancelledError, OptionError
 from aoe.gdat import DDPConfig, plugin_hook_names
 from aoe.gradlayout import GradientLayout, host_fingerprint, parse_backend, parse_precision
+from aoe.recordcheck import Vocabulary
 from aoed import safefs
 from aoed.engine.world import World, WorldSpec, inspect_model
 from aoed.backends.torch.archive import check_pt2
@@ -307,16 +308,22 @@ class _Job:
         )
         rec, layer = await self.bank.lookup_layered(key)
         default, default_layer = await self.bank.known_default_layered(key)
-        ans = bankrules.answer(rec, layer, default, default_layer, host)
+        knobs = (
+            opts.world_knobs if opts.world_knobs is not None else space.world_knobs(opts.backend)
+        )
+        # A banked configuration may set only the knobs this job's search sets itself.
+        known: dict[str, set[str]] = {}
+        for world in knobs:
+            for name, value in world:
+                known.setdefault(name, set()).add(value)
+        vocabulary = Vocabulary(knobs={k: frozenset(v) for k, v in known.items()})
+        ans = bankrules.answer(rec, layer, default, default_layer, host, vocabulary)
         if ans.usable(opts.repeat_tune):
             return self._from_bank(ans, layout, key)
         banked = (
             DDPConfig.from_params(ans.record.params)
             if ans.kind == "hit" and ans.record is not None
             else None
-        )
-        knobs = (
-            opts.world_knobs if opts.world_knobs is not None else space.world_knobs(opts.backend)
         )
         main = self.open_world("", ())
         meter = Meter(
