@@ -22,7 +22,9 @@ def __getattr__(name: str) -> Any:
 
 
 def session_options_of(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """The session options a tuned model carries in its metadata (empty when none)."""
+    """The session options a tuned model carries in its metadata (empty when none).
+    They are data: ValueError (naming the option) for any the tuner never sets, among
+    them every one that names a file (aoe.recordcheck)."""
     import onnx
 
     from aoe.sessionopts import METADATA_KEY, normalize_options
@@ -39,11 +41,14 @@ def session(
     providers: list[Any] | None = None,
     *,
     device_id: int = 0,
+    trt_cache: str | os.PathLike[str] | None = None,
     **overrides: Any,
 ):
     """Return an `onnxruntime.InferenceSession` for `path`, set up as the tuner measured it:
     its session options and the providers it was tuned on (with their options), on
-    accelerator `device_id`, then the CPU for what they do not take.
+    accelerator `device_id`, then the CPU for what they do not take. A model's metadata
+    never makes the session read or write a file; on TensorRT, `trt_cache` (a folder of
+    yours) keeps its built engines and timing cache, so later sessions skip the build.
 
     `overrides` replace individual session options (e.g. `intra_op_num_threads=4`);
     `providers` replaces the stored providers (onnxruntime's own argument: the model then
@@ -54,11 +59,13 @@ def session(
     """
     import onnxruntime as ort
 
-    from aoe.sessionopts import make_session_options, session_providers
+    from aoe.sessionopts import make_session_options, session_providers, trt_files
 
     options = {**session_options_of(path), **overrides}
     if providers is None:
-        providers = session_providers(options, device_id)
+        providers = session_providers(
+            options, device_id, trt_files(trt_cache) if trt_cache is not None else None
+        )
         available = ort.get_available_providers()
         missing = [name for name, _ in providers if name not in available]
         if missing:

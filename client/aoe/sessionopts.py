@@ -9,11 +9,18 @@ preference, each with its options: `"providers": [[provider, {option: value}], .
 e.g. TensorRT's with `trt_fp16_enable` "1", then CUDA's with none (the CPU provider
 always comes last, for what the others do not take; `device_id` is the session's,
 never stored).
+
+Options are data (a bank record, a model's metadata), so this is where they meet
+onnxruntime: only what the tuner sets passes (aoe.recordcheck.check_session_options),
+and nothing here sets a path. Config entries come from an allowlist, so none that
+writes a file (`session.collect_node_memory_stats_to_file`, ...) is ever set; provider
+options that name files (TensorRT's caches) are never taken from the options, only from
+the caller's own `files` (`session_providers`).
 """
 
 from __future__ import annotations
 
-import json
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -23,6 +30,7 @@ __all__ = [
     "normalize_options",
     "normalize_providers",
     "session_providers",
+    "trt_files",
 ]
 
 METADATA_KEY = "aoe.session_options"
@@ -45,11 +53,16 @@ _KEYS = {
 
 
 def normalize_options(options: Mapping[str, Any] | str | None) -> dict[str, Any]:
-    """Validate and return a plain copy of `options` (a dict or its JSON); ValueError if wrong."""
+    """Validate and return a plain copy of `options` (a dict or its JSON); ValueError
+    (aoe.recordcheck.RecordError for what the tuner never sets) naming the option if wrong."""
+    from aoe.recordcheck import MAX_OPTIONS_JSON, check_session_options, loads
+
     if options is None:
         return {}
     if isinstance(options, str):
-        options = json.loads(options)
+        options = loads(options, "session options", MAX_OPTIONS_JSON)
+    if not isinstance(options, Mapping):
+        raise ValueError("session options must be a JSON object")
     unknown = set(options) - _KEYS
     if unknown:
         raise ValueError(f"unknown session option(s): {', '.join(sorted(unknown))}")
@@ -62,10 +75,12 @@ def normalize_options(options: Mapping[str, Any] | str | None) -> dict[str, Any]
         if k in out and (not isinstance(out[k], int) or out[k] < 0):
             raise ValueError(f"{k} must be a non-negative integer")
     if "config" in out:
+        if not isinstance(out["config"], Mapping):
+            raise ValueError("config must be an object of config entries")
         out["config"] = {str(k): str(v) for k, v in dict(out["config"]).items()}
     if "providers" in out:
         out["providers"] = normalize_providers(out["providers"])
-    return out
+    return check_session_options(out)
 
 
 def normalize_providers(value: Any) -> list[list[Any]]:
@@ -101,17 +116,49 @@ def normalize_providers(value: Any) -> list[list[Any]]:
 
 
 def session_providers(
-    options: Mapping[str, Any], device_id: int = 0
+    options: Mapping[str, Any],
+    device_id: int = 0,
+    files: Mapping[str, Mapping[str, str]] | None = None,
 ) -> list[tuple[str, dict[str, str]]]:
     """The `providers` argument of an InferenceSession for `options` (see
     normalize_options) on accelerator `device_id`: each provider the options name, with
-    its options and the device id, then the CPU provider."""
-    from aoe.device import CPU
+    its options and the device id, then the CPU provider.
 
-    named = normalize_providers(options.get("providers", []))
-    return [(name, {**opts, "device_id": str(device_id)}) for name, opts in named] + [
-        (CPU.provider, {})
-    ]
+    `files` (provider -> options) are the caller's own options that name files, such as
+    TensorRT's engine and timing caches (`trt_files`): never from data, added to the
+    providers the options name. ValueError for one that names no file
+    (aoe.recordcheck.FILE_OPTIONS)."""
+    from aoe.device import CPU, kind_of
+    from aoe.recordcheck import FILE_OPTIONS
+
+    named = normalize_options({"providers": options.get("providers", [])})["providers"]
+    own = {}
+    for name, opts in (files or {}).items():
+        kind = kind_of(name)
+        odd = sorted(k for k in opts if (kind, k) not in FILE_OPTIONS)
+        if odd:
+            raise ValueError(f"files: {name}: {', '.join(odd)} name no file; pass them as options")
+        own[name] = {str(k): str(v) for k, v in opts.items()}
+    return [
+        (name, {**opts, **own.get(name, {}), "device_id": str(device_id)}) for name, opts in named
+    ] + [(CPU.provider, {})]
+
+
+def trt_files(
+    folder: str | os.PathLike[str], calibration_table: str = ""
+) -> dict[str, dict[str, str]]:
+    """`files` for `session_providers` that keep TensorRT's built engines and its timing
+    cache in `folder` (made by the caller), so that later sessions load them instead of
+    building again; with `calibration_table`, the int8 calibration table to read."""
+    opts = {
+        "trt_engine_cache_enable": "1",
+        "trt_engine_cache_path": os.fspath(folder),
+        "trt_timing_cache_enable": "1",
+        "trt_timing_cache_path": os.fspath(folder),
+    }
+    if calibration_table:
+        opts["trt_int8_calibration_table_name"] = calibration_table
+    return {"TensorrtExecutionProvider": opts}
 
 
 def make_session_options(options: Mapping[str, Any] | str | None = None):

@@ -22,6 +22,7 @@ import trio
 
 from aoe.config import Config
 from aoe.errors import AoedError, BankWriteError
+from aoe.sessionopts import trt_files
 from aoe.signature import DeviceFingerprint, TaskSignature
 from aoe.spec import JobSpec, Stage
 from aoed.bank.writer import BankWrite, BankWriter
@@ -102,6 +103,16 @@ class JobContext:
         if why is not None:
             raise AoedError(why)
 
+    def provider_files(self) -> dict[str, dict[str, str]]:
+        """The engine's own provider options that name files, for the job's sessions: on
+        an NVIDIA GPU, TensorRT's engines and timing cache kept beside the bank under
+        the device's fingerprint (so builds happen once per model and options); none
+        elsewhere. They never travel in options, which a bank or a model may supply."""
+        if self.device.device.kind not in ("cuda", "tensorrt"):
+            return {}
+        bank = Path(self.config.bank)
+        return trt_files(bank.parent / f"{bank.name}-trt-cache" / self.fingerprint.digest[:32])
+
     def key(self, sig: TaskSignature) -> bytes:
         return bankrules.key_for(sig, self.fingerprint, self.spec.precision)
 
@@ -132,6 +143,11 @@ class JobContext:
         job's fingerprint is least busy, for a request whose times are compared with no
         other request's (one task's search); else on the job's home device."""
         plan = msgspec.structs.replace(plan or MeasurePlan(), budget_s=budget_s)
+        files = self.provider_files()
+        if files:
+            candidates = [
+                c if c.files else msgspec.structs.replace(c, files=files) for c in candidates
+            ]
         req = MeasureRequest(
             tuple(candidates), inputs or self.held_back[0], reference, self.device.device, plan
         )

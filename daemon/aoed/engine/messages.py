@@ -411,6 +411,9 @@ class Candidate(Message):
     id: str
     model: Path
     options: dict[str, Any] = {}
+    #: provider options that name files (TensorRT's caches: aoe.sessionopts.trt_files),
+    #: from the engine's own configuration; never from `options`, which may come from data
+    files: dict[str, dict[str, str]] = {}
 
 
 class MeasurePlan(Message):

@@ -140,20 +140,12 @@ def merge_options(current: dict[str, Any], change: dict[str, Any]) -> dict[str, 
 
 def accelerator_dimensions(ctx: JobContext) -> list[tuple[str, list[dict[str, Any]]]]:
     """The model-wide option space of the job's accelerator (the backend's, through the
-    registry), TensorRT's engine and timing caches kept beside the bank under the
-    device's fingerprint."""
+    registry). Its options name no file: TensorRT's caches are the measuring session's
+    own (`JobContext.provider_files`), never part of what the bank stores."""
     space = ctx.registry.session_space
     if space is None or ctx.prep is None:
         return []
-    bank = Path(ctx.config.bank)
-    folder = bank.parent / f"{bank.name}-trt-cache" / ctx.fingerprint.digest[:32]
-    cache = {
-        "trt_engine_cache_enable": "1",
-        "trt_engine_cache_path": str(folder),
-        "trt_timing_cache_enable": "1",
-        "trt_timing_cache_path": str(folder),
-    }
-    return space(ctx.device.device, ctx.spec.precision, frozenset(ctx.prep.op_types), cache)
+    return space(ctx.device.device, ctx.spec.precision, frozenset(ctx.prep.op_types))
 
 
 @dataclass

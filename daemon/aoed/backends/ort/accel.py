@@ -16,15 +16,15 @@ Each alternative is one stock onnxruntime runs, of two sorts:
   provider's precision mode, operator implementation mode and graph mode.
 
 Option names and values are those onnxruntime documents (aoe.provider_options checks
-every one). TensorRT candidates keep their engine and timing caches in a folder beside
-the bank (`trt_cache_options`), so engine builds happen once per model and options, and
-outside the timed runs.
+every one), and none names a file: the options go to the bank and into tuned models,
+which are data to whoever reads them. TensorRT candidates keep their engine and timing
+caches in a folder beside the bank all the same (the measuring session's own options,
+aoed.engine.context.JobContext.provider_files), so engine builds happen once per model
+and options, and outside the timed runs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -34,7 +34,7 @@ from aoe.device import Device
 from aoed.engine.registry import StrategyRegistry
 from aoed.engine.tasks import Rewrite, TaskView
 
-__all__ = ["GPU_KINDS", "dimensions", "register", "trt_cache_options"]
+__all__ = ["GPU_KINDS", "dimensions", "register"]
 
 GPU_KINDS = ("cuda", "tensorrt")
 
@@ -129,24 +129,22 @@ def dimensions(
     device: Device,
     precision: str,
     op_types: frozenset[str] = frozenset(),
-    cache: Mapping[str, str] | None = None,
-    calibration_table: str = "",
+    calibration_table: bool = False,
 ) -> list[tuple[str, list[dict[str, Any]]]]:
     """The model-wide alternatives tried on `device` under `precision` for a model of
     `op_types` (static shapes: the job fixes them), per dimension, each value merged into
     the options so far (aoed.engine.session.merge_options). [] for the CPU, whose
-    dimensions are the session search's own. `cache`: options TensorRT candidates add to
-    keep their engines and timing cache (`trt_cache_options`); `calibration_table`: the
-    job's TensorRT int8 table, without which int8 is not offered."""
+    dimensions are the session search's own. `calibration_table`: whether the job has a
+    TensorRT int8 table (its sessions name it, as a file: aoe.sessionopts.trt_files),
+    without which int8 is not offered."""
     kind = device.kind
-    trt_cache = dict(cache or {})
     has_conv = "Conv" in op_types
     cuda_graph_ok = not (op_types & _CONTROL_FLOW)
     if kind == "cuda":
         dims: list[tuple[str, list[dict[str, Any]]]] = [
             (
                 "provider per subgraph",
-                [{"providers": [[_provider("tensorrt"), trt_cache], [_provider("cuda"), {}]]}],
+                [{"providers": [[_provider("tensorrt"), {}], [_provider("cuda"), {}]]}],
             ),
             ("use_tf32", [_on("cuda", use_tf32="0")]),
         ]
@@ -165,35 +163,18 @@ def dimensions(
         dims = [
             (
                 "trt_builder_optimization_level",
-                [
-                    _on("tensorrt", **trt_cache, trt_builder_optimization_level=v)
-                    for v in ("5", "2")
-                ],
+                [_on("tensorrt", trt_builder_optimization_level=v) for v in ("5", "2")],
             ),
         ]
         if cuda_graph_ok:
-            dims.append(
-                ("trt_cuda_graph_enable", [_on("tensorrt", **trt_cache, trt_cuda_graph_enable="1")])
-            )
+            dims.append(("trt_cuda_graph_enable", [_on("tensorrt", trt_cuda_graph_enable="1")]))
         # Reduced precisions are lossy: offered only under their policy, and judged by its gate.
         if precision == "fp16":
-            dims.append(("trt_fp16_enable", [_on("tensorrt", **trt_cache, trt_fp16_enable="1")]))
+            dims.append(("trt_fp16_enable", [_on("tensorrt", trt_fp16_enable="1")]))
         elif precision == "bf16":
-            dims.append(("trt_bf16_enable", [_on("tensorrt", **trt_cache, trt_bf16_enable="1")]))
+            dims.append(("trt_bf16_enable", [_on("tensorrt", trt_bf16_enable="1")]))
         elif precision == "int8" and calibration_table:
-            dims.append(
-                (
-                    "trt_int8_enable",
-                    [
-                        _on(
-                            "tensorrt",
-                            **trt_cache,
-                            trt_int8_enable="1",
-                            trt_int8_calibration_table_name=calibration_table,
-                        )
-                    ],
-                )
-            )
+            dims.append(("trt_int8_enable", [_on("tensorrt", trt_int8_enable="1")]))
         return dims
     if kind == "cann":
         dims = [
@@ -216,15 +197,3 @@ def dimensions(
             )
         return dims
     return []
-
-
-def trt_cache_options(folder: Path) -> dict[str, str]:
-    """TensorRT provider options that keep built engines and the builder's timing cache
-    in `folder` (beside the bank entry: a re-tune, and aoe.session() on this machine,
-    load them instead of building again)."""
-    return {
-        "trt_engine_cache_enable": "1",
-        "trt_engine_cache_path": str(folder),
-        "trt_timing_cache_enable": "1",
-        "trt_timing_cache_path": str(folder),
-    }

@@ -66,8 +66,13 @@ def quiet(options: dict[str, Any] | None) -> dict[str, Any]:
     return opts
 
 
-def _session(model: Path, options: dict[str, Any] | None, device: Device = CPU):
-    return session(str(model), quiet(options), device)
+def _session(
+    model: Path,
+    options: dict[str, Any] | None,
+    device: Device = CPU,
+    files: dict[str, dict[str, str]] | None = None,
+):
+    return session(str(model), quiet(options), device, files)
 
 
 def accuracy(ref: list[np.ndarray], out: list[np.ndarray]) -> dict[str, float]:
@@ -114,7 +119,7 @@ def measure(req: MeasureRequest) -> MeasureReply:
     sessions = {}
     for c in req.candidates:
         try:
-            sess = _session(c.model, c.options, device)
+            sess = _session(c.model, c.options, device, c.files)
             names = {i.name for i in sess.get_inputs()}
             sessions[c.id] = (sess, {k: v for k, v in feeds.items() if k in names})
         except Exception as exc:

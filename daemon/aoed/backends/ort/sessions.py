@@ -25,24 +25,29 @@ def check_device(device: Device) -> tuple[str, ...]:
     return available
 
 
-def providers_for(options: dict[str, Any] | None, device: Device = CPU) -> list[Any]:
+def providers_for(
+    options: dict[str, Any] | None,
+    device: Device = CPU,
+    files: dict[str, dict[str, str]] | None = None,
+) -> list[Any]:
     """The providers a session on `device` gets: those `options` name (with theirs; the
     device's own options under its own provider), else the device's provider; then the
-    CPU. DeviceError when this onnxruntime lacks one of them (onnxruntime itself would
-    only warn, and run the model on the CPU)."""
+    CPU. `files`: the engine's own provider options that name files (never from
+    `options`, see aoe.sessionopts.session_providers). DeviceError when this onnxruntime
+    lacks one of them (onnxruntime itself would only warn, and run the model on the CPU)."""
     import onnxruntime as ort
 
     from aoe.sessionopts import session_providers
 
+    if not (options and options.get("providers")) and not device.is_cpu:
+        options = {**(options or {}), "providers": [[device.provider, {}]]}
     if options and options.get("providers"):
-        providers = session_providers(options, device.index)
+        providers = session_providers(options, device.index, files)
         providers = [
             (n, {**dict(device.options), **o} if n == device.provider else o) for n, o in providers
         ]
-    elif device.is_cpu:
-        return [CPU.provider]
     else:
-        providers = [(device.provider, device.provider_options()), (CPU.provider, {})]
+        return [CPU.provider]
     available = ort.get_available_providers()
     for name, _ in providers:
         if name not in available:
@@ -53,17 +58,23 @@ def providers_for(options: dict[str, Any] | None, device: Device = CPU) -> list[
     return providers
 
 
-def session(model: str | Path | bytes, options: dict[str, Any] | None = None, device: Device = CPU):
+def session(
+    model: str | Path | bytes,
+    options: dict[str, Any] | None = None,
+    device: Device = CPU,
+    files: dict[str, dict[str, str]] | None = None,
+):
     """An InferenceSession for `model` (a path or serialized bytes) on `device`, with the
     session options as data (see aoe.sessionopts), their providers first; CPU serves what
-    the device cannot. DeviceError for a provider this onnxruntime lacks."""
+    the device cannot; `files` as for `providers_for`. DeviceError for a provider this
+    onnxruntime lacks."""
     import onnxruntime as ort
 
     from aoe.sessionopts import make_session_options
 
     data = model if isinstance(model, bytes) else str(model)
     return ort.InferenceSession(
-        data, make_session_options(options), providers=providers_for(options, device)
+        data, make_session_options(options), providers=providers_for(options, device, files)
     )
 
 
