@@ -31,7 +31,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import struct
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +40,7 @@ import lmdb
 import onnx
 from google.protobuf import json_format
 
+from aoe.lmdbcheck import damaged, find_damage, read_data_file
 from aoe.lmdbenv import FULL_MAP, MAP_SIZES, TxnGate, bank_error, lmdb_errors, reserve_lock_file
 from aoe.errors import BankError
 from aoe.partition import ModelTasks
@@ -253,6 +253,10 @@ class _Layer:
                 f"bank {path}: no bank here (no data.mdb); tune a model into it first "
                 f"(aoe tune MODEL --bank {path}) or check the path"
             )
+        # A page the file lacks would be SIGBUS when LMDB reads it (aoe.lmdbcheck).
+        problems = find_damage(path)
+        if problems:
+            raise damaged(path, problems)
         # LMDB writes this reader's slot into lock.mdb through a map: allocated first.
         reserve_lock_file(path)
         try:
@@ -692,22 +696,8 @@ def _stored_map_size(layer: _Layer) -> int:
     """The map size the writer set, from the newer of LMDB's two meta pages (our own
     mapping is larger on purpose, and the file only grows as pages are used)."""
     data = layer.path / "data.mdb"
-    try:
-        with open(data, "rb") as f:
-            head = f.read(256)
-            magic, _ver = struct.unpack_from("<II", head, 16)
-            psize = struct.unpack_from("<I", head, 40)[0]
-            if magic != 0xBEEFC0DE or not 512 <= psize <= 1 << 16:
-                raise ValueError("unknown layout")
-            f.seek(psize)
-            other = f.read(256)
-        metas = [
-            (struct.unpack_from("<Q", m, 144)[0], struct.unpack_from("<Q", m, 32)[0])
-            for m in (head, other)
-        ]
-        return max(metas)[1]
-    except (OSError, ValueError, struct.error):
-        return data.stat().st_size
+    meta = read_data_file(data)
+    return meta.map_size if meta is not None else data.stat().st_size
 
 
 def used_bytes(env: lmdb.Environment, txn: lmdb.Transaction, dbs: Sequence[Any]) -> int:

@@ -18,6 +18,10 @@ the message names the file, node or option at fault and says what to do.
     ├── ModelError         a model cannot be read, checked or prepared
     ├── BankError          the knowledge bank cannot be opened, read or written
     │   ├── BankBusyError  another process is writing the bank (one writer at a time)
+    │   ├── BankDamagedError
+    │   │                  the bank's data file is damaged (truncated, pages LMDB cannot
+    │   │                  read) or LMDB gave up on it in this process: names the file
+    │   │                  and what to do (aoe.lmdbcheck)
     │   └── BankWriteError a write did not reach the bank (its disk or its map is full,
     │                      or the disk failed the write): none of it was written, and
     │                      what the bank held before is intact
@@ -51,6 +55,7 @@ from collections.abc import Sequence
 __all__ = [
     "AoedError",
     "BankBusyError",
+    "BankDamagedError",
     "BankError",
     "BankWriteError",
     "CandidateError",
@@ -131,6 +136,13 @@ class BankBusyError(BankError):
     def __init__(self, message: str, holder: str = ""):
         super().__init__(message)
         self.holder = holder
+
+
+class BankDamagedError(BankError):
+    """The bank's data file is damaged: shorter than its last commit, or with pages LMDB
+    cannot read (found before LMDB maps it, by aoe.lmdbcheck, or reported by LMDB); or
+    LMDB gave up on the bank in this process (MDB_PANIC, after a failed write of its
+    meta page). The message names the file and what to do."""
 
 
 class BankWriteError(BankError):

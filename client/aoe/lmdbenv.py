@@ -18,6 +18,11 @@ the process without a word. The data file is never mapped writable (writers open
 without `writemap`, so pages reach it by `pwrite`, whose ENOSPC is an error LMDB
 reports); the lock file, whose reader table LMDB writes through a shared map, has its
 blocks allocated before LMDB opens it (`reserve_lock_file`).
+
+Nor may LMDB be handed a data file that lacks pages its meta page counts (a truncated
+bank is SIGBUS at the first read): every opener checks the file first
+(`aoe.lmdbcheck.find_damage`), and a damaged page LMDB reports later is a
+BankDamagedError naming the file and what to do, never the advice for a full disk.
 """
 
 from __future__ import annotations
@@ -34,7 +39,8 @@ from typing import Any
 
 import lmdb
 
-from aoe.errors import BankError, BankWriteError
+from aoe.errors import BankDamagedError, BankError, BankWriteError
+from aoe.lmdbcheck import damaged
 
 __all__ = [
     "FULL_MAP",
@@ -44,6 +50,7 @@ __all__ = [
     "bank_error",
     "free_bytes",
     "lmdb_errors",
+    "read_every_record",
     "reserve_lock_file",
 ]
 
@@ -61,6 +68,23 @@ LOCK_BYTES = 192 + 125 * 64
 
 #: errno values of a write the disk did not take (full, over quota, file too large, I/O).
 _WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO})
+
+#: lmdb errors that mean the data file holds what LMDB did not write there: a page that
+#: is not what the tree says, or not in the file. A failed transaction (MDB_BAD_TXN) is
+#: one too: no transaction here goes on after an lmdb error, so LMDB marked it failed
+#: inside one of its own calls, which is where it meets a damaged page.
+_DAMAGE = (
+    lmdb.CorruptedError,
+    lmdb.PageNotFoundError,
+    lmdb.InvalidError,
+    lmdb.BadChecksumError,
+    lmdb.BadTxnError,
+    lmdb.PageFullError,
+    lmdb.CursorFullError,
+)
+
+#: Named databases `read_every_record` can open (a bank has 8).
+_MAX_DBS = 64
 
 #: Remaps tried for one transaction before giving up: each adopts the size the bank
 #: records at that moment, so only a bank growing again meanwhile needs another.
@@ -214,21 +238,11 @@ def _advice(exc: lmdb.Error, path: Path, doing: str, map_size: int) -> str:
         )
     if isinstance(exc, lmdb.MapResizedError):
         return f"bank {path}: grown by another process during {doing}; retry"
-    if isinstance(
-        exc,
-        (
-            lmdb.CorruptedError,
-            lmdb.PanicError,
-            lmdb.InvalidError,
-            lmdb.PageNotFoundError,
-            lmdb.VersionMismatchError,
-            lmdb.IncompatibleError,
-            lmdb.BadChecksumError,
-        ),
-    ):
+    if isinstance(exc, (lmdb.VersionMismatchError, lmdb.IncompatibleError)):
         return (
-            f"bank {path}: {doing} failed, the bank's files are damaged or not LMDB's ({exc}); "
-            "move the directory aside and restore the bank from an export (aoe bank import)"
+            f"bank {path}: {doing} failed, the bank was written by another version of LMDB or "
+            f"opened with other settings ({exc}); open it with the aoe that wrote it and "
+            "export it (aoe bank export), then import that into a new bank"
         )
     if isinstance(exc, lmdb.ReadonlyError):
         return f"bank {path}: {doing} failed, the bank is read-only here ({exc}); check its permissions"
@@ -242,7 +256,17 @@ def bank_error(
     exc: lmdb.Error, path: Path, doing: str, env: lmdb.Environment | None = None
 ) -> BankError:
     """The BankError for `exc`: one line naming the bank, what failed and what to do;
-    a BankWriteError when a write did not fit (disk or map full) or the disk failed it."""
+    a BankWriteError when a write did not fit (disk or map full) or the disk failed it;
+    a BankDamagedError when LMDB met a damaged page, or gave up on the bank (MDB_PANIC)."""
+    if isinstance(exc, lmdb.PanicError):
+        return BankDamagedError(
+            f"bank {path}: {doing} failed: LMDB gave up on the bank in this process ({exc}), "
+            "after a write of its meta page failed; what was committed before that is in the "
+            "file. Run the command again (aoed uses the bank again once restarted); if this "
+            f"comes back, check the disk and run `aoe bank check --bank {path}`"
+        )
+    if isinstance(exc, _DAMAGE):
+        return damaged(path, [f"{doing} failed, LMDB found {exc}"])
     map_size = 0
     if env is not None:
         with contextlib.suppress(lmdb.Error):
@@ -278,6 +302,35 @@ def reserve_lock_file(path: Path, create: bool = True) -> None:
             ) from None
     finally:
         os.close(fd)
+
+
+def read_every_record(path: Path) -> dict[str, int]:
+    """Read every record of every named database of the bank at `path` through LMDB,
+    from one snapshot; returns how many each holds. Only for a bank whose data file
+    `aoe.lmdbcheck.find_damage(path, walk=True)` passed: LMDB then reads no page the
+    walk did not check. Takes a reader slot where lock.mdb is writable (a writer then
+    leaves the snapshot alone); without one, read only while nothing writes the bank.
+    Raises BankError (BankDamagedError for a page LMDB finds damaged)."""
+    reserve_lock_file(path)
+    counts: dict[str, int] = {}
+    with lmdb_errors(path, "check"):
+        env = lmdb.open(
+            str(path),
+            readonly=True,
+            lock=os.access(path / "lock.mdb", os.W_OK),
+            create=False,
+            subdir=True,
+            max_dbs=_MAX_DBS,
+        )
+        try:
+            with env.begin() as txn:
+                names = [name for name, _ in txn.cursor()]  # the main db: one per database
+                for name in names:
+                    db = env.open_db(name, txn=txn, create=False)
+                    counts[name.decode(errors="replace")] = sum(1 for _ in txn.cursor(db=db))
+        finally:
+            env.close()
+    return counts
 
 
 @contextlib.contextmanager

@@ -55,6 +55,11 @@ the disk or the map had no room for (or the disk failed) as a BankWriteError, af
 which the store goes on: nothing of that write is in the bank, everything before is. A
 full disk never takes the process down (see `aoe.lmdbenv` on SIGBUS). A crash mid-write
 loses at most the transaction in flight: LMDB commits are atomic.
+
+Nor does a damaged bank: every page of the data file is walked before LMDB maps it, and
+a damaged one is refused with a BankDamagedError naming the file (`aoe.lmdbcheck`).
+After each commit the file is lengthened to the pages the commit counts, so that
+readers, which check only its size, find it whole without a walk.
 """
 
 from __future__ import annotations
@@ -72,6 +77,7 @@ from typing import Any
 
 import lmdb
 
+from aoe.lmdbcheck import cover_last_page, damaged, find_damage
 from aoe.lmdbenv import MAP_SIZES, TxnGate, bank_error, lmdb_errors, reserve_lock_file
 from aoe.bank import CUSTOM, MAX_DBS, LayerStats, default_bank_path, parse_schema, used_bytes
 from aoe.errors import BankError
@@ -212,6 +218,11 @@ class BankStore:
             raise
 
     def _open(self, map_size: int | None) -> lmdb.Environment:
+        # Every page walked before LMDB maps one: the writer is the long-lived process
+        # (aoed), which a bank damaged at rest must not take down (aoe.lmdbcheck).
+        problems = find_damage(self.path, walk=True)
+        if problems:
+            raise damaged(self.path, problems)
         reserve_lock_file(self.path)
         # The smallest of MAP_SIZES (one page: what the file holds) is for readers only.
         for size in (map_size,) if map_size else MAP_SIZES[:-1]:
@@ -256,6 +267,9 @@ class BankStore:
             self._gate.transaction(self.env, self.path, write=write, db=db) as txn,
         ):
             yield txn
+        if write:  # so that readers find the file as long as its meta says, unwalked
+            with self._gate.shared():
+                cover_last_page(self.env, self.path / "data.mdb", self._data_id)
 
     def _check_schema(self) -> None:
         """Record the schema in a new bank; migrate an older one in one transaction, or

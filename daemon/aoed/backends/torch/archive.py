@@ -5,8 +5,9 @@ torch's loader (torch 2.13: `torch.export.pt2_archive._package.load_pt2` and
 `torch._export.serde.serialize`) runs code from the archive in several places that
 TORCH_FORCE_WEIGHTS_ONLY_LOAD does not cover:
 
-- a constant declared `use_pickle` whose member is `opaque_obj_*` is read with
-  `pickle.loads`, and one that is `custom_obj_*` with TorchScript's unpickler;
+- a constant declared `use_pickle` whose member is `opaque_obj_*` is unpickled with
+  Python's own pickle module (not the weights-only one), and one that is `custom_obj_*`
+  with TorchScript's unpickler;
 - a symbolic size (`expr_str` in models/model.json) is parsed with `sympy.sympify`,
   which evaluates Python;
 - `guards_code` in models/model.json is compiled with `exec` into a function that
