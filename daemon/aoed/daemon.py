@@ -33,7 +33,7 @@ from pathlib import Path
 import trio
 
 from aoe.config import temp_runtime_dir
-from aoe.errors import AoedError, PermissionDeniedError
+from aoe.errors import AoedError, BankError, PermissionDeniedError
 from aoed.api import Bridge
 from aoed.api.info import DaemonServicer, DeviceServicer
 from aoed.api.server import Server, build_server, register
@@ -94,6 +94,9 @@ class Daemon:
             async with open_engine(
                 cfg.engine, registry, cfg.state_dir / "logs", lock_group=cfg.socket_gid()
             ) as engine:
+                # A damaged bank is refused, and logged, before a resumed job meets it:
+                # the daemon serves without it (aoed.bank.writer).
+                await engine.bank.check()
                 async with trio.open_nursery() as nursery:
                     self.jobs = jobs = JobManager(cfg, store, engine)
                     await nursery.start(jobs.run)
@@ -186,9 +189,10 @@ class Daemon:
             return "starting"
         queued, running = self.jobs.counts()
         device = self.jobs.engine.device.device
+        bank = "; its bank is refused as damaged" if self.jobs.engine.bank.refused else ""
         return (
             f"{running} running, {queued} queued; {device} {'busy' if running else 'idle'}; "
-            f"serving on {', '.join(self.server.addresses)}"
+            f"serving on {', '.join(self.server.addresses)}{bank}"
         )
 
     def _probe(self) -> bool:
@@ -299,15 +303,19 @@ class Daemon:
         engine = jobs.engine
         snap.devices = engine.device_set.snapshot()
         snap.workers, snap.workers_busy = engine.pool.size, engine.pool.busy
-        store = await engine.bank.store()
-        stats = await trio.to_thread.run_sync(store.stats)
-        snap.bank_records = {
-            "entry": stats.entries,
-            "default": stats.defaults,
-            "trial": stats.history,
-        }
-        snap.bank_used_bytes = stats.used_bytes
-        snap.bank_head = await engine.bank.head()
+        try:
+            store = await engine.bank.store()
+            stats = await trio.to_thread.run_sync(store.stats)
+            snap.bank_head = await engine.bank.head()
+        except BankError:  # a refused bank has no figures; the rest are served
+            pass
+        else:
+            snap.bank_records = {
+                "entry": stats.entries,
+                "default": stats.defaults,
+                "trial": stats.history,
+            }
+            snap.bank_used_bytes = stats.used_bytes
         w = engine.bank
         snap.lookups = {("engine", "hit"): w.hits, ("engine", "miss"): w.lookups - w.hits}
         if self._bank_api is not None:

@@ -19,27 +19,40 @@ The custom bank is written by one process at a time (`aoed.bank.lock`). The writ
 the bank's lock when it first needs the bank, and holds it until `close()`. When another
 process holds it, the writer waits for it (by default, polling in trio: cancelling the
 caller ends the wait) or fails with BankBusyError.
+
+A bank whose data file is damaged (aoe.lmdbcheck) is refused, and stays refused while
+the file there is the one refused: every call that needs it raises the same
+BankDamagedError (a job fails with it, the daemon goes on), and the refusal is logged
+once. A file restored or moved into its place is checked anew at the next call. Damage
+met after the bank opened (LMDB reported a damaged page, or gave up on the bank) refuses
+it until the writer is closed: the open environment is not closed under the readers of
+this process that may still use it, and LMDB would meet the same pages again.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import trio
 
 from aoe.bank import CUSTOM, BankReader, layer_paths_from_env, open_bank
-from aoe.errors import BankWriteError
+from aoe.lmdbcheck import damaged, find_damage
+from aoe.errors import BankDamagedError, BankError, BankWriteError
 from aoe.bankrecord import BankRecord, decode, encode
 from aoed.bank.lock import POLL_S, WriterLock
 from aoed.bank.store import BankStore, Change, MergeCounts, Position, PruneCounts, Record
 
 __all__ = ["BankMerge", "BankPrune", "BankWrite", "BankWriter"]
+
+log = logging.getLogger("aoed.bank")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -75,6 +88,24 @@ class BankPrune:
 Op = BankWrite | BankMerge | BankPrune
 
 
+@dataclass(frozen=True)
+class _Refusal:
+    """Why the writer refuses its bank: `message` (a BankDamagedError's), for as long as
+    the data file there is `file` (its identity when refused; None: until close)."""
+
+    message: str
+    file: tuple[int, int, int, int] | None
+
+
+def _file_id(path: os.PathLike[str] | str) -> tuple[int, int, int, int] | None:
+    """(st_dev, st_ino, st_size, st_mtime_ns) of the bank's data file; None if absent."""
+    try:
+        st = os.stat(Path(path) / "data.mdb")
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
 class BankWriter:
     """Owns the bank at `path`. The store opens on first use, so a job that fails before
     it reaches the bank (a bad model, a wrong option) leaves no trace there."""
@@ -98,6 +129,7 @@ class BankWriter:
         self.layer_paths = [Path(p) for p in (layer_paths_from_env() if layers is None else layers)]
         self._store: BankStore | None = None
         self._layers: BankReader | None = None
+        self._refusal: _Refusal | None = None
         self._open_lock = trio.Lock()
         self._send, self._recv = trio.open_memory_channel[tuple[Op, trio.MemorySendChannel]](16)
         self._head = 0  # the last sequence number committed, once the store is open
@@ -113,14 +145,74 @@ class BankWriter:
 
     async def store(self) -> BankStore:
         """The custom bank's store, opened (and its writer lock taken) on first use.
-        Raises BankBusyError (without `wait`) or BankError; cancellation while waiting
-        for another writer leaves nothing held."""
+        Raises BankBusyError (without `wait`) or BankError; BankDamagedError while the
+        bank is refused as damaged (see the module doc). Cancellation while waiting for
+        another writer leaves nothing held."""
         async with self._open_lock:
+            await self._check_refusal()
             if self._store is None:
-                store = await self._open_store()
-                self._head = await trio.to_thread.run_sync(store.head)
+                try:
+                    store = await self._open_store()
+                    try:
+                        self._head = await trio.to_thread.run_sync(store.head)
+                    except BaseException:
+                        store.close()
+                        raise
+                except BankDamagedError as exc:
+                    self._refuse(exc, await trio.to_thread.run_sync(_file_id, self.path))
+                    raise
                 self._store = store
             return self._store
+
+    async def check(self) -> None:
+        """Check the bank's data file as every open does, without opening it (no lock
+        taken, nothing created): a damaged one is refused and logged now rather than at
+        the first job. Raises nothing."""
+        async with self._open_lock:
+            if self._store is not None or self._refusal is not None:
+                return
+            try:
+                problems = await trio.to_thread.run_sync(find_damage, Path(self.path))
+            except BankError:
+                return  # another process kept writing it: it is not refused on a guess
+            if problems:
+                error = damaged(Path(self.path), problems)
+                self._refuse(error, await trio.to_thread.run_sync(_file_id, self.path))
+
+    @property
+    def refused(self) -> str:
+        """Why the bank is refused as damaged; "" while it is not."""
+        return self._refusal.message if self._refusal is not None else ""
+
+    def _refuse(self, exc: BankDamagedError, file: tuple[int, int, int, int] | None) -> None:
+        """Refuse the bank for `exc` while its data file is `file` (None: until close),
+        saying so in the log once; a refusal until close is never shortened."""
+        if self._refusal is None or self._refusal.message != str(exc):
+            log.error(
+                "%s. Until then the bank is not used: jobs that need it fail with this%s",
+                exc,
+                "" if file is not None else "; restart aoed once it is repaired",
+            )
+        if self._refusal is None or self._refusal.file is not None:
+            self._refusal = _Refusal(str(exc), file)
+
+    async def _check_refusal(self) -> None:
+        """Raise the refusal while it stands; forget it once another file is there."""
+        r = self._refusal
+        if r is None:
+            return
+        if r.file is None or r.file == await trio.to_thread.run_sync(_file_id, self.path):
+            raise BankDamagedError(r.message)  # (a new one each time: tracebacks pile up)
+        self._refusal = None
+
+    async def _in_thread(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)`, a call on the open store, in a worker thread; the damage it meets
+        refuses the bank until close (see the module doc)."""
+        try:
+            return await trio.to_thread.run_sync(fn, *args)
+        except BankDamagedError as exc:
+            self._refuse(exc, None)
+            raise
 
     async def _open_store(self) -> BankStore:
         lock = await trio.to_thread.run_sync(WriterLock, self.path)
@@ -147,7 +239,7 @@ class BankWriter:
                 result: tuple[Any, BaseException | None]
                 try:
                     store = await self.store()
-                    value, head = await trio.to_thread.run_sync(self._commit, store, op)
+                    value, head = await self._in_thread(self._commit, store, op)
                     result = (value, None)
                     if head > self._head:
                         self._head = head
@@ -220,11 +312,11 @@ class BankWriter:
 
     async def changes(self, after: int, limit: int) -> tuple[list[Change], int, int]:
         """One page of the bank's writes after `after` (see `BankStore.changes`)."""
-        return await trio.to_thread.run_sync((await self.store()).changes, after, limit)
+        return await self._in_thread((await self.store()).changes, after, limit)
 
     async def position(self, peer: str) -> Position | None:
         """How far the bank has applied `peer`'s writes (see `BankStore.position`)."""
-        return await trio.to_thread.run_sync((await self.store()).position, peer)
+        return await self._in_thread((await self.store()).position, peer)
 
     async def bank_id(self) -> str:
         return (await self.store()).bank_id
@@ -242,17 +334,17 @@ class BankWriter:
 
     async def lookup(self, key: bytes) -> BankRecord | None:
         store = await self._readable()
-        raw = None if store is None else await trio.to_thread.run_sync(store.get, key)
+        raw = None if store is None else await self._in_thread(store.get, key)
         return decode(raw) if raw is not None else None
 
     async def known_default(self, key: bytes) -> dict[str, Any] | None:
         store = await self._readable()
-        return None if store is None else await trio.to_thread.run_sync(store.get_default, key)
+        return None if store is None else await self._in_thread(store.get_default, key)
 
     async def decisions(self, prefix: bytes) -> list[tuple[bytes, dict[str, Any]]]:
         """The decisions stored under `prefix` in the custom bank (never in a layer)."""
         store = await self._readable()
-        return [] if store is None else await trio.to_thread.run_sync(store.decisions, prefix)
+        return [] if store is None else await self._in_thread(store.decisions, prefix)
 
     async def layers(self) -> BankReader | None:
         """The read-only layers as one reader (None when there are none)."""
