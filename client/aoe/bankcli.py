@@ -9,6 +9,7 @@
     aoe bank import  FILE.jsonl [--bank DIR] [--policy keep-faster|overwrite|keep-existing]
                      [--allow-foreign] [--wait]
     aoe bank prune   [--bank DIR] [--dry-run] [--wait]
+    aoe bank check   [--bank DIR] [--bank-layer DIR]
     aoe bank verify  [--bank DIR] [--sample N] [--op-type T] [--seed S] [--budget SECONDS]
                      [--layer NAME|all] [--no-record] [--wait] [--json]
     aoe bank sync    PEER [--bank DIR | --socket PATH] [--ca FILE [--cert FILE --key FILE]] [--wait]
@@ -24,6 +25,11 @@ with an error naming that process, or with --wait wait until it is done. `verify
 With `--socket PATH` (or AOED_SOCKET set and no --bank), stats, lookup, export, import,
 prune, verify and sync work on the daemon's bank through its API instead: the daemon is
 then the one writer, so nothing waits for it.
+
+`check` reads every page of each bank's data file without LMDB (aoe.lmdbcheck), then
+every record through LMDB, and says what is damaged and what to do; it exits 4
+(BankDamagedError) when a bank is damaged, 0 when every bank is whole. It reads the
+files themselves, beside a daemon that writes them if need be.
 
 `sync PEER` applies what the bank of the daemon at PEER (a gRPC target: unix:///PATH,
 dns:///HOST:PORT) wrote since this bank last did, with the rules of `[bank] follow`
@@ -296,6 +302,12 @@ def _add_bank(top: argparse._SubParsersAction) -> None:
     s.add_argument("--dry-run", action="store_true")
     _wait_arg(s)
 
+    s = sub.add_parser(
+        "check", help="read every page and record of the bank's files; say what is damaged"
+    )
+    s.set_defaults(run=_check)
+    _bank_args(s)
+
     s = sub.add_parser("verify", help="re-measure a sample of entries on this device")
     s.set_defaults(run=_verify)
     _bank_args(s)
@@ -473,6 +485,35 @@ def _export(args: argparse.Namespace) -> int:
         f"{n['trial']} trials",
         file=sys.stderr,
     )
+    return 0
+
+
+def _check(args: argparse.Namespace) -> int:
+    from aoe.errors import BankError
+    from aoe.lmdbcheck import damaged, find_damage
+    from aoe.lmdbenv import read_every_record
+
+    config = _config(args)
+    paths = dict.fromkeys([args.bank or config.bank, *args.bank_layer, *config.bank_layers])
+    refused = []
+    for path in paths:
+        if not (path / "data.mdb").is_file():
+            raise BankError(f"bank {path}: no bank here (no data.mdb); check the path")
+        problems = find_damage(path, walk=True)
+        if not problems:
+            counts = read_every_record(path)
+            size = (path / "data.mdb").stat().st_size
+            print(
+                f"bank {path}: whole: {_human(size)} of pages walked, "
+                f"{sum(counts.values())} records read in {len(counts)} databases"
+            )
+            continue
+        print(f"bank {path}: damaged, {len(problems)} problems in {path / 'data.mdb'}:")
+        for problem in problems:
+            print(f"  {problem}")
+        refused.append(damaged(path, problems))
+    if refused:
+        raise refused[0]
     return 0
 
 
