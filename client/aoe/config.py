@@ -40,6 +40,10 @@ The TOML file:
   executor = "local"                     # local: child processes here; ray: Ray actors on
                                          # the nodes that offer each device (the cluster extra)
   address = "10.0.0.1:6379"              # the Ray head (needed with ray; "auto": this machine's)
+  token_file = "/etc/aoed/ray-token"     # the cluster's token (RAY_AUTH_MODE=token), needed with
+                                         # ray; its reader's own, mode 0600 (checked at use)
+  allow_unauthenticated = false          # true: a cluster that asks no token is used (anyone who
+                                         # reaches it runs code as its nodes' user)
   [log]
   level = "warning"
 
@@ -233,6 +237,10 @@ class Config:
     #: one) or "ray" (actors of the Ray cluster at `ray_address`: aoed.engine.rayexec)
     executor: str = "local"
     ray_address: str = ""
+    #: the file holding the Ray cluster's token (aoed.engine.rayauth); None: no token
+    ray_token_file: Path | None = None
+    #: use a Ray cluster that asks no token (the operator's explicit choice, logged)
+    ray_allow_unauthenticated: bool = False
     #: where each value came from, for messages ("TUNE_BANK_PATH", "aoed.toml [bank] path")
     sources: Mapping[str, str] = field(default_factory=dict)
 
@@ -349,6 +357,19 @@ def _check_cluster(cfg: Config, problems: Problems) -> None:
                 'HOST:PORT, or "auto" for a cluster `ray start` began on this machine (the engine '
                 "connects to a cluster, it never starts one)"
             )
+        if cfg.ray_token_file is None and not cfg.ray_allow_unauthenticated:
+            problems.add(
+                f'executor="ray" ({_src(cfg, "executor")}) needs [cluster] token_file: the file '
+                "with the token the cluster's nodes were started with (RAY_AUTH_MODE=token, "
+                "deploy/README.md). Anyone who reaches a cluster without one runs code as its "
+                "nodes' user; allow_unauthenticated = true uses such a cluster anyway"
+            )
+        elif cfg.ray_token_file is not None and cfg.ray_address == "auto":
+            problems.add(
+                f'address="auto" ({_src(cfg, "ray_address")}) with token_file: name the head\'s '
+                "HOST:PORT; auto reads it from a file under /tmp/ray that any local user may have "
+                "written, and the token would go to whatever head it names"
+            )
         # find_spec only looks: importing ray here would cost a second for every config read.
         if importlib.util.find_spec("ray") is None:
             problems.add(f'executor="ray" ({_src(cfg, "executor")}): {CLUSTER_EXTRA}')
@@ -393,6 +414,8 @@ def _from_toml(
         ("log", "level"): "log_level",
         ("cluster", "executor"): "executor",
         ("cluster", "address"): "ray_address",
+        ("cluster", "token_file"): "ray_token_file",
+        ("cluster", "allow_unauthenticated"): "ray_allow_unauthenticated",
     }
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
@@ -485,6 +508,14 @@ def _convert(name: str, raw: Any, where: str) -> Any:
                 f'{where}={raw!r}: expected the Ray head\'s address as a string, e.g. "10.0.0.1:6379"'
             )
         return raw.strip()
+    if name == "ray_token_file":
+        if not isinstance(raw, str) or not os.path.isabs(os.path.expanduser(raw)):
+            raise OptionError(
+                f'{where}={raw!r}: expected the token file\'s absolute path, e.g. "/etc/aoed/ray-token"'
+            )
+        return Path(raw).expanduser()
+    if name == "ray_allow_unauthenticated":
+        return _bool(raw, where)
     raise AssertionError(name)
 
 

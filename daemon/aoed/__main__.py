@@ -79,7 +79,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         print(f"  device      {cfg.engine.device}, {cfg.engine.parallel} compile workers")
         if cfg.engine.executor != "local":
-            print(f"  executor    {cfg.engine.executor} at {cfg.engine.ray_address}")
+            auth = (
+                f"token in {cfg.engine.ray_token_file}"
+                if cfg.engine.ray_token_file is not None
+                else "NO TOKEN (allow_unauthenticated)"
+            )
+            print(f"  executor    {cfg.engine.executor} at {cfg.engine.ray_address}, {auth}")
         print(f"  jobs        {cfg.max_running_jobs} at once, {cfg.max_queued_jobs} queued at most")
         e = cfg.engine
         print(

@@ -352,6 +352,11 @@ def load_daemon_config(
         engine = load_config(path, env)
     except OptionError as exc:
         problems.found.extend(exc.problems)
+    if engine.executor == "ray" and engine.ray_token_file is not None:
+        from aoed.engine.rayauth import read_token  # its owner and mode, as the daemon's user
+
+        with problems.check():
+            read_token(engine.ray_token_file, engine.sources.get("ray_token_file", "token_file"))
     doc: Mapping[str, Any] = {}
     base = Path.cwd()
     if path is not None:

@@ -29,6 +29,12 @@ one that cannot is refused naming the path. The same start checks the device's
 fingerprint on the node against the engine's: a decision measured there must be valid
 for the bank key this engine writes.
 
+Who may use the cluster (checked at start, rayauth.py): whoever holds its token runs
+code as the nodes' user, and in this process. The engine reads the token from `[cluster]
+token_file` (its own user's, mode 0600), and connects only to a head that refuses calls
+without it and takes ours, unless `[cluster] allow_unauthenticated = true` says a head
+that asks no token may be used.
+
 Failures: an actor that dies mid-request (its node left, it was killed) is a crashed
 child (ChildDiedError): the request in flight fails as a crashed runner's does, and the
 next request starts a fresh actor; when the node went with it, the device set measures
@@ -77,6 +83,7 @@ from aoe.errors import DeviceError, OptionError
 from aoed.engine._child import ChildDiedError, read_answer
 from aoed.engine.devlock import DeviceLock
 from aoed.engine.messages import Answer, Call, Request, encode
+from aoed.engine.rayauth import check_head, read_token, use_token
 
 __all__ = [
     "CONNECT_TIMEOUT_S",
@@ -505,26 +512,45 @@ def _connect(ray: Any, address: str) -> None:
     )
 
 
+def _unreachable(config: Config, exc: Exception) -> DeviceError:
+    if isinstance(exc, trio.TooSlowError):
+        return DeviceError(
+            f"[cluster] address {config.ray_address}: the Ray cluster did not answer within "
+            f"{CONNECT_TIMEOUT_S:g}s"
+        )
+    return DeviceError(
+        f"[cluster] address {config.ray_address}: cannot reach the Ray cluster: {_first_line(exc)}"
+    )
+
+
 @contextlib.asynccontextmanager
 async def open_ray(config: Config, probe_dir: Path) -> AsyncIterator[RayExecutor]:
     """Connect to the cluster at `config.ray_address` for the block; yields the executor.
-    OptionError when ray is not installed; DeviceError when the head cannot be reached."""
+    OptionError when ray is not installed or the token file is unfit (rayauth.read_token);
+    PermissionDeniedError when the head asks no token and that is not allowed, or refuses
+    ours (rayauth.check_head); DeviceError when the head cannot be reached."""
+    token_file = config.ray_token_file
+    secret = read_token(token_file) if token_file is not None else None
+    use_token(token_file)  # before ray is imported: Ray reads its mode then
     ray = require_ray()
     try:
         with trio.fail_after(CONNECT_TIMEOUT_S):
             await _reachable(config.ray_address)
+    except (OSError, trio.TooSlowError) as exc:
+        raise _unreachable(config, exc) from None
+    if _host_port(config.ray_address) is not None:
+        await trio.to_thread.run_sync(check_head, config, secret, abandon_on_cancel=True)
+    else:  # "auto", allowed only without a token (aoe.config): nothing to ask it
+        log.warning(
+            "ray executor: [cluster] allow_unauthenticated = true: the cluster at %s is used "
+            "without a token, unchecked",
+            config.ray_address,
+        )
+    try:
         with trio.fail_after(CONNECT_TIMEOUT_S):
             await trio.to_thread.run_sync(_connect, ray, config.ray_address, abandon_on_cancel=True)
-    except trio.TooSlowError:
-        raise DeviceError(
-            f"[cluster] address {config.ray_address}: the Ray cluster did not answer within "
-            f"{CONNECT_TIMEOUT_S:g}s"
-        ) from None
-    except Exception as exc:  # OSError, and ray's ConnectionError, RuntimeError, ValueError
-        raise DeviceError(
-            f"[cluster] address {config.ray_address}: cannot reach the Ray cluster: "
-            f"{_first_line(exc)}"
-        ) from None
+    except Exception as exc:  # TooSlowError, and ray's ConnectionError, RuntimeError, ValueError
+        raise _unreachable(config, exc) from None
     probe_dir.mkdir(parents=True, exist_ok=True)
     token = secrets.token_hex(16)
     probe = probe_dir / f"ray-probe-{os.getpid()}"
