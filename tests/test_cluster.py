@@ -1,16 +1,21 @@
 """Many servers on Ray: the `[cluster]` settings (fast, no Ray needed), and a real daemon
 measuring on a Ray cluster of three nodes on this machine, each node a device by a custom
-resource (`make test-cluster` runs those: they need the cluster extra, and start Ray)."""
+resource, started with deploy/README.md's commands and the cluster's token, the daemon
+holding the token too (`make test-cluster` runs those: they need the cluster extra, and
+start Ray). Who else may use such a cluster: tests/test_cluster_auth.py."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
 import os
+import secrets
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -21,6 +26,7 @@ from aoe.v1 import bank_pb2, devices_pb2, tuning_pb2
 from aoed import samples
 from tests.conftest import run_aoe
 from tests.daemon_util import DaemonProcess, submit_sample, wait_for
+from tests.ray_util import RayCluster
 
 
 def _config(tmp_path: Path, body: str) -> Path:
@@ -50,24 +56,38 @@ def test_check_config_reports_cluster_problems(tmp_path: Path) -> None:
     path = _config(
         tmp_path, f'[daemon]\nstate_dir = "{tmp_path / "state"}"\n[cluster]\nexecutor = "ray"\n'
     )
-    run = subprocess.run(
-        [sys.executable, "-m", "aoed", "--config", str(path), "--check-config"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert run.returncode != 0
-    assert "needs [cluster] address" in run.stderr, run.stderr
-    if importlib.util.find_spec("ray") is not None:
-        path.write_text(path.read_text() + 'address = "10.0.0.1:6379"\n')
-        run = subprocess.run(
+
+    def check() -> subprocess.CompletedProcess:
+        return subprocess.run(
             [sys.executable, "-m", "aoed", "--config", str(path), "--check-config"],
             capture_output=True,
             text=True,
             timeout=60,
         )
+
+    run = check()
+    assert run.returncode != 0
+    assert "needs [cluster] address" in run.stderr, run.stderr
+    assert "needs [cluster] token_file" in run.stderr, run.stderr
+    if importlib.util.find_spec("ray") is not None:
+        token = tmp_path / "token"
+        token.write_text(secrets.token_hex(32))
+        token.chmod(0o600)
+        cluster = f'address = "10.0.0.1:6379"\ntoken_file = "{token}"\n'
+        path.write_text(path.read_text() + cluster)
+        run = check()
         assert run.returncode == 0, run.stderr
-        assert "executor    ray at 10.0.0.1:6379" in run.stdout
+        assert f"executor    ray at 10.0.0.1:6379, token in {token}" in run.stdout
+        token.chmod(0o640)
+        run = check()
+        assert run.returncode == OptionError.exit_code, run.stderr
+        assert f"token_file {token}: mode 0640 lets other users at it" in run.stderr
+        path.write_text(
+            path.read_text().replace(f'token_file = "{token}"', "allow_unauthenticated = true")
+        )
+        run = check()
+        assert run.returncode == 0, run.stderr
+        assert "executor    ray at 10.0.0.1:6379, NO TOKEN (allow_unauthenticated)" in run.stdout
 
 
 def test_ray_without_the_extra_is_one_line_naming_it(
@@ -76,7 +96,10 @@ def test_ray_without_the_extra_is_one_line_naming_it(
     from aoed.engine.rayexec import require_ray
 
     monkeypatch.setitem(sys.modules, "ray", None)  # how Python spells "not installed" to importers
-    path = _config(tmp_path, '[cluster]\nexecutor = "ray"\naddress = "127.0.0.1:6379"\n')
+    path = _config(
+        tmp_path,
+        '[cluster]\nexecutor = "ray"\naddress = "127.0.0.1:6379"\nallow_unauthenticated = true\n',
+    )
     with pytest.raises(OptionError) as info:
         load_config(path, env={})
     assert len(info.value.problems) == 1 and "\n" not in str(info.value)
@@ -89,39 +112,43 @@ def test_ray_without_the_extra_is_one_line_naming_it(
 
 # -- a Ray cluster of three nodes on this machine --------------------------------------
 
-#: Ray's floor for a node's object store (ray_constants.OBJECT_STORE_MINIMUM_MEMORY_BYTES)
-_OBJECT_STORE_MIN = 75 * 1024 * 1024
 DEVICES = ("cpu:0", "cpu:1", "cpu:2")
 
 
 @pytest.fixture(scope="module")
 def cluster():
     pytest.importorskip("ray", reason="needs the cluster extra (make test-cluster)")
-    from ray.cluster_utils import Cluster
+    root = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))  # short: Ray's sockets live there
+    token = root / "token"
+    token.write_text(secrets.token_hex(32))
+    token.chmod(0o600)
+    c = RayCluster(root, token)
+    try:
+        # The head holds the compile workers' CPU; each other node is one device, by its
+        # resource.
+        c.start_head(num_cpus=1)
+        c.device_nodes = {
+            device: c.add_node(resources=f'{{"aoe_device_{device.replace(":", "")}": 1}}')
+            for device in DEVICES
+        }
+        c.wait_for_nodes(1 + len(DEVICES))
+        yield c
+    finally:
+        c.shutdown()
+        shutil.rmtree(root, ignore_errors=True)
 
-    # The head holds the compile workers' CPU; each other node is one device, by its resource.
-    c = Cluster(
-        initialize_head=True,
-        head_node_args={"num_cpus": 1, "object_store_memory": _OBJECT_STORE_MIN},
+
+def _cluster_toml(cluster: RayCluster) -> str:
+    """The `[cluster]` settings of an engine that uses `cluster` with its token."""
+    return (
+        f'[cluster]\nexecutor = "ray"\naddress = "{cluster.address}"\n'
+        f'token_file = "{cluster.token_file}"\n'
     )
-    c.device_nodes = {
-        device: c.add_node(
-            num_cpus=1,
-            object_store_memory=_OBJECT_STORE_MIN,
-            resources={f"aoe_device_{device.replace(':', '')}": 1},
-        )
-        for device in DEVICES
-    }
-    c.wait_for_nodes()
-    yield c
-    c.shutdown()
 
 
 @pytest.fixture
 def on_ray(tmp_path: Path, cluster):
-    d = DaemonProcess(
-        tmp_path / "d", f'[cluster]\nexecutor = "ray"\naddress = "{cluster.address}"\n'
-    )
+    d = DaemonProcess(tmp_path / "d", _cluster_toml(cluster))
     devices = ", ".join(f'"{x}"' for x in DEVICES)
     d.config.write_text(
         d.config.read_text().replace("[tuning]\n", f"[tuning]\ndevices = [{devices}]\n", 1)
@@ -202,16 +229,18 @@ def test_an_actor_killed_mid_job_loses_no_decided_task(on_ray: DaemonProcess) ->
     assert victim not in _actors("ray::DeviceActor")
 
 
-def _tune_on_ray(tmp_path: Path, address: str, *args: str, timeout: float):
-    """`aoe tune` of the mlp sample, embedded, its trials on the Ray cluster at `address`."""
+def _tune_on_ray(tmp_path: Path, address: str, token: Path, *args: str, timeout: float):
+    """`aoe tune` of the mlp sample, embedded, its trials on the Ray cluster at `address`,
+    with the token in `token`."""
     model = tmp_path / "mlp.onnx"
     samples.save(samples.build("mlp"), model)
+    config = _config(tmp_path, f'[cluster]\ntoken_file = "{token}"\n')
     return run_aoe(
         "tune",
         str(model),
         *("--executor", "ray", "--ray-address", address, *args),
         *("--bank", str(tmp_path / "bank"), "--output", str(tmp_path / "out"), "--no-progress"),
-        env={"AOED_RUNTIME_DIR": str(tmp_path / "run")},
+        env={"AOED_RUNTIME_DIR": str(tmp_path / "run"), "AOED_CONFIG": str(config)},
         timeout=timeout,
     )
 
@@ -221,6 +250,7 @@ def test_aoe_tune_runs_embedded_on_the_cluster(tmp_path: Path, cluster) -> None:
     run = _tune_on_ray(
         tmp_path,
         cluster.address,
+        cluster.token_file,
         *("--device", "cpu:0", "--device", "cpu:1", "--budget", "6", "--parallel", "1"),
         timeout=600,
     )
@@ -265,7 +295,10 @@ def test_an_unreachable_head_is_one_clear_error(tmp_path: Path) -> None:
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    run = _tune_on_ray(tmp_path, f"127.0.0.1:{port}", timeout=120)
+    token = tmp_path / "token"
+    token.write_text(secrets.token_hex(32))
+    token.chmod(0o600)
+    run = _tune_on_ray(tmp_path, f"127.0.0.1:{port}", token, timeout=120)
     assert run.returncode == DeviceError.exit_code, run.stderr
     errors = [line for line in run.stderr.splitlines() if "error" in line]
     assert (

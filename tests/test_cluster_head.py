@@ -1,9 +1,13 @@
 """A daemon on the Ray executor whose cluster's head goes away mid-job: its jobs end
 (failing clearly), it keeps serving past Ray's own limit for a lost head, and it stops
-cleanly. A cluster of its own (tests/test_cluster.py's is shared by its tests)."""
+cleanly. A cluster of its own, started with deploy/README.md's commands and a token
+(tests/ray_util.py; tests/test_cluster.py's is shared by its tests)."""
 
 from __future__ import annotations
 
+import secrets
+import shutil
+import tempfile
 import time
 from pathlib import Path
 
@@ -11,9 +15,8 @@ import pytest
 
 from aoe.v1 import devices_pb2, tuning_pb2
 from tests.daemon_util import DaemonProcess, submit_sample, wait_for
+from tests.ray_util import RayCluster
 
-#: Ray's floor for a node's object store
-_OBJECT_STORE_MIN = 75 * 1024 * 1024
 #: Ray ends a driver's process this long after it lost the head, unless told otherwise
 #: (RAY_gcs_rpc_server_reconnect_timeout_s, aoed.engine.rayexec._GCS_RECONNECT)
 _RAY_DRIVER_LIMIT_S = 60
@@ -22,19 +25,18 @@ _RAY_DRIVER_LIMIT_S = 60
 @pytest.mark.cluster
 def test_a_lost_head_fails_jobs_clearly_and_the_daemon_goes_on(tmp_path: Path) -> None:
     pytest.importorskip("ray", reason="needs the cluster extra (make test-cluster)")
-    from ray.cluster_utils import Cluster
-
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={"num_cpus": 1, "object_store_memory": _OBJECT_STORE_MIN},
-    )
+    root = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))  # short: Ray's sockets live there
+    token = root / "token"
+    token.write_text(secrets.token_hex(32))
+    token.chmod(0o600)
+    cluster = RayCluster(root, token)
     try:
-        cluster.add_node(
-            num_cpus=1, object_store_memory=_OBJECT_STORE_MIN, resources={"aoe_device_cpu0": 1}
-        )
-        cluster.wait_for_nodes()
+        cluster.start_head(num_cpus=1)
+        cluster.add_node(resources='{"aoe_device_cpu0": 1}')
+        cluster.wait_for_nodes(2)
         d = DaemonProcess(
-            tmp_path / "d", f'[cluster]\nexecutor = "ray"\naddress = "{cluster.address}"\n'
+            tmp_path / "d",
+            f'[cluster]\nexecutor = "ray"\naddress = "{cluster.address}"\ntoken_file = "{token}"\n',
         )
         d.config.write_text(
             d.config.read_text().replace("[tuning]\n", '[tuning]\ndevices = ["cpu:0"]\n', 1)
@@ -42,6 +44,7 @@ def test_a_lost_head_fails_jobs_clearly_and_the_daemon_goes_on(tmp_path: Path) -
         d.start(timeout=240)
     except BaseException:
         cluster.shutdown()
+        shutil.rmtree(root, ignore_errors=True)
         raise
     try:
         job_id = submit_sample(d, "cnn", 60.0, timeout=60)
@@ -52,7 +55,7 @@ def test_a_lost_head_fails_jobs_clearly_and_the_daemon_goes_on(tmp_path: Path) -
             )
 
         wait_for(lambda: trials() > 0, 300, "the first trials")
-        cluster.shutdown()
+        cluster.kill()
         down = time.monotonic()
         job = d.wait_job(job_id, timeout=300)  # it ends, whatever its measurements were doing
         assert job.state in (tuning_pb2.JOB_STATE_SUCCEEDED, tuning_pb2.JOB_STATE_FAILED), job
@@ -71,3 +74,4 @@ def test_a_lost_head_fails_jobs_clearly_and_the_daemon_goes_on(tmp_path: Path) -
     finally:
         d.close()
         cluster.shutdown()
+        shutil.rmtree(root, ignore_errors=True)
