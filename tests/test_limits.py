@@ -137,7 +137,7 @@ def test_the_default_world_limits_fit_the_machine(tmp_path: Path) -> None:
     )
 )
 def test_an_input_shape_larger_than_a_tensor_may_be_is_refused_at_submit(shapes) -> None:
-    cfg = _config(Path(os.environ.get("TMPDIR", "/tmp")))
+    cfg = load_daemon_config(None, env={})  # the defaults (nothing is created)
     spec = JobSpec(input_shapes=shapes)
     over = [
         n
