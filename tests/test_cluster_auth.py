@@ -68,14 +68,26 @@ def test_the_ray_executor_needs_a_token_file_or_an_explicit_opt_out(tmp_path: Pa
     assert 'address="auto"' in problem and "name the head's HOST:PORT" in problem
 
 
+def _token_config(tmp_path: Path, token: Path) -> Path:
+    """A daemon's configuration that names `token` (checked whenever it is named: so
+    with the local executor too, which needs no ray)."""
+    path = tmp_path / "aoed.toml"
+    path.write_text(
+        f'[daemon]\nstate_dir = "{tmp_path / "state"}"\n[cluster]\ntoken_file = "{token}"\n'
+    )
+    return path
+
+
 @pytest.mark.parametrize("mode", [0o644, 0o640, 0o604, 0o620])
 def test_a_token_file_anyone_else_may_use_is_refused(tmp_path: Path, mode: int) -> None:
     token = _token(tmp_path / "token", mode)
-    (problem,) = _problems(load_daemon_config, _ray_config(tmp_path, f'token_file = "{token}"\n'))
-    assert f"token_file {token}: mode {mode:04o} lets other users at it" in problem
+    with pytest.raises(OptionError) as info:
+        load_daemon_config(_token_config(tmp_path, token), env={})
+    (problem,) = info.value.problems
+    assert f"[cluster] token_file {token}: mode {mode:04o} lets other users at it" in problem
     assert f"chmod 600 {token}" in problem
     token.chmod(0o600)
-    assert _problems(load_daemon_config, _ray_config(tmp_path, f'token_file = "{token}"\n')) == []
+    load_daemon_config(_token_config(tmp_path, token), env={})
 
 
 def test_a_token_file_is_read_whole_and_only_if_it_holds_one_long_word(tmp_path: Path) -> None:
@@ -103,7 +115,9 @@ def test_a_token_file_is_read_whole_and_only_if_it_holds_one_long_word(tmp_path:
 def test_a_token_file_of_another_user_is_refused(tmp_path: Path) -> None:
     token = _token(tmp_path / "token")
     os.chown(token, 65534, 65534)
-    (problem,) = _problems(load_daemon_config, _ray_config(tmp_path, f'token_file = "{token}"\n'))
+    with pytest.raises(OptionError) as info:
+        load_daemon_config(_token_config(tmp_path, token), env={})
+    (problem,) = info.value.problems
     assert f"token_file {token}: belongs to uid 65534, not to the user reading it" in problem
 
 

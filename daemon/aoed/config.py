@@ -352,7 +352,7 @@ def load_daemon_config(
         engine = load_config(path, env)
     except OptionError as exc:
         problems.found.extend(exc.problems)
-    if engine.executor == "ray" and engine.ray_token_file is not None:
+    if engine.ray_token_file is not None:  # checked whenever named, used or not yet
         from aoed.engine.rayauth import read_token  # its owner and mode, as the daemon's user
 
         with problems.check():
