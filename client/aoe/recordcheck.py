@@ -103,12 +103,14 @@ _SESSION_KEYS = frozenset(
 
 #: onnxruntime session config entries data may set, and the values each takes: those the
 #: tuner sets (its measuring runner turns intra-op spinning off; a user's session may
-#: set either back). Every other key is refused, among them those that name a file
+#: set either back), and weight prepacking, a switch of speed alone that a model-level
+#: record may carry. Every other key is refused, among them those that name a file
 #: (`session.collect_node_memory_stats_to_file`, `session.save_model_format`,
 #: `ep.context_file_path`, `session.optimized_model_external_initializers_file_name`).
 SESSION_CONFIG: Mapping[str, tuple[str, ...]] = {
     "session.intra_op.allow_spinning": BOOL,
     "session.inter_op.allow_spinning": BOOL,
+    "session.disable_prepacking": BOOL,
 }
 
 #: Provider options that name a file or a library, or make the provider read or write
