@@ -9,8 +9,9 @@ one). From then on, for the rest of its life and for every thread and child it s
 - **Files** (Landlock): read only where Python, its packages and the system's libraries
   live, `/proc`, `/sys`, a few files of `/etc` and `/dev`, and the job's input;
   write only under the job's workspace. No file may be executed (execve).
-- **Signals and abstract unix sockets** (Landlock scopes, ABI 6): none to or from a
-  process outside this one's domain (the daemon, the other ranks, anything else).
+- **Other processes** (Landlock): none outside this one's domain (the daemon, the other
+  ranks, anything else) may be traced or have its memory read; from ABI 6 none may be
+  signalled, nor reached through an abstract unix socket.
 - **io_uring** (seccomp): refused, since its operations would bypass the filter below.
 - **Network**: closed (`close_network()`; at once with `keep_network=False`): a seccomp
   filter synchronized to every thread refuses `socket()` for every family, `connect`,
@@ -42,7 +43,7 @@ import json
 import os
 import sys
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from aoe.errors import OptionError
 
@@ -210,7 +211,6 @@ class Confinement:
     layers: tuple[str, ...] = ()
     #: why the process is not confined ("" when it is)
     unconfined: str = ""
-    notes: tuple[str, ...] = field(default=())
 
     @property
     def confined(self) -> bool:
