@@ -20,6 +20,8 @@ from aoed.engine.session import base_options, dimensions, merge_options
 
 CNN_OPS = frozenset({"Conv", "Relu", "MaxPool", "Gemm", "Flatten"})
 BERT_OPS = frozenset({"MatMul", "Add", "Softmax", "LayerNormalization", "Reshape", "Transpose"})
+
+
 def _space(device: str, precision: str = "exact", ops=CNN_OPS, table: bool = False):
     return accel.dimensions(Device.parse(device), precision, ops, table)
 
