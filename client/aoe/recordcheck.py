@@ -33,6 +33,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from aoe.device import CPU, KINDS, Device
 from aoe.provider_options import BOOL, CHOICES, OPTIONS
 from aoe.signature import SCHEMA_VERSION
 from aoe.v1 import bank_pb2
@@ -185,12 +186,9 @@ PROVIDER_VALUES: Mapping[tuple[str, str], tuple[str, ...] | _Int] = {
     ("cann", "npu_mem_limit"): _Int(0, _BIG),
 }
 
-_PROVIDER_KIND = {
-    "CUDAExecutionProvider": "cuda",
-    "TensorrtExecutionProvider": "tensorrt",
-    "CANNExecutionProvider": "cann",
-}
-_CPU_PROVIDER = "CPUExecutionProvider"
+#: accelerator provider name -> device kind (the names are aoe.device's)
+_PROVIDER_KIND = {Device(kind).provider: kind for kind in KINDS if kind != "cpu"}
+_CPU_PROVIDER = CPU.provider
 _GDAT_PROVIDER = "torch.distributed"  # aoe.gradlayout.GDAT_PROVIDER
 _PRECISIONS = {
     bank_pb2.PRECISION_EXACT: "exact",

@@ -158,7 +158,9 @@ def trt_files(
     }
     if calibration_table:
         opts["trt_int8_calibration_table_name"] = calibration_table
-    return {"TensorrtExecutionProvider": opts}
+    from aoe.device import Device
+
+    return {Device("tensorrt").provider: opts}
 
 
 def make_session_options(options: Mapping[str, Any] | str | None = None):
