@@ -100,11 +100,14 @@ bench-quick: $(BENCH_STAMP)
 # The suite's soak tests (kill -9 loops; `make test` leaves them out), then kill -9 of the
 # daemon at 20 random points of its jobs (prints seeds, restarts and the bank entries
 # verified intact), then 30 minutes of mixed load with the state dir on a 200 MB tmpfs
-# filled and freed twice (needs root to mount it); its figures go into bench/RESULTS.md.
-soak: $(STAMP)
+# filled and freed twice (needs root to mount it), then 10 minutes of every surface others
+# reach attacked at once (hostile programs and records, a hostile peer, a flood on the
+# metrics port: bench/soak_surfaces.py); their figures go into bench/RESULTS.md.
+soak: $(STAMP) $(GDAT_STAMP)
 	$(BIN)/python -m pytest -q -m soak
 	$(BIN)/python bench/soak.py
 	$(BIN)/python bench/soak_disk.py --minutes 30
+	$(BIN)/python bench/soak_surfaces.py --minutes 10
 
 protos: $(STAMP)
 	$(BIN)/python -m grpc_tools.protoc -I protos \
