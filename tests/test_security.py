@@ -741,6 +741,45 @@ def test_an_upload_cannot_name_a_path(daemon: DaemonProcess) -> None:
     assert err.value.code() == INVALID and "bad file name" in err.value.details()
 
 
+@pytest.mark.slow
+def test_an_upload_never_joins_a_job_on_a_file_named_by_path(daemon: DaemonProcess) -> None:
+    """A file named by path stays its owner's to rewrite after SubmitJob hashed it (in
+    place: the same inode, one link), so an upload of the bytes it held then must not
+    join that job and get the result of the bytes written since: it gets a job of its
+    own, tuning the bytes it sent."""
+    original, rewritten = samples.mlp(hidden=33), samples.mlp(hidden=57)
+    shared = daemon.models / "shared.onnx"
+    samples.save(original, shared)
+    sent = daemon.root / "sent.onnx"
+    shutil.copyfile(shared, sent)
+    stub = daemon.tuning()
+    jobs = [
+        stub.SubmitJob(
+            tuning_pb2.SubmitJobRequest(
+                model_path=str(shared), options=tuning_pb2.JobOptions(budget_s=60.0)
+            ),
+            timeout=30,
+        ).job_id
+    ]
+    try:
+        with open(shared, "r+b") as f:  # rewritten in place, through the same inode
+            f.truncate(0)
+            f.write(rewritten.SerializeToString())
+        uploaded = stub.SubmitJob(
+            tuning_pb2.SubmitJobRequest(
+                model_id=upload(stub, sent), options=tuning_pb2.JobOptions(budget_s=60.0)
+            ),
+            timeout=30,
+        )
+        jobs.append(uploaded.job_id)
+        assert uploaded.job_id != jobs[0] and uploaded.job.joined == 0
+        assert stub.GetJob(tuning_pb2.GetJobRequest(job_id=jobs[0]), timeout=30).job.joined == 0
+    finally:
+        for job_id in set(jobs):
+            stub.CancelJob(tuning_pb2.CancelJobRequest(job_id=job_id), timeout=60)
+            daemon.wait_job(job_id)
+
+
 def _secret(daemon: DaemonProcess, name: str) -> Path:
     """A model outside the allowed dir (a file its submitter may not read, as far as the
     daemon knows), different from every other model here."""

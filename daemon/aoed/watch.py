@@ -645,7 +645,7 @@ class Watcher:
                 _check_claimed(model)
                 spec = folder_spec(Path(claim.inbox))
                 row, joined = await self._jobs.submit(
-                    Submission(model=model, spec=spec, source=f"inbox:{claim.inbox}")
+                    Submission(model=model, spec=spec, source=f"inbox:{claim.inbox}", private=True)
                 )
             except AoedError as exc:
                 if isinstance(exc, ResourceExhaustedError | DaemonUnavailableError):

@@ -127,6 +127,17 @@ class Submission:
     upload: Upload | None = None
     #: a daemon-side folder for the outputs (confined by the caller); None: the job's own
     output_dir: Path | None = None
+    #: `model` is a file of the daemon's own that nobody else can write (a claimed drop;
+    #: an upload is one too): what was hashed is what the job runs
+    private: bool = False
+
+    @property
+    def joinable(self) -> bool:
+        """Whether later identical submissions may join this one's job. Only when its
+        model is the daemon's own: a file named by path may be rewritten after it was
+        hashed (its owner, or anyone who may write it, keeps that right), and a
+        submission that joined would then get the result of bytes it never sent."""
+        return self.private or self.upload is not None
 
 
 @dataclass
@@ -447,14 +458,15 @@ class JobManager:
                 model = await self._consume_upload(sub.upload, keep=True)
                 info = await trio.to_thread.run_sync(model.stat)
             # The file checked here (one link, its sha256): the job's first read checks that
-            # it reads this very file (see engine.modelio.load_model's `expect`).
+            # it reads this very file (see engine.modelio.load_model's `expect`). A job
+            # that others may not join gets a key of its own (see Submission.joinable).
             row = JobRow(
                 id=job_id,
                 state=JobState.QUEUED,
                 model_path=str(model),
                 model_name=sub.model.name if sub.upload is None else sub.upload.file_name,
                 model_sha256=sha,
-                dedup_key=key,
+                dedup_key=key if sub.joinable else f"{key}/{job_id}",
                 spec=spec,
                 output_dir=str(out),
                 priority=spec.priority,
