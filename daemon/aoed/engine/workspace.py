@@ -38,6 +38,7 @@ import contextlib
 import fcntl
 import json
 import os
+import secrets
 import re
 import shutil
 import time
@@ -175,14 +176,23 @@ class Workspace:
         return None
 
     def _hold(self, owner: Mapping[str, str], root_fd: int) -> None:
-        """Create `.running` in a fresh workspace (`root_fd`), locked, naming `owner`."""
+        """Create `.running` in a fresh workspace (`root_fd`), locked, naming `owner`.
+
+        It is made under a name of its own, locked and written, then renamed into place:
+        another run of the same model looking for an interrupted workspace (`_take_over`)
+        must never find a `.running` that is not locked yet, or it would lock it first,
+        and this run would fail to."""
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-        fd = os.open(RUNNING, flags, 0o600, dir_fd=root_fd)
+        tmp = f"{RUNNING}.{secrets.token_hex(4)}"
+        fd = os.open(tmp, flags, 0o600, dir_fd=root_fd)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             os.write(fd, json.dumps(owner, sort_keys=True).encode())
+            os.rename(tmp, RUNNING, src_dir_fd=root_fd, dst_dir_fd=root_fd)
         except BaseException:
             os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=root_fd)
             raise
         self._lock_fd = fd
 
