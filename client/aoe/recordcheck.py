@@ -89,9 +89,12 @@ MAX_PROVIDERS = 8
 #: Session threads: 0 (onnxruntime's choice) up to this many.
 MAX_THREADS = 1024
 
-_LEVELS = ("disable", "basic", "extended", "all")
-_MODES = ("sequential", "parallel")
-_SESSION_KEYS = frozenset(
+#: graph optimization levels and execution modes, as options spell them (aoe.sessionopts
+#: maps each to onnxruntime's enum)
+LEVELS = ("disable", "basic", "extended", "all")
+MODES = ("sequential", "parallel")
+#: the session options the tuner sets
+SESSION_KEYS = frozenset(
     (
         "intra_op_num_threads",
         "inter_op_num_threads",
@@ -385,11 +388,11 @@ def check_session_options(options: Any, where: str = "session options") -> dict[
     RecordError naming `where` and the option otherwise."""
     if not isinstance(options, dict):
         raise RecordError(where, "not a JSON object of session options")
-    unknown = sorted(set(options) - _SESSION_KEYS)
+    unknown = sorted(set(options) - SESSION_KEYS)
     if unknown:
         raise RecordError(
             f"{where}: {_show(str(unknown[0]))}",
-            f"not a session option the tuner sets (it sets: {', '.join(sorted(_SESSION_KEYS))})",
+            f"not a session option the tuner sets (it sets: {', '.join(sorted(SESSION_KEYS))})",
         )
     out = dict(options)
     for k in ("intra_op_num_threads", "inter_op_num_threads"):
@@ -397,7 +400,7 @@ def check_session_options(options: Any, where: str = "session options") -> dict[
             n = out[k]
             if type(n) is not int or not 0 <= n <= MAX_THREADS:
                 raise RecordError(f"{where}: {k}", f"{n!r} is not a count from 0 to {MAX_THREADS}")
-    for k, allowed in (("execution_mode", _MODES), ("graph_optimization_level", _LEVELS)):
+    for k, allowed in (("execution_mode", MODES), ("graph_optimization_level", LEVELS)):
         if k in out and out[k] not in allowed:
             raise RecordError(f"{where}: {k}", f"{out[k]!r} is not one of {', '.join(allowed)}")
     if "config" in out:

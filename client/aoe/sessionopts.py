@@ -24,6 +24,8 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from aoe.recordcheck import LEVELS, MODES, SESSION_KEYS
+
 __all__ = [
     "METADATA_KEY",
     "make_session_options",
@@ -35,21 +37,11 @@ __all__ = [
 
 METADATA_KEY = "aoe.session_options"
 
-_LEVELS = {
-    "disable": "ORT_DISABLE_ALL",
-    "basic": "ORT_ENABLE_BASIC",
-    "extended": "ORT_ENABLE_EXTENDED",
-    "all": "ORT_ENABLE_ALL",
-}
-_MODES = {"sequential": "ORT_SEQUENTIAL", "parallel": "ORT_PARALLEL"}
-_KEYS = {
-    "intra_op_num_threads",
-    "inter_op_num_threads",
-    "execution_mode",
-    "graph_optimization_level",
-    "config",
-    "providers",
-}
+#: each level and mode of aoe.recordcheck, as onnxruntime's enums name it
+_LEVELS = dict(
+    zip(LEVELS, ("ORT_DISABLE_ALL", "ORT_ENABLE_BASIC", "ORT_ENABLE_EXTENDED", "ORT_ENABLE_ALL"))
+)
+_MODES = dict(zip(MODES, ("ORT_SEQUENTIAL", "ORT_PARALLEL")))
 
 
 def normalize_options(options: Mapping[str, Any] | str | None) -> dict[str, Any]:
@@ -63,7 +55,7 @@ def normalize_options(options: Mapping[str, Any] | str | None) -> dict[str, Any]
         options = loads(options, "session options", MAX_OPTIONS_JSON)
     if not isinstance(options, Mapping):
         raise ValueError("session options must be a JSON object")
-    unknown = set(options) - _KEYS
+    unknown = set(options) - SESSION_KEYS
     if unknown:
         raise ValueError(f"unknown session option(s): {', '.join(sorted(unknown))}")
     out = dict(options)
