@@ -500,7 +500,6 @@ _GCS_RECONNECT = ("RAY_gcs_rpc_server_reconnect_timeout_s", str(10 * 365 * 86400
 
 
 def _connect(ray: Any, address: str) -> None:
-    os.environ.setdefault(*_GCS_RECONNECT)  # read by ray.init's core worker, once
     # In a worker thread: ray.init installs no signal handlers off the main thread, so the
     # daemon's own SIGTERM/SIGHUP handling stays as it is.
     ray.init(
@@ -532,6 +531,10 @@ async def open_ray(config: Config, probe_dir: Path) -> AsyncIterator[RayExecutor
     token_file = config.ray_token_file
     secret = read_token(token_file) if token_file is not None else None
     use_token(token_file)  # before ray is imported: Ray reads its mode then
+    # Also before the import: Ray's config reads the environment once, early, and a GCS
+    # client made then keeps Ray's 60 s; set at ray.init, the limit was seen only by the
+    # message that ended the process ("within 315360000 seconds", 60 s after the loss).
+    os.environ.setdefault(*_GCS_RECONNECT)
     ray = require_ray()
     try:
         with trio.fail_after(CONNECT_TIMEOUT_S):
