@@ -151,7 +151,7 @@ def _pickled_entry(path_name: str) -> dict:
     return {"path_name": path_name, "is_param": False, "use_pickle": True, "tensor_meta": None}
 
 
-def _opaque(src: Path, dst: Path, marker: Path) -> Path:
+def _opaque(src: Path, dst: Path, marker: Path, probe: bool = False) -> Path:
     # torch's loader: pickle.loads(member) for a constant at opaque_obj_N.
     def change(doc: dict) -> None:
         doc["config"]["evil"] = _pickled_entry("opaque_obj_0")
@@ -160,20 +160,12 @@ def _opaque(src: Path, dst: Path, marker: Path) -> Path:
         src,
         dst,
         _json_edit(_CONSTANTS, change),
-        {"data/constants/opaque_obj_0": _pickled(payload(marker))},
+        {"data/constants/opaque_obj_0": _pickled(payload(marker, probe=probe))},
     )
 
 
 def _opaque_probe(src: Path, dst: Path, marker: Path) -> Path:
-    def change(doc: dict) -> None:
-        doc["config"]["evil"] = _pickled_entry("opaque_obj_0")
-
-    return rewrite(
-        src,
-        dst,
-        _json_edit(_CONSTANTS, change),
-        {"data/constants/opaque_obj_0": _pickled(payload(marker, probe=True))},
-    )
+    return _opaque(src, dst, marker, probe=True)
 
 
 def _pickled_tensor(src: Path, dst: Path, marker: Path) -> Path:

@@ -236,17 +236,7 @@ def _plain_python_for_nobody() -> str | None:
 
 
 def _hold_as_nobody(python: str, lock: Path) -> list[str]:
-    r = subprocess.run(
-        [python, "-c", _HOLD_THE_DEVICE, str(lock)],
-        user=NOBODY,
-        group=NOBODY,
-        extra_groups=[],
-        env={"PATH": os.defpath},
-        cwd="/",
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    r = _as_nobody(python, _HOLD_THE_DEVICE, lock)
     assert r.returncode == 0, r.stderr
     return r.stdout.split()
 
