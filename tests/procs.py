@@ -17,7 +17,15 @@ def run_ranks(code: str, *args: str, size: int = 2, timeout: float = 120) -> lis
     `args` on its command line; each one's (stdout, stderr), once every one exited 0
     (else an AssertionError with their output). Output goes to files, so a rank that
     writes much never blocks on a pipe while another is waited for; every rank is killed
-    if the world overruns `timeout` or a wait fails."""
+    if the world overruns `timeout` or a wait fails.
+
+    A rank that ran `code` to its end leaves at once (os._exit after flushing): gloo's
+    threads, torn down by C++ destructors as the interpreter ends, now and then abort
+    the process ("terminate called without an active exception") after its work is done
+    and printed. A rank that raised still exits non-zero."""
+    code += (
+        "\nimport os as _os, sys as _sys\n_sys.stdout.flush(); _sys.stderr.flush(); _os._exit(0)\n"
+    )
     with contextlib.ExitStack() as stack:
         files = [
             (
