@@ -423,7 +423,10 @@ class MeasurePlan(Message):
     first round no turn starts that would end past it, and samples per turn shrink so
     that `min_rounds` fit where they can. With `race`, a clear loser is dropped after
     `min_rounds`; with `until_stable`, the rounds stop once no median moved more than
-    `rel_tol` in the last one."""
+    `rel_tol` in the last one. With `deployed` (on a CPU device), each candidate runs
+    in a process of its own with the options `aoe.session` applies and nothing else
+    (backends/ort/deployed.py), as a user deploys it; else all in the runner, with
+    spinning off (runner.quiet)."""
 
     budget_s: float = 5.0
     min_rounds: int = 8
@@ -436,12 +439,17 @@ class MeasurePlan(Message):
     race: bool = True
     until_stable: bool = True
     drop_margin: float = 0.05
+    deployed: bool = False
 
     @classmethod
-    def fixed(cls, rounds: int, budget_s: float, samples: int = 5) -> MeasurePlan:
+    def fixed(
+        cls, rounds: int, budget_s: float, samples: int = 5, deployed: bool = False
+    ) -> MeasurePlan:
         """Exactly `rounds` rounds (budget permitting): no racing, no early stop; what an
         A/B that reports figures needs."""
-        return cls(budget_s, rounds, rounds, samples, race=False, until_stable=False)
+        return cls(
+            budget_s, rounds, rounds, samples, race=False, until_stable=False, deployed=deployed
+        )
 
 
 class Measurement(Message):

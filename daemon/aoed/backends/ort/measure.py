@@ -28,12 +28,13 @@ import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
 from aoed.engine.messages import MeasurePlan
 
-__all__ = ["Timing", "interleaved"]
+__all__ = ["LocalTurns", "Timing", "Turns", "interleaved", "rounds"]
 
 
 @dataclass
@@ -65,6 +66,47 @@ def _fill(t: Timing, samples: list[float]) -> None:
     t.min_us = float(a.min())
 
 
+class Turns(Protocol):
+    """Where the candidates run: in this process (`LocalTurns`), or each in a process of
+    its own (deployed.py). The procedure drives both alike."""
+
+    def warm(self, name: str, warmup_s: float) -> float:
+        """Run `name` for about `warmup_s` (at least once, at most 200 runs); seconds per run."""
+        ...
+
+    def turn(self, name: str, samples: int, batch: int) -> list[float]:
+        """One untimed run of `name`, then `samples` timed batches of `batch` runs; the
+        seconds per run of each batch."""
+        ...
+
+
+class LocalTurns:
+    """Turns of callables in this process (a session run on its inputs)."""
+
+    def __init__(self, runs: Mapping[str, Callable[[], object]], clock: Callable[[], float]):
+        self.runs, self.clock = runs, clock
+
+    def warm(self, name: str, warmup_s: float) -> float:
+        run, clock = self.runs[name], self.clock
+        t0 = clock()
+        n = 0
+        while n < 1 or (clock() - t0 < warmup_s and n < 200):
+            run()
+            n += 1
+        return (clock() - t0) / n
+
+    def turn(self, name: str, samples: int, batch: int) -> list[float]:
+        run, clock = self.runs[name], self.clock
+        run()
+        got = []
+        for _ in range(samples):
+            t0 = clock()
+            for _ in range(batch):
+                run()
+            got.append((clock() - t0) / batch)
+        return got
+
+
 def interleaved(
     runs: Mapping[str, Callable[[], object]],
     plan: MeasurePlan,
@@ -73,20 +115,27 @@ def interleaved(
 ) -> dict[str, Timing]:
     """Time every callable in `runs` (a session run on its inputs) per `plan`; `keep`
     (the reference) is never dropped by racing. Returns a Timing per name."""
+    return rounds(LocalTurns(runs, clock), list(runs), plan, keep, clock)
+
+
+def rounds(
+    turns: Turns,
+    names: list[str],
+    plan: MeasurePlan,
+    keep: str | None = None,
+    clock: Callable[[], float] = time.perf_counter,
+) -> dict[str, Timing]:
+    """Time the candidates `names` that `turns` runs, per `plan` (see the module doc);
+    `keep` (the reference) is never dropped by racing. Returns a Timing per name."""
     start = clock()
     deadline = start + plan.budget_s
-    timings = {name: Timing() for name in runs}
+    timings = {name: Timing() for name in names}
     per_run: dict[str, float] = {}
-    for name, run in runs.items():
-        t0 = clock()
-        n = 0
-        while n < 1 or (clock() - t0 < plan.warmup_s and n < 200):
-            run()
-            n += 1
-        per_run[name] = (clock() - t0) / n
+    for name in names:
+        per_run[name] = turns.warm(name, plan.warmup_s)
         timings[name].batch = max(1, min(1000, math.ceil(plan.sample_s / max(per_run[name], 1e-7))))
     alive = []
-    for name in runs:
+    for name in names:
         if per_run[name] > plan.budget_s and name != keep:
             timings[name].dropped = True
             timings[name].reason = (
@@ -109,7 +158,7 @@ def interleaved(
         fixed = sum(plan.settle_s + per_run[n] for n in alive)
         samples = max(1, int((remaining / plan.min_rounds - fixed) / one))
         samples = min(samples, plan.samples)
-    collected: dict[str, list[float]] = {n: [] for n in runs}
+    collected: dict[str, list[float]] = {n: [] for n in names}
     # How long each candidate's turn takes: estimated from its warm-up, then as measured.
     turn_len = {n: turn_estimate(n, samples) for n in alive}
     for rnd in range(plan.max_rounds):
@@ -124,22 +173,13 @@ def interleaved(
             if rnd > 0 and clock() + turn_len[name] > deadline:
                 cut = True  # the budget would be passed: this round would be partial
                 break
-            run = runs[name]
-            batch = timings[name].batch
             began = clock()
             time.sleep(plan.settle_s)
-            run()
-            got = []
-            for _ in range(samples):
-                t0 = clock()
-                for _ in range(batch):
-                    run()
-                got.append((clock() - t0) / batch)
-            turn[name] = got
+            turn[name] = turns.turn(name, samples, timings[name].batch)
             turn_len[name] = clock() - began
         if cut:
             break
-        for name in runs:
+        for name in names:
             if name in turn:
                 collected[name].extend(turn[name])
                 timings[name].rounds_us.append(float(np.median(turn[name])) * 1e6)

@@ -32,7 +32,10 @@ import numpy as np
 
 from aoe.device import CPU, Device
 from aoe.errors import DeviceError
-from aoed.backends.ort.measure import interleaved
+import msgspec
+
+from aoed.backends.ort import deployed
+from aoed.backends.ort.measure import Timing, interleaved, rounds
 from aoed.backends.ort.sessions import BoundRun, check_device, providers_for, session
 from aoed.engine.messages import (
     Accuracy,
@@ -113,6 +116,8 @@ def accuracy(ref: list[np.ndarray], out: list[np.ndarray]) -> dict[str, float]:
 
 def measure(req: MeasureRequest) -> MeasureReply:
     """Raises DeviceError when the reference candidate cannot be loaded or run."""
+    if req.plan.deployed and req.device.is_cpu:
+        return _measure_deployed(req)
     feeds = _load_inputs(req.inputs)
     device = req.device
     results: dict[str, Measurement] = {}
@@ -124,7 +129,6 @@ def measure(req: MeasureRequest) -> MeasureReply:
             sessions[c.id] = (sess, {k: v for k, v in feeds.items() if k in names})
         except Exception as exc:
             results[c.id] = Measurement(False, error=f"load: {exc}".splitlines()[0])
-    ref_id = req.reference
     outputs = {}
     # On an accelerator a host run would time copies to and from the device with the
     # model (and CUDA graphs need bound memory): runs bind inputs and outputs in device
@@ -141,11 +145,56 @@ def measure(req: MeasureRequest) -> MeasureReply:
         except Exception as exc:
             results[cid] = Measurement(False, error=f"run: {exc}".splitlines()[0])
             del sessions[cid]
+    acc = _compared(req.reference, outputs, results)
+    if device.is_cpu:
+        runs = {
+            cid: (lambda sess=sess, f=f: sess.run(None, f))
+            for cid, (sess, f) in sessions.items()
+            if cid in acc
+        }
+    else:
+        runs = {cid: bound[cid] for cid in sessions if cid in acc}
+    timings = interleaved(runs, req.plan, keep=req.reference)
+    return _reply(timings, acc, results)
+
+
+def _measure_deployed(req: MeasureRequest) -> MeasureReply:
+    """`measure` with each candidate in a process of its own (deployed.py)."""
+    results: dict[str, Measurement] = {}
+    outputs = {}
+    with deployed.workers_for(req.inputs) as workers:
+        errors = workers.load([(c.id, c.model, c.options) for c in req.candidates])
+        for cid, why in errors.items():
+            results[cid] = Measurement(False, error=why)
+        for c in req.candidates:
+            if c.id in errors:
+                continue
+            try:
+                outputs[c.id] = workers.first(c.id)
+            except deployed.WorkerError as exc:
+                results[c.id] = Measurement(False, error=str(exc))
+                workers.drop(c.id)
+        acc = _compared(req.reference, outputs, results)
+        for cid in list(outputs):
+            if cid not in acc:
+                workers.drop(cid)
+        plan = msgspec.structs.replace(req.plan, settle_s=max(req.plan.settle_s, deployed.SETTLE_S))
+        names = [c.id for c in req.candidates if c.id in acc]
+        timings = rounds(workers, names, plan, keep=req.reference)
+    return _reply(timings, acc, results)
+
+
+def _compared(
+    ref_id: str | None, outputs: dict[str, list[np.ndarray]], results: dict[str, Measurement]
+) -> dict[str, dict[str, float]]:
+    """Each candidate's accuracy against the reference's outputs (`outputs` by candidate;
+    an empty dict without a reference); a candidate whose outputs cannot be compared
+    gets its failure in `results` instead. DeviceError when the reference has no outputs."""
     if ref_id is not None and ref_id not in outputs:
         err = results[ref_id].error if ref_id in results else "reference missing"
         raise DeviceError(f"reference candidate failed: {err}")
     acc = {}
-    for cid in list(sessions):
+    for cid in outputs:
         if ref_id is None:
             acc[cid] = {}
             continue
@@ -153,15 +202,12 @@ def measure(req: MeasureRequest) -> MeasureReply:
             acc[cid] = accuracy(outputs[ref_id], outputs[cid])
         except ValueError as exc:
             results[cid] = Measurement(False, error=str(exc))
-            del sessions[cid]
+    return acc
 
-    if device.is_cpu:
-        runs = {
-            cid: (lambda sess=sess, f=f: sess.run(None, f)) for cid, (sess, f) in sessions.items()
-        }
-    else:
-        runs = {cid: bound[cid] for cid in sessions}
-    timings = interleaved(runs, req.plan, keep=ref_id)
+
+def _reply(
+    timings: dict[str, Timing], acc: dict[str, dict[str, float]], results: dict[str, Measurement]
+) -> MeasureReply:
     for cid, t in timings.items():
         if t.dropped and not t.repeats:  # never timed: it overran the budget
             results[cid] = Measurement(

@@ -1,0 +1,337 @@
+"""Measurement as a model is deployed: one session per process, candidates taking turns.
+
+A server runs one model in one process with onnxruntime's defaults and the options
+`aoe.session` applies. Two sessions in one process disturb each other on a small
+machine: the idle intra-op threads of one steal the cores of the other, and with
+spinning turned off to stop that (runner.quiet), every parallel kernel pays a thread
+wake-up a deployed session does not. Session options that change threading show it
+most: `execution_mode=parallel` won 2.7x in one process on a 2-core machine and ran
+1.6x slower deployed. So figures a job reports, and the session options it keeps, are
+measured here (MeasurePlan.deployed):
+
+- each candidate is loaded in a worker process of its own (`python -m
+  aoed.backends.ort.deployed`), with exactly its options (spinning as onnxruntime
+  defaults it, unless the options set it), on the runner's cores and memory limit;
+- the worker runs it once for its outputs (written to an .npz, compared with the
+  reference's by the runner), then the shared procedure (measure.rounds) drives the
+  workers one turn at a time, in rotating order, after a pause that lets the last
+  worker's spinning threads go idle, while every other worker waits on its pipe;
+- between requests a worker holds no session (it drops it and its arenas), and the
+  runner keeps a few of them for the next request, so a job does not pay an
+  interpreter's start for each candidate.
+
+Workers read requests as JSON lines on stdin and answer on stdout; they read inputs
+from .npz files only (no pickle) and die with the runner.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from aoe.errors import DeviceError
+
+__all__ = ["SETTLE_S", "Worker", "Workers", "workers_for"]
+
+#: Pause before each turn: a worker's spinning intra-op threads go idle within it.
+SETTLE_S = 0.02
+#: Idle workers the runner keeps between requests (a confirming A/B has four candidates).
+KEEP = 4
+#: How long a worker may take to load a model or answer anything but a turn.
+LOAD_TIMEOUT_S = 600.0
+
+
+class WorkerError(Exception):
+    """A worker could not do what was asked (its message says what), or died."""
+
+
+# ------------------------------------------------------------------ worker process
+
+
+def _serve() -> int:
+    """The worker: answer one JSON request per stdin line until EOF."""
+    from aoed.backends._wire import child_main
+
+    child_main(["--parent", str(os.getppid())])
+    proto = os.fdopen(os.dup(1), "w", buffering=1, encoding="utf-8")
+    os.dup2(2, 1)  # whatever a library prints goes to the log, never into the protocol
+    sys.stdout = sys.stderr
+    state: dict[str, Any] = {}
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        try:
+            reply = _answer(json.loads(line), state)
+        except Exception as exc:  # the request's failure: the runner reports it for its candidate
+            reply = {"error": f"{type(exc).__name__}: {exc}".splitlines()[0]}
+        try:
+            proto.write(json.dumps(reply) + "\n")
+        except BrokenPipeError:
+            os._exit(0)
+    return 0
+
+
+def _answer(req: dict[str, Any], state: dict[str, Any]) -> dict[str, Any]:
+    op = req.get("op")
+    if op == "load":
+        from aoed.backends.ort.sessions import session
+
+        state.clear()
+        gc.collect()
+        try:
+            sess = session(str(req["model"]), dict(req.get("options") or {}))
+        except Exception as exc:
+            return {"error": f"load: {exc}".splitlines()[0]}
+        names = {i.name for i in sess.get_inputs()}
+        with np.load(req["inputs"], allow_pickle=False) as data:
+            feeds = {k: data[k] for k in data.files if k in names}
+        state.update(sess=sess, feeds=feeds)
+        return {"ok": True}
+    if op == "unload":
+        state.clear()
+        gc.collect()
+        return {"ok": True}
+    if op == "describe":
+        return {"pid": os.getpid(), "session": describe(state["sess"]) if state else None}
+    sess, feeds = state["sess"], state["feeds"]
+    if op == "first":
+        try:
+            outs = sess.run(None, feeds)
+        except Exception as exc:
+            return {"error": f"run: {exc}".splitlines()[0]}
+        arrays = {}
+        for i, o in enumerate(outs):
+            a = np.asarray(o)
+            if a.dtype == object:
+                return {"error": f"run: output {i} is not a tensor"}
+            arrays[f"o{i}"] = a
+        np.savez(req["outputs"], **arrays)
+        return {"ok": True, "count": len(arrays)}
+    if op == "warm":
+        t0, n = time.perf_counter(), 0
+        while n < 1 or (time.perf_counter() - t0 < float(req["warmup_s"]) and n < 200):
+            sess.run(None, feeds)
+            n += 1
+        return {"per_run_s": (time.perf_counter() - t0) / n}
+    if op == "turn":
+        sess.run(None, feeds)  # untimed: a cold cache stays out of the samples
+        got = []
+        batch = int(req["batch"])
+        for _ in range(int(req["samples"])):
+            t = time.perf_counter()
+            for _ in range(batch):
+                sess.run(None, feeds)
+            got.append((time.perf_counter() - t) / batch)
+        return {"samples_s": got}
+    raise ValueError(f"unknown request {op!r}")
+
+
+def describe(sess: Any) -> dict[str, Any]:
+    """What a session runs with, as onnxruntime reports it: its execution mode,
+    optimization level, thread counts and the spinning entries (None where unset)."""
+    so = sess.get_session_options()
+    spin = {}
+    for key in ("session.intra_op.allow_spinning", "session.inter_op.allow_spinning"):
+        try:
+            spin[key] = so.get_session_config_entry(key)
+        except Exception:  # onnxruntime raises for an entry never set
+            spin[key] = None
+    return {
+        "execution_mode": str(so.execution_mode),
+        "graph_optimization_level": str(so.graph_optimization_level),
+        "intra_op_num_threads": so.intra_op_num_threads,
+        "inter_op_num_threads": so.inter_op_num_threads,
+        **spin,
+    }
+
+
+# ------------------------------------------------------------------ runner side
+
+
+class Worker:
+    """One worker process, started through exec."""
+
+    def __init__(self) -> None:
+        # stderr to the runner's own (its log): a worker that logs a lot must never block
+        # on a full pipe.
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "aoed.backends.ort.deployed"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            close_fds=True,
+        )
+
+    def ask(self, **req: Any) -> dict[str, Any]:
+        """The worker's answer to `req`; WorkerError when it says it failed or died."""
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        try:
+            self.proc.stdin.write(json.dumps(req) + "\n")
+            self.proc.stdin.flush()
+            line = self.proc.stdout.readline()
+        except (BrokenPipeError, OSError):
+            line = ""
+        if not line:
+            code = self.proc.wait()
+            raise WorkerError(f"its process ended (exit status {code}; see the runner's log)")
+        reply = json.loads(line)
+        if "error" in reply:
+            raise WorkerError(str(reply["error"]))
+        return reply
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            if self.proc.stdin:
+                self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        if self.proc.stdout:
+            self.proc.stdout.close()
+
+
+_idle: list[Worker] = []
+
+
+class Workers:
+    """The workers of one measurement, a candidate each: `load` them, read their `first`
+    outputs, then `warm`/`turn` as measure.Turns. Leaving the block unloads them and
+    keeps up to KEEP for the next measurement; a worker that failed is closed."""
+
+    def __init__(self, inputs: Path):
+        self.inputs = inputs
+        self.by: dict[str, Worker] = {}
+        self.spare: list[Worker] = []
+        self.tmp = Path(tempfile.mkdtemp(prefix="aoe-deployed-"))
+
+    def load(self, candidates: Sequence[tuple[str, Path, dict[str, Any]]]) -> dict[str, str]:
+        """Start (or reuse) a worker per candidate (id, model, options) and load its model,
+        all at once; returns why each candidate that could not be loaded was not."""
+        errors: dict[str, str] = {}
+        for cid, _model, _options in candidates:
+            self.by[cid] = _idle.pop() if _idle else Worker()
+        sent = []
+        for cid, model, options in candidates:  # the loads overlap: none of this is timed
+            w = self.by[cid]
+            req = {
+                "op": "load",
+                "model": str(model),
+                "options": options,
+                "inputs": str(self.inputs),
+            }
+            try:
+                assert w.proc.stdin is not None
+                w.proc.stdin.write(json.dumps(req) + "\n")
+                w.proc.stdin.flush()
+                sent.append(cid)
+            except (BrokenPipeError, OSError):
+                errors[cid] = "load: the measuring process ended before it could load the model"
+                self._drop(cid)
+        for cid in sent:
+            try:
+                self._reply(cid)
+            except WorkerError as exc:
+                errors[cid] = str(exc) if str(exc).startswith("load") else f"load: {exc}"
+                self.drop(cid)
+        return errors
+
+    def _reply(self, cid: str) -> dict[str, Any]:
+        w = self.by[cid]
+        assert w.proc.stdout is not None
+        line = w.proc.stdout.readline()
+        if not line:
+            raise WorkerError(
+                f"its process ended (exit status {w.proc.wait()}; see the runner's log)"
+            )
+        reply = json.loads(line)
+        if "error" in reply:
+            raise WorkerError(str(reply["error"]))
+        return reply
+
+    def first(self, cid: str) -> list[np.ndarray]:
+        """One run of `cid` and its outputs; WorkerError when it fails."""
+        path = self.tmp / f"{len(os.listdir(self.tmp))}.npz"
+        got = self.by[cid].ask(op="first", outputs=str(path))
+        with np.load(path, allow_pickle=False) as data:
+            outs = [data[f"o{i}"] for i in range(int(got["count"]))]
+        path.unlink()
+        return outs
+
+    def drop(self, cid: str) -> None:
+        """Stop measuring `cid` (it failed or is not timed): its worker waits, unused, for
+        the end of the measurement."""
+        w = self.by.pop(cid, None)
+        if w is not None:
+            self.spare.append(w)
+
+    def _drop(self, cid: str) -> None:
+        """Close the worker of `cid` (it died or left the protocol)."""
+        w = self.by.pop(cid, None)
+        if w is not None:
+            w.proc.kill()
+            w.close()
+
+    def warm(self, name: str, warmup_s: float) -> float:
+        return float(self._ask(name, op="warm", warmup_s=warmup_s)["per_run_s"])
+
+    def turn(self, name: str, samples: int, batch: int) -> list[float]:
+        return [
+            float(s) for s in self._ask(name, op="turn", samples=samples, batch=batch)["samples_s"]
+        ]
+
+    def _ask(self, name: str, **req: Any) -> dict[str, Any]:
+        try:
+            return self.by[name].ask(**req)
+        except WorkerError as exc:
+            raise DeviceError(f"candidate {name}'s measuring process failed: {exc}") from None
+
+    def close(self) -> None:
+        for w in [*self.by.values(), *self.spare]:
+            try:
+                w.ask(op="unload")
+            except WorkerError:
+                w.close()
+                continue
+            if len(_idle) < KEEP:
+                _idle.append(w)
+            else:
+                w.close()
+        self.by.clear()
+        self.spare.clear()
+        with contextlib.suppress(OSError):
+            for p in self.tmp.iterdir():
+                p.unlink()
+            self.tmp.rmdir()
+
+
+@contextlib.contextmanager
+def workers_for(inputs: Path) -> Iterator[Workers]:
+    """The workers of one measurement on `inputs` (see Workers)."""
+    w = Workers(inputs)
+    try:
+        yield w
+    finally:
+        w.close()
+
+
+def close_idle() -> None:
+    """Close the workers kept between measurements."""
+    while _idle:
+        _idle.pop().close()
+
+
+if __name__ == "__main__":
+    sys.exit(_serve())
