@@ -74,7 +74,7 @@ def _options_hold(
                     inputs,
                     "without",
                     CPU,
-                    MeasurePlan.fixed(9, 5.0),
+                    MeasurePlan.fixed(9, 5.0, deployed=True),
                 )
                 reply: MeasureReply = await agent.call(req)
                 nursery.cancel_scope.cancel()

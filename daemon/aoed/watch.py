@@ -1186,7 +1186,7 @@ def _report_text(name: str, row: JobRow, written: list[str], missing: list[str])
     where = (
         f"from the bank, as confirmed by {f.confirmed_by}"
         if f.confirmed_by
-        else f"confirming A/B, {f.rounds} interleaved rounds"
+        else f"confirming A/B, {f.rounds} rounds, a process per model as deployed"
     )
     gdat = o is not None and o.job_type == JobType.GDAT
     # A GDAT job's input is DDP's defaults, its output a DDP configuration, its figure a

@@ -88,16 +88,30 @@ def default_budget(
     return min(MAX_S, max(MIN_S, need))
 
 
+#: A measurement as deployed (MeasurePlan.deployed) starts a process per session when the
+#: runner has none left from the last one: about 0.2-0.3 s each on a 2-core machine (an
+#: interpreter with numpy and onnxruntime), taken here as 0.15 s, half of them reused.
+_WORKER_START_S = 0.15
+
+
 def measure_estimate(
-    sessions: int, mib: float, load_s_per_mib: float, latency_us: float, rounds: int, cap_s: float
+    sessions: int,
+    mib: float,
+    load_s_per_mib: float,
+    latency_us: float,
+    rounds: int,
+    cap_s: float,
+    deployed: bool = False,
 ) -> float:
     """Seconds a fixed-rounds measurement of `sessions` sessions of a `mib` MiB model
     running in `latency_us` should take: loading them, then warm-up and `rounds` rounds
     of the default plan's turns (settle, one untimed run, 5 samples of at least 2 ms),
-    the rounds capped at `cap_s` (the measurement's own budget)."""
+    the rounds capped at `cap_s` (the measurement's own budget). `deployed`: a process per
+    session, and a longer settle (backends/ort/deployed.py)."""
     run = latency_us * 1e-6
-    turn = 0.005 + run + 5 * max(0.002, run)
-    return sessions * mib * load_s_per_mib + min(cap_s, sessions * (0.02 + rounds * turn))
+    settle, start = (0.02, _WORKER_START_S) if deployed else (0.005, 0.0)
+    turn = settle + run + 5 * max(0.002, run)
+    return sessions * (mib * load_s_per_mib + start) + min(cap_s, sessions * (0.02 + rounds * turn))
 
 
 def model_mib(paths: Iterable[Path]) -> float:

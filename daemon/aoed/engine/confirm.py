@@ -129,7 +129,11 @@ async def confirm(
             cands.append(Candidate("plain", proposal.plain))
     before = ctx.ledger.device_by.get("confirm", 0.0)
     measured = await ctx.measure(
-        cands, "input", budget_s, plan=MeasurePlan.fixed(ROUNDS, budget_s), category="confirm"
+        cands,
+        "input",
+        budget_s,
+        plan=MeasurePlan.fixed(ROUNDS, budget_s, deployed=True),
+        category="confirm",
     )
     conf, ship_path = judge(measured, proposal)
     conf.device_s = ctx.ledger.device_by.get("confirm", 0.0) - before

@@ -704,7 +704,14 @@ def _device_info(ctx: JobContext) -> dict[str, Any]:
 
 
 def _estimate(
-    ctx: JobContext, stage: str, budget: Budget, sessions: int, rounds: int, cap_s: float, what: str
+    ctx: JobContext,
+    stage: str,
+    budget: Budget,
+    sessions: int,
+    rounds: int,
+    cap_s: float,
+    what: str,
+    deployed: bool = False,
 ) -> None:
     """Say before `stage` starts what it should take (a stage the budget does not bound,
     whose cost grows with the model): logged, sent as a job event and kept for the
@@ -712,7 +719,9 @@ def _estimate(
     if budget.load_s_per_mib is None or ctx.prep is None:
         return
     mib = model_mib([ctx.prep.prepared])
-    est = measure_estimate(sessions, mib, budget.load_s_per_mib, ctx.model_us, rounds, cap_s)
+    est = measure_estimate(
+        sessions, mib, budget.load_s_per_mib, ctx.model_us, rounds, cap_s, deployed
+    )
     _say_estimate(
         ctx,
         stage,
@@ -823,7 +832,16 @@ async def _confirm(
     seconds = 30.0
     if cached is None:
         sessions = 2 + (kind != "input") + (kind != "input" and bool(v.options))
-        _estimate(ctx, "confirm", budget, sessions, confirm.ROUNDS, seconds, "the confirming A/B")
+        _estimate(
+            ctx,
+            "confirm",
+            budget,
+            sessions,
+            confirm.ROUNDS,
+            seconds,
+            "the confirming A/B, a process per model",
+            deployed=True,
+        )
         try:
             conf, ship, measured = await confirm.confirm(ctx, proposal, seconds)
         except DeviceError as exc:
@@ -855,7 +873,7 @@ async def _confirm(
                 ],
                 "without",
                 5.0,
-                plan=MeasurePlan.fixed(9, 5.0),
+                plan=MeasurePlan.fixed(9, 5.0, deployed=True),
                 category="confirm",
             )
             verdict, med, ci = confirm.verdict_of(

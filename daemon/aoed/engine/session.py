@@ -203,6 +203,7 @@ async def search_session(
                 [Candidate(k, model_path, o) for k, o in cands.items()],
                 "current",
                 seconds,
+                plan=MeasurePlan(deployed=True),
                 category="session",
             )
         except DeviceError as exc:
