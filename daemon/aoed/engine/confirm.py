@@ -4,7 +4,8 @@ Once verification has proposed a model (tuned, options only, or the input), one 
 measurement, used for no decision, runs fresh sessions of: the input model; the proposed
 model with its session options; the proposed model without them (when it has options);
 and the input model as it would be shipped (a copy carrying the tuned-model metadata),
-interleaved in `ROUNDS` rounds with a rotating order. Every figure the job prints or
+in `ROUNDS` rounds with a rotating order, each in a process of its own as a user deploys
+it (MeasurePlan.deployed), so the figures are what the deployed model does. Every figure the job prints or
 writes as its result comes from these rounds, by the one rule `aoe.figures` states:
 the improvement is 1/r - 1 for r the median of the round-by-round time ratios against
 the input, its 95% interval comes from the same ratios (engine/stats.py), and the result

@@ -1,9 +1,10 @@
 """Model-wide session options, searched in context on the assembled model.
 
 One dimension at a time (coordinate descent): the current options against each value of
-the next dimension (threads, optimization level, execution mode), measured
-interleaved on the whole model; a value is kept only when it clearly beats the current
-options (see `decisions`). Gains compound across dimensions, and the result is stored
+the next dimension (optimization level, execution mode), measured on the whole model as
+deployed, each candidate in a process of its own (MeasurePlan.deployed), so an option
+that oversubscribes the cores is measured doing so; a value is kept only when it clearly
+beats the current options (see `decisions`). Gains compound across dimensions, and the result is stored
 as the model-level bank record, under the model's signature, by AOE's rules. The
 record is written after end-to-end verification, together with what that verification
 reverted in context (`remember_context`).
