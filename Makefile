@@ -79,6 +79,7 @@ $(BENCH_STAMP): $(STAMP) $(GDAT_STAMP) pyproject.toml
 
 bench: $(BENCH_STAMP)
 	$(BIN)/python bench/run.py
+	$(BIN)/python bench/bench_claims.py
 	$(BIN)/python bench/bench_bank.py
 	$(BIN)/python bench/bench_cancel.py
 	$(BIN)/python bench/bench_daemon.py
@@ -89,6 +90,7 @@ bench: $(BENCH_STAMP)
 
 bench-quick: $(BENCH_STAMP)
 	$(BIN)/python bench/run.py --quick
+	$(BIN)/python bench/bench_claims.py --models hf_gpt2 --rounds 9
 	$(BIN)/python bench/bench_bank.py --quick
 	$(BIN)/python bench/bench_cancel.py --quick
 	$(BIN)/python bench/bench_daemon.py --quick
