@@ -14,10 +14,10 @@ the deployed figure the median of the paired per-round ratios input/tuned with i
 interval. Target: every claim within 10% of the deployed figure (claim / deployed in
 [0.90, 1.10]).
 
-Models are held out from the tuner's development: transformers' BertModel, GPT2Model and
-a grouped-query LlamaModel (the attention of Qwen2 and Llama 3), small configs with RANDOM
-weights, exported by bench/torch_models.py in child processes; inputs are synthetic
-(random token ids, attention mask of ones).
+Models are held out from the tuner's development: transformers' BertModel, GPT2Model, a
+grouped-query LlamaModel (the attention of Qwen2 and Llama 3) and ViTModel, small configs
+with RANDOM weights, exported by bench/torch_models.py in child processes; inputs are
+synthetic (random token ids with an attention mask of ones; N(0, 1) pixels for ViT).
 
 Writes the section between `<!-- claims:begin -->` and `<!-- claims:end -->` of the
 results file. Exit status 0 unless the harness itself breaks; a miss is a result.
@@ -47,7 +47,7 @@ from run import Log, aoe_tune, holding_device
 
 BEGIN, END = "<!-- claims:begin -->", "<!-- claims:end -->"
 
-MODELS = ("hf_bert", "hf_gpt2", "hf_llama_gqa")
+MODELS = ("hf_bert", "hf_gpt2", "hf_llama_gqa", "hf_vit")
 PRECISIONS = ("exact", "int8")
 TOLERANCE = 0.10
 CALIBRATION = 16
@@ -83,7 +83,7 @@ def bench(
     folder = work / name
     folder.mkdir(parents=True, exist_ok=True)
     try:
-        vocab = int(_export(name, folder)["vocab"])
+        vocab = max(1, int(_export(name, folder)["vocab"]))
     except (RuntimeError, KeyError) as exc:
         return [Row(name, p, error=f"export: {exc}") for p in precisions]
     path = folder / f"{name}.onnx"
@@ -147,7 +147,8 @@ def section(rows: list[Row], machine: str, args: argparse.Namespace, minutes: fl
         f"`python bench/bench_claims.py --budget {args.budget:g} --rounds {args.rounds}` "
         f"on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {minutes:.1f} min in all. "
         "Models held out from the tuner's development, small configs, **RANDOM weights**, "
-        "synthetic inputs (random token ids, attention mask of ones); exported by "
+        "synthetic inputs (random token ids with an attention mask of ones; N(0, 1) pixels "
+        "for ViT); exported by "
         "bench/torch_models.py (TorchScript exporter, opset 17). Each job: `aoe tune` with "
         "the default job type, a fresh bank, `--calibration` of 16 such inputs.",
         "",

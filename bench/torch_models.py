@@ -18,6 +18,10 @@ non-zero with the reason on stderr when the export fails.
   hf_llama_gqa, hf_llama_gqa_dynamo
                              the same LlamaModel with 2 key/value heads for its 4 query
                              heads (grouped-query attention, as Llama 3 and Mistral use)
+  hf_vit                     transformers' ViTModel, the same sizes, 64x64 images in 8x8
+                             patches (65 tokens), random weights, no pooler; input
+                             `pixel_values` float32 [1, 3, 64, 64], output
+                             `last_hidden_state` [1, 65, 256]
   digits_cnn                 a small conv net TRAINED here on scikit-learn's digits (the
                              split of bench/digits.py); input `pixels` float32
                              [32, 1, 8, 8] raw intensities 0..16 (the 1/16 scaling is
@@ -72,7 +76,10 @@ TEXT = (
     "hf_llama_gqa",
     "hf_llama_gqa_dynamo",
 )
-NAMES = (*TEXT, "digits_cnn")
+NAMES = (*TEXT, "hf_vit", "digits_cnn")
+#: hf_vit: image side and patch; 64 / 8 = 8 x 8 = 64 patches and a class token
+VIT_IMAGE = 64
+VIT_PATCH = 8
 
 
 def _export(
@@ -254,9 +261,66 @@ def digits_cnn(out: Path) -> dict:
     }
 
 
+def vit_model(out: Path) -> dict:
+    """transformers' ViTModel, the text models' sizes, images of VIT_IMAGE pixels square."""
+    import torch
+    import transformers
+
+    torch.manual_seed(SEED)
+    cfg = transformers.ViTConfig(
+        hidden_size=HIDDEN,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        intermediate_size=FFN,
+        image_size=VIT_IMAGE,
+        patch_size=VIT_PATCH,
+    )
+    model = transformers.ViTModel(cfg, add_pooling_layer=False).eval()
+
+    class LastHidden(torch.nn.Module):
+        def __init__(self, inner) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, pixel_values):
+            return self.inner(pixel_values=pixel_values, return_dict=True).last_hidden_state
+
+    path = out / "hf_vit.onnx"
+    with torch.no_grad():
+        _export(
+            LastHidden(model),
+            (torch.randn(1, 3, VIT_IMAGE, VIT_IMAGE),),
+            path,
+            ["pixel_values"],
+            ["last_hidden_state"],
+            False,
+        )
+    attn = getattr(model.config, "_attn_implementation", None) or "default"
+    tokens = (VIT_IMAGE // VIT_PATCH) ** 2 + 1
+    return {
+        "model": str(path),
+        "description": (
+            f"transformers ViTModel (no pooler), {LAYERS} layers, hidden {HIDDEN}, {HEADS} heads, "
+            f"ffn {FFN}, {VIT_IMAGE}x{VIT_IMAGE} images in {VIT_PATCH}x{VIT_PATCH} patches ({tokens} "
+            f"tokens), {attn} attention; torch.onnx TorchScript exporter, opset {OPSET}; torch "
+            f"{torch.__version__}, transformers {transformers.__version__}"
+        ),
+        "weights": "random",
+        "model_type": "vit",
+        "num_heads": HEADS,
+        "hidden_size": HIDDEN,
+        "vocab": 0,
+    }
+
+
 def build(name: str, out: Path) -> dict:
     out.mkdir(parents=True, exist_ok=True)
-    info = digits_cnn(out) if name == "digits_cnn" else text_model(name, out)
+    if name == "digits_cnn":
+        info = digits_cnn(out)
+    elif name == "hf_vit":
+        info = vit_model(out)
+    else:
+        info = text_model(name, out)
     (out / "info.json").write_text(json.dumps(info, indent=2) + "\n")
     return info
 
