@@ -94,7 +94,7 @@ def test_bank_commands_work_on_the_daemon_s_bank(daemon: DaemonProcess, tmp_path
     samples.save(samples.build("cnn"), model)
     assert _aoe(daemon, "submit", str(model), "--budget", "2", "--watch").returncode == 0
     stats = _aoe(daemon, "bank", "stats", "--socket", str(daemon.socket))
-    assert stats.returncode == 0 and f"daemon bank: {daemon.bank}" in stats.stdout, stats.stderr
+    assert stats.returncode == 0 and f"custom: {daemon.bank}" in stats.stdout, stats.stderr
     out = tmp_path / "bank.jsonl"
     exported = _aoe(
         daemon, "bank", "export", "-o", str(out)

@@ -42,7 +42,7 @@ def _summary_adds_up(doc: dict) -> dict:
         == s["total_num"]
     )
     assert s["repo_reserved_num"] + s["repo_update_num"] <= s["repo_hit_num"]
-    assert s["total_num"] == len(doc["tasks"]) + 1  # + the model-wide session options
+    assert s["total_num"] == len(doc["tasks"])  # one decision per task (aoe.outcome)
     return s
 
 

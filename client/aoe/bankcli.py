@@ -362,37 +362,33 @@ def _human(n: int) -> str:
 
 
 def _stats(args: argparse.Namespace) -> int:
+    """Counts and sizes per layer: the same fields, lines and JSON locally and through a
+    daemon (whose answer carries its layers; its host's paths)."""
     daemon = _daemon(args)
     if daemon is not None:
-        with daemon:
-            st = daemon.bank_stats()
-        if args.json:
-            from google.protobuf import json_format
+        from aoe.wire import layer_stats_from_pb
 
-            print(json_format.MessageToJson(st, preserving_proto_field_name=True, indent=2))
-            return 0
-        print(f"daemon bank: {st.path} ({daemon.target})")
-        print(
-            f"  entries {st.entries}, history {st.history_trials} trials; "
-            + ", ".join(f"{k} {v}" for k, v in sorted(st.layer_entries.items()))
-        )
-        print(
-            f"  map {_human(st.map_size_bytes)} (address space), used {st.used_bytes / 2**20:.2f} MiB, "
-            f"schema {st.schema_version}"
-        )
-        return 0
-    with _reader(args) as reader:
-        layers = reader.stats()
+        with daemon:
+            layers = [layer_stats_from_pb(m) for m in daemon.bank_stats().layers]
+        where = f" ({daemon.target})"
+    else:
+        with _reader(args) as reader:
+            layers = reader.stats()
+        where = ""
     if args.json:
         print(
             json.dumps(
-                {"layers": [vars(s) for s in layers], "entries": sum(s.entries for s in layers)},
+                {
+                    "layers": [vars(s) for s in layers],
+                    "entries": sum(s.entries for s in layers),
+                    "defaults": sum(s.defaults for s in layers),
+                },
                 indent=2,
             )
         )
         return 0
     for s in layers:
-        print(f"{s.name}: {s.path}")
+        print(f"{s.name}: {s.path}{where if s.name == 'custom' else ''}")
         print(f"  entries {s.entries}, defaults {s.defaults}, history {s.history} trials")
         print(
             f"  map {_human(s.map_size)} (address space), used {s.used_bytes / 2**20:.2f} MiB, "

@@ -247,8 +247,8 @@ def _shown(event: tuning_pb2.JobEvent) -> _Shown | None:
         sc = event.state_change
         if sc.state == tuning_pb2.JOB_STATE_QUEUED and sc.previous:  # requeued (a daemon restart)
             return _Shown("wait", f"job {event.job_id} is queued again: {sc.message}")
-        if sc.state == tuning_pb2.JOB_STATE_QUEUED:
-            return None
+        if sc.state == tuning_pb2.JOB_STATE_QUEUED:  # the bar says what it waits for
+            return _Shown("stage", f"queued on the daemon: job {event.job_id}")
         return _Shown("stage", _state(sc.state) + (f": {sc.message}" if sc.message else ""))
     if kind == "progress":
         return _Shown("progress", done=event.progress.tasks_done, total=event.progress.tasks_total)

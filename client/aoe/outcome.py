@@ -6,13 +6,23 @@ The engine builds it once, when a job ends; every surface reads it: the CLI's su
 report (aoed.watch) and the result JSON (aoed.engine.outputs). Its whole-model figures
 are `aoe.figures.Figures`, under the one rule that module states.
 
+Two counts every surface takes from here, never forms on its own:
+- A *task* is one row of the job's per-task table (`JobOutcome.tasks`): one operator or
+  subgraph of the model, where identical ones (one signature) are one task, tuned once
+  (its `instances` say how many). The summary's "tasks", the progress bar and the
+  progress events' total, the result JSON's `tasks` and `total_num` all count these.
+- The *bank tally* (`bank_tally`) is AOE's repo summary over those rows: one decision
+  per task. The model-level record (session options, the confirmation) is the model's,
+  not a task's, and is not counted in it. The daemon's `aoed_bank_lookups_total` moves
+  by the same tally when a job's result is written.
+
 Light on purpose: no onnx, no grpc.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,7 +31,15 @@ from aoe import figures
 from aoe.figures import Figures
 from aoe.spec import JobType, Precision, Stage
 
-__all__ = ["BudgetReport", "JobOutcome", "StageTime", "TaskOutcome", "UpdateMode", "summary_lines"]
+__all__ = [
+    "BudgetReport",
+    "JobOutcome",
+    "StageTime",
+    "TaskOutcome",
+    "UpdateMode",
+    "bank_tally",
+    "summary_lines",
+]
 
 
 class UpdateMode(enum.StrEnum):
@@ -45,6 +63,29 @@ class UpdateMode(enum.StrEnum):
             UpdateMode.RESERVED,
             UpdateMode.UNSATISFIED,
         )
+
+    @property
+    def known(self) -> bool:
+        """Whether the bank knew the task (AOE's "hit": answered from it, or tuned again
+        over its entry under REPEAT_TUNE)."""
+        return self in (UpdateMode.HIT, UpdateMode.RESERVED, UpdateMode.UPDATE)
+
+
+def bank_tally(modes: Iterable[str]) -> dict[str, int]:
+    """The bank tally of a job's tasks, from each task's update mode: AOE's repo_summary
+    counts. `repo_hit_num` counts every task the bank knew (`UpdateMode.known`), so hit +
+    add + unsatisfied + not tuned = total = the number of tasks; `repo_not_tuned_num`
+    (ours) counts the tasks the budget left untuned or whose measurement failed."""
+    ms = [UpdateMode(m) for m in modes]
+    return {
+        "repo_not_tuned_num": sum(m in (UpdateMode.SKIPPED, UpdateMode.FAILED) for m in ms),
+        "repo_add_num": ms.count(UpdateMode.ADD),
+        "repo_hit_num": sum(m.known for m in ms),
+        "repo_reserved_num": ms.count(UpdateMode.RESERVED),
+        "repo_unsatisfied_num": ms.count(UpdateMode.UNSATISFIED),
+        "repo_update_num": ms.count(UpdateMode.UPDATE),
+        "total_num": len(ms),
+    }
 
 
 @dataclass(frozen=True)
@@ -93,8 +134,10 @@ class TaskOutcome:
 
 @dataclass(frozen=True)
 class StageTime:
-    """One stage of the budget table: wall seconds given (0 for what the budget does not
-    cover) and taken, device seconds spent while it ran, the estimate made before it."""
+    """One stage of the budget table: device seconds it kept of the budget (`given_s`; 0
+    for what the budget does not cover) and spent beyond them (`over_s`), wall seconds it
+    took (`spent_s`), device seconds spent while it ran, the estimate made before it
+    (aoed.engine.budget says what given and over are)."""
 
     given_s: float = 0.0
     spent_s: float = 0.0
@@ -122,9 +165,16 @@ class BudgetReport:
     #: every stage, in the order run
     stages: Mapping[Stage, StageTime] = field(default_factory=dict)
 
+    @property
+    def outside_s(self) -> float:
+        """Wall seconds of the stages the budget does not cover: outside it, not over it."""
+        return sum(st.spent_s for st in self.stages.values() if not st.counted)
+
     def to_dict(self) -> dict[str, Any]:
-        """The result JSON's `budget` section; `from_dict` reads it back."""
+        """The result JSON's `budget` section (with `outside_s`, derived); `from_dict`
+        reads it back."""
         d: dict[str, Any] = {k: getattr(self, k) for k in _BUDGET_KEYS}
+        d["outside_s"] = round(self.outside_s, 3)
         d["stages"] = {
             str(name): {k: v for k, v in vars(st).items() if v is not None}
             for name, st in self.stages.items()
@@ -323,24 +373,30 @@ _STAGE_WORDS = {
 
 
 def budget_line(b: BudgetReport) -> str | None:
-    """The budget in one line: the budget, what the job took, and by how much and where
-    it went over (stages under 0.05 s left out); None without stages."""
+    """The budget in one line, in docs/tuning.md's words: the device seconds given and
+    spent (and over, only when the counted stages passed the budget), what the job took,
+    the part outside the budget, and each stage (under 0.05 s left out): a counted one
+    with the device seconds it was given, one outside with its estimate. None without
+    stages."""
     if not b.stages:
         return None
     parts = []
     for name, st in b.stages.items():
         if st.spent_s < 0.05:
             continue
-        extra = [f"{st.given_s:.1f} given"] if st.counted else []
+        extra = [f"{st.given_s:.1f} s of device time given"] if st.counted else []
+        if st.counted and st.over_s >= 0.05:
+            extra.append(f"{st.over_s:.1f} s over")
         if st.estimate_s is not None:
             extra.append(f"estimated {st.estimate_s:.1f}")
         parts.append(
             f"{_STAGE_WORDS.get(name, name)} {st.spent_s:.1f} s"
             + (f" ({', '.join(extra)})" if extra else "")
         )
-    head = f"{b.budget_s:g} s given, the job took {b.elapsed_s:.1f} s"
-    if b.over_s > 0:
-        head += f", {b.over_s:.1f} s over"
+    head = f"{b.budget_s:g} s given, {b.spent_s:.1f} s spent"
+    if b.over_s >= 0.05:
+        head += f" ({b.over_s:.1f} s over)"
+    head += f"; the job took {b.elapsed_s:.1f} s, {b.outside_s:.1f} s of it outside the budget"
     return head + (": " + ", ".join(parts) if parts else "")
 
 

@@ -17,13 +17,22 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from aoe.bank import LayerStats
 from aoe.errors import OptionError
 from aoe.figures import Comparison, Figures
 from aoe.outcome import BudgetReport, JobOutcome, StageTime, TaskOutcome
 from aoe.spec import JobSpec, JobType, Precision, SpecError, Stage
 from aoe.v1 import bank_pb2, tuning_pb2
 
-__all__ = ["figures_from_pb", "outcome_from_pb", "outcome_to_pb", "spec_from_pb", "spec_to_pb"]
+__all__ = [
+    "figures_from_pb",
+    "layer_stats_from_pb",
+    "layer_stats_to_pb",
+    "outcome_from_pb",
+    "outcome_to_pb",
+    "spec_from_pb",
+    "spec_to_pb",
+]
 
 #: The most compile processes JobOptions.parallel may name: as many as `[tuning]
 #: parallel` and TE_PARALLEL_COMPILER may (aoe.config).
@@ -324,4 +333,33 @@ def outcome_from_pb(r: tuning_pb2.JobResult, job_id: str = "") -> JobOutcome:
         verified=r.verification,
         notes=tuple(r.notes),
         details=json.loads(r.details_json or "{}"),
+    )
+
+
+def layer_stats_to_pb(s: LayerStats) -> bank_pb2.BankLayerStats:
+    """One bank layer's counts and sizes (aoe.bank.LayerStats) as GetBankStats sends them."""
+    return bank_pb2.BankLayerStats(
+        name=s.name,
+        path=s.path,
+        entries=s.entries,
+        defaults=s.defaults,
+        history_trials=s.history,
+        map_size_bytes=s.map_size,
+        used_bytes=s.used_bytes,
+        schema_version=s.schema_version,
+    )
+
+
+def layer_stats_from_pb(m: bank_pb2.BankLayerStats) -> LayerStats:
+    """`layer_stats_to_pb` read back: what `aoe bank stats` prints, through a daemon as
+    locally."""
+    return LayerStats(
+        m.name,
+        m.path,
+        m.entries,
+        m.defaults,
+        m.history_trials,
+        m.map_size_bytes,
+        m.used_bytes,
+        m.schema_version,
     )

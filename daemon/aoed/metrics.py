@@ -28,7 +28,11 @@ Series (all prefixed `aoed_`):
                                    the custom bank: records by kind, pages in use, the
                                    sequence number of its last write
   bank_lookups_total{source,result}
-                                   lookups by the engine and by LookupEntry; result hit
+                                   source engine: the bank tally of every job whose result
+                                   was written, one per task (aoe.outcome.bank_tally):
+                                   result hit (repo_hit_num: the bank knew the task) or
+                                   miss (the rest of total_num), so a job moves them by its
+                                   summary's counts; source api: LookupEntry calls, hit
                                    (an entry answered) or miss
   bank_follow_connected{peer}, bank_follow_behind_seqs{peer}, bank_follow_lag_seconds{peer},
   bank_follow_applied_seq{peer}, bank_follow_refused_total{peer}

@@ -325,7 +325,7 @@ class GetBankStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetBankStatsResponse(_message.Message):
-    __slots__ = ("entries", "history_trials", "layer_entries", "map_size_bytes", "used_bytes", "schema_version", "path")
+    __slots__ = ("entries", "history_trials", "layer_entries", "map_size_bytes", "used_bytes", "schema_version", "path", "defaults", "layers")
     class LayerEntriesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -340,6 +340,8 @@ class GetBankStatsResponse(_message.Message):
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
+    DEFAULTS_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
     entries: int
     history_trials: int
     layer_entries: _containers.ScalarMap[str, int]
@@ -347,7 +349,29 @@ class GetBankStatsResponse(_message.Message):
     used_bytes: int
     schema_version: int
     path: str
-    def __init__(self, entries: _Optional[int] = ..., history_trials: _Optional[int] = ..., layer_entries: _Optional[_Mapping[str, int]] = ..., map_size_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., schema_version: _Optional[int] = ..., path: _Optional[str] = ...) -> None: ...
+    defaults: int
+    layers: _containers.RepeatedCompositeFieldContainer[BankLayerStats]
+    def __init__(self, entries: _Optional[int] = ..., history_trials: _Optional[int] = ..., layer_entries: _Optional[_Mapping[str, int]] = ..., map_size_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., schema_version: _Optional[int] = ..., path: _Optional[str] = ..., defaults: _Optional[int] = ..., layers: _Optional[_Iterable[_Union[BankLayerStats, _Mapping]]] = ...) -> None: ...
+
+class BankLayerStats(_message.Message):
+    __slots__ = ("name", "path", "entries", "defaults", "history_trials", "map_size_bytes", "used_bytes", "schema_version")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    DEFAULTS_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_TRIALS_FIELD_NUMBER: _ClassVar[int]
+    MAP_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    entries: int
+    defaults: int
+    history_trials: int
+    map_size_bytes: int
+    used_bytes: int
+    schema_version: int
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., entries: _Optional[int] = ..., defaults: _Optional[int] = ..., history_trials: _Optional[int] = ..., map_size_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., schema_version: _Optional[int] = ...) -> None: ...
 
 class PruneBankRequest(_message.Message):
     __slots__ = ("dry_run",)

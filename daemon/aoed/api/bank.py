@@ -41,6 +41,7 @@ from aoe.bank import PRECISION_NAMES, default_record, parse_key, record_to_json
 from aoe.device import Device
 from aoe.errors import OptionError, ResourceExhaustedError
 from aoe.v1 import bank_pb2, bank_pb2_grpc
+from aoe.wire import layer_stats_to_pb
 from aoed.api._bridge import Bridge
 from aoed.bank.follow import Connect, FollowBatch, Follower, SyncReport, feed
 from aoed.bank.daemonbank import DaemonBank, Keep, check_import
@@ -189,6 +190,8 @@ class BankServicer(bank_pb2_grpc.BankServiceServicer):
             used_bytes=custom.used_bytes,
             schema_version=custom.schema_version,
             path=custom.path,
+            defaults=sum(s.defaults for s in layers),
+            layers=[layer_stats_to_pb(s) for s in layers],
         )
 
     def SyncBank(self, request, context):

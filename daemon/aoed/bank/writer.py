@@ -134,7 +134,8 @@ class BankWriter:
         self._send, self._recv = trio.open_memory_channel[tuple[Op, trio.MemorySendChannel]](16)
         self._head = 0  # the last sequence number committed, once the store is open
         self._committed = trio.Event()  # set (and replaced) when the head moves
-        #: Lookups the engine made (`lookup_layered`) and how many found an entry.
+        #: The engine's bank decisions (one per task of each job whose result was written,
+        #: aoe.outcome's bank tally) and how many of them the bank knew.
         self.lookups = 0
         self.hits = 0
 
@@ -358,16 +359,19 @@ class BankWriter:
                     )
             return self._layers
 
+    def count_decisions(self, hits: int, total: int) -> None:
+        """Count a finished job's bank tally (aoe.outcome.bank_tally: `total` tasks, `hits`
+        of them known to the bank) into the figures the metrics serve, so that a job's
+        summary and the daemon's lookup series say the same. A lookup alone is not
+        counted: one task is looked up, re-checked, perhaps gated again, and only the
+        decision it ends in is the job's."""
+        self.lookups += total
+        self.hits += hits
+
     async def lookup_layered(self, key: bytes) -> tuple[BankRecord | None, str]:
         """The record for `key` from the custom bank, else from the first read-only layer
         that has it, with the answering layer's name ("custom" or the layer's path);
         (None, "") when none has it."""
-        self.lookups += 1
-        rec, layer = await self._lookup_layered(key)
-        self.hits += rec is not None
-        return rec, layer
-
-    async def _lookup_layered(self, key: bytes) -> tuple[BankRecord | None, str]:
         rec = await self.lookup(key)
         if rec is not None:
             return rec, CUSTOM

@@ -46,7 +46,6 @@ __all__ = [
     "confirmed",
     "key_for",
     "make_record",
-    "repo_summary",
     "reverted_digests",
 ]
 
@@ -229,19 +228,3 @@ def make_record(
 def key_for(signature: TaskSignature, device: DeviceFingerprint, precision: str) -> bytes:
     """The bank key of a task (or a model's record) on `device` under `precision`."""
     return bank_key(signature.digest, device.digest, precision)
-
-
-def repo_summary(modes: Iterable[str]) -> dict[str, int]:
-    """AOE's repo_summary counts: hit counts every task the bank knew (hit, reserved,
-    update), so hit + add + unsatisfied + not tuned = total; `repo_not_tuned_num` (ours)
-    counts tasks the budget left untuned or whose measurement failed."""
-    modes = list(modes)
-    return {
-        "repo_not_tuned_num": sum(m in ("skipped", "failed") for m in modes),
-        "repo_add_num": modes.count("add"),
-        "repo_hit_num": sum(m in ("hit", "reserved", "update") for m in modes),
-        "repo_reserved_num": modes.count("reserved"),
-        "repo_unsatisfied_num": modes.count("unsatisfied"),
-        "repo_update_num": modes.count("update"),
-        "total_num": len(modes),
-    }

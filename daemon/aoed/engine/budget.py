@@ -24,8 +24,19 @@ does not fit is not started. So a small budget bounds the search on a big model 
 What the budget does not cover (preparing the model, profiling, extracting and
 assembling models, the confirming A/B, writing the outputs) is timed by stage, and the
 result's `budget` section lists every stage with what it was given and what it took
-(`report`): the overrun, stage by stage. Stages whose cost grows with the model and that
-the budget does not bound are estimated before they start (`JobLedger.estimates`).
+(`report`). Stages whose cost grows with the model and that the budget does not bound
+are estimated before they start (`JobLedger.estimates`).
+
+What `report` calls given and over (docs/tuning.md, "The budget"):
+- A counted stage's `given_s` is the device seconds it kept of the budget: a stage that
+  ends under its share passes the rest on to the stages after it, so the given seconds
+  of the stages never add up to more than the budget. Its `over_s` is the device seconds
+  it spent beyond that.
+- A stage the budget does not cover is given nothing and is never over: its time is
+  outside the budget, reported (and estimated), not an overrun.
+- The job is over its budget only by the device seconds the budget counts beyond it
+  (`over_s`); its wall time outside the budget is the uncounted stages' (`outside_s` of
+  aoe.outcome.BudgetReport).
 """
 
 from __future__ import annotations
@@ -181,21 +192,39 @@ class Budget:
         left = seconds - load
         return (left if left >= MIN_MEASURE_S else 0.0), load
 
+    def given_by_stage(self) -> dict[str, float]:
+        """Device seconds each counted stage kept of the budget (see the module doc): the
+        share it was allotted when it started, less what it passed on unspent to a later
+        stage; together never more than the budget."""
+        by = self.ledger.device_by
+        started = [c for c in COUNTED if c in self.allotted]
+        out: dict[str, float] = {}
+        for i, name in enumerate(started):
+            share = self.allotted[name]
+            if i + 1 < len(started):  # a later stage was offered what this one left
+                share = min(share, by.get(name, 0.0))
+            out[name] = max(0.0, min(share, self.total_s - sum(out.values())))
+        return out
+
     def report(self) -> dict[str, Any]:
         """The result's `budget` section: the device seconds the budget counts (`spent_s`,
-        by category), then every stage in the order run with the wall-clock seconds it
-        was given (0 for what the budget does not cover) and took, the device seconds
-        spent while it ran and the estimate made before it started where there was one;
-        `elapsed_s` is the stages' total and `over_s` how far it passed the budget."""
+        by category), then every stage in the order run with the device seconds it was
+        given (`given`; 0 for what the budget does not cover), the wall-clock seconds it
+        took, the device seconds spent while it ran and beyond what it was given, and the
+        estimate made before it started where there was one; `elapsed_s` is the stages'
+        total and `over_s` the device seconds spent beyond the budget (aoe.outcome's
+        BudgetReport derives the wall time outside it from the stages)."""
         by, led = self.ledger.device_by, self.ledger
+        given_by = self.given_by_stage()
         stages: dict[str, dict[str, Any]] = {}
         for name, wall in led.stage_s.items():
-            given = self.allotted.get(name, 0.0)
+            given = given_by.get(name, 0.0)
+            counted = name in COUNTED
             entry: dict[str, Any] = {
                 "given_s": round(given, 3),
                 "spent_s": round(wall, 3),
-                "over_s": round(max(0.0, wall - given), 3),
-                "counted": name in COUNTED,
+                "over_s": round(max(0.0, by.get(name, 0.0) - given), 3) if counted else 0.0,
+                "counted": counted,
             }
             if name in led.stage_device_s:
                 entry["device_s"] = round(led.stage_device_s[name], 3)
@@ -216,6 +245,6 @@ class Budget:
             if self.load_s_per_mib is None
             else round(self.load_s_per_mib, 5),
             "elapsed_s": round(elapsed, 3),
-            "over_s": round(max(0.0, elapsed - self.total_s), 3),
+            "over_s": round(max(0.0, self.spent_s - self.total_s), 3),
             "stages": stages,
         }

@@ -51,11 +51,10 @@ from typing import Any
 
 from aoe.errors import AoedError
 from aoe.figures import verdict_text
-from aoe.outcome import JobOutcome, TaskOutcome
+from aoe.outcome import JobOutcome, TaskOutcome, bank_tally
 from aoe.spec import JobType
 from aoe.subgraphs import SUBGRAPH_FAMILIES
 from aoed import safefs
-from aoed.engine.bankrules import repo_summary
 
 __all__ = ["ResultDetails", "result_json", "write_json"]
 
@@ -93,8 +92,8 @@ class ResultDetails:
 
 def _section(o: JobOutcome, part: JobType, tasks: list[TaskOutcome], whole: bool) -> dict[str, Any]:
     """AOE's section for one job type (OPAT or SGAT) over its `tasks`. The model figures
-    are the job's (one model was measured); the repo summary counts this part's tasks,
-    and the job's session-options record too when the part is the whole job."""
+    are the job's (one model was measured); the repo summary is the bank tally of this
+    part's tasks (aoe.outcome: the job's whole tally when the part is the whole job)."""
     if part == JobType.SGAT:
 
         def name(t: TaskOutcome) -> dict[str, str]:
@@ -126,7 +125,7 @@ def _section(o: JobOutcome, part: JobType, tasks: list[TaskOutcome], whole: bool
         "model_performance_verdict": f.verdict,
         "model_performance_summary": verdict_text(f),
         f"repo_modified_{'subgraphs' if part == JobType.SGAT else 'operators'}": modified,
-        "repo_summary": dict(o.bank) if whole else repo_summary([t.update_mode for t in tasks]),
+        "repo_summary": dict(o.bank) if whole else bank_tally(t.update_mode for t in tasks),
     }
 
 

@@ -37,7 +37,7 @@ import trio
 
 from aoe.errors import AoedError, DeviceError
 from aoe.figures import Comparison, Figures, interval, pct
-from aoe.outcome import BudgetReport, JobOutcome
+from aoe.outcome import BudgetReport, JobOutcome, bank_tally
 from aoe.partition import Task
 from aoe.spec import Stage
 from aoed import safefs
@@ -362,8 +362,6 @@ async def session_options(
     session = await search_session(
         ctx, assembled.path, model.prep.model_signature, known.model_ans, found.budget
     )
-    total = len(model.tasks) + 1
-    ctx.emit("progress", "session options", total, total)
     return session
 
 
@@ -439,7 +437,12 @@ async def confirm_stage(ctx: JobContext, proposal: Proposal, budget: Budget) -> 
     """The confirming A/B of the proposal (`_confirm`): what ships."""
     v, cached = proposal.verified, proposal.cached
     ctx.ledger.enter("confirm")
-    await ctx.stage(Stage.CONFIRM, "confirming")
+    await ctx.stage(
+        Stage.CONFIRM,
+        "confirming: the bank's confirmation, session options re-checked"
+        if cached is not None
+        else f"confirming: the A/B of the input and the proposal, {confirm.ROUNDS} interleaved rounds",
+    )
     if cached is None and fewer_threads(v.options, ctx.device.cores):
         busy = await busy_cores(ctx, 0.5)
         if busy is not None:  # the thread count would be confirmed under the same load
@@ -577,7 +580,7 @@ async def outputs(
         tuning_time_s=ledger.elapsed_s,
         figures=conf.figures,
         tasks=tuple(r.outcome() for r in sorted(results.values(), key=lambda r: -r.share)),
-        bank=bankrules.repo_summary([r.update_mode for r in results.values()] + [session.mode]),
+        bank=bank_tally(r.update_mode for r in results.values()),
         resources={k: v for k, v in resources.items() if isinstance(v, int | float)},
         budget=BudgetReport.from_dict(found.budget.report()),
         session_options=confirmed.options,
@@ -604,6 +607,7 @@ async def outputs(
     json_path = await trio.to_thread.run_sync(ws.reserve_result, opts.job_type)
     outcome = dataclasses.replace(outcome, result_json=str(json_path))
     await trio.to_thread.run_sync(write_json, json_path, result_json(outcome, details))
+    ctx.bank.count_decisions(outcome.bank["repo_hit_num"], outcome.bank["total_num"])
     await resume.forget(ctx)
     return outcome
 
@@ -940,8 +944,8 @@ async def _search(
     """Profile the model, set the budget, extract the tasks to tune and run one agent per
     task within its slice of the budget, most expensive first; returns the budget and
     the agents' decisions in the order they came."""
-    total = len(tasks) + 1
-    ctx.emit("progress", "bank", total - len(to_tune) - 1, total)
+    total = len(tasks)  # every row of the job's table (aoe.outcome): decided ones are done
+    ctx.emit("progress", "tasks", total - len(to_tune), total)
     opts = ctx.spec
     if not to_tune:
         return Budget(opts.budget_s or 5.0, ctx.ledger, opts.budget_s is not None), []
@@ -1029,8 +1033,10 @@ async def _search(
                 f"not tuned: the budget of {budget.total_s:g} s went to costlier tasks",
             )
     to_tune = [t for t in to_tune if t.id in slices]
+    left = total - len(to_tune)  # the bank's, the restored and the untuned ones
+    ctx.emit("progress", "tasks", left, total)
     ctx.ledger.enter("search")
-    await ctx.stage(Stage.SEARCH, f"tuning {len(to_tune)} tasks")
+    await ctx.stage(Stage.SEARCH, _search_words(len(to_tune), total))
     decided: list[TaskDecision] = []
 
     async def one(t: Task) -> None:
@@ -1038,12 +1044,24 @@ async def _search(
         d.decided_at = ctx.ledger.elapsed_s
         decided.append(d)
         ctx.notes.extend(d.notes)
-        ctx.emit("progress", "tasks", total - 1 - len(to_tune) + len(decided), total)
+        ctx.emit("progress", "tasks", left + len(decided), total)
 
     async with trio.open_nursery() as nursery:
         for t in to_tune:
             nursery.start_soon(one, t)
     return budget, decided
+
+
+def _search_words(searched: int, total: int) -> str:
+    """The search stage's words: "tuning 3 of 5 tasks (2 decided already: the bank, an
+    interrupted run, or left untuned by the budget)"; the counts are those the progress
+    events carry (aoe.outcome says what a task is)."""
+    if searched == total:
+        return f"tuning {total} tasks"
+    return (
+        f"tuning {searched} of {total} tasks ({total - searched} decided without a search: "
+        "from the bank, an interrupted run, or left untuned by the budget)"
+    )
 
 
 def _timeline(decided: list[TaskDecision]) -> list[tuple[float, float]]:

@@ -630,6 +630,7 @@ async def run_gdat(
             result_path = ws.reserve_result("gdat")
             result.result_json = str(result_path)
             write_json(result_path, result_doc(result))
+            bank.count_decisions(result.repo["repo_hit_num"], result.repo["total_num"])
             job.drop_checkpoint()
             failed = False
             outcome = "done"

@@ -77,9 +77,9 @@ class GdatResult:
 
     @property
     def repo(self) -> dict[str, int]:
-        from aoed.engine.bankrules import repo_summary
+        from aoe.outcome import bank_tally
 
-        return repo_summary([self.update_mode])
+        return bank_tally([self.update_mode])
 
 
 def _why_lost(f: Figures, winner: Figures | None) -> str:
