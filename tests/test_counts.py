@@ -215,7 +215,7 @@ def test_the_progress_bar_moves_and_says_the_stage_through_the_confirming_a_b(
     # its spinner and clock are those of a row that has not finished.
     assert len(confirming) >= 3, [f.stage for f in frames][-20:]
     assert all(f.spinning for f in confirming), confirming
-    assert "interleaved rounds" in confirming[0].stage
+    assert "rounds, a process per model" in confirming[0].stage
     # The embedded job's summary, result JSON and events count the same tasks.
     report = json.loads(Path(outcome.result_json).read_text())
     n = _tasks_said(summary_lines(outcome))

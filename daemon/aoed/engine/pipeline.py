@@ -441,7 +441,7 @@ async def confirm_stage(ctx: JobContext, proposal: Proposal, budget: Budget) -> 
         Stage.CONFIRM,
         "confirming: the bank's confirmation, session options re-checked"
         if cached is not None
-        else f"confirming: the A/B of the input and the proposal, {confirm.ROUNDS} interleaved rounds",
+        else f"confirming: the A/B of the input and the proposal, {confirm.ROUNDS} rounds, a process per model",
     )
     if cached is None and fewer_threads(v.options, ctx.device.cores):
         busy = await busy_cores(ctx, 0.5)
