@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections import Counter
 from collections.abc import Callable
@@ -22,6 +23,7 @@ from aoe.bankrecord import Measured
 from aoed.bankcompile import compile_model
 from aoed.embedded import apply_bank
 from aoed.engine.assemble import Assembly, model_signature, tunable_tasks
+from aoed.engine.bankrules import choices_digest
 from aoed.engine.prep import Prepared, make_inputs, prepare
 
 from .conftest import run_aoe
@@ -287,6 +289,24 @@ def test_compile_forms_the_tasks_of_the_job_type_the_bank_names(
     (q,) = [t for t in asm.tasks if t.task_id == "t001_attn_q_MatMul"]
     assert (q.status, q.instances) == ("hit", 4)
     assert len([n for n in nodes if n.op_type == "DynamicQuantizeMatMul"]) == 4 * len(quantized)
+
+    # A run whose confirming A/B shipped its session options alone shipped none of these
+    # choices: neither does compile.
+    chosen = {attention.id: "fused_attention", out_proj.id: "int8_dynamic"}
+    options = {"intra_op_num_threads": 1}
+    alone = {
+        **confirmed,
+        "shipped": "options only",
+        "options_kept": True,
+        "choices": choices_digest(list(tasks.values()), chosen, options),
+    }
+    options_rec = dataclasses.replace(
+        model_rec, strategy=canonical_json(options), params={"confirmed": json.dumps(alone)}
+    )
+    asm, nodes = compiled(make_bank(tmp_path / "alone", [*entries, options_rec]), "alone.onnx")
+    assert asm.choices == {} and asm.session_options == options
+    assert not any(n.name.startswith("aoe/") for n in nodes)
+    assert any("session options alone" in n for n in asm.notes)
 
 
 # ----------------------------------------------------- compile rebuilds what each job shipped
