@@ -17,6 +17,7 @@ import pytest
 import aoe
 from aoe.sessionopts import METADATA_KEY
 from aoe.bank import CUSTOM, open_bank
+from aoe.errors import OptionError
 from aoe.signature import bank_key, canonical_json
 from aoed.backends.ort.catalog import build_registry
 from aoe.bankrecord import Measured
@@ -289,6 +290,8 @@ def test_compile_forms_the_tasks_of_the_job_type_the_bank_names(
     (q,) = [t for t in asm.tasks if t.task_id == "t001_attn_q_MatMul"]
     assert (q.status, q.instances) == ("hit", 4)
     assert len([n for n in nodes if n.op_type == "DynamicQuantizeMatMul"]) == 4 * len(quantized)
+    with pytest.raises(OptionError, match="job type 'gdat'"):
+        compiled(tmp_path / "unnamed", "gdat.onnx", job_type="gdat")
 
     # A run whose confirming A/B shipped its session options alone shipped none of these
     # choices: neither does compile.

@@ -22,7 +22,7 @@ from onnx import helper
 
 from aoe.sessionopts import METADATA_KEY
 from aoe.device import CPU, Device
-from aoe.errors import AoedError
+from aoe.errors import AoedError, OptionError
 from aoe.partition import Task, partition
 from aoe.recordcheck import Vocabulary
 from aoe.spec import DEFAULT_JOB_TYPE
@@ -257,7 +257,8 @@ def from_bank(
     checked to apply to its task and twins), the session options, and a report per task.
     The tasks are those a job of `job_type` tunes (None: the job type the bank's
     confirmation for this model names, else the default), so the choices rebuild what
-    that job shipped. Returns (assembly, the tunable tasks)."""
+    that job shipped. Returns (assembly, the tunable tasks); raises OptionError for a
+    `job_type` that forms no ONNX model's tasks (gdat)."""
     sig = model_signature(model)
     key = bankrules.key_for(sig, device, precision)
     session = TaskOutcome("session", "", "SessionOptions", 1, "miss", key=key.decode())
@@ -291,6 +292,11 @@ def from_bank(
                 f"the bank does not say which job type tuned this model: its tasks are formed "
                 f"as a {job_type} job forms them (the default of aoe tune)"
             )
+    elif job_type not in bankrules.CONFIRMED_JOB_TYPES:
+        raise OptionError(
+            f"job type {job_type!r}: a model's tasks are formed as one of "
+            f"{', '.join(bankrules.CONFIRMED_JOB_TYPES)} forms them; name one of those"
+        )
     tasks = tunable_tasks(model, ctx, registry, precision, job_type)
     outcomes: list[TaskOutcome] = []
     choices: dict[str, str] = {}
