@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -13,12 +17,14 @@ import pytest
 import aoe
 from aoe.sessionopts import METADATA_KEY
 from aoe.bank import CUSTOM, open_bank
+from aoe.errors import OptionError
 from aoe.signature import bank_key, canonical_json
 from aoed.backends.ort.catalog import build_registry
 from aoe.bankrecord import Measured
 from aoed.bankcompile import compile_model
 from aoed.embedded import apply_bank
-from aoed.engine.assemble import model_signature, tunable_tasks
+from aoed.engine.assemble import Assembly, model_signature, tunable_tasks
+from aoed.engine.bankrules import choices_digest
 from aoed.engine.prep import Prepared, make_inputs, prepare
 
 from .conftest import run_aoe
@@ -221,3 +227,198 @@ def test_a_reversal_in_context_is_remembered(models: Path, tmp_path: Path) -> No
     assert tasks[first.id]["applied"] is False and "reverted in context" in tasks[first.id]["error"]
     tuned_names = [n.name for n in onnx.load(doc["tuned_model"]).graph.node]
     assert not any(n.startswith(f"aoe/{first.id}/") for n in tuned_names)
+
+
+def test_compile_forms_the_tasks_of_the_job_type_the_bank_names(
+    models: Path, tmp_path: Path
+) -> None:
+    """An sgat+opat run's attention entry and its output projection's int8 entry both
+    apply: the projection lies outside the attention subgraph, though under OPAT alone
+    it would be the Q projection's twin. With no job type named, compile forms the
+    default job type's tasks and says so; a job type given forms that type's."""
+    src = models / "transformer.onnx"
+    prep = prepare(src, tmp_path / "prep")
+    registry = build_registry()
+    tasks = {t.id: t for t in tunable_tasks(prep.model, prep.ctx, registry, "int8", "sgat+opat")}
+    attention, out_proj = (
+        tasks["s001_attention_attn_context_Reshape"],
+        tasks["t001_attn_out_MatMul"],
+    )
+    entries = [
+        rec(
+            sig=attention.signature,
+            precision="int8",
+            strategy="fused_attention",
+            family="attention",
+        ),
+        rec(sig=out_proj.signature, precision="int8", strategy="int8_dynamic", family="matmul"),
+    ]
+    confirmed = {"shipped": "tuned", "choices": "", "job": "job-1", "job_type": "sgat+opat"}
+    model_rec = rec(
+        sig=model_signature(prep.model),
+        precision="int8",
+        strategy=canonical_json({}),
+        family="session",
+        params={"confirmed": json.dumps(confirmed)},
+    )
+
+    def compiled(bank: Path, name: str, job_type: str | None = None) -> tuple[Assembly, list]:
+        with open_bank(bank, use_env=False) as reader:
+            asm = compile_model(src, tmp_path / name, reader, precision="int8", job_type=job_type)
+        return asm, list(onnx.load(str(tmp_path / name)).graph.node)
+
+    asm, nodes = compiled(make_bank(tmp_path / "named", [*entries, model_rec]), "named.onnx")
+    assert asm.job_type == "sgat+opat"
+    assert [t.task_id for t in asm.tasks] == list(tasks)
+    by_id = {t.task_id: t for t in asm.tasks}
+    assert (by_id[attention.id].status, by_id[attention.id].strategy) == ("hit", "fused_attention")
+    assert (by_id[out_proj.id].status, by_id[out_proj.id].strategy) == ("hit", "int8_dynamic")
+    assert asm.hits == 3 and asm.misses == len(tasks) - 2
+    quantized = [n.name for n in nodes if n.op_type == "DynamicQuantizeMatMul"]
+    assert quantized and all(n.startswith(f"aoe/{out_proj.id}/") for n in quantized)
+    assert any(n.name.startswith(f"aoe/{attention.id}/") for n in nodes)
+
+    asm, nodes = compiled(make_bank(tmp_path / "unnamed", entries), "unnamed.onnx")
+    assert asm.job_type == "sgat+opat" and any(
+        "does not say which job type" in n for n in asm.notes
+    )
+    assert [n.name for n in nodes if n.op_type == "DynamicQuantizeMatMul"] == quantized
+
+    # Under OPAT alone the same signature is the Q projection's task, its K, V and output
+    # projections its twins: the entry applies to all four.
+    asm, nodes = compiled(tmp_path / "unnamed", "opat.onnx", job_type="opat")
+    (q,) = [t for t in asm.tasks if t.task_id == "t001_attn_q_MatMul"]
+    assert (q.status, q.instances) == ("hit", 4)
+    assert len([n for n in nodes if n.op_type == "DynamicQuantizeMatMul"]) == 4 * len(quantized)
+    with pytest.raises(OptionError, match="job type 'gdat'"):
+        compiled(tmp_path / "unnamed", "gdat.onnx", job_type="gdat")
+
+    # A run whose confirming A/B shipped its session options alone shipped none of these
+    # choices: neither does compile.
+    chosen = {attention.id: "fused_attention", out_proj.id: "int8_dynamic"}
+    options = {"intra_op_num_threads": 1}
+    alone = {
+        **confirmed,
+        "shipped": "options only",
+        "options_kept": True,
+        "choices": choices_digest(list(tasks.values()), chosen, options),
+    }
+    options_rec = dataclasses.replace(
+        model_rec, strategy=canonical_json(options), params={"confirmed": json.dumps(alone)}
+    )
+    asm, nodes = compiled(make_bank(tmp_path / "alone", [*entries, options_rec]), "alone.onnx")
+    assert asm.choices == {} and asm.session_options == options
+    assert not any(n.name.startswith("aoe/") for n in nodes)
+    assert any("session options alone" in n for n in asm.notes)
+
+
+# ----------------------------------------------------- compile rebuilds what each job shipped
+
+
+@dataclass(frozen=True)
+class _Tuned:
+    bank: Path
+    result: dict
+    tuned: onnx.ModelProto
+
+
+@pytest.fixture(scope="module")
+def tuned_transformer(
+    tmp_path_factory: pytest.TempPathFactory, models: Path
+) -> Callable[[str, str], _Tuned]:
+    """`aoe tune` of the transformer sample (attention, layernorms, a Gelu FFN: subgraph
+    tasks, and an output projection that is the Q projection's twin under OPAT alone),
+    once per (job type, precision), each into a fresh bank."""
+    done: dict[tuple[str, str], _Tuned] = {}
+
+    def tune(job_type: str, precision: str) -> _Tuned:
+        if (job_type, precision) not in done:
+            root = tmp_path_factory.mktemp(f"{job_type.replace('+', '_')}-{precision}")
+            bank, out = root / "bank", root / "out"
+            r = run_aoe(
+                "tune",
+                str(models / "transformer.onnx"),
+                "--bank",
+                str(bank),
+                "--output",
+                str(out),
+                "--budget",
+                "3",
+                "--parallel",
+                "1",
+                "--no-progress",
+                "--job-type",
+                job_type,
+                "--precision",
+                precision,
+            )
+            assert r.returncode == 0, r.stderr
+            [result] = out.glob("aoe_result_*.json")
+            doc = json.loads(result.read_text())
+            done[job_type, precision] = _Tuned(bank, doc, onnx.load(doc["tuned_model"]))
+        return done[job_type, precision]
+
+    return tune
+
+
+def _graph_facts(model: onnx.ModelProto) -> tuple[Counter, dict]:
+    """The op types (a multiset, domains included) and the initializers (name -> dtype,
+    dims) of `model`: what two builds of one tuned model must agree on."""
+    ops = Counter(f"{n.domain}:{n.op_type}" for n in model.graph.node)
+    inits = {t.name: (t.data_type, tuple(t.dims)) for t in model.graph.initializer}
+    return ops, inits
+
+
+_ROUND_TRIPS = [
+    pytest.param("sgat+opat", "int8", id="sgat+opat-int8"),
+    pytest.param("sgat+opat", "exact", id="sgat+opat-exact"),
+    pytest.param("opat", "int8", id="opat-int8"),
+    pytest.param("sgat", "fp16", id="sgat-fp16"),
+    pytest.param("sgat+opat", "fp16", id="sgat+opat-fp16", marks=pytest.mark.long),
+    pytest.param("opat", "exact", id="opat-exact", marks=pytest.mark.long),
+    pytest.param("opat", "fp16", id="opat-fp16", marks=pytest.mark.long),
+    pytest.param("sgat", "int8", id="sgat-int8", marks=pytest.mark.long),
+    pytest.param("sgat", "exact", id="sgat-exact", marks=pytest.mark.long),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("job_type", "precision"), _ROUND_TRIPS)
+def test_compile_rebuilds_what_each_job_shipped(
+    tuned_transformer: Callable[[str, str], _Tuned],
+    models: Path,
+    tmp_path: Path,
+    job_type: str,
+    precision: str,
+) -> None:
+    """Compiling from the bank a job just wrote forms that job's tasks (no more, no
+    others), answers each task the job decided, and rebuilds the model it shipped: the
+    same op types, the same initializers, the same graph."""
+    run = tuned_transformer(job_type, precision)
+    out = tmp_path / "compiled.onnx"
+    with open_bank(run.bank, use_env=False) as reader:
+        asm: Assembly = compile_model(
+            models / "transformer.onnx", out, reader, precision=precision, check_options=False
+        )
+    doc = run.result
+    assert asm.job_type == job_type
+    # The job's tasks, by id, each answered as the job decided it; the budget's leftovers
+    # (skipped, failed) are the only misses, and the model-level record is a hit.
+    assert sorted(t.task_id for t in asm.tasks) == sorted(t["task_id"] for t in doc["tasks"])
+    untuned = {t["task_id"] for t in doc["tasks"] if t["update_mode"] in ("skipped", "failed")}
+    by_id = {t.task_id: t for t in asm.tasks}
+    for t in doc["tasks"]:
+        got = by_id[t["task_id"]]
+        if t["task_id"] in untuned:
+            assert got.status == "miss", (t, got)
+        else:
+            assert got.status in ("hit", "default", "reverted"), (t, got)
+            assert got.strategy == (t["strategy"] if got.status == "hit" else "default"), (t, got)
+    assert asm.session.status in ("hit", "default")
+    assert (asm.hits, asm.misses) == (len(doc["tasks"]) + 1 - len(untuned), len(untuned))
+    # What shipped, built again: op types and initializers (names, types, shapes), then the
+    # whole graph (initializer values included).
+    compiled = onnx.load(str(out))
+    assert _graph_facts(compiled) == _graph_facts(run.tuned), doc["confirmation"]
+    assert compiled.graph == run.tuned.graph, doc["confirmation"]
+    assert _meta(compiled) == {**_meta(run.tuned), "aoe.version": _meta(compiled)["aoe.version"]}

@@ -15,6 +15,8 @@ import onnxruntime as ort
 import pytest
 
 import aoe
+from aoe.bank import open_bank
+from aoed.bankcompile import compile_model
 from aoed.engine.prep import make_inputs, prepare
 
 from .conftest import run_aoe
@@ -341,6 +343,38 @@ def test_banked_options_that_lose_here_are_dropped_and_the_input_ships(tmp_path:
     assert _banked_options_rechecked(c1, SLOWER_OPTIONS, d2), d2["notes"]
     assert onnx.load(d2["tuned_model"]).graph == onnx.load(str(src)).graph
     assert aoe.session_options_of(d2["tuned_model"]) == {}
+
+
+def test_a_confirmation_answers_only_the_job_type_it_was_made_for(
+    models: Path, tmp_path: Path, mlp_banked: tuple[Path, dict]
+):
+    """The MLP has no subgraphs: an sgat+opat run forms the OPAT run's tasks, and the
+    bank answers every one. The confirmation stored with the model was made for an OPAT
+    job's tasks, so this run confirms its own, and the bank then names its job type,
+    which `aoe compile` forms the tasks of."""
+    bank = tmp_path / "bank"
+    shutil.copytree(mlp_banked[0], bank)
+    src = models / "mlp.onnx"
+    r = run_aoe(
+        "tune",
+        str(src),
+        "--bank",
+        str(bank),
+        "--output",
+        str(tmp_path / "o2"),
+        *("--budget", "8", "--parallel", "1", "--no-progress", "--job-type", "sgat+opat"),
+    )
+    assert r.returncode == 0, r.stderr
+    [result] = (tmp_path / "o2").glob("aoe_result_sgat_opat_*.json")
+    d2 = json.loads(result.read_text())
+    assert sorted(t["task_id"] for t in d2["tasks"]) == sorted(
+        t["task_id"] for t in mlp_banked[1]["tasks"]
+    )
+    assert all(t["update_mode"] == "hit" for t in d2["tasks"])
+    assert d2["confirmation"]["from_bank"] == "", d2["confirmation"]
+    with open_bank(bank, use_env=False) as reader:
+        asm = compile_model(src, tmp_path / "c.onnx", reader, check_options=False)
+    assert asm.job_type == "sgat+opat" and not any("job type" in n for n in asm.notes)
 
 
 def test_crashing_candidate_is_recorded_and_job_succeeds(models: Path, tmp_path: Path):

@@ -4,10 +4,12 @@
     (engine/assemble.from_bank, through AOE's bank rules) -> the strategies applied
     -> the tuned model, with the metadata the tuner writes
 
-A task's entry is applied only when it was measured on this device fingerprint and its
-strategy still applies to the task (and to each of its twins); anything else is a miss,
-and the report says why. The result equals the tuning run's model when the bank holds
-what that run chose. Runs in the caller's process; it measures nothing but the
+The tasks are those the tuning run formed: its job type (opat, sgat, sgat+opat) is named
+by the confirmation it stored with the model's record, so each entry applies to the same
+nodes and twins it did. A task's entry is applied only when it was measured on this
+device fingerprint and its strategy still applies to the task (and to each of its
+twins); anything else is a miss, and the report says why. The result equals the tuning
+run's model when the bank holds what that run chose. Runs in the caller's process; it measures nothing but the
 session options the bank holds, which won on a machine that may have been busier: one
 short A/B (with them, without them) on this device before they are applied
 (`check_options`), through a measurement runner under the machine-wide device lock.
@@ -102,6 +104,7 @@ def compile_model(
     plugins: Sequence[str] = (),
     check_options: bool = False,
     runtime_dir: Path | None = None,
+    job_type: str | None = None,
 ) -> Assembly:
     """Prepare `model_path` as tuning does, apply the bank, save the tuned model at
     `output` (with the tuner's metadata); returns the assembly with its per-task report.
@@ -110,7 +113,8 @@ def compile_model(
 
     With `check_options`, banked session options are applied only if one short A/B
     here still finds them faster (see the module doc; `runtime_dir` holds the device
-    lock). Raises ModelError/OptionError from preparation, AoedError when `output` cannot
+    lock). `job_type` forms the tasks as a job of that type does (None: as the job
+    that wrote the bank did; see the module doc). Raises ModelError/OptionError from preparation, AoedError when `output` cannot
     be written, DeviceError when the check cannot measure. Blocking.
     """
     from aoed.backends.ort.catalog import build_registry
@@ -129,7 +133,15 @@ def compile_model(
             ranges = activation_ranges(prep.model, prep.ctx.tensors, samples.calibrate)
         consts = Constants(prep.model.graph, list(prep.model.opset_import))
         asm, tasks = from_bank(
-            prep.model, prep.ctx, consts, _ReaderLookup(reader), device, registry, precision, ranges
+            prep.model,
+            prep.ctx,
+            consts,
+            _ReaderLookup(reader),
+            device,
+            registry,
+            precision,
+            ranges,
+            job_type,
         )
         if asm.ship_input:
             model = load_model(Path(model_path))

@@ -3,8 +3,9 @@
 `apply_choices` is how every tuned model is built, by the tuner (in a worker) and by
 `aoe compile`: the prepared model with each task's chosen strategy applied to it and to
 each of its twins. `from_bank` reads what the bank knows for a prepared model (through
-`bankrules`, as tuning does) and turns it into choices and session options. Pure: no
-measurement, no writes, no onnxruntime.
+`bankrules`, as tuning does) and turns it into choices and session options, over the
+tasks the job that wrote the bank formed (its job type, which its confirmation names).
+Pure: no measurement, no writes, no onnxruntime.
 """
 
 from __future__ import annotations
@@ -21,9 +22,10 @@ from onnx import helper
 
 from aoe.sessionopts import METADATA_KEY
 from aoe.device import CPU, Device
-from aoe.errors import AoedError
+from aoe.errors import AoedError, OptionError
 from aoe.partition import Task, partition
 from aoe.recordcheck import Vocabulary
+from aoe.spec import DEFAULT_JOB_TYPE
 from aoe.subgraphs import SUBGRAPH_FAMILIES
 from aoe.signature import (
     DeviceFingerprint,
@@ -186,7 +188,7 @@ class TaskOutcome:
     op_name: str
     op_type: str
     instances: int
-    status: str  # hit | default | miss | ignored | reverted | covered (by an applied subgraph)
+    status: str  # hit | default | miss | ignored | reverted
     strategy: str = DEFAULT
     layer: str = ""
     reason: str = ""
@@ -202,6 +204,8 @@ class Assembly:
     tasks: list[TaskOutcome]
     session: TaskOutcome
     notes: list[str] = field(default_factory=list)
+    #: the job type whose tasks `tasks` are (aoe.spec.JobType): the one that wrote the bank
+    job_type: str = str(DEFAULT_JOB_TYPE)
     #: the tuning run's confirming A/B found these choices no faster than the input: the
     #: input model is what that run shipped, and what compiling it gives
     ship_input: bool = False
@@ -247,16 +251,21 @@ def from_bank(
     registry: StrategyRegistry,
     precision: str = "exact",
     ranges: Mapping[str, tuple[float, float]] | None = None,
+    job_type: str | None = None,
 ) -> tuple[Assembly, list[Task]]:
     """What `bank` knows for the prepared `model` on `device`: the choices to apply (each
     checked to apply to its task and twins), the session options, and a report per task.
-    Returns (assembly, the tunable tasks)."""
+    The tasks are those a job of `job_type` tunes (None: the job type the bank's
+    confirmation for this model names, else the default), so the choices rebuild what
+    that job shipped. Returns (assembly, the tunable tasks); raises OptionError for a
+    `job_type` that forms no ONNX model's tasks (gdat)."""
     sig = model_signature(model)
     key = bankrules.key_for(sig, device, precision)
     session = TaskOutcome("session", "", "SessionOptions", 1, "miss", key=key.decode())
     vocabulary = registry.vocabulary()
     ans = ans_model = _outcome(bank, key, session, device, vocabulary)
     options: dict[str, Any] = {}
+    notes: list[str] = []
     reverted = bankrules.reverted_digests(ans)
     if ans.kind == "hit":
         assert ans.record is not None
@@ -271,25 +280,29 @@ def from_bank(
                 {},
             )
 
-    # Subgraph entries first (an SGAT run's), then operator entries for the nodes no
-    # applied subgraph covers: a model tuned by SGAT, by OPAT or by both compiles alike.
-    tasks = tunable_tasks(model, ctx, registry, precision, "sgat") + tunable_tasks(
-        model, ctx, registry, precision
-    )
+    # The tasks of the job that wrote this model's record, formed as that job formed
+    # them: its entries (each keyed by a signature) then apply to the same nodes and
+    # twins, and a subgraph's nodes are never looked up as operators a second time.
+    confirmed = bankrules.confirmed(ans_model)
+    named = bankrules.confirmed_job_type(confirmed or {})
+    if job_type is None:
+        job_type = named or str(DEFAULT_JOB_TYPE)
+        if named is None:
+            notes.append(
+                f"the bank does not say which job type tuned this model: its tasks are formed "
+                f"as a {job_type} job forms them (the default of aoe tune)"
+            )
+    elif job_type not in bankrules.CONFIRMED_JOB_TYPES:
+        raise OptionError(
+            f"job type {job_type!r}: a model's tasks are formed as one of "
+            f"{', '.join(bankrules.CONFIRMED_JOB_TYPES)} forms them; name one of those"
+        )
+    tasks = tunable_tasks(model, ctx, registry, precision, job_type)
     outcomes: list[TaskOutcome] = []
     choices: dict[str, str] = {}
-    covered: dict[str, str] = {}  # node name -> the applied subgraph task covering it
     for t in tasks:
         key = bankrules.key_for(t.signature, device, precision)
         base = TaskOutcome(t.id, t.anchor, t.op_type, t.instances, "miss", key=key.decode())
-        inside = next(
-            (covered[n] for u in (t, *t.twins) for n in u.node_names if n in covered), None
-        )
-        if inside is not None:
-            base.status, base.strategy = "covered", DEFAULT
-            base.reason = f"its nodes are in subgraph {inside}, whose bank entry is applied"
-            outcomes.append(base)
-            continue
         ans = _outcome(bank, key, base, device, vocabulary)
         if ans.kind == "hit" and t.signature.digest in reverted:
             base.status, base.strategy = "reverted", DEFAULT
@@ -298,17 +311,13 @@ def from_bank(
             try:
                 task_rewrites(model, ctx, consts, t, base.strategy, registry, ranges)
                 choices[t.id] = base.strategy
-                if t.family in SUBGRAPH_FAMILIES:
-                    covered.update((n, t.id) for u in (t, *t.twins) for n in u.node_names)
             except (KeyError, AoedError) as exc:
                 base.status, base.reason = "ignored", f"bank entry not applied: {exc}".strip()
                 base.strategy = DEFAULT
         outcomes.append(base)
-    tasks = [t for t, o in zip(tasks, outcomes) if o.status != "covered"]
-    asm = Assembly(choices, options, outcomes, session)
-    confirmed = bankrules.confirmed(ans_model)
+    asm = Assembly(choices, options, outcomes, session, notes, job_type=job_type)
     key_now = bankrules.choices_digest(tasks, choices, options)
-    if confirmed is not None and confirmed.get("choices") == key_now:
+    if confirmed is not None and confirmed.get("choices") == key_now and named in (None, job_type):
         job = confirmed.get("job", "the tuning run")
         if confirmed.get("shipped") == "input":
             asm.ship_input = True
@@ -316,7 +325,13 @@ def from_bank(
                 f"the confirming A/B of {job} found these choices no faster than the input "
                 f"({confirmed.get('verdict')}): the input model is kept"
             )
-        elif options and not confirmed.get("options_kept"):
+        elif confirmed.get("shipped") == "options only" and choices:
+            asm.choices = {}
+            asm.notes.append(
+                f"the confirming A/B of {job} shipped these session options alone: the "
+                "tasks' entries are not applied"
+            )
+        if options and not confirmed.get("options_kept"):
             asm.session_options = {}
             asm.notes.append(
                 f"session options {options} left out: the confirming A/B of {job} did not keep them"

@@ -38,12 +38,14 @@ from aoed.engine.messages import Measurement
 from aoed.engine.registry import DEFAULT
 
 __all__ = [
+    "CONFIRMED_JOB_TYPES",
     "BankAnswer",
     "Outcome",
     "after_tuning",
     "answer",
     "choices_digest",
     "confirmed",
+    "confirmed_job_type",
     "key_for",
     "make_record",
     "reverted_digests",
@@ -144,6 +146,18 @@ def confirmed(ans: BankAnswer) -> dict[str, Any] | None:
     except ValueError:
         return None
     return doc if isinstance(doc, dict) else None
+
+
+#: The job types whose tasks a model-level confirmation names (GDAT keeps its own records).
+CONFIRMED_JOB_TYPES = ("opat", "sgat", "sgat+opat")
+
+
+def confirmed_job_type(doc: Mapping[str, Any]) -> str | None:
+    """The job type whose tasks the confirmation `doc` (`confirmed`) was made for: the
+    tasks its choices were applied to. None when it names none of `CONFIRMED_JOB_TYPES`
+    (stored before confirmations named one)."""
+    job_type = doc.get("job_type")
+    return job_type if job_type in CONFIRMED_JOB_TYPES else None
 
 
 def choices_digest(

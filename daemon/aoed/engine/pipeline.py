@@ -389,7 +389,11 @@ async def verify_stage(
         bankrules.confirmed(known.model_ans) if from_bank and not ctx.spec.repeat_tune else None
     )
     choice_key = bankrules.choices_digest(model.tasks, assembled.chosen, session.options)
-    if cached is not None and cached.get("choices") == choice_key:
+    if (
+        cached is not None
+        and cached.get("choices") == choice_key
+        and bankrules.confirmed_job_type(cached) in (None, ctx.spec.job_type)
+    ):
         v = Verified(
             dict(assembled.chosen),
             session.options,
@@ -504,7 +508,9 @@ async def remember(
         }
         stored_options = confirmed.options if conf.shipped != "input" else {}
         confirmed_doc = conf.params(
-            bankrules.choices_digest(tasks, stored, stored_options), ctx.job_id
+            bankrules.choices_digest(tasks, stored, stored_options),
+            ctx.job_id,
+            str(ctx.spec.job_type),
         )
     await remember_context(
         ctx,
