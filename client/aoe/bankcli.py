@@ -8,7 +8,7 @@
     aoe bank export  [--bank DIR] [--layer NAME] [--output FILE.jsonl] [--entries-only | --no-history]
     aoe bank import  FILE.jsonl [--bank DIR] [--policy keep-faster|overwrite|keep-existing]
                      [--allow-foreign] [--wait]
-    aoe bank prune   [--bank DIR] [--dry-run] [--wait]
+    aoe bank prune   [--bank DIR | --socket PATH] [--dry-run] [--yes] [--wait]
     aoe bank check   [--bank DIR] [--bank-layer DIR]
     aoe bank verify  [--bank DIR] [--sample N] [--op-type T] [--seed S] [--budget SECONDS]
                      [--layer NAME|all] [--no-record] [--wait] [--json]
@@ -25,6 +25,11 @@ with an error naming that process, or with --wait wait until it is done. `verify
 With `--socket PATH` (or AOED_SOCKET set and no --bank), stats, lookup, export, import,
 prune, verify and sync work on the daemon's bank through its API instead: the daemon is
 then the one writer, so nothing waits for it.
+
+`prune` deletes: it names the bank it acts on before it acts. Through a daemon it
+deletes only with `--yes`, or when `--bank` names the daemon's own bank (then it goes
+through the daemon, that bank's writer): AOED_SOCKET alone, set for other commands,
+never prunes a daemon's history unseen.
 
 `check` reads every page of each bank's data file without LMDB (aoe.lmdbcheck), then
 every record through LMDB, and says what is damaged and what to do; it exits 4
@@ -53,11 +58,22 @@ _POLICIES = ("keep-faster", "overwrite", "keep-existing")
 _SHOW_REFUSED = 50
 
 
-def _bank_args(p: argparse.ArgumentParser, layers: bool = True) -> None:
+#: Where the bank comes from without --bank, for commands that can work through a daemon.
+_DEFAULT_WITH_SOCKET = (
+    "default: the daemon's bank with --socket or AOED_SOCKET set, else TUNE_BANK_PATH, the "
+    "config file's or the user data dir"
+)
+_DEFAULT_LOCAL = "default: TUNE_BANK_PATH, the config file's or the user data dir"
+
+
+def _bank_args(p: argparse.ArgumentParser, layers: bool = True, socket: bool = True) -> None:
+    """--bank (and --bank-layer), with a help that says the default once: through the
+    daemon first for commands that take --socket (`socket`)."""
     p.add_argument(
         "--bank",
         type=Path,
-        help="custom bank directory (default: TUNE_BANK_PATH or the user data dir)",
+        metavar="DIR",
+        help=f"custom bank directory ({_DEFAULT_WITH_SOCKET if socket else _DEFAULT_LOCAL})",
     )
     if layers:
         p.add_argument(
@@ -75,7 +91,7 @@ def _socket_arg(p: argparse.ArgumentParser) -> None:
         "--socket",
         type=Path,
         metavar="PATH",
-        help="work on the bank of the daemon at this socket (default with AOED_SOCKET set and no --bank)",
+        help="work on the bank of the daemon at this socket (AOED_SOCKET, when set and --bank is not given)",
     )
 
 
@@ -147,7 +163,7 @@ def _add_compile(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "-o", "--output", type=Path, required=True, help="where to write the tuned .onnx"
     )
-    _bank_args(p)
+    _bank_args(p, socket=False)
     p.add_argument(
         "--input-shape", action="append", help="NAME:D1,D2,... for dynamic inputs (as for aoe tune)"
     )
@@ -299,14 +315,21 @@ def _add_bank(top: argparse._SubParsersAction) -> None:
     s.set_defaults(run=_prune)
     _bank_args(s, layers=False)
     _socket_arg(s)
-    s.add_argument("--dry-run", action="store_true")
+    s.add_argument(
+        "--dry-run", action="store_true", help="say what would be removed, remove nothing"
+    )
+    s.add_argument(
+        "--yes",
+        action="store_true",
+        help="prune a daemon's bank without naming it with --bank (needed with --socket or AOED_SOCKET)",
+    )
     _wait_arg(s)
 
     s = sub.add_parser(
         "check", help="read every page and record of the bank's files; say what is damaged"
     )
     s.set_defaults(run=_check)
-    _bank_args(s)
+    _bank_args(s, socket=False)
 
     s = sub.add_parser("verify", help="re-measure a sample of entries on this device")
     s.set_defaults(run=_verify)
@@ -569,18 +592,71 @@ def _import(args: argparse.Namespace) -> int:
 
 
 def _prune(args: argparse.Namespace) -> int:
-    daemon = _daemon(args)
-    if daemon is not None:
-        with daemon:
-            r = daemon.bank_prune(args.dry_run)
-    else:
-        r = _prune_local(args)
+    daemon, named = _prune_daemon(args)
     verb = "would remove" if args.dry_run else "removed"
+    if daemon is None:
+        path = _bank_path(args)
+        print(
+            f"aoe: {'dry run: ' if args.dry_run else ''}pruning the history of the bank at {path}"
+        )
+        sys.stdout.flush()
+        r = _prune_local(args)
+        where = str(path)
+    else:
+        with daemon:
+            st = daemon.bank_stats()
+            where = f"{st.path} (the daemon's at {daemon.target})"
+            if not (args.dry_run or args.yes or named):
+                raise OptionError(
+                    f"aoe bank prune would delete the {st.history_trials} history trials of the bank at "
+                    f"{where}: pass --yes to prune it, or name it with --bank {st.path}"
+                )
+            print(
+                f"aoe: {'dry run: ' if args.dry_run else ''}pruning the history of the bank at {where}"
+            )
+            sys.stdout.flush()
+            r = daemon.bank_prune(args.dry_run)
     print(
-        f"aoe: {verb} {r.trials_removed} history trials, kept {r.entries_kept} entries; "
+        f"aoe: {verb} {r.trials_removed} history trials, kept {r.entries_kept} entries in {where}; "
         f"used {r.used_bytes_before / 2**20:.2f} MiB -> {r.used_bytes_after / 2**20:.2f} MiB"
     )
     return 0
+
+
+def _prune_daemon(args: argparse.Namespace):
+    """(the Client of the daemon whose bank to prune, whether --bank named that bank), or
+    (None, False) to prune --bank (or the configured bank) in this process. With a daemon
+    (--socket, or AOED_SOCKET set) and --bank, the daemon's own bank goes through the
+    daemon, its writer; another bank is pruned here (refused with --socket, which names
+    the daemon's). Raises OptionError, DaemonUnavailableError (--socket)."""
+    if args.bank is None:
+        return _daemon(args), False
+    import os
+
+    from aoe.client import Client
+    from aoe.config import default_socket
+    from aoe.errors import DaemonUnavailableError
+
+    explicit = args.socket is not None
+    if not explicit and not os.environ.get("AOED_SOCKET", "").strip():
+        return None, False
+    daemon = Client(args.socket or default_socket())
+    try:
+        path = Path(daemon.bank_stats().path)
+    except DaemonUnavailableError:
+        daemon.close()
+        if explicit:
+            raise
+        return None, False  # no daemon there: --bank is pruned here, under its writer lock
+    if path.resolve() == args.bank.resolve():
+        return daemon, True
+    daemon.close()
+    if explicit:
+        raise OptionError(
+            f"--socket {args.socket} works on the daemon's bank {path}, not --bank {args.bank}: "
+            "drop one of them"
+        )
+    return None, False
 
 
 def _prune_local(args: argparse.Namespace):
