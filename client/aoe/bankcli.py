@@ -7,7 +7,7 @@
                       [--precision exact]) [--bank DIR] [--bank-layer DIR] [--json]
     aoe bank export  [--bank DIR] [--layer NAME] [--output FILE.jsonl] [--entries-only | --no-history]
     aoe bank import  FILE.jsonl [--bank DIR] [--policy keep-faster|overwrite|keep-existing]
-                     [--allow-foreign] [--wait]
+                     [--wait]
     aoe bank prune   [--bank DIR | --socket PATH] [--dry-run] [--yes] [--wait]
     aoe bank check   [--bank DIR] [--bank-layer DIR]
     aoe bank verify  [--bank DIR] [--sample N] [--op-type T] [--seed S] [--budget SECONDS]
@@ -306,9 +306,9 @@ def _add_bank(top: argparse._SubParsersAction) -> None:
     _socket_arg(s)
     s.add_argument("file", type=Path, help="JSON Lines file ('-' for standard input)")
     s.add_argument("--policy", default="keep-faster", choices=_POLICIES)
-    s.add_argument(
-        "--allow-foreign", action="store_true", help="accept entries measured on other devices"
-    )
+    # Records of every device are kept (each is served to its own device): the flag of
+    # older scripts is taken, and changes nothing.
+    s.add_argument("--allow-foreign", action="store_true", help=argparse.SUPPRESS)
     _wait_arg(s)
 
     s = sub.add_parser("prune", help="drop the measurement history, keep winners")
@@ -546,7 +546,7 @@ def _import(args: argparse.Namespace) -> int:
         if str(args.file) == "-":
             raise OptionError("--socket: import from a file, not standard input")
         with daemon:
-            r = daemon.bank_import(args.file, args.policy, args.allow_foreign)
+            r = daemon.bank_import(args.file, args.policy)
         print(
             f"aoe: imported into the daemon's bank: {r.added} added, {r.updated} updated, {r.kept} kept, "
             f"{r.refused} refused ({args.policy})"
@@ -571,7 +571,6 @@ def _import(args: argparse.Namespace) -> int:
             path,
             lines,
             args.policy,
-            args.allow_foreign,
             wait=args.wait,
             on_wait=_say_waiting,
             plugins=_config(args).plugins,
@@ -769,7 +768,7 @@ def _print_sync(
     for name, c in counts.items():
         print(f"  {name:<16} added {c.added}, updated {c.updated}, kept {c.kept}")
     if refused:
-        print(f"  refused {refused} (invalid, or measured on another device than this one)")
+        print(f"  refused {refused} (not records this tuner writes; each is logged)")
 
 
 def _sync_local(args: argparse.Namespace):
@@ -806,7 +805,6 @@ def _sync_local(args: argparse.Namespace):
     return embedded.sync_bank(
         _bank_path(args),
         args.peer,
-        config.device.fingerprint().digest,
         connect,
         wait=args.wait,
         on_wait=_say_waiting,
