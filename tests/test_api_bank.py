@@ -339,6 +339,7 @@ async def test_verify_streams_a_verdict_per_entry_and_records_the_measurements(
         assert v.verdict in (
             bank_pb2.VERIFY_VERDICT_CONFIRMED,
             bank_pb2.VERIFY_VERDICT_REGRESSED,
+            bank_pb2.VERIFY_VERDICT_INCONCLUSIVE,
         ), v
         assert (
             v.measured_winner.median_us > 0

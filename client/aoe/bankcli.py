@@ -20,7 +20,9 @@ ones (AOED_BANK_LAYERS, os.pathsep separated). Reads never need the daemon and n
 wait. Import, prune and verify (its history) write the custom bank directly, and a bank
 has one writer at a time: while another process writes it (a tune, the daemon) they stop
 with an error naming that process, or with --wait wait until it is done. `verify` exits
-1 when an entry regressed, is inaccurate or could not be measured.
+1 when an entry regressed, is inaccurate or could not be measured (error); an
+inconclusive verdict (a tie, busy cores, inputs unlike the task's) and a skipped entry
+condemn nothing, and say why.
 
 With `--socket PATH` (or AOED_SOCKET set and no --bank), stats, lookup, export, import,
 prune, verify and sync work on the daemon's bank through its API instead: the daemon is
@@ -723,7 +725,7 @@ def _verify(args: argparse.Namespace) -> int:
                 print(f"      {v.detail}")
         counts = {
             k: sum(v.verdict == k for v in verdicts)
-            for k in ("confirmed", "regressed", "inaccurate", "skipped", "error")
+            for k in ("confirmed", "regressed", "inaccurate", "inconclusive", "skipped", "error")
         }
         print("  " + ", ".join(f"{k} {n}" for k, n in counts.items()))
     sys.stdout.flush()

@@ -80,6 +80,7 @@ _VERDICT = {
     "inaccurate": bank_pb2.VERIFY_VERDICT_INACCURATE,
     "skipped": bank_pb2.VERIFY_VERDICT_SKIPPED,
     "error": bank_pb2.VERIFY_VERDICT_ERROR,
+    "inconclusive": bank_pb2.VERIFY_VERDICT_INCONCLUSIVE,
 }
 
 
