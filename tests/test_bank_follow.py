@@ -25,7 +25,7 @@ from aoed.bank.store import DEFAULT, ENTRY, TRIAL, BankStore, Change, Position, 
 from aoed.bank.writer import BankWrite, BankWriter
 
 from .test_bank_exchange import _entry
-from .test_bank_reader import foreign, here
+from .test_bank_reader import foreign
 
 
 @pytest.fixture
@@ -189,19 +189,18 @@ def test_the_follow_rule_is_a_total_order_so_every_arrival_order_converges(tmp_p
 
 def test_a_changed_record_a_peer_sends_is_checked_like_an_import() -> None:
     good = _entry(1, 5.0, "alpha")
-    ok, why, invalid = check_change(Change(1, ENTRY, good.key, encode(good), 0), [here().digest])
-    assert ok is not None and not why and not invalid
+    ok, why = check_change(Change(1, ENTRY, good.key, encode(good), 0))
+    assert ok is not None and not why
+    # Another device's record is kept under its own key (served to that device only).
     away = _entry(2, 5.0, "alpha", dev=foreign())
-    rec, why, invalid = check_change(Change(2, ENTRY, away.key, encode(away), 0), [here().digest])
-    assert rec is None and "another device" in why and not invalid
-    rec, why, invalid = check_change(
-        Change(3, ENTRY, good.key + b"x", encode(good), 0), [here().digest]
-    )
-    assert rec is None and "another key" in why and invalid
-    rec, why, invalid = check_change(Change(4, "gdat", b"k", b"v", 0), [here().digest])
-    assert rec is None and "does not keep" in why and invalid
-    rec, why, invalid = check_change(Change(5, DEFAULT, good.key, b"[1]", 0), [here().digest])
-    assert rec is None and "not a stored default" in why and invalid
+    rec, why = check_change(Change(2, ENTRY, away.key, encode(away), 0))
+    assert rec == Record(ENTRY, away.key, encode(away)) and not why
+    rec, why = check_change(Change(3, ENTRY, good.key + b"x", encode(good), 0))
+    assert rec is None and "another key" in why
+    rec, why = check_change(Change(4, "gdat", b"k", b"v", 0))
+    assert rec is None and "does not keep" in why
+    rec, why = check_change(Change(5, DEFAULT, good.key, b"[1]", 0))
+    assert rec is None and "not a stored default" in why
 
 
 async def test_feed_sends_the_backlog_then_each_commit_as_it_comes(tmp_path: Path) -> None:

@@ -46,7 +46,7 @@ from aoed.vocabulary import tuner_vocabulary
 
 from .conftest import run_aoe
 from .test_bank_exchange import _entry
-from .test_bank_reader import here, make_bank, rec
+from .test_bank_reader import make_bank, rec
 
 FILE_KEY = "session.collect_node_memory_stats_to_file"
 SENTINEL = b"the daemon's job store\n"
@@ -187,22 +187,16 @@ def test_each_field_the_tuner_never_writes_refuses_its_record_and_the_rest_impor
 def test_a_peer_s_record_is_checked_as_an_import(tmp_path: Path) -> None:
     vocabulary = tuner_vocabulary()
     bad = _session(1, {"config": {FILE_KEY: str(tmp_path / "x")}})
-    got, why, invalid = check_change(
-        Change(1, ENTRY, bad.key, encode(bad), 0), [here().digest], vocabulary
-    )
-    assert got is None and invalid and f"config '{FILE_KEY}'" in why
+    got, why = check_change(Change(1, ENTRY, bad.key, encode(bad), 0), vocabulary)
+    assert got is None and f"config '{FILE_KEY}'" in why
     deep = b'{"a":' * 100_000 + b"1" + b"}" * 100_000
-    got, why, invalid = check_change(
-        Change(2, TRIAL, history_key(bad.key, 5), deep, 0), [here().digest], vocabulary
-    )
-    assert got is None and invalid and "nested more than" in why
-    got, why, invalid = check_change(Change(3, "default", bad.key, deep, 0), [here().digest])
-    assert got is None and invalid and "nested more than" in why
+    got, why = check_change(Change(2, TRIAL, history_key(bad.key, 5), deep, 0), vocabulary)
+    assert got is None and "nested more than" in why
+    got, why = check_change(Change(3, "default", bad.key, deep, 0))
+    assert got is None and "nested more than" in why
     ok = _session(2, {"intra_op_num_threads": 2})
-    got, why, invalid = check_change(
-        Change(4, ENTRY, ok.key, encode(ok), 0), [here().digest], vocabulary
-    )
-    assert got is not None and not why and not invalid
+    got, why = check_change(Change(4, ENTRY, ok.key, encode(ok), 0), vocabulary)
+    assert got is not None and not why
 
 
 def test_json_is_refused_past_its_depth_and_size_before_it_is_parsed() -> None:
@@ -453,7 +447,7 @@ def _our_records(draw) -> list[str]:
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(_our_records())
 def test_every_record_the_tuner_writes_passes(lines: list[str]) -> None:
-    checked = check_import(lines, "keep-faster", True, _vocabulary())
+    checked = check_import(lines, "keep-faster", _vocabulary())
     assert not checked.refused and len(checked.records) == len(lines), checked.refused
     options = json.loads(json.loads(lines[1])["entry"]["strategy"]["name"])
     check_session_options(options)

@@ -109,5 +109,30 @@ def test_bank_commands_work_on_the_daemon_s_bank(daemon: DaemonProcess, tmp_path
     ), again.stdout
     dry = _aoe(daemon, "bank", "prune", "--dry-run")
     assert dry.returncode == 0 and "would remove" in dry.stdout
+    assert f"history of the bank at {daemon.bank} (the daemon's" in dry.stdout
+    trials = int(dry.stdout.split("would remove ")[1].split()[0])
+    assert trials > 0
+    # AOED_SOCKET alone (set for the commands above) never deletes the daemon's history.
+    unseen = _aoe(daemon, "bank", "prune")
+    assert unseen.returncode == 2 and not unseen.stdout, unseen.stdout
+    assert f"the {trials} history trials of the bank at {daemon.bank}" in unseen.stderr
+    assert "--yes" in unseen.stderr and f"--bank {daemon.bank}" in unseen.stderr
+    # Named, it goes through the daemon (the bank's writer), saying which bank first.
+    named = _aoe(daemon, "bank", "prune", "--bank", str(daemon.bank))
+    first, result = named.stdout.splitlines()
+    assert named.returncode == 0 and first.endswith(
+        f"pruning the history of the bank at {daemon.bank} (the daemon's at unix://{daemon.socket})"
+    ), (named.stdout, named.stderr)
+    assert f"removed {trials} history trials" in result
+    assert _aoe(daemon, "bank", "import", str(out)).returncode == 0  # the trials again
+    assert _aoe(daemon, "bank", "prune", "--yes").returncode == 0
+    assert "history 0 trials" in _aoe(daemon, "bank", "stats").stdout
+    help_text = " ".join(_aoe(daemon, "bank", "prune", "--help").stdout.split())
+    # One default, said once: the daemon's bank first (as the commands above took it).
+    assert help_text.count("TUNE_BANK_PATH") == 1
+    assert (
+        "default: the daemon's bank with --socket or AOED_SOCKET set, else TUNE_BANK_PATH"
+        in help_text
+    )
     local = _aoe(daemon, "bank", "stats", "--bank", str(daemon.bank))
     assert local.returncode == 0 and "custom:" in local.stdout, "--bank reads the bank directly"

@@ -20,7 +20,7 @@ from tests.daemon_util import DaemonProcess
 
 from .conftest import run_aoe
 from .test_bank_exchange import _entry
-from .test_bank_reader import here
+from .test_bank_reader import foreign, here
 
 pytestmark = pytest.mark.slow
 
@@ -163,6 +163,44 @@ def test_a_record_written_by_one_daemon_is_served_by_the_other_two(fleet) -> Non
         assert got.provenance.host == "alpha" and got == _entry_pb(
             rec
         )  # provenance kept, byte for byte
+
+
+def test_records_of_other_devices_are_kept_relayed_and_served_to_their_device_only(fleet) -> None:
+    """A server with other hardware than a fleet's relays and backs up its bank: a record
+    measured on another device is kept by import and by every follower alike, under its
+    own key, served to that device and never to this one."""
+    daemons, _ = fleet
+    a, b, c = daemons
+    there = _entry(30, 4.0, "far", dev=foreign())
+    r = _import(a, there, policy=bank_pb2.MERGE_POLICY_KEEP_FASTER)  # no allow_foreign
+    assert (r.added, r.refused) == (1, 0), r.refused_entries
+    for d in (b, c):
+        _wait(
+            lambda d=d: _lookup(d, there.key).found,
+            f"{d.root.name} keeps the record of another device",
+            10,
+        )
+        assert _lookup(d, there.key).entry == _entry_pb(there)  # byte for byte
+        digest = there.signature.digest
+        # A lookup for this machine's device never meets it; one for its device does.
+        mine = run_aoe("bank", "lookup", "--signature-digest", digest, "--bank", str(d.bank))
+        assert mine.returncode == 1 and "no match" in mine.stdout, mine.stdout
+        theirs = run_aoe(
+            "bank",
+            "lookup",
+            "--signature-digest",
+            digest,
+            "--device-digest",
+            foreign().digest,
+            "--bank",
+            str(d.bank),
+            "--json",
+        )
+        assert (
+            theirs.returncode == 0
+            and json.loads(theirs.stdout)["entry"]["key"] == there.key.decode()
+        )
+        assert "refused" not in d.log_path.read_text()
 
 
 def test_conflicting_decisions_converge_to_one_record_everywhere(fleet) -> None:

@@ -7,8 +7,8 @@
                       [--precision exact]) [--bank DIR] [--bank-layer DIR] [--json]
     aoe bank export  [--bank DIR] [--layer NAME] [--output FILE.jsonl] [--entries-only | --no-history]
     aoe bank import  FILE.jsonl [--bank DIR] [--policy keep-faster|overwrite|keep-existing]
-                     [--allow-foreign] [--wait]
-    aoe bank prune   [--bank DIR] [--dry-run] [--wait]
+                     [--wait]
+    aoe bank prune   [--bank DIR | --socket PATH] [--dry-run] [--yes] [--wait]
     aoe bank check   [--bank DIR] [--bank-layer DIR]
     aoe bank verify  [--bank DIR] [--sample N] [--op-type T] [--seed S] [--budget SECONDS]
                      [--layer NAME|all] [--no-record] [--wait] [--json]
@@ -20,11 +20,18 @@ ones (AOED_BANK_LAYERS, os.pathsep separated). Reads never need the daemon and n
 wait. Import, prune and verify (its history) write the custom bank directly, and a bank
 has one writer at a time: while another process writes it (a tune, the daemon) they stop
 with an error naming that process, or with --wait wait until it is done. `verify` exits
-1 when an entry regressed, is inaccurate or could not be measured.
+1 when an entry regressed, is inaccurate or could not be measured (error); an
+inconclusive verdict (a tie, busy cores, inputs unlike the task's) and a skipped entry
+condemn nothing, and say why.
 
 With `--socket PATH` (or AOED_SOCKET set and no --bank), stats, lookup, export, import,
 prune, verify and sync work on the daemon's bank through its API instead: the daemon is
 then the one writer, so nothing waits for it.
+
+`prune` deletes: it names the bank it acts on before it acts. Through a daemon it
+deletes only with `--yes`, or when `--bank` names the daemon's own bank (then it goes
+through the daemon, that bank's writer): AOED_SOCKET alone, set for other commands,
+never prunes a daemon's history unseen.
 
 `check` reads every page of each bank's data file without LMDB (aoe.lmdbcheck), then
 every record through LMDB, and says what is damaged and what to do; it exits 4
@@ -53,11 +60,22 @@ _POLICIES = ("keep-faster", "overwrite", "keep-existing")
 _SHOW_REFUSED = 50
 
 
-def _bank_args(p: argparse.ArgumentParser, layers: bool = True) -> None:
+#: Where the bank comes from without --bank, for commands that can work through a daemon.
+_DEFAULT_WITH_SOCKET = (
+    "default: the daemon's bank with --socket or AOED_SOCKET set, else TUNE_BANK_PATH, the "
+    "config file's or the user data dir"
+)
+_DEFAULT_LOCAL = "default: TUNE_BANK_PATH, the config file's or the user data dir"
+
+
+def _bank_args(p: argparse.ArgumentParser, layers: bool = True, socket: bool = True) -> None:
+    """--bank (and --bank-layer), with a help that says the default once: through the
+    daemon first for commands that take --socket (`socket`)."""
     p.add_argument(
         "--bank",
         type=Path,
-        help="custom bank directory (default: TUNE_BANK_PATH or the user data dir)",
+        metavar="DIR",
+        help=f"custom bank directory ({_DEFAULT_WITH_SOCKET if socket else _DEFAULT_LOCAL})",
     )
     if layers:
         p.add_argument(
@@ -75,7 +93,7 @@ def _socket_arg(p: argparse.ArgumentParser) -> None:
         "--socket",
         type=Path,
         metavar="PATH",
-        help="work on the bank of the daemon at this socket (default with AOED_SOCKET set and no --bank)",
+        help="work on the bank of the daemon at this socket (AOED_SOCKET, when set and --bank is not given)",
     )
 
 
@@ -147,7 +165,7 @@ def _add_compile(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "-o", "--output", type=Path, required=True, help="where to write the tuned .onnx"
     )
-    _bank_args(p)
+    _bank_args(p, socket=False)
     p.add_argument(
         "--input-shape", action="append", help="NAME:D1,D2,... for dynamic inputs (as for aoe tune)"
     )
@@ -290,23 +308,30 @@ def _add_bank(top: argparse._SubParsersAction) -> None:
     _socket_arg(s)
     s.add_argument("file", type=Path, help="JSON Lines file ('-' for standard input)")
     s.add_argument("--policy", default="keep-faster", choices=_POLICIES)
-    s.add_argument(
-        "--allow-foreign", action="store_true", help="accept entries measured on other devices"
-    )
+    # Records of every device are kept (each is served to its own device): the flag of
+    # older scripts is taken, and changes nothing.
+    s.add_argument("--allow-foreign", action="store_true", help=argparse.SUPPRESS)
     _wait_arg(s)
 
     s = sub.add_parser("prune", help="drop the measurement history, keep winners")
     s.set_defaults(run=_prune)
     _bank_args(s, layers=False)
     _socket_arg(s)
-    s.add_argument("--dry-run", action="store_true")
+    s.add_argument(
+        "--dry-run", action="store_true", help="say what would be removed, remove nothing"
+    )
+    s.add_argument(
+        "--yes",
+        action="store_true",
+        help="prune a daemon's bank without naming it with --bank (needed with --socket or AOED_SOCKET)",
+    )
     _wait_arg(s)
 
     s = sub.add_parser(
         "check", help="read every page and record of the bank's files; say what is damaged"
     )
     s.set_defaults(run=_check)
-    _bank_args(s)
+    _bank_args(s, socket=False)
 
     s = sub.add_parser("verify", help="re-measure a sample of entries on this device")
     s.set_defaults(run=_verify)
@@ -519,7 +544,7 @@ def _import(args: argparse.Namespace) -> int:
         if str(args.file) == "-":
             raise OptionError("--socket: import from a file, not standard input")
         with daemon:
-            r = daemon.bank_import(args.file, args.policy, args.allow_foreign)
+            r = daemon.bank_import(args.file, args.policy)
         print(
             f"aoe: imported into the daemon's bank: {r.added} added, {r.updated} updated, {r.kept} kept, "
             f"{r.refused} refused ({args.policy})"
@@ -544,7 +569,6 @@ def _import(args: argparse.Namespace) -> int:
             path,
             lines,
             args.policy,
-            args.allow_foreign,
             wait=args.wait,
             on_wait=_say_waiting,
             plugins=_config(args).plugins,
@@ -565,18 +589,71 @@ def _import(args: argparse.Namespace) -> int:
 
 
 def _prune(args: argparse.Namespace) -> int:
-    daemon = _daemon(args)
-    if daemon is not None:
-        with daemon:
-            r = daemon.bank_prune(args.dry_run)
-    else:
-        r = _prune_local(args)
+    daemon, named = _prune_daemon(args)
     verb = "would remove" if args.dry_run else "removed"
+    if daemon is None:
+        path = _bank_path(args)
+        print(
+            f"aoe: {'dry run: ' if args.dry_run else ''}pruning the history of the bank at {path}"
+        )
+        sys.stdout.flush()
+        r = _prune_local(args)
+        where = str(path)
+    else:
+        with daemon:
+            st = daemon.bank_stats()
+            where = f"{st.path} (the daemon's at {daemon.target})"
+            if not (args.dry_run or args.yes or named):
+                raise OptionError(
+                    f"aoe bank prune would delete the {st.history_trials} history trials of the bank at "
+                    f"{where}: pass --yes to prune it, or name it with --bank {st.path}"
+                )
+            print(
+                f"aoe: {'dry run: ' if args.dry_run else ''}pruning the history of the bank at {where}"
+            )
+            sys.stdout.flush()
+            r = daemon.bank_prune(args.dry_run)
     print(
-        f"aoe: {verb} {r.trials_removed} history trials, kept {r.entries_kept} entries; "
+        f"aoe: {verb} {r.trials_removed} history trials, kept {r.entries_kept} entries in {where}; "
         f"used {r.used_bytes_before / 2**20:.2f} MiB -> {r.used_bytes_after / 2**20:.2f} MiB"
     )
     return 0
+
+
+def _prune_daemon(args: argparse.Namespace):
+    """(the Client of the daemon whose bank to prune, whether --bank named that bank), or
+    (None, False) to prune --bank (or the configured bank) in this process. With a daemon
+    (--socket, or AOED_SOCKET set) and --bank, the daemon's own bank goes through the
+    daemon, its writer; another bank is pruned here (refused with --socket, which names
+    the daemon's). Raises OptionError, DaemonUnavailableError (--socket)."""
+    if args.bank is None:
+        return _daemon(args), False
+    import os
+
+    from aoe.client import Client
+    from aoe.config import default_socket
+    from aoe.errors import DaemonUnavailableError
+
+    explicit = args.socket is not None
+    if not explicit and not os.environ.get("AOED_SOCKET", "").strip():
+        return None, False
+    daemon = Client(args.socket or default_socket())
+    try:
+        path = Path(daemon.bank_stats().path)
+    except DaemonUnavailableError:
+        daemon.close()
+        if explicit:
+            raise
+        return None, False  # no daemon there: --bank is pruned here, under its writer lock
+    if path.resolve() == args.bank.resolve():
+        return daemon, True
+    daemon.close()
+    if explicit:
+        raise OptionError(
+            f"--socket {args.socket} works on the daemon's bank {path}, not --bank {args.bank}: "
+            "drop one of them"
+        )
+    return None, False
 
 
 def _prune_local(args: argparse.Namespace):
@@ -644,7 +721,7 @@ def _verify(args: argparse.Namespace) -> int:
                 print(f"      {v.detail}")
         counts = {
             k: sum(v.verdict == k for v in verdicts)
-            for k in ("confirmed", "regressed", "inaccurate", "skipped", "error")
+            for k in ("confirmed", "regressed", "inaccurate", "inconclusive", "skipped", "error")
         }
         print("  " + ", ".join(f"{k} {n}" for k, n in counts.items()))
     sys.stdout.flush()
@@ -689,7 +766,7 @@ def _print_sync(
     for name, c in counts.items():
         print(f"  {name:<16} added {c.added}, updated {c.updated}, kept {c.kept}")
     if refused:
-        print(f"  refused {refused} (invalid, or measured on another device than this one)")
+        print(f"  refused {refused} (not records this tuner writes; each is logged)")
 
 
 def _sync_local(args: argparse.Namespace):
@@ -726,7 +803,6 @@ def _sync_local(args: argparse.Namespace):
     return embedded.sync_bank(
         _bank_path(args),
         args.peer,
-        config.device.fingerprint().digest,
         connect,
         wait=args.wait,
         on_wait=_say_waiting,

@@ -528,7 +528,9 @@ class Client:
         allow_foreign: bool = False,
     ) -> bank_pb2.ImportEntriesResponse:
         """Merge a JSON Lines file (as `bank_export` writes) into the daemon's bank; every
-        line is parsed before anything is sent. Returns the daemon's counts and refusals.
+        line is parsed before anything is sent. Records of every device are kept, each
+        served to its own device; `allow_foreign` is taken from older callers and changes
+        nothing. Returns the daemon's counts and refusals.
         Raises OptionError for an unknown policy, an unreadable file or a line that is
         not a bank record (naming file and line); BankError, as for any call."""
         if policy not in _POLICIES:

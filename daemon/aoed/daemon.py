@@ -129,10 +129,9 @@ class Daemon:
                         cfg.state_dir,
                         cfg.engine.bank,
                     )
-                    devices = [engine.device.device.fingerprint().digest]
                     vocabulary = tuner_vocabulary(engine.registry)
                     for peer in cfg.follow:
-                        follower = Follower(engine.bank, peer, devices, connect, vocabulary)
+                        follower = Follower(engine.bank, peer, connect, vocabulary)
                         self.followers.append(follower)
                         await nursery.start(follower.run)
                     if cfg.follow:

@@ -235,7 +235,6 @@ def import_bank(
     path: Path,
     lines: Iterable[str],
     policy: str = "keep-faster",
-    allow_foreign: bool = False,
     *,
     wait: bool = False,
     on_wait: Callable[[str], None] | None = None,
@@ -250,7 +249,7 @@ def import_bank(
 
     vocabulary = tuner_vocabulary(plugins=plugins)
     with _store(path, wait, on_wait) as store:
-        return import_lines(store, lines, policy, allow_foreign, vocabulary)
+        return import_lines(store, lines, policy, vocabulary)
 
 
 def prune_bank(
@@ -281,7 +280,6 @@ def record_trials(
 def sync_bank(
     path: Path,
     peer: str,
-    device_digest: str,
     connect: Callable[[str], Any],
     *,
     wait: bool = False,
@@ -290,8 +288,8 @@ def sync_bank(
 ):
     """One follow pass: apply to the bank at `path` what the bank of the daemon at `peer`
     (reached through `connect`, which returns an aoe.Client) wrote since this bank last
-    took its writes, for the device `device_digest`, each record checked as an import
-    (with `plugins`' strategies); returns the report."""
+    took its writes, each record checked and kept as an import keeps it (with `plugins`'
+    strategies); returns the report."""
     import trio
 
     from aoed.bank.follow import Follower
@@ -305,7 +303,7 @@ def sync_bank(
         try:
             async with trio.open_nursery() as nursery:
                 await nursery.start(writer.run)
-                report = await Follower(writer, peer, [device_digest], connect, vocabulary).sync()
+                report = await Follower(writer, peer, connect, vocabulary).sync()
                 nursery.cancel_scope.cancel()
             return report
         finally:

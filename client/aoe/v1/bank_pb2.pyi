@@ -35,6 +35,7 @@ class VerifyVerdict(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     VERIFY_VERDICT_INACCURATE: _ClassVar[VerifyVerdict]
     VERIFY_VERDICT_SKIPPED: _ClassVar[VerifyVerdict]
     VERIFY_VERDICT_ERROR: _ClassVar[VerifyVerdict]
+    VERIFY_VERDICT_INCONCLUSIVE: _ClassVar[VerifyVerdict]
 PRECISION_UNSPECIFIED: Precision
 PRECISION_EXACT: Precision
 PRECISION_INT8: Precision
@@ -52,6 +53,7 @@ VERIFY_VERDICT_REGRESSED: VerifyVerdict
 VERIFY_VERDICT_INACCURATE: VerifyVerdict
 VERIFY_VERDICT_SKIPPED: VerifyVerdict
 VERIFY_VERDICT_ERROR: VerifyVerdict
+VERIFY_VERDICT_INCONCLUSIVE: VerifyVerdict
 
 class TaskSignature(_message.Message):
     __slots__ = ("op_type", "domain", "opset", "canonical_json", "digest")

@@ -81,6 +81,7 @@ _VERDICT = {
     "inaccurate": bank_pb2.VERIFY_VERDICT_INACCURATE,
     "skipped": bank_pb2.VERIFY_VERDICT_SKIPPED,
     "error": bank_pb2.VERIFY_VERDICT_ERROR,
+    "inconclusive": bank_pb2.VERIFY_VERDICT_INCONCLUSIVE,
 }
 
 
@@ -173,7 +174,6 @@ class BankServicer(bank_pb2_grpc.BankServiceServicer):
         checked = check_import(
             _lines(records, context),
             _POLICY[options.policy],
-            options.allow_foreign_devices,
             self._vocabulary,
         )
         counts = self._bridge.call(context, self._bank.merge, checked)
@@ -217,10 +217,7 @@ class BankServicer(bank_pb2_grpc.BankServiceServicer):
                 f"SyncBank: {peer}: this daemon syncs over TCP only with the peers in its "
                 "[bank] follow list; add it there, or sync into a bank folder with --bank"
             )
-        devices = [self._engine.device.device.fingerprint().digest]
-        return await Follower(
-            self._engine.bank, peer, devices, self._connect, self._vocabulary
-        ).sync()
+        return await Follower(self._engine.bank, peer, self._connect, self._vocabulary).sync()
 
     def PruneBank(self, request, context):
         r = self._bridge.call(context, self._bank.prune, request.dry_run)

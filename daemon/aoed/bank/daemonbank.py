@@ -127,7 +127,6 @@ class CheckedImport:
 def check_import(
     lines: Iterable[str],
     policy: str,
-    allow_foreign: bool,
     vocabulary: Vocabulary | None = None,
 ) -> CheckedImport:
     """Check exchange `lines` as `aoe bank import` does (each record against what the
@@ -135,7 +134,7 @@ def check_import(
     reads its request stream through it). Raises OptionError for an unknown policy, and
     whatever reading `lines` raises."""
     checked = CheckedImport()
-    report = import_lines(checked, lines, policy, allow_foreign, vocabulary)  # type: ignore[arg-type]
+    report = import_lines(checked, lines, policy, vocabulary)  # type: ignore[arg-type]
     checked.refused = report.refused
     return checked
 

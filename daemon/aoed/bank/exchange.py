@@ -18,17 +18,22 @@ A key holds an entry or a default record. Where an incoming one meets an existin
 Keys include the device digest, so two records under one key were measured on the same
 device fingerprint and their times compare. A trial is added when the history does not
 hold it yet (its key and time stamp), so importing a file twice adds nothing.
-Provenance is stored as it arrives. A record measured on a device that is not this
-machine is refused unless `allow_foreign` (it would never be applied here, but a team
-bank built on one machine for others may want it).
+Provenance is stored as it arrives.
+
+Import and follow keep a record by one rule (`admit`): it is kept when it is one this
+tuner writes, whatever device it was measured on. The device decides where a record is
+served, never whether it is kept: every key names its device's digest, so a lookup, a
+compile or a tune for this machine's device never meets another device's record, while
+a daemon on that device (following this bank, or looking up with its digest) finds it
+here. So a server with other hardware can relay and back up a fleet's bank.
 
 Every record from outside is untrusted: each field is checked against what this tuner
 writes (aoe.recordcheck, with the strategy names of its registry: a `Vocabulary`), and
 a record that is not one it could have written is refused whole, named in the report
 and logged once with its key and the field at fault.
 
-Following a peer (`aoed.bank.follow`) merges what the peer's log sends with the same
-checks (foreign records refused) and one rule that is a total order, so that banks
+Following a peer (`aoed.bank.follow`) merges what the peer's log sends by the same
+rule, and with one replacement rule that is a total order, so that banks
 following each other converge to the same record under every key whatever the order
 their writes arrive in (`follow_replace`): the faster record wins, as keep-faster says;
 at equal times an entry wins over a default record, then the smaller stored bytes (the
@@ -44,9 +49,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from aoe.errors import OptionError
-from aoe.gradlayout import GDAT_PROVIDER, host_fingerprint, torch_version
 from aoe.recordcheck import Vocabulary
-from aoe.signature import DeviceFingerprint, device_fingerprint
 from aoed.bank._codec import Incoming, check_stored, default_us, parse_line, winner_us
 from aoed.bank.store import (
     DEFAULT,
@@ -61,7 +64,7 @@ from aoed.bank.store import (
 )
 from aoed.logs import cut
 
-__all__ = ["POLICIES", "ImportReport", "check_change", "follow_replace", "import_lines"]
+__all__ = ["POLICIES", "ImportReport", "admit", "check_change", "follow_replace", "import_lines"]
 
 log = logging.getLogger(__name__)
 
@@ -106,33 +109,16 @@ def _replace(policy: str):
     raise OptionError(f"--policy {policy}: expected one of {', '.join(POLICIES)}")
 
 
-def _local(inc: Incoming) -> DeviceFingerprint:
-    """This machine's fingerprint for the provider and options an entry names. A GDAT
-    record's host is recomputed with the accelerator it names (its model cannot be read
-    here without torch): its CPU and torch version must match."""
-    if inc.execution_provider == GDAT_PROVIDER:
-        accelerator = inc.hardware if inc.device_options.get("device", "cpu") != "cpu" else ""
-        return host_fingerprint(inc.device_options.get("backend", ""), accelerator)
-    return device_fingerprint(inc.execution_provider or None, inc.device_options)
-
-
-def _foreign(inc: Incoming, here: set[str]) -> str:
-    """Why `inc` was measured on another device than this machine, or ""."""
-    if inc.kind == ENTRY:
-        fp = _local(inc)
-        if fp.digest == inc.device_digest:
-            return ""
-        runtime = "torch" if inc.execution_provider == GDAT_PROVIDER else "onnxruntime"
-        return (
-            f"measured on another device ({inc.hardware}, {runtime} {inc.runtime_version}, "
-            f"device {inc.device_digest[:32]})"
-        )
-    # Default records and trials name their device by the digest in their key only.
-    return (
-        ""
-        if inc.device_digest in here
-        else f"measured on another device (device {inc.device_digest})"
-    )
+def admit(inc: Incoming) -> tuple[Record | None, str]:
+    """(the record to merge, "") for a checked record from outside (`_codec`'s parse of
+    an import line, or its check of a change a followed peer sent), or (None, why not):
+    the one rule of import and follow (module doc). Only a record this tuner could not
+    have written is refused; the device it was measured on is in its key, and decides
+    only which devices it is served to."""
+    if inc.problem:
+        return None, inc.problem
+    key = history_key(inc.key, inc.time_ns) if inc.kind == TRIAL else inc.key
+    return Record(inc.kind, key, inc.data), ""
 
 
 def _label(inc: Incoming, n: int) -> str:
@@ -147,25 +133,19 @@ def import_lines(
     store: BankStore,
     lines: Iterable[str],
     policy: str = "keep-faster",
-    allow_foreign: bool = False,
     vocabulary: Vocabulary | None = None,
 ) -> ImportReport:
     """Merge the JSON Lines `lines` into `store` under `policy`; returns what happened.
 
     Blank lines are skipped; a line that is not a record the tuner of `vocabulary`
     writes (aoe.recordcheck; without one, strategy names are checked for their shape
-    and no GDAT knob is taken), or (without `allow_foreign`) one measured on another
-    device, is refused and reported; each invalid one is logged.
+    and no GDAT knob is taken) is refused, reported and logged; every other record is
+    kept (`admit`), whatever device it was measured on.
     Raises OptionError for an unknown policy, BankError when the store fails.
     """
     replace = _replace(policy)
     report = ImportReport()
     invalid = 0
-    # The devices default records and trials of this machine name: its CPU for ONNX
-    # Runtime, and for GDAT its CPU worlds (gloo) under the installed torch.
-    here = {device_fingerprint().digest[:32]}
-    if torch_version():
-        here.add(host_fingerprint("gloo").digest[:32])
 
     def accepted() -> Iterator[Record]:
         nonlocal invalid
@@ -173,18 +153,13 @@ def import_lines(
             if not line.strip():
                 continue
             inc = parse_line(line, vocabulary)
-            why = inc.problem or ("" if allow_foreign else _foreign(inc, here))
-            if why:
-                if not inc.problem:
-                    why += "; pass --allow-foreign to import it anyway"
-                else:
-                    _log_invalid("import", _label(inc, n), why, invalid)
-                    invalid += 1
+            rec, why = admit(inc)
+            if rec is None:
+                _log_invalid("import", _label(inc, n), why, invalid)
+                invalid += 1
                 report.refused.append((_label(inc, n), why))
-            elif inc.kind == TRIAL:
-                yield Record(TRIAL, history_key(inc.key, inc.time_ns), inc.data)
             else:
-                yield Record(inc.kind, inc.key, inc.data)
+                yield rec
 
     report.counts = store.merge(accepted(), replace)
     if invalid > LOG_REFUSED:
@@ -212,17 +187,10 @@ def follow_replace(old: Record, new: Record) -> bool:
     return _rank(new) < _rank(old)
 
 
-def check_change(
-    change: Change, devices: Iterable[str], vocabulary: Vocabulary | None = None
-) -> tuple[Record | None, str, bool]:
-    """(the record to merge, "", False) for a change a peer sent, or (None, why not,
-    whether it is invalid): not a record the tuner of `vocabulary` writes (invalid), or
-    (as import refuses without --allow-foreign) measured on a device whose fingerprint
-    digest is not one of `devices` (this daemon's)."""
+def check_change(change: Change, vocabulary: Vocabulary | None = None) -> tuple[Record | None, str]:
+    """(the record to merge, "") for a change a followed peer sent, or (None, why it is
+    not a record the tuner of `vocabulary` writes): `admit`, as import applies it."""
     inc = check_stored(change.kind, change.key, change.value, vocabulary)
-    if inc.problem:
-        return None, inc.problem, True
-    reasons = [_foreign(inc, {here[:32]}) for here in devices]
-    if all(reasons):
-        return None, reasons[0] if reasons else "this daemon has no device", False
-    return Record(change.kind, change.key, change.value), "", False
+    rec, why = admit(inc)
+    # The change's own bytes under its own key: what the peer holds is what is kept.
+    return (None, why) if rec is None else (Record(change.kind, change.key, change.value), "")

@@ -29,10 +29,13 @@ Invariants:
   own capacity limiter (a stream waiting for news holds no token others need);
   cancelling the follower cancels the call, which ends that thread's read.
 - A peer's records are untrusted: each is checked as an import checks it, field by field
-  against what this tuner writes (`vocabulary`, aoe.recordcheck). One that is not a
-  record this tuner writes is refused, counted (`refused`) and logged once with its key
-  and the field at fault; one measured on another device is refused and counted quietly
-  (a fleet of mixed devices sends many).
+  against what this tuner writes (`vocabulary`, aoe.recordcheck), and kept by import's
+  rule (`exchange.admit`): one that is not a record this tuner writes is refused,
+  counted (`refused`) and logged once with its key and the field at fault; every other
+  is kept, whatever device it was measured on. Its key names that device, so it is
+  served to daemons and clients on that device (this bank's followers among them) and
+  never used for this daemon's own, and a server with other hardware can relay or back
+  up a fleet's bank.
 - Protobuf stays in `_codec` (and api/): the follower sees (seq, kind, key, value) only,
   whatever the kind of record, so a new kind flows through unchanged; a kind this
   bank does not keep is refused and counted, and the position still moves past it.
@@ -42,7 +45,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -123,8 +126,8 @@ class SyncReport:
 
 class Follower:
     """Follows the bank of the daemon at `peer` (a gRPC target) into `writer`'s bank,
-    applying records measured on one of `devices` (fingerprint digests) that the tuner
-    of `vocabulary` could have written. `connect` opens an aoe.client.Client to the
+    applying the records the tuner of `vocabulary` could have written, each under its
+    own device's key. `connect` opens an aoe.client.Client to the
     peer. The public attributes are for metrics:
     `applied` (the peer's last sequence number applied here), `head` (the peer's last
     known), `lag_s` (from the peer's commit of the last record applied to its commit
@@ -134,14 +137,12 @@ class Follower:
         self,
         writer: BankWriter,
         peer: str,
-        devices: Sequence[str],
         connect: Connect,
         vocabulary: Vocabulary | None = None,
     ) -> None:
         self.peer = peer
         self._vocabulary = vocabulary
         self._writer = writer
-        self._devices = tuple(devices)
         self._connect = connect
         self._limiter = trio.CapacityLimiter(1)
         self.applied = 0
@@ -267,23 +268,17 @@ class Follower:
         records: list[Record] = []
         refused = 0
         for change in changes:
-            rec, why, invalid = check_change(change, self._devices, self._vocabulary)
+            rec, why = check_change(change, self._vocabulary)
             if rec is None:
                 refused += 1
-                key = change.key.decode("utf-8", "replace")
-                if invalid:
-                    log.warning(
-                        "bank: following %s: refused %s %s (seq %d): %s",
-                        self.peer,
-                        cut(change.kind, 40),
-                        cut(key),
-                        change.seq,
-                        cut(why, 300),
-                    )
-                else:
-                    log.debug(
-                        "bank: from %s: refused %s %s: %s", self.peer, change.kind, cut(key), why
-                    )
+                log.warning(
+                    "bank: following %s: refused %s %s (seq %d): %s",
+                    self.peer,
+                    cut(change.kind, 40),
+                    cut(change.key.decode("utf-8", "replace")),
+                    change.seq,
+                    cut(why, 300),
+                )
             else:
                 records.append(rec)
         new = Position(pos.bank_id, upto)
@@ -293,8 +288,8 @@ class Follower:
         self.refused += refused
         if refused:
             self._warn(
-                f"bank: following {self.peer}: some records were refused (invalid, or measured on "
-                "another device than this daemon's); the rest is applied"
+                f"bank: following {self.peer}: some records were refused as not written by this "
+                "tuner (each logged); the rest is applied"
             )
         if report is not None:
             report.add(counts, refused)

@@ -75,6 +75,8 @@ __all__ = [
     "SamplesRequest",
     "VariantsReply",
     "VariantsRequest",
+    "DescribeReply",
+    "DescribeRequest",
     "decode",
     "encode",
     "error_of",
@@ -333,6 +335,22 @@ class VariantsRequest(Request, tag="variants"):
     ranges: Path | None = None
 
 
+class DescribeReply(Message):
+    """A task's inputs as its bank entry keeps them (engine/taskinputs.py), as params."""
+
+    params: dict[str, str]
+
+
+class DescribeRequest(Request, tag="describe"):
+    """Describe what a task was decided on: its real input activations (`inputs`) and
+    the small constants of its model, inputs named in signature order (`names`)."""
+
+    reply = DescribeReply
+    task_model: Path
+    inputs: Path
+    names: tuple[str, ...]
+
+
 class Build(Message):
     """One model to assemble: the source with `choices` (task id -> strategy) applied."""
 
@@ -370,7 +388,9 @@ class CheckRequest(Request, tag="check"):
 
 class RebuildReply(Message):
     """The entry's task rebuilt (`ok`), or the verdict on an entry that cannot be
-    (skipped: its task cannot be rebuilt; error: its strategy no longer applies)."""
+    (skipped: its task cannot be rebuilt; error: its strategy no longer applies).
+    `unlike`: why the inputs are not drawn like those the entry was decided on ("" when
+    they are: engine/taskinputs.py)."""
 
     ok: bool
     default: Path | None = None
@@ -378,6 +398,7 @@ class RebuildReply(Message):
     inputs: Path | None = None
     verdict: str = ""  # skipped | error, when not ok
     detail: str = ""
+    unlike: str = ""
 
 
 class RebuildRequest(Request, tag="rebuild"):
@@ -390,6 +411,8 @@ class RebuildRequest(Request, tag="rebuild"):
     strategy: str
     precision: str
     workdir: Path
+    #: the entry's strategy params: its description of the task's inputs among them
+    params: dict[str, str] = field(default_factory=dict)
 
 
 # --------------------------------------------------------------------------- device

@@ -37,6 +37,8 @@ from aoed.engine.budget import Budget
 from aoed.engine.context import JobContext
 from aoed.engine.job import TaskResult
 from aoed.engine.messages import (
+    DescribeReply,
+    DescribeRequest,
     Accuracy,
     Candidate,
     CompileReply,
@@ -134,6 +136,18 @@ class TaskAgent:
         decision = await self._search()
         decision.notes.extend(self.notes)
         return decision
+
+    async def _described(self, taskdir) -> dict[str, str]:
+        """The params that describe the task's inputs (DescribeRequest); none when the
+        worker could not say (the decision is kept without them: verify then says its
+        inputs are not drawn like the task's)."""
+        req = DescribeRequest(taskdir / "task.onnx", taskdir / "inputs.npz", self.task.inputs)
+        try:
+            got: DescribeReply = await self.ctx.pool.call(req, self.ctx.ledger)
+        except AoedError as exc:
+            log.warning("%s: its inputs are not described in its entry: %s", self.task.id, exc)
+            return {}
+        return got.params
 
     async def _search(self) -> TaskDecision:
         ctx, task, res = self.ctx, self.task, self.result
@@ -267,6 +281,12 @@ class TaskAgent:
             for name, r in measured.items()
         )
 
+        # What the task was decided on, kept in its entry so that `aoe bank verify`
+        # draws inputs alike (engine/taskinputs.py).
+        described = (
+            await self._described(taskdir) if outcome.write_entry or ctx.policy.lossy else {}
+        )
+
         def write_for(o: bankrules.Outcome) -> BankWrite:
             m = measured[o.strategy] if o.strategy in measured else base
             if o.write_entry:
@@ -281,6 +301,7 @@ class TaskAgent:
                     base,
                     ctx.job_id,
                     ctx.run.model.name,
+                    described,
                 )
                 return BankWrite(entries=(rec,))
             if o.write_default:
