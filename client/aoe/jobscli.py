@@ -104,7 +104,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "model", type=Path, help="the .onnx model (a local file, uploaded; see --on-server)"
     )
-    specargs.add_arguments(p, where="the daemon")
+    specargs.add_arguments(p, where="the daemon", entry=False)
     p.add_argument(
         "--watch",
         action="store_true",
