@@ -145,9 +145,14 @@ def _add_compile(sub: argparse._SubParsersAction) -> None:
         "measurement is one short A/B of the session options the bank holds, with and without "
         "them (--no-check skips it).",
     )
-    p.add_argument("model", type=Path)
+    p.add_argument("model", type=Path, help="the .onnx model the bank was tuned for")
     p.add_argument(
-        "-o", "--output", type=Path, required=True, help="where to write the tuned .onnx"
+        "-o",
+        "--output",
+        type=Path,
+        required=True,
+        metavar="FILE",
+        help="where to write the tuned .onnx",
     )
     _bank_args(p)
     p.add_argument(
