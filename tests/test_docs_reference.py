@@ -183,3 +183,43 @@ def test_the_output_layout_the_docs_show_is_what_a_tune_writes(
         (example,) = re.findall(rf"^  {label}\s+(out/\S+)$", readme, re.M)
         got = str(tmp_path / printed[label])
         assert _shape(example, str(tmp_path / "out")).fullmatch(got), (label, example, got)
+
+
+def _toml_examples() -> list[tuple[str, dict]]:
+    """(page, parsed) of each ```toml block in docs/."""
+    return [
+        (page.name, tomllib.loads(m[1]))
+        for page in sorted((ROOT / "docs").glob("*.md"))
+        for m in re.finditer(r"```toml\n(.*?)```", page.read_text(), re.S)
+    ]
+
+
+def test_every_toml_example_names_settings_that_exist() -> None:
+    """A settings file in the docs names only keys the loaders read; a drop folder's
+    options file (no sections) is one JobSpec.from_toml takes."""
+    from aoe.spec import JobSpec
+
+    read = set(settingsref.read_keys())
+    examples = _toml_examples()
+    assert len(examples) >= 4, examples
+    unknown = []
+    for page, doc in examples:
+        if not any(isinstance(v, dict | list) and k != "input_shapes" for k, v in doc.items()):
+            JobSpec.from_toml(doc)  # a drop folder's options
+            continue
+        for section, table in doc.items():
+            for t in table if isinstance(table, list) else [table]:
+                unknown += [f"{page}: [{section}] {k}" for k in t if (section, k) not in read]
+    assert not unknown, "examples name settings no loader reads: " + "; ".join(unknown)
+
+
+def test_the_environment_table_lists_every_variable_read() -> None:
+    from aoe.config import ENV_KEYS
+    from aoed.sandbox import UNCONFINED_ENV
+
+    text = (ROOT / "docs" / "configuration.md").read_text()
+    table = text.split("## Environment variables", 1)[1]
+    listed = set(re.findall(r"^\| `(\w+)` \|", table, re.M))
+    read = {*ENV_KEYS, "ASCEND_DEVICE_ID", "AOED_CONFIG", "AOED_SOCKET", "AOE_MODE", UNCONFINED_ENV}
+    assert read - listed == set(), f"configuration.md does not list {sorted(read - listed)}"
+    assert listed - read == set(), f"configuration.md lists {sorted(listed - read)}, read nowhere"
