@@ -47,10 +47,20 @@ def test_a_block_that_differs_from_the_code_is_named(tmp_path: Path) -> None:
         docgen.stale_blocks([page])
 
 
-def test_docgen_check_exits_1_on_a_stale_page() -> None:
-    r = subprocess.run(
-        [sys.executable, "-m", "aoed.docgen", "--check"], capture_output=True, text=True
+def test_docgen_check_exits_1_naming_a_stale_page(tmp_path: Path) -> None:
+    page = tmp_path / "configuration.md"
+    text = (ROOT / "docs" / "configuration.md").read_text()
+    page.write_text(
+        text.replace(
+            "| `[daemon] max_running_jobs` | `2` |", "| `[daemon] max_running_jobs` | `4` |"
+        )
     )
+    check = [sys.executable, "-m", "aoed.docgen", "--check", str(page)]
+    r = subprocess.run(check, capture_output=True, text=True)
+    assert r.returncode == 1 and f"{page}: settings daemon (run make docs)" in r.stderr, r.stderr
+    subprocess.run([sys.executable, "-m", "aoed.docgen", str(page)], check=True)
+    assert page.read_text() == text
+    r = subprocess.run(check, capture_output=True, text=True)
     assert r.returncode == 0 and not r.stderr, r.stderr
 
 

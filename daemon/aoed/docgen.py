@@ -2,6 +2,7 @@
 
     python -m aoed.docgen            # rewrite every generated block (make docs)
     python -m aoed.docgen --check    # exit 1 naming each block that differs
+    python -m aoed.docgen [--check] PAGE...   # those pages only
 
 A generated block in a page of docs/ (or the README) lies between two marker comments:
 
@@ -257,13 +258,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="Render the docs' generated blocks (options tables, settings) from the code.",
     )
     p.add_argument("--check", action="store_true", help="change nothing; exit 1 if a block differs")
+    p.add_argument(
+        "pages", nargs="*", type=Path, metavar="PAGE", help="the pages (default: README.md, docs/)"
+    )
     args = p.parse_args(argv)
+    pages = tuple(args.pages) or PAGES
     if args.check:
-        stale = stale_blocks()
+        stale = stale_blocks(pages)
         for line in stale:
             print(f"docgen: stale: {line} (run make docs)", file=sys.stderr)
         return 1 if stale else 0
-    for page in update():
+    for page in update(pages):
         print(f"docgen: rewrote {_shown_path(page)}")
     return 0
 
