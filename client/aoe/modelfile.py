@@ -32,17 +32,19 @@ __all__ = ["check_model_bytes", "check_model_file", "stat_model_file"]
 _VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5
 
 
-def stat_model_file(path: Path) -> os.stat_result:
+def stat_model_file(path: Path, shown: str | None = None) -> os.stat_result:
     """`path`'s stat when it is a regular, non-empty file; else ModelError naming the file
-    and what is wrong with it (missing, unreadable, not a regular file, empty)."""
+    (as `shown`, else the path) and what is wrong with it (missing, unreadable, not a
+    regular file, empty)."""
+    where = str(path) if shown is None else shown
     try:
         st = path.stat()
     except FileNotFoundError:
-        raise ModelError(f"{path}: no such model file") from None
+        raise ModelError(f"{where}: no such model file") from None
     except OSError as exc:
-        raise ModelError(f"{path}: cannot read the model ({exc.strerror or exc})") from None
+        raise ModelError(f"{where}: cannot read the model ({exc.strerror or exc})") from None
     if not stat.S_ISREG(st.st_mode):
-        raise ModelError(f"{path}: not a regular file; pass the .onnx model file")
+        raise ModelError(f"{where}: not a regular file; pass the .onnx model file")
     if st.st_size == 0:
         raise ModelError(f"{path.name}: the file is empty, not an ONNX model")
     return st

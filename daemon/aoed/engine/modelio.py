@@ -151,7 +151,7 @@ def _read_model_file(
     pipe would block), empty, over `max_bytes`, or past what protobuf can parse; with
     `expect`, also when the opened file is not that (device, inode) or has several
     links."""
-    st = stat_model_file(path)
+    st = stat_model_file(path, shown=path.name)
     check_size(path, st.st_size, max_bytes, setting)
     if st.st_size >= PROTOBUF_LIMIT:
         raise ModelError(
