@@ -137,6 +137,20 @@ def test_submit_refuses_what_is_not_a_model_before_uploading(
     check_model_file(good)  # a real model passes the same check
 
 
+def test_a_field_of_the_wrong_wire_type_is_named_the_same_before_and_after_an_upload() -> None:
+    """ir_version (field 1, a varint) written as a length-delimited field: aoe's check
+    before an upload and the engine's over the bytes it loads say the same."""
+    from aoe.errors import ModelError
+    from aoe.modelfile import check_model_bytes
+
+    with pytest.raises(ModelError) as err:
+        check_model_bytes(b"\x0a\x01\x07", "m.onnx")
+    assert str(err.value) == (
+        "m.onnx: not a readable ONNX model (byte 0: field 1 (ir_version) has wire type 2, not 0); "
+        "pass the .onnx model file"
+    )
+
+
 def _wait(cond, timeout: float = 120.0, what: str = "") -> None:
     deadline = time.monotonic() + timeout
     while not cond():

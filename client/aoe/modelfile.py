@@ -98,7 +98,7 @@ def _not_a_model(f: BinaryIO, size: int) -> str:
             # Repeated scalars may be packed (one length-delimited run).
             scalar = fd.type not in (FD.TYPE_MESSAGE, FD.TYPE_STRING, FD.TYPE_BYTES)
             want = _LEN if not scalar else _VARINT
-            if wire != want and not (scalar and fd.label == FD.LABEL_REPEATED and wire == _LEN):
+            if wire != want and not (scalar and fd.is_repeated and wire == _LEN):
                 return f"byte {at}: field {number} ({fd.name}) has wire type {wire}, not {want}"
             seen.add(fd.name)
         elif wire not in (_VARINT, _I64, _LEN, _I32):  # an unknown field a newer ONNX may add
