@@ -12,7 +12,7 @@ SAMPLE ?= cnn
 PRECISION ?= exact
 OUT    ?= out
 
-.PHONY: run test test-long lint test-cluster test-load protos bench bench-quick clean soak
+.PHONY: run test test-long lint docs test-cluster test-load protos bench bench-quick clean soak
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -54,6 +54,11 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
+
+# The reference parts of docs/ (each command's options, every setting with its default)
+# rendered again from the code; tests/test_docs_reference.py fails while one differs.
+docs: $(STAMP)
+	$(BIN)/python -m aoed.docgen
 
 # The tests that start a Ray cluster on this machine (three one-CPU nodes, one device each)
 # and run a daemon on it: they need the cluster extra (ray), which `make test` leaves out.

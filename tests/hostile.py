@@ -253,7 +253,7 @@ def model_is_directory(folder: Path) -> Path:
     return p
 
 
-@kind(ModelError, r"holds no graph")
+@kind(ModelError, r"\(no graph\)")
 def model_without_graph(folder: Path) -> Path:
     """A ModelProto with an IR version and opsets but no graph at all."""
     model = tiny_model()

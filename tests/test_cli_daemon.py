@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import onnx
@@ -73,6 +74,17 @@ def test_tune_goes_to_the_daemon_and_writes_outputs_locally(
     assert any(n.endswith("_tune.onnx") for n in outputs) and any(
         n.startswith("aoe_result_sgat_opat_") for n in outputs
     )
+    # What daemon.md's example run shows it writing, in the same shape: those two files.
+    page = (Path(__file__).resolve().parent.parent / "docs" / "daemon.md").read_text()
+    shown = re.findall(r"^  (?:tuned model|report)\s+out/(\S+)$", page, re.M)
+    shapes = sorted(
+        re.sub(r"\d{14}", r"\\d{14}", re.sub(r"_\d+\.json$", r"_\\d+\\.json", n)) for n in shown
+    )
+    assert len(shapes) == 2 and len(outputs) == 2, (shown, outputs)
+    for shape in shapes:
+        assert [n for n in outputs if re.fullmatch(shape, n)], (
+            f"daemon.md shows {shape}; written: {outputs}"
+        )
 
 
 def test_a_failed_job_exits_with_its_error_class(daemon: DaemonProcess) -> None:

@@ -545,7 +545,9 @@ def test_a_model_over_a_configured_limit_fails_naming_the_setting(
         *FAST,
     )
     assert r.returncode == 3, (r.stdout, r.stderr)  # a ModelError
-    assert needle in r.stderr and str(model) in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert (
+        needle in r.stderr and f"error: {model.name}: " in r.stderr and "Traceback" not in r.stderr
+    ), r.stderr
     assert not (tmp_path / "bank").exists()
 
 

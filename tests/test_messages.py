@@ -27,7 +27,12 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory):
-    d = DaemonProcess(tmp_path_factory.mktemp("messages"))
+    root = tmp_path_factory.mktemp("messages")
+    # A second drop folder whose own aoed.toml names an input no sample model has.
+    shaped = root / "shaped"
+    shaped.mkdir()
+    (shaped / "aoed.toml").write_text("budget_s = 1\ninput_shapes = { nosuch = [1, 4] }\n")
+    d = DaemonProcess(root, f'[[inbox]]\npath = "{shaped}"\nstable_s = 1.0\n')
     d.start()
     yield d
     d.close()
@@ -117,7 +122,7 @@ def test_submit_refuses_what_is_not_a_model_before_uploading(
 ) -> None:
     path = make(tmp_path)
     r = run_aoe("submit", str(path), "--socket", str(daemon.socket))
-    assert r.returncode == 3 and words in r.stderr and str(path) in r.stderr, (
+    assert r.returncode == 3 and words in r.stderr and path.name in r.stderr, (
         r.returncode,
         r.stderr,
     )
@@ -130,6 +135,20 @@ def test_submit_refuses_what_is_not_a_model_before_uploading(
     from aoe.modelfile import check_model_file
 
     check_model_file(good)  # a real model passes the same check
+
+
+def test_a_field_of_the_wrong_wire_type_is_named_the_same_before_and_after_an_upload() -> None:
+    """ir_version (field 1, a varint) written as a length-delimited field: aoe's check
+    before an upload and the engine's over the bytes it loads say the same."""
+    from aoe.errors import ModelError
+    from aoe.modelfile import check_model_bytes
+
+    with pytest.raises(ModelError) as err:
+        check_model_bytes(b"\x0a\x01\x07", "m.onnx")
+    assert str(err.value) == (
+        "m.onnx: not a readable ONNX model (byte 0: field 1 (ir_version) has wire type 2, not 0); "
+        "pass the .onnx model file"
+    )
 
 
 def _wait(cond, timeout: float = 120.0, what: str = "") -> None:
@@ -146,13 +165,12 @@ def test_a_dropped_model_s_failure_names_the_dropped_file_whole(daemon: DaemonPr
     report = daemon.inbox.parent / "failed" / "broken.onnx.error.txt"
     _wait(report.exists, what=str(report))
     text = report.read_text()
-    assert str(dropped) in text and "claimed" not in text, text
+    assert "error: broken.onnx: " in text and str(daemon.state) not in text, text
 
     with Client(daemon.socket) as c:
         (job,) = [j for j in c.jobs() if j.model_name == "broken.onnx"]
-    assert len(job.error) > 60 and str(dropped) in job.error and "claimed" not in job.error, (
-        job.error
-    )
+    assert len(job.error) > 60 and job.error.startswith("broken.onnx: "), job.error
+    assert str(daemon.state) not in job.error, job.error
     listed = run_aoe("jobs", "--socket", str(daemon.socket))
     (row,) = [ln for ln in listed.stdout.splitlines() if ln.startswith(job.job_id)]
     assert "claimed" not in row, row
@@ -164,6 +182,58 @@ def test_a_dropped_model_s_failure_names_the_dropped_file_whole(daemon: DaemonPr
     status = run_aoe("status", job.job_id, "--socket", str(daemon.socket))
     assert f"error     {job.error}\n" in status.stdout, status.stdout
     assert f"({dropped})" in status.stdout and "claimed" not in status.stdout, status.stdout
+
+
+def _broken_models(folder: Path) -> dict[str, tuple[Path, list[str]]]:
+    """The two broken models, with the options that break them: a model asked for an
+    input it lacks, and a file whose protobuf framing holds no model."""
+    mlp = folder / "mlp.onnx"
+    samples.save(samples.build("mlp"), mlp)
+    corrupt = folder / "corrupt.onnx"
+    corrupt.write_bytes(b"\x08\x07garbage" * 50)
+    return {"no-input": (mlp, ["--input-shape", "nosuch:1,4"]), "corrupt": (corrupt, [])}
+
+
+def test_a_broken_model_gets_one_message_on_every_route(
+    daemon: DaemonProcess, tmp_path: Path
+) -> None:
+    """The same broken file through the daemon (uploaded as a client would, so that the
+    daemon's engine reads its own copy), embedded `aoe tune` and a drop folder: one
+    message, after each route's own prefix, naming the file by the name the user gave
+    it and never the daemon's copy in its state dir."""
+    from aoe.v1 import tuning_pb2
+    from tests.daemon_util import upload
+
+    broken = _broken_models(tmp_path)
+    shaped = daemon.root / "shaped"
+    for path, _opts in broken.values():
+        (shaped / path.name).write_bytes(path.read_bytes())
+    stub = daemon.tuning()
+    for case, (path, opts) in broken.items():
+        shapes = [tuning_pb2.InputShape(name="nosuch", dims=[1, 4])] if opts else []
+        job_id = stub.SubmitJob(
+            tuning_pb2.SubmitJobRequest(
+                model_id=upload(stub, path),
+                options=tuning_pb2.JobOptions(budget_s=1, input_shapes=shapes),
+            ),
+            timeout=30,
+        ).job_id
+        on_daemon = daemon.wait_job(job_id).error
+        local = run_aoe(
+            "tune", str(path), *opts, "--local", "--budget", "1", "--no-progress",
+            "--output", str(tmp_path / case),
+        )  # fmt: skip
+        embedded = local.stderr.strip().splitlines()[-1].removeprefix("aoe: error: ")
+        report = daemon.root / "failed" / f"{path.name}.error.txt"
+        _wait(report.exists, what=str(report))
+        (dropped,) = [
+            ln.removeprefix("error: ")
+            for ln in report.read_text().splitlines()
+            if ln.startswith("error: ")
+        ]
+        assert on_daemon == embedded == dropped, (case, on_daemon, embedded, dropped)
+        assert on_daemon.startswith(f"{path.name}: ") or f" {path.name} " in on_daemon, on_daemon
+        assert str(daemon.state) not in on_daemon and "inputs/" not in on_daemon, on_daemon
 
 
 def test_check_config_reports_every_problem(tmp_path: Path) -> None:

@@ -158,12 +158,19 @@ def _reader(args: argparse.Namespace):
 def _add_compile(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "compile",
-        help="build the tuned model from the bank alone (no measurement)",
-        description="Build the tuned model from the bank alone (no measurement).",
+        help="build the tuned model from the bank alone (no tuning; one short A/B of its session options)",
+        description="Build the tuned model from the bank alone: nothing is tuned, and the only "
+        "measurement is one short A/B of the session options the bank holds, with and without "
+        "them (--no-check skips it).",
     )
-    p.add_argument("model", type=Path)
+    p.add_argument("model", type=Path, help="the .onnx model the bank was tuned for")
     p.add_argument(
-        "-o", "--output", type=Path, required=True, help="where to write the tuned .onnx"
+        "-o",
+        "--output",
+        type=Path,
+        required=True,
+        metavar="FILE",
+        help="where to write the tuned .onnx",
     )
     _bank_args(p, socket=False)
     p.add_argument(

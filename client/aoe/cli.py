@@ -4,7 +4,7 @@
                    [--repeat-tune] [--parallel N] [--output DIR] [--job-type sgat+opat|opat|sgat]
                    [--local | --socket PATH]
     aoe compile MODEL -o OUT [--bank DIR] ...
-    aoe bank stats|lookup|export|import|prune|verify ...
+    aoe bank stats|lookup|export|import|prune|check|verify|sync ...
     aoe submit|jobs|status|watch|cancel|fetch|devices|daemon ...   (a running daemon: jobscli)
     aoe --framework 5 --model MODEL --job_type 2        (AOE's spelling: 2 OPAT alone, 1 SGAT)
 
@@ -93,6 +93,7 @@ def _add_tune(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--bank",
         type=Path,
+        metavar="DIR",
         help="custom bank directory (default: TUNE_BANK_PATH or the user data dir)",
     )
     p.add_argument(
@@ -110,10 +111,16 @@ def _add_tune(sub: argparse._SubParsersAction) -> None:
         "(overrides REPEAT_TUNE)",
     )
     p.add_argument(
-        "--parallel", help="compile processes, 1-32 (default: TE_PARALLEL_COMPILER or cores-1)"
+        "--parallel",
+        metavar="N",
+        help="compile processes, 1-32 (default: TE_PARALLEL_COMPILER or cores-1)",
     )
     p.add_argument(
-        "--output", type=Path, default=Path("."), help="where aoe_workspace/ and the result JSON go"
+        "--output",
+        type=Path,
+        default=Path("."),
+        metavar="DIR",
+        help="where aoe_workspace/ and the result JSON go",
     )
     p.add_argument(
         "--keep-workspace",
@@ -443,7 +450,10 @@ def build_parser() -> Parser:
     )
     p.add_argument("--version", action="version", version=f"aoe {_version()}")
     p.add_argument(
-        "--config", type=Path, help="TOML settings file (default: AOED_CONFIG, else none)"
+        "--config",
+        type=Path,
+        metavar="FILE",
+        help="TOML settings file (default: AOED_CONFIG, else none)",
     )
     p.add_argument(
         "-v", "--verbose", action="count", default=0, help="log more (-v info, -vv debug)"

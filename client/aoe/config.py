@@ -78,9 +78,11 @@ __all__ = [
     "CLUSTER_EXTRA",
     "DAEMON_KEYS",
     "DAEMON_SECTIONS",
+    "ENV_KEYS",
     "EXECUTORS",
     "Config",
     "Problems",
+    "TOML_KEYS",
     "bank_from_env",
     "default_socket",
     "default_parallel",
@@ -379,6 +381,32 @@ def _src(cfg: Config, name: str) -> str:
     return cfg.sources.get(name, "default")
 
 
+#: The engine's keys in the TOML file, by (section, key), and the Config field each sets.
+TOML_KEYS = {
+    ("bank", "path"): "bank",
+    ("bank", "layers"): "bank_layers",
+    ("tuning", "repeat_tune"): "repeat_tune",
+    ("tuning", "parallel"): "parallel",
+    ("tuning", "device"): "device",
+    ("tuning", "devices"): "devices",
+    ("tuning", "plugins"): "plugins",
+    ("engine", "runtime_dir"): "runtime_dir",
+    ("engine", "dedicated_cores"): "dedicated_cores",
+    ("engine", "worker_memory_mb"): "worker_memory_mb",
+    ("engine", "memory_mb"): "memory_mb",
+    ("engine", "max_model_mb"): "max_model_mb",
+    ("engine", "max_nodes"): "max_nodes",
+    ("engine", "max_tensor_mb"): "max_tensor_mb",
+    ("engine", "compile_timeout_s"): "compile_timeout_s",
+    ("engine", "stage_timeout_s"): "stage_timeout_s",
+    ("log", "level"): "log_level",
+    ("cluster", "executor"): "executor",
+    ("cluster", "address"): "ray_address",
+    ("cluster", "token_file"): "ray_token_file",
+    ("cluster", "allow_unauthenticated"): "ray_allow_unauthenticated",
+}
+
+
 def _from_toml(
     path: Path, problems: Problems | None = None
 ) -> tuple[dict[str, Any], dict[str, str]]:
@@ -394,29 +422,6 @@ def _from_toml(
         raise OptionError(f"--config {path}: {exc.strerror or exc}") from None
     except tomllib.TOMLDecodeError as exc:
         raise OptionError(f"--config {path}: not valid TOML ({exc})") from None
-    known = {
-        ("bank", "path"): "bank",
-        ("bank", "layers"): "bank_layers",
-        ("tuning", "repeat_tune"): "repeat_tune",
-        ("tuning", "parallel"): "parallel",
-        ("tuning", "device"): "device",
-        ("tuning", "devices"): "devices",
-        ("tuning", "plugins"): "plugins",
-        ("engine", "runtime_dir"): "runtime_dir",
-        ("engine", "dedicated_cores"): "dedicated_cores",
-        ("engine", "worker_memory_mb"): "worker_memory_mb",
-        ("engine", "memory_mb"): "memory_mb",
-        ("engine", "max_model_mb"): "max_model_mb",
-        ("engine", "max_nodes"): "max_nodes",
-        ("engine", "max_tensor_mb"): "max_tensor_mb",
-        ("engine", "compile_timeout_s"): "compile_timeout_s",
-        ("engine", "stage_timeout_s"): "stage_timeout_s",
-        ("log", "level"): "log_level",
-        ("cluster", "executor"): "executor",
-        ("cluster", "address"): "ray_address",
-        ("cluster", "token_file"): "ray_token_file",
-        ("cluster", "allow_unauthenticated"): "ray_allow_unauthenticated",
-    }
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
     for section, table in doc.items():
@@ -428,7 +433,7 @@ def _from_toml(
         for key, raw in table.items():
             if (section, key) in DAEMON_KEYS:
                 continue
-            name = known.get((section, key))
+            name = TOML_KEYS.get((section, key))
             where = f"{path} [{section}] {key}"
             if name is None:
                 problems.add(f"{where}: unknown setting")
@@ -519,18 +524,22 @@ def _convert(name: str, raw: Any, where: str) -> Any:
     raise AssertionError(name)
 
 
+#: The environment variables that set a Config field, and the field each sets
+#: (ASCEND_DEVICE_ID, which sets `device` to cann:N, is read on its own).
+ENV_KEYS = {
+    "TUNE_BANK_PATH": "bank",
+    "AOED_BANK_LAYERS": "bank_layers",
+    "REPEAT_TUNE": "repeat_tune",
+    "TE_PARALLEL_COMPILER": "parallel",
+    "AOED_PLUGINS": "plugins",
+    "AOED_RUNTIME_DIR": "runtime_dir",
+}
+
+
 def _from_env(env: Mapping[str, str], problems: Problems) -> tuple[dict[str, Any], dict[str, str]]:
-    names = {
-        "TUNE_BANK_PATH": "bank",
-        "AOED_BANK_LAYERS": "bank_layers",
-        "REPEAT_TUNE": "repeat_tune",
-        "TE_PARALLEL_COMPILER": "parallel",
-        "AOED_PLUGINS": "plugins",
-        "AOED_RUNTIME_DIR": "runtime_dir",
-    }
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
-    for var, name in names.items():
+    for var, name in ENV_KEYS.items():
         raw = env.get(var, "")
         if raw.strip():
             with problems.check():

@@ -14,8 +14,8 @@ Each picks its daemon with --socket PATH or --address HOST:PORT (TLS: --tls-ca,
 --tls-cert, --tls-key); by default the unix socket AOED_SOCKET names, else aoed.sock in
 the runtime dir. No daemon there: exit 7; the daemon's queue full: exit 8. `submit`
 uploads the local file unless --on-server (the daemon reads the path itself). `watch`
-(and `submit --watch`) exits 0 when the job succeeded, 1 when it failed, 130 when it was
-cancelled. Everything goes through `aoe.Client`: this module never imports the daemon.
+(and `submit --watch`) exits 0 when the job succeeded, the status of its error's class
+when it failed (3 for a model, as `aoe tune` would), 130 when it was cancelled. Everything goes through `aoe.Client`: this module never imports the daemon.
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "model", type=Path, help="the .onnx model (a local file, uploaded; see --on-server)"
     )
-    specargs.add_arguments(p, where="the daemon")
+    specargs.add_arguments(p, where="the daemon", entry=False)
     p.add_argument(
         "--watch",
         action="store_true",

@@ -8,10 +8,18 @@ seek), so it reads a few bytes of any model however large, where `onnx.load` wou
 and parse all of it; it wants the fields ONNX declares for a ModelProto, with their
 wire types, lengths that stay within the file, and an `ir_version` and a `graph`. The
 engine still checks the model in full; this catches the wrong file early.
+
+A problem with where the file is (missing, unreadable, not a regular file) names the path
+as given; a problem with what it holds names the file by its name alone, which is what it
+is called on every route: by `aoe tune` here, by the daemon (which keeps each upload under
+the name it was given) and in a drop folder. The engine reads the same walk over the bytes
+it loads (`check_model_bytes`), so a file that is not a model gets one message wherever it
+is found.
 """
 
 from __future__ import annotations
 
+import io
 import os
 import stat
 from pathlib import Path
@@ -19,24 +27,26 @@ from typing import BinaryIO
 
 from aoe.errors import ModelError
 
-__all__ = ["check_model_file", "stat_model_file"]
+__all__ = ["check_model_bytes", "check_model_file", "stat_model_file"]
 
 _VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5
 
 
-def stat_model_file(path: Path) -> os.stat_result:
+def stat_model_file(path: Path, shown: str | None = None) -> os.stat_result:
     """`path`'s stat when it is a regular, non-empty file; else ModelError naming the file
-    and what is wrong with it (missing, unreadable, not a regular file, empty)."""
+    (as `shown`, else the path) and what is wrong with it (missing, unreadable, not a
+    regular file, empty)."""
+    where = str(path) if shown is None else shown
     try:
         st = path.stat()
     except FileNotFoundError:
-        raise ModelError(f"{path}: no such model file") from None
+        raise ModelError(f"{where}: no such model file") from None
     except OSError as exc:
-        raise ModelError(f"{path}: cannot read the model ({exc.strerror or exc})") from None
+        raise ModelError(f"{where}: cannot read the model ({exc.strerror or exc})") from None
     if not stat.S_ISREG(st.st_mode):
-        raise ModelError(f"{path}: not a regular file; pass the .onnx model file")
+        raise ModelError(f"{where}: not a regular file; pass the .onnx model file")
     if st.st_size == 0:
-        raise ModelError(f"{path}: the file is empty, not an ONNX model")
+        raise ModelError(f"{path.name}: the file is empty, not an ONNX model")
     return st
 
 
@@ -55,7 +65,19 @@ def check_model_file(path: str | os.PathLike[str], *, onnx: bool = True) -> None
     except OSError as exc:
         raise ModelError(f"{p}: cannot read the model ({exc.strerror or exc})") from None
     if why:
-        raise ModelError(f"{p}: not a readable ONNX model ({why}); pass the .onnx model file")
+        raise _not_readable(p.name, why)
+
+
+def check_model_bytes(data: bytes, name: str) -> None:
+    """Return when the top-level protobuf fields of `data` are an ONNX ModelProto's with a
+    graph; else the ModelError `check_model_file` raises for a file `name` holding them."""
+    why = _not_a_model(io.BytesIO(data), len(data))
+    if why:
+        raise _not_readable(name, why)
+
+
+def _not_readable(name: str, why: str) -> ModelError:
+    return ModelError(f"{name}: not a readable ONNX model ({why}); pass the .onnx model file")
 
 
 def _not_a_model(f: BinaryIO, size: int) -> str:
@@ -76,7 +98,7 @@ def _not_a_model(f: BinaryIO, size: int) -> str:
             # Repeated scalars may be packed (one length-delimited run).
             scalar = fd.type not in (FD.TYPE_MESSAGE, FD.TYPE_STRING, FD.TYPE_BYTES)
             want = _LEN if not scalar else _VARINT
-            if wire != want and not (scalar and fd.label == FD.LABEL_REPEATED and wire == _LEN):
+            if wire != want and not (scalar and fd.is_repeated and wire == _LEN):
                 return f"byte {at}: field {number} ({fd.name}) has wire type {wire}, not {want}"
             seen.add(fd.name)
         elif wire not in (_VARINT, _I64, _LEN, _I32):  # an unknown field a newer ONNX may add

@@ -47,17 +47,22 @@ def add_arguments(
     *,
     where: str = "on this machine or the daemon",
     many_devices: bool = False,
+    entry: bool = True,
 ) -> None:
     """Add the spec's flags to `p` (each defaults to None: not given). `many_devices`:
     `--device` may be repeated, or `all` (a run that measures on several devices; the
-    spec names the first, the run's configuration all of them)."""
+    spec names the first, the run's configuration all of them). `entry`: offer --entry,
+    the user's own training code, which only an embedded run loads (a daemon never runs
+    user code), so a command that always goes to a daemon leaves it out."""
     p.add_argument(
         "--precision",
+        metavar="P",
         help="precision policy: exact (default), int8, int4 (weight-only 4-bit products), "
         "or on a GPU/NPU fp16 or bf16",
     )
     p.add_argument(
         "--job-type",
+        metavar="T",
         help=f"{DEFAULT_JOB_TYPE} (the default): subgraphs, then operators over the nodes "
         "they left, in one job; opat (2): operators alone; sgat (1): subgraphs alone "
         "(attention, layernorm, gelu, glu, conv regions); gdat (4, also AOE_MODE=4): "
@@ -80,6 +85,7 @@ def add_arguments(
         p.add_argument(
             "--device",
             action="append",
+            metavar="D",
             help=f"cpu, cpu:FIRST-LAST (a set of cores), cuda:N, tensorrt:N or cann:N (default: the "
             f"device {where} measures on); repeat it to measure on several devices, or give `all`: "
             "the config's [tuning] devices, else every usable accelerator",
@@ -87,31 +93,39 @@ def add_arguments(
     else:
         p.add_argument(
             "--device",
+            metavar="D",
             help=f"cpu, cuda:N, tensorrt:N or cann:N (default: the device {where} measures on)",
         )
     p.add_argument(
         "--budget",
+        metavar="S",
         type=float,
         help="device seconds for search, session options and verification "
         "together (default: fitted to the model's profiled latency)",
     )
     p.add_argument(
         "--min-cosine",
+        metavar="X",
         type=float,
         help="end-to-end accuracy budget: lowest output cosine (int8: 0.999)",
     )
     p.add_argument(
         "--max-rel-error",
+        metavar="X",
         type=float,
         help="end-to-end accuracy budget: largest error relative to the output range (int8: 0.25)",
     )
     p.add_argument(
         "--calibration",
+        metavar="DIR",
         type=Path,
         help="calibration samples: a folder of .npz/.npy (lossy precisions)",
     )
     p.add_argument(
-        "--priority", type=int, help="-10 (background) to 10 (urgent); default 0 (a daemon's queue)"
+        "--priority",
+        type=int,
+        metavar="N",
+        help="-10 (background) to 10 (urgent); default 0 (a daemon's queue)",
     )
     p.add_argument(
         "--label",
@@ -129,15 +143,21 @@ def add_arguments(
     g = p.add_argument_group("GDAT (--job-type gdat: a torch.export program, .pt2)")
     g.add_argument(
         "--world-size",
+        metavar="N",
         type=int,
         help="ranks of the measured world (default: 2 on gloo, one per device on nccl/hccl)",
     )
-    g.add_argument("--backend", help="collective backend: gloo (default, CPU), nccl, hccl")
+    g.add_argument(
+        "--backend", metavar="B", help="collective backend: gloo (default, CPU), nccl, hccl"
+    )
     g.add_argument(
         "--gradient-precision",
+        metavar="P",
         help="exact (default); fp16, bf16 or lowrank allow compression hooks of that class and the less "
         "lossy ones, each gated against exact all-reduce",
     )
+    if not entry:
+        return
     g.add_argument(
         "--entry",
         metavar="FILE.py:FUNCTION",

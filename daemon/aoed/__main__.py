@@ -26,12 +26,15 @@ from aoed import __version__  # noqa: E402
 DAEMON_UMASK = 0o027
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The `aoed` command line."""
     parser = argparse.ArgumentParser(
         prog="aoed", description="aoed: the tuning daemon (gRPC, watched folders)"
     )
     parser.add_argument(
-        "--config", help="path to aoed.toml (default: AOED_CONFIG, else built-in defaults)"
+        "--config",
+        metavar="FILE",
+        help="path to aoed.toml (default: AOED_CONFIG, else built-in defaults)",
     )
     parser.add_argument(
         "--check-config", action="store_true", help="validate the configuration, print it, and exit"
@@ -42,7 +45,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="log level (default: [log] level, else info)",
     )
     parser.add_argument("--version", action="version", version=f"aoed {__version__}")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     # Whatever umask started us (000 from a careless shell), the daemon's files are for
     # itself and its group: 0640 files, 0750 folders. Set before anything is created.
     os.umask(DAEMON_UMASK)

@@ -88,9 +88,55 @@ from aoe.config import Config, Problems, load_config
 from aoe.errors import OptionError
 from aoed.engine.worldsize import DEFAULT_RANKS_PER_DEVICE, WorldLimits, default_max_world_size
 
-__all__ = ["DaemonConfig", "Inbox", "load_daemon_config"]
+__all__ = ["KEYS", "DaemonConfig", "Inbox", "load_daemon_config"]
 
 DEFAULT_PORT = 7461
+
+#: The daemon's keys in the TOML file, by section ([[inbox]] is "inbox"); the keys of
+#: [bank] it reads are aoe.config's DAEMON_KEYS.
+KEYS: Mapping[str, frozenset[str]] = {
+    "daemon": frozenset(
+        {
+            "state_dir",
+            "max_running_jobs",
+            "max_queued_jobs",
+            "max_jobs_per_client",
+            "retention_days",
+            "shutdown_grace_s",
+            "max_job_attempts",
+            "allowed_dirs",
+            "allow_unconfined_gdat",
+        }
+    ),
+    "listen": frozenset(
+        {
+            "socket",
+            "socket_mode",
+            "socket_group",
+            "tcp",
+            "tls_cert",
+            "tls_key",
+            "tls_client_ca",
+            "insecure_loopback",
+            "max_rpcs",
+        }
+    ),
+    "limits": frozenset(
+        {
+            "max_upload_mb",
+            "upload_ttl_h",
+            "max_uploads_mb",
+            "max_uploads",
+            "max_client_uploads_mb",
+            "max_client_uploads",
+            "min_free_mb",
+            "max_world_size",
+            "max_ranks_per_device",
+        }
+    ),
+    "inbox": frozenset({"path", "outbox", "failed", "stable_s", "mode", "group"}),
+    "metrics": frozenset({"listen", "allow_remote", "max_connections", "timeout_s"}),
+}
 
 
 def _default_state_dir() -> Path:
@@ -256,7 +302,13 @@ class _Reader:
     A bad value is recorded in `problems` and its default returned, so that reading
     goes on and every problem is reported."""
 
-    def __init__(self, table: Mapping[str, Any], where: str, known: set[str], problems: Problems):
+    def __init__(
+        self,
+        table: Mapping[str, Any],
+        where: str,
+        known: frozenset[str] | set[str],
+        problems: Problems,
+    ):
         self.table, self.where, self.problems = table, where, problems
         for key in sorted(set(table) - known):
             problems.add(f"{where} {key}: unknown setting (known: {', '.join(sorted(known))})")
@@ -372,17 +424,7 @@ def load_daemon_config(
     d = _Reader(
         _table(doc, "daemon", Path(where), problems),
         f"{where} [daemon]",
-        {
-            "state_dir",
-            "max_running_jobs",
-            "max_queued_jobs",
-            "max_jobs_per_client",
-            "retention_days",
-            "shutdown_grace_s",
-            "max_job_attempts",
-            "allowed_dirs",
-            "allow_unconfined_gdat",
-        },
+        KEYS["daemon"],
         problems,
     )
     state_dir = d.path("state_dir", None, base) or _default_state_dir()
@@ -394,17 +436,7 @@ def load_daemon_config(
     lis = _Reader(
         _table(doc, "listen", Path(where), problems),
         f"{where} [listen]",
-        {
-            "socket",
-            "socket_mode",
-            "socket_group",
-            "tcp",
-            "tls_cert",
-            "tls_key",
-            "tls_client_ca",
-            "insecure_loopback",
-            "max_rpcs",
-        },
+        KEYS["listen"],
         problems,
     )
     env_socket = env.get("AOED_SOCKET", "").strip()
@@ -429,17 +461,7 @@ def load_daemon_config(
     lim = _Reader(
         _table(doc, "limits", Path(where), problems),
         f"{where} [limits]",
-        {
-            "max_upload_mb",
-            "upload_ttl_h",
-            "max_uploads_mb",
-            "max_uploads",
-            "max_client_uploads_mb",
-            "max_client_uploads",
-            "min_free_mb",
-            "max_world_size",
-            "max_ranks_per_device",
-        },
+        KEYS["limits"],
         problems,
     )
     inboxes = []
@@ -453,7 +475,7 @@ def load_daemon_config(
             r = _Reader(
                 table,
                 f"{where} [[inbox]] #{i + 1}",
-                {"path", "outbox", "failed", "stable_s", "mode", "group"},
+                KEYS["inbox"],
                 problems,
             )
             p = r.path("path", None, base)
@@ -514,7 +536,7 @@ def load_daemon_config(
     met = _Reader(
         _table(doc, "metrics", Path(where), problems),
         f"{where} [metrics]",
-        {"listen", "allow_remote", "max_connections", "timeout_s"},
+        KEYS["metrics"],
         problems,
     )
     raw_follow = bank.get("follow", [])

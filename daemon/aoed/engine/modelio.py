@@ -21,7 +21,7 @@ import onnx
 from onnx import external_data_helper
 
 from aoe.errors import AoedError, ModelError
-from aoe.modelfile import stat_model_file
+from aoe.modelfile import check_model_bytes, stat_model_file
 from aoed import safefs
 
 __all__ = [
@@ -51,7 +51,10 @@ def load_model(
     expect: tuple[int, int] | None = None,
 ) -> onnx.ModelProto:
     """Load the model at `path` with its external data; ModelError naming the file and
-    the tensor when anything is wrong.
+    the tensor when anything is wrong. Messages name the file by its name alone, never
+    the folder it is in: a daemon's copy of an upload, or of a file dropped in an inbox,
+    lies in the daemon's own folders under the name the user gave it, and its messages
+    are the ones `aoe tune` gives for the user's file.
 
     `max_bytes` bounds the model file and its external data together, `max_nodes` the
     nodes of all its graphs (subgraphs included); both are checked before the bytes
@@ -70,20 +73,21 @@ def load_model(
         with contextlib.suppress(OSError):  # an unreadable file: _read_model_file says why
             fits(path.stat().st_size)
     data = _read_model_file(path, max_bytes, bytes_setting, expect)
+    check_model_bytes(data, path.name)  # what `aoe` says of the file before an upload
     try:
         model = onnx.load_model_from_string(data)
     except MemoryError:
         raise  # the worker's memory limit, which it reports as such
     except Exception as exc:
-        raise ModelError(f"{path}: not a readable ONNX model: {_undecodable(exc)}") from None
+        raise ModelError(f"{path.name}: not a readable ONNX model: {_undecodable(exc)}") from None
     del data
     if not model.HasField("graph"):
-        raise ModelError(f"{path}: not an ONNX model (it holds no graph)")
+        raise ModelError(f"{path.name}: not an ONNX model (it holds no graph)")
     if max_nodes is not None:
         nodes = count_nodes(model.graph, stop_above=max_nodes)
         if nodes > max_nodes:
             raise ModelError(
-                f"{path}: {nodes} nodes or more, over the limit of {max_nodes} nodes per model"
+                f"{path.name}: {nodes} nodes or more, over the limit of {max_nodes} nodes per model"
                 f"{_named(nodes_setting)}"
             )
     external = [
@@ -124,11 +128,11 @@ def count_nodes(graph: onnx.GraphProto, stop_above: int | None = None) -> int:
 
 
 def check_size(path: Path, size: int, max_bytes: int | None, setting: str = "") -> None:
-    """ModelError naming `path` (and `setting`, the limit's) when a model file of `size`
+    """ModelError naming `path`'s file name (and `setting`, the limit's) when a model file of `size`
     bytes is over `max_bytes`."""
     if max_bytes is not None and size > max_bytes:
         raise ModelError(
-            f"{path}: the model file is {_gib(size)}, over the limit of {_gib(max_bytes)}{_named(setting)}"
+            f"{path.name}: the model file is {_gib(size)}, over the limit of {_gib(max_bytes)}{_named(setting)}"
         )
 
 
@@ -147,11 +151,11 @@ def _read_model_file(
     pipe would block), empty, over `max_bytes`, or past what protobuf can parse; with
     `expect`, also when the opened file is not that (device, inode) or has several
     links."""
-    st = stat_model_file(path)
+    st = stat_model_file(path, shown=path.name)
     check_size(path, st.st_size, max_bytes, setting)
     if st.st_size >= PROTOBUF_LIMIT:
         raise ModelError(
-            f"{path}: the model file is {_gib(st.st_size)}; protobuf reads files under 2 GiB: "
+            f"{path.name}: the model file is {_gib(st.st_size)}; protobuf reads files under 2 GiB: "
             "save the model with its weights as external data"
         )
     try:
@@ -162,7 +166,7 @@ def _read_model_file(
         with os.fdopen(fd, "rb") as f:
             now = os.fstat(f.fileno())
             if not stat.S_ISREG(now.st_mode):
-                raise ModelError(f"{path}: not a regular file; pass the .onnx model file")
+                raise ModelError(f"{path.name}: not a regular file; pass the .onnx model file")
             if expect is not None and (
                 (now.st_dev, now.st_ino) != tuple(expect) or now.st_nlink > 1
             ):
@@ -172,23 +176,23 @@ def _read_model_file(
                     else "another file took its name"
                 )
                 raise ModelError(
-                    f"{path}: not the file that was submitted ({why}); nothing was read: submit it "
+                    f"{path.name}: not the file that was submitted ({why}); nothing was read: submit it "
                     "again once nobody changes it"
                 )
             if now.st_size >= PROTOBUF_LIMIT:
                 raise ModelError(
-                    f"{path}: the model file grew to {_gib(now.st_size)} while being read"
+                    f"{path.name}: the model file grew to {_gib(now.st_size)} while being read"
                 )
             # Read what the file holds (+1 to see it grew): read(N) reserves N bytes up front,
             # which a worker under a memory limit cannot afford for N = 2 GiB.
             data = f.read(now.st_size + 1)
             if len(data) > now.st_size:
                 raise ModelError(
-                    f"{path}: the model file changed while being read; try again once it is complete"
+                    f"{path.name}: the model file changed while being read; try again once it is complete"
                 )
             return data
     except OSError as exc:
-        raise ModelError(f"{path}: cannot read the model ({exc.strerror or exc})") from None
+        raise ModelError(f"{path.name}: cannot read the model ({exc.strerror or exc})") from None
 
 
 def _undecodable(exc: Exception) -> str:
@@ -227,57 +231,57 @@ def _read_external(
             info = external_data_helper.ExternalDataInfo(tensor)
         except (TypeError, ValueError):  # an offset or length that is not a number
             raise ModelError(
-                f"{path}: tensor {name!r} has malformed external data fields "
+                f"{path.name}: tensor {name!r} has malformed external data fields "
                 f"({', '.join(f'{e.key}={e.value!r}' for e in tensor.external_data)})"
             ) from None
         loc = str(info.location or "")
         if not loc or "\x00" in loc:
             raise ModelError(
-                f"{path}: tensor {name!r} has no usable external data location ({loc!r})"
+                f"{path.name}: tensor {name!r} has no usable external data location ({loc!r})"
             )
         try:
             target = (base / loc).resolve()
         except (OSError, RuntimeError):  # a symlink loop
             raise ModelError(
-                f"{path}: external data file {loc!r} of tensor {name!r} cannot be resolved"
+                f"{path.name}: external data file {loc!r} of tensor {name!r} cannot be resolved"
             ) from None
         if os.path.isabs(loc) or not target.is_relative_to(base) or target == base:
             how = "" if os.path.isabs(loc) or ".." in Path(loc).parts else ", through a symlink"
             raise ModelError(
-                f"{path}: tensor {name!r} points outside the model's directory ({loc!r}{how}); "
+                f"{path.name}: tensor {name!r} points outside the model's directory ({loc!r}{how}); "
                 "external data must sit beside the model"
             )
         try:
             st = os.lstat(target)
         except FileNotFoundError:
             raise ModelError(
-                f"{path}: external data file {loc!r} of tensor {name!r} is missing"
+                f"{path.name}: external data file {loc!r} of tensor {name!r} is missing"
             ) from None
         except OSError as exc:
             raise ModelError(
-                f"{path}: external data file {loc!r} of tensor {name!r}: {exc.strerror or exc}"
+                f"{path.name}: external data file {loc!r} of tensor {name!r}: {exc.strerror or exc}"
             ) from None
         if not stat.S_ISREG(st.st_mode):
             raise ModelError(
-                f"{path}: external data {loc!r} of tensor {name!r} is not a regular file"
+                f"{path.name}: external data {loc!r} of tensor {name!r} is not a regular file"
             )
         if st.st_nlink > 1:
             raise ModelError(
-                f"{path}: external data file {loc!r} of tensor {name!r} has {st.st_nlink} hard links, "
+                f"{path.name}: external data file {loc!r} of tensor {name!r} has {st.st_nlink} hard links, "
                 "so it may be a file from elsewhere; copy it beside the model (cp, not ln)"
             )
         offset = int(info.offset or 0)
         length = st.st_size - offset if info.length is None else int(info.length)
         if offset < 0 or length < 0 or offset + length > st.st_size:
             raise ModelError(
-                f"{path}: tensor {name!r} wants bytes {offset} to {offset + length} of {loc!r}, "
+                f"{path.name}: tensor {name!r} wants bytes {offset} to {offset + length} of {loc!r}, "
                 f"beyond its end ({st.st_size} bytes)"
             )
         plan.append((tensor, target, st, offset, length))
     total = sum(p[4] for p in plan)
     if budget is not None and total > budget:
         raise ModelError(
-            f"{path}: the model and its external data hold {_gib(total + path.stat().st_size)}, over "
+            f"{path.name}: the model and its external data hold {_gib(total + path.stat().st_size)}, over "
             f"the limit of {_gib(budget + path.stat().st_size)}{_named(setting)}"
         )
     if fits is not None:
@@ -288,26 +292,26 @@ def _read_external(
             fd = os.open(target, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         except OSError as exc:
             raise ModelError(
-                f"{path}: external data file {loc!r} of tensor {tensor.name!r}: "
+                f"{path.name}: external data file {loc!r} of tensor {tensor.name!r}: "
                 f"{exc.strerror or exc}"
             ) from None
         try:
             now = os.fstat(fd)
             if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino) or now.st_nlink > 1:
                 raise ModelError(
-                    f"{path}: external data file {loc!r} of tensor {tensor.name!r} changed while "
+                    f"{path.name}: external data file {loc!r} of tensor {tensor.name!r} changed while "
                     "it was read; try again with the folder left alone"
                 )
             data = os.pread(fd, length, offset)
         except OSError as exc:
             raise ModelError(
-                f"{path}: cannot read external data {loc!r} ({exc.strerror or exc})"
+                f"{path.name}: cannot read external data {loc!r} ({exc.strerror or exc})"
             ) from None
         finally:
             os.close(fd)
         if len(data) != length:
             raise ModelError(
-                f"{path}: external data file {loc!r} ended early (it changed while read)"
+                f"{path.name}: external data file {loc!r} ended early (it changed while read)"
             )
         tensor.raw_data = data
         del tensor.external_data[:]

@@ -110,9 +110,12 @@ def prepare(
     (an override is wrong). Blocking and CPU-bound.
     """
     src = Path(source)
+    # Messages name the file as the user named it, as load_model's do (a daemon's copy of
+    # a model lies in its own folders under the name it was given).
+    name = src.name
 
     def fits(model_bytes: int) -> None:
-        check_fits(str(src), model_bytes, limits.memory_mb, limits.memory_why)
+        check_fits(name, model_bytes, limits.memory_mb, limits.memory_why)
 
     model = load_model(
         src,
@@ -122,16 +125,16 @@ def prepare(
         fits=fits,
         expect=expect,
     )
-    check_declared(model, str(src), limits)
+    check_declared(model, name, limits)
     norm = normalize(
         model,
         input_shapes,
         keep_initializer_inputs=keep_initializer_inputs,
         strict=True,
-        source=str(src),
+        source=name,
     )
     model = norm.model
-    _check_inferred(model, str(src), input_shapes or {}, limits)
+    _check_inferred(model, name, input_shapes or {}, limits)
     out = Path(workdir) / "prepared.onnx"
     save_model(model, out)
     inits = {t.name for t in model.graph.initializer}
@@ -142,12 +145,12 @@ def prepare(
             continue
         if i.name not in ctx.tensors:
             raise ModelError(
-                f"{src}: input {i.name!r} has no static shape and type after inference"
+                f"{name}: input {i.name!r} has no static shape and type after inference"
             )
         inputs[i.name] = ctx.tensors[i.name]
         if np.dtype(inputs[i.name].dtype).kind not in "fiub":
             raise ModelError(
-                f"{src}: input {i.name!r} is a tensor of {inputs[i.name].dtype}; the tuner can make up "
+                f"{name}: input {i.name!r} is a tensor of {inputs[i.name].dtype}; the tuner can make up "
                 "data only for numeric and boolean inputs"
             )
     return Prepared(
