@@ -410,7 +410,7 @@ def test_inbox_renamed_model_is_tuned_into_the_outbox(daemon: DaemonProcess) -> 
     outbox = daemon.root / "outbox"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and not (outbox / "mlp_result.json").exists():
-        time.sleep(0.2)
+        time.sleep(0.05)
     assert (outbox / "mlp_tuned.onnx").exists() and (outbox / "mlp_report.txt").exists(), (
         daemon.log()[-3000:]
     )
@@ -590,7 +590,7 @@ def test_sighup_reloads_limits_and_inboxes(tmp_path: Path) -> None:
             info = d.daemon().GetDaemonInfo(daemon_pb2.GetDaemonInfoRequest())
             if info.max_running_jobs == 3:
                 break
-            time.sleep(0.2)
+            time.sleep(0.05)
         assert info is not None and info.max_running_jobs == 3
         assert str(second) in [i.path for i in info.inboxes]
         wait_for(second.is_dir, 30, f"the new inbox {second} created by its watch")
@@ -676,7 +676,7 @@ def test_retention_and_upload_expiry(tmp_path: Path) -> None:
         while (
             time.monotonic() < deadline and d.tuning().ListJobs(tuning_pb2.ListJobsRequest()).jobs
         ):
-            time.sleep(0.5)
+            time.sleep(0.1)
         assert not d.tuning().ListJobs(tuning_pb2.ListJobsRequest()).jobs, (
             "kept past its retention (3.5 s)"
         )
