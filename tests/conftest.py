@@ -11,6 +11,13 @@ import pytest
 
 from aoed import samples
 
+from .suite_time import SuiteTime
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Print the selected tests' estimated time before they run (tests/suite_time.py)."""
+    config.pluginmanager.register(SuiteTime(config), "aoed-suite-time")
+
 
 @pytest.fixture(scope="session")
 def models(tmp_path_factory: pytest.TempPathFactory) -> Path:

@@ -131,7 +131,7 @@ class DaemonProcess:
                 raise RuntimeError(f"aoed exited with {self.proc.returncode}:\n{self.log()}")
             if self.socket.exists() and self.serving():
                 return
-            time.sleep(0.1)
+            time.sleep(0.05)
         raise RuntimeError(f"aoed did not start in {timeout} s:\n{self.log()}")
 
     def serving(self) -> bool:
@@ -198,7 +198,8 @@ class DaemonProcess:
             shutil.rmtree(self._short, ignore_errors=True)
 
     def wait_job(self, job_id: str, timeout: float = 300) -> tuning_pb2.Job:
-        """Poll until the job is final; returns it."""
+        """Poll until the job is final; returns it. A GetJob costs the daemon little, and
+        every test that waits for a job waits here: a short interval, not a long one."""
         final = (
             tuning_pb2.JOB_STATE_SUCCEEDED,
             tuning_pb2.JOB_STATE_FAILED,
@@ -209,7 +210,7 @@ class DaemonProcess:
             job = self.tuning().GetJob(tuning_pb2.GetJobRequest(job_id=job_id), timeout=10).job
             if job.state in final:
                 return job
-            time.sleep(0.2)
+            time.sleep(0.05)
         raise TimeoutError(f"job {job_id} not final after {timeout} s:\n{self.log()}")
 
 

@@ -40,9 +40,12 @@ FINAL = (
 )
 
 
-@pytest.fixture
-def daemon(tmp_path: Path):
-    d = DaemonProcess(tmp_path / "d")
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory):
+    """One daemon for the tests that need no fresh one (its own start, stop, config or
+    limits): they share its bank, so a test whose job must measure says repeat_tune, and
+    a test that lists jobs or uploads looks for its own."""
+    d = DaemonProcess(tmp_path_factory.mktemp("daemon") / "d")
     d.start()
     yield d
     d.close()
@@ -155,23 +158,23 @@ def test_upload_submit_watch_fetch(daemon: DaemonProcess, tmp_path: Path) -> Non
         f.name: getattr(summary, f.name) for f in summary.DESCRIPTOR.fields
     }
 
-    listed = daemon.tuning().ListJobs(tuning_pb2.ListJobsRequest()).jobs
-    assert [j.job_id for j in listed] == [job_id]
+    listed = [j.job_id for j in daemon.tuning().ListJobs(tuning_pb2.ListJobsRequest()).jobs]
+    assert listed.count(job_id) == 1 and len(set(listed)) == len(listed), listed
 
 
 def test_identical_submissions_join_one_job(daemon: DaemonProcess) -> None:
     path = _model(daemon, "mlp")
-    first = _submit(daemon, path, budget=3.0)
+    first = _submit(daemon, path, budget=1.0)
     by_path = daemon.tuning().SubmitJob(
         tuning_pb2.SubmitJobRequest(
-            model_path=str(path), options=tuning_pb2.JobOptions(budget_s=3.0)
+            model_path=str(path), options=tuning_pb2.JobOptions(budget_s=1.0)
         ),
         timeout=30,
     )
     assert by_path.job_id == first and by_path.job.joined == 1
     other = daemon.tuning().SubmitJob(
         tuning_pb2.SubmitJobRequest(
-            model_path=str(path), options=tuning_pb2.JobOptions(budget_s=4.0)
+            model_path=str(path), options=tuning_pb2.JobOptions(budget_s=1.5)
         ),
         timeout=30,
     )
@@ -209,6 +212,7 @@ def test_errors_have_status_codes_and_messages(daemon: DaemonProcess, tmp_path: 
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "cuda:3" in err.value.details()
     bad = tuning_pb2.UploadModelRequest
     data = b"not a model"
+    uploads = set(daemon.state.joinpath("uploads").iterdir())  # other tests' uploads
     with pytest.raises(grpc.RpcError) as err:
         stub.UploadModel(
             iter(
@@ -222,7 +226,7 @@ def test_errors_have_status_codes_and_messages(daemon: DaemonProcess, tmp_path: 
         err.value.code() == grpc.StatusCode.DATA_LOSS
         and hashlib.sha256(data).hexdigest() in err.value.details()
     )
-    assert not any(daemon.state.joinpath("uploads").iterdir()), (
+    assert set(daemon.state.joinpath("uploads").iterdir()) == uploads, (
         "a failed upload leaves nothing behind"
     )
     with pytest.raises(grpc.RpcError) as err:
@@ -257,8 +261,9 @@ def test_health_reflection_info_and_devices(daemon: DaemonProcess) -> None:
 
 
 def test_two_jobs_share_the_device_one_measurement_at_a_time(daemon: DaemonProcess) -> None:
-    a = _submit(daemon, _model(daemon, "mlp"), budget=4.0)
-    b = _submit(daemon, _model(daemon, "cnn"), budget=4.0)
+    # repeat_tune: measured here, whatever the shared bank already holds of these models.
+    a = _submit(daemon, _model(daemon, "mlp"), budget=4.0, repeat_tune=True)
+    b = _submit(daemon, _model(daemon, "cnn"), budget=4.0, repeat_tune=True)
     ja, jb = daemon.wait_job(a), daemon.wait_job(b)
     assert ja.state == jb.state == tuning_pb2.JOB_STATE_SUCCEEDED
     wa = (ja.started.ToNanoseconds(), ja.finished.ToNanoseconds())
@@ -281,7 +286,7 @@ def test_two_jobs_share_the_device_one_measurement_at_a_time(daemon: DaemonProce
 def test_cancel_mid_measurement(daemon: DaemonProcess) -> None:
     # Left alone the job measures for its whole budget, far past the cancel's deadline:
     # a cancel that waited for the job instead of stopping it ends in DEADLINE_EXCEEDED.
-    job_id = _submit(daemon, _model(daemon, "cnn"), budget=300.0)
+    job_id = _submit(daemon, _model(daemon, "cnn"), budget=300.0, repeat_tune=True)
     _wait_event(
         daemon,
         job_id,
@@ -333,7 +338,7 @@ def test_watch_resumes_across_a_restart(tmp_path: Path) -> None:
     d = DaemonProcess(tmp_path / "d")
     try:
         d.start()
-        job_id = _submit(d, _model(d, "mlp"), budget=3.0)
+        job_id = _submit(d, _model(d, "mlp"), budget=1.5)
         seen = _wait_event(d, job_id, lambda e: e.WhichOneof("event") == "progress")
         last = seen[-1].sequence
         assert d.stop() == 0
@@ -404,14 +409,15 @@ def test_inbox_renamed_model_is_tuned_into_the_outbox(daemon: DaemonProcess) -> 
     outbox = daemon.root / "outbox"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and not (outbox / "mlp_result.json").exists():
-        time.sleep(0.2)
+        time.sleep(0.05)
     assert (outbox / "mlp_tuned.onnx").exists() and (outbox / "mlp_report.txt").exists(), (
         daemon.log()[-3000:]
     )
     onnx.checker.check_model(onnx.load(outbox / "mlp_tuned.onnx"))
     assert not (daemon.inbox / "mlp.onnx").exists()
     jobs = daemon.tuning().ListJobs(tuning_pb2.ListJobsRequest()).jobs
-    assert len(jobs) == 1 and jobs[0].source == f"inbox:{daemon.inbox}"
+    dropped = [j for j in jobs if not j.source.startswith("rpc:")]
+    assert len(dropped) == 1 and dropped[0].source == f"inbox:{daemon.inbox}", jobs
 
 
 # ---------------------------------------------------------------- listening and TLS
@@ -556,9 +562,9 @@ def test_priority_leaves_the_queue_first(tmp_path: Path) -> None:
     try:
         d.start()
         mlp = _model(d, "mlp")  # different options make different jobs of one model
-        first = _submit(d, mlp, budget=2.0)
-        low = _submit(d, mlp, budget=1.0)
-        high = _submit(d, mlp, budget=1.5, priority=5)
+        first = _submit(d, mlp, budget=1.0)
+        low = _submit(d, mlp, budget=0.5)
+        high = _submit(d, mlp, budget=0.75, priority=5)
         jobs = {j: d.wait_job(j) for j in (first, low, high)}
         assert all(j.state == tuning_pb2.JOB_STATE_SUCCEEDED for j in jobs.values())
         assert jobs[high].started.ToNanoseconds() < jobs[low].started.ToNanoseconds()
@@ -583,7 +589,7 @@ def test_sighup_reloads_limits_and_inboxes(tmp_path: Path) -> None:
             info = d.daemon().GetDaemonInfo(daemon_pb2.GetDaemonInfoRequest())
             if info.max_running_jobs == 3:
                 break
-            time.sleep(0.2)
+            time.sleep(0.05)
         assert info is not None and info.max_running_jobs == 3
         assert str(second) in [i.path for i in info.inboxes]
         wait_for(second.is_dir, 30, f"the new inbox {second} created by its watch")
@@ -660,7 +666,7 @@ def test_retention_and_upload_expiry(tmp_path: Path) -> None:
     )
     try:
         d.start()
-        job_id = _submit(d, _model(d, "mlp"), budget=2.0)
+        job_id = _submit(d, _model(d, "mlp"), budget=1.0)
         job = d.wait_job(job_id)
         out = Path(job.result.tuned_model_path)
         assert out.exists()
@@ -669,7 +675,7 @@ def test_retention_and_upload_expiry(tmp_path: Path) -> None:
         while (
             time.monotonic() < deadline and d.tuning().ListJobs(tuning_pb2.ListJobsRequest()).jobs
         ):
-            time.sleep(0.5)
+            time.sleep(0.1)
         assert not d.tuning().ListJobs(tuning_pb2.ListJobsRequest()).jobs, (
             "kept past its retention (3.5 s)"
         )
