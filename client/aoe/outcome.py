@@ -532,7 +532,7 @@ def _gdat_lines(
     said = (
         f"from the bank: confirmed by {f.confirmed_by}"
         if f.confirmed_by
-        else f"confirming A/B, {f.rounds} rounds, a process per model as deployed"
+        else f"confirming A/B, {f.rounds} interleaved rounds of the world"
     )
     out.append(
         f"  baseline     {f.baseline_ms:.4f} ms per step, tail {d.get('baseline_tail_ms', 0.0):.4f} ms   "

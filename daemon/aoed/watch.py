@@ -1183,12 +1183,14 @@ def _report_text(name: str, row: JobRow, written: list[str], missing: list[str])
     folder's renderer of its outcome."""
     o = row.outcome
     f = o.figures if o is not None else figures.Figures("", "", 0.0)
+    gdat = o is not None and o.job_type == JobType.GDAT
     where = (
         f"from the bank, as confirmed by {f.confirmed_by}"
         if f.confirmed_by
+        else f"confirming A/B, {f.rounds} interleaved rounds of the world"
+        if gdat
         else f"confirming A/B, {f.rounds} rounds, a process per model as deployed"
     )
-    gdat = o is not None and o.job_type == JobType.GDAT
     # A GDAT job's input is DDP's defaults, its output a DDP configuration, its figure a
     # training step of the world; an ONNX job's are models and a run of the model.
     say = gdat_words if gdat else str
