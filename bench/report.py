@@ -32,7 +32,11 @@ __all__ = ["BEGIN", "COST_BEGIN", "COST_END", "END", "merge", "write"]
 BEGIN, END = "<!-- models:begin -->", "<!-- models:end -->"
 COST_BEGIN, COST_END = "<!-- default-job-type:begin -->", "<!-- default-job-type:end -->"
 TITLE = "# Benchmark results"
-INTRO = "This file is written by `make bench`; each benchmark owns one section."
+INTRO = (
+    "Each benchmark of `make bench` owns one section below; the first section, every "
+    "target at a glance, is kept with them (tests/test_bench_results.py checks it names "
+    "every section, at the commit that section was measured at)."
+)
 PACKAGES = ("onnxruntime", "onnx", "numpy", "scikit-learn")
 _SECTION = re.compile(r"<!-- [\w-]+:begin -->")
 VARIANTS = ("fp32", "quantize_dynamic", "aoe exact", "aoe int8")
@@ -286,12 +290,14 @@ def section(
     started: float,
     command: str,
     plots: Sequence[str],
+    machine: str = "",
 ) -> str:
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started))
     repeated = [f"{r.name} {p}" for r in results for p, run in r.tunes.items() if run.repeat]
     lines = [
         "## Models: onnxruntime fp32, quantize_dynamic, aoe tune exact and int8",
         "",
+        *([machine, ""] if machine else []),
         (
             f"`{command}` ({mode.name} mode) on {when}, {elapsed_s / 60:.1f} min in all. "
             f"aoe tune {_budget(mode)}, no job type named (the default, "
@@ -447,7 +453,7 @@ def write(
     out = out.resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
     pngs = plots.draw(results, out.parent)
-    header = f"{TITLE}\n\n{INTRO}\n\nMachine (models section): {host.describe(*PACKAGES)}."
+    header = f"{TITLE}\n\n{INTRO}"
     block = section(
         results,
         mode,
@@ -455,6 +461,7 @@ def write(
         started=started,
         command=command,
         plots=[str(p) for p in pngs],
+        machine=f"Machine: {host.describe(*PACKAGES)}.",
     )
     doc = out.read_text() if out.exists() else ""
     doc = merge(doc, header, block)
