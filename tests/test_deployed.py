@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 from pathlib import Path
 
 import numpy as np
@@ -98,6 +99,31 @@ def test_a_deployed_measurement_reports_as_the_runner_does_and_keeps_no_session(
     assert deployed._idle, "the workers are kept for the next measurement"
     for w in deployed._idle:
         assert w.ask(op="describe")["session"] is None
+
+
+def _cpu_ticks(pid: int) -> tuple[str, int]:
+    """(state, user + system clock ticks) of process `pid`, all its threads together."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return fields[0], int(fields[11]) + int(fields[12])
+
+
+def test_a_worker_takes_no_core_between_its_turns(models):
+    """onnxruntime's intra-op threads spin on after a run; the worker whose turn ended is
+    stopped, so they cannot take the cores of the next worker's turn, and continued for
+    its next one."""
+    with deployed.workers_for(models["inputs"]) as w:
+        assert w.load([("a", models["plain"], {})]) == {}
+        w.first("a")
+        samples = w.turn("a", 3, 50)
+        assert len(samples) == 3 and all(s > 0 for s in samples)
+        pid = w.by["a"].proc.pid
+        state, before = _cpu_ticks(pid)
+        time.sleep(0.2)
+        assert state == "T" and _cpu_ticks(pid) == (state, before)
+        assert w.warm("a", 0.01) > 0  # continued for its next request, stopped after it
+        assert _cpu_ticks(pid)[0] == "T"
+    for x in deployed._idle:  # kept for the next measurement: waiting on its pipe
+        assert _cpu_ticks(x.proc.pid)[0] in "SR"
 
 
 def test_a_worker_that_dies_fails_its_candidate_and_is_never_reused(models):

@@ -14,8 +14,10 @@ measured here (MeasurePlan.deployed):
   defaults it, unless the options set it), on the runner's cores and memory limit;
 - the worker runs it once for its outputs (written to an .npz, compared with the
   reference's by the runner), then the shared procedure (measure.rounds) drives the
-  workers one turn at a time, in rotating order, after a pause that lets the last
-  worker's spinning threads go idle, while every other worker waits on its pipe;
+  workers one turn at a time, in rotating order; a worker is stopped (SIGSTOP) as soon
+  as it has answered and continued for its next request, so its intra-op threads, which
+  spin on for about 25 ms after a run (measured here on 2 cores, every sample model),
+  never share the cores with the next worker's turn;
 - between requests a worker holds no session (it drops it and its arenas), and the
   runner keeps a few of them for the next request, so a job does not pay an
   interpreter's start for each candidate.
@@ -30,6 +32,7 @@ import contextlib
 import gc
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -42,10 +45,8 @@ import numpy as np
 
 from aoe.errors import DeviceError
 
-__all__ = ["SETTLE_S", "Worker", "Workers", "workers_for"]
+__all__ = ["Worker", "Workers", "workers_for"]
 
-#: Pause before each turn: a worker's spinning intra-op threads go idle within it.
-SETTLE_S = 0.02
 #: Idle workers the runner keeps between requests (a confirming A/B has four candidates).
 KEEP = 4
 #: How long a worker may take to load a model or answer anything but a turn.
@@ -172,10 +173,36 @@ class Worker:
             text=True,
             close_fds=True,
         )
+        self.stopped = False
+
+    def stop(self) -> None:
+        """Stop the process (SIGSTOP) until its next request, and return once it has
+        stopped: its threads, spinning for work after a run, take no core meanwhile."""
+        if self.stopped or self.proc.returncode is not None:
+            return
+        try:
+            os.kill(self.proc.pid, signal.SIGSTOP)
+        except ProcessLookupError:
+            return
+        while True:
+            try:
+                _pid, status = os.waitpid(self.proc.pid, os.WUNTRACED)
+            except ChildProcessError:
+                return
+            if os.WIFSTOPPED(status):
+                self.stopped = True
+                return
+            if os.WIFEXITED(status) or os.WIFSIGNALED(status):
+                self.proc.returncode = os.waitstatus_to_exitcode(status)
+                return
 
     def ask(self, **req: Any) -> dict[str, Any]:
         """The worker's answer to `req`; WorkerError when it says it failed or died."""
         assert self.proc.stdin is not None and self.proc.stdout is not None
+        if self.stopped:
+            with contextlib.suppress(ProcessLookupError):  # it died meanwhile: said below
+                os.kill(self.proc.pid, signal.SIGCONT)
+            self.stopped = False
         try:
             self.proc.stdin.write(json.dumps(req) + "\n")
             self.proc.stdin.flush()
@@ -191,6 +218,10 @@ class Worker:
         return reply
 
     def close(self) -> None:
+        if self.stopped:
+            with contextlib.suppress(OSError):
+                os.kill(self.proc.pid, signal.SIGCONT)
+            self.stopped = False
         with contextlib.suppress(OSError):
             if self.proc.stdin:
                 self.proc.stdin.close()
@@ -265,6 +296,7 @@ class Workers:
         """One run of `cid` and its outputs; WorkerError when it fails."""
         path = self.tmp / f"{len(os.listdir(self.tmp))}.npz"
         got = self.by[cid].ask(op="first", outputs=str(path))
+        self.by[cid].stop()
         with np.load(path, allow_pickle=False) as data:
             outs = [data[f"o{i}"] for i in range(int(got["count"]))]
         path.unlink()
@@ -293,8 +325,11 @@ class Workers:
         ]
 
     def _ask(self, name: str, **req: Any) -> dict[str, Any]:
+        """`req` of the worker of `name`, stopped again once it has answered."""
         try:
-            return self.by[name].ask(**req)
+            reply = self.by[name].ask(**req)
+            self.by[name].stop()
+            return reply
         except WorkerError as exc:
             raise DeviceError(f"candidate {name}'s measuring process failed: {exc}") from None
 

@@ -32,7 +32,6 @@ import numpy as np
 
 from aoe.device import CPU, Device
 from aoe.errors import DeviceError
-import msgspec
 
 from aoed.backends.ort import deployed
 from aoed.backends.ort.measure import Timing, interleaved, rounds
@@ -178,9 +177,8 @@ def _measure_deployed(req: MeasureRequest) -> MeasureReply:
         for cid in list(outputs):
             if cid not in acc:
                 workers.drop(cid)
-        plan = msgspec.structs.replace(req.plan, settle_s=max(req.plan.settle_s, deployed.SETTLE_S))
         names = [c.id for c in req.candidates if c.id in acc]
-        timings = rounds(workers, names, plan, keep=req.reference)
+        timings = rounds(workers, names, req.plan, keep=req.reference)
     return _reply(timings, acc, results)
 
 
