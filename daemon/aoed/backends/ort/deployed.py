@@ -53,7 +53,7 @@ KEEP = 4
 LOAD_TIMEOUT_S = 600.0
 
 
-class WorkerError(Exception):
+class WorkerError(DeviceError):
     """A worker could not do what was asked (its message says what), or died."""
 
 
@@ -360,12 +360,6 @@ def workers_for(inputs: Path) -> Iterator[Workers]:
         yield w
     finally:
         w.close()
-
-
-def close_idle() -> None:
-    """Close the workers kept between measurements."""
-    while _idle:
-        _idle.pop().close()
 
 
 if __name__ == "__main__":
