@@ -361,7 +361,9 @@ async def _verify_options(
     ledger: JobLedger,
     workdir: Path,
 ) -> list[tuple[bytes, dict]]:
-    """A/B a model-level entry's session options on the model they were chosen for."""
+    """A/B a model-level entry's session options on the model they were chosen for, as
+    deployed: each form in a process of its own (MeasurePlan.deployed), as the tuner
+    decided them."""
     options = json.loads(e.strategy)
     path, inputs = model
     cands = (Candidate("without", path), Candidate("with", path, options))
@@ -372,7 +374,7 @@ async def _verify_options(
                 inputs,
                 "without",
                 engine.device.device,
-                MeasurePlan.fixed(15, max(budget_s, 2.0)),
+                MeasurePlan.fixed(15, max(budget_s, 2.0), deployed=True),
             ),
             ledger,
         )
