@@ -292,6 +292,15 @@ def test_compile_forms_the_tasks_of_the_job_type_the_bank_names(
     assert len([n for n in nodes if n.op_type == "DynamicQuantizeMatMul"]) == 4 * len(quantized)
     with pytest.raises(OptionError, match="job type 'gdat'"):
         compiled(tmp_path / "unnamed", "gdat.onnx", job_type="gdat")
+    # The command line names the job type the same way, AOE's numbers included.
+    r = run_aoe(
+        "compile", str(src), "-o", str(tmp_path / "cli.onnx"), "--bank", str(tmp_path / "unnamed"),
+        "--precision", "int8", "--job-type", "2", "--no-check", "--json",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    (q,) = [t for t in doc["tasks"] if t["task_id"] == "t001_attn_q_MatMul"]
+    assert doc["job_type"] == "opat" and (q["status"], q["instances"]) == ("hit", 4)
 
     # A run whose confirming A/B shipped its session options alone shipped none of these
     # choices: neither does compile.

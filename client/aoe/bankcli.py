@@ -194,6 +194,12 @@ def _add_compile(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="apply the bank's session options without re-checking them (no measurement at all)",
     )
+    p.add_argument(
+        "--job-type",
+        metavar="T",
+        help="form the model's tasks as a job of this type does (sgat+opat, opat or sgat; "
+        "default: the job type the bank's confirmation names, else sgat+opat)",
+    )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(run=_compile)
 
@@ -219,6 +225,7 @@ def _compile(args: argparse.Namespace) -> int:
             plugins=config.plugins,
             check_options=not args.no_check,
             runtime_dir=config.runtime_dir,
+            job_type=str(spec.job_type) if args.job_type is not None else None,
         )
         layers = [name for name, _ in reader.layers]
     rows = [*asm.tasks, asm.session]
@@ -227,6 +234,7 @@ def _compile(args: argparse.Namespace) -> int:
             "model": str(args.model),
             "tuned_model": str(args.output),
             "precision": args.precision,
+            "job_type": asm.job_type,
             "layers": layers,
             "hits": asm.hits,
             "misses": asm.misses,
@@ -239,7 +247,8 @@ def _compile(args: argparse.Namespace) -> int:
     out = sys.stdout
     print(
         f"aoe: compiled {args.model.name} from the bank: {asm.hits} hits, {asm.misses} misses "
-        f"of {len(rows)} ({args.precision}; layers: {', '.join(layers)})",
+        f"of {len(rows)} ({args.precision}, tasks as {asm.job_type} forms them; layers: "
+        f"{', '.join(layers)})",
         file=out,
     )
     for t in rows:
