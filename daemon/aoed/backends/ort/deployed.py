@@ -198,16 +198,26 @@ class Worker:
 
     def ask(self, **req: Any) -> dict[str, Any]:
         """The worker's answer to `req`; WorkerError when it says it failed or died."""
-        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.send(req)
+        return self.receive()
+
+    def send(self, req: dict[str, Any]) -> None:
+        """Send `req` (continuing a stopped worker); a dead one is found by `receive`."""
+        assert self.proc.stdin is not None
         if self.stopped:
             with contextlib.suppress(ProcessLookupError):  # it died meanwhile: said below
                 os.kill(self.proc.pid, signal.SIGCONT)
             self.stopped = False
-        try:
+        with contextlib.suppress(BrokenPipeError, OSError):
             self.proc.stdin.write(json.dumps(req) + "\n")
             self.proc.stdin.flush()
+
+    def receive(self) -> dict[str, Any]:
+        """The answer to the request sent last; WorkerError when it failed or died."""
+        assert self.proc.stdout is not None
+        try:
             line = self.proc.stdout.readline()
-        except (BrokenPipeError, OSError):
+        except OSError:
             line = ""
         if not line:
             code = self.proc.wait()
@@ -254,47 +264,25 @@ class Workers:
         errors: dict[str, str] = {}
         for cid, _model, _options in candidates:
             self.by[cid] = _idle.pop() if _idle else Worker()
-        sent = []
         for cid, model, options in candidates:  # the loads overlap: none of this is timed
-            w = self.by[cid]
             req = {
                 "op": "load",
                 "model": str(model),
                 "options": options,
                 "inputs": str(self.inputs),
             }
+            self.by[cid].send(req)
+        for cid, _model, _options in candidates:
             try:
-                assert w.proc.stdin is not None
-                w.proc.stdin.write(json.dumps(req) + "\n")
-                w.proc.stdin.flush()
-                sent.append(cid)
-            except (BrokenPipeError, OSError):
-                errors[cid] = "load: the measuring process ended before it could load the model"
-                self._drop(cid)
-        for cid in sent:
-            try:
-                self._reply(cid)
+                self.by[cid].receive()
             except WorkerError as exc:
                 errors[cid] = str(exc) if str(exc).startswith("load") else f"load: {exc}"
                 self.drop(cid)
         return errors
 
-    def _reply(self, cid: str) -> dict[str, Any]:
-        w = self.by[cid]
-        assert w.proc.stdout is not None
-        line = w.proc.stdout.readline()
-        if not line:
-            raise WorkerError(
-                f"its process ended (exit status {w.proc.wait()}; see the runner's log)"
-            )
-        reply = json.loads(line)
-        if "error" in reply:
-            raise WorkerError(str(reply["error"]))
-        return reply
-
     def first(self, cid: str) -> list[np.ndarray]:
         """One run of `cid` and its outputs; WorkerError when it fails."""
-        path = self.tmp / f"{len(os.listdir(self.tmp))}.npz"
+        path = self.tmp / "outputs.npz"  # read and removed before the next
         got = self.by[cid].ask(op="first", outputs=str(path))
         self.by[cid].stop()
         with np.load(path, allow_pickle=False) as data:
@@ -304,17 +292,10 @@ class Workers:
 
     def drop(self, cid: str) -> None:
         """Stop measuring `cid` (it failed or is not timed): its worker waits, unused, for
-        the end of the measurement."""
+        the end of the measurement (one that died is closed then)."""
         w = self.by.pop(cid, None)
         if w is not None:
             self.spare.append(w)
-
-    def _drop(self, cid: str) -> None:
-        """Close the worker of `cid` (it died or left the protocol)."""
-        w = self.by.pop(cid, None)
-        if w is not None:
-            w.proc.kill()
-            w.close()
 
     def warm(self, name: str, warmup_s: float) -> float:
         return float(self._ask(name, op="warm", warmup_s=warmup_s)["per_run_s"])
