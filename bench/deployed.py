@@ -52,7 +52,9 @@ if TYPE_CHECKING:
 #: sized from that).
 WARM_S = 0.2
 #: Pause before each turn: the last worker's spinning threads go idle within it.
-SETTLE_S = 0.02
+#: onnxruntime's intra-op threads spin on for about 25 ms after a run (read with the
+#: process CPU clock every millisecond on the sample models: 25.0 to 26.2 ms, once 41.9 ms).
+SETTLE_S = 0.05
 #: A timed sample lasts about this long (as the tuner's procedure sizes its batches).
 SAMPLE_S = 0.002
 START_TIMEOUT_S = 300.0
