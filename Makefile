@@ -11,6 +11,9 @@ TORCH_CPU ?= torch==2.13.0
 SAMPLE ?= cnn
 PRECISION ?= exact
 OUT    ?= out
+# pytest-xdist workers for `make test` and `make test-load`: two cases side by side, each
+# test stolen by whichever worker is free (a module's fixtures may then run in both).
+WORKERS ?= 2
 
 .PHONY: run test test-long lint docs test-cluster test-load protos bench bench-quick clean soak
 
@@ -41,7 +44,7 @@ test: $(STAMP) $(GDAT_STAMP)
 	    && apt-get install -y -qq --no-install-recommends systemd >/dev/null 2>&1; } \
 	    || echo "make: systemd-analyze is missing and could not be installed: the unit checks will skip"
 	@echo "make test: about 11 min on an idle 2-core machine (1,209 tests in 675 s at dc71720), longer under load; later runs print an estimate from this machine's own durations"
-	$(BIN)/python -m pytest -q -m "not soak and not cluster and not long"
+	$(BIN)/python -m pytest -q -n $(WORKERS) --dist worksteal -m "not soak and not cluster and not long"
 
 # The cases marked long: each covers again, on another kind or a slower path, what a
 # test in `make test` covers (the rest of the kill-point matrix: every job type and
@@ -76,7 +79,7 @@ test-cluster: $(CLUSTER_STAMP)
 RUNS  ?= 5
 LOOPS ?= 2
 test-load: $(STAMP)
-	LOOPS=$(LOOPS) bench/suite_under_load.sh $(RUNS)
+	LOOPS=$(LOOPS) WORKERS=$(WORKERS) bench/suite_under_load.sh $(RUNS)
 
 # Side-by-side benchmarks; they write bench/RESULTS.md and PNG plots beside it.
 $(BENCH_STAMP): $(STAMP) $(GDAT_STAMP) pyproject.toml

@@ -22,6 +22,12 @@ def test_the_estimate_sums_the_records_and_counts_a_test_without_one_at_their_me
     assert estimate(durations, ["a"]) == Estimate(3.0, 1, 1)
     assert estimate(durations, ["new", "newer"]) is None
     assert estimate({}, ["a"]) is None
+    # Side by side: the sum spread over the workers, never below the longest test.
+    assert estimate({"a": 3.0, "b": 1.0, "c": 2.0}, ["a", "b", "c"], workers=2) == Estimate(
+        3.0, 3, 3, 2
+    )
+    assert estimate({"a": 5.0, "b": 1.0}, ["a", "b"], workers=2).seconds == 5.0
+    assert estimate({"a": 3.0, "b": 3.0}, ["a", "b", "new"], workers=3).seconds == 3.0
 
 
 def test_the_line_says_minutes_and_seconds_and_what_it_rests_on() -> None:
@@ -29,6 +35,7 @@ def test_the_line_says_minutes_and_seconds_and_what_it_rests_on() -> None:
         "suite time: about 10 min 00 s for 1170 tests by the last recorded durations"
         " (1170 recorded)"
     )
+    assert "for 1170 tests on 2 workers by" in describe(Estimate(300.0, 1170, 1170, 2), 1170)
     line = describe(Estimate(61.0, 10, 7), 10)
     assert "about 1 min 01 s for 10 tests" in line and "3 without one" in line, line
     none = describe(None, 5)
@@ -99,3 +106,25 @@ def test_a_run_records_each_test_and_the_next_run_prints_their_sum(tmp_path: Pat
     # Without the cache nothing is read, written or printed.
     third = _pytest(tmp_path, "-p", "no:cacheprovider")
     assert third.returncode == 0 and "suite time" not in third.stdout, third.stdout
+
+
+@pytest.mark.slow
+def test_under_xdist_the_controller_prints_the_estimate_over_its_workers_and_keeps_the_record(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "conftest.py").write_text(_CONFTEST)
+    (tmp_path / "test_x.py").write_text(_TESTS)
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    xdist = ("-p", "xdist", "-n", "2")
+
+    first = _pytest(tmp_path, *xdist)
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert first.stdout.count("none with a recorded duration yet") == 1, first.stdout
+    record = json.loads((tmp_path / ".pytest_cache/v" / CACHE_KEY).read_text())
+    assert set(record) == {"test_x.py::test_one", "test_x.py::test_two"}
+    assert record["test_x.py::test_one"] >= 0.05
+
+    second = _pytest(tmp_path, *xdist)
+    assert second.returncode == 0, second.stdout + second.stderr
+    lines = [ln for ln in second.stdout.splitlines() if ln.startswith("suite time:")]
+    assert len(lines) == 1 and "for 2 tests on 2 workers by" in lines[0], second.stdout
