@@ -87,7 +87,7 @@ def test_a_deployed_measurement_reports_as_the_runner_does_and_keeps_no_session(
         Candidate("off", models["off"]),
         Candidate("missing", models["plain"].with_name("missing.onnx")),
     )
-    plan = MeasurePlan.fixed(5, 3.0, deployed=True)
+    plan = MeasurePlan.fixed(5, 60.0, deployed=True)  # a budget no busy machine reaches
     reply = runner.measure(MeasureRequest(cands, models["inputs"], "plain", CPU, plan))
     r = reply.results
     assert not r["missing"].ok and r["missing"].error.startswith("load:")
