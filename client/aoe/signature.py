@@ -25,10 +25,14 @@ import json
 import math
 import platform
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import onnx
 from onnx import helper
+
+# The key and the values it names live in the light aoe.keys; re-exported here, where
+# they are computed.
+from aoe.keys import SCHEMA_VERSION, DeviceFingerprint, TaskSignature, bank_key
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -42,9 +46,6 @@ __all__ = [
     "device_fingerprint",
     "task_signature",
 ]
-
-#: Version of the signature/key layout; part of every bank key.
-SCHEMA_VERSION = 1
 
 # ISA features that change which kernels a runtime picks on x86 and Arm CPUs.
 _ISA_FLAGS = frozenset(
@@ -112,37 +113,6 @@ class TensorInfo:
 
     dtype: str
     shape: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class TaskSignature:
-    op_type: str
-    domain: str
-    opset: int
-    canonical_json: str
-    digest: str
-
-
-@dataclass(frozen=True)
-class DeviceFingerprint:
-    execution_provider: str
-    hardware: str
-    isa_flags: tuple[str, ...]
-    runtime_version: str
-    options: Mapping[str, str] = field(default_factory=dict)
-    canonical_json: str = ""
-    digest: str = ""
-    #: the GPU or NPU under the provider (empty for a CPU): see `device_fingerprint`
-    accelerator: Mapping[str, str] = field(default_factory=dict)
-
-
-def bank_key(signature_digest: str, device_digest: str, precision: str) -> bytes:
-    """Return the LMDB key of a task on a device under a precision policy.
-
-    Layout: schema version, 128 bits of each digest, the policy; readable ASCII so that
-    `mdb_dump` and exports stay diffable.
-    """
-    return f"v{SCHEMA_VERSION}/{signature_digest[:32]}/{device_digest[:32]}/{precision}".encode()
 
 
 # --------------------------------------------------------------------------- signatures
