@@ -523,7 +523,7 @@ def _runtime_version() -> str:
 
 @functools.lru_cache(maxsize=16)
 def _fingerprint(
-    execution_provider: str, options_json: str, accelerator_json: str = "{}"
+    execution_provider: str, options_json: str, accelerator_json: str = "{}", runtime: str = ""
 ) -> DeviceFingerprint:
     options = json.loads(options_json)
     accelerator = json.loads(accelerator_json)
@@ -537,7 +537,7 @@ def _fingerprint(
         "ep": execution_provider,
         "hardware": hardware,
         "isa": list(flags),
-        "runtime": _runtime_version(),
+        "runtime": runtime or _runtime_version(),
         "options": options,
     }
     # Only where there is one: the CPU's description (and so every existing bank key) is
@@ -561,6 +561,8 @@ def device_fingerprint(
     execution_provider: str | None = None,
     options: Mapping[str, str] | None = None,
     accelerator: Mapping[str, str] | None = None,
+    *,
+    runtime_version: str | None = None,
 ) -> DeviceFingerprint:
     """Return the fingerprint of this machine's `execution_provider` (default: the CPU's;
     cached per process).
@@ -571,6 +573,10 @@ def device_fingerprint(
     aoe.accelerators); every one of its values is part of the digest, so a decision made
     on one GPU model or library version is never served on another. Without one, the
     hardware is this machine's CPU model and ISA flags.
+
+    `runtime_version` is the onnxruntime release the decisions are for (default: the
+    installed one's, "unknown" where none is): a compiler that reads the bank without
+    onnxruntime installed (aoed-client alone) names the release its models will run on.
     """
     if execution_provider is None:
         from aoe.device import CPU  # aoe.device maps device kinds to providers; it imports us
@@ -580,4 +586,5 @@ def device_fingerprint(
         execution_provider,
         canonical_json(dict(options or {})),
         canonical_json({str(k): str(v) for k, v in (accelerator or {}).items()}),
+        runtime_version or "",
     )
