@@ -263,3 +263,22 @@ def test_a_compiler_without_onnxruntime_names_the_release_its_models_run_on() ->
     other = device_fingerprint(runtime_version="0.0.1")
     assert other.runtime_version == "0.0.1" and other.digest != here.digest
     assert other.hardware == here.hardware and device_fingerprint() == here
+
+
+def test_bank_records_need_protobuf_only() -> None:
+    """aoe.bankrecord encodes and decodes a stored entry with protobuf alone: neither lmdb
+    nor onnx (nor anything heavier) is imported for it."""
+    code = textwrap.dedent("""
+        import sys
+        from aoe.bankrecord import BankRecord, Measured, decode, encode
+        from aoe.keys import DeviceFingerprint, TaskSignature, bank_key
+        sig = TaskSignature("Conv", "", 17, "{}", "a" * 64)
+        dev = DeviceFingerprint("CPUExecutionProvider", "cpu", (), "1.0", {}, "{}", "b" * 64)
+        m = Measured(10.0, 0.01, 5, 9.5)
+        r = BankRecord(bank_key(sig.digest, dev.digest, "int8"), sig, dev, "s", "f", "int8", m, m)
+        assert decode(encode(r)) == r
+        print(sorted({n.split(".")[0] for n in sys.modules} & {"lmdb", "onnx", "numpy", *HEAVY}))
+    """).replace("HEAVY", repr(HEAVY))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout
