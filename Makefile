@@ -17,10 +17,16 @@ WORKERS ?= 2
 
 .PHONY: run test test-long lint docs test-cluster test-load protos bench bench-quick clean soak
 
-$(STAMP): pyproject.toml
+# Two distributions from this tree: the light client (client/, aoed-client) and the daemon
+# (aoed), which requires aoed-client==0.1.0. Each pip call names both, so that the local
+# client satisfies that requirement and everything else comes from the package index.
+PROJECTS := pyproject.toml client/pyproject.toml
+CLIENT := -e ./client
+
+$(STAMP): $(PROJECTS)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[test]'
+	$(BIN)/python -m pip install --quiet $(CLIENT) -e '.[test]'
 	touch $(STAMP)
 
 # Tune a sample model embedded (no daemon) and print baseline, tuned and where outputs are.
@@ -32,9 +38,9 @@ run: $(STAMP)
 
 # torch for the GDAT tests: the CPU build explicitly first, then the extra (which it
 # satisfies), so pip never reaches for a CUDA build.
-$(GDAT_STAMP): $(STAMP) pyproject.toml
+$(GDAT_STAMP): $(STAMP) $(PROJECTS)
 	$(BIN)/python -m pip install --quiet '$(TORCH_CPU)'
-	$(BIN)/python -m pip install --quiet -e '.[gdat]'
+	$(BIN)/python -m pip install --quiet $(CLIENT) -e '.[gdat]'
 	touch $(GDAT_STAMP)
 
 # The unit checks need systemd-analyze: installed from the distribution when missing and
@@ -67,8 +73,8 @@ docs: $(STAMP)
 # The tests that start a Ray cluster on this machine (three one-CPU nodes, one device each)
 # and run a daemon on it: they need the cluster extra (ray), which `make test` leaves out.
 CLUSTER_STAMP := $(VENV)/.cluster-stamp
-$(CLUSTER_STAMP): $(STAMP) pyproject.toml
-	$(BIN)/python -m pip install --quiet -e '.[test,cluster]'
+$(CLUSTER_STAMP): $(STAMP) $(PROJECTS)
+	$(BIN)/python -m pip install --quiet $(CLIENT) -e '.[test,cluster]'
 	touch $(CLUSTER_STAMP)
 
 test-cluster: $(CLUSTER_STAMP)
@@ -82,8 +88,8 @@ test-load: $(STAMP)
 	LOOPS=$(LOOPS) WORKERS=$(WORKERS) bench/suite_under_load.sh $(RUNS)
 
 # Side-by-side benchmarks; they write bench/RESULTS.md and PNG plots beside it.
-$(BENCH_STAMP): $(STAMP) $(GDAT_STAMP) pyproject.toml
-	$(BIN)/python -m pip install --quiet -e '.[bench]'
+$(BENCH_STAMP): $(STAMP) $(GDAT_STAMP) $(PROJECTS)
+	$(BIN)/python -m pip install --quiet $(CLIENT) -e '.[bench]'
 	touch $(BENCH_STAMP)
 
 bench: $(BENCH_STAMP)
@@ -126,4 +132,4 @@ protos: $(STAMP)
 	    protos/aoe/v1/*.proto
 
 clean:
-	rm -rf $(VENV) $(OUT) build *.egg-info
+	rm -rf $(VENV) $(OUT) build *.egg-info client/build client/*.egg-info

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The check for a lent NVIDIA GPU, in one call of at most 8 minutes: install the GPU extra
-# in a venv of its own (onnxruntime and onnxruntime-gpu must never share one), tune two
-# models the bench builds, and write the comparison table (bench/gpu_check.py says what
-# is measured) to $OUT/gpu_results.md, to be folded into bench/RESULTS.md.
+# The check for a lent NVIDIA GPU, in one call of at most 8 minutes: install the project
+# with onnxruntime-gpu in a venv of its own (onnxruntime and onnxruntime-gpu must never
+# share one), tune two models the bench builds, and write the comparison table
+# (bench/gpu_check.py says what is measured) to $OUT/gpu_results.md, to be folded into
+# bench/RESULTS.md.
 #
 #   bench/gpu_check.sh [--dry-run] [--wheels DIR] [--budget S]
 #
@@ -36,18 +37,23 @@ else
     PY="$VENV/bin/python"
     PIP=("$PY" -m pip install --quiet --disable-pip-version-check)
     [ -n "$WHEELS" ] && PIP+=(--no-index --find-links "$WHEELS")
-    # The project's dependencies but onnxruntime, then the GPU extra, then the project
-    # itself without dependencies: pip would otherwise bring the CPU onnxruntime too.
+    # The swap docs/tuning.md describes, done up front: the dependencies of the client
+    # (with its grpc extra) and of the daemon but onnxruntime and the client itself, the
+    # GPU extra and onnxruntime-gpu, then both distributions without dependencies: pip
+    # would otherwise bring the CPU onnxruntime too.
     mapfile -t DEPS < <("$PY" - <<'PYEOF'
 import re, tomllib
-project = tomllib.load(open("pyproject.toml", "rb"))["project"]
-for dep in project["dependencies"] + project["optional-dependencies"]["gpu"]:
-    if re.match(r"onnxruntime\b(?!-)", dep) is None:
+client = tomllib.load(open("client/pyproject.toml", "rb"))["project"]
+daemon = tomllib.load(open("pyproject.toml", "rb"))["project"]
+deps = client["dependencies"] + client["optional-dependencies"]["grpc"]
+deps += daemon["dependencies"] + daemon["optional-dependencies"]["gpu"] + ["onnxruntime-gpu>=1.20"]
+for dep in deps:
+    if re.match(r"(onnxruntime|aoed-client)\b(?!-gpu)", dep) is None:
         print(dep)
 PYEOF
 )
     "${PIP[@]}" "${DEPS[@]}"
-    "${PIP[@]}" --no-deps -e .
+    "${PIP[@]}" --no-deps -e ./client -e .
     "$PY" -c "import onnxruntime as o; print('onnxruntime', o.__version__, o.get_available_providers())" | tee "$OUT/providers.txt"
 fi
 ARGS=(--out "$OUT")

@@ -142,7 +142,8 @@ install_files() {
         mkdir "$work/src"
         cp -R "$SRC/pyproject.toml" "$SRC/README.md" "$SRC/client" "$SRC/daemon" "$work/src/"
         "$DESTDIR$PREFIX/venv/bin/python" -m pip install --quiet --upgrade pip
-        "$DESTDIR$PREFIX/venv/bin/python" -m pip install --quiet --upgrade "$work/src"
+        # Both distributions in one call: the daemon's requires the client's (aoed-client).
+        "$DESTDIR$PREFIX/venv/bin/python" -m pip install --quiet --upgrade "$work/src/client" "$work/src"
     fi
 
     sed "s|/opt/aoed|$PREFIX|g" "$DEPLOY/systemd/aoed.service" >"$work/aoed.service"

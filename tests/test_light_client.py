@@ -1,8 +1,12 @@
-"""The light client: what a compiler imports to look tasks up, and that it finds, in the
+"""The light client: what a compiler imports to look tasks up, that it installs alone
+(client/pyproject.toml, aoed-client) and looks a model up there, and that it finds, in the
 model a user actually has, the tasks the tuner tuned."""
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -15,12 +19,14 @@ from onnx import TensorProto, helper, numpy_helper
 
 from aoe.bank import CUSTOM, ModelTasks, open_bank
 from aoe.partition import partition
+from aoe.signature import device_fingerprint
 from aoed import samples
 from aoed.engine.prep import prepare
 
 from .test_bank_reader import make_bank, rec
 
 HEAVY = ("trio", "onnxruntime", "aoed", "grpc")
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_lookups_import_neither_trio_nor_onnxruntime_nor_the_daemon(tmp_path: Path) -> None:
@@ -48,6 +54,119 @@ def test_lookups_import_neither_trio_nor_onnxruntime_nor_the_daemon(tmp_path: Pa
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def _pip(python: Path, *args: str) -> None:
+    done = subprocess.run(
+        [str(python), "-m", "pip", "install", "--quiet", *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+
+
+_LIGHT_LOOKUP = """
+import importlib.metadata, json, sys
+import onnx
+import aoe.bank
+from aoe.bank import ModelTasks, open_bank
+from aoe.signature import device_fingerprint
+
+model_path, bank_path, runtime = sys.argv[1:]
+installed = []
+for dist in ("trio", "onnxruntime", "onnxruntime-gpu", "grpcio", "torch", "aoed"):
+    try:
+        installed.append(f"{dist} {importlib.metadata.version(dist)}")
+    except importlib.metadata.PackageNotFoundError:
+        pass
+model = onnx.load(model_path)  # what a compiler holds
+tasks = ModelTasks(model)
+found = {}
+with open_bank(bank_path, use_env=False, device=device_fingerprint(runtime_version=runtime)) as bank:
+    for node in model.graph.node:
+        entry, layer = bank.lookup_node(node, tasks)
+        if entry is not None:
+            found[entry.signature.digest] = [entry.strategy.name, layer]
+with open_bank(bank_path, use_env=False) as bank:  # this venv's own runtime: none
+    own = [n.name for n in model.graph.node if bank.lookup_node(n, tasks)[0] is not None]
+print(json.dumps({
+    "installed": installed,
+    "loaded": sorted({m.split(".")[0] for m in sys.modules}),
+    "aoe": aoe.bank.__file__,
+    "runtime": device_fingerprint().runtime_version,
+    "target": device_fingerprint(runtime_version=runtime).digest,
+    "found": found,
+    "own": own,
+}))
+"""
+
+
+@pytest.mark.long
+def test_the_client_installs_alone_and_a_compiler_looks_a_model_up_there(tmp_path: Path) -> None:
+    """`pip install ./client` into an empty venv brings the bank reader and nothing of the
+    daemon's: no trio, onnxruntime, grpcio or torch installed, none imported. There, a
+    compiler looks up the tasks of a model in a bank this venv's tuner code wrote, naming
+    the onnxruntime release its models run on (none is installed to ask). The grpc extra
+    then brings aoe.Client."""
+    src = tmp_path / "src" / "client"  # a copy: pip builds in place (build/, *.egg-info)
+    shutil.copytree(
+        ROOT / "client", src, ignore=shutil.ignore_patterns("__pycache__", "build", "*.egg-info")
+    )
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+    python = venv / "bin" / "python"
+    _pip(python, str(src))
+
+    model = samples.save(samples.cnn(), tmp_path / "cnn.onnx")
+    prep = prepare(model, tmp_path / "prep", {})
+    tuned = {
+        t.signature.digest: t for rep in partition(prep.model, prep.ctx) for t in (rep, *rep.twins)
+    }
+    assert tuned, "the tuner found no task"
+    records = [rec(sig=t.signature, strategy=f"s_{d[:8]}") for d, t in tuned.items()]
+    bank = make_bank(tmp_path / "bank", records)
+    here = device_fingerprint()
+
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("PYTHONPATH", "TUNE_BANK_PATH", "AOED_BANK_LAYERS")
+    }
+    done = subprocess.run(
+        [str(python), "-c", _LIGHT_LOOKUP, str(model), str(bank), here.runtime_version],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    got = json.loads(done.stdout)
+    assert got["installed"] == [], got["installed"]
+    assert not set(got["loaded"]) & {*HEAVY, "torch"}, got["loaded"]
+    assert Path(got["aoe"]).is_relative_to(venv), got["aoe"]  # the installed copy, not the tree
+    assert got["runtime"] == "unknown"
+    assert got["target"] == here.digest  # the release named: this machine's own fingerprint
+    assert got["found"] == {d: [f"s_{d[:8]}", CUSTOM] for d in tuned}
+    assert got["own"] == []  # decisions for a runtime never answer "unknown"
+
+    _pip(python, f"{src}[grpc]")
+    done = subprocess.run(
+        [
+            str(python),
+            "-c",
+            "import sys, aoe.bank; print('grpc' in sys.modules); from aoe import Client; "
+            "print(Client.__module__)",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert done.stdout.split() == ["False", "aoe.client"]
 
 
 def _exported_mlp() -> onnx.ModelProto:
@@ -134,3 +253,32 @@ def test_without_its_shapes_a_dynamic_model_finds_nothing_and_says_nothing_wrong
     index = ModelTasks(samples.mlp(dynamic_batch=True))
     assert len(index) == 0  # no static shapes, no signatures: no false matches either
     assert len(ModelTasks(samples.mlp(dynamic_batch=True), {"input": (1, 256)})) == 3
+
+
+def test_a_compiler_without_onnxruntime_names_the_release_its_models_run_on() -> None:
+    """A key's device names the onnxruntime release; a reader that has none installed
+    names it, and gets this machine's fingerprint for that release, no other."""
+    here = device_fingerprint()
+    assert device_fingerprint(runtime_version=here.runtime_version) == here
+    other = device_fingerprint(runtime_version="0.0.1")
+    assert other.runtime_version == "0.0.1" and other.digest != here.digest
+    assert other.hardware == here.hardware and device_fingerprint() == here
+
+
+def test_bank_records_need_protobuf_only() -> None:
+    """aoe.bankrecord encodes and decodes a stored entry with protobuf alone: neither lmdb
+    nor onnx (nor anything heavier) is imported for it."""
+    code = textwrap.dedent("""
+        import sys
+        from aoe.bankrecord import BankRecord, Measured, decode, encode
+        from aoe.keys import DeviceFingerprint, TaskSignature, bank_key
+        sig = TaskSignature("Conv", "", 17, "{}", "a" * 64)
+        dev = DeviceFingerprint("CPUExecutionProvider", "cpu", (), "1.0", {}, "{}", "b" * 64)
+        m = Measured(10.0, 0.01, 5, 9.5)
+        r = BankRecord(bank_key(sig.digest, dev.digest, "int8"), sig, dev, "s", "f", "int8", m, m)
+        assert decode(encode(r)) == r
+        print(sorted({n.split(".")[0] for n in sys.modules} & {"lmdb", "onnx", "numpy", *HEAVY}))
+    """).replace("HEAVY", repr(HEAVY))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout

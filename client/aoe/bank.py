@@ -43,6 +43,7 @@ from google.protobuf import json_format
 from aoe.lmdbcheck import damaged, find_damage, read_data_file
 from aoe.lmdbenv import FULL_MAP, MAP_SIZES, TxnGate, bank_error, lmdb_errors, reserve_lock_file
 from aoe.errors import BankError
+from aoe.keys import PRECISION_CODES
 from aoe.partition import ModelTasks
 from aoe.signature import (
     SCHEMA_VERSION,
@@ -84,17 +85,6 @@ MAX_DBS = 16  # the writer keeps 8 (aoed.bank.store); room for more kinds of rec
 #: The map readers (and the writer, aoed.bank.store) open a bank with where they may.
 READER_MAP = FULL_MAP
 
-#: Precision policy names and their code in aoe.v1.Precision: the one mapping (the bank
-#: codec uses it too).
-PRECISION_CODES = {
-    "exact": bank_pb2.PRECISION_EXACT,
-    "int8": bank_pb2.PRECISION_INT8,
-    "int4": bank_pb2.PRECISION_INT4,
-    "fp16": bank_pb2.PRECISION_FP16,
-    "bf16": bank_pb2.PRECISION_BF16,
-    "lowrank": bank_pb2.PRECISION_LOWRANK,
-}
-PRECISION_NAMES = {code: name for name, code in PRECISION_CODES.items()}
 _PRECISIONS = set(PRECISION_CODES)
 
 

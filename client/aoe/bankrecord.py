@@ -2,22 +2,25 @@
 strategy, the winner's and the default's statistics, accuracy, provenance), and its
 stored form, `aoe.v1.BankEntry` bytes (`encode` / `decode`).
 
-Public and light (protobuf only): the daemon's bank writer and engine, `aoe compile`
-and any reader of a bank use these; the bank's keys are `aoe.signature.bank_key`.
+Public and light (protobuf only: no onnx, no lmdb): the daemon's bank writer and
+engine, `aoe compile` and any reader of a bank use these; the bank's keys are
+`aoe.keys.bank_key`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from aoe.bank import PRECISION_CODES, PRECISION_NAMES
-from aoe.signature import SCHEMA_VERSION, DeviceFingerprint, TaskSignature
+from aoe.keys import (
+    PRECISION_CODES,
+    PRECISION_NAMES,
+    SCHEMA_VERSION,
+    DeviceFingerprint,
+    TaskSignature,
+)
 from aoe.v1 import bank_pb2
 
 __all__ = ["BankRecord", "Measured", "decode", "encode"]
-
-_PRECISION = PRECISION_CODES
-_PRECISION_NAME = PRECISION_NAMES
 
 
 @dataclass(frozen=True)
@@ -72,7 +75,7 @@ def encode(r: BankRecord) -> bytes:
     e.device.digest = d.digest
     e.strategy.name = r.strategy
     e.strategy.family = r.family
-    e.strategy.precision = _PRECISION[r.precision]
+    e.strategy.precision = PRECISION_CODES[r.precision]
     e.strategy.params.update(r.params)
     _stats(e.winner, r.winner)
     _stats(e.baseline, r.baseline)
@@ -122,7 +125,7 @@ def decode(data: bytes) -> BankRecord:
         ),
         strategy=e.strategy.name,
         family=e.strategy.family,
-        precision=_PRECISION_NAME.get(e.strategy.precision, "exact"),
+        precision=PRECISION_NAMES.get(e.strategy.precision, "exact"),
         winner=_measured(e.winner),
         baseline=_measured(e.baseline),
         max_abs_error=e.accuracy.max_abs_error,

@@ -35,7 +35,7 @@ from typing import Any
 
 from aoe.device import CPU, KINDS, Device
 from aoe.provider_options import BOOL, CHOICES, OPTIONS
-from aoe.signature import SCHEMA_VERSION
+from aoe.keys import PRECISION_NAMES, SCHEMA_VERSION
 from aoe.v1 import bank_pb2
 
 __all__ = [
@@ -193,14 +193,7 @@ PROVIDER_VALUES: Mapping[tuple[str, str], tuple[str, ...] | _Int] = {
 _PROVIDER_KIND = {Device(kind).provider: kind for kind in KINDS if kind != "cpu"}
 _CPU_PROVIDER = CPU.provider
 _GDAT_PROVIDER = "torch.distributed"  # aoe.gradlayout.GDAT_PROVIDER
-_PRECISIONS = {
-    bank_pb2.PRECISION_EXACT: "exact",
-    bank_pb2.PRECISION_INT8: "int8",
-    bank_pb2.PRECISION_INT4: "int4",
-    bank_pb2.PRECISION_FP16: "fp16",
-    bank_pb2.PRECISION_BF16: "bf16",
-    bank_pb2.PRECISION_LOWRANK: "lowrank",
-}
+_PRECISIONS = PRECISION_NAMES
 
 _HEX32 = re.compile(r"[0-9a-f]{32}")
 _HEX64 = re.compile(r"[0-9a-f]{64}")

@@ -25,10 +25,14 @@ import json
 import math
 import platform
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import onnx
 from onnx import helper
+
+# The key and the values it names live in the light aoe.keys; re-exported here, where
+# they are computed.
+from aoe.keys import SCHEMA_VERSION, DeviceFingerprint, TaskSignature, bank_key
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -42,9 +46,6 @@ __all__ = [
     "device_fingerprint",
     "task_signature",
 ]
-
-#: Version of the signature/key layout; part of every bank key.
-SCHEMA_VERSION = 1
 
 # ISA features that change which kernels a runtime picks on x86 and Arm CPUs.
 _ISA_FLAGS = frozenset(
@@ -112,37 +113,6 @@ class TensorInfo:
 
     dtype: str
     shape: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class TaskSignature:
-    op_type: str
-    domain: str
-    opset: int
-    canonical_json: str
-    digest: str
-
-
-@dataclass(frozen=True)
-class DeviceFingerprint:
-    execution_provider: str
-    hardware: str
-    isa_flags: tuple[str, ...]
-    runtime_version: str
-    options: Mapping[str, str] = field(default_factory=dict)
-    canonical_json: str = ""
-    digest: str = ""
-    #: the GPU or NPU under the provider (empty for a CPU): see `device_fingerprint`
-    accelerator: Mapping[str, str] = field(default_factory=dict)
-
-
-def bank_key(signature_digest: str, device_digest: str, precision: str) -> bytes:
-    """Return the LMDB key of a task on a device under a precision policy.
-
-    Layout: schema version, 128 bits of each digest, the policy; readable ASCII so that
-    `mdb_dump` and exports stay diffable.
-    """
-    return f"v{SCHEMA_VERSION}/{signature_digest[:32]}/{device_digest[:32]}/{precision}".encode()
 
 
 # --------------------------------------------------------------------------- signatures
@@ -553,7 +523,7 @@ def _runtime_version() -> str:
 
 @functools.lru_cache(maxsize=16)
 def _fingerprint(
-    execution_provider: str, options_json: str, accelerator_json: str = "{}"
+    execution_provider: str, options_json: str, accelerator_json: str = "{}", runtime: str = ""
 ) -> DeviceFingerprint:
     options = json.loads(options_json)
     accelerator = json.loads(accelerator_json)
@@ -567,7 +537,7 @@ def _fingerprint(
         "ep": execution_provider,
         "hardware": hardware,
         "isa": list(flags),
-        "runtime": _runtime_version(),
+        "runtime": runtime or _runtime_version(),
         "options": options,
     }
     # Only where there is one: the CPU's description (and so every existing bank key) is
@@ -591,6 +561,8 @@ def device_fingerprint(
     execution_provider: str | None = None,
     options: Mapping[str, str] | None = None,
     accelerator: Mapping[str, str] | None = None,
+    *,
+    runtime_version: str | None = None,
 ) -> DeviceFingerprint:
     """Return the fingerprint of this machine's `execution_provider` (default: the CPU's;
     cached per process).
@@ -601,6 +573,10 @@ def device_fingerprint(
     aoe.accelerators); every one of its values is part of the digest, so a decision made
     on one GPU model or library version is never served on another. Without one, the
     hardware is this machine's CPU model and ISA flags.
+
+    `runtime_version` is the onnxruntime release the decisions are for (default: the
+    installed one's, "unknown" where none is): a compiler that reads the bank without
+    onnxruntime installed (aoed-client alone) names the release its models will run on.
     """
     if execution_provider is None:
         from aoe.device import CPU  # aoe.device maps device kinds to providers; it imports us
@@ -610,4 +586,5 @@ def device_fingerprint(
         execution_provider,
         canonical_json(dict(options or {})),
         canonical_json({str(k): str(v) for k, v in (accelerator or {}).items()}),
+        runtime_version or "",
     )

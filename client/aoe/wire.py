@@ -20,6 +20,7 @@ from typing import Any
 from aoe.bank import LayerStats
 from aoe.errors import OptionError
 from aoe.figures import Comparison, Figures
+from aoe.keys import PRECISION_CODES
 from aoe.outcome import BudgetReport, JobOutcome, StageTime, TaskOutcome
 from aoe.spec import JobSpec, JobType, Precision, SpecError, Stage
 from aoe.v1 import bank_pb2, tuning_pb2
@@ -38,13 +39,9 @@ __all__ = [
 #: parallel` and TE_PARALLEL_COMPILER may (aoe.config).
 MAX_PARALLEL = 32
 
-_PRECISION = {
-    Precision.EXACT: bank_pb2.PRECISION_EXACT,
-    Precision.INT8: bank_pb2.PRECISION_INT8,
-    Precision.INT4: bank_pb2.PRECISION_INT4,
-    Precision.FP16: bank_pb2.PRECISION_FP16,
-    Precision.BF16: bank_pb2.PRECISION_BF16,
-}
+#: A job's precisions and their codes: the bank's table (aoe.keys) but for the gradient
+#: precision `lowrank`, which no JobOptions or JobResult carries.
+_PRECISION = {p: PRECISION_CODES[p] for p in Precision}
 _JOB_TYPE = {
     JobType.OPAT: tuning_pb2.JOB_TYPE_OPAT,
     JobType.SGAT: tuning_pb2.JOB_TYPE_SGAT,

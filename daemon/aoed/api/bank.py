@@ -37,7 +37,8 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from aoe.bank import PRECISION_NAMES, default_record, parse_key, record_to_json
+from aoe.bank import default_record, parse_key, record_to_json
+from aoe.keys import PRECISION_NAMES
 from aoe.device import Device
 from aoe.errors import OptionError, ResourceExhaustedError
 from aoe.v1 import bank_pb2, bank_pb2_grpc

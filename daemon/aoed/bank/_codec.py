@@ -17,8 +17,6 @@ from typing import Any
 from google.protobuf.message import DecodeError
 
 from aoe.bank import (
-    PRECISION_CODES,
-    PRECISION_NAMES,
     default_doc,
     default_record,
     parse_key,
@@ -34,7 +32,7 @@ from aoe.recordcheck import (
     check_trial,
     loads,
 )
-from aoe.signature import SCHEMA_VERSION, bank_key
+from aoe.keys import PRECISION_CODES, PRECISION_NAMES, SCHEMA_VERSION, bank_key
 from aoe.v1 import bank_pb2
 
 __all__ = [
