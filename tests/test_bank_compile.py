@@ -128,7 +128,7 @@ def test_compile_applies_bank_strategies_and_skips_what_it_must(
     feeds = make_inputs(prep.inputs, seed=3)
     ref = ort.InferenceSession(str(src), providers=["CPUExecutionProvider"]).run(None, feeds)
     got = aoe.session(out).run(None, feeds)
-    for x, y in zip(ref, got):
+    for x, y in zip(ref, got, strict=True):
         np.testing.assert_allclose(y, x, rtol=1e-4, atol=1e-5)
 
 

@@ -285,7 +285,7 @@ def test_import_and_prune_wait_for_a_tune_and_nothing_is_lost(models: Path, tmp_
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    for p, (o, e) in zip(others, results):
+    for p, (_, e) in zip(others, results, strict=True):
         assert p.returncode == 0, e
         assert (
             e.startswith(f"aoe: bank {bank}: being written by pid {tune.pid} (")

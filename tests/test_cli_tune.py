@@ -103,7 +103,7 @@ def _outputs(path: Path, feeds: dict, tuned: bool) -> list[np.ndarray]:
 
 def _assert_exact(src: Path, tuned: Path, tmp: Path) -> None:
     feeds = make_inputs(prepare(src, tmp / "check").inputs, seed=7)
-    for ref, out in zip(_outputs(src, feeds, False), _outputs(tuned, feeds, True)):
+    for ref, out in zip(_outputs(src, feeds, False), _outputs(tuned, feeds, True), strict=True):
         assert out.shape == ref.shape
         assert np.max(np.abs(out - ref)) <= 1e-3 * np.max(np.abs(ref))
 

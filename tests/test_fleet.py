@@ -129,7 +129,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[list[Daemo
         },
         "c": {"entries": [k_entry["c"]], "defaults": [(k2.key, {"default_us": 9.0})]},
     }
-    for name, d in zip("abc", daemons):
+    for name, d in zip("abc", daemons, strict=True):
         store = BankStore(d.bank)
         try:
             f = fills[name]

@@ -151,6 +151,6 @@ def test_bound_runs_time_device_memory_and_give_the_same_outputs() -> None:
     again = run.outputs()
     expected = sess.run(None, feeds)
     assert len(first) == len(expected) and all(
-        np.array_equal(a, b) for a, b in zip(again, expected)
+        np.array_equal(a, b) for a, b in zip(again, expected, strict=True)
     )
-    assert all(np.array_equal(a, b) for a, b in zip(first, expected))
+    assert all(np.array_equal(a, b) for a, b in zip(first, expected, strict=True))

@@ -197,7 +197,7 @@ def test_cli_writes_files(tmp_path: Path) -> None:
     printed = proc.stdout.split()
     expected = [tmp_path / "mlp.onnx", tmp_path / "legacy_cnn.onnx"]
     assert [Path(p) for p in printed] == expected
-    for path, name in zip(expected, ("mlp", "legacy_cnn")):
+    for path, name in zip(expected, ("mlp", "legacy_cnn"), strict=True):
         assert path.read_bytes() == samples.build(name).SerializeToString()
 
 

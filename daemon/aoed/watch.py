@@ -628,7 +628,7 @@ class Watcher:
         except OSError as exc:
             self._jobs.claim_drop(str(path))
             await trio.to_thread.run_sync(shutil.rmtree, dst.parent, True)
-            if isinstance(exc, FileNotFoundError) and not path.exists():
+            if isinstance(exc, FileNotFoundError) and not await trio.Path(path).exists():
                 return None
             raise
         log.info("inbox %s: claimed %s", inbox.path, path.name)
@@ -848,10 +848,11 @@ class Watcher:
         dst = Path(claim.dst)
         if dst.parent.parent == self._claims_dir:
             await trio.to_thread.run_sync(_remove, dst.parent)
-        folder = self._folders.get(Path(claim.inbox))
         src = Path(claim.src)
-        if folder is not None and src.exists():
-            self._consider(src, folder, False)
+        if await trio.Path(src).exists():
+            folder = self._folders.get(Path(claim.inbox))
+            if folder is not None:
+                self._consider(src, folder, False)
 
 
 # ------------------------------------------------------------------ folder options

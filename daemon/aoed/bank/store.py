@@ -409,7 +409,7 @@ class BankStore:
             with self._txn("import", write=True) as txn:
                 got = self._merge(_Writes(self, txn), batch, replace, announce)
             for kind in KINDS:  # counted only once the batch is committed
-                counts[kind] = [a + b for a, b in zip(counts[kind], got[kind])]
+                counts[kind] = [a + b for a, b in zip(counts[kind], got[kind], strict=True)]
             batch.clear()
 
         for rec in records:

@@ -351,13 +351,13 @@ class BankWriter:
         """The read-only layers as one reader (None when there are none)."""
         async with self._open_lock:
             if self._layers is None and self.layer_paths:
-                own = Path(self.path).resolve()
-                paths = [p for p in self.layer_paths if p.resolve() != own]
-                if paths:
-                    self._layers = await trio.to_thread.run_sync(
-                        lambda: open_bank(paths, use_env=False, custom=False)
-                    )
+                self._layers = await trio.to_thread.run_sync(self._open_layers)
             return self._layers
+
+    def _open_layers(self) -> BankReader | None:
+        own = Path(self.path).resolve()
+        paths = [p for p in self.layer_paths if p.resolve() != own]
+        return open_bank(paths, use_env=False, custom=False) if paths else None
 
     def count_decisions(self, hits: int, total: int) -> None:
         """Count a finished job's bank tally (aoe.outcome.bank_tally: `total` tasks, `hits`

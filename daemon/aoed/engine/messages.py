@@ -137,7 +137,7 @@ def _unknown(data: Any, obj: Any, path: str = "$") -> tuple[str, str] | None:
             return extra, path
         steps = [(f".{n}", data[n], getattr(obj, n)) for n in names if n in data]
     elif isinstance(obj, (list, tuple)):
-        steps = [(f"[{i}]", d, o) for i, (d, o) in enumerate(zip(data, obj))]
+        steps = [(f"[{i}]", d, o) for i, (d, o) in enumerate(zip(data, obj, strict=True))]
     elif isinstance(obj, dict):
         steps = [(f"[{k!r}]", data[k], o) for k, o in obj.items()]
     else:

@@ -494,7 +494,7 @@ def _grad_errors(ref: Any, hooked: Any) -> dict[str, Any]:
         norms.append(float(ga.norm()))
     floor = _TINY * max(norms, default=0.0)
     worst, worst_i = 0.0, -1
-    for i, (d, n) in enumerate(zip(diffs, norms)):
+    for i, (d, n) in enumerate(zip(diffs, norms, strict=True)):
         scale = max(n, floor)
         err = d / scale if scale > 0 and math.isfinite(d) else (0.0 if d == 0 else math.inf)
         if worst_i < 0 or err > worst:
