@@ -15,13 +15,13 @@ from __future__ import annotations
 import hashlib
 import itertools
 import os
+import random
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-import random
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 

@@ -15,12 +15,12 @@ import onnxruntime as ort
 import pytest
 
 import aoe
-from aoe.sessionopts import METADATA_KEY
 from aoe.bank import CUSTOM, open_bank
+from aoe.bankrecord import Measured
 from aoe.errors import OptionError
+from aoe.sessionopts import METADATA_KEY
 from aoe.signature import bank_key, canonical_json
 from aoed.backends.ort.catalog import build_registry
-from aoe.bankrecord import Measured
 from aoed.bankcompile import compile_model
 from aoed.embedded import apply_bank
 from aoed.engine.assemble import Assembly, model_signature, tunable_tasks

@@ -26,6 +26,7 @@ import aoe
 from aoe.bank import default_record, open_bank, record_to_json
 from aoe.bankrecord import BankRecord, Measured, encode
 from aoe.gdat import BUILTIN_HOOKS, DDPConfig
+from aoe.provider_options import OPTIONS
 from aoe.recordcheck import (
     FILE_OPTIONS,
     MAX_DEPTH,
@@ -36,7 +37,6 @@ from aoe.recordcheck import (
     loads,
 )
 from aoe.sessionopts import METADATA_KEY, make_session_options, session_providers, trt_files
-from aoe.provider_options import OPTIONS
 from aoe.signature import bank_key, canonical_json, device_fingerprint
 from aoe.v1 import bank_pb2, tuning_pb2
 from aoed.bank.daemonbank import check_import

@@ -14,10 +14,10 @@ import pytest
 import trio
 
 from aoe.bank import entry_to_json, open_bank
+from aoe.bankrecord import encode
 from aoe.errors import BankBusyError
 from aoe.signature import bank_key, device_fingerprint
 from aoe.v1 import bank_pb2
-from aoe.bankrecord import encode
 from aoed.bank.lock import LOCK_NAME, POLL_S
 from aoed.bank.store import BankStore
 from aoed.bank.writer import BankWrite, BankWriter

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from aoe.bank import open_bank
+from aoe.bankrecord import encode
 from aoe.signature import bank_key
 from aoe.v1 import bank_pb2
-from aoe.bankrecord import encode
 from aoed.bank.store import BankStore
 from tests.daemon_util import DaemonProcess
 

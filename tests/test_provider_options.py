@@ -10,9 +10,9 @@ import onnx
 import pytest
 
 import aoe
-from aoe.sessionopts import METADATA_KEY, normalize_options, session_providers
 from aoe.device import Device
 from aoe.errors import DeviceError
+from aoe.sessionopts import METADATA_KEY, normalize_options, session_providers
 from aoed import samples
 from aoed.engine.assemble import set_metadata, tuned_metadata
 

@@ -25,10 +25,10 @@ import pytest
 import trio
 
 from aoe.config import load_config
+from aoe.errors import AoedError, NotFoundError, OptionError, ResourceExhaustedError
 from aoe.figures import Figures
 from aoe.outcome import JobOutcome
 from aoe.spec import JobSpec
-from aoe.errors import AoedError, NotFoundError, OptionError, ResourceExhaustedError
 from aoed.config import DaemonConfig, Inbox, load_daemon_config
 from aoed.jobs.manager import JobManager, Submission
 from aoed.jobs.states import JobState

@@ -40,9 +40,9 @@ import lmdb
 import onnx
 from google.protobuf import json_format
 
+from aoe.errors import BankError
 from aoe.lmdbcheck import damaged, find_damage, read_data_file
 from aoe.lmdbenv import FULL_MAP, MAP_SIZES, TxnGate, bank_error, lmdb_errors, reserve_lock_file
-from aoe.errors import BankError
 from aoe.partition import ModelTasks
 from aoe.signature import (
     SCHEMA_VERSION,

@@ -62,7 +62,6 @@ import trio
 import watchfiles
 
 from aoe import figures
-from aoe.outcome import ddp_text, gdat_words
 from aoe.errors import (
     AoedError,
     DaemonUnavailableError,
@@ -71,11 +70,12 @@ from aoe.errors import (
     NotFoundError,
     OptionError,
     PermissionDeniedError,
+    ResourceExhaustedError,
 )
-from aoe.errors import ResourceExhaustedError
+from aoe.outcome import ddp_text, gdat_words
+from aoe.spec import JobSpec, JobType
 from aoed import safefs, space
 from aoed.config import DaemonConfig, Inbox
-from aoe.spec import JobSpec, JobType
 from aoed.jobs.manager import JobManager, Submission
 from aoed.jobs.store import FAILED, SUCCEEDED, Claim, JobRow
 from aoed.logs import printable

@@ -77,10 +77,10 @@ from typing import Any
 
 import lmdb
 
-from aoe.lmdbcheck import cover_last_page, damaged, find_damage
-from aoe.lmdbenv import MAP_SIZES, TxnGate, bank_error, lmdb_errors, reserve_lock_file
 from aoe.bank import CUSTOM, MAX_DBS, LayerStats, default_bank_path, parse_schema, used_bytes
 from aoe.errors import BankError
+from aoe.lmdbcheck import cover_last_page, damaged, find_damage
+from aoe.lmdbenv import MAP_SIZES, TxnGate, bank_error, lmdb_errors, reserve_lock_file
 from aoe.signature import SCHEMA_VERSION
 from aoed.bank._codec import encode_doc
 from aoed.bank.lock import WriterLock

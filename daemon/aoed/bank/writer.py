@@ -43,9 +43,9 @@ from typing import Any, TypeVar
 import trio
 
 from aoe.bank import CUSTOM, BankReader, layer_paths_from_env, open_bank
-from aoe.lmdbcheck import damaged, find_damage
-from aoe.errors import BankDamagedError, BankError, BankWriteError
 from aoe.bankrecord import BankRecord, decode, encode
+from aoe.errors import BankDamagedError, BankError, BankWriteError
+from aoe.lmdbcheck import damaged, find_damage
 from aoed.bank.lock import POLL_S, WriterLock
 from aoed.bank.store import BankStore, Change, MergeCounts, Position, PruneCounts, Record
 

@@ -62,8 +62,10 @@ from aoe.errors import (
     JobCancelledError,
     NotFoundError,
     OptionError,
+    PermissionDeniedError,
+    ResourceExhaustedError,
+    first_error,
 )
-from aoe.errors import PermissionDeniedError, ResourceExhaustedError, first_error
 from aoe.outcome import JobOutcome
 from aoe.spec import JobSpec, JobType
 from aoed import safefs, space

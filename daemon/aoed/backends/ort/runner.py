@@ -24,15 +24,14 @@ import math
 import os
 import sys
 import time
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from aoe.device import CPU, Device
 from aoe.errors import DeviceError
-
 from aoed.backends.ort import deployed
 from aoed.backends.ort.measure import Timing, interleaved, rounds
 from aoed.backends.ort.sessions import BoundRun, check_device, providers_for, session
