@@ -249,8 +249,8 @@ def _device(backend: str, rank: int) -> Any:
         if rank >= torch.npu.device_count():  # type: ignore[attr-defined]
             raise OptionError(
                 f"backend hccl: rank {rank} needs NPU {rank}, this machine has "
-                f"{torch.npu.device_count()}"
-            )  # type: ignore[attr-defined]
+                f"{torch.npu.device_count()}"  # type: ignore[attr-defined]
+            )
         torch.npu.set_device(rank)  # type: ignore[attr-defined]
         return torch.device("npu", rank)
     raise OptionError(f"backend {backend}: expected gloo, nccl or hccl")
