@@ -69,7 +69,7 @@ class StoreLayer:
             )
 
     @contextlib.contextmanager
-    def read(self, db: Any, doing: str = "lookup") -> Iterator[lmdb.Transaction]:
+    def read(self, db: Any, doing: str = "lookup") -> Iterator[lmdb.Transaction[bytes]]:
         with lmdb_errors(self.path, doing, self.env), self.env.begin(db=db) as txn:
             yield txn
 

@@ -38,7 +38,7 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, overload
 
 import trio
 
@@ -86,6 +86,8 @@ class BankPrune:
 
 #: What the writer's queue carries.
 Op = BankWrite | BankMerge | BankPrune
+#: what the writer's task sends back for an op: its value, or the error it raised
+_Reply = tuple[Any, BaseException | None]
 
 
 @dataclass(frozen=True)
@@ -131,7 +133,9 @@ class BankWriter:
         self._layers: BankReader | None = None
         self._refusal: _Refusal | None = None
         self._open_lock = trio.Lock()
-        self._send, self._recv = trio.open_memory_channel[tuple[Op, trio.MemorySendChannel]](16)
+        self._send, self._recv = trio.open_memory_channel[
+            tuple[Op, trio.MemorySendChannel[_Reply]]
+        ](16)
         self._head = 0  # the last sequence number committed, once the store is open
         self._committed = trio.Event()  # set (and replaced) when the head moves
         #: The engine's bank decisions (one per task of each job whose result was written,
@@ -233,7 +237,7 @@ class BankWriter:
             lock.release()  # (BankStore lets go of it too when it fails: release is idempotent)
             raise
 
-    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
         async with self._recv:
             async for op, reply in self._recv:
@@ -272,8 +276,14 @@ class BankWriter:
             )
         return value, store.head()
 
+    @overload
+    async def _submit(self, op: BankWrite) -> None: ...
+    @overload
+    async def _submit(self, op: BankMerge) -> dict[str, MergeCounts]: ...
+    @overload
+    async def _submit(self, op: BankPrune) -> PruneCounts: ...
     async def _submit(self, op: Op) -> Any:
-        reply_send, reply_recv = trio.open_memory_channel[tuple[Any, BaseException | None]](1)
+        reply_send, reply_recv = trio.open_memory_channel[_Reply](1)
         await self._send.send((op, reply_send))
         async with reply_recv:
             value, exc = await reply_recv.receive()
