@@ -59,11 +59,12 @@ test: $(STAMP) $(GDAT_STAMP)
 test-long: $(STAMP) $(GDAT_STAMP)
 	$(BIN)/python -m pytest -q -m long
 
-# The layout, the lint and the layering (tests/test_structure.py runs the same three).
+# The layout, the lint, the layering and the types (tests/test_structure.py runs the same four).
 lint: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
+	$(BIN)/mypy
 
 # The reference parts of docs/ (each command's options, every setting with its default)
 # rendered again from the code; tests/test_docs_reference.py fails while one differs.

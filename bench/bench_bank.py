@@ -50,9 +50,9 @@ AGGREGATE_MIN = 100_000
 
 def _template(model):
     """A realistic entry: a real task signature and this machine's fingerprint."""
+    from aoe.bankrecord import BankRecord, Measured, encode
     from aoe.partition import partition
     from aoe.signature import ModelContext, bank_key, device_fingerprint
-    from aoe.bankrecord import BankRecord, Measured, encode
 
     tasks = partition(model, ModelContext(model))
     dev = device_fingerprint("CPUExecutionProvider")

@@ -52,7 +52,8 @@ async def measure(tries: int) -> tuple[list[float], list[float]]:
             async def canceller(
                 i: int = i, handle: JobHandle = handle, stages: list = stages, t: dict = t
             ) -> None:
-                while not any(s.startswith("tuning") for s in stages):
+                # `stages` fills from the engine's event callback, which sets no event
+                while not any(s.startswith("tuning") for s in stages):  # noqa: ASYNC110
                     await trio.sleep(0.02)
                 await trio.sleep(0.3 + 0.2 * i)
                 t["cancel"] = time.monotonic()
@@ -64,7 +65,9 @@ async def measure(tries: int) -> tuple[list[float], list[float]]:
                 try:
                     await engine.run_job(
                         opts,
-                        lambda e: stages.append(e.message) if e.kind == "stage" else None,
+                        lambda e, stages=stages: (
+                            stages.append(e.message) if e.kind == "stage" else None
+                        ),
                         handle,
                     )
                 except JobCancelledError:

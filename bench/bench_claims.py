@@ -37,9 +37,10 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+import onnx
+
 import deployed
 import measure
-import onnx
 from bench_bank import publish
 from bench_sgat import _export, _write_calibration, text_feeds
 from machine import Machine

@@ -279,10 +279,9 @@ def wall_s(job) -> float:
 def fill_bank(path: Path, n: int, tmp: Path) -> tuple[list[str], list[str]]:
     """`n` synthetic entries (a real task signature's shape, this machine's fingerprint) in
     a new bank at `path`; returns keys it holds and well-formed keys it does not."""
-    from bench_bank import build_bank
-
     from aoed import samples
     from aoed.engine.prep import prepare
+    from bench_bank import build_bank
 
     # build_bank adds the transformer's own tasks too; the jobs here tune the CNN.
     samples.save(samples.build("transformer"), tmp / "bank-model.onnx")

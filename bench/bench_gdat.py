@@ -186,9 +186,9 @@ async def one(model: Path, name: str, precision: str, quick: bool, work: Path) -
     from aoe.config import load_config
     from aoe.gdat import DDPConfig
     from aoe.gradlayout import GradientLayout
-    from aoed.engine.world import World, WorldSpec, inspect_model
     from aoed.engine import stats
     from aoed.engine.confirm import verdict_of
+    from aoed.engine.world import World, WorldSpec, inspect_model
     from aoed.gdat import GdatOptions, run_gdat
     from aoed.gdat.race import Entrant
 

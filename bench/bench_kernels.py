@@ -43,12 +43,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+from onnx import TensorProto, helper, numpy_helper
+
 import deployed
 import measure
-import numpy as np
-from machine import Machine
 from bench_bank import publish
-from onnx import TensorProto, helper, numpy_helper
+from machine import Machine
 from run import Log, as_deployed
 
 HERE = Path(__file__).resolve().parent

@@ -54,10 +54,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import deployed
-import measure
 import numpy as np
 import onnx
+
+import deployed
+import measure
 from machine import Machine
 from run import Log, as_deployed, holding_device, op_counts
 from sgat_report import (

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import onnx
+
 from aoed.engine.stats import median, median_ci, paired_ratios
 
 

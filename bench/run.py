@@ -46,10 +46,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import deployed
-import measure
 import numpy as np
 import onnx
+
+import deployed
+import measure
 import report
 import targets
 from machine import Machine
@@ -304,6 +305,7 @@ def holding_device(fn: Callable[[], Any], log: Log) -> Any:
     """`fn()` while holding the machine-wide device lock the tuner's measurements take,
     so no `aoe tune` (this run's or another process's) measures at the same time."""
     import trio
+
     from aoe.config import load_config
     from aoed.engine.devlock import DeviceLock
 

@@ -11,8 +11,9 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-import measure
 import numpy as np
+
+import measure
 from targets import shipped
 
 if TYPE_CHECKING:

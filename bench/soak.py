@@ -57,7 +57,6 @@ from tests.test_faults import (
     wait_stage,
 )
 
-
 FINAL_NAMES = {S.JobState.Name(s) for s in FINAL}
 
 

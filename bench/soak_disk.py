@@ -43,11 +43,10 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 
-from bench_bank import publish  # noqa: E402
-from machine import Machine  # noqa: E402
-
 from aoe.v1 import tuning_pb2  # noqa: E402
 from aoed import samples  # noqa: E402
+from bench_bank import publish  # noqa: E402
+from machine import Machine  # noqa: E402
 from tests.daemon_util import DaemonProcess, upload  # noqa: E402
 from tests.hostile import KINDS  # noqa: E402
 from tests.test_faults import FINAL, S, bank_keys, fill, store_integrity  # noqa: E402

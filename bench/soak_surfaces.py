@@ -60,13 +60,12 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 
-from bench_bank import publish  # noqa: E402
-from machine import Machine  # noqa: E402
-from soak_disk import ACTIVE, Snapshot, all_jobs, delivered, snapshot  # noqa: E402
-
 from aoe.bank import open_bank  # noqa: E402
 from aoe.v1 import tuning_pb2  # noqa: E402
 from aoed import samples  # noqa: E402
+from bench_bank import publish  # noqa: E402
+from machine import Machine  # noqa: E402
+from soak_disk import ACTIVE, Snapshot, all_jobs, delivered, snapshot  # noqa: E402
 from tests.daemon_util import DaemonProcess, upload  # noqa: E402
 from tests.hostile import KINDS as ONNX_KINDS  # noqa: E402
 from tests.hostile_pt2 import KINDS as PT2_KINDS  # noqa: E402

@@ -192,8 +192,9 @@ def text_model(name: str, out: Path) -> dict:
 
 
 def digits_cnn(out: Path) -> dict:
-    import digits
     import torch
+
+    import digits
 
     torch.manual_seed(SEED)
     x_train, y_train, x_test, y_test = digits._split(SEED)

@@ -13,14 +13,15 @@ Each daemon has its own state dir, bank, runtime dir (device locks) and inbox un
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
+import random
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-import random
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
@@ -272,7 +273,7 @@ def mixed_calls(
         stream = tuning.WatchJob(
             tuning_pb2.WatchJobRequest(job_id=job_id, include_logs=True), timeout=timeout
         )
-        seqs = [m.event.sequence for _, m in zip(range(3), stream)]
+        seqs = [m.event.sequence for m in itertools.islice(stream, 3)]
         stream.cancel()
         return len(seqs) > 0 and seqs == list(range(1, len(seqs) + 1))
 

@@ -12,8 +12,8 @@ import numpy as np
 import onnx
 import pytest
 
-from aoe.sessionopts import normalize_options
 from aoe.device import Device
+from aoe.sessionopts import normalize_options
 from aoed.backends.ort import accel
 from aoed.backends.ort.catalog import build_registry
 from aoed.engine.session import base_options, dimensions, merge_options
@@ -158,9 +158,10 @@ def test_registry_offers_cpu_rewrites_on_the_cpu_and_float16_tasks_on_gpus() -> 
 
 
 def _task_view(op: str):
+    from onnx import TensorProto, helper, numpy_helper
+
     from aoe.signature import ModelContext
     from aoed.engine.tasks import Constants, TaskView
-    from onnx import TensorProto, helper, numpy_helper
 
     rng = np.random.default_rng(0)
     if op == "MatMul":

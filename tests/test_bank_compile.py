@@ -15,12 +15,12 @@ import onnxruntime as ort
 import pytest
 
 import aoe
-from aoe.sessionopts import METADATA_KEY
 from aoe.bank import CUSTOM, open_bank
+from aoe.bankrecord import Measured
 from aoe.errors import OptionError
+from aoe.sessionopts import METADATA_KEY
 from aoe.signature import bank_key, canonical_json
 from aoed.backends.ort.catalog import build_registry
-from aoe.bankrecord import Measured
 from aoed.bankcompile import compile_model
 from aoed.embedded import apply_bank
 from aoed.engine.assemble import Assembly, model_signature, tunable_tasks
@@ -128,7 +128,7 @@ def test_compile_applies_bank_strategies_and_skips_what_it_must(
     feeds = make_inputs(prep.inputs, seed=3)
     ref = ort.InferenceSession(str(src), providers=["CPUExecutionProvider"]).run(None, feeds)
     got = aoe.session(out).run(None, feeds)
-    for x, y in zip(ref, got):
+    for x, y in zip(ref, got, strict=True):
         np.testing.assert_allclose(y, x, rtol=1e-4, atol=1e-5)
 
 

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from aoe.bank import CUSTOM, default_record, entry_to_json, open_bank, record_to_json
+from aoe.bankrecord import Measured, encode
 from aoe.signature import bank_key
 from aoe.v1 import bank_pb2
-from aoe.bankrecord import Measured, encode
 from aoed.bank.exchange import import_lines
 from aoed.bank.store import BankStore
 
@@ -405,8 +405,8 @@ def test_a_bank_exported_and_imported_compiles_the_same_model(models: Path, tmp_
 
     import onnx
 
-    from aoe.signature import device_fingerprint
     from aoe.bankrecord import decode
+    from aoe.signature import device_fingerprint
     from aoed.backends.ort.catalog import build_registry
     from aoed.bankcompile import compile_model
     from aoed.engine.assemble import model_signature, tunable_tasks

@@ -16,9 +16,9 @@ import lmdb
 import pytest
 import trio
 
+from aoe.bankrecord import encode
 from aoe.errors import ResourceExhaustedError
 from aoed.api._bridge import Bridge
-from aoe.bankrecord import encode
 from aoed.bank.exchange import check_change, follow_replace
 from aoed.bank.follow import feed
 from aoed.bank.store import DEFAULT, ENTRY, TRIAL, BankStore, Change, Position, Record, history_key

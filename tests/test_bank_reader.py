@@ -22,6 +22,7 @@ from aoe.bank import (
     open_bank,
     parse_key,
 )
+from aoe.bankrecord import BankRecord, encode
 from aoe.errors import BankError
 from aoe.signature import (
     SCHEMA_VERSION,
@@ -31,7 +32,6 @@ from aoe.signature import (
     device_fingerprint,
 )
 from aoed import samples
-from aoe.bankrecord import BankRecord, encode
 from aoed.bank.store import BankStore
 from aoed.bank.writer import BankWriter
 

@@ -15,6 +15,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper, shape_inference
 
+from aoe.bankrecord import BankRecord, Measured, decode, encode
 from aoe.errors import BankError
 from aoe.signature import (
     SCHEMA_VERSION,
@@ -25,7 +26,6 @@ from aoe.signature import (
     task_signature,
 )
 from aoe.v1 import bank_pb2
-from aoe.bankrecord import BankRecord, Measured, decode, encode
 from aoed.bank.store import ENTRY, BankStore, Record, default_bank_path
 
 
@@ -371,8 +371,8 @@ def test_the_lock_file_is_allocated_before_lmdb_maps_it(tmp_path: Path) -> None:
     write into a page the filesystem has not allocated is SIGBUS (tests/test_faults.py
     fills a real disk). So the store creates it with every block allocated, at the size
     LMDB itself gives it, and a reader fills the holes of one left sparse."""
-    from aoe.lmdbenv import LOCK_BYTES
     from aoe.bank import open_bank
+    from aoe.lmdbenv import LOCK_BYTES
 
     plain = lmdb.open(str(tmp_path / "plain"))  # the size LMDB gives it by itself
     plain.close()

@@ -26,6 +26,7 @@ import aoe
 from aoe.bank import default_record, open_bank, record_to_json
 from aoe.bankrecord import BankRecord, Measured, encode
 from aoe.gdat import BUILTIN_HOOKS, DDPConfig
+from aoe.provider_options import OPTIONS
 from aoe.recordcheck import (
     FILE_OPTIONS,
     MAX_DEPTH,
@@ -36,7 +37,6 @@ from aoe.recordcheck import (
     loads,
 )
 from aoe.sessionopts import METADATA_KEY, make_session_options, session_providers, trt_files
-from aoe.provider_options import OPTIONS
 from aoe.signature import bank_key, canonical_json, device_fingerprint
 from aoe.v1 import bank_pb2, tuning_pb2
 from aoed.bank.daemonbank import check_import
@@ -167,7 +167,7 @@ def test_each_field_the_tuner_never_writes_refuses_its_record_and_the_rest_impor
     assert f"3 added, 0 updated, 0 kept, {len(hostile)} refused" in r.stdout, r.stdout
     refused = [line for line in r.stdout.splitlines() if line.startswith("  refused ")]
     assert len(refused) == len(hostile)
-    for (name, (_, field)), said in zip(hostile.items(), refused):
+    for (name, (_, field)), said in zip(hostile.items(), refused, strict=True):
         assert field in said, f"{name}: {said[:300]}"
     assert max(map(len, refused)) < 2000, "a 7 MB value is cut in the reason"
     with open_bank(bank, use_env=False) as reader:
@@ -542,6 +542,7 @@ def test_hostile_records_from_an_import_a_peer_or_the_bank_itself_never_reach_on
         for bad, field in zip(
             hostile,
             ("strategy.name: config", "strategy.name", "winner.median_us", "strategy.name: config"),
+            strict=True,
         ):
             line = next(
                 (x for x in log.splitlines() if "refused" in x and bad.key.decode() in x), ""

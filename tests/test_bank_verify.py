@@ -23,8 +23,8 @@ from aoed.engine.bankverify import RebuildError, Verdict, judge_speed, rebuild_t
 from aoed.engine.messages import Measurement
 from aoed.engine.prep import make_inputs, prepare
 from aoed.engine.registry import DEFAULT
-from aoed.engine.tasks import Constants, TaskView
 from aoed.engine.taskinputs import Drawn, TaskInputs, describe
+from aoed.engine.tasks import Constants, TaskView
 
 from .conftest import run_aoe
 from .test_bank_reader import foreign, make_bank, rec

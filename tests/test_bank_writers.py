@@ -14,10 +14,10 @@ import pytest
 import trio
 
 from aoe.bank import entry_to_json, open_bank
+from aoe.bankrecord import encode
 from aoe.errors import BankBusyError
 from aoe.signature import bank_key, device_fingerprint
 from aoe.v1 import bank_pb2
-from aoe.bankrecord import encode
 from aoed.bank.lock import LOCK_NAME, POLL_S
 from aoed.bank.store import BankStore
 from aoed.bank.writer import BankWrite, BankWriter
@@ -285,7 +285,7 @@ def test_import_and_prune_wait_for_a_tune_and_nothing_is_lost(models: Path, tmp_
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    for p, (o, e) in zip(others, results):
+    for p, (_, e) in zip(others, results, strict=True):
         assert p.returncode == 0, e
         assert (
             e.startswith(f"aoe: bank {bank}: being written by pid {tune.pid} (")

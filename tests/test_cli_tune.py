@@ -103,7 +103,7 @@ def _outputs(path: Path, feeds: dict, tuned: bool) -> list[np.ndarray]:
 
 def _assert_exact(src: Path, tuned: Path, tmp: Path) -> None:
     feeds = make_inputs(prepare(src, tmp / "check").inputs, seed=7)
-    for ref, out in zip(_outputs(src, feeds, False), _outputs(tuned, feeds, True)):
+    for ref, out in zip(_outputs(src, feeds, False), _outputs(tuned, feeds, True), strict=True):
         assert out.shape == ref.shape
         assert np.max(np.abs(out - ref)) <= 1e-3 * np.max(np.abs(ref))
 
@@ -288,10 +288,10 @@ SLOWER_OPTIONS = {"config": {"session.disable_prepacking": "1"}}
 def _store_session_record(bank: Path, model: Path, options: dict, confirmed: dict) -> None:
     """Replace the model-level record of `model` in `bank` with an entry saying `options`
     won, confirmed as `confirmed` (what a job on a quieter machine could have stored)."""
-    from aoe.signature import bank_key, canonical_json, device_fingerprint
     from aoe.bankrecord import BankRecord, Measured, encode
-    from aoed.bank.store import BankStore
     from aoe.recordcheck import SESSION_FAMILY
+    from aoe.signature import bank_key, canonical_json, device_fingerprint
+    from aoed.bank.store import BankStore
     from aoed.engine.assemble import model_signature
 
     signature = model_signature(prepare(model, bank.parent / "prep").model)

@@ -7,6 +7,7 @@ so each job takes seconds.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import shutil
@@ -275,7 +276,7 @@ def test_two_jobs_share_the_device_one_measurement_at_a_time(daemon: DaemonProce
         spans += [(s, e, job.job_id) for s, e in doc["resources"]["device_intervals"]]
     spans.sort()
     assert len({j for *_, j in spans}) == 2 and len(spans) > 10
-    overlaps = [(p, n) for p, n in zip(spans, spans[1:]) if n[0] < p[1]]
+    overlaps = [(p, n) for p, n in itertools.pairwise(spans) if n[0] < p[1]]
     assert not overlaps, f"measurements overlapped: {overlaps[:3]}"
     # Fair share: while both ran, neither job had all of the device to itself.
     both = (max(wa[0], wb[0]) / 1e9, min(wa[1], wb[1]) / 1e9)

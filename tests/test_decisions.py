@@ -303,9 +303,10 @@ def test_ranked_keeps_the_order_of_preference_among_ties() -> None:
 
 
 def _bank_entry(strategy: str) -> BankRecord:
-    from aoe.signature import ModelContext, device_fingerprint, task_signature
-    from onnx import TensorProto, helper, numpy_helper
     import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+
+    from aoe.signature import ModelContext, device_fingerprint, task_signature
 
     w = numpy_helper.from_array(np.ones((8, 4), np.float32), "w")
     graph = helper.make_graph(
@@ -369,9 +370,9 @@ def test_real_measurements_of_one_model_under_three_names_keep_the_incumbent(tmp
     beats it."""
     import numpy as np
 
+    from aoe.device import CPU
     from aoed import samples
     from aoed.backends.ort import runner
-    from aoe.device import CPU
     from aoed.engine.messages import Candidate, MeasurePlan, MeasureRequest
 
     model = samples.save(samples.build("mlp"), tmp_path / "mlp.onnx")

@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from aoed.config import DaemonConfig, load_daemon_config
 
 ROOT = Path(__file__).resolve().parent.parent

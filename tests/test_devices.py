@@ -4,6 +4,7 @@ with two one-core CPU devices (`cpu:0`, `cpu:1`) running jobs across both."""
 from __future__ import annotations
 
 import fcntl
+import itertools
 import json
 import os
 import time
@@ -93,7 +94,7 @@ def _resources(job: tuning_pb2.Job) -> dict:
 
 def _no_overlap(spans: list[tuple[float, float]]) -> list:
     spans = sorted(spans)
-    return [(p, n) for p, n in zip(spans, spans[1:]) if n[0] < p[1]]
+    return [(p, n) for p, n in itertools.pairwise(spans) if n[0] < p[1]]
 
 
 @pytest.mark.slow

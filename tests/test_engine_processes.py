@@ -4,6 +4,7 @@ reaches the children, and children that die with a killed engine."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import subprocess
@@ -313,7 +314,7 @@ async def test_device_serializes_and_pauses_compile_workers(mlp_task, tmp_path):
         nursery.cancel_scope.cancel()
     spans = sorted(ledger.device_intervals)  # while the agent held the device, per request
     assert len(spans) == 3
-    for (_, end), (start, _) in zip(spans, spans[1:]):
+    for (_, end), (start, _) in itertools.pairwise(spans):
         assert end <= start, "two measurements overlapped on one device"
     assert "T" in seen_states, "compile worker kept running while the device measured"
     for r in replies:
@@ -406,7 +407,7 @@ async def test_cancel_drops_queued_requests_and_kills_the_one_in_flight(plugin, 
 async def test_device_lock_is_machine_wide_and_says_who_holds_it(mlp_task, tmp_path):
     task, inputs = mlp_task
     run = tmp_path / "run"
-    holder = subprocess.Popen(
+    holder = subprocess.Popen(  # noqa: ASYNC220 (driven by hand across the awaits below)
         [
             sys.executable,
             "-c",

@@ -24,7 +24,7 @@ async def _served_order(jobs: dict[str, tuple[Job, int]], capacity: int = 64) ->
         async with trio.open_nursery() as nursery:
             for i in range(n):
                 nursery.start_soon(queue.submit, f"{job.job_id}-{i}", job)
-                await trio.sleep(0)  # in order within the job
+                await trio.lowlevel.checkpoint()  # in order within the job
 
     async with trio.open_nursery() as nursery:
         for job, n in jobs.values():  # each job's requests all queued before the next job's

@@ -167,7 +167,7 @@ def test_the_confirming_a_b_reports_the_paired_figures_not_the_medians(shipped: 
     assert stats.median(TUNED) > stats.median(INPUT), "the case: the medians say slower"
     assert conf["shipped"] == "tuned" and conf["verdict"] == "faster"
     assert conf["improvement"] == pytest.approx(
-        1 / stats.median([t / i for t, i in zip(TUNED, INPUT)]) - 1
+        1 / stats.median([t / i for t, i in zip(TUNED, INPUT, strict=True)]) - 1
     )
     assert conf["result_ms"] < conf["baseline_ms"] and conf["improvement"] > 0
     assert conf["result_ms"] == pytest.approx(conf["baseline_ms"] / (1 + conf["improvement"]))

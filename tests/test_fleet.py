@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from aoe.bank import open_bank
+from aoe.bankrecord import encode
 from aoe.signature import bank_key
 from aoe.v1 import bank_pb2
-from aoe.bankrecord import encode
 from aoed.bank.store import BankStore
 from tests.daemon_util import DaemonProcess
 
@@ -129,7 +129,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[list[Daemo
         },
         "c": {"entries": [k_entry["c"]], "defaults": [(k2.key, {"default_us": 9.0})]},
     }
-    for name, d in zip("abc", daemons):
+    for name, d in zip("abc", daemons, strict=True):
         store = BankStore(d.bank)
         try:
             f = fills[name]

@@ -457,7 +457,7 @@ async def test_a_killed_job_run_again_measures_no_stage_it_finished(
     """SIGKILL once the job has kept a stage (and its gates) in its workspace; the same
     job run again takes them as they were, measures none of them again, and reports them."""
     out, bank, rt = tmp_path / "out", tmp_path / "bank", tmp_path / "rt"
-    first = subprocess.Popen(
+    first = subprocess.Popen(  # noqa: ASYNC220 (polled and killed by hand below)
         [sys.executable, "-c", _RESUMABLE, str(pt2), str(out), str(bank), str(rt)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

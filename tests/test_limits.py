@@ -367,7 +367,7 @@ def test_a_job_the_daemon_dies_under_again_and_again_is_failed_after_max_job_att
     d.start()
     try:
         job_id = submit_sample(d, "mlp", 60.0)
-        for attempt in (1, 2):
+        for _ in range(2):
             _wait_running(d, job_id)
             d.kill()  # SIGKILL while it runs: nothing of the run is recorded after this
             d.start()

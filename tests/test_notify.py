@@ -165,7 +165,8 @@ async def test_no_watchdog_ping_while_the_event_loop_is_blocked(listener: Listen
             await nursery.start(watchdog.run)
             await trio.to_thread.run_sync(lambda: listener.wait_for("WATCHDOG", "1", timeout=10))
             listener.mark("blocked")
-            time.sleep(2.0)  # blocks the trio loop (and nothing else): ten ping periods
+            # blocks the trio loop (and nothing else): ten ping periods
+            time.sleep(2.0)  # noqa: ASYNC251
             listener.mark("unblocked")
             t_unblocked, _ = await trio.to_thread.run_sync(
                 lambda: listener.wait_for("MARK", "unblocked", timeout=10)

@@ -12,8 +12,8 @@ from onnx import external_data_helper
 
 from aoe.errors import ModelError, OptionError
 from aoe.signature import TensorInfo
-from aoed import samples
 from aoe.specargs import parse_shapes as parse_input_shapes
+from aoed import samples
 from aoed.engine.prep import make_inputs, prepare
 
 

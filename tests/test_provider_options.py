@@ -10,9 +10,9 @@ import onnx
 import pytest
 
 import aoe
-from aoe.sessionopts import METADATA_KEY, normalize_options, session_providers
 from aoe.device import Device
 from aoe.errors import DeviceError
+from aoe.sessionopts import METADATA_KEY, normalize_options, session_providers
 from aoed import samples
 from aoed.engine.assemble import set_metadata, tuned_metadata
 
@@ -151,6 +151,6 @@ def test_bound_runs_time_device_memory_and_give_the_same_outputs() -> None:
     again = run.outputs()
     expected = sess.run(None, feeds)
     assert len(first) == len(expected) and all(
-        np.array_equal(a, b) for a, b in zip(again, expected)
+        np.array_equal(a, b) for a, b in zip(again, expected, strict=True)
     )
-    assert all(np.array_equal(a, b) for a, b in zip(first, expected))
+    assert all(np.array_equal(a, b) for a, b in zip(first, expected, strict=True))

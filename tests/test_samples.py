@@ -11,6 +11,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+
 from aoed import samples
 
 NAMES = sorted(samples.SAMPLES)
@@ -197,7 +198,7 @@ def test_cli_writes_files(tmp_path: Path) -> None:
     printed = proc.stdout.split()
     expected = [tmp_path / "mlp.onnx", tmp_path / "legacy_cnn.onnx"]
     assert [Path(p) for p in printed] == expected
-    for path, name in zip(expected, ("mlp", "legacy_cnn")):
+    for path, name in zip(expected, ("mlp", "legacy_cnn"), strict=True):
         assert path.read_bytes() == samples.build(name).SerializeToString()
 
 

@@ -1,11 +1,12 @@
 """The shape of the code: the layering import-linter holds (the contracts in
 pyproject.toml: the client never imports the daemon but through aoed.embedded, backends
 and the engine never import the service's parts, private modules stay private, protobuf
-stops at the edges, no cycles between the daemon's packages), ruff's lint, and names
-spelled in one place."""
+stops at the edges, no cycles between the daemon's packages), ruff's lint, mypy's types,
+and names spelled in one place."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -80,6 +81,18 @@ def test_ruff_finds_nothing() -> None:
         capture_output=True,
         text=True,
         timeout=300,
+    )
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+
+
+def test_mypy_finds_nothing() -> None:
+    """mypy over the packages, with pyproject.toml's [tool.mypy] settings."""
+    done = subprocess.run(
+        [_tool("mypy"), "--no-incremental", "--cache-dir", os.devnull],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
 

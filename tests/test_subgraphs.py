@@ -21,14 +21,14 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from aoe.bank import open_bank
-from aoe.graph import normalize
-from aoe.spec import parse_job_type
+from aoe.bankrecord import Measured
 from aoe.errors import OptionError
+from aoe.graph import normalize
 from aoe.partition import partition
 from aoe.signature import ModelContext
+from aoe.spec import parse_job_type
 from aoe.subgraphs import find_subgraphs
 from aoed.backends.ort.catalog import build_registry
-from aoe.bankrecord import Measured
 from aoed.engine.assemble import task_rewrites
 from aoed.engine.prep import make_inputs, prepare
 from aoed.engine.tasks import Constants, TaskView, apply_rewrites

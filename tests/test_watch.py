@@ -25,10 +25,10 @@ import pytest
 import trio
 
 from aoe.config import load_config
+from aoe.errors import AoedError, NotFoundError, OptionError, ResourceExhaustedError
 from aoe.figures import Figures
 from aoe.outcome import JobOutcome
 from aoe.spec import JobSpec
-from aoe.errors import AoedError, NotFoundError, OptionError, ResourceExhaustedError
 from aoed.config import DaemonConfig, Inbox, load_daemon_config
 from aoed.jobs.manager import JobManager, Submission
 from aoed.jobs.states import JobState
@@ -51,7 +51,7 @@ class Jobs:
 
     async def submit(self, sub: Submission) -> tuple[JobRow, bool]:
         self.attempts += 1
-        await trio.sleep(0)
+        await trio.lowlevel.checkpoint()
         if self.refuse:
             raise self.refuse.pop(0)
         data = sub.model.read_bytes()
@@ -688,14 +688,15 @@ async def test_a_full_disk_holds_a_claim_back_without_counting_tries(
     # The claims folder on a filesystem of three inodes: its root, and a claim's folder
     # and file (copied from the inbox's filesystem), once the filler has gone.
     cfg.claims_dir.mkdir(parents=True, exist_ok=True)
-    r = subprocess.run(
+    r = await trio.run_process(
         ["mount", "-t", "tmpfs", "-o", "size=1m,nr_inodes=3", "tmpfs", str(cfg.claims_dir)],
-        capture_output=True,
-        text=True,
+        capture_stdout=True,
+        capture_stderr=True,
         check=False,
     )
     if r.returncode != 0:
-        pytest.skip(f"cannot mount a small filesystem here (needs root): {r.stderr.strip()}")
+        why = r.stderr.decode(errors="replace").strip()
+        pytest.skip(f"cannot mount a small filesystem here (needs root): {why}")
     try:
 
         def waits() -> int:
@@ -715,7 +716,8 @@ async def test_a_full_disk_holds_a_claim_back_without_counting_tries(
             await _until(lambda: bool(jobs.submitted), timeout=20.0)
         assert not (inbox / "m.onnx").exists() and not any(failed.iterdir())
     finally:
-        subprocess.run(["umount", "-l", str(cfg.claims_dir)], check=False, capture_output=True)
+        # not awaited: this `finally` runs when the test is cancelled too
+        subprocess.run(["umount", "-l", str(cfg.claims_dir)], check=False, capture_output=True)  # noqa: ASYNC221
 
 
 def test_a_failure_that_cannot_write_its_reason_moves_nothing(tmp_path: Path) -> None:

@@ -105,7 +105,7 @@ def parse_gpus(text: str, fields: tuple[str, ...] = GPU_QUERY) -> list[GpuInfo]:
                 f"nvidia-smi line {n}: {len(row)} values for {len(fields)} fields "
                 f"({', '.join(fields)}): {', '.join(row)!r}"
             )
-        values = dict(zip(fields, (_value(v) for v in row)))
+        values = dict(zip(fields, (_value(v) for v in row), strict=True))
         try:
             index = int(values["index"])
             memory = int(float(values.get("memory.total") or 0))

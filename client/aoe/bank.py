@@ -34,16 +34,16 @@ import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import lmdb
 import onnx
 from google.protobuf import json_format
 
-from aoe.lmdbcheck import damaged, find_damage, read_data_file
-from aoe.lmdbenv import FULL_MAP, MAP_SIZES, TxnGate, bank_error, lmdb_errors, reserve_lock_file
 from aoe.errors import BankError
 from aoe.keys import PRECISION_CODES
+from aoe.lmdbcheck import damaged, find_damage, read_data_file
+from aoe.lmdbenv import FULL_MAP, MAP_SIZES, TxnGate, bank_error, lmdb_errors, reserve_lock_file
 from aoe.partition import ModelTasks
 from aoe.signature import (
     SCHEMA_VERSION,
@@ -59,6 +59,7 @@ __all__ = [
     "LAYERS_ENV",
     "BankReader",
     "Explanation",
+    "Layer",
     "LayerStats",
     "ModelTasks",
     "SeenEntry",
@@ -217,6 +218,22 @@ def default_doc(rec: bank_pb2.DefaultRecord) -> dict[str, Any]:
 # --------------------------------------------------------------------------- layers
 
 
+class Layer(Protocol):
+    """What a BankReader reads a layer through: `_Layer` (a read-only environment) or
+    the daemon's view of its own store (aoed.bank.daemonbank.StoreLayer)."""
+
+    name: str
+    path: Path
+    entries: Any
+    defaults: Any
+
+    def read(
+        self, db: Any, doing: str = "lookup"
+    ) -> contextlib.AbstractContextManager[lmdb.Transaction[bytes]]: ...
+    def get(self, key: bytes, db: Any = None) -> bytes | None: ...
+    def close(self) -> None: ...
+
+
 class _Layer:
     """One read-only LMDB environment and its named databases."""
 
@@ -304,7 +321,7 @@ class _Layer:
         )
 
     @contextlib.contextmanager
-    def read(self, db: Any, doing: str = "lookup") -> Iterator[lmdb.Transaction]:
+    def read(self, db: Any, doing: str = "lookup") -> Iterator[lmdb.Transaction[bytes]]:
         """A read transaction on `db`, ended when the block ends. A writer that grew the
         bank past our map (where the full map could not be reserved, or a writer that
         mapped more) is followed by a remap under the layer's gate; lmdb errors leave
@@ -400,7 +417,7 @@ def _fingerprint_diff(a_json: str, b_json: str) -> tuple[str, ...]:
 class BankReader:
     """Layered, read-only view of one or more banks; see the module docstring."""
 
-    def __init__(self, layers: Sequence[_Layer], device: DeviceFingerprint | None = None):
+    def __init__(self, layers: Sequence[Layer], device: DeviceFingerprint | None = None):
         self._layers = tuple(layers)
         self.device = device or device_fingerprint()
         self._dev32 = self.device.digest[:32]
@@ -424,7 +441,7 @@ class BankReader:
         """(name, path) of every layer in lookup order."""
         return [(layer.name, layer.path) for layer in self._layers]
 
-    def under(self, first: Any, device: DeviceFingerprint | None = None) -> BankReader:
+    def under(self, first: Layer, device: DeviceFingerprint | None = None) -> BankReader:
         """A reader for `device` (default: this reader's) that consults the layer `first`
         (a layer object, such as the daemon's view of its own store), then this reader's
         layers, which it borrows: do not close it (that would close them); close this one."""
@@ -690,7 +707,7 @@ def _stored_map_size(layer: _Layer) -> int:
     return meta.map_size if meta is not None else data.stat().st_size
 
 
-def used_bytes(env: lmdb.Environment, txn: lmdb.Transaction, dbs: Sequence[Any]) -> int:
+def used_bytes(env: lmdb.Environment, txn: lmdb.Transaction[bytes], dbs: Sequence[Any]) -> int:
     """Bytes the pages of `dbs` (and the main db) occupy in `txn`'s snapshot."""
     total = 0
     for st in [env.stat(), *(txn.stat(db) for db in dbs)]:

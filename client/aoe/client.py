@@ -36,8 +36,11 @@ from aoe.errors import (
     JobCancelledError,
     JobStateError,
     ModelError,
+    NotFoundError,
+    OptionError,
+    PermissionDeniedError,
+    ResourceExhaustedError,
 )
-from aoe.errors import NotFoundError, OptionError, PermissionDeniedError, ResourceExhaustedError
 from aoe.modelfile import check_model_file
 from aoe.sockets import check_socket
 from aoe.spec import JobSpec
@@ -49,8 +52,9 @@ from aoe.v1 import (
     daemon_pb2_grpc,
     devices_pb2,
     devices_pb2_grpc,
+    tuning_pb2,
+    tuning_pb2_grpc,
 )
-from aoe.v1 import tuning_pb2, tuning_pb2_grpc
 from aoe.wire import spec_to_pb
 
 __all__ = ["Client", "Stream", "job_options", "spec_of"]

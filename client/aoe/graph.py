@@ -274,7 +274,7 @@ def _fill_shapes(model: onnx.ModelProto) -> None:
             )
         except Exception:  # an op the reference cannot run, a bad value: left unknown
             continue
-        for o, v in zip(outs, got):
+        for o, v in zip(outs, got, strict=True):
             v = np.asarray(v)
             if v.size <= _FOLD_ELEMENTS:
                 values[o] = v

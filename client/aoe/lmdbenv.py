@@ -151,7 +151,7 @@ class TxnGate:
     @contextlib.contextmanager
     def transaction(
         self, env: lmdb.Environment, path: Path, *, write: bool = False, db: Any = None
-    ) -> Iterator[lmdb.Transaction]:
+    ) -> Iterator[lmdb.Transaction[bytes]]:
         """A transaction under a shared hold: committed when the block ends normally
         (a read transaction just ends), aborted when it raises. A transaction refused
         because another process grew the bank past our map is retried after a remap.

@@ -82,8 +82,8 @@ def _not_readable(name: str, why: str) -> ModelError:
 
 def _not_a_model(f: BinaryIO, size: int) -> str:
     """Why the top-level fields in `f` are not an ONNX ModelProto's ("" when they are)."""
-    from onnx import ModelProto
     from google.protobuf.descriptor import FieldDescriptor as FD
+    from onnx import ModelProto
 
     fields = {fd.number: fd for fd in ModelProto.DESCRIPTOR.fields}
     seen: set[str] = set()

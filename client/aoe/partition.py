@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 
 import onnx
 
-from aoe.spec import JobType
 from aoe.signature import ModelContext, TaskSignature, task_signature
+from aoe.spec import JobType
 from aoe.subgraphs import find_subgraphs
 
 __all__ = ["ACTIVATIONS", "FAMILIES", "JOB_TYPES", "ModelTasks", "Task", "partition"]

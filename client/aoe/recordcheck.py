@@ -553,7 +553,7 @@ def _strategy(e: bank_pb2.BankEntry, vocabulary: Vocabulary | None) -> None:
         raise RecordError("strategy.family", f"{_show(st.family)} is not a family name")
     if len(st.params) > MAX_PARAMS:
         raise RecordError("strategy.params", f"{len(st.params)} parameters, more than {MAX_PARAMS}")
-    for k, v in st.params.items():
+    for k in st.params:
         if not _PARAM_KEY.fullmatch(k):
             raise RecordError("strategy.params", f"{_show(k)} is not a parameter name")
     if st.family == SESSION_FAMILY:

@@ -39,9 +39,13 @@ METADATA_KEY = "aoe.session_options"
 
 #: each level and mode of aoe.recordcheck, as onnxruntime's enums name it
 _LEVELS = dict(
-    zip(LEVELS, ("ORT_DISABLE_ALL", "ORT_ENABLE_BASIC", "ORT_ENABLE_EXTENDED", "ORT_ENABLE_ALL"))
+    zip(
+        LEVELS,
+        ("ORT_DISABLE_ALL", "ORT_ENABLE_BASIC", "ORT_ENABLE_EXTENDED", "ORT_ENABLE_ALL"),
+        strict=True,
+    )
 )
-_MODES = dict(zip(MODES, ("ORT_SEQUENTIAL", "ORT_PARALLEL")))
+_MODES = dict(zip(MODES, ("ORT_SEQUENTIAL", "ORT_PARALLEL"), strict=True))
 
 
 def normalize_options(options: Mapping[str, Any] | str | None) -> dict[str, Any]:

@@ -13,7 +13,6 @@ limit.
 
 from __future__ import annotations
 
-
 from aoe.errors import OptionError
 
 __all__ = [

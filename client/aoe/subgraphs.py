@@ -52,8 +52,8 @@ from collections.abc import Sequence
 
 import onnx
 
-from aoe.attention import attention
 from aoe._sgraph import STD, Graph, Match, last_axis
+from aoe.attention import attention
 from aoe.signature import ModelContext
 
 __all__ = ["SUBGRAPH_FAMILIES", "Match", "find_subgraphs"]

@@ -156,7 +156,9 @@ class _Collector(Collector):
             ),
         }
         for peer, (connected, behind, lag, applied, refused) in sorted(s.follow.items()):
-            for name, value in zip(families, (float(connected), behind, lag, applied, refused)):
+            for name, value in zip(
+                families, (float(connected), behind, lag, applied, refused), strict=True
+            ):
                 families[name].add_metric([peer], value)
         yield from families.values()
 

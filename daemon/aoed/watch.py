@@ -62,7 +62,6 @@ import trio
 import watchfiles
 
 from aoe import figures
-from aoe.outcome import ddp_text, gdat_words
 from aoe.errors import (
     AoedError,
     DaemonUnavailableError,
@@ -71,11 +70,12 @@ from aoe.errors import (
     NotFoundError,
     OptionError,
     PermissionDeniedError,
+    ResourceExhaustedError,
 )
-from aoe.errors import ResourceExhaustedError
+from aoe.outcome import ddp_text, gdat_words
+from aoe.spec import JobSpec, JobType
 from aoed import safefs, space
 from aoed.config import DaemonConfig, Inbox
-from aoe.spec import JobSpec, JobType
 from aoed.jobs.manager import JobManager, Submission
 from aoed.jobs.store import FAILED, SUCCEEDED, Claim, JobRow
 from aoed.logs import printable
@@ -628,7 +628,7 @@ class Watcher:
         except OSError as exc:
             self._jobs.claim_drop(str(path))
             await trio.to_thread.run_sync(shutil.rmtree, dst.parent, True)
-            if isinstance(exc, FileNotFoundError) and not path.exists():
+            if isinstance(exc, FileNotFoundError) and not await trio.Path(path).exists():
                 return None
             raise
         log.info("inbox %s: claimed %s", inbox.path, path.name)
@@ -848,10 +848,11 @@ class Watcher:
         dst = Path(claim.dst)
         if dst.parent.parent == self._claims_dir:
             await trio.to_thread.run_sync(_remove, dst.parent)
-        folder = self._folders.get(Path(claim.inbox))
         src = Path(claim.src)
-        if folder is not None and src.exists():
-            self._consider(src, folder, False)
+        if await trio.Path(src).exists():
+            folder = self._folders.get(Path(claim.inbox))
+            if folder is not None:
+                self._consider(src, folder, False)
 
 
 # ------------------------------------------------------------------ folder options

@@ -44,8 +44,8 @@ from aoe.errors import OptionError, ResourceExhaustedError
 from aoe.v1 import bank_pb2, bank_pb2_grpc
 from aoe.wire import layer_stats_to_pb
 from aoed.api._bridge import Bridge
-from aoed.bank.follow import Connect, FollowBatch, Follower, SyncReport, feed
 from aoed.bank.daemonbank import DaemonBank, Keep, check_import
+from aoed.bank.follow import Connect, FollowBatch, Follower, SyncReport, feed
 from aoed.bank.store import MergeCounts
 from aoed.engine.bankverify import Verdict, sample_entries, verify_entries
 from aoed.vocabulary import tuner_vocabulary

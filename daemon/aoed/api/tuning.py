@@ -26,6 +26,7 @@ from typing import Any
 import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 
+from aoe import sizes
 from aoe.errors import AoedError, JobStateError, NotFoundError, OptionError, PermissionDeniedError
 from aoe.outcome import JobOutcome
 from aoe.v1 import tuning_pb2, tuning_pb2_grpc
@@ -33,7 +34,6 @@ from aoe.wire import outcome_to_pb, spec_from_pb, spec_to_pb
 from aoed import safefs, space
 from aoed.api._bridge import Bridge, status_of
 from aoed.config import DaemonConfig
-from aoe import sizes
 from aoed.jobs import store as st
 from aoed.jobs.manager import JobManager, Submission, shown_path
 from aoed.jobs.store import EventRow, JobRow, Upload

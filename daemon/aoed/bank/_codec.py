@@ -11,6 +11,7 @@ import dataclasses
 import hashlib
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -119,7 +120,7 @@ def parse_line(line: str, vocabulary: Vocabulary | None = None) -> Incoming:
     return _parse_entry(msg.entry, vocabulary)
 
 
-def _checked(inc: Incoming, check) -> Incoming:
+def _checked(inc: Incoming, check: Callable[[], object]) -> Incoming:
     """`inc` with `check()`'s RecordError as its problem (when it has none yet)."""
     if inc.problem:
         return inc

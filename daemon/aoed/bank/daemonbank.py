@@ -28,12 +28,12 @@ from typing import Any
 import lmdb
 import trio
 
-from aoe.lmdbenv import lmdb_errors
 from aoe.bank import CUSTOM, BankReader, Explanation, LayerStats
+from aoe.bankrecord import BankRecord, decode
 from aoe.errors import OptionError
+from aoe.lmdbenv import lmdb_errors
 from aoe.recordcheck import Vocabulary
 from aoe.signature import DeviceFingerprint
-from aoe.bankrecord import BankRecord, decode
 from aoed.bank.exchange import import_lines
 from aoed.bank.store import KINDS, BankStore, MergeCounts, PruneCounts, Record
 from aoed.bank.writer import BankMerge, BankPrune, BankWrite, BankWriter
@@ -69,7 +69,7 @@ class StoreLayer:
             )
 
     @contextlib.contextmanager
-    def read(self, db: Any, doing: str = "lookup") -> Iterator[lmdb.Transaction]:
+    def read(self, db: Any, doing: str = "lookup") -> Iterator[lmdb.Transaction[bytes]]:
         with lmdb_errors(self.path, doing, self.env), self.env.begin(db=db) as txn:
             yield txn
 

@@ -45,7 +45,7 @@ a decision made worse by a local write elsewhere is corrected there too.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from aoe.errors import OptionError
@@ -99,7 +99,7 @@ def _time_us(rec: Record) -> float:
     return winner_us(rec.value) if rec.kind == ENTRY else default_us(rec.value)
 
 
-def _replace(policy: str):
+def _replace(policy: str) -> Callable[[Record, Record], bool]:
     if policy == "overwrite":
         return lambda old, new: True
     if policy == "keep-existing":

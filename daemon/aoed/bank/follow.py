@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -159,7 +159,7 @@ class Follower:
         """How many of the peer's sequence numbers are not applied here yet."""
         return max(0, self.head - self.applied)
 
-    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Follow the peer until cancelled, reconnecting with backoff (BACKOFF_S) after
         every failure; each failure is logged once per kind, not once per retry."""
         task_status.started()
@@ -202,7 +202,7 @@ class Follower:
         own = await self._writer.bank_id()
         pos = await self._writer.position(self.peer)
         client = self._connect(self.peer)
-        stream = None
+        stream: Any = None  # the open aoe.client.Stream (connect gives an untyped client)
         try:
             target: int | None = None
             opened = False
@@ -213,7 +213,7 @@ class Follower:
                     stream = client.bank_follow(pos.seq if pos else 0, pos.bank_id if pos else "")
                     opened, first = True, True
                 msg = await trio.to_thread.run_sync(
-                    next, stream, None, abandon_on_cancel=True, limiter=self._limiter
+                    _next_or_none, stream, abandon_on_cancel=True, limiter=self._limiter
                 )
                 if msg is None:
                     raise AoedError(f"{self.peer} ended its bank stream")
@@ -294,3 +294,8 @@ class Follower:
         if report is not None:
             report.add(counts, refused)
         return new
+
+
+def _next_or_none(stream: Iterator[Any]) -> Any:
+    """The stream's next message; None once it has ended."""
+    return next(stream, None)

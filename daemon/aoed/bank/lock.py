@@ -25,6 +25,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from aoe.errors import BankBusyError, BankError
 
@@ -49,7 +50,7 @@ def _command_line() -> str:
     return text if len(text) <= 160 else text[:157] + "..."
 
 
-def _describe(info: dict) -> str:
+def _describe(info: dict[str, Any]) -> str:
     """`pid 123 (aoe tune m.onnx, since 12:01:02)` from what a holder wrote."""
     since = info.get("since", 0.0)
     stamp = time.localtime(since)

@@ -77,10 +77,10 @@ from typing import Any
 
 import lmdb
 
-from aoe.lmdbcheck import cover_last_page, damaged, find_damage
-from aoe.lmdbenv import MAP_SIZES, TxnGate, bank_error, lmdb_errors, reserve_lock_file
 from aoe.bank import CUSTOM, MAX_DBS, LayerStats, default_bank_path, parse_schema, used_bytes
 from aoe.errors import BankError
+from aoe.lmdbcheck import cover_last_page, damaged, find_damage
+from aoe.lmdbenv import MAP_SIZES, TxnGate, bank_error, lmdb_errors, reserve_lock_file
 from aoe.signature import SCHEMA_VERSION
 from aoed.bank._codec import encode_doc
 from aoed.bank.lock import WriterLock
@@ -114,7 +114,7 @@ _U64 = struct.Struct(">Q")
 
 #: Schema migrations: version -> function upgrading a write transaction's bank from that
 #: version to the next. Versions absent here are refused with a message.
-_MIGRATIONS: dict[int, Callable[[lmdb.Transaction, dict[str, Any]], None]] = {}
+_MIGRATIONS: dict[int, Callable[[lmdb.Transaction[bytes], dict[str, Any]], None]] = {}
 
 
 def history_key(key: bytes, time_ns: int) -> bytes:
@@ -253,7 +253,9 @@ class BankStore:
         return st.st_dev, st.st_ino
 
     @contextlib.contextmanager
-    def _txn(self, doing: str, write: bool = False, db: Any = None) -> Iterator[lmdb.Transaction]:
+    def _txn(
+        self, doing: str, write: bool = False, db: Any = None
+    ) -> Iterator[lmdb.Transaction[bytes]]:
         """A transaction under the gate, with lmdb errors translated (see module doc); a
         write one only while the data file is the one opened."""
         assert self.env is not None, "bank store used after close()"
@@ -409,7 +411,7 @@ class BankStore:
             with self._txn("import", write=True) as txn:
                 got = self._merge(_Writes(self, txn), batch, replace, announce)
             for kind in KINDS:  # counted only once the batch is committed
-                counts[kind] = [a + b for a, b in zip(counts[kind], got[kind])]
+                counts[kind] = [a + b for a, b in zip(counts[kind], got[kind], strict=True)]
             batch.clear()
 
         for rec in records:
@@ -521,7 +523,7 @@ class BankStore:
                 more = cur.next()
         return out, head, head
 
-    def _existing(self, txn: lmdb.Transaction, key: bytes) -> Record | None:
+    def _existing(self, txn: lmdb.Transaction[bytes], key: bytes) -> Record | None:
         raw = txn.get(key, db=self._entries)
         if raw is not None:
             return Record(ENTRY, key, raw)
@@ -551,12 +553,19 @@ class BankStore:
         assert self.env is not None, "bank store used after close()"
         with self._txn("stats") as txn:
             dbs = (self._meta, self._entries, self._defaults, self._history)
-            counts = [txn.stat(db)["entries"] for db in dbs[1:]]
+            entries, defaults, history = (txn.stat(db)["entries"] for db in dbs[1:])
             used = used_bytes(self.env, txn, dbs)
             raw = txn.get(b"schema_version", db=self._meta)
             map_size = self.env.info()["map_size"]
         return LayerStats(
-            CUSTOM, str(self.path), *counts, map_size, used, int(raw or SCHEMA_VERSION)
+            CUSTOM,
+            str(self.path),
+            entries,
+            defaults,
+            history,
+            map_size,
+            used,
+            int(raw or SCHEMA_VERSION),
         )
 
     def counts(self) -> dict[str, int]:
@@ -585,7 +594,7 @@ class _Writes:
     """The record writes of one write transaction, each logged under the next sequence
     number (see the module doc); `close()` stores the counter before the commit."""
 
-    def __init__(self, store: BankStore, txn: lmdb.Transaction) -> None:
+    def __init__(self, store: BankStore, txn: lmdb.Transaction[bytes]) -> None:
         self.txn = txn
         self._s = store
         self._start = self.seq = int(txn.get(_SEQ, db=store._meta) or 0)

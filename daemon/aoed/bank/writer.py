@@ -38,14 +38,14 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, overload
 
 import trio
 
 from aoe.bank import CUSTOM, BankReader, layer_paths_from_env, open_bank
-from aoe.lmdbcheck import damaged, find_damage
-from aoe.errors import BankDamagedError, BankError, BankWriteError
 from aoe.bankrecord import BankRecord, decode, encode
+from aoe.errors import BankDamagedError, BankError, BankWriteError
+from aoe.lmdbcheck import damaged, find_damage
 from aoed.bank.lock import POLL_S, WriterLock
 from aoed.bank.store import BankStore, Change, MergeCounts, Position, PruneCounts, Record
 
@@ -86,6 +86,8 @@ class BankPrune:
 
 #: What the writer's queue carries.
 Op = BankWrite | BankMerge | BankPrune
+#: what the writer's task sends back for an op: its value, or the error it raised
+_Reply = tuple[Any, BaseException | None]
 
 
 @dataclass(frozen=True)
@@ -131,7 +133,9 @@ class BankWriter:
         self._layers: BankReader | None = None
         self._refusal: _Refusal | None = None
         self._open_lock = trio.Lock()
-        self._send, self._recv = trio.open_memory_channel[tuple[Op, trio.MemorySendChannel]](16)
+        self._send, self._recv = trio.open_memory_channel[
+            tuple[Op, trio.MemorySendChannel[_Reply]]
+        ](16)
         self._head = 0  # the last sequence number committed, once the store is open
         self._committed = trio.Event()  # set (and replaced) when the head moves
         #: The engine's bank decisions (one per task of each job whose result was written,
@@ -233,7 +237,7 @@ class BankWriter:
             lock.release()  # (BankStore lets go of it too when it fails: release is idempotent)
             raise
 
-    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
         async with self._recv:
             async for op, reply in self._recv:
@@ -272,8 +276,14 @@ class BankWriter:
             )
         return value, store.head()
 
+    @overload
+    async def _submit(self, op: BankWrite) -> None: ...
+    @overload
+    async def _submit(self, op: BankMerge) -> dict[str, MergeCounts]: ...
+    @overload
+    async def _submit(self, op: BankPrune) -> PruneCounts: ...
     async def _submit(self, op: Op) -> Any:
-        reply_send, reply_recv = trio.open_memory_channel[tuple[Any, BaseException | None]](1)
+        reply_send, reply_recv = trio.open_memory_channel[_Reply](1)
         await self._send.send((op, reply_send))
         async with reply_recv:
             value, exc = await reply_recv.receive()
@@ -351,13 +361,13 @@ class BankWriter:
         """The read-only layers as one reader (None when there are none)."""
         async with self._open_lock:
             if self._layers is None and self.layer_paths:
-                own = Path(self.path).resolve()
-                paths = [p for p in self.layer_paths if p.resolve() != own]
-                if paths:
-                    self._layers = await trio.to_thread.run_sync(
-                        lambda: open_bank(paths, use_env=False, custom=False)
-                    )
+                self._layers = await trio.to_thread.run_sync(self._open_layers)
             return self._layers
+
+    def _open_layers(self) -> BankReader | None:
+        own = Path(self.path).resolve()
+        paths = [p for p in self.layer_paths if p.resolve() != own]
+        return open_bank(paths, use_env=False, custom=False) if paths else None
 
     def count_decisions(self, hits: int, total: int) -> None:
         """Count a finished job's bank tally (aoe.outcome.bank_tally: `total` tasks, `hits`

@@ -145,7 +145,8 @@ class Child:
     async def _start(self) -> _Process:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         env = {k: v for k, v in os.environ.items() if k not in _PRIVATE_ENV} | self._env
-        with open(self.log_path, "ab") as log:
+        # The child's log, opened for the fork below, which blocks the run as long.
+        with open(self.log_path, "ab") as log:  # noqa: ASYNC230
             self._proc = _Process(self._argv, log, env)
         self._buf = b""
         self.restarts += 1

@@ -20,13 +20,12 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from aoe.sessionopts import METADATA_KEY
+from aoe.bankrecord import BankRecord
 from aoe.device import CPU, Device
 from aoe.errors import AoedError, OptionError
 from aoe.partition import Task, partition
 from aoe.recordcheck import Vocabulary
-from aoe.spec import DEFAULT_JOB_TYPE
-from aoe.subgraphs import SUBGRAPH_FAMILIES
+from aoe.sessionopts import METADATA_KEY
 from aoe.signature import (
     DeviceFingerprint,
     ModelContext,
@@ -34,8 +33,9 @@ from aoe.signature import (
     canonical_json,
     normalized_attributes,
 )
+from aoe.spec import DEFAULT_JOB_TYPE
+from aoe.subgraphs import SUBGRAPH_FAMILIES
 from aoed import __version__
-from aoe.bankrecord import BankRecord
 from aoed.engine import bankrules
 from aoed.engine.registry import DEFAULT, StrategyRegistry
 from aoed.engine.tasks import Rewrite, TaskView, apply_rewrites

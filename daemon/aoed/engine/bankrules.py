@@ -28,11 +28,11 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from aoe.bankrecord import BankRecord, Measured
 from aoe.partition import Task
 from aoe.recordcheck import RecordError, Vocabulary, check_default_doc, check_record
 from aoe.signature import DeviceFingerprint, TaskSignature, bank_key
 from aoed import __version__
-from aoe.bankrecord import BankRecord, Measured
 from aoed.engine.decisions import clearly_faster
 from aoed.engine.messages import Measurement
 from aoed.engine.registry import DEFAULT

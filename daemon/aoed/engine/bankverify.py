@@ -43,10 +43,10 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from aoe.bankrecord import BankRecord
 from aoe.errors import AoedError, DeviceError
 from aoe.recordcheck import RecordError, check_record
 from aoe.signature import ModelContext, task_signature
-from aoe.bankrecord import BankRecord
 from aoed.engine.decisions import clearly_faster, clearly_slower, paired_ratio
 from aoed.engine.ledger import JobLedger, new_job_id
 from aoed.engine.messages import (

@@ -35,7 +35,7 @@ from typing import Any
 from aoe.figures import Comparison, Figures, improvement_of, interval, pct
 from aoed.engine import stats
 from aoed.engine.context import JobContext
-from aoed.engine.messages import Candidate, MeasurePlan, Measurement
+from aoed.engine.messages import Candidate, Measurement, MeasurePlan
 
 __all__ = ["ROUNDS", "Confirmation", "Proposal", "confirm", "judge", "verdict_of"]
 

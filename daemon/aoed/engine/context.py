@@ -37,10 +37,10 @@ from aoed.engine.messages import (
     Build,
     Candidate,
     JobEvent,
+    Measurement,
+    MeasurePlan,
     MeasureReply,
     MeasureRequest,
-    MeasurePlan,
-    Measurement,
     PrepareReply,
 )
 from aoed.engine.policy import PrecisionPolicy

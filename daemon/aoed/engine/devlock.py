@@ -87,7 +87,8 @@ class DeviceLock:
                 on_wait(
                     f"waiting for {self.path.stem.removeprefix('device-')}: measuring for {self.holder()}"
                 )
-            while not self._try(fd):
+            # Another process holds the flock: there is no event to wait on.
+            while not self._try(fd):  # noqa: ASYNC110
                 await trio.sleep(_POLL_S)
         try:
             yield

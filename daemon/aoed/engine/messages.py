@@ -90,7 +90,7 @@ class Message(Struct, frozen=True, forbid_unknown_fields=True):
     """A reply, or a value inside a message."""
 
 
-class Request(Message, tag_field="op"):
+class Request(Message, tag_field="op", frozen=True):
     """A request to a child; `op` (its tag) names it, `reply` is what answers it."""
 
     reply: ClassVar[type]
@@ -137,7 +137,7 @@ def _unknown(data: Any, obj: Any, path: str = "$") -> tuple[str, str] | None:
             return extra, path
         steps = [(f".{n}", data[n], getattr(obj, n)) for n in names if n in data]
     elif isinstance(obj, (list, tuple)):
-        steps = [(f"[{i}]", d, o) for i, (d, o) in enumerate(zip(data, obj))]
+        steps = [(f"[{i}]", d, o) for i, (d, o) in enumerate(zip(data, obj, strict=True))]
     elif isinstance(obj, dict):
         steps = [(f"[{k!r}]", data[k], o) for k, o in obj.items()]
     else:
@@ -171,14 +171,14 @@ def op_of(request: Request) -> str:
 R = TypeVar("R")
 
 
-class Call(Message, Generic[R]):
+class Call(Message, Generic[R], frozen=True):
     """One request line: the request, and the number its answer carries."""
 
     id: int
     request: R
 
 
-class Answer(Message):
+class Answer(Message, frozen=True):
     """One reply line: its request's number (None when the child could not read the
     request), whether it was served, the reply (JSON data until the reader, who knows
     the request, decodes it) or why not, and the child's peak memory while serving."""
@@ -214,7 +214,7 @@ def error_of(answer: Answer, default: type[errors.AoedError], prefix: str = "") 
 # --------------------------------------------------------------------------- compile pool
 
 
-class PrepareReply(Message):
+class PrepareReply(Message, frozen=True):
     prepared: Path
     inputs: dict[str, TensorInfo]
     outputs: tuple[str, ...]
@@ -229,7 +229,7 @@ class PrepareReply(Message):
     op_types: tuple[str, ...] = ()
 
 
-class PrepareRequest(Request, tag="prepare"):
+class PrepareRequest(Request, tag="prepare", frozen=True):
     """Load, check and normalize a model; find its tunable tasks."""
 
     reply = PrepareReply
@@ -248,7 +248,7 @@ class PrepareRequest(Request, tag="prepare"):
     device_kind: str = "cpu"
 
 
-class SamplesReply(Message):
+class SamplesReply(Message, frozen=True):
     held_back: tuple[Path, ...]
     calibrate: tuple[Path, ...]
     source: str
@@ -256,7 +256,7 @@ class SamplesReply(Message):
     digest: str = ""
 
 
-class SamplesRequest(Request, tag="samples"):
+class SamplesRequest(Request, tag="samples", frozen=True):
     """Write the job's input samples: held back (judge, measure) and calibration."""
 
     reply = SamplesReply
@@ -268,12 +268,12 @@ class SamplesRequest(Request, tag="samples"):
     lossy: bool = False
 
 
-class CalibrateReply(Message):
+class CalibrateReply(Message, frozen=True):
     ranges: Path
     tensors: int
 
 
-class CalibrateRequest(Request, tag="calibrate"):
+class CalibrateRequest(Request, tag="calibrate", frozen=True):
     """(min, max) of every float activation over the calibration samples."""
 
     reply = CalibrateReply
@@ -282,11 +282,11 @@ class CalibrateRequest(Request, tag="calibrate"):
     out: Path
 
 
-class ExtractReply(Message):
+class ExtractReply(Message, frozen=True):
     dirs: dict[str, Path]
 
 
-class ExtractRequest(Request, tag="extract"):
+class ExtractRequest(Request, tag="extract", frozen=True):
     """Write each task as a standalone model with its real input activations."""
 
     reply = ExtractReply
@@ -296,7 +296,7 @@ class ExtractRequest(Request, tag="extract"):
     root: Path
 
 
-class CompileReply(Message):
+class CompileReply(Message, frozen=True):
     """A candidate built (or a strategy that does not apply to the task: not a failure).
     A build that failed is no reply: the pool raises CandidateError."""
 
@@ -304,7 +304,7 @@ class CompileReply(Message):
     compile_s: float = 0.0
 
 
-class CompileRequest(Request, tag="compile"):
+class CompileRequest(Request, tag="compile", frozen=True):
     """Build one candidate: a strategy applied to a task model, checked and loaded."""
 
     reply = CompileReply
@@ -316,13 +316,13 @@ class CompileRequest(Request, tag="compile"):
     ranges: Path | None = None
 
 
-class VariantsReply(Message):
+class VariantsReply(Message, frozen=True):
     names: tuple[str, ...] = ()
     #: what the proposal measured, for the report (e.g. each Conv's error when alone int8)
     notes: tuple[str, ...] = ()
 
 
-class VariantsRequest(Request, tag="variants"):
+class VariantsRequest(Request, tag="variants", frozen=True):
     """Which `strategy:param` variants to try for a task: the strategy's `propose`, run
     on the task model and its real input activations (`inputs`)."""
 
@@ -335,13 +335,13 @@ class VariantsRequest(Request, tag="variants"):
     ranges: Path | None = None
 
 
-class DescribeReply(Message):
+class DescribeReply(Message, frozen=True):
     """A task's inputs as its bank entry keeps them (engine/taskinputs.py), as params."""
 
     params: dict[str, str]
 
 
-class DescribeRequest(Request, tag="describe"):
+class DescribeRequest(Request, tag="describe", frozen=True):
     """Describe what a task was decided on: its real input activations (`inputs`) and
     the small constants of its model, inputs named in signature order (`names`)."""
 
@@ -351,7 +351,7 @@ class DescribeRequest(Request, tag="describe"):
     names: tuple[str, ...]
 
 
-class Build(Message):
+class Build(Message, frozen=True):
     """One model to assemble: the source with `choices` (task id -> strategy) applied."""
 
     out: Path
@@ -360,11 +360,11 @@ class Build(Message):
     metadata: dict[str, str] = {}
 
 
-class AssembleReply(Message):
+class AssembleReply(Message, frozen=True):
     sizes: dict[str, int]  # path -> bytes written (model and external data)
 
 
-class AssembleRequest(Request, tag="assemble"):
+class AssembleRequest(Request, tag="assemble", frozen=True):
     reply = AssembleReply
     source: Path
     tasks: tuple[Task, ...]
@@ -372,11 +372,11 @@ class AssembleRequest(Request, tag="assemble"):
     ranges: Path | None = None
 
 
-class CheckReply(Message):
+class CheckReply(Message, frozen=True):
     failures: dict[str, str]  # task id -> why its strategy does not apply
 
 
-class CheckRequest(Request, tag="check"):
+class CheckRequest(Request, tag="check", frozen=True):
     """Do these strategies (from the bank) still apply to their tasks and twins?"""
 
     reply = CheckReply
@@ -386,7 +386,7 @@ class CheckRequest(Request, tag="check"):
     ranges: Path | None = None
 
 
-class RebuildReply(Message):
+class RebuildReply(Message, frozen=True):
     """The entry's task rebuilt (`ok`), or the verdict on an entry that cannot be
     (skipped: its task cannot be rebuilt; error: its strategy no longer applies).
     `unlike`: why the inputs are not drawn like those the entry was decided on ("" when
@@ -401,7 +401,7 @@ class RebuildReply(Message):
     unlike: str = ""
 
 
-class RebuildRequest(Request, tag="rebuild"):
+class RebuildRequest(Request, tag="rebuild", frozen=True):
     """A bank entry's task rebuilt from its signature: default and strategy models."""
 
     reply = RebuildReply
@@ -418,19 +418,19 @@ class RebuildRequest(Request, tag="rebuild"):
 # --------------------------------------------------------------------------- device
 
 
-class PingReply(Message):
+class PingReply(Message, frozen=True):
     cores: int
     providers: tuple[str, ...]
 
 
-class PingRequest(Request, tag="ping"):
+class PingRequest(Request, tag="ping", frozen=True):
     """Start-up check: the child answers, and a runner's device provider is installed."""
 
     reply = PingReply
     device: Device
 
 
-class Candidate(Message):
+class Candidate(Message, frozen=True):
     id: str
     model: Path
     options: dict[str, Any] = {}
@@ -439,7 +439,7 @@ class Candidate(Message):
     files: dict[str, dict[str, str]] = {}
 
 
-class MeasurePlan(Message):
+class MeasurePlan(Message, frozen=True):
     """How candidates are measured (backends/ort/measure.py): interleaved rounds, each
     candidate taking `samples` timed batches of about `sample_s` per round, in an order
     that rotates, after a warm-up. `budget_s` bounds warm-up and rounds together: after the
@@ -475,7 +475,7 @@ class MeasurePlan(Message):
         )
 
 
-class Measurement(Message):
+class Measurement(Message, frozen=True):
     ok: bool
     error: str = ""
     dropped: bool = False
@@ -507,11 +507,11 @@ class Measurement(Message):
         return d
 
 
-class MeasureReply(Message):
+class MeasureReply(Message, frozen=True):
     results: dict[str, Measurement]
 
 
-class MeasureRequest(Request, tag="measure"):
+class MeasureRequest(Request, tag="measure", frozen=True):
     """Measure candidates interleaved on the same inputs (see backends/ort/runner.py);
     every candidate's outputs are first compared with the `reference` candidate's."""
 
@@ -523,14 +523,14 @@ class MeasureRequest(Request, tag="measure"):
     plan: MeasurePlan = field(default_factory=MeasurePlan)
 
 
-class ProfileReply(Message):
+class ProfileReply(Message, frozen=True):
     nodes: dict[str, float]
     total_us: float
     #: seconds the session took to load: how long a session of this model takes to make
     load_s: float = 0.0
 
 
-class ProfileRequest(Request, tag="profile"):
+class ProfileRequest(Request, tag="profile", frozen=True):
     """Per-node run time of a model (onnxruntime's profiler)."""
 
     reply = ProfileReply
@@ -542,7 +542,7 @@ class ProfileRequest(Request, tag="profile"):
     options: dict[str, Any] = {}
 
 
-class Accuracy(Message):
+class Accuracy(Message, frozen=True):
     """Agreement with the reference over `samples` inputs: the worst of each measure,
     the 5th percentile of the cosine, and for classifier-shaped outputs ([rows, classes])
     the share of rows whose top-1 class agrees (None when there are none)."""
@@ -574,7 +574,7 @@ class Accuracy(Message):
         }
 
 
-class CompareRequest(Request, tag="compare"):
+class CompareRequest(Request, tag="compare", frozen=True):
     """Accuracy of `candidate` against `reference`, worst over several input files."""
 
     reply = Accuracy

@@ -35,13 +35,13 @@ from typing import Any
 
 import trio
 
+from aoe.bankrecord import BankRecord
 from aoe.errors import AoedError, DeviceError
 from aoe.figures import Comparison, Figures, interval, pct
 from aoe.outcome import BudgetReport, JobOutcome, bank_tally
 from aoe.partition import Task
 from aoe.spec import Stage
 from aoed import safefs
-from aoe.bankrecord import BankRecord
 from aoed.engine import bankrules, confirm, incontext, resume, stats
 from aoed.engine.assemble import tuned_metadata
 from aoed.engine.budget import (

@@ -25,7 +25,7 @@ __all__ = [
 ]
 
 
-class RankLayout(Message):
+class RankLayout(Message, frozen=True):
     """A model's gradient layout as a rank loaded it: (dtype, shape) of each parameter
     that needs a gradient, in registration order; whether this torch's DDP takes a
     first bucket cap; the accelerator's name ("" on CPU). `inspect` adds the torch
@@ -41,7 +41,7 @@ class RankLayout(Message):
     sandbox: str = ""
 
 
-class RankInspectRequest(Request, tag="rank-inspect"):
+class RankInspectRequest(Request, tag="rank-inspect", frozen=True):
     """Load the model and say its layout, joining no world."""
 
     reply = RankLayout
@@ -51,7 +51,7 @@ class RankInspectRequest(Request, tag="rank-inspect"):
     world_size: int
 
 
-class RankInitRequest(Request, tag="rank-init"):
+class RankInitRequest(Request, tag="rank-init", frozen=True):
     """Join the world (a FileStore rendezvous at `store`) and load the model."""
 
     reply = RankLayout
@@ -64,7 +64,7 @@ class RankInitRequest(Request, tag="rank-init"):
     timeout_s: float = 120.0
 
 
-class RankTurn(Message):
+class RankTurn(Message, frozen=True):
     """One configuration's turn on one rank: each measured step's time and
     communication tail (microseconds), DDP's bucket sizes, or why it could not run."""
 
@@ -74,11 +74,11 @@ class RankTurn(Message):
     error: str = ""
 
 
-class RankMeasureReply(Message):
+class RankMeasureReply(Message, frozen=True):
     results: dict[str, RankTurn]
 
 
-class RankMeasureRequest(Request, tag="rank-measure"):
+class RankMeasureRequest(Request, tag="rank-measure", frozen=True):
     """Measure configurations (DDPConfig.to_params, by name) in `order`."""
 
     reply = RankMeasureReply
@@ -88,7 +88,7 @@ class RankMeasureRequest(Request, tag="rank-measure"):
     steps: int = 5
 
 
-class RankGateRequest(Request, tag="rank-gate"):
+class RankGateRequest(Request, tag="rank-gate", frozen=True):
     """A lossy configuration against exact all-reduce (the gate's figures by name)."""
 
     reply = dict[str, Any]

@@ -554,10 +554,11 @@ async def open_ray(config: Config, probe_dir: Path) -> AsyncIterator[RayExecutor
             await trio.to_thread.run_sync(_connect, ray, config.ray_address, abandon_on_cancel=True)
     except Exception as exc:  # TooSlowError, and ray's ConnectionError, RuntimeError, ValueError
         raise _unreachable(config, exc) from None
-    probe_dir.mkdir(parents=True, exist_ok=True)
+    # Not awaited: a cancel here, before the `try` below, would leave ray connected.
+    probe_dir.mkdir(parents=True, exist_ok=True)  # noqa: ASYNC240
     token = secrets.token_hex(16)
     probe = probe_dir / f"ray-probe-{os.getpid()}"
-    probe.write_text(token, encoding="utf-8")
+    probe.write_text(token, encoding="utf-8")  # noqa: ASYNC240
     executor = RayExecutor(ray, config, probe, token)
     try:
         async with trio.open_nursery() as nursery:

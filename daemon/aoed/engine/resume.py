@@ -27,9 +27,9 @@ import logging
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from aoe.bankrecord import decode, encode
 from aoe.errors import AoedError
 from aoed import __version__
-from aoe.bankrecord import decode, encode
 from aoed.bank.writer import BankWrite
 from aoed.engine.context import JobContext
 

@@ -20,14 +20,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from aoe.bankrecord import BankRecord
 from aoe.device import Device
 from aoe.errors import DeviceError
+from aoe.recordcheck import SESSION_FAMILY
 from aoe.signature import TaskSignature, canonical_json
 from aoe.spec import Stage
-from aoe.bankrecord import BankRecord
 from aoed.bank.writer import BankWrite
 from aoed.engine import bankrules, decisions
-from aoe.recordcheck import SESSION_FAMILY
 from aoed.engine.budget import Budget
 from aoed.engine.context import JobContext
 from aoed.engine.messages import Candidate, Measurement, MeasurePlan

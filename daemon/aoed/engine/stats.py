@@ -32,8 +32,9 @@ def median(values: Sequence[float]) -> float:
 
 
 def paired_ratios(a: Sequence[float | None], b: Sequence[float | None]) -> list[float]:
-    """Round-by-round ratios a/b where both were measured in the round."""
-    return [x / y for x, y in zip(a, b) if x and y]
+    """Round-by-round ratios a/b where both were measured in the round (rounds past the
+    shorter series were not)."""
+    return [x / y for x, y in zip(a, b, strict=False) if x and y]
 
 
 def median_ci(values: Sequence[float], confidence: float = 0.95) -> tuple[float, float]:

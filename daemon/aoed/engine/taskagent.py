@@ -27,22 +27,22 @@ from typing import Any
 
 import trio
 
-from aoe.errors import AoedError, DeviceError
 from aoe.bank import CUSTOM
-from aoe.partition import Task
 from aoe.bankrecord import BankRecord
+from aoe.errors import AoedError, DeviceError
+from aoe.partition import Task
 from aoed.bank.writer import BankWrite
 from aoed.engine import bankrules, decisions, incontext, resume
 from aoed.engine.budget import Budget
 from aoed.engine.context import JobContext
 from aoed.engine.job import TaskResult
 from aoed.engine.messages import (
-    DescribeReply,
-    DescribeRequest,
     Accuracy,
     Candidate,
     CompileReply,
     CompileRequest,
+    DescribeReply,
+    DescribeRequest,
     Measurement,
     VariantsReply,
     VariantsRequest,

@@ -134,7 +134,7 @@ def _numbers(value: object, where: str) -> list[float]:
         isinstance(value, list) and all(type(v) in (int, float) and math.isfinite(v) for v in value)
     ):
         raise ValueError(f"{where}: not a list of finite numbers")
-    return list(value)  # type: ignore[arg-type]
+    return list(value)
 
 
 def _scalar(x: np.generic) -> float:

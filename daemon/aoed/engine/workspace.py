@@ -38,15 +38,15 @@ import contextlib
 import fcntl
 import json
 import os
-import secrets
 import re
+import secrets
 import shutil
 import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from aoe.spec import JobType
 from aoe.errors import AoedError
+from aoe.spec import JobType
 from aoed import safefs
 
 __all__ = ["RUNNING", "Workspace"]

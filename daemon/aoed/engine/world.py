@@ -38,11 +38,11 @@ import trio
 
 from aoe.errors import CandidateError, ModelError, OptionError
 from aoe.gradlayout import BACKENDS
-from aoed.sandbox import Policy
 from aoed.engine._child import Child, ChildDiedError
 from aoed.engine.devlock import DeviceLock
 from aoed.engine.messages import Answer, Request, encode
 from aoed.engine.rankmessages import RankInitRequest, RankInspectRequest
+from aoed.sandbox import Policy
 
 __all__ = ["RANK_MODULE", "World", "WorldError", "WorldSpec", "inspect_model", "lock_names"]
 

@@ -43,9 +43,7 @@ from aoe.gdat import DDPConfig, plugin_hook_names
 from aoe.gradlayout import GradientLayout, host_fingerprint, parse_backend, parse_precision
 from aoe.recordcheck import Vocabulary
 from aoed import safefs
-from aoed.engine.world import World, WorldSpec, inspect_model
 from aoed.backends.torch.archive import check_pt2
-from aoed.engine.worldsize import WorldLimits
 from aoed.bank.writer import BankWrite, BankWriter
 from aoed.engine import bankrules
 from aoed.engine.budget import Budget
@@ -54,6 +52,8 @@ from aoed.engine.ledger import JobLedger, new_job_id
 from aoed.engine.messages import JobEvent
 from aoed.engine.outputs import write_json
 from aoed.engine.workspace import Workspace
+from aoed.engine.world import World, WorldSpec, inspect_model
+from aoed.engine.worldsize import WorldLimits
 from aoed.gdat import space
 from aoed.gdat.outcome import GdatResult, configurations, ddp_config_doc, result_doc
 from aoed.gdat.race import Meter

@@ -35,11 +35,11 @@ from typing import Any
 
 from aoe.errors import DeviceError
 from aoe.gdat import DDPConfig
-from aoed.engine.rankmessages import RankMeasureRequest
-from aoed.engine.world import World, WorldError
 from aoed.engine import stats
 from aoed.engine.decisions import MIN_ROUNDS, clearly_slower, paired_ratio
 from aoed.engine.messages import Measurement
+from aoed.engine.rankmessages import RankMeasureRequest
+from aoed.engine.world import World, WorldError
 
 __all__ = ["MAX_FAILURES", "Entrant", "Figures", "Meter", "race"]
 

@@ -34,12 +34,12 @@ from typing import Any
 
 from aoe.gdat import DDPConfig, hook_class
 from aoe.gradlayout import GradientLayout
-from aoed.engine.rankmessages import RankGateRequest
-from aoed.engine.world import World, WorldError, WorldSpec
 from aoed.engine import stats
 from aoed.engine.confirm import verdict_of
 from aoed.engine.decisions import MIN_GAIN, best, clearly_faster, paired_ratio
 from aoed.engine.messages import Request
+from aoed.engine.rankmessages import RankGateRequest
+from aoed.engine.world import World, WorldError, WorldSpec
 from aoed.gdat import gate, space
 from aoed.gdat.race import Entrant, Figures, Meter, race
 

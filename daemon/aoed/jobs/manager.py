@@ -62,8 +62,10 @@ from aoe.errors import (
     JobCancelledError,
     NotFoundError,
     OptionError,
+    PermissionDeniedError,
+    ResourceExhaustedError,
+    first_error,
 )
-from aoe.errors import PermissionDeniedError, ResourceExhaustedError, first_error
 from aoe.outcome import JobOutcome
 from aoe.spec import JobSpec, JobType
 from aoed import safefs, space
@@ -159,6 +161,8 @@ class JobManager:
         self.uploads = UploadLedger(store.uploads_before(float("inf")))
         self._live: dict[str, _Live] = {}
         self._running: set[str] = set()
+        #: set (and replaced) each time a job leaves `_running`
+        self._job_ended = trio.Event()
         self._wakeup = trio.Event()
         self._stopping = False
         self._limits_lock = trio.Lock()
@@ -204,6 +208,11 @@ class JobManager:
     def wake(self) -> None:
         """Look at the queue again (a job may start: a reload raised a limit)."""
         self._wakeup.set()
+
+    async def _until_ended(self, done: Callable[[], bool]) -> None:
+        """Return once `done()` holds, looking again each time a running job ends."""
+        while not done():
+            await self._job_ended.wait()
 
     def _room_to_start(self) -> bool:
         """Whether the state dir has its floor of free space; says once when jobs wait."""
@@ -274,13 +283,11 @@ class JobManager:
         (they stay queued and resume at the next start)."""
         self._stopping = True
         with trio.move_on_after(grace_s):
-            while self._running:
-                await trio.sleep(0.1)
+            await self._until_ended(lambda: not self._running)
         for job_id in list(self._running):
             self._live[job_id].handle.cancel("the daemon is shutting down", resumable=True)
         with trio.move_on_after(10):
-            while self._running:
-                await trio.sleep(0.05)
+            await self._until_ended(lambda: not self._running)
         self._backlog.flush()
         if (
             self._backlog
@@ -523,8 +530,7 @@ class JobManager:
             live.user_cancelled = True
             live.handle.cancel(reason)
             with trio.move_on_after(30):
-                while job_id in self._running:
-                    await trio.sleep(0.02)
+                await self._until_ended(lambda: job_id not in self._running)
         elif row.state == st.QUEUED:
             self._finish(row, states.Cancel(), error=reason)
         return self.get(job_id)
@@ -685,7 +691,7 @@ class JobManager:
             self._transition(row, states.Start(), "resumed" if row.attempts else "started")
             row.attempts += 1
             try:
-                Path(row.output_dir).mkdir(parents=True, exist_ok=True)
+                await trio.Path(row.output_dir).mkdir(parents=True, exist_ok=True)
                 if row.spec.job_type == JobType.GDAT:
                     outcome = await self._run_gdat(row, live.handle)
                 else:
@@ -725,11 +731,15 @@ class JobManager:
             self._finish(row, states.Succeed(), outcome=outcome)
         finally:
             self._running.discard(row.id)
+            self._job_ended.set()
+            self._job_ended = trio.Event()
             self._held_mb.pop(row.id, None)
             out = Path(row.output_dir)
             if row.state == st.FAILED and out.is_relative_to(self.cfg.jobs_dir):
                 with contextlib.suppress(OSError):
-                    out.rmdir()  # empty when the job failed before tuning (engine.run_job)
+                    # empty when the job failed before tuning (engine.run_job); not awaited:
+                    # this `finally` also runs when the job is cancelled
+                    out.rmdir()  # noqa: ASYNC240
             self.wake()
 
 

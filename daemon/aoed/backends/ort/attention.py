@@ -451,7 +451,7 @@ def _attention_parts(view: TaskView) -> _Attention | None:
     if (
         q.rotary is not None
         and k.rotary is not None
-        and all(np.array_equal(a, b) for a, b in zip(q.rotary, k.rotary))
+        and all(np.array_equal(a, b) for a, b in zip(q.rotary, k.rotary, strict=True))
     ):
         att.rotary = q.rotary
     att.weights = [p.weight for p in (q, k, v)]
@@ -835,7 +835,7 @@ def _after_projections(
 ) -> list[onnx.NodeProto]:
     """The block's nodes past its three projections, reading `outs` (q, k, v) instead."""
     replaced = {n.name for p in att.projections for n in p.nodes}
-    renames = {p.out: out for p, out in zip(att.projections, outs)}
+    renames = {p.out: out for p, out in zip(att.projections, outs, strict=True)}
     kept = []
     for n in view.nodes:
         if n.name in replaced:
@@ -865,7 +865,9 @@ def _rotated(
     c, s = init(view, "rotary_cos", cos), init(view, "rotary_sin", sin)
     inits += [pos, c, s]
     rotated = []
-    for which, src, heads in zip(("q", "k"), outs[:2], (att.heads, kv_heads or att.heads)):
+    for which, src, heads in zip(
+        ("q", "k"), outs[:2], (att.heads, kv_heads or att.heads), strict=True
+    ):
         out = view.name(f"{which}_rotary")
         nodes.append(
             helper.make_node(

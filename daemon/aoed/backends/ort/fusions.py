@@ -85,7 +85,7 @@ def _ln_parts(view: TaskView) -> tuple[str, str | None, np.ndarray, np.ndarray, 
         )
         if eps_add is None:
             return None
-        eps = next(scalar(view, i) for i in eps_add.input if scalar(view, i) is not None)  # type: ignore[misc]
+        eps = next(scalar(view, i) for i in eps_add.input if scalar(view, i) is not None)  # type: ignore[assignment]
         out = _normalized(nodes)
         if out is None:
             return None

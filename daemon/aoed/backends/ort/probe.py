@@ -38,7 +38,9 @@ def capture(
 ) -> dict[str, np.ndarray]:
     """The values of `names` (and of the inputs) when `model` runs `sample`."""
     sess = _probe(model, infos, names)
-    values = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, dict(sample))))
+    values = dict(
+        zip([o.name for o in sess.get_outputs()], sess.run(None, dict(sample)), strict=True)
+    )
     values.update(sample)
     return values
 
@@ -63,7 +65,7 @@ def activation_ranges(
     outs = [o.name for o in sess.get_outputs()]
     ranges: dict[str, tuple[float, float]] = {}
     for sample in samples:
-        values = dict(zip(outs, sess.run(None, dict(sample))))
+        values = dict(zip(outs, sess.run(None, dict(sample)), strict=True))
         values.update(sample)
         for k, v in values.items():
             if v.dtype.kind == "f" and v.size:

@@ -24,15 +24,14 @@ import math
 import os
 import sys
 import time
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from aoe.device import CPU, Device
 from aoe.errors import DeviceError
-
 from aoed.backends.ort import deployed
 from aoed.backends.ort.measure import Timing, interleaved, rounds
 from aoed.backends.ort.sessions import BoundRun, check_device, providers_for, session
@@ -84,7 +83,7 @@ def accuracy(ref: list[np.ndarray], out: list[np.ndarray]) -> dict[str, float]:
     max_abs = 0.0
     scale = 0.0
     dot = nr = no = 0.0
-    for r, o in zip(ref, out):
+    for r, o in zip(ref, out, strict=True):
         r = np.asarray(r)
         o = np.asarray(o)
         if r.shape != o.shape:
@@ -263,7 +262,7 @@ def _top1(ref: list[np.ndarray], out: list[np.ndarray]) -> tuple[int, int]:
     """(agreeing rows, rows) of the arg-max over classifier-shaped outputs ([rows, classes],
     float, at least two classes); (0, 0) when there are none."""
     agree = rows = 0
-    for r, o in zip(ref, out):
+    for r, o in zip(ref, out, strict=True):
         r, o = np.asarray(r), np.asarray(o)
         if r.ndim == 2 and r.shape[1] >= 2 and r.dtype.kind == "f" and r.shape == o.shape:
             agree += int(np.sum(np.argmax(r, axis=1) == np.argmax(o, axis=1)))

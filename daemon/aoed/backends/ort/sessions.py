@@ -115,7 +115,7 @@ class BoundRun:
         self._binding.synchronize_outputs()
         if self._first:
             self._first = False
-            for name, value in zip(self._names, self._binding.get_outputs()):
+            for name, value in zip(self._names, self._binding.get_outputs(), strict=True):
                 self._binding.bind_ortvalue_output(name, value)
                 self._kept.append(value)
 

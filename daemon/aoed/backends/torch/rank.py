@@ -249,8 +249,8 @@ def _device(backend: str, rank: int) -> Any:
         if rank >= torch.npu.device_count():  # type: ignore[attr-defined]
             raise OptionError(
                 f"backend hccl: rank {rank} needs NPU {rank}, this machine has "
-                f"{torch.npu.device_count()}"
-            )  # type: ignore[attr-defined]
+                f"{torch.npu.device_count()}"  # type: ignore[attr-defined]
+            )
         torch.npu.set_device(rank)  # type: ignore[attr-defined]
         return torch.device("npu", rank)
     raise OptionError(f"backend {backend}: expected gloo, nccl or hccl")
@@ -494,7 +494,7 @@ def _grad_errors(ref: Any, hooked: Any) -> dict[str, Any]:
         norms.append(float(ga.norm()))
     floor = _TINY * max(norms, default=0.0)
     worst, worst_i = 0.0, -1
-    for i, (d, n) in enumerate(zip(diffs, norms)):
+    for i, (d, n) in enumerate(zip(diffs, norms, strict=True)):
         scale = max(n, floor)
         err = d / scale if scale > 0 and math.isfinite(d) else (0.0 if d == 0 else math.inf)
         if worst_i < 0 or err > worst:
