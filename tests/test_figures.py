@@ -19,10 +19,18 @@ import pytest
 
 from aoe import figures
 from aoe.figures import Comparison, Figures
-from aoe.outcome import JobOutcome, TaskOutcome, summary_lines
+from aoe.outcome import (
+    GDAT_WORDS,
+    GdatDetails,
+    JobOutcome,
+    OnnxDetails,
+    TaskOutcome,
+    details_from_dict,
+    summary_lines,
+)
 from aoe.spec import JobSpec
 from aoe.v1 import tuning_pb2
-from aoe.wire import outcome_to_pb
+from aoe.wire import outcome_from_pb, outcome_to_pb
 from aoed.api.tuning import event_pb
 from aoed.engine import stats
 from aoed.engine.confirm import ROUNDS, Proposal, judge
@@ -406,3 +414,48 @@ def test_a_daemon_run_prints_what_its_result_json_says(models: Path, tmp_path: P
         assert row.rstrip().endswith(figures.short_text(f)), row
     finally:
         d.close()
+
+
+def test_a_gdat_job_s_details_and_words_cross_every_edge(within_noise: Case) -> None:
+    """A GDAT job's details are typed on every side of every edge (the job store's dict,
+    the API's message), written without their tag, and its figures are said in its own
+    words: DDP's defaults where an ONNX job says the input."""
+    details = GdatDetails(
+        gradient_precision="fp16",
+        world_size=2,
+        baseline_tail_ms=0.25,
+        ddp_config={"label": "static", "ddp_kwargs": {"static_graph": True}},
+        gates=[{"config": "static,hook=fp16", "passed": True, "why": "within 1e-3"}],
+    )
+    o = dataclasses.replace(
+        within_noise.outcome, job_type="gdat", details=details, device="gloo world of 2"
+    )
+    stored = o.to_dict()
+    assert "kind" not in stored["details"] and stored["details"]["world_size"] == 2
+    assert JobOutcome.from_dict(json.loads(json.dumps(stored))).details == details
+    assert outcome_from_pb(outcome_to_pb(o)).details == details
+    # An ONNX job has no details: none are written, none are sent.
+    assert within_noise.outcome.to_dict()["details"] == {}
+    assert outcome_to_pb(within_noise.outcome).details_json == ""
+    assert outcome_from_pb(outcome_to_pb(within_noise.outcome)).details == OnnxDetails()
+    with pytest.raises(ValueError, match="world_size"):
+        details_from_dict("gdat", {"world_size": "two"})
+    with pytest.raises(ValueError, match="details"):
+        dataclasses.replace(within_noise.outcome, details=details)  # an opat job's
+
+    f = o.figures
+    said = figures.verdict_text(f, GDAT_WORDS)
+    assert said.startswith(
+        "no change shipped (within noise: the tuned configuration against a second instance "
+        "of DDP's defaults in the same rounds, 95% interval "
+    ), said
+    assert figures.result_text(f, words=GDAT_WORDS).endswith("(DDP's defaults, unchanged)")
+    assert figures.shipped_text(f, GDAT_WORDS) == "DDP's defaults, unchanged"
+    lines = summary_lines(o)
+    assert f"  verdict      {said}" in lines and "the input" not in "\n".join(lines), lines
+    assert "  ddp          static: {'static_graph': True}" in lines, lines
+    unproposed = Figures.unchanged("no significant change", 1.0, 5)
+    assert figures.verdict_text(unproposed, GDAT_WORDS) == (
+        "no change shipped (nothing was proposed: no configuration beat DDP's defaults in the "
+        "search)"
+    )

@@ -310,7 +310,7 @@ async def test_a_job_ends_with_outputs_and_a_bank_record_and_the_next_is_answere
         outcome.figures.changed == (not r.shipped.is_default)
         and outcome.tuned_model == r.ddp_config
     )
-    assert JobOutcome.from_dict(outcome.to_dict()).details["ddp_config"] == r.shipped.to_json()
+    assert JobOutcome.from_dict(outcome.to_dict()).details.ddp_config == r.shipped.to_json()
     measured = [c for c in details["configurations"] if c.get("step_ms") is not None]
     assert {c["stage"] for c in measured} >= {"flags", "confirm"}
     assert all(

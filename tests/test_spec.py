@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 import subprocess
 import sys
 import tomllib
@@ -21,8 +22,23 @@ from hypothesis import strategies as st
 from aoe import sizes
 from aoe.errors import OptionError
 from aoe.figures import Comparison, Figures
-from aoe.outcome import BudgetReport, JobOutcome, StageTime, TaskOutcome
-from aoe.spec import FOLDER_KEYS, MAX_BUDGET_S, JobSpec, JobType, Precision, Stage
+from aoe.outcome import (
+    BudgetReport,
+    GdatDetails,
+    JobOutcome,
+    OnnxDetails,
+    StageTime,
+    TaskOutcome,
+)
+from aoe.spec import (
+    FOLDER_KEYS,
+    MAX_BUDGET_S,
+    JobSpec,
+    JobType,
+    Precision,
+    Stage,
+    check_model_kind,
+)
 from aoe.specargs import add_arguments, from_args, to_argv
 from aoe.v1 import tuning_pb2
 from aoe.wire import outcome_from_pb, outcome_to_pb, spec_from_pb, spec_to_pb
@@ -221,17 +237,35 @@ def outcomes() -> st.SearchStrategy[JobOutcome]:
         "total_num",
         "repo_not_tuned_num",
     )
+    gdat = st.builds(
+        GdatDetails,
+        gradient_precision=st.sampled_from(["exact", "fp16", "lowrank"]),
+        backend=st.sampled_from(["gloo", "nccl"]),
+        world_size=st.integers(1, 64),
+        baseline_tail_ms=FINITE,
+        result_tail_ms=FINITE,
+        ddp_config=st.fixed_dictionaries({"label": text, "ddp_kwargs": st.just({})}),
+        ddp_config_file=text,
+        update_mode=st.sampled_from(["add", "hit", "unsatisfied"]),
+        gates=st.lists(
+            st.fixed_dictionaries({"config": text, "passed": st.booleans()}), max_size=2
+        ),
+    )
+    # A job type and the details it has: GDAT's own, none for the ONNX job types.
+    kind = st.tuples(st.just(JobType.GDAT), gdat) | st.tuples(
+        st.sampled_from([t for t in JobType if t != JobType.GDAT]), st.just(OnnxDetails())
+    )
     return st.builds(
-        JobOutcome,
+        lambda *args, kind, **kw: JobOutcome(*args, job_type=kind[0], details=kind[1], **kw),
         text,
         text,
         text,
         text,
         st.sampled_from(list(Precision)),
-        st.sampled_from(list(JobType)),
-        text,
-        FINITE,
-        shipped | kept,
+        device=text,
+        tuning_time_s=FINITE,
+        figures=shipped | kept,
+        kind=kind,
         tasks=st.lists(task, max_size=3).map(tuple),
         bank=st.fixed_dictionaries({k: st.integers(0, 1000) for k in bank_keys}),
         resources=st.dictionaries(
@@ -419,3 +453,28 @@ def test_a_gdat_spec_takes_gdat_options_only() -> None:
     ]:
         with pytest.raises(OptionError, match=words.replace("(", r"\(")):
             from_args(p.parse_args(argv))
+
+
+@pytest.mark.parametrize(
+    ("model", "job_type", "entry", "daemon", "words"),
+    [
+        ("m.onnx", "gdat", None, False, "m.onnx: --job-type gdat tunes a torch.export program"),
+        ("m.onnx", "gdat", None, True, "m.onnx: job_type gdat tunes a torch.export program"),
+        ("m.py", "gdat", None, False, "or, with --entry FILE.py:FUNCTION, your own training code"),
+        ("m.pt2", "opat", None, False, "training with --job-type gdat"),
+        ("m.pt2", "sgat+opat", None, True, "training with job_type gdat"),
+        ("m.pt2", "gdat", "build", False, "--entry m.pt2:build: expected a .py file"),
+        ("m.py", "gdat", "build", True, "entry build: the daemon runs no user code"),
+    ],
+)
+def test_the_model_kind_rule_is_said_as_each_edge_spells_it(
+    model: str, job_type: str, entry: str | None, daemon: bool, words: str
+) -> None:
+    """One rule, stated once (aoe.spec.check_model_kind), for the CLI, the daemon's
+    admission and a GDAT run: GDAT tunes a .pt2 or, embedded, a .py with an entry; the
+    others never a .pt2."""
+    with pytest.raises(OptionError, match=re.escape(words)):
+        check_model_kind(model, JobType(job_type), entry, daemon=daemon)
+    check_model_kind("m.pt2", JobType.GDAT)
+    check_model_kind("m.py", JobType.GDAT, "build")
+    check_model_kind("m.onnx", JobType.OPAT, daemon=daemon)

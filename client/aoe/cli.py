@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from aoe import specargs
 from aoe.errors import AoedError, DeviceError, OptionError
 from aoe.outcome import summary_lines
-from aoe.spec import JobType, parse_job_type
+from aoe.spec import JobType, check_model_kind, parse_job_type
 
 if TYPE_CHECKING:
     from aoe.device import Device
@@ -263,15 +263,7 @@ def _tune(args: argparse.Namespace) -> int:
         repeat_tune=config.repeat_tune,
         device=config.device.name if "device" in config.sources and not gdat else None,
     )
-    if gdat and args.model.suffix not in (".pt2", ".py"):
-        raise OptionError(
-            f"{args.model}: --job-type gdat tunes a torch.export program (.pt2, saved with "
-            "torch.export.save) or, with --entry FILE.py:FUNCTION, your own training code"
-        )
-    if not gdat and args.model.suffix == ".pt2":
-        raise OptionError(
-            f"{args.model}: a torch.export program; tune its data-parallel training with --job-type gdat"
-        )
+    check_model_kind(args.model, spec.job_type, spec.entry)
     output: Path = args.output
     made = _writable_output(output)
     # The user's own code (--entry) runs embedded only: a daemon loads no user code.

@@ -43,7 +43,9 @@ __all__ = [
     "VERDICTS",
     "Comparison",
     "Figures",
+    "ONNX_WORDS",
     "Shipped",
+    "Words",
     "bank_text",
     "changed_text",
     "event_text",
@@ -81,6 +83,39 @@ AGAINST = {
     "without options": "the same model without them",
 }
 _SUBJECT = {"tuned": "the tuned model", "options only": "the session options"}
+
+
+@dataclass(frozen=True)
+class Words:
+    """How a kind of job names what it measures in the sentences here: its input, what
+    the input shipping unchanged is called, its tuned output, the noise floor's second
+    run of the input, and why nothing was proposed. An ONNX job's are the defaults
+    (ONNX_WORDS); a GDAT job's input is DDP's defaults (aoe.outcome.GDAT_WORDS)."""
+
+    input: str = AGAINST["input"]
+    unchanged: str = SHIPPED["input"]
+    tuned: str = SHIPPED["tuned"]
+    second: str = AGAINST["second session"]
+    nothing_passed: str = "no change passed the search and verification"
+
+    def shipped(self, kind: str) -> str:
+        """What shipped (a key of SHIPPED), in these words."""
+        if kind == "input":
+            return self.unchanged
+        return self.tuned if kind == "tuned" else SHIPPED.get(kind, kind)
+
+    def subject(self, subject: str) -> str:
+        """A comparison's subject (tuned | options only), in these words."""
+        return self.tuned if subject == "tuned" else _SUBJECT.get(subject, subject)
+
+    def against(self, against: str) -> str:
+        """What a comparison measured against (a key of AGAINST), in these words."""
+        said = {"input": self.input, "second session": self.second}
+        return said.get(against) or AGAINST.get(against, against)
+
+
+#: An ONNX job's words: the model it was given and the model it tuned.
+ONNX_WORDS = Words()
 
 
 def improvement_of(
@@ -235,48 +270,48 @@ def interval(ci: tuple[float, float]) -> str:
     return f"{pct(ci[0])} to {pct(ci[1])}"
 
 
-def shipped_text(f: Figures) -> str:
-    """What shipped, as a noun phrase."""
-    return SHIPPED.get(f.shipped, f.shipped or "-")
+def shipped_text(f: Figures, words: Words = ONNX_WORDS) -> str:
+    """What shipped, as a noun phrase in `words`."""
+    return words.shipped(f.shipped) if f.shipped else "-"
 
 
-def _reason(f: Figures) -> str:
+def _reason(f: Figures, words: Words) -> str:
     """Why the input shipped, from the comparison that decided it."""
     c = f.decided_by
     if c is not None:
         said = "slower" if f.verdict == "slower" else "within noise"
         return (
-            f"{said}: {_SUBJECT.get(c.subject, c.subject)} against {AGAINST.get(c.against, c.against)}, "
+            f"{said}: {words.subject(c.subject)} against {words.against(c.against)}, "
             f"95% interval {interval(c.ci95)}"
         )
     if f.confirmed_by:
         return f"{f.verdict or 'no significant change'}, as job {f.confirmed_by} confirmed"
     if not f.rounds:
         return "not confirmed: the confirming A/B did not measure; see the notes"
-    return "nothing was proposed: no change passed the search and verification"
+    return f"nothing was proposed: {words.nothing_passed}"
 
 
-def verdict_text(f: Figures) -> str:
-    """The verdict and what shipped, in one phrase: "faster: the tuned model ships", or
-    "no change shipped (within noise: the tuned model against the input, 95% interval
-    -23.1% to +18.3%)"."""
+def verdict_text(f: Figures, words: Words = ONNX_WORDS) -> str:
+    """The verdict and what shipped, in one phrase in `words`: "faster: the tuned model
+    ships", or "no change shipped (within noise: the tuned model against the input, 95%
+    interval -23.1% to +18.3%)"."""
     if f.changed:
-        return f"{f.verdict}: {shipped_text(f)} ships"
+        return f"{f.verdict}: {shipped_text(f, words)} ships"
     if f.shipped == "input":
-        return f"no change shipped ({_reason(f)})"
+        return f"no change shipped ({_reason(f, words)})"
     return f.verdict or "-"
 
 
-def result_text(f: Figures, digits: int = 4) -> str:
+def result_text(f: Figures, digits: int = 4, words: Words = ONNX_WORDS) -> str:
     """The result figure with what it is: "0.5420 ms   (improvement +9.6%: the median of
     the paired round ratios, 95% interval +2.0% to +15.1%)", or "0.5999 ms   (the input
-    model, unchanged)"; milliseconds with `digits` decimals."""
+    model, unchanged)"; milliseconds with `digits` decimals, what shipped in `words`."""
     if f.changed:
         return (
             f"{f.result_ms:.{digits}f} ms   (improvement {pct(f.improvement)}: the median of the paired round "
             f"ratios, 95% interval {interval(f.ci95)})"
         )
-    return f"{f.result_ms:.{digits}f} ms   ({SHIPPED['input']})"
+    return f"{f.result_ms:.{digits}f} ms   ({words.unchanged})"
 
 
 def short_text(f: Figures) -> str:

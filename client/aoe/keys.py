@@ -29,7 +29,7 @@ SCHEMA_VERSION = 1
 
 #: Precision policy names (a bank key's last part) and their code in aoe.v1.Precision.
 #: A job's precisions (aoe.spec.Precision) are these but `lowrank`, a gradient precision.
-PRECISION_CODES: Mapping[str, int] = {
+PRECISION_CODES: Mapping[str, bank_pb2.Precision] = {
     "exact": bank_pb2.PRECISION_EXACT,
     "int8": bank_pb2.PRECISION_INT8,
     "int4": bank_pb2.PRECISION_INT4,

@@ -16,6 +16,12 @@ Two counts every surface takes from here, never forms on its own:
   not a task's, and is not counted in it. The daemon's `aoed_bank_lookups_total` moves
   by the same tally when a job's result is written.
 
+What only one kind of job has is its `details`: a tagged union of msgspec Structs
+(`OnnxDetails` | `GdatDetails`), told apart by the outcome's job type. They travel as
+the result JSON's `details` object, which holds their fields and not the tag (the
+outcome's `job_type` says it): `details_to_dict` / `details_from_dict`. Each kind of
+details also says the words its job's figures are said in (`aoe.figures.Words`).
+
 Light on purpose: no onnx, no grpc.
 """
 
@@ -25,19 +31,27 @@ import enum
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
+
+import msgspec
 
 from aoe import figures
-from aoe.figures import Figures
+from aoe.figures import Figures, Words
 from aoe.spec import JobType, Precision, Stage
 
 __all__ = [
+    "GDAT_WORDS",
     "BudgetReport",
+    "Details",
+    "GdatDetails",
     "JobOutcome",
+    "OnnxDetails",
     "StageTime",
     "TaskOutcome",
     "UpdateMode",
     "bank_tally",
+    "details_from_dict",
+    "details_to_dict",
     "summary_lines",
 ]
 
@@ -202,6 +216,74 @@ _BUDGET_KEYS = (
 )
 
 
+#: aoe.figures' words as a GDAT job says them: its input is DDP's defaults, its output a
+#: DDP configuration.
+GDAT_WORDS = Words(
+    input="DDP's defaults",
+    unchanged="DDP's defaults, unchanged",
+    tuned="the tuned configuration",
+    second="a second instance of DDP's defaults in the same rounds",
+    nothing_passed="no configuration beat DDP's defaults in the search",
+)
+
+
+class OnnxDetails(msgspec.Struct, frozen=True, tag="onnx", tag_field="kind"):
+    """An ONNX job's details: none beyond the outcome's own fields (its result JSON's
+    other sections are written beside them: aoed.engine.outputs)."""
+
+    words: ClassVar[Words] = figures.ONNX_WORDS
+
+
+class GdatDetails(msgspec.Struct, frozen=True, tag="gdat", tag_field="kind"):
+    """What only a GDAT job has (aoed.gdat.outcome): its world, the DDP configuration it
+    shipped, the tails, the search's configurations and gates. The nested documents are
+    the result JSON's own (docs/gdat.md)."""
+
+    words: ClassVar[Words] = GDAT_WORDS
+
+    gradient_precision: str = "exact"
+    backend: str = "gloo"
+    world_size: int = 0
+    #: the slowest rank's tail (its step past the others'), in ms
+    baseline_tail_ms: float = 0.0
+    result_tail_ms: float = 0.0
+    #: the shipped configuration (aoe.gdat.DDPConfig.to_json) and the file it is in
+    ddp_config: dict[str, Any] = {}
+    ddp_config_file: str = ""
+    update_mode: str = ""
+    bank_layer: str = ""
+    #: the confirming A/B the figures come from
+    confirmation: dict[str, Any] = {}
+    #: every configuration measured, per stage, with what became of it
+    configurations: list[dict[str, Any]] = []
+    #: the lossy comm hooks' gates: config, passed, why, max_rel_error
+    gates: list[dict[str, Any]] = []
+    #: turns whose world broke
+    broken_turns: list[dict[str, Any]] = []
+    layout: dict[str, Any] = {}
+
+
+#: What only one kind of job has, told apart by its job type.
+Details = OnnxDetails | GdatDetails
+
+
+def details_to_dict(details: Details) -> dict[str, Any]:
+    """`details`' fields as JSON types, without the tag (the outcome's job type is it):
+    the result JSON's `details`; `details_from_dict` reads it back."""
+    return msgspec.to_builtins(msgspec.structs.asdict(details))
+
+
+def details_from_dict(job_type: JobType | str, d: Mapping[str, Any]) -> Details:
+    """The details of a job of `job_type` from `details_to_dict`'s object (a field it
+    lacks takes its default; one it does not know is left out). ValueError naming the
+    field whose value has the wrong type."""
+    kind = "gdat" if JobType(job_type) == JobType.GDAT else "onnx"
+    try:
+        return msgspec.convert({**d, "kind": kind}, Details)
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"details of a {kind} job: {exc}") from None
+
+
 @dataclass(frozen=True)
 class JobOutcome:
     """A finished job: what it measured (`figures`), what shipped, the per-task table,
@@ -231,12 +313,16 @@ class JobOutcome:
     notes: tuple[str, ...] = ()
     workspace: str = ""
     #: what only one job type has (GDAT: the world, the shipped DDP options, the gates,
-    #: the tails), as the result JSON's `details` holds it
-    details: Mapping[str, Any] = field(default_factory=dict)
+    #: the tails); the kind its job type names
+    details: Details = field(default_factory=OnnxDetails)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "precision", Precision(self.precision))
         object.__setattr__(self, "job_type", JobType(self.job_type))
+        if (self.job_type == JobType.GDAT) != isinstance(self.details, GdatDetails):
+            raise ValueError(
+                f"a {self.job_type} job's details are not {type(self.details).__name__}"
+            )
         object.__setattr__(self, "tasks", tuple(self.tasks))
         object.__setattr__(self, "notes", tuple(self.notes))
 
@@ -287,7 +373,7 @@ class JobOutcome:
             "verified": self.verified,
             "notes": list(self.notes),
             "workspace": self.workspace,
-            "details": dict(self.details),
+            "details": details_to_dict(self.details),
         }
 
     @classmethod
@@ -317,7 +403,7 @@ class JobOutcome:
             verified=d.get("verified", ""),
             notes=tuple(d.get("notes", ())),
             workspace=d.get("workspace", ""),
-            details=d.get("details", {}),
+            details=details_from_dict(d["job_type"], d.get("details") or {}),
         )
 
     @classmethod
@@ -484,33 +570,10 @@ def summary_lines(
     return out
 
 
-#: aoe.figures' words for an ONNX job's input and output, as a GDAT job says them.
-_GDAT_WORDS = (
-    (
-        "a second session of the input in the same rounds",
-        "a second instance of DDP's defaults in the same rounds",
-    ),
-    ("the input model, unchanged", "DDP's defaults, unchanged"),
-    ("the tuned model", "the tuned configuration"),
-    ("the input", "DDP's defaults"),
-    (
-        "no change passed the search and verification",
-        "no configuration beat DDP's defaults in the search",
-    ),
-)
-
-
-def gdat_words(text: str) -> str:
-    """`text` from aoe.figures with a GDAT job's words for the input and the output."""
-    for onnx, gdat in _GDAT_WORDS:
-        text = text.replace(onnx, gdat)
-    return text
-
-
-def ddp_text(details: Mapping[str, Any]) -> str:
+def ddp_text(details: GdatDetails) -> str:
     """The DDP configuration a GDAT job shipped (its `details`), in a few words: its label,
     DDP's keyword arguments and the comm hook."""
-    ddp = details.get("ddp_config") or {}
+    ddp = details.ddp_config
     hook = (ddp.get("comm_hook") or {}).get("name")
     return f"{ddp.get('label', 'default')}: {ddp.get('ddp_kwargs') or 'no options'}" + (
         f", comm hook {hook}" if hook else ""
@@ -523,10 +586,11 @@ def _gdat_lines(
     """summary_lines for a GDAT job: step times of the world instead of a model's, the
     DDP options that ship instead of tasks, and the gates of lossy hooks."""
     f, b, d = o.figures, o.budget, o.details
+    assert isinstance(d, GdatDetails)  # (JobOutcome holds it: a gdat job's details)
     took = o.tuning_time_s if took_s is None else took_s
     job = f"job {o.job_id}; " if where and o.job_id else ""
     out = [
-        f"aoe: tuned {Path(o.model).name}{where} in {took:.1f} s ({job}gdat, {d.get('gradient_precision', 'exact')} "
+        f"aoe: tuned {Path(o.model).name}{where} in {took:.1f} s ({job}gdat, {d.gradient_precision} "
         f"gradients, {o.device})"
     ]
     said = (
@@ -535,19 +599,19 @@ def _gdat_lines(
         else f"confirming A/B, {f.rounds} interleaved rounds of the world"
     )
     out.append(
-        f"  baseline     {f.baseline_ms:.4f} ms per step, tail {d.get('baseline_tail_ms', 0.0):.4f} ms   "
+        f"  baseline     {f.baseline_ms:.4f} ms per step, tail {d.baseline_tail_ms:.4f} ms   "
         f"(DDP's defaults; {said})"
     )
-    tail = f"; tail {d.get('result_tail_ms', 0.0):.4f} ms" if f.changed else ""
-    out.append(f"  result       {gdat_words(figures.result_text(f))}{tail}")
-    out.append(f"  verdict      {gdat_words(figures.verdict_text(f))}")
+    tail = f"; tail {d.result_tail_ms:.4f} ms" if f.changed else ""
+    out.append(f"  result       {figures.result_text(f, words=d.words)}{tail}")
+    out.append(f"  verdict      {figures.verdict_text(f, d.words)}")
     out.append(f"  ddp          {ddp_text(d)}")
     if not f.confirmed_by:
-        confs = d.get("configurations") or []
+        confs = d.configurations
         measured = {c["name"] for c in confs if c.get("step_ms") is not None}
         failed = sum(c.get("status") == "failed" for c in confs)
         rejected = sum(c.get("status") == "rejected" for c in confs)
-        broken = len(d.get("broken_turns") or [])
+        broken = len(d.broken_turns)
         out.append(
             f"  search       {len(measured)} configurations in {o.resources.get('worlds', 1):g} world(s)"
             + (f", {failed} failed" if failed else "")
@@ -557,7 +621,7 @@ def _gdat_lines(
         )
     out += [
         f"  gate         {g['config']}: {'passed' if g.get('passed') else 'rejected'}: {g.get('why', '')}"
-        for g in d.get("gates") or []
+        for g in d.gates
     ]
     out.append(f"  bank         {figures.bank_text(o.bank)}")
     out += [f"  note         {note}" for note in o.notes]

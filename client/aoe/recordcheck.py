@@ -34,8 +34,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aoe.device import CPU, KINDS, Device
-from aoe.provider_options import BOOL, CHOICES, OPTIONS
 from aoe.keys import PRECISION_NAMES, SCHEMA_VERSION
+from aoe.provider_options import BOOL, CHOICES, OPTIONS
 from aoe.v1 import bank_pb2
 
 __all__ = [

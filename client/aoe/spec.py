@@ -40,6 +40,7 @@ __all__ = [
     "Precision",
     "SpecError",
     "Stage",
+    "check_model_kind",
     "parse_job_type",
 ]
 
@@ -160,6 +161,38 @@ def parse_job_type(raw: object, where: str = "job_type") -> JobType:
             f"{raw}: expected opat (2), sgat (1), sgat+opat (both in one job) or gdat (4: "
             "data-parallel training)",
         ) from None
+
+
+def check_model_kind(
+    model: str | Path, job_type: JobType, entry: str | None = None, *, daemon: bool = False
+) -> None:
+    """OptionError for a model file the job type does not tune: GDAT tunes a
+    torch.export program (.pt2) or, with `entry`, the user's own training code (a .py
+    file); the other job types an ONNX model, never a .pt2. `daemon`: the job goes to a
+    daemon, which runs no user code and spells the option job_type (else --job-type, as
+    `aoe tune` and an embedded run do). The one statement of this rule: the CLI, the
+    daemon's admission and a GDAT run each call it."""
+    name = str(model)
+    gdat = job_type == JobType.GDAT
+    flag = "job_type" if daemon else "--job-type"
+    if entry is not None and daemon:
+        raise OptionError(
+            f"entry {entry}: the daemon runs no user code; tune your own training code "
+            "embedded (aoe tune --local --job-type gdat --entry FILE.py:FUNCTION), or export it "
+            "to a .pt2 with torch.export"
+        )
+    if gdat and entry is not None and not name.endswith(".py"):
+        raise OptionError(f"--entry {name}:{entry}: expected a .py file and a function in it")
+    if gdat and entry is None and not name.endswith(".pt2"):
+        raise OptionError(
+            f"{name}: {flag} gdat tunes a torch.export program (.pt2, saved with "
+            "torch.export.save)"
+            + ("" if daemon else " or, with --entry FILE.py:FUNCTION, your own training code")
+        )
+    if not gdat and name.endswith(".pt2"):
+        raise OptionError(
+            f"{name}: a torch.export program; tune its data-parallel training with {flag} gdat"
+        )
 
 
 def _precision(raw: object) -> Precision:

@@ -21,7 +21,14 @@ from aoe.bank import LayerStats
 from aoe.errors import OptionError
 from aoe.figures import Comparison, Figures
 from aoe.keys import PRECISION_CODES
-from aoe.outcome import BudgetReport, JobOutcome, StageTime, TaskOutcome
+from aoe.outcome import (
+    BudgetReport,
+    JobOutcome,
+    StageTime,
+    TaskOutcome,
+    details_from_dict,
+    details_to_dict,
+)
 from aoe.spec import JobSpec, JobType, Precision, SpecError, Stage
 from aoe.v1 import bank_pb2, tuning_pb2
 
@@ -204,6 +211,7 @@ _ACCURACY = ("max_abs_error", "max_rel_error", "cosine")
 def outcome_to_pb(o: JobOutcome) -> tuning_pb2.JobResult:
     """The JobResult message of `o`."""
     f, c = o.figures, o.figures.decided_by
+    details = details_to_dict(o.details)
     return tuning_pb2.JobResult(
         baseline_ms=f.baseline_ms,
         tuned_ms=f.result_ms,
@@ -275,7 +283,7 @@ def outcome_to_pb(o: JobOutcome) -> tuning_pb2.JobResult:
         else "",
         budget=_budget_pb(o.budget),
         model_path=o.model,
-        details_json=json.dumps(dict(o.details), sort_keys=True) if o.details else "",
+        details_json=json.dumps(details, sort_keys=True) if details else "",
     )
 
 
@@ -309,13 +317,14 @@ def outcome_from_pb(r: tuning_pb2.JobResult, job_id: str = "") -> JobOutcome:
         )
         for t in r.tasks
     )
+    job_type = _known(_JOB_TYPE, r.job_type, "job_type", tuning_pb2.JobType, JobType.SGAT_OPAT)
     return JobOutcome(
         job_id=job_id,
         model=r.model_path,
         tuned_model=r.tuned_model_path,
         result_json=r.result_json_path,
         precision=_known(_PRECISION, r.precision, "precision", bank_pb2.Precision, Precision.EXACT),
-        job_type=_known(_JOB_TYPE, r.job_type, "job_type", tuning_pb2.JobType, JobType.SGAT_OPAT),
+        job_type=job_type,
         device=r.device,
         tuning_time_s=r.tuning_time_s,
         figures=figures_from_pb(r),
@@ -329,7 +338,7 @@ def outcome_from_pb(r: tuning_pb2.JobResult, job_id: str = "") -> JobOutcome:
         calibration=r.calibration,
         verified=r.verification,
         notes=tuple(r.notes),
-        details=json.loads(r.details_json or "{}"),
+        details=details_from_dict(job_type, json.loads(r.details_json or "{}")),
     )
 
 

@@ -34,6 +34,7 @@ import trio
 
 from aoe.config import temp_runtime_dir
 from aoe.errors import AoedError, BankError, PermissionDeniedError
+from aoe.spec import JobType
 from aoed.api import Bridge
 from aoed.api.info import DaemonServicer, DeviceServicer
 from aoed.api.server import Server, build_server, register
@@ -76,6 +77,7 @@ class Daemon:
         cannot start (a bad config, a busy socket, an unusable device)."""
         from aoed.backends.ort.catalog import build_registry
         from aoed.engine.engine import open_engine
+        from aoed.gdat import GdatKind
 
         cfg = self.cfg
         for d in (cfg.state_dir, cfg.uploads_dir, cfg.jobs_dir, cfg.claims_dir):
@@ -91,8 +93,13 @@ class Daemon:
         store = JobStore(cfg.store_path)
         try:
             registry = build_registry(cfg.engine.plugins)
+            gdat = GdatKind(limits=cfg.world_limits, allow_unconfined=cfg.allow_unconfined_gdat)
             async with open_engine(
-                cfg.engine, registry, cfg.state_dir / "logs", lock_group=cfg.socket_gid()
+                cfg.engine,
+                registry,
+                cfg.state_dir / "logs",
+                lock_group=cfg.socket_gid(),
+                kinds={JobType.GDAT: gdat},
             ) as engine:
                 # A damaged bank is refused, and logged, before a resumed job meets it:
                 # the daemon serves without it (aoed.bank.writer).

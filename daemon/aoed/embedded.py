@@ -5,10 +5,11 @@ without a daemon: the `aoe` command, and Python callers.
     from aoed import embedded
     outcome = embedded.tune("model.onnx", JobSpec(precision="int8"), "out/")
 
-    tune / tune_async   one job, JobSpec -> JobOutcome, with progress events and
+    tune / tune_async   one job of any kind, JobSpec -> JobOutcome, through the
+                        engine's one door (Engine.run_job), with progress events and
                         cancellation (a JobHandle, or the caller's cancel scope); a
                         GDAT job (job type gdat: a .pt2, or with `spec.entry` a .py
-                        file) runs its worlds of rank processes instead of the engine
+                        file) runs its worlds of rank processes
     apply_bank          the tuned model a bank describes, from the bank alone (written at
                         `output`; returns the per-task report)
     verify_bank         re-measure a sample of a bank's entries on this device
@@ -88,49 +89,23 @@ async def tune_async(
     from aoed.backends.ort.catalog import build_registry
     from aoed.engine.engine import open_engine
     from aoed.engine.job import JobRun
+    from aoed.gdat import GdatKind
+    from aoed.sandbox import UNCONFINED_ENV
 
     config = config if config is not None else load_config(None)
     output = Path(output)
-    if spec.job_type == JobType.GDAT:
-        with _one_error():
-            return await _tune_gdat(
-                Path(model), spec, output, config, progress, handle, keep_workspace
-            )
+    # The daemon's setting is [daemon] allow_unconfined_gdat; a run of one's own says it
+    # in its environment.
+    gdat = GdatKind(allow_unconfined=os.environ.get(UNCONFINED_ENV, "") == "1")
     run = JobRun(Path(model), output, spec, keep_workspace=keep_workspace)
     with _one_error():
         async with open_engine(
-            config, build_registry(config.plugins), output / "aoe_workspace" / "logs"
+            config,
+            build_registry(config.plugins),
+            output / "aoe_workspace" / "logs",
+            kinds={JobType.GDAT: gdat},
         ) as engine:
             return await engine.run_job(run, progress or (lambda event: None), handle)
-
-
-async def _tune_gdat(
-    model: Path,
-    spec: JobSpec,
-    output: Path,
-    config: Config,
-    progress: Progress | None,
-    handle: JobHandle | None,
-    keep_workspace: bool,
-) -> JobOutcome:
-    from aoed.gdat import GdatOptions, run_gdat, to_outcome
-    from aoed.sandbox import UNCONFINED_ENV
-
-    opts = GdatOptions(
-        model=model,
-        output=output,
-        entry=spec.entry or "",
-        world_size=spec.world_size,
-        backend=spec.backend or "gloo",
-        precision=spec.gradient_precision or "exact",
-        repeat_tune=spec.repeat_tune,
-        budget_s=spec.budget_s,
-        keep_workspace=keep_workspace,
-        # The daemon's setting is [daemon] allow_unconfined_gdat; a run of one's own says
-        # it in its environment.
-        allow_unconfined=os.environ.get(UNCONFINED_ENV, "") == "1",
-    )
-    return to_outcome(await run_gdat(opts, config, progress or (lambda event: None), handle))
 
 
 def tune(

@@ -72,7 +72,7 @@ from aoe.errors import (
     PermissionDeniedError,
     ResourceExhaustedError,
 )
-from aoe.outcome import ddp_text, gdat_words
+from aoe.outcome import GdatDetails, OnnxDetails, ddp_text
 from aoe.spec import JobSpec, JobType
 from aoed import safefs, space
 from aoed.config import DaemonConfig, Inbox
@@ -1194,26 +1194,26 @@ def _report_text(name: str, row: JobRow, written: list[str], missing: list[str])
     )
     # A GDAT job's input is DDP's defaults, its output a DDP configuration, its figure a
     # training step of the world; an ONNX job's are models and a run of the model.
-    say = gdat_words if gdat else str
-    if gdat:
-        d = o.details
+    d = o.details if o is not None else OnnxDetails()
+    words = d.words
+    if isinstance(d, GdatDetails):
         base = (
-            f"{f.baseline_ms:.3f} ms per step, tail {float(d.get('baseline_tail_ms', 0.0)):.3f} ms "
+            f"{f.baseline_ms:.3f} ms per step, tail {d.baseline_tail_ms:.3f} ms "
             f"(DDP's defaults; {where})"
         )
-        tail = f"; tail {float(d.get('result_tail_ms', 0.0)):.3f} ms" if f.changed else ""
+        tail = f"; tail {d.result_tail_ms:.3f} ms" if f.changed else ""
     else:
         base, tail = f"{f.baseline_ms:.3f} ms ({where})", ""
     lines = [
         f"aoed tuned {printable(name)}",
         f"job:          {row.id}",
         f"baseline:     {base}",
-        f"result:       {say(figures.result_text(f, 3))}{tail}",
-        f"verdict:      {say(figures.verdict_text(f))}",
-        f"shipped:      {say(figures.shipped_text(f))}",
+        f"result:       {figures.result_text(f, 3, words)}{tail}",
+        f"verdict:      {figures.verdict_text(f, words)}",
+        f"shipped:      {figures.shipped_text(f, words)}",
     ]
-    if gdat:
-        lines.append(f"ddp:          {ddp_text(o.details)}")
+    if isinstance(d, GdatDetails):
+        lines.append(f"ddp:          {ddp_text(d)}")
     lines += [
         f"bank:         {figures.bank_text(o.bank if o else {}, o.unshipped if o else 0)}",
         f"outputs:      {', '.join(written) or '(none)'}",

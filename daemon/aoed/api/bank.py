@@ -38,9 +38,9 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from aoe.bank import default_record, parse_key, record_to_json
-from aoe.keys import PRECISION_NAMES
 from aoe.device import Device
 from aoe.errors import OptionError, ResourceExhaustedError
+from aoe.keys import PRECISION_NAMES
 from aoe.v1 import bank_pb2, bank_pb2_grpc
 from aoe.wire import layer_stats_to_pb
 from aoed.api._bridge import Bridge

@@ -23,6 +23,7 @@ from aoe.bank import (
     parse_key,
     record_from_json,
 )
+from aoe.keys import PRECISION_CODES, PRECISION_NAMES, SCHEMA_VERSION, bank_key
 from aoe.recordcheck import (
     MAX_TRIAL_JSON,
     RecordError,
@@ -33,7 +34,6 @@ from aoe.recordcheck import (
     check_trial,
     loads,
 )
-from aoe.keys import PRECISION_CODES, PRECISION_NAMES, SCHEMA_VERSION, bank_key
 from aoe.v1 import bank_pb2
 
 __all__ = [

@@ -14,6 +14,7 @@ _EXPORTS = {
     "Engine": "aoed.engine.engine",
     "JobEvent": "aoed.engine.messages",
     "JobHandle": "aoed.engine.job",
+    "JobKind": "aoed.engine.kind",
     "JobRun": "aoed.engine.job",
     "Strategy": "aoed.engine.registry",
     "StrategyRegistry": "aoed.engine.registry",

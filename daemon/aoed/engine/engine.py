@@ -3,8 +3,9 @@
 `open_engine()` starts the agents in dependency order (bank writer, compile pool, device
 agent), each reporting ready through `nursery.start()`, and stops them all when the
 block exits. The daemon keeps one engine for its lifetime; `aoe tune` opens one for a
-single job. `Engine.run_job()` gives each job its own id, workspace, log and ledger, so
-jobs sharing the engine never collide, and makes cancellation reach the hardware.
+single job. `Engine.run_job()` is the one door for every job: it runs the kind of job
+(kind.py) the spec's job type names: the ONNX pipeline (onnxjob.py), or a kind whoever
+opens the engine adds (GDAT: aoed.gdat.GdatKind).
 
 Devices: one device agent per configured device (`Config.all_devices`), chosen between
 by the device set (`devices.py`). Cores: on a CPU device with dedicated cores (4 or more,
@@ -21,7 +22,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,28 +30,27 @@ import trio
 
 from aoe.config import Config
 from aoe.device import Device
-from aoe.errors import AoedError, DeviceError, JobCancelledError
+from aoe.errors import DeviceError, OptionError
 from aoe.outcome import JobOutcome
-from aoe.spec import JobSpec
+from aoe.spec import JobType
 from aoed.bank.writer import BankWriter
-from aoed.engine.context import JobContext
 from aoed.engine.device import DeviceAgent
 from aoed.engine.devices import DeviceSet
 from aoed.engine.executor import open_executor
 from aoed.engine.job import JobHandle, JobRun
-from aoed.engine.ledger import JobLedger, new_job_id
+from aoed.engine.kind import Emit, JobKind
 from aoed.engine.memory import MemoryPlan, plan_memory
-from aoed.engine.messages import JobEvent
-from aoed.engine.pipeline import run_stages
-from aoed.engine.policy import policy
+from aoed.engine.onnxjob import ONNX_JOB_TYPES, OnnxKind
 from aoed.engine.pool import CompilePool
 from aoed.engine.registry import StrategyRegistry
-from aoed.engine.workspace import Workspace
-from aoed.logs import current_job, job_log
+from aoed.logs import current_job
 
 __all__ = ["Engine", "current_job", "open_engine", "place_cores", "split_cores"]
 
 log = logging.getLogger(__name__)
+
+#: The kinds every engine runs: its own ONNX pipeline.
+ONNX_KINDS: Mapping[JobType, JobKind] = dict.fromkeys(ONNX_JOB_TYPES, OnnxKind())
 
 
 def split_cores(cpus: list[int], dedicated: bool | None) -> tuple[list[int], list[int]]:
@@ -106,6 +106,8 @@ class Engine:
     devices: DeviceSet | None = None
     #: when the engine started (time.monotonic), for the devices' duty cycles
     started: float = field(default_factory=time.monotonic)
+    #: the kind of job (kind.py) each job type runs as
+    kinds: Mapping[JobType, JobKind] = field(default_factory=lambda: dict(ONNX_KINDS))
 
     @property
     def device_set(self) -> DeviceSet:
@@ -114,10 +116,11 @@ class Engine:
     async def run_job(
         self,
         run: JobRun,
-        emit: Callable[[JobEvent], None] = lambda event: None,
+        emit: Emit = lambda event: None,
         handle: JobHandle | None = None,
     ) -> JobOutcome:
-        """Run one job to completion and return its result.
+        """Run one job to completion and return its result: the one door for every job
+        kind (kind.py), chosen by the spec's job type.
 
         Raises AoedError subclasses with one-line messages (OptionError, ModelError,
         BankError, DeviceError), and JobCancelledError when `handle` cancelled it; a
@@ -125,129 +128,29 @@ class Engine:
         abandoned. The workspace's scratch is removed unless the job failed or
         `run.keep_workspace`; a job that fails before tuning started leaves no workspace,
         and one interrupted (a resumable cancel, ^C) leaves it to its next run."""
-        spec = run.spec.on(self.device.device.name)  # (checked where it was built)
-        devices = self.device_set
-        with devices.home(
-            Device.parse(spec.device)
-        ) as home:  # OptionError when no device fits the job
-            return await self._run_at(home, devices, spec, run, emit, handle)
-
-    async def _run_at(
-        self,
-        home: DeviceAgent,
-        devices: DeviceSet,
-        spec: JobSpec,
-        run: JobRun,
-        emit: Callable[[JobEvent], None],
-        handle: JobHandle | None,
-    ) -> JobOutcome:
-        job_id = run.job_id or new_job_id()
-        prec = policy(spec.precision, spec.min_cosine, spec.max_rel_error)
-        # The daemon's job id is the same in each run of a job; an embedded run's is new,
-        # so there the model alone says which interrupted workspace is this job's.
-        owner = {"model": str(run.model.absolute()), "job": run.job_id}
-        ws = await trio.to_thread.run_sync(Workspace.create, run.output, run.model.stem, owner)
-        handle = handle or JobHandle()
-        outcome = "interrupted"  # ^C, or anything else that is not the job's own end
-        try:
-            result = await self._run(home, devices, spec, run, job_id, prec, ws, emit, handle)
-            outcome = "done"
-            return result
-        except JobCancelledError:
-            outcome = "interrupted" if handle.resumable else "done"
-            raise
-        except Exception:
-            outcome = "failed"
-            raise
-        finally:
-            ws.release(
-                outcome
-            )  # a few file operations: not worth a thread (nor a cancellable await)
-
-    async def _run(
-        self,
-        home: DeviceAgent,
-        devices: DeviceSet,
-        spec: JobSpec,
-        run: JobRun,
-        job_id: str,
-        prec,
-        ws: Workspace,
-        emit: Callable[[JobEvent], None],
-        handle: JobHandle,
-    ) -> JobOutcome:
-        ledger = JobLedger(job_id, emit, weight=run.weight)
-        ctx = JobContext(
-            spec=spec,
-            run=run,
-            job_id=job_id,
-            pool=self.pool,
-            device=home,
-            bank=self.bank,
-            registry=self.registry,
-            policy=prec,
-            fingerprint=home.device.fingerprint(),
-            ledger=ledger,
-            workspace=ws,
-            config=self.config,
-            attempt=max(1, run.attempt),
-            devices=devices,
-        )
-        failed = True
-        with job_log(ws.log_path, job_id):
-            log.info(
-                "job %s: %s (%s, %s, device %s, home %s)",
-                job_id,
-                run.model,
-                spec.job_type,
-                spec.precision,
-                spec.device,
-                home.device,
-            )
-            if ws.resumed:
-                log.info("job %s: continues in the workspace an interrupted run of it left", job_id)
-            try:
-                with trio.CancelScope() as scope:
-                    handle.attach(scope)
-                    result = await run_stages(ctx)
-                    failed = False
-                    log.info(
-                        "job %s: done in %.1f s, %s", job_id, ledger.elapsed_s, result.verified
-                    )
-                    return result
-                failed = False  # cancelled: nothing to debug, the scratch goes
-            except Exception as exc:
-                # A workspace removed under the job fails whatever ran there: say that, not
-                # what it looked like to the stage that noticed (a model or file error).
-                if gone := await trio.to_thread.run_sync(ws.gone):
-                    log.info("job %s: failed: %s", job_id, gone)
-                    raise AoedError(gone) from None
-                if isinstance(exc, OSError):
-                    log.info("job %s: failed: %s", job_id, exc)
-                    raise AoedError(
-                        f"{exc.filename or run.output}: {exc.strerror or exc}"
-                    ) from None
-                if isinstance(exc, AoedError):
-                    log.info("job %s: failed: %s", job_id, exc)
-                raise
-            finally:
-                if not failed and not run.keep_workspace:
-                    ws.clean()
-                elif failed and ws.started and ws.root.is_dir():
-                    log.info("job %s: workspace kept for inspection at %s", job_id, ws.root)
-            reason = f": {handle.reason}" if handle.reason else ""
-            log.info("job %s: cancelled%s", job_id, reason)
-        raise JobCancelledError(f"job {job_id} cancelled{reason}")
+        job_type = run.spec.job_type
+        kind = self.kinds.get(job_type)
+        if kind is None:
+            raise OptionError(f"job_type {job_type}: this engine runs no such jobs")
+        return await kind.run(self, run, emit, handle or JobHandle())
 
 
 @contextlib.asynccontextmanager
 async def open_engine(
-    config: Config, registry: StrategyRegistry, logdir: Path, *, lock_group: int | None = None
+    config: Config,
+    registry: StrategyRegistry,
+    logdir: Path,
+    *,
+    lock_group: int | None = None,
+    kinds: Mapping[JobType, JobKind] | None = None,
 ) -> AsyncIterator[Engine]:
     """Start the engine's agents for `config`'s device, bank and limits (memory; time:
     compile_timeout_s for candidates and bank rebuilds, stage_timeout_s for the other
     worker requests); yields the Engine; stops and reaps everything on exit.
     `lock_group` (a gid) may hold the device lock too (the daemon's service group).
+    `kinds`: the job kinds it runs besides its own ONNX pipeline (GDAT's, as
+    {JobType.GDAT: aoed.gdat.GdatKind(...)}); a job of a type it has no kind for fails
+    with OptionError.
 
     `registry` is the strategy registry (aoed.backends.ort.catalog.build_registry with
     the config's plugins; workers build the same one). Raises DeviceError when the
@@ -312,7 +215,15 @@ async def open_engine(
             )
             try:
                 yield Engine(
-                    config, registry, bank, pool, agents[0], logdir, plan, DeviceSet(agents)
+                    config,
+                    registry,
+                    bank,
+                    pool,
+                    agents[0],
+                    logdir,
+                    plan,
+                    DeviceSet(agents),
+                    kinds={**ONNX_KINDS, **(kinds or {})},
                 )
             finally:
                 nursery.cancel_scope.cancel()

@@ -1,8 +1,9 @@
-"""A GDAT job from its options to its outputs: `run_gdat()`, the one call the `aoe` CLI
-makes (and, later, the daemon's job manager).
+"""A GDAT job from its options to its outputs: `run_gdat()`, which the GDAT job kind
+(kind.py) calls behind `Engine.run_job`, the door every job enters by.
 
-  options    checked once, here (`GdatOptions.check`); torch missing is one line naming
-             the extra
+  options    derived from the job's JobSpec once (`GdatOptions.from_run`), whose fields
+             were checked where it was built; `GdatOptions.check` asks only what this
+             machine can run; torch missing is one line naming the extra
   archive    a .pt2 is read as data before any process loads it
              (backends/torch/archive.py): one that holds anything torch would unpickle,
              evaluate or import fails the job here, naming the member
@@ -40,14 +41,15 @@ import trio
 from aoe.config import Config
 from aoe.errors import AoedError, JobCancelledError, OptionError
 from aoe.gdat import DDPConfig, plugin_hook_names
-from aoe.gradlayout import GradientLayout, host_fingerprint, parse_backend, parse_precision
+from aoe.gradlayout import GradientLayout, host_fingerprint
 from aoe.recordcheck import Vocabulary
+from aoe.spec import JobType, check_model_kind
 from aoed import safefs
 from aoed.backends.torch.archive import check_pt2
 from aoed.bank.writer import BankWrite, BankWriter
 from aoed.engine import bankrules
 from aoed.engine.budget import Budget
-from aoed.engine.job import JobHandle
+from aoed.engine.job import JobHandle, JobRun
 from aoed.engine.ledger import JobLedger, new_job_id
 from aoed.engine.messages import JobEvent
 from aoed.engine.outputs import write_json
@@ -105,18 +107,40 @@ class GdatOptions:
     #: how large a world may be (a daemon's [limits]); None: this machine's defaults
     limits: WorldLimits | None = None
 
-    def check(self) -> GdatOptions:
-        """These options, normalized; OptionError naming the option at fault."""
-        backend = parse_backend(self.backend)
-        precision = parse_precision(self.precision)
-        if self.world_size is not None and self.world_size < 1:
-            raise OptionError(f"--world-size {self.world_size}: must be at least 1")
+    @classmethod
+    def from_run(
+        cls, run: JobRun, *, limits: WorldLimits | None = None, allow_unconfined: bool = False
+    ) -> GdatOptions:
+        """The options of the GDAT job `run`: the one place a `JobSpec` becomes GDAT's
+        options. Its fields were checked where the spec was built (JobSpec), so they are
+        taken as they are; `limits` and `allow_unconfined` are the host's (a daemon's
+        [limits] and [daemon] allow_unconfined_gdat)."""
+        spec = run.spec
+        return cls(
+            model=run.model,
+            output=run.output,
+            entry=spec.entry or "",
+            world_size=spec.world_size,
+            backend=spec.backend or "gloo",
+            precision=spec.gradient_precision or "exact",
+            repeat_tune=spec.repeat_tune,
+            budget_s=spec.budget_s,
+            job_id=run.job_id,
+            keep_workspace=run.keep_workspace,
+            allow_unconfined=allow_unconfined,
+            limits=limits,
+        )
+
+    def check(self) -> None:
+        """OptionError where this machine cannot run these options: a model that is not
+        GDAT's (aoe.spec.check_model_kind) or not there, a world over the limits, the
+        search's own counts out of bounds. The options a spec gives were checked where it
+        was built (JobSpec)."""
+        check_model_kind(self.model, JobType.GDAT, self.entry or None)
         limits = self.limits or WorldLimits.of_machine()
         limits.check(
-            self.world_size, backend, "--world-size" if self.limits is None else "world_size"
+            self.world_size, self.backend, "--world-size" if self.limits is None else "world_size"
         )
-        if self.budget_s is not None and not self.budget_s > 0:
-            raise OptionError("--budget must be a positive number of seconds")
         counts = (self.rounds, self.confirm_rounds, self.steps, self.warmup)
         if self.rounds < 3 or self.confirm_rounds < 3 or self.steps < 1 or self.warmup < 1:
             raise OptionError(
@@ -126,19 +150,8 @@ class GdatOptions:
             raise OptionError(
                 f"GDAT rounds, warm-up and measured steps {counts}: at most {MAX_ROUNDS} each"
             )
-        if self.entry:
-            if self.model.suffix != ".py":
-                raise OptionError(
-                    f"--entry {self.model}:{self.entry}: expected a .py file and a function in it"
-                )
-        elif self.model.suffix != ".pt2":
-            raise OptionError(
-                f"{self.model}: --job-type gdat tunes a torch.export program (.pt2, saved with "
-                "torch.export.save) or, with --entry FILE.py:FUNCTION, your own training code"
-            )
         if not self.model.is_file():
             raise OptionError(f"{self.model}: no such file")
-        return dataclasses.replace(self, backend=backend, precision=precision)
 
     @property
     def source(self) -> dict[str, str]:
@@ -578,7 +591,7 @@ async def run_gdat(
     Raises OptionError (options, a missing backend or torch), ModelError (the model),
     BankError, DeviceError (worlds that keep breaking), and JobCancelledError when
     `handle` cancelled it: every rank is killed before it returns."""
-    opts = opts.check()
+    opts.check()
     if not have_torch():
         raise OptionError(MISSING_TORCH)
     if not opts.entry:

@@ -33,7 +33,7 @@ from aoe.figures import Comparison
 from aoe.figures import Figures as JobFigures
 from aoe.gdat import DDPConfig
 from aoe.gradlayout import GradientLayout
-from aoe.outcome import BudgetReport, JobOutcome
+from aoe.outcome import BudgetReport, GdatDetails, JobOutcome, details_to_dict
 from aoe.spec import JobType, Precision
 from aoed.engine import stats
 from aoed.engine.decisions import clearly_faster, paired_ratio, why_not_faster
@@ -177,22 +177,22 @@ def ddp_config_doc(result: GdatResult) -> dict[str, Any]:
     }
 
 
-def _details(result: GdatResult) -> dict[str, Any]:
-    return {
-        "gradient_precision": result.precision,
-        "backend": result.backend,
-        "world_size": result.world_size,
-        "baseline_tail_ms": round(result.baseline_tail_ms, 6),
-        "result_tail_ms": round(result.result_tail_ms, 6),
-        "ddp_config": result.shipped.to_json(),
-        "ddp_config_file": result.ddp_config,
-        "update_mode": result.update_mode,
-        "bank_layer": result.bank_layer,
-        "confirmation": result.confirmation,
-        "configurations": result.configurations,
-        "gates": result.gates,
-        "broken_turns": result.broken_turns,
-        "layout": {
+def _details(result: GdatResult) -> GdatDetails:
+    return GdatDetails(
+        gradient_precision=result.precision,
+        backend=result.backend,
+        world_size=result.world_size,
+        baseline_tail_ms=round(result.baseline_tail_ms, 6),
+        result_tail_ms=round(result.result_tail_ms, 6),
+        ddp_config=result.shipped.to_json(),
+        ddp_config_file=result.ddp_config,
+        update_mode=result.update_mode,
+        bank_layer=result.bank_layer,
+        confirmation=result.confirmation,
+        configurations=result.configurations,
+        gates=result.gates,
+        broken_turns=result.broken_turns,
+        layout={
             "signature": result.layout.signature().digest,
             "bank_key": result.key,
             "gradients": len(result.layout.params),
@@ -200,7 +200,7 @@ def _details(result: GdatResult) -> dict[str, Any]:
             "world_size": result.world_size,
             "backend": result.backend,
         },
-    }
+    )
 
 
 def _figures(result: GdatResult) -> JobFigures:
@@ -291,5 +291,5 @@ def result_doc(result: GdatResult) -> dict[str, Any]:
         "resources": result.resources,
         "workspace": result.workspace,
         "notes": result.notes,
-        "details": outcome.details,
+        "details": details_to_dict(outcome.details),
     }

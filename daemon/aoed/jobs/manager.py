@@ -67,7 +67,7 @@ from aoe.errors import (
     first_error,
 )
 from aoe.outcome import JobOutcome
-from aoe.spec import JobSpec, JobType
+from aoe.spec import JobSpec, JobType, check_model_kind
 from aoed import safefs, space
 from aoed.config import DaemonConfig
 from aoed.engine.engine import Engine
@@ -408,7 +408,13 @@ class JobManager:
             raise OptionError(
                 f"device {sub.spec.device}: this daemon measures on {', '.join(mine)} (see aoe devices)"
             )
-        _check_kind(sub)
+        # (an upload's model file is named by its upload, a path by its own name)
+        check_model_kind(
+            sub.upload.file_name if sub.upload is not None else sub.model.name,
+            sub.spec.job_type,
+            sub.spec.entry,
+            daemon=True,
+        )
         # A GDAT job's devices are its world's (the backend's), not the engine's.
         spec = sub.spec if sub.spec.job_type == JobType.GDAT else sub.spec.on(mine[0])
         limits.check_spec(spec, self.cfg)
@@ -652,34 +658,6 @@ class JobManager:
             model_file=row.model_file,
         )
 
-    async def _run_gdat(self, row: JobRow, handle: JobHandle) -> JobOutcome:
-        """A GDAT job: its worlds of rank processes (started by exec, as every child of
-        the daemon), the daemon's bank writer. Without torch it fails in one line naming
-        the extra; the daemon goes on."""
-        from aoed.gdat import GdatOptions, run_gdat, to_outcome
-
-        spec = row.spec
-        opts = GdatOptions(
-            model=Path(row.model_path),
-            output=Path(row.output_dir),
-            world_size=spec.world_size,
-            backend=spec.backend or "gloo",
-            precision=spec.gradient_precision or "exact",
-            repeat_tune=spec.repeat_tune,
-            budget_s=spec.budget_s,
-            job_id=row.id,
-            limits=self.cfg.world_limits,
-            allow_unconfined=self.cfg.allow_unconfined_gdat,
-        )
-        result = await run_gdat(
-            opts,
-            self.engine.config,
-            lambda ev: self._on_engine_event(row, ev),
-            handle,
-            bank=self.engine.bank,
-        )
-        return to_outcome(result)
-
     async def _run_job(self, row: JobRow) -> None:
         live = self._live_for(row.id)
         live.handle = JobHandle()
@@ -692,12 +670,9 @@ class JobManager:
             row.attempts += 1
             try:
                 await trio.Path(row.output_dir).mkdir(parents=True, exist_ok=True)
-                if row.spec.job_type == JobType.GDAT:
-                    outcome = await self._run_gdat(row, live.handle)
-                else:
-                    outcome = await self.engine.run_job(
-                        self._run_of(row), lambda ev: self._on_engine_event(row, ev), live.handle
-                    )
+                outcome = await self.engine.run_job(
+                    self._run_of(row), lambda ev: self._on_engine_event(row, ev), live.handle
+                )
             except BaseExceptionGroup as group:
                 raise first_error(group, JobCancelledError, AoedError, OSError) from None
         except JobCancelledError as exc:
@@ -741,27 +716,6 @@ class JobManager:
                     # this `finally` also runs when the job is cancelled
                     out.rmdir()  # noqa: ASYNC240
             self.wake()
-
-
-def _check_kind(sub: Submission) -> None:
-    """OptionError for a model the job type does not tune (a .pt2 is GDAT's, an ONNX
-    model the others'), and for user code, which a daemon does not run."""
-    name = sub.upload.file_name if sub.upload is not None else sub.model.name
-    gdat = sub.spec.job_type == JobType.GDAT
-    if sub.spec.entry is not None:
-        raise OptionError(
-            f"entry {sub.spec.entry}: the daemon runs no user code; tune your own training code "
-            "embedded (aoe tune --local --job-type gdat --entry FILE.py:FUNCTION), or export it "
-            "to a .pt2 with torch.export"
-        )
-    if gdat and not name.endswith(".pt2"):
-        raise OptionError(
-            f"{name}: job_type gdat tunes a torch.export program (.pt2, saved with torch.export.save)"
-        )
-    if not gdat and name.endswith(".pt2"):
-        raise OptionError(
-            f"{name}: a torch.export program; tune its data-parallel training with job_type gdat"
-        )
 
 
 def _keep_input(inputs: Path, src: Path, sha: str, name: str, size: int) -> Path:

@@ -1,0 +1,158 @@
+"""The ONNX job kind (opat, sgat, sgat+opat): a run on the engine's agents, from its
+`JobRun` to its outcome, through the pipeline's stages (pipeline.py).
+
+`OnnxKind.run` picks the job's home device (`DeviceSet.home`: OptionError when none fits
+the job), gives the job its own id, workspace, log and ledger, so jobs sharing the
+engine never collide, and makes cancellation reach the hardware. It resumes from the
+decisions an interrupted run of the job recorded (resume.py), in the workspace that run
+left.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import trio
+
+from aoe.device import Device
+from aoe.errors import AoedError, JobCancelledError
+from aoe.outcome import JobOutcome
+from aoe.spec import JobSpec, JobType
+from aoed.engine.context import JobContext
+from aoed.engine.device import DeviceAgent
+from aoed.engine.devices import DeviceSet
+from aoed.engine.job import JobHandle, JobRun
+from aoed.engine.kind import Agents, Emit
+from aoed.engine.ledger import JobLedger, new_job_id
+from aoed.engine.pipeline import run_stages
+from aoed.engine.policy import PrecisionPolicy, policy
+from aoed.engine.workspace import Workspace
+from aoed.logs import job_log
+
+__all__ = ["ONNX_JOB_TYPES", "OnnxKind"]
+
+log = logging.getLogger(__name__)
+
+#: The job types this kind runs: those that tune an ONNX model.
+ONNX_JOB_TYPES = (JobType.OPAT, JobType.SGAT, JobType.SGAT_OPAT)
+
+
+class OnnxKind:
+    """The ONNX pipeline behind `Engine.run_job` (kind.py)."""
+
+    async def run(self, engine: Agents, run: JobRun, emit: Emit, handle: JobHandle) -> JobOutcome:
+        name = run.spec.device or engine.device.device.name  # (checked where it was built)
+        spec = run.spec.on(name)
+        devices = engine.device_set
+        # OptionError when no device fits the job
+        with devices.home(Device.parse(name)) as home:
+            return await self._run_at(engine, home, devices, spec, run, emit, handle)
+
+    async def _run_at(
+        self,
+        engine: Agents,
+        home: DeviceAgent,
+        devices: DeviceSet,
+        spec: JobSpec,
+        run: JobRun,
+        emit: Emit,
+        handle: JobHandle,
+    ) -> JobOutcome:
+        job_id = run.job_id or new_job_id()
+        prec = policy(spec.precision, spec.min_cosine, spec.max_rel_error)
+        # The daemon's job id is the same in each run of a job; an embedded run's is new,
+        # so there the model alone says which interrupted workspace is this job's.
+        owner = {"model": str(run.model.absolute()), "job": run.job_id}
+        ws = await trio.to_thread.run_sync(Workspace.create, run.output, run.model.stem, owner)
+        outcome = "interrupted"  # ^C, or anything else that is not the job's own end
+        try:
+            result = await self._run(
+                engine, home, devices, spec, run, job_id, prec, ws, emit, handle
+            )
+            outcome = "done"
+            return result
+        except JobCancelledError:
+            outcome = "interrupted" if handle.resumable else "done"
+            raise
+        except Exception:
+            outcome = "failed"
+            raise
+        finally:
+            # a few file operations: not worth a thread (nor a cancellable await)
+            ws.release(outcome)
+
+    async def _run(
+        self,
+        engine: Agents,
+        home: DeviceAgent,
+        devices: DeviceSet,
+        spec: JobSpec,
+        run: JobRun,
+        job_id: str,
+        prec: PrecisionPolicy,
+        ws: Workspace,
+        emit: Emit,
+        handle: JobHandle,
+    ) -> JobOutcome:
+        ledger = JobLedger(job_id, emit, weight=run.weight)
+        ctx = JobContext(
+            spec=spec,
+            run=run,
+            job_id=job_id,
+            pool=engine.pool,
+            device=home,
+            bank=engine.bank,
+            registry=engine.registry,
+            policy=prec,
+            fingerprint=home.device.fingerprint(),
+            ledger=ledger,
+            workspace=ws,
+            config=engine.config,
+            attempt=max(1, run.attempt),
+            devices=devices,
+        )
+        failed = True
+        with job_log(ws.log_path, job_id):
+            log.info(
+                "job %s: %s (%s, %s, device %s, home %s)",
+                job_id,
+                run.model,
+                spec.job_type,
+                spec.precision,
+                spec.device,
+                home.device,
+            )
+            if ws.resumed:
+                log.info("job %s: continues in the workspace an interrupted run of it left", job_id)
+            try:
+                with trio.CancelScope() as scope:
+                    handle.attach(scope)
+                    result = await run_stages(ctx)
+                    failed = False
+                    log.info(
+                        "job %s: done in %.1f s, %s", job_id, ledger.elapsed_s, result.verified
+                    )
+                    return result
+                failed = False  # cancelled: nothing to debug, the scratch goes
+            except Exception as exc:
+                # A workspace removed under the job fails whatever ran there: say that, not
+                # what it looked like to the stage that noticed (a model or file error).
+                if gone := await trio.to_thread.run_sync(ws.gone):
+                    log.info("job %s: failed: %s", job_id, gone)
+                    raise AoedError(gone) from None
+                if isinstance(exc, OSError):
+                    log.info("job %s: failed: %s", job_id, exc)
+                    raise AoedError(
+                        f"{exc.filename or run.output}: {exc.strerror or exc}"
+                    ) from None
+                if isinstance(exc, AoedError):
+                    log.info("job %s: failed: %s", job_id, exc)
+                raise
+            finally:
+                if not failed and not run.keep_workspace:
+                    ws.clean()
+                elif failed and ws.started and ws.root.is_dir():
+                    log.info("job %s: workspace kept for inspection at %s", job_id, ws.root)
+            reason = f": {handle.reason}" if handle.reason else ""
+            log.info("job %s: cancelled%s", job_id, reason)
+        raise JobCancelledError(f"job {job_id} cancelled{reason}")
