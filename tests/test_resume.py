@@ -200,5 +200,5 @@ def test_a_killed_job_run_again_measures_nothing_it_decided(
     }
     # One job, one workspace: the second run continued in the one the kill left.
     (ws,) = [p for p in (out / "aoe_workspace").iterdir() if p.name != "logs"]
-    assert (ws / "job.log").read_text().count(" INFO aoed.engine.engine: job ") >= 2
+    assert (ws / "job.log").read_text().count(" INFO aoed.engine.onnxjob: job ") >= 2
     assert not (ws / ".running").exists() and not (ws / "tunespace" / "work").exists()
