@@ -19,7 +19,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 import random
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -37,20 +36,9 @@ from aoe.v1 import (
     tuning_pb2_grpc,
 )
 
-__all__ = ["DaemonProcess", "mixed_calls", "upload", "wait_for"]
+from tests.helpers import wait_for
 
-
-def wait_for(pred: Callable[[], object], timeout: float, what: str, poll: float = 0.05):
-    """Poll `pred` until it returns something true; returns it, or fails naming `what`.
-    The timeout is a deadline for a condition, never a speed promise: set it far above
-    what the condition needs on a busy machine."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = pred()
-        if got:
-            return got
-        time.sleep(poll)
-    raise AssertionError(f"not within {timeout} s: {what}")
+__all__ = ["DaemonProcess", "mixed_calls", "upload"]
 
 
 class DaemonProcess:
@@ -125,14 +113,14 @@ class DaemonProcess:
             env=self.env(),
         )
         log.close()
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"aoed exited with {self.proc.returncode}:\n{self.log()}")
-            if self.socket.exists() and self.serving():
-                return
-            time.sleep(0.05)
-        raise RuntimeError(f"aoed did not start in {timeout} s:\n{self.log()}")
+        proc = self.proc
+
+        def up() -> bool:
+            if proc.poll() is not None:
+                raise RuntimeError(f"aoed exited with {proc.returncode}:\n{self.log()}")
+            return self.socket.exists() and self.serving()
+
+        wait_for(up, timeout, "aoed serving", detail=self.log)
 
     def serving(self) -> bool:
         try:
@@ -146,6 +134,10 @@ class DaemonProcess:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def log_tail(self, chars: int = 4000) -> str:
+        """The log's last `chars` characters: what a failure message shows."""
+        return self.log()[-chars:]
 
     def channel(self) -> grpc.Channel:
         if self._channel is None:
@@ -205,13 +197,12 @@ class DaemonProcess:
             tuning_pb2.JOB_STATE_FAILED,
             tuning_pb2.JOB_STATE_CANCELLED,
         )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+
+        def done() -> tuning_pb2.Job | None:
             job = self.tuning().GetJob(tuning_pb2.GetJobRequest(job_id=job_id), timeout=10).job
-            if job.state in final:
-                return job
-            time.sleep(0.05)
-        raise TimeoutError(f"job {job_id} not final after {timeout} s:\n{self.log()}")
+            return job if job.state in final else None
+
+        return wait_for(done, timeout, f"job {job_id} final", detail=self.log)
 
 
 def _chunks(path: Path, name: str, chunk: int) -> Iterator[tuning_pb2.UploadModelRequest]:

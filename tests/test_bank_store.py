@@ -6,7 +6,6 @@ import dataclasses
 import json
 import os
 import shutil
-import time
 from pathlib import Path
 
 import lmdb
@@ -27,6 +26,7 @@ from aoe.signature import (
 from aoe.v1 import bank_pb2
 from aoe.bankrecord import BankRecord, Measured, decode, encode
 from aoed.bank.store import ENTRY, BankStore, Record, default_bank_path
+from tests.helpers import wait_for
 
 
 def _signature() -> TaskSignature:
@@ -353,9 +353,7 @@ def test_remap_waits_until_no_transaction_is_live(tmp_path: Path) -> None:
     remapper = threading.Thread(target=remap)
     remapper.start()
     # The remap is due (new transactions would wait for it) while the holder's is live.
-    deadline = time.monotonic() + 30
-    while not (gate._remapping or remapped.is_set()) and time.monotonic() < deadline:
-        time.sleep(0.005)
+    wait_for(lambda: gate._remapping or remapped.is_set(), 30, "the remap due", poll=0.005)
     leave.set()
     holder.join(30)
     assert remapped.wait(30)

@@ -503,7 +503,8 @@ def test_hostile_records_from_an_import_a_peer_or_the_bank_itself_never_reach_on
     through the link."""
     from aoed import samples
 
-    from .daemon_util import DaemonProcess, submit_sample, wait_for
+    from .daemon_util import DaemonProcess, submit_sample
+    from .helpers import wait_for
     from .test_fleet import _follow, _log_state
 
     sentinel, other, link = targets

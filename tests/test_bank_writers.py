@@ -24,6 +24,7 @@ from aoed.bank.writer import BankWrite, BankWriter
 
 from .test_bank_exchange import _entry
 from .test_bank_reader import make_bank, rec
+from .helpers import wait_for
 
 # Holds the bank's writer lock, as a BankStore does from open to close, until its stdin
 # closes. (The lock alone: it starts in a tenth of the time a store's imports take. A
@@ -259,15 +260,15 @@ def test_import_and_prune_wait_for_a_tune_and_nothing_is_lost(models: Path, tmp_
     )
     others: list[subprocess.Popen] = []
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and tune.poll() is None:  # until the tune holds the bank
+
+        def holding() -> bool:
+            assert tune.poll() is None, tune.communicate()
             try:
-                if json.loads((bank / LOCK_NAME).read_text())["pid"] == tune.pid:
-                    break
+                return json.loads((bank / LOCK_NAME).read_text())["pid"] == tune.pid
             except (OSError, ValueError):
-                pass
-            time.sleep(0.02)
-        assert tune.poll() is None, tune.communicate()
+                return False
+
+        wait_for(holding, 120, "the tune holding the bank", poll=0.02)
         for args in (("import", str(dump)), ("prune",)):
             others.append(
                 subprocess.Popen(

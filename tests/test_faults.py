@@ -45,7 +45,8 @@ from aoe.errors import BankError
 from aoe.v1 import tuning_pb2
 from aoed import samples
 from aoed.engine.messages import CompileRequest, PingRequest, encode
-from tests.daemon_util import DaemonProcess, upload, wait_for
+from tests.daemon_util import DaemonProcess, upload
+from tests.helpers import wait_for
 
 pytestmark = pytest.mark.slow
 

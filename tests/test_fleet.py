@@ -5,8 +5,7 @@ converging, and `aoe bank sync`."""
 from __future__ import annotations
 
 import json
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,17 +20,9 @@ from tests.daemon_util import DaemonProcess
 from .conftest import run_aoe
 from .test_bank_exchange import _entry
 from .test_bank_reader import foreign, here
+from .helpers import wait_for
 
 pytestmark = pytest.mark.slow
-
-
-def _wait(cond: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
-    """Poll `cond` until it holds; fail naming `what` after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout} s: {what}")
-        time.sleep(0.05)
 
 
 def _follow(d: DaemonProcess, peers: list[DaemonProcess]) -> None:
@@ -154,10 +145,10 @@ def test_a_record_written_by_one_daemon_is_served_by_the_other_two(fleet) -> Non
     assert not _lookup(b, rec.key).found
     assert _import(a, rec).added == 1
     for d in (b, c):
-        _wait(
+        wait_for(
             lambda d=d: _lookup(d, rec.key).found,
-            f"{d.root.name} serves the record written to a",
             10,
+            f"{d.root.name} serves the record written to a",
         )
         got = _lookup(d, rec.key).entry
         assert got.provenance.host == "alpha" and got == _entry_pb(
@@ -175,10 +166,10 @@ def test_records_of_other_devices_are_kept_relayed_and_served_to_their_device_on
     r = _import(a, there, policy=bank_pb2.MERGE_POLICY_KEEP_FASTER)  # no allow_foreign
     assert (r.added, r.refused) == (1, 0), r.refused_entries
     for d in (b, c):
-        _wait(
+        wait_for(
             lambda d=d: _lookup(d, there.key).found,
-            f"{d.root.name} keeps the record of another device",
             10,
+            f"{d.root.name} keeps the record of another device",
         )
         assert _lookup(d, there.key).entry == _entry_pb(there)  # byte for byte
         digest = there.signature.digest
@@ -214,11 +205,12 @@ def test_conflicting_decisions_converge_to_one_record_everywhere(fleet) -> None:
         found = [_lookup(d, k["a"].key) for d in daemons]
         return all(f.found and f.entry == _entry_pb(want) for f in found)
 
-    _wait(same, "all three hold the same entry for the task measured three times")
+    wait_for(same, 20.0, "all three hold the same entry for the task measured three times")
     # An entry (7 us) against a default record (9 us) under one key: the entry everywhere.
     k2 = keys["k2"]
-    _wait(
+    wait_for(
         lambda: all(_lookup(d, k2.key).found for d in daemons),
+        20.0,
         "the 7 us entry replaces the default record",
     )
     # The model-level records (the reverted tasks) converge too, to the faster: b's.
@@ -237,12 +229,13 @@ def test_conflicting_decisions_converge_to_one_record_everywhere(fleet) -> None:
             out.append([list(r.reverted) for r in recs])
         return out
 
-    _wait(
+    wait_for(
         lambda: reverted() == [[["b" * 64]]] * 3,
+        20.0,
         "the model-level record with b's reversal everywhere",
     )
     # Nothing ping-pongs: once every write is applied everywhere, the banks stop writing.
-    _wait(lambda: _quiet(daemons), "every daemon has applied every other one's writes")
+    wait_for(lambda: _quiet(daemons), 20.0, "every daemon has applied every other one's writes")
     heads = [_log_state(d)[0] for d in daemons]
     assert len({json.dumps(sorted(_records(d).items())) for d in daemons}) == 1
     assert [_log_state(d)[0] for d in daemons] == heads
@@ -268,19 +261,23 @@ def test_a_follower_killed_mid_stream_loses_nothing_and_applies_nothing_twice(
     try:
         leader.start()
         follower.start()
-        _wait(lambda: _history_count(follower) > 0, "the follower applies a first message")
+        wait_for(lambda: _history_count(follower) > 0, 20.0, "the follower applies a first message")
         seen = _history_count(follower)
         follower.kill()  # mid-stream: it had applied part of the history
         assert 0 < seen < total, f"killed after {seen} of {total}: not mid-stream"
         extra = _entry(2, 6.0, "alpha")
         _import(leader, extra)  # written while the follower is down
         follower.start()
-        _wait(
+        wait_for(
             lambda: _history_count(follower) == total,
-            "the restarted follower has the whole history",
             120,
+            "the restarted follower has the whole history",
         )
-        _wait(lambda: _lookup(follower, extra.key).found, "and what was written while it was down")
+        wait_for(
+            lambda: _lookup(follower, extra.key).found,
+            20.0,
+            "and what was written while it was down",
+        )
         assert _records(follower) == _records(leader)
     finally:
         follower.close()
@@ -332,16 +329,18 @@ def test_a_worse_decision_written_on_one_daemon_is_corrected_by_the_others(fleet
     a = daemons[0]
     k = keys["k"]
     best = min((k["a"], k["c"]), key=encode)
-    _wait(
+    wait_for(
         lambda: all(_lookup(d, best.key).entry == _entry_pb(best) for d in daemons),
+        20.0,
         "converged first",
     )
-    _wait(lambda: _quiet(daemons), "every daemon has applied every other one's writes")
+    wait_for(lambda: _quiet(daemons), 20.0, "every daemon has applied every other one's writes")
     slow = _entry(1, 30.0, "delta")
     _import(a, slow)  # overwrite: a local write that makes a's record worse
     # The others keep theirs and send it back; a takes it again, and everyone agrees.
-    _wait(
+    wait_for(
         lambda: all(_lookup(d, best.key).entry == _entry_pb(best) for d in daemons),
+        20.0,
         "a holds the better record again, as do the others",
     )
 
@@ -367,8 +366,9 @@ def test_a_peer_restored_from_an_older_copy_is_followed_from_its_start(tmp_path:
     try:
         peer.start()
         follower.start()
-        _wait(
+        wait_for(
             lambda: all(_lookup(follower, r.key).found for r in later),
+            20.0,
             "the follower applied writes 1-3",
         )
         peer.stop()
@@ -377,8 +377,9 @@ def test_a_peer_restored_from_an_older_copy_is_followed_from_its_start(tmp_path:
         peer.start()
         fresh = _entry(4, 5.0, "alpha")
         _import(peer, fresh)  # write 2 of the restored bank: a number the follower had passed
-        _wait(
+        wait_for(
             lambda: _lookup(follower, fresh.key).found,
+            20.0,
             "the follower applied the restored peer's new write",
         )
     finally:

@@ -7,7 +7,6 @@ import http.client
 import os
 import re
 import socket
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
@@ -21,7 +20,8 @@ from aoe.errors import OptionError
 from aoe.v1 import tuning_pb2
 from aoed import samples
 from aoed.config import load_daemon_config
-from tests.daemon_util import DaemonProcess, upload, wait_for
+from tests.daemon_util import DaemonProcess, upload
+from tests.helpers import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -52,14 +52,13 @@ def _value(samples: Samples, name: str, **labels: str) -> float:
 def _wait_for(
     url: str, cond: Callable[[Samples], bool], what: str, timeout: float = 120
 ) -> Samples:
-    deadline = time.monotonic() + timeout
-    while True:
-        got = _scrape(url)
-        if cond(got):
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout} s: {what}; last scrape: {got}")
-        time.sleep(0.1)
+    last: list[Samples] = []
+
+    def scraped() -> Samples | None:
+        last[:] = [_scrape(url)]
+        return last[0] if cond(last[0]) else None
+
+    return wait_for(scraped, timeout, what, poll=0.1, detail=lambda: f"last scrape: {last}")
 
 
 ACTIVE = ("preparing", "tuning", "verifying")
