@@ -13,6 +13,7 @@ Each daemon has its own state dir, bank, runtime dir (device locks) and inbox un
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import signal
@@ -38,7 +39,7 @@ from aoe.v1 import (
 
 from tests.helpers import wait_for
 
-__all__ = ["DaemonProcess", "mixed_calls", "upload"]
+__all__ = ["DaemonProcess", "follow", "log_state", "mixed_calls", "upload"]
 
 
 class DaemonProcess:
@@ -294,3 +295,29 @@ def mixed_calls(
         ),
         "WatchJob": watch,
     }
+
+
+def follow(d: DaemonProcess, peers: list[DaemonProcess]) -> None:
+    """Make `d` follow `peers` (its config gains [bank] follow)."""
+    targets = ", ".join(f'"unix://{p.socket}"' for p in peers)
+    d.config.write_text(
+        d.config.read_text().replace("[bank]\n", f"[bank]\nfollow = [{targets}]\n", 1)
+    )
+
+
+def log_state(d: DaemonProcess) -> tuple[int, dict[str, int]]:
+    """(the bank's last sequence number, each followed peer's position), read from the
+    daemon's bank while it runs (LMDB readers never block its writer)."""
+    import lmdb
+
+    env = lmdb.open(str(d.bank), readonly=True, max_dbs=16, create=False)
+    try:
+        with env.begin() as txn:
+            head = int(txn.get(b"seq", db=env.open_db(b"meta", txn=txn, create=False)) or 0)
+            peers = {
+                k.decode(): json.loads(v)["seq"]
+                for k, v in txn.cursor(db=env.open_db(b"peers", txn=txn, create=False))
+            }
+    finally:
+        env.close()
+    return head, peers

@@ -22,8 +22,7 @@ from aoed.bank.lock import LOCK_NAME, POLL_S
 from aoed.bank.store import BankStore
 from aoed.bank.writer import BankWrite, BankWriter
 
-from .test_bank_exchange import _entry
-from .test_bank_reader import make_bank, rec
+from .bank_util import make_bank, make_entry, rec
 from .helpers import wait_for
 
 # Holds the bank's writer lock, as a BankStore does from open to close, until its stdin
@@ -78,7 +77,7 @@ def test_a_second_writer_is_refused_naming_the_holder(
     bank = make_bank(tmp_path / "bank", [entry], trials=[(entry.key, {"n": 1})])
     dump = tmp_path / "one.jsonl"
     dump.write_text(
-        entry_to_json(bank_pb2.BankEntry.FromString(encode(_entry(7, 2.0, "x")))) + "\n"
+        entry_to_json(bank_pb2.BankEntry.FromString(encode(make_entry(7, 2.0, "x")))) + "\n"
     )
     holder = _hold(bank)
     try:
@@ -230,7 +229,7 @@ def test_import_and_prune_wait_for_a_tune_and_nothing_is_lost(models: Path, tmp_
     from aoed.engine.prep import prepare
 
     bank, out = tmp_path / "bank", tmp_path / "out"
-    imported = [_entry(n, 3.0 + n, "team") for n in range(1, 4)]
+    imported = [make_entry(n, 3.0 + n, "team") for n in range(1, 4)]
     dump = tmp_path / "team.jsonl"
     dump.write_text(
         "".join(entry_to_json(bank_pb2.BankEntry.FromString(encode(r))) + "\n" for r in imported)

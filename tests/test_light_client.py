@@ -18,7 +18,7 @@ from aoe.partition import partition
 from aoed import samples
 from aoed.engine.prep import prepare
 
-from .test_bank_reader import make_bank, rec
+from .bank_util import make_bank, rec
 
 HEAVY = ("trio", "onnxruntime", "aoed", "grpc")
 

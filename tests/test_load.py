@@ -25,7 +25,7 @@ from aoe.v1 import bank_pb2, daemon_pb2, tuning_pb2, tuning_pb2_grpc
 from aoed import samples
 from tests.daemon_util import DaemonProcess, mixed_calls
 
-from .test_bank_reader import make_bank, rec
+from .bank_util import make_bank, rec
 from .helpers import wait_for
 
 pytestmark = pytest.mark.slow

@@ -1001,9 +1001,9 @@ def test_no_code_path_unpickles_or_evaluates_input() -> None:
 
 def _export_lines(tmp_path: Path) -> list[str]:
     """A small bank's records as exchange lines (entries, a default record, trials)."""
-    from tests.test_api_bank import fill
+    from tests.bank_util import fill_bank
 
-    fill(tmp_path / "src")
+    fill_bank(tmp_path / "src")
     reader = open_bank(tmp_path / "src", use_env=False)
     try:
         return [record_to_json(rec) + "\n" for _, rec in reader.records()]
