@@ -15,6 +15,7 @@ from aoed.backends.ort.catalog import build_registry
 
 from .bank_util import default_key, fill_bank, foreign, here, make_bank, make_entry, rec
 from .bank_service import Daemon, serving
+from .helpers import wait_until
 
 
 async def _stats(d: Daemon) -> bank_pb2.GetBankStatsResponse:
@@ -201,14 +202,10 @@ async def test_a_prune_is_the_writers_and_waits_its_turn_in_the_queue(tmp_path: 
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(lambda: _append(pruned, bank.prune(False)))
-            with trio.fail_after(30):
-                while writer.queued < 1:
-                    await trio.sleep(0.01)
+            await wait_until(lambda: writer.queued >= 1, 30, "the prune queued behind the writer")
             assert not pruned and (await bank.stats())[0].history == 7
             await nursery.start(writer.run)
-            with trio.fail_after(30):
-                while not pruned:
-                    await trio.sleep(0.01)
+            await wait_until(lambda: pruned, 30, "the prune done")
             nursery.cancel_scope.cancel()
         assert pruned[0].trials_removed == 7 and (await bank.stats())[0].history == 0
     finally:
@@ -231,9 +228,9 @@ async def test_a_client_cancelling_an_export_midway_leaves_the_daemon_serving(
         assert first.WhichOneof("record") == "entry"
         assert d.bridge_tasks.child_tasks  # the producer waits for the client
         call.cancel()
-        with trio.fail_after(10):
-            while d.bridge_tasks.child_tasks:  # cancelled on the trio side too
-                await trio.sleep(0.05)
+        await wait_until(
+            lambda: not d.bridge_tasks.child_tasks, 10, "the producer cancelled on the trio side"
+        )
         assert (await _stats(d)).history_trials == 4000
         records = await d.stream("ExportEntries", bank_pb2.ExportEntriesRequest(no_history=True))
         assert [r.WhichOneof("record") for r in records] == ["entry"] * 5 + ["default_record"]

@@ -23,7 +23,7 @@ from aoed.bank.store import BankStore
 from aoed.bank.writer import BankWrite, BankWriter
 
 from .bank_util import make_bank, make_entry, rec
-from .helpers import wait_for
+from .helpers import wait_for, wait_until
 
 # Holds the bank's writer lock, as a BankStore does from open to close, until its stdin
 # closes. (The lock alone: it starts in a tenth of the time a store's imports take. A
@@ -175,16 +175,12 @@ async def test_bank_writer_waits_in_trio_saying_so_once(tmp_path: Path) -> None:
                 got.append(await writer.lookup(entry.key))
 
             nursery.start_soon(write_and_look_up)
-            with trio.fail_after(30):
-                while not said:
-                    await trio.sleep(POLL_S / 2)
+            await wait_until(lambda: said, 30, "the writer saying it waits", poll=POLL_S / 2)
             await trio.sleep(WAITER_QUIET_S)  # the trio loop runs on while the writer waits
             assert got == [] and len(said) == 1
             assert said[0].startswith(f"bank {bank}: being written by pid {holder.pid} (")
             await trio.to_thread.run_sync(_let_go, holder)
-            with trio.fail_after(30):
-                while not got:
-                    await trio.sleep(POLL_S / 2)
+            await wait_until(lambda: got, 30, "the lookup after the write", poll=POLL_S / 2)
             nursery.cancel_scope.cancel()
         assert got == [entry] and len(said) == 1
     finally:
