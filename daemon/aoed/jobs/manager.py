@@ -158,7 +158,9 @@ class JobManager:
         #: the upload quotas' accounting (UploadModel reserves, consuming releases)
         self.uploads = UploadLedger(store.uploads_before(float("inf")))
         self._live: dict[str, _Live] = {}
-        self._running: set[str] = set()
+        #: each running job's id, with the event set once it has ended (its final state
+        #: recorded, its output folder tidied): what `cancel` and `stop` wait on
+        self._running: dict[str, trio.Event] = {}
         self._wakeup = trio.Event()
         self._stopping = False
         self._limits_lock = trio.Lock()
@@ -196,7 +198,7 @@ class JobManager:
                         continue  # failed instead: the next one
                     if not self._admit_memory(row):
                         break  # waits for a running job to end
-                    self._running.add(row.id)
+                    self._running[row.id] = trio.Event()
                     nursery.start_soon(self._run_job, row)
                 await self._wakeup.wait()
                 self._wakeup = trio.Event()
@@ -274,13 +276,11 @@ class JobManager:
         (they stay queued and resume at the next start)."""
         self._stopping = True
         with trio.move_on_after(grace_s):
-            while self._running:
-                await trio.sleep(0.1)
+            await self._all_ended()
         for job_id in list(self._running):
             self._live[job_id].handle.cancel("the daemon is shutting down", resumable=True)
         with trio.move_on_after(10):
-            while self._running:
-                await trio.sleep(0.05)
+            await self._all_ended()
         self._backlog.flush()
         if (
             self._backlog
@@ -291,6 +291,11 @@ class JobManager:
                 self.store.path,
                 self._backlog.jobs(),
             )
+
+    async def _all_ended(self) -> None:
+        """Return once no job runs (none starts meanwhile: the manager is stopping)."""
+        while self._running:
+            await next(iter(self._running.values())).wait()
 
     async def _housekeeping(self) -> None:
         """Expired uploads and finished jobs past retention go, at start and then hourly
@@ -519,12 +524,12 @@ class JobManager:
         if row.final:
             return row
         live = self._live.get(job_id)
-        if job_id in self._running and live is not None:
+        ended = self._running.get(job_id)
+        if ended is not None and live is not None:
             live.user_cancelled = True
             live.handle.cancel(reason)
             with trio.move_on_after(30):
-                while job_id in self._running:
-                    await trio.sleep(0.02)
+                await ended.wait()
         elif row.state == st.QUEUED:
             self._finish(row, states.Cancel(), error=reason)
         return self.get(job_id)
@@ -724,12 +729,13 @@ class JobManager:
         else:
             self._finish(row, states.Succeed(), outcome=outcome)
         finally:
-            self._running.discard(row.id)
+            ended = self._running.pop(row.id)
             self._held_mb.pop(row.id, None)
             out = Path(row.output_dir)
             if row.state == st.FAILED and out.is_relative_to(self.cfg.jobs_dir):
                 with contextlib.suppress(OSError):
                     out.rmdir()  # empty when the job failed before tuning (engine.run_job)
+            ended.set()
             self.wake()
 
 
