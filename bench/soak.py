@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from tests.daemon_util import DaemonProcess
-from tests.test_faults import (
+from tests.faults_util import (
     FINAL,
     WORKER,
     S,
@@ -53,9 +53,9 @@ from tests.test_faults import (
     model,
     proc_state,
     submit,
-    wait_for,
     wait_stage,
 )
+from tests.helpers import wait_for
 
 
 FINAL_NAMES = {S.JobState.Name(s) for s in FINAL}
