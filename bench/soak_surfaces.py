@@ -80,7 +80,7 @@ from tests.test_bank_untrusted import (  # noqa: E402
     _seed,
     _session,
 )
-from tests.test_metrics import HALF_A_REQUEST, _fds, _port, _server_side  # noqa: E402
+from tests.metrics_util import HALF_A_REQUEST, open_fds, server_side, url_port  # noqa: E402
 
 RESULTS = HERE / "RESULTS.md"
 BEGIN, END = "<!-- soak-surfaces:begin -->", "<!-- soak-surfaces:end -->"
@@ -304,7 +304,7 @@ class Soak:
 
     def attack_metrics(self, url: str) -> None:
         """Keep up to `stalled` half-sent requests open on the metrics port."""
-        port = _port(url)
+        port = url_port(url)
         held: list[socket.socket] = []
         try:
             while not self.stop.is_set():
@@ -408,7 +408,7 @@ def run(root: Path, minutes: float, stalled: int, seed: int) -> tuple[bool, list
         d.start()
         url = _address(d)
         pid = d.proc.pid  # type: ignore[union-attr]
-        fds["start"] = _fds(pid)
+        fds["start"] = open_fds(pid)
         for target, name in (
             (s.load, "load"),
             (lambda: s.attack_metrics(url), "attack"),
@@ -422,7 +422,7 @@ def run(root: Path, minutes: float, stalled: int, seed: int) -> tuple[bool, list
             time.sleep(1)
         if s.alive():
             take("half way")
-            fds["under attack"] = _fds(pid)
+            fds["under attack"] = open_fds(pid)
         while time.monotonic() - t0 < minutes * 60 and s.alive():
             time.sleep(1)
         s.stop.set()
@@ -460,12 +460,12 @@ def run(root: Path, minutes: float, stalled: int, seed: int) -> tuple[bool, list
                 s.note(f"{len(bad)} hostile records of the peer were taken")
             if "refused" not in d.log():
                 s.note("the follower logged no refusal")
-            fds["after"] = _fds(pid)
-            port = _port(url)
+            fds["after"] = open_fds(pid)
+            port = url_port(url)
             deadline = time.monotonic() + 60
-            while time.monotonic() < deadline and CLOSE_WAIT in _server_side(port):
+            while time.monotonic() < deadline and CLOSE_WAIT in server_side(port):
                 time.sleep(1)
-            if CLOSE_WAIT in _server_side(port):
+            if CLOSE_WAIT in server_side(port):
                 s.note("connections left in CLOSE-WAIT on the metrics port")
             if fds["after"] > fds["start"] + 16:
                 s.note(f"descriptors: {fds['start']} at the start, {fds['after']} after the attack")

@@ -4,7 +4,6 @@ Prometheus' own text parser; and the [metrics] settings."""
 from __future__ import annotations
 
 import http.client
-import os
 import re
 import socket
 import urllib.error
@@ -21,7 +20,16 @@ from aoed import samples
 from aoed.config import load_daemon_config
 from tests.daemon_util import DaemonProcess, upload
 from tests.helpers import wait_for
-from tests.metrics_util import Samples, metrics_address, sample_value, scrape
+from tests.metrics_util import (
+    HALF_A_REQUEST,
+    Samples,
+    metrics_address,
+    open_fds,
+    sample_value,
+    scrape,
+    server_side,
+    url_port,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -109,16 +117,7 @@ def test_a_scrape_during_a_job_shows_the_job_and_the_device_moving(tmp_path: Pat
         d.close()
 
 
-HALF_A_REQUEST = b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nUser-Agent: slow"
 ESTABLISHED, CLOSE_WAIT = "01", "08"
-
-
-def _port(url: str) -> int:
-    return int(url.removeprefix("http://").split("/", 1)[0].rsplit(":", 1)[1])
-
-
-def _fds(pid: int) -> int:
-    return len(os.listdir(f"/proc/{pid}/fd"))
 
 
 def _open_files_limits(pid: int) -> tuple[str, str]:
@@ -127,19 +126,6 @@ def _open_files_limits(pid: int) -> tuple[str, str]:
         line = next(x for x in f if x.startswith("Max open files"))
     soft, hard = line.split()[3:5]
     return soft, hard
-
-
-def _server_side(port: int) -> list[str]:
-    """The TCP states (hex, as /proc/net/tcp writes them) of the connections whose local
-    port is `port`, taken or not yet taken by the server (its listener left out)."""
-    states = []
-    with open("/proc/net/tcp") as f:
-        next(f)
-        for line in f:
-            fields = line.split()
-            if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] != "0A":
-                states.append(fields[3])
-    return states
 
 
 def _stall(port: int) -> socket.socket | None:
@@ -190,18 +176,18 @@ def test_a_flood_of_stalled_connections_to_the_metrics_port_wedges_nothing(
         pid = d.proc.pid  # type: ignore[union-attr]
         assert _open_files_limits(pid) == ("1024", "1024"), "the soft limit is raised to the hard"
         url = metrics_address(d)
-        port = _port(url)
+        port = url_port(url)
         assert scrape(url), "served before the flood"
-        before = _fds(pid)
+        before = open_fds(pid)
         flood = [_stall(port) for _ in range(1100)]
         # The daemon keeps 16 and closes the others as they come: none waits in its
         # backlog, none holds a descriptor.
         wait_for(
-            lambda: _server_side(port).count(ESTABLISHED) <= 16,
+            lambda: server_side(port).count(ESTABLISHED) <= 16,
             120,
             "the daemon keeping at most max_connections of the flood",
         )
-        assert _fds(pid) <= before + 16 + 8, "the flood holds at most 16 descriptors"
+        assert open_fds(pid) <= before + 16 + 8, "the flood holds at most 16 descriptors"
         # gRPC answers, the drop folder tunes, and a scrape is refused at once (every
         # slot is taken), not left waiting.
         assert d.serving()
@@ -220,13 +206,12 @@ def test_a_flood_of_stalled_connections_to_the_metrics_port_wedges_nothing(
                 s.close()
         wait_for(
             lambda: (
-                not _server_side(port).count(ESTABLISHED)
-                and not _server_side(port).count(CLOSE_WAIT)
+                not server_side(port).count(ESTABLISHED) and not server_side(port).count(CLOSE_WAIT)
             ),
             60,
             "no connection of the flood left open or in CLOSE-WAIT",
         )
-        wait_for(lambda: _fds(pid) <= before + 8, 60, "the daemon's descriptors back")
+        wait_for(lambda: open_fds(pid) <= before + 8, 60, "the daemon's descriptors back")
         assert scrape(url), "served after the flood"
     finally:
         for s in flood:
