@@ -82,9 +82,9 @@ def soak(root: Path, seeds: int, max_delay_s: float, budget_s: float) -> bool:
                 r = kill9_round(d, path, seed, max_delay_s, budget_s)
             except (
                 RuntimeError,
-                TimeoutError,
+                AssertionError,
                 grpc.RpcError,
-            ) as exc:  # no restart, or the job never ended
+            ) as exc:  # no restart (RuntimeError), or not up or the job not ended in time
                 print(f"seed {seed:2d}  PROBLEM: {type(exc).__name__}: {exc}"[:3000], flush=True)
                 problems += 1
                 break
