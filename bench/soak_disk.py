@@ -48,8 +48,8 @@ from aoed import samples  # noqa: E402
 from bench_bank import publish  # noqa: E402
 from machine import Machine  # noqa: E402
 from tests.daemon_util import DaemonProcess, upload  # noqa: E402
+from tests.faults_util import FINAL, S, bank_keys, fill, store_integrity  # noqa: E402
 from tests.hostile import KINDS  # noqa: E402
-from tests.test_faults import FINAL, S, bank_keys, fill, store_integrity  # noqa: E402
 
 RESULTS = HERE / "RESULTS.md"
 BEGIN, END = "<!-- soak-disk:begin -->", "<!-- soak-disk:end -->"

@@ -66,11 +66,12 @@ from aoed import samples  # noqa: E402
 from bench_bank import publish  # noqa: E402
 from machine import Machine  # noqa: E402
 from soak_disk import ACTIVE, Snapshot, all_jobs, delivered, snapshot  # noqa: E402
-from tests.daemon_util import DaemonProcess, upload  # noqa: E402
+from tests.bank_util import make_entry  # noqa: E402
+from tests.daemon_util import DaemonProcess, follow, log_state, upload  # noqa: E402  # noqa: E402
 from tests.hostile import KINDS as ONNX_KINDS  # noqa: E402
 from tests.hostile_pt2 import KINDS as PT2_KINDS  # noqa: E402
 from tests.hostile_pt2 import tiny_program  # noqa: E402
-from tests.test_bank_exchange import _entry  # noqa: E402
+from tests.metrics_util import HALF_A_REQUEST, open_fds, server_side, url_port  # noqa: E402
 from tests.test_bank_untrusted import (  # noqa: E402
     FILE_KEY,
     SENTINEL,
@@ -79,8 +80,6 @@ from tests.test_bank_untrusted import (  # noqa: E402
     _seed,
     _session,
 )
-from tests.test_fleet import _follow, _log_state  # noqa: E402
-from tests.test_metrics import HALF_A_REQUEST, _fds, _port, _server_side  # noqa: E402
 
 RESULTS = HERE / "RESULTS.md"
 BEGIN, END = "<!-- soak-surfaces:begin -->", "<!-- soak-surfaces:end -->"
@@ -127,7 +126,7 @@ class Soak:
         self.d = DaemonProcess(
             root / "d", '[metrics]\nlisten = "127.0.0.1:0"\nmax_connections = 16\ntimeout_s = 10\n'
         )
-        _follow(self.d, [self.peer])
+        follow(self.d, [self.peer])
 
     # ------------------------------------------------------------------ set-up
 
@@ -158,12 +157,12 @@ class Soak:
                 self.bad_onnx.append(case.model)
         # The peer's bank holds hostile records as they are before it starts, and good
         # ones: the follower must take these and refuse those.
-        self.peer_good = [_entry(n, 5.0 + n, "alpha") for n in range(3)]
+        self.peer_good = [make_entry(n, 5.0 + n, "alpha") for n in range(3)]
         self.peer_bad = [
             _session(50, {"config": {FILE_KEY: str(self.sentinel)}}),
             _session(51, {"config": {FILE_KEY: str(self.link)}}),
-            dataclasses.replace(_entry(52, 1.0, "x"), strategy="no_such_strategy"),
-            _entry(53, math.inf, "x"),
+            dataclasses.replace(make_entry(52, 1.0, "x"), strategy="no_such_strategy"),
+            make_entry(53, math.inf, "x"),
         ]
         deep = b'{"a":' * 100_000 + b"1" + b"}" * 100_000
         _seed(peer.bank, [*self.peer_good, *self.peer_bad], [(self.peer_good[0].key, deep)])
@@ -220,7 +219,7 @@ class Soak:
         with self._lock:
             self._n += 1
             n = self._n
-        good = [_entry(1000 + 10 * n + i, 3.0 + i, "alpha") for i in range(2)]
+        good = [make_entry(1000 + 10 * n + i, 3.0 + i, "alpha") for i in range(2)]
         lines = [_line(good[0]), *self.hostile_lines, _line(good[1])]
         dump = self.root / f"import-{n}.jsonl"
         dump.write_text("\n".join(lines) + "\n")
@@ -304,7 +303,7 @@ class Soak:
 
     def attack_metrics(self, url: str) -> None:
         """Keep up to `stalled` half-sent requests open on the metrics port."""
-        port = _port(url)
+        port = url_port(url)
         held: list[socket.socket] = []
         try:
             while not self.stop.is_set():
@@ -408,7 +407,7 @@ def run(root: Path, minutes: float, stalled: int, seed: int) -> tuple[bool, list
         d.start()
         url = _address(d)
         pid = d.proc.pid  # type: ignore[union-attr]
-        fds["start"] = _fds(pid)
+        fds["start"] = open_fds(pid)
         for target, name in (
             (s.load, "load"),
             (lambda: s.attack_metrics(url), "attack"),
@@ -422,7 +421,7 @@ def run(root: Path, minutes: float, stalled: int, seed: int) -> tuple[bool, list
             time.sleep(1)
         if s.alive():
             take("half way")
-            fds["under attack"] = _fds(pid)
+            fds["under attack"] = open_fds(pid)
         while time.monotonic() - t0 < minutes * 60 and s.alive():
             time.sleep(1)
         s.stop.set()
@@ -449,7 +448,7 @@ def run(root: Path, minutes: float, stalled: int, seed: int) -> tuple[bool, list
             # during the run included) and none of its hostile ones.
             deadline = time.monotonic() + 120
             while time.monotonic() < deadline:
-                if _log_state(d)[1].get(f"unix://{peer.socket}") == _log_state(peer)[0]:
+                if log_state(d)[1].get(f"unix://{peer.socket}") == log_state(peer)[0]:
                     break
                 time.sleep(1)
             held = _keys(d.bank)
@@ -460,12 +459,12 @@ def run(root: Path, minutes: float, stalled: int, seed: int) -> tuple[bool, list
                 s.note(f"{len(bad)} hostile records of the peer were taken")
             if "refused" not in d.log():
                 s.note("the follower logged no refusal")
-            fds["after"] = _fds(pid)
-            port = _port(url)
+            fds["after"] = open_fds(pid)
+            port = url_port(url)
             deadline = time.monotonic() + 60
-            while time.monotonic() < deadline and CLOSE_WAIT in _server_side(port):
+            while time.monotonic() < deadline and CLOSE_WAIT in server_side(port):
                 time.sleep(1)
-            if CLOSE_WAIT in _server_side(port):
+            if CLOSE_WAIT in server_side(port):
                 s.note("connections left in CLOSE-WAIT on the metrics port")
             if fds["after"] > fds["start"] + 16:
                 s.note(f"descriptors: {fds['start']} at the start, {fds['after']} after the attack")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import json
 import os
 import random
 import shutil
@@ -21,7 +22,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
@@ -37,21 +37,9 @@ from aoe.v1 import (
     tuning_pb2,
     tuning_pb2_grpc,
 )
+from tests.helpers import wait_for
 
-__all__ = ["DaemonProcess", "mixed_calls", "upload", "wait_for"]
-
-
-def wait_for(pred: Callable[[], object], timeout: float, what: str, poll: float = 0.05):
-    """Poll `pred` until it returns something true; returns it, or fails naming `what`.
-    The timeout is a deadline for a condition, never a speed promise: set it far above
-    what the condition needs on a busy machine."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = pred()
-        if got:
-            return got
-        time.sleep(poll)
-    raise AssertionError(f"not within {timeout} s: {what}")
+__all__ = ["DaemonProcess", "follow", "log_state", "mixed_calls", "upload"]
 
 
 class DaemonProcess:
@@ -126,14 +114,14 @@ class DaemonProcess:
             env=self.env(),
         )
         log.close()
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"aoed exited with {self.proc.returncode}:\n{self.log()}")
-            if self.socket.exists() and self.serving():
-                return
-            time.sleep(0.05)
-        raise RuntimeError(f"aoed did not start in {timeout} s:\n{self.log()}")
+        proc = self.proc
+
+        def up() -> bool:
+            if proc.poll() is not None:
+                raise RuntimeError(f"aoed exited with {proc.returncode}:\n{self.log()}")
+            return self.socket.exists() and self.serving()
+
+        wait_for(up, timeout, "aoed serving", detail=self.log)
 
     def serving(self) -> bool:
         try:
@@ -147,6 +135,10 @@ class DaemonProcess:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def log_tail(self, chars: int = 4000) -> str:
+        """The log's last `chars` characters: what a failure message shows."""
+        return self.log()[-chars:]
 
     def channel(self) -> grpc.Channel:
         if self._channel is None:
@@ -206,13 +198,12 @@ class DaemonProcess:
             tuning_pb2.JOB_STATE_FAILED,
             tuning_pb2.JOB_STATE_CANCELLED,
         )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+
+        def done() -> tuning_pb2.Job | None:
             job = self.tuning().GetJob(tuning_pb2.GetJobRequest(job_id=job_id), timeout=10).job
-            if job.state in final:
-                return job
-            time.sleep(0.05)
-        raise TimeoutError(f"job {job_id} not final after {timeout} s:\n{self.log()}")
+            return job if job.state in final else None
+
+        return wait_for(done, timeout, f"job {job_id} final", detail=self.log)
 
 
 def _chunks(path: Path, name: str, chunk: int) -> Iterator[tuning_pb2.UploadModelRequest]:
@@ -304,3 +295,29 @@ def mixed_calls(
         ),
         "WatchJob": watch,
     }
+
+
+def follow(d: DaemonProcess, peers: list[DaemonProcess]) -> None:
+    """Make `d` follow `peers` (its config gains [bank] follow)."""
+    targets = ", ".join(f'"unix://{p.socket}"' for p in peers)
+    d.config.write_text(
+        d.config.read_text().replace("[bank]\n", f"[bank]\nfollow = [{targets}]\n", 1)
+    )
+
+
+def log_state(d: DaemonProcess) -> tuple[int, dict[str, int]]:
+    """(the bank's last sequence number, each followed peer's position), read from the
+    daemon's bank while it runs (LMDB readers never block its writer)."""
+    import lmdb
+
+    env = lmdb.open(str(d.bank), readonly=True, max_dbs=16, create=False)
+    try:
+        with env.begin() as txn:
+            head = int(txn.get(b"seq", db=env.open_db(b"meta", txn=txn, create=False)) or 0)
+            peers = {
+                k.decode(): json.loads(v)["seq"]
+                for k, v in txn.cursor(db=env.open_db(b"peers", txn=txn, create=False))
+            }
+    finally:
+        env.close()
+    return head, peers

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import grpc
 
+from tests.helpers import wait_for
+
 README = Path(__file__).resolve().parent.parent / "deploy" / "README.md"
 #: Ray's floor for a node's object store (ray_constants.OBJECT_STORE_MINIMUM_MEMORY_BYTES)
 OBJECT_STORE_MIN = 75 * 1024 * 1024
@@ -250,17 +252,18 @@ class RayCluster:
 
     def wait_for_nodes(self, count: int, timeout: float = 120) -> None:
         """Wait until `count` nodes are alive; fail with the nodes' logs after `timeout`."""
-        deadline = time.monotonic() + timeout
-        while True:
+
+        def logs() -> str:
+            return "\n".join(n.log.read_text(errors="replace")[-2000:] for n in self.nodes)
+
+        def alive() -> bool:
+            assert all(n.proc.poll() is None for n in self.nodes), f"a Ray node exited:\n{logs()}"
             try:
-                if len(self.alive()) >= count:
-                    return
+                return len(self.alive()) >= count
             except grpc.RpcError:
-                pass  # the head's GCS is not listening yet
-            if time.monotonic() > deadline or any(n.proc.poll() is not None for n in self.nodes):
-                logs = "\n".join(n.log.read_text(errors="replace")[-2000:] for n in self.nodes)
-                raise AssertionError(f"{count} Ray nodes not alive within {timeout} s:\n{logs}")
-            time.sleep(0.5)
+                return False  # the head's GCS is not listening yet
+
+        wait_for(alive, timeout, f"{count} Ray nodes alive", poll=0.5, detail=logs)
 
     def remove_node(self, node: RayNode) -> None:
         node.leave()

@@ -3,95 +3,19 @@ it, called from a grpc client in a thread."""
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import json
-import shutil
-import tempfile
-from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 import pytest
 import trio
 
-from aoe.config import load_config
-from aoe.signature import bank_key
-from aoe.v1 import bank_pb2, bank_pb2_grpc
-from aoed.api._bridge import Bridge
-from aoed.api.bank import add_to_server
+from aoe.v1 import bank_pb2
 from aoed.backends.ort.catalog import build_registry
-from aoed.engine.engine import open_engine
 
-from .test_bank_exchange import _entry
-from .test_bank_reader import foreign, here, make_bank, rec
-
-
-@dataclass
-class Daemon:
-    stub: bank_pb2_grpc.BankServiceStub
-    bridge_tasks: trio.Nursery  # where the bridge runs stream producers
-    bank: Path
-
-    async def __call__(self, method: str, request, **kw):
-        """Call a unary (or client-streaming) method from a thread; returns its answer."""
-        return await trio.to_thread.run_sync(lambda: getattr(self.stub, method)(request, **kw))
-
-    async def stream(self, method: str, request) -> list:
-        return await trio.to_thread.run_sync(lambda: list(getattr(self.stub, method)(request)))
-
-
-@contextlib.asynccontextmanager
-async def serving(tmp_path: Path, name: str = "a") -> AsyncIterator[Daemon]:
-    """A BankService on a temporary unix socket over a real engine whose bank is
-    `tmp_path/name/bank` (fill it before)."""
-    root = tmp_path / name
-    config = load_config(env={}).replace(bank=root / "bank", runtime_dir=root / "run", parallel=1)
-    # Unix socket paths are limited to 107 bytes; pytest's tmp paths can be longer.
-    sockdir = Path(tempfile.mkdtemp(prefix="aoe-api-"))
-    socket = f"unix:{sockdir / 's.sock'}"
-    async with (
-        open_engine(config, build_registry(()), root / "logs") as engine,
-        trio.open_nursery() as nursery,
-    ):
-        executor = ThreadPoolExecutor(8)
-        server = grpc.server(executor)
-        add_to_server(server, Bridge(nursery), engine)
-        assert server.add_insecure_port(socket)
-        server.start()
-        channel = grpc.insecure_channel(socket)
-        try:
-            yield Daemon(bank_pb2_grpc.BankServiceStub(channel), nursery, root / "bank")
-        finally:
-            channel.close()
-            await trio.to_thread.run_sync(lambda: server.stop(None).wait())
-            executor.shutdown(wait=False)
-            shutil.rmtree(sockdir, ignore_errors=True)
-            nursery.cancel_scope.cancel()
-
-
-def _default_key(n: int) -> bytes:
-    return bank_key(hashlib.sha256(f"default {n}".encode()).hexdigest(), here().digest, "exact")
-
-
-def fill(bank: Path, n_entries: int = 4, n_trials: int = 3, trial_bytes: int = 0) -> list:
-    """A bank of `n_entries` local entries and a foreign one, a default record and
-    `n_trials` trials; returns the entries in key order."""
-    entries = [_entry(i, 10.0 + i, "alpha") for i in range(n_entries)] + [
-        _entry(99, 1.0, "far", dev=foreign())
-    ]
-    trials = [
-        (entries[i % n_entries].key, {"n": i, "pad": "x" * trial_bytes}) for i in range(n_trials)
-    ]
-    make_bank(
-        bank,
-        entries,
-        defaults=[(_default_key(1), {"default_us": 12.0, "job": "job-d"})],
-        trials=trials,
-    )
-    return sorted(entries, key=lambda e: e.key)
+from .bank_service import Daemon, serving
+from .bank_util import default_key, fill_bank, foreign, here, make_bank, make_entry, rec
+from .helpers import wait_until
 
 
 async def _stats(d: Daemon) -> bank_pb2.GetBankStatsResponse:
@@ -99,7 +23,7 @@ async def _stats(d: Daemon) -> bank_pb2.GetBankStatsResponse:
 
 
 async def test_stats_and_lookups(tmp_path: Path) -> None:
-    entries = fill(tmp_path / "a" / "bank")
+    entries = fill_bank(tmp_path / "a" / "bank")
     local = next(e for e in entries if e.host == "alpha")
     async with serving(tmp_path) as d:
         st = await _stats(d)
@@ -123,7 +47,7 @@ async def test_stats_and_lookups(tmp_path: Path) -> None:
         r = await d("LookupEntry", bank_pb2.LookupEntryRequest(digests=digests))
         assert not r.found and not r.layer and not r.HasField("entry")
         assert "under precision exact, not int8" in r.reason
-        r = await d("LookupEntry", bank_pb2.LookupEntryRequest(key=_default_key(1).decode()))
+        r = await d("LookupEntry", bank_pb2.LookupEntryRequest(key=default_key(1).decode()))
         assert not r.found and "default strategy stayed fastest" in r.reason
         r = await d("LookupEntry", bank_pb2.LookupEntryRequest(key="nonsense"))
         assert not r.found and "is not a bank key" in r.reason
@@ -133,7 +57,7 @@ async def test_stats_and_lookups(tmp_path: Path) -> None:
 
 
 async def test_query_pages_return_every_entry_once(tmp_path: Path) -> None:
-    entries = fill(tmp_path / "a" / "bank", n_entries=24)
+    entries = fill_bank(tmp_path / "a" / "bank", n_entries=24)
     async with serving(tmp_path) as d:
         keys, token, pages = [], "", 0
         while True:
@@ -175,7 +99,7 @@ def _import_stream(
 
 
 async def test_export_then_import_into_another_daemon_round_trips(tmp_path: Path) -> None:
-    fill(tmp_path / "a" / "bank")
+    fill_bank(tmp_path / "a" / "bank")
     make_bank(tmp_path / "b" / "bank")
     export = bank_pb2.ExportEntriesRequest()
     async with serving(tmp_path, "a") as a, serving(tmp_path, "b") as b:
@@ -205,9 +129,9 @@ async def test_export_then_import_into_another_daemon_round_trips(tmp_path: Path
 async def test_bad_records_are_refused_and_nothing_is_written_before_all_are_checked(
     tmp_path: Path,
 ) -> None:
-    fill(tmp_path / "a" / "bank")
+    fill_bank(tmp_path / "a" / "bank")
     fresh = bank_pb2.ExportEntriesResponse(
-        entry=bank_pb2.BankEntry.FromString(_encoded(_entry(50, 3.0, "new")))
+        entry=bank_pb2.BankEntry.FromString(_encoded(make_entry(50, 3.0, "new")))
     )
     forged = bank_pb2.ExportEntriesResponse()
     forged.entry.CopyFrom(fresh.entry)
@@ -247,7 +171,7 @@ def _encoded(record) -> bytes:
 
 
 async def test_prune_dry_run_then_for_real(tmp_path: Path) -> None:
-    fill(tmp_path / "a" / "bank", n_trials=40)
+    fill_bank(tmp_path / "a" / "bank", n_trials=40)
     async with serving(tmp_path) as d:
         r = await d("PruneBank", bank_pb2.PruneBankRequest(dry_run=True))
         assert (r.trials_removed, r.entries_kept) == (
@@ -271,21 +195,17 @@ async def test_a_prune_is_the_writers_and_waits_its_turn_in_the_queue(tmp_path: 
     from aoed.bank.daemonbank import DaemonBank
     from aoed.bank.writer import BankWriter
 
-    fill(tmp_path / "bank", n_trials=7)
+    fill_bank(tmp_path / "bank", n_trials=7)
     writer = BankWriter(tmp_path / "bank", layers=[])
     bank = DaemonBank(writer, here())
     pruned = []
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(lambda: _append(pruned, bank.prune(False)))
-            with trio.fail_after(30):
-                while writer.queued < 1:
-                    await trio.sleep(0.01)
+            await wait_until(lambda: writer.queued >= 1, 30, "the prune queued behind the writer")
             assert not pruned and (await bank.stats())[0].history == 7
             await nursery.start(writer.run)
-            with trio.fail_after(30):
-                while not pruned:
-                    await trio.sleep(0.01)
+            await wait_until(lambda: pruned, 30, "the prune done")
             nursery.cancel_scope.cancel()
         assert pruned[0].trials_removed == 7 and (await bank.stats())[0].history == 0
     finally:
@@ -299,7 +219,7 @@ async def _append(out: list, result) -> None:
 async def test_a_client_cancelling_an_export_midway_leaves_the_daemon_serving(
     tmp_path: Path,
 ) -> None:
-    fill(
+    fill_bank(
         tmp_path / "a" / "bank", n_trials=4000, trial_bytes=2000
     )  # ~8 MB: more than the transport buffers
     async with serving(tmp_path) as d:
@@ -308,9 +228,9 @@ async def test_a_client_cancelling_an_export_midway_leaves_the_daemon_serving(
         assert first.WhichOneof("record") == "entry"
         assert d.bridge_tasks.child_tasks  # the producer waits for the client
         call.cancel()
-        with trio.fail_after(10):
-            while d.bridge_tasks.child_tasks:  # cancelled on the trio side too
-                await trio.sleep(0.05)
+        await wait_until(
+            lambda: not d.bridge_tasks.child_tasks, 10, "the producer cancelled on the trio side"
+        )
         assert (await _stats(d)).history_trials == 4000
         records = await d.stream("ExportEntries", bank_pb2.ExportEntriesRequest(no_history=True))
         assert [r.WhichOneof("record") for r in records] == ["entry"] * 5 + ["default_record"]

@@ -27,8 +27,8 @@ from aoed.engine.assemble import Assembly, model_signature, tunable_tasks
 from aoed.engine.bankrules import choices_digest
 from aoed.engine.prep import Prepared, make_inputs, prepare
 
+from .bank_util import foreign, make_bank, rec
 from .conftest import run_aoe
-from .test_bank_reader import foreign, make_bank, rec
 
 FAST = ("--budget", "2", "--parallel", "1", "--no-progress", "--job-type", "opat")
 

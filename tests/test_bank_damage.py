@@ -30,7 +30,8 @@ from aoe.v1 import tuning_pb2
 from aoed.bank.store import BankStore
 from aoed.bank.writer import BankWrite, BankWriter
 from tests.conftest import run_aoe
-from tests.daemon_util import DaemonProcess, submit_sample, wait_for
+from tests.daemon_util import DaemonProcess, submit_sample
+from tests.helpers import wait_for
 
 S = tuning_pb2
 EXIT_BANK = BankError.exit_code

@@ -9,34 +9,14 @@ from pathlib import Path
 import pytest
 
 from aoe.bank import CUSTOM, default_record, entry_to_json, open_bank, record_to_json
-from aoe.bankrecord import Measured, encode
+from aoe.bankrecord import encode
 from aoe.signature import bank_key
 from aoe.v1 import bank_pb2
 from aoed.bank.exchange import import_lines
 from aoed.bank.store import BankStore
 
+from .bank_util import foreign, here, make_bank, make_entry, rec
 from .conftest import run_aoe
-from .test_bank_reader import foreign, here, make_bank, rec
-from .test_bank_store import _signature
-
-
-def _entry(n: int, median: float, host: str, dev=None, precision: str = "exact"):
-    """A record for task n; provenance says where it came from. Digests are checked on
-    import, so the signature digest is the real one of its canonical JSON except task n."""
-    import hashlib
-
-    s = _signature()
-    text = s.canonical_json.replace('"v":1', f'"v":1,"task":{n}')
-    sig = type(s)(s.op_type, s.domain, s.opset, text, hashlib.sha256(text.encode()).hexdigest())
-    return rec(
-        sig=sig,
-        dev=dev,
-        precision=precision,
-        host=host,
-        job_id=f"job-{host}-{n}",
-        winner=Measured(median, 0.01, 30, median * 0.9),
-        created_unix=1_700_000_000.0 + n,
-    )
 
 
 def _stored(path: Path) -> dict[bytes, bytes]:
@@ -47,15 +27,15 @@ def _stored(path: Path) -> dict[bytes, bytes]:
 @pytest.fixture
 def banks(tmp_path: Path):
     a = {
-        "k1": _entry(1, 5.0, "alpha"),  # faster than beta's
-        "k2": _entry(2, 20.0, "alpha"),  # slower than beta's
-        "k3": _entry(3, 7.0, "alpha"),  # alpha only
-        "k5": _entry(5, 1.0, "alpha", dev=foreign()),  # measured elsewhere
+        "k1": make_entry(1, 5.0, "alpha"),  # faster than beta's
+        "k2": make_entry(2, 20.0, "alpha"),  # slower than beta's
+        "k3": make_entry(3, 7.0, "alpha"),  # alpha only
+        "k5": make_entry(5, 1.0, "alpha", dev=foreign()),  # measured elsewhere
     }
     b = {
-        "k1": _entry(1, 10.0, "beta"),
-        "k2": _entry(2, 10.0, "beta"),
-        "k4": _entry(4, 3.0, "beta"),
+        "k1": make_entry(1, 10.0, "beta"),
+        "k2": make_entry(2, 10.0, "beta"),
+        "k4": make_entry(4, 3.0, "beta"),
     }
     make_bank(tmp_path / "alpha", a.values(), trials=[(a["k1"].key, {"n": 1})])
     return tmp_path, a, b
@@ -128,7 +108,7 @@ def test_merge_policies(banks, policy: str, k1: str, k2: str, counts: tuple[int,
 
 
 def test_import_refuses_broken_lines_and_writes_nothing_for_them(tmp_path: Path) -> None:
-    good = _entry(1, 5.0, "alpha")
+    good = make_entry(1, 5.0, "alpha")
     msg = bank_pb2.BankEntry.FromString(encode(good))
     wrong_key = bank_pb2.BankEntry()
     wrong_key.CopyFrom(msg)
@@ -183,7 +163,7 @@ def _key(n: int, dev=None) -> bytes:
 def test_export_and_import_carry_default_records_and_history(tmp_path: Path) -> None:
     """Everything a bank knows travels: entries, "default stays best" records (a
     model-level one with the tasks reverted in its context) and the history."""
-    entries = [_entry(1, 5.0, "alpha"), _entry(2, 6.0, "alpha", precision="int8")]
+    entries = [make_entry(1, 5.0, "alpha"), make_entry(2, 6.0, "alpha", precision="int8")]
     reverted = [f"{9:064x}", f"{8:064x}"]
     defaults = [
         (_key(3), {"default_us": 12.5, "job": "job-1"}),
@@ -251,7 +231,7 @@ def test_merge_policies_compare_entries_and_default_records(
     tmp_path: Path, policy: str, want: dict
 ) -> None:
     def entry(n: int, us: float):
-        return _entry(n, us, "x")
+        return make_entry(n, us, "x")
 
     keys = {n: entry(n, 1.0).key for n in range(1, 5)}
     make_bank(
@@ -345,8 +325,8 @@ def _aoe(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]
 def test_lookup_stats_and_prune_commands(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    mine = _entry(1, 5.0, "alpha")
-    theirs = _entry(2, 5.0, "beta", dev=foreign())
+    mine = make_entry(1, 5.0, "alpha")
+    theirs = make_entry(2, 5.0, "beta", dev=foreign())
     custom = make_bank(tmp_path / "custom", [mine], trials=[(mine.key, {"n": i}) for i in range(5)])
     team = make_bank(tmp_path / "team", [theirs])
 

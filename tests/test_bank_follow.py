@@ -24,8 +24,7 @@ from aoed.bank.follow import feed
 from aoed.bank.store import DEFAULT, ENTRY, TRIAL, BankStore, Change, Position, Record, history_key
 from aoed.bank.writer import BankWrite, BankWriter
 
-from .test_bank_exchange import _entry
-from .test_bank_reader import foreign
+from .bank_util import foreign, make_entry
 
 
 @pytest.fixture
@@ -46,11 +45,11 @@ def _records(store: BankStore) -> dict[tuple[str, bytes], bytes]:
 
 
 def test_every_write_takes_the_next_number_and_the_log_keeps_the_latest(store: BankStore) -> None:
-    a, b = _entry(1, 5.0, "alpha"), _entry(2, 6.0, "alpha")
+    a, b = make_entry(1, 5.0, "alpha"), make_entry(2, 6.0, "alpha")
     store.commit(entries=[(a.key, encode(a)), (b.key, encode(b))], trials=[(a.key, {"n": 1})])
     assert store.head() == 3
     assert [(c.seq, c.kind) for c in _all(store)] == [(1, ENTRY), (2, ENTRY), (3, TRIAL)]
-    better = _entry(1, 4.0, "alpha")
+    better = make_entry(1, 4.0, "alpha")
     store.commit(entries=[(better.key, encode(better))])
     got = _all(store)
     assert [(c.seq, c.key) for c in got] == [(2, b.key), (3, got[1].key), (4, a.key)]
@@ -64,7 +63,7 @@ def test_every_write_takes_the_next_number_and_the_log_keeps_the_latest(store: B
 
 
 def test_a_write_of_the_same_bytes_takes_no_number(store: BankStore) -> None:
-    a = _entry(1, 5.0, "alpha")
+    a = make_entry(1, 5.0, "alpha")
     store.commit(entries=[(a.key, encode(a))], defaults=[(b"v1/x/y/exact", {"default_us": 3.0})])
     head = store.head()
     store.commit(entries=[(a.key, encode(a))], defaults=[(b"v1/x/y/exact", {"default_us": 3.0})])
@@ -72,14 +71,14 @@ def test_a_write_of_the_same_bytes_takes_no_number(store: BankStore) -> None:
 
 
 def test_an_entry_replacing_a_default_record_moves_the_key_in_the_log(store: BankStore) -> None:
-    a = _entry(1, 5.0, "alpha")
+    a = make_entry(1, 5.0, "alpha")
     store.commit(defaults=[(a.key, {"default_us": 9.0})])
     store.commit(entries=[(a.key, encode(a))])
     assert [(c.kind, c.key) for c in _all(store)] == [(ENTRY, a.key)]
 
 
 def test_prune_takes_the_trials_out_of_the_log_and_numbers_never_go_back(store: BankStore) -> None:
-    a = _entry(1, 5.0, "alpha")
+    a = make_entry(1, 5.0, "alpha")
     store.commit(entries=[(a.key, encode(a))], trials=[(a.key, {"n": i}) for i in range(5)])
     assert store.head() == 6
     store.prune()
@@ -91,7 +90,7 @@ def test_prune_takes_the_trials_out_of_the_log_and_numbers_never_go_back(store: 
 
 def test_a_bank_from_before_the_log_gets_numbers_and_an_id_on_open(tmp_path: Path) -> None:
     path = tmp_path / "bank"
-    a, b = _entry(1, 5.0, "alpha"), _entry(2, 6.0, "alpha")
+    a, b = make_entry(1, 5.0, "alpha"), make_entry(2, 6.0, "alpha")
     store = BankStore(path)
     store.commit(
         entries=[(a.key, encode(a)), (b.key, encode(b))],
@@ -121,7 +120,7 @@ def test_a_bank_from_before_the_log_gets_numbers_and_an_id_on_open(tmp_path: Pat
 def test_apply_records_the_position_with_the_records_and_twice_writes_nothing(
     store: BankStore,
 ) -> None:
-    a = _entry(1, 5.0, "alpha")
+    a = make_entry(1, 5.0, "alpha")
     records = [Record(ENTRY, a.key, encode(a)), Record(TRIAL, history_key(a.key, 7), b'{"n":1}')]
     counts = store.apply("unix:///peer.sock", Position("peer-bank", 42), records, follow_replace)
     assert (counts[ENTRY].added, counts[TRIAL].added) == (1, 1)
@@ -134,7 +133,7 @@ def test_apply_records_the_position_with_the_records_and_twice_writes_nothing(
 
 
 def test_apply_writes_nothing_when_a_record_is_refused_by_the_store(store: BankStore) -> None:
-    a = _entry(1, 5.0, "alpha")
+    a = make_entry(1, 5.0, "alpha")
     with pytest.raises(ValueError, match="unknown record kind"):
         store.apply(
             "p",
@@ -146,7 +145,7 @@ def test_apply_writes_nothing_when_a_record_is_refused_by_the_store(store: BankS
 
 
 def test_a_kept_better_record_is_sent_again_to_followers(store: BankStore) -> None:
-    fast, slow = _entry(1, 4.0, "alpha"), _entry(1, 8.0, "beta")
+    fast, slow = make_entry(1, 4.0, "alpha"), make_entry(1, 8.0, "beta")
     store.commit(entries=[(fast.key, encode(fast))])
     before = store.head()
     counts = store.apply(
@@ -160,8 +159,8 @@ def test_a_kept_better_record_is_sent_again_to_followers(store: BankStore) -> No
 def _candidates() -> list[Record]:
     """Conflicting records for one key: entries of different speed, an entry and a
     default record at the same time, two entries at one time that differ in bytes."""
-    e10, e12 = _entry(1, 10.0, "alpha"), _entry(1, 12.0, "beta")
-    e10b = _entry(1, 10.0, "gamma")  # same time as alpha's, other provenance
+    e10, e12 = make_entry(1, 10.0, "alpha"), make_entry(1, 12.0, "beta")
+    e10b = make_entry(1, 10.0, "gamma")  # same time as alpha's, other provenance
     return [
         Record(ENTRY, e12.key, encode(e12)),
         Record(DEFAULT, e12.key, json.dumps({"default_us": 10.0}, sort_keys=True).encode()),
@@ -188,11 +187,11 @@ def test_the_follow_rule_is_a_total_order_so_every_arrival_order_converges(tmp_p
 
 
 def test_a_changed_record_a_peer_sends_is_checked_like_an_import() -> None:
-    good = _entry(1, 5.0, "alpha")
+    good = make_entry(1, 5.0, "alpha")
     ok, why = check_change(Change(1, ENTRY, good.key, encode(good), 0))
     assert ok is not None and not why
     # Another device's record is kept under its own key (served to that device only).
-    away = _entry(2, 5.0, "alpha", dev=foreign())
+    away = make_entry(2, 5.0, "alpha", dev=foreign())
     rec, why = check_change(Change(2, ENTRY, away.key, encode(away), 0))
     assert rec == Record(ENTRY, away.key, encode(away)) and not why
     rec, why = check_change(Change(3, ENTRY, good.key + b"x", encode(good), 0))
@@ -205,7 +204,7 @@ def test_a_changed_record_a_peer_sends_is_checked_like_an_import() -> None:
 
 async def test_feed_sends_the_backlog_then_each_commit_as_it_comes(tmp_path: Path) -> None:
     writer = BankWriter(tmp_path / "bank", layers=[])
-    a, b = _entry(1, 5.0, "alpha"), _entry(2, 6.0, "alpha")
+    a, b = make_entry(1, 5.0, "alpha"), make_entry(2, 6.0, "alpha")
     try:
         async with trio.open_nursery() as nursery:
             await nursery.start(writer.run)
@@ -284,9 +283,9 @@ async def test_an_import_larger_than_a_transaction_is_merged_whole_through_the_w
 ) -> None:
     from aoe.v1 import bank_pb2
 
-    from .test_api_bank import serving
+    from .bank_service import serving
 
-    key = _entry(1, 5.0, "alpha").key.decode()
+    key = make_entry(1, 5.0, "alpha").key.decode()
     n = 4500  # more than two of the writer's transactions
     requests = [
         bank_pb2.ImportEntriesRequest(

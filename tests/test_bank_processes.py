@@ -18,6 +18,7 @@ from aoe.bank import open_bank
 from aoe.errors import BankBusyError
 from aoe.v1 import bank_pb2
 from aoed.bank.store import BankStore
+from tests.helpers import wait_for
 
 # Entry i of the synthetic bank these tests write (key(i), entry(i)); its winner median
 # is 1 + i, so a reader can tell that an entry decodes to itself.
@@ -310,8 +311,9 @@ def test_another_process_growing_the_bank_past_our_map_is_followed(tmp_path: Pat
         assert out.returncode == 0, out.stderr
         assert int(out.stdout) * 4096 > 4 * small
         before = lookups[0]
-        while lookups[0] < before + 50 and not errors:  # lookups went on past the growth
-            time.sleep(0.01)
+        wait_for(  # lookups went on past the growth
+            lambda: lookups[0] >= before + 50 or errors, 60, "50 more lookups", poll=0.01
+        )
         assert store.get(key(2999)) == entry(2999)
         store.commit(entries=[(key(i), entry(i)) for i in range(3000, 3100)])
         assert store.counts()["entries"] == 3100

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import subprocess
@@ -22,60 +21,17 @@ from aoe.bank import (
     open_bank,
     parse_key,
 )
-from aoe.bankrecord import BankRecord, encode
+from aoe.bankrecord import encode
 from aoe.errors import BankError
 from aoe.signature import (
     SCHEMA_VERSION,
-    DeviceFingerprint,
     bank_key,
-    canonical_json,
-    device_fingerprint,
 )
 from aoed import samples
 from aoed.bank.store import BankStore
 from aoed.bank.writer import BankWriter
 
-from .test_bank_store import _record, _signature
-
-
-def here() -> DeviceFingerprint:
-    return device_fingerprint("CPUExecutionProvider")
-
-
-def foreign(hardware: str = "Imaginary CPU 9000", runtime: str = "0.0.1") -> DeviceFingerprint:
-    fp = here()
-    doc = json.loads(fp.canonical_json)
-    doc.update(hardware=hardware, runtime=runtime)
-    text = canonical_json(doc)
-    return DeviceFingerprint(
-        fp.execution_provider,
-        hardware,
-        fp.isa_flags,
-        runtime,
-        {},
-        text,
-        hashlib.sha256(text.encode()).hexdigest(),
-    )
-
-
-def rec(sig=None, dev=None, precision: str = "exact", **kw) -> BankRecord:
-    sig = sig or _signature()
-    dev = dev or here()
-    return _record(
-        precision, key=bank_key(sig.digest, dev.digest, precision), signature=sig, device=dev, **kw
-    )
-
-
-def make_bank(path: Path, records=(), defaults=(), trials=()) -> Path:
-    store = BankStore(path)
-    try:
-        store.commit(
-            entries=[(r.key, encode(r)) for r in records], defaults=defaults, trials=trials
-        )
-    finally:
-        store.close()
-    return path
-
+from .bank_util import foreign, here, make_bank, make_signature, rec
 
 # --------------------------------------------------------------------------- lookups
 
@@ -177,7 +133,7 @@ def test_parse_key() -> None:
 
 
 def test_explain_lists_other_devices_precisions_and_defaults(tmp_path: Path) -> None:
-    sig = _signature()
+    sig = make_signature()
     there = foreign()
     other = rec(dev=there, strategy="fused_gemm")
     int8 = rec(precision="int8")
@@ -204,7 +160,7 @@ def test_explain_lists_other_devices_precisions_and_defaults(tmp_path: Path) -> 
 
 
 def test_explain_reports_a_recorded_default(tmp_path: Path) -> None:
-    key = bank_key(_signature().digest, here().digest, "exact")
+    key = bank_key(make_signature().digest, here().digest, "exact")
     custom = make_bank(tmp_path / "custom", defaults=[(key, {"default_us": 12.0})])
     with open_bank(custom, use_env=False) as bank:
         assert bank.lookup_default(key) == ({"default_us": 12.0}, CUSTOM)

@@ -6,77 +6,27 @@ import dataclasses
 import json
 import os
 import shutil
-import time
 from pathlib import Path
 
 import lmdb
-import numpy as np
-import onnx
 import pytest
-from onnx import TensorProto, helper, numpy_helper, shape_inference
 
-from aoe.bankrecord import BankRecord, Measured, decode, encode
+from aoe.bankrecord import BankRecord, decode, encode
 from aoe.errors import BankError
 from aoe.signature import (
     SCHEMA_VERSION,
-    ModelContext,
-    TaskSignature,
-    bank_key,
-    device_fingerprint,
-    task_signature,
 )
 from aoe.v1 import bank_pb2
 from aoed.bank.store import ENTRY, BankStore, Record, default_bank_path
-
-
-def _signature() -> TaskSignature:
-    w = numpy_helper.from_array(np.ones((8, 4), np.float32), "w")
-    graph = helper.make_graph(
-        [helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")],
-        "g",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 8])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])],
-        initializer=[w],
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    model = shape_inference.infer_shapes(model)
-    onnx.checker.check_model(model)
-    return task_signature([model.graph.node[0]], ModelContext(model))
-
-
-def _record(precision: str = "exact", **kw: object) -> BankRecord:
-    sig = _signature()
-    dev = device_fingerprint("CPUExecutionProvider", {"threads": "4"})
-    fields = dict(
-        key=bank_key(sig.digest, dev.digest, precision),
-        signature=sig,
-        device=dev,
-        strategy="gemm_pretransposed",
-        family="matmul",
-        precision=precision,
-        winner=Measured(median_us=12.5, spread=0.03, repeats=40, min_us=11.75),
-        baseline=Measured(median_us=20.25, spread=0.05, repeats=40, min_us=19.5),
-        max_abs_error=1.5e-6,
-        max_rel_error=2.5e-7,
-        cosine=0.999999,
-        params={"threads": "4", "layout": "nt"},
-        host="bench-01",
-        aoed_version="0.1.0",
-        created_unix=1_700_000_000.5,
-        job_id="job-42",
-        model="mlp.onnx",
-    )
-    fields.update(kw)
-    return BankRecord(**fields)  # type: ignore[arg-type]
-
+from tests.bank_util import make_record
+from tests.helpers import wait_for
 
 # --------------------------------------------------------------------------- codec
 
 
 @pytest.mark.parametrize("precision", ["exact", "int8", "fp16"])
 def test_codec_round_trip_keeps_every_field(precision: str) -> None:
-    record = _record(precision)
+    record = make_record(precision)
     data = encode(record)
     back = decode(data)
     for f in dataclasses.fields(BankRecord):
@@ -90,7 +40,7 @@ def test_codec_round_trip_keeps_every_field(precision: str) -> None:
 
 
 def test_codec_distinguishes_records() -> None:
-    a, b = _record(), _record(strategy="fused_gemm")
+    a, b = make_record(), make_record(strategy="fused_gemm")
     assert encode(a) != encode(b)
     assert decode(encode(b)).strategy == "fused_gemm"
 
@@ -106,22 +56,22 @@ def store(tmp_path: Path):
 
 
 def test_entries_round_trip(store: BankStore) -> None:
-    record = _record()
-    other = _record(precision="int8")
+    record = make_record()
+    other = make_record(precision="int8")
     store.commit(entries=[(record.key, encode(record)), (other.key, encode(other))])
     assert decode(store.get(record.key)) == record
     assert decode(store.get(other.key)) == other
     assert store.get(b"v1/none/none/exact") is None
     assert store.counts() == {"entries": 2, "defaults": 0, "history": 0}
     # A second commit for a key replaces the entry.
-    better = _record(strategy="fused_gemm")
+    better = make_record(strategy="fused_gemm")
     store.commit(entries=[(record.key, encode(better))])
     assert decode(store.get(record.key)).strategy == "fused_gemm"
     assert store.counts()["entries"] == 2
 
 
 def test_entries_survive_reopening(tmp_path: Path) -> None:
-    record = _record()
+    record = make_record()
     s = BankStore(tmp_path / "bank")
     s.commit(entries=[(record.key, encode(record))])
     s.close()
@@ -133,7 +83,7 @@ def test_entries_survive_reopening(tmp_path: Path) -> None:
 
 
 def test_defaults_round_trip(store: BankStore) -> None:
-    key = _record().key
+    key = make_record().key
     doc = {"strategy": "default", "median_us": 10.5, "candidates": 4}
     store.commit(defaults=[(key, doc)])
     assert store.get_default(key) == doc
@@ -143,8 +93,8 @@ def test_defaults_round_trip(store: BankStore) -> None:
 
 
 def test_entry_commit_removes_the_default_record(store: BankStore) -> None:
-    record = _record()
-    keep = _record(precision="int8").key
+    record = make_record()
+    keep = make_record(precision="int8").key
     store.commit(defaults=[(record.key, {"strategy": "default"}), (keep, {"strategy": "default"})])
     assert store.counts()["defaults"] == 2
     store.commit(entries=[(record.key, encode(record))])
@@ -154,7 +104,7 @@ def test_entry_commit_removes_the_default_record(store: BankStore) -> None:
 
 
 def test_history_trials_are_counted(store: BankStore) -> None:
-    key = _record().key
+    key = make_record().key
     store.commit(trials=[(key, {"strategy": s, "median_us": 1.0 + i}) for i, s in enumerate("abc")])
     store.commit(trials=[(key, {"strategy": "d", "median_us": 9.0})])
     assert store.counts() == {"entries": 0, "defaults": 0, "history": 4}
@@ -165,7 +115,7 @@ def test_history_trials_are_counted(store: BankStore) -> None:
 
 
 def test_decisions_by_run_are_forgotten_by_run_and_pruned(store: BankStore) -> None:
-    key, other = _record().key, _record(precision="int8").key
+    key, other = make_record().key, make_record(precision="int8").key
     store.commit(trials=[(key, {"strategy": "a"})], decisions=[(b"run1/" + key, {"strategy": "a"})])
     store.commit(
         decisions=[(b"run1/" + other, {"strategy": "b"}), (b"run2/" + key, {"strategy": "c"})]
@@ -220,7 +170,7 @@ def test_damaged_bank_is_a_bank_error_for_writer_and_readers(tmp_path: Path) -> 
 
     path = tmp_path / "bank"
     s = BankStore(path)
-    s.commit(entries=[(_record().key, encode(_record()))])
+    s.commit(entries=[(make_record().key, encode(make_record()))])
     s.close()
     (path / "data.mdb").write_bytes(b"\x00not lmdb" * 1000)
     for open_it in (lambda: BankStore(path), lambda: open_bank(path, use_env=False)):
@@ -243,7 +193,7 @@ def test_a_data_file_removed_or_replaced_while_open_refuses_every_write(
 ) -> None:
     """LMDB would go on writing into the unlinked file, and lose it all at close."""
     path = tmp_path / "bank"
-    first, second = _record(), _record(precision="int8")
+    first, second = make_record(), make_record(precision="int8")
     s = BankStore(path)
     try:
         s.commit(entries=[(first.key, encode(first))])
@@ -353,9 +303,7 @@ def test_remap_waits_until_no_transaction_is_live(tmp_path: Path) -> None:
     remapper = threading.Thread(target=remap)
     remapper.start()
     # The remap is due (new transactions would wait for it) while the holder's is live.
-    deadline = time.monotonic() + 30
-    while not (gate._remapping or remapped.is_set()) and time.monotonic() < deadline:
-        time.sleep(0.005)
+    wait_for(lambda: gate._remapping or remapped.is_set(), 30, "the remap due", poll=0.005)
     leave.set()
     holder.join(30)
     assert remapped.wait(30)

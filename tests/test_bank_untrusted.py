@@ -44,9 +44,8 @@ from aoed.bank.exchange import check_change
 from aoed.bank.store import ENTRY, TRIAL, BankStore, Change, Record, encode_doc, history_key
 from aoed.vocabulary import tuner_vocabulary
 
+from .bank_util import make_bank, make_entry, rec
 from .conftest import run_aoe
-from .test_bank_exchange import _entry
-from .test_bank_reader import make_bank, rec
 
 FILE_KEY = "session.collect_node_memory_stats_to_file"
 SENTINEL = b"the daemon's job store\n"
@@ -54,7 +53,7 @@ SENTINEL = b"the daemon's job store\n"
 
 def _sig(n: int):
     """A task signature of its own for `n` (with a true digest)."""
-    return _entry(n, 1.0, "x").signature
+    return make_entry(n, 1.0, "x").signature
 
 
 def _session(n: int, options: dict, **kw) -> BankRecord:
@@ -99,7 +98,7 @@ def _untouched(sentinel: Path, other: Path, link: Path) -> None:
 
 def _hostile_lines(sentinel: Path, link: Path) -> dict[str, tuple[str, str]]:
     """name -> (an exchange line that must be refused, the field its reason names)."""
-    key = _entry(40, 1.0, "x").key
+    key = make_entry(40, 1.0, "x").key
     return {
         "memory stats file": (
             _line(_session(20, {"config": {FILE_KEY: str(sentinel)}})),
@@ -126,16 +125,16 @@ def _hostile_lines(sentinel: Path, link: Path) -> dict[str, tuple[str, str]]:
             ),
             "strategy.name: providers: TensorrtExecutionProvider: 'trt_engine_cache_path'",
         ),
-        "infinite timing": (_line(_entry(25, math.inf, "x")), "winner.median_us"),
-        "NaN timing": (_line(_entry(26, math.nan, "x")), "winner.median_us"),
-        "subnormal timing": (_line(_entry(27, 1e-320, "x")), "winner.median_us"),
-        "negative timing": (_line(_entry(28, -5.0, "x")), "winner.median_us"),
+        "infinite timing": (_line(make_entry(25, math.inf, "x")), "winner.median_us"),
+        "NaN timing": (_line(make_entry(26, math.nan, "x")), "winner.median_us"),
+        "subnormal timing": (_line(make_entry(27, 1e-320, "x")), "winner.median_us"),
+        "negative timing": (_line(make_entry(28, -5.0, "x")), "winner.median_us"),
         "7 MB strategy": (
-            _line(dataclasses.replace(_entry(29, 1.0, "x"), strategy="a" * (7 << 20))),
+            _line(dataclasses.replace(make_entry(29, 1.0, "x"), strategy="a" * (7 << 20))),
             "strategy.name: 7340032 characters",
         ),
         "unknown strategy": (
-            _line(dataclasses.replace(_entry(30, 1.0, "x"), strategy="no_such_strategy")),
+            _line(dataclasses.replace(make_entry(30, 1.0, "x"), strategy="no_such_strategy")),
             "strategy.name: 'no_such_strategy' is no strategy of family matmul",
         ),
         "unknown process-group knob": (
@@ -156,7 +155,7 @@ def test_each_field_the_tuner_never_writes_refuses_its_record_and_the_rest_impor
 ) -> None:
     sentinel, other, link = targets
     hostile = _hostile_lines(sentinel, link)
-    good = [_entry(n, 5.0 + n, "alpha") for n in range(3)]
+    good = [make_entry(n, 5.0 + n, "alpha") for n in range(3)]
     dump = tmp_path / "bank.jsonl"
     lines = [_line(good[0]), *(line for line, _ in hostile.values()), *map(_line, good[1:])]
     dump.write_text("\n".join(lines) + "\n")
@@ -503,30 +502,30 @@ def test_hostile_records_from_an_import_a_peer_or_the_bank_itself_never_reach_on
     through the link."""
     from aoed import samples
 
-    from .daemon_util import DaemonProcess, submit_sample, wait_for
-    from .test_fleet import _follow, _log_state
+    from .daemon_util import DaemonProcess, follow, log_state, submit_sample
+    from .helpers import wait_for
 
     sentinel, other, link = targets
-    good = [_entry(n, 5.0 + n, "alpha") for n in range(3)]
+    good = [make_entry(n, 5.0 + n, "alpha") for n in range(3)]
     peer, follower, syncer = (DaemonProcess(tmp_path / n) for n in ("peer", "a", "c"))
     mlp = samples.save(samples.build("mlp"), follower.models / "mlp.onnx")
     [own] = _hostile_records(mlp, tmp_path, sentinel)
     hostile = [
         _session(50, {"config": {FILE_KEY: str(link)}}),
-        dataclasses.replace(_entry(51, 1.0, "x"), strategy="no_such_strategy"),
-        _entry(52, math.inf, "x"),
+        dataclasses.replace(make_entry(51, 1.0, "x"), strategy="no_such_strategy"),
+        make_entry(52, math.inf, "x"),
         own,
     ]
     deep = b'{"a":' * 100_000 + b"1" + b"}" * 100_000
     _seed(peer.bank, [*good, *hostile], [(good[0].key, deep)])
     _seed(follower.bank, [own])
-    _follow(follower, [peer])
+    follow(follower, [peer])
     try:
         peer.start()
         follower.start()
         # The follower applies the peer's good records, and refuses and logs the rest.
         wait_for(
-            lambda: _log_state(follower)[1].get(f"unix://{peer.socket}") == _log_state(peer)[0],
+            lambda: log_state(follower)[1].get(f"unix://{peer.socket}") == log_state(peer)[0],
             120,
             "the follower has taken every write of the peer",
         )

@@ -26,9 +26,9 @@ from aoed.engine.registry import DEFAULT
 from aoed.engine.taskinputs import Drawn, TaskInputs, describe
 from aoed.engine.tasks import Constants, TaskView
 
+from .bank_util import foreign, make_bank, rec
 from .conftest import run_aoe
-from .test_bank_reader import foreign, make_bank, rec
-from .test_subgraphs import anonymize, glu_block
+from .graphs import anonymize, glu_block
 
 REGISTRY = build_registry()
 #: The operator and subgraph families the tuner writes entries of on a CPU, each found

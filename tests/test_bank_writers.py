@@ -22,8 +22,8 @@ from aoed.bank.lock import LOCK_NAME, POLL_S
 from aoed.bank.store import BankStore
 from aoed.bank.writer import BankWrite, BankWriter
 
-from .test_bank_exchange import _entry
-from .test_bank_reader import make_bank, rec
+from .bank_util import make_bank, make_entry, rec
+from .helpers import wait_for, wait_until
 
 # Holds the bank's writer lock, as a BankStore does from open to close, until its stdin
 # closes. (The lock alone: it starts in a tenth of the time a store's imports take. A
@@ -77,7 +77,7 @@ def test_a_second_writer_is_refused_naming_the_holder(
     bank = make_bank(tmp_path / "bank", [entry], trials=[(entry.key, {"n": 1})])
     dump = tmp_path / "one.jsonl"
     dump.write_text(
-        entry_to_json(bank_pb2.BankEntry.FromString(encode(_entry(7, 2.0, "x")))) + "\n"
+        entry_to_json(bank_pb2.BankEntry.FromString(encode(make_entry(7, 2.0, "x")))) + "\n"
     )
     holder = _hold(bank)
     try:
@@ -103,6 +103,12 @@ def test_a_second_writer_is_refused_naming_the_holder(
     assert code == 0 and "removed 1 history trials" in out, msg
 
 
+#: A waiter looks at the lock every POLL_S and does nothing else a test can see while the
+#: holder holds it: only a quiet period of several looks can show that it neither gives up
+#: nor says "waiting" again, nor writes.
+WAITER_QUIET_S = 10 * POLL_S
+
+
 def test_wait_reports_the_holder_once_and_gets_in_after_it(tmp_path: Path) -> None:
     bank = make_bank(tmp_path / "bank", [rec()], trials=[(rec().key, {"n": i}) for i in range(3)])
     holder = _hold(bank)
@@ -119,7 +125,7 @@ def test_wait_reports_the_holder_once_and_gets_in_after_it(tmp_path: Path) -> No
             said.startswith(f"aoe: bank {bank}: being written by pid {holder.pid} (")
             and "waiting" in said
         )
-        time.sleep(10 * POLL_S)
+        time.sleep(WAITER_QUIET_S)
         assert prune.poll() is None  # still waiting, not failed
     finally:
         _let_go(holder)
@@ -169,16 +175,12 @@ async def test_bank_writer_waits_in_trio_saying_so_once(tmp_path: Path) -> None:
                 got.append(await writer.lookup(entry.key))
 
             nursery.start_soon(write_and_look_up)
-            with trio.fail_after(30):
-                while not said:
-                    await trio.sleep(POLL_S / 2)
-            await trio.sleep(5 * POLL_S)  # the trio loop runs on while the writer waits
+            await wait_until(lambda: said, 30, "the writer saying it waits", poll=POLL_S / 2)
+            await trio.sleep(WAITER_QUIET_S)  # the trio loop runs on while the writer waits
             assert got == [] and len(said) == 1
             assert said[0].startswith(f"bank {bank}: being written by pid {holder.pid} (")
             await trio.to_thread.run_sync(_let_go, holder)
-            with trio.fail_after(30):
-                while not got:
-                    await trio.sleep(POLL_S / 2)
+            await wait_until(lambda: got, 30, "the lookup after the write", poll=POLL_S / 2)
             nursery.cancel_scope.cancel()
         assert got == [entry] and len(said) == 1
     finally:
@@ -229,7 +231,7 @@ def test_import_and_prune_wait_for_a_tune_and_nothing_is_lost(models: Path, tmp_
     from aoed.engine.prep import prepare
 
     bank, out = tmp_path / "bank", tmp_path / "out"
-    imported = [_entry(n, 3.0 + n, "team") for n in range(1, 4)]
+    imported = [make_entry(n, 3.0 + n, "team") for n in range(1, 4)]
     dump = tmp_path / "team.jsonl"
     dump.write_text(
         "".join(entry_to_json(bank_pb2.BankEntry.FromString(encode(r))) + "\n" for r in imported)
@@ -259,15 +261,15 @@ def test_import_and_prune_wait_for_a_tune_and_nothing_is_lost(models: Path, tmp_
     )
     others: list[subprocess.Popen] = []
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and tune.poll() is None:  # until the tune holds the bank
+
+        def holding() -> bool:
+            assert tune.poll() is None, tune.communicate()
             try:
-                if json.loads((bank / LOCK_NAME).read_text())["pid"] == tune.pid:
-                    break
+                return json.loads((bank / LOCK_NAME).read_text())["pid"] == tune.pid
             except (OSError, ValueError):
-                pass
-            time.sleep(0.02)
-        assert tune.poll() is None, tune.communicate()
+                return False
+
+        wait_for(holding, 120, "the tune holding the bank", poll=0.02)
         for args in (("import", str(dump)), ("prune",)):
             others.append(
                 subprocess.Popen(

@@ -13,6 +13,7 @@ import trio
 
 from aoe.errors import BankError, NotFoundError, OptionError
 from aoed.api._bridge import Bridge
+from tests.helpers import wait_until
 
 
 class _Probe:
@@ -125,8 +126,8 @@ async def test_a_stream_stops_producing_when_the_client_goes() -> None:
         stream.cancel()
         with trio.fail_after(5):
             await probe.cancelled.wait()
-            while probe.tasks.child_tasks:  # the producer's task ends: nothing can produce more
-                await trio.sleep(0.01)
+        # The producer's task ends: nothing can produce more.
+        await wait_until(lambda: not probe.tasks.child_tasks, 5, "the producer's task ended")
 
     await _with_server(test)
 

@@ -25,7 +25,8 @@ from aoe.errors import DeviceError, OptionError
 from aoe.v1 import bank_pb2, devices_pb2, tuning_pb2
 from aoed import samples
 from tests.conftest import run_aoe
-from tests.daemon_util import DaemonProcess, submit_sample, wait_for
+from tests.daemon_util import DaemonProcess, submit_sample
+from tests.helpers import wait_for
 from tests.ray_util import RayCluster
 
 

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from aoe.v1 import devices_pb2, tuning_pb2
-from tests.daemon_util import DaemonProcess, submit_sample, wait_for
+from tests.daemon_util import DaemonProcess, submit_sample
+from tests.helpers import wait_for
 from tests.ray_util import RayCluster
 
 #: Ray ends a driver's process this long after it lost the head, unless told otherwise

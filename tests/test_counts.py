@@ -20,7 +20,7 @@ from aoe.wire import outcome_from_pb
 from aoed import samples
 from tests.conftest import run_aoe
 from tests.daemon_util import DaemonProcess, upload
-from tests.test_metrics import Samples, _address, _scrape, _value
+from tests.metrics_util import Samples, metrics_address, sample_value, scrape
 
 pytestmark = pytest.mark.slow
 
@@ -42,12 +42,13 @@ class Seen:
 
 def _engine_lookups(s: Samples) -> tuple[float, float]:
     return tuple(  # type: ignore[return-value]
-        _value(s, "aoed_bank_lookups_total", source="engine", result=r) for r in ("hit", "miss")
+        sample_value(s, "aoed_bank_lookups_total", source="engine", result=r)
+        for r in ("hit", "miss")
     )
 
 
 def _run(d: DaemonProcess, path: Path, url: str) -> Seen:
-    before = _engine_lookups(_scrape(url))
+    before = _engine_lookups(scrape(url))
     reply = d.tuning().SubmitJob(
         tuning_pb2.SubmitJobRequest(
             model_id=upload(d.tuning(), path), options=tuning_pb2.JobOptions(budget_s=2.0)
@@ -63,7 +64,7 @@ def _run(d: DaemonProcess, path: Path, url: str) -> Seen:
     job = d.wait_job(reply.job_id)
     assert job.state == tuning_pb2.JOB_STATE_SUCCEEDED, job.error
     report = json.loads(Path(job.result.result_json_path).read_text())
-    after = _engine_lookups(_scrape(url))
+    after = _engine_lookups(scrape(url))
     return Seen(job, events, report, (after[0] - before[0], after[1] - before[1]))
 
 
@@ -76,7 +77,7 @@ def daemon_runs(tmp_path_factory: pytest.TempPathFactory):
     )
     try:
         d.start()
-        url = _address(d)
+        url = metrics_address(d)
         path = samples.save(samples.build("mlp"), d.models / "mlp.onnx")
         first = _run(d, path, url)
         second = _run(d, path, url)

@@ -16,7 +16,6 @@ import socket
 import stat
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import grpc
@@ -30,7 +29,8 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 from aoe.bank import open_bank
 from aoe.v1 import daemon_pb2, devices_pb2, tuning_pb2
 from aoed import samples
-from tests.daemon_util import DaemonProcess, upload, wait_for
+from tests.daemon_util import DaemonProcess, upload
+from tests.helpers import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -408,11 +408,9 @@ def test_inbox_renamed_model_is_tuned_into_the_outbox(daemon: DaemonProcess) -> 
     (daemon.inbox / "aoed.toml").write_text("budget_s = 2.0\n")
     tmp.rename(daemon.inbox / "mlp.onnx")
     outbox = daemon.root / "outbox"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and not (outbox / "mlp_result.json").exists():
-        time.sleep(0.05)
+    wait_for((outbox / "mlp_result.json").exists, 120, "the drop's result", detail=daemon.log_tail)
     assert (outbox / "mlp_tuned.onnx").exists() and (outbox / "mlp_report.txt").exists(), (
-        daemon.log()[-3000:]
+        daemon.log_tail()
     )
     onnx.checker.check_model(onnx.load(outbox / "mlp_tuned.onnx"))
     assert not (daemon.inbox / "mlp.onnx").exists()
@@ -584,14 +582,12 @@ def test_sighup_reloads_limits_and_inboxes(tmp_path: Path) -> None:
             + f'[[inbox]]\npath = "{second}"\n'
         )
         d.proc.send_signal(signal.SIGHUP)
-        deadline = time.monotonic() + 20
-        info = None
-        while time.monotonic() < deadline:
+
+        def reloaded() -> daemon_pb2.GetDaemonInfoResponse | None:
             info = d.daemon().GetDaemonInfo(daemon_pb2.GetDaemonInfoRequest())
-            if info.max_running_jobs == 3:
-                break
-            time.sleep(0.05)
-        assert info is not None and info.max_running_jobs == 3
+            return info if info.max_running_jobs == 3 else None
+
+        info = wait_for(reloaded, 20, "max_running_jobs = 3 after SIGHUP", detail=d.log_tail)
         assert str(second) in [i.path for i in info.inboxes]
         wait_for(second.is_dir, 30, f"the new inbox {second} created by its watch")
         d.config.write_text("[daemon]\nmax_running_jobs = 'many'\n")
@@ -672,13 +668,11 @@ def test_retention_and_upload_expiry(tmp_path: Path) -> None:
         out = Path(job.result.tuned_model_path)
         assert out.exists()
         stale = upload(d.tuning(), _model(d, "cnn"))
-        deadline = time.monotonic() + 30
-        while (
-            time.monotonic() < deadline and d.tuning().ListJobs(tuning_pb2.ListJobsRequest()).jobs
-        ):
-            time.sleep(0.1)
-        assert not d.tuning().ListJobs(tuning_pb2.ListJobsRequest()).jobs, (
-            "kept past its retention (3.5 s)"
+        wait_for(
+            lambda: not d.tuning().ListJobs(tuning_pb2.ListJobsRequest()).jobs,
+            30,
+            "the job removed after its retention (3.5 s)",
+            poll=0.1,
         )
         assert not out.exists() and not (d.state / "jobs" / job_id).exists()
         wait_for(

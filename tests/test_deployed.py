@@ -107,6 +107,11 @@ def _cpu_ticks(pid: int) -> tuple[str, int]:
     return fields[0], int(fields[11]) + int(fields[12])
 
 
+#: Twenty of the kernel's 10 ms ticks: a stopped worker's threads would take some of them
+#: if they still spun. Taking no CPU leaves no event to wait for, only the quiet period.
+STOPPED_QUIET_S = 0.2
+
+
 def test_a_worker_takes_no_core_between_its_turns(models):
     """onnxruntime's intra-op threads spin on after a run; the worker whose turn ended is
     stopped, so they cannot take the cores of the next worker's turn, and continued for
@@ -118,7 +123,7 @@ def test_a_worker_takes_no_core_between_its_turns(models):
         assert len(samples) == 3 and all(s > 0 for s in samples)
         pid = w.by["a"].proc.pid
         state, before = _cpu_ticks(pid)
-        time.sleep(0.2)
+        time.sleep(STOPPED_QUIET_S)
         assert state == "T" and _cpu_ticks(pid) == (state, before)
         assert w.warm("a", 0.01) > 0  # continued for its next request, stopped after it
         assert _cpu_ticks(pid)[0] == "T"

@@ -17,7 +17,8 @@ from aoe.device import Device
 from aoe.errors import DeviceError, OptionError
 from aoe.v1 import devices_pb2, tuning_pb2
 from aoed.engine.engine import place_cores
-from tests.daemon_util import DaemonProcess, submit_sample, wait_for
+from tests.daemon_util import DaemonProcess, submit_sample
+from tests.helpers import wait_for
 
 
 def test_a_cpu_device_may_be_a_set_of_cores_with_its_own_fingerprint() -> None:

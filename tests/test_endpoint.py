@@ -13,6 +13,7 @@ import trio
 
 from aoed.endpoint import MAX_REQUEST_BYTES, Endpoint, Limits
 from aoed.fdlimit import FD_RESERVE, descriptors_left
+from tests.helpers import wait_until
 
 HALF_A_REQUEST = b"GET /metrics HTTP/1.1\r\nHost: x\r\nUser-Agent: slow"
 
@@ -97,8 +98,9 @@ async def test_connections_beyond_the_limit_are_closed_at_once() -> None:
 
         await trio.to_thread.run_sync(flood)
         # The 3 clients gone, their slots are free again: a whole request is answered.
-        while endpoint.open_connections:
-            await trio.sleep(0.01)
+        await wait_until(
+            lambda: not endpoint.open_connections, 30, "the flood's connections closed"
+        )
         status, body = await trio.to_thread.run_sync(_get, port)
         assert (status, body) == (200, b"aoed_up 1\n")
         # Nothing of the flood is left on the server's side: no connection open, none
@@ -168,8 +170,9 @@ async def test_cancelling_the_endpoint_closes_every_connection_it_holds() -> Non
         port = await nursery.start(endpoint.run, "127.0.0.1", 0)
         held = [_connect(port) for _ in range(8)]
         try:
-            while endpoint.open_connections < 8:  # the accepts happen in this trio run
-                await trio.sleep(0.01)
+            await wait_until(  # the accepts happen in this trio run
+                lambda: endpoint.open_connections >= 8, 30, "8 connections accepted"
+            )
             nursery.cancel_scope.cancel()
         except BaseException:
             for s in held:

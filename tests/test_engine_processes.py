@@ -36,6 +36,7 @@ from aoed.engine.messages import (
 from aoed.engine.pool import CompilePool, WorkerCrashedError, WorkerTimeoutError
 from aoed.engine.prep import make_inputs, prepare
 from aoed.engine.tasks import Constants, task_model
+from tests.helpers import wait_for, wait_until
 
 PLUGIN = textwrap.dedent(
     """
@@ -87,15 +88,6 @@ def plugin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[str]:
     (tmp_path / "started").mkdir()
     monkeypatch.setenv("AOED_TEST_STARTED", str(tmp_path / "started"))
     return ["aoed_crash_plugin"]
-
-
-async def _until(cond, what: str, timeout: float = 60) -> None:
-    """Wait for `cond()` (polled); the timeout is a deadline, far above what it needs."""
-    with trio.move_on_after(timeout):
-        while not cond():
-            await trio.sleep(0.01)
-        return
-    raise AssertionError(f"not within {timeout} s: {what}")
 
 
 def _started_in_worker(tmp_path: Path, name: str) -> bool:
@@ -273,10 +265,12 @@ async def test_paused_time_does_not_count_against_a_compile_deadline(plugin, mlp
             replies.append(await pool.call(_compile(task, "slow_in_worker", tmp_path / "s.onnx")))
 
         nursery.start_soon(slow)
-        await _until(lambda: _started_in_worker(tmp_path, "slow"), "the slow strategy running")
+        await wait_until(
+            lambda: _started_in_worker(tmp_path, "slow"), 60, "the slow strategy running"
+        )
         async with pool.paused():
             await trio.sleep(2.5)
-        await _until(lambda: replies, "the slow compile's reply")
+        await wait_until(lambda: replies, 60, "the slow compile's reply")
         nursery.cancel_scope.cancel()
     (reply,) = replies
     assert reply.applicable is False, reply  # it finished (not applicable), not "timed out"
@@ -381,11 +375,15 @@ async def test_cancel_drops_queued_requests_and_kills_the_one_in_flight(plugin, 
                     inner.start_soon(
                         pool.call, _compile(task, "hang_in_worker", tmp_path / "h.onnx")
                     )
-                    await _until(lambda: _started_in_worker(tmp_path, "hang"), "the worker hanging")
+                    await wait_until(
+                        lambda: _started_in_worker(tmp_path, "hang"), 60, "the worker hanging"
+                    )
                     for _ in range(3):
                         inner.start_soon(device.call, long)
                     # The device stops the compile worker while it measures.
-                    await _until(lambda: _state(worker_before) == "T", "the runner measuring")
+                    await wait_until(
+                        lambda: _state(worker_before) == "T", 60, "the runner measuring"
+                    )
                     assert device.requests == served_before  # still measuring the first
                     job.cancel()
         # The next job's request is served by fresh children, without waiting for the old.
@@ -432,7 +430,7 @@ async def test_device_lock_is_machine_wide_and_says_who_holds_it(mlp_task, tmp_p
     released: list[float] = []
 
     async def release_once_waiting() -> None:
-        await _until(lambda: waits, "the device agent waiting for the lock")
+        await wait_until(lambda: waits, 60, "the device agent waiting for the lock")
         assert holder.stdin is not None
         # The holder lets go after this, as it exits; the runner stamps on this clock too.
         released.append(time.monotonic())
@@ -508,10 +506,12 @@ def test_children_die_with_a_killed_engine(tmp_path):
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     pids = [int(p) for p in proc.stdout.split()]
     assert len(pids) == 3
-    deadline = time.monotonic() + 5
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not [p for p in pids if _alive(p)], "children outlived the engine"
+    wait_for(
+        lambda: not any(_alive(p) for p in pids),
+        5,
+        "the children gone with the engine",
+        detail=lambda: [p for p in pids if _alive(p)],
+    )
 
 
 async def test_runner_reports_wrong_outputs_and_broken_candidates(tmp_path):

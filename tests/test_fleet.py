@@ -5,8 +5,7 @@ converging, and `aoe bank sync`."""
 from __future__ import annotations
 
 import json
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -16,30 +15,13 @@ from aoe.bankrecord import encode
 from aoe.signature import bank_key
 from aoe.v1 import bank_pb2
 from aoed.bank.store import BankStore
-from tests.daemon_util import DaemonProcess
 
+from .bank_util import foreign, here, make_entry
 from .conftest import run_aoe
-from .test_bank_exchange import _entry
-from .test_bank_reader import foreign, here
+from .daemon_util import DaemonProcess, follow, log_state
+from .helpers import wait_for
 
 pytestmark = pytest.mark.slow
-
-
-def _wait(cond: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
-    """Poll `cond` until it holds; fail naming `what` after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout} s: {what}")
-        time.sleep(0.05)
-
-
-def _follow(d: DaemonProcess, peers: list[DaemonProcess]) -> None:
-    """Make `d` follow `peers` (its config gains [bank] follow)."""
-    targets = ", ".join(f'"unix://{p.socket}"' for p in peers)
-    d.config.write_text(
-        d.config.read_text().replace("[bank]\n", f"[bank]\nfollow = [{targets}]\n", 1)
-    )
 
 
 def _entry_pb(rec) -> bank_pb2.BankEntry:
@@ -70,27 +52,9 @@ def _records(d: DaemonProcess) -> dict[tuple[str, str], str]:
     return out
 
 
-def _log_state(d: DaemonProcess) -> tuple[int, dict[str, int]]:
-    """(the bank's last sequence number, each followed peer's position), read from the
-    daemon's bank while it runs (LMDB readers never block its writer)."""
-    import lmdb
-
-    env = lmdb.open(str(d.bank), readonly=True, max_dbs=16, create=False)
-    try:
-        with env.begin() as txn:
-            head = int(txn.get(b"seq", db=env.open_db(b"meta", txn=txn, create=False)) or 0)
-            peers = {
-                k.decode(): json.loads(v)["seq"]
-                for k, v in txn.cursor(db=env.open_db(b"peers", txn=txn, create=False))
-            }
-    finally:
-        env.close()
-    return head, peers
-
-
 def _quiet(daemons: list[DaemonProcess]) -> bool:
     """Every daemon has applied every write of every other one."""
-    states = {f"unix://{d.socket}": _log_state(d) for d in daemons}
+    states = {f"unix://{d.socket}": log_state(d) for d in daemons}
     return all(
         peers.get(t) == states[t][0]
         for _, peers in states.values()
@@ -112,11 +76,11 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[list[Daemo
     root = tmp_path_factory.mktemp("fleet")
     daemons = [DaemonProcess(root / name) for name in "abc"]
     k_entry = {  # one task, measured three times: gamma's and alpha's tie at 10 us
-        "a": _entry(1, 10.0, "alpha"),
-        "b": _entry(1, 12.0, "beta"),
-        "c": _entry(1, 10.0, "gamma"),
+        "a": make_entry(1, 10.0, "alpha"),
+        "b": make_entry(1, 12.0, "beta"),
+        "c": make_entry(1, 10.0, "gamma"),
     }
-    k2 = _entry(2, 7.0, "beta")  # b: an entry at 7 us; c: the default stayed best at 9 us
+    k2 = make_entry(2, 7.0, "beta")  # b: an entry at 7 us; c: the default stayed best at 9 us
     mk = _default_key(3)  # a model-level record: a and b reverted different tasks
     fills = {
         "a": {
@@ -137,7 +101,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[list[Daemo
         finally:
             store.close()
     for d in daemons:
-        _follow(d, [p for p in daemons if p is not d])
+        follow(d, [p for p in daemons if p is not d])
     try:
         for d in daemons:
             d.start()
@@ -150,14 +114,14 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[list[Daemo
 def test_a_record_written_by_one_daemon_is_served_by_the_other_two(fleet) -> None:
     daemons, _ = fleet
     a, b, c = daemons
-    rec = _entry(10, 3.0, "alpha")
+    rec = make_entry(10, 3.0, "alpha")
     assert not _lookup(b, rec.key).found
     assert _import(a, rec).added == 1
     for d in (b, c):
-        _wait(
+        wait_for(
             lambda d=d: _lookup(d, rec.key).found,
-            f"{d.root.name} serves the record written to a",
             10,
+            f"{d.root.name} serves the record written to a",
         )
         got = _lookup(d, rec.key).entry
         assert got.provenance.host == "alpha" and got == _entry_pb(
@@ -171,14 +135,14 @@ def test_records_of_other_devices_are_kept_relayed_and_served_to_their_device_on
     own key, served to that device and never to this one."""
     daemons, _ = fleet
     a, b, c = daemons
-    there = _entry(30, 4.0, "far", dev=foreign())
+    there = make_entry(30, 4.0, "far", dev=foreign())
     r = _import(a, there, policy=bank_pb2.MERGE_POLICY_KEEP_FASTER)  # no allow_foreign
     assert (r.added, r.refused) == (1, 0), r.refused_entries
     for d in (b, c):
-        _wait(
+        wait_for(
             lambda d=d: _lookup(d, there.key).found,
-            f"{d.root.name} keeps the record of another device",
             10,
+            f"{d.root.name} keeps the record of another device",
         )
         assert _lookup(d, there.key).entry == _entry_pb(there)  # byte for byte
         digest = there.signature.digest
@@ -214,11 +178,12 @@ def test_conflicting_decisions_converge_to_one_record_everywhere(fleet) -> None:
         found = [_lookup(d, k["a"].key) for d in daemons]
         return all(f.found and f.entry == _entry_pb(want) for f in found)
 
-    _wait(same, "all three hold the same entry for the task measured three times")
+    wait_for(same, 20.0, "all three hold the same entry for the task measured three times")
     # An entry (7 us) against a default record (9 us) under one key: the entry everywhere.
     k2 = keys["k2"]
-    _wait(
+    wait_for(
         lambda: all(_lookup(d, k2.key).found for d in daemons),
+        20.0,
         "the 7 us entry replaces the default record",
     )
     # The model-level records (the reverted tasks) converge too, to the faster: b's.
@@ -237,15 +202,16 @@ def test_conflicting_decisions_converge_to_one_record_everywhere(fleet) -> None:
             out.append([list(r.reverted) for r in recs])
         return out
 
-    _wait(
+    wait_for(
         lambda: reverted() == [[["b" * 64]]] * 3,
+        20.0,
         "the model-level record with b's reversal everywhere",
     )
     # Nothing ping-pongs: once every write is applied everywhere, the banks stop writing.
-    _wait(lambda: _quiet(daemons), "every daemon has applied every other one's writes")
-    heads = [_log_state(d)[0] for d in daemons]
+    wait_for(lambda: _quiet(daemons), 20.0, "every daemon has applied every other one's writes")
+    heads = [log_state(d)[0] for d in daemons]
     assert len({json.dumps(sorted(_records(d).items())) for d in daemons}) == 1
-    assert [_log_state(d)[0] for d in daemons] == heads
+    assert [log_state(d)[0] for d in daemons] == heads
 
 
 def _history_count(d: DaemonProcess) -> int:
@@ -258,29 +224,33 @@ def test_a_follower_killed_mid_stream_loses_nothing_and_applies_nothing_twice(
 ) -> None:
     leader, follower = DaemonProcess(tmp_path / "leader"), DaemonProcess(tmp_path / "follower")
     total = 10_000
-    key = _entry(1, 5.0, "alpha").key
+    key = make_entry(1, 5.0, "alpha").key
     store = BankStore(leader.bank)
     try:  # a long history, so that catching up takes many messages
         store.commit(trials=[(key, {"n": i, "pad": "x" * 200}) for i in range(total)])
     finally:
         store.close()
-    _follow(follower, [leader])
+    follow(follower, [leader])
     try:
         leader.start()
         follower.start()
-        _wait(lambda: _history_count(follower) > 0, "the follower applies a first message")
+        wait_for(lambda: _history_count(follower) > 0, 20.0, "the follower applies a first message")
         seen = _history_count(follower)
         follower.kill()  # mid-stream: it had applied part of the history
         assert 0 < seen < total, f"killed after {seen} of {total}: not mid-stream"
-        extra = _entry(2, 6.0, "alpha")
+        extra = make_entry(2, 6.0, "alpha")
         _import(leader, extra)  # written while the follower is down
         follower.start()
-        _wait(
+        wait_for(
             lambda: _history_count(follower) == total,
-            "the restarted follower has the whole history",
             120,
+            "the restarted follower has the whole history",
         )
-        _wait(lambda: _lookup(follower, extra.key).found, "and what was written while it was down")
+        wait_for(
+            lambda: _lookup(follower, extra.key).found,
+            20.0,
+            "and what was written while it was down",
+        )
         assert _records(follower) == _records(leader)
     finally:
         follower.close()
@@ -301,7 +271,7 @@ def test_a_follower_killed_mid_stream_loses_nothing_and_applies_nothing_twice(
 def test_aoe_bank_sync_does_one_pass_into_a_daemon_or_a_bank(fleet, tmp_path: Path) -> None:
     daemons, _ = fleet
     a = daemons[0]
-    rec = _entry(20, 2.0, "alpha")
+    rec = make_entry(20, 2.0, "alpha")
     _import(a, rec)
     lone = DaemonProcess(tmp_path / "lone")
     try:
@@ -332,16 +302,18 @@ def test_a_worse_decision_written_on_one_daemon_is_corrected_by_the_others(fleet
     a = daemons[0]
     k = keys["k"]
     best = min((k["a"], k["c"]), key=encode)
-    _wait(
+    wait_for(
         lambda: all(_lookup(d, best.key).entry == _entry_pb(best) for d in daemons),
+        20.0,
         "converged first",
     )
-    _wait(lambda: _quiet(daemons), "every daemon has applied every other one's writes")
-    slow = _entry(1, 30.0, "delta")
+    wait_for(lambda: _quiet(daemons), 20.0, "every daemon has applied every other one's writes")
+    slow = make_entry(1, 30.0, "delta")
     _import(a, slow)  # overwrite: a local write that makes a's record worse
     # The others keep theirs and send it back; a takes it again, and everyone agrees.
-    _wait(
+    wait_for(
         lambda: all(_lookup(d, best.key).entry == _entry_pb(best) for d in daemons),
+        20.0,
         "a holds the better record again, as do the others",
     )
 
@@ -350,7 +322,7 @@ def test_a_peer_restored_from_an_older_copy_is_followed_from_its_start(tmp_path:
     import shutil
 
     peer, follower = DaemonProcess(tmp_path / "peer"), DaemonProcess(tmp_path / "follower")
-    first, later = _entry(1, 5.0, "alpha"), [_entry(n, 5.0, "alpha") for n in (2, 3)]
+    first, later = make_entry(1, 5.0, "alpha"), [make_entry(n, 5.0, "alpha") for n in (2, 3)]
     store = BankStore(peer.bank)
     try:
         store.commit(entries=[(first.key, encode(first))])
@@ -363,22 +335,24 @@ def test_a_peer_restored_from_an_older_copy_is_followed_from_its_start(tmp_path:
         store.commit(entries=[(r.key, encode(r)) for r in later])
     finally:
         store.close()
-    _follow(follower, [peer])
+    follow(follower, [peer])
     try:
         peer.start()
         follower.start()
-        _wait(
+        wait_for(
             lambda: all(_lookup(follower, r.key).found for r in later),
+            20.0,
             "the follower applied writes 1-3",
         )
         peer.stop()
         shutil.rmtree(peer.bank)
         shutil.copytree(backup, peer.bank)  # restored: at write 1 of the same bank
         peer.start()
-        fresh = _entry(4, 5.0, "alpha")
+        fresh = make_entry(4, 5.0, "alpha")
         _import(peer, fresh)  # write 2 of the restored bank: a number the follower had passed
-        _wait(
+        wait_for(
             lambda: _lookup(follower, fresh.key).found,
+            20.0,
             "the follower applied the restored peer's new write",
         )
     finally:

@@ -6,7 +6,6 @@ commands and a real daemon."""
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +17,7 @@ from aoed import samples
 from tests.daemon_util import DaemonProcess, upload
 
 from .conftest import run_aoe
+from .helpers import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -219,11 +219,12 @@ def test_daemon_removes_an_input_with_the_last_job_that_refers_to_it(tmp_path: P
             jobs.append(d.tuning().SubmitJob(req, timeout=30).job_id)
         # Three jobs, two names: each name once (outputs are named after the model file).
         assert [p.name for p in _inputs(d)] == ["a.onnx", "b.onnx"]
-        deadline = time.monotonic() + 180  # the jobs run, end, and are removed 3.5 s later
-        while (_inputs(d) or list((d.state / "jobs").iterdir())) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not _inputs(d) and not list((d.state / "jobs").iterdir()), (
-            "gone with the jobs, after retention"
+        wait_for(  # the jobs run, end, and are removed 3.5 s later
+            lambda: not _inputs(d) and not list((d.state / "jobs").iterdir()),
+            180,
+            "the inputs gone with the jobs, after retention",
+            poll=0.2,
+            detail=lambda: (_inputs(d), list((d.state / "jobs").iterdir())),
         )
     finally:
         d.close()

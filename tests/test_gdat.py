@@ -30,6 +30,7 @@ from aoe.outcome import JobOutcome
 from aoe.spec import JobType
 
 from .conftest import run_aoe
+from .helpers import wait_until
 from .procs import children_running, run_ranks
 
 torch = pytest.importorskip(
@@ -463,17 +464,22 @@ async def test_a_killed_job_run_again_measures_no_stage_it_finished(
         stderr=subprocess.PIPE,
         text=True,
     )
-    checkpoint = None
-    deadline = trio.current_time() + 240
-    while first.poll() is None and trio.current_time() < deadline:
+
+    def checkpointed() -> list[str] | None:
+        assert first.poll() is None, first.communicate()[1]  # ended before its checkpoint
         found = list(out.glob("aoe_workspace/*/gdat_search.json"))
         if found:
             done = json.loads(found[0].read_text())["stages"]
             if "gates" in done and len(done) >= 2:  # a raced stage and the hooks' gates
-                checkpoint = done
-                break
-        await trio.sleep(0.02)
-    first.kill()
+                return done
+        return None
+
+    try:
+        checkpoint = await wait_until(
+            checkpointed, 240, "a checkpoint with a raced stage and the gates"
+        )
+    finally:
+        first.kill()
     _, err = first.communicate(timeout=60)
     assert checkpoint is not None and first.returncode == -signal.SIGKILL, err
     (ws,) = (out / "aoe_workspace").iterdir()

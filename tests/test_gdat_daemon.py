@@ -21,7 +21,8 @@ from aoe.v1 import tuning_pb2
 from aoe.wire import spec_to_pb
 
 from .conftest import run_aoe
-from .daemon_util import DaemonProcess, upload, wait_for
+from .daemon_util import DaemonProcess, upload
+from .helpers import wait_for
 from .procs import children_running
 
 torch = pytest.importorskip(

@@ -16,7 +16,8 @@ import pytest
 from aoe.errors import ModelError
 
 from .conftest import run_aoe
-from .daemon_util import DaemonProcess, wait_for
+from .daemon_util import DaemonProcess
+from .helpers import wait_for
 
 pytest.importorskip(
     "torch", reason="GDAT needs torch: pip install '.[gdat]' (make test installs it)"

@@ -19,7 +19,6 @@ from __future__ import annotations
 import os
 import re
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,6 +39,7 @@ from aoed.engine.prep import prepare
 
 from .conftest import run_aoe
 from .daemon_util import DaemonProcess, upload
+from .helpers import wait_for
 from .hostile import KINDS, Case, Kind, sentinel
 from .inotify import Inotify
 
@@ -375,10 +375,7 @@ def test_a_non_finite_budget_in_an_inbox_aoed_toml_sends_the_model_to_failed_nam
     try:
         samples.save(samples.build("mlp"), folder / "toml_inf.onnx")
         report = failed / "toml_inf.onnx.error.txt"
-        deadline = time.monotonic() + 120
-        while not report.exists() and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert report.exists(), f"the model did not reach failed/:\n{daemon.log()[-3000:]}"
+        wait_for(report.exists, 120, "the model in failed/", poll=0.2, detail=daemon.log_tail)
         text = report.read_text()
         assert "aoed.toml" in text and "budget_s" in text and "finite" in text, text
         assert (failed / "toml_inf.onnx").exists()

@@ -26,6 +26,7 @@ from aoed.engine.engine import open_engine
 from aoed.engine.job import JobHandle, JobRun
 from aoed.engine.modelio import load_model, save_model
 from aoed.engine.prep import make_inputs, prepare
+from tests.helpers import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -109,11 +110,13 @@ async def test_cancel_stops_a_job_mid_measurement_and_the_next_job_runs(
     async with open_engine(_config(tmp_path), build_registry(), tmp_path / "logs") as engine:
 
         async def cancel_when_measuring() -> None:
-            while not any(s.startswith("tuning") for s in stages):
-                await trio.sleep(0.05)
+            await wait_until(
+                lambda: any(s.startswith("tuning") for s in stages), 120, "the job tuning"
+            )
             served = engine.device.requests
-            while engine.device.requests == served:  # the job's own measurements are under way
-                await trio.sleep(0.01)
+            await wait_until(  # the job's own measurements are under way
+                lambda: engine.device.requests != served, 120, "a measurement of the job's"
+            )
             assert engine.device.runner_pid is not None
             handle.cancel("test")
 

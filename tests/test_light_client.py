@@ -23,7 +23,7 @@ from aoe.signature import device_fingerprint
 from aoed import samples
 from aoed.engine.prep import prepare
 
-from .test_bank_reader import make_bank, rec
+from .bank_util import make_bank, rec
 
 HEAVY = ("trio", "onnxruntime", "aoed", "grpc")
 ROOT = Path(__file__).resolve().parent.parent

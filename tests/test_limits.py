@@ -44,7 +44,8 @@ from aoed.jobs.store import JobRow, JobStore
 from aoed.stopping import EXIT_STATUS, StopDeadline
 
 from .conftest import run_aoe
-from .daemon_util import DaemonProcess, submit_sample, upload, wait_for
+from .daemon_util import DaemonProcess, submit_sample, upload
+from .helpers import wait_for
 
 RANK_MODULE = "aoed.backends.torch.rank"
 FINAL = (

@@ -25,7 +25,8 @@ from aoe.v1 import bank_pb2, daemon_pb2, tuning_pb2, tuning_pb2_grpc
 from aoed import samples
 from tests.daemon_util import DaemonProcess, mixed_calls
 
-from .test_bank_reader import make_bank, rec
+from .bank_util import make_bank, rec
+from .helpers import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -184,15 +185,17 @@ def test_calls_beyond_max_rpcs_are_refused_at_once_and_then_served(tmp_path: Pat
             for t in threads:
                 t.join(30)
         # The slots come back once the streams end; then the daemon serves as before.
-        deadline = time.monotonic() + 15
-        while True:
+
+        def served() -> bool:
             try:
                 d.daemon().GetDaemonInfo(daemon_pb2.GetDaemonInfoRequest(), timeout=10)
-                break
             except grpc.RpcError as exc:
-                if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or time.monotonic() > deadline:
+                if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
                     raise
-                time.sleep(0.1)
+                return False
+            return True
+
+        wait_for(served, 15, "a GetDaemonInfo served once the streams ended", poll=0.1)
         with ThreadPoolExecutor(limit) as pool:
             infos = list(
                 pool.map(

@@ -12,7 +12,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -21,6 +20,7 @@ from aoe.client import Client
 from aoed import samples
 from tests.conftest import run_aoe
 from tests.daemon_util import DaemonProcess
+from tests.helpers import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -151,19 +151,12 @@ def test_a_field_of_the_wrong_wire_type_is_named_the_same_before_and_after_an_up
     )
 
 
-def _wait(cond, timeout: float = 120.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
-
-
 def test_a_dropped_model_s_failure_names_the_dropped_file_whole(daemon: DaemonProcess) -> None:
     dropped = daemon.inbox / "broken.onnx"
     # Valid protobuf framing, not a model: the watcher takes it and the engine refuses it.
     dropped.write_bytes(b"\x08\x07garbage" * 20)
     report = daemon.inbox.parent / "failed" / "broken.onnx.error.txt"
-    _wait(report.exists, what=str(report))
+    wait_for(report.exists, 120.0, str(report))
     text = report.read_text()
     assert "error: broken.onnx: " in text and str(daemon.state) not in text, text
 
@@ -225,7 +218,7 @@ def test_a_broken_model_gets_one_message_on_every_route(
         )  # fmt: skip
         embedded = local.stderr.strip().splitlines()[-1].removeprefix("aoe: error: ")
         report = daemon.root / "failed" / f"{path.name}.error.txt"
-        _wait(report.exists, what=str(report))
+        wait_for(report.exists, 120.0, str(report))
         (dropped,) = [
             ln.removeprefix("error: ")
             for ln in report.read_text().splitlines()

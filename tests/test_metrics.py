@@ -4,10 +4,8 @@ Prometheus' own text parser; and the [metrics] settings."""
 from __future__ import annotations
 
 import http.client
-import os
 import re
 import socket
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
@@ -15,51 +13,37 @@ from pathlib import Path
 
 import grpc
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from aoe.errors import OptionError
 from aoe.v1 import tuning_pb2
 from aoed import samples
 from aoed.config import load_daemon_config
-from tests.daemon_util import DaemonProcess, upload, wait_for
+from tests.daemon_util import DaemonProcess, upload
+from tests.helpers import wait_for
+from tests.metrics_util import (
+    HALF_A_REQUEST,
+    Samples,
+    metrics_address,
+    open_fds,
+    sample_value,
+    scrape,
+    server_side,
+    url_port,
+)
 
 pytestmark = pytest.mark.slow
-
-Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
-
-
-def _address(d: DaemonProcess) -> str:
-    found = re.search(r"metrics on (http://\S+/metrics)", d.log())
-    assert found, d.log()
-    return found.group(1)
-
-
-def _scrape(url: str) -> Samples:
-    with urllib.request.urlopen(url, timeout=10) as reply:
-        assert reply.headers["Content-Type"].startswith("text/plain")
-        text = reply.read().decode()
-    out: Samples = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return out
-
-
-def _value(samples: Samples, name: str, **labels: str) -> float:
-    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
 
 
 def _wait_for(
     url: str, cond: Callable[[Samples], bool], what: str, timeout: float = 120
 ) -> Samples:
-    deadline = time.monotonic() + timeout
-    while True:
-        got = _scrape(url)
-        if cond(got):
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout} s: {what}; last scrape: {got}")
-        time.sleep(0.1)
+    last: list[Samples] = []
+
+    def scraped() -> Samples | None:
+        last[:] = [scrape(url)]
+        return last[0] if cond(last[0]) else None
+
+    return wait_for(scraped, timeout, what, poll=0.1, detail=lambda: f"last scrape: {last}")
 
 
 ACTIVE = ("preparing", "tuning", "verifying")
@@ -69,10 +53,10 @@ def test_a_scrape_during_a_job_shows_the_job_and_the_device_moving(tmp_path: Pat
     d = DaemonProcess(tmp_path / "d", extra_toml='[metrics]\nlisten = "127.0.0.1:0"\n')
     try:
         d.start()
-        url = _address(d)
-        before = _scrape(url)
-        assert _value(before, "aoed_queue_length") == 0
-        assert sum(_value(before, "aoed_jobs", state=s) for s in ACTIVE) == 0
+        url = metrics_address(d)
+        before = scrape(url)
+        assert sample_value(before, "aoed_queue_length") == 0
+        assert sum(sample_value(before, "aoed_jobs", state=s) for s in ACTIVE) == 0
         device = next(
             dict(k[1])["device"] for k in before if k[0] == "aoed_device_measurements_total"
         )
@@ -92,50 +76,48 @@ def test_a_scrape_during_a_job_shows_the_job_and_the_device_moving(tmp_path: Pat
         during = _wait_for(
             url,
             lambda s: (
-                _value(s, "aoed_jobs", state="tuning") == 1
-                and _value(s, "aoed_device_measurements_total", device=device) > 0
+                sample_value(s, "aoed_jobs", state="tuning") == 1
+                and sample_value(s, "aoed_device_measurements_total", device=device) > 0
             ),
             "the job tuning and the device measuring",
         )
         final = d.wait_job(job)
         assert final.state == tuning_pb2.JOB_STATE_SUCCEEDED, final.error
         after = _wait_for(
-            url, lambda s: _value(s, "aoed_jobs", state="succeeded") == 1, "the job succeeded"
+            url, lambda s: sample_value(s, "aoed_jobs", state="succeeded") == 1, "the job succeeded"
         )
         # The job and device series moved between the scrape during the job and after it.
-        assert _value(after, "aoed_jobs", state="tuning") == 0
-        assert _value(after, "aoed_device_measurements_total", device=device) > _value(
+        assert sample_value(after, "aoed_jobs", state="tuning") == 0
+        assert sample_value(after, "aoed_device_measurements_total", device=device) > sample_value(
             during, "aoed_device_measurements_total", device=device
         )
         assert (
-            _value(after, "aoed_device_busy_seconds_total", device=device)
-            > _value(during, "aoed_device_busy_seconds_total", device=device)
+            sample_value(after, "aoed_device_busy_seconds_total", device=device)
+            > sample_value(during, "aoed_device_busy_seconds_total", device=device)
             > 0
         )
-        assert _value(after, "aoed_bank_records", kind="trial") > 0
-        assert _value(after, "aoed_bank_head_seq") > _value(before, "aoed_bank_head_seq")
-        assert _value(after, "aoed_bank_lookups_total", source="engine", result="miss") > 0
-        assert _value(after, "aoed_compile_workers") == 1
+        assert sample_value(after, "aoed_bank_records", kind="trial") > 0
+        assert sample_value(after, "aoed_bank_head_seq") > sample_value(
+            before, "aoed_bank_head_seq"
+        )
+        assert sample_value(after, "aoed_bank_lookups_total", source="engine", result="miss") > 0
+        assert sample_value(after, "aoed_compile_workers") == 1
         # RPCs by method and status, an error among them.
         with pytest.raises(grpc.RpcError):
             d.tuning().GetJob(tuning_pb2.GetJobRequest(job_id="no-such-job"), timeout=10)
-        rpcs = _scrape(url)
-        assert _value(rpcs, "aoed_rpcs_total", method="TuningService/SubmitJob", code="OK") == 1
-        assert _value(rpcs, "aoed_rpcs_total", method="TuningService/GetJob", code="NOT_FOUND") == 1
+        rpcs = scrape(url)
+        assert (
+            sample_value(rpcs, "aoed_rpcs_total", method="TuningService/SubmitJob", code="OK") == 1
+        )
+        assert (
+            sample_value(rpcs, "aoed_rpcs_total", method="TuningService/GetJob", code="NOT_FOUND")
+            == 1
+        )
     finally:
         d.close()
 
 
-HALF_A_REQUEST = b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nUser-Agent: slow"
 ESTABLISHED, CLOSE_WAIT = "01", "08"
-
-
-def _port(url: str) -> int:
-    return int(url.removeprefix("http://").split("/", 1)[0].rsplit(":", 1)[1])
-
-
-def _fds(pid: int) -> int:
-    return len(os.listdir(f"/proc/{pid}/fd"))
 
 
 def _open_files_limits(pid: int) -> tuple[str, str]:
@@ -144,19 +126,6 @@ def _open_files_limits(pid: int) -> tuple[str, str]:
         line = next(x for x in f if x.startswith("Max open files"))
     soft, hard = line.split()[3:5]
     return soft, hard
-
-
-def _server_side(port: int) -> list[str]:
-    """The TCP states (hex, as /proc/net/tcp writes them) of the connections whose local
-    port is `port`, taken or not yet taken by the server (its listener left out)."""
-    states = []
-    with open("/proc/net/tcp") as f:
-        next(f)
-        for line in f:
-            fields = line.split()
-            if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] != "0A":
-                states.append(fields[3])
-    return states
 
 
 def _stall(port: int) -> socket.socket | None:
@@ -206,19 +175,19 @@ def test_a_flood_of_stalled_connections_to_the_metrics_port_wedges_nothing(
         d.start()
         pid = d.proc.pid  # type: ignore[union-attr]
         assert _open_files_limits(pid) == ("1024", "1024"), "the soft limit is raised to the hard"
-        url = _address(d)
-        port = _port(url)
-        assert _scrape(url), "served before the flood"
-        before = _fds(pid)
+        url = metrics_address(d)
+        port = url_port(url)
+        assert scrape(url), "served before the flood"
+        before = open_fds(pid)
         flood = [_stall(port) for _ in range(1100)]
         # The daemon keeps 16 and closes the others as they come: none waits in its
         # backlog, none holds a descriptor.
         wait_for(
-            lambda: _server_side(port).count(ESTABLISHED) <= 16,
+            lambda: server_side(port).count(ESTABLISHED) <= 16,
             120,
             "the daemon keeping at most max_connections of the flood",
         )
-        assert _fds(pid) <= before + 16 + 8, "the flood holds at most 16 descriptors"
+        assert open_fds(pid) <= before + 16 + 8, "the flood holds at most 16 descriptors"
         # gRPC answers, the drop folder tunes, and a scrape is refused at once (every
         # slot is taken), not left waiting.
         assert d.serving()
@@ -237,14 +206,13 @@ def test_a_flood_of_stalled_connections_to_the_metrics_port_wedges_nothing(
                 s.close()
         wait_for(
             lambda: (
-                not _server_side(port).count(ESTABLISHED)
-                and not _server_side(port).count(CLOSE_WAIT)
+                not server_side(port).count(ESTABLISHED) and not server_side(port).count(CLOSE_WAIT)
             ),
             60,
             "no connection of the flood left open or in CLOSE-WAIT",
         )
-        wait_for(lambda: _fds(pid) <= before + 8, 60, "the daemon's descriptors back")
-        assert _scrape(url), "served after the flood"
+        wait_for(lambda: open_fds(pid) <= before + 8, 60, "the daemon's descriptors back")
+        assert scrape(url), "served after the flood"
     finally:
         for s in flood:
             if s is not None:

@@ -20,6 +20,7 @@ from aoed import samples
 from aoed.api._bridge import Bridge
 from aoed.notify import Notifier, Watchdog
 from tests.daemon_util import DaemonProcess, upload
+from tests.helpers import wait_for
 
 
 class Listener:
@@ -58,8 +59,8 @@ class Listener:
     ) -> tuple[float, dict]:
         """The first message since `after` with `key` (equal to `value`, or starting with
         `prefix`, when given): (arrival time, fields)."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+
+        def found() -> tuple[float, dict] | None:
             for t, m in list(self.messages):
                 if (
                     t >= after
@@ -68,9 +69,13 @@ class Listener:
                     and (prefix is None or m[key].startswith(prefix))
                 ):
                     return t, m
-            time.sleep(0.05)
-        raise AssertionError(
-            f"no {key}={value or prefix} within {timeout} s; got {[m for _, m in self.messages][-8:]}"
+            return None
+
+        return wait_for(
+            found,
+            timeout,
+            f"{key}={value or prefix}",
+            detail=lambda: f"got {[m for _, m in self.messages][-8:]}",
         )
 
     def times(self, key: str) -> list[float]:

@@ -11,7 +11,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +21,7 @@ from aoe.bank import open_bank
 from aoed.backends.ort.catalog import build_registry
 from aoed.engine.assemble import tunable_tasks
 from aoed.engine.prep import prepare
+from tests.helpers import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -152,11 +152,12 @@ def test_a_killed_job_run_again_measures_nothing_it_decided(
     prep = prepare(models / f"{name}.onnx", tmp_path / "prep")
     tasks = len(tunable_tasks(prep.model, prep.ctx, build_registry(), precision, job_type))
     first = _aoe(args)
-    deadline = time.monotonic() + 240
-    while not _killable(_decided(out), tasks, precision != "exact") and first.poll() is None:
-        if time.monotonic() > deadline:
-            break
-        time.sleep(0.02)
+    wait_for(
+        lambda: _killable(_decided(out), tasks, precision != "exact") or first.poll() is not None,
+        240,
+        "the first run far enough into its job to be killed",
+        poll=0.02,
+    )
     first.send_signal(signal.SIGKILL)
     _, err = first.communicate(timeout=60)
     assert first.returncode == -signal.SIGKILL, f"the first run was not killed mid-job:\n{err}"

@@ -8,12 +8,12 @@ import fcntl
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from aoed import safefs
+from tests.helpers import wait_for
 
 
 def _target(tmp_path: Path) -> Path:
@@ -174,12 +174,12 @@ def test_a_lease_broken_by_a_writer_does_not_end_the_process(tmp_path: Path) -> 
             opener = subprocess.Popen(
                 [sys.executable, "-c", f"open({str(path)!r}, 'ab').write(b'!')"]
             )
-            deadline = time.monotonic() + 30
-            # The break is under way once the lease reads as being given up.
-            while fcntl.fcntl(fd, fcntl.F_GETLEASE) != fcntl.F_UNLCK:
-                assert time.monotonic() < deadline, "the writer's open never broke the lease"
+
+            def breaking() -> bool:  # once the lease reads as being given up
                 assert opener.poll() is None, "the writer got in while the lease was held"
-                time.sleep(0.01)
+                return fcntl.fcntl(fd, fcntl.F_GETLEASE) == fcntl.F_UNLCK
+
+            wait_for(breaking, 30, "the writer's open breaking the lease", poll=0.01)
         assert opener.wait(timeout=30) == 0
     finally:
         os.close(fd)

@@ -20,7 +20,6 @@ import stat
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import grpc
@@ -36,6 +35,7 @@ from aoed import samples
 from aoed.engine.calibration import load_samples
 from tests.conftest import run_aoe
 from tests.daemon_util import DaemonProcess, upload
+from tests.helpers import wait_for
 from tests.inotify import Inotify
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -393,18 +393,22 @@ def test_a_daemon_started_under_umask_000_leaves_nothing_open_to_other_users(
         assert job.state == tuning_pb2.JOB_STATE_SUCCEEDED, job.error
         # One drop too: a claim, then the outbox.
         samples.save(samples.build("mlp"), d.inbox / "dropped.onnx")
-        deadline = time.monotonic() + 240
-        while (
-            not (d.inbox.parent / "outbox" / "dropped_result.json").exists()
-            and time.monotonic() < deadline
-        ):
-            time.sleep(0.2)
-        assert (d.inbox.parent / "outbox" / "dropped_tuned.onnx").exists(), d.log()[-2000:]
+        wait_for(
+            (d.inbox.parent / "outbox" / "dropped_result.json").exists,
+            240,
+            "the drop's result in the outbox",
+            detail=d.log_tail,
+        )
+        assert (d.inbox.parent / "outbox" / "dropped_tuned.onnx").exists(), d.log_tail()
         state = d.state
         # A claimed drop is the dropper's file, moved (not copied) with its own mode:
         # wait until its delivery removed it.
-        while any((state / "claimed").rglob("*.onnx")) and time.monotonic() < deadline:
-            time.sleep(0.1)
+        wait_for(
+            lambda: not any((state / "claimed").rglob("*.onnx")),
+            60,
+            "the claimed drop removed by its delivery",
+            detail=d.log_tail,
+        )
         for name in ("jobs.sqlite3", "uploads", "claimed", "jobs"):
             assert (state / name).exists(), name
         assert (d.bank / "data.mdb").exists() and (d.bank / "lock.mdb").exists()
@@ -826,14 +830,11 @@ def test_a_model_hard_linked_into_the_inbox_goes_to_failed_saying_why(
     try:
         watch.watch(secret)
         os.link(secret, daemon.inbox / "linked.onnx")
-        deadline = time.monotonic() + 30
 
         def moved() -> bool:  # the report is written first, then the file leaves the inbox
             return (failed / "linked.onnx.error.txt").exists() and (failed / "linked.onnx").exists()
 
-        while not moved():
-            assert time.monotonic() < deadline, f"not in {failed} within 30 s:\n{daemon.log()}"
-            time.sleep(0.1)
+        wait_for(moved, 30, f"linked.onnx and its report in {failed}", detail=daemon.log)
         text = (failed / "linked.onnx.error.txt").read_text()
         assert "state: rejected" in text and "2 hard links" in text and "upload it" in text, text
         assert not (daemon.inbox / "linked.onnx").exists()
@@ -1000,9 +1001,9 @@ def test_no_code_path_unpickles_or_evaluates_input() -> None:
 
 def _export_lines(tmp_path: Path) -> list[str]:
     """A small bank's records as exchange lines (entries, a default record, trials)."""
-    from tests.test_api_bank import fill
+    from tests.bank_util import fill_bank
 
-    fill(tmp_path / "src")
+    fill_bank(tmp_path / "src")
     reader = open_bank(tmp_path / "src", use_env=False)
     try:
         return [record_to_json(rec) + "\n" for _, rec in reader.records()]
@@ -1067,13 +1068,6 @@ def _drop(d: DaemonProcess, name: str, data: bytes) -> None:
     tmp.rename(d.inbox / name)
 
 
-def _wait(d: DaemonProcess, cond, what: str, timeout: float = 180) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"{what}: not within {timeout} s:\n{d.log()[-4000:]}"
-        time.sleep(0.1)
-
-
 def _contents(folder: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
 
@@ -1111,7 +1105,7 @@ def test_links_planted_in_the_outbox_and_failed_are_never_written_through(
         failed / "broken.onnx.error.txt",
         failed / "broken2_2.onnx.error.txt",
     ):
-        _wait(drop, done.exists, str(done))
+        wait_for(done.exists, 180, str(done), detail=drop.log_tail)
     assert _contents(targets) == before, "a file behind a planted link changed, or one was created"
     for link, target in plants.items():
         assert link.is_symlink() and os.readlink(link) == str(target), (
@@ -1157,8 +1151,18 @@ def test_a_long_inbox_name_is_delivered_under_a_shortened_name(drop: DaemonProce
     def delivered(folder: Path, head: str, tail: str) -> list[str]:
         return sorted(n for n in os.listdir(folder) if n.startswith(head) and n.endswith(tail))
 
-    _wait(drop, lambda: delivered(outbox, "m" * 100, "_report.txt"), "the long name's outputs")
-    _wait(drop, lambda: delivered(failed, "模型" * 10, ".error.txt"), "the wide name's failure")
+    wait_for(
+        lambda: delivered(outbox, "m" * 100, "_report.txt"),
+        180,
+        "the long name's outputs",
+        detail=drop.log_tail,
+    )
+    wait_for(
+        lambda: delivered(failed, "模型" * 10, ".error.txt"),
+        180,
+        "the wide name's failure",
+        detail=drop.log_tail,
+    )
     outs = delivered(outbox, "m" * 100, "")
     assert len(outs) == 3 and all(len(n.encode()) <= 255 and "~" in n for n in outs), outs
     stem = outs[0][: outs[0].index("~") + 11]
@@ -1196,12 +1200,13 @@ def test_a_writer_that_pauses_longer_than_stable_s_gets_its_model_tuned_once(
         timeout=60,
     )
     assert writer.returncode == 0
-    _wait(
-        drop,
+    wait_for(
         lambda: (
             (outbox / "paused_report.txt").exists() or (failed / "paused.onnx.error.txt").exists()
         ),
+        180,
         "the paused model's delivery",
+        detail=drop.log_tail,
     )
     assert not (failed / "paused.onnx.error.txt").exists(), (
         failed / "paused.onnx.error.txt"
@@ -1221,7 +1226,12 @@ def test_a_file_name_cannot_forge_a_log_line(drop: DaemonProcess) -> None:
     forged = "2099-01-01 00:00:00,000 ERROR aoed.watch: inbox gone"
     name = f"evil\n{forged}\x1b[2K.onnx"
     _drop(drop, name, b"not a model")
-    _wait(drop, (failed / f"{name}.error.txt").exists, "the forged name's failure")
+    wait_for(
+        (failed / f"{name}.error.txt").exists,
+        180,
+        "the forged name's failure",
+        detail=drop.log_tail,
+    )
     lines = drop.log().splitlines()
     assert not [line for line in lines if line.startswith("2099-01-01")], (
         "a file name started a log line"
@@ -1252,7 +1262,7 @@ def test_entries_that_are_not_models_are_logged_and_left(drop: DaemonProcess) ->
         def logged(name: str) -> int:
             return drop.log().count(f": {name} is {kinds[name]}; left where it is")
 
-        _wait(drop, lambda: all(logged(n) for n in kinds), "a line for each", timeout=60)
+        wait_for(lambda: all(logged(n) for n in kinds), 60, "a line for each", detail=drop.log_tail)
         assert {n: logged(n) for n in kinds} == {n: 1 for n in kinds}
         assert all(os.path.lexists(drop.inbox / n) for n in kinds)
     jobs = drop.tuning().ListJobs(tuning_pb2.ListJobsRequest()).jobs
@@ -1432,7 +1442,12 @@ def test_drop_folders_removed_while_the_daemon_is_down_are_made_again_for_the_gr
     dropped = _as_nobody(python, _MEMBER, source, d.inbox / "member.onnx")
     assert dropped.returncode == 0, dropped.stderr
     report = folders[1] / "member_report.txt"
-    _wait(d, lambda: report.exists() or (folders[2] / "member.onnx.error.txt").exists(), "delivery")
+    wait_for(
+        lambda: report.exists() or (folders[2] / "member.onnx.error.txt").exists(),
+        180,
+        "delivery",
+        detail=d.log_tail,
+    )
     assert report.exists(), (folders[2] / "member.onnx.error.txt").read_text()
     tuned = folders[1] / "member_tuned.onnx"
     assert os.stat(tuned).st_gid == NOBODY, "the outputs belong to the group (setgid)"
@@ -1475,7 +1490,7 @@ def _hold_and_rewrite(
         jobs = d.tuning().ListJobs(tuning_pb2.ListJobsRequest(), timeout=30).jobs
         return [j for j in jobs if j.model_name == "held.onnx"]
 
-    _wait(d, held, "the held model's claim and job")
+    wait_for(held, 180, "the held model's claim and job", detail=d.log_tail)
     [job] = held()
     assert job.state == tuning_pb2.JOB_STATE_QUEUED, job
     writer.stdin.write("rewrite\n")
@@ -1499,7 +1514,9 @@ def _hold_and_rewrite(
     done = d.wait_job(job.job_id)
     assert done.state == tuning_pb2.JOB_STATE_SUCCEEDED, done
     assert done.joined == 1
-    _wait(d, (outbox / "held_tuned.onnx").exists, "the held model's delivery")
+    wait_for(
+        (outbox / "held_tuned.onnx").exists, 180, "the held model's delivery", detail=d.log_tail
+    )
     for tuned in (outbox / "held_tuned.onnx", Path(done.result.tuned_model_path)):
         sizes = _hidden(tuned)
         assert 90 in sizes and 91 not in sizes, (tuned, sorted(sizes))

@@ -29,7 +29,7 @@ import pytest
 from aoe.errors import DaemonUnavailableError, OptionError, PermissionDeniedError
 from aoe.sockets import check_socket
 from aoed import samples
-from tests.daemon_util import wait_for
+from tests.helpers import wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 ATTACKER = 65534  # nobody / nogroup

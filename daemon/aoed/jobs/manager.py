@@ -160,9 +160,9 @@ class JobManager:
         #: the upload quotas' accounting (UploadModel reserves, consuming releases)
         self.uploads = UploadLedger(store.uploads_before(float("inf")))
         self._live: dict[str, _Live] = {}
-        self._running: set[str] = set()
-        #: set (and replaced) each time a job leaves `_running`
-        self._job_ended = trio.Event()
+        #: each running job's id, with the event set once it has ended (its final state
+        #: recorded, its output folder tidied): what `cancel` and `stop` wait on
+        self._running: dict[str, trio.Event] = {}
         self._wakeup = trio.Event()
         self._stopping = False
         self._limits_lock = trio.Lock()
@@ -200,7 +200,7 @@ class JobManager:
                         continue  # failed instead: the next one
                     if not self._admit_memory(row):
                         break  # waits for a running job to end
-                    self._running.add(row.id)
+                    self._running[row.id] = trio.Event()
                     nursery.start_soon(self._run_job, row)
                 await self._wakeup.wait()
                 self._wakeup = trio.Event()
@@ -208,11 +208,6 @@ class JobManager:
     def wake(self) -> None:
         """Look at the queue again (a job may start: a reload raised a limit)."""
         self._wakeup.set()
-
-    async def _until_ended(self, done: Callable[[], bool]) -> None:
-        """Return once `done()` holds, looking again each time a running job ends."""
-        while not done():
-            await self._job_ended.wait()
 
     def _room_to_start(self) -> bool:
         """Whether the state dir has its floor of free space; says once when jobs wait."""
@@ -283,11 +278,11 @@ class JobManager:
         (they stay queued and resume at the next start)."""
         self._stopping = True
         with trio.move_on_after(grace_s):
-            await self._until_ended(lambda: not self._running)
+            await self._all_ended()
         for job_id in list(self._running):
             self._live[job_id].handle.cancel("the daemon is shutting down", resumable=True)
         with trio.move_on_after(10):
-            await self._until_ended(lambda: not self._running)
+            await self._all_ended()
         self._backlog.flush()
         if (
             self._backlog
@@ -298,6 +293,11 @@ class JobManager:
                 self.store.path,
                 self._backlog.jobs(),
             )
+
+    async def _all_ended(self) -> None:
+        """Return once no job runs (none starts meanwhile: the manager is stopping)."""
+        while self._running:
+            await next(iter(self._running.values())).wait()
 
     async def _housekeeping(self) -> None:
         """Expired uploads and finished jobs past retention go, at start and then hourly
@@ -532,11 +532,12 @@ class JobManager:
         if row.final:
             return row
         live = self._live.get(job_id)
-        if job_id in self._running and live is not None:
+        ended = self._running.get(job_id)
+        if ended is not None and live is not None:
             live.user_cancelled = True
             live.handle.cancel(reason)
             with trio.move_on_after(30):
-                await self._until_ended(lambda: job_id not in self._running)
+                await ended.wait()
         elif row.state == st.QUEUED:
             self._finish(row, states.Cancel(), error=reason)
         return self.get(job_id)
@@ -705,16 +706,14 @@ class JobManager:
         else:
             self._finish(row, states.Succeed(), outcome=outcome)
         finally:
-            self._running.discard(row.id)
-            self._job_ended.set()
-            self._job_ended = trio.Event()
+            ended = self._running.pop(row.id)
             self._held_mb.pop(row.id, None)
             out = Path(row.output_dir)
             if row.state == st.FAILED and out.is_relative_to(self.cfg.jobs_dir):
                 with contextlib.suppress(OSError):
-                    # empty when the job failed before tuning (engine.run_job); not awaited:
-                    # this `finally` also runs when the job is cancelled
-                    out.rmdir()  # noqa: ASYNC240
+                    # empty when the job failed before tuning (engine.run_job)
+                    out.rmdir()  # noqa: ASYNC240 (a `finally` that also runs on cancel)
+            ended.set()
             self.wake()
 
 
