@@ -1,7 +1,8 @@
 """The job store's schema version and migrations: a store written before versions were
 recorded opens with every job, its model file moved out of the options into its own
 column; a store a newer aoed wrote is refused, unchanged, naming the file and both
-versions; and a daemon restarted over a migrated store serves and runs the old jobs.
+versions; a result event reads back as the outcome it holds; and a daemon restarted over
+a migrated store serves and runs the old jobs.
 
 Old stores are built here as the code before versions wrote them: its tables, and rows
 whose options JSON holds the model file's [device, inode] under "model_file"."""
@@ -17,11 +18,12 @@ from typing import Any
 
 import pytest
 
+from aoe.outcome import JobOutcome
 from aoe.spec import JobSpec
 from aoe.v1 import tuning_pb2
 from aoed import samples
 from aoed.jobs.states import JobState
-from aoed.jobs.store import SCHEMA_VERSION, JobStore, StoreError
+from aoed.jobs.store import RESULT, SCHEMA_VERSION, EventRow, JobStore, StoreError
 from tests.daemon_util import DaemonProcess
 
 #: The layout of a store before versions were recorded (user_version 0), as written.
@@ -82,6 +84,17 @@ def _old_job(
     }
 
 
+#: A finished job's outcome as the code before versions stored it (`to_dict`), in the
+#: job's row and in its result event.
+_OLD_OUTCOME = {
+    "job_id": "job-s",
+    "tuned_model": "/o/t.onnx",
+    "result_json": "/o/r.json",
+    "baseline_ms": 2.0,
+    "improvement": 0.25,
+}
+
+
 def _write_old_store(path: Path, jobs: list[dict[str, Any]]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     db = sqlite3.connect(path)
@@ -97,6 +110,11 @@ def _write_old_store(path: Path, jobs: list[dict[str, Any]]) -> None:
                 "INSERT INTO events (job_id, seq, time, kind, data) VALUES (?, 1, ?, 'state', ?)",
                 (job["id"], job["created"], json.dumps({"previous": "", "state": "queued"})),
             )
+            if job["result"] != "null":
+                db.execute(
+                    "INSERT INTO events (job_id, seq, time, kind, data) VALUES (?, 2, ?, 'result', ?)",
+                    (job["id"], job["created"], job["result"]),
+                )
     db.close()
 
 
@@ -118,14 +136,17 @@ def test_a_job_store_from_before_versions_keeps_every_job_and_its_model_file(
         [
             _old_job("job-q", "queued", model, [66311, big_inode], 1.0, JobSpec(budget_s=7.0)),
             _old_job("job-f", "failed", model, [66311, 12], 2.0, error="the model is too big"),
-            _old_job("job-n", "succeeded", model, None, 3.0),
+            {
+                **_old_job("job-s", "succeeded", model, None, 3.0),
+                "result": json.dumps(JobOutcome.from_dict(_OLD_OUTCOME).to_dict()),
+            },
             {**_old_job("job-d", "queued", model, [1, 2], 4.0), "options": '{"budget_s": 1, "mo'},
         ],
     )
     store = JobStore(path)
     try:
         rows = {r.id: r for r in store.jobs()}
-        assert sorted(rows) == ["job-f", "job-n", "job-q"]
+        assert sorted(rows) == ["job-f", "job-q", "job-s"]
         assert rows["job-q"].model_file == (66311, big_inode)
         assert (
             rows["job-q"].spec == JobSpec(budget_s=7.0) and rows["job-q"].state == JobState.QUEUED
@@ -134,8 +155,15 @@ def test_a_job_store_from_before_versions_keeps_every_job_and_its_model_file(
             rows["job-f"].model_file == (66311, 12)
             and rows["job-f"].error == "the model is too big"
         )
-        assert rows["job-n"].model_file is None
+        assert rows["job-s"].model_file is None
         assert [e.data["state"] for e in store.events("job-q")] == ["queued"]
+        # A result event reads back as the outcome itself, as the job's row does.
+        outcome = JobOutcome.from_dict(_OLD_OUTCOME)
+        result = store.events("job-s", after_seq=1)
+        assert [(e.kind, e.outcome) for e in result] == [("result", outcome)]
+        assert rows["job-s"].outcome == outcome
+        store.append_event(EventRow("job-s", 3, 5.0, RESULT, {}, outcome))
+        assert store.events("job-s", after_seq=2)[0].outcome == outcome
         # The row that was damaged before is still damaged, reported, and still there.
         assert store.damaged == ["job-d"]
     finally:
@@ -205,6 +233,9 @@ def test_a_daemon_restarted_over_a_migrated_job_store_serves_and_runs_the_old_jo
         assert [j.job_id for j in listed] == ["job-old-other", "job-old-same", "job-old-failed"]
         assert listed[2].state == tuning_pb2.JOB_STATE_FAILED and listed[2].error == "x"
         assert "damaged" not in d.log()
+        watched = d.tuning().WatchJob(tuning_pb2.WatchJobRequest(job_id="job-old-same"), timeout=60)
+        (result,) = [m.event.result for m in watched if m.event.WhichOneof("event") == "result"]
+        assert result == same.result
         assert d.stop() == 0
         # A newer aoed's store: this one does not start, and says why and what to do.
         db = sqlite3.connect(store)

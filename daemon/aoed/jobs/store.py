@@ -19,9 +19,10 @@ All access happens in the trio thread: each statement is a short local write (te
 microseconds with `synchronous=NORMAL` in WAL mode, which is durable against a killed
 process, not against power loss between checkpoints) and never waits on another
 process, so it is not worth a thread hop. Values a row holds as JSON (options, result,
-progress, event data) are plain dicts; nothing is pickled. A job's options and result are
-stored as `JobSpec.to_dict` and `JobOutcome.to_dict` write them and read back into those
-shapes here, the store's one conversion: the rest of the daemon sees only the shapes.
+progress, model file, event data) are plain JSON; nothing is pickled. A job's options,
+and its outcome (in its row and in its result event), are stored as `JobSpec.to_dict`
+and `JobOutcome.to_dict` write them and read back into those shapes here, the store's
+one conversion: the rest of the daemon sees only the shapes.
 
 A full disk: a write the store has no room for raises DiskFullError (naming the folder
 and its free space) and changes nothing, and the same store writes again once there is
@@ -53,6 +54,7 @@ from aoed.jobs.states import ACTIVE, FINAL, RUNNING, JobState
 __all__ = [
     "ACTIVE",
     "FINAL",
+    "RESULT",
     "RUNNING",
     "Claim",
     "EventRow",
@@ -65,6 +67,8 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 QUEUED, PREPARING, TUNING, VERIFYING, SUCCEEDED, FAILED, CANCELLED = JobState
+#: The kind of the event that holds a finished job's outcome.
+RESULT = "result"
 #: The version of the store's layout this code writes, recorded in the store itself
 #: (SQLite's `user_version`): the number of `_MIGRATIONS` applied to it.
 SCHEMA_VERSION = 2
@@ -219,7 +223,9 @@ class EventRow:
     seq: int
     time: float
     kind: str  # state | progress | task | log | result
-    data: dict[str, Any]
+    data: dict[str, Any]  # (a result's is empty: its outcome is the typed value below)
+    #: a result event's outcome
+    outcome: JobOutcome | None = None
 
 
 @dataclass(frozen=True)
@@ -471,9 +477,10 @@ class JobStore:
     # ---------------------------------------------------------------- events
 
     def append_event(self, event: EventRow) -> None:
+        data = event.data if event.outcome is None else event.outcome.to_dict()
         self._exec(
             "INSERT INTO events (job_id, seq, time, kind, data) VALUES (?, ?, ?, ?, ?)",
-            (event.job_id, event.seq, event.time, event.kind, json.dumps(event.data)),
+            (event.job_id, event.seq, event.time, event.kind, json.dumps(data)),
         )
 
     def events(self, job_id: str, after_seq: int = 0) -> list[EventRow]:
@@ -484,8 +491,12 @@ class JobStore:
         out = []
         for job, seq, t, kind, data in cur:
             try:
-                out.append(EventRow(job, int(seq), float(t), kind, json.loads(data)))
-            except (ValueError, TypeError):
+                if kind == RESULT:
+                    outcome = JobOutcome.from_dict(json.loads(data))
+                    out.append(EventRow(job, int(seq), float(t), kind, {}, outcome))
+                else:
+                    out.append(EventRow(job, int(seq), float(t), kind, json.loads(data)))
+            except (ValueError, TypeError, KeyError, AoedError):
                 log.warning("job store: event %s of job %s is damaged and skipped", seq, job)
         return out
 
