@@ -248,7 +248,7 @@ def test_the_daemon_s_job_status_list_and_events_agree(
     )
     jobscli.print_result(job)  # aoe status, aoe watch, aoe submit --watch, aoe tune on the daemon
     text = capsys.readouterr().out
-    event = jobscli._line(event_pb(EventRow("job-1", 7, 0.0, "result", outcome.to_dict())))
+    event = jobscli._line(event_pb(EventRow("job-1", 7, 0.0, "result", {}, outcome)))
     cell = jobscli._progress(job)  # aoe jobs, PROGRESS
     if case == "shipped":
         _check_shipped(text)

@@ -28,7 +28,6 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from aoe import sizes
 from aoe.errors import AoedError, JobStateError, NotFoundError, OptionError, PermissionDeniedError
-from aoe.outcome import JobOutcome
 from aoe.v1 import tuning_pb2, tuning_pb2_grpc
 from aoe.wire import outcome_to_pb, spec_from_pb, spec_to_pb
 from aoed import safefs, space
@@ -177,8 +176,8 @@ def event_pb(ev: EventRow) -> tuning_pb2.JobEvent:
         )
     elif ev.kind == "progress":
         msg.progress.CopyFrom(progress_pb(d))
-    elif ev.kind == "result":
-        msg.result.CopyFrom(outcome_to_pb(JobOutcome.from_dict(d)))
+    elif ev.outcome is not None:
+        msg.result.CopyFrom(outcome_to_pb(ev.outcome))
     else:
         msg.log.CopyFrom(
             tuning_pb2.LogLine(

@@ -550,9 +550,11 @@ class JobManager:
             live = self._live[job_id] = _Live()
         return live
 
-    def _event(self, row: JobRow, kind: str, data: dict[str, Any]) -> None:
+    def _event(
+        self, row: JobRow, kind: str, data: dict[str, Any], outcome: JobOutcome | None = None
+    ) -> None:
         seq = self._backlog.last_seq(row.id) + 1
-        self._backlog.append_event(EventRow(row.id, seq, time.time(), kind, data))
+        self._backlog.append_event(EventRow(row.id, seq, time.time(), kind, data, outcome))
         live = self._live.get(row.id)
         if live is not None:
             live.changed.set()
@@ -626,7 +628,7 @@ class JobManager:
         if shown != row.model_path:  # the engine names the copy it read; the user knows the file
             error = error.replace(row.model_path, shown)
         if outcome is not None:
-            self._event(row, "result", outcome.to_dict())
+            self._event(row, st.RESULT, {}, outcome)
         self._event(
             row, "state", {"previous": str(row.state), "state": str(state), "message": error}
         )

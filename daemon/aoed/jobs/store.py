@@ -9,13 +9,20 @@ a row without rewriting pages readers use, so a kill -9 loses at most the transa
 flight and never a committed one. The bank stays in LMDB, which compilers read without
 the daemon.
 
+The layout has a version, kept in the file itself (SQLite's `user_version`). At open,
+the migrations the store lacks run in order, each in its own transaction with the
+version it writes, so a store cut short mid-migration opens at the version before it
+and the next start goes on; a store a newer aoed wrote is refused, unchanged, with an
+error naming the file and both versions.
+
 All access happens in the trio thread: each statement is a short local write (tens of
 microseconds with `synchronous=NORMAL` in WAL mode, which is durable against a killed
 process, not against power loss between checkpoints) and never waits on another
 process, so it is not worth a thread hop. Values a row holds as JSON (options, result,
-progress, event data) are plain dicts; nothing is pickled. A job's options and result are
-stored as `JobSpec.to_dict` and `JobOutcome.to_dict` write them and read back into those
-shapes here, the store's one conversion: the rest of the daemon sees only the shapes.
+progress, model file, event data) are plain JSON; nothing is pickled. A job's options,
+and its outcome (in its row and in its result event), are stored as `JobSpec.to_dict`
+and `JobOutcome.to_dict` write them and read back into those shapes here, the store's
+one conversion: the rest of the daemon sees only the shapes.
 
 A full disk: a write the store has no room for raises DiskFullError (naming the folder
 and its free space) and changes nothing, and the same store writes again once there is
@@ -33,7 +40,7 @@ import json
 import logging
 import sqlite3
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,6 +54,7 @@ from aoed.jobs.states import ACTIVE, FINAL, RUNNING, JobState
 __all__ = [
     "ACTIVE",
     "FINAL",
+    "RESULT",
     "RUNNING",
     "Claim",
     "EventRow",
@@ -59,59 +67,115 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 QUEUED, PREPARING, TUNING, VERIFYING, SUCCEEDED, FAILED, CANCELLED = JobState
-#: The key in a job's stored options for the model file's [device, inode] at submit.
-MODEL_FILE = "model_file"
+#: The kind of the event that holds a finished job's outcome.
+RESULT = "result"
+#: The version of the store's layout this code writes, recorded in the store itself
+#: (SQLite's `user_version`): the number of `_MIGRATIONS` applied to it.
+SCHEMA_VERSION = 2
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS jobs (
-    id TEXT PRIMARY KEY,
-    state TEXT NOT NULL,
-    priority INTEGER NOT NULL DEFAULT 0,
-    source TEXT NOT NULL DEFAULT 'rpc',
-    model_path TEXT NOT NULL,
-    model_name TEXT NOT NULL,
-    model_sha256 TEXT NOT NULL,
-    dedup_key TEXT NOT NULL,
-    options TEXT NOT NULL,
-    output_dir TEXT NOT NULL,
-    created REAL NOT NULL,
-    started REAL,
-    finished REAL,
-    error TEXT NOT NULL DEFAULT '',
-    error_kind TEXT NOT NULL DEFAULT '',
-    result TEXT,
-    progress TEXT NOT NULL DEFAULT '{}',
-    joined INTEGER NOT NULL DEFAULT 0,
-    attempts INTEGER NOT NULL DEFAULT 0
-);
-CREATE INDEX IF NOT EXISTS jobs_by_created ON jobs (created DESC, id DESC);
-CREATE INDEX IF NOT EXISTS jobs_by_state ON jobs (state);
-CREATE INDEX IF NOT EXISTS jobs_by_dedup ON jobs (dedup_key, state);
-CREATE TABLE IF NOT EXISTS events (
-    job_id TEXT NOT NULL,
-    seq INTEGER NOT NULL,
-    time REAL NOT NULL,
-    kind TEXT NOT NULL,
-    data TEXT NOT NULL,
-    PRIMARY KEY (job_id, seq)
-);
-CREATE TABLE IF NOT EXISTS uploads (
-    id TEXT PRIMARY KEY,
-    path TEXT NOT NULL,
-    file_name TEXT NOT NULL,
-    sha256 TEXT NOT NULL,
-    size INTEGER NOT NULL,
-    created REAL NOT NULL
-);
-CREATE TABLE IF NOT EXISTS claims (
-    src TEXT PRIMARY KEY,
-    dst TEXT NOT NULL,
-    inbox TEXT NOT NULL,
-    state TEXT NOT NULL,
-    job_id TEXT NOT NULL DEFAULT '',
-    time REAL NOT NULL
-);
-"""
+#: The first layout (jobs, events, uploads, claims), as stores before recorded versions
+#: have it. Never changed: a change is a migration.
+_TABLES = (
+    """
+    CREATE TABLE IF NOT EXISTS jobs (
+        id TEXT PRIMARY KEY,
+        state TEXT NOT NULL,
+        priority INTEGER NOT NULL DEFAULT 0,
+        source TEXT NOT NULL DEFAULT 'rpc',
+        model_path TEXT NOT NULL,
+        model_name TEXT NOT NULL,
+        model_sha256 TEXT NOT NULL,
+        dedup_key TEXT NOT NULL,
+        options TEXT NOT NULL,
+        output_dir TEXT NOT NULL,
+        created REAL NOT NULL,
+        started REAL,
+        finished REAL,
+        error TEXT NOT NULL DEFAULT '',
+        error_kind TEXT NOT NULL DEFAULT '',
+        result TEXT,
+        progress TEXT NOT NULL DEFAULT '{}',
+        joined INTEGER NOT NULL DEFAULT 0,
+        attempts INTEGER NOT NULL DEFAULT 0
+    )
+    """,
+    """
+    CREATE INDEX IF NOT EXISTS jobs_by_created ON jobs (created DESC, id DESC)
+    """,
+    """
+    CREATE INDEX IF NOT EXISTS jobs_by_state ON jobs (state)
+    """,
+    """
+    CREATE INDEX IF NOT EXISTS jobs_by_dedup ON jobs (dedup_key, state)
+    """,
+    """
+    CREATE TABLE IF NOT EXISTS events (
+        job_id TEXT NOT NULL,
+        seq INTEGER NOT NULL,
+        time REAL NOT NULL,
+        kind TEXT NOT NULL,
+        data TEXT NOT NULL,
+        PRIMARY KEY (job_id, seq)
+    )
+    """,
+    """
+    CREATE TABLE IF NOT EXISTS uploads (
+        id TEXT PRIMARY KEY,
+        path TEXT NOT NULL,
+        file_name TEXT NOT NULL,
+        sha256 TEXT NOT NULL,
+        size INTEGER NOT NULL,
+        created REAL NOT NULL
+    )
+    """,
+    """
+    CREATE TABLE IF NOT EXISTS claims (
+        src TEXT PRIMARY KEY,
+        dst TEXT NOT NULL,
+        inbox TEXT NOT NULL,
+        state TEXT NOT NULL,
+        job_id TEXT NOT NULL DEFAULT '',
+        time REAL NOT NULL
+    )
+    """,
+)
+
+
+def _create_tables(db: sqlite3.Connection) -> None:
+    for sql in _TABLES:
+        db.execute(sql)
+
+
+def _model_file_column(db: sqlite3.Connection) -> None:
+    """The model file's [device, inode] at submit, kept in its own column: stores of
+    version 1 kept it in the options JSON under "model_file". Options that do not parse
+    stay as they are (their row is reported damaged when read, as before). JSON text,
+    not two INTEGER columns: an inode number may exceed SQLite's signed 64 bits."""
+    columns = {r[1] for r in db.execute("PRAGMA table_info(jobs)")}
+    if "model_file" not in columns:
+        db.execute("ALTER TABLE jobs ADD COLUMN model_file TEXT")
+    for job_id, raw in db.execute("SELECT id, options FROM jobs").fetchall():
+        try:
+            options = json.loads(raw)
+        except ValueError:
+            continue
+        if not isinstance(options, dict) or "model_file" not in options:
+            continue
+        model_file = options.pop("model_file")
+        db.execute(
+            "UPDATE jobs SET options = ?, model_file = ? WHERE id = ?",
+            (json.dumps(options), None if model_file is None else json.dumps(model_file), job_id),
+        )
+
+
+#: The store's migrations in order: `_MIGRATIONS[n]` takes a store of version n to n + 1
+#: (a new store is version 0). Each runs in one transaction with the version it writes,
+#: and does nothing to a store that already has what it adds.
+_MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (
+    _create_tables,
+    _model_file_column,
+)
+assert len(_MIGRATIONS) == SCHEMA_VERSION
 
 
 class StoreError(AoedError):
@@ -159,7 +223,9 @@ class EventRow:
     seq: int
     time: float
     kind: str  # state | progress | task | log | result
-    data: dict[str, Any]
+    data: dict[str, Any]  # (a result's is empty: its outcome is the typed value below)
+    #: a result event's outcome
+    outcome: JobOutcome | None = None
 
 
 @dataclass(frozen=True)
@@ -182,7 +248,7 @@ class Claim:
     time: float
 
 
-_JSON_COLUMNS = ("options", "result", "progress")
+_JSON_COLUMNS = ("options", "result", "progress", "model_file")
 #: Columns under another name than the row's field.
 _COLUMN_OF = {"spec": "options", "outcome": "result"}
 _COLUMNS = (
@@ -205,6 +271,7 @@ _COLUMNS = (
     "progress",
     "joined",
     "attempts",
+    "model_file",
 )
 
 
@@ -237,15 +304,48 @@ class JobStore:
         try:
             if exclusive:  # before WAL mode is entered: SQLite keeps the WAL index in memory
                 db.execute("PRAGMA locking_mode=EXCLUSIVE")
+            db.execute("PRAGMA busy_timeout=5000")
+            self._check_version(db)  # before anything is written
             db.execute("PRAGMA journal_mode=WAL")
             db.execute("PRAGMA synchronous=NORMAL")
-            db.execute("PRAGMA busy_timeout=5000")
             db.execute("PRAGMA temp_store=MEMORY")
-            db.executescript(_SCHEMA)  # (writes nothing where the tables exist)
+            self._migrate(db)
         except sqlite3.Error as exc:
             db.close()
             raise self._error(exc) from None
+        except AoedError:
+            db.close()
+            raise
         return db
+
+    def _check_version(self, db: sqlite3.Connection) -> int:
+        """The store's version; StoreError for one newer than this code writes."""
+        version = int(db.execute("PRAGMA user_version").fetchone()[0])
+        if version > SCHEMA_VERSION:
+            raise StoreError(
+                f"job store {self.path}: schema version {version} is newer than this aoed's "
+                f"({SCHEMA_VERSION}): a newer aoed wrote it. Run that aoed, or move the file "
+                "aside (with its -wal file) to start this one with an empty job store"
+            )
+        return version
+
+    def _migrate(self, db: sqlite3.Connection) -> None:
+        """Bring the store to SCHEMA_VERSION, one migration per transaction: a migration
+        cut short (a kill, a full disk) leaves the store at the version before it."""
+        while (version := self._check_version(db)) < SCHEMA_VERSION:
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                # Read again under the write lock: another process may have migrated.
+                if self._check_version(db) == version:
+                    _MIGRATIONS[version](db)
+                    db.execute(f"PRAGMA user_version = {version + 1}")
+                db.execute("COMMIT")
+            except BaseException:
+                if db.in_transaction:
+                    db.execute("ROLLBACK")
+                raise
+            if version:
+                log.info("job store %s: migrated to schema version %d", self.path, version + 1)
 
     def close(self) -> None:
         self._db.close()
@@ -280,7 +380,7 @@ class JobStore:
 
     def update(self, job_id: str, **fields: Any) -> None:
         """Set the row's `fields` (JobRow's names)."""
-        if "spec" in fields:  # stored beside it: written together
+        if "spec" in fields:
             raise ValueError("a job's spec is not changed once stored")
         cols = list(_columns(fields))
         sets = ", ".join(f"{c} = ?" for c, _ in cols)
@@ -294,16 +394,15 @@ class JobStore:
                     d[c] = json.loads(d[c]) if d[c] is not None else None
                 if not isinstance(d["options"], dict):
                     raise ValueError("options is not an object")
-                options = dict(d.pop("options"))
-                model_file = options.pop(MODEL_FILE, None)
+                options = d.pop("options")
                 result = d.pop("result")
                 d["progress"] = d["progress"] or {}
                 d["state"] = JobState(d["state"])
+                d["model_file"] = _model_file(d["model_file"])
                 yield JobRow(
                     **d,
                     spec=JobSpec.from_dict(options),
                     outcome=JobOutcome.from_dict(result) if result else None,
-                    model_file=tuple(model_file) if model_file else None,
                 )
             except (ValueError, TypeError, KeyError, AoedError) as exc:
                 job_id = str(raw[0])
@@ -378,9 +477,10 @@ class JobStore:
     # ---------------------------------------------------------------- events
 
     def append_event(self, event: EventRow) -> None:
+        data = event.data if event.outcome is None else event.outcome.to_dict()
         self._exec(
             "INSERT INTO events (job_id, seq, time, kind, data) VALUES (?, ?, ?, ?, ?)",
-            (event.job_id, event.seq, event.time, event.kind, json.dumps(event.data)),
+            (event.job_id, event.seq, event.time, event.kind, json.dumps(data)),
         )
 
     def events(self, job_id: str, after_seq: int = 0) -> list[EventRow]:
@@ -391,8 +491,12 @@ class JobStore:
         out = []
         for job, seq, t, kind, data in cur:
             try:
-                out.append(EventRow(job, int(seq), float(t), kind, json.loads(data)))
-            except (ValueError, TypeError):
+                if kind == RESULT:
+                    outcome = JobOutcome.from_dict(json.loads(data))
+                    out.append(EventRow(job, int(seq), float(t), kind, {}, outcome))
+                else:
+                    out.append(EventRow(job, int(seq), float(t), kind, json.loads(data)))
+            except (ValueError, TypeError, KeyError, AoedError):
                 log.warning("job store: event %s of job %s is damaged and skipped", seq, job)
         return out
 
@@ -453,18 +557,32 @@ class JobStore:
 
 
 def _columns(fields: dict[str, Any]) -> Iterator[tuple[str, Any]]:
-    """(column, stored value) of a row's `fields`: the spec (with the model file) and the
-    outcome as their `to_dict`, the other JSON columns as JSON."""
+    """(column, stored value) of a row's `fields`: the spec and the outcome as their
+    `to_dict`, the model file as [device, inode], the JSON columns as JSON (None as NULL)."""
     for name, value in fields.items():
-        if name == "model_file":
-            continue
         column = _COLUMN_OF.get(name, name)
         if name == "spec":
-            model_file = fields.get("model_file")
-            value = {**value.to_dict(), **({MODEL_FILE: list(model_file)} if model_file else {})}
+            value = value.to_dict()
         elif name == "outcome" and value is not None:
             value = value.to_dict()
-        yield column, json.dumps(value) if column in _JSON_COLUMNS else value
+        elif name == "model_file" and value is not None:
+            value = list(value)
+        if column in _JSON_COLUMNS and not (column == "model_file" and value is None):
+            value = json.dumps(value)
+        yield column, value
+
+
+def _model_file(value: Any) -> tuple[int, int] | None:
+    """A stored model file: None, or [device, inode]; ValueError for anything else."""
+    if value is None:
+        return None
+    if not (
+        isinstance(value, list)
+        and len(value) == 2
+        and all(isinstance(n, int) and not isinstance(n, bool) for n in value)
+    ):
+        raise ValueError(f"model_file is not [device, inode]: {value!r}")
+    return value[0], value[1]
 
 
 class _Transaction:
