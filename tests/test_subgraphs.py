@@ -9,6 +9,7 @@ variants); every node then gets a random name, so nothing can match by name.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -19,6 +20,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
+from aoe.attention import task_block
 from aoe.bank import open_bank
 from aoe.bankrecord import Measured
 from aoe.errors import OptionError
@@ -27,6 +29,7 @@ from aoe.partition import partition
 from aoe.signature import ModelContext
 from aoe.spec import parse_job_type
 from aoe.subgraphs import find_subgraphs
+from aoed import samples
 from aoed.backends.ort.catalog import build_registry
 from aoed.engine.assemble import task_rewrites
 from aoed.engine.prep import make_inputs, prepare
@@ -1375,3 +1378,53 @@ def test_sgat_int8_tunes_a_cnn_region_with_measured_variants(models: Path, tmp_p
         s.startswith("int8_region:f") for s in tried
     ), tried
     assert any("int8 sensitivity per Conv" in n for n in doc["notes"])
+
+
+def _block_and_view(model: onnx.ModelProto, tmp_path: Path):
+    """The attention task of `model` (its first), the block the recognizer returns for
+    its nodes, and the view a strategy gets."""
+    tmp_path.mkdir(parents=True)
+    src = tmp_path / "m.onnx"
+    onnx.save(model, src)
+    prep = prepare(src, tmp_path)
+    task = next(t for t in partition(prep.model, prep.ctx, "sgat") if t.family == "attention")
+    consts = Constants(prep.model.graph, list(prep.model.opset_import))
+    by = {n.name: n for n in prep.model.graph.node}
+    view = TaskView([by[n] for n in task.node_names], consts, prep.ctx.tensors, 17, "aoe/t")
+    block = task_block(view.nodes, view.infos, view.consts, view.const)
+    return block, view
+
+
+def test_the_fused_kernels_take_the_recognized_block(tmp_path: Path) -> None:
+    """One recognizer: the block it returns for a task's nodes (all of them) is what the
+    fused kernels are written from, on the sample transformer and on grouped-query
+    attention; a view it rejects (a node short) gets no fused kernel."""
+
+    def attrs(node: onnx.NodeProto) -> dict:
+        return {a.name: helper.get_attribute_value(a) for a in node.attribute}
+
+    cases = [
+        (samples.build("transformer"), "fused_attention", "Attention"),
+        (block(**VARIANTS["multi_query_causal"]), "group_query_attention", "GroupQueryAttention"),
+        (block(**VARIANTS["gqa_dynamo_padding"]), "group_query_attention", "GroupQueryAttention"),
+    ]
+    for i, (model, name, op) in enumerate(cases):
+        got, view = _block_and_view(model, tmp_path / str(i))
+        assert got is not None and [n.name for n in got.nodes] == [n.name for n in view.nodes]
+        assert got.layout is not None
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            got.guard = True  # type: ignore[misc]
+        rw = REGISTRY.get("attention", name).apply(view)
+        assert rw is not None, name
+        [node] = [n for n in rw.nodes if n.op_type == op]
+        a = attrs(node)
+        assert a["num_heads"] == got.layout.heads
+        assert math.isclose(a["scale"], got.scale, rel_tol=1e-6)
+        if op == "GroupQueryAttention":
+            assert a["kv_num_heads"] == got.layout.kv_heads < got.layout.heads
+        # a view the recognizer rejects: every attention strategy declines it
+        short = TaskView(view.nodes[:-1], view.consts, view.infos, 17, "aoe/t")
+        assert task_block(short.nodes, short.infos, short.consts, short.const) is None
+        for s in REGISTRY.strategies_for("attention", "int8"):
+            if s.name != "default":
+                assert s.apply(short) is None, s.name

@@ -1,5 +1,6 @@
 """The graph view subgraph recognition works on: producers, consumers, readable
-constants and axes of one normalized model (`aoe.subgraphs`, `aoe._attention`).
+constants and axes of one normalized model (`aoe.subgraphs`, `aoe.attention`), or of one
+task's nodes alone (`Graph.of_task`: what a strategy reads its block from).
 
 This module imports neither trio nor onnxruntime.
 """
@@ -8,13 +9,13 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 
 import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from aoe.signature import ModelContext
+from aoe.signature import ModelContext, TensorInfo
 
 __all__ = ["STD", "Graph", "Match", "last_axis", "reduce_axes"]
 
@@ -35,21 +36,9 @@ class Graph:
 
     def __init__(self, model: onnx.ModelProto, ctx: ModelContext):
         g = model.graph
-        self.ctx = ctx
-        self.order = {n.name: i for i, n in enumerate(g.node)}
-        self.producer: dict[str, onnx.NodeProto] = {}
-        self.consumers: dict[str, list[onnx.NodeProto]] = defaultdict(list)
-        for node in g.node:
-            for o in node.output:
-                if o:
-                    self.producer[o] = node
-            for i in dict.fromkeys(node.input):  # a node reading a tensor twice is one reader
-                if i:
-                    self.consumers[i].append(node)
-        self.outputs = {o.name for o in g.output}
         inputs = {i.name for i in g.input}
-        self._stored = {t.name: t for t in g.initializer if t.name not in inputs}
-        self._constant_nodes = {
+        stored = {t.name: t for t in g.initializer if t.name not in inputs}
+        constant_nodes = {
             n.output[0]: a.t
             for n in g.node
             if n.op_type == "Constant" and n.domain in STD
@@ -57,20 +46,63 @@ class Graph:
             if a.name == "value"
         }
 
+        def value(tensor: str) -> np.ndarray | None:
+            t = stored.get(tensor) or constant_nodes.get(tensor)
+            return None if t is None else numpy_helper.to_array(t)
+
+        self._index(g.node, {o.name for o in g.output}, ctx.tensors, ctx.constants, value)
+
+    @classmethod
+    def of_task(
+        cls,
+        nodes: Sequence[onnx.NodeProto],
+        tensors: Mapping[str, TensorInfo],
+        constants: Container[str],
+        value: Callable[[str], np.ndarray | None],
+    ) -> Graph:
+        """The graph of one task's `nodes` alone: its last node's output is its one output,
+        `constants` and `value` say which tensors are constant and what they hold."""
+        g = cls.__new__(cls)
+        outputs = {o for o in nodes[-1].output if o} if nodes else set()
+        g._index(nodes, outputs, tensors, constants, value)
+        return g
+
+    def _index(
+        self,
+        nodes: Iterable[onnx.NodeProto],
+        outputs: set[str],
+        tensors: Mapping[str, TensorInfo],
+        constants: Container[str],
+        value: Callable[[str], np.ndarray | None],
+    ) -> None:
+        self.tensors = tensors
+        self._constants = constants
+        self._value = value
+        self.order: dict[str, int] = {}
+        self.producer: dict[str, onnx.NodeProto] = {}
+        self.consumers: dict[str, list[onnx.NodeProto]] = defaultdict(list)
+        for i, node in enumerate(nodes):
+            self.order[node.name] = i
+            for o in node.output:
+                if o:
+                    self.producer[o] = node
+            for t in dict.fromkeys(node.input):  # a node reading a tensor twice is one reader
+                if t:
+                    self.consumers[t].append(node)
+        self.outputs = outputs
+
     def node(self, tensor: str, *op_types: str) -> onnx.NodeProto | None:
         n = self.producer.get(tensor)
         return n if n is not None and n.domain in STD and n.op_type in op_types else None
 
     def is_const(self, tensor: str) -> bool:
-        return tensor in self.ctx.constants
+        return tensor in self._constants
 
     def value(self, tensor: str) -> np.ndarray | None:
-        """A stored constant's value (an initializer or a Constant node); None otherwise."""
-        t = self._stored.get(tensor) or self._constant_nodes.get(tensor)
-        if t is None:
-            return None
+        """A constant's readable value (of a model: an initializer or a Constant node);
+        None otherwise."""
         try:
-            return numpy_helper.to_array(t)
+            return self._value(tensor)
         except Exception:  # external data not loaded, an odd type: not readable here
             return None
 
@@ -130,7 +162,7 @@ def reduce_axes(g: Graph, node: onnx.NodeProto) -> list[int] | None:
 
 def last_axis(g: Graph, node: onnx.NodeProto, tensor: str) -> bool:
     axes = reduce_axes(g, node)
-    info = g.ctx.tensors.get(tensor)
+    info = g.tensors.get(tensor)
     if axes is None or len(axes) != 1 or info is None:
         return False
     return axes[0] in (-1, len(info.shape) - 1)

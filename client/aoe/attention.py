@@ -11,48 +11,210 @@ boolean, when it serves this block alone) or a causal Where, Softmax over the la
 (and the NaN guard torch's sdpa export puts after it), P·V, Transpose back and Reshape
 to [b, s, hidden]. The output projection is left out.
 
+`attention` is the one recognizer: the partitioner forms tasks from the block it
+returns (`Match`), and a strategy reads the same `AttentionBlock` from its task's nodes
+(`task_block`): the projections (input, weight, bias, packing, scale, rotary tables, K/V
+heads repeated for groups), the head layout, the scale, the scores' mask steps, the
+mask Where the block owns and the softmax's NaN guard. A strategy reads constant values
+through the tensor names the block gives; it never walks the graph itself.
+
 This module imports neither trio nor onnxruntime.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Container, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Literal
 
+import numpy as np
 import onnx
 
 from aoe._sgraph import STD, Graph, Match
+from aoe.signature import TensorInfo
 
-__all__ = ["MASKED", "attention", "mask_fill"]
+__all__ = [
+    "MASKED",
+    "AttentionBlock",
+    "Heads",
+    "MaskWhere",
+    "Product",
+    "Projection",
+    "Rotary",
+    "ScoreStep",
+    "attention",
+    "attention_block",
+    "mask_fill",
+    "task_block",
+]
 
 
-def _scaled(g: Graph, tensor: str, nodes: list[onnx.NodeProto]) -> str:
-    """Walk back over scalar Mul/Div nodes (a softmax scale), collecting them."""
+@dataclass(frozen=True)
+class Product:
+    """`MatMul(x, weight) [+ bias]`, or `Reshape(Gemm(Reshape(x), weight, bias))` (a
+    Conv1D or Linear on 3-D input, as GPT-2 exports): `gemm` is that Gemm, whose
+    attributes say how to read `weight` and `bias`; `nodes` compute it."""
+
+    x: str
+    weight: str
+    bias: str | None
+    nodes: tuple[onnx.NodeProto, ...]
+    gemm: onnx.NodeProto | None = None
+
+
+@dataclass(frozen=True)
+class Rotary:
+    """`t·cos + rotate_half(t)·sin` on one projection's heads, rotate_half(t) being
+    Concat(-t[..., high], t[..., low]) (`cat`, `high`, `low` the nodes)."""
+
+    t: str
+    cos: str
+    sin: str
+    cat: onnx.NodeProto
+    high: onnx.NodeProto
+    low: onnx.NodeProto
+
+
+@dataclass(frozen=True)
+class Projection:
+    """One of Q, K and V: its `product` (shared by all three where `split`, one packed
+    product's Split, takes it apart), `out` the tensor split into heads (the product's
+    or the Split's output), `heads` the static [b, s, n, d] of the Reshape to heads
+    (None where shapes do not say it), `scale` the scalar Mul/Div on the way, `rotary`
+    embeddings on the heads, and `groups` the times repeat_kv repeats each head."""
+
+    product: Product
+    split: onnx.NodeProto | None
+    out: str
+    heads: tuple[int, ...] | None
+    scale: float
+    rotary: Rotary | None
+    groups: int
+
+    @property
+    def nodes(self) -> tuple[onnx.NodeProto, ...]:
+        """What computes `out`: the product, and the Split of a packed one."""
+        return (*self.product.nodes, *((self.split,) if self.split is not None else ()))
+
+
+@dataclass(frozen=True)
+class ScoreStep:
+    """One transform between Q·Kᵀ and the Softmax: a scalar `scale`, an additive `mask`
+    (the tensor added), or a `where` (Where(cond, scores, fill), constant cond and fill:
+    a causal mask)."""
+
+    kind: Literal["scale", "mask", "where"]
+    factor: float = 1.0
+    mask: str = ""
+    cond: str = ""
+    fill: str = ""
+
+
+@dataclass(frozen=True)
+class MaskWhere:
+    """The block's own Where that makes its additive mask from a boolean: `cond` True
+    keeps a position where `keeps` (Where(keep, 0, fill)), masks it otherwise
+    (Where(masked, fill, 0))."""
+
+    node: onnx.NodeProto
+    cond: str
+    keeps: bool
+    fill: float
+
+
+@dataclass(frozen=True)
+class Heads:
+    """The head layout: `heads` query heads of `head_dim`, each K/V head read by
+    `groups` of them (grouped-query attention; 1: one K/V head per query head)."""
+
+    heads: int
+    head_dim: int
+    groups: int
+
+    @property
+    def kv_heads(self) -> int:
+        return self.heads // self.groups
+
+
+@dataclass(frozen=True)
+class AttentionBlock:
+    """One self-attention block, as `attention` recognizes it.
+
+    `nodes` in graph order (the last writes the merged heads); `q`, `k`, `v` the
+    projections of the one input `x`; `layout` the heads where the shapes of Q, K and V
+    agree on one (None otherwise); `scores` the transforms from Q·Kᵀ to the Softmax,
+    softmax side first; `mask_where` the Where making the additive mask that the block
+    holds; `guard` whether Where(IsNaN(P), 0, P) follows the softmax."""
+
+    nodes: tuple[onnx.NodeProto, ...]
+    x: str
+    q: Projection
+    k: Projection
+    v: Projection
+    layout: Heads | None
+    scores: tuple[ScoreStep, ...]
+    mask_where: MaskWhere | None
+    guard: bool
+
+    @property
+    def projections(self) -> tuple[Projection, Projection, Projection]:
+        return self.q, self.k, self.v
+
+    @property
+    def scale(self) -> float:
+        """The scale of Q·Kᵀ in the softmax: every scalar Mul/Div on Q, K and the scores
+        (the mask steps between them scale the mask, not this)."""
+        later = 1.0
+        for step in self.scores:
+            later *= step.factor
+        return self.q.scale * self.k.scale * later
+
+    @property
+    def rotated(self) -> bool:
+        return self.q.rotary is not None or self.k.rotary is not None
+
+
+def _times(factor: float, by: float, divide: bool) -> float:
+    """`factor` times `by` (or divided by it; by 0: the division is infinite or NaN, and
+    no kernel takes a scale that is not finite)."""
+    if not divide:
+        return factor * by
+    if by == 0.0:
+        return math.nan if factor == 0.0 else math.copysign(math.inf, factor)
+    return factor / by
+
+
+def _scaled(
+    g: Graph, tensor: str, nodes: list[onnx.NodeProto], factor: float = 1.0
+) -> tuple[str, float]:
+    """Walk back over scalar Mul/Div nodes (a softmax scale), collecting them: (where
+    they start, `factor` times their product)."""
     while True:
         n = g.node(tensor, "Mul", "Div")
         if n is None:
-            return tensor
-        if n.op_type == "Div" and g.scalar(n.input[1]) is not None:
+            return tensor, factor
+        a, b = g.scalar(n.input[0]), g.scalar(n.input[1])
+        if n.op_type == "Div" and b is not None:
             nodes.append(n)
-            tensor = n.input[0]
-        elif n.op_type == "Mul" and g.scalar(n.input[1]) is not None:
+            tensor, factor = n.input[0], _times(factor, b, divide=True)
+        elif n.op_type == "Mul" and b is not None:
             nodes.append(n)
-            tensor = n.input[0]
-        elif n.op_type == "Mul" and g.scalar(n.input[0]) is not None:
+            tensor, factor = n.input[0], factor * b
+        elif n.op_type == "Mul" and a is not None:
             nodes.append(n)
-            tensor = n.input[1]
+            tensor, factor = n.input[1], factor * a
         else:
-            return tensor
+            return tensor, factor
 
 
-def _rotary(g: Graph, tensor: str, nodes: list[onnx.NodeProto]) -> str:
-    """The t of `t·cos + rotate_half(t)·sin` ending in `tensor` (rotary position
-    embeddings as LLaMA-style models write them: rotate_half(t) = Concat(-t[..., h:],
-    t[..., :h]), cos and sin constants), collecting those nodes; `tensor` itself when
-    it is not that."""
+def _rotary(g: Graph, tensor: str, nodes: list[onnx.NodeProto]) -> Rotary | None:
+    """`t·cos + rotate_half(t)·sin` ending in `tensor` (rotary position embeddings as
+    LLaMA-style models write them: rotate_half(t) = Concat(-t[..., h:], t[..., :h]), cos
+    and sin constants), collecting those nodes; None when it is not that."""
     add = g.node(tensor, "Add")
     if add is None or len(add.input) != 2:
-        return tensor
+        return None
     for a, b in (add.input, reversed(add.input)):
         straight, turned = g.node(a, "Mul"), g.node(b, "Mul")
         if straight is None or turned is None or len(turned.input) != 2:
@@ -74,12 +236,12 @@ def _rotary(g: Graph, tensor: str, nodes: list[onnx.NodeProto]) -> str:
             ):
                 continue
             nodes += [add, straight, turned, cat, neg, high, low]
-            return t
-    return tensor
+            return Rotary(t, cos, sin, cat, high, low)
+    return None
 
 
-def _widened(g: Graph, tensor: str, nodes: list[onnx.NodeProto]) -> str | None:
-    """The t of `Expand(Unsqueeze(t, axis 2), [b, kv, r, s, d])` ending in `tensor`, t
+def _widened(g: Graph, tensor: str, nodes: list[onnx.NodeProto]) -> tuple[str, int] | None:
+    """(t, r) of `Expand(Unsqueeze(t, axis 2), [b, kv, r, s, d])` ending in `tensor`, t
     being [b, kv, s, d] (K or V heads repeated for groups of query heads, as
     transformers' repeat_kv writes grouped-query attention), collecting those nodes; None
     when it is not that. The shapes are checked, not the Expand's shape input, which
@@ -92,7 +254,7 @@ def _widened(g: Graph, tensor: str, nodes: list[onnx.NodeProto]) -> str | None:
     if axes is None and len(u.input) > 1:
         v = g.value(u.input[1])
         axes = None if v is None else [int(a) for a in v.reshape(-1)]
-    src, wide = g.ctx.tensors.get(u.input[0]), g.ctx.tensors.get(tensor)
+    src, wide = g.tensors.get(u.input[0]), g.tensors.get(tensor)
     if axes is None or list(axes) not in ([2], [-3]) or src is None or wide is None:
         return None
     if (
@@ -102,65 +264,84 @@ def _widened(g: Graph, tensor: str, nodes: list[onnx.NodeProto]) -> str | None:
     ):
         return None
     nodes += [e, u]
-    return u.input[0]
+    return u.input[0], int(wide.shape[2])
 
 
-def _repeated(g: Graph, tensor: str, nodes: list[onnx.NodeProto]) -> str:
-    """The t of repeat_kv, `Reshape(Expand(Unsqueeze(t, axis 2), [b, kv, r, s, d]),
-    [b, kv·r, s, d])`, ending in `tensor`, collecting those nodes; `tensor` itself when
-    it is not that."""
+def _repeated(g: Graph, tensor: str, nodes: list[onnx.NodeProto]) -> tuple[str, int] | None:
+    """(t, r) of repeat_kv, `Reshape(Expand(Unsqueeze(t, axis 2), [b, kv, r, s, d]),
+    [b, kv·r, s, d])`, ending in `tensor`, collecting those nodes; None when it is not
+    that."""
     r = g.node(tensor, "Reshape")
     if r is None or not g.is_const(r.input[1]):
-        return tensor
-    wide, out = g.ctx.tensors.get(r.input[0]), g.ctx.tensors.get(tensor)
+        return None
+    wide, out = g.tensors.get(r.input[0]), g.tensors.get(tensor)
     found: list[onnx.NodeProto] = []
     t = _widened(g, r.input[0], found)
     if t is None or wide is None or out is None:
-        return tensor
+        return None
     b, kv, rep, s, d = wide.shape
     if tuple(out.shape) != (b, kv * rep, s, d):
-        return tensor
+        return None
     nodes += [r, *found]
     return t
 
 
 def _projection(
     g: Graph, tensor: str, perms: Sequence[Sequence[int]], nodes: list[onnx.NodeProto]
-) -> str | None:
-    """The input x of `Transpose*(Reshape(MatMul(x, W) [+ b]))` ending in `tensor`, the
-    Transposes' perms being `perms` (outermost last); a scalar Mul/Div may sit on the
+) -> Projection | None:
+    """The projection of `Transpose*(Reshape(MatMul(x, W) [+ b]))` ending in `tensor`,
+    the Transposes' perms being `perms` (outermost last); a scalar Mul/Div may sit on the
     way (a scale applied to Q), and rotary embeddings on the heads (Q and K of
     LLaMA-style models). The product may also be a Gemm between Reshapes, and one
     output of a Split of a packed product. Collects the nodes; None when the chain
     differs."""
-    tensor = _scaled(g, tensor, nodes)
-    rotated = repeated = False
+    tensor, scale = _scaled(g, tensor, nodes)
+    rotary: Rotary | None = None
+    groups = 0
     for perm in reversed(perms):
-        if not repeated:
-            inner = _repeated(g, tensor, nodes)
-            repeated = inner != tensor
-            tensor = _scaled(g, inner, nodes)
-        if not rotated:
-            inner = _rotary(g, tensor, nodes)
-            rotated = inner != tensor
-            tensor = _scaled(g, inner, nodes)
+        if not groups:
+            rep = _repeated(g, tensor, nodes)
+            if rep is not None:
+                tensor, groups = rep
+            tensor, scale = _scaled(g, tensor, nodes, scale)
+        if rotary is None:
+            rotary = _rotary(g, tensor, nodes)
+            if rotary is not None:
+                tensor = rotary.t
+            tensor, scale = _scaled(g, tensor, nodes, scale)
         t = g.node(tensor, "Transpose")
         if t is None or list(g.attr(t, "perm", [])) != list(perm):
             return None
         nodes.append(t)
-        tensor = _scaled(g, t.input[0], nodes)
+        tensor, scale = _scaled(g, t.input[0], nodes, scale)
     r = g.node(tensor, "Reshape")
     if r is None or not g.is_const(r.input[1]):
         return None
     nodes.append(r)
-    tensor = _scaled(g, r.input[0], nodes)
+    info = g.tensors.get(r.output[0])
+    heads = (
+        tuple(info.shape)
+        if info is not None and len(info.shape) == 4 and all(isinstance(d, int) for d in info.shape)
+        else None
+    )
+    tensor, scale = _scaled(g, r.input[0], nodes, scale)
+    out = tensor
     split = g.node(tensor, "Split")
     if split is not None:  # Q, K and V from one packed product (GPT-2's c_attn)
         nodes.append(split)
         tensor = split.input[0]
+    product = _product(g, tensor, nodes)
+    if product is None:
+        return None
+    return Projection(product, split, out, heads, scale, rotary, groups or 1)
+
+
+def _product(g: Graph, tensor: str, nodes: list[onnx.NodeProto]) -> Product | None:
+    """`MatMul(x, W) [+ b]` ending in `tensor`, or a Gemm between Reshapes; collects
+    its nodes."""
     back = g.node(tensor, "Reshape")
     gemm = g.node(back.input[0], "Gemm") if back is not None else None
-    if gemm is not None:  # Reshape to 2-D, Gemm, Reshape back: a Conv1D or Linear on 3-D input
+    if back is not None and gemm is not None:  # Reshape to 2-D, Gemm, Reshape back
         flat = g.node(gemm.input[0], "Reshape")
         if (
             flat is None
@@ -169,8 +350,10 @@ def _projection(
         ):
             return None
         nodes += [back, gemm, flat]
-        return flat.input[0]
+        bias = gemm.input[2] if len(gemm.input) > 2 and gemm.input[2] else None
+        return Product(flat.input[0], gemm.input[1], bias, (flat, gemm, back), gemm)
     add = g.node(tensor, "Add")
+    bias = None
     if add is not None:
         bias = (
             add.input[1]
@@ -187,7 +370,8 @@ def _projection(
     if mm is None or not g.is_const(mm.input[1]) or g.is_const(mm.input[0]):
         return None
     nodes.append(mm)
-    return mm.input[0]
+    made = (mm, add) if add is not None else (mm,)
+    return Product(mm.input[0], mm.input[1], bias, made)
 
 
 def _reaches_scores(g: Graph, tensor: str, depth: int = 8) -> bool:
@@ -228,9 +412,11 @@ def _nan_guard(g: Graph, probs: str) -> list[onnx.NodeProto] | None:
     return [isnan[0], w]
 
 
-def _unflattened(g: Graph, tensor: str, nodes: list[onnx.NodeProto]) -> str | None:
-    """The [b, n, s, d] tensor that `Reshape(Transpose(Reshape(t, [b·n, s, d]), [0, 2, 1]),
-    [b, n, d, s])` transposes, collecting those three nodes; None when `tensor` is not that."""
+def _unflattened(g: Graph, tensor: str, nodes: list[onnx.NodeProto]) -> tuple[str, int] | None:
+    """(t, r): the [b, n, s, d] tensor t that `Reshape(Transpose(Reshape(t, [b·n, s, d]),
+    [0, 2, 1]), [b, n, d, s])` transposes, r the times repeat_kv's Reshape merged into the
+    first one repeats its heads (1: none), collecting those nodes; None when `tensor` is
+    not that."""
     r4 = g.node(tensor, "Reshape")
     t = g.node(r4.input[0], "Transpose") if r4 is not None else None
     r3 = (
@@ -240,7 +426,7 @@ def _unflattened(g: Graph, tensor: str, nodes: list[onnx.NodeProto]) -> str | No
     )
     if r3 is None:
         return None
-    src, out = g.ctx.tensors.get(r3.input[0]), g.ctx.tensors.get(tensor)
+    src, out = g.tensors.get(r3.input[0]), g.tensors.get(tensor)
     if src is None or out is None or len(out.shape) != 4:
         return None
     if len(src.shape) == 5:  # grouped-query: repeat_kv's Reshape merged into this one
@@ -257,7 +443,7 @@ def _unflattened(g: Graph, tensor: str, nodes: list[onnx.NodeProto]) -> str | No
     if tuple(out.shape) != (b, n, d, s):
         return None
     nodes += [r4, t, r3]
-    return r3.input[0]
+    return r3.input[0], 1
 
 
 #: An additive mask value at or below this hides its position from the softmax.
@@ -273,7 +459,7 @@ def mask_fill(a: float | None, b: float | None) -> float | None:
     return None if math.isnan(fill) or fill > MASKED else fill
 
 
-def _mask_where(g: Graph, mask: str, add: onnx.NodeProto) -> onnx.NodeProto | None:
+def _mask_where(g: Graph, mask: str, add: onnx.NodeProto) -> MaskWhere | None:
     """The `Where(cond, 0, fill)` (or `Where(cond, fill, 0)`) that makes the additive
     `mask` from a boolean computed outside, fill a constant at or below MASKED (-inf
     too), when it feeds this block's Add alone: as transformers writes each layer's mask. Taken
@@ -282,22 +468,72 @@ def _mask_where(g: Graph, mask: str, add: onnx.NodeProto) -> onnx.NodeProto | No
     w = g.node(mask, "Where")
     if w is None or mask in g.outputs or g.users(mask) != [add] or g.is_const(w.input[0]):
         return None
-    if mask_fill(g.scalar(w.input[1]), g.scalar(w.input[2])) is None:
+    a = g.scalar(w.input[1])
+    fill = mask_fill(a, g.scalar(w.input[2]))
+    if fill is None:
         return None
-    cond = g.ctx.tensors.get(w.input[0])
-    return w if cond is not None and len(cond.shape) == 4 else None
+    cond = g.tensors.get(w.input[0])
+    if cond is None or len(cond.shape) != 4:
+        return None
+    return MaskWhere(w, w.input[0], a == 0.0, fill)
 
 
 def _same_shape(g: Graph, a: str, b: str) -> bool:
-    sa, sb = g.ctx.tensors.get(a), g.ctx.tensors.get(b)
+    sa, sb = g.tensors.get(a), g.tensors.get(b)
     return sa is not None and sb is not None and sa.shape == sb.shape
 
 
 def attention(g: Graph, sm: onnx.NodeProto) -> Match | None:
-    info = g.ctx.tensors.get(sm.input[0])
+    """The attention task whose Softmax is `sm` (see the module doc); None when the
+    block around it is not one."""
+    block = attention_block(g, sm)
+    return None if block is None else Match("attention", list(block.nodes))
+
+
+def task_block(
+    nodes: Sequence[onnx.NodeProto],
+    tensors: Mapping[str, TensorInfo],
+    constants: Container[str],
+    value: Callable[[str], np.ndarray | None],
+) -> AttentionBlock | None:
+    """The block that a task's `nodes` (in graph order) are, read by the same recognizer
+    as the partitioner's: `tensors` their static infos, `constants` the names of the
+    constant tensors, `value` a constant's value. None unless the nodes are one block,
+    all of it and nothing else."""
+    g = Graph.of_task(nodes, tensors, constants, value)
+    softmax = [n for n in nodes if n.op_type == "Softmax" and n.domain in STD]
+    if len(softmax) != 1:
+        return None
+    try:
+        block = attention_block(g, softmax[0])
+    except (KeyError, IndexError, ValueError, TypeError):
+        return None  # an odd graph, as `aoe.subgraphs` takes it
+    if block is None or [n.name for n in block.nodes] != [n.name for n in nodes]:
+        return None
+    return block
+
+
+def _layout(q: Projection, k: Projection, v: Projection) -> Heads | None:
+    """The heads where Q has [b, s, n, d] and K and V the same [b, s, kv, d], repeated
+    n / kv times; None otherwise."""
+    if q.heads is None or k.heads is None or v.heads is None:
+        return None
+    b, s, heads, head_dim = q.heads
+    if q.groups != 1 or k.groups != v.groups or k.heads[:3] != v.heads[:3]:
+        return None
+    if k.heads[:2] != (b, s) or k.heads[3] != head_dim or k.heads[2] * k.groups != heads:
+        return None
+    return Heads(heads, head_dim, k.groups)
+
+
+def attention_block(g: Graph, sm: onnx.NodeProto) -> AttentionBlock | None:
+    """The self-attention block whose Softmax is `sm`; None when it is not one."""
+    info = g.tensors.get(sm.input[0])
     if info is None or len(info.shape) != 4 or g.attr(sm, "axis", -1) not in (-1, 3):
         return None
     nodes: list[onnx.NodeProto] = [sm]
+    scores: list[ScoreStep] = []
+    mask_where: MaskWhere | None = None
     t = sm.input[0]
     qk = None
     for _ in range(8):  # scale, mask and causal Where between Q·Kᵀ and Softmax
@@ -308,9 +544,10 @@ def attention(g: Graph, sm: onnx.NodeProto) -> Match | None:
             qk = n
             break
         if n.op_type in ("Mul", "Div"):
-            s = _scaled(g, t, nodes)
+            s, factor = _scaled(g, t, nodes)
             if s == t:
                 return None
+            scores.append(ScoreStep("scale", factor=factor))
             t = s
             continue
         if n.op_type == "Add":
@@ -322,11 +559,14 @@ def attention(g: Graph, sm: onnx.NodeProto) -> Match | None:
             mask = g.other(n, side[0])
             where = _mask_where(g, mask, n) if mask is not None else None
             if where is not None:
-                nodes.append(where)
+                nodes.append(where.node)
+                mask_where = where
+            scores.append(ScoreStep("mask", mask=mask or ""))
             t = side[0]
             continue
         if n.op_type == "Where" and g.is_const(n.input[0]) and g.is_const(n.input[2]):
             nodes.append(n)
+            scores.append(ScoreStep("where", cond=n.input[0], fill=n.input[2]))
             t = n.input[1]
             continue
         return None
@@ -352,11 +592,14 @@ def attention(g: Graph, sm: onnx.NodeProto) -> Match | None:
     if k is None:
         k = _projection(g, qk.input[1], [(0, 2, 1, 3), (0, 1, 3, 2)], nodes)
     if k is None:  # torch's dynamo export: Kᵀ as Reshape to 3-D, Transpose, Reshape back
-        inner = _unflattened(g, _scaled(g, qk.input[1], nodes), nodes)
-        k = _projection(g, inner, [(0, 2, 1, 3)], nodes) if inner is not None else None
+        outer, factor = _scaled(g, qk.input[1], nodes)
+        inner = _unflattened(g, outer, nodes)
+        k = _projection(g, inner[0], [(0, 2, 1, 3)], nodes) if inner is not None else None
+        if k is not None and inner is not None:
+            groups = k.groups if k.groups != 1 else inner[1]
+            k = replace(k, scale=k.scale * factor, groups=groups)
     v = _projection(g, pv_node.input[1], [(0, 2, 1, 3)], nodes)
-    xs = [q, k, v]
-    if None in xs or len(set(xs)) != 1:
+    if q is None or k is None or v is None or len({q.product.x, k.product.x, v.product.x}) != 1:
         return None
     ctx_out = pv_node.output[0]
     users = g.users(ctx_out)
@@ -382,4 +625,14 @@ def attention(g: Graph, sm: onnx.NodeProto) -> Match | None:
     ordered = g.sorted(nodes)
     if ordered[-1] is not users[0] or not g.closed(ordered):
         return None
-    return Match("attention", ordered)
+    return AttentionBlock(
+        nodes=tuple(ordered),
+        x=q.product.x,
+        q=q,
+        k=k,
+        v=v,
+        layout=_layout(q, k, v),
+        scores=tuple(scores),
+        mask_where=mask_where,
+        guard=guard is not None,
+    )

@@ -317,7 +317,7 @@ def _fill_shapes(model: onnx.ModelProto) -> None:
 def _own_masks(model: onnx.ModelProto, notes: list[str]) -> None:
     """One copy of a shared mask Where per Add that reads it (see the module doc): a
     Where(cond, 0, fill) or Where(cond, fill, 0) of a 4-D boolean activation
-    (`aoe._attention.mask_fill`), read by Adds alone, two or more."""
+    (`aoe.attention.mask_fill`), read by Adds alone, two or more."""
     from onnx import numpy_helper
 
     from aoe.attention import mask_fill

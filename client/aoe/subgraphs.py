@@ -40,7 +40,7 @@ does not match is simply left to operator tuning. Signatures come from
 `aoe.signature.task_signature` over the task's nodes, so subgraph entries in the bank
 have their own keys and twins (the same block repeated in every layer) are tuned once.
 
-The attention matcher lives in `aoe._attention`, the graph view both use in
+The attention recognizer lives in `aoe.attention`, the graph view both use in
 `aoe._sgraph`. This module imports neither trio nor onnxruntime.
 """
 
@@ -73,7 +73,7 @@ def _residual(g: Graph, x: str, inside: Sequence[onnx.NodeProto]) -> onnx.NodePr
     names = {n.name for n in inside}
     if any(u.name not in names for u in g.users(x)):
         return None
-    a, b = (g.ctx.tensors.get(i) for i in add.input)
+    a, b = (g.tensors.get(i) for i in add.input)
     if a is None or b is None or a.shape != b.shape:
         return None  # a broadcasting Add (a bias) is no residual
     return add
@@ -199,8 +199,8 @@ def _norm(g: Graph, r: onnx.NodeProto) -> Match | None:
 
 def _skip_layernorm(g: Graph, ln: onnx.NodeProto) -> Match | None:
     """A LayerNormalization node over the last axis with a residual Add in front."""
-    if g.attr(ln, "axis", -1) not in (-1,) and g.ctx.tensors.get(ln.input[0]) is not None:
-        info = g.ctx.tensors[ln.input[0]]
+    if g.attr(ln, "axis", -1) not in (-1,) and g.tensors.get(ln.input[0]) is not None:
+        info = g.tensors[ln.input[0]]
         if g.attr(ln, "axis", -1) != len(info.shape) - 1:
             return None
     if len(ln.input) < 2 or not all(g.is_const(i) for i in ln.input[1:] if i):
@@ -329,7 +329,7 @@ def _product(g: Graph, y: str) -> tuple[str, list[onnx.NodeProto]] | None:
     mm = g.node(y, "MatMul")
     if mm is None or not g.is_const(mm.input[1]) or g.is_const(mm.input[0]):
         return None
-    w = g.ctx.tensors.get(mm.input[1])
+    w = g.tensors.get(mm.input[1])
     if w is None or len(w.shape) != 2:
         return None
     return mm.input[0], [mm, *nodes]
@@ -361,7 +361,7 @@ def _glu(g: Graph, anchor: onnx.NodeProto) -> Match | None:
         gp, up = _product(g, gate[0]), _product(g, u)
         if gp is None or up is None or gp[0] != up[0] or gp[1][0] is up[1][0]:
             continue  # not one input, or one product (SiLU itself is Sigmoid(g)·g)
-        gw, uw = g.ctx.tensors.get(gp[1][0].input[1]), g.ctx.tensors.get(up[1][0].input[1])
+        gw, uw = g.tensors.get(gp[1][0].input[1]), g.tensors.get(up[1][0].input[1])
         if gw is None or uw is None or gw.shape != uw.shape or gw.dtype != uw.dtype:
             continue
         ordered = g.sorted([*gp[1], *gate[1], *up[1], anchor])
@@ -400,7 +400,7 @@ def _in_region(g: Graph, node: onnx.NodeProto) -> bool:
             g.is_const(i) for i in node.input[1:]
         )
     if node.op_type == "Add":  # a residual: two activations of one shape
-        a, b = (g.ctx.tensors.get(i) for i in node.input)
+        a, b = (g.tensors.get(i) for i in node.input)
         return (
             not any(g.is_const(i) for i in node.input)
             and a is not None

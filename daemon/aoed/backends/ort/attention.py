@@ -1,10 +1,11 @@
 """Attention strategies for ONNX Runtime's CPU provider (SGAT, family ``attention``).
 
-`_attention_parts` reads what a fused kernel needs from an attention subgraph
-(`aoe.subgraphs`): the three projections (separate, or one packed product and a Split),
-the head count, the scale, an additive mask (activation or constant) or a causal one,
-rotary embeddings on Q and K (LLaMA-style: t·cos + rotate_half(t)·sin), and K and V
-heads shared by groups of query heads (grouped-query attention: transformers' repeat_kv).
+The task's block comes from the partitioner's own recognizer (`aoe.attention.task_block`:
+the three projections, separate or one packed product and a Split, the heads, the scale,
+the scores' mask steps, rotary embeddings on Q and K, K and V heads shared by groups of
+query heads); `_parts` reads the values of the constants it names (weights, biases, rotary
+tables, a constant mask, which makes a causal or an additive one). No strategy walks the
+graph itself, so what is tuned is what was recognized.
 The strategies, with the same outputs up to float rounding (precision ``exact``):
 
 - ``fused_attention``: the com.microsoft ``Attention`` kernel over packed Q/K/V weights
@@ -47,14 +48,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Literal
 
 import numpy as np
 import onnx
 from onnx import helper
 
-from aoe.attention import mask_fill
-from aoed.backends.ort._rewrite import Nodes, attrs_of, init, int8_weight, scalar
+from aoe.attention import AttentionBlock, Heads, MaskWhere, Projection, Rotary, task_block
+from aoed.backends.ort._rewrite import attrs_of, init, int8_weight
 from aoed.engine.registry import StrategyRegistry
 from aoed.engine.tasks import CONTRIB_DOMAIN, Rewrite, TaskView
 
@@ -65,106 +67,48 @@ __all__ = ["register"]
 FINITE_FILL = -1e30
 
 
-class _Attention:
-    """The parts of an attention subgraph a fused kernel needs."""
+@dataclass(frozen=True)
+class _Parts:
+    """What the fused kernels read of one `AttentionBlock`: the values of its constants
+    (weights, biases, rotary tables, a constant mask) and what they make of its scores
+    (the scale, a causal or additive mask). Built whole by `_parts`, never changed."""
 
-    x: str
-    weights: list[np.ndarray]  # Wq, Wk, Wv as [hidden, h]
-    biases: list[np.ndarray]  # bq, bk, bv (zeros where the model has none)
+    block: AttentionBlock
+    layout: Heads
+    weights: tuple[np.ndarray, np.ndarray, np.ndarray]  # Wq, Wk, Wv as [hidden, h]
+    biases: tuple[np.ndarray, np.ndarray, np.ndarray]  # bq, bk, bv (zeros where none)
     has_bias: bool
-    projections: list[_Proj]
-    heads: int
-    head_dim: int
-    scale: float  # of Q·Kᵀ before the mask
-    mask: str | None = None  # an additive mask tensor, [.., S, T] (activation or constant)
-    mask_value: np.ndarray | None = None  # its value when constant (scaled as the scores are)
-    causal: bool = False
-    rotated: bool = False  # rotary embeddings on Q and K
-    rotary: tuple[np.ndarray, np.ndarray] | None = None  # their caches, where RotaryEmbedding fits
-    groups: int = 1  # query heads per K/V head (grouped-query attention)
-    #: the block's own Where(keep, 0, fill) that makes `mask` from a boolean (or
-    #: Where(masked, fill, 0)): (the node, the boolean, True when it marks kept
-    #: positions, fill)
-    mask_where: tuple[onnx.NodeProto, str, bool, float] | None = None
-    guard: bool = False  # Where(IsNaN(P), 0, P) after the softmax (torch's sdpa export)
+    scale: float  # of Q·Kᵀ, as the softmax sees it
+    mask: str | None  # an additive mask tensor, [.., S, T] (an activation)
+    mask_value: np.ndarray | None  # a constant mask (scaled as the scores are)
+    causal: bool
+    rotary: tuple[np.ndarray, np.ndarray] | None  # the caches, where RotaryEmbedding fits
+    guard: bool  # the block's NaN guard can fire: the kernels need one too
 
+    @property
+    def x(self) -> str:
+        return self.block.x
 
-def _walk_scale(nodes: Nodes, tensor: str, factor: float) -> tuple[str, float] | None:
-    """Back over scalar Mul/Div from `tensor`: (where it starts, the product of the scales)."""
-    view = nodes.view
-    while True:
-        n = nodes.made(tensor, "Mul", "Div")
-        if n is None:
-            return tensor, factor
-        a, b = scalar(view, n.input[0]), scalar(view, n.input[1])
-        if n.op_type == "Div" and b is not None and b != 0:
-            factor /= b
-            tensor = n.input[0]
-        elif n.op_type == "Mul" and b is not None:
-            factor *= b
-            tensor = n.input[0]
-        elif n.op_type == "Mul" and a is not None:
-            factor *= a
-            tensor = n.input[1]
-        else:
-            return tensor, factor
+    @property
+    def heads(self) -> int:
+        return self.layout.heads
 
+    @property
+    def head_dim(self) -> int:
+        return self.layout.head_dim
 
-@dataclass
-class _Proj:
-    """One of Q, K, V: its input, weight [in, out], bias, the scale applied on the way,
-    the nodes that compute it (shared by all three for a packed projection) and the
-    tensor they produce before the split into heads."""
+    @property
+    def groups(self) -> int:
+        return self.layout.groups
 
-    x: str
-    weight: np.ndarray
-    bias: np.ndarray
-    scale: float
-    nodes: list[onnx.NodeProto]
-    out: str
-    heads_shape: tuple
-    rotated: bool = False  # rotary embeddings on the heads
-    rotary: tuple[np.ndarray, np.ndarray] | None = None  # their (cos, sin) caches, [S, D/2]
-    groups: int = 1  # heads repeated this many times on the way (repeat_kv)
+    @property
+    def rotated(self) -> bool:
+        return self.block.rotated
 
-
-def _widened(nodes: Nodes, tensor: str) -> tuple[str, int] | None:
-    """(t, r) of `Expand(Unsqueeze(t, axis 2), [b, kv, r, s, d])` ending in `tensor`, t
-    being [b, kv, s, d]: K or V heads repeated for groups of query heads (repeat_kv),
-    checked by the shapes; None when it is not that."""
-    view = nodes.view
-    e = nodes.made(tensor, "Expand")
-    u = nodes.made(e.input[0], "Unsqueeze") if e is not None else None
-    if u is None:
-        return None
-    axes = attrs_of(u).get("axes")
-    if axes is None and len(u.input) > 1:
-        v = view.const(u.input[1])
-        axes = None if v is None else [int(a) for a in np.asarray(v).reshape(-1)]
-    src, wide = view.info(u.input[0]), view.info(tensor)
-    if axes is None or list(axes) not in ([2], [-3]) or src is None or wide is None:
-        return None
-    if (
-        len(src.shape) != 4
-        or len(wide.shape) != 5
-        or tuple(wide.shape[:2] + wide.shape[3:]) != tuple(src.shape)
-    ):
-        return None
-    return u.input[0], int(wide.shape[2])
-
-
-def _repeat(nodes: Nodes, tensor: str) -> tuple[str, int] | None:
-    """(t, r) of repeat_kv, `Reshape(Expand(Unsqueeze(t, axis 2), [b, kv, r, s, d]),
-    [b, kv·r, s, d])`, ending in `tensor`; None when it is not that."""
-    r = nodes.made(tensor, "Reshape")
-    got = _widened(nodes, r.input[0]) if r is not None else None
-    src, out = (
-        (nodes.view.info(got[0]), nodes.view.info(tensor)) if got is not None else (None, None)
-    )
-    if got is None or src is None or out is None:
-        return None
-    b, kv, s, d = src.shape
-    return got if tuple(out.shape) == (b, kv * got[1], s, d) else None
+    @property
+    def mask_where(self) -> MaskWhere | None:
+        """The block's own Where that makes `mask` from a boolean."""
+        return self.block.mask_where if self.mask is not None else None
 
 
 def _gemm_weights(view: TaskView, gemm: onnx.NodeProto) -> tuple[np.ndarray, np.ndarray] | None:
@@ -186,37 +130,37 @@ def _gemm_weights(view: TaskView, gemm: onnx.NodeProto) -> tuple[np.ndarray, np.
     return w, np.asarray(c, w.dtype).reshape(-1)
 
 
-def _product(
-    nodes: Nodes, tensor: str
-) -> tuple[str, np.ndarray, np.ndarray, list[onnx.NodeProto]] | None:
-    """(x, weight, bias, nodes) of `MatMul(x, W) [+ b]`, or of a Gemm between Reshapes
-    to 2-D and back (as GPT-2's Conv1D exports)."""
-    view = nodes.view
-    add = nodes.made(tensor, "Add")
-    if add is not None:
-        inner = next((i for i in add.input if i in nodes.producer), "")
-        mm = nodes.made(inner, "MatMul")
-        if mm is None:
+def _weights(view: TaskView, proj: Projection) -> tuple[np.ndarray, np.ndarray] | None:
+    """(weight [in, out], bias) of one projection, its columns of a packed product."""
+    p = proj.product
+    if p.gemm is not None:
+        wb = _gemm_weights(view, p.gemm)
+        if wb is None:
             return None
-        w, b = view.const(mm.input[1]), view.const(next(i for i in add.input if i != inner))
-        if w is None or b is None or w.ndim != 2 or b.size != w.shape[1]:
-            return None
-        return mm.input[0], np.asarray(w), np.asarray(b, w.dtype).reshape(-1), [mm, add]
-    mm = nodes.made(tensor, "MatMul")
-    if mm is not None:
-        w = view.const(mm.input[1])
+        w, b = wb
+    else:
+        w = view.const(p.weight)
         if w is None or w.ndim != 2:
             return None
-        return mm.input[0], np.asarray(w), np.zeros(w.shape[1], w.dtype), [mm]
-    back = nodes.made(tensor, "Reshape")
-    gemm = nodes.made(back.input[0], "Gemm") if back is not None else None
-    flat = nodes.made(gemm.input[0], "Reshape") if gemm is not None else None
-    if flat is None:
+        w = np.asarray(w)
+        if p.bias is None:
+            b = np.zeros(w.shape[1], w.dtype)
+        else:
+            bias = view.const(p.bias)
+            if bias is None or bias.size != w.shape[1]:
+                return None
+            b = np.asarray(bias, w.dtype).reshape(-1)
+    if proj.split is None:
+        return w, b
+    total = view.info(proj.split.input[0])
+    if total is None or attrs_of(proj.split).get("axis", 0) not in (-1, len(total.shape) - 1):
         return None
-    wb = _gemm_weights(view, gemm)
-    if wb is None:
+    sizes = _split_sizes(view, proj.split, w.shape[1])
+    if sizes is None or sum(sizes) != w.shape[1]:
         return None
-    return flat.input[0], wb[0], wb[1], [flat, gemm, back]
+    i = list(proj.split.output).index(proj.out)
+    lo = sum(sizes[:i])
+    return w[:, lo : lo + sizes[i]], b[lo : lo + sizes[i]]
 
 
 def _split_sizes(view: TaskView, split: onnx.NodeProto, total: int) -> list[int] | None:
@@ -246,317 +190,161 @@ def _slice_of(view: TaskView, node: onnx.NodeProto, rank: int) -> tuple[int, int
     return start, end
 
 
-def _rotary(nodes: Nodes, tensor: str) -> tuple[str, tuple[np.ndarray, np.ndarray] | None] | None:
-    """(t, (cos, sin) as [S, D/2] caches) of `t·cos + rotate_half(t)·sin` ending in
-    `tensor`, rotate_half(t) = Concat(-t[..., D/2:], t[..., :D/2]) (non-interleaved, as
-    LLaMA-style models write it); the caches are None where the tables are not what
-    onnxruntime's RotaryEmbedding computes (one [S, D] table whose halves repeat). None
-    when `tensor` is not that."""
-    view = nodes.view
-    add = nodes.made(tensor, "Add")
-    if add is None:
-        return None
-    for a, b in (add.input, tuple(reversed(add.input))):
-        straight, turned = nodes.made(a, "Mul"), nodes.made(b, "Mul")
-        if straight is None or turned is None:
-            continue
-        for cat_out, sin_name in (turned.input, tuple(reversed(turned.input))):
-            cat = nodes.made(cat_out, "Concat")
-            neg = (
-                nodes.made(cat.input[0], "Neg") if cat is not None and len(cat.input) == 2 else None
-            )
-            low = nodes.made(cat.input[1], "Slice") if neg is not None else None
-            high = nodes.made(neg.input[0], "Slice") if neg is not None else None
-            if low is None or high is None or low.input[0] != high.input[0]:
-                continue
-            t = low.input[0]
-            info = view.info(t)
-            cos_name = (
-                next((i for i in straight.input if i != t), None) if t in straight.input else None
-            )
-            cos = view.const(cos_name) if cos_name else None
-            sin = view.const(sin_name)
-            if info is None or len(info.shape) != 4 or cos is None or sin is None:
-                return None
-            seq, d = info.shape[2], info.shape[3]
-            h = d // 2
-            if d % 2 or attrs_of(cat).get("axis") not in (-1, 3):
-                return None
-            if _slice_of(view, low, 4) != (0, h) or (_slice_of(view, high, 4) or (0, 0))[0] != h:
-                return None
-            if (_slice_of(view, high, 4) or (0, 0))[1] < d:
-                return None
-            try:
-                c = np.broadcast_to(np.asarray(cos, np.float32), (1, 1, seq, d))[0, 0]
-                s = np.broadcast_to(np.asarray(sin, np.float32), (1, 1, seq, d))[0, 0]
-            except ValueError:
-                return t, None
-            if np.asarray(cos).size != seq * d or np.asarray(sin).size != seq * d:
-                return t, None  # the tables differ per head or batch: not one cache
-            if not (np.array_equal(c[:, :h], c[:, h:]) and np.array_equal(s[:, :h], s[:, h:])):
-                return t, None
-            return t, (np.ascontiguousarray(c[:, :h]), np.ascontiguousarray(s[:, :h]))
-    return None
+#: `_tables` of a rotation that is not rotate_half over the last axis
+_UNREAD = "unread"
 
 
-def _project(nodes: Nodes, tensor: str, perms: int) -> _Proj | None:
-    """The projection ending in `tensor` (after `perms` Transposes, scalar scales and
-    rotary embeddings on the heads)."""
-    view = nodes.view
-    tensor, scale = _walk_scale(nodes, tensor, 1.0)
-    rotary, rotated, groups = None, False, 1
-    for _ in range(perms):
-        if groups == 1:
-            rep = _repeat(nodes, tensor)
-            if rep is not None:
-                tensor, groups = rep
-                tensor, scale = _walk_scale(nodes, tensor, scale)
-        if not rotated:
-            rot = _rotary(nodes, tensor)
-            if rot is not None:
-                (tensor, rotary), rotated = rot, True
-                tensor, scale = _walk_scale(nodes, tensor, scale)
-        t = nodes.made(tensor, "Transpose")
-        if t is None:
-            return None
-        tensor, scale = _walk_scale(nodes, t.input[0], scale)
-    r = nodes.made(tensor, "Reshape")
-    if r is None:
+def _tables(
+    view: TaskView, rot: Rotary
+) -> tuple[np.ndarray, np.ndarray] | None | Literal["unread"]:
+    """The (cos, sin) caches, [S, D/2], of a rotation (non-interleaved, as LLaMA-style
+    models write it); None where the tables are not what onnxruntime's RotaryEmbedding
+    computes (one [S, D] table whose halves repeat); `_UNREAD` where the slices and the
+    Concat are not rotate_half over the last axis, or the tables cannot be read."""
+    info = view.info(rot.t)
+    cos, sin = view.const(rot.cos), view.const(rot.sin)
+    if info is None or len(info.shape) != 4 or cos is None or sin is None:
+        return _UNREAD
+    seq, d = info.shape[2], info.shape[3]
+    h = d // 2
+    if d % 2 or attrs_of(rot.cat).get("axis") not in (-1, 3):
+        return _UNREAD
+    high = _slice_of(view, rot.high, 4) or (0, 0)
+    if _slice_of(view, rot.low, 4) != (0, h) or high[0] != h or high[1] < d:
+        return _UNREAD
+    try:
+        c = np.broadcast_to(np.asarray(cos, np.float32), (1, 1, seq, d))[0, 0]
+        s = np.broadcast_to(np.asarray(sin, np.float32), (1, 1, seq, d))[0, 0]
+    except ValueError:
         return None
-    heads_shape = view.info(r.output[0])
-    tensor, scale = _walk_scale(nodes, r.input[0], scale)
-    if heads_shape is None or len(heads_shape.shape) != 4:
+    if np.asarray(cos).size != seq * d or np.asarray(sin).size != seq * d:
+        return None  # the tables differ per head or batch: not one cache
+    if not (np.array_equal(c[:, :h], c[:, h:]) and np.array_equal(s[:, :h], s[:, h:])):
         return None
-    split = nodes.made(tensor, "Split")
-    if split is None:
-        got = _product(nodes, tensor)
-        if got is None:
-            return None
-        x, w, b, made = got
-        return _Proj(
-            x, w, b, scale, made, tensor, tuple(heads_shape.shape), rotated, rotary, groups
-        )
-    # A packed projection (GPT-2): one product, split along its last axis.
-    total = view.info(split.input[0])
-    got = _product(nodes, split.input[0])
+    return np.ascontiguousarray(c[:, :h]), np.ascontiguousarray(s[:, :h])
+
+
+def _block(view: TaskView) -> AttentionBlock | None:
+    """The attention block the task is, by the partitioner's own recognizer."""
+    return task_block(view.nodes, view.infos, view.consts, view.const)
+
+
+def _parts(view: TaskView) -> _Parts | None:
+    """What the fused kernels read of the task's block; None where the task is no block,
+    or its details fit no kernel (a rotation not over the last axis, a mask after a
+    scale that is not constant, two masks, a scale that is not finite)."""
+    block = _block(view)
+    if block is None or block.layout is None:
+        return None
+    layout = block.layout
+    q, k, v = block.projections
+    read = [_weights(view, p) for p in (q, k, v)]
+    tables = [_tables(view, p.rotary) if p.rotary is not None else None for p in (q, k, v)]
+    if any(r is None for r in read) or any(isinstance(t, str) for t in tables):
+        return None
+    if v.rotary is not None or (q.rotary is None) != (k.rotary is None):
+        return None
+    rotary = None
+    tq, tk = tables[0], tables[1]
     if (
-        got is None
-        or total is None
-        or attrs_of(split).get("axis", 0) not in (-1, len(total.shape) - 1)
+        tq is not None
+        and tk is not None
+        and not isinstance(tq, str)
+        and not isinstance(tk, str)
+        and all(np.array_equal(a, b) for a, b in zip(tq, tk, strict=True))
     ):
-        return None
-    x, w, b, made = got
-    sizes = _split_sizes(view, split, w.shape[1])
-    if sizes is None or sum(sizes) != w.shape[1]:
-        return None
-    i = list(split.output).index(tensor)
-    lo = sum(sizes[:i])
-    return _Proj(
-        x,
-        w[:, lo : lo + sizes[i]],
-        b[lo : lo + sizes[i]],
-        scale,
-        [*made, split],
-        tensor,
-        tuple(heads_shape.shape),
-        rotated,
-        rotary,
-        groups,
-    )
-
-
-def _attention_parts(view: TaskView) -> _Attention | None:
-    nodes = Nodes(view)
-    sm = next((n for n in view.nodes if n.op_type == "Softmax"), None)
-    if sm is None:
-        return None
-    att = _Attention()
-    # From Softmax back to Q·Kᵀ: scales, the mask Add, a causal Where.
-    steps: list[tuple[str, object]] = []
-    t = sm.input[0]
-    qk = None
-    while qk is None:
-        n = nodes.producer.get(t)
-        if n is None:
-            return None
-        if n.op_type == "MatMul":
-            qk = n
-        elif n.op_type in ("Mul", "Div"):
-            s, f = _walk_scale(nodes, t, 1.0) or (t, 1.0)
-            if s == t:
-                return None
-            steps.append(("scale", f))
-            t = s
-        elif n.op_type == "Add":
-            side = next((i for i in n.input if i in nodes.producer and _to_scores(nodes, i)), None)
-            if side is None:
-                return None
-            steps.append(("mask", n.input[1] if n.input[0] == side else n.input[0]))
-            t = side
-        elif n.op_type == "Where":
-            cond, fill = view.const(n.input[0]), view.const(n.input[2])
-            if cond is None or fill is None:
-                return None
-            steps.append(("where", (np.asarray(cond, bool), np.asarray(fill, np.float32))))
-            t = n.input[1]
-        else:
-            return None
-    probs = sm.output[0]
-    guard = next(
-        (n for n in view.nodes if n.op_type == "Where" and list(n.input[2:]) == [probs]), None
-    )
-    if guard is not None:  # Where(IsNaN(P), 0, P)
-        probs = guard.output[0]
-        att.guard = True
-    pv = next((n for n in view.nodes if n.op_type == "MatMul" and n.input[0] == probs), None)
-    if pv is None:
-        return None
-    q = _project(nodes, qk.input[0], 1)
-    k = _project(nodes, qk.input[1], 2) or _project(
-        nodes, qk.input[1], 1
-    )  # Kᵀ in two steps, or one
-    if k is None:  # torch's dynamo export: Kᵀ as Reshape to 3-D, Transpose, Reshape back
-        t, outer = _walk_scale(nodes, qk.input[1], 1.0)
-        r4 = nodes.made(t, "Reshape")
-        tr = nodes.made(r4.input[0], "Transpose") if r4 is not None else None
-        r3 = nodes.made(tr.input[0], "Reshape") if tr is not None else None
-        got = _widened(nodes, r3.input[0]) if r3 is not None else None
-        if got is not None:  # repeat_kv's Reshape merged into the flattening one
-            k = _project(nodes, got[0], 1)
-            if k is not None and k.groups == 1:
-                k.groups = got[1]
-        else:
-            k = _project(nodes, r3.input[0], 1) if r3 is not None else None
-        if k is not None:
-            k.scale *= outer
-    v = _project(nodes, pv.input[1], 1)
-    if q is None or k is None or v is None or len({q.x, k.x, v.x}) != 1:
-        return None
-    b, s, heads, head_dim = q.heads_shape
-    if q.groups != 1 or k.groups != v.groups or k.heads_shape[:3] != v.heads_shape[:3]:
-        return None
-    if (
-        k.heads_shape[:2] != (b, s)
-        or k.heads_shape[3] != head_dim
-        or k.heads_shape[2] * k.groups != heads
-    ):
-        return None
-    att.groups = k.groups
-    att.x = q.x
-    att.heads, att.head_dim = int(heads), int(head_dim)
-    att.projections = [q, k, v]
-    if v.rotated or q.rotated != k.rotated:
-        return None
-    att.rotated = q.rotated
-    if (
-        q.rotary is not None
-        and k.rotary is not None
-        and all(np.array_equal(a, b) for a, b in zip(q.rotary, k.rotary, strict=True))
-    ):
-        att.rotary = q.rotary
-    att.weights = [p.weight for p in (q, k, v)]
-    att.biases = [p.bias for p in (q, k, v)]
-    att.has_bias = any(np.any(p.bias != 0) for p in (q, k, v))
-    xi = view.info(att.x)
-    if xi is None or len(xi.shape) != 3 or att.weights[0].shape[1] != att.heads * att.head_dim:
+        rotary = tq
+    weights = tuple(r[0] for r in read if r is not None)
+    biases = tuple(r[1] for r in read if r is not None)
+    xi = view.info(block.x)
+    if xi is None or len(xi.shape) != 3 or weights[0].shape[1] != layout.heads * layout.head_dim:
         return None
     seq = xi.shape[1]
     # The scores' transform, from Q·Kᵀ outwards: scale, then mask (scaled by any later
     # scale), then a causal Where. Anything else does not fit the kernel.
-    scale = q.scale * k.scale
     mask: np.ndarray | str | None = None
     later = 1.0
-    for kind, arg in steps:  # softmax side first
-        if kind == "scale":
-            later *= float(arg)  # type: ignore[arg-type]
-        elif kind == "mask":
+    for step in block.scores:  # softmax side first
+        if step.kind == "scale":
+            later *= step.factor
+        elif step.kind == "mask":
             if mask is not None:
                 return None
-            name = str(arg)
-            value = view.const(name)
+            value = view.const(step.mask)
             if value is None:
                 if later != 1.0:
                     return None
-                mask = name
-                att.mask_where = _mask_where(nodes, name)
+                mask = step.mask
             else:
                 mask = np.asarray(value, np.float32) * np.float32(later)
-        elif kind == "where":
-            cond, fill = arg  # type: ignore[misc]
+        else:
+            cond, fill = view.const(step.cond), view.const(step.fill)
+            if cond is None or fill is None:
+                return None
             if mask is not None and not isinstance(mask, np.ndarray):
                 return None
-            bias = np.where(cond, np.float32(0), fill * np.float32(later)).astype(np.float32)
+            bias = np.where(
+                np.asarray(cond, bool),
+                np.float32(0),
+                np.asarray(fill, np.float32) * np.float32(later),
+            ).astype(np.float32)
             mask = bias if mask is None else mask + bias
-    att.scale = scale * later
+    causal, mask_value, mask_input = False, None, None
     if isinstance(mask, np.ndarray):
         full = np.broadcast_to(mask, np.broadcast_shapes(mask.shape, (1, 1, seq, seq)))
         if full.shape[-2:] != (seq, seq) or full.ndim != 4:
             return None
         lower = np.tril(np.ones((seq, seq), bool))
         if np.all(full[..., lower] == 0) and np.all(full[..., ~lower] <= -1e4):
-            att.causal = True
+            causal = True
         elif not np.all(full == 0):
-            att.mask_value = np.ascontiguousarray(full[:, :, :, :]).astype(np.float32)
+            mask_value = np.ascontiguousarray(full[:, :, :, :]).astype(np.float32)
     elif isinstance(mask, str):
         mi = view.info(mask)
         if mi is None or len(mi.shape) != 4 or tuple(mi.shape[-2:]) not in ((seq, seq), (1, seq)):
             return None
-        att.mask = mask
-    if not math.isfinite(att.scale):
+        mask_input = mask
+    if not math.isfinite(block.scale):
         return None
+    parts = _Parts(
+        block=block,
+        layout=layout,
+        weights=(weights[0], weights[1], weights[2]),
+        biases=(biases[0], biases[1], biases[2]),
+        has_bias=any(np.any(b != 0) for b in biases),
+        scale=block.scale,
+        mask=mask_input,
+        mask_value=mask_value,
+        causal=causal,
+        rotary=rotary,
+        guard=block.guard,
+    )
     oi = view.info(view.output)
-    if _flattened(view, att) and (oi is None or sum(not isinstance(d, int) for d in oi.shape) > 1):
+    if _flattened(view, parts) and (
+        oi is None or sum(not isinstance(d, int) for d in oi.shape) > 1
+    ):
         return None  # a reshape to it needs its dimensions
-    if att.guard and _rows_stay_finite(att):
-        att.guard = False  # the block's guard never fires: the kernels need none either
-    return att
+    if parts.guard and _rows_stay_finite(parts):
+        parts = replace(
+            parts, guard=False
+        )  # the block's guard never fires: the kernels need none either
+    return parts
 
 
-def _rows_stay_finite(att: _Attention) -> bool:
+def _rows_stay_finite(att: _Parts) -> bool:
     """Whether every query row keeps a finite score for finite inputs, so that the
     softmax never gives NaN and a Where(IsNaN(P), 0, P) guard after it changes nothing:
     no mask but a causal one (a row keeps its own position), a constant mask with a
     finite entry in every row, or the block's own mask Where with a finite fill
     (transformers fills with the float's lowest value, not -inf)."""
     if att.mask is not None:
-        return att.mask_where is not None and math.isfinite(att.mask_where[3])
+        return att.mask_where is not None and math.isfinite(att.mask_where.fill)
     if att.mask_value is not None:
         return bool(np.isfinite(att.mask_value).any(axis=-1).all())
     return True
 
 
-def _mask_where(nodes: Nodes, mask: str) -> tuple[onnx.NodeProto, str, bool, float] | None:
-    """The task's Where that makes the additive `mask` from a boolean (aoe.attention
-    takes it in): (node, boolean, whether True keeps, fill)."""
-    w = nodes.made(mask, "Where")
-    if w is None or w.input[0] in nodes.producer:
-        return None
-    a = scalar(nodes.view, w.input[1])
-    fill = mask_fill(a, scalar(nodes.view, w.input[2]))
-    if fill is None:
-        return None
-    return w, w.input[0], a == 0.0, fill
-
-
-def _to_scores(nodes: Nodes, tensor: str) -> bool:
-    for _ in range(8):
-        n = nodes.producer.get(tensor)
-        if n is None:
-            return False
-        if n.op_type == "MatMul":
-            return True
-        if n.op_type in ("Mul", "Div"):
-            tensor = n.input[0] if n.input[0] in nodes.producer else n.input[1]
-        elif n.op_type == "Where":
-            tensor = n.input[1]
-        elif n.op_type == "Add":
-            return any(_to_scores(nodes, i) for i in n.input if i in nodes.producer)
-        else:
-            return False
-    return False
-
-
-def _per_head(att: _Attention) -> tuple[list[np.ndarray], list[np.ndarray]]:
+def _per_head(att: _Parts) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """The Q, K, V weights and biases with one column block per query head: on a
     grouped-query block each K/V head's columns repeated for its group (what repeat_kv
     does to the heads, done once to the weights)."""
@@ -574,7 +362,7 @@ def _per_head(att: _Attention) -> tuple[list[np.ndarray], list[np.ndarray]]:
     return [q, wide(k), wide(v)], [bq, wide(bk), wide(bv)]
 
 
-def _bias_input(view: TaskView, att: _Attention, nodes: list, inits: list) -> str:
+def _bias_input(view: TaskView, att: _Parts, nodes: list, inits: list) -> str:
     """The attention_bias input: a constant [.., S, S], or the mask tensor expanded to
     [B, 1|N, S, S]; '' when there is none."""
     if att.mask_value is not None:
@@ -585,11 +373,11 @@ def _bias_input(view: TaskView, att: _Attention, nodes: list, inits: list) -> st
         return ""
     if att.mask_where is not None:  # the block's own Where, kept
         copy = onnx.NodeProto()
-        copy.CopyFrom(att.mask_where[0])
+        copy.CopyFrom(att.mask_where.node)
         if _row_guard(view, att):  # a finite fill: a fully masked row comes out finite, then zeroed
             fill = init(view, "mask_fill", np.array(FINITE_FILL, np.float32))
             inits.append(fill)
-            copy.input[2 if att.mask_where[2] else 1] = fill.name
+            copy.input[2 if att.mask_where.keeps else 1] = fill.name
         nodes.append(copy)
     mi = view.info(att.mask)
     xi = view.info(att.x)
@@ -609,7 +397,7 @@ def _bias_input(view: TaskView, att: _Attention, nodes: list, inits: list) -> st
     return out
 
 
-def _flattened(view: TaskView, att: _Attention) -> bool:
+def _flattened(view: TaskView, att: _Parts) -> bool:
     """Whether the block's output is not the kernels' [B, S, hidden]: torch's dynamo
     export of GPT-2's Conv1D merges the heads straight into [B*S, hidden] for the next
     product. The kernels' output is then reshaped to it."""
@@ -619,23 +407,23 @@ def _flattened(view: TaskView, att: _Attention) -> bool:
     return tuple(oi.shape) != (*tuple(xi.shape)[:2], att.heads * att.head_dim)
 
 
-def _out(view: TaskView, att: _Attention) -> str:
+def _out(view: TaskView, att: _Parts) -> str:
     """Where a fused kernel writes: the task's output, or before what `_finish` adds."""
     return view.name("attention") if att.guard or _flattened(view, att) else view.output
 
 
-def _row_guard(view: TaskView, att: _Attention) -> bool:
+def _row_guard(view: TaskView, att: _Parts) -> bool:
     """Whether the block's guard can be a product by the rows' keep flags: its only mask
     is its own Where with a fill of -inf, on a boolean with one head dimension. The kernels then get a finite fill instead, so
     that a fully masked row comes out finite (their average) and the product makes it
     zeros, as the guarded softmax does, for a fraction of the IsNaN and Where's cost."""
-    if not att.guard or att.causal or att.mask_where is None or att.mask_where[3] != -math.inf:
+    if not att.guard or att.causal or att.mask_where is None or att.mask_where.fill != -math.inf:
         return False
-    ci = view.info(att.mask_where[1])
+    ci = view.info(att.mask_where.cond)
     return ci is not None and len(ci.shape) == 4 and ci.shape[1] == 1
 
 
-def _finish(view: TaskView, att: _Attention, nodes: list, inits: list) -> Rewrite:
+def _finish(view: TaskView, att: _Parts, nodes: list, inits: list) -> Rewrite:
     """The rewrite of a fused kernel; where the block guards its softmax (Where(IsNaN(P),
     0, P), torch's sdpa export), the same effect on the kernel's output. A query row whose
     keys are all masked by -inf is NaN in the kernels as in the softmax; the block makes it
@@ -681,11 +469,11 @@ def _finish(view: TaskView, att: _Attention, nodes: list, inits: list) -> Rewrit
     return Rewrite(tuple(nodes), tuple(inits))
 
 
-def _row_keeps(view: TaskView, att: _Attention, nodes: list, inits: list) -> str:
+def _row_keeps(view: TaskView, att: _Parts, nodes: list, inits: list) -> str:
     """[B|1, S|1, 1] float: 1 where a query row keeps any key under the block's mask
     Where, 0 where it keeps none."""
     assert att.mask_where is not None
-    _node, cond, keeps, _fill = att.mask_where
+    cond, keeps = att.mask_where.cond, att.mask_where.keeps
     names = [view.name(n) for n in ("row_keepf", "row_any", "row_keep")]
     nodes.append(
         helper.make_node(
@@ -732,7 +520,7 @@ def _row_keeps(view: TaskView, att: _Attention, nodes: list, inits: list) -> str
 def _fused_attention(view: TaskView) -> Rewrite | None:
     """Q/K/V projections, scaled dot product, softmax and head merge as one com.microsoft
     Attention over the packed [hidden, 3h] weight (not with rotary embeddings)."""
-    att = _attention_parts(view)
+    att = _parts(view)
     if att is None or att.rotated:
         return None
     weights, biases = _per_head(att)
@@ -761,7 +549,7 @@ def _fused_attention(view: TaskView) -> Rewrite | None:
 
 def _packed_projection(
     view: TaskView,
-    att: _Attention,
+    att: _Parts,
     with_bias: bool,
     per_head: bool = False,
     split: bool = True,
@@ -823,19 +611,17 @@ def _packed_projection(
 def _packed_qkv(view: TaskView) -> Rewrite | None:
     """The three projections as one MatMul over the concatenated weights, then Split;
     the rest of the block as the model has it."""
-    att = _attention_parts(view)
+    att = _parts(view)
     if att is None:
         return None
     nodes, inits, outs = _packed_projection(view, att, with_bias=att.has_bias)
     return Rewrite((*nodes, *_after_projections(view, att, outs)), tuple(inits))
 
 
-def _after_projections(
-    view: TaskView, att: _Attention, outs: Sequence[str]
-) -> list[onnx.NodeProto]:
+def _after_projections(view: TaskView, att: _Parts, outs: Sequence[str]) -> list[onnx.NodeProto]:
     """The block's nodes past its three projections, reading `outs` (q, k, v) instead."""
-    replaced = {n.name for p in att.projections for n in p.nodes}
-    renames = {p.out: out for p, out in zip(att.projections, outs, strict=True)}
+    replaced = {n.name for p in att.block.projections for n in p.nodes}
+    renames = {p.out: out for p, out in zip(att.block.projections, outs, strict=True)}
     kept = []
     for n in view.nodes:
         if n.name in replaced:
@@ -850,7 +636,7 @@ def _after_projections(
 
 def _rotated(
     view: TaskView,
-    att: _Attention,
+    att: _Parts,
     outs: Sequence[str],
     nodes: list,
     inits: list,
@@ -889,7 +675,7 @@ def _multihead_attention(view: TaskView, int8: bool = False) -> Rewrite | None:
     inside the kernel). Rotary embeddings become com.microsoft RotaryEmbedding on Q and
     K between the two (the bias then added before the Split). `int8`: the projection
     on DynamicQuantizeMatMul (the bias inside it)."""
-    att = _attention_parts(view)
+    att = _parts(view)
     if att is None or att.rotated and att.rotary is None:
         return None
     rotary = att.rotated
@@ -931,7 +717,7 @@ def _group_query_attention(view: TaskView, int8: bool = False) -> Rewrite | None
     [1, 128, 8x32] rotary block took 294 us there against 337 us on MultiHeadAttention
     (the same Split and RotaryEmbedding in front). `int8`: the projection on
     DynamicQuantizeMatMul."""
-    att = _attention_parts(view)
+    att = _parts(view)
     if att is None or att.rotated and att.rotary is None:
         return None
     xi = view.info(att.x)
@@ -967,13 +753,13 @@ def _group_query_attention(view: TaskView, int8: bool = False) -> Rewrite | None
     return _finish(view, att, nodes, inits)
 
 
-def _raw_mask(view: TaskView, att: _Attention, nodes: list, inits: list) -> str | None:
+def _raw_mask(view: TaskView, att: _Parts, nodes: list, inits: list) -> str | None:
     """QAttention's mask_index from the block's own mask Where: its boolean as 1 (kept)
     and 0 (masked), [B, S, T] int32, the raw 3-D form; None when the boolean has a
     dimension per head or the block has no such Where."""
     if att.mask_where is None:
         return None
-    _node, cond, keeps, _fill = att.mask_where
+    cond, keeps = att.mask_where.cond, att.mask_where.keeps
     ci, xi = view.info(cond), view.info(att.x)
     if ci is None or xi is None or len(ci.shape) != 4 or ci.shape[1] != 1:
         return None
@@ -1006,7 +792,7 @@ def _int8_qattention(view: TaskView) -> Rewrite | None:
     causal one, or with a mask the block makes itself from a boolean (transformers'
     per-layer Where), which becomes its raw 3-D mask_index, the fill as its
     mask_filter_value; and without rotary embeddings."""
-    att = _attention_parts(view)
+    att = _parts(view)
     if att is None or att.mask_value is not None or att.rotated:
         return None
     nodes: list = []
@@ -1016,7 +802,7 @@ def _int8_qattention(view: TaskView) -> Rewrite | None:
         got = _raw_mask(view, att, nodes, inits)
         if got is None:
             return None
-        mask_index, fill = got, FINITE_FILL if _row_guard(view, att) else att.mask_where[3]  # type: ignore[index]
+        mask_index, fill = got, FINITE_FILL if _row_guard(view, att) else att.mask_where.fill  # type: ignore[union-attr]
     weights, biases = _per_head(att)
     wq, ws = int8_weight(np.concatenate(weights, axis=1).astype(np.float32), per_channel=True)
     inits += [
@@ -1050,7 +836,7 @@ def _int8_packed_qkv(view: TaskView) -> Rewrite | None:
     """The three projections as one int8 product: the shared input quantized once
     (com.microsoft DynamicQuantizeMatMul over the packed weight, per column), then Split;
     the scaled dot product stays float."""
-    att = _attention_parts(view)
+    att = _parts(view)
     if att is None:
         return None
     nodes, inits, outs = _packed_projection(view, att, with_bias=att.has_bias, int8=True)
