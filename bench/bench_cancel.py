@@ -35,7 +35,7 @@ async def measure(tries: int) -> tuple[list[float], list[float]]:
     from aoe.errors import JobCancelledError
     from aoe.spec import JobSpec
     from aoed import samples
-    from aoed.backends.ort.catalog import build_registry
+    from aoed.backends.ort.runtime import ORT
     from aoed.engine.engine import open_engine
     from aoed.engine.job import JobHandle, JobRun
     from aoed.engine.messages import Candidate, MeasurePlan, MeasureRequest
@@ -45,7 +45,7 @@ async def measure(tries: int) -> tuple[list[float], list[float]]:
     np.savez(tmp / "in.npz", image=np.zeros((1, 3, 32, 32), np.float32))
     config = load_config(env={}).replace(bank=tmp / "bank", parallel=1)
     cancel_s, next_s = [], []
-    async with open_engine(config, build_registry(), tmp / "logs") as engine:
+    async with open_engine(config, ORT, tmp / "logs") as engine:
         for i in range(tries):
             handle, stages, t = JobHandle(), [], {}
 

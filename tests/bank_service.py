@@ -17,7 +17,7 @@ from aoe.config import load_config
 from aoe.v1 import bank_pb2_grpc
 from aoed.api._bridge import Bridge
 from aoed.api.bank import add_to_server
-from aoed.backends.ort.catalog import build_registry
+from aoed.backends.ort.runtime import ORT
 from aoed.engine.engine import open_engine
 
 __all__ = ["Daemon", "serving"]
@@ -47,7 +47,7 @@ async def serving(tmp_path: Path, name: str = "a") -> AsyncIterator[Daemon]:
     sockdir = Path(tempfile.mkdtemp(prefix="aoe-api-"))
     socket = f"unix:{sockdir / 's.sock'}"
     async with (
-        open_engine(config, build_registry(()), root / "logs") as engine,
+        open_engine(config, ORT, root / "logs") as engine,
         trio.open_nursery() as nursery,
     ):
         executor = ThreadPoolExecutor(8)

@@ -205,21 +205,26 @@ def test_cuda_visible_devices_maps_cuda_indices_to_gpus(fake_smi, monkeypatch) -
 
 
 def test_cuda_and_tensorrt_on_one_gpu_share_one_device_lock(tmp_path: Path) -> None:
+    from aoed.backends.ort.runtime import ORT
     from aoed.engine.device import DeviceAgent
 
     agents = [
-        DeviceAgent(Device.parse(d), None, tmp_path / "logs", tmp_path / "run")
+        DeviceAgent(Device.parse(d), None, tmp_path / "logs", tmp_path / "run", runtime=ORT)
         for d in ("cuda:0", "tensorrt:0")
     ]
     assert agents[0].lock.path == agents[1].lock.path, (
         "two providers of one GPU must not measure at once"
     )
     assert (
-        DeviceAgent(Device.parse("cuda:1"), None, tmp_path / "logs", tmp_path / "run").lock.path
+        DeviceAgent(
+            Device.parse("cuda:1"), None, tmp_path / "logs", tmp_path / "run", runtime=ORT
+        ).lock.path
         != agents[0].lock.path
     )
     assert (
-        DeviceAgent(Device.parse("cpu"), None, tmp_path / "logs", tmp_path / "run").lock.path.name
+        DeviceAgent(
+            Device.parse("cpu"), None, tmp_path / "logs", tmp_path / "run", runtime=ORT
+        ).lock.path.name
         == "device-cpu.lock"
     )
 

@@ -4,6 +4,7 @@ claims the provider, checks its documented options, and runs on the CPU)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -13,9 +14,13 @@ import trio
 from aoe.device import Device
 from aoed import samples
 from aoed.backends.ort import accel
+from aoed.backends.ort.runtime import ORT
 from aoed.engine.device import DeviceAgent
 from aoed.engine.messages import Candidate, MeasurePlan, MeasureRequest
 from aoed.engine.session import base_options, merge_options
+
+#: ONNX Runtime with the fake CANN provider's runner: the same runtime, another device
+FAKE_CANN = dataclasses.replace(ORT, runner_module="tests.fake_cann")
 
 
 async def test_cann_options_reach_the_provider_and_candidates_are_measured(
@@ -40,7 +45,7 @@ async def test_cann_options_reach_the_provider_and_candidates_are_measured(
         cands += [
             Candidate(f"{name}{i}", model, merge_options(base, v)) for i, v in enumerate(values)
         ]
-    agent = DeviceAgent(npu, None, tmp_path / "logs", tmp_path / "run", runner="tests.fake_cann")
+    agent = DeviceAgent(npu, None, tmp_path / "logs", tmp_path / "run", runtime=FAKE_CANN)
     async with trio.open_nursery() as nursery:
         await nursery.start(agent.run)
         assert "CANNExecutionProvider" in agent.providers

@@ -22,6 +22,7 @@ from aoe.device import CPU
 from aoe.errors import CandidateError, DeviceError
 from aoe.partition import partition
 from aoed import samples
+from aoed.backends.ort.runtime import ORT
 from aoed.engine.device import DeviceAgent
 from aoed.engine.ledger import JobLedger, time_scale
 from aoed.engine.messages import (
@@ -150,7 +151,7 @@ def _alive(pid: int) -> bool:
 
 async def test_worker_crash_and_hang_cost_one_candidate(plugin, mlp_task, tmp_path):
     task, _ = mlp_task
-    pool = CompilePool(1, tmp_path / "logs", plugins=plugin, timeouts={"compile": 5.0})
+    pool = CompilePool(1, tmp_path / "logs", runtime=ORT, plugins=plugin, timeouts={"compile": 5.0})
     async with trio.open_nursery() as nursery:
         await nursery.start(pool.run)
         ok = await pool.call(_compile(task, "default", tmp_path / "a.onnx"))
@@ -191,7 +192,7 @@ async def test_the_pool_scales_its_limit_by_the_jobs_model(plugin, mlp_task, tmp
     task, _ = mlp_task
     big = JobLedger("job-big")
     big.scale_to_model(512 << 20)
-    pool = CompilePool(1, tmp_path / "logs", plugins=plugin, timeouts={"compile": 1.0})
+    pool = CompilePool(1, tmp_path / "logs", runtime=ORT, plugins=plugin, timeouts={"compile": 1.0})
     async with trio.open_nursery() as nursery:
         await nursery.start(pool.run)
         assert (
@@ -218,7 +219,7 @@ async def test_the_pool_scales_its_limit_by_the_jobs_model(plugin, mlp_task, tmp
 
 async def test_a_worker_over_its_memory_limit_costs_one_candidate(plugin, mlp_task, tmp_path):
     task, _ = mlp_task
-    pool = CompilePool(1, tmp_path / "logs", plugins=plugin, memory_mb=1536)
+    pool = CompilePool(1, tmp_path / "logs", runtime=ORT, plugins=plugin, memory_mb=1536)
     async with trio.open_nursery() as nursery:
         await nursery.start(pool.run)
         with pytest.raises(CandidateError, match="memory") as hog:
@@ -238,7 +239,7 @@ async def test_a_worker_over_its_memory_limit_costs_one_candidate(plugin, mlp_ta
 
 async def test_inapplicable_strategy_is_not_a_failure(mlp_task, tmp_path):
     task, _ = mlp_task
-    pool = CompilePool(1, tmp_path / "logs")
+    pool = CompilePool(1, tmp_path / "logs", runtime=ORT)
     async with trio.open_nursery() as nursery:
         await nursery.start(pool.run)
         res = await pool.call(
@@ -252,7 +253,7 @@ async def test_paused_time_does_not_count_against_a_compile_deadline(plugin, mlp
     task, _ = mlp_task
     # The strategy works for 1 s; the deadline is 3 s; the pool is paused for 2.5 s of it,
     # once the strategy runs: counted, the pause would put it past the deadline.
-    pool = CompilePool(1, tmp_path / "logs", plugins=plugin, timeouts={"compile": 3.0})
+    pool = CompilePool(1, tmp_path / "logs", runtime=ORT, plugins=plugin, timeouts={"compile": 3.0})
     async with trio.open_nursery() as nursery:
         await nursery.start(pool.run)
         # Worker is up (its start, importing onnxruntime, can take more than 1.5 s on a busy machine).
@@ -279,13 +280,13 @@ async def test_paused_time_does_not_count_against_a_compile_deadline(plugin, mlp
 
 async def test_device_serializes_and_pauses_compile_workers(mlp_task, tmp_path):
     task, inputs = mlp_task
-    pool = CompilePool(1, tmp_path / "logs")
+    pool = CompilePool(1, tmp_path / "logs", runtime=ORT)
     replies: list[MeasureReply] = []
     seen_states: list[str] = []
     ledger = JobLedger("job-test")
     async with trio.open_nursery() as nursery:
         await nursery.start(pool.run)
-        device = DeviceAgent(CPU, pool, tmp_path / "logs", tmp_path / "run")
+        device = DeviceAgent(CPU, pool, tmp_path / "logs", tmp_path / "run", runtime=ORT)
         await nursery.start(device.run)
         assert device.pausing
         assert (await pool.call(_compile(task, "default", tmp_path / "a.onnx"))).applicable
@@ -327,12 +328,18 @@ async def test_dedicated_cores_pin_the_runner_and_never_pause_workers(mlp_task, 
     if len(cpus) < 2:
         pytest.skip("needs two cores to dedicate one")
     task, inputs = mlp_task
-    pool = CompilePool(1, tmp_path / "logs", cpus=cpus[1:])
+    pool = CompilePool(1, tmp_path / "logs", runtime=ORT, cpus=cpus[1:])
     states: list[str] = []
     async with trio.open_nursery() as nursery:
         await nursery.start(pool.run)
         device = DeviceAgent(
-            CPU, pool, tmp_path / "logs", tmp_path / "run", cpus=cpus[:1], pause_pool=False
+            CPU,
+            pool,
+            tmp_path / "logs",
+            tmp_path / "run",
+            cpus=cpus[:1],
+            pause_pool=False,
+            runtime=ORT,
         )
         await nursery.start(device.run)
         assert not device.pausing and device.cores == 1
@@ -355,10 +362,10 @@ async def test_dedicated_cores_pin_the_runner_and_never_pause_workers(mlp_task, 
 
 async def test_cancel_drops_queued_requests_and_kills_the_one_in_flight(plugin, mlp_task, tmp_path):
     task, inputs = mlp_task
-    pool = CompilePool(1, tmp_path / "logs", plugins=plugin)
+    pool = CompilePool(1, tmp_path / "logs", runtime=ORT, plugins=plugin)
     async with trio.open_nursery() as nursery:
         await nursery.start(pool.run)
-        device = DeviceAgent(CPU, pool, tmp_path / "logs", tmp_path / "run")
+        device = DeviceAgent(CPU, pool, tmp_path / "logs", tmp_path / "run", runtime=ORT)
         await nursery.start(device.run)
         await device.call(_measure(task, inputs, budget_s=0.1, min_rounds=1, max_rounds=1))
         runner_before, served_before = device.runner_pid, device.requests
@@ -437,7 +444,7 @@ async def test_device_lock_is_machine_wide_and_says_who_holds_it(mlp_task, tmp_p
         holder.stdin.close()
 
     async with trio.open_nursery() as nursery:
-        device = DeviceAgent(CPU, None, tmp_path / "logs", run)
+        device = DeviceAgent(CPU, None, tmp_path / "logs", run, runtime=ORT)
         await nursery.start(device.run)
         nursery.start_soon(release_once_waiting)
         reply = await device.call(
@@ -461,7 +468,7 @@ async def test_children_live_as_long_as_the_engine_not_a_thread(mlp_task, tmp_pa
 
     monkeypatch.setattr(_thread_cache, "IDLE_TIMEOUT", 1.0)  # read each time a thread idles
     task, _ = mlp_task
-    pool = CompilePool(1, tmp_path / "logs")
+    pool = CompilePool(1, tmp_path / "logs", runtime=ORT)
     async with trio.open_nursery() as nursery:
         await nursery.start(pool.run)
         assert (await pool.call(_compile(task, "default", tmp_path / "a.onnx"))).applicable
@@ -481,16 +488,17 @@ def test_children_die_with_a_killed_engine(tmp_path):
         import os, signal, sys, trio
         from pathlib import Path
         from aoe.device import CPU
+        from aoed.backends.ort.runtime import ORT
         from aoed.engine.device import DeviceAgent
         from aoed.engine.messages import PingRequest
         from aoed.engine.pool import CompilePool
 
         async def main():
             logs = Path({str(tmp_path / "logs")!r})
-            pool = CompilePool(2, logs)
+            pool = CompilePool(2, logs, runtime=ORT)
             async with trio.open_nursery() as nursery:
                 await nursery.start(pool.run)
-                device = DeviceAgent(CPU, pool, logs, Path({str(tmp_path / "run")!r}))
+                device = DeviceAgent(CPU, pool, logs, Path({str(tmp_path / "run")!r}), runtime=ORT)
                 await nursery.start(device.run)
                 for child in pool._children:  # start the workers
                     await child.call(PingRequest(CPU))
@@ -527,7 +535,7 @@ async def test_runner_reports_wrong_outputs_and_broken_candidates(tmp_path):
     np.savez(tmp_path / "in.npz", **make_inputs(prep.inputs))
     inputs = tmp_path / "in.npz"
     async with trio.open_nursery() as nursery:
-        device = DeviceAgent(CPU, None, tmp_path / "logs", tmp_path / "run")
+        device = DeviceAgent(CPU, None, tmp_path / "logs", tmp_path / "run", runtime=ORT)
         await nursery.start(device.run)
         cands = (
             Candidate("ref", src),
@@ -561,6 +569,8 @@ async def test_a_device_whose_provider_is_missing_fails_to_start_with_a_clear_er
     from aoe.device import Device
 
     with pytest.raises(DeviceError) as err:
-        await DeviceAgent(Device("cann", 0), None, tmp_path / "logs", tmp_path / "run").run()
+        await DeviceAgent(
+            Device("cann", 0), None, tmp_path / "logs", tmp_path / "run", runtime=ORT
+        ).run()
     msg = str(err.value)
     assert "CANNExecutionProvider" in msg and "onnxruntime-cann" in msg and "cann:0" in msg

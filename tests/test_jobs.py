@@ -21,7 +21,7 @@ from aoe.config import load_config
 from aoe.errors import JobCancelledError, ModelError
 from aoe.spec import JobSpec
 from aoed import samples
-from aoed.backends.ort.catalog import build_registry
+from aoed.backends.ort.runtime import ORT
 from aoed.engine.engine import open_engine
 from aoed.engine.job import JobHandle, JobRun
 from aoed.engine.modelio import load_model, save_model
@@ -48,7 +48,7 @@ async def test_two_jobs_of_one_model_share_an_engine_without_colliding(
         ),
     ]
     results = {}
-    async with open_engine(_config(tmp_path), build_registry(), tmp_path / "logs") as engine:
+    async with open_engine(_config(tmp_path), ORT, tmp_path / "logs") as engine:
         async with trio.open_nursery() as nursery:
             for i, o in enumerate(opts):
 
@@ -88,7 +88,7 @@ async def test_a_job_that_fails_before_tuning_leaves_no_workspace_and_the_engine
 ) -> None:
     bad = tmp_path / "bad.onnx"
     bad.write_bytes(b"not a model")
-    async with open_engine(_config(tmp_path), build_registry(), tmp_path / "logs") as engine:
+    async with open_engine(_config(tmp_path), ORT, tmp_path / "logs") as engine:
         with pytest.raises(ModelError, match="bad.onnx"):
             await engine.run_job(JobRun(bad, tmp_path / "out"))
         assert not (tmp_path / "out" / "aoe_workspace").exists()
@@ -107,7 +107,7 @@ async def test_cancel_stops_a_job_mid_measurement_and_the_next_job_runs(
 ) -> None:
     handle = JobHandle()
     stages: list[str] = []
-    async with open_engine(_config(tmp_path), build_registry(), tmp_path / "logs") as engine:
+    async with open_engine(_config(tmp_path), ORT, tmp_path / "logs") as engine:
 
         async def cancel_when_measuring() -> None:
             await wait_until(
@@ -146,7 +146,7 @@ def test_the_engine_process_never_loads_onnxruntime(models: Path, tmp_path: Path
         import sys, trio
         from pathlib import Path
         from aoe.config import load_config
-        from aoed.backends.ort.catalog import build_registry
+        from aoed.backends.ort.runtime import ORT
         from aoed.engine.engine import open_engine
         from aoe.spec import JobSpec
         from aoed.engine.job import JobRun
@@ -154,7 +154,7 @@ def test_the_engine_process_never_loads_onnxruntime(models: Path, tmp_path: Path
         async def main():
             tmp = Path({str(tmp_path)!r})
             config = load_config(env={{}}).replace(bank=tmp / "bank", parallel=1, runtime_dir=tmp / "run")
-            async with open_engine(config, build_registry(), tmp / "logs") as engine:
+            async with open_engine(config, ORT, tmp / "logs") as engine:
                 opts = JobRun(Path({str(models / "legacy_cnn.onnx")!r}), tmp / "out",
                               JobSpec(precision="int8", job_type="opat", budget_s=0.5))
                 return await engine.run_job(opts)

@@ -6,6 +6,7 @@ and names spelled in one place."""
 
 from __future__ import annotations
 
+import ast
 import os
 import shutil
 import subprocess
@@ -107,6 +108,63 @@ def test_provider_names_live_in_one_place() -> None:
         if 'ExecutionProvider"' in text or "ExecutionProvider'" in text:
             spelled.append(name)
     assert not spelled, spelled
+
+
+#: The runtime seam (aoed.engine.runtime): only backends import a runtime or name a
+#: backend's modules, and aoed.backends.runtimes picks one by name. The light client's
+#: own side of ONNX Runtime stays: opening a tuned model for users (`aoe.session`, with
+#: the session options aoe.sessionopts rebuilds) and listing the providers a machine's
+#: devices can use (aoe.accelerators, which `aoe devices` shows and the runtime's
+#: `devices()` returns). Each is imported lazily, inside the function that needs it.
+RUNTIME_CLIENT_SIDE = frozenset({"aoe", "aoe.sessionopts", "aoe.accelerators"})
+RUNTIME_PACKAGES = ("onnxruntime",)
+BACKEND_MODULES = ("aoed.backends.ort",)
+
+
+def _runtime_names(source: str) -> list[str]:
+    """Where `source` imports a runtime or a backend's module, or names a backend's module
+    in a string (a module a child runs, a docstring's dotted name): `line: what` each."""
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(source)):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            names = [m for m in BACKEND_MODULES if m in node.value]
+        for name in names:
+            if name.split(".")[0] in RUNTIME_PACKAGES or name.startswith(BACKEND_MODULES):
+                found.append((node.lineno, name))
+    return [f"{line}: {name}" for line, name in sorted(found)]
+
+
+def test_only_backends_name_a_runtime() -> None:
+    """Outside aoed.backends (which holds aoed.backends.runtimes), no module imports
+    onnxruntime or names the ONNX Runtime backend's modules: the engine reaches its
+    runtime through aoed.engine.runtime.Runtime. The light client's side is listed."""
+    leaks = {}
+    for name, path in _modules().items():
+        if name.startswith("aoed.backends") or name in RUNTIME_CLIENT_SIDE:
+            continue
+        if found := _runtime_names(path.read_text()):
+            leaks[name] = found
+    assert not leaks, leaks
+
+
+def test_the_runtime_check_sees_a_leak() -> None:
+    """The check catches each way in: a module a child runs, an import, a lazy import."""
+    planted = (
+        'RUNNER = "aoed.backends.ort.runner"\n'
+        "from aoed.backends.ort import catalog\n"
+        "def f():\n    import onnxruntime as ort\n"
+    )
+    assert _runtime_names(planted) == [
+        "1: aoed.backends.ort",
+        "2: aoed.backends.ort",
+        "2: aoed.backends.ort.catalog",
+        "4: onnxruntime",
+    ]
 
 
 def test_the_tree_is_formatted_as_ruff_formats_it() -> None:

@@ -31,6 +31,7 @@ from aoed.engine.calibration import integer_ranges, load_samples
 from aoed.engine.modelio import load_model, save_model
 from aoed.engine.policy import policy
 from aoed.engine.prep import prepare
+from aoed.engine.runtime import Runtime
 from aoed.engine.tasks import Constants
 
 __all__ = ["compile_model"]
@@ -54,7 +55,7 @@ class _ReaderLookup:
 
 
 def _options_hold(
-    model: Path, options: dict[str, Any], inputs: Path, runtime_dir: Path
+    runtime: Runtime, model: Path, options: dict[str, Any], inputs: Path, runtime_dir: Path
 ) -> tuple[bool, str]:
     """One short A/B of `model` with and without `options` on this machine's CPU: (kept,
     why) where kept needs the whole 95% interval of the round ratio below 1."""
@@ -68,7 +69,7 @@ def _options_hold(
 
     async def run() -> dict:
         with tempfile.TemporaryDirectory(prefix="aoe-compile-logs-") as logs:
-            agent = DeviceAgent(CPU, None, Path(logs), runtime_dir)
+            agent = DeviceAgent(CPU, None, Path(logs), runtime_dir, runtime=runtime)
             async with trio.open_nursery() as nursery:
                 await nursery.start(agent.run)
                 req = MeasureRequest(
@@ -117,20 +118,19 @@ def compile_model(
     that wrote the bank did; see the module doc). Raises ModelError/OptionError from preparation, AoedError when `output` cannot
     be written, DeviceError when the check cannot measure. Blocking.
     """
-    from aoed.backends.ort.catalog import build_registry
+    from aoed.backends.runtimes import load_runtime
 
-    registry = build_registry(plugins)
+    runtime = load_runtime()
+    registry = runtime.registry(plugins)
     device: DeviceFingerprint = reader.device
     with tempfile.TemporaryDirectory(prefix="aoe-compile-") as work:
         prep = prepare(model_path, work, dict(input_shapes or {}), keep_initializer_inputs)
         ranges = None
         if policy(precision).lossy:
-            from aoed.backends.ort.probe import activation_ranges
-
             samples = load_samples(
                 prep.inputs, calibration, integer_ranges(prep.model, prep.inputs)
             )
-            ranges = activation_ranges(prep.model, prep.ctx.tensors, samples.calibrate)
+            ranges = runtime.activation_ranges(prep.model, prep.ctx.tensors, samples.calibrate)
         consts = Constants(prep.model.graph, list(prep.model.opset_import))
         asm, tasks = from_bank(
             prep.model,
@@ -161,6 +161,7 @@ def compile_model(
                 **make_inputs(prep.inputs, int_high=integer_ranges(prep.model, prep.inputs)),
             )
             kept, why = _options_hold(
+                runtime,
                 plain,
                 asm.session_options,
                 Path(work) / "inputs.npz",

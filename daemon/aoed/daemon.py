@@ -75,7 +75,7 @@ class Daemon:
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Serve until SIGTERM/SIGINT (or `request_stop()`). Raises AoedError when it
         cannot start (a bad config, a busy socket, an unusable device)."""
-        from aoed.backends.ort.catalog import build_registry
+        from aoed.backends.runtimes import load_runtime
         from aoed.engine.engine import open_engine
         from aoed.gdat import GdatKind
 
@@ -92,11 +92,11 @@ class Daemon:
                 _own_temp_folder(d)
         store = JobStore(cfg.store_path)
         try:
-            registry = build_registry(cfg.engine.plugins)
+            runtime = load_runtime()
             gdat = GdatKind(limits=cfg.world_limits, allow_unconfined=cfg.allow_unconfined_gdat)
             async with open_engine(
                 cfg.engine,
-                registry,
+                runtime,
                 cfg.state_dir / "logs",
                 lock_group=cfg.socket_gid(),
                 kinds={JobType.GDAT: gdat},

@@ -86,7 +86,7 @@ async def tune_async(
     cancelling the caller's scope) stops the job at once, its child processes killed:
     JobCancelledError. Raises the aoe.errors class of a failure (OptionError, ModelError,
     BankError, DeviceError), one at a time."""
-    from aoed.backends.ort.catalog import build_registry
+    from aoed.backends.runtimes import load_runtime
     from aoed.engine.engine import open_engine
     from aoed.engine.job import JobRun
     from aoed.gdat import GdatKind
@@ -101,7 +101,7 @@ async def tune_async(
     with _one_error():
         async with open_engine(
             config,
-            build_registry(config.plugins),
+            load_runtime(),
             output / "aoe_workspace" / "logs",
             kinds={JobType.GDAT: gdat},
         ) as engine:
@@ -162,7 +162,7 @@ def verify_bank(
     import trio
 
     from aoe.bankrecord import decode
-    from aoed.backends.ort.catalog import build_registry
+    from aoed.backends.runtimes import load_runtime
     from aoed.bank.lock import busy_holder
     from aoed.engine.bankverify import sample_entries, verify_entries
     from aoed.engine.engine import open_engine
@@ -183,7 +183,7 @@ def verify_bank(
     async def run():
         with tempfile.TemporaryDirectory(prefix="aoe-verify-logs-") as logs:
             async with open_engine(
-                config.replace(parallel=1), build_registry(config.plugins), Path(logs)
+                config.replace(parallel=1), load_runtime(), Path(logs)
             ) as engine:
                 return await verify_entries(engine, chosen, budget_s, models)
 

@@ -34,7 +34,7 @@ def tuner_vocabulary(
     """The vocabulary of `registry` (default: the built-in one with `plugins`), with
     GDAT's knobs. Raises OptionError for a broken plugin."""
     if registry is None:
-        from aoed.backends.ort.catalog import build_registry
+        from aoed.backends.runtimes import load_runtime
 
-        registry = build_registry(plugins)
+        registry = load_runtime().registry(plugins)
     return registry.vocabulary(gdat_knobs())

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import trio
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from aoe.accelerators import LocalDevice, local_devices, runtime_versions
+from aoe.accelerators import LocalDevice
 from aoe.errors import DeviceError
 from aoe.v1 import bank_pb2, daemon_pb2, daemon_pb2_grpc, devices_pb2, devices_pb2_grpc
 from aoed import __version__
@@ -32,14 +32,16 @@ class DeviceServicer(devices_pb2_grpc.DeviceServiceServicer):
         first = devset.first
         running = self._jobs.running()
         queued, n_running = self._jobs.counts()
+        runtime = self._jobs.engine.runtime
         # nvidia-smi and the provider list: a subprocess and an import, off the event loop
-        local = await trio.to_thread.run_sync(local_devices, first.providers or None)
+        local = await trio.to_thread.run_sync(runtime.devices, first.providers or None)
         names = {a.device.name for a in devset}
-        devices = [_device(d, False, 0) for d in local if d.device.name not in names]
+        versions = runtime.versions()
+        devices = [_device(d, False, 0, versions) for d in local if d.device.name not in names]
         uptime = max(time.monotonic() - self._jobs.engine.started, 1e-9)
         for agent in reversed(devset.agents):  # the configured ones first, in their order
             known = next((d for d in local if d.device == agent.device), None)
-            mine = _device(known or LocalDevice(agent.device), True, agent.cores)
+            mine = _device(known or LocalDevice(agent.device), True, agent.cores, versions)
             mine.busy, mine.queued_jobs = (
                 agent.outstanding > 0 or (n_running > 0 and len(devset) == 1),
                 queued,
@@ -55,9 +57,12 @@ class DeviceServicer(devices_pb2_grpc.DeviceServiceServicer):
         return devices_pb2.ListDevicesResponse(devices=devices)
 
 
-def _device(local: LocalDevice, configured: bool, cores: int) -> devices_pb2.Device:
+def _device(
+    local: LocalDevice, configured: bool, cores: int, versions: dict[str, str]
+) -> devices_pb2.Device:
     """The Device message for `local` (its fingerprint left empty where this machine
-    cannot describe it); a configured CPU counts the runner's `cores`."""
+    cannot describe it); a configured CPU counts the runner's `cores`; `versions` are
+    the runtime's (aoed.engine.runtime.Runtime.versions)."""
     dev = local.device
     described = local.describe(cores if configured else None)
     msg = devices_pb2.Device(
@@ -66,7 +71,7 @@ def _device(local: LocalDevice, configured: bool, cores: int) -> devices_pb2.Dev
         description=described,
         configured=configured,
         unusable=local.unusable,
-        versions=runtime_versions(),
+        versions=versions,
     )
     try:
         fp = dev.fingerprint()

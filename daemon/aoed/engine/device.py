@@ -34,6 +34,7 @@ from aoed.engine.executor import LOCAL, Executor
 from aoed.engine.ledger import JobLedger
 from aoed.engine.messages import MeasureRequest, PingReply, PingRequest, Request, error_of, op_of
 from aoed.engine.pool import CompilePool
+from aoed.engine.runtime import Runtime
 
 __all__ = ["DeviceAgent"]
 
@@ -60,17 +61,17 @@ class DeviceAgent:
         memory_mb: int = 0,
         pause_pool: bool = True,
         lock_group: int | None = None,
-        runner: str = "aoed.backends.ort.runner",
+        runtime: Runtime,
         executor: Executor = LOCAL,
     ):
-        """`runner` is the module the measurement runner runs (`python -m`): the one
-        onnxruntime backend; tests give a stand-in for hardware this machine lacks.
-        `executor` makes the runner: a local child, or a Ray actor (executor.py)."""
+        """The runner runs `runtime`'s runner module (runtime.py; a stand-in runtime for
+        hardware this machine lacks has its own). `executor` makes the runner: a local
+        child, or a Ray actor (executor.py)."""
         self.device = device
         self._pool = pool if pause_pool and device.is_cpu and not executor.remote else None
         self._runner = executor.runner(
             device,
-            runner,
+            runtime.runner_module,
             f"runner for {device}",
             logdir / f"runner-{device.name.replace(':', '-')}.log",
             cpus=cpus,

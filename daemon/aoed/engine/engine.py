@@ -43,6 +43,7 @@ from aoed.engine.memory import MemoryPlan, plan_memory
 from aoed.engine.onnxjob import ONNX_JOB_TYPES, OnnxKind
 from aoed.engine.pool import CompilePool
 from aoed.engine.registry import StrategyRegistry
+from aoed.engine.runtime import Runtime
 from aoed.logs import current_job
 
 __all__ = ["Engine", "current_job", "open_engine", "place_cores", "split_cores"]
@@ -94,6 +95,9 @@ def place_cores(
 @dataclass
 class Engine:
     config: Config
+    #: the runtime every child runs (runtime.py): its worker, its runner, its devices
+    runtime: Runtime
+    #: the runtime's strategy registry, with the config's plugins
     registry: StrategyRegistry
     bank: BankWriter
     pool: CompilePool
@@ -138,7 +142,7 @@ class Engine:
 @contextlib.asynccontextmanager
 async def open_engine(
     config: Config,
-    registry: StrategyRegistry,
+    runtime: Runtime,
     logdir: Path,
     *,
     lock_group: int | None = None,
@@ -152,15 +156,17 @@ async def open_engine(
     {JobType.GDAT: aoed.gdat.GdatKind(...)}); a job of a type it has no kind for fails
     with OptionError.
 
-    `registry` is the strategy registry (aoed.backends.ort.catalog.build_registry with
-    the config's plugins; workers build the same one). Raises DeviceError when the
-    device is unusable (e.g. its onnxruntime provider is not installed). The children's
+    `runtime` (runtime.py; aoed.backends.runtimes.load_runtime names one) runs the
+    children and gives the strategy registry, with the config's plugins (its workers
+    build the same one): OptionError for a broken plugin. Raises DeviceError when the
+    device is unusable (e.g. the runtime lacks its provider). The children's
     stderr goes to `logdir`, which keeps, once they are stopped, only the logs that
     hold something (a crash, a warning): the rest are removed, and so is `logdir`
     itself if nothing is left in it.
     """
     # Another process writing this bank (a second tune, an import) makes the first write
     # wait; say so, or it looks like a hang.
+    registry = runtime.registry(config.plugins)
     bank = BankWriter(config.bank, layers=list(config.bank_layers), on_wait=log.warning)
     plan = plan_memory(config)
     config = plan.apply(config)  # the children's limit and count, as derived
@@ -177,6 +183,7 @@ async def open_engine(
             pool = CompilePool(
                 config.parallel,
                 logdir,
+                runtime=runtime,
                 cpus=worker_cpus,
                 memory_mb=config.worker_memory_mb,
                 plugins=config.plugins,
@@ -196,6 +203,7 @@ async def open_engine(
                     memory_mb=config.worker_memory_mb,
                     pause_pool=pause,
                     lock_group=lock_group,
+                    runtime=runtime,
                     executor=executor,
                 )
                 await nursery.start(agent.run)
@@ -216,6 +224,7 @@ async def open_engine(
             try:
                 yield Engine(
                     config,
+                    runtime,
                     registry,
                     bank,
                     pool,

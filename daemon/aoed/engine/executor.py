@@ -1,6 +1,7 @@
 """Executors: where the engine's children run, the device runners and the compile workers.
 
-The engine talks to each child through one small interface, `ChildLike`: `call()` one
+The modules the children run are the runtime's (runtime.py: its worker and runner); an
+executor only places them. The engine talks to each child through one small interface, `ChildLike`: `call()` one
 request and get its `Answer` (aoed.engine.messages), `pause()`/`resume()`, `aclose()`.
 `Child` (_child.py) is the local one: a process exec'd on this machine, spoken to in JSON
 lines over a pipe. An executor makes them:
@@ -66,6 +67,7 @@ class Executor(Protocol):
 
     def worker(
         self,
+        module: str,
         name: str,
         log_path: Path,
         *,
@@ -99,6 +101,7 @@ class LocalExecutor:
 
     def worker(
         self,
+        module: str,
         name: str,
         log_path: Path,
         *,
@@ -107,9 +110,7 @@ class LocalExecutor:
         plugins: Sequence[str] = (),
     ) -> Child:
         args = ["--plugins", ",".join(plugins)] if plugins else []
-        return Child(
-            "aoed.backends.ort.worker", name, log_path, cpus=cpus, memory_mb=memory_mb, args=args
-        )
+        return Child(module, name, log_path, cpus=cpus, memory_mb=memory_mb, args=args)
 
     def lock_name(self, device: Device) -> str:
         return device.lock_name

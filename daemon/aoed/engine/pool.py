@@ -40,6 +40,7 @@ from aoed.engine._child import ChildDiedError
 from aoed.engine.executor import LOCAL, ChildLike, Executor
 from aoed.engine.ledger import JobLedger
 from aoed.engine.messages import PingRequest, Request, error_of, op_of
+from aoed.engine.runtime import Runtime
 
 __all__ = ["CompilePool", "WorkerCrashedError", "WorkerTimeoutError", "model_step"]
 
@@ -86,6 +87,7 @@ class CompilePool:
         workers: int,
         logdir: Path,
         *,
+        runtime: Runtime,
         cpus: Sequence[int] = (),
         memory_mb: int = 0,
         plugins: Sequence[str] = (),
@@ -93,11 +95,13 @@ class CompilePool:
         default_timeout: float = DEFAULT_TIMEOUT,
         executor: Executor = LOCAL,
     ):
-        """`executor` makes the workers: local children, or Ray actors (executor.py)."""
+        """The workers run `runtime`'s worker module (runtime.py); `executor` makes them:
+        local children, or Ray actors (executor.py)."""
         if workers < 1:
             raise ValueError("a compile pool needs at least one worker")
         self._children: list[ChildLike] = [
             executor.worker(
+                runtime.worker_module,
                 f"compile worker {i}",
                 logdir / f"worker-{i}.log",
                 cpus=cpus,

@@ -426,6 +426,7 @@ class RayExecutor:
 
     def worker(
         self,
+        module: str,
         name: str,
         log_path: Path,
         *,
@@ -435,7 +436,7 @@ class RayExecutor:
     ) -> RayChild:
         return RayChild(
             self,
-            "aoed.backends.ort.worker",
+            module,
             f"{name} (ray)",
             kwargs={"plugins": list(plugins)},
             num_cpus=1,

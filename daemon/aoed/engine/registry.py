@@ -17,7 +17,7 @@ would fall back to the CPU. The default strategy is for every kind. A bank entry
 is reproduced exactly wherever it is applied.
 
 A registry is a value, not a module global: an engine and each of its worker processes
-build the same one (`aoed.backends.ort.catalog.build_registry`, from the same plugin
+build the same one (the runtime's `registry(plugins)`, runtime.py, from the same plugin
 list), and tests build their own. A plugin is a module with a `register(registry)`
 function, named in the config (`plugins`) or AOED_PLUGINS.
 """

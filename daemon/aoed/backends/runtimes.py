@@ -1,0 +1,33 @@
+"""The runtimes by name: the one place outside a backend that names one.
+
+Whoever opens an engine (the daemon, `aoe tune`, `aoe compile`, `aoe bank verify`) asks
+here for the runtime it runs on and hands it to the engine (aoed.engine.runtime), which
+never imports a backend. A second runtime adds one line to `RUNTIMES`.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from aoe.errors import OptionError
+from aoed.engine.runtime import Runtime
+
+__all__ = ["DEFAULT", "RUNTIMES", "load_runtime"]
+
+#: runtime name -> (module, attribute) of its Runtime; imported only when asked for
+RUNTIMES: dict[str, tuple[str, str]] = {
+    "onnxruntime": ("aoed.backends.ort.runtime", "ORT"),
+}
+DEFAULT = "onnxruntime"
+
+
+def load_runtime(name: str = DEFAULT) -> Runtime:
+    """The runtime called `name`. OptionError naming the runtimes there are otherwise."""
+    try:
+        module, attr = RUNTIMES[name]
+    except KeyError:
+        raise OptionError(
+            f"runtime {name!r}: no such runtime; choose one of {', '.join(sorted(RUNTIMES))}"
+        ) from None
+    runtime: Runtime = getattr(importlib.import_module(module), attr)
+    return runtime
