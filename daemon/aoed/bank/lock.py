@@ -110,9 +110,8 @@ class WriterLock:
             ) from None
         st = os.fstat(self._fd)
         if st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) & 0o007:
-            os.fchmod(
-                self._fd, stat.S_IMODE(st.st_mode) & ~0o007
-            )  # as earlier versions left it (0644)
+            # as earlier versions left it (0644)
+            os.fchmod(self._fd, stat.S_IMODE(st.st_mode) & ~0o007)
 
     def try_acquire(self, record: bool = True) -> bool:
         """Take the lock if no other process (or other WriterLock) holds it; on success

@@ -350,9 +350,8 @@ class _Job:
         self.emit("stage", f"starting a world of {opts.world_size} on {opts.backend}")
         t0 = time.monotonic()
         await main.start()
-        self.ledger.charge_device(
-            time.monotonic() - t0, "profile"
-        )  # starting a world is not searching
+        # starting a world is not searching
+        self.ledger.charge_device(time.monotonic() - t0, "profile")
         self.ws.started = True
         done = self.load_checkpoint(
             {

@@ -412,9 +412,8 @@ def _attention_parts(view: TaskView) -> _Attention | None:
     if pv is None:
         return None
     q = _project(nodes, qk.input[0], 1)
-    k = _project(nodes, qk.input[1], 2) or _project(
-        nodes, qk.input[1], 1
-    )  # Kᵀ in two steps, or one
+    # Kᵀ in two steps, or one
+    k = _project(nodes, qk.input[1], 2) or _project(nodes, qk.input[1], 1)
     if k is None:  # torch's dynamo export: Kᵀ as Reshape to 3-D, Transpose, Reshape back
         t, outer = _walk_scale(nodes, qk.input[1], 1.0)
         r4 = nodes.made(t, "Reshape")
@@ -719,9 +718,8 @@ def _row_keeps(view: TaskView, att: _Attention, nodes: list, inits: list) -> str
             )
         )
         names[1] = view.name("row_some")
-    shape = init(
-        view, "row_keep_shape", np.array([0, -1, 1], np.int64)
-    )  # [B, 1, S, 1] as [B, S, 1]
+    # [B, 1, S, 1] as [B, S, 1]
+    shape = init(view, "row_keep_shape", np.array([0, -1, 1], np.int64))
     inits.append(shape)
     nodes.append(
         helper.make_node("Reshape", [names[1], shape.name], [names[2]], name=view.name("RowKeep"))
