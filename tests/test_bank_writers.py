@@ -18,12 +18,15 @@ from aoe.bankrecord import encode
 from aoe.errors import BankBusyError
 from aoe.signature import bank_key, device_fingerprint
 from aoe.v1 import bank_pb2
-from aoed.bank.lock import LOCK_NAME, POLL_S
+from aoed.bank.lock import LOCK_NAME
 from aoed.bank.store import BankStore
 from aoed.bank.writer import BankWrite, BankWriter
 
 from .test_bank_exchange import _entry
 from .test_bank_reader import make_bank, rec
+
+#: A pause in which a waiter that had wrongly stopped waiting would show it.
+PAUSE_S = 0.1
 
 # Holds the bank's writer lock, as a BankStore does from open to close, until its stdin
 # closes. (The lock alone: it starts in a tenth of the time a store's imports take. A
@@ -119,7 +122,7 @@ def test_wait_reports_the_holder_once_and_gets_in_after_it(tmp_path: Path) -> No
             said.startswith(f"aoe: bank {bank}: being written by pid {holder.pid} (")
             and "waiting" in said
         )
-        time.sleep(10 * POLL_S)
+        time.sleep(10 * PAUSE_S)
         assert prune.poll() is None  # still waiting, not failed
     finally:
         _let_go(holder)
@@ -171,14 +174,14 @@ async def test_bank_writer_waits_in_trio_saying_so_once(tmp_path: Path) -> None:
             nursery.start_soon(write_and_look_up)
             with trio.fail_after(30):
                 while not said:
-                    await trio.sleep(POLL_S / 2)
-            await trio.sleep(5 * POLL_S)  # the trio loop runs on while the writer waits
+                    await trio.sleep(PAUSE_S / 2)
+            await trio.sleep(5 * PAUSE_S)  # the trio loop runs on while the writer waits
             assert got == [] and len(said) == 1
             assert said[0].startswith(f"bank {bank}: being written by pid {holder.pid} (")
             await trio.to_thread.run_sync(_let_go, holder)
             with trio.fail_after(30):
                 while not got:
-                    await trio.sleep(POLL_S / 2)
+                    await trio.sleep(PAUSE_S / 2)
             nursery.cancel_scope.cancel()
         assert got == [entry] and len(said) == 1
     finally:
@@ -200,7 +203,7 @@ async def test_bank_writer_without_wait_fails_and_a_cancelled_wait_holds_nothing
             await impatient.lookup(entry.key)
         impatient.close()
         patient = BankWriter(bank, layers=[])
-        with trio.move_on_after(5 * POLL_S) as scope:
+        with trio.move_on_after(5 * PAUSE_S) as scope:
             await patient.lookup(entry.key)
         assert scope.cancelled_caught
     finally:
