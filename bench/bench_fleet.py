@@ -426,7 +426,6 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.path.insert(0, str(HERE))
-    sys.path.insert(
-        0, str(HERE.parent)
-    )  # tests/daemon_util.py: a real daemon on a temporary socket
+    # tests/daemon_util.py: a real daemon on a temporary socket
+    sys.path.insert(0, str(HERE.parent))
     sys.exit(main())

@@ -240,9 +240,8 @@ async def one(model: Path, name: str, precision: str, quick: bool, work: Path) -
     rows = {}
     for label, f in final_figs.items():
         m = f.measurement()
-        ratios = stats.paired_ratios(
-            base.rounds_us, f.rounds_us
-        )  # speedup: defaults / this, per round
+        # speedup: defaults / this, per round
+        ratios = stats.paired_ratios(base.rounds_us, f.rounds_us)
         verdict, med, ci = (
             verdict_of([1 / r for r in ratios]) if len(ratios) >= 3 else ("", 1.0, (1.0, 1.0))
         )
@@ -475,9 +474,8 @@ def main(argv: list[str] | None = None) -> int:
         default=",".join(MODELS),
         help=f"comma-separated, of {', '.join(MODELS)} (default all); fp16 runs on fc only",
     )
-    ap.add_argument(
-        "--inside", type=Path, help=argparse.SUPPRESS
-    )  # the slow-link half, run in the namespace
+    # the slow-link half, run in the namespace
+    ap.add_argument("--inside", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
 
     work = Path(tempfile.mkdtemp(prefix="bench-gdat-"))

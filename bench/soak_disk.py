@@ -202,9 +202,8 @@ class Load:
 
     def _drop_hostile(self) -> None:
         src = self.rng.choice(self.hostile)
-        self._drop_into(
-            src, f"hostile-{src.parent.name}"
-        )  # (each kind's model is in a folder of its name)
+        # (each kind's model is in a folder of its name)
+        self._drop_into(src, f"hostile-{src.parent.name}")
 
 
 def delivered(d: DaemonProcess, name: str) -> bool:

@@ -149,9 +149,8 @@ def _chain(n: int) -> bytes:
         return b"\x0a%c%s" % (len(p), p)  # GraphProto.node = 1; every length here is < 128
 
     nodes = b"".join([node(i) for i in range(1, n)])
-    return head.SerializeToString() + _field(
-        7, graph + nodes
-    )  # ModelProto.graph = 7: the two merge
+    # ModelProto.graph = 7: the two merge
+    return head.SerializeToString() + _field(7, graph + nodes)
 
 
 def _field(number: int, payload: bytes) -> bytes:
@@ -465,9 +464,8 @@ def non_utf8_names(folder: Path) -> Path:
         helper.make_node("Relu", ["x"], [mark], name=mark),
         helper.make_node("Neg", [mark], ["y"], name="neg"),
     ]
-    bad = (
-        b"\xff\xfe\xc0" + b"A" * (len(mark) - 4) + b"\xff"
-    )  # as long as the mark: lengths stay right
+    # as long as the mark: lengths stay right
+    bad = b"\xff\xfe\xc0" + b"A" * (len(mark) - 4) + b"\xff"
     data = tiny_model(nodes).SerializeToString().replace(mark.encode(), bad)
     (p := folder / "model.onnx").write_bytes(data)
     return p

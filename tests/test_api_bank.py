@@ -67,9 +67,8 @@ async def test_query_pages_return_every_entry_once(tmp_path: Path) -> None:
             token = r.next_page_token
             if not token:
                 break
-        assert pages == 4 and keys == [
-            e.key.decode() for e in entries
-        ]  # 25 in key order, once each
+        # 25 in key order, once each
+        assert pages == 4 and keys == [e.key.decode() for e in entries]
         far = next(e for e in entries if e.host == "far")
         r = await d("QueryEntries", bank_pb2.QueryEntriesRequest(device_digest=far.device.digest))
         assert [e.key for e in r.entries] == [far.key.decode()] and not r.next_page_token
@@ -219,9 +218,8 @@ async def _append(out: list, result) -> None:
 async def test_a_client_cancelling_an_export_midway_leaves_the_daemon_serving(
     tmp_path: Path,
 ) -> None:
-    fill_bank(
-        tmp_path / "a" / "bank", n_trials=4000, trial_bytes=2000
-    )  # ~8 MB: more than the transport buffers
+    # ~8 MB: more than the transport buffers
+    fill_bank(tmp_path / "a" / "bank", n_trials=4000, trial_bytes=2000)
     async with serving(tmp_path) as d:
         call = d.stub.ExportEntries(bank_pb2.ExportEntriesRequest())
         first = await trio.to_thread.run_sync(next, call)

@@ -245,9 +245,8 @@ def test_merge_policies_compare_entries_and_default_records(
                 default_record=default_record(keys[1], {"default_us": 8.0})
             )
         ),
-        entry_to_json(
-            bank_pb2.BankEntry.FromString(encode(entry(2, 7.0)))
-        ),  # a bare entry line, as old exports
+        # a bare entry line, as old exports
+        entry_to_json(bank_pb2.BankEntry.FromString(encode(entry(2, 7.0)))),
         record_to_json(
             bank_pb2.ExportEntriesResponse(
                 default_record=default_record(keys[3], {"default_us": 10.0})

@@ -18,12 +18,15 @@ from aoe.bankrecord import encode
 from aoe.errors import BankBusyError
 from aoe.signature import bank_key, device_fingerprint
 from aoe.v1 import bank_pb2
-from aoed.bank.lock import LOCK_NAME, POLL_S
+from aoed.bank.lock import LOCK_NAME
 from aoed.bank.store import BankStore
 from aoed.bank.writer import BankWrite, BankWriter
 
 from .bank_util import make_bank, make_entry, rec
 from .helpers import wait_for, wait_until
+
+#: A pause in which a waiter that had wrongly stopped waiting would show it.
+PAUSE_S = 0.1
 
 # Holds the bank's writer lock, as a BankStore does from open to close, until its stdin
 # closes. (The lock alone: it starts in a tenth of the time a store's imports take. A
@@ -103,10 +106,9 @@ def test_a_second_writer_is_refused_naming_the_holder(
     assert code == 0 and "removed 1 history trials" in out, msg
 
 
-#: A waiter looks at the lock every POLL_S and does nothing else a test can see while the
-#: holder holds it: only a quiet period of several looks can show that it neither gives up
-#: nor says "waiting" again, nor writes.
-WAITER_QUIET_S = 10 * POLL_S
+#: A waiter does nothing a test can see while the holder holds the lock: only a quiet
+#: period can show that it neither gives up nor says "waiting" again, nor writes.
+WAITER_QUIET_S = 10 * PAUSE_S
 
 
 def test_wait_reports_the_holder_once_and_gets_in_after_it(tmp_path: Path) -> None:
@@ -175,12 +177,12 @@ async def test_bank_writer_waits_in_trio_saying_so_once(tmp_path: Path) -> None:
                 got.append(await writer.lookup(entry.key))
 
             nursery.start_soon(write_and_look_up)
-            await wait_until(lambda: said, 30, "the writer saying it waits", poll=POLL_S / 2)
+            await wait_until(lambda: said, 30, "the writer saying it waits", poll=PAUSE_S / 2)
             await trio.sleep(WAITER_QUIET_S)  # the trio loop runs on while the writer waits
             assert got == [] and len(said) == 1
             assert said[0].startswith(f"bank {bank}: being written by pid {holder.pid} (")
             await trio.to_thread.run_sync(_let_go, holder)
-            await wait_until(lambda: got, 30, "the lookup after the write", poll=POLL_S / 2)
+            await wait_until(lambda: got, 30, "the lookup after the write", poll=PAUSE_S / 2)
             nursery.cancel_scope.cancel()
         assert got == [entry] and len(said) == 1
     finally:
@@ -202,7 +204,7 @@ async def test_bank_writer_without_wait_fails_and_a_cancelled_wait_holds_nothing
             await impatient.lookup(entry.key)
         impatient.close()
         patient = BankWriter(bank, layers=[])
-        with trio.move_on_after(5 * POLL_S) as scope:
+        with trio.move_on_after(5 * PAUSE_S) as scope:
             await patient.lookup(entry.key)
         assert scope.cancelled_caught
     finally:

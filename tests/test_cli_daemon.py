@@ -108,9 +108,8 @@ def test_bank_commands_work_on_the_daemon_s_bank(daemon: DaemonProcess, tmp_path
     stats = _aoe(daemon, "bank", "stats", "--socket", str(daemon.socket))
     assert stats.returncode == 0 and f"custom: {daemon.bank}" in stats.stdout, stats.stderr
     out = tmp_path / "bank.jsonl"
-    exported = _aoe(
-        daemon, "bank", "export", "-o", str(out)
-    )  # AOED_SOCKET and no --bank: the daemon
+    # AOED_SOCKET and no --bank: the daemon
+    exported = _aoe(daemon, "bank", "export", "-o", str(out))
     assert exported.returncode == 0, exported.stderr
     lines = out.read_text().splitlines()
     assert lines and "from the daemon's bank" in exported.stderr

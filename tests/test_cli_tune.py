@@ -225,9 +225,8 @@ def test_bank_answers_the_second_run_and_repeat_tune_retunes(
     assert c2["from_bank"] == d1["basic"]["job_id"] and c2["baseline_ms"] == pytest.approx(
         c1["baseline_ms"]
     )
-    assert (d2["budget"]["confirm_s"] > 0) == bool(
-        d1["session_options"]
-    )  # options alone are re-checked
+    # options alone are re-checked
+    assert (d2["budget"]["confirm_s"] > 0) == bool(d1["session_options"])
     _banked_options_rechecked(c1, d1["session_options"], d2)
     g1 = onnx.load(d1["tuned_model"]).graph
     g2 = onnx.load(d2["tuned_model"]).graph
@@ -261,9 +260,8 @@ def _banked_options_rechecked(c1: dict, options: dict, d2: dict) -> list[str]:
     options the bank held; returns the notes that say the options were dropped."""
     c2 = d2["confirmation"]
     dropped = [n for n in d2["notes"] if "from the bank dropped: re-checked here" in n]
-    if (
-        dropped
-    ):  # options that won on a quieter machine are re-measured, and dropped if they lose here
+    if dropped:
+        # options that won on a quieter machine are re-measured, and dropped if they lose here
         assert options and d2["session_options"] == {}, dropped
     else:
         assert options == d2["session_options"]
@@ -537,9 +535,8 @@ def test_a_model_over_a_configured_limit_fails_naming_the_setting(
 ):
     from aoed import samples
 
-    model = samples.save(
-        samples.mlp(features=1024, hidden=512, layers=2), tmp_path / "m.onnx"
-    )  # 5 nodes, 2 MiB
+    # 5 nodes, 2 MiB
+    model = samples.save(samples.mlp(features=1024, hidden=512, layers=2), tmp_path / "m.onnx")
     config = tmp_path / "aoed.toml"
     config.write_text(f"[engine]\n{setting}\n")
     r = run_aoe(

@@ -337,9 +337,8 @@ def test_bank_export_writes_the_exchange_format_and_import_sends_it_back(tmp_pat
         with Client(sock) as client:
             counts = client.bank_export(dump)
             assert counts == {"entry": 1, "default_record": 1, "trial": 1}
-            assert dump.read_text().splitlines() == [
-                record_to_json(r) for r in records
-            ]  # as `aoe bank export`
+            # as `aoe bank export`
+            assert dump.read_text().splitlines() == [record_to_json(r) for r in records]
             reply = client.bank_import(dump, policy="overwrite", allow_foreign=True)
             dump.write_text(dump.read_text() + "{not json\n")
             with pytest.raises(OptionError, match=r"bank.jsonl:4: not a bank record"):

@@ -389,9 +389,8 @@ def test_sigterm_stops_within_the_grace_and_requeues(
                 and e.state_change.state == tuning_pb2.JOB_STATE_TUNING
             ),
         )
-        assert (
-            d.stop(timeout=60) == 0
-        )  # shutdown_grace_s = 5: the compile in flight is not waited for
+        # shutdown_grace_s = 5: the compile in flight is not waited for
+        assert d.stop(timeout=60) == 0
         assert not d.socket.exists()
         d.start()
         job = d.tuning().GetJob(tuning_pb2.GetJobRequest(job_id=job_id)).job

@@ -144,9 +144,8 @@ def test_two_jobs_at_once_one_at_home_on_each_device(two_devices: DaemonProcess)
 def test_a_device_held_by_another_process_waits_while_the_other_measures(
     two_devices: DaemonProcess,
 ) -> None:
-    runtime = Path(
-        os.environ.get("AOED_RUNTIME_DIR") or two_devices.runtime
-    )  # the environment wins
+    # the environment wins
+    runtime = Path(os.environ.get("AOED_RUNTIME_DIR") or two_devices.runtime)
     runtime.mkdir(mode=0o750, parents=True, exist_ok=True)
     lock = runtime / "device-cpu-1.lock"
     fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)  # as the daemon makes it (devlock.py)

@@ -214,9 +214,8 @@ def test_a_model_that_cannot_fit_the_memory_is_refused_with_both_figures(tmp_pat
     d.config.write_text(d.config.read_text().replace("[engine]\n", "[engine]\nmemory_mb = 2560\n"))
     try:
         d.start()
-        big = samples.save(
-            samples.mlp(features=3584, hidden=3584, layers=4), d.models / "big.onnx"
-        )  # 147 MiB
+        # 147 MiB
+        big = samples.save(samples.mlp(features=3584, hidden=3584, layers=4), d.models / "big.onnx")
         with pytest.raises(grpc.RpcError) as info:
             submit(d, big, budget=1.0)
         need = 512 + math.ceil(6 * big.stat().st_size / (1 << 20))
@@ -257,9 +256,8 @@ def test_a_big_model_with_a_tiny_budget_says_where_it_went_over_and_keeps_search
 ) -> None:
     from tests.conftest import run_aoe
 
-    big = samples.save(
-        samples.mlp(features=2048, hidden=2048, layers=4), tmp_path / "big.onnx"
-    )  # 48 MiB
+    # 48 MiB
+    big = samples.save(samples.mlp(features=2048, hidden=2048, layers=4), tmp_path / "big.onnx")
     r = run_aoe(
         "tune",
         str(big),
@@ -357,9 +355,8 @@ def test_a_worker_that_hangs_is_cut_off_at_the_compile_limit_and_replaced(
         assert cut in Path(j.result.result_json_path).read_text(), "the report says what it cost"
         assert not proc_state(hung), "the hung worker is gone"
         assert child_pid(d, WORKER) not in (None, hung), "a fresh worker took over"
-        big = samples.save(
-            samples.mlp(features=1024, hidden=512, layers=2), d.models / "big.onnx"
-        )  # 2 MiB
+        # 2 MiB
+        big = samples.save(samples.mlp(features=1024, hidden=512, layers=2), d.models / "big.onnx")
         with pytest.raises(grpc.RpcError) as err:
             submit(d, big, budget=1.0)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value

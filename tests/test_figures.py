@@ -377,9 +377,8 @@ def test_an_embedded_run_prints_what_its_result_json_says(models: Path, tmp_path
         "--no-progress",
     )
     assert r.returncode == 0, r.stderr
-    (doc,) = [
-        json.loads(p.read_text()) for p in out.glob("aoe_result_*.json")
-    ]  # (sgat+opat: both sections)
+    # (sgat+opat: both sections)
+    (doc,) = [json.loads(p.read_text()) for p in out.glob("aoe_result_*.json")]
     _printed_agrees_with_json(r.stdout, doc)
 
 

@@ -124,9 +124,8 @@ def test_a_record_written_by_one_daemon_is_served_by_the_other_two(fleet) -> Non
             f"{d.root.name} serves the record written to a",
         )
         got = _lookup(d, rec.key).entry
-        assert got.provenance.host == "alpha" and got == _entry_pb(
-            rec
-        )  # provenance kept, byte for byte
+        # provenance kept, byte for byte
+        assert got.provenance.host == "alpha" and got == _entry_pb(rec)
 
 
 def test_records_of_other_devices_are_kept_relayed_and_served_to_their_device_only(fleet) -> None:
@@ -170,9 +169,8 @@ def test_records_of_other_devices_are_kept_relayed_and_served_to_their_device_on
 def test_conflicting_decisions_converge_to_one_record_everywhere(fleet) -> None:
     daemons, keys = fleet
     k = keys["k"]
-    want = min(
-        (k["a"], k["c"]), key=encode
-    )  # 10 us both: the smaller stored bytes, as the rule says
+    # 10 us both: the smaller stored bytes, as the rule says
+    want = min((k["a"], k["c"]), key=encode)
 
     def same() -> bool:
         found = [_lookup(d, k["a"].key) for d in daemons]

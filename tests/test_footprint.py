@@ -203,9 +203,10 @@ def test_daemon_keeps_each_input_once_and_one_workspace_per_job_across_a_kill(
 
 def test_daemon_removes_an_input_with_the_last_job_that_refers_to_it(tmp_path: Path) -> None:
     d = DaemonProcess(tmp_path / "d")
+    # retention_days = 0.00004: 3.5 s
     d.config.write_text(
         d.config.read_text().replace("[daemon]\n", "[daemon]\nretention_days = 0.00004\n")
-    )  # 3.5 s
+    )
     model = d.models / "mlp.onnx"
     samples.save(samples.build("mlp"), model)
     try:

@@ -102,9 +102,8 @@ def test_a_layout_signature_is_shapes_and_dtypes_in_order_with_world_and_backend
         .digest
     )
     others = [
-        GradientLayout.of(
-            [("float32", (256,)), ("float32", (256, 64))], 2, "gloo"
-        ),  # registration order
+        # registration order
+        GradientLayout.of([("float32", (256,)), ("float32", (256, 64))], 2, "gloo"),
         GradientLayout.of([("float16", (256, 64)), ("float32", (256,))], 2, "gloo"),
         GradientLayout.of(a.params, 4, "gloo"),
         GradientLayout.of(a.params, 2, "nccl"),
@@ -162,13 +161,11 @@ def test_aoe_mode_selects_the_job_type_as_aoe_does() -> None:
 
 
 def test_the_ladder_measures_one_configuration_per_distinct_set_of_buckets() -> None:
-    small = GradientLayout.of(
-        [("float32", (256, 64)), ("float32", (256,))], 2, "gloo"
-    )  # 65 KiB: one bucket at any cap
+    # 65 KiB: one bucket at any cap
+    small = GradientLayout.of([("float32", (256, 64)), ("float32", (256,))], 2, "gloo")
     assert [c.label for c in space.ladder(small)] == ["default"]
-    big = GradientLayout.of(
-        [("float32", (1024, 1024))] * 24, 2, "gloo"
-    )  # 96 MiB in 4 MiB gradients
+    # 96 MiB in 4 MiB gradients
+    big = GradientLayout.of([("float32", (1024, 1024))] * 24, 2, "gloo")
     caps = [c.bucket_cap_mb for c in space.ladder(big)]
     assert caps[0] is None and caps[-1] == 100.0  # up to the first cap that holds everything
     assert len({bucket_sizes(big.sizes_bytes(), int(c * 2**20)) for c in caps[1:]}) == len(caps) - 1
@@ -383,9 +380,8 @@ async def test_a_job_ends_with_outputs_and_a_bank_record_and_the_next_is_answere
     outs = run_ranks(code)
     note = [line for line in outs[0][1].splitlines() if line.startswith("aoe.gdat: ")]
     assert len(note) == 1 and f"job {r.job_id}" in note[0], outs[0][1]
-    assert not [
-        line for line in outs[1][1].splitlines() if line.startswith("aoe.gdat: ")
-    ]  # rank 0 only
+    # rank 0 only
+    assert not [line for line in outs[1][1].splitlines() if line.startswith("aoe.gdat: ")]
     assert outs[0][0].split() == [
         str(r.shipped.gradient_as_bucket_view),
         str(r.shipped.static_graph),
@@ -560,18 +556,16 @@ async def test_an_entry_job_measures_a_backend_knob_in_a_world_of_its_own_and_su
     assert {c["world"] for c in stage} == {"main", "TORCH_GLOO_LAZY_INIT=1"}
     assert all(c["step_ms"] is not None for c in stage)
     assert r.resources["worlds"] == 2
-    assert (
-        sum(b"TORCH_GLOO_LAZY_INIT=1\0" in env for env in environs.values()) == 2
-    )  # that world's two ranks
+    # that world's two ranks
+    assert sum(b"TORCH_GLOO_LAZY_INIT=1\0" in env for env in environs.values()) == 2
 
     assert killed
     (failure,) = r.broken_turns
     assert "died" in failure["error"] and failure["round"] == 1, failure
     assert r.resources["world_restarts"] == 1
     assert Path(r.result_json).is_file() and Path(r.ddp_config).is_file()
-    assert all(
-        c["status"] != "failed" for c in r.configurations
-    )  # one turn failed, not a configuration
+    # one turn failed, not a configuration
+    assert all(c["status"] != "failed" for c in r.configurations)
     assert _exist(set(environs)) == set() and _rank_pids() == set()
 
 

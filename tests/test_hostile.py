@@ -238,9 +238,8 @@ def daemon_run(daemon: DaemonProcess, corpus: dict[str, Case]) -> DaemonRun:
 def test_daemon_job_fails_with_the_kinds_class(kind: Kind, daemon_run: DaemonRun) -> None:
     got = daemon_run.outcomes[kind.name]
     assert kind.error is not None
-    if (
-        got.state == "REFUSED"
-    ):  # a path the daemon will not read, or a file over a limit: refused at once
+    if got.state == "REFUSED":
+        # a path the daemon will not read, or a file over a limit: refused at once
         assert got.kind == kind.error.grpc_status, (kind.name, got)
     else:
         assert (got.state, got.kind) == ("FAILED", kind.error.__name__), (kind.name, got)
@@ -543,9 +542,8 @@ def _field_edits(draw) -> bytes:
             node.attribute.append(onnx.helper.make_attribute(draw(_names) or "axis", value))
         elif what == "outputs":
             del g.output[draw(st.integers(0, len(g.output))) :]
-        elif (
-            what == "external" and g.initializer
-        ):  # resolved in a fresh temp folder: nothing there to read
+        elif what == "external" and g.initializer:
+            # resolved in a fresh temp folder: nothing there to read
             t = g.initializer[draw(st.integers(0, len(g.initializer) - 1))]
             t.ClearField("raw_data")
             t.data_location = onnx.TensorProto.EXTERNAL

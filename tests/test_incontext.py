@@ -57,9 +57,8 @@ def _model(path: Path, residual: bool) -> Path:
     rng = np.random.default_rng(7)
     low = rng.standard_normal((512, 8)) @ rng.standard_normal((8, 512))
     noise = rng.standard_normal((512, 512))
-    w = low / np.linalg.norm(low) + 0.07 * noise / np.linalg.norm(
-        noise
-    )  # ~0.5% of the energy is noise
+    # ~0.5% of the energy is noise
+    w = low / np.linalg.norm(low) + 0.07 * noise / np.linalg.norm(noise)
     w *= 0.2 * np.sqrt(512) / np.sqrt((w**2).sum(axis=0).mean())  # outputs ~0.2x the input's scale
     nodes = [helper.make_node("MatMul", ["x", "w"], ["y" if residual else "out"], name="proj")]
     if residual:
@@ -106,9 +105,8 @@ def _tune(tmp_path: Path, residual: bool, searched: bool = True) -> dict:
     (task,) = [t for t in doc["tasks"] if t["op_name"] == "proj"]
     if searched:
         low = next(c for c in task["candidates"] if c["strategy"] == "lowrank8")
-        assert low["ok"] and 0.99 < low["cosine"] < 0.9995, (
-            low
-        )  # outside the task gate on its own outputs
+        # outside the task gate on its own outputs
+        assert low["ok"] and 0.99 < low["cosine"] < 0.9995, low
     return doc | {"task": task}
 
 
@@ -156,9 +154,8 @@ def test_a_bank_entry_kept_in_context_is_checked_in_context_on_the_next_model(
     first, doc = residual_job
     assert doc["task"]["strategy"] == "lowrank8"
     shutil.copytree(first / "bank", tmp_path / "bank")
-    doc = _tune(
-        tmp_path, residual=True, searched=False
-    )  # the bank answers; the hit is checked on this model's weights
+    # the bank answers; the hit is checked on this model's weights
+    doc = _tune(tmp_path, residual=True, searched=False)
     task = doc["task"]
     assert (task["update_mode"], task["strategy"]) == ("hit", "lowrank8"), (task, doc["notes"])
     assert not any("tuned again" in n for n in doc["notes"]), doc["notes"]

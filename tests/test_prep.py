@@ -8,12 +8,12 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from onnx import external_data_helper
 
 from aoe.errors import ModelError, OptionError
 from aoe.signature import TensorInfo
 from aoe.specargs import parse_shapes as parse_input_shapes
 from aoed import samples
+from aoed.engine.modelio import tensors
 from aoed.engine.prep import make_inputs, prepare
 
 
@@ -171,7 +171,7 @@ def test_external_data_outside_the_model_directory_is_refused(tmp_path: Path) ->
     (model_dir / "w.bin").rename(tmp_path / "outside.bin")
     model = onnx.load(str(model_dir / "mlp.onnx"), load_external_data=False)
     moved = 0
-    for tensor in external_data_helper._get_all_tensors(model):
+    for tensor in tensors(model):
         for entry in tensor.external_data:
             if entry.key == "location":
                 entry.value = "../outside.bin"
@@ -201,6 +201,44 @@ def test_external_data_beside_the_model_loads(tmp_path: Path) -> None:
     (got,) = _run(prep.model, feeds)
     (want,) = _run(samples.mlp(), feeds)
     assert np.allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_tensors_walks_subgraphs_and_local_functions() -> None:
+    # Every place onnx keeps tensor data (external data may point from any of them):
+    # initializers of the graph and of an If's branches, Constant values in either,
+    # and a Constant in a model-local function.
+    h, T = onnx.helper, onnx.TensorProto
+
+    def const(name: str) -> onnx.NodeProto:
+        return h.make_node("Constant", [], [name], value=h.make_tensor(name, T.FLOAT, [1], [1.0]))
+
+    def branch(name: str, init: str | None) -> onnx.GraphProto:
+        inits = [h.make_tensor(init, T.FLOAT, [1], [2.0])] if init else []
+        return h.make_graph(
+            [const(name)], name, [], [h.make_tensor_value_info(name, T.FLOAT, [1])], inits
+        )
+
+    fn = h.make_function("local", "f", [], ["fc"], [const("fc")], [h.make_opsetid("", 17)])
+    graph = h.make_graph(
+        [
+            const("gc"),
+            h.make_node("f", [], ["y"], domain="local"),
+            h.make_node(
+                "If",
+                ["cond"],
+                ["z"],
+                then_branch=branch("tc", "ti"),
+                else_branch=branch("ec", None),
+            ),
+        ],
+        "g",
+        [h.make_tensor_value_info("cond", T.BOOL, [])],
+        [h.make_tensor_value_info("z", T.FLOAT, [1])],
+        [h.make_tensor("w", T.FLOAT, [1], [3.0])],
+    )
+    model = h.make_model(graph, functions=[fn], opset_imports=[h.make_opsetid("", 17)])
+    assert sorted(t.name for t in tensors(model)) == ["ec", "fc", "gc", "tc", "ti", "w"]
+    assert sorted(t.name for t in tensors(model, attributes=False)) == ["ti", "w"]
 
 
 # --------------------------------------------------------------------------- semantics

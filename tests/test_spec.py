@@ -126,9 +126,8 @@ def test_a_spec_survives_the_api(spec: JobSpec) -> None:
 @settings(max_examples=60)
 @given(specs(names=ARG_NAMES))
 def test_a_spec_survives_the_command_line(spec: JobSpec) -> None:
-    spec = spec.replace(
-        entry=None
-    )  # --entry FILE.py:FUNCTION: the file is the model, which to_argv leaves out
+    # --entry FILE.py:FUNCTION: the file is the model, which to_argv leaves out
+    spec = spec.replace(entry=None)
     p = argparse.ArgumentParser()
     add_arguments(p)
     assert from_args(p.parse_args(to_argv(spec))) == spec

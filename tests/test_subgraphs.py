@@ -169,9 +169,8 @@ def attention(
         m = g.n("Cast", m, to=TensorProto.FLOAT)
         m = g.n("Mul", g.n("Sub", g.f(1.0), m), g.f(-10000.0))
         s = g.n("Add", s, m)
-    elif (
-        mask == "causal_padding_where"
-    ):  # transformers: one boolean, each layer's Where(keep, 0, -inf)
+    elif mask == "causal_padding_where":
+        # transformers: one boolean, each layer's Where(keep, 0, -inf)
         m = g.input("attention_mask", [B, S], TensorProto.INT64)
         keep = g.n(
             "Unsqueeze", g.n("Cast", m, to=TensorProto.BOOL), g.t(np.array([1, 2], np.int64))
@@ -980,9 +979,8 @@ def test_what_is_not_a_gated_ffn_is_left_to_opat() -> None:
     g = G()
     x = g.input("x", [B, S, H])
     gate, up = linear(g, x, H, H, False), linear(g, x, H, H, False)
-    assert (
-        _families(g.model(g.n("Mul", g.n("Mul", gate, g.n("Sigmoid", up)), up))) == []
-    )  # not SiLU of one tensor
+    # not SiLU of one tensor
+    assert _families(g.model(g.n("Mul", g.n("Mul", gate, g.n("Sigmoid", up)), up))) == []
     g = G()
     x = g.input("x", [B, S, H])
     gate, up = linear(g, x, H, H, False), linear(g, x, H, H, False)

@@ -73,9 +73,8 @@ class Progress:
         self._on_frame(Frame(str(job.description), job.elapsed or 0.0, not job.finished))
 
     def emit(self, event: Any) -> None:
-        if (
-            event.kind == "wait"
-        ):  # said even without a terminal: the user must know why nothing moves
+        if event.kind == "wait":
+            # said even without a terminal: the user must know why nothing moves
             if self._bar is not None:
                 self._bar.console.print(f"aoe: {event.message}")
             else:

@@ -741,9 +741,8 @@ def _verify(args: argparse.Namespace) -> int:
         }
         print("  " + ", ".join(f"{k} {n}" for k, n in counts.items()))
     sys.stdout.flush()
-    if (
-        report.trials and not args.no_record
-    ):  # after the verdicts: a busy bank loses only the record
+    if report.trials and not args.no_record:
+        # after the verdicts: a busy bank loses only the record
         embedded.record_trials(custom, report.trials, wait=args.wait, on_wait=_say_waiting)
     return 1 if bad else 0
 

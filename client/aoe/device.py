@@ -205,9 +205,8 @@ class Device:
         """What bank keys use: provider, hardware, runtime and the implementation options
         (not the index: identical devices share what was learned). Raises DeviceError
         for a GPU this machine does not have."""
-        from aoe.signature import (
-            device_fingerprint,
-        )  # (onnx: only for whoever asks for a fingerprint)
+        # Imported here: it imports onnx, which only whoever asks for a fingerprint needs.
+        from aoe.signature import device_fingerprint
 
         options = dict(self.options)
         if self.cores:

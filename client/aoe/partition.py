@@ -141,9 +141,8 @@ def _subgraph_tasks(
     taken: set[str],
     families: Collection[str] | None,
 ) -> None:
-    for count, m in enumerate(
-        find_subgraphs(model, ctx), 1
-    ):  # ids count every match: they stay put
+    # Ids count every match, taken or not, so that they stay put.
+    for count, m in enumerate(find_subgraphs(model, ctx), 1):
         if families is not None and m.family not in families:
             continue
         try:

@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import tomli_w
 
 from aoe import sizes
 from aoe.device import Device
@@ -456,31 +457,12 @@ class JobSpec:
         """The drop-folder keys (FOLDER_KEYS) of the spec as an aoed.toml; `from_toml`
         reads it back. Unset keys are left out."""
         d = self.to_dict()
-        lines, shapes = [], d.pop("input_shapes")
-        for key in FOLDER_KEYS:
-            value = d.get(key)
-            if key == "input_shapes" or value is None:
-                continue
-            lines.append(f"{key} = {_toml_value(value)}")
-        if shapes:
-            lines.append("[input_shapes]")
-            lines += [
-                f"{_toml_value(name)} = [{', '.join(map(str, dims))}]"
-                for name, dims in shapes.items()
-            ]
-        return "\n".join(lines) + "\n"
+        table = {k: d[k] for k in FOLDER_KEYS if d[k] is not None and k != "input_shapes"}
+        if d["input_shapes"]:
+            table["input_shapes"] = d["input_shapes"]
+        return tomli_w.dumps(table)
 
     @classmethod
     def from_toml(cls, table: Mapping[str, Any]) -> JobSpec:
         """A spec from an aoed.toml's table (as tomllib parsed it): FOLDER_KEYS only."""
         return cls.from_dict(table, FOLDER_KEYS)
-
-
-def _toml_value(v: object) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, str):  # JSON's escapes are TOML's, but for DEL, which TOML wants escaped
-        return json.dumps(v, ensure_ascii=False).replace("\x7f", "\\u007f")
-    if isinstance(v, float):
-        return repr(v)  # finite: a spec holds no inf or nan
-    return str(v)

@@ -7,6 +7,22 @@ optional (budget_s, min_cosine, max_rel_error, device, calibration_dir), as the 
 documents. An enum number this side does not know is refused, naming the field (proto3
 keeps unknown numbers, which a lookup with a default would quietly map).
 
+Where the wire and the domain name a field differently, this module is the one place
+that converts; the proto names stay as they are (renaming a field breaks no number, but
+every client's generated code and JSON form), the domain names are the ones the code uses:
+
+    JobResult (proto)                   JobOutcome (aoe.outcome, aoe.figures)
+    tuned_ms                            figures.result_ms (derived; never read back)
+    improvement_ci95_low / _high        figures.ci95
+    confirm_rounds                      figures.rounds
+    repo_summary (RepoSummary)          bank (AOE's repo_summary counts, by their names)
+    model_path / tuned_model_path       model / tuned_model
+    result_json_path                    result_json
+    verification                        verified
+    details_json                        details (GdatDetails | OnnxDetails)
+    TaskResult.node_names[0]            TaskOutcome.op_name
+    TaskResult.not_applied              not TaskOutcome.applied
+
 `JobOptions.parallel` has no field in a spec: the daemon's own compile workers
 (`[tuning] parallel`) serve every job. It is still bounded as the setting is (0-32), so
 that no count a request carries is taken unchecked.
@@ -57,7 +73,7 @@ _JOB_TYPE = {
 }
 
 
-def _known(table: dict[Any, int], code: int, field: str, enum: Any, unset: Any) -> Any:
+def _member_of(table: dict[Any, int], code: int, field: str, enum: Any, unset: Any) -> Any:
     """The key of `table` whose number is `code` (`unset` for 0); OptionError naming
     `field` for a number this side does not define."""
     if code == 0:
@@ -109,8 +125,12 @@ def spec_from_pb(o: tuning_pb2.JobOptions) -> JobSpec:
             "[tuning] parallel, which serves every job)",
         )
     return JobSpec(
-        precision=_known(_PRECISION, o.precision, "precision", bank_pb2.Precision, Precision.EXACT),
-        job_type=_known(_JOB_TYPE, o.job_type, "job_type", tuning_pb2.JobType, JobType.SGAT_OPAT),
+        precision=_member_of(
+            _PRECISION, o.precision, "precision", bank_pb2.Precision, Precision.EXACT
+        ),
+        job_type=_member_of(
+            _JOB_TYPE, o.job_type, "job_type", tuning_pb2.JobType, JobType.SGAT_OPAT
+        ),
         input_shapes={s.name: list(s.dims) for s in o.input_shapes},
         repeat_tune=o.repeat_tune,
         device=o.device or None,
@@ -317,13 +337,15 @@ def outcome_from_pb(r: tuning_pb2.JobResult, job_id: str = "") -> JobOutcome:
         )
         for t in r.tasks
     )
-    job_type = _known(_JOB_TYPE, r.job_type, "job_type", tuning_pb2.JobType, JobType.SGAT_OPAT)
+    job_type = _member_of(_JOB_TYPE, r.job_type, "job_type", tuning_pb2.JobType, JobType.SGAT_OPAT)
     return JobOutcome(
         job_id=job_id,
         model=r.model_path,
         tuned_model=r.tuned_model_path,
         result_json=r.result_json_path,
-        precision=_known(_PRECISION, r.precision, "precision", bank_pb2.Precision, Precision.EXACT),
+        precision=_member_of(
+            _PRECISION, r.precision, "precision", bank_pb2.Precision, Precision.EXACT
+        ),
         job_type=job_type,
         device=r.device,
         tuning_time_s=r.tuning_time_s,

@@ -173,9 +173,8 @@ class RpcCounter(grpc.ServerInterceptor):
         handler = continuation(handler_call_details)
         if handler is None:
             return None
-        method = handler_call_details.method.rsplit(".", 1)[
-            -1
-        ]  # "/aoe.v1.BankService/X" -> "BankService/X"
+        # "/aoe.v1.BankService/X" -> "BankService/X"
+        method = handler_call_details.method.rsplit(".", 1)[-1]
         count = self._counter
 
         def code(context: grpc.ServicerContext, failed: bool) -> str:

@@ -458,9 +458,8 @@ class Watcher:
             if not isinstance(exc, AoedError | OSError):
                 log.exception("inbox: %s: internal error; trying again at the next scan", path)
             elif await trio.to_thread.run_sync(_signature, path) is None:
-                log.error(
-                    "inbox: %s: %s", path, exc
-                )  # claimed (or gone) already: nothing to try again
+                # claimed (or gone) already: nothing to try again
+                log.error("inbox: %s: %s", path, exc)
             else:
                 await self._claim_failed(path, folder, exc)
         finally:
@@ -820,9 +819,8 @@ class Watcher:
 
     async def _deliver_failure(self, claim: Claim, job_id: str, state: str, error: str) -> None:
         inbox = self._inbox(claim.inbox)
-        error = error.replace(
-            claim.dst, claim.src
-        )  # name the file as dropped, not the claimed copy
+        # name the file as dropped, not the claimed copy
+        error = error.replace(claim.dst, claim.src)
         # One line per field whatever the name or the message hold (newlines are escaped).
         text = (
             f"model: {printable(Path(claim.src).name)}\njob:   {job_id or '(none: the submission was refused)'}\n"
@@ -1251,9 +1249,8 @@ def _write_failure(failed: Path, model: Path, name: str, text: str) -> Path:
                     try:
                         safefs.move(model.name, dst, src_dir_fd=src_fd, dst_dir_fd=dst_fd)
                     except safefs.LinkedError:
-                        os.unlink(
-                            model.name, dir_fd=src_fd
-                        )  # only this name goes: the error says why
+                        # only this name goes: the error says why
+                        os.unlink(model.name, dir_fd=src_fd)
             finally:
                 if src_fd >= 0:
                     os.close(src_fd)

@@ -124,7 +124,7 @@ def _ts(seconds: float | None) -> Timestamp | None:
     return t
 
 
-def _known(table: dict[int, str], code: int, field: str, enum) -> str:
+def _name_of(table: dict[int, str], code: int, field: str, enum) -> str:
     """`table[code]`; OptionError naming `field` for a number the enum does not define
     (proto3 keeps unknown enum numbers, which a lookup with a default would quietly map)."""
     if code not in table:
@@ -273,7 +273,7 @@ class TuningServicer(tuning_pb2_grpc.TuningServiceServicer):
 
     async def _list(self, request: tuning_pb2.ListJobsRequest) -> tuning_pb2.ListJobsResponse:
         size = min(int(request.page_size or 100), 1000)
-        states = [_known(_STATE_NAME, s, "states", tuning_pb2.JobState) for s in request.states]
+        states = [_name_of(_STATE_NAME, s, "states", tuning_pb2.JobState) for s in request.states]
         rows = self._jobs.list(states, size + 1, _parse_token(request.page_token))
         jobs: list[tuning_pb2.Job] = []
         used = 0

@@ -8,15 +8,14 @@ holder killed with SIGKILL frees the bank at once. The descriptor is close-on-ex
 child processes (compile workers, runners) never hold it on.
 
 Readers never take this lock; LMDB already lets any number of them read while one
-process writes. Taking it never blocks: a would-be writer asks again every `POLL_S`
-seconds (`acquire(wait=True)`, or the trio loop in `aoed.bank.writer`), so a wait is
-cancellable by whatever cancels the caller.
+process writes. A would-be writer that may wait blocks in flock (`acquire(wait=True)`,
+where ^C ends the wait) or, in trio code (`aoed.bank.writer`), awaits `wait()`, which
+whatever cancels the caller cancels, holding nothing (aoed.flock).
 """
 
 from __future__ import annotations
 
 import errno
-import fcntl
 import json
 import os
 import socket
@@ -28,12 +27,11 @@ from pathlib import Path
 from typing import Any
 
 from aoe.errors import BankBusyError, BankError
+from aoed import flock
 
-__all__ = ["LOCK_NAME", "POLL_S", "WriterLock", "busy_holder"]
+__all__ = ["LOCK_NAME", "WriterLock", "busy_holder"]
 
 LOCK_NAME = "writer.lock"
-#: Seconds between attempts while waiting for the bank.
-POLL_S = 0.1
 
 
 def _command_line() -> str:
@@ -110,28 +108,35 @@ class WriterLock:
             ) from None
         st = os.fstat(self._fd)
         if st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) & 0o007:
-            os.fchmod(
-                self._fd, stat.S_IMODE(st.st_mode) & ~0o007
-            )  # as earlier versions left it (0644)
+            # as earlier versions left it (0644)
+            os.fchmod(self._fd, stat.S_IMODE(st.st_mode) & ~0o007)
 
     def try_acquire(self, record: bool = True) -> bool:
         """Take the lock if no other process (or other WriterLock) holds it; on success
         record this process as the holder (unless not `record`). Never blocks."""
         if self.held:
             return True
+        try:
+            if not flock.try_lock(self._descriptor()):
+                return False
+        except OSError as exc:
+            raise self._lock_error(exc) from None
+        self._taken(record)
+        return True
+
+    def _descriptor(self) -> int:
         if self._fd is None:
             raise BankError(f"bank {self.bank}: writer lock used after release")
-        try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return False
-        except OSError as exc:
-            raise BankError(
-                f"bank {self.bank}: cannot lock {self.path} ({exc.strerror or exc})"
-            ) from None
+        return self._fd
+
+    def _lock_error(self, exc: OSError) -> BankError:
+        return BankError(f"bank {self.bank}: cannot lock {self.path} ({exc.strerror or exc})")
+
+    def _taken(self, record: bool = True) -> None:
+        """The lock is held now: record this process as the holder (unless not `record`)."""
         self.held = True
-        if not record:
-            return True
+        if not record or self._fd is None:
+            return
         info = {
             "pid": os.getpid(),
             "host": socket.gethostname(),
@@ -143,7 +148,6 @@ class WriterLock:
             os.pwrite(self._fd, (json.dumps(info, sort_keys=True) + "\n").encode(), 0)
         except OSError:
             pass  # naming the holder is a courtesy; the lock itself is held
-        return True
 
     def holder(self) -> str:
         """Who holds the lock, as the holder recorded it; says so when unknown."""
@@ -170,17 +174,31 @@ class WriterLock:
 
     def acquire(self, wait: bool = False, on_wait: Callable[[str], None] | None = None) -> None:
         """Take the lock. Without `wait` a busy bank raises BankBusyError naming the
-        holder; with it, ask again every POLL_S seconds until the holder lets go,
-        reporting once through `on_wait` whom it waits for. A signal (KeyboardInterrupt)
-        ends the wait; nothing is then held."""
-        said = False
-        while not self.try_acquire():
-            if not wait:
-                raise self.busy_error()
-            if not said and on_wait is not None:
-                on_wait(self.waiting_message())
-                said = True
-            time.sleep(POLL_S)
+        holder; with it, block until the holder lets go, reporting once through
+        `on_wait` whom it waits for. A signal (KeyboardInterrupt) ends the wait; nothing
+        is then held."""
+        if self.try_acquire():
+            return
+        if not wait:
+            raise self.busy_error()
+        if on_wait is not None:
+            on_wait(self.waiting_message())
+        try:
+            flock.lock(self._descriptor())
+        except OSError as exc:
+            raise self._lock_error(exc) from None
+        self._taken()
+
+    async def wait(self) -> None:
+        """Take the lock, waiting (in trio) while another holds it, and record this
+        process as the holder. Cancellable; cancelled, it holds nothing."""
+        if self.held:
+            return
+        try:
+            await flock.wait_lock(self._descriptor())
+        except OSError as exc:
+            raise self._lock_error(exc) from None
+        self._taken()
 
     def release(self) -> None:
         """Let go of the lock (closing the descriptor releases it)."""

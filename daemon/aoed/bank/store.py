@@ -173,7 +173,7 @@ class BankStore:
 
     `map_size`: bytes of address space to map (default: the largest the process may,
     see `aoe.lmdbenv.MAP_SIZES`); tests pass a small one. Without `wait` a bank another
-    process writes raises BankBusyError naming it; with `wait` the constructor polls
+    process writes raises BankBusyError naming it; with `wait` the constructor blocks
     until the bank is free, reporting once through `on_wait` whom it waits for. `lock`:
     a WriterLock the caller took already (the store owns it from then on). Raises
     BankError when the bank cannot be opened or has another schema.

@@ -17,8 +17,8 @@ Layers are opened on first use, read-only, and never written.
 
 The custom bank is written by one process at a time (`aoed.bank.lock`). The writer takes
 the bank's lock when it first needs the bank, and holds it until `close()`. When another
-process holds it, the writer waits for it (by default, polling in trio: cancelling the
-caller ends the wait) or fails with BankBusyError.
+process holds it, the writer waits for it (by default, `WriterLock.wait()`: cancelling
+the caller ends the wait) or fails with BankBusyError.
 
 A bank whose data file is damaged (aoe.lmdbcheck) is refused, and stays refused while
 the file there is the one refused: every call that needs it raises the same
@@ -46,7 +46,7 @@ from aoe.bank import CUSTOM, BankReader, layer_paths_from_env, open_bank
 from aoe.bankrecord import BankRecord, decode, encode
 from aoe.errors import BankDamagedError, BankError, BankWriteError
 from aoe.lmdbcheck import damaged, find_damage
-from aoed.bank.lock import POLL_S, WriterLock
+from aoed.bank.lock import WriterLock
 from aoed.bank.store import BankStore, Change, MergeCounts, Position, PruneCounts, Record
 
 __all__ = ["BankMerge", "BankPrune", "BankWrite", "BankWriter"]
@@ -222,16 +222,12 @@ class BankWriter:
     async def _open_store(self) -> BankStore:
         lock = await trio.to_thread.run_sync(WriterLock, self.path)
         try:
-            said = False
-            # Polled, never a blocking flock in a thread: a cancelled wait must not leave
-            # a thread behind that takes the lock later.
-            while not await trio.to_thread.run_sync(lock.try_acquire):
+            if not await trio.to_thread.run_sync(lock.try_acquire):
                 if not self.wait:
                     raise lock.busy_error()
-                if not said and self.on_wait is not None:
+                if self.on_wait is not None:
                     self.on_wait(lock.waiting_message())
-                    said = True
-                await trio.sleep(POLL_S)
+                await lock.wait()
             return await trio.to_thread.run_sync(functools.partial(BankStore, self.path, lock=lock))
         except BaseException:
             lock.release()  # (BankStore lets go of it too when it fails: release is idempotent)

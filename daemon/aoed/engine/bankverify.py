@@ -189,9 +189,8 @@ def rebuild_task(
         model = onnx.shape_inference.infer_shapes(model, strict_mode=True)
     except Exception as exc:  # onnx raises several kinds; each says what did not fit
         why = _first_line(exc)
-        if described is None and any(
-            consts[n].dtype.kind in "iu" for n in consts
-        ):  # random shapes and axes: the likely cause, and what would cure it
+        if described is None and any(consts[n].dtype.kind in "iu" for n in consts):
+            # random shapes and axes: the likely cause, and what would cure it
             why += (
                 "; the entry keeps no values of its integer constants (shapes, axes), "
                 "so they were made up: re-tune its model to record them"

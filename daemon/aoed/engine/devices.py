@@ -49,9 +49,8 @@ class DeviceSet:
         self._digests = {id(a): a.device.fingerprint().digest for a in self.agents}
         self._homed: dict[int, int] = {id(a): 0 for a in self.agents}
         self._turns = 0
-        self._last: dict[int, int] = {
-            id(a): 0 for a in self.agents
-        }  # the turn each was last picked
+        # the turn each was last picked
+        self._last: dict[int, int] = {id(a): 0 for a in self.agents}
 
     @property
     def first(self) -> DeviceAgent:

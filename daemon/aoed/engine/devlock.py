@@ -8,8 +8,8 @@ measure at once. The kernel drops a flock when its holder dies, so a lock is nev
 stale. The holder writes who it is into the file, and a process that has to wait says
 so, naming the holder.
 
-Waiting polls (non-blocking flock, then a short sleep): cancellable at any moment,
-with no thread left blocked in the kernel.
+Waiting is aoed.flock's: cancellable at any moment, with nothing polling and no thread
+left blocked in the kernel.
 
 `flock` needs only a descriptor, and a read-only one will do: whoever can open the file
 can hold the device and stop every measurement. So the file is 0600 (0660 with the
@@ -21,7 +21,6 @@ file that is open to other users is narrowed when it is ours and refused when it
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import stat
 import sys
@@ -29,13 +28,10 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
-import trio
-
 from aoe.errors import DeviceError
+from aoed import flock
 
 __all__ = ["DeviceLock"]
-
-_POLL_S = 0.02
 
 
 class DeviceLock:
@@ -65,17 +61,20 @@ class DeviceLock:
         return text or "another process"
 
     def _try(self, fd: int) -> bool:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        if not flock.try_lock(fd):
             return False
+        self._claim(fd)
+        return True
+
+    @staticmethod
+    def _claim(fd: int) -> None:
+        """Write who holds the lock now held on `fd` into its file."""
         os.ftruncate(fd, 0)
         os.pwrite(
             fd,
             f"pid {os.getpid()} ({' '.join(sys.argv)[:200]}) since {time.strftime('%H:%M:%S')}\n".encode(),
             0,
         )
-        return True
 
     @contextlib.asynccontextmanager
     async def hold(self, on_wait: Callable[[str], None] | None = None) -> AsyncIterator[None]:
@@ -87,25 +86,27 @@ class DeviceLock:
                 on_wait(
                     f"waiting for {self.path.stem.removeprefix('device-')}: measuring for {self.holder()}"
                 )
-            # Another process holds the flock: there is no event to wait on.
-            while not self._try(fd):  # noqa: ASYNC110
-                await trio.sleep(_POLL_S)
+            try:
+                await flock.wait_lock(fd)
+            except OSError as exc:
+                raise DeviceError(f"device lock {self.path}: cannot wait for it: {exc}") from None
+            self._claim(fd)
         try:
             yield
         finally:
-            fcntl.flock(fd, fcntl.LOCK_UN)
+            flock.unlock(fd)
 
     @contextlib.contextmanager
     def hold_sync(self) -> Iterator[None]:
         """`hold()` for a thread that has no trio loop (a Ray actor measuring on its
-        node: aoed.engine.rayexec): waits, polling, while another process measures."""
+        node: aoed.engine.rayexec): blocks while another process measures."""
         fd = self._open()
-        while not self._try(fd):
-            time.sleep(_POLL_S)
+        flock.lock(fd)
+        self._claim(fd)
         try:
             yield
         finally:
-            fcntl.flock(fd, fcntl.LOCK_UN)
+            flock.unlock(fd)
 
     def close(self) -> None:
         if self._fd is not None:

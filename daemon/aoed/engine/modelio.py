@@ -32,6 +32,7 @@ __all__ = [
     "load_model",
     "save_model",
     "tensor_bytes",
+    "tensors",
 ]
 
 #: Above this many tensor bytes a model is saved with external data (protobuf's limit
@@ -90,11 +91,7 @@ def load_model(
                 f"{path.name}: {nodes} nodes or more, over the limit of {max_nodes} nodes per model"
                 f"{_named(nodes_setting)}"
             )
-    external = [
-        t
-        for t in external_data_helper._get_all_tensors(model)
-        if external_data_helper.uses_external_data(t)
-    ]
+    external = [t for t in tensors(model) if external_data_helper.uses_external_data(t)]
     if external:
         budget = None if max_bytes is None else max_bytes - path.stat().st_size
         _read_external(path, model, external, budget, bytes_setting, fits)
@@ -113,6 +110,32 @@ def subgraphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
                     stack.append(a.g)
                 elif a.type == onnx.AttributeProto.GRAPHS:
                     stack.extend(a.graphs)
+
+
+def tensors(model: onnx.ModelProto, attributes: bool = True) -> Iterator[onnx.TensorProto]:
+    """Every tensor that holds data in `model`: the initializers of its graph and every
+    subgraph, then (unless not `attributes`) the tensors in node attributes (Constant
+    values), those in the model's local functions included. What onnx walks to load and
+    save external data, through onnx's public protos."""
+    for g in subgraphs(model.graph):
+        yield from g.initializer
+    if not attributes:
+        return
+    bodies: list[onnx.GraphProto | onnx.FunctionProto] = [*subgraphs(model.graph)]
+    for f in model.functions:
+        bodies.append(f)
+        for node in f.node:
+            for a in node.attribute:
+                if a.type == onnx.AttributeProto.GRAPH:
+                    bodies += subgraphs(a.g)
+                elif a.type == onnx.AttributeProto.GRAPHS:
+                    bodies += (s for g in a.graphs for s in subgraphs(g))
+    for body in bodies:
+        for node in body.node:
+            for a in node.attribute:
+                if a.HasField("t"):
+                    yield a.t
+                yield from a.tensors
 
 
 def count_nodes(graph: onnx.GraphProto, stop_above: int | None = None) -> int:
@@ -322,7 +345,7 @@ def tensor_bytes(model: onnx.ModelProto) -> int:
     """Bytes of tensor data a model holds inline (initializers and Constant values)."""
     return sum(
         len(t.raw_data) or t.ByteSize()
-        for t in external_data_helper._get_all_tensors(model)
+        for t in tensors(model)
         if not external_data_helper.uses_external_data(t)
     )
 
@@ -336,7 +359,7 @@ def _move_to_external(model: onnx.ModelProto, location: str, f: BinaryIO) -> Non
     """Write the raw data of `model`'s large initializers to `f`, one after another, and
     point each tensor at its bytes in the file `location` instead."""
     offset = 0
-    for t in external_data_helper._get_initializer_tensors(model):
+    for t in tensors(model, attributes=False):
         if t.HasField("raw_data") and len(t.raw_data) >= _EXTERNAL_MIN_TENSOR:
             f.write(t.raw_data)
             external_data_helper.set_external_data(t, location, offset, len(t.raw_data))

@@ -121,9 +121,8 @@ async def prepare(ctx: JobContext) -> Prepared:
     opts, run, ws = ctx.spec, ctx.run, ctx.workspace
     ctx.ledger.enter("prepare")
     await ctx.stage(Stage.PREPARE, f"preparing {run.model.name}")
-    with contextlib.suppress(
-        OSError
-    ):  # limits grow with the model; of an unreadable one, prep says why
+    with contextlib.suppress(OSError):
+        # limits grow with the model; of an unreadable one, prep says why
         ctx.ledger.scale_to_model((await trio.to_thread.run_sync(run.model.stat)).st_size)
     _say_estimate(
         ctx,
@@ -682,9 +681,8 @@ async def _gate_lossy_hits(
             got = m.get(rec.strategy)
             if got is not None and got.ok and ctx.policy.task_ok(got.accuracy()):
                 continue
-            if (
-                got is not None and got.ok
-            ):  # as in the search: the model may absorb what the task alone does not
+            if got is not None and got.ok:
+                # as in the search: the model may absorb what the task alone does not
                 ok, detail = incontext.verdict(
                     ctx, await incontext.model_accuracy(ctx, by_id[tid], rec.strategy)
                 )

@@ -201,9 +201,8 @@ class TaskAgent:
             for name in precision_of:
                 nursery.start_soon(compile_one, name)
         if any(isinstance(c, AoedError) for c in compiled.values()):
-            await (
-                ctx.check_workspace()
-            )  # a vanished workspace fails every candidate: the job's failure
+            # a vanished workspace fails every candidate: the job's failure
+            await ctx.check_workspace()
         cands, failed = [], 0
         for name in precision_of:
             c = compiled[name]

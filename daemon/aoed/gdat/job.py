@@ -59,7 +59,7 @@ from aoed.engine.worldsize import WorldLimits
 from aoed.gdat import space
 from aoed.gdat.outcome import GdatResult, configurations, ddp_config_doc, result_doc
 from aoed.gdat.race import Meter
-from aoed.gdat.search import CONFIRM_ROUNDS, DEFAULT, RACE_ROUNDS, Confirmed, Search
+from aoed.gdat.search import CONFIRM_ROUNDS, DEFAULT, RACE_ROUNDS, ConfirmingAB, Search
 from aoed.logs import job_log
 
 __all__ = ["MISSING_TORCH", "GdatOptions", "have_torch", "run_gdat"]
@@ -350,9 +350,8 @@ class _Job:
         self.emit("stage", f"starting a world of {opts.world_size} on {opts.backend}")
         t0 = time.monotonic()
         await main.start()
-        self.ledger.charge_device(
-            time.monotonic() - t0, "profile"
-        )  # starting a world is not searching
+        # starting a world is not searching
+        self.ledger.charge_device(time.monotonic() - t0, "profile")
         self.ws.started = True
         done = self.load_checkpoint(
             {
@@ -399,7 +398,7 @@ class _Job:
         sig: Any,
         host: Any,
         search: Search,
-        confirmed: Confirmed,
+        confirmed: ConfirmingAB,
     ) -> tuple[str, DDPConfig]:
         """AOE's rules for the layout just tuned; (update mode, what ships)."""
         figs = confirmed.figures
@@ -520,7 +519,7 @@ class _Job:
         layout: GradientLayout,
         key: bytes,
         search: Search,
-        confirmed: Confirmed,
+        confirmed: ConfirmingAB,
         meter: Meter,
         shipped: DDPConfig,
         mode: str,
@@ -643,7 +642,7 @@ async def run_gdat(
             result_path = ws.reserve_result("gdat")
             result.result_json = str(result_path)
             write_json(result_path, result_doc(result))
-            bank.count_decisions(result.repo["repo_hit_num"], result.repo["total_num"])
+            bank.count_decisions(result.bank["repo_hit_num"], result.bank["total_num"])
             job.drop_checkpoint()
             failed = False
             outcome = "done"

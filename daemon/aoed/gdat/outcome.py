@@ -9,7 +9,7 @@
         figures{...}, bank{...}, budget{...}, resources{...}, notes: as every job's
              (aoe.outcome.JobOutcome: the figures are the confirming A/B's)
         details{...}: what only GDAT has
-          confirmation{...}: the A/B the GDAT figures come from (search.Confirmed)
+          confirmation{...}: the A/B the GDAT figures come from (search.ConfirmingAB)
           configurations[...]: every configuration measured, per stage: its step and
              tail (the world's, and per rank), rounds, DDP's buckets, and what became of
              it (chosen, lost and why, dropped by racing, failed, rejected by the gate)
@@ -29,15 +29,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from aoe.figures import Comparison
-from aoe.figures import Figures as JobFigures
+from aoe.figures import Comparison, Figures
 from aoe.gdat import DDPConfig
 from aoe.gradlayout import GradientLayout
 from aoe.outcome import BudgetReport, GdatDetails, JobOutcome, details_to_dict
 from aoe.spec import JobType, Precision
 from aoed.engine import stats
 from aoed.engine.decisions import clearly_faster, paired_ratio, why_not_faster
-from aoed.gdat.race import Figures
+from aoed.gdat.race import RaceFigures
 from aoed.gdat.search import DEFAULT, DEFAULT_2
 
 __all__ = ["GdatResult", "configurations", "ddp_config_doc", "result_doc", "to_outcome"]
@@ -76,13 +75,13 @@ class GdatResult:
     workspace: str = ""
 
     @property
-    def repo(self) -> dict[str, int]:
+    def bank(self) -> dict[str, int]:
         from aoe.outcome import bank_tally
 
         return bank_tally([self.update_mode])
 
 
-def _why_lost(f: Figures, winner: Figures | None) -> str:
+def _why_lost(f: RaceFigures, winner: RaceFigures | None) -> str:
     if winner is None or f is winner:
         return ""
     mine, theirs = f.measurement(), winner.measurement()
@@ -96,12 +95,12 @@ def _why_lost(f: Figures, winner: Figures | None) -> str:
 
 
 def configurations(
-    figures: list[Figures], chosen: dict[str, str], gates: list[dict[str, Any]]
+    figures: list[RaceFigures], chosen: dict[str, str], gates: list[dict[str, Any]]
 ) -> list[dict[str, Any]]:
     """Every configuration measured, stage by stage, with what became of it; `chosen`
     maps each stage to the configuration it kept."""
     out = []
-    by_stage: dict[str, dict[str, Figures]] = {}
+    by_stage: dict[str, dict[str, RaceFigures]] = {}
     for f in figures:
         by_stage.setdefault(f.stage, {})[f.name] = f
     for f in figures:
@@ -203,12 +202,12 @@ def _details(result: GdatResult) -> GdatDetails:
     )
 
 
-def _figures(result: GdatResult) -> JobFigures:
+def _figures(result: GdatResult) -> Figures:
     """The confirming A/B's figures under aoe.figures' rule: the defaults are the input."""
     rounds = int(result.confirmation.get("rounds") or 0)
     if result.shipped.is_default:
         decided = result.confirmation.get("decided_by")
-        return JobFigures.unchanged(
+        return Figures.unchanged(
             result.verdict,
             result.baseline_ms,
             rounds,
@@ -216,7 +215,7 @@ def _figures(result: GdatResult) -> JobFigures:
             confirmed_by=result.from_bank,
         )
     lo, hi = result.improvement_ci95
-    return JobFigures(
+    return Figures(
         "faster",
         "tuned",
         result.baseline_ms,
@@ -249,7 +248,7 @@ def to_outcome(result: GdatResult) -> JobOutcome:
         device=f"{result.backend} world of {result.world_size}",
         tuning_time_s=result.tuning_time_s,
         figures=_figures(result),
-        bank=result.repo,
+        bank=result.bank,
         resources={k: float(v) for k, v in result.resources.items() if isinstance(v, int | float)},
         budget=budget,
         notes=tuple(result.notes),
@@ -283,7 +282,7 @@ def result_doc(result: GdatResult) -> dict[str, Any]:
             "ddp_config": result.shipped.to_json(),
             "update_mode": result.update_mode,
             "bank_layer": result.bank_layer,
-            "repo_summary": result.repo,
+            "repo_summary": result.bank,
         },
         "figures": outcome.figures.to_dict(),
         "bank": dict(outcome.bank),

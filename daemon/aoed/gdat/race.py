@@ -41,7 +41,7 @@ from aoed.engine.messages import Measurement
 from aoed.engine.rankmessages import RankMeasureRequest
 from aoed.engine.world import World, WorldError
 
-__all__ = ["MAX_FAILURES", "Entrant", "Figures", "Meter", "race"]
+__all__ = ["MAX_FAILURES", "Entrant", "Meter", "RaceFigures", "race"]
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ class Entrant:
 
 
 @dataclass
-class Figures:
+class RaceFigures:
     """One configuration's measurement in one race."""
 
     stage: str
@@ -94,7 +94,7 @@ class Figures:
         }
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> Figures:
+    def from_json(cls, d: dict[str, Any]) -> RaceFigures:
         return cls(
             stage=str(d["stage"]),
             name=str(d["name"]),
@@ -183,7 +183,7 @@ class Meter:
 
 
 async def _turn(
-    meter: Meter, stage: str, category: str, n: int, world_key: str, e: Entrant, f: Figures
+    meter: Meter, stage: str, category: str, n: int, world_key: str, e: Entrant, f: RaceFigures
 ) -> None:
     """One configuration's turn in round `n`: its figure for the round, or None."""
     request = RankMeasureRequest(
@@ -252,16 +252,16 @@ async def race(
     protect: frozenset[str] = frozenset(),
     drop: bool = True,
     min_rounds: int = MIN_ROUNDS,
-    settle: Callable[[dict[str, Figures]], Collection[str]] | None = None,
+    settle: Callable[[dict[str, RaceFigures]], Collection[str]] | None = None,
     max_rounds: int = 0,
-) -> dict[str, Figures]:
+) -> dict[str, RaceFigures]:
     """Measure `entrants` in up to `rounds` interleaved rounds (fewer when the budget
     runs out: a round starts only while its estimated cost fits); returns their figures
     by name. After `rounds`, while `settle` names two or more entrants still to be told
     apart, those alone get further rounds, up to `max_rounds` in all. Raises DeviceError
     after MAX_FAILURES broken turns in a row, and the job's own errors (ModelError,
     OptionError) as the world raises them."""
-    figs = {e.name: Figures(stage, e.name, e.config, e.world) for e in entrants}
+    figs = {e.name: RaceFigures(stage, e.name, e.config, e.world) for e in entrants}
     worlds = sorted({e.world for e in entrants})
     for n in range(max(rounds, max_rounds)):
         alive = [e for e in entrants if not figs[e.name].dropped and not figs[e.name].error]
@@ -300,7 +300,7 @@ async def race(
     return figs
 
 
-def _drop(figs: dict[str, Figures], protect: frozenset[str]) -> None:
+def _drop(figs: dict[str, RaceFigures], protect: frozenset[str]) -> None:
     live = {k: f.measurement() for k, f in figs.items() if not f.dropped and not f.error}
     ok = {k: m for k, m in live.items() if m.ok}
     if len(ok) < 2:

@@ -41,9 +41,9 @@ from aoed.engine.messages import Request
 from aoed.engine.rankmessages import RankGateRequest
 from aoed.engine.world import World, WorldError, WorldSpec
 from aoed.gdat import gate, space
-from aoed.gdat.race import Entrant, Figures, Meter, race
+from aoed.gdat.race import Entrant, Meter, RaceFigures, race
 
-__all__ = ["CONFIRM_ROUNDS", "EXTRA_ROUNDS", "RACE_ROUNDS", "Confirmed", "Search", "close_calls"]
+__all__ = ["CONFIRM_ROUNDS", "EXTRA_ROUNDS", "RACE_ROUNDS", "ConfirmingAB", "Search", "close_calls"]
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ DEFAULT = "default"
 DEFAULT_2 = "default (second instance)"
 
 
-def close_calls(figs: dict[str, Figures], incumbent: str) -> set[str]:
+def close_calls(figs: dict[str, RaceFigures], incumbent: str) -> set[str]:
     """The configurations a stage's race should measure further: the incumbent and those
     whose median round ratio to it promises a win (below 1 - MIN_GAIN) that its interval
     does not yet show; none when one already wins clearly or the incumbent failed."""
@@ -73,7 +73,7 @@ def close_calls(figs: dict[str, Figures], incumbent: str) -> set[str]:
 
 
 @dataclass
-class Confirmed:
+class ConfirmingAB:
     """The confirming A/B: the figures every output quotes."""
 
     verdict: str  # faster | no significant change | slower (the proposal vs the defaults)
@@ -87,7 +87,7 @@ class Confirmed:
     improvement_ci95: tuple[float, float]
     rounds: int
     notes: list[str] = field(default_factory=list)
-    figures: dict[str, Figures] = field(default_factory=dict)
+    figures: dict[str, RaceFigures] = field(default_factory=dict)
     #: when a proposal was measured and the defaults shipped: the comparison that kept it
     #: out (aoe.figures.Comparison's fields)
     decided_by: dict[str, Any] | None = None
@@ -123,7 +123,7 @@ class Search:
     world_knobs: tuple[tuple[tuple[str, str], ...], ...] = ()
     rounds: int = RACE_ROUNDS
     confirm_rounds: int = CONFIRM_ROUNDS
-    figures: list[Figures] = field(default_factory=list)
+    figures: list[RaceFigures] = field(default_factory=list)
     gates: list[dict[str, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     stages: list[str] = field(default_factory=list)
@@ -189,7 +189,7 @@ class Search:
         log.info("%s: %s", stage, pick)
         return figs[pick].config
 
-    def _keep(self, stage: str, config: DDPConfig, figs: Iterable[Figures]) -> None:
+    def _keep(self, stage: str, config: DDPConfig, figs: Iterable[RaceFigures]) -> None:
         """Hand the stage's outcome to `checkpoint`, for a resume of this job."""
         if self.checkpoint is not None:
             self.checkpoint(
@@ -204,7 +204,7 @@ class Search:
     def _restore(self, stage: str, rec: dict[str, Any]) -> DDPConfig:
         """A stage an interrupted run of this job finished: its figures and choice as
         they were."""
-        self.figures += [Figures.from_json(f) for f in rec.get("figures", [])]
+        self.figures += [RaceFigures.from_json(f) for f in rec.get("figures", [])]
         self.stages.append(stage)
         self.resumed.append(stage)
         if rec.get("kept"):
@@ -312,7 +312,7 @@ class Search:
             incumbent = await self._world(incumbent)
         return incumbent
 
-    async def confirm(self, proposal: DDPConfig, banked: DDPConfig | None = None) -> Confirmed:
+    async def confirm(self, proposal: DDPConfig, banked: DDPConfig | None = None) -> ConfirmingAB:
         """The confirming A/B (see the module doc). Raises DeviceError when the worlds
         keep breaking."""
         world = ",".join(f"{k}={v}" for k, v in proposal.world)
@@ -398,7 +398,7 @@ class Search:
             _v, med, ci = verdict_of(ratios)
             imp, imp_ci = 1 / med - 1, (1 / ci[1] - 1, 1 / ci[0] - 1)
         b, r = base.measurement(), cand.measurement()
-        return Confirmed(
+        return ConfirmingAB(
             verdict=verdict,
             shipped=shipped,
             proposal=proposal,

@@ -284,9 +284,8 @@ class JobManager:
         with trio.move_on_after(10):
             await self._all_ended()
         self._backlog.flush()
-        if (
-            self._backlog
-        ):  # the store still refuses them: the next start finds those jobs as it last had them
+        if self._backlog:
+            # The store still refuses them: the next start finds those jobs as it last had them.
             log.warning(
                 "jobs: the job store (%s) could not take the last states of %d job(s); the next start "
                 "resumes them from the states it has",
@@ -402,13 +401,12 @@ class JobManager:
                 "the daemon is shutting down; submit again after it restarts"
             )
         mine = [a.device.name for a in self.engine.device_set]
-        if (
-            sub.spec.device is not None and sub.spec.device not in mine
-        ):  # (a spec's device name is normalized)
+        # A spec's device name is normalized: it compares as it is.
+        if sub.spec.device is not None and sub.spec.device not in mine:
             raise OptionError(
                 f"device {sub.spec.device}: this daemon measures on {', '.join(mine)} (see aoe devices)"
             )
-        # (an upload's model file is named by its upload, a path by its own name)
+        # The kind is the file name's: an upload's as uploaded, a path's own.
         check_model_kind(
             sub.upload.file_name if sub.upload is not None else sub.model.name,
             sub.spec.job_type,
@@ -420,9 +418,9 @@ class JobManager:
         limits.check_spec(spec, self.cfg)
         space.check_floor(self.cfg.state_dir, self.cfg.min_free_bytes, "SubmitJob")
         size = sub.upload.size if sub.upload is not None else 0
-        if (
-            sub.upload is None
-        ):  # refused before hashing it: the limit is there so nobody reads 9 GiB
+        if sub.upload is None:
+            # The size is refused before the file is hashed: the limit is there so that
+            # nobody reads 9 GiB.
             info = await trio.to_thread.run_sync(os.lstat, sub.model)
             size = info.st_size
             if info.st_nlink > 1:
