@@ -303,21 +303,11 @@ def test_ranked_keeps_the_order_of_preference_among_ties() -> None:
 
 
 def _bank_entry(strategy: str) -> BankRecord:
-    import numpy as np
-    from onnx import TensorProto, helper, numpy_helper
+    from aoe.signature import device_fingerprint
 
-    from aoe.signature import ModelContext, device_fingerprint, task_signature
+    from .bank_util import make_signature
 
-    w = numpy_helper.from_array(np.ones((8, 4), np.float32), "w")
-    graph = helper.make_graph(
-        [helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")],
-        "g",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 8])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])],
-        initializer=[w],
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    sig = task_signature([model.graph.node[0]], ModelContext(model))
+    sig = make_signature()
     dev = device_fingerprint("CPUExecutionProvider", {})
     m = _m([80.0] * 10)
     return bankrules.make_record(

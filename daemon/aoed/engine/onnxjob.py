@@ -46,40 +46,28 @@ class OnnxKind:
         devices = engine.device_set
         # OptionError when no device fits the job
         with devices.home(Device.parse(name)) as home:
-            return await self._run_at(engine, home, devices, spec, run, emit, handle)
-
-    async def _run_at(
-        self,
-        engine: Agents,
-        home: DeviceAgent,
-        devices: DeviceSet,
-        spec: JobSpec,
-        run: JobRun,
-        emit: Emit,
-        handle: JobHandle,
-    ) -> JobOutcome:
-        job_id = run.job_id or new_job_id()
-        prec = policy(spec.precision, spec.min_cosine, spec.max_rel_error)
-        # The daemon's job id is the same in each run of a job; an embedded run's is new,
-        # so there the model alone says which interrupted workspace is this job's.
-        owner = {"model": str(run.model.absolute()), "job": run.job_id}
-        ws = await trio.to_thread.run_sync(Workspace.create, run.output, run.model.stem, owner)
-        outcome = "interrupted"  # ^C, or anything else that is not the job's own end
-        try:
-            result = await self._run(
-                engine, home, devices, spec, run, job_id, prec, ws, emit, handle
-            )
-            outcome = "done"
-            return result
-        except JobCancelledError:
-            outcome = "interrupted" if handle.resumable else "done"
-            raise
-        except Exception:
-            outcome = "failed"
-            raise
-        finally:
-            # a few file operations: not worth a thread (nor a cancellable await)
-            ws.release(outcome)
+            job_id = run.job_id or new_job_id()
+            prec = policy(spec.precision, spec.min_cosine, spec.max_rel_error)
+            # The daemon's job id is the same in each run of a job; an embedded run's is new,
+            # so there the model alone says which interrupted workspace is this job's.
+            owner = {"model": str(run.model.absolute()), "job": run.job_id}
+            ws = await trio.to_thread.run_sync(Workspace.create, run.output, run.model.stem, owner)
+            outcome = "interrupted"  # ^C, or anything else that is not the job's own end
+            try:
+                result = await self._run(
+                    engine, home, devices, spec, run, job_id, prec, ws, emit, handle
+                )
+                outcome = "done"
+                return result
+            except JobCancelledError:
+                outcome = "interrupted" if handle.resumable else "done"
+                raise
+            except Exception:
+                outcome = "failed"
+                raise
+            finally:
+                # a few file operations: not worth a thread (nor a cancellable await)
+                ws.release(outcome)
 
     async def _run(
         self,
