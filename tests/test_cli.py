@@ -123,41 +123,45 @@ def test_engine_limits_come_from_the_config_with_the_constants_as_defaults(tmp_p
 @pytest.mark.parametrize(
     ("text", "env", "needle"),
     [
-        ("[engine]\nmax_nodes = 0\n", {}, "max_nodes=0 ("),
+        (
+            "[engine]\nmax_nodes = 0\n",
+            {},
+            "[engine] max_nodes = 0: must be between 1 and 1000000000",
+        ),
         (
             '[engine]\nmax_model_mb = "lots"\n',
             {},
-            "[engine] max_model_mb='lots': expected a whole number of MiB",
+            "[engine] max_model_mb = 'lots': expected a whole number of MiB",
         ),
         (
             "[engine]\nmax_tensor_mb = 1.5\n",
             {},
-            "[engine] max_tensor_mb=1.5: expected a whole number of MiB",
+            "[engine] max_tensor_mb = 1.5: expected a whole number of MiB",
         ),
         (
             "[engine]\nmax_nodes = true\n",
             {},
-            "[engine] max_nodes=True: expected a whole number of nodes",
+            "[engine] max_nodes = True: expected a whole number of nodes",
         ),
         (
             "[engine]\ncompile_timeout_s = 0\n",
             {},
-            "[engine] compile_timeout_s): must be between 1 and",
+            "[engine] compile_timeout_s = 0: must be between 1 and 604800",
         ),
         (
             '[engine]\nstage_timeout_s = "soon"\n',
             {},
-            "[engine] stage_timeout_s='soon': expected a number of seconds",
+            "[engine] stage_timeout_s = 'soon': expected a number of seconds",
         ),
         (
             "[engine]\nstage_timeout_s = nan\n",
             {},
-            "[engine] stage_timeout_s=nan: expected a number of seconds",
+            "[engine] stage_timeout_s = nan: must be between 1 and 604800",
         ),
         (
             "[engine]\ncompile_timeout_s = []\n",
             {},
-            "[engine] compile_timeout_s=[]: expected a number of seconds",
+            "[engine] compile_timeout_s = []: expected a number of seconds",
         ),
         ("[engine]\nworker_memory_mb = 300\n", {}, "worker_memory_mb=300 ("),
         ("[engine]\nworker_memory_mb = -1\n", {}, "must be 0 (no limit) or at least 1024 MiB"),
@@ -176,7 +180,7 @@ def test_bad_engine_limits_are_option_errors_naming_the_key(
 @pytest.mark.parametrize(
     ("text", "env", "needle"),
     [
-        ("[tuning]\nparallel = 99\n", {}, "[tuning] parallel=99"),
+        ("[tuning]\nparallel = 99\n", {}, "[tuning] parallel = 99: must be between 1 and 32"),
         ("[tuning]\nthreads = 2\n", {}, "[tuning] threads: unknown setting"),
         ("[tuning\n", {}, "not valid TOML"),
         ("", {"REPEAT_TUNE": "maybe"}, "REPEAT_TUNE='maybe'"),
@@ -192,3 +196,34 @@ def test_bad_settings_name_where_they_came_from(
     with pytest.raises(OptionError) as err:
         load_config(toml, env=env)
     assert needle in str(err.value)
+
+
+def test_the_file_is_read_strictly_and_every_problem_named_at_once(tmp_path: Path) -> None:
+    # TOML has numbers and booleans: a quoted one is a mistake the file names, not a
+    # string read leniently, and one read reports each bad key with what it expects.
+    toml = tmp_path / "aoed.toml"
+    toml.write_text(
+        '[tuning]\nparallel = "4"\nrepeat_tune = "yes"\ndevices = ["cpu:0", "tpu:1"]\n'
+        '[engine]\nmax_model_mb = "64"\nmax_nodes = 100\n[log]\nlevel = "WARNING"\n'
+        "[tunning]\nparallel = 2\n"
+    )
+    with pytest.raises(OptionError) as err:
+        load_config(toml, env={})
+    at = f"{toml} "
+    assert sorted(err.value.problems) == sorted(
+        [
+            at + "[tuning] parallel = '4': expected a number of compile processes from 1 to 32",
+            at + "[tuning] repeat_tune = 'yes': expected true or false",
+            at + "[tuning] devices = ['cpu:0', 'tpu:1']: device 'tpu': unknown kind "
+            "(one of cpu, cuda, tensorrt, cann)",
+            at
+            + "[engine] max_model_mb = '64': expected a whole number of MiB from 1 to 1073741824",
+            at + "[log] level = 'WARNING': expected one of debug, error, info, warning",
+            at + "[tunning]: unknown section (known: bank, cluster, daemon, engine, inbox, limits, "
+            "listen, log, metrics, tuning)",
+        ]
+    )
+    # The keys given well are still read; the environment's strings stay lenient.
+    toml.write_text("[engine]\nmax_nodes = 100\n")
+    cfg = load_config(toml, env={"REPEAT_TUNE": "yes", "TE_PARALLEL_COMPILER": "4"})
+    assert (cfg.max_nodes, cfg.repeat_tune, cfg.parallel) == (100, True, 4)

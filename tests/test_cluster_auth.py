@@ -60,7 +60,10 @@ def test_the_ray_executor_needs_a_token_file_or_an_explicit_opt_out(tmp_path: Pa
     assert _problems(load_config, _ray_config(tmp_path, f'token_file = "{token}"\n')) == []
     assert _problems(load_config, _ray_config(tmp_path, "allow_unauthenticated = true\n")) == []
     problems = _problems(load_config, _ray_config(tmp_path, 'token_file = "token"\n'))
-    assert any("token_file='token': expected the token file's absolute path" in p for p in problems)
+    assert any(
+        "[cluster] token_file = 'token': expected the token file's absolute path" in p
+        for p in problems
+    )
     # "auto" reads the head's address from a file under /tmp/ray that anyone may write.
     path = _ray_config(tmp_path, f'token_file = "{token}"\n')
     path.write_text(path.read_text().replace('"10.0.0.1:6379"', '"auto"'))

@@ -46,7 +46,7 @@ def test_devices_setting_lists_every_device_and_refuses_shared_hardware(tmp_path
     with pytest.raises(OptionError, match=r"devices .*cpu:1 and cpu:0-1 share hardware"):
         load_config(cfg, env={})
     cfg.write_text('[tuning]\ndevices = "cpu:0"\n')
-    with pytest.raises(OptionError, match=r"\[tuning\] devices='cpu:0': expected a list"):
+    with pytest.raises(OptionError, match=r"\[tuning\] devices = 'cpu:0': expected a list"):
         load_config(cfg, env={})
 
 

@@ -248,8 +248,8 @@ def test_check_config_reports_every_problem(tmp_path: Path) -> None:
         "max_queued_jobs = 0: must be between",
         "colour: unknown setting",
         "socket_mode = '0666'",
-        "parallel=99",
-        "max_nodes='many'",
+        "parallel = 99: must be between 1 and 32",
+        "max_nodes = 'many': expected a whole number of nodes",
         "[[inbox]] #1: path is required",
     ]
     lines = r.stderr.splitlines()

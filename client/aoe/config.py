@@ -54,23 +54,29 @@ The daemon's own sections ([daemon], [listen], [limits], [[inbox]], [metrics]) a
 keys of [bank] that say which peers' banks it follows (`follow`, `follow_*`) are read
 by `aoed.config`.
 
-Errors are `OptionError`s that name the key and where it came from; a file and the
-environment are checked whole, and one OptionError lists every problem found
-(`OptionError.problems`), not only the first.
+The file's sections are read strictly, each into a typed struct whose fields carry
+their bounds (aoe._sections): a TOML number or boolean written as a string is an error,
+where the environment's strings are read leniently (REPEAT_TUNE=yes). Errors are
+`OptionError`s that name the key and where it came from; a file and the environment are
+checked whole, and one OptionError lists every problem found (`OptionError.problems`),
+not only the first.
 """
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import os
 import tempfile
 import tomllib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal, get_args
 
+import msgspec
+from msgspec import Meta
+
+from aoe._sections import Problems, Section, given, read_section, section
 from aoe.device import CPU, Device
 from aoe.errors import OptionError
 
@@ -80,50 +86,37 @@ __all__ = [
     "DAEMON_SECTIONS",
     "ENV_KEYS",
     "EXECUTORS",
+    "MAX_PARALLEL",
     "Config",
     "Problems",
+    "Section",
     "TOML_KEYS",
     "bank_from_env",
     "default_socket",
     "default_parallel",
+    "given",
     "layers_from_env",
     "load_config",
     "parse_parallel",
+    "read_section",
+    "section",
     "temp_runtime_dir",
 ]
 
-_LEVELS = ("debug", "info", "warning", "error")
+Level = Literal["debug", "info", "warning", "error"]
 #: `[cluster] executor`: where the engine's devices and compile workers run
-EXECUTORS = ("local", "ray")
+Executor = Literal["local", "ray"]
+EXECUTORS: tuple[str, ...] = get_args(Executor)
 
 
-class Problems:
-    """Collects the OptionErrors of a check that goes on past the first, so that a
-    configuration reports every problem at once."""
-
-    def __init__(self) -> None:
-        self.found: list[str] = []
-
-    def add(self, message: str) -> None:
-        self.found.append(message)
-
-    @contextlib.contextmanager
-    def check(self) -> Iterator[None]:
-        """Record an OptionError raised in the block (all of its problems) and go on."""
-        try:
-            yield
-        except OptionError as exc:
-            self.found.extend(exc.problems)
-
-    def raise_any(self) -> None:
-        """OptionError listing every problem recorded, if there is one."""
-        if self.found:
-            raise OptionError(problems=self.found)
+#: The most compile processes `[tuning] parallel`, TE_PARALLEL_COMPILER and a job's
+#: options (aoe.wire) may name: AOE's range for TE_PARALLEL_COMPILER.
+MAX_PARALLEL = 32
 
 
 def default_parallel() -> int:
-    """Compile workers by default: cores - 1, at least 1."""
-    return max(1, len(os.sched_getaffinity(0)) - 1)
+    """Compile workers by default: cores - 1, at least 1 and at most MAX_PARALLEL."""
+    return min(MAX_PARALLEL, max(1, len(os.sched_getaffinity(0)) - 1))
 
 
 #: The smallest address-space limit a child runs ordinary models under. Unlimited, a
@@ -248,11 +241,11 @@ class Config:
 
     def replace(self, **changes: Any) -> Config:
         """A copy with `changes` (None values ignored), recorded as given on the command line."""
-        given = {k: v for k, v in changes.items() if v is not None}
-        sources = {**self.sources, **{k: "command line" for k in given}}
-        if "device" in given and "devices" not in given and self.devices:
-            given["devices"] = ()  # one device named on the command line replaces the list
-        return _checked(replace(self, **given, sources=sources))
+        changed = {k: v for k, v in changes.items() if v is not None}
+        sources = {**self.sources, **{k: "command line" for k in changed}}
+        if "device" in changed and "devices" not in changed and self.devices:
+            changed["devices"] = ()  # one device named on the command line replaces the list
+        return _checked(replace(self, **changed, sources=sources))
 
     @property
     def all_devices(self) -> tuple[Device, ...]:
@@ -260,10 +253,8 @@ class Config:
         return self.devices or (self.device,)
 
 
-def _bool(raw: object, where: str) -> bool:
-    if isinstance(raw, bool):
-        return raw
-    low = str(raw).strip().lower()
+def _bool(raw: str, where: str) -> bool:
+    low = raw.strip().lower()
     if low in ("true", "1", "yes", "on"):
         return True
     if low in ("false", "0", "no", "off"):
@@ -272,37 +263,22 @@ def _bool(raw: object, where: str) -> bool:
 
 
 def parse_parallel(raw: object, where: str) -> int:
+    """`raw` (a command-line or environment string) as a number of compile processes."""
     try:
         n = int(str(raw))
     except ValueError:
         raise OptionError(
-            f"{where}={raw!r}: expected a number of compile processes (1-32)"
+            f"{where}={raw!r}: expected a number of compile processes (1-{MAX_PARALLEL})"
         ) from None
-    if not 1 <= n <= 32:
-        raise OptionError(f"{where}={n}: compile processes must be between 1 and 32")
+    if not 1 <= n <= MAX_PARALLEL:
+        raise OptionError(f"{where}={n}: compile processes must be between 1 and {MAX_PARALLEL}")
     return n
 
 
-#: The limits' ranges: a zero would refuse every model, and a limit past what one
-#: machine holds is none.
-_RANGES = {
-    "max_model_mb": (1, 1 << 30),
-    "max_nodes": (1, 1_000_000_000),
-    "max_tensor_mb": (1, 1 << 30),
-    "compile_timeout_s": (1, 604_800),
-    "stage_timeout_s": (1, 604_800),
-}
-
-
 def _checked(cfg: Config) -> Config:
-    """`cfg` when its values are in range; else OptionError listing each that is not."""
+    """`cfg` when its values agree with each other; else OptionError listing each that
+    does not. (Each value's own type and range are checked where it is read.)"""
     problems = Problems()
-    if not 1 <= cfg.parallel <= 32:
-        problems.add(
-            f"parallel={cfg.parallel} ({cfg.sources.get('parallel', 'default')}): must be 1-32"
-        )
-    if cfg.log_level not in _LEVELS:
-        problems.add(f"log level {cfg.log_level!r}: expected one of {', '.join(_LEVELS)}")
     if (
         cfg.worker_memory_mb is not None
         and cfg.worker_memory_mb != 0
@@ -333,10 +309,6 @@ def _checked(cfg: Config) -> Config:
             "of them (`device` is the one-device spelling of `devices`)"
         )
     _check_cluster(cfg, problems)
-    for name, (lo, hi) in _RANGES.items():
-        value = getattr(cfg, name)
-        if not lo <= value <= hi:
-            problems.add(f"{name}={value} ({_src(cfg, name)}): must be between {lo} and {hi}")
     problems.raise_any()
     return cfg
 
@@ -348,11 +320,12 @@ CLUSTER_EXTRA = (
 
 
 def _check_cluster(cfg: Config, problems: Problems) -> None:
-    if cfg.executor not in EXECUTORS:
+    if cfg.ray_token_file is not None and not cfg.ray_token_file.is_absolute():
         problems.add(
-            f"executor={cfg.executor!r} ({_src(cfg, 'executor')}): expected one of {', '.join(EXECUTORS)}"
+            f"{_src(cfg, 'ray_token_file')} = {str(cfg.ray_token_file)!r}: expected the token "
+            'file\'s absolute path, e.g. "/etc/aoed/ray-token"'
         )
-    elif cfg.executor == "ray":
+    if cfg.executor == "ray":
         if not cfg.ray_address:
             problems.add(
                 f'executor="ray" ({_src(cfg, "executor")}) needs [cluster] address: the Ray head\'s '
@@ -381,30 +354,94 @@ def _src(cfg: Config, name: str) -> str:
     return cfg.sources.get(name, "default")
 
 
+# The engine's sections of the TOML file: each attribute is the Config field it sets
+# (renamed to its key in the file where they differ), its type and Meta the bounds and
+# the words of its errors; the defaults are Config's.
+_MiB = Annotated[int, Meta(ge=1, le=1 << 30, description="a whole number of MiB")]
+#: A limit in seconds: one candidate's compile, or another stage (up to a week).
+_Seconds = Annotated[float, Meta(ge=1, le=604_800, description="a number of seconds")]
+# 0 or at least MIN_WORKER_MEMORY_MB (twice that for memory_mb): _checked says so
+_Memory = Annotated[int, Meta(description="a whole number of MiB")]
+_Bank = section(
+    "_Bank", {"bank": "path", "bank_layers": "layers"}, bank=Path, bank_layers=tuple[Path, ...]
+)
+_Tuning = section(
+    "_Tuning",
+    repeat_tune=bool,
+    parallel=Annotated[
+        int, Meta(ge=1, le=MAX_PARALLEL, description="a number of compile processes")
+    ],
+    # devices by name: Device.parse reads them (a dataclass would be read as a table)
+    device=str,
+    devices=Annotated[
+        tuple[str, ...],
+        Meta(min_length=1, description='a list of devices, e.g. ["cann:0", "cann:1"]'),
+    ],
+    plugins=tuple[str, ...],
+)
+_Engine = section(
+    "_Engine",
+    runtime_dir=Path,
+    dedicated_cores=bool | Literal["auto"],
+    worker_memory_mb=_Memory | Literal["auto"],
+    memory_mb=_Memory,
+    # A zero would refuse every model, and a limit past what one machine holds is none.
+    max_model_mb=_MiB,
+    max_nodes=Annotated[int, Meta(ge=1, le=1_000_000_000, description="a whole number of nodes")],
+    max_tensor_mb=_MiB,
+    compile_timeout_s=_Seconds,
+    stage_timeout_s=_Seconds,
+)
+_Cluster = section(
+    "_Cluster",
+    {
+        "ray_address": "address",
+        "ray_token_file": "token_file",
+        "ray_allow_unauthenticated": "allow_unauthenticated",
+    },
+    executor=Executor,
+    ray_address=Annotated[str, Meta(description='the Ray head\'s address, e.g. "10.0.0.1:6379"')],
+    ray_token_file=Path,
+    ray_allow_unauthenticated=bool,
+)
+_Log = section("_Log", {"log_level": "level"}, log_level=Level)
+
+_SECTIONS: Mapping[str, type[Section]] = {
+    "bank": _Bank,
+    "tuning": _Tuning,
+    "engine": _Engine,
+    "cluster": _Cluster,
+    "log": _Log,
+}
 #: The engine's keys in the TOML file, by (section, key), and the Config field each sets.
 TOML_KEYS = {
-    ("bank", "path"): "bank",
-    ("bank", "layers"): "bank_layers",
-    ("tuning", "repeat_tune"): "repeat_tune",
-    ("tuning", "parallel"): "parallel",
-    ("tuning", "device"): "device",
-    ("tuning", "devices"): "devices",
-    ("tuning", "plugins"): "plugins",
-    ("engine", "runtime_dir"): "runtime_dir",
-    ("engine", "dedicated_cores"): "dedicated_cores",
-    ("engine", "worker_memory_mb"): "worker_memory_mb",
-    ("engine", "memory_mb"): "memory_mb",
-    ("engine", "max_model_mb"): "max_model_mb",
-    ("engine", "max_nodes"): "max_nodes",
-    ("engine", "max_tensor_mb"): "max_tensor_mb",
-    ("engine", "compile_timeout_s"): "compile_timeout_s",
-    ("engine", "stage_timeout_s"): "stage_timeout_s",
-    ("log", "level"): "log_level",
-    ("cluster", "executor"): "executor",
-    ("cluster", "address"): "ray_address",
-    ("cluster", "token_file"): "ray_token_file",
-    ("cluster", "allow_unauthenticated"): "ray_allow_unauthenticated",
+    (section, f.encode_name): f.name
+    for section, cls in _SECTIONS.items()
+    for f in msgspec.structs.fields(cls)
 }
+_KEY_OF = {name: key for key, name in TOML_KEYS.items()}
+#: Fields where "auto" is None in Config: the engine decides when it starts.
+_AUTO = ("dedicated_cores", "worker_memory_mb")
+
+
+def _finish(name: str, value: Any) -> Any:
+    """A section's value for Config's field `name`: devices parsed (OptionError), "auto"
+    as None."""
+    if name == "device":
+        return Device.parse(value)
+    if name == "devices":
+        return tuple(map(Device.parse, value))
+    return None if name in _AUTO and value == "auto" else value
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except OSError as exc:
+        raise OptionError(f"--config {path}: {exc.strerror or exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise OptionError(f"--config {path}: not valid TOML ({exc})") from None
 
 
 def _from_toml(
@@ -415,135 +452,70 @@ def _from_toml(
     `problems` and left out (raised at once without `problems`)."""
     own = problems is None
     problems = Problems() if problems is None else problems
-    try:
-        with open(path, "rb") as f:
-            doc = tomllib.load(f)
-    except OSError as exc:
-        raise OptionError(f"--config {path}: {exc.strerror or exc}") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise OptionError(f"--config {path}: not valid TOML ({exc})") from None
+    doc = _read_toml(path)
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
-    for section, table in doc.items():
-        if section in DAEMON_SECTIONS:
+    for name, table in doc.items():
+        if name in DAEMON_SECTIONS:
+            continue
+        cls = _SECTIONS.get(name)
+        if cls is None:
+            known = ", ".join(sorted((*_SECTIONS, *DAEMON_SECTIONS)))
+            problems.add(f"{path} [{name}]: unknown section (known: {known})")
             continue
         if not isinstance(table, dict):
-            problems.add(f"{path}: {section!r} must be a [section]")
+            problems.add(f"{path}: {name!r} must be a [section]")
             continue
-        for key, raw in table.items():
-            if (section, key) in DAEMON_KEYS:
+        ours = {k: v for k, v in table.items() if (name, k) not in DAEMON_KEYS}
+        values_given = given(read_section(ours, cls, f"{path} [{name}]", problems))
+        for field_name, value in values_given.items():
+            key = _KEY_OF[field_name][1]
+            where = f"{path} [{name}] {key}"
+            try:
+                values[field_name] = _finish(field_name, value)
+            except OptionError as exc:
+                problems.add(f"{where} = {ours[key]!r}: {exc}")
                 continue
-            name = TOML_KEYS.get((section, key))
-            where = f"{path} [{section}] {key}"
-            if name is None:
-                problems.add(f"{where}: unknown setting")
-                continue
-            with problems.check():
-                values[name] = _convert(name, raw, where)
-                sources[name] = where
+            sources[field_name] = where
     if own:
         problems.raise_any()
     return values, sources
 
 
-_UNITS = {"max_model_mb": "MiB", "max_tensor_mb": "MiB", "max_nodes": "nodes"}
+def _env_path(raw: str, where: str) -> Path:
+    return Path(raw).expanduser()
 
 
-def _convert(name: str, raw: Any, where: str) -> Any:
-    if name in ("bank", "runtime_dir"):
-        return Path(str(raw)).expanduser()
-    if name == "bank_layers":
-        items = raw if isinstance(raw, list) else str(raw).split(os.pathsep)
-        return tuple(Path(str(p)).expanduser() for p in items if str(p).strip())
-    if name == "repeat_tune":
-        return _bool(raw, where)
-    if name == "parallel":
-        return parse_parallel(raw, where)
-    if name == "device":
-        return Device.parse(str(raw))
-    if name == "devices":
-        if not isinstance(raw, list) or not raw:
-            raise OptionError(
-                f'{where}={raw!r}: expected a list of devices, e.g. ["cann:0", "cann:1"]'
-            )
-        try:
-            return tuple(Device.parse(str(d)) for d in raw)
-        except OptionError as exc:
-            raise OptionError(f"{where}: {exc}") from None
-    if name == "plugins":
-        items = raw if isinstance(raw, list) else str(raw).split(",")
-        return tuple(s.strip() for s in map(str, items) if s.strip())
-    if name == "dedicated_cores":
-        return None if str(raw).lower() == "auto" else _bool(raw, where)
-    if name in ("worker_memory_mb", "memory_mb"):
-        if name == "worker_memory_mb" and str(raw).strip().lower() == "auto":
-            return None
-        if isinstance(raw, bool) or not isinstance(raw, int | str):
-            raise OptionError(f"{where}={raw!r}: expected a whole number of MiB")
-        try:
-            return int(raw)
-        except ValueError:
-            raise OptionError(f"{where}={raw!r}: expected a whole number of MiB") from None
-    if name in ("max_model_mb", "max_tensor_mb", "max_nodes"):
-        if isinstance(raw, bool) or not isinstance(raw, int | str):
-            raise OptionError(f"{where}={raw!r}: expected a whole number of {_UNITS[name]}")
-        try:
-            return int(raw)
-        except ValueError:
-            raise OptionError(
-                f"{where}={raw!r}: expected a whole number of {_UNITS[name]}"
-            ) from None
-    if name in ("compile_timeout_s", "stage_timeout_s"):
-        if isinstance(raw, bool) or not isinstance(raw, int | float | str):
-            raise OptionError(f"{where}={raw!r}: expected a number of seconds")
-        try:
-            value = float(raw)
-        except ValueError:
-            raise OptionError(f"{where}={raw!r}: expected a number of seconds") from None
-        if value != value:  # NaN passes no range check
-            raise OptionError(f"{where}={raw!r}: expected a number of seconds")
-        return value
-    if name == "log_level":
-        return str(raw).lower()
-    if name == "executor":
-        return str(raw).strip().lower()
-    if name == "ray_address":
-        if not isinstance(raw, str):
-            raise OptionError(
-                f'{where}={raw!r}: expected the Ray head\'s address as a string, e.g. "10.0.0.1:6379"'
-            )
-        return raw.strip()
-    if name == "ray_token_file":
-        if not isinstance(raw, str) or not os.path.isabs(os.path.expanduser(raw)):
-            raise OptionError(
-                f'{where}={raw!r}: expected the token file\'s absolute path, e.g. "/etc/aoed/ray-token"'
-            )
-        return Path(raw).expanduser()
-    if name == "ray_allow_unauthenticated":
-        return _bool(raw, where)
-    raise AssertionError(name)
+def _env_paths(raw: str, where: str) -> tuple[Path, ...]:
+    return tuple(Path(p).expanduser() for p in raw.split(os.pathsep) if p.strip())
 
 
-#: The environment variables that set a Config field, and the field each sets
+def _env_names(raw: str, where: str) -> tuple[str, ...]:
+    return tuple(s.strip() for s in raw.split(",") if s.strip())
+
+
+#: The environment variables that set a Config field: the field, and how its text reads
 #: (ASCEND_DEVICE_ID, which sets `device` to cann:N, is read on its own).
-ENV_KEYS = {
-    "TUNE_BANK_PATH": "bank",
-    "AOED_BANK_LAYERS": "bank_layers",
-    "REPEAT_TUNE": "repeat_tune",
-    "TE_PARALLEL_COMPILER": "parallel",
-    "AOED_PLUGINS": "plugins",
-    "AOED_RUNTIME_DIR": "runtime_dir",
+_ENV: Mapping[str, tuple[str, Callable[[str, str], Any]]] = {
+    "TUNE_BANK_PATH": ("bank", _env_path),
+    "AOED_BANK_LAYERS": ("bank_layers", _env_paths),
+    "REPEAT_TUNE": ("repeat_tune", _bool),
+    "TE_PARALLEL_COMPILER": ("parallel", parse_parallel),
+    "AOED_PLUGINS": ("plugins", _env_names),
+    "AOED_RUNTIME_DIR": ("runtime_dir", _env_path),
 }
+#: The environment variables that set a Config field, and the field each sets.
+ENV_KEYS = {var: name for var, (name, _) in _ENV.items()}
 
 
 def _from_env(env: Mapping[str, str], problems: Problems) -> tuple[dict[str, Any], dict[str, str]]:
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
-    for var, name in ENV_KEYS.items():
+    for var, (name, read) in _ENV.items():
         raw = env.get(var, "")
         if raw.strip():
             with problems.check():
-                values[name] = _convert(name, raw, var)
+                values[name] = read(raw, var)
                 sources[name] = var
     ascend = env.get("ASCEND_DEVICE_ID", "").strip()
     if ascend:
@@ -573,7 +545,7 @@ def bank_from_env(env: Mapping[str, str] | None = None) -> Path:
 def layers_from_env(env: Mapping[str, str] | None = None) -> tuple[Path, ...]:
     """The read-only layers AOED_BANK_LAYERS names (empty items skipped)."""
     env = os.environ if env is None else env
-    return _convert("bank_layers", env.get("AOED_BANK_LAYERS", ""), "AOED_BANK_LAYERS")
+    return _env_paths(env.get("AOED_BANK_LAYERS", ""), "AOED_BANK_LAYERS")
 
 
 def load_config(

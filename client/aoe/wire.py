@@ -34,6 +34,7 @@ import json
 from typing import Any
 
 from aoe.bank import LayerStats
+from aoe.config import MAX_PARALLEL  # JobOptions.parallel: as many as `[tuning] parallel`
 from aoe.errors import OptionError
 from aoe.figures import Comparison, Figures
 from aoe.keys import PRECISION_CODES
@@ -57,10 +58,6 @@ __all__ = [
     "spec_from_pb",
     "spec_to_pb",
 ]
-
-#: The most compile processes JobOptions.parallel may name: as many as `[tuning]
-#: parallel` and TE_PARALLEL_COMPILER may (aoe.config).
-MAX_PARALLEL = 32
 
 #: A job's precisions and their codes: the bank's table (aoe.keys) but for the gradient
 #: precision `lowrank`, which no JobOptions or JobResult carries.

@@ -80,63 +80,29 @@ import ipaddress
 import os
 import tomllib
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
-from aoe.config import Config, Problems, load_config
+import msgspec
+from msgspec import Meta
+
+from aoe.config import (
+    DAEMON_KEYS,
+    Config,
+    Problems,
+    Section,
+    given,
+    load_config,
+    read_section,
+    section,
+)
 from aoe.errors import OptionError
 from aoed.engine.worldsize import DEFAULT_RANKS_PER_DEVICE, WorldLimits, default_max_world_size
 
 __all__ = ["KEYS", "DaemonConfig", "Inbox", "load_daemon_config"]
 
 DEFAULT_PORT = 7461
-
-#: The daemon's keys in the TOML file, by section ([[inbox]] is "inbox"); the keys of
-#: [bank] it reads are aoe.config's DAEMON_KEYS.
-KEYS: Mapping[str, frozenset[str]] = {
-    "daemon": frozenset(
-        {
-            "state_dir",
-            "max_running_jobs",
-            "max_queued_jobs",
-            "max_jobs_per_client",
-            "retention_days",
-            "shutdown_grace_s",
-            "max_job_attempts",
-            "allowed_dirs",
-            "allow_unconfined_gdat",
-        }
-    ),
-    "listen": frozenset(
-        {
-            "socket",
-            "socket_mode",
-            "socket_group",
-            "tcp",
-            "tls_cert",
-            "tls_key",
-            "tls_client_ca",
-            "insecure_loopback",
-            "max_rpcs",
-        }
-    ),
-    "limits": frozenset(
-        {
-            "max_upload_mb",
-            "upload_ttl_h",
-            "max_uploads_mb",
-            "max_uploads",
-            "max_client_uploads_mb",
-            "max_client_uploads",
-            "min_free_mb",
-            "max_world_size",
-            "max_ranks_per_device",
-        }
-    ),
-    "inbox": frozenset({"path", "outbox", "failed", "stable_s", "mode", "group"}),
-    "metrics": frozenset({"listen", "allow_remote", "max_connections", "timeout_s"}),
-}
 
 
 def _default_state_dir() -> Path:
@@ -262,10 +228,6 @@ class DaemonConfig:
         return WorldLimits(self.max_world_size, self.max_ranks_per_device, "[limits] ")
 
 
-def _mib(n: float) -> int:
-    return int(float(n) * (1 << 20))
-
-
 def _host(hostport: str) -> str:
     host = hostport.rsplit(":", 1)[0] if ":" in hostport else hostport
     return host.strip("[]")
@@ -289,7 +251,147 @@ def _hostport(target: str) -> str:
     return target.rsplit("/", 1)[-1] if target.startswith("/") or "/" in target else target
 
 
-def _table(doc: Mapping[str, Any], name: str, path: Path, problems: Problems) -> Mapping[str, Any]:
+# The daemon's sections of the TOML file: each attribute is the DaemonConfig field it
+# sets (the Inbox field, for [[inbox]]), renamed to its key in the file where they
+# differ; its type and Meta the bounds and the words of its errors; the defaults are
+# DaemonConfig's. A path is a string until it is resolved against the file's folder.
+
+#: An octal mode, as the file spells it ("0660", "2770").
+_MODE = r"^[0-7]{3,4}$"
+_Daemon = section(
+    "_Daemon",
+    {"retention_s": "retention_days"},
+    state_dir=str,
+    max_running_jobs=Annotated[int, Meta(ge=1, le=64)],
+    max_queued_jobs=Annotated[int, Meta(ge=1, le=100_000)],
+    max_jobs_per_client=Annotated[int, Meta(ge=1, le=100_000)],
+    retention_s=Annotated[float, Meta(ge=0, le=36_500)],
+    shutdown_grace_s=Annotated[float, Meta(ge=0, le=3600)],
+    max_job_attempts=Annotated[int, Meta(ge=1, le=1000)],
+    allowed_dirs=Annotated[
+        tuple[Annotated[str, Meta(min_length=1)], ...], Meta(description="a list of directories")
+    ],
+    allow_unconfined_gdat=bool,
+)
+_Listen = section(
+    "_Listen",
+    socket=str,
+    socket_mode=Annotated[str, Meta(pattern=_MODE, description='an octal mode like "0660"')],
+    socket_group=str,
+    tcp=str,
+    tls_cert=str,
+    tls_key=str,
+    tls_client_ca=str,
+    insecure_loopback=bool,
+    max_rpcs=Annotated[int, Meta(ge=4, le=100_000)],
+)
+_Limits = section(
+    "_Limits",
+    {
+        "max_upload_bytes": "max_upload_mb",
+        "upload_ttl_s": "upload_ttl_h",
+        "max_uploads_bytes": "max_uploads_mb",
+        "max_client_uploads_bytes": "max_client_uploads_mb",
+        "min_free_bytes": "min_free_mb",
+    },
+    max_upload_bytes=Annotated[float, Meta(ge=1, le=1 << 20)],
+    upload_ttl_s=Annotated[float, Meta(ge=0.0001, le=24 * 365)],
+    max_uploads_bytes=Annotated[float, Meta(ge=1, le=1 << 30)],
+    max_uploads=Annotated[int, Meta(ge=1, le=1 << 20)],
+    max_client_uploads_bytes=Annotated[float, Meta(ge=1, le=1 << 30)],
+    max_client_uploads=Annotated[int, Meta(ge=1, le=1 << 20)],
+    min_free_bytes=Annotated[float, Meta(ge=0, le=1 << 30)],
+    max_world_size=Annotated[int, Meta(ge=1, le=1 << 20)],
+    max_ranks_per_device=Annotated[int, Meta(ge=1, le=1 << 20)],
+)
+_Metrics = section(
+    "_Metrics",
+    {
+        "metrics_listen": "listen",
+        "metrics_allow_remote": "allow_remote",
+        "metrics_max_connections": "max_connections",
+        "metrics_timeout_s": "timeout_s",
+    },
+    metrics_listen=str,
+    metrics_allow_remote=bool,
+    metrics_max_connections=Annotated[int, Meta(ge=1, le=4096)],
+    metrics_timeout_s=Annotated[float, Meta(ge=0.1, le=300)],
+)
+#: The keys of [bank] the daemon reads (aoe.config's DAEMON_KEYS).
+_Follow = section(
+    "_Follow",
+    follow=Annotated[
+        tuple[Annotated[str, Meta(pattern=r"\S")], ...],
+        Meta(description='a list of gRPC targets ("unix:///path.sock", "dns:///host:7461")'),
+    ],
+    follow_ca=str,
+    follow_cert=str,
+    follow_key=str,
+    follow_insecure_loopback=bool,
+)
+_Inbox = section(
+    "_Inbox",
+    path=str,
+    outbox=str,
+    failed=str,
+    stable_s=Annotated[float, Meta(ge=0, le=3600)],
+    mode=Annotated[str, Meta(pattern=_MODE, description='an octal mode like "2770"')],
+    group=str,
+)
+
+_SECTIONS: Mapping[str, type[Section]] = {
+    "daemon": _Daemon,
+    "listen": _Listen,
+    "limits": _Limits,
+    "metrics": _Metrics,
+}
+#: The daemon's keys in the TOML file, by section ([[inbox]] is "inbox"); the keys of
+#: [bank] it reads are aoe.config's DAEMON_KEYS.
+KEYS: Mapping[str, frozenset[str]] = {
+    section: frozenset(f.encode_name for f in msgspec.structs.fields(cls))
+    for section, cls in {**_SECTIONS, "inbox": _Inbox}.items()
+}
+_MIB = 1 << 20
+#: The fields a file gives in other units than DaemonConfig's: days, hours, MiB.
+_PER = {
+    "retention_s": 86400.0,
+    "upload_ttl_s": 3600.0,
+    "max_upload_bytes": _MIB,
+    "max_uploads_bytes": _MIB,
+    "max_client_uploads_bytes": _MIB,
+    "min_free_bytes": _MIB,
+}
+_PATHS = (
+    *("state_dir", "socket", "tls_cert", "tls_key", "tls_client_ca"),
+    *("follow_ca", "follow_cert", "follow_key"),
+)
+
+
+def _resolve(raw: str, base: Path) -> Path | None:
+    """A path of the file: relative to its folder; "": none."""
+    if not raw:
+        return None
+    p = Path(raw).expanduser()
+    return p if p.is_absolute() else base / p
+
+
+def _value(name: str, raw: Any, base: Path) -> Any:
+    """The file's value for DaemonConfig's field `name` in that field's terms."""
+    if name in _PATHS:
+        return _resolve(raw, base)
+    if name in _PER:
+        value = raw * _PER[name]
+        return int(value) if name.endswith("_bytes") else float(value)
+    if name == "allowed_dirs":
+        return tuple(base / Path(x).expanduser() for x in raw)
+    if name == "follow":
+        return tuple(x.strip() for x in raw)
+    if name == "socket_mode":
+        return int(raw, 8)
+    return raw
+
+
+def _table(doc: Mapping[str, Any], name: str, path: str, problems: Problems) -> Mapping[str, Any]:
     table = doc.get(name, {})
     if not isinstance(table, dict):
         problems.add(f"{path}: {name!r} must be a [section]")
@@ -297,95 +399,46 @@ def _table(doc: Mapping[str, Any], name: str, path: Path, problems: Problems) ->
     return table
 
 
-class _Reader:
-    """Reads typed values out of one section, naming file, section and key in errors.
-    A bad value is recorded in `problems` and its default returned, so that reading
-    goes on and every problem is reported."""
-
-    def __init__(
-        self,
-        table: Mapping[str, Any],
-        where: str,
-        known: frozenset[str] | set[str],
-        problems: Problems,
-    ):
-        self.table, self.where, self.problems = table, where, problems
-        for key in sorted(set(table) - known):
-            problems.add(f"{where} {key}: unknown setting (known: {', '.join(sorted(known))})")
-
-    def _w(self, key: str) -> str:
-        return f"{self.where} {key}"
-
-    def number(self, key: str, default: float, lo: float, hi: float, integer: bool = False) -> Any:
-        raw = self.table.get(key, default)
-        if (
-            isinstance(raw, bool)
-            or not isinstance(raw, int | float)
-            or (integer and not isinstance(raw, int))
-        ):
-            self.problems.add(
-                f"{self._w(key)} = {raw!r}: expected {'an integer' if integer else 'a number'}"
-            )
-            return default
-        if not lo <= raw <= hi:
-            self.problems.add(f"{self._w(key)} = {raw}: must be between {lo:g} and {hi:g}")
-            return default
-        return raw
-
-    def text(self, key: str, default: str) -> str:
-        raw = self.table.get(key, default)
-        if not isinstance(raw, str):
-            self.problems.add(f"{self._w(key)} = {raw!r}: expected a string")
-            return default
-        return raw
-
-    def path(self, key: str, default: Path | None, base: Path) -> Path | None:
-        raw = self.table.get(key)
-        if raw is None:
-            return default
-        if not isinstance(raw, str):
-            self.problems.add(f"{self._w(key)} = {raw!r}: expected a path")
-            return default
-        if not raw:
-            return None
-        p = Path(raw).expanduser()
-        return p if p.is_absolute() else base / p
-
-    def flag(self, key: str, default: bool) -> bool:
-        raw = self.table.get(key, default)
-        if not isinstance(raw, bool):
-            self.problems.add(f"{self._w(key)} = {raw!r}: expected true or false")
-            return default
-        return raw
+def _inbox(table: Mapping[str, Any], where: str, base: Path, problems: Problems) -> Inbox | None:
+    """One [[inbox]]; None when it has no path (recorded in `problems`)."""
+    values = given(read_section(table, _Inbox, where, problems))
+    p = _resolve(values.get("path", ""), base)
+    if p is None:
+        problems.add(f"{where}: path is required")
+        return None
+    return Inbox(
+        p,
+        _resolve(values.get("outbox", ""), base) or p.parent / "outbox",
+        _resolve(values.get("failed", ""), base) or p.parent / "failed",
+        float(values.get("stable_s", Inbox.stable_s)),
+        _folder_mode(values.get("mode"), where, problems),
+        _folder_group(values.get("group", ""), where, problems),
+    )
 
 
-def _folder_mode(r: _Reader) -> int:
-    """[[inbox]] mode: octal; the daemon's own bits whole, none for others."""
-    raw = r.text("mode", "2770")
-    try:
-        mode = int(raw, 8)
-    except ValueError:
-        r.problems.add(f'{r.where} mode = {raw!r}: expected an octal mode like "2770"')
+def _folder_mode(raw: str | None, where: str, problems: Problems) -> int:
+    """[[inbox]] mode (octal): the daemon's own bits whole, none for others."""
+    if raw is None:
         return Inbox.mode
+    mode = int(raw, 8)
     if mode & ~0o3777 or mode & 0o700 != 0o700 or mode & 0o007:
-        r.problems.add(
-            f"{r.where} mode = {raw!r}: a drop folder needs 0700 for the daemon and nothing for "
+        problems.add(
+            f"{where} mode = {raw!r}: a drop folder needs 0700 for the daemon and nothing for "
             'others (who may drop models is a group: set group and a mode like "2770")'
         )
         return Inbox.mode
     return mode
 
 
-def _folder_group(r: _Reader) -> str:
+def _folder_group(name: str, where: str, problems: Problems) -> str:
     """[[inbox]] group: a group that exists here, or "" (the daemon's own)."""
-    name = r.text("group", "")
     if name:
         import grp
 
         try:
             grp.getgrnam(name)
         except KeyError:
-            r.problems.add(f"{r.where} group = {name!r}: no such group")
+            problems.add(f"{where} group = {name!r}: no such group")
             return ""
     return name
 
@@ -421,50 +474,22 @@ def load_daemon_config(
             problems.raise_any()  # load_config could not read it either, and said why
             raise
     where = str(path) if path is not None else "defaults"
-    d = _Reader(
-        _table(doc, "daemon", Path(where), problems),
-        f"{where} [daemon]",
-        KEYS["daemon"],
-        problems,
-    )
-    state_dir = d.path("state_dir", None, base) or _default_state_dir()
-    raw_allowed = d.table.get("allowed_dirs", [])
-    if not isinstance(raw_allowed, list) or not all(isinstance(x, str) and x for x in raw_allowed):
-        problems.add(f"{where} [daemon] allowed_dirs: expected a list of directories")
-        raw_allowed = []
-    allowed = tuple((base / Path(x).expanduser()) for x in raw_allowed)
-    lis = _Reader(
-        _table(doc, "listen", Path(where), problems),
-        f"{where} [listen]",
-        KEYS["listen"],
-        problems,
-    )
-    env_socket = env.get("AOED_SOCKET", "").strip()
+    values: dict[str, Any] = {}
+    bank = _table(doc, "bank", where, problems)
+    tables = {name: _table(doc, name, where, problems) for name in _SECTIONS}
+    for name, cls, table in (
+        *((name, cls, tables[name]) for name, cls in _SECTIONS.items()),
+        # aoe.config reads the rest of [bank], and reports its unknown keys
+        ("bank", _Follow, {k: v for k, v in bank.items() if ("bank", k) in DAEMON_KEYS}),
+    ):
+        section = read_section(table, cls, f"{where} [{name}]", problems)
+        values.update((k, _value(k, v, base)) for k, v in given(section).items())
+    state_dir = values.pop("state_dir", None) or _default_state_dir()
     # The socket lives in the runtime dir beside the device locks unless placed elsewhere.
-    socket = (
-        Path(env_socket).expanduser()
-        if env_socket
-        else lis.path("socket", engine.runtime_dir / "aoed.sock", base)
-    )
-    mode_raw = lis.text("socket_mode", "0660")
-    socket_mode = 0o660
-    try:
-        socket_mode = int(mode_raw, 8)
-    except ValueError:
-        problems.add(
-            f'{where} [listen] socket_mode = {mode_raw!r}: expected an octal mode like "0660"'
-        )
-    if socket_mode & ~0o777 or socket_mode & 0o007:
-        problems.add(
-            f"{where} [listen] socket_mode = {mode_raw!r}: the socket must not be open to others"
-        )
-    lim = _Reader(
-        _table(doc, "limits", Path(where), problems),
-        f"{where} [limits]",
-        KEYS["limits"],
-        problems,
-    )
-    inboxes = []
+    socket = values.pop("socket", engine.runtime_dir / "aoed.sock")
+    if env_socket := env.get("AOED_SOCKET", "").strip():
+        socket = Path(env_socket).expanduser()
+    inboxes: list[Inbox] = []
     raw_inboxes = doc.get("inbox", None)
     if raw_inboxes is None:
         inboxes.append(Inbox(state_dir / "inbox", state_dir / "outbox", state_dir / "failed"))
@@ -472,26 +497,8 @@ def load_daemon_config(
         problems.add(f"{where}: inbox must be an array of tables ([[inbox]])")
     else:
         for i, table in enumerate(raw_inboxes):
-            r = _Reader(
-                table,
-                f"{where} [[inbox]] #{i + 1}",
-                KEYS["inbox"],
-                problems,
-            )
-            p = r.path("path", None, base)
-            if p is None:
-                problems.add(f"{where} [[inbox]] #{i + 1}: path is required")
-                continue
-            inboxes.append(
-                Inbox(
-                    p,
-                    r.path("outbox", p.parent / "outbox", base),
-                    r.path("failed", p.parent / "failed", base),
-                    float(r.number("stable_s", 2.0, 0.0, 3600.0)),
-                    _folder_mode(r),
-                    _folder_group(r),
-                )
-            )
+            if inbox := _inbox(table, f"{where} [[inbox]] #{i + 1}", base, problems):
+                inboxes.append(inbox)
     paths = [i.path for i in inboxes]
     if len(set(paths)) != len(paths):
         problems.add(f"{where}: the same folder is listed as an inbox twice")
@@ -499,66 +506,15 @@ def load_daemon_config(
         engine=engine,
         state_dir=state_dir,
         socket=socket,
-        socket_mode=socket_mode,
-        socket_group=lis.text("socket_group", ""),
-        tcp=lis.text("tcp", ""),
-        tls_cert=lis.path("tls_cert", None, base),
-        tls_key=lis.path("tls_key", None, base),
-        tls_client_ca=lis.path("tls_client_ca", None, base),
-        insecure_loopback=lis.flag("insecure_loopback", False),
-        max_rpcs=int(lis.number("max_rpcs", 256, 4, 100000, integer=True)),
-        max_running_jobs=int(d.number("max_running_jobs", 2, 1, 64, integer=True)),
-        max_queued_jobs=int(d.number("max_queued_jobs", 64, 1, 100000, integer=True)),
-        max_jobs_per_client=int(d.number("max_jobs_per_client", 16, 1, 100000, integer=True)),
-        retention_s=float(d.number("retention_days", 30, 0, 36500)) * 86400.0,
-        shutdown_grace_s=float(d.number("shutdown_grace_s", 20, 0, 3600)),
-        max_job_attempts=int(d.number("max_job_attempts", 3, 1, 1000, integer=True)),
-        allowed_dirs=allowed,
-        allow_unconfined_gdat=d.flag("allow_unconfined_gdat", False),
-        max_upload_bytes=int(float(lim.number("max_upload_mb", 2048, 1, 1 << 20)) * (1 << 20)),
-        upload_ttl_s=float(lim.number("upload_ttl_h", 24, 0.0001, 24 * 365)) * 3600.0,
-        max_uploads_bytes=_mib(lim.number("max_uploads_mb", 8192, 1, 1 << 30)),
-        max_uploads=int(lim.number("max_uploads", 64, 1, 1 << 20, integer=True)),
-        max_client_uploads_bytes=_mib(lim.number("max_client_uploads_mb", 4096, 1, 1 << 30)),
-        max_client_uploads=int(lim.number("max_client_uploads", 16, 1, 1 << 20, integer=True)),
-        min_free_bytes=_mib(lim.number("min_free_mb", 512, 0, 1 << 30)),
-        max_world_size=int(
-            lim.number("max_world_size", default_max_world_size(), 1, 1 << 20, integer=True)
-        ),
-        max_ranks_per_device=int(
-            lim.number("max_ranks_per_device", DEFAULT_RANKS_PER_DEVICE, 1, 1 << 20, integer=True)
-        ),
         inboxes=tuple(inboxes),
         source=where,
+        **values,
     )
-    bank = _table(doc, "bank", Path(where), problems)
-    b = _Reader(bank, f"{where} [bank]", set(bank), problems)  # aoe.config reports unknown keys
-    met = _Reader(
-        _table(doc, "metrics", Path(where), problems),
-        f"{where} [metrics]",
-        KEYS["metrics"],
-        problems,
-    )
-    raw_follow = bank.get("follow", [])
-    if not isinstance(raw_follow, list) or not all(
-        isinstance(x, str) and x.strip() for x in raw_follow
-    ):
+    if cfg.socket_mode & ~0o777 or cfg.socket_mode & 0o007:
+        mode = f"{cfg.socket_mode:04o}"
         problems.add(
-            f'{where} [bank] follow: expected a list of gRPC targets ("unix:///path.sock", "dns:///host:7461")'
+            f"{where} [listen] socket_mode = {mode!r}: the socket must not be open to others"
         )
-        raw_follow = []
-    cfg = replace(
-        cfg,
-        follow=tuple(x.strip() for x in raw_follow),
-        follow_ca=b.path("follow_ca", None, base),
-        follow_cert=b.path("follow_cert", None, base),
-        follow_key=b.path("follow_key", None, base),
-        follow_insecure_loopback=b.flag("follow_insecure_loopback", False),
-        metrics_listen=met.text("listen", ""),
-        metrics_allow_remote=met.flag("allow_remote", False),
-        metrics_max_connections=int(met.number("max_connections", 16, 1, 4096, integer=True)),
-        metrics_timeout_s=float(met.number("timeout_s", 10, 0.1, 300)),
-    )
     problems.found.extend(_check_listen(cfg, where))
     problems.found.extend(_check_follow(cfg, where))
     problems.found.extend(_check_metrics(cfg, where))
