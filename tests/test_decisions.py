@@ -306,7 +306,8 @@ def _bank_entry(strategy: str) -> BankRecord:
     import numpy as np
     from onnx import TensorProto, helper, numpy_helper
 
-    from aoe.signature import ModelContext, device_fingerprint, task_signature
+    from aoe.fingerprint import device_fingerprint
+    from aoe.signature import ModelContext, task_signature
 
     w = numpy_helper.from_array(np.ones((8, 4), np.float32), "w")
     graph = helper.make_graph(
