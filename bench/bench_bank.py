@@ -51,8 +51,10 @@ AGGREGATE_MIN = 100_000
 def _template(model):
     """A realistic entry: a real task signature and this machine's fingerprint."""
     from aoe.bankrecord import BankRecord, Measured, encode
+    from aoe.fingerprint import device_fingerprint
+    from aoe.keys import bank_key
     from aoe.partition import partition
-    from aoe.signature import ModelContext, bank_key, device_fingerprint
+    from aoe.signature import ModelContext
 
     tasks = partition(model, ModelContext(model))
     dev = device_fingerprint("CPUExecutionProvider")
@@ -76,7 +78,7 @@ def _template(model):
 
 
 def _synthetic_key(i: int, dev_digest: str) -> bytes:
-    from aoe.signature import bank_key
+    from aoe.keys import bank_key
 
     return bank_key(f"{i:032x}" + "0" * 32, dev_digest, "exact")
 
@@ -93,7 +95,7 @@ def build_bank(path: Path, n: int, model) -> tuple[list[bytes], list]:
         key = _synthetic_key(i, dev.digest)
         items.append((key, encode(dataclasses.replace(rec, key=key))))
         keys.append(key)
-    from aoe.signature import bank_key
+    from aoe.keys import bank_key
 
     for t in tasks:
         key = bank_key(t.signature.digest, dev.digest, "exact")

@@ -62,7 +62,8 @@ def entries(n: int) -> list:
     """`n` distinct valid entries (the import checks pass: digests of their canonical
     JSON, keys of their signature and this machine's fingerprint), as BankEntry."""
     from aoe.bankrecord import BankRecord, Measured, encode
-    from aoe.signature import TaskSignature, bank_key, device_fingerprint
+    from aoe.fingerprint import device_fingerprint
+    from aoe.keys import TaskSignature, bank_key
     from aoe.v1 import bank_pb2
 
     dev = device_fingerprint("CPUExecutionProvider")

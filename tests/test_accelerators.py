@@ -13,7 +13,8 @@ import pytest
 from aoe.accelerators import Discovery, discover, parse_build_info, parse_gpus, runtime_versions
 from aoe.device import Device
 from aoe.errors import DeviceError
-from aoe.signature import canonical_json, device_fingerprint
+from aoe.fingerprint import device_fingerprint
+from aoe.keys import canonical_json
 from tests.fake_gpu import FIXTURES, install_nvidia_smi, path_with
 
 

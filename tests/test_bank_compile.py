@@ -18,8 +18,8 @@ import aoe
 from aoe.bank import CUSTOM, open_bank
 from aoe.bankrecord import Measured
 from aoe.errors import OptionError
+from aoe.keys import bank_key, canonical_json
 from aoe.sessionopts import METADATA_KEY
-from aoe.signature import bank_key, canonical_json
 from aoed.backends.ort.catalog import build_registry
 from aoed.bankcompile import compile_model
 from aoed.embedded import apply_bank

@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from aoe.bank import CUSTOM, default_record, entry_to_json, open_bank, record_to_json
+from aoe.bank import CUSTOM, open_bank
 from aoe.bankrecord import encode
-from aoe.signature import bank_key
+from aoe.exchange import default_record, entry_to_json, record_to_json
+from aoe.keys import bank_key
 from aoe.v1 import bank_pb2
 from aoed.bank.exchange import import_lines
 from aoed.bank.store import BankStore
@@ -385,7 +386,7 @@ def test_a_bank_exported_and_imported_compiles_the_same_model(models: Path, tmp_
     import onnx
 
     from aoe.bankrecord import decode
-    from aoe.signature import device_fingerprint
+    from aoe.fingerprint import device_fingerprint
     from aoed.backends.ort.catalog import build_registry
     from aoed.bankcompile import compile_model
     from aoed.engine.assemble import model_signature, tunable_tasks

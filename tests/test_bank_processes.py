@@ -23,7 +23,8 @@ from tests.helpers import wait_for
 # Entry i of the synthetic bank these tests write (key(i), entry(i)); its winner median
 # is 1 + i, so a reader can tell that an entry decodes to itself.
 ENTRIES = r"""
-from aoe.signature import bank_key, device_fingerprint
+from aoe.keys import bank_key
+from aoe.fingerprint import device_fingerprint
 from aoe.v1 import bank_pb2
 
 dev = device_fingerprint("CPUExecutionProvider")
@@ -71,7 +72,8 @@ store.close()
 READER = r"""
 import json, os, random, sys, time
 from aoe.bank import open_bank
-from aoe.signature import bank_key, device_fingerprint
+from aoe.keys import bank_key
+from aoe.fingerprint import device_fingerprint
 
 path, stop = sys.argv[1], sys.argv[2]
 dev = device_fingerprint("CPUExecutionProvider")
@@ -122,7 +124,8 @@ def _spawn(code: str, *args: object) -> subprocess.Popen:
 
 
 def _expected_key(i: int) -> bytes:
-    from aoe.signature import bank_key, device_fingerprint
+    from aoe.fingerprint import device_fingerprint
+    from aoe.keys import bank_key
 
     return bank_key(f"{i:032x}{0:032x}", device_fingerprint("CPUExecutionProvider").digest, "exact")
 

@@ -12,17 +12,10 @@ import lmdb
 import onnx
 import pytest
 
-from aoe.bank import (
-    CUSTOM,
-    LAYERS_ENV,
-    ModelTasks,
-    entry_from_json,
-    entry_to_json,
-    open_bank,
-    parse_key,
-)
+from aoe.bank import CUSTOM, LAYERS_ENV, ModelTasks, open_bank, parse_key
 from aoe.bankrecord import encode
 from aoe.errors import BankError
+from aoe.exchange import entry_from_json, entry_to_json
 from aoe.signature import (
     SCHEMA_VERSION,
     bank_key,

@@ -23,9 +23,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import aoe
-from aoe.bank import default_record, open_bank, record_to_json
+from aoe.bank import open_bank
 from aoe.bankrecord import BankRecord, Measured, encode
+from aoe.exchange import default_record, record_to_json
+from aoe.fingerprint import device_fingerprint
 from aoe.gdat import BUILTIN_HOOKS, DDPConfig
+from aoe.keys import bank_key, canonical_json
 from aoe.provider_options import OPTIONS
 from aoe.recordcheck import (
     FILE_OPTIONS,
@@ -37,7 +40,6 @@ from aoe.recordcheck import (
     loads,
 )
 from aoe.sessionopts import METADATA_KEY, make_session_options, session_providers, trt_files
-from aoe.signature import bank_key, canonical_json, device_fingerprint
 from aoe.v1 import bank_pb2, tuning_pb2
 from aoed.bank.daemonbank import check_import
 from aoed.bank.exchange import check_change

@@ -14,8 +14,8 @@ import pytest
 
 from aoe.bank import open_bank
 from aoe.bankrecord import BankRecord, decode
+from aoe.keys import canonical_json
 from aoe.partition import partition
-from aoe.signature import canonical_json
 from aoed.backends.ort.catalog import build_registry
 from aoed.backends.ort.probe import activation_ranges, capture
 from aoed.engine.assemble import model_signature, tunable_tasks

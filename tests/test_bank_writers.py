@@ -13,10 +13,12 @@ from pathlib import Path
 import pytest
 import trio
 
-from aoe.bank import entry_to_json, open_bank
+from aoe.bank import open_bank
 from aoe.bankrecord import encode
 from aoe.errors import BankBusyError
-from aoe.signature import bank_key, device_fingerprint
+from aoe.exchange import entry_to_json
+from aoe.fingerprint import device_fingerprint
+from aoe.keys import bank_key
 from aoe.v1 import bank_pb2
 from aoed.bank.lock import LOCK_NAME
 from aoed.bank.store import BankStore

@@ -16,7 +16,8 @@ import pytest
 
 import aoe
 from aoe.bank import open_bank
-from aoe.signature import bank_key, device_fingerprint
+from aoe.fingerprint import device_fingerprint
+from aoe.keys import bank_key
 from aoed.bankcompile import compile_model
 from aoed.engine.assemble import model_signature
 from aoed.engine.prep import make_inputs, prepare
@@ -287,8 +288,9 @@ def _store_session_record(bank: Path, model: Path, options: dict, confirmed: dic
     """Replace the model-level record of `model` in `bank` with an entry saying `options`
     won, confirmed as `confirmed` (what a job on a quieter machine could have stored)."""
     from aoe.bankrecord import BankRecord, Measured, encode
+    from aoe.fingerprint import device_fingerprint
+    from aoe.keys import bank_key, canonical_json
     from aoe.recordcheck import SESSION_FAMILY
-    from aoe.signature import bank_key, canonical_json, device_fingerprint
     from aoed.bank.store import BankStore
     from aoed.engine.assemble import model_signature
 

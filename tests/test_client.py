@@ -312,7 +312,7 @@ class Bank(bank_pb2_grpc.BankServiceServicer):
 
 
 def test_bank_export_writes_the_exchange_format_and_import_sends_it_back(tmp_path: Path) -> None:
-    from aoe.bank import record_to_json
+    from aoe.exchange import record_to_json
 
     entry = bank_pb2.BankEntry(
         schema_version=1,

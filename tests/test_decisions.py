@@ -303,7 +303,7 @@ def test_ranked_keeps_the_order_of_preference_among_ties() -> None:
 
 
 def _bank_entry(strategy: str) -> BankRecord:
-    from aoe.signature import device_fingerprint
+    from aoe.fingerprint import device_fingerprint
 
     from .bank_util import make_signature
 

@@ -18,8 +18,8 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from aoe.bank import CUSTOM, ModelTasks, open_bank
+from aoe.fingerprint import device_fingerprint
 from aoe.partition import partition
-from aoe.signature import device_fingerprint
 from aoed import samples
 from aoed.engine.prep import prepare
 
@@ -34,7 +34,9 @@ def test_lookups_import_neither_trio_nor_onnxruntime_nor_the_daemon(tmp_path: Pa
     bank = make_bank(tmp_path / "bank", [rec()])
     code = textwrap.dedent(f"""
         import sys, onnx
-        from aoe.signature import ModelContext, bank_key, device_fingerprint, task_signature
+        from aoe.signature import ModelContext, task_signature
+        from aoe.keys import bank_key
+        from aoe.fingerprint import device_fingerprint
         from aoe.partition import ModelTasks, partition
         from aoe.bank import open_bank
         m = onnx.load({str(model)!r})
@@ -71,7 +73,7 @@ import importlib.metadata, json, sys
 import onnx
 import aoe.bank
 from aoe.bank import ModelTasks, open_bank
-from aoe.signature import device_fingerprint
+from aoe.fingerprint import device_fingerprint
 
 model_path, bank_path, runtime = sys.argv[1:]
 installed = []
@@ -282,3 +284,36 @@ def test_bank_records_need_protobuf_only() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_exchange_lines_and_fingerprints_need_no_lmdb_nor_onnx() -> None:
+    """The export format's lines (aoe.exchange) and this machine's fingerprint
+    (aoe.fingerprint) need protobuf and the standard library alone; the names they had
+    in aoe.bank and aoe.signature are the same functions."""
+    code = textwrap.dedent("""
+        import sys
+        from aoe.exchange import default_doc, default_record, record_from_json, record_to_json
+        from aoe.fingerprint import device_fingerprint
+        from aoe.v1 import bank_pb2
+        key = "v1/" + "a" * 32 + "/" + device_fingerprint().digest[:32] + "/exact"
+        rec = default_record(key, {"default_us": 12.5, "job": "j"})
+        line = record_to_json(bank_pb2.ExportEntriesResponse(default_record=rec))
+        assert default_doc(record_from_json(line).default_record) == {"default_us": 12.5, "job": "j"}
+        print(sorted({n.split(".")[0] for n in sys.modules} & {"lmdb", "onnx", "numpy", *HEAVY}))
+    """).replace("HEAVY", repr(HEAVY))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout
+
+    import aoe.bank
+    import aoe.exchange
+    import aoe.fingerprint
+    import aoe.keys
+    import aoe.signature
+
+    for name in aoe.exchange.__all__:
+        if name in aoe.bank.__all__:
+            assert getattr(aoe.bank, name) is getattr(aoe.exchange, name), name
+    assert {"entry_to_json", "record_from_json", "default_record"} <= set(aoe.bank.__all__)
+    assert aoe.signature.device_fingerprint is aoe.fingerprint.device_fingerprint
+    assert aoe.signature.canonical_json is aoe.keys.canonical_json

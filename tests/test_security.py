@@ -27,8 +27,9 @@ import numpy as np
 import onnx
 import pytest
 
-from aoe.bank import open_bank, record_to_json
+from aoe.bank import open_bank
 from aoe.errors import OptionError
+from aoe.exchange import record_to_json
 from aoe.signature import TensorInfo
 from aoe.v1 import bank_pb2, daemon_pb2, daemon_pb2_grpc, tuning_pb2
 from aoed import samples

@@ -1,7 +1,8 @@
 """aoe: the client side of aoed.
 
 `aoe.session(path)` opens a tuned model in onnxruntime with the session options it was
-measured under; `aoe.signature` computes bank keys; `aoe.v1` holds the generated API;
+measured under; `aoe.signature` and `aoe.fingerprint` compute the two halves of bank keys
+(task and device); `aoe.bank` reads a bank; `aoe.v1` holds the generated API;
 `aoe.Client` talks to a running daemon (imported on first use: `import aoe` stays light).
 """
 

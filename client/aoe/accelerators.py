@@ -12,7 +12,7 @@ Nothing here needs CUDA to import or to run; each source answers when it is ther
 - the installed CUDA, cuDNN and TensorRT wheels (nvidia-cuda-runtime*, nvidia-cudnn-*,
   tensorrt*): what onnxruntime-gpu loads when they are on the path.
 
-`accelerator_facts(device)` is what a device fingerprint covers (see aoe.signature): the
+`accelerator_facts(device)` is what a device fingerprint covers (see aoe.fingerprint): the
 GPU model, its compute capability and the driver, CUDA, cuDNN and TensorRT versions.
 """
 
@@ -257,7 +257,7 @@ class LocalDevice:
         runtime = f"{v['package'] or 'onnxruntime'} {v['onnxruntime']}"
         if self.gpu is None:
             if self.device.is_cpu:
-                from aoe.signature import device_fingerprint
+                from aoe.fingerprint import device_fingerprint
 
                 cores = cores or len(os.sched_getaffinity(0))
                 return f"{device_fingerprint().hardware} ({cores} cores), {runtime}"

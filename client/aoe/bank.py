@@ -14,11 +14,12 @@ in another process; nothing a reader does can block or corrupt the writer. Reade
 never take the writer's lock. Every lmdb error leaves as a BankError naming the bank.
 
 Entries are keyed by schema version, signature digest and device digest (see
-`aoe.signature.bank_key`), so an entry measured on another device never answers a
+`aoe.keys.bank_key`), so an entry measured on another device never answers a
 lookup made for this one; `lookup_explain()` says why a lookup found nothing.
 
 `aoe.compile.apply_bank(model, output, bank)` writes the tuned model the bank describes
-(what `aoe compile` does).
+(what `aoe compile` does). `records()` yields what `aoe bank export` writes; the lines'
+format is `aoe.exchange`'s (its names are re-exported here).
 
 Importing this module pulls in lmdb, protobuf, onnx and numpy only: no trio, no
 onnxruntime, no daemon. `ModelTasks` (from `aoe.partition`) normalizes and splits a
@@ -38,20 +39,25 @@ from typing import Any, Protocol
 
 import lmdb
 import onnx
-from google.protobuf import json_format
 
 from aoe.errors import BankError
-from aoe.keys import PRECISION_CODES
+
+# The exchange format is aoe.exchange's; re-exported here, where compilers and tools
+# have always imported it from.
+from aoe.exchange import (
+    default_doc,
+    default_record,
+    entry_from_json,
+    entry_to_json,
+    exported_trial,
+    record_from_json,
+    record_to_json,
+)
+from aoe.fingerprint import device_fingerprint
+from aoe.keys import PRECISION_CODES, SCHEMA_VERSION, DeviceFingerprint, TaskSignature, bank_key
 from aoe.lmdbcheck import damaged, find_damage, read_data_file
 from aoe.lmdbenv import FULL_MAP, MAP_SIZES, TxnGate, bank_error, lmdb_errors, reserve_lock_file
 from aoe.partition import ModelTasks
-from aoe.signature import (
-    SCHEMA_VERSION,
-    DeviceFingerprint,
-    TaskSignature,
-    bank_key,
-    device_fingerprint,
-)
 from aoe.v1 import bank_pb2
 
 __all__ = [
@@ -142,77 +148,6 @@ def check_schema(path: Path, raw: bytes | None) -> int:
             f"open it once with the aoed that writes it (aoe tune --bank {path}) to migrate it"
         )
     return version
-
-
-# --------------------------------------------------------------------------- JSON Lines
-
-
-def entry_to_json(entry: bank_pb2.BankEntry) -> str:
-    """One line of JSON for `entry` (proto field names, sorted keys): the exchange format."""
-    doc = json_format.MessageToDict(entry, preserving_proto_field_name=True)
-    return json.dumps(doc, sort_keys=True, separators=(",", ":"))
-
-
-def entry_from_json(line: str) -> bank_pb2.BankEntry:
-    """Parse one bare BankEntry line; raises ValueError with the parser's reason."""
-    try:
-        return json_format.Parse(line, bank_pb2.BankEntry())
-    except json_format.ParseError as exc:
-        raise ValueError(str(exc)) from None
-
-
-#: The record kinds of the exchange format: the fields of ExportEntriesResponse's oneof.
-_RECORD_FIELDS = frozenset(("entry", "default_record", "trial"))
-
-
-def record_to_json(record: bank_pb2.ExportEntriesResponse) -> str:
-    """One line of the exchange format: `{"entry": {...}}`, `{"default_record": {...}}`
-    or `{"trial": {...}}` (proto field names, sorted keys)."""
-    doc = json_format.MessageToDict(record, preserving_proto_field_name=True)
-    return json.dumps(doc, sort_keys=True, separators=(",", ":"))
-
-
-def record_from_json(line: str) -> bank_pb2.ExportEntriesResponse:
-    """Parse one exchange line into an ExportEntriesResponse; a bare BankEntry line (as
-    exports before default records and trials wrote) comes back as its `entry`. Raises
-    ValueError with the parser's reason."""
-    from aoe.recordcheck import MAX_LINE, RecordError, loads
-
-    try:
-        doc = loads(line, "line", MAX_LINE)
-    except RecordError as exc:
-        raise ValueError(exc.reason) from None
-    if isinstance(doc, dict) and doc and doc.keys() <= _RECORD_FIELDS:
-        try:
-            return json_format.ParseDict(doc, bank_pb2.ExportEntriesResponse())
-        except json_format.ParseError as exc:
-            raise ValueError(str(exc)) from None
-    return bank_pb2.ExportEntriesResponse(entry=entry_from_json(line))
-
-
-def default_record(key: bytes | str, doc: dict[str, Any]) -> bank_pb2.DefaultRecord:
-    """The DefaultRecord of a "default stays best" document as the bank stores it:
-    `{"default_us": 12.3, "job": "...", "reverted": [digests], "confirmed": "{...}"}`
-    (all but default_us optional). Other fields of the document are not part of the record."""
-    rec = bank_pb2.DefaultRecord(key=key.decode() if isinstance(key, bytes) else key)
-    rec.default_us = float(doc.get("default_us") or 0.0)
-    rec.reverted.extend(str(d) for d in doc.get("reverted") or ())
-    rec.job_id = str(doc.get("job") or "")
-    rec.confirmed = str(doc.get("confirmed") or "")
-    return rec
-
-
-def default_doc(rec: bank_pb2.DefaultRecord) -> dict[str, Any]:
-    """The document the bank stores for `rec` (the inverse of `default_record`; an empty
-    `reverted` list is left out, which readers take as none)."""
-    doc: dict[str, Any] = {"default_us": rec.default_us}
-    if rec.job_id:
-        doc["job"] = rec.job_id
-    if rec.reverted:
-        doc["reverted"] = list(rec.reverted)
-    if rec.confirmed:
-        doc["confirmed"] = rec.confirmed
-    return doc
 
 
 # --------------------------------------------------------------------------- layers
@@ -642,15 +577,7 @@ class BankReader:
                 if not history:
                     continue
                 for k, v in txn.cursor(db=lay.history):
-                    key, _, stamp = k.decode("ascii", "replace").rpartition("/")
-                    try:
-                        trial = bank_pb2.TrialRecord(
-                            key=key, time_ns=int(stamp, 16), trial_json=v.decode()
-                        )
-                    except ValueError:  # not a history key aoed wrote: import refuses it, saying so
-                        trial = bank_pb2.TrialRecord(
-                            key=k.decode("ascii", "replace"), trial_json=v.decode()
-                        )
+                    trial = exported_trial(k, v)
                     yield lay.name, bank_pb2.ExportEntriesResponse(trial=trial)
 
     def stats(self) -> list[LayerStats]:

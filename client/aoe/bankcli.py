@@ -439,7 +439,7 @@ def _stats(args: argparse.Namespace) -> int:
 
 
 def _lookup(args: argparse.Namespace) -> int:
-    from aoe.bank import entry_to_json
+    from aoe.exchange import entry_to_json
 
     daemon = _daemon(args)
     if daemon is not None:
@@ -479,7 +479,7 @@ def _lookup(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from aoe.bank import record_to_json
+    from aoe.exchange import record_to_json
 
     daemon = _daemon(args)
     if daemon is not None:

@@ -5,6 +5,32 @@ stored form, `aoe.v1.BankEntry` bytes (`encode` / `decode`).
 Public and light (protobuf only: no onnx, no lmdb): the daemon's bank writer and
 engine, `aoe compile` and any reader of a bank use these; the bank's keys are
 `aoe.keys.bank_key`.
+
+The shapes of a bank record, each for one purpose, and where each conversion lives:
+
+  BankRecord (here)            an entry as the engine decides it and the writer, the
+                               compiler and bank rules read it: typed, no protobuf.
+  BankEntry bytes              an entry as it is stored (the `entries` database) and
+  (aoe.v1)                     sent (LookupEntry, QueryEntries): `encode` / `decode`
+                               here; the reader (`aoe.bank`) hands out the message.
+  JSON document                a default record or a trial as it is stored (the
+                               `defaults` and `history` databases; written by
+                               `aoed.bank.store.encode_doc`).
+  JSON line of an              any record as it is exchanged (`aoe bank export` and
+  ExportEntriesResponse        import, ExportEntries and ImportEntries): `aoe.exchange`,
+                               which also converts a stored default record or trial to
+                               its message and back (`default_record` / `default_doc`,
+                               `trial_record`).
+  Record (aoed.bank.store)     any record as the store merges it: kind, key (a trial's
+                               history key), stored bytes. `aoed.bank._codec` turns an
+                               exchange line (`parse_line`) or a peer's stored record
+                               (`check_stored`) into one, with why it may not be merged.
+  Change (aoed.bank.store)     a Record with its place in the bank's log (sequence
+                               number, commit time): what FollowBank carries
+                               (`_codec.batch_from_pb` at the wire).
+
+A record from outside is checked field by field in `aoe.recordcheck` before it becomes
+a Record.
 """
 
 from __future__ import annotations

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import os
 import time
 import uuid
@@ -27,7 +26,6 @@ from pathlib import Path
 from typing import IO, Any
 
 import grpc
-from google.protobuf import json_format
 
 from aoe.errors import (
     AoedError,
@@ -41,6 +39,7 @@ from aoe.errors import (
     PermissionDeniedError,
     ResourceExhaustedError,
 )
+from aoe.exchange import RECORD_FIELDS, record_from_json, record_to_json
 from aoe.modelfile import check_model_file
 from aoe.sockets import check_socket
 from aoe.spec import JobSpec
@@ -74,8 +73,6 @@ _POLICIES = {
     "keep-existing": bank_pb2.MERGE_POLICY_KEEP_EXISTING,
 }
 _EXPORT_FILTERS = ("op_type", "device_digest", "precision", "entries_only", "no_history")
-#: The record kinds of the JSON Lines exchange format (aoe.bank.record_to_json writes it).
-_RECORD_FIELDS = ("entry", "default_record", "trial")
 
 
 def _parse_target(target: str | os.PathLike[str] | None) -> tuple[str, Path | None]:
@@ -162,29 +159,6 @@ def job_options(
     if output_dir is not None:
         msg.output_dir = os.fspath(output_dir)
     return msg
-
-
-def _record_line(record: bank_pb2.ExportEntriesResponse) -> str:
-    """One line of the exchange format, byte for byte as aoe.bank.record_to_json writes it."""
-    doc = json_format.MessageToDict(record, preserving_proto_field_name=True)
-    return json.dumps(doc, sort_keys=True, separators=(",", ":"))
-
-
-def _parse_record(line: str) -> bank_pb2.ExportEntriesResponse:
-    """A record line (or a bare BankEntry line, as old exports wrote), as
-    aoe.bank.record_from_json reads it (nesting and size bounded first: a line is
-    untrusted input); ValueError with the parser's reason."""
-    from aoe.recordcheck import MAX_LINE, loads
-
-    try:
-        doc = loads(line, "line", MAX_LINE)
-        if isinstance(doc, dict) and doc and doc.keys() <= set(_RECORD_FIELDS):
-            return json_format.ParseDict(doc, bank_pb2.ExportEntriesResponse())
-        return bank_pb2.ExportEntriesResponse(
-            entry=json_format.ParseDict(doc, bank_pb2.BankEntry())
-        )
-    except (ValueError, json_format.ParseError) as exc:
-        raise ValueError(str(exc)) from None
 
 
 @contextlib.contextmanager
@@ -517,11 +491,11 @@ class Client:
         request = bank_pb2.ExportEntriesRequest(
             **{k: v for k, v in filters.items() if v is not None}
         )
-        counts = dict.fromkeys(_RECORD_FIELDS, 0)
+        counts = dict.fromkeys(RECORD_FIELDS, 0)
         stream = self._stream(self._bank.ExportEntries, request, bank=True)
         with contextlib.closing(stream), _writing(Path(dest_file), "w") as out:
             for record in stream:
-                out.write(_record_line(record) + "\n")
+                out.write(record_to_json(record) + "\n")
                 counts[record.WhichOneof("record")] += 1
         return counts
 
@@ -549,7 +523,7 @@ class Client:
                     if not line.strip():
                         continue
                     try:
-                        record = _parse_record(line)
+                        record = record_from_json(line)
                     except ValueError as exc:
                         raise OptionError(f"{src_file}:{n}: not a bank record ({exc})") from None
                     which = record.WhichOneof("record")

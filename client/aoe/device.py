@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from aoe.errors import DeviceError, OptionError
 
 if TYPE_CHECKING:
-    from aoe.signature import DeviceFingerprint
+    from aoe.keys import DeviceFingerprint
 
 __all__ = ["CPU", "KINDS", "Device", "kind_of"]
 
@@ -205,8 +205,8 @@ class Device:
         """What bank keys use: provider, hardware, runtime and the implementation options
         (not the index: identical devices share what was learned). Raises DeviceError
         for a GPU this machine does not have."""
-        # Imported here: it imports onnx, which only whoever asks for a fingerprint needs.
-        from aoe.signature import device_fingerprint
+        # Imported here: aoe.fingerprint asks this module for the CPU's provider.
+        from aoe.fingerprint import device_fingerprint
 
         options = dict(self.options)
         if self.cores:

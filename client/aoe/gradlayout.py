@@ -26,14 +26,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from aoe.errors import OptionError
-from aoe.signature import (
-    DeviceFingerprint,
-    TaskSignature,
-    _cpu_model_and_flags,
-    _digest,
-    bank_key,
-    canonical_json,
-)
+from aoe.fingerprint import cpu_model_and_flags
+from aoe.keys import DeviceFingerprint, TaskSignature, bank_key, canonical_json
+from aoe.keys import digest as _digest
 
 __all__ = [
     "BACKENDS",
@@ -151,7 +146,7 @@ def torch_version() -> str:
 
 @functools.lru_cache(maxsize=16)
 def _host(backend: str, accelerator: str, version: str) -> DeviceFingerprint:
-    hardware, flags = _cpu_model_and_flags()
+    hardware, flags = cpu_model_and_flags()
     options = {"backend": backend, "device": BACKENDS.get(backend, "cpu")}
     desc = {
         "ep": GDAT_PROVIDER,

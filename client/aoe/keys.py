@@ -1,15 +1,18 @@
 """What a bank key is made of, and the values stored under one: `bank_key`, the
-`TaskSignature` and `DeviceFingerprint` it names, the precision policies' names and their
-codes in `aoe.v1.Precision` (the one table: the bank's codec, its records, the record
-checks and the API's edge all read it).
+`TaskSignature` and `DeviceFingerprint` it names, the one JSON spelling and digest both
+are named by (`canonical_json`, `digest`), the precision policies' names and their codes
+in `aoe.v1.Precision` (the one table: the bank's codec, its records, the record checks
+and the API's edge all read it).
 
 Light on purpose: the standard library and protobuf's generated `aoe.v1.bank_pb2` only
 (no onnx, no lmdb), so `aoe.bankrecord` and `aoe.recordcheck` stay as light as they say.
-How a signature or a fingerprint is computed is `aoe.signature`'s.
+How a signature is computed is `aoe.signature`'s, a fingerprint `aoe.fingerprint`'s.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -22,6 +25,10 @@ __all__ = [
     "DeviceFingerprint",
     "TaskSignature",
     "bank_key",
+    "canonical_json",
+    "digest",
+    "history_key",
+    "parse_history_key",
 ]
 
 #: Version of the signature/key layout; part of every bank key.
@@ -39,6 +46,17 @@ PRECISION_CODES: Mapping[str, bank_pb2.Precision] = {
 }
 #: The code -> name direction of PRECISION_CODES.
 PRECISION_NAMES: Mapping[int, str] = {code: name for name, code in PRECISION_CODES.items()}
+
+
+def canonical_json(obj: object) -> str:
+    """Return the one JSON spelling of `obj`: sorted keys, no spaces, ASCII only."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+
+
+def digest(text: str) -> str:
+    """The digest a signature or a fingerprint is named by: SHA-256 of its canonical JSON
+    (ASCII), in hex."""
+    return hashlib.sha256(text.encode("ascii")).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -60,7 +78,7 @@ class DeviceFingerprint:
     canonical_json: str = ""
     digest: str = ""
     #: the GPU or NPU under the provider (empty for a CPU): see
-    #: `aoe.signature.device_fingerprint`
+    #: `aoe.fingerprint.device_fingerprint`
     accelerator: Mapping[str, str] = field(default_factory=dict)
 
 
@@ -71,3 +89,18 @@ def bank_key(signature_digest: str, device_digest: str, precision: str) -> bytes
     `mdb_dump` and exports stay diffable.
     """
     return f"v{SCHEMA_VERSION}/{signature_digest[:32]}/{device_digest[:32]}/{precision}".encode()
+
+
+def history_key(key: bytes, time_ns: int) -> bytes:
+    """The history key of a trial of bank key `key` recorded at `time_ns`: the bank key,
+    then the time in 16 hex digits, so a key's trials sort after it by time."""
+    return key + b"/" + f"{time_ns:016x}".encode()
+
+
+def parse_history_key(key: bytes) -> tuple[bytes, int]:
+    """(bank key, time_ns) of a history key (the inverse of `history_key`); ValueError
+    when `key` does not end in a hex time stamp."""
+    bank, sep, stamp = key.rpartition(b"/")
+    if not sep or not stamp:
+        raise ValueError(f"{key.decode('ascii', 'replace')!r} is not a history key")
+    return bank, int(stamp, 16)

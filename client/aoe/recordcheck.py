@@ -652,7 +652,7 @@ def check_default(rec: bank_pb2.DefaultRecord) -> None:
 
 def check_default_doc(doc: Any) -> None:
     """`check_default` for the document a bank stores for a default record
-    (aoe.bank.default_doc): only its fields, each of its type."""
+    (aoe.exchange.default_doc): only its fields, each of its type."""
     if not isinstance(doc, dict):
         raise RecordError("default record", "not a JSON object")
     unknown = sorted(set(doc) - _DEFAULT_DOC)

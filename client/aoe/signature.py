@@ -1,4 +1,4 @@
-"""Canonical task signatures and device fingerprints: the one truth for bank keys.
+"""Canonical task signatures: the one truth for the task half of bank keys.
 
 A *task* is a small connected group of ONNX nodes (an anchor operator such as MatMul or
 Conv, plus the elementwise epilogue fused with it). Its signature says everything that
@@ -7,32 +7,32 @@ normalized against their schema defaults, the wiring between the nodes, the shap
 dtypes of inputs and outputs, and which inputs are constant. Tensor *names* and weight
 *values* are left out, so the same layer in two models has one signature.
 
-A *device fingerprint* names what the measurement was made on: execution provider and its
-options, CPU model and ISA flags (or, for a GPU or NPU, its model, compute capability and
-driver and library versions), and the runtime version. A bank entry is only ever
-applied where both digests match.
+The device half, what a measurement was made on, is `aoe.fingerprint`'s
+(`device_fingerprint`, re-exported here); a bank entry is only ever applied where both
+digests match.
 
-Both are pure functions of their inputs; this module imports neither trio nor
-onnxruntime, so compilers can compute keys in-process.
+A signature is a pure function of its nodes and their model; this module imports
+neither trio nor onnxruntime, so compilers can compute keys in-process.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
-import importlib.metadata
 import json
 import math
-import platform
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import onnx
 from onnx import helper
 
-# The key and the values it names live in the light aoe.keys; re-exported here, where
-# they are computed.
-from aoe.keys import SCHEMA_VERSION, DeviceFingerprint, TaskSignature, bank_key
+# Device fingerprints are aoe.fingerprint's; the key, the values it names and their JSON
+# spelling live in the light aoe.keys. All are re-exported here, where bank keys were
+# always imported from.
+from aoe.fingerprint import device_fingerprint
+from aoe.keys import SCHEMA_VERSION, DeviceFingerprint, TaskSignature, bank_key, canonical_json
+from aoe.keys import digest as _digest
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -46,41 +46,6 @@ __all__ = [
     "device_fingerprint",
     "task_signature",
 ]
-
-# ISA features that change which kernels a runtime picks on x86 and Arm CPUs.
-_ISA_FLAGS = frozenset(
-    {
-        "sse4_1",
-        "sse4_2",
-        "avx",
-        "avx2",
-        "fma",
-        "f16c",
-        "avx512f",
-        "avx512bw",
-        "avx512dq",
-        "avx512vl",
-        "avx512_vnni",
-        "avx512_bf16",
-        "avx512_fp16",
-        "avx_vnni",
-        "amx_tile",
-        "amx_int8",
-        "amx_bf16",
-        "asimd",
-        "asimddp",
-        "sve",
-        "sve2",
-        "i8mm",
-        "bf16",
-    }
-)
-
-
-def canonical_json(obj: object) -> str:
-    """Return the one JSON spelling of `obj`: sorted keys, no spaces, ASCII only."""
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
-
 
 #: How json.dumps(ensure_ascii=True) spells a str (the C speedup where there is one).
 _json_str = json.encoder.encode_basestring_ascii
@@ -101,10 +66,6 @@ def _json_int(i: object) -> str:
 
 
 _SCHEMA_VERSION_JSON = canonical_json(SCHEMA_VERSION)
-
-
-def _digest(text: str) -> str:
-    return hashlib.sha256(text.encode("ascii")).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -484,107 +445,3 @@ def _tensor_json(name: str, ctx: ModelContext, const: bool) -> str | dict[str, o
         spelled = f'"dtype":{_json_str(dtype)},"shape":{repr(shape).replace(" ", "")}}}'
         cached = ctx._tensor_json[name] = (info, "{" + spelled, '{"const":true,' + spelled)
     return cached[2] if const else cached[1]
-
-
-# --------------------------------------------------------------------------- devices
-
-
-def _cpu_model_and_flags() -> tuple[str, tuple[str, ...]]:
-    model = platform.processor() or platform.machine()
-    flags: set[str] = set()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                key = key.strip().lower()
-                if key in ("model name", "cpu model", "hardware") and model in (
-                    "",
-                    platform.machine(),
-                ):
-                    model = value.strip()
-                elif key in ("flags", "features") and not flags:
-                    flags = set(value.split())
-    except OSError:
-        pass
-    return model or "unknown", tuple(sorted(flags & _ISA_FLAGS))
-
-
-def _runtime_version() -> str:
-    try:
-        return importlib.metadata.version("onnxruntime")
-    except importlib.metadata.PackageNotFoundError:
-        for dist in ("onnxruntime-gpu", "onnxruntime-cann", "onnxruntime-openvino"):
-            try:
-                return importlib.metadata.version(dist)
-            except importlib.metadata.PackageNotFoundError:
-                continue
-    return "unknown"
-
-
-@functools.lru_cache(maxsize=16)
-def _fingerprint(
-    execution_provider: str, options_json: str, accelerator_json: str = "{}", runtime: str = ""
-) -> DeviceFingerprint:
-    options = json.loads(options_json)
-    accelerator = json.loads(accelerator_json)
-    if accelerator:
-        # An accelerator's kernels are the GPU's (or NPU's) and its libraries', not the
-        # host CPU's: identical GPUs on different hosts share what was learned.
-        hardware, flags = str(accelerator.get("model", "unknown")), ()
-    else:
-        hardware, flags = _cpu_model_and_flags()
-    desc = {
-        "ep": execution_provider,
-        "hardware": hardware,
-        "isa": list(flags),
-        "runtime": runtime or _runtime_version(),
-        "options": options,
-    }
-    # Only where there is one: the CPU's description (and so every existing bank key) is
-    # exactly what it was before accelerators were described.
-    if accelerator:
-        desc["accelerator"] = accelerator
-    text = canonical_json(desc)
-    return DeviceFingerprint(
-        execution_provider=execution_provider,
-        hardware=hardware,
-        isa_flags=flags,
-        runtime_version=desc["runtime"],
-        options=options,
-        canonical_json=text,
-        digest=_digest(text),
-        accelerator=accelerator,
-    )
-
-
-def device_fingerprint(
-    execution_provider: str | None = None,
-    options: Mapping[str, str] | None = None,
-    accelerator: Mapping[str, str] | None = None,
-    *,
-    runtime_version: str | None = None,
-) -> DeviceFingerprint:
-    """Return the fingerprint of this machine's `execution_provider` (default: the CPU's;
-    cached per process).
-
-    `options` are the provider options that change which implementation runs (for CPU:
-    none), so a change to them changes the digest. `accelerator` describes the GPU or NPU
-    the provider runs on (model, compute capability, driver and library versions: see
-    aoe.accelerators); every one of its values is part of the digest, so a decision made
-    on one GPU model or library version is never served on another. Without one, the
-    hardware is this machine's CPU model and ISA flags.
-
-    `runtime_version` is the onnxruntime release the decisions are for (default: the
-    installed one's, "unknown" where none is): a compiler that reads the bank without
-    onnxruntime installed (aoed-client alone) names the release its models will run on.
-    """
-    if execution_provider is None:
-        from aoe.device import CPU  # aoe.device maps device kinds to providers; it imports us
-
-        execution_provider = CPU.provider
-    return _fingerprint(
-        execution_provider,
-        canonical_json(dict(options or {})),
-        canonical_json({str(k): str(v) for k, v in (accelerator or {}).items()}),
-        runtime_version or "",
-    )

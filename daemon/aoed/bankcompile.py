@@ -25,7 +25,7 @@ from typing import Any
 
 from aoe.bank import BankReader
 from aoe.bankrecord import BankRecord, decode
-from aoe.signature import DeviceFingerprint
+from aoe.keys import DeviceFingerprint
 from aoed.engine.assemble import Assembly, apply_choices, from_bank, set_metadata, tuned_metadata
 from aoed.engine.calibration import integer_ranges, load_samples
 from aoed.engine.modelio import load_model, save_model

@@ -37,9 +37,10 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from aoe.bank import default_record, parse_key, record_to_json
+from aoe.bank import parse_key
 from aoe.device import Device
 from aoe.errors import OptionError, ResourceExhaustedError
+from aoe.exchange import default_record, exported_trial, record_to_json
 from aoe.keys import PRECISION_NAMES
 from aoe.v1 import bank_pb2, bank_pb2_grpc
 from aoe.wire import layer_stats_to_pb
@@ -351,14 +352,7 @@ def _record(db: str, key: bytes, value: bytes) -> bank_pb2.ExportEntriesResponse
         return bank_pb2.ExportEntriesResponse(entry=bank_pb2.BankEntry.FromString(value))
     if db == "defaults":
         return bank_pb2.ExportEntriesResponse(default_record=default_record(key, json.loads(value)))
-    bank_key, _, stamp = key.decode("ascii", "replace").rpartition("/")
-    try:
-        trial = bank_pb2.TrialRecord(
-            key=bank_key, time_ns=int(stamp, 16), trial_json=value.decode()
-        )
-    except ValueError:  # not a history key aoed wrote: an import refuses it, saying so
-        trial = bank_pb2.TrialRecord(key=key.decode("ascii", "replace"), trial_json=value.decode())
-    return bank_pb2.ExportEntriesResponse(trial=trial)
+    return bank_pb2.ExportEntriesResponse(trial=exported_trial(key, value))
 
 
 def _lines(

@@ -1,29 +1,26 @@
-"""Translation between the engine's bank records and what the bank stores: `aoe.v1.BankEntry`
-bytes for entries, JSON documents for default records and trials; and the checks of
-exchange lines (`aoe.v1.ExportEntriesResponse` as JSON) before they are merged.
+"""The checks of records from outside before they are merged: exchange lines (an
+`aoe.v1.ExportEntriesResponse` as JSON, `aoe.exchange`) and records another bank stores
+(what a followed peer sends); and the few reads of stored bytes the merge rules need.
+
+Each check gives the record as this bank stores it (`aoed.bank.store.Record`) with why
+it cannot be merged, or "" when it can: one shape for what is merged, whatever it came
+from (the shapes of a bank record are told in `aoe.bankrecord`).
 
 The only module (with api/) where protobuf types appear on the daemon side.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
 
 from google.protobuf.message import DecodeError
 
-from aoe.bank import (
-    default_doc,
-    default_record,
-    parse_key,
-    record_from_json,
-)
-from aoe.keys import PRECISION_CODES, PRECISION_NAMES, SCHEMA_VERSION, bank_key
+from aoe.bank import parse_key
+from aoe.exchange import default_doc, default_record, record_from_json, trial_record
+from aoe.keys import PRECISION_CODES, PRECISION_NAMES, SCHEMA_VERSION, bank_key, history_key
 from aoe.recordcheck import (
     MAX_TRIAL_JSON,
     RecordError,
@@ -35,48 +32,23 @@ from aoe.recordcheck import (
     loads,
 )
 from aoe.v1 import bank_pb2
+from aoed.bank.store import DEFAULT, ENTRY, TRIAL, Record, encode_doc
 
 __all__ = [
-    "Incoming",
+    "Checked",
     "batch_from_pb",
     "check_stored",
     "default_us",
-    "encode_doc",
     "parse_line",
     "winner_us",
 ]
 
+#: A record from outside as this bank would store it (a trial under its history key),
+#: and why it cannot be merged ("" when it can).
+Checked = tuple[Record, str]
 
-def encode_doc(doc: dict[str, Any]) -> bytes:
-    """The stored form of a default record or a trial: JSON with sorted keys, so that
-    equal documents store equal bytes."""
-    return json.dumps(doc, sort_keys=True).encode()
-
-
-# --------------------------------------------------------------------------- exchange
-
-
-@dataclass(frozen=True)
-class Incoming:
-    """One exchange line, checked: the record to merge, or why it cannot be merged.
-
-    `kind` is "entry", "default" or "trial" ("" when the line is unreadable); `data` is
-    what the bank stores for it (entry bytes, default or trial JSON). `device_digest` is
-    the entry's full device digest, or the device part (32 hex) of a default record's
-    or trial's key; the device fields after it are known for entries only."""
-
-    kind: str
-    key: bytes
-    data: bytes
-    device_digest: str
-    time_ns: int = 0  # trials: when recorded (their history key)
-    time_us: float = 0.0  # entries: the winner median; default records: default_us
-    execution_provider: str = ""
-    device_options: dict[str, str] = field(default_factory=dict)
-    hardware: str = ""
-    runtime_version: str = ""
-    problem: str = ""
-
+#: What an unreadable line stands for in a refusal: no kind, no key.
+_NOTHING = Record("", b"", b"")
 
 _HEX32 = re.compile(r"[0-9a-f]{32}")
 _HEX64 = re.compile(r"[0-9a-f]{64}")
@@ -86,66 +58,62 @@ def _sha256(text: str) -> str:
     return hashlib.sha256(text.encode("ascii", "replace")).hexdigest()
 
 
-def _key_problem(key: str) -> tuple[str, str]:
-    """(why `key` is not a key of this bank's schema or "", its device part)."""
+def _key_problem(key: str) -> str:
+    """Why `key` is not a key of this bank's schema, or ""."""
     try:
         schema, sig32, dev32, precision = parse_key(key)
     except ValueError as exc:
-        return str(exc), ""
+        return str(exc)
     if schema != SCHEMA_VERSION:
-        return f"schema version {schema}, this bank uses {SCHEMA_VERSION}", dev32
+        return f"schema version {schema}, this bank uses {SCHEMA_VERSION}"
     if not (_HEX32.fullmatch(sig32) and _HEX32.fullmatch(dev32)):
-        return "key digests are not 32 lowercase hex digits", dev32
+        return "key digests are not 32 lowercase hex digits"
     if precision not in PRECISION_CODES:
-        return f"unknown precision {precision!r}", dev32
-    return "", dev32
+        return f"unknown precision {precision!r}"
+    return ""
 
 
-def parse_line(line: str, vocabulary: Vocabulary | None = None) -> Incoming:
-    """Parse and check one JSON Lines record, each field against what the tuner of
-    `vocabulary` writes (aoe.recordcheck); `problem` says why it cannot be imported."""
-    try:
-        msg = record_from_json(line)
-    except ValueError as exc:
-        return Incoming("", b"", b"", "", problem=f"not a bank record ({exc})")
-    which = msg.WhichOneof("record")
-    if which == "default_record":
-        return _parse_default(msg.default_record)
-    if which == "trial":
-        return _parse_trial(msg.trial)
-    if which != "entry":
-        return Incoming(
-            "", b"", b"", "", problem="not a bank record (no entry, default_record or trial)"
-        )
-    return _parse_entry(msg.entry, vocabulary)
-
-
-def _checked(inc: Incoming, check: Callable[[], object]) -> Incoming:
-    """`inc` with `check()`'s RecordError as its problem (when it has none yet)."""
-    if inc.problem:
-        return inc
+def _then(problem: str, check: Callable[[], object]) -> str:
+    """`problem`, or when there is none yet, `check()`'s RecordError ("" without one)."""
+    if problem:
+        return problem
     try:
         check()
     except RecordError as exc:
-        return dataclasses.replace(inc, problem=str(exc))
-    return inc
+        return str(exc)
+    return ""
 
 
-def _parse_default(rec: bank_pb2.DefaultRecord) -> Incoming:
-    problem, dev32 = _key_problem(rec.key)
+def parse_line(line: str, vocabulary: Vocabulary | None = None) -> Checked:
+    """Parse and check one JSON Lines record, each field against what the tuner of
+    `vocabulary` writes (aoe.recordcheck): the record to store and why it cannot be
+    imported ("" when it can; an unreadable line has no kind and no key)."""
+    try:
+        msg = record_from_json(line)
+    except ValueError as exc:
+        return _NOTHING, f"not a bank record ({exc})"
+    which = msg.WhichOneof("record")
+    if which == "default_record":
+        return _default(msg.default_record)
+    if which == "trial":
+        return _trial(msg.trial)
+    if which != "entry":
+        return _NOTHING, "not a bank record (no entry, default_record or trial)"
+    return _entry(msg.entry, vocabulary)
+
+
+def _default(rec: bank_pb2.DefaultRecord) -> Checked:
+    problem = _key_problem(rec.key)
     if not problem and not rec.default_us > 0:
         problem = "no default timing"
     if not problem and not all(_HEX64.fullmatch(d) for d in rec.reverted):
         problem = "a reverted task is not a 64-digit signature digest"
-    data = encode_doc(default_doc(rec))
-    inc = Incoming(
-        "default", rec.key.encode(), data, dev32, time_us=rec.default_us, problem=problem
-    )
-    return _checked(inc, lambda: check_default(rec))
+    stored = Record(DEFAULT, rec.key.encode(), encode_doc(default_doc(rec)))
+    return stored, _then(problem, lambda: check_default(rec))
 
 
-def _parse_trial(rec: bank_pb2.TrialRecord) -> Incoming:
-    problem, dev32 = _key_problem(rec.key)
+def _trial(rec: bank_pb2.TrialRecord) -> Checked:
+    problem = _key_problem(rec.key)
     if not problem and not rec.time_ns:
         problem = "no time stamp"
     if not problem:
@@ -155,18 +123,11 @@ def _parse_trial(rec: bank_pb2.TrialRecord) -> Incoming:
         except RecordError as exc:
             problem = f"trial is not JSON ({exc.reason})"
     # Stored as it came: the exporting bank wrote it as encode_doc does.
-    inc = Incoming(
-        "trial",
-        rec.key.encode(),
-        rec.trial_json.encode(),
-        dev32,
-        time_ns=rec.time_ns,
-        problem=problem,
-    )
-    return _checked(inc, lambda: check_trial(rec))
+    stored = Record(TRIAL, history_key(rec.key.encode(), rec.time_ns), rec.trial_json.encode())
+    return stored, _then(problem, lambda: check_trial(rec))
 
 
-def _parse_entry(e: bank_pb2.BankEntry, vocabulary: Vocabulary | None = None) -> Incoming:
+def _entry(e: bank_pb2.BankEntry, vocabulary: Vocabulary | None = None) -> Checked:
     key = e.key.encode()
     problem = ""
     precision = PRECISION_NAMES.get(e.strategy.precision)
@@ -184,59 +145,31 @@ def _parse_entry(e: bank_pb2.BankEntry, vocabulary: Vocabulary | None = None) ->
         problem = "device digest does not match its canonical JSON"
     elif key != bank_key(e.signature.digest, e.device.digest, precision):
         problem = "key does not match the entry's signature, device and precision"
-    if not problem:
-        try:
-            check_entry(e, vocabulary)
-        except RecordError as exc:
-            problem = str(exc)
-    try:
-        doc = json.loads(e.device.canonical_json) if not problem else {}
-        options = doc.get("options", {}) if isinstance(doc, dict) else {}
-    except ValueError:
-        options = {}
-    return Incoming(
-        kind="entry",
-        key=key,
-        data=e.SerializeToString(deterministic=True),
-        device_digest=e.device.digest,
-        time_us=e.winner.median_us,
-        execution_provider=e.device.execution_provider,
-        device_options=options,
-        hardware=e.device.hardware,
-        runtime_version=e.device.runtime_version,
-        problem=problem,
-    )
+    stored = Record(ENTRY, key, e.SerializeToString(deterministic=True))
+    return stored, _then(problem, lambda: check_entry(e, vocabulary))
 
 
-def check_stored(
-    kind: str, key: bytes, value: bytes, vocabulary: Vocabulary | None = None
-) -> Incoming:
-    """Check a record as another bank stores it (`kind` "entry", "default" or "trial";
-    a trial under its history key) with the checks of an exchange line; `problem` says
-    why it cannot be merged. `data` is `value`, kept byte for byte."""
+def check_stored(kind: str, key: bytes, value: bytes, vocabulary: Vocabulary | None = None) -> str:
+    """Why a record as another bank stores it (`kind` "entry", "default" or "trial"; a
+    trial under its history key) cannot be merged here, with the checks of an exchange
+    line; "" when it can (as it is, byte for byte)."""
     try:
-        if kind == "entry":
-            inc = _parse_entry(bank_pb2.BankEntry.FromString(value), vocabulary)
-            if not inc.problem and inc.key != key:
-                inc = dataclasses.replace(inc, problem="stored under another key than its own")
-        elif kind == "default":
+        if kind == ENTRY:
+            stored, problem = _entry(bank_pb2.BankEntry.FromString(value), vocabulary)
+            if not problem and stored.key != key:
+                problem = "stored under another key than its own"
+            return problem
+        if kind == DEFAULT:
             doc = loads(value, "default record", MAX_TRIAL_JSON)
             if not isinstance(doc, dict):
                 raise ValueError("not a JSON object")
             check_default_doc(doc)
-            inc = _parse_default(default_record(key, doc))
-        elif kind == "trial":
-            bank, _, stamp = key.decode("ascii").rpartition("/")
-            inc = _parse_trial(
-                bank_pb2.TrialRecord(key=bank, time_ns=int(stamp, 16), trial_json=value.decode())
-            )
-        else:
-            return Incoming(
-                "", key, value, "", problem=f"a kind of record this bank does not keep ({kind!r})"
-            )
+            return _default(default_record(key, doc))[1]
+        if kind == TRIAL:
+            return _trial(trial_record(key, value))[1]
     except (ValueError, TypeError, UnicodeDecodeError, DecodeError) as exc:
-        return Incoming(kind, key, value, "", problem=f"not a stored {kind} record ({exc})")
-    return dataclasses.replace(inc, data=value)
+        return f"not a stored {kind} record ({exc})"
+    return f"a kind of record this bank does not keep ({kind!r})"
 
 
 def batch_from_pb(

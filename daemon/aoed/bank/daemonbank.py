@@ -31,9 +31,9 @@ import trio
 from aoe.bank import CUSTOM, BankReader, Explanation, LayerStats
 from aoe.bankrecord import BankRecord, decode
 from aoe.errors import OptionError
+from aoe.keys import DeviceFingerprint
 from aoe.lmdbenv import lmdb_errors
 from aoe.recordcheck import Vocabulary
-from aoe.signature import DeviceFingerprint
 from aoed.bank.exchange import import_lines
 from aoed.bank.store import KINDS, BankStore, MergeCounts, PruneCounts, Record
 from aoed.bank.writer import BankMerge, BankPrune, BankWrite, BankWriter

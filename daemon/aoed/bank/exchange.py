@@ -1,4 +1,6 @@
 """Bank exchange: merge JSON Lines (as `aoe bank export` writes them) under a policy.
+The lines' format, and its converters, are the light client's `aoe.exchange`; this
+module decides what of them a bank keeps.
 
 One line per record, each an `aoe.v1.ExportEntriesResponse` (proto field names, sorted
 keys), so an export is readable, diffable and greppable, and carries everything a bank
@@ -20,7 +22,8 @@ device fingerprint and their times compare. A trial is added when the history do
 hold it yet (its key and time stamp), so importing a file twice adds nothing.
 Provenance is stored as it arrives.
 
-Import and follow keep a record by one rule (`admit`): it is kept when it is one this
+Import and follow keep a record by one rule (`aoed.bank._codec`'s checks, which give
+the record as it is stored and why it cannot be, or ""): it is kept when it is one this
 tuner writes, whatever device it was measured on. The device decides where a record is
 served, never whether it is kept: every key names its device's digest, so a lookup, a
 compile or a tune for this machine's device never meets another device's record, while
@@ -50,21 +53,11 @@ from dataclasses import dataclass, field
 
 from aoe.errors import OptionError
 from aoe.recordcheck import Vocabulary
-from aoed.bank._codec import Incoming, check_stored, default_us, parse_line, winner_us
-from aoed.bank.store import (
-    DEFAULT,
-    ENTRY,
-    KINDS,
-    TRIAL,
-    BankStore,
-    Change,
-    MergeCounts,
-    Record,
-    history_key,
-)
+from aoed.bank._codec import check_stored, default_us, parse_line, winner_us
+from aoed.bank.store import DEFAULT, ENTRY, KINDS, TRIAL, BankStore, Change, MergeCounts, Record
 from aoed.logs import cut
 
-__all__ = ["POLICIES", "ImportReport", "admit", "check_change", "follow_replace", "import_lines"]
+__all__ = ["POLICIES", "ImportReport", "check_change", "follow_replace", "import_lines"]
 
 log = logging.getLogger(__name__)
 
@@ -109,24 +102,12 @@ def _replace(policy: str) -> Callable[[Record, Record], bool]:
     raise OptionError(f"--policy {policy}: expected one of {', '.join(POLICIES)}")
 
 
-def admit(inc: Incoming) -> tuple[Record | None, str]:
-    """(the record to merge, "") for a checked record from outside (`_codec`'s parse of
-    an import line, or its check of a change a followed peer sent), or (None, why not):
-    the one rule of import and follow (module doc). Only a record this tuner could not
-    have written is refused; the device it was measured on is in its key, and decides
-    only which devices it is served to."""
-    if inc.problem:
-        return None, inc.problem
-    key = history_key(inc.key, inc.time_ns) if inc.kind == TRIAL else inc.key
-    return Record(inc.kind, key, inc.data), ""
-
-
-def _label(inc: Incoming, n: int) -> str:
-    if not inc.key:
+def _label(rec: Record, n: int) -> str:
+    if not rec.key:
         return f"line {n}"
-    if inc.kind == TRIAL:
-        return f"trial {history_key(inc.key, inc.time_ns).decode()}"
-    return f"default record {inc.key.decode()}" if inc.kind == DEFAULT else inc.key.decode()
+    if rec.kind == TRIAL:
+        return f"trial {rec.key.decode()}"
+    return f"default record {rec.key.decode()}" if rec.kind == DEFAULT else rec.key.decode()
 
 
 def import_lines(
@@ -140,7 +121,7 @@ def import_lines(
     Blank lines are skipped; a line that is not a record the tuner of `vocabulary`
     writes (aoe.recordcheck; without one, strategy names are checked for their shape
     and no GDAT knob is taken) is refused, reported and logged; every other record is
-    kept (`admit`), whatever device it was measured on.
+    kept, whatever device it was measured on.
     Raises OptionError for an unknown policy, BankError when the store fails.
     """
     replace = _replace(policy)
@@ -152,12 +133,11 @@ def import_lines(
         for n, line in enumerate(lines, 1):
             if not line.strip():
                 continue
-            inc = parse_line(line, vocabulary)
-            rec, why = admit(inc)
-            if rec is None:
-                _log_invalid("import", _label(inc, n), why, invalid)
+            rec, why = parse_line(line, vocabulary)
+            if why:
+                _log_invalid("import", _label(rec, n), why, invalid)
                 invalid += 1
-                report.refused.append((_label(inc, n), why))
+                report.refused.append((_label(rec, n), why))
             else:
                 yield rec
 
@@ -189,8 +169,7 @@ def follow_replace(old: Record, new: Record) -> bool:
 
 def check_change(change: Change, vocabulary: Vocabulary | None = None) -> tuple[Record | None, str]:
     """(the record to merge, "") for a change a followed peer sent, or (None, why it is
-    not a record the tuner of `vocabulary` writes): `admit`, as import applies it."""
-    inc = check_stored(change.kind, change.key, change.value, vocabulary)
-    rec, why = admit(inc)
+    not a record the tuner of `vocabulary` writes): the rule import applies."""
+    why = check_stored(change.kind, change.key, change.value, vocabulary)
     # The change's own bytes under its own key: what the peer holds is what is kept.
-    return (None, why) if rec is None else (Record(change.kind, change.key, change.value), "")
+    return (None, why) if why else (Record(change.kind, change.key, change.value), "")

@@ -30,7 +30,7 @@ Invariants:
   cancelling the follower cancels the call, which ends that thread's read.
 - A peer's records are untrusted: each is checked as an import checks it, field by field
   against what this tuner writes (`vocabulary`, aoe.recordcheck), and kept by import's
-  rule (`exchange.admit`): one that is not a record this tuner writes is refused,
+  rule (`exchange.check_change`): one that is not a record this tuner writes is refused,
   counted (`refused`) and logged once with its key and the field at fault; every other
   is kept, whatever device it was measured on. Its key names that device, so it is
   served to daemons and clients on that device (this bank's followers among them) and

@@ -31,7 +31,7 @@ ends the echo. A bank from before the log gets its numbers on first open, in key
 A new kind of record needs its named database in `self._dbs`, its merge rule here
 (`_EXCLUSIVE` with its pair, else added when absent), and its check in
 `_codec.check_stored`; the log, FollowBank and the followers carry it as they are.
-Keys sort by signature digest first (see `aoe.signature.bank_key`), so every device and
+Keys sort by signature digest first (see `aoe.keys.bank_key`), so every device and
 precision known for a task is one range scan away; no secondary index is needed.
 
 One writer per bank, across processes: a store holds the bank's writer lock
@@ -79,10 +79,9 @@ import lmdb
 
 from aoe.bank import CUSTOM, MAX_DBS, LayerStats, default_bank_path, parse_schema, used_bytes
 from aoe.errors import BankError
+from aoe.keys import SCHEMA_VERSION, history_key
 from aoe.lmdbcheck import cover_last_page, damaged, find_damage
 from aoe.lmdbenv import MAP_SIZES, TxnGate, bank_error, lmdb_errors, reserve_lock_file
-from aoe.signature import SCHEMA_VERSION
-from aoed.bank._codec import encode_doc
 from aoed.bank.lock import WriterLock
 
 __all__ = [
@@ -117,15 +116,19 @@ _U64 = struct.Struct(">Q")
 _MIGRATIONS: dict[int, Callable[[lmdb.Transaction[bytes], dict[str, Any]], None]] = {}
 
 
-def history_key(key: bytes, time_ns: int) -> bytes:
-    """The history key of a trial of `key` recorded at `time_ns`."""
-    return key + b"/" + f"{time_ns:016x}".encode()
+def encode_doc(doc: dict[str, Any]) -> bytes:
+    """The stored form of a default record or a trial: JSON with sorted keys, so that
+    equal documents store equal bytes."""
+    return json.dumps(doc, sort_keys=True).encode()
 
 
 @dataclass(frozen=True)
 class Record:
     """One stored record of some kind: an entry (a serialized aoe.v1.BankEntry) or a
-    default record (JSON) under its bank key, or a trial (JSON) under its history key."""
+    default record (JSON) under its bank key, or a trial (JSON) under its history key
+    (`aoe.keys.history_key`). What the store merges, whether it was written here, read
+    from an exchange line or sent by a followed peer (`aoed.bank._codec` checks the last
+    two); the shapes of a bank record are told in `aoe.bankrecord`."""
 
     kind: str
     key: bytes

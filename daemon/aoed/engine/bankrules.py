@@ -29,9 +29,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from aoe.bankrecord import BankRecord, Measured
+from aoe.keys import DeviceFingerprint, TaskSignature, bank_key
 from aoe.partition import Task
 from aoe.recordcheck import RecordError, Vocabulary, check_default_doc, check_record
-from aoe.signature import DeviceFingerprint, TaskSignature, bank_key
 from aoed import __version__
 from aoed.engine.decisions import clearly_faster
 from aoed.engine.messages import Measurement

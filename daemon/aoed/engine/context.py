@@ -22,8 +22,8 @@ import trio
 
 from aoe.config import Config
 from aoe.errors import AoedError, BankWriteError
+from aoe.keys import DeviceFingerprint, TaskSignature
 from aoe.sessionopts import trt_files
-from aoe.signature import DeviceFingerprint, TaskSignature
 from aoe.spec import JobSpec, Stage
 from aoed.bank.writer import BankWrite, BankWriter
 from aoed.engine import bankrules
