@@ -264,7 +264,7 @@ def test_the_daemon_s_job_status_list_and_events_agree(
 
 @pytest.mark.parametrize("case", ["shipped", "within_noise"])
 def test_the_drop_folder_report_agrees(case: str, request: pytest.FixtureRequest) -> None:
-    from aoed.watch import _report_text
+    from aoed.watch.report import report_text
 
     row = JobRow(
         id="job-1",
@@ -277,7 +277,7 @@ def test_the_drop_folder_report_agrees(case: str, request: pytest.FixtureRequest
         output_dir="/o",
         outcome=request.getfixturevalue(case).outcome,
     )
-    text = _report_text("model.onnx", row, ["model_tuned.onnx"], [])
+    text = report_text("model.onnx", row, ["model_tuned.onnx"], [])
     if case == "shipped":
         _check_shipped(text, digits=3)
     else:

@@ -33,7 +33,8 @@ from aoed.config import DaemonConfig, Inbox, load_daemon_config
 from aoed.jobs.manager import JobManager, Submission
 from aoed.jobs.states import JobState
 from aoed.jobs.store import JobRow, JobStore
-from aoed.watch import CLAIM_TRIES, Watcher
+from aoed.watch import Watcher
+from aoed.watch.watcher import CLAIM_TRIES
 from tests.helpers import wait_until
 
 MODEL = b"\x08\x07" + bytes(range(256)) * 40  # content only: the watcher never parses models
@@ -462,7 +463,8 @@ async def test_a_full_queue_keeps_the_file_claimed_until_it_is_accepted(tmp_path
     store = _store(tmp_path)
     jobs = Jobs(store)
     jobs.refuse = [ResourceExhaustedError("64 jobs are queued") for _ in range(2)]
-    async with _watching(cfg, jobs, retry_s=0.1):
+    async with _watching(cfg, jobs) as watcher:
+        watcher.claims.retry_s = 0.1
         (cfg.inboxes[0].path / "q.onnx").write_bytes(MODEL)
         await wait_until(lambda: len(jobs.submitted) == 1, 5.0, "len(jobs.submitted) == 1")
     assert jobs.attempts == 3 and jobs.names() == ["q.onnx"]
@@ -759,7 +761,7 @@ def test_a_failure_that_cannot_write_its_reason_moves_nothing(tmp_path: Path) ->
     delivered whole later), never in failed/ without its reason."""
     import subprocess
 
-    from aoed.watch import _write_failure
+    from aoed.watch.delivery import write_failure
 
     fs = tmp_path / "fs"
     fs.mkdir()
@@ -780,10 +782,10 @@ def test_a_failure_that_cannot_write_its_reason_moves_nothing(tmp_path: Path) ->
         model.write_bytes(MODEL)
         (fs / "filler").write_bytes(b"")
         with pytest.raises(OSError) as err:
-            _write_failure(failed, model, "m.onnx", "model: m.onnx\nerror: broken\n")
+            write_failure(failed, model, "m.onnx", "model: m.onnx\nerror: broken\n")
         assert err.value.errno == 28 and model.read_bytes() == MODEL and not any(failed.iterdir())
         (fs / "filler").unlink()
-        _write_failure(failed, model, "m.onnx", "model: m.onnx\nerror: broken\n")
+        write_failure(failed, model, "m.onnx", "model: m.onnx\nerror: broken\n")
         assert not model.exists() and (failed / "m.onnx").read_bytes() == MODEL
         assert (failed / "m.onnx.error.txt").read_text().endswith("error: broken\n")
     finally:

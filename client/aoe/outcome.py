@@ -3,7 +3,7 @@
 The engine builds it once, when a job ends; every surface reads it: the CLI's summary
 (`summary_lines`, for `aoe tune` embedded and on a daemon alike), the daemon's job store
 (`to_dict`/`from_dict`), the API's JobResult message (aoe.wire), the drop folder's
-report (aoed.watch) and the result JSON (aoed.engine.outputs). Its whole-model figures
+report (aoed.watch.report) and the result JSON (aoed.engine.outputs). Its whole-model figures
 are `aoe.figures.Figures`, under the one rule that module states.
 
 Two counts every surface takes from here, never forms on its own:
