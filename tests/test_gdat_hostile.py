@@ -49,16 +49,18 @@ def test_hostile_programs_dropped_in_a_gdat_inbox_go_to_failed_naming_the_member
             (d.inbox / f"{name}.pt2").write_bytes(evil.read_bytes())
         failed = d.inbox.parent / "failed"
         for name in _RUNS_CODE:
+            # The reason is written first, then the program moved beside it: wait for both.
             report = wait_for(
-                lambda n=name: next(failed.glob(f"{n}.pt2.error.txt"), None),
+                lambda n=name: (
+                    (failed / f"{n}.pt2").exists() and next(failed.glob(f"{n}.pt2.error.txt"), None)
+                ),
                 120,
-                f"{name}.pt2 in failed/:\n{d.log()[-3000:]}",
+                f"{name}.pt2 and its reason in failed/:\n{d.log()[-3000:]}",
             )
             text = report.read_text()
             kind = KINDS[name]
             assert f"{root_of(base)}/{kind.member}" in text and kind.why in text, text
             assert "refused before loading" in text, text
-            assert (failed / f"{name}.pt2").exists()
         assert not marker.exists()
         assert d.serving()
     finally:
