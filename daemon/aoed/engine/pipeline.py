@@ -38,7 +38,7 @@ from typing import Any
 import trio
 
 from aoe.bankrecord import BankRecord
-from aoe.outcome import BudgetReport, JobOutcome, bank_tally
+from aoe.outcome import JobOutcome, bank_tally
 from aoe.partition import Task
 from aoe.spec import Stage
 from aoed import safefs
@@ -578,7 +578,7 @@ async def outputs(
         tasks=tuple(r.outcome() for r in sorted(results.values(), key=lambda r: -r.share)),
         bank=bank_tally(r.update_mode for r in results.values()),
         resources={k: v for k, v in resources.items() if isinstance(v, int | float)},
-        budget=BudgetReport.from_dict(found.budget.report()),
+        budget=found.budget.report(),
         session_options=confirmed.options,
         accuracy=accuracy,
         accuracy_budget={
