@@ -30,7 +30,8 @@ from aoe.figures import Figures
 from aoe.outcome import JobOutcome
 from aoe.spec import JobSpec
 from aoed.config import DaemonConfig, Inbox, load_daemon_config
-from aoed.jobs.manager import JobManager, Submission
+from aoed.jobs.admission import Submission
+from aoed.jobs.manager import JobManager
 from aoed.jobs.states import JobState
 from aoed.jobs.store import JobRow, JobStore
 from aoed.watch import Watcher

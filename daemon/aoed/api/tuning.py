@@ -34,7 +34,9 @@ from aoed import safefs, space
 from aoed.api._bridge import Bridge, status_of
 from aoed.config import DaemonConfig
 from aoed.jobs import store as st
-from aoed.jobs.manager import JobManager, Submission, shown_path
+from aoed.jobs.admission import Submission
+from aoed.jobs.inputs import shown_path
+from aoed.jobs.manager import JobManager
 from aoed.jobs.store import EventRow, JobRow, Upload
 from aoed.logs import cut
 

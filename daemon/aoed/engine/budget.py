@@ -47,6 +47,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from aoe.outcome import BudgetReport, StageTime
+from aoe.spec import Stage
 from aoed.engine.ledger import JobLedger
 
 __all__ = [
@@ -206,45 +208,47 @@ class Budget:
             out[name] = max(0.0, min(share, self.total_s - sum(out.values())))
         return out
 
-    def report(self) -> dict[str, Any]:
-        """The result's `budget` section: the device seconds the budget counts (`spent_s`,
-        by category), then every stage in the order run with the device seconds it was
-        given (`given`; 0 for what the budget does not cover), the wall-clock seconds it
-        took, the device seconds spent while it ran and beyond what it was given, and the
-        estimate made before it started where there was one; `elapsed_s` is the stages'
-        total and `over_s` the device seconds spent beyond the budget (aoe.outcome's
-        BudgetReport derives the wall time outside it from the stages)."""
+    def report(self) -> BudgetReport:
+        """The result's `budget` section (aoe.outcome.BudgetReport): the device seconds
+        the budget counts (`spent_s`, by category), then every stage in the order run
+        with the device seconds it was given (`given_s`; 0 for what the budget does not
+        cover), the wall-clock seconds it took, the device seconds spent while it ran and
+        beyond what it was given, and the estimate made before it started where there was
+        one; `elapsed_s` is the stages' total and `over_s` the device seconds spent beyond
+        the budget (BudgetReport derives the wall time outside it from the stages)."""
         by, led = self.ledger.device_by, self.ledger
         given_by = self.given_by_stage()
-        stages: dict[str, dict[str, Any]] = {}
+        stages: dict[Stage, StageTime] = {}
         for name, wall in led.stage_s.items():
             given = given_by.get(name, 0.0)
             counted = name in COUNTED
-            entry: dict[str, Any] = {
-                "given_s": round(given, 3),
-                "spent_s": round(wall, 3),
-                "over_s": round(max(0.0, by.get(name, 0.0) - given), 3) if counted else 0.0,
-                "counted": counted,
-            }
-            if name in led.stage_device_s:
-                entry["device_s"] = round(led.stage_device_s[name], 3)
-            if name in led.estimates:
-                entry["estimate_s"] = round(led.estimates[name], 3)
-            stages[name] = entry
+            stages[Stage(name)] = StageTime(
+                given_s=round(given, 3),
+                spent_s=round(wall, 3),
+                over_s=round(max(0.0, by.get(name, 0.0) - given), 3) if counted else 0.0,
+                counted=counted,
+                device_s=round(led.stage_device_s[name], 3) if name in led.stage_device_s else None,
+                estimate_s=round(led.estimates[name], 3) if name in led.estimates else None,
+            )
         elapsed = sum(led.stage_s.values())
-        return {
-            "budget_s": round(self.total_s, 3),
-            "given": self.given,
-            "spent_s": round(self.spent_s, 3),
-            "search_s": round(by.get("search", 0.0), 3),
-            "session_s": round(by.get("session", 0.0), 3),
-            "verify_s": round(by.get("verify", 0.0), 3),
-            "profile_s": round(by.get("profile", 0.0), 3),
-            "confirm_s": round(by.get("confirm", 0.0), 3),
-            "load_s_per_mib": None
-            if self.load_s_per_mib is None
-            else round(self.load_s_per_mib, 5),
-            "elapsed_s": round(elapsed, 3),
-            "over_s": round(max(0.0, self.spent_s - self.total_s), 3),
-            "stages": stages,
-        }
+        return BudgetReport(
+            budget_s=round(self.total_s, 3),
+            given=self.given,
+            spent_s=round(self.spent_s, 3),
+            search_s=round(by.get("search", 0.0), 3),
+            session_s=round(by.get("session", 0.0), 3),
+            verify_s=round(by.get("verify", 0.0), 3),
+            profile_s=round(by.get("profile", 0.0), 3),
+            confirm_s=round(by.get("confirm", 0.0), 3),
+            load_s_per_mib=None if self.load_s_per_mib is None else round(self.load_s_per_mib, 5),
+            elapsed_s=round(elapsed, 3),
+            over_s=round(max(0.0, self.spent_s - self.total_s), 3),
+            stages=stages,
+        )
+
+    def report_doc(self) -> dict[str, Any]:
+        """`report` as a GDAT result keeps it (its `budget`, stored and written as is):
+        the section without `outside_s`, which BudgetReport derives when it is read."""
+        doc = self.report().to_dict()
+        del doc["outside_s"]
+        return doc

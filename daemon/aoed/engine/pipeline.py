@@ -5,14 +5,16 @@ returns what it found (a frozen dataclass), so a stage reads only what came befo
 
     prepare         model, samples, calibration (workers); the context's prepared part
     bank_lookups    an interrupted run's decisions (resume.py), bank entries re-checked
-                    on this model (lossy hits re-gated)                      -> Known
+                    on this model (lossy hits re-gated: lossygate.py)        -> Known
     search          profile (device), budget, task models (worker), one task agent
-                    per task the bank did not answer (pool + device)         -> Searched
+                    per task the bank did not answer (pool + device: search.py)
+                                                                             -> Searched
     assemble        the model with every choice; lossy: held to the accuracy budget,
                     then the lossy choices' bank writes                      -> Assembled
     session_options model-wide session options (device)                      -> SessionChoice
     verify_stage    end to end against the input, or the bank's confirmation -> Proposal
-    confirm_stage   the confirming A/B (device): what ships                  -> Confirmed
+    confirm_stage   the confirming A/B (device: confirmstage.py, confirm.py):
+                    what ships                                               -> Confirmed
     remember        the model-level record (bank)
     outputs         the tuned model and the result JSON                      -> JobOutcome
 
@@ -36,37 +38,25 @@ from typing import Any
 import trio
 
 from aoe.bankrecord import BankRecord
-from aoe.errors import AoedError, DeviceError
-from aoe.figures import Comparison, Figures, interval, pct
-from aoe.outcome import BudgetReport, JobOutcome, bank_tally
+from aoe.outcome import JobOutcome, bank_tally
 from aoe.partition import Task
 from aoe.spec import Stage
 from aoed import safefs
-from aoed.engine import bankrules, confirm, incontext, resume, stats
+from aoed.engine import bankrules, confirm, resume
 from aoed.engine.assemble import tuned_metadata
-from aoed.engine.budget import (
-    PREPARE_S_PER_MIB,
-    Budget,
-    default_budget,
-    measure_estimate,
-    model_mib,
-)
+from aoed.engine.budget import PREPARE_S_PER_MIB, Budget
+from aoed.engine.confirmstage import confirm_proposal
 from aoed.engine.context import JobContext
+from aoed.engine.estimates import say_estimate
 from aoed.engine.job import TaskResult
+from aoed.engine.lossygate import gate_lossy_hits
 from aoed.engine.messages import (
     Build,
     CalibrateRequest,
-    Candidate,
     CheckReply,
     CheckRequest,
-    CompileReply,
-    CompileRequest,
-    ExtractRequest,
-    MeasurePlan,
     PrepareReply,
     PrepareRequest,
-    ProfileReply,
-    ProfileRequest,
     SamplesReply,
     SamplesRequest,
 )
@@ -74,6 +64,7 @@ from aoed.engine.outputs import ResultDetails, result_json, write_json
 from aoed.engine.pool import model_step
 from aoed.engine.prep import Limits
 from aoed.engine.registry import DEFAULT
+from aoed.engine.search import search_tasks
 from aoed.engine.session import (
     SessionChoice,
     busy_cores,
@@ -81,7 +72,7 @@ from aoed.engine.session import (
     remember_context,
     search_session,
 )
-from aoed.engine.taskagent import TaskAgent, TaskDecision
+from aoed.engine.taskagent import TaskDecision
 from aoed.engine.verify import REVERTED, Verified, hold_to_budget, verify
 
 __all__ = ["run_stages"]
@@ -124,7 +115,7 @@ async def prepare(ctx: JobContext) -> Prepared:
     with contextlib.suppress(OSError):
         # limits grow with the model; of an unreadable one, prep says why
         ctx.ledger.scale_to_model((await trio.to_thread.run_sync(run.model.stat)).st_size)
-    _say_estimate(
+    say_estimate(
         ctx,
         "prepare",
         ctx.ledger.model_mb * PREPARE_S_PER_MIB,
@@ -228,7 +219,7 @@ async def bank_lookups(ctx: JobContext, model: Prepared) -> Known:
             ctx.notes.append(f"bank entry for {tid} ignored: {why}")
             answers[tid] = bankrules.BankAnswer("miss")
         if ctx.policy.lossy and not opts.repeat_tune:
-            await _gate_lossy_hits(ctx, [t for t in tasks if t.id in answers], answers)
+            await gate_lossy_hits(ctx, [t for t in tasks if t.id in answers], answers)
     to_tune: list[Task] = []
     for t in tasks:
         if t.id in restored:
@@ -284,8 +275,8 @@ class Searched:
 
 async def search(ctx: JobContext, model: Prepared, known: Known) -> Searched:
     """Profile, set the budget, and run one task agent per task the bank did not answer
-    (`_search`); collect their decisions with the bank's and the restored ones."""
-    budget, agents = await _search(ctx, model.tasks, known.to_tune, known.results, known.hits)
+    (search.py); collect their decisions with the bank's and the restored ones."""
+    budget, agents = await search_tasks(ctx, model.tasks, known.to_tune, known.results, known.hits)
     decided = [*known.restored.values(), *agents]
     chosen, lossy_cost = dict(known.chosen), dict(known.lossy_cost)
     fallback: dict[str, str] = {}
@@ -437,7 +428,7 @@ class Confirmed:
 
 
 async def confirm_stage(ctx: JobContext, proposal: Proposal, budget: Budget) -> Confirmed:
-    """The confirming A/B of the proposal (`_confirm`): what ships."""
+    """The confirming A/B of the proposal (confirmstage.py): what ships."""
     v, cached = proposal.verified, proposal.cached
     ctx.ledger.enter("confirm")
     await ctx.stage(
@@ -458,7 +449,7 @@ async def confirm_stage(ctx: JobContext, proposal: Proposal, budget: Budget) -> 
             ctx.notes.append(
                 f"{busy} (intra_op_num_threads={dropped} dropped before the confirming A/B)"
             )
-    conf, ship, evidence = await _confirm(ctx, v, cached, budget)
+    conf, ship, evidence = await confirm_proposal(ctx, v, cached, budget)
     ctx.notes.extend(conf.notes)
     return Confirmed(
         v,
@@ -587,7 +578,7 @@ async def outputs(
         tasks=tuple(r.outcome() for r in sorted(results.values(), key=lambda r: -r.share)),
         bank=bank_tally(r.update_mode for r in results.values()),
         resources={k: v for k, v in resources.items() if isinstance(v, int | float)},
-        budget=BudgetReport.from_dict(found.budget.report()),
+        budget=found.budget.report(),
         session_options=confirmed.options,
         accuracy=accuracy,
         accuracy_budget={
@@ -622,77 +613,6 @@ async def _work(ctx: JobContext, request, what: str):
     return await model_step(ctx.pool, request, ctx.ledger, ctx.run.model, what)
 
 
-async def _gate_lossy_hits(
-    ctx: JobContext, tasks: list[Task], answers: dict[str, bankrules.BankAnswer]
-) -> None:
-    """A lossy bank entry was judged on another model's weights: check it on this one's
-    (its task's real activations, this model's weights) before it is applied; one that
-    fails the task's accuracy gate is tuned again, as a miss."""
-    assert ctx.prep is not None
-    lossy = {
-        t.id: a.record
-        for t in tasks
-        if (a := answers[t.id]).kind == "hit"
-        and a.record is not None
-        and ctx.registry.get(t.family, a.record.strategy).precision != "exact"
-    }
-    if not lossy:
-        return
-    by_id = {t.id: t for t in tasks}
-    root = ctx.workspace.scratch / "gate"
-    await _work(
-        ctx,
-        ExtractRequest(ctx.prep.prepared, tuple(by_id[t] for t in lossy), ctx.held_back[0], root),
-        "extracting tasks",
-    )
-    for tid, rec in lossy.items():
-        d = root / tid
-        cands = [Candidate(DEFAULT, d / "default.onnx")]
-        for name in (DEFAULT, rec.strategy):
-            req = CompileRequest(
-                d / "task.onnx",
-                by_id[tid].family,
-                name,
-                f"aoe/{tid}",
-                d / f"{name}.onnx",
-                ctx.ranges,
-            )
-            try:
-                reply: CompileReply = await ctx.pool.call(req, ctx.ledger)
-            except AoedError:  # as in the search: a failed build is the candidate's
-                break
-            if not reply.applicable:
-                break
-        else:
-            cands.append(Candidate(rec.strategy, d / f"{rec.strategy}.onnx"))
-        why = "its strategy no longer builds here"
-        if len(cands) == 2:
-            try:
-                m = await ctx.measure(
-                    cands,
-                    DEFAULT,
-                    0.05,
-                    d / "inputs.npz",
-                    MeasurePlan(0.05, 1, 1, 1),
-                    category="verify",
-                )
-            except DeviceError as exc:
-                m, why = {}, f"its accuracy could not be measured ({exc})"
-            got = m.get(rec.strategy)
-            if got is not None and got.ok and ctx.policy.task_ok(got.accuracy()):
-                continue
-            if got is not None and got.ok:
-                # as in the search: the model may absorb what the task alone does not
-                ok, detail = incontext.verdict(
-                    ctx, await incontext.model_accuracy(ctx, by_id[tid], rec.strategy)
-                )
-                if ok:
-                    continue
-                why = f"on this model's weights it was {detail}"
-        ctx.notes.append(f"bank entry {rec.strategy} for {tid} not applied: {why}; tuned again")
-        answers[tid] = bankrules.BankAnswer("miss")
-
-
 def _device_info(ctx: JobContext) -> dict[str, Any]:
     """What the job measured on, for the result: the device and its provider, the
     providers the runner's onnxruntime offers, the hardware (a GPU's facts) and the
@@ -709,50 +629,6 @@ def _device_info(ctx: JobContext) -> dict[str, Any]:
         "versions": runtime_versions(),
         "fingerprint": fp.digest,
     }
-
-
-def _estimate(
-    ctx: JobContext,
-    stage: str,
-    budget: Budget,
-    sessions: int,
-    rounds: int,
-    cap_s: float,
-    what: str,
-    deployed: bool = False,
-) -> None:
-    """Say before `stage` starts what it should take (a stage the budget does not bound,
-    whose cost grows with the model): logged, sent as a job event and kept for the
-    result's budget section. Nothing without a profiled loading rate."""
-    if budget.load_s_per_mib is None or ctx.prep is None:
-        return
-    mib = model_mib([ctx.prep.prepared])
-    est = measure_estimate(
-        sessions, mib, budget.load_s_per_mib, ctx.model_us, rounds, cap_s, deployed
-    )
-    _say_estimate(
-        ctx,
-        stage,
-        est,
-        f"{what}: about {{:.1f}} s, outside the budget ({sessions} sessions of a {mib:.0f} "
-        f"MiB model at {budget.load_s_per_mib * 1000:.1f} ms per MiB to load, {rounds} rounds at "
-        f"{ctx.model_us / 1000:.2f} ms per run)",
-    )
-
-
-#: Estimates shorter than this are not worth a line: the stages of a small model.
-_ESTIMATE_FLOOR_S = 0.5
-
-
-def _say_estimate(ctx: JobContext, stage: str, seconds: float, message: str) -> None:
-    """Record `seconds` as `stage`'s estimate and say so (`message` formats it): in the
-    job's log and as an event, before the stage starts (from `_ESTIMATE_FLOOR_S` up)."""
-    if seconds < _ESTIMATE_FLOOR_S:
-        return
-    ctx.ledger.estimates[stage] = seconds
-    text = message.format(seconds)
-    log.info("%s", text)
-    ctx.emit("log", text)
 
 
 async def _restore(ctx: JobContext, tasks: list[Task]) -> dict[str, TaskDecision]:
@@ -805,125 +681,6 @@ def _decision(v: Verified) -> dict[str, Any]:
     return out
 
 
-async def _confirm(
-    ctx: JobContext, v: Verified, cached: dict[str, Any] | None, budget: Budget
-) -> tuple[confirm.Confirmation, Path, tuple | None]:
-    """Write the proposal's files, run the confirming A/B (or take the bank's, checking
-    session options with one short A/B), and return the confirmation, the file to ship
-    and the evidence for the session options (with, without)."""
-    assert ctx.prep is not None
-    scratch = ctx.workspace.scratch
-    digest = ctx.fingerprint.digest
-    kind = {"tuned": "tuned", "options only": "options only", "reverted to input": "input"}[
-        v.outcome
-    ]
-    source = ctx.run.model if v.source == "input" else ctx.prep.prepared
-
-    def meta(options: dict[str, Any]) -> dict[str, str]:
-        return tuned_metadata(options, ctx.spec.precision, digest, ctx.device.device)
-
-    builds = [Build(scratch / "input_copy.onnx", {}, meta({}))]
-    if kind != "input":
-        builds.append(Build(scratch / "proposal.onnx", dict(v.choices), meta(v.options)))
-        if v.options:
-            builds.append(Build(scratch / "plain.onnx", dict(v.choices), meta({})))
-    await ctx.assemble([b for b in builds if b.out.name == "input_copy.onnx"], source=ctx.run.model)
-    if kind != "input":
-        await ctx.assemble([b for b in builds if b.out.name != "input_copy.onnx"], source=source)
-    proposal = confirm.Proposal(
-        kind,
-        scratch / "proposal.onnx",
-        v.options,
-        scratch / "plain.onnx" if v.options else None,
-        scratch / "input_copy.onnx",
-    )
-    seconds = 30.0
-    if cached is None:
-        sessions = 2 + (kind != "input") + (kind != "input" and bool(v.options))
-        _estimate(
-            ctx,
-            "confirm",
-            budget,
-            sessions,
-            confirm.ROUNDS,
-            seconds,
-            "the confirming A/B, a process per model",
-            deployed=True,
-        )
-        try:
-            conf, ship, measured = await confirm.confirm(ctx, proposal, seconds)
-        except DeviceError as exc:
-            conf = confirm.Confirmation(
-                Figures.unchanged("no significant change", 0.0, 0),
-                notes=[f"the confirming A/B failed ({exc}); the input model ships"],
-            )
-            return conf, proposal.input_copy, None
-        evidence = (
-            (measured["proposal"], measured["plain"])
-            if conf.options_kept and "plain" in measured
-            else None
-        )
-        return conf, ship, evidence
-    # From the bank: the figures of the job that confirmed these very choices (read by the
-    # rule of aoe.figures, whenever they were stored).
-    figures = dataclasses.replace(
-        Figures.from_dict(cached), confirmed_by=str(cached.get("job", ""))
-    )
-    conf = confirm.Confirmation(figures, options_kept=bool(cached.get("options_kept")))
-    ship = proposal.model if conf.shipped != "input" else proposal.input_copy
-    if conf.shipped != "input" and v.options and conf.options_kept:
-        # Options won on a machine that may have been busier: one short A/B here.
-        try:
-            m = await ctx.measure(
-                [
-                    Candidate("with", proposal.model, v.options),
-                    Candidate("without", proposal.plain),
-                ],
-                "without",
-                5.0,
-                plan=MeasurePlan.fixed(9, 5.0, deployed=True),
-                category="confirm",
-            )
-            verdict, med, ci = confirm.verdict_of(
-                stats.paired_ratios(m["with"].rounds_us, m["without"].rounds_us)
-            )
-            recheck: Comparison | None = Comparison.of_ratio(
-                "options only", "without options", med, ci
-            )
-        except DeviceError as exc:
-            verdict, recheck = f"not measured ({exc})", None
-        if verdict != "faster":
-            conf.options_kept = False
-            conf.notes.append(
-                f"session options {v.options} from the bank dropped: re-checked here, "
-                + (
-                    f"{pct(recheck.improvement)} with 95% interval {interval(recheck.ci95)} against the "
-                    "same model without them"
-                    if recheck
-                    else verdict
-                )
-            )
-            ship = proposal.plain if conf.shipped == "tuned" else proposal.input_copy
-            if conf.shipped == "options only":
-                # Nothing of the proposal ships: its figures move to `proposal`, as a fresh
-                # confirmation reports a proposal that did not ship.
-                f = conf.figures
-                conf.proposal = {
-                    "kind": "options only",
-                    "result_ms": f.result_ms,
-                    "improvement": f.improvement,
-                    "improvement_ci95": list(f.ci95),
-                }
-                conf.figures = Figures.unchanged(
-                    "slower" if verdict == "slower" else "no significant change",
-                    f.baseline_ms,
-                    f.rounds,
-                    recheck,
-                    f.confirmed_by,
-                )
-    return conf, ship, None
-
-
 async def _ship(
     ctx: JobContext, ship: Path, out: Path, choices: dict[str, str], options: dict[str, Any]
 ) -> None:
@@ -936,136 +693,6 @@ async def _ship(
     meta = tuned_metadata(options, ctx.spec.precision, ctx.fingerprint.digest, ctx.device.device)
     source = ctx.run.model if not choices and ship.name == "input_copy.onnx" else ctx.prep.prepared
     await ctx.assemble([Build(out, dict(choices), meta)], source=source)
-
-
-async def _search(
-    ctx: JobContext,
-    tasks: list[Task],
-    to_tune: list[Task],
-    results: dict[str, TaskResult],
-    hits: dict[str, BankRecord],
-) -> tuple[Budget, list[TaskDecision]]:
-    """Profile the model, set the budget, extract the tasks to tune and run one agent per
-    task within its slice of the budget, most expensive first; returns the budget and
-    the agents' decisions in the order they came."""
-    total = len(tasks)  # every row of the job's table (aoe.outcome): decided ones are done
-    ctx.emit("progress", "tasks", total - len(to_tune), total)
-    opts = ctx.spec
-    if not to_tune:
-        return Budget(opts.budget_s or 5.0, ctx.ledger, opts.budget_s is not None), []
-    assert ctx.prep is not None
-    prep = ctx.prep
-    ctx.ledger.enter("profile")
-    # Profiling loads the whole model while a worker writes its tasks out: about what
-    # preparing it costs (0.6-0.9 of it on MLPs of 48 and 192 MiB).
-    _say_estimate(
-        ctx,
-        "profile",
-        ctx.ledger.model_mb * PREPARE_S_PER_MIB,
-        "profiling and extracting tasks: about {:.1f} s, outside the budget (as long as preparing "
-        "the model should take)",
-    )
-    await ctx.stage(Stage.PROFILE, f"profiling baseline, extracting {len(to_tune)} tasks")
-    share: dict[str, float] = {}
-    task_us: dict[str, float] = {}
-    model_us = 0.0
-    load_rate: float | None = None  # seconds per MiB to load a session, as profiled
-
-    async def profile() -> None:
-        nonlocal model_us, load_rate
-        try:
-            prof: ProfileReply = await ctx.device.call(
-                ProfileRequest(
-                    prep.prepared, ctx.held_back[0], ctx.workspace.scratch, ctx.device.device
-                ),
-                ctx.ledger,
-                category="profile",
-            )
-        except DeviceError as exc:  # unranked, the tasks still get tuned
-            ctx.notes.append(
-                f"profiling failed ({exc}); tasks tuned in graph order with equal shares"
-            )
-            share.update({t.id: 1.0 / len(tasks) for t in tasks})
-            return
-        model_us = prof.total_us
-        mib = model_mib([prep.prepared])
-        if prof.load_s > 0 and mib > 0:
-            load_rate = prof.load_s / mib
-        node_sum = sum(prof.nodes.values()) or 1.0
-        for t in tasks:
-            us = sum(prof.nodes.get(n, 0.0) for tt in (t, *t.twins) for n in tt.node_names)
-            share[t.id], task_us[t.id] = us / node_sum, us / max(1, t.instances)
-            results[t.id].share = share[t.id]
-
-    # The device profiles while a worker writes the task models: neither waits for the other.
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(profile)
-        nursery.start_soon(
-            _work,
-            ctx,
-            ExtractRequest(
-                prep.prepared, tuple(to_tune), ctx.held_back[0], ctx.workspace.scratch / "tasks"
-            ),
-            "extracting tasks",
-        )
-    if opts.budget_s is not None:
-        budget = Budget(opts.budget_s, ctx.ledger, True, load_rate)
-    else:
-        counts = {
-            t.id: sum(
-                1
-                for _ in ctx.registry.strategies_for(
-                    t.family, opts.precision, ctx.device.device.kind
-                )
-            )
-            for t in to_tune
-        }
-        budget = Budget(
-            default_budget({t.id: task_us.get(t.id, 100.0) for t in to_tune}, counts, model_us),
-            ctx.ledger,
-            False,
-            load_rate,
-        )
-    ctx.model_us = model_us
-    to_tune = sorted(to_tune, key=lambda t: -share.get(t.id, 0.0))
-    slices = budget.for_tasks(share, [t.id for t in to_tune])
-    for t in to_tune:
-        if t.id not in slices:
-            r = results[t.id]
-            r.update_mode, r.error = (
-                "skipped",
-                f"not tuned: the budget of {budget.total_s:g} s went to costlier tasks",
-            )
-    to_tune = [t for t in to_tune if t.id in slices]
-    left = total - len(to_tune)  # the bank's, the restored and the untuned ones
-    ctx.emit("progress", "tasks", left, total)
-    ctx.ledger.enter("search")
-    await ctx.stage(Stage.SEARCH, _search_words(len(to_tune), total))
-    decided: list[TaskDecision] = []
-
-    async def one(t: Task) -> None:
-        d = await TaskAgent(ctx, t, results[t.id], hits.get(t.id), slices[t.id], budget).run()
-        d.decided_at = ctx.ledger.elapsed_s
-        decided.append(d)
-        ctx.notes.extend(d.notes)
-        ctx.emit("progress", "tasks", left + len(decided), total)
-
-    async with trio.open_nursery() as nursery:
-        for t in to_tune:
-            nursery.start_soon(one, t)
-    return budget, decided
-
-
-def _search_words(searched: int, total: int) -> str:
-    """The search stage's words: "tuning 3 of 5 tasks (2 decided already: the bank, an
-    interrupted run, or left untuned by the budget)"; the counts are those the progress
-    events carry (aoe.outcome says what a task is)."""
-    if searched == total:
-        return f"tuning {total} tasks"
-    return (
-        f"tuning {searched} of {total} tasks ({total - searched} decided without a search: "
-        "from the bank, an interrupted run, or left untuned by the budget)"
-    )
 
 
 def _timeline(decided: list[TaskDecision]) -> list[tuple[float, float]]:

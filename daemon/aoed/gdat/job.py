@@ -511,7 +511,7 @@ class _Job:
                 *self.notes,
             ],
         )
-        result.budget = self.budget.report()
+        result.budget = self.budget.report_doc()
         return result
 
     def _result(
@@ -550,7 +550,7 @@ class _Job:
             configurations=configurations(figs, chosen, search.gates),
             gates=search.gates,
             broken_turns=list(meter.failures),
-            budget=self.budget.report(),
+            budget=self.budget.report_doc(),
             resources={
                 "device_s": round(ledger.device_s, 3),
                 "worlds": len(self.worlds),

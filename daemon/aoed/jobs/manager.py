@@ -8,22 +8,23 @@ jobs, highest priority first and oldest first within a priority, while fewer tha
 whose queues serve them by weight (fair share), so a long job cannot starve a short one.
 
 Every event of a job is stored with a sequence number before watchers see it, so a
-client that reconnects (or a daemon that restarts) resumes the stream where it stopped.
+client that reconnects (or a daemon that restarts) resumes the stream where it stopped
+(jobs/events.py).
 
 Resume: at start, jobs the store says were running are queued again and run with
 `resumes` = their own id, so tasks their first run decided (committed to the bank as
 each was decided, with the decision itself: engine/resume.py) are not measured again. On shutdown, running jobs get
 `shutdown_grace_s` to finish; then they are cancelled and left queued for the next start.
 
-Limits (jobs/limits.py): what a job asks for (its world's ranks, its shapes, its memory)
-is checked against the configuration at submit, and again before a stored job starts,
-so a job over a limit is refused (or, stored, failed) before any of its processes or
-files exist. A job starts only while its memory estimate fits beside those of the jobs
-running, and waits in the queue until it does; jobs start in the queue's order, so the
-ones behind a waiting job wait with it. Every start is counted in the store before the
-job runs: a job that was running when the daemon stopped or died `max_job_attempts`
-times is failed rather than started again, so a job that wedges or crashes the daemon
-cannot do so at every start.
+Admission (jobs/admission.py, over jobs/limits.py): what a job asks for (its world's
+ranks, its shapes, its memory) is checked against the configuration at submit, and again
+before a stored job starts, so a job over a limit is refused (or, stored, failed) before
+any of its processes or files exist. A job starts only while its memory estimate fits
+beside those of the jobs running, and waits in the queue until it does; jobs start in
+the queue's order, so the ones behind a waiting job wait with it. Every start is counted
+in the store before the job runs: a job that was running when the daemon stopped or
+died `max_job_attempts` times is failed rather than started again, so a job that wedges
+or crashes the daemon cannot do so at every start.
 
 A full disk: below `[limits] min_free_mb` free in the state dir, submissions are refused
 (DiskFullError: RESOURCE_EXHAUSTED naming the folder and its free space) and queued jobs
@@ -32,23 +33,19 @@ changes of running jobs go through a `Backlog`, which keeps what the store refus
 writes it once the store takes writes again, so neither a full disk nor a failing store
 ends the manager.
 
-Inputs: an uploaded model is kept once per content and name, `inputs/<sha256>/<name>` in
-the state dir, and jobs refer to it; it is removed with the last job that does
-(retention), and at start when none does.
+Inputs (jobs/inputs.py): an uploaded model is kept once per content and name,
+`inputs/<sha256>/<name>` in the state dir, and jobs refer to it; it is removed with the
+last job that does (retention), and at start when none does.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
 import logging
-import os
 import shutil
-import stat
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -61,26 +58,25 @@ from aoe.errors import (
     DiskFullError,
     JobCancelledError,
     NotFoundError,
-    OptionError,
-    PermissionDeniedError,
-    ResourceExhaustedError,
     first_error,
 )
 from aoe.outcome import JobOutcome
-from aoe.spec import JobSpec, JobType, check_model_kind
-from aoed import safefs, space
+from aoed import space
 from aoed.config import DaemonConfig
 from aoed.engine.engine import Engine
 from aoed.engine.job import JobHandle, JobRun
 from aoed.engine.messages import JobEvent
-from aoed.engine.modelio import check_size
-from aoed.jobs import limits, states
+from aoed.jobs import admission, states
 from aoed.jobs import store as st
+from aoed.jobs.admission import MemoryShare, Submission
 from aoed.jobs.backlog import Backlog
+from aoed.jobs.events import EventLog
+from aoed.jobs.inputs import Inputs, shown_path
 from aoed.jobs.states import JobState
 from aoed.jobs.store import Claim, EventRow, JobRow, JobStore, StoreError, Upload
-from aoed.jobs.uploads import UploadLedger
 
+# Submission and shown_path live in jobs/admission.py and jobs/inputs.py; the manager's
+# callers may import them from here.
 __all__ = ["JobManager", "Submission", "shown_path"]
 
 log = logging.getLogger(__name__)
@@ -90,64 +86,11 @@ log = logging.getLogger(__name__)
 RETRY_S = 2.0
 
 
-def _hash_checked(path: Path, checked: os.stat_result) -> str:
-    """The sha256 of the file at `path`, read through a descriptor that must still be
-    the file `checked` was (the same inode, one link): a file swapped in since the
-    check, a hard link to a file from elsewhere included, is refused
-    (PermissionDeniedError), and so is a link at `path`."""
-    why = ""
-    try:
-        fd = safefs.open_file(path, single_link=True)
-    except (safefs.LinkedError, safefs.LinkRefusedError) as exc:
-        why = exc.strerror
-    else:
-        with os.fdopen(fd, "rb") as f:
-            now = os.fstat(f.fileno())
-            if (now.st_dev, now.st_ino) == (checked.st_dev, checked.st_ino):
-                return hashlib.file_digest(f, "sha256").hexdigest()
-            why = "another file took its name"
-    raise PermissionDeniedError(
-        f"{path}: the file changed while it was checked ({why}); the daemon reads only the "
-        "file it checked: submit it again once nobody changes it"
-    )
-
-
-def _dedup_key(sha: str, spec: JobSpec) -> str:
-    return hashlib.sha256((sha + json.dumps(spec.tuning, sort_keys=True)).encode()).hexdigest()
-
-
-@dataclass(frozen=True)
-class Submission:
-    """A model and its spec (checked where it was built): `model` is a daemon-side file."""
-
-    model: Path
-    spec: JobSpec
-    #: who submitted it: "rpc:<client>" (see api.tuning.client_of) or "inbox:<folder>";
-    #: the per-client limit counts active jobs of one source
-    source: str = "rpc:local"
-    #: an upload to consume: the file is moved into the job's folder
-    upload: Upload | None = None
-    #: a daemon-side folder for the outputs (confined by the caller); None: the job's own
-    output_dir: Path | None = None
-    #: `model` is a file of the daemon's own that nobody else can write (a claimed drop;
-    #: an upload is one too): what was hashed is what the job runs
-    private: bool = False
-
-    @property
-    def joinable(self) -> bool:
-        """Whether later identical submissions may join this one's job. Only when its
-        model is the daemon's own: a file named by path may be rewritten after it was
-        hashed (its owner, or anyone who may write it, keeps that right), and a
-        submission that joined would then get the result of bytes it never sent."""
-        return self.private or self.upload is not None
-
-
 @dataclass
 class _Live:
-    """What the manager keeps in memory for a job while it runs or is watched."""
+    """What the manager keeps in memory for a job while it runs."""
 
     handle: JobHandle = field(default_factory=JobHandle)
-    changed: trio.Event = field(default_factory=trio.Event)
     user_cancelled: bool = False
 
 
@@ -157,8 +100,10 @@ class JobManager:
         self.store = store
         self.engine = engine
         self._backlog = Backlog(store)
+        self._events = EventLog(store, self._backlog)
+        self.inputs = Inputs(store, cfg)
         #: the upload quotas' accounting (UploadModel reserves, consuming releases)
-        self.uploads = UploadLedger(store.uploads_before(float("inf")))
+        self.uploads = self.inputs.uploads
         self._live: dict[str, _Live] = {}
         #: each running job's id, with the event set once it has ended (its final state
         #: recorded, its output folder tidied): what `cancel` and `stop` wait on
@@ -167,9 +112,8 @@ class JobManager:
         self._stopping = False
         self._limits_lock = trio.Lock()
         self._waiting_for_space = False
-        #: the memory estimate (MiB) of each running job, and the job told it waits for memory
-        self._held_mb: dict[str, int] = {}
-        self._waiting_for_memory = ""
+        #: the memory estimates of the running jobs
+        self._memory = MemoryShare()
         #: called with each job that reaches a final state (the inbox delivers outputs)
         self.on_final: list[Callable[[JobRow], None]] = []
 
@@ -177,7 +121,7 @@ class JobManager:
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Requeue what a previous run left running, then schedule until cancelled."""
-        await trio.to_thread.run_sync(_sweep_inputs, self.cfg.inputs_dir, self.store.model_paths())
+        await self.inputs.sweep()
         for row in self.store.jobs(st.RUNNING, limit=100000):
             self._transition(row, states.Requeue(), "the daemon restarted: the job resumes")
         queued = len(self.store.jobs([st.QUEUED], limit=100000))
@@ -229,11 +173,7 @@ class JobManager:
         """Whether a queued job may start (or resume): under the limits and the attempts
         the configuration allows now. A job that may not is failed, saying why."""
         try:
-            limits.check_attempts(row.attempts, self.cfg)
-            limits.check_spec(row.spec, self.cfg)
-            limits.check_memory(
-                shown_path(row), row.spec, limits.model_bytes(row.model_path), self.engine.memory
-            )
+            admission.check_start(row, self.cfg, self.engine.memory)
         except AoedError as exc:
             log.warning("job %s: not started: %s", row.id, exc)
             self._finish(row, states.Fail(), error=str(exc), kind=type(exc).__name__)
@@ -243,22 +183,11 @@ class JobManager:
     def _admit_memory(self, row: JobRow) -> bool:
         """Whether the job's memory estimate fits beside the running jobs' (then it is
         held for it until it ends); else it waits, and is told so once."""
-        need = limits.need_mb(row.spec, limits.model_bytes(row.model_path))
-        total, held = self.engine.memory.total_mb(), sum(self._held_mb.values())
-        if total is None or not self._held_mb or held + need <= total:
-            self._held_mb[row.id] = need
-            if self._waiting_for_memory == row.id:
-                self._waiting_for_memory = ""
-            return True
-        if self._waiting_for_memory != row.id:
-            self._waiting_for_memory = row.id
-            message = (
-                f"waits for memory: it needs about {need} MiB, and {held} of the {total} MiB jobs "
-                f"may use here are held by {len(self._held_mb)} running job(s); it starts when one ends"
-            )
+        fits, message = self._memory.admit(row, self.engine.memory)
+        if message:
             log.info("job %s: %s", row.id, message)
             self._event(row, "log", {"level": "info", "logger": "wait", "message": message})
-        return False
+        return fits
 
     async def _retry_loop(self) -> None:
         """Write what the job store refused, once it takes writes again; look at the free
@@ -266,9 +195,7 @@ class JobManager:
         while True:
             await trio.sleep(RETRY_S)
             if self._backlog.flush():
-                for live in self._live.values():  # watchers read the events just written
-                    live.changed.set()
-                    live.changed = trio.Event()
+                self._events.wake_all()  # watchers read the events just written
                 self.wake()
             if self._waiting_for_space:
                 self.wake()
@@ -304,17 +231,13 @@ class JobManager:
         while True:
             now = time.time()
             try:
-                for up in self.store.uploads_before(now - self.cfg.upload_ttl_s):
-                    self._remove_upload_file(Path(up.path))
-                    self.uploads.release(up.id)
-                    self.store.delete_upload(up.id)
-                    log.info("upload %s (%s) expired", up.id, up.file_name)
+                self.inputs.expire(now - self.cfg.upload_ttl_s)
                 for row in self.store.finished_before(now - self.cfg.retention_s):
                     out = Path(row.output_dir)
                     if out.is_relative_to(self.cfg.jobs_dir):
                         await trio.to_thread.run_sync(shutil.rmtree, out, True)
                     self.store.delete(row.id)
-                    await self._release_input(Path(row.model_path))
+                    await self.inputs.release(Path(row.model_path))
                     log.info("job %s: removed after retention", row.id)
             except (
                 StoreError,
@@ -354,11 +277,11 @@ class JobManager:
 
     def upload(self, upload_id: str) -> Upload | None:
         """The upload `upload_id`, None when there is none (expired, or used)."""
-        return self.store.get_upload(upload_id)
+        return self.inputs.get_upload(upload_id)
 
     def add_upload(self, up: Upload) -> None:
         """Record a received upload (its file complete, its sha256 checked)."""
-        self.store.add_upload(up)
+        self.inputs.add_upload(up)
 
     def claims(self, state: str | None = None) -> list[Claim]:
         """The drop folders' claims (all, or those in `state`: claiming | claimed)."""
@@ -389,84 +312,33 @@ class JobManager:
 
     async def submit(self, sub: Submission) -> tuple[JobRow, bool]:
         """Record a job for `sub` (or join the active one with the same content and
-        options); returns (job, joined). OptionError for a spec naming another device
-        than this daemon's, or asking for more than its limits allow (jobs/limits.py),
-        before any file of the job exists. Raises ResourceExhaustedError when the
-        queue is full, DaemonUnavailableError while shutting down; PermissionDeniedError for a
-        daemon-side file with several hard links (before anything opens it); ModelError
-        for one over [engine] max_model_mb, or whose estimated peak is more than an
-        engine process (a GDAT job: all of the engine) may use (memory.py)."""
+        options); returns (job, joined). Before any file of the job exists, refuses what
+        `admission.admit` refuses (a device not this daemon's, a spec over its limits, a
+        file with several hard links or over [engine] max_model_mb, a job whose memory
+        estimate could never fit). Raises ResourceExhaustedError when the client's or
+        the queue's limit is reached, DaemonUnavailableError while shutting down."""
         if self._stopping:
             raise DaemonUnavailableError(
                 "the daemon is shutting down; submit again after it restarts"
             )
-        mine = [a.device.name for a in self.engine.device_set]
-        # A spec's device name is normalized: it compares as it is.
-        if sub.spec.device is not None and sub.spec.device not in mine:
-            raise OptionError(
-                f"device {sub.spec.device}: this daemon measures on {', '.join(mine)} (see aoe devices)"
-            )
-        # The kind is the file name's: an upload's as uploaded, a path's own.
-        check_model_kind(
-            sub.upload.file_name if sub.upload is not None else sub.model.name,
-            sub.spec.job_type,
-            sub.spec.entry,
-            daemon=True,
-        )
-        # A GDAT job's devices are its world's (the backend's), not the engine's.
-        spec = sub.spec if sub.spec.job_type == JobType.GDAT else sub.spec.on(mine[0])
-        limits.check_spec(spec, self.cfg)
-        space.check_floor(self.cfg.state_dir, self.cfg.min_free_bytes, "SubmitJob")
-        size = sub.upload.size if sub.upload is not None else 0
-        if sub.upload is None:
-            # The size is refused before the file is hashed: the limit is there so that
-            # nobody reads 9 GiB.
-            info = await trio.to_thread.run_sync(os.lstat, sub.model)
-            size = info.st_size
-            if info.st_nlink > 1:
-                # The daemon reads what its submitter names; a hard link (which no path check
-                # sees) would make it read a file the submitter could not. Uploads have one link.
-                raise PermissionDeniedError(
-                    f"{sub.model}: the file has {info.st_nlink} hard links, and a hard link can make the daemon "
-                    "read a file its submitter could not; copy the file (cp, not ln) or upload it"
-                )
-            check_size(
-                sub.model,
-                info.st_size,
-                self.engine.config.max_model_mb << 20,
-                "[engine] max_model_mb",
-            )
-        name = sub.upload.file_name if sub.upload is not None else str(sub.model)
-        limits.check_memory(name, spec, size, self.engine.memory)
-        if sub.upload is None:
-            sha = await trio.to_thread.run_sync(_hash_checked, sub.model, info)
-        else:
-            sha = sub.upload.sha256
-        key = _dedup_key(sha, spec)
+        admitted = await admission.admit(sub, self.cfg, self.engine)
+        spec, sha, key, info = admitted.spec, admitted.sha256, admitted.key, admitted.checked
         async with self._limits_lock:
             same = self.store.active_with_key(key)
             if same is not None:
                 self.store.update(same.id, joined=same.joined + 1)
                 if sub.upload is not None:
-                    await self._consume_upload(sub.upload, keep=False)
+                    await self.inputs.consume(sub.upload, keep=False)
                 log.info("job %s: an identical submission joined it", same.id)
                 return self.get(same.id), True
-            mine = self.store.count_active(sub.source)
-            if mine >= self.cfg.max_jobs_per_client:
-                raise ResourceExhaustedError(
-                    f"{sub.source} has {mine} jobs queued or running (the limit per client is "
-                    f"{self.cfg.max_jobs_per_client}); submit again when one has finished"
-                )
+            admission.check_client(self.cfg, sub.source, self.store.count_active(sub.source))
             queued, _ = self.counts()
-            if queued >= self.cfg.max_queued_jobs:
-                raise ResourceExhaustedError(
-                    f"{queued} jobs are queued (the limit is {self.cfg.max_queued_jobs}); try again later"
-                )
+            admission.check_queue(self.cfg, queued)
             job_id = f"job-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"
             out = sub.output_dir or self.cfg.jobs_dir / job_id
             model = sub.model
             if sub.upload is not None:
-                model = await self._consume_upload(sub.upload, keep=True)
+                model = await self.inputs.consume(sub.upload, keep=True)
                 info = await trio.to_thread.run_sync(model.stat)
             # The file checked here (one link, its sha256): the job's first read checks that
             # it reads this very file (see engine.modelio.load_model's `expect`). A job
@@ -487,7 +359,7 @@ class JobManager:
             try:
                 self.store.insert(row)
             except AoedError:
-                await self._release_input(model)
+                await self.inputs.release(model)
                 raise
         self._event(
             row,
@@ -497,33 +369,6 @@ class JobManager:
         log.info("job %s: queued %s (%s)", job_id, row.model_name, sub.source)
         self.wake()
         return row, False
-
-    async def _consume_upload(self, up: Upload, keep: bool) -> Path:
-        """Take `up` out of the uploads; with `keep`, its content stays in the inputs,
-        once (returns where)."""
-        src = Path(up.path)
-        dst = src
-        if keep:
-            dst = await trio.to_thread.run_sync(
-                _keep_input, self.cfg.inputs_dir, src, up.sha256, up.file_name, up.size
-            )
-        self._remove_upload_file(src)
-        self.uploads.release(up.id)
-        self.store.delete_upload(up.id)
-        return dst
-
-    async def _release_input(self, path: Path) -> None:
-        """Remove a kept input (and its folder, once empty) that no job refers to."""
-        if path.parent.parent != self.cfg.inputs_dir or self.store.model_refs(str(path)):
-            return
-        await trio.to_thread.run_sync(_remove_input, path)
-
-    def _remove_upload_file(self, path: Path) -> None:
-        """An upload is `uploads/<id>/<name>`: the file and its folder go."""
-        path.unlink(missing_ok=True)
-        if path.parent.parent == self.cfg.uploads_dir:
-            with contextlib.suppress(OSError):
-                path.parent.rmdir()
 
     async def cancel(self, job_id: str, reason: str = "cancelled by a client") -> JobRow:
         row = self.get(job_id)
@@ -551,34 +396,16 @@ class JobManager:
     def _event(
         self, row: JobRow, kind: str, data: dict[str, Any], outcome: JobOutcome | None = None
     ) -> None:
-        seq = self._backlog.last_seq(row.id) + 1
-        self._backlog.append_event(EventRow(row.id, seq, time.time(), kind, data, outcome))
-        live = self._live.get(row.id)
-        if live is not None:
-            live.changed.set()
-            live.changed = trio.Event()
+        self._events.append(row.id, kind, data, outcome)
 
-    async def events(
+    def events(
         self, job_id: str, after_seq: int = 0, logs: bool = False
-    ) -> AsyncIterator[EventRow]:
+    ) -> AsyncGenerator[EventRow, None]:
         """The job's events after `after_seq`, then new ones as they happen; ends once
-        the job is final and everything up to its last event was sent."""
+        the job is final and everything up to its last event was sent (EventLog.stream).
+        NotFoundError for no such job."""
         self.get(job_id)
-        live = self._live_for(job_id)
-        seq = after_seq
-        while True:
-            changed = live.changed
-            for ev in [*self.store.events(job_id, seq), *self._backlog.events(job_id, seq)]:
-                seq = ev.seq
-                if ev.kind == "log" and not logs:
-                    continue
-                yield ev
-            row = self.store.get(job_id)
-            if row is None or (
-                self._backlog.overlay(row).final and self._backlog.last_seq(job_id) <= seq
-            ):
-                return
-            await changed.wait()
+        return self._events.stream(job_id, after_seq, logs)
 
     def _transition(self, row: JobRow, event: states.Event, message: str = "") -> bool:
         """Move the job on by `event` (states.apply: TransitionError for one the machine
@@ -707,7 +534,7 @@ class JobManager:
             self._finish(row, states.Succeed(), outcome=outcome)
         finally:
             ended = self._running.pop(row.id)
-            self._held_mb.pop(row.id, None)
+            self._memory.release(row.id)
             out = Path(row.output_dir)
             if row.state == st.FAILED and out.is_relative_to(self.cfg.jobs_dir):
                 with contextlib.suppress(OSError):
@@ -715,53 +542,3 @@ class JobManager:
                     out.rmdir()  # noqa: ASYNC240 (a `finally` that also runs on cancel)
             ended.set()
             self.wake()
-
-
-def _keep_input(inputs: Path, src: Path, sha: str, name: str, size: int) -> Path:
-    """Where the uploaded `src` (`size` bytes with digest `sha`, named `name`) is kept:
-    `inputs/<sha>/<name>`, from the upload itself unless those bytes are kept under that
-    name already. The same bytes uploaded under another name are kept again under it:
-    the job's workspace and outputs are named after its model file, and a hard link
-    would make the model a file with several links, which a job does not read."""
-    folder = inputs / sha
-    dst = folder / name
-    folder.mkdir(parents=True, exist_ok=True)
-    if _size(dst) != size:
-        os.replace(src, dst)
-    return dst
-
-
-def _size(path: Path) -> int:
-    """The size of the regular file at `path`, -1 when there is none."""
-    try:
-        st = os.lstat(path)
-    except OSError:
-        return -1
-    return st.st_size if stat.S_ISREG(st.st_mode) else -1
-
-
-def _remove_input(path: Path) -> None:
-    path.unlink(missing_ok=True)
-    with contextlib.suppress(OSError):
-        path.parent.rmdir()  # only once no other name is in it
-
-
-def _sweep_inputs(inputs: Path, referenced: set[str]) -> None:
-    """Remove the kept inputs no job refers to (a crash between keeping one and
-    recording its job, or a job store restored from before)."""
-    if not inputs.is_dir():
-        return
-    for folder in inputs.iterdir():
-        if folder.is_dir() and not folder.is_symlink():
-            for f in folder.iterdir():
-                if str(f) not in referenced:
-                    _remove_input(f)
-
-
-def shown_path(row: JobRow) -> str:
-    """The model's path as its submitter knows it: for a drop-folder job the file as it
-    was dropped (the daemon works on a claimed copy inside its state dir, a path that
-    means nothing to the user), else the path the job reads."""
-    if row.source.startswith("inbox:"):
-        return str(Path(row.source.removeprefix("inbox:")) / row.model_name)
-    return row.model_path

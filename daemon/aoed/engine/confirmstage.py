@@ -1,0 +1,148 @@
+"""The confirm stage's work around the confirming A/B (confirm.py): the proposal's files,
+and the bank's confirmation when it holds one.
+
+`confirm_proposal` writes the files the A/B measures (the input as it would ship, the
+proposal with its session options, and without them), then either runs the A/B
+(`confirm.confirm`: its estimate said first, a failed device ships the input), or takes
+the figures of the job that confirmed these very choices from the bank, checking its
+session options again with one short A/B here, since they won on a machine that may
+have been busier. It returns the confirmation, the file that ships and the session
+options' rounds (with, without) when a fresh A/B kept them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from aoe.errors import DeviceError
+from aoe.figures import Comparison, Figures, interval, pct
+from aoed.engine import confirm, stats
+from aoed.engine.assemble import tuned_metadata
+from aoed.engine.budget import Budget
+from aoed.engine.context import JobContext
+from aoed.engine.estimates import estimate
+from aoed.engine.messages import Build, Candidate, MeasurePlan
+from aoed.engine.verify import Verified
+
+__all__ = ["confirm_proposal"]
+
+
+async def confirm_proposal(
+    ctx: JobContext, v: Verified, cached: dict[str, Any] | None, budget: Budget
+) -> tuple[confirm.Confirmation, Path, tuple | None]:
+    """Write the proposal's files, run the confirming A/B (or take the bank's, checking
+    session options with one short A/B), and return the confirmation, the file to ship
+    and the evidence for the session options (with, without)."""
+    assert ctx.prep is not None
+    scratch = ctx.workspace.scratch
+    digest = ctx.fingerprint.digest
+    kind = {"tuned": "tuned", "options only": "options only", "reverted to input": "input"}[
+        v.outcome
+    ]
+    source = ctx.run.model if v.source == "input" else ctx.prep.prepared
+
+    def meta(options: dict[str, Any]) -> dict[str, str]:
+        return tuned_metadata(options, ctx.spec.precision, digest, ctx.device.device)
+
+    builds = [Build(scratch / "input_copy.onnx", {}, meta({}))]
+    if kind != "input":
+        builds.append(Build(scratch / "proposal.onnx", dict(v.choices), meta(v.options)))
+        if v.options:
+            builds.append(Build(scratch / "plain.onnx", dict(v.choices), meta({})))
+    await ctx.assemble([b for b in builds if b.out.name == "input_copy.onnx"], source=ctx.run.model)
+    if kind != "input":
+        await ctx.assemble([b for b in builds if b.out.name != "input_copy.onnx"], source=source)
+    proposal = confirm.Proposal(
+        kind,
+        scratch / "proposal.onnx",
+        v.options,
+        scratch / "plain.onnx" if v.options else None,
+        scratch / "input_copy.onnx",
+    )
+    seconds = 30.0
+    if cached is None:
+        sessions = 2 + (kind != "input") + (kind != "input" and bool(v.options))
+        estimate(
+            ctx,
+            "confirm",
+            budget,
+            sessions,
+            confirm.ROUNDS,
+            seconds,
+            "the confirming A/B, a process per model",
+            deployed=True,
+        )
+        try:
+            conf, ship, measured = await confirm.confirm(ctx, proposal, seconds)
+        except DeviceError as exc:
+            conf = confirm.Confirmation(
+                Figures.unchanged("no significant change", 0.0, 0),
+                notes=[f"the confirming A/B failed ({exc}); the input model ships"],
+            )
+            return conf, proposal.input_copy, None
+        evidence = (
+            (measured["proposal"], measured["plain"])
+            if conf.options_kept and "plain" in measured
+            else None
+        )
+        return conf, ship, evidence
+    # From the bank: the figures of the job that confirmed these very choices (read by the
+    # rule of aoe.figures, whenever they were stored).
+    figures = dataclasses.replace(
+        Figures.from_dict(cached), confirmed_by=str(cached.get("job", ""))
+    )
+    conf = confirm.Confirmation(figures, options_kept=bool(cached.get("options_kept")))
+    ship = proposal.model if conf.shipped != "input" else proposal.input_copy
+    if conf.shipped != "input" and v.options and conf.options_kept:
+        # Options won on a machine that may have been busier: one short A/B here.
+        try:
+            m = await ctx.measure(
+                [
+                    Candidate("with", proposal.model, v.options),
+                    Candidate("without", proposal.plain),
+                ],
+                "without",
+                5.0,
+                plan=MeasurePlan.fixed(9, 5.0, deployed=True),
+                category="confirm",
+            )
+            verdict, med, ci = confirm.verdict_of(
+                stats.paired_ratios(m["with"].rounds_us, m["without"].rounds_us)
+            )
+            recheck: Comparison | None = Comparison.of_ratio(
+                "options only", "without options", med, ci
+            )
+        except DeviceError as exc:
+            verdict, recheck = f"not measured ({exc})", None
+        if verdict != "faster":
+            conf.options_kept = False
+            conf.notes.append(
+                f"session options {v.options} from the bank dropped: re-checked here, "
+                + (
+                    f"{pct(recheck.improvement)} with 95% interval {interval(recheck.ci95)} against the "
+                    "same model without them"
+                    if recheck
+                    else verdict
+                )
+            )
+            ship = proposal.plain if conf.shipped == "tuned" else proposal.input_copy
+            if conf.shipped == "options only":
+                # Nothing of the proposal ships: its figures move to `proposal`, as a fresh
+                # confirmation reports a proposal that did not ship.
+                f = conf.figures
+                conf.proposal = {
+                    "kind": "options only",
+                    "result_ms": f.result_ms,
+                    "improvement": f.improvement,
+                    "improvement_ci95": list(f.ci95),
+                }
+                conf.figures = Figures.unchanged(
+                    "slower" if verdict == "slower" else "no significant change",
+                    f.baseline_ms,
+                    f.rounds,
+                    recheck,
+                    f.confirmed_by,
+                )
+    return conf, ship, None
