@@ -3,15 +3,18 @@
 codes in `aoe.v1.Precision` (the one table: the bank's codec, its records, the record
 checks and the API's edge all read it).
 
-Light on purpose: the standard library and protobuf's generated `aoe.v1.bank_pb2` only
-(no onnx, no lmdb), so `aoe.bankrecord` and `aoe.recordcheck` stay as light as they say.
+Light on purpose: the standard library, msgspec and protobuf's generated `aoe.v1.bank_pb2`
+only (no onnx, no lmdb), so `aoe.bankrecord` and `aoe.recordcheck` stay as light as they
+say. The values are msgspec Structs: they cross processes inside the engine's messages,
+which refuse a field they do not know (aoed.engine.messages).
 How a signature or a fingerprint is computed is `aoe.signature`'s.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+
+import msgspec
 
 from aoe.v1 import bank_pb2
 
@@ -41,8 +44,7 @@ PRECISION_CODES: Mapping[str, bank_pb2.Precision] = {
 PRECISION_NAMES: Mapping[int, str] = {code: name for name, code in PRECISION_CODES.items()}
 
 
-@dataclass(frozen=True)
-class TaskSignature:
+class TaskSignature(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     op_type: str
     domain: str
     opset: int
@@ -50,18 +52,17 @@ class TaskSignature:
     digest: str
 
 
-@dataclass(frozen=True)
-class DeviceFingerprint:
+class DeviceFingerprint(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     execution_provider: str
     hardware: str
     isa_flags: tuple[str, ...]
     runtime_version: str
-    options: Mapping[str, str] = field(default_factory=dict)
+    options: Mapping[str, str] = {}
     canonical_json: str = ""
     digest: str = ""
     #: the GPU or NPU under the provider (empty for a CPU): see
     #: `aoe.signature.device_fingerprint`
-    accelerator: Mapping[str, str] = field(default_factory=dict)
+    accelerator: Mapping[str, str] = {}
 
 
 def bank_key(signature_digest: str, device_digest: str, precision: str) -> bytes:

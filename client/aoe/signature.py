@@ -25,8 +25,8 @@ import json
 import math
 import platform
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
 
+import msgspec
 import onnx
 from onnx import helper
 
@@ -107,8 +107,7 @@ def _digest(text: str) -> str:
     return hashlib.sha256(text.encode("ascii")).hexdigest()
 
 
-@dataclass(frozen=True)
-class TensorInfo:
+class TensorInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Element type name (numpy spelling) and static shape of one tensor."""
 
     dtype: str
