@@ -333,7 +333,7 @@ class JobOutcome:
     def to_dict(self) -> dict[str, Any]:
         """The fields as plain data (aoe.plain), but for the three sections with a layout
         of their own: the figures (`Figures.to_dict`), the budget (`BudgetReport.to_dict`)
-        and the details (`details_to_dict`, without their tag); `from_dict` reads it back."""
+        and the details (their fields without the tag); `from_dict` reads it back."""
         return {
             **to_plain(self),
             "figures": self.figures.to_dict(),
