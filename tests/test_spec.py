@@ -8,6 +8,7 @@ that built it spells it.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import re
 import subprocess
@@ -294,6 +295,66 @@ def test_an_outcome_survives_the_api(o: JobOutcome) -> None:
         tuning_pb2.JobResult.FromString(outcome_to_pb(o).SerializeToString()), o.job_id
     )
     assert back == o
+
+
+def test_what_the_job_store_keeps_has_the_stored_layout() -> None:
+    """The library writes the store's JSON: the keys, their order and their JSON types
+    are those older daemons wrote and read (round trips alone would not notice a key
+    renamed both ways)."""
+    spec = JobSpec(input_shapes={"x": [1, 3]}, calibration_dir="/c", labels={"k": "v"})
+    assert json.loads(json.dumps(spec.to_dict())) == {
+        "precision": "exact",
+        "job_type": "sgat+opat",
+        "input_shapes": {"x": [1, 3]},
+        "repeat_tune": False,
+        "device": None,
+        "budget_s": None,
+        "min_cosine": None,
+        "max_rel_error": None,
+        "calibration_dir": "/c",
+        "priority": 0,
+        "labels": {"k": "v"},
+        "keep_initializer_inputs": False,
+        "world_size": None,
+        "backend": None,
+        "gradient_precision": None,
+        "entry": None,
+    }
+    budget = BudgetReport(
+        10.0,
+        stages={
+            Stage.PREPARE: StageTime(0.0, 1.5),
+            Stage.SEARCH: StageTime(4.0, 4.0, 0.5, True, 4.0),
+        },
+    )
+    o = JobOutcome(
+        "j", "/m.onnx", "/t.onnx", "/r.json", "exact", "opat", "cpu", 3.0,
+        Figures.unchanged("no significant change", 2.0, 8),
+        tasks=(TaskOutcome("t0", "fc", "MatMul", update_mode="hit", rejected=("why",)),),
+        budget=budget,
+        notes=("n",),
+    )  # fmt: skip
+    d = json.loads(json.dumps(o.to_dict()))
+    assert list(d) == [
+        "job_id", "model", "tuned_model", "result_json", "precision", "job_type", "device",
+        "tuning_time_s", "figures", "tasks", "bank", "resources", "budget", "session_options",
+        "accuracy", "accuracy_budget", "calibration", "verified", "notes", "workspace", "details",
+    ]  # fmt: skip
+    assert d["tasks"] == [
+        {
+            "task_id": "t0", "op_name": "fc", "op_type": "MatMul", "family": "", "instances": 1,
+            "share": 0.0, "strategy": "default", "before_us": 0.0, "after_us": 0.0,
+            "update_mode": "hit", "bank_layer": "", "accuracy": {}, "error": "",
+            "rejected": ["why"], "applied": True, "attempt": 0,
+        }
+    ]  # fmt: skip
+    assert list(d["budget"])[-2:] == ["outside_s", "stages"] and d["budget"]["outside_s"] == 1.5
+    assert d["budget"]["stages"] == {
+        "prepare": {"given_s": 0.0, "spent_s": 1.5, "over_s": 0.0, "counted": False},
+        "search": {"given_s": 4.0, "spent_s": 4.0, "over_s": 0.5, "counted": True, "device_s": 4.0},
+    }
+    assert (d["precision"], d["job_type"], d["notes"], d["details"]) == ("exact", "opat", ["n"], {})
+    assert JobOutcome.from_dict(d) == o
 
 
 def test_an_outcome_stored_by_an_older_daemon_still_reads() -> None:

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+import msgspec
 
 from aoe.errors import DeviceError, OptionError
 
@@ -52,8 +53,10 @@ def kind_of(provider: str) -> str:
 _NVIDIA = frozenset({"cuda", "tensorrt"})
 
 
-@dataclass(frozen=True)
-class Device:
+class Device(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What a job measures on; a msgspec Struct, as it crosses into the engine's children
+    inside their messages (aoed.engine.messages)."""
+
     kind: str = "cpu"
     index: int = 0
     #: provider options that change the implementation (sorted pairs: hashable)

@@ -37,6 +37,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
+from aoe.plain import from_plain, to_plain
+
 __all__ = [
     "AGAINST",
     "SHIPPED",
@@ -126,16 +130,15 @@ def improvement_of(
     return 1.0 / ratio - 1.0, (1.0 / ratio_ci[1] - 1.0, 1.0 / ratio_ci[0] - 1.0)
 
 
-@dataclass(frozen=True)
-class Comparison:
+class Comparison(msgspec.Struct, frozen=True):
     """One paired comparison of the confirming A/B: `subject` (tuned | options only)
     timed against `against` (a key of AGAINST) in the same rounds, as an improvement
-    with its 95% interval."""
+    with its 95% interval (`improvement_ci95` in the result JSON)."""
 
     subject: str
     against: str
     improvement: float
-    ci95: tuple[float, float]
+    ci95: tuple[float, float] = msgspec.field(name="improvement_ci95")
 
     @classmethod
     def of_ratio(
@@ -145,22 +148,13 @@ class Comparison:
         return cls(subject, against, imp, ci)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "subject": self.subject,
-            "against": self.against,
-            "improvement": self.improvement,
-            "improvement_ci95": list(self.ci95),
-        }
+        """As the result JSON writes it (aoe.plain); `from_dict` reads it back."""
+        return to_plain(self)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Comparison:
-        lo, hi = (list(d.get("improvement_ci95") or (0.0, 0.0)) + [0.0, 0.0])[:2]
-        return cls(
-            str(d.get("subject", "")),
-            str(d.get("against", "")),
-            float(d.get("improvement", 0.0)),
-            (float(lo), float(hi)),
-        )
+        """From `to_dict`'s object; ValueError naming the field that does not fit."""
+        return from_plain(cls, d)
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,10 @@ are named by (`canonical_json`, `digest`), the precision policies' names and the
 in `aoe.v1.Precision` (the one table: the bank's codec, its records, the record checks
 and the API's edge all read it).
 
-Light on purpose: the standard library and protobuf's generated `aoe.v1.bank_pb2` only
-(no onnx, no lmdb), so `aoe.bankrecord` and `aoe.recordcheck` stay as light as they say.
+Light on purpose: the standard library, msgspec and protobuf's generated `aoe.v1.bank_pb2`
+only (no onnx, no lmdb), so `aoe.bankrecord` and `aoe.recordcheck` stay as light as they
+say. The values are msgspec Structs: they cross processes inside the engine's messages,
+which refuse a field they do not know (aoed.engine.messages).
 How a signature is computed is `aoe.signature`'s, a fingerprint `aoe.fingerprint`'s.
 """
 
@@ -14,7 +16,8 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+
+import msgspec
 
 from aoe.v1 import bank_pb2
 
@@ -59,8 +62,7 @@ def digest(text: str) -> str:
     return hashlib.sha256(text.encode("ascii")).hexdigest()
 
 
-@dataclass(frozen=True)
-class TaskSignature:
+class TaskSignature(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     op_type: str
     domain: str
     opset: int
@@ -68,18 +70,17 @@ class TaskSignature:
     digest: str
 
 
-@dataclass(frozen=True)
-class DeviceFingerprint:
+class DeviceFingerprint(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     execution_provider: str
     hardware: str
     isa_flags: tuple[str, ...]
     runtime_version: str
-    options: Mapping[str, str] = field(default_factory=dict)
+    options: Mapping[str, str] = {}
     canonical_json: str = ""
     digest: str = ""
     #: the GPU or NPU under the provider (empty for a CPU): see
     #: `aoe.fingerprint.device_fingerprint`
-    accelerator: Mapping[str, str] = field(default_factory=dict)
+    accelerator: Mapping[str, str] = {}
 
 
 def bank_key(signature_digest: str, device_digest: str, precision: str) -> bytes:

@@ -37,6 +37,7 @@ import msgspec
 
 from aoe import figures
 from aoe.figures import Figures, Words
+from aoe.plain import from_plain, to_plain
 from aoe.spec import JobType, Precision, Stage
 
 __all__ = [
@@ -185,35 +186,22 @@ class BudgetReport:
         return sum(st.spent_s for st in self.stages.values() if not st.counted)
 
     def to_dict(self) -> dict[str, Any]:
-        """The result JSON's `budget` section (with `outside_s`, derived); `from_dict`
-        reads it back."""
-        d: dict[str, Any] = {k: getattr(self, k) for k in _BUDGET_KEYS}
+        """The result JSON's `budget` section: the fields as plain data (aoe.plain), with
+        `outside_s` (derived) before the stages, and each stage without its unset (None)
+        fields; `from_dict` reads it back."""
+        d = to_plain(self)
+        stages = d.pop("stages")
         d["outside_s"] = round(self.outside_s, 3)
         d["stages"] = {
-            str(name): {k: v for k, v in vars(st).items() if v is not None}
-            for name, st in self.stages.items()
+            name: {k: v for k, v in st.items() if v is not None} for name, st in stages.items()
         }
         return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> BudgetReport:
-        stages = {Stage(name): StageTime(**st) for name, st in (d.get("stages") or {}).items()}
-        return cls(**{k: d[k] for k in _BUDGET_KEYS if k in d}, stages=stages)
-
-
-_BUDGET_KEYS = (
-    "budget_s",
-    "given",
-    "spent_s",
-    "search_s",
-    "session_s",
-    "verify_s",
-    "profile_s",
-    "confirm_s",
-    "load_s_per_mib",
-    "elapsed_s",
-    "over_s",
-)
+        """From `to_dict`'s object, or Budget.report()'s (`outside_s` is derived, not
+        read; a field it lacks takes its default)."""
+        return from_plain(cls, d)
 
 
 #: aoe.figures' words as a GDAT job says them: its input is DDP's defaults, its output a
@@ -343,36 +331,13 @@ class JobOutcome:
     # ------------------------------------------------------------------ JSON
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON types; `from_dict` reads it back."""
+        """The fields as plain data (aoe.plain), but for the three sections with a layout
+        of their own: the figures (`Figures.to_dict`), the budget (`BudgetReport.to_dict`)
+        and the details (their fields without the tag); `from_dict` reads it back."""
         return {
-            "job_id": self.job_id,
-            "model": self.model,
-            "tuned_model": self.tuned_model,
-            "result_json": self.result_json,
-            "precision": str(self.precision),
-            "job_type": str(self.job_type),
-            "device": self.device,
-            "tuning_time_s": self.tuning_time_s,
+            **to_plain(self),
             "figures": self.figures.to_dict(),
-            "tasks": [
-                {
-                    **vars(t),
-                    "update_mode": str(t.update_mode),
-                    "accuracy": dict(t.accuracy),
-                    "rejected": list(t.rejected),
-                }
-                for t in self.tasks
-            ],
-            "bank": dict(self.bank),
-            "resources": dict(self.resources),
             "budget": self.budget.to_dict(),
-            "session_options": dict(self.session_options),
-            "accuracy": dict(self.accuracy),
-            "accuracy_budget": dict(self.accuracy_budget),
-            "calibration": self.calibration,
-            "verified": self.verified,
-            "notes": list(self.notes),
-            "workspace": self.workspace,
             "details": details_to_dict(self.details),
         }
 
@@ -392,7 +357,7 @@ class JobOutcome:
             device=d["device"],
             tuning_time_s=d["tuning_time_s"],
             figures=Figures.from_dict(d["figures"]),
-            tasks=tuple(TaskOutcome(**t) for t in d.get("tasks", ())),
+            tasks=from_plain(tuple[TaskOutcome, ...], d.get("tasks", ())),
             bank=d.get("bank", {}),
             resources=d.get("resources", {}),
             budget=BudgetReport.from_dict(d.get("budget") or {}),

@@ -26,8 +26,8 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass, field
 
+import msgspec
 import onnx
 
 from aoe.signature import ModelContext, TaskSignature, task_signature
@@ -45,9 +45,9 @@ ACTIVATIONS = ("Relu", "Sigmoid", "Tanh", "LeakyRelu")
 FAMILIES = ("matmul", "conv", "matmul_act")
 
 
-@dataclass
-class Task:
-    """One tunable group of nodes in a normalized model."""
+class Task(msgspec.Struct, forbid_unknown_fields=True):
+    """One tunable group of nodes in a normalized model; a msgspec Struct, as it crosses
+    into the engine's children inside their messages (aoed.engine.messages)."""
 
     id: str
     family: str
@@ -56,7 +56,7 @@ class Task:
     inputs: tuple[str, ...]  # task inputs in signature order (constants included)
     outputs: tuple[str, ...]
     # Other tasks with the same signature: tuned once, applied to all.
-    twins: list[Task] = field(default_factory=list)
+    twins: list[Task] = []
 
     @property
     def op_type(self) -> str:

@@ -22,8 +22,8 @@ import hashlib
 import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
 
+import msgspec
 import onnx
 from onnx import helper
 
@@ -68,8 +68,7 @@ def _json_int(i: object) -> str:
 _SCHEMA_VERSION_JSON = canonical_json(SCHEMA_VERSION)
 
 
-@dataclass(frozen=True)
-class TensorInfo:
+class TensorInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Element type name (numpy spelling) and static shape of one tensor."""
 
     dtype: str

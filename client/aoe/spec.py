@@ -32,6 +32,7 @@ import tomli_w
 from aoe import sizes
 from aoe.device import Device
 from aoe.errors import OptionError
+from aoe.plain import to_plain
 
 __all__ = [
     "FOLDER_KEYS",
@@ -413,27 +414,9 @@ class JobSpec:
     # ------------------------------------------------------------------ JSON
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON types, every field (None where unset); `from_dict` reads it back."""
-        return {
-            "precision": str(self.precision),
-            "job_type": str(self.job_type),
-            "input_shapes": {k: list(v) for k, v in self.input_shapes.items()},
-            "repeat_tune": self.repeat_tune,
-            "device": self.device,
-            "budget_s": self.budget_s,
-            "min_cosine": self.min_cosine,
-            "max_rel_error": self.max_rel_error,
-            "calibration_dir": str(self.calibration_dir)
-            if self.calibration_dir is not None
-            else None,
-            "priority": self.priority,
-            "labels": dict(self.labels),
-            "keep_initializer_inputs": self.keep_initializer_inputs,
-            "world_size": self.world_size,
-            "backend": self.backend,
-            "gradient_precision": self.gradient_precision,
-            "entry": self.entry,
-        }
+        """Every field (None where unset) as plain data (aoe.plain: enums as their
+        values, the path as text); `from_dict` reads it back."""
+        return to_plain(self)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], keys: tuple[str, ...] | None = None) -> JobSpec:

@@ -13,9 +13,10 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import msgspec
 import numpy as np
 import onnx
 from onnx import helper
@@ -64,8 +65,14 @@ def model_signature(model: onnx.ModelProto) -> TaskSignature:
                 "op": n.op_type,
                 "domain": domain,
                 "attrs": normalized_attributes(n, ctx.opset(domain)),
-                "in": [asdict(ctx.tensors[i]) if i in ctx.tensors else None for i in n.input],
-                "out": [asdict(ctx.tensors[o]) if o in ctx.tensors else None for o in n.output],
+                "in": [
+                    msgspec.structs.asdict(ctx.tensors[i]) if i in ctx.tensors else None
+                    for i in n.input
+                ],
+                "out": [
+                    msgspec.structs.asdict(ctx.tensors[o]) if o in ctx.tensors else None
+                    for o in n.output
+                ],
             }
         )
     text = canonical_json({"v": 1, "model": nodes, "opsets": ctx.opsets})

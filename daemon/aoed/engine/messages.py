@@ -15,15 +15,15 @@ plain data (paths as strings) and the stdlib writes the line, not
 msgspec's JSON encoder: that one writes an infinite float as null, and an infinite
 error is a real measurement (a candidate whose outputs are not finite).
 
-msgspec cannot refuse unknown fields of a dataclass, and messages carry the client's
-(Task, TaskSignature, TensorInfo, Device): `decode` checks those itself.
+The client's values that messages carry (Task, TaskSignature, TensorInfo, Device) and
+the engine's Limits are Structs that forbid unknown fields too, so one msgspec call
+checks a message to its leaves.
 
 The job events (`JobEvent`) never leave the engine's process: a plain dataclass.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Generic, TypeVar
@@ -34,6 +34,7 @@ from msgspec import Struct, field
 from aoe import errors
 from aoe.device import Device
 from aoe.partition import Task
+from aoe.plain import from_plain, to_plain
 from aoe.signature import TaskSignature, TensorInfo
 from aoe.spec import Stage
 from aoed.engine.prep import Limits
@@ -105,47 +106,10 @@ class MessageError(ValueError):
     engine takes a reply that raises it as a broken child."""
 
 
-def _enc_hook(obj: Any) -> Any:
-    if isinstance(obj, Path):
-        return str(obj)
-    raise NotImplementedError(f"{type(obj).__name__} cannot travel in a message")
-
-
-def _dec_hook(tp: type, obj: Any) -> Any:
-    if tp is Path:
-        if isinstance(obj, str):
-            return Path(obj)
-        raise ValueError(f"Expected `str` (a path), got `{type(obj).__name__}`")
-    raise NotImplementedError
-
-
 def encode(msg: Any) -> Any:
-    """`msg` as JSON data: Structs and dataclasses as objects (requests with their `op`),
-    paths as strings."""
-    return msgspec.to_builtins(msg, enc_hook=_enc_hook)
-
-
-def _unknown(data: Any, obj: Any, path: str = "$") -> tuple[str, str] | None:
-    """(field, path of its object) of a key of `data` that `obj`, decoded from it, has no
-    field for, where msgspec does not look: in dataclasses. None when there is none."""
-    if isinstance(obj, Struct):
-        steps = [(f".{f}", data[f], getattr(obj, f)) for f in obj.__struct_fields__ if f in data]
-    elif dataclasses.is_dataclass(obj):
-        names = [f.name for f in dataclasses.fields(obj)]
-        extra = next((k for k in data if k not in names), None)
-        if extra is not None:
-            return extra, path
-        steps = [(f".{n}", data[n], getattr(obj, n)) for n in names if n in data]
-    elif isinstance(obj, (list, tuple)):
-        steps = [(f"[{i}]", d, o) for i, (d, o) in enumerate(zip(data, obj, strict=True))]
-    elif isinstance(obj, dict):
-        steps = [(f"[{k!r}]", data[k], o) for k, o in obj.items()]
-    else:
-        return None
-    for step, d, o in steps:
-        if (found := _unknown(d, o, path + step)) is not None:
-            return found
-    return None
+    """`msg` as JSON data: Structs as objects (requests with their `op`), paths as
+    strings (aoe.plain)."""
+    return to_plain(msg)
 
 
 def decode(tp: type[T] | Any, data: Any, what: str = "") -> T:
@@ -153,14 +117,9 @@ def decode(tp: type[T] | Any, data: Any, what: str = "") -> T:
     the type's name) and the field when a field is unknown, missing or of the wrong type."""
     name = what or getattr(tp, "__name__", str(tp))
     try:
-        obj = msgspec.convert(data, tp, dec_hook=_dec_hook)
+        return from_plain(tp, data)
     except msgspec.ValidationError as exc:
         raise MessageError(f"{name}: {exc}") from None
-    if (unknown := _unknown(data, obj)) is not None:
-        raise MessageError(
-            f"{name}: Object contains unknown field `{unknown[0]}` - at `{unknown[1]}`"
-        )
-    return obj
 
 
 def op_of(request: Request) -> str:

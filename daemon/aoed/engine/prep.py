@@ -23,6 +23,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import onnx
 from onnx import helper
@@ -58,9 +59,9 @@ MAX_TENSOR_BYTES = 4 << 30
 MAX_NAME_CHARS = 4096
 
 
-@dataclass(frozen=True)
-class Limits:
-    """What one model may hold; every message about a limit names the setting that sets it."""
+class Limits(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What one model may hold; every message about a limit names the setting that sets it.
+    A msgspec Struct: it crosses into the compile pool inside PrepareRequest."""
 
     model_bytes: int = MAX_MODEL_BYTES
     nodes: int = MAX_NODES
