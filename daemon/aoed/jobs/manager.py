@@ -39,6 +39,7 @@ the state dir, and jobs refer to it; it is removed with the last job that does
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import hashlib
 import json
@@ -48,7 +49,7 @@ import shutil
 import stat
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -346,7 +347,8 @@ class JobManager:
         """(jobs queued, jobs running)."""
         return len(self.store.jobs([st.QUEUED], limit=100000)), len(self._running)
 
-    def running(self) -> list[JobRow]:
+    # builtins.list: in this class's annotations `list` is the method below.
+    def running(self) -> builtins.list[JobRow]:
         """The jobs running now, newest first."""
         return self.store.jobs(st.RUNNING, limit=100000)
 
@@ -360,7 +362,7 @@ class JobManager:
         """Record a received upload (its file complete, its sha256 checked)."""
         self.store.add_upload(up)
 
-    def claims(self, state: str | None = None) -> list[Claim]:
+    def claims(self, state: str | None = None) -> builtins.list[Claim]:
         """The drop folders' claims (all, or those in `state`: claiming | claimed)."""
         return self.store.claims(state)
 
@@ -376,7 +378,7 @@ class JobManager:
         """Forget the claim of `src` (delivered, or never moved)."""
         self.store.claim_drop(src)
 
-    def _queued_order(self) -> list[JobRow]:
+    def _queued_order(self) -> builtins.list[JobRow]:
         # Active rows seen through the backlog: a job requeued while the store refused
         # the write is queued all the same.
         rows = [r for r in self.list(list(st.ACTIVE), 100000, None) if r.state == st.QUEUED]
@@ -560,7 +562,7 @@ class JobManager:
 
     async def events(
         self, job_id: str, after_seq: int = 0, logs: bool = False
-    ) -> AsyncIterator[EventRow]:
+    ) -> AsyncGenerator[EventRow, None]:
         """The job's events after `after_seq`, then new ones as they happen; ends once
         the job is final and everything up to its last event was sent."""
         self.get(job_id)
