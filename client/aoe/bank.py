@@ -155,12 +155,17 @@ def check_schema(path: Path, raw: bytes | None) -> int:
 
 class Layer(Protocol):
     """What a BankReader reads a layer through: `_Layer` (a read-only environment) or
-    the daemon's view of its own store (aoed.bank.daemonbank.StoreLayer)."""
+    the daemon's view of its own store (aoed.bank.daemonbank.StoreLayer). The named
+    databases are LMDB handles; `schema` is the layout version its meta db records."""
 
     name: str
     path: Path
+    env: lmdb.Environment
+    meta: Any
     entries: Any
     defaults: Any
+    history: Any
+    schema: int
 
     def read(
         self, db: Any, doing: str = "lookup"
@@ -387,7 +392,7 @@ class BankReader:
     def lookup(self, key: bytes | str) -> tuple[bank_pb2.BankEntry | None, str]:
         """The entry stored under `key` in the first layer that has one, and that layer's
         name; (None, "") when no layer has it. One read transaction per layer visited."""
-        if type(key) is str:
+        if isinstance(key, str):
             key = key.encode()
         for layer in self._layers:
             raw = layer.get(key)
@@ -601,7 +606,7 @@ class BankReader:
                     counts["entries"],
                     counts["defaults"],
                     counts["history"],
-                    _stored_map_size(lay),
+                    _stored_map_size(lay.path),
                     used,
                     lay.schema,
                 )
@@ -626,10 +631,11 @@ def _stored_doc(path: Path, key: bytes, raw: bytes) -> dict[str, Any]:
     return doc
 
 
-def _stored_map_size(layer: _Layer) -> int:
-    """The map size the writer set, from the newer of LMDB's two meta pages (our own
-    mapping is larger on purpose, and the file only grows as pages are used)."""
-    data = layer.path / "data.mdb"
+def _stored_map_size(path: Path) -> int:
+    """The map size the writer set for the bank at `path`, from the newer of LMDB's two
+    meta pages (our own mapping is larger on purpose, and the file only grows as pages
+    are used)."""
+    data = path / "data.mdb"
     meta = read_data_file(data)
     return meta.map_size if meta is not None else data.stat().st_size
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
 from typing import Any, NoReturn, TypeVar
 
 import grpc
@@ -95,16 +95,17 @@ class Bridge:
         call = self._link(context)
         remaining = self._deadline(context)
 
-        async def scoped() -> Any:
+        done: list[T] = []  # afn's value, once it has one; empty when cancelled
+
+        async def scoped() -> None:
             with trio.CancelScope() as scope:
                 if remaining is not None:
                     scope.deadline = trio.current_time() + remaining
                 call.attach(scope)
-                return ("ok", await afn(*args))
-            return ("cancelled", None)
+                done.append(await afn(*args))
 
         try:
-            kind, value = trio.from_thread.run(scoped, trio_token=self._token)
+            trio.from_thread.run(scoped, trio_token=self._token)
         except AoedError as exc:
             _abort(context, exc)
         except trio.RunFinishedError:
@@ -115,7 +116,7 @@ class Bridge:
                 grpc.StatusCode.INTERNAL,
                 f"internal error in the daemon: {type(exc).__name__}: {exc}",
             )
-        if kind == "cancelled":
+        if not done:
             if (
                 remaining is not None
                 and context.time_remaining() is not None
@@ -123,17 +124,17 @@ class Bridge:
             ):
                 context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")
             context.abort(grpc.StatusCode.CANCELLED, "cancelled")
-        return value
+        return done[0]
 
     def stream(
         self,
         context: grpc.ServicerContext,
-        agen_fn: Callable[..., AsyncIterator[T]],
+        agen_fn: Callable[..., AsyncGenerator[T, None]],
         *args: Any,
         buffer: int = 16,
         stall: tuple[float, AoedError] | None = None,
     ) -> Iterator[T]:
-        """Yield what the async iterator `agen_fn(*args)` yields, produced by a trio task;
+        """Yield what the async generator `agen_fn(*args)` yields, produced by a trio task;
         the producer is cancelled when the client goes away, and its errors end the RPC
         with their mapped status. At most `buffer` items wait for a slow client; with
         `stall` = (seconds, error), a client that takes no item for that long while the

@@ -32,12 +32,12 @@ import binascii
 import itertools
 import json
 import random
-from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncGenerator, Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import grpc
 
-from aoe.bank import parse_key
+from aoe.bank import Explanation, parse_key
 from aoe.device import Device
 from aoe.errors import OptionError, ResourceExhaustedError
 from aoe.exchange import default_record, exported_trial, record_to_json
@@ -52,6 +52,7 @@ from aoed.engine.bankverify import Verdict, sample_entries, verify_entries
 from aoed.vocabulary import tuner_vocabulary
 
 if TYPE_CHECKING:
+    from aoe.client import Client
     from aoed.engine.engine import Engine
 
 __all__ = ["MAX_IMPORT_BYTES", "MAX_IMPORT_RECORDS", "BankServicer", "add_to_server"]
@@ -102,7 +103,7 @@ def add_to_server(
     return servicer
 
 
-def _plain_client(target: str) -> Any:
+def _plain_client(target: str) -> Client:
     from aoe.client import Client
 
     return Client(target)
@@ -130,22 +131,28 @@ class BankServicer(bank_pb2_grpc.BankServiceServicer):
 
     # -- unary
 
-    def LookupEntry(self, request, context):
+    def LookupEntry(
+        self, request: bank_pb2.LookupEntryRequest, context: grpc.ServicerContext
+    ) -> bank_pb2.LookupEntryResponse:
         ex, raw = self._bridge.call(context, self._lookup, request)
         return bank_pb2.LookupEntryResponse(
             found=ex.found,
-            entry=bank_pb2.BankEntry.FromString(raw) if ex.found else None,
+            entry=bank_pb2.BankEntry.FromString(raw) if ex.found and raw is not None else None,
             layer=ex.layer if ex.found else "",
             reason=ex.reason,
         )
 
-    async def _lookup(self, request: bank_pb2.LookupEntryRequest):
+    async def _lookup(
+        self, request: bank_pb2.LookupEntryRequest
+    ) -> tuple[Explanation, bytes | None]:
         d = request.digests
         return await self._bank.lookup(
             request.key, d.signature_digest, d.device_digest, _precision(d.precision) or "exact"
         )
 
-    def QueryEntries(self, request, context):
+    def QueryEntries(
+        self, request: bank_pb2.QueryEntriesRequest, context: grpc.ServicerContext
+    ) -> bank_pb2.QueryEntriesResponse:
         items, after = self._bridge.call(context, self._query, request)
         return bank_pb2.QueryEntriesResponse(
             entries=[bank_pb2.BankEntry.FromString(v) for _, v in items],
@@ -159,20 +166,24 @@ class BankServicer(bank_pb2_grpc.BankServiceServicer):
         size = min(request.page_size or DEFAULT_PAGE, MAX_PAGE)
         return await self._bank.page("entries", _after(request.page_token), size, keep)
 
-    def ImportEntries(self, request_iterator, context):
+    def ImportEntries(
+        self,
+        request_iterator: Iterator[bank_pb2.ImportEntriesRequest],
+        context: grpc.ServicerContext,
+    ) -> bank_pb2.ImportEntriesResponse:
         first = next(request_iterator, None)
-        has_options = first is not None and first.WhichOneof("payload") == "options"
-        options = first.options if has_options else bank_pb2.ImportOptions()
+        records: Iterable[bank_pb2.ImportEntriesRequest] = request_iterator
+        if first is not None and first.WhichOneof("payload") == "options":
+            options = first.options
+        else:
+            options = bank_pb2.ImportOptions()
+            if first is not None:
+                records = itertools.chain([first], request_iterator)
         if options.policy not in _POLICY:
             context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"ImportEntries: unknown merge policy {options.policy}",
             )
-        records = (
-            request_iterator
-            if has_options or first is None
-            else itertools.chain([first], request_iterator)
-        )
         checked = check_import(
             _lines(records, context),
             _POLICY[options.policy],
@@ -181,7 +192,9 @@ class BankServicer(bank_pb2_grpc.BankServiceServicer):
         counts = self._bridge.call(context, self._bank.merge, checked)
         return _import_response(counts, checked.refused)
 
-    def GetBankStats(self, request, context):
+    def GetBankStats(
+        self, request: bank_pb2.GetBankStatsRequest, context: grpc.ServicerContext
+    ) -> bank_pb2.GetBankStatsResponse:
         layers = self._bridge.call(context, self._bank.stats)
         custom = layers[0]
         return bank_pb2.GetBankStatsResponse(
@@ -196,7 +209,9 @@ class BankServicer(bank_pb2_grpc.BankServiceServicer):
             layers=[layer_stats_to_pb(s) for s in layers],
         )
 
-    def SyncBank(self, request, context):
+    def SyncBank(
+        self, request: bank_pb2.SyncBankRequest, context: grpc.ServicerContext
+    ) -> bank_pb2.SyncBankResponse:
         report = self._bridge.call(context, self._sync, request.peer)
         return bank_pb2.SyncBankResponse(
             peer_bank_id=report.peer_bank_id,
@@ -221,7 +236,9 @@ class BankServicer(bank_pb2_grpc.BankServiceServicer):
             )
         return await Follower(self._engine.bank, peer, self._connect, self._vocabulary).sync()
 
-    def PruneBank(self, request, context):
+    def PruneBank(
+        self, request: bank_pb2.PruneBankRequest, context: grpc.ServicerContext
+    ) -> bank_pb2.PruneBankResponse:
         r = self._bridge.call(context, self._bank.prune, request.dry_run)
         return bank_pb2.PruneBankResponse(
             trials_removed=r.trials_removed,
@@ -232,10 +249,14 @@ class BankServicer(bank_pb2_grpc.BankServiceServicer):
 
     # -- server streams
 
-    def ExportEntries(self, request, context):
+    def ExportEntries(
+        self, request: bank_pb2.ExportEntriesRequest, context: grpc.ServicerContext
+    ) -> Iterator[bank_pb2.ExportEntriesResponse]:
         yield from self._bridge.stream(context, _export, self._bank, request)
 
-    def FollowBank(self, request, context):
+    def FollowBank(
+        self, request: bank_pb2.FollowBankRequest, context: grpc.ServicerContext
+    ) -> Iterator[bank_pb2.FollowBankResponse]:
         stall = (
             FOLLOW_STALL_S,
             ResourceExhaustedError(
@@ -254,14 +275,16 @@ class BankServicer(bank_pb2_grpc.BankServiceServicer):
         ):
             yield _batch(batch)
 
-    def VerifyEntries(self, request, context):
+    def VerifyEntries(
+        self, request: bank_pb2.VerifyEntriesRequest, context: grpc.ServicerContext
+    ) -> Iterator[bank_pb2.VerifyEntriesResponse]:
         for v in self._bridge.stream(context, _verify, self._engine, self._bank, request, buffer=1):
             yield _verdict(v)
 
 
 async def _export(
     bank: DaemonBank, request: bank_pb2.ExportEntriesRequest
-) -> AsyncIterator[bank_pb2.ExportEntriesResponse]:
+) -> AsyncGenerator[bank_pb2.ExportEntriesResponse, None]:
     """The custom bank's records for an ExportEntriesRequest: entries, then default
     records, then the history, each in key order, read a page per transaction."""
     dbs = ["entries"]
@@ -287,7 +310,7 @@ def _check_verify(engine: Engine, request: bank_pb2.VerifyEntriesRequest) -> Non
 
 async def _verify(
     engine: Engine, bank: DaemonBank, request: bank_pb2.VerifyEntriesRequest
-) -> AsyncIterator[Verdict]:
+) -> AsyncGenerator[Verdict, None]:
     """A verdict per sampled entry of the custom bank, each measured in turn; the
     measurements go to the history before the verdict is handed on."""
     _check_verify(engine, request)
@@ -413,7 +436,7 @@ def _import_response(
     )
 
 
-def _stats(m: dict) -> bank_pb2.Stats:
+def _stats(m: Mapping[str, float]) -> bank_pb2.Stats:
     return bank_pb2.Stats(
         median_us=m.get("median_us", 0.0),
         spread=m.get("spread", 0.0),

@@ -6,6 +6,7 @@ import os
 import time
 from collections.abc import Callable
 
+import grpc
 import trio
 from google.protobuf.timestamp_pb2 import Timestamp
 
@@ -24,7 +25,9 @@ class DeviceServicer(devices_pb2_grpc.DeviceServiceServicer):
     def __init__(self, bridge: Bridge, jobs: JobManager):
         self._bridge, self._jobs = bridge, jobs
 
-    def ListDevices(self, request, context):
+    def ListDevices(
+        self, request: devices_pb2.ListDevicesRequest, context: grpc.ServicerContext
+    ) -> devices_pb2.ListDevicesResponse:
         return self._bridge.call(context, self._list)
 
     async def _list(self) -> devices_pb2.ListDevicesResponse:
@@ -116,7 +119,9 @@ class DaemonServicer(daemon_pb2_grpc.DaemonServiceServicer):
         self._started = started or time.time()
         self._listen = listen or cfg.listen_addresses
 
-    def GetDaemonInfo(self, request, context):
+    def GetDaemonInfo(
+        self, request: daemon_pb2.GetDaemonInfoRequest, context: grpc.ServicerContext
+    ) -> daemon_pb2.GetDaemonInfoResponse:
         return self._bridge.call(context, self._info)
 
     async def _info(self) -> daemon_pb2.GetDaemonInfoResponse:

@@ -19,7 +19,7 @@ import logging
 import os
 import socket as socketlib
 import stat
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -30,6 +30,7 @@ from grpc_reflection.v1alpha import reflection
 from aoe.errors import OptionError
 from aoe.v1 import (
     bank_pb2,
+    bank_pb2_grpc,
     daemon_pb2,
     daemon_pb2_grpc,
     devices_pb2,
@@ -166,7 +167,9 @@ def _read(path: Path | None) -> bytes | None:
 
 
 def build_server(
-    cfg: DaemonConfig, add_services, interceptors: Sequence[grpc.ServerInterceptor] = ()
+    cfg: DaemonConfig,
+    add_services: Callable[[grpc.Server], None],
+    interceptors: Sequence[grpc.ServerInterceptor] = (),
 ) -> Server:
     """A started-to-be gRPC server bound as `cfg` says, with `add_services(server)`
     having registered the aoe.v1 servicers, and `interceptors` (aoed.metrics counts
@@ -200,7 +203,7 @@ def build_server(
     if cfg.tcp:
         if cfg.tls_cert is not None and cfg.tls_key is not None:
             creds = grpc.ssl_server_credentials(
-                [(_read(cfg.tls_key), _read(cfg.tls_cert))],
+                [(cfg.tls_key.read_bytes(), cfg.tls_cert.read_bytes())],
                 root_certificates=_read(cfg.tls_client_ca),
                 require_client_auth=cfg.tls_client_ca is not None,
             )
@@ -216,11 +219,16 @@ def build_server(
     return Server(server, health_servicer, addresses, socket)
 
 
-def register(server: grpc.Server, tuning, bank, devices, daemon) -> None:
+def register(
+    server: grpc.Server,
+    tuning: tuning_pb2_grpc.TuningServiceServicer,
+    bank: bank_pb2_grpc.BankServiceServicer | None,
+    devices: devices_pb2_grpc.DeviceServiceServicer,
+    daemon: daemon_pb2_grpc.DaemonServiceServicer,
+) -> None:
+    """Serve the aoe.v1 services on `server` (BankService only when `bank` is given)."""
     tuning_pb2_grpc.add_TuningServiceServicer_to_server(tuning, server)
     if bank is not None:
-        from aoe.v1 import bank_pb2_grpc
-
         bank_pb2_grpc.add_BankServiceServicer_to_server(bank, server)
     devices_pb2_grpc.add_DeviceServiceServicer_to_server(devices, server)
     daemon_pb2_grpc.add_DaemonServiceServicer_to_server(daemon, server)

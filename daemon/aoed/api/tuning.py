@@ -19,11 +19,12 @@ import json
 import os
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO, TypeVar, cast
 
 import grpc
+from google.protobuf.descriptor import EnumDescriptor
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from aoe import sizes
@@ -41,6 +42,9 @@ from aoed.jobs.store import EventRow, JobRow, Upload
 from aoed.logs import cut
 
 __all__ = ["TuningServicer", "confine"]
+
+K = TypeVar("K", bound=int)
+V = TypeVar("V")
 
 CHUNK = 1 << 20
 
@@ -107,7 +111,8 @@ def client_of(context: grpc.ServicerContext) -> str:
     certificate, else the peer's address on TCP, else "local" (on the unix socket every
     caller is the same client: grpcio cannot see the peer's uid, and the socket's group
     is one team)."""
-    auth = context.auth_context() or {}
+    # grpcio gives each property as a list of values (its docs); the stubs say bytes.
+    auth = cast("Mapping[str, Sequence[bytes]]", context.auth_context()) or {}
     for key in ("x509_common_name", "x509_subject_alternative_name"):
         names = auth.get(key) or []
         if names:
@@ -126,13 +131,11 @@ def _ts(seconds: float | None) -> Timestamp | None:
     return t
 
 
-def _name_of(table: dict[int, str], code: int, field: str, enum) -> str:
+def _name_of(table: Mapping[K, V], code: K, field: str, enum: EnumDescriptor) -> V:
     """`table[code]`; OptionError naming `field` for a number the enum does not define
     (proto3 keeps unknown enum numbers, which a lookup with a default would quietly map)."""
     if code not in table:
-        names = ", ".join(
-            f"{v.name}={v.number}" for v in enum.DESCRIPTOR.values if v.number in table
-        )
+        names = ", ".join(f"{v.name}={v.number}" for v in enum.values if v.number in table)
         raise OptionError(f"{field} {code}: not a known value (known: {names})")
     return table[code]
 
@@ -171,8 +174,8 @@ def event_pb(ev: EventRow) -> tuning_pb2.JobEvent:
     if ev.kind == "state":
         msg.state_change.CopyFrom(
             tuning_pb2.JobStateChange(
-                previous=_STATE.get(d.get("previous", ""), 0),
-                state=_STATE.get(d.get("state", ""), 0),
+                previous=_STATE.get(d.get("previous", ""), tuning_pb2.JOB_STATE_UNSPECIFIED),
+                state=_STATE.get(d.get("state", ""), tuning_pb2.JOB_STATE_UNSPECIFIED),
                 message=str(d.get("message", "")),
             )
         )
@@ -183,7 +186,7 @@ def event_pb(ev: EventRow) -> tuning_pb2.JobEvent:
     else:
         msg.log.CopyFrom(
             tuning_pb2.LogLine(
-                level=_LEVEL.get(d.get("level", "info"), 0),
+                level=_LEVEL.get(d.get("level", "info"), tuning_pb2.LOG_LEVEL_UNSPECIFIED),
                 logger=str(d.get("logger", "")),
                 message=str(d.get("message", "")),
             )
@@ -220,7 +223,9 @@ class TuningServicer(tuning_pb2_grpc.TuningServiceServicer):
 
     # -- unary
 
-    def SubmitJob(self, request, context):
+    def SubmitJob(
+        self, request: tuning_pb2.SubmitJobRequest, context: grpc.ServicerContext
+    ) -> tuning_pb2.SubmitJobResponse:
         row, _ = self._bridge.call(context, self._submit, request, client_of(context))
         return tuning_pb2.SubmitJobResponse(job_id=row.id, job=job_pb(row))
 
@@ -263,19 +268,26 @@ class TuningServicer(tuning_pb2_grpc.TuningServiceServicer):
             )
         raise OptionError("SubmitJob: set model_path or model_id")
 
-    def GetJob(self, request, context):
+    def GetJob(
+        self, request: tuning_pb2.GetJobRequest, context: grpc.ServicerContext
+    ) -> tuning_pb2.GetJobResponse:
         return self._bridge.call(context, self._get, request.job_id)
 
     async def _get(self, job_id: str) -> tuning_pb2.GetJobResponse:
         row = self._jobs.get(job_id)
         return tuning_pb2.GetJobResponse(job=job_pb(row, self._jobs.queue_position(row)))
 
-    def ListJobs(self, request, context):
+    def ListJobs(
+        self, request: tuning_pb2.ListJobsRequest, context: grpc.ServicerContext
+    ) -> tuning_pb2.ListJobsResponse:
         return self._bridge.call(context, self._list, request)
 
     async def _list(self, request: tuning_pb2.ListJobsRequest) -> tuning_pb2.ListJobsResponse:
         size = min(int(request.page_size or 100), 1000)
-        states = [_name_of(_STATE_NAME, s, "states", tuning_pb2.JobState) for s in request.states]
+        states: list[str] = [
+            _name_of(_STATE_NAME, s, "states", tuning_pb2.JobState.DESCRIPTOR)
+            for s in request.states
+        ]
         rows = self._jobs.list(states, size + 1, _parse_token(request.page_token))
         jobs: list[tuning_pb2.Job] = []
         used = 0
@@ -290,7 +302,9 @@ class TuningServicer(tuning_pb2_grpc.TuningServiceServicer):
             jobs=jobs, next_page_token=_page_token(rows[len(jobs) - 1]) if more else ""
         )
 
-    def CancelJob(self, request, context):
+    def CancelJob(
+        self, request: tuning_pb2.CancelJobRequest, context: grpc.ServicerContext
+    ) -> tuning_pb2.CancelJobResponse:
         return self._bridge.call(context, self._cancel, request.job_id)
 
     async def _cancel(self, job_id: str) -> tuning_pb2.CancelJobResponse:
@@ -298,13 +312,19 @@ class TuningServicer(tuning_pb2_grpc.TuningServiceServicer):
 
     # -- streams
 
-    def WatchJob(self, request, context):
+    def WatchJob(
+        self, request: tuning_pb2.WatchJobRequest, context: grpc.ServicerContext
+    ) -> Iterator[tuning_pb2.WatchJobResponse]:
         for ev in self._bridge.stream(
             context, self._jobs.events, request.job_id, request.after_sequence, request.include_logs
         ):
             yield tuning_pb2.WatchJobResponse(event=event_pb(ev))
 
-    def UploadModel(self, request_iterator, context):
+    def UploadModel(
+        self,
+        request_iterator: Iterator[tuning_pb2.UploadModelRequest],
+        context: grpc.ServicerContext,
+    ) -> tuning_pb2.UploadModelResponse:
         cfg = self._cfg
         limit = cfg.max_upload_bytes
         first = next(request_iterator, None)
@@ -331,7 +351,7 @@ class TuningServicer(tuning_pb2_grpc.TuningServiceServicer):
         final = folder / upload_id
         h, size, reserved, kept = hashlib.sha256(), 0, head.size_bytes, False
 
-        def receive(f) -> None:
+        def receive(f: BinaryIO) -> None:
             nonlocal size, reserved
             for msg in request_iterator:
                 if msg.WhichOneof("payload") != "chunk":
@@ -371,13 +391,13 @@ class TuningServicer(tuning_pb2_grpc.TuningServiceServicer):
             space.check_floor(folder, cfg.min_free_bytes, "UploadModel", need=reserved)
             folder.mkdir(parents=True, exist_ok=True)
             # uploads/<id>/<name>, written as safefs writes: the file appears whole or not at all.
-            with safefs.opened_dir(folder) as up:
-                own = safefs.make_dir(upload_id, dir_fd=up)
+            with safefs.opened_dir(folder) as uploads_fd:
+                own = safefs.make_dir(upload_id, dir_fd=uploads_fd)
                 try:
                     safefs.write_file(name, receive, dir_fd=own)
                 except BaseException:
                     with contextlib.suppress(OSError):
-                        os.rmdir(upload_id, dir_fd=up)
+                        os.rmdir(upload_id, dir_fd=uploads_fd)
                     raise
                 finally:
                     os.close(own)
@@ -408,7 +428,9 @@ class TuningServicer(tuning_pb2_grpc.TuningServiceServicer):
     async def _register_upload(self, up: Upload) -> None:
         self._jobs.add_upload(up)
 
-    def DownloadResult(self, request, context) -> Iterator[tuning_pb2.DownloadResultResponse]:
+    def DownloadResult(
+        self, request: tuning_pb2.DownloadResultRequest, context: grpc.ServicerContext
+    ) -> Iterator[tuning_pb2.DownloadResultResponse]:
         path = self._bridge.call(context, self._artifact, request.job_id, request.artifact)
         try:
             with open(path, "rb") as f:

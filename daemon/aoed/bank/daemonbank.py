@@ -28,7 +28,7 @@ from typing import Any
 import lmdb
 import trio
 
-from aoe.bank import CUSTOM, BankReader, Explanation, LayerStats
+from aoe.bank import CUSTOM, BankReader, Explanation, LayerStats, check_schema
 from aoe.bankrecord import BankRecord, decode
 from aoe.errors import OptionError
 from aoe.keys import DeviceFingerprint
@@ -64,9 +64,11 @@ class StoreLayer:
         self.env = store.env
         with self.read(None, "open") as txn:
             # The store opened these databases; LMDB hands back the same handles.
+            self.meta = self.env.open_db(b"meta", txn=txn, create=False)
             self.entries, self.defaults, self.history = (
                 self.env.open_db(name.encode(), txn=txn, create=False) for name in DB_NAMES
             )
+            self.schema = check_schema(self.path, txn.get(b"schema_version", db=self.meta))
 
     @contextlib.contextmanager
     def read(self, db: Any, doing: str = "lookup") -> Iterator[lmdb.Transaction[bytes]]:

@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncGenerator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -83,7 +83,9 @@ class FollowBatch:
     head: int
 
 
-async def feed(writer: BankWriter, after: int, bank_id: str = "") -> AsyncIterator[FollowBatch]:
+async def feed(
+    writer: BankWriter, after: int, bank_id: str = ""
+) -> AsyncGenerator[FollowBatch, None]:
     """This bank's writes after sequence number `after` of the bank `bank_id` (from the
     start when that is not this bank), page by page, then each new commit as it comes;
     never ends by itself. The first batch comes at once, empty when there is nothing to

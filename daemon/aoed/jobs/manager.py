@@ -40,6 +40,7 @@ last job that does (retention), and at start when none does.
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import logging
 import shutil
@@ -269,7 +270,8 @@ class JobManager:
         """(jobs queued, jobs running)."""
         return len(self.store.jobs([st.QUEUED], limit=100000)), len(self._running)
 
-    def running(self) -> list[JobRow]:
+    # builtins.list: in this class's annotations `list` is the method below.
+    def running(self) -> builtins.list[JobRow]:
         """The jobs running now, newest first."""
         return self.store.jobs(st.RUNNING, limit=100000)
 
@@ -283,7 +285,7 @@ class JobManager:
         """Record a received upload (its file complete, its sha256 checked)."""
         self.inputs.add_upload(up)
 
-    def claims(self, state: str | None = None) -> list[Claim]:
+    def claims(self, state: str | None = None) -> builtins.list[Claim]:
         """The drop folders' claims (all, or those in `state`: claiming | claimed)."""
         return self.store.claims(state)
 
@@ -299,7 +301,7 @@ class JobManager:
         """Forget the claim of `src` (delivered, or never moved)."""
         self.store.claim_drop(src)
 
-    def _queued_order(self) -> list[JobRow]:
+    def _queued_order(self) -> builtins.list[JobRow]:
         # Active rows seen through the backlog: a job requeued while the store refused
         # the write is queued all the same.
         rows = [r for r in self.list(list(st.ACTIVE), 100000, None) if r.state == st.QUEUED]
