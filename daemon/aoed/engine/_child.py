@@ -51,7 +51,7 @@ def read_answer(line: bytes, request: Request, who: str) -> Answer:
     """The `Answer` on `line`, its reply decoded strictly as `request`'s reply type when
     it was served. ChildDiedError naming `who` (and the field) when it is malformed."""
     try:
-        answer = decode(Answer, json.loads(line))
+        answer: Answer = decode(Answer, json.loads(line))
         if answer.ok:
             answer = msgspec.structs.replace(
                 answer, reply=decode(type(request).reply, answer.reply)

@@ -327,8 +327,8 @@ class TaskAgent:
         res.accuracy = win.accuracy()
         res.attempt = ctx.attempt
         if outcome.strategy in in_context:
-            got = in_context[outcome.strategy]
-            res.accuracy.update(model_cosine=got.cosine, model_max_rel_error=got.max_rel_error)
+            acc = in_context[outcome.strategy]
+            res.accuracy.update(model_cosine=acc.cosine, model_max_rel_error=acc.max_rel_error)
         decision = TaskDecision(
             task,
             res,
