@@ -23,6 +23,7 @@ import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import IO
 
 import msgspec
 import trio
@@ -71,7 +72,7 @@ class _Process:
     mean the engine died. The fork is a vfork/exec of a fresh interpreter: brief.
     """
 
-    def __init__(self, argv: list[str], log, env: dict[str, str]):
+    def __init__(self, argv: list[str], log: IO[bytes], env: dict[str, str]) -> None:
         self._popen = subprocess.Popen(
             argv,
             stdin=subprocess.PIPE,

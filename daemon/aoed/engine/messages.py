@@ -502,7 +502,7 @@ class Measurement(Message, frozen=True):
 
     def summary(self) -> dict[str, Any]:
         """The fields a report keeps (no per-round data)."""
-        d = encode(self)
+        d: dict[str, Any] = encode(self)
         d.pop("rounds_us", None)
         return d
 
