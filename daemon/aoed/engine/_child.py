@@ -23,6 +23,7 @@ import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import IO
 
 import msgspec
 import trio
@@ -51,7 +52,7 @@ def read_answer(line: bytes, request: Request, who: str) -> Answer:
     """The `Answer` on `line`, its reply decoded strictly as `request`'s reply type when
     it was served. ChildDiedError naming `who` (and the field) when it is malformed."""
     try:
-        answer = decode(Answer, json.loads(line))
+        answer: Answer = decode(Answer, json.loads(line))
         if answer.ok:
             answer = msgspec.structs.replace(
                 answer, reply=decode(type(request).reply, answer.reply)
@@ -71,7 +72,7 @@ class _Process:
     mean the engine died. The fork is a vfork/exec of a fresh interpreter: brief.
     """
 
-    def __init__(self, argv: list[str], log, env: dict[str, str]):
+    def __init__(self, argv: list[str], log: IO[bytes], env: dict[str, str]) -> None:
         self._popen = subprocess.Popen(
             argv,
             stdin=subprocess.PIPE,

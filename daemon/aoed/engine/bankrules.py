@@ -197,8 +197,10 @@ def after_tuning(
             return Outcome("add", best, True, False)
         return Outcome("unsatisfied", DEFAULT, False, True)
     old = measured.get(hit.strategy)
-    old_ok = old is not None and old.ok and gate(old)
-    better = (best != hit.strategy and old_ok and clearly_faster(measured[best], old)) or not old_ok
+    if old is not None and old.ok and gate(old):
+        old_ok, better = True, best != hit.strategy and clearly_faster(measured[best], old)
+    else:  # the entry was not measured, failed or broke the gate: this run's winner replaces it
+        old_ok, better = False, True
     if better and best != DEFAULT:
         return Outcome("update", best, True, False)
     return Outcome("reserved", hit.strategy if old_ok else best, False, False)

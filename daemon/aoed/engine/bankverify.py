@@ -108,7 +108,7 @@ def _attribute(name: str, value: object) -> onnx.AttributeProto:
     return helper.make_attribute(name, value)
 
 
-def _positive_inputs(nodes_desc: Sequence[dict]) -> set[str]:
+def _positive_inputs(nodes_desc: Sequence[dict[str, Any]]) -> set[str]:
     """The task inputs that must be positive to mean anything: a BatchNormalization's
     variance (a negative one is a NaN after its square root)."""
     return {
@@ -359,7 +359,7 @@ async def _verify_options(
     budget_s: float,
     ledger: JobLedger,
     workdir: Path,
-) -> list[tuple[bytes, dict]]:
+) -> list[tuple[bytes, dict[str, Any]]]:
     """A/B a model-level entry's session options on the model they were chosen for, as
     deployed: each form in a process of its own (MeasurePlan.deployed), as the tuner
     decided them."""
@@ -397,7 +397,7 @@ async def _verify_options(
 
 async def _verify_task(
     engine: Engine, e: BankRecord, v: Verdict, budget_s: float, ledger: JobLedger, workdir: Path
-) -> list[tuple[bytes, dict]]:
+) -> list[tuple[bytes, dict[str, Any]]]:
     """Rebuild an operator or subgraph entry's task, measure its default and strategy
     forms interleaved, and judge: accuracy first (on inputs drawn like those it was
     decided on, or saying why not), then speed (`judge_speed`)."""
@@ -484,7 +484,7 @@ def _not_measurable(e: BankRecord, here: str) -> str:
 
 async def verify_entries(
     engine: Engine, entries: Sequence[BankRecord], budget_s: float, models: Sequence[Path] = ()
-) -> tuple[list[Verdict], list[tuple[bytes, dict]]]:
+) -> tuple[list[Verdict], list[tuple[bytes, dict[str, Any]]]]:
     """Re-measure `entries` on the engine's device, one at a time; returns the verdicts
     (one per entry, whatever happens to it) and the history trials to record. A
     model-level entry (session options) is checked on its model when `models` include it
@@ -492,7 +492,7 @@ async def verify_entries(
     agents)."""
     here = engine.device.device.fingerprint().digest
     verdicts: list[Verdict] = []
-    trials: list[tuple[bytes, dict]] = []
+    trials: list[tuple[bytes, dict[str, Any]]] = []
     ledger = JobLedger(new_job_id().replace("job-", "verify-"))
     with tempfile.TemporaryDirectory(prefix="aoe-verify-") as tmp:
         by_sig = await _models_by_signature(engine, models, Path(tmp), ledger) if models else {}

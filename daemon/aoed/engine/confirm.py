@@ -162,7 +162,7 @@ def judge(measured: Mapping[str, Measurement], proposal: Proposal) -> tuple[Conf
     if proposal.kind != "input":
         prop = measured["proposal"]
         name, path, kind = "proposal", proposal.model, proposal.kind
-        if "plain" in measured and prop.ok and measured["plain"].ok:
+        if proposal.plain is not None and "plain" in measured and prop.ok and measured["plain"].ok:
             o_verdict, o_med, o_ci = verdict_of(
                 stats.paired_ratios(prop.rounds_us, measured["plain"].rounds_us)
             )

@@ -107,7 +107,7 @@ class DeviceAgent:
         gone), or empty: the device set sends work elsewhere while it is not empty."""
         return getattr(self._runner, "unusable", "")
 
-    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Start the runner, check the device answers, then serve requests until cancelled.
         Raises DeviceError (before reporting started) when the device is unusable."""
         try:
@@ -138,7 +138,7 @@ class DeviceAgent:
 
     async def _serve(
         self, call: tuple[Request, float | None, str], job: JobLedger | None
-    ) -> outcome.Outcome:
+    ) -> outcome.Outcome[Any]:
         request, given, category = call
         op = op_of(request)
         if given:
@@ -195,7 +195,9 @@ class DeviceAgent:
         abandons it in flight (the runner is killed and restarted)."""
         self.outstanding += 1
         try:
-            result: outcome.Outcome = await self._queue.submit((request, limit_s, category), job)
+            result: outcome.Outcome[Any] = await self._queue.submit(
+                (request, limit_s, category), job
+            )
         finally:
             self.outstanding -= 1
         return result.unwrap()

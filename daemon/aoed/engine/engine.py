@@ -172,6 +172,8 @@ async def open_engine(
     config = plan.apply(config)  # the children's limit and count, as derived
     try:
         async with open_executor(config, logdir) as executor, trio.open_nursery() as nursery:
+            runner_cpus: list[list[int]]
+            worker_cpus: list[int]
             if executor.remote:  # the cores are the nodes': an actor pins itself there (rayexec.py)
                 runner_cpus, worker_cpus, pause = [[] for _ in config.all_devices], [], False
             else:
@@ -185,7 +187,7 @@ async def open_engine(
                 logdir,
                 runtime=runtime,
                 cpus=worker_cpus,
-                memory_mb=config.worker_memory_mb,
+                memory_mb=plan.child_mb,
                 plugins=config.plugins,
                 timeouts={"compile": compile_s, "rebuild": compile_s},
                 default_timeout=config.stage_timeout_s,
@@ -200,7 +202,7 @@ async def open_engine(
                     logdir,
                     config.runtime_dir,
                     cpus=cpus,
-                    memory_mb=config.worker_memory_mb,
+                    memory_mb=plan.child_mb,
                     pause_pool=pause,
                     lock_group=lock_group,
                     runtime=runtime,

@@ -32,7 +32,8 @@ async def model_accuracy(ctx: JobContext, task: Task, strategy: str) -> Accuracy
     try:
         await ctx.assemble([Build(out, {task.id: strategy})])
         req = CompareRequest(ctx.run.model, out, ctx.held_back, ctx.device.device)
-        return await ctx.device.call(req, ctx.ledger, category="search")
+        acc: Accuracy = await ctx.device.call(req, ctx.ledger, category="search")
+        return acc
     except DeviceError as exc:
         return f"the model with it could not be measured ({exc})"
     except AoedError as exc:  # a build that fails is this candidate's answer

@@ -12,7 +12,7 @@ from typing import Any
 
 import trio
 
-from aoe.outcome import TaskOutcome
+from aoe.outcome import TaskOutcome, UpdateMode
 from aoe.spec import JobSpec
 from aoed.engine.registry import DEFAULT
 
@@ -82,7 +82,7 @@ class TaskResult:
             self.strategy,
             self.before_us,
             self.after_us,
-            self.update_mode,
+            UpdateMode(self.update_mode),
             self.bank_layer,
             dict(self.accuracy),
             self.error,

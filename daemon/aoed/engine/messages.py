@@ -117,9 +117,10 @@ def decode(tp: type[T] | Any, data: Any, what: str = "") -> T:
     the type's name) and the field when a field is unknown, missing or of the wrong type."""
     name = what or getattr(tp, "__name__", str(tp))
     try:
-        return from_plain(tp, data)
+        checked: T = from_plain(tp, data)  # `tp` may be a union, which type[T] cannot say
     except msgspec.ValidationError as exc:
         raise MessageError(f"{name}: {exc}") from None
+    return checked
 
 
 def op_of(request: Request) -> str:
@@ -461,7 +462,7 @@ class Measurement(Message, frozen=True):
 
     def summary(self) -> dict[str, Any]:
         """The fields a report keeps (no per-round data)."""
-        d = encode(self)
+        d: dict[str, Any] = encode(self)
         d.pop("rounds_us", None)
         return d
 

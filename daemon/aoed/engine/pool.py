@@ -132,7 +132,7 @@ class CompilePool:
     def pids(self) -> list[int]:
         return [c.pid for c in self._children if c.pid is not None]
 
-    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         try:
             async with trio.open_nursery() as nursery:
                 for child in self._children:
@@ -148,7 +148,7 @@ class CompilePool:
     ) -> None:
         async def handle(
             call: tuple[Request, float | None], job: JobLedger | None
-        ) -> outcome.Outcome:
+        ) -> outcome.Outcome[Any]:
             request, given = call
             op = op_of(request)
             if given:
@@ -197,7 +197,7 @@ class CompilePool:
         of ours, else CandidateError; WorkerCrashedError or WorkerTimeoutError when the
         worker died or overran its limit (`timeout_s`, else the request kind's).
         Cancellation drops the request, or kills the worker serving it."""
-        result: outcome.Outcome = await self._queue.submit((request, timeout_s), job)
+        result: outcome.Outcome[Any] = await self._queue.submit((request, timeout_s), job)
         return result.unwrap()
 
     @contextlib.asynccontextmanager

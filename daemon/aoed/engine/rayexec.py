@@ -71,7 +71,7 @@ import logging
 import os
 import secrets
 import socket
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -141,7 +141,9 @@ class LineActor:
         if cores and cores <= os.sched_getaffinity(0):
             os.sched_setaffinity(0, cores)
             self.pinned = True
-        self._answer = importlib.import_module(module).line_handler(**kwargs)
+        self._answer: Callable[[bytes], bytes] = importlib.import_module(module).line_handler(
+            **kwargs
+        )
         self._lock = DeviceLock(Path(lock[0]), lock[1], lock[2]) if lock is not None else None
 
     def hello(self, probe: str, token: str) -> dict[str, Any]:

@@ -40,6 +40,9 @@ DEFAULT = "default"
 #: quantization; offered under every lossy policy
 APPROX = "approx"
 
+#: a strategy's rewrite: the task's view -> its rewrite, or None where it does not apply
+RewriteFn = Callable[[TaskView], Rewrite | None]
+
 
 @dataclass(frozen=True)
 class Strategy:
@@ -48,7 +51,7 @@ class Strategy:
     name: str
     family: str
     precision: str
-    rewrite: Callable[[TaskView], Rewrite | None]
+    rewrite: RewriteFn
     doc: str = ""
     #: the rewrite for `name:param` (None: the strategy takes no parameter)
     with_param: Callable[[TaskView, str], Rewrite | None] | None = None
@@ -103,11 +106,11 @@ class StrategyRegistry:
 
     def strategy(
         self, name: str, family: str, precision: str = "exact", kinds: Iterable[str] = ("cpu",)
-    ):
+    ) -> Callable[[RewriteFn], RewriteFn]:
         """Decorator registering a rewrite function as strategy `name` of `family`, for
         devices of `kinds`."""
 
-        def deco(fn: Callable[[TaskView], Rewrite | None]):
+        def deco(fn: RewriteFn) -> RewriteFn:
             self.register(
                 Strategy(
                     name, family, precision, fn, (fn.__doc__ or "").strip(), kinds=frozenset(kinds)

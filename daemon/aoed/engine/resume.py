@@ -63,7 +63,7 @@ async def records(ctx: JobContext, bank_keys: Iterable[bytes]) -> dict[bytes, Ma
     one, or with REPEAT_TUNE only those of the job it resumes."""
     wanted = set(bank_keys)
     found = await ctx.bank.decisions(ctx.run_key)
-    out = {}
+    out: dict[bytes, Mapping[str, Any]] = {}
     for key, doc in found:
         bank_key = key[len(ctx.run_key) :]
         if bank_key in wanted and (not ctx.spec.repeat_tune or doc.get("job") == ctx.run.resumes):

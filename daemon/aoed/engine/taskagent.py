@@ -23,6 +23,7 @@ import dataclasses
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import trio
@@ -137,7 +138,7 @@ class TaskAgent:
         decision.notes.extend(self.notes)
         return decision
 
-    async def _described(self, taskdir) -> dict[str, str]:
+    async def _described(self, taskdir: Path) -> dict[str, str]:
         """The params that describe the task's inputs (DescribeRequest); none when the
         worker could not say (the decision is kept without them: verify then says its
         inputs are not drawn like the task's)."""
@@ -327,8 +328,8 @@ class TaskAgent:
         res.accuracy = win.accuracy()
         res.attempt = ctx.attempt
         if outcome.strategy in in_context:
-            got = in_context[outcome.strategy]
-            res.accuracy.update(model_cosine=got.cosine, model_max_rel_error=got.max_rel_error)
+            acc = in_context[outcome.strategy]
+            res.accuracy.update(model_cosine=acc.cosine, model_max_rel_error=acc.max_rel_error)
         decision = TaskDecision(
             task,
             res,
@@ -403,7 +404,7 @@ class TaskAgent:
 IN_CONTEXT_TRIES = 2
 
 
-def _remove(paths: list) -> None:
+def _remove(paths: list[Path]) -> None:
     """Candidate files are only needed while measured; the winner is rebuilt on assembly."""
     for p in paths:
         if p.name != "task.onnx":

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -149,7 +149,7 @@ class World:
         return bool(self._ranks)
 
     @contextlib.asynccontextmanager
-    async def _held(self):
+    async def _held(self) -> AsyncIterator[None]:
         async with contextlib.AsyncExitStack() as stack:
             for lock in self._locks:
                 await stack.enter_async_context(lock.hold(self.on_wait))
@@ -320,6 +320,7 @@ async def inspect_model(
             raise WorldError(f"loading the model: {exc}") from None
         if not answer.ok:
             raise _failure(answer, "loading the model")
-        return encode(answer.reply)
+        layout: dict[str, Any] = encode(answer.reply)
+        return layout
     finally:
         await child.aclose()

@@ -421,7 +421,8 @@ class JobStore:
     ) -> list[JobRow]:
         """Jobs newest first, optionally in `states`, strictly after the (created, id)
         cursor `before` in that order."""
-        where, args = [], []
+        where: list[str] = []
+        args: list[object] = []
         if states:
             where.append(f"state IN ({','.join('?' * len(states))})")
             args.extend(states)
