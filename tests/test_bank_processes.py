@@ -176,13 +176,19 @@ def test_sigkill_mid_write_leaves_every_committed_entry(tmp_path: Path) -> None:
         with pytest.raises(BankBusyError, match=f"being written by pid {writer.pid} "):
             BankStore(path)  # one writer at a time
         os.kill(writer.pid, signal.SIGKILL)
-        rest, _ = writer.communicate(timeout=30)
+        writer.wait(timeout=30)
+        # From the same reader as the loop above: communicate() would read the pipe itself
+        # and miss the lines that loop had already read ahead into its buffer.
+        rest = writer.stdout.read()
         for line in rest.split():
             committed = int(line)  # printed before the kill: committed too
     finally:
         if writer.poll() is None:
             writer.kill()
             writer.wait()
+        for pipe in (writer.stdout, writer.stderr):
+            if pipe is not None:
+                pipe.close()
     assert writer.returncode == -signal.SIGKILL
     assert committed >= 2500
     # The bank opens for writing (the kernel dropped the killed writer's lock; recovery

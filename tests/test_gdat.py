@@ -302,7 +302,9 @@ async def test_a_job_ends_with_outputs_and_a_bank_record_and_the_next_is_answere
     assert details["confirmation"]["rounds"] == 5 and details["broken_turns"] == []
     # The fields every job has, as every job's result reads them (aoe.outcome).
     outcome = to_outcome(r)
-    assert outcome.job_type == JobType.GDAT and doc["figures"] == outcome.figures.to_dict()
+    assert outcome.job_type == JobType.GDAT and doc["figures"] == json.loads(
+        json.dumps(outcome.figures.to_dict())
+    )
     assert outcome.figures.baseline_ms == r.baseline_ms and outcome.figures.rounds == 5
     assert (
         outcome.figures.changed == (not r.shipped.is_default)
