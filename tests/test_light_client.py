@@ -135,16 +135,21 @@ def test_the_client_installs_alone_and_a_compiler_looks_a_model_up_there(tmp_pat
         for k, v in os.environ.items()
         if k not in ("PYTHONPATH", "TUNE_BANK_PATH", "AOED_BANK_LAYERS")
     }
-    done = subprocess.run(
-        [str(python), "-c", _LIGHT_LOOKUP, str(model), str(bank), here.runtime_version],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=tmp_path,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    got = json.loads(done.stdout)
+
+    def light(code: str, *args: str) -> str:
+        """`code` run by the light venv's python, outside the tree; its stdout."""
+        done = subprocess.run(
+            [str(python), "-c", code, *args],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=tmp_path,
+            timeout=300,
+        )
+        assert done.returncode == 0, done.stderr[-4000:]
+        return done.stdout
+
+    got = json.loads(light(_LIGHT_LOOKUP, str(model), str(bank), here.runtime_version))
     assert got["installed"] == [], got["installed"]
     assert not set(got["loaded"]) & {*HEAVY, "torch"}, got["loaded"]
     assert Path(got["aoe"]).is_relative_to(venv), got["aoe"]  # the installed copy, not the tree
@@ -154,21 +159,11 @@ def test_the_client_installs_alone_and_a_compiler_looks_a_model_up_there(tmp_pat
     assert got["own"] == []  # decisions for a runtime never answer "unknown"
 
     _pip(python, f"{src}[grpc]")
-    done = subprocess.run(
-        [
-            str(python),
-            "-c",
-            "import sys, aoe.bank; print('grpc' in sys.modules); from aoe import Client; "
-            "print(Client.__module__)",
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=tmp_path,
-        timeout=300,
+    out = light(
+        "import sys, aoe.bank; print('grpc' in sys.modules); from aoe import Client; "
+        "print(Client.__module__)"
     )
-    assert done.returncode == 0, done.stderr[-4000:]
-    assert done.stdout.split() == ["False", "aoe.client"]
+    assert out.split() == ["False", "aoe.client"]
 
 
 def _exported_mlp() -> onnx.ModelProto:

@@ -453,19 +453,13 @@ class Watcher:
         except OSError as err:
             self._given_up[path] = await trio.to_thread.run_sync(entry_signature, path)
             if self._given_up[path] is None:  # moved, but its error file could not be written
-                log.error(
-                    "inbox %s: %s could not be claimed (%s) %d times; moved to %s without its error file (%s)",
-                    folder.inbox.path,
-                    path.name,
-                    why,
-                    CLAIM_TRIES,
-                    folder.inbox.failed,
-                    err.strerror or err,
+                rest = "; moved to %s without its error file (%s)"
+            else:
+                rest = (
+                    ", nor moved to %s (%s); left in the inbox and not tried again until it changes"
                 )
-                return
             log.error(
-                "inbox %s: %s could not be claimed (%s) %d times, nor moved to %s (%s); left in the inbox and "
-                "not tried again until it changes",
+                "inbox %s: %s could not be claimed (%s) %d times" + rest,
                 folder.inbox.path,
                 path.name,
                 why,
