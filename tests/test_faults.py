@@ -251,6 +251,10 @@ def test_a_model_that_cannot_fit_the_memory_is_refused_with_both_figures(tmp_pat
         d.close()
 
 
+# `make test-long`, which runs cases one at a time: its bound on a measurement's overrun
+# (a tenth of a 0.36 s share) holds for turns as steady as the last one, and beside another
+# pytest worker a turn can run past it.
+@pytest.mark.long
 def test_a_big_model_with_a_tiny_budget_says_where_it_went_over_and_keeps_search_within(
     tmp_path: Path,
 ) -> None:
