@@ -11,9 +11,10 @@ TORCH_CPU ?= torch==2.13.0
 SAMPLE ?= cnn
 PRECISION ?= exact
 OUT    ?= out
-# pytest-xdist workers for `make test` and `make test-load`: two cases side by side, each
-# test stolen by whichever worker is free (a module's fixtures may then run in both).
-WORKERS ?= 2
+# pytest-xdist workers for `make test` and `make test-load`: three cases side by side (most
+# wait on daemons, workers and sockets), each test stolen by whichever worker is free (a
+# module's fixtures may then run in several).
+WORKERS ?= 3
 
 .PHONY: run test test-long lint docs test-cluster test-load protos bench bench-quick clean soak
 

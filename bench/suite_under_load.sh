@@ -19,7 +19,7 @@ LOOPS=${LOOPS:-2}
 PYTHON=${PYTHON:-.venv/bin/python}
 if [ $# -eq 0 ]; then
     # what `make test` runs
-    set -- -q -n "${WORKERS:-2}" --dist worksteal -m "not soak and not cluster and not long"
+    set -- -q -n "${WORKERS:-3}" --dist worksteal -m "not soak and not cluster and not long"
 fi
 LOGS=$(mktemp -d /tmp/suite-under-load.XXXXXX)
 # Device lock files of their own, so a run never waits for another user's measurement.
