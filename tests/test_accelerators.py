@@ -6,6 +6,9 @@ No GPU is needed: nvidia-smi's answers are fixtures written from its documented 
 from __future__ import annotations
 
 import hashlib
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -284,3 +287,26 @@ def test_list_devices_names_the_daemons_device_first_and_the_gpus_it_could_use(
         "CUDAExecutionProvider" in a100.unusable
         and a100.versions["onnxruntime"] == cpu.versions["onnxruntime"]
     )
+
+
+def test_fingerprinting_the_cpu_starts_no_process() -> None:
+    """A daemon fingerprints its CPU after gRPC starts; a child started then (such as
+    `platform.processor()`'s `uname -p`) would carry the daemon's environment, the service
+    manager's variables included."""
+    code = textwrap.dedent(
+        """
+        import sys
+        started = []
+        sys.addaudithook(lambda ev, args: started.append(args[0]) if ev in (
+            "subprocess.Popen", "os.posix_spawn", "os.fork", "os.exec") else None)
+        from aoe.fingerprint import cpu_model_and_flags, device_fingerprint
+        model, _ = cpu_model_and_flags()
+        device_fingerprint()
+        assert model, "no model"
+        print(repr(started))
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert out.stdout.strip() == "[]", out.stdout

@@ -55,8 +55,10 @@ _ISA_FLAGS = frozenset(
 
 def cpu_model_and_flags() -> tuple[str, tuple[str, ...]]:
     """This machine's CPU model (as /proc/cpuinfo names it, else `platform`'s) and the ISA
-    flags among _ISA_FLAGS it has, sorted ("unknown" and () where nothing says)."""
-    model = platform.processor() or platform.machine()
+    flags among _ISA_FLAGS it has, sorted ("unknown" and () where nothing says).
+    `platform.processor()` is not asked: on Linux it runs `uname -p` in a child, which a
+    daemon would start with its own environment (the service manager's variables too)."""
+    model = platform.machine()
     flags: set[str] = set()
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
