@@ -148,7 +148,7 @@ def discover() -> Discovery:
     GPUs, and `note` says why."""
     if shutil.which("nvidia-smi") is None:
         return Discovery((), "no nvidia-smi on PATH (no NVIDIA driver installed)")
-    fields = GPU_QUERY
+    fields: tuple[str, ...] = GPU_QUERY
     try:
         r = _smi(fields)
         if r.returncode != 0 and "compute_cap" in r.stdout + r.stderr:

@@ -21,7 +21,7 @@ import hashlib
 import os
 import time
 import uuid
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Generator, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any
 
@@ -168,7 +168,7 @@ def _writing(path: Path, mode: str) -> Iterator[IO[Any]]:
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.part")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        f = open(tmp, mode.replace("w", "x"), **({} if "b" in mode else {"encoding": "utf-8"}))
+        f = open(tmp, mode.replace("w", "x"), encoding=None if "b" in mode else "utf-8")
     except OSError as exc:
         raise OptionError(f"{path}: {exc.strerror or exc}") from None
     try:
@@ -263,7 +263,9 @@ class Client:
         except grpc.RpcError as exc:
             raise _error(exc, self.target, bank) from exc
 
-    def _stream(self, method: Any, request: Any, *, bank: bool = False) -> Iterator[Any]:
+    def _stream(
+        self, method: Any, request: Any, *, bank: bool = False
+    ) -> Generator[Any, None, None]:
         self._check_socket()
         call = method(request)
         try:
@@ -383,7 +385,8 @@ class Client:
         """Every job (newest first), all pages; only those in `states` ("queued", ...
         or JobState values) when given."""
         picked = [_enum(tuning_pb2.JobState, "JOB_STATE_", s, "state") for s in states or ()]
-        request = tuning_pb2.ListJobsRequest(states=picked)
+        # JobState.Value's numbers
+        request = tuning_pb2.ListJobsRequest(states=picked)  # type: ignore[arg-type]
         out: list[tuning_pb2.Job] = []
         while True:
             reply = self._call(self._tuning.ListJobs, request)

@@ -196,7 +196,7 @@ def first_error(group: BaseExceptionGroup, *classes: type[BaseException]) -> Bas
     """The error to report from `group` (what a nursery raises): its first exception,
     depth first, of the first of `classes` it holds; `group` itself when it holds none."""
     for cls in classes:
-        match = group.subgroup(cls)
+        match: BaseException | None = group.subgroup(cls)
         while isinstance(match, BaseExceptionGroup):
             match = match.exceptions[0]
         if match is not None:

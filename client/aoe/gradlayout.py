@@ -147,18 +147,17 @@ def torch_version() -> str:
 @functools.lru_cache(maxsize=16)
 def _host(backend: str, accelerator: str, version: str) -> DeviceFingerprint:
     hardware, flags = cpu_model_and_flags()
+    hardware = accelerator or hardware
     options = {"backend": backend, "device": BACKENDS.get(backend, "cpu")}
     desc = {
         "ep": GDAT_PROVIDER,
-        "hardware": accelerator or hardware,
+        "hardware": hardware,
         "isa": list(flags),
         "runtime": version,
         "options": options,
     }
     text = canonical_json(desc)
-    return DeviceFingerprint(
-        GDAT_PROVIDER, desc["hardware"], flags, version, options, text, _digest(text)
-    )
+    return DeviceFingerprint(GDAT_PROVIDER, hardware, flags, version, options, text, _digest(text))
 
 
 def host_fingerprint(

@@ -25,6 +25,7 @@ import contextlib
 import dataclasses
 import datetime
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -93,7 +94,12 @@ def client_for(args: argparse.Namespace) -> Client:
         raise OptionError("--tls-ca/--tls-cert/--tls-key: TLS needs --address HOST:PORT")
     if ("certificate_chain" in tls) != ("private_key" in tls):
         raise OptionError("--tls-cert and --tls-key go together")
-    return Client(address or getattr(args, "socket", None), **tls)
+    return Client(
+        address or getattr(args, "socket", None),
+        root_certificates=tls.get("root_certificates"),
+        private_key=tls.get("private_key"),
+        certificate_chain=tls.get("certificate_chain"),
+    )
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -204,7 +210,7 @@ def _shorten(text: str, width: int) -> str:
     return (cut[:space] if space > 0 else cut).rstrip(" ,;:") + "…"
 
 
-def _table(rows: list[tuple[str, ...]]) -> None:
+def _table(rows: Sequence[tuple[str, ...]]) -> None:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
     for r in rows:  # the last column unpadded: no width for it
         print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)) + "  " + r[-1])
@@ -221,7 +227,7 @@ def print_result(job: tuning_pb2.Job, files: list[Path] | None = None) -> None:
         if job.started.seconds
         else 0.0
     )
-    model, report = (files or [None, None])[:2]
+    model, report = (files[0], files[1]) if files else (None, None)
     outcome = outcome_from_pb(job.result, job.job_id)
     if not outcome.model:  # a daemon from before results named the model
         outcome = dataclasses.replace(outcome, model=job.model_name)

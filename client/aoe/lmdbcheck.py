@@ -133,14 +133,16 @@ def _read(data: Path) -> DataFile | None:
     try:
         if os.fstat(fd).st_size == 0:
             raise _Broken("it is empty (0 bytes): what the bank held is gone")
-        hdr, psize, *first = _meta(fd, 0, None)
+        first = _meta(fd, 0, None)
+        hdr, psize = first[0], first[1]
         if psize < 256 or psize & (psize - 1) or psize > 1 << 16:
             raise _Broken(f"its first meta page is damaged (page size {psize})")
-        _, psize2, *second = _meta(fd, psize, hdr)
+        second = _meta(fd, psize, hdr)
+        psize2 = second[1]
         if psize2 != psize:
             raise _Broken(f"its meta pages disagree on the page size ({psize}, {psize2})")
         # mdb_env_pick_meta: the meta with the larger txnid is the committed one.
-        map_size, last_pg, txnid, roots = second if second[2] > first[2] else first
+        map_size, last_pg, txnid, roots = (second if second[4] > first[4] else first)[2:]
         # The size is read after the metas: a commit writes its pages before its meta
         # page, so a meta read first never counts pages that a size read later lacks.
         return DataFile(psize, map_size, last_pg, txnid, roots, os.fstat(fd).st_size)

@@ -401,16 +401,16 @@ def check_session_options(options: Any, where: str = "session options") -> dict[
         if not isinstance(config, dict):
             raise RecordError(f"{where}: config", "not an object of config entries")
         for k, v in config.items():
-            allowed = SESSION_CONFIG.get(k)
-            if allowed is None:
+            values = SESSION_CONFIG.get(k)
+            if values is None:
                 raise RecordError(
                     f"{where}: config {_show(str(k))}",
                     "not a config entry the tuner sets (it sets: "
                     f"{', '.join(sorted(SESSION_CONFIG))})",
                 )
-            if v not in allowed:
+            if v not in values:
                 raise RecordError(
-                    f"{where}: config {k}", f"{v!r} is not one of {', '.join(allowed)}"
+                    f"{where}: config {k}", f"{v!r} is not one of {', '.join(values)}"
                 )
         out["config"] = dict(config)
     if "providers" in out:

@@ -31,18 +31,21 @@ that no count a request carries is taken unchecked.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from aoe.bank import LayerStats
 from aoe.config import MAX_PARALLEL  # JobOptions.parallel: as many as `[tuning] parallel`
 from aoe.errors import OptionError
-from aoe.figures import Comparison, Figures
+from aoe.figures import Comparison, Figures, Shipped
 from aoe.keys import PRECISION_CODES
 from aoe.outcome import (
     BudgetReport,
     JobOutcome,
     StageTime,
     TaskOutcome,
+    UpdateMode,
     details_from_dict,
     details_to_dict,
 )
@@ -70,7 +73,7 @@ _JOB_TYPE = {
 }
 
 
-def _member_of(table: dict[Any, int], code: int, field: str, enum: Any, unset: Any) -> Any:
+def _member_of(table: Mapping[Any, int], code: int, field: str, enum: Any, unset: Any) -> Any:
     """The key of `table` whose number is `code` (`unset` for 0); OptionError naming
     `field` for a number this side does not define."""
     if code == 0:
@@ -128,13 +131,13 @@ def spec_from_pb(o: tuning_pb2.JobOptions) -> JobSpec:
         job_type=_member_of(
             _JOB_TYPE, o.job_type, "job_type", tuning_pb2.JobType, JobType.SGAT_OPAT
         ),
-        input_shapes={s.name: list(s.dims) for s in o.input_shapes},
+        input_shapes={s.name: tuple(s.dims) for s in o.input_shapes},
         repeat_tune=o.repeat_tune,
         device=o.device or None,
         budget_s=o.budget_s or None,
         min_cosine=o.accuracy_budget.min_cosine or None,
         max_rel_error=o.accuracy_budget.max_rel_error or None,
-        calibration_dir=o.calibration_dir or None,
+        calibration_dir=Path(o.calibration_dir) if o.calibration_dir else None,
         priority=o.priority,
         labels=dict(o.labels),
         keep_initializer_inputs=o.keep_initializer_inputs,
@@ -163,7 +166,14 @@ def figures_from_pb(r: tuning_pb2.JobResult) -> Figures:
         else (r.improvement, (r.improvement_ci95_low, r.improvement_ci95_high))
     )
     return Figures(
-        r.verdict, shipped, r.baseline_ms, imp, ci, r.confirm_rounds, r.confirmed_by, decided
+        r.verdict,
+        Shipped(shipped),
+        r.baseline_ms,
+        imp,
+        ci,
+        r.confirm_rounds,
+        r.confirmed_by,
+        decided,
     )
 
 
@@ -324,7 +334,7 @@ def outcome_from_pb(r: tuning_pb2.JobResult, job_id: str = "") -> JobOutcome:
             t.strategy.name or "default",
             t.before_us,
             t.after_us,
-            t.update_mode,
+            UpdateMode(t.update_mode),
             t.bank_layer,
             {k: getattr(t.accuracy, k) for k in _ACCURACY} if t.HasField("accuracy") else {},
             t.error,

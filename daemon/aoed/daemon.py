@@ -29,6 +29,7 @@ import stat
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -43,6 +44,9 @@ from aoed.bank.follow import Follower
 from aoed.config import DaemonConfig, load_daemon_config
 from aoed.endpoint import Limits
 from aoed.jobs import store as st
+
+if TYPE_CHECKING:
+    import grpc
 from aoed.jobs.manager import JobManager
 from aoed.jobs.store import JobStore
 from aoed.metrics import DaemonMetrics, Snapshot, count_states
@@ -66,7 +70,7 @@ class Daemon:
         self.started = time.time()
         # Read (and removed from the environment) before any child process starts.
         self.notifier = Notifier()
-        self._probe_channel = None
+        self._probe_channel: grpc.Channel | None = None
         self.followers: list[Follower] = []
         self.metrics = DaemonMetrics() if cfg.metrics_listen else None
         self._bank_api = None

@@ -106,7 +106,8 @@ def _cell(text: str) -> str:
 
 def _invocation(action: argparse.Action) -> str:
     if not action.option_strings:
-        return action.metavar or action.dest.upper()
+        m = action.metavar
+        return " ".join(m) if isinstance(m, tuple) else m or action.dest.upper()
     flags = ", ".join(action.option_strings)
     if action.nargs == 0:
         return flags

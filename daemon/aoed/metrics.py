@@ -130,7 +130,7 @@ class _Collector(Collector):
         for (source, result), n in sorted(s.lookups.items()):
             c.add_metric([source, result], n)
         yield c
-        families = {
+        families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {
             "connected": GaugeMetricFamily(
                 "aoed_bank_follow_connected",
                 "1 while a stream from the peer is open",
@@ -178,7 +178,7 @@ class RpcCounter(grpc.ServerInterceptor):
         count = self._counter
 
         def code(context: grpc.ServicerContext, failed: bool) -> str:
-            got = context.code()
+            got = context.code()  # type: ignore[attr-defined]  # grpcio has it; its stubs do not
             if got is not None:
                 return got.name
             if failed:

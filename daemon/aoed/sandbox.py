@@ -277,7 +277,7 @@ def landlock_abi() -> tuple[int, str]:
             errno.EOPNOTSUPP: "Landlock is not enabled on this kernel (add landlock to the lsm= boot parameter)",
             errno.EPERM: "a seccomp filter around this process refuses Landlock's system calls "
             "(systemd: allow them with SystemCallFilter=, as deploy/systemd/aoed.service does)",
-        }.get(exc.errno, f"Landlock is unavailable: {exc.strerror}")
+        }.get(exc.errno or 0, f"Landlock is unavailable: {exc.strerror}")
         return 0, why
 
 

@@ -128,7 +128,7 @@ def _read(
     None when the line does not even say which request it is)."""
     try:
         data = json.loads(line)
-        call = decode(Call[Any], data, "request line")
+        call: Call[Any] = decode(Call[Any], data, "request line")
     except (ValueError, MessageError) as exc:
         return None, Answer(None, False, error=f"malformed request: {exc}")
     op = call.request.get("op") if isinstance(call.request, dict) else None
@@ -147,7 +147,7 @@ def line_server(
     reply made by `handle` for requests of the types `requests`. It never raises for a
     request's own failure: that is the answer's. Used by `serve` over a pipe, and by an
     executor that carries the same lines another way (aoed.engine.rayexec)."""
-    union = Union[tuple(requests)]  # noqa: UP007 (a union of a tuple of types)
+    union: Any = Union[tuple(requests)]  # noqa: UP007 (a union of a tuple of types)
 
     def answer_line(line: bytes) -> bytes:
         ident, request = _read(line, requests, union)

@@ -205,6 +205,14 @@ class _Job:
         #: what the result says besides the search's own notes
         self.notes: list[str] = []
 
+    @property
+    def world_size(self) -> int:
+        """The world's size, settled when the program is inspected (given, or the devices
+        there are)."""
+        n = self.opts.world_size
+        assert n is not None, "the world size is settled when the program is inspected"
+        return n
+
     # ------------------------------------------------------------------ resume
 
     def load_checkpoint(self, ident: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -253,7 +261,7 @@ class _Job:
     def open_world(self, key: str, env: tuple[tuple[str, str], ...]) -> World:
         spec = WorldSpec(
             self.opts.source,
-            self.opts.world_size,
+            self.world_size,
             self.opts.backend,
             env,
             unconfined_ok=self.opts.allow_unconfined,
@@ -489,7 +497,7 @@ class _Job:
             model=str(self.opts.model),
             precision=self.opts.precision,
             backend=self.opts.backend,
-            world_size=self.opts.world_size,
+            world_size=self.world_size,
             layout=layout,
             key=key.decode(),
             shipped=config,
@@ -533,7 +541,7 @@ class _Job:
             model=str(self.opts.model),
             precision=self.opts.precision,
             backend=self.opts.backend,
-            world_size=self.opts.world_size,
+            world_size=self.world_size,
             layout=layout,
             key=key.decode(),
             shipped=shipped,

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from aoe.figures import Comparison, Figures
+from aoe.figures import Comparison, Figures, Shipped
 from aoe.gdat import DDPConfig
 from aoe.gradlayout import GradientLayout
 from aoe.outcome import BudgetReport, GdatDetails, JobOutcome, details_to_dict
@@ -217,7 +217,7 @@ def _figures(result: GdatResult) -> Figures:
     lo, hi = result.improvement_ci95
     return Figures(
         "faster",
-        "tuned",
+        Shipped.TUNED,
         result.baseline_ms,
         result.improvement,
         (lo, hi),

@@ -212,7 +212,7 @@ def _hash_checked(path: Path, checked: os.stat_result) -> str:
     try:
         fd = safefs.open_file(path, single_link=True)
     except (safefs.LinkedError, safefs.LinkRefusedError) as exc:
-        why = exc.strerror
+        why = exc.strerror or "a link"
     else:
         with os.fdopen(fd, "rb") as f:
             now = os.fstat(f.fileno())

@@ -120,11 +120,11 @@ class JobManager:
 
     # ------------------------------------------------------------- lifecycle
 
-    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Requeue what a previous run left running, then schedule until cancelled."""
         await self.inputs.sweep()
-        for row in self.store.jobs(st.RUNNING, limit=100000):
-            self._transition(row, states.Requeue(), "the daemon restarted: the job resumes")
+        for left in self.store.jobs(st.RUNNING, limit=100000):
+            self._transition(left, states.Requeue(), "the daemon restarted: the job resumes")
         queued = len(self.store.jobs([st.QUEUED], limit=100000))
         if queued:
             log.info("jobs: %d queued job(s) from the store", queued)
@@ -342,6 +342,9 @@ class JobManager:
             if sub.upload is not None:
                 model = await self.inputs.consume(sub.upload, keep=True)
                 info = await trio.to_thread.run_sync(model.stat)
+            assert info is not None, (
+                "admission checks a daemon-side file; an upload is stat'ed here"
+            )
             # The file checked here (one link, its sha256): the job's first read checks that
             # it reads this very file (see engine.modelio.load_model's `expect`). A job
             # that others may not join gets a key of its own (see Submission.joinable).

@@ -8,6 +8,7 @@ never."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import shutil
@@ -195,7 +196,9 @@ def write_outputs(inbox: Inbox, name: str, row: JobRow) -> list[str]:
                 missing.append(f"{key}: {printable(src) if src else 'none'} is not available")
                 continue
             with os.fdopen(fd, "rb") as f:
-                safefs.write_file(dst, lambda o, f=f: shutil.copyfileobj(f, o, 1 << 20), dir_fd=out)
+                safefs.write_file(
+                    dst, functools.partial(shutil.copyfileobj, f, length=1 << 20), dir_fd=out
+                )
             written.append(dst)
         text = report_text(name, row, written, missing)
         safefs.write_file(report, lambda f: f.write(text.encode()), dir_fd=out)

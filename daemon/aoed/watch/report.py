@@ -16,7 +16,7 @@ def report_text(name: str, row: JobRow, written: list[str], missing: list[str]) 
     """A short human summary of the succeeded job that tuned the model `name`: the drop
     folder's renderer of its outcome."""
     o = row.outcome
-    f = o.figures if o is not None else figures.Figures("", "", 0.0)
+    f = o.figures if o is not None else figures.Figures("", figures.Shipped.NONE, 0.0)
     gdat = o is not None and o.job_type == JobType.GDAT
     where = (
         f"from the bank, as confirmed by {f.confirmed_by}"

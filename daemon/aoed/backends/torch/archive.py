@@ -61,7 +61,7 @@ import stat
 import struct
 import zipfile
 from collections.abc import Callable, Iterator
-from typing import IO, Any
+from typing import IO, Any, NoReturn, cast
 
 from aoe.errors import ModelError
 
@@ -202,7 +202,7 @@ class _Refused(Exception):
         self.member, self.why = member, why
 
 
-def _fail(member: str, why: str) -> None:
+def _fail(member: str, why: str) -> NoReturn:
     raise _Refused(member, why)
 
 
@@ -553,7 +553,7 @@ def _check_pickle(data: bytes, member: str) -> None:
 def _check_sample_inputs(f: IO[bytes], start: int, size: int, member: str) -> None:
     inner = _Window(f, start, size)
     try:
-        zf, _spans = _zip_members(inner, member)
+        zf, _spans = _zip_members(cast("IO[bytes]", inner), member)  # a file in all but name
     except _Refused as exc:
         _fail(member, f"{exc.member if exc.member != member else 'the zip'}: {exc.why}")
     roots = set()

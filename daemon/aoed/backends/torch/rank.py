@@ -63,6 +63,7 @@ import gc  # noqa: E402
 import importlib.util  # noqa: E402
 import math  # noqa: E402
 import time  # noqa: E402
+from collections.abc import Callable  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -172,6 +173,7 @@ def _load_entry(path: Path, function: str) -> tuple[Any, tuple, dict, Any]:
         raise OptionError(
             f"--entry {path}:{function}: the model is a {type(model).__name__}, not a torch.nn.Module"
         )
+    args: tuple[Any, ...]
     if isinstance(batch, dict):
         args, kwargs = (), dict(batch)
     elif isinstance(batch, (tuple, list)):
@@ -246,12 +248,12 @@ def _device(backend: str, rank: int) -> Any:
             )
         import torch_npu  # noqa: F401  (registers the npu device and hccl)
 
-        if rank >= torch.npu.device_count():  # type: ignore[attr-defined]
+        if rank >= torch.npu.device_count():
             raise OptionError(
                 f"backend hccl: rank {rank} needs NPU {rank}, this machine has "
-                f"{torch.npu.device_count()}"  # type: ignore[attr-defined]
+                f"{torch.npu.device_count()}"
             )
-        torch.npu.set_device(rank)  # type: ignore[attr-defined]
+        torch.npu.set_device(rank)
         return torch.device("npu", rank)
     raise OptionError(f"backend {backend}: expected gloo, nccl or hccl")
 
@@ -552,12 +554,13 @@ def _handle(request: Any) -> dict[str, Any]:
 
     from aoed.engine import rankmessages as rm
 
-    fn = {
+    handlers: dict[type[Any], Callable[..., dict[str, Any]]] = {
         rm.RankInspectRequest: _inspect,
         rm.RankInitRequest: _init,
         rm.RankMeasureRequest: _measure,
         rm.RankGateRequest: _gate,
-    }[type(request)]
+    }
+    fn = handlers[type(request)]
     if fn in (_measure, _gate) and "module" not in _state:
         raise RuntimeError(f"{type(request).__name__} before init")
     return fn(msgspec.structs.asdict(request))
