@@ -61,6 +61,8 @@ def test_hostile_programs_dropped_in_a_gdat_inbox_go_to_failed_naming_the_member
             kind = KINDS[name]
             assert f"{root_of(base)}/{kind.member}" in text and kind.why in text, text
             assert "refused before loading" in text, text
+            # named as it was dropped, not as the daemon's claimed copy in its state dir
+            assert str(d.inbox / f"{name}.pt2") in text and str(d.state) not in text, text
         assert not marker.exists()
         assert d.serving()
     finally:

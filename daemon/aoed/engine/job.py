@@ -40,6 +40,15 @@ class JobRun:
     #: (device, inode) of the model file its submitter's checks passed (the daemon's);
     #: the job reads the model only if it is still that file, with one link
     model_file: tuple[int, int] | None = None
+    #: the model as its submitter knows it, for messages (a drop-folder job reads a
+    #: claimed copy in the daemon's state dir, a path that means nothing to the user);
+    #: empty: `model`
+    shown: str = ""
+
+    @property
+    def shown_model(self) -> str:
+        """What messages call the model: `shown`, else `model`."""
+        return self.shown or str(self.model)
 
     @property
     def weight(self) -> int:

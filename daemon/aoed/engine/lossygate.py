@@ -49,7 +49,7 @@ async def gate_lossy_hits(
         ctx.pool,
         ExtractRequest(ctx.prep.prepared, tuple(by_id[t] for t in lossy), ctx.held_back[0], root),
         ctx.ledger,
-        ctx.run.model,
+        ctx.run.shown_model,
         "extracting tasks",
     )
     for tid, rec in lossy.items():

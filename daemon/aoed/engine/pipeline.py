@@ -610,7 +610,7 @@ async def outputs(
 
 async def _work(ctx: JobContext, request, what: str):
     """One request to the compile pool about the job's model (`pool.model_step`)."""
-    return await model_step(ctx.pool, request, ctx.ledger, ctx.run.model, what)
+    return await model_step(ctx.pool, request, ctx.ledger, ctx.run.shown_model, what)
 
 
 def _device_info(ctx: JobContext) -> dict[str, Any]:

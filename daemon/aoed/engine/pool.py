@@ -221,7 +221,7 @@ class CompilePool:
 
 
 async def model_step(
-    pool: CompilePool, request: Request, job: JobLedger | None, model: Path, what: str
+    pool: CompilePool, request: Request, job: JobLedger | None, model: Path | str, what: str
 ) -> Any:
     """`pool.call` for work on a job's whole model (preparing it, its samples, its
     tasks): a failure the worker did not name (CandidateError: it raised, crashed or

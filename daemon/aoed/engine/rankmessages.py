@@ -45,7 +45,8 @@ class RankInspectRequest(Request, tag="rank-inspect", frozen=True):
     """Load the model and say its layout, joining no world."""
 
     reply = RankLayout
-    #: {"kind": "pt2", "path": ...} or {"kind": "entry", "path": ..., "function": ...}
+    #: {"kind": "pt2", "path": ..., "shown": what messages call it} or {"kind": "entry",
+    #: "path": ..., "function": ...}
     source: dict[str, str]
     backend: str
     world_size: int

@@ -58,7 +58,8 @@ class WorldError(CandidateError):
 
 @dataclass(frozen=True)
 class WorldSpec:
-    #: {"kind": "pt2", "path": ...} or {"kind": "entry", "path": ..., "function": ...}
+    #: {"kind": "pt2", "path": ..., "shown": what messages call it} or {"kind": "entry",
+    #: "path": ..., "function": ...}
     source: Mapping[str, str]
     world_size: int
     backend: str

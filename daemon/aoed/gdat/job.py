@@ -106,6 +106,8 @@ class GdatOptions:
     allow_unconfined: bool = False
     #: how large a world may be (a daemon's [limits]); None: this machine's defaults
     limits: WorldLimits | None = None
+    #: the program as its submitter knows it, for messages (JobRun.shown); empty: `model`
+    shown: str = ""
 
     @classmethod
     def from_run(
@@ -129,6 +131,7 @@ class GdatOptions:
             keep_workspace=run.keep_workspace,
             allow_unconfined=allow_unconfined,
             limits=limits,
+            shown=run.shown,
         )
 
     def check(self) -> None:
@@ -151,7 +154,7 @@ class GdatOptions:
                 f"GDAT rounds, warm-up and measured steps {counts}: at most {MAX_ROUNDS} each"
             )
         if not self.model.is_file():
-            raise OptionError(f"{self.model}: no such file")
+            raise OptionError(f"{self.shown or self.model}: no such file")
 
     @property
     def source(self) -> dict[str, str]:
@@ -159,7 +162,7 @@ class GdatOptions:
         return (
             {"kind": "entry", "path": path, "function": self.entry}
             if self.entry
-            else {"kind": "pt2", "path": path}
+            else {"kind": "pt2", "path": path, "shown": self.shown or path}
         )
 
 

@@ -454,9 +454,6 @@ class JobManager:
     ) -> None:
         now = time.time()
         state = states.apply(row.state, event)
-        shown = shown_path(row)
-        if shown != row.model_path:  # the engine names the copy it read; the user knows the file
-            error = error.replace(row.model_path, shown)
         if outcome is not None:
             self._event(row, st.RESULT, {}, outcome)
         self._event(
@@ -489,6 +486,7 @@ class JobManager:
             resumes=row.id if row.attempts > 1 else "",  # counted before it starts
             attempt=max(1, row.attempts),
             model_file=row.model_file,
+            shown=shown_path(row),
         )
 
     async def _run_job(self, row: JobRow) -> None:

@@ -121,30 +121,31 @@ def _confined() -> sandbox.Confinement:
     return _confinement
 
 
-def _load_pt2(path: Path) -> tuple[Any, tuple, dict, Any]:
+def _load_pt2(path: Path, shown: str) -> tuple[Any, tuple, dict, Any]:
+    """The program at `path`, named `shown` in messages (as its submitter knows it)."""
     import torch
 
     _confined()
     try:
         f = open(path, "rb")  # noqa: SIM115 (torch reads it after the check, below)
     except FileNotFoundError:
-        raise ModelError(f"{path}: no such file") from None
+        raise ModelError(f"{shown}: no such file") from None
     except OSError as exc:
-        raise ModelError(f"{path}: cannot be read: {exc.strerror}") from None
+        raise ModelError(f"{shown}: cannot be read: {exc.strerror}") from None
     with f:
         # The bytes checked are the bytes torch reads: one open file, not the path twice.
-        check_pt2(f, name=str(path))
+        check_pt2(f, name=shown)
         f.seek(0)
         try:
             ep = torch.export.load(f)
         except Exception as exc:  # torch raises many kinds for a file it cannot read
             raise ModelError(
-                f"{path}: not a torch.export program this torch ({torch.__version__}) can load: "
+                f"{shown}: not a torch.export program this torch ({torch.__version__}) can load: "
                 f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             ) from None
     if ep.example_inputs is None:
         raise ModelError(
-            f"{path}: saved without example inputs; export with torch.export.export(model, args) "
+            f"{shown}: saved without example inputs; export with torch.export.export(model, args) "
             "and save that program"
         )
     args, kwargs = ep.example_inputs
@@ -190,7 +191,7 @@ def _load_entry(path: Path, function: str) -> tuple[Any, tuple, dict, Any]:
 def _load(source: dict[str, Any]) -> tuple[Any, tuple, dict, Any]:
     if source.get("kind") == "entry":
         return _load_entry(Path(source["path"]), str(source["function"]))
-    return _load_pt2(Path(source["path"]))
+    return _load_pt2(Path(source["path"]), str(source.get("shown") or source["path"]))
 
 
 def _perturbed(obj: Any, rank: int, gen: Any) -> Any:
