@@ -18,6 +18,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import lmdb
 import pytest
 import trio
 
@@ -435,6 +436,21 @@ async def test_a_configuration_that_ships_is_recorded_with_its_figures_and_the_h
     assert entry.baseline.median_us == pytest.approx(r.baseline_ms * 1e3, rel=1e-6)
 
 
+def _stages_kept(bank: Path) -> dict[str, dict]:
+    """The GDAT stages a run keeps in `bank` for a resume (engine/resume.py: the bank's
+    decisions), read as another process reads them while the run writes."""
+    if not (bank / "data.mdb").exists():
+        return {}
+    env = lmdb.open(str(bank), readonly=True, max_dbs=16)
+    try:
+        with env.begin(db=env.open_db(b"decisions", create=False)) as txn:
+            return {k.split(b"/", 1)[1].decode(): json.loads(v)["stage"] for k, v in txn.cursor()}
+    except lmdb.NotFoundError:  # no decisions yet
+        return {}
+    finally:
+        env.close()
+
+
 _RESUMABLE = """
 import dataclasses, sys, trio
 from pathlib import Path
@@ -453,8 +469,8 @@ trio.run(run_gdat, opts, config)
 async def test_a_killed_job_run_again_measures_no_stage_it_finished(
     pt2: Path, tmp_path: Path
 ) -> None:
-    """SIGKILL once the job has kept a stage (and its gates) in its workspace; the same
-    job run again takes them as they were, measures none of them again, and reports them."""
+    """SIGKILL once the job has kept a stage (and its gates) in the bank; the same job
+    run again takes them as they were, measures none of them again, and reports them."""
     out, bank, rt = tmp_path / "out", tmp_path / "bank", tmp_path / "rt"
     first = subprocess.Popen(  # noqa: ASYNC220 (polled and killed by hand below)
         [sys.executable, "-c", _RESUMABLE, str(pt2), str(out), str(bank), str(rt)],
@@ -463,13 +479,11 @@ async def test_a_killed_job_run_again_measures_no_stage_it_finished(
         text=True,
     )
 
-    def checkpointed() -> list[str] | None:
+    def checkpointed() -> dict[str, dict] | None:
         assert first.poll() is None, first.communicate()[1]  # ended before its checkpoint
-        found = list(out.glob("aoe_workspace/*/gdat_search.json"))
-        if found:
-            done = json.loads(found[0].read_text())["stages"]
-            if "gates" in done and len(done) >= 2:  # a raced stage and the hooks' gates
-                return done
+        done = _stages_kept(bank)
+        if "gates" in done and len(done) >= 2:  # a raced stage and the hooks' gates
+            return done
         return None
 
     try:
@@ -490,7 +504,8 @@ async def test_a_killed_job_run_again_measures_no_stage_it_finished(
     )
     # One workspace, continued; nothing of the run left in it but its outputs and log.
     assert [p.name for p in (out / "aoe_workspace").iterdir()] == [ws.name]
-    assert not (ws / ".running").exists() and not (ws / "gdat_search.json").exists()
+    assert not (ws / ".running").exists()
+    assert _stages_kept(bank) == {}, "forgotten once the outputs are written"
     raced = [s for s in checkpoint if s != "gates"]
     assert set(r.resources["resumed_stages"]) >= {*raced, "gates"}, r.resources
     assert any(n.startswith("resumed: ") for n in r.notes), r.notes

@@ -203,3 +203,17 @@ def test_a_killed_job_run_again_measures_nothing_it_decided(
     (ws,) = [p for p in (out / "aoe_workspace").iterdir() if p.name != "logs"]
     assert (ws / "job.log").read_text().count(" INFO aoed.engine.onnxjob: job ") >= 2
     assert not (ws / ".running").exists() and not (ws / "tunespace" / "work").exists()
+
+
+def test_a_run_takes_every_kept_record_but_with_repeat_tune_only_the_resumed_job_s() -> None:
+    """The rule both job kinds resume by (engine/resume.py): ONNX task decisions and
+    GDAT search stages alike."""
+    from aoed.engine.resume import key_for, takes
+
+    mine, other = {"job": "job-1"}, {"job": "job-2"}
+    assert takes(mine, False, "") and takes(other, False, "job-1")
+    assert takes(mine, True, "job-1") and not takes(other, True, "job-1")
+    assert not takes(mine, True, "") and not takes({}, True, "")  # a fresh REPEAT_TUNE run
+    # what a run depends on names its records; aoed's version is part of it
+    assert key_for({"a": 1}) == key_for({"a": 1}) != key_for({"a": 2})
+    assert key_for({"a": 1}).endswith(b"/") and key_for({"a": 1}) != key_for({"gdat": {"a": 1}})

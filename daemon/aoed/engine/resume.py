@@ -33,24 +33,52 @@ from aoed import __version__
 from aoed.bank.writer import BankWrite
 from aoed.engine.context import JobContext
 
-__all__ = ["forget", "key_of", "records", "run_key", "write_from_doc", "write_to_doc"]
+__all__ = [
+    "forget",
+    "key_for",
+    "key_of",
+    "records",
+    "run_key",
+    "takes",
+    "write_from_doc",
+    "write_to_doc",
+]
 
 log = logging.getLogger(__name__)
 
 
-def run_key(ctx: JobContext, model_digest: str, samples_digest: str) -> bytes:
-    """The key every record of this run starts with (hex digest + "/")."""
-    p = ctx.policy
-    doc = {
-        "model": model_digest,
-        "samples": samples_digest,
-        "precision": ctx.spec.precision,
-        "job_type": ctx.spec.job_type,
-        "device": ctx.fingerprint.digest,
-        "version": __version__,
-        "budget": [p.task_min_cosine, p.task_max_rel_error, p.e2e_min_cosine, p.e2e_max_rel_error],
-    }
+def key_for(depends: Mapping[str, Any]) -> bytes:
+    """The key every record of a run starts with (hex digest + "/"), for a run whose
+    decisions depend on `depends` (JSON) and aoed's version. Each job kind says what
+    its decisions depend on: `run_key` for the ONNX pipeline, aoed.gdat for GDAT."""
+    doc = {**depends, "version": __version__}
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest().encode() + b"/"
+
+
+def takes(doc: Mapping[str, Any], repeat_tune: bool, resumes: str) -> bool:
+    """Whether a run may take the record `doc`: every one, or with REPEAT_TUNE only
+    those of the job it resumes (`resumes`, a job id; none for a fresh run)."""
+    return not repeat_tune or (bool(resumes) and doc.get("job") == resumes)
+
+
+def run_key(ctx: JobContext, model_digest: str, samples_digest: str) -> bytes:
+    """The key every record of this ONNX run starts with (`key_for`)."""
+    p = ctx.policy
+    return key_for(
+        {
+            "model": model_digest,
+            "samples": samples_digest,
+            "precision": ctx.spec.precision,
+            "job_type": ctx.spec.job_type,
+            "device": ctx.fingerprint.digest,
+            "budget": [
+                p.task_min_cosine,
+                p.task_max_rel_error,
+                p.e2e_min_cosine,
+                p.e2e_max_rel_error,
+            ],
+        }
+    )
 
 
 def key_of(ctx: JobContext, bank_key: bytes) -> bytes:
@@ -66,7 +94,7 @@ async def records(ctx: JobContext, bank_keys: Iterable[bytes]) -> dict[bytes, Ma
     out: dict[bytes, Mapping[str, Any]] = {}
     for key, doc in found:
         bank_key = key[len(ctx.run_key) :]
-        if bank_key in wanted and (not ctx.spec.repeat_tune or doc.get("job") == ctx.run.resumes):
+        if bank_key in wanted and takes(doc, ctx.spec.repeat_tune, ctx.run.resumes):
             out[bank_key] = doc
     return out
 

@@ -11,7 +11,11 @@
              (it, and every rank, is confined: aoed.sandbox)
   bank       a record for the key (or "DDP's defaults stayed fastest") and no REPEAT_TUNE:
              the outputs come from it, and no world starts
-  search     the main world, the stages and the confirming A/B (search.py)
+  search     the main world, the stages and the confirming A/B (search.py); each stage
+             finished is kept in the bank under the run's key (engine/resume.py, as
+             an ONNX job's task decisions are: the program's digest and the search's
+             options), so a run again after an interruption, the daemon's resumed job
+             or `aoe tune` again, takes it unmeasured; forgotten once outputs are written
   bank       AOE's rules (engine/bankrules.py): add, update, reserved, unsatisfied; every
              configuration measured goes into the history
   outputs    ddp_config.json and aoe_result_gdat_{ts}_{pid}.json (outcome.py)
@@ -23,12 +27,11 @@ cancellation through `JobHandle` kills every rank and raises JobCancelledError.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
+import hashlib
 import importlib.util
 import json
 import logging
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -44,10 +47,9 @@ from aoe.gdat import DDPConfig, plugin_hook_names
 from aoe.gradlayout import GradientLayout, host_fingerprint
 from aoe.recordcheck import Vocabulary
 from aoe.spec import JobType, check_model_kind
-from aoed import safefs
 from aoed.backends.torch.archive import check_pt2
 from aoed.bank.writer import BankWrite, BankWriter
-from aoed.engine import bankrules
+from aoed.engine import bankrules, resume
 from aoed.engine.budget import Budget
 from aoed.engine.job import JobHandle, JobRun
 from aoed.engine.ledger import JobLedger, new_job_id
@@ -66,9 +68,14 @@ __all__ = ["MISSING_TORCH", "GdatOptions", "have_torch", "run_gdat"]
 
 log = logging.getLogger(__name__)
 
+
+def _digest(path: Path) -> str:
+    """The sha256 of the program's file (what a resumed search's stages were measured on)."""
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
 MISSING_TORCH = "GDAT jobs need torch: install the extra with pip install 'aoed[gdat]'"
-#: The stages a run finished, kept in its workspace while it runs, for a resume.
-CHECKPOINT = "gdat_search.json"
 #: The budget derived when none is given: the planned rounds at the measured cost of a
 #: configuration's turn, within these bounds (device seconds).
 MIN_BUDGET_S = 10.0
@@ -108,6 +115,9 @@ class GdatOptions:
     limits: WorldLimits | None = None
     #: the program as its submitter knows it, for messages (JobRun.shown); empty: `model`
     shown: str = ""
+    #: the id of an interrupted run of this job (JobRun.resumes): with repeat_tune, the
+    #: only run whose stages this one takes
+    resumes: str = ""
 
     @classmethod
     def from_run(
@@ -132,6 +142,7 @@ class GdatOptions:
             allow_unconfined=allow_unconfined,
             limits=limits,
             shown=run.shown,
+            resumes=run.resumes,
         )
 
     def check(self) -> None:
@@ -202,9 +213,8 @@ class _Job:
         self.fitted = opts.budget_s is not None
         self.worlds: dict[str, World] = {}
         self.started = time.monotonic()
-        #: what identifies this job's search for a resume, and the stages it finished
-        self._ident: dict[str, Any] = {}
-        self._stages: dict[str, dict[str, Any]] = {}
+        #: the key this run's stages are kept under in the bank (engine/resume.py)
+        self._run_key = b""
         #: what the result says besides the search's own notes
         self.notes: list[str] = []
 
@@ -218,45 +228,42 @@ class _Job:
 
     # ------------------------------------------------------------------ resume
 
-    def load_checkpoint(self, ident: dict[str, Any]) -> dict[str, dict[str, Any]]:
-        """The stages an interrupted run of this job finished (its workspace taken over),
-        when it searched the same thing (`ident`); else none."""
-        self._ident = ident
-        if not self.ws.resumed:
-            return {}
+    async def load_checkpoint(self, depends: dict[str, Any]) -> dict[str, dict[str, Any]]:
+        """The stages a run of this program with the same options finished, by stage,
+        as kept in the bank (engine/resume.py, the records ONNX jobs resume from): the
+        daemon's resumed job, or `aoe tune` run again after ^C; with REPEAT_TUNE only
+        the job this run resumes. `depends`: what the search's results depend on."""
+        self._run_key = resume.key_for({"gdat": depends})
         try:
-            with safefs.opened_dir(self.ws.root) as root:
-                fd = safefs.open_file(CHECKPOINT, dir_fd=root)
-            with os.fdopen(fd, "rb") as f:
-                doc = json.loads(f.read())
-        except FileNotFoundError:
+            found = await self.bank.decisions(self._run_key)
+        except AoedError as exc:
+            log.warning("job %s: no interrupted run's stages are read (%s)", self.job_id, exc)
             return {}
-        except (OSError, ValueError) as exc:
-            log.warning("job %s: the interrupted run's search is not read (%s)", self.job_id, exc)
-            return {}
-        if not isinstance(doc, dict) or doc.get("ident") != ident:
-            log.info(
-                "job %s: the interrupted run searched something else: starting over", self.job_id
-            )
-            return {}
-        self._stages = dict(doc.get("stages") or {})
-        return dict(self._stages)
+        stages: dict[str, dict[str, Any]] = {}
+        for key, doc in found:
+            record = doc.get("stage")
+            if isinstance(record, dict) and resume.takes(
+                doc, self.opts.repeat_tune, self.opts.resumes
+            ):
+                stages[key[len(self._run_key) :].decode("utf-8", "replace")] = record
+        return stages
 
-    def checkpoint(self, stage: str, record: dict[str, Any]) -> None:
-        """Keep what `stage` found in the workspace, for a run that resumes this job."""
-        self._stages[stage] = record
-        data = json.dumps({"ident": self._ident, "stages": self._stages}).encode()
+    async def checkpoint(self, stage: str, record: dict[str, Any]) -> None:
+        """Keep what `stage` found in the bank, committed before the next stage starts,
+        for a run that resumes this job."""
+        doc = {"job": self.job_id, "stage": record}
         try:
-            with safefs.opened_dir(self.ws.root) as root:
-                # Not fsynced: a checkpoint lost to a crash of the machine costs measuring
-                # again, never a wrong result.
-                safefs.write_file(CHECKPOINT, lambda f: f.write(data), dir_fd=root, sync=False)
-        except OSError as exc:
+            await self.bank.write(BankWrite(decisions=((self._run_key + stage.encode(), doc),)))
+        except AoedError as exc:
             log.warning("job %s: %s not kept for a resume (%s)", self.job_id, stage, exc)
 
-    def drop_checkpoint(self) -> None:
-        with contextlib.suppress(OSError), safefs.opened_dir(self.ws.root) as root:
-            os.unlink(CHECKPOINT, dir_fd=root)
+    async def drop_checkpoint(self) -> None:
+        """Forget this run's stages: its outputs are written. Never raises: stages left
+        only make a later run of the same program and options take them."""
+        try:
+            await self.bank.write(BankWrite(forget=(self._run_key,)))
+        except AoedError as exc:
+            log.warning("job %s: its search's stages stay in the bank (%s)", self.job_id, exc)
 
     def emit(self, kind: str, message: str = "", done: int = 0, total: int = 0) -> None:
         self.ledger.emit(JobEvent(kind, message, done, total))
@@ -364,8 +371,9 @@ class _Job:
         # starting a world is not searching
         self.ledger.charge_device(time.monotonic() - t0, "profile")
         self.ws.started = True
-        done = self.load_checkpoint(
+        done = await self.load_checkpoint(
             {
+                "program": await trio.to_thread.run_sync(_digest, opts.model),
                 "key": key.decode(),
                 "backend": opts.backend,
                 "world_size": opts.world_size,
@@ -638,7 +646,19 @@ async def run_gdat(
                         result = await job.run()
                 finally:
                     await job.close_worlds()
-                    nursery.cancel_scope.cancel()
+                if not scope.cancelled_caught:
+                    # Written while the bank's writer runs: the run's stages are forgotten
+                    # once its outputs are written, never before.
+                    result.workspace = str(ws.root)
+                    ddp_path = ws.result_dir / "ddp_config.json"
+                    write_json(ddp_path, ddp_config_doc(result))
+                    result.ddp_config = str(ddp_path)
+                    result_path = ws.reserve_result("gdat")
+                    result.result_json = str(result_path)
+                    write_json(result_path, result_doc(result))
+                    bank.count_decisions(result.bank["repo_hit_num"], result.bank["total_num"])
+                    await job.drop_checkpoint()
+                nursery.cancel_scope.cancel()
             if scope.cancelled_caught:
                 failed = False
                 outcome = "interrupted" if handle.resumable else "done"
@@ -646,15 +666,6 @@ async def run_gdat(
                 raise JobCancelledError(
                     f"job {job_id} cancelled" + (f": {handle.reason}" if handle.reason else "")
                 )
-            result.workspace = str(ws.root)
-            ddp_path = ws.result_dir / "ddp_config.json"
-            write_json(ddp_path, ddp_config_doc(result))
-            result.ddp_config = str(ddp_path)
-            result_path = ws.reserve_result("gdat")
-            result.result_json = str(result_path)
-            write_json(result_path, result_doc(result))
-            bank.count_decisions(result.bank["repo_hit_num"], result.bank["total_num"])
-            job.drop_checkpoint()
             failed = False
             outcome = "done"
             log.info("job %s: %s, %s ships", job_id, result.verdict, result.shipped.label)

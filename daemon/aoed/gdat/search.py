@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -133,7 +133,7 @@ class Search:
     #: was, not measured again (`checkpoint` made each record)
     done: dict[str, dict[str, Any]] = field(default_factory=dict)
     #: called with (stage, its record) as each stage ends, to keep it for a resume
-    checkpoint: Callable[[str, dict[str, Any]], None] | None = None
+    checkpoint: Callable[[str, dict[str, Any]], Awaitable[None]] | None = None
     #: the stages (and "gates") taken from an interrupted run
     resumed: list[str] = field(default_factory=list)
 
@@ -178,21 +178,21 @@ class Search:
                 self.notes.append(
                     f"{stage}: nothing could be measured; the incumbent {incumbent.label} stays"
                 )
-                self._keep(stage, incumbent, figs.values())
+                await self._keep(stage, incumbent, figs.values())
                 return incumbent
             # The incumbent failed in this stage's rounds: the fastest that ran takes over.
             pick = min(ok, key=lambda k: ok[k].median_us)
         else:
             pick = best(measured, incumbent.label, lambda m: True)
         self.kept[stage] = pick
-        self._keep(stage, figs[pick].config, figs.values())
+        await self._keep(stage, figs[pick].config, figs.values())
         log.info("%s: %s", stage, pick)
         return figs[pick].config
 
-    def _keep(self, stage: str, config: DDPConfig, figs: Iterable[RaceFigures]) -> None:
+    async def _keep(self, stage: str, config: DDPConfig, figs: Iterable[RaceFigures]) -> None:
         """Hand the stage's outcome to `checkpoint`, for a resume of this job."""
         if self.checkpoint is not None:
-            self.checkpoint(
+            await self.checkpoint(
                 stage,
                 {
                     "config": config.to_params(),
@@ -258,7 +258,9 @@ class Search:
                 passing.append(config)
         self.gates += gates
         if self.checkpoint is not None:
-            self.checkpoint("gates", {"gates": gates, "passing": [c.to_params() for c in passing]})
+            await self.checkpoint(
+                "gates", {"gates": gates, "passing": [c.to_params() for c in passing]}
+            )
         return passing
 
     async def _world(self, incumbent: DDPConfig) -> DDPConfig:
