@@ -521,8 +521,6 @@ def test_a_gdat_spec_takes_gdat_options_only() -> None:
         ("m.onnx", "gdat", None, False, "m.onnx: --job-type gdat tunes a torch.export program"),
         ("m.onnx", "gdat", None, True, "m.onnx: job_type gdat tunes a torch.export program"),
         ("m.py", "gdat", None, False, "or, with --entry FILE.py:FUNCTION, your own training code"),
-        ("m.pt2", "opat", None, False, "training with --job-type gdat"),
-        ("m.pt2", "sgat+opat", None, True, "training with job_type gdat"),
         ("m.pt2", "gdat", "build", False, "--entry m.pt2:build: expected a .py file"),
         ("m.py", "gdat", "build", True, "entry build: the daemon runs no user code"),
     ],
@@ -532,9 +530,10 @@ def test_the_model_kind_rule_is_said_as_each_edge_spells_it(
 ) -> None:
     """One rule, stated once (aoe.spec.check_model_kind), for the CLI, the daemon's
     admission and a GDAT run: GDAT tunes a .pt2 or, embedded, a .py with an entry; the
-    others never a .pt2."""
+    others an .onnx, or a .pt2 for inference (exported to ONNX)."""
     with pytest.raises(OptionError, match=re.escape(words)):
         check_model_kind(model, JobType(job_type), entry, daemon=daemon)
     check_model_kind("m.pt2", JobType.GDAT)
     check_model_kind("m.py", JobType.GDAT, "build")
     check_model_kind("m.onnx", JobType.OPAT, daemon=daemon)
+    check_model_kind("m.pt2", JobType.SGAT_OPAT, daemon=daemon)

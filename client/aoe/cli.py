@@ -83,7 +83,8 @@ def _add_tune(sub: argparse._SubParsersAction) -> None:
         "model",
         type=Path,
         nargs="?",
-        help="the .onnx model to tune (--job-type gdat: a torch.export program, .pt2)",
+        help="the .onnx model to tune, or a torch.export program (.pt2), tuned for inference "
+        "as its ONNX export (--job-type gdat: its data-parallel training)",
     )
     specargs.add_arguments(
         p,

@@ -170,7 +170,8 @@ def check_model_kind(
 ) -> None:
     """OptionError for a model file the job type does not tune: GDAT tunes a
     torch.export program (.pt2) or, with `entry`, the user's own training code (a .py
-    file); the other job types an ONNX model, never a .pt2. `daemon`: the job goes to a
+    file); the other job types an ONNX model, or a .pt2 they tune for inference as the
+    ONNX model torch.onnx exports from it (aoed.engine.onnxjob). `daemon`: the job goes to a
     daemon, which runs no user code and spells the option job_type (else --job-type, as
     `aoe tune` and an embedded run do). The one statement of this rule: the CLI, the
     daemon's admission and a GDAT run each call it."""
@@ -190,10 +191,6 @@ def check_model_kind(
             f"{name}: {flag} gdat tunes a torch.export program (.pt2, saved with "
             "torch.export.save)"
             + ("" if daemon else " or, with --entry FILE.py:FUNCTION, your own training code")
-        )
-    if not gdat and name.endswith(".pt2"):
-        raise OptionError(
-            f"{name}: a torch.export program; tune its data-parallel training with {flag} gdat"
         )
 
 

@@ -81,6 +81,7 @@ class Daemon:
         cannot start (a bad config, a busy socket, an unusable device)."""
         from aoed.backends.runtimes import load_runtime
         from aoed.engine.engine import open_engine
+        from aoed.engine.onnxjob import onnx_kinds
         from aoed.gdat import GdatKind
 
         cfg = self.cfg
@@ -103,7 +104,10 @@ class Daemon:
                 runtime,
                 cfg.state_dir / "logs",
                 lock_group=cfg.socket_gid(),
-                kinds={JobType.GDAT: gdat},
+                kinds={
+                    **onnx_kinds(allow_unconfined=cfg.allow_unconfined_gdat),
+                    JobType.GDAT: gdat,
+                },
             ) as engine:
                 # A damaged bank is refused, and logged, before a resumed job meets it:
                 # the daemon serves without it (aoed.bank.writer).

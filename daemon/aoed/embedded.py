@@ -89,6 +89,7 @@ async def tune_async(
     from aoed.backends.runtimes import load_runtime
     from aoed.engine.engine import open_engine
     from aoed.engine.job import JobRun
+    from aoed.engine.onnxjob import onnx_kinds
     from aoed.gdat import GdatKind
     from aoed.sandbox import UNCONFINED_ENV
 
@@ -96,14 +97,15 @@ async def tune_async(
     output = Path(output)
     # The daemon's setting is [daemon] allow_unconfined_gdat; a run of one's own says it
     # in its environment.
-    gdat = GdatKind(allow_unconfined=os.environ.get(UNCONFINED_ENV, "") == "1")
+    unconfined_ok = os.environ.get(UNCONFINED_ENV, "") == "1"
+    gdat = GdatKind(allow_unconfined=unconfined_ok)
     run = JobRun(Path(model), output, spec, keep_workspace=keep_workspace)
     with _one_error():
         async with open_engine(
             config,
             load_runtime(),
             output / "aoe_workspace" / "logs",
-            kinds={JobType.GDAT: gdat},
+            kinds={**onnx_kinds(allow_unconfined=unconfined_ok), JobType.GDAT: gdat},
         ) as engine:
             return await engine.run_job(run, progress or (lambda event: None), handle)
 

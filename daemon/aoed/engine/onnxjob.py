@@ -6,10 +6,16 @@ the job), gives the job its own id, workspace, log and ledger, so jobs sharing t
 engine never collide, and makes cancellation reach the hardware. It resumes from the
 decisions an interrupted run of the job recorded (resume.py), in the workspace that run
 left.
+
+A torch.export program (.pt2) is tuned for inference as the ONNX model torch.onnx's
+exporter makes of it (world.py, `export_model`: in a confined process that joins no
+world), written in the workspace's `converted/`; every dimension the program left
+dynamic stays dynamic. The job then runs on that model, and its messages name the .pt2.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import trio
@@ -27,9 +33,10 @@ from aoed.engine.ledger import JobLedger, new_job_id
 from aoed.engine.pipeline import run_stages
 from aoed.engine.policy import PrecisionPolicy, policy
 from aoed.engine.workspace import Workspace
+from aoed.engine.world import export_model
 from aoed.logs import job_log
 
-__all__ = ["ONNX_JOB_TYPES", "OnnxKind"]
+__all__ = ["ONNX_JOB_TYPES", "OnnxKind", "onnx_kinds"]
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +45,13 @@ ONNX_JOB_TYPES = (JobType.OPAT, JobType.SGAT, JobType.SGAT_OPAT)
 
 
 class OnnxKind:
-    """The ONNX pipeline behind `Engine.run_job` (kind.py)."""
+    """The ONNX pipeline behind `Engine.run_job` (kind.py). `allow_unconfined`: a .pt2
+    may be loaded (to export it) where the kernel cannot confine the process that loads
+    it (`[daemon] allow_unconfined_gdat`, as for GDAT's); else such a job fails saying
+    why."""
+
+    def __init__(self, *, allow_unconfined: bool = False) -> None:
+        self.allow_unconfined = allow_unconfined
 
     async def run(self, engine: Agents, run: JobRun, emit: Emit, handle: JobHandle) -> JobOutcome:
         name = run.spec.device or engine.device.device.name  # (checked where it was built)
@@ -54,8 +67,12 @@ class OnnxKind:
             ws = await trio.to_thread.run_sync(Workspace.create, run.output, run.model.stem, owner)
             outcome = "interrupted"  # ^C, or anything else that is not the job's own end
             try:
+                notes = []
+                if run.model.suffix == ".pt2":
+                    run, said = await self._exported(run, ws)
+                    notes.append(said)
                 result = await self._run(
-                    engine, home, devices, spec, run, job_id, prec, ws, emit, handle
+                    engine, home, devices, spec, run, job_id, prec, ws, emit, handle, notes
                 )
                 outcome = "done"
                 return result
@@ -69,6 +86,23 @@ class OnnxKind:
                 # a few file operations: not worth a thread (nor a cancellable await)
                 ws.release(outcome)
 
+    async def _exported(self, run: JobRun, ws: Workspace) -> tuple[JobRun, str]:
+        """`run` on the ONNX model exported from its .pt2, and what the notes say of it."""
+        folder = ws.root / "converted"
+        await trio.Path(folder).mkdir(exist_ok=True)
+        out = folder / f"{run.model.stem}.onnx"
+        source = {"kind": "pt2", "path": str(run.model.resolve()), "shown": run.shown_model}
+        if run.model_file is not None:
+            source["expect"] = "{}:{}".format(*run.model_file)
+        inputs = await export_model(source, out, folder, unconfined_ok=self.allow_unconfined)
+        dynamic = sorted({str(d) for dims in inputs.values() for d in dims if isinstance(d, str)})
+        said = f"{run.model.name}: tuned as the ONNX model torch.onnx exported from it" + (
+            f" (dynamic dimensions kept: {', '.join(dynamic)})" if dynamic else ""
+        )
+        log.info("%s", said)
+        # The file checked at submission was the .pt2; the export is the job's own.
+        return dataclasses.replace(run, model=out, shown=run.shown_model, model_file=None), said
+
     async def _run(
         self,
         engine: Agents,
@@ -81,6 +115,7 @@ class OnnxKind:
         ws: Workspace,
         emit: Emit,
         handle: JobHandle,
+        notes: list[str],
     ) -> JobOutcome:
         ledger = JobLedger(job_id, emit, weight=run.weight)
         ctx = JobContext(
@@ -98,6 +133,7 @@ class OnnxKind:
             config=engine.config,
             attempt=max(1, run.attempt),
             devices=devices,
+            notes=notes,
         )
         failed = True
         with job_log(ws.log_path, job_id):
@@ -144,3 +180,10 @@ class OnnxKind:
             reason = f": {handle.reason}" if handle.reason else ""
             log.info("job %s: cancelled%s", job_id, reason)
         raise JobCancelledError(f"job {job_id} cancelled{reason}")
+
+
+def onnx_kinds(*, allow_unconfined: bool) -> dict[JobType, OnnxKind]:
+    """The ONNX job types' kind for an engine whose host allows (or not) loading a .pt2
+    unconfined (OnnxKind), as `open_engine`'s `kinds` take it."""
+    kind = OnnxKind(allow_unconfined=allow_unconfined)
+    return dict.fromkeys(ONNX_JOB_TYPES, kind)

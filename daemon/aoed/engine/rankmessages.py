@@ -15,6 +15,8 @@ from msgspec import field
 from aoed.engine.messages import Message, Request
 
 __all__ = [
+    "RankExport",
+    "RankExportRequest",
     "RankGateRequest",
     "RankInitRequest",
     "RankInspectRequest",
@@ -50,6 +52,25 @@ class RankInspectRequest(Request, tag="rank-inspect", frozen=True):
     source: dict[str, str]
     backend: str
     world_size: int
+
+
+class RankExport(Message, frozen=True):
+    """An ONNX model exported from a program: its inputs' dims, by name (a dynamic
+    dimension by its symbol)."""
+
+    inputs: dict[str, list[int | str]]
+    torch: str = ""
+    sandbox: str = ""
+
+
+class RankExportRequest(Request, tag="rank-export", frozen=True):
+    """Load the program (`source`, kind pt2) and export it to ONNX at `out` for
+    inference tuning (torch.onnx's exporter, its dynamic dimensions kept), joining no
+    world."""
+
+    reply = RankExport
+    source: dict[str, str]
+    out: str
 
 
 class RankInitRequest(Request, tag="rank-init", frozen=True):

@@ -41,10 +41,23 @@ from aoe.gradlayout import BACKENDS
 from aoed.engine._child import Child, ChildDiedError
 from aoed.engine.devlock import DeviceLock
 from aoed.engine.messages import Answer, Request, encode
-from aoed.engine.rankmessages import RankInitRequest, RankInspectRequest
+from aoed.engine.rankmessages import (
+    RankExport,
+    RankExportRequest,
+    RankInitRequest,
+    RankInspectRequest,
+)
 from aoed.sandbox import Policy
 
-__all__ = ["RANK_MODULE", "World", "WorldError", "WorldSpec", "inspect_model", "lock_names"]
+__all__ = [
+    "RANK_MODULE",
+    "World",
+    "WorldError",
+    "WorldSpec",
+    "export_model",
+    "inspect_model",
+    "lock_names",
+]
 
 RANK_MODULE = "aoed.backends.torch.rank"
 #: Errors a rank reports that are the job's (a bad model, a missing backend), not the
@@ -323,5 +336,34 @@ async def inspect_model(
             raise _failure(answer, "loading the model")
         layout: dict[str, Any] = encode(answer.reply)
         return layout
+    finally:
+        await child.aclose()
+
+
+async def export_model(
+    source: Mapping[str, str], out: Path, workdir: Path, *, unconfined_ok: bool = False
+) -> dict[str, list[int | str]]:
+    """The program `source` (kind pt2) exported to ONNX at `out` (in `workdir`), by one
+    rank process that joins no world (confined as `inspect_model`'s: it reads the program
+    and writes only `workdir`); the ONNX model's inputs' dims. Raises ModelError (the
+    program, or what the exporter cannot take), OptionError (no confinement where it is
+    required), WorldError when the process fails otherwise."""
+    child = Child(
+        RANK_MODULE,
+        "export",
+        workdir / "export.log",
+        args=_sandbox_args(source, "gloo", workdir, world=False, unconfined_ok=unconfined_ok),
+        env={"TORCH_FORCE_WEIGHTS_ONLY_LOAD": "1"},
+        restart=False,
+    )
+    try:
+        try:
+            answer = await child.call(RankExportRequest(source=dict(source), out=str(out)))
+        except ChildDiedError as exc:
+            raise WorldError(f"exporting the program to ONNX: {exc}") from None
+        if not answer.ok:
+            raise _failure(answer, "exporting the program to ONNX")
+        reply: RankExport = answer.reply
+        return reply.inputs
     finally:
         await child.aclose()

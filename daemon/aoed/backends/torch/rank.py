@@ -12,6 +12,8 @@ The world (world.py) sends every rank the same requests, one JSON object per lin
            steps, then measured steps; per step its time and its communication tail
   gate     a lossy configuration against exact all-reduce: the reduced gradients of one
            step from the same weights and batches, or the loss over K steps
+  export   (no world) the program exported to ONNX, its dynamic dimensions kept, for an
+           ONNX job to tune it for inference (engine/world.py, `export_model`)
 
 A step is zero_grad, forward, the loss, backward and an SGD step. Its *communication
 tail* is the time from the end of the last gradient's computation to the end of
@@ -122,7 +124,22 @@ def _confined() -> sandbox.Confinement:
 
 
 def _load_pt2(path: Path, shown: str) -> tuple[Any, tuple, dict, Any]:
-    """The program at `path`, named `shown` in messages (as its submitter knows it)."""
+    """The program at `path`, named `shown` in messages (as its submitter knows it), as
+    (module, args, kwargs, loss)."""
+    ep = _load_program(path, shown)
+    if ep.example_inputs is None:
+        raise ModelError(
+            f"{shown}: saved without example inputs; export with torch.export.export(model, args) "
+            "and save that program"
+        )
+    args, kwargs = ep.example_inputs
+    return ep.module(), tuple(args), dict(kwargs), synthetic_loss
+
+
+def _load_program(path: Path, shown: str, expect: str = "") -> Any:
+    """The torch.export program at `path`, read as data first (archive.check_pt2); with
+    `expect` ("DEV:INO"), only if the file opened is still the one its submitter's checks
+    passed, with one link."""
     import torch
 
     _confined()
@@ -133,6 +150,12 @@ def _load_pt2(path: Path, shown: str) -> tuple[Any, tuple, dict, Any]:
     except OSError as exc:
         raise ModelError(f"{shown}: cannot be read: {exc.strerror}") from None
     with f:
+        st = os.fstat(f.fileno())
+        if expect and (f"{st.st_dev}:{st.st_ino}" != expect or st.st_nlink != 1):
+            raise ModelError(
+                f"{shown}: the file changed since it was checked; submit it again once nobody "
+                "changes it"
+            )
         # The bytes checked are the bytes torch reads: one open file, not the path twice.
         check_pt2(f, name=shown)
         f.seek(0)
@@ -143,13 +166,7 @@ def _load_pt2(path: Path, shown: str) -> tuple[Any, tuple, dict, Any]:
                 f"{shown}: not a torch.export program this torch ({torch.__version__}) can load: "
                 f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             ) from None
-    if ep.example_inputs is None:
-        raise ModelError(
-            f"{shown}: saved without example inputs; export with torch.export.export(model, args) "
-            "and save that program"
-        )
-    args, kwargs = ep.example_inputs
-    return ep.module(), tuple(args), dict(kwargs), synthetic_loss
+    return ep
 
 
 def _load_entry(path: Path, function: str) -> tuple[Any, tuple, dict, Any]:
@@ -550,6 +567,40 @@ def _gate(req: dict[str, Any]) -> dict[str, Any]:
     return {"kind": "loss", "loss_exact": curves[0], "loss_hooked": curves[1], "loss_gap": gap}
 
 
+def _export(req: dict[str, Any]) -> dict[str, Any]:
+    """The program exported to ONNX at req["out"] (inside the workspace this process may
+    write): torch.onnx's exporter takes the program as it is, so each dimension it left
+    dynamic stays a named dimension of the ONNX model."""
+    import contextlib
+
+    import onnx
+    import torch
+
+    source = req["source"]
+    if source.get("kind") != "pt2":
+        raise OptionError("only a torch.export program (.pt2) is exported to ONNX")
+    said = _confined().describe()
+    shown = str(source.get("shown") or source["path"])
+    ep = _load_program(Path(source["path"]), shown, str(source.get("expect") or ""))
+    out = Path(req["out"])
+    try:
+        # The exporter reports its steps on stdout, which carries this process's answers.
+        with contextlib.redirect_stdout(sys.stderr):
+            torch.onnx.export(ep, (), dynamo=True, verbose=False).save(str(out))
+    except Exception as exc:  # the exporter's errors share no class
+        first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else "no message"
+        raise ModelError(
+            f"{shown}: torch.onnx could not export it to ONNX ({type(exc).__name__}: {first}); "
+            "export it with torch.onnx.export(..., dynamo=True) and tune the .onnx"
+        ) from None
+    model = onnx.load(str(out), load_external_data=False)
+    inputs = {
+        i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim]
+        for i in model.graph.input
+    }
+    return {"inputs": inputs, "torch": str(torch.__version__), "sandbox": said}
+
+
 def _handle(request: Any) -> dict[str, Any]:
     import msgspec
 
@@ -557,6 +608,7 @@ def _handle(request: Any) -> dict[str, Any]:
 
     handlers: dict[type[Any], Callable[..., dict[str, Any]]] = {
         rm.RankInspectRequest: _inspect,
+        rm.RankExportRequest: _export,
         rm.RankInitRequest: _init,
         rm.RankMeasureRequest: _measure,
         rm.RankGateRequest: _gate,
@@ -575,7 +627,13 @@ def main() -> int:
     try:
         return serve(
             _handle,
-            [rm.RankInspectRequest, rm.RankInitRequest, rm.RankMeasureRequest, rm.RankGateRequest],
+            [
+                rm.RankInspectRequest,
+                rm.RankExportRequest,
+                rm.RankInitRequest,
+                rm.RankMeasureRequest,
+                rm.RankGateRequest,
+            ],
         )
     finally:
         import torch.distributed as dist

@@ -1,0 +1,169 @@
+"""A torch.export program (.pt2) given to an ONNX job type is tuned for inference, as the
+ONNX model torch.onnx's exporter makes of it in a confined process (engine/onnxjob.py),
+embedded and through a daemon's drop folder; a hostile one is refused before anything
+loads it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+from .conftest import run_aoe
+from .daemon_util import DaemonProcess
+from .helpers import wait_for
+
+torch = pytest.importorskip("torch", reason="the gdat extra (torch) is not installed")
+
+from .hostile_pt2 import KINDS, root_of, tiny_program  # noqa: E402
+
+
+def _static_program(path: Path) -> tuple[Path, np.ndarray, np.ndarray]:
+    """A small program with static shapes, its example input and its output there."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 16)
+    ).eval()
+    x = torch.randn(4, 64)
+    ep = torch.export.export(model, (x,))
+    torch.export.save(ep, str(path))
+    with torch.no_grad():
+        y = model(x)
+    return path, x.numpy(), y.numpy()
+
+
+@pytest.fixture(scope="module")
+def tuned(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict, np.ndarray, np.ndarray]:
+    """One embedded `aoe tune` of a .pt2: its folder, its result, the example input and
+    the program's own output there."""
+    folder = tmp_path_factory.mktemp("pt2")
+    pt2, x, y = _static_program(folder / "mlp.pt2")
+    r = run_aoe(
+        "tune",
+        str(pt2),
+        "--job-type",
+        "opat",
+        "--budget",
+        "2",
+        "--no-progress",
+        "--bank",
+        str(folder / "bank"),
+        "--output",
+        str(folder / "out"),
+    )
+    assert r.returncode == 0, r.stderr
+    (path,) = (folder / "out").glob("aoe_result_opat_*.json")
+    return folder, json.loads(path.read_text()), x, y
+
+
+@pytest.mark.slow
+def test_a_pt2_is_tuned_as_its_onnx_export_and_the_tuned_model_computes_the_program(
+    tuned: tuple[Path, dict, np.ndarray, np.ndarray],
+) -> None:
+    import onnxruntime as ort
+
+    import aoe
+
+    folder, doc, x, y = tuned
+    assert any(
+        n.startswith("mlp.pt2: tuned as the ONNX model torch.onnx exported from it")
+        for n in doc["notes"]
+    ), doc["notes"]
+    (converted,) = (folder / "out" / "aoe_workspace").glob("*/converted/mlp.onnx")
+    onnx.checker.check_model(onnx.load(str(converted)))
+    # What ships is an ONNX model that computes what the program computes.
+    shipped = doc["tuned_model"] or str(converted)
+    assert shipped.endswith(".onnx")
+    sess = aoe.session(shipped)
+    (name,) = [i.name for i in sess.get_inputs()]
+    got = sess.run(None, {name: x})[0]
+    np.testing.assert_allclose(got, y, rtol=1e-4, atol=1e-5)
+    # and the stock runtime opens it as it is
+    plain = ort.InferenceSession(shipped, providers=["CPUExecutionProvider"])
+    np.testing.assert_allclose(plain.run(None, {name: x})[0], y, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_a_pt2_with_a_dynamic_batch_exports_with_the_dimension_kept(tmp_path: Path) -> None:
+    pt2 = tiny_program(tmp_path / "tiny.pt2")
+    r = run_aoe(
+        "tune",
+        str(pt2),
+        "--job-type",
+        "opat",
+        "--budget",
+        "1",
+        "--no-progress",
+        "--input-shape",
+        "x:8,32",
+        "--bank",
+        str(tmp_path / "bank"),
+        "--output",
+        str(tmp_path / "out"),
+    )
+    assert r.returncode == 0, r.stderr
+    (converted,) = (tmp_path / "out" / "aoe_workspace").glob("*/converted/tiny.onnx")
+    (inp,) = onnx.load(str(converted)).graph.input
+    first = inp.type.tensor_type.shape.dim[0]
+    assert first.dim_param and not first.dim_value, inp  # symbolic, as the program left it
+    (path,) = (tmp_path / "out").glob("aoe_result_opat_*.json")
+    notes = json.loads(path.read_text())["notes"]
+    assert any(f"dynamic dimensions kept: {first.dim_param}" in n for n in notes), notes
+
+
+@pytest.mark.slow
+def test_a_hostile_pt2_for_inference_is_refused_before_loading_naming_the_member(
+    tmp_path: Path,
+) -> None:
+    base = tiny_program(tmp_path / "tiny.pt2")
+    marker = tmp_path / "ran"
+    kind = KINDS["opaque_object"]
+    evil = kind.build(base, tmp_path / "evil.pt2", marker)
+    r = run_aoe(
+        "tune",
+        str(evil),
+        "--job-type",
+        "opat",
+        "--input-shape",
+        "x:8,32",
+        "--no-progress",
+        "--bank",
+        str(tmp_path / "bank"),
+        "--output",
+        str(tmp_path / "out"),
+    )
+    assert r.returncode != 0
+    assert f"{evil}: refused before loading: {root_of(base)}/{kind.member}" in r.stderr, r.stderr
+    assert not marker.exists()
+
+
+@pytest.mark.slow
+def test_a_pt2_dropped_in_an_inbox_comes_out_tuned_for_inference(tmp_path: Path) -> None:
+    pt2, x, y = _static_program(tmp_path / "mlp.pt2")
+    d = DaemonProcess(tmp_path / "d")
+    d.inbox.mkdir(parents=True)
+    (d.inbox / "aoed.toml").write_text('job_type = "opat"\nbudget_s = 2.0\n')
+    d.start()
+    try:
+        (d.inbox / "mlp.pt2").write_bytes(pt2.read_bytes())
+        outbox = d.inbox.parent / "outbox"
+        report = wait_for(
+            lambda: next(outbox.glob("mlp_report.txt"), None),
+            180,
+            f"mlp_report.txt in the outbox:\n{d.log()[-3000:]}",
+        )
+        assert report.read_text().startswith("aoed tuned mlp.pt2\n"), report.read_text()
+        notes = json.loads((outbox / "mlp_result.json").read_text())["notes"]
+        assert any(n.startswith("mlp.pt2: tuned as the ONNX model torch.onnx") for n in notes)
+        tuned_model = outbox / "mlp_tuned.onnx"
+        import aoe
+
+        sess = aoe.session(tuned_model)
+        (name,) = [i.name for i in sess.get_inputs()]
+        np.testing.assert_allclose(sess.run(None, {name: x})[0], y, rtol=1e-4, atol=1e-5)
+        assert d.serving()
+    finally:
+        d.close()
