@@ -167,3 +167,44 @@ def test_a_pt2_dropped_in_an_inbox_comes_out_tuned_for_inference(tmp_path: Path)
         assert d.serving()
     finally:
         d.close()
+
+
+@pytest.mark.slow
+def test_a_module_from_the_python_api_is_tuned_with_its_dynamic_batch_kept(
+    tmp_path: Path,
+) -> None:
+    from aoe.config import load_config
+    from aoe.spec import JobSpec, JobType
+    from aoed import embedded
+
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+    batch = torch.export.Dim("batch", min=2, max=64)
+    config = load_config(env={}).replace(bank=tmp_path / "bank")
+    outcome = embedded.tune_module(
+        module,
+        (torch.randn(4, 32),),
+        JobSpec(job_type=JobType.OPAT, budget_s=1.0, input_shapes={"input": (4, 32)}),
+        tmp_path / "out",
+        dynamic_shapes=({0: batch},),
+        name="mlp",
+        config=config,
+    )
+    assert (tmp_path / "out" / "mlp.pt2").is_file()
+    (converted,) = (tmp_path / "out" / "aoe_workspace").glob("*/converted/mlp.onnx")
+    (inp,) = onnx.load(str(converted)).graph.input
+    assert inp.type.tensor_type.shape.dim[0].dim_param, inp
+    assert any(n.startswith("mlp.pt2: tuned as the ONNX model") for n in outcome.notes)
+    with pytest.raises(Exception, match="torch.export could not export it"):
+        embedded.tune_module(
+            _Branchy(), (torch.randn(4, 32),), JobSpec(job_type=JobType.OPAT), tmp_path / "bad"
+        )
+
+
+class _Branchy(torch.nn.Module):
+    """Control flow on a tensor's value: torch.export refuses it."""
+
+    def forward(self, x):
+        if x.sum() > 0:
+            return x * 2
+        return x

@@ -10,6 +10,8 @@ without a daemon: the `aoe` command, and Python callers.
                         cancellation (a JobHandle, or the caller's cancel scope); a
                         GDAT job (job type gdat: a .pt2, or with `spec.entry` a .py
                         file) runs its worlds of rank processes
+    tune_module         a torch.nn.Module of the caller's, exported with torch.export (its
+                        dynamic shapes kept) and tuned for inference as a .pt2 is
     apply_bank          the tuned model a bank describes, from the bank alone (written at
                         `output`; returns the per-task report)
     verify_bank         re-measure a sample of a bank's entries on this device
@@ -143,6 +145,46 @@ class VerifyReport:
     of: int
     verdicts: list[Any]
     trials: list[tuple[bytes, dict]]
+
+
+def tune_module(
+    module: Any,
+    args: Sequence[Any],
+    spec: JobSpec,
+    output: str | os.PathLike[str],
+    *,
+    kwargs: dict[str, Any] | None = None,
+    dynamic_shapes: Any = None,
+    name: str = "model",
+    config: Config | None = None,
+    progress: Progress | None = None,
+) -> JobOutcome:
+    """Tune the caller's `module` (a torch.nn.Module) for inference: exported here with
+    `torch.export.export(module, args, kwargs, dynamic_shapes=...)`, saved as
+    `output/{name}.pt2`, and tuned as a .pt2 is (exported to ONNX, each dynamic
+    dimension kept: engine/onnxjob.py) with `spec` (an ONNX job type). ModelError when
+    torch.export cannot take the module, naming it and why."""
+    import torch
+
+    from aoe.errors import ModelError
+
+    if spec.job_type == JobType.GDAT:
+        raise ModelError("tune_module tunes a module for inference: give an ONNX job type")
+    out = Path(output)
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        program = torch.export.export(
+            module.eval(), tuple(args), kwargs=kwargs, dynamic_shapes=dynamic_shapes
+        )
+    except Exception as exc:  # torch.export's errors share no class
+        first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else "no message"
+        raise ModelError(
+            f"{type(module).__name__}: torch.export could not export it ({type(exc).__name__}: "
+            f"{first})"
+        ) from None
+    pt2 = out / f"{name}.pt2"
+    torch.export.save(program, str(pt2))
+    return tune(pt2, spec, out, config=config, progress=progress)
 
 
 def verify_bank(
