@@ -432,10 +432,20 @@ def test_a_gdat_job_s_details_and_words_cross_every_edge(within_noise: Case) -> 
     stored = o.to_dict()
     assert "kind" not in stored["details"] and stored["details"]["world_size"] == 2
     assert JobOutcome.from_dict(json.loads(json.dumps(stored))).details == details
-    assert outcome_from_pb(outcome_to_pb(o)).details == details
-    # An ONNX job has no details: none are written, none are sent.
+    sent = outcome_to_pb(o)
+    assert sent.WhichOneof("details") == "gdat" and sent.gdat.world_size == 2
+    assert sent.gdat.ddp_config["ddp_kwargs"]["static_graph"] is True
+    assert outcome_from_pb(sent).details == details
+    # A daemon from before the typed details sent the JSON alone: still read.
+    older = tuning_pb2.JobResult()
+    older.CopyFrom(sent)
+    older.ClearField("gdat")
+    assert older.WhichOneof("details") is None and older.details_json
+    assert outcome_from_pb(older).details == details
+    # An ONNX job has no details: none are written, an empty ONNX one is sent.
     assert within_noise.outcome.to_dict()["details"] == {}
     assert outcome_to_pb(within_noise.outcome).details_json == ""
+    assert outcome_to_pb(within_noise.outcome).WhichOneof("details") == "onnx"
     assert outcome_from_pb(outcome_to_pb(within_noise.outcome)).details == OnnxDetails()
     with pytest.raises(ValueError, match="world_size"):
         details_from_dict("gdat", {"world_size": "two"})

@@ -86,7 +86,8 @@ def test_a_gdat_job_through_grpc_reports_progress_downloads_and_cancels(
         )
         result = job.result
         assert result.job_type == tuning_pb2.JOB_TYPE_GDAT and result.baseline_ms > 0
-        assert json.loads(result.details_json)["world_size"] == 2
+        assert result.gdat.world_size == 2 and result.gdat.backend == "gloo"
+        assert result.gdat.configurations and result.gdat.ddp_config["label"]
 
         # The result JSON and the DDP configuration, downloaded.
         with Client(d.socket) as client:

@@ -19,7 +19,9 @@ every client's generated code and JSON form), the domain names are the ones the 
     model_path / tuned_model_path       model / tuned_model
     result_json_path                    result_json
     verification                        verified
-    details_json                        details (GdatDetails | OnnxDetails)
+    details (oneof onnx | gdat)         details (OnnxDetails | GdatDetails); the deprecated
+                                        details_json is written too, and read from a
+                                        daemon that sends no `details`
     TaskResult.node_names[0]            TaskOutcome.op_name
     TaskResult.not_applied              not TaskOutcome.applied
 
@@ -35,6 +37,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import msgspec
+from google.protobuf import json_format
+
 from aoe.bank import LayerStats
 from aoe.config import MAX_PARALLEL  # JobOptions.parallel: as many as `[tuning] parallel`
 from aoe.errors import OptionError
@@ -42,7 +47,9 @@ from aoe.figures import Comparison, Figures, Shipped
 from aoe.keys import PRECISION_CODES
 from aoe.outcome import (
     BudgetReport,
+    Details,
     JobOutcome,
+    OnnxDetails,
     StageTime,
     TaskOutcome,
     UpdateMode,
@@ -311,7 +318,72 @@ def outcome_to_pb(o: JobOutcome) -> tuning_pb2.JobResult:
         budget=_budget_pb(o.budget),
         model_path=o.model,
         details_json=json.dumps(details, sort_keys=True) if details else "",
+        **_details_pb(o.details),
     )
+
+
+#: GdatDetails' fields that hold a JSON object (a Struct), and those that hold a list of them
+_GDAT_OBJECTS = ("ddp_config", "confirmation", "layout")
+_GDAT_LISTS = ("configurations", "gates", "broken_turns")
+
+
+def _details_pb(d: Details) -> dict[str, Any]:
+    """JobResult's `details` oneof for `d`, as keyword arguments."""
+    if isinstance(d, OnnxDetails):
+        return {"onnx": tuning_pb2.OnnxDetails()}
+    pb = tuning_pb2.GdatDetails(
+        gradient_precision=d.gradient_precision,
+        backend=d.backend,
+        world_size=d.world_size,
+        baseline_tail_ms=d.baseline_tail_ms,
+        result_tail_ms=d.result_tail_ms,
+        ddp_config_file=d.ddp_config_file,
+        update_mode=d.update_mode,
+        bank_layer=d.bank_layer,
+    )
+    for name in _GDAT_OBJECTS:
+        getattr(pb, name).update(msgspec.to_builtins(getattr(d, name)))
+    for name in _GDAT_LISTS:
+        for item in getattr(d, name):
+            getattr(pb, name).add().update(msgspec.to_builtins(item))
+    return {"gdat": pb}
+
+
+def _json_of(value: Any) -> Any:
+    """A Struct's value as JSON types, its integral numbers as integers (a Struct holds
+    every number as a double)."""
+    if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
+        return int(value)
+    if isinstance(value, dict):
+        return {k: _json_of(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_json_of(v) for v in value]
+    return value
+
+
+def _details_from_pb(r: tuning_pb2.JobResult, job_type: JobType) -> Details:
+    """JobResult's details: the typed oneof, else (a daemon from before it) the JSON."""
+    which = r.WhichOneof("details")
+    if which is None:
+        return details_from_dict(job_type, json.loads(r.details_json or "{}"))
+    if which == "onnx":
+        return details_from_dict(job_type, {})
+    g = r.gdat
+    doc: dict[str, Any] = {
+        "gradient_precision": g.gradient_precision,
+        "backend": g.backend,
+        "world_size": g.world_size,
+        "baseline_tail_ms": g.baseline_tail_ms,
+        "result_tail_ms": g.result_tail_ms,
+        "ddp_config_file": g.ddp_config_file,
+        "update_mode": g.update_mode,
+        "bank_layer": g.bank_layer,
+    }
+    for name in _GDAT_OBJECTS:
+        doc[name] = _json_of(json_format.MessageToDict(getattr(g, name)))
+    for name in _GDAT_LISTS:
+        doc[name] = [_json_of(json_format.MessageToDict(s)) for s in getattr(g, name)]
+    return details_from_dict(job_type, doc)
 
 
 def _older_resources(r: tuning_pb2.JobResult) -> dict[str, float]:
@@ -367,7 +439,7 @@ def outcome_from_pb(r: tuning_pb2.JobResult, job_id: str = "") -> JobOutcome:
         calibration=r.calibration,
         verified=r.verification,
         notes=tuple(r.notes),
-        details=details_from_dict(job_type, json.loads(r.details_json or "{}")),
+        details=_details_from_pb(r, job_type),
     )
 
 

@@ -1,6 +1,7 @@
 import datetime
 
 from aoe.v1 import bank_pb2 as _bank_pb2
+from google.protobuf import struct_pb2 as _struct_pb2
 from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
@@ -269,7 +270,7 @@ class JobBudget(_message.Message):
     def __init__(self, budget_s: _Optional[float] = ..., given: _Optional[bool] = ..., spent_s: _Optional[float] = ..., search_s: _Optional[float] = ..., session_s: _Optional[float] = ..., verify_s: _Optional[float] = ..., profile_s: _Optional[float] = ..., confirm_s: _Optional[float] = ..., load_s_per_mib: _Optional[float] = ..., elapsed_s: _Optional[float] = ..., over_s: _Optional[float] = ..., stages: _Optional[_Iterable[_Union[StageBudget, _Mapping]]] = ...) -> None: ...
 
 class JobResult(_message.Message):
-    __slots__ = ("baseline_ms", "tuned_ms", "improvement", "tuned_model_path", "result_json_path", "repo_summary", "tasks", "verdict", "shipped", "improvement_ci95_low", "improvement_ci95_high", "trials", "device_s", "tuning_time_s", "confirm_rounds", "confirmed_by", "decided_by", "precision", "job_type", "device", "notes", "calibration", "verification", "resources", "accuracy", "accuracy_budget", "session_options_json", "budget", "model_path", "details_json")
+    __slots__ = ("baseline_ms", "tuned_ms", "improvement", "tuned_model_path", "result_json_path", "repo_summary", "tasks", "verdict", "shipped", "improvement_ci95_low", "improvement_ci95_high", "trials", "device_s", "tuning_time_s", "confirm_rounds", "confirmed_by", "decided_by", "precision", "job_type", "device", "notes", "calibration", "verification", "resources", "accuracy", "accuracy_budget", "session_options_json", "budget", "model_path", "details_json", "onnx", "gdat")
     class ResourcesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -321,6 +322,8 @@ class JobResult(_message.Message):
     BUDGET_FIELD_NUMBER: _ClassVar[int]
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     DETAILS_JSON_FIELD_NUMBER: _ClassVar[int]
+    ONNX_FIELD_NUMBER: _ClassVar[int]
+    GDAT_FIELD_NUMBER: _ClassVar[int]
     baseline_ms: float
     tuned_ms: float
     improvement: float
@@ -351,7 +354,45 @@ class JobResult(_message.Message):
     budget: JobBudget
     model_path: str
     details_json: str
-    def __init__(self, baseline_ms: _Optional[float] = ..., tuned_ms: _Optional[float] = ..., improvement: _Optional[float] = ..., tuned_model_path: _Optional[str] = ..., result_json_path: _Optional[str] = ..., repo_summary: _Optional[_Union[RepoSummary, _Mapping]] = ..., tasks: _Optional[_Iterable[_Union[TaskResult, _Mapping]]] = ..., verdict: _Optional[str] = ..., shipped: _Optional[str] = ..., improvement_ci95_low: _Optional[float] = ..., improvement_ci95_high: _Optional[float] = ..., trials: _Optional[int] = ..., device_s: _Optional[float] = ..., tuning_time_s: _Optional[float] = ..., confirm_rounds: _Optional[int] = ..., confirmed_by: _Optional[str] = ..., decided_by: _Optional[_Union[Comparison, _Mapping]] = ..., precision: _Optional[_Union[_bank_pb2.Precision, str]] = ..., job_type: _Optional[_Union[JobType, str]] = ..., device: _Optional[str] = ..., notes: _Optional[_Iterable[str]] = ..., calibration: _Optional[str] = ..., verification: _Optional[str] = ..., resources: _Optional[_Mapping[str, float]] = ..., accuracy: _Optional[_Mapping[str, float]] = ..., accuracy_budget: _Optional[_Mapping[str, float]] = ..., session_options_json: _Optional[str] = ..., budget: _Optional[_Union[JobBudget, _Mapping]] = ..., model_path: _Optional[str] = ..., details_json: _Optional[str] = ...) -> None: ...
+    onnx: OnnxDetails
+    gdat: GdatDetails
+    def __init__(self, baseline_ms: _Optional[float] = ..., tuned_ms: _Optional[float] = ..., improvement: _Optional[float] = ..., tuned_model_path: _Optional[str] = ..., result_json_path: _Optional[str] = ..., repo_summary: _Optional[_Union[RepoSummary, _Mapping]] = ..., tasks: _Optional[_Iterable[_Union[TaskResult, _Mapping]]] = ..., verdict: _Optional[str] = ..., shipped: _Optional[str] = ..., improvement_ci95_low: _Optional[float] = ..., improvement_ci95_high: _Optional[float] = ..., trials: _Optional[int] = ..., device_s: _Optional[float] = ..., tuning_time_s: _Optional[float] = ..., confirm_rounds: _Optional[int] = ..., confirmed_by: _Optional[str] = ..., decided_by: _Optional[_Union[Comparison, _Mapping]] = ..., precision: _Optional[_Union[_bank_pb2.Precision, str]] = ..., job_type: _Optional[_Union[JobType, str]] = ..., device: _Optional[str] = ..., notes: _Optional[_Iterable[str]] = ..., calibration: _Optional[str] = ..., verification: _Optional[str] = ..., resources: _Optional[_Mapping[str, float]] = ..., accuracy: _Optional[_Mapping[str, float]] = ..., accuracy_budget: _Optional[_Mapping[str, float]] = ..., session_options_json: _Optional[str] = ..., budget: _Optional[_Union[JobBudget, _Mapping]] = ..., model_path: _Optional[str] = ..., details_json: _Optional[str] = ..., onnx: _Optional[_Union[OnnxDetails, _Mapping]] = ..., gdat: _Optional[_Union[GdatDetails, _Mapping]] = ...) -> None: ...
+
+class OnnxDetails(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GdatDetails(_message.Message):
+    __slots__ = ("gradient_precision", "backend", "world_size", "baseline_tail_ms", "result_tail_ms", "ddp_config", "ddp_config_file", "update_mode", "bank_layer", "confirmation", "configurations", "gates", "broken_turns", "layout")
+    GRADIENT_PRECISION_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BASELINE_TAIL_MS_FIELD_NUMBER: _ClassVar[int]
+    RESULT_TAIL_MS_FIELD_NUMBER: _ClassVar[int]
+    DDP_CONFIG_FIELD_NUMBER: _ClassVar[int]
+    DDP_CONFIG_FILE_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_MODE_FIELD_NUMBER: _ClassVar[int]
+    BANK_LAYER_FIELD_NUMBER: _ClassVar[int]
+    CONFIRMATION_FIELD_NUMBER: _ClassVar[int]
+    CONFIGURATIONS_FIELD_NUMBER: _ClassVar[int]
+    GATES_FIELD_NUMBER: _ClassVar[int]
+    BROKEN_TURNS_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    gradient_precision: str
+    backend: str
+    world_size: int
+    baseline_tail_ms: float
+    result_tail_ms: float
+    ddp_config: _struct_pb2.Struct
+    ddp_config_file: str
+    update_mode: str
+    bank_layer: str
+    confirmation: _struct_pb2.Struct
+    configurations: _containers.RepeatedCompositeFieldContainer[_struct_pb2.Struct]
+    gates: _containers.RepeatedCompositeFieldContainer[_struct_pb2.Struct]
+    broken_turns: _containers.RepeatedCompositeFieldContainer[_struct_pb2.Struct]
+    layout: _struct_pb2.Struct
+    def __init__(self, gradient_precision: _Optional[str] = ..., backend: _Optional[str] = ..., world_size: _Optional[int] = ..., baseline_tail_ms: _Optional[float] = ..., result_tail_ms: _Optional[float] = ..., ddp_config: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., ddp_config_file: _Optional[str] = ..., update_mode: _Optional[str] = ..., bank_layer: _Optional[str] = ..., confirmation: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., configurations: _Optional[_Iterable[_Union[_struct_pb2.Struct, _Mapping]]] = ..., gates: _Optional[_Iterable[_Union[_struct_pb2.Struct, _Mapping]]] = ..., broken_turns: _Optional[_Iterable[_Union[_struct_pb2.Struct, _Mapping]]] = ..., layout: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ...) -> None: ...
 
 class Comparison(_message.Message):
     __slots__ = ("subject", "against", "improvement", "improvement_ci95_low", "improvement_ci95_high")
