@@ -140,6 +140,18 @@ class DaemonProcess:
         """The log's last `chars` characters: what a failure message shows."""
         return self.log()[-chars:]
 
+    def deliver(self, name: str, data: bytes, timeout: float = 240) -> Path:
+        """Drop `data` in the inbox as `name`; the report its outbox gets, once there."""
+        (self.inbox / name).write_bytes(data)
+        report = f"{Path(name).stem}_report.txt"
+        outbox = self.inbox.parent / "outbox"
+        return wait_for(
+            lambda: next(outbox.glob(report), None),
+            timeout,
+            f"{report} in the outbox",
+            detail=self.log_tail,
+        )
+
     def channel(self) -> grpc.Channel:
         if self._channel is None:
             self._channel = grpc.insecure_channel(self.target)

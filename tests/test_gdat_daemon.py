@@ -153,11 +153,8 @@ def test_a_pt2_dropped_in_a_gdat_inbox_is_delivered_to_its_outbox(
     (d.inbox / "aoed.toml").write_text('job_type = "gdat"\nworld_size = 2\nbudget_s = 3.0\n')
     d.start()
     try:
-        (d.inbox / "tiny.pt2").write_bytes(pt2.read_bytes())
-        outbox = d.inbox.parent / "outbox"
-        report = wait_for(
-            lambda: next(outbox.glob("tiny_report.txt"), None), 240, f"the outbox:\n{d.log()}"
-        )
+        report = d.deliver("tiny.pt2", pt2.read_bytes())
+        outbox = report.parent
         assert json.loads((outbox / "tiny_ddp_config.json").read_text())["bank_key"]
         doc = json.loads((outbox / "tiny_result.json").read_text())
         assert (

@@ -14,11 +14,26 @@ import pytest
 
 from .conftest import run_aoe
 from .daemon_util import DaemonProcess
-from .helpers import wait_for
 
 torch = pytest.importorskip("torch", reason="the gdat extra (torch) is not installed")
 
 from .hostile_pt2 import KINDS, root_of, tiny_program  # noqa: E402
+
+
+def _tune(model: Path, folder: Path, *extra: str):
+    """`aoe tune` of `model` as an OPAT job, embedded, its bank and outputs in `folder`."""
+    return run_aoe(
+        "tune",
+        str(model),
+        "--job-type",
+        "opat",
+        "--no-progress",
+        "--bank",
+        str(folder / "bank"),
+        "--output",
+        str(folder / "out"),
+        *extra,
+    )
 
 
 def _static_program(path: Path) -> tuple[Path, np.ndarray, np.ndarray]:
@@ -41,19 +56,7 @@ def tuned(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict, np.ndar
     the program's own output there."""
     folder = tmp_path_factory.mktemp("pt2")
     pt2, x, y = _static_program(folder / "mlp.pt2")
-    r = run_aoe(
-        "tune",
-        str(pt2),
-        "--job-type",
-        "opat",
-        "--budget",
-        "2",
-        "--no-progress",
-        "--bank",
-        str(folder / "bank"),
-        "--output",
-        str(folder / "out"),
-    )
+    r = _tune(pt2, folder, "--budget", "2")
     assert r.returncode == 0, r.stderr
     (path,) = (folder / "out").glob("aoe_result_opat_*.json")
     return folder, json.loads(path.read_text()), x, y
@@ -89,21 +92,7 @@ def test_a_pt2_is_tuned_as_its_onnx_export_and_the_tuned_model_computes_the_prog
 @pytest.mark.slow
 def test_a_pt2_with_a_dynamic_batch_exports_with_the_dimension_kept(tmp_path: Path) -> None:
     pt2 = tiny_program(tmp_path / "tiny.pt2")
-    r = run_aoe(
-        "tune",
-        str(pt2),
-        "--job-type",
-        "opat",
-        "--budget",
-        "1",
-        "--no-progress",
-        "--input-shape",
-        "x:8,32",
-        "--bank",
-        str(tmp_path / "bank"),
-        "--output",
-        str(tmp_path / "out"),
-    )
+    r = _tune(pt2, tmp_path, "--budget", "1", "--input-shape", "x:8,32")
     assert r.returncode == 0, r.stderr
     (converted,) = (tmp_path / "out" / "aoe_workspace").glob("*/converted/tiny.onnx")
     (inp,) = onnx.load(str(converted)).graph.input
@@ -122,19 +111,7 @@ def test_a_hostile_pt2_for_inference_is_refused_before_loading_naming_the_member
     marker = tmp_path / "ran"
     kind = KINDS["opaque_object"]
     evil = kind.build(base, tmp_path / "evil.pt2", marker)
-    r = run_aoe(
-        "tune",
-        str(evil),
-        "--job-type",
-        "opat",
-        "--input-shape",
-        "x:8,32",
-        "--no-progress",
-        "--bank",
-        str(tmp_path / "bank"),
-        "--output",
-        str(tmp_path / "out"),
-    )
+    r = _tune(evil, tmp_path, "--input-shape", "x:8,32")
     assert r.returncode != 0
     assert f"{evil}: refused before loading: {root_of(base)}/{kind.member}" in r.stderr, r.stderr
     assert not marker.exists()
@@ -148,13 +125,8 @@ def test_a_pt2_dropped_in_an_inbox_comes_out_tuned_for_inference(tmp_path: Path)
     (d.inbox / "aoed.toml").write_text('job_type = "opat"\nbudget_s = 2.0\n')
     d.start()
     try:
-        (d.inbox / "mlp.pt2").write_bytes(pt2.read_bytes())
-        outbox = d.inbox.parent / "outbox"
-        report = wait_for(
-            lambda: next(outbox.glob("mlp_report.txt"), None),
-            180,
-            f"mlp_report.txt in the outbox:\n{d.log()[-3000:]}",
-        )
+        report = d.deliver("mlp.pt2", pt2.read_bytes())
+        outbox = report.parent
         assert report.read_text().startswith("aoed tuned mlp.pt2\n"), report.read_text()
         notes = json.loads((outbox / "mlp_result.json").read_text())["notes"]
         assert any(n.startswith("mlp.pt2: tuned as the ONNX model torch.onnx") for n in notes)
