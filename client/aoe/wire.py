@@ -90,7 +90,9 @@ def spec_to_pb(spec: JobSpec) -> tuning_pb2.JobOptions:
     return tuning_pb2.JobOptions(
         job_type=_JOB_TYPE[spec.job_type],
         precision=_PRECISION[spec.precision],
-        input_shapes=[tuning_pb2.InputShape(name=k, dims=v) for k, v in spec.input_shapes.items()],
+        input_shapes=[tuning_pb2.InputShape(name=k, dims=v) for k, v in spec.input_shapes.items()]
+        + [tuning_pb2.InputShape(name=k, profile=v) for k, v in spec.shape_profile.dims.items()],
+        dynamic_dims=spec.shape_profile.gears,
         repeat_tune=spec.repeat_tune,
         device=spec.device or "",
         accuracy_budget=tuning_pb2.AccuracyBudget(
@@ -128,7 +130,11 @@ def spec_from_pb(o: tuning_pb2.JobOptions) -> JobSpec:
         job_type=_member_of(
             _JOB_TYPE, o.job_type, "job_type", tuning_pb2.JobType, JobType.SGAT_OPAT
         ),
-        input_shapes={s.name: list(s.dims) for s in o.input_shapes},
+        input_shapes={s.name: list(s.dims) for s in o.input_shapes if not s.profile},
+        shape_profile={
+            "dims": {s.name: s.profile for s in o.input_shapes if s.profile},
+            "gears": o.dynamic_dims,
+        },
         repeat_tune=o.repeat_tune,
         device=o.device or None,
         budget_s=o.budget_s or None,
