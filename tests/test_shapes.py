@@ -1,11 +1,16 @@
 """Shape profiles: AOE's spelling (ranges lo~hi, -1 with --dynamic-dims gears) read and
-written back by every edge, and errors that name the input."""
+written back by every edge, errors that name the input, and the profile the engine
+derives from a dynamic model (sizes spread up to its position table)."""
 
 from __future__ import annotations
 
 import argparse
 import tomllib
+from collections.abc import Mapping
+from types import SimpleNamespace
+from typing import Any
 
+import onnx
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -15,6 +20,8 @@ from aoe.shapes import DimRange, ShapeProfile, parse_dims
 from aoe.spec import JobSpec
 from aoe.specargs import add_arguments, from_args, split_shapes, to_argv
 from aoe.wire import spec_from_pb, spec_to_pb
+from aoed import samples
+from aoed.engine.shapeprofile import position_bound, resolve, restore_io
 
 
 def _args(*argv: str) -> JobSpec:
@@ -88,3 +95,108 @@ def test_a_range_reads_back_from_every_edge(lo: list[int], span: list[int]) -> N
     assert spec_from_pb(spec_to_pb(spec)) == spec
     assert _args(*to_argv(spec)) == spec
     assert split_shapes([f"x:{text}"])[1] == spec.shape_profile
+
+
+# --------------------------------------------------------------------------- derived
+
+
+def test_the_encoders_profile_is_derived_up_to_its_position_table() -> None:
+    model = samples.encoder(max_positions=128)
+    assert position_bound(model) == 128
+    p = resolve(model, {}, ShapeProfile(), "encoder.onnx")
+    assert p is not None and p.derived
+    assert p.points == ({"input_ids": (1, 8)}, {"input_ids": (4, 32)}, {"input_ids": (4, 128)})
+    assert p.point == {"input_ids": (4, 32)}
+    assert "position table's 128" in p.axes["seq"] and "batch" in p.axes["batch"]
+    # a batch alone: 1 and 4; a static model: no profile at all
+    batch = resolve(samples.mlp(dynamic_batch=True), {}, ShapeProfile(), "m")
+    assert batch is not None and [pt["input"] for pt in batch.points] == [(1, 256), (4, 256)]
+    assert resolve(samples.mlp(), {}, ShapeProfile(), "m") is None
+
+
+def test_what_the_user_gives_overrides_the_derivation() -> None:
+    model = samples.encoder()
+    gears = resolve(model, {}, ShapeProfile({"input_ids": "-1,-1"}, "2,8;3,24"), "e")
+    assert gears is not None and not gears.derived
+    assert gears.points == ({"input_ids": (2, 8)}, {"input_ids": (3, 24)})
+    ranged = resolve(model, {}, ShapeProfile({"input_ids": "1,16~64"}), "e")
+    assert ranged is not None and ranged.points[-1] == {"input_ids": (1, 64)}
+    with pytest.raises(OptionError, match=r"--input-shape input_ids: rank 3 given"):
+        resolve(model, {}, ShapeProfile({"input_ids": "1,2~4,3"}), "e")
+    with pytest.raises(OptionError, match=r"e has no input 'ids'"):
+        resolve(model, {}, ShapeProfile({"ids": "1,2~4"}), "e")
+
+
+def test_restore_io_gives_back_the_inputs_own_axes() -> None:
+    model = samples.encoder()
+    p = resolve(model, {}, ShapeProfile(), "e")
+    assert p is not None
+    fixed = onnx.shape_inference.infer_shapes(model)
+    for vi in fixed.graph.input:
+        for d, n in zip(vi.type.tensor_type.shape.dim, (4, 16), strict=True):
+            d.dim_value = n
+    restore_io(fixed, p)
+    assert not fixed.graph.value_info
+    dims = fixed.graph.output[0].type.tensor_type.shape.dim
+    assert [d.dim_param or d.dim_value for d in dims] == ["batch", "seq", 64]
+
+
+# --------------------------------------------------------------------------- the guard
+
+
+@pytest.fixture(scope="module")
+def encoder(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The encoder sample prepared as a job prepares it (at its representative point),
+    with its tasks, the registry and the profile's reference outputs."""
+    from aoed.backends.ort.catalog import build_registry
+    from aoed.backends.ort.shapecheck import Points
+    from aoed.engine.assemble import apply_choices, tunable_tasks
+    from aoed.engine.calibration import integer_ranges
+    from aoed.engine.prep import prepare
+    from aoed.engine.tasks import Constants
+
+    d = tmp_path_factory.mktemp("encoder")
+    prep = prepare(samples.save(samples.encoder(), d / "encoder.onnx"), d)
+    assert prep.profile is not None
+    registry = build_registry([])
+    tasks = tunable_tasks(prep.model, prep.ctx, registry, "exact", "opat")
+    consts = Constants(prep.model.graph, list(prep.model.opset_import))
+
+    def build(choices: Mapping[str, str]) -> onnx.ModelProto:
+        return apply_choices(prep.model, prep.ctx, consts, tasks, choices, registry)
+
+    points = Points(prep.model, prep.profile, prep.inputs, integer_ranges(prep.model, prep.inputs))
+    return SimpleNamespace(prep=prep, tasks=tasks, build=build, points=points)
+
+
+EXACT = (1e-3, 0.9999)
+
+
+def test_a_choice_that_bakes_the_searched_shape_is_refused(encoder: Any) -> None:
+    """gemm_pretransposed writes the point it was prepared at into a Reshape target: the
+    model it makes, given the input's dynamic axes back, fails at every other point. The
+    guard leaves that choice out and keeps one that holds at every shape."""
+    from aoed.backends.ort.shapecheck import guard
+
+    prep, points = encoder.prep, encoder.points
+    assert prep.profile.point == {"input_ids": (4, 16)}
+    task = next(t for t in encoder.tasks if t.family == "matmul")
+    baked = {task.id: "gemm_pretransposed"}
+    bare = encoder.build(baked)
+    restore_io(bare, prep.profile)
+    unguarded = points.check(bare, EXACT)
+    assert [c.ok for c in unguarded] == [False, True, False], unguarded  # the searched point only
+    assert "Reshape" in unguarded[0].error
+
+    model, refused, checks = guard(encoder.build, baked, points, EXACT)
+    assert list(refused) == [task.id]
+    assert refused[task.id].startswith("gemm_pretransposed fails at shape input_ids:1,4")
+    assert all(c.ok for c in checks) and len(checks) == len(prep.profile.points)
+    assert not any(n.name.startswith(f"aoe/{task.id}") for n in model.graph.node)
+
+    kept = {task.id: "fused_matmul_transb"}
+    model, refused, checks = guard(encoder.build, kept, points, EXACT)
+    assert not refused and all(c.ok for c in checks)
+    assert any(n.name.startswith(f"aoe/{task.id}") for n in model.graph.node)
+    for c in checks:
+        assert c.accuracy["max_rel_error"] <= EXACT[0]

@@ -37,6 +37,34 @@ from aoed.engine.tasks import Constants
 __all__ = ["compile_model"]
 
 
+def _dynamic(
+    prep: Any,
+    consts: Constants,
+    tasks: Sequence[Any],
+    asm: Assembly,
+    registry: Any,
+    ranges: Any,
+    precision: str,
+) -> Any:
+    """The bank's choices for a dynamic model: with the input's own axes, each choice
+    checked at every point of its shape profile (as a tuning job assembles), those that
+    fail one left out with a note."""
+    from aoed.backends.ort.shapecheck import Points, guard
+
+    p = policy(precision)
+    points = Points(prep.model, prep.profile, prep.inputs, integer_ranges(prep.model, prep.inputs))
+    model, refused, _ = guard(
+        lambda c: apply_choices(prep.model, prep.ctx, consts, tasks, c, registry, ranges),
+        asm.choices,
+        points,
+        (p.e2e_max_rel_error, p.e2e_min_cosine),
+    )
+    for tid, why in refused.items():
+        asm.choices.pop(tid, None)
+        asm.notes.append(f"{tid}: {why}; left out")
+    return model
+
+
 class _ReaderLookup:
     """A BankReader seen as the engine's `Lookup` (records decoded by the bank codec)."""
 
@@ -145,6 +173,8 @@ def compile_model(
         )
         if asm.ship_input:
             model = load_model(Path(model_path))
+        elif prep.profile is not None:
+            model = _dynamic(prep, consts, tasks, asm, registry, ranges, precision)
         else:
             model = apply_choices(
                 prep.model, prep.ctx, consts, tasks, asm.choices, registry, ranges
