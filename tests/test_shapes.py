@@ -200,3 +200,50 @@ def test_a_choice_that_bakes_the_searched_shape_is_refused(encoder: Any) -> None
     assert any(n.name.startswith(f"aoe/{task.id}") for n in model.graph.node)
     for c in checks:
         assert c.accuracy["max_rel_error"] <= EXACT[0]
+
+
+# --------------------------------------------------------------------------- every point
+
+
+def _point(shape: tuple[int, ...], verdict: str, imp: float, ci: tuple[float, float]) -> dict:
+    return {
+        "shapes": {"input_ids": list(shape)},
+        "verdict": verdict,
+        "input_ms": 1.0,
+        "result_ms": 1.0 / (1.0 + imp),
+        "improvement": imp,
+        "improvement_ci95": list(ci),
+        "rounds": 11,
+    }
+
+
+def test_a_proposal_slower_at_one_point_keeps_the_input() -> None:
+    """Faster at the searched shape is not enough: a point where the tuned model loses
+    beyond noise ships the input, and says which point decided."""
+    from pathlib import Path
+
+    from aoe.figures import Figures
+    from aoed.engine.confirm import Confirmation
+    from aoed.engine.confirmstage import hold_at_points
+
+    def conf() -> Confirmation:
+        return Confirmation(Figures.shipping("tuned", 2.0, 0.8, (0.75, 0.85), 21))
+
+    tuned, copy = Path("proposal.onnx"), Path("input_copy.onnx")
+    searched = {"input_ids": (4, 16)}
+    ok = conf()
+    within = [_point((1, 4), "no significant change", -0.01, (-0.05, 0.03))]
+    assert hold_at_points(ok, searched, within, tuned, copy) == tuned
+    assert ok.shipped == "tuned" and [p["shapes"] for p in ok.points] == [
+        {"input_ids": [4, 16]},
+        {"input_ids": [1, 4]},
+    ]
+    assert ok.points[0]["searched"] and "input_ids:1,4" in ok.notes[-1]
+    lost = conf()
+    slower = [*within, _point((4, 64), "slower", -0.2, (-0.25, -0.15))]
+    assert hold_at_points(lost, searched, slower, tuned, copy) == copy
+    assert lost.shipped == "input" and lost.verdict == "slower"
+    assert lost.figures.decided_by is not None
+    assert lost.figures.decided_by.against == "input at input_ids:4,64"
+    assert lost.proposal["kind"] == "tuned" and "input ships" in lost.notes[-1]
+    assert lost.to_json()["points"][-1]["verdict"] == "slower"
