@@ -445,31 +445,82 @@ def test_aoe_spelling_runs_the_same_job_on_an_old_export(models: Path, tmp_path:
     _assert_exact(models / "legacy_mlp.onnx", Path(doc["tuned_model"]), tmp_path)
 
 
-def test_dynamic_input_needs_and_takes_a_shape(models: Path, tmp_path: Path):
-    bad = run_aoe(
+def _run_at(model: Path, shape: tuple[int, ...], name: str = "input_ids") -> np.ndarray:
+    sess = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
+    ids = np.random.default_rng(sum(shape)).integers(0, 256, size=shape).astype(np.int64)
+    return sess.run(None, {name: ids})[0]
+
+
+@pytest.mark.long
+def test_a_dynamic_model_tunes_with_no_flags_and_keeps_its_axes(models: Path, tmp_path: Path):
+    """The encoder's batch and seq are dynamic and nothing names a shape: the job derives a
+    profile (seq up to its 64-row position table), searches at its middle point, and
+    ships a model with the input's own axes that runs, and agrees with the input, at
+    shapes outside the profile. The assembled model, whatever ships, was checked at
+    every point (no choice that bakes the searched shape survives: test_shapes.py)."""
+    out = tmp_path / "o"
+    r = run_aoe(
+        "tune",
+        str(models / "encoder.onnx"),
+        *("--bank", str(tmp_path / "bank"), "--output", str(out), "--keep-workspace"),
+        *("--budget", "2", "--parallel", "1", "--no-progress", "--job-type", "sgat+opat"),
+    )
+    assert r.returncode == 0, r.stderr
+    (path,) = out.glob("aoe_result_sgat_opat_*_*.json")
+    doc = json.loads(path.read_text())
+    prof = doc["shape_profile"]
+    assert prof["inputs"] == {"input_ids": ["batch", "seq"]}
+    assert prof["points"] == [{"input_ids": [1, 4]}, {"input_ids": [4, 16]}, {"input_ids": [4, 64]}]
+    assert "position table's 64" in prof["axes"]["seq"]
+    assert any(n.startswith("shape profile: 3 points") for n in doc["notes"])
+    tuned = Path(doc["tuned_model"])
+    model = onnx.load(str(tuned))
+    for vi in (*model.graph.input, *model.graph.output):
+        dims = vi.type.tensor_type.shape.dim
+        assert [d.dim_param for d in dims[:2]] == ["batch", "seq"], vi.name
+    assert not model.graph.value_info  # no shape of the searched point left inside
+    assembled = Path(doc["workspace"]) / "tunespace" / "work" / "assembled.onnx"
+    for candidate in (tuned, assembled):
+        for shape in [(1, 1), (3, 7), (2, 50), (1, 64)]:
+            ref, got = _run_at(models / "encoder.onnx", shape), _run_at(candidate, shape)
+            assert got.shape == ref.shape == (*shape, 64)
+            assert np.max(np.abs(got - ref)) <= 1e-3 * np.max(np.abs(ref)), (candidate, shape)
+    conf = doc["confirmation"]
+    assert conf["shipped"] == "input" or "points" in conf
+    if "points" in conf:
+        # the proposal won at the searched point: it was measured at every other one
+        assert [p["shapes"] for p in conf["points"]] == [
+            prof["points"][1],
+            prof["points"][0],
+            prof["points"][2],
+        ]
+        assert conf["points"][0]["searched"]
+        assert all(
+            p["verdict"] in ("faster", "no significant change", "slower") for p in conf["points"]
+        )
+        assert any(n.startswith("at each point of the shape profile") for n in doc["notes"])
+    if conf["shipped"] != "input":
+        checked = prof["tuned_at_points"]
+        assert [c["shapes"] for c in checked] == prof["points"]
+        assert all("error" not in c and c["accuracy"]["cosine"] >= 0.9999 for c in checked)
+
+
+def test_a_fixed_shape_is_one_point_and_the_axes_stay(models: Path, tmp_path: Path):
+    """Today's --input-shape: the job measures at that shape alone, checks the derived
+    points too, and the tuned model keeps the input's dynamic batch."""
+    fixed = tmp_path / "fixed"
+    r = run_aoe(
         "tune",
         str(models / "mlp_dynamic.onnx"),
-        "--bank",
-        str(tmp_path / "bank"),
-        "--output",
-        str(tmp_path / "o"),
+        *("--input-shape", "input:4,256", "--bank", str(tmp_path / "bank"), "--output", str(fixed)),
         *FAST,
     )
-    assert bad.returncode == 3
-    assert "'input'" in bad.stderr and "--input-shape" in bad.stderr
-    assert not (tmp_path / "bank").exists()  # nothing written to the bank
-    good = run_aoe(
-        "tune",
-        str(models / "mlp_dynamic.onnx"),
-        "--input-shape",
-        "input:4,256",
-        "--bank",
-        str(tmp_path / "bank"),
-        "--output",
-        str(tmp_path / "o"),
-        *FAST,
-    )
-    assert good.returncode == 0, good.stderr
+    assert r.returncode == 0, r.stderr
+    doc = _result(fixed)
+    assert doc["shape_profile"]["points"] == [{"input": [4, 256]}]
+    assert doc["shape_profile"]["checked_only"] == [{"input": [1, 256]}]
+    dim = onnx.load(doc["tuned_model"]).graph.input[0].type.tensor_type.shape.dim[0]
+    assert dim.dim_param == "batch"
 
 
 @pytest.mark.parametrize(

@@ -418,6 +418,38 @@ def test_inbox_renamed_model_is_tuned_into_the_outbox(daemon: DaemonProcess) -> 
     assert len(dropped) == 1 and dropped[0].source == f"inbox:{daemon.inbox}", jobs
 
 
+def test_a_dynamic_model_dropped_with_no_options_comes_out_tuned_and_dynamic(
+    daemon: DaemonProcess,
+) -> None:
+    """No aoed.toml names a shape: the job derives the encoder's profile, and the tuned
+    model in the outbox keeps its batch and seq axes and runs, as the input does, at
+    shapes the profile never named."""
+    import numpy as np
+    import onnxruntime as ort
+
+    (daemon.inbox / "aoed.toml").unlink(missing_ok=True)
+    src = samples.save(samples.encoder(), daemon.models / "encoder.onnx")
+    tmp = daemon.inbox / "encoder.onnx.part"
+    shutil.copy(src, tmp)
+    tmp.rename(daemon.inbox / "encoder.onnx")
+    outbox = daemon.root / "outbox"
+    wait_for(
+        (outbox / "encoder_result.json").exists, 300, "the drop's result", detail=daemon.log_tail
+    )
+    doc = json.loads((outbox / "encoder_result.json").read_text())
+    assert doc["shape_profile"]["inputs"] == {"input_ids": ["batch", "seq"]}, doc.get("notes")
+    tuned = outbox / "encoder_tuned.onnx"
+    dims = onnx.load(tuned).graph.input[0].type.tensor_type.shape.dim
+    assert [d.dim_param for d in dims] == ["batch", "seq"]
+    ref = ort.InferenceSession(str(src), providers=["CPUExecutionProvider"])
+    got = ort.InferenceSession(str(tuned), providers=["CPUExecutionProvider"])
+    for shape in [(2, 9), (1, 40)]:
+        ids = np.random.default_rng(1).integers(0, 256, size=shape).astype(np.int64)
+        (a,) = ref.run(None, {"input_ids": ids})
+        (b,) = got.run(None, {"input_ids": ids})
+        assert b.shape == a.shape and np.max(np.abs(a - b)) <= 1e-3 * np.max(np.abs(a))
+
+
 # ---------------------------------------------------------------- listening and TLS
 
 

@@ -36,14 +36,17 @@ def _dims(vi: onnx.ValueInfoProto) -> list[int | str]:
 # --------------------------------------------------------------------------- shapes
 
 
-def test_dynamic_batch_without_override_is_a_model_error(tmp_path: Path) -> None:
+def test_dynamic_batch_without_override_is_prepared_at_its_profiles_middle(
+    tmp_path: Path,
+) -> None:
     src = _save(tmp_path, "mlp_dynamic", samples.mlp(dynamic_batch=True))
-    with pytest.raises(ModelError) as err:
-        prepare(src, tmp_path / "work")
-    msg = str(err.value)
-    assert "'input'" in msg
-    assert "--input-shape input:N,256" in msg
-    assert "mlp_dynamic.onnx" in msg
+    prep = prepare(src, tmp_path / "work")
+    assert prep.profile is not None
+    assert prep.profile.points == ({"input": (1, 256)}, {"input": (4, 256)})
+    assert _dims(prep.model.graph.input[0]) == [4, 256]
+    assert prep.profile.inputs == {"input": ("batch", 256)}
+    assert any(n.startswith("shape profile: 2 points") for n in prep.notes)
+    assert not any("fixed by --input-shape" in n for n in prep.notes)  # no flag fixed it
 
 
 def test_input_shape_override_makes_the_model_static(tmp_path: Path) -> None:

@@ -31,6 +31,7 @@ from aoe.outcome import (
     StageTime,
     TaskOutcome,
 )
+from aoe.shapes import ShapeProfile
 from aoe.spec import (
     FOLDER_KEYS,
     MAX_BUDGET_S,
@@ -62,6 +63,44 @@ GDAT_KEYS = (
     "gradient_precision",
     "entry",
 )
+
+
+def profiles(names: st.SearchStrategy[str] = NAMES) -> st.SearchStrategy[ShapeProfile]:
+    """Shape profiles: ranges (lo~hi among sizes), or -1 dimensions with gears to fill them."""
+    size = st.integers(1, 1 << 40)
+    span = st.tuples(st.integers(1, 1000), st.integers(1001, 1 << 40)).map(
+        lambda t: f"{t[0]}~{t[1]}"
+    )
+    ranged = st.dictionaries(
+        names,
+        st.lists(size | span, min_size=1, max_size=4).filter(
+            lambda ds: any(isinstance(d, str) for d in ds)
+        ),
+        min_size=1,
+        max_size=2,
+    ).map(lambda d: ShapeProfile({k: ",".join(map(str, v)) for k, v in d.items()}))
+    geared = st.dictionaries(
+        names,
+        st.lists(st.just(-1) | size | span, min_size=1, max_size=3).filter(lambda ds: -1 in ds),
+        min_size=1,
+        max_size=2,
+    ).flatmap(
+        lambda d: (
+            st.lists(
+                st.lists(st.integers(1, 4096), min_size=n, max_size=n),
+                min_size=1,
+                max_size=4,
+            ).map(
+                lambda gears, d=d: ShapeProfile(
+                    {k: ",".join(map(str, v)) for k, v in d.items()},
+                    ";".join(",".join(map(str, g)) for g in gears),
+                )
+            )
+            if (n := sum(v.count(-1) for v in d.values()))
+            else st.nothing()
+        )
+    )
+    return st.just(ShapeProfile()) | ranged | geared
 
 
 def specs(
@@ -96,11 +135,25 @@ def _specs(
         "backend": st.none() | st.sampled_from(["gloo", "nccl", "hccl"]),
         "gradient_precision": st.none() | st.sampled_from(["exact", "fp16", "bf16", "lowrank"]),
         "entry": st.none() | st.sampled_from(["build", "make_model"]),
+        "shape_profile": profiles(names),
     }
+    # aoed.toml spells the profile in input_shapes and dynamic_dims
     keys = [
-        k for k in keys or tuple(fields) if (k in GDAT_KEYS if gdat else k not in GDAT_KEYS[5:])
+        "shape_profile" if k == "dynamic_dims" else k
+        for k in keys or tuple(fields)
+        if (k in GDAT_KEYS if gdat else k not in GDAT_KEYS[5:])
     ]
-    return st.fixed_dictionaries({k: fields[k] for k in keys}).map(lambda d: JobSpec(**d))
+    return (
+        st.fixed_dictionaries({k: fields[k] for k in keys})
+        .filter(
+            lambda d: (
+                not set(d.get("input_shapes", {})) & set(d.get("shape_profile", {}).dims)
+                if "shape_profile" in d
+                else True
+            )
+        )
+        .map(lambda d: JobSpec(**d))
+    )
 
 
 # --------------------------------------------------------------------------- round trips

@@ -165,6 +165,7 @@ def _aoe_spelling(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument(
         "--input_shape", "--input-shape", dest="input_shape", action="append", default=[]
     )
+    p.add_argument("--dynamic_dims", "--dynamic-dims", dest="dynamic_dims")
     p.add_argument("--device", default=None)
     p.add_argument("--precision")
     p.add_argument("--calibration", type=Path)
@@ -182,6 +183,7 @@ def _aoe_spelling(argv: Sequence[str]) -> argparse.Namespace:
         model=a.model,
         precision=a.precision,
         input_shape=a.input_shape,
+        dynamic_dims=a.dynamic_dims,
         bank=a.bank,
         config=a.config,
         calibration=a.calibration,

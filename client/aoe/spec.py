@@ -33,6 +33,7 @@ from aoe import sizes
 from aoe.device import Device
 from aoe.errors import OptionError
 from aoe.plain import to_plain
+from aoe.shapes import ShapeError, ShapeProfile, is_static, parse_dims
 
 __all__ = [
     "FOLDER_KEYS",
@@ -115,6 +116,7 @@ MAX_BUDGET_S = 7 * 86400.0
 FOLDER_KEYS = (
     "budget_s",
     "input_shapes",
+    "dynamic_dims",
     "job_type",
     "max_rel_error",
     "min_cosine",
@@ -134,6 +136,7 @@ GRADIENT_PRECISIONS = ("exact", "fp16", "bf16", "lowrank")
 _GDAT_FIELDS = ("world_size", "backend", "gradient_precision", "entry")
 _ONNX_FIELDS = (
     ("input_shapes", {}),
+    ("shape_profile", ShapeProfile()),
     ("min_cosine", None),
     ("max_rel_error", None),
     ("calibration_dir", None),
@@ -260,6 +263,30 @@ def _shapes(raw: object) -> dict[str, tuple[int, ...]]:
     return out
 
 
+def _profile(raw: object, static: Mapping[str, tuple[int, ...]]) -> ShapeProfile:
+    """A ShapeProfile from itself or its plain form ({"dims": ..., "gears": ...}); an
+    input is in it or in `static`, not both."""
+    try:
+        if isinstance(raw, Mapping):
+            unknown = sorted(set(raw) - {"dims", "gears"})
+            if unknown:
+                raise SpecError(
+                    "shape_profile", f": unknown key {unknown[0]!r} (known: dims, gears)"
+                )
+            raw = ShapeProfile(raw.get("dims") or {}, raw.get("gears") or "")
+        if not isinstance(raw, ShapeProfile):
+            raise SpecError("shape_profile", f"{raw!r}: expected dims and gears")
+    except ShapeError as exc:
+        raise SpecError(exc.field, exc.detail) from None
+    for name in raw.dims:
+        if name in static:
+            raise SpecError(
+                "input_shapes",
+                f"{name}: given twice, as a fixed shape and as {raw.dims[name]}; keep one",
+            )
+    return raw
+
+
 def _labels(raw: object) -> dict[str, str]:
     if not isinstance(raw, Mapping):
         raise SpecError("labels", f"{raw!r}: expected a table of key = value")
@@ -272,6 +299,32 @@ def _labels(raw: object) -> dict[str, str]:
     return labels
 
 
+def _split_shapes(raw: object) -> tuple[dict[str, Any], dict[str, str]]:
+    """(fixed shapes, a profile's dims) of an aoed.toml's input_shapes table."""
+    if raw is None:
+        return {}, {}
+    if not isinstance(raw, Mapping):
+        raise SpecError("input_shapes", f"{raw!r}: expected a table of name = [dims]")
+    static: dict[str, Any] = {}
+    dims: dict[str, str] = {}
+    for name, value in raw.items():
+        text = value if isinstance(value, str) else None
+        if isinstance(value, list) and any(isinstance(d, str) or d == -1 for d in value):
+            text = ",".join(str(d) for d in value)
+        if text is None:
+            static[name] = value
+            continue
+        try:
+            parsed = parse_dims(text, str(name))
+        except ShapeError as exc:
+            raise SpecError(exc.field, exc.detail) from None
+        if is_static(parsed):
+            static[name] = list(parsed)
+        else:
+            dims[str(name)] = text
+    return static, dims
+
+
 @dataclass(frozen=True)
 class JobSpec:
     """A job's options, checked: what to tune and how. Construct it with the values in
@@ -281,8 +334,11 @@ class JobSpec:
 
     precision: Precision = Precision.EXACT
     job_type: JobType = DEFAULT_JOB_TYPE
-    #: static shapes for inputs with dynamic dimensions
+    #: static shapes for inputs with dynamic dimensions (one point)
     input_shapes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    #: ranges and gears of dynamic inputs (aoe.shapes); what neither names, the daemon
+    #: derives from the model
+    shape_profile: ShapeProfile = field(default_factory=ShapeProfile)
     #: re-tune tasks the bank already knows
     repeat_tune: bool = False
     #: the device to measure on ("cuda:0"); None: the one the engine or daemon measures on
@@ -314,6 +370,7 @@ class JobSpec:
         set_ = object.__setattr__
         set_(self, "labels", _labels(self.labels))
         set_(self, "input_shapes", _shapes(self.input_shapes))
+        set_(self, "shape_profile", _profile(self.shape_profile, self.input_shapes))
         if self.device is not None:
             sizes.check_text("device", str(self.device), sizes.MAX_NAME_BYTES)
         if self.calibration_dir is not None:
@@ -412,8 +469,12 @@ class JobSpec:
 
     def to_dict(self) -> dict[str, Any]:
         """Every field (None where unset) as plain data (aoe.plain: enums as their
-        values, the path as text); `from_dict` reads it back."""
-        return to_plain(self)
+        values, the path as text); `from_dict` reads it back. An empty shape profile is
+        left out, so a spec without one keeps the layout stores held before it existed."""
+        d: dict[str, Any] = to_plain(self)
+        if not self.shape_profile:
+            del d["shape_profile"]
+        return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], keys: tuple[str, ...] | None = None) -> JobSpec:
@@ -437,12 +498,30 @@ class JobSpec:
         """The drop-folder keys (FOLDER_KEYS) of the spec as an aoed.toml; `from_toml`
         reads it back. Unset keys are left out."""
         d = self.to_dict()
-        table = {k: d[k] for k in FOLDER_KEYS if d[k] is not None and k != "input_shapes"}
-        if d["input_shapes"]:
-            table["input_shapes"] = d["input_shapes"]
+        shaped = ("input_shapes", "dynamic_dims")
+        table = {k: d[k] for k in FOLDER_KEYS if k not in shaped and d[k] is not None}
+        shapes: dict[str, Any] = {**d["input_shapes"], **self.shape_profile.dims}
+        if shapes:
+            table["input_shapes"] = shapes
+        if self.shape_profile.gears:
+            table["dynamic_dims"] = self.shape_profile.gears
         return tomli_w.dumps(table)
 
     @classmethod
     def from_toml(cls, table: Mapping[str, Any]) -> JobSpec:
-        """A spec from an aoed.toml's table (as tomllib parsed it): FOLDER_KEYS only."""
-        return cls.from_dict(table, FOLDER_KEYS)
+        """A spec from an aoed.toml's table (as tomllib parsed it): FOLDER_KEYS only. An
+        input of input_shapes is fixed (a list of sizes) or a profile's (text, or a list
+        with ranges "lo~hi" or -1: aoe.shapes); dynamic_dims are the gears."""
+        values = dict(table)
+        unknown = sorted(set(values) - set(FOLDER_KEYS))
+        if unknown:
+            raise SpecError(repr(unknown[0]), f": unknown key (known: {', '.join(FOLDER_KEYS)})")
+        shapes, gears = values.pop("input_shapes", None), values.pop("dynamic_dims", None)
+        static, dims = _split_shapes(shapes)
+        if gears is not None and not isinstance(gears, str):
+            raise SpecError("dynamic_dims", f'{gears!r}: expected text such as "1,16;4,64"')
+        if dims or gears:
+            values["shape_profile"] = {"dims": dims, "gears": gears or ""}
+        if static:
+            values["input_shapes"] = static
+        return cls.from_dict(values)

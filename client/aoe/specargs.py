@@ -1,7 +1,8 @@
 """The command line's edge of `aoe.spec.JobSpec`: the flags `aoe tune` and `aoe submit`
 share, parsed into a spec (`from_args`) and written back (`to_argv`).
 
-    --precision P  --job-type T  --input-shape NAME:D1,D2 (repeat, or join with ';')
+    --precision P  --job-type T  --input-shape NAME:D1,D2 (repeat, or join with ';';
+    a dimension may be a range lo~hi, or -1 for one --dynamic-dims "1,16;4,64" fills)
     --repeat-tune  --device D  --budget S  --min-cosine C  --max-rel-error E
     --calibration DIR  --priority N  --label KEY=VALUE (repeat)  --keep-initializer-inputs
     GDAT: --world-size N  --backend B  --gradient-precision P  --entry FILE.py:FUNCTION
@@ -17,15 +18,25 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from aoe.errors import OptionError
+from aoe.shapes import ShapeError, ShapeProfile, is_static, parse_dims
 from aoe.spec import DEFAULT_JOB_TYPE, JobSpec, SpecError
 
-__all__ = ["FLAGS", "add_arguments", "entry_of", "from_args", "parse_shapes", "to_argv"]
+__all__ = [
+    "FLAGS",
+    "add_arguments",
+    "entry_of",
+    "from_args",
+    "parse_shapes",
+    "split_shapes",
+    "to_argv",
+]
 
 #: The flag of each spec field.
 FLAGS = {
     "precision": "--precision",
     "job_type": "--job-type",
     "input_shapes": "--input-shape",
+    "shape_profile": "--input-shape",
     "repeat_tune": "--repeat-tune",
     "device": "--device",
     "budget_s": "--budget",
@@ -40,6 +51,8 @@ FLAGS = {
     "gradient_precision": "--gradient-precision",
     "entry": "--entry",
 }
+#: Names an error may give that are not fields of their own.
+_ERROR_FLAGS = {**FLAGS, "dynamic_dims": "--dynamic-dims"}
 
 
 def add_arguments(
@@ -73,7 +86,15 @@ def add_arguments(
         action="append",
         default=[],
         metavar="NAME:D1,D2,...",
-        help="static shape for an input with dynamic dimensions; repeat or join with ';'",
+        help="shapes of an input with dynamic dimensions: sizes (one shape), ranges lo~hi "
+        "(e.g. input_ids:1~4,16~256), or -1 where --dynamic-dims gives the sizes; repeat or "
+        "join with ';' (default: a profile derived from the model)",
+    )
+    p.add_argument(
+        "--dynamic-dims",
+        metavar="G1;G2",
+        help="gears, as ATC writes them: the sizes of the -1 dimensions of --input-shape, "
+        'one group per shape measured (e.g. "1,16;4,64")',
     )
     p.add_argument(
         "--repeat-tune",
@@ -166,6 +187,36 @@ def add_arguments(
     )
 
 
+def split_shapes(
+    items: str | Iterable[str], gears: str | None = None, where: str = "--input-shape"
+) -> tuple[dict[str, tuple[int, ...]], ShapeProfile]:
+    """(fixed shapes, profile) of `--input-shape` items and `--dynamic-dims`: an input
+    whose dimensions are all sizes is fixed (one point, as it always was), one with a
+    range or -1 joins the profile. OptionError naming `where` (or --dynamic-dims) and the
+    item."""
+    static: list[str] = []
+    ranged: list[str] = []
+    for item in [items] if isinstance(items, str) else (items or ()):
+        for part in filter(None, (p.strip() for p in item.split(";"))):
+            name, sep, dims = part.rpartition(":")
+            if sep and name and ("~" in dims or "-" in dims):
+                try:
+                    parsed = parse_dims(dims, name)
+                except ShapeError as exc:
+                    raise OptionError(f"{where} {exc.detail}") from None
+                (static if is_static(parsed) else ranged).append(f"{name}:{dims}")
+            else:
+                static.append(part)
+    try:
+        profile = ShapeProfile.parse(ranged, gears)
+    except ShapeError as exc:
+        flag = _ERROR_FLAGS.get(exc.field, where)
+        raise OptionError(
+            f"{flag}{exc.detail}" if exc.detail.startswith(":") else f"{flag} {exc.detail}"
+        ) from None
+    return parse_shapes(static, where), profile
+
+
 def parse_shapes(
     items: str | Iterable[str], where: str = "--input-shape"
 ) -> dict[str, tuple[int, ...]]:
@@ -217,10 +268,14 @@ def from_args(args: argparse.Namespace) -> JobSpec:
     """The spec the flags in `args` describe (attributes of the names `add_arguments`
     gives; a missing one counts as not given). OptionError naming the flag."""
     entry = getattr(args, "entry", None)
+    static, profile = split_shapes(
+        getattr(args, "input_shape", None) or [], getattr(args, "dynamic_dims", None)
+    )
     given = {
         "precision": getattr(args, "precision", None),
         "job_type": getattr(args, "job_type", None),
-        "input_shapes": parse_shapes(getattr(args, "input_shape", None) or []),
+        "input_shapes": static,
+        "shape_profile": profile if profile else None,
         "repeat_tune": getattr(args, "repeat_tune", None),
         "device": _first_device(getattr(args, "device", None)),
         "budget_s": getattr(args, "budget", None),
@@ -238,10 +293,9 @@ def from_args(args: argparse.Namespace) -> JobSpec:
     try:
         return JobSpec(**{k: v for k, v in given.items() if v is not None})
     except SpecError as exc:
+        flag = _ERROR_FLAGS.get(exc.field, exc.field)
         raise OptionError(
-            f"{FLAGS.get(exc.field, exc.field)}{exc.detail}"
-            if exc.detail.startswith(":")
-            else f"{FLAGS.get(exc.field, exc.field)} {exc.detail}"
+            f"{flag}{exc.detail}" if exc.detail.startswith(":") else f"{flag} {exc.detail}"
         ) from None
 
 
@@ -255,6 +309,10 @@ def to_argv(spec: JobSpec) -> list[str]:
             continue
         if name == "input_shapes":
             argv += [f"{flag}={n}:{','.join(map(str, dims))}" for n, dims in value.items()]
+        elif name == "shape_profile":
+            argv += [f"{flag}={item}" for item in value.argv_items()]
+            if value.gears:
+                argv.append(f"--dynamic-dims={value.gears}")
         elif name == "labels":
             argv += [f"{flag}={k}={v}" for k, v in value.items()]
         elif name == "entry":

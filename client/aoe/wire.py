@@ -56,6 +56,7 @@ from aoe.outcome import (
     details_from_dict,
     details_to_dict,
 )
+from aoe.shapes import ShapeError, ShapeProfile
 from aoe.spec import JobSpec, JobType, Precision, SpecError, Stage
 from aoe.v1 import bank_pb2, tuning_pb2
 
@@ -100,7 +101,9 @@ def spec_to_pb(spec: JobSpec) -> tuning_pb2.JobOptions:
     return tuning_pb2.JobOptions(
         job_type=_JOB_TYPE[spec.job_type],
         precision=_PRECISION[spec.precision],
-        input_shapes=[tuning_pb2.InputShape(name=k, dims=v) for k, v in spec.input_shapes.items()],
+        input_shapes=[tuning_pb2.InputShape(name=k, dims=v) for k, v in spec.input_shapes.items()]
+        + [tuning_pb2.InputShape(name=k, profile=v) for k, v in spec.shape_profile.dims.items()],
+        dynamic_dims=spec.shape_profile.gears,
         repeat_tune=spec.repeat_tune,
         device=spec.device or "",
         accuracy_budget=tuning_pb2.AccuracyBudget(
@@ -131,6 +134,12 @@ def spec_from_pb(o: tuning_pb2.JobOptions) -> JobSpec:
             f"{o.parallel}: at most {MAX_PARALLEL} compile processes (0: the daemon's own "
             "[tuning] parallel, which serves every job)",
         )
+    try:
+        profile = ShapeProfile(
+            {s.name: s.profile for s in o.input_shapes if s.profile}, o.dynamic_dims
+        )
+    except ShapeError as exc:
+        raise SpecError(exc.field, exc.detail) from None
     return JobSpec(
         precision=_member_of(
             _PRECISION, o.precision, "precision", bank_pb2.Precision, Precision.EXACT
@@ -138,7 +147,8 @@ def spec_from_pb(o: tuning_pb2.JobOptions) -> JobSpec:
         job_type=_member_of(
             _JOB_TYPE, o.job_type, "job_type", tuning_pb2.JobType, JobType.SGAT_OPAT
         ),
-        input_shapes={s.name: tuple(s.dims) for s in o.input_shapes},
+        input_shapes={s.name: tuple(s.dims) for s in o.input_shapes if not s.profile},
+        shape_profile=profile,
         repeat_tune=o.repeat_tune,
         device=o.device or None,
         budget_s=o.budget_s or None,

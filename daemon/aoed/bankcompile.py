@@ -37,6 +37,35 @@ from aoed.engine.tasks import Constants
 __all__ = ["compile_model"]
 
 
+def _dynamic(
+    runtime: Runtime,
+    prep: Any,
+    consts: Constants,
+    tasks: Sequence[Any],
+    asm: Assembly,
+    registry: Any,
+    ranges: Any,
+    precision: str,
+) -> Any:
+    """The bank's choices for a dynamic model: with the input's own axes, each choice
+    checked at every point of its shape profile (as a tuning job assembles), those that
+    fail one left out with a note."""
+    p = policy(precision)
+    model, refused = runtime.shape_guard(
+        prep.model,
+        prep.profile,
+        prep.inputs,
+        integer_ranges(prep.model, prep.inputs),
+        lambda c: apply_choices(prep.model, prep.ctx, consts, tasks, c, registry, ranges),
+        asm.choices,
+        (p.e2e_max_rel_error, p.e2e_min_cosine),
+    )
+    for tid, why in refused.items():
+        asm.choices.pop(tid, None)
+        asm.notes.append(f"{tid}: {why}; left out")
+    return model
+
+
 class _ReaderLookup:
     """A BankReader seen as the engine's `Lookup` (records decoded by the bank codec)."""
 
@@ -145,6 +174,8 @@ def compile_model(
         )
         if asm.ship_input:
             model = load_model(Path(model_path))
+        elif prep.profile is not None:
+            model = _dynamic(runtime, prep, consts, tasks, asm, registry, ranges, precision)
         else:
             model = apply_choices(
                 prep.model, prep.ctx, consts, tasks, asm.choices, registry, ranges

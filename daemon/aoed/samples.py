@@ -20,6 +20,9 @@ Larger, realistic models for benchmarks:
   224x224.
 * ``bert``: a BERT-style post-norm encoder over int64 token ids, sequence 128.
 * ``gpt``: a GPT-style pre-norm decoder block stack with a constant causal mask.
+* ``encoder``: a small BERT-style encoder with dynamic ``batch`` and ``seq`` axes, as
+  exporters write it: positions by Range over the input's shape into a position table
+  of ``max_positions`` rows, Reshape targets that copy dimensions (0) and infer one (-1).
 
 Usage from the command line::
 
@@ -45,6 +48,7 @@ __all__ = [
     "bert",
     "build",
     "cnn",
+    "encoder",
     "gpt",
     "legacy_cnn",
     "legacy_mlp",
@@ -721,6 +725,90 @@ def gpt(
     )
 
 
+def _int_scalar(g: _GraphBuilder, name: str, value: int) -> str:
+    """An int64 scalar initializer (`const` keeps arrays at least 1-D)."""
+    g.initializers.append(numpy_helper.from_array(np.array(value, np.int64), g.claim_input(name)))
+    return name
+
+
+def encoder(
+    hidden: int = 64,
+    heads: int = 4,
+    ffn: int = 128,
+    layers: int = 2,
+    vocab: int = 256,
+    max_positions: int = 64,
+) -> onnx.ModelProto:
+    """A BERT-style post-norm encoder with dynamic ``batch`` and ``seq`` axes.
+
+    Input ``input_ids`` is int64 [batch, seq] (values below ``vocab``, seq at most
+    ``max_positions``); output ``last_hidden_state`` is float32 [batch, seq, hidden].
+    Position ids are ``Range(0, seq)`` over the input's shape, gathered from a
+    [max_positions, hidden] table; the attention's Reshapes copy the batch and sequence
+    dimensions (0) from their input, so one graph serves every shape.
+    """
+    _check_text_model(1, max_positions, hidden, heads, ffn, layers, vocab)
+    g = _GraphBuilder(seed=9009)
+    ids = g.claim_input("input_ids")
+    table = g.normal("embeddings/word_embeddings.weight", [vocab, hidden], 0.5)
+    x = g.node("Gather", [table, ids], "embeddings/word_embeddings/Gather", axis=0)
+    shape = g.node("Shape", [ids], "embeddings/Shape")
+    one = _int_scalar(g, "embeddings/one_i", 1)
+    seq_len = g.node("Gather", [shape, one], "embeddings/seq/Gather", axis=0)
+    axes0 = g.const("embeddings/axes0", np.array([0], np.int64))
+    zero = _int_scalar(g, "embeddings/zero_i", 0)
+    step = _int_scalar(g, "embeddings/step_i", 1)
+    positions = g.node("Range", [zero, seq_len, step], "embeddings/positions/Range")
+    # [1, seq] position ids, as exporters write them (a bare Range feeding the Gather
+    # is rewritten by onnxruntime into a Slice that refuses the scalar bounds)
+    positions = g.node("Unsqueeze", [positions, axes0], "embeddings/positions/Unsqueeze")
+    pos_table = g.normal("embeddings/position_embeddings.weight", [max_positions, hidden], 0.2)
+    pos = g.node("Gather", [pos_table, positions], "embeddings/position_embeddings/Gather", axis=0)
+    x = g.node("Add", [x, pos], "embeddings/position_embeddings/Add")
+    x = _layer_norm(g, x, "embeddings/norm", hidden, None)
+    head_dim = hidden // heads
+    for i in range(layers):
+        p = f"layer{i}"
+        last = i == layers - 1
+        split = g.shape(f"{p}/attn/split_heads_shape", [0, 0, heads, head_dim])
+        merge = g.shape(f"{p}/attn/merge_heads_shape", [0, 0, hidden])
+
+        def heads_of(name: str, perm: list[int], x: str = x, p: str = p, split: str = split) -> str:
+            y = _linear(g, x, f"{p}/attn/{name}", hidden, hidden)
+            y = g.node("Reshape", [y, split], f"{p}/attn/{name}/Reshape")
+            return g.node("Transpose", [y], f"{p}/attn/{name}/Transpose", perm=perm)
+
+        q = heads_of("q", [0, 2, 1, 3])
+        k_t = heads_of("k", [0, 2, 3, 1])
+        v = heads_of("v", [0, 2, 1, 3])
+        scores = g.node("MatMul", [q, k_t], f"{p}/attn/scores/MatMul")
+        scale = g.scalar(f"{p}/attn/scale", 1.0 / math.sqrt(head_dim))
+        scores = g.node("Mul", [scores, scale], f"{p}/attn/scores/Mul")
+        probs = g.node("Softmax", [scores], f"{p}/attn/Softmax", axis=-1)
+        c = g.node("MatMul", [probs, v], f"{p}/attn/context/MatMul")
+        c = g.node("Transpose", [c], f"{p}/attn/context/Transpose", perm=[0, 2, 1, 3])
+        c = g.node("Reshape", [c, merge], f"{p}/attn/context/Reshape")
+        a = _linear(g, c, f"{p}/attn/out", hidden, hidden)
+        h = g.node("Add", [a, x], f"{p}/attn/residual/Add")
+        h = _layer_norm(g, h, f"{p}/attn/norm", hidden, None)
+        f = _linear(g, h, f"{p}/ffn/fc1", hidden, ffn)
+        f = _gelu_erf(g, f, f"{p}/ffn/gelu")
+        f = _linear(g, f, f"{p}/ffn/fc2", ffn, hidden)
+        y = g.node("Add", [f, h], f"{p}/ffn/residual/Add")
+        x = _layer_norm(g, y, f"{p}/ffn/norm", hidden, "last_hidden_state" if last else None)
+    return g.model(
+        "encoder",
+        [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "seq"])],
+        [
+            helper.make_tensor_value_info(
+                "last_hidden_state", TensorProto.FLOAT, ["batch", "seq", hidden]
+            )
+        ],
+        doc=f"BERT-style encoder with dynamic batch and seq, {layers} layers, hidden {hidden}, "
+        f"{heads} heads, ffn {ffn}, {max_positions} positions",
+    )
+
+
 SAMPLES: dict[str, Callable[..., onnx.ModelProto]] = {
     "mlp": mlp,
     "cnn": cnn,
@@ -731,6 +819,7 @@ SAMPLES: dict[str, Callable[..., onnx.ModelProto]] = {
     "resnet": resnet,
     "bert": bert,
     "gpt": gpt,
+    "encoder": encoder,
 }
 
 

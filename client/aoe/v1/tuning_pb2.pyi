@@ -67,12 +67,14 @@ RESULT_ARTIFACT_TUNED_MODEL: ResultArtifact
 RESULT_ARTIFACT_RESULT_JSON: ResultArtifact
 
 class InputShape(_message.Message):
-    __slots__ = ("name", "dims")
+    __slots__ = ("name", "dims", "profile")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DIMS_FIELD_NUMBER: _ClassVar[int]
+    PROFILE_FIELD_NUMBER: _ClassVar[int]
     name: str
     dims: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, name: _Optional[str] = ..., dims: _Optional[_Iterable[int]] = ...) -> None: ...
+    profile: str
+    def __init__(self, name: _Optional[str] = ..., dims: _Optional[_Iterable[int]] = ..., profile: _Optional[str] = ...) -> None: ...
 
 class AccuracyBudget(_message.Message):
     __slots__ = ("min_cosine", "max_rel_error")
@@ -83,7 +85,7 @@ class AccuracyBudget(_message.Message):
     def __init__(self, min_cosine: _Optional[float] = ..., max_rel_error: _Optional[float] = ...) -> None: ...
 
 class JobOptions(_message.Message):
-    __slots__ = ("job_type", "precision", "input_shapes", "repeat_tune", "parallel", "device", "accuracy_budget", "calibration_dir", "labels", "output_dir", "priority", "budget_s", "keep_initializer_inputs", "gdat")
+    __slots__ = ("job_type", "precision", "input_shapes", "repeat_tune", "parallel", "device", "accuracy_budget", "calibration_dir", "labels", "output_dir", "priority", "budget_s", "keep_initializer_inputs", "gdat", "dynamic_dims")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -105,6 +107,7 @@ class JobOptions(_message.Message):
     BUDGET_S_FIELD_NUMBER: _ClassVar[int]
     KEEP_INITIALIZER_INPUTS_FIELD_NUMBER: _ClassVar[int]
     GDAT_FIELD_NUMBER: _ClassVar[int]
+    DYNAMIC_DIMS_FIELD_NUMBER: _ClassVar[int]
     job_type: JobType
     precision: _bank_pb2.Precision
     input_shapes: _containers.RepeatedCompositeFieldContainer[InputShape]
@@ -119,7 +122,8 @@ class JobOptions(_message.Message):
     budget_s: float
     keep_initializer_inputs: bool
     gdat: GdatOptions
-    def __init__(self, job_type: _Optional[_Union[JobType, str]] = ..., precision: _Optional[_Union[_bank_pb2.Precision, str]] = ..., input_shapes: _Optional[_Iterable[_Union[InputShape, _Mapping]]] = ..., repeat_tune: _Optional[bool] = ..., parallel: _Optional[int] = ..., device: _Optional[str] = ..., accuracy_budget: _Optional[_Union[AccuracyBudget, _Mapping]] = ..., calibration_dir: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., output_dir: _Optional[str] = ..., priority: _Optional[int] = ..., budget_s: _Optional[float] = ..., keep_initializer_inputs: _Optional[bool] = ..., gdat: _Optional[_Union[GdatOptions, _Mapping]] = ...) -> None: ...
+    dynamic_dims: str
+    def __init__(self, job_type: _Optional[_Union[JobType, str]] = ..., precision: _Optional[_Union[_bank_pb2.Precision, str]] = ..., input_shapes: _Optional[_Iterable[_Union[InputShape, _Mapping]]] = ..., repeat_tune: _Optional[bool] = ..., parallel: _Optional[int] = ..., device: _Optional[str] = ..., accuracy_budget: _Optional[_Union[AccuracyBudget, _Mapping]] = ..., calibration_dir: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., output_dir: _Optional[str] = ..., priority: _Optional[int] = ..., budget_s: _Optional[float] = ..., keep_initializer_inputs: _Optional[bool] = ..., gdat: _Optional[_Union[GdatOptions, _Mapping]] = ..., dynamic_dims: _Optional[str] = ...) -> None: ...
 
 class GdatOptions(_message.Message):
     __slots__ = ("world_size", "backend", "gradient_precision", "entry")

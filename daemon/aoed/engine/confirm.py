@@ -22,25 +22,48 @@ agree in sign and size.
   the baseline and the improvement 0, and the comparison whose interval kept the
   proposal out is reported as the reason (`Figures.decided_by`). Nothing measured
   slower ships.
+- a dynamic model's proposal that ships is then measured against the input at every
+  other point of its shape profile (`at_points`, POINT_ROUNDS rounds each, on inputs of
+  that shape): one point where it is slower with the whole interval above 1 keeps it
+  out, and the input ships. The searched point's A/B gives the job's figures; each
+  point's are in the confirmation's `points`.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import trio
+
 from aoe.figures import Comparison, Figures, improvement_of, interval, pct
+from aoe.signature import TensorInfo
 from aoed.engine import stats
 from aoed.engine.context import JobContext
 from aoed.engine.messages import Candidate, Measurement, MeasurePlan
+from aoed.engine.prep import make_inputs
 
-__all__ = ["ROUNDS", "Confirmation", "Proposal", "confirm", "judge", "verdict_of"]
+__all__ = [
+    "POINT_ROUNDS",
+    "ROUNDS",
+    "Confirmation",
+    "Proposal",
+    "at_points",
+    "confirm",
+    "judge",
+    "verdict_of",
+]
 
 #: Rounds of the confirming A/B: enough for a 95% interval of the median from ranks 6..16.
 ROUNDS = 21
+#: Rounds at each other point of a dynamic model's profile: enough for a 95% interval of
+#: the median (ranks 2..10), which is all a point needs to say "slower beyond noise".
+POINT_ROUNDS = 11
 CONFIDENCE = 0.95
 
 
@@ -65,6 +88,9 @@ class Confirmation:
     notes: list[str] = field(default_factory=list)
     #: the proposal against the input, by the same rule, when it did not ship
     proposal: dict[str, Any] = field(default_factory=dict)
+    #: a dynamic model's proposal against the input at each point of its shape profile
+    #: (`at_points`); empty for a static model or one whose input ships at once
+    points: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def verdict(self) -> str:
@@ -93,13 +119,18 @@ class Confirmation:
             "options_kept": self.options_kept,
             "notes": list(self.notes),
             "proposal": dict(self.proposal),
+            **({"points": list(self.points)} if self.points else {}),
         }
 
     def params(self, choices_digest: str, job_id: str, job_type: str) -> str:
         """The confirmation as stored with the model-level bank record: valid for the
         choices `choices_digest` names (bankrules.choices_digest) applied to the tasks a
         job of `job_type` forms, measured by `job_id`."""
-        d = {k: v for k, v in self.to_json().items() if k not in ("notes", "from_bank", "proposal")}
+        d = {
+            k: v
+            for k, v in self.to_json().items()
+            if k not in ("notes", "from_bank", "proposal", "points")
+        }
         return json.dumps(
             {**d, "choices": choices_digest, "job": job_id, "job_type": job_type}, sort_keys=True
         )
@@ -142,6 +173,64 @@ async def confirm(
     conf, ship_path = judge(measured, proposal)
     conf.device_s = ctx.ledger.device_by.get("confirm", 0.0) - before
     return conf, ship_path, measured
+
+
+def _point_inputs(ctx: JobContext, k: int, point: Mapping[str, tuple[int, ...]]) -> Path:
+    """The inputs of profile point `k` (the job's synthetic ones, at its shapes), saved."""
+    assert ctx.prep is not None
+    infos = {n: TensorInfo(i.dtype, tuple(point[n])) for n, i in ctx.prep.inputs.items()}
+    path = ctx.workspace.scratch / f"point{k}.npz"
+    arrays: dict[str, Any] = make_inputs(infos, seed=k, int_high=ctx.prep.int_high)
+    np.savez(path, **arrays)
+    return path
+
+
+async def at_points(
+    ctx: JobContext, model: Path, options: Mapping[str, Any], budget_s: float
+) -> list[dict[str, Any]]:
+    """`model` (with `options`) against the input at each point of the job's shape
+    profile but the searched one, POINT_ROUNDS rounds each, deployed: per point its
+    shapes, verdict (aoe.figures' VERDICTS, or "not measured"), the input's time and the
+    model's, and the improvement with its 95% interval. Raises DeviceError when the
+    device fails."""
+    assert ctx.prep is not None and ctx.prep.profile is not None
+    profile = ctx.prep.profile
+    out: list[dict[str, Any]] = []
+    for k, point in enumerate(profile.points):
+        if k == profile.representative:
+            continue
+        inputs = await trio.to_thread.run_sync(_point_inputs, ctx, k, point)
+        measured = await ctx.measure(
+            [Candidate("input", ctx.run.model), Candidate("tuned", model, dict(options))],
+            "input",
+            budget_s,
+            inputs=inputs,
+            plan=MeasurePlan.fixed(POINT_ROUNDS, budget_s, deployed=True),
+            category="confirm",
+        )
+        base, tuned = measured["input"], measured["tuned"]
+        shapes = {n: list(d) for n, d in point.items()}
+        ratios = stats.paired_ratios(tuned.rounds_us, base.rounds_us) if tuned.ok else []
+        if not base.ok or not ratios:
+            out.append(
+                {"shapes": shapes, "verdict": "not measured", "error": tuned.error or base.error}
+            )
+            continue
+        verdict, med, ci = verdict_of(ratios)
+        c = Comparison.of_ratio("tuned", "input", med, ci)
+        input_ms = _round_median_ms(base)
+        out.append(
+            {
+                "shapes": shapes,
+                "verdict": verdict,
+                "input_ms": input_ms,
+                "result_ms": input_ms * med if math.isfinite(med) else math.inf,
+                "improvement": c.improvement,
+                "improvement_ci95": list(c.ci95),
+                "rounds": len(ratios),
+            }
+        )
+    return out
 
 
 def judge(measured: Mapping[str, Measurement], proposal: Proposal) -> tuple[Confirmation, Path]:

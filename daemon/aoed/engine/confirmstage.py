@@ -29,6 +29,89 @@ from aoed.engine.verify import Verified
 __all__ = ["confirm_proposal"]
 
 
+def _point_text(p: dict[str, Any]) -> str:
+    where = " ".join(f"{n}:{','.join(map(str, d))}" for n, d in p["shapes"].items())
+    if "improvement" not in p:
+        return f"{where} {p['verdict']}"
+    return (
+        f"{where} {pct(p['improvement'])} ({interval(tuple(p['improvement_ci95']))}, "
+        f"{p['verdict']})"
+    )
+
+
+async def _at_points(
+    ctx: JobContext,
+    conf: confirm.Confirmation,
+    ship: Path,
+    proposal: confirm.Proposal,
+    seconds: float,
+) -> Path:
+    """A dynamic model's proposal, confirmed at the searched point, against the input at
+    every other point of its profile (confirm.at_points), judged by `hold_at_points`."""
+    assert ctx.prep is not None and ctx.prep.profile is not None
+    options = proposal.options if conf.options_kept else {}
+    measured = await confirm.at_points(ctx, ship, options, seconds)
+    return hold_at_points(conf, ctx.prep.profile.point, measured, ship, proposal.input_copy)
+
+
+def hold_at_points(
+    conf: confirm.Confirmation,
+    searched: dict[str, tuple[int, ...]],
+    measured: list[dict[str, Any]],
+    ship: Path,
+    input_copy: Path,
+) -> Path:
+    """The file to ship once the proposal that `conf` ships at the `searched` point was
+    measured at the profile's other points (`measured`, as confirm.at_points gives them):
+    `ship`, or `input_copy` when the proposal is slower beyond noise (the whole interval
+    above 1) at any point. Fills `conf.points` (the searched point's figures first) and a
+    note with every point's figures; when the input ships, its figures (the point that
+    kept the proposal out decides) and the proposal's."""
+    f = conf.figures
+    conf.points = [
+        {
+            "shapes": {n: list(d) for n, d in searched.items()},
+            "verdict": f.verdict,
+            "input_ms": f.baseline_ms,
+            "result_ms": f.result_ms,
+            "improvement": f.improvement,
+            "improvement_ci95": list(f.ci95),
+            "rounds": f.rounds,
+            "searched": True,
+        },
+        *measured,
+    ]
+    conf.notes.append(
+        "at each point of the shape profile, against the input: "
+        + "; ".join(_point_text(p) for p in conf.points)
+    )
+    lost = [p for p in conf.points if p["verdict"] == "slower"]
+    if not lost:
+        return ship
+    p = lost[0]
+    where = " ".join(f"{n}:{','.join(map(str, d))}" for n, d in p["shapes"].items())
+    lo, hi = p["improvement_ci95"]
+    kind = str(f.shipped)
+    conf.proposal = {
+        "kind": kind,
+        "result_ms": f.result_ms,
+        "improvement": f.improvement,
+        "improvement_ci95": list(f.ci95),
+    }
+    conf.figures = Figures.unchanged(
+        "slower",
+        f.baseline_ms,
+        f.rounds,
+        Comparison(kind, f"input at {where}", p["improvement"], (lo, hi)),
+    )
+    conf.options_kept = False
+    conf.notes.append(
+        f"the {kind} model was faster at the searched shape but slower at {where} "
+        f"({pct(p['improvement'])}, 95% interval {interval((lo, hi))}): the input ships"
+    )
+    return input_copy
+
+
 async def confirm_proposal(
     ctx: JobContext, v: Verified, cached: dict[str, Any] | None, budget: Budget
 ) -> tuple[confirm.Confirmation, Path, tuple | None]:
@@ -76,6 +159,8 @@ async def confirm_proposal(
         )
         try:
             conf, ship, measured = await confirm.confirm(ctx, proposal, seconds)
+            if ctx.prep.profile is not None and conf.shipped != "input":
+                ship = await _at_points(ctx, conf, ship, proposal, seconds)
         except DeviceError as exc:
             conf = confirm.Confirmation(
                 Figures.unchanged("no significant change", 0.0, 0),

@@ -33,6 +33,7 @@ from aoed.engine.job import JobRun
 from aoed.engine.ledger import JobLedger
 from aoed.engine.messages import (
     Accuracy,
+    AssembleReply,
     AssembleRequest,
     Build,
     Candidate,
@@ -41,6 +42,7 @@ from aoed.engine.messages import (
     MeasurePlan,
     MeasureReply,
     MeasureRequest,
+    PointCheck,
     PrepareReply,
 )
 from aoed.engine.policy import PrecisionPolicy
@@ -86,6 +88,8 @@ class JobContext:
     attempt: int = 1
     #: every device of the engine: a task's search may go to any with the job's fingerprint
     devices: DeviceSet | None = None
+    #: a dynamic model's assembled files at each point of its profile, by path
+    point_checks: dict[str, tuple[PointCheck, ...]] = field(default_factory=dict)
 
     def emit(self, kind: str, message: str = "", done: int = 0, total: int = 0) -> None:
         self.ledger.emit(JobEvent(kind, message, done, total))
@@ -158,14 +162,29 @@ class JobContext:
             reply = await self.device.call(req, self.ledger, category=category)
         return reply.results
 
-    async def assemble(self, builds: list[Build], source: Path | None = None) -> None:
+    async def assemble(self, builds: list[Build], source: Path | None = None) -> dict[str, str]:
         """Write whole models with the builds' choices applied (in a worker); raises what
-        the pool raises (CandidateError when a build fails)."""
+        the pool raises (CandidateError when a build fails). A dynamic model's builds
+        (from the prepared model) keep its dynamic axes and are checked at every point
+        of its profile, within the policy's end-to-end budget: returns the choices left
+        out because a point failed (task id -> why); `point_checks` keeps each file's
+        checks."""
         assert self.prep is not None
+        source = source or self.prep.prepared
+        # the input model itself (source) keeps its own axes and needs no check
+        profile = self.prep.profile if source == self.prep.prepared else None
         req = AssembleRequest(
-            source or self.prep.prepared, self.prep.tasks, tuple(builds), self.ranges
+            source,
+            self.prep.tasks,
+            tuple(builds),
+            self.ranges,
+            profile,
+            (self.policy.e2e_max_rel_error, self.policy.e2e_min_cosine),
+            dict(self.prep.int_high),
         )
-        await self.pool.call(req, self.ledger)
+        reply: AssembleReply = await self.pool.call(req, self.ledger)
+        self.point_checks.update(reply.points)
+        return dict(reply.refused)
 
     async def write_bank(self, write: BankWrite) -> bool:
         """Commit `write`, unless the workspace is gone (AoedError): what was measured

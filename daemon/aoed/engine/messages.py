@@ -38,6 +38,7 @@ from aoe.plain import from_plain, to_plain
 from aoe.signature import TaskSignature, TensorInfo
 from aoe.spec import Stage
 from aoed.engine.prep import Limits
+from aoed.engine.shapeprofile import Profile
 
 __all__ = [
     "Accuracy",
@@ -65,6 +66,7 @@ __all__ = [
     "MessageError",
     "PingReply",
     "PingRequest",
+    "PointCheck",
     "PrepareReply",
     "PrepareRequest",
     "ProfileReply",
@@ -187,6 +189,9 @@ class PrepareReply(Message, frozen=True):
     digest: str = ""
     #: the op types of the prepared model (what an accelerator's option space depends on)
     op_types: tuple[str, ...] = ()
+    #: the points of a model with dynamic inputs (None: static); `prepared` is fixed at
+    #: its representative point, every assembled model keeps the input's dynamic axes
+    profile: Profile | None = None
 
 
 class PrepareRequest(Request, tag="prepare", frozen=True):
@@ -206,6 +211,10 @@ class PrepareRequest(Request, tag="prepare", frozen=True):
     model_file: tuple[int, int] | None = None
     #: the kind of device the job measures on (its strategies differ: see registry)
     device_kind: str = "cpu"
+    #: what the user gave of a dynamic model's shape profile (aoe.shapes.ShapeProfile's
+    #: dims and gears); the rest is derived
+    profile_dims: dict[str, str] = {}
+    profile_gears: str = ""
 
 
 class SamplesReply(Message, frozen=True):
@@ -320,16 +329,43 @@ class Build(Message, frozen=True):
     metadata: dict[str, str] = {}
 
 
+class PointCheck(Message, frozen=True):
+    """An assembled model at one point of the shape profile, against the input model
+    there: its agreement (Accuracy.as_dict's keys), or why it failed."""
+
+    shapes: dict[str, tuple[int, ...]]
+    accuracy: dict[str, float] = {}
+    error: str = ""
+    #: a point only checked, never measured (Profile.checks)
+    checked_only: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return not self.error
+
+
 class AssembleReply(Message, frozen=True):
     sizes: dict[str, int]  # path -> bytes written (model and external data)
+    #: task id -> why its choice was left out: the model failed with it at a profile point
+    refused: dict[str, str] = {}
+    #: path -> the model at each point of the profile (dynamic models)
+    points: dict[str, tuple[PointCheck, ...]] = {}
 
 
 class AssembleRequest(Request, tag="assemble", frozen=True):
+    """Whole models with chosen strategies applied. With a profile, each keeps the
+    input's dynamic axes and must run at every point within `tolerance` (max relative
+    error, min cosine) of the input model; a choice that fails one is left out."""
+
     reply = AssembleReply
     source: Path
     tasks: tuple[Task, ...]
     builds: tuple[Build, ...]
     ranges: Path | None = None
+    profile: Profile | None = None
+    tolerance: tuple[float, float] = (1e-3, 0.9999)
+    #: the integer inputs' upper bounds (PrepareReply.int_high), for the points' inputs
+    int_high: dict[str, int] = {}
 
 
 class CheckReply(Message, frozen=True):

@@ -88,6 +88,9 @@ class ResultDetails:
     decision: Mapping[str, Any] = field(default_factory=dict)
     #: what the job measured on: device, provider, hardware, accelerator, versions
     device_info: Mapping[str, Any] = field(default_factory=dict)
+    #: a dynamic model's shape profile and the shipped model at each of its points
+    #: (empty for a static model)
+    shapes: Mapping[str, Any] = field(default_factory=dict)
 
 
 def _section(o: JobOutcome, part: JobType, tasks: list[TaskOutcome], whole: bool) -> dict[str, Any]:
@@ -173,6 +176,7 @@ def result_json(o: JobOutcome, details: ResultDetails = ResultDetails()) -> dict
         "decision": dict(details.decision),
         "budget": o.budget.to_dict(),
         "device_info": dict(details.device_info),
+        **({"shape_profile": dict(details.shapes)} if details.shapes else {}),
         "tuned_model": o.tuned_model,
         "workspace": o.workspace,
         "session_options": dict(o.session_options),

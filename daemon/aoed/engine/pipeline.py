@@ -134,6 +134,8 @@ async def prepare(ctx: JobContext) -> Prepared:
             Limits.of(ctx.config),
             run.model_file,
             ctx.device.device.kind,
+            dict(opts.shape_profile.dims),
+            opts.shape_profile.gears,
         ),
         "graph preparation",
     )
@@ -317,7 +319,13 @@ async def assemble(ctx: JobContext, known: Known, found: Searched) -> Assembled:
     path = ctx.workspace.scratch / "assembled.onnx"
     chosen = dict(found.chosen)
     ctx.ledger.enter("assemble")
-    await ctx.assemble([Build(path, dict(chosen))])
+    refused = await ctx.assemble([Build(path, dict(chosen))])
+    for tid, why in refused.items():
+        # a choice the model fails with at a profile point: never proposed, never banked
+        del chosen[tid]
+        r = known.results[tid]
+        r.applied, r.error = False, f"not applied: {why}"
+        ctx.notes.append(f"{tid}: {why}; left out")
     e2e_gate: dict[str, float] | None = None
     if ctx.policy.lossy:
         ctx.ledger.enter("accuracy")
@@ -599,6 +607,7 @@ async def outputs(
         conf.to_json(),
         _decision(v),
         _device_info(ctx),
+        _shapes(ctx, confirmed.ship),
     )
     json_path = await trio.to_thread.run_sync(ws.reserve_result, opts.job_type)
     outcome = dataclasses.replace(outcome, result_json=str(json_path))
@@ -671,6 +680,28 @@ def _attempts(
         run["tasks"] += 1
         run["trials"] += d.trials
     return [runs[n] for n in sorted(runs)]
+
+
+def _shapes(ctx: JobContext, ship: Path) -> dict[str, Any]:
+    """The shape profile of a dynamic model and the shipped model at each of its points
+    (the input itself, when it ships, is not checked against itself)."""
+    assert ctx.prep is not None
+    profile = ctx.prep.profile
+    if profile is None:
+        return {}
+    checks = ctx.point_checks.get(str(ship), ())
+    return {
+        **profile.report(),
+        "tuned_at_points": [
+            {
+                "shapes": {k: list(v) for k, v in c.shapes.items()},
+                **({"accuracy": dict(c.accuracy)} if c.accuracy else {}),
+                **({"error": c.error} if c.error else {}),
+                "checked_only": c.checked_only,
+            }
+            for c in checks
+        ],
+    }
 
 
 def _decision(v: Verified) -> dict[str, Any]:

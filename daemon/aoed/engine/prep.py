@@ -31,9 +31,11 @@ from onnx import helper
 from aoe.config import Config
 from aoe.errors import ModelError, OptionError
 from aoe.graph import normalize
+from aoe.shapes import ShapeProfile
 from aoe.signature import ModelContext, TensorInfo
 from aoed.engine.memory import check_fits
 from aoed.engine.modelio import load_model, save_model, subgraphs
+from aoed.engine.shapeprofile import Profile, resolve
 
 __all__ = [
     "MAX_MODEL_BYTES",
@@ -94,6 +96,26 @@ class Prepared:
     outputs: list[str]
     ctx: ModelContext
     notes: list[str] = field(default_factory=list)
+    #: the points a model with dynamic inputs is tuned at (None: its inputs are static);
+    #: `model` is fixed at its representative point
+    profile: Profile | None = None
+
+
+def profile_of(
+    model: onnx.ModelProto,
+    static: Mapping[str, tuple[int, ...]],
+    given: ShapeProfile,
+    source: str,
+) -> Profile | None:
+    """The shape profile of `model` as loaded (shapeprofile.resolve); where the user
+    fixed a dynamic input at one shape, the derived points are kept as checks, so that
+    the tuned model, which keeps the input's dynamic axes, is known to run at them."""
+    profile = resolve(model, static, given, source)
+    if profile is None or not static:
+        return profile
+    derived = resolve(model, {}, given, source)
+    extra = tuple(p for p in derived.points if p not in profile.points) if derived else ()
+    return msgspec.structs.replace(profile, checks=extra)
 
 
 def prepare(
@@ -103,9 +125,12 @@ def prepare(
     keep_initializer_inputs: bool = False,
     limits: Limits = Limits(),
     expect: tuple[int, int] | None = None,
+    shape_profile: ShapeProfile | None = None,
 ) -> Prepared:
     """Load, check and normalize the model at `source`; save it as `workdir/prepared.onnx`.
-    With `expect`, the model file read must be that (device, inode), with one link.
+    With `expect`, the model file read must be that (device, inode), with one link. A
+    model with dynamic inputs is prepared at its shape profile's representative point
+    (`shape_profile`: what the user gave of it; the rest is derived).
 
     Raises ModelError (the model is at fault, or over one of `limits`) or OptionError
     (an override is wrong). Blocking and CPU-bound.
@@ -127,14 +152,24 @@ def prepare(
         expect=expect,
     )
     check_declared(model, name, limits)
+    static = dict(input_shapes or {})
+    profile = profile_of(model, static, shape_profile or ShapeProfile(), name)
     norm = normalize(
         model,
-        input_shapes,
+        {**profile.point, **static} if profile is not None else static,
         keep_initializer_inputs=keep_initializer_inputs,
         strict=True,
         source=name,
     )
     model = norm.model
+    if profile is not None:
+        # normalize says each dynamic dimension was fixed by --input-shape: where no
+        # flag did, the profile fixed it, which its own note says
+        derived = [k for k in profile.point if k not in static]
+        norm.notes[:] = [
+            n for n in norm.notes if not any(n.startswith(f"input {k!r}: dynamic") for k in derived)
+        ]
+        norm.notes.append(profile.describe())
     _check_inferred(model, name, input_shapes or {}, limits)
     out = Path(workdir) / "prepared.onnx"
     save_model(model, out)
@@ -162,6 +197,7 @@ def prepare(
         outputs=[o.name for o in model.graph.output],
         ctx=ctx,
         notes=norm.notes,
+        profile=profile,
     )
 
 

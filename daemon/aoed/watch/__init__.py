@@ -51,8 +51,9 @@ right to its parent) is logged naming it and why, and tried again every `remake_
 
 Options come from an optional `aoed.toml` in the inbox folder, read for each model:
 precision, job_type (default sgat+opat, as `aoe tune`), input_shapes (a table name =
-[dims]), priority, budget_s, repeat_tune, min_cosine, max_rel_error; for GDAT
-world_size, backend, gradient_precision.
+[dims], or a profile's "1~4,16~256" / [-1, -1]) and dynamic_dims (gears, "1,16;4,64"),
+priority, budget_s, repeat_tune, min_cosine, max_rel_error; for GDAT world_size,
+backend, gradient_precision. A dynamic model needs no shapes: the job derives them.
 """
 
 from __future__ import annotations

@@ -81,6 +81,7 @@ def _load_npz(path: Path) -> dict[str, np.ndarray]:
 
 
 def _prepare(req: m.PrepareRequest) -> m.PrepareReply:
+    from aoe.shapes import ShapeProfile
     from aoed.backends.ort.sessions import session
     from aoed.engine.assemble import model_signature, tunable_tasks
     from aoed.engine.calibration import integer_ranges
@@ -94,6 +95,7 @@ def _prepare(req: m.PrepareRequest) -> m.PrepareReply:
         req.keep_initializer_inputs,
         req.limits,
         expect=req.model_file,
+        shape_profile=ShapeProfile(req.profile_dims, req.profile_gears),
     )
     int_high = integer_ranges(prep.model, prep.inputs)
     try:
@@ -117,6 +119,7 @@ def _prepare(req: m.PrepareRequest) -> m.PrepareReply:
                 f"{_ort_error(exc, prep.path)}"
             ) from None
     del sess
+    profile = _points_that_run(prep, int_high) if prep.profile is not None else None
     assert _registry is not None
     tasks = tunable_tasks(
         prep.model, prep.ctx, _registry, req.precision, req.job_type, req.device_kind
@@ -131,6 +134,35 @@ def _prepare(req: m.PrepareRequest) -> m.PrepareReply:
         notes=tuple(prep.notes),
         digest=_file_digest([prep.path, prep.path.with_name(prep.path.name + ".data")]),
         op_types=tuple(sorted({n.op_type for n in prep.model.graph.node})),
+        profile=profile,
+    )
+
+
+def _points_that_run(prep: Any, int_high: dict[str, int]) -> Any:
+    """The prepared model's profile less the derived points where the input model itself
+    fails (a size past what it computes: the derivation guessed too far), with a note for
+    each; ModelError for a point the user gave, or the one the model was prepared at."""
+    import msgspec
+
+    from aoed.backends.ort.shapecheck import Points
+
+    profile = prep.profile
+    points = Points(prep.model, profile, prep.inputs, int_high)
+    keep, checks, measured = [], [], len(profile.points)
+    for k, point in enumerate(profile.checked):
+        ref = points.reference(k)
+        if not isinstance(ref, str):
+            (keep if k < measured else checks).append(point)
+            continue
+        where = " ".join(f"{n}:{','.join(map(str, d))}" for n, d in point.items())
+        if k == profile.representative or (k < measured and not profile.derived):
+            raise ModelError(
+                f"{prep.source.name}: onnxruntime cannot run the model at {where}: {ref}"
+            )
+        prep.notes.append(f"shape profile: the input model fails at {where} ({ref}); left out")
+    rep = keep.index(profile.point)
+    return msgspec.structs.replace(
+        profile, points=tuple(keep), checks=tuple(checks), representative=rep
     )
 
 
@@ -284,20 +316,50 @@ def _describe(req: m.DescribeRequest) -> m.DescribeReply:
     return m.DescribeReply(describe(req.names, values, small).params())
 
 
+_points_cache: tuple[tuple[str, int, str], Any] | None = None
+
+
+def _points(req: m.AssembleRequest, model: onnx.ModelProto, ctx: ModelContext) -> Any:
+    """The profile's reference outputs for `req.source` (cached: every assembly of a
+    job checks against the same ones)."""
+    global _points_cache
+    from aoed.backends.ort.shapecheck import Points
+
+    assert req.profile is not None
+    stamp = (str(req.source), req.source.stat().st_mtime_ns, repr(req.profile))
+    if _points_cache is None or _points_cache[0] != stamp:
+        inputs = {n: ctx.tensors[n] for n in req.profile.point if n in ctx.tensors}
+        _points_cache = (stamp, Points(model, req.profile, inputs, req.int_high))
+    return _points_cache[1]
+
+
 def _assemble(req: m.AssembleRequest) -> m.AssembleReply:
+    from aoed.backends.ort.shapecheck import guard
     from aoed.engine.assemble import apply_choices, set_metadata
     from aoed.engine.modelio import save_model
 
     model, ctx, consts = _loaded(req.source)
     ranges = _ranges(req.ranges)
     assert _registry is not None
-    sizes = {}
+    registry = _registry
+    sizes, refused, checked = {}, {}, {}
+
+    def build_of(choices: Any) -> onnx.ModelProto:
+        return apply_choices(model, ctx, consts, req.tasks, choices, registry, ranges)
+
     for build in req.builds:
-        out = apply_choices(model, ctx, consts, req.tasks, build.choices, _registry, ranges)
+        if req.profile is not None and ctx.tensors:
+            out, left_out, checks = guard(
+                build_of, build.choices, _points(req, model, ctx), req.tolerance
+            )
+            refused.update(left_out)
+            checked[str(build.out)] = tuple(checks)
+        else:
+            out = build_of(build.choices)
         if build.metadata:
             set_metadata(out, build.metadata)
         sizes[str(build.out)] = save_model(out, build.out)
-    return m.AssembleReply(sizes)
+    return m.AssembleReply(sizes, refused, checked)
 
 
 def _check(req: m.CheckRequest) -> m.CheckReply:

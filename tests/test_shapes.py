@@ -1,0 +1,249 @@
+"""Shape profiles: AOE's spelling (ranges lo~hi, -1 with --dynamic-dims gears) read and
+written back by every edge, errors that name the input, and the profile the engine
+derives from a dynamic model (sizes spread up to its position table)."""
+
+from __future__ import annotations
+
+import argparse
+import tomllib
+from collections.abc import Mapping
+from types import SimpleNamespace
+from typing import Any
+
+import onnx
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from aoe.errors import OptionError
+from aoe.shapes import DimRange, ShapeProfile, parse_dims
+from aoe.spec import JobSpec
+from aoe.specargs import add_arguments, from_args, split_shapes, to_argv
+from aoe.wire import spec_from_pb, spec_to_pb
+from aoed import samples
+from aoed.engine.shapeprofile import position_bound, resolve, restore_io
+
+
+def _args(*argv: str) -> JobSpec:
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    return from_args(p.parse_args(list(argv)))
+
+
+# --------------------------------------------------------------------------- spelling
+
+
+def test_ranges_and_gears_in_aoe_spelling() -> None:
+    spec = _args("--input-shape", "input_ids:1~4,16~256;mask:1,8")
+    assert spec.input_shapes == {"mask": (1, 8)}  # all sizes: one point, as before
+    assert spec.shape_profile.dims_of() == {"input_ids": (DimRange(1, 4), DimRange(16, 256))}
+    geared = _args("--input-shape", "input_ids:-1,-1", "--dynamic-dims", "1,16;4,64")
+    assert geared.shape_profile.gear_list() == ((1, 16), (4, 64))
+    assert geared.shape_profile.gear_slots() == [("input_ids", 0), ("input_ids", 1)]
+    assert _args(*to_argv(geared)) == geared
+    # today's static shape stays a fixed shape, and a range of one size is that size
+    assert _args("--input-shape", "x:1,128").input_shapes == {"x": (1, 128)}
+    assert parse_dims("8~8,3") == (8, 3)
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--input-shape", "input_ids:4~1,16"], "--input-shape input_ids:4~1"),
+        (["--input-shape", "input_ids:1~x,16"], "input_ids:1~x: 'x' is not a size"),
+        (["--input-shape", "input_ids:-1,16"], "input_ids:-1,16: a dimension of -1"),
+        (["--input-shape", "ids:-1,-1", "--dynamic-dims", "1,16,3"], "--dynamic-dims 1,16,3"),
+        (["--input-shape", "ids:-1,-1", "--dynamic-dims", "1,a"], "--dynamic-dims '1,a'"),
+        (["--dynamic-dims", "1;2"], "no input has a dimension of -1"),
+        (["--input-shape", "ids:-3,4"], "ids:-3: sizes are positive"),
+        (["--input-shape", "ids:1~4", "--input-shape", "ids:1"], "--input-shape ids: given twice"),
+    ],
+)
+def test_a_wrong_profile_names_the_input_and_the_flag(argv: list[str], needle: str) -> None:
+    with pytest.raises(OptionError) as err:
+        _args(*argv)
+    assert needle in str(err.value), str(err.value)
+
+
+def test_an_input_given_twice_as_fixed_and_ranged_is_refused() -> None:
+    with pytest.raises(OptionError, match="input_shapes x: given twice"):
+        JobSpec(input_shapes={"x": [1, 2]}, shape_profile=ShapeProfile({"x": "1~4,2"}))
+
+
+def test_an_aoed_toml_spells_ranges_and_gears() -> None:
+    toml = 'dynamic_dims = "1,16;4,64"\n[input_shapes]\ninput_ids = [-1, -1]\nmask = [1, 8]\n'
+    spec = JobSpec.from_toml(tomllib.loads(toml))
+    assert spec.input_shapes == {"mask": (1, 8)}
+    assert spec.shape_profile == ShapeProfile({"input_ids": "-1,-1"}, "1,16;4,64")
+    ranged = JobSpec.from_toml(tomllib.loads('[input_shapes]\nx = "1~4,16~256"\n'))
+    assert ranged.shape_profile.dims == {"x": "1~4,16~256"}
+    assert JobSpec.from_toml(tomllib.loads(ranged.to_toml())) == ranged
+    with pytest.raises(OptionError, match="dynamic_dims"):
+        JobSpec.from_toml(tomllib.loads("dynamic_dims = 3\n"))
+    with pytest.raises(OptionError, match=r"input_shapes x:1~: '' is not a size"):
+        JobSpec.from_toml(tomllib.loads('[input_shapes]\nx = "1~"\n'))
+
+
+@given(
+    st.lists(st.integers(1, 4096), min_size=1, max_size=4),
+    st.lists(st.integers(1, 4096), min_size=1, max_size=4),
+)
+def test_a_range_reads_back_from_every_edge(lo: list[int], span: list[int]) -> None:
+    text = ",".join(f"{a}~{a + b}" for a, b in zip(lo, span, strict=False))
+    spec = JobSpec(shape_profile=ShapeProfile({"x": text}))
+    assert JobSpec.from_dict(spec.to_dict()) == spec
+    assert spec_from_pb(spec_to_pb(spec)) == spec
+    assert _args(*to_argv(spec)) == spec
+    assert split_shapes([f"x:{text}"])[1] == spec.shape_profile
+
+
+# --------------------------------------------------------------------------- derived
+
+
+def test_the_encoders_profile_is_derived_up_to_its_position_table() -> None:
+    model = samples.encoder(max_positions=128)
+    assert position_bound(model) == 128
+    p = resolve(model, {}, ShapeProfile(), "encoder.onnx")
+    assert p is not None and p.derived
+    assert p.points == ({"input_ids": (1, 8)}, {"input_ids": (4, 32)}, {"input_ids": (4, 128)})
+    assert p.point == {"input_ids": (4, 32)}
+    assert "position table's 128" in p.axes["seq"] and "batch" in p.axes["batch"]
+    # a batch alone: 1 and 4; a static model: no profile at all
+    batch = resolve(samples.mlp(dynamic_batch=True), {}, ShapeProfile(), "m")
+    assert batch is not None and [pt["input"] for pt in batch.points] == [(1, 256), (4, 256)]
+    assert resolve(samples.mlp(), {}, ShapeProfile(), "m") is None
+
+
+def test_what_the_user_gives_overrides_the_derivation() -> None:
+    model = samples.encoder()
+    gears = resolve(model, {}, ShapeProfile({"input_ids": "-1,-1"}, "2,8;3,24"), "e")
+    assert gears is not None and not gears.derived
+    assert gears.points == ({"input_ids": (2, 8)}, {"input_ids": (3, 24)})
+    ranged = resolve(model, {}, ShapeProfile({"input_ids": "1,16~64"}), "e")
+    assert ranged is not None and ranged.points[-1] == {"input_ids": (1, 64)}
+    with pytest.raises(OptionError, match=r"--input-shape input_ids: rank 3 given"):
+        resolve(model, {}, ShapeProfile({"input_ids": "1,2~4,3"}), "e")
+    with pytest.raises(OptionError, match=r"e has no input 'ids'"):
+        resolve(model, {}, ShapeProfile({"ids": "1,2~4"}), "e")
+
+
+def test_restore_io_gives_back_the_inputs_own_axes() -> None:
+    model = samples.encoder()
+    p = resolve(model, {}, ShapeProfile(), "e")
+    assert p is not None
+    fixed = onnx.shape_inference.infer_shapes(model)
+    for vi in fixed.graph.input:
+        for d, n in zip(vi.type.tensor_type.shape.dim, (4, 16), strict=True):
+            d.dim_value = n
+    restore_io(fixed, p)
+    assert not fixed.graph.value_info
+    dims = fixed.graph.output[0].type.tensor_type.shape.dim
+    assert [d.dim_param or d.dim_value for d in dims] == ["batch", "seq", 64]
+
+
+# --------------------------------------------------------------------------- the guard
+
+
+@pytest.fixture(scope="module")
+def encoder(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The encoder sample prepared as a job prepares it (at its representative point),
+    with its tasks, the registry and the profile's reference outputs."""
+    from aoed.backends.ort.catalog import build_registry
+    from aoed.backends.ort.shapecheck import Points
+    from aoed.engine.assemble import apply_choices, tunable_tasks
+    from aoed.engine.calibration import integer_ranges
+    from aoed.engine.prep import prepare
+    from aoed.engine.tasks import Constants
+
+    d = tmp_path_factory.mktemp("encoder")
+    prep = prepare(samples.save(samples.encoder(), d / "encoder.onnx"), d)
+    assert prep.profile is not None
+    registry = build_registry([])
+    tasks = tunable_tasks(prep.model, prep.ctx, registry, "exact", "opat")
+    consts = Constants(prep.model.graph, list(prep.model.opset_import))
+
+    def build(choices: Mapping[str, str]) -> onnx.ModelProto:
+        return apply_choices(prep.model, prep.ctx, consts, tasks, choices, registry)
+
+    points = Points(prep.model, prep.profile, prep.inputs, integer_ranges(prep.model, prep.inputs))
+    return SimpleNamespace(prep=prep, tasks=tasks, build=build, points=points)
+
+
+EXACT = (1e-3, 0.9999)
+
+
+def test_a_choice_that_bakes_the_searched_shape_is_refused(encoder: Any) -> None:
+    """gemm_pretransposed writes the point it was prepared at into a Reshape target: the
+    model it makes, given the input's dynamic axes back, fails at every other point. The
+    guard leaves that choice out and keeps one that holds at every shape."""
+    from aoed.backends.ort.shapecheck import guard
+
+    prep, points = encoder.prep, encoder.points
+    assert prep.profile.point == {"input_ids": (4, 16)}
+    task = next(t for t in encoder.tasks if t.family == "matmul")
+    baked = {task.id: "gemm_pretransposed"}
+    bare = encoder.build(baked)
+    restore_io(bare, prep.profile)
+    unguarded = points.check(bare, EXACT)
+    assert [c.ok for c in unguarded] == [False, True, False], unguarded  # the searched point only
+    assert "Reshape" in unguarded[0].error
+
+    model, refused, checks = guard(encoder.build, baked, points, EXACT)
+    assert list(refused) == [task.id]
+    assert refused[task.id].startswith("gemm_pretransposed fails at shape input_ids:1,4")
+    assert all(c.ok for c in checks) and len(checks) == len(prep.profile.points)
+    assert not any(n.name.startswith(f"aoe/{task.id}") for n in model.graph.node)
+
+    kept = {task.id: "fused_matmul_transb"}
+    model, refused, checks = guard(encoder.build, kept, points, EXACT)
+    assert not refused and all(c.ok for c in checks)
+    assert any(n.name.startswith(f"aoe/{task.id}") for n in model.graph.node)
+    for c in checks:
+        assert c.accuracy["max_rel_error"] <= EXACT[0]
+
+
+# --------------------------------------------------------------------------- every point
+
+
+def _point(shape: tuple[int, ...], verdict: str, imp: float, ci: tuple[float, float]) -> dict:
+    return {
+        "shapes": {"input_ids": list(shape)},
+        "verdict": verdict,
+        "input_ms": 1.0,
+        "result_ms": 1.0 / (1.0 + imp),
+        "improvement": imp,
+        "improvement_ci95": list(ci),
+        "rounds": 11,
+    }
+
+
+def test_a_proposal_slower_at_one_point_keeps_the_input() -> None:
+    """Faster at the searched shape is not enough: a point where the tuned model loses
+    beyond noise ships the input, and says which point decided."""
+    from pathlib import Path
+
+    from aoe.figures import Figures
+    from aoed.engine.confirm import Confirmation
+    from aoed.engine.confirmstage import hold_at_points
+
+    def conf() -> Confirmation:
+        return Confirmation(Figures.shipping("tuned", 2.0, 0.8, (0.75, 0.85), 21))
+
+    tuned, copy = Path("proposal.onnx"), Path("input_copy.onnx")
+    searched = {"input_ids": (4, 16)}
+    ok = conf()
+    within = [_point((1, 4), "no significant change", -0.01, (-0.05, 0.03))]
+    assert hold_at_points(ok, searched, within, tuned, copy) == tuned
+    assert ok.shipped == "tuned" and [p["shapes"] for p in ok.points] == [
+        {"input_ids": [4, 16]},
+        {"input_ids": [1, 4]},
+    ]
+    assert ok.points[0]["searched"] and "input_ids:1,4" in ok.notes[-1]
+    lost = conf()
+    slower = [*within, _point((4, 64), "slower", -0.2, (-0.25, -0.15))]
+    assert hold_at_points(lost, searched, slower, tuned, copy) == copy
+    assert lost.shipped == "input" and lost.verdict == "slower"
+    assert lost.figures.decided_by is not None
+    assert lost.figures.decided_by.against == "input at input_ids:4,64"
+    assert lost.proposal["kind"] == "tuned" and "input ships" in lost.notes[-1]
+    assert lost.to_json()["points"][-1]["verdict"] == "slower"
