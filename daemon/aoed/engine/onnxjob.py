@@ -23,6 +23,7 @@ import trio
 from aoe.device import Device
 from aoe.errors import AoedError, JobCancelledError
 from aoe.outcome import JobOutcome
+from aoe.shapes import ShapeProfile
 from aoe.spec import JobSpec, JobType
 from aoed.engine.context import JobContext
 from aoed.engine.device import DeviceAgent
@@ -70,6 +71,7 @@ class OnnxKind:
                 notes = []
                 if run.model.suffix == ".pt2":
                     run, said = await self._exported(run, ws)
+                    spec = run.spec.on(name)
                     notes.append(said)
                 result = await self._run(
                     engine, home, devices, spec, run, job_id, prec, ws, emit, handle, notes
@@ -94,14 +96,30 @@ class OnnxKind:
         source = {"kind": "pt2", "path": str(run.model.resolve()), "shown": run.shown_model}
         if run.model_file is not None:
             source["expect"] = "{}:{}".format(*run.model_file)
-        inputs = await export_model(source, out, folder, unconfined_ok=self.allow_unconfined)
-        dynamic = sorted({str(d) for dims in inputs.values() for d in dims if isinstance(d, str)})
+        got = await export_model(source, out, folder, unconfined_ok=self.allow_unconfined)
+        dynamic = sorted(
+            {str(d) for dims in got.inputs.values() for d in dims if isinstance(d, str)}
+        )
         said = f"{run.model.name}: tuned as the ONNX model torch.onnx exported from it" + (
             f" (dynamic dimensions kept: {', '.join(dynamic)})" if dynamic else ""
         )
+        spec = run.spec
+        declared = _declared_profile(got.inputs, got.ranges, spec)
+        if declared:
+            said += "; measured over the ranges the program declares: " + "; ".join(
+                f"{k}:{v}" for k, v in declared.items()
+            )
+            spec = spec.replace(
+                shape_profile=ShapeProfile(
+                    {**spec.shape_profile.dims, **declared}, spec.shape_profile.gears
+                )
+            )
         log.info("%s", said)
         # The file checked at submission was the .pt2; the export is the job's own.
-        return dataclasses.replace(run, model=out, shown=run.shown_model, model_file=None), said
+        exported = dataclasses.replace(
+            run, model=out, shown=run.shown_model, model_file=None, spec=spec
+        )
+        return exported, said
 
     async def _run(
         self,
@@ -180,6 +198,26 @@ class OnnxKind:
             reason = f": {handle.reason}" if handle.reason else ""
             log.info("job %s: cancelled%s", job_id, reason)
         raise JobCancelledError(f"job {job_id} cancelled{reason}")
+
+
+def _declared_profile(
+    inputs: dict[str, list[int | str]], ranges: dict[str, tuple[int, int]], spec: JobSpec
+) -> dict[str, str]:
+    """The profile dims (`lo~hi` per dynamic dimension, aoe.shapes) of each exported input
+    whose every dynamic dimension has a range the program declared and that the user gave
+    no shape for: what a job measures over instead of the derived defaults."""
+    out = {}
+    for name, dims in inputs.items():
+        if name in spec.input_shapes or name in spec.shape_profile.dims:
+            continue
+        if all(isinstance(d, int) for d in dims):
+            continue
+        if not all(isinstance(d, int) or d in ranges for d in dims):
+            continue
+        out[name] = ",".join(
+            str(d) if isinstance(d, int) else "{}~{}".format(*ranges[d]) for d in dims
+        )
+    return out
 
 
 def onnx_kinds(*, allow_unconfined: bool) -> dict[JobType, OnnxKind]:

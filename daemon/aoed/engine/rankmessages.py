@@ -59,6 +59,9 @@ class RankExport(Message, frozen=True):
     dimension by its symbol)."""
 
     inputs: dict[str, list[int | str]]
+    #: each dynamic dimension's range as the program declared it (its torch.export.Dim),
+    #: by symbol: (lowest, highest) sizes
+    ranges: dict[str, tuple[int, int]] = field(default_factory=dict)
     torch: str = ""
     sandbox: str = ""
 

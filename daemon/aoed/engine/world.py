@@ -342,10 +342,11 @@ async def inspect_model(
 
 async def export_model(
     source: Mapping[str, str], out: Path, workdir: Path, *, unconfined_ok: bool = False
-) -> dict[str, list[int | str]]:
+) -> RankExport:
     """The program `source` (kind pt2) exported to ONNX at `out` (in `workdir`), by one
     rank process that joins no world (confined as `inspect_model`'s: it reads the program
-    and writes only `workdir`); the ONNX model's inputs' dims. Raises ModelError (the
+    and writes only `workdir`); the ONNX model's inputs' dims, and the ranges the program
+    declared for its dynamic ones. Raises ModelError (the
     program, or what the exporter cannot take), OptionError (no confinement where it is
     required), WorldError when the process fails otherwise."""
     child = Child(
@@ -364,6 +365,6 @@ async def export_model(
         if not answer.ok:
             raise _failure(answer, "exporting the program to ONNX")
         reply: RankExport = answer.reply
-        return reply.inputs
+        return reply
     finally:
         await child.aclose()

@@ -598,7 +598,12 @@ def _export(req: dict[str, Any]) -> dict[str, Any]:
         i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim]
         for i in model.graph.input
     }
-    return {"inputs": inputs, "torch": str(torch.__version__), "sandbox": said}
+    ranges = {
+        str(sym): (max(1, int(r.lower)), int(r.upper))
+        for sym, r in ep.range_constraints.items()
+        if r.upper.is_finite and int(r.upper) >= max(1, int(r.lower))
+    }
+    return {"inputs": inputs, "ranges": ranges, "torch": str(torch.__version__), "sandbox": said}
 
 
 def _handle(request: Any) -> dict[str, Any]:
