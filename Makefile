@@ -111,6 +111,7 @@ bench: $(BENCH_STAMP)
 	$(BIN)/python bench/bench_kernels.py
 	$(BIN)/python bench/bench_gdat.py
 	$(BIN)/python bench/bench_fleet.py
+	$(BIN)/python bench/bench_dynamic.py
 
 bench-quick: $(BENCH_STAMP)
 	$(BIN)/python bench/run.py --quick
@@ -122,6 +123,7 @@ bench-quick: $(BENCH_STAMP)
 	$(BIN)/python bench/bench_kernels.py --quick
 	$(BIN)/python bench/bench_gdat.py --quick
 	$(BIN)/python bench/bench_fleet.py --quick
+	$(BIN)/python bench/bench_dynamic.py --quick --budget 20
 
 # The suite's soak tests (kill -9 loops; `make test` leaves them out), then kill -9 of the
 # daemon at 20 random points of its jobs (prints seeds, restarts and the bank entries
