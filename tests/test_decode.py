@@ -15,7 +15,9 @@ from .conftest import run_aoe
 
 pytest.importorskip("torch", reason="the gdat extra (torch) is not installed")
 
-from .kv_decoder import export_decoder, greedy  # noqa: E402
+from aoed import samples  # noqa: E402
+
+from .kv_decoder import greedy  # noqa: E402
 
 
 @pytest.mark.slow
@@ -26,7 +28,7 @@ def test_a_kv_cache_decoder_tuned_exact_decodes_32_steps_as_the_input_does(
 
     import aoe
 
-    src = export_decoder(tmp_path / "dec.onnx")
+    src = samples.save(samples.kv_decoder(), tmp_path / "dec.onnx")
     r = run_aoe(
         "tune",
         str(src),

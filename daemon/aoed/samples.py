@@ -24,6 +24,10 @@ Larger, realistic models for benchmarks:
   exporters write it: positions by Range over the input's shape into a position table
   of ``max_positions`` rows, Reshape targets that copy dimensions (0) and infer one (-1).
 
+One more needs torch (the ``gdat`` extra), since it is exported the way users export a
+decoder: ``kv_decoder`` (`kv_decoder()`), one decode step of a GPT-style decoder with a KV
+cache, by torch.onnx's exporter with the past length dynamic.
+
 Usage from the command line::
 
     python -m aoed.samples mlp cnn -o models/
@@ -807,6 +811,88 @@ def encoder(
         doc=f"BERT-style encoder with dynamic batch and seq, {layers} layers, hidden {hidden}, "
         f"{heads} heads, ffn {ffn}, {max_positions} positions",
     )
+
+
+def kv_decoder(
+    hidden: int = 128,
+    heads: int = 4,
+    layers: int = 2,
+    vocab: int = 1000,
+    max_positions: int = 256,
+) -> onnx.ModelProto:
+    """One decode step of a pre-norm GPT-style decoder with a KV cache, as a generation
+    loop runs it: ``input_ids`` int64 [1, 1] and, per layer L, ``past_key_L`` and
+    ``past_value_L`` float [1, heads, past, hidden/heads] in; ``logits`` [1, 1, vocab]
+    and ``present_key_L``/``present_value_L`` (the past with this step's keys and values
+    appended) out. The position is ``past``, looked up in a table of ``max_positions``
+    rows. Exported by torch.onnx's exporter (dynamo) with ``past`` dynamic, up to
+    ``max_positions - 2``. Random weights from a fixed seed; needs torch."""
+    import tempfile
+    import warnings
+
+    import torch
+    from torch import nn
+
+    _check_text_model(1, max_positions, hidden, heads, 4 * hidden, layers, vocab)
+    head_dim = hidden // heads
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ln1, self.ln2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
+            self.qkv, self.proj = nn.Linear(hidden, 3 * hidden), nn.Linear(hidden, hidden)
+            self.up, self.down = nn.Linear(hidden, 4 * hidden), nn.Linear(4 * hidden, hidden)
+
+        def forward(self, x: Any, past_k: Any, past_v: Any) -> Any:
+            b, t, d = x.shape
+            q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
+            q, k, v = (z.view(b, t, heads, head_dim).transpose(1, 2) for z in (q, k, v))
+            k, v = torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
+            a = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(head_dim), dim=-1) @ v
+            x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+            return x + self.down(nn.functional.gelu(self.up(self.ln2(x)))), k, v
+
+    class Decoder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.tokens = nn.Embedding(vocab, hidden)
+            self.positions = nn.Embedding(max_positions, hidden)
+            self.blocks = nn.ModuleList(Block() for _ in range(layers))
+            self.ln, self.head = nn.LayerNorm(hidden), nn.Linear(hidden, vocab, bias=False)
+
+        def forward(self, input_ids: Any, *past: Any) -> Any:
+            start = past[0].shape[2]
+            pos = torch.arange(start, start + input_ids.shape[1]).unsqueeze(0)
+            x = self.tokens(input_ids) + self.positions(pos)
+            present = []
+            for i, block in enumerate(self.blocks):
+                x, k, v = block(x, past[2 * i], past[2 * i + 1])
+                present += [k, v]
+            return (self.head(self.ln(x)), *present)
+
+    torch.manual_seed(4242)
+    names = [f"{kind}_{i}" for i in range(layers) for kind in ("key", "value")]
+    past = tuple(torch.randn(1, heads, 8, head_dim) for _ in names)
+    length = torch.export.Dim("past", max=max_positions - 2)
+    with warnings.catch_warnings():  # torch's deprecations inside its own exporter
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(
+            Decoder().eval(),
+            (torch.tensor([[1]]), *past),
+            dynamo=True,
+            dynamic_shapes=(None, tuple({2: length} for _ in names)),
+            input_names=["input_ids", *(f"past_{n}" for n in names)],
+            output_names=["logits", *(f"present_{n}" for n in names)],
+            verbose=False,
+        )
+        with tempfile.TemporaryDirectory() as tmp:
+            program.save(f"{tmp}/kv_decoder.onnx")
+            model = onnx.load(f"{tmp}/kv_decoder.onnx")
+    model.doc_string = (
+        f"GPT-style decoder step with a KV cache, {layers} layers, hidden {hidden}, {heads} "
+        f"heads, vocab {vocab}, positions {max_positions}; random weights (seed 4242)"
+    )
+    return model
 
 
 SAMPLES: dict[str, Callable[..., onnx.ModelProto]] = {
