@@ -112,6 +112,7 @@ bench: $(BENCH_STAMP)
 	$(BIN)/python bench/bench_gdat.py
 	$(BIN)/python bench/bench_fleet.py
 	$(BIN)/python bench/bench_dynamic.py
+	$(BIN)/python bench/bench_decode.py
 
 bench-quick: $(BENCH_STAMP)
 	$(BIN)/python bench/run.py --quick
@@ -124,6 +125,7 @@ bench-quick: $(BENCH_STAMP)
 	$(BIN)/python bench/bench_gdat.py --quick
 	$(BIN)/python bench/bench_fleet.py --quick
 	$(BIN)/python bench/bench_dynamic.py --quick --budget 20
+	$(BIN)/python bench/bench_decode.py --quick --budget 20
 
 # The suite's soak tests (kill -9 loops; `make test` leaves them out), then kill -9 of the
 # daemon at 20 random points of its jobs (prints seeds, restarts and the bank entries

@@ -82,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"aoe tune failed: {job.error}", file=sys.stderr)
         return 1
     shipped = Path(job.doc["tuned_model"])
-    profile = next((n for n in job.doc["notes"] if n.startswith("shape profile:")), "")
+    said = next((n for n in job.doc["notes"] if n.startswith("shape profile:")), "")
+    profile = f"shape profile: {said.split('; ')[-1]}" if said else ""
     rows, verdicts = [], []
     for batch, seq in POINTS:
         feed = _feed(batch, seq)
