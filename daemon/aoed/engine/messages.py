@@ -397,6 +397,10 @@ class Candidate(Message, frozen=True):
     #: provider options that name files (TensorRT's caches: aoe.sessionopts.trt_files),
     #: from the engine's own configuration; never from `options`, which may come from data
     files: dict[str, dict[str, str]] = {}
+    #: the runtime that runs it (aoed.backends.runtimes.DEPLOYED): onnxruntime, or
+    #: openvino, whose `options` are compile properties (aoe.ovartifact.ALLOWED); a
+    #: runtime other than onnxruntime is measured as deployed only
+    runtime: str = "onnxruntime"
 
 
 class MeasurePlan(Message, frozen=True):

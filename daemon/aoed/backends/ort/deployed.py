@@ -37,7 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +45,7 @@ import numpy as np
 
 from aoe.errors import DeviceError
 
-__all__ = ["Worker", "Workers", "workers_for"]
+__all__ = ["MODULE", "Worker", "Workers", "serve", "workers_for"]
 
 #: Idle workers the runner keeps between requests (a confirming A/B has four candidates).
 KEEP = 4
@@ -60,8 +60,20 @@ class WorkerError(DeviceError):
 # ------------------------------------------------------------------ worker process
 
 
-def _serve() -> int:
-    """The worker: answer one JSON request per stdin line until EOF."""
+def _ort_session(model: str, options: dict[str, Any]) -> Any:
+    from aoed.backends.ort.sessions import session
+
+    return session(model, options)
+
+
+def serve(
+    open_session: Callable[[str, dict[str, Any]], Any] = _ort_session,
+    describe_session: Callable[[Any], dict[str, Any]] | None = None,
+) -> int:
+    """The worker: answer one JSON request per stdin line until EOF. Another runtime's
+    worker (backends/openvino/deployed.py) serves the same protocol with its own
+    `open_session` (a model path and its options -> an object with `run(None, feeds)`
+    and `get_inputs()`) and `describe_session`."""
     from aoed.backends._wire import child_main
 
     child_main(["--parent", str(os.getppid())])
@@ -73,7 +85,7 @@ def _serve() -> int:
         if not line.strip():
             continue
         try:
-            reply = _answer(json.loads(line), state)
+            reply = _answer(json.loads(line), state, open_session, describe_session or describe)
         except Exception as exc:  # the request's failure: the runner reports it for its candidate
             reply = {"error": f"{type(exc).__name__}: {exc}".splitlines()[0]}
         try:
@@ -83,15 +95,18 @@ def _serve() -> int:
     return 0
 
 
-def _answer(req: dict[str, Any], state: dict[str, Any]) -> dict[str, Any]:
+def _answer(
+    req: dict[str, Any],
+    state: dict[str, Any],
+    open_session: Callable[[str, dict[str, Any]], Any] = _ort_session,
+    describe_session: Callable[[Any], dict[str, Any]] | None = None,
+) -> dict[str, Any]:
     op = req.get("op")
     if op == "load":
-        from aoed.backends.ort.sessions import session
-
         state.clear()
         gc.collect()
         try:
-            sess = session(str(req["model"]), dict(req.get("options") or {}))
+            sess = open_session(str(req["model"]), dict(req.get("options") or {}))
         except Exception as exc:
             return {"error": f"load: {exc}".splitlines()[0]}
         names = {i.name for i in sess.get_inputs()}
@@ -104,7 +119,8 @@ def _answer(req: dict[str, Any], state: dict[str, Any]) -> dict[str, Any]:
         gc.collect()
         return {"ok": True}
     if op == "describe":
-        return {"pid": os.getpid(), "session": describe(state["sess"]) if state else None}
+        how = describe_session or describe
+        return {"pid": os.getpid(), "session": how(state["sess"]) if state else None}
     sess, feeds = state["sess"], state["feeds"]
     if op == "first":
         try:
@@ -160,14 +176,20 @@ def describe(sess: Any) -> dict[str, Any]:
 # ------------------------------------------------------------------ runner side
 
 
-class Worker:
-    """One worker process, started through exec."""
+#: The worker of an onnxruntime candidate; another runtime names its own (`Workers.load`).
+MODULE = "aoed.backends.ort.deployed"
 
-    def __init__(self) -> None:
+
+class Worker:
+    """One worker process, started through exec: `module` serves the protocol (this
+    module for onnxruntime)."""
+
+    def __init__(self, module: str = MODULE) -> None:
+        self.module = module
         # stderr to the runner's own (its log): a worker that logs a lot must never block
         # on a full pipe.
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "aoed.backends.ort.deployed"],
+            [sys.executable, "-m", module],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -247,6 +269,14 @@ class Worker:
 _idle: list[Worker] = []
 
 
+def _take(module: str) -> Worker:
+    """An idle worker of `module`, or a new one."""
+    for i, w in enumerate(_idle):
+        if w.module == module:
+            return _idle.pop(i)
+    return Worker(module)
+
+
 class Workers:
     """The workers of one measurement, a candidate each: `load` them, read their `first`
     outputs, then `warm`/`turn` as measure.Turns. Leaving the block unloads them and
@@ -258,13 +288,20 @@ class Workers:
         self.spare: list[Worker] = []
         self.tmp = Path(tempfile.mkdtemp(prefix="aoe-deployed-"))
 
-    def load(self, candidates: Sequence[tuple[str, Path, dict[str, Any]]]) -> dict[str, str]:
-        """Start (or reuse) a worker per candidate (id, model, options) and load its model,
-        all at once; returns why each candidate that could not be loaded was not."""
+    def load(
+        self,
+        candidates: Sequence[
+            tuple[str, Path, dict[str, Any]] | tuple[str, Path, dict[str, Any], str]
+        ],
+    ) -> dict[str, str]:
+        """Start (or reuse) a worker per candidate (id, model, options[, worker module:
+        MODULE when not given]) and load its model, all at once; returns why each
+        candidate that could not be loaded was not."""
         errors: dict[str, str] = {}
-        for cid, _model, _options in candidates:
-            self.by[cid] = _idle.pop() if _idle else Worker()
-        for cid, model, options in candidates:  # the loads overlap: none of this is timed
+        for c in candidates:
+            module = c[3] if len(c) > 3 else MODULE
+            self.by[c[0]] = _take(module)
+        for cid, model, options, *_module in candidates:  # the loads overlap: none is timed
             req = {
                 "op": "load",
                 "model": str(model),
@@ -272,7 +309,7 @@ class Workers:
                 "inputs": str(self.inputs),
             }
             self.by[cid].send(req)
-        for cid, _model, _options in candidates:
+        for cid, *_rest in candidates:
             try:
                 self.by[cid].receive()
             except WorkerError as exc:
@@ -344,4 +381,4 @@ def workers_for(inputs: Path) -> Iterator[Workers]:
 
 
 if __name__ == "__main__":
-    sys.exit(_serve())
+    sys.exit(serve())

@@ -35,6 +35,7 @@ from aoe.errors import DeviceError
 from aoed.backends.ort import deployed
 from aoed.backends.ort.measure import Timing, interleaved, rounds
 from aoed.backends.ort.sessions import BoundRun, check_device, providers_for, session
+from aoed.backends.runtimes import DEPLOYED
 from aoed.engine.messages import (
     Accuracy,
     CompareRequest,
@@ -121,6 +122,12 @@ def measure(req: MeasureRequest) -> MeasureReply:
     results: dict[str, Measurement] = {}
     sessions = {}
     for c in req.candidates:
+        if c.runtime != "onnxruntime":
+            results[c.id] = Measurement(
+                False,
+                error=f"load: a {c.runtime} candidate is measured as deployed only, on the CPU",
+            )
+            continue
         try:
             sess = _session(c.model, c.options, device, c.files)
             names = {i.name for i in sess.get_inputs()}
@@ -161,7 +168,20 @@ def _measure_deployed(req: MeasureRequest) -> MeasureReply:
     results: dict[str, Measurement] = {}
     outputs = {}
     with deployed.workers_for(req.inputs) as workers:
-        errors = workers.load([(c.id, c.model, c.options) for c in req.candidates])
+        errors = {
+            c.id: f"load: no measurement worker for runtime {c.runtime!r}"
+            for c in req.candidates
+            if c.runtime not in DEPLOYED
+        }
+        errors.update(
+            workers.load(
+                [
+                    (c.id, c.model, c.options, DEPLOYED[c.runtime])
+                    for c in req.candidates
+                    if c.runtime in DEPLOYED
+                ]
+            )
+        )
         for cid, why in errors.items():
             results[cid] = Measurement(False, error=why)
         for c in req.candidates:

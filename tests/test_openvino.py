@@ -1,0 +1,148 @@
+"""OpenVINO as a second runtime (backends/openvino, aoe.ovartifact): its discovery, its
+measurement worker driven by the runner beside onnxruntime's, and its artifacts' compile
+configs checked on read. Real openvino, real worker processes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+from aoe.device import CPU
+from aoe.errors import ModelError
+from aoe.ovartifact import CompileConfig, OvSession, read_config, write_config
+from aoed.backends.openvino import discover
+from aoed.backends.ort import deployed, runner
+from aoed.engine.messages import Candidate, MeasurePlan, MeasureRequest
+from aoed.samples import mlp
+
+ov = pytest.importorskip("openvino")
+
+F32 = {"INFERENCE_PRECISION_HINT": "f32"}
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> dict[str, Path]:
+    """The mlp sample as ONNX and as OpenVINO IR (with a compile config), and inputs."""
+    d = tmp_path_factory.mktemp("ov")
+    onnx.save(mlp(), d / "mlp.onnx")
+    ov.save_model(ov.Core().read_model(str(d / "mlp.onnx")), str(d / "mlp.xml"), False)
+    write_config(d / "mlp.xml", CompileConfig("CPU", {"INFERENCE_PRECISION_HINT": "f32"}))
+    import onnxruntime as ort
+
+    sess = ort.InferenceSession(str(d / "mlp.onnx"))
+    rng = np.random.default_rng(0)
+    feeds = {
+        i.name: rng.standard_normal([x if isinstance(x, int) else 1 for x in i.shape]).astype(
+            np.float32
+        )
+        for i in sess.get_inputs()
+    }
+    np.savez(d / "inputs.npz", **feeds)
+    return {"onnx": d / "mlp.onnx", "xml": d / "mlp.xml", "inputs": d / "inputs.npz"}
+
+
+def test_discovery_reports_the_cpu_and_what_it_computes_in():
+    """`find` reports the CPU device and the plugin's own capabilities."""
+    offer = discover.find()
+    assert offer.usable, offer.why_not
+    assert offer.version and offer.version in ov.get_version()
+    caps = set(ov.Core().get_property("CPU", "OPTIMIZATION_CAPABILITIES"))
+    assert offer.capabilities == caps and offer.has("FP32")
+
+
+def test_openvino_and_onnxruntime_candidates_are_timed_side_by_side_as_deployed(files):
+    """Through the runner's own request: an IR and an ONNX file on OpenVINO (f32) are
+    measured in the same rounds as the onnxruntime reference, each in a worker process
+    of its own runtime, and agree with it to float rounding; OpenVINO's default on a CPU
+    with bf16 (no precision hint) computes in bf16; a compile property outside the
+    allow-list fails its candidate by name, never reaching OpenVINO."""
+    cands = (
+        Candidate("ort", files["onnx"]),
+        Candidate("ir", files["xml"], F32, runtime="openvino"),
+        Candidate("onnx_ov", files["onnx"], F32, runtime="openvino"),
+        Candidate("bf16", files["onnx"], {"PERFORMANCE_HINT": "LATENCY"}, runtime="openvino"),
+        Candidate("bad", files["xml"], {"CACHE_DIR": "/tmp/x"}, runtime="openvino"),
+    )
+    plan = MeasurePlan.fixed(4, 60.0, deployed=True)  # a budget no busy machine reaches
+    r = runner.measure(MeasureRequest(cands, files["inputs"], "ort", CPU, plan)).results
+    assert r["ort"].ok and r["ir"].ok and r["onnx_ov"].ok, r
+    assert not r["bad"].ok and "CACHE_DIR" in r["bad"].error and "not allowed" in r["bad"].error
+    for cid in ("ir", "onnx_ov"):
+        assert r[cid].cosine > 0.99999 and r[cid].max_rel_error < 1e-3
+        assert len(r[cid].rounds_us) == 4 and all(x and x > 0 for x in r[cid].rounds_us)
+    if discover.find().has("BF16"):
+        assert r["bf16"].ok and 0.999 < r["bf16"].cosine < 0.999999
+        assert r["bf16"].max_rel_error > 1e-4
+    modules = {w.module for w in deployed._idle}
+    assert modules == {"aoed.backends.ort.deployed", "aoed.backends.openvino.deployed"}
+    for w in deployed._idle:
+        assert w.ask(op="describe")["session"] is None  # kept, holding no model
+
+
+def test_an_openvino_candidate_is_refused_outside_a_deployed_measurement(files):
+    """In the runner's own process only onnxruntime runs: an OpenVINO candidate fails
+    with why, the others are measured."""
+    cands = (Candidate("ort", files["onnx"]), Candidate("ir", files["xml"], runtime="openvino"))
+    plan = MeasurePlan.fixed(2, 60.0)
+    r = runner.measure(MeasureRequest(cands, files["inputs"], "ort", CPU, plan)).results
+    assert r["ort"].ok and not r["ir"].ok and "deployed only" in r["ir"].error
+
+
+def test_an_artifact_opens_as_a_session_with_its_checked_config(files):
+    """The IR with its config runs like the ONNX model: same inputs, same outputs."""
+    sess = OvSession(files["xml"], read_config(files["xml"]))
+    import onnxruntime as ort
+
+    ref = ort.InferenceSession(str(files["onnx"]))
+    assert [i.name for i in sess.get_inputs()] == [i.name for i in ref.get_inputs()]
+    assert [o.name for o in sess.get_outputs()] == [o.name for o in ref.get_outputs()]
+    assert sess.get_inputs()[0].type == "tensor(float)"
+    with np.load(files["inputs"]) as data:
+        feeds = {k: data[k] for k in data.files}
+    got, want = sess.run(None, feeds), ref.run(None, feeds)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-4, atol=1e-5)
+    name = ref.get_outputs()[0].name
+    np.testing.assert_array_equal(sess.run([name], feeds)[0], got[0])
+
+
+@pytest.mark.parametrize(
+    ("doc", "says"),
+    [
+        ("[1, 2]", "not a JSON object"),
+        ('{"format": 1, "device": "CPU", "config": {"CACHE_DIR": "/x"}}', "'CACHE_DIR'"),
+        (
+            '{"format": 1, "config": {"INFERENCE_PRECISION_HINT": "f64"}}',
+            "INFERENCE_PRECISION_HINT",
+        ),
+        ('{"format": 1, "config": {"NUM_STREAMS": -1}}', "NUM_STREAMS"),
+        ('{"format": 1, "config": {"NUM_STREAMS": true}}', "NUM_STREAMS"),
+        ('{"format": 1, "device": "GPU.0", "config": {}}', "device 'GPU.0'"),
+        ('{"format": 9, "config": {}}', "format 9"),
+        ('{"format": 1, "config": {}, "plugin": "x.so"}', "unknown field 'plugin'"),
+        ("{not json", "not JSON"),
+    ],
+)
+def test_a_bad_compile_config_is_refused_by_name(tmp_path, doc, says):
+    """Each bad config file fails its read with a ModelError naming the file and what is
+    wrong; none reaches OpenVINO."""
+    xml = tmp_path / "m.xml"
+    xml.with_name("m.ovconfig.json").write_text(doc)
+    with pytest.raises(ModelError, match="m.ovconfig.json") as err:
+        read_config(xml)
+    assert says in str(err.value)
+
+
+def test_an_ir_without_its_config_is_refused(tmp_path):
+    with pytest.raises(ModelError, match="keep it beside the .xml"):
+        read_config(tmp_path / "m.xml")
+
+
+def test_a_written_config_reads_back(tmp_path):
+    cfg = CompileConfig("CPU", {"INFERENCE_PRECISION_HINT": "bf16", "NUM_STREAMS": 1})
+    write_config(tmp_path / "m.xml", cfg)
+    assert read_config(tmp_path / "m.xml") == cfg
+    assert json.loads((tmp_path / "m.ovconfig.json").read_text())["format"] == 1
