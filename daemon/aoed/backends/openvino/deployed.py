@@ -1,6 +1,6 @@
 """The measurement worker of an OpenVINO candidate: `python -m aoed.backends.openvino.deployed`.
 
-It answers the JSON-lines protocol of aoed.backends.ort.deployed (load, first, warm,
+It answers the JSON-lines protocol of aoed.backends._deployed (load, first, warm,
 turn, unload, describe), so the runner drives OpenVINO and onnxruntime candidates side
 by side with the one procedure (measure.rounds: alternating turns, each worker stopped
 between its turns). A candidate is an IR (.xml + .bin) or an ONNX file that OpenVINO
@@ -45,7 +45,7 @@ def describe(sess: OvSession) -> dict[str, Any]:
 
 
 def main() -> int:
-    from aoed.backends.ort.deployed import serve
+    from aoed.backends._deployed import serve
 
     return serve(open_session, describe)
 

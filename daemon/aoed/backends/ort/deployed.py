@@ -29,23 +29,22 @@ from .npz files only (no pickle) and die with the runner.
 from __future__ import annotations
 
 import contextlib
-import gc
 import json
 import os
 import signal
 import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from aoe.errors import DeviceError
+from aoed.backends._deployed import serve
 
-__all__ = ["MODULE", "Worker", "Workers", "serve", "workers_for"]
+__all__ = ["MODULE", "Worker", "Workers", "workers_for"]
 
 #: Idle workers the runner keeps between requests (a confirming A/B has four candidates).
 KEEP = 4
@@ -64,94 +63,6 @@ def _ort_session(model: str, options: dict[str, Any]) -> Any:
     from aoed.backends.ort.sessions import session
 
     return session(model, options)
-
-
-def serve(
-    open_session: Callable[[str, dict[str, Any]], Any] = _ort_session,
-    describe_session: Callable[[Any], dict[str, Any]] | None = None,
-) -> int:
-    """The worker: answer one JSON request per stdin line until EOF. Another runtime's
-    worker (backends/openvino/deployed.py) serves the same protocol with its own
-    `open_session` (a model path and its options -> an object with `run(None, feeds)`
-    and `get_inputs()`) and `describe_session`."""
-    from aoed.backends._wire import child_main
-
-    child_main(["--parent", str(os.getppid())])
-    proto = os.fdopen(os.dup(1), "w", buffering=1, encoding="utf-8")
-    os.dup2(2, 1)  # whatever a library prints goes to the log, never into the protocol
-    sys.stdout = sys.stderr
-    state: dict[str, Any] = {}
-    for line in sys.stdin:
-        if not line.strip():
-            continue
-        try:
-            reply = _answer(json.loads(line), state, open_session, describe_session or describe)
-        except Exception as exc:  # the request's failure: the runner reports it for its candidate
-            reply = {"error": f"{type(exc).__name__}: {exc}".splitlines()[0]}
-        try:
-            proto.write(json.dumps(reply) + "\n")
-        except BrokenPipeError:
-            os._exit(0)
-    return 0
-
-
-def _answer(
-    req: dict[str, Any],
-    state: dict[str, Any],
-    open_session: Callable[[str, dict[str, Any]], Any] = _ort_session,
-    describe_session: Callable[[Any], dict[str, Any]] | None = None,
-) -> dict[str, Any]:
-    op = req.get("op")
-    if op == "load":
-        state.clear()
-        gc.collect()
-        try:
-            sess = open_session(str(req["model"]), dict(req.get("options") or {}))
-        except Exception as exc:
-            return {"error": f"load: {exc}".splitlines()[0]}
-        names = {i.name for i in sess.get_inputs()}
-        with np.load(req["inputs"], allow_pickle=False) as data:
-            feeds = {k: data[k] for k in data.files if k in names}
-        state.update(sess=sess, feeds=feeds)
-        return {"ok": True}
-    if op == "unload":
-        state.clear()
-        gc.collect()
-        return {"ok": True}
-    if op == "describe":
-        how = describe_session or describe
-        return {"pid": os.getpid(), "session": how(state["sess"]) if state else None}
-    sess, feeds = state["sess"], state["feeds"]
-    if op == "first":
-        try:
-            outs = sess.run(None, feeds)
-        except Exception as exc:
-            return {"error": f"run: {exc}".splitlines()[0]}
-        arrays = {}
-        for i, o in enumerate(outs):
-            a = np.asarray(o)
-            if a.dtype == object:
-                return {"error": f"run: output {i} is not a tensor"}
-            arrays[f"o{i}"] = a
-        np.savez(req["outputs"], **arrays)
-        return {"ok": True, "count": len(arrays)}
-    if op == "warm":
-        t0, n = time.perf_counter(), 0
-        while n < 1 or (time.perf_counter() - t0 < float(req["warmup_s"]) and n < 200):
-            sess.run(None, feeds)
-            n += 1
-        return {"per_run_s": (time.perf_counter() - t0) / n}
-    if op == "turn":
-        sess.run(None, feeds)  # untimed: a cold cache stays out of the samples
-        got = []
-        batch = int(req["batch"])
-        for _ in range(int(req["samples"])):
-            t = time.perf_counter()
-            for _ in range(batch):
-                sess.run(None, feeds)
-            got.append((time.perf_counter() - t) / batch)
-        return {"samples_s": got}
-    raise ValueError(f"unknown request {op!r}")
 
 
 def describe(sess: Any) -> dict[str, Any]:
@@ -381,4 +292,4 @@ def workers_for(inputs: Path) -> Iterator[Workers]:
 
 
 if __name__ == "__main__":
-    sys.exit(serve())
+    sys.exit(serve(_ort_session, describe))
