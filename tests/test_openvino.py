@@ -146,3 +146,136 @@ def test_a_written_config_reads_back(tmp_path):
     write_config(tmp_path / "m.xml", cfg)
     assert read_config(tmp_path / "m.xml") == cfg
     assert json.loads((tmp_path / "m.ovconfig.json").read_text())["format"] == 1
+
+
+# ---------------------------------------------------------------- a job that ships OpenVINO
+
+#: A small int8 job: the cnn sample, whose bf16 build on OpenVINO ran 2x faster than
+#: onnxruntime's proposal on a CPU with AMX (measured on the 2-core machine).
+JOB = ("--precision", "int8", "--budget", "2", "--parallel", "1", "--no-progress")
+JOB += ("--job-type", "opat")
+
+
+def _result(out: Path) -> dict:
+    (path,) = sorted(out.glob("aoe_result_*.json"))
+    return json.loads(path.read_text())
+
+
+@pytest.fixture(scope="module")
+def shipped(tmp_path_factory) -> dict:
+    """One int8 job on the cnn sample (default --runtime auto), where the CPU has bf16."""
+    if not discover.find().has("BF16"):
+        pytest.skip("OpenVINO's bf16 build wins on a CPU with bf16 (AMX or AVX512-BF16)")
+    from aoed import samples
+
+    from .conftest import run_aoe
+
+    d = tmp_path_factory.mktemp("ovjob")
+    model = samples.save(samples.build("cnn"), d / "cnn.onnx")
+    out = d / "out"
+    run = run_aoe("tune", str(model), *JOB, "--output", str(out), "--bank", str(d / "bank"))
+    assert run.returncode == 0, run.stderr
+    return {"model": model, "doc": _result(out), "stdout": run.stdout}
+
+
+@pytest.mark.slow
+def test_a_job_ships_the_openvino_build_that_won_and_says_so(shipped):
+    """The result names the runtime and the table of every runtime's candidate; the
+    figures compare the IR with the input on onnxruntime; the IR ships with its .bin and
+    compile config beside it, and the summary says which runtime ships."""
+    doc = shipped["doc"]
+    assert doc["runtime"] == "openvino"
+    xml = Path(doc["tuned_model"])
+    assert xml.suffix == ".xml" and xml.with_suffix(".bin").is_file()
+    assert read_config(xml).config == doc["runtime_options"]
+    rows = {r["name"]: r for r in doc["runtimes"]}
+    assert rows["input"]["runtime"] == "onnxruntime"
+    assert {"openvino_f32", "openvino_bf16", "openvino_int8"} <= set(rows)
+    assert sum(r.get("gate") == "passed" and "held_back" in r for r in rows.values()) >= 1
+    conf = doc["confirmation"]
+    assert conf["shipped"] == "tuned" and conf["verdict"] == "faster"
+    assert conf["improvement"] > 0
+    assert "runtime      openvino (" in shipped["stdout"]
+    assert "measured against the input on onnxruntime" in shipped["stdout"]
+
+
+@pytest.mark.slow
+def test_the_shipped_ir_opens_with_aoe_session_and_matches_fp32(shipped, tmp_path):
+    """`aoe.session` opens the IR with its compile config, behind the surface an
+    onnxruntime session has; its outputs are within the int8 policy's gate of the fp32
+    input on onnxruntime, on inputs the job never saw."""
+    import onnxruntime as ort
+
+    import aoe
+
+    xml = Path(shipped["doc"]["tuned_model"])
+    sess = aoe.session(xml)
+    ref = ort.InferenceSession(str(shipped["model"]))
+    assert [i.name for i in sess.get_inputs()] == [i.name for i in ref.get_inputs()]
+    assert [o.name for o in sess.get_outputs()] == [o.name for o in ref.get_outputs()]
+    rng = np.random.default_rng(123)
+    for _ in range(3):
+        feeds = {i.name: rng.standard_normal(i.shape).astype(np.float32) for i in ref.get_inputs()}
+        got = sess.run(None, feeds)[0].astype(np.float64).ravel()
+        want = ref.run(None, feeds)[0].astype(np.float64).ravel()
+        assert got @ want / np.linalg.norm(got) / np.linalg.norm(want) >= 0.999
+    props = sess.compiled.get_property("INFERENCE_PRECISION_HINT")
+    hint = read_config(xml).config["INFERENCE_PRECISION_HINT"]
+    assert str(props) == {"bf16": "<Type: 'bfloat16'>", "f32": "<Type: 'float32'>"}[hint]
+    tampered = tmp_path / xml.name
+    for suffix in (".xml", ".bin"):
+        tampered.with_suffix(suffix).write_bytes(xml.with_suffix(suffix).read_bytes())
+    tampered.with_name(tampered.stem + ".ovconfig.json").write_text(
+        json.dumps({"format": 1, "device": "CPU", "config": {"CACHE_DIR": str(tmp_path)}})
+    )
+    with pytest.raises(ModelError, match="'CACHE_DIR' is not allowed"):
+        aoe.session(tampered)
+
+
+#: An exact job on the mlp sample: seconds.
+EXACT = ("--budget", "2", "--parallel", "1", "--no-progress", "--job-type", "opat")
+
+#: Runs `aoe` in this child and says whether openvino (or nncf) was ever imported in it.
+_TUNE_AND_SAY = """
+import sys
+from aoe.cli import main
+rc = main(sys.argv[1:])
+print("imported:", sorted(m for m in ("openvino", "nncf") if m in sys.modules))
+sys.exit(rc)
+"""
+
+
+@pytest.mark.slow
+def test_exact_lets_only_f32_compete_and_onnxruntime_never_starts_openvino(tmp_path):
+    """`exact` lets OpenVINO compete in f32 alone (bf16 and int8 are not float-rounding
+    changes); `--runtime onnxruntime` never builds, measures or imports OpenVINO: the
+    process that ran the engine never imported it, no stage ran, no candidate of it was
+    measured, nothing was written for it."""
+    import os
+    import subprocess
+    import sys
+
+    from aoed import samples
+
+    model = samples.save(samples.build("mlp"), tmp_path / "mlp.onnx")
+    env = {**os.environ}
+    env.pop("TUNE_BANK_PATH", None)
+    docs, said = {}, {}
+    for runtime in ("auto", "onnxruntime"):
+        out = tmp_path / runtime
+        run = subprocess.run(
+            [sys.executable, "-c", _TUNE_AND_SAY, "tune", str(model), *EXACT, "--runtime",
+             runtime, "--output", str(out), "--bank", str(tmp_path / f"bank_{runtime}")],
+            capture_output=True, text=True, env=env, timeout=300,
+        )  # fmt: skip
+        assert run.returncode == 0, run.stderr
+        docs[runtime], said[runtime] = _result(out), run.stdout
+    auto = docs["auto"]
+    assert {r["name"] for r in auto["runtimes"] if r["runtime"] == "openvino"} == {"openvino_f32"}
+    assert "runtime" in auto["budget"]["stages"]
+    ort_only = docs["onnxruntime"]
+    assert ort_only["runtime"] == "onnxruntime" and ort_only["runtimes"] == []
+    assert "runtime" not in ort_only["budget"]["stages"]
+    assert "imported: []" in said["onnxruntime"]
+    assert not list((tmp_path / "onnxruntime").rglob("openvino*"))
+    assert not any("OpenVINO" in n for n in ort_only["notes"])

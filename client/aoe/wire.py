@@ -3,8 +3,8 @@
 daemon's servicers alike.
 
 Proto3 has no "unset" for scalars: 0 (or "") reads as unset where the spec's field is
-optional (budget_s, min_cosine, max_rel_error, device, calibration_dir), as the API
-documents. An enum number this side does not know is refused, naming the field (proto3
+optional (budget_s, min_cosine, max_rel_error, device, calibration_dir; runtime: auto),
+as the API documents. An enum number this side does not know is refused, naming the field (proto3
 keeps unknown numbers, which a lookup with a default would quietly map).
 
 Where the wire and the domain name a field differently, this module is the one place
@@ -20,6 +20,7 @@ every client's generated code and JSON form), the domain names are the ones the 
     result_json_path                    result_json
     verification                        verified
     details_json                        details (GdatDetails | OnnxDetails)
+    runtime_options_json                runtime_options
     TaskResult.node_names[0]            TaskOutcome.op_name
     TaskResult.not_applied              not TaskOutcome.applied
 
@@ -46,7 +47,7 @@ from aoe.outcome import (
     details_from_dict,
     details_to_dict,
 )
-from aoe.spec import JobSpec, JobType, Precision, SpecError, Stage
+from aoe.spec import JobSpec, JobType, Precision, Runtime, SpecError, Stage
 from aoe.v1 import bank_pb2, tuning_pb2
 
 __all__ = [
@@ -101,6 +102,7 @@ def spec_to_pb(spec: JobSpec) -> tuning_pb2.JobOptions:
         priority=spec.priority,
         budget_s=spec.budget_s or 0.0,
         keep_initializer_inputs=spec.keep_initializer_inputs,
+        runtime=str(spec.runtime),
         gdat=tuning_pb2.GdatOptions(
             world_size=spec.world_size or 0,
             backend=spec.backend or "",
@@ -138,6 +140,7 @@ def spec_from_pb(o: tuning_pb2.JobOptions) -> JobSpec:
         priority=o.priority,
         labels=dict(o.labels),
         keep_initializer_inputs=o.keep_initializer_inputs,
+        runtime=o.runtime or Runtime.AUTO,
         world_size=o.gdat.world_size or None,
         backend=o.gdat.backend or None,
         gradient_precision=o.gdat.gradient_precision or None,
@@ -301,6 +304,10 @@ def outcome_to_pb(o: JobOutcome) -> tuning_pb2.JobResult:
         budget=_budget_pb(o.budget),
         model_path=o.model,
         details_json=json.dumps(details, sort_keys=True) if details else "",
+        runtime=o.runtime,
+        runtime_options_json=json.dumps(dict(o.runtime_options), sort_keys=True)
+        if o.runtime_options
+        else "",
     )
 
 
@@ -356,6 +363,8 @@ def outcome_from_pb(r: tuning_pb2.JobResult, job_id: str = "") -> JobOutcome:
         accuracy_budget=dict(r.accuracy_budget),
         calibration=r.calibration,
         verified=r.verification,
+        runtime=r.runtime or "onnxruntime",
+        runtime_options=json.loads(r.runtime_options_json or "{}"),
         notes=tuple(r.notes),
         details=details_from_dict(job_type, json.loads(r.details_json or "{}")),
     )

@@ -53,6 +53,10 @@ class Proposal:
     options: dict[str, Any]
     plain: Path | None  # the same graph without session options (when there are some)
     input_copy: Path  # the input model as it would be shipped
+    #: the runtime the proposal runs on (runtimestage.py); for another runtime than
+    #: onnxruntime `options` are what it runs with (compile properties), not session
+    #: options, and there is no `plain`
+    runtime: str = "onnxruntime"
 
 
 @dataclass
@@ -128,7 +132,9 @@ async def confirm(
     device fails."""
     cands = [Candidate("input", ctx.run.model), Candidate("input_copy", proposal.input_copy)]
     if proposal.kind != "input":
-        cands.append(Candidate("proposal", proposal.model, proposal.options))
+        cands.append(
+            Candidate("proposal", proposal.model, proposal.options, runtime=proposal.runtime)
+        )
         if proposal.options and proposal.plain is not None:
             cands.append(Candidate("plain", proposal.plain))
     before = ctx.ledger.device_by.get("confirm", 0.0)
@@ -177,7 +183,7 @@ def judge(measured: Mapping[str, Measurement], proposal: Proposal) -> tuple[Conf
                 kind = "tuned" if proposal.kind == "tuned" else "input"
                 if kind == "input":  # the options were all the proposal had: this kept it out
                     verdict, decided = o_verdict, o
-        elif proposal.options:
+        elif proposal.options and proposal.runtime == "onnxruntime":
             options_kept = True
         cand = measured[name]
         if kind != "input" and cand.ok and ratios(cand):

@@ -88,6 +88,9 @@ class ResultDetails:
     decision: Mapping[str, Any] = field(default_factory=dict)
     #: what the job measured on: device, provider, hardware, accelerator, versions
     device_info: Mapping[str, Any] = field(default_factory=dict)
+    #: every runtime's candidate of the whole model (runtimestage.py): name, runtime,
+    #: options, median, accuracy, and why it did not win
+    runtimes: list[dict[str, Any]] = field(default_factory=list)
 
 
 def _section(o: JobOutcome, part: JobType, tasks: list[TaskOutcome], whole: bool) -> dict[str, Any]:
@@ -174,6 +177,9 @@ def result_json(o: JobOutcome, details: ResultDetails = ResultDetails()) -> dict
         "budget": o.budget.to_dict(),
         "device_info": dict(details.device_info),
         "tuned_model": o.tuned_model,
+        "runtime": o.runtime,
+        "runtime_options": dict(o.runtime_options),
+        "runtimes": list(details.runtimes),
         "workspace": o.workspace,
         "session_options": dict(o.session_options),
         "verification": o.verified,
