@@ -13,7 +13,7 @@ import pytest
 
 from aoe.device import CPU
 from aoe.errors import ModelError
-from aoe.ovartifact import CompileConfig, OvSession, read_config, write_config
+from aoe.ovartifact import CompileConfig, OvSession, RuntimeDecision, read_config, write_config
 from aoed.backends.openvino import discover
 from aoed.backends.ort import deployed, runner
 from aoed.engine.messages import Candidate, MeasurePlan, MeasureRequest
@@ -151,8 +151,9 @@ def test_a_written_config_reads_back(tmp_path):
 # ---------------------------------------------------------------- a job that ships OpenVINO
 
 #: A small int8 job: the cnn sample, whose bf16 build on OpenVINO ran 2x faster than
-#: onnxruntime's proposal on a CPU with AMX (measured on the 2-core machine).
-JOB = ("--precision", "int8", "--budget", "2", "--parallel", "1", "--no-progress")
+#: onnxruntime's proposal on a CPU with AMX (measured on the 2-core machine). A budget
+#: every task of it gets a slice of, so that a second run is answered from the bank.
+JOB = ("--precision", "int8", "--budget", "3", "--parallel", "1", "--no-progress")
 JOB += ("--job-type", "opat")
 
 
@@ -172,10 +173,25 @@ def shipped(tmp_path_factory) -> dict:
 
     d = tmp_path_factory.mktemp("ovjob")
     model = samples.save(samples.build("cnn"), d / "cnn.onnx")
-    out = d / "out"
-    run = run_aoe("tune", str(model), *JOB, "--output", str(out), "--bank", str(d / "bank"))
+    run = run_aoe("tune", str(model), *JOB, "--output", str(d / "out"), "--bank", str(d / "bank"))
     assert run.returncode == 0, run.stderr
-    return {"model": model, "doc": _result(out), "stdout": run.stdout}
+    return {"model": model, "dir": d, "doc": _result(d / "out"), "stdout": run.stdout}
+
+
+@pytest.fixture(scope="module")
+def banked(shipped) -> dict:
+    """The same job again on its bank, and `aoe compile` from that bank."""
+    from .conftest import run_aoe
+
+    d, model, bank = shipped["dir"], str(shipped["model"]), ("--bank", str(shipped["dir"] / "bank"))
+    again = run_aoe("tune", model, *JOB, "--output", str(d / "again"), *bank)
+    assert again.returncode == 0, again.stderr
+    compiled = run_aoe(
+        "compile", model, "-o", str(d / "compiled" / "cnn_tuned.onnx"), *bank,
+        "--precision", "int8", "--job-type", "opat",
+    )  # fmt: skip
+    assert compiled.returncode == 0, compiled.stderr
+    return {"again": _result(d / "again"), "compiled": d / "compiled"}
 
 
 @pytest.mark.slow
@@ -279,3 +295,44 @@ def test_exact_lets_only_f32_compete_and_onnxruntime_never_starts_openvino(tmp_p
     assert "imported: []" in said["onnxruntime"]
     assert not list((tmp_path / "onnxruntime").rglob("openvino*"))
     assert not any("OpenVINO" in n for n in ort_only["notes"])
+
+
+@pytest.mark.slow
+@pytest.mark.long  # two more runs of the aoe command on the module's job: about 10 s
+def test_a_second_run_is_answered_from_the_bank_and_compile_rebuilds_the_ir(shipped, banked):
+    """The bank's model-level record names the runtime that shipped: the same job again
+    measures nothing (the first job's confirmation, OpenVINO's build rebuilt, no
+    competition), and `aoe compile` writes the same IR with its compile config."""
+    first, again = shipped["doc"], banked["again"]
+    assert again["runtime"] == "openvino"
+    assert again["runtime_options"] == first["runtime_options"]
+    assert again["confirmation"]["from_bank"] == first["basic"]["job_id"]
+    assert again["confirmation"]["improvement"] == first["confirmation"]["improvement"]
+    assert again["runtimes"] == [] and "verify" not in again["budget"]["stages"]
+    assert Path(again["tuned_model"]).with_suffix(".bin").is_file()
+    out = banked["compiled"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "cnn_tuned.bin", "cnn_tuned.ovconfig.json", "cnn_tuned.xml",
+    ]  # fmt: skip
+    assert read_config(out / "cnn_tuned.xml").config == first["runtime_options"]
+
+
+@pytest.mark.parametrize(
+    ("runtime", "says"),
+    [
+        ("{", "not JSON"),
+        ('{"runtime": "tensorrt", "variant": "f32", "options": {}}', "'tensorrt'"),
+        ('{"runtime": "openvino", "variant": "int4", "options": {}}', "'int4'"),
+        ('{"runtime": "openvino", "variant": "f32", "options": {"CACHE_DIR": "/x"}}', "CACHE_DIR"),
+        ('{"runtime": "openvino", "variant": "f32"}', "runtime, variant and options"),
+    ],
+)
+def test_a_bank_record_with_a_bad_runtime_is_refused_by_name(runtime, says):
+    """A bank (perhaps another machine's) names the runtime that shipped: what a record
+    says is checked as a compile config is, before anything is built from it."""
+    from aoe.recordcheck import RecordError, check_default_doc
+
+    check_default_doc({"default_us": 1.0, "runtime": RuntimeDecision("openvino", "bf16").to_json()})
+    with pytest.raises(RecordError, match="runtime") as err:
+        check_default_doc({"default_us": 1.0, "runtime": runtime})
+    assert says in str(err.value)

@@ -523,6 +523,8 @@ def summary_lines(
     if lossy and f.shipped == "input":
         out.append("  accuracy     the input model ships: its outputs are the reference")
         out.append(f"  calibration  {o.calibration}")
+    elif lossy and not o.accuracy:
+        out.append("  accuracy     as the bank's confirmation of this model measured it")
     elif lossy:
         acc, top1 = o.accuracy, o.accuracy.get("top1_agreement")
         out.append(

@@ -27,7 +27,9 @@ from aoe.errors import ModelError
 __all__ = [
     "ALLOWED",
     "CONFIG_SUFFIX",
+    "VARIANTS",
     "CompileConfig",
+    "RuntimeDecision",
     "OvSession",
     "config_path",
     "is_artifact",
@@ -114,6 +116,48 @@ def check_properties(raw: Mapping[str, Any], where: str = "compile config") -> d
         else:
             out[key] = str(value)
     return out
+
+
+#: The builds of a model OpenVINO competes with (aoed.backends.openvino.build).
+VARIANTS = ("f32", "bf16", "f16", "int8")
+
+
+@dataclass(frozen=True)
+class RuntimeDecision:
+    """Which runtime's build of a model shipped, as a bank's model-level record keeps it
+    (its `runtime` parameter): OpenVINO's `variant` build, run with `options`, so that a
+    second run of the model and `aoe compile` rebuild the same artifact."""
+
+    runtime: str
+    variant: str
+    options: Mapping[str, str | int] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {"runtime": self.runtime, "variant": self.variant, "options": dict(self.options)},
+            sort_keys=True,
+        )
+
+    @classmethod
+    def checked(cls, data: Any, where: str = "runtime") -> RuntimeDecision:
+        """`data` (a JSON object, or its text) checked; ModelError naming `where` and the
+        field otherwise."""
+        if isinstance(data, str | bytes):
+            try:
+                data = json.loads(data)
+            except ValueError as exc:
+                raise ModelError(f"{where}: not JSON ({exc})") from None
+        if not isinstance(data, dict) or set(data) != {"runtime", "variant", "options"}:
+            raise ModelError(f"{where}: expected an object of runtime, variant and options")
+        if data["runtime"] != "openvino":
+            raise ModelError(f"{where}: runtime {data['runtime']!r} is not one that ships builds")
+        if data["variant"] not in VARIANTS:
+            raise ModelError(
+                f"{where}: variant {data['variant']!r} is not one of {', '.join(VARIANTS)}"
+            )
+        if not isinstance(data["options"], dict):
+            raise ModelError(f"{where}: options is not an object of compile properties")
+        return cls("openvino", data["variant"], check_properties(data["options"], where))
 
 
 def config_path(xml: str | os.PathLike[str]) -> Path:

@@ -99,14 +99,18 @@ class Confirmation:
             "proposal": dict(self.proposal),
         }
 
-    def params(self, choices_digest: str, job_id: str, job_type: str) -> str:
+    def params(
+        self, choices_digest: str, job_id: str, job_type: str, runtime: str = "onnxruntime"
+    ) -> str:
         """The confirmation as stored with the model-level bank record: valid for the
         choices `choices_digest` names (bankrules.choices_digest) applied to the tasks a
-        job of `job_type` forms, measured by `job_id`."""
+        job of `job_type` forms, measured by `job_id`, of the build of `runtime` that
+        ran them (another runtime's is named: its figures are not onnxruntime's)."""
         d = {k: v for k, v in self.to_json().items() if k not in ("notes", "from_bank", "proposal")}
-        return json.dumps(
-            {**d, "choices": choices_digest, "job": job_id, "job_type": job_type}, sort_keys=True
-        )
+        doc = {**d, "choices": choices_digest, "job": job_id, "job_type": job_type}
+        if runtime != "onnxruntime":
+            doc["runtime"] = runtime
+        return json.dumps(doc, sort_keys=True)
 
 
 def verdict_of(ratios: list[float]) -> tuple[str, float, tuple[float, float]]:

@@ -55,6 +55,11 @@ async def confirm_proposal(
     builds = [Build(scratch / "input_copy.onnx", {}, meta({}))]
     if runtime is not None and runtime.other and runtime.model is not None:
         await ctx.assemble(builds, source=ctx.run.model)
+        if cached is not None:  # the bank's confirmation of this very build
+            figures = dataclasses.replace(
+                Figures.from_dict(cached), confirmed_by=str(cached.get("job", ""))
+            )
+            return confirm.Confirmation(figures), runtime.model, None
         other = confirm.Proposal(
             "tuned",
             runtime.model,

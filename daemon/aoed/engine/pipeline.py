@@ -92,7 +92,7 @@ async def run_stages(ctx: JobContext) -> JobOutcome:
     assembled = await assemble(ctx, known, found)
     session = await session_options(ctx, model, known, found, assembled)
     proposal = await verify_stage(ctx, model, known, found, assembled, session)
-    runtime = await runtime_stage(ctx, model, proposal)
+    runtime = await runtime_stage(ctx, model, known, proposal)
     confirmed = await confirm_stage(ctx, proposal, found.budget, runtime)
     await remember(ctx, model, known, session, proposal, confirmed)
     return await outputs(ctx, model, known, found, assembled, session, confirmed)
@@ -417,9 +417,18 @@ async def verify_stage(
     return Proposal(v, cached)
 
 
-async def runtime_stage(ctx: JobContext, model: Prepared, proposal: Proposal) -> RuntimeChoice:
-    """Another runtime's builds of the input against the proposal (runtimestage.py)."""
-    return await compete(ctx, proposal.verified, model.samples.calibrate)
+async def runtime_stage(
+    ctx: JobContext, model: Prepared, known: Known, proposal: Proposal
+) -> RuntimeChoice:
+    """Another runtime's builds of the input against the proposal (runtimestage.py);
+    the bank's, when its confirmation of these choices shipped one."""
+    cached = proposal.cached
+    banked = (
+        bankrules.runtime_of(known.model_ans)
+        if cached is not None and cached.get("runtime") == "openvino"
+        else None
+    )
+    return await compete(ctx, proposal.verified, model.samples.calibrate, banked)
 
 
 @dataclass(frozen=True)
@@ -436,6 +445,8 @@ class Confirmed:
     options: dict[str, Any]
     #: the runtime of what ships, and (another runtime's) the options it runs with
     runtime: RuntimeChoice = RuntimeChoice()
+    #: the confirmation is the bank's (the job that confirmed these choices)
+    banked: bool = False
 
 
 async def confirm_stage(
@@ -444,8 +455,8 @@ async def confirm_stage(
     """The confirming A/B of the proposal, or of another runtime's build when it won
     (confirmstage.py): what ships."""
     v, cached = proposal.verified, proposal.cached
-    if runtime.other:
-        cached = None  # the bank's confirmation is of onnxruntime's proposal
+    if cached is not None and (runtime.other != (cached.get("runtime") == "openvino")):
+        cached = None  # the bank's confirmation is of another runtime's model than this
     ctx.ledger.enter("confirm")
     await ctx.stage(
         Stage.CONFIRM,
@@ -469,7 +480,7 @@ async def confirm_stage(
     ctx.notes.extend(conf.notes)
     if runtime.other:
         shipped = runtime if conf.shipped == "tuned" else RuntimeChoice(table=runtime.table)
-        return Confirmed(v, conf, ship, None, {}, {}, shipped)
+        return Confirmed(v, conf, ship, None, {}, {}, shipped, cached is not None)
     return Confirmed(
         v,
         conf,
@@ -478,6 +489,7 @@ async def confirm_stage(
         v.choices if conf.shipped == "tuned" else {},
         v.options if conf.options_kept else {},
         runtime,
+        cached is not None,
     )
 
 
@@ -501,9 +513,8 @@ async def remember(
     digests = {t.id: t.signature.digest for t in tasks}
     reverted = [digests[tid] for tid, r in results.items() if r.error.startswith(REVERTED)]
     confirmed_doc = cached_json = ""
-    if confirmed.runtime.other:
-        pass  # the confirmation is of another runtime's build, not of these choices
-    elif proposal.cached is not None:
+    shipped_rt = confirmed.runtime
+    if confirmed.banked:
         cached_json = str(
             model_ans.record.params.get("confirmed")
             if model_ans.record
@@ -523,6 +534,7 @@ async def remember(
             bankrules.choices_digest(tasks, stored, stored_options),
             ctx.job_id,
             str(ctx.spec.job_type),
+            shipped_rt.runtime,
         )
     await remember_context(
         ctx,
@@ -535,6 +547,7 @@ async def remember(
         confirmed_doc or cached_json,
         confirmed.evidence,
         conf.baseline_ms * 1000,
+        shipped_rt.decision().to_json() if shipped_rt.other else "",
     )
     for tid, r in results.items():
         if r.strategy != DEFAULT and r.applied and confirmed.choices.get(tid) != r.strategy:

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from aoe.errors import DeviceError, ModelError, OptionError
+from aoe.ovartifact import RuntimeDecision
 from aoe.spec import Runtime, Stage
 from aoed.engine import decisions
 from aoed.engine.assemble import tuned_metadata
@@ -85,15 +86,28 @@ class RuntimeChoice:
     table: list[dict[str, Any]] = field(default_factory=list)
     #: its accuracy over the held-back samples (Accuracy.report), when another won
     accuracy: dict[str, Any] = field(default_factory=dict)
+    #: rebuilt as the bank's model-level record says (no competition measured)
+    from_bank: bool = False
 
     @property
     def other(self) -> bool:
         return self.runtime != "onnxruntime"
 
+    def decision(self) -> RuntimeDecision:
+        """What the bank keeps of it (aoe.ovartifact.RuntimeDecision)."""
+        return RuntimeDecision(self.runtime, self.variant, dict(self.options))
 
-async def compete(ctx: JobContext, v: Verified, calibrate: tuple[Path, ...]) -> RuntimeChoice:
+
+async def compete(
+    ctx: JobContext,
+    v: Verified,
+    calibrate: tuple[Path, ...],
+    banked: RuntimeDecision | None = None,
+) -> RuntimeChoice:
     """OpenVINO's variants against onnxruntime's proposal `v` (module doc); the choice.
-    A failed build or device costs the competition (said in the notes), never the job."""
+    `banked`: the build the bank's confirmation of exactly these choices shipped, which
+    is rebuilt and taken without measuring (the confirmation is the bank's too). A
+    failed build or device costs the competition (said in the notes), never the job."""
     asked = ctx.spec.runtime
     if asked == Runtime.AUTO:
         asked = Runtime(ctx.config.runtime)
@@ -102,6 +116,10 @@ async def compete(ctx: JobContext, v: Verified, calibrate: tuple[Path, ...]) -> 
     assert ctx.prep is not None
     ctx.ledger.enter("runtime")  # a stage of the result's budget table only when it runs
     variants = VARIANTS.get(str(ctx.spec.precision), ("f32",))
+    if banked is not None and banked.variant in variants:
+        got = await _from_bank(ctx, banked, calibrate)
+        if got is not None:
+            return got
     await ctx.stage(
         Stage.RUNTIME,
         f"runtimes: OpenVINO ({', '.join(variants)}) against onnxruntime's proposal, a process per model",
@@ -188,6 +206,42 @@ async def compete(ctx: JobContext, v: Verified, calibrate: tuple[Path, ...]) -> 
         )
         return RuntimeChoice(a.runtime, a.name, a.model, dict(a.options), table, acc.report())
     return RuntimeChoice(table=table)
+
+
+async def _from_bank(
+    ctx: JobContext, banked: RuntimeDecision, calibrate: tuple[Path, ...]
+) -> RuntimeChoice | None:
+    """The bank's build rebuilt (None, said in the notes, when it cannot be)."""
+    await ctx.stage(Stage.RUNTIME, f"runtimes: OpenVINO {banked.variant}, from the bank")
+    try:
+        built: RuntimeBuildReply = await model_step(
+            ctx.pool,
+            RuntimeBuildRequest(
+                OTHER,
+                ctx.run.model,
+                ctx.workspace.scratch / "openvino",
+                (banked.variant,),
+                calibrate,
+            ),
+            ctx.ledger,
+            ctx.run.model,
+            "building the bank's OpenVINO model",
+        )
+    except ModelError as exc:
+        ctx.notes.append(f"the bank's OpenVINO {banked.variant} model could not be built ({exc})")
+        return None
+    if built.offer.get("why_not"):
+        return None  # the competition says why, once
+    for a in built.artifacts:
+        if a.name == banked.variant and a.model is not None and not a.error:
+            ctx.notes.append(
+                f"runtime: OpenVINO {a.name} ({_VARIANT_WORDS[a.name]}), as the bank's "
+                "confirmation of these choices shipped it"
+            )
+            return RuntimeChoice(a.runtime, a.name, a.model, dict(banked.options), from_bank=True)
+    why = "; ".join([*built.notes, *(a.error for a in built.artifacts if a.error)]) or "not built"
+    ctx.notes.append(f"the bank's OpenVINO {banked.variant} model was not used: {why}")
+    return None
 
 
 def _row(c: Candidate, m: Measurement) -> dict[str, Any]:
