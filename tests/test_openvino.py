@@ -336,3 +336,41 @@ def test_a_bank_record_with_a_bad_runtime_is_refused_by_name(runtime, says):
     with pytest.raises(RecordError, match="runtime") as err:
         check_default_doc({"default_us": 1.0, "runtime": runtime})
     assert says in str(err.value)
+
+
+def test_a_drop_folder_delivers_the_ir_with_its_weights_and_config(tmp_path):
+    """A job that shipped OpenVINO's build leaves the IR, its .bin and its compile config
+    in the outbox under names `aoe.session` opens together, with the result and report."""
+    from aoe.figures import Figures
+    from aoe.outcome import JobOutcome
+    from aoe.spec import JobSpec
+    from aoed.config import Inbox
+    from aoed.jobs.states import JobState
+    from aoed.jobs.store import JobRow
+    from aoed.watch.delivery import write_outputs
+
+    res = tmp_path / "result"
+    res.mkdir()
+    xml = res / "m_tune.xml"
+    xml.write_bytes(b"<net/>")
+    xml.with_suffix(".bin").write_bytes(b"weights")
+    write_config(xml, CompileConfig("CPU", F32))
+    (res / "r.json").write_text("{}")
+    outcome = JobOutcome(
+        "job-1", "m.onnx", str(xml), str(res / "r.json"), "exact", "opat", "cpu", 1.0,
+        Figures("faster", "tuned", 2.0, 0.25, (0.2, 0.3), 10), runtime="openvino",
+        runtime_options=F32,
+    )  # fmt: skip
+    row = JobRow(
+        "job-1", JobState.SUCCEEDED, "m.onnx", "m.onnx", "", "", JobSpec(), str(tmp_path),
+        outcome=outcome,
+    )  # fmt: skip
+    inbox = Inbox(tmp_path / "in", tmp_path / "out", tmp_path / "failed")
+    written = write_outputs(inbox, "m.onnx", row)
+    assert sorted(written) == [
+        "m_report.txt", "m_result.json", "m_tuned.bin", "m_tuned.ovconfig.json", "m_tuned.xml",
+    ]  # fmt: skip
+    out = tmp_path / "out"
+    assert (out / "m_tuned.bin").read_bytes() == b"weights"
+    assert read_config(out / "m_tuned.xml").config == F32
+    assert "runtime:      openvino" in (out / "m_report.txt").read_text()

@@ -43,6 +43,8 @@ class ResultArtifact(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     RESULT_ARTIFACT_UNSPECIFIED: _ClassVar[ResultArtifact]
     RESULT_ARTIFACT_TUNED_MODEL: _ClassVar[ResultArtifact]
     RESULT_ARTIFACT_RESULT_JSON: _ClassVar[ResultArtifact]
+    RESULT_ARTIFACT_TUNED_WEIGHTS: _ClassVar[ResultArtifact]
+    RESULT_ARTIFACT_TUNED_CONFIG: _ClassVar[ResultArtifact]
 JOB_TYPE_UNSPECIFIED: JobType
 JOB_TYPE_SGAT: JobType
 JOB_TYPE_OPAT: JobType
@@ -64,6 +66,8 @@ LOG_LEVEL_ERROR: LogLevel
 RESULT_ARTIFACT_UNSPECIFIED: ResultArtifact
 RESULT_ARTIFACT_TUNED_MODEL: ResultArtifact
 RESULT_ARTIFACT_RESULT_JSON: ResultArtifact
+RESULT_ARTIFACT_TUNED_WEIGHTS: ResultArtifact
+RESULT_ARTIFACT_TUNED_CONFIG: ResultArtifact
 
 class InputShape(_message.Message):
     __slots__ = ("name", "dims")
