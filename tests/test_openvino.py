@@ -374,3 +374,34 @@ def test_a_drop_folder_delivers_the_ir_with_its_weights_and_config(tmp_path):
     assert (out / "m_tuned.bin").read_bytes() == b"weights"
     assert read_config(out / "m_tuned.xml").config == F32
     assert "runtime:      openvino" in (out / "m_report.txt").read_text()
+
+
+@pytest.mark.slow
+def test_where_openvino_cannot_load_auto_says_so_once_and_openvino_fails_by_name(tmp_path):
+    """A machine whose openvino cannot be imported (here: a package of that name that
+    raises ImportError, first on the path of the command and its children): `auto`
+    ships onnxruntime's result and says why once; `--runtime openvino` fails the job,
+    naming the option."""
+    import os
+
+    from aoed import samples
+
+    from .conftest import run_aoe
+
+    fake = tmp_path / "fake" / "openvino"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text('raise ImportError("no OpenVINO on this machine")\n')
+    env = {"PYTHONPATH": os.pathsep.join([str(fake.parent), os.environ.get("PYTHONPATH", "")])}
+    model = samples.save(samples.build("mlp"), tmp_path / "mlp.onnx")
+    common = (str(model), *EXACT, "--bank", str(tmp_path / "bank"))
+    auto = run_aoe("tune", *common, "--output", str(tmp_path / "auto"), env=env)
+    assert auto.returncode == 0, auto.stderr
+    doc = _result(tmp_path / "auto")
+    assert doc["runtime"] == "onnxruntime" and doc["runtimes"] == []
+    said = [n for n in doc["notes"] if "OpenVINO" in n]
+    assert len(said) == 1 and "no OpenVINO on this machine" in said[0], doc["notes"]
+    asked = run_aoe(
+        "tune", *common, "--runtime", "openvino", "--output", str(tmp_path / "ov"), env=env
+    )
+    assert asked.returncode == 2, (asked.stdout, asked.stderr)
+    assert "--runtime openvino" in asked.stderr and "no OpenVINO on this machine" in asked.stderr
