@@ -38,6 +38,7 @@ from aoe.spec import (
     JobSpec,
     JobType,
     Precision,
+    Runtime,
     Stage,
     check_model_kind,
 )
@@ -131,6 +132,7 @@ def _specs(
         "priority": st.integers(-10, 10),
         "labels": st.dictionaries(names.filter(lambda s: "=" not in s), names, max_size=3),
         "keep_initializer_inputs": st.booleans(),
+        "runtime": st.sampled_from(list(Runtime)),
         "world_size": st.none() | st.integers(1, 64),
         "backend": st.none() | st.sampled_from(["gloo", "nccl", "hccl"]),
         "gradient_precision": st.none() | st.sampled_from(["exact", "fp16", "bf16", "lowrank"]),
@@ -333,6 +335,11 @@ def outcomes() -> st.SearchStrategy[JobOutcome]:
         accuracy_budget=st.dictionaries(st.sampled_from(["min_cosine", "max_rel_error"]), FINITE),
         calibration=text,
         verified=st.sampled_from(["tuned", "options only", "reverted to input"]),
+        runtime=st.sampled_from(["onnxruntime", "openvino"]),
+        runtime_options=st.dictionaries(
+            st.sampled_from(["INFERENCE_PRECISION_HINT", "PERFORMANCE_HINT"]),
+            st.sampled_from(["bf16", "f32", "LATENCY"]),
+        ),
         notes=st.lists(text, max_size=2).map(tuple),
     )
 
@@ -368,6 +375,7 @@ def test_what_the_job_store_keeps_has_the_stored_layout() -> None:
         "priority": 0,
         "labels": {"k": "v"},
         "keep_initializer_inputs": False,
+        "runtime": "auto",
         "world_size": None,
         "backend": None,
         "gradient_precision": None,
@@ -391,7 +399,8 @@ def test_what_the_job_store_keeps_has_the_stored_layout() -> None:
     assert list(d) == [
         "job_id", "model", "tuned_model", "result_json", "precision", "job_type", "device",
         "tuning_time_s", "figures", "tasks", "bank", "resources", "budget", "session_options",
-        "accuracy", "accuracy_budget", "calibration", "verified", "notes", "workspace", "details",
+        "accuracy", "accuracy_budget", "calibration", "verified", "runtime", "runtime_options",
+        "notes", "workspace", "details",
     ]  # fmt: skip
     assert d["tasks"] == [
         {

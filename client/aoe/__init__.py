@@ -51,6 +51,13 @@ def session(
     never makes the session read or write a file; on TensorRT, `trt_cache` (a folder of
     yours) keeps its built engines and timing cache, so later sessions skip the build.
 
+    An OpenVINO IR (`name.xml`, shipped when OpenVINO ran the model fastest) opens in
+    OpenVINO with the compile config beside it (`name.ovconfig.json`, checked: ModelError
+    naming the file otherwise), as an object with the same `run(output_names, feeds)`,
+    `get_inputs()` and `get_outputs()` (aoe.ovartifact.OvSession); `overrides` there
+    replace its compile properties (e.g. `INFERENCE_NUM_THREADS=4`), and `providers`
+    does not apply.
+
     `overrides` replace individual session options (e.g. `intra_op_num_threads=4`);
     `providers` replaces the stored providers (onnxruntime's own argument: the model then
     runs as you choose, not as it was measured). Raises ValueError when the model's stored
@@ -58,6 +65,10 @@ def session(
     onnxruntime does not have: it does not quietly run a GPU-tuned model on the CPU,
     whose speed and accuracy were never measured.
     """
+    from aoe.ovartifact import is_artifact
+
+    if is_artifact(path):
+        return _openvino_session(path, providers, overrides)
     import onnxruntime as ort
 
     from aoe.sessionopts import make_session_options, session_providers, trt_files
@@ -80,3 +91,22 @@ def session(
                 "device, or pass providers=[...] to run it elsewhere, unmeasured"
             )
     return ort.InferenceSession(os.fspath(path), make_session_options(options), providers=providers)
+
+
+def _openvino_session(
+    path: str | os.PathLike[str], providers: Any, overrides: dict[str, Any]
+) -> Any:
+    """`session` of an OpenVINO IR (aoe.ovartifact)."""
+    import dataclasses
+
+    from aoe.ovartifact import OvSession, check_properties, read_config
+
+    if providers is not None:
+        raise ValueError(
+            f"{os.fspath(path)} is an OpenVINO IR: providers are onnxruntime's and do not apply"
+        )
+    config = read_config(path)
+    if overrides:
+        props = check_properties({**config.config, **overrides}, "overrides")
+        config = dataclasses.replace(config, config=props)
+    return OvSession(path, config)

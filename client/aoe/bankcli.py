@@ -232,7 +232,10 @@ def _compile(args: argparse.Namespace) -> int:
     if args.json:
         doc = {
             "model": str(args.model),
-            "tuned_model": str(args.output),
+            "tuned_model": asm.output or str(args.output),
+            "runtime": asm.runtime.runtime
+            if asm.runtime and asm.output.endswith(".xml")
+            else "onnxruntime",
             "precision": args.precision,
             "job_type": asm.job_type,
             "layers": layers,
@@ -266,7 +269,7 @@ def _compile(args: argparse.Namespace) -> int:
         print(f"  session options  {asm.session_options}", file=out)
     for note in asm.notes:
         print(f"  note         {note}", file=out)
-    print(f"  tuned model  {args.output}", file=out)
+    print(f"  tuned model  {asm.output or args.output}", file=out)
     return 0
 
 

@@ -66,6 +66,15 @@ _MAX_MESSAGE = 64 << 20  # a Job of a large model lists thousands of task result
 _ARTIFACTS = {
     "model": tuning_pb2.RESULT_ARTIFACT_TUNED_MODEL,
     "json": tuning_pb2.RESULT_ARTIFACT_RESULT_JSON,
+    # an OpenVINO IR's .bin and compile config (aoe.ovartifact), named as its .xml is
+    "weights": tuning_pb2.RESULT_ARTIFACT_TUNED_WEIGHTS,
+    "config": tuning_pb2.RESULT_ARTIFACT_TUNED_CONFIG,
+}
+_WHAT = {
+    "model": "tuned model",
+    "json": "result JSON",
+    "weights": "OpenVINO weights",
+    "config": "OpenVINO compile config",
 }
 _POLICIES = {
     "keep-faster": bank_pb2.MERGE_POLICY_KEEP_FASTER,
@@ -439,14 +448,15 @@ class Client:
         self, job_id: str, artifact: str = "model", dest_dir: str | os.PathLike[str] = "."
     ) -> Path:
         """Fetch an artifact of a finished job ("model": the tuned model, "json": the
-        result report) into `dest_dir` under the daemon's file name; returns its path.
+        result report; for an OpenVINO IR, "weights" and "config" beside its .xml) into
+        `dest_dir` under the daemon's file name; returns its path.
         The file appears whole or not at all: written beside, checked against the
         header's size and sha256, then renamed. Raises OptionError (unknown job or
         artifact, unwritable `dest_dir`), AoedError when the bytes do not match."""
         if artifact not in _ARTIFACTS:
             raise OptionError(f"artifact {artifact!r}: expected one of {', '.join(_ARTIFACTS)}")
         request = tuning_pb2.DownloadResultRequest(job_id=job_id, artifact=_ARTIFACTS[artifact])
-        what = f"the {'tuned model' if artifact == 'model' else 'result JSON'} of job {job_id}"
+        what = f"the {_WHAT[artifact]} of job {job_id}"
         stream = self._stream(self._tuning.DownloadResult, request)
         with contextlib.closing(stream):
             first = next(stream, None)

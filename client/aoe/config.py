@@ -25,6 +25,8 @@ The TOML file:
   device = "cpu"                         # cpu, cuda:0, cann:0, tensorrt:0
   devices = ["cann:0", "cann:1"]         # several: one device agent each (cpu:0-7 is a core set)
   plugins = ["my_strategies"]
+  runtime = "auto"                       # auto, onnxruntime, openvino: what a job that says
+                                         # --runtime auto may ship on
   [engine]
   runtime_dir = "/run/aoed"
   dedicated_cores = "auto"               # auto (4+ cores), true, false
@@ -212,6 +214,9 @@ class Config:
     #: When given, `device` is its first.
     devices: tuple[Device, ...] = ()
     plugins: tuple[str, ...] = ()
+    #: what a job that says `--runtime auto` may ship on (aoe.spec.Runtime): auto lets
+    #: OpenVINO compete where it is installed; onnxruntime: the engine never starts it
+    runtime: str = "auto"
     runtime_dir: Path = field(default_factory=_default_runtime_dir)
     #: None: dedicated measurement cores when there are 4 or more
     dedicated_cores: bool | None = None
@@ -378,6 +383,7 @@ _Tuning = section(
         Meta(min_length=1, description='a list of devices, e.g. ["cann:0", "cann:1"]'),
     ],
     plugins=tuple[str, ...],
+    runtime=Literal["auto", "onnxruntime", "openvino"],
 )
 _Engine = section(
     "_Engine",

@@ -346,7 +346,7 @@ def tune_on_daemon(client: Client, model: Path, spec: JobSpec, output: Path, pro
             client.cancel(job.job_id)
             print(f"aoe: cancelled job {job.job_id} on the daemon", file=sys.stderr)
         raise
-    files = [client.download(job.job_id, artifact, output) for artifact in ("model", "json")]
+    files = [client.download(job.job_id, artifact, output) for artifact in _artifacts(job)]
     print_result(job, files)
     print("Aoe process finished")
     return 0
@@ -449,9 +449,16 @@ def _cancel(args: argparse.Namespace) -> int:
 
 def _fetch(args: argparse.Namespace) -> int:
     with client_for(args) as client:
-        for artifact in ("model", "json"):
+        for artifact in _artifacts(client.get(args.job_id)):
             print(f"aoe: wrote {client.download(args.job_id, artifact, args.output)}")
     return 0
+
+
+def _artifacts(job: tuning_pb2.Job) -> tuple[str, ...]:
+    """What to download of a finished `job`: the model and the result JSON, then an
+    OpenVINO IR's weights and compile config, which `aoe.session` opens beside it."""
+    ir = job.result.runtime == "openvino"
+    return ("model", "json", "weights", "config") if ir else ("model", "json")
 
 
 def _devices(args: argparse.Namespace) -> int:

@@ -298,6 +298,10 @@ class JobOutcome:
     accuracy_budget: Mapping[str, float] = field(default_factory=dict)
     calibration: str = ""
     verified: str = ""  # what verification proposed (tuned | options only | reverted to input)
+    #: the runtime `tuned_model` runs on (onnxruntime, or openvino: an IR whose compile
+    #: config, `runtime_options`, is beside it; aoe.ovartifact), as `aoe.session` opens it
+    runtime: str = "onnxruntime"
+    runtime_options: Mapping[str, Any] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
     workspace: str = ""
     #: what only one job type has (GDAT: the world, the shipped DDP options, the gates,
@@ -366,6 +370,8 @@ class JobOutcome:
             accuracy_budget=d.get("accuracy_budget", {}),
             calibration=d.get("calibration", ""),
             verified=d.get("verified", ""),
+            runtime=d.get("runtime", "onnxruntime"),
+            runtime_options=d.get("runtime_options", {}),
             notes=tuple(d.get("notes", ())),
             workspace=d.get("workspace", ""),
             details=details_from_dict(d["job_type"], d.get("details") or {}),
@@ -417,6 +423,7 @@ _STAGE_WORDS = {
     Stage.ACCURACY: "accuracy",
     Stage.SESSION: "session options",
     Stage.VERIFY: "verifying",
+    Stage.RUNTIME: "runtimes",
     Stage.CONFIRM: "confirming",
     Stage.OUTPUTS: "outputs",
     Stage.CALIBRATE: "calibrating",
@@ -484,6 +491,12 @@ def summary_lines(
     out.append(f"  baseline     {f.baseline_ms:.4f} ms   ({said})")
     out.append(f"  result       {figures.result_text(f)}")
     out.append(f"  verdict      {figures.verdict_text(f)}")
+    if o.runtime != "onnxruntime":
+        props = ", ".join(f"{k}={v}" for k, v in o.runtime_options.items())
+        out.append(
+            f"  runtime      {o.runtime} ({props}): its build ships, measured against the input "
+            "on onnxruntime"
+        )
     out.append(
         f"  tasks        {len(o.tasks)}: {measured} measured, {hits} from the bank"
         + (f", {failed} failed" if failed else "")
@@ -510,6 +523,8 @@ def summary_lines(
     if lossy and f.shipped == "input":
         out.append("  accuracy     the input model ships: its outputs are the reference")
         out.append(f"  calibration  {o.calibration}")
+    elif lossy and not o.accuracy:
+        out.append("  accuracy     as the bank's confirmation of this model measured it")
     elif lossy:
         acc, top1 = o.accuracy, o.accuracy.get("top1_agreement")
         out.append(

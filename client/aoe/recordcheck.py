@@ -221,8 +221,8 @@ _GDAT_PARAMS = frozenset(
         "tail_after_ms",
     )
 )
-_SESSION_PARAMS = frozenset(("reverted", "confirmed"))
-_DEFAULT_DOC = frozenset(("default_us", "job", "reverted", "confirmed"))
+_SESSION_PARAMS = frozenset(("reverted", "confirmed", "runtime"))
+_DEFAULT_DOC = frozenset(("default_us", "job", "reverted", "confirmed", "runtime"))
 
 
 class RecordError(ValueError):
@@ -582,6 +582,19 @@ def _model_params(params: Mapping[str, str]) -> None:
         _reverted(params["reverted"].split(","), "strategy.params.reverted")
     if params.get("confirmed"):
         _object(params["confirmed"], "strategy.params.confirmed", MAX_CONFIRMED_JSON)
+    if params.get("runtime"):
+        _runtime(params["runtime"], "strategy.params.runtime")
+
+
+def _runtime(raw: Any, what: str) -> None:
+    """The runtime that shipped (aoe.ovartifact.RuntimeDecision), checked as on read."""
+    from aoe.errors import ModelError
+    from aoe.ovartifact import RuntimeDecision
+
+    try:
+        RuntimeDecision.checked(_object(raw, what, MAX_CONFIRMED_JSON), what)
+    except ModelError as exc:
+        raise RecordError(what, str(exc).removeprefix(f"{what}: ")) from None
 
 
 def _reverted(digests: Iterable[Any], what: str) -> None:
@@ -665,12 +678,14 @@ def check_default_doc(doc: Any) -> None:
     if not isinstance(reverted, list):
         raise RecordError("reverted", "not a list")
     _reverted(reverted, "reverted")
-    for k in ("job", "confirmed"):
+    for k in ("job", "confirmed", "runtime"):
         if not isinstance(doc.get(k, ""), str):
             raise RecordError(k, "not a string")
     _text(doc.get("job", ""), "job_id")
     if doc.get("confirmed"):
         _object(doc["confirmed"], "confirmed", MAX_CONFIRMED_JSON)
+    if doc.get("runtime"):
+        _runtime(doc["runtime"], "runtime")
 
 
 def check_trial(rec: bank_pb2.TrialRecord) -> dict[str, Any]:

@@ -41,6 +41,7 @@ __all__ = [
     "JobSpec",
     "JobType",
     "Precision",
+    "Runtime",
     "SpecError",
     "Stage",
     "check_model_kind",
@@ -81,6 +82,18 @@ class Precision(enum.StrEnum):
     BF16 = "bf16"
 
 
+class Runtime(enum.StrEnum):
+    """Which runtimes a job's result may ship on: `auto` lets OpenVINO's build of the
+    model compete with onnxruntime's where OpenVINO is installed (onnxruntime alone
+    elsewhere, and the result says so); `onnxruntime` never starts OpenVINO;
+    `openvino` needs it installed and ships on it when it passes the accuracy gate
+    and beats onnxruntime's proposal."""
+
+    AUTO = "auto"
+    ONNXRUNTIME = "onnxruntime"
+    OPENVINO = "openvino"
+
+
 class Stage(enum.StrEnum):
     """The stages of one job, in the order they run (some only for some jobs); the names
     of the result's budget table and of the engine's stage events."""
@@ -94,6 +107,7 @@ class Stage(enum.StrEnum):
     ACCURACY = "accuracy"
     SESSION = "session"
     VERIFY = "verify"
+    RUNTIME = "runtime"
     CONFIRM = "confirm"
     OUTPUTS = "outputs"
 
@@ -123,6 +137,7 @@ FOLDER_KEYS = (
     "precision",
     "priority",
     "repeat_tune",
+    "runtime",
     "world_size",
     "backend",
     "gradient_precision",
@@ -141,6 +156,7 @@ _ONNX_FIELDS = (
     ("max_rel_error", None),
     ("calibration_dir", None),
     ("keep_initializer_inputs", False),
+    ("runtime", Runtime.AUTO),
     ("device", None),
 )
 
@@ -203,6 +219,15 @@ def _precision(raw: object) -> Precision:
     except ValueError:
         raise SpecError(
             "precision", f"{raw}: not supported (choose from: {', '.join(Precision)})"
+        ) from None
+
+
+def _runtime(raw: object) -> Runtime:
+    try:
+        return Runtime(str(raw).strip().lower())
+    except ValueError:
+        raise SpecError(
+            "runtime", f"{raw}: not supported (choose from: {', '.join(Runtime)})"
         ) from None
 
 
@@ -356,6 +381,8 @@ class JobSpec:
     labels: Mapping[str, str] = field(default_factory=dict)
     #: treat initializers that old exporters list as graph inputs as real inputs
     keep_initializer_inputs: bool = False
+    #: the runtimes the result may ship on (Runtime)
+    runtime: Runtime = Runtime.AUTO
     #: GDAT only: ranks of the measured world (None: 2 on gloo, one per device else),
     #: the collective backend (None: gloo), the gradient precision the comm hooks may
     #: use (None: exact), and `FUNCTION` of a user's FILE.py, the model, when the job
@@ -377,6 +404,7 @@ class JobSpec:
             sizes.check_text("calibration_dir", str(self.calibration_dir), sizes.MAX_PATH_BYTES)
             set_(self, "calibration_dir", Path(self.calibration_dir))
         set_(self, "precision", _precision(self.precision))
+        set_(self, "runtime", _runtime(self.runtime))
         set_(self, "job_type", parse_job_type(self.job_type))
         set_(self, "repeat_tune", _flag(self.repeat_tune, "repeat_tune"))
         set_(

@@ -3,6 +3,7 @@ share, parsed into a spec (`from_args`) and written back (`to_argv`).
 
     --precision P  --job-type T  --input-shape NAME:D1,D2 (repeat, or join with ';';
     a dimension may be a range lo~hi, or -1 for one --dynamic-dims "1,16;4,64" fills)
+    --runtime auto|onnxruntime|openvino
     --repeat-tune  --device D  --budget S  --min-cosine C  --max-rel-error E
     --calibration DIR  --priority N  --label KEY=VALUE (repeat)  --keep-initializer-inputs
     GDAT: --world-size N  --backend B  --gradient-precision P  --entry FILE.py:FUNCTION
@@ -46,6 +47,7 @@ FLAGS = {
     "priority": "--priority",
     "labels": "--label",
     "keep_initializer_inputs": "--keep-initializer-inputs",
+    "runtime": "--runtime",
     "world_size": "--world-size",
     "backend": "--backend",
     "gradient_precision": "--gradient-precision",
@@ -123,6 +125,12 @@ def add_arguments(
         type=float,
         help="device seconds for search, session options and verification "
         "together (default: fitted to the model's profiled latency)",
+    )
+    p.add_argument(
+        "--runtime",
+        metavar="R",
+        help="what the result may ship on: auto (default: OpenVINO competes with "
+        "onnxruntime where it is installed), onnxruntime (never OpenVINO), openvino",
     )
     p.add_argument(
         "--min-cosine",
@@ -285,6 +293,7 @@ def from_args(args: argparse.Namespace) -> JobSpec:
         "priority": getattr(args, "priority", None),
         "labels": _labels(getattr(args, "label", None) or []),
         "keep_initializer_inputs": getattr(args, "keep_initializer_inputs", None),
+        "runtime": getattr(args, "runtime", None),
         "world_size": getattr(args, "world_size", None),
         "backend": getattr(args, "backend", None),
         "gradient_precision": getattr(args, "gradient_precision", None),

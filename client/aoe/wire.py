@@ -3,8 +3,8 @@
 daemon's servicers alike.
 
 Proto3 has no "unset" for scalars: 0 (or "") reads as unset where the spec's field is
-optional (budget_s, min_cosine, max_rel_error, device, calibration_dir), as the API
-documents. An enum number this side does not know is refused, naming the field (proto3
+optional (budget_s, min_cosine, max_rel_error, device, calibration_dir; runtime: auto),
+as the API documents. An enum number this side does not know is refused, naming the field (proto3
 keeps unknown numbers, which a lookup with a default would quietly map).
 
 Where the wire and the domain name a field differently, this module is the one place
@@ -22,6 +22,7 @@ every client's generated code and JSON form), the domain names are the ones the 
     details (oneof onnx | gdat)         details (OnnxDetails | GdatDetails); the deprecated
                                         details_json is written too, and read from a
                                         daemon that sends no `details`
+    runtime_options_json                runtime_options
     TaskResult.node_names[0]            TaskOutcome.op_name
     TaskResult.not_applied              not TaskOutcome.applied
 
@@ -35,7 +36,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 from google.protobuf import json_format
@@ -57,7 +58,7 @@ from aoe.outcome import (
     details_to_dict,
 )
 from aoe.shapes import ShapeError, ShapeProfile
-from aoe.spec import JobSpec, JobType, Precision, SpecError, Stage
+from aoe.spec import JobSpec, JobType, Precision, Runtime, SpecError, Stage
 from aoe.v1 import bank_pb2, tuning_pb2
 
 __all__ = [
@@ -114,6 +115,7 @@ def spec_to_pb(spec: JobSpec) -> tuning_pb2.JobOptions:
         priority=spec.priority,
         budget_s=spec.budget_s or 0.0,
         keep_initializer_inputs=spec.keep_initializer_inputs,
+        runtime=str(spec.runtime),
         gdat=tuning_pb2.GdatOptions(
             world_size=spec.world_size or 0,
             backend=spec.backend or "",
@@ -158,6 +160,8 @@ def spec_from_pb(o: tuning_pb2.JobOptions) -> JobSpec:
         priority=o.priority,
         labels=dict(o.labels),
         keep_initializer_inputs=o.keep_initializer_inputs,
+        # a name JobSpec checks (SpecError naming runtime), as it checks every field
+        runtime=cast(Runtime, o.runtime or Runtime.AUTO),
         world_size=o.gdat.world_size or None,
         backend=o.gdat.backend or None,
         gradient_precision=o.gdat.gradient_precision or None,
@@ -329,6 +333,10 @@ def outcome_to_pb(o: JobOutcome) -> tuning_pb2.JobResult:
         model_path=o.model,
         details_json=json.dumps(details, sort_keys=True) if details else "",
         **_details_pb(o.details),
+        runtime=o.runtime,
+        runtime_options_json=json.dumps(dict(o.runtime_options), sort_keys=True)
+        if o.runtime_options
+        else "",
     )
 
 
@@ -448,6 +456,8 @@ def outcome_from_pb(r: tuning_pb2.JobResult, job_id: str = "") -> JobOutcome:
         accuracy_budget=dict(r.accuracy_budget),
         calibration=r.calibration,
         verified=r.verification,
+        runtime=r.runtime or "onnxruntime",
+        runtime_options=json.loads(r.runtime_options_json or "{}"),
         notes=tuple(r.notes),
         details=_details_from_pb(r, job_type),
     )

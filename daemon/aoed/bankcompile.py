@@ -137,15 +137,17 @@ def compile_model(
     job_type: str | None = None,
 ) -> Assembly:
     """Prepare `model_path` as tuning does, apply the bank, save the tuned model at
-    `output` (with the tuner's metadata); returns the assembly with its per-task report.
-    Under a lossy policy the activations are calibrated as tuning does (`calibration`:
-    the same sample folder the tuning run used; None: the same synthetic samples).
+        `output` (with the tuner's metadata; when the tuning run shipped OpenVINO's build,
+    that build rebuilt as an IR beside it, `stem.xml`: `Assembly.output` says which);
+    returns the assembly with its per-task report.
+        Under a lossy policy the activations are calibrated as tuning does (`calibration`:
+        the same sample folder the tuning run used; None: the same synthetic samples).
 
-    With `check_options`, banked session options are applied only if one short A/B
-    here still finds them faster (see the module doc; `runtime_dir` holds the device
-    lock). `job_type` forms the tasks as a job of that type does (None: as the job
-    that wrote the bank did; see the module doc). Raises ModelError/OptionError from preparation, AoedError when `output` cannot
-    be written, DeviceError when the check cannot measure. Blocking.
+        With `check_options`, banked session options are applied only if one short A/B
+        here still finds them faster (see the module doc; `runtime_dir` holds the device
+        lock). `job_type` forms the tasks as a job of that type does (None: as the job
+        that wrote the bank did; see the module doc). Raises ModelError/OptionError from preparation, AoedError when `output` cannot
+        be written, DeviceError when the check cannot measure. Blocking.
     """
     from aoed.backends.runtimes import load_runtime
 
@@ -155,10 +157,12 @@ def compile_model(
     with tempfile.TemporaryDirectory(prefix="aoe-compile-") as work:
         prep = prepare(model_path, work, dict(input_shapes or {}), keep_initializer_inputs)
         ranges = None
+        calibrate: list[dict[str, Any]] = []  # tuning's calibration samples (lossy)
         if policy(precision).lossy:
             samples = load_samples(
                 prep.inputs, calibration, integer_ranges(prep.model, prep.inputs)
             )
+            calibrate = list(samples.calibrate)
             ranges = runtime.activation_ranges(prep.model, prep.ctx.tensors, samples.calibrate)
         consts = Constants(prep.model.graph, list(prep.model.opset_import))
         asm, tasks = from_bank(
@@ -201,7 +205,59 @@ def compile_model(
             asm.notes.append(why + ("" if kept else ": left out"))
             if not kept:
                 asm.session_options = {}
+        if asm.runtime is not None and not asm.ship_input:
+            ir = _openvino(model_path, asm, Path(work), Path(output), calibrate)
+            if ir is not None:
+                asm.output = str(ir)
+                asm.notes = [*prep.notes, *asm.notes]
+                return asm
     set_metadata(model, tuned_metadata(asm.session_options, precision, device.digest))
     save_model(model, Path(output))
+    asm.output = str(output)
     asm.notes = [*prep.notes, *asm.notes]
     return asm
+
+
+def _openvino(
+    model_path: str | os.PathLike[str],
+    asm: Assembly,
+    work: Path,
+    output: Path,
+    samples: list[dict[str, Any]],
+) -> Path | None:
+    """The bank's OpenVINO build of the input rebuilt (as the tuning run's compile worker
+    built it: backends/openvino/build.py) and written beside `output` as `stem.xml`,
+    `.bin` and its compile config; None (and a note) when it cannot be, so the ONNX
+    model is written instead."""
+    import shutil
+
+    import numpy as np
+
+    from aoe.ovartifact import CompileConfig, config_path, write_config
+    from aoed.backends.openvino.build import build
+    from aoed.engine.messages import RuntimeBuildRequest
+
+    assert asm.runtime is not None
+    calib = []
+    for i, sample in enumerate(samples):
+        calib.append(work / f"calibrate_{i}.npz")
+        np.savez(calib[-1], **sample)
+    reply = build(
+        RuntimeBuildRequest(
+            "openvino", Path(model_path), work / "openvino", (asm.runtime.variant,), tuple(calib)
+        )
+    )
+    got = [a for a in reply.artifacts if a.model is not None and not a.error]
+    if not got:
+        why = "; ".join([*reply.notes, *(a.error for a in reply.artifacts)]) or "not built"
+        asm.notes.append(f"OpenVINO's build not rebuilt ({why}): the ONNX model is written")
+        return None
+    xml = output.with_suffix(".xml")
+    xml.parent.mkdir(parents=True, exist_ok=True)  # as save_model does for the ONNX model
+    shutil.copyfile(got[0].model, xml)
+    shutil.copyfile(got[0].model.with_suffix(".bin"), xml.with_suffix(".bin"))
+    write_config(xml, CompileConfig("CPU", dict(asm.runtime.options)))
+    asm.notes.append(
+        f"OpenVINO IR written: {xml}, {xml.with_suffix('.bin').name}, {config_path(xml).name}"
+    )
+    return xml

@@ -143,6 +143,14 @@ ENGINE = (
         site=True,
     ),
     Setting(
+        "tuning",
+        "runtime",
+        "what a job that says `--runtime auto` may ship on: `auto` (OpenVINO competes with "
+        "onnxruntime where it is installed), `onnxruntime` (OpenVINO is never started), "
+        "`openvino`",
+        lambda c: c.engine.runtime,
+    ),
+    Setting(
         "engine",
         "runtime_dir",
         "where per-device measurement locks live (and the daemon's socket, unless placed "

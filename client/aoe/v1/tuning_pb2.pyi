@@ -44,6 +44,8 @@ class ResultArtifact(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     RESULT_ARTIFACT_UNSPECIFIED: _ClassVar[ResultArtifact]
     RESULT_ARTIFACT_TUNED_MODEL: _ClassVar[ResultArtifact]
     RESULT_ARTIFACT_RESULT_JSON: _ClassVar[ResultArtifact]
+    RESULT_ARTIFACT_TUNED_WEIGHTS: _ClassVar[ResultArtifact]
+    RESULT_ARTIFACT_TUNED_CONFIG: _ClassVar[ResultArtifact]
 JOB_TYPE_UNSPECIFIED: JobType
 JOB_TYPE_SGAT: JobType
 JOB_TYPE_OPAT: JobType
@@ -65,6 +67,8 @@ LOG_LEVEL_ERROR: LogLevel
 RESULT_ARTIFACT_UNSPECIFIED: ResultArtifact
 RESULT_ARTIFACT_TUNED_MODEL: ResultArtifact
 RESULT_ARTIFACT_RESULT_JSON: ResultArtifact
+RESULT_ARTIFACT_TUNED_WEIGHTS: ResultArtifact
+RESULT_ARTIFACT_TUNED_CONFIG: ResultArtifact
 
 class InputShape(_message.Message):
     __slots__ = ("name", "dims", "profile")
@@ -85,7 +89,7 @@ class AccuracyBudget(_message.Message):
     def __init__(self, min_cosine: _Optional[float] = ..., max_rel_error: _Optional[float] = ...) -> None: ...
 
 class JobOptions(_message.Message):
-    __slots__ = ("job_type", "precision", "input_shapes", "repeat_tune", "parallel", "device", "accuracy_budget", "calibration_dir", "labels", "output_dir", "priority", "budget_s", "keep_initializer_inputs", "gdat", "dynamic_dims")
+    __slots__ = ("job_type", "precision", "input_shapes", "repeat_tune", "parallel", "device", "accuracy_budget", "calibration_dir", "labels", "output_dir", "priority", "budget_s", "keep_initializer_inputs", "gdat", "dynamic_dims", "runtime")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -108,6 +112,7 @@ class JobOptions(_message.Message):
     KEEP_INITIALIZER_INPUTS_FIELD_NUMBER: _ClassVar[int]
     GDAT_FIELD_NUMBER: _ClassVar[int]
     DYNAMIC_DIMS_FIELD_NUMBER: _ClassVar[int]
+    RUNTIME_FIELD_NUMBER: _ClassVar[int]
     job_type: JobType
     precision: _bank_pb2.Precision
     input_shapes: _containers.RepeatedCompositeFieldContainer[InputShape]
@@ -123,7 +128,8 @@ class JobOptions(_message.Message):
     keep_initializer_inputs: bool
     gdat: GdatOptions
     dynamic_dims: str
-    def __init__(self, job_type: _Optional[_Union[JobType, str]] = ..., precision: _Optional[_Union[_bank_pb2.Precision, str]] = ..., input_shapes: _Optional[_Iterable[_Union[InputShape, _Mapping]]] = ..., repeat_tune: _Optional[bool] = ..., parallel: _Optional[int] = ..., device: _Optional[str] = ..., accuracy_budget: _Optional[_Union[AccuracyBudget, _Mapping]] = ..., calibration_dir: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., output_dir: _Optional[str] = ..., priority: _Optional[int] = ..., budget_s: _Optional[float] = ..., keep_initializer_inputs: _Optional[bool] = ..., gdat: _Optional[_Union[GdatOptions, _Mapping]] = ..., dynamic_dims: _Optional[str] = ...) -> None: ...
+    runtime: str
+    def __init__(self, job_type: _Optional[_Union[JobType, str]] = ..., precision: _Optional[_Union[_bank_pb2.Precision, str]] = ..., input_shapes: _Optional[_Iterable[_Union[InputShape, _Mapping]]] = ..., repeat_tune: _Optional[bool] = ..., parallel: _Optional[int] = ..., device: _Optional[str] = ..., accuracy_budget: _Optional[_Union[AccuracyBudget, _Mapping]] = ..., calibration_dir: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., output_dir: _Optional[str] = ..., priority: _Optional[int] = ..., budget_s: _Optional[float] = ..., keep_initializer_inputs: _Optional[bool] = ..., gdat: _Optional[_Union[GdatOptions, _Mapping]] = ..., dynamic_dims: _Optional[str] = ..., runtime: _Optional[str] = ...) -> None: ...
 
 class GdatOptions(_message.Message):
     __slots__ = ("world_size", "backend", "gradient_precision", "entry")
@@ -274,7 +280,7 @@ class JobBudget(_message.Message):
     def __init__(self, budget_s: _Optional[float] = ..., given: _Optional[bool] = ..., spent_s: _Optional[float] = ..., search_s: _Optional[float] = ..., session_s: _Optional[float] = ..., verify_s: _Optional[float] = ..., profile_s: _Optional[float] = ..., confirm_s: _Optional[float] = ..., load_s_per_mib: _Optional[float] = ..., elapsed_s: _Optional[float] = ..., over_s: _Optional[float] = ..., stages: _Optional[_Iterable[_Union[StageBudget, _Mapping]]] = ...) -> None: ...
 
 class JobResult(_message.Message):
-    __slots__ = ("baseline_ms", "tuned_ms", "improvement", "tuned_model_path", "result_json_path", "repo_summary", "tasks", "verdict", "shipped", "improvement_ci95_low", "improvement_ci95_high", "trials", "device_s", "tuning_time_s", "confirm_rounds", "confirmed_by", "decided_by", "precision", "job_type", "device", "notes", "calibration", "verification", "resources", "accuracy", "accuracy_budget", "session_options_json", "budget", "model_path", "details_json", "onnx", "gdat")
+    __slots__ = ("baseline_ms", "tuned_ms", "improvement", "tuned_model_path", "result_json_path", "repo_summary", "tasks", "verdict", "shipped", "improvement_ci95_low", "improvement_ci95_high", "trials", "device_s", "tuning_time_s", "confirm_rounds", "confirmed_by", "decided_by", "precision", "job_type", "device", "notes", "calibration", "verification", "resources", "accuracy", "accuracy_budget", "session_options_json", "budget", "model_path", "details_json", "onnx", "gdat", "runtime", "runtime_options_json")
     class ResourcesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -328,6 +334,8 @@ class JobResult(_message.Message):
     DETAILS_JSON_FIELD_NUMBER: _ClassVar[int]
     ONNX_FIELD_NUMBER: _ClassVar[int]
     GDAT_FIELD_NUMBER: _ClassVar[int]
+    RUNTIME_FIELD_NUMBER: _ClassVar[int]
+    RUNTIME_OPTIONS_JSON_FIELD_NUMBER: _ClassVar[int]
     baseline_ms: float
     tuned_ms: float
     improvement: float
@@ -360,7 +368,9 @@ class JobResult(_message.Message):
     details_json: str
     onnx: OnnxDetails
     gdat: GdatDetails
-    def __init__(self, baseline_ms: _Optional[float] = ..., tuned_ms: _Optional[float] = ..., improvement: _Optional[float] = ..., tuned_model_path: _Optional[str] = ..., result_json_path: _Optional[str] = ..., repo_summary: _Optional[_Union[RepoSummary, _Mapping]] = ..., tasks: _Optional[_Iterable[_Union[TaskResult, _Mapping]]] = ..., verdict: _Optional[str] = ..., shipped: _Optional[str] = ..., improvement_ci95_low: _Optional[float] = ..., improvement_ci95_high: _Optional[float] = ..., trials: _Optional[int] = ..., device_s: _Optional[float] = ..., tuning_time_s: _Optional[float] = ..., confirm_rounds: _Optional[int] = ..., confirmed_by: _Optional[str] = ..., decided_by: _Optional[_Union[Comparison, _Mapping]] = ..., precision: _Optional[_Union[_bank_pb2.Precision, str]] = ..., job_type: _Optional[_Union[JobType, str]] = ..., device: _Optional[str] = ..., notes: _Optional[_Iterable[str]] = ..., calibration: _Optional[str] = ..., verification: _Optional[str] = ..., resources: _Optional[_Mapping[str, float]] = ..., accuracy: _Optional[_Mapping[str, float]] = ..., accuracy_budget: _Optional[_Mapping[str, float]] = ..., session_options_json: _Optional[str] = ..., budget: _Optional[_Union[JobBudget, _Mapping]] = ..., model_path: _Optional[str] = ..., details_json: _Optional[str] = ..., onnx: _Optional[_Union[OnnxDetails, _Mapping]] = ..., gdat: _Optional[_Union[GdatDetails, _Mapping]] = ...) -> None: ...
+    runtime: str
+    runtime_options_json: str
+    def __init__(self, baseline_ms: _Optional[float] = ..., tuned_ms: _Optional[float] = ..., improvement: _Optional[float] = ..., tuned_model_path: _Optional[str] = ..., result_json_path: _Optional[str] = ..., repo_summary: _Optional[_Union[RepoSummary, _Mapping]] = ..., tasks: _Optional[_Iterable[_Union[TaskResult, _Mapping]]] = ..., verdict: _Optional[str] = ..., shipped: _Optional[str] = ..., improvement_ci95_low: _Optional[float] = ..., improvement_ci95_high: _Optional[float] = ..., trials: _Optional[int] = ..., device_s: _Optional[float] = ..., tuning_time_s: _Optional[float] = ..., confirm_rounds: _Optional[int] = ..., confirmed_by: _Optional[str] = ..., decided_by: _Optional[_Union[Comparison, _Mapping]] = ..., precision: _Optional[_Union[_bank_pb2.Precision, str]] = ..., job_type: _Optional[_Union[JobType, str]] = ..., device: _Optional[str] = ..., notes: _Optional[_Iterable[str]] = ..., calibration: _Optional[str] = ..., verification: _Optional[str] = ..., resources: _Optional[_Mapping[str, float]] = ..., accuracy: _Optional[_Mapping[str, float]] = ..., accuracy_budget: _Optional[_Mapping[str, float]] = ..., session_options_json: _Optional[str] = ..., budget: _Optional[_Union[JobBudget, _Mapping]] = ..., model_path: _Optional[str] = ..., details_json: _Optional[str] = ..., onnx: _Optional[_Union[OnnxDetails, _Mapping]] = ..., gdat: _Optional[_Union[GdatDetails, _Mapping]] = ..., runtime: _Optional[str] = ..., runtime_options_json: _Optional[str] = ...) -> None: ...
 
 class OnnxDetails(_message.Message):
     __slots__ = ()

@@ -29,6 +29,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from aoe import sizes
 from aoe.errors import AoedError, JobStateError, NotFoundError, OptionError, PermissionDeniedError
+from aoe.ovartifact import config_path
 from aoe.v1 import tuning_pb2, tuning_pb2_grpc
 from aoe.wire import outcome_to_pb, spec_from_pb, spec_to_pb
 from aoed import safefs, space
@@ -460,4 +461,17 @@ class TuningServicer(tuning_pb2_grpc.TuningServiceServicer):
             tuning_pb2.RESULT_ARTIFACT_UNSPECIFIED,
         ):
             return Path(row.outcome.tuned_model)
+        if artifact in (
+            tuning_pb2.RESULT_ARTIFACT_TUNED_WEIGHTS,
+            tuning_pb2.RESULT_ARTIFACT_TUNED_CONFIG,
+        ):
+            if row.outcome.runtime != "openvino":
+                raise OptionError(
+                    f"job {job_id} shipped an ONNX model: it has no OpenVINO weights or compile "
+                    "config to download"
+                )
+            xml = Path(row.outcome.tuned_model)
+            if artifact == tuning_pb2.RESULT_ARTIFACT_TUNED_WEIGHTS:
+                return xml.with_suffix(".bin")
+            return config_path(xml)
         raise OptionError(f"artifact {artifact}: unknown")

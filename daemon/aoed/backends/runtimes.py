@@ -12,13 +12,20 @@ import importlib
 from aoe.errors import OptionError
 from aoed.engine.runtime import Runtime
 
-__all__ = ["DEFAULT", "RUNTIMES", "load_runtime"]
+__all__ = ["DEFAULT", "DEPLOYED", "RUNTIMES", "load_runtime"]
 
 #: runtime name -> (module, attribute) of its Runtime; imported only when asked for
 RUNTIMES: dict[str, tuple[str, str]] = {
     "onnxruntime": ("aoed.backends.ort.runtime", "ORT"),
 }
 DEFAULT = "onnxruntime"
+#: runtime name -> the module of its measurement worker (the protocol of
+#: aoed.backends.ort.deployed): what the runner starts for a candidate of that runtime.
+#: OpenVINO competes at the model level (backends/openvino): it has a worker, no engine.
+DEPLOYED: dict[str, str] = {
+    "onnxruntime": "aoed.backends.ort.deployed",
+    "openvino": "aoed.backends.openvino.deployed",
+}
 
 
 def load_runtime(name: str = DEFAULT) -> Runtime:

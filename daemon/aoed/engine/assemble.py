@@ -24,6 +24,7 @@ from onnx import helper
 from aoe.bankrecord import BankRecord
 from aoe.device import CPU, Device
 from aoe.errors import AoedError, OptionError
+from aoe.ovartifact import RuntimeDecision
 from aoe.partition import Task, partition
 from aoe.recordcheck import Vocabulary
 from aoe.sessionopts import METADATA_KEY
@@ -216,6 +217,11 @@ class Assembly:
     #: the tuning run's confirming A/B found these choices no faster than the input: the
     #: input model is what that run shipped, and what compiling it gives
     ship_input: bool = False
+    #: the tuning run shipped another runtime's build of the model (OpenVINO's), which
+    #: compiling it rebuilds; None: the ONNX model with these choices
+    runtime: RuntimeDecision | None = None
+    #: where the compiled model was written (an OpenVINO IR's .xml beside `output`)
+    output: str = ""
 
     @property
     def hits(self) -> int:
@@ -337,6 +343,12 @@ def from_bank(
             asm.notes.append(
                 f"the confirming A/B of {job} shipped these session options alone: the "
                 "tasks' entries are not applied"
+            )
+        if confirmed.get("runtime") == "openvino" and confirmed.get("shipped") == "tuned":
+            asm.runtime = bankrules.runtime_of(ans_model)
+            asm.notes.append(
+                f"the confirming A/B of {job} shipped OpenVINO's "
+                f"{asm.runtime.variant if asm.runtime else 'unreadable'} build of the model"
             )
         if options and not confirmed.get("options_kept"):
             asm.session_options = {}

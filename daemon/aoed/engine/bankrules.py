@@ -29,7 +29,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from aoe.bankrecord import BankRecord, Measured
+from aoe.errors import ModelError
 from aoe.keys import DeviceFingerprint, TaskSignature, bank_key
+from aoe.ovartifact import RuntimeDecision
 from aoe.partition import Task
 from aoe.recordcheck import RecordError, Vocabulary, check_default_doc, check_record
 from aoed import __version__
@@ -49,6 +51,7 @@ __all__ = [
     "key_for",
     "make_record",
     "reverted_digests",
+    "runtime_of",
 ]
 
 
@@ -146,6 +149,23 @@ def confirmed(ans: BankAnswer) -> dict[str, Any] | None:
     except ValueError:
         return None
     return doc if isinstance(doc, dict) else None
+
+
+def runtime_of(ans: BankAnswer) -> RuntimeDecision | None:
+    """The runtime whose build shipped, as a model-level record carries it (its
+    `runtime` parameter, aoe.ovartifact.RuntimeDecision), or None: onnxruntime's model,
+    or a parameter this version cannot read."""
+    raw = (
+        ans.record.params.get("runtime")
+        if ans.record is not None
+        else (ans.default or {}).get("runtime")
+    )
+    if not raw:
+        return None
+    try:
+        return RuntimeDecision.checked(raw)
+    except ModelError:
+        return None
 
 
 #: The job types whose tasks a model-level confirmation names (GDAT keeps its own records).

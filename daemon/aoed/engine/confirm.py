@@ -76,6 +76,10 @@ class Proposal:
     options: dict[str, Any]
     plain: Path | None  # the same graph without session options (when there are some)
     input_copy: Path  # the input model as it would be shipped
+    #: the runtime the proposal runs on (runtimestage.py); for another runtime than
+    #: onnxruntime `options` are what it runs with (compile properties), not session
+    #: options, and there is no `plain`
+    runtime: str = "onnxruntime"
 
 
 @dataclass
@@ -122,18 +126,22 @@ class Confirmation:
             **({"points": list(self.points)} if self.points else {}),
         }
 
-    def params(self, choices_digest: str, job_id: str, job_type: str) -> str:
+    def params(
+        self, choices_digest: str, job_id: str, job_type: str, runtime: str = "onnxruntime"
+    ) -> str:
         """The confirmation as stored with the model-level bank record: valid for the
         choices `choices_digest` names (bankrules.choices_digest) applied to the tasks a
-        job of `job_type` forms, measured by `job_id`."""
+        job of `job_type` forms, measured by `job_id`, of the build of `runtime` that
+        ran them (another runtime's is named: its figures are not onnxruntime's)."""
         d = {
             k: v
             for k, v in self.to_json().items()
             if k not in ("notes", "from_bank", "proposal", "points")
         }
-        return json.dumps(
-            {**d, "choices": choices_digest, "job": job_id, "job_type": job_type}, sort_keys=True
-        )
+        doc = {**d, "choices": choices_digest, "job": job_id, "job_type": job_type}
+        if runtime != "onnxruntime":
+            doc["runtime"] = runtime
+        return json.dumps(doc, sort_keys=True)
 
 
 def verdict_of(ratios: list[float]) -> tuple[str, float, tuple[float, float]]:
@@ -159,7 +167,9 @@ async def confirm(
     device fails."""
     cands = [Candidate("input", ctx.run.model), Candidate("input_copy", proposal.input_copy)]
     if proposal.kind != "input":
-        cands.append(Candidate("proposal", proposal.model, proposal.options))
+        cands.append(
+            Candidate("proposal", proposal.model, proposal.options, runtime=proposal.runtime)
+        )
         if proposal.options and proposal.plain is not None:
             cands.append(Candidate("plain", proposal.plain))
     before = ctx.ledger.device_by.get("confirm", 0.0)
@@ -266,7 +276,7 @@ def judge(measured: Mapping[str, Measurement], proposal: Proposal) -> tuple[Conf
                 kind = "tuned" if proposal.kind == "tuned" else "input"
                 if kind == "input":  # the options were all the proposal had: this kept it out
                     verdict, decided = o_verdict, o
-        elif proposal.options:
+        elif proposal.options and proposal.runtime == "onnxruntime":
             options_kept = True
         cand = measured[name]
         if kind != "input" and cand.ok and ratios(cand):

@@ -24,6 +24,7 @@ from aoed.engine.budget import Budget
 from aoed.engine.context import JobContext
 from aoed.engine.estimates import estimate
 from aoed.engine.messages import Build, Candidate, MeasurePlan
+from aoed.engine.runtimestage import RuntimeChoice
 from aoed.engine.verify import Verified
 
 __all__ = ["confirm_proposal"]
@@ -113,11 +114,16 @@ def hold_at_points(
 
 
 async def confirm_proposal(
-    ctx: JobContext, v: Verified, cached: dict[str, Any] | None, budget: Budget
+    ctx: JobContext,
+    v: Verified,
+    cached: dict[str, Any] | None,
+    budget: Budget,
+    runtime: RuntimeChoice | None = None,
 ) -> tuple[confirm.Confirmation, Path, tuple | None]:
     """Write the proposal's files, run the confirming A/B (or take the bank's, checking
     session options with one short A/B), and return the confirmation, the file to ship
-    and the evidence for the session options (with, without)."""
+    and the evidence for the session options (with, without). When another runtime's
+    artifact won (`runtime`, runtimestage.py), it is the proposal, confirmed afresh."""
     assert ctx.prep is not None
     scratch = ctx.workspace.scratch
     digest = ctx.fingerprint.digest
@@ -130,6 +136,22 @@ async def confirm_proposal(
         return tuned_metadata(options, ctx.spec.precision, digest, ctx.device.device)
 
     builds = [Build(scratch / "input_copy.onnx", {}, meta({}))]
+    if runtime is not None and runtime.other and runtime.model is not None:
+        await ctx.assemble(builds, source=ctx.run.model)
+        if cached is not None:  # the bank's confirmation of this very build
+            figures = dataclasses.replace(
+                Figures.from_dict(cached), confirmed_by=str(cached.get("job", ""))
+            )
+            return confirm.Confirmation(figures), runtime.model, None
+        other = confirm.Proposal(
+            "tuned",
+            runtime.model,
+            dict(runtime.options),
+            None,
+            scratch / "input_copy.onnx",
+            runtime=runtime.runtime,
+        )
+        return await _fresh(ctx, other, budget, sessions=3)
     if kind != "input":
         builds.append(Build(scratch / "proposal.onnx", dict(v.choices), meta(v.options)))
         if v.options:
@@ -144,35 +166,9 @@ async def confirm_proposal(
         scratch / "plain.onnx" if v.options else None,
         scratch / "input_copy.onnx",
     )
-    seconds = 30.0
     if cached is None:
         sessions = 2 + (kind != "input") + (kind != "input" and bool(v.options))
-        estimate(
-            ctx,
-            "confirm",
-            budget,
-            sessions,
-            confirm.ROUNDS,
-            seconds,
-            "the confirming A/B, a process per model",
-            deployed=True,
-        )
-        try:
-            conf, ship, measured = await confirm.confirm(ctx, proposal, seconds)
-            if ctx.prep.profile is not None and conf.shipped != "input":
-                ship = await _at_points(ctx, conf, ship, proposal, seconds)
-        except DeviceError as exc:
-            conf = confirm.Confirmation(
-                Figures.unchanged("no significant change", 0.0, 0),
-                notes=[f"the confirming A/B failed ({exc}); the input model ships"],
-            )
-            return conf, proposal.input_copy, None
-        evidence = (
-            (measured["proposal"], measured["plain"])
-            if conf.options_kept and "plain" in measured
-            else None
-        )
-        return conf, ship, evidence
+        return await _fresh(ctx, proposal, budget, sessions)
     # From the bank: the figures of the job that confirmed these very choices (read by the
     # rule of aoe.figures, whenever they were stored).
     figures = dataclasses.replace(
@@ -231,3 +227,40 @@ async def confirm_proposal(
                     f.confirmed_by,
                 )
     return conf, ship, None
+
+
+#: Seconds the confirming A/B may take.
+CONFIRM_S = 30.0
+
+
+async def _fresh(
+    ctx: JobContext, proposal: confirm.Proposal, budget: Budget, sessions: int
+) -> tuple[confirm.Confirmation, Path, tuple | None]:
+    """The confirming A/B of `proposal` run here, its estimate said first; a failed
+    device ships the input."""
+    estimate(
+        ctx,
+        "confirm",
+        budget,
+        sessions,
+        confirm.ROUNDS,
+        CONFIRM_S,
+        "the confirming A/B, a process per model",
+        deployed=True,
+    )
+    try:
+        conf, ship, measured = await confirm.confirm(ctx, proposal, CONFIRM_S)
+        if ctx.prep is not None and ctx.prep.profile is not None and conf.shipped != "input":
+            ship = await _at_points(ctx, conf, ship, proposal, CONFIRM_S)
+    except DeviceError as exc:
+        conf = confirm.Confirmation(
+            Figures.unchanged("no significant change", 0.0, 0),
+            notes=[f"the confirming A/B failed ({exc}); the input model ships"],
+        )
+        return conf, proposal.input_copy, None
+    evidence = (
+        (measured["proposal"], measured["plain"])
+        if conf.options_kept and "plain" in measured
+        else None
+    )
+    return conf, ship, evidence

@@ -74,6 +74,9 @@ __all__ = [
     "RebuildReply",
     "RebuildRequest",
     "Request",
+    "RuntimeArtifact",
+    "RuntimeBuildReply",
+    "RuntimeBuildRequest",
     "SamplesReply",
     "SamplesRequest",
     "VariantsReply",
@@ -414,6 +417,38 @@ class RebuildRequest(Request, tag="rebuild", frozen=True):
 # --------------------------------------------------------------------------- device
 
 
+class RuntimeArtifact(Message, frozen=True):
+    """One model another runtime built (`RuntimeBuildRequest`): its name (f32, bf16,
+    f16, int8), the runtime, the file it runs and the options it runs with (OpenVINO:
+    compile properties); or why it could not be built."""
+
+    name: str
+    runtime: str
+    model: Path | None = None
+    options: dict[str, Any] = {}
+    error: str = ""
+
+
+class RuntimeBuildReply(Message, frozen=True):
+    #: what the runtime is here (aoed.backends.openvino.discover.Offer.to_dict)
+    offer: dict[str, Any]
+    artifacts: tuple[RuntimeArtifact, ...] = ()
+    #: why a variant asked for was not built (the CPU lacks it, the runtime is missing)
+    notes: tuple[str, ...] = ()
+
+
+class RuntimeBuildRequest(Request, tag="runtime_build", frozen=True):
+    """Build `source` (the input model) for another runtime, in each of `variants` the
+    device computes in (f32, bf16, f16; int8 calibrated on `calibrate`), under `out`."""
+
+    reply = RuntimeBuildReply
+    runtime: str
+    source: Path
+    out: Path
+    variants: tuple[str, ...]
+    calibrate: tuple[Path, ...] = ()
+
+
 class PingReply(Message, frozen=True):
     cores: int
     providers: tuple[str, ...]
@@ -433,6 +468,10 @@ class Candidate(Message, frozen=True):
     #: provider options that name files (TensorRT's caches: aoe.sessionopts.trt_files),
     #: from the engine's own configuration; never from `options`, which may come from data
     files: dict[str, dict[str, str]] = {}
+    #: the runtime that runs it (aoed.backends.runtimes.DEPLOYED): onnxruntime, or
+    #: openvino, whose `options` are compile properties (aoe.ovartifact.ALLOWED); a
+    #: runtime other than onnxruntime is measured as deployed only
+    runtime: str = "onnxruntime"
 
 
 class MeasurePlan(Message, frozen=True):
@@ -579,6 +618,8 @@ class CompareRequest(Request, tag="compare", frozen=True):
     inputs: tuple[Path, ...]
     device: Device
     options: dict[str, Any] = {}
+    #: the candidate's runtime (Candidate.runtime); the reference runs on onnxruntime
+    runtime: str = "onnxruntime"
 
 
 # --------------------------------------------------------------------------- jobs

@@ -91,6 +91,9 @@ class ResultDetails:
     #: a dynamic model's shape profile and the shipped model at each of its points
     #: (empty for a static model)
     shapes: Mapping[str, Any] = field(default_factory=dict)
+    #: every runtime's candidate of the whole model (runtimestage.py): name, runtime,
+    #: options, median, accuracy, and why it did not win
+    runtimes: list[dict[str, Any]] = field(default_factory=list)
 
 
 def _section(o: JobOutcome, part: JobType, tasks: list[TaskOutcome], whole: bool) -> dict[str, Any]:
@@ -178,6 +181,9 @@ def result_json(o: JobOutcome, details: ResultDetails = ResultDetails()) -> dict
         "device_info": dict(details.device_info),
         **({"shape_profile": dict(details.shapes)} if details.shapes else {}),
         "tuned_model": o.tuned_model,
+        "runtime": o.runtime,
+        "runtime_options": dict(o.runtime_options),
+        "runtimes": list(details.runtimes),
         "workspace": o.workspace,
         "session_options": dict(o.session_options),
         "verification": o.verified,

@@ -13,6 +13,8 @@ returns what it found (a frozen dataclass), so a stage reads only what came befo
                     then the lossy choices' bank writes                      -> Assembled
     session_options model-wide session options (device)                      -> SessionChoice
     verify_stage    end to end against the input, or the bank's confirmation -> Proposal
+    runtime_stage   OpenVINO's builds of the model against the proposal, as
+                    deployed (worker + device: runtimestage.py)              -> RuntimeChoice
     confirm_stage   the confirming A/B (device: confirmstage.py, confirm.py):
                     what ships                                               -> Confirmed
     remember        the model-level record (bank)
@@ -64,6 +66,7 @@ from aoed.engine.outputs import ResultDetails, result_json, write_json
 from aoed.engine.pool import model_step
 from aoed.engine.prep import Limits
 from aoed.engine.registry import DEFAULT
+from aoed.engine.runtimestage import RuntimeChoice, compete
 from aoed.engine.search import search_tasks
 from aoed.engine.session import (
     SessionChoice,
@@ -89,7 +92,8 @@ async def run_stages(ctx: JobContext) -> JobOutcome:
     assembled = await assemble(ctx, known, found)
     session = await session_options(ctx, model, known, found, assembled)
     proposal = await verify_stage(ctx, model, known, found, assembled, session)
-    confirmed = await confirm_stage(ctx, proposal, found.budget)
+    runtime = await runtime_stage(ctx, model, known, proposal)
+    confirmed = await confirm_stage(ctx, proposal, found.budget, runtime)
     await remember(ctx, model, known, session, proposal, confirmed)
     return await outputs(ctx, model, known, found, assembled, session, confirmed)
 
@@ -421,6 +425,20 @@ async def verify_stage(
     return Proposal(v, cached)
 
 
+async def runtime_stage(
+    ctx: JobContext, model: Prepared, known: Known, proposal: Proposal
+) -> RuntimeChoice:
+    """Another runtime's builds of the input against the proposal (runtimestage.py);
+    the bank's, when its confirmation of these choices shipped one."""
+    cached = proposal.cached
+    banked = (
+        bankrules.runtime_of(known.model_ans)
+        if cached is not None and cached.get("runtime") == "openvino"
+        else None
+    )
+    return await compete(ctx, proposal.verified, model.samples.calibrate, banked)
+
+
 @dataclass(frozen=True)
 class Confirmed:
     """The confirming A/B's verdict, the file that ships and what it holds."""
@@ -433,11 +451,20 @@ class Confirmed:
     evidence: tuple | None
     choices: dict[str, str]
     options: dict[str, Any]
+    #: the runtime of what ships, and (another runtime's) the options it runs with
+    runtime: RuntimeChoice = RuntimeChoice()
+    #: the confirmation is the bank's (the job that confirmed these choices)
+    banked: bool = False
 
 
-async def confirm_stage(ctx: JobContext, proposal: Proposal, budget: Budget) -> Confirmed:
-    """The confirming A/B of the proposal (confirmstage.py): what ships."""
+async def confirm_stage(
+    ctx: JobContext, proposal: Proposal, budget: Budget, runtime: RuntimeChoice
+) -> Confirmed:
+    """The confirming A/B of the proposal, or of another runtime's build when it won
+    (confirmstage.py): what ships."""
     v, cached = proposal.verified, proposal.cached
+    if cached is not None and (runtime.other != (cached.get("runtime") == "openvino")):
+        cached = None  # the bank's confirmation is of another runtime's model than this
     ctx.ledger.enter("confirm")
     await ctx.stage(
         Stage.CONFIRM,
@@ -457,8 +484,11 @@ async def confirm_stage(ctx: JobContext, proposal: Proposal, budget: Budget) -> 
             ctx.notes.append(
                 f"{busy} (intra_op_num_threads={dropped} dropped before the confirming A/B)"
             )
-    conf, ship, evidence = await confirm_proposal(ctx, v, cached, budget)
+    conf, ship, evidence = await confirm_proposal(ctx, v, cached, budget, runtime)
     ctx.notes.extend(conf.notes)
+    if runtime.other:
+        shipped = runtime if conf.shipped == "tuned" else RuntimeChoice(table=runtime.table)
+        return Confirmed(v, conf, ship, None, {}, {}, shipped, cached is not None)
     return Confirmed(
         v,
         conf,
@@ -466,6 +496,8 @@ async def confirm_stage(ctx: JobContext, proposal: Proposal, budget: Budget) -> 
         evidence,
         v.choices if conf.shipped == "tuned" else {},
         v.options if conf.options_kept else {},
+        runtime,
+        cached is not None,
     )
 
 
@@ -489,7 +521,8 @@ async def remember(
     digests = {t.id: t.signature.digest for t in tasks}
     reverted = [digests[tid] for tid, r in results.items() if r.error.startswith(REVERTED)]
     confirmed_doc = cached_json = ""
-    if proposal.cached is not None:
+    shipped_rt = confirmed.runtime
+    if confirmed.banked:
         cached_json = str(
             model_ans.record.params.get("confirmed")
             if model_ans.record
@@ -509,6 +542,7 @@ async def remember(
             bankrules.choices_digest(tasks, stored, stored_options),
             ctx.job_id,
             str(ctx.spec.job_type),
+            shipped_rt.runtime,
         )
     await remember_context(
         ctx,
@@ -521,11 +555,17 @@ async def remember(
         confirmed_doc or cached_json,
         confirmed.evidence,
         conf.baseline_ms * 1000,
+        shipped_rt.decision().to_json() if shipped_rt.other else "",
     )
     for tid, r in results.items():
         if r.strategy != DEFAULT and r.applied and confirmed.choices.get(tid) != r.strategy:
             r.applied = False
-            r.error = r.error or f"not applied: the confirming A/B shipped {conf.shipped}"
+            shipped = (
+                f"{confirmed.runtime.runtime} {confirmed.runtime.variant} build"
+                if confirmed.runtime.other
+                else conf.shipped
+            )
+            r.error = r.error or f"not applied: the confirming A/B shipped {shipped}"
 
 
 async def outputs(
@@ -543,7 +583,12 @@ async def outputs(
     conf, v = confirmed.confirmation, confirmed.verified
     tuned_path = ws.tuned_model_path()
     ctx.ledger.enter("outputs")
-    await _ship(ctx, confirmed.ship, tuned_path, confirmed.choices, confirmed.options)
+    shipped_rt = confirmed.runtime
+    if shipped_rt.other:
+        tuned_path = tuned_path.with_suffix(".xml")
+        await trio.to_thread.run_sync(_ship_ir, confirmed.ship, tuned_path, shipped_rt.options)
+    else:
+        await _ship(ctx, confirmed.ship, tuned_path, confirmed.choices, confirmed.options)
     ctx.ledger.enter(None)
     ledger = ctx.ledger
     resources = {
@@ -563,7 +608,9 @@ async def outputs(
         "devices": ledger.per_device(),
     }
     accuracy: dict[str, Any]
-    if ctx.policy.lossy and ctx.accuracy is not None and conf.shipped != "input":
+    if shipped_rt.other:
+        accuracy = dict(shipped_rt.accuracy)
+    elif ctx.policy.lossy and ctx.accuracy is not None and conf.shipped != "input":
         accuracy = ctx.accuracy.report()
     elif assembled.e2e_gate is not None and conf.shipped != "input":
         accuracy = dict(assembled.e2e_gate)
@@ -597,6 +644,8 @@ async def outputs(
         },
         calibration=model.samples.source,
         verified=v.outcome,
+        runtime=shipped_rt.runtime,
+        runtime_options=dict(shipped_rt.options),
         notes=tuple(ctx.notes),
         workspace=str(ws.root),
     )
@@ -608,6 +657,7 @@ async def outputs(
         _decision(v),
         _device_info(ctx),
         _shapes(ctx, confirmed.ship),
+        list(confirmed.runtime.table),
     )
     json_path = await trio.to_thread.run_sync(ws.reserve_result, opts.job_type)
     outcome = dataclasses.replace(outcome, result_json=str(json_path))
@@ -724,6 +774,18 @@ async def _ship(
     meta = tuned_metadata(options, ctx.spec.precision, ctx.fingerprint.digest, ctx.device.device)
     source = ctx.run.model if not choices and ship.name == "input_copy.onnx" else ctx.prep.prepared
     await ctx.assemble([Build(out, dict(choices), meta)], source=source)
+
+
+def _ship_ir(xml: Path, out: Path, options: dict[str, Any]) -> None:
+    """Put the OpenVINO IR that ships (`xml`, its .bin) at `out` with its compile config
+    beside it (aoe.ovartifact), each written in the workspace and moved into place."""
+    from aoe.ovartifact import CompileConfig, check_properties, config_path, write_config
+
+    staged = xml.with_name(f"ship{xml.suffix}")
+    cfg = write_config(staged, CompileConfig("CPU", check_properties(options)))
+    safefs.move_path(xml.with_suffix(".bin"), out.with_suffix(".bin"))
+    safefs.move_path(xml, out)
+    safefs.move_path(cfg, config_path(out))
 
 
 def _timeline(decided: list[TaskDecision]) -> list[tuple[float, float]]:

@@ -48,6 +48,7 @@ from aoed.engine.messages import (
     ProfileRequest,
     RebuildRequest,
     Request,
+    RuntimeBuildRequest,
     SamplesRequest,
     VariantsRequest,
 )
@@ -65,7 +66,8 @@ __all__ = ["RUNNER_REQUESTS", "WORKER_REQUESTS", "Runtime"]
 
 #: What a compile worker answers: that it is alive (ping), prepare a model (prepare,
 #: samples, calibrate, extract), build and check a candidate (compile, variants, describe,
-#: check, rebuild), write the artifact (assemble).
+#: check, rebuild), write the artifact (assemble), build the model for another runtime
+#: that competes at the model level (runtime_build: backends/openvino).
 WORKER_REQUESTS: tuple[type[Request], ...] = (
     PingRequest,
     PrepareRequest,
@@ -78,6 +80,7 @@ WORKER_REQUESTS: tuple[type[Request], ...] = (
     CheckRequest,
     RebuildRequest,
     AssembleRequest,
+    RuntimeBuildRequest,
 )
 #: What a measurement runner answers: its device's facts (ping), candidates timed
 #: (measure), per-node times (profile), outputs compared (compare).

@@ -311,12 +311,15 @@ async def remember_context(
     confirmed: str,
     evidence: tuple[Measurement, Measurement] | None,
     baseline_us: float = 0.0,
+    runtime: str = "",
 ) -> None:
     """Store the model-level record: the session options the confirming A/B kept (as
     `choice.options`; "{}" when none), its rounds as their evidence (`evidence`: with
     options, without), the signature digests of tasks reverted in this model's context
     (so `aoe compile` and bank-hit runs leave them unchanged) and the confirmation
-    itself (`confirmed`, JSON; the bank-hit path reuses it). `baseline_us` times the
+    itself (`confirmed`, JSON; the bank-hit path reuses it), and the other runtime whose
+    build shipped (`runtime`: aoe.ovartifact.RuntimeDecision's JSON; "" for onnxruntime).
+    `baseline_us` times the
     input model for a record that has no timing yet. Nothing is written when the bank
     already holds exactly this."""
     reverted = sorted(reverted)
@@ -325,6 +328,8 @@ async def remember_context(
     params = {"reverted": ",".join(reverted)} if reverted else {}
     if confirmed:
         params["confirmed"] = confirmed
+    if runtime:
+        params["runtime"] = runtime
     if old is not None and evidence is None and old.strategy == options and old.params == params:
         return
     key = ctx.key(signature)
@@ -354,6 +359,9 @@ async def remember_context(
             doc["default_us"] = baseline_us
         if confirmed:
             doc["confirmed"] = confirmed
+        doc.pop("runtime", None)
+        if runtime:
+            doc["runtime"] = runtime
         if ans.default is not None and doc == dict(ans.default):
             return
         await ctx.write_bank(BankWrite(defaults=((key, doc),)))

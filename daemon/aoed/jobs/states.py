@@ -70,6 +70,7 @@ STAGE_STATE = {
     Stage.ACCURACY: JobState.TUNING,
     Stage.SESSION: JobState.TUNING,
     Stage.VERIFY: JobState.VERIFYING,
+    Stage.RUNTIME: JobState.VERIFYING,
     Stage.CONFIRM: JobState.VERIFYING,
     Stage.OUTPUTS: JobState.VERIFYING,
 }

@@ -18,6 +18,7 @@ from pathlib import Path
 import trio
 
 from aoe.errors import AoedError
+from aoe.ovartifact import config_path
 from aoe.spec import JobType
 from aoed import safefs
 from aoed.config import Inbox
@@ -164,6 +165,15 @@ def _free_base(dir_fd: int, stem: str, suffixes: tuple[str, ...]) -> str:
 
 
 _OUT_SUFFIXES = ("_tuned.onnx", "_result.json", "_report.txt")
+#: a job that shipped OpenVINO's build: the IR, its weights and its compile config
+#: (aoe.ovartifact), which `aoe.session` opens together
+_IR_OUT_SUFFIXES = (
+    "_tuned.xml",
+    "_result.json",
+    "_report.txt",
+    "_tuned.bin",
+    "_tuned.ovconfig.json",
+)
 #: a GDAT job's: its "tuned model" is the DDP configuration a training script applies
 _GDAT_OUT_SUFFIXES = ("_ddp_config.json", "_result.json", "_report.txt")
 #: bytes a shortened stem leaves for the `_N` of a taken name
@@ -177,17 +187,31 @@ def write_outputs(inbox: Inbox, name: str, row: JobRow) -> list[str]:
     outbox = inbox.outbox
     ensure_folder(outbox, inbox)
     outcome = row.outcome
-    suffixes = (
+    ir = outcome is not None and outcome.runtime == "openvino"
+    suffixes: tuple[str, ...] = (
         _GDAT_OUT_SUFFIXES
         if outcome is not None and outcome.job_type == JobType.GDAT
+        else _IR_OUT_SUFFIXES
+        if ir
         else _OUT_SUFFIXES
     )
     with safefs.opened_dir(outbox) as out:
         base = _free_base(out, Path(name).stem, suffixes)
-        tuned, result_json, report = (f"{base}{s}" for s in suffixes)
+        tuned, result_json, report = (f"{base}{s}" for s in suffixes[:3])
+        # (what, its file, the name it gets)
+        sources = [
+            ("tuned_model", outcome.tuned_model if outcome is not None else "", tuned),
+            ("result_json", outcome.result_json if outcome is not None else "", result_json),
+        ]
+        if ir:  # the IR's weights and compile config, named after it as aoe.session expects
+            assert outcome is not None
+            xml = Path(outcome.tuned_model)
+            sources += [
+                ("weights", str(xml.with_suffix(".bin")), f"{base}{suffixes[3]}"),
+                ("compile config", str(config_path(xml)), f"{base}{suffixes[4]}"),
+            ]
         written, missing = [], []
-        for key, dst in (("tuned_model", tuned), ("result_json", result_json)):
-            src = getattr(outcome, key) if outcome is not None else ""
+        for key, src, dst in sources:
             try:
                 fd = safefs.open_file(src) if src else None
             except (FileNotFoundError, safefs.LinkRefusedError):

@@ -47,6 +47,11 @@ def report_text(name: str, row: JobRow, written: list[str], missing: list[str]) 
     ]
     if isinstance(d, GdatDetails):
         lines.append(f"ddp:          {ddp_text(d)}")
+    if o is not None and o.runtime != "onnxruntime":
+        lines.append(
+            f"runtime:      {o.runtime}, compile config {dict(o.runtime_options)} "
+            "(open the .xml with aoe.session)"
+        )
     lines += [
         f"bank:         {figures.bank_text(o.bank if o else {}, o.unshipped if o else 0)}",
         f"outputs:      {', '.join(written) or '(none)'}",

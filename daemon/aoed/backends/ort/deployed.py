@@ -29,14 +29,12 @@ from .npz files only (no pickle) and die with the runner.
 from __future__ import annotations
 
 import contextlib
-import gc
 import json
 import os
 import signal
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -44,8 +42,9 @@ from typing import Any
 import numpy as np
 
 from aoe.errors import DeviceError
+from aoed.backends._deployed import serve
 
-__all__ = ["Worker", "Workers", "workers_for"]
+__all__ = ["MODULE", "Worker", "Workers", "workers_for"]
 
 #: Idle workers the runner keeps between requests (a confirming A/B has four candidates).
 KEEP = 4
@@ -60,82 +59,10 @@ class WorkerError(DeviceError):
 # ------------------------------------------------------------------ worker process
 
 
-def _serve() -> int:
-    """The worker: answer one JSON request per stdin line until EOF."""
-    from aoed.backends._wire import child_main
+def _ort_session(model: str, options: dict[str, Any]) -> Any:
+    from aoed.backends.ort.sessions import session
 
-    child_main(["--parent", str(os.getppid())])
-    proto = os.fdopen(os.dup(1), "w", buffering=1, encoding="utf-8")
-    os.dup2(2, 1)  # whatever a library prints goes to the log, never into the protocol
-    sys.stdout = sys.stderr
-    state: dict[str, Any] = {}
-    for line in sys.stdin:
-        if not line.strip():
-            continue
-        try:
-            reply = _answer(json.loads(line), state)
-        except Exception as exc:  # the request's failure: the runner reports it for its candidate
-            reply = {"error": f"{type(exc).__name__}: {exc}".splitlines()[0]}
-        try:
-            proto.write(json.dumps(reply) + "\n")
-        except BrokenPipeError:
-            os._exit(0)
-    return 0
-
-
-def _answer(req: dict[str, Any], state: dict[str, Any]) -> dict[str, Any]:
-    op = req.get("op")
-    if op == "load":
-        from aoed.backends.ort.sessions import session
-
-        state.clear()
-        gc.collect()
-        try:
-            sess = session(str(req["model"]), dict(req.get("options") or {}))
-        except Exception as exc:
-            return {"error": f"load: {exc}".splitlines()[0]}
-        names = {i.name for i in sess.get_inputs()}
-        with np.load(req["inputs"], allow_pickle=False) as data:
-            feeds = {k: data[k] for k in data.files if k in names}
-        state.update(sess=sess, feeds=feeds)
-        return {"ok": True}
-    if op == "unload":
-        state.clear()
-        gc.collect()
-        return {"ok": True}
-    if op == "describe":
-        return {"pid": os.getpid(), "session": describe(state["sess"]) if state else None}
-    sess, feeds = state["sess"], state["feeds"]
-    if op == "first":
-        try:
-            outs = sess.run(None, feeds)
-        except Exception as exc:
-            return {"error": f"run: {exc}".splitlines()[0]}
-        arrays = {}
-        for i, o in enumerate(outs):
-            a = np.asarray(o)
-            if a.dtype == object:
-                return {"error": f"run: output {i} is not a tensor"}
-            arrays[f"o{i}"] = a
-        np.savez(req["outputs"], **arrays)
-        return {"ok": True, "count": len(arrays)}
-    if op == "warm":
-        t0, n = time.perf_counter(), 0
-        while n < 1 or (time.perf_counter() - t0 < float(req["warmup_s"]) and n < 200):
-            sess.run(None, feeds)
-            n += 1
-        return {"per_run_s": (time.perf_counter() - t0) / n}
-    if op == "turn":
-        sess.run(None, feeds)  # untimed: a cold cache stays out of the samples
-        got = []
-        batch = int(req["batch"])
-        for _ in range(int(req["samples"])):
-            t = time.perf_counter()
-            for _ in range(batch):
-                sess.run(None, feeds)
-            got.append((time.perf_counter() - t) / batch)
-        return {"samples_s": got}
-    raise ValueError(f"unknown request {op!r}")
+    return session(model, options)
 
 
 def describe(sess: Any) -> dict[str, Any]:
@@ -160,14 +87,20 @@ def describe(sess: Any) -> dict[str, Any]:
 # ------------------------------------------------------------------ runner side
 
 
-class Worker:
-    """One worker process, started through exec."""
+#: The worker of an onnxruntime candidate; another runtime names its own (`Workers.load`).
+MODULE = "aoed.backends.ort.deployed"
 
-    def __init__(self) -> None:
+
+class Worker:
+    """One worker process, started through exec: `module` serves the protocol (this
+    module for onnxruntime)."""
+
+    def __init__(self, module: str = MODULE) -> None:
+        self.module = module
         # stderr to the runner's own (its log): a worker that logs a lot must never block
         # on a full pipe.
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "aoed.backends.ort.deployed"],
+            [sys.executable, "-m", module],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -247,6 +180,14 @@ class Worker:
 _idle: list[Worker] = []
 
 
+def _take(module: str) -> Worker:
+    """An idle worker of `module`, or a new one."""
+    for i, w in enumerate(_idle):
+        if w.module == module:
+            return _idle.pop(i)
+    return Worker(module)
+
+
 class Workers:
     """The workers of one measurement, a candidate each: `load` them, read their `first`
     outputs, then `warm`/`turn` as measure.Turns. Leaving the block unloads them and
@@ -258,13 +199,20 @@ class Workers:
         self.spare: list[Worker] = []
         self.tmp = Path(tempfile.mkdtemp(prefix="aoe-deployed-"))
 
-    def load(self, candidates: Sequence[tuple[str, Path, dict[str, Any]]]) -> dict[str, str]:
-        """Start (or reuse) a worker per candidate (id, model, options) and load its model,
-        all at once; returns why each candidate that could not be loaded was not."""
+    def load(
+        self,
+        candidates: Sequence[
+            tuple[str, Path, dict[str, Any]] | tuple[str, Path, dict[str, Any], str]
+        ],
+    ) -> dict[str, str]:
+        """Start (or reuse) a worker per candidate (id, model, options[, worker module:
+        MODULE when not given]) and load its model, all at once; returns why each
+        candidate that could not be loaded was not."""
         errors: dict[str, str] = {}
-        for cid, _model, _options in candidates:
-            self.by[cid] = _idle.pop() if _idle else Worker()
-        for cid, model, options in candidates:  # the loads overlap: none of this is timed
+        for c in candidates:
+            module = c[3] if len(c) > 3 else MODULE
+            self.by[c[0]] = _take(module)
+        for cid, model, options, *_module in candidates:  # the loads overlap: none is timed
             req = {
                 "op": "load",
                 "model": str(model),
@@ -272,7 +220,7 @@ class Workers:
                 "inputs": str(self.inputs),
             }
             self.by[cid].send(req)
-        for cid, _model, _options in candidates:
+        for cid, *_rest in candidates:
             try:
                 self.by[cid].receive()
             except WorkerError as exc:
@@ -344,4 +292,4 @@ def workers_for(inputs: Path) -> Iterator[Workers]:
 
 
 if __name__ == "__main__":
-    sys.exit(_serve())
+    sys.exit(serve(_ort_session, describe))

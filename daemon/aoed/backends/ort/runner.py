@@ -35,6 +35,7 @@ from aoe.errors import DeviceError
 from aoed.backends.ort import deployed
 from aoed.backends.ort.measure import Timing, interleaved, rounds
 from aoed.backends.ort.sessions import BoundRun, check_device, providers_for, session
+from aoed.backends.runtimes import DEPLOYED
 from aoed.engine.messages import (
     Accuracy,
     CompareRequest,
@@ -121,6 +122,12 @@ def measure(req: MeasureRequest) -> MeasureReply:
     results: dict[str, Measurement] = {}
     sessions = {}
     for c in req.candidates:
+        if c.runtime != "onnxruntime":
+            results[c.id] = Measurement(
+                False,
+                error=f"load: a {c.runtime} candidate is measured as deployed only, on the CPU",
+            )
+            continue
         try:
             sess = _session(c.model, c.options, device, c.files)
             names = {i.name for i in sess.get_inputs()}
@@ -161,7 +168,20 @@ def _measure_deployed(req: MeasureRequest) -> MeasureReply:
     results: dict[str, Measurement] = {}
     outputs = {}
     with deployed.workers_for(req.inputs) as workers:
-        errors = workers.load([(c.id, c.model, c.options) for c in req.candidates])
+        errors = {
+            c.id: f"load: no measurement worker for runtime {c.runtime!r}"
+            for c in req.candidates
+            if c.runtime not in DEPLOYED
+        }
+        errors.update(
+            workers.load(
+                [
+                    (c.id, c.model, c.options, DEPLOYED[c.runtime])
+                    for c in req.candidates
+                    if c.runtime in DEPLOYED
+                ]
+            )
+        )
         for cid, why in errors.items():
             results[cid] = Measurement(False, error=why)
         for c in req.candidates:
@@ -276,7 +296,14 @@ def compare(req: CompareRequest) -> Accuracy:
     classifier-shaped outputs the share of rows whose top-1 class agrees."""
     device = req.device
     ref = _session(req.reference, None, device)
-    cand = _session(req.candidate, req.options, device)
+    if req.runtime == "openvino":  # compared here, never timed here: no neighbours to mind
+        from aoe.ovartifact import CompileConfig, OvSession, check_properties
+
+        cand = OvSession(req.candidate, CompileConfig("CPU", check_properties(req.options)))
+    elif req.runtime != "onnxruntime":
+        raise ValueError(f"runtime {req.runtime!r}: no way to compare its outputs here")
+    else:
+        cand = _session(req.candidate, req.options, device)
     worst = {"max_abs_error": 0.0, "max_rel_error": 0.0, "cosine": 1.0}
     cosines = []
     agree = rows = 0

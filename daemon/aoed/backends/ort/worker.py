@@ -459,6 +459,16 @@ def _applied(model, rewrite):
     return apply_rewrites(model, {tuple(n.name for n in model.graph.node): rewrite})
 
 
+def _runtime_build(req: m.RuntimeBuildRequest) -> m.RuntimeBuildReply:
+    """Another runtime's artifacts of the model (backends/openvino/build.py): built here,
+    in a compile worker, so a crash in that runtime costs this request only."""
+    if req.runtime != "openvino":
+        raise ValueError(f"runtime {req.runtime!r}: no model-level build for it")
+    from aoed.backends.openvino.build import build
+
+    return build(req)
+
+
 def _ping(req: m.PingRequest) -> m.PingReply:
     return m.PingReply(len(os.sched_getaffinity(0)), ())
 
@@ -475,6 +485,7 @@ _OPS: dict[type[m.Request], Callable[[Any], Any]] = {
     m.AssembleRequest: _assemble,
     m.CheckRequest: _check,
     m.RebuildRequest: _rebuild,
+    m.RuntimeBuildRequest: _runtime_build,
 }
 
 

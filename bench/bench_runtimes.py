@@ -1,0 +1,154 @@
+"""onnxruntime against OpenVINO on the sample models, as deployed, side by side.
+
+    python bench/bench_runtimes.py [--models cnn,transformer] [--precision int8] [--rounds 15]
+                                   [--work DIR] [--json FILE]
+
+For each sample model (aoed.samples: random weights, synthetic N(0, 1) inputs), four
+ways to run it are measured together:
+
+- `onnxruntime fp32`: the input model on onnxruntime's defaults (what every figure of a
+  job compares with);
+- `aoe shipped`: what `aoe tune --precision P` ships for it (an embedded job with a bank of
+  its own under --work): an ONNX model with its session options, or an OpenVINO IR with
+  its compile config, whichever won;
+- `openvino default`: the input model on OpenVINO with no compile property at all
+  (OpenVINO's defaults: bf16 on a CPU with AMX);
+- `openvino nncf int8`: NNCF's post-training int8 of the input (calibrated on 16
+  synthetic samples) on OpenVINO's defaults.
+
+They are timed by the tuner's own procedure (aoed.backends.ort.runner with a deployed
+plan): each in a process of its own, in rounds whose order rotates, every process stopped
+between its turns, while this process holds the machine-wide device lock. A cell gives
+the median time, the median of the paired per-round ratios to `onnxruntime fp32` with its
+95% interval, and the output cosine against it. Nothing is written to bench/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path[:0] = [
+    str(Path(__file__).resolve().parent.parent / "client"),
+    str(Path(__file__).resolve().parent.parent / "daemon"),
+    str(Path(__file__).resolve().parent),
+]
+
+import numpy as np
+
+from aoe import session_options_of
+from aoe.config import load_config
+from aoe.device import CPU
+from aoe.spec import JobSpec
+from aoed import embedded, samples
+from aoed.backends.ort import runner
+from aoed.engine import stats
+from aoed.engine.messages import Candidate, MeasurePlan, MeasureRequest
+from aoed.engine.prep import make_inputs, prepare
+from run import holding_device
+
+NAMES = ("onnxruntime fp32", "aoe shipped", "openvino default", "openvino nncf int8")
+#: Calibration samples NNCF gets for the `openvino nncf int8` row.
+CALIBRATION = 16
+
+
+def _feeds(model: Path, work: Path, seed: int) -> dict[str, np.ndarray]:
+    prep = prepare(model, work / f"prep{seed}")
+    return make_inputs(prep.inputs, seed=seed)
+
+
+def _nncf_int8(model: Path, work: Path) -> Path:
+    import nncf
+    import openvino as ov
+
+    ov_model = ov.Core().read_model(str(model))
+    calib = [_feeds(model, work, seed) for seed in range(CALIBRATION)]
+    names = [p.get_any_name() for p in ov_model.inputs]
+    data = nncf.Dataset([{n: f[n] for n in names} for f in calib])
+    xml = work / "nncf_int8.xml"
+    ov.save_model(nncf.quantize(ov_model, data), str(xml), compress_to_fp16=False)
+    return xml
+
+
+def _shipped(model: Path, work: Path, precision: str) -> Candidate:
+    """What `aoe tune` ships for `model` (a bank of its own under `work`), with the
+    options it runs with."""
+    config = load_config().replace(bank=work / "bank")
+    spec = JobSpec(precision=precision, job_type="opat")
+    outcome = embedded.tune(model, spec, work / "tune", config=config)
+    path = Path(outcome.tuned_model)
+    if outcome.runtime == "openvino":
+        return Candidate("aoe shipped", path, dict(outcome.runtime_options), runtime="openvino")
+    return Candidate("aoe shipped", path, session_options_of(path))
+
+
+def bench_model(name: str, work: Path, precision: str, rounds: int) -> dict[str, object]:
+    work.mkdir(parents=True, exist_ok=True)
+    model = samples.save(samples.build(name), work / f"{name}.onnx")
+    shipped = _shipped(model, work, precision)
+    inputs = work / "inputs.npz"
+    np.savez(inputs, **_feeds(model, work, 1234))
+    cands = (
+        Candidate("onnxruntime fp32", model),
+        shipped,
+        Candidate("openvino default", model, runtime="openvino"),
+        Candidate("openvino nncf int8", _nncf_int8(model, work), runtime="openvino"),
+    )
+    plan = MeasurePlan.fixed(rounds, 120.0, deployed=True)
+    req = MeasureRequest(cands, inputs, "onnxruntime fp32", CPU, plan)
+    got = holding_device(lambda: runner.measure(req).results, print)
+    base = got["onnxruntime fp32"]
+    row: dict[str, object] = {"model": name, "shipped_runtime": shipped.runtime}
+    for cid in NAMES:
+        m = got[cid]
+        if not m.ok:
+            row[cid] = {"error": m.error}
+            continue
+        ratios = stats.paired_ratios(m.rounds_us, base.rounds_us)
+        lo, hi = stats.median_ci(ratios, 0.95) if len(ratios) >= 6 else (float("nan"),) * 2
+        row[cid] = {
+            "median_ms": m.median_us / 1000,
+            "speedup": 1 / stats.median(ratios) if ratios else float("nan"),
+            "speedup_ci95": (1 / hi, 1 / lo),
+            "cosine": m.cosine,
+            "rounds": len(ratios),
+        }
+    return row
+
+
+def _cell(c: object) -> str:
+    if not isinstance(c, dict) or "error" in c:
+        return f"failed: {c.get('error') if isinstance(c, dict) else c}"
+    lo, hi = c["speedup_ci95"]
+    return (
+        f"{c['median_ms']:.4f} ms, {c['speedup']:.2f}x [{lo:.2f}, {hi:.2f}], "
+        f"cosine {c['cosine']:.6f}"
+    )
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="cnn,transformer,resnet,bert")
+    ap.add_argument("--precision", default="int8")
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--work", type=Path, default=None)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    work = args.work or Path(tempfile.mkdtemp(prefix="bench-runtimes-"))
+    rows = []
+    for name in args.models.split(","):
+        row = bench_model(name, work / name, args.precision, args.rounds)
+        rows.append(row)
+        print(f"{name} (aoe shipped on {row['shipped_runtime']}):")
+        for cid in NAMES:
+            print(f"  {cid:<20} {_cell(row[cid])}")
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""OpenVINO's candidates of a model: the IR and the compile properties of each variant.
+
+Run in a compile worker (backends/ort/worker.py, `runtime_build`). The input model is
+read once by OpenVINO's ONNX frontend and saved as IR with its weights in f32
+(`compress_to_fp16=False`: `ov.save_model` halves them by default, which is already a
+lossy change); the float variants share that IR and differ in their compile config:
+
+  f32   INFERENCE_PRECISION_HINT f32: float32 compute (every policy; within float
+        rounding of onnxruntime, measured 1e-6 relative on the samples)
+  bf16  INFERENCE_PRECISION_HINT bf16: what OpenVINO does by default on a CPU with
+        AMX or AVX512-BF16 (reduced-float and int8 policies, where the CPU has BF16)
+  f16   INFERENCE_PRECISION_HINT f16 (the fp16 policy, where the CPU has FP16)
+  int8  NNCF post-training quantization (`nncf.quantize`) of the IR on the job's
+        calibration samples, saved as an IR of its own, run with the f32 hint for
+        what it leaves in float (the int8 policy, where the CPU has INT8)
+
+Every variant is compiled with PERFORMANCE_HINT LATENCY: one request at a time, as a
+server answers one caller and as the measurement runs it.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from aoed.backends.openvino.discover import find
+from aoed.engine.messages import RuntimeArtifact, RuntimeBuildReply, RuntimeBuildRequest
+
+__all__ = ["CAPABILITY", "PROPERTIES", "build"]
+
+log = logging.getLogger(__name__)
+
+#: The CPU capability each variant needs (OPTIMIZATION_CAPABILITIES).
+CAPABILITY = {"f32": "FP32", "bf16": "BF16", "f16": "FP16", "int8": "INT8"}
+#: The compile properties of each variant (checked again by aoe.ovartifact on open).
+PROPERTIES: dict[str, dict[str, Any]] = {
+    "f32": {"INFERENCE_PRECISION_HINT": "f32", "PERFORMANCE_HINT": "LATENCY"},
+    "bf16": {"INFERENCE_PRECISION_HINT": "bf16", "PERFORMANCE_HINT": "LATENCY"},
+    "f16": {"INFERENCE_PRECISION_HINT": "f16", "PERFORMANCE_HINT": "LATENCY"},
+    "int8": {"INFERENCE_PRECISION_HINT": "f32", "PERFORMANCE_HINT": "LATENCY"},
+}
+
+
+def _line(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+
+
+def build(req: RuntimeBuildRequest) -> RuntimeBuildReply:
+    """The variants of `req.variants` this CPU computes in, each an artifact under
+    `req.out`; a variant that fails to build carries its error, one the CPU lacks is
+    named in the notes."""
+    offer = find()
+    if not offer.usable:
+        return RuntimeBuildReply(offer.to_dict(), (), (f"OpenVINO not used: {offer.why_not}",))
+    import openvino as ov
+
+    notes: list[str] = []
+    wanted = []
+    for v in req.variants:
+        if v not in PROPERTIES:
+            raise ValueError(f"variant {v!r}: not one of {', '.join(PROPERTIES)}")
+        if offer.has(CAPABILITY[v]) or v == "f32":
+            wanted.append(v)
+        else:
+            notes.append(f"OpenVINO {v} not tried: this CPU's plugin does not list {CAPABILITY[v]}")
+    req.out.mkdir(parents=True, exist_ok=True)
+    xml = req.out / "openvino_f32.xml"
+    try:
+        model = ov.Core().read_model(str(req.source))
+        ov.save_model(model, str(xml), compress_to_fp16=False)
+    except Exception as exc:  # the frontend refused the model: every variant with it
+        why = f"OpenVINO could not read the model: {_line(exc)}"
+        return RuntimeBuildReply(
+            offer.to_dict(),
+            tuple(RuntimeArtifact(v, "openvino", error=why) for v in wanted),
+            tuple(notes),
+        )
+    out = []
+    for v in wanted:
+        if v != "int8":
+            out.append(RuntimeArtifact(v, "openvino", xml, dict(PROPERTIES[v])))
+            continue
+        try:
+            out.append(
+                RuntimeArtifact(v, "openvino", _int8(model, req.calibrate, req.out), PROPERTIES[v])
+            )
+        except Exception as exc:  # NNCF fails on some graphs: that variant only
+            log.info("NNCF int8 failed: %s", _line(exc))
+            out.append(RuntimeArtifact(v, "openvino", error=f"NNCF int8: {_line(exc)}"))
+    return RuntimeBuildReply(offer.to_dict(), tuple(out), tuple(notes))
+
+
+def _int8(model: Any, samples: tuple[Path, ...], out: Path) -> Path:
+    """`model` quantized by NNCF on `samples` (.npz feeds), saved as an IR; ValueError
+    without samples."""
+    import nncf
+    import openvino as ov
+
+    if not samples:
+        raise ValueError("no calibration samples")
+    names = [p.get_any_name() for p in model.inputs]
+    feeds = []
+    for path in samples:
+        with np.load(path, allow_pickle=False) as data:
+            feeds.append({n: data[n] for n in names if n in data.files})
+    quantized = nncf.quantize(model, nncf.Dataset(feeds), subset_size=len(feeds))
+    xml = out / "openvino_int8.xml"
+    ov.save_model(quantized, str(xml), compress_to_fp16=False)
+    return xml

@@ -1,0 +1,407 @@
+"""OpenVINO as a second runtime (backends/openvino, aoe.ovartifact): its discovery, its
+measurement worker driven by the runner beside onnxruntime's, and its artifacts' compile
+configs checked on read. Real openvino, real worker processes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+from aoe.device import CPU
+from aoe.errors import ModelError
+from aoe.ovartifact import CompileConfig, OvSession, RuntimeDecision, read_config, write_config
+from aoed.backends.openvino import discover
+from aoed.backends.ort import deployed, runner
+from aoed.engine.messages import Candidate, MeasurePlan, MeasureRequest
+from aoed.samples import mlp
+
+ov = pytest.importorskip("openvino")
+
+F32 = {"INFERENCE_PRECISION_HINT": "f32"}
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> dict[str, Path]:
+    """The mlp sample as ONNX and as OpenVINO IR (with a compile config), and inputs."""
+    d = tmp_path_factory.mktemp("ov")
+    onnx.save(mlp(), d / "mlp.onnx")
+    ov.save_model(ov.Core().read_model(str(d / "mlp.onnx")), str(d / "mlp.xml"), False)
+    write_config(d / "mlp.xml", CompileConfig("CPU", {"INFERENCE_PRECISION_HINT": "f32"}))
+    import onnxruntime as ort
+
+    sess = ort.InferenceSession(str(d / "mlp.onnx"))
+    rng = np.random.default_rng(0)
+    feeds = {
+        i.name: rng.standard_normal([x if isinstance(x, int) else 1 for x in i.shape]).astype(
+            np.float32
+        )
+        for i in sess.get_inputs()
+    }
+    np.savez(d / "inputs.npz", **feeds)
+    return {"onnx": d / "mlp.onnx", "xml": d / "mlp.xml", "inputs": d / "inputs.npz"}
+
+
+def test_discovery_reports_the_cpu_and_what_it_computes_in():
+    """`find` reports the CPU device and the plugin's own capabilities."""
+    offer = discover.find()
+    assert offer.usable, offer.why_not
+    assert offer.version and offer.version in ov.get_version()
+    caps = set(ov.Core().get_property("CPU", "OPTIMIZATION_CAPABILITIES"))
+    assert offer.capabilities == caps and offer.has("FP32")
+
+
+def test_openvino_and_onnxruntime_candidates_are_timed_side_by_side_as_deployed(files):
+    """Through the runner's own request: an IR and an ONNX file on OpenVINO (f32) are
+    measured in the same rounds as the onnxruntime reference, each in a worker process
+    of its own runtime, and agree with it to float rounding; OpenVINO's default on a CPU
+    with bf16 (no precision hint) computes in bf16; a compile property outside the
+    allow-list fails its candidate by name, never reaching OpenVINO."""
+    cands = (
+        Candidate("ort", files["onnx"]),
+        Candidate("ir", files["xml"], F32, runtime="openvino"),
+        Candidate("onnx_ov", files["onnx"], F32, runtime="openvino"),
+        Candidate("bf16", files["onnx"], {"PERFORMANCE_HINT": "LATENCY"}, runtime="openvino"),
+        Candidate("bad", files["xml"], {"CACHE_DIR": "/tmp/x"}, runtime="openvino"),
+    )
+    plan = MeasurePlan.fixed(4, 60.0, deployed=True)  # a budget no busy machine reaches
+    r = runner.measure(MeasureRequest(cands, files["inputs"], "ort", CPU, plan)).results
+    assert r["ort"].ok and r["ir"].ok and r["onnx_ov"].ok, r
+    assert not r["bad"].ok and "CACHE_DIR" in r["bad"].error and "not allowed" in r["bad"].error
+    for cid in ("ir", "onnx_ov"):
+        assert r[cid].cosine > 0.99999 and r[cid].max_rel_error < 1e-3
+        assert len(r[cid].rounds_us) == 4 and all(x and x > 0 for x in r[cid].rounds_us)
+    if discover.find().has("BF16"):
+        assert r["bf16"].ok and 0.999 < r["bf16"].cosine < 0.999999
+        assert r["bf16"].max_rel_error > 1e-4
+    modules = {w.module for w in deployed._idle}
+    assert modules == {"aoed.backends.ort.deployed", "aoed.backends.openvino.deployed"}
+    for w in deployed._idle:
+        assert w.ask(op="describe")["session"] is None  # kept, holding no model
+
+
+def test_an_openvino_candidate_is_refused_outside_a_deployed_measurement(files):
+    """In the runner's own process only onnxruntime runs: an OpenVINO candidate fails
+    with why, the others are measured."""
+    cands = (Candidate("ort", files["onnx"]), Candidate("ir", files["xml"], runtime="openvino"))
+    plan = MeasurePlan.fixed(2, 60.0)
+    r = runner.measure(MeasureRequest(cands, files["inputs"], "ort", CPU, plan)).results
+    assert r["ort"].ok and not r["ir"].ok and "deployed only" in r["ir"].error
+
+
+def test_an_artifact_opens_as_a_session_with_its_checked_config(files):
+    """The IR with its config runs like the ONNX model: same inputs, same outputs."""
+    sess = OvSession(files["xml"], read_config(files["xml"]))
+    import onnxruntime as ort
+
+    ref = ort.InferenceSession(str(files["onnx"]))
+    assert [i.name for i in sess.get_inputs()] == [i.name for i in ref.get_inputs()]
+    assert [o.name for o in sess.get_outputs()] == [o.name for o in ref.get_outputs()]
+    assert sess.get_inputs()[0].type == "tensor(float)"
+    with np.load(files["inputs"]) as data:
+        feeds = {k: data[k] for k in data.files}
+    got, want = sess.run(None, feeds), ref.run(None, feeds)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-4, atol=1e-5)
+    name = ref.get_outputs()[0].name
+    np.testing.assert_array_equal(sess.run([name], feeds)[0], got[0])
+
+
+@pytest.mark.parametrize(
+    ("doc", "says"),
+    [
+        ("[1, 2]", "not a JSON object"),
+        ('{"format": 1, "device": "CPU", "config": {"CACHE_DIR": "/x"}}', "'CACHE_DIR'"),
+        (
+            '{"format": 1, "config": {"INFERENCE_PRECISION_HINT": "f64"}}',
+            "INFERENCE_PRECISION_HINT",
+        ),
+        ('{"format": 1, "config": {"NUM_STREAMS": -1}}', "NUM_STREAMS"),
+        ('{"format": 1, "config": {"NUM_STREAMS": true}}', "NUM_STREAMS"),
+        ('{"format": 1, "device": "GPU.0", "config": {}}', "device 'GPU.0'"),
+        ('{"format": 9, "config": {}}', "format 9"),
+        ('{"format": 1, "config": {}, "plugin": "x.so"}', "unknown field 'plugin'"),
+        ("{not json", "not JSON"),
+    ],
+)
+def test_a_bad_compile_config_is_refused_by_name(tmp_path, doc, says):
+    """Each bad config file fails its read with a ModelError naming the file and what is
+    wrong; none reaches OpenVINO."""
+    xml = tmp_path / "m.xml"
+    xml.with_name("m.ovconfig.json").write_text(doc)
+    with pytest.raises(ModelError, match="m.ovconfig.json") as err:
+        read_config(xml)
+    assert says in str(err.value)
+
+
+def test_an_ir_without_its_config_is_refused(tmp_path):
+    with pytest.raises(ModelError, match="keep it beside the .xml"):
+        read_config(tmp_path / "m.xml")
+
+
+def test_a_written_config_reads_back(tmp_path):
+    cfg = CompileConfig("CPU", {"INFERENCE_PRECISION_HINT": "bf16", "NUM_STREAMS": 1})
+    write_config(tmp_path / "m.xml", cfg)
+    assert read_config(tmp_path / "m.xml") == cfg
+    assert json.loads((tmp_path / "m.ovconfig.json").read_text())["format"] == 1
+
+
+# ---------------------------------------------------------------- a job that ships OpenVINO
+
+#: A small int8 job: the cnn sample, whose bf16 build on OpenVINO ran 2x faster than
+#: onnxruntime's proposal on a CPU with AMX (measured on the 2-core machine). A budget
+#: every task of it gets a slice of, so that a second run is answered from the bank.
+JOB = ("--precision", "int8", "--budget", "3", "--parallel", "1", "--no-progress")
+JOB += ("--job-type", "opat")
+
+
+def _result(out: Path) -> dict:
+    (path,) = sorted(out.glob("aoe_result_*.json"))
+    return json.loads(path.read_text())
+
+
+@pytest.fixture(scope="module")
+def shipped(tmp_path_factory) -> dict:
+    """One int8 job on the cnn sample (default --runtime auto), where the CPU has bf16."""
+    if not discover.find().has("BF16"):
+        pytest.skip("OpenVINO's bf16 build wins on a CPU with bf16 (AMX or AVX512-BF16)")
+    from aoed import samples
+
+    from .conftest import run_aoe
+
+    d = tmp_path_factory.mktemp("ovjob")
+    model = samples.save(samples.build("cnn"), d / "cnn.onnx")
+    run = run_aoe("tune", str(model), *JOB, "--output", str(d / "out"), "--bank", str(d / "bank"))
+    assert run.returncode == 0, run.stderr
+    return {"model": model, "dir": d, "doc": _result(d / "out"), "stdout": run.stdout}
+
+
+@pytest.fixture(scope="module")
+def banked(shipped) -> dict:
+    """The same job again on its bank, and `aoe compile` from that bank."""
+    from .conftest import run_aoe
+
+    d, model, bank = shipped["dir"], str(shipped["model"]), ("--bank", str(shipped["dir"] / "bank"))
+    again = run_aoe("tune", model, *JOB, "--output", str(d / "again"), *bank)
+    assert again.returncode == 0, again.stderr
+    compiled = run_aoe(
+        "compile", model, "-o", str(d / "compiled" / "cnn_tuned.onnx"), *bank,
+        "--precision", "int8", "--job-type", "opat",
+    )  # fmt: skip
+    assert compiled.returncode == 0, compiled.stderr
+    return {"again": _result(d / "again"), "compiled": d / "compiled"}
+
+
+@pytest.mark.slow
+def test_a_job_ships_the_openvino_build_that_won_and_says_so(shipped):
+    """The result names the runtime and the table of every runtime's candidate; the
+    figures compare the IR with the input on onnxruntime; the IR ships with its .bin and
+    compile config beside it, and the summary says which runtime ships."""
+    doc = shipped["doc"]
+    assert doc["runtime"] == "openvino"
+    xml = Path(doc["tuned_model"])
+    assert xml.suffix == ".xml" and xml.with_suffix(".bin").is_file()
+    assert read_config(xml).config == doc["runtime_options"]
+    rows = {r["name"]: r for r in doc["runtimes"]}
+    assert rows["input"]["runtime"] == "onnxruntime"
+    assert {"openvino_f32", "openvino_bf16", "openvino_int8"} <= set(rows)
+    assert sum(r.get("gate") == "passed" and "held_back" in r for r in rows.values()) >= 1
+    conf = doc["confirmation"]
+    assert conf["shipped"] == "tuned" and conf["verdict"] == "faster"
+    assert conf["improvement"] > 0
+    assert "runtime      openvino (" in shipped["stdout"]
+    assert "measured against the input on onnxruntime" in shipped["stdout"]
+
+
+@pytest.mark.slow
+def test_the_shipped_ir_opens_with_aoe_session_and_matches_fp32(shipped, tmp_path):
+    """`aoe.session` opens the IR with its compile config, behind the surface an
+    onnxruntime session has; its outputs are within the int8 policy's gate of the fp32
+    input on onnxruntime, on inputs the job never saw."""
+    import onnxruntime as ort
+
+    import aoe
+
+    xml = Path(shipped["doc"]["tuned_model"])
+    sess = aoe.session(xml)
+    ref = ort.InferenceSession(str(shipped["model"]))
+    assert [i.name for i in sess.get_inputs()] == [i.name for i in ref.get_inputs()]
+    assert [o.name for o in sess.get_outputs()] == [o.name for o in ref.get_outputs()]
+    rng = np.random.default_rng(123)
+    for _ in range(3):
+        feeds = {i.name: rng.standard_normal(i.shape).astype(np.float32) for i in ref.get_inputs()}
+        got = sess.run(None, feeds)[0].astype(np.float64).ravel()
+        want = ref.run(None, feeds)[0].astype(np.float64).ravel()
+        assert got @ want / np.linalg.norm(got) / np.linalg.norm(want) >= 0.999
+    props = sess.compiled.get_property("INFERENCE_PRECISION_HINT")
+    hint = read_config(xml).config["INFERENCE_PRECISION_HINT"]
+    assert str(props) == {"bf16": "<Type: 'bfloat16'>", "f32": "<Type: 'float32'>"}[hint]
+    tampered = tmp_path / xml.name
+    for suffix in (".xml", ".bin"):
+        tampered.with_suffix(suffix).write_bytes(xml.with_suffix(suffix).read_bytes())
+    tampered.with_name(tampered.stem + ".ovconfig.json").write_text(
+        json.dumps({"format": 1, "device": "CPU", "config": {"CACHE_DIR": str(tmp_path)}})
+    )
+    with pytest.raises(ModelError, match="'CACHE_DIR' is not allowed"):
+        aoe.session(tampered)
+
+
+#: An exact job on the mlp sample: seconds.
+EXACT = ("--budget", "2", "--parallel", "1", "--no-progress", "--job-type", "opat")
+
+#: Runs `aoe` in this child and says whether openvino (or nncf) was ever imported in it.
+_TUNE_AND_SAY = """
+import sys
+from aoe.cli import main
+rc = main(sys.argv[1:])
+print("imported:", sorted(m for m in ("openvino", "nncf") if m in sys.modules))
+sys.exit(rc)
+"""
+
+
+@pytest.mark.slow
+def test_exact_lets_only_f32_compete_and_onnxruntime_never_starts_openvino(tmp_path):
+    """`exact` lets OpenVINO compete in f32 alone (bf16 and int8 are not float-rounding
+    changes); `--runtime onnxruntime` never builds, measures or imports OpenVINO: the
+    process that ran the engine never imported it, no stage ran, no candidate of it was
+    measured, nothing was written for it."""
+    import os
+    import subprocess
+    import sys
+
+    from aoed import samples
+
+    model = samples.save(samples.build("mlp"), tmp_path / "mlp.onnx")
+    env = {**os.environ}
+    env.pop("TUNE_BANK_PATH", None)
+    docs, said = {}, {}
+    for runtime in ("auto", "onnxruntime"):
+        out = tmp_path / runtime
+        run = subprocess.run(
+            [sys.executable, "-c", _TUNE_AND_SAY, "tune", str(model), *EXACT, "--runtime",
+             runtime, "--output", str(out), "--bank", str(tmp_path / f"bank_{runtime}")],
+            capture_output=True, text=True, env=env, timeout=300,
+        )  # fmt: skip
+        assert run.returncode == 0, run.stderr
+        docs[runtime], said[runtime] = _result(out), run.stdout
+    auto = docs["auto"]
+    assert {r["name"] for r in auto["runtimes"] if r["runtime"] == "openvino"} == {"openvino_f32"}
+    assert "runtime" in auto["budget"]["stages"]
+    ort_only = docs["onnxruntime"]
+    assert ort_only["runtime"] == "onnxruntime" and ort_only["runtimes"] == []
+    assert "runtime" not in ort_only["budget"]["stages"]
+    assert "imported: []" in said["onnxruntime"]
+    assert not list((tmp_path / "onnxruntime").rglob("openvino*"))
+    assert not any("OpenVINO" in n for n in ort_only["notes"])
+
+
+@pytest.mark.slow
+@pytest.mark.long  # two more runs of the aoe command on the module's job: about 10 s
+def test_a_second_run_is_answered_from_the_bank_and_compile_rebuilds_the_ir(shipped, banked):
+    """The bank's model-level record names the runtime that shipped: the same job again
+    measures nothing (the first job's confirmation, OpenVINO's build rebuilt, no
+    competition), and `aoe compile` writes the same IR with its compile config."""
+    first, again = shipped["doc"], banked["again"]
+    assert again["runtime"] == "openvino"
+    assert again["runtime_options"] == first["runtime_options"]
+    assert again["confirmation"]["from_bank"] == first["basic"]["job_id"]
+    assert again["confirmation"]["improvement"] == first["confirmation"]["improvement"]
+    assert again["runtimes"] == [] and "verify" not in again["budget"]["stages"]
+    assert Path(again["tuned_model"]).with_suffix(".bin").is_file()
+    out = banked["compiled"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "cnn_tuned.bin", "cnn_tuned.ovconfig.json", "cnn_tuned.xml",
+    ]  # fmt: skip
+    assert read_config(out / "cnn_tuned.xml").config == first["runtime_options"]
+
+
+@pytest.mark.parametrize(
+    ("runtime", "says"),
+    [
+        ("{", "not JSON"),
+        ('{"runtime": "tensorrt", "variant": "f32", "options": {}}', "'tensorrt'"),
+        ('{"runtime": "openvino", "variant": "int4", "options": {}}', "'int4'"),
+        ('{"runtime": "openvino", "variant": "f32", "options": {"CACHE_DIR": "/x"}}', "CACHE_DIR"),
+        ('{"runtime": "openvino", "variant": "f32"}', "runtime, variant and options"),
+    ],
+)
+def test_a_bank_record_with_a_bad_runtime_is_refused_by_name(runtime, says):
+    """A bank (perhaps another machine's) names the runtime that shipped: what a record
+    says is checked as a compile config is, before anything is built from it."""
+    from aoe.recordcheck import RecordError, check_default_doc
+
+    check_default_doc({"default_us": 1.0, "runtime": RuntimeDecision("openvino", "bf16").to_json()})
+    with pytest.raises(RecordError, match="runtime") as err:
+        check_default_doc({"default_us": 1.0, "runtime": runtime})
+    assert says in str(err.value)
+
+
+def test_a_drop_folder_delivers_the_ir_with_its_weights_and_config(tmp_path):
+    """A job that shipped OpenVINO's build leaves the IR, its .bin and its compile config
+    in the outbox under names `aoe.session` opens together, with the result and report."""
+    from aoe.figures import Figures
+    from aoe.outcome import JobOutcome
+    from aoe.spec import JobSpec
+    from aoed.config import Inbox
+    from aoed.jobs.states import JobState
+    from aoed.jobs.store import JobRow
+    from aoed.watch.delivery import write_outputs
+
+    res = tmp_path / "result"
+    res.mkdir()
+    xml = res / "m_tune.xml"
+    xml.write_bytes(b"<net/>")
+    xml.with_suffix(".bin").write_bytes(b"weights")
+    write_config(xml, CompileConfig("CPU", F32))
+    (res / "r.json").write_text("{}")
+    outcome = JobOutcome(
+        "job-1", "m.onnx", str(xml), str(res / "r.json"), "exact", "opat", "cpu", 1.0,
+        Figures("faster", "tuned", 2.0, 0.25, (0.2, 0.3), 10), runtime="openvino",
+        runtime_options=F32,
+    )  # fmt: skip
+    row = JobRow(
+        "job-1", JobState.SUCCEEDED, "m.onnx", "m.onnx", "", "", JobSpec(), str(tmp_path),
+        outcome=outcome,
+    )  # fmt: skip
+    inbox = Inbox(tmp_path / "in", tmp_path / "out", tmp_path / "failed")
+    written = write_outputs(inbox, "m.onnx", row)
+    assert sorted(written) == [
+        "m_report.txt", "m_result.json", "m_tuned.bin", "m_tuned.ovconfig.json", "m_tuned.xml",
+    ]  # fmt: skip
+    out = tmp_path / "out"
+    assert (out / "m_tuned.bin").read_bytes() == b"weights"
+    assert read_config(out / "m_tuned.xml").config == F32
+    assert "runtime:      openvino" in (out / "m_report.txt").read_text()
+
+
+@pytest.mark.slow
+def test_where_openvino_cannot_load_auto_says_so_once_and_openvino_fails_by_name(tmp_path):
+    """A machine whose openvino cannot be imported (here: a package of that name that
+    raises ImportError, first on the path of the command and its children): `auto`
+    ships onnxruntime's result and says why once; `--runtime openvino` fails the job,
+    naming the option."""
+    import os
+
+    from aoed import samples
+
+    from .conftest import run_aoe
+
+    fake = tmp_path / "fake" / "openvino"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text('raise ImportError("no OpenVINO on this machine")\n')
+    env = {"PYTHONPATH": os.pathsep.join([str(fake.parent), os.environ.get("PYTHONPATH", "")])}
+    model = samples.save(samples.build("mlp"), tmp_path / "mlp.onnx")
+    common = (str(model), *EXACT, "--bank", str(tmp_path / "bank"))
+    auto = run_aoe("tune", *common, "--output", str(tmp_path / "auto"), env=env)
+    assert auto.returncode == 0, auto.stderr
+    doc = _result(tmp_path / "auto")
+    assert doc["runtime"] == "onnxruntime" and doc["runtimes"] == []
+    said = [n for n in doc["notes"] if "OpenVINO" in n]
+    assert len(said) == 1 and "no OpenVINO on this machine" in said[0], doc["notes"]
+    asked = run_aoe(
+        "tune", *common, "--runtime", "openvino", "--output", str(tmp_path / "ov"), env=env
+    )
+    assert asked.returncode == 2, (asked.stdout, asked.stderr)
+    assert "--runtime openvino" in asked.stderr and "no OpenVINO on this machine" in asked.stderr
