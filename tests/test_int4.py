@@ -19,7 +19,7 @@ from aoed.engine.prep import make_inputs, prepare
 from aoed.engine.tasks import Constants, apply_rewrites
 
 
-def _nbits_model(packed, scales, k: int, n: int, level: int):
+def _nbits_model(packed, scales, k: int, n: int, level: int, block: int = INT4_BLOCK):
     node = helper.make_node(
         "MatMulNBits",
         ["x", "B", "S"],
@@ -28,7 +28,7 @@ def _nbits_model(packed, scales, k: int, n: int, level: int):
         K=k,
         N=n,
         bits=4,
-        block_size=INT4_BLOCK,
+        block_size=block,
         accuracy_level=level,
     )
     g = helper.make_graph(
@@ -43,23 +43,25 @@ def _nbits_model(packed, scales, k: int, n: int, level: int):
     )
 
 
-@pytest.mark.parametrize("k", [64, 70])  # whole blocks, and K padded to them
-def test_packing_is_what_the_kernel_reads(k: int) -> None:
+@pytest.mark.parametrize(
+    ("k", "block"), [(64, INT4_BLOCK), (70, INT4_BLOCK), (256, 128), (200, 128)]
+)  # whole blocks, and K padded to them; both block sizes searched
+def test_packing_is_what_the_kernel_reads(k: int, block: int) -> None:
     rng = np.random.default_rng(k)
     n = 48
     w = (rng.standard_normal((k, n)) * 0.1).astype(np.float32)
-    packed, scales = pack_int4(w)
-    blocks = -(-k // INT4_BLOCK)
-    assert packed.shape == (n, blocks, INT4_BLOCK // 2) and scales.shape == (n * blocks,)
+    packed, scales = pack_int4(w, block)
+    blocks = -(-k // block)
+    assert packed.shape == (n, blocks, block // 2) and scales.shape == (n * blocks,)
     # Unpack by hand: the dequantized weight is within half a step of the original.
     lo, hi = packed & 0x0F, packed >> 4
-    q = np.stack([lo, hi], axis=-1).reshape(n, blocks, INT4_BLOCK).astype(np.float32) - 8
+    q = np.stack([lo, hi], axis=-1).reshape(n, blocks, block).astype(np.float32) - 8
     deq = (q * scales.reshape(n, blocks, 1)).reshape(n, -1)[:, :k].T
-    step = np.repeat(scales.reshape(n, blocks), INT4_BLOCK, axis=1)[:, :k].T
+    step = np.repeat(scales.reshape(n, blocks), block, axis=1)[:, :k].T
     assert np.all(np.abs(deq - w) <= step / 2 + 1e-7)
     x = rng.standard_normal((4, k)).astype(np.float32)
     sess = ort.InferenceSession(
-        _nbits_model(packed, scales, k, n, 0).SerializeToString(),
+        _nbits_model(packed, scales, k, n, 0, block).SerializeToString(),
         providers=["CPUExecutionProvider"],
     )
     np.testing.assert_allclose(sess.run(None, {"x": x})[0], x @ deq, rtol=1e-4, atol=1e-5)
@@ -72,6 +74,7 @@ def test_int4_strategies_apply_to_matmul_tasks_within_the_policy(
     assert [s.name for s in registry.strategies_for("matmul", "int4") if s.precision == "int4"] == [
         "int4_weight_only",
         "int4_int8_compute",
+        "int4_int8_compute_b128",
     ]
     assert not any(s.precision == "int4" for s in registry.strategies_for("matmul", "int8"))
     prep = prepare(models / "mlp.onnx", tmp_path)
@@ -81,7 +84,8 @@ def test_int4_strategies_apply_to_matmul_tasks_within_the_policy(
         prep.model.SerializeToString(), providers=["CPUExecutionProvider"]
     ).run(None, feeds)[0]
     task = partition(prep.model, prep.ctx)[0]
-    for name in ("int4_weight_only", "int4_int8_compute"):
+    cos = {}
+    for name in ("int4_weight_only", "int4_int8_compute", "int4_int8_compute_b128"):
         tuned = apply_rewrites(
             prep.model, task_rewrites(prep.model, prep.ctx, consts, task, name, registry)
         )
@@ -89,8 +93,11 @@ def test_int4_strategies_apply_to_matmul_tasks_within_the_policy(
         y = ort.InferenceSession(tuned.SerializeToString(), providers=["CPUExecutionProvider"]).run(
             None, feeds
         )[0]
-        cos = float((y * ref).sum() / np.linalg.norm(y) / np.linalg.norm(ref))
-        assert policy("int4").e2e_min_cosine <= cos < 1.0, (name, cos)
+        cos[name] = float((y * ref).sum() / np.linalg.norm(y) / np.linalg.norm(ref))
+    assert policy("int4").e2e_min_cosine <= cos["int4_weight_only"] < 1.0, cos
+    assert policy("int4").e2e_min_cosine <= cos["int4_int8_compute"] < 1.0, cos
+    # blocks of 128 are coarser: the gate decides whether a task affords them
+    assert 0.9 < cos["int4_int8_compute_b128"] < cos["int4_int8_compute"], cos
 
 
 def test_int4_policy_budget() -> None:

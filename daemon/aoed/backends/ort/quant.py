@@ -293,6 +293,9 @@ def _int8_qlinearconv(view: TaskView) -> Rewrite | None:
 
 #: Weights are quantized in blocks of this many rows (along K), each with its own scale.
 INT4_BLOCK = 32
+#: The larger block a second int8-compute form tries: a quarter of the scales to read,
+#: at a coarser approximation (the accuracy gate decides whether the task can afford it).
+INT4_BLOCK_LARGE = 128
 
 
 def pack_int4(w: np.ndarray, block: int = INT4_BLOCK) -> tuple[np.ndarray, np.ndarray]:
@@ -311,13 +314,13 @@ def pack_int4(w: np.ndarray, block: int = INT4_BLOCK) -> tuple[np.ndarray, np.nd
     return (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8), scale.reshape(-1)
 
 
-def _int4_nbits(view: TaskView, accuracy_level: int) -> Rewrite | None:
+def _int4_nbits(view: TaskView, accuracy_level: int, block: int = INT4_BLOCK) -> Rewrite | None:
     parts = matmul_parts(view)
     if parts is None:
         return None
     a, w, bias, act, _rank = parts
     k, n = w.shape
-    packed, scales = pack_int4(np.asarray(w, np.float32))
+    packed, scales = pack_int4(np.asarray(w, np.float32), block)
     inits = [init(view, "weight_q4", packed), init(view, "weight_scales", scales)]
     ins = [a, inits[0].name, inits[1].name]
     if bias is not None:
@@ -334,7 +337,7 @@ def _int4_nbits(view: TaskView, accuracy_level: int) -> Rewrite | None:
             K=k,
             N=n,
             bits=4,
-            block_size=INT4_BLOCK,
+            block_size=block,
             accuracy_level=accuracy_level,
         )
     ]
@@ -351,6 +354,11 @@ def _int4_weight_only(view: TaskView) -> Rewrite | None:
 def _int4_int8_compute(view: TaskView) -> Rewrite | None:
     """MatMulNBits with the activation quantized to int8 for the product (accuracy level 4)."""
     return _int4_nbits(view, accuracy_level=4)
+
+
+def _int4_int8_compute_b128(view: TaskView) -> Rewrite | None:
+    """As int4_int8_compute, the weight in blocks of 128 rows: fewer scales, coarser."""
+    return _int4_nbits(view, accuracy_level=4, block=INT4_BLOCK_LARGE)
 
 
 # --------------------------------------------------------------------------- matmul_act
@@ -394,3 +402,4 @@ def register(registry: StrategyRegistry) -> None:
     s("int8_dynamic_actact", "matmul_act", "int8")(_int8_actact)
     s("int4_weight_only", "matmul", "int4")(_int4_weight_only)
     s("int4_int8_compute", "matmul", "int4")(_int4_int8_compute)
+    s("int4_int8_compute_b128", "matmul", "int4")(_int4_int8_compute_b128)
