@@ -193,7 +193,7 @@ class Figures:
     ) -> Figures:
         """The figures of a proposal that ships, from its median time ratio to the input."""
         imp, ci = improvement_of(ratio, ratio_ci)
-        return cls("faster", kind, baseline_ms, imp, ci, rounds)
+        return cls("faster", Shipped(kind), baseline_ms, imp, ci, rounds)
 
     @classmethod
     def unchanged(
@@ -205,7 +205,9 @@ class Figures:
         confirmed_by: str = "",
     ) -> Figures:
         """The figures of a job that ships its input: the proposal was `verdict`."""
-        return cls(verdict, "input", baseline_ms, 0.0, (0.0, 0.0), rounds, confirmed_by, decided_by)
+        return cls(
+            verdict, Shipped.INPUT, baseline_ms, 0.0, (0.0, 0.0), rounds, confirmed_by, decided_by
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """JSON types; `from_dict` reads it back."""
@@ -239,7 +241,7 @@ class Figures:
         decided = d.get("decided_by")
         return cls(
             verdict=str(d.get("verdict") or ""),
-            shipped=shipped,
+            shipped=Shipped(shipped),
             baseline_ms=float(d.get("baseline_ms") or 0.0),
             improvement=imp,
             ci95=ci,

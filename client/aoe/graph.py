@@ -164,8 +164,8 @@ def _apply_shapes(
                     f"input {vi.name!r}: dynamic dimension {', '.join(fixed)} fixed by --input-shape"
                 )
             t.ClearField("shape")
-            for d in want:
-                t.shape.dim.add().dim_value = d
+            for size in want:
+                t.shape.dim.add().dim_value = size
             continue
         if not strict:
             continue

@@ -369,10 +369,9 @@ def task_signature(nodes: Sequence[onnx.NodeProto], ctx: ModelContext) -> TaskSi
         if opset is None:
             opset = opsets[domain] = ctx.opset(domain)
         defaults, middle, tail = _op_json(op_type, node_domain, opset)
-        attrs = node.attribute
         spelled, deferred = "{}", None
-        if attrs:
-            attrs = attrs[:]
+        if node.attribute:
+            attrs = node.attribute[:]
             serialized = _serialized(attrs)
             if serialized is not None:
                 spelled = _attributes_json_of(op_type, node_domain, opset, serialized)
@@ -388,7 +387,7 @@ def task_signature(nodes: Sequence[onnx.NodeProto], ctx: ModelContext) -> TaskSi
     constants = ctx.constants
     tensors_in = [_tensor_json(n, ctx, n in constants) for n in inputs]
     tensors_out = [_tensor_json(n, ctx, False) for n in outputs]
-    tensors_in = ",".join([t if type(t) is str else canonical_json(t) for t in tensors_in])
+    inputs_json = ",".join([t if type(t) is str else canonical_json(t) for t in tensors_in])
     nodes_json = ",".join(
         [
             '{"attrs":'
@@ -400,10 +399,10 @@ def task_signature(nodes: Sequence[onnx.NodeProto], ctx: ModelContext) -> TaskSi
         ]
     )
     opsets_json = ",".join([_json_str(d) + ":" + _json_int(opsets[d]) for d in sorted(opsets)])
-    tensors_out = ",".join([t if type(t) is str else canonical_json(t) for t in tensors_out])
+    outputs_json = ",".join([t if type(t) is str else canonical_json(t) for t in tensors_out])
     text = (
-        f'{{"inputs":[{tensors_in}],"nodes":[{nodes_json}],"opsets":{{{opsets_json}}},'
-        f'"outputs":[{tensors_out}],"v":{_SCHEMA_VERSION_JSON}}}'
+        f'{{"inputs":[{inputs_json}],"nodes":[{nodes_json}],"opsets":{{{opsets_json}}},'
+        f'"outputs":[{outputs_json}],"v":{_SCHEMA_VERSION_JSON}}}'
     )
     domain = anchor_domain if anchor_domain != "ai.onnx" else ""
     return TaskSignature(

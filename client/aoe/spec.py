@@ -149,7 +149,7 @@ GRADIENT_PRECISIONS = ("exact", "fp16", "bf16", "lowrank")
 #: The fields only a GDAT job reads, and the ONNX fields a GDAT job refuses (with the
 #: value that means "not given").
 _GDAT_FIELDS = ("world_size", "backend", "gradient_precision", "entry")
-_ONNX_FIELDS = (
+_ONNX_FIELDS: tuple[tuple[str, object], ...] = (
     ("input_shapes", {}),
     ("shape_profile", ShapeProfile()),
     ("min_cosine", None),

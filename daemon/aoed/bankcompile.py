@@ -191,10 +191,8 @@ def compile_model(
 
             plain = Path(work) / "plain.onnx"
             save_model(model, plain)
-            np.savez(
-                Path(work) / "inputs.npz",
-                **make_inputs(prep.inputs, int_high=integer_ranges(prep.model, prep.inputs)),
-            )
+            feeds = make_inputs(prep.inputs, int_high=integer_ranges(prep.model, prep.inputs))
+            np.savez(Path(work) / "inputs.npz", **feeds)  # type: ignore[arg-type]  # (numpy's stub)
             kept, why = _options_hold(
                 runtime,
                 plain,
@@ -247,15 +245,15 @@ def _openvino(
             "openvino", Path(model_path), work / "openvino", (asm.runtime.variant,), tuple(calib)
         )
     )
-    got = [a for a in reply.artifacts if a.model is not None and not a.error]
+    got = [a.model for a in reply.artifacts if a.model is not None and not a.error]
     if not got:
         why = "; ".join([*reply.notes, *(a.error for a in reply.artifacts)]) or "not built"
         asm.notes.append(f"OpenVINO's build not rebuilt ({why}): the ONNX model is written")
         return None
     xml = output.with_suffix(".xml")
     xml.parent.mkdir(parents=True, exist_ok=True)  # as save_model does for the ONNX model
-    shutil.copyfile(got[0].model, xml)
-    shutil.copyfile(got[0].model.with_suffix(".bin"), xml.with_suffix(".bin"))
+    shutil.copyfile(got[0], xml)
+    shutil.copyfile(got[0].with_suffix(".bin"), xml.with_suffix(".bin"))
     write_config(xml, CompileConfig("CPU", dict(asm.runtime.options)))
     asm.notes.append(
         f"OpenVINO IR written: {xml}, {xml.with_suffix('.bin').name}, {config_path(xml).name}"

@@ -23,7 +23,7 @@ from aoed.engine.assemble import tuned_metadata
 from aoed.engine.budget import Budget
 from aoed.engine.context import JobContext
 from aoed.engine.estimates import estimate
-from aoed.engine.messages import Build, Candidate, MeasurePlan
+from aoed.engine.messages import Build, Candidate, Measurement, MeasurePlan
 from aoed.engine.runtimestage import RuntimeChoice
 from aoed.engine.verify import Verified
 
@@ -119,7 +119,7 @@ async def confirm_proposal(
     cached: dict[str, Any] | None,
     budget: Budget,
     runtime: RuntimeChoice | None = None,
-) -> tuple[confirm.Confirmation, Path, tuple | None]:
+) -> tuple[confirm.Confirmation, Path, tuple[Measurement, Measurement] | None]:
     """Write the proposal's files, run the confirming A/B (or take the bank's, checking
     session options with one short A/B), and return the confirmation, the file to ship
     and the evidence for the session options (with, without). When another runtime's
@@ -177,12 +177,14 @@ async def confirm_proposal(
     conf = confirm.Confirmation(figures, options_kept=bool(cached.get("options_kept")))
     ship = proposal.model if conf.shipped != "input" else proposal.input_copy
     if conf.shipped != "input" and v.options and conf.options_kept:
+        assert proposal.plain is not None  # written whenever there are options
+        plain = proposal.plain
         # Options won on a machine that may have been busier: one short A/B here.
         try:
             m = await ctx.measure(
                 [
                     Candidate("with", proposal.model, v.options),
-                    Candidate("without", proposal.plain),
+                    Candidate("without", plain),
                 ],
                 "without",
                 5.0,
@@ -208,7 +210,7 @@ async def confirm_proposal(
                     else verdict
                 )
             )
-            ship = proposal.plain if conf.shipped == "tuned" else proposal.input_copy
+            ship = plain if conf.shipped == "tuned" else proposal.input_copy
             if conf.shipped == "options only":
                 # Nothing of the proposal ships: its figures move to `proposal`, as a fresh
                 # confirmation reports a proposal that did not ship.
@@ -235,7 +237,7 @@ CONFIRM_S = 30.0
 
 async def _fresh(
     ctx: JobContext, proposal: confirm.Proposal, budget: Budget, sessions: int
-) -> tuple[confirm.Confirmation, Path, tuple | None]:
+) -> tuple[confirm.Confirmation, Path, tuple[Measurement, Measurement] | None]:
     """The confirming A/B of `proposal` run here, its estimate said first; a failed
     device ships the input."""
     estimate(

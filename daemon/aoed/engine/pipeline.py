@@ -57,8 +57,10 @@ from aoed.engine.messages import (
     CalibrateRequest,
     CheckReply,
     CheckRequest,
+    Measurement,
     PrepareReply,
     PrepareRequest,
+    Request,
     SamplesReply,
     SamplesRequest,
 )
@@ -448,7 +450,7 @@ class Confirmed:
     confirmation: confirm.Confirmation
     ship: Path
     #: the session options' rounds (with, without) when the A/B kept them
-    evidence: tuple | None
+    evidence: tuple[Measurement, Measurement] | None
     choices: dict[str, str]
     options: dict[str, Any]
     #: the runtime of what ships, and (another runtime's) the options it runs with
@@ -667,7 +669,7 @@ async def outputs(
     return outcome
 
 
-async def _work(ctx: JobContext, request, what: str):
+async def _work(ctx: JobContext, request: Request, what: str) -> Any:
     """One request to the compile pool about the job's model (`pool.model_step`)."""
     return await model_step(ctx.pool, request, ctx.ledger, ctx.run.shown_model, what)
 
