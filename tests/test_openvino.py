@@ -405,3 +405,43 @@ def test_where_openvino_cannot_load_auto_says_so_once_and_openvino_fails_by_name
     )
     assert asked.returncode == 2, (asked.stdout, asked.stderr)
     assert "--runtime openvino" in asked.stderr and "no OpenVINO on this machine" in asked.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.long  # a daemon and one int8 job on it: about 20 s
+def test_a_daemon_job_ships_the_ir_and_aoe_fetch_downloads_all_three_files(tmp_path):
+    """Through the daemon: the runtime travels in JobOptions and back in JobResult, and
+    `aoe fetch` downloads the IR, its weights and its compile config side by side, which
+    `aoe.session` then opens."""
+    if not discover.find().has("BF16"):
+        pytest.skip("OpenVINO's bf16 build wins on a CPU with bf16 (AMX or AVX512-BF16)")
+    import aoe
+    from aoe.v1 import tuning_pb2
+    from aoed import samples
+    from tests.daemon_util import DaemonProcess
+
+    from .conftest import run_aoe
+
+    d = DaemonProcess(tmp_path / "d")
+    samples.save(samples.build("cnn"), d.models / "cnn.onnx")
+    d.start()
+    try:
+        env = {"AOED_SOCKET": str(d.socket)}
+        job_opts = ("--precision", "int8", "--budget", "3", "--job-type", "opat")
+        r = run_aoe("submit", str(d.models / "cnn.onnx"), *job_opts, "--watch", env=env)
+        assert r.returncode == 0, r.stderr
+        job_id = (r.stdout + r.stderr).split("as job ", 1)[1].split()[0]
+        got = tmp_path / "got"
+        fetched = run_aoe("fetch", job_id, "-o", str(got), env=env)
+        assert fetched.returncode == 0, fetched.stderr
+        names = sorted(p.name for p in got.iterdir())
+        (xml,) = [got / n for n in names if n.endswith(".xml")]
+        assert {xml.stem + ".bin", xml.stem + ".ovconfig.json"} <= set(names), names
+        assert len(names) == 4, names  # and the result JSON
+        sess = aoe.session(xml)
+        assert [i.name for i in sess.get_inputs()]
+        job = d.tuning().GetJob(tuning_pb2.GetJobRequest(job_id=job_id)).job
+        assert job.result.runtime == "openvino" and job.options.runtime == "auto"
+        assert json.loads(job.result.runtime_options_json) == read_config(xml).config
+    finally:
+        d.close()
