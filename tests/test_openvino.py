@@ -211,6 +211,9 @@ def test_a_job_ships_the_openvino_build_that_won_and_says_so(shipped):
     conf = doc["confirmation"]
     assert conf["shipped"] == "tuned" and conf["verdict"] == "faster"
     assert conf["improvement"] > 0
+    offer = discover.find()
+    assert doc["device_info"]["openvino"]["version"] == offer.version
+    assert set(doc["device_info"]["openvino"]["capabilities"]) == offer.capabilities
     assert "runtime      openvino (" in shipped["stdout"]
     assert "measured against the input on onnxruntime" in shipped["stdout"]
 
@@ -324,7 +327,8 @@ def test_a_second_run_is_answered_from_the_bank_and_compile_rebuilds_the_ir(ship
         ('{"runtime": "tensorrt", "variant": "f32", "options": {}}', "'tensorrt'"),
         ('{"runtime": "openvino", "variant": "int4", "options": {}}', "'int4'"),
         ('{"runtime": "openvino", "variant": "f32", "options": {"CACHE_DIR": "/x"}}', "CACHE_DIR"),
-        ('{"runtime": "openvino", "variant": "f32"}', "runtime, variant and options"),
+        ('{"runtime": "openvino", "variant": "f32"}', "runtime, variant, options"),
+        ('{"runtime": "openvino", "variant": "f32", "options": {}, "version": "1;rm"}', "version"),
     ],
 )
 def test_a_bank_record_with_a_bad_runtime_is_refused_by_name(runtime, says):
@@ -332,7 +336,9 @@ def test_a_bank_record_with_a_bad_runtime_is_refused_by_name(runtime, says):
     says is checked as a compile config is, before anything is built from it."""
     from aoe.recordcheck import RecordError, check_default_doc
 
-    check_default_doc({"default_us": 1.0, "runtime": RuntimeDecision("openvino", "bf16").to_json()})
+    good = RuntimeDecision("openvino", "bf16", {"INFERENCE_PRECISION_HINT": "bf16"}, "2026.4.1")
+    assert RuntimeDecision.checked(good.to_json()) == good
+    check_default_doc({"default_us": 1.0, "runtime": good.to_json()})
     with pytest.raises(RecordError, match="runtime") as err:
         check_default_doc({"default_us": 1.0, "runtime": runtime})
     assert says in str(err.value)
