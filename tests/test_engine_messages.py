@@ -107,7 +107,7 @@ def test_requests_are_told_apart_by_their_op_alone_never_by_guessing() -> None:
         if isinstance(c, type) and issubclass(c, m.Request) and c is not m.Request
     ]
     tags = [c.__struct_config__.tag for c in requests]
-    assert len(requests) == 14 and len(set(tags)) == len(tags)
+    assert len(requests) == 15 and len(set(tags)) == len(tags)
     union = Union[tuple(requests)]  # noqa: UP007
     ping = m.encode(m.PingRequest(CPU))
     assert m.decode(union, ping) == m.PingRequest(CPU)
@@ -194,7 +194,7 @@ MESSAGES = sorted(
 
 
 def test_every_message_type_is_covered() -> None:
-    assert len(MESSAGES) == 33, [c.__name__ for c in MESSAGES]
+    assert len(MESSAGES) == 36, [c.__name__ for c in MESSAGES]
 
 
 @pytest.mark.parametrize("cls", MESSAGES, ids=lambda c: c.__name__)

@@ -211,6 +211,9 @@ def test_a_job_ships_the_openvino_build_that_won_and_says_so(shipped):
     conf = doc["confirmation"]
     assert conf["shipped"] == "tuned" and conf["verdict"] == "faster"
     assert conf["improvement"] > 0
+    offer = discover.find()
+    assert doc["device_info"]["openvino"]["version"] == offer.version
+    assert set(doc["device_info"]["openvino"]["capabilities"]) == offer.capabilities
     assert "runtime      openvino (" in shipped["stdout"]
     assert "measured against the input on onnxruntime" in shipped["stdout"]
 
@@ -324,7 +327,8 @@ def test_a_second_run_is_answered_from_the_bank_and_compile_rebuilds_the_ir(ship
         ('{"runtime": "tensorrt", "variant": "f32", "options": {}}', "'tensorrt'"),
         ('{"runtime": "openvino", "variant": "int4", "options": {}}', "'int4'"),
         ('{"runtime": "openvino", "variant": "f32", "options": {"CACHE_DIR": "/x"}}', "CACHE_DIR"),
-        ('{"runtime": "openvino", "variant": "f32"}', "runtime, variant and options"),
+        ('{"runtime": "openvino", "variant": "f32"}', "runtime, variant, options"),
+        ('{"runtime": "openvino", "variant": "f32", "options": {}, "version": "1;rm"}', "version"),
     ],
 )
 def test_a_bank_record_with_a_bad_runtime_is_refused_by_name(runtime, says):
@@ -332,7 +336,9 @@ def test_a_bank_record_with_a_bad_runtime_is_refused_by_name(runtime, says):
     says is checked as a compile config is, before anything is built from it."""
     from aoe.recordcheck import RecordError, check_default_doc
 
-    check_default_doc({"default_us": 1.0, "runtime": RuntimeDecision("openvino", "bf16").to_json()})
+    good = RuntimeDecision("openvino", "bf16", {"INFERENCE_PRECISION_HINT": "bf16"}, "2026.4.1")
+    assert RuntimeDecision.checked(good.to_json()) == good
+    check_default_doc({"default_us": 1.0, "runtime": good.to_json()})
     with pytest.raises(RecordError, match="runtime") as err:
         check_default_doc({"default_us": 1.0, "runtime": runtime})
     assert says in str(err.value)
@@ -405,3 +411,43 @@ def test_where_openvino_cannot_load_auto_says_so_once_and_openvino_fails_by_name
     )
     assert asked.returncode == 2, (asked.stdout, asked.stderr)
     assert "--runtime openvino" in asked.stderr and "no OpenVINO on this machine" in asked.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.long  # a daemon and one int8 job on it: about 20 s
+def test_a_daemon_job_ships_the_ir_and_aoe_fetch_downloads_all_three_files(tmp_path):
+    """Through the daemon: the runtime travels in JobOptions and back in JobResult, and
+    `aoe fetch` downloads the IR, its weights and its compile config side by side, which
+    `aoe.session` then opens."""
+    if not discover.find().has("BF16"):
+        pytest.skip("OpenVINO's bf16 build wins on a CPU with bf16 (AMX or AVX512-BF16)")
+    import aoe
+    from aoe.v1 import tuning_pb2
+    from aoed import samples
+    from tests.daemon_util import DaemonProcess
+
+    from .conftest import run_aoe
+
+    d = DaemonProcess(tmp_path / "d")
+    samples.save(samples.build("cnn"), d.models / "cnn.onnx")
+    d.start()
+    try:
+        env = {"AOED_SOCKET": str(d.socket)}
+        job_opts = ("--precision", "int8", "--budget", "3", "--job-type", "opat")
+        r = run_aoe("submit", str(d.models / "cnn.onnx"), *job_opts, "--watch", env=env)
+        assert r.returncode == 0, r.stderr
+        job_id = (r.stdout + r.stderr).split("as job ", 1)[1].split()[0]
+        got = tmp_path / "got"
+        fetched = run_aoe("fetch", job_id, "-o", str(got), env=env)
+        assert fetched.returncode == 0, fetched.stderr
+        names = sorted(p.name for p in got.iterdir())
+        (xml,) = [got / n for n in names if n.endswith(".xml")]
+        assert {xml.stem + ".bin", xml.stem + ".ovconfig.json"} <= set(names), names
+        assert len(names) == 4, names  # and the result JSON
+        sess = aoe.session(xml)
+        assert [i.name for i in sess.get_inputs()]
+        job = d.tuning().GetJob(tuning_pb2.GetJobRequest(job_id=job_id)).job
+        assert job.result.runtime == "openvino" and job.options.runtime == "auto"
+        assert json.loads(job.result.runtime_options_json) == read_config(xml).config
+    finally:
+        d.close()

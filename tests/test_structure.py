@@ -117,10 +117,11 @@ def test_provider_names_live_in_one_place() -> None:
 #: own side of ONNX Runtime stays: opening a tuned model for users (`aoe.session`, with
 #: the session options aoe.sessionopts rebuilds) and listing the providers a machine's
 #: devices can use (aoe.accelerators, which `aoe devices` shows and the runtime's
-#: `devices()` returns). Each is imported lazily, inside the function that needs it.
-RUNTIME_CLIENT_SIDE = frozenset({"aoe", "aoe.sessionopts", "aoe.accelerators"})
-RUNTIME_PACKAGES = ("onnxruntime",)
-BACKEND_MODULES = ("aoed.backends.ort",)
+#: `devices()` returns); OpenVINO's side is opening an IR with its checked compile config
+#: (aoe.ovartifact). Each is imported lazily, inside the function that needs it.
+RUNTIME_CLIENT_SIDE = frozenset({"aoe", "aoe.sessionopts", "aoe.accelerators", "aoe.ovartifact"})
+RUNTIME_PACKAGES = ("onnxruntime", "openvino", "nncf")
+BACKEND_MODULES = ("aoed.backends.ort", "aoed.backends.openvino")
 
 
 def _runtime_names(source: str) -> list[str]:
@@ -160,12 +161,15 @@ def test_the_runtime_check_sees_a_leak() -> None:
         'RUNNER = "aoed.backends.ort.runner"\n'
         "from aoed.backends.ort import catalog\n"
         "def f():\n    import onnxruntime as ort\n"
+        "from aoed.backends.openvino.build import build\n"
     )
     assert _runtime_names(planted) == [
         "1: aoed.backends.ort",
         "2: aoed.backends.ort",
         "2: aoed.backends.ort.catalog",
         "4: onnxruntime",
+        "5: aoed.backends.openvino.build",
+        "5: aoed.backends.openvino.build.build",
     ]
 
 

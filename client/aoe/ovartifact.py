@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -126,17 +127,20 @@ VARIANTS = ("f32", "bf16", "f16", "int8")
 class RuntimeDecision:
     """Which runtime's build of a model shipped, as a bank's model-level record keeps it
     (its `runtime` parameter): OpenVINO's `variant` build, run with `options`, so that a
-    second run of the model and `aoe compile` rebuild the same artifact."""
+    second run of the model and `aoe compile` rebuild the same artifact; `version` is
+    the OpenVINO that measured it ("" when not known): another version's build was never
+    measured, so a run there measures again."""
 
     runtime: str
     variant: str
     options: Mapping[str, str | int] = field(default_factory=dict)
+    version: str = ""
 
     def to_json(self) -> str:
-        return json.dumps(
-            {"runtime": self.runtime, "variant": self.variant, "options": dict(self.options)},
-            sort_keys=True,
-        )
+        doc = {"runtime": self.runtime, "variant": self.variant, "options": dict(self.options)}
+        if self.version:
+            doc["version"] = self.version
+        return json.dumps(doc, sort_keys=True)
 
     @classmethod
     def checked(cls, data: Any, where: str = "runtime") -> RuntimeDecision:
@@ -147,8 +151,17 @@ class RuntimeDecision:
                 data = json.loads(data)
             except ValueError as exc:
                 raise ModelError(f"{where}: not JSON ({exc})") from None
-        if not isinstance(data, dict) or set(data) != {"runtime", "variant", "options"}:
-            raise ModelError(f"{where}: expected an object of runtime, variant and options")
+        if not isinstance(data, dict) or not (
+            {"runtime", "variant", "options"}
+            <= set(data)
+            <= {"runtime", "variant", "options", "version"}
+        ):
+            raise ModelError(
+                f"{where}: expected an object of runtime, variant, options (and version)"
+            )
+        version = data.get("version", "")
+        if not isinstance(version, str) or not re.fullmatch(r"[0-9A-Za-z.+_-]{0,64}", version):
+            raise ModelError(f"{where}: version {version!r} is not a version")
         if data["runtime"] != "openvino":
             raise ModelError(f"{where}: runtime {data['runtime']!r} is not one that ships builds")
         if data["variant"] not in VARIANTS:
@@ -157,7 +170,7 @@ class RuntimeDecision:
             )
         if not isinstance(data["options"], dict):
             raise ModelError(f"{where}: options is not an object of compile properties")
-        return cls("openvino", data["variant"], check_properties(data["options"], where))
+        return cls("openvino", data["variant"], check_properties(data["options"], where), version)
 
 
 def config_path(xml: str | os.PathLike[str]) -> Path:

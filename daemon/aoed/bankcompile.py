@@ -224,7 +224,7 @@ def _openvino(
     samples: list[dict[str, Any]],
 ) -> Path | None:
     """The bank's OpenVINO build of the input rebuilt (as the tuning run's compile worker
-    built it: backends/openvino/build.py) and written beside `output` as `stem.xml`,
+    built it: aoed.backends.runtimes.build_for) and written beside `output` as `stem.xml`,
     `.bin` and its compile config; None (and a note) when it cannot be, so the ONNX
     model is written instead."""
     import shutil
@@ -232,7 +232,7 @@ def _openvino(
     import numpy as np
 
     from aoe.ovartifact import CompileConfig, config_path, write_config
-    from aoed.backends.openvino.build import build
+    from aoed.backends.runtimes import build_for
     from aoed.engine.messages import RuntimeBuildRequest
 
     assert asm.runtime is not None
@@ -240,7 +240,7 @@ def _openvino(
     for i, sample in enumerate(samples):
         calib.append(work / f"calibrate_{i}.npz")
         np.savez(calib[-1], **sample)
-    reply = build(
+    reply = build_for(
         RuntimeBuildRequest(
             "openvino", Path(model_path), work / "openvino", (asm.runtime.variant,), tuple(calib)
         )

@@ -10,9 +10,10 @@ from __future__ import annotations
 import importlib
 
 from aoe.errors import OptionError
+from aoed.engine.messages import RuntimeBuildReply, RuntimeBuildRequest
 from aoed.engine.runtime import Runtime
 
-__all__ = ["DEFAULT", "DEPLOYED", "RUNTIMES", "load_runtime"]
+__all__ = ["BUILDS", "DEFAULT", "DEPLOYED", "RUNTIMES", "build_for", "load_runtime"]
 
 #: runtime name -> (module, attribute) of its Runtime; imported only when asked for
 RUNTIMES: dict[str, tuple[str, str]] = {
@@ -26,6 +27,24 @@ DEPLOYED: dict[str, str] = {
     "onnxruntime": "aoed.backends.ort.deployed",
     "openvino": "aoed.backends.openvino.deployed",
 }
+
+
+#: runtime name -> (module, function) that builds a whole model for it, in the variants
+#: a RuntimeBuildRequest names (a compile worker's `runtime_build`, and `aoe compile`).
+BUILDS: dict[str, tuple[str, str]] = {
+    "openvino": ("aoed.backends.openvino.build", "build"),
+}
+
+
+def build_for(req: RuntimeBuildRequest) -> RuntimeBuildReply:
+    """The builds `req` asks of its runtime (in this process). ValueError for a runtime
+    that builds no whole model."""
+    try:
+        module, attr = BUILDS[req.runtime]
+    except KeyError:
+        raise ValueError(f"runtime {req.runtime!r}: no model-level build for it") from None
+    reply: RuntimeBuildReply = getattr(importlib.import_module(module), attr)(req)
+    return reply
 
 
 def load_runtime(name: str = DEFAULT) -> Runtime:

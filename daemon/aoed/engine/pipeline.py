@@ -489,7 +489,11 @@ async def confirm_stage(
     conf, ship, evidence = await confirm_proposal(ctx, v, cached, budget, runtime)
     ctx.notes.extend(conf.notes)
     if runtime.other:
-        shipped = runtime if conf.shipped == "tuned" else RuntimeChoice(table=runtime.table)
+        shipped = (
+            runtime
+            if conf.shipped == "tuned"
+            else RuntimeChoice(table=runtime.table, offer=runtime.offer)
+        )
         return Confirmed(v, conf, ship, None, {}, {}, shipped, cached is not None)
     return Confirmed(
         v,
@@ -657,7 +661,7 @@ async def outputs(
         _timeline(found.decided),
         conf.to_json(),
         _decision(v),
-        _device_info(ctx),
+        _device_info(ctx, confirmed.runtime.offer),
         _shapes(ctx, confirmed.ship),
         list(confirmed.runtime.table),
     )
@@ -674,10 +678,11 @@ async def _work(ctx: JobContext, request: Request, what: str) -> Any:
     return await model_step(ctx.pool, request, ctx.ledger, ctx.run.shown_model, what)
 
 
-def _device_info(ctx: JobContext) -> dict[str, Any]:
+def _device_info(ctx: JobContext, openvino: dict[str, Any]) -> dict[str, Any]:
     """What the job measured on, for the result: the device and its provider, the
     providers the runner's onnxruntime offers, the hardware (a GPU's facts) and the
-    library versions, and the fingerprint its bank entries are keyed by."""
+    library versions, the fingerprint its bank entries are keyed by, and the OpenVINO
+    that competed (`openvino`: its version, devices and the CPU's capabilities)."""
     from aoe.accelerators import runtime_versions
 
     fp = ctx.fingerprint
@@ -689,6 +694,7 @@ def _device_info(ctx: JobContext) -> dict[str, Any]:
         "accelerator": dict(fp.accelerator),
         "versions": runtime_versions(),
         "fingerprint": fp.digest,
+        **({"openvino": dict(openvino)} if openvino else {}),
     }
 
 

@@ -88,6 +88,8 @@ class RuntimeChoice:
     accuracy: dict[str, Any] = field(default_factory=dict)
     #: rebuilt as the bank's model-level record says (no competition measured)
     from_bank: bool = False
+    #: the OpenVINO that built and measured it (discover.Offer.to_dict), when it ran
+    offer: dict[str, Any] = field(default_factory=dict)
 
     @property
     def other(self) -> bool:
@@ -95,7 +97,9 @@ class RuntimeChoice:
 
     def decision(self) -> RuntimeDecision:
         """What the bank keeps of it (aoe.ovartifact.RuntimeDecision)."""
-        return RuntimeDecision(self.runtime, self.variant, dict(self.options))
+        return RuntimeDecision(
+            self.runtime, self.variant, dict(self.options), str(self.offer.get("version", ""))
+        )
 
 
 async def compete(
@@ -172,7 +176,7 @@ async def compete(
         )
     except DeviceError as exc:
         ctx.notes.append(f"OpenVINO not compared: the measurement failed ({exc})")
-        return RuntimeChoice(table=table)
+        return RuntimeChoice(table=table, offer=built.offer)
     incumbent = (
         "onnxruntime" if "onnxruntime" in measured and measured["onnxruntime"].ok else "input"
     )
@@ -205,8 +209,10 @@ async def compete(
             f"({measured[name].median_us / 1000:.4f} ms against {measured[incumbent].median_us / 1000:.4f} ms) "
             "and within the accuracy budget: it goes to the confirming A/B"
         )
-        return RuntimeChoice(a.runtime, a.name, a.model, dict(a.options), table, acc.report())
-    return RuntimeChoice(table=table)
+        return RuntimeChoice(
+            a.runtime, a.name, a.model, dict(a.options), table, acc.report(), offer=built.offer
+        )
+    return RuntimeChoice(table=table, offer=built.offer)
 
 
 async def _from_bank(
@@ -233,13 +239,21 @@ async def _from_bank(
         return None
     if built.offer.get("why_not"):
         return None  # the competition says why, once
+    if banked.version and banked.version != built.offer.get("version"):
+        ctx.notes.append(
+            f"the bank's OpenVINO {banked.variant} model was measured on OpenVINO {banked.version}, "
+            f"this is {built.offer.get('version')}: measured again"
+        )
+        return None
     for a in built.artifacts:
         if a.name == banked.variant and a.model is not None and not a.error:
             ctx.notes.append(
                 f"runtime: OpenVINO {a.name} ({_VARIANT_WORDS[a.name]}), as the bank's "
                 "confirmation of these choices shipped it"
             )
-            return RuntimeChoice(a.runtime, a.name, a.model, dict(banked.options), from_bank=True)
+            return RuntimeChoice(
+                a.runtime, a.name, a.model, dict(banked.options), from_bank=True, offer=built.offer
+            )
     why = "; ".join([*built.notes, *(a.error for a in built.artifacts if a.error)]) or "not built"
     ctx.notes.append(f"the bank's OpenVINO {banked.variant} model was not used: {why}")
     return None

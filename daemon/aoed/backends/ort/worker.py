@@ -460,13 +460,11 @@ def _applied(model, rewrite):
 
 
 def _runtime_build(req: m.RuntimeBuildRequest) -> m.RuntimeBuildReply:
-    """Another runtime's artifacts of the model (backends/openvino/build.py): built here,
+    """Another runtime's builds of the model (aoed.backends.runtimes.BUILDS): made here,
     in a compile worker, so a crash in that runtime costs this request only."""
-    if req.runtime != "openvino":
-        raise ValueError(f"runtime {req.runtime!r}: no model-level build for it")
-    from aoed.backends.openvino.build import build
+    from aoed.backends.runtimes import build_for
 
-    return build(req)
+    return build_for(req)
 
 
 def _ping(req: m.PingRequest) -> m.PingReply:
