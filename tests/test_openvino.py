@@ -152,8 +152,9 @@ def test_a_written_config_reads_back(tmp_path):
 
 #: A small int8 job: the cnn sample, whose bf16 build on OpenVINO ran 2x faster than
 #: onnxruntime's proposal on a CPU with AMX (measured on the 2-core machine). A budget
-#: every task of it gets a slice of, so that a second run is answered from the bank.
-JOB = ("--precision", "int8", "--budget", "3", "--parallel", "1", "--no-progress")
+#: every task of it gets a slice of, so that a second run is answered from the bank, and
+#: that leaves the runtime comparison its seconds (it counts in the budget).
+JOB = ("--precision", "int8", "--budget", "6", "--parallel", "1", "--no-progress")
 JOB += ("--job-type", "opat")
 
 
@@ -164,7 +165,10 @@ def _result(out: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def shipped(tmp_path_factory) -> dict:
-    """One int8 job on the cnn sample (default --runtime auto), where the CPU has bf16."""
+    """One int8 job on the cnn sample, where the CPU has bf16, with --runtime openvino:
+    OpenVINO's build ships when it passes the gate and is not clearly slower than
+    onnxruntime's proposal, so a busy machine's noise between two fast builds does not
+    decide what this test sees (under auto the build must be clearly faster)."""
     if not discover.find().has("BF16"):
         pytest.skip("OpenVINO's bf16 build wins on a CPU with bf16 (AMX or AVX512-BF16)")
     from aoed import samples
@@ -173,7 +177,10 @@ def shipped(tmp_path_factory) -> dict:
 
     d = tmp_path_factory.mktemp("ovjob")
     model = samples.save(samples.build("cnn"), d / "cnn.onnx")
-    run = run_aoe("tune", str(model), *JOB, "--output", str(d / "out"), "--bank", str(d / "bank"))
+    run = run_aoe(
+        "tune", str(model), *JOB, "--runtime", "openvino",
+        "--output", str(d / "out"), "--bank", str(d / "bank"),
+    )  # fmt: skip
     assert run.returncode == 0, run.stderr
     return {"model": model, "dir": d, "doc": _result(d / "out"), "stdout": run.stdout}
 
@@ -184,7 +191,9 @@ def banked(shipped) -> dict:
     from .conftest import run_aoe
 
     d, model, bank = shipped["dir"], str(shipped["model"]), ("--bank", str(shipped["dir"] / "bank"))
-    again = run_aoe("tune", model, *JOB, "--output", str(d / "again"), *bank)
+    again = run_aoe(
+        "tune", model, *JOB, "--runtime", "openvino", "--output", str(d / "again"), *bank
+    )
     assert again.returncode == 0, again.stderr
     compiled = run_aoe(
         "compile", model, "-o", str(d / "compiled" / "cnn_tuned.onnx"), *bank,
@@ -251,8 +260,8 @@ def test_the_shipped_ir_opens_with_aoe_session_and_matches_fp32(shipped, tmp_pat
         aoe.session(tampered)
 
 
-#: An exact job on the mlp sample: seconds.
-EXACT = ("--budget", "2", "--parallel", "1", "--no-progress", "--job-type", "opat")
+#: An exact job on the mlp sample: seconds (enough left for the runtime comparison).
+EXACT = ("--budget", "5", "--parallel", "1", "--no-progress", "--job-type", "opat")
 
 #: Runs `aoe` in this child and says whether openvino (or nncf) was ever imported in it.
 _TUNE_AND_SAY = """
@@ -433,7 +442,8 @@ def test_a_daemon_job_ships_the_ir_and_aoe_fetch_downloads_all_three_files(tmp_p
     d.start()
     try:
         env = {"AOED_SOCKET": str(d.socket)}
-        job_opts = ("--precision", "int8", "--budget", "3", "--job-type", "opat")
+        job_opts = ("--precision", "int8", "--budget", "6", "--job-type", "opat")
+        job_opts += ("--runtime", "openvino")  # what ships is not the question here
         r = run_aoe("submit", str(d.models / "cnn.onnx"), *job_opts, "--watch", env=env)
         assert r.returncode == 0, r.stderr
         job_id = (r.stdout + r.stderr).split("as job ", 1)[1].split()[0]
@@ -447,7 +457,7 @@ def test_a_daemon_job_ships_the_ir_and_aoe_fetch_downloads_all_three_files(tmp_p
         sess = aoe.session(xml)
         assert [i.name for i in sess.get_inputs()]
         job = d.tuning().GetJob(tuning_pb2.GetJobRequest(job_id=job_id)).job
-        assert job.result.runtime == "openvino" and job.options.runtime == "auto"
+        assert job.result.runtime == "openvino" and job.options.runtime == "openvino"
         assert json.loads(job.result.runtime_options_json) == read_config(xml).config
     finally:
         d.close()

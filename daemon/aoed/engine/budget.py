@@ -1,18 +1,22 @@
-"""The job's device budget: seconds for search, session options and verification together.
+"""The job's device budget: seconds for search, session options, verification and the
+runtime comparison together.
 
 `--budget S` bounds the device time a job spends deciding: per-task search, the
-model-wide session options and end-to-end verification (accuracy and never-slower
-rounds). Profiling the model and the confirming A/B that measures the outcome are listed
+model-wide session options, end-to-end verification (accuracy and never-slower rounds)
+and the comparison with another runtime's builds of the model. Profiling the model and the confirming A/B that measures the outcome are listed
 apart, with their cost reported. Each measurement keeps to the seconds it is given
 within a round (backends/ort/measure.py), and a stage starts only while budget is left,
 so a small budget gives a smaller search, not an overrun. Without `--budget`, the
 budget is derived from the profiled latencies: enough for the planned rounds of every
-task, the session options and verification, within [`MIN_S`, `MAX_S`].
+task, the session options, verification and the runtime comparison, within [`MIN_S`,
+`MAX_S`].
 
 Spending order: tasks get `SEARCH_SHARE` of the budget: `TASK_FLOOR_S` each for as many
 as fit (most expensive first; the rest are left untuned, and the report says so), and
 what remains split by their share of the model's latency; what the search leaves is
-split between session options (`SESSION_SHARE` of what remains) and verification.
+split between session options (`SESSION_SHARE` of what remains) and verification, and
+what verification leaves pays for the comparison with another runtime's builds
+(runtimestage.py), which is not started when too little is left.
 
 Loading: a measurement first makes a session of every candidate, and on a big model that
 takes longer than the rounds (a session of a 192 MiB model: about a second). The profile
@@ -61,8 +65,9 @@ __all__ = [
     "model_mib",
 ]
 
-#: Ledger categories the budget counts; "profile" and "confirm" are listed apart.
-COUNTED = ("search", "session", "verify")
+#: Ledger categories the budget counts (the runtime comparison: runtimestage.py);
+#: "profile" and "confirm" are listed apart.
+COUNTED = ("search", "session", "verify", "runtime")
 SEARCH_SHARE = 0.6
 SESSION_SHARE = 0.4
 TASK_FLOOR_S = 0.3
@@ -94,7 +99,8 @@ def default_budget(
         return n * (_ROUND_SAMPLES * max(_SAMPLE_MIN_S, us * 1e-6) + _CANDIDATE_OVERHEAD_S)
 
     search = sum(cost(candidates.get(t, 5), us) for t, us in task_us.items())
-    rest = 4 * cost(3, model_us) + 2 * cost(4, model_us)  # session options, verification
+    # session options, verification, the runtime comparison (runtimestage.py)
+    rest = 4 * cost(3, model_us) + 3 * cost(4, model_us)
     # Search gets its share of the total, the rest what search leaves; a fifth more covers
     # the time around each measurement (loading sessions) that no plan controls.
     need = max(search / SEARCH_SHARE, search + rest) * 1.2
@@ -179,6 +185,10 @@ class Budget:
 
     def for_verify(self) -> float:
         self.allotted.setdefault("verify", self.remaining_s)
+        return self.remaining_s
+
+    def for_runtime(self) -> float:
+        self.allotted.setdefault("runtime", self.remaining_s)
         return self.remaining_s
 
     def load_estimate(self, models: Iterable[Path]) -> float:

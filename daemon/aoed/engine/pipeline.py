@@ -94,7 +94,7 @@ async def run_stages(ctx: JobContext) -> JobOutcome:
     assembled = await assemble(ctx, known, found)
     session = await session_options(ctx, model, known, found, assembled)
     proposal = await verify_stage(ctx, model, known, found, assembled, session)
-    runtime = await runtime_stage(ctx, model, known, proposal)
+    runtime = await runtime_stage(ctx, model, known, proposal, found.budget)
     confirmed = await confirm_stage(ctx, proposal, found.budget, runtime)
     await remember(ctx, model, known, session, proposal, confirmed)
     return await outputs(ctx, model, known, found, assembled, session, confirmed)
@@ -428,7 +428,7 @@ async def verify_stage(
 
 
 async def runtime_stage(
-    ctx: JobContext, model: Prepared, known: Known, proposal: Proposal
+    ctx: JobContext, model: Prepared, known: Known, proposal: Proposal, budget: Budget
 ) -> RuntimeChoice:
     """Another runtime's builds of the input against the proposal (runtimestage.py);
     the bank's, when its confirmation of these choices shipped one."""
@@ -438,7 +438,7 @@ async def runtime_stage(
         if cached is not None and cached.get("runtime") == "openvino"
         else None
     )
-    return await compete(ctx, proposal.verified, model.samples.calibrate, banked)
+    return await compete(ctx, proposal.verified, model.samples.calibrate, budget, banked)
 
 
 @dataclass(frozen=True)

@@ -20,9 +20,11 @@ started; `auto` where OpenVINO is not installed says so once in the notes, and
 confirming A/B, which measures it against the input on onnxruntime's defaults like any
 proposal and names the runtime in every figure.
 
-The stage's device time is bounded by `MEASURE_S` (plus loading the sessions) and is
-listed apart from the budget, as the confirming A/B is; building takes seconds on the
-sample models (NNCF's statistics on the calibration samples).
+The stage's device time counts in the job's budget (budget.py): it is what verification
+left, at most `MEASURE_S` (plus loading the sessions), and with less than
+`MIN_COMPARE_S` left the builds are not made (the notes say so), unless the job asked
+for OpenVINO by name. Building takes seconds on the sample models (NNCF's statistics on
+the calibration samples) and is compile work, not device time.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from aoe.ovartifact import RuntimeDecision
 from aoe.spec import Runtime, Stage
 from aoed.engine import decisions
 from aoed.engine.assemble import tuned_metadata
+from aoed.engine.budget import Budget
 from aoed.engine.context import JobContext
 from aoed.engine.messages import (
     Accuracy,
@@ -50,10 +53,13 @@ from aoed.engine.messages import (
 from aoed.engine.pool import model_step
 from aoed.engine.verify import Verified
 
-__all__ = ["MEASURE_S", "VARIANTS", "RuntimeChoice", "compete"]
+__all__ = ["MEASURE_S", "MIN_COMPARE_S", "VARIANTS", "RuntimeChoice", "compete"]
 
 #: Device seconds of the competing measurement's rounds (its sessions' loading apart).
 MEASURE_S = 2.0
+#: Fewer device seconds than this left in the budget: no builds, no comparison (five
+#: rounds of a few sessions as deployed, on the sample models).
+MIN_COMPARE_S = 1.0
 #: The variants each precision policy lets OpenVINO compete with, in order of
 #: preference on a tie (the most exact first).
 VARIANTS: dict[str, tuple[str, ...]] = {
@@ -106,6 +112,7 @@ async def compete(
     ctx: JobContext,
     v: Verified,
     calibrate: tuple[Path, ...],
+    budget: Budget,
     banked: RuntimeDecision | None = None,
 ) -> RuntimeChoice:
     """OpenVINO's variants against onnxruntime's proposal `v` (module doc); the choice.
@@ -124,6 +131,15 @@ async def compete(
         got = await _from_bank(ctx, banked, calibrate)
         if got is not None:
             return got
+    seconds, _load = budget.measurable(
+        min(MEASURE_S, budget.for_runtime()), [ctx.run.model] * (2 + len(variants))
+    )
+    if seconds < MIN_COMPARE_S and asked != Runtime.OPENVINO:
+        ctx.notes.append(
+            f"runtimes: OpenVINO not compared, the budget is spent ({budget.remaining_s:.1f} s "
+            f"left; the comparison needs {MIN_COMPARE_S:.0f} s and its sessions' loading)"
+        )
+        return RuntimeChoice()
     await ctx.stage(
         Stage.RUNTIME,
         f"runtimes: OpenVINO ({', '.join(variants)}) against onnxruntime's proposal, a process per model",
@@ -170,7 +186,7 @@ async def compete(
         measured = await ctx.measure(
             cands,
             "input",
-            MEASURE_S,
+            max(seconds, MIN_COMPARE_S),
             plan=MeasurePlan(min_rounds=5, max_rounds=10, deployed=True),
             category="runtime",
         )
