@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import tomllib
 from collections.abc import Mapping
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -220,8 +221,6 @@ def _point(shape: tuple[int, ...], verdict: str, imp: float, ci: tuple[float, fl
 def test_a_proposal_slower_at_one_point_keeps_the_input() -> None:
     """Faster at the searched shape is not enough: a point where the tuned model loses
     beyond noise ships the input, and says which point decided."""
-    from pathlib import Path
-
     from aoe.figures import Figures
     from aoed.engine.confirm import Confirmation
     from aoed.engine.confirmstage import hold_at_points
@@ -247,3 +246,38 @@ def test_a_proposal_slower_at_one_point_keeps_the_input() -> None:
     assert lost.figures.decided_by.against == "input at input_ids:4,64"
     assert lost.proposal["kind"] == "tuned" and "input ships" in lost.notes[-1]
     assert lost.to_json()["points"][-1]["verdict"] == "slower"
+
+
+async def test_a_candidate_that_bakes_the_searched_shape_is_no_candidate(tmp_path: Path) -> None:
+    """In a real compile worker: the prepared encoder carries its profile, and the check
+    of one candidate (what a task agent asks before measuring) fails gemm_pretransposed,
+    which bakes the searched shape, and passes fused_matmul_transb, which does not."""
+    import trio
+
+    from aoed.backends.ort.runtime import ORT
+    from aoed.engine.messages import CheckReply, CheckRequest, PrepareReply, PrepareRequest
+    from aoed.engine.pool import CompilePool
+
+    src = samples.save(samples.encoder(), tmp_path / "encoder.onnx")
+    pool = CompilePool(1, tmp_path / "logs", runtime=ORT)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(pool.run)
+        prep: PrepareReply = await pool.call(PrepareRequest(src, tmp_path, job_type="opat"))
+        assert prep.profile is not None and prep.profile.point == {"input_ids": (4, 16)}
+        task = next(t for t in prep.tasks if t.family == "matmul")
+
+        async def check(strategy: str) -> dict[str, str]:
+            req = CheckRequest(
+                prep.prepared,
+                (task,),
+                {task.id: strategy},
+                profile=prep.profile,
+                int_high=prep.int_high,
+            )
+            reply: CheckReply = await pool.call(req)
+            return reply.failures
+
+        baked = await check("gemm_pretransposed")
+        assert baked[task.id].startswith("gemm_pretransposed fails at shape input_ids:1,4")
+        assert await check("fused_matmul_transb") == {}
+        nursery.cancel_scope.cancel()

@@ -54,7 +54,6 @@ from aoed.engine.messages import (
     Build,
     CalibrateRequest,
     CheckReply,
-    CheckRequest,
     PrepareReply,
     PrepareRequest,
     SamplesReply,
@@ -214,7 +213,7 @@ async def bank_lookups(ctx: JobContext, model: Prepared) -> Known:
     if hit_choices:
         check: CheckReply = await _work(
             ctx,
-            CheckRequest(prep.prepared, prep.tasks, hit_choices, ctx.ranges),
+            ctx.check_request(prep.tasks, hit_choices),
             "checking bank entries",
         )
         for tid, why in check.failures.items():
