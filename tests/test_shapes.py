@@ -281,3 +281,28 @@ async def test_a_candidate_that_bakes_the_searched_shape_is_no_candidate(tmp_pat
         assert baked[task.id].startswith("gemm_pretransposed fails at shape input_ids:1,4")
         assert await check("fused_matmul_transb") == {}
         nursery.cancel_scope.cancel()
+
+
+# --------------------------------------------------------------------------- the bank
+
+
+def test_the_model_level_key_holds_the_profile(tmp_path: Path) -> None:
+    """Session options and the confirmation are kept per profile: the same encoder under
+    the derived profile and under gears around the same searched point keys apart, the
+    same profile keys alike, and a single point keys as the fixed shape always did."""
+    from aoed.engine.assemble import model_signature
+    from aoed.engine.prep import prepare
+
+    src = samples.save(samples.encoder(), tmp_path / "encoder.onnx")
+
+    def key(static: dict[str, tuple[int, ...]], profile: ShapeProfile, name: str) -> str:
+        prep = prepare(src, tmp_path / name, static, shape_profile=profile)
+        return model_signature(prep.model, prep.profile).digest
+
+    derived = key({}, ShapeProfile(), "a")
+    assert key({}, ShapeProfile(), "b") == derived
+    geared = key({}, ShapeProfile({"input_ids": "-1,-1"}, "2,8;4,16;4,32"), "c")
+    assert geared != derived
+    fixed = prepare(src, tmp_path / "d", {"input_ids": (4, 16)})
+    assert fixed.profile is not None and len(fixed.profile.points) == 1
+    assert model_signature(fixed.model, fixed.profile) == model_signature(fixed.model)

@@ -170,6 +170,7 @@ def compile_model(
             precision,
             ranges,
             job_type,
+            prep.profile,
         )
         if asm.ship_input:
             model = load_model(Path(model_path))

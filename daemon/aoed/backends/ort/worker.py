@@ -129,7 +129,7 @@ def _prepare(req: m.PrepareRequest) -> m.PrepareReply:
         inputs=prep.inputs,
         outputs=tuple(prep.outputs),
         tasks=tuple(tasks),
-        model_signature=model_signature(prep.model),
+        model_signature=model_signature(prep.model, profile),
         int_high=int_high,
         notes=tuple(prep.notes),
         digest=_file_digest([prep.path, prep.path.with_name(prep.path.name + ".data")]),
