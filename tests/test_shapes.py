@@ -306,3 +306,21 @@ def test_the_model_level_key_holds_the_profile(tmp_path: Path) -> None:
     fixed = prepare(src, tmp_path / "d", {"input_ids": (4, 16)})
     assert fixed.profile is not None and len(fixed.profile.points) == 1
     assert model_signature(fixed.model, fixed.profile) == model_signature(fixed.model)
+
+
+def test_a_point_over_the_tensor_limit_is_refused_naming_the_input(tmp_path: Path) -> None:
+    from aoed.engine.prep import Limits, prepare
+
+    model = samples.mlp(features=8, hidden=8, classes=4, dynamic_batch=True)
+    src = samples.save(model, tmp_path / "mlp.onnx")
+    small = Limits(tensor_bytes=1024)  # float32 [32, 8] fits, [64, 8] does not
+    gears = ShapeProfile({"input": "-1,8"}, "1;2;32")
+    fits = prepare(src, tmp_path / "a", shape_profile=gears, limits=small)
+    assert fits.profile is not None and len(fits.profile.points) == 3
+    with pytest.raises(OptionError, match=r"--input-shape: input 'input' has shape \[64, 8\]"):
+        prepare(
+            src,
+            tmp_path / "b",
+            shape_profile=ShapeProfile({"input": "-1,8"}, "1;2;64"),
+            limits=small,
+        )
