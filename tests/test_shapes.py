@@ -98,6 +98,16 @@ def test_a_range_reads_back_from_every_edge(lo: list[int], span: list[int]) -> N
     assert split_shapes([f"x:{text}"])[1] == spec.shape_profile
 
 
+def test_the_python_client_takes_the_same_spelling() -> None:
+    from aoe.client import spec_of
+
+    spec = spec_of({"input_shapes": ["input_ids:-1,-1", "mask:1,8"], "dynamic_dims": "1,16;4,64"})
+    assert spec.input_shapes == {"mask": (1, 8)}
+    assert spec.shape_profile == ShapeProfile({"input_ids": "-1,-1"}, "1,16;4,64")
+    with pytest.raises(OptionError, match="dynamic_dims 1: no input has a dimension of -1"):
+        spec_of({"input_shapes": {"x": [1]}, "dynamic_dims": "1"})
+
+
 # --------------------------------------------------------------------------- derived
 
 
