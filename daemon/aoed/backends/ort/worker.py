@@ -31,7 +31,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import onnx
@@ -41,6 +41,11 @@ from aoe.signature import ModelContext
 from aoed.engine import messages as m
 from aoed.engine.registry import DEFAULT, StrategyRegistry
 from aoed.engine.tasks import Constants
+
+if TYPE_CHECKING:
+    from aoed.backends.ort.shapecheck import Points
+    from aoed.engine.prep import Prepared
+    from aoed.engine.shapeprofile import Profile
 
 _registry: StrategyRegistry | None = None
 _cached: tuple[tuple[str, int], onnx.ModelProto, ModelContext, Constants] | None = None
@@ -138,7 +143,7 @@ def _prepare(req: m.PrepareRequest) -> m.PrepareReply:
     )
 
 
-def _points_that_run(prep: Any, int_high: dict[str, int]) -> Any:
+def _points_that_run(prep: Prepared, int_high: dict[str, int]) -> Profile:
     """The prepared model's profile less the derived points where the input model itself
     fails (a size past what it computes: the derivation guessed too far), with a note for
     each; ModelError for a point the user gave, or the one the model was prepared at."""
@@ -147,6 +152,7 @@ def _points_that_run(prep: Any, int_high: dict[str, int]) -> Any:
     from aoed.backends.ort.shapecheck import Points
 
     profile = prep.profile
+    assert profile is not None
     points = Points(prep.model, profile, prep.inputs, int_high)
     keep, checks, measured = [], [], len(profile.points)
     for k, point in enumerate(profile.checked):
@@ -316,12 +322,16 @@ def _describe(req: m.DescribeRequest) -> m.DescribeReply:
     return m.DescribeReply(describe(req.names, values, small).params())
 
 
-_points_cache: tuple[tuple[str, int, str], Any] | None = None
+_points_cache: tuple[tuple[str, int, str], Points] | None = None
 
 
 def _points(
-    source: Path, profile: Any, int_high: dict[str, int], model: onnx.ModelProto, ctx: ModelContext
-) -> Any:
+    source: Path,
+    profile: Profile,
+    int_high: dict[str, int],
+    model: onnx.ModelProto,
+    ctx: ModelContext,
+) -> Points:
     """The profile's reference outputs for the model at `source` (cached: every check
     and assembly of a job runs against the same ones)."""
     global _points_cache
