@@ -54,6 +54,7 @@ from aoed.engine.messages import (
     Build,
     CalibrateRequest,
     CheckReply,
+    PointCheck,
     PrepareReply,
     PrepareRequest,
     SamplesReply,
@@ -561,6 +562,11 @@ async def outputs(
         "home_device": ctx.device.device.name,
         "devices": ledger.per_device(),
     }
+    if checks := ctx.point_checks.get(str(confirmed.ship)):
+        ctx.notes.append(
+            "the shipped model at each point of the shape profile, against the input: "
+            + "; ".join(_check_text(c) for c in checks)
+        )
     accuracy: dict[str, Any]
     if ctx.policy.lossy and ctx.accuracy is not None and conf.shipped != "input":
         accuracy = ctx.accuracy.report()
@@ -679,6 +685,16 @@ def _attempts(
         run["tasks"] += 1
         run["trials"] += d.trials
     return [runs[n] for n in sorted(runs)]
+
+
+def _check_text(c: PointCheck) -> str:
+    where = " ".join(f"{n}:{','.join(map(str, d))}" for n, d in c.shapes.items())
+    if c.error:
+        return f"{where} failed ({c.error})"
+    return (
+        f"{where} max relative error {c.accuracy['max_rel_error']:.2g}, "
+        f"cosine {c.accuracy['cosine']:.6f}" + (" (checked only)" if c.checked_only else "")
+    )
 
 
 def _shapes(ctx: JobContext, ship: Path) -> dict[str, Any]:
