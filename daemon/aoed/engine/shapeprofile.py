@@ -111,10 +111,9 @@ def _dims(vi: onnx.ValueInfoProto) -> Dims | None:
     t = vi.type.tensor_type
     if not vi.type.HasField("tensor_type") or not t.HasField("shape"):
         return None
-    return tuple(
-        d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else d.dim_param
-        for d in t.shape.dim
-    )
+    # A size the model states (0 or negative included, which prep refuses by name) is
+    # not dynamic: only a missing one is.
+    return tuple(d.dim_value if d.HasField("dim_value") else d.dim_param for d in t.shape.dim)
 
 
 def _true_inputs(model: onnx.ModelProto) -> list[onnx.ValueInfoProto]:
