@@ -334,3 +334,39 @@ def test_a_point_over_the_tensor_limit_is_refused_naming_the_input(tmp_path: Pat
             shape_profile=ShapeProfile({"input": "-1,8"}, "1;2;64"),
             limits=small,
         )
+
+
+def test_a_sliced_position_ids_buffer_bounds_the_sequence() -> None:
+    """torch's export of a BERT: positions are a [1, N] buffer sliced to the input's
+    length, then gathered from the [N, d] table; the token table is gathered by the
+    input itself and bounds nothing."""
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+
+    inits = [
+        numpy_helper.from_array(np.zeros((100, 8), np.float32), "word_embeddings.weight"),
+        numpy_helper.from_array(np.zeros((48, 8), np.float32), "position_embeddings.weight"),
+        numpy_helper.from_array(np.arange(48, dtype=np.int64)[None], "embeddings.position_ids"),
+        numpy_helper.from_array(np.array([0], np.int64), "zero"),
+        numpy_helper.from_array(np.array([1], np.int64), "one"),
+        numpy_helper.from_array(np.array([2], np.int64), "two"),
+    ]
+    nodes = [
+        helper.make_node("Gather", ["word_embeddings.weight", "input_ids"], ["tok"]),
+        helper.make_node("Shape", ["input_ids"], ["shape"]),
+        helper.make_node("Slice", ["shape", "one", "two"], ["seq"]),
+        helper.make_node("Slice", ["embeddings.position_ids", "zero", "seq", "one"], ["pos"]),
+        helper.make_node("Gather", ["position_embeddings.weight", "pos"], ["p"]),
+        helper.make_node("Add", ["tok", "p"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "seq"])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", "seq", 8])],
+        initializer=inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    assert position_bound(model) == 48
+    p = resolve(model, {}, ShapeProfile(), "bert.onnx")
+    assert p is not None and p.points[-1] == {"input_ids": (4, 48)}
