@@ -503,6 +503,22 @@ def test_a_dynamic_model_tunes_with_no_flags_and_keeps_its_axes(models: Path, tm
         checked = prof["tuned_at_points"]
         assert [c["shapes"] for c in checked] == prof["points"]
         assert all("error" not in c and c["accuracy"]["cosine"] >= 0.9999 for c in checked)
+    # aoe compile rebuilds it from the bank with the same profile: the same axes, checked
+    compiled = tmp_path / "compiled.onnx"
+    r = run_aoe(
+        "compile",
+        str(models / "encoder.onnx"),
+        "-o",
+        str(compiled),
+        "--bank",
+        str(tmp_path / "bank"),
+    )
+    assert r.returncode == 0, r.stderr
+    dims = onnx.load(str(compiled)).graph.input[0].type.tensor_type.shape.dim
+    assert [d.dim_param for d in dims] == ["batch", "seq"]
+    for shape in [(1, 1), (3, 7), (2, 50)]:
+        ref, got = _run_at(models / "encoder.onnx", shape), _run_at(compiled, shape)
+        assert np.max(np.abs(got - ref)) <= 1e-3 * np.max(np.abs(ref)), shape
 
 
 def test_a_fixed_shape_is_one_point_and_the_axes_stay(models: Path, tmp_path: Path):

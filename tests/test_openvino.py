@@ -261,7 +261,7 @@ def test_the_shipped_ir_opens_with_aoe_session_and_matches_fp32(shipped, tmp_pat
 
 
 #: An exact job on the mlp sample: seconds (enough left for the runtime comparison).
-EXACT = ("--budget", "5", "--parallel", "1", "--no-progress", "--job-type", "opat")
+EXACT = ("--budget", "8", "--parallel", "1", "--no-progress", "--job-type", "opat")
 
 #: Runs `aoe` in this child and says whether openvino (or nncf) was ever imported in it.
 _TUNE_AND_SAY = """

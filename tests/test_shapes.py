@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import tomllib
 from collections.abc import Mapping
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -95,6 +96,16 @@ def test_a_range_reads_back_from_every_edge(lo: list[int], span: list[int]) -> N
     assert spec_from_pb(spec_to_pb(spec)) == spec
     assert _args(*to_argv(spec)) == spec
     assert split_shapes([f"x:{text}"])[1] == spec.shape_profile
+
+
+def test_the_python_client_takes_the_same_spelling() -> None:
+    from aoe.client import spec_of
+
+    spec = spec_of({"input_shapes": ["input_ids:-1,-1", "mask:1,8"], "dynamic_dims": "1,16;4,64"})
+    assert spec.input_shapes == {"mask": (1, 8)}
+    assert spec.shape_profile == ShapeProfile({"input_ids": "-1,-1"}, "1,16;4,64")
+    with pytest.raises(OptionError, match="dynamic_dims 1: no input has a dimension of -1"):
+        spec_of({"input_shapes": {"x": [1]}, "dynamic_dims": "1"})
 
 
 # --------------------------------------------------------------------------- derived
@@ -220,8 +231,6 @@ def _point(shape: tuple[int, ...], verdict: str, imp: float, ci: tuple[float, fl
 def test_a_proposal_slower_at_one_point_keeps_the_input() -> None:
     """Faster at the searched shape is not enough: a point where the tuned model loses
     beyond noise ships the input, and says which point decided."""
-    from pathlib import Path
-
     from aoe.figures import Figures
     from aoed.engine.confirm import Confirmation
     from aoed.engine.confirmstage import hold_at_points
@@ -247,3 +256,117 @@ def test_a_proposal_slower_at_one_point_keeps_the_input() -> None:
     assert lost.figures.decided_by.against == "input at input_ids:4,64"
     assert lost.proposal["kind"] == "tuned" and "input ships" in lost.notes[-1]
     assert lost.to_json()["points"][-1]["verdict"] == "slower"
+
+
+async def test_a_candidate_that_bakes_the_searched_shape_is_no_candidate(tmp_path: Path) -> None:
+    """In a real compile worker: the prepared encoder carries its profile, and the check
+    of one candidate (what a task agent asks before measuring) fails gemm_pretransposed,
+    which bakes the searched shape, and passes fused_matmul_transb, which does not."""
+    import trio
+
+    from aoed.backends.ort.runtime import ORT
+    from aoed.engine.messages import CheckReply, CheckRequest, PrepareReply, PrepareRequest
+    from aoed.engine.pool import CompilePool
+
+    src = samples.save(samples.encoder(), tmp_path / "encoder.onnx")
+    pool = CompilePool(1, tmp_path / "logs", runtime=ORT)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(pool.run)
+        prep: PrepareReply = await pool.call(PrepareRequest(src, tmp_path, job_type="opat"))
+        assert prep.profile is not None and prep.profile.point == {"input_ids": (4, 16)}
+        task = next(t for t in prep.tasks if t.family == "matmul")
+
+        async def check(strategy: str) -> dict[str, str]:
+            req = CheckRequest(
+                prep.prepared,
+                (task,),
+                {task.id: strategy},
+                profile=prep.profile,
+                int_high=prep.int_high,
+            )
+            reply: CheckReply = await pool.call(req)
+            return reply.failures
+
+        baked = await check("gemm_pretransposed")
+        assert baked[task.id].startswith("gemm_pretransposed fails at shape input_ids:1,4")
+        assert await check("fused_matmul_transb") == {}
+        nursery.cancel_scope.cancel()
+
+
+# --------------------------------------------------------------------------- the bank
+
+
+def test_the_model_level_key_holds_the_profile(tmp_path: Path) -> None:
+    """Session options and the confirmation are kept per profile: the same encoder under
+    the derived profile and under gears around the same searched point keys apart, the
+    same profile keys alike, and a single point keys as the fixed shape always did."""
+    from aoed.engine.assemble import model_signature
+    from aoed.engine.prep import prepare
+
+    src = samples.save(samples.encoder(), tmp_path / "encoder.onnx")
+
+    def key(static: dict[str, tuple[int, ...]], profile: ShapeProfile, name: str) -> str:
+        prep = prepare(src, tmp_path / name, static, shape_profile=profile)
+        return model_signature(prep.model, prep.profile).digest
+
+    derived = key({}, ShapeProfile(), "a")
+    assert key({}, ShapeProfile(), "b") == derived
+    geared = key({}, ShapeProfile({"input_ids": "-1,-1"}, "2,8;4,16;4,32"), "c")
+    assert geared != derived
+    fixed = prepare(src, tmp_path / "d", {"input_ids": (4, 16)})
+    assert fixed.profile is not None and len(fixed.profile.points) == 1
+    assert model_signature(fixed.model, fixed.profile) == model_signature(fixed.model)
+
+
+def test_a_point_over_the_tensor_limit_is_refused_naming_the_input(tmp_path: Path) -> None:
+    from aoed.engine.prep import Limits, prepare
+
+    model = samples.mlp(features=8, hidden=8, classes=4, dynamic_batch=True)
+    src = samples.save(model, tmp_path / "mlp.onnx")
+    small = Limits(tensor_bytes=1024)  # float32 [32, 8] fits, [64, 8] does not
+    gears = ShapeProfile({"input": "-1,8"}, "1;2;32")
+    fits = prepare(src, tmp_path / "a", shape_profile=gears, limits=small)
+    assert fits.profile is not None and len(fits.profile.points) == 3
+    with pytest.raises(OptionError, match=r"--input-shape: input 'input' has shape \[64, 8\]"):
+        prepare(
+            src,
+            tmp_path / "b",
+            shape_profile=ShapeProfile({"input": "-1,8"}, "1;2;64"),
+            limits=small,
+        )
+
+
+def test_a_sliced_position_ids_buffer_bounds_the_sequence() -> None:
+    """torch's export of a BERT: positions are a [1, N] buffer sliced to the input's
+    length, then gathered from the [N, d] table; the token table is gathered by the
+    input itself and bounds nothing."""
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+
+    inits = [
+        numpy_helper.from_array(np.zeros((100, 8), np.float32), "word_embeddings.weight"),
+        numpy_helper.from_array(np.zeros((48, 8), np.float32), "position_embeddings.weight"),
+        numpy_helper.from_array(np.arange(48, dtype=np.int64)[None], "embeddings.position_ids"),
+        numpy_helper.from_array(np.array([0], np.int64), "zero"),
+        numpy_helper.from_array(np.array([1], np.int64), "one"),
+        numpy_helper.from_array(np.array([2], np.int64), "two"),
+    ]
+    nodes = [
+        helper.make_node("Gather", ["word_embeddings.weight", "input_ids"], ["tok"]),
+        helper.make_node("Shape", ["input_ids"], ["shape"]),
+        helper.make_node("Slice", ["shape", "one", "two"], ["seq"]),
+        helper.make_node("Slice", ["embeddings.position_ids", "zero", "seq", "one"], ["pos"]),
+        helper.make_node("Gather", ["position_embeddings.weight", "pos"], ["p"]),
+        helper.make_node("Add", ["tok", "p"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "seq"])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", "seq", 8])],
+        initializer=inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    assert position_bound(model) == 48
+    p = resolve(model, {}, ShapeProfile(), "bert.onnx")
+    assert p is not None and p.points[-1] == {"input_ids": (4, 48)}

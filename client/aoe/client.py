@@ -43,7 +43,7 @@ from aoe.exchange import RECORD_FIELDS, record_from_json, record_to_json
 from aoe.modelfile import check_model_file
 from aoe.sockets import check_socket
 from aoe.spec import JobSpec
-from aoe.specargs import parse_shapes
+from aoe.specargs import split_shapes
 from aoe.v1 import (
     bank_pb2,
     bank_pb2_grpc,
@@ -142,15 +142,22 @@ def _enum(enum: Any, prefix: str, value: Any, what: str) -> int:
 
 def spec_of(options: JobSpec | Mapping[str, Any] | None = None) -> JobSpec:
     """A JobSpec from a dict of its fields (precision "int8", job_type "opat" or "2",
-    input_shapes {name: dims} or "NAME:D1,D2" strings, budget_s, ...); None values are
+    input_shapes {name: dims} or "NAME:D1,D2" strings, ranges "NAME:1~4,16~256" and -1
+    dimensions with dynamic_dims "1,16;4,64" among them, budget_s, ...); None values are
     left unset. A JobSpec passes through. Raises OptionError naming an unknown key or a
     bad value."""
     if isinstance(options, JobSpec):
         return options
     values = {k: v for k, v in (options or {}).items() if v is not None}
-    shapes = values.get("input_shapes")
-    if shapes is not None and not isinstance(shapes, Mapping):
-        values["input_shapes"] = parse_shapes(shapes, where="input shape")
+    shapes, gears = values.get("input_shapes"), values.pop("dynamic_dims", None)
+    if isinstance(shapes, Mapping):
+        if gears is not None:  # gears fill the -1 of a profile: a spec's own field
+            values["shape_profile"] = {"dims": {}, "gears": gears}
+    elif shapes is not None or gears is not None:
+        static, profile = split_shapes(shapes or [], gears, where="input shape")
+        values["input_shapes"] = static
+        if profile:
+            values["shape_profile"] = profile
     return JobSpec.from_dict(values)
 
 

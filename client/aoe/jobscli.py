@@ -413,9 +413,11 @@ def _status(args: argparse.Namespace) -> int:
         f"priority {o.priority}" if o.priority else "",
         f"budget {o.budget_s:g} s" if o.budget_s else "",
         "repeat-tune" if o.repeat_tune else "",
-        "shapes " + "; ".join(f"{s.name}:{','.join(map(str, s.dims))}" for s in o.input_shapes)
+        "shapes "
+        + "; ".join(f"{s.name}:{s.profile or ','.join(map(str, s.dims))}" for s in o.input_shapes)
         if o.input_shapes
         else "",
+        f"gears {o.dynamic_dims}" if o.dynamic_dims else "",
     ]
     print(f"options   {', '.join(filter(None, opts)) or 'the daemon defaults'}")
     print(

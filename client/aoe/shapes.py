@@ -26,7 +26,9 @@ from aoe.errors import OptionError
 
 __all__ = [
     "GEAR",
+    "MAX_GEARS",
     "DimRange",
+    "ShapeError",
     "ShapeProfile",
     "dims_text",
     "gears_text",

@@ -26,11 +26,12 @@ from typing import Any
 from aoe.bank import BankReader
 from aoe.bankrecord import BankRecord, decode
 from aoe.keys import DeviceFingerprint
+from aoe.partition import Task
 from aoed.engine.assemble import Assembly, apply_choices, from_bank, set_metadata, tuned_metadata
 from aoed.engine.calibration import integer_ranges, load_samples
 from aoed.engine.modelio import load_model, save_model
 from aoed.engine.policy import policy
-from aoed.engine.prep import prepare
+from aoed.engine.prep import Prepared, prepare
 from aoed.engine.runtime import Runtime
 from aoed.engine.tasks import Constants
 
@@ -39,31 +40,54 @@ __all__ = ["compile_model"]
 
 def _dynamic(
     runtime: Runtime,
-    prep: Any,
-    consts: Constants,
-    tasks: Sequence[Any],
+    prep: Prepared,
+    tasks: Sequence[Task],
     asm: Assembly,
-    registry: Any,
-    ranges: Any,
+    ranges: Mapping[str, tuple[float, float]] | None,
     precision: str,
+    plugins: Sequence[str],
+    work: Path,
 ) -> Any:
-    """The bank's choices for a dynamic model: with the input's own axes, each choice
-    checked at every point of its shape profile (as a tuning job assembles), those that
-    fail one left out with a note."""
+    """The bank's choices for a dynamic model, assembled by one of the runtime's compile
+    workers as a tuning job assembles: with the input's own axes, each choice checked at
+    every point of its shape profile, those that fail one left out with a note."""
+    import json
+
+    import onnx
+    import trio
+
+    from aoed.engine.messages import AssembleReply, AssembleRequest, Build
+    from aoed.engine.pool import CompilePool
+
+    out = work / "dynamic.onnx"
+    ranges_path = None
+    if ranges:
+        ranges_path = work / "ranges.json"
+        ranges_path.write_text(json.dumps({k: list(v) for k, v in ranges.items()}))
     p = policy(precision)
-    model, refused = runtime.shape_guard(
-        prep.model,
+    req = AssembleRequest(
+        prep.path,
+        tuple(tasks),
+        (Build(out, dict(asm.choices)),),
+        ranges_path,
         prep.profile,
-        prep.inputs,
-        integer_ranges(prep.model, prep.inputs),
-        lambda c: apply_choices(prep.model, prep.ctx, consts, tasks, c, registry, ranges),
-        asm.choices,
         (p.e2e_max_rel_error, p.e2e_min_cosine),
+        integer_ranges(prep.model, prep.inputs),
     )
-    for tid, why in refused.items():
+
+    async def run() -> AssembleReply:
+        pool = CompilePool(1, work / "logs", runtime=runtime, plugins=plugins)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(pool.run)
+            reply: AssembleReply = await pool.call(req)
+            nursery.cancel_scope.cancel()
+        return reply
+
+    (work / "logs").mkdir(exist_ok=True)
+    for tid, why in trio.run(run).refused.items():
         asm.choices.pop(tid, None)
         asm.notes.append(f"{tid}: {why}; left out")
-    return model
+    return onnx.load(str(out))
 
 
 class _ReaderLookup:
@@ -175,11 +199,12 @@ def compile_model(
             precision,
             ranges,
             job_type,
+            prep.profile,
         )
         if asm.ship_input:
             model = load_model(Path(model_path))
         elif prep.profile is not None:
-            model = _dynamic(runtime, prep, consts, tasks, asm, registry, ranges, precision)
+            model = _dynamic(runtime, prep, tasks, asm, ranges, precision, plugins, Path(work))
         else:
             model = apply_choices(
                 prep.model, prep.ctx, consts, tasks, asm.choices, registry, ranges

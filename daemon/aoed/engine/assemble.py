@@ -40,6 +40,7 @@ from aoe.subgraphs import SUBGRAPH_FAMILIES
 from aoed import __version__
 from aoed.engine import bankrules
 from aoed.engine.registry import DEFAULT, StrategyRegistry
+from aoed.engine.shapeprofile import Profile
 from aoed.engine.tasks import Rewrite, TaskView, apply_rewrites
 
 __all__ = [
@@ -54,9 +55,12 @@ __all__ = [
 ]
 
 
-def model_signature(model: onnx.ModelProto) -> TaskSignature:
+def model_signature(model: onnx.ModelProto, profile: Profile | None = None) -> TaskSignature:
     """The signature of model-wide choices (session options): the graph's structure,
-    shapes and dtypes. Keyed like a task; its entry's strategy is the options' JSON."""
+    shapes and dtypes. Keyed like a task; its entry's strategy is the options' JSON.
+    A dynamic model's key holds the points of its shape profile (`profile`) when there
+    are several: what its confirmation was measured at, so that another profile of the
+    same model is confirmed again (one point keeps the key a fixed shape always had)."""
     ctx = ModelContext(model)
     nodes = []
     for n in model.graph.node:
@@ -76,7 +80,12 @@ def model_signature(model: onnx.ModelProto) -> TaskSignature:
                 ],
             }
         )
-    text = canonical_json({"v": 1, "model": nodes, "opsets": ctx.opsets})
+    doc: dict[str, Any] = {"v": 1, "model": nodes, "opsets": ctx.opsets}
+    if profile is not None and len(profile.points) > 1:
+        doc["profile"] = [
+            {name: list(dims) for name, dims in sorted(point.items())} for point in profile.points
+        ]
+    text = canonical_json(doc)
     return TaskSignature(
         "SessionOptions", "", ctx.opset(""), text, hashlib.sha256(text.encode()).hexdigest()
     )
@@ -265,14 +274,16 @@ def from_bank(
     precision: str = "exact",
     ranges: Mapping[str, tuple[float, float]] | None = None,
     job_type: str | None = None,
+    profile: Profile | None = None,
 ) -> tuple[Assembly, list[Task]]:
     """What `bank` knows for the prepared `model` on `device`: the choices to apply (each
     checked to apply to its task and twins), the session options, and a report per task.
     The tasks are those a job of `job_type` tunes (None: the job type the bank's
     confirmation for this model names, else the default), so the choices rebuild what
-    that job shipped. Returns (assembly, the tunable tasks); raises OptionError for a
-    `job_type` that forms no ONNX model's tasks (gdat)."""
-    sig = model_signature(model)
+    that job shipped; `profile` is a dynamic model's shape profile, which its model-level
+    key holds (model_signature). Returns (assembly, the tunable tasks); raises
+    OptionError for a `job_type` that forms no ONNX model's tasks (gdat)."""
+    sig = model_signature(model, profile)
     key = bankrules.key_for(sig, device, precision)
     session = TaskOutcome("session", "", "SessionOptions", 1, "miss", key=key.decode())
     vocabulary = registry.vocabulary()

@@ -23,6 +23,7 @@ import trio
 from aoe.config import Config
 from aoe.errors import AoedError, BankWriteError
 from aoe.keys import DeviceFingerprint, TaskSignature
+from aoe.partition import Task
 from aoe.sessionopts import trt_files
 from aoe.spec import JobSpec, Stage
 from aoed.bank.writer import BankWrite, BankWriter
@@ -37,6 +38,7 @@ from aoed.engine.messages import (
     AssembleRequest,
     Build,
     Candidate,
+    CheckRequest,
     JobEvent,
     Measurement,
     MeasurePlan,
@@ -185,6 +187,21 @@ class JobContext:
         reply: AssembleReply = await self.pool.call(req, self.ledger)
         self.point_checks.update(reply.points)
         return dict(reply.refused)
+
+    def check_request(self, tasks: tuple[Task, ...], choices: dict[str, str]) -> CheckRequest:
+        """Whether `choices` apply to `tasks` (and their twins) of the prepared model; for
+        a dynamic model also whether each, applied alone, holds at every point of its
+        profile within the policy's end-to-end budget (messages.CheckRequest)."""
+        assert self.prep is not None
+        return CheckRequest(
+            self.prep.prepared,
+            tasks,
+            choices,
+            self.ranges,
+            self.prep.profile,
+            (self.policy.e2e_max_rel_error, self.policy.e2e_min_cosine),
+            dict(self.prep.int_high),
+        )
 
     async def write_bank(self, write: BankWrite) -> bool:
         """Commit `write`, unless the workspace is gone (AoedError): what was measured

@@ -376,13 +376,20 @@ class CheckReply(Message, frozen=True):
 
 
 class CheckRequest(Request, tag="check", frozen=True):
-    """Do these strategies (from the bank) still apply to their tasks and twins?"""
+    """Do these strategies (from the bank, or a task's candidates) still apply to their
+    tasks and twins? With a profile, each choice is also applied alone to the whole model
+    (the input's dynamic axes restored), which must run at every point of the profile
+    within `tolerance` of the input model (AssembleRequest's check, one choice at a
+    time): a candidate that bakes the searched shape into the graph fails here."""
 
     reply = CheckReply
     source: Path
     tasks: tuple[Task, ...]
     choices: dict[str, str]
     ranges: Path | None = None
+    profile: Profile | None = None
+    tolerance: tuple[float, float] = (1e-3, 0.9999)
+    int_high: dict[str, int] = {}
 
 
 class RebuildReply(Message, frozen=True):

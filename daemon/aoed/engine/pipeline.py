@@ -56,8 +56,8 @@ from aoed.engine.messages import (
     Build,
     CalibrateRequest,
     CheckReply,
-    CheckRequest,
     Measurement,
+    PointCheck,
     PrepareReply,
     PrepareRequest,
     Request,
@@ -220,7 +220,7 @@ async def bank_lookups(ctx: JobContext, model: Prepared) -> Known:
     if hit_choices:
         check: CheckReply = await _work(
             ctx,
-            CheckRequest(prep.prepared, prep.tasks, hit_choices, ctx.ranges),
+            ctx.check_request(prep.tasks, hit_choices),
             "checking bank entries",
         )
         for tid, why in check.failures.items():
@@ -613,6 +613,11 @@ async def outputs(
         "home_device": ctx.device.device.name,
         "devices": ledger.per_device(),
     }
+    if checks := ctx.point_checks.get(str(confirmed.ship)):
+        ctx.notes.append(
+            "the shipped model at each point of the shape profile, against the input: "
+            + "; ".join(_check_text(c) for c in checks)
+        )
     accuracy: dict[str, Any]
     if shipped_rt.other:
         accuracy = dict(shipped_rt.accuracy)
@@ -738,6 +743,16 @@ def _attempts(
         run["tasks"] += 1
         run["trials"] += d.trials
     return [runs[n] for n in sorted(runs)]
+
+
+def _check_text(c: PointCheck) -> str:
+    where = " ".join(f"{n}:{','.join(map(str, d))}" for n, d in c.shapes.items())
+    if c.error:
+        return f"{where} failed ({c.error})"
+    return (
+        f"{where} max relative error {c.accuracy['max_rel_error']:.2g}, "
+        f"cosine {c.accuracy['cosine']:.6f}" + (" (checked only)" if c.checked_only else "")
+    )
 
 
 def _shapes(ctx: JobContext, ship: Path) -> dict[str, Any]:

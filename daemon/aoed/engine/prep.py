@@ -154,6 +154,9 @@ def prepare(
     check_declared(model, name, limits)
     static = dict(input_shapes or {})
     profile = profile_of(model, static, shape_profile or ShapeProfile(), name)
+    dropped: list[str] = []
+    if profile is not None:
+        profile = _points_within(model, profile, name, limits, dropped)
     norm = normalize(
         model,
         {**profile.point, **static} if profile is not None else static,
@@ -170,6 +173,7 @@ def prepare(
             n for n in norm.notes if not any(n.startswith(f"input {k!r}: dynamic") for k in derived)
         ]
         norm.notes.append(profile.describe())
+        norm.notes.extend(dropped)
     _check_inferred(model, name, input_shapes or {}, limits)
     out = Path(workdir) / "prepared.onnx"
     save_model(model, out)
@@ -198,6 +202,43 @@ def prepare(
         ctx=ctx,
         notes=norm.notes,
         profile=profile,
+    )
+
+
+def _points_within(
+    model: onnx.ModelProto, profile: Profile, source: str, limits: Limits, notes: list[str]
+) -> Profile:
+    """`profile` less its derived points where an input would be over the tensor limit
+    (each dropped with a note in `notes`). OptionError naming the input and the limit
+    when the point is one the user gave, or the one the model is prepared at."""
+    elem = {
+        i.name: i.type.tensor_type.elem_type
+        for i in model.graph.input
+        if i.type.HasField("tensor_type")
+    }
+    keep: list[dict[str, tuple[int, ...]]] = []
+    checks: list[dict[str, tuple[int, ...]]] = []
+    measured = len(profile.points)
+    for k, point in enumerate(profile.checked):
+        why = next(
+            (
+                w
+                for n, dims in point.items()
+                if n in elem and (w := _too_big("input", n, elem[n], list(dims), source, limits))
+            ),
+            None,
+        )
+        if why is None:
+            (keep if k < measured else checks).append(point)
+        elif k == profile.representative or (k < measured and not profile.derived):
+            raise OptionError(f"--input-shape: {why.removeprefix(source + ': ')}")
+        else:
+            notes.append(f"shape profile: a point left out: {why.removeprefix(source + ': ')}")
+    return msgspec.structs.replace(
+        profile,
+        points=tuple(keep),
+        checks=tuple(checks),
+        representative=keep.index(profile.point),
     )
 
 

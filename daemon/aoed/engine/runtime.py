@@ -16,10 +16,9 @@ and every stage reaches it through this protocol. A backend implements:
               builds each candidate and writes the artifact (the tuned model).
   measure     `runner_module`: the measurement runner, one per device, that answers
               RUNNER_REQUESTS (MeasureRequest: candidates timed interleaved).
-  calibrate, check shapes in process
-              `activation_ranges(...)` and `shape_guard(...)`: for `aoe compile`, which
-              prepares a model and assembles the bank's choices in its own process with
-              no worker.
+  calibrate in process
+              `activation_ranges(...)`: for `aoe compile`, which prepares a model in its
+              own process with no worker.
   open        `opener`: the client's function that opens the artifact for users (named
               only: the light client holds it, and the daemon never imports it).
 
@@ -31,7 +30,7 @@ another `runner_module` (tests/fake_cann.py).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Protocol
 
 from aoed.engine.messages import (
@@ -60,7 +59,6 @@ if TYPE_CHECKING:
 
     from aoe.accelerators import LocalDevice
     from aoe.signature import TensorInfo
-    from aoed.engine.shapeprofile import Profile
 
 __all__ = ["RUNNER_REQUESTS", "WORKER_REQUESTS", "Runtime"]
 
@@ -132,19 +130,4 @@ class Runtime(Protocol):
         samples: Iterable[Mapping[str, np.ndarray]],
     ) -> dict[str, tuple[float, float]]:
         """(min, max) of every float activation of `model` over `samples`, in this process."""
-        ...
-
-    def shape_guard(
-        self,
-        reference: onnx.ModelProto,
-        profile: Profile,
-        infos: Mapping[str, TensorInfo],
-        int_high: Mapping[str, int],
-        build: Callable[[Mapping[str, str]], onnx.ModelProto],
-        choices: Mapping[str, str],
-        tolerance: tuple[float, float],
-    ) -> tuple[onnx.ModelProto, dict[str, str]]:
-        """The model `build` makes of `choices` for a dynamic model (its axes restored),
-        each choice whose model fails a point of `profile` against `reference` (or leaves
-        `tolerance`: max rel. error, min cosine) left out: (model, task id -> why)."""
         ...

@@ -111,10 +111,9 @@ def _dims(vi: onnx.ValueInfoProto) -> Dims | None:
     t = vi.type.tensor_type
     if not vi.type.HasField("tensor_type") or not t.HasField("shape"):
         return None
-    return tuple(
-        d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else d.dim_param
-        for d in t.shape.dim
-    )
+    # A size the model states (0 or negative included, which prep refuses by name) is
+    # not dynamic: only a missing one is.
+    return tuple(d.dim_value if d.HasField("dim_value") else d.dim_param for d in t.shape.dim)
 
 
 def _true_inputs(model: onnx.ModelProto) -> list[onnx.ValueInfoProto]:
@@ -125,8 +124,8 @@ def _true_inputs(model: onnx.ModelProto) -> list[onnx.ValueInfoProto]:
 def position_bound(model: onnx.ModelProto) -> int | None:
     """The longest sequence the model's position table holds: the least N of the [N, d]
     initializers a Gather reads with positions (indices computed by a Range, or read
-    from an input named like position_ids), not with the token ids a caller feeds.
-    None when there is none."""
+    from an input or a constant named like position_ids, as torch exports a buffer),
+    not with the token ids a caller feeds. None when there is none."""
     g = model.graph
     inits = {t.name: t for t in g.initializer}
     inputs = {i.name for i in g.input if i.name not in inits}
@@ -144,7 +143,7 @@ def position_bound(model: onnx.ModelProto) -> int | None:
 
 def _positional(name: str, producer: Mapping[str, onnx.NodeProto], inputs: set[str]) -> bool:
     """Whether the indices `name` count positions: a Range is among what computes them,
-    or an input named for positions, and no other input's values are."""
+    or an input or constant named for positions, and no other input's values are."""
     seen: set[str] = set()
     todo, positions = [name], False
     while todo and len(seen) < 256:
@@ -159,6 +158,8 @@ def _positional(name: str, producer: Mapping[str, onnx.NodeProto], inputs: set[s
             continue
         node = producer.get(t)
         if node is None:
+            # a constant named for positions: the position_ids buffer torch exports slice
+            positions = positions or "pos" in t.lower()
             continue
         if node.op_type == "Range":
             positions = True

@@ -40,6 +40,7 @@ from aoed.engine.job import TaskResult
 from aoed.engine.messages import (
     Accuracy,
     Candidate,
+    CheckReply,
     CompileReply,
     CompileRequest,
     DescribeReply,
@@ -212,6 +213,8 @@ class TaskAgent:
                 res.candidates.append({"strategy": name, "ok": False, "error": str(c)})
             elif c.applicable:
                 cands.append(Candidate(name, taskdir / f"{name}.onnx"))
+        if ctx.prep is not None and ctx.prep.profile is not None:
+            cands = await self._hold_at_every_shape(cands)
         fallback = self.hit.strategy if self.hit else DEFAULT
         if isinstance(default := compiled[DEFAULT], AoedError) or not default.applicable:
             why = default if isinstance(default, AoedError) else "not applicable"
@@ -364,6 +367,30 @@ class TaskAgent:
             res.after_us,
         )
         return decision
+
+    async def _hold_at_every_shape(self, cands: list[Candidate]) -> list[Candidate]:
+        """The candidates whose whole model, this task's choice alone applied, runs at
+        every point of the job's shape profile as the input does (messages.CheckRequest):
+        a rewrite that writes the searched shape into the graph is no candidate of a
+        dynamic model. Each one left out is in the task's candidates, with why."""
+        ctx, task = self.ctx, self.task
+        failures: dict[str, str] = {}
+
+        async def check(name: str) -> None:
+            reply: CheckReply = await ctx.pool.call(
+                ctx.check_request((task,), {task.id: name}), ctx.ledger
+            )
+            if task.id in reply.failures:
+                failures[name] = reply.failures[task.id]
+
+        async with trio.open_nursery() as nursery:
+            for c in cands:
+                if c.id != DEFAULT:
+                    nursery.start_soon(check, c.id)
+        for name, why in failures.items():
+            self.result.candidates.append({"strategy": name, "ok": False, "error": why})
+        await trio.to_thread.run_sync(_remove, [c.model for c in cands if c.id in failures])
+        return [c for c in cands if c.id not in failures]
 
     def _skipped(self, candidates: int, load_s: float, failed: int) -> TaskDecision:
         """The decision for a task whose candidates cost more to load than its share."""

@@ -10,7 +10,7 @@ model carries.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -23,7 +23,6 @@ if TYPE_CHECKING:
     from aoe.accelerators import LocalDevice
     from aoe.signature import TensorInfo
     from aoed.engine.runtime import Runtime
-    from aoed.engine.shapeprofile import Profile
 
 __all__ = ["ORT", "OrtRuntime"]
 
@@ -61,23 +60,6 @@ class OrtRuntime:
         from aoed.backends.ort.probe import activation_ranges
 
         return activation_ranges(model, infos, samples)
-
-    def shape_guard(
-        self,
-        reference: onnx.ModelProto,
-        profile: Profile,
-        infos: Mapping[str, TensorInfo],
-        int_high: Mapping[str, int],
-        build: Callable[[Mapping[str, str]], onnx.ModelProto],
-        choices: Mapping[str, str],
-        tolerance: tuple[float, float],
-    ) -> tuple[onnx.ModelProto, dict[str, str]]:
-        from aoed.backends.ort.shapecheck import Points, guard
-
-        model, refused, _ = guard(
-            build, choices, Points(reference, profile, infos, int_high), tolerance
-        )
-        return model, refused
 
 
 #: The one ONNX Runtime backend.

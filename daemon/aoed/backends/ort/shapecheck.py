@@ -24,7 +24,7 @@ from aoe.signature import TensorInfo
 from aoed.engine.messages import PointCheck
 from aoed.engine.shapeprofile import Profile, restore_io
 
-__all__ = ["Points", "guard"]
+__all__ = ["Points", "first_failure", "guard"]
 
 #: The seed of a point's synthetic inputs (the same for the input and every candidate).
 _SEED = 7
@@ -123,6 +123,17 @@ def _failed(checks: list[PointCheck]) -> PointCheck | None:
 
 def _where(c: PointCheck) -> str:
     return " ".join(f"{k}:{','.join(map(str, v))}" for k, v in c.shapes.items())
+
+
+def first_failure(
+    model: onnx.ModelProto, points: Points, tolerance: tuple[float, float]
+) -> str | None:
+    """Where `model` (as assembled, at the searched point) fails once it has the input's
+    dynamic axes back (restored in place): "fails at shape ...: why", or None when it
+    holds at every point."""
+    restore_io(model, points.profile)
+    bad = _failed(points.check(model, tolerance))
+    return None if bad is None else f"fails at shape {_where(bad)}: {bad.error}"
 
 
 def guard(

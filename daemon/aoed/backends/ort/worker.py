@@ -31,7 +31,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import onnx
@@ -41,6 +41,11 @@ from aoe.signature import ModelContext
 from aoed.engine import messages as m
 from aoed.engine.registry import DEFAULT, StrategyRegistry
 from aoed.engine.tasks import Constants
+
+if TYPE_CHECKING:
+    from aoed.backends.ort.shapecheck import Points
+    from aoed.engine.prep import Prepared
+    from aoed.engine.shapeprofile import Profile
 
 _registry: StrategyRegistry | None = None
 _cached: tuple[tuple[str, int], onnx.ModelProto, ModelContext, Constants] | None = None
@@ -129,7 +134,7 @@ def _prepare(req: m.PrepareRequest) -> m.PrepareReply:
         inputs=prep.inputs,
         outputs=tuple(prep.outputs),
         tasks=tuple(tasks),
-        model_signature=model_signature(prep.model),
+        model_signature=model_signature(prep.model, profile),
         int_high=int_high,
         notes=tuple(prep.notes),
         digest=_file_digest([prep.path, prep.path.with_name(prep.path.name + ".data")]),
@@ -138,7 +143,7 @@ def _prepare(req: m.PrepareRequest) -> m.PrepareReply:
     )
 
 
-def _points_that_run(prep: Any, int_high: dict[str, int]) -> Any:
+def _points_that_run(prep: Prepared, int_high: dict[str, int]) -> Profile:
     """The prepared model's profile less the derived points where the input model itself
     fails (a size past what it computes: the derivation guessed too far), with a note for
     each; ModelError for a point the user gave, or the one the model was prepared at."""
@@ -147,6 +152,7 @@ def _points_that_run(prep: Any, int_high: dict[str, int]) -> Any:
     from aoed.backends.ort.shapecheck import Points
 
     profile = prep.profile
+    assert profile is not None
     points = Points(prep.model, profile, prep.inputs, int_high)
     keep, checks, measured = [], [], len(profile.points)
     for k, point in enumerate(profile.checked):
@@ -316,20 +322,25 @@ def _describe(req: m.DescribeRequest) -> m.DescribeReply:
     return m.DescribeReply(describe(req.names, values, small).params())
 
 
-_points_cache: tuple[tuple[str, int, str], Any] | None = None
+_points_cache: tuple[tuple[str, int, str], Points] | None = None
 
 
-def _points(req: m.AssembleRequest, model: onnx.ModelProto, ctx: ModelContext) -> Any:
-    """The profile's reference outputs for `req.source` (cached: every assembly of a
-    job checks against the same ones)."""
+def _points(
+    source: Path,
+    profile: Profile,
+    int_high: dict[str, int],
+    model: onnx.ModelProto,
+    ctx: ModelContext,
+) -> Points:
+    """The profile's reference outputs for the model at `source` (cached: every check
+    and assembly of a job runs against the same ones)."""
     global _points_cache
     from aoed.backends.ort.shapecheck import Points
 
-    assert req.profile is not None
-    stamp = (str(req.source), req.source.stat().st_mtime_ns, repr(req.profile))
+    stamp = (str(source), source.stat().st_mtime_ns, repr(profile))
     if _points_cache is None or _points_cache[0] != stamp:
-        inputs = {n: ctx.tensors[n] for n in req.profile.point if n in ctx.tensors}
-        _points_cache = (stamp, Points(model, req.profile, inputs, req.int_high))
+        inputs = {n: ctx.tensors[n] for n in profile.point if n in ctx.tensors}
+        _points_cache = (stamp, Points(model, profile, inputs, int_high))
     return _points_cache[1]
 
 
@@ -350,7 +361,10 @@ def _assemble(req: m.AssembleRequest) -> m.AssembleReply:
     for build in req.builds:
         if req.profile is not None and ctx.tensors:
             out, left_out, checks = guard(
-                build_of, build.choices, _points(req, model, ctx), req.tolerance
+                build_of,
+                build.choices,
+                _points(req.source, req.profile, req.int_high, model, ctx),
+                req.tolerance,
             )
             refused.update(left_out)
             checked[str(build.out)] = tuple(checks)
@@ -364,7 +378,7 @@ def _assemble(req: m.AssembleRequest) -> m.AssembleReply:
 
 def _check(req: m.CheckRequest) -> m.CheckReply:
     from aoe.errors import AoedError
-    from aoed.engine.assemble import task_rewrites
+    from aoed.engine.assemble import apply_choices, task_rewrites
 
     model, ctx, consts = _loaded(req.source)
     ranges = _ranges(req.ranges)
@@ -376,6 +390,17 @@ def _check(req: m.CheckRequest) -> m.CheckReply:
                 task_rewrites(model, ctx, consts, t, req.choices[t.id], _registry, ranges)
             except (KeyError, AoedError) as exc:
                 failures[t.id] = str(exc).strip("'\"")
+    if req.profile is not None and ctx.tensors:
+        from aoed.backends.ort.shapecheck import first_failure
+
+        points = _points(req.source, req.profile, req.int_high, model, ctx)
+        for t in req.tasks:
+            choice = req.choices.get(t.id)
+            if choice is None or t.id in failures or choice == DEFAULT:
+                continue
+            built = apply_choices(model, ctx, consts, [t], {t.id: choice}, _registry, ranges)
+            if (why := first_failure(built, points, req.tolerance)) is not None:
+                failures[t.id] = f"{choice} {why}"
     return m.CheckReply(failures)
 
 
