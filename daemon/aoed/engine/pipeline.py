@@ -42,7 +42,7 @@ import trio
 from aoe.bankrecord import BankRecord
 from aoe.outcome import JobOutcome, bank_tally
 from aoe.partition import Task
-from aoe.spec import Stage
+from aoe.spec import Runtime, Stage
 from aoed import safefs
 from aoed.engine import bankrules, confirm, resume
 from aoed.engine.assemble import tuned_metadata
@@ -431,13 +431,16 @@ async def runtime_stage(
     ctx: JobContext, model: Prepared, known: Known, proposal: Proposal, budget: Budget
 ) -> RuntimeChoice:
     """Another runtime's builds of the input against the proposal (runtimestage.py);
-    the bank's, when its confirmation of these choices shipped one."""
+    the bank's, when its confirmation of these choices shipped one. A confirmation of
+    onnxruntime's model from the bank answers this stage too: the job that stored it
+    compared the runtimes (or had none to compare), and a run the bank answers measures
+    nothing it decided (REPEAT_TUNE compares again), unless this job asks for OpenVINO
+    by name."""
     cached = proposal.cached
-    banked = (
-        bankrules.runtime_of(known.model_ans)
-        if cached is not None and cached.get("runtime") == "openvino"
-        else None
-    )
+    asked = ctx.spec.runtime if ctx.spec.runtime != Runtime.AUTO else Runtime(ctx.config.runtime)
+    if cached is not None and cached.get("runtime") != "openvino" and asked != Runtime.OPENVINO:
+        return RuntimeChoice()
+    banked = bankrules.runtime_of(known.model_ans) if cached is not None else None
     return await compete(ctx, proposal.verified, model.samples.calibrate, budget, banked)
 
 
