@@ -142,12 +142,15 @@ class JobContext:
         plan: MeasurePlan | None = None,
         category: str = "search",
         spread: bool = False,
+        limit_s: float | None = None,
     ) -> dict[str, Measurement]:
         """Measure `candidates` interleaved on the device (DeviceError if it cannot);
         `plan` (default: racing until stable) within `budget_s`, charged to the job's
         ledger under `category` (see budget.py). `spread`: on whichever device of the
         job's fingerprint is least busy, for a request whose times are compared with no
-        other request's (one task's search); else on the job's home device."""
+        other request's (one task's search); else on the job's home device. `limit_s`:
+        the wall-clock limit of the request (default: the device agent's, from its
+        budget); past it the runner is killed and DeviceError raised."""
         plan = msgspec.structs.replace(plan or MeasurePlan(), budget_s=budget_s)
         files = self.provider_files()
         if files:
@@ -161,7 +164,7 @@ class JobContext:
         if spread and self.devices is not None:
             reply = await self.devices.call(self.device, req, self.ledger, category=category)
         else:
-            reply = await self.device.call(req, self.ledger, category=category)
+            reply = await self.device.call(req, self.ledger, limit_s, category=category)
         return reply.results
 
     async def assemble(self, builds: list[Build], source: Path | None = None) -> dict[str, str]:

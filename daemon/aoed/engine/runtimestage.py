@@ -38,7 +38,7 @@ from aoe.ovartifact import RuntimeDecision
 from aoe.spec import Runtime, Stage
 from aoed.engine import decisions
 from aoed.engine.assemble import tuned_metadata
-from aoed.engine.budget import Budget
+from aoed.engine.budget import Budget, model_mib
 from aoed.engine.context import JobContext
 from aoed.engine.messages import (
     Accuracy,
@@ -60,6 +60,12 @@ MEASURE_S = 2.0
 #: Fewer device seconds than this left in the budget: no builds, no comparison (five
 #: rounds of a few sessions as deployed, on the sample models).
 MIN_COMPARE_S = 1.0
+#: The comparison's wall-clock limit beyond its rounds: loading every build (OpenVINO
+#: compiles each for the device; a model it cannot compile must not hold the job: one
+#: hostile If graph kept OpenVINO 2026.4's CPU plugin compiling for minutes), plus this
+#: much per MiB of model per build.
+COMPARE_LIMIT_S = 15.0
+COMPARE_LIMIT_S_PER_MIB = 0.2
 #: The variants each precision policy lets OpenVINO compete with, in order of
 #: preference on a tie (the most exact first).
 VARIANTS: dict[str, tuple[str, ...]] = {
@@ -187,6 +193,9 @@ async def compete(
             cands,
             "input",
             max(seconds, MIN_COMPARE_S),
+            limit_s=COMPARE_LIMIT_S
+            + 3 * max(seconds, MIN_COMPARE_S)
+            + COMPARE_LIMIT_S_PER_MIB * model_mib([ctx.run.model]) * len(cands),
             plan=MeasurePlan(min_rounds=5, max_rounds=10, deployed=True),
             category="runtime",
         )
