@@ -137,6 +137,27 @@ async def compete(
         got = await _from_bank(ctx, banked, calibrate)
         if got is not None:
             return got
+    # What OpenVINO is here, if any, before anything is built: where there is none, the
+    # notes (or, asked for by name, the job's error) say so whatever the budget left.
+    try:
+        probe: RuntimeBuildReply = await model_step(
+            ctx.pool,
+            RuntimeBuildRequest(OTHER, ctx.run.model, ctx.workspace.scratch / "openvino", (), ()),
+            ctx.ledger,
+            ctx.run.model,
+            "asking for OpenVINO",
+        )
+    except ModelError as exc:
+        ctx.notes.append(f"OpenVINO not compared: {exc}")
+        return RuntimeChoice()
+    if probe.offer.get("why_not"):
+        if asked == Runtime.OPENVINO:
+            raise OptionError(
+                f"--runtime openvino: {probe.offer['why_not']} where the job runs; "
+                "install it there, or use --runtime auto"
+            )
+        ctx.notes.extend(probe.notes)
+        return RuntimeChoice()
     seconds, _load = budget.measurable(
         min(MEASURE_S, budget.for_runtime()), [ctx.run.model] * (2 + len(variants))
     )

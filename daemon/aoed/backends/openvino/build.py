@@ -55,6 +55,8 @@ def build(req: RuntimeBuildRequest) -> RuntimeBuildReply:
     offer = find()
     if not offer.usable:
         return RuntimeBuildReply(offer.to_dict(), (), (f"OpenVINO not used: {offer.why_not}",))
+    if not req.variants:  # only asked what this OpenVINO is (and whether there is one)
+        return RuntimeBuildReply(offer.to_dict(), (), ())
     import openvino as ov
 
     notes: list[str] = []
