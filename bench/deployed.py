@@ -78,6 +78,10 @@ def _session(path: str, tuned: bool, spin: str):
     import onnxruntime as ort
 
     config = {SPIN_KEY: spin} if spin else {}
+    if tuned and path.endswith(".xml"):  # an OpenVINO IR aoe shipped, with its compile config
+        import aoe
+
+        return aoe.session(path)
     if tuned:
         import aoe
 
