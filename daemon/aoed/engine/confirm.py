@@ -196,13 +196,17 @@ def _point_inputs(ctx: JobContext, k: int, point: Mapping[str, tuple[int, ...]])
 
 
 async def at_points(
-    ctx: JobContext, model: Path, options: Mapping[str, Any], budget_s: float
+    ctx: JobContext,
+    model: Path,
+    options: Mapping[str, Any],
+    budget_s: float,
+    runtime: str = "onnxruntime",
 ) -> list[dict[str, Any]]:
     """`model` (with `options`) against the input at each point of the job's shape
     profile but the searched one, POINT_ROUNDS rounds each, deployed: per point its
     shapes, verdict (aoe.figures' VERDICTS, or "not measured"), the input's time and the
-    model's, and the improvement with its 95% interval. Raises DeviceError when the
-    device fails."""
+    model's, and the improvement with its 95% interval. `runtime`: what `model` runs on
+    (an OpenVINO build is timed as such). Raises DeviceError when the device fails."""
     assert ctx.prep is not None and ctx.prep.profile is not None
     profile = ctx.prep.profile
     out: list[dict[str, Any]] = []
@@ -211,7 +215,10 @@ async def at_points(
             continue
         inputs = await trio.to_thread.run_sync(_point_inputs, ctx, k, point)
         measured = await ctx.measure(
-            [Candidate("input", ctx.run.model), Candidate("tuned", model, dict(options))],
+            [
+                Candidate("input", ctx.run.model),
+                Candidate("tuned", model, dict(options), runtime=runtime),
+            ],
             "input",
             budget_s,
             inputs=inputs,

@@ -50,8 +50,11 @@ async def _at_points(
     """A dynamic model's proposal, confirmed at the searched point, against the input at
     every other point of its profile (confirm.at_points), judged by `hold_at_points`."""
     assert ctx.prep is not None and ctx.prep.profile is not None
-    options = proposal.options if conf.options_kept else {}
-    measured = await confirm.at_points(ctx, ship, options, seconds)
+    # another runtime's build runs with its compile properties whatever became of
+    # onnxruntime's session options
+    other = proposal.runtime != "onnxruntime"
+    options = proposal.options if conf.options_kept or other else {}
+    measured = await confirm.at_points(ctx, ship, options, seconds, proposal.runtime)
     return hold_at_points(conf, ctx.prep.profile.point, measured, ship, proposal.input_copy)
 
 
