@@ -19,7 +19,6 @@ length, logits' cosine stated.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import tempfile
 from pathlib import Path
@@ -51,30 +50,8 @@ def _feed(past: int) -> dict[str, np.ndarray]:
     return feed
 
 
-def _logits(path: Path, feed: dict[str, np.ndarray], tuned: bool) -> list[np.ndarray]:
-    import onnxruntime as ort
-
-    import aoe
-
-    sess = (
-        aoe.session(path)
-        if tuned
-        else ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    )
-    return [sess.run(["logits"], feed)[0]]
-
-
-def _ratio(r: measure.Ratio | None) -> str:
-    return "n/a" if r is None else f"{r.median:.2f}x [{r.lo:.2f}, {r.hi:.2f}]"
-
-
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="fewer rounds")
-    ap.add_argument("--budget", type=float, default=60.0, help="aoe tune's budget (s)")
-    ap.add_argument("--no-write", action="store_true", help="print only; leave RESULTS.md alone")
-    ap.add_argument("--out", type=Path, default=RESULTS, help="results file to write into")
-    args = ap.parse_args(argv)
+    args = measure.shape_bench_args(__doc__, RESULTS, argv)
     from aoed import samples
 
     log, host = Log(), Machine()
@@ -111,14 +88,16 @@ def main(argv: list[str] | None = None) -> int:
             ),
             log,
         )
-        reference = _logits(src, feed, tuned=False)
+        reference = measure.outputs_of(src, feed, False, ["logits"])
         cos = {
-            k: measure.accuracy([reference], [_logits(shipped[k], feed, tuned=True)]).cosine
+            k: measure.accuracy(
+                [reference], [measure.outputs_of(shipped[k], feed, True, ["logits"])]
+            ).cosine
             for k in shipped
         }
         if qdyn.path is not None:
             cos["qdyn"] = measure.accuracy(
-                [reference], [_logits(qdyn.path, feed, tuned=False)]
+                [reference], [measure.outputs_of(qdyn.path, feed, False, ["logits"])]
             ).cosine
         vs_input = measure.ratio(lat.get("input"), lat.get("int8"))
         speedups.append(vs_input)
@@ -126,9 +105,9 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(
             f"| {past} | {tps['input']:.0f} | "
             + (f"{tps['qdyn']:.0f} | " if "qdyn" in tps else "n/a | ")
-            + f"{tps['int8']:.0f} | {tps['int4']:.0f} | {_ratio(vs_input)} | "
-            f"{_ratio(measure.ratio(lat.get('input'), lat.get('int4')))} | "
-            f"{_ratio(measure.ratio(lat.get('qdyn'), lat.get('int8')))} | "
+            + f"{tps['int8']:.0f} | {tps['int4']:.0f} | {measure.ratio_text(vs_input)} | "
+            f"{measure.ratio_text(measure.ratio(lat.get('input'), lat.get('int4')))} | "
+            f"{measure.ratio_text(measure.ratio(lat.get('qdyn'), lat.get('int8')))} | "
             f"{cos['int8']:.5f} | {cos['int4']:.5f} | {cos.get('qdyn', float('nan')):.5f} |"
             + (f" {errors}" if errors else "")
         )

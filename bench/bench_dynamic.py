@@ -18,7 +18,6 @@ Targets (the dynamic-encoder anchor): never slower than the input model at any p
 
 from __future__ import annotations
 
-import argparse
 import sys
 import tempfile
 from pathlib import Path
@@ -45,30 +44,8 @@ def _feed(batch: int, seq: int) -> dict[str, np.ndarray]:
     return {"input_ids": rng.integers(1, SIZE["vocab"], (batch, seq)).astype(np.int64)}
 
 
-def _outputs(path: Path, feed: dict[str, np.ndarray], tuned: bool) -> list[np.ndarray]:
-    import onnxruntime as ort
-
-    import aoe
-
-    sess = (
-        aoe.session(path)
-        if tuned
-        else ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    )
-    return list(sess.run(None, feed))
-
-
-def _ratio_text(r: measure.Ratio | None) -> str:
-    return "n/a" if r is None else f"{r.median:.2f}x [{r.lo:.2f}, {r.hi:.2f}]"
-
-
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="fewer rounds")
-    ap.add_argument("--budget", type=float, default=60.0, help="aoe tune's budget (s)")
-    ap.add_argument("--no-write", action="store_true", help="print only; leave RESULTS.md alone")
-    ap.add_argument("--out", type=Path, default=RESULTS, help="results file to write into")
-    args = ap.parse_args(argv)
+    args = measure.shape_bench_args(__doc__, RESULTS, argv)
     from aoed import samples
 
     log, host = Log(), Machine()
@@ -100,10 +77,10 @@ def main(argv: list[str] | None = None) -> int:
             ),
             log,
         )
-        reference = _outputs(src, feed, tuned=False)
-        acc = measure.accuracy([reference], [_outputs(shipped, feed, tuned=True)])
+        reference = measure.outputs_of(src, feed, tuned=False)
+        acc = measure.accuracy([reference], [measure.outputs_of(shipped, feed, tuned=True)])
         q_acc = (
-            measure.accuracy([reference], [_outputs(qdyn.path, feed, tuned=False)])
+            measure.accuracy([reference], [measure.outputs_of(qdyn.path, feed, tuned=False)])
             if qdyn.path is not None
             else None
         )
@@ -113,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(
             f"| ({batch}, {seq}) | {lat['input'].median_ms:.3f} ms | "
             + (f"{lat['qdyn'].median_ms:.3f} ms | " if "qdyn" in lat else "n/a | ")
-            + f"{lat['aoe'].median_ms:.3f} ms | {_ratio_text(vs_input)} | {_ratio_text(vs_qdyn)} | "
+            + f"{lat['aoe'].median_ms:.3f} ms | {measure.ratio_text(vs_input)} | {measure.ratio_text(vs_qdyn)} | "
             f"{acc.cosine:.6f} | {q_acc.cosine if q_acc else float('nan'):.6f} | "
             f"{vs_input.pairs if vs_input else 0} |" + (f" {errors}" if errors else "")
         )

@@ -13,6 +13,8 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -188,3 +190,37 @@ def predictions(outputs: Sequence[Sequence[np.ndarray]]) -> np.ndarray:
     """Predicted classes: the argmax over the last axis of each run's first output, all
     runs joined in order."""
     return np.concatenate([np.asarray(run[0]).argmax(axis=-1).ravel() for run in outputs])
+
+
+def ratio_text(r: Ratio | None) -> str:
+    """`r` as a table cell: median with its 95% interval ("n/a" when none)."""
+    return "n/a" if r is None else f"{r.median:.2f}x [{r.lo:.2f}, {r.hi:.2f}]"
+
+
+def outputs_of(
+    path: Path, feed: Mapping[str, np.ndarray], tuned: bool, names: Sequence[str] | None = None
+) -> list[np.ndarray]:
+    """`path`'s outputs (`names`, default all) on `feed`: a model aoe shipped opened with
+    `aoe.session` (its options, or its runtime), any other with onnxruntime's defaults."""
+    import onnxruntime as ort
+
+    import aoe
+
+    sess = (
+        aoe.session(path)
+        if tuned
+        else ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    )
+    return list(sess.run(list(names) if names else None, dict(feed)))
+
+
+def shape_bench_args(doc: str, results: Path, argv: list[str] | None) -> Any:
+    """The options the shape benches share (bench_dynamic.py, bench_decode.py)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="fewer rounds")
+    ap.add_argument("--budget", type=float, default=60.0, help="aoe tune's budget (s)")
+    ap.add_argument("--no-write", action="store_true", help="print only; leave RESULTS.md alone")
+    ap.add_argument("--out", type=Path, default=results, help="results file to write into")
+    return ap.parse_args(argv)
