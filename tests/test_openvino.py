@@ -463,3 +463,30 @@ def test_a_daemon_job_ships_the_ir_and_aoe_fetch_downloads_all_three_files(tmp_p
         assert json.loads(job.result.runtime_options_json) == read_config(xml).config
     finally:
         d.close()
+
+
+@pytest.mark.slow
+@pytest.mark.long  # one int8 job on the dynamic encoder: about 30 s
+def test_an_openvino_build_of_a_dynamic_model_is_measured_at_every_point_as_itself(tmp_path):
+    """The build that ships is A/B'd against the input at each point of the profile on
+    OpenVINO, with its compile config: every point has figures (a build handed to
+    onnxruntime's worker could not load, and no point was measured)."""
+    if not discover.find().has("BF16"):
+        pytest.skip("OpenVINO's bf16 build wins on a CPU with bf16 (AMX or AVX512-BF16)")
+    from aoed import samples
+
+    from .conftest import run_aoe
+
+    # at BERT-mini's size, where OpenVINO's bf16 build ran 3x the input (bench_dynamic.py)
+    size = {"hidden": 256, "heads": 4, "ffn": 1024, "layers": 4, "max_positions": 256}
+    model = samples.save(samples.encoder(**size), tmp_path / "enc.onnx")
+    run = run_aoe(
+        "tune", str(model), "--precision", "int8", "--budget", "6", "--no-progress",
+        "--runtime", "openvino", "--output", str(tmp_path / "out"),
+        "--bank", str(tmp_path / "bank"),
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    doc = _result(tmp_path / "out")
+    assert doc["runtime"] == "openvino", doc["notes"]
+    points = doc["confirmation"]["points"]
+    assert len(points) >= 2 and all("improvement" in p for p in points), points
