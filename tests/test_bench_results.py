@@ -17,7 +17,13 @@ def _sections(text: str) -> dict[str, str]:
 
 
 def _glance_rows(glance: str) -> list[dict[str, str]]:
-    lines = [ln for ln in glance.splitlines() if ln.startswith("|")]
+    """The table's rows; AssertionError where anything else splits it (markdown would end
+    the table there and show the rows after it as text)."""
+    all_lines = glance.splitlines()
+    at = [i for i, ln in enumerate(all_lines) if ln.startswith("|")]
+    gaps = [all_lines[i] for i in range(at[0], at[-1]) if not all_lines[i].startswith("|")]
+    assert not gaps, f"the table at a glance is split by {gaps[:2]}: rows after it show as text"
+    lines = [all_lines[i] for i in at]
     head = [c.strip() for c in lines[0].strip("|").split("|")]
     rows = []
     for ln in lines[2:]:
