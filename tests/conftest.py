@@ -13,6 +13,12 @@ from aoed import samples
 
 from .suite_time import SuiteTime
 
+# Jobs in the suite ship on onnxruntime unless a test asks for OpenVINO (by name, or with
+# this variable set to auto, as tests/test_openvino.py does): its build and comparison
+# take seconds that a job about something else need not spend, and a bf16 build that
+# wins would hand such a test an IR where it reads an ONNX model.
+os.environ.setdefault("AOED_TUNING_RUNTIME", "onnxruntime")
+
 
 def pytest_configure(config: pytest.Config) -> None:
     """Print the selected tests' estimated time before they run (tests/suite_time.py)."""

@@ -97,6 +97,13 @@ def test_config_file_then_environment_then_command_line(tmp_path: Path) -> None:
     assert cfg.bank_layers == (Path("/a"), Path("/b")) and cfg.sources["bank"] == "TUNE_BANK_PATH"
     assert cfg.replace(parallel=2, bank=None).parallel == 2  # None leaves a value as it was
     assert load_config(env={"AOED_CONFIG": str(toml)}).parallel == 3
+    # What `--runtime auto` may ship on: the file's, then the environment's, checked by name.
+    toml.write_text('[tuning]\nruntime = "openvino"\n')
+    assert load_config(toml, env={}).runtime == "openvino"
+    cfg = load_config(toml, env={"AOED_TUNING_RUNTIME": "onnxruntime"})
+    assert cfg.runtime == "onnxruntime" and cfg.sources["runtime"] == "AOED_TUNING_RUNTIME"
+    with pytest.raises(OptionError, match="AOED_TUNING_RUNTIME='tvm': expected one of auto, "):
+        load_config(env={"AOED_TUNING_RUNTIME": "tvm"})
 
 
 def test_engine_limits_come_from_the_config_with_the_constants_as_defaults(tmp_path: Path) -> None:

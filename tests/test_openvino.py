@@ -408,7 +408,8 @@ def test_where_openvino_cannot_load_auto_says_so_once_and_openvino_fails_by_name
     fake = tmp_path / "fake" / "openvino"
     fake.mkdir(parents=True)
     (fake / "__init__.py").write_text('raise ImportError("no OpenVINO on this machine")\n')
-    env = {"PYTHONPATH": os.pathsep.join([str(fake.parent), os.environ.get("PYTHONPATH", "")])}
+    path = os.pathsep.join([str(fake.parent), os.environ.get("PYTHONPATH", "")])
+    env = {"PYTHONPATH": path, "AOED_TUNING_RUNTIME": "auto"}
     model = samples.save(samples.build("mlp"), tmp_path / "mlp.onnx")
     common = (str(model), *EXACT, "--bank", str(tmp_path / "bank"))
     auto = run_aoe("tune", *common, "--output", str(tmp_path / "auto"), env=env)
@@ -417,6 +418,14 @@ def test_where_openvino_cannot_load_auto_says_so_once_and_openvino_fails_by_name
     assert doc["runtime"] == "onnxruntime" and doc["runtimes"] == []
     said = [n for n in doc["notes"] if "OpenVINO" in n]
     assert len(said) == 1 and "no OpenVINO on this machine" in said[0], doc["notes"]
+    # Where the operator settled auto as onnxruntime, OpenVINO is never looked for.
+    env["AOED_TUNING_RUNTIME"] = "onnxruntime"
+    fresh = ("--bank", str(tmp_path / "bank_ort"), "--output", str(tmp_path / "ort"))
+    ort = run_aoe("tune", str(model), *EXACT, *fresh, env=env)
+    assert ort.returncode == 0, ort.stderr
+    doc = _result(tmp_path / "ort")
+    assert doc["runtime"] == "onnxruntime" and doc["runtimes"] == []
+    assert not [n for n in doc["notes"] if "OpenVINO" in n], doc["notes"]
     asked = run_aoe(
         "tune", *common, "--runtime", "openvino", "--output", str(tmp_path / "ov"), env=env
     )

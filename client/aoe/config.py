@@ -11,6 +11,7 @@ Every environment variable the project honours is read here and nowhere else:
   AOED_BANK_LAYERS       read-only bank layers under the custom one (os.pathsep list)
   AOED_PLUGINS           strategy plugin modules (comma separated)
   AOED_RUNTIME_DIR       where per-device measurement locks live
+  AOED_TUNING_RUNTIME    what a job that says --runtime auto may ship on
   AOED_CONFIG            the TOML file, when --config is not given
   AOED_SOCKET            the daemon's unix socket (clients and the daemon)
 
@@ -109,6 +110,9 @@ Level = Literal["debug", "info", "warning", "error"]
 #: `[cluster] executor`: where the engine's devices and compile workers run
 Executor = Literal["local", "ray"]
 EXECUTORS: tuple[str, ...] = get_args(Executor)
+#: What a job that says `--runtime auto` may ship on (aoe.spec.Runtime's values).
+RuntimeName = Literal["auto", "onnxruntime", "openvino"]
+RUNTIMES: tuple[str, ...] = get_args(RuntimeName)
 
 
 #: The most compile processes `[tuning] parallel`, TE_PARALLEL_COMPILER and a job's
@@ -383,7 +387,7 @@ _Tuning = section(
         Meta(min_length=1, description='a list of devices, e.g. ["cann:0", "cann:1"]'),
     ],
     plugins=tuple[str, ...],
-    runtime=Literal["auto", "onnxruntime", "openvino"],
+    runtime=RuntimeName,
 )
 _Engine = section(
     "_Engine",
@@ -500,6 +504,13 @@ def _env_names(raw: str, where: str) -> tuple[str, ...]:
     return tuple(s.strip() for s in raw.split(",") if s.strip())
 
 
+def _env_runtime(raw: str, where: str) -> str:
+    value = raw.strip()
+    if value not in RUNTIMES:
+        raise OptionError(f"{where}={raw!r}: expected one of {', '.join(RUNTIMES)}")
+    return value
+
+
 #: The environment variables that set a Config field: the field, and how its text reads
 #: (ASCEND_DEVICE_ID, which sets `device` to cann:N, is read on its own).
 _ENV: Mapping[str, tuple[str, Callable[[str, str], Any]]] = {
@@ -509,6 +520,7 @@ _ENV: Mapping[str, tuple[str, Callable[[str, str], Any]]] = {
     "TE_PARALLEL_COMPILER": ("parallel", parse_parallel),
     "AOED_PLUGINS": ("plugins", _env_names),
     "AOED_RUNTIME_DIR": ("runtime_dir", _env_path),
+    "AOED_TUNING_RUNTIME": ("runtime", _env_runtime),
 }
 #: The environment variables that set a Config field, and the field each sets.
 ENV_KEYS = {var: name for var, (name, _) in _ENV.items()}
