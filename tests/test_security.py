@@ -402,10 +402,17 @@ def test_a_daemon_started_under_umask_000_leaves_nothing_open_to_other_users(
         )
         assert (d.inbox.parent / "outbox" / "dropped_tuned.onnx").exists(), d.log_tail()
         state = d.state
+
         # A claimed drop is the dropper's file, moved (not copied) with its own mode:
         # wait until its delivery removed it.
+        def delivered() -> bool:
+            try:
+                return not any((state / "claimed").rglob("*.onnx"))
+            except FileNotFoundError:  # a claim's folder removed while it was listed
+                return False  # look again
+
         wait_for(
-            lambda: not any((state / "claimed").rglob("*.onnx")),
+            delivered,
             60,
             "the claimed drop removed by its delivery",
             detail=d.log_tail,
