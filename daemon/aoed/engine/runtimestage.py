@@ -18,7 +18,8 @@ started; `auto` where OpenVINO is not installed says so once in the notes, and
 `openvino` there fails the job naming the option.
 `exact` allows float rounding only, so there only f32 competes. What wins goes to the
 confirming A/B, which measures it against the input on onnxruntime's defaults like any
-proposal and names the runtime in every figure.
+proposal and names the runtime in every figure; where the A/B does not confirm it,
+onnxruntime's proposal is confirmed next, as if no other runtime had competed.
 
 The stage's device time counts in the job's budget (budget.py): it is what verification
 left, at most `MEASURE_S` (plus loading the sessions), and with less than
