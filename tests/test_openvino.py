@@ -148,6 +148,37 @@ def test_a_written_config_reads_back(tmp_path):
     assert json.loads((tmp_path / "m.ovconfig.json").read_text())["format"] == 1
 
 
+def test_both_int8_builds_come_from_one_nncf_model_with_their_float_rest_hinted(files, tmp_path):
+    """NNCF quantizes the model once for `int8` (what it leaves in float runs in f32) and
+    `int8_bf16` (in bf16, as OpenVINO runs an NNCF model by default on such a CPU); a CPU
+    without BF16 gets no int8_bf16, and the notes say which capability it lacks."""
+    from aoed.backends.openvino.build import build
+    from aoed.engine.messages import RuntimeBuildRequest
+
+    req = RuntimeBuildRequest(
+        "openvino", files["onnx"], tmp_path, ("int8", "int8_bf16"), (files["inputs"],) * 2
+    )
+    reply = build(req)
+    got = {a.name: a for a in reply.artifacts}
+    assert got["int8"].error == "" and got["int8"].options["INFERENCE_PRECISION_HINT"] == "f32"
+    assert sorted(p.name for p in tmp_path.glob("*.xml")) == [
+        "openvino_f32.xml",
+        "openvino_int8.xml",
+    ]
+    if discover.find().has("BF16"):
+        assert got["int8_bf16"].model == got["int8"].model
+        assert got["int8_bf16"].options["INFERENCE_PRECISION_HINT"] == "bf16"
+    else:
+        assert "int8_bf16" not in got and any("BF16" in n for n in reply.notes), reply.notes
+    # What the bank keeps of it reads back; a variant nobody builds does not.
+    assert (
+        RuntimeDecision.checked(RuntimeDecision("openvino", "int8_bf16").to_json()).variant
+        == "int8_bf16"
+    )
+    with pytest.raises(ModelError, match="variant 'int4_bf16' is not one of"):
+        RuntimeDecision.checked({"runtime": "openvino", "variant": "int4_bf16", "options": {}})
+
+
 # ---------------------------------------------------------------- a job that ships OpenVINO
 
 #: A small int8 job: the cnn sample, whose bf16 build on OpenVINO ran 2x faster than
@@ -215,7 +246,7 @@ def test_a_job_ships_the_openvino_build_that_won_and_says_so(shipped):
     assert read_config(xml).config == doc["runtime_options"]
     rows = {r["name"]: r for r in doc["runtimes"]}
     assert rows["input"]["runtime"] == "onnxruntime"
-    assert {"openvino_f32", "openvino_bf16", "openvino_int8"} <= set(rows)
+    assert {"openvino_f32", "openvino_bf16", "openvino_int8", "openvino_int8_bf16"} <= set(rows)
     assert sum(r.get("gate") == "passed" and "held_back" in r for r in rows.values()) >= 1
     conf = doc["confirmation"]
     assert conf["shipped"] == "tuned" and conf["verdict"] == "faster"
