@@ -574,3 +574,31 @@ async def test_a_device_whose_provider_is_missing_fails_to_start_with_a_clear_er
         ).run()
     msg = str(err.value)
     assert "CANNExecutionProvider" in msg and "onnxruntime-cann" in msg and "cann:0" in msg
+
+
+def test_a_childs_temp_folder_goes_with_it_killed_or_not(tmp_path):
+    """Each child runs with a temp folder of its own (TMPDIR), removed once it is reaped:
+    what a runner killed mid-measurement leaves there (its candidates' scratch) is not
+    left in the machine's temp folder, and a restart starts with a fresh one."""
+    from aoed.engine._child import Child
+    from aoed.engine.messages import PingRequest
+
+    async def main() -> None:
+        child = Child("aoed.backends.ort.runner", "runner", tmp_path / "runner.log")
+        assert (await child.call(PingRequest(CPU))).ok
+        first, pid = child.tmp, child.pid
+        assert first is not None and first.is_dir() and pid is not None
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        assert f"TMPDIR={first}".encode() in environ
+        (first / "aoe-deployed-x").mkdir()  # as a killed measurement leaves its scratch
+        os.kill(pid, signal.SIGKILL)
+        with trio.fail_after(10):  # until it is a zombie, not yet reaped
+            while Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                await trio.sleep(0.02)
+        assert (await child.call(PingRequest(CPU))).ok  # a fresh runner
+        assert not first.exists() and child.tmp is not None and child.tmp != first
+        second = child.tmp
+        await child.aclose()
+        assert not second.exists()
+
+    trio.run(main)

@@ -148,6 +148,37 @@ def test_a_written_config_reads_back(tmp_path):
     assert json.loads((tmp_path / "m.ovconfig.json").read_text())["format"] == 1
 
 
+def test_both_int8_builds_come_from_one_nncf_model_with_their_float_rest_hinted(files, tmp_path):
+    """NNCF quantizes the model once for `int8` (what it leaves in float runs in f32) and
+    `int8_bf16` (in bf16, as OpenVINO runs an NNCF model by default on such a CPU); a CPU
+    without BF16 gets no int8_bf16, and the notes say which capability it lacks."""
+    from aoed.backends.openvino.build import build
+    from aoed.engine.messages import RuntimeBuildRequest
+
+    req = RuntimeBuildRequest(
+        "openvino", files["onnx"], tmp_path, ("int8", "int8_bf16"), (files["inputs"],) * 2
+    )
+    reply = build(req)
+    got = {a.name: a for a in reply.artifacts}
+    assert got["int8"].error == "" and got["int8"].options["INFERENCE_PRECISION_HINT"] == "f32"
+    assert sorted(p.name for p in tmp_path.glob("*.xml")) == [
+        "openvino_f32.xml",
+        "openvino_int8.xml",
+    ]
+    if discover.find().has("BF16"):
+        assert got["int8_bf16"].model == got["int8"].model
+        assert got["int8_bf16"].options["INFERENCE_PRECISION_HINT"] == "bf16"
+    else:
+        assert "int8_bf16" not in got and any("BF16" in n for n in reply.notes), reply.notes
+    # What the bank keeps of it reads back; a variant nobody builds does not.
+    assert (
+        RuntimeDecision.checked(RuntimeDecision("openvino", "int8_bf16").to_json()).variant
+        == "int8_bf16"
+    )
+    with pytest.raises(ModelError, match="variant 'int4_bf16' is not one of"):
+        RuntimeDecision.checked({"runtime": "openvino", "variant": "int4_bf16", "options": {}})
+
+
 # ---------------------------------------------------------------- a job that ships OpenVINO
 
 #: A small int8 job: the cnn sample, whose bf16 build on OpenVINO ran 2x faster than
@@ -215,7 +246,7 @@ def test_a_job_ships_the_openvino_build_that_won_and_says_so(shipped):
     assert read_config(xml).config == doc["runtime_options"]
     rows = {r["name"]: r for r in doc["runtimes"]}
     assert rows["input"]["runtime"] == "onnxruntime"
-    assert {"openvino_f32", "openvino_bf16", "openvino_int8"} <= set(rows)
+    assert {"openvino_f32", "openvino_bf16", "openvino_int8", "openvino_int8_bf16"} <= set(rows)
     assert sum(r.get("gate") == "passed" and "held_back" in r for r in rows.values()) >= 1
     conf = doc["confirmation"]
     assert conf["shipped"] == "tuned" and conf["verdict"] == "faster"
@@ -499,3 +530,64 @@ def test_an_openvino_build_of_a_dynamic_model_is_measured_at_every_point_as_itse
     assert doc["runtime"] == "openvino", doc["notes"]
     points = doc["confirmation"]["points"]
     assert len(points) >= 2 and all("improvement" in p for p in points), points
+
+
+def test_an_openvino_build_that_loses_the_ab_gives_way_to_onnxruntimes_proposal(
+    tmp_path, monkeypatch
+):
+    """OpenVINO's build beat onnxruntime's proposal in the comparison, then not the input
+    in the confirming A/B: onnxruntime's proposal is confirmed next, as if OpenVINO had not
+    competed, and it ships (it was the input before). The two A/Bs' outcomes are given
+    here, since which runtime wins on a machine is not for a test to choose."""
+    import trio
+
+    from aoe.figures import Figures, Shipped
+    from aoed.engine import confirm, pipeline
+    from aoed.engine.ledger import JobLedger
+    from aoed.engine.runtimestage import RuntimeChoice
+    from aoed.engine.verify import Verified
+
+    asked: list[str] = []
+
+    async def ab(ctx, v, cached, budget, runtime=None):
+        if runtime is not None and runtime.other:
+            asked.append(runtime.variant)
+            lost = {"kind": "tuned", "result_ms": 1.9, "improvement": 0.05,
+                    "improvement_ci95": [-0.02, 0.11]}  # fmt: skip
+            return (
+                confirm.Confirmation(
+                    Figures.unchanged("no significant change", 2.0, 12), proposal=lost
+                ),
+                tmp_path / "input_copy.onnx",
+                None,
+            )
+        asked.append("onnxruntime")
+        won = Figures("faster", Shipped.TUNED, 2.0, 0.6, (0.5, 0.7), 12)
+        return confirm.Confirmation(won), tmp_path / "proposal.onnx", None
+
+    async def stage(*_a, **_k):
+        return None
+
+    monkeypatch.setattr(pipeline, "confirm_proposal", ab)
+    device = type("Device", (), {"cores": 2})()
+    ctx = type(
+        "Ctx",
+        (),
+        {"ledger": JobLedger("j"), "notes": [], "stage": staticmethod(stage), "device": device},
+    )()
+    v = Verified({"t0": "int8"}, {}, "tuned", "tuned", None, None)
+    ov_build = RuntimeChoice(
+        "openvino", "bf16", tmp_path / "m.xml", {"INFERENCE_PRECISION_HINT": "bf16"}
+    )
+    proposal = pipeline.Proposal(v, None)
+    got = trio.run(pipeline.confirm_stage, ctx, proposal, None, ov_build)
+    assert asked == ["bf16", "onnxruntime"]
+    assert got.ship == tmp_path / "proposal.onnx" and got.confirmation.shipped == "tuned"
+    assert got.runtime.runtime == "onnxruntime" and got.choices == {"t0": "int8"}
+    said = [n for n in ctx.notes if "not confirmed against the input" in n]
+    assert len(said) == 1 and "bf16" in said[0] and "+5.0%" in said[0], ctx.notes
+    # A proposal that was the input already: nothing else to confirm, the input ships.
+    asked.clear()
+    reverted = pipeline.Proposal(Verified({}, {}, "reverted to input", "input", None, None), None)
+    got = trio.run(pipeline.confirm_stage, ctx, reverted, None, ov_build)
+    assert asked == ["bf16"] and got.confirmation.shipped == "input" and not got.runtime.other

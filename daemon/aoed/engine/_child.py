@@ -10,7 +10,9 @@ Children start through exec (`python -m MODULE`), never by forking the engine, s
 process that has started gRPC can spawn them safely. Each is told its parent's pid (it
 dies with it: PR_SET_PDEATHSIG, so a killed engine never leaves workers behind, stopped
 or not), the cores it may run on and its address-space limit, and does not inherit the
-service manager's notification or watchdog variables.
+service manager's notification or watchdog variables. Each gets a temp folder of its own
+(TMPDIR), removed once it is reaped: what it or its own children leave there when they
+are killed (a measurement's scratch, a runtime's caches) goes with them.
 """
 
 from __future__ import annotations
@@ -18,9 +20,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO
@@ -138,6 +142,8 @@ class Child:
         self._seq = 0
         self._paused = False
         self.restarts = -1
+        #: the running child's temp folder (its TMPDIR), made at its start
+        self.tmp: Path | None = None
 
     @property
     def pid(self) -> int | None:
@@ -146,6 +152,10 @@ class Child:
     async def _start(self) -> _Process:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         env = {k: v for k, v in os.environ.items() if k not in _PRIVATE_ENV} | self._env
+        self._drop_tmp()  # a child that died on its own: its folder goes before the next's
+        if "TMPDIR" not in self._env:
+            self.tmp = Path(tempfile.mkdtemp(prefix="aoed-child-"))
+            env["TMPDIR"] = str(self.tmp)
         # The child's log, opened for the fork below, which blocks the run as long.
         with open(self.log_path, "ab") as log:  # noqa: ASYNC230
             self._proc = _Process(self._argv, log, env)
@@ -231,3 +241,10 @@ class Child:
             for stream in (proc.stdin, proc.stdout):
                 if stream is not None:
                     await stream.aclose()
+        if proc.returncode is not None:  # reaped: nothing of it writes there any more
+            self._drop_tmp()
+
+    def _drop_tmp(self) -> None:
+        tmp, self.tmp = self.tmp, None
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)

@@ -40,6 +40,7 @@ from typing import Any
 import trio
 
 from aoe.bankrecord import BankRecord
+from aoe.figures import interval, pct
 from aoe.outcome import JobOutcome, bank_tally
 from aoe.partition import Task
 from aoe.spec import Runtime, Stage
@@ -492,12 +493,28 @@ async def confirm_stage(
     conf, ship, evidence = await confirm_proposal(ctx, v, cached, budget, runtime)
     ctx.notes.extend(conf.notes)
     if runtime.other:
-        shipped = (
-            runtime
-            if conf.shipped == "tuned"
-            else RuntimeChoice(table=runtime.table, offer=runtime.offer)
+        if conf.shipped == "tuned":
+            return Confirmed(v, conf, ship, None, {}, {}, runtime, cached is not None)
+        variant = runtime.variant
+        runtime = RuntimeChoice(table=runtime.table, offer=runtime.offer)
+        if v.outcome == "reverted to input":
+            return Confirmed(v, conf, ship, None, {}, {}, runtime, cached is not None)
+        # The other runtime's build beat onnxruntime's proposal in the comparison but not
+        # the input in the A/B: the proposal it displaced is confirmed on its own, as it
+        # would have been had the other runtime not competed.
+        lost = conf.proposal or {}
+        figures = (
+            f" ({pct(lost['improvement'])}, 95% interval {interval(lost['improvement_ci95'])})"
+            if lost.get("improvement_ci95")
+            else ""
         )
-        return Confirmed(v, conf, ship, None, {}, {}, shipped, cached is not None)
+        ctx.notes.append(
+            f"runtime: OpenVINO's {variant} build was not confirmed against the "
+            f"input{figures}: onnxruntime's proposal is confirmed instead"
+        )
+        cached = None
+        conf, ship, evidence = await confirm_proposal(ctx, v, None, budget, None)
+        ctx.notes.extend(conf.notes)
     return Confirmed(
         v,
         conf,

@@ -5,9 +5,10 @@ After verification has proposed what onnxruntime would ship (the tuned model, op
 only, or the input), a compile worker builds the input model for OpenVINO in the
 variants the job's precision policy allows (`VARIANTS`: f32 under every policy; bf16 or
 f16 under the reduced-float policies and int8, where the CPU computes in them; NNCF
-post-training int8 under int8 alone) and one deployed measurement times them in the
-same rounds as the input on onnxruntime's defaults (the fp32 reference every output is
-compared with) and onnxruntime's proposal, each in a process of its own.
+post-training int8 under int8 alone, its float rest in f32 and, where the CPU has it, in
+bf16) and one deployed measurement times them in the same rounds as the input on
+onnxruntime's defaults (the fp32 reference every output is compared with) and
+onnxruntime's proposal, each in a process of its own.
 
 A variant can win only if its outputs pass the job's end-to-end accuracy gate on the
 measurement's inputs and on every held-back sample, and it is clearly faster
@@ -18,7 +19,8 @@ started; `auto` where OpenVINO is not installed says so once in the notes, and
 `openvino` there fails the job naming the option.
 `exact` allows float rounding only, so there only f32 competes. What wins goes to the
 confirming A/B, which measures it against the input on onnxruntime's defaults like any
-proposal and names the runtime in every figure.
+proposal and names the runtime in every figure; where the A/B does not confirm it,
+onnxruntime's proposal is confirmed next, as if no other runtime had competed.
 
 The stage's device time counts in the job's budget (budget.py): it is what verification
 left, at most `MEASURE_S` (plus loading the sessions), and with less than
@@ -72,7 +74,7 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     "exact": ("f32",),
     "bf16": ("f32", "bf16"),
     "fp16": ("f32", "f16", "bf16"),
-    "int8": ("f32", "bf16", "int8"),
+    "int8": ("f32", "bf16", "int8", "int8_bf16"),
     "int4": ("f32", "bf16"),
 }
 _VARIANT_WORDS = {
@@ -80,6 +82,7 @@ _VARIANT_WORDS = {
     "bf16": "bfloat16 compute",
     "f16": "float16 compute",
     "int8": "NNCF post-training int8",
+    "int8_bf16": "NNCF post-training int8, bfloat16 for the rest",
 }
 #: The runtimes that compete at the model level, and what their candidates are called.
 OTHER = "openvino"
