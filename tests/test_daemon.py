@@ -407,7 +407,8 @@ def test_inbox_renamed_model_is_tuned_into_the_outbox(daemon: DaemonProcess) -> 
     (daemon.inbox / "aoed.toml").write_text("budget_s = 2.0\n")
     tmp.rename(daemon.inbox / "mlp.onnx")
     outbox = daemon.root / "outbox"
-    wait_for((outbox / "mlp_result.json").exists, 120, "the drop's result", detail=daemon.log_tail)
+    # The report is written last (docs/daemon.md): then the delivery is whole.
+    wait_for((outbox / "mlp_report.txt").exists, 120, "the drop's report", detail=daemon.log_tail)
     assert (outbox / "mlp_tuned.onnx").exists() and (outbox / "mlp_report.txt").exists(), (
         daemon.log_tail()
     )
@@ -434,7 +435,7 @@ def test_a_dynamic_model_dropped_with_no_options_comes_out_tuned_and_dynamic(
     tmp.rename(daemon.inbox / "encoder.onnx")
     outbox = daemon.root / "outbox"
     wait_for(
-        (outbox / "encoder_result.json").exists, 300, "the drop's result", detail=daemon.log_tail
+        (outbox / "encoder_report.txt").exists, 300, "the drop's report", detail=daemon.log_tail
     )
     doc = json.loads((outbox / "encoder_result.json").read_text())
     assert doc["shape_profile"]["inputs"] == {"input_ids": ["batch", "seq"]}, doc.get("notes")

@@ -395,9 +395,9 @@ def test_a_daemon_started_under_umask_000_leaves_nothing_open_to_other_users(
         # One drop too: a claim, then the outbox.
         samples.save(samples.build("mlp"), d.inbox / "dropped.onnx")
         wait_for(
-            (d.inbox.parent / "outbox" / "dropped_result.json").exists,
+            (d.inbox.parent / "outbox" / "dropped_report.txt").exists,
             240,
-            "the drop's result in the outbox",
+            "the drop's report in the outbox (written last)",
             detail=d.log_tail,
         )
         assert (d.inbox.parent / "outbox" / "dropped_tuned.onnx").exists(), d.log_tail()

@@ -224,6 +224,7 @@ def write_outputs(inbox: Inbox, name: str, row: JobRow) -> list[str]:
                     dst, functools.partial(shutil.copyfileobj, f, length=1 << 20), dir_fd=out
                 )
             written.append(dst)
+        # The report last: once it is there, the delivery is whole (docs/daemon.md).
         text = report_text(name, row, written, missing)
         safefs.write_file(report, lambda f: f.write(text.encode()), dir_fd=out)
     return [*written, report]
