@@ -50,8 +50,11 @@ def test_discovery_reports_the_cpu_and_what_it_computes_in():
     offer = discover.find()
     assert offer.usable, offer.why_not
     assert offer.version and offer.version in ov.get_version()
-    caps = set(ov.Core().get_property("CPU", "OPTIMIZATION_CAPABILITIES"))
+    core = ov.Core()
+    caps = set(core.get_property("CPU", "OPTIMIZATION_CAPABILITIES"))
     assert offer.capabilities == caps and offer.has("FP32")
+    assert offer.devices == tuple(core.available_devices)
+    assert offer.cpu_name == core.get_property("CPU", "FULL_DEVICE_NAME")
 
 
 def test_openvino_and_onnxruntime_candidates_are_timed_side_by_side_as_deployed(files):
