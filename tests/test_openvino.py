@@ -57,6 +57,75 @@ def test_discovery_reports_the_cpu_and_what_it_computes_in():
     assert offer.cpu_name == core.get_property("CPU", "FULL_DEVICE_NAME")
 
 
+def test_aoe_devices_local_lists_openvinos_devices_beside_onnxruntimes():
+    """`aoe devices --local` lists OpenVINO's CPU as usable, with the version and the
+    CPU's full name OpenVINO reports, after onnxruntime's devices; every other device
+    OpenVINO lists is shown as listed, not tuned on."""
+    from .conftest import run_aoe
+
+    r = run_aoe("devices", "--local")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    rows = {line.split()[0]: line for line in lines[1:]}
+    assert lines[1].startswith("cpu "), r.stdout
+    version = ov.get_version().split("-")[0]
+    core = ov.Core()
+    cpu = rows["openvino:CPU"]
+    assert cpu.split()[1:4] == ["OpenVINO", version, "usable"], cpu
+    assert core.get_property("CPU", "FULL_DEVICE_NAME") in cpu and "competes" in cpu
+    for name in core.available_devices:
+        if name != "CPU":
+            assert rows[f"openvino:{name}"].split()[3] == "listed", r.stdout
+    assert "openvino" not in rows, r.stdout  # no row saying why it cannot be used
+
+
+def test_openvino_devices_aoe_does_not_tune_on_are_listed_as_such():
+    """A GPU and an NPU OpenVINO lists (not on this machine: described by hand) are
+    `listed`, their descriptions saying aoe does not tune on them; a machine without a
+    CPU device says so in a row of its own."""
+    from aoe.jobscli import _openvino_rows
+    from aoe.ovdevices import Offer, OvDevice
+
+    cpu = OvDevice("CPU", "Some CPU", frozenset({"FP32", "BF16"}))
+    gpu = OvDevice("GPU.0", "Some GPU", frozenset({"FP16"}))
+    rows = _openvino_rows(Offer("2026.4.1", (cpu, gpu, OvDevice("NPU"))))
+    assert rows == [
+        ("openvino:CPU", "OpenVINO 2026.4.1", "usable",
+         "Some CPU (BF16, FP32); competes with onnxruntime in jobs on the cpu device"),
+        ("openvino:GPU.0", "OpenVINO 2026.4.1", "listed",
+         "Some GPU (FP16); aoe does not tune on OpenVINO's GPU yet"),
+        ("openvino:NPU", "OpenVINO 2026.4.1", "listed",
+         "NPU; aoe does not tune on OpenVINO's NPU yet"),
+    ]  # fmt: skip
+    gpu_only = Offer("2026.4.1", (gpu,), why_not="openvino offers no CPU device here")
+    assert not gpu_only.usable and [r[2] for r in _openvino_rows(gpu_only)] == [
+        "listed",
+        "unusable",
+    ]
+
+
+def test_where_openvino_cannot_load_aoe_devices_local_says_why(tmp_path):
+    """A machine whose openvino cannot be imported (a package of that name that raises
+    ImportError, first on the path): `aoe devices --local` lists onnxruntime's devices
+    and one OpenVINO row saying why, and no OpenVINO device."""
+    import os
+
+    from .conftest import run_aoe
+
+    fake = tmp_path / "fake" / "openvino"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text('raise ImportError("no OpenVINO on this machine")\n')
+    path = os.pathsep.join([str(fake.parent), os.environ.get("PYTHONPATH", "")])
+    r = run_aoe("devices", "--local", env={"PYTHONPATH": path})
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[1].startswith("cpu "), r.stdout
+    assert not [line for line in lines if line.startswith("openvino:")], r.stdout
+    (row,) = [line for line in lines if line.split()[0] == "openvino"]
+    assert row.split()[1:3] == ["OpenVINO", "unusable"], row
+    assert row.endswith("openvino failed to load: no OpenVINO on this machine"), row
+
+
 def test_openvino_and_onnxruntime_candidates_are_timed_side_by_side_as_deployed(files):
     """Through the runner's own request: an IR and an ONNX file on OpenVINO (f32) are
     measured in the same rounds as the onnxruntime reference, each in a worker process
