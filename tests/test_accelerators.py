@@ -6,6 +6,7 @@ No GPU is needed: nvidia-smi's answers are fixtures written from its documented 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import subprocess
 import sys
 import textwrap
@@ -273,8 +274,11 @@ def test_list_devices_names_the_daemons_device_first_and_the_gpus_it_could_use(
     d.start()
     try:
         devices = d.devices().ListDevices(devices_pb2.ListDevicesRequest()).devices
+        # A child looked for OpenVINO: importing it forks, and the daemon has started gRPC.
+        maps = Path(f"/proc/{d.proc.pid}/maps").read_text()
     finally:
         d.close()
+    assert "libopenvino" not in maps
     assert [(x.id, x.configured) for x in devices][:3] == [
         ("cpu", True),
         ("cuda:0", False),
@@ -296,6 +300,16 @@ def test_list_devices_names_the_daemons_device_first_and_the_gpus_it_could_use(
         "CUDAExecutionProvider" in a100.unusable
         and a100.versions["onnxruntime"] == cpu.versions["onnxruntime"]
     )
+    # The CPU names the OpenVINO its jobs may ship on, where it is installed; a GPU never.
+    assert "openvino" not in a100.versions and "OpenVINO" not in a100.description
+    if importlib.util.find_spec("openvino") is None:
+        assert "openvino" not in cpu.versions and "OpenVINO" not in cpu.description
+    else:
+        import openvino
+
+        version = openvino.get_version().split("-")[0]
+        assert cpu.versions["openvino"] == version, dict(cpu.versions)
+        assert cpu.description.endswith(f", OpenVINO {version}"), cpu.description
 
 
 def test_fingerprinting_the_cpu_starts_no_process() -> None:

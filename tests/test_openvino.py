@@ -79,6 +79,27 @@ def test_aoe_devices_local_lists_openvinos_devices_beside_onnxruntimes():
     assert "openvino" not in rows, r.stdout  # no row saying why it cannot be used
 
 
+async def test_the_daemon_reads_openvinos_offer_from_a_child(tmp_path, monkeypatch):
+    """The daemon's discovery (aoed.api.info.find_openvino: a fresh interpreter, since
+    importing openvino forks) reads back the offer `find` makes here, and the child's
+    word where openvino cannot load (a package of that name raising ImportError, first
+    on the child's path)."""
+    import os
+
+    from aoed.api.info import find_openvino
+
+    assert await find_openvino() == discover.find()
+    fake = tmp_path / "fake" / "openvino"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text('raise ImportError("no OpenVINO on this machine")\n')
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join([str(fake.parent), os.environ.get("PYTHONPATH", "")])
+    )
+    offer = await find_openvino()
+    assert not offer.usable and not offer.hardware
+    assert offer.why_not == "openvino failed to load: no OpenVINO on this machine"
+
+
 def test_openvino_devices_aoe_does_not_tune_on_are_listed_as_such():
     """A GPU and an NPU OpenVINO lists (not on this machine: described by hand) are
     `listed`, their descriptions saying aoe does not tune on them; a machine without a
