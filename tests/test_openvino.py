@@ -5,6 +5,7 @@ configs checked on read. Real openvino, real worker processes."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -592,3 +593,30 @@ def test_an_openvino_build_of_a_dynamic_model_is_measured_at_every_point_as_itse
     assert doc["runtime"] == "openvino", doc["notes"]
     points = doc["confirmation"]["points"]
     assert len(points) >= 2 and all("improvement" in p for p in points), points
+
+
+def test_openvino_and_nncf_send_no_telemetry_from_our_processes(tmp_path):
+    """Finding OpenVINO (which imports it) and importing nncf, as a compile worker does,
+    start no process (openvino sends a usage event from a process it forks, unless kept
+    quiet) and write nothing in the user's home (its consent folder)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "started = []\n"
+        "sys.addaudithook(lambda e, a: started.append(e) if e in "
+        "('os.fork', 'os.posix_spawn', 'subprocess.Popen', 'os.exec') else None)\n"
+        "from aoe.ovdevices import find\n"
+        "assert find().usable, find().why_not\n"
+        "import nncf\n"
+        "print(sorted(set(started)))\n"
+    )
+    env = {**os.environ, "HOME": str(tmp_path)}
+    env.pop("CI", None)
+    run = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip().splitlines()[-1] == "[]", run.stdout
+    assert list(tmp_path.iterdir()) == []

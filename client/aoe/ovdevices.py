@@ -13,12 +13,17 @@ reported as it lists them, not tuned on.
 `find` never raises: a machine without openvino, or one whose openvino fails to load,
 gets an `Offer` that says why, so `--runtime auto` goes on with onnxruntime alone and
 the report says so once. It imports openvino (inside the function, and only where it is
-installed), and importing openvino forks: openvino 2026.4 sends a telemetry event on
-import (openvino.tools.ovc, through openvino_telemetry) from a process it forks from a
-thread (multiprocessing), unless its user opted out. A process that must never fork
-(the daemon, once gRPC has started) does not call `find`: it runs this module,
-`python -m aoe.ovdevices`, which prints the offer as one JSON object (`to_plain`), and
-reads it back with `from_plain(Offer, ...)`.
+installed), after `quiet()`. A process that must never fork (the daemon, once gRPC has
+started) does not import openvino at all: it runs this module, `python -m
+aoe.ovdevices`, which prints the offer as one JSON object (`to_plain`), and reads it
+back with `from_plain(Offer, ...)`.
+
+`quiet()` comes before every import of openvino or nncf in aoe and aoed. Without it,
+openvino 2026.4 sends a usage event on import (openvino.tools.ovc, through
+openvino_telemetry) from a process it forks from a thread, and writes a consent folder
+in the user's home, unless that user opted out; nncf sends its own. Both fall back to a
+stub of their own where openvino_telemetry cannot be imported, which `quiet()` arranges
+for this process.
 """
 
 from __future__ import annotations
@@ -26,12 +31,13 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
 from aoe.plain import to_plain
 
-__all__ = ["TUNED", "Offer", "OvDevice", "find", "installed", "main"]
+__all__ = ["TUNED", "Offer", "OvDevice", "find", "installed", "main", "quiet"]
 
 #: The OpenVINO device aoe tunes and ships on (aoed.engine.runtimestage: a CPU job only).
 TUNED = "CPU"
@@ -118,6 +124,13 @@ def installed() -> bool:
         return False
 
 
+def quiet() -> None:
+    """Keep openvino and nncf, imported after this, from sending usage telemetry from
+    this process or writing in the user's home (module doc): `import openvino_telemetry`
+    fails here from now on, so each takes its own stub."""
+    sys.modules.setdefault("openvino_telemetry", None)  # type: ignore[arg-type]
+
+
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
@@ -143,6 +156,7 @@ def find() -> Offer:
     when it is installed. Never raises."""
     if not installed():
         return Offer(why_not="openvino is not installed (pip install 'aoed[openvino]')")
+    quiet()
     try:
         import openvino as ov
 
