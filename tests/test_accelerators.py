@@ -6,6 +6,7 @@ No GPU is needed: nvidia-smi's answers are fixtures written from its documented 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import subprocess
 import sys
 import textwrap
@@ -245,7 +246,16 @@ def test_aoe_devices_local_lists_each_gpu_under_both_providers(tmp_path: Path) -
     lines = r.stdout.splitlines()
     assert lines[1].startswith("cpu ") and "cores)" in lines[1]
     ids = [line.split()[0] for line in lines[1:]]
-    assert ids == ["cpu", "cuda:0", "tensorrt:0", "cuda:1", "tensorrt:1", "cuda:2", "tensorrt:2"]
+    assert ids[:7] == [
+        "cpu",
+        "cuda:0",
+        "tensorrt:0",
+        "cuda:1",
+        "tensorrt:1",
+        "cuda:2",
+        "tensorrt:2",
+    ]
+    assert ids[7:] and all(i.startswith("openvino") for i in ids[7:]), ids  # then OpenVINO's
     t4 = next(line for line in lines if line.startswith("cuda:1 "))
     assert "Tesla T4 (compute 7.5, 15360 MiB), driver 535.104.05" in t4
     # This machine's onnxruntime is the CPU build: the GPUs are listed, and why they are unusable.
@@ -264,8 +274,11 @@ def test_list_devices_names_the_daemons_device_first_and_the_gpus_it_could_use(
     d.start()
     try:
         devices = d.devices().ListDevices(devices_pb2.ListDevicesRequest()).devices
+        # A child looked for OpenVINO: importing it forks, and the daemon has started gRPC.
+        maps = Path(f"/proc/{d.proc.pid}/maps").read_text()
     finally:
         d.close()
+    assert "libopenvino" not in maps
     assert [(x.id, x.configured) for x in devices][:3] == [
         ("cpu", True),
         ("cuda:0", False),
@@ -287,6 +300,16 @@ def test_list_devices_names_the_daemons_device_first_and_the_gpus_it_could_use(
         "CUDAExecutionProvider" in a100.unusable
         and a100.versions["onnxruntime"] == cpu.versions["onnxruntime"]
     )
+    # The CPU names the OpenVINO its jobs may ship on, where it is installed; a GPU never.
+    assert "openvino" not in a100.versions and "OpenVINO" not in a100.description
+    if importlib.util.find_spec("openvino") is None:
+        assert "openvino" not in cpu.versions and "OpenVINO" not in cpu.description
+    else:
+        import openvino
+
+        version = openvino.get_version().split("-")[0]
+        assert cpu.versions["openvino"] == version, dict(cpu.versions)
+        assert cpu.description.endswith(f", OpenVINO {version}"), cpu.description
 
 
 def test_fingerprinting_the_cpu_starts_no_process() -> None:

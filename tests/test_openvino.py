@@ -5,6 +5,7 @@ configs checked on read. Real openvino, real worker processes."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -50,8 +51,101 @@ def test_discovery_reports_the_cpu_and_what_it_computes_in():
     offer = discover.find()
     assert offer.usable, offer.why_not
     assert offer.version and offer.version in ov.get_version()
-    caps = set(ov.Core().get_property("CPU", "OPTIMIZATION_CAPABILITIES"))
+    core = ov.Core()
+    caps = set(core.get_property("CPU", "OPTIMIZATION_CAPABILITIES"))
     assert offer.capabilities == caps and offer.has("FP32")
+    assert offer.devices == tuple(core.available_devices)
+    assert offer.cpu_name == core.get_property("CPU", "FULL_DEVICE_NAME")
+
+
+def test_aoe_devices_local_lists_openvinos_devices_beside_onnxruntimes():
+    """`aoe devices --local` lists OpenVINO's CPU as usable, with the version and the
+    CPU's full name OpenVINO reports, after onnxruntime's devices; every other device
+    OpenVINO lists is shown as listed, not tuned on."""
+    from .conftest import run_aoe
+
+    r = run_aoe("devices", "--local")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    rows = {line.split()[0]: line for line in lines[1:]}
+    assert lines[1].startswith("cpu "), r.stdout
+    version = ov.get_version().split("-")[0]
+    core = ov.Core()
+    cpu = rows["openvino:CPU"]
+    assert cpu.split()[1:4] == ["OpenVINO", version, "usable"], cpu
+    assert core.get_property("CPU", "FULL_DEVICE_NAME") in cpu and "competes" in cpu
+    for name in core.available_devices:
+        if name != "CPU":
+            assert rows[f"openvino:{name}"].split()[3] == "listed", r.stdout
+    assert "openvino" not in rows, r.stdout  # no row saying why it cannot be used
+
+
+async def test_the_daemon_reads_openvinos_offer_from_a_child(tmp_path, monkeypatch):
+    """The daemon's discovery (aoed.api.info.find_openvino: a fresh interpreter, since
+    importing openvino forks) reads back the offer `find` makes here, and the child's
+    word where openvino cannot load (a package of that name raising ImportError, first
+    on the child's path)."""
+    import os
+
+    from aoed.api.info import find_openvino
+
+    assert await find_openvino() == discover.find()
+    fake = tmp_path / "fake" / "openvino"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text('raise ImportError("no OpenVINO on this machine")\n')
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join([str(fake.parent), os.environ.get("PYTHONPATH", "")])
+    )
+    offer = await find_openvino()
+    assert not offer.usable and not offer.hardware
+    assert offer.why_not == "openvino failed to load: no OpenVINO on this machine"
+
+
+def test_openvino_devices_aoe_does_not_tune_on_are_listed_as_such():
+    """A GPU and an NPU OpenVINO lists (not on this machine: described by hand) are
+    `listed`, their descriptions saying aoe does not tune on them; a machine without a
+    CPU device says so in a row of its own."""
+    from aoe.jobscli import _openvino_rows
+    from aoe.ovdevices import Offer, OvDevice
+
+    cpu = OvDevice("CPU", "Some CPU", frozenset({"FP32", "BF16"}))
+    gpu = OvDevice("GPU.0", "Some GPU", frozenset({"FP16"}))
+    rows = _openvino_rows(Offer("2026.4.1", (cpu, gpu, OvDevice("NPU"))))
+    assert rows == [
+        ("openvino:CPU", "OpenVINO 2026.4.1", "usable",
+         "Some CPU (BF16, FP32); competes with onnxruntime in jobs on the cpu device"),
+        ("openvino:GPU.0", "OpenVINO 2026.4.1", "listed",
+         "Some GPU (FP16); aoe does not tune on OpenVINO's GPU yet"),
+        ("openvino:NPU", "OpenVINO 2026.4.1", "listed",
+         "NPU; aoe does not tune on OpenVINO's NPU yet"),
+    ]  # fmt: skip
+    gpu_only = Offer("2026.4.1", (gpu,), why_not="openvino offers no CPU device here")
+    assert not gpu_only.usable and [r[2] for r in _openvino_rows(gpu_only)] == [
+        "listed",
+        "unusable",
+    ]
+
+
+def test_where_openvino_cannot_load_aoe_devices_local_says_why(tmp_path):
+    """A machine whose openvino cannot be imported (a package of that name that raises
+    ImportError, first on the path): `aoe devices --local` lists onnxruntime's devices
+    and one OpenVINO row saying why, and no OpenVINO device."""
+    import os
+
+    from .conftest import run_aoe
+
+    fake = tmp_path / "fake" / "openvino"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text('raise ImportError("no OpenVINO on this machine")\n')
+    path = os.pathsep.join([str(fake.parent), os.environ.get("PYTHONPATH", "")])
+    r = run_aoe("devices", "--local", env={"PYTHONPATH": path})
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[1].startswith("cpu "), r.stdout
+    assert not [line for line in lines if line.startswith("openvino:")], r.stdout
+    (row,) = [line for line in lines if line.split()[0] == "openvino"]
+    assert row.split()[1:3] == ["OpenVINO", "unusable"], row
+    assert row.endswith("openvino failed to load: no OpenVINO on this machine"), row
 
 
 def test_openvino_and_onnxruntime_candidates_are_timed_side_by_side_as_deployed(files):
@@ -585,3 +679,30 @@ def test_an_openvino_build_that_loses_the_ab_gives_way_to_onnxruntimes_proposal(
     reverted = pipeline.Proposal(Verified({}, {}, "reverted to input", "input", None, None), None)
     got = trio.run(pipeline.confirm_stage, ctx, reverted, None, ov_build)
     assert asked == ["bf16"] and got.confirmation.shipped == "input" and not got.runtime.other
+
+
+def test_openvino_and_nncf_send_no_telemetry_from_our_processes(tmp_path):
+    """Finding OpenVINO (which imports it) and importing nncf, as a compile worker does,
+    start no process (openvino sends a usage event from a process it forks, unless kept
+    quiet) and write nothing in the user's home (its consent folder)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "started = []\n"
+        "sys.addaudithook(lambda e, a: started.append(e) if e in "
+        "('os.fork', 'os.posix_spawn', 'subprocess.Popen', 'os.exec') else None)\n"
+        "from aoe.ovdevices import find\n"
+        "assert find().usable, find().why_not\n"
+        "import nncf\n"
+        "print(sorted(set(started)))\n"
+    )
+    env = {**os.environ, "HOME": str(tmp_path)}
+    env.pop("CI", None)
+    run = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip().splitlines()[-1] == "[]", run.stdout
+    assert list(tmp_path.iterdir()) == []

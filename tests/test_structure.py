@@ -118,8 +118,12 @@ def test_provider_names_live_in_one_place() -> None:
 #: the session options aoe.sessionopts rebuilds) and listing the providers a machine's
 #: devices can use (aoe.accelerators, which `aoe devices` shows and the runtime's
 #: `devices()` returns); OpenVINO's side is opening an IR with its checked compile config
-#: (aoe.ovartifact). Each is imported lazily, inside the function that needs it.
-RUNTIME_CLIENT_SIDE = frozenset({"aoe", "aoe.sessionopts", "aoe.accelerators", "aoe.ovartifact"})
+#: (aoe.ovartifact) and finding its devices (aoe.ovdevices, which `aoe devices`, the
+#: daemon's listing and the backend read). Each is imported lazily, inside the function
+#: that needs it.
+RUNTIME_CLIENT_SIDE = frozenset(
+    {"aoe", "aoe.sessionopts", "aoe.accelerators", "aoe.ovartifact", "aoe.ovdevices"}
+)
 RUNTIME_PACKAGES = ("onnxruntime", "openvino", "nncf")
 BACKEND_MODULES = ("aoed.backends.ort", "aoed.backends.openvino")
 

@@ -37,6 +37,7 @@ from aoe.spec import JobSpec
 
 if TYPE_CHECKING:
     from aoe.client import Client
+    from aoe.ovdevices import Offer
     from aoe.v1 import tuning_pb2
 
 __all__ = ["add_parsers", "client_for", "tune_on_daemon"]
@@ -157,7 +158,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     sub.choices["devices"].add_argument(
         "--local",
         action="store_true",
-        help="list what this machine offers onnxruntime (CPU, GPUs through nvidia-smi), without a daemon",
+        help="list what this machine offers onnxruntime (CPU, GPUs through nvidia-smi) and OpenVINO (its devices, or why it cannot be used), without a daemon",
     )
     for name in ("submit", "jobs", "status", "watch", "cancel", "fetch", "devices", "daemon"):
         _connection_args(sub.choices[name])
@@ -477,6 +478,9 @@ def _devices(args: argparse.Namespace) -> int:
             )
             for d in local_devices()
         ]
+        from aoe.ovdevices import find
+
+        rows += _openvino_rows(find())
         _table(rows)
         return 0
     with client_for(args) as client:
@@ -503,6 +507,20 @@ def _devices(args: argparse.Namespace) -> int:
         )
     _table(rows)
     return 0
+
+
+def _openvino_rows(offer: Offer) -> list[tuple[str, str, str, str]]:
+    """`aoe devices --local`'s rows for OpenVINO's `offer`: each device it lists (`usable`
+    where aoe tunes on it, `listed` elsewhere), and one row saying why where it cannot be
+    used."""
+    runtime = f"OpenVINO {offer.version}".rstrip()
+    rows = [
+        (f"openvino:{d.name}", runtime, "usable" if d.tuned else "listed", d.describe())
+        for d in offer.hardware
+    ]
+    if offer.why_not:
+        rows.append(("openvino", runtime, "unusable", offer.why_not))
+    return rows
 
 
 def _daemon(args: argparse.Namespace) -> int:

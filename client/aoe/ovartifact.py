@@ -214,6 +214,9 @@ def write_config(xml: str | os.PathLike[str], config: CompileConfig) -> Path:
 def open_compiled(model: str | os.PathLike[str], config: CompileConfig) -> Any:
     """`model` (an IR .xml or an ONNX file) compiled with `config` (checked again here):
     an `openvino.CompiledModel`. ModelError when openvino is missing or refuses it."""
+    from aoe.ovdevices import quiet
+
+    quiet()
     try:
         import openvino as ov
     except ImportError:

@@ -1,17 +1,30 @@
-"""DeviceService and DaemonService: what the daemon measures on, and the daemon itself."""
+"""DeviceService and DaemonService: what the daemon measures on, and the daemon itself.
+
+A CPU device also names the OpenVINO that jobs on it may ship on (aoe.ovdevices): in its
+description and as `versions["openvino"]`. This process never imports openvino: the
+import forks (aoe.ovdevices), and a process that has started gRPC must not fork. A fresh
+interpreter looks for it instead (`python -m aoe.ovdevices`, started through exec), on
+the first listing, never at start-up; its answer holds as long as the daemon runs.
+"""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 
 import grpc
+import msgspec
 import trio
 from google.protobuf.timestamp_pb2 import Timestamp
 
+from aoe import ovdevices
 from aoe.accelerators import LocalDevice
 from aoe.errors import DeviceError
+from aoe.plain import from_plain
 from aoe.v1 import bank_pb2, daemon_pb2, daemon_pb2_grpc, devices_pb2, devices_pb2_grpc
 from aoed import __version__
 from aoed.api._bridge import Bridge
@@ -20,10 +33,43 @@ from aoed.jobs.manager import JobManager
 
 __all__ = ["DaemonServicer", "DeviceServicer"]
 
+#: Seconds the interpreter that looks for OpenVINO may take: an import and its plugins,
+#: seconds at most on a busy machine; beyond this the listing says so.
+OPENVINO_LIMIT_S = 60.0
+
+
+async def find_openvino() -> ovdevices.Offer:
+    """OpenVINO on this machine as a fresh interpreter finds it (module doc). Never
+    raises: a child that fails, overruns OPENVINO_LIMIT_S or answers what is not an
+    offer gives an offer that says so. Cancellation kills the child."""
+    if not ovdevices.installed():  # says so without importing anything
+        return ovdevices.find()
+    what = "looking for openvino (python -m aoe.ovdevices)"
+    with trio.move_on_after(OPENVINO_LIMIT_S):
+        done = await trio.run_process(
+            [sys.executable, "-m", "aoe.ovdevices"],
+            stdin=subprocess.DEVNULL,
+            capture_stdout=True,
+            capture_stderr=True,
+            check=False,
+        )
+        if done.returncode != 0:
+            lines = done.stderr.decode("utf-8", "replace").strip().splitlines()
+            why = lines[-1] if lines else "no message"
+            return ovdevices.Offer(why_not=f"{what} failed (exit {done.returncode}): {why}")
+        try:
+            last = done.stdout.decode("utf-8", "replace").strip().splitlines()[-1]
+            offer: ovdevices.Offer = from_plain(ovdevices.Offer, json.loads(last))
+        except (IndexError, ValueError, msgspec.ValidationError) as exc:
+            return ovdevices.Offer(why_not=f"{what} answered what is not an offer: {exc}")
+        return offer
+    return ovdevices.Offer(why_not=f"{what} took over {OPENVINO_LIMIT_S:g} s")
+
 
 class DeviceServicer(devices_pb2_grpc.DeviceServiceServicer):
     def __init__(self, bridge: Bridge, jobs: JobManager):
         self._bridge, self._jobs = bridge, jobs
+        self._openvino: ovdevices.Offer | None = None  # found on the first listing
 
     def ListDevices(
         self, request: devices_pb2.ListDevicesRequest, context: grpc.ServicerContext
@@ -40,11 +86,18 @@ class DeviceServicer(devices_pb2_grpc.DeviceServiceServicer):
         local = await trio.to_thread.run_sync(runtime.devices, first.providers or None)
         names = {a.device.name for a in devset}
         versions = runtime.versions()
-        devices = [_device(d, False, 0, versions) for d in local if d.device.name not in names]
+        if self._openvino is None:
+            self._openvino = await find_openvino()
+        openvino = self._openvino
+        devices = [
+            _device(d, False, 0, versions, openvino) for d in local if d.device.name not in names
+        ]
         uptime = max(time.monotonic() - self._jobs.engine.started, 1e-9)
         for agent in reversed(devset.agents):  # the configured ones first, in their order
             known = next((d for d in local if d.device == agent.device), None)
-            mine = _device(known or LocalDevice(agent.device), True, agent.cores, versions)
+            mine = _device(
+                known or LocalDevice(agent.device), True, agent.cores, versions, openvino
+            )
             mine.busy, mine.queued_jobs = (
                 agent.outstanding > 0 or (n_running > 0 and len(devset) == 1),
                 queued,
@@ -61,13 +114,21 @@ class DeviceServicer(devices_pb2_grpc.DeviceServiceServicer):
 
 
 def _device(
-    local: LocalDevice, configured: bool, cores: int, versions: dict[str, str]
+    local: LocalDevice,
+    configured: bool,
+    cores: int,
+    versions: dict[str, str],
+    openvino: ovdevices.Offer,
 ) -> devices_pb2.Device:
     """The Device message for `local` (its fingerprint left empty where this machine
     cannot describe it); a configured CPU counts the runner's `cores`; `versions` are
-    the runtime's (aoed.engine.runtime.Runtime.versions)."""
+    the runtime's (aoed.engine.runtime.Runtime.versions), and a CPU's add `openvino`'s
+    where jobs on it may ship on it."""
     dev = local.device
     described = local.describe(cores if configured else None)
+    if dev.is_cpu and openvino.usable:
+        described += f", OpenVINO {openvino.version}"
+        versions = {**versions, "openvino": openvino.version}
     msg = devices_pb2.Device(
         id=dev.name,
         execution_provider=dev.provider,

@@ -437,7 +437,7 @@ class RuntimeArtifact(Message, frozen=True):
 
 
 class RuntimeBuildReply(Message, frozen=True):
-    #: what the runtime is here (aoed.backends.openvino.discover.Offer.to_dict)
+    #: what the runtime is here (aoe.ovdevices.Offer.to_dict)
     offer: dict[str, Any]
     artifacts: tuple[RuntimeArtifact, ...] = ()
     #: why a variant asked for was not built (the CPU lacks it, the runtime is missing)

@@ -103,7 +103,7 @@ class RuntimeChoice:
     accuracy: dict[str, Any] = field(default_factory=dict)
     #: rebuilt as the bank's model-level record says (no competition measured)
     from_bank: bool = False
-    #: the OpenVINO that built and measured it (discover.Offer.to_dict), when it ran
+    #: the OpenVINO that built and measured it (aoe.ovdevices.Offer.to_dict), when it ran
     offer: dict[str, Any] = field(default_factory=dict)
 
     @property

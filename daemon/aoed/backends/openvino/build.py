@@ -117,6 +117,9 @@ def build(req: RuntimeBuildRequest) -> RuntimeBuildReply:
 def _int8(model: Any, samples: tuple[Path, ...], out: Path) -> Path:
     """`model` quantized by NNCF on `samples` (.npz feeds), saved as an IR; ValueError
     without samples."""
+    from aoe.ovdevices import quiet
+
+    quiet()  # before nncf's import: no usage telemetry from a compile worker
     import nncf
     import openvino as ov
 
