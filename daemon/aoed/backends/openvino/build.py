@@ -11,8 +11,9 @@ lossy change); the float variants share that IR and differ in their compile conf
         AMX or AVX512-BF16 (reduced-float and int8 policies, where the CPU has BF16)
   f16   INFERENCE_PRECISION_HINT f16 (the fp16 policy, where the CPU has FP16)
   int8  NNCF post-training quantization (`nncf.quantize`) of the IR on the job's
-        calibration samples, saved as an IR of its own, run with the f32 hint for
-        what it leaves in float (the int8 policy, where the CPU has INT8)
+        calibration samples (as a transformer where the model has attention), saved
+        as an IR of its own, run with the f32 hint for what it leaves in float (the
+        int8 policy, where the CPU has INT8)
   int8_bf16  the same int8 IR, run with the bf16 hint for what it leaves in float, as
         OpenVINO runs an NNCF model by default on such a CPU (the int8 policy, where
         the CPU has INT8 and BF16); built once with int8 when both are asked for
@@ -130,7 +131,13 @@ def _int8(model: Any, samples: tuple[Path, ...], out: Path) -> Path:
     for path in samples:
         with np.load(path, allow_pickle=False) as data:
             feeds.append({n: data[n] for n in names if n in data.files})
-    quantized = nncf.quantize(model, nncf.Dataset(feeds), subset_size=len(feeds))
+    # A model with attention (a Softmax) is quantized as NNCF quantizes transformers:
+    # SmoothQuant, and the attention's own products left in float. On the bert sample
+    # (random weights) NNCF's general preset missed the int8 gate (cosine 0.9989); this
+    # met it (0.9996) and ran as fast.
+    attention = any(op.get_type_name().lower() == "softmax" for op in model.get_ops())
+    kind = nncf.ModelType.TRANSFORMER if attention else None
+    quantized = nncf.quantize(model, nncf.Dataset(feeds), subset_size=len(feeds), model_type=kind)
     xml = out / "openvino_int8.xml"
     ov.save_model(quantized, str(xml), compress_to_fp16=False)
     return xml
