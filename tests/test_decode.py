@@ -35,7 +35,7 @@ def test_a_kv_cache_decoder_tuned_exact_decodes_32_steps_as_the_input_does(
         "--precision",
         "exact",
         "--budget",
-        "6",
+        "3",
         "--no-progress",
         "--bank",
         str(tmp_path / "bank"),
