@@ -99,22 +99,30 @@ def _nncf_int8(model: Path, work: Path) -> Path:
     return xml
 
 
-def _shipped(model: Path, work: Path, precision: str) -> Candidate:
+def _shipped(model: Path, work: Path, precision: str) -> tuple[Candidate, list[str]]:
     """What `aoe tune` ships for `model` (a bank of its own under `work`), with the
-    options it runs with."""
+    options it runs with; and the job's notes on the runtimes (why one won)."""
     config = load_config().replace(bank=work / "bank")
     spec = JobSpec(precision=precision, job_type="opat")
     outcome = embedded.tune(model, spec, work / "tune", config=config)
     path = Path(outcome.tuned_model)
+    why = [n for n in outcome.notes if "OpenVINO" in n]
+    table = json.loads(Path(outcome.result_json).read_text()).get("runtimes", [])
+    why += [
+        f"{r['name']} {r.get('gate') or r.get('error') or 'not judged'}"
+        for r in table
+        if r.get("runtime") == "openvino" and r.get("gate") != "passed"
+    ]
     if outcome.runtime == "openvino":
-        return Candidate("aoe shipped", path, dict(outcome.runtime_options), runtime="openvino")
-    return Candidate("aoe shipped", path, session_options_of(path))
+        opts = dict(outcome.runtime_options)
+        return Candidate("aoe shipped", path, opts, runtime="openvino"), why
+    return Candidate("aoe shipped", path, session_options_of(path)), why
 
 
 def bench_model(name: str, work: Path, precision: str, rounds: int) -> dict[str, object]:
     work.mkdir(parents=True, exist_ok=True)
     model = samples.save(samples.build(name), work / f"{name}.onnx")
-    shipped = _shipped(model, work, precision)
+    shipped, why = _shipped(model, work, precision)
     inputs = work / "inputs.npz"
     np.savez(inputs, **_feeds(model, work, 1234))
     cands = (
@@ -130,7 +138,7 @@ def bench_model(name: str, work: Path, precision: str, rounds: int) -> dict[str,
     req = MeasureRequest(cands, inputs, "onnxruntime fp32", CPU, plan)
     got = holding_device(lambda: runner.measure(req).results, print)
     base = got["onnxruntime fp32"]
-    row: dict[str, object] = {"model": name, "shipped_runtime": shipped.runtime}
+    row: dict[str, object] = {"model": name, "shipped_runtime": shipped.runtime, "why": why}
     for cid in NAMES:
         m = got.get(cid)
         if m is None:
@@ -232,8 +240,30 @@ def section(rows: list[dict[str, object]], host: Machine, precision: str, rounds
             f"**{'PASS' if gated_met else 'MISS'}** ({', '.join(f'{v:.2f}x' for v in vs_gated)}). "
             "The held-out transformers, Olive and the trained CNN are not in this bench."
         ),
+        "",
+        f"What this machine's OpenVINO computes in: {_capabilities()}. Why each job shipped "
+        "what it did, in its own words (the notes of its result that name OpenVINO, and why "
+        "each OpenVINO build that lost was out):",
+        "",
+        *(
+            f"- {r['model']}: " + (" ".join(_cell_text(n) for n in r.get("why") or []) or "no note")
+            for r in rows
+        ),
     ]
     return "\n".join(lines)
+
+
+def _capabilities() -> str:
+    from aoe.ovdevices import find
+
+    offer = find()
+    if not offer.usable:
+        return f"nothing ({offer.why_not})"
+    return f"{', '.join(sorted(offer.capabilities))} on {offer.cpu_name} (OpenVINO {offer.version})"
+
+
+def _cell_text(note: str) -> str:
+    return note.replace("|", "/").rstrip(".") + "."
 
 
 def main() -> int:
