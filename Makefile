@@ -12,10 +12,11 @@ TORCH_CPU ?= torch==2.13.0
 SAMPLE ?= cnn
 PRECISION ?= exact
 OUT    ?= out
-# pytest-xdist workers for `make test` and `make test-load`: three cases side by side (most
-# wait on daemons, workers and sockets), each test stolen by whichever worker is free (a
-# module's fixtures may then run in several).
-WORKERS ?= 3
+# pytest-xdist workers for `make test` and `make test-load`: four cases side by side (most
+# wait on daemons, workers, sockets and their jobs' wall-clock budgets), each test stolen
+# by whichever worker is free (a module's fixtures may then run in several). Under the
+# load of `make test-load`, four took 584 s where three took 662 s (one run each).
+WORKERS ?= 4
 
 .PHONY: run test test-long lint docs test-cluster test-load protos bench bench-quick clean soak
 
