@@ -1,11 +1,14 @@
 """onnxruntime against OpenVINO on the sample models, as deployed, side by side.
 
-    python bench/bench_runtimes.py [--models cnn,transformer] [--precision int8] [--rounds 15]
-                                   [--work DIR] [--json FILE] [--no-write] [--out FILE]
+    python bench/bench_runtimes.py [--models cnn,transformer,hf_bert] [--precision int8]
+                                   [--rounds 15] [--work DIR] [--json FILE] [--no-write]
+                                   [--out FILE]
 
-For each sample model (aoed.samples: random weights, synthetic N(0, 1) inputs, token ids
-over the table they index, as the tuner draws its own samples), four
-ways to run it are measured together:
+For each model, a sample of aoed.samples (random weights, synthetic N(0, 1) inputs, token
+ids over the table they index, as the tuner draws its own samples) or a held-out
+transformer of bench/torch_models.py (`hf_*`: random weights, token ids over its
+vocabulary with an attention mask of ones; the job and NNCF calibrate on 16 such inputs),
+five ways to run it are measured together:
 
 - `onnxruntime fp32`: the input model on onnxruntime's defaults (what every figure of a
   job compares with);
@@ -33,7 +36,7 @@ import argparse
 import json
 import sys
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +60,7 @@ from aoed.engine.calibration import integer_ranges
 from aoed.engine.messages import Candidate, MeasurePlan, MeasureRequest
 from aoed.engine.prep import make_inputs, prepare
 from bench_bank import publish
+from bench_sgat import _export, _write_calibration, text_feeds
 from machine import Machine
 from run import holding_device, quantize
 
@@ -86,24 +90,46 @@ def _feeds(model: Path, work: Path, seed: int) -> dict[str, np.ndarray]:
     return make_inputs(prep.inputs, seed=seed, int_high=highs)
 
 
-def _nncf_int8(model: Path, work: Path) -> Path:
+def _nncf_int8(model: Path, feeds: Callable[[int], dict[str, np.ndarray]]) -> Path:
     import nncf
     import openvino as ov
 
     ov_model = ov.Core().read_model(str(model))
-    calib = [_feeds(model, work, seed) for seed in range(CALIBRATION)]
+    calib = [feeds(seed) for seed in range(CALIBRATION)]
     names = [p.get_any_name() for p in ov_model.inputs]
     data = nncf.Dataset([{n: f[n] for n in names} for f in calib])
-    xml = work / "nncf_int8.xml"
+    xml = model.parent / "nncf_int8.xml"
     ov.save_model(nncf.quantize(ov_model, data), str(xml), compress_to_fp16=False)
     return xml
 
 
-def _shipped(model: Path, work: Path, precision: str) -> tuple[Candidate, list[str]]:
+def _model(
+    name: str, work: Path
+) -> tuple[Path, Callable[[int], dict[str, np.ndarray]], Path | None]:
+    """`name`'s model file, its inputs by seed and its calibration folder (None: the
+    tuner's synthetic samples, drawn as `_feeds` draws). A sample of aoed.samples, or a
+    held-out transformer of bench/torch_models.py (`hf_*`: exported in a child process,
+    fed token ids over its vocabulary with an attention mask of ones, and calibrated on
+    16 such inputs, as bench_claims does)."""
+    if not name.startswith("hf_"):
+        path = samples.save(samples.build(name), work / f"{name}.onnx")
+        return path, lambda seed: _feeds(path, work, seed), None
+    vocab = max(1, int(_export(name, work)["vocab"]))
+    path = work / f"{name}.onnx"
+    proto = onnx.load(str(path), load_external_data=False)
+    calib = _write_calibration(
+        work / "calibration", [text_feeds(proto, s, vocab) for s in range(CALIBRATION)]
+    )
+    return path, lambda seed: text_feeds(proto, seed, vocab), calib
+
+
+def _shipped(
+    model: Path, work: Path, precision: str, calibration: Path | None = None
+) -> tuple[Candidate, list[str]]:
     """What `aoe tune` ships for `model` (a bank of its own under `work`), with the
     options it runs with; and the job's notes on the runtimes (why one won)."""
     config = load_config().replace(bank=work / "bank")
-    spec = JobSpec(precision=precision, job_type="opat")
+    spec = JobSpec(precision=precision, job_type="opat", calibration_dir=calibration)
     outcome = embedded.tune(model, spec, work / "tune", config=config)
     path = Path(outcome.tuned_model)
     why = [n for n in outcome.notes if "OpenVINO" in n]
@@ -121,15 +147,15 @@ def _shipped(model: Path, work: Path, precision: str) -> tuple[Candidate, list[s
 
 def bench_model(name: str, work: Path, precision: str, rounds: int) -> dict[str, object]:
     work.mkdir(parents=True, exist_ok=True)
-    model = samples.save(samples.build(name), work / f"{name}.onnx")
-    shipped, why = _shipped(model, work, precision)
+    model, feeds, calibration = _model(name, work)
+    shipped, why = _shipped(model, work, precision, calibration)
     inputs = work / "inputs.npz"
-    np.savez(inputs, **_feeds(model, work, 1234))
+    np.savez(inputs, **feeds(1234))
     cands = (
         Candidate("onnxruntime fp32", model),
         shipped,
         Candidate("openvino default", model, runtime="openvino"),
-        Candidate("openvino nncf int8", _nncf_int8(model, work), runtime="openvino"),
+        Candidate("openvino nncf int8", _nncf_int8(model, feeds), runtime="openvino"),
     )
     qdyn = quantize(model, work / f"{name}_qdyn.onnx")
     if qdyn.path is not None:
@@ -191,7 +217,10 @@ def section(rows: list[dict[str, object]], host: Machine, precision: str, rounds
         (
             "The repository's sample models (**synthetic**: random weights, synthetic N(0, 1) "
             "inputs, token ids over the whole embedding table; NNCF's baseline calibrated on 16 "
-            f"such inputs, as the tuner's own samples are drawn). `aoe shipped`: what `aoe tune --precision {precision} --job-type opat` "
+            "such inputs, as the tuner's own samples are drawn) and the held-out transformers "
+            "of bench/torch_models.py (`hf_*`, **random weights**, small configs; token ids over "
+            "the vocabulary with an attention mask of ones; the job and NNCF calibrate on 16 such "
+            f"inputs). `aoe shipped`: what `aoe tune --precision {precision} --job-type opat` "
             "ships (fitted budget, `--runtime auto`: an ONNX model or an OpenVINO IR, whichever "
             "won); the others as the module doc says. All five timed together as deployed (a "
             f"process each, rotating turns), {rounds} rounds; each cell: median, speedup over "
@@ -238,7 +267,7 @@ def section(rows: list[dict[str, object]], host: Machine, precision: str, rounds
             f"({', '.join(f'{v:.2f}x' for v in vs_best)}); >= 1.1x on 60% of them: "
             f"{share:.0%}; against the best at cosine >= {GATE}: "
             f"**{'PASS' if gated_met else 'MISS'}** ({', '.join(f'{v:.2f}x' for v in vs_gated)}). "
-            "The held-out transformers, Olive and the trained CNN are not in this bench."
+            "Olive and the trained CNN are not in this bench."
         ),
         "",
         f"What this machine's OpenVINO computes in: {_capabilities()}. Why each job shipped "
