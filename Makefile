@@ -58,7 +58,7 @@ test: $(STAMP) $(GDAT_STAMP) $(OPENVINO_STAMP)
 	@command -v systemd-analyze >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
 	    && apt-get install -y -qq --no-install-recommends systemd >/dev/null 2>&1; } \
 	    || echo "make: systemd-analyze is missing and could not be installed: the unit checks will skip"
-	@echo "make test: about 8 min on an idle 2-core machine on 3 workers (1,303 tests in 463 s at b232349), about 13 min under make test-load (762 s at c4725a2); later runs print an estimate from this machine's own durations"
+	@echo "make test: about 7 min on an idle 2-core machine on 4 workers (1,313 tests in 426 s at fb7515d), about 10 min under make test-load (584 s at 682dea7); later runs print an estimate from this machine's own durations"
 	$(BIN)/python -m pytest -q -n $(WORKERS) --dist worksteal -m "not soak and not cluster and not long"
 
 # The cases marked long: each covers again, on another kind or a slower path, what a
