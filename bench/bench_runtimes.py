@@ -52,6 +52,7 @@ import onnx
 from aoe import session_options_of
 from aoe.config import load_config
 from aoe.device import CPU
+from aoe.ovartifact import port_name
 from aoe.spec import JobSpec
 from aoed import embedded, samples
 from aoed.backends.ort import runner
@@ -96,7 +97,7 @@ def _nncf_int8(model: Path, feeds: Callable[[int], dict[str, np.ndarray]]) -> Pa
 
     ov_model = ov.Core().read_model(str(model))
     calib = [feeds(seed) for seed in range(CALIBRATION)]
-    names = [p.get_any_name() for p in ov_model.inputs]
+    names = [port_name(p, i, "input") for i, p in enumerate(ov_model.inputs)]
     data = nncf.Dataset([{n: f[n] for n in names} for f in calib])
     xml = model.parent / "nncf_int8.xml"
     ov.save_model(nncf.quantize(ov_model, data), str(xml), compress_to_fp16=False)

@@ -738,3 +738,41 @@ def test_openvino_and_nncf_send_no_telemetry_from_our_processes(tmp_path):
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip().splitlines()[-1] == "[]", run.stdout
     assert list(tmp_path.iterdir()) == []
+
+
+def test_ports_keep_the_models_own_names_where_openvino_merges_tensors(tmp_path):
+    """An input followed by a no-op Reshape and an output behind an Identity (as
+    exporters write them): OpenVINO folds both and gives each port two names; the
+    session still takes and gives the model's own, and NNCF's int8 build calibrates on
+    feeds named so."""
+    from onnx import TensorProto, helper
+
+    from aoe.ovartifact import CompileConfig, OvSession
+    from aoed.backends.openvino.build import build
+    from aoed.engine.messages import RuntimeBuildRequest
+
+    x = helper.make_tensor_value_info("input_ids", TensorProto.FLOAT, [1, 16])
+    y = helper.make_tensor_value_info("last_hidden_state", TensorProto.FLOAT, [1, 16])
+    shape = helper.make_tensor("shape", TensorProto.INT64, [2], [1, 16])
+    w = helper.make_tensor("w", TensorProto.FLOAT, [16, 16], np.eye(16).ravel().tolist())
+    nodes = [
+        helper.make_node("Reshape", ["input_ids", "shape"], ["/inner/Reshape_output_0"]),
+        helper.make_node("MatMul", ["/inner/Reshape_output_0", "w"], ["/inner/mm_output_0"]),
+        helper.make_node("Identity", ["/inner/mm_output_0"], ["last_hidden_state"]),
+    ]
+    graph = helper.make_graph(nodes, "g", [x], [y], [shape, w])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    onnx.save(model, tmp_path / "m.onnx")
+    sess = OvSession(tmp_path / "m.onnx", CompileConfig("CPU", dict(F32)))
+    assert [p.name for p in sess.get_inputs()] == ["input_ids"]
+    assert [p.name for p in sess.get_outputs()] == ["last_hidden_state"]
+    feed = np.arange(16, dtype=np.float32).reshape(1, 16)
+    (out,) = sess.run(["last_hidden_state"], {"input_ids": feed})
+    np.testing.assert_allclose(out, feed, rtol=1e-6)
+    np.savez(tmp_path / "c.npz", input_ids=feed)
+    reply = build(
+        RuntimeBuildRequest(
+            "openvino", tmp_path / "m.onnx", tmp_path / "ov", ("int8",), (tmp_path / "c.npz",) * 2
+        )
+    )
+    assert [a.error for a in reply.artifacts] == [""], reply.artifacts

@@ -35,6 +35,7 @@ __all__ = [
     "config_path",
     "is_artifact",
     "open_compiled",
+    "port_name",
     "read_config",
     "write_config",
 ]
@@ -255,9 +256,23 @@ _TYPES = {
 }
 
 
-def _port(p: Any, i: int) -> Port:
+def port_name(p: Any, i: int, kind: str) -> str:
+    """The name by which users know OpenVINO's port `p` (the `i`th `kind`: input or
+    output): its model's own input or output name. OpenVINO merges the names of tensors
+    it folds together (an input with the no-op Reshape after it, an output with the
+    Identity before it), and `get_any_name()` may then give the internal one; the
+    port's Parameter or Result is still named after the model's own."""
     names = p.get_names()
-    name = p.get_any_name() if names else f"output_{i}"
+    if not names:
+        return f"{kind}_{i}"
+    own = str(p.get_node().get_friendly_name()).rsplit("/sink_port_", 1)[0]
+    if own in names:
+        return own
+    return str(min(names, key=lambda n: (n.startswith("/"), len(n), n)))
+
+
+def _port(p: Any, i: int, kind: str) -> Port:
+    name = port_name(p, i, kind)
     shape: list[int | str] = [
         d.get_length() if d.is_static else f"dim_{k}" for k, d in enumerate(p.get_partial_shape())
     ]
@@ -272,8 +287,8 @@ class OvSession:
         self.compiled = open_compiled(model, config)
         self.config = config
         self._request = self.compiled.create_infer_request()
-        self._inputs = [_port(p, i) for i, p in enumerate(self.compiled.inputs)]
-        self._outputs = [_port(p, i) for i, p in enumerate(self.compiled.outputs)]
+        self._inputs = [_port(p, i, "input") for i, p in enumerate(self.compiled.inputs)]
+        self._outputs = [_port(p, i, "output") for i, p in enumerate(self.compiled.outputs)]
 
     def get_inputs(self) -> list[Port]:
         return list(self._inputs)

@@ -118,6 +118,7 @@ def build(req: RuntimeBuildRequest) -> RuntimeBuildReply:
 def _int8(model: Any, samples: tuple[Path, ...], out: Path) -> Path:
     """`model` quantized by NNCF on `samples` (.npz feeds), saved as an IR; ValueError
     without samples."""
+    from aoe.ovartifact import port_name
     from aoe.ovdevices import quiet
 
     quiet()  # before nncf's import: no usage telemetry from a compile worker
@@ -126,7 +127,7 @@ def _int8(model: Any, samples: tuple[Path, ...], out: Path) -> Path:
 
     if not samples:
         raise ValueError("no calibration samples")
-    names = [p.get_any_name() for p in model.inputs]
+    names = [port_name(p, i, "input") for i, p in enumerate(model.inputs)]
     feeds = []
     for path in samples:
         with np.load(path, allow_pickle=False) as data:
