@@ -15,7 +15,8 @@ OUT    ?= out
 # pytest-xdist workers for `make test` and `make test-load`: four cases side by side (most
 # wait on daemons, workers, sockets and their jobs' wall-clock budgets), each test stolen
 # by whichever worker is free (a module's fixtures may then run in several). Under the
-# load of `make test-load`, four took 584 s where three took 662 s (one run each).
+# load of `make test-load`, four took 584 s (734c432) and 552 s (c489136) where three
+# took 662 s (c8cf87d).
 WORKERS ?= 4
 
 .PHONY: run test test-long lint docs test-cluster test-load protos bench bench-quick clean soak
@@ -58,7 +59,7 @@ test: $(STAMP) $(GDAT_STAMP) $(OPENVINO_STAMP)
 	@command -v systemd-analyze >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
 	    && apt-get install -y -qq --no-install-recommends systemd >/dev/null 2>&1; } \
 	    || echo "make: systemd-analyze is missing and could not be installed: the unit checks will skip"
-	@echo "make test: about 7 min on an idle 2-core machine on 4 workers (1,313 tests in 426 s at fb7515d), about 10 min under make test-load (584 s at 682dea7); later runs print an estimate from this machine's own durations"
+	@echo "make test: about 7 min on an idle 2-core machine on 4 workers (1,313 tests in 426 s at fb7515d), about 9 to 10 min under make test-load (552 s at c489136); later runs print an estimate from this machine's own durations"
 	$(BIN)/python -m pytest -q -n $(WORKERS) --dist worksteal -m "not soak and not cluster and not long"
 
 # The cases marked long: each covers again, on another kind or a slower path, what a
