@@ -277,7 +277,8 @@ def test_both_int8_builds_come_from_one_nncf_model_with_their_float_rest_hinted(
 def test_a_model_with_attention_is_quantized_as_a_transformer_and_meets_the_int8_gate(tmp_path):
     """The bert sample's NNCF int8 build (as a transformer: it has a Softmax) stays
     within the int8 policy's end-to-end gate against the input on onnxruntime; NNCF's
-    general preset did not (cosine 0.9989)."""
+    general preset (`int8_general`, its own IR) did not (cosine 0.9989), and that is for
+    the gate to find, as on this model it is."""
     import onnxruntime as ort
 
     from aoed import samples
@@ -294,15 +295,24 @@ def test_a_model_with_attention_is_quantized_as_a_transformer_and_meets_the_int8
     for i, f in enumerate(feeds[:16]):
         np.savez(tmp_path / f"c{i}.npz", **f)
         calib.append(tmp_path / f"c{i}.npz")
-    reply = build(RuntimeBuildRequest("openvino", src, tmp_path / "ov", ("int8",), tuple(calib)))
-    (art,) = reply.artifacts
-    assert not art.error and art.model is not None, art.error
-    compiled = ov.Core().compile_model(str(art.model), "CPU", art.options)
-    worst = 1.0
-    for f in feeds[16:]:  # inputs the calibration never saw
-        want, got = sess.run(None, f)[0].ravel(), compiled(f)[0].ravel()
-        worst = min(worst, float(want @ got / np.linalg.norm(want) / np.linalg.norm(got)))
-    assert POLICIES["int8"].e2e_ok({"cosine": worst, "max_rel_error": 0.0}), worst
+    asked = ("int8", "int8_general") if discover.find().has("BF16") else ("int8",)
+    reply = build(RuntimeBuildRequest("openvino", src, tmp_path / "ov", asked, tuple(calib)))
+    got = {a.name: a for a in reply.artifacts}
+    assert set(got) == set(asked) and not any(a.error for a in got.values()), reply
+
+    def worst(art) -> float:
+        compiled = ov.Core().compile_model(str(art.model), "CPU", art.options)
+        cos = 1.0
+        for f in feeds[16:]:  # inputs the calibration never saw
+            want, out = sess.run(None, f)[0].ravel(), compiled(f)[0].ravel()
+            cos = min(cos, float(want @ out / np.linalg.norm(want) / np.linalg.norm(out)))
+        return cos
+
+    transformer = worst(got["int8"])
+    assert POLICIES["int8"].e2e_ok({"cosine": transformer, "max_rel_error": 0.0}), transformer
+    if "int8_general" in got:  # the general preset, built from the float model, not the int8 one
+        assert got["int8_general"].model != got["int8"].model
+        assert worst(got["int8_general"]) < transformer
 
 
 # ---------------------------------------------------------------- a job that ships OpenVINO

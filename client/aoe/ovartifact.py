@@ -121,7 +121,7 @@ def check_properties(raw: Mapping[str, Any], where: str = "compile config") -> d
 
 
 #: The builds of a model OpenVINO competes with (aoed.backends.openvino.build).
-VARIANTS = ("f32", "bf16", "f16", "int8", "int8_bf16")
+VARIANTS = ("f32", "bf16", "f16", "int8", "int8_bf16", "int8_general")
 
 
 @dataclass(frozen=True)

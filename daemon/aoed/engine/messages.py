@@ -426,7 +426,7 @@ class RebuildRequest(Request, tag="rebuild", frozen=True):
 
 class RuntimeArtifact(Message, frozen=True):
     """One model another runtime built (`RuntimeBuildRequest`): its name (f32, bf16,
-    f16, int8, int8_bf16), the runtime, the file it runs and the options it runs with (OpenVINO:
+    f16, int8, int8_bf16, int8_general), the runtime, the file it runs and the options it runs with (OpenVINO:
     compile properties); or why it could not be built."""
 
     name: str

@@ -6,7 +6,7 @@ only, or the input), a compile worker builds the input model for OpenVINO in the
 variants the job's precision policy allows (`VARIANTS`: f32 under every policy; bf16 or
 f16 under the reduced-float policies and int8, where the CPU computes in them; NNCF
 post-training int8 under int8 alone, its float rest in f32 and, where the CPU has it, in
-bf16) and one deployed measurement times them in the same rounds as the input on
+bf16, and for a model with attention by NNCF's general preset too) and one deployed measurement times them in the same rounds as the input on
 onnxruntime's defaults (the fp32 reference every output is compared with) and
 onnxruntime's proposal, each in a process of its own.
 
@@ -74,7 +74,7 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     "exact": ("f32",),
     "bf16": ("f32", "bf16"),
     "fp16": ("f32", "f16", "bf16"),
-    "int8": ("f32", "bf16", "int8", "int8_bf16"),
+    "int8": ("f32", "bf16", "int8", "int8_bf16", "int8_general"),
     "int4": ("f32", "bf16"),
 }
 _VARIANT_WORDS = {
@@ -83,6 +83,7 @@ _VARIANT_WORDS = {
     "f16": "float16 compute",
     "int8": "NNCF post-training int8",
     "int8_bf16": "NNCF post-training int8, bfloat16 for the rest",
+    "int8_general": "NNCF post-training int8 by its general preset, bfloat16 for the rest",
 }
 #: The runtimes that compete at the model level, and what their candidates are called.
 OTHER = "openvino"
