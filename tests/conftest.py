@@ -18,16 +18,6 @@ from .suite_time import SuiteTime
 # take seconds that a job about something else need not spend, and a bf16 build that
 # wins would hand such a test an IR where it reads an ONNX model.
 os.environ.setdefault("AOED_TUNING_RUNTIME", "onnxruntime")
-# Each pytest-xdist worker is a machine of its own: its embedded jobs take the device lock
-# in a runtime dir of their own (under AOED_RUNTIME_DIR, else the temp folder), as each
-# test's daemon does, instead of queueing for the other workers' measurements.
-if os.environ.get("PYTEST_XDIST_WORKER"):
-    import tempfile
-
-    _base = os.environ.get("AOED_RUNTIME_DIR") or os.path.join(
-        tempfile.gettempdir(), f"aoed-tests-{os.getuid()}"
-    )
-    os.environ["AOED_RUNTIME_DIR"] = os.path.join(_base, os.environ["PYTEST_XDIST_WORKER"])
 
 
 def pytest_configure(config: pytest.Config) -> None:
