@@ -15,8 +15,8 @@ OUT    ?= out
 # pytest-xdist workers for `make test` and `make test-load`: four cases side by side (most
 # wait on daemons, workers, sockets and their jobs' wall-clock budgets), each test stolen
 # by whichever worker is free (a module's fixtures may then run in several). Under the
-# load of `make test-load`, four took 584 s (734c432) and 552 s (c489136) where three
-# took 662 s (c8cf87d).
+# load of `make test-load`, four took 644 s (9580aab) where three took 677 s (8394e2a), one
+# run each, the workers sharing one device lock as a machine's processes do.
 WORKERS ?= 4
 
 .PHONY: run test test-long lint docs test-cluster test-load protos bench bench-quick clean soak
@@ -59,7 +59,7 @@ test: $(STAMP) $(GDAT_STAMP) $(OPENVINO_STAMP)
 	@command -v systemd-analyze >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
 	    && apt-get install -y -qq --no-install-recommends systemd >/dev/null 2>&1; } \
 	    || echo "make: systemd-analyze is missing and could not be installed: the unit checks will skip"
-	@echo "make test: about 7 min on an idle 2-core machine on 4 workers (1,313 tests in 426 s at fb7515d), about 9 to 10 min under make test-load (552 s at c489136); later runs print an estimate from this machine's own durations"
+	@echo "make test: about 7 min on an idle 2-core machine on 4 workers (1,313 tests in 426 s at fb7515d, 414 s at a300579), about 11 min under make test-load (644 s at 9580aab); later runs print an estimate from this machine's own durations"
 	$(BIN)/python -m pytest -q -n $(WORKERS) --dist worksteal -m "not soak and not cluster and not long"
 
 # The cases marked long: each covers again, on another kind or a slower path, what a
