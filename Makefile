@@ -59,7 +59,7 @@ test: $(STAMP) $(GDAT_STAMP) $(OPENVINO_STAMP)
 	@command -v systemd-analyze >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
 	    && apt-get install -y -qq --no-install-recommends systemd >/dev/null 2>&1; } \
 	    || echo "make: systemd-analyze is missing and could not be installed: the unit checks will skip"
-	@echo "make test: about 7 min on an idle 2-core machine on 4 workers (1,313 tests in 426 s at fb7515d, 414 s at a300579), about 11 min under make test-load (644 s at 9580aab); later runs print an estimate from this machine's own durations"
+	@echo "make test: about 7 min on an idle 2-core machine on 4 workers (1,314 tests in 422 s at 60faf55), about 11 min under make test-load (644 s at 9580aab); later runs print an estimate from this machine's own durations"
 	$(BIN)/python -m pytest -q -n $(WORKERS) --dist worksteal -m "not soak and not cluster and not long"
 
 # The cases marked long: each covers again, on another kind or a slower path, what a
