@@ -92,6 +92,9 @@ def _feeds(model: Path, work: Path, seed: int) -> dict[str, np.ndarray]:
 
 
 def _nncf_int8(model: Path, feeds: Callable[[int], dict[str, np.ndarray]]) -> Path:
+    from aoe.ovdevices import quiet
+
+    quiet()  # before nncf's import, as aoed's own builds do: no usage telemetry
     import nncf
     import openvino as ov
 
