@@ -228,3 +228,39 @@ def test_the_progress_bar_moves_and_says_the_stage_through_the_confirming_a_b(
     progress = [(e.done, e.total) for e in events if e.kind == "progress"]
     assert n == len(report["tasks"]) and progress[-1] == (n, n), (n, progress)
     assert _bank_said(summary_lines(outcome))["total"] == n
+
+
+@pytest.mark.parametrize(
+    ("total", "given", "want", "kept"),
+    [
+        (10.0, False, 2.5, 2.5),  # a fitted budget keeps all the comparison needs
+        (10.0, True, 2.5, 2.5),  # a given one while it is at most 40% of it
+        (5.0, True, 2.5, 0.0),  # more than 40%: the comparison takes what is left
+    ],
+)
+def test_the_runtime_comparison_keeps_its_seconds_from_the_search(total, given, want, kept):
+    """The stages before the runtime comparison are offered the budget less the seconds
+    kept for it; the comparison is offered everything left, those seconds included."""
+    from aoed.engine.budget import SEARCH_SHARE, SESSION_SHARE, Budget, default_budget
+    from aoed.engine.ledger import JobLedger
+
+    ledger = JobLedger("j")
+    budget = Budget(total, ledger, given)
+    assert budget.reserve_runtime(want) == kept
+    slices = budget.for_tasks({"a": 1.0}, ["a"])
+    assert sum(slices.values()) == pytest.approx((total - kept) * SEARCH_SHARE)
+    ledger.enter("search")
+    ledger.charge_device(sum(slices.values()), "search")
+    open_s = total - kept - sum(slices.values())
+    assert budget.for_session() == pytest.approx(open_s * SESSION_SHARE)
+    ledger.enter("session")
+    ledger.charge_device(open_s * SESSION_SHARE, "session")
+    assert budget.for_verify() == pytest.approx(open_s * (1 - SESSION_SHARE))
+    ledger.enter("verify")
+    ledger.charge_device(open_s * (1 - SESSION_SHARE), "verify")  # verification spends all
+    assert budget.for_runtime() == pytest.approx(kept)
+    # A fitted budget adds the comparison to what the model's own stages need.
+    fitted = default_budget({"a": 20_000.0}, {"a": 3}, 40_000.0)
+    assert default_budget({"a": 20_000.0}, {"a": 3}, 40_000.0, runtime_s=2.5) == pytest.approx(
+        fitted + 2.5
+    )

@@ -368,8 +368,8 @@ class JobSpec:
     repeat_tune: bool = False
     #: the device to measure on ("cuda:0"); None: the one the engine or daemon measures on
     device: str | None = None
-    #: device seconds for search, session options and verification together; None:
-    #: fitted to the model's profiled latency
+    #: device seconds for search, session options, verification and the runtime
+    #: comparison together; None: fitted to the model's profiled latency
     budget_s: float | None = None
     #: the end-to-end accuracy budget of a lossy precision; None: the policy's default
     min_cosine: float | None = None

@@ -123,8 +123,8 @@ def add_arguments(
         "--budget",
         metavar="S",
         type=float,
-        help="device seconds for search, session options and verification "
-        "together (default: fitted to the model's profiled latency)",
+        help="device seconds for search, session options, verification and the "
+        "runtime comparison together (default: fitted to the model's profiled latency)",
     )
     p.add_argument(
         "--runtime",

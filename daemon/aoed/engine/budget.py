@@ -16,7 +16,11 @@ as fit (most expensive first; the rest are left untuned, and the report says so)
 what remains split by their share of the model's latency; what the search leaves is
 split between session options (`SESSION_SHARE` of what remains) and verification, and
 what verification leaves pays for the comparison with another runtime's builds
-(runtimestage.py), which is not started when too little is left.
+(runtimestage.py), which is not started when too little is left. Where another runtime
+is there to compete, the comparison's own seconds are kept for it from the start
+(`reserved_s`: its rounds and its sessions' loading), so the search cannot spend them:
+a fitted budget adds them; a given one keeps them only while they are at most
+`RUNTIME_MAX_SHARE` of it (on less, the comparison takes what verification leaves).
 
 Loading: a measurement first makes a session of every candidate, and on a big model that
 takes longer than the rounds (a session of a 192 MiB model: about a second). The profile
@@ -59,6 +63,7 @@ __all__ = [
     "COUNTED",
     "MIN_MEASURE_S",
     "PREPARE_S_PER_MIB",
+    "RUNTIME_MAX_SHARE",
     "Budget",
     "default_budget",
     "measure_estimate",
@@ -79,6 +84,8 @@ PREPARE_S_PER_MIB = 0.05
 #: estimated, is not started: a round of a few candidates takes about this long.
 MIN_MEASURE_S = 0.05
 TASK_CEILING_S = 10.0
+#: The most of a given budget kept for the runtime comparison from the start.
+RUNTIME_MAX_SHARE = 0.4
 MIN_S = 5.0
 MAX_S = 300.0
 # What one candidate's measurement costs by default: about 8 rounds of 5 samples of at
@@ -89,11 +96,15 @@ _CANDIDATE_OVERHEAD_S = 0.06
 
 
 def default_budget(
-    task_us: Mapping[str, float], candidates: Mapping[str, int], model_us: float
+    task_us: Mapping[str, float],
+    candidates: Mapping[str, int],
+    model_us: float,
+    runtime_s: float = 0.0,
 ) -> float:
     """A budget that fits the model: per task, its candidates' planned rounds at its
     profiled latency; then four session dimensions of about three candidates and two
-    verification rounds of a few candidates, at the model's latency."""
+    verification rounds of a few candidates, at the model's latency; and `runtime_s`,
+    the comparison with another runtime's builds where one competes."""
 
     def cost(n: int, us: float) -> float:
         return n * (_ROUND_SAMPLES * max(_SAMPLE_MIN_S, us * 1e-6) + _CANDIDATE_OVERHEAD_S)
@@ -103,7 +114,7 @@ def default_budget(
     rest = 4 * cost(3, model_us) + 3 * cost(4, model_us)
     # Search gets its share of the total, the rest what search leaves; a fifth more covers
     # the time around each measurement (loading sessions) that no plan controls.
-    need = max(search / SEARCH_SHARE, search + rest) * 1.2
+    need = max(search / SEARCH_SHARE, search + rest) * 1.2 + runtime_s
     return min(MAX_S, max(MIN_S, need))
 
 
@@ -155,6 +166,8 @@ class Budget:
     load_s_per_mib: float | None = None
     #: what each counted stage was given when it started (seconds)
     allotted: dict[str, float] = field(default_factory=dict)
+    #: seconds kept for the runtime comparison until it starts (`for_runtime`)
+    reserved_s: float = 0.0
 
     @property
     def spent_s(self) -> float:
@@ -164,11 +177,26 @@ class Budget:
     def remaining_s(self) -> float:
         return max(0.0, self.total_s - self.spent_s)
 
+    @property
+    def open_s(self) -> float:
+        """What the stages before the runtime comparison may still spend: the remaining
+        seconds less those kept for it."""
+        return max(0.0, self.remaining_s - self.reserved_s)
+
+    def reserve_runtime(self, seconds: float) -> float:
+        """Keep `seconds` for the runtime comparison (module doc): all of them on a
+        fitted budget, none on a given one they would take more than RUNTIME_MAX_SHARE
+        of. Returns the seconds kept."""
+        if self.given and seconds > RUNTIME_MAX_SHARE * self.total_s:
+            seconds = 0.0
+        self.reserved_s = max(0.0, seconds)
+        return self.reserved_s
+
     def for_tasks(self, shares: Mapping[str, float], order: Sequence[str]) -> dict[str, float]:
         """Seconds per task (in `order`, most expensive first): every task that fits gets
         `TASK_FLOOR_S`, and what remains is split by share of the model's latency; the
         tasks that do not fit (the cheapest) get none."""
-        pool = self.remaining_s * SEARCH_SHARE
+        pool = self.open_s * SEARCH_SHARE
         fit = list(order[: int(pool // TASK_FLOOR_S)])  # none when not even one task's floor fits
         extra = max(0.0, pool - TASK_FLOOR_S * len(fit))
         total = sum(shares.get(t, 0.0) for t in fit) or 1.0
@@ -179,15 +207,17 @@ class Budget:
         return slices
 
     def for_session(self) -> float:
-        seconds = self.remaining_s * SESSION_SHARE
+        seconds = self.open_s * SESSION_SHARE
         self.allotted.setdefault("session", seconds)
         return seconds
 
     def for_verify(self) -> float:
-        self.allotted.setdefault("verify", self.remaining_s)
-        return self.remaining_s
+        self.allotted.setdefault("verify", self.open_s)
+        return self.open_s
 
     def for_runtime(self) -> float:
+        """Everything left, the seconds kept for this stage included."""
+        self.reserved_s = 0.0
         self.allotted.setdefault("runtime", self.remaining_s)
         return self.remaining_s
 

@@ -46,6 +46,7 @@ from aoed.engine.messages import (
     MeasureRequest,
     PointCheck,
     PrepareReply,
+    RuntimeBuildReply,
 )
 from aoed.engine.policy import PrecisionPolicy
 from aoed.engine.pool import CompilePool
@@ -92,6 +93,8 @@ class JobContext:
     devices: DeviceSet | None = None
     #: a dynamic model's assembled files at each point of its profile, by path
     point_checks: dict[str, tuple[PointCheck, ...]] = field(default_factory=dict)
+    #: what OpenVINO is where the workers run, once asked (runtimestage.offer)
+    runtime_offer: RuntimeBuildReply | None = None
 
     def emit(self, kind: str, message: str = "", done: int = 0, total: int = 0) -> None:
         self.ledger.emit(JobEvent(kind, message, done, total))

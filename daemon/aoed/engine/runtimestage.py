@@ -23,7 +23,9 @@ proposal and names the runtime in every figure; where the A/B does not confirm i
 onnxruntime's proposal is confirmed next, as if no other runtime had competed.
 
 The stage's device time counts in the job's budget (budget.py): it is what verification
-left, at most `MEASURE_S` (plus loading the sessions), and with less than
+left, at most `MEASURE_S` (plus loading the sessions), kept for it from the start where
+OpenVINO is there (`comparison_s`: search.py asks a worker while the device profiles),
+and with less than
 `MIN_COMPARE_S` left the builds are not made (the notes say so), unless the job asked
 for OpenVINO by name. Building takes seconds on the sample models (NNCF's statistics on
 the calibration samples) and is compile work, not device time.
@@ -55,7 +57,16 @@ from aoed.engine.messages import (
 from aoed.engine.pool import model_step
 from aoed.engine.verify import Verified
 
-__all__ = ["MEASURE_S", "MIN_COMPARE_S", "VARIANTS", "RuntimeChoice", "compete"]
+__all__ = [
+    "MEASURE_S",
+    "MIN_COMPARE_S",
+    "VARIANTS",
+    "RuntimeChoice",
+    "comparison_s",
+    "compete",
+    "competes",
+    "offer",
+]
 
 #: Device seconds of the competing measurement's rounds (its sessions' loading apart).
 MEASURE_S = 2.0
@@ -118,6 +129,53 @@ class RuntimeChoice:
         )
 
 
+def _asked(ctx: JobContext) -> Runtime:
+    asked = ctx.spec.runtime
+    return Runtime(ctx.config.runtime) if asked == Runtime.AUTO else asked
+
+
+def _variants(ctx: JobContext) -> tuple[str, ...]:
+    return VARIANTS.get(str(ctx.spec.precision), ("f32",))
+
+
+def competes(ctx: JobContext) -> bool:
+    """Whether this job lets another runtime compete: it (or, for auto, the
+    configuration) does not settle on onnxruntime, and its device is a CPU."""
+    return _asked(ctx) != Runtime.ONNXRUNTIME and ctx.device.device.is_cpu
+
+
+async def offer(ctx: JobContext) -> RuntimeBuildReply:
+    """What OpenVINO is where the job's workers run (its `offer`: the version, or
+    `why_not`), asked of a compile worker once per job. ModelError when the worker
+    fails."""
+    if ctx.runtime_offer is None:
+        ctx.runtime_offer = await model_step(
+            ctx.pool,
+            RuntimeBuildRequest(OTHER, ctx.run.model, ctx.workspace.scratch / "openvino", (), ()),
+            ctx.ledger,
+            ctx.run.model,
+            "asking for OpenVINO",
+        )
+    reply: RuntimeBuildReply = ctx.runtime_offer
+    return reply
+
+
+async def comparison_s(ctx: JobContext, load_s_per_mib: float | None) -> float:
+    """The device seconds the comparison would take on this job (its rounds and its
+    sessions' loading at `load_s_per_mib`, as profiled), to keep for it from the start
+    (budget.py); 0 where nothing
+    competes: onnxruntime settled, another device, or no OpenVINO there."""
+    if not competes(ctx):
+        return 0.0
+    try:
+        if (await offer(ctx)).offer.get("why_not"):
+            return 0.0
+    except ModelError:
+        return 0.0
+    sessions = 2 + len(_variants(ctx))
+    return MEASURE_S + (load_s_per_mib or 0.0) * model_mib([ctx.run.model]) * sessions
+
+
 async def compete(
     ctx: JobContext,
     v: Verified,
@@ -129,14 +187,12 @@ async def compete(
     `banked`: the build the bank's confirmation of exactly these choices shipped, which
     is rebuilt and taken without measuring (the confirmation is the bank's too). A
     failed build or device costs the competition (said in the notes), never the job."""
-    asked = ctx.spec.runtime
-    if asked == Runtime.AUTO:
-        asked = Runtime(ctx.config.runtime)
-    if asked == Runtime.ONNXRUNTIME or not ctx.device.device.is_cpu:
+    asked = _asked(ctx)
+    if not competes(ctx):
         return RuntimeChoice()
     assert ctx.prep is not None
     ctx.ledger.enter("runtime")  # a stage of the result's budget table only when it runs
-    variants = VARIANTS.get(str(ctx.spec.precision), ("f32",))
+    variants = _variants(ctx)
     if banked is not None and banked.variant in variants:
         got = await _from_bank(ctx, banked, calibrate)
         if got is not None:
@@ -144,13 +200,7 @@ async def compete(
     # What OpenVINO is here, if any, before anything is built: where there is none, the
     # notes (or, asked for by name, the job's error) say so whatever the budget left.
     try:
-        probe: RuntimeBuildReply = await model_step(
-            ctx.pool,
-            RuntimeBuildRequest(OTHER, ctx.run.model, ctx.workspace.scratch / "openvino", (), ()),
-            ctx.ledger,
-            ctx.run.model,
-            "asking for OpenVINO",
-        )
+        probe = await offer(ctx)
     except ModelError as exc:
         ctx.notes.append(f"OpenVINO not compared: {exc}")
         return RuntimeChoice()

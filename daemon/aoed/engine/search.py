@@ -3,7 +3,9 @@ answer with a task agent of its own.
 
 While the device profiles the prepared model (each task's share of its time, and how
 fast a session loads), a worker writes the task models out. The budget is the one the
-job gives, else one fitted to the tasks' costs and their strategies (budget.py); it is
+job gives, else one fitted to the tasks' costs and their strategies (budget.py), less
+what the comparison with another runtime's builds will need where one competes (asked
+of a worker while the device profiles); it is
 sliced over the tasks, most expensive first, and a task its slice does not reach is
 left untuned ("skipped", saying so). Then one task agent per task (taskagent.py) runs,
 all at once, sharing the pool and the device; the progress events count the tasks
@@ -15,7 +17,7 @@ from __future__ import annotations
 import trio
 
 from aoe.bankrecord import BankRecord
-from aoe.errors import DeviceError
+from aoe.errors import DeviceError, ModelError
 from aoe.partition import Task
 from aoe.spec import Stage
 from aoed.engine.budget import PREPARE_S_PER_MIB, Budget, default_budget, model_mib
@@ -24,6 +26,7 @@ from aoed.engine.estimates import say_estimate
 from aoed.engine.job import TaskResult
 from aoed.engine.messages import ExtractRequest, ProfileReply, ProfileRequest
 from aoed.engine.pool import model_step
+from aoed.engine.runtimestage import comparison_s, competes, offer
 from aoed.engine.taskagent import TaskAgent, TaskDecision
 
 __all__ = ["search_tasks", "search_words"]
@@ -88,9 +91,18 @@ async def search_tasks(
             share[t.id], task_us[t.id] = us / node_sum, us / max(1, t.instances)
             results[t.id].share = share[t.id]
 
-    # The device profiles while a worker writes the task models: neither waits for the other.
+    async def ask_runtime() -> None:  # the answer stays in ctx (runtimestage.offer)
+        try:
+            await offer(ctx)
+        except ModelError:
+            pass  # the runtime stage says so when it comes
+
+    # The device profiles while a worker writes the task models and another says what
+    # OpenVINO is there (where it may compete): none waits for the others.
     async with trio.open_nursery() as nursery:
         nursery.start_soon(profile)
+        if competes(ctx):
+            nursery.start_soon(ask_runtime)
         nursery.start_soon(
             model_step,
             ctx.pool,
@@ -101,6 +113,8 @@ async def search_tasks(
             ctx.run.model,
             "extracting tasks",
         )
+    # The comparison with another runtime's builds: its seconds are kept from the start.
+    runtime_s = await comparison_s(ctx, load_rate)
     if opts.budget_s is not None:
         budget = Budget(opts.budget_s, ctx.ledger, True, load_rate)
     else:
@@ -114,11 +128,14 @@ async def search_tasks(
             for t in to_tune
         }
         budget = Budget(
-            default_budget({t.id: task_us.get(t.id, 100.0) for t in to_tune}, counts, model_us),
+            default_budget(
+                {t.id: task_us.get(t.id, 100.0) for t in to_tune}, counts, model_us, runtime_s
+            ),
             ctx.ledger,
             False,
             load_rate,
         )
+    budget.reserve_runtime(runtime_s)
     ctx.model_us = model_us
     to_tune = sorted(to_tune, key=lambda t: -share.get(t.id, 0.0))
     slices = budget.for_tasks(share, [t.id for t in to_tune])

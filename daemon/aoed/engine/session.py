@@ -182,7 +182,7 @@ async def search_session(
     dims = dimensions(ctx.device.cores) if ctx.device.device.is_cpu else accelerator_dimensions(ctx)
     pool = budget.for_session()
     for i, (dim, values) in enumerate(dims):
-        share = min(2.0, pool / (len(dims) - i), budget.remaining_s)
+        share = min(2.0, pool / (len(dims) - i), budget.open_s)
         seconds, load = budget.measurable(share, [model_path] * (len(values) + 1))
         if seconds < 0.3:
             why = (
