@@ -125,6 +125,33 @@ def test_the_encoders_profile_is_derived_up_to_its_position_table() -> None:
     assert resolve(samples.mlp(), {}, ShapeProfile(), "m") is None
 
 
+def test_a_decode_steps_past_stops_where_its_new_token_still_has_a_position() -> None:
+    """A KV-cache decode step reads position past + 1: its derived past stops one short
+    of the table, and the input model runs at every derived point (at past 64 it does
+    not: position 64 is past a table of 64)."""
+    import numpy as np
+    import onnxruntime as ort
+
+    model = samples.kv_decoder(hidden=32, heads=2, layers=1, vocab=16, max_positions=64)
+    assert position_bound(model) == 64
+    p = resolve(model, {}, ShapeProfile(), "decoder.onnx")
+    assert p is not None and p.derived
+    pasts = sorted({pt["past_key_0"][2] for pt in p.points})
+    assert pasts == [3, 15, 63], p.axes
+    assert "up to 63 of the position table's 64" in p.axes["past"]
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    for past in (*pasts, 64):
+        feeds = {"input_ids": np.ones((1, 1), np.int64)}
+        feeds.update(
+            {i.name: np.zeros((1, 2, past, 16), np.float32) for i in sess.get_inputs()[1:]}
+        )
+        if past in pasts:
+            assert sess.run(None, feeds)[0].shape[:2] == (1, 1)
+        else:
+            with pytest.raises(Exception, match="out of data bounds"):
+                sess.run(None, feeds)
+
+
 def test_what_the_user_gives_overrides_the_derivation() -> None:
     model = samples.encoder()
     gears = resolve(model, {}, ShapeProfile({"input_ids": "-1,-1"}, "2,8;3,24"), "e")

@@ -9,7 +9,10 @@ every dimension the user left alone, sizes derived from the model:
     any other dynamic dimension (sequence-like)    spread up to what the model's position
                                                    table allows (a Gather from an [N, d]
                                                    initializer indexed by positions bounds
-                                                   it at N), else up to DEFAULT_MAX_DIM
+                                                   it at N, less the positions a token
+                                                   input's fixed length takes, shared by
+                                                   the derived ones), else up to
+                                                   DEFAULT_MAX_DIM
 
 Dimensions that share a name (`seq` of input_ids and of attention_mask) take one size at
 each point. Point k gives each dimension the k-th of its sizes (its last when it has
@@ -114,6 +117,38 @@ def _dims(vi: onnx.ValueInfoProto) -> Dims | None:
     # A size the model states (0 or negative included, which prep refuses by name) is
     # not dynamic: only a missing one is.
     return tuple(d.dim_value if d.HasField("dim_value") else d.dim_param for d in t.shape.dim)
+
+
+def _position_share(
+    bound: int,
+    declared: Mapping[str, Dims | None],
+    model: onnx.ModelProto,
+    static: Mapping[str, object],
+    wanted: Mapping[str, object],
+) -> int:
+    """Where each derived sequence-like dimension stops: DEFAULT_MAX_DIM without a
+    position table; else the table's positions less those the token inputs' fixed
+    sequence takes (a decode step's one new token), shared by the derived sequence-like
+    dimensions (a past and a new sequence), so the positions a point reads fit the table:
+    a decode step at past 2048 reads position 2048, one past a table of 2048."""
+    if not bound:
+        return DEFAULT_MAX_DIM
+    ints = {
+        i.name
+        for i in _true_inputs(model)
+        if i.type.tensor_type.elem_type in (onnx.TensorProto.INT64, onnx.TensorProto.INT32)
+    }
+    fixed, derived = 0, set()
+    for name, dims in declared.items():
+        if dims is None or name in static or name in wanted:
+            continue
+        for i, d in enumerate(dims):
+            if isinstance(d, int):
+                if name in ints and i > 0:
+                    fixed = max(fixed, d)
+            elif not (i == 0 or _BATCH_NAME.match(d or "")):
+                derived.add(d or f"{name}[{i}]")
+    return max(1, (bound - fixed) // max(1, len(derived)))
 
 
 def _true_inputs(model: onnx.ModelProto) -> list[onnx.ValueInfoProto]:
@@ -236,10 +271,12 @@ def resolve(
                     got, how = list(BATCH_POINTS), "batch, derived"
                 else:
                     bound = bound if bound is not None else (position_bound(model) or 0)
-                    top = bound or DEFAULT_MAX_DIM
+                    top = _position_share(bound, declared, model, static, wanted)
                     got = sorted({max(1, top // k) for k in _SPREAD})
                     how = (
-                        f"derived up to the position table's {bound}"
+                        f"derived up to {top} of the position table's {bound}"
+                        if bound and top != bound
+                        else f"derived up to the position table's {bound}"
                         if bound
                         else f"derived up to {DEFAULT_MAX_DIM} (no position table bounds it)"
                     )
