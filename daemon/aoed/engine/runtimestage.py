@@ -212,8 +212,11 @@ async def compete(
             )
         ctx.notes.extend(probe.notes)
         return RuntimeChoice()
+    # MEASURE_S of rounds once the sessions are loaded: the loading comes on top of them,
+    # never out of them, as long as the budget has the seconds.
+    sessions = [ctx.run.model] * (2 + len(variants))
     seconds, _load = budget.measurable(
-        min(MEASURE_S, budget.for_runtime()), [ctx.run.model] * (2 + len(variants))
+        min(MEASURE_S + budget.load_estimate(sessions), budget.for_runtime()), sessions
     )
     if seconds < MIN_COMPARE_S and asked != Runtime.OPENVINO:
         ctx.notes.append(
