@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,10 +22,58 @@ from .suite_time import SuiteTime
 # wins would hand such a test an IR where it reads an ONNX model.
 os.environ.setdefault("AOED_TUNING_RUNTIME", "onnxruntime")
 
+# Each pytest-xdist worker is a machine of its own: its embedded jobs take the device lock
+# in a runtime dir of their own (under AOED_RUNTIME_DIR, else the temp folder), as each
+# test's daemon does, instead of queueing for the other workers' measurements. A test
+# whose outcome needs one candidate clearly faster than another holds every worker's
+# device alone while it runs (the `machine_alone` fixture).
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+_LOCKS = Path(
+    os.environ.get("AOED_RUNTIME_DIR")
+    or os.path.join(tempfile.gettempdir(), f"aoed-tests-{os.getuid()}")
+)
+if _WORKER:
+    os.environ["AOED_RUNTIME_DIR"] = str(_LOCKS / _WORKER)
+
 
 def pytest_configure(config: pytest.Config) -> None:
     """Print the selected tests' estimated time before they run (tests/suite_time.py)."""
     config.pluginmanager.register(SuiteTime(config), "aoed-suite-time")
+
+
+@contextlib.contextmanager
+def held_alone() -> Iterator[None]:
+    """No other xdist worker's embedded job measures inside the block: it takes the device
+    lock of every other worker (in order, one such block at a time), as a measurement of
+    theirs would, and holds them to its end. Jobs of this worker measure under its lock
+    as usual. Daemons started by tests lock in their own runtime dirs and are not held."""
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if not _WORKER or count < 2:
+        yield
+        return
+    import fcntl
+
+    from aoe.device import Device
+    from aoed.engine.devlock import DeviceLock
+
+    _LOCKS.mkdir(parents=True, exist_ok=True)
+    name = Device.parse("cpu").lock_name
+    with contextlib.ExitStack() as held, open(_LOCKS / "alone.lock", "w") as alone:
+        fcntl.flock(alone, fcntl.LOCK_EX)
+        for i in range(count):
+            if f"gw{i}" != _WORKER:
+                lock = DeviceLock(_LOCKS / f"gw{i}", name)
+                held.callback(lock.close)
+                held.enter_context(lock.hold_sync())
+        yield
+
+
+@pytest.fixture
+def machine_alone() -> Iterator[None]:
+    """The test runs `held_alone`: for a test whose outcome needs one candidate clearly
+    faster than another, which another worker's measurements could blur."""
+    with held_alone():
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -22,7 +22,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from .conftest import run_aoe
+from .conftest import held_alone, run_aoe
 
 LOWRANK_PLUGIN = textwrap.dedent(
     """
@@ -116,7 +116,8 @@ def residual_job(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     """One job on the residual model: its folder (bank included) and its result. The
     bank-hit test starts from a copy of its bank."""
     folder = tmp_path_factory.mktemp("residual")
-    return folder, _tune(folder, residual=True)
+    with held_alone():
+        return folder, _tune(folder, residual=True)
 
 
 @pytest.mark.slow
@@ -135,6 +136,7 @@ def test_a_residual_stream_absorbs_the_error_and_the_candidate_is_kept(
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("machine_alone")
 def test_an_error_the_model_does_not_absorb_stays_rejected(tmp_path: Path) -> None:
     doc = _tune(tmp_path, residual=False)
     task = doc["task"]
@@ -149,6 +151,7 @@ def test_an_error_the_model_does_not_absorb_stays_rejected(tmp_path: Path) -> No
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("machine_alone")
 def test_a_bank_entry_kept_in_context_is_checked_in_context_on_the_next_model(
     residual_job: tuple[Path, dict], tmp_path: Path
 ) -> None:
