@@ -420,9 +420,12 @@ class _Reader:
             return {k: data[k] for k in data.files}
 
 
-def quantize_static(src: Path, dst: Path, calibration: Path) -> Variant:
+def quantize_static(
+    src: Path, dst: Path, calibration: Path, *, per_channel: bool = True
+) -> Variant:
     """quant_pre_process (onnxruntime's documented first step), then quantize_static in
-    QDQ format, per channel, calibrated on every file of `calibration`."""
+    QDQ format (per channel unless told not to; otherwise its defaults), calibrated on
+    every file of `calibration`."""
     from onnxruntime.quantization import CalibrationDataReader, QuantFormat
     from onnxruntime.quantization import quantize_static as qs
     from onnxruntime.quantization.shape_inference import quant_pre_process
@@ -434,7 +437,7 @@ def quantize_static(src: Path, dst: Path, calibration: Path) -> Variant:
     try:
         with _quiet():
             quant_pre_process(str(src), str(pre))
-            qs(pre, dst, Reader(calibration), quant_format=QuantFormat.QDQ, per_channel=True)
+            qs(pre, dst, Reader(calibration), quant_format=QuantFormat.QDQ, per_channel=per_channel)
     except Exception as exc:  # noqa: BLE001
         return Variant("", None, error=_exc(exc))
     return Variant("", dst)
