@@ -1258,7 +1258,7 @@ def test_entries_that_are_not_models_are_logged_and_left(drop: DaemonProcess) ->
         "dir.onnx": "a folder",
         "fifo.onnx": "a FIFO",
         "sock.onnx": "a socket",
-        "notes.txt": "not an .onnx model (nor a .pt2)",
+        "notes.txt": "not an .onnx model (nor a .pt2 or a .tar)",
     }
     (drop.inbox / "link.onnx").symlink_to(outside)
     (drop.inbox / "dir.onnx").mkdir()
