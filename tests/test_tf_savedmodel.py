@@ -11,14 +11,18 @@ process seconds and its log noise."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import tarfile
 from pathlib import Path
 
+import grpc
 import numpy as np
 import onnx
 import pytest
+
+from aoe.v1 import tuning_pb2
 
 from .conftest import run_aoe
 from .daemon_util import DaemonProcess
@@ -161,8 +165,6 @@ def test_a_broken_saved_model_fails_in_aoes_spelling_with_one_line_saying_why(
 ) -> None:
     """--framework 3 reaches the conversion: a saved_model.pb that is not one fails there,
     in one line naming the model and what is wrong, and nothing is tuned."""
-    import shutil
-
     broken = tmp_path / "broken"
     shutil.copytree(saved[0], broken)
     (broken / "saved_model.pb").write_bytes(b"\x08\x01not a saved model at all")
@@ -204,7 +206,7 @@ def _tar(folder: Path, archive: Path, *, arcname: str) -> bytes:
 
 
 @pytest.mark.slow
-def test_a_saved_model_tar_dropped_in_an_inbox_comes_out_tuned_and_a_hostile_one_failed(
+def test_a_daemon_tunes_a_saved_model_dropped_as_a_tar_named_by_path_or_uploaded(
     saved: tuple[Path, dict[str, np.ndarray]], tmp_path: Path
 ) -> None:
     import aoe
@@ -244,6 +246,30 @@ def test_a_saved_model_tar_dropped_in_an_inbox_comes_out_tuned_and_a_hostile_one
         )
         text = why.read_text()
         assert "member 'tiny/variables/escape' is a link" in text, text
+        # By path over gRPC: a SavedModel's directory inside the allowed ones is a model;
+        # a folder without saved_model.pb is refused naming it.
+        empty = d.models / "empty"
+        empty.mkdir()
+        with pytest.raises(grpc.RpcError) as refused:
+            d.tuning().SubmitJob(tuning_pb2.SubmitJobRequest(model_path=str(empty)), timeout=30)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "no saved_model.pb in it" in (refused.value.details() or "")
+        shutil.copytree(saved[0], d.models / "tiny")
+        by_path = d.tuning().SubmitJob(
+            tuning_pb2.SubmitJobRequest(
+                model_path=str(d.models / "tiny"),
+                options=tuning_pb2.JobOptions(budget_s=1.0, job_type=tuning_pb2.JOB_TYPE_OPAT),
+            ),
+            timeout=30,
+        )
+        assert d.wait_job(by_path.job_id).state == tuning_pb2.JOB_STATE_SUCCEEDED
+        # `aoe tune DIR` on the daemon: the directory travels as a .tar of it.
+        r = run_aoe(
+            "tune", str(saved[0]), "--socket", str(d.socket), "--job-type", "opat",
+            "--budget", "1", "--no-progress", "--output", str(tmp_path / "fetched"),
+        )  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        assert "tuning on the daemon" in r.stderr, r.stderr
         assert d.serving()
     finally:
         d.close()

@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import os
 import stat
+import tarfile
 from pathlib import Path
 
 from aoe.errors import ModelError, PermissionDeniedError
@@ -36,6 +37,7 @@ __all__ = [
     "check_saved_model",
     "is_saved_model",
     "is_saved_model_archive",
+    "pack_saved_model",
     "saved_model_digest",
     "saved_model_files",
 ]
@@ -145,3 +147,29 @@ def saved_model_digest(path: Path, files: list[tuple[str, os.stat_result]]) -> s
             while chunk := f.read(1 << 20):
                 h.update(chunk)
     return h.hexdigest()
+
+
+def pack_saved_model(path: Path, folder: Path) -> Path:
+    """The SavedModel directory `path` packed as `folder/<its name>.tar` (the directory
+    at the archive's root under its own name), the form a daemon takes it in by upload;
+    returns the archive. ModelError when it is not a SavedModel or holds anything but
+    files and folders (which the converter would refuse)."""
+    check_saved_model(path)
+    archive = folder / f"{path.name}{ARCHIVE_SUFFIX}"
+    with tarfile.open(archive, "w") as tar:
+        pending = [(path, path.name)]
+        while pending:
+            top, name = pending.pop()
+            tar.add(top, arcname=name, recursive=False)
+            with os.scandir(top) as it:
+                for e in sorted(it, key=lambda e: e.name):
+                    if e.is_dir(follow_symlinks=False):
+                        pending.append((Path(e.path), f"{name}/{e.name}"))
+                    elif e.is_file(follow_symlinks=False):
+                        tar.add(e.path, arcname=f"{name}/{e.name}")
+                    else:
+                        raise ModelError(
+                            f"{path}: {name}/{e.name} is not a regular file or folder (a link?); "
+                            "a SavedModel holds only files and folders: copy it without links"
+                        )
+    return archive
