@@ -650,7 +650,7 @@ PATH_CASES = {
     "model-outside": (f"{O}/mlp.onnx", "", "", DENIED, "outside the allowed"),
     "model-relative": ("models/mlp.onnx", "", "", INVALID, "must be an absolute path"),
     "model-nul": (f"{M}/mlp.onnx\x00.txt", "", "", INVALID, "NUL byte"),
-    "model-a-directory": (f"{M}/calib", "", "", INVALID, "not a regular file"),
+    "model-a-directory": (f"{M}/calib", "", "", INVALID, "(no saved_model.pb in it)"),
     "model-missing-inside": (f"{M}/nope.onnx", "", "", NOT_FOUND, "no such file"),
     "calibration-outside": (f"{M}/mlp.onnx", f"{O}/calib", "", DENIED, "calibration_dir"),
     "calibration-symlinked": (f"{M}/mlp.onnx", f"{M}/escape/calib", "", DENIED, "calibration_dir"),

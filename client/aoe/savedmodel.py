@@ -51,10 +51,16 @@ ARCHIVE_SUFFIX = ".tar"
 MAX_FILES = 10_000
 
 
+#: Names of model files: a directory so named is a file gone wrong, not a SavedModel.
+_FILE_SUFFIXES = (".onnx", ".pt2", ARCHIVE_SUFFIX)
+
+
 def is_saved_model(path: str | os.PathLike[str]) -> bool:
-    """Whether `path` is a directory (a SavedModel's, or one that was meant to be one):
-    the form a job tunes as a SavedModel. `check_saved_model` says whether it is one."""
-    return Path(path).is_dir()
+    """Whether `path` is a directory (a SavedModel's, or one that was meant to be one)
+    not named like a model file: the form a job tunes as a SavedModel.
+    `check_saved_model` says whether it is one."""
+    p = Path(path)
+    return p.is_dir() and not p.name.lower().endswith(_FILE_SUFFIXES)
 
 
 def is_saved_model_archive(path: str | os.PathLike[str]) -> bool:

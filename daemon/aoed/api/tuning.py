@@ -30,7 +30,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from aoe import sizes
 from aoe.errors import AoedError, JobStateError, NotFoundError, OptionError, PermissionDeniedError
 from aoe.ovartifact import config_path
-from aoe.savedmodel import check_saved_model
+from aoe.savedmodel import check_saved_model, is_saved_model
 from aoe.v1 import tuning_pb2, tuning_pb2_grpc
 from aoe.wire import outcome_to_pb, spec_from_pb, spec_to_pb
 from aoed import safefs, space
@@ -107,7 +107,7 @@ def confine(
         raise OptionError(f"{what} {shown}: {exc.strerror or exc}") from None
     if want_dir and not real.is_dir():
         raise OptionError(f"{what} {shown}: not a directory")
-    if model and real.is_dir():
+    if model and is_saved_model(real):
         check_saved_model(real, f"{what} {shown}")
         return real
     if not want_dir and not real.is_file():

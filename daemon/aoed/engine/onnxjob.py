@@ -145,13 +145,21 @@ class OnnxKind:
             expect=run.model_file,
             unconfined_ok=self.allow_unconfined,
         )
-        dynamic = sorted(
-            {str(d) for dims in got.inputs.values() for d in dims if isinstance(d, str)}
-        )
+        # tf2onnx names an unknown dimension by a counter (unk__6): say where each is.
+        where: dict[str, str] = {}
+        for input_name, dims in got.inputs.items():
+            for axis, d in enumerate(dims):
+                if isinstance(d, str):
+                    where.setdefault(d, f"{input_name} axis {axis}")
         said = (
             f"{run.model.name}: tuned as the ONNX model tf2onnx {got.tf2onnx} converted its "
             f"signature {got.signature!r} to (opset {got.opset}, TensorFlow {got.tensorflow})"
-            + (f"; dynamic dimensions kept: {', '.join(dynamic)}" if dynamic else "")
+            + (
+                "; dynamic dimensions kept: "
+                + ", ".join(f"{d} ({where[d]})" for d in sorted(where))
+                if where
+                else ""
+            )
         )
         log.info("%s (%s)", said, got.sandbox)
         # The SavedModel checked at submission is the input; the conversion is the job's own.

@@ -25,7 +25,7 @@ from pathlib import Path
 import trio
 
 from aoe.errors import OptionError, PermissionDeniedError, ResourceExhaustedError
-from aoe.savedmodel import saved_model_digest, saved_model_files
+from aoe.savedmodel import is_saved_model, saved_model_digest, saved_model_files
 from aoe.spec import JobSpec, JobType, check_model_kind
 from aoed import safefs, space
 from aoed.config import DaemonConfig
@@ -115,7 +115,7 @@ async def admit(sub: Submission, cfg: DaemonConfig, engine: Engine) -> Admitted:
     size = sub.upload.size if sub.upload is not None else 0
     info: os.stat_result | None = None
     saved: list[tuple[str, os.stat_result]] | None = None
-    if sub.upload is None and await trio.Path(sub.model).is_dir():
+    if sub.upload is None and await trio.to_thread.run_sync(is_saved_model, sub.model):
         # A SavedModel's directory (api.tuning let only such a path through as a
         # folder): its files are walked, checked and counted as one model's.
         info = await trio.to_thread.run_sync(os.lstat, sub.model)
