@@ -339,3 +339,24 @@ def test_an_archive_holding_the_folder_or_its_files_unpacks_to_the_saved_model(
     assert _unpack(nested, tmp_path / "a", "a.tar") == tmp_path / "a" / "m"
     flat = _archive(tmp_path / "b.tar", [(_member("saved_model.pb"), b"\x08\x01")])
     assert _unpack(flat, tmp_path / "b", "b.tar") == tmp_path / "b"
+
+
+def test_a_sparse_member_is_refused_before_it_unpacks_to_more_than_the_archive(
+    tmp_path: Path,
+) -> None:
+    """GNU tar's --sparse: a 50 MiB file of holes takes a few blocks in the archive."""
+    if shutil.which("tar") is None:
+        pytest.skip("no tar command to write a sparse member with")
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "saved_model.pb").write_bytes(b"\x08\x01")
+    with open(tmp_path / "m" / "big", "wb") as f:
+        f.truncate(50 << 20)
+    archive = tmp_path / "m.tar"
+    subprocess.run(["tar", "-S", "-cf", str(archive), "-C", str(tmp_path), "m"], check=True)
+    assert archive.stat().st_size < 1 << 20
+    from aoe.errors import ModelError
+    from aoed.backends.tensorflow.convert import _unpack
+
+    with pytest.raises(ModelError, match="member 'm/big' is a sparse file"):
+        _unpack(archive, tmp_path / "scratch", "m.tar")
+    assert not (tmp_path / "scratch").exists()

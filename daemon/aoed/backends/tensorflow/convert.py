@@ -10,7 +10,8 @@ keeps that inside.
 
 A SavedModel comes as a directory, or as a plain .tar archive of one (aoe.savedmodel),
 which is checked member by member before anything is unpacked: only files and folders,
-relative names that stay inside, at most MAX_FILES of them; then unpacked with tarfile's
+relative names that stay inside, none sparse (so nothing unpacks to more than it takes
+in the archive), at most MAX_FILES of them; then unpacked with tarfile's
 `data` filter into the scratch folder. The archive is read here, never by the daemon.
 
 The conversion is tf2onnx's for a SavedModel (`python -m tf2onnx.convert --saved-model`):
@@ -80,8 +81,15 @@ def _unpack(archive: Path, dest: Path, shown: str) -> Path:
                     raise ModelError(
                         f"{shown}: member {m.name!r} names a path outside the archive's folder"
                     )
-                if not (m.isfile() or m.isdir()):
-                    kind = "a link" if m.issym() or m.islnk() else "not a file or folder"
+                # A sparse member unpacks to more than it takes in the archive.
+                if m.issparse() or not (m.isfile() or m.isdir()):
+                    kind = (
+                        "a link"
+                        if m.issym() or m.islnk()
+                        else "a sparse file"
+                        if m.issparse()
+                        else "not a file or folder"
+                    )
                     raise ModelError(
                         f"{shown}: member {m.name!r} is {kind}; a SavedModel archive holds only "
                         "files and folders (tar it without links)"
