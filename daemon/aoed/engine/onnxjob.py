@@ -135,8 +135,8 @@ class OnnxKind:
         say of it."""
         folder = ws.root / "converted"
         await trio.Path(folder).mkdir(exist_ok=True)
-        stem = run.model.name.removesuffix(".tar") if run.model.is_file() else run.model.name
-        out = folder / f"{stem}.onnx"
+        archive = is_saved_model_archive(run.model)
+        out = folder / f"{run.model.stem if archive else run.model.name}.onnx"
         got = await convert_saved_model(
             run.model.resolve(),
             run.model.name,
