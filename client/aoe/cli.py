@@ -208,17 +208,13 @@ def _aoe_spelling(argv: Sequence[str]) -> argparse.Namespace:
     )
 
 
-#: AOE's --framework values that aoe tunes: what each names.
-FRAMEWORKS = {"5": "ONNX", "3": "TensorFlow"}
-
-
 def _check_framework(framework: str, model: Path) -> None:
     """OptionError unless `model` is what AOE's --framework `framework` names: ONNX (5)
     a model file, TensorFlow (3) a SavedModel (a directory with saved_model.pb, or a
     .tar of one; it is converted to ONNX with tf2onnx and tuned as that)."""
     from aoe.savedmodel import check_saved_model, is_saved_model, is_saved_model_archive
 
-    if framework not in FRAMEWORKS:
+    if framework not in ("5", "3"):
         raise OptionError(
             f"--framework {framework}: only ONNX (5) models and TensorFlow SavedModels (3) can be "
             "tuned here"
