@@ -177,6 +177,8 @@ def _convert(req: dict[str, Any]) -> dict[str, Any]:
             return_initialized_tables=True,
             return_tensors_to_rename=True,
         )
+        # What `python -m tf2onnx.convert --saved-model` runs (tf2onnx.convert.main):
+        # tf2onnx's Python API has no public call for a SavedModel.
         with tf.device("/cpu:0"):
             model, _ = convert._convert_common(
                 graph_def,
@@ -187,8 +189,6 @@ def _convert(req: dict[str, Any]) -> dict[str, Any]:
                 initialized_tables=tables,
                 output_path=req["out"],
             )
-    except ModelError:
-        raise
     except Exception as exc:  # TensorFlow's and tf2onnx's errors share no class
         raise ModelError(
             f"{shown}: tf2onnx could not convert signature {signature!r} to ONNX "
