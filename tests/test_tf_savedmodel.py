@@ -31,7 +31,8 @@ from .daemon_util import DaemonProcess
 pytest.importorskip("tf2onnx", reason="the tensorflow extra (tf2onnx) is not installed")
 
 #: Saves the SavedModel at argv[1] and TensorFlow's outputs for two batch sizes beside
-#: it (argv[2], an .npz): the reference the tuned ONNX model is compared with.
+#: it (argv[2], an .npz): the reference the tuned ONNX model is compared with; and at
+#: argv[3] a hostile one, whose loading writes the file argv[4].
 _SAVE = """
 import os, sys
 os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
@@ -55,6 +56,30 @@ rng = np.random.default_rng(0)
 x3 = rng.standard_normal((3, 16)).astype(np.float32)
 x5 = rng.standard_normal((5, 16)).astype(np.float32)
 np.savez(sys.argv[2], x3=x3, y3=m(x3)["y"].numpy(), x5=x5, y5=m(x5)["y"].numpy())
+
+
+# A resource whose initializer, which tf.saved_model.load runs, writes argv[4].
+class Planted(tf.saved_model.experimental.TrackableResource):
+    def _create_resource(self):
+        return tf.raw_ops.VarHandleOp(dtype=tf.float32, shape=[], shared_name="planted")
+
+    def _initialize(self):
+        tf.io.write_file(sys.argv[4], "ran")
+        return tf.raw_ops.AssignVariableOp(resource=self.resource_handle, value=1.0)
+
+
+class Hostile(tf.Module):
+    def __init__(self):
+        super().__init__()
+        self.planted = Planted()
+
+    @tf.function(input_signature=[tf.TensorSpec([None, 4], tf.float32, name="x")])
+    def __call__(self, x):
+        return {"y": x * 2.0}
+
+
+h = Hostile()
+tf.saved_model.save(h, sys.argv[3], signatures={"serving_default": h.__call__})
 """
 
 
@@ -63,8 +88,9 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, np.
     """The SavedModel's directory and TensorFlow's own inputs and outputs."""
     folder = tmp_path_factory.mktemp("tf")
     model, ref = folder / "tiny", folder / "ref.npz"
+    hostile, marker = folder / "hostile", folder / "planted-ran"
     r = subprocess.run(
-        [sys.executable, "-c", _SAVE, str(model), str(ref)],
+        [sys.executable, "-c", _SAVE, str(model), str(ref), str(hostile), str(marker)],
         capture_output=True,
         text=True,
         timeout=300,
@@ -186,6 +212,23 @@ def test_a_broken_saved_model_fails_in_aoes_spelling_with_one_line_saying_why(
         line
     )
     assert not list((tmp_path / "out").glob("aoe_result_*"))
+
+
+@pytest.mark.slow
+def test_what_a_hostile_saved_model_runs_while_it_converts_stays_in_its_sandbox(
+    saved: tuple[Path, dict[str, np.ndarray]], tmp_path: Path
+) -> None:
+    """Loading a SavedModel runs its resources' initializers: this one's writes a file
+    beside the model, outside the job's workspace, which the converter may not write.
+    The job fails in one line saying so, and the file is never written."""
+    hostile = saved[0].parent / "hostile"
+    marker = saved[0].parent / "planted-ran"
+    r = _tune(hostile, tmp_path)
+    assert r.returncode == 3, r.stderr
+    (line,) = _said(r.stderr)
+    assert line.startswith("aoe: error: hostile: tf2onnx could not convert signature"), line
+    assert "PermissionDenied" in line, line
+    assert not marker.exists()
 
 
 def test_without_the_tensorflow_extra_a_saved_model_job_says_what_to_install(
