@@ -6,6 +6,7 @@ STAMP  := $(VENV)/.installed-stamp
 BENCH_STAMP := $(VENV)/.bench-stamp
 GDAT_STAMP := $(VENV)/.gdat-stamp
 OPENVINO_STAMP := $(VENV)/.openvino-stamp
+TENSORFLOW_STAMP := $(VENV)/.tensorflow-stamp
 # The CPU build of torch the GDAT tests run on: pinned here, not in the extra, so users
 # with GPUs install theirs; this machine's wheel folder serves the CPU wheel.
 TORCH_CPU ?= torch==2.13.0
@@ -53,9 +54,15 @@ $(OPENVINO_STAMP): $(GDAT_STAMP) $(PROJECTS)
 	$(BIN)/python -m pip install --quiet $(CLIENT) -e '.[gdat,openvino]'
 	touch $(OPENVINO_STAMP)
 
+# TensorFlow (CPU) and tf2onnx (the tensorflow extra), for SavedModel inputs; after the
+# openvino stamp, so that pip resolves them beside everything installed before.
+$(TENSORFLOW_STAMP): $(OPENVINO_STAMP) $(PROJECTS)
+	$(BIN)/python -m pip install --quiet $(CLIENT) -e '.[gdat,openvino,tensorflow]'
+	touch $(TENSORFLOW_STAMP)
+
 # The unit checks need systemd-analyze: installed from the distribution when missing and
 # possible (root with apt-get), else those tests skip saying why.
-test: $(STAMP) $(GDAT_STAMP) $(OPENVINO_STAMP)
+test: $(STAMP) $(GDAT_STAMP) $(OPENVINO_STAMP) $(TENSORFLOW_STAMP)
 	@command -v systemd-analyze >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
 	    && apt-get install -y -qq --no-install-recommends systemd >/dev/null 2>&1; } \
 	    || echo "make: systemd-analyze is missing and could not be installed: the unit checks will skip"
@@ -66,7 +73,7 @@ test: $(STAMP) $(GDAT_STAMP) $(OPENVINO_STAMP)
 # test in `make test` covers (the rest of the kill-point matrix: every job type and
 # precision killed and resumed; restarts; a busy machine; the GPU check's dry run).
 # About three minutes more; CI runs them after `make test`.
-test-long: $(STAMP) $(GDAT_STAMP) $(OPENVINO_STAMP)
+test-long: $(STAMP) $(GDAT_STAMP) $(OPENVINO_STAMP) $(TENSORFLOW_STAMP)
 	$(BIN)/python -m pytest -q -m long
 
 # The layout, the lint, the layering and the types (tests/test_structure.py runs the same four).
@@ -95,7 +102,7 @@ test-cluster: $(CLUSTER_STAMP)
 # 2) beside it: each run's result and wall time, and how many were green.
 RUNS  ?= 5
 LOOPS ?= 2
-test-load: $(STAMP) $(GDAT_STAMP) $(OPENVINO_STAMP)
+test-load: $(STAMP) $(GDAT_STAMP) $(OPENVINO_STAMP) $(TENSORFLOW_STAMP)
 	LOOPS=$(LOOPS) WORKERS=$(WORKERS) bench/suite_under_load.sh $(RUNS)
 
 # Side-by-side benchmarks; they write bench/RESULTS.md and PNG plots beside it.

@@ -627,8 +627,8 @@ def test_a_model_over_a_configured_limit_fails_naming_the_setting(
 
 
 def test_framework_other_than_onnx_is_refused(models: Path, tmp_path: Path):
-    r = run_aoe("--framework", "3", "--model", str(models / "mlp.onnx"), "--output", str(tmp_path))
-    assert r.returncode == 2 and "only ONNX" in r.stderr
+    r = run_aoe("--framework", "1", "--model", str(models / "mlp.onnx"), "--output", str(tmp_path))
+    assert r.returncode == 2 and "only ONNX (5) models and TensorFlow SavedModels (3)" in r.stderr
 
 
 def test_read_only_layer_answers_under_an_empty_custom_bank(

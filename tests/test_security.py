@@ -650,7 +650,7 @@ PATH_CASES = {
     "model-outside": (f"{O}/mlp.onnx", "", "", DENIED, "outside the allowed"),
     "model-relative": ("models/mlp.onnx", "", "", INVALID, "must be an absolute path"),
     "model-nul": (f"{M}/mlp.onnx\x00.txt", "", "", INVALID, "NUL byte"),
-    "model-a-directory": (f"{M}/calib", "", "", INVALID, "not a regular file"),
+    "model-a-directory": (f"{M}/calib", "", "", INVALID, "(no saved_model.pb in it)"),
     "model-missing-inside": (f"{M}/nope.onnx", "", "", NOT_FOUND, "no such file"),
     "calibration-outside": (f"{M}/mlp.onnx", f"{O}/calib", "", DENIED, "calibration_dir"),
     "calibration-symlinked": (f"{M}/mlp.onnx", f"{M}/escape/calib", "", DENIED, "calibration_dir"),
@@ -1258,7 +1258,7 @@ def test_entries_that_are_not_models_are_logged_and_left(drop: DaemonProcess) ->
         "dir.onnx": "a folder",
         "fifo.onnx": "a FIFO",
         "sock.onnx": "a socket",
-        "notes.txt": "not an .onnx model (nor a .pt2)",
+        "notes.txt": "not an .onnx model (nor a .pt2 or a .tar)",
     }
     (drop.inbox / "link.onnx").symlink_to(outside)
     (drop.inbox / "dir.onnx").mkdir()

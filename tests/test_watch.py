@@ -627,7 +627,7 @@ async def test_entries_that_are_not_models_are_logged_once_each_and_left(
         "dir.onnx": "a folder",
         "fifo.onnx": "a FIFO",
         "sock.onnx": "a socket",
-        "notes.txt": "not an .onnx model (nor a .pt2)",
+        "notes.txt": "not an .onnx model (nor a .pt2 or a .tar)",
     }
 
     def logged(name: str) -> int:

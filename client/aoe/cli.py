@@ -6,7 +6,8 @@
     aoe compile MODEL -o OUT [--bank DIR] ...
     aoe bank stats|lookup|export|import|prune|check|verify|sync ...
     aoe submit|jobs|status|watch|cancel|fetch|devices|daemon ...   (a running daemon: jobscli)
-    aoe --framework 5 --model MODEL --job_type 2        (AOE's spelling: 2 OPAT alone, 1 SGAT)
+    aoe --framework 5 --model MODEL --job_type 2        (AOE's spelling: 2 OPAT alone, 1 SGAT;
+                                                         --framework 3: a TensorFlow SavedModel)
 
 `aoe tune` sends the job to the daemon when one answers at --socket (else the default
 socket) and the options ask for nothing only an embedded run does (--bank,
@@ -83,8 +84,9 @@ def _add_tune(sub: argparse._SubParsersAction) -> None:
         "model",
         type=Path,
         nargs="?",
-        help="the .onnx model to tune, or a torch.export program (.pt2), tuned for inference "
-        "as its ONNX export (--job-type gdat: its data-parallel training)",
+        help="the .onnx model to tune, a torch.export program (.pt2) or a TensorFlow SavedModel "
+        "(its directory, or a .tar of it), tuned for inference as its ONNX export (--job-type "
+        "gdat: a .pt2's data-parallel training)",
     )
     specargs.add_arguments(
         p,
@@ -154,9 +156,11 @@ def _add_tune(sub: argparse._SubParsersAction) -> None:
 
 
 def _aoe_spelling(argv: Sequence[str]) -> argparse.Namespace:
-    """AOE's own spelling: `aoe --framework 5 --model m.onnx --job_type 2`, as `tune`."""
+    """AOE's own spelling: `aoe --framework 5 --model m.onnx --job_type 2` (or
+    `--framework 3 --model SAVED_MODEL_DIR`), as `tune`."""
     p = Parser(prog="aoe", description="AOE-compatible invocation of aoe tune.")
-    p.add_argument("-f", "--framework", default="5")
+    # 5 ONNX, 3 TensorFlow (a SavedModel); not given, the model says which it is.
+    p.add_argument("-f", "--framework", default=None)
     p.add_argument("-m", "--model", type=Path, required=True)
     # 2 and 1 mean what they mean to AOE (OPAT alone, SGAT alone); naming none gets
     # aoe tune's default.
@@ -177,8 +181,8 @@ def _aoe_spelling(argv: Sequence[str]) -> argparse.Namespace:
     from aoe.config import job_type_from_env
 
     # AOE's GDAT (AOE_MODE=4) tunes a torch.export program, whatever --framework says.
-    if str(a.framework) != "5" and job_type_from_env() != "gdat":
-        raise OptionError(f"--framework {a.framework}: only ONNX (5) models can be tuned here")
+    if a.framework is not None and job_type_from_env() != "gdat":
+        _check_framework(str(a.framework), a.model)
     return argparse.Namespace(
         model=a.model,
         precision=a.precision,
@@ -202,6 +206,32 @@ def _aoe_spelling(argv: Sequence[str]) -> argparse.Namespace:
         run=_tune,
         entry=None,
     )
+
+
+def _check_framework(framework: str, model: Path) -> None:
+    """OptionError unless `model` is what AOE's --framework `framework` names: ONNX (5)
+    a model file, TensorFlow (3) a SavedModel (a directory with saved_model.pb, or a
+    .tar of one; it is converted to ONNX with tf2onnx and tuned as that)."""
+    from aoe.savedmodel import check_saved_model, is_saved_model, is_saved_model_archive
+
+    if framework not in ("5", "3"):
+        raise OptionError(
+            f"--framework {framework}: only ONNX (5) models and TensorFlow SavedModels (3) can be "
+            "tuned here"
+        )
+    saved = is_saved_model(model) or is_saved_model_archive(model)
+    if framework == "3" and not saved:
+        raise OptionError(
+            f"--framework 3 --model {model}: TensorFlow models are taken as a SavedModel "
+            "directory (tf.saved_model.save), or a .tar of one; pass that directory"
+        )
+    if framework == "3" and is_saved_model(model):
+        check_saved_model(model)
+    if framework == "5" and saved:
+        raise OptionError(
+            f"--framework 5 --model {model}: a TensorFlow SavedModel, not an ONNX model; "
+            "pass --framework 3"
+        )
 
 
 def _job_type(args: argparse.Namespace) -> None:
@@ -232,12 +262,16 @@ def _job_type(args: argparse.Namespace) -> None:
 
 def _tune(args: argparse.Namespace) -> int:
     from aoe.modelfile import check_model_file
+    from aoe.savedmodel import check_saved_model, is_saved_model
 
     _job_type(args)
     # Before the engine's imports (about a second): a mistyped path is answered at once.
     # Whether it parses, the engine says in more detail (a daemon run checks it before
     # the upload: Client.submit_file).
-    check_model_file(args.model, onnx=False)
+    if is_saved_model(args.model):
+        check_saved_model(args.model)
+    else:
+        check_model_file(args.model, onnx=False)
 
     from aoe.config import load_config, parse_parallel
 
@@ -441,7 +475,8 @@ def build_parser() -> Parser:
         prog="aoe",
         description="Tune ONNX models by measurement and keep what is learned in a knowledge bank.",
         epilog="AOE's spelling also works: aoe --framework 5 --model MODEL [--job_type 2] "
-        "(2: OPAT alone, as aoe tune --job-type opat; 1: SGAT; none: aoe tune's default, sgat+opat).",
+        "(2: OPAT alone, as aoe tune --job-type opat; 1: SGAT; none: aoe tune's default, sgat+opat); "
+        "--framework 3 --model DIR tunes a TensorFlow SavedModel, converted to ONNX with tf2onnx.",
     )
     p.add_argument("--version", action="version", version=f"aoe {_version()}")
     p.add_argument(

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import tempfile
 import time
 import uuid
 from collections.abc import Generator, Iterable, Iterator, Mapping
@@ -41,6 +42,7 @@ from aoe.errors import (
 )
 from aoe.exchange import RECORD_FIELDS, record_from_json, record_to_json
 from aoe.modelfile import check_model_file
+from aoe.savedmodel import is_saved_model, is_saved_model_archive, pack_saved_model
 from aoe.sockets import check_socket
 from aoe.spec import JobSpec
 from aoe.specargs import split_shapes
@@ -389,8 +391,16 @@ class Client:
         before anything is uploaded, in that order."""
         opts = job_options(spec if spec is not None else options)
         self._check_socket()
-        # A GDAT job's model is a torch.export program: the daemon's ranks read it.
-        check_model_file(local_path, onnx=opts.job_type != tuning_pb2.JOB_TYPE_GDAT)
+        if is_saved_model(local_path):
+            # A TensorFlow SavedModel's directory travels as a .tar of it, the one file
+            # the daemon takes a SavedModel in (its converter unpacks it).
+            with tempfile.TemporaryDirectory(prefix="aoe-savedmodel-") as tmp:
+                archive = pack_saved_model(Path(local_path), Path(tmp))
+                return self.submit(model_id=self.upload(archive), options=opts)
+        # A GDAT job's model is a torch.export program: the daemon's ranks read it; a
+        # .tar, a SavedModel that the daemon's converter unpacks and checks.
+        onnx = opts.job_type != tuning_pb2.JOB_TYPE_GDAT and not is_saved_model_archive(local_path)
+        check_model_file(local_path, onnx=onnx)
         return self.submit(model_id=self.upload(local_path), options=opts)
 
     def get(self, job_id: str) -> tuning_pb2.Job:

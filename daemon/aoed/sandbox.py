@@ -441,7 +441,8 @@ def confine(policy: Policy) -> Confinement:
         if policy.unconfined_ok:
             return Confinement(unconfined=why)
         raise SandboxError(
-            f"{why}: GDAT programs are loaded only in a confined process; run the job on a "
+            f"{why}: programs (a .pt2) and TensorFlow SavedModels are loaded only in a "
+            "confined process; run the job on a "
             f"kernel with Landlock, or set {UNCONFINED_SETTING} (a daemon) or "
             f"{UNCONFINED_ENV}=1 (aoe tune without a daemon) to load them unconfined"
         )

@@ -301,7 +301,8 @@ DAEMON = (
     Setting(
         "daemon",
         "allow_unconfined_gdat",
-        "load a `.pt2` (a GDAT program, or one exported to ONNX for inference) in processes the kernel does not confine, where it cannot "
+        "load a `.pt2` (a GDAT program, or one exported to ONNX for inference) or convert a "
+        "TensorFlow SavedModel in processes the kernel does not confine, where it cannot "
         "(no Landlock, or a seccomp filter refusing its calls); the job's log and result say "
         "so. Without it such a job fails naming this setting "
         "([gdat.md](gdat.md#what-a-program-may-hold)). `aoe tune` without a daemon reads "

@@ -30,6 +30,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from aoe import sizes
 from aoe.errors import AoedError, JobStateError, NotFoundError, OptionError, PermissionDeniedError
 from aoe.ovartifact import config_path
+from aoe.savedmodel import check_saved_model, is_saved_model
 from aoe.v1 import tuning_pb2, tuning_pb2_grpc
 from aoe.wire import outcome_to_pb, spec_from_pb, spec_to_pb
 from aoed import safefs, space
@@ -67,10 +68,14 @@ _LEVEL = {
 }
 
 
-def confine(raw: str, allowed: tuple[Path, ...], what: str, want_dir: bool = False) -> Path:
+def confine(
+    raw: str, allowed: tuple[Path, ...], what: str, want_dir: bool = False, model: bool = False
+) -> Path:
     """`raw` resolved (symlinks followed) if it lies inside one of `allowed`; else
     PERMISSION_DENIED (NOT_FOUND when it would lie inside them but does not exist;
-    INVALID_ARGUMENT for a relative path, a NUL byte, or the wrong kind of file).
+    INVALID_ARGUMENT for a relative path, a NUL byte, or the wrong kind of file). With
+    `model`, a TensorFlow SavedModel's directory is a model too (a folder without
+    saved_model.pb is a ModelError naming it).
 
     Whether `raw` lies inside is decided before whether it exists, so that a client
     cannot learn which paths exist outside the allowed directories. A very long `raw` is
@@ -102,6 +107,9 @@ def confine(raw: str, allowed: tuple[Path, ...], what: str, want_dir: bool = Fal
         raise OptionError(f"{what} {shown}: {exc.strerror or exc}") from None
     if want_dir and not real.is_dir():
         raise OptionError(f"{what} {shown}: not a directory")
+    if model and is_saved_model(real):
+        check_saved_model(real, f"{what} {shown}")
+        return real
     if not want_dir and not real.is_file():
         raise OptionError(f"{what} {shown}: not a regular file")
     return real
@@ -263,7 +271,7 @@ class TuningServicer(tuning_pb2_grpc.TuningServiceServicer):
                 Submission(Path(up.path), spec, f"rpc:{client}", upload=up, output_dir=output)
             )
         if which == "model_path":
-            model = confine(request.model_path, allowed, "model_path")
+            model = confine(request.model_path, allowed, "model_path", model=True)
             return await self._jobs.submit(
                 Submission(model, spec, f"rpc:{client}", output_dir=output)
             )

@@ -11,6 +11,10 @@ A torch.export program (.pt2) is tuned for inference as the ONNX model torch.onn
 exporter makes of it (world.py, `export_model`: in a confined process that joins no
 world), written in the workspace's `converted/`; every dimension the program left
 dynamic stays dynamic. The job then runs on that model, and its messages name the .pt2.
+A TensorFlow SavedModel (a directory, or a .tar archive of one: aoe.savedmodel) is tuned
+the same way, as the ONNX model tf2onnx converts its serving signature to (tfconvert.py,
+in a confined process too); each dimension the signature leaves unknown stays dynamic,
+and the job's notes name the signature and the opset.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import trio
 from aoe.device import Device
 from aoe.errors import AoedError, JobCancelledError
 from aoe.outcome import JobOutcome
+from aoe.savedmodel import is_saved_model, is_saved_model_archive
 from aoe.shapes import ShapeProfile
 from aoe.spec import JobSpec, JobType
 from aoed.engine.context import JobContext
@@ -33,6 +38,7 @@ from aoed.engine.kind import Agents, Emit
 from aoed.engine.ledger import JobLedger, new_job_id
 from aoed.engine.pipeline import run_stages
 from aoed.engine.policy import PrecisionPolicy, policy
+from aoed.engine.tfconvert import convert_saved_model
 from aoed.engine.workspace import Workspace
 from aoed.engine.world import export_model
 from aoed.logs import job_log
@@ -72,6 +78,9 @@ class OnnxKind:
                 if run.model.suffix == ".pt2":
                     run, said = await self._exported(run, ws)
                     spec = run.spec.on(name)
+                    notes.append(said)
+                elif is_saved_model(run.model) or is_saved_model_archive(run.model):
+                    run, said = await self._converted(run, ws)
                     notes.append(said)
                 result = await self._run(
                     engine, home, devices, spec, run, job_id, prec, ws, emit, handle, notes
@@ -120,6 +129,42 @@ class OnnxKind:
             run, model=out, shown=run.shown_model, model_file=None, spec=spec
         )
         return exported, said
+
+    async def _converted(self, run: JobRun, ws: Workspace) -> tuple[JobRun, str]:
+        """`run` on the ONNX model tf2onnx converted its SavedModel to, and what the notes
+        say of it."""
+        folder = ws.root / "converted"
+        await trio.Path(folder).mkdir(exist_ok=True)
+        archive = is_saved_model_archive(run.model)
+        out = folder / f"{run.model.stem if archive else run.model.name}.onnx"
+        got = await convert_saved_model(
+            run.model.resolve(),
+            run.model.name,
+            out,
+            folder,
+            expect=run.model_file,
+            unconfined_ok=self.allow_unconfined,
+        )
+        # tf2onnx names an unknown dimension by a counter (unk__6): say where each is.
+        where: dict[str, str] = {}
+        for input_name, dims in got.inputs.items():
+            for axis, d in enumerate(dims):
+                if isinstance(d, str):
+                    where.setdefault(d, f"{input_name} axis {axis}")
+        said = (
+            f"{run.model.name}: tuned as the ONNX model tf2onnx {got.tf2onnx} converted its "
+            f"signature {got.signature!r} to (opset {got.opset}, TensorFlow {got.tensorflow})"
+            + (
+                "; dynamic dimensions kept: "
+                + ", ".join(f"{d} ({where[d]})" for d in sorted(where))
+                if where
+                else ""
+            )
+        )
+        log.info("%s (%s)", said, got.sandbox)
+        # The SavedModel checked at submission is the input; the conversion is the job's own.
+        converted = dataclasses.replace(run, model=out, shown=run.shown_model, model_file=None)
+        return converted, said
 
     async def _run(
         self,

@@ -4,7 +4,8 @@ At submit (`admit`, then `check_client` and `check_queue` under the manager's lo
 this order, before any file of the job exists: the device the spec names is this
 daemon's; the model's kind (its file name's suffix) is the job type's; the spec is under
 the limits (jobs/limits.py); the state dir has its floor of free space; a daemon-side
-file has one link and is under `[engine] max_model_mb`; the job's memory estimate is
+file has one link and is under `[engine] max_model_mb` (a SavedModel's directory: each
+of its files, which are only files and folders, and their total); the job's memory estimate is
 not more than the engine may use; the file hashed is the file checked. Then, beside the
 jobs already recorded: one client's active jobs and the queue's length.
 
@@ -24,6 +25,7 @@ from pathlib import Path
 import trio
 
 from aoe.errors import OptionError, PermissionDeniedError, ResourceExhaustedError
+from aoe.savedmodel import is_saved_model, saved_model_digest, saved_model_files
 from aoe.spec import JobSpec, JobType, check_model_kind
 from aoed import safefs, space
 from aoed.config import DaemonConfig
@@ -112,7 +114,19 @@ async def admit(sub: Submission, cfg: DaemonConfig, engine: Engine) -> Admitted:
     space.check_floor(cfg.state_dir, cfg.min_free_bytes, "SubmitJob")
     size = sub.upload.size if sub.upload is not None else 0
     info: os.stat_result | None = None
-    if sub.upload is None:
+    saved: list[tuple[str, os.stat_result]] | None = None
+    if sub.upload is None and await trio.to_thread.run_sync(is_saved_model, sub.model):
+        # A SavedModel's directory (api.tuning let only such a path through as a
+        # folder): its files are walked, checked and counted as one model's.
+        info = await trio.to_thread.run_sync(os.lstat, sub.model)
+        saved = await trio.to_thread.run_sync(
+            saved_model_files,
+            sub.model,
+            engine.config.max_model_mb << 20,
+            "[engine] max_model_mb",
+        )
+        size = sum(st.st_size for _, st in saved)
+    elif sub.upload is None:
         # The size is refused before the file is hashed: the limit is there so that
         # nobody reads 9 GiB.
         info = await trio.to_thread.run_sync(os.lstat, sub.model)
@@ -132,7 +146,9 @@ async def admit(sub: Submission, cfg: DaemonConfig, engine: Engine) -> Admitted:
         )
     name = sub.upload.file_name if sub.upload is not None else str(sub.model)
     limits.check_memory(name, spec, size, engine.memory)
-    if sub.upload is None:
+    if saved is not None:
+        sha = await trio.to_thread.run_sync(saved_model_digest, sub.model, saved)
+    elif sub.upload is None:
         assert info is not None
         sha = await trio.to_thread.run_sync(_hash_checked, sub.model, info)
     else:

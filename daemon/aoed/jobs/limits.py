@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import os
+import stat
 from pathlib import Path
 
 from aoe.errors import AoedError, ModelError, OptionError
@@ -102,8 +103,14 @@ def check_attempts(attempts: int, cfg: DaemonConfig) -> None:
 
 
 def model_bytes(path: str | os.PathLike[str]) -> int:
-    """The size of the model file at `path` (0 when it is gone)."""
+    """The size of the model file at `path`, or of the files in a SavedModel's directory
+    (0 when it is gone)."""
     try:
-        return os.stat(Path(path)).st_size
+        st = os.stat(Path(path))
+        if not stat.S_ISDIR(st.st_mode):
+            return st.st_size
+        return sum(
+            os.lstat(os.path.join(top, f)).st_size for top, _, files in os.walk(path) for f in files
+        )
     except OSError:
         return 0

@@ -24,10 +24,12 @@ Its parts, one concept each:
 
 When a file is complete: names starting with `.` or ending in `.part` or `~` are
 ignored, so a writer that copies to such a name and renames it is taken at once on the
-rename. Any other `*.onnx` (or, for GDAT, `*.pt2`) directly in the folder is taken once
+rename. Any other `*.onnx`, `*.pt2` or `*.tar` directly in the folder is taken once
 its size and mtime have stayed the same for the inbox's `stable_s`. A `.pt2` is a GDAT
 job's (its folder's aoed.toml says job_type = "gdat"); its outbox gets
-`m_ddp_config.json` where an ONNX model's gets `m_tuned.onnx`.
+`m_ddp_config.json` where an ONNX model's gets `m_tuned.onnx`. A `*.tar` is a TensorFlow
+SavedModel packed in one file (aoe.savedmodel): a directory is never taken, since it is
+never complete at one moment nor claimed by one rename.
 
 Exactly once: a file is claimed by renaming it into the state dir's `claimed/`, recorded
 in the job store before the rename (`claiming`) and after its job is recorded

@@ -1,6 +1,7 @@
 """What in an inbox folder is a model to take, as the watcher sees it: the names it
 ignores (a writer's temporary names, hidden files), the entries it takes (regular
-`*.onnx` and `*.pt2` files), what it says of the others, and the signs by which it tells
+`*.onnx`, `*.pt2` and `*.tar` files: a `.tar` is a TensorFlow SavedModel packed in one
+file, aoe.savedmodel), what it says of the others, and the signs by which it tells
 that a file is complete (its signature; whether Linux can say who writes it)."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import os
 import stat
 from pathlib import Path
 
+from aoe.savedmodel import ARCHIVE_SUFFIX
 from aoed.watch.options import OPTIONS_FILE
 
 __all__ = [
@@ -28,7 +30,10 @@ def ignored(name: str) -> bool:
 
 
 def candidate(name: str) -> bool:
-    return not ignored(name) and name.lower().endswith((".onnx", ".pt2"))
+    # A SavedModel is dropped as a .tar of its directory, never as the directory: a file
+    # is complete once renamed into place and claimed by one rename, and the archive is
+    # checked member by member in the confined process that unpacks it.
+    return not ignored(name) and name.lower().endswith((".onnx", ".pt2", ARCHIVE_SUFFIX))
 
 
 def polling_forced() -> bool:
@@ -73,7 +78,11 @@ def entry_kind(mode: int) -> str:
     ):
         if test(mode):
             return words
-    return "not a regular file" if not stat.S_ISREG(mode) else "not an .onnx model (nor a .pt2)"
+    return (
+        "not a regular file"
+        if not stat.S_ISREG(mode)
+        else "not an .onnx model (nor a .pt2 or a .tar)"
+    )
 
 
 def entry_signature(path: Path) -> tuple[int, int, int] | None:

@@ -329,7 +329,7 @@ class Watcher:
             return
         noted[name] = ino
         log.warning(
-            "inbox %s: %s is %s; left where it is (only regular *.onnx and *.pt2 files are taken)",
+            "inbox %s: %s is %s; left where it is (only regular *.onnx, *.pt2 and *.tar files are taken; a TensorFlow SavedModel as a .tar of its folder)",
             folder.inbox.path,
             name,
             kind,
