@@ -11,6 +11,13 @@ boolean, when it serves this block alone) or a causal Where, Softmax over the la
 (and the NaN guard torch's sdpa export puts after it), P·V, Transpose back and Reshape
 to [b, s, hidden]. The output projection is left out.
 
+A decode step with a KV cache (GPT-2's and LLaMA's exports with past, the sample
+`kv_decoder`) concatenates this step's K and V heads to the past ones along the sequence
+axis, [b, kv, past, d] + [b, kv, s, d], after rotary embeddings and before repeat_kv;
+that Concat's result, the present, is the model's output as well as what the scores and
+P·V read. Such a block holds both Concats (`Cache`), and its presents leave it beside
+the merged heads.
+
 `attention` is the one recognizer: the partitioner forms tasks from the block it
 returns (`Match`), and a strategy reads the same `AttentionBlock` from its task's nodes
 (`task_block`): the projections (input, weight, bias, packing, scale, rotary tables, K/V
@@ -37,6 +44,7 @@ from aoe.signature import TensorInfo
 __all__ = [
     "MASKED",
     "AttentionBlock",
+    "Cache",
     "Heads",
     "MaskWhere",
     "Product",
@@ -77,12 +85,23 @@ class Rotary:
 
 
 @dataclass(frozen=True)
+class Cache:
+    """A KV cache on K or V heads: `present` = Concat(`past`, this step's heads) along
+    the sequence axis (`node`), [b, kv, past, d] and [b, kv, s, d]."""
+
+    past: str
+    present: str
+    node: onnx.NodeProto
+
+
+@dataclass(frozen=True)
 class Projection:
     """One of Q, K and V: its `product` (shared by all three where `split`, one packed
     product's Split, takes it apart), `out` the tensor split into heads (the product's
     or the Split's output), `heads` the static [b, s, n, d] of the Reshape to heads
     (None where shapes do not say it), `scale` the scalar Mul/Div on the way, `rotary`
-    embeddings on the heads, and `groups` the times repeat_kv repeats each head."""
+    embeddings on the heads, `groups` the times repeat_kv repeats each head, and `cache`
+    the KV cache the heads are appended to (K and V of a decode step)."""
 
     product: Product
     split: onnx.NodeProto | None
@@ -91,6 +110,7 @@ class Projection:
     scale: float
     rotary: Rotary | None
     groups: int
+    cache: Cache | None = None
 
     @property
     def nodes(self) -> tuple[onnx.NodeProto, ...]:
@@ -173,6 +193,18 @@ class AttentionBlock:
     @property
     def rotated(self) -> bool:
         return self.q.rotary is not None or self.k.rotary is not None
+
+    @property
+    def caches(self) -> tuple[Cache, Cache] | None:
+        """The K and V caches of a decode step's block; None without a KV cache."""
+        k, v = self.k.cache, self.v.cache
+        return None if k is None or v is None else (k, v)
+
+    @property
+    def presents(self) -> tuple[str, ...]:
+        """What leaves the block beside its last node's output: the presents, K's first."""
+        caches = self.caches
+        return () if caches is None else (caches[0].present, caches[1].present)
 
 
 def _times(factor: float, by: float, divide: bool) -> float:
@@ -286,6 +318,24 @@ def _repeated(g: Graph, tensor: str, nodes: list[onnx.NodeProto]) -> tuple[str, 
     return t
 
 
+def _cached(g: Graph, tensor: str, nodes: list[onnx.NodeProto]) -> Cache | None:
+    """The `Concat(past, new)` along axis 2 of two [b, kv, *, d] activations ending in
+    `tensor` (a KV cache), collecting it; None when it is not that."""
+    cat = g.node(tensor, "Concat")
+    if cat is None or len(cat.input) != 2 or g.attr(cat, "axis") not in (2, -2):
+        return None
+    past, new = cat.input
+    pi, ni = g.tensors.get(past), g.tensors.get(new)
+    if g.is_const(past) or g.is_const(new) or pi is None or ni is None:
+        return None
+    if len(pi.shape) != 4 or len(ni.shape) != 4:
+        return None
+    if tuple(pi.shape[:2]) != tuple(ni.shape[:2]) or pi.shape[3] != ni.shape[3]:
+        return None
+    nodes.append(cat)
+    return Cache(past, tensor, cat)
+
+
 def _projection(
     g: Graph, tensor: str, perms: Sequence[Sequence[int]], nodes: list[onnx.NodeProto]
 ) -> Projection | None:
@@ -293,10 +343,12 @@ def _projection(
     the Transposes' perms being `perms` (outermost last); a scalar Mul/Div may sit on the
     way (a scale applied to Q), and rotary embeddings on the heads (Q and K of
     LLaMA-style models). The product may also be a Gemm between Reshapes, and one
-    output of a Split of a packed product. Collects the nodes; None when the chain
+    output of a Split of a packed product; the heads, past rotary embeddings and before
+    repeat_kv, may be appended to a KV cache. Collects the nodes; None when the chain
     differs."""
     tensor, scale = _scaled(g, tensor, nodes)
     rotary: Rotary | None = None
+    cache: Cache | None = None
     groups = 0
     for perm in reversed(perms):
         if not groups:
@@ -304,6 +356,10 @@ def _projection(
             if rep is not None:
                 tensor, groups = rep
             tensor, scale = _scaled(g, tensor, nodes, scale)
+        if cache is None and rotary is None and tuple(perm) == (0, 2, 1, 3):
+            cache = _cached(g, tensor, nodes)  # on the [b, kv, s, d] heads
+            if cache is not None:
+                tensor = cache.node.input[1]
         if rotary is None:
             rotary = _rotary(g, tensor, nodes)
             if rotary is not None:
@@ -333,7 +389,7 @@ def _projection(
     product = _product(g, tensor, nodes)
     if product is None:
         return None
-    return Projection(product, split, out, heads, scale, rotary, groups or 1)
+    return Projection(product, split, out, heads, scale, rotary, groups or 1, cache)
 
 
 def _product(g: Graph, tensor: str, nodes: list[onnx.NodeProto]) -> Product | None:
@@ -478,6 +534,13 @@ def _mask_where(g: Graph, mask: str, add: onnx.NodeProto) -> MaskWhere | None:
     return MaskWhere(w, w.input[0], a == 0.0, fill)
 
 
+def _before(g: Graph, tensors: Sequence[str], first: onnx.NodeProto) -> bool:
+    """Whether `tensors` are made before `first` (or outside the graph): a rewrite
+    replaces a block at its first node, so what it reads must be ready there."""
+    made = [g.producer.get(t) for t in tensors]
+    return all(n is None or g.order[n.name] < g.order[first.name] for n in made)
+
+
 def _same_shape(g: Graph, a: str, b: str) -> bool:
     sa, sb = g.tensors.get(a), g.tensors.get(b)
     return sa is not None and sb is not None and sa.shape == sb.shape
@@ -487,7 +550,7 @@ def attention(g: Graph, sm: onnx.NodeProto) -> Match | None:
     """The attention task whose Softmax is `sm` (see the module doc); None when the
     block around it is not one."""
     block = attention_block(g, sm)
-    return None if block is None else Match("attention", list(block.nodes))
+    return None if block is None else Match("attention", list(block.nodes), block.presents)
 
 
 def task_block(
@@ -623,7 +686,14 @@ def attention_block(g: Graph, sm: onnx.NodeProto) -> AttentionBlock | None:
         return None
     nodes += [tr, users[0]]
     ordered = g.sorted(nodes)
-    if ordered[-1] is not users[0] or not g.closed(ordered):
+    caches = [c for c in (k.cache, v.cache) if c is not None]
+    if q.cache is not None or len(caches) == 1:
+        return None  # a cache on K alone, or on Q, is no decode step
+    if (
+        ordered[-1] is not users[0]
+        or not g.closed(ordered, [c.present for c in caches])
+        or not _before(g, [c.past for c in caches], ordered[0])
+    ):
         return None
     return AttentionBlock(
         nodes=tuple(ordered),
