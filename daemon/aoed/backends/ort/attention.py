@@ -24,6 +24,18 @@ On a grouped-query block, ``fused_attention``, ``multihead_attention`` and
 ``int8_qattention`` take the K and V weights with each head's columns repeated for its
 group: the same outputs, for a larger K/V product.
 
+A decode step's block with a KV cache (`AttentionBlock.caches`: K and V appended to the
+past along the sequence axis, the presents leaving the block) runs on the kernels that
+take the cache as it is, [B, kv, past, D] in and [B, kv, past + S, D] out:
+``multihead_attention`` (past_key/past_value in, present_key/present_value out; a K/V
+head per query head) and ``group_query_attention`` (the same for any group, with
+seqlens_k and total_sequence_length computed in the graph from the past's and the
+input's shapes, so that the past stays dynamic), their int8 forms, and the packings,
+which leave the Concats as they are. ``fused_attention`` and ``int8_qattention`` decline
+it (their kernels take the cache packed as one [2, B, N, past, D] tensor), and so do the
+fused kernels where the block has rotary embeddings or a mask (positions and masks that
+depend on the past length are not read from the model's constants).
+
 Under the ``int8`` policy (weights int8 per column, the shared input quantized once at
 run time): ``int8_qattention`` (the whole block on com.microsoft QAttention; no
 rotary, and a mask from an input only where the block makes it itself from a boolean,
@@ -55,7 +67,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from aoe.attention import AttentionBlock, Heads, MaskWhere, Projection, Rotary, task_block
+from aoe.attention import AttentionBlock, Cache, Heads, MaskWhere, Projection, Rotary, task_block
 from aoed.backends.ort._rewrite import attrs_of, init, int8_weight
 from aoed.engine.registry import StrategyRegistry
 from aoed.engine.tasks import CONTRIB_DOMAIN, Rewrite, TaskView
@@ -109,6 +121,11 @@ class _Parts:
     def mask_where(self) -> MaskWhere | None:
         """The block's own Where that makes `mask` from a boolean."""
         return self.block.mask_where if self.mask is not None else None
+
+    @property
+    def caches(self) -> tuple[Cache, Cache] | None:
+        """The block's K and V caches (a decode step); None without a KV cache."""
+        return self.block.caches
 
 
 def _gemm_weights(view: TaskView, gemm: onnx.NodeProto) -> tuple[np.ndarray, np.ndarray] | None:
@@ -260,6 +277,8 @@ def _parts(view: TaskView) -> _Parts | None:
     if xi is None or len(xi.shape) != 3 or weights[0].shape[1] != layout.heads * layout.head_dim:
         return None
     seq = xi.shape[1]
+    if block.caches is not None and any(step.kind != "scale" for step in block.scores):
+        return None  # a mask over past + S keys: its shape follows the past
     # The scores' transform, from Q·Kᵀ outwards: scale, then mask (scaled by any later
     # scale), then a causal Where. Anything else does not fit the kernel.
     mask: np.ndarray | str | None = None
@@ -521,7 +540,7 @@ def _fused_attention(view: TaskView) -> Rewrite | None:
     """Q/K/V projections, scaled dot product, softmax and head merge as one com.microsoft
     Attention over the packed [hidden, 3h] weight (not with rotary embeddings)."""
     att = _parts(view)
-    if att is None or att.rotated:
+    if att is None or att.rotated or att.caches is not None:
         return None
     weights, biases = _per_head(att)
     w = init(view, "qkv_weight", np.concatenate(weights, axis=1))
@@ -678,6 +697,8 @@ def _multihead_attention(view: TaskView, int8: bool = False) -> Rewrite | None:
     att = _parts(view)
     if att is None or att.rotated and att.rotary is None:
         return None
+    if att.caches is not None and (att.rotated or att.groups != 1):
+        return None  # the kernel's present has a head per query head
     rotary = att.rotated
     fold = rotary or int8
     nodes, inits, outs = _packed_projection(
@@ -692,11 +713,13 @@ def _multihead_attention(view: TaskView, int8: bool = False) -> Rewrite | None:
         qkv_bias = b.name
     bias = _bias_input(view, att, nodes, inits)
     ins = [*outs, qkv_bias, "", bias] if bias else [*outs, qkv_bias] if qkv_bias else list(outs)
+    if att.caches is not None:
+        ins = [*outs, qkv_bias, "", bias, *(c.past for c in att.caches)]
     nodes.append(
         helper.make_node(
             "MultiHeadAttention",
             ins,
-            [_out(view, att)],
+            [_out(view, att), *_presents(att)],
             name=view.name("MultiHeadAttention"),
             domain=CONTRIB_DOMAIN,
             num_heads=att.heads,
@@ -720,6 +743,8 @@ def _group_query_attention(view: TaskView, int8: bool = False) -> Rewrite | None
     att = _parts(view)
     if att is None or att.rotated and att.rotary is None:
         return None
+    if att.caches is not None and att.rotated:
+        return None  # the tables' positions follow the past length
     xi = view.info(att.x)
     assert xi is not None
     batch, seq = int(xi.shape[0]), int(xi.shape[1])
@@ -732,16 +757,21 @@ def _group_query_attention(view: TaskView, int8: bool = False) -> Rewrite | None
             view, att, with_bias=att.has_bias, split=False, int8=int8
         )
         outs = [packed[0], "", ""]
-    lens = init(view, "seqlens_k", np.full(batch, seq - 1, np.int32))
-    total = init(view, "total_sequence_length", np.array(seq, np.int32))
-    inits += [lens, total]
+    if att.caches is None:
+        lens_t = init(view, "seqlens_k", np.full(batch, seq - 1, np.int32))
+        total_t = init(view, "total_sequence_length", np.array(seq, np.int32))
+        inits += [lens_t, total_t]
+        lens, total, pasts = lens_t.name, total_t.name, ["", ""]
+    else:
+        lens, total = _cache_lengths(view, att, nodes, inits)
+        pasts = [c.past for c in att.caches]
     bias = _bias_input(view, att, nodes, inits)
-    ins = [*outs, "", "", lens.name, total.name] + (["", "", "", bias] if bias else [])
+    ins = [*outs, *pasts, lens, total] + (["", "", "", bias] if bias else [])
     nodes.append(
         helper.make_node(
             "GroupQueryAttention",
             ins,
-            [_out(view, att)],
+            [_out(view, att), *_presents(att)],
             name=view.name("GroupQueryAttention"),
             domain=CONTRIB_DOMAIN,
             num_heads=att.heads,
@@ -751,6 +781,43 @@ def _group_query_attention(view: TaskView, int8: bool = False) -> Rewrite | None
         )
     )
     return _finish(view, att, nodes, inits)
+
+
+def _presents(att: _Parts) -> list[str]:
+    """The kernels' present_key and present_value outputs: the block's presents."""
+    return [] if att.caches is None else [c.present for c in att.caches]
+
+
+def _cache_lengths(view: TaskView, att: _Parts, nodes: list, inits: list) -> tuple[str, str]:
+    """GroupQueryAttention's seqlens_k ([B] int32, past + S - 1 for every row) and
+    total_sequence_length (int32 scalar, past + S), computed from the past's and the
+    input's shapes at run time: the tuned model serves every past length, never only the
+    one it was measured at."""
+    assert att.caches is not None
+    at = {
+        i: init(view, f"cache_axis_{i}", np.array([i], np.int64)) for i in (0, 1, 2)
+    }  # Gather, not Shape's start/end (opset 15), so that any opset takes it
+    one = init(view, "cache_one", np.array([1], np.int32))
+    scalar = init(view, "cache_scalar", np.zeros(0, np.int64))
+    inits += [*at.values(), one, scalar]
+    n = {k: view.name(k) for k in ("past_shape", "x_shape", "past_len", "seq", "batch")}
+    n |= {k: view.name(k) for k in ("total64", "total", "last", "seqlens_k", "total_len")}
+    node = helper.make_node
+    nodes += [
+        node("Shape", [att.caches[0].past], [n["past_shape"]], name=view.name("PastShape")),
+        node("Shape", [att.x], [n["x_shape"]], name=view.name("InputShape")),
+        node("Gather", [n["past_shape"], at[2].name], [n["past_len"]], name=view.name("PastLen")),
+        node("Gather", [n["x_shape"], at[1].name], [n["seq"]], name=view.name("SeqLen")),
+        node("Gather", [n["x_shape"], at[0].name], [n["batch"]], name=view.name("Batch")),
+        node("Add", [n["past_len"], n["seq"]], [n["total64"]], name=view.name("Total64")),
+        node(
+            "Cast", [n["total64"]], [n["total"]], name=view.name("Total"), to=onnx.TensorProto.INT32
+        ),
+        node("Sub", [n["total"], one.name], [n["last"]], name=view.name("LastKey")),
+        node("Expand", [n["last"], n["batch"]], [n["seqlens_k"]], name=view.name("SeqlensK")),
+        node("Reshape", [n["total"], scalar.name], [n["total_len"]], name=view.name("TotalLen")),
+    ]
+    return n["seqlens_k"], n["total_len"]
 
 
 def _raw_mask(view: TaskView, att: _Parts, nodes: list, inits: list) -> str | None:
@@ -793,7 +860,7 @@ def _int8_qattention(view: TaskView) -> Rewrite | None:
     per-layer Where), which becomes its raw 3-D mask_index, the fill as its
     mask_filter_value; and without rotary embeddings."""
     att = _parts(view)
-    if att is None or att.mask_value is not None or att.rotated:
+    if att is None or att.mask_value is not None or att.rotated or att.caches is not None:
         return None
     nodes: list = []
     inits: list = []
