@@ -1,0 +1,312 @@
+"""Attention with a KV cache as SGAT's subgraph: a decode step's block (K and V appended to
+the past along the sequence axis, the Concat's result the present the model outputs) is
+one task whose outputs include the presents, rewritten onto MultiHeadAttention and
+GroupQueryAttention with their own past/present, and the tuned model runs at every past
+length, not only the profiled ones.
+
+The decoder is the repository's sample (aoed.samples.kv_decoder, GPT-style, a K/V head
+per query head); a grouped-query block (fewer K/V heads, repeated after the cache as
+transformers' repeat_kv does) is built here.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper
+
+from aoe.attention import task_block
+from aoe.bankrecord import Measured
+from aoe.partition import partition
+from aoed.backends.ort.catalog import build_registry
+from aoed.engine.assemble import task_rewrites
+from aoed.engine.prep import Prepared, prepare
+from aoed.engine.shapeprofile import restore_io
+from aoed.engine.tasks import Constants, TaskView, apply_rewrites
+
+from .bank_util import make_bank, rec
+from .conftest import run_aoe
+from .graphs import B, D, G, H, N, linear
+
+pytest.importorskip("torch", reason="the gdat extra (torch) is not installed")
+
+from aoed import samples  # noqa: E402
+
+REGISTRY = build_registry()
+#: past lengths the tuned models run at: none is a point of the derived profile
+PASTS = (0, 16, 256, 1024)
+#: the sample's position table: pasts up to 1038 run; the profile spreads 65, 260, 1040
+POSITIONS = 1040
+#: the kernels that take a block's KV cache as it is, and what runs on them
+CACHED = {
+    "multihead_attention": "MultiHeadAttention",
+    "group_query_attention": "GroupQueryAttention",
+    "int8_multihead_attention": "MultiHeadAttention",
+    "int8_group_query_attention": "GroupQueryAttention",
+}
+
+
+@pytest.fixture(scope="module")
+def decoder(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Prepared]:
+    """The sample decoder (2 layers, hidden 128, 4 heads) and its prepared copy."""
+    work = tmp_path_factory.mktemp("decoder")
+    src = samples.save(samples.kv_decoder(max_positions=POSITIONS), work / "dec.onnx")
+    return src, prepare(src, work / "prep")
+
+
+def _session(model: onnx.ModelProto | Path) -> ort.InferenceSession:
+    data = str(model) if isinstance(model, Path) else model.SerializeToString()
+    return ort.InferenceSession(data, providers=["CPUExecutionProvider"])
+
+
+def _feeds(session: ort.InferenceSession, past: int) -> dict[str, np.ndarray]:
+    """This step's input and a random past of `past` positions for every cache input."""
+    rng = np.random.default_rng(past)
+    feeds: dict[str, np.ndarray] = {}
+    for i in session.get_inputs():
+        if i.type == "tensor(int64)":
+            feeds[i.name] = np.full([1, 1], 7, np.int64)
+        else:
+            shape = [past if isinstance(d, str) else d for d in i.shape]
+            feeds[i.name] = rng.standard_normal(shape).astype(np.float32)
+    return feeds
+
+
+def _worst(want: list[np.ndarray], got: list[np.ndarray]) -> tuple[float, float]:
+    """(largest error relative to each output's largest value, lowest cosine) over the
+    outputs: logits and presents."""
+    err, cos = 0.0, 1.0
+    for a, b in zip(want, got, strict=True):
+        assert a.shape == b.shape
+        scale = float(np.abs(a).max()) or 1.0
+        err = max(err, float(np.abs(a - b).max()) / scale)
+        a, b = a.reshape(-1).astype(np.float64), b.reshape(-1).astype(np.float64)
+        if a.size and np.linalg.norm(a) and np.linalg.norm(b):
+            cos = min(cos, float(a @ b / np.linalg.norm(a) / np.linalg.norm(b)))
+    return err, cos
+
+
+def _rewritten(prep: Prepared, name: str) -> dict[str, onnx.ModelProto | None]:
+    """The prepared model with every attention task (and twin) on strategy `name`, its
+    inputs and outputs as the input model declares them (None: the strategy declines)."""
+    consts = Constants(prep.model.graph, list(prep.model.opset_import))
+    out: dict[str, onnx.ModelProto | None] = {}
+    for task in partition(prep.model, prep.ctx, "sgat"):
+        if task.family != "attention":
+            continue
+        try:
+            rw = task_rewrites(prep.model, prep.ctx, consts, task, name, REGISTRY)
+        except Exception:
+            out[task.id] = None
+            continue
+        m = apply_rewrites(prep.model, rw)
+        assert prep.profile is not None
+        restore_io(m, prep.profile)
+        out[task.id] = m
+    return out
+
+
+def test_a_decode_steps_blocks_are_tasks_with_their_presents(
+    decoder: tuple[Path, Prepared],
+) -> None:
+    """Each layer's block is one attention task (the second a twin of the first): its
+    outputs are the merged heads and the layer's presents, its inputs the pasts, and the
+    block a strategy reads from the task's nodes holds both caches."""
+    _, prep = decoder
+    [task] = [t for t in partition(prep.model, prep.ctx, "sgat") if t.family == "attention"]
+    assert len(task.twins) == 1
+    for i, t in enumerate((task, *task.twins)):
+        assert t.outputs[1:] == (f"present_key_{i}", f"present_value_{i}"), t.outputs
+        assert {f"past_key_{i}", f"past_value_{i}"} <= set(t.inputs)
+    by = {n.name: n for n in prep.model.graph.node}
+    view = TaskView(
+        [by[n] for n in task.node_names],
+        Constants(prep.model.graph, list(prep.model.opset_import)),
+        prep.ctx.tensors,
+        17,
+        "aoe/t",
+    )
+    block = task_block(view.nodes, view.infos, view.consts, view.const)
+    assert block is not None and block.caches is not None
+    assert [c.past for c in block.caches] == ["past_key_0", "past_value_0"]
+    assert block.presents == ("present_key_0", "present_value_0")
+    assert block.layout is not None and block.layout.groups == 1
+
+
+def test_the_cached_kernels_give_the_input_models_logits_and_presents_at_every_past(
+    decoder: tuple[Path, Prepared],
+) -> None:
+    """MultiHeadAttention and GroupQueryAttention (and their int8 forms) take the block's
+    past and write its presents; the packings keep its Concats. Every rewrite gives the
+    input model's logits and presents at past 0 and at lengths the profile never had
+    (the past stays dynamic: nothing computed from the profiled length is baked in). The
+    kernels that take the cache packed decline the block."""
+    src, prep = decoder
+    assert prep.profile is not None
+    profiled = {p["past_key_0"][2] for p in prep.profile.checked}
+    assert not profiled & set(PASTS), profiled
+    reference = _session(src)
+    wants = {p: (f := _feeds(reference, p), reference.run(None, f)) for p in PASTS}
+    applied = set()
+    for s in REGISTRY.strategies_for("attention", "int8"):
+        if s.name == "default":
+            continue
+        models = list(_rewritten(prep, s.name).values())
+        if models == [None]:
+            continue
+        [model] = models
+        assert model is not None
+        applied.add(s.name)
+        if s.name in CACHED:
+            kernel = next(n for n in model.graph.node if n.op_type == CACHED[s.name])
+            assert list(kernel.output)[1:] == ["present_key_0", "present_value_0"]
+            assert not any(n.op_type == "Concat" for n in model.graph.node if "aoe/" in n.name)
+        session = _session(model)
+        for past, (feeds, want) in wants.items():
+            err, cos = _worst(want, session.run(None, feeds))
+            if s.precision == "exact":
+                assert err <= 1e-4, (s.name, past, err)
+            else:
+                assert cos >= 0.999, (s.name, past, cos)
+    assert applied == {*CACHED, "packed_qkv", "int8_packed_qkv"}
+
+
+def _grouped_decoder(kv: int = 2) -> onnx.ModelProto:
+    """One decode step of a grouped-query block as LLaMA exports write it, without rotary
+    embeddings: x [B, 1, H], `kv` K/V heads appended to past_key/past_value [B, kv, past,
+    D], the presents repeated for N / kv query heads each (Unsqueeze, Expand, Reshape),
+    then the output projection; y and the presents out."""
+    g = G(seed=7)
+    x = g.input("x", [B, 1, H])
+    pasts = [g.input(f"past_{w}", [B, kv, "past", D]) for w in ("key", "value")]
+
+    def heads(n: int) -> str:
+        y = g.n("Reshape", linear(g, x, H, n * D), g.t(np.array([B, 1, n, D], np.int64)))
+        return g.n("Transpose", y, perm=[0, 2, 1, 3])
+
+    def repeat(t: str) -> str:
+        wide = g.n(
+            "Expand",
+            g.n("Unsqueeze", t, g.t(np.array([2], np.int64))),
+            g.t(np.array([1, 1, N // kv, 1, 1], np.int64)),
+        )
+        return g.n("Reshape", wide, g.t(np.array([B, N, -1, D], np.int64)))
+
+    q = heads(N)
+    presents = [g.n("Concat", past, heads(kv), axis=2) for past in pasts]
+    k, v = (repeat(p) for p in presents)
+    s = g.n("Div", g.n("MatMul", q, g.n("Transpose", k, perm=[0, 1, 3, 2])), g.f(np.sqrt(D)))
+    c = g.n("Transpose", g.n("MatMul", g.n("Softmax", s, axis=-1), v), perm=[0, 2, 1, 3])
+    model = g.model(
+        linear(g, g.n("Reshape", c, g.t(np.array([B, 1, H], np.int64))), H, H), shape=(B, 1, H)
+    )
+    model.graph.output.extend(
+        helper.make_tensor_value_info(p, TensorProto.FLOAT, [B, kv, "total", D]) for p in presents
+    )
+    return model
+
+
+def test_grouped_kv_heads_with_a_cache_run_on_group_query_attention(tmp_path: Path) -> None:
+    """K/V heads shared by groups of query heads, repeated after the cache: the block is
+    a task with its presents, GroupQueryAttention takes the cache with kv_num_heads
+    K/V heads (seqlens_k and the total length computed from shapes), MultiHeadAttention
+    (a present per query head) declines, and the outputs stay the block's at every
+    past."""
+    src = tmp_path / "gqa.onnx"
+    onnx.save(_grouped_decoder(), src)
+    prep = prepare(src, tmp_path / "prep")
+    [task] = [t for t in partition(prep.model, prep.ctx, "sgat") if t.family == "attention"]
+    presents = [o.name for o in prep.model.graph.output][1:]
+    assert list(task.outputs[1:]) == presents
+    assert _rewritten(prep, "multihead_attention") == {task.id: None}
+    [model] = _rewritten(prep, "group_query_attention").values()
+    assert model is not None
+    [gqa] = [n for n in model.graph.node if n.op_type == "GroupQueryAttention"]
+    attrs = {a.name: helper.get_attribute_value(a) for a in gqa.attribute}
+    assert (attrs["num_heads"], attrs["kv_num_heads"]) == (N, 2)
+    assert list(gqa.input[3:5]) == ["past_key", "past_value"] and list(gqa.output[1:]) == presents
+    reference, session = _session(src), _session(model)
+    for past in (0, 5, 300):
+        feeds = _feeds(reference, past)
+        err, _ = _worst(reference.run(None, feeds), session.run(None, feeds))
+        assert err <= 1e-4, (past, err)
+
+
+def test_a_bank_entry_on_a_cached_kernel_compiles_into_a_model_for_every_past(
+    decoder: tuple[Path, Prepared], tmp_path: Path
+) -> None:
+    """`aoe compile` applies a bank's GroupQueryAttention entry to both layers of the
+    decoder as the user has it (past dynamic), and the compiled model decodes at past
+    lengths the tuner never saw with the input's logits and presents."""
+    src, prep = decoder
+    [att] = [t for t in partition(prep.model, prep.ctx, "sgat") if t.family == "attention"]
+    bank = make_bank(
+        tmp_path / "bank",
+        [
+            rec(
+                sig=att.signature,
+                strategy="group_query_attention",
+                family="attention",
+                winner=Measured(8.0, 0.01, 30, 7.5),
+                baseline=Measured(10.0, 0.01, 30, 9.5),
+            )
+        ],
+    )
+    out = tmp_path / "compiled.onnx"
+    r = run_aoe("compile", str(src), "-o", str(out), "--bank", str(bank), "--json")
+    assert r.returncode == 0, r.stderr
+    status = {t["task_id"]: (t["status"], t["strategy"]) for t in json.loads(r.stdout)["tasks"]}
+    assert status[att.id] == ("hit", "group_query_attention")
+    compiled = onnx.load(str(out))
+    assert [n.op_type for n in compiled.graph.node].count("GroupQueryAttention") == 2
+    reference, session = _session(src), _session(out)
+    for past in PASTS:
+        feeds = _feeds(reference, past)
+        err, _ = _worst(reference.run(None, feeds), session.run(None, feeds))
+        assert err <= 1e-4, (past, err)
+
+
+@pytest.mark.slow
+def test_an_sgat_job_on_a_decoder_measures_the_cached_kernels(
+    decoder: tuple[Path, Prepared], tmp_path: Path
+) -> None:
+    """A short SGAT job on the decoder tunes its attention blocks as one task of two
+    instances, measures the cached kernels within the exact gate, and ships a model
+    that runs at past lengths it never measured with the input's outputs."""
+    src, _ = decoder
+    r = run_aoe(
+        "tune",
+        str(src),
+        "--job-type",
+        "sgat",
+        "--budget",
+        "3",
+        "--parallel",
+        "1",
+        "--no-progress",
+        "--bank",
+        str(tmp_path / "bank"),
+        "--output",
+        str(tmp_path / "out"),
+    )
+    assert r.returncode == 0, r.stderr
+    [path] = (tmp_path / "out").glob("aoe_result_*.json")
+    doc = json.loads(path.read_text())
+    [att] = [t for t in doc["tasks"] if t["family"] == "attention"]
+    assert att["instances"] == 2 and "Concat+Concat" in att["op_type"], att
+    measured = {c["strategy"]: c for c in att["candidates"]}
+    assert {"multihead_attention", "group_query_attention"} <= set(measured), measured
+    for name in ("multihead_attention", "group_query_attention"):
+        assert measured[name]["ok"] and measured[name]["cosine"] >= 0.9999, measured[name]
+    import aoe
+
+    reference, session = _session(src), aoe.session(doc["tuned_model"])
+    for past in PASTS:
+        feeds = _feeds(reference, past)
+        err, _ = _worst(reference.run(None, feeds), session.run(None, feeds))
+        assert err <= 1e-4, (past, err)
