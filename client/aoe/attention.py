@@ -16,7 +16,11 @@ A decode step with a KV cache (GPT-2's and LLaMA's exports with past, the sample
 axis, [b, kv, past, d] + [b, kv, s, d], after rotary embeddings and before repeat_kv;
 that Concat's result, the present, is the model's output as well as what the scores and
 P·V read. Such a block holds both Concats (`Cache`), and its presents leave it beside
-the merged heads.
+the merged heads; also the nodes that compute Kᵀ's reshape targets from the present's
+Shape at run time (torch's dynamo export of GPT-2 with a cache), and nothing it reads
+from outside may be computed from its presents. (Rotary tables computed at run time from
+the positions, as LLaMA and Qwen2 exports with a cache make them, are not recognized:
+`Rotary` reads constant tables.)
 
 `attention` is the one recognizer: the partitioner forms tasks from the block it
 returns (`Match`), and a strategy reads the same `AttentionBlock` from its task's nodes
@@ -468,11 +472,33 @@ def _nan_guard(g: Graph, probs: str) -> list[onnx.NodeProto] | None:
     return [isnan[0], w]
 
 
+#: What computes a Reshape's target from a tensor's Shape at run time.
+_SHAPE_OPS = ("Slice", "Concat", "Gather", "Unsqueeze", "Squeeze", "Cast")
+
+
+def _shape_from(
+    g: Graph, tensor: str, sources: Container[str], found: list[onnx.NodeProto], depth: int = 12
+) -> bool:
+    """Whether `tensor` is computed at run time from the Shape of one of `sources` and
+    constants alone (Shape, Slice, Concat, Gather, Unsqueeze, Squeeze, Cast), collecting
+    those nodes."""
+    n = g.node(tensor, "Shape", *_SHAPE_OPS)
+    if n is None or depth == 0:
+        return False
+    if n.op_type == "Shape":
+        found.append(n)
+        return n.input[0] in sources
+    found.append(n)
+    return all(g.is_const(i) or _shape_from(g, i, sources, found, depth - 1) for i in n.input if i)
+
+
 def _unflattened(g: Graph, tensor: str, nodes: list[onnx.NodeProto]) -> tuple[str, int] | None:
     """(t, r): the [b, n, s, d] tensor t that `Reshape(Transpose(Reshape(t, [b·n, s, d]),
     [0, 2, 1]), [b, n, d, s])` transposes, r the times repeat_kv's Reshape merged into the
     first one repeats its heads (1: none), collecting those nodes; None when `tensor` is
-    not that."""
+    not that. Where both Reshapes' targets are computed from the Shape of what they
+    reshape (the dynamo export with a dynamic past: the present's), those nodes are the
+    block's too."""
     r4 = g.node(tensor, "Reshape")
     t = g.node(r4.input[0], "Transpose") if r4 is not None else None
     r3 = (
@@ -491,15 +517,27 @@ def _unflattened(g: Graph, tensor: str, nodes: list[onnx.NodeProto]) -> tuple[st
         inner = _widened(g, r3.input[0], found)
         if inner is None or tuple(out.shape) != (b, kv * r, d, s):
             return None
-        nodes += [r4, t, r3, *found]
+        nodes += [r4, t, r3, *found, *_shapes(g, (r3, r4), {r3.input[0], inner[0]})]
         return inner
     if len(src.shape) != 4:
         return None
     b, n, s, d = src.shape
     if tuple(out.shape) != (b, n, d, s):
         return None
-    nodes += [r4, t, r3]
+    nodes += [r4, t, r3, *_shapes(g, (r3, r4), {r3.input[0]})]
     return r3.input[0], 1
+
+
+def _shapes(
+    g: Graph, reshapes: Sequence[onnx.NodeProto], sources: Container[str]
+) -> list[onnx.NodeProto]:
+    """The nodes that compute `reshapes`' targets from the Shape of `sources` at run
+    time; none where a target is constant or comes from elsewhere."""
+    found: list[onnx.NodeProto] = []
+    for r in reshapes:
+        if not g.is_const(r.input[1]) and not _shape_from(g, r.input[1], sources, found):
+            return []
+    return found
 
 
 #: An additive mask value at or below this hides its position from the softmax.
@@ -534,11 +572,27 @@ def _mask_where(g: Graph, mask: str, add: onnx.NodeProto) -> MaskWhere | None:
     return MaskWhere(w, w.input[0], a == 0.0, fill)
 
 
-def _before(g: Graph, tensors: Sequence[str], first: onnx.NodeProto) -> bool:
-    """Whether `tensors` are made before `first` (or outside the graph): a rewrite
-    replaces a block at its first node, so what it reads must be ready there."""
-    made = [g.producer.get(t) for t in tensors]
-    return all(n is None or g.order[n.name] < g.order[first.name] for n in made)
+def _ready(g: Graph, nodes: Sequence[onnx.NodeProto], presents: Container[str]) -> bool:
+    """Whether nothing `nodes` read from outside them is computed from `presents`, the
+    tensors of theirs that others may read: a block replaced at its first node reads
+    nothing that it writes itself. (The dynamo export of GPT-2 with past reshapes Kᵀ to
+    targets computed from the present's Shape; those nodes are the block's own, see
+    `_unflattened`, and then nothing outside reads back.)"""
+    inside = {n.name for n in nodes}
+    todo = [t for n in nodes for t in n.input if t]
+    seen: set[str] = set()
+    while todo:
+        t = todo.pop()
+        if t in seen:
+            continue
+        seen.add(t)
+        made = g.producer.get(t)
+        if made is None or made.name in inside:
+            continue
+        if any(i in presents for i in made.input):
+            return False
+        todo += [i for i in made.input if i]
+    return True
 
 
 def _same_shape(g: Graph, a: str, b: str) -> bool:
@@ -692,7 +746,8 @@ def attention_block(g: Graph, sm: onnx.NodeProto) -> AttentionBlock | None:
     if (
         ordered[-1] is not users[0]
         or not g.closed(ordered, [c.present for c in caches])
-        or not _before(g, [c.past for c in caches], ordered[0])
+        or caches
+        and not _ready(g, ordered, [c.present for c in caches])
     ):
         return None
     return AttentionBlock(
