@@ -31,10 +31,13 @@ take the cache as it is, [B, kv, past, D] in and [B, kv, past + S, D] out:
 head per query head) and ``group_query_attention`` (the same for any group, with
 seqlens_k and total_sequence_length computed in the graph from the past's and the
 input's shapes, so that the past stays dynamic), their int8 forms, and the packings,
-which leave the Concats as they are. ``fused_attention`` and ``int8_qattention`` decline
-it (their kernels take the cache packed as one [2, B, N, past, D] tensor), and so do the
-fused kernels where the block has rotary embeddings or a mask (positions and masks that
-depend on the past length are not read from the model's constants).
+which leave the Concats as they are. A mask the block reads from outside (computed at
+run time, [.., S, past + S], as transformers' exports make it from the past's length)
+goes to the kernels as attention_bias as it is. ``fused_attention`` and
+``int8_qattention`` decline a cached block (their kernels take the cache packed as one
+[2, B, N, past, D] tensor), and so do the fused kernels where it has rotary embeddings
+or a constant mask (positions and masks read from constants would hold the profiled
+past length).
 
 Under the ``int8`` policy (weights int8 per column, the shared input quantized once at
 run time): ``int8_qattention`` (the whole block on com.microsoft QAttention; no
@@ -277,8 +280,11 @@ def _parts(view: TaskView) -> _Parts | None:
     if xi is None or len(xi.shape) != 3 or weights[0].shape[1] != layout.heads * layout.head_dim:
         return None
     seq = xi.shape[1]
-    if block.caches is not None and any(step.kind != "scale" for step in block.scores):
-        return None  # a mask over past + S keys: its shape follows the past
+    if block.caches is not None and any(
+        step.kind == "where" or step.kind == "mask" and view.const(step.mask) is not None
+        for step in block.scores
+    ):
+        return None  # a constant mask over past + S keys holds the profiled past
     # The scores' transform, from Q·Kᵀ outwards: scale, then mask (scaled by any later
     # scale), then a causal Where. Anything else does not fit the kernel.
     mask: np.ndarray | str | None = None
@@ -320,7 +326,10 @@ def _parts(view: TaskView) -> _Parts | None:
             mask_value = np.ascontiguousarray(full[:, :, :, :]).astype(np.float32)
     elif isinstance(mask, str):
         mi = view.info(mask)
-        if mi is None or len(mi.shape) != 4 or tuple(mi.shape[-2:]) not in ((seq, seq), (1, seq)):
+        # a cached block's mask goes to the kernel as it is: [.., S, past + S]; an Expand
+        # of its rows (`_bias_input`) would hold the profiled past
+        keys, rows = (seq, (seq, 1)) if block.caches is None else (_keys(view, block), (seq,))
+        if mi is None or len(mi.shape) != 4 or mi.shape[-1] != keys or mi.shape[-2] not in rows:
             return None
         mask_input = mask
     if not math.isfinite(block.scale):
@@ -348,6 +357,13 @@ def _parts(view: TaskView) -> _Parts | None:
             parts, guard=False
         )  # the block's guard never fires: the kernels need none either
     return parts
+
+
+def _keys(view: TaskView, block: AttentionBlock) -> int | None:
+    """The keys a cached block's query attends to at the profiled point: past + S."""
+    assert block.caches is not None
+    info = view.info(block.caches[0].present)
+    return None if info is None else info.shape[2]
 
 
 def _rows_stay_finite(att: _Parts) -> bool:
