@@ -176,11 +176,14 @@ def test_the_cached_kernels_give_the_input_models_logits_and_presents_at_every_p
     assert applied == {*CACHED, "packed_qkv", "int8_packed_qkv"}
 
 
-def _grouped_decoder(kv: int = 2) -> onnx.ModelProto:
-    """One decode step of a grouped-query block as LLaMA exports write it, without rotary
+def _decoder(kv: int = N, dynamo: bool = False) -> onnx.ModelProto:
+    """One decode step of an attention block as exporters write it with past, no rotary
     embeddings: x [B, 1, H], `kv` K/V heads appended to past_key/past_value [B, kv, past,
-    D], the presents repeated for N / kv query heads each (Unsqueeze, Expand, Reshape),
-    then the output projection; y and the presents out."""
+    D], the presents repeated for N / kv query heads each (Unsqueeze, Expand, Reshape, as
+    LLaMA's repeat_kv), then the output projection; y and the presents out. `dynamo`:
+    as torch's dynamo export writes transformers' GPT-2 with a cache: Kᵀ through 3-D
+    with targets computed from the present's Shape, and a mask [1, 1, 1, past + 1] made
+    at run time from the past's length (Range, LessOrEqual, Where(keep, 0, -inf))."""
     g = G(seed=7)
     x = g.input("x", [B, 1, H])
     pasts = [g.input(f"past_{w}", [B, kv, "past", D]) for w in ("key", "value")]
@@ -190,6 +193,8 @@ def _grouped_decoder(kv: int = 2) -> onnx.ModelProto:
         return g.n("Transpose", y, perm=[0, 2, 1, 3])
 
     def repeat(t: str) -> str:
+        if kv == N:
+            return t
         wide = g.n(
             "Expand",
             g.n("Unsqueeze", t, g.t(np.array([2], np.int64))),
@@ -197,10 +202,32 @@ def _grouped_decoder(kv: int = 2) -> onnx.ModelProto:
         )
         return g.n("Reshape", wide, g.t(np.array([B, N, -1, D], np.int64)))
 
+    def dims(shape: str, *axes: int) -> str:
+        return g.n(
+            "Concat",
+            *(g.n("Slice", shape, g.t(np.array([a])), g.t(np.array([a + 1]))) for a in axes),
+            axis=0,
+        )
+
     q = heads(N)
     presents = [g.n("Concat", past, heads(kv), axis=2) for past in pasts]
     k, v = (repeat(p) for p in presents)
-    s = g.n("Div", g.n("MatMul", q, g.n("Transpose", k, perm=[0, 1, 3, 2])), g.f(np.sqrt(D)))
+    if dynamo:
+        shape = g.n("Shape", k)
+        flat = g.n("Concat", g.t(np.array([-1])), dims(shape, 2, 3), axis=0)
+        kt = g.n("Transpose", g.n("Reshape", k, flat), perm=[0, 2, 1])
+        kt = g.n("Reshape", kt, dims(shape, 0, 1, 3, 2))
+    else:
+        kt = g.n("Transpose", k, perm=[0, 1, 3, 2])
+    s = g.n("Div", g.n("MatMul", q, kt), g.f(np.sqrt(D)))
+    if dynamo:
+        length = g.n("Squeeze", dims(g.n("Shape", pasts[0]), 2), g.t(np.array([0])))
+        keys = g.n(
+            "Range", g.t(np.array(0)), g.n("Add", length, g.t(np.array(1))), g.t(np.array(1))
+        )
+        keep = g.n("LessOrEqual", keys, length)
+        keep = g.n("Unsqueeze", keep, g.t(np.array([0, 1, 2])))
+        s = g.n("Add", s, g.n("Where", keep, g.f(0.0), g.f(-np.inf)))
     c = g.n("Transpose", g.n("MatMul", g.n("Softmax", s, axis=-1), v), perm=[0, 2, 1, 3])
     model = g.model(
         linear(g, g.n("Reshape", c, g.t(np.array([B, 1, H], np.int64))), H, H), shape=(B, 1, H)
@@ -218,7 +245,7 @@ def test_grouped_kv_heads_with_a_cache_run_on_group_query_attention(tmp_path: Pa
     (a present per query head) declines, and the outputs stay the block's at every
     past."""
     src = tmp_path / "gqa.onnx"
-    onnx.save(_grouped_decoder(), src)
+    onnx.save(_decoder(kv=2), src)
     prep = prepare(src, tmp_path / "prep")
     [task] = [t for t in partition(prep.model, prep.ctx, "sgat") if t.family == "attention"]
     presents = [o.name for o in prep.model.graph.output][1:]
@@ -235,6 +262,33 @@ def test_grouped_kv_heads_with_a_cache_run_on_group_query_attention(tmp_path: Pa
         feeds = _feeds(reference, past)
         err, _ = _worst(reference.run(None, feeds), session.run(None, feeds))
         assert err <= 1e-4, (past, err)
+
+
+def test_the_dynamo_exports_run_time_shapes_and_mask_stay_with_the_cached_block(
+    tmp_path: Path,
+) -> None:
+    """torch's dynamo export of transformers' GPT-2 with a cache: Kᵀ reshaped to targets
+    computed from the present's Shape, and a mask over past + 1 keys computed from the
+    past's length (whose static shape normalization works out through the Range). The
+    shape nodes are the block's own, the mask goes to the kernels as attention_bias as
+    it is, and the outputs stay the block's at every past."""
+    src = tmp_path / "dynamo.onnx"
+    onnx.save(_decoder(dynamo=True), src)
+    prep = prepare(src, tmp_path / "prep")
+    [task] = [t for t in partition(prep.model, prep.ctx, "sgat") if t.family == "attention"]
+    by = {n.name: n for n in prep.model.graph.node}
+    ops = [by[n].op_type for n in task.node_names]
+    assert ops.count("Shape") == 1 and ops.count("Where") == 1, ops
+    assert list(task.outputs[1:]) == [o.name for o in prep.model.graph.output][1:]
+    reference = _session(src)
+    for name in ("multihead_attention", "group_query_attention"):
+        [model] = _rewritten(prep, name).values()
+        assert model is not None, name
+        session = _session(model)
+        for past in (0, 5, 300):
+            feeds = _feeds(reference, past)
+            err, _ = _worst(reference.run(None, feeds), session.run(None, feeds))
+            assert err <= 1e-4, (name, past, err)
 
 
 def test_a_bank_entry_on_a_cached_kernel_compiles_into_a_model_for_every_past(
