@@ -54,6 +54,8 @@ class Graph:
             return None if t is None else numpy_helper.to_array(t)
 
         self._index(g.node, {o.name for o in g.output}, ctx.tensors, ctx.constants, value)
+        #: a task's nodes alone (`of_task`): what computes its inputs is not here to see
+        self.partial = False
 
     @classmethod
     def of_task(
@@ -68,6 +70,7 @@ class Graph:
         g = cls.__new__(cls)
         outputs = {o for o in nodes[-1].output if o} if nodes else set()
         g._index(nodes, outputs, tensors, constants, value)
+        g.partial = True
         return g
 
     def _index(

@@ -18,9 +18,9 @@ that Concat's result, the present, is the model's output as well as what the sco
 P·V read. Such a block holds both Concats (`Cache`), and its presents leave it beside
 the merged heads; also the nodes that compute Kᵀ's reshape targets from the present's
 Shape at run time (torch's dynamo export of GPT-2 with a cache), and nothing it reads
-from outside may be computed from its presents. (Rotary tables computed at run time from
-the positions, as LLaMA and Qwen2 exports with a cache make them, are not recognized:
-`Rotary` reads constant tables.)
+from outside may be computed from its presents. Its rotary tables may be computed at
+run time from this step's positions (LLaMA's and Qwen2's exports with a cache), where
+their halves repeat by construction (`Rotary`).
 
 `attention` is the one recognizer: the partitioner forms tasks from the block it
 returns (`Match`), and a strategy reads the same `AttentionBlock` from its task's nodes
@@ -78,7 +78,10 @@ class Product:
 @dataclass(frozen=True)
 class Rotary:
     """`t·cos + rotate_half(t)·sin` on one projection's heads, rotate_half(t) being
-    Concat(-t[..., high], t[..., low]) (`cat`, `high`, `low` the nodes)."""
+    Concat(-t[..., high], t[..., low]) (`cat`, `high`, `low` the nodes). `cos` and `sin`
+    are constants, or (a decode step's block) computed at run time as Cos and Sin of
+    Concat(f, f), f the positions times the inverse frequencies: tables whose halves
+    repeat, one row per position this step."""
 
     t: str
     cos: str
@@ -244,10 +247,41 @@ def _scaled(
             return tensor, factor
 
 
+def _run_time_table(g: Graph, tensor: str, op: str) -> bool:
+    """Whether `tensor` is `op` (Cos or Sin) of Concat(f, f) along the last axis, behind
+    Unsqueeze and a scalar Mul (transformers' attention scaling): a rotary table whose
+    halves repeat, computed at run time from the positions (LLaMA's and Qwen2's exports
+    with a cache compute them from the past's length). A task's own graph cannot see
+    what computes its inputs: there a table from outside is taken as the partitioner,
+    which saw the whole model, took it."""
+    if g.partial and tensor not in g.producer:
+        return not g.is_const(tensor)
+    for _ in range(4):
+        n = g.node(tensor, "Unsqueeze", "Mul")
+        if n is None:
+            break
+        if n.op_type == "Mul":
+            other = n.input[1] if g.scalar(n.input[1]) is not None else n.input[0]
+            if g.scalar(other) is None:
+                return False
+            tensor = g.other(n, other) or ""
+        else:
+            tensor = n.input[0]
+    f = g.node(tensor, op)
+    cat = g.node(f.input[0], "Concat") if f is not None else None
+    return (
+        cat is not None
+        and len(cat.input) == 2
+        and cat.input[0] == cat.input[1]
+        and g.attr(cat, "axis") == -1
+    )
+
+
 def _rotary(g: Graph, tensor: str, nodes: list[onnx.NodeProto]) -> Rotary | None:
     """`t·cos + rotate_half(t)·sin` ending in `tensor` (rotary position embeddings as
     LLaMA-style models write them: rotate_half(t) = Concat(-t[..., h:], t[..., :h]), cos
-    and sin constants), collecting those nodes; None when it is not that."""
+    and sin constants or `_run_time_table`s), collecting those nodes; None when it is not
+    that."""
     add = g.node(tensor, "Add")
     if add is None or len(add.input) != 2:
         return None
@@ -257,7 +291,11 @@ def _rotary(g: Graph, tensor: str, nodes: list[onnx.NodeProto]) -> Rotary | None
             continue
         for cat_out, sin in (turned.input, reversed(turned.input)):
             cat = g.node(cat_out, "Concat")
-            if cat is None or len(cat.input) != 2 or not g.is_const(sin):
+            if (
+                cat is None
+                or len(cat.input) != 2
+                or not (g.is_const(sin) or _run_time_table(g, sin, "Sin"))
+            ):
                 continue
             neg, low = g.node(cat.input[0], "Neg"), g.node(cat.input[1], "Slice")
             high = g.node(neg.input[0], "Slice") if neg is not None else None
@@ -267,7 +305,7 @@ def _rotary(g: Graph, tensor: str, nodes: list[onnx.NodeProto]) -> Rotary | None
             cos = g.other(straight, t)
             if (
                 cos is None
-                or not g.is_const(cos)
+                or not (g.is_const(cos) or _run_time_table(g, cos, "Cos"))
                 or not all(g.is_const(i) for s in (low, high) for i in s.input[1:] if i)
             ):
                 continue
@@ -743,6 +781,9 @@ def attention_block(g: Graph, sm: onnx.NodeProto) -> AttentionBlock | None:
     caches = [c for c in (k.cache, v.cache) if c is not None]
     if q.cache is not None or len(caches) == 1:
         return None  # a cache on K alone, or on Q, is no decode step
+    tables = [t for p in (q, k) if p.rotary is not None for t in (p.rotary.cos, p.rotary.sin)]
+    if not caches and not all(g.is_const(t) for t in tables):
+        return None  # run-time tables: a decode step's, where the positions follow the past
     if (
         ordered[-1] is not users[0]
         or not g.closed(ordered, [c.present for c in caches])
