@@ -33,11 +33,12 @@ seqlens_k and total_sequence_length computed in the graph from the past's and th
 input's shapes, so that the past stays dynamic), their int8 forms, and the packings,
 which leave the Concats as they are. A mask the block reads from outside (computed at
 run time, [.., S, past + S], as transformers' exports make it from the past's length)
-goes to the kernels as attention_bias as it is. ``fused_attention`` and
-``int8_qattention`` decline a cached block (their kernels take the cache packed as one
-[2, B, N, past, D] tensor), and so do the fused kernels where it has rotary embeddings
-or a constant mask (positions and masks read from constants would hold the profiled
-past length).
+goes to the kernels as attention_bias as it is, and rotary tables computed at run time
+(this step's rows) become RotaryEmbedding's caches, at positions 0..S-1 of them, in
+front of the kernel. ``fused_attention`` and ``int8_qattention`` decline a cached block
+(their kernels take the cache packed as one [2, B, N, past, D] tensor), and so do the
+fused kernels where it has constant rotary tables or a constant mask (values read from
+constants would hold the profiled past length).
 
 Under the ``int8`` policy (weights int8 per column, the shared input quantized once at
 run time): ``int8_qattention`` (the whole block on com.microsoft QAttention; no
@@ -98,6 +99,9 @@ class _Parts:
     mask_value: np.ndarray | None  # a constant mask (scaled as the scores are)
     causal: bool
     rotary: tuple[np.ndarray, np.ndarray] | None  # the caches, where RotaryEmbedding fits
+    #: a cached block's tables computed at run time (cos, sin: this step's positions'
+    #: rows, whose halves repeat), where RotaryEmbedding fits
+    run_time_rotary: tuple[str, str] | None
     guard: bool  # the block's NaN guard can fire: the kernels need one too
 
     @property
@@ -223,15 +227,10 @@ def _tables(
     Concat are not rotate_half over the last axis, or the tables cannot be read."""
     info = view.info(rot.t)
     cos, sin = view.const(rot.cos), view.const(rot.sin)
-    if info is None or len(info.shape) != 4 or cos is None or sin is None:
+    if info is None or cos is None or sin is None or not _rotates_half(view, rot):
         return _UNREAD
     seq, d = info.shape[2], info.shape[3]
     h = d // 2
-    if d % 2 or attrs_of(rot.cat).get("axis") not in (-1, 3):
-        return _UNREAD
-    high = _slice_of(view, rot.high, 4) or (0, 0)
-    if _slice_of(view, rot.low, 4) != (0, h) or high[0] != h or high[1] < d:
-        return _UNREAD
     try:
         c = np.broadcast_to(np.asarray(cos, np.float32), (1, 1, seq, d))[0, 0]
         s = np.broadcast_to(np.asarray(sin, np.float32), (1, 1, seq, d))[0, 0]
@@ -242,6 +241,42 @@ def _tables(
     if not (np.array_equal(c[:, :h], c[:, h:]) and np.array_equal(s[:, :h], s[:, h:])):
         return None
     return np.ascontiguousarray(c[:, :h]), np.ascontiguousarray(s[:, :h])
+
+
+def _rotates_half(view: TaskView, rot: Rotary) -> bool:
+    """Whether the rotation's slices and Concat are rotate_half over the last axis of
+    [b, n, s, d] heads."""
+    info = view.info(rot.t)
+    if info is None or len(info.shape) != 4:
+        return False
+    d = info.shape[3]
+    h = d // 2
+    if d % 2 or attrs_of(rot.cat).get("axis") not in (-1, 3):
+        return False
+    high = _slice_of(view, rot.high, 4) or (0, 0)
+    return _slice_of(view, rot.low, 4) == (0, h) and high[0] == h and high[1] >= d
+
+
+def _run_time_rotary(view: TaskView, block: AttentionBlock) -> tuple[str, str] | None:
+    """(cos, sin) of a cached block whose Q and K rotate by the same tables computed at
+    run time (`aoe.attention.Rotary`), one [S, D] table for every batch row and head;
+    None otherwise."""
+    q, k = block.q.rotary, block.k.rotary
+    if block.caches is None or q is None or k is None or (q.cos, q.sin) != (k.cos, k.sin):
+        return None
+    if view.const(q.cos) is not None or view.const(q.sin) is not None:
+        return None
+    if not (_rotates_half(view, q) and _rotates_half(view, k)):
+        return None
+    heads = view.info(q.t)
+    assert heads is not None  # `_rotates_half` read it
+    for table in (q.cos, q.sin):
+        info = view.info(table)
+        if info is None or len(info.shape) < 2 or tuple(info.shape[-2:]) != heads.shape[2:]:
+            return None
+        if any(d != 1 for d in info.shape[:-2]):
+            return None
+    return q.cos, q.sin
 
 
 def _block(view: TaskView) -> AttentionBlock | None:
@@ -259,7 +294,11 @@ def _parts(view: TaskView) -> _Parts | None:
     layout = block.layout
     q, k, v = block.projections
     read = [_weights(view, p) for p in (q, k, v)]
-    tables = [_tables(view, p.rotary) if p.rotary is not None else None for p in (q, k, v)]
+    run_time = _run_time_rotary(view, block)
+    tables = [
+        _tables(view, p.rotary) if p.rotary is not None and run_time is None else None
+        for p in (q, k, v)
+    ]
     if any(r is None for r in read) or any(isinstance(t, str) for t in tables):
         return None
     if v.rotary is not None or (q.rotary is None) != (k.rotary is None):
@@ -345,6 +384,7 @@ def _parts(view: TaskView) -> _Parts | None:
         mask_value=mask_value,
         causal=causal,
         rotary=rotary,
+        run_time_rotary=run_time,
         guard=block.guard,
     )
     oi = view.info(view.output)
@@ -679,12 +719,42 @@ def _rotated(
 ) -> list[str]:
     """q and k of `outs` through com.microsoft RotaryEmbedding (non-interleaved, the
     model's own tables as caches, positions 0..S-1; k with `kv_heads` heads, by default
-    as many as q); v as it is."""
-    assert att.rotary is not None
-    cos, sin = att.rotary
-    pos = init(view, "rotary_positions", np.arange(cos.shape[0], dtype=np.int64)[None, :])
-    c, s = init(view, "rotary_cos", cos), init(view, "rotary_sin", sin)
-    inits += [pos, c, s]
+    as many as q); v as it is. Tables computed at run time (a decode step's) are this
+    step's rows: the caches are their first halves, taken at run time."""
+    if att.run_time_rotary is not None:
+        xi = view.info(att.x)
+        assert xi is not None
+        seq = int(xi.shape[1])
+        pos = init(view, "rotary_positions", np.arange(seq, dtype=np.int64)[None, :])
+        rows = init(view, "rotary_rows", np.array([seq, att.head_dim], np.int64))
+        ends = [
+            init(view, f"rotary_{n}", np.array([v], np.int64))
+            for n, v in (("start", 0), ("half", att.head_dim // 2), ("axis", 1))
+        ]
+        inits += [pos, rows, *ends]
+        caches = []
+        for which, table in zip(("cos", "sin"), att.run_time_rotary, strict=True):
+            flat, half = view.name(f"rotary_{which}_rows"), view.name(f"rotary_{which}")
+            nodes += [
+                helper.make_node(
+                    "Reshape", [table, rows.name], [flat], name=view.name(f"Rotary{which}Rows")
+                ),
+                helper.make_node(
+                    "Slice",
+                    [flat, *(e.name for e in ends)],
+                    [half],
+                    name=view.name(f"Rotary{which}Half"),
+                ),
+            ]
+            caches.append(half)
+        pos_name, cos_name, sin_name = pos.name, caches[0], caches[1]
+    else:
+        assert att.rotary is not None
+        cos, sin = att.rotary
+        pos = init(view, "rotary_positions", np.arange(cos.shape[0], dtype=np.int64)[None, :])
+        c, s = init(view, "rotary_cos", cos), init(view, "rotary_sin", sin)
+        inits += [pos, c, s]
+        pos_name, cos_name, sin_name = pos.name, c.name, s.name
     rotated = []
     for which, src, heads in zip(
         ("q", "k"), outs[:2], (att.heads, kv_heads or att.heads), strict=True
@@ -693,7 +763,7 @@ def _rotated(
         nodes.append(
             helper.make_node(
                 "RotaryEmbedding",
-                [src, pos.name, c.name, s.name],
+                [src, pos_name, cos_name, sin_name],
                 [out],
                 name=view.name(f"Rotary_{which}"),
                 domain=CONTRIB_DOMAIN,
@@ -711,10 +781,10 @@ def _multihead_attention(view: TaskView, int8: bool = False) -> Rewrite | None:
     K between the two (the bias then added before the Split). `int8`: the projection
     on DynamicQuantizeMatMul (the bias inside it)."""
     att = _parts(view)
-    if att is None or att.rotated and att.rotary is None:
+    if att is None or att.rotated and att.rotary is None and att.run_time_rotary is None:
         return None
-    if att.caches is not None and (att.rotated or att.groups != 1):
-        return None  # the kernel's present has a head per query head
+    if att.caches is not None and (att.rotary is not None or att.groups != 1):
+        return None  # constant tables hold the profiled positions; a present per query head
     rotary = att.rotated
     fold = rotary or int8
     nodes, inits, outs = _packed_projection(
@@ -757,10 +827,10 @@ def _group_query_attention(view: TaskView, int8: bool = False) -> Rewrite | None
     (the same Split and RotaryEmbedding in front). `int8`: the projection on
     DynamicQuantizeMatMul."""
     att = _parts(view)
-    if att is None or att.rotated and att.rotary is None:
+    if att is None or att.rotated and att.rotary is None and att.run_time_rotary is None:
         return None
-    if att.caches is not None and att.rotated:
-        return None  # the tables' positions follow the past length
+    if att.caches is not None and att.rotary is not None:
+        return None  # constant tables hold the profiled positions
     xi = view.info(att.x)
     assert xi is not None
     batch, seq = int(xi.shape[0]), int(xi.shape[1])
