@@ -105,6 +105,7 @@ def _rewritten(prep: Prepared, name: str) -> dict[str, onnx.ModelProto | None]:
             out[task.id] = None
             continue
         m = apply_rewrites(prep.model, rw)
+        onnx.checker.check_model(m)  # sorted: what the block reads is made before it
         assert prep.profile is not None
         restore_io(m, prep.profile)
         out[task.id] = m
@@ -176,14 +177,17 @@ def test_the_cached_kernels_give_the_input_models_logits_and_presents_at_every_p
     assert applied == {*CACHED, "packed_qkv", "int8_packed_qkv"}
 
 
-def _decoder(kv: int = N, dynamo: bool = False) -> onnx.ModelProto:
-    """One decode step of an attention block as exporters write it with past, no rotary
-    embeddings: x [B, 1, H], `kv` K/V heads appended to past_key/past_value [B, kv, past,
-    D], the presents repeated for N / kv query heads each (Unsqueeze, Expand, Reshape, as
-    LLaMA's repeat_kv), then the output projection; y and the presents out. `dynamo`:
-    as torch's dynamo export writes transformers' GPT-2 with a cache: Kᵀ through 3-D
-    with targets computed from the present's Shape, and a mask [1, 1, 1, past + 1] made
-    at run time from the past's length (Range, LessOrEqual, Where(keep, 0, -inf))."""
+def _decoder(kv: int = N, dynamo: bool = False, rotary: bool = False) -> onnx.ModelProto:
+    """One decode step of an attention block as exporters write it with past: x [B, 1,
+    H], `kv` K/V heads appended to past_key/past_value [B, kv, past, D], the presents
+    repeated for N / kv query heads each (Unsqueeze, Expand, Reshape, as LLaMA's
+    repeat_kv), then the output projection; y and the presents out. `dynamo`: as torch's
+    dynamo export writes transformers' GPT-2 with a cache: Kᵀ through 3-D with targets
+    computed from the present's Shape, and a mask [1, 1, 1, past + 1] made at run time
+    from the past's length (Range, LessOrEqual, Where(keep, 0, -inf)). `rotary`: rotary
+    embeddings on Q and K before the cache, as LLaMA's and Qwen2's exports compute them:
+    the tables at run time from this step's position (the past's length) and constant
+    inverse frequencies."""
     g = G(seed=7)
     x = g.input("x", [B, 1, H])
     pasts = [g.input(f"past_{w}", [B, kv, "past", D]) for w in ("key", "value")]
@@ -209,8 +213,28 @@ def _decoder(kv: int = N, dynamo: bool = False) -> onnx.ModelProto:
             axis=0,
         )
 
-    q = heads(N)
-    presents = [g.n("Concat", past, heads(kv), axis=2) for past in pasts]
+    def rotate(t: str) -> str:
+        if not rotary:
+            return t
+        half, big, last = (g.t(np.array([v], np.int64)) for v in (D // 2, 2**31 - 1, -1))
+        turned = g.n(
+            "Concat",
+            g.n("Neg", g.n("Slice", t, half, big, last)),
+            g.n("Slice", t, g.t(np.array([0], np.int64)), half, last),
+            axis=-1,
+        )
+        return g.n("Add", g.n("Mul", t, cos), g.n("Mul", turned, sin))
+
+    q, new_k = heads(N), heads(kv)
+    if rotary:  # made after the projections, as the exports order them
+        inv = (1.0 / 10000 ** (np.arange(0, D, 2) / D)).astype(np.float32)
+        position = g.n("Cast", dims(g.n("Shape", pasts[0]), 2), to=TensorProto.FLOAT)
+        freqs = g.n("Mul", g.n("Unsqueeze", position, g.t(np.array([1]))), g.t(inv[None]))
+        emb = g.n("Concat", freqs, freqs, axis=-1)  # [1, D]: this step's row
+        cos, sin = (g.n("Unsqueeze", g.n(op, emb), g.t(np.array([0, 1]))) for op in ("Cos", "Sin"))
+    q = rotate(q)
+    presents = [g.n("Concat", pasts[0], rotate(new_k), axis=2)]
+    presents.append(g.n("Concat", pasts[1], heads(kv), axis=2))
     k, v = (repeat(p) for p in presents)
     if dynamo:
         shape = g.n("Shape", k)
@@ -284,6 +308,33 @@ def test_the_dynamo_exports_run_time_shapes_and_mask_stay_with_the_cached_block(
     for name in ("multihead_attention", "group_query_attention"):
         [model] = _rewritten(prep, name).values()
         assert model is not None, name
+        session = _session(model)
+        for past in (0, 5, 300):
+            feeds = _feeds(reference, past)
+            err, _ = _worst(reference.run(None, feeds), session.run(None, feeds))
+            assert err <= 1e-4, (name, past, err)
+
+
+@pytest.mark.parametrize("kv", [N, 2])
+def test_rotary_tables_computed_from_the_past_run_on_rotary_embedding_before_the_kernels(
+    kv: int, tmp_path: Path
+) -> None:
+    """LLaMA's and Qwen2's exports with a cache rotate Q and K by tables computed at run
+    time from this step's position: the block is recognized with them, its kernels get
+    RotaryEmbedding over this step's rows (MultiHeadAttention with a K/V head per query
+    head, GroupQueryAttention for either), and the outputs stay the block's at every
+    past, where positions differ at each."""
+    src = tmp_path / "rotary.onnx"
+    onnx.save(_decoder(kv=kv, rotary=True), src)
+    prep = prepare(src, tmp_path / "prep")
+    [task] = [t for t in partition(prep.model, prep.ctx, "sgat") if t.family == "attention"]
+    assert list(task.outputs[1:]) == [o.name for o in prep.model.graph.output][1:]
+    reference = _session(src)
+    names = ["group_query_attention", *(["multihead_attention"] if kv == N else [])]
+    for name in names:
+        [model] = _rewritten(prep, name).values()
+        assert model is not None, name
+        assert [n.op_type for n in model.graph.node].count("RotaryEmbedding") == 2
         session = _session(model)
         for past in (0, 5, 300):
             feeds = _feeds(reference, past)
