@@ -177,23 +177,25 @@ def test_the_cached_kernels_give_the_input_models_logits_and_presents_at_every_p
     assert applied == {*CACHED, "packed_qkv", "int8_packed_qkv"}
 
 
-def _decoder(kv: int = N, dynamo: bool = False, rotary: bool = False) -> onnx.ModelProto:
-    """One decode step of an attention block as exporters write it with past: x [B, 1,
-    H], `kv` K/V heads appended to past_key/past_value [B, kv, past, D], the presents
+def _decoder(
+    kv: int = N, dynamo: bool = False, rotary: bool = False, steps: int = 1
+) -> onnx.ModelProto:
+    """One decode step of an attention block as exporters write it with past: x [B,
+    `steps`, H] (more than one: a prompt's continuation), `kv` K/V heads appended to past_key/past_value [B, kv, past, D], the presents
     repeated for N / kv query heads each (Unsqueeze, Expand, Reshape, as LLaMA's
     repeat_kv), then the output projection; y and the presents out. `dynamo`: as torch's
     dynamo export writes transformers' GPT-2 with a cache: Kᵀ through 3-D with targets
-    computed from the present's Shape, and a mask [1, 1, 1, past + 1] made at run time
-    from the past's length (Range, LessOrEqual, Where(keep, 0, -inf)). `rotary`: rotary
+    computed from the present's Shape, and a causal mask [1, 1, steps, past + steps] made
+    at run time from the past's length (Range, LessOrEqual, Where(keep, 0, -inf)). `rotary`: rotary
     embeddings on Q and K before the cache, as LLaMA's and Qwen2's exports compute them:
     the tables at run time from this step's position (the past's length) and constant
     inverse frequencies."""
     g = G(seed=7)
-    x = g.input("x", [B, 1, H])
+    x = g.input("x", [B, steps, H])
     pasts = [g.input(f"past_{w}", [B, kv, "past", D]) for w in ("key", "value")]
 
     def heads(n: int) -> str:
-        y = g.n("Reshape", linear(g, x, H, n * D), g.t(np.array([B, 1, n, D], np.int64)))
+        y = g.n("Reshape", linear(g, x, H, n * D), g.t(np.array([B, steps, n, D], np.int64)))
         return g.n("Transpose", y, perm=[0, 2, 1, 3])
 
     def repeat(t: str) -> str:
@@ -226,11 +228,13 @@ def _decoder(kv: int = N, dynamo: bool = False, rotary: bool = False) -> onnx.Mo
         return g.n("Add", g.n("Mul", t, cos), g.n("Mul", turned, sin))
 
     q, new_k = heads(N), heads(kv)
+    length = g.n("Squeeze", dims(g.n("Shape", pasts[0]), 2), g.t(np.array([0])))
+    positions = g.n("Add", g.t(np.arange(steps)), length)  # this step's
     if rotary:  # made after the projections, as the exports order them
         inv = (1.0 / 10000 ** (np.arange(0, D, 2) / D)).astype(np.float32)
-        position = g.n("Cast", dims(g.n("Shape", pasts[0]), 2), to=TensorProto.FLOAT)
+        position = g.n("Cast", positions, to=TensorProto.FLOAT)
         freqs = g.n("Mul", g.n("Unsqueeze", position, g.t(np.array([1]))), g.t(inv[None]))
-        emb = g.n("Concat", freqs, freqs, axis=-1)  # [1, D]: this step's row
+        emb = g.n("Concat", freqs, freqs, axis=-1)  # [steps, D]: this step's rows
         cos, sin = (g.n("Unsqueeze", g.n(op, emb), g.t(np.array([0, 1]))) for op in ("Cos", "Sin"))
     q = rotate(q)
     presents = [g.n("Concat", pasts[0], rotate(new_k), axis=2)]
@@ -245,16 +249,19 @@ def _decoder(kv: int = N, dynamo: bool = False, rotary: bool = False) -> onnx.Mo
         kt = g.n("Transpose", k, perm=[0, 1, 3, 2])
     s = g.n("Div", g.n("MatMul", q, kt), g.f(np.sqrt(D)))
     if dynamo:
-        length = g.n("Squeeze", dims(g.n("Shape", pasts[0]), 2), g.t(np.array([0])))
-        keys = g.n(
-            "Range", g.t(np.array(0)), g.n("Add", length, g.t(np.array(1))), g.t(np.array(1))
+        total = g.n("Add", length, g.t(np.array(steps)))
+        keys = g.n("Range", g.t(np.array(0)), total, g.t(np.array(1)))
+        keep = g.n(
+            "LessOrEqual",
+            g.n("Unsqueeze", keys, g.t(np.array([0]))),
+            g.n("Unsqueeze", positions, g.t(np.array([1]))),
         )
-        keep = g.n("LessOrEqual", keys, length)
-        keep = g.n("Unsqueeze", keep, g.t(np.array([0, 1, 2])))
+        keep = g.n("Unsqueeze", keep, g.t(np.array([0, 1])))
         s = g.n("Add", s, g.n("Where", keep, g.f(0.0), g.f(-np.inf)))
     c = g.n("Transpose", g.n("MatMul", g.n("Softmax", s, axis=-1), v), perm=[0, 2, 1, 3])
     model = g.model(
-        linear(g, g.n("Reshape", c, g.t(np.array([B, 1, H], np.int64))), H, H), shape=(B, 1, H)
+        linear(g, g.n("Reshape", c, g.t(np.array([B, steps, H], np.int64))), H, H),
+        shape=(B, steps, H),
     )
     model.graph.output.extend(
         helper.make_tensor_value_info(p, TensorProto.FLOAT, [B, kv, "total", D]) for p in presents
@@ -288,16 +295,18 @@ def test_grouped_kv_heads_with_a_cache_run_on_group_query_attention(tmp_path: Pa
         assert err <= 1e-4, (past, err)
 
 
+@pytest.mark.parametrize("steps", [1, 3])
 def test_the_dynamo_exports_run_time_shapes_and_mask_stay_with_the_cached_block(
-    tmp_path: Path,
+    steps: int, tmp_path: Path
 ) -> None:
     """torch's dynamo export of transformers' GPT-2 with a cache: Kᵀ reshaped to targets
-    computed from the present's Shape, and a mask over past + 1 keys computed from the
-    past's length (whose static shape normalization works out through the Range). The
-    shape nodes are the block's own, the mask goes to the kernels as attention_bias as
-    it is, and the outputs stay the block's at every past."""
+    computed from the present's Shape, and a causal mask over past + S keys computed
+    from the past's length (whose static shape normalization works out through the
+    Range). The shape nodes are the block's own, the mask goes to the kernels as
+    attention_bias as it is, and the outputs stay the block's at every past, for one
+    new position and for a prompt's continuation (3)."""
     src = tmp_path / "dynamo.onnx"
-    onnx.save(_decoder(dynamo=True), src)
+    onnx.save(_decoder(dynamo=True, steps=steps), src)
     prep = prepare(src, tmp_path / "prep")
     [task] = [t for t in partition(prep.model, prep.ctx, "sgat") if t.family == "attention"]
     by = {n.name: n for n in prep.model.graph.node}
