@@ -424,3 +424,85 @@ def test_an_sgat_job_on_a_decoder_measures_the_cached_kernels(
         feeds = _feeds(reference, past)
         err, _ = _worst(reference.run(None, feeds), session.run(None, feeds))
         assert err <= 1e-4, (past, err)
+
+
+def _transformers_step(kind: str, path: Path) -> int:
+    """One decode step of a one-layer transformers model with a cache (GPT-2, or Qwen2
+    with 2 K/V heads for 4 query heads and rotary embeddings), exported by torch's dynamo
+    exporter with the past dynamic, to `path`: input_ids [1, 1], past_key/past_value in,
+    logits and present_key/present_value out. Returns the K/V heads."""
+    import warnings
+
+    import torch
+    import transformers
+    from transformers.cache_utils import DynamicCache
+
+    torch.manual_seed(0)
+    model: torch.nn.Module
+    if kind == "gpt2":
+        gpt2 = transformers.GPT2Config(vocab_size=100, n_embd=64, n_layer=1, n_head=4)
+        model, kv = transformers.GPT2LMHeadModel(gpt2), 4
+    else:
+        qwen2 = transformers.Qwen2Config(
+            vocab_size=100,
+            hidden_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=128,
+        )
+        model, kv = transformers.Qwen2ForCausalLM(qwen2), 2
+
+    class Step(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = model.eval()
+
+        def forward(self, input_ids, past_key, past_value):
+            cache = DynamicCache()
+            cache.update(past_key, past_value, 0)
+            out = self.inner(input_ids=input_ids, past_key_values=cache, use_cache=True)
+            layer = out.past_key_values.layers[0]
+            return out.logits, layer.keys, layer.values
+
+    past = torch.randn(1, kv, 8, 16)
+    length = torch.export.Dim("past", max=500)
+    with warnings.catch_warnings():  # the exporter's and transformers' own deprecations
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(
+            Step(),
+            (torch.tensor([[3]]), past, past.clone()),
+            dynamo=True,
+            dynamic_shapes=(None, {2: length}, {2: length}),
+            input_names=["input_ids", "past_key", "past_value"],
+            output_names=["logits", "present_key", "present_value"],
+            verbose=False,
+        )
+        program.save(str(path))
+    return kv
+
+
+@pytest.mark.long
+@pytest.mark.parametrize("kind", ["gpt2", "qwen2"])
+def test_transformers_decode_steps_run_on_the_cached_kernels(kind: str, tmp_path: Path) -> None:
+    """What the synthetic blocks above stand for, from transformers' own models as torch
+    exports them with a cache: GPT-2 (packed Gemm, Kᵀ through 3-D, a run-time mask) and
+    Qwen2 (grouped K/V heads, rotary tables from the past's length). The block is a task
+    with its presents, and the cached kernels give the logits and presents at past 0 and
+    at lengths the profile never had."""
+    pytest.importorskip("transformers")
+    src = tmp_path / f"{kind}.onnx"
+    kv = _transformers_step(kind, src)
+    prep = prepare(src, tmp_path / "prep")
+    [task] = [t for t in partition(prep.model, prep.ctx, "sgat") if t.family == "attention"]
+    assert task.outputs[1:] == ("present_key", "present_value")
+    reference = _session(src)
+    names = ["group_query_attention", *(["multihead_attention"] if kv == N else [])]
+    for name in names:
+        [model] = _rewritten(prep, name).values()
+        assert model is not None, name
+        session = _session(model)
+        for past in (0, 16, 300):
+            feeds = _feeds(reference, past)
+            err, _ = _worst(reference.run(None, feeds), session.run(None, feeds))
+            assert err <= 1e-4, (name, past, err)
