@@ -178,7 +178,11 @@ def test_the_cached_kernels_give_the_input_models_logits_and_presents_at_every_p
 
 
 def _decoder(
-    kv: int = N, dynamo: bool = False, rotary: bool = False, steps: int = 1
+    kv: int = N,
+    dynamo: bool = False,
+    rotary: bool = False,
+    steps: int = 1,
+    opaque: bool = False,
 ) -> onnx.ModelProto:
     """One decode step of an attention block as exporters write it with past: x [B,
     `steps`, H] (more than one: a prompt's continuation), `kv` K/V heads appended to past_key/past_value [B, kv, past, D], the presents
@@ -189,7 +193,8 @@ def _decoder(
     at run time from the past's length (Range, LessOrEqual, Where(keep, 0, -inf)). `rotary`: rotary
     embeddings on Q and K before the cache, as LLaMA's and Qwen2's exports compute them:
     the tables at run time from this step's position (the past's length) and constant
-    inverse frequencies."""
+    inverse frequencies. `opaque`: the dynamo form's first Kᵀ target passes an Identity,
+    which no shape computation the recognizer takes into a block has."""
     g = G(seed=7)
     x = g.input("x", [B, steps, H])
     pasts = [g.input(f"past_{w}", [B, kv, "past", D]) for w in ("key", "value")]
@@ -243,6 +248,8 @@ def _decoder(
     if dynamo:
         shape = g.n("Shape", k)
         flat = g.n("Concat", g.t(np.array([-1])), dims(shape, 2, 3), axis=0)
+        if opaque:
+            flat = g.n("Identity", flat)
         kt = g.n("Transpose", g.n("Reshape", k, flat), perm=[0, 2, 1])
         kt = g.n("Reshape", kt, dims(shape, 0, 1, 3, 2))
     else:
@@ -322,6 +329,18 @@ def test_the_dynamo_exports_run_time_shapes_and_mask_stay_with_the_cached_block(
             feeds = _feeds(reference, past)
             err, _ = _worst(reference.run(None, feeds), session.run(None, feeds))
             assert err <= 1e-4, (name, past, err)
+
+
+def test_a_block_that_would_read_what_its_own_presents_make_is_no_task(tmp_path: Path) -> None:
+    """A Kᵀ target computed from the present by a node the block cannot take in (here an
+    Identity) is an input made from the block's own output: its rewrite, at the block's
+    first node, would read what it has not yet written. Such a block is no task; the
+    model's other subgraphs still are."""
+    src = tmp_path / "opaque.onnx"
+    onnx.save(_decoder(dynamo=True, opaque=True), src)
+    prep = prepare(src, tmp_path / "prep")
+    assert [t.family for t in partition(prep.model, prep.ctx, "sgat")] == []
+    assert {t.family for t in partition(prep.model, prep.ctx, "opat")} == {"matmul", "matmul_act"}
 
 
 @pytest.mark.parametrize("kv", [N, 2])
