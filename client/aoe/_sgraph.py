@@ -24,11 +24,14 @@ STD = ("", "ai.onnx")
 
 
 class Match:
-    """One recognized subgraph: its family and its nodes in graph order (last = output)."""
+    """One recognized subgraph: its family, its nodes in graph order (last = output) and
+    the tensors that leave it: the last node's output, then any `also` (an attention
+    block's KV cache, its present keys and values)."""
 
-    def __init__(self, family: str, nodes: list[onnx.NodeProto]):
+    def __init__(self, family: str, nodes: list[onnx.NodeProto], also: Sequence[str] = ()):
         self.family = family
         self.nodes = nodes
+        self.outputs = (*(o for o in nodes[-1].output if o), *also)
 
 
 class Graph:
@@ -51,6 +54,8 @@ class Graph:
             return None if t is None else numpy_helper.to_array(t)
 
         self._index(g.node, {o.name for o in g.output}, ctx.tensors, ctx.constants, value)
+        #: a task's nodes alone (`of_task`): what computes its inputs is not here to see
+        self.partial = False
 
     @classmethod
     def of_task(
@@ -65,6 +70,7 @@ class Graph:
         g = cls.__new__(cls)
         outputs = {o for o in nodes[-1].output if o} if nodes else set()
         g._index(nodes, outputs, tensors, constants, value)
+        g.partial = True
         return g
 
     def _index(
@@ -132,16 +138,16 @@ class Graph:
         a, b = node.input
         return b if a == tensor else a if b == tensor else None
 
-    def closed(self, nodes: Sequence[onnx.NodeProto]) -> bool:
-        """True when only the last node's outputs leave `nodes` (no other output is a
-        graph output or read by a node outside)."""
+    def closed(self, nodes: Sequence[onnx.NodeProto], also: Container[str] = ()) -> bool:
+        """True when only the last node's outputs, and the tensors in `also`, leave
+        `nodes` (no other output is a graph output or read by a node outside)."""
         names = {n.name for n in nodes}
         last = nodes[-1]
         for n in nodes:
             if n is last:
                 continue
             for o in n.output:
-                if not o:
+                if not o or o in also:
                     continue
                 if o in self.outputs or any(u.name not in names for u in self.users(o)):
                     return False

@@ -11,6 +11,17 @@ boolean, when it serves this block alone) or a causal Where, Softmax over the la
 (and the NaN guard torch's sdpa export puts after it), P·V, Transpose back and Reshape
 to [b, s, hidden]. The output projection is left out.
 
+A decode step with a KV cache (GPT-2's and LLaMA's exports with past, the sample
+`kv_decoder`) concatenates this step's K and V heads to the past ones along the sequence
+axis, [b, kv, past, d] + [b, kv, s, d], after rotary embeddings and before repeat_kv;
+that Concat's result, the present, is the model's output as well as what the scores and
+P·V read. Such a block holds both Concats (`Cache`), and its presents leave it beside
+the merged heads; also the nodes that compute Kᵀ's reshape targets from the present's
+Shape at run time (torch's dynamo export of GPT-2 with a cache), and nothing it reads
+from outside may be computed from its presents. Its rotary tables may be computed at
+run time from this step's positions (LLaMA's and Qwen2's exports with a cache), where
+their halves repeat by construction (`Rotary`).
+
 `attention` is the one recognizer: the partitioner forms tasks from the block it
 returns (`Match`), and a strategy reads the same `AttentionBlock` from its task's nodes
 (`task_block`): the projections (input, weight, bias, packing, scale, rotary tables, K/V
@@ -37,6 +48,7 @@ from aoe.signature import TensorInfo
 __all__ = [
     "MASKED",
     "AttentionBlock",
+    "Cache",
     "Heads",
     "MaskWhere",
     "Product",
@@ -66,7 +78,10 @@ class Product:
 @dataclass(frozen=True)
 class Rotary:
     """`t·cos + rotate_half(t)·sin` on one projection's heads, rotate_half(t) being
-    Concat(-t[..., high], t[..., low]) (`cat`, `high`, `low` the nodes)."""
+    Concat(-t[..., high], t[..., low]) (`cat`, `high`, `low` the nodes). `cos` and `sin`
+    are constants, or (a decode step's block) computed at run time as Cos and Sin of
+    Concat(f, f), f the positions times the inverse frequencies: tables whose halves
+    repeat, one row per position this step."""
 
     t: str
     cos: str
@@ -77,12 +92,23 @@ class Rotary:
 
 
 @dataclass(frozen=True)
+class Cache:
+    """A KV cache on K or V heads: `present` = Concat(`past`, this step's heads) along
+    the sequence axis (`node`), [b, kv, past, d] and [b, kv, s, d]."""
+
+    past: str
+    present: str
+    node: onnx.NodeProto
+
+
+@dataclass(frozen=True)
 class Projection:
     """One of Q, K and V: its `product` (shared by all three where `split`, one packed
     product's Split, takes it apart), `out` the tensor split into heads (the product's
     or the Split's output), `heads` the static [b, s, n, d] of the Reshape to heads
     (None where shapes do not say it), `scale` the scalar Mul/Div on the way, `rotary`
-    embeddings on the heads, and `groups` the times repeat_kv repeats each head."""
+    embeddings on the heads, `groups` the times repeat_kv repeats each head, and `cache`
+    the KV cache the heads are appended to (K and V of a decode step)."""
 
     product: Product
     split: onnx.NodeProto | None
@@ -91,6 +117,7 @@ class Projection:
     scale: float
     rotary: Rotary | None
     groups: int
+    cache: Cache | None = None
 
     @property
     def nodes(self) -> tuple[onnx.NodeProto, ...]:
@@ -174,6 +201,18 @@ class AttentionBlock:
     def rotated(self) -> bool:
         return self.q.rotary is not None or self.k.rotary is not None
 
+    @property
+    def caches(self) -> tuple[Cache, Cache] | None:
+        """The K and V caches of a decode step's block; None without a KV cache."""
+        k, v = self.k.cache, self.v.cache
+        return None if k is None or v is None else (k, v)
+
+    @property
+    def presents(self) -> tuple[str, ...]:
+        """What leaves the block beside its last node's output: the presents, K's first."""
+        caches = self.caches
+        return () if caches is None else (caches[0].present, caches[1].present)
+
 
 def _times(factor: float, by: float, divide: bool) -> float:
     """`factor` times `by` (or divided by it; by 0: the division is infinite or NaN, and
@@ -208,10 +247,41 @@ def _scaled(
             return tensor, factor
 
 
+def _run_time_table(g: Graph, tensor: str, op: str) -> bool:
+    """Whether `tensor` is `op` (Cos or Sin) of Concat(f, f) along the last axis, behind
+    Unsqueeze and a scalar Mul (transformers' attention scaling): a rotary table whose
+    halves repeat, computed at run time from the positions (LLaMA's and Qwen2's exports
+    with a cache compute them from the past's length). A task's own graph cannot see
+    what computes its inputs: there a table from outside is taken as the partitioner,
+    which saw the whole model, took it."""
+    if g.partial and tensor not in g.producer:
+        return not g.is_const(tensor)
+    for _ in range(4):
+        n = g.node(tensor, "Unsqueeze", "Mul")
+        if n is None:
+            break
+        if n.op_type == "Mul":
+            other = n.input[1] if g.scalar(n.input[1]) is not None else n.input[0]
+            if g.scalar(other) is None:
+                return False
+            tensor = g.other(n, other) or ""
+        else:
+            tensor = n.input[0]
+    f = g.node(tensor, op)
+    cat = g.node(f.input[0], "Concat") if f is not None else None
+    return (
+        cat is not None
+        and len(cat.input) == 2
+        and cat.input[0] == cat.input[1]
+        and g.attr(cat, "axis") == -1
+    )
+
+
 def _rotary(g: Graph, tensor: str, nodes: list[onnx.NodeProto]) -> Rotary | None:
     """`t·cos + rotate_half(t)·sin` ending in `tensor` (rotary position embeddings as
     LLaMA-style models write them: rotate_half(t) = Concat(-t[..., h:], t[..., :h]), cos
-    and sin constants), collecting those nodes; None when it is not that."""
+    and sin constants or `_run_time_table`s), collecting those nodes; None when it is not
+    that."""
     add = g.node(tensor, "Add")
     if add is None or len(add.input) != 2:
         return None
@@ -221,7 +291,11 @@ def _rotary(g: Graph, tensor: str, nodes: list[onnx.NodeProto]) -> Rotary | None
             continue
         for cat_out, sin in (turned.input, reversed(turned.input)):
             cat = g.node(cat_out, "Concat")
-            if cat is None or len(cat.input) != 2 or not g.is_const(sin):
+            if (
+                cat is None
+                or len(cat.input) != 2
+                or not (g.is_const(sin) or _run_time_table(g, sin, "Sin"))
+            ):
                 continue
             neg, low = g.node(cat.input[0], "Neg"), g.node(cat.input[1], "Slice")
             high = g.node(neg.input[0], "Slice") if neg is not None else None
@@ -231,7 +305,7 @@ def _rotary(g: Graph, tensor: str, nodes: list[onnx.NodeProto]) -> Rotary | None
             cos = g.other(straight, t)
             if (
                 cos is None
-                or not g.is_const(cos)
+                or not (g.is_const(cos) or _run_time_table(g, cos, "Cos"))
                 or not all(g.is_const(i) for s in (low, high) for i in s.input[1:] if i)
             ):
                 continue
@@ -286,6 +360,24 @@ def _repeated(g: Graph, tensor: str, nodes: list[onnx.NodeProto]) -> tuple[str, 
     return t
 
 
+def _cached(g: Graph, tensor: str, nodes: list[onnx.NodeProto]) -> Cache | None:
+    """The `Concat(past, new)` along axis 2 of two [b, kv, *, d] activations ending in
+    `tensor` (a KV cache), collecting it; None when it is not that."""
+    cat = g.node(tensor, "Concat")
+    if cat is None or len(cat.input) != 2 or g.attr(cat, "axis") not in (2, -2):
+        return None
+    past, new = cat.input
+    pi, ni = g.tensors.get(past), g.tensors.get(new)
+    if g.is_const(past) or g.is_const(new) or pi is None or ni is None:
+        return None
+    if len(pi.shape) != 4 or len(ni.shape) != 4:
+        return None
+    if tuple(pi.shape[:2]) != tuple(ni.shape[:2]) or pi.shape[3] != ni.shape[3]:
+        return None
+    nodes.append(cat)
+    return Cache(past, tensor, cat)
+
+
 def _projection(
     g: Graph, tensor: str, perms: Sequence[Sequence[int]], nodes: list[onnx.NodeProto]
 ) -> Projection | None:
@@ -293,10 +385,12 @@ def _projection(
     the Transposes' perms being `perms` (outermost last); a scalar Mul/Div may sit on the
     way (a scale applied to Q), and rotary embeddings on the heads (Q and K of
     LLaMA-style models). The product may also be a Gemm between Reshapes, and one
-    output of a Split of a packed product. Collects the nodes; None when the chain
+    output of a Split of a packed product; the heads, past rotary embeddings and before
+    repeat_kv, may be appended to a KV cache. Collects the nodes; None when the chain
     differs."""
     tensor, scale = _scaled(g, tensor, nodes)
     rotary: Rotary | None = None
+    cache: Cache | None = None
     groups = 0
     for perm in reversed(perms):
         if not groups:
@@ -304,6 +398,10 @@ def _projection(
             if rep is not None:
                 tensor, groups = rep
             tensor, scale = _scaled(g, tensor, nodes, scale)
+        if cache is None and rotary is None and tuple(perm) == (0, 2, 1, 3):
+            cache = _cached(g, tensor, nodes)  # on the [b, kv, s, d] heads
+            if cache is not None:
+                tensor = cache.node.input[1]
         if rotary is None:
             rotary = _rotary(g, tensor, nodes)
             if rotary is not None:
@@ -333,7 +431,7 @@ def _projection(
     product = _product(g, tensor, nodes)
     if product is None:
         return None
-    return Projection(product, split, out, heads, scale, rotary, groups or 1)
+    return Projection(product, split, out, heads, scale, rotary, groups or 1, cache)
 
 
 def _product(g: Graph, tensor: str, nodes: list[onnx.NodeProto]) -> Product | None:
@@ -412,11 +510,33 @@ def _nan_guard(g: Graph, probs: str) -> list[onnx.NodeProto] | None:
     return [isnan[0], w]
 
 
+#: What computes a Reshape's target from a tensor's Shape at run time.
+_SHAPE_OPS = ("Slice", "Concat", "Gather", "Unsqueeze", "Squeeze", "Cast")
+
+
+def _shape_from(
+    g: Graph, tensor: str, sources: Container[str], found: list[onnx.NodeProto], depth: int = 12
+) -> bool:
+    """Whether `tensor` is computed at run time from the Shape of one of `sources` and
+    constants alone (Shape, Slice, Concat, Gather, Unsqueeze, Squeeze, Cast), collecting
+    those nodes."""
+    n = g.node(tensor, "Shape", *_SHAPE_OPS)
+    if n is None or depth == 0:
+        return False
+    if n.op_type == "Shape":
+        found.append(n)
+        return n.input[0] in sources
+    found.append(n)
+    return all(g.is_const(i) or _shape_from(g, i, sources, found, depth - 1) for i in n.input if i)
+
+
 def _unflattened(g: Graph, tensor: str, nodes: list[onnx.NodeProto]) -> tuple[str, int] | None:
     """(t, r): the [b, n, s, d] tensor t that `Reshape(Transpose(Reshape(t, [b·n, s, d]),
     [0, 2, 1]), [b, n, d, s])` transposes, r the times repeat_kv's Reshape merged into the
     first one repeats its heads (1: none), collecting those nodes; None when `tensor` is
-    not that."""
+    not that. Where both Reshapes' targets are computed from the Shape of what they
+    reshape (the dynamo export with a dynamic past: the present's), those nodes are the
+    block's too."""
     r4 = g.node(tensor, "Reshape")
     t = g.node(r4.input[0], "Transpose") if r4 is not None else None
     r3 = (
@@ -435,15 +555,27 @@ def _unflattened(g: Graph, tensor: str, nodes: list[onnx.NodeProto]) -> tuple[st
         inner = _widened(g, r3.input[0], found)
         if inner is None or tuple(out.shape) != (b, kv * r, d, s):
             return None
-        nodes += [r4, t, r3, *found]
+        nodes += [r4, t, r3, *found, *_shapes(g, (r3, r4), {r3.input[0], inner[0]})]
         return inner
     if len(src.shape) != 4:
         return None
     b, n, s, d = src.shape
     if tuple(out.shape) != (b, n, d, s):
         return None
-    nodes += [r4, t, r3]
+    nodes += [r4, t, r3, *_shapes(g, (r3, r4), {r3.input[0]})]
     return r3.input[0], 1
+
+
+def _shapes(
+    g: Graph, reshapes: Sequence[onnx.NodeProto], sources: Container[str]
+) -> list[onnx.NodeProto]:
+    """The nodes that compute `reshapes`' targets from the Shape of `sources` at run
+    time; none where a target is constant or comes from elsewhere."""
+    found: list[onnx.NodeProto] = []
+    for r in reshapes:
+        if not g.is_const(r.input[1]) and not _shape_from(g, r.input[1], sources, found):
+            return []
+    return found
 
 
 #: An additive mask value at or below this hides its position from the softmax.
@@ -478,6 +610,29 @@ def _mask_where(g: Graph, mask: str, add: onnx.NodeProto) -> MaskWhere | None:
     return MaskWhere(w, w.input[0], a == 0.0, fill)
 
 
+def _ready(g: Graph, nodes: Sequence[onnx.NodeProto], presents: Container[str]) -> bool:
+    """Whether nothing `nodes` read from outside them is computed from `presents`, the
+    tensors of theirs that others may read: a block replaced at its first node reads
+    nothing that it writes itself. (The dynamo export of GPT-2 with past reshapes Kᵀ to
+    targets computed from the present's Shape; those nodes are the block's own, see
+    `_unflattened`, and then nothing outside reads back.)"""
+    inside = {n.name for n in nodes}
+    todo = [t for n in nodes for t in n.input if t]
+    seen: set[str] = set()
+    while todo:
+        t = todo.pop()
+        if t in seen:
+            continue
+        seen.add(t)
+        made = g.producer.get(t)
+        if made is None or made.name in inside:
+            continue
+        if any(i in presents for i in made.input):
+            return False
+        todo += [i for i in made.input if i]
+    return True
+
+
 def _same_shape(g: Graph, a: str, b: str) -> bool:
     sa, sb = g.tensors.get(a), g.tensors.get(b)
     return sa is not None and sb is not None and sa.shape == sb.shape
@@ -487,7 +642,7 @@ def attention(g: Graph, sm: onnx.NodeProto) -> Match | None:
     """The attention task whose Softmax is `sm` (see the module doc); None when the
     block around it is not one."""
     block = attention_block(g, sm)
-    return None if block is None else Match("attention", list(block.nodes))
+    return None if block is None else Match("attention", list(block.nodes), block.presents)
 
 
 def task_block(
@@ -623,7 +778,18 @@ def attention_block(g: Graph, sm: onnx.NodeProto) -> AttentionBlock | None:
         return None
     nodes += [tr, users[0]]
     ordered = g.sorted(nodes)
-    if ordered[-1] is not users[0] or not g.closed(ordered):
+    caches = [c for c in (k.cache, v.cache) if c is not None]
+    if q.cache is not None or len(caches) == 1:
+        return None  # a cache on K alone, or on Q, is no decode step
+    tables = [t for p in (q, k) if p.rotary is not None for t in (p.rotary.cos, p.rotary.sin)]
+    if not caches and not all(g.is_const(t) for t in tables):
+        return None  # run-time tables: a decode step's, where the positions follow the past
+    if (
+        ordered[-1] is not users[0]
+        or not g.closed(ordered, [c.present for c in caches])
+        or caches
+        and not _ready(g, ordered, [c.present for c in caches])
+    ):
         return None
     return AttentionBlock(
         nodes=tuple(ordered),

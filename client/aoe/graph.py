@@ -304,14 +304,15 @@ def _fill_shapes(model: onnx.ModelProto) -> None:
         else:
             g.value_info.append(vi)
     for name, v in folded.items():  # the folded tensors' own shapes (a Shape's output, say)
-        if name not in shapes and name not in existing:
-            g.value_info.append(
-                helper.make_tensor_value_info(
-                    name,
-                    helper.np_dtype_to_tensor_dtype(np.asarray(v).dtype),
-                    list(np.asarray(v).shape),
-                )
-            )
+        if name in shapes:
+            continue
+        vi = helper.make_tensor_value_info(
+            name, helper.np_dtype_to_tensor_dtype(np.asarray(v).dtype), list(np.asarray(v).shape)
+        )
+        if name in existing:  # inferred before with a dimension unknown (a Range's length)
+            existing[name].CopyFrom(vi)
+        else:
+            g.value_info.append(vi)
 
 
 def _own_masks(model: onnx.ModelProto, notes: list[str]) -> None:

@@ -160,7 +160,7 @@ def _subgraph_tasks(
                 inputs=tuple(
                     dict.fromkeys(i for n in m.nodes for i in n.input if i and i not in produced)
                 ),
-                outputs=tuple(o for o in last.output if o),
+                outputs=tuple(m.outputs),
             ),
             reps,
             order,

@@ -1,8 +1,8 @@
 """Subgraphs: the units SGAT tunes, recognized by structure, never by node names.
 
 A subgraph task is a `Task` like an operator task (only its last node's output escapes,
-so one rewrite serves the isolated task model and the whole model), in one of these
-families:
+and an attention block's KV cache, so one rewrite serves the isolated task model and the
+whole model), in one of these families:
 
   attention   self-attention from the Q/K/V projections to the merged heads: three
               MatMuls of one input (each with an optional constant bias Add; or one
@@ -13,7 +13,9 @@ families:
               guard torch's sdpa export puts after it), P·V, Transpose back (after a
               Reshape that keeps the shape, as that export writes) and Reshape to
               [b, s, hidden]. The output projection is left out:
-              it is an operator task of its own.
+              it is an operator task of its own. A decode step's K and V may be
+              Concat(past, new) along the sequence axis (a KV cache), the Concat's
+              result, the present, leaving the block too.
   layernorm   LayerNorm written out (ReduceMean, Sub, Pow or Mul, ReduceMean, Add eps,
               Sqrt, Div or Reciprocal+Mul, then an optional scale Mul and bias Add), or a
               LayerNormalization node; either with the residual Add in front of it when

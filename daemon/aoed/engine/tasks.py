@@ -14,6 +14,7 @@ ever materialised.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -214,9 +215,12 @@ def apply_rewrites(
     """Return a copy of `model` with each task (keyed by its node names) replaced.
 
     Replacement nodes take the position of the task's first node, which keeps the
-    graph topologically sorted because task inputs are produced before the anchor and
-    only the last node's outputs escape. What the replaced tasks alone read (nodes that
-    computed a weight, initializers) goes too; everything else is left as it was.
+    graph topologically sorted where task inputs are produced before the anchor. Where
+    one is produced after it (a mask, or rotary tables, computed between the anchor and
+    where the block reads them), the nodes are sorted again, each as early as its
+    inputs allow and otherwise in their order. What the replaced tasks alone read
+    (nodes that computed a weight, initializers) goes too; everything else is left as it
+    was.
     """
     out = onnx.ModelProto()
     out.CopyFrom(model)
@@ -248,6 +252,7 @@ def apply_rewrites(
         if not dead:
             break
         nodes = [n for n in nodes if n not in dead]
+    nodes = _topological(nodes)
     del out.graph.node[:]
     out.graph.node.extend(nodes)
     now_read = read_names(nodes) | outputs
@@ -264,3 +269,29 @@ def apply_rewrites(
     ):
         out.opset_import.append(helper.make_opsetid(CONTRIB_DOMAIN, 1))
     return out
+
+
+def _topological(nodes: list[onnx.NodeProto]) -> list[onnx.NodeProto]:
+    """`nodes` in an order where each comes after the nodes that make what it reads (its
+    subgraphs' reads included), keeping their order where it already is one; `nodes`
+    as they are where none exists (a cycle)."""
+    made = {o: i for i, n in enumerate(nodes) for o in n.output if o}
+    deps = [{made[t] for t in read_names([n]) if t in made} - {i} for i, n in enumerate(nodes)]
+    if all(j < i for i, d in enumerate(deps) for j in d):
+        return nodes
+    users: dict[int, list[int]] = {}
+    for i, d in enumerate(deps):
+        for j in d:
+            users.setdefault(j, []).append(i)
+    left = [len(d) for d in deps]
+    ready = [i for i, n in enumerate(left) if n == 0]
+    heapq.heapify(ready)
+    order: list[int] = []
+    while ready:
+        i = heapq.heappop(ready)
+        order.append(i)
+        for u in users.get(i, ()):
+            left[u] -= 1
+            if left[u] == 0:
+                heapq.heappush(ready, u)
+    return [nodes[i] for i in order] if len(order) == len(nodes) else nodes

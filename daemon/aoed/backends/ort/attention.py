@@ -24,6 +24,22 @@ On a grouped-query block, ``fused_attention``, ``multihead_attention`` and
 ``int8_qattention`` take the K and V weights with each head's columns repeated for its
 group: the same outputs, for a larger K/V product.
 
+A decode step's block with a KV cache (`AttentionBlock.caches`: K and V appended to the
+past along the sequence axis, the presents leaving the block) runs on the kernels that
+take the cache as it is, [B, kv, past, D] in and [B, kv, past + S, D] out:
+``multihead_attention`` (past_key/past_value in, present_key/present_value out; a K/V
+head per query head) and ``group_query_attention`` (the same for any group, with
+seqlens_k and total_sequence_length computed in the graph from the past's and the
+input's shapes, so that the past stays dynamic), their int8 forms, and the packings,
+which leave the Concats as they are. A mask the block reads from outside (computed at
+run time, [.., S, past + S], as transformers' exports make it from the past's length)
+goes to the kernels as attention_bias as it is, and rotary tables computed at run time
+(this step's rows) become RotaryEmbedding's caches, at positions 0..S-1 of them, in
+front of the kernel. ``fused_attention`` and ``int8_qattention`` decline a cached block
+(their kernels take the cache packed as one [2, B, N, past, D] tensor), and so do the
+fused kernels where it has constant rotary tables or a constant mask (values read from
+constants would hold the profiled past length).
+
 Under the ``int8`` policy (weights int8 per column, the shared input quantized once at
 run time): ``int8_qattention`` (the whole block on com.microsoft QAttention; no
 rotary, and a mask from an input only where the block makes it itself from a boolean,
@@ -55,7 +71,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from aoe.attention import AttentionBlock, Heads, MaskWhere, Projection, Rotary, task_block
+from aoe.attention import AttentionBlock, Cache, Heads, MaskWhere, Projection, Rotary, task_block
 from aoed.backends.ort._rewrite import attrs_of, init, int8_weight
 from aoed.engine.registry import StrategyRegistry
 from aoed.engine.tasks import CONTRIB_DOMAIN, Rewrite, TaskView
@@ -83,6 +99,9 @@ class _Parts:
     mask_value: np.ndarray | None  # a constant mask (scaled as the scores are)
     causal: bool
     rotary: tuple[np.ndarray, np.ndarray] | None  # the caches, where RotaryEmbedding fits
+    #: a cached block's tables computed at run time (cos, sin: this step's positions'
+    #: rows, whose halves repeat), where RotaryEmbedding fits
+    run_time_rotary: tuple[str, str] | None
     guard: bool  # the block's NaN guard can fire: the kernels need one too
 
     @property
@@ -109,6 +128,11 @@ class _Parts:
     def mask_where(self) -> MaskWhere | None:
         """The block's own Where that makes `mask` from a boolean."""
         return self.block.mask_where if self.mask is not None else None
+
+    @property
+    def caches(self) -> tuple[Cache, Cache] | None:
+        """The block's K and V caches (a decode step); None without a KV cache."""
+        return self.block.caches
 
 
 def _gemm_weights(view: TaskView, gemm: onnx.NodeProto) -> tuple[np.ndarray, np.ndarray] | None:
@@ -203,15 +227,10 @@ def _tables(
     Concat are not rotate_half over the last axis, or the tables cannot be read."""
     info = view.info(rot.t)
     cos, sin = view.const(rot.cos), view.const(rot.sin)
-    if info is None or len(info.shape) != 4 or cos is None or sin is None:
+    if info is None or cos is None or sin is None or not _rotates_half(view, rot):
         return _UNREAD
     seq, d = info.shape[2], info.shape[3]
     h = d // 2
-    if d % 2 or attrs_of(rot.cat).get("axis") not in (-1, 3):
-        return _UNREAD
-    high = _slice_of(view, rot.high, 4) or (0, 0)
-    if _slice_of(view, rot.low, 4) != (0, h) or high[0] != h or high[1] < d:
-        return _UNREAD
     try:
         c = np.broadcast_to(np.asarray(cos, np.float32), (1, 1, seq, d))[0, 0]
         s = np.broadcast_to(np.asarray(sin, np.float32), (1, 1, seq, d))[0, 0]
@@ -222,6 +241,42 @@ def _tables(
     if not (np.array_equal(c[:, :h], c[:, h:]) and np.array_equal(s[:, :h], s[:, h:])):
         return None
     return np.ascontiguousarray(c[:, :h]), np.ascontiguousarray(s[:, :h])
+
+
+def _rotates_half(view: TaskView, rot: Rotary) -> bool:
+    """Whether the rotation's slices and Concat are rotate_half over the last axis of
+    [b, n, s, d] heads."""
+    info = view.info(rot.t)
+    if info is None or len(info.shape) != 4:
+        return False
+    d = info.shape[3]
+    h = d // 2
+    if d % 2 or attrs_of(rot.cat).get("axis") not in (-1, 3):
+        return False
+    high = _slice_of(view, rot.high, 4) or (0, 0)
+    return _slice_of(view, rot.low, 4) == (0, h) and high[0] == h and high[1] >= d
+
+
+def _run_time_rotary(view: TaskView, block: AttentionBlock) -> tuple[str, str] | None:
+    """(cos, sin) of a cached block whose Q and K rotate by the same tables computed at
+    run time (`aoe.attention.Rotary`), one [S, D] table for every batch row and head;
+    None otherwise."""
+    q, k = block.q.rotary, block.k.rotary
+    if block.caches is None or q is None or k is None or (q.cos, q.sin) != (k.cos, k.sin):
+        return None
+    if view.const(q.cos) is not None or view.const(q.sin) is not None:
+        return None
+    if not (_rotates_half(view, q) and _rotates_half(view, k)):
+        return None
+    heads = view.info(q.t)
+    assert heads is not None  # `_rotates_half` read it
+    for table in (q.cos, q.sin):
+        info = view.info(table)
+        if info is None or len(info.shape) < 2 or tuple(info.shape[-2:]) != heads.shape[2:]:
+            return None
+        if any(d != 1 for d in info.shape[:-2]):
+            return None
+    return q.cos, q.sin
 
 
 def _block(view: TaskView) -> AttentionBlock | None:
@@ -239,7 +294,11 @@ def _parts(view: TaskView) -> _Parts | None:
     layout = block.layout
     q, k, v = block.projections
     read = [_weights(view, p) for p in (q, k, v)]
-    tables = [_tables(view, p.rotary) if p.rotary is not None else None for p in (q, k, v)]
+    run_time = _run_time_rotary(view, block)
+    tables = [
+        _tables(view, p.rotary) if p.rotary is not None and run_time is None else None
+        for p in (q, k, v)
+    ]
     if any(r is None for r in read) or any(isinstance(t, str) for t in tables):
         return None
     if v.rotary is not None or (q.rotary is None) != (k.rotary is None):
@@ -260,6 +319,11 @@ def _parts(view: TaskView) -> _Parts | None:
     if xi is None or len(xi.shape) != 3 or weights[0].shape[1] != layout.heads * layout.head_dim:
         return None
     seq = xi.shape[1]
+    if block.caches is not None and any(
+        step.kind == "where" or step.kind == "mask" and view.const(step.mask) is not None
+        for step in block.scores
+    ):
+        return None  # a constant mask over past + S keys holds the profiled past
     # The scores' transform, from Q·Kᵀ outwards: scale, then mask (scaled by any later
     # scale), then a causal Where. Anything else does not fit the kernel.
     mask: np.ndarray | str | None = None
@@ -301,7 +365,10 @@ def _parts(view: TaskView) -> _Parts | None:
             mask_value = np.ascontiguousarray(full[:, :, :, :]).astype(np.float32)
     elif isinstance(mask, str):
         mi = view.info(mask)
-        if mi is None or len(mi.shape) != 4 or tuple(mi.shape[-2:]) not in ((seq, seq), (1, seq)):
+        # a cached block's mask goes to the kernel as it is: [.., S, past + S]; an Expand
+        # of its rows (`_bias_input`) would hold the profiled past
+        keys, rows = (seq, (seq, 1)) if block.caches is None else (_keys(view, block), (seq,))
+        if mi is None or len(mi.shape) != 4 or mi.shape[-1] != keys or mi.shape[-2] not in rows:
             return None
         mask_input = mask
     if not math.isfinite(block.scale):
@@ -317,6 +384,7 @@ def _parts(view: TaskView) -> _Parts | None:
         mask_value=mask_value,
         causal=causal,
         rotary=rotary,
+        run_time_rotary=run_time,
         guard=block.guard,
     )
     oi = view.info(view.output)
@@ -329,6 +397,13 @@ def _parts(view: TaskView) -> _Parts | None:
             parts, guard=False
         )  # the block's guard never fires: the kernels need none either
     return parts
+
+
+def _keys(view: TaskView, block: AttentionBlock) -> int | None:
+    """The keys a cached block's query attends to at the profiled point: past + S."""
+    assert block.caches is not None
+    info = view.info(block.caches[0].present)
+    return None if info is None else info.shape[2]
 
 
 def _rows_stay_finite(att: _Parts) -> bool:
@@ -521,7 +596,7 @@ def _fused_attention(view: TaskView) -> Rewrite | None:
     """Q/K/V projections, scaled dot product, softmax and head merge as one com.microsoft
     Attention over the packed [hidden, 3h] weight (not with rotary embeddings)."""
     att = _parts(view)
-    if att is None or att.rotated:
+    if att is None or att.rotated or att.caches is not None:
         return None
     weights, biases = _per_head(att)
     w = init(view, "qkv_weight", np.concatenate(weights, axis=1))
@@ -644,12 +719,42 @@ def _rotated(
 ) -> list[str]:
     """q and k of `outs` through com.microsoft RotaryEmbedding (non-interleaved, the
     model's own tables as caches, positions 0..S-1; k with `kv_heads` heads, by default
-    as many as q); v as it is."""
-    assert att.rotary is not None
-    cos, sin = att.rotary
-    pos = init(view, "rotary_positions", np.arange(cos.shape[0], dtype=np.int64)[None, :])
-    c, s = init(view, "rotary_cos", cos), init(view, "rotary_sin", sin)
-    inits += [pos, c, s]
+    as many as q); v as it is. Tables computed at run time (a decode step's) are this
+    step's rows: the caches are their first halves, taken at run time."""
+    if att.run_time_rotary is not None:
+        xi = view.info(att.x)
+        assert xi is not None
+        seq = int(xi.shape[1])
+        pos = init(view, "rotary_positions", np.arange(seq, dtype=np.int64)[None, :])
+        rows = init(view, "rotary_rows", np.array([seq, att.head_dim], np.int64))
+        ends = [
+            init(view, f"rotary_{n}", np.array([v], np.int64))
+            for n, v in (("start", 0), ("half", att.head_dim // 2), ("axis", 1))
+        ]
+        inits += [pos, rows, *ends]
+        caches = []
+        for which, table in zip(("cos", "sin"), att.run_time_rotary, strict=True):
+            flat, half = view.name(f"rotary_{which}_rows"), view.name(f"rotary_{which}")
+            nodes += [
+                helper.make_node(
+                    "Reshape", [table, rows.name], [flat], name=view.name(f"Rotary{which}Rows")
+                ),
+                helper.make_node(
+                    "Slice",
+                    [flat, *(e.name for e in ends)],
+                    [half],
+                    name=view.name(f"Rotary{which}Half"),
+                ),
+            ]
+            caches.append(half)
+        pos_name, cos_name, sin_name = pos.name, caches[0], caches[1]
+    else:
+        assert att.rotary is not None
+        cos, sin = att.rotary
+        pos = init(view, "rotary_positions", np.arange(cos.shape[0], dtype=np.int64)[None, :])
+        c, s = init(view, "rotary_cos", cos), init(view, "rotary_sin", sin)
+        inits += [pos, c, s]
+        pos_name, cos_name, sin_name = pos.name, c.name, s.name
     rotated = []
     for which, src, heads in zip(
         ("q", "k"), outs[:2], (att.heads, kv_heads or att.heads), strict=True
@@ -658,7 +763,7 @@ def _rotated(
         nodes.append(
             helper.make_node(
                 "RotaryEmbedding",
-                [src, pos.name, c.name, s.name],
+                [src, pos_name, cos_name, sin_name],
                 [out],
                 name=view.name(f"Rotary_{which}"),
                 domain=CONTRIB_DOMAIN,
@@ -676,8 +781,10 @@ def _multihead_attention(view: TaskView, int8: bool = False) -> Rewrite | None:
     K between the two (the bias then added before the Split). `int8`: the projection
     on DynamicQuantizeMatMul (the bias inside it)."""
     att = _parts(view)
-    if att is None or att.rotated and att.rotary is None:
+    if att is None or att.rotated and att.rotary is None and att.run_time_rotary is None:
         return None
+    if att.caches is not None and (att.rotary is not None or att.groups != 1):
+        return None  # constant tables hold the profiled positions; a present per query head
     rotary = att.rotated
     fold = rotary or int8
     nodes, inits, outs = _packed_projection(
@@ -692,11 +799,13 @@ def _multihead_attention(view: TaskView, int8: bool = False) -> Rewrite | None:
         qkv_bias = b.name
     bias = _bias_input(view, att, nodes, inits)
     ins = [*outs, qkv_bias, "", bias] if bias else [*outs, qkv_bias] if qkv_bias else list(outs)
+    if att.caches is not None:
+        ins = [*outs, qkv_bias, "", bias, *(c.past for c in att.caches)]
     nodes.append(
         helper.make_node(
             "MultiHeadAttention",
             ins,
-            [_out(view, att)],
+            [_out(view, att), *_presents(att)],
             name=view.name("MultiHeadAttention"),
             domain=CONTRIB_DOMAIN,
             num_heads=att.heads,
@@ -718,8 +827,10 @@ def _group_query_attention(view: TaskView, int8: bool = False) -> Rewrite | None
     (the same Split and RotaryEmbedding in front). `int8`: the projection on
     DynamicQuantizeMatMul."""
     att = _parts(view)
-    if att is None or att.rotated and att.rotary is None:
+    if att is None or att.rotated and att.rotary is None and att.run_time_rotary is None:
         return None
+    if att.caches is not None and att.rotary is not None:
+        return None  # constant tables hold the profiled positions
     xi = view.info(att.x)
     assert xi is not None
     batch, seq = int(xi.shape[0]), int(xi.shape[1])
@@ -732,16 +843,21 @@ def _group_query_attention(view: TaskView, int8: bool = False) -> Rewrite | None
             view, att, with_bias=att.has_bias, split=False, int8=int8
         )
         outs = [packed[0], "", ""]
-    lens = init(view, "seqlens_k", np.full(batch, seq - 1, np.int32))
-    total = init(view, "total_sequence_length", np.array(seq, np.int32))
-    inits += [lens, total]
+    if att.caches is None:
+        lens_t = init(view, "seqlens_k", np.full(batch, seq - 1, np.int32))
+        total_t = init(view, "total_sequence_length", np.array(seq, np.int32))
+        inits += [lens_t, total_t]
+        lens, total, pasts = lens_t.name, total_t.name, ["", ""]
+    else:
+        lens, total = _cache_lengths(view, att, nodes, inits)
+        pasts = [c.past for c in att.caches]
     bias = _bias_input(view, att, nodes, inits)
-    ins = [*outs, "", "", lens.name, total.name] + (["", "", "", bias] if bias else [])
+    ins = [*outs, *pasts, lens, total] + (["", "", "", bias] if bias else [])
     nodes.append(
         helper.make_node(
             "GroupQueryAttention",
             ins,
-            [_out(view, att)],
+            [_out(view, att), *_presents(att)],
             name=view.name("GroupQueryAttention"),
             domain=CONTRIB_DOMAIN,
             num_heads=att.heads,
@@ -751,6 +867,43 @@ def _group_query_attention(view: TaskView, int8: bool = False) -> Rewrite | None
         )
     )
     return _finish(view, att, nodes, inits)
+
+
+def _presents(att: _Parts) -> list[str]:
+    """The kernels' present_key and present_value outputs: the block's presents."""
+    return [] if att.caches is None else [c.present for c in att.caches]
+
+
+def _cache_lengths(view: TaskView, att: _Parts, nodes: list, inits: list) -> tuple[str, str]:
+    """GroupQueryAttention's seqlens_k ([B] int32, past + S - 1 for every row) and
+    total_sequence_length (int32 scalar, past + S), computed from the past's and the
+    input's shapes at run time: the tuned model serves every past length, never only the
+    one it was measured at."""
+    assert att.caches is not None
+    at = {
+        i: init(view, f"cache_axis_{i}", np.array([i], np.int64)) for i in (0, 1, 2)
+    }  # Gather, not Shape's start/end (opset 15), so that any opset takes it
+    one = init(view, "cache_one", np.array([1], np.int32))
+    scalar = init(view, "cache_scalar", np.zeros(0, np.int64))
+    inits += [*at.values(), one, scalar]
+    n = {k: view.name(k) for k in ("past_shape", "x_shape", "past_len", "seq", "batch")}
+    n |= {k: view.name(k) for k in ("total64", "total", "last", "seqlens_k", "total_len")}
+    node = helper.make_node
+    nodes += [
+        node("Shape", [att.caches[0].past], [n["past_shape"]], name=view.name("PastShape")),
+        node("Shape", [att.x], [n["x_shape"]], name=view.name("InputShape")),
+        node("Gather", [n["past_shape"], at[2].name], [n["past_len"]], name=view.name("PastLen")),
+        node("Gather", [n["x_shape"], at[1].name], [n["seq"]], name=view.name("SeqLen")),
+        node("Gather", [n["x_shape"], at[0].name], [n["batch"]], name=view.name("Batch")),
+        node("Add", [n["past_len"], n["seq"]], [n["total64"]], name=view.name("Total64")),
+        node(
+            "Cast", [n["total64"]], [n["total"]], name=view.name("Total"), to=onnx.TensorProto.INT32
+        ),
+        node("Sub", [n["total"], one.name], [n["last"]], name=view.name("LastKey")),
+        node("Expand", [n["last"], n["batch"]], [n["seqlens_k"]], name=view.name("SeqlensK")),
+        node("Reshape", [n["total"], scalar.name], [n["total_len"]], name=view.name("TotalLen")),
+    ]
+    return n["seqlens_k"], n["total_len"]
 
 
 def _raw_mask(view: TaskView, att: _Parts, nodes: list, inits: list) -> str | None:
@@ -793,7 +946,7 @@ def _int8_qattention(view: TaskView) -> Rewrite | None:
     per-layer Where), which becomes its raw 3-D mask_index, the fill as its
     mask_filter_value; and without rotary embeddings."""
     att = _parts(view)
-    if att is None or att.mask_value is not None or att.rotated:
+    if att is None or att.mask_value is not None or att.rotated or att.caches is not None:
         return None
     nodes: list = []
     inits: list = []
