@@ -202,16 +202,20 @@ FUSED = {
 }
 
 
+#: runtimes as people spell them
+RUNTIMES = {"openvino": "OpenVINO", "onnxruntime": "onnxruntime"}
+
+
 def _searched(doc: Mapping) -> str:
-    """Where an `aoe tune` job searched: its profile's representative point (input_ids'
-    shape and the first past's), as text."""
+    """Where an `aoe tune` job searched and checked: input_ids' shape at its profile's
+    points (the middle one searched), as text."""
     profile = doc.get("shape_profile") or {}
     points = profile.get("points") or []
     if not points:
         return "its one fixed shape"
-    point = points[profile.get("representative", 0)]
-    past = next((v for k, v in point.items() if k.startswith("past_")), None)
-    return f"input_ids {point.get('input_ids')}, past {past[2] if past else 'n/a'}"
+    shapes = ", ".join(str(pt.get("input_ids")) for pt in points)
+    searched = points[profile.get("representative", 0)].get("input_ids")
+    return f"input_ids {shapes}, searched at {searched}"
 
 
 def _int4_rejections(doc: Mapping) -> tuple[int, int]:
@@ -226,26 +230,42 @@ def _int4_rejections(doc: Mapping) -> tuple[int, int]:
     return rejected, tried
 
 
+def _shipped(doc: Mapping, path: Path) -> str:
+    """What a job shipped, in words: the input, onnxruntime's graph, or another runtime
+    with its options."""
+    conf = doc.get("confirmation", {})
+    if conf.get("shipped") == "input":
+        return "the input model (its verdict: " + conf.get("verdict", "n/a") + ")"
+    runtime = doc.get("runtime", "onnxruntime")
+    if runtime == "onnxruntime":
+        return f"an onnxruntime graph ({_ops(path)})"
+    options = ", ".join(f"{k} {v}" for k, v in (doc.get("runtime_options") or {}).items())
+    name = RUNTIMES.get(runtime, runtime)
+    return f"an {name} model ({options or 'its defaults'}), no ONNX graph"
+
+
 def _why(models: Mapping[str, deployed.Model], docs: Mapping[str, Mapping]) -> str:
     """The Qwen2 graphs side by side (the fused operators each has, against the input's
-    MatMuls), and what aoe's int4 job did, as a sentence of facts."""
-    counts = {k: _op_counts(models[k].path) for k in ("input", "int4", "genai")}
+    MatMuls), and what aoe's jobs did and where, as sentences of facts."""
+    counts = {k: _op_counts(models[k].path) for k in ("input", "genai")}
 
     def fused(k: str) -> str:
         got = [f"{op} {counts[k][op]}" for op in FUSED if counts[k][op]]
         return ", ".join(got) or "none"
 
-    doc = docs["int4"]
-    conf = doc.get("confirmation", {})
-    rejected, tried = _int4_rejections(doc)
+    rejected, tried = _int4_rejections(docs["int4"])
     return (
         f"The Qwen2 graphs: the input model has MatMul {counts['input']['MatMul']}, fused "
         f"operators: {fused('input')}; genai int4 has {fused('genai')} ("
         + "; ".join(f"{op}: {what}" for op, what in FUSED.items() if counts["genai"][op])
-        + f"); aoe int4 has {fused('int4')}, MatMul {counts['int4']['MatMul']}. aoe's int4 job "
-        f"searched at {_searched(doc)} (its shape profile's middle point) and judged {rejected} "
-        f"of the {tried} int4 candidates it measured not clearly faster than what it kept; its "
-        f"verdict: {conf.get('verdict', 'n/a')}, shipped: {conf.get('shipped', 'n/a')}."
+        + "). aoe shipped, at int8: "
+        + _shipped(docs["int8"], models["int8"].path)
+        + "; at int4: "
+        + _shipped(docs["int4"], models["int4"].path)
+        + f". Both jobs' shape profiles hold {_searched(docs['int4'])}; a decode step is "
+        "input_ids [1, 1]. "
+        f"The int4 job judged {rejected} of the {tried} int4 candidates it measured there not "
+        "clearly faster than what it kept."
     )
 
 
