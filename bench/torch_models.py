@@ -1,4 +1,5 @@
-"""Models exported from PyTorch for bench/bench_sgat.py, one per process.
+"""Models exported from PyTorch for the benches (bench_sgat.py, bench_decode.py), one per
+process.
 
     python bench/torch_models.py NAME -o DIR
 
@@ -28,12 +29,23 @@ non-zero with the reason on stderr when the export fails.
                              folded into the first conv), output `logits` [32, 10]; also
                              writes DIR/calibration/*.npz (training images, 32 per file, the
                              format `aoe tune --calibration` reads) and DIR/test.npz
+  hf_qwen2_kv                transformers' Qwen2ForCausalLM (grouped-query attention: 8
+                             query heads, 2 key/value heads; rotary positions; RMSNorm;
+                             SwiGLU MLP), QWEN2 below, random weights, saved with
+                             `save_pretrained` into DIR/checkpoint (what onnxruntime-genai's
+                             model builder reads), and ONE decode step with a KV cache
+                             exported by the dynamo exporter: inputs `input_ids` and
+                             `position_ids` int64 [1, seq], `attention_mask` int64
+                             [1, past + seq], `past_key_L`/`past_value_L` float32
+                             [1, 2, past, 64]; outputs `logits` [1, seq, vocab] and
+                             `present_key_L`/`present_value_L` [1, 2, past + seq, 64]
 
 `*_dynamo` use `torch.onnx.export(..., dynamo=True)`, the others the TorchScript exporter
 (`dynamo=False`); all ask for opset 17 and fixed shapes, except `hf_gpt2_dynamo`: asked
 for 17, the dynamo exporter writes GPT-2's Split with `num_outputs`, an opset-18
 attribute, and onnxruntime refuses the model, so that one asks for 18 (the exporter's
-default). The transformers get
+default), as `hf_qwen2_kv` does (dynamo too, with `seq` and `past` dynamic). The
+transformers get
 transformers' default attention implementation (sdpa), what a user exporting them gets.
 """
 
@@ -51,7 +63,7 @@ import numpy as np
 
 OPSET = 17
 #: exports that ask for another opset, and why (the module doc)
-OPSET_OF = {"hf_gpt2_dynamo": 18}
+OPSET_OF = {"hf_gpt2_dynamo": 18, "hf_qwen2_kv": 18}
 SEQ = 128
 VOCAB = 8192
 HIDDEN = 256
@@ -76,7 +88,18 @@ TEXT = (
     "hf_llama_gqa",
     "hf_llama_gqa_dynamo",
 )
-NAMES = (*TEXT, "hf_vit", "digits_cnn")
+NAMES = (*TEXT, "hf_vit", "digits_cnn", "hf_qwen2_kv")
+#: hf_qwen2_kv's config: Qwen2-0.5B's shape of attention (head 64, 4 query heads per
+#: key/value head) at a bench's size
+QWEN2 = {
+    "vocab_size": 8192,
+    "hidden_size": 512,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 2048,
+}
 #: hf_vit: image side and patch; 64 / 8 = 8 x 8 = 64 patches and a class token
 VIT_IMAGE = 64
 VIT_PATCH = 8
@@ -314,9 +337,117 @@ def vit_model(out: Path) -> dict:
     }
 
 
+def qwen2_decoder(out: Path) -> dict:
+    """hf_qwen2_kv: the checkpoint and its decode step (the module doc)."""
+    import onnxruntime as ort
+    import torch
+    import transformers
+    from transformers import DynamicCache
+
+    torch.manual_seed(SEED)
+    cfg = transformers.Qwen2Config(
+        **QWEN2, tie_word_embeddings=False, torch_dtype="float32", use_cache=True
+    )
+    model = transformers.Qwen2ForCausalLM(cfg).eval()
+    ckpt = out / "checkpoint"
+    with contextlib.redirect_stdout(sys.stderr):  # stdout carries the info alone
+        model.save_pretrained(ckpt)
+    layers = QWEN2["num_hidden_layers"]
+    kv_heads = QWEN2["num_key_value_heads"]
+    head = QWEN2["hidden_size"] // QWEN2["num_attention_heads"]
+
+    class Step(torch.nn.Module):
+        """Flat past tensors in, flat presents out: transformers keeps its cache in a
+        Cache object, which no exporter takes as an input."""
+
+        def __init__(self, inner) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, input_ids, attention_mask, position_ids, *past):
+            cache = DynamicCache(
+                ddp_cache_data=[(past[2 * i], past[2 * i + 1]) for i in range(layers)],
+                config=self.inner.config,
+            )
+            got = self.inner(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                cache=cache,
+                use_cache=True,
+            )
+            present = []
+            for layer in got.past_key_values.layers:
+                present += [layer.keys, layer.values]
+            return (got.logits, *present)
+
+    names = [f"{kind}_{i}" for i in range(layers) for kind in ("key", "value")]
+    past_len, seq_len = 8, 3  # past 0 or 1, or one token, would be specialised
+    past = tuple(torch.randn(1, kv_heads, past_len, head) for _ in names)
+    ids = torch.randint(0, QWEN2["vocab_size"], (1, seq_len))
+    mask = torch.ones(1, past_len + seq_len, dtype=torch.int64)
+    pos = torch.arange(past_len, past_len + seq_len).unsqueeze(0)
+    top = QWEN2["max_position_embeddings"]
+    seq, length = torch.export.Dim("seq", max=top), torch.export.Dim("past", max=top - 1)
+    # torch.export cannot say that the mask is past + seq long (a dim is never the sum of
+    # two others): it gets a dim of its own, renamed below
+    total = torch.export.Dim("total", max=2 * top)
+    step = Step(model).eval()
+    path = out / "hf_qwen2_kv.onnx"
+    with torch.no_grad(), warnings.catch_warnings(), contextlib.redirect_stdout(sys.stderr):
+        warnings.simplefilter("ignore")
+        reference = [t.numpy() for t in step(ids, mask, pos, *past)]
+        program = torch.onnx.export(
+            step,
+            (ids, mask, pos, *past),
+            dynamo=True,
+            dynamic_shapes=({1: seq}, {1: total}, {1: seq}, tuple({2: length} for _ in names)),
+            input_names=["input_ids", "attention_mask", "position_ids"]
+            + [f"past_{n}" for n in names],
+            output_names=["logits", *(f"present_{n}" for n in names)],
+            opset_version=OPSET_OF["hf_qwen2_kv"],
+        )
+        program.save(str(path), external_data=False)
+    import onnx
+
+    onnx_model = onnx.load(str(path))
+    # The mask's length by the name the exporter gives the presents' (and Optimum's
+    # exports give the mask): `aoe tune` derives it as the sum of the two at each point.
+    for vi in onnx_model.graph.input:
+        if vi.name == "attention_mask":
+            vi.type.tensor_type.shape.dim[1].dim_param = "past + seq"
+    onnx.save(onnx_model, str(path))
+    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    feed = {"input_ids": ids.numpy(), "attention_mask": mask.numpy(), "position_ids": pos.numpy()}
+    feed.update({f"past_{n}": t.numpy() for n, t in zip(names, past, strict=True)})
+    got = sess.run(None, feed)
+    drift = max(float(np.max(np.abs(a - b))) for a, b in zip(reference, got, strict=True))
+    return {
+        "model": str(path),
+        "checkpoint": str(ckpt),
+        "description": (
+            f"transformers Qwen2ForCausalLM, {layers} layers, hidden {QWEN2['hidden_size']}, "
+            f"{QWEN2['num_attention_heads']} query heads and {kv_heads} key/value heads of "
+            f"{head}, MLP {QWEN2['intermediate_size']}, vocab {QWEN2['vocab_size']}, "
+            f"positions {top}, {model.config._attn_implementation} attention; one decode step "
+            f"with a KV cache (seq and past dynamic), torch.onnx dynamo exporter, opset 18; "
+            f"torch {torch.__version__}, transformers {transformers.__version__}"
+        ),
+        "weights": "random",
+        "layers": layers,
+        "kv_heads": kv_heads,
+        "head_dim": head,
+        "vocab": QWEN2["vocab_size"],
+        "max_positions": top,
+        "export_max_abs_error": drift,
+    }
+
+
 def build(name: str, out: Path) -> dict:
     out.mkdir(parents=True, exist_ok=True)
-    if name == "digits_cnn":
+    if name == "hf_qwen2_kv":
+        info = qwen2_decoder(out)
+    elif name == "digits_cnn":
         info = digits_cnn(out)
     elif name == "hf_vit":
         info = vit_model(out)

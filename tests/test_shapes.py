@@ -397,3 +397,41 @@ def test_a_sliced_position_ids_buffer_bounds_the_sequence() -> None:
     assert position_bound(model) == 48
     p = resolve(model, {}, ShapeProfile(), "bert.onnx")
     assert p is not None and p.points[-1] == {"input_ids": (4, 48)}
+
+
+def test_a_mask_named_the_sum_of_past_and_seq_takes_their_sum() -> None:
+    """A decoder step with a KV cache, as exporters name its mask's length: derived
+    alone, the mask would be as long as the past (or the new tokens), and no step runs
+    with it."""
+    from onnx import TensorProto, helper
+
+    def value(name: str, dims: list[int | str]) -> onnx.ValueInfoProto:
+        return helper.make_tensor_value_info(name, TensorProto.FLOAT, dims)
+
+    graph = helper.make_graph(
+        [
+            helper.make_node("Identity", ["past_key_0"], ["present"]),
+            helper.make_node("Identity", ["attention_mask"], ["mask_out"]),
+            helper.make_node("Identity", ["input_ids"], ["ids_out"]),
+        ],
+        "g",
+        [
+            value("input_ids", [1, "seq"]),
+            value("attention_mask", [1, "past + seq"]),
+            value("past_key_0", [1, 2, "past", 4]),
+            value("position_ids", [1, "seq + 1"]),
+        ],
+        [value("present", [1, 2, "past", 4]), value("mask_out", [1, "past + seq"])]
+        + [value("ids_out", [1, "seq"])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    p = resolve(model, {}, ShapeProfile(), "decoder.onnx")
+    assert p is not None and len(p.points) == 3
+    for pt in p.points:
+        seq, past = pt["input_ids"][1], pt["past_key_0"][2]
+        assert pt["attention_mask"] == (1, past + seq)
+        assert pt["position_ids"] == (1, seq + 1)
+    assert "the sum of past, seq" in p.axes["past + seq"]
+    # a size the user gives for the sum is theirs
+    given = resolve(model, {}, ShapeProfile({"attention_mask": "1,7"}), "decoder.onnx")
+    assert given is not None and {pt["attention_mask"] for pt in given.points} == {(1, 7)}

@@ -13,6 +13,12 @@ every dimension the user left alone, sizes derived from the model:
                                                    input's fixed length takes, shared by
                                                    the derived ones), else up to
                                                    DEFAULT_MAX_DIM
+    one named as a sum of others (`past + seq`)    their sum at each point
+
+A decoder with a KV cache takes an attention mask as long as the past and the new
+tokens together; exporters name that length the sum of the two (Optimum writes
+`past_sequence_length + sequence_length`, torch.onnx's dynamo exporter `past + seq` for
+the presents), and sizes derived for it alone would be a mask no step can take.
 
 Dimensions that share a name (`seq` of input_ids and of attention_mask) take one size at
 each point. Point k gives each dimension the k-th of its sizes (its last when it has
@@ -50,6 +56,7 @@ BATCH_POINTS = (1, 4)
 DEFAULT_MAX_DIM = 256
 #: How a derived sequence-like dimension spreads below its bound: bound/16, bound/4, bound.
 _SPREAD = (16, 4, 1)
+_SUM_TERM = re.compile(r"\s*\+\s*")
 _BATCH_NAME = re.compile(r"(?i)^(n|b|bs|batch.*|.*_batch|.*batch_size)$")
 
 #: An input's or output's dimensions as the input model declares them: a size, or the
@@ -146,8 +153,8 @@ def _position_share(
             if isinstance(d, int):
                 if name in ints and i > 0:
                     fixed = max(fixed, d)
-            elif not (i == 0 or _BATCH_NAME.match(d or "")):
-                derived.add(d or f"{name}[{i}]")
+            elif not (i == 0 or _BATCH_NAME.match(d or "") or _SUM_TERM.search(d or "")):
+                derived.add(d or f"{name}[{i}]")  # a sum of others takes theirs
     return max(1, (bound - fixed) // max(1, len(derived)))
 
 
@@ -291,6 +298,7 @@ def resolve(
             given_any = given_any or want is not None
     if not sizes:
         return None
+    _sum_sizes(sizes, why)
     n = max(len(v) for v in sizes.values())
     points = []
     for k in range(n):
@@ -315,6 +323,28 @@ def resolve(
         outputs={o.name: _dims(o) for o in model.graph.output},
         derived=not given_any,
     )
+
+
+def _sum_sizes(sizes: dict[str, list[int]], why: dict[str, str]) -> None:
+    """Give each derived dimension named as a sum of other dimensions (`past + seq`) or
+    sizes (`seq + 1`) their sum at each point, in place. A name with any other term is
+    left as it was derived."""
+    for symbol in list(sizes):
+        terms = _SUM_TERM.split(symbol.strip())
+        if len(terms) < 2 or not why[symbol].startswith("derived"):
+            continue
+        parts: list[list[int]] = []
+        for term in terms:
+            if term.isdigit():
+                parts.append([int(term)])
+            elif term in sizes and term != symbol:
+                parts.append(sizes[term])
+            else:
+                break
+        else:
+            n = max(len(p) for p in parts)
+            sizes[symbol] = [sum(p[min(k, len(p) - 1)] for p in parts) for k in range(n)]
+            why[symbol] = f"the sum of {', '.join(terms)} at each point"
 
 
 def restore_io(model: onnx.ModelProto, profile: Profile) -> None:
