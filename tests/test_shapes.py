@@ -435,3 +435,46 @@ def test_a_mask_named_the_sum_of_past_and_seq_takes_their_sum() -> None:
     # a size the user gives for the sum is theirs
     given = resolve(model, {}, ShapeProfile({"attention_mask": "1,7"}), "decoder.onnx")
     assert given is not None and {pt["attention_mask"] for pt in given.points} == {(1, 7)}
+
+
+def test_a_step_over_a_kv_cache_is_profiled_as_generation_runs_it() -> None:
+    """Token inputs of a dynamic length beside a KV cache: every measured point is a
+    decode step (one new token) over a past spread up to 1024 where no position table
+    bounds it, the search measures the middle one, and one point more runs a prompt as
+    long as the shortest past over it, its mask the sum of the two."""
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [
+            helper.make_node("Identity", ["past_key_0"], ["present_key_0"]),
+            helper.make_node("Cast", ["input_ids"], ["ids_f"], to=TensorProto.FLOAT),
+            helper.make_node("Cast", ["attention_mask"], ["mask_f"], to=TensorProto.FLOAT),
+        ],
+        "g",
+        [
+            helper.make_tensor_value_info("input_ids", TensorProto.INT64, [1, "seq"]),
+            helper.make_tensor_value_info("attention_mask", TensorProto.INT64, [1, "past + seq"]),
+            helper.make_tensor_value_info("past_key_0", TensorProto.FLOAT, [1, 2, "past", 4]),
+        ],
+        [
+            helper.make_tensor_value_info("present_key_0", TensorProto.FLOAT, [1, 2, "past", 4]),
+            helper.make_tensor_value_info("ids_f", TensorProto.FLOAT, [1, "seq"]),
+            helper.make_tensor_value_info("mask_f", TensorProto.FLOAT, [1, "past + seq"]),
+        ],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    p = resolve(model, {}, ShapeProfile(), "decoder.onnx")
+    assert p is not None and p.derived
+    steps = [(pt["input_ids"][1], pt["past_key_0"][2], pt["attention_mask"][1]) for pt in p.points]
+    assert steps == [(1, 64, 65), (1, 256, 257), (1, 1024, 1025), (64, 64, 128)], p.axes
+    assert p.point["input_ids"] == (1, 1) and p.point["past_key_0"][2] == 256
+    assert "one new token per decode step" in p.axes["seq"] and "64 at the prompt" in p.axes["seq"]
+    # without the cache, the same token input is a sequence spread as before
+    g = model.graph
+    del g.input[2], g.node[0], g.output[0], g.input[1], g.node[1], g.output[1]
+    plain = resolve(model, {}, ShapeProfile(), "encoder.onnx")
+    assert plain is not None and [pt["input_ids"] for pt in plain.points] == [
+        (1, 16),
+        (1, 64),
+        (1, 256),
+    ]

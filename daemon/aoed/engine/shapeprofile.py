@@ -12,7 +12,11 @@ every dimension the user left alone, sizes derived from the model:
                                                    it at N, less the positions a token
                                                    input's fixed length takes, shared by
                                                    the derived ones), else up to
-                                                   DEFAULT_MAX_DIM
+                                                   DEFAULT_MAX_DIM (DEFAULT_MAX_PAST for a
+                                                   KV cache's past)
+    the new tokens of a step over a KV cache       1 (a decode step) at every point; a
+                                                   prompt as long as the shortest past at
+                                                   one point more, where they are dynamic
     one named as a sum of others (`past + seq`)    their sum at each point
 
 A decoder with a KV cache takes an attention mask as long as the past and the new
@@ -22,9 +26,11 @@ the presents), and sizes derived for it alone would be a mask no step can take.
 
 Dimensions that share a name (`seq` of input_ids and of attention_mask) take one size at
 each point. Point k gives each dimension the k-th of its sizes (its last when it has
-fewer), so the points grow together from the smallest to the largest. Search measures at
-the `representative` point (the middle one); the assembled model keeps the input's own
-dynamic inputs and outputs (`restore_io`) and is checked at every point.
+fewer), so the points grow together from the smallest to the largest; a decoder's
+prompt point comes last. Search measures at the `representative` point (the middle one;
+for a decoder, the middle decode step: generation spends its time decoding); the
+assembled model keeps the input's own dynamic inputs and outputs (`restore_io`) and is
+checked at every point.
 
 Pure onnx: no onnxruntime (the worker runs the points: backends/ort/shapecheck.py).
 """
@@ -34,6 +40,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import msgspec
 import onnx
@@ -44,6 +51,7 @@ from aoe.shapes import GEAR, DimRange, ShapeProfile
 __all__ = [
     "BATCH_POINTS",
     "DEFAULT_MAX_DIM",
+    "DEFAULT_MAX_PAST",
     "Profile",
     "position_bound",
     "resolve",
@@ -54,10 +62,16 @@ __all__ = [
 BATCH_POINTS = (1, 4)
 #: Where a sequence-like dimension's derived points stop when no position table bounds it.
 DEFAULT_MAX_DIM = 256
+#: Where a KV cache's derived past stops when no position table bounds it: decode steps
+#: are cheap to run at long pasts, and generation reaches them.
+DEFAULT_MAX_PAST = 1024
 #: How a derived sequence-like dimension spreads below its bound: bound/16, bound/4, bound.
 _SPREAD = (16, 4, 1)
 _SUM_TERM = re.compile(r"\s*\+\s*")
 _BATCH_NAME = re.compile(r"(?i)^(n|b|bs|batch.*|.*_batch|.*batch_size)$")
+#: An input that holds a KV cache, as exporters name it (past_key_0, past_key_values.0.key,
+#: cache_v).
+_CACHE_NAME = re.compile(r"(?i)past|cache")
 
 #: An input's or output's dimensions as the input model declares them: a size, or the
 #: name of a dynamic one ("" where it has none).
@@ -126,26 +140,44 @@ def _dims(vi: onnx.ValueInfoProto) -> Dims | None:
     return tuple(d.dim_value if d.HasField("dim_value") else d.dim_param for d in t.shape.dim)
 
 
-def _position_share(
-    bound: int,
+@dataclass(frozen=True)
+class _Sequences:
+    """The derived sequence-like dimensions of a model the user left alone: those of its
+    KV cache (`cache`: an input named past or cache holds them) and those of its token
+    inputs besides (`tokens`: the new tokens of a step over a cache), and the longest
+    fixed length of a token input (`fixed`: a decode step's one new token)."""
+
+    derived: frozenset[str]
+    cache: frozenset[str]
+    tokens: frozenset[str]
+    fixed: int
+
+    def top(self, bound: int) -> int:
+        """Where a derived sequence-like dimension stops: DEFAULT_MAX_DIM without a
+        position table; else the table's positions less those the new tokens take,
+        so that the positions a point reads fit the table (a step at past 2048 reads
+        position 2048, one past a table of 2048). Over a cache, each decode point
+        takes one new token and the past the rest; otherwise the derived dimensions
+        share what is left."""
+        if not bound:
+            return DEFAULT_MAX_PAST if self.cache else DEFAULT_MAX_DIM
+        if self.cache:
+            return max(1, bound - max(1, self.fixed))
+        return max(1, (bound - self.fixed) // max(1, len(self.derived)))
+
+
+def _sequences(
     declared: Mapping[str, Dims | None],
     model: onnx.ModelProto,
     static: Mapping[str, object],
     wanted: Mapping[str, object],
-) -> int:
-    """Where each derived sequence-like dimension stops: DEFAULT_MAX_DIM without a
-    position table; else the table's positions less those the token inputs' fixed
-    sequence takes (a decode step's one new token), shared by the derived sequence-like
-    dimensions (a past and a new sequence), so the positions a point reads fit the table:
-    a decode step at past 2048 reads position 2048, one past a table of 2048."""
-    if not bound:
-        return DEFAULT_MAX_DIM
+) -> _Sequences:
     ints = {
         i.name
         for i in _true_inputs(model)
         if i.type.tensor_type.elem_type in (onnx.TensorProto.INT64, onnx.TensorProto.INT32)
     }
-    fixed, derived = 0, set()
+    fixed, derived, cache, tokens = 0, set(), set(), set()
     for name, dims in declared.items():
         if dims is None or name in static or name in wanted:
             continue
@@ -154,8 +186,13 @@ def _position_share(
                 if name in ints and i > 0:
                     fixed = max(fixed, d)
             elif not (i == 0 or _BATCH_NAME.match(d or "") or _SUM_TERM.search(d or "")):
-                derived.add(d or f"{name}[{i}]")  # a sum of others takes theirs
-    return max(1, (bound - fixed) // max(1, len(derived)))
+                symbol = d or f"{name}[{i}]"  # a sum of others takes theirs
+                derived.add(symbol)
+                if _CACHE_NAME.search(name):
+                    cache.add(symbol)
+                elif name in ints:
+                    tokens.add(symbol)
+    return _Sequences(frozenset(derived), frozenset(cache), frozenset(tokens - cache), fixed)
 
 
 def _true_inputs(model: onnx.ModelProto) -> list[onnx.ValueInfoProto]:
@@ -243,6 +280,7 @@ def resolve(
     given_any = False
     order: dict[str, list[str]] = {}  # input -> the symbol of each dimension (or "")
     bound = None
+    seqs = _sequences(declared, model, static, wanted)
     for name, dims in declared.items():
         if dims is None:
             continue  # no shape at all: prep says what to pass
@@ -276,16 +314,18 @@ def resolve(
                     continue  # another input named it; a derived size never overrides
                 if i == 0 or _BATCH_NAME.match(d or ""):
                     got, how = list(BATCH_POINTS), "batch, derived"
+                elif symbol in seqs.tokens and seqs.cache:
+                    got, how = [1], "derived: one new token per decode step over the cache"
                 else:
                     bound = bound if bound is not None else (position_bound(model) or 0)
-                    top = _position_share(bound, declared, model, static, wanted)
+                    top = seqs.top(bound)
                     got = sorted({max(1, top // k) for k in _SPREAD})
                     how = (
                         f"derived up to {top} of the position table's {bound}"
                         if bound and top != bound
                         else f"derived up to the position table's {bound}"
                         if bound
-                        else f"derived up to {DEFAULT_MAX_DIM} (no position table bounds it)"
+                        else f"derived up to {top} (no position table bounds it)"
                     )
             if symbol in sizes and not why[symbol].startswith(("batch, derived", "derived")):
                 if sizes[symbol] != got:
@@ -298,10 +338,40 @@ def resolve(
             given_any = given_any or want is not None
     if not sizes:
         return None
+    # A step over a cache whose new tokens are dynamic also runs a prompt: one point
+    # more, the prompt as long as the shortest past, over that past.
+    prompt = {
+        t: min(sizes[c][0] for c in seqs.cache if c in sizes)
+        for t in seqs.tokens
+        if seqs.cache and t in sizes and sizes[t] == [1] and why[t].startswith("derived")
+    }
+    prefill = {k: v[:1] for k, v in sizes.items()} | {t: [n] for t, n in prompt.items()}
+    _sum_sizes(prefill, dict(why))
     _sum_sizes(sizes, why)
-    n = max(len(v) for v in sizes.values())
-    points = []
-    for k in range(n):
+    points = _points(declared, order, sizes)
+    decode = len(points)
+    if prompt:
+        points += [p for p in _points(declared, order, prefill) if p not in points]
+        why |= {t: f"{why[t]}; {n} at the prompt's point" for t, n in prompt.items()}
+    axes = {s: f"{', '.join(map(str, v))} ({why[s]})" for s, v in sizes.items()}
+    return Profile(
+        points=tuple(points),
+        representative=decode // 2,
+        axes=axes,
+        inputs=declared,
+        outputs={o.name: _dims(o) for o in model.graph.output},
+        derived=not given_any,
+    )
+
+
+def _points(
+    declared: Mapping[str, Dims | None],
+    order: Mapping[str, list[str]],
+    sizes: Mapping[str, list[int]],
+) -> list[dict[str, tuple[int, ...]]]:
+    """Point k: every dimension at the k-th of its sizes (its last when it has fewer)."""
+    points: list[dict[str, tuple[int, ...]]] = []
+    for k in range(max(len(v) for v in sizes.values())):
         point = {}
         for name, dims in declared.items():
             if dims is None:
@@ -314,15 +384,7 @@ def resolve(
             )
         if point not in points:
             points.append(point)
-    axes = {s: f"{', '.join(map(str, v))} ({why[s]})" for s, v in sizes.items()}
-    return Profile(
-        points=tuple(points),
-        representative=len(points) // 2,
-        axes=axes,
-        inputs=declared,
-        outputs={o.name: _dims(o) for o in model.graph.output},
-        derived=not given_any,
-    )
+    return points
 
 
 def _sum_sizes(sizes: dict[str, list[int]], why: dict[str, str]) -> None:
