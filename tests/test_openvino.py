@@ -101,6 +101,31 @@ async def test_the_daemon_reads_openvinos_offer_from_a_child(tmp_path, monkeypat
     assert offer.why_not == "openvino failed to load: no OpenVINO on this machine"
 
 
+async def test_the_daemons_answer_follows_what_is_installed(tmp_path, monkeypatch):
+    """The daemon's listing keeps OpenVINO's answer while the installed distribution is
+    the same, and asks again once another is installed: here one whose package cannot
+    load (version 0.0.1, first on the path of this process and of the child that asks)."""
+    import os
+
+    from aoed.api.info import OpenVinoWatch
+
+    watch = OpenVinoWatch()
+    first = await watch.offer()
+    assert first.usable and first == await watch.offer()
+    root = tmp_path / "site"
+    (root / "openvino").mkdir(parents=True)
+    (root / "openvino" / "__init__.py").write_text(
+        'raise ImportError("openvino 0.0.1 is broken")\n'
+    )
+    meta = root / "openvino-0.0.1.dist-info"
+    meta.mkdir()
+    (meta / "METADATA").write_text("Metadata-Version: 2.1\nName: openvino\nVersion: 0.0.1\n")
+    monkeypatch.syspath_prepend(str(root))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
+    after = await watch.offer()
+    assert not after.usable and "openvino 0.0.1 is broken" in after.why_not
+
+
 def test_openvino_devices_aoe_does_not_tune_on_are_listed_as_such():
     """A GPU and an NPU OpenVINO lists (not on this machine: described by hand) are
     `listed`, their descriptions saying aoe does not tune on them; a machine without a

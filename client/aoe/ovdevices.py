@@ -37,7 +37,7 @@ from typing import Any
 
 from aoe.plain import to_plain
 
-__all__ = ["TUNED", "Offer", "OvDevice", "find", "installed", "main", "quiet"]
+__all__ = ["TUNED", "Offer", "OvDevice", "find", "installed", "installed_version", "main", "quiet"]
 
 #: The OpenVINO device aoe tunes and ships on (aoed.engine.runtimestage: a CPU job only).
 TUNED = "CPU"
@@ -122,6 +122,17 @@ def installed() -> bool:
         return importlib.util.find_spec("openvino") is not None
     except (ImportError, ValueError):
         return False
+
+
+def installed_version() -> str | None:
+    """The version of the openvino distribution installed here, as its metadata says
+    (nothing imported); None where there is none."""
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("openvino")
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def quiet() -> None:

@@ -4,7 +4,9 @@ A CPU device also names the OpenVINO that jobs on it may ship on (aoe.ovdevices)
 description and as `versions["openvino"]`. This process never imports openvino: the
 import forks (aoe.ovdevices), and a process that has started gRPC must not fork. A fresh
 interpreter looks for it instead (`python -m aoe.ovdevices`, started through exec), on
-the first listing, never at start-up; its answer holds as long as the daemon runs.
+the first listing, never at start-up; its answer holds until what is installed changes
+(`OpenVinoWatch`: an install, an upgrade or a removal of the openvino distribution, read
+from its metadata on each listing).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from aoed.api._bridge import Bridge
 from aoed.config import DaemonConfig
 from aoed.jobs.manager import JobManager
 
-__all__ = ["DaemonServicer", "DeviceServicer"]
+__all__ = ["DaemonServicer", "DeviceServicer", "OpenVinoWatch"]
 
 #: Seconds the interpreter that looks for OpenVINO may take: an import and its plugins,
 #: seconds at most on a busy machine; beyond this the listing says so.
@@ -66,10 +68,26 @@ async def find_openvino() -> ovdevices.Offer:
     return ovdevices.Offer(why_not=f"{what} took over {OPENVINO_LIMIT_S:g} s")
 
 
+class OpenVinoWatch:
+    """The OpenVINO a listing names: found by `find_openvino` on the first listing, and
+    again on a listing that finds another openvino distribution installed than the last
+    answer was found with (or one where there was none, or none where there was one)."""
+
+    def __init__(self) -> None:
+        self._offer: ovdevices.Offer | None = None
+        self._version: str | None = None
+
+    async def offer(self) -> ovdevices.Offer:
+        version = ovdevices.installed_version()
+        if self._offer is None or version != self._version:
+            self._offer, self._version = await find_openvino(), version
+        return self._offer
+
+
 class DeviceServicer(devices_pb2_grpc.DeviceServiceServicer):
     def __init__(self, bridge: Bridge, jobs: JobManager):
         self._bridge, self._jobs = bridge, jobs
-        self._openvino: ovdevices.Offer | None = None  # found on the first listing
+        self._openvino = OpenVinoWatch()
 
     def ListDevices(
         self, request: devices_pb2.ListDevicesRequest, context: grpc.ServicerContext
@@ -86,9 +104,7 @@ class DeviceServicer(devices_pb2_grpc.DeviceServiceServicer):
         local = await trio.to_thread.run_sync(runtime.devices, first.providers or None)
         names = {a.device.name for a in devset}
         versions = runtime.versions()
-        if self._openvino is None:
-            self._openvino = await find_openvino()
-        openvino = self._openvino
+        openvino = await self._openvino.offer()
         devices = [
             _device(d, False, 0, versions, openvino) for d in local if d.device.name not in names
         ]
