@@ -478,3 +478,48 @@ def test_a_step_over_a_kv_cache_is_profiled_as_generation_runs_it() -> None:
         (1, 64),
         (1, 256),
     ]
+
+
+def test_choices_that_pass_alone_but_not_together_are_left_out_the_least_accurate_first() -> None:
+    """Three choices on a dynamic model, each within the tolerance alone: an exact one and
+    two lossy ones whose errors add up past it together. Only the least accurate is left
+    out (saying so), and the model of the other two holds at every point."""
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+
+    from aoe.signature import TensorInfo
+    from aoed.backends.ort.shapecheck import Points, guard
+
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((256, 256)).astype(np.float32)
+    noise = {
+        "a": 0.07 * rng.standard_normal((256, 256)).astype(np.float32),  # cosine about 0.9976
+        "b": 0.085 * rng.standard_normal((256, 256)).astype(np.float32),  # about 0.9964
+        "exact": np.zeros((256, 256), np.float32),
+    }
+
+    def build(chosen) -> onnx.ModelProto:
+        weight = w + sum((noise[t] for t in chosen), np.zeros_like(w))
+        graph = helper.make_graph(
+            [helper.make_node("MatMul", ["x", "w"], ["y"])],
+            "g",
+            [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 256])],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 256])],
+            [numpy_helper.from_array(weight, "w")],
+        )
+        return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+    reference = build({})
+    profile = resolve(reference, {}, ShapeProfile(), "m.onnx")
+    assert profile is not None and len(profile.points) == 2
+    points = Points(reference, profile, {"x": TensorInfo("float32", (1, 256))}, {})
+    tolerance = (10.0, 0.995)  # together about 0.9940
+    for t in noise:  # each alone holds
+        own = points.check(build({t: t}), tolerance)
+        assert all(c.ok for c in own), (t, own)
+    assert not all(c.ok for c in points.check(build(noise), tolerance))  # together not
+    model, refused, checks = guard(build, {t: t for t in noise}, points, tolerance)
+    assert list(refused) == ["b"] and "with the others" in refused["b"], refused
+    assert all(c.ok for c in checks) and len(checks) == 2
+    kept = numpy_helper.to_array(model.graph.initializer[0])
+    assert np.allclose(kept, w + noise["a"])

@@ -145,7 +145,10 @@ def guard(
     """The model `build` makes of `choices` (dynamic axes restored), with each choice
     whose model fails a point left out: (model, task id -> why, its checks). A choice
     is judged alone (the input model with it and nothing else); when the choices that
-    pass alone still fail together, every choice is left out."""
+    pass alone still fail together (their errors add up past the tolerance at a point),
+    they are left out one at a time, the least accurate alone first (the lowest cosine
+    at any point), until the rest hold together; a failure that is no loss of accuracy
+    leaves every one out."""
 
     def made(chosen: Mapping[str, str]) -> onnx.ModelProto:
         model = build(chosen)
@@ -157,16 +160,27 @@ def guard(
     if _failed(checks) is None or not choices:
         return model, {}, checks
     refused: dict[str, str] = {}
+    alone: dict[str, float] = {}  # task id -> its lowest cosine at any point, alone
     for tid, strategy in choices.items():
-        bad = _failed(points.check(made({tid: strategy}), tolerance))
+        own = points.check(made({tid: strategy}), tolerance)
+        bad = _failed(own)
         if bad is not None:
             refused[tid] = f"{strategy} fails at shape {_where(bad)}: {bad.error}"
+        else:
+            alone[tid] = min((c.accuracy.get("cosine", 1.0) for c in own), default=1.0)
     kept = {t: s for t, s in choices.items() if t not in refused}
     model = made(kept)
     checks = points.check(model, tolerance)
-    if (bad := _failed(checks)) is not None and kept:
-        for tid, strategy in kept.items():
-            refused[tid] = f"{strategy} fails at shape {_where(bad)} with the others: {bad.error}"
-        model = made({})
+    while (bad := _failed(checks)) is not None and kept:
+        if bad.accuracy:  # it runs there, less accurately than allowed: the worst goes
+            tid = min(kept, key=lambda t: (alone.get(t, 1.0), t))
+            out = [tid]
+        else:  # it fails to run with the others: no one to blame
+            out = list(kept)
+        for tid in out:
+            refused[tid] = (
+                f"{kept.pop(tid)} fails at shape {_where(bad)} with the others: {bad.error}"
+            )
+        model = made(kept)
         checks = points.check(model, tolerance)
     return model, refused, checks
