@@ -346,9 +346,10 @@ async def assemble(ctx: JobContext, known: Known, found: Searched) -> Assembled:
             path,
             found.fallback_us,
         )
-    # Lossy choices reach the bank only now, as what the model kept.
+    # Lossy choices reach the bank only now, as what the model kept; one the model failed
+    # with at a profile point reaches it neither as itself nor as its fallback.
     for d in found.decided:
-        if d.pending is not None:
+        if d.pending is not None and d.task.id not in refused:
             kept = chosen[d.task.id] == d.strategy
             w = d.pending if kept else d.fallback_write
             if w is not None and (w.entries or w.defaults):
