@@ -181,7 +181,7 @@ def _decoder(
     kv: int = N,
     dynamo: bool = False,
     rotary: bool = False,
-    steps: int = 1,
+    steps: int | None = 1,
     opaque: bool = False,
 ) -> onnx.ModelProto:
     """One decode step of an attention block as exporters write it with past: x [B,
@@ -194,13 +194,15 @@ def _decoder(
     embeddings on Q and K before the cache, as LLaMA's and Qwen2's exports compute them:
     the tables at run time from this step's position (the past's length) and constant
     inverse frequencies. `opaque`: the dynamo form's first Kᵀ target passes an Identity,
-    which no shape computation the recognizer takes into a block has."""
+    which no shape computation the recognizer takes into a block has. `steps` None: as
+    many new positions as x has (`seq`, dynamic; not with `dynamo`)."""
     g = G(seed=7)
-    x = g.input("x", [B, steps, H])
+    x = g.input("x", [B, "seq" if steps is None else steps, H])
+    span = -1 if steps is None else steps
     pasts = [g.input(f"past_{w}", [B, kv, "past", D]) for w in ("key", "value")]
 
     def heads(n: int) -> str:
-        y = g.n("Reshape", linear(g, x, H, n * D), g.t(np.array([B, steps, n, D], np.int64)))
+        y = g.n("Reshape", linear(g, x, H, n * D), g.t(np.array([B, span, n, D], np.int64)))
         return g.n("Transpose", y, perm=[0, 2, 1, 3])
 
     def repeat(t: str) -> str:
@@ -234,7 +236,12 @@ def _decoder(
 
     q, new_k = heads(N), heads(kv)
     length = g.n("Squeeze", dims(g.n("Shape", pasts[0]), 2), g.t(np.array([0])))
-    positions = g.n("Add", g.t(np.arange(steps)), length)  # this step's
+    if steps is None:
+        count = g.n("Squeeze", dims(g.n("Shape", x), 1), g.t(np.array([0])))
+        new = g.n("Range", g.t(np.array(0)), count, g.t(np.array(1)))
+    else:
+        new = g.t(np.arange(steps))
+    positions = g.n("Add", new, length)  # this step's
     if rotary:  # made after the projections, as the exports order them
         inv = (1.0 / 10000 ** (np.arange(0, D, 2) / D)).astype(np.float32)
         position = g.n("Cast", positions, to=TensorProto.FLOAT)
@@ -267,8 +274,8 @@ def _decoder(
         s = g.n("Add", s, g.n("Where", keep, g.f(0.0), g.f(-np.inf)))
     c = g.n("Transpose", g.n("MatMul", g.n("Softmax", s, axis=-1), v), perm=[0, 2, 1, 3])
     model = g.model(
-        linear(g, g.n("Reshape", c, g.t(np.array([B, steps, H], np.int64))), H, H),
-        shape=(B, steps, H),
+        linear(g, g.n("Reshape", c, g.t(np.array([B, span, H], np.int64))), H, H),
+        shape=(B, "seq" if steps is None else steps, H),
     )
     model.graph.output.extend(
         helper.make_tensor_value_info(p, TensorProto.FLOAT, [B, kv, "total", D]) for p in presents
@@ -341,6 +348,29 @@ def test_a_block_that_would_read_what_its_own_presents_make_is_no_task(tmp_path:
     prep = prepare(src, tmp_path / "prep")
     assert [t.family for t in partition(prep.model, prep.ctx, "sgat")] == []
     assert {t.family for t in partition(prep.model, prep.ctx, "opat")} == {"matmul", "matmul_act"}
+
+
+def test_rotary_tables_of_as_many_rows_as_new_tokens_hold_at_a_prompt_and_at_a_step(
+    tmp_path: Path,
+) -> None:
+    """A step whose new tokens are dynamic, rotated by run-time tables, prepared at one
+    count: its kernels read the count of this step's rows at run time (never the
+    prepared one), so a prompt of 5 over a past and one token over it give the block's
+    outputs."""
+    src = tmp_path / "rotary_seq.onnx"
+    onnx.save(_decoder(kv=2, rotary=True, steps=None), src)
+    prep = prepare(src, tmp_path / "prep")
+    reference = _session(src)
+    [model] = _rewritten(prep, "group_query_attention").values()
+    assert model is not None
+    session = _session(model)
+    rng = np.random.default_rng(0)
+    for steps, past in ((5, 0), (5, 40), (1, 41), (3, 300)):
+        feeds = {"x": rng.standard_normal((B, steps, H)).astype(np.float32)}
+        for name in ("past_key", "past_value"):
+            feeds[name] = rng.standard_normal((B, 2, past, D)).astype(np.float32)
+        err, _ = _worst(reference.run(None, feeds), session.run(None, feeds))
+        assert err <= 1e-4, (steps, past, err)
 
 
 @pytest.mark.parametrize("kv", [N, 2])

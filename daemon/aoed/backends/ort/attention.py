@@ -722,16 +722,31 @@ def _rotated(
     as many as q); v as it is. Tables computed at run time (a decode step's) are this
     step's rows: the caches are their first halves, taken at run time."""
     if att.run_time_rotary is not None:
-        xi = view.info(att.x)
-        assert xi is not None
-        seq = int(xi.shape[1])
-        pos = init(view, "rotary_positions", np.arange(seq, dtype=np.int64)[None, :])
-        rows = init(view, "rotary_rows", np.array([seq, att.head_dim], np.int64))
+        # This step's rows, as many as its new tokens: their count is read at run time
+        # (never the searched point's), the positions 0..S-1 made from it.
+        rows = init(view, "rotary_rows", np.array([-1, att.head_dim], np.int64))
         ends = [
             init(view, f"rotary_{n}", np.array([v], np.int64))
             for n, v in (("start", 0), ("half", att.head_dim // 2), ("axis", 1))
         ]
-        inits += [pos, rows, *ends]
+        zero, one = (
+            init(view, f"rotary_{n}", np.array(v, np.int64)) for n, v in (("zero", 0), ("one", 1))
+        )
+        inits += [rows, *ends, zero, one]
+        shape, seq, pos_flat = (view.name(f"rotary_{n}") for n in ("x_shape", "seq", "pos_flat"))
+        pos_name = view.name("rotary_positions")
+        nodes += [
+            helper.make_node("Shape", [att.x], [shape], name=view.name("RotaryShape")),
+            helper.make_node(
+                "Gather", [shape, one.name], [seq], name=view.name("RotarySeq"), axis=0
+            ),
+            helper.make_node(
+                "Range", [zero.name, seq, one.name], [pos_flat], name=view.name("RotaryRange")
+            ),
+            helper.make_node(
+                "Unsqueeze", [pos_flat, ends[0].name], [pos_name], name=view.name("RotaryPositions")
+            ),
+        ]
         caches = []
         for which, table in zip(("cos", "sin"), att.run_time_rotary, strict=True):
             flat, half = view.name(f"rotary_{which}_rows"), view.name(f"rotary_{which}")
@@ -747,7 +762,7 @@ def _rotated(
                 ),
             ]
             caches.append(half)
-        pos_name, cos_name, sin_name = pos.name, caches[0], caches[1]
+        cos_name, sin_name = caches[0], caches[1]
     else:
         assert att.rotary is not None
         cos, sin = att.rotary
