@@ -112,7 +112,8 @@ def _empty(folder: Path) -> Path:
     [
         (lambda p: Path("/etc/passwd"), "not a readable ONNX model"),
         (lambda p: p / "missing.onnx", "no such model file"),
-        (lambda p: p, "not a regular file"),
+        # a folder may be a TensorFlow SavedModel: one without saved_model.pb is refused
+        (lambda p: p, "not a TensorFlow SavedModel (no saved_model.pb in it)"),
         (_empty, "the file is empty"),
     ],
     ids=["text", "missing", "folder", "empty"],
