@@ -136,7 +136,6 @@ def test_a_residual_stream_absorbs_the_error_and_the_candidate_is_kept(
 
 
 @pytest.mark.slow
-@pytest.mark.usefixtures("machine_alone")
 def test_an_error_the_model_does_not_absorb_stays_rejected(tmp_path: Path) -> None:
     doc = _tune(tmp_path, residual=False)
     task = doc["task"]

@@ -85,17 +85,29 @@ tf.saved_model.save(h, sys.argv[3], signatures={"serving_default": h.__call__})
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, np.ndarray]]:
-    """The SavedModel's directory and TensorFlow's own inputs and outputs."""
-    folder = tmp_path_factory.mktemp("tf")
+    """The SavedModel's directory and TensorFlow's own inputs and outputs: saved once for
+    the whole run, by the first xdist worker that asks (the others wait for it and read
+    the same files), since each save imports TensorFlow in a process of its own."""
+    import fcntl
+    import os
+
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    folder = shared / "tf-saved"
     model, ref = folder / "tiny", folder / "ref.npz"
     hostile, marker = folder / "hostile", folder / "planted-ran"
-    r = subprocess.run(
-        [sys.executable, "-c", _SAVE, str(model), str(ref), str(hostile), str(marker)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
+    with open(shared / "tf-saved.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (folder / "saved").exists():
+            folder.mkdir(exist_ok=True)
+            r = subprocess.run(
+                [sys.executable, "-c", _SAVE, str(model), str(ref), str(hostile), str(marker)],
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
+            assert r.returncode == 0, r.stderr[-3000:]
+            (folder / "saved").touch()
     with np.load(ref) as data:
         return model, dict(data)
 
