@@ -268,6 +268,7 @@ def _tar(folder: Path, archive: Path, *, arcname: str) -> bytes:
 
 
 @pytest.mark.slow
+@pytest.mark.long  # the conversion as the embedded case has it, on the daemon's surfaces
 def test_a_daemon_tunes_a_saved_model_dropped_as_a_tar_named_by_path_or_uploaded(
     saved: tuple[Path, dict[str, np.ndarray]], tmp_path: Path
 ) -> None:
