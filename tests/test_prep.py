@@ -63,6 +63,45 @@ def test_input_shape_override_makes_the_model_static(tmp_path: Path) -> None:
     assert out.shape == (4, 16)
 
 
+def test_an_output_whose_length_only_run_time_shapes_give_gets_its_static_shape(
+    tmp_path: Path,
+) -> None:
+    """A KV cache's present, a graph output declared `past + seq`, concatenates a tensor
+    reshaped to a target computed at run time (a Max that inference does not propagate):
+    the prepared model knows its length, as it knows an intermediate tensor's, so an
+    attention block that reads it is recognized (a decoder's second layer was not)."""
+    from onnx import TensorProto as T
+    from onnx import helper as h
+    from onnx import numpy_helper as nh
+
+    def const(name: str, v: list[int]) -> onnx.TensorProto:
+        return nh.from_array(np.array(v, np.int64), name)
+
+    graph = h.make_graph(
+        [
+            h.make_node("Shape", ["x"], ["shape"]),
+            h.make_node("Max", ["shape", "one"], ["at_least_one"]),
+            h.make_node("Slice", ["at_least_one", "one", "two"], ["seq"]),
+            h.make_node("Concat", ["head", "seq", "tail"], ["target"], axis=0),
+            h.make_node("Reshape", ["x", "target"], ["new"]),
+            h.make_node("Concat", ["past", "new"], ["present"], axis=2),
+        ],
+        "step",
+        [
+            h.make_tensor_value_info("x", T.FLOAT, [1, "seq", 8]),
+            h.make_tensor_value_info("past", T.FLOAT, [1, 2, "past", 4]),
+        ],
+        [h.make_tensor_value_info("present", T.FLOAT, [1, 2, "past + seq", 4])],
+        [const("one", [1]), const("two", [2]), const("head", [1, 2]), const("tail", [4])],
+        # as exporters write it: the run-time reshape's result with its symbols
+        value_info=[h.make_tensor_value_info("new", T.FLOAT, [1, 2, "seq", 4])],
+    )
+    src = _save(tmp_path, "step", h.make_model(graph, opset_imports=[h.make_opsetid("", 18)]))
+    prep = prepare(src, tmp_path / "work", {"x": (1, 3, 8), "past": (1, 2, 5, 4)})
+    assert _dims(prep.model.graph.output[0]) == [1, 2, 8, 4]
+    assert prep.ctx.tensors["present"] == TensorInfo("float32", (1, 2, 8, 4))
+
+
 def test_override_of_unknown_input_is_an_option_error(tmp_path: Path) -> None:
     src = _save(tmp_path, "mlp")
     with pytest.raises(OptionError, match="'pixels'") as err:

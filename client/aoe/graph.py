@@ -313,6 +313,12 @@ def _fill_shapes(model: onnx.ModelProto) -> None:
             existing[name].CopyFrom(vi)
         else:
             g.value_info.append(vi)
+    # The graph's outputs too: a KV cache's present is an output whose declared length
+    # (`past + seq`) inference fills only where what it concatenates was known at once.
+    inferred = {o.name: o for o in scratch.graph.output if _static(o) is not None}
+    for out in g.output:
+        if out.name not in shapes and out.name in inferred:
+            out.type.CopyFrom(inferred[out.name].type)
 
 
 def _own_masks(model: onnx.ModelProto, notes: list[str]) -> None:
