@@ -77,6 +77,9 @@ def test_int4_strategies_apply_to_matmul_tasks_within_the_policy(
         "int4_int8_compute_b128",
     ]
     assert not any(s.precision == "int4" for s in registry.strategies_for("matmul", "int8"))
+    # int4's budget admits the finer 8-bit grid too; the gate keeps what passes
+    int8 = {s.name for s in registry.strategies_for("matmul", "int8") if s.precision == "int8"}
+    assert int8 and int8 <= {s.name for s in registry.strategies_for("matmul", "int4")}
     prep = prepare(models / "mlp.onnx", tmp_path)
     consts = Constants(prep.model.graph, list(prep.model.opset_import))
     feeds = make_inputs(prep.inputs)

@@ -72,7 +72,7 @@ def add_arguments(
     p.add_argument(
         "--precision",
         metavar="P",
-        help="precision policy: exact (default), int8, int4 (weight-only 4-bit products), "
+        help="precision policy: exact (default), int8, int4 (4-bit weight-only products, int8 forms too), "
         "or on a GPU/NPU fp16 or bf16",
     )
     p.add_argument(

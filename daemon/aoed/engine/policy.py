@@ -5,8 +5,9 @@ task and end to end. `exact` allows float-rounding differences only (reassociati
 different kernel); `int8` accepts the error of 8-bit quantization within a budget
 (default: cosine >= 0.999 and max error <= 25% of the output range, end to end; max
 error is a worst case over every element, cosine the overall agreement); `int4`
-(weight-only 4-bit products) the same with cosine >= 0.99; `fp16` and `bf16` (float16 /
-bfloat16 compute on accelerators) cosine >= 0.999 and max error <= 5% (bf16: 10%).
+(weight-only 4-bit products, and int8's forms, a finer grid) the same with cosine >=
+0.99; `fp16` and `bf16` (float16 / bfloat16 compute on accelerators) cosine >= 0.999
+and max error <= 5% (bf16: 10%).
 """
 
 from __future__ import annotations

@@ -39,6 +39,11 @@ DEFAULT = "default"
 #: the precision of a strategy that approximates a formula in float: lossy, but no
 #: quantization; offered under every lossy policy
 APPROX = "approx"
+#: The lossy policies a looser one admits as well: int4's budget (cosine >= 0.99) takes
+#: an 8-bit grid, finer than its own; on CPUs with int8 dot products (VNNI, AMX), an int8
+#: product with the activation quantized at run time is as fast as a 4-bit one at one
+#: row and faster at more, and the gate keeps whichever passes.
+FINER: dict[str, tuple[str, ...]] = {"int4": ("int8",)}
 
 #: a strategy's rewrite: the task's view -> its rewrite, or None where it does not apply
 RewriteFn = Callable[[TaskView], Rewrite | None]
@@ -146,8 +151,12 @@ class StrategyRegistry:
         """The strategies of `family` allowed under `precision` on a device of `kind`, in
         registration order: exact ones always; under a lossy policy also its own and the
         `approx` ones (a formula approximated in float, e.g. GELU's erf by tanh), which
-        every lossy policy's gates judge like any other lossy candidate."""
-        allowed = {"exact"} if precision == "exact" else {"exact", precision, APPROX}
+        every lossy policy's gates judge like any other lossy candidate, and the forms of
+        the policies it admits (`FINER`: int4 admits int8)."""
+        if precision == "exact":
+            allowed = {"exact"}
+        else:
+            allowed = {"exact", precision, APPROX, *FINER.get(precision, ())}
         for s in self._by_key.values():
             if s.family == family and s.precision in allowed and s.for_kind(kind):
                 yield s
