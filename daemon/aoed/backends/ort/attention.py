@@ -722,31 +722,17 @@ def _rotated(
     as many as q); v as it is. Tables computed at run time (a decode step's) are this
     step's rows: the caches are their first halves, taken at run time."""
     if att.run_time_rotary is not None:
-        # This step's rows, as many as its new tokens: their count is read at run time
-        # (never the searched point's), the positions 0..S-1 made from it.
+        # This step's rows, as many as its new tokens, at positions 0..S-1: a position_ids
+        # of shape [1] is the kernel's offset of the first (never the searched point's
+        # count, and nothing to compute at run time).
         rows = init(view, "rotary_rows", np.array([-1, att.head_dim], np.int64))
         ends = [
             init(view, f"rotary_{n}", np.array([v], np.int64))
             for n, v in (("start", 0), ("half", att.head_dim // 2), ("axis", 1))
         ]
-        zero, one = (
-            init(view, f"rotary_{n}", np.array(v, np.int64)) for n, v in (("zero", 0), ("one", 1))
-        )
-        inits += [rows, *ends, zero, one]
-        shape, seq, pos_flat = (view.name(f"rotary_{n}") for n in ("x_shape", "seq", "pos_flat"))
-        pos_name = view.name("rotary_positions")
-        nodes += [
-            helper.make_node("Shape", [att.x], [shape], name=view.name("RotaryShape")),
-            helper.make_node(
-                "Gather", [shape, one.name], [seq], name=view.name("RotarySeq"), axis=0
-            ),
-            helper.make_node(
-                "Range", [zero.name, seq, one.name], [pos_flat], name=view.name("RotaryRange")
-            ),
-            helper.make_node(
-                "Unsqueeze", [pos_flat, ends[0].name], [pos_name], name=view.name("RotaryPositions")
-            ),
-        ]
+        first = init(view, "rotary_first", np.array([0], np.int64))
+        inits += [rows, *ends, first]
+        pos_name = first.name
         caches = []
         for which, table in zip(("cos", "sin"), att.run_time_rotary, strict=True):
             flat, half = view.name(f"rotary_{which}_rows"), view.name(f"rotary_{which}")
