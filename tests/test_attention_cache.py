@@ -183,6 +183,7 @@ def _decoder(
     rotary: bool = False,
     steps: int | None = 1,
     opaque: bool = False,
+    opset: int = 17,
 ) -> onnx.ModelProto:
     """One decode step of an attention block as exporters write it with past: x [B,
     `steps`, H] (more than one: a prompt's continuation), `kv` K/V heads appended to past_key/past_value [B, kv, past, D], the presents
@@ -196,7 +197,7 @@ def _decoder(
     inverse frequencies. `opaque`: the dynamo form's first Kᵀ target passes an Identity,
     which no shape computation the recognizer takes into a block has. `steps` None: as
     many new positions as x has (`seq`, dynamic; not with `dynamo`)."""
-    g = G(seed=7)
+    g = G(seed=7, opset=opset)
     x = g.input("x", [B, "seq" if steps is None else steps, H])
     span = -1 if steps is None else steps
     pasts = [g.input(f"past_{w}", [B, kv, "past", D]) for w in ("key", "value")]
@@ -283,14 +284,17 @@ def _decoder(
     return model
 
 
-def test_grouped_kv_heads_with_a_cache_run_on_group_query_attention(tmp_path: Path) -> None:
+@pytest.mark.parametrize("opset", [17, 14])
+def test_grouped_kv_heads_with_a_cache_run_on_group_query_attention(
+    opset: int, tmp_path: Path
+) -> None:
     """K/V heads shared by groups of query heads, repeated after the cache: the block is
     a task with its presents, GroupQueryAttention takes the cache with kv_num_heads
-    K/V heads (seqlens_k and the total length computed from shapes), MultiHeadAttention
-    (a present per query head) declines, and the outputs stay the block's at every
-    past."""
+    K/V heads (seqlens_k and the total length computed from shapes: Shape's start and
+    end from opset 15, Gather before), MultiHeadAttention (a present per query head)
+    declines, and the outputs stay the block's at every past."""
     src = tmp_path / "gqa.onnx"
-    onnx.save(_decoder(kv=2), src)
+    onnx.save(_decoder(kv=2, opset=opset), src)
     prep = prepare(src, tmp_path / "prep")
     [task] = [t for t in partition(prep.model, prep.ctx, "sgat") if t.family == "attention"]
     presents = [o.name for o in prep.model.graph.output][1:]
@@ -302,6 +306,8 @@ def test_grouped_kv_heads_with_a_cache_run_on_group_query_attention(tmp_path: Pa
     attrs = {a.name: helper.get_attribute_value(a) for a in gqa.attribute}
     assert (attrs["num_heads"], attrs["kv_num_heads"]) == (N, 2)
     assert list(gqa.input[3:5]) == ["past_key", "past_value"] and list(gqa.output[1:]) == presents
+    gathers = [n for n in model.graph.node if n.op_type == "Gather" and "aoe/" in n.name]
+    assert len(gathers) == (3 if opset < 15 else 0), [n.name for n in gathers]
     reference, session = _session(src), _session(model)
     for past in (0, 5, 300):
         feeds = _feeds(reference, past)

@@ -881,21 +881,34 @@ def _cache_lengths(view: TaskView, att: _Parts, nodes: list, inits: list) -> tup
     input's shapes at run time: the tuned model serves every past length, never only the
     one it was measured at."""
     assert att.caches is not None
-    at = {
-        i: init(view, f"cache_axis_{i}", np.array([i], np.int64)) for i in (0, 1, 2)
-    }  # Gather, not Shape's start/end (opset 15), so that any opset takes it
     one = init(view, "cache_one", np.array([1], np.int32))
     scalar = init(view, "cache_scalar", np.zeros(0, np.int64))
-    inits += [*at.values(), one, scalar]
+    inits += [one, scalar]
     n = {k: view.name(k) for k in ("past_shape", "x_shape", "past_len", "seq", "batch")}
     n |= {k: view.name(k) for k in ("total64", "total", "last", "seqlens_k", "total_len")}
     node = helper.make_node
+    if view.opset >= 15:  # Shape's start and end: each length one node, nothing to gather
+        nodes += [
+            node("Shape", [src], [n[k]], name=view.name(k), start=i, end=i + 1)
+            for src, k, i in (
+                (att.caches[0].past, "past_len", 2),
+                (att.x, "seq", 1),
+                (att.x, "batch", 0),
+            )
+        ]
+    else:
+        at = {i: init(view, f"cache_axis_{i}", np.array([i], np.int64)) for i in (0, 1, 2)}
+        inits += at.values()
+        nodes += [
+            node("Shape", [att.caches[0].past], [n["past_shape"]], name=view.name("PastShape")),
+            node("Shape", [att.x], [n["x_shape"]], name=view.name("InputShape")),
+            node(
+                "Gather", [n["past_shape"], at[2].name], [n["past_len"]], name=view.name("PastLen")
+            ),
+            node("Gather", [n["x_shape"], at[1].name], [n["seq"]], name=view.name("SeqLen")),
+            node("Gather", [n["x_shape"], at[0].name], [n["batch"]], name=view.name("Batch")),
+        ]
     nodes += [
-        node("Shape", [att.caches[0].past], [n["past_shape"]], name=view.name("PastShape")),
-        node("Shape", [att.x], [n["x_shape"]], name=view.name("InputShape")),
-        node("Gather", [n["past_shape"], at[2].name], [n["past_len"]], name=view.name("PastLen")),
-        node("Gather", [n["x_shape"], at[1].name], [n["seq"]], name=view.name("SeqLen")),
-        node("Gather", [n["x_shape"], at[0].name], [n["batch"]], name=view.name("Batch")),
         node("Add", [n["past_len"], n["seq"]], [n["total64"]], name=view.name("Total64")),
         node(
             "Cast", [n["total64"]], [n["total"]], name=view.name("Total"), to=onnx.TensorProto.INT32
