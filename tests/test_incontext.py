@@ -11,10 +11,7 @@ model's output, the model does not absorb the error, and the job keeps the float
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import sys
-import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -23,35 +20,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from .conftest import held_alone, run_aoe
-
-LOWRANK_PLUGIN = textwrap.dedent(
-    """
-    import numpy as np
-    from onnx import helper
-    from aoed.backends.ort._rewrite import init, matmul_parts
-    from aoed.engine.registry import Strategy
-    from aoed.engine.tasks import Rewrite
-
-    def _lowrank(view):
-        parts = matmul_parts(view)
-        if parts is None:
-            return None
-        a, w, bias, act, rank = parts
-        if bias is not None or act is not None or rank != 2 or min(w.shape) < 64:
-            return None
-        u, s, vt = np.linalg.svd(w.astype(np.float64), full_matrices=False)
-        left = init(view, "left", (u[:, :8] * s[:8]).astype(np.float32))
-        right = init(view, "right", vt[:8].astype(np.float32))
-        mid = view.name("mid")
-        return Rewrite((helper.make_node("MatMul", [a, left.name], [mid], name=view.name("L")),
-                        helper.make_node("MatMul", [mid, right.name], [view.output], name=view.name("R"))),
-                       (left, right))
-
-    def register(registry):
-        registry.register(Strategy("lowrank8", "matmul", "int8", _lowrank))
-    """
-)
-
+from .plugins import lowrank_env
 
 #: The weight's side: large enough that the rank-8 product is several times faster than
 #: int8's (on AMX, int8 of a 512-wide weight ran within 2x of it, and a busy machine's
@@ -81,11 +50,7 @@ def _model(path: Path, residual: bool) -> Path:
 
 
 def _tune(tmp_path: Path, residual: bool, searched: bool = True) -> dict:
-    (tmp_path / "aoed_lowrank_plugin.py").write_text(LOWRANK_PLUGIN)
-    env = {
-        "PYTHONPATH": os.pathsep.join([str(tmp_path), *filter(None, sys.path)]),
-        "AOED_PLUGINS": "aoed_lowrank_plugin",
-    }
+    env = lowrank_env(tmp_path)
     src = _model(tmp_path / "m.onnx", residual)
     r = run_aoe(
         "tune",

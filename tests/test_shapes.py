@@ -5,6 +5,9 @@ derives from a dynamic model (sizes spread up to its position table)."""
 from __future__ import annotations
 
 import argparse
+import json
+import subprocess
+import sys
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
@@ -23,6 +26,9 @@ from aoe.specargs import add_arguments, from_args, split_shapes, to_argv
 from aoe.wire import spec_from_pb, spec_to_pb
 from aoed import samples
 from aoed.engine.shapeprofile import position_bound, resolve, restore_io
+
+from .conftest import run_aoe
+from .plugins import lowrank_env
 
 
 def _args(*argv: str) -> JobSpec:
@@ -523,3 +529,134 @@ def test_choices_that_pass_alone_but_not_together_are_left_out_the_least_accurat
     assert all(c.ok for c in checks) and len(checks) == 2
     kept = numpy_helper.to_array(model.graph.initializer[0])
     assert np.allclose(kept, w + noise["a"])
+
+
+# --------------------------------------------------------------------------- a lossy job
+
+#: The side of the two products' weights: wide enough that their rank-8 forms are
+#: clearly faster than every other form (tests/test_incontext.py), so the search takes them.
+SIDE = 1024
+#: The position rows from here on carry outliers; the searched point of the derived
+#: profile (seq 8, 32, 128 of a 128-row table) has none of them.
+QUIET = 32
+
+
+def _late_outliers(path: Path) -> Path:
+    """x [1, seq, SIDE] plus the first seq rows of a position table, into two products of
+    different widths (two tasks, not twins), each a model output. Each weight is rank 8
+    plus 0.04% of its energy in noise: a rank-8 form drops the noise, and keeps cosine
+    0.9998 on the task's own outputs at the searched point. The table's rows past QUIET
+    lie where no rank-8 form of either weight looks, and everything of them that reaches
+    a product is lost: at seq 128 the model keeps cosine 0.99931 with the first rank-8
+    form alone and 0.99935 with the second (within int8's 0.999), 0.99866 with both."""
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(11)
+    weights = {}
+    for name, width in (("w1", SIDE), ("w2", SIDE - 64)):
+        low = rng.standard_normal((SIDE, 8)) @ rng.standard_normal((8, width))
+        noise = rng.standard_normal((SIDE, width))
+        w = low / np.linalg.norm(low) + 0.02 * noise / np.linalg.norm(noise)
+        weights[name] = (w * np.sqrt(width) / np.linalg.norm(w)).astype(np.float32)
+    seen = [
+        np.linalg.svd(w.astype(np.float64), full_matrices=False)[0][:, :8] for w in weights.values()
+    ]
+    basis, _ = np.linalg.qr(np.concatenate(seen, axis=1))
+    table = rng.standard_normal((128, SIDE))
+    table -= table @ basis @ basis.T
+    table *= 2.8 * np.sqrt(SIDE) / np.linalg.norm(table, axis=1, keepdims=True)
+    table[:QUIET] = 0.0
+    consts = {
+        "positions.table": table.astype(np.float32),
+        "zero": np.array(0, np.int64),
+        "one": np.array(1, np.int64),
+        "axes0": np.array([0], np.int64),
+        **weights,
+    }
+    nodes = [
+        helper.make_node("Shape", ["x"], ["shape"], name="shape"),
+        helper.make_node("Gather", ["shape", "one"], ["seq"], name="seq", axis=0),
+        helper.make_node("Range", ["zero", "seq", "one"], ["range"], name="range"),
+        helper.make_node("Unsqueeze", ["range", "axes0"], ["ids"], name="ids"),
+        helper.make_node("Gather", ["positions.table", "ids"], ["pos"], name="pos", axis=0),
+        helper.make_node("Add", ["x", "pos"], ["h"], name="add"),
+        helper.make_node("MatMul", ["h", "w1"], ["out1"], name="proj1"),
+        helper.make_node("MatMul", ["h", "w2"], ["out2"], name="proj2"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "late_outliers",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, "seq", SIDE])],
+        [
+            helper.make_tensor_value_info(f"out{i}", TensorProto.FLOAT, [1, "seq", w.shape[1]])
+            for i, w in enumerate(weights.values(), 1)
+        ],
+        [numpy_helper.from_array(v, k) for k, v in consts.items()],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    return samples.save(model, path)
+
+
+@pytest.mark.slow
+def test_a_lossy_choice_the_model_fails_with_at_another_point_is_left_out_unbanked(
+    tmp_path: Path,
+) -> None:
+    """An int8 job on a dynamic model: both tasks' rank-8 forms pass their task gate at
+    the searched point and hold alone at every point, and fail together at the longest.
+    Assembly leaves the less accurate one out; the job succeeds, keeps and banks the other,
+    and the bank holds nothing for the one left out (neither it nor its fallback)."""
+    src = _late_outliers(tmp_path / "late_outliers.onnx")
+    bank, out = tmp_path / "bank", tmp_path / "o"
+    r = run_aoe(
+        "tune",
+        str(src),
+        *("--precision", "int8", "--bank", str(bank), "--output", str(out), "--keep-workspace"),
+        *("--budget", "2", "--parallel", "1", "--no-progress", "--job-type", "opat"),
+        env=lowrank_env(tmp_path),
+    )
+    assert r.returncode == 0, r.stderr
+    (path,) = out.glob("aoe_result_opat_*.json")
+    doc = json.loads(path.read_text())
+    assert doc["shape_profile"]["points"] == [{"x": [1, n, SIDE]} for n in (8, 32, 128)]
+    tasks = {t["op_name"]: t for t in doc["tasks"]}
+    chosen = {name: (t["strategy"], t["rejected"]) for name, t in tasks.items()}
+    assert {s for s, _ in chosen.values()} == {"lowrank8"}, chosen  # the search's choices
+    left, kept = tasks["proj1"], tasks["proj2"]
+    why = "lowrank8 fails at shape x:1,128,1024 with the others: outputs differ"
+    assert any(
+        n.startswith(f"{left['task_id']}: {why}") and n.endswith("; left out") for n in doc["notes"]
+    ), doc["notes"]
+    assert not left["applied"] and left["error"].startswith(f"not applied: {why}")
+    # the assembled model holds the kept choice and not the one left out, nor does what ships
+    assembled = Path(doc["workspace"]) / "tunespace" / "work" / "assembled.onnx"
+    names = [n.name for n in onnx.load(str(assembled)).graph.node]
+    assert "proj1" in names and f"aoe/{kept['task_id']}/L" in names, names
+    shipped = [n.name for n in onnx.load(doc["tuned_model"]).graph.node]
+    assert "proj1" in shipped and not any(n.startswith(f"aoe/{left['task_id']}") for n in shipped)
+
+    def bank_cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "aoe.cli", "bank", *args, "--bank", str(bank)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    # The history of the search names each task's key; only the kept choice has an entry.
+    exported = bank_cli("export")
+    assert exported.returncode == 0, exported.stderr
+    records = [json.loads(line) for line in exported.stdout.splitlines()]
+    keys = {
+        json.loads(rec["trial"]["trial_json"])["task"]: rec["trial"]["key"]
+        for rec in records
+        if "trial" in rec
+    }
+    entries = {rec["entry"]["key"]: rec["entry"] for rec in records if "entry" in rec}
+    assert list(entries) == [keys[kept["task_id"]]], entries
+    assert entries[keys[kept["task_id"]]]["strategy"]["name"] == "lowrank8"
+    assert keys[left["task_id"]] not in {
+        rec["default_record"]["key"] for rec in records if "default_record" in rec
+    }
+    missing = bank_cli("lookup", "--key", keys[left["task_id"]])
+    assert missing.returncode == 1 and "no entry for signature" in missing.stdout, missing

@@ -66,6 +66,7 @@ __all__ = [
     "RUNTIME_MAX_SHARE",
     "Budget",
     "default_budget",
+    "loading_s",
     "measure_estimate",
     "model_mib",
 ]
@@ -156,6 +157,12 @@ def model_mib(paths: Iterable[Path]) -> float:
     return total / (1 << 20)
 
 
+def loading_s(load_s_per_mib: float | None, models: Iterable[Path]) -> float:
+    """Seconds to load a session of each model file in `models` at `load_s_per_mib` (the
+    profile's rate; 0 when it is unknown)."""
+    return 0.0 if load_s_per_mib is None else load_s_per_mib * model_mib(models)
+
+
 @dataclass
 class Budget:
     total_s: float
@@ -224,7 +231,7 @@ class Budget:
     def load_estimate(self, models: Iterable[Path]) -> float:
         """Seconds to load a session of each model file in `models` (0 when the rate is
         unknown)."""
-        return 0.0 if self.load_s_per_mib is None else self.load_s_per_mib * model_mib(models)
+        return loading_s(self.load_s_per_mib, models)
 
     def measurable(self, seconds: float, models: Iterable[Path]) -> tuple[float, float]:
         """(seconds a measurement of `models` given `seconds` has for its rounds once its

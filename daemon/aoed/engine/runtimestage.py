@@ -42,7 +42,7 @@ from aoe.ovartifact import RuntimeDecision
 from aoe.spec import Runtime, Stage
 from aoed.engine import decisions
 from aoed.engine.assemble import tuned_metadata
-from aoed.engine.budget import Budget, model_mib
+from aoed.engine.budget import Budget, loading_s, model_mib
 from aoed.engine.context import JobContext
 from aoed.engine.messages import (
     Accuracy,
@@ -172,8 +172,13 @@ async def comparison_s(ctx: JobContext, load_s_per_mib: float | None) -> float:
             return 0.0
     except ModelError:
         return 0.0
-    sessions = 2 + len(_variants(ctx))
-    return MEASURE_S + (load_s_per_mib or 0.0) * model_mib([ctx.run.model]) * sessions
+    return MEASURE_S + loading_s(load_s_per_mib, _sessions(ctx))
+
+
+def _sessions(ctx: JobContext) -> list[Path]:
+    """The model files the comparison loads a session of: the input, onnxruntime's
+    proposal and each variant's build, each about the input model's size."""
+    return [ctx.run.model] * (2 + len(_variants(ctx)))
 
 
 async def compete(
@@ -214,7 +219,7 @@ async def compete(
         return RuntimeChoice()
     # MEASURE_S of rounds once the sessions are loaded: the loading comes on top of them,
     # never out of them, as long as the budget has the seconds.
-    sessions = [ctx.run.model] * (2 + len(variants))
+    sessions = _sessions(ctx)
     seconds, _load = budget.measurable(
         min(MEASURE_S + budget.load_estimate(sessions), budget.for_runtime()), sessions
     )
