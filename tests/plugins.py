@@ -23,6 +23,7 @@ LOWRANK = "aoed_lowrank_plugin"
 LOWRANK_SOURCE = textwrap.dedent(
     """
     import hashlib
+    import os
 
     import numpy as np
     from onnx import helper
@@ -58,15 +59,25 @@ LOWRANK_SOURCE = textwrap.dedent(
 
     def register(registry):
         registry.register(Strategy("lowrank8", "matmul", "int8", _lowrank))
+        if os.environ.get("AOED_LOWRANK_ALONE"):
+            # the only lossy form of a matmul: nothing for a refused choice to step to
+            # (a test's registry; the registry has no way to take a strategy out)
+            for key in [k for k, v in registry._by_key.items()
+                        if k[0] == "matmul" and v.precision == "int8" and k[1] != "lowrank8"]:
+                del registry._by_key[key]
     """
 )
 
 
-def lowrank_env(folder: Path) -> dict[str, str]:
+def lowrank_env(folder: Path, alone: bool = False) -> dict[str, str]:
     """The environment under which `aoe` (and every worker it starts) loads `LOWRANK`,
-    its source written into `folder`."""
+    its source written into `folder`; `alone`: the only lossy form of a matmul (the
+    built-in int8 ones taken out of the registry)."""
     (folder / f"{LOWRANK}.py").write_text(LOWRANK_SOURCE)
-    return {
+    env = {
         "PYTHONPATH": os.pathsep.join([str(folder), *filter(None, sys.path)]),
         "AOED_PLUGINS": LOWRANK,
     }
+    if alone:
+        env["AOED_LOWRANK_ALONE"] = "1"
+    return env

@@ -144,6 +144,38 @@ def test_lossy_rejections_quote_their_own_figures() -> None:
     assert "boom" in by["q_broken"]
 
 
+def test_a_lossy_choice_steps_to_the_fastest_alternate_more_accurate_than_it() -> None:
+    """What a refused or backed-off lossy choice steps to: the other lossy candidates
+    within the gate that ran faster than the exact form (one dropped early behind the
+    choice too), fastest first; then the fastest more accurate than the step it left and
+    not yet tried; none when only the exact form is left."""
+    results = {
+        "exact": _m([100.0] * 10),
+        "q4": _m([20.0] * 10, cosine=0.9996),  # the choice
+        "q8_dropped": Measurement(
+            True, median_us=40.0, rounds_us=(40.0,) * 3, cosine=0.99995, dropped=True
+        ),
+        "q8_fast": _m([30.0] * 10, cosine=0.9997),
+        "q_outside": _m([10.0] * 10, cosine=0.99),  # outside the gate
+        "q_slower": _m([120.0] * 10, cosine=0.99999),  # slower than the exact form
+        "q_broken": Measurement(False, error="load: boom"),
+    }
+    lossy = set(results) - {"exact"}
+    alts = decisions.lossy_alternates(
+        results, "exact", lossy, lambda m: m.cosine >= 0.9995, chosen="q4"
+    )
+    assert [a[0] for a in alts] == ["q8_fast", "q8_dropped"]
+    assert alts[0] == ("q8_fast", 30.0, pytest.approx(0.0003))
+    step = decisions.next_alternate(alts, 1 - 0.9996, {"q4"})
+    assert step is not None and step[0] == "q8_fast"
+    # backed off again: only what is more accurate than q8_fast and untried is left
+    step = decisions.next_alternate(alts, step[2], {"q4", "q8_fast"})
+    assert step is not None and step[0] == "q8_dropped"
+    assert decisions.next_alternate(alts, step[2], {"q4", "q8_fast", "q8_dropped"}) is None
+    # a refused choice more accurate than every alternate has nowhere to step
+    assert decisions.next_alternate(alts, 1e-6, {"q4"}) is None
+
+
 @pytest.mark.parametrize(
     ("ratios", "verdict"),
     [

@@ -599,13 +599,16 @@ def _late_outliers(path: Path) -> Path:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("alone", [True, False], ids=["no-alternate", "alternate"])
 def test_a_lossy_choice_the_model_fails_with_at_another_point_is_left_out_unbanked(
-    tmp_path: Path,
+    alone: bool, tmp_path: Path
 ) -> None:
     """An int8 job on a dynamic model: both tasks' rank-8 forms pass their task gate at
     the searched point and hold alone at every point, and fail together at the longest.
-    Assembly leaves the less accurate one out; the job succeeds, keeps and banks the other,
-    and the bank holds nothing for the one left out (neither it nor its fallback)."""
+    Assembly refuses the less accurate one. With the rank-8 form the only lossy one, its
+    task is left out; else it steps to the fastest int8 form within the gate, which
+    holds. The job succeeds, keeps and banks the other choice, and the bank holds
+    nothing for the refused one's task (neither it, its alternate nor its fallback)."""
     src = _late_outliers(tmp_path / "late_outliers.onnx")
     bank, out = tmp_path / "bank", tmp_path / "o"
     r = run_aoe(
@@ -613,27 +616,49 @@ def test_a_lossy_choice_the_model_fails_with_at_another_point_is_left_out_unbank
         str(src),
         *("--precision", "int8", "--bank", str(bank), "--output", str(out), "--keep-workspace"),
         *("--budget", "2", "--parallel", "1", "--no-progress", "--job-type", "opat"),
-        env=lowrank_env(tmp_path),
+        env=lowrank_env(tmp_path, alone=alone),
     )
     assert r.returncode == 0, r.stderr
     (path,) = out.glob("aoe_result_opat_*.json")
     doc = json.loads(path.read_text())
     assert doc["shape_profile"]["points"] == [{"x": [1, n, SIDE]} for n in (8, 32, 128)]
     tasks = {t["op_name"]: t for t in doc["tasks"]}
-    chosen = {name: (t["strategy"], t["rejected"]) for name, t in tasks.items()}
-    assert {s for s, _ in chosen.values()} == {"lowrank8"}, chosen  # the search's choices
     left, kept = tasks["proj1"], tasks["proj2"]
+    if not alone and not any("; stepped to " in r for r in left["rejected"]):
+        # The int8 forms compete in the search: on a busy machine it may pick one for a
+        # task, and the two choices then hold together (the case without them is exact).
+        chosen = {name: t["strategy"] for name, t in tasks.items()}
+        pytest.skip(f"the search did not choose the rank-8 form for both tasks: {chosen}")
+    # the search's choice, kept (with the int8 forms competing, one of them may win it)
+    assert kept["strategy"] == "lowrank8" or not alone, kept["rejected"]
     why = "lowrank8 fails at shape x:1,128,1024 with the others: outputs differ"
-    assert any(
-        n.startswith(f"{left['task_id']}: {why}") and n.endswith("; left out") for n in doc["notes"]
-    ), doc["notes"]
-    assert not left["applied"] and left["error"].startswith(f"not applied: {why}")
-    # the assembled model holds the kept choice and not the one left out, nor does what ships
     assembled = Path(doc["workspace"]) / "tunespace" / "work" / "assembled.onnx"
     names = [n.name for n in onnx.load(str(assembled)).graph.node]
-    assert "proj1" in names and f"aoe/{kept['task_id']}/L" in names, names
-    shipped = [n.name for n in onnx.load(doc["tuned_model"]).graph.node]
-    assert "proj1" in shipped and not any(n.startswith(f"aoe/{left['task_id']}") for n in shipped)
+    shipped = onnx.load(doc["tuned_model"]).graph.node
+    ours = [n for n in shipped if n.name.startswith(f"aoe/{left['task_id']}/")]
+    assert any(n.startswith(f"aoe/{kept['task_id']}/") for n in names), names
+    if alone:
+        assert left["strategy"] == "lowrank8", left["rejected"]
+        assert any(
+            n.startswith(f"{left['task_id']}: {why}") and n.endswith("; left out")
+            for n in doc["notes"]
+        ), doc["notes"]
+        assert not left["applied"] and left["error"].startswith(f"not applied: {why}")
+        # neither the assembled model nor what ships holds the one left out
+        assert "proj1" in names and not ours, names
+    else:
+        assert left["strategy"].startswith("int8_") and left["applied"], (left, doc["notes"])
+        # stepped (an alternate may be refused in turn and step again) to what shipped
+        steps = [r for r in left["rejected"] if "; stepped to " in r]
+        refusal = why.replace("lowrank8 ", "", 1)  # the search's choice: lowrank8 or int8
+        assert steps and steps[0].split(" ", 1)[1].startswith(refusal), left["rejected"]
+        assert steps[-1].endswith(f"; stepped to {left['strategy']}"), left["rejected"]
+        assert any(
+            n.startswith(f"{left['task_id']}: ") and refusal in n and " instead (" in n
+            for n in doc["notes"]
+        ), doc["notes"]
+        assert "proj1" not in names and ours and not any(n.name.endswith("/L") for n in ours)
+    assert left["update_mode"] == "unsatisfied"  # nothing of it reaches the bank
 
     def bank_cli(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
@@ -654,7 +679,7 @@ def test_a_lossy_choice_the_model_fails_with_at_another_point_is_left_out_unbank
     }
     entries = {rec["entry"]["key"]: rec["entry"] for rec in records if "entry" in rec}
     assert list(entries) == [keys[kept["task_id"]]], entries
-    assert entries[keys[kept["task_id"]]]["strategy"]["name"] == "lowrank8"
+    assert entries[keys[kept["task_id"]]]["strategy"]["name"] == kept["strategy"]
     assert keys[left["task_id"]] not in {
         rec["default_record"]["key"] for rec in records if "default_record" in rec
     }

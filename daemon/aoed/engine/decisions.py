@@ -36,6 +36,8 @@ __all__ = [
     "clearly_faster",
     "clearly_slower",
     "least_gain_per_error",
+    "lossy_alternates",
+    "next_alternate",
     "paired_ratio",
     "preferred",
     "ranked",
@@ -156,6 +158,34 @@ def best_lossy(
         return incumbent, reasons
     pick = _climb(results, winners[0], pool)
     return pick, [why for why in reasons if not why.startswith(f"{pick}: ")]
+
+
+def lossy_alternates(
+    results: Mapping[str, Measurement],
+    incumbent: str,
+    lossy: Collection[str],
+    gate: Callable[[Measurement], bool],
+    chosen: str,
+) -> list[tuple[str, float, float]]:
+    """The lossy candidates other than `chosen` that pass `gate` and ran faster than the
+    exact `incumbent` (by the median: one dropped early, behind `chosen`, has too few
+    rounds to be clearly faster, and the verification in context reverts one that is
+    not), as (name, median us, error as 1 - cosine), fastest first: what a lossy choice
+    refused or backed off for accuracy steps down to before the exact form."""
+    base = results[incumbent]
+    out = [
+        (name, r.median_us, 1.0 - r.cosine)
+        for name, r in results.items()
+        if name in lossy and name != chosen and r.ok and gate(r) and r.median_us < base.median_us
+    ]
+    return sorted(out, key=lambda a: a[1])
+
+
+def next_alternate(
+    alternates: Sequence[tuple[str, float, float]], error: float, tried: Collection[str]
+) -> tuple[str, float, float] | None:
+    """The fastest of `alternates` more accurate than `error` and not in `tried`."""
+    return next((a for a in alternates if a[2] < error and a[0] not in tried), None)
 
 
 def faster_outside_gate(

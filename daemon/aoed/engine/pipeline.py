@@ -33,7 +33,8 @@ import contextlib
 import dataclasses
 import logging
 import resource
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -41,11 +42,11 @@ import trio
 
 from aoe.bankrecord import BankRecord
 from aoe.figures import interval, pct
-from aoe.outcome import JobOutcome, bank_tally
+from aoe.outcome import JobOutcome, UpdateMode, bank_tally
 from aoe.partition import Task
 from aoe.spec import Runtime, Stage
 from aoed import safefs
-from aoed.engine import bankrules, confirm, resume
+from aoed.engine import bankrules, confirm, decisions, resume
 from aoed.engine.assemble import tuned_metadata
 from aoed.engine.budget import PREPARE_S_PER_MIB, Budget
 from aoed.engine.confirmstage import confirm_proposal
@@ -280,6 +281,8 @@ class Searched:
     #: candidates that failed, and trials measured, over the task agents
     failed: int
     trials: int
+    #: per lossy choice, the other lossy candidates it steps down to (TaskDecision)
+    alternates: dict[str, tuple[tuple[str, float, float], ...]] = field(default_factory=dict)
 
 
 async def search(ctx: JobContext, model: Prepared, known: Known) -> Searched:
@@ -305,6 +308,7 @@ async def search(ctx: JobContext, model: Prepared, known: Known) -> Searched:
         lossy_cost,
         sum(d.failed_candidates for d in decided),
         sum(d.trials for d in decided),
+        {d.task.id: d.alternates for d in decided if d.alternates},
     )
 
 
@@ -326,12 +330,15 @@ async def assemble(ctx: JobContext, known: Known, found: Searched) -> Assembled:
     path = ctx.workspace.scratch / "assembled.onnx"
     chosen = dict(found.chosen)
     ctx.ledger.enter("assemble")
+    lossy_cost = dict(found.lossy_cost)
     refused = await ctx.assemble([Build(path, dict(chosen))])
-    for tid, why in refused.items():
-        # a choice the model fails with at a profile point: never proposed, never banked
-        del chosen[tid]
+    # a choice the model fails with at a profile point: never proposed, never banked; a
+    # lossy one steps to an alternate that holds, if it has one
+    refused, left = await _alternates(ctx, path, chosen, refused, found, known.results, lossy_cost)
+    for tid, why in left.items():
         r = known.results[tid]
         r.applied, r.error = False, f"not applied: {why}"
+        r.update_mode = UpdateMode.UNSATISFIED  # nothing of it reaches the bank
         ctx.notes.append(f"{tid}: {why}; left out")
     e2e_gate: dict[str, float] | None = None
     if ctx.policy.lossy:
@@ -341,15 +348,18 @@ async def assemble(ctx: JobContext, known: Known, found: Searched) -> Assembled:
             ctx,
             chosen,
             found.fallback,
-            dict(found.lossy_cost),
+            lossy_cost,
             known.results,
             path,
             found.fallback_us,
+            found.alternates,
         )
     # Lossy choices reach the bank only now, as what the model kept; one the model failed
     # with at a profile point reaches it neither as itself nor as its fallback.
     for d in found.decided:
         if d.pending is not None and d.task.id not in refused:
+            if chosen[d.task.id] not in (d.strategy, d.fallback):
+                continue  # an alternate: measured beside the choice, never its own entry
             kept = chosen[d.task.id] == d.strategy
             w = d.pending if kept else d.fallback_write
             if w is not None and (w.entries or w.defaults):
@@ -357,6 +367,54 @@ async def assemble(ctx: JobContext, known: Known, found: Searched) -> Assembled:
             if not kept:
                 known.results[d.task.id].update_mode = d.fallback_mode
     return Assembled(path, chosen, e2e_gate)
+
+
+#: Rounds of stepping refused lossy choices to their alternates at assembly.
+ALTERNATE_ROUNDS = 3
+
+
+async def _alternates(
+    ctx: JobContext,
+    path: Path,
+    chosen: dict[str, str],
+    refused: dict[str, str],
+    found: Searched,
+    results: Mapping[str, TaskResult],
+    lossy_cost: dict[str, tuple[float, float]],
+) -> tuple[dict[str, str], dict[str, str]]:
+    """Each choice the model at `path` failed with at a profile point (`refused`) steps
+    to the fastest of its alternates more accurate than it (TaskDecision.alternates),
+    and the model is built and checked again, up to `ALTERNATE_ROUNDS` times; `chosen`
+    and `lossy_cost` change in place. Returns (every choice refused on the way, the
+    refusals that left their task out: task id -> why)."""
+    everyone, left = dict(refused), {}
+    tried: dict[str, set[str]] = {}
+    for turn in range(ALTERNATE_ROUNDS + 1):
+        stepped = False
+        for tid, why in refused.items():
+            now = chosen.pop(tid)
+            tried.setdefault(tid, set()).add(now)
+            alts = found.alternates.get(tid, ())
+            error = next((a[2] for a in alts if a[0] == now), lossy_cost.get(tid, (0.0, 1.0))[1])
+            alt = decisions.next_alternate(alts, error, tried[tid])
+            if alt is None or turn == ALTERNATE_ROUNDS:
+                left[tid] = why
+                continue
+            name, median_us, alt_error = alt
+            chosen[tid] = name
+            r = results[tid]
+            r.rejected.append(f"{why}; stepped to {name}")  # why names the strategy
+            r.strategy, r.after_us = name, median_us
+            r.update_mode = UpdateMode.UNSATISFIED  # an alternate is never the task's entry
+            gain = (found.fallback_us.get(tid, median_us) - median_us) * max(1, r.instances)
+            lossy_cost[tid] = (gain, alt_error)
+            ctx.notes.append(f"{tid}: {why}; {name} instead (the next fastest within the gate)")
+            stepped = True
+        if not stepped:
+            break
+        refused = await ctx.assemble([Build(path, dict(chosen))])
+        everyone.update(refused)
+    return everyone, left
 
 
 async def session_options(

@@ -75,6 +75,9 @@ class TaskDecision:
     fallback_write: BankWrite | None = None
     fallback_us: float = 0.0  # the fallback's measured time
     fallback_mode: str = ""  # AOE's update mode had the fallback been chosen
+    #: the other lossy candidates within the gate that beat the fallback, as (strategy,
+    #: median us, 1 - cosine), fastest first: what a backed-off lossy choice steps to
+    alternates: tuple[tuple[str, float, float], ...] = ()
 
     def to_doc(self) -> dict[str, Any]:
         """The decision as JSON, for resume.py (the task itself is the record's key)."""
@@ -89,6 +92,7 @@ class TaskDecision:
             "fallback_write": resume.write_to_doc(self.fallback_write),
             "fallback_us": self.fallback_us,
             "fallback_mode": self.fallback_mode,
+            "alternates": [list(a) for a in self.alternates],
         }
 
     @classmethod
@@ -112,6 +116,9 @@ class TaskDecision:
             fallback_write=resume.write_from_doc(doc.get("fallback_write")),
             fallback_us=float(doc["fallback_us"]),
             fallback_mode=str(doc["fallback_mode"]),
+            alternates=tuple(
+                (str(a[0]), float(a[1]), float(a[2])) for a in doc.get("alternates", ())
+            ),
         )
 
 
@@ -256,6 +263,7 @@ class TaskAgent:
             res.update_mode, res.error = "failed", str(exc)
             return TaskDecision(task, res, fallback, failed_candidates=failed)
         lossy_cost = None
+        alternates: list[tuple[str, float, float]] = []
         if ctx.policy.lossy:
             lossy = {k for k in measured if precision_of.get(k) != "exact"}
             best, reasons = decisions.best_lossy(measured, best_exact, lossy, gate)
@@ -274,6 +282,7 @@ class TaskAgent:
                     in_context[best].cosine if best in in_context else measured[best].cosine
                 )
                 lossy_cost = (gain, error)
+                alternates = decisions.lossy_alternates(measured, best_exact, lossy, gate, best)
 
         outcome = bankrules.after_tuning(self.hit, best, measured, gate)
         base = measured[DEFAULT]
@@ -345,6 +354,7 @@ class TaskAgent:
             fallback_write=fallback_write,
             fallback_us=measured[best_exact].median_us,
             fallback_mode=fallback_mode,
+            alternates=tuple(alternates) if outcome.strategy == best else (),
         )
         record = {**decision.to_doc(), "job": ctx.job_id, "attempt": ctx.attempt}
         # The decision's record goes in the same commit as its trials and entries: all

@@ -17,12 +17,13 @@ the job reports, and nothing it measures slower ships.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from aoe.errors import AoedError, DeviceError
+from aoe.outcome import UpdateMode
 from aoed.engine import decisions
 from aoed.engine.budget import Budget
 from aoed.engine.context import JobContext
@@ -60,10 +61,14 @@ async def hold_to_budget(
     results: Mapping[str, TaskResult],
     path: Path,
     fallback_us: Mapping[str, float] | None = None,
+    alternates: Mapping[str, Sequence[tuple[str, float, float]]] | None = None,
 ) -> dict[str, float]:
     """Back lossy choices off (in `choices`, in place) until the model at `path` meets
-    the end-to-end budget on the held-back samples; returns its accuracy."""
+    the end-to-end budget on the held-back samples; returns its accuracy. A choice backs
+    off to the fastest of its `alternates` (strategy, median us, 1 - cosine) more
+    accurate than it, then to its exact fallback."""
     families = {t.id: t.family for t in ctx.prep.tasks} if ctx.prep else {}
+    tried: dict[str, set[str]] = {}
     while True:
         req = CompareRequest(ctx.run.model, path, ctx.held_back, ctx.device.device)
         try:
@@ -95,9 +100,21 @@ async def hold_to_budget(
             f"max rel error {acc['max_rel_error']:.3g}, outside the budget of cosine >= "
             f"{ctx.policy.e2e_min_cosine} and max rel error <= {ctx.policy.e2e_max_rel_error}"
         )
-        choices[victim] = r.strategy = fallback.get(victim, DEFAULT)
-        if fallback_us and victim in fallback_us:
-            r.after_us = fallback_us[victim]
+        tried.setdefault(victim, set()).add(choices[victim])
+        alts = (alternates or {}).get(victim, ())
+        alt = decisions.next_alternate(alts, lossy[victim][1], tried[victim])
+        if alt is not None:  # a finer form that still beats the exact one
+            name, median_us, error = alt
+            choices[victim] = r.strategy = name
+            r.after_us = median_us
+            r.update_mode = UpdateMode.UNSATISFIED  # an alternate is never the task's entry
+            gain = ((fallback_us or {}).get(victim, median_us) - median_us) * max(1, r.instances)
+            lossy_cost[victim] = (gain, error)
+            r.rejected[-1] += f"; stepped to {name}"
+        else:
+            choices[victim] = r.strategy = fallback.get(victim, DEFAULT)
+            if fallback_us and victim in fallback_us:
+                r.after_us = fallback_us[victim]
         await ctx.assemble([Build(path, dict(choices))])
 
 
