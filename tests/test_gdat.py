@@ -451,6 +451,43 @@ def _stages_kept(bank: Path) -> dict[str, dict]:
         env.close()
 
 
+_PLUGIN = """
+import torch
+
+
+def _scaled_without_reducing(state, bucket):
+    # Faster than any all-reduce: no communication at all; and wrong: each rank keeps its
+    # own gradients, tripled.
+    fut = torch.futures.Future()
+    fut.set_result(bucket.buffer() * 3)
+    return fut
+
+
+def uncommunicated(process_group):
+    return None, _scaled_without_reducing
+"""
+
+
+def _install_hook_plugin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Install a package whose comm hook `fp16-uncommunicated` the fp16 precision allows:
+    this process's jobs list it (its entry point on sys.path) and every process the test
+    starts, ranks included, loads it (PYTHONPATH)."""
+    plugins = tmp_path / "plugins"
+    dist_info = plugins / "gdat_test_hooks-1.0.dist-info"
+    dist_info.mkdir(parents=True)
+    (plugins / "gdat_test_hooks.py").write_text(_PLUGIN)
+    (dist_info / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: gdat-test-hooks\nVersion: 1.0\n"
+    )
+    (dist_info / "entry_points.txt").write_text(
+        "[aoed.gdat_hooks]\nfp16-uncommunicated = gdat_test_hooks:uncommunicated\n"
+    )
+    monkeypatch.syspath_prepend(str(plugins))
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join(filter(None, [str(plugins), os.environ.get("PYTHONPATH")]))
+    )
+
+
 _RESUMABLE = """
 import dataclasses, sys, trio
 from pathlib import Path
@@ -466,11 +503,14 @@ trio.run(run_gdat, opts, config)
 """
 
 
-async def test_a_killed_job_run_again_measures_no_stage_it_finished(
-    pt2: Path, tmp_path: Path
+async def test_a_killed_job_run_again_measures_no_stage_it_finished_nor_a_hook_its_gate_refused(
+    pt2: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """SIGKILL once the job has kept a stage (and its gates) in the bank; the same job
-    run again takes them as they were, measures none of them again, and reports them."""
+    run again takes them as they were, measures none of them again, and reports them.
+    Its precision (fp16) lets it try an installed hook that is fast and wrong: the gate
+    refuses it, and neither run measures or chooses it."""
+    _install_hook_plugin(tmp_path, monkeypatch)
     out, bank, rt = tmp_path / "out", tmp_path / "bank", tmp_path / "rt"
     first = subprocess.Popen(  # noqa: ASYNC220 (polled and killed by hand below)
         [sys.executable, "-c", _RESUMABLE, str(pt2), str(out), str(bank), str(rt)],
@@ -524,6 +564,17 @@ async def test_a_killed_job_run_again_measures_no_stage_it_finished(
         assert (
             f"{stage}: " in log_text and "from the interrupted run: not measured again" in log_text
         )
+
+    # The gates, as the killed run judged them; hooks are tried on the best configuration
+    # so far (e.g. "static,hook=fp16"): by hook.
+    gates = {g["config"].rsplit("hook=", 1)[-1]: g for g in r.gates}
+    bad = gates["fp16-uncommunicated"]
+    assert not bad["passed"] and bad["max_rel_error"] > 0.5, bad
+    assert gates["fp16"]["passed"], gates["fp16"]  # the real fp16 hooks stay within the bound
+    assert gates["fp16_scaled"]["passed"], gates["fp16_scaled"]
+    named = [c for c in r.configurations if c["name"] == bad["config"]]
+    assert [c["status"] for c in named] == ["rejected"]  # never measured, never chosen
+    assert r.shipped.hook != "fp16-uncommunicated"
 
 
 _ENTRY = """
@@ -605,53 +656,6 @@ async def test_cancelling_the_job_leaves_no_rank_process(
     assert len(seen) == 2  # the world's two ranks were running when it was cancelled
     assert _exist(seen) == set() and _rank_pids() == set()
     assert not list((tmp_path / "out").glob("aoe_result_gdat_*.json"))
-
-
-_PLUGIN = """
-import torch
-
-
-def _scaled_without_reducing(state, bucket):
-    # Faster than any all-reduce: no communication at all; and wrong: each rank keeps its
-    # own gradients, tripled.
-    fut = torch.futures.Future()
-    fut.set_result(bucket.buffer() * 3)
-    return fut
-
-
-def uncommunicated(process_group):
-    return None, _scaled_without_reducing
-"""
-
-
-async def test_a_lossy_hook_that_breaks_the_gate_is_never_measured_or_chosen(
-    pt2: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    plugins = tmp_path / "plugins"
-    dist_info = plugins / "gdat_test_hooks-1.0.dist-info"
-    dist_info.mkdir(parents=True)
-    (plugins / "gdat_test_hooks.py").write_text(_PLUGIN)
-    (dist_info / "METADATA").write_text(
-        "Metadata-Version: 2.1\nName: gdat-test-hooks\nVersion: 1.0\n"
-    )
-    (dist_info / "entry_points.txt").write_text(
-        "[aoed.gdat_hooks]\nfp16-uncommunicated = gdat_test_hooks:uncommunicated\n"
-    )
-    monkeypatch.syspath_prepend(str(plugins))  # the job lists installed hooks
-    monkeypatch.setenv("PYTHONPATH", str(plugins))  # and the ranks load them
-
-    r = await run_gdat(
-        _quick(pt2, tmp_path / "out", precision="fp16"), _config(tmp_path), lambda e: None
-    )
-    # Hooks are tried on the best configuration so far (e.g. "static,hook=fp16"): by hook.
-    gates = {g["config"].rsplit("hook=", 1)[-1]: g for g in r.gates}
-    bad = gates["fp16-uncommunicated"]
-    assert not bad["passed"] and bad["max_rel_error"] > 0.5, bad
-    assert gates["fp16"]["passed"], gates["fp16"]  # the real fp16 hooks stay within the bound
-    assert gates["fp16_scaled"]["passed"], gates["fp16_scaled"]
-    named = [c for c in r.configurations if c["name"] == bad["config"]]
-    assert [c["status"] for c in named] == ["rejected"]  # never measured, never chosen
-    assert r.shipped.hook != "fp16-uncommunicated"
 
 
 @pytest.mark.parametrize(
