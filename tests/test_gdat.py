@@ -367,14 +367,16 @@ async def test_a_job_ends_with_outputs_and_a_bank_record_and_the_next_is_answere
     assert not list((tmp_path / "again").glob("aoe_workspace/*/worlds/world*-rank*.log"))
 
     # The training-side helper finds the same record in a real world of two, importing
-    # no trio, onnxruntime or daemon.
+    # no trio, onnxruntime or daemon. Its model is MLP's module as training code builds
+    # it, not the exported program: the gradient layout, the record's key, is the same.
     store = tmp_path / "helper.store"
     code = textwrap.dedent(f"""
         import sys, torch, torch.distributed as dist
         import aoe.gdat
         rank = int(sys.argv[1])
         dist.init_process_group("gloo", store=dist.FileStore({str(store)!r}, 2), rank=rank, world_size=2)
-        model = torch.export.load({str(pt2)!r}).module()
+        nn = torch.nn
+        model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 8))
         ddp = aoe.gdat.ddp(model, bank={str(config.bank)!r})
         print(ddp.gradient_as_bucket_view, ddp.static_graph, sorted({{m.split(".")[0] for m in sys.modules}}
               & {{"trio", "onnxruntime", "aoed"}}))
