@@ -283,11 +283,35 @@ async def test_a_stage_gives_its_close_calls_more_rounds_and_no_one_else() -> No
 
 
 async def test_a_job_ends_with_outputs_and_a_bank_record_and_the_next_is_answered_from_it(
-    pt2: Path, tmp_path: Path
+    pt2: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Which configuration wins depends on the machine; this job forces the branch where
+    one does: after the search, the confirming A/B measures `view` against DDP's defaults
+    for real and ships it. So the record, the next job's answer and the training-side
+    helper all carry a configuration that DDP's defaults would not give."""
+    from aoed.gdat import search as search_mod
+
+    chosen = DDPConfig(gradient_as_bucket_view=True)
+    real_confirm = search_mod.Search.confirm
+
+    async def confirm(self: search_mod.Search, proposal: DDPConfig, banked: object):
+        c = await real_confirm(self, chosen, banked)
+        mine = c.figures[chosen.label].measurement()
+        return dataclasses.replace(
+            c, shipped=chosen, verdict="faster", result_ms=mine.median_us / 1e3
+        )
+
+    monkeypatch.setattr(search_mod.Search, "confirm", confirm)
     config = _config(tmp_path)
-    events = []
-    r = await run_gdat(_quick(pt2, tmp_path / "out"), config, events.append)
+    r = await run_gdat(_quick(pt2, tmp_path / "out"), config)
+    assert r.shipped == chosen and read_config(r.ddp_config) == chosen
+    # The confirming rows say which is which: the shipped one, the baseline, the copy.
+    confirm_rows = {c["name"]: c["status"] for c in r.configurations if c["stage"] == "confirm"}
+    assert confirm_rows == {
+        chosen.label: "chosen",
+        "default": "baseline",
+        "default (second instance)": "reference",
+    }
 
     doc = json.loads(Path(r.result_json).read_text())
     assert Path(r.result_json).parent == tmp_path / "out" and Path(r.result_json).name.startswith(
@@ -336,6 +360,12 @@ async def test_a_job_ends_with_outputs_and_a_bank_record_and_the_next_is_answere
         entry.provenance.job_id if entry else default["job"]
     ) == r.job_id
     assert trials >= len(measured)
+    assert entry is not None and entry.strategy.name == chosen.label
+    assert DDPConfig.from_params(dict(entry.strategy.params)) == chosen
+    # The record's figures are the confirming A/B's: the shipped configuration's and the
+    # defaults' medians, as the result reports them.
+    assert entry.winner.median_us == pytest.approx(r.result_ms * 1e3, rel=1e-6)
+    assert entry.baseline.median_us == pytest.approx(r.baseline_ms * 1e3, rel=1e-6)
 
     # Exported and imported like any record: this machine's, so nothing is refused.
     dump = tmp_path / "bank.jsonl"
@@ -392,50 +422,6 @@ async def test_a_job_ends_with_outputs_and_a_bank_record_and_the_next_is_answere
         str(r.shipped.static_graph),
         "[]",
     ]
-
-
-async def test_a_configuration_that_ships_is_recorded_with_its_figures_and_the_helper_applies_it(
-    pt2: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Which configuration wins depends on the machine; this forces the branch where one
-    does: the search proposes `view` and the confirming A/B, measured for real, ships it."""
-    from aoed.gdat import search as search_mod
-
-    chosen = DDPConfig(gradient_as_bucket_view=True)
-    real_confirm = search_mod.Search.confirm
-
-    async def propose(self: search_mod.Search) -> DDPConfig:
-        return chosen
-
-    async def confirm(self: search_mod.Search, proposal: DDPConfig, banked: object):
-        c = await real_confirm(self, proposal, banked)
-        mine = c.figures[proposal.label].measurement()
-        return dataclasses.replace(
-            c, shipped=proposal, verdict="faster", result_ms=mine.median_us / 1e3
-        )
-
-    monkeypatch.setattr(search_mod.Search, "run", propose)
-    monkeypatch.setattr(search_mod.Search, "confirm", confirm)
-    config = _config(tmp_path)
-    r = await run_gdat(_quick(pt2, tmp_path / "out"), config)
-    assert r.shipped == chosen and read_config(r.ddp_config) == chosen
-    # The confirming rows say which is which: the shipped one, the baseline, the copy.
-    confirm = {c["name"]: c["status"] for c in r.configurations if c["stage"] == "confirm"}
-    assert confirm == {
-        chosen.label: "chosen",
-        "default": "baseline",
-        "default (second instance)": "reference",
-    }
-    with open_bank(config.bank, use_env=False) as bank:
-        entry, _ = bank.lookup(r.key)
-        assert bank.lookup_default(r.key)[0] is None
-    assert entry is not None and entry.provenance.job_id == r.job_id, entry
-    assert entry.strategy.name == chosen.label
-    assert DDPConfig.from_params(dict(entry.strategy.params)) == chosen
-    # The record's figures are the confirming A/B's: the shipped configuration's and the
-    # defaults' medians, as the result reports them.
-    assert entry.winner.median_us == pytest.approx(r.result_ms * 1e3, rel=1e-6)
-    assert entry.baseline.median_us == pytest.approx(r.baseline_ms * 1e3, rel=1e-6)
 
 
 def _stages_kept(bank: Path) -> dict[str, dict]:
