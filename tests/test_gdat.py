@@ -146,6 +146,19 @@ def test_ddp_configs_convert_both_ways_and_refuse_nonsense() -> None:
         DDPConfig.from_params({"static_graph": "perhaps"})
 
 
+def test_a_rank_process_loads_no_part_of_the_onnx_engine() -> None:
+    """A rank process starts with every world and again after every broken turn: before
+    torch, it imports what its own messages need, not the ONNX jobs' (onnx, their graph
+    preparation) nor the engine's event loop. The imports `python -m` makes of it, then
+    those of its main()."""
+    code = (
+        f"import sys, {RANK_MODULE}, aoed.backends._wire, aoed.engine.rankmessages\n"
+        "print(sorted({'onnx', 'onnxruntime', 'trio', 'aoed.engine.messages'} & set(sys.modules)))"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.split() == ["[]"], (r.stdout, r.stderr)
+
+
 def test_aoe_mode_selects_the_job_type_as_aoe_does() -> None:
     from aoe.config import job_type_from_env
 
