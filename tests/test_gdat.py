@@ -419,7 +419,9 @@ async def test_a_job_ends_with_outputs_and_a_bank_record_and_the_next_is_answere
         rank = int(sys.argv[1])
         dist.init_process_group("gloo", store=dist.FileStore({str(store)!r}, 2), rank=rank, world_size=2)
         nn = torch.nn
-        model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 8))
+        model = nn.Sequential(
+            nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 8)
+        )
         ddp = aoe.gdat.ddp(model, bank={str(config.bank)!r})
         print(ddp.gradient_as_bucket_view, ddp.static_graph, sorted({{m.split(".")[0] for m in sys.modules}}
               & {{"trio", "onnxruntime", "aoed"}}))
