@@ -146,6 +146,19 @@ def test_ddp_configs_convert_both_ways_and_refuse_nonsense() -> None:
         DDPConfig.from_params({"static_graph": "perhaps"})
 
 
+def test_a_rank_process_loads_no_part_of_the_onnx_engine() -> None:
+    """A rank process starts with every world and again after every broken turn: before
+    torch, it imports what its own messages need, not the ONNX jobs' (onnx, their graph
+    preparation) nor the engine's event loop. The imports `python -m` makes of it, then
+    those of its main()."""
+    code = (
+        f"import sys, {RANK_MODULE}, aoed.backends._wire, aoed.engine.rankmessages\n"
+        "print(sorted({'onnx', 'onnxruntime', 'trio', 'aoed.engine.messages'} & set(sys.modules)))"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.split() == ["[]"], (r.stdout, r.stderr)
+
+
 def test_aoe_mode_selects_the_job_type_as_aoe_does() -> None:
     from aoe.config import job_type_from_env
 
@@ -283,11 +296,35 @@ async def test_a_stage_gives_its_close_calls_more_rounds_and_no_one_else() -> No
 
 
 async def test_a_job_ends_with_outputs_and_a_bank_record_and_the_next_is_answered_from_it(
-    pt2: Path, tmp_path: Path
+    pt2: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Which configuration wins depends on the machine; this job forces the branch where
+    one does: after the search, the confirming A/B measures `view` against DDP's defaults
+    for real and ships it. So the record, the next job's answer and the training-side
+    helper all carry a configuration that DDP's defaults would not give."""
+    from aoed.gdat import search as search_mod
+
+    chosen = DDPConfig(gradient_as_bucket_view=True)
+    real_confirm = search_mod.Search.confirm
+
+    async def confirm(self: search_mod.Search, proposal: DDPConfig, banked: object):
+        c = await real_confirm(self, chosen, banked)
+        mine = c.figures[chosen.label].measurement()
+        return dataclasses.replace(
+            c, shipped=chosen, verdict="faster", result_ms=mine.median_us / 1e3
+        )
+
+    monkeypatch.setattr(search_mod.Search, "confirm", confirm)
     config = _config(tmp_path)
-    events = []
-    r = await run_gdat(_quick(pt2, tmp_path / "out"), config, events.append)
+    r = await run_gdat(_quick(pt2, tmp_path / "out"), config)
+    assert r.shipped == chosen and read_config(r.ddp_config) == chosen
+    # The confirming rows say which is which: the shipped one, the baseline, the copy.
+    confirm_rows = {c["name"]: c["status"] for c in r.configurations if c["stage"] == "confirm"}
+    assert confirm_rows == {
+        chosen.label: "chosen",
+        "default": "baseline",
+        "default (second instance)": "reference",
+    }
 
     doc = json.loads(Path(r.result_json).read_text())
     assert Path(r.result_json).parent == tmp_path / "out" and Path(r.result_json).name.startswith(
@@ -336,6 +373,12 @@ async def test_a_job_ends_with_outputs_and_a_bank_record_and_the_next_is_answere
         entry.provenance.job_id if entry else default["job"]
     ) == r.job_id
     assert trials >= len(measured)
+    assert entry is not None and entry.strategy.name == chosen.label
+    assert DDPConfig.from_params(dict(entry.strategy.params)) == chosen
+    # The record's figures are the confirming A/B's: the shipped configuration's and the
+    # defaults' medians, as the result reports them.
+    assert entry.winner.median_us == pytest.approx(r.result_ms * 1e3, rel=1e-6)
+    assert entry.baseline.median_us == pytest.approx(r.baseline_ms * 1e3, rel=1e-6)
 
     # Exported and imported like any record: this machine's, so nothing is refused.
     dump = tmp_path / "bank.jsonl"
@@ -367,14 +410,18 @@ async def test_a_job_ends_with_outputs_and_a_bank_record_and_the_next_is_answere
     assert not list((tmp_path / "again").glob("aoe_workspace/*/worlds/world*-rank*.log"))
 
     # The training-side helper finds the same record in a real world of two, importing
-    # no trio, onnxruntime or daemon.
+    # no trio, onnxruntime or daemon. Its model is MLP's module as training code builds
+    # it, not the exported program: the gradient layout, the record's key, is the same.
     store = tmp_path / "helper.store"
     code = textwrap.dedent(f"""
         import sys, torch, torch.distributed as dist
         import aoe.gdat
         rank = int(sys.argv[1])
         dist.init_process_group("gloo", store=dist.FileStore({str(store)!r}, 2), rank=rank, world_size=2)
-        model = torch.export.load({str(pt2)!r}).module()
+        nn = torch.nn
+        model = nn.Sequential(
+            nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 8)
+        )
         ddp = aoe.gdat.ddp(model, bank={str(config.bank)!r})
         print(ddp.gradient_as_bucket_view, ddp.static_graph, sorted({{m.split(".")[0] for m in sys.modules}}
               & {{"trio", "onnxruntime", "aoed"}}))
@@ -392,50 +439,6 @@ async def test_a_job_ends_with_outputs_and_a_bank_record_and_the_next_is_answere
     ]
 
 
-async def test_a_configuration_that_ships_is_recorded_with_its_figures_and_the_helper_applies_it(
-    pt2: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Which configuration wins depends on the machine; this forces the branch where one
-    does: the search proposes `view` and the confirming A/B, measured for real, ships it."""
-    from aoed.gdat import search as search_mod
-
-    chosen = DDPConfig(gradient_as_bucket_view=True)
-    real_confirm = search_mod.Search.confirm
-
-    async def propose(self: search_mod.Search) -> DDPConfig:
-        return chosen
-
-    async def confirm(self: search_mod.Search, proposal: DDPConfig, banked: object):
-        c = await real_confirm(self, proposal, banked)
-        mine = c.figures[proposal.label].measurement()
-        return dataclasses.replace(
-            c, shipped=proposal, verdict="faster", result_ms=mine.median_us / 1e3
-        )
-
-    monkeypatch.setattr(search_mod.Search, "run", propose)
-    monkeypatch.setattr(search_mod.Search, "confirm", confirm)
-    config = _config(tmp_path)
-    r = await run_gdat(_quick(pt2, tmp_path / "out"), config)
-    assert r.shipped == chosen and read_config(r.ddp_config) == chosen
-    # The confirming rows say which is which: the shipped one, the baseline, the copy.
-    confirm = {c["name"]: c["status"] for c in r.configurations if c["stage"] == "confirm"}
-    assert confirm == {
-        chosen.label: "chosen",
-        "default": "baseline",
-        "default (second instance)": "reference",
-    }
-    with open_bank(config.bank, use_env=False) as bank:
-        entry, _ = bank.lookup(r.key)
-        assert bank.lookup_default(r.key)[0] is None
-    assert entry is not None and entry.provenance.job_id == r.job_id, entry
-    assert entry.strategy.name == chosen.label
-    assert DDPConfig.from_params(dict(entry.strategy.params)) == chosen
-    # The record's figures are the confirming A/B's: the shipped configuration's and the
-    # defaults' medians, as the result reports them.
-    assert entry.winner.median_us == pytest.approx(r.result_ms * 1e3, rel=1e-6)
-    assert entry.baseline.median_us == pytest.approx(r.baseline_ms * 1e3, rel=1e-6)
-
-
 def _stages_kept(bank: Path) -> dict[str, dict]:
     """The GDAT stages a run keeps in `bank` for a resume (engine/resume.py: the bank's
     decisions), read as another process reads them while the run writes."""
@@ -449,6 +452,43 @@ def _stages_kept(bank: Path) -> dict[str, dict]:
         return {}
     finally:
         env.close()
+
+
+_PLUGIN = """
+import torch
+
+
+def _scaled_without_reducing(state, bucket):
+    # Faster than any all-reduce: no communication at all; and wrong: each rank keeps its
+    # own gradients, tripled.
+    fut = torch.futures.Future()
+    fut.set_result(bucket.buffer() * 3)
+    return fut
+
+
+def uncommunicated(process_group):
+    return None, _scaled_without_reducing
+"""
+
+
+def _install_hook_plugin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Install a package whose comm hook `fp16-uncommunicated` the fp16 precision allows:
+    this process's jobs list it (its entry point on sys.path) and every process the test
+    starts, ranks included, loads it (PYTHONPATH)."""
+    plugins = tmp_path / "plugins"
+    dist_info = plugins / "gdat_test_hooks-1.0.dist-info"
+    dist_info.mkdir(parents=True)
+    (plugins / "gdat_test_hooks.py").write_text(_PLUGIN)
+    (dist_info / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: gdat-test-hooks\nVersion: 1.0\n"
+    )
+    (dist_info / "entry_points.txt").write_text(
+        "[aoed.gdat_hooks]\nfp16-uncommunicated = gdat_test_hooks:uncommunicated\n"
+    )
+    monkeypatch.syspath_prepend(str(plugins))
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join(filter(None, [str(plugins), os.environ.get("PYTHONPATH")]))
+    )
 
 
 _RESUMABLE = """
@@ -466,11 +506,14 @@ trio.run(run_gdat, opts, config)
 """
 
 
-async def test_a_killed_job_run_again_measures_no_stage_it_finished(
-    pt2: Path, tmp_path: Path
+async def test_a_killed_job_run_again_measures_no_stage_it_finished_nor_a_hook_its_gate_refused(
+    pt2: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """SIGKILL once the job has kept a stage (and its gates) in the bank; the same job
-    run again takes them as they were, measures none of them again, and reports them."""
+    run again takes them as they were, measures none of them again, and reports them.
+    Its precision (fp16) lets it try an installed hook that is fast and wrong: the gate
+    refuses it, and neither run measures or chooses it."""
+    _install_hook_plugin(tmp_path, monkeypatch)
     out, bank, rt = tmp_path / "out", tmp_path / "bank", tmp_path / "rt"
     first = subprocess.Popen(  # noqa: ASYNC220 (polled and killed by hand below)
         [sys.executable, "-c", _RESUMABLE, str(pt2), str(out), str(bank), str(rt)],
@@ -524,6 +567,17 @@ async def test_a_killed_job_run_again_measures_no_stage_it_finished(
         assert (
             f"{stage}: " in log_text and "from the interrupted run: not measured again" in log_text
         )
+
+    # The gates, as the killed run judged them; hooks are tried on the best configuration
+    # so far (e.g. "static,hook=fp16"): by hook.
+    gates = {g["config"].rsplit("hook=", 1)[-1]: g for g in r.gates}
+    bad = gates["fp16-uncommunicated"]
+    assert not bad["passed"] and bad["max_rel_error"] > 0.5, bad
+    assert gates["fp16"]["passed"], gates["fp16"]  # the real fp16 hooks stay within the bound
+    assert gates["fp16_scaled"]["passed"], gates["fp16_scaled"]
+    named = [c for c in r.configurations if c["name"] == bad["config"]]
+    assert [c["status"] for c in named] == ["rejected"]  # never measured, never chosen
+    assert r.shipped.hook != "fp16-uncommunicated"
 
 
 _ENTRY = """
@@ -605,53 +659,6 @@ async def test_cancelling_the_job_leaves_no_rank_process(
     assert len(seen) == 2  # the world's two ranks were running when it was cancelled
     assert _exist(seen) == set() and _rank_pids() == set()
     assert not list((tmp_path / "out").glob("aoe_result_gdat_*.json"))
-
-
-_PLUGIN = """
-import torch
-
-
-def _scaled_without_reducing(state, bucket):
-    # Faster than any all-reduce: no communication at all; and wrong: each rank keeps its
-    # own gradients, tripled.
-    fut = torch.futures.Future()
-    fut.set_result(bucket.buffer() * 3)
-    return fut
-
-
-def uncommunicated(process_group):
-    return None, _scaled_without_reducing
-"""
-
-
-async def test_a_lossy_hook_that_breaks_the_gate_is_never_measured_or_chosen(
-    pt2: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    plugins = tmp_path / "plugins"
-    dist_info = plugins / "gdat_test_hooks-1.0.dist-info"
-    dist_info.mkdir(parents=True)
-    (plugins / "gdat_test_hooks.py").write_text(_PLUGIN)
-    (dist_info / "METADATA").write_text(
-        "Metadata-Version: 2.1\nName: gdat-test-hooks\nVersion: 1.0\n"
-    )
-    (dist_info / "entry_points.txt").write_text(
-        "[aoed.gdat_hooks]\nfp16-uncommunicated = gdat_test_hooks:uncommunicated\n"
-    )
-    monkeypatch.syspath_prepend(str(plugins))  # the job lists installed hooks
-    monkeypatch.setenv("PYTHONPATH", str(plugins))  # and the ranks load them
-
-    r = await run_gdat(
-        _quick(pt2, tmp_path / "out", precision="fp16"), _config(tmp_path), lambda e: None
-    )
-    # Hooks are tried on the best configuration so far (e.g. "static,hook=fp16"): by hook.
-    gates = {g["config"].rsplit("hook=", 1)[-1]: g for g in r.gates}
-    bad = gates["fp16-uncommunicated"]
-    assert not bad["passed"] and bad["max_rel_error"] > 0.5, bad
-    assert gates["fp16"]["passed"], gates["fp16"]  # the real fp16 hooks stay within the bound
-    assert gates["fp16_scaled"]["passed"], gates["fp16_scaled"]
-    named = [c for c in r.configurations if c["name"] == bad["config"]]
-    assert [c["status"] for c in named] == ["rejected"]  # never measured, never chosen
-    assert r.shipped.hook != "fp16-uncommunicated"
 
 
 @pytest.mark.parametrize(

@@ -128,10 +128,12 @@ def test_a_gdat_job_through_grpc_reports_progress_downloads_and_cancels(
             and "runs no user code" in err.value.details()
         )
 
-        # Cancelled while its world measures: every rank is gone, by pid.
+        # Cancelled once a rank process of it runs (most often the first, which reads the
+        # program's gradient layout; the embedded case in test_gdat.py cancels a world's
+        # ranks mid-request): every rank is gone, by pid.
         job_id = _submit(stub, upload(stub, pt2), GDAT.replace(repeat_tune=True))
         ranks = wait_for(
-            lambda: children_running(d.proc.pid, RANK_MODULE), 120, "the job's world to start"
+            lambda: children_running(d.proc.pid, RANK_MODULE), 120, "a rank process of the job"
         )
         stub.CancelJob(tuning_pb2.CancelJobRequest(job_id=job_id), timeout=30)
         assert d.wait_job(job_id, 60).state == tuning_pb2.JOB_STATE_CANCELLED

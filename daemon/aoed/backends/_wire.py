@@ -30,7 +30,7 @@ from typing import Any, Union
 import msgspec
 
 from aoe.errors import AoedError
-from aoed.engine.messages import Answer, Call, MessageError, Request, decode, encode
+from aoed.engine.protocol import Answer, Call, MessageError, Request, decode, encode
 
 __all__ = ["child_main", "line_server", "serve"]
 

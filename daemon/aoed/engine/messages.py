@@ -10,10 +10,8 @@ one step and never guesses between shapes. msgspec rather than cattrs: strictnes
 does by default, in C.
 
 Between processes each message travels as one JSON object per line (no pickle): a
-request inside a `Call`, its reply inside an `Answer`. `encode` turns a message into
-plain data (paths as strings) and the stdlib writes the line, not
-msgspec's JSON encoder: that one writes an infinite float as null, and an infinite
-error is a real measurement (a candidate whose outputs are not finite).
+request inside a `Call`, its reply inside an `Answer` (the envelope: protocol.py,
+re-exported here).
 
 The client's values that messages carry (Task, TaskSignature, TensorInfo, Device) and
 the engine's Limits are Structs that forbid unknown fields too, so one msgspec call
@@ -26,18 +24,26 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Generic, TypeVar
+from typing import Any
 
-import msgspec
-from msgspec import Struct, field
+from msgspec import field
 
-from aoe import errors
 from aoe.device import Device
 from aoe.partition import Task
-from aoe.plain import from_plain, to_plain
 from aoe.signature import TaskSignature, TensorInfo
 from aoe.spec import Stage
 from aoed.engine.prep import Limits
+from aoed.engine.protocol import (
+    Answer,
+    Call,
+    Message,
+    MessageError,
+    Request,
+    decode,
+    encode,
+    error_of,
+    op_of,
+)
 from aoed.engine.shapeprofile import Profile
 
 __all__ = [
@@ -88,93 +94,6 @@ __all__ = [
     "error_of",
     "op_of",
 ]
-
-T = TypeVar("T")
-
-
-class Message(Struct, frozen=True, forbid_unknown_fields=True):
-    """A reply, or a value inside a message."""
-
-
-class Request(Message, tag_field="op", frozen=True):
-    """A request to a child; `op` (its tag) names it, `reply` is what answers it."""
-
-    reply: ClassVar[type]
-
-
-# --------------------------------------------------------------------------- wire
-
-
-class MessageError(ValueError):
-    """Data that is not the message it should be; the text names the message type and
-    the field. Translated at each edge: a child answers it as the request's failure, the
-    engine takes a reply that raises it as a broken child."""
-
-
-def encode(msg: Any) -> Any:
-    """`msg` as JSON data: Structs as objects (requests with their `op`), paths as
-    strings (aoe.plain)."""
-    return to_plain(msg)
-
-
-def decode(tp: type[T] | Any, data: Any, what: str = "") -> T:
-    """`data` (JSON data) checked into `tp`. Raises MessageError naming `what` (default:
-    the type's name) and the field when a field is unknown, missing or of the wrong type."""
-    name = what or getattr(tp, "__name__", str(tp))
-    try:
-        checked: T = from_plain(tp, data)  # `tp` may be a union, which type[T] cannot say
-    except msgspec.ValidationError as exc:
-        raise MessageError(f"{name}: {exc}") from None
-    return checked
-
-
-def op_of(request: Request) -> str:
-    """The request's `op`: what kind of request it is."""
-    return str(type(request).__struct_config__.tag)
-
-
-R = TypeVar("R")
-
-
-class Call(Message, Generic[R], frozen=True):
-    """One request line: the request, and the number its answer carries."""
-
-    id: int
-    request: R
-
-
-class Answer(Message, frozen=True):
-    """One reply line: its request's number (None when the child could not read the
-    request), whether it was served, the reply (JSON data until the reader, who knows
-    the request, decodes it) or why not, and the child's peak memory while serving."""
-
-    id: int | None
-    ok: bool
-    reply: Any = None
-    #: one line; `error_class` names the `aoe.errors` class the child raised, if one of ours
-    error: str = ""
-    error_class: str = ""
-    maxrss_kb: int = 0
-
-
-_ERRORS = {
-    cls.__name__: cls
-    for cls in (
-        errors.OptionError,
-        errors.ModelError,
-        errors.BankError,
-        errors.DeviceError,
-        errors.CandidateError,
-    )
-}
-
-
-def error_of(answer: Answer, default: type[errors.AoedError], prefix: str = "") -> errors.AoedError:
-    """The error a failed answer reports: the class the child raised when it is one of
-    ours, else `default`; its text after `prefix`."""
-    cls = _ERRORS.get(answer.error_class, default)
-    return cls(prefix + (answer.error or "failed without a message"))
-
 
 # --------------------------------------------------------------------------- compile pool
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from msgspec import field
 
-from aoed.engine.messages import Message, Request
+from aoed.engine.protocol import Message, Request
 
 __all__ = [
     "RankExport",
