@@ -31,9 +31,11 @@ from aoe.spec import parse_job_type
 from aoe.subgraphs import find_subgraphs
 from aoed import samples
 from aoed.backends.ort.catalog import build_registry
+from aoed.backends.ort.runner import accuracy
 from aoed.engine.assemble import task_rewrites
+from aoed.engine.policy import POLICIES
 from aoed.engine.prep import make_inputs, prepare
-from aoed.engine.tasks import Constants, TaskView, apply_rewrites
+from aoed.engine.tasks import Constants, TaskView, apply_rewrites, task_model
 
 from .bank_util import make_bank, rec
 from .conftest import run_aoe
@@ -940,31 +942,68 @@ def test_what_is_no_rmsnorm_is_left_to_opat() -> None:
     assert _families(g.model(g.n("Div", other, rms))) == []  # another tensor divided
 
 
-def _prenorm_stack(sublayers: int = 4) -> onnx.ModelProto:
-    """A pre-norm decoder's residual stream (LLaMA, two layers of attention and MLP, each
-    a product here): h = h + f(RMSNorm(h)) per sublayer, then the final RMSNorm. Every
-    residual sum but the last feeds its norm and the next residual; the first norm
+def _layernorm_node(g: G, x: str) -> str:
+    return g.n(
+        "LayerNormalization",
+        x,
+        g.t(g.rng.uniform(0.9, 1.1, H).astype(np.float32)),
+        g.w(H, std=0.02),
+        axis=-1,
+        epsilon=1e-5,
+    )
+
+
+#: norm -> (its builder, the strategies that take its residual task, the Skip kernel)
+PRENORMS = {
+    "rmsnorm": (
+        rmsnorm,
+        {"simplified_layer_normalization", "skip_simplified_layer_normalization"},
+        "SkipSimplifiedLayerNormalization",
+    ),
+    "layernorm": (
+        layernorm,
+        {"layer_normalization", "skip_layer_normalization", "residual_as_sum"},
+        "SkipLayerNormalization",
+    ),
+    "layernorm_node": (
+        _layernorm_node,
+        {"skip_layer_normalization", "residual_as_sum"},
+        "SkipLayerNormalization",
+    ),
+}
+
+
+def _prenorm_stack(norm: str, sublayers: int = 4) -> onnx.ModelProto:
+    """A pre-norm decoder's residual stream (LLaMA's or GPT-2's, two layers of attention
+    and MLP, each a product here): h = h + f(norm(h)) per sublayer, then the final norm.
+    Every residual sum but the last feeds its norm and the next residual; the first norm
     reads the input itself."""
+    make = PRENORMS[norm][0]
     g = G(seed=11)
     h = g.input("x", [B, S, H])
     for _ in range(sublayers):
-        h = g.n("Add", h, linear(g, rmsnorm(g, h), H, H, bias=False))
-    return g.model(rmsnorm(g, h))
+        h = g.n("Add", h, linear(g, make(g, h), H, H, bias=False))
+    return g.model(make(g, h))
 
 
-def test_a_prenorm_residual_joins_its_norm_and_its_sum_leaves_the_task(tmp_path: Path) -> None:
+@pytest.mark.parametrize("norm", list(PRENORMS))
+def test_a_prenorm_residual_joins_its_norm_and_its_sum_leaves_the_task(
+    norm: str, tmp_path: Path
+) -> None:
     """Each norm after a residual Add takes it, the sum (which the next residual reads
-    too) a second output of its task, so SkipSimplifiedLayerNormalization writes it as
-    its fourth output and no Add is left for it; the last sum feeds its norm alone. Every
-    norm strategy that takes such a task keeps the model's output."""
+    too) a second output of its task, so the Skip kernel writes it as its fourth output
+    and no Add is left for it; the last sum feeds its norm alone. Every norm strategy
+    that takes such a task keeps the model's output."""
+    _, strategies, skip_op = PRENORMS[norm]
     src = tmp_path / "m.onnx"
-    onnx.save(anonymize(_prenorm_stack()), src)
+    onnx.save(anonymize(_prenorm_stack(norm)), src)
     prep = prepare(src, tmp_path)
     tasks = [t for t in partition(prep.model, prep.ctx, "sgat") if t.family == "layernorm"]
     every = [i for t in tasks for i in (t, *t.twins)]
     by_name = {n.name: n for n in prep.model.graph.node}
     with_add = [t for t in every if by_name[t.node_names[0]].op_type == "Add"]
-    assert len(every) == 5 and len(with_add) == 4
+    # (a lone LayerNormalization, the first, is no task)
+    assert len(every) == (4 if norm == "layernorm_node" else 5) and len(with_add) == 4
     sums = [by_name[t.node_names[0]].output[0] for t in with_add]
     # the three sums the next residual reads leave their tasks; the last one does not
     assert [t.outputs[1:] for t in with_add] == [(s,) for s in sums[:3]] + [()]
@@ -986,11 +1025,41 @@ def test_a_prenorm_residual_joins_its_norm_and_its_sum_leaves_the_task(tmp_path:
         onnx.checker.check_model(tuned)
         y = _run(tuned, feeds)
         assert np.abs(y - ref).max() <= 1e-4 * np.abs(ref).max(), strategy.name
-        applied[strategy.name] = [n.op_type for n in tuned.graph.node]
-    assert set(applied) == {"simplified_layer_normalization", "skip_simplified_layer_normalization"}
-    ops = applied["skip_simplified_layer_normalization"]
-    assert ops.count("SkipSimplifiedLayerNormalization") == 4
-    assert ops.count("Add") == 1, ops  # the first norm's epsilon: no residual Add is left
+        applied[strategy.name] = tuned
+    assert set(applied) == strategies
+    skip = (
+        "skip_simplified_layer_normalization" if norm == "rmsnorm" else "skip_layer_normalization"
+    )
+    tuned = applied[skip]
+    assert [list(n.output) for n in tuned.graph.node if n.op_type == skip_op] == [
+        [mine.output[0], "", "", s]
+        for t, s in zip(with_add, sums, strict=True)
+        for mine in [by_name[t.node_names[-1]]]
+    ]
+    assert not [n for n in tuned.graph.node if n.op_type == "Add" and n.output[0] in sums]
+    # The task alone, as the tuner compiles and gates it: the norm and the sum come out,
+    # within the exact policy's bounds.
+    alone = task_model(prep.model, rep, consts, prep.ctx.tensors)
+    assert [o.name for o in alone.graph.output] == list(rep.outputs) == [rep.outputs[0], sums[0]]
+    view = TaskView(
+        list(alone.graph.node),
+        Constants(alone.graph, list(alone.opset_import)),
+        ModelContext(alone).tensors,
+        17,
+        "aoe/t",
+    )
+    rw = REGISTRY.get("layernorm", skip).apply(view)
+    assert rw is not None
+    fused = apply_rewrites(alone, {tuple(n.name for n in view.nodes): rw})
+    feeds = _feeds(alone)
+    want, got = (
+        ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+            None, feeds
+        )
+        for m in (alone, fused)
+    )
+    assert np.array_equal(want[1], got[1])  # the sum: one float Add either way
+    assert POLICIES["exact"].task_ok(accuracy(want, got)), accuracy(want, got)
 
 
 def test_an_add_two_norms_read_or_an_add_of_a_constant_stays_out() -> None:
