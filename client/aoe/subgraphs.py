@@ -88,8 +88,10 @@ def _residual(
     task besides the norm's output: nothing when `x` feeds only `inside` (a post-norm
     block), else `x` itself. A pre-norm block's sum also feeds the next residual (and
     perhaps the model's outputs); it is taken for a [batch, sequence, hidden] sum that no
-    other norm reads (which norm would own the Add is no choice to make by graph order),
-    and it then leaves as the task's second output (SkipLayerNormalization's fourth)."""
+    other norm reads (of two norms, neither owns the Add: graph order is no reason to
+    give it to one), and then leaves as the task's second output, the Skip kernels'
+    fourth. Leaving or not, the task's signature is the same: every strategy writes the
+    sum under its own name, read or not, so one rewrite serves both."""
     add = g.node(x, "Add")
     if add is None or any(g.is_const(i) for i in add.input):
         return None
