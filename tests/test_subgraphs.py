@@ -31,9 +31,11 @@ from aoe.spec import parse_job_type
 from aoe.subgraphs import find_subgraphs
 from aoed import samples
 from aoed.backends.ort.catalog import build_registry
+from aoed.backends.ort.runner import accuracy
 from aoed.engine.assemble import task_rewrites
+from aoed.engine.policy import POLICIES
 from aoed.engine.prep import make_inputs, prepare
-from aoed.engine.tasks import Constants, TaskView, apply_rewrites
+from aoed.engine.tasks import Constants, TaskView, apply_rewrites, task_model
 
 from .bank_util import make_bank, rec
 from .conftest import run_aoe
@@ -859,8 +861,9 @@ RMS_VARIANTS = {
 def test_rmsnorm_is_found_and_runs_on_onnxruntimes_kernel(
     variant: str, post_norm: bool, tmp_path: Path
 ) -> None:
-    """Pre-norm (LLaMA: the residual sum also feeds the next residual, so it stays out)
-    and post-norm (the residual Add joins the task). simplified_layer_normalization
+    """Pre-norm (LLaMA: the residual sum also feeds the next residual, and leaves the task
+    as its second output) and post-norm; the residual Add joins the task in both.
+    simplified_layer_normalization
     writes the form onnxruntime fuses into SimplifiedLayerNormalization, in standard ops;
     the LayerNorm strategies, which subtract the mean, do not take it."""
     kw = dict(RMS_VARIANTS[variant])
@@ -878,7 +881,8 @@ def test_rmsnorm_is_found_and_runs_on_onnxruntimes_kernel(
     onnx.save(model, src)
     prep = prepare(src, tmp_path)
     [task] = [t for t in partition(prep.model, prep.ctx, "sgat") if t.family == "layernorm"]
-    assert task.op_type.startswith("Add+") == post_norm, task.op_type
+    assert task.op_type.startswith("Add+"), task.op_type
+    assert len(task.outputs) == (1 if post_norm else 2), task.outputs
     consts = Constants(prep.model.graph, list(prep.model.opset_import))
     feeds = _feeds(prep.model)
     ref = _run(prep.model, feeds)
@@ -895,9 +899,7 @@ def test_rmsnorm_is_found_and_runs_on_onnxruntimes_kernel(
         y = _run(tuned, feeds)
         assert np.abs(y - ref).max() <= 1e-4 * np.abs(ref).max(), strategy.name
         applied[strategy.name] = tuned
-    assert set(applied) == {"simplified_layer_normalization"} | (
-        {"skip_simplified_layer_normalization"} if post_norm else set()
-    )
+    assert set(applied) == {"simplified_layer_normalization", "skip_simplified_layer_normalization"}
     so = ort.SessionOptions()
     so.optimized_model_filepath = str(tmp_path / "opt.onnx")
     ort.InferenceSession(
@@ -938,6 +940,148 @@ def test_what_is_no_rmsnorm_is_left_to_opat() -> None:
     x, other = g.input("x", [B, S, H]), g.input("other", [B, S, H])
     rms = g.n("Sqrt", g.n("Add", g.n("ReduceMean", g.n("Pow", x, g.f(2.0)), axes=[-1]), g.f(1e-6)))
     assert _families(g.model(g.n("Div", other, rms))) == []  # another tensor divided
+
+
+def _layernorm_node(g: G, x: str) -> str:
+    return g.n(
+        "LayerNormalization",
+        x,
+        g.t(g.rng.uniform(0.9, 1.1, H).astype(np.float32)),
+        g.w(H, std=0.02),
+        axis=-1,
+        epsilon=1e-5,
+    )
+
+
+#: norm -> (its builder, the strategies that take its residual task, the Skip kernel)
+PRENORMS = {
+    "rmsnorm": (
+        rmsnorm,
+        {"simplified_layer_normalization", "skip_simplified_layer_normalization"},
+        "SkipSimplifiedLayerNormalization",
+    ),
+    "layernorm": (
+        layernorm,
+        {"layer_normalization", "skip_layer_normalization", "residual_as_sum"},
+        "SkipLayerNormalization",
+    ),
+    "layernorm_node": (
+        _layernorm_node,
+        {"skip_layer_normalization", "residual_as_sum"},
+        "SkipLayerNormalization",
+    ),
+}
+
+
+def _prenorm_stack(norm: str, sublayers: int = 4) -> onnx.ModelProto:
+    """A pre-norm decoder's residual stream (LLaMA's or GPT-2's, two layers of attention
+    and MLP, each a product here): h = h + f(norm(h)) per sublayer, then the final norm.
+    Every residual sum but the last feeds its norm and the next residual; the first norm
+    reads the input itself."""
+    make = PRENORMS[norm][0]
+    g = G(seed=11)
+    h = g.input("x", [B, S, H])
+    for _ in range(sublayers):
+        h = g.n("Add", h, linear(g, make(g, h), H, H, bias=False))
+    return g.model(make(g, h))
+
+
+@pytest.mark.parametrize("norm", list(PRENORMS))
+def test_a_prenorm_residual_joins_its_norm_and_its_sum_leaves_the_task(
+    norm: str, tmp_path: Path
+) -> None:
+    """Each norm after a residual Add takes it, the sum (which the next residual reads
+    too) a second output of its task, so the Skip kernel writes it as its fourth output
+    and no Add is left for it; the last sum feeds its norm alone. Every norm strategy
+    that takes such a task keeps the model's output."""
+    _, strategies, skip_op = PRENORMS[norm]
+    src = tmp_path / "m.onnx"
+    onnx.save(anonymize(_prenorm_stack(norm)), src)
+    prep = prepare(src, tmp_path)
+    tasks = [t for t in partition(prep.model, prep.ctx, "sgat") if t.family == "layernorm"]
+    every = [i for t in tasks for i in (t, *t.twins)]
+    by_name = {n.name: n for n in prep.model.graph.node}
+    with_add = [t for t in every if by_name[t.node_names[0]].op_type == "Add"]
+    # (a lone LayerNormalization, the first, is no task)
+    assert len(every) == (4 if norm == "layernorm_node" else 5) and len(with_add) == 4
+    sums = [by_name[t.node_names[0]].output[0] for t in with_add]
+    # the three sums the next residual reads leave their tasks; the last one does not
+    assert [t.outputs[1:] for t in with_add] == [(s,) for s in sums[:3]] + [()]
+    consts = Constants(prep.model.graph, list(prep.model.opset_import))
+    feeds = _feeds(prep.model)
+    ref = _run(prep.model, feeds)
+    # one signature, sum leaving or not: the same rewrite serves both
+    [rep] = [t for t in tasks if t in with_add]
+    assert rep.instances == 4
+    applied = {}
+    for strategy in REGISTRY.strategies_for("layernorm", "int8"):
+        if strategy.name == "default":
+            continue
+        try:
+            rewrites = task_rewrites(prep.model, prep.ctx, consts, rep, strategy.name, REGISTRY)
+        except Exception:
+            continue  # does not apply to this form
+        tuned = apply_rewrites(prep.model, rewrites)
+        onnx.checker.check_model(tuned)
+        y = _run(tuned, feeds)
+        assert np.abs(y - ref).max() <= 1e-4 * np.abs(ref).max(), strategy.name
+        applied[strategy.name] = tuned
+    assert set(applied) == strategies
+    skip = (
+        "skip_simplified_layer_normalization" if norm == "rmsnorm" else "skip_layer_normalization"
+    )
+    tuned = applied[skip]
+    assert [list(n.output) for n in tuned.graph.node if n.op_type == skip_op] == [
+        [mine.output[0], "", "", s]
+        for t, s in zip(with_add, sums, strict=True)
+        for mine in [by_name[t.node_names[-1]]]
+    ]
+    assert not [n for n in tuned.graph.node if n.op_type == "Add" and n.output[0] in sums]
+    # The task alone, as the tuner compiles and gates it: the norm and the sum come out,
+    # within the exact policy's bounds.
+    alone = task_model(prep.model, rep, consts, prep.ctx.tensors)
+    assert [o.name for o in alone.graph.output] == list(rep.outputs) == [rep.outputs[0], sums[0]]
+    view = TaskView(
+        list(alone.graph.node),
+        Constants(alone.graph, list(alone.opset_import)),
+        ModelContext(alone).tensors,
+        17,
+        "aoe/t",
+    )
+    rw = REGISTRY.get("layernorm", skip).apply(view)
+    assert rw is not None
+    fused = apply_rewrites(alone, {tuple(n.name for n in view.nodes): rw})
+    feeds = _feeds(alone)
+    want, got = (
+        ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+            None, feeds
+        )
+        for m in (alone, fused)
+    )
+    assert np.array_equal(want[1], got[1])  # the sum: one float Add either way
+    assert POLICIES["exact"].task_ok(accuracy(want, got)), accuracy(want, got)
+
+
+def test_an_add_two_norms_read_or_an_add_of_a_constant_stays_out() -> None:
+    """Which of two norms would own their shared residual is no choice to make: neither
+    takes it. An Add of a constant is no residual."""
+    g = G(seed=12)
+    x = g.input("x", [B, S, H])
+    h = g.n("Add", x, linear(g, x, H, H, bias=False))
+    both = g.n("Add", linear(g, rmsnorm(g, h), H, H, bias=False), rmsnorm(g, h))
+    model = g.model(g.n("Add", both, h))
+    norm = normalize(model, None, strict=False).model
+    found = find_subgraphs(norm, ModelContext(norm))
+    assert [m.family for m in found] == ["layernorm", "layernorm"]
+    assert all("Add" not in [n.op_type for n in m.nodes[:1]] for m in found)
+    assert all(len(m.outputs) == 1 for m in found)
+    g = G(seed=12)
+    x = g.input("x", [B, S, H])
+    h = g.n("Add", x, g.w(B, S, H))
+    model = g.model(g.n("Add", linear(g, rmsnorm(g, h), H, H, bias=False), h))
+    norm = normalize(model, None, strict=False).model
+    [m] = find_subgraphs(norm, ModelContext(norm))
+    assert m.nodes[0].op_type == "Pow" and len(m.outputs) == 1
 
 
 @pytest.mark.parametrize("drop", ["Reciprocal", "Mul_after_reciprocal"])

@@ -1,8 +1,8 @@
 """Subgraphs: the units SGAT tunes, recognized by structure, never by node names.
 
 A subgraph task is a `Task` like an operator task (only its last node's output escapes,
-and an attention block's KV cache, so one rewrite serves the isolated task model and the
-whole model), in one of these families:
+and an attention block's KV cache or a pre-norm block's residual sum, so one rewrite
+serves the isolated task model and the whole model), in one of these families:
 
   attention   self-attention from the Q/K/V projections to the merged heads: three
               MatMuls of one input (each with an optional constant bias Add; or one
@@ -18,11 +18,14 @@ whole model), in one of these families:
               result, the present, leaving the block too.
   layernorm   LayerNorm written out (ReduceMean, Sub, Pow or Mul, ReduceMean, Add eps,
               Sqrt, Div or Reciprocal+Mul, then an optional scale Mul and bias Add), or a
-              LayerNormalization node; either with the residual Add in front of it when
-              that sum feeds nothing else (post-norm blocks). A lone LayerNormalization
-              is already fused and is no task. Also RMSNorm written out (LLaMA-style:
-              Pow or Mul for x², ReduceMean, Add eps, Sqrt, Div or Reciprocal+Mul, an
-              optional scale Mul), with a residual Add in front on the same terms.
+              LayerNormalization node; either with the residual Add in front of it:
+              in a post-norm block the sum feeds nothing else, in a pre-norm one it
+              feeds the next residual too and leaves the task as its second output
+              (a [batch, sequence, hidden] sum no other norm reads). A lone
+              LayerNormalization is already fused and is no task. Also RMSNorm written
+              out (LLaMA-style: Pow or Mul for x², ReduceMean, Add eps, Sqrt, Div or
+              Reciprocal+Mul, an optional scale Mul), with a residual Add in front on
+              the same terms.
   conv_region a CNN's convolutional trunk: a connected run of Convs (constant weights),
               inference BatchNormalizations, Relus, residual Adds and pooling, at least
               two Convs, with one output leaving it (where the head begins); int8 can
@@ -67,18 +70,53 @@ SUBGRAPH_FAMILIES = ("attention", "layernorm", "gelu", "glu", "conv_region")
 # --------------------------------------------------------------------------- layernorm
 
 
-def _residual(g: Graph, x: str, inside: Sequence[onnx.NodeProto]) -> onnx.NodeProto | None:
-    """The Add producing `x` from two activations when `x` feeds only `inside`."""
+def _reads_as_norm(g: Graph, node: onnx.NodeProto, x: str) -> bool:
+    """True when `node` starts a norm of `x`: its mean, its square, or a norm node."""
+    if node.domain in STD and node.op_type in ("ReduceMean", "LayerNormalization"):
+        return True
+    if node.op_type in ("SimplifiedLayerNormalization", "RMSNormalization"):
+        return True
+    return (node.op_type == "Pow" and node.input[0] == x and g.is_scalar(node.input[1], 2.0)) or (
+        node.op_type == "Mul" and list(node.input) == [x, x]
+    )
+
+
+def _residual(
+    g: Graph, x: str, inside: Sequence[onnx.NodeProto]
+) -> tuple[onnx.NodeProto, tuple[str, ...]] | None:
+    """The Add producing `x` from two activations of one shape, and what of it leaves the
+    task besides the norm's output: nothing when `x` feeds only `inside` (a post-norm
+    block), else `x` itself. A pre-norm block's sum also feeds the next residual (and
+    perhaps the model's outputs); it is taken for a [batch, sequence, hidden] sum that no
+    other norm reads (of two norms, neither owns the Add: graph order is no reason to
+    give it to one), and then leaves as the task's second output, the Skip kernels'
+    fourth. Leaving or not, the task's signature is the same: every strategy writes the
+    sum under its own name, read or not, so one rewrite serves both."""
     add = g.node(x, "Add")
-    if add is None or x in g.outputs or any(g.is_const(i) for i in add.input):
-        return None
-    names = {n.name for n in inside}
-    if any(u.name not in names for u in g.users(x)):
+    if add is None or any(g.is_const(i) for i in add.input):
         return None
     a, b = (g.tensors.get(i) for i in add.input)
     if a is None or b is None or a.shape != b.shape:
         return None  # a broadcasting Add (a bias) is no residual
-    return add
+    names = {n.name for n in inside}
+    others = [u for u in g.users(x) if u.name not in names]
+    if not others and x not in g.outputs:
+        return add, ()
+    if len(a.shape) != 3 or any(_reads_as_norm(g, u, x) for u in others):
+        return None
+    return add, (x,)
+
+
+def _with_residual(g: Graph, x: str, nodes: list[onnx.NodeProto]) -> Match | None:
+    """The layernorm task of a norm's `nodes` over `x`, with the residual Add in front
+    when there is one to take (`_residual`)."""
+    res = _residual(g, x, nodes)
+    also: tuple[str, ...] = ()
+    if res is not None:
+        nodes = [*nodes, res[0]]
+        also = res[1]
+    ordered = g.sorted(nodes)
+    return Match("layernorm", ordered, also) if g.closed(ordered, also) else None
 
 
 def _layernorm(g: Graph, r1: onnx.NodeProto) -> Match | None:
@@ -133,18 +171,13 @@ def _layernorm(g: Graph, r1: onnx.NodeProto) -> Match | None:
             out = users[0].output[0]
     if set(u.name for u in g.users(d)) - {n.name for n in nodes}:
         return None
-    res = _residual(g, x, nodes)
-    if res is not None:
-        nodes.append(res)
-    ordered = g.sorted(nodes)
-    return Match("layernorm", ordered) if g.closed(ordered) else None
+    return _with_residual(g, x, nodes)
 
 
 def _rmsnorm(g: Graph, r: onnx.NodeProto) -> Match | None:
     """An RMSNorm written out (LLaMA-style), anchored at its ReduceMean: x², the mean
     over the last axis, + eps, Sqrt, then x / it (Div) or x · 1/it (Reciprocal and Mul),
-    and an optional constant scale Mul; with the residual Add in front when that sum
-    feeds nothing else."""
+    and an optional constant scale Mul; with the residual Add in front (`_residual`)."""
     sq = g.node(r.input[0], "Pow", "Mul")
     if sq is None:
         return None
@@ -187,11 +220,7 @@ def _rmsnorm(g: Graph, r: onnx.NodeProto) -> Match | None:
     users = g.users(out)
     if len(users) == 1 and users[0].op_type == "Mul" and g.is_const(g.other(users[0], out) or ""):
         nodes.append(users[0])
-    res = _residual(g, x, nodes)
-    if res is not None:
-        nodes.append(res)
-    ordered = g.sorted(nodes)
-    return Match("layernorm", ordered) if g.closed(ordered) else None
+    return _with_residual(g, x, nodes)
 
 
 def _norm(g: Graph, r: onnx.NodeProto) -> Match | None:
@@ -207,11 +236,8 @@ def _skip_layernorm(g: Graph, ln: onnx.NodeProto) -> Match | None:
             return None
     if len(ln.input) < 2 or not all(g.is_const(i) for i in ln.input[1:] if i):
         return None
-    res = _residual(g, ln.input[0], [ln])
-    if res is None:
-        return None
-    ordered = g.sorted([res, ln])
-    return Match("layernorm", ordered) if g.closed(ordered) else None
+    m = _with_residual(g, ln.input[0], [ln])
+    return m if m is not None and len(m.nodes) == 2 else None
 
 
 # --------------------------------------------------------------------------- gelu

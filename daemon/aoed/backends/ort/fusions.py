@@ -8,7 +8,9 @@ faster kernels, with the same outputs up to float rounding (precision ``exact``)
   ``SkipLayerNormalization`` for a residual Add and its LayerNorm; the residual as a
   Sum that onnxruntime's SkipLayerNorm fusion leaves apart. An RMSNorm written out
   (LLaMA) in the form onnxruntime fuses into ``SimplifiedLayerNormalization``, and with
-  its residual Add as ``SkipSimplifiedLayerNormalization``.
+  its residual Add as ``SkipSimplifiedLayerNormalization``. A pre-norm block's residual
+  sum, which the next residual reads too, stays a task output: the Skip kernels write
+  it as their fourth output, the others keep the Add writing it.
 - ``gelu``: ``Gelu``, ``BiasGelu`` (the FFN's bias folded in) and ``FastGelu`` (tanh form).
 
 Lossy: ``tanh_gelu`` (precision ``approx``: erf GELU as FastGelu's tanh form),
@@ -110,6 +112,13 @@ def _ln_parts(view: TaskView) -> tuple[str, str | None, np.ndarray, np.ndarray, 
     return res.input[0], res.input[1], gamma, beta, eps
 
 
+def _residual_sum(view: TaskView) -> str:
+    """The tensor a norm task's residual Add (its first node) writes. Rewrites write it
+    under that name, never their own: in a pre-norm block the next residual reads it
+    too, as the task's second output."""
+    return str(view.nodes[0].output[0])
+
+
 def _ln_with_residual(view: TaskView, residual_op: str) -> Rewrite | None:
     if view.opset < 17:
         return None
@@ -120,10 +129,10 @@ def _ln_with_residual(view: TaskView, residual_op: str) -> Rewrite | None:
     g, b = init(view, "gamma", gamma), init(view, "beta", beta)
     nodes = []
     if skip is not None:
+        x = _residual_sum(view)
         nodes.append(
-            helper.make_node(residual_op, [x, skip], [view.name("sum")], name=view.name("Residual"))
+            helper.make_node(residual_op, [*view.nodes[0].input], [x], name=view.name("Residual"))
         )
-        x = view.name("sum")
     nodes.append(
         helper.make_node(
             "LayerNormalization",
@@ -159,7 +168,8 @@ def _residual_as_sum(view: TaskView) -> Rewrite | None:
 
 
 def _skip_layer_normalization(view: TaskView) -> Rewrite | None:
-    """A residual Add and its LayerNorm as one com.microsoft SkipLayerNormalization."""
+    """A residual Add and its LayerNorm as one com.microsoft SkipLayerNormalization, the
+    sum as its fourth output (input_skip_bias_sum; unread in a post-norm block)."""
     parts = _ln_parts(view)
     if parts is None or parts[1] is None:
         return None
@@ -171,7 +181,7 @@ def _skip_layer_normalization(view: TaskView) -> Rewrite | None:
     node = helper.make_node(
         "SkipLayerNormalization",
         [x, skip, g.name, b.name],
-        [view.output],
+        [view.output, "", "", _residual_sum(view)],
         name=view.name("SkipLayerNorm"),
         domain=CONTRIB_DOMAIN,
         epsilon=eps,
@@ -254,10 +264,10 @@ def _simplified_layer_normalization(view: TaskView) -> Rewrite | None:
     inits = [g, two, e]
     nodes = []
     if skip is not None:
+        x = _residual_sum(view)
         nodes.append(
-            helper.make_node("Add", [x, skip], [view.name("sum")], name=view.name("Residual"))
+            helper.make_node("Add", [*view.nodes[0].input], [x], name=view.name("Residual"))
         )
-        x = view.name("sum")
     n = view.name
     if view.opset >= 18:
         axes = init(view, "axes", np.array([-1], np.int64))
@@ -281,7 +291,10 @@ def _simplified_layer_normalization(view: TaskView) -> Rewrite | None:
 
 
 def _skip_simplified_layer_normalization(view: TaskView) -> Rewrite | None:
-    """A residual Add and its RMSNorm as one com.microsoft SkipSimplifiedLayerNormalization."""
+    """A residual Add and its RMSNorm as one com.microsoft SkipSimplifiedLayerNormalization,
+    the sum as its fourth output (input_skip_bias_sum), which a pre-norm block's next
+    residual reads (onnxruntime-genai's decoders are written so); in a post-norm block
+    nobody reads it."""
     parts = _rms_parts(view)
     if parts is None or parts[1] is None:
         return None
@@ -293,7 +306,7 @@ def _skip_simplified_layer_normalization(view: TaskView) -> Rewrite | None:
     node = helper.make_node(
         "SkipSimplifiedLayerNormalization",
         [x, skip, g.name],
-        [view.output],
+        [view.output, "", "", _residual_sum(view)],
         name=view.name("SkipRMSNorm"),
         domain=CONTRIB_DOMAIN,
         epsilon=eps,
