@@ -599,7 +599,9 @@ def _late_outliers(path: Path) -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("alone", [True, False], ids=["no-alternate", "alternate"])
+@pytest.mark.parametrize(
+    "alone", [True, pytest.param(False, marks=pytest.mark.long)], ids=["no-alternate", "alternate"]
+)
 def test_a_lossy_choice_the_model_fails_with_at_another_point_is_left_out_unbanked(
     alone: bool, tmp_path: Path
 ) -> None:
@@ -615,7 +617,8 @@ def test_a_lossy_choice_the_model_fails_with_at_another_point_is_left_out_unbank
         "tune",
         str(src),
         *("--precision", "int8", "--bank", str(bank), "--output", str(out), "--keep-workspace"),
-        *("--budget", "2", "--parallel", "1", "--no-progress", "--job-type", "opat"),
+        # a budget a busy machine still decides both tasks in (2 s left one undecided)
+        *("--budget", "6", "--parallel", "1", "--no-progress", "--job-type", "opat"),
         env=lowrank_env(tmp_path, alone=alone),
     )
     assert r.returncode == 0, r.stderr
