@@ -17,8 +17,8 @@ OUT    ?= out
 # wait on daemons, workers, sockets and their jobs' wall-clock budgets), each test stolen
 # by whichever worker is free (a module's fixtures may then run in several). Each worker
 # locks a device of its own (tests/conftest.py), and a test that needs the machine quiet
-# holds every worker's. Under the load of `make test-load`, four took 597 s (484ea3f; 644 s
-# at 9580aab, with one lock shared by the workers), one run each.
+# holds every worker's. Under the load of `make test-load`, four took 592 s (890b4c3; 597 s
+# at 484ea3f; 644 s at 9580aab, with one lock shared by the workers), one run each.
 WORKERS ?= 4
 
 .PHONY: run test test-long lint docs test-cluster test-load protos bench bench-quick clean soak
@@ -67,7 +67,7 @@ test: $(STAMP) $(GDAT_STAMP) $(OPENVINO_STAMP) $(TENSORFLOW_STAMP)
 	@command -v systemd-analyze >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
 	    && apt-get install -y -qq --no-install-recommends systemd >/dev/null 2>&1; } \
 	    || echo "make: systemd-analyze is missing and could not be installed: the unit checks will skip"
-	@echo "make test: about 7 min on an idle 2-core machine on 4 workers (1,314 tests in 422 s at 60faf55), about 10 min under make test-load (1,347 tests in 597 s at 484ea3f); later runs print an estimate from this machine's own durations"
+	@echo "make test: about 7 min on an idle 2-core machine on 4 workers (1,354 tests in 405 s at eca83ce), about 10 min under make test-load (1,354 tests in 592 s at 890b4c3); later runs print an estimate from this machine's own durations"
 	$(BIN)/python -m pytest -q -n $(WORKERS) --dist worksteal -m "not soak and not cluster and not long"
 
 # The cases marked long: each covers again, on another kind or a slower path, what a
