@@ -802,26 +802,11 @@ def test_gated_ffns_are_found_and_their_strategies_keep_the_outputs(
     src = tmp_path / "m.onnx"
     onnx.save(model, src)
     prep = prepare(src, tmp_path)
-    feeds = _feeds(prep.model)
-    ref = _run(prep.model, feeds)
-    consts = Constants(prep.model.graph, list(prep.model.opset_import))
     [task] = [t for t in partition(prep.model, prep.ctx, "sgat")]
-    applied = {}
-    for strategy in REGISTRY.strategies_for("glu", "int8"):
-        if strategy.name == "default":
-            continue
-        try:
-            rewrites = task_rewrites(prep.model, prep.ctx, consts, task, strategy.name, REGISTRY)
-        except Exception:
-            continue  # does not apply to this form
-        tuned = apply_rewrites(prep.model, rewrites)
-        y = _run(tuned, feeds)
-        if strategy.precision == "exact":
-            assert np.abs(y - ref).max() <= 1e-4 * np.abs(ref).max(), strategy.name
-        else:
-            cos = float((y * ref).sum() / np.linalg.norm(y) / np.linalg.norm(ref))
-            assert 0.99 < cos < 1.0, (strategy.name, cos)
-        applied[strategy.name] = [n.op_type for n in tuned.graph.node]
+    applied = {
+        name: [n.op_type for n in tuned.graph.node]
+        for name, tuned in _every_strategy(prep, task, "glu").items()
+    }
     silu = GLU_VARIANTS[variant].get("act", "silu") == "silu"
     assert set(applied) == {"packed_glu", "int8_packed_glu"} | ({"silu_kernel"} if silu else set())
     # packed: the gate and up products are one product over the input, then the down one
@@ -856,6 +841,33 @@ RMS_VARIANTS = {
 }
 
 
+def _every_strategy(prep, task, family: str) -> dict[str, onnx.ModelProto]:
+    """The prepared model with `task` (and its twins) on each strategy of `family` that
+    applies under int8, by name: each passes onnx's checker, an exact one within 1e-4 of
+    the model's outputs, a lossy one at cosine above 0.99."""
+    consts = Constants(prep.model.graph, list(prep.model.opset_import))
+    feeds = _feeds(prep.model)
+    ref = _run(prep.model, feeds)
+    applied = {}
+    for strategy in REGISTRY.strategies_for(family, "int8"):
+        if strategy.name == "default":
+            continue
+        try:
+            rewrites = task_rewrites(prep.model, prep.ctx, consts, task, strategy.name, REGISTRY)
+        except Exception:
+            continue  # does not apply to this form
+        tuned = apply_rewrites(prep.model, rewrites)
+        onnx.checker.check_model(tuned)
+        y = _run(tuned, feeds)
+        if strategy.precision == "exact":
+            assert np.abs(y - ref).max() <= 1e-4 * np.abs(ref).max(), strategy.name
+        else:
+            cos = float((y * ref).sum() / np.linalg.norm(y) / np.linalg.norm(ref))
+            assert 0.99 < cos < 1.0, (strategy.name, cos)
+        applied[strategy.name] = tuned
+    return applied
+
+
 @pytest.mark.parametrize("post_norm", [False, True])
 @pytest.mark.parametrize("variant", list(RMS_VARIANTS))
 def test_rmsnorm_is_found_and_runs_on_onnxruntimes_kernel(
@@ -883,22 +895,7 @@ def test_rmsnorm_is_found_and_runs_on_onnxruntimes_kernel(
     [task] = [t for t in partition(prep.model, prep.ctx, "sgat") if t.family == "layernorm"]
     assert task.op_type.startswith("Add+"), task.op_type
     assert len(task.outputs) == (1 if post_norm else 2), task.outputs
-    consts = Constants(prep.model.graph, list(prep.model.opset_import))
-    feeds = _feeds(prep.model)
-    ref = _run(prep.model, feeds)
-    applied = {}
-    for strategy in REGISTRY.strategies_for("layernorm", "int8"):
-        if strategy.name == "default":
-            continue
-        try:
-            rewrites = task_rewrites(prep.model, prep.ctx, consts, task, strategy.name, REGISTRY)
-        except Exception:
-            continue  # does not apply to this form
-        tuned = apply_rewrites(prep.model, rewrites)
-        onnx.checker.check_model(tuned)
-        y = _run(tuned, feeds)
-        assert np.abs(y - ref).max() <= 1e-4 * np.abs(ref).max(), strategy.name
-        applied[strategy.name] = tuned
+    applied = _every_strategy(prep, task, "layernorm")
     assert set(applied) == {"simplified_layer_normalization", "skip_simplified_layer_normalization"}
     so = ort.SessionOptions()
     so.optimized_model_filepath = str(tmp_path / "opt.onnx")
@@ -1007,25 +1004,10 @@ def test_a_prenorm_residual_joins_its_norm_and_its_sum_leaves_the_task(
     sums = [by_name[t.node_names[0]].output[0] for t in with_add]
     # the three sums the next residual reads leave their tasks; the last one does not
     assert [t.outputs[1:] for t in with_add] == [(s,) for s in sums[:3]] + [()]
-    consts = Constants(prep.model.graph, list(prep.model.opset_import))
-    feeds = _feeds(prep.model)
-    ref = _run(prep.model, feeds)
     # one signature, sum leaving or not: the same rewrite serves both
     [rep] = [t for t in tasks if t in with_add]
     assert rep.instances == 4
-    applied = {}
-    for strategy in REGISTRY.strategies_for("layernorm", "int8"):
-        if strategy.name == "default":
-            continue
-        try:
-            rewrites = task_rewrites(prep.model, prep.ctx, consts, rep, strategy.name, REGISTRY)
-        except Exception:
-            continue  # does not apply to this form
-        tuned = apply_rewrites(prep.model, rewrites)
-        onnx.checker.check_model(tuned)
-        y = _run(tuned, feeds)
-        assert np.abs(y - ref).max() <= 1e-4 * np.abs(ref).max(), strategy.name
-        applied[strategy.name] = tuned
+    applied = _every_strategy(prep, rep, "layernorm")
     assert set(applied) == strategies
     skip = (
         "skip_simplified_layer_normalization" if norm == "rmsnorm" else "skip_layer_normalization"
@@ -1039,6 +1021,7 @@ def test_a_prenorm_residual_joins_its_norm_and_its_sum_leaves_the_task(
     assert not [n for n in tuned.graph.node if n.op_type == "Add" and n.output[0] in sums]
     # The task alone, as the tuner compiles and gates it: the norm and the sum come out,
     # within the exact policy's bounds.
+    consts = Constants(prep.model.graph, list(prep.model.opset_import))
     alone = task_model(prep.model, rep, consts, prep.ctx.tensors)
     assert [o.name for o in alone.graph.output] == list(rep.outputs) == [rep.outputs[0], sums[0]]
     view = TaskView(
