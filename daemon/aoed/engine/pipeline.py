@@ -80,7 +80,7 @@ from aoed.engine.session import (
     search_session,
 )
 from aoed.engine.taskagent import TaskDecision
-from aoed.engine.verify import REVERTED, Verified, hold_to_budget, verify
+from aoed.engine.verify import REVERTED, Verified, hold_to_budget, step_to, verify
 
 __all__ = ["run_stages"]
 
@@ -400,14 +400,8 @@ async def _alternates(
             if alt is None or turn == ALTERNATE_ROUNDS:
                 left[tid] = why
                 continue
-            name, median_us, alt_error = alt
-            chosen[tid] = name
-            r = results[tid]
-            r.rejected.append(f"{why}; stepped to {name}")  # why names the strategy
-            r.strategy, r.after_us = name, median_us
-            r.update_mode = UpdateMode.UNSATISFIED  # an alternate is never the task's entry
-            gain = (found.fallback_us.get(tid, median_us) - median_us) * max(1, r.instances)
-            lossy_cost[tid] = (gain, alt_error)
+            name = chosen[tid] = step_to(alt, results[tid], tid, found.fallback_us, lossy_cost)
+            results[tid].rejected.append(f"{why}; stepped to {name}")  # why names the strategy
             ctx.notes.append(f"{tid}: {why}; {name} instead (the next fastest within the gate)")
             stepped = True
         if not stepped:

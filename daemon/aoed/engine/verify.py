@@ -31,7 +31,7 @@ from aoed.engine.job import TaskResult
 from aoed.engine.messages import Accuracy, Build, Candidate, CompareRequest, Measurement
 from aoed.engine.registry import DEFAULT
 
-__all__ = ["REVERTED", "Verified", "hold_to_budget", "verify"]
+__all__ = ["REVERTED", "Verified", "hold_to_budget", "step_to", "verify"]
 
 #: How a task result's error starts when verification reverted it in the model's context.
 REVERTED = "reverted in context"
@@ -104,18 +104,31 @@ async def hold_to_budget(
         alts = (alternates or {}).get(victim, ())
         alt = decisions.next_alternate(alts, lossy[victim][1], tried[victim])
         if alt is not None:  # a finer form that still beats the exact one
-            name, median_us, error = alt
-            choices[victim] = r.strategy = name
-            r.after_us = median_us
-            r.update_mode = UpdateMode.UNSATISFIED  # an alternate is never the task's entry
-            gain = ((fallback_us or {}).get(victim, median_us) - median_us) * max(1, r.instances)
-            lossy_cost[victim] = (gain, error)
-            r.rejected[-1] += f"; stepped to {name}"
+            choices[victim] = step_to(alt, r, victim, fallback_us or {}, lossy_cost)
+            r.rejected[-1] += f"; stepped to {alt[0]}"
         else:
             choices[victim] = r.strategy = fallback.get(victim, DEFAULT)
             if fallback_us and victim in fallback_us:
                 r.after_us = fallback_us[victim]
         await ctx.assemble([Build(path, dict(choices))])
+
+
+def step_to(
+    alt: tuple[str, float, float],
+    r: TaskResult,
+    tid: str,
+    fallback_us: Mapping[str, float],
+    lossy_cost: dict[str, tuple[float, float]],
+) -> str:
+    """Task `tid`'s result `r` and lossy cost (in place) as its alternate `alt`
+    (strategy, median us, 1 - cosine) stands: its strategy and time, never its bank
+    entry (`update_mode` unsatisfied), its gain over the exact fallback. Returns the
+    strategy."""
+    name, median_us, error = alt
+    r.strategy, r.after_us = name, median_us
+    r.update_mode = UpdateMode.UNSATISFIED
+    lossy_cost[tid] = ((fallback_us.get(tid, median_us) - median_us) * max(1, r.instances), error)
+    return name
 
 
 def _revert_target(fallback: Mapping[str, str], tid: str, current: str) -> str:
